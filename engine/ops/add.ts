@@ -1,0 +1,62 @@
+// add: out = a + b with broadcasting. The backward sums dout over a's (b's) broadcast dims.
+import { sameShape, type Tensor } from "../tensor.ts";
+import { broadcastIndexReference, broadcastPlan } from "./broadcast.ts";
+import { checkDType, checkInputs } from "./check.ts";
+
+export function add(a: Tensor, b: Tensor): Tensor {
+  const ctx = checkInputs("add", [a, b]);
+  checkDType("add", a, "f32");
+  checkDType("add", b, "f32");
+  const be = ctx.backend;
+  if (sameShape(a.shape, b.shape)) {
+    const out = ctx.empty(a.shape);
+    be.add(out.ptr, a.ptr, b.ptr, out.numel);
+    ctx.record("add", [a, b], out, () => {
+      // forward was: out = a + b
+      const dout = out.grad!.ptr;
+      if (a.requiresGrad) be.axpy(a.ensureGrad().ptr, dout, out.numel, 1);
+      if (b.requiresGrad) be.axpy(b.ensureGrad().ptr, dout, out.numel, 1);
+    });
+    return out;
+  }
+  const plan = broadcastPlan("add", a.shape, b.shape);
+  const out = ctx.empty(plan.outShape);
+  for (const { dims, strides: [, as, bs], offsets: [o, ao, bo] } of plan.blocks) {
+    be.binaryBroadcast("add", out.ptr + o! * 4, a.ptr + ao! * 4, b.ptr + bo! * 4, dims, as!, bs!);
+  }
+  ctx.record("add", [a, b], out, () => {
+    // forward was: out[i] = a[i·as] + b[i·bs]  =>  da[i·as] += dout[i]
+    const dout = out.grad!.ptr;
+    const da = a.requiresGrad ? a.ensureGrad().ptr : 0;
+    const db = b.requiresGrad ? b.ensureGrad().ptr : 0;
+    for (const { dims, strides: [, as, bs], offsets: [o, ao, bo] } of plan.blocks) {
+      if (a.requiresGrad) be.reduceBroadcast(da + ao! * 4, dout + o! * 4, dims, as!);
+      if (b.requiresGrad) be.reduceBroadcast(db + bo! * 4, dout + o! * 4, dims, bs!);
+    }
+  });
+  return out;
+}
+
+// ---- float64 reference --------------------------------------------------------------------
+
+export function addReference(a: Float64Array, aShape: number[], b: Float64Array, bShape: number[]) {
+  const plan = broadcastPlan("add", aShape, bShape);
+  const ai = broadcastIndexReference(plan.outShape, plan.aFull);
+  const bi = broadcastIndexReference(plan.outShape, plan.bFull);
+  const out = new Float64Array(ai.length);
+  for (let i = 0; i < out.length; i++) out[i] = a[ai[i]!]! + b[bi[i]!]!;
+  return { out, outShape: plan.outShape };
+}
+
+export function addBackwardReference(aShape: number[], bShape: number[], dout: Float64Array) {
+  const plan = broadcastPlan("add", aShape, bShape);
+  const ai = broadcastIndexReference(plan.outShape, plan.aFull);
+  const bi = broadcastIndexReference(plan.outShape, plan.bFull);
+  const da = new Float64Array(aShape.reduce((x, y) => x * y, 1));
+  const db = new Float64Array(bShape.reduce((x, y) => x * y, 1));
+  for (let i = 0; i < dout.length; i++) {
+    da[ai[i]!] = da[ai[i]!]! + dout[i]!;
+    db[bi[i]!] = db[bi[i]!]! + dout[i]!;
+  }
+  return { da, db };
+}

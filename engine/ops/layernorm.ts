@@ -1,0 +1,82 @@
+// layerNorm over the last dim C:
+//   out (N,C) = (inp - mean) * rstd * weight + bias, mean/rstd (N) saved for the backward.
+import { ShapeError } from "../errors.ts";
+import type { Tensor } from "../tensor.ts";
+import { checkDType, checkInputs, lastDim } from "./check.ts";
+
+export const layerNormEps = 1e-5;
+
+export function layerNorm(inp: Tensor, weight: Tensor, bias: Tensor, eps = layerNormEps): Tensor {
+  const ctx = checkInputs("layerNorm", [inp, weight, bias]);
+  for (const t of [inp, weight, bias]) checkDType("layerNorm", t, "f32");
+  const C = lastDim(inp.shape);
+  if (weight.shape.length !== 1 || bias.shape.length !== 1 || weight.shape[0] !== C || bias.shape[0] !== C) {
+    throw new ShapeError("layerNorm", [inp.shape, weight.shape, bias.shape], "weight and bias must be (C) with C = last dim of inp");
+  }
+  const N = inp.numel / C;
+  const be = ctx.backend;
+  const out = ctx.empty(inp.shape);
+  const mean = ctx.empty([N]);
+  const rstd = ctx.empty([N]);
+  be.layerNormForward(out.ptr, mean.ptr, rstd.ptr, inp.ptr, weight.ptr, bias.ptr, N, C, eps);
+  ctx.record("layerNorm", [inp, weight, bias], out, () => {
+    // the kernel writes all three gradients; ones that are not wanted go to scratch
+    const dinp = inp.requiresGrad ? inp.ensureGrad().ptr : ctx.empty(inp.shape).ptr;
+    const dweight = weight.requiresGrad ? weight.ensureGrad().ptr : ctx.zeros([C]).ptr;
+    const dbias = bias.requiresGrad ? bias.ensureGrad().ptr : ctx.zeros([C]).ptr;
+    be.layerNormBackward(dinp, dweight, dbias, out.grad!.ptr, inp.ptr, weight.ptr, mean.ptr, rstd.ptr, N, C);
+  });
+  return out;
+}
+
+// ---- float64 reference --------------------------------------------------------------------
+
+export function layerNormReference(inp: Float64Array, weight: Float64Array, bias: Float64Array, N: number, C: number,
+                                   eps = layerNormEps) {
+  const out = new Float64Array(N * C);
+  const mean = new Float64Array(N);
+  const rstd = new Float64Array(N);
+  for (let n = 0; n < N; n++) {
+    let m = 0;
+    for (let c = 0; c < C; c++) m += inp[n * C + c]!;
+    m /= C;
+    let v = 0;
+    for (let c = 0; c < C; c++) v += (inp[n * C + c]! - m) ** 2;
+    v /= C;
+    const s = 1 / Math.sqrt(v + eps);
+    for (let c = 0; c < C; c++) out[n * C + c] = (inp[n * C + c]! - m) * s * weight[c]! + bias[c]!;
+    mean[n] = m;
+    rstd[n] = s;
+  }
+  return { out, mean, rstd };
+}
+
+// forward was: out = norm * weight + bias, norm = (x - mean) * rstd
+// dnorm = dout * weight; dx = rstd (dnorm - mean(dnorm) - norm mean(dnorm norm))
+export function layerNormBackwardReference(inp: Float64Array, weight: Float64Array, dout: Float64Array, N: number,
+                                           C: number, eps = layerNormEps) {
+  const { mean, rstd } = layerNormReference(inp, weight, new Float64Array(C), N, C, eps);
+  const dinp = new Float64Array(N * C);
+  const dweight = new Float64Array(C);
+  const dbias = new Float64Array(C);
+  for (let n = 0; n < N; n++) {
+    let dm = 0;
+    let dnm = 0;
+    for (let c = 0; c < C; c++) {
+      const norm = (inp[n * C + c]! - mean[n]!) * rstd[n]!;
+      const dnorm = weight[c]! * dout[n * C + c]!;
+      dm += dnorm;
+      dnm += dnorm * norm;
+    }
+    dm /= C;
+    dnm /= C;
+    for (let c = 0; c < C; c++) {
+      const norm = (inp[n * C + c]! - mean[n]!) * rstd[n]!;
+      const dnorm = weight[c]! * dout[n * C + c]!;
+      dbias[c] = dbias[c]! + dout[n * C + c]!;
+      dweight[c] = dweight[c]! + norm * dout[n * C + c]!;
+      dinp[n * C + c] = (dnorm - dm - norm * dnm) * rstd[n]!;
+    }
+  }
+  return { dinp, dweight, dbias };
+}

@@ -1,0 +1,124 @@
+// matmul: out = op(a) @ op(b), op = identity or transpose, for 2-D operands or batches.
+//
+//   a (..., M, K) or, with transA, (..., K, M)
+//   b (..., K, N) or, with transB, (..., N, K)      (same leading batch dims as a)
+//   or b 2-D with an n-D a (shared weights, x @ W^T): a's leading dims are folded into M.
+//   out (..., M, N)
+import type { Backend, Ptr } from "../../ffi/backend.ts";
+import { ShapeError } from "../errors.ts";
+import { numelOf, type Tensor } from "../tensor.ts";
+import { checkDType, checkInputs } from "./check.ts";
+
+export interface MatmulOptions {
+  transA?: boolean;
+  transB?: boolean;
+}
+
+interface Plan {
+  batch: number;
+  M: number;
+  N: number;
+  K: number;
+  outShape: number[];
+}
+
+function plan(a: Tensor, b: Tensor, transA: boolean, transB: boolean): Plan {
+  const shapes = [a.shape, b.shape];
+  if (a.shape.length < 2 || b.shape.length < 2) throw new ShapeError("matmul", shapes, "operands need at least 2 dims");
+  const ar = a.shape[a.shape.length - 2]!, ac = a.shape[a.shape.length - 1]!;
+  const br = b.shape[b.shape.length - 2]!, bc = b.shape[b.shape.length - 1]!;
+  const N = transB ? br : bc;
+  const Kb = transB ? bc : br;
+  if (b.shape.length === 2 && a.shape.length > 2) {
+    // fold a's leading dims into M (shared weights)
+    if (transA) throw new ShapeError("matmul", shapes, "transA with a 2-D b needs a 2-D a");
+    if (ac !== Kb) throw new ShapeError("matmul", shapes, `inner dims differ (${ac} vs ${Kb})`);
+    return { batch: 1, M: a.numel / ac, N, K: ac, outShape: [...a.shape.slice(0, -1), N] };
+  }
+  if (a.shape.length !== b.shape.length) throw new ShapeError("matmul", shapes, "batched operands need the same rank");
+  const batchDims = a.shape.slice(0, -2);
+  if (batchDims.some((d, i) => d !== b.shape[i])) throw new ShapeError("matmul", shapes, "batch dims differ");
+  const M = transA ? ac : ar;
+  const K = transA ? ar : ac;
+  if (K !== Kb) throw new ShapeError("matmul", shapes, `inner dims differ (${K} vs ${Kb})`);
+  return { batch: numelOf(batchDims), M, N, K, outShape: [...batchDims, M, N] };
+}
+
+/** C = alpha op(A) op(B) + beta C over `batch` contiguous matrices. */
+function gemm(be: Backend, batch: number, tA: boolean, tB: boolean, M: number, N: number, K: number,
+              A: Ptr, B: Ptr, beta: number, C: Ptr): void {
+  const lda = tA ? M : K;
+  const ldb = tB ? K : N;
+  if (batch === 1) {
+    be.gemm(tA, tB, M, N, K, 1, A, lda, B, ldb, beta, C, N);
+  } else {
+    be.gemmStridedBatched(tA, tB, M, N, K, 1, A, lda, M * K, B, ldb, K * N, beta, C, N, M * N, batch);
+  }
+}
+
+export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tensor {
+  const ctx = checkInputs("matmul", [a, b]);
+  checkDType("matmul", a, "f32");
+  checkDType("matmul", b, "f32");
+  const tA = options.transA ?? false;
+  const tB = options.transB ?? false;
+  const { batch, M, N, K, outShape } = plan(a, b, tA, tB);
+  const be = ctx.backend;
+  const out = ctx.empty(outShape);
+  gemm(be, batch, tA, tB, M, N, K, a.ptr, b.ptr, 0, out.ptr);
+  ctx.record("matmul", [a, b], out, () => {
+    const dout = out.grad!.ptr; // (M,N)
+    if (a.requiresGrad) {
+      const da = a.ensureGrad().ptr;
+      // forward was: out = op(a) op(b)  =>  d op(a) = dout op(b)^T
+      if (!tA) gemm(be, batch, false, !tB, M, K, N, dout, b.ptr, 1, da); // da (M,K)
+      else gemm(be, batch, tB, true, K, M, N, b.ptr, dout, 1, da); // da (K,M) = op(b) dout^T
+    }
+    if (b.requiresGrad) {
+      const db = b.ensureGrad().ptr;
+      // d op(b) = op(a)^T dout
+      if (!tB) gemm(be, batch, !tA, false, K, N, M, a.ptr, dout, 1, db); // db (K,N)
+      else gemm(be, batch, true, tA, N, K, M, dout, a.ptr, 1, db); // db (N,K) = dout^T op(a)
+    }
+  });
+  return out;
+}
+
+// ---- float64 reference --------------------------------------------------------------------
+
+/** out (M,N) = op(a) op(b); a, b stored row-major as the flags say. */
+export function matmulReference(a: Float64Array, b: Float64Array, M: number, N: number, K: number,
+                                transA = false, transB = false): Float64Array {
+  const out = new Float64Array(M * N);
+  for (let i = 0; i < M; i++) {
+    for (let j = 0; j < N; j++) {
+      let acc = 0;
+      for (let k = 0; k < K; k++) {
+        const av = transA ? a[k * M + i]! : a[i * K + k]!;
+        const bv = transB ? b[j * K + k]! : b[k * N + j]!;
+        acc += av * bv;
+      }
+      out[i * N + j] = acc;
+    }
+  }
+  return out;
+}
+
+/** Gradients of sum(out * dout) with respect to a and b, in their stored layouts. */
+export function matmulBackwardReference(a: Float64Array, b: Float64Array, dout: Float64Array, M: number, N: number,
+                                        K: number, transA = false, transB = false): { da: Float64Array; db: Float64Array } {
+  const da = new Float64Array(M * K);
+  const db = new Float64Array(K * N);
+  for (let i = 0; i < M; i++) {
+    for (let j = 0; j < N; j++) {
+      const g = dout[i * N + j]!;
+      for (let k = 0; k < K; k++) {
+        const ai = transA ? k * M + i : i * K + k;
+        const bi = transB ? j * K + k : k * N + j;
+        da[ai] = da[ai]! + g * b[bi]!;
+        db[bi] = db[bi]! + g * a[ai]!;
+      }
+    }
+  }
+  return { da, db };
+}

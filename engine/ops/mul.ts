@@ -1,0 +1,78 @@
+// mul: out = a * b with broadcasting. d a = reduce(dout * b) over a's broadcast dims.
+import { sameShape, type Tensor } from "../tensor.ts";
+import { broadcastIndexReference, broadcastPlan } from "./broadcast.ts";
+import { checkDType, checkInputs } from "./check.ts";
+
+export function mul(a: Tensor, b: Tensor): Tensor {
+  const ctx = checkInputs("mul", [a, b]);
+  checkDType("mul", a, "f32");
+  checkDType("mul", b, "f32");
+  const be = ctx.backend;
+  if (sameShape(a.shape, b.shape)) {
+    const out = ctx.empty(a.shape);
+    be.mul(out.ptr, a.ptr, b.ptr, out.numel);
+    ctx.record("mul", [a, b], out, () => {
+      // forward was: out = a * b  =>  da += dout * b, db += dout * a
+      const dout = out.grad!.ptr;
+      const tmp = ctx.empty(out.shape).ptr;
+      if (a.requiresGrad) {
+        be.mul(tmp, dout, b.ptr, out.numel);
+        be.axpy(a.ensureGrad().ptr, tmp, out.numel, 1);
+      }
+      if (b.requiresGrad) {
+        be.mul(tmp, dout, a.ptr, out.numel);
+        be.axpy(b.ensureGrad().ptr, tmp, out.numel, 1);
+      }
+    });
+    return out;
+  }
+  const plan = broadcastPlan("mul", a.shape, b.shape);
+  const out = ctx.empty(plan.outShape);
+  for (const { dims, strides: [, as, bs], offsets: [o, ao, bo] } of plan.blocks) {
+    be.binaryBroadcast("mul", out.ptr + o! * 4, a.ptr + ao! * 4, b.ptr + bo! * 4, dims, as!, bs!);
+  }
+  ctx.record("mul", [a, b], out, () => {
+    // forward was: out[i] = a[i·as] * b[i·bs]  =>  da[i·as] += dout[i] * b[i·bs]
+    const dout = out.grad!.ptr;
+    const tmp = ctx.empty(out.shape).ptr;
+    const da = a.requiresGrad ? a.ensureGrad().ptr : 0;
+    const db = b.requiresGrad ? b.ensureGrad().ptr : 0;
+    // dout and tmp are contiguous in the out layout (strides[0])
+    for (const { dims, strides: [os, as, bs], offsets: [o, ao, bo] } of plan.blocks) {
+      if (a.requiresGrad) {
+        be.binaryBroadcast("mul", tmp + o! * 4, dout + o! * 4, b.ptr + bo! * 4, dims, os!, bs!);
+        be.reduceBroadcast(da + ao! * 4, tmp + o! * 4, dims, as!);
+      }
+      if (b.requiresGrad) {
+        be.binaryBroadcast("mul", tmp + o! * 4, dout + o! * 4, a.ptr + ao! * 4, dims, os!, as!);
+        be.reduceBroadcast(db + bo! * 4, tmp + o! * 4, dims, bs!);
+      }
+    }
+  });
+  return out;
+}
+
+// ---- float64 reference --------------------------------------------------------------------
+
+export function mulReference(a: Float64Array, aShape: number[], b: Float64Array, bShape: number[]) {
+  const plan = broadcastPlan("mul", aShape, bShape);
+  const ai = broadcastIndexReference(plan.outShape, plan.aFull);
+  const bi = broadcastIndexReference(plan.outShape, plan.bFull);
+  const out = new Float64Array(ai.length);
+  for (let i = 0; i < out.length; i++) out[i] = a[ai[i]!]! * b[bi[i]!]!;
+  return { out, outShape: plan.outShape };
+}
+
+export function mulBackwardReference(a: Float64Array, aShape: number[], b: Float64Array, bShape: number[],
+                                     dout: Float64Array) {
+  const plan = broadcastPlan("mul", aShape, bShape);
+  const ai = broadcastIndexReference(plan.outShape, plan.aFull);
+  const bi = broadcastIndexReference(plan.outShape, plan.bFull);
+  const da = new Float64Array(a.length);
+  const db = new Float64Array(b.length);
+  for (let i = 0; i < dout.length; i++) {
+    da[ai[i]!] = da[ai[i]!]! + dout[i]! * b[bi[i]!]!;
+    db[bi[i]!] = db[bi[i]!]! + dout[i]! * a[ai[i]!]!;
+  }
+  return { da, db };
+}

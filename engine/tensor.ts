@@ -1,0 +1,294 @@
+// Tensors, the context that owns their memory, and the reverse-mode autograd tape.
+//
+// A Tensor is a shape, a dtype and an address in backend memory; it never owns host data.
+// Memory comes from one of two places:
+//   - the context's Arena, for everything that lives for one forward/backward pass
+//     (activations and their gradients). Context.newPass() recycles it, and any tensor of an
+//     earlier pass becomes stale: ops refuse it (StaleTensorError) instead of reading reused
+//     memory.
+//   - persistent allocations (parameter, gradient and optimizer slabs; see params.ts), which
+//     live until the context is disposed.
+//
+// Autograd: every op that has an input requiring grad records a TapeNode with a closure that
+// adds the op's input gradients. Context.backward(loss) seeds d(loss) = 1 and runs the tape in
+// reverse. Gradients accumulate (+=) into zero-initialized buffers, so a tensor used twice gets
+// both contributions. A view (reshape, row slice) shares its base's gradient buffer, so views
+// need no backward of their own.
+import type { Allocation, Backend, DType, Ptr } from "../ffi/backend.ts";
+import { dtypeBytes } from "../ffi/backend.ts";
+import { Arena } from "./arena.ts";
+import { EngineError, ShapeError } from "./errors.ts";
+
+export type Shape = readonly number[];
+
+export function numelOf(shape: Shape): number {
+  let n = 1;
+  for (const d of shape) n *= d;
+  return n;
+}
+
+export function sameShape(a: Shape, b: Shape): boolean {
+  return a.length === b.length && a.every((d, i) => d === b[i]);
+}
+
+function checkShape(op: string, shape: Shape): void {
+  if (shape.length === 0 || shape.length > 8 || shape.some((d) => !Number.isSafeInteger(d) || d <= 0)) {
+    throw new ShapeError(op, [shape], "every dimension must be a positive integer (1 to 8 dims)");
+  }
+}
+
+/** generation of tensors that do not live in the arena */
+const persistentGeneration = -1;
+
+export interface TapeNode {
+  readonly op: string;
+  readonly output: Tensor;
+  readonly backward: () => void;
+}
+
+export class Tensor {
+  readonly ctx: Context;
+  readonly shape: Shape;
+  readonly dtype: DType;
+  readonly ptr: Ptr;
+  readonly numel: number;
+  /** arena generation it was allocated in, or -1 for persistent memory */
+  readonly generation: number;
+  /** the tensor this one is a view of (its gradient aliases the base's) */
+  readonly viewOf: Tensor | null;
+  readonly viewOffset: number;
+  requiresGrad: boolean;
+  name: string | undefined;
+  #grad: Tensor | null = null;
+
+  constructor(ctx: Context, shape: Shape, dtype: DType, ptr: Ptr, generation: number,
+              requiresGrad = false, viewOf: Tensor | null = null, viewOffset = 0) {
+    this.ctx = ctx;
+    this.shape = shape;
+    this.dtype = dtype;
+    this.ptr = ptr;
+    this.numel = numelOf(shape);
+    this.generation = generation;
+    this.requiresGrad = requiresGrad;
+    this.viewOf = viewOf;
+    this.viewOffset = viewOffset;
+  }
+
+  get bytes(): number {
+    return this.numel * dtypeBytes[this.dtype];
+  }
+
+  get isStale(): boolean {
+    return this.generation !== persistentGeneration && this.generation !== this.ctx.arena.generation;
+  }
+
+  /** The gradient buffer, or null if no gradient has reached this tensor. */
+  get grad(): Tensor | null {
+    if (this.viewOf !== null) {
+      const baseGrad = this.viewOf.grad;
+      return baseGrad === null ? null : baseGrad.#viewAt(this.shape, this.viewOffset);
+    }
+    return this.#grad;
+  }
+
+  /** The gradient buffer, created zeroed (in the arena) if it does not exist yet. */
+  ensureGrad(): Tensor {
+    if (this.viewOf !== null) return this.viewOf.ensureGrad().#viewAt(this.shape, this.viewOffset);
+    if (this.#grad === null) {
+      this.#grad = this.ctx.zeros(this.shape, this.dtype);
+    }
+    return this.#grad;
+  }
+
+  /** Bind a persistent gradient buffer (a view into a gradient slab). */
+  bindGrad(grad: Tensor): void {
+    if (!sameShape(grad.shape, this.shape)) throw new ShapeError("bindGrad", [this.shape, grad.shape], "gradient shape differs");
+    this.#grad = grad;
+  }
+
+  #viewAt(shape: Shape, offset: number): Tensor {
+    return new Tensor(this.ctx, shape, this.dtype, this.ptr + offset * dtypeBytes[this.dtype], this.generation,
+      false, this, offset);
+  }
+
+  /** A view with another shape over the same elements (row-major); no copy. */
+  reshape(shape: Shape): Tensor {
+    const resolved = resolveReshape(this.shape, shape);
+    return this.#viewOfRange(resolved, 0);
+  }
+
+  /** Rows [start, start+count) along dim 0, as a view (contiguous); no copy. */
+  narrowRows(start: number, count: number): Tensor {
+    const rows = this.shape[0]!;
+    if (!Number.isInteger(start) || !Number.isInteger(count) || start < 0 || count <= 0 || start + count > rows) {
+      throw new ShapeError("narrowRows", [this.shape], `rows [${start}, ${start + count}) outside [0, ${rows})`);
+    }
+    const rowElems = this.numel / rows;
+    return this.#viewOfRange([count, ...this.shape.slice(1)], start * rowElems);
+  }
+
+  #viewOfRange(shape: Shape, offset: number): Tensor {
+    const base = this.viewOf ?? this;
+    const baseOffset = this.viewOffset + offset;
+    return new Tensor(this.ctx, shape, this.dtype, base.ptr + baseOffset * dtypeBytes[this.dtype], this.generation,
+      this.requiresGrad, base, baseOffset);
+  }
+
+  /** Copy to host memory (a new typed array). */
+  toArray(): Float32Array | Int32Array | Uint16Array {
+    const out = this.dtype === "f32" ? new Float32Array(this.numel)
+      : this.dtype === "i32" ? new Int32Array(this.numel) : new Uint16Array(this.numel);
+    this.ctx.backend.download(this.ptr, out);
+    return out;
+  }
+
+  toFloat32(): Float32Array {
+    if (this.dtype !== "f32") throw new EngineError(`toFloat32: tensor is ${this.dtype}`);
+    return this.toArray() as Float32Array;
+  }
+
+  /** The value of a one-element tensor. */
+  item(): number {
+    if (this.numel !== 1) throw new ShapeError("item", [this.shape], "item() needs exactly one element");
+    return this.toArray()[0]!;
+  }
+}
+
+function resolveReshape(from: Shape, to: Shape): Shape {
+  const n = numelOf(from);
+  const inferred = to.indexOf(-1);
+  let shape = to;
+  if (inferred >= 0) {
+    const known = numelOf(to.filter((_, i) => i !== inferred));
+    if (known <= 0 || n % known !== 0) throw new ShapeError("reshape", [from, to], `cannot infer -1`);
+    shape = to.map((d, i) => (i === inferred ? n / known : d));
+  }
+  checkShape("reshape", shape);
+  if (numelOf(shape) !== n) throw new ShapeError("reshape", [from, to], `element counts differ (${n} vs ${numelOf(shape)})`);
+  return shape;
+}
+
+export interface ContextOptions {
+  /** base seed of dropout masks */
+  seed?: number;
+}
+
+export class Context {
+  readonly backend: Backend;
+  readonly arena: Arena;
+  readonly tape: TapeNode[] = [];
+  /** false inside noGrad(): ops record nothing */
+  gradEnabled = true;
+  /** false in evaluation: dropout is the identity */
+  training = true;
+  readonly #persistent: Allocation[] = [];
+  #dropoutSeed: bigint;
+  #dropoutCalls = 0n;
+
+  constructor(backend: Backend, options: ContextOptions = {}) {
+    this.backend = backend;
+    this.arena = new Arena(backend);
+    this.#dropoutSeed = BigInt.asUintN(64, BigInt(options.seed ?? 0));
+  }
+
+  /** Start a new forward/backward pass: recycle the arena and clear the tape. */
+  newPass(): void {
+    this.tape.length = 0;
+    this.arena.reset();
+  }
+
+  empty(shape: Shape, dtype: DType = "f32"): Tensor {
+    checkShape("empty", shape);
+    const bytes = numelOf(shape) * dtypeBytes[dtype];
+    return new Tensor(this, shape, dtype, this.arena.alloc(bytes), this.arena.generation);
+  }
+
+  zeros(shape: Shape, dtype: DType = "f32"): Tensor {
+    checkShape("zeros", shape);
+    const bytes = numelOf(shape) * dtypeBytes[dtype];
+    return new Tensor(this, shape, dtype, this.arena.allocZeroed(bytes), this.arena.generation);
+  }
+
+  /** An arena tensor holding a copy of host data. */
+  fromArray(data: Float32Array | Int32Array, shape: Shape): Tensor {
+    const dtype: DType = data instanceof Float32Array ? "f32" : "i32";
+    checkShape("fromArray", shape);
+    if (numelOf(shape) !== data.length) {
+      throw new ShapeError("fromArray", [shape], `data has ${data.length} elements, shape needs ${numelOf(shape)}`);
+    }
+    const t = this.empty(shape, dtype);
+    this.backend.upload(t.ptr, data);
+    return t;
+  }
+
+  /** Backend memory that lives until dispose() (slabs). Zeroed. */
+  allocPersistent(bytes: number): Allocation {
+    const a = this.backend.alloc(bytes);
+    this.#persistent.push(a);
+    return a;
+  }
+
+  /** A tensor over persistent memory at ptr (a slab view). */
+  persistentTensor(shape: Shape, dtype: DType, ptr: Ptr, requiresGrad: boolean): Tensor {
+    checkShape("persistentTensor", shape);
+    return new Tensor(this, shape, dtype, ptr, persistentGeneration, requiresGrad);
+  }
+
+  /** The seed of the next dropout mask: distinct for every call over the context's life. */
+  nextDropoutSeed(): bigint {
+    this.#dropoutCalls++;
+    return BigInt.asUintN(64, this.#dropoutSeed * 0x9e3779b97f4a7c15n + this.#dropoutCalls * 0xbf58476d1ce4e5b9n);
+  }
+
+  /** Record an op on the tape if gradients are wanted; sets output.requiresGrad. */
+  record(op: string, inputs: readonly Tensor[], output: Tensor, backward: () => void): void {
+    if (!this.gradEnabled) return;
+    if (!inputs.some((t) => t.requiresGrad)) return;
+    output.requiresGrad = true;
+    this.tape.push({ op, output, backward });
+  }
+
+  /** Run reverse-mode autodiff from a scalar loss. dloss seeds d(loss) (a loss scale). */
+  backward(loss: Tensor, dloss = 1): void {
+    if (loss.numel !== 1) throw new ShapeError("backward", [loss.shape], "loss must have exactly one element");
+    if (!loss.requiresGrad) throw new EngineError("backward: loss does not depend on any tensor that requires grad");
+    this.backend.fill(loss.ensureGrad().ptr, 1, dloss);
+    this.#runTape();
+  }
+
+  /** Run reverse-mode autodiff from any output, seeding its gradient with `grad` (same shape):
+   *  a pipeline stage's backward, or an op test's upstream gradient. */
+  backwardFrom(output: Tensor, grad: Tensor): void {
+    if (!sameShape(output.shape, grad.shape)) throw new ShapeError("backwardFrom", [output.shape, grad.shape], "grad shape differs");
+    if (!output.requiresGrad) throw new EngineError("backwardFrom: output does not depend on any tensor that requires grad");
+    this.backend.copy(output.ensureGrad().ptr, grad.ptr, grad.bytes);
+    this.#runTape();
+  }
+
+  #runTape(): void {
+    for (let i = this.tape.length - 1; i >= 0; i--) {
+      const node = this.tape[i]!;
+      // an output no later op used (and that is not the loss) has no gradient: skip it
+      if (node.output.grad === null) continue;
+      node.backward();
+    }
+    this.tape.length = 0;
+  }
+
+  /** Run fn without recording (evaluation, sampling). */
+  noGrad<T>(fn: () => T): T {
+    const previous = this.gradEnabled;
+    this.gradEnabled = false;
+    try {
+      return fn();
+    } finally {
+      this.gradEnabled = previous;
+    }
+  }
+
+  dispose(): void {
+    this.arena.dispose();
+    for (const a of this.#persistent) this.backend.free(a);
+    this.#persistent.length = 0;
+  }
+}

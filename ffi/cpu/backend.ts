@@ -1,0 +1,297 @@
+// CPU backend: OpenBLAS's cblas_sgemm and the kernels of kernels.c, called through bun:ffi.
+//
+// Memory safety: backend memory comes from mt_alloc (posix_memalign), never from a
+// JavaScript ArrayBuffer, so the garbage collector can never free or move memory that native
+// code holds. The only JavaScript memory native code ever sees is the source or destination
+// of upload/download, and those calls are synchronous: the TypedArray argument stays
+// referenced by the caller's frame for the whole call.
+import { dlopen, FFIType, ptr as addressOf, type Pointer } from "bun:ffi";
+import type { Allocation, Backend, BackendStats, BinaryOp, Dims4, Ptr } from "../backend.ts";
+import { OutOfMemoryError } from "../errors.ts";
+import { ensureKernelLibrary } from "./build.ts";
+
+const CblasRowMajor = 101;
+const CblasNoTrans = 111;
+const CblasTrans = 112;
+
+function loadLibraries() {
+  const { kernels, openblas } = ensureKernelLibrary();
+  const blas = dlopen(openblas, {
+    cblas_sgemm: {
+      args: ["i32", "i32", "i32", "i32", "i32", "i32", "f32", "ptr", "i32", "ptr", "i32", "f32", "ptr", "i32"],
+      returns: "void",
+    },
+    openblas_get_num_threads: { args: [], returns: "i32" },
+  });
+  const k = dlopen(kernels, {
+    mt_alloc: { args: ["i64"], returns: "ptr" },
+    mt_free: { args: ["ptr"], returns: "void" },
+    mt_copy: { args: ["ptr", "ptr", "i64"], returns: "void" },
+    mt_zero: { args: ["ptr", "i64"], returns: "void" },
+    mt_fill_f32: { args: ["ptr", "i64", "f32"], returns: "void" },
+    mt_num_threads: { args: [], returns: "i32" },
+    mt_add_f32: { args: ["ptr", "ptr", "ptr", "i64"], returns: "void" },
+    mt_mul_f32: { args: ["ptr", "ptr", "ptr", "i64"], returns: "void" },
+    mt_axpy_f32: { args: ["ptr", "ptr", "i64", "f32"], returns: "void" },
+    mt_scale_f32: { args: ["ptr", "i64", "f32"], returns: "void" },
+    mt_add_scalar_ptr_f32: { args: ["ptr", "ptr", "f32", "i64"], returns: "void" },
+    mt_binary_bcast_f32: {
+      args: ["i32", "ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64"],
+      returns: "void",
+    },
+    mt_reduce_bcast_f32: { args: ["ptr", "ptr", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64"], returns: "void" },
+    mt_bias_add_f32: { args: ["ptr", "ptr", "ptr", "i64", "i64"], returns: "void" },
+    mt_bias_backward_f32: { args: ["ptr", "ptr", "i64", "i64"], returns: "void" },
+    mt_relu_forward_f32: { args: ["ptr", "ptr", "i64"], returns: "void" },
+    mt_relu_backward_f32: { args: ["ptr", "ptr", "ptr", "i64"], returns: "void" },
+    mt_gelu_forward_f32: { args: ["ptr", "ptr", "i64"], returns: "void" },
+    mt_gelu_backward_f32: { args: ["ptr", "ptr", "ptr", "i64"], returns: "void" },
+    mt_dropout_forward_f32: { args: ["ptr", "ptr", "i64", "f32", "u64"], returns: "void" },
+    mt_dropout_backward_f32: { args: ["ptr", "ptr", "i64", "f32", "u64"], returns: "void" },
+    mt_crossentropy_forward_f32: { args: ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"], returns: FFIType.i64_fast },
+    mt_crossentropy_backward_f32: { args: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"], returns: "void" },
+    mt_layernorm_forward_f32: { args: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "f32"], returns: "void" },
+    mt_layernorm_backward_f32: {
+      args: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"],
+      returns: "void",
+    },
+    mt_embedding_forward_f32: { args: ["ptr", "ptr", "ptr", "i64", "i64", "i64"], returns: FFIType.i64_fast },
+    mt_embedding_backward_f32: { args: ["ptr", "ptr", "ptr", "i64", "i64"], returns: "void" },
+    mt_causal_softmax_forward_f32: { args: ["ptr", "ptr", "i64", "i64", "f32"], returns: "void" },
+    mt_causal_softmax_backward_f32: { args: ["ptr", "ptr", "ptr", "i64", "i64", "f32"], returns: "void" },
+    mt_strided_copy_f32: {
+      args: ["ptr", "ptr", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i32"],
+      returns: "void",
+    },
+    mt_sgemm_strided_batched: {
+      args: ["i32", "i32", "i64", "i64", "i64", "f32", "ptr", "i64", "i64", "ptr", "i64", "i64", "f32", "ptr", "i64", "i64", "i64"],
+      returns: "void",
+    },
+    mt_sum_f32: { args: ["ptr", "ptr", "i64"], returns: "void" },
+    mt_sum_squares_f32: { args: ["ptr", "i64"], returns: "f64" },
+    mt_count_nonfinite_f32: { args: ["ptr", "i64"], returns: FFIType.i64_fast },
+    mt_sgd_step_f32: {
+      args: ["ptr", "ptr", "ptr", "i64", "f32", "f32", "f32", "f32", "i32", "i32"],
+      returns: "void",
+    },
+    mt_adamw_step_f32: {
+      args: ["ptr", "ptr", "ptr", "ptr", "i64", "f32", "f32", "f32", "f32", "f32", "f32", "f32"],
+      returns: "void",
+    },
+    mt_f32_to_bf16: { args: ["ptr", "ptr", "i64"], returns: "void" },
+    mt_bf16_to_f32: { args: ["ptr", "ptr", "i64"], returns: "void" },
+    mt_f32_to_f16: { args: ["ptr", "ptr", "i64"], returns: "void" },
+    mt_f16_to_f32: { args: ["ptr", "ptr", "i64"], returns: "void" },
+  });
+  return { blas, k };
+}
+
+type Libraries = ReturnType<typeof loadLibraries>;
+let libraries: Libraries | undefined;
+
+// bun:ffi's "ptr" arguments take a number; its Pointer type is a branded number.
+const p = (x: Ptr): Pointer => x as Pointer;
+
+function hostAddress(view: ArrayBufferView): Pointer {
+  return addressOf(view as Uint8Array);
+}
+
+export class CpuBackend implements Backend {
+  readonly name = "cpu";
+  readonly #lib: Libraries;
+  readonly #live = new Map<Ptr, number>();
+  #allocCount = 0;
+  #allocBytes = 0;
+  #liveBytes = 0;
+  #disposed = false;
+
+  constructor() {
+    libraries ??= loadLibraries();
+    this.#lib = libraries;
+  }
+
+  get stats(): BackendStats {
+    return { allocCount: this.#allocCount, allocBytes: this.#allocBytes, liveBytes: this.#liveBytes };
+  }
+
+  /** threads the kernels and OpenBLAS use (OMP_NUM_THREADS, else all cores) */
+  get threads(): number {
+    return this.#lib.k.symbols.mt_num_threads();
+  }
+
+  alloc(bytes: number): Allocation {
+    if (this.#disposed) throw new Error("CpuBackend used after dispose()");
+    if (!Number.isSafeInteger(bytes) || bytes < 0) throw new RangeError(`alloc: invalid byte count ${bytes}`);
+    const address = this.#lib.k.symbols.mt_alloc(bytes);
+    if (address === null || address === 0) throw new OutOfMemoryError(this.name, bytes);
+    const ptr = Number(address);
+    this.#live.set(ptr, bytes);
+    this.#allocCount++;
+    this.#allocBytes += bytes;
+    this.#liveBytes += bytes;
+    return { ptr, bytes };
+  }
+
+  free(allocation: Allocation): void {
+    const bytes = this.#live.get(allocation.ptr);
+    if (bytes === undefined) throw new Error(`free: ${allocation.ptr} is not a live allocation of this backend`);
+    this.#live.delete(allocation.ptr);
+    this.#liveBytes -= bytes;
+    this.#lib.k.symbols.mt_free(p(allocation.ptr));
+  }
+
+  upload(dst: Ptr, src: ArrayBufferView): void {
+    if (src.byteLength === 0) return;
+    this.#lib.k.symbols.mt_copy(p(dst), hostAddress(src), src.byteLength);
+  }
+
+  download(src: Ptr, dst: ArrayBufferView): void {
+    if (dst.byteLength === 0) return;
+    this.#lib.k.symbols.mt_copy(hostAddress(dst), p(src), dst.byteLength);
+  }
+
+  copy(dst: Ptr, src: Ptr, bytes: number): void {
+    this.#lib.k.symbols.mt_copy(p(dst), p(src), bytes);
+  }
+  zero(dst: Ptr, bytes: number): void {
+    this.#lib.k.symbols.mt_zero(p(dst), bytes);
+  }
+  fill(dst: Ptr, n: number, value: number): void {
+    this.#lib.k.symbols.mt_fill_f32(p(dst), n, value);
+  }
+  synchronize(): void {
+    // CPU kernels are synchronous.
+  }
+
+  gemm(transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
+       A: Ptr, lda: number, B: Ptr, ldb: number, beta: number, C: Ptr, ldc: number): void {
+    this.#lib.blas.symbols.cblas_sgemm(CblasRowMajor, transA ? CblasTrans : CblasNoTrans, transB ? CblasTrans : CblasNoTrans,
+      M, N, K, alpha, p(A), lda, p(B), ldb, beta, p(C), ldc);
+  }
+
+  gemmStridedBatched(transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
+                     A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
+                     beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void {
+    this.#lib.k.symbols.mt_sgemm_strided_batched(transA ? 1 : 0, transB ? 1 : 0, M, N, K, alpha,
+      p(A), lda, strideA, p(B), ldb, strideB, beta, p(C), ldc, strideC, batch);
+  }
+
+  add(out: Ptr, a: Ptr, b: Ptr, n: number): void {
+    this.#lib.k.symbols.mt_add_f32(p(out), p(a), p(b), n);
+  }
+  mul(out: Ptr, a: Ptr, b: Ptr, n: number): void {
+    this.#lib.k.symbols.mt_mul_f32(p(out), p(a), p(b), n);
+  }
+  axpy(y: Ptr, x: Ptr, n: number, alpha: number): void {
+    this.#lib.k.symbols.mt_axpy_f32(p(y), p(x), n, alpha);
+  }
+  scale(x: Ptr, n: number, s: number): void {
+    this.#lib.k.symbols.mt_scale_f32(p(x), n, s);
+  }
+  addScalarFrom(dinp: Ptr, dout: Ptr, scale: number, n: number): void {
+    this.#lib.k.symbols.mt_add_scalar_ptr_f32(p(dinp), p(dout), scale, n);
+  }
+  binaryBroadcast(op: BinaryOp, out: Ptr, a: Ptr, b: Ptr, d: Dims4, as: Dims4, bs: Dims4): void {
+    this.#lib.k.symbols.mt_binary_bcast_f32(op === "add" ? 0 : 1, p(out), p(a), p(b),
+      d[0], d[1], d[2], d[3], as[0], as[1], as[2], as[3], bs[0], bs[1], bs[2], bs[3]);
+  }
+  reduceBroadcast(out: Ptr, inp: Ptr, d: Dims4, os: Dims4): void {
+    this.#lib.k.symbols.mt_reduce_bcast_f32(p(out), p(inp), d[0], d[1], d[2], d[3], os[0], os[1], os[2], os[3]);
+  }
+
+  biasAdd(out: Ptr, inp: Ptr, bias: Ptr, N: number, C: number): void {
+    this.#lib.k.symbols.mt_bias_add_f32(p(out), p(inp), p(bias), N, C);
+  }
+  biasBackward(dbias: Ptr, dout: Ptr, N: number, C: number): void {
+    this.#lib.k.symbols.mt_bias_backward_f32(p(dbias), p(dout), N, C);
+  }
+  reluForward(out: Ptr, inp: Ptr, n: number): void {
+    this.#lib.k.symbols.mt_relu_forward_f32(p(out), p(inp), n);
+  }
+  reluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): void {
+    this.#lib.k.symbols.mt_relu_backward_f32(p(dinp), p(inp), p(dout), n);
+  }
+  geluForward(out: Ptr, inp: Ptr, n: number): void {
+    this.#lib.k.symbols.mt_gelu_forward_f32(p(out), p(inp), n);
+  }
+  geluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): void {
+    this.#lib.k.symbols.mt_gelu_backward_f32(p(dinp), p(inp), p(dout), n);
+  }
+  dropoutForward(out: Ptr, inp: Ptr, n: number, prob: number, seed: bigint): void {
+    this.#lib.k.symbols.mt_dropout_forward_f32(p(out), p(inp), n, prob, seed);
+  }
+  dropoutBackward(dinp: Ptr, dout: Ptr, n: number, prob: number, seed: bigint): void {
+    this.#lib.k.symbols.mt_dropout_backward_f32(p(dinp), p(dout), n, prob, seed);
+  }
+  crossEntropyForward(loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr, N: number, V: number): number {
+    return this.#lib.k.symbols.mt_crossentropy_forward_f32(p(loss), p(losses), p(probs), p(logits), p(targets), N, V) as number;
+  }
+  crossEntropyBackward(dlogits: Ptr, probs: Ptr, targets: Ptr, dloss: Ptr, N: number, V: number): void {
+    this.#lib.k.symbols.mt_crossentropy_backward_f32(p(dlogits), p(probs), p(targets), p(dloss), N, V);
+  }
+  layerNormForward(out: Ptr, mean: Ptr, rstd: Ptr, inp: Ptr, weight: Ptr, bias: Ptr, N: number, C: number, eps: number): void {
+    this.#lib.k.symbols.mt_layernorm_forward_f32(p(out), p(mean), p(rstd), p(inp), p(weight), p(bias), N, C, eps);
+  }
+  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr,
+                    mean: Ptr, rstd: Ptr, N: number, C: number): void {
+    this.#lib.k.symbols.mt_layernorm_backward_f32(p(dinp), p(dweight), p(dbias), p(dout), p(inp), p(weight), p(mean), p(rstd), N, C);
+  }
+  embeddingForward(out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number): number {
+    return this.#lib.k.symbols.mt_embedding_forward_f32(p(out), p(ids), p(table), N, C, V) as number;
+  }
+  embeddingBackward(dtable: Ptr, ids: Ptr, dout: Ptr, N: number, C: number): void {
+    this.#lib.k.symbols.mt_embedding_backward_f32(p(dtable), p(ids), p(dout), N, C);
+  }
+  causalSoftmaxForward(out: Ptr, inp: Ptr, BH: number, T: number, scale: number): void {
+    this.#lib.k.symbols.mt_causal_softmax_forward_f32(p(out), p(inp), BH, T, scale);
+  }
+  causalSoftmaxBackward(dinp: Ptr, out: Ptr, dout: Ptr, BH: number, T: number, scale: number): void {
+    this.#lib.k.symbols.mt_causal_softmax_backward_f32(p(dinp), p(out), p(dout), BH, T, scale);
+  }
+  stridedCopy(out: Ptr, outStrides: Dims4, inp: Ptr, inpStrides: Dims4, d: Dims4, accumulate: boolean): void {
+    const os = outStrides, is = inpStrides;
+    this.#lib.k.symbols.mt_strided_copy_f32(p(out), p(inp), d[0], d[1], d[2], d[3], os[0], os[1], os[2], os[3],
+      is[0], is[1], is[2], is[3], accumulate ? 1 : 0);
+  }
+
+  sum(out: Ptr, inp: Ptr, n: number): void {
+    this.#lib.k.symbols.mt_sum_f32(p(out), p(inp), n);
+  }
+  sumSquares(x: Ptr, n: number): number {
+    return this.#lib.k.symbols.mt_sum_squares_f32(p(x), n);
+  }
+  countNonFinite(x: Ptr, n: number): number {
+    return this.#lib.k.symbols.mt_count_nonfinite_f32(p(x), n) as number;
+  }
+
+  sgdStep(param: Ptr, grad: Ptr, momentumBuf: Ptr, n: number, lr: number, momentum: number,
+          dampening: number, weightDecay: number, nesterov: boolean, first: boolean): void {
+    this.#lib.k.symbols.mt_sgd_step_f32(p(param), p(grad), p(momentumBuf), n, lr, momentum, dampening, weightDecay,
+      nesterov ? 1 : 0, first ? 1 : 0);
+  }
+  adamwStep(param: Ptr, grad: Ptr, m: Ptr, v: Ptr, n: number, lr: number, beta1: number, beta2: number,
+            eps: number, weightDecay: number, biasCorrection1: number, biasCorrection2: number): void {
+    this.#lib.k.symbols.mt_adamw_step_f32(p(param), p(grad), p(m), p(v), n, lr, beta1, beta2, eps, weightDecay,
+      biasCorrection1, biasCorrection2);
+  }
+
+  castF32ToBF16(out: Ptr, inp: Ptr, n: number): void {
+    this.#lib.k.symbols.mt_f32_to_bf16(p(out), p(inp), n);
+  }
+  castBF16ToF32(out: Ptr, inp: Ptr, n: number): void {
+    this.#lib.k.symbols.mt_bf16_to_f32(p(out), p(inp), n);
+  }
+  castF32ToF16(out: Ptr, inp: Ptr, n: number): void {
+    this.#lib.k.symbols.mt_f32_to_f16(p(out), p(inp), n);
+  }
+  castF16ToF32(out: Ptr, inp: Ptr, n: number): void {
+    this.#lib.k.symbols.mt_f16_to_f32(p(out), p(inp), n);
+  }
+
+  dispose(): void {
+    for (const ptr of this.#live.keys()) this.#lib.k.symbols.mt_free(p(ptr));
+    this.#live.clear();
+    this.#liveBytes = 0;
+    this.#disposed = true;
+  }
+}

@@ -1,0 +1,627 @@
+// meshtrain CPU kernel library, loaded by ffi/cpu/backend.ts through bun:ffi.
+//
+// Conventions (llm.c style):
+//   - every buffer argument has its shape in a comment; N rows, C channels, V vocab,
+//     BH batch*heads, T time.
+//   - backward kernels ADD into their d-buffers (dinp += ...), so a tensor used twice
+//     accumulates both gradients; the engine zeroes gradient buffers before backward.
+//   - all sizes are int64_t; all floating point data is float32 unless the name says so.
+//   - threading: OpenMP with static schedules only, and reductions combined in a fixed order,
+//     so results are bit-identical from run to run on the same thread count.
+//   - nothing here allocates memory that outlives a call except mt_alloc.
+#define _POSIX_C_SOURCE 200809L  // posix_memalign under -std=c11
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+// Below this many elements a parallel region costs more than it saves (measured: a region
+// costs ~1-2 us on the 2-core build machine; a memory-bound pass moves ~8 bytes/element/ns).
+#define PAR_MIN 32768
+
+// cblas_sgemm from OpenBLAS (we link against the same libopenblas.so.0 that JS dlopens).
+enum { CblasRowMajor = 101, CblasNoTrans = 111, CblasTrans = 112 };
+void cblas_sgemm(int order, int transA, int transB, int M, int N, int K, float alpha,
+                 const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc);
+
+static inline int max_threads(void) {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+static inline int thread_id(void) {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// memory
+// ---------------------------------------------------------------------------------------------
+
+// Returns 64-byte aligned, zeroed memory (cache line and AVX-512 aligned), or NULL.
+void* mt_alloc(int64_t bytes) {
+  void* p = NULL;
+  size_t size = bytes > 0 ? (size_t)bytes : 64;
+  size = (size + 63) & ~(size_t)63;
+  if (posix_memalign(&p, 64, size) != 0) return NULL;
+  memset(p, 0, size);
+  return p;
+}
+void mt_free(void* p) { free(p); }
+void mt_copy(void* dst, const void* src, int64_t bytes) { memmove(dst, src, (size_t)bytes); }
+void mt_zero(void* dst, int64_t bytes) { memset(dst, 0, (size_t)bytes); }
+void mt_fill_f32(float* dst, int64_t n, float value) {
+  for (int64_t i = 0; i < n; i++) dst[i] = value;
+}
+int mt_num_threads(void) { return max_threads(); }
+
+// ---------------------------------------------------------------------------------------------
+// elementwise
+// ---------------------------------------------------------------------------------------------
+
+// out, a, b (n)
+void mt_add_f32(float* out, const float* a, const float* b, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+void mt_mul_f32(float* out, const float* a, const float* b, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) out[i] = a[i] * b[i];
+}
+// y += alpha * x   (n)
+void mt_axpy_f32(float* y, const float* x, int64_t n, float alpha) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
+}
+// x *= s   (n)
+void mt_scale_f32(float* x, int64_t n, float s) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) x[i] *= s;
+}
+// dinp += mul[i] * dout[0] * scale   (n); dout is a scalar on the device.
+// Backward of sum/mean (mul == NULL) and of a scalar broadcast.
+void mt_add_scalar_ptr_f32(float* dinp, const float* dout, float scale, int64_t n) {
+  const float g = dout[0] * scale;
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) dinp[i] += g;
+}
+
+// Broadcast binary op over up to 4 dims: out[i0,i1,i2,i3] = a[i·as] op b[i·bs].
+// Strides are in elements; a broadcast dim has stride 0. op: 0 add, 1 mul.
+void mt_binary_bcast_f32(int32_t op, float* out, const float* a, const float* b,
+                         int64_t d0, int64_t d1, int64_t d2, int64_t d3,
+                         int64_t as0, int64_t as1, int64_t as2, int64_t as3,
+                         int64_t bs0, int64_t bs1, int64_t bs2, int64_t bs3) {
+  const int64_t rows = d0 * d1 * d2;
+#pragma omp parallel for schedule(static) if (rows * d3 >= PAR_MIN)
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t i2 = r % d2, i1 = (r / d2) % d1, i0 = r / (d1 * d2);
+    const float* ar = a + i0 * as0 + i1 * as1 + i2 * as2;
+    const float* br = b + i0 * bs0 + i1 * bs1 + i2 * bs2;
+    float* o = out + r * d3;
+    if (op == 0) {
+      for (int64_t i3 = 0; i3 < d3; i3++) o[i3] = ar[i3 * as3] + br[i3 * bs3];
+    } else {
+      for (int64_t i3 = 0; i3 < d3; i3++) o[i3] = ar[i3 * as3] * br[i3 * bs3];
+    }
+  }
+}
+
+// Sum a full-shape gradient down to a broadcast operand: out[i·os] += inp[i] over (d0..d3).
+// Serial on purpose: outputs alias across rows, and a fixed order keeps results bit-exact.
+void mt_reduce_bcast_f32(float* out, const float* inp,
+                         int64_t d0, int64_t d1, int64_t d2, int64_t d3,
+                         int64_t os0, int64_t os1, int64_t os2, int64_t os3) {
+  const float* p = inp;
+  for (int64_t i0 = 0; i0 < d0; i0++)
+    for (int64_t i1 = 0; i1 < d1; i1++)
+      for (int64_t i2 = 0; i2 < d2; i2++) {
+        float* o = out + i0 * os0 + i1 * os1 + i2 * os2;
+        if (os3 == 0) {
+          double acc = 0.0;
+          for (int64_t i3 = 0; i3 < d3; i3++) acc += p[i3];
+          o[0] += (float)acc;
+        } else {
+          for (int64_t i3 = 0; i3 < d3; i3++) o[i3 * os3] += p[i3];
+        }
+        p += d3;
+      }
+}
+
+// ---------------------------------------------------------------------------------------------
+// bias, activations
+// ---------------------------------------------------------------------------------------------
+
+// out, inp (N,C), bias (C)
+void mt_bias_add_f32(float* out, const float* inp, const float* bias, int64_t N, int64_t C) {
+#pragma omp parallel for schedule(static) if (N * C >= PAR_MIN)
+  for (int64_t n = 0; n < N; n++) {
+    const float* x = inp + n * C;
+    float* o = out + n * C;
+    for (int64_t c = 0; c < C; c++) o[c] = x[c] + bias[c];
+  }
+}
+
+// dbias (C) += sum over rows of dout (N,C). Each thread owns a block of columns, so there
+// are no races and each column is summed in row order (deterministic).
+void mt_bias_backward_f32(float* dbias, const float* dout, int64_t N, int64_t C) {
+  const int64_t CB = 64;  // columns per block: one AVX-512 row of 16 x4 accumulators
+  const int64_t nblocks = (C + CB - 1) / CB;
+#pragma omp parallel for schedule(static) if (N * C >= PAR_MIN)
+  for (int64_t blk = 0; blk < nblocks; blk++) {
+    const int64_t c0 = blk * CB, c1 = c0 + CB < C ? c0 + CB : C;
+    float acc[64];
+    for (int64_t c = c0; c < c1; c++) acc[c - c0] = 0.0f;
+    for (int64_t n = 0; n < N; n++) {
+      const float* g = dout + n * C;
+      for (int64_t c = c0; c < c1; c++) acc[c - c0] += g[c];
+    }
+    for (int64_t c = c0; c < c1; c++) dbias[c] += acc[c - c0];
+  }
+}
+
+// out, inp (n)
+void mt_relu_forward_f32(float* out, const float* inp, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) out[i] = inp[i] > 0.0f ? inp[i] : 0.0f;
+}
+// forward was: out = max(inp, 0)
+void mt_relu_backward_f32(float* dinp, const float* inp, const float* dout, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) dinp[i] += inp[i] > 0.0f ? dout[i] : 0.0f;
+}
+
+#define GELU_SCALE 0.7978845608028654f  // sqrt(2/pi)
+// out, inp (n); tanh approximation, as in GPT-2
+void mt_gelu_forward_f32(float* out, const float* inp, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN / 8)
+  for (int64_t i = 0; i < n; i++) {
+    const float x = inp[i];
+    const float cube = 0.044715f * x * x * x;
+    out[i] = 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + cube)));
+  }
+}
+// forward was: out = 0.5 x (1 + tanh(s (x + 0.044715 x^3)))
+void mt_gelu_backward_f32(float* dinp, const float* inp, const float* dout, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN / 8)
+  for (int64_t i = 0; i < n; i++) {
+    const float x = inp[i];
+    const float cube = 0.044715f * x * x * x;
+    const float t = tanhf(GELU_SCALE * (x + cube));
+    const float sech2 = 1.0f - t * t;
+    const float local = 0.5f * (1.0f + t) + x * 0.5f * sech2 * GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+    dinp[i] += local * dout[i];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dropout: a counter-based hash decides each element, so backward recomputes the mask from
+// (seed, index) and no mask is stored. The same hash is in engine/ops/dropout.ts (reference).
+// ---------------------------------------------------------------------------------------------
+
+static inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+// uniform in [0,1) with 24 bits, exactly representable in float32
+static inline float dropout_uniform(uint64_t seed, int64_t i) {
+  return (float)(splitmix64(seed ^ ((uint64_t)i * 0xD1B54A32D192ED03ull)) >> 40) * (1.0f / 16777216.0f);
+}
+// out, inp (n); keep with probability 1-p, scale kept values by 1/(1-p)
+void mt_dropout_forward_f32(float* out, const float* inp, int64_t n, float p, uint64_t seed) {
+  const float scale = 1.0f / (1.0f - p);
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) out[i] = dropout_uniform(seed, i) >= p ? inp[i] * scale : 0.0f;
+}
+// forward was: out[i] = keep(i) ? inp[i] / (1-p) : 0
+void mt_dropout_backward_f32(float* dinp, const float* dout, int64_t n, float p, uint64_t seed) {
+  const float scale = 1.0f / (1.0f - p);
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++)
+    if (dropout_uniform(seed, i) >= p) dinp[i] += dout[i] * scale;
+}
+
+// ---------------------------------------------------------------------------------------------
+// softmax cross-entropy, fused and numerically stable
+// ---------------------------------------------------------------------------------------------
+
+// loss (1) = mean over rows; losses (N); probs, logits (N,V); targets (N) int32.
+// Returns the number of targets outside [0,V) (their rows get loss 0 and probs of the row);
+// the caller turns a nonzero count into an error.
+int64_t mt_crossentropy_forward_f32(float* loss, float* losses, float* probs, const float* logits,
+                                    const int32_t* targets, int64_t N, int64_t V) {
+  int64_t invalid = 0;
+#pragma omp parallel for schedule(static) reduction(+ : invalid) if (N * V >= PAR_MIN / 4)
+  for (int64_t n = 0; n < N; n++) {
+    const float* x = logits + n * V;
+    float* p = probs + n * V;
+    float maxv = -INFINITY;
+    for (int64_t v = 0; v < V; v++) maxv = x[v] > maxv ? x[v] : maxv;
+    float sum = 0.0f;
+    for (int64_t v = 0; v < V; v++) {
+      p[v] = expf(x[v] - maxv);
+      sum += p[v];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t v = 0; v < V; v++) p[v] *= inv;
+    const int32_t t = targets[n];
+    if (t < 0 || t >= V) {
+      invalid++;
+      losses[n] = 0.0f;
+    } else {
+      // -log p[t] computed as logsumexp - x[t], which stays finite when p[t] underflows
+      losses[n] = logf(sum) + maxv - x[t];
+    }
+  }
+  double acc = 0.0;
+  for (int64_t n = 0; n < N; n++) acc += losses[n];
+  loss[0] = (float)(acc / (double)N);
+  return invalid;
+}
+// forward was: loss = mean_n(-log softmax(logits[n])[targets[n]])
+// dlogits (N,V) += (probs - onehot(targets)) * dloss[0] / N
+void mt_crossentropy_backward_f32(float* dlogits, const float* probs, const int32_t* targets,
+                                  const float* dloss, int64_t N, int64_t V) {
+  const float g = dloss[0] / (float)N;
+#pragma omp parallel for schedule(static) if (N * V >= PAR_MIN)
+  for (int64_t n = 0; n < N; n++) {
+    const float* p = probs + n * V;
+    float* d = dlogits + n * V;
+    const int32_t t = targets[n];
+    for (int64_t v = 0; v < V; v++) d[v] += (p[v] - (v == t ? 1.0f : 0.0f)) * g;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// layernorm (over the last dim C)
+// ---------------------------------------------------------------------------------------------
+
+// out, inp (N,C); mean, rstd (N); weight, bias (C)
+void mt_layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp,
+                              const float* weight, const float* bias, int64_t N, int64_t C, float eps) {
+#pragma omp parallel for schedule(static) if (N * C >= PAR_MIN)
+  for (int64_t n = 0; n < N; n++) {
+    const float* x = inp + n * C;
+    float m = 0.0f;
+    for (int64_t c = 0; c < C; c++) m += x[c];
+    m /= (float)C;
+    float var = 0.0f;
+    for (int64_t c = 0; c < C; c++) {
+      const float d = x[c] - m;
+      var += d * d;
+    }
+    var /= (float)C;
+    const float s = 1.0f / sqrtf(var + eps);
+    float* o = out + n * C;
+    for (int64_t c = 0; c < C; c++) o[c] = (x[c] - m) * s * weight[c] + bias[c];
+    mean[n] = m;
+    rstd[n] = s;
+  }
+}
+
+// forward was: out[n,c] = (inp[n,c] - mean[n]) * rstd[n] * weight[c] + bias[c]
+// dinp (N,C), dweight/dbias (C) accumulate. dweight/dbias: per-thread partial sums, added
+// in thread order at the end (deterministic for a fixed thread count).
+void mt_layernorm_backward_f32(float* dinp, float* dweight, float* dbias, const float* dout,
+                               const float* inp, const float* weight, const float* mean,
+                               const float* rstd, int64_t N, int64_t C) {
+  const int nt = (N * C >= PAR_MIN) ? max_threads() : 1;
+  float* partial = (float*)calloc((size_t)(2 * C * nt), sizeof(float));
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    float* dw = partial + (int64_t)thread_id() * 2 * C;
+    float* db = dw + C;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+      const float* g = dout + n * C;
+      const float* x = inp + n * C;
+      const float m = mean[n], s = rstd[n];
+      float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+      for (int64_t c = 0; c < C; c++) {
+        const float norm = (x[c] - m) * s;
+        const float dnorm = weight[c] * g[c];
+        dnorm_mean += dnorm;
+        dnorm_norm_mean += dnorm * norm;
+      }
+      dnorm_mean /= (float)C;
+      dnorm_norm_mean /= (float)C;
+      float* dx = dinp + n * C;
+      for (int64_t c = 0; c < C; c++) {
+        const float norm = (x[c] - m) * s;
+        const float dnorm = weight[c] * g[c];
+        db[c] += g[c];
+        dw[c] += norm * g[c];
+        dx[c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
+      }
+    }
+  }
+  for (int t = 0; t < nt; t++) {
+    const float* dw = partial + (int64_t)t * 2 * C;
+    for (int64_t c = 0; c < C; c++) {
+      dweight[c] += dw[c];
+      dbias[c] += dw[C + c];
+    }
+  }
+  free(partial);
+}
+
+// ---------------------------------------------------------------------------------------------
+// embedding
+// ---------------------------------------------------------------------------------------------
+
+// out (N,C) = table (V,C) [ids (N)]. Returns the count of ids outside [0,V) (rows left zero).
+int64_t mt_embedding_forward_f32(float* out, const int32_t* ids, const float* table, int64_t N,
+                                 int64_t C, int64_t V) {
+  int64_t invalid = 0;
+  for (int64_t n = 0; n < N; n++) {
+    const int32_t id = ids[n];
+    if (id < 0 || id >= V) {
+      invalid++;
+      memset(out + n * C, 0, (size_t)C * sizeof(float));
+    } else {
+      memcpy(out + n * C, table + (int64_t)id * C, (size_t)C * sizeof(float));
+    }
+  }
+  return invalid;
+}
+// forward was: out[n,:] = table[ids[n],:]
+// dtable (V,C) += scatter of dout (N,C). Threads split the columns: no races, row order kept.
+void mt_embedding_backward_f32(float* dtable, const int32_t* ids, const float* dout, int64_t N,
+                               int64_t C) {
+  const int nt = (N * C >= PAR_MIN && C >= 32) ? max_threads() : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    const int t = thread_id();
+    const int64_t c0 = C * t / nt, c1 = C * (t + 1) / nt;
+    for (int64_t n = 0; n < N; n++) {
+      float* d = dtable + (int64_t)ids[n] * C;
+      const float* g = dout + n * C;
+      for (int64_t c = c0; c < c1; c++) d[c] += g[c];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// attention pieces
+// ---------------------------------------------------------------------------------------------
+
+// out, inp (BH,T,T): out[b,i,j] = softmax_{j<=i}(scale * inp[b,i,j]); 0 for j > i
+void mt_causal_softmax_forward_f32(float* out, const float* inp, int64_t BH, int64_t T, float scale) {
+#pragma omp parallel for schedule(static) if (BH * T * T >= PAR_MIN / 4)
+  for (int64_t r = 0; r < BH * T; r++) {
+    const int64_t i = r % T;
+    const float* x = inp + r * T;
+    float* o = out + r * T;
+    float maxv = -INFINITY;
+    for (int64_t j = 0; j <= i; j++) maxv = scale * x[j] > maxv ? scale * x[j] : maxv;
+    float sum = 0.0f;
+    for (int64_t j = 0; j <= i; j++) {
+      o[j] = expf(scale * x[j] - maxv);
+      sum += o[j];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j <= i; j++) o[j] *= inv;
+    for (int64_t j = i + 1; j < T; j++) o[j] = 0.0f;
+  }
+}
+// forward was: out[j] = exp(scale x[j]) / sum_k<=i exp(scale x[k])
+// dinp[j] += scale * out[j] * (dout[j] - sum_k<=i out[k] dout[k])
+void mt_causal_softmax_backward_f32(float* dinp, const float* out, const float* dout, int64_t BH,
+                                    int64_t T, float scale) {
+#pragma omp parallel for schedule(static) if (BH * T * T >= PAR_MIN / 4)
+  for (int64_t r = 0; r < BH * T; r++) {
+    const int64_t i = r % T;
+    const float* y = out + r * T;
+    const float* g = dout + r * T;
+    float* d = dinp + r * T;
+    float dot = 0.0f;
+    for (int64_t j = 0; j <= i; j++) dot += y[j] * g[j];
+    for (int64_t j = 0; j <= i; j++) d[j] += scale * y[j] * (g[j] - dot);
+  }
+}
+
+// Strided copy over 4 dims: out[i·os] (=|+=) inp[i·is] for i in (d0,d1,d2,d3). Strides are in
+// elements. This is permute/transpose (contiguous out, permuted input strides), the q/k/v
+// split and merge of attention, and, with accumulate, their backward. The caller guarantees
+// that no two indices write the same out element (so rows can go to different threads).
+void mt_strided_copy_f32(float* out, const float* inp, int64_t d0, int64_t d1, int64_t d2, int64_t d3,
+                         int64_t os0, int64_t os1, int64_t os2, int64_t os3,
+                         int64_t is0, int64_t is1, int64_t is2, int64_t is3, int32_t accumulate) {
+  const int64_t rows = d0 * d1 * d2;
+#pragma omp parallel for schedule(static) if (rows * d3 >= PAR_MIN)
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t i2 = r % d2, i1 = (r / d2) % d1, i0 = r / (d1 * d2);
+    const float* x = inp + i0 * is0 + i1 * is1 + i2 * is2;
+    float* o = out + i0 * os0 + i1 * os1 + i2 * os2;
+    if (accumulate) {
+      for (int64_t i3 = 0; i3 < d3; i3++) o[i3 * os3] += x[i3 * is3];
+    } else if (os3 == 1 && is3 == 1) {
+      memcpy(o, x, (size_t)d3 * sizeof(float));
+    } else {
+      for (int64_t i3 = 0; i3 < d3; i3++) o[i3 * os3] = x[i3 * is3];
+    }
+  }
+}
+
+// Row-major strided batched GEMM: C[b] = alpha op(A[b]) op(B[b]) + beta C[b], b < batch.
+// OpenBLAS has no batched sgemm in Debian's 0.3.21; we loop, and spread the batch over
+// OpenMP threads (OpenBLAS's OpenMP build runs each call single-threaded inside a parallel
+// region, which is what small per-head GEMMs want).
+void mt_sgemm_strided_batched(int32_t transA, int32_t transB, int64_t M, int64_t N, int64_t K,
+                              float alpha, const float* A, int64_t lda, int64_t strideA,
+                              const float* B, int64_t ldb, int64_t strideB, float beta, float* C,
+                              int64_t ldc, int64_t strideC, int64_t batch) {
+  const int ta = transA ? CblasTrans : CblasNoTrans, tb = transB ? CblasTrans : CblasNoTrans;
+  const int parallel = batch > 1 && M * N * K < 512 * 512 * 512;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t b = 0; b < batch; b++)
+    cblas_sgemm(CblasRowMajor, ta, tb, (int)M, (int)N, (int)K, alpha, A + b * strideA, (int)lda,
+                B + b * strideB, (int)ldb, beta, C + b * strideC, (int)ldc);
+}
+
+// ---------------------------------------------------------------------------------------------
+// reductions
+// ---------------------------------------------------------------------------------------------
+
+// out (1) = sum of inp (n), accumulated in double
+void mt_sum_f32(float* out, const float* inp, int64_t n) {
+  double acc = 0.0;
+  for (int64_t i = 0; i < n; i++) acc += inp[i];
+  out[0] = (float)acc;
+}
+
+// sum of squares of x (n), in double; per-thread partials combined in order.
+double mt_sum_squares_f32(const float* x, int64_t n) {
+  const int nt = n >= PAR_MIN ? max_threads() : 1;
+  double partial[256] = {0};
+  const int used = nt < 256 ? nt : 256;
+#pragma omp parallel num_threads(used) if (used > 1)
+  {
+    const int t = thread_id();
+    const int64_t i0 = n * t / used, i1 = n * (t + 1) / used;
+    double acc = 0.0;
+    float accf[16] = {0};
+    int64_t i = i0;
+    // blocks of 16 in float (vectorizes), flushed to double every 4096 elements
+    while (i < i1) {
+      const int64_t end = i + 4096 < i1 ? i + 4096 : i1;
+      for (; i + 16 <= end; i += 16)
+        for (int k = 0; k < 16; k++) accf[k] += x[i + k] * x[i + k];
+      for (; i < end; i++) acc += (double)x[i] * (double)x[i];
+      for (int k = 0; k < 16; k++) {
+        acc += accf[k];
+        accf[k] = 0.0f;
+      }
+    }
+    partial[t] = acc;
+  }
+  double total = 0.0;
+  for (int t = 0; t < used; t++) total += partial[t];
+  return total;
+}
+
+// number of NaN or +-Inf values in x (n)
+int64_t mt_count_nonfinite_f32(const float* x, int64_t n) {
+  int64_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) bad += !isfinite(x[i]);
+  return bad;
+}
+
+// ---------------------------------------------------------------------------------------------
+// optimizer updates (PyTorch semantics)
+// ---------------------------------------------------------------------------------------------
+
+// param, grad, mom (n). g = grad + wd p; buf = first ? g : momentum buf + (1 - dampening) g;
+// step = nesterov ? g + momentum buf : buf; p -= lr step. momentum == 0 means plain SGD.
+void mt_sgd_step_f32(float* param, const float* grad, float* mom, int64_t n, float lr, float momentum,
+                     float dampening, float weight_decay, int32_t nesterov, int32_t first) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) {
+    float g = grad[i] + weight_decay * param[i];
+    if (momentum != 0.0f) {
+      const float buf = first ? g : momentum * mom[i] + (1.0f - dampening) * g;
+      mom[i] = buf;
+      g = nesterov ? g + momentum * buf : buf;
+    }
+    param[i] -= lr * g;
+  }
+}
+
+// param, grad, m, v (n). Decoupled weight decay: p *= 1 - lr wd; then the Adam step with
+// bias corrections bc1 = 1 - beta1^t, bc2 = 1 - beta2^t.
+void mt_adamw_step_f32(float* param, const float* grad, float* m, float* v, int64_t n, float lr,
+                       float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2) {
+  const float decay = 1.0f - lr * weight_decay;
+  const float inv_bc1 = 1.0f / bc1, inv_sqrt_bc2 = 1.0f / sqrtf(bc2);
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) {
+    const float g = grad[i];
+    const float mi = beta1 * m[i] + (1.0f - beta1) * g;
+    const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    // PyTorch: p -= lr * (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)
+    param[i] = param[i] * decay - lr * (mi * inv_bc1) / (sqrtf(vi) * inv_sqrt_bc2 + eps);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// casts (round to nearest even; NaN stays NaN)
+// ---------------------------------------------------------------------------------------------
+
+static inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+static inline float bits_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+void mt_f32_to_bf16(uint16_t* out, const float* inp, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) {
+    const uint32_t u = f32_bits(inp[i]);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      out[i] = (uint16_t)((u >> 16) | 0x40u);  // quiet NaN
+    } else {
+      out[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
+}
+void mt_bf16_to_f32(float* out, const uint16_t* inp, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) out[i] = bits_f32((uint32_t)inp[i] << 16);
+}
+
+static inline uint16_t f32_to_f16_bits(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t absu = u & 0x7fffffffu;
+  if (absu > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  // NaN
+  if (absu >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // overflow (>= 65520) -> inf
+  if (absu < 0x38800000u) {
+    // subnormal half (or zero): value = mant * 2^-24; round |f| * 2^24 to nearest even
+    if (absu < 0x33000000u) return (uint16_t)sign;  // < 2^-25: rounds to zero
+    const uint32_t e = absu >> 23;                  // 102..112
+    const uint32_t mant = (absu & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126u - e;  // 14..24
+    uint32_t h = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+  }
+  // normal: rebias exponent 127 -> 15, round the 13 dropped mantissa bits to nearest even
+  uint32_t h = ((absu - 0x38000000u) >> 13);
+  const uint32_t rem = absu & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+  return (uint16_t)(sign | h);
+}
+static inline float f16_bits_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) return bits_f32(sign) + (sign ? -1.0f : 1.0f) * (float)m * 5.9604644775390625e-8f;  // m * 2^-24
+  if (e == 31) return bits_f32(sign | 0x7f800000u | (m << 13));
+  return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+}
+void mt_f32_to_f16(uint16_t* out, const float* inp, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) out[i] = f32_to_f16_bits(inp[i]);
+}
+void mt_f16_to_f32(float* out, const uint16_t* inp, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) out[i] = f16_bits_to_f32(inp[i]);
+}

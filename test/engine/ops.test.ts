@@ -1,0 +1,411 @@
+// Every op, three ways:
+//   1. the float64 reference's gradients agree with central finite differences of its forward;
+//   2. the CPU backend's float32 forward agrees with the reference (relative error <= 1e-4);
+//   3. the CPU backend's float32 backward agrees with the reference's gradients (<= 1e-4).
+// Shapes include 1s and odd sizes that do not fit SIMD widths.
+import { describe, expect, test } from "bun:test";
+import { add, biasAdd, causalSelfAttention, dropout, embedding, gelu, layerNorm, matmul, mean, mul, permute,
+  relu, softmaxCrossEntropy, sum, transpose } from "../../engine/ops/index.ts";
+import { addBackwardReference, addReference } from "../../engine/ops/add.ts";
+import { causalSelfAttentionBackwardReference, causalSelfAttentionReference } from "../../engine/ops/attention.ts";
+import { biasAddBackwardReference, biasAddReference } from "../../engine/ops/bias.ts";
+import { softmaxCrossEntropyBackwardReference, softmaxCrossEntropyReference } from "../../engine/ops/crossentropy.ts";
+import { dropoutBackwardReference, dropoutReference } from "../../engine/ops/dropout.ts";
+import { embeddingBackwardReference, embeddingReference } from "../../engine/ops/embedding.ts";
+import { geluBackwardReference, geluReference } from "../../engine/ops/gelu.ts";
+import { layerNormBackwardReference, layerNormReference } from "../../engine/ops/layernorm.ts";
+import { matmulBackwardReference, matmulReference } from "../../engine/ops/matmul.ts";
+import { mulBackwardReference, mulReference } from "../../engine/ops/mul.ts";
+import { permuteBackwardReference, permuteReference } from "../../engine/ops/permute.ts";
+import { meanReference, sumBackwardReference, sumReference } from "../../engine/ops/reduce.ts";
+import { reluBackwardReference, reluReference } from "../../engine/ops/relu.ts";
+import { Rng } from "../../engine/rng.ts";
+import type { Tensor } from "../../engine/tensor.ts";
+import { dot, f32, f64, finiteDiff, grad64, leaf, newContext, randInts, randn, relErr } from "../helpers/numeric.ts";
+
+const tolF32 = 1e-4;
+const tolFiniteDiff = 1e-6;
+const finiteDiffMaxElems = 600;
+
+interface Input {
+  data: Float64Array;
+  shape: number[];
+  grad?: boolean;
+}
+
+interface OpCase {
+  inputs: Input[];
+  ints?: { data: Int32Array; shape: number[] }[];
+  run: (x: Tensor[], ints: Tensor[]) => Tensor;
+  ref: (x: Float64Array[]) => Float64Array;
+  refGrad: (x: Float64Array[], dout: Float64Array) => Float64Array[];
+}
+
+/** Round data to float32 first, so reference and backend see the same inputs. */
+function input(rng: Rng, shape: number[], grad = true, scale = 1): Input {
+  const n = shape.reduce((a, b) => a * b, 1);
+  return { data: f64(f32(randn(rng, n, scale))), shape, grad };
+}
+
+function checkOp(c: OpCase, rng: Rng): void {
+  const ctx = newContext(7);
+  const xs = c.inputs.map((i) => leaf(ctx, i.data, i.shape, i.grad ?? true));
+  const ints = (c.ints ?? []).map((i) => ctx.fromArray(i.data, i.shape));
+  const out = c.run(xs, ints);
+  const data = c.inputs.map((i) => i.data);
+  const expected = c.ref(data);
+  expect(out.numel).toBe(expected.length);
+  expect(relErr(out.toFloat32(), expected)).toBeLessThanOrEqual(tolF32);
+
+  const dout = f64(f32(randn(rng, out.numel)));
+  ctx.backwardFrom(out, ctx.fromArray(f32(dout), out.shape));
+  const grads = c.refGrad(data, dout);
+  c.inputs.forEach((inp, k) => {
+    if (inp.grad === false) return;
+    expect(relErr(grad64(xs[k]!), grads[k]!)).toBeLessThanOrEqual(tolF32);
+    if (inp.data.length <= finiteDiffMaxElems) {
+      const numeric = finiteDiff((x) => dot(c.ref(data.map((d, j) => (j === k ? x : d))), dout), inp.data);
+      expect(relErr(grads[k]!, numeric)).toBeLessThanOrEqual(tolFiniteDiff);
+    }
+  });
+}
+
+describe("matmul", () => {
+  const shapes: [number, number, number][] = [[1, 1, 1], [3, 5, 7], [17, 9, 33], [64, 31, 20]];
+  describe.each(shapes)("M=%i N=%i K=%i", (M, N, K) => {
+    test.each([[false, false], [false, true], [true, false], [true, true]])("transA=%p transB=%p", (tA, tB) => {
+      const rng = new Rng(M * 1000 + N * 10 + K);
+      checkOp({
+        inputs: [input(rng, tA ? [K, M] : [M, K]), input(rng, tB ? [N, K] : [K, N])],
+        run: ([a, b]) => matmul(a!, b!, { transA: tA, transB: tB }),
+        ref: ([a, b]) => matmulReference(a!, b!, M, N, K, tA, tB),
+        refGrad: ([a, b], d) => {
+          const g = matmulBackwardReference(a!, b!, d, M, N, K, tA, tB);
+          return [g.da, g.db];
+        },
+      }, rng);
+    });
+  });
+
+  test.each([[false, false], [false, true], [true, false], [true, true]])("batched (3 x 5x7x6) transA=%p transB=%p", (tA, tB) => {
+    const [Bt, M, N, K] = [3, 5, 7, 6];
+    const rng = new Rng(99);
+    const batched = (f: (a: Float64Array, b: Float64Array) => Float64Array[], a: Float64Array, b: Float64Array) => {
+      const parts = Array.from({ length: Bt }, (_, i) => f(a.subarray(i * M * K, (i + 1) * M * K), b.subarray(i * K * N, (i + 1) * K * N)));
+      return parts[0]!.map((_, j) => Float64Array.from(parts.flatMap((p) => [...p[j]!])));
+    };
+    checkOp({
+      inputs: [input(rng, tA ? [Bt, K, M] : [Bt, M, K]), input(rng, tB ? [Bt, N, K] : [Bt, K, N])],
+      run: ([a, b]) => matmul(a!, b!, { transA: tA, transB: tB }),
+      ref: ([a, b]) => batched((x, y) => [matmulReference(x, y, M, N, K, tA, tB)], a!, b!)[0]!,
+      refGrad: ([a, b], d) => {
+        const das: number[] = [];
+        const dbs: number[] = [];
+        for (let i = 0; i < Bt; i++) {
+          const g = matmulBackwardReference(a!.subarray(i * M * K, (i + 1) * M * K), b!.subarray(i * K * N, (i + 1) * K * N),
+            d.subarray(i * M * N, (i + 1) * M * N), M, N, K, tA, tB);
+          das.push(...g.da);
+          dbs.push(...g.db);
+        }
+        return [Float64Array.from(das), Float64Array.from(dbs)];
+      },
+    }, rng);
+  });
+
+  test("3-D input against a shared 2-D weight (x @ W^T)", () => {
+    const rng = new Rng(5);
+    const [B, T, C, O] = [2, 3, 5, 4];
+    checkOp({
+      inputs: [input(rng, [B, T, C]), input(rng, [O, C])],
+      run: ([x, w]) => matmul(x!, w!, { transB: true }),
+      ref: ([x, w]) => matmulReference(x!, w!, B * T, O, C, false, true),
+      refGrad: ([x, w], d) => {
+        const g = matmulBackwardReference(x!, w!, d, B * T, O, C, false, true);
+        return [g.da, g.db];
+      },
+    }, rng);
+  });
+});
+
+describe.each([
+  ["add", add, addReference, (a: Float64Array, as: number[], b: Float64Array, bs: number[], d: Float64Array) => {
+    const g = addBackwardReference(as, bs, d);
+    return [g.da, g.db];
+  }],
+  ["mul", mul, mulReference, (a: Float64Array, as: number[], b: Float64Array, bs: number[], d: Float64Array) => {
+    const g = mulBackwardReference(a, as, b, bs, d);
+    return [g.da, g.db];
+  }],
+] as const)("%s with broadcasting", (_name, op, ref, refGrad) => {
+  const pairs: [number[], number[]][] = [
+    [[4, 5], [4, 5]], [[3, 4, 5], [5]], [[3, 1, 5], [1, 4, 1]], [[2, 3, 4, 5], [3, 1, 5]], [[7], [1]],
+    [[1], [6, 3]], [[9, 17], [9, 1]],
+    // alternating broadcast dims: 5 dims even after merging (split into 4-dim blocks)
+    [[2, 1, 3, 1, 2], [2, 1, 2, 1]], [[2, 1, 2, 1, 2, 1], [2, 1, 2, 1, 2]],
+  ];
+  test.each(pairs)("%p with %p", (as, bs) => {
+    const rng = new Rng(as.length * 31 + bs.length);
+    checkOp({
+      inputs: [input(rng, as), input(rng, bs)],
+      run: ([a, b]) => op(a!, b!),
+      ref: ([a, b]) => ref(a!, as, b!, bs).out,
+      refGrad: ([a, b], d) => refGrad(a!, as, b!, bs, d),
+    }, rng);
+  });
+  test("same tensor on both sides", () => {
+    const rng = new Rng(3);
+    checkOp({
+      inputs: [input(rng, [3, 4])],
+      run: ([a]) => op(a!, a!),
+      ref: ([a]) => ref(a!, [3, 4], a!, [3, 4]).out,
+      refGrad: ([a], d) => {
+        const [ga, gb] = refGrad(a!, [3, 4], a!, [3, 4], d);
+        return [ga!.map((v, i) => v + gb![i]!)];
+      },
+    }, rng);
+  });
+});
+
+describe("biasAdd", () => {
+  test.each([[1, 1], [5, 7], [33, 65], [128, 100]])("N=%i C=%i", (N, C) => {
+    const rng = new Rng(N + C);
+    checkOp({
+      inputs: [input(rng, [N, C]), input(rng, [C])],
+      run: ([x, b]) => biasAdd(x!, b!),
+      ref: ([x, b]) => biasAddReference(x!, b!, N, C),
+      refGrad: (_x, d) => {
+        const g = biasAddBackwardReference(d, N, C);
+        return [g.dinp, g.dbias];
+      },
+    }, rng);
+  });
+  test("3-D input", () => {
+    const rng = new Rng(11);
+    checkOp({
+      inputs: [input(rng, [2, 3, 5]), input(rng, [5])],
+      run: ([x, b]) => biasAdd(x!, b!),
+      ref: ([x, b]) => biasAddReference(x!, b!, 6, 5),
+      refGrad: (_x, d) => {
+        const g = biasAddBackwardReference(d, 6, 5);
+        return [g.dinp, g.dbias];
+      },
+    }, rng);
+  });
+});
+
+describe.each([
+  ["relu", relu, reluReference, reluBackwardReference],
+  ["gelu", gelu, geluReference, geluBackwardReference],
+] as const)("%s", (_name, op, ref, refGrad) => {
+  test.each([[[1]], [[7, 13]], [[3, 5, 11]], [[40000]]])("shape %p", (shape) => {
+    const rng = new Rng(shape.length);
+    checkOp({
+      inputs: [input(rng, shape, true, 2)],
+      run: ([x]) => op(x!),
+      ref: ([x]) => ref(x!),
+      refGrad: ([x], d) => [refGrad(x!, d)],
+    }, rng);
+  });
+});
+
+describe("softmaxCrossEntropy", () => {
+  test.each([[1, 2], [5, 7], [33, 83], [4, 1000]])("N=%i V=%i", (N, V) => {
+    const rng = new Rng(N * V);
+    const targets = randInts(rng, N, V);
+    checkOp({
+      inputs: [input(rng, [N, V], true, 3)],
+      ints: [{ data: targets, shape: [N] }],
+      run: ([x], [t]) => softmaxCrossEntropy(x!, t!),
+      ref: ([x]) => Float64Array.of(softmaxCrossEntropyReference(x!, targets, N, V).loss),
+      refGrad: ([x], d) => [softmaxCrossEntropyBackwardReference(softmaxCrossEntropyReference(x!, targets, N, V).probs, targets, N, V, d[0])],
+    }, rng);
+  });
+  test("stays finite for huge logits", () => {
+    const ctx = newContext();
+    const logits = ctx.fromArray(Float32Array.of(1e30, -1e30, 0, 80, 90, -5), [2, 3]);
+    const loss = softmaxCrossEntropy(logits, ctx.fromArray(Int32Array.of(1, 0), [2]));
+    // row 0: -log softmax picks -1e30 - 1e30 => loss 2e30 (finite); row 1: 90 - 80 + log(1 + e^-10 ...)
+    expect(Number.isFinite(loss.item())).toBe(true);
+  });
+  test("3-D logits with 2-D targets", () => {
+    const rng = new Rng(17);
+    const [B, T, V] = [2, 3, 5];
+    const targets = randInts(rng, B * T, V);
+    checkOp({
+      inputs: [input(rng, [B, T, V])],
+      ints: [{ data: targets, shape: [B, T] }],
+      run: ([x], [t]) => softmaxCrossEntropy(x!, t!),
+      ref: ([x]) => Float64Array.of(softmaxCrossEntropyReference(x!, targets, B * T, V).loss),
+      refGrad: ([x], d) => [softmaxCrossEntropyBackwardReference(softmaxCrossEntropyReference(x!, targets, B * T, V).probs, targets, B * T, V, d[0])],
+    }, rng);
+  });
+});
+
+describe("layerNorm", () => {
+  test.each([[1, 3], [5, 7], [9, 64], [300, 129]])("N=%i C=%i", (N, C) => {
+    const rng = new Rng(N + 7 * C);
+    checkOp({
+      inputs: [input(rng, [N, C], true, 2), input(rng, [C]), input(rng, [C])],
+      run: ([x, w, b]) => layerNorm(x!, w!, b!),
+      ref: ([x, w, b]) => layerNormReference(x!, w!, b!, N, C).out,
+      refGrad: ([x, w], d) => {
+        const g = layerNormBackwardReference(x!, w!, d, N, C);
+        return [g.dinp, g.dweight, g.dbias];
+      },
+    }, rng);
+  });
+  test("input without grad (weights only)", () => {
+    const rng = new Rng(4);
+    const [N, C] = [6, 10];
+    checkOp({
+      inputs: [{ ...input(rng, [N, C]), grad: false }, input(rng, [C]), input(rng, [C])],
+      run: ([x, w, b]) => layerNorm(x!, w!, b!),
+      ref: ([x, w, b]) => layerNormReference(x!, w!, b!, N, C).out,
+      refGrad: ([x, w], d) => {
+        const g = layerNormBackwardReference(x!, w!, d, N, C);
+        return [g.dinp, g.dweight, g.dbias];
+      },
+    }, rng);
+  });
+});
+
+describe("embedding", () => {
+  test.each([[1, 1, 1], [10, 7, 13], [83, 32, 64]])("V=%i C=%i N=%i (repeated ids)", (V, C, N) => {
+    const rng = new Rng(V + C + N);
+    const ids = randInts(rng, N, V);
+    checkOp({
+      inputs: [input(rng, [V, C])],
+      ints: [{ data: ids, shape: [N] }],
+      run: ([table], [i]) => embedding(table!, i!),
+      ref: ([table]) => embeddingReference(table!, ids, C),
+      refGrad: (_x, d) => [embeddingBackwardReference(ids, d, V, C)],
+    }, rng);
+  });
+  test("2-D ids give a 3-D output", () => {
+    const ctx = newContext();
+    const table = ctx.fromArray(new Float32Array(12).map((_, i) => i), [4, 3]);
+    const out = embedding(table, ctx.fromArray(Int32Array.of(3, 0, 1, 1), [2, 2]));
+    expect(out.shape).toEqual([2, 2, 3]);
+    expect([...out.toFloat32()]).toEqual([9, 10, 11, 0, 1, 2, 3, 4, 5, 3, 4, 5]);
+  });
+});
+
+describe("causalSelfAttention", () => {
+  test.each([[1, 1, 4, 1], [2, 5, 12, 3], [2, 8, 16, 2], [3, 17, 24, 4]])("B=%i T=%i C=%i H=%i", (B, T, C, H) => {
+    const rng = new Rng(B * T * C * H);
+    checkOp({
+      inputs: [input(rng, [B, T, 3 * C])],
+      run: ([qkv]) => causalSelfAttention(qkv!, H),
+      ref: ([qkv]) => causalSelfAttentionReference(qkv!, B, T, C, H).out,
+      refGrad: ([qkv], d) => [causalSelfAttentionBackwardReference(qkv!, d, B, T, C, H)],
+    }, rng);
+  });
+  test("position i never sees later positions", () => {
+    const rng = new Rng(1);
+    const [B, T, C, H] = [1, 6, 8, 2];
+    const qkv = f64(f32(randn(rng, B * T * 3 * C)));
+    const changed = Float64Array.from(qkv);
+    for (let c = 0; c < 3 * C; c++) changed[(T - 1) * 3 * C + c] = 100; // change the last position only
+    const ctx = newContext();
+    const a = causalSelfAttention(ctx.fromArray(f32(qkv), [B, T, 3 * C]), H).toFloat32();
+    const b = causalSelfAttention(ctx.fromArray(f32(changed), [B, T, 3 * C]), H).toFloat32();
+    expect([...a.subarray(0, (T - 1) * C)]).toEqual([...b.subarray(0, (T - 1) * C)]);
+  });
+});
+
+describe("dropout", () => {
+  test.each([[[1]], [[5, 7]], [[50000]]])("shape %p, p=0.3, mask recomputed in backward", (shape) => {
+    const rng = new Rng(2);
+    const p = 0.3;
+    checkOp({
+      inputs: [input(rng, shape)],
+      run: ([x]) => dropout(x!, p),
+      ref: ([x]) => dropoutReference(x!, p, seedOfFirstCall()),
+      refGrad: (_x, d) => [dropoutBackwardReference(d, p, seedOfFirstCall())],
+    }, rng);
+  });
+  test("keeps about 1-p of the elements and preserves the mean", () => {
+    const ctx = newContext(3);
+    const n = 200000;
+    const out = dropout(ctx.fromArray(new Float32Array(n).fill(1), [n]), 0.25).toFloat32();
+    const kept = out.filter((v) => v !== 0).length / n;
+    expect(Math.abs(kept - 0.75)).toBeLessThan(0.01);
+    expect(Math.abs(out.reduce((a, b) => a + b, 0) / n - 1)).toBeLessThan(0.01);
+  });
+  test("identity in evaluation mode and for p = 0", () => {
+    const ctx = newContext();
+    const x = ctx.fromArray(Float32Array.of(1, 2, 3), [3]);
+    expect(dropout(x, 0)).toBe(x);
+    ctx.training = false;
+    expect(dropout(x, 0.5)).toBe(x);
+  });
+});
+
+/** The seed the first dropout call of a context made with newContext(7) draws. */
+function seedOfFirstCall(): bigint {
+  return newContext(7).nextDropoutSeed();
+}
+
+describe("permute / transpose", () => {
+  const cases: [number[], number[]][] = [
+    [[2, 3], [1, 0]], [[2, 3, 4], [0, 2, 1]], [[2, 3, 4, 5], [3, 1, 0, 2]], [[2, 3, 4, 5], [0, 2, 1, 3]],
+    [[3, 1, 4, 2, 2], [4, 2, 0, 1, 3]], [[5, 7], [0, 1]],
+  ];
+  test.each(cases)("shape %p perm %p", (shape, perm) => {
+    const rng = new Rng(shape.length * 13 + perm[0]!);
+    checkOp({
+      inputs: [input(rng, shape)],
+      run: ([x]) => permute(x!, perm),
+      ref: ([x]) => permuteReference(x!, shape, perm),
+      refGrad: (_x, d) => [permuteBackwardReference(d, shape, perm)],
+    }, rng);
+  });
+  test("transpose swaps two dims", () => {
+    const ctx = newContext();
+    const x = ctx.fromArray(Float32Array.of(1, 2, 3, 4, 5, 6), [2, 3]);
+    const t = transpose(x, 0, 1);
+    expect(t.shape).toEqual([3, 2]);
+    expect([...t.toFloat32()]).toEqual([1, 4, 2, 5, 3, 6]);
+  });
+});
+
+describe("sum / mean", () => {
+  test.each([[[1]], [[7, 13]], [[100000]]])("shape %p", (shape) => {
+    const rng = new Rng(shape[0]!);
+    const n = shape.reduce((a, b) => a * b, 1);
+    checkOp({
+      inputs: [input(rng, shape)],
+      run: ([x]) => sum(x!),
+      ref: ([x]) => Float64Array.of(sumReference(x!)),
+      refGrad: (_x, d) => [sumBackwardReference(n, d[0]!)],
+    }, rng);
+    checkOp({
+      inputs: [input(rng, shape)],
+      run: ([x]) => mean(x!),
+      ref: ([x]) => Float64Array.of(meanReference(x!)),
+      refGrad: (_x, d) => [sumBackwardReference(n, d[0]!, true)],
+    }, rng);
+  });
+});
+
+describe("views and composition", () => {
+  test("reshape and narrowRows share the gradient of their base", () => {
+    const rng = new Rng(8);
+    const data = f64(f32(randn(rng, 24)));
+    const ctx = newContext();
+    const x = leaf(ctx, data, [6, 4]);
+    const rows = x.narrowRows(2, 3).reshape([4, 3]); // rows 2..4 of x, seen as (4,3)
+    const loss = sum(mul(rows, rows));
+    ctx.backward(loss);
+    const g = grad64(x);
+    const expected = data.map((v, i) => (i >= 8 && i < 20 ? 2 * v : 0));
+    expect(relErr(g, expected)).toBeLessThanOrEqual(tolF32);
+  });
+  test("a tensor used twice accumulates both gradients", () => {
+    const ctx = newContext();
+    const x = leaf(ctx, Float64Array.of(1, -2, 3), [3]);
+    const y = add(relu(x), mul(x, x)); // dy/dx = [x>0] + 2x
+    ctx.backward(sum(y));
+    expect([...grad64(x)]).toEqual([3, -4, 7]);
+  });
+});

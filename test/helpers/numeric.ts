@@ -1,0 +1,79 @@
+// Numeric helpers for tests: seeded data, relative errors, central finite differences.
+import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { Rng } from "../../engine/rng.ts";
+import { Context, type Tensor } from "../../engine/tensor.ts";
+
+let shared: CpuBackend | undefined;
+/** One CPU backend for the whole test process (loading the libraries once). */
+export function cpu(): CpuBackend {
+  shared ??= new CpuBackend();
+  return shared;
+}
+
+export function newContext(seed = 0): Context {
+  return new Context(cpu(), { seed });
+}
+
+export function randn(rng: Rng, n: number, scale = 1): Float64Array {
+  const out = new Float64Array(n);
+  for (let i = 0; i < n; i++) out[i] = rng.normal() * scale;
+  return out;
+}
+
+export function randInts(rng: Rng, n: number, limit: number): Int32Array {
+  const out = new Int32Array(n);
+  for (let i = 0; i < n; i++) out[i] = rng.int(limit);
+  return out;
+}
+
+export const f32 = (x: Float64Array): Float32Array => Float32Array.from(x);
+export const f64 = (x: ArrayLike<number>): Float64Array => Float64Array.from(x);
+
+/** max |a - b| / max |b| (the infinity-norm relative error of a against reference b) */
+export function relErr(a: ArrayLike<number>, b: ArrayLike<number>): number {
+  if (a.length !== b.length) throw new Error(`relErr: lengths differ (${a.length} vs ${b.length})`);
+  let diff = 0;
+  let scale = 0;
+  for (let i = 0; i < a.length; i++) {
+    const d = Math.abs(a[i]! - b[i]!);
+    if (!(d <= diff)) diff = d; // also catches NaN
+    scale = Math.max(scale, Math.abs(b[i]!));
+  }
+  return diff / Math.max(scale, 1e-30);
+}
+
+/** Central differences of a scalar function at x, one coordinate at a time. */
+export function finiteDiff(f: (x: Float64Array) => number, x: Float64Array, h = 1e-6): Float64Array {
+  const g = new Float64Array(x.length);
+  const xp = Float64Array.from(x);
+  for (let i = 0; i < x.length; i++) {
+    const v = xp[i]!;
+    xp[i] = v + h;
+    const fp = f(xp);
+    xp[i] = v - h;
+    const fm = f(xp);
+    xp[i] = v;
+    g[i] = (fp - fm) / (2 * h);
+  }
+  return g;
+}
+
+/** sum(out * w): the scalar whose gradient with respect to out is w */
+export function dot(out: ArrayLike<number>, w: ArrayLike<number>): number {
+  let s = 0;
+  for (let i = 0; i < out.length; i++) s += out[i]! * w[i]!;
+  return s;
+}
+
+/** An f32 leaf tensor that requires grad. */
+export function leaf(ctx: Context, data: Float64Array, shape: number[], requiresGrad = true): Tensor {
+  const t = ctx.fromArray(f32(data), shape);
+  t.requiresGrad = requiresGrad;
+  return t;
+}
+
+export function grad64(t: Tensor): Float64Array {
+  const g = t.grad;
+  if (g === null) throw new Error("tensor has no gradient");
+  return f64(g.toFloat32());
+}
