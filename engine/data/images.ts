@@ -1,0 +1,51 @@
+// Batches of normalized images and their labels, built into reused host buffers.
+import { ConfigError } from "../errors.ts";
+import type { HostBatch } from "../train.ts";
+import { type MnistSplit, mnistMean, mnistStd } from "./mnist.ts";
+import { epochOrder } from "./sampler.ts";
+
+export class ImageBatcher {
+  readonly features: number;
+  readonly #inputs: Float32Array;
+  readonly #targets: Int32Array;
+  readonly #lut = new Float32Array(256);
+
+  constructor(readonly split: MnistSplit, readonly batchSize: number) {
+    if (!Number.isInteger(batchSize) || batchSize < 1) throw new ConfigError(`batch size must be an integer >= 1, got ${batchSize}`);
+    this.features = split.rows * split.cols;
+    this.#inputs = new Float32Array(batchSize * this.features);
+    this.#targets = new Int32Array(batchSize);
+    for (let v = 0; v < 256; v++) this.#lut[v] = (v / 255 - mnistMean) / mnistStd;
+  }
+
+  /** The batch of samples order[start .. start+batchSize) (fewer at the end). Buffers are reused. */
+  batch(order: ArrayLike<number>, start: number): HostBatch {
+    const n = Math.min(this.batchSize, order.length - start);
+    const F = this.features;
+    const { images, labels } = this.split;
+    for (let i = 0; i < n; i++) {
+      const s = order[start + i]!;
+      const src = images.subarray(s * F, (s + 1) * F);
+      const dst = this.#inputs.subarray(i * F, (i + 1) * F);
+      for (let f = 0; f < F; f++) dst[f] = this.#lut[src[f]!]!;
+      this.#targets[i] = labels[s]!;
+    }
+    return {
+      inputs: n === this.batchSize ? this.#inputs : this.#inputs.subarray(0, n * F),
+      inputShape: [n, F],
+      targets: n === this.batchSize ? this.#targets : this.#targets.subarray(0, n),
+      targetShape: [n],
+    };
+  }
+
+  /** Batches per epoch: with dropLast the incomplete tail is skipped (it is reshuffled next epoch). */
+  batchesPerEpoch(dropLast: boolean): number {
+    return dropLast ? Math.floor(this.split.count / this.batchSize) : Math.ceil(this.split.count / this.batchSize);
+  }
+
+  *epoch(seed: number, epoch: number, shuffle: boolean, dropLast: boolean): Generator<HostBatch> {
+    const order = epochOrder(this.split.count, seed, epoch, shuffle);
+    const batches = this.batchesPerEpoch(dropLast);
+    for (let b = 0; b < batches; b++) yield this.batch(order, b * this.batchSize);
+  }
+}

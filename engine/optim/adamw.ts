@@ -1,0 +1,64 @@
+// AdamW (Loshchilov & Hutter) with PyTorch's torch.optim.AdamW semantics:
+//   p *= 1 - lr * wd                                  (decoupled weight decay)
+//   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+//   p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+// Weight decay applies to the parameters that declared decay (matrices and embeddings).
+import type { Allocation } from "../../ffi/backend.ts";
+import { ConfigError } from "../errors.ts";
+import type { ParamStore } from "../params.ts";
+import type { Context } from "../tensor.ts";
+import { allocStateSlab, type Optimizer } from "./optimizer.ts";
+
+export interface AdamWConfig {
+  beta1: number;
+  beta2: number;
+  eps: number;
+  weightDecay: number;
+}
+
+export const adamwDefaults: AdamWConfig = { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
+
+export class AdamW implements Optimizer {
+  readonly name = "adamw";
+  #steps = 0;
+  readonly #m: Allocation;
+  readonly #v: Allocation;
+
+  constructor(readonly ctx: Context, readonly store: ParamStore, readonly config: AdamWConfig) {
+    const { beta1, beta2, eps, weightDecay } = config;
+    if (!(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1)) {
+      throw new ConfigError(`adamw betas must be in [0, 1), got (${beta1}, ${beta2})`);
+    }
+    if (!(eps > 0)) throw new ConfigError(`adamw eps must be > 0, got ${eps}`);
+    if (!(weightDecay >= 0)) throw new ConfigError(`adamw weightDecay must be >= 0, got ${weightDecay}`);
+    this.#m = allocStateSlab(ctx, store);
+    this.#v = allocStateSlab(ctx, store);
+  }
+
+  get stepCount(): number {
+    return this.#steps;
+  }
+
+  step(lr: number): void {
+    const be = this.ctx.backend;
+    const { beta1, beta2, eps, weightDecay } = this.config;
+    const t = this.#steps + 1;
+    const bc1 = 1 - beta1 ** t;
+    const bc2 = 1 - beta2 ** t;
+    for (const [range, wd] of [[this.store.decayRange, weightDecay], [this.store.noDecayRange, 0]] as const) {
+      if (range.numel === 0) continue;
+      const off = range.offset * 4;
+      be.adamwStep(this.store.values.ptr + off, this.store.grads.ptr + off, this.#m.ptr + off, this.#v.ptr + off,
+        range.numel, lr, beta1, beta2, eps, wd, bc1, bc2);
+    }
+    this.#steps = t;
+  }
+
+  stateSlabs() {
+    return [{ name: "m", allocation: this.#m }, { name: "v", allocation: this.#v }];
+  }
+
+  setStepCount(n: number): void {
+    this.#steps = n;
+  }
+}

@@ -1,0 +1,20 @@
+// Global-norm gradient clipping (torch.nn.utils.clip_grad_norm_): if the L2 norm of all
+// gradients exceeds maxNorm, scale them all by maxNorm / (norm + 1e-6). One reduction over the
+// gradient slab, one scale.
+import { ConfigError } from "../errors.ts";
+import type { ParamStore } from "../params.ts";
+import type { Context } from "../tensor.ts";
+
+export function gradNorm(ctx: Context, store: ParamStore): number {
+  return Math.sqrt(ctx.backend.sumSquares(store.grads.ptr, store.slabNumel));
+}
+
+/** Returns the norm before clipping. maxNorm <= 0 or Infinity only measures. */
+export function clipGradNorm(ctx: Context, store: ParamStore, maxNorm: number): number {
+  if (Number.isNaN(maxNorm)) throw new ConfigError("clipGradNorm: maxNorm is NaN");
+  const norm = gradNorm(ctx, store);
+  if (maxNorm > 0 && Number.isFinite(maxNorm) && norm > maxNorm) {
+    ctx.backend.scale(store.grads.ptr, store.slabNumel, maxNorm / (norm + 1e-6));
+  }
+  return norm;
+}

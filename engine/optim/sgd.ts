@@ -1,0 +1,62 @@
+// SGD with momentum, dampening, Nesterov momentum and (coupled, L2) weight decay, with
+// PyTorch's torch.optim.SGD semantics:
+//   g = grad + wd * p
+//   buf = g on the first step, else momentum * buf + (1 - dampening) * g
+//   p -= lr * (nesterov ? g + momentum * buf : buf)
+// Weight decay applies to the parameters that declared decay (matrices), not biases.
+import type { Allocation } from "../../ffi/backend.ts";
+import { ConfigError } from "../errors.ts";
+import type { ParamStore } from "../params.ts";
+import type { Context } from "../tensor.ts";
+import { allocStateSlab, type Optimizer } from "./optimizer.ts";
+
+export interface SgdConfig {
+  momentum: number;
+  dampening: number;
+  nesterov: boolean;
+  weightDecay: number;
+}
+
+export const sgdDefaults: SgdConfig = { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 };
+
+export class Sgd implements Optimizer {
+  readonly name = "sgd";
+  #steps = 0;
+  readonly #momentum: Allocation;
+
+  constructor(readonly ctx: Context, readonly store: ParamStore, readonly config: SgdConfig) {
+    const { momentum, dampening, nesterov, weightDecay } = config;
+    if (!(momentum >= 0 && momentum < 1)) throw new ConfigError(`sgd momentum must be in [0, 1), got ${momentum}`);
+    if (!(dampening >= 0 && dampening <= 1)) throw new ConfigError(`sgd dampening must be in [0, 1], got ${dampening}`);
+    if (!(weightDecay >= 0)) throw new ConfigError(`sgd weightDecay must be >= 0, got ${weightDecay}`);
+    if (nesterov && (momentum === 0 || dampening !== 0)) {
+      throw new ConfigError("sgd nesterov needs momentum > 0 and dampening = 0");
+    }
+    this.#momentum = allocStateSlab(ctx, store);
+  }
+
+  get stepCount(): number {
+    return this.#steps;
+  }
+
+  step(lr: number): void {
+    const be = this.ctx.backend;
+    const { momentum, dampening, nesterov, weightDecay } = this.config;
+    const first = this.#steps === 0;
+    for (const [range, wd] of [[this.store.decayRange, weightDecay], [this.store.noDecayRange, 0]] as const) {
+      if (range.numel === 0) continue;
+      const off = range.offset * 4;
+      be.sgdStep(this.store.values.ptr + off, this.store.grads.ptr + off, this.#momentum.ptr + off, range.numel, lr,
+        momentum, dampening, wd, nesterov, first);
+    }
+    this.#steps++;
+  }
+
+  stateSlabs() {
+    return [{ name: "momentum", allocation: this.#momentum }];
+  }
+
+  setStepCount(n: number): void {
+    this.#steps = n;
+  }
+}

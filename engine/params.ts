@@ -1,0 +1,197 @@
+// Parameters, gradients and optimizer state, each in one contiguous slab with a table of named
+// views into it (llm.c style). These slabs are what later layers shard, send and checkpoint:
+// an optimizer step is one kernel call per group, a gradient clip one reduction, a checkpoint
+// one copy.
+//
+// Layout: parameters that take weight decay first, then the rest (biases, LayerNorm, ...), so
+// each group is one contiguous range. Every parameter starts on a 64-byte boundary; the
+// padding between them is zero in all slabs and stays zero under every update rule.
+import type { Allocation } from "../ffi/backend.ts";
+import { ConfigError, ShapeError } from "./errors.ts";
+import { Rng } from "./rng.ts";
+import { type Context, numelOf, type Shape, type Tensor } from "./tensor.ts";
+
+export type Init =
+  | { kind: "normal"; std: number }
+  | { kind: "uniform"; bound: number }
+  | { kind: "zeros" }
+  | { kind: "ones" };
+
+export interface ParamSpec {
+  readonly name: string;
+  readonly shape: Shape;
+  readonly init: Init;
+  /** takes weight decay (matrices and embeddings do; biases and norms do not) */
+  readonly decay: boolean;
+}
+
+/** A parameter a module declared; its tensor exists once the ParamStore is built. */
+export class Param {
+  #tensor: Tensor | null = null;
+  constructor(readonly spec: ParamSpec) {}
+
+  get tensor(): Tensor {
+    if (this.#tensor === null) throw new Error(`parameter ${this.spec.name} used before ParamStore.build()`);
+    return this.#tensor;
+  }
+  bind(t: Tensor): void {
+    this.#tensor = t;
+  }
+}
+
+/** Modules declare their parameters here, in a fixed order, before any memory exists. */
+export class ParamBuilder {
+  readonly params: Param[] = [];
+  readonly #names = new Set<string>();
+
+  add(name: string, shape: Shape, init: Init, decay: boolean): Param {
+    if (this.#names.has(name)) throw new ConfigError(`duplicate parameter name ${name}`);
+    if (shape.some((d) => !Number.isSafeInteger(d) || d <= 0)) {
+      throw new ShapeError("ParamBuilder.add", [shape], `parameter ${name} needs positive integer dims`);
+    }
+    this.#names.add(name);
+    const p = new Param({ name, shape, init, decay });
+    this.params.push(p);
+    return p;
+  }
+}
+
+export interface ParamEntry {
+  readonly name: string;
+  readonly shape: Shape;
+  /** offset into the slabs, in elements */
+  readonly offset: number;
+  readonly numel: number;
+  readonly decay: boolean;
+}
+
+export interface ParamRange {
+  readonly offset: number;
+  readonly numel: number;
+}
+
+const alignElems = 16; // 64 bytes of f32
+
+/** FNV-1a of a name: each parameter gets its own random stream, independent of the others. */
+function nameHash(name: string): number {
+  let h = 0x811c9dc5;
+  for (let i = 0; i < name.length; i++) h = Math.imul(h ^ name.charCodeAt(i), 0x01000193);
+  return h >>> 0;
+}
+
+export class ParamStore {
+  readonly entries: readonly ParamEntry[];
+  /** total slab length in elements, padding included */
+  readonly slabNumel: number;
+  /** parameter count, padding excluded */
+  readonly paramCount: number;
+  readonly decayRange: ParamRange;
+  readonly noDecayRange: ParamRange;
+  readonly values: Allocation;
+  readonly grads: Allocation;
+  readonly valuesTensor: Tensor;
+  readonly gradsTensor: Tensor;
+  readonly #ctx: Context;
+  readonly #byName = new Map<string, ParamEntry>();
+  readonly #params: readonly Param[];
+
+  private constructor(ctx: Context, params: readonly Param[]) {
+    this.#ctx = ctx;
+    this.#params = params;
+    const ordered = [...params.filter((p) => p.spec.decay), ...params.filter((p) => !p.spec.decay)];
+    let offset = 0;
+    let decayEnd = 0;
+    const entries: ParamEntry[] = [];
+    for (const p of ordered) {
+      const numel = numelOf(p.spec.shape);
+      entries.push({ name: p.spec.name, shape: p.spec.shape, offset, numel, decay: p.spec.decay });
+      offset += Math.ceil(numel / alignElems) * alignElems;
+      if (p.spec.decay) decayEnd = offset;
+    }
+    this.entries = entries;
+    this.slabNumel = Math.max(offset, alignElems);
+    this.paramCount = entries.reduce((s, e) => s + e.numel, 0);
+    this.decayRange = { offset: 0, numel: decayEnd };
+    this.noDecayRange = { offset: decayEnd, numel: offset - decayEnd };
+    for (const e of entries) this.#byName.set(e.name, e);
+
+    this.values = ctx.allocPersistent(this.slabNumel * 4);
+    this.grads = ctx.allocPersistent(this.slabNumel * 4);
+    this.valuesTensor = ctx.persistentTensor([this.slabNumel], "f32", this.values.ptr, false);
+    this.gradsTensor = ctx.persistentTensor([this.slabNumel], "f32", this.grads.ptr, false);
+    const byName = new Map(params.map((p) => [p.spec.name, p]));
+    for (const e of entries) {
+      const t = ctx.persistentTensor(e.shape, "f32", this.values.ptr + e.offset * 4, true);
+      t.name = e.name;
+      t.bindGrad(ctx.persistentTensor(e.shape, "f32", this.grads.ptr + e.offset * 4, false));
+      byName.get(e.name)!.bind(t);
+    }
+  }
+
+  /** Allocate the slabs, bind every Param to its view, and initialize from seed. */
+  static build(ctx: Context, builder: ParamBuilder, seed: number): ParamStore {
+    const store = new ParamStore(ctx, builder.params);
+    store.initialize(seed);
+    return store;
+  }
+
+  entry(name: string): ParamEntry {
+    const e = this.#byName.get(name);
+    if (e === undefined) throw new ConfigError(`no parameter named ${name}`);
+    return e;
+  }
+
+  param(name: string): Tensor {
+    this.entry(name);
+    return this.#params.find((p) => p.spec.name === name)!.tensor;
+  }
+
+  /** Deterministic initialization: each parameter draws from Rng(seed, hash(name)). */
+  initialize(seed: number): void {
+    const host = new Float32Array(this.slabNumel);
+    const specs = new Map(this.#params.map((p) => [p.spec.name, p.spec]));
+    for (const e of this.entries) {
+      const init = specs.get(e.name)!.init;
+      const view = host.subarray(e.offset, e.offset + e.numel);
+      const rng = new Rng((seed * 0x9e3779b1) ^ nameHash(e.name));
+      switch (init.kind) {
+        case "normal":
+          for (let i = 0; i < view.length; i++) view[i] = rng.normal() * init.std;
+          break;
+        case "uniform":
+          for (let i = 0; i < view.length; i++) view[i] = (2 * rng.uniform() - 1) * init.bound;
+          break;
+        case "ones":
+          view.fill(1);
+          break;
+        case "zeros":
+          break;
+      }
+    }
+    this.#ctx.backend.upload(this.values.ptr, host);
+  }
+
+  zeroGrad(): void {
+    this.#ctx.backend.zero(this.grads.ptr, this.slabNumel * 4);
+  }
+
+  /** A host copy of the whole value slab (checkpoints, parity checks). */
+  readValues(): Float32Array {
+    const out = new Float32Array(this.slabNumel);
+    this.#ctx.backend.download(this.values.ptr, out);
+    return out;
+  }
+
+  readGrads(): Float32Array {
+    const out = new Float32Array(this.slabNumel);
+    this.#ctx.backend.download(this.grads.ptr, out);
+    return out;
+  }
+
+  writeValues(data: Float32Array): void {
+    if (data.length !== this.slabNumel) {
+      throw new ShapeError("ParamStore.writeValues", [[data.length], [this.slabNumel]], "slab length differs");
+    }
+    this.#ctx.backend.upload(this.values.ptr, data);
+  }
+}

@@ -1,0 +1,126 @@
+// One optimizer step over k micro-batches, and evaluation. This is the unit a trainer
+// service runs between pulling parameters and pushing gradients; the single-process loop
+// (sdk/commands/train.ts) calls it directly.
+//
+// Gradient accumulation: each micro-batch's mean loss is back-propagated with d(loss) = 1/k
+// into the same gradient slab, so k micro-batches of size b give exactly the gradient of one
+// batch of size k*b (tested to 1e-5).
+import { NonFiniteLossError, ConfigError, ShapeError } from "./errors.ts";
+import type { Model } from "./models/model.ts";
+import { clipGradNorm } from "./optim/clip.ts";
+import type { Optimizer } from "./optim/optimizer.ts";
+import { lrAt, type Schedule } from "./optim/schedule.ts";
+import { softmaxCrossEntropy } from "./ops/crossentropy.ts";
+import type { Context, Tensor } from "./tensor.ts";
+
+/** A batch in host memory: f32 features or i32 token ids, and i32 targets. */
+export interface HostBatch {
+  inputs: Float32Array | Int32Array;
+  inputShape: number[];
+  targets: Int32Array;
+  targetShape: number[];
+}
+
+export interface StepConfig {
+  lr: number;
+  schedule: Schedule;
+  /** global-norm clipping threshold; 0 disables clipping */
+  gradClip: number;
+  /** micro-batches per optimizer step */
+  accumSteps: number;
+}
+
+export interface StepResult {
+  step: number;
+  /** mean loss over the step's micro-batches */
+  loss: number;
+  /** gradient norm before clipping */
+  gradNorm: number;
+  lr: number;
+}
+
+export function uploadBatch(ctx: Context, b: HostBatch): { x: Tensor; y: Tensor } {
+  return { x: ctx.fromArray(b.inputs, b.inputShape), y: ctx.fromArray(b.targets, b.targetShape) };
+}
+
+export class TrainStep {
+  constructor(readonly ctx: Context, readonly model: Model, readonly optimizer: Optimizer, readonly config: StepConfig) {
+    if (!Number.isInteger(config.accumSteps) || config.accumSteps < 1) {
+      throw new ConfigError(`accumSteps must be an integer >= 1, got ${config.accumSteps}`);
+    }
+    if (!(config.gradClip >= 0)) throw new ConfigError(`gradClip must be >= 0, got ${config.gradClip}`);
+  }
+
+  /** The number of optimizer steps taken so far. */
+  get step(): number {
+    return this.optimizer.stepCount;
+  }
+
+  run(micro: readonly HostBatch[]): StepResult {
+    const k = this.config.accumSteps;
+    if (micro.length !== k) throw new ShapeError("TrainStep.run", [[micro.length]], `expected ${k} micro-batches`);
+    const { ctx, model } = this;
+    const store = model.store;
+    store.zeroGrad();
+    let loss = 0;
+    for (const b of micro) {
+      ctx.newPass();
+      const { x, y } = uploadBatch(ctx, b);
+      const l = model.loss(x, y);
+      const value = l.item();
+      // stop before the update: the parameters stay as they were at the last good step
+      if (!Number.isFinite(value)) throw new NonFiniteLossError(this.step, value);
+      ctx.backward(l, 1 / k);
+      loss += value / k;
+    }
+    const gradNorm = clipGradNorm(ctx, store, this.config.gradClip);
+    const lr = lrAt(this.config.schedule, this.config.lr, this.step);
+    this.optimizer.step(lr);
+    return { step: this.step, loss, gradNorm, lr };
+  }
+}
+
+export interface EvalResult {
+  loss: number;
+  /** fraction of rows whose argmax logit is the target */
+  accuracy: number;
+  /** rows (samples or tokens) evaluated */
+  count: number;
+}
+
+/** Mean loss and argmax accuracy over batches, without recording gradients or dropout. */
+export function evaluate(ctx: Context, model: Model, batches: Iterable<HostBatch>): EvalResult {
+  const wasTraining = ctx.training;
+  ctx.training = false;
+  let lossSum = 0;
+  let correct = 0;
+  let count = 0;
+  try {
+    for (const b of batches) {
+      ctx.newPass();
+      const { x, y } = uploadBatch(ctx, b);
+      const { loss, logits } = ctx.noGrad(() => {
+        const logits = model.forward(x);
+        return { loss: softmaxCrossEntropy(logits, y), logits };
+      });
+      const rows = b.targets.length;
+      lossSum += loss.item() * rows;
+      correct += countCorrect(logits.toFloat32(), b.targets);
+      count += rows;
+    }
+  } finally {
+    ctx.training = wasTraining;
+  }
+  return { loss: lossSum / Math.max(count, 1), accuracy: correct / Math.max(count, 1), count };
+}
+
+function countCorrect(logits: Float32Array, targets: Int32Array): number {
+  const V = logits.length / targets.length;
+  let correct = 0;
+  for (let n = 0; n < targets.length; n++) {
+    let best = 0;
+    for (let v = 1; v < V; v++) if (logits[n * V + v]! > logits[n * V + best]!) best = v;
+    if (best === targets[n]) correct++;
+  }
+  return correct;
+}
