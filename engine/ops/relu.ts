@@ -16,7 +16,8 @@ export function relu(inp: Tensor): Tensor {
 
 // ---- float64 reference --------------------------------------------------------------------
 
-export const reluReference = (x: Float64Array): Float64Array => x.map((v) => (v > 0 ? v : 0));
+// NaN propagates, as in torch.relu
+export const reluReference = (x: Float64Array): Float64Array => x.map((v) => (v < 0 ? 0 : v));
 
 // forward was: out = max(x, 0)  =>  dx = dout where x > 0
 export const reluBackwardReference = (x: Float64Array, dout: Float64Array): Float64Array =>

@@ -82,12 +82,15 @@ export function ensureKernelLibrary(log: (line: string) => void = () => {}): { k
   if (result.exitCode !== 0) {
     throw new NativeLibraryError(`compiling ${kernelSourcePath} failed (exit ${result.exitCode}):\n${result.stderr.toString()}`);
   }
+  const warnings = result.stderr.toString().trim();
+  if (warnings !== "") log(warnings);
   renameSync(tmp, libraryPath);
   writeFileSync(stampPath, stamp);
   return { kernels: libraryPath, openblas };
 }
 
 if (import.meta.main) {
-  const { kernels, openblas } = ensureKernelLibrary((line) => console.log(line));
-  console.log(`CPU kernels: ${kernels}\nOpenBLAS:    ${openblas}`);
+  const quiet = process.argv.includes("--quiet");
+  const { kernels, openblas } = ensureKernelLibrary((line) => console.error(line));
+  if (!quiet) console.log(`CPU kernels: ${kernels}\nOpenBLAS:    ${openblas}`);
 }

@@ -171,7 +171,8 @@ void mt_bias_backward_f32(float* dbias, const float* dout, int64_t N, int64_t C)
 // out, inp (n)
 void mt_relu_forward_f32(float* out, const float* inp, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-  for (int64_t i = 0; i < n; i++) out[i] = inp[i] > 0.0f ? inp[i] : 0.0f;
+  // written so NaN propagates (as torch.relu does): NaN < 0 is false. fmaxf would hide it.
+  for (int64_t i = 0; i < n; i++) out[i] = inp[i] < 0.0f ? 0.0f : inp[i];
 }
 // forward was: out = max(inp, 0)
 void mt_relu_backward_f32(float* dinp, const float* inp, const float* dout, int64_t n) {

@@ -409,3 +409,12 @@ describe("views and composition", () => {
     expect([...grad64(x)]).toEqual([3, -4, 7]);
   });
 });
+
+describe("non-finite values propagate", () => {
+  test("relu keeps NaN (as torch.relu does) instead of hiding it as 0", () => {
+    const ctx = newContext();
+    const out = relu(ctx.fromArray(Float32Array.of(NaN, -1, 2, -Infinity, Infinity), [5])).toFloat32();
+    expect(Number.isNaN(out[0]!)).toBe(true);
+    expect([...out.subarray(1)]).toEqual([0, 2, 0, Infinity]);
+  });
+});

@@ -1,0 +1,14 @@
+// `bun run bench <name> [options]`: the per-component benchmarks.
+import { runEngineBench } from "./engine.ts";
+
+const benches: Record<string, (argv: string[]) => unknown> = {
+  engine: runEngineBench,
+};
+
+const [name, ...rest] = process.argv.slice(2);
+const bench = name === undefined ? undefined : benches[name];
+if (bench === undefined) {
+  console.error(`usage: bun run bench <${Object.keys(benches).join("|")}> [options]`);
+  process.exit(2);
+}
+bench(rest);

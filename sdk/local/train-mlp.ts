@@ -1,0 +1,125 @@
+// In-process MLP training on MNIST: the README's main job until the mesh services exist.
+import { mkdirSync } from "node:fs";
+import { dirname } from "node:path";
+import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { ImageBatcher } from "../../engine/data/images.ts";
+import { loadMnist } from "../../engine/data/mnist.ts";
+import { saveModelFile } from "../../engine/modelfile.ts";
+import { type MlpConfig, MlpModel } from "../../engine/models/mlp.ts";
+import { AdamW } from "../../engine/optim/adamw.ts";
+import type { Optimizer } from "../../engine/optim/optimizer.ts";
+import { checkSchedule, type Schedule } from "../../engine/optim/schedule.ts";
+import { Sgd } from "../../engine/optim/sgd.ts";
+import { ConfigError } from "../../engine/errors.ts";
+import { Context } from "../../engine/tensor.ts";
+import { evaluate, TrainStep } from "../../engine/train.ts";
+import { Progress, RateMeter } from "../progress.ts";
+
+export interface MlpRunOptions {
+  widths: number[];
+  dropout: number;
+  epochs: number;
+  batchSize: number;
+  accum: number;
+  optimizer: "sgd" | "adamw";
+  lr: number;
+  momentum: number;
+  nesterov: boolean;
+  weightDecay: number;
+  schedule: "constant" | "cosine" | "linear";
+  warmup: number;
+  gradClip: number;
+  seed: number;
+  dataDir?: string;
+  out: string;
+}
+
+// Defaults: LeCun's 784-800-10 network, trained to >= 98% test accuracy in ~10 epochs.
+export const mlpRunDefaults: MlpRunOptions = {
+  widths: [784, 800, 10],
+  dropout: 0.2,
+  epochs: 10,
+  batchSize: 128,
+  accum: 1,
+  optimizer: "sgd",
+  lr: 0.05,
+  momentum: 0.9,
+  nesterov: true,
+  weightDecay: 5e-4,
+  schedule: "cosine",
+  warmup: 200,
+  gradClip: 0,
+  seed: 1,
+  out: "runs/mlp-mnist/model.mtm",
+};
+
+export interface MlpRunResult {
+  testAccuracy: number;
+  testLoss: number;
+  steps: number;
+  seconds: number;
+}
+
+export function makeOptimizer(ctx: Context, model: MlpModel, o: MlpRunOptions): Optimizer {
+  return o.optimizer === "sgd"
+    ? new Sgd(ctx, model.store, { momentum: o.momentum, dampening: 0, nesterov: o.nesterov, weightDecay: o.weightDecay })
+    : new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: o.weightDecay });
+}
+
+export function runMlp(o: MlpRunOptions): MlpRunResult {
+  const t0 = performance.now();
+  const data = loadMnist(o.dataDir);
+  const features = data.train.rows * data.train.cols;
+  if (o.widths[0] !== features || o.widths[o.widths.length - 1] !== 10) {
+    throw new ConfigError(`--widths must start with ${features} (pixels) and end with 10 (classes), got ${o.widths.join(",")}`);
+  }
+  const ctx = new Context(new CpuBackend(), { seed: o.seed });
+  const config: MlpConfig = { widths: o.widths, activation: "relu", dropout: o.dropout };
+  const model = new MlpModel(ctx, config, o.seed);
+  const micro = new ImageBatcher(data.train, o.batchSize);
+  const stepsPerEpoch = Math.floor(micro.batchesPerEpoch(true) / o.accum);
+  const totalSteps = stepsPerEpoch * o.epochs;
+  const schedule: Schedule = o.schedule === "constant" ? { kind: "constant" }
+    : { kind: o.schedule, warmupSteps: Math.min(o.warmup, totalSteps - 1), totalSteps, minLr: 0 };
+  checkSchedule(schedule, o.lr);
+  const trainer = new TrainStep(ctx, model, makeOptimizer(ctx, model, o), { lr: o.lr, schedule, gradClip: o.gradClip, accumSteps: o.accum });
+
+  console.log(`meshtrain: mlp ${o.widths.join("-")} on MNIST (${data.train.count} train / ${data.test.count} test), CPU backend`);
+  console.log(`config: ${JSON.stringify(o)}`);
+  console.log(`parameters: ${model.store.paramCount.toLocaleString("en-US")} | samples/step: ${o.batchSize * o.accum} ` +
+    `| steps: ${totalSteps} (${stepsPerEpoch}/epoch) | GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)}`);
+
+  const testBatches = new ImageBatcher(data.test, 1000);
+  const progress = new Progress(totalSteps, "samples");
+  const rate = new RateMeter();
+  let step = 0;
+  let last = { loss: 0, accuracy: 0 };
+  for (let epoch = 0; epoch < o.epochs; epoch++) {
+    const batches = micro.epoch(o.seed, epoch, true, true);
+    for (let s = 0; s < stepsPerEpoch; s++) {
+      const group = o.accum === 1 ? [batches.next().value!]
+        : Array.from({ length: o.accum }, () => cloneBatch(batches.next().value!));
+      const r = trainer.run(group);
+      step++;
+      rate.add(o.batchSize * o.accum);
+      progress.update(step, { loss: r.loss.toFixed(4), sps: rate.rate.toFixed(0), extra: `epoch ${epoch + 1}/${o.epochs} | ` });
+    }
+    const ev = evaluate(ctx, model, testBatches.epoch(0, 0, false, false));
+    last = { loss: ev.loss, accuracy: ev.accuracy };
+    progress.log(`epoch ${epoch + 1}/${o.epochs}: test loss ${ev.loss.toFixed(4)}, test accuracy ${(ev.accuracy * 100).toFixed(2)}%`);
+  }
+  progress.stop();
+  mkdirSync(dirname(o.out), { recursive: true });
+  saveModelFile(o.out, model.store, { kind: "mlp", config, step, training: o });
+  const seconds = (performance.now() - t0) / 1000;
+  console.log(`saved ${o.out}`);
+  console.log(`test accuracy: ${(last.accuracy * 100).toFixed(2)}% (error ${((1 - last.accuracy) * 100).toFixed(2)}%; ` +
+    `LeCun et al. list 1.6% for 784-800-10) after ${step} steps in ${seconds.toFixed(1)} s`);
+  ctx.dispose();
+  return { testAccuracy: last.accuracy, testLoss: last.loss, steps: step, seconds };
+}
+
+/** The batcher reuses its buffers; accumulation needs k batches alive at once. */
+function cloneBatch<T extends { inputs: Float32Array | Int32Array; targets: Int32Array }>(b: T): T {
+  return { ...b, inputs: b.inputs.slice(), targets: b.targets.slice() };
+}

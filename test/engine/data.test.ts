@@ -1,0 +1,172 @@
+// Data readers: the real MNIST and Moby Dick files, token files in both layouts, and every
+// malformed-file case with an error that names the file and the problem.
+import { afterAll, describe, expect, test } from "bun:test";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { DataFileError } from "../../engine/data/errors.ts";
+import { ImageBatcher } from "../../engine/data/images.ts";
+import { loadMnist, parseIdx, readIdx } from "../../engine/data/mnist.ts";
+import { epochOrder } from "../../engine/data/sampler.ts";
+import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts";
+import { llmcMagic, readTokenFile, splitTokens, TokenBatcher, writeTokenFile } from "../../engine/data/tokens.ts";
+import { Rng } from "../../engine/rng.ts";
+
+const dir = mkdtempSync(join(tmpdir(), "meshtrain-data-"));
+afterAll(() => rmSync(dir, { recursive: true, force: true }));
+const file = (name: string, bytes: Uint8Array | string) => {
+  const p = join(dir, name);
+  writeFileSync(p, bytes);
+  return p;
+};
+
+function expectDataError(fn: () => unknown, path: string, fragment: string) {
+  let error: unknown;
+  try {
+    fn();
+  } catch (e) {
+    error = e;
+  }
+  expect(error).toBeInstanceOf(DataFileError);
+  expect((error as DataFileError).file).toBe(path);
+  expect((error as Error).message).toContain(path);
+  expect((error as Error).message).toContain(fragment);
+}
+
+/** idx bytes: magic 0 0 type ndims, big-endian dims, data */
+function idx(type: number, dims: number[], data: number[]): Uint8Array {
+  const head = new Uint8Array(4 + 4 * dims.length);
+  head.set([0, 0, type, dims.length]);
+  const view = new DataView(head.buffer);
+  dims.forEach((d, i) => view.setUint32(4 + 4 * i, d, false));
+  return Uint8Array.from([...head, ...data]);
+}
+
+describe("MNIST", () => {
+  const mnist = loadMnist();
+  test("the packaged idx files: 60000 train and 10000 test images of 28x28, labels 0..9", () => {
+    expect(mnist.train.count).toBe(60000);
+    expect(mnist.test.count).toBe(10000);
+    expect([mnist.train.rows, mnist.train.cols]).toEqual([28, 28]);
+    expect(mnist.train.images.length).toBe(60000 * 784);
+    const counts = new Array(10).fill(0);
+    for (const l of mnist.test.labels) counts[l]++;
+    expect(counts.every((c) => c > 800)).toBe(true);
+  });
+
+  test("batches are normalized and match their labels; epochs reshuffle", () => {
+    const b = new ImageBatcher(mnist.test, 100);
+    const first = b.batch([0, 1, 2], 0);
+    expect(first.inputShape).toEqual([3, 784]);
+    expect([...first.targets]).toEqual([...mnist.test.labels.subarray(0, 3)]);
+    // pixel 0 is background (0): (0/255 - 0.1307) / 0.3081
+    expect(first.inputs[0]).toBeCloseTo(-0.1307 / 0.3081, 5);
+    expect(b.batchesPerEpoch(true)).toBe(100);
+    const e0 = epochOrder(10000, 1, 0);
+    const e1 = epochOrder(10000, 1, 1);
+    expect(e0).not.toEqual(e1);
+    expect([...e0].sort((x, y) => x - y)).toEqual([...Array(10000).keys()]);
+    expect(epochOrder(10000, 1, 0)).toEqual(e0);
+  });
+
+  test("malformed idx files", () => {
+    expectDataError(() => readIdx(join(dir, "absent")), join(dir, "absent"), "file not found");
+    const empty = file("empty", new Uint8Array(0));
+    expectDataError(() => readIdx(empty), empty, "file is empty");
+    expectDataError(() => parseIdx("x", Uint8Array.of(1, 2, 3, 4)), "x", "not an idx file");
+    expectDataError(() => parseIdx("x", idx(0x0d, [2], [0, 0])), "x", "unsupported idx element type 0xd");
+    expectDataError(() => parseIdx("x", idx(0x08, [2, 2], [1, 2, 3])), "x", "truncated: dims [2, 2] need 4 data bytes, file has 3");
+    expectDataError(() => parseIdx("x", idx(0x08, [2], [1, 2, 3])), "x", "trailing bytes");
+    expectDataError(() => parseIdx("x", Uint8Array.of(0, 0, 8, 2, 0, 0)), "x", "truncated idx header");
+    expectDataError(() => parseIdx("x", idx(0x08, [0], [])), "x", "dimension 0 is zero");
+  });
+
+  test("a folder whose labels do not match its images", () => {
+    const bad = mkdtempSync(join(dir, "mnist-"));
+    const img = idx(0x08, [2, 2, 2], [0, 1, 2, 3, 4, 5, 6, 7]);
+    writeFileSync(join(bad, "train-images-idx3-ubyte"), img);
+    writeFileSync(join(bad, "t10k-images-idx3-ubyte"), img);
+    writeFileSync(join(bad, "train-labels-idx1-ubyte"), idx(0x08, [3], [1, 2, 3]));
+    writeFileSync(join(bad, "t10k-labels-idx1-ubyte"), idx(0x08, [2], [1, 2]));
+    expectDataError(() => loadMnist(bad), join(bad, "train-labels-idx1-ubyte"), "3 labels for 2 images");
+    writeFileSync(join(bad, "train-labels-idx1-ubyte"), idx(0x08, [2], [1, 12]));
+    expectDataError(() => loadMnist(bad), join(bad, "train-labels-idx1-ubyte"), "label 12 at index 1 is outside 0..9");
+  });
+});
+
+describe("character-level text", () => {
+  test("Moby Dick from its npm package: 1.19M characters, 83 distinct", () => {
+    const text = readTextFile(mobyDickPath());
+    expect(text.startsWith("CHAPTER 1. Loomings.")).toBe(true);
+    const vocab = CharVocab.fromText(text);
+    expect(vocab.size).toBe(83);
+    const sample = text.slice(1000, 3000);
+    expect(vocab.decode(vocab.encode(sample))).toBe(sample);
+  });
+
+  test("code points, not UTF-16 units; unknown characters are named", () => {
+    const vocab = CharVocab.fromText("ab—🐋");
+    expect(vocab.size).toBe(4);
+    expect([...vocab.encode("🐋a")]).toEqual([3, 0]);
+    expect(() => vocab.encode("abc")).toThrow(/character "c" \(U\+63\) at position 2/);
+  });
+
+  test("invalid UTF-8 and missing files", () => {
+    const bad = file("bad.txt", Uint8Array.of(0x61, 0xff, 0x62));
+    expectDataError(() => readTextFile(bad), bad, "not valid UTF-8");
+    expectDataError(() => readTextFile(join(dir, "nope.txt")), join(dir, "nope.txt"), "file not found");
+    expectDataError(() => readTextFile(dir), dir, "not a regular file");
+  });
+});
+
+describe("uint16 token files", () => {
+  const tokens = Uint16Array.from({ length: 1001 }, (_, i) => (i * 7) % 50257);
+
+  test("llm.c layout round trip", () => {
+    const p = join(dir, "train.bin");
+    writeTokenFile(p, tokens, "llmc");
+    expect(readTokenFile(p)).toEqual(tokens);
+  });
+
+  test("nanoGPT raw layout round trip", () => {
+    const p = join(dir, "raw.bin");
+    writeTokenFile(p, tokens, "raw");
+    expect(readTokenFile(p)).toEqual(tokens);
+  });
+
+  test("malformed token files", () => {
+    const header = (magic: number, version: number, count: number, extra: number) => {
+      const h = new Int32Array(256);
+      h.set([magic, version, count]);
+      return Uint8Array.from([...new Uint8Array(h.buffer), ...new Uint8Array(extra)]);
+    };
+    const v2 = file("v2.bin", header(llmcMagic, 2, 3, 12));
+    expectDataError(() => readTokenFile(v2), v2, "version 2 is not supported");
+    const short = file("short.bin", header(llmcMagic, 1, 10, 6));
+    expectDataError(() => readTokenFile(short), short, "header says 10 tokens");
+    const odd = file("odd.bin", Uint8Array.of(1, 2, 3));
+    expectDataError(() => readTokenFile(odd), odd, "odd byte count");
+    const cut = file("cut.bin", header(llmcMagic, 1, 1, 0).subarray(0, 100));
+    expectDataError(() => readTokenFile(cut), cut, "truncated llm.c header");
+  });
+
+  test("windows: targets are inputs shifted by one; sequential covers every window once", () => {
+    const stream = Uint16Array.from({ length: 50 }, (_, i) => i % 10);
+    const batcher = new TokenBatcher(stream, 4, 8, 10);
+    const b = batcher.random(new Rng(1));
+    expect(b.inputShape).toEqual([4, 8]);
+    for (let i = 0; i < 32; i++) expect(b.targets[i]).toBe((b.inputs[i]! + 1) % 10);
+    const seen: number[] = [];
+    for (const s of batcher.sequential()) seen.push(...s.inputs.filter((_, i) => i % 8 === 0));
+    expect(seen).toEqual([0, 8, 6, 4, 2, 0]); // windows start at 0, 8, 16, 24, 32, 40
+    expect(() => new TokenBatcher(stream.subarray(0, 8), 1, 8, 10)).toThrow(/too short/);
+    expect(() => new TokenBatcher(stream, 1, 8, 5).random(new Rng(1))).toThrow(/outside the vocabulary of 5/);
+  });
+
+  test("train/validation split keeps order", () => {
+    const { train, val } = splitTokens(Uint16Array.from({ length: 100 }, (_, i) => i), 0.1);
+    expect(train.length).toBe(90);
+    expect(val[0]).toBe(90);
+    expect(() => splitTokens(tokens, 0)).toThrow(/valFraction/);
+  });
+});

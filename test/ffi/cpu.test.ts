@@ -1,0 +1,129 @@
+// The CPU backend itself: memory, copies, reductions and casts against plain references.
+import { describe, expect, test } from "bun:test";
+import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { Rng } from "../../engine/rng.ts";
+import { cpu } from "../helpers/numeric.ts";
+
+/** float32 -> bfloat16 bits, round to nearest even, written from the definition. */
+function bf16Reference(x: number): number {
+  const f = new Float32Array([x]);
+  const u = new Uint32Array(f.buffer)[0]!;
+  if (Number.isNaN(x)) return (u >>> 16) | 0x40;
+  const upper = u >>> 16;
+  const lower = u & 0xffff;
+  if (lower > 0x8000 || (lower === 0x8000 && (upper & 1) === 1)) return (upper + 1) & 0xffff;
+  return upper;
+}
+
+function roundTrip(be: CpuBackend, input: Float32Array, to: "bf16" | "f16") {
+  const n = input.length;
+  const src = be.alloc(n * 4);
+  const half = be.alloc(n * 2);
+  const back = be.alloc(n * 4);
+  be.upload(src.ptr, input);
+  if (to === "bf16") {
+    be.castF32ToBF16(half.ptr, src.ptr, n);
+    be.castBF16ToF32(back.ptr, half.ptr, n);
+  } else {
+    be.castF32ToF16(half.ptr, src.ptr, n);
+    be.castF16ToF32(back.ptr, half.ptr, n);
+  }
+  const bits = new Uint16Array(n);
+  const restored = new Float32Array(n);
+  be.download(half.ptr, bits);
+  be.download(back.ptr, restored);
+  for (const a of [src, half, back]) be.free(a);
+  return { bits, restored };
+}
+
+const specials = [0, -0, 1, -1, 0.1, 65504, 65519, 65520, 1e6, -1e6, 6.1e-5, 6.0e-5, 5.96e-8, 2.98e-8, 2.99e-8, 1e-10,
+  3.4e38, -3.4e38, Infinity, -Infinity, NaN, 1.00390625, 1.01171875, 256.5, 257.5];
+
+describe("casts", () => {
+  const rng = new Rng(42);
+  const random = Array.from({ length: 5000 }, () => rng.normal() * 10 ** (rng.int(20) - 10));
+  const input = Float32Array.from([...specials, ...random]);
+
+  test("f32 -> f16 -> f32 matches Float16Array bit for bit (round to nearest even)", () => {
+    const { bits, restored } = roundTrip(cpu(), input, "f16");
+    const expected = new Uint16Array(Float16Array.from(input).buffer);
+    // NaN payloads may differ; both must be NaN
+    for (let i = 0; i < input.length; i++) {
+      if (Number.isNaN(input[i]!)) expect(Number.isNaN(restored[i]!)).toBe(true);
+      else expect(bits[i]).toBe(expected[i]!);
+    }
+    const back = Float32Array.from(Float16Array.from(input));
+    for (let i = 0; i < input.length; i++) if (!Number.isNaN(input[i]!)) expect(restored[i]).toBe(back[i]!);
+  });
+
+  test("f32 -> bf16 -> f32 matches the definition bit for bit", () => {
+    const { bits, restored } = roundTrip(cpu(), input, "bf16");
+    for (let i = 0; i < input.length; i++) {
+      expect(bits[i]).toBe(bf16Reference(input[i]!));
+      if (Number.isNaN(input[i]!)) expect(Number.isNaN(restored[i]!)).toBe(true);
+      else expect(restored[i]).toBe(new Float32Array(new Uint32Array([bits[i]! << 16]).buffer)[0]!);
+    }
+  });
+});
+
+describe("memory", () => {
+  test("alloc is zeroed and 64-byte aligned; stats count allocations; free rejects unknown pointers", () => {
+    const be = new CpuBackend();
+    const a = be.alloc(1000);
+    expect(a.ptr % 64).toBe(0);
+    const host = new Uint8Array(1000).fill(7);
+    be.download(a.ptr, host);
+    expect(host.every((v) => v === 0)).toBe(true);
+    expect(be.stats.allocCount).toBe(1);
+    expect(be.stats.liveBytes).toBe(1000);
+    be.free(a);
+    expect(be.stats.liveBytes).toBe(0);
+    expect(() => be.free(a)).toThrow(/not a live allocation/);
+    be.dispose();
+    expect(() => be.alloc(8)).toThrow(/after dispose/);
+  });
+
+  test("upload/download honour typed-array views with offsets", () => {
+    const be = cpu();
+    const a = be.alloc(16);
+    const src = Float32Array.of(9, 1, 2, 3, 4, 9);
+    be.upload(a.ptr, src.subarray(1, 5));
+    const dst = new Float32Array(8);
+    be.download(a.ptr, dst.subarray(2, 6));
+    expect([...dst]).toEqual([0, 0, 1, 2, 3, 4, 0, 0]);
+    be.free(a);
+  });
+
+  test("negative or fractional byte counts are rejected", () => {
+    expect(() => cpu().alloc(-1)).toThrow(RangeError);
+    expect(() => cpu().alloc(1.5)).toThrow(RangeError);
+  });
+});
+
+describe("reductions", () => {
+  test("sumSquares agrees with a float64 sum over odd lengths", () => {
+    const be = cpu();
+    const rng = new Rng(1);
+    for (const n of [1, 15, 16, 17, 4097, 100003]) {
+      const x = Float32Array.from({ length: n }, () => rng.normal());
+      const a = be.alloc(n * 4);
+      be.upload(a.ptr, x);
+      let ref = 0;
+      for (const v of x) ref += v * v;
+      expect(Math.abs(be.sumSquares(a.ptr, n) - ref) / ref).toBeLessThan(1e-6);
+      be.free(a);
+    }
+  });
+
+  test("countNonFinite counts NaN and both infinities", () => {
+    const be = cpu();
+    const x = new Float32Array(70000);
+    x[3] = NaN;
+    x[40000] = Infinity;
+    x[69999] = -Infinity;
+    const a = be.alloc(x.byteLength);
+    be.upload(a.ptr, x);
+    expect(be.countNonFinite(a.ptr, x.length)).toBe(3);
+    be.free(a);
+  });
+});
