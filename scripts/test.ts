@@ -9,7 +9,10 @@ const report = join(reportDir, "junit.xml");
 rmSync(report, { force: true });
 mkdirSync(reportDir, { recursive: true });
 
-const proc = Bun.spawnSync([process.execPath, "test", "--reporter=junit", `--reporter-outfile=${report}`, ...process.argv.slice(2)], {
+// Per-test limit: end-to-end tests train real models for several seconds on 2 cores.
+const timeoutMs = 120_000;
+const proc = Bun.spawnSync([process.execPath, "test", `--timeout=${timeoutMs}`, "--reporter=junit", `--reporter-outfile=${report}`,
+  ...process.argv.slice(2)], {
   cwd: root,
   stdio: ["inherit", "inherit", "inherit"],
 });

@@ -1,0 +1,90 @@
+// The meshtrain CLI as a user runs it: real processes, real data files.
+import { afterAll, describe, expect, test } from "bun:test";
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+
+const root = join(import.meta.dir, "..", "..");
+const dir = mkdtempSync(join(tmpdir(), "meshtrain-cli-"));
+afterAll(() => rmSync(dir, { recursive: true, force: true }));
+
+function cli(...args: string[]) {
+  const p = Bun.spawnSync([process.execPath, join(root, "sdk", "cli.ts"), ...args], { cwd: root, stdout: "pipe", stderr: "pipe" });
+  return { code: p.exitCode, out: p.stdout.toString(), err: p.stderr.toString() };
+}
+
+describe("bad input gets one clear error and a non-zero exit", () => {
+  test("an out-of-range option", () => {
+    const r = cli("train", "mlp", "--lr", "-1");
+    expect(r.code).not.toBe(0);
+    expect(r.err).toContain("--lr");
+    expect(r.err).toContain("expected a number > 0");
+  });
+  test("a non-integer where an integer is needed", () => {
+    const r = cli("train", "gpt", "--n-layer", "2.5");
+    expect(r.code).not.toBe(0);
+    expect(r.err).toContain("expected an integer");
+  });
+  test("widths that do not fit MNIST", () => {
+    const r = cli("train", "mlp", "--widths", "784,100,3");
+    expect(r.code).toBe(1);
+    expect(r.err).toContain("ConfigError: --widths must start with 784 (pixels) and end with 10 (classes)");
+  });
+  test("a missing model file", () => {
+    const r = cli("sample", "--model", join(dir, "absent.mtm"));
+    expect(r.code).toBe(1);
+    expect(r.err).toContain(`meshtrain: DataFileError: ${join(dir, "absent.mtm")}: file not found`);
+  });
+  test("a missing MNIST folder", () => {
+    const r = cli("train", "mlp", "--data-dir", join(dir, "nowhere"));
+    expect(r.code).toBe(1);
+    expect(r.err).toContain("train-images-idx3-ubyte: file not found");
+  });
+  test("gpt heads that do not divide the width", () => {
+    const r = cli("train", "gpt", "--n-embd", "30", "--n-head", "4");
+    expect(r.code).toBe(1);
+    expect(r.err).toContain("nEmbd (30) must be divisible by nHead (4)");
+  });
+});
+
+describe("training runs end to end", () => {
+  test("mlp on MNIST: one epoch reaches over 95% test accuracy and writes a model file", () => {
+    const out = join(dir, "mlp.mtm");
+    const r = cli("train", "mlp", "--epochs", "1", "--out", out);
+    expect(r.code).toBe(0);
+    const accuracy = Number(/test accuracy: ([\d.]+)%/.exec(r.out)?.[1]);
+    expect(accuracy).toBeGreaterThan(95);
+    expect(r.out).toContain(`saved ${out}`);
+    expect(r.out).toContain("parameters: 636,010");
+  }, 120_000);
+
+  test("gpt on Moby Dick: loss falls well below uniform, then sample continues a prompt", () => {
+    const out = join(dir, "gpt.mtm");
+    const r = cli("train", "gpt", "--max-steps", "60", "--eval-every", "30", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+      "--block-size", "32", "--batch-size", "16", "--warmup", "10", "--lr", "5e-3", "--sample-chars", "40", "--out", out);
+    expect(r.code).toBe(0);
+    const val = Number(/validation loss: ([\d.]+)/.exec(r.out)?.[1]);
+    expect(val).toBeLessThan(Math.log(83) - 1); // uniform over 83 characters is 4.42 nats
+    const s = cli("sample", "--model", out, "--prompt", "Call me", "--length", "30", "--seed", "3");
+    expect(s.code).toBe(0);
+    const text = s.out.replace(/\n$/, "");
+    expect(text.startsWith("Call me")).toBe(true);
+    expect([...text].length).toBe(37);
+    expect(cli("sample", "--model", out, "--prompt", "Call me", "--length", "30", "--seed", "3").out).toBe(s.out);
+    const unknown = cli("sample", "--model", out, "--prompt", "€");
+    expect(unknown.code).toBe(1);
+    expect(unknown.err).toContain("is not in the vocabulary");
+  }, 120_000);
+});
+
+test("bench engine prints a table and a last JSON line", () => {
+  const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), "engine", "--steps", "2"], { cwd: root, stdout: "pipe", stderr: "pipe" });
+  expect(p.exitCode).toBe(0);
+  const lines = p.stdout.toString().trim().split("\n");
+  expect(lines[1]).toContain("sgemm_gflops");
+  const last = JSON.parse(lines[lines.length - 1]!);
+  expect(last.results.map((r: { model: string }) => r.model.split(" ")[0])).toEqual(["mlp", "gpt"]);
+  for (const r of last.results) {
+    for (const k of ["batch", "step_ms", "samples_per_s", "achieved_gflops", "sgemm_gflops", "ratio"]) expect(r[k]).toBeGreaterThan(0);
+  }
+}, 120_000);
