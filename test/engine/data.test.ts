@@ -6,8 +6,8 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { ImageBatcher } from "../../engine/data/images.ts";
-import { loadMnist, parseIdx, readIdx } from "../../engine/data/mnist.ts";
-import { epochOrder } from "../../engine/data/sampler.ts";
+import { loadMnist, mnistMean, mnistStd, parseIdx, readIdx } from "../../engine/data/mnist.ts";
+import { epochOrder, trainValSplit } from "../../engine/data/sampler.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts";
 import { llmcMagic, readTokenFile, splitTokens, TokenBatcher, writeTokenFile } from "../../engine/data/tokens.ts";
 import { Rng } from "../../engine/rng.ts";
@@ -67,6 +67,30 @@ describe("MNIST", () => {
     expect(e0).not.toEqual(e1);
     expect([...e0].sort((x, y) => x - y)).toEqual([...Array(10000).keys()]);
     expect(epochOrder(10000, 1, 0)).toEqual(e0);
+  });
+
+  test("seeded train/validation split: disjoint, complete, reproducible; batches draw only their subset", () => {
+    const { train, val } = trainValSplit(60000, 0.1, 3);
+    expect(val.length).toBe(6000);
+    expect(train.length).toBe(54000);
+    const all = new Set([...train, ...val]);
+    expect(all.size).toBe(60000);
+    expect(trainValSplit(60000, 0.1, 3).val).toEqual(val);
+    expect(trainValSplit(60000, 0.1, 4).val).not.toEqual(val);
+    // a synthetic split whose two pixels encode each sample's id, to see which samples a batch holds
+    const count = 300;
+    const images = new Uint8Array(count * 2);
+    for (let i = 0; i < count; i++) images.set([i & 0xff, i >> 8], 2 * i);
+    const synthetic = { images, labels: new Uint8Array(count), count, rows: 1, cols: 2 };
+    const small = trainValSplit(count, 0.2, 5);
+    const pixel = (x: number) => Math.round((x * mnistStd + mnistMean) * 255) | 0; // | 0: no -0
+    const seen: number[] = [];
+    for (const batch of new ImageBatcher(synthetic, 7, small.val).epoch(1, 0, true, false)) {
+      for (let r = 0; r < batch.targets.length; r++) seen.push(pixel(batch.inputs[2 * r]!) + 256 * pixel(batch.inputs[2 * r + 1]!));
+    }
+    expect(seen.length).toBe(60);
+    expect([...seen].sort((a, b) => a - b)).toEqual([...small.val]);
+    expect(() => trainValSplit(10, 1, 0)).toThrow(/valFraction/);
   });
 
   test("malformed idx files", () => {
