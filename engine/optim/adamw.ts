@@ -7,7 +7,7 @@ import type { Allocation } from "../../ffi/backend.ts";
 import { ConfigError } from "../errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../tensor.ts";
-import { allocStateSlab, type Optimizer } from "./optimizer.ts";
+import { allocStateSlab, decayGroups, type Optimizer } from "./optimizer.ts";
 
 export interface AdamWConfig {
   beta1: number;
@@ -45,11 +45,10 @@ export class AdamW implements Optimizer {
     const t = this.#steps + 1;
     const bc1 = 1 - beta1 ** t;
     const bc2 = 1 - beta2 ** t;
-    for (const [range, wd] of [[this.store.decayRange, weightDecay], [this.store.noDecayRange, 0]] as const) {
-      if (range.numel === 0) continue;
-      const off = range.offset * 4;
-      be.adamwStep(this.store.values.ptr + off, this.store.grads.ptr + off, this.#m.ptr + off, this.#v.ptr + off,
-        range.numel, lr, beta1, beta2, eps, wd, bc1, bc2);
+    const { values, grads } = this.store;
+    for (const g of decayGroups(this.store, weightDecay)) {
+      const o = g.offsetBytes;
+      be.adamwStep(values.ptr + o, grads.ptr + o, this.#m.ptr + o, this.#v.ptr + o, g.numel, lr, beta1, beta2, eps, g.weightDecay, bc1, bc2);
     }
     this.#steps = t;
   }

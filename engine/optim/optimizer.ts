@@ -18,3 +18,14 @@ export interface Optimizer {
 export function allocStateSlab(ctx: Context, store: ParamStore): Allocation {
   return ctx.allocPersistent(store.slabNumel * 4);
 }
+
+/**
+ * The two parameter groups as (byte offset, element count, weight decay): decayed parameters
+ * take `weightDecay`, the rest 0. Empty groups are skipped.
+ */
+export function decayGroups(store: ParamStore, weightDecay: number): { offsetBytes: number; numel: number; weightDecay: number }[] {
+  return [
+    { offsetBytes: store.decayRange.offset * 4, numel: store.decayRange.numel, weightDecay },
+    { offsetBytes: store.noDecayRange.offset * 4, numel: store.noDecayRange.numel, weightDecay: 0 },
+  ].filter((g) => g.numel > 0);
+}

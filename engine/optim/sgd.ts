@@ -8,7 +8,7 @@ import type { Allocation } from "../../ffi/backend.ts";
 import { ConfigError } from "../errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../tensor.ts";
-import { allocStateSlab, type Optimizer } from "./optimizer.ts";
+import { allocStateSlab, decayGroups, type Optimizer } from "./optimizer.ts";
 
 export interface SgdConfig {
   momentum: number;
@@ -43,11 +43,10 @@ export class Sgd implements Optimizer {
     const be = this.ctx.backend;
     const { momentum, dampening, nesterov, weightDecay } = this.config;
     const first = this.#steps === 0;
-    for (const [range, wd] of [[this.store.decayRange, weightDecay], [this.store.noDecayRange, 0]] as const) {
-      if (range.numel === 0) continue;
-      const off = range.offset * 4;
-      be.sgdStep(this.store.values.ptr + off, this.store.grads.ptr + off, this.#momentum.ptr + off, range.numel, lr,
-        momentum, dampening, wd, nesterov, first);
+    const { values, grads } = this.store;
+    for (const g of decayGroups(this.store, weightDecay)) {
+      be.sgdStep(values.ptr + g.offsetBytes, grads.ptr + g.offsetBytes, this.#momentum.ptr + g.offsetBytes, g.numel, lr,
+        momentum, dampening, g.weightDecay, nesterov, first);
     }
     this.#steps++;
   }

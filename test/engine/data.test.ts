@@ -11,6 +11,7 @@ import { epochOrder, trainValSplit } from "../../engine/data/sampler.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts";
 import { llmcMagic, readTokenFile, splitTokens, TokenBatcher, writeTokenFile } from "../../engine/data/tokens.ts";
 import { Rng } from "../../engine/rng.ts";
+import { expectThrown } from "../helpers/errors.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-data-"));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
@@ -21,16 +22,8 @@ const file = (name: string, bytes: Uint8Array | string) => {
 };
 
 function expectDataError(fn: () => unknown, path: string, fragment: string) {
-  let error: unknown;
-  try {
-    fn();
-  } catch (e) {
-    error = e;
-  }
-  expect(error).toBeInstanceOf(DataFileError);
+  const error = expectThrown(fn, DataFileError, path, fragment);
   expect((error as DataFileError).file).toBe(path);
-  expect((error as Error).message).toContain(path);
-  expect((error as Error).message).toContain(fragment);
 }
 
 /** idx bytes: magic 0 0 type ndims, big-endian dims, data */

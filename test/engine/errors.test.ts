@@ -9,6 +9,7 @@ import { add, biasAdd, causalSelfAttention, embedding, layerNorm, matmul, mul, p
 import { Sgd } from "../../engine/optim/sgd.ts";
 import { TrainStep } from "../../engine/train.ts";
 import { GptModel } from "../../engine/models/gpt.ts";
+import { expectThrown } from "../helpers/errors.ts";
 import { newContext } from "../helpers/numeric.ts";
 
 const f = (ctx: ReturnType<typeof newContext>, shape: number[]) =>
@@ -16,16 +17,9 @@ const f = (ctx: ReturnType<typeof newContext>, shape: number[]) =>
 const ids = (ctx: ReturnType<typeof newContext>, values: number[], shape = [values.length]) =>
   ctx.fromArray(Int32Array.from(values), shape);
 
-function expectError(fn: () => unknown, cls: new (...args: never[]) => Error, ...fragments: string[]) {
-  let error: unknown;
-  try {
-    fn();
-  } catch (e) {
-    error = e;
-  }
-  expect(error).toBeInstanceOf(cls);
-  for (const s of fragments) expect((error as Error).message).toContain(s);
-}
+const expectError = (...args: Parameters<typeof expectThrown>): void => {
+  expectThrown(...args);
+};
 
 describe("shape errors name the op and the shapes", () => {
   const ctx = newContext();

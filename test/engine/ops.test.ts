@@ -70,44 +70,123 @@ function checkOp(c: OpCase, rng: Rng): void {
   });
 }
 
+// ---- case builders: one per op, shared by the fixed-shape and random-shape tests ----
+
+function matmulCase(rng: Rng, M: number, N: number, K: number, tA: boolean, tB: boolean): OpCase {
+  return {
+    inputs: [input(rng, tA ? [K, M] : [M, K]), input(rng, tB ? [N, K] : [K, N])],
+    run: ([a, b]) => matmul(a!, b!, { transA: tA, transB: tB }),
+    ref: ([a, b]) => matmulReference(a!, b!, M, N, K, tA, tB),
+    refGrad: ([a, b], d) => Object.values(matmulBackwardReference(a!, b!, d, M, N, K, tA, tB)),
+  };
+}
+
+function broadcastCase(rng: Rng, op: "add" | "mul", as: number[], bs: number[]): OpCase {
+  return {
+    inputs: [input(rng, as), input(rng, bs)],
+    run: ([a, b]) => (op === "add" ? add : mul)(a!, b!),
+    ref: ([a, b]) => (op === "add" ? addReference : mulReference)(a!, as, b!, bs).out,
+    refGrad: ([a, b], d) => Object.values(op === "add" ? addBackwardReference(as, bs, d) : mulBackwardReference(a!, as, b!, bs, d)),
+  };
+}
+
+function biasAddCase(rng: Rng, shape: number[]): OpCase {
+  const C = shape[shape.length - 1]!;
+  const N = shape.reduce((a, b) => a * b, 1) / C;
+  return {
+    inputs: [input(rng, shape), input(rng, [C])],
+    run: ([x, b]) => biasAdd(x!, b!),
+    ref: ([x, b]) => biasAddReference(x!, b!, N, C),
+    refGrad: (_x, d) => Object.values(biasAddBackwardReference(d, N, C)),
+  };
+}
+
+function crossEntropyCase(rng: Rng, shape: number[], scale = 3): OpCase {
+  const V = shape[shape.length - 1]!;
+  const N = shape.reduce((a, b) => a * b, 1) / V;
+  const targets = randInts(rng, N, V);
+  return {
+    inputs: [input(rng, shape, true, scale)],
+    ints: [{ data: targets, shape: shape.slice(0, -1) }],
+    run: ([x], [t]) => softmaxCrossEntropy(x!, t!),
+    ref: ([x]) => Float64Array.of(softmaxCrossEntropyReference(x!, targets, N, V).loss),
+    refGrad: ([x], d) => [softmaxCrossEntropyBackwardReference(softmaxCrossEntropyReference(x!, targets, N, V).probs, targets, N, V, d[0])],
+  };
+}
+
+function layerNormCase(rng: Rng, N: number, C: number, inputGrad = true): OpCase {
+  return {
+    inputs: [input(rng, [N, C], inputGrad, 2), input(rng, [C]), input(rng, [C])],
+    run: ([x, w, b]) => layerNorm(x!, w!, b!),
+    ref: ([x, w, b]) => layerNormReference(x!, w!, b!, N, C).out,
+    refGrad: ([x, w], d) => Object.values(layerNormBackwardReference(x!, w!, d, N, C)),
+  };
+}
+
+function embeddingCase(rng: Rng, V: number, C: number, idShape: number[]): OpCase {
+  const ids = randInts(rng, idShape.reduce((a, b) => a * b, 1), V);
+  return {
+    inputs: [input(rng, [V, C])],
+    ints: [{ data: ids, shape: idShape }],
+    run: ([table], [i]) => embedding(table!, i!),
+    ref: ([table]) => embeddingReference(table!, ids, C),
+    refGrad: (_x, d) => [embeddingBackwardReference(ids, d, V, C)],
+  };
+}
+
+function attentionCase(rng: Rng, B: number, T: number, C: number, H: number): OpCase {
+  return {
+    inputs: [input(rng, [B, T, 3 * C])],
+    run: ([qkv]) => causalSelfAttention(qkv!, H),
+    ref: ([qkv]) => causalSelfAttentionReference(qkv!, B, T, C, H).out,
+    refGrad: ([qkv], d) => [causalSelfAttentionBackwardReference(qkv!, d, B, T, C, H)],
+  };
+}
+
+function unaryCase(rng: Rng, op: "relu" | "gelu", shape: number[]): OpCase {
+  const [f, ref, refGrad] = op === "relu" ? [relu, reluReference, reluBackwardReference] as const
+    : [gelu, geluReference, geluBackwardReference] as const;
+  return {
+    inputs: [input(rng, shape, true, 2)],
+    run: ([x]) => f(x!),
+    ref: ([x]) => ref(x!),
+    refGrad: ([x], d) => [refGrad(x!, d)],
+  };
+}
+
+function permuteCase(rng: Rng, shape: number[], perm: number[]): OpCase {
+  return {
+    inputs: [input(rng, shape)],
+    run: ([x]) => permute(x!, perm),
+    ref: ([x]) => permuteReference(x!, shape, perm),
+    refGrad: (_x, d) => [permuteBackwardReference(d, shape, perm)],
+  };
+}
+
 describe("matmul", () => {
   const shapes: [number, number, number][] = [[1, 1, 1], [3, 5, 7], [17, 9, 33], [64, 31, 20]];
   describe.each(shapes)("M=%i N=%i K=%i", (M, N, K) => {
     test.each([[false, false], [false, true], [true, false], [true, true]])("transA=%p transB=%p", (tA, tB) => {
       const rng = new Rng(M * 1000 + N * 10 + K);
-      checkOp({
-        inputs: [input(rng, tA ? [K, M] : [M, K]), input(rng, tB ? [N, K] : [K, N])],
-        run: ([a, b]) => matmul(a!, b!, { transA: tA, transB: tB }),
-        ref: ([a, b]) => matmulReference(a!, b!, M, N, K, tA, tB),
-        refGrad: ([a, b], d) => {
-          const g = matmulBackwardReference(a!, b!, d, M, N, K, tA, tB);
-          return [g.da, g.db];
-        },
-      }, rng);
+      checkOp(matmulCase(rng, M, N, K, tA, tB), rng);
     });
   });
 
   test.each([[false, false], [false, true], [true, false], [true, true]])("batched (3 x 5x7x6) transA=%p transB=%p", (tA, tB) => {
     const [Bt, M, N, K] = [3, 5, 7, 6];
     const rng = new Rng(99);
-    const batched = (f: (a: Float64Array, b: Float64Array) => Float64Array[], a: Float64Array, b: Float64Array) => {
-      const parts = Array.from({ length: Bt }, (_, i) => f(a.subarray(i * M * K, (i + 1) * M * K), b.subarray(i * K * N, (i + 1) * K * N)));
-      return parts[0]!.map((_, j) => Float64Array.from(parts.flatMap((p) => [...p[j]!])));
-    };
+    // the reference runs per batch element on subarrays
+    const part = (x: Float64Array, i: number, size: number) => x.subarray(i * size, (i + 1) * size);
+    const concat = (parts: Float64Array[]) => Float64Array.from(parts.flatMap((p) => [...p]));
     checkOp({
       inputs: [input(rng, tA ? [Bt, K, M] : [Bt, M, K]), input(rng, tB ? [Bt, N, K] : [Bt, K, N])],
       run: ([a, b]) => matmul(a!, b!, { transA: tA, transB: tB }),
-      ref: ([a, b]) => batched((x, y) => [matmulReference(x, y, M, N, K, tA, tB)], a!, b!)[0]!,
+      ref: ([a, b]) => concat(Array.from({ length: Bt }, (_, i) =>
+        matmulReference(part(a!, i, M * K), part(b!, i, K * N), M, N, K, tA, tB))),
       refGrad: ([a, b], d) => {
-        const das: number[] = [];
-        const dbs: number[] = [];
-        for (let i = 0; i < Bt; i++) {
-          const g = matmulBackwardReference(a!.subarray(i * M * K, (i + 1) * M * K), b!.subarray(i * K * N, (i + 1) * K * N),
-            d.subarray(i * M * N, (i + 1) * M * N), M, N, K, tA, tB);
-          das.push(...g.da);
-          dbs.push(...g.db);
-        }
-        return [Float64Array.from(das), Float64Array.from(dbs)];
+        const g = Array.from({ length: Bt }, (_, i) =>
+          matmulBackwardReference(part(a!, i, M * K), part(b!, i, K * N), part(d, i, M * N), M, N, K, tA, tB));
+        return [concat(g.map((x) => x.da)), concat(g.map((x) => x.db))];
       },
     }, rng);
   });
@@ -119,24 +198,12 @@ describe("matmul", () => {
       inputs: [input(rng, [B, T, C]), input(rng, [O, C])],
       run: ([x, w]) => matmul(x!, w!, { transB: true }),
       ref: ([x, w]) => matmulReference(x!, w!, B * T, O, C, false, true),
-      refGrad: ([x, w], d) => {
-        const g = matmulBackwardReference(x!, w!, d, B * T, O, C, false, true);
-        return [g.da, g.db];
-      },
+      refGrad: ([x, w], d) => Object.values(matmulBackwardReference(x!, w!, d, B * T, O, C, false, true)),
     }, rng);
   });
 });
 
-describe.each([
-  ["add", add, addReference, (a: Float64Array, as: number[], b: Float64Array, bs: number[], d: Float64Array) => {
-    const g = addBackwardReference(as, bs, d);
-    return [g.da, g.db];
-  }],
-  ["mul", mul, mulReference, (a: Float64Array, as: number[], b: Float64Array, bs: number[], d: Float64Array) => {
-    const g = mulBackwardReference(a, as, b, bs, d);
-    return [g.da, g.db];
-  }],
-] as const)("%s with broadcasting", (_name, op, ref, refGrad) => {
+describe.each(["add", "mul"] as const)("%s with broadcasting", (op) => {
   const pairs: [number[], number[]][] = [
     [[4, 5], [4, 5]], [[3, 4, 5], [5]], [[3, 1, 5], [1, 4, 1]], [[2, 3, 4, 5], [3, 1, 5]], [[7], [1]],
     [[1], [6, 3]], [[9, 17], [9, 1]],
@@ -145,21 +212,17 @@ describe.each([
   ];
   test.each(pairs)("%p with %p", (as, bs) => {
     const rng = new Rng(as.length * 31 + bs.length);
-    checkOp({
-      inputs: [input(rng, as), input(rng, bs)],
-      run: ([a, b]) => op(a!, b!),
-      ref: ([a, b]) => ref(a!, as, b!, bs).out,
-      refGrad: ([a, b], d) => refGrad(a!, as, b!, bs, d),
-    }, rng);
+    checkOp(broadcastCase(rng, op, as, bs), rng);
   });
   test("same tensor on both sides", () => {
     const rng = new Rng(3);
+    const c = broadcastCase(rng, op, [3, 4], [3, 4]);
     checkOp({
-      inputs: [input(rng, [3, 4])],
-      run: ([a]) => op(a!, a!),
-      ref: ([a]) => ref(a!, [3, 4], a!, [3, 4]).out,
+      inputs: [c.inputs[0]!],
+      run: ([a]) => c.run([a!, a!], []),
+      ref: ([a]) => c.ref([a!, a!]),
       refGrad: ([a], d) => {
-        const [ga, gb] = refGrad(a!, [3, 4], a!, [3, 4], d);
+        const [ga, gb] = c.refGrad([a!, a!], d);
         return [ga!.map((v, i) => v + gb![i]!)];
       },
     }, rng);
@@ -167,119 +230,48 @@ describe.each([
 });
 
 describe("biasAdd", () => {
-  test.each([[1, 1], [5, 7], [33, 65], [128, 100]])("N=%i C=%i", (N, C) => {
-    const rng = new Rng(N + C);
-    checkOp({
-      inputs: [input(rng, [N, C]), input(rng, [C])],
-      run: ([x, b]) => biasAdd(x!, b!),
-      ref: ([x, b]) => biasAddReference(x!, b!, N, C),
-      refGrad: (_x, d) => {
-        const g = biasAddBackwardReference(d, N, C);
-        return [g.dinp, g.dbias];
-      },
-    }, rng);
-  });
-  test("3-D input", () => {
-    const rng = new Rng(11);
-    checkOp({
-      inputs: [input(rng, [2, 3, 5]), input(rng, [5])],
-      run: ([x, b]) => biasAdd(x!, b!),
-      ref: ([x, b]) => biasAddReference(x!, b!, 6, 5),
-      refGrad: (_x, d) => {
-        const g = biasAddBackwardReference(d, 6, 5);
-        return [g.dinp, g.dbias];
-      },
-    }, rng);
+  test.each([[[1, 1]], [[5, 7]], [[33, 65]], [[128, 100]], [[2, 3, 5]]])("shape %p", (shape) => {
+    const rng = new Rng(shape[0]! + shape[1]!);
+    checkOp(biasAddCase(rng, shape), rng);
   });
 });
 
-describe.each([
-  ["relu", relu, reluReference, reluBackwardReference],
-  ["gelu", gelu, geluReference, geluBackwardReference],
-] as const)("%s", (_name, op, ref, refGrad) => {
+describe.each(["relu", "gelu"] as const)("%s", (op) => {
   test.each([[[1]], [[7, 13]], [[3, 5, 11]], [[40000]]])("shape %p", (shape) => {
     const rng = new Rng(shape.length);
-    checkOp({
-      inputs: [input(rng, shape, true, 2)],
-      run: ([x]) => op(x!),
-      ref: ([x]) => ref(x!),
-      refGrad: ([x], d) => [refGrad(x!, d)],
-    }, rng);
+    checkOp(unaryCase(rng, op, shape), rng);
   });
 });
 
 describe("softmaxCrossEntropy", () => {
-  test.each([[1, 2], [5, 7], [33, 83], [4, 1000]])("N=%i V=%i", (N, V) => {
-    const rng = new Rng(N * V);
-    const targets = randInts(rng, N, V);
-    checkOp({
-      inputs: [input(rng, [N, V], true, 3)],
-      ints: [{ data: targets, shape: [N] }],
-      run: ([x], [t]) => softmaxCrossEntropy(x!, t!),
-      ref: ([x]) => Float64Array.of(softmaxCrossEntropyReference(x!, targets, N, V).loss),
-      refGrad: ([x], d) => [softmaxCrossEntropyBackwardReference(softmaxCrossEntropyReference(x!, targets, N, V).probs, targets, N, V, d[0])],
-    }, rng);
+  test.each([[[1, 2]], [[5, 7]], [[33, 83]], [[4, 1000]], [[2, 3, 5]]])("logits %p", (shape) => {
+    const rng = new Rng(shape.reduce((a, b) => a * b, 1));
+    checkOp(crossEntropyCase(rng, shape), rng);
   });
   test("stays finite for huge logits", () => {
     const ctx = newContext();
     const logits = ctx.fromArray(Float32Array.of(1e30, -1e30, 0, 80, 90, -5), [2, 3]);
     const loss = softmaxCrossEntropy(logits, ctx.fromArray(Int32Array.of(1, 0), [2]));
-    // row 0: -log softmax picks -1e30 - 1e30 => loss 2e30 (finite); row 1: 90 - 80 + log(1 + e^-10 ...)
+    // row 0 picks the -1e30 logit: its loss is 2e30, large but finite
     expect(Number.isFinite(loss.item())).toBe(true);
-  });
-  test("3-D logits with 2-D targets", () => {
-    const rng = new Rng(17);
-    const [B, T, V] = [2, 3, 5];
-    const targets = randInts(rng, B * T, V);
-    checkOp({
-      inputs: [input(rng, [B, T, V])],
-      ints: [{ data: targets, shape: [B, T] }],
-      run: ([x], [t]) => softmaxCrossEntropy(x!, t!),
-      ref: ([x]) => Float64Array.of(softmaxCrossEntropyReference(x!, targets, B * T, V).loss),
-      refGrad: ([x], d) => [softmaxCrossEntropyBackwardReference(softmaxCrossEntropyReference(x!, targets, B * T, V).probs, targets, B * T, V, d[0])],
-    }, rng);
   });
 });
 
 describe("layerNorm", () => {
   test.each([[1, 3], [5, 7], [9, 64], [300, 129]])("N=%i C=%i", (N, C) => {
     const rng = new Rng(N + 7 * C);
-    checkOp({
-      inputs: [input(rng, [N, C], true, 2), input(rng, [C]), input(rng, [C])],
-      run: ([x, w, b]) => layerNorm(x!, w!, b!),
-      ref: ([x, w, b]) => layerNormReference(x!, w!, b!, N, C).out,
-      refGrad: ([x, w], d) => {
-        const g = layerNormBackwardReference(x!, w!, d, N, C);
-        return [g.dinp, g.dweight, g.dbias];
-      },
-    }, rng);
+    checkOp(layerNormCase(rng, N, C), rng);
   });
   test("input without grad (weights only)", () => {
     const rng = new Rng(4);
-    const [N, C] = [6, 10];
-    checkOp({
-      inputs: [{ ...input(rng, [N, C]), grad: false }, input(rng, [C]), input(rng, [C])],
-      run: ([x, w, b]) => layerNorm(x!, w!, b!),
-      ref: ([x, w, b]) => layerNormReference(x!, w!, b!, N, C).out,
-      refGrad: ([x, w], d) => {
-        const g = layerNormBackwardReference(x!, w!, d, N, C);
-        return [g.dinp, g.dweight, g.dbias];
-      },
-    }, rng);
+    checkOp(layerNormCase(rng, 6, 10, false), rng);
   });
 });
 
 describe("embedding", () => {
   test.each([[1, 1, 1], [10, 7, 13], [83, 32, 64]])("V=%i C=%i N=%i (repeated ids)", (V, C, N) => {
     const rng = new Rng(V + C + N);
-    const ids = randInts(rng, N, V);
-    checkOp({
-      inputs: [input(rng, [V, C])],
-      ints: [{ data: ids, shape: [N] }],
-      run: ([table], [i]) => embedding(table!, i!),
-      ref: ([table]) => embeddingReference(table!, ids, C),
-      refGrad: (_x, d) => [embeddingBackwardReference(ids, d, V, C)],
-    }, rng);
+    checkOp(embeddingCase(rng, V, C, [N]), rng);
   });
   test("2-D ids give a 3-D output", () => {
     const ctx = newContext();
@@ -293,12 +285,7 @@ describe("embedding", () => {
 describe("causalSelfAttention", () => {
   test.each([[1, 1, 4, 1], [2, 5, 12, 3], [2, 8, 16, 2], [3, 17, 24, 4]])("B=%i T=%i C=%i H=%i", (B, T, C, H) => {
     const rng = new Rng(B * T * C * H);
-    checkOp({
-      inputs: [input(rng, [B, T, 3 * C])],
-      run: ([qkv]) => causalSelfAttention(qkv!, H),
-      ref: ([qkv]) => causalSelfAttentionReference(qkv!, B, T, C, H).out,
-      refGrad: ([qkv], d) => [causalSelfAttentionBackwardReference(qkv!, d, B, T, C, H)],
-    }, rng);
+    checkOp(attentionCase(rng, B, T, C, H), rng);
   });
   test("position i never sees later positions", () => {
     const rng = new Rng(1);
@@ -314,14 +301,16 @@ describe("causalSelfAttention", () => {
 });
 
 describe("dropout", () => {
+  /** The seed the first dropout call of a context made with newContext(7) draws (as checkOp's does). */
+  const firstSeed = () => newContext(7).nextDropoutSeed();
   test.each([[[1]], [[5, 7]], [[50000]]])("shape %p, p=0.3, mask recomputed in backward", (shape) => {
     const rng = new Rng(2);
     const p = 0.3;
     checkOp({
       inputs: [input(rng, shape)],
       run: ([x]) => dropout(x!, p),
-      ref: ([x]) => dropoutReference(x!, p, seedOfFirstCall()),
-      refGrad: (_x, d) => [dropoutBackwardReference(d, p, seedOfFirstCall())],
+      ref: ([x]) => dropoutReference(x!, p, firstSeed()),
+      refGrad: (_x, d) => [dropoutBackwardReference(d, p, firstSeed())],
     }, rng);
   });
   test("keeps about 1-p of the elements and preserves the mean", () => {
@@ -341,11 +330,6 @@ describe("dropout", () => {
   });
 });
 
-/** The seed the first dropout call of a context made with newContext(7) draws. */
-function seedOfFirstCall(): bigint {
-  return newContext(7).nextDropoutSeed();
-}
-
 describe("permute / transpose", () => {
   const cases: [number[], number[]][] = [
     [[2, 3], [1, 0]], [[2, 3, 4], [0, 2, 1]], [[2, 3, 4, 5], [3, 1, 0, 2]], [[2, 3, 4, 5], [0, 2, 1, 3]],
@@ -353,12 +337,7 @@ describe("permute / transpose", () => {
   ];
   test.each(cases)("shape %p perm %p", (shape, perm) => {
     const rng = new Rng(shape.length * 13 + perm[0]!);
-    checkOp({
-      inputs: [input(rng, shape)],
-      run: ([x]) => permute(x!, perm),
-      ref: ([x]) => permuteReference(x!, shape, perm),
-      refGrad: (_x, d) => [permuteBackwardReference(d, shape, perm)],
-    }, rng);
+    checkOp(permuteCase(rng, shape, perm), rng);
   });
   test("transpose swaps two dims", () => {
     const ctx = newContext();
@@ -373,18 +352,14 @@ describe("sum / mean", () => {
   test.each([[[1]], [[7, 13]], [[100000]]])("shape %p", (shape) => {
     const rng = new Rng(shape[0]!);
     const n = shape.reduce((a, b) => a * b, 1);
-    checkOp({
-      inputs: [input(rng, shape)],
-      run: ([x]) => sum(x!),
-      ref: ([x]) => Float64Array.of(sumReference(x!)),
-      refGrad: (_x, d) => [sumBackwardReference(n, d[0]!)],
-    }, rng);
-    checkOp({
-      inputs: [input(rng, shape)],
-      run: ([x]) => mean(x!),
-      ref: ([x]) => Float64Array.of(meanReference(x!)),
-      refGrad: (_x, d) => [sumBackwardReference(n, d[0]!, true)],
-    }, rng);
+    for (const [op, ref, isMean] of [[sum, sumReference, false], [mean, meanReference, true]] as const) {
+      checkOp({
+        inputs: [input(rng, shape)],
+        run: ([x]) => op(x!),
+        ref: ([x]) => Float64Array.of(ref(x!)),
+        refGrad: (_x, d) => [sumBackwardReference(n, d[0]!, isMean)],
+      }, rng);
+    }
   });
 });
 
@@ -416,5 +391,41 @@ describe("non-finite values propagate", () => {
     const out = relu(ctx.fromArray(Float32Array.of(NaN, -1, 2, -Infinity, Infinity), [5])).toFloat32();
     expect(Number.isNaN(out[0]!)).toBe(true);
     expect([...out.subarray(1)]).toEqual([0, 2, 0, Infinity]);
+  });
+});
+
+// Seeded random shapes (dims 1..40, so most are odd and few fit SIMD widths exactly), through
+// the same three checks.
+describe("random shapes", () => {
+  const rng = new Rng(20261122);
+  const dim = (max = 40) => 1 + rng.int(max);
+  const runs = Array.from({ length: 6 }, (_, i) => i);
+
+  test.each(runs)("matmul #%i", () => {
+    checkOp(matmulCase(rng, dim(), dim(), dim(), rng.int(2) === 1, rng.int(2) === 1), rng);
+  });
+
+  test.each(runs)("add and mul with a random broadcast pattern #%i", () => {
+    const rank = 1 + rng.int(4);
+    const out = Array.from({ length: rank }, () => dim(7));
+    const as = out.map((d) => (rng.int(3) === 0 ? 1 : d));
+    const bs = out.slice(rng.int(rank)).map((d) => (rng.int(3) === 0 ? 1 : d));
+    checkOp(broadcastCase(rng, "add", as, bs), rng);
+    checkOp(broadcastCase(rng, "mul", as, bs), rng);
+  });
+
+  test.each(runs)("layerNorm, biasAdd, cross-entropy #%i", () => {
+    const [N, C] = [dim(), dim(99) + 2]; // C >= 3: at C = 2 layerNorm's input gradient is ~0 by construction
+    checkOp(layerNormCase(rng, N, C), rng);
+    checkOp(biasAddCase(rng, [N, C]), rng);
+    checkOp(crossEntropyCase(rng, [N, C], 4), rng);
+  });
+
+  test.each(runs)("attention, gelu, embedding, permute #%i", () => {
+    const [B, T, H, D] = [dim(3), dim(20), dim(4), dim(9)];
+    checkOp(attentionCase(rng, B, T, H * D, H), rng);
+    checkOp(unaryCase(rng, "gelu", [B, T, H * D]), rng);
+    checkOp(embeddingCase(rng, dim(50), H * D, [B, T]), rng);
+    checkOp(permuteCase(rng, [B, T, H, D], rng.shuffle([0, 1, 2, 3])), rng);
   });
 });
