@@ -29,8 +29,12 @@ export interface EngineBenchResult {
 
 const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
 
-/** Median over `reps` rounds of the time to run every GEMM of the step once, in ms. */
-function timeGemms(be: Backend, shapes: readonly GemmShape[], reps: number): number {
+/**
+ * Times `reps` training steps and `reps` rounds of the step's GEMMs (every GEMM of the step
+ * once, on scratch buffers of the same shapes), interleaved one of each at a time so both see
+ * the same machine conditions; returns the medians in ms.
+ */
+function timeInterleaved(be: Backend, trainer: TrainStep, batch: HostBatch, shapes: readonly GemmShape[], reps: number) {
   const buffers = shapes.map((s) => {
     const a = be.alloc(s.M * s.K * s.batch * 4);
     const b = be.alloc(s.K * s.N * s.batch * 4);
@@ -40,7 +44,7 @@ function timeGemms(be: Backend, shapes: readonly GemmShape[], reps: number): num
     be.upload(b.ptr, Float32Array.from({ length: s.K * s.N * s.batch }, () => rng.normal()));
     return { a, b, c };
   });
-  const runAll = () => {
+  const gemmRound = () => {
     shapes.forEach((s, i) => {
       const { a, b, c } = buffers[i]!;
       const lda = s.transA ? s.M : s.K;
@@ -49,27 +53,23 @@ function timeGemms(be: Backend, shapes: readonly GemmShape[], reps: number): num
       else be.gemmStridedBatched(s.transA, s.transB, s.M, s.N, s.K, 1, a.ptr, lda, s.M * s.K, b.ptr, ldb, s.K * s.N, 0, c.ptr, s.N, s.M * s.N, s.batch);
     });
   };
-  for (let i = 0; i < 3; i++) runAll();
-  const times: number[] = [];
-  for (let r = 0; r < reps; r++) {
+  const timed = (fn: () => void) => {
     const t = performance.now();
-    runAll();
-    times.push(performance.now() - t);
+    fn();
+    return performance.now() - t;
+  };
+  for (let i = 0; i < 3; i++) {
+    trainer.run([batch]);
+    gemmRound();
+  }
+  const stepMs: number[] = [];
+  const gemmMs: number[] = [];
+  for (let r = 0; r < reps; r++) {
+    stepMs.push(timed(() => trainer.run([batch])));
+    gemmMs.push(timed(gemmRound));
   }
   for (const { a, b, c } of buffers) [a, b, c].forEach((x) => be.free(x));
-  return median(times);
-}
-
-function timeSteps(trainer: TrainStep, batch: () => HostBatch, steps: number): number {
-  for (let i = 0; i < 3; i++) trainer.run([batch()]);
-  const times: number[] = [];
-  for (let i = 0; i < steps; i++) {
-    const b = batch();
-    const t = performance.now();
-    trainer.run([b]);
-    times.push(performance.now() - t);
-  }
-  return median(times);
+  return { stepMs: median(stepMs), gemmMs: median(gemmMs) };
 }
 
 function result(name: string, batch: number, model: Model, stepMs: number, gemmMs: number, target: number): EngineBenchResult {
@@ -101,8 +101,7 @@ export function benchMlp(be: Backend, steps: number): EngineBenchResult {
     targets: Int32Array.from({ length: batch }, () => rng.int(10)),
     targetShape: [batch],
   };
-  const stepMs = timeSteps(trainer, () => hb, steps);
-  const gemmMs = timeGemms(be, model.gemmShapes(batch), steps);
+  const { stepMs, gemmMs } = timeInterleaved(be, trainer, hb, model.gemmShapes(batch), steps);
   ctx.dispose();
   return result("mlp 784-1024-1024-10", batch, model, stepMs, gemmMs, 0.7);
 }
@@ -125,8 +124,7 @@ export function benchGpt(be: Backend, steps: number): EngineBenchResult {
     targets: Int32Array.from({ length: n }, () => rng.int(vocabSize)),
     targetShape: [batch, config.blockSize],
   };
-  const stepMs = timeSteps(trainer, () => hb, steps);
-  const gemmMs = timeGemms(be, model.gemmShapes(batch), steps);
+  const { stepMs, gemmMs } = timeInterleaved(be, trainer, hb, model.gemmShapes(batch), steps);
   ctx.dispose();
   const c = config;
   return result(`gpt L${c.nLayer} H${c.nHead} C${c.nEmbd} T${c.blockSize} V${c.vocabSize}`, batch, model, stepMs, gemmMs, 0.5);
@@ -153,7 +151,7 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] {
   const be = new CpuBackend();
   const rows = [benchMlp(be, steps), benchGpt(be, steps)];
   if (!values["json-only"]) {
-    console.log(`engine benchmark: CPU backend, ${be.threads} threads, median of ${steps} steps; ratio = sgemm time / step time`);
+    console.log(`engine benchmark: CPU backend, ${be.threads} threads; medians of ${steps} steps interleaved with ${steps} rounds of their GEMMs; ratio = sgemm time / step time`);
     printTable(rows);
   }
   console.log(JSON.stringify({ bench: "engine", results: rows }));
