@@ -1,8 +1,10 @@
 // `bun run bench <name> [options]`: the per-component benchmarks.
 import { runEngineBench } from "./engine.ts";
+import { runKernelBench } from "./kernels.ts";
 
 const benches: Record<string, (argv: string[]) => unknown> = {
   engine: runEngineBench,
+  kernels: runKernelBench,
 };
 
 const [name, ...rest] = process.argv.slice(2);

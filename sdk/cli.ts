@@ -3,6 +3,7 @@
 // (submit, watch, cancel) arrive with the services.
 import { Command, Option } from "commander";
 import { runEngineBench } from "../bench/engine.ts";
+import { runKernelBench } from "../bench/kernels.ts";
 import { DataFileError } from "../engine/data/errors.ts";
 import { EngineError } from "../engine/errors.ts";
 import { NativeLibraryError } from "../ffi/errors.ts";
@@ -85,12 +86,12 @@ program.command("sample")
   });
 
 program.command("bench")
-  .description("run a benchmark: engine")
-  .argument("<name>", "benchmark name", choice("engine"))
+  .description("run a benchmark: engine (training steps against sgemm) or kernels (GB/s against memcpy)")
+  .argument("<name>", "benchmark name", choice("engine", "kernels"))
   .allowUnknownOption(true)
   .helpOption(false)
-  .action((_name, _opts, cmd: Command) => {
-    runEngineBench(cmd.args.slice(1));
+  .action((name: "engine" | "kernels", _opts, cmd: Command) => {
+    (name === "engine" ? runEngineBench : runKernelBench)(cmd.args.slice(1));
   });
 
 try {

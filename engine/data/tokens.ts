@@ -11,6 +11,8 @@ import { DataFileError } from "./errors.ts";
 import { readDataFile } from "./files.ts";
 
 export const llmcMagic = 20240520;
+const hostIsLittleEndian = new Uint8Array(new Uint16Array([1]).buffer)[0] === 1;
+if (!hostIsLittleEndian) throw new Error("meshtrain token files are little-endian; big-endian hosts are not supported");
 export const llmcVersionU16 = 1;
 const headerInts = 256;
 const headerBytes = headerInts * 4;
@@ -35,12 +37,10 @@ export function parseTokens(path: string, bytes: Uint8Array): Uint16Array {
     if (bytes.length % 2 !== 0) throw new DataFileError(path, `raw uint16 token file has an odd byte count (${bytes.length})`);
     body = bytes;
   }
-  // copy into an aligned buffer (the body may start at an odd offset in a shared buffer)
+  // copy into an aligned buffer (the body may start at an odd offset in a shared buffer);
+  // the files are little-endian, as is every host we run on (hostIsLittleEndian, asserted below)
   const tokens = new Uint16Array(body.length / 2);
   new Uint8Array(tokens.buffer).set(body);
-  if (new Uint8Array(new Uint16Array([1]).buffer)[0] !== 1) {
-    throw new DataFileError(path, "big-endian hosts are not supported");
-  }
   return tokens;
 }
 

@@ -88,7 +88,24 @@ void* mt_alloc(int64_t bytes) {
   return p;
 }
 void mt_free(void* p) { free(p); }
-void mt_copy(void* dst, const void* src, int64_t bytes) { memmove(dst, src, (size_t)bytes); }
+// Large non-overlapping copies are split across threads (one core does not saturate memory
+// bandwidth); overlapping ones keep memmove's semantics.
+void mt_copy(void* dst, const void* src, int64_t bytes) {
+  const int64_t block = 1 << 20;
+  const char* s = (const char*)src;
+  char* d = (char*)dst;
+  const int overlap = d < s + bytes && s < d + bytes;
+  if (bytes < 4 * block || overlap) {
+    memmove(dst, src, (size_t)bytes);
+    return;
+  }
+  const int64_t nblocks = (bytes + block - 1) / block;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < nblocks; b++) {
+    const int64_t start = b * block, len = start + block <= bytes ? block : bytes - start;
+    memcpy(d + start, s + start, (size_t)len);
+  }
+}
 // large blocks are split across threads: one core does not saturate memory bandwidth
 void mt_zero(void* dst, int64_t bytes) {
   const int64_t block = 1 << 20;
@@ -195,22 +212,28 @@ void mt_bias_add_f32(float* out, const float* inp, const float* bias, int64_t N,
   }
 }
 
-// dbias (C) += sum over rows of dout (N,C). Each thread owns a block of columns, so there
-// are no races and each column is summed in row order (deterministic).
+// dbias (C) += sum over rows of dout (N,C). Each thread sums a contiguous range of rows into
+// its own partial vector (streaming whole rows); partials are added in thread order, so the
+// result is deterministic for a fixed thread count.
 void mt_bias_backward_f32(float* dbias, const float* dout, int64_t N, int64_t C) {
-  const int64_t CB = 64;  // columns per block: one AVX-512 row of 16 x4 accumulators
-  const int64_t nblocks = (C + CB - 1) / CB;
-#pragma omp parallel for schedule(static) if (N * C >= PAR_MIN)
-  for (int64_t blk = 0; blk < nblocks; blk++) {
-    const int64_t c0 = blk * CB, c1 = c0 + CB < C ? c0 + CB : C;
-    float acc[64];
-    for (int64_t c = c0; c < c1; c++) acc[c - c0] = 0.0f;
-    for (int64_t n = 0; n < N; n++) {
+  const int nt = (N * C >= PAR_MIN && N >= 2) ? max_threads() : 1;
+  float* partial = (float*)calloc((size_t)(C * nt), sizeof(float));
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    const int t = thread_id();
+    float* acc = partial + (int64_t)t * C;
+    const int64_t n0 = N * t / nt, n1 = N * (t + 1) / nt;
+    for (int64_t n = n0; n < n1; n++) {
       const float* g = dout + n * C;
-      for (int64_t c = c0; c < c1; c++) acc[c - c0] += g[c];
+#pragma omp simd
+      for (int64_t c = 0; c < C; c++) acc[c] += g[c];
     }
-    for (int64_t c = c0; c < c1; c++) dbias[c] += acc[c - c0];
   }
+  for (int t = 0; t < nt; t++) {
+    const float* acc = partial + (int64_t)t * C;
+    for (int64_t c = 0; c < C; c++) dbias[c] += acc[c];
+  }
+  free(partial);
 }
 
 // out, inp (n)
@@ -292,8 +315,10 @@ int64_t mt_crossentropy_forward_f32(float* loss, float* losses, float* probs, co
     const float* x = logits + n * V;
     float* p = probs + n * V;
     float maxv = -INFINITY;
+#pragma omp simd reduction(max : maxv)
     for (int64_t v = 0; v < V; v++) maxv = x[v] > maxv ? x[v] : maxv;
     float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t v = 0; v < V; v++) {
       p[v] = fast_expf(x[v] - maxv);
       sum += p[v];
@@ -338,10 +363,14 @@ void mt_layernorm_forward_f32(float* out, float* mean, float* rstd, const float*
 #pragma omp parallel for schedule(static) if (N * C >= PAR_MIN)
   for (int64_t n = 0; n < N; n++) {
     const float* x = inp + n * C;
+    // omp simd: let the compiler vectorize the sums (a fixed reassociation per build, so
+    // results stay deterministic)
     float m = 0.0f;
+#pragma omp simd reduction(+ : m)
     for (int64_t c = 0; c < C; c++) m += x[c];
     m /= (float)C;
     float var = 0.0f;
+#pragma omp simd reduction(+ : var)
     for (int64_t c = 0; c < C; c++) {
       const float d = x[c] - m;
       var += d * d;
@@ -373,6 +402,7 @@ void mt_layernorm_backward_f32(float* dinp, float* dweight, float* dbias, const 
       const float* x = inp + n * C;
       const float m = mean[n], s = rstd[n];
       float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+#pragma omp simd reduction(+ : dnorm_mean, dnorm_norm_mean)
       for (int64_t c = 0; c < C; c++) {
         const float norm = (x[c] - m) * s;
         const float dnorm = weight[c] * g[c];
@@ -382,6 +412,8 @@ void mt_layernorm_backward_f32(float* dinp, float* dweight, float* dbias, const 
       dnorm_mean /= (float)C;
       dnorm_norm_mean /= (float)C;
       float* dx = dinp + n * C;
+      // omp simd: dx, dw, db never alias (the caller passes distinct buffers)
+#pragma omp simd
       for (int64_t c = 0; c < C; c++) {
         const float norm = (x[c] - m) * s;
         const float dnorm = weight[c] * g[c];
@@ -449,8 +481,10 @@ void mt_causal_softmax_forward_f32(float* out, const float* inp, int64_t BH, int
     const float* x = inp + r * T;
     float* o = out + r * T;
     float maxv = -INFINITY;
+#pragma omp simd reduction(max : maxv)
     for (int64_t j = 0; j <= i; j++) maxv = scale * x[j] > maxv ? scale * x[j] : maxv;
     float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j <= i; j++) {
       o[j] = fast_expf(scale * x[j] - maxv);
       sum += o[j];
@@ -471,6 +505,7 @@ void mt_causal_softmax_backward_f32(float* dinp, const float* out, const float* 
     const float* g = dout + r * T;
     float* d = dinp + r * T;
     float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
     for (int64_t j = 0; j <= i; j++) dot += y[j] * g[j];
     for (int64_t j = 0; j <= i; j++) d[j] += scale * y[j] * (g[j] - dot);
   }
@@ -663,11 +698,34 @@ static inline float f16_bits_to_f32(uint16_t h) {
   if (e == 31) return bits_f32(sign | 0x7f800000u | (m << 13));
   return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
 }
+// With F16C (x86 since 2012) the hardware converts 8 at a time with the same IEEE rounding
+// (round to nearest even, subnormals kept); the portable bit-twiddling versions above cover the
+// tails and other machines. Both agree bit for bit (tested against Float16Array).
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 void mt_f32_to_f16(uint16_t* out, const float* inp, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-  for (int64_t i = 0; i < n; i++) out[i] = f32_to_f16_bits(inp[i]);
+  for (int64_t blk = 0; blk < (n + 4095) / 4096; blk++) {
+    int64_t i = blk * 4096;
+    const int64_t end = i + 4096 < n ? i + 4096 : n;
+#ifdef __F16C__
+    for (; i + 8 <= end; i += 8) {
+      const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(inp + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128((__m128i*)(out + i), h);
+    }
+#endif
+    for (; i < end; i++) out[i] = f32_to_f16_bits(inp[i]);
+  }
 }
 void mt_f16_to_f32(float* out, const uint16_t* inp, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-  for (int64_t i = 0; i < n; i++) out[i] = f16_bits_to_f32(inp[i]);
+  for (int64_t blk = 0; blk < (n + 4095) / 4096; blk++) {
+    int64_t i = blk * 4096;
+    const int64_t end = i + 4096 < n ? i + 4096 : n;
+#ifdef __F16C__
+    for (; i + 8 <= end; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(inp + i))));
+#endif
+    for (; i < end; i++) out[i] = f16_bits_to_f32(inp[i]);
+  }
 }

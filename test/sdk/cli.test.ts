@@ -88,3 +88,16 @@ test("bench engine prints a table and a last JSON line", () => {
     for (const k of ["batch", "step_ms", "samples_per_s", "achieved_gflops", "sgemm_gflops", "ratio"]) expect(r[k]).toBeGreaterThan(0);
   }
 }, 120_000);
+
+test("bench kernels prints a table and a last JSON line", () => {
+  const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), "kernels", "--elems", "262144", "--reps", "2"], { cwd: root, stdout: "pipe", stderr: "pipe" });
+  expect(p.exitCode).toBe(0);
+  const lines = p.stdout.toString().trim().split("\n");
+  expect(lines[1]).toContain("memcpy_gb_per_s");
+  const last = JSON.parse(lines[lines.length - 1]!);
+  expect(last.results.length).toBeGreaterThan(20);
+  for (const r of last.results) expect(r.gb_per_s).toBeGreaterThan(0);
+  const bad = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), "kernels", "--elems", "1000"], { cwd: root, stdout: "pipe", stderr: "pipe" });
+  expect(bad.exitCode).not.toBe(0);
+  expect(bad.stderr.toString()).toContain("--elems must be a multiple of 262144");
+}, 120_000);

@@ -1,0 +1,147 @@
+// Kernel benchmark: every memory-bound kernel of the CPU backend at a size well beyond the
+// caches, reported as achieved GB/s (bytes each call must read + write) against memcpy's
+// rate over the same byte count, measured in the same run and interleaved with it.
+//
+//   bun run bench kernels [--elems N] [--reps N] [--json-only]
+import { parseArgs } from "node:util";
+import type { Backend, Ptr } from "../ffi/backend.ts";
+import { CpuBackend } from "../ffi/cpu/backend.ts";
+import { Rng } from "../engine/rng.ts";
+
+export interface KernelBenchResult {
+  kernel: string;
+  bytes_per_call: number;
+  ms: number;
+  gb_per_s: number;
+  memcpy_gb_per_s: number;
+  ratio: number;
+}
+
+interface Case {
+  name: string;
+  /** bytes the kernel must read and write */
+  bytes: number;
+  run: () => void;
+}
+
+const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
+const round = (x: number, digits: number) => Number(x.toFixed(digits));
+
+function cases(be: Backend, n: number, buf: (elems: number) => Ptr, ints: (count: number, limit: number) => Ptr): Case[] {
+  const [x, y, z, w] = [buf(n), buf(n), buf(n), buf(n)];
+  const half = buf(n / 2);
+  const C = 768; // a GPT-2 width: rows of a few KB
+  const N = Math.floor(n / C);
+  const NC = N * C;
+  const vec = buf(C);
+  const vec2 = buf(C);
+  const rowStats = buf(N);
+  const rowStats2 = buf(N);
+  const V = 1024; // cross-entropy / embedding vocabulary
+  const NV = n / V;
+  const targets = ints(NV, V);
+  const table = buf(V * C);
+  const ids = ints(N, V);
+  const T = 256; // attention: (BH, T, T); also the transpose's sequence length (N*C is a multiple of T*C)
+  const BH = n / (T * T);
+  const lossScalar = buf(1);
+  be.fill(lossScalar, 1, 1);
+  const f = 4;
+  return [
+    { name: "add", bytes: 3 * n * f, run: () => be.add(z, x, y, n) },
+    { name: "axpy", bytes: 3 * n * f, run: () => be.axpy(y, x, n, 0.5) },
+    { name: "biasAdd (N,768)", bytes: 2 * NC * f, run: () => be.biasAdd(y, x, vec, N, C) },
+    { name: "biasBackward (N,768)", bytes: NC * f, run: () => be.biasBackward(vec, x, N, C) },
+    { name: "reluForward", bytes: 2 * n * f, run: () => be.reluForward(y, x, n) },
+    { name: "reluBackward", bytes: 4 * n * f, run: () => be.reluBackward(z, x, y, n) },
+    { name: "geluForward", bytes: 2 * n * f, run: () => be.geluForward(y, x, n) },
+    { name: "geluBackward", bytes: 4 * n * f, run: () => be.geluBackward(z, x, y, n) },
+    { name: "dropoutForward", bytes: 2 * n * f, run: () => be.dropoutForward(y, x, n, 0.1, 7n) },
+    { name: "layerNormForward (N,768)", bytes: 2 * NC * f, run: () => be.layerNormForward(y, rowStats, rowStats2, x, vec, vec2, N, C, 1e-5) },
+    { name: "layerNormBackward (N,768)", bytes: 4 * NC * f, run: () => be.layerNormBackward(z, vec, vec2, y, x, vec, rowStats, rowStats2, N, C) },
+    { name: "crossEntropyForward (N,1024)", bytes: 2 * n * f, run: () => be.crossEntropyForward(lossScalar, rowStats, y, x, targets, NV, V) },
+    { name: "crossEntropyBackward (N,1024)", bytes: 3 * n * f, run: () => be.crossEntropyBackward(z, y, targets, lossScalar, NV, V) },
+    { name: "causalSoftmaxForward (BH,256,256)", bytes: 2 * n * f, run: () => be.causalSoftmaxForward(y, x, BH, T, 0.125) },
+    { name: "causalSoftmaxBackward (BH,256,256)", bytes: 4 * n * f, run: () => be.causalSoftmaxBackward(z, y, x, BH, T, 0.125) },
+    { name: "embeddingForward (N,768)", bytes: 2 * NC * f, run: () => be.embeddingForward(y, ids, table, N, C, V) },
+    { name: "embeddingBackward (N,768)", bytes: 3 * NC * f, run: () => be.embeddingBackward(table, ids, x, N, C) },
+    { name: "transpose (B,T,12,64)->(B,12,T,64)", bytes: 2 * NC * f, run: () => be.stridedCopy(y, [12 * T * 64, T * 64, 64, 1], x, [T * C, 64, C, 1], [NC / (T * C), 12, T, 64], false) },
+    { name: "sgdStep (momentum)", bytes: 5 * n * f, run: () => be.sgdStep(x, y, z, n, 1e-3, 0.9, 0, 0, false, false) },
+    { name: "adamwStep", bytes: 7 * n * f, run: () => be.adamwStep(x, y, z, w, n, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.5, 0.5) },
+    { name: "sumSquares", bytes: n * f, run: () => be.sumSquares(x, n) },
+    { name: "castF32ToBF16", bytes: (n / 2) * (4 + 2), run: () => be.castF32ToBF16(half, x, n / 2) },
+    { name: "castF32ToF16", bytes: (n / 2) * (4 + 2), run: () => be.castF32ToF16(half, x, n / 2) },
+    { name: "zero", bytes: n * f, run: () => be.zero(z, n * f) },
+  ];
+}
+
+export function runKernelBench(argv: string[]): KernelBenchResult[] {
+  const { values } = parseArgs({
+    args: argv,
+    options: {
+      elems: { type: "string", default: String(1 << 23) },
+      reps: { type: "string", default: "15" },
+      "json-only": { type: "boolean", default: false },
+    },
+    strict: true,
+  });
+  const n = Number(values.elems);
+  const reps = Number(values.reps);
+  // a multiple of 2^18 keeps every derived shape whole: (n/256/256, 256, 256), (n/1024, 1024), ...
+  if (!Number.isInteger(n) || n < 1 << 18 || n % (1 << 18) !== 0) throw new Error(`--elems must be a multiple of ${1 << 18}, got ${values.elems}`);
+  if (!Number.isInteger(reps) || reps < 1) throw new Error(`--reps must be a positive integer, got ${values.reps}`);
+  const be = new CpuBackend();
+  const rng = new Rng(1);
+  const allocations: Ptr[] = [];
+  const buf = (elems: number) => {
+    const a = be.alloc(elems * 4);
+    be.upload(a.ptr, Float32Array.from({ length: elems }, () => rng.normal() * 0.5));
+    allocations.push(a.ptr);
+    return a.ptr;
+  };
+  const ints = (count: number, limit: number) => {
+    const a = be.alloc(count * 4);
+    be.upload(a.ptr, Int32Array.from({ length: count }, () => rng.int(limit)));
+    allocations.push(a.ptr);
+    return a.ptr;
+  };
+  const src = be.alloc(8 * n * 4);
+  const dst = be.alloc(8 * n * 4);
+  const rows: KernelBenchResult[] = [];
+  for (const c of cases(be, n, buf, ints)) {
+    // memcpy moves bytes/2 in and bytes/2 out: the same traffic as the kernel
+    const copyBytes = Math.round(c.bytes / 2);
+    const kernelMs: number[] = [];
+    const copyMs: number[] = [];
+    c.run();
+    be.copy(dst.ptr, src.ptr, copyBytes);
+    for (let r = 0; r < reps; r++) {
+      let t = performance.now();
+      c.run();
+      kernelMs.push(performance.now() - t);
+      t = performance.now();
+      be.copy(dst.ptr, src.ptr, copyBytes);
+      copyMs.push(performance.now() - t);
+    }
+    const ms = median(kernelMs);
+    const gbps = c.bytes / ms / 1e6;
+    const copyGbps = (2 * copyBytes) / median(copyMs) / 1e6;
+    rows.push({ kernel: c.name, bytes_per_call: c.bytes, ms: round(ms, 3), gb_per_s: round(gbps, 1), memcpy_gb_per_s: round(copyGbps, 1), ratio: round(gbps / copyGbps, 2) });
+  }
+  if (!values["json-only"]) {
+    console.log(`kernel benchmark: CPU backend, ${be.threads} threads, ${n} f32 elements per tensor, median of ${reps}; ` +
+      "ratio = achieved GB/s / memcpy GB/s on the same bytes");
+    const cols = ["kernel", "bytes_per_call", "ms", "gb_per_s", "memcpy_gb_per_s", "ratio"] as const;
+    const cells = rows.map((r) => cols.map((k) => String(r[k])));
+    const widths = cols.map((k, i) => Math.max(k.length, ...cells.map((row) => row[i]!.length)));
+    const line = (xs: readonly string[]) => xs.map((x, i) => x.padEnd(widths[i]!)).join("  ");
+    console.log(line(cols));
+    console.log(line(widths.map((w) => "-".repeat(w))));
+    for (const row of cells) console.log(line(row));
+  }
+  console.log(JSON.stringify({ bench: "kernels", elems: n, results: rows }));
+  be.dispose();
+  return rows;
+}
+
+if (import.meta.main) runKernelBench(process.argv.slice(2));
