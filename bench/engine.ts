@@ -4,8 +4,8 @@
 // machine's GEMM rate the whole step achieves; the rest is overhead.
 //
 //   bun run bench engine [--steps N] [--json-only]
-import { parseArgs } from "node:util";
 import type { Backend } from "../ffi/backend.ts";
+import { parseBenchArgs, positiveInt } from "./args.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { gptDefaults, GptModel } from "../engine/models/gpt.ts";
 import { MlpModel } from "../engine/models/mlp.ts";
@@ -141,13 +141,8 @@ export function printTable(rows: readonly EngineBenchResult[]): void {
 }
 
 export function runEngineBench(argv: string[]): EngineBenchResult[] {
-  const { values } = parseArgs({
-    args: argv,
-    options: { steps: { type: "string", default: "20" }, "json-only": { type: "boolean", default: false } },
-    strict: true,
-  });
-  const steps = Number(values.steps);
-  if (!Number.isInteger(steps) || steps < 1) throw new Error(`--steps must be a positive integer, got ${values.steps}`);
+  const values = parseBenchArgs(argv, { steps: { type: "string", default: "20" }, "json-only": { type: "boolean", default: false } });
+  const steps = positiveInt("steps", values.steps);
   const be = new CpuBackend();
   const rows = [benchMlp(be, steps), benchGpt(be, steps)];
   if (!values["json-only"]) {

@@ -1,4 +1,5 @@
 // `bun run bench <name> [options]`: the per-component benchmarks.
+import { ConfigError } from "../engine/errors.ts";
 import { runEngineBench } from "./engine.ts";
 import { runKernelBench } from "./kernels.ts";
 
@@ -13,4 +14,10 @@ if (bench === undefined) {
   console.error(`usage: bun run bench <${Object.keys(benches).join("|")}> [options]`);
   process.exit(2);
 }
-bench(rest);
+try {
+  bench(rest);
+} catch (e) {
+  if (!(e instanceof ConfigError)) throw e;
+  console.error(`bench ${name}: ${e.message}`);
+  process.exit(2);
+}

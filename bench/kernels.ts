@@ -3,8 +3,8 @@
 // rate over the same byte count, measured in the same run and interleaved with it.
 //
 //   bun run bench kernels [--elems N] [--reps N] [--json-only]
-import { parseArgs } from "node:util";
 import type { Backend, Ptr } from "../ffi/backend.ts";
+import { parseBenchArgs, positiveInt } from "./args.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { Rng } from "../engine/rng.ts";
 
@@ -76,20 +76,14 @@ function cases(be: Backend, n: number, buf: (elems: number) => Ptr, ints: (count
 }
 
 export function runKernelBench(argv: string[]): KernelBenchResult[] {
-  const { values } = parseArgs({
-    args: argv,
-    options: {
-      elems: { type: "string", default: String(1 << 23) },
-      reps: { type: "string", default: "15" },
-      "json-only": { type: "boolean", default: false },
-    },
-    strict: true,
+  const values = parseBenchArgs(argv, {
+    elems: { type: "string", default: String(1 << 23) },
+    reps: { type: "string", default: "15" },
+    "json-only": { type: "boolean", default: false },
   });
-  const n = Number(values.elems);
-  const reps = Number(values.reps);
   // a multiple of 2^18 keeps every derived shape whole: (n/256/256, 256, 256), (n/1024, 1024), ...
-  if (!Number.isInteger(n) || n < 1 << 18 || n % (1 << 18) !== 0) throw new Error(`--elems must be a multiple of ${1 << 18}, got ${values.elems}`);
-  if (!Number.isInteger(reps) || reps < 1) throw new Error(`--reps must be a positive integer, got ${values.reps}`);
+  const n = positiveInt("elems", values.elems, 1 << 18);
+  const reps = positiveInt("reps", values.reps);
   const be = new CpuBackend();
   const rng = new Rng(1);
   const allocations: Ptr[] = [];

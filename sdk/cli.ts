@@ -88,7 +88,9 @@ program.command("sample")
 program.command("bench")
   .description("run a benchmark: engine (training steps against sgemm) or kernels (GB/s against memcpy)")
   .argument("<name>", "benchmark name", choice("engine", "kernels"))
+  // the benchmark parses its own options (--steps, --elems, ...)
   .allowUnknownOption(true)
+  .allowExcessArguments(true)
   .helpOption(false)
   .action((name: "engine" | "kernels", _opts, cmd: Command) => {
     (name === "engine" ? runEngineBench : runKernelBench)(cmd.args.slice(1));

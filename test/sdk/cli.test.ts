@@ -99,5 +99,10 @@ test("bench kernels prints a table and a last JSON line", () => {
   for (const r of last.results) expect(r.gb_per_s).toBeGreaterThan(0);
   const bad = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), "kernels", "--elems", "1000"], { cwd: root, stdout: "pipe", stderr: "pipe" });
   expect(bad.exitCode).not.toBe(0);
-  expect(bad.stderr.toString()).toContain("--elems must be a multiple of 262144");
+  expect(bad.stderr.toString()).toContain("bench kernels: --elems must be a positive integer and a multiple of 262144, got 1000");
+  expect(cli("bench", "engine", "--bogus").err).toContain("ConfigError: Unknown option '--bogus'");
+  // the same through the CLI, options passed on to the benchmark
+  const viaCli = cli("bench", "kernels", "--elems", "262144", "--reps", "1", "--json-only");
+  expect(viaCli.code).toBe(0);
+  expect(JSON.parse(viaCli.out.trim()).bench).toBe("kernels");
 }, 120_000);
