@@ -41,17 +41,27 @@ static inline int thread_id(void) {
   return 0;
 #endif
 }
+// The team actually running the current region: it can be smaller than requested (nested
+// regions, OMP_THREAD_LIMIT, OMP_DYNAMIC), so manual work splits must use this, never the request.
+static inline int team_size(void) {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------
 // fast math: expf and tanhf that the compiler can vectorize (libm's are calls it cannot).
 // exp: Cephes' expf polynomial after range reduction x = n ln2 + r, |r| <= ln2/2; max relative
-// error ~2 ulp over the clamped range. The input is clamped to [-87.3, 88.7], so underflow
-// gives ~1e-38 instead of 0 and overflow ~3e38 instead of inf; NaN stays NaN.
+// error ~2 ulp over the clamped range. The input is clamped to [-87.3, 88.0] (so the exponent
+// n stays in [-126, 127]), so underflow
+// gives ~1e-38 instead of 0 and overflow ~1.7e38 instead of inf; NaN stays NaN.
 // ---------------------------------------------------------------------------------------------
 
 static inline float fast_expf(float x) {
   x = x < -87.3f ? -87.3f : x;
-  x = x > 88.7f ? 88.7f : x;
+  x = x > 88.0f ? 88.0f : x;
   // n = round(x / ln2) with the 1.5 * 2^23 trick (exact in round-to-nearest float arithmetic)
   const float shifter = 12582912.0f;
   const float n = (x * 1.44269504088896341f + shifter) - shifter;
@@ -220,9 +230,9 @@ void mt_bias_backward_f32(float* dbias, const float* dout, int64_t N, int64_t C)
   float* partial = (float*)calloc((size_t)(C * nt), sizeof(float));
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    const int t = thread_id();
+    const int t = thread_id(), team = team_size();
     float* acc = partial + (int64_t)t * C;
-    const int64_t n0 = N * t / nt, n1 = N * (t + 1) / nt;
+    const int64_t n0 = N * t / team, n1 = N * (t + 1) / team;
     for (int64_t n = n0; n < n1; n++) {
       const float* g = dout + n * C;
 #pragma omp simd
@@ -459,8 +469,8 @@ void mt_embedding_backward_f32(float* dtable, const int32_t* ids, const float* d
   const int nt = (N * C >= PAR_MIN && C >= 32) ? max_threads() : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    const int t = thread_id();
-    const int64_t c0 = C * t / nt, c1 = C * (t + 1) / nt;
+    const int t = thread_id(), team = team_size();
+    const int64_t c0 = C * t / team, c1 = C * (t + 1) / team;
     for (int64_t n = 0; n < N; n++) {
       float* d = dtable + (int64_t)ids[n] * C;
       const float* g = dout + n * C;
@@ -568,8 +578,8 @@ double mt_sum_squares_f32(const float* x, int64_t n) {
   const int used = nt < 256 ? nt : 256;
 #pragma omp parallel num_threads(used) if (used > 1)
   {
-    const int t = thread_id();
-    const int64_t i0 = n * t / used, i1 = n * (t + 1) / used;
+    const int t = thread_id(), team = team_size();
+    const int64_t i0 = n * t / team, i1 = n * (t + 1) / team;
     double acc = 0.0;
     float accf[16] = {0};
     int64_t i = i0;

@@ -127,3 +127,24 @@ describe("reductions", () => {
     be.free(a);
   });
 });
+
+describe("kernels that split work by hand", () => {
+  // Regression: they once split by the number of threads requested; a smaller team (here:
+  // 4 requested, OMP_THREAD_LIMIT=1 granted) left part of the range uncomputed.
+  test.each([
+    ["default threads", {}],
+    ["4 requested, 1 granted", { OMP_NUM_THREADS: "4", OMP_THREAD_LIMIT: "1" }],
+    ["3 threads", { OMP_NUM_THREADS: "3" }],
+  ])("%s: sumSquares, biasBackward, embeddingBackward match references", (_name, env) => {
+    const p = Bun.spawnSync([process.execPath, `${import.meta.dir}/fixtures/reductions.ts`], {
+      env: { ...process.env, ...env },
+      stdout: "pipe",
+      stderr: "pipe",
+    });
+    expect(p.stderr.toString()).toBe("");
+    const r = JSON.parse(p.stdout.toString());
+    expect(r.sumSquares).toBeLessThan(1e-6);
+    expect(r.biasBackward).toBeLessThan(1e-5);
+    expect(r.embeddingBackward).toBeLessThan(1e-5);
+  }, 60_000);
+});
