@@ -1,7 +1,7 @@
 #!/usr/bin/env node
 // Set-up that the two README commands run first. Plain Node (>= 20), no dependencies, so it
 // works on a fresh Debian machine before `npm ci`:
-//   1. Debian packages: OpenBLAS (OpenMP build) and a C compiler. Installed with apt-get when
+//   1. Debian packages: OpenBLAS (OpenMP build), a C compiler, nats-server and flatc. Installed with apt-get when
 //      running as root; otherwise the exact command is printed and set-up goes on.
 //   2. npm packages (Bun among them): `npm ci` when node_modules is missing or older than
 //      package-lock.json.
@@ -37,6 +37,9 @@ const needs = [
       `/usr/lib/${multiarch}/libopenblas.so.0`].some((p) => existsSync(p)) || Boolean(process.env.MESHTRAIN_OPENBLAS),
   },
   { what: "a C compiler", pkg: "gcc", ok: () => which(process.env.CC || "cc") || which("gcc") || which("clang") },
+  // the mesh: a local nats-server for the launcher and the tests, flatc for `bun run schemas`
+  { what: "nats-server", pkg: "nats-server", ok: () => which("nats-server") || Boolean(process.env.MESHTRAIN_NATS_SERVER) },
+  { what: "the FlatBuffers compiler", pkg: "flatbuffers-compiler", ok: () => which("flatc") },
 ];
 
 const missing = needs.filter((n) => !n.ok());
@@ -78,7 +81,7 @@ if (!upToDate) {
 }
 
 // ---- native kernels ------------------------------------------------------------------------
-if (needs.every((n) => n.ok())) {
+if (needs.slice(0, 2).every((n) => n.ok())) {
   try {
     execFileSync(bunBinary, [join(root, "ffi", "cpu", "build.ts"), "--quiet"], { cwd: root, stdio: ["ignore", "ignore", "inherit"] });
   } catch (e) {

@@ -1,0 +1,422 @@
+// Plain TypeScript forms of every wire message, with encode/decode pairs. Decoding copies
+// what it keeps out of the FlatBuffers buffer only where it must (float data stays a view
+// into the aligned payload), validates counts against byte lengths, and turns any malformed
+// read into a WireFormatError. Callers check semantics (shapes, job names, ranges).
+import { Builder, type ByteBuffer } from "flatbuffers";
+import {
+  Batch as BatchT, BatchRequest as BatchRequestT, Chunk as ChunkT, ChunkState as ChunkStateT, DType, ErrorReply as ErrorReplyT,
+  Event as EventT, EventKind, FileEntry as FileEntryT, JobSpec as JobSpecT, Manifest as ManifestT, NamedVector as NamedVectorT,
+  PullReply as PullReplyT, PullRequest as PullRequestT, PushReply as PushReplyT, PushRequest as PushRequestT,
+  ShardState as ShardStateT, Split, SyncPolicy,
+} from "./wire.ts";
+import { bytesOf, createBytes, createI32s, f32Of, finishBytes, guarded, openRoot, verifyTable, type RootType, schemaVersion, WireFormatError } from "./codec.ts";
+
+export { DType, EventKind, Split, SyncPolicy };
+
+const dtypeBytes: Record<DType, number> = { [DType.F32]: 4, [DType.F16]: 2, [DType.I8]: 1 };
+
+function root<T extends { schemaVersion(): number }>(name: string, identifier: string, getRoot: (bb: ByteBuffer) => T): RootType<T> {
+  return { name, identifier, getRoot, version: (r) => r.schemaVersion() };
+}
+
+const str = (b: Builder, s: string) => b.createString(s);
+const big = (n: number) => BigInt(n);
+const num = (n: bigint) => Number(n);
+
+// ---- chunks --------------------------------------------------------------------------------
+
+export interface Chunk {
+  id: number;
+  version: number;
+  dtype: DType;
+  scale: number;
+  count: number;
+  /** the element bytes (f32: count * 4) */
+  data: Uint8Array;
+}
+
+export const f32Chunk = (id: number, values: Float32Array, version = 0): Chunk =>
+  ({ id, version, dtype: DType.F32, scale: 1, count: values.length, data: bytesOf(values) });
+
+/** fp32 values of an F32 chunk (a view); other dtypes are decompressed by the caller. */
+export const chunkF32 = (c: Chunk): Float32Array => f32Of(`chunk ${c.id}`, c.data);
+
+function writeChunk(b: Builder, c: Chunk): number {
+  const data = createBytes(b, c.data);
+  ChunkT.startChunk(b);
+  ChunkT.addId(b, c.id);
+  ChunkT.addVersion(b, big(c.version));
+  ChunkT.addDtype(b, c.dtype);
+  ChunkT.addScale(b, c.scale);
+  ChunkT.addCount(b, c.count);
+  ChunkT.addData(b, data);
+  return ChunkT.endChunk(b);
+}
+
+function readChunk(c: ChunkT): Chunk {
+  const dtype = c.dtype();
+  const width = dtypeBytes[dtype];
+  if (width === undefined) throw new WireFormatError("malformed", `chunk ${c.id()}: unknown dtype ${dtype}`);
+  const data = c.dataArray() ?? new Uint8Array(0);
+  const count = c.count();
+  if (data.byteLength !== count * width) {
+    throw new WireFormatError("malformed", `chunk ${c.id()}: ${data.byteLength} data bytes for ${count} elements of ${width} bytes`);
+  }
+  return { id: c.id(), version: num(c.version()), dtype, scale: c.scale(), count, data };
+}
+
+/** Reads a vector of tables, verifying that each element table lies inside the buffer. */
+function readList<T extends { bb: ByteBuffer | null; bb_pos: number }, R>(length: number, at: (i: number) => T | null, read: (t: T) => R, what: string): R[] {
+  const out: R[] = [];
+  for (let i = 0; i < length; i++) {
+    const t = at(i);
+    if (t === null || t.bb === null) throw new WireFormatError("malformed", `${what}[${i}] is missing`);
+    verifyTable(t.bb, t.bb_pos, `${what}[${i}]`);
+    out.push(read(t));
+  }
+  return out;
+}
+
+function chunkVector(b: Builder, chunks: readonly Chunk[], create: (b: Builder, offsets: number[]) => number): number {
+  return create(b, chunks.map((c) => writeChunk(b, c)));
+}
+
+/** Bytes a chunk adds to a message, for packing messages under a payload limit. */
+export const chunkWireBytes = (c: Chunk): number => c.data.byteLength;
+
+// ---- ErrorReply ----------------------------------------------------------------------------
+
+export interface ErrorReply {
+  code: string;
+  message: string;
+  subject: string;
+}
+
+const errorRoot = root("ErrorReply", "MTER", (bb) => ErrorReplyT.getRootAsErrorReply(bb));
+
+export function encodeErrorReply(e: ErrorReply): Uint8Array {
+  const b = new Builder(256 + e.message.length);
+  const code = str(b, e.code), message = str(b, e.message), subject = str(b, e.subject);
+  return finishBytes(b, ErrorReplyT.createErrorReply(b, schemaVersion, code, message, subject), errorRoot.identifier);
+}
+
+/** True when the bytes carry the ErrorReply identifier (checked before decoding a reply). */
+export const isErrorReply = (data: Uint8Array): boolean =>
+  data.byteLength >= 8 && data[4] === 0x4d && data[5] === 0x54 && data[6] === 0x45 && data[7] === 0x52; // "MTER"
+
+export function decodeErrorReply(data: Uint8Array, bytesMax: number): ErrorReply {
+  const r = openRoot(data, errorRoot, bytesMax);
+  return guarded("ErrorReply", () => ({ code: r.code() ?? "", message: r.message() ?? "", subject: r.subject() ?? "" }));
+}
+
+// ---- push ----------------------------------------------------------------------------------
+
+export interface PushRequest {
+  job: string;
+  trainer: number;
+  step: number;
+  chunks: Chunk[];
+}
+
+const pushRoot = root("PushRequest", "MTPS", (bb) => PushRequestT.getRootAsPushRequest(bb));
+
+export function encodePushRequest(m: PushRequest): Uint8Array {
+  const b = new Builder(1024 + m.chunks.reduce((s, c) => s + c.data.byteLength + 64, 0));
+  const chunks = chunkVector(b, m.chunks, PushRequestT.createChunksVector);
+  const job = str(b, m.job);
+  return finishBytes(b, PushRequestT.createPushRequest(b, schemaVersion, job, m.trainer, big(m.step), chunks), pushRoot.identifier);
+}
+
+export function decodePushRequest(data: Uint8Array, bytesMax: number): PushRequest {
+  const r = openRoot(data, pushRoot, bytesMax);
+  return guarded("PushRequest", () => ({
+    job: r.job() ?? "",
+    trainer: r.trainer(),
+    step: num(r.step()),
+    chunks: readList(r.chunksLength(), (i) => r.chunks(i), readChunk, "PushRequest.chunks"),
+  }));
+}
+
+export interface PushReply {
+  accepted: number;
+  duplicates: number;
+  updates: number;
+}
+
+const pushReplyRoot = root("PushReply", "MTPR", (bb) => PushReplyT.getRootAsPushReply(bb));
+
+export function encodePushReply(m: PushReply): Uint8Array {
+  const b = new Builder(64);
+  return finishBytes(b, PushReplyT.createPushReply(b, schemaVersion, m.accepted, m.duplicates, m.updates), pushReplyRoot.identifier);
+}
+
+export function decodePushReply(data: Uint8Array, bytesMax: number): PushReply {
+  const r = openRoot(data, pushReplyRoot, bytesMax);
+  return guarded("PushReply", () => ({ accepted: r.accepted(), duplicates: r.duplicates(), updates: r.updates() }));
+}
+
+// ---- pull ----------------------------------------------------------------------------------
+
+export interface PullRequest {
+  job: string;
+  trainer: number;
+  step: number;
+  ids: Uint32Array;
+}
+
+const pullRoot = root("PullRequest", "MTPL", (bb) => PullRequestT.getRootAsPullRequest(bb));
+
+export function encodePullRequest(m: PullRequest): Uint8Array {
+  const b = new Builder(256 + m.ids.byteLength);
+  const ids = createI32s(b, m.ids);
+  const job = str(b, m.job);
+  return finishBytes(b, PullRequestT.createPullRequest(b, schemaVersion, job, m.trainer, big(m.step), ids), pullRoot.identifier);
+}
+
+export function decodePullRequest(data: Uint8Array, bytesMax: number): PullRequest {
+  const r = openRoot(data, pullRoot, bytesMax);
+  return guarded("PullRequest", () => ({
+    job: r.job() ?? "",
+    trainer: r.trainer(),
+    step: num(r.step()),
+    ids: (r.idsArray() ?? new Uint32Array(0)).slice(),
+  }));
+}
+
+export interface PullReply {
+  updates: number;
+  chunks: Chunk[];
+}
+
+const pullReplyRoot = root("PullReply", "MTPY", (bb) => PullReplyT.getRootAsPullReply(bb));
+
+export function encodePullReply(m: PullReply): Uint8Array {
+  const b = new Builder(1024 + m.chunks.reduce((s, c) => s + c.data.byteLength + 64, 0));
+  const chunks = chunkVector(b, m.chunks, PullReplyT.createChunksVector);
+  return finishBytes(b, PullReplyT.createPullReply(b, schemaVersion, big(m.updates), chunks), pullReplyRoot.identifier);
+}
+
+export function decodePullReply(data: Uint8Array, bytesMax: number): PullReply {
+  const r = openRoot(data, pullReplyRoot, bytesMax);
+  return guarded("PullReply", () => ({
+    updates: num(r.updates()),
+    chunks: readList(r.chunksLength(), (i) => r.chunks(i), readChunk, "PullReply.chunks"),
+  }));
+}
+
+// ---- data ----------------------------------------------------------------------------------
+
+export interface BatchRequest {
+  job: string;
+  rank: number;
+  split: Split;
+  credits: number;
+}
+
+const batchRequestRoot = root("BatchRequest", "MTBQ", (bb) => BatchRequestT.getRootAsBatchRequest(bb));
+
+export function encodeBatchRequest(m: BatchRequest): Uint8Array {
+  const b = new Builder(128);
+  const job = str(b, m.job);
+  return finishBytes(b, BatchRequestT.createBatchRequest(b, schemaVersion, job, m.rank, m.split, m.credits), batchRequestRoot.identifier);
+}
+
+export function decodeBatchRequest(data: Uint8Array, bytesMax: number): BatchRequest {
+  const r = openRoot(data, batchRequestRoot, bytesMax);
+  return guarded("BatchRequest", () => ({ job: r.job() ?? "", rank: r.rank(), split: r.split(), credits: r.credits() }));
+}
+
+export interface Batch {
+  epoch: number;
+  index: number;
+  sampleIds: Uint32Array;
+  rows: number;
+  cols: number;
+  /** (rows, cols) */
+  x: Float32Array;
+  /** (rows) */
+  y: Int32Array;
+  endOfEpoch: boolean;
+}
+
+const batchRoot = root("Batch", "MTBA", (bb) => BatchT.getRootAsBatch(bb));
+
+export function encodeBatch(m: Batch): Uint8Array {
+  const b = new Builder(1024 + m.x.byteLength + m.y.byteLength + m.sampleIds.byteLength);
+  const x = createBytes(b, bytesOf(m.x));
+  const y = createI32s(b, m.y);
+  const ids = createI32s(b, m.sampleIds);
+  return finishBytes(b, BatchT.createBatch(b, schemaVersion, m.epoch, m.index, ids, m.rows, m.cols, x, y, m.endOfEpoch), batchRoot.identifier);
+}
+
+export function decodeBatch(data: Uint8Array, bytesMax: number): Batch {
+  const r = openRoot(data, batchRoot, bytesMax);
+  const m = guarded("Batch", () => ({
+    epoch: r.epoch(),
+    index: r.index(),
+    sampleIds: (r.sampleIdsArray() ?? new Uint32Array(0)).slice(),
+    rows: r.rows(),
+    cols: r.cols(),
+    x: f32Of("Batch.x", r.xArray()),
+    y: (r.yArray() ?? new Int32Array(0)).slice(),
+    endOfEpoch: r.endOfEpoch(),
+  }));
+  if (m.x.length !== m.rows * m.cols || m.y.length !== m.rows || m.sampleIds.length !== m.rows) {
+    throw new WireFormatError("malformed", `Batch: ${m.rows}x${m.cols} with ${m.x.length} x values, ${m.y.length} labels, ${m.sampleIds.length} ids`);
+  }
+  return m;
+}
+
+// ---- events --------------------------------------------------------------------------------
+
+export interface Event {
+  job: string;
+  kind: EventKind;
+  rank: number;
+  step: number;
+  timeMs: number;
+  loss: number;
+  lr: number;
+  /** -1 when the event carries none */
+  accuracy: number;
+  samplesPerS: number;
+  dataWaitMs: number;
+  pullMs: number;
+  computeMs: number;
+  pushMs: number;
+  text: string;
+}
+
+export const emptyEvent = (job: string, kind: EventKind): Event => ({
+  job, kind, rank: 0, step: 0, timeMs: Date.now(), loss: 0, lr: 0, accuracy: -1, samplesPerS: 0,
+  dataWaitMs: 0, pullMs: 0, computeMs: 0, pushMs: 0, text: "",
+});
+
+const eventRoot = root("Event", "MTEV", (bb) => EventT.getRootAsEvent(bb));
+
+export function encodeEvent(m: Event): Uint8Array {
+  const b = new Builder(256 + m.text.length * 3);
+  const job = str(b, m.job), text = str(b, m.text);
+  return finishBytes(b, EventT.createEvent(b, schemaVersion, job, m.kind, m.rank, big(m.step), m.timeMs, m.loss, m.lr, m.accuracy,
+    m.samplesPerS, m.dataWaitMs, m.pullMs, m.computeMs, m.pushMs, text), eventRoot.identifier);
+}
+
+export function decodeEvent(data: Uint8Array, bytesMax: number): Event {
+  const r = openRoot(data, eventRoot, bytesMax);
+  return guarded("Event", () => ({
+    job: r.job() ?? "", kind: r.kind(), rank: r.rank(), step: num(r.step()), timeMs: r.timeMs(), loss: r.loss(), lr: r.lr(),
+    accuracy: r.accuracy(), samplesPerS: r.samplesPerS(), dataWaitMs: r.dataWaitMs(), pullMs: r.pullMs(),
+    computeMs: r.computeMs(), pushMs: r.pushMs(), text: r.text() ?? "",
+  }));
+}
+
+// ---- job spec ------------------------------------------------------------------------------
+
+export interface JobSpec {
+  job: string;
+  trainers: number;
+  shards: number;
+  sync: SyncPolicy;
+  staleness: number;
+  configJson: string;
+}
+
+const jobRoot = root("JobSpec", "MTJS", (bb) => JobSpecT.getRootAsJobSpec(bb));
+
+export function encodeJobSpec(m: JobSpec): Uint8Array {
+  const b = new Builder(256 + m.configJson.length * 3);
+  const job = str(b, m.job), config = str(b, m.configJson);
+  return finishBytes(b, JobSpecT.createJobSpec(b, schemaVersion, job, m.trainers, m.shards, m.sync, m.staleness, config), jobRoot.identifier);
+}
+
+export function decodeJobSpec(data: Uint8Array, bytesMax: number): JobSpec {
+  const r = openRoot(data, jobRoot, bytesMax);
+  return guarded("JobSpec", () => ({
+    job: r.job() ?? "", trainers: r.trainers(), shards: r.shards(), sync: r.sync(), staleness: r.staleness(), configJson: r.configJson() ?? "",
+  }));
+}
+
+// ---- shard state (checkpoints) -------------------------------------------------------------
+
+export interface ChunkState {
+  id: number;
+  version: number;
+  params: Float32Array;
+  state: { name: string; data: Float32Array }[];
+}
+
+export interface ShardState {
+  job: string;
+  shard: number;
+  updates: number;
+  optimizerSteps: number;
+  chunks: ChunkState[];
+}
+
+const shardStateRoot = root("ShardState", "MTSS", (bb) => ShardStateT.getRootAsShardState(bb));
+
+export function encodeShardState(m: ShardState): Uint8Array {
+  const bytes = m.chunks.reduce((s, c) => s + c.params.byteLength * (1 + c.state.length) + 256, 1024);
+  const b = new Builder(bytes);
+  const chunks = m.chunks.map((c) => {
+    const state = ChunkStateT.createStateVector(b, c.state.map((v) => {
+      const data = createBytes(b, bytesOf(v.data)), name = str(b, v.name);
+      return NamedVectorT.createNamedVector(b, name, data);
+    }));
+    const params = createBytes(b, bytesOf(c.params));
+    return ChunkStateT.createChunkState(b, c.id, big(c.version), params, state);
+  });
+  const vec = ShardStateT.createChunksVector(b, chunks), job = str(b, m.job);
+  return finishBytes(b, ShardStateT.createShardState(b, schemaVersion, job, m.shard, big(m.updates), big(m.optimizerSteps), vec), shardStateRoot.identifier);
+}
+
+export function decodeShardState(data: Uint8Array, bytesMax: number): ShardState {
+  const r = openRoot(data, shardStateRoot, bytesMax);
+  return guarded("ShardState", () => ({
+    job: r.job() ?? "", shard: r.shard(), updates: num(r.updates()), optimizerSteps: num(r.optimizerSteps()),
+    chunks: readList(r.chunksLength(), (i) => r.chunks(i), (c) => ({
+      id: c.id(),
+      version: num(c.version()),
+      params: f32Of(`chunk ${c.id()} params`, c.paramsArray()),
+      state: readList(c.stateLength(), (i) => c.state(i), (v) => ({ name: v.name() ?? "", data: f32Of(`chunk ${c.id()} state`, v.dataArray()) }), "state"),
+    }), "ShardState.chunks"),
+  }));
+}
+
+// ---- checkpoint manifest -------------------------------------------------------------------
+
+export interface FileEntry {
+  name: string;
+  bytes: number;
+  crc32: number;
+}
+
+export interface Manifest {
+  formatVersion: number;
+  job: string;
+  id: string;
+  step: number;
+  createdMs: number;
+  metric: number;
+  configJson: string;
+  files: FileEntry[];
+}
+
+const manifestRoot = root("Manifest", "MTCM", (bb) => ManifestT.getRootAsManifest(bb));
+
+export function encodeManifest(m: Manifest): Uint8Array {
+  const b = new Builder(1024 + m.configJson.length * 3);
+  const files = ManifestT.createFilesVector(b, m.files.map((f) => FileEntryT.createFileEntry(b, str(b, f.name), big(f.bytes), f.crc32)));
+  const job = str(b, m.job), id = str(b, m.id), config = str(b, m.configJson);
+  return finishBytes(b, ManifestT.createManifest(b, schemaVersion, m.formatVersion, job, id, big(m.step), m.createdMs, m.metric, config, files),
+    manifestRoot.identifier);
+}
+
+export function decodeManifest(data: Uint8Array, bytesMax: number): Manifest {
+  const r = openRoot(data, manifestRoot, bytesMax);
+  return guarded("Manifest", () => ({
+    formatVersion: r.formatVersion(), job: r.job() ?? "", id: r.id() ?? "", step: num(r.step()), createdMs: r.createdMs(),
+    metric: r.metric(), configJson: r.configJson() ?? "",
+    files: readList(r.filesLength(), (i) => r.files(i), (f) => ({ name: f.name() ?? "", bytes: num(f.bytes()), crc32: f.crc32() }), "Manifest.files"),
+  }));
+}

@@ -1,0 +1,20 @@
+// One import point for the flatc-generated classes (schemas/generated is flatc's output, untouched).
+export { BatchRequest } from "./generated/mt/wire/batch-request.ts";
+export { Batch } from "./generated/mt/wire/batch.ts";
+export { ChunkState } from "./generated/mt/wire/chunk-state.ts";
+export { Chunk } from "./generated/mt/wire/chunk.ts";
+export { DType } from "./generated/mt/wire/dtype.ts";
+export { ErrorReply } from "./generated/mt/wire/error-reply.ts";
+export { EventKind } from "./generated/mt/wire/event-kind.ts";
+export { Event } from "./generated/mt/wire/event.ts";
+export { FileEntry } from "./generated/mt/wire/file-entry.ts";
+export { JobSpec } from "./generated/mt/wire/job-spec.ts";
+export { Manifest } from "./generated/mt/wire/manifest.ts";
+export { NamedVector } from "./generated/mt/wire/named-vector.ts";
+export { PullReply } from "./generated/mt/wire/pull-reply.ts";
+export { PullRequest } from "./generated/mt/wire/pull-request.ts";
+export { PushReply } from "./generated/mt/wire/push-reply.ts";
+export { PushRequest } from "./generated/mt/wire/push-request.ts";
+export { ShardState } from "./generated/mt/wire/shard-state.ts";
+export { Split } from "./generated/mt/wire/split.ts";
+export { SyncPolicy } from "./generated/mt/wire/sync-policy.ts";

@@ -1,0 +1,164 @@
+import { describe, expect, test } from "bun:test";
+import { Builder } from "flatbuffers";
+import { staleFiles } from "../../schemas/build.ts";
+import { chunkRanges, createBytes, finishBytes, packByBytes, Reassembler, schemaVersion, WireFormatError } from "../../schemas/codec.ts";
+import {
+  chunkF32, decodeBatch, decodeBatchRequest, decodeErrorReply, decodeEvent, decodeJobSpec, decodeManifest, decodePullReply,
+  decodePullRequest, decodePushReply, decodePushRequest, decodeShardState, DType, emptyEvent, encodeBatch, encodeBatchRequest,
+  encodeErrorReply, encodeEvent, encodeJobSpec, encodeManifest, encodePullReply, encodePullRequest, encodePushReply,
+  encodePushRequest, encodeShardState, EventKind, f32Chunk, isErrorReply, Split, SyncPolicy,
+} from "../../schemas/messages.ts";
+import { PushRequest as PushRequestT } from "../../schemas/wire.ts";
+import { expectThrown } from "../helpers/errors.ts";
+
+const limit = 8 << 20;
+const floats = (n: number, seed = 1) => Float32Array.from({ length: n }, (_, i) => Math.sin(i * 0.37 + seed));
+
+/** The same bytes at an odd offset, as NATS hands them out. */
+function unaligned(bytes: Uint8Array): Uint8Array {
+  const buf = new Uint8Array(bytes.byteLength + 3);
+  buf.set(bytes, 3);
+  return buf.subarray(3);
+}
+
+test("schemas/generated matches what flatc generates from schemas/*.fbs (run `bun run schemas` when this fails)", () => {
+  expect(staleFiles()).toEqual([]);
+});
+
+describe("round trips, from unaligned payloads", () => {
+  test("PushRequest keeps chunk data bit-exact and views it as aligned float32", () => {
+    const a = floats(1000), b = floats(7, 2);
+    const bytes = encodePushRequest({ job: "j1", trainer: 3, step: 2 ** 40 + 5, chunks: [f32Chunk(4, a), f32Chunk(9, b, 17)] });
+    const m = decodePushRequest(unaligned(bytes), limit);
+    expect({ job: m.job, trainer: m.trainer, step: m.step, ids: m.chunks.map((c) => c.id), versions: m.chunks.map((c) => c.version) })
+      .toEqual({ job: "j1", trainer: 3, step: 2 ** 40 + 5, ids: [4, 9], versions: [0, 17] });
+    expect(chunkF32(m.chunks[0]!)).toEqual(a);
+    expect(chunkF32(m.chunks[1]!)).toEqual(b);
+    expect(m.chunks[0]!.data.byteOffset % 16).toBe(0);
+  });
+
+  test("replies, requests, batches, events, job specs, shard states and manifests", () => {
+    expect(decodePushReply(unaligned(encodePushReply({ accepted: 3, duplicates: 1, updates: 2 })), limit)).toEqual({ accepted: 3, duplicates: 1, updates: 2 });
+    const pull = decodePullRequest(unaligned(encodePullRequest({ job: "j", trainer: 1, step: 9, ids: Uint32Array.of(5, 1, 7) })), limit);
+    expect({ ...pull, ids: [...pull.ids] }).toEqual({ job: "j", trainer: 1, step: 9, ids: [5, 1, 7] });
+    const pr = decodePullReply(unaligned(encodePullReply({ updates: 12, chunks: [f32Chunk(1, floats(33), 12)] })), limit);
+    expect(pr.updates).toBe(12);
+    expect(chunkF32(pr.chunks[0]!)).toEqual(floats(33));
+    expect(decodeBatchRequest(unaligned(encodeBatchRequest({ job: "j", rank: 1, split: Split.Val, credits: 4 })), limit))
+      .toEqual({ job: "j", rank: 1, split: Split.Val, credits: 4 });
+    const batch = { epoch: 2, index: 7, sampleIds: Uint32Array.of(9, 3), rows: 2, cols: 3, x: floats(6), y: Int32Array.of(4, 1), endOfEpoch: false };
+    expect(decodeBatch(unaligned(encodeBatch(batch)), limit)).toEqual(batch);
+    const ev = { ...emptyEvent("j", EventKind.Step), step: 5, loss: 0.5, text: "héllo" };
+    expect(decodeEvent(unaligned(encodeEvent(ev)), limit)).toEqual(ev);
+    const spec = { job: "j", trainers: 2, shards: 3, sync: SyncPolicy.SSP, staleness: 2, configJson: "{\"a\":1}" };
+    expect(decodeJobSpec(unaligned(encodeJobSpec(spec)), limit)).toEqual(spec);
+    const state = { job: "j", shard: 1, updates: 4, optimizerSteps: 4, chunks: [{ id: 3, version: 4, params: floats(5), state: [{ name: "m", data: floats(5, 3) }] }] };
+    expect(decodeShardState(unaligned(encodeShardState(state)), limit)).toEqual(state);
+    const manifest = { formatVersion: 1, job: "j", id: "step-10", step: 10, createdMs: 1.5e12, metric: 0.97, configJson: "{}", files: [{ name: "ps-0.bin", bytes: 123, crc32: 0xdeadbeef }] };
+    expect(decodeManifest(unaligned(encodeManifest(manifest)), limit)).toEqual(manifest);
+    const err = encodeErrorReply({ code: "unknown_job", message: "no job x", subject: "mt.x.ps.0.push" });
+    expect(isErrorReply(err)).toBe(true);
+    expect(decodeErrorReply(unaligned(err), limit)).toEqual({ code: "unknown_job", message: "no job x", subject: "mt.x.ps.0.push" });
+  });
+});
+
+describe("bad input is a WireFormatError with a code", () => {
+  const good = encodePushRequest({ job: "j", trainer: 0, step: 1, chunks: [f32Chunk(0, floats(64))] });
+  const code = (fn: () => unknown) => (expectThrown(fn, WireFormatError) as WireFormatError).code;
+
+  test("truncated, empty, garbage, wrong identifier, oversized", () => {
+    expect(code(() => decodePushRequest(new Uint8Array(0), limit))).toBe("truncated");
+    expect(code(() => decodePushRequest(good.subarray(0, 5), limit))).toBe("truncated");
+    expect(code(() => decodePushRequest(crypto.getRandomValues(new Uint8Array(500)), limit))).toBe("bad_identifier");
+    expect(code(() => decodePushRequest(encodePullRequest({ job: "j", trainer: 0, step: 0, ids: new Uint32Array(1) }), limit))).toBe("bad_identifier");
+    expect(code(() => decodePushRequest(good, 100))).toBe("oversized");
+  });
+
+  test("a buffer cut short after the header is truncated or malformed, never a crash or silent garbage", () => {
+    for (const n of [8, 16, 40, good.byteLength - 200, good.byteLength - 1]) {
+      const cut = good.slice(0, n);
+      expect(["truncated", "malformed"]).toContain(code(() => decodePushRequest(cut, limit)));
+    }
+  });
+
+  test("random garbage behind a valid identifier is rejected", () => {
+    let rejected = 0;
+    for (let i = 0; i < 200; i++) {
+      const bytes = crypto.getRandomValues(new Uint8Array(16 + (i % 64) * 8));
+      bytes.set(new TextEncoder().encode("MTPS"), 4);
+      try {
+        decodePushRequest(bytes, limit);
+      } catch (e) {
+        expect(e).toBeInstanceOf(WireFormatError);
+        rejected++;
+      }
+    }
+    expect(rejected).toBeGreaterThan(190);
+  });
+
+  test("a schema version other than ours", () => {
+    const b = new Builder(64);
+    const job = b.createString("j");
+    const bytes = finishBytes(b, PushRequestT.createPushRequest(b, schemaVersion + 1, job, 0, 0n, 0), "MTPS");
+    expect(expectThrown(() => decodePushRequest(bytes, limit), WireFormatError, "schema version 2", "speaks 1")).toHaveProperty("code", "bad_version");
+  });
+
+  test("chunk byte count that disagrees with its element count", () => {
+    const c = { ...f32Chunk(0, floats(8)), count: 9 };
+    expect(code(() => decodePushRequest(encodePushRequest({ job: "j", trainer: 0, step: 0, chunks: [c] }), limit))).toBe("malformed");
+    const f16 = { ...f32Chunk(0, floats(8)), dtype: DType.F16 }; // 32 bytes, 8 elements of 2 bytes is 16
+    expect(code(() => decodePushRequest(encodePushRequest({ job: "j", trainer: 0, step: 0, chunks: [f16] }), limit))).toBe("malformed");
+  });
+
+  test("a batch whose shapes disagree", () => {
+    const bad = { epoch: 0, index: 0, sampleIds: Uint32Array.of(1, 2), rows: 2, cols: 3, x: floats(5), y: Int32Array.of(1, 2), endOfEpoch: false };
+    expect(code(() => decodeBatch(encodeBatch(bad), limit))).toBe("malformed");
+  });
+});
+
+describe("bulk vectors", () => {
+  test("createBytes writes what the generated element-by-element builder writes, aligned", () => {
+    const data = new Uint8Array(floats(301).buffer);
+    const b = new Builder(16);
+    const off = createBytes(b, data);
+    b.finish(off);
+    const out = b.asUint8Array();
+    const start = out.byteLength - (out.byteLength - 0); // the root is the vector itself
+    const vecPos = new DataView(out.buffer, out.byteOffset).getUint32(start, true);
+    expect(new DataView(out.buffer, out.byteOffset).getUint32(vecPos, true)).toBe(data.byteLength);
+    expect((vecPos + 4) % 16).toBe(0);
+    expect(out.subarray(vecPos + 4, vecPos + 4 + data.byteLength)).toEqual(data);
+  });
+});
+
+describe("chunking", () => {
+  test("chunkRanges covers the vector exactly once", () => {
+    expect(chunkRanges(10, 4)).toEqual([{ offset: 0, count: 4 }, { offset: 4, count: 4 }, { offset: 8, count: 2 }]);
+    expect(chunkRanges(0, 4)).toEqual([]);
+    expect(() => chunkRanges(10, 0)).toThrow(RangeError);
+  });
+
+  test("packByBytes keeps every message under the limit and every item once, in order", () => {
+    const sizes = [300, 500, 200, 900, 100, 100, 700];
+    const groups = packByBytes(sizes, (s) => s, 2048);
+    expect(groups.flat()).toEqual(sizes);
+    for (const g of groups) expect(1024 + g.reduce((s, x) => s + x + 64, 0)).toBeLessThanOrEqual(2048);
+    expect(() => packByBytes([5000], (s) => s, 2048)).toThrow("cannot fit");
+  });
+
+  test("Reassembler rebuilds the vector from shuffled chunks and rejects repeats, gaps and excess", () => {
+    const v = floats(1000);
+    const r = new Reassembler(1000, 300, 10_000);
+    for (const id of [3, 0, 2, 1]) {
+      expect(r.complete).toBe(false);
+      const { offset, count } = chunkRanges(1000, 300)[id]!;
+      r.add(id, v.subarray(offset, offset + count));
+    }
+    expect(r.complete).toBe(true);
+    expect(r.data).toEqual(v);
+    expect(() => r.add(1, v.subarray(300, 600))).toThrow("arrived twice");
+    expect(() => r.add(4, v.subarray(0, 1))).toThrow("out of range");
+    expect(() => new Reassembler(1000, 300, 10_000).add(0, v.subarray(0, 10))).toThrow("expected 300");
+    expect(() => new Reassembler(20_000, 300, 10_000)).toThrow(WireFormatError);
+  });
+});
