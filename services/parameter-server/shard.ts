@@ -1,0 +1,331 @@
+// One parameter-server shard of one job: fp32 parameters and optimizer state for the chunks
+// the hash ring gives it, the sync policy, versions and duplicate detection. No NATS here:
+// service.ts maps subjects to these methods.
+//
+// Versions: a chunk's version is the number of optimizer updates applied to it. Clocks: a
+// trainer's clock on this shard is the number of steps it has pushed completely (every chunk
+// this shard owns). Pull for step s waits until
+//   BSP: every requested chunk has version >= s (the aggregated updates of steps < s applied),
+//   SSP: the slowest trainer's clock >= s - staleness,
+//   ASP: never.
+import type { Allocation, Backend } from "../../ffi/backend.ts";
+import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
+import { DType, type Chunk, type ChunkState, type PullReply, type PushReply, type PushRequest, type ShardState, f32Chunk, chunkF32 } from "../../schemas/messages.ts";
+import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/errors.ts";
+import type { JobConfig } from "../runtime/job.ts";
+import type { ChunkInfo, Layout } from "./layout.ts";
+import { pullWaitersMax, pullWaitMsMax } from "./limits.ts";
+
+const alignElems = 16;
+
+interface ChunkSlot {
+  info: ChunkInfo;
+  /** element offset of this chunk in the shard's slabs */
+  local: number;
+  version: number;
+  /** pushes accumulated in the gradient slab since the last update */
+  pending: number;
+  /** highest step each trainer pushed for this chunk (-1: none) */
+  lastStep: Float64Array;
+}
+
+interface Waiter {
+  trainer: number;
+  step: number;
+  ids: Uint32Array;
+  ready: () => boolean;
+  resolve: (r: PullReply) => void;
+  reject: (e: Error) => void;
+  timer: ReturnType<typeof setTimeout>;
+}
+
+export interface ShardOptions {
+  backend: Backend;
+  config: JobConfig;
+  layout: Layout;
+  shard: number;
+  /** optimizer steps the schedule runs over */
+  totalSteps: number;
+  /** the job's initial flat parameter vector (each shard keeps its chunks) */
+  initial: Float32Array;
+}
+
+export class ParameterShard {
+  readonly job: string;
+  readonly shard: number;
+  readonly ids: readonly number[];
+  #updates = 0;
+  readonly #be: Backend;
+  readonly #cfg: JobConfig;
+  readonly #slots = new Map<number, ChunkSlot>();
+  readonly #params: Allocation;
+  readonly #grads: Allocation;
+  /** one chunk of backend memory to upload a gradient into */
+  readonly #scratch: Allocation;
+  readonly #state: { name: string; alloc: Allocation }[];
+  readonly #clock: Float64Array;
+  /** per trainer: step -> chunks of this shard received for it */
+  readonly #received: Map<number, number>[];
+  readonly #waiters = new Set<Waiter>();
+  readonly #schedule: Schedule;
+  #disposed = false;
+
+  constructor(o: ShardOptions) {
+    this.job = o.config.job;
+    this.shard = o.shard;
+    this.#be = o.backend;
+    this.#cfg = o.config;
+    this.ids = o.layout.byShard[o.shard] ?? [];
+    const W = o.config.trainers;
+    let local = 0;
+    for (const id of this.ids) {
+      const info = o.layout.chunks[id]!;
+      this.#slots.set(id, { info, local, version: 0, pending: 0, lastStep: new Float64Array(W).fill(-1) });
+      local += Math.ceil(info.count / alignElems) * alignElems;
+    }
+    const bytes = Math.max(local, alignElems) * 4;
+    this.#params = this.#be.alloc(bytes);
+    this.#grads = this.#be.alloc(bytes);
+    this.#be.zero(this.#grads.ptr, bytes);
+    this.#scratch = this.#be.alloc(o.layout.chunkElems * 4);
+    const names = o.config.optimizer.kind === "sgd" ? ["momentum"] : ["m", "v"];
+    this.#state = names.map((name) => {
+      const alloc = this.#be.alloc(bytes);
+      this.#be.zero(alloc.ptr, bytes);
+      return { name, alloc };
+    });
+    for (const slot of this.#slots.values()) {
+      this.#be.upload(this.#ptr(this.#params, slot), o.initial.subarray(slot.info.offset, slot.info.offset + slot.info.count));
+    }
+    this.#clock = new Float64Array(W);
+    this.#received = Array.from({ length: W }, () => new Map());
+    const c = o.config;
+    this.#schedule = c.schedule === "constant" ? { kind: "constant" }
+      : { kind: c.schedule, warmupSteps: Math.min(c.warmupSteps, Math.max(0, o.totalSteps - 1)), totalSteps: o.totalSteps, minLr: c.minLr };
+  }
+
+  get updates(): number {
+    return this.#updates;
+  }
+
+  /** Steps each trainer has pushed completely to this shard. */
+  get clocks(): readonly number[] {
+    return [...this.#clock];
+  }
+
+  get waiting(): number {
+    return this.#waiters.size;
+  }
+
+  #ptr(a: Allocation, slot: ChunkSlot): number {
+    return a.ptr + slot.local * 4;
+  }
+
+  #checkTrainer(trainer: number): void {
+    if (!(Number.isInteger(trainer) && trainer >= 0 && trainer < this.#cfg.trainers)) {
+      throw new BadRequestError(`trainer ${trainer} is not in job ${this.job} (trainers 0..${this.#cfg.trainers - 1})`);
+    }
+  }
+
+  #slot(id: number): ChunkSlot {
+    const slot = this.#slots.get(id);
+    if (!slot) throw new BadRequestError(`chunk ${id} is not owned by shard ${this.shard} of job ${this.job}`);
+    return slot;
+  }
+
+  /** Applies (or aggregates) one trainer's gradients for some of this shard's chunks. */
+  push(m: PushRequest): PushReply {
+    this.#checkTrainer(m.trainer);
+    const checked = m.chunks.map((c) => this.#checkGradient(c, m));
+    const seen = new Set<number>();
+    let accepted = 0, duplicates = 0, updates = 0;
+    for (const { slot, grad } of checked) {
+      if (seen.has(slot.info.id)) throw new BadRequestError(`chunk ${slot.info.id} appears twice in one push`);
+      seen.add(slot.info.id);
+      if (slot.lastStep[m.trainer]! >= m.step) {
+        duplicates++; // a retried or duplicated push: applied once already
+        continue;
+      }
+      slot.lastStep[m.trainer] = m.step;
+      accepted++;
+      updates += this.#accumulate(slot, grad, m.step);
+    }
+    if (accepted > 0) this.#advanceClock(m.trainer, m.step, accepted);
+    this.#wake();
+    return { accepted, duplicates, updates };
+  }
+
+  #checkGradient(c: Chunk, m: PushRequest): { slot: ChunkSlot; grad: Float32Array } {
+    const slot = this.#slot(c.id);
+    if (c.dtype !== DType.F32) throw new BadRequestError(`chunk ${c.id}: dtype ${DType[c.dtype]} is not accepted by this job (F32 only)`);
+    if (c.count !== slot.info.count) throw new BadRequestError(`chunk ${c.id} has ${c.count} elements, the layout says ${slot.info.count}`);
+    // under BSP a trainer pulls step s (which waits for the update of s-1) before it pushes s
+    if (this.#cfg.sync === "bsp" && slot.lastStep[m.trainer]! < m.step && m.step !== slot.version) {
+      throw new BadRequestError(`push for step ${m.step} of chunk ${c.id}, which is at step ${slot.version} (BSP)`);
+    }
+    const grad = chunkF32(c);
+    for (let i = 0; i < grad.length; i++) {
+      if (!Number.isFinite(grad[i]!)) throw new BadRequestError(`chunk ${c.id} from trainer ${m.trainer} step ${m.step}: gradient element ${i} is ${grad[i]}`);
+    }
+    return { slot, grad };
+  }
+
+  /** Adds a gradient to the chunk's pending sum; returns 1 when that completed an update. */
+  #accumulate(slot: ChunkSlot, grad: Float32Array, step: number): number {
+    const be = this.#be;
+    const n = slot.info.count;
+    be.upload(this.#scratch.ptr, grad);
+    be.axpy(this.#ptr(this.#grads, slot), this.#scratch.ptr, n, 1);
+    slot.pending++;
+    const need = this.#cfg.sync === "bsp" ? this.#cfg.trainers : this.#cfg.batchPushes;
+    if (slot.pending < need) return 0;
+    be.scale(this.#ptr(this.#grads, slot), n, 1 / slot.pending);
+    this.#applyOptimizer(slot, lrAt(this.#schedule, this.#cfg.lr, step));
+    be.zero(this.#ptr(this.#grads, slot), n * 4);
+    slot.pending = 0;
+    slot.version++;
+    this.#updates++;
+    return 1;
+  }
+
+  #applyOptimizer(slot: ChunkSlot, lr: number): void {
+    const be = this.#be;
+    const o = this.#cfg.optimizer;
+    const segments = [
+      { at: 0, n: slot.info.decayCount, wd: o.weightDecay },
+      { at: slot.info.decayCount, n: slot.info.count - slot.info.decayCount, wd: 0 },
+    ].filter((s) => s.n > 0);
+    const p = this.#ptr(this.#params, slot), g = this.#ptr(this.#grads, slot);
+    const s0 = this.#ptr(this.#state[0]!.alloc, slot);
+    for (const seg of segments) {
+      const off = seg.at * 4;
+      if (o.kind === "sgd") {
+        be.sgdStep(p + off, g + off, s0 + off, seg.n, lr, o.momentum, 0, seg.wd, o.nesterov, slot.version === 0);
+      } else {
+        const t = slot.version + 1;
+        const s1 = this.#ptr(this.#state[1]!.alloc, slot);
+        be.adamwStep(p + off, g + off, s0 + off, s1 + off, seg.n, lr, o.beta1, o.beta2, o.eps, seg.wd, 1 - o.beta1 ** t, 1 - o.beta2 ** t);
+      }
+    }
+  }
+
+  #advanceClock(trainer: number, step: number, chunks: number): void {
+    const received = this.#received[trainer]!;
+    const total = (received.get(step) ?? 0) + chunks;
+    if (total < this.ids.length) {
+      received.set(step, total);
+      return;
+    }
+    received.delete(step);
+    this.#clock[trainer] = Math.max(this.#clock[trainer]!, step + 1);
+  }
+
+  #ready(step: number, ids: Uint32Array): boolean {
+    switch (this.#cfg.sync) {
+      case "asp":
+        return true;
+      case "ssp":
+        return Math.min(...this.#clock) >= step - this.#cfg.staleness;
+      case "bsp":
+        for (const id of ids) if (this.#slots.get(id)!.version < step) return false;
+        return true;
+    }
+  }
+
+  /** Current parameters of `ids`, once the sync policy allows trainer `trainer` to compute `step`. */
+  pull(trainer: number, step: number, ids: Uint32Array): Promise<PullReply> {
+    this.#checkTrainer(trainer);
+    for (const id of ids) this.#slot(id);
+    if (new Set(ids).size !== ids.length) throw new BadRequestError("a pull names a chunk twice");
+    if (this.#ready(step, ids)) return Promise.resolve(this.#snapshot(ids));
+    if (this.#waiters.size >= pullWaitersMax) throw new LimitExceededError(`${pullWaitersMax} pulls are waiting on shard ${this.shard} already`);
+    return new Promise((resolve, reject) => {
+      const w: Waiter = {
+        trainer, step, ids, resolve, reject,
+        ready: () => this.#ready(step, ids),
+        timer: setTimeout(() => {
+          this.#waiters.delete(w);
+          reject(new DeadlineError(`pull for step ${step} by trainer ${trainer} waited ${pullWaitMsMax} ms; trainer clocks on shard ${this.shard}: ${this.#clock.join(",")}`));
+        }, pullWaitMsMax),
+      };
+      this.#waiters.add(w);
+    });
+  }
+
+  #wake(): void {
+    for (const w of this.#waiters) {
+      if (!w.ready()) continue;
+      clearTimeout(w.timer);
+      this.#waiters.delete(w);
+      w.resolve(this.#snapshot(w.ids));
+    }
+  }
+
+  #snapshot(ids: Uint32Array): PullReply {
+    const chunks = [...ids].map((id) => {
+      const slot = this.#slots.get(id)!;
+      const values = new Float32Array(slot.info.count);
+      this.#be.download(this.#ptr(this.#params, slot), values);
+      return f32Chunk(id, values, slot.version);
+    });
+    return { updates: this.#updates, chunks };
+  }
+
+  /** Everything needed to resume: parameters, optimizer state and versions of every chunk. */
+  exportState(): ShardState {
+    const chunks: ChunkState[] = [...this.#slots.values()].map((slot) => {
+      const read = (a: Allocation) => {
+        const v = new Float32Array(slot.info.count);
+        this.#be.download(this.#ptr(a, slot), v);
+        return v;
+      };
+      return { id: slot.info.id, version: slot.version, params: read(this.#params), state: this.#state.map((s) => ({ name: s.name, data: read(s.alloc) })) };
+    });
+    return { job: this.job, shard: this.shard, updates: this.#updates, optimizerSteps: Math.min(...this.clocks), chunks };
+  }
+
+  /**
+   * Replaces this shard's state with a snapshot taken when every trainer had pushed `step`
+   * steps. Checks everything before changing anything: a bad snapshot leaves the shard as it was.
+   */
+  importState(s: ShardState, step: number): void {
+    if (s.job !== this.job || s.shard !== this.shard) throw new BadRequestError(`snapshot of ${s.job} shard ${s.shard} loaded into ${this.job} shard ${this.shard}`);
+    const ids = s.chunks.map((c) => c.id).sort((a, b) => a - b);
+    if (ids.join(",") !== [...this.ids].sort((a, b) => a - b).join(",")) throw new BadRequestError(`snapshot holds chunks ${ids.join(",")}, shard ${this.shard} owns ${this.ids.join(",")}`);
+    for (const c of s.chunks) {
+      const slot = this.#slot(c.id);
+      if (c.params.length !== slot.info.count) throw new BadRequestError(`snapshot chunk ${c.id} has ${c.params.length} elements, expected ${slot.info.count}`);
+      const names = c.state.map((v) => v.name).join(",");
+      if (names !== this.#state.map((v) => v.name).join(",")) throw new BadRequestError(`snapshot chunk ${c.id} has optimizer state [${names}], this job needs [${this.#state.map((v) => v.name).join(",")}]`);
+      for (const v of c.state) if (v.data.length !== slot.info.count) throw new BadRequestError(`snapshot chunk ${c.id} ${v.name} has ${v.data.length} elements`);
+    }
+    for (const w of this.#waiters) {
+      clearTimeout(w.timer);
+      w.reject(new DeadlineError(`shard ${this.shard} was restored to step ${step}; pull again`));
+    }
+    this.#waiters.clear();
+    for (const c of s.chunks) {
+      const slot = this.#slots.get(c.id)!;
+      this.#be.upload(this.#ptr(this.#params, slot), c.params);
+      c.state.forEach((v, i) => this.#be.upload(this.#ptr(this.#state[i]!.alloc, slot), v.data));
+      this.#be.zero(this.#ptr(this.#grads, slot), slot.info.count * 4);
+      slot.version = c.version;
+      slot.pending = 0;
+      slot.lastStep.fill(step - 1);
+    }
+    this.#updates = s.updates;
+    this.#clock.fill(step);
+    for (const r of this.#received) r.clear();
+  }
+
+  dispose(): void {
+    if (this.#disposed) return;
+    this.#disposed = true;
+    for (const w of this.#waiters) {
+      clearTimeout(w.timer);
+      w.reject(new DeadlineError(`shard ${this.shard} of job ${this.job} stopped`));
+    }
+    this.#waiters.clear();
+    for (const a of [this.#params, this.#grads, this.#scratch, ...this.#state.map((s) => s.alloc)]) this.#be.free(a);
+  }
+}

@@ -1,0 +1,98 @@
+// The small interface services talk through. NatsBus (nats.ts) implements it over a real
+// server; MemoryBus below is for unit tests only. A request answered with an ErrorReply is
+// thrown on the caller's side as the typed error it names (errors.ts).
+import { decodeErrorReply, encodeErrorReply, isErrorReply } from "../../schemas/messages.ts";
+import { DeadlineError, errorReplyOf, NoRespondersError, rebuildError } from "./errors.ts";
+
+/** Handles one request; what it returns is the reply. A throw becomes an ErrorReply. */
+export type Handler = (data: Uint8Array, subject: string) => Promise<Uint8Array> | Uint8Array;
+
+export interface EndpointSpec {
+  /** a short name for $SRV stats (a subject token) */
+  name: string;
+  subject: string;
+  handler: Handler;
+  /** queue group; shards of one subject never share one, replicas of a loader would */
+  queue?: string;
+}
+
+export interface Subscription {
+  unsubscribe(): void;
+}
+
+export interface Bus {
+  request(subject: string, data: Uint8Array, timeoutMs: number): Promise<Uint8Array>;
+  publish(subject: string, data: Uint8Array): void;
+  subscribe(subject: string, onMessage: (data: Uint8Array, subject: string) => void): Subscription;
+  serve(endpoint: EndpointSpec): void;
+  close(): Promise<void>;
+}
+
+/** Largest error reply read back (an error message is text, not data). */
+export const errorReplyBytesMax = 64 << 10;
+
+/** Runs a handler and turns its failure into an ErrorReply payload. */
+export async function answer(handler: Handler, data: Uint8Array, subject: string): Promise<{ reply: Uint8Array; failed: boolean; error?: unknown }> {
+  try {
+    return { reply: await handler(data, subject), failed: false };
+  } catch (e) {
+    return { reply: encodeErrorReply(errorReplyOf(e, subject)), failed: true, error: e };
+  }
+}
+
+/** A reply as the caller sees it: error replies become thrown typed errors. */
+export function unwrapReply(reply: Uint8Array): Uint8Array {
+  if (isErrorReply(reply)) throw rebuildError(decodeErrorReply(reply, errorReplyBytesMax));
+  return reply;
+}
+
+/** Subject matching with NATS wildcards: `*` one token, `>` the rest. */
+export function subjectMatches(pattern: string, subject: string): boolean {
+  const p = pattern.split("."), s = subject.split(".");
+  for (let i = 0; i < p.length; i++) {
+    if (p[i] === ">") return s.length > i;
+    if (i >= s.length || (p[i] !== "*" && p[i] !== s[i])) return false;
+  }
+  return p.length === s.length;
+}
+
+/** In-process bus for unit tests: same semantics, no server, messages copied like a wire. */
+export class MemoryBus implements Bus {
+  readonly #endpoints = new Map<string, EndpointSpec>();
+  readonly #subs = new Set<{ subject: string; fn: (d: Uint8Array, s: string) => void }>();
+
+  async request(subject: string, data: Uint8Array, timeoutMs: number): Promise<Uint8Array> {
+    const ep = this.#endpoints.get(subject);
+    if (!ep) throw new NoRespondersError(`no service answers ${subject}`);
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const deadline = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => reject(new DeadlineError(`no reply on ${subject} within ${timeoutMs} ms`)), timeoutMs);
+    });
+    try {
+      const { reply } = await Promise.race([answer(ep.handler, data.slice(), subject), deadline]);
+      return unwrapReply(reply.slice());
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  publish(subject: string, data: Uint8Array): void {
+    for (const sub of this.#subs) if (subjectMatches(sub.subject, subject)) sub.fn(data.slice(), subject);
+  }
+
+  subscribe(subject: string, onMessage: (data: Uint8Array, subject: string) => void): Subscription {
+    const sub = { subject, fn: onMessage };
+    this.#subs.add(sub);
+    return { unsubscribe: () => this.#subs.delete(sub) };
+  }
+
+  serve(endpoint: EndpointSpec): void {
+    if (this.#endpoints.has(endpoint.subject)) throw new Error(`${endpoint.subject} is served already`);
+    this.#endpoints.set(endpoint.subject, endpoint);
+  }
+
+  async close(): Promise<void> {
+    this.#endpoints.clear();
+    this.#subs.clear();
+  }
+}

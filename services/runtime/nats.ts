@@ -1,0 +1,144 @@
+// NatsBus: the Bus over a real NATS server (@nats-io/transport-node), with every endpoint
+// registered through @nats-io/services so `$SRV.PING|INFO|STATS` discovery works.
+import { Svcm, type Service, type ServiceMsg } from "@nats-io/services";
+import { connect, type NatsConnection, type Subscription as NatsSub } from "@nats-io/transport-node";
+import { answer, type Bus, type EndpointSpec, type Subscription, unwrapReply } from "./bus.ts";
+import { DeadlineError, NoRespondersError } from "./errors.ts";
+import type { Logger } from "./log.ts";
+
+export interface NatsBusOptions {
+  url: string;
+  /** connection name shown by the server (`nats-server` /connz) */
+  name: string;
+  /** $SRV identity; omit for clients that serve nothing (the SDK) */
+  service?: { name: string; version: string; description?: string; metadata?: Record<string, string> };
+  log?: Logger;
+  /** total time to keep retrying the first connection */
+  connectRetryMsMax: number;
+  /** largest pause between connection attempts */
+  connectBackoffMsMax: number;
+}
+
+export const natsInstallHint = "apt-get install -y nats-server && nats-server -p 4222 (or: docker run -p 4222:4222 nats)";
+
+export class NatsUnreachableError extends Error {
+  override readonly name = "NatsUnreachableError";
+}
+
+/**
+ * Connects, retrying with exponential backoff. The first failure is logged once with the URL and
+ * how to start a server; later attempts log at debug level.
+ */
+export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnection> {
+  const started = Date.now();
+  let pauseMs = 100;
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await connect({
+        servers: opts.url,
+        name: opts.name,
+        // after the first connection, the client reconnects on its own, forever: a service
+        // outlives a restart of its server
+        maxReconnectAttempts: -1,
+        reconnectTimeWait: 250,
+        timeout: 2000,
+      });
+    } catch (e) {
+      const elapsedMs = Date.now() - started;
+      const why = e instanceof Error ? e.message : String(e);
+      if (elapsedMs + pauseMs > opts.connectRetryMsMax) {
+        throw new NatsUnreachableError(`cannot reach NATS at ${opts.url} after ${attempt} attempts over ${elapsedMs} ms (${why}); start a server: ${natsInstallHint}`, { cause: e });
+      }
+      if (attempt === 1) opts.log?.error({ url: opts.url, err: why }, `NATS at ${opts.url} is unreachable; retrying with backoff. Start a server: ${natsInstallHint}`);
+      else opts.log?.debug({ url: opts.url, attempt }, "NATS still unreachable");
+      await Bun.sleep(pauseMs);
+      pauseMs = Math.min(pauseMs * 2, opts.connectBackoffMsMax);
+    }
+  }
+}
+
+export class NatsBus implements Bus {
+  #service: Service | undefined;
+  readonly #subs: NatsSub[] = [];
+
+  private constructor(readonly nc: NatsConnection, readonly opts: NatsBusOptions) {}
+
+  static async connect(opts: NatsBusOptions): Promise<NatsBus> {
+    const nc = await connectWithRetry(opts);
+    const bus = new NatsBus(nc, opts);
+    if (opts.service) {
+      // @nats-io/services is built against its own copy of nats-core; the connection types
+      // differ nominally but the protocol object is the same.
+      bus.#service = await new Svcm(nc as unknown as ConstructorParameters<typeof Svcm>[0]).add({
+        name: opts.service.name,
+        version: opts.service.version,
+        description: opts.service.description ?? "",
+        metadata: opts.service.metadata ?? {},
+      });
+    }
+    return bus;
+  }
+
+  async request(subject: string, data: Uint8Array, timeoutMs: number): Promise<Uint8Array> {
+    try {
+      const msg = await this.nc.request(subject, data, { timeout: timeoutMs });
+      return unwrapReply(msg.data);
+    } catch (e) {
+      throw translate(e, subject, timeoutMs);
+    }
+  }
+
+  publish(subject: string, data: Uint8Array): void {
+    this.nc.publish(subject, data);
+  }
+
+  subscribe(subject: string, onMessage: (data: Uint8Array, subject: string) => void): Subscription {
+    const sub = this.nc.subscribe(subject, { callback: (err, msg) => {
+      if (err === null) onMessage(msg.data, msg.subject);
+    } });
+    this.#subs.push(sub);
+    return { unsubscribe: () => sub.unsubscribe() };
+  }
+
+  serve(endpoint: EndpointSpec): void {
+    if (!this.#service) throw new Error("this bus was connected without a service identity; it cannot serve");
+    const log = this.opts.log;
+    this.#service.addEndpoint(endpoint.name, {
+      subject: endpoint.subject,
+      ...(endpoint.queue === undefined ? {} : { queue: endpoint.queue }),
+      // Handlers run concurrently: a BSP pull waits for other trainers' pushes, which must
+      // be handled meanwhile.
+      handler: (err: Error | null, msg: ServiceMsg) => {
+        if (err !== null) {
+          log?.error({ err: err.message, subject: endpoint.subject }, "endpoint subscription failed");
+          return;
+        }
+        void answer(endpoint.handler, msg.data, msg.subject).then(({ reply, failed, error }) => {
+          if (failed) {
+            log?.warn({ subject: msg.subject, err: error instanceof Error ? error.message : String(error) }, "request failed");
+            // counted in $SRV.STATS num_errors; the body is our ErrorReply
+            msg.respondError(400, error instanceof Error ? error.message.slice(0, 200) : "error", reply);
+          } else {
+            msg.respond(reply);
+          }
+        });
+      },
+    });
+  }
+
+  /** Drains: stops taking requests, finishes the ones in flight, flushes, closes. */
+  async close(): Promise<void> {
+    if (this.nc.isClosed()) return;
+    await this.#service?.stop();
+    for (const s of this.#subs) s.unsubscribe();
+    await this.nc.drain();
+  }
+}
+
+function translate(e: unknown, subject: string, timeoutMs: number): unknown {
+  const names = [e, (e as { cause?: unknown } | undefined)?.cause].map((x) => (x instanceof Error ? x.name : ""));
+  const text = e instanceof Error ? e.message : "";
+  if (names.includes("TimeoutError") || /timeout/i.test(text)) return new DeadlineError(`no reply on ${subject} within ${timeoutMs} ms`, { cause: e });
+  if (names.includes("NoRespondersError") || /no responders/i.test(text)) return new NoRespondersError(`no service answers ${subject}`, { cause: e });
+  return e;
+}

@@ -1,0 +1,243 @@
+// Parameter-server shard logic without NATS: hashing, layout, sync policies, duplicates,
+// optimizer updates against a float64 reference, snapshots, and bad pushes.
+import { describe, expect, test } from "bun:test";
+import { chunkKey, HashRing } from "../../services/parameter-server/hashring.ts";
+import { buildLayout } from "../../services/parameter-server/layout.ts";
+import { ParameterShard } from "../../services/parameter-server/shard.ts";
+import { BadRequestError, DeadlineError } from "../../services/runtime/errors.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { chunkF32, f32Chunk, type PushRequest } from "../../schemas/messages.ts";
+import { Rng } from "../../engine/rng.ts";
+import { expectThrown } from "../helpers/errors.ts";
+import { cpu, randn, relErr } from "../helpers/numeric.ts";
+
+const be = cpu();
+
+function job(over: Partial<JobConfig>): JobConfig {
+  return parseJobConfig({ ...jobDefaults, job: "t", chunkBytes: 4096, schedule: "constant", warmupSteps: 0, ...over });
+}
+
+function makeShard(cfg: JobConfig, total = 2500, decay = 1500) {
+  const layout = buildLayout(cfg.job, total, decay, cfg.chunkBytes, 1);
+  const initial = Float32Array.from(randn(new Rng(7), total, 0.1));
+  const shard = new ParameterShard({ backend: be, config: cfg, layout, shard: 0, totalSteps: 100, initial });
+  return { shard, layout, initial, ids: Uint32Array.from(layout.byShard[0]!) };
+}
+
+/** One trainer's full push of gradient vector g (all chunks of the shard) for a step. */
+function pushAll(layout: ReturnType<typeof buildLayout>, trainer: number, step: number, g: Float32Array): PushRequest {
+  return { job: "t", trainer, step, chunks: layout.chunks.map((c) => f32Chunk(c.id, g.slice(c.offset, c.offset + c.count))) };
+}
+
+async function pullAll(shard: ParameterShard, ids: Uint32Array, trainer: number, step: number, total: number): Promise<Float32Array> {
+  const r = await shard.pull(trainer, step, ids);
+  const out = new Float32Array(total);
+  let at = 0;
+  for (const c of r.chunks) {
+    out.set(chunkF32(c), at);
+    at += c.count;
+  }
+  return out;
+}
+
+describe("consistent hashing", () => {
+  test("adding a shard moves about 1/(N+1) of the chunks, all to the new shard", () => {
+    const keys = Array.from({ length: 20_000 }, (_, i) => chunkKey("job", i));
+    for (const n of [2, 4, 8]) {
+      const before = new HashRing(Array.from({ length: n }, (_, i) => i));
+      const after = new HashRing(Array.from({ length: n + 1 }, (_, i) => i));
+      let moved = 0;
+      for (const k of keys) {
+        const a = before.owner(k), b = after.owner(k);
+        if (a !== b) {
+          moved++;
+          expect(b).toBe(n);
+        }
+      }
+      const fraction = moved / keys.length;
+      expect(Math.abs(fraction - 1 / (n + 1))).toBeLessThan(0.35 / (n + 1));
+    }
+  });
+
+  test("load is spread evenly and the ring is the same in every process", () => {
+    const ring = new HashRing([0, 1, 2, 3]);
+    const counts = [0, 0, 0, 0];
+    for (let i = 0; i < 40_000; i++) counts[ring.owner(chunkKey("j", i))]!++;
+    for (const c of counts) expect(Math.abs(c - 10_000)).toBeLessThan(2_000);
+    expect(new HashRing([3, 1, 2, 0]).owner("x/params/5")).toBe(ring.owner("x/params/5"));
+    expect(() => new HashRing([])).toThrow(RangeError);
+    expect(() => new HashRing([1, 1])).toThrow("repeat");
+  });
+
+  test("the layout covers the vector once, splits the decay boundary, and assigns every chunk", () => {
+    const l = buildLayout("j", 10_000, 4_100, 4096, 3);
+    expect(l.chunks.map((c) => c.count).reduce((a, b) => a + b)).toBe(10_000);
+    expect(l.chunks.map((c) => c.decayCount)).toEqual([1024, 1024, 1024, 1024, 4, 0, 0, 0, 0, 0]);
+    expect(l.byShard.flat().sort((a, b) => a - b)).toEqual(l.chunks.map((c) => c.id));
+  });
+});
+
+describe("BSP", () => {
+  test("the W pushes of a step are averaged into one SGD update (float64 reference, Nesterov, decay on the first 1500)", async () => {
+    const cfg = job({ trainers: 2, sync: "bsp", lr: 0.1, optimizer: { kind: "sgd", momentum: 0.9, nesterov: true, weightDecay: 0.01 } });
+    const { shard, layout, initial, ids } = makeShard(cfg);
+    const n = initial.length;
+    const p = Float64Array.from(initial), buf = new Float64Array(n);
+    for (let step = 0; step < 3; step++) {
+      const g0 = Float32Array.from(randn(new Rng(100 + step), n)), g1 = Float32Array.from(randn(new Rng(200 + step), n));
+      expect(shard.push(pushAll(layout, 0, step, g0))).toEqual({ accepted: layout.chunks.length, duplicates: 0, updates: 0 });
+      expect(shard.push(pushAll(layout, 1, step, g1))).toEqual({ accepted: layout.chunks.length, duplicates: 0, updates: layout.chunks.length });
+      for (let i = 0; i < n; i++) {
+        const g = ((g0[i]! + g1[i]!) / 2) + (i < 1500 ? 0.01 * p[i]! : 0);
+        buf[i] = step === 0 ? g : 0.9 * buf[i]! + g;
+        p[i] = p[i]! - 0.1 * (g + 0.9 * buf[i]!);
+      }
+      expect(relErr(await pullAll(shard, ids, 0, step + 1, n), p)).toBeLessThan(1e-5);
+    }
+    expect(shard.updates).toBe(3 * layout.chunks.length);
+    shard.dispose();
+  });
+
+  test("AdamW with bias correction matches the float64 reference", async () => {
+    const o = { kind: "adamw" as const, beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 };
+    const cfg = job({ trainers: 1, sync: "bsp", lr: 0.01, optimizer: o });
+    const { shard, layout, initial, ids } = makeShard(cfg);
+    const n = initial.length;
+    const p = Float64Array.from(initial), m = new Float64Array(n), v = new Float64Array(n);
+    for (let step = 0; step < 3; step++) {
+      const g = Float32Array.from(randn(new Rng(300 + step), n));
+      shard.push(pushAll(layout, 0, step, g));
+      const t = step + 1;
+      for (let i = 0; i < n; i++) {
+        m[i] = 0.9 * m[i]! + 0.1 * g[i]!;
+        v[i] = 0.99 * v[i]! + 0.01 * g[i]! * g[i]!;
+        const mh = m[i]! / (1 - 0.9 ** t), vh = v[i]! / (1 - 0.99 ** t);
+        p[i] = p[i]! - 0.01 * ((i < 1500 ? 0.1 * p[i]! : 0) + mh / (Math.sqrt(vh) + 1e-8));
+      }
+    }
+    expect(relErr(await pullAll(shard, ids, 0, 3, n), p)).toBeLessThan(1e-5);
+    shard.dispose();
+  });
+
+  test("a pull for step s waits until every trainer pushed step s-1; a duplicated push is applied once", async () => {
+    const cfg = job({ trainers: 2, sync: "bsp", optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 }, lr: 1 });
+    const { shard, layout, initial, ids } = makeShard(cfg);
+    const g = new Float32Array(initial.length).fill(1);
+    shard.push(pushAll(layout, 0, 0, g));
+    expect(shard.push(pushAll(layout, 0, 0, g))).toEqual({ accepted: 0, duplicates: layout.chunks.length, updates: 0 });
+    let done = false;
+    const pending = pullAll(shard, ids, 0, 1, initial.length).then((v) => ((done = true), v));
+    await Bun.sleep(0);
+    expect(done).toBe(false);
+    expect(shard.waiting).toBe(1);
+    shard.push(pushAll(layout, 1, 0, g));
+    const after = await pending;
+    // one update with the mean gradient 1 and lr 1: p - 1 (a double-applied push would give p - 1.5)
+    expect(relErr(after, initial.map((x) => x - 1))).toBeLessThan(1e-6);
+    expect(shard.waiting).toBe(0);
+    shard.dispose();
+  });
+});
+
+describe("ASP and SSP", () => {
+  test("ASP applies each push on arrival and never makes a pull wait", async () => {
+    const cfg = job({ trainers: 2, sync: "asp", optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 }, lr: 0.5 });
+    const { shard, layout, initial, ids } = makeShard(cfg);
+    const g = new Float32Array(initial.length).fill(1);
+    for (let s = 0; s < 3; s++) expect(shard.push(pushAll(layout, 0, s, g)).updates).toBe(layout.chunks.length);
+    const p = await pullAll(shard, ids, 1, 0, initial.length);
+    expect(relErr(p, initial.map((x) => x - 1.5))).toBeLessThan(1e-6);
+    shard.dispose();
+  });
+
+  test("ASP with update batching applies one averaged update per 2 pushes", async () => {
+    const cfg = job({ trainers: 2, sync: "asp", batchPushes: 2, optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 }, lr: 1 });
+    const { shard, layout, initial, ids } = makeShard(cfg);
+    expect(shard.push(pushAll(layout, 0, 0, new Float32Array(initial.length).fill(1))).updates).toBe(0);
+    expect(shard.push(pushAll(layout, 1, 0, new Float32Array(initial.length).fill(3))).updates).toBe(layout.chunks.length);
+    expect(relErr(await pullAll(shard, ids, 0, 1, initial.length), initial.map((x) => x - 2))).toBeLessThan(1e-6);
+    shard.dispose();
+  });
+
+  test("SSP lets a trainer run `staleness` steps ahead of the slowest, then its pull waits", async () => {
+    const cfg = job({ trainers: 2, sync: "ssp", staleness: 2 });
+    const { shard, layout, initial, ids } = makeShard(cfg);
+    const g = new Float32Array(initial.length).fill(0.01);
+    for (let s = 0; s < 3; s++) {
+      await shard.pull(0, s, ids); // steps 0, 1, 2: at most 2 ahead of trainer 1 (clock 0)
+      shard.push(pushAll(layout, 0, s, g));
+    }
+    expect(shard.clocks).toEqual([3, 0]);
+    let done = false;
+    const p = shard.pull(0, 3, ids).then(() => (done = true));
+    await Bun.sleep(0);
+    expect(done).toBe(false);
+    shard.push(pushAll(layout, 1, 0, g));
+    await p;
+    expect(done).toBe(true);
+    shard.dispose();
+  });
+});
+
+describe("bad pushes are rejected before anything changes", () => {
+  const cfg = job({ trainers: 2, sync: "bsp" });
+
+  test.each([
+    ["an unknown chunk", (l: ReturnType<typeof buildLayout>) => ({ job: "t", trainer: 0, step: 0, chunks: [f32Chunk(999, new Float32Array(4))] }), "not owned"],
+    ["a wrong element count", (l: ReturnType<typeof buildLayout>) => ({ job: "t", trainer: 0, step: 0, chunks: [f32Chunk(l.chunks[0]!.id, new Float32Array(7))] }), "7 elements"],
+    ["a trainer outside the job", (l: ReturnType<typeof buildLayout>) => ({ ...pushAll(l, 5, 0, new Float32Array(2500)) }), "trainer 5"],
+    ["a NaN gradient", (l: ReturnType<typeof buildLayout>) => pushAll(l, 0, 0, new Float32Array(2500).fill(Number.NaN)), "NaN"],
+    ["a step ahead of BSP", (l: ReturnType<typeof buildLayout>) => pushAll(l, 0, 3, new Float32Array(2500)), "step 3"],
+  ])("%s", async (_, make, fragment) => {
+    const { shard, layout, initial, ids } = makeShard(cfg);
+    expectThrown(() => shard.push(make(layout)), BadRequestError, fragment);
+    expect(await pullAll(shard, ids, 0, 0, initial.length)).toEqual(initial);
+    expect(shard.clocks).toEqual([0, 0]);
+    shard.dispose();
+  });
+
+  test("pulls of unknown chunks or with a repeated chunk", () => {
+    const { shard } = makeShard(cfg);
+    expectThrown(() => shard.pull(0, 0, Uint32Array.of(999)), BadRequestError, "chunk 999");
+    expectThrown(() => shard.pull(0, 0, Uint32Array.of(0, 0)), BadRequestError, "twice");
+    shard.dispose();
+  });
+});
+
+describe("snapshots", () => {
+  test("export then import into a fresh shard restores parameters, optimizer state and versions", async () => {
+    const cfg = job({ trainers: 1, sync: "bsp", optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 }, lr: 0.01 });
+    const a = makeShard(cfg), b = makeShard(cfg);
+    for (let s = 0; s < 2; s++) a.shard.push(pushAll(a.layout, 0, s, Float32Array.from(randn(new Rng(s), 2500))));
+    const state = a.shard.exportState();
+    b.shard.importState(state, 2);
+    const g = Float32Array.from(randn(new Rng(9), 2500));
+    a.shard.push(pushAll(a.layout, 0, 2, g));
+    b.shard.push(pushAll(b.layout, 0, 2, g));
+    expect(await pullAll(b.shard, b.ids, 0, 3, 2500)).toEqual(await pullAll(a.shard, a.ids, 0, 3, 2500));
+    expect(b.shard.exportState()).toEqual(a.shard.exportState());
+    a.shard.dispose();
+    b.shard.dispose();
+  });
+
+  test("a snapshot for another job, or with missing state, is refused and changes nothing", async () => {
+    const cfg = job({ trainers: 1, sync: "bsp" });
+    const { shard, initial, ids } = makeShard(cfg);
+    const s = shard.exportState();
+    expectThrown(() => shard.importState({ ...s, job: "other" }, 0), BadRequestError, "other");
+    expectThrown(() => shard.importState({ ...s, chunks: s.chunks.slice(1) }, 0), BadRequestError, "owns");
+    const noState = { ...s, chunks: s.chunks.map((c) => ({ ...c, state: [] })) };
+    expectThrown(() => shard.importState(noState, 0), BadRequestError, "momentum");
+    expect(await pullAll(shard, ids, 0, 0, initial.length)).toEqual(initial);
+    shard.dispose();
+  });
+
+  test("a restore answers pulls that were waiting with a DeadlineError", async () => {
+    const cfg = job({ trainers: 2, sync: "bsp" });
+    const { shard, ids } = makeShard(cfg);
+    const waiting = shard.pull(0, 1, ids);
+    shard.importState(shard.exportState(), 0);
+    await expect(waiting).rejects.toBeInstanceOf(DeadlineError);
+    shard.dispose();
+  });
+});
