@@ -5,7 +5,7 @@
 import { Builder, type ByteBuffer } from "flatbuffers";
 import {
   Batch as BatchT, BatchRequest as BatchRequestT, Chunk as ChunkT, ChunkState as ChunkStateT, DType, ErrorReply as ErrorReplyT,
-  Event as EventT, EventKind, FileEntry as FileEntryT, JobSpec as JobSpecT, Manifest as ManifestT, NamedVector as NamedVectorT,
+  Event as EventT, EventKind, FileEntry as FileEntryT, JobRequest as JobRequestT, JobSpec as JobSpecT, ShardStats as ShardStatsT, Manifest as ManifestT, NamedVector as NamedVectorT,
   PullReply as PullReplyT, PullRequest as PullRequestT, PushReply as PushReplyT, PushRequest as PushRequestT,
   ShardState as ShardStateT, Split, SyncPolicy,
 } from "./wire.ts";
@@ -351,6 +351,8 @@ export interface ShardState {
   updates: number;
   optimizerSteps: number;
   chunks: ChunkState[];
+  /** the trainers' step when the snapshot was taken */
+  step: number;
 }
 
 const shardStateRoot = root("ShardState", "MTSS", (bb) => ShardStateT.getRootAsShardState(bb));
@@ -367,13 +369,13 @@ export function encodeShardState(m: ShardState): Uint8Array {
     return ChunkStateT.createChunkState(b, c.id, big(c.version), params, state);
   });
   const vec = ShardStateT.createChunksVector(b, chunks), job = str(b, m.job);
-  return finishBytes(b, ShardStateT.createShardState(b, schemaVersion, job, m.shard, big(m.updates), big(m.optimizerSteps), vec), shardStateRoot.identifier);
+  return finishBytes(b, ShardStateT.createShardState(b, schemaVersion, job, m.shard, big(m.updates), big(m.optimizerSteps), vec, big(m.step)), shardStateRoot.identifier);
 }
 
 export function decodeShardState(data: Uint8Array, bytesMax: number): ShardState {
   const r = openRoot(data, shardStateRoot, bytesMax);
   return guarded("ShardState", () => ({
-    job: r.job() ?? "", shard: r.shard(), updates: num(r.updates()), optimizerSteps: num(r.optimizerSteps()),
+    job: r.job() ?? "", shard: r.shard(), updates: num(r.updates()), optimizerSteps: num(r.optimizerSteps()), step: num(r.step()),
     chunks: readList(r.chunksLength(), (i) => r.chunks(i), (c) => ({
       id: c.id(),
       version: num(c.version()),
@@ -418,5 +420,60 @@ export function decodeManifest(data: Uint8Array, bytesMax: number): Manifest {
     formatVersion: r.formatVersion(), job: r.job() ?? "", id: r.id() ?? "", step: num(r.step()), createdMs: r.createdMs(),
     metric: r.metric(), configJson: r.configJson() ?? "",
     files: readList(r.filesLength(), (i) => r.files(i), (f) => ({ name: f.name() ?? "", bytes: num(f.bytes()), crc32: f.crc32() }), "Manifest.files"),
+  }));
+}
+
+// ---- job requests --------------------------------------------------------------------------
+
+export interface JobRequest {
+  job: string;
+  step: number;
+  tag: string;
+}
+
+const jobRequestRoot = root("JobRequest", "MTJR", (bb) => JobRequestT.getRootAsJobRequest(bb));
+
+export function encodeJobRequest(m: JobRequest): Uint8Array {
+  const b = new Builder(128);
+  const job = str(b, m.job), tag = str(b, m.tag);
+  return finishBytes(b, JobRequestT.createJobRequest(b, schemaVersion, job, big(m.step), tag), jobRequestRoot.identifier);
+}
+
+export function decodeJobRequest(data: Uint8Array, bytesMax: number): JobRequest {
+  const r = openRoot(data, jobRequestRoot, bytesMax);
+  return guarded("JobRequest", () => ({ job: r.job() ?? "", step: num(r.step()), tag: r.tag() ?? "" }));
+}
+
+// ---- shard stats ---------------------------------------------------------------------------
+
+export interface ShardStats {
+  job: string;
+  shard: number;
+  chunks: number;
+  elements: number;
+  updates: number;
+  pushes: number;
+  duplicates: number;
+  pulls: number;
+  waiting: number;
+  clocks: number[];
+}
+
+const shardStatsRoot = root("ShardStats", "MTST", (bb) => ShardStatsT.getRootAsShardStats(bb));
+
+export function encodeShardStats(m: ShardStats): Uint8Array {
+  const b = new Builder(256);
+  const clocks = ShardStatsT.createClocksVector(b, m.clocks.map(big));
+  const job = str(b, m.job);
+  return finishBytes(b, ShardStatsT.createShardStats(b, schemaVersion, job, m.shard, m.chunks, big(m.elements), big(m.updates), big(m.pushes),
+    big(m.duplicates), big(m.pulls), m.waiting, clocks), shardStatsRoot.identifier);
+}
+
+export function decodeShardStats(data: Uint8Array, bytesMax: number): ShardStats {
+  const r = openRoot(data, shardStatsRoot, bytesMax);
+  return guarded("ShardStats", () => ({
+    job: r.job() ?? "", shard: r.shard(), chunks: r.chunks(), elements: num(r.elements()), updates: num(r.updates()), pushes: num(r.pushes()),
+    duplicates: num(r.duplicates()), pulls: num(r.pulls()), waiting: r.waiting(),
+    clocks: Array.from({ length: r.clocksLength() }, (_, i) => num(r.clocks(i) ?? 0n)),
   }));
 }

@@ -104,6 +104,13 @@ export class ParameterShard {
       : { kind: c.schedule, warmupSteps: Math.min(c.warmupSteps, Math.max(0, o.totalSteps - 1)), totalSteps: o.totalSteps, minLr: c.minLr };
   }
 
+  /** parameters this shard holds */
+  get elements(): number {
+    let n = 0;
+    for (const s of this.#slots.values()) n += s.info.count;
+    return n;
+  }
+
   get updates(): number {
     return this.#updates;
   }
@@ -281,14 +288,16 @@ export class ParameterShard {
       };
       return { id: slot.info.id, version: slot.version, params: read(this.#params), state: this.#state.map((s) => ({ name: s.name, data: read(s.alloc) })) };
     });
-    return { job: this.job, shard: this.shard, updates: this.#updates, optimizerSteps: Math.min(...this.clocks), chunks };
+    const step = Math.min(...this.clocks);
+    return { job: this.job, shard: this.shard, updates: this.#updates, optimizerSteps: step, step, chunks };
   }
 
   /**
-   * Replaces this shard's state with a snapshot taken when every trainer had pushed `step`
+   * Replaces this shard's state with a snapshot taken when every trainer had pushed `s.step`
    * steps. Checks everything before changing anything: a bad snapshot leaves the shard as it was.
    */
-  importState(s: ShardState, step: number): void {
+  importState(s: ShardState): void {
+    const step = s.step;
     if (s.job !== this.job || s.shard !== this.shard) throw new BadRequestError(`snapshot of ${s.job} shard ${s.shard} loaded into ${this.job} shard ${this.shard}`);
     const ids = s.chunks.map((c) => c.id).sort((a, b) => a - b);
     if (ids.join(",") !== [...this.ids].sort((a, b) => a - b).join(",")) throw new BadRequestError(`snapshot holds chunks ${ids.join(",")}, shard ${this.shard} owns ${this.ids.join(",")}`);

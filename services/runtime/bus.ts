@@ -62,7 +62,7 @@ export class MemoryBus implements Bus {
   readonly #subs = new Set<{ subject: string; fn: (d: Uint8Array, s: string) => void }>();
 
   async request(subject: string, data: Uint8Array, timeoutMs: number): Promise<Uint8Array> {
-    const ep = this.#endpoints.get(subject);
+    const ep = this.#endpoints.get(subject) ?? [...this.#endpoints.values()].find((e) => subjectMatches(e.subject, subject));
     if (!ep) throw new NoRespondersError(`no service answers ${subject}`);
     let timer: ReturnType<typeof setTimeout> | undefined;
     const deadline = new Promise<never>((_, reject) => {

@@ -23,10 +23,11 @@ export interface ConfigSources {
   env: Record<string, string | undefined>;
 }
 
-export function loadConfig<S extends z.ZodObject>(schema: S, sources: ConfigSources): z.infer<S> {
+/** Loads and validates; `base` (defaults) sits below the file, environment and flags. */
+export function loadConfig<S extends z.ZodObject>(schema: S, sources: ConfigSources, base: object = {}): z.infer<S> {
   const keys = Object.keys(schema.shape);
   const origin: Record<string, string> = {};
-  const raw: Record<string, unknown> = {};
+  const raw: Record<string, unknown> = { ...base };
   const flags = parseFlags(sources.argv, keys);
   const file = flags.config ?? sources.env.MT_CONFIG;
   if (typeof file === "string") {

@@ -52,7 +52,7 @@ describe("round trips, from unaligned payloads", () => {
     expect(decodeEvent(unaligned(encodeEvent(ev)), limit)).toEqual(ev);
     const spec = { job: "j", trainers: 2, shards: 3, sync: SyncPolicy.SSP, staleness: 2, configJson: "{\"a\":1}" };
     expect(decodeJobSpec(unaligned(encodeJobSpec(spec)), limit)).toEqual(spec);
-    const state = { job: "j", shard: 1, updates: 4, optimizerSteps: 4, chunks: [{ id: 3, version: 4, params: floats(5), state: [{ name: "m", data: floats(5, 3) }] }] };
+    const state = { job: "j", shard: 1, updates: 4, optimizerSteps: 4, step: 4, chunks: [{ id: 3, version: 4, params: floats(5), state: [{ name: "m", data: floats(5, 3) }] }] };
     expect(decodeShardState(unaligned(encodeShardState(state)), limit)).toEqual(state);
     const manifest = { formatVersion: 1, job: "j", id: "step-10", step: 10, createdMs: 1.5e12, metric: 0.97, configJson: "{}", files: [{ name: "ps-0.bin", bytes: 123, crc32: 0xdeadbeef }] };
     expect(decodeManifest(unaligned(encodeManifest(manifest)), limit)).toEqual(manifest);

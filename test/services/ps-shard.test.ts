@@ -210,7 +210,7 @@ describe("snapshots", () => {
     const a = makeShard(cfg), b = makeShard(cfg);
     for (let s = 0; s < 2; s++) a.shard.push(pushAll(a.layout, 0, s, Float32Array.from(randn(new Rng(s), 2500))));
     const state = a.shard.exportState();
-    b.shard.importState(state, 2);
+    b.shard.importState(state);
     const g = Float32Array.from(randn(new Rng(9), 2500));
     a.shard.push(pushAll(a.layout, 0, 2, g));
     b.shard.push(pushAll(b.layout, 0, 2, g));
@@ -224,10 +224,10 @@ describe("snapshots", () => {
     const cfg = job({ trainers: 1, sync: "bsp" });
     const { shard, initial, ids } = makeShard(cfg);
     const s = shard.exportState();
-    expectThrown(() => shard.importState({ ...s, job: "other" }, 0), BadRequestError, "other");
-    expectThrown(() => shard.importState({ ...s, chunks: s.chunks.slice(1) }, 0), BadRequestError, "owns");
+    expectThrown(() => shard.importState({ ...s, job: "other" }), BadRequestError, "other");
+    expectThrown(() => shard.importState({ ...s, chunks: s.chunks.slice(1) }), BadRequestError, "owns");
     const noState = { ...s, chunks: s.chunks.map((c) => ({ ...c, state: [] })) };
-    expectThrown(() => shard.importState(noState, 0), BadRequestError, "momentum");
+    expectThrown(() => shard.importState(noState), BadRequestError, "momentum");
     expect(await pullAll(shard, ids, 0, 0, initial.length)).toEqual(initial);
     shard.dispose();
   });
@@ -236,8 +236,28 @@ describe("snapshots", () => {
     const cfg = job({ trainers: 2, sync: "bsp" });
     const { shard, ids } = makeShard(cfg);
     const waiting = shard.pull(0, 1, ids);
-    shard.importState(shard.exportState(), 0);
+    shard.importState(shard.exportState());
     await expect(waiting).rejects.toBeInstanceOf(DeadlineError);
     shard.dispose();
+  });
+});
+
+describe("ParameterServer over a MemoryBus", () => {
+  test("a pull whose reply would exceed the payload limit is refused with LimitExceededError; smaller pulls work", async () => {
+    const { ParameterServer } = await import("../../services/parameter-server/service.ts");
+    const { MemoryBus } = await import("../../services/runtime/bus.ts");
+    const { LimitExceededError } = await import("../../services/runtime/errors.ts");
+    const { encodeJobSpec, encodePullRequest, decodePullReply, SyncPolicy } = await import("../../schemas/messages.ts");
+    const cfg = job({ model: { kind: "mlp", widths: [784, 16, 10], dropout: 0 }, trainers: 1, shards: 1 });
+    const bus = new MemoryBus();
+    const ps = new ParameterServer(bus, 0, be, undefined, 16_000);
+    ps.serve();
+    ps.openJob({ job: "t", trainers: 1, shards: 1, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(cfg) });
+    const all = encodePullRequest({ job: "t", trainer: 0, step: 0, ids: Uint32Array.from({ length: 12 }, (_, i) => i) });
+    await expect(bus.request("mt.t.ps.0.pull", all, 1000)).rejects.toBeInstanceOf(LimitExceededError);
+    const one = encodePullRequest({ job: "t", trainer: 0, step: 0, ids: Uint32Array.of(0) });
+    expect(decodePullReply(await bus.request("mt.t.ps.0.pull", one, 1000), 16_000).chunks[0]!.count).toBe(1024);
+    ps.stop();
+    await bus.close();
   });
 });

@@ -64,8 +64,16 @@ chunksLength():number {
   return offset ? this.bb!.__vector_len(this.bb_pos + offset) : 0;
 }
 
+/**
+ * the trainers' step when the snapshot was taken (every trainer had pushed `step` steps)
+ */
+step():bigint {
+  const offset = this.bb!.__offset(this.bb_pos, 16);
+  return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
+}
+
 static startShardState(builder:flatbuffers.Builder) {
-  builder.startObject(6);
+  builder.startObject(7);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -104,6 +112,10 @@ static startChunksVector(builder:flatbuffers.Builder, numElems:number) {
   builder.startVector(4, numElems, 4);
 }
 
+static addStep(builder:flatbuffers.Builder, step:bigint) {
+  builder.addFieldInt64(6, step, BigInt('0'));
+}
+
 static endShardState(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -117,7 +129,7 @@ static finishSizePrefixedShardStateBuffer(builder:flatbuffers.Builder, offset:fl
   builder.finish(offset, 'MTSS', true);
 }
 
-static createShardState(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, shard:number, updates:bigint, optimizerSteps:bigint, chunksOffset:flatbuffers.Offset):flatbuffers.Offset {
+static createShardState(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, shard:number, updates:bigint, optimizerSteps:bigint, chunksOffset:flatbuffers.Offset, step:bigint):flatbuffers.Offset {
   ShardState.startShardState(builder);
   ShardState.addSchemaVersion(builder, schemaVersion);
   ShardState.addJob(builder, jobOffset);
@@ -125,6 +137,7 @@ static createShardState(builder:flatbuffers.Builder, schemaVersion:number, jobOf
   ShardState.addUpdates(builder, updates);
   ShardState.addOptimizerSteps(builder, optimizerSteps);
   ShardState.addChunks(builder, chunksOffset);
+  ShardState.addStep(builder, step);
   return ShardState.endShardState(builder);
 }
 }

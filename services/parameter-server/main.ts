@@ -1,0 +1,42 @@
+#!/usr/bin/env bun
+// parameter-server shard process: `bun services/parameter-server/main.ts --shard 0 --nats-url nats://...`
+import { z } from "zod";
+import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { JobStore } from "../runtime/jobs.ts";
+import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/service.ts";
+import { ParameterServer } from "./service.ts";
+
+const schema = baseConfigSchema.extend({
+  /** this process's shard index; jobs with `shards` <= index leave it idle */
+  shard: z.number().int().min(0).max(63),
+});
+type Config = BaseConfig & { shard: number };
+
+await runService<Config>({
+  name: "parameter-server",
+  description: "sharded parameters and optimizer state; BSP/ASP/SSP",
+  schema,
+  defaults: { ...baseConfigDefaults, shard: 0 },
+  metadata: (c) => ({ shard: String(c.shard) }),
+  logFields: (c) => ({ shard: c.shard }),
+  async start({ config, log, bus }) {
+    const backend = new CpuBackend();
+    const ps = new ParameterServer(bus, config.shard, backend, log, config.payloadBytesMax);
+    ps.serve();
+    const store = await JobStore.open(bus.nc);
+    const watch = await store.watch(({ job, spec }) => {
+      try {
+        if (spec) ps.openJob(spec);
+        else ps.closeJob(job);
+      } catch (e) {
+        log.error({ job, err: (e as Error).message }, "cannot open job");
+      }
+    }, log);
+    return {
+      async stop() {
+        watch.stop();
+        ps.stop();
+      },
+    };
+  },
+});

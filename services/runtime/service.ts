@@ -1,0 +1,89 @@
+// What every service process shares: config (file < env < flags), a pino logger, the NATS
+// bus registered for $SRV discovery, and a graceful drain on SIGTERM/SIGINT (stop taking
+// requests, finish those in flight, flush, exit 0).
+import { z } from "zod";
+import { loadConfig } from "./config.ts";
+import { createLogger, type Logger } from "./log.ts";
+import { NatsBus } from "./nats.ts";
+
+export const serviceVersion = "0.1.0";
+
+/** Keys every service accepts. */
+export const baseConfigSchema = z.object({
+  natsUrl: z.string().regex(/^(nats|tls|ws|wss):\/\/[^\s]+$/, "a NATS URL looks like nats://host:4222"),
+  logLevel: z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"]),
+  /** largest message sent or accepted; must not exceed the server's max_payload */
+  payloadBytesMax: z.number().int().min(64 << 10).max(64 << 20),
+  /** how long to keep trying to reach NATS at start-up */
+  connectRetryMsMax: z.number().int().min(0),
+});
+
+export const baseConfigDefaults = {
+  natsUrl: "nats://127.0.0.1:4222",
+  logLevel: "info" as const,
+  payloadBytesMax: 8 << 20,
+  connectRetryMsMax: 300_000,
+};
+
+export interface ServiceContext<C> {
+  config: C;
+  log: Logger;
+  bus: NatsBus;
+}
+
+export type BaseConfig = z.infer<typeof baseConfigSchema>;
+
+export interface ServiceDefinition<C extends BaseConfig> {
+  name: string;
+  description: string;
+  /** validates C (a ZodObject: its keys name the flags and MT_* variables) */
+  schema: z.ZodObject;
+  defaults: Partial<C>;
+  /** extra $SRV metadata (shard index, rank) */
+  metadata?: (config: C) => Record<string, string>;
+  logFields?: (config: C) => { shard?: number; rank?: number; job?: string };
+  /** starts serving; the returned stop() runs after the bus has drained */
+  start(ctx: ServiceContext<C>): Promise<{ stop(): Promise<void> }>;
+}
+
+/** Runs a service process until SIGTERM/SIGINT; exits 1 with one clear line on a start-up error. */
+export async function runService<C extends BaseConfig>(def: ServiceDefinition<C>, argv = process.argv.slice(2)): Promise<void> {
+  let log = createLogger({ service: def.name });
+  try {
+    const config = loadConfig(def.schema, { argv, env: process.env }, def.defaults) as C;
+    log = createLogger({ service: def.name, ...def.logFields?.(config) }, config.logLevel);
+    log.info({ config }, `${def.name} starting`);
+    const bus = await NatsBus.connect({
+      url: config.natsUrl,
+      name: def.name,
+      service: { name: def.name, version: serviceVersion, description: def.description, metadata: def.metadata?.(config) ?? {} },
+      log,
+      connectRetryMsMax: config.connectRetryMsMax,
+      connectBackoffMsMax: 5_000,
+    });
+    const running = await def.start({ config, log, bus });
+    log.info(`${def.name} ready on ${config.natsUrl}`);
+    let stopping = false;
+    const shutdown = async (signal: string) => {
+      if (stopping) return;
+      stopping = true;
+      log.info({ signal }, `${def.name} draining`);
+      await bus.close(); // stop taking requests, answer those in flight, flush
+      await running.stop();
+      log.info(`${def.name} stopped`);
+      process.exit(0);
+    };
+    process.on("SIGTERM", () => void shutdown("SIGTERM"));
+    process.on("SIGINT", () => void shutdown("SIGINT"));
+    void bus.nc.closed().then((err) => {
+      if (!stopping) {
+        log.fatal({ err: err?.message }, "NATS connection closed");
+        process.exit(1);
+      }
+    });
+  } catch (e) {
+    log.fatal({ err: (e as Error).message }, `${def.name} failed to start`);
+    console.error(`${def.name}: ${(e as Error).message}`);
+    process.exit(1);
+  }
+}

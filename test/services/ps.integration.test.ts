@@ -1,0 +1,174 @@
+// Parameter-server shard processes on a real nats-server: discovery, a BSP step end to end,
+// bad input on every subject (each answered with a typed error, the shard keeps serving),
+// graceful drain, and an unreachable server.
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { Svcm } from "@nats-io/services";
+import { Builder } from "flatbuffers";
+import { finishBytes, schemaVersion, WireFormatError } from "../../schemas/codec.ts";
+import {
+  chunkF32, decodePullReply, decodePushReply, decodeShardState, decodeShardStats, encodeJobRequest, encodeJobSpec, encodePullRequest,
+  encodePushRequest, encodeShardState, f32Chunk, SyncPolicy,
+} from "../../schemas/messages.ts";
+import { PullRequest as PullRequestT } from "../../schemas/wire.ts";
+import { buildLayout } from "../../services/parameter-server/layout.ts";
+import { BadRequestError, UnknownJobError } from "../../services/runtime/errors.ts";
+import { type JobConfig, jobDefaults, subjects } from "../../services/runtime/job.ts";
+import { JobStore } from "../../services/runtime/jobs.ts";
+import { initialParameters } from "../../services/runtime/model.ts";
+import { freePort } from "../../services/runtime/nats-server.ts";
+import { clientBus, type ServiceProcess, spawnService, startNatsServer, waitFor } from "../helpers/mesh.ts";
+
+const cfg: JobConfig = {
+  ...jobDefaults, job: "psjob", model: { kind: "mlp", widths: [784, 16, 10], dropout: 0 }, trainers: 2, shards: 2, sync: "bsp",
+  optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 }, lr: 1, schedule: "constant", warmupSteps: 0, chunkBytes: 4096,
+};
+const payloadBytesMax = 1 << 20;
+const init = initialParameters(cfg);
+const layout = buildLayout(cfg.job, init.values.length, init.decayElems, cfg.chunkBytes, cfg.shards);
+const timeout = 10_000;
+
+let server: Awaited<ReturnType<typeof startNatsServer>>;
+let shards: ServiceProcess[];
+let bus: Awaited<ReturnType<typeof clientBus>>;
+
+beforeAll(async () => {
+  server = await startNatsServer();
+  shards = [0, 1].map((k) => spawnService("services/parameter-server/main.ts",
+    ["--nats-url", server.url, "--shard", String(k), "--payload-bytes-max", String(payloadBytesMax)]));
+  bus = await clientBus(server.url);
+  const store = await JobStore.open(bus.nc);
+  await store.put({ job: cfg.job, trainers: 2, shards: 2, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(cfg) });
+  for (const k of [0, 1]) {
+    await waitFor(`shard ${k} to open the job`, async () =>
+      decodeShardStats(await bus.request(subjects.psStats(cfg.job, k), encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 1000), 1 << 20).chunks > 0);
+  }
+}, 60_000);
+
+afterAll(async () => {
+  await bus?.close();
+  for (const s of shards ?? []) await s[Symbol.asyncDispose]();
+  await server?.stop();
+});
+
+const pushFor = (k: number, trainer: number, step: number, g: Float32Array) => encodePushRequest({
+  job: cfg.job, trainer, step, chunks: layout.byShard[k]!.map((id) => {
+    const c = layout.chunks[id]!;
+    return f32Chunk(id, g.slice(c.offset, c.offset + c.count));
+  }),
+});
+
+async function pullVector(trainer: number, step: number): Promise<Float32Array> {
+  const out = new Float32Array(init.values.length);
+  await Promise.all([0, 1].map(async (k) => {
+    const reply = await bus.request(subjects.psPull(cfg.job, k), encodePullRequest({ job: cfg.job, trainer, step, ids: Uint32Array.from(layout.byShard[k]!) }), timeout);
+    for (const c of decodePullReply(reply, 64 << 20).chunks) out.set(chunkF32(c), layout.chunks[c.id]!.offset);
+  }));
+  return out;
+}
+
+test("both shards answer $SRV.PING and $SRV.STATS as parameter-server instances", async () => {
+  const client = new Svcm(bus.nc as unknown as ConstructorParameters<typeof Svcm>[0]).client();
+  const found: string[] = [];
+  for await (const p of await client.ping("parameter-server")) found.push(p.metadata?.shard ?? "?");
+  expect(found.sort()).toEqual(["0", "1"]);
+  const endpoints: string[] = [];
+  for await (const s of await client.stats("parameter-server")) endpoints.push(...(s.endpoints ?? []).map((e) => e.subject));
+  expect(endpoints).toContain("mt.*.ps.0.push");
+  expect(endpoints).toContain("mt.*.ps.1.pull");
+});
+
+test("a BSP step across two shard processes: both pushes averaged into one update, pulls wait for it", async () => {
+  expect(await pullVector(0, 0)).toEqual(init.values);
+  const g0 = init.values.map((_, i) => Math.sin(i)), g1 = init.values.map((_, i) => Math.cos(i));
+  for (const k of [0, 1]) decodePushReply(await bus.request(subjects.psPush(cfg.job, k), pushFor(k, 0, 0, g0), timeout), 1024);
+  const waiting = pullVector(1, 1); // waits for trainer 1's push
+  for (const k of [0, 1]) {
+    const r = decodePushReply(await bus.request(subjects.psPush(cfg.job, k), pushFor(k, 1, 0, g1), timeout), 1024);
+    expect(r.updates).toBe(layout.byShard[k]!.length);
+  }
+  const after = await waiting;
+  const expected = init.values.map((p, i) => p - (g0[i]! + g1[i]!) / 2);
+  let maxErr = 0;
+  for (let i = 0; i < after.length; i++) maxErr = Math.max(maxErr, Math.abs(after[i]! - expected[i]!));
+  expect(maxErr).toBeLessThan(1e-6);
+  // a retried push (same trainer, step, chunks) is applied once
+  const dup = decodePushReply(await bus.request(subjects.psPush(cfg.job, 0), pushFor(0, 1, 0, g1), timeout), 1024);
+  expect(dup).toEqual({ accepted: 0, duplicates: layout.byShard[0]!.length, updates: 0 });
+  expect(await pullVector(0, 1)).toEqual(after);
+});
+
+describe("bad input on every subject gets an error reply, and the shard keeps serving", () => {
+  const job = cfg.job;
+  const stale = (() => {
+    const b = new Builder(64);
+    const j = b.createString(job);
+    return finishBytes(b, PullRequestT.createPullRequest(b, schemaVersion + 1, j, 0, 0n, 0), "MTPL");
+  })();
+  const garbage = crypto.getRandomValues(new Uint8Array(300));
+  const cases: [string, string, Uint8Array, abstract new (...a: never[]) => Error, string][] = [
+    ["push: truncated bytes", subjects.psPush(job, 0), pushFor(0, 0, 1, init.values).subarray(0, 20), WireFormatError, ""],
+    ["push: garbage", subjects.psPush(job, 0), garbage, WireFormatError, "file identifier"],
+    ["push: a pull request (wrong file_identifier)", subjects.psPush(job, 0), encodePullRequest({ job, trainer: 0, step: 0, ids: new Uint32Array(1) }), WireFormatError, "expected \"MTPS\""],
+    ["push: oversized", subjects.psPush(job, 0), encodePushRequest({ job, trainer: 0, step: 1, chunks: [f32Chunk(0, new Float32Array(300_000))] }), WireFormatError, "exceeds the limit"],
+    ["push: wrong shape", subjects.psPush(job, 0), encodePushRequest({ job, trainer: 0, step: 1, chunks: [f32Chunk(layout.byShard[0]![0]!, new Float32Array(5))] }), BadRequestError, "5 elements"],
+    ["push: unknown job", subjects.psPush("nojob", 0), encodePushRequest({ job: "nojob", trainer: 0, step: 0, chunks: [] }), UnknownJobError, "nojob"],
+    ["push: job differs from subject", subjects.psPush(job, 0), encodePushRequest({ job: "other", trainer: 0, step: 0, chunks: [] }), BadRequestError, "other"],
+    ["pull: wrong version", subjects.psPull(job, 1), stale, WireFormatError, "schema version 2"],
+    ["pull: chunk of the other shard", subjects.psPull(job, 1), encodePullRequest({ job, trainer: 0, step: 0, ids: Uint32Array.of(layout.byShard[0]![0]!) }), BadRequestError, "not owned"],
+    ["pull: trainer outside the job", subjects.psPull(job, 1), encodePullRequest({ job, trainer: 9, step: 0, ids: new Uint32Array(0) }), BadRequestError, "trainer 9"],
+    ["stats: garbage", subjects.psStats(job, 0), garbage, WireFormatError, ""],
+    ["stats: unknown job", subjects.psStats("ghost", 1), encodeJobRequest({ job: "ghost", step: 0, tag: "" }), UnknownJobError, "ghost"],
+    ["state: truncated", subjects.psState(job, 0), new Uint8Array(3), WireFormatError, "shorter"],
+    ["load: snapshot of the wrong shard", subjects.psLoad(job, 0), encodeShardState({ job, shard: 1, updates: 0, optimizerSteps: 0, step: 0, chunks: [] }), BadRequestError, "shard 1"],
+    ["load: wrong identifier", subjects.psLoad(job, 0), encodeJobRequest({ job, step: 0, tag: "" }), WireFormatError, "MTSS"],
+  ];
+  test.each(cases)("%s", async (_, subject, data, cls, fragment) => {
+    let error: unknown;
+    try {
+      await bus.request(subject, data, timeout);
+    } catch (e) {
+      error = e;
+    }
+    expect(error).toBeInstanceOf(cls);
+    expect((error as Error).message).toContain(fragment);
+    // still serving
+    const stats = decodeShardStats(await bus.request(subjects.psStats(job, 0), encodeJobRequest({ job, step: 0, tag: "" }), timeout), 1 << 20);
+    expect(stats.job).toBe(job);
+  });
+});
+
+test("state then load round-trips a shard's snapshot through the wire", async () => {
+  const req = encodeJobRequest({ job: cfg.job, step: 0, tag: "" });
+  const state = decodeShardState(await bus.request(subjects.psState(cfg.job, 1), req, timeout), 64 << 20);
+  expect(state.chunks.map((c) => c.id).sort((a, b) => a - b)).toEqual(layout.byShard[1]!);
+  await bus.request(subjects.psLoad(cfg.job, 1), encodeShardState(state), timeout);
+  const again = decodeShardState(await bus.request(subjects.psState(cfg.job, 1), req, timeout), 64 << 20);
+  expect(again).toEqual(state);
+});
+
+test("SIGTERM drains and exits 0", async () => {
+  const server2 = await startNatsServer();
+  const p = spawnService("services/parameter-server/main.ts", ["--nats-url", server2.url, "--shard", "0"]);
+  await waitFor("the shard to be ready", () => p.log().includes("ready"));
+  p.proc.kill("SIGTERM");
+  expect(await p.exited).toBe(0);
+  expect(p.log()).toContain("stopped");
+  await server2.stop();
+}, 30_000);
+
+test("an unreachable NATS gives one clear error naming the URL and how to start a server, then retries", async () => {
+  const url = `nats://127.0.0.1:${await freePort()}`;
+  const p = spawnService("services/parameter-server/main.ts", ["--nats-url", url, "--shard", "0", "--connect-retry-ms-max", "1500"]);
+  expect(await p.exited).toBe(1);
+  const log = p.log();
+  expect(log.match(/is unreachable; retrying/g)?.length).toBe(1);
+  expect(log).toContain(url);
+  expect(log).toContain("nats-server");
+}, 30_000);
+
+test("invalid configuration is reported with the key and where it came from", async () => {
+  const p = spawnService("services/parameter-server/main.ts", ["--shard", "-1"], { MT_NATS_URL: "http://wrong" });
+  expect(await p.exited).toBe(1);
+  expect(p.log()).toContain("shard (from --shard)");
+  expect(p.log()).toContain("natsUrl (from $MT_NATS_URL)");
+}, 30_000);

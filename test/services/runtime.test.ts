@@ -1,0 +1,90 @@
+// Service runtime pieces without a server: config sources and precedence, typed errors across
+// the wire, subject matching, the job config.
+import { describe, expect, test } from "bun:test";
+import { mkdtempSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { z } from "zod";
+import { WireFormatError } from "../../schemas/codec.ts";
+import { decodeErrorReply, encodeErrorReply } from "../../schemas/messages.ts";
+import { MemoryBus, subjectMatches } from "../../services/runtime/bus.ts";
+import { loadConfig } from "../../services/runtime/config.ts";
+import { BadRequestError, ConfigError, errorReplyOf, InternalError, MeshError, rebuildError, UnknownJobError } from "../../services/runtime/errors.ts";
+import { jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { expectThrown } from "../helpers/errors.ts";
+
+const schema = z.object({ natsUrl: z.string(), shard: z.number().int().min(0), verbose: z.boolean(), widths: z.array(z.number()) });
+const base = { natsUrl: "nats://a:1", shard: 0, verbose: false, widths: [1] };
+
+describe("config", () => {
+  test("defaults < file < environment < flags", () => {
+    const dir = mkdtempSync(join(tmpdir(), "mt-cfg-"));
+    const file = join(dir, "ps.yaml");
+    writeFileSync(file, "natsUrl: nats://file:1\nshard: 3\nwidths: [784, 10]\n");
+    expect(loadConfig(schema, { argv: ["--config", file], env: {} }, base)).toEqual({ natsUrl: "nats://file:1", shard: 3, verbose: false, widths: [784, 10] });
+    expect(loadConfig(schema, { argv: ["--config", file], env: { MT_SHARD: "5", MT_VERBOSE: "true" } }, base))
+      .toEqual({ natsUrl: "nats://file:1", shard: 5, verbose: true, widths: [784, 10] });
+    expect(loadConfig(schema, { argv: ["--config", file, "--shard=7", "--nats-url", "nats://flag:2"], env: { MT_SHARD: "5" } }, base))
+      .toEqual({ natsUrl: "nats://flag:2", shard: 7, verbose: false, widths: [784, 10] });
+  });
+
+  test("every problem is named with its key and source", () => {
+    const e = expectThrown(() => loadConfig(schema, { argv: ["--shard", "-2"], env: { MT_VERBOSE: "maybe" } }, base), ConfigError);
+    expect(e.message).toContain("shard (from --shard)");
+    expect(e.message).toContain("verbose (from $MT_VERBOSE)");
+    expectThrown(() => loadConfig(schema, { argv: ["--shardz", "1"], env: {} }, base), ConfigError, "unknown flag --shardz", "--shard");
+    expectThrown(() => loadConfig(schema, { argv: ["--shard"], env: {} }, base), ConfigError, "needs a value");
+    expectThrown(() => loadConfig(schema, { argv: ["stray"], env: {} }, base), ConfigError, "unexpected argument");
+    expectThrown(() => loadConfig(schema, { argv: ["--config", "/nonexistent.yaml"], env: {} }, base), ConfigError, "cannot read");
+    const dir = mkdtempSync(join(tmpdir(), "mt-cfg-"));
+    writeFileSync(join(dir, "bad.yaml"), "- a list\n- not a mapping\n");
+    expectThrown(() => loadConfig(schema, { argv: ["--config", join(dir, "bad.yaml")], env: {} }, base), ConfigError, "mapping");
+    writeFileSync(join(dir, "extra.yaml"), "shard: 1\ncolour: blue\n");
+    expectThrown(() => loadConfig(schema, { argv: ["--config", join(dir, "extra.yaml")], env: {} }, base), ConfigError, "colour");
+  });
+});
+
+describe("typed errors cross the wire", () => {
+  test.each([
+    [new BadRequestError("shape"), BadRequestError],
+    [new UnknownJobError("who"), UnknownJobError],
+    [new WireFormatError("truncated", "short"), WireFormatError],
+    [new TypeError("boom"), InternalError],
+  ])("%p", (err, cls) => {
+    const reply = decodeErrorReply(encodeErrorReply(errorReplyOf(err, "mt.j.ps.0.push")), 1 << 16);
+    const back = rebuildError(reply);
+    expect(back).toBeInstanceOf(cls);
+    expect(back.message).toContain(err.message);
+    expect(back.message).toContain("mt.j.ps.0.push");
+  });
+
+  test("an unknown code becomes a MeshError carrying it", () => {
+    const e = rebuildError({ code: "from_the_future", message: "x", subject: "s" });
+    expect(e).toBeInstanceOf(MeshError);
+    expect((e as MeshError).code).toBe("from_the_future");
+  });
+
+  test("MemoryBus: a handler's throw reaches the caller typed; wildcards match like NATS", async () => {
+    const bus = new MemoryBus();
+    bus.serve({ name: "x", subject: "mt.*.x", handler: (d) => {
+      if (d.length === 0) throw new BadRequestError("empty");
+      return d;
+    } });
+    expect(await bus.request("mt.j.x", Uint8Array.of(1), 100)).toEqual(Uint8Array.of(1));
+    await expect(bus.request("mt.j.x", new Uint8Array(0), 100)).rejects.toBeInstanceOf(BadRequestError);
+    await expect(bus.request("mt.j.y", Uint8Array.of(1), 100)).rejects.toThrow("no service");
+    expect([subjectMatches("a.*.c", "a.b.c"), subjectMatches("a.>", "a.b.c"), subjectMatches("a.*", "a.b.c"), subjectMatches("a.>", "a")])
+      .toEqual([true, true, false, false]);
+  });
+});
+
+describe("job config", () => {
+  test("defaults validate; bad values are named", () => {
+    expect(parseJobConfig({ ...jobDefaults, job: "ok-1" }).trainers).toBe(2);
+    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "bad job" }), ConfigError, "job:");
+    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", trainers: 0 }), ConfigError, "trainers");
+    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", chunkBytes: 5000 }), ConfigError, "multiple of 64");
+    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", minLr: 1 }), ConfigError, "minLr");
+    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", batchPushes: 2 }), ConfigError, "batchPushes");
+  });
+});
