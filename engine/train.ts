@@ -59,25 +59,34 @@ export class TrainStep {
   run(micro: readonly HostBatch[]): StepResult {
     const k = this.config.accumSteps;
     if (micro.length !== k) throw new ShapeError("TrainStep.run", [[micro.length]], `expected ${k} micro-batches`);
-    const { ctx, model } = this;
-    const store = model.store;
-    store.zeroGrad();
-    let loss = 0;
-    for (const b of micro) {
-      ctx.newPass();
-      const { x, y } = uploadBatch(ctx, b);
-      const l = model.loss(x, y);
-      const value = l.item();
-      // stop before the update: the parameters stay as they were at the last good step
-      if (!Number.isFinite(value)) throw new NonFiniteLossError(this.step, value);
-      ctx.backward(l, 1 / k);
-      loss += value / k;
-    }
-    const gradNorm = clipGradNorm(ctx, store, this.config.gradClip);
+    const { loss, gradNorm } = lossAndGradients(this.ctx, this.model, micro, this.config.gradClip, this.step);
     const lr = lrAt(this.config.schedule, this.config.lr, this.step);
     this.optimizer.step(lr);
     return { step: this.step, loss, gradNorm, lr };
   }
+}
+
+/**
+ * Forward and backward over micro-batches into the gradient slab (zeroed first), then clipping:
+ * everything of a step but the update. A trainer in parameter-server mode pushes the slab; the
+ * shards apply the optimizer.
+ */
+export function lossAndGradients(ctx: Context, model: Model, micro: readonly HostBatch[], gradClip: number, step: number): { loss: number; gradNorm: number } {
+  const store = model.store;
+  const k = micro.length;
+  store.zeroGrad();
+  let loss = 0;
+  for (const b of micro) {
+    ctx.newPass();
+    const { x, y } = uploadBatch(ctx, b);
+    const l = model.loss(x, y);
+    const value = l.item();
+    // stop before the update: the parameters stay as they were at the last good step
+    if (!Number.isFinite(value)) throw new NonFiniteLossError(step, value);
+    ctx.backward(l, 1 / k);
+    loss += value / k;
+  }
+  return { loss, gradNorm: clipGradNorm(ctx, store, gradClip) };
 }
 
 export interface EvalResult {

@@ -5,7 +5,7 @@
 import { Builder, type ByteBuffer } from "flatbuffers";
 import {
   Batch as BatchT, BatchRequest as BatchRequestT, Chunk as ChunkT, ChunkState as ChunkStateT, DType, ErrorReply as ErrorReplyT,
-  Event as EventT, EventKind, FileEntry as FileEntryT, JobRequest as JobRequestT, JobSpec as JobSpecT, ShardStats as ShardStatsT, Manifest as ManifestT, NamedVector as NamedVectorT,
+  Event as EventT, EventKind, FileEntry as FileEntryT, JobRequest as JobRequestT, JobSpec as JobSpecT, LoaderStats as LoaderStatsT, ShardStats as ShardStatsT, Manifest as ManifestT, NamedVector as NamedVectorT,
   PullReply as PullReplyT, PullRequest as PullRequestT, PushReply as PushReplyT, PushRequest as PushRequestT,
   ShardState as ShardStateT, Split, SyncPolicy,
 } from "./wire.ts";
@@ -211,6 +211,8 @@ export interface BatchRequest {
   rank: number;
   split: Split;
   credits: number;
+  /** Train: the trainer step the batch is for; Val/Test: the batch index in the rank's share */
+  step: number;
 }
 
 const batchRequestRoot = root("BatchRequest", "MTBQ", (bb) => BatchRequestT.getRootAsBatchRequest(bb));
@@ -218,12 +220,12 @@ const batchRequestRoot = root("BatchRequest", "MTBQ", (bb) => BatchRequestT.getR
 export function encodeBatchRequest(m: BatchRequest): Uint8Array {
   const b = new Builder(128);
   const job = str(b, m.job);
-  return finishBytes(b, BatchRequestT.createBatchRequest(b, schemaVersion, job, m.rank, m.split, m.credits), batchRequestRoot.identifier);
+  return finishBytes(b, BatchRequestT.createBatchRequest(b, schemaVersion, job, m.rank, m.split, m.credits, big(m.step)), batchRequestRoot.identifier);
 }
 
 export function decodeBatchRequest(data: Uint8Array, bytesMax: number): BatchRequest {
   const r = openRoot(data, batchRequestRoot, bytesMax);
-  return guarded("BatchRequest", () => ({ job: r.job() ?? "", rank: r.rank(), split: r.split(), credits: r.credits() }));
+  return guarded("BatchRequest", () => ({ job: r.job() ?? "", rank: r.rank(), split: r.split(), credits: r.credits(), step: num(r.step()) }));
 }
 
 export interface Batch {
@@ -285,11 +287,13 @@ export interface Event {
   computeMs: number;
   pushMs: number;
   text: string;
+  /** Eval: samples evaluated */
+  count: number;
 }
 
 export const emptyEvent = (job: string, kind: EventKind): Event => ({
   job, kind, rank: 0, step: 0, timeMs: Date.now(), loss: 0, lr: 0, accuracy: -1, samplesPerS: 0,
-  dataWaitMs: 0, pullMs: 0, computeMs: 0, pushMs: 0, text: "",
+  dataWaitMs: 0, pullMs: 0, computeMs: 0, pushMs: 0, text: "", count: 0,
 });
 
 const eventRoot = root("Event", "MTEV", (bb) => EventT.getRootAsEvent(bb));
@@ -298,7 +302,7 @@ export function encodeEvent(m: Event): Uint8Array {
   const b = new Builder(256 + m.text.length * 3);
   const job = str(b, m.job), text = str(b, m.text);
   return finishBytes(b, EventT.createEvent(b, schemaVersion, job, m.kind, m.rank, big(m.step), m.timeMs, m.loss, m.lr, m.accuracy,
-    m.samplesPerS, m.dataWaitMs, m.pullMs, m.computeMs, m.pushMs, text), eventRoot.identifier);
+    m.samplesPerS, m.dataWaitMs, m.pullMs, m.computeMs, m.pushMs, text, m.count), eventRoot.identifier);
 }
 
 export function decodeEvent(data: Uint8Array, bytesMax: number): Event {
@@ -306,7 +310,7 @@ export function decodeEvent(data: Uint8Array, bytesMax: number): Event {
   return guarded("Event", () => ({
     job: r.job() ?? "", kind: r.kind(), rank: r.rank(), step: num(r.step()), timeMs: r.timeMs(), loss: r.loss(), lr: r.lr(),
     accuracy: r.accuracy(), samplesPerS: r.samplesPerS(), dataWaitMs: r.dataWaitMs(), pullMs: r.pullMs(),
-    computeMs: r.computeMs(), pushMs: r.pushMs(), text: r.text() ?? "",
+    computeMs: r.computeMs(), pushMs: r.pushMs(), text: r.text() ?? "", count: r.count(),
   }));
 }
 
@@ -475,5 +479,35 @@ export function decodeShardStats(data: Uint8Array, bytesMax: number): ShardStats
     job: r.job() ?? "", shard: r.shard(), chunks: r.chunks(), elements: num(r.elements()), updates: num(r.updates()), pushes: num(r.pushes()),
     duplicates: num(r.duplicates()), pulls: num(r.pulls()), waiting: r.waiting(),
     clocks: Array.from({ length: r.clocksLength() }, (_, i) => num(r.clocks(i) ?? 0n)),
+  }));
+}
+
+// ---- loader stats --------------------------------------------------------------------------
+
+export interface LoaderStats {
+  job: string;
+  batches: number;
+  batchesPerS: number;
+  queueDepth: number;
+  prefetchHits: number;
+  prefetchMisses: number;
+  waitMsP50: number;
+  waitMsP99: number;
+}
+
+const loaderStatsRoot = root("LoaderStats", "MTLS", (bb) => LoaderStatsT.getRootAsLoaderStats(bb));
+
+export function encodeLoaderStats(m: LoaderStats): Uint8Array {
+  const b = new Builder(128);
+  const job = str(b, m.job);
+  return finishBytes(b, LoaderStatsT.createLoaderStats(b, schemaVersion, job, big(m.batches), m.batchesPerS, m.queueDepth, big(m.prefetchHits),
+    big(m.prefetchMisses), m.waitMsP50, m.waitMsP99), loaderStatsRoot.identifier);
+}
+
+export function decodeLoaderStats(data: Uint8Array, bytesMax: number): LoaderStats {
+  const r = openRoot(data, loaderStatsRoot, bytesMax);
+  return guarded("LoaderStats", () => ({
+    job: r.job() ?? "", batches: num(r.batches()), batchesPerS: r.batchesPerS(), queueDepth: r.queueDepth(), prefetchHits: num(r.prefetchHits()),
+    prefetchMisses: num(r.prefetchMisses()), waitMsP50: r.waitMsP50(), waitMsP99: r.waitMsP99(),
   }));
 }

@@ -10,6 +10,7 @@ export { Event } from "./generated/mt/wire/event.ts";
 export { FileEntry } from "./generated/mt/wire/file-entry.ts";
 export { JobRequest } from "./generated/mt/wire/job-request.ts";
 export { JobSpec } from "./generated/mt/wire/job-spec.ts";
+export { LoaderStats } from "./generated/mt/wire/loader-stats.ts";
 export { Manifest } from "./generated/mt/wire/manifest.ts";
 export { NamedVector } from "./generated/mt/wire/named-vector.ts";
 export { PullReply } from "./generated/mt/wire/pull-reply.ts";

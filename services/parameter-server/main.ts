@@ -2,7 +2,7 @@
 // parameter-server shard process: `bun services/parameter-server/main.ts --shard 0 --nats-url nats://...`
 import { z } from "zod";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
-import { JobStore } from "../runtime/jobs.ts";
+import { followJobs } from "../runtime/jobs.ts";
 import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/service.ts";
 import { ParameterServer } from "./service.ts";
 
@@ -23,15 +23,7 @@ await runService<Config>({
     const backend = new CpuBackend();
     const ps = new ParameterServer(bus, config.shard, backend, log, config.payloadBytesMax);
     ps.serve();
-    const store = await JobStore.open(bus.nc);
-    const watch = await store.watch(({ job, spec }) => {
-      try {
-        if (spec) ps.openJob(spec);
-        else ps.closeJob(job);
-      } catch (e) {
-        log.error({ job, err: (e as Error).message }, "cannot open job");
-      }
-    }, log);
+    const watch = await followJobs(bus.nc, log, ps);
     return {
       async stop() {
         watch.stop();

@@ -62,3 +62,16 @@ export class JobStore {
     return { stop: () => it.stop() };
   }
 }
+
+/** Opens and closes a service's part of each job as specs come and go in the bucket. */
+export async function followJobs(nc: NatsConnection, log: Logger, part: { openJob(spec: JobSpec): void; closeJob(job: string): void }): Promise<{ stop(): void }> {
+  const store = await JobStore.open(nc);
+  return await store.watch(({ job, spec }) => {
+    try {
+      if (spec) part.openJob(spec);
+      else part.closeJob(job);
+    } catch (e) {
+      log.error({ job, err: (e as Error).message }, "cannot open job");
+    }
+  }, log);
+}

@@ -44,8 +44,8 @@ describe("round trips, from unaligned payloads", () => {
     const pr = decodePullReply(unaligned(encodePullReply({ updates: 12, chunks: [f32Chunk(1, floats(33), 12)] })), limit);
     expect(pr.updates).toBe(12);
     expect(chunkF32(pr.chunks[0]!)).toEqual(floats(33));
-    expect(decodeBatchRequest(unaligned(encodeBatchRequest({ job: "j", rank: 1, split: Split.Val, credits: 4 })), limit))
-      .toEqual({ job: "j", rank: 1, split: Split.Val, credits: 4 });
+    expect(decodeBatchRequest(unaligned(encodeBatchRequest({ job: "j", rank: 1, split: Split.Val, credits: 4, step: 3 })), limit))
+      .toEqual({ job: "j", rank: 1, split: Split.Val, credits: 4, step: 3 });
     const batch = { epoch: 2, index: 7, sampleIds: Uint32Array.of(9, 3), rows: 2, cols: 3, x: floats(6), y: Int32Array.of(4, 1), endOfEpoch: false };
     expect(decodeBatch(unaligned(encodeBatch(batch)), limit)).toEqual(batch);
     const ev = { ...emptyEvent("j", EventKind.Step), step: 5, loss: 0.5, text: "héllo" };

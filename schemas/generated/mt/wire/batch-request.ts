@@ -6,8 +6,11 @@ import { Split } from '../../mt/wire/split';
 
 
 /**
- * A trainer's request for its next batch. `credits` is how many batches it allows the
- * loader to keep prefetched for it (bounded by the loader's limit).
+ * A trainer's request for a batch. Batches are addressed, not streamed: Train batch `step`
+ * of rank `rank` is always the same samples, so a retried request or a restart after a
+ * restore gets exactly the batch it needs. For Val/Test, `step` is the index of the batch in
+ * the rank's share of the split. `credits` is how many following batches the loader may
+ * prepare ahead for this rank (bounded by the loader's limit).
  */
 export class BatchRequest {
   bb: flatbuffers.ByteBuffer|null = null;
@@ -58,8 +61,13 @@ credits():number {
   return offset ? this.bb!.readUint32(this.bb_pos + offset) : 2;
 }
 
+step():bigint {
+  const offset = this.bb!.__offset(this.bb_pos, 14);
+  return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
+}
+
 static startBatchRequest(builder:flatbuffers.Builder) {
-  builder.startObject(5);
+  builder.startObject(6);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -82,6 +90,10 @@ static addCredits(builder:flatbuffers.Builder, credits:number) {
   builder.addFieldInt32(4, credits, 2);
 }
 
+static addStep(builder:flatbuffers.Builder, step:bigint) {
+  builder.addFieldInt64(5, step, BigInt('0'));
+}
+
 static endBatchRequest(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -95,13 +107,14 @@ static finishSizePrefixedBatchRequestBuffer(builder:flatbuffers.Builder, offset:
   builder.finish(offset, 'MTBQ', true);
 }
 
-static createBatchRequest(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, rank:number, split:Split, credits:number):flatbuffers.Offset {
+static createBatchRequest(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, rank:number, split:Split, credits:number, step:bigint):flatbuffers.Offset {
   BatchRequest.startBatchRequest(builder);
   BatchRequest.addSchemaVersion(builder, schemaVersion);
   BatchRequest.addJob(builder, jobOffset);
   BatchRequest.addRank(builder, rank);
   BatchRequest.addSplit(builder, split);
   BatchRequest.addCredits(builder, credits);
+  BatchRequest.addStep(builder, step);
   return BatchRequest.endBatchRequest(builder);
 }
 }

@@ -109,8 +109,16 @@ text(optionalEncoding?:any):string|Uint8Array|null {
   return offset ? this.bb!.__string(this.bb_pos + offset, optionalEncoding) : null;
 }
 
+/**
+ * Eval: samples evaluated (ranks' results are combined weighted by it)
+ */
+count():number {
+  const offset = this.bb!.__offset(this.bb_pos, 34);
+  return offset ? this.bb!.readUint32(this.bb_pos + offset) : 0;
+}
+
 static startEvent(builder:flatbuffers.Builder) {
-  builder.startObject(15);
+  builder.startObject(16);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -173,6 +181,10 @@ static addText(builder:flatbuffers.Builder, textOffset:flatbuffers.Offset) {
   builder.addFieldOffset(14, textOffset, 0);
 }
 
+static addCount(builder:flatbuffers.Builder, count:number) {
+  builder.addFieldInt32(15, count, 0);
+}
+
 static endEvent(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -186,7 +198,7 @@ static finishSizePrefixedEventBuffer(builder:flatbuffers.Builder, offset:flatbuf
   builder.finish(offset, 'MTEV', true);
 }
 
-static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, kind:EventKind, rank:number, step:bigint, timeMs:number, loss:number, lr:number, accuracy:number, samplesPerS:number, dataWaitMs:number, pullMs:number, computeMs:number, pushMs:number, textOffset:flatbuffers.Offset):flatbuffers.Offset {
+static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, kind:EventKind, rank:number, step:bigint, timeMs:number, loss:number, lr:number, accuracy:number, samplesPerS:number, dataWaitMs:number, pullMs:number, computeMs:number, pushMs:number, textOffset:flatbuffers.Offset, count:number):flatbuffers.Offset {
   Event.startEvent(builder);
   Event.addSchemaVersion(builder, schemaVersion);
   Event.addJob(builder, jobOffset);
@@ -203,6 +215,7 @@ static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:
   Event.addComputeMs(builder, computeMs);
   Event.addPushMs(builder, pushMs);
   Event.addText(builder, textOffset);
+  Event.addCount(builder, count);
   return Event.endEvent(builder);
 }
 }
