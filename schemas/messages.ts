@@ -4,7 +4,7 @@
 // read into a WireFormatError. Callers check semantics (shapes, job names, ranges).
 import { Builder, type ByteBuffer } from "flatbuffers";
 import {
-  Batch as BatchT, BatchRequest as BatchRequestT, Chunk as ChunkT, ChunkState as ChunkStateT, DType, ErrorReply as ErrorReplyT,
+  Batch as BatchT, BatchRequest as BatchRequestT, CheckpointList as CheckpointListT, Chunk as ChunkT, ChunkState as ChunkStateT, DType, ErrorReply as ErrorReplyT,
   Event as EventT, EventKind, FileEntry as FileEntryT, JobRequest as JobRequestT, JobSpec as JobSpecT, LoaderStats as LoaderStatsT, ShardStats as ShardStatsT, Manifest as ManifestT, NamedVector as NamedVectorT,
   PullReply as PullReplyT, PullRequest as PullRequestT, PushReply as PushReplyT, PushRequest as PushRequestT,
   ShardState as ShardStateT, Split, SyncPolicy,
@@ -406,25 +406,55 @@ export interface Manifest {
   metric: number;
   configJson: string;
   files: FileEntry[];
+  /** per trainer rank: the step its data resumes from */
+  cursors: number[];
 }
 
 const manifestRoot = root("Manifest", "MTCM", (bb) => ManifestT.getRootAsManifest(bb));
 
-export function encodeManifest(m: Manifest): Uint8Array {
-  const b = new Builder(1024 + m.configJson.length * 3);
+function writeManifest(b: Builder, m: Manifest): number {
+  const cursors = ManifestT.createCursorsVector(b, m.cursors.map(big));
   const files = ManifestT.createFilesVector(b, m.files.map((f) => FileEntryT.createFileEntry(b, str(b, f.name), big(f.bytes), f.crc32)));
   const job = str(b, m.job), id = str(b, m.id), config = str(b, m.configJson);
-  return finishBytes(b, ManifestT.createManifest(b, schemaVersion, m.formatVersion, job, id, big(m.step), m.createdMs, m.metric, config, files),
-    manifestRoot.identifier);
+  return ManifestT.createManifest(b, schemaVersion, m.formatVersion, job, id, big(m.step), m.createdMs, m.metric, config, files, cursors);
+}
+
+export function encodeManifest(m: Manifest): Uint8Array {
+  const b = new Builder(1024 + m.configJson.length * 3);
+  return finishBytes(b, writeManifest(b, m), manifestRoot.identifier);
+}
+
+function readManifest(r: ManifestT): Manifest {
+  return {
+    formatVersion: r.formatVersion(), job: r.job() ?? "", id: r.id() ?? "", step: num(r.step()), createdMs: r.createdMs(),
+    metric: r.metric(), configJson: r.configJson() ?? "",
+    files: readList(r.filesLength(), (i) => r.files(i), (f) => ({ name: f.name() ?? "", bytes: num(f.bytes()), crc32: f.crc32() }), "Manifest.files"),
+    cursors: Array.from({ length: r.cursorsLength() }, (_, i) => num(r.cursors(i) ?? 0n)),
+  };
 }
 
 export function decodeManifest(data: Uint8Array, bytesMax: number): Manifest {
   const r = openRoot(data, manifestRoot, bytesMax);
-  return guarded("Manifest", () => ({
-    formatVersion: r.formatVersion(), job: r.job() ?? "", id: r.id() ?? "", step: num(r.step()), createdMs: r.createdMs(),
-    metric: r.metric(), configJson: r.configJson() ?? "",
-    files: readList(r.filesLength(), (i) => r.files(i), (f) => ({ name: f.name() ?? "", bytes: num(f.bytes()), crc32: f.crc32() }), "Manifest.files"),
-  }));
+  return guarded("Manifest", () => readManifest(r));
+}
+
+export interface CheckpointList {
+  job: string;
+  items: Manifest[];
+}
+
+const checkpointListRoot = root("CheckpointList", "MTCL", (bb) => CheckpointListT.getRootAsCheckpointList(bb));
+
+export function encodeCheckpointList(m: CheckpointList): Uint8Array {
+  const b = new Builder(1024);
+  const items = CheckpointListT.createItemsVector(b, m.items.map((x) => writeManifest(b, x)));
+  const job = str(b, m.job);
+  return finishBytes(b, CheckpointListT.createCheckpointList(b, schemaVersion, job, items), checkpointListRoot.identifier);
+}
+
+export function decodeCheckpointList(data: Uint8Array, bytesMax: number): CheckpointList {
+  const r = openRoot(data, checkpointListRoot, bytesMax);
+  return guarded("CheckpointList", () => ({ job: r.job() ?? "", items: readList(r.itemsLength(), (i) => r.items(i), readManifest, "CheckpointList.items") }));
 }
 
 // ---- job requests --------------------------------------------------------------------------

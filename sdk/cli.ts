@@ -1,6 +1,6 @@
 #!/usr/bin/env bun
-// meshtrain command line. For now every command runs in this process; the mesh commands
-// (submit, watch, cancel) arrive with the services.
+// meshtrain command line: `run` trains on a local mesh; submit/watch/status/cancel/
+// checkpoints/restore talk to any mesh over NATS; `train` runs in this process.
 import { Command, Option } from "commander";
 import { runEngineBench } from "../bench/engine.ts";
 import { runKernelBench } from "../bench/kernels.ts";
@@ -11,11 +11,18 @@ import { gptRunDefaults, runGpt } from "./local/train-gpt.ts";
 import { mlpRunDefaults, runMlp } from "./local/train-mlp.ts";
 import { runSample } from "./local/sample.ts";
 import { choice, float, int, intList } from "./options.ts";
+import { addMeshCommands } from "./mesh-commands.ts";
+import { MeshError } from "../services/runtime/errors.ts";
+import { WireFormatError } from "../schemas/codec.ts";
+import { NatsUnreachableError } from "../services/runtime/nats.ts";
+import { JobFailedError } from "./watch.ts";
 
 const program = new Command()
   .name("meshtrain")
   .description("distributed deep-learning training on Bun: CPU (OpenBLAS) and GPU backends, one mesh of services over NATS")
   .showHelpAfterError();
+
+addMeshCommands(program);
 
 const train = program.command("train").description("train a model in this process");
 
@@ -100,7 +107,8 @@ try {
   await program.parseAsync(process.argv);
 } catch (e) {
   // operating errors get one clear line; anything else is a bug and keeps its stack
-  if (e instanceof DataFileError || e instanceof EngineError || e instanceof NativeLibraryError) {
+  if (e instanceof DataFileError || e instanceof EngineError || e instanceof NativeLibraryError || e instanceof MeshError ||
+    e instanceof WireFormatError || e instanceof NatsUnreachableError || e instanceof JobFailedError) {
     console.error(`meshtrain: ${e.name}: ${e.message}`);
     process.exit(1);
   }

@@ -26,8 +26,7 @@ await runService<Config>({
     const watch = await followJobs(bus.nc, log, ps);
     return {
       async stop() {
-        watch.stop();
-        ps.stop();
+        watch.stop(); // shards stay allocated until exit: requests in flight still use them
       },
     };
   },

@@ -4,12 +4,12 @@
 // UnknownJobError reply rather than silence.
 import type { Backend } from "../../ffi/backend.ts";
 import {
-  decodeJobRequest, decodePullRequest, decodePushRequest, decodeShardState, encodePullReply, encodePushReply, encodeShardState,
+  decodeJobRequest, decodePullRequest, encodeJobRequest, decodePushRequest, decodeShardState, encodePullReply, encodePushReply, encodeShardState,
   encodeShardStats, type JobSpec,
 } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
-import { BadRequestError, LimitExceededError, UnknownJobError } from "../runtime/errors.ts";
-import { jobConfigFromJson } from "../runtime/job.ts";
+import { BadRequestError, LimitExceededError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
+import { jobConfigFromJson, subjects } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
 import { initialParameters } from "../runtime/model.ts";
 import { totalSteps } from "../data-loader/sampler.ts";
@@ -97,6 +97,23 @@ export class ParameterServer {
     const shard = new ParameterShard({ backend: this.backend, config: cfg, layout, shard: this.shardIndex, totalSteps: totalSteps(cfg), initial: init.values });
     this.#jobs.set(cfg.job, { shard, pushes: 0, duplicates: 0, pulls: 0 });
     this.log?.info({ job: cfg.job, chunks: shard.ids.length, elements: shard.elements, sync: cfg.sync }, "job opened");
+    this.#restoreIfResumed(cfg.job);
+  }
+
+  /**
+   * A shard that opens a job which already has snapshots was restarted (or the job was
+   * resubmitted to resume): its fresh parameters would disagree with the other shards, so it
+   * asks the checkpoint service to restore the whole job. A new job has no snapshot yet.
+   */
+  #restoreIfResumed(job: string): void {
+    const req = encodeJobRequest({ job, step: 0, tag: `shard ${this.shardIndex} opened the job` });
+    this.bus.request(subjects.ckptRestore(job), req, 120_000).then(
+      () => this.log?.warn({ job }, "job restored from its last snapshot after this shard opened it"),
+      (e: unknown) => {
+        if (e instanceof NotReadyError) return; // no snapshot: a new job
+        this.log?.warn({ job, err: (e as Error).message }, "no restore after opening the job");
+      },
+    );
   }
 
   closeJob(job: string): void {

@@ -63,12 +63,12 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   staleness: 0,
   batchPushes: 1,
   optimizer: { kind: "sgd", momentum: 0.9, nesterov: true, weightDecay: 5e-4 },
-  // the single-process run's 0.05 at batch 128, scaled for the global batch of 2 x 64
-  lr: 0.05,
+  // the single-process run's 0.05 at batch 128, scaled linearly to the global batch 2 x 128
+  lr: 0.1,
   minLr: 0,
   schedule: "cosine",
-  warmupSteps: 200,
-  batchSize: 64,
+  warmupSteps: 100,
+  batchSize: 128,
   epochs: 10,
   valFraction: 0,
   evalEvery: 0,

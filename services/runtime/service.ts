@@ -42,7 +42,8 @@ export interface ServiceDefinition<C extends BaseConfig> {
   /** extra $SRV metadata (shard index, rank) */
   metadata?: (config: C) => Record<string, string>;
   logFields?: (config: C) => { shard?: number; rank?: number; job?: string };
-  /** starts serving; the returned stop() runs after the bus has drained */
+  /** starts serving; the returned stop() runs before the bus drains (it must not free what
+   *  in-flight requests use: memory is released when the process exits) */
   start(ctx: ServiceContext<C>): Promise<{ stop(): Promise<void> }>;
 }
 
@@ -68,8 +69,8 @@ export async function runService<C extends BaseConfig>(def: ServiceDefinition<C>
       if (stopping) return;
       stopping = true;
       log.info({ signal }, `${def.name} draining`);
-      await bus.close(); // stop taking requests, answer those in flight, flush
       await running.stop();
+      await bus.close(); // stop taking requests, answer those in flight, flush
       log.info(`${def.name} stopped`);
       process.exit(0);
     };

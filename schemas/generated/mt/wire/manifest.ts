@@ -92,8 +92,21 @@ filesLength():number {
   return offset ? this.bb!.__vector_len(this.bb_pos + offset) : 0;
 }
 
+/**
+ * per trainer rank: the step its data resumes from (the loader addresses batches by step)
+ */
+cursors(index: number):bigint|null {
+  const offset = this.bb!.__offset(this.bb_pos, 22);
+  return offset ? this.bb!.readUint64(this.bb!.__vector(this.bb_pos + offset) + index * 8) : BigInt(0);
+}
+
+cursorsLength():number {
+  const offset = this.bb!.__offset(this.bb_pos, 22);
+  return offset ? this.bb!.__vector_len(this.bb_pos + offset) : 0;
+}
+
 static startManifest(builder:flatbuffers.Builder) {
-  builder.startObject(9);
+  builder.startObject(10);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -144,6 +157,22 @@ static startFilesVector(builder:flatbuffers.Builder, numElems:number) {
   builder.startVector(4, numElems, 4);
 }
 
+static addCursors(builder:flatbuffers.Builder, cursorsOffset:flatbuffers.Offset) {
+  builder.addFieldOffset(9, cursorsOffset, 0);
+}
+
+static createCursorsVector(builder:flatbuffers.Builder, data:bigint[]):flatbuffers.Offset {
+  builder.startVector(8, data.length, 8);
+  for (let i = data.length - 1; i >= 0; i--) {
+    builder.addInt64(data[i]!);
+  }
+  return builder.endVector();
+}
+
+static startCursorsVector(builder:flatbuffers.Builder, numElems:number) {
+  builder.startVector(8, numElems, 8);
+}
+
 static endManifest(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -157,7 +186,7 @@ static finishSizePrefixedManifestBuffer(builder:flatbuffers.Builder, offset:flat
   builder.finish(offset, 'MTCM', true);
 }
 
-static createManifest(builder:flatbuffers.Builder, schemaVersion:number, formatVersion:number, jobOffset:flatbuffers.Offset, idOffset:flatbuffers.Offset, step:bigint, createdMs:number, metric:number, configJsonOffset:flatbuffers.Offset, filesOffset:flatbuffers.Offset):flatbuffers.Offset {
+static createManifest(builder:flatbuffers.Builder, schemaVersion:number, formatVersion:number, jobOffset:flatbuffers.Offset, idOffset:flatbuffers.Offset, step:bigint, createdMs:number, metric:number, configJsonOffset:flatbuffers.Offset, filesOffset:flatbuffers.Offset, cursorsOffset:flatbuffers.Offset):flatbuffers.Offset {
   Manifest.startManifest(builder);
   Manifest.addSchemaVersion(builder, schemaVersion);
   Manifest.addFormatVersion(builder, formatVersion);
@@ -168,6 +197,7 @@ static createManifest(builder:flatbuffers.Builder, schemaVersion:number, formatV
   Manifest.addMetric(builder, metric);
   Manifest.addConfigJson(builder, configJsonOffset);
   Manifest.addFiles(builder, filesOffset);
+  Manifest.addCursors(builder, cursorsOffset);
   return Manifest.endManifest(builder);
 }
 }

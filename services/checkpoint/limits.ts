@@ -1,0 +1,12 @@
+// Limits of the checkpoint service.
+
+/** Checkpoint format version written into every manifest; a reader refuses others. */
+export const formatVersion = 1;
+/** Largest file of a snapshot read back (one shard's parameters and optimizer state). */
+export const fileBytesMax = 1 << 30;
+/** Manifests are small: config text and a file table. */
+export const manifestBytesMax = 4 << 20;
+/** Snapshots kept per job at most, whatever keepLast says (disk is finite). */
+export const snapshotsMax = 1000;
+/** A shard's state request: the shard copies its memory out, the transfer is the cost. */
+export const stateTimeoutMs = 60_000;

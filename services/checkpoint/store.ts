@@ -1,0 +1,175 @@
+// Durable, verified snapshots on a local folder:
+//   <root>/<job>/<id>/ holds the snapshot's files and manifest.mtcm (the Manifest message).
+// A snapshot is written into <root>/<job>/.tmp-<id>/ (each file written, then fsynced), the
+// manifest last, the folder fsynced, then renamed to <id> and the parent fsynced: a crash
+// leaves either the whole snapshot or a .tmp- folder that is ignored and removed.
+// Reading verifies every file's size and CRC32 against the manifest.
+import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readdirSync, readFileSync, renameSync, rmSync, writeSync } from "node:fs";
+import { join } from "node:path";
+import { decodeManifest, encodeManifest, type Manifest } from "../../schemas/messages.ts";
+import { CorruptDataError, NotReadyError } from "../runtime/errors.ts";
+import { fileBytesMax, formatVersion, manifestBytesMax } from "./limits.ts";
+
+export const manifestName = "manifest.mtcm";
+
+function fsyncPath(path: string): void {
+  const fd = openSync(path, "r");
+  try {
+    fsyncSync(fd);
+  } finally {
+    closeSync(fd);
+  }
+}
+
+function writeDurable(path: string, bytes: Uint8Array): void {
+  const fd = openSync(path, "w");
+  try {
+    let at = 0;
+    while (at < bytes.byteLength) at += writeSync(fd, bytes, at);
+    fsyncSync(fd);
+  } finally {
+    closeSync(fd);
+  }
+}
+
+export const snapshotId = (step: number) => `step-${String(step).padStart(9, "0")}`;
+
+export interface SnapshotFile {
+  name: string;
+  bytes: Uint8Array;
+}
+
+export class CheckpointStore {
+  constructor(readonly root: string) {
+    mkdirSync(root, { recursive: true });
+  }
+
+  #jobDir(job: string): string {
+    return join(this.root, job);
+  }
+
+  /** Writes a snapshot atomically and returns its manifest. */
+  save(m: Omit<Manifest, "files" | "formatVersion" | "id" | "createdMs">, files: readonly SnapshotFile[]): Manifest {
+    const id = snapshotId(m.step);
+    const dir = this.#jobDir(m.job);
+    mkdirSync(dir, { recursive: true });
+    const tmp = join(dir, `.tmp-${id}-${process.pid}`);
+    rmSync(tmp, { recursive: true, force: true });
+    mkdirSync(tmp);
+    const manifest: Manifest = {
+      ...m, id, formatVersion, createdMs: Date.now(),
+      files: files.map((f) => ({ name: f.name, bytes: f.bytes.byteLength, crc32: Bun.hash.crc32(f.bytes) })),
+    };
+    for (const f of files) {
+      if (f.name.includes("/") || f.name === manifestName) throw new Error(`bad snapshot file name ${f.name}`);
+      writeDurable(join(tmp, f.name), f.bytes);
+    }
+    writeDurable(join(tmp, manifestName), encodeManifest(manifest));
+    fsyncPath(tmp);
+    const final = join(dir, id);
+    rmSync(final, { recursive: true, force: true }); // a snapshot of the same step is replaced
+    renameSync(tmp, final);
+    fsyncPath(dir);
+    return manifest;
+  }
+
+  /** Manifests of the job's snapshots, oldest first. Unreadable manifests are reported, skipped. */
+  list(job: string, onBad?: (id: string, why: string) => void): Manifest[] {
+    const dir = this.#jobDir(job);
+    if (!existsSync(dir)) return [];
+    const out: Manifest[] = [];
+    for (const id of readdirSync(dir).sort()) {
+      if (id.startsWith(".tmp-")) continue;
+      try {
+        const m = this.#manifest(job, id);
+        out.push(m);
+      } catch (e) {
+        onBad?.(id, (e as Error).message);
+      }
+    }
+    return out.sort((a, b) => a.step - b.step);
+  }
+
+  #manifest(job: string, id: string): Manifest {
+    const path = join(this.#jobDir(job), id, manifestName);
+    let bytes: Uint8Array;
+    try {
+      bytes = readFileSync(path);
+    } catch (e) {
+      throw new CorruptDataError(`snapshot ${id} of ${job} has no readable manifest (${(e as Error).message})`);
+    }
+    let m: Manifest;
+    try {
+      m = decodeManifest(bytes, manifestBytesMax);
+    } catch (e) {
+      throw new CorruptDataError(`snapshot ${id} of ${job}: manifest does not decode (${(e as Error).message})`);
+    }
+    if (m.formatVersion !== formatVersion) {
+      throw new CorruptDataError(`snapshot ${id} of ${job} has checkpoint format ${m.formatVersion}; this build reads ${formatVersion} (restore it with a matching meshtrain)`);
+    }
+    if (m.id !== id || m.job !== job) throw new CorruptDataError(`snapshot folder ${id} of ${job} holds the manifest of ${m.job}/${m.id}`);
+    return m;
+  }
+
+  /** Reads every file of a snapshot and checks its size and CRC32; throws CorruptDataError naming the file. */
+  read(job: string, id: string): { manifest: Manifest; files: Map<string, Uint8Array> } {
+    const manifest = this.#manifest(job, id);
+    const files = new Map<string, Uint8Array>();
+    for (const f of manifest.files) {
+      if (f.bytes > fileBytesMax) throw new CorruptDataError(`snapshot ${id}: ${f.name} claims ${f.bytes} bytes, over the ${fileBytesMax} limit`);
+      let bytes: Uint8Array;
+      try {
+        bytes = readFileSync(join(this.#jobDir(job), id, f.name));
+      } catch (e) {
+        throw new CorruptDataError(`snapshot ${id}: ${f.name} is missing (${(e as Error).message})`);
+      }
+      if (bytes.byteLength !== f.bytes) throw new CorruptDataError(`snapshot ${id}: ${f.name} has ${bytes.byteLength} bytes, the manifest says ${f.bytes}`);
+      const crc = Bun.hash.crc32(bytes);
+      if (crc !== f.crc32) throw new CorruptDataError(`snapshot ${id}: ${f.name} fails its checksum (crc32 ${crc.toString(16)}, manifest ${f.crc32.toString(16)})`);
+      files.set(f.name, bytes);
+    }
+    return { manifest, files };
+  }
+
+  /**
+   * The newest snapshot (or the one named) whose files all verify. Each corrupt one is reported
+   * through onCorrupt and the next older one is tried.
+   */
+  latestGood(job: string, id: string, onCorrupt: (id: string, why: string) => void): { manifest: Manifest; files: Map<string, Uint8Array> } {
+    const all = this.list(job, onCorrupt);
+    const candidates = (id ? all.filter((m) => m.id === id) : all).reverse();
+    if (candidates.length === 0) throw new NotReadyError(id ? `job ${job} has no snapshot ${id}` : `job ${job} has no snapshot yet`);
+    for (const m of candidates) {
+      try {
+        return this.read(job, m.id);
+      } catch (e) {
+        if (!(e instanceof CorruptDataError)) throw e;
+        onCorrupt(m.id, e.message);
+      }
+    }
+    throw new CorruptDataError(`every snapshot of job ${job} failed verification`);
+  }
+
+  /** Keeps the last `keepLast` snapshots and the one with the best metric; removes the rest. */
+  retain(job: string, keepLast: number): string[] {
+    const all = this.list(job);
+    const keep = new Set(all.slice(-keepLast).map((m) => m.id));
+    const scored = all.filter((m) => Number.isFinite(m.metric));
+    if (scored.length > 0) keep.add(scored.reduce((a, b) => (b.metric > a.metric ? b : a)).id);
+    const removed: string[] = [];
+    for (const m of all) {
+      if (keep.has(m.id)) continue;
+      rmSync(join(this.#jobDir(job), m.id), { recursive: true, force: true });
+      removed.push(m.id);
+    }
+    if (removed.length > 0) fsyncPath(this.#jobDir(job));
+    return removed;
+  }
+
+  /** Removes .tmp- folders left by a crash mid-save. */
+  sweep(job: string): void {
+    const dir = this.#jobDir(job);
+    if (!existsSync(dir)) return;
+    for (const name of readdirSync(dir)) if (name.startsWith(".tmp-")) rmSync(join(dir, name), { recursive: true, force: true });
+  }
+}

@@ -1,0 +1,228 @@
+// One trainer rank running one job in parameter-server mode:
+//   next batch -> pull parameters (as the sync policy allows) -> forward/backward -> clip ->
+//   push gradients, with the step's time split into data wait, pull, compute and push,
+// published as events. Rank 0 asks the checkpoint service for a snapshot every
+// `checkpointEvery` steps, between its pull and its push (under BSP no shard can move past
+// the step until rank 0 pushes, so the snapshot is exactly the state after step-1).
+import type { Backend } from "../../ffi/backend.ts";
+import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
+import { Context } from "../../engine/tensor.ts";
+import { evaluate, type HostBatch, lossAndGradients } from "../../engine/train.ts";
+import {
+  type Batch, decodeBatch, decodeEvent, decodeShardStats, emptyEvent, encodeBatchRequest, encodeEvent, encodeJobRequest, type Event,
+  EventKind, Split,
+} from "../../schemas/messages.ts";
+import type { Bus, Subscription } from "../runtime/bus.ts";
+import type { JobConfig } from "../runtime/job.ts";
+import { subjects } from "../runtime/job.ts";
+import type { Logger } from "../runtime/log.ts";
+import { buildModel } from "../runtime/model.ts";
+import { buildLayout } from "../parameter-server/layout.ts";
+import { checkpointTimeoutMs, loaderCredits, requestTimeoutMs, stepAttemptsMax } from "./limits.ts";
+import { PsClient } from "./ps-client.ts";
+
+export interface TrainerOptions {
+  bus: Bus;
+  backend: Backend;
+  cfg: JobConfig;
+  rank: number;
+  totalSteps: number;
+  payloadBytesMax: number;
+  log?: Logger;
+}
+
+export class StaleStepError extends Error {
+  override readonly name = "StaleStepError";
+}
+
+const toHost = (b: Batch): HostBatch => ({ inputs: b.x, inputShape: [b.rows, b.cols], targets: b.y, targetShape: [b.rows] });
+
+export class TrainerRun {
+  readonly #o: TrainerOptions;
+  readonly #ctx: Context;
+  readonly #model: ReturnType<typeof buildModel>;
+  readonly #ps: PsClient;
+  #params: { generation: number; data: Float32Array };
+  readonly #grads: Float32Array;
+  readonly #schedule: Schedule;
+  #stopped = false;
+  #restoreTo: number | null = null;
+  /** bumped by every restore: a step begun before it must not push */
+  #generation = 0;
+  /** resolves when a restore arrives, so a step blocked on a dead shard is abandoned at once */
+  #restored: { promise: Promise<void>; resolve: () => void } = Promise.withResolvers<void>();
+  #sub: Subscription | null = null;
+
+  constructor(o: TrainerOptions) {
+    this.#o = o;
+    this.#ctx = new Context(o.backend, { seed: o.cfg.seed * 1000 + o.rank }); // dropout differs per rank
+    this.#model = buildModel(this.#ctx, o.cfg);
+    const store = this.#model.store;
+    const layout = buildLayout(o.cfg.job, store.slabNumel, store.decayRange.numel, o.cfg.chunkBytes, o.cfg.shards);
+    this.#ps = new PsClient(o.bus, layout, o.rank, o.payloadBytesMax);
+    this.#params = { generation: 0, data: new Float32Array(store.slabNumel) };
+    this.#grads = new Float32Array(store.slabNumel);
+    const c = o.cfg;
+    this.#schedule = c.schedule === "constant" ? { kind: "constant" }
+      : { kind: c.schedule, warmupSteps: Math.min(c.warmupSteps, Math.max(0, o.totalSteps - 1)), totalSteps: o.totalSteps, minLr: c.minLr };
+  }
+
+  stop(): void {
+    this.#stopped = true;
+  }
+
+  #publish(e: Partial<Event> & { kind: EventKind }): void {
+    const kind = EventKind[e.kind].toLowerCase();
+    this.#o.bus.publish(subjects.events(this.#o.cfg.job, kind), encodeEvent({ ...emptyEvent(this.#o.cfg.job, e.kind), rank: this.#o.rank, ...e }));
+  }
+
+  /** The step to start from: what this rank has pushed completely to every shard (0 for a new job). */
+  async #startStep(): Promise<number> {
+    const { cfg, rank, bus } = this.#o;
+    let step = Number.POSITIVE_INFINITY;
+    for (let k = 0; k < cfg.shards; k++) {
+      const reply = await bus.request(subjects.psStats(cfg.job, k), encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), requestTimeoutMs);
+      const stats = decodeShardStats(reply, 1 << 20);
+      // a shard that owns no chunk sees no pushes: its clocks say nothing
+      if (stats.chunks > 0) step = Math.min(step, stats.clocks[rank] ?? 0);
+    }
+    return Number.isFinite(step) ? step : 0;
+  }
+
+  async run(): Promise<void> {
+    const { cfg, log, bus, totalSteps } = this.#o;
+    this.#sub = bus.subscribe(subjects.events(cfg.job, "restore"), (data) => {
+      const e = decodeEvent(data, 1 << 16);
+      this.#restoreTo = e.step;
+      this.#generation++;
+      this.#restored.resolve();
+      this.#restored = Promise.withResolvers<void>();
+      log?.warn({ step: e.step, why: e.text }, "job restored from a checkpoint; resuming there");
+    });
+    try {
+      let step = await this.#retry("find the start step", () => this.#startStep());
+      log?.info({ step, totalSteps }, "training");
+      while (step < totalSteps && !this.#stopped) {
+        step = await this.#step(step);
+      }
+      if (!this.#stopped) {
+        await this.#evaluate(totalSteps);
+        this.#publish({ kind: EventKind.Done, step: totalSteps });
+      }
+    } catch (e) {
+      log?.error({ err: (e as Error).message }, "training failed");
+      this.#publish({ kind: EventKind.Failed, text: (e as Error).message });
+      throw e;
+    } finally {
+      this.#sub?.unsubscribe();
+      this.#ctx.dispose();
+    }
+  }
+
+  /** Runs a step (retrying it on failures); returns the next step to run. */
+  async #step(step: number): Promise<number> {
+    for (let attempt = 1; ; attempt++) {
+      if (this.#restoreTo !== null) {
+        const to = this.#restoreTo;
+        this.#restoreTo = null;
+        return to;
+      }
+      try {
+        const run = this.#runStep(step, this.#generation).then(() => "done" as const);
+        run.catch(() => {}); // once abandoned by a restore, its failure (StaleStepError) is expected
+        const outcome = await Promise.race([run, this.#restored.promise.then(() => "restored" as const)]);
+        if (outcome === "restored") continue; // the abandoned step's push is refused by its generation check
+        return step + 1;
+      } catch (e) {
+        if (this.#stopped) return step;
+        if (attempt >= stepAttemptsMax) throw e;
+        this.#o.log?.warn({ step, attempt, err: (e as Error).message }, "step failed; retrying");
+        await Bun.sleep(Math.min(200 * attempt, 2000));
+      }
+    }
+  }
+
+  async #retry<T>(what: string, fn: () => Promise<T>): Promise<T> {
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return await fn();
+      } catch (e) {
+        if (attempt >= stepAttemptsMax || this.#stopped) throw new Error(`cannot ${what}: ${(e as Error).message}`, { cause: e });
+        await Bun.sleep(Math.min(100 * attempt, 2000));
+      }
+    }
+  }
+
+  async #runStep(step: number, generation: number): Promise<void> {
+    const { cfg, rank, bus, backend } = this.#o;
+    const t0 = performance.now();
+    const batchReq = encodeBatchRequest({ job: cfg.job, rank, split: Split.Train, credits: loaderCredits, step });
+    const batch = decodeBatch(await bus.request(subjects.dataNext(cfg.job), batchReq, requestTimeoutMs), this.#o.payloadBytesMax);
+    const t1 = performance.now();
+    const params = this.#paramsFor(generation);
+    await this.#ps.pull(step, params);
+    this.#checkGeneration(step, generation);
+    backend.upload(this.#model.store.values.ptr, params);
+    const t2 = performance.now();
+    if (cfg.evalEvery > 0 && step > 0 && step % cfg.evalEvery === 0) await this.#evaluate(step);
+    if (rank === 0 && cfg.checkpointEvery > 0 && step % cfg.checkpointEvery === 0) await this.#checkpoint(step);
+    const t3 = performance.now();
+    this.#checkGeneration(step, generation);
+    let loss = 0;
+    if (batch.rows > 0) {
+      loss = lossAndGradients(this.#ctx, this.#model, [toHost(batch)], cfg.gradClip, step).loss;
+      backend.download(this.#model.store.grads.ptr, this.#grads);
+    } else {
+      this.#grads.fill(0); // this rank got no samples in the epoch's last, short step
+    }
+    const t4 = performance.now();
+    this.#checkGeneration(step, generation);
+    await this.#ps.push(step, this.#grads);
+    const t5 = performance.now();
+    this.#publish({
+      kind: EventKind.Step, step, loss, lr: lrAt(this.#schedule, cfg.lr, step), samplesPerS: batch.rows / ((t5 - t0) / 1000),
+      dataWaitMs: t1 - t0, pullMs: t2 - t1, computeMs: t4 - t3, pushMs: t5 - t4, count: batch.rows,
+    });
+  }
+
+  /** A step abandoned by a restore stops at its next check instead of touching the model. */
+  #checkGeneration(step: number, generation: number): void {
+    if (generation !== this.#generation) throw new StaleStepError(`step ${step} began before a restore; abandoned`);
+  }
+
+  /** Host buffer for pulled parameters, one per restore generation (an abandoned pull keeps writing the old one). */
+  #paramsFor(generation: number): Float32Array {
+    if (this.#params.generation !== generation) this.#params = { generation, data: new Float32Array(this.#params.data.length) };
+    return this.#params.data;
+  }
+
+  async #checkpoint(step: number): Promise<void> {
+    const { cfg, bus, log } = this.#o;
+    try {
+      await bus.request(subjects.ckptSave(cfg.job), encodeJobRequest({ job: cfg.job, step, tag: "schedule" }), checkpointTimeoutMs);
+    } catch (e) {
+      // training goes on: a missed snapshot costs recovery time, not correctness
+      log?.warn({ step, err: (e as Error).message }, "checkpoint failed");
+    }
+  }
+
+  /** Evaluates the current parameters on this rank's share of the held-out split. */
+  async #evaluate(step: number): Promise<void> {
+    const { cfg, rank, bus, backend } = this.#o;
+    if (step >= this.#o.totalSteps) {
+      const params = this.#paramsFor(this.#generation);
+      await this.#ps.pull(step, params); // the final parameters
+      backend.upload(this.#model.store.values.ptr, params);
+    }
+    const split = cfg.valFraction > 0 && step < this.#o.totalSteps ? Split.Val : Split.Test;
+    const batches: HostBatch[] = [];
+    for (let i = 0; ; i++) {
+      const req = encodeBatchRequest({ job: cfg.job, rank, split, credits: 0, step: i });
+      const b = decodeBatch(await bus.request(subjects.dataNext(cfg.job), req, requestTimeoutMs), this.#o.payloadBytesMax);
+      if (b.endOfEpoch) break;
+      batches.push(toHost(b));
+    }
+    const r = evaluate(this.#ctx, this.#model, batches);
+    this.#publish({ kind: EventKind.Eval, step, loss: r.loss, accuracy: r.accuracy, count: r.count, text: Split[split].toLowerCase() });
+  }
+}
