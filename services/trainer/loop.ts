@@ -67,8 +67,11 @@ export class TrainerRun {
       : { kind: c.schedule, warmupSteps: Math.min(c.warmupSteps, Math.max(0, o.totalSteps - 1)), totalSteps: o.totalSteps, minLr: c.minLr };
   }
 
+  /** Stops after the current step; a step blocked on a pull is abandoned at once. */
   stop(): void {
     this.#stopped = true;
+    this.#generation++;
+    this.#restored.resolve();
   }
 
   #publish(e: Partial<Event> & { kind: EventKind }): void {
@@ -122,6 +125,7 @@ export class TrainerRun {
   /** Runs a step (retrying it on failures); returns the next step to run. */
   async #step(step: number): Promise<number> {
     for (let attempt = 1; ; attempt++) {
+      if (this.#stopped) return step;
       if (this.#restoreTo !== null) {
         const to = this.#restoreTo;
         this.#restoreTo = null;

@@ -1,0 +1,101 @@
+// Bad input on every subject of the data-loader and checkpoint services, on a live mesh: each
+// gets an error reply naming the problem, and the service answers the next good request.
+// (The parameter-server's subjects: test/services/ps.integration.test.ts.)
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { mkdtempSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { Builder } from "flatbuffers";
+import { finishBytes, schemaVersion, WireFormatError } from "../../schemas/codec.ts";
+import {
+  decodeBatch, decodeCheckpointList, decodeLoaderStats, decodeManifest, encodeBatchRequest, encodeJobRequest, encodePullRequest, Split,
+} from "../../schemas/messages.ts";
+import { JobRequest as JobRequestT } from "../../schemas/wire.ts";
+import { BadRequestError, NotReadyError, UnknownJobError } from "../../services/runtime/errors.ts";
+import { jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job.ts";
+import { MeshClient } from "../../sdk/client.ts";
+import { LocalMesh } from "../../sdk/launcher.ts";
+import { waitFor } from "../helpers/mesh.ts";
+
+const job = "badinput";
+const payloadBytesMax = 1 << 20;
+let mesh: LocalMesh;
+let client: MeshClient;
+
+beforeAll(async () => {
+  mesh = await LocalMesh.start({ dir: mkdtempSync(join(tmpdir(), "mt-bad-")), env: { MT_PAYLOAD_BYTES_MAX: String(payloadBytesMax) } });
+  client = await MeshClient.connect(mesh.url);
+  // a job of 4 ranks on a mesh of 2 trainers: ranks 0 and 1 take the step-0 snapshot, then wait
+  // for ranks 2 and 3 (BSP), so the job stays open and still
+  await client.submit(parseJobConfig({ ...jobDefaults, job, trainers: 4, model: { kind: "mlp", widths: [784, 32, 10], dropout: 0 }, chunkBytes: 16 << 10 }));
+  await waitFor("the loader and checkpoint service to open the job", async () => {
+    await client.bus.request(subjects.ckptList(job), encodeJobRequest({ job, step: 0, tag: "" }), 1000);
+    await client.bus.request(`mt.${job}.data.stats`, encodeJobRequest({ job, step: 0, tag: "" }), 1000);
+    return (await client.status(job))!.shards.every((s) => "clocks" in s);
+  });
+}, 60_000);
+
+afterAll(async () => {
+  await client?.close();
+  await mesh?.stop();
+});
+
+const wrongVersion = (() => {
+  const b = new Builder(64);
+  const j = b.createString(job), t = b.createString("");
+  return finishBytes(b, JobRequestT.createJobRequest(b, schemaVersion + 7, j, 0n, t), "MTJR");
+})();
+const garbage = crypto.getRandomValues(new Uint8Array(512));
+const huge = new Uint8Array(payloadBytesMax + 1000);
+huge.set(encodeJobRequest({ job, step: 0, tag: "" }));
+const jr = (j = job) => encodeJobRequest({ job: j, step: 0, tag: "" });
+const br = (over: object = {}) => encodeBatchRequest({ job, rank: 0, split: Split.Train, credits: 2, step: 0, ...over });
+
+type Cls = abstract new (...a: never[]) => Error;
+const next = subjects.dataNext(job), dstats = `mt.${job}.data.stats`;
+const save = subjects.ckptSave(job), list = subjects.ckptList(job), restore = subjects.ckptRestore(job);
+const cases: [string, string, Uint8Array, Cls, string][] = [
+  ["data.next: truncated", next, br().subarray(0, 6), WireFormatError, "shorter"],
+  ["data.next: garbage", next, garbage, WireFormatError, "identifier"],
+  ["data.next: wrong file_identifier", next, encodePullRequest({ job, trainer: 0, step: 0, ids: new Uint32Array(1) }), WireFormatError, "MTBQ"],
+  ["data.next: oversized", next, huge, WireFormatError, "exceeds the limit"],
+  ["data.next: rank outside the job", next, br({ rank: 9 }), BadRequestError, "rank 9"],
+  ["data.next: no validation split", next, br({ split: Split.Val }), BadRequestError, "validation"],
+  ["data.next: unknown job", subjects.dataNext("nobody"), encodeBatchRequest({ job: "nobody", rank: 0, split: Split.Train, credits: 1, step: 0 }), UnknownJobError, "nobody"],
+  ["data.stats: wrong version", dstats, wrongVersion, WireFormatError, "schema version 8"],
+  ["data.stats: job differs from subject", dstats, jr("other"), BadRequestError, "other"],
+  ["ckpt.save: garbage", save, garbage, WireFormatError, ""],
+  ["ckpt.save: wrong version", save, wrongVersion, WireFormatError, "schema version"],
+  ["ckpt.save: unknown job", subjects.ckptSave("ghost"), jr("ghost"), UnknownJobError, "ghost"],
+  ["ckpt.list: truncated", list, jr().subarray(0, 9), WireFormatError, ""],
+  ["ckpt.list: oversized", list, huge, WireFormatError, "exceeds"],
+  ["ckpt.restore: a snapshot that does not exist", restore, encodeJobRequest({ job, step: 0, tag: "step-000000777" }), NotReadyError, "step-000000777"],
+  ["ckpt.restore: wrong file_identifier", restore, br(), WireFormatError, "MTJR"],
+];
+
+describe("bad input on every loader and checkpoint subject gets an error reply; the service keeps serving", () => {
+  test.each(cases)("%s", async (_, subject, data, cls, fragment) => {
+    let error: unknown;
+    try {
+      await client.bus.request(subject, data, 10_000);
+    } catch (e) {
+      error = e;
+    }
+    expect(error).toBeInstanceOf(cls);
+    expect((error as Error).message).toContain(fragment);
+    const service = subject.split(".")[2];
+    if (service === "data") {
+      expect(decodeBatch(await client.bus.request(next, br({ step: 5 }), 10_000), payloadBytesMax).rows).toBe(128);
+      expect(decodeLoaderStats(await client.bus.request(dstats, jr(), 10_000), 1 << 16).job).toBe(job);
+    } else {
+      expect(decodeCheckpointList(await client.bus.request(list, jr(), 10_000), 1 << 20).job).toBe(job);
+    }
+  });
+
+  test("after all that, a save and a restore of the job work", async () => {
+    const m = decodeManifest(await client.bus.request(save, encodeJobRequest({ job, step: 0, tag: "test" }), 30_000), 1 << 20);
+    expect(m.files.map((f) => f.name)).toEqual(["ps-0.mtss", "ps-1.mtss"]);
+    const r = decodeManifest(await client.bus.request(restore, jr(), 30_000), 1 << 20);
+    expect(r.id).toBe(m.id);
+  });
+});
