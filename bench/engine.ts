@@ -6,6 +6,7 @@
 //   bun run bench engine [--steps N] [--json-only]
 import type { Backend } from "../ffi/backend.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
+import { median, printTable, round } from "./table.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { gptDefaults, GptModel } from "../engine/models/gpt.ts";
 import { MlpModel } from "../engine/models/mlp.ts";
@@ -27,7 +28,6 @@ export interface EngineBenchResult {
   target: number;
 }
 
-const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
 
 /**
  * Times `reps` training steps and `reps` rounds of the step's GEMMs (every GEMM of the step
@@ -86,7 +86,6 @@ function result(name: string, batch: number, model: Model, stepMs: number, gemmM
   };
 }
 
-const round = (x: number, digits: number) => Number(x.toFixed(digits));
 
 export function benchMlp(be: Backend, steps: number): EngineBenchResult {
   const batch = 256;
@@ -130,16 +129,6 @@ export function benchGpt(be: Backend, steps: number): EngineBenchResult {
   return result(`gpt L${c.nLayer} H${c.nHead} C${c.nEmbd} T${c.blockSize} V${c.vocabSize}`, batch, model, stepMs, gemmMs, 0.5);
 }
 
-export function printTable(rows: readonly EngineBenchResult[]): void {
-  const cols = ["model", "batch", "step_ms", "samples_per_s", "achieved_gflops", "sgemm_gflops", "ratio", "target"] as const;
-  const cells = rows.map((r) => cols.map((c) => String(r[c])));
-  const widths = cols.map((c, i) => Math.max(c.length, ...cells.map((row) => row[i]!.length)));
-  const line = (xs: readonly string[]) => xs.map((x, i) => x.padEnd(widths[i]!)).join("  ");
-  console.log(line(cols));
-  console.log(line(widths.map((w) => "-".repeat(w))));
-  for (const row of cells) console.log(line(row));
-}
-
 export function runEngineBench(argv: string[]): EngineBenchResult[] {
   const values = parseBenchArgs(argv, { steps: { type: "string", default: "20" }, "json-only": { type: "boolean", default: false } });
   const steps = positiveInt("steps", values.steps);
@@ -147,7 +136,7 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] {
   const rows = [benchMlp(be, steps), benchGpt(be, steps)];
   if (!values["json-only"]) {
     console.log(`engine benchmark: CPU backend, ${be.threads} threads; medians of ${steps} steps interleaved with ${steps} rounds of their GEMMs; ratio = sgemm time / step time`);
-    printTable(rows);
+    printTable(rows, ["model", "batch", "step_ms", "samples_per_s", "achieved_gflops", "sgemm_gflops", "ratio", "target"]);
   }
   console.log(JSON.stringify({ bench: "engine", results: rows }));
   return rows;

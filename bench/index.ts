@@ -2,22 +2,32 @@
 import { ConfigError } from "../engine/errors.ts";
 import { runEngineBench } from "./engine.ts";
 import { runKernelBench } from "./kernels.ts";
+import { runPsBench } from "./ps.ts";
+import { runCheckpointBench } from "./checkpoint.ts";
+import { runDataLoaderBench } from "./data-loader.ts";
+import { runTrainerBench } from "./trainer.ts";
 
-const benches: Record<string, (argv: string[]) => unknown> = {
+export const benches = {
   engine: runEngineBench,
   kernels: runKernelBench,
-};
+  ps: runPsBench,
+  checkpoint: runCheckpointBench,
+  "data-loader": runDataLoaderBench,
+  trainer: runTrainerBench,
+} satisfies Record<string, (argv: string[]) => unknown>;
 
-const [name, ...rest] = process.argv.slice(2);
-const bench = name === undefined ? undefined : benches[name];
-if (bench === undefined) {
-  console.error(`usage: bun run bench <${Object.keys(benches).join("|")}> [options]`);
-  process.exit(2);
-}
-try {
-  bench(rest);
-} catch (e) {
-  if (!(e instanceof ConfigError)) throw e;
-  console.error(`bench ${name}: ${e.message}`);
-  process.exit(2);
+if (import.meta.main) {
+  const [name, ...rest] = process.argv.slice(2);
+  const bench = name !== undefined && Object.hasOwn(benches, name) ? benches[name as keyof typeof benches] : undefined;
+  if (bench === undefined) {
+    console.error(`usage: bun run bench <${Object.keys(benches).join("|")}> [options]`);
+    process.exit(2);
+  }
+  try {
+    await bench(rest);
+  } catch (e) {
+    if (!(e instanceof ConfigError)) throw e;
+    console.error(`bench ${name}: ${e.message}`);
+    process.exit(2);
+  }
 }

@@ -5,6 +5,7 @@
 //   bun run bench kernels [--elems N] [--reps N] [--json-only]
 import type { Backend, Ptr } from "../ffi/backend.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
+import { median, printTable, round } from "./table.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { Rng } from "../engine/rng.ts";
 
@@ -24,8 +25,6 @@ interface Case {
   run: () => void;
 }
 
-const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
-const round = (x: number, digits: number) => Number(x.toFixed(digits));
 
 function cases(be: Backend, n: number, buf: (elems: number) => Ptr, ints: (count: number, limit: number) => Ptr): Case[] {
   const [x, y, z, w] = [buf(n), buf(n), buf(n), buf(n)];
@@ -125,13 +124,7 @@ export function runKernelBench(argv: string[]): KernelBenchResult[] {
   if (!values["json-only"]) {
     console.log(`kernel benchmark: CPU backend, ${be.threads} threads, ${n} f32 elements per tensor, median of ${reps}; ` +
       "ratio = achieved GB/s / memcpy GB/s on the same bytes");
-    const cols = ["kernel", "bytes_per_call", "ms", "gb_per_s", "memcpy_gb_per_s", "ratio"] as const;
-    const cells = rows.map((r) => cols.map((k) => String(r[k])));
-    const widths = cols.map((k, i) => Math.max(k.length, ...cells.map((row) => row[i]!.length)));
-    const line = (xs: readonly string[]) => xs.map((x, i) => x.padEnd(widths[i]!)).join("  ");
-    console.log(line(cols));
-    console.log(line(widths.map((w) => "-".repeat(w))));
-    for (const row of cells) console.log(line(row));
+    printTable(rows, ["kernel", "bytes_per_call", "ms", "gb_per_s", "memcpy_gb_per_s", "ratio"]);
   }
   console.log(JSON.stringify({ bench: "kernels", elems: n, results: rows }));
   be.dispose();

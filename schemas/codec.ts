@@ -32,7 +32,7 @@ const headerBytes = 8;
 
 /**
  * Checks size, file identifier and schema version, then returns the root. The bytes are first
- * copied to 16-byte aligned memory when they are not aligned, so vectors can be viewed.
+ * copied to aligned memory when they are not 4-byte aligned, so float vectors can be viewed.
  */
 export function openRoot<T>(data: Uint8Array, type: RootType<T>, bytesMax: number): T {
   if (data.byteLength < headerBytes) {
@@ -87,9 +87,12 @@ export function guarded<R>(what: string, read: () => R): R {
   }
 }
 
-/** The bytes themselves when 16-byte aligned, else an aligned copy. */
+/**
+ * The bytes themselves when 4-byte aligned (vectors are aligned relative to the buffer start,
+ * so float32 vectors inside are then aligned too), else an aligned copy.
+ */
 export function alignedBytes(data: Uint8Array): Uint8Array {
-  if (data.byteOffset % 16 === 0) return data;
+  if (data.byteOffset % 4 === 0) return data;
   const copy = new Uint8Array(data.byteLength);
   copy.set(data);
   return copy;
@@ -124,10 +127,18 @@ interface BuilderInternals {
  * the largest alignment used, so the data is aligned from the start too).
  */
 export function createBytes(b: Builder, bytes: Uint8Array, alignment = 16): number {
-  b.startVector(1, bytes.byteLength, alignment);
+  return createBytesFilled(b, bytes.byteLength, (dst) => dst.set(bytes), alignment);
+}
+
+/**
+ * Reserves an aligned byte vector and lets `fill` write it in place (a backend download straight
+ * into the message: no intermediate copy).
+ */
+export function createBytesFilled(b: Builder, byteLength: number, fill: (dst: Uint8Array) => void, alignment = 16): number {
+  b.startVector(1, byteLength, alignment);
   const inner = b as unknown as BuilderInternals;
-  inner.space -= bytes.byteLength;
-  inner.bb.bytes().set(bytes, inner.space);
+  inner.space -= byteLength;
+  fill(inner.bb.bytes().subarray(inner.space, inner.space + byteLength));
   return b.endVector();
 }
 
@@ -140,10 +151,10 @@ export function createI32s(b: Builder, values: Int32Array | Uint32Array): number
   return b.endVector();
 }
 
-/** The finished buffer as a standalone Uint8Array (not a view into the builder). */
+/** The finished buffer: a view into the builder's memory (the builder is not reused), no copy. */
 export function finishBytes(b: Builder, root: number, identifier: string): Uint8Array {
   b.finish(root, identifier);
-  return b.asUint8Array().slice();
+  return b.asUint8Array();
 }
 
 // ---- chunking ------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import {
   PullReply as PullReplyT, PullRequest as PullRequestT, PushReply as PushReplyT, PushRequest as PushRequestT,
   ShardState as ShardStateT, Split, SyncPolicy,
 } from "./wire.ts";
-import { bytesOf, createBytes, createI32s, f32Of, finishBytes, guarded, openRoot, verifyTable, type RootType, schemaVersion, WireFormatError } from "./codec.ts";
+import { bytesOf, createBytes, createBytesFilled, createI32s, f32Of, finishBytes, guarded, openRoot, verifyTable, type RootType, schemaVersion, WireFormatError } from "./codec.ts";
 
 export { DType, EventKind, Split, SyncPolicy };
 
@@ -41,13 +41,22 @@ export const f32Chunk = (id: number, values: Float32Array, version = 0): Chunk =
 /** fp32 values of an F32 chunk (a view); other dtypes are decompressed by the caller. */
 export const chunkF32 = (c: Chunk): Float32Array => f32Of(`chunk ${c.id}`, c.data);
 
-function writeChunk(b: Builder, c: Chunk): number {
-  const data = createBytes(b, c.data);
+/** A chunk whose bytes are written straight into the message by `fill` (count * 4 bytes, F32). */
+export interface ChunkSource {
+  id: number;
+  version: number;
+  count: number;
+  fill(dst: Uint8Array): void;
+}
+
+function writeChunk(b: Builder, c: Chunk | ChunkSource): number {
+  const data = "fill" in c ? createBytesFilled(b, c.count * 4, c.fill) : createBytes(b, c.data);
+  const dtype = "fill" in c ? DType.F32 : c.dtype, scale = "fill" in c ? 1 : c.scale;
   ChunkT.startChunk(b);
   ChunkT.addId(b, c.id);
   ChunkT.addVersion(b, big(c.version));
-  ChunkT.addDtype(b, c.dtype);
-  ChunkT.addScale(b, c.scale);
+  ChunkT.addDtype(b, dtype);
+  ChunkT.addScale(b, scale);
   ChunkT.addCount(b, c.count);
   ChunkT.addData(b, data);
   return ChunkT.endChunk(b);
@@ -77,7 +86,7 @@ function readList<T extends { bb: ByteBuffer | null; bb_pos: number }, R>(length
   return out;
 }
 
-function chunkVector(b: Builder, chunks: readonly Chunk[], create: (b: Builder, offsets: number[]) => number): number {
+function chunkVector(b: Builder, chunks: readonly (Chunk | ChunkSource)[], create: (b: Builder, offsets: number[]) => number): number {
   return create(b, chunks.map((c) => writeChunk(b, c)));
 }
 
@@ -186,6 +195,13 @@ export function decodePullRequest(data: Uint8Array, bytesMax: number): PullReque
 export interface PullReply {
   updates: number;
   chunks: Chunk[];
+}
+
+/** A pull reply whose chunk bytes are filled in place (see ChunkSource). */
+export function encodePullReplyFilled(updates: number, chunks: readonly ChunkSource[]): Uint8Array {
+  const b = new Builder(1024 + chunks.reduce((s, c) => s + c.count * 4 + 64, 0));
+  const vec = chunkVector(b, chunks, PullReplyT.createChunksVector);
+  return finishBytes(b, PullReplyT.createPullReply(b, schemaVersion, big(updates), vec), pullReplyRoot.identifier);
 }
 
 const pullReplyRoot = root("PullReply", "MTPY", (bb) => PullReplyT.getRootAsPullReply(bb));

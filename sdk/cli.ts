@@ -2,8 +2,7 @@
 // meshtrain command line: `run` trains on a local mesh; submit/watch/status/cancel/
 // checkpoints/restore talk to any mesh over NATS; `train` runs in this process.
 import { Command, Option } from "commander";
-import { runEngineBench } from "../bench/engine.ts";
-import { runKernelBench } from "../bench/kernels.ts";
+import { benches } from "../bench/index.ts";
 import { DataFileError } from "../engine/data/errors.ts";
 import { EngineError } from "../engine/errors.ts";
 import { NativeLibraryError } from "../ffi/errors.ts";
@@ -93,14 +92,14 @@ program.command("sample")
   });
 
 program.command("bench")
-  .description("run a benchmark: engine (training steps against sgemm) or kernels (GB/s against memcpy)")
-  .argument("<name>", "benchmark name", choice("engine", "kernels"))
+  .description("run a benchmark: engine, kernels, ps, data-loader, checkpoint or trainer (each prints a table, then one JSON line)")
+  .argument("<name>", "benchmark name", choice("engine", "kernels", "ps", "data-loader", "checkpoint", "trainer"))
   // the benchmark parses its own options (--steps, --elems, ...)
   .allowUnknownOption(true)
   .allowExcessArguments(true)
   .helpOption(false)
-  .action((name: "engine" | "kernels", _opts, cmd: Command) => {
-    (name === "engine" ? runEngineBench : runKernelBench)(cmd.args.slice(1));
+  .action(async (name: keyof typeof benches, _opts, cmd: Command) => {
+    await benches[name](cmd.args.slice(1));
   });
 
 try {

@@ -4,7 +4,7 @@
 // UnknownJobError reply rather than silence.
 import type { Backend } from "../../ffi/backend.ts";
 import {
-  decodeJobRequest, decodePullRequest, encodeJobRequest, decodePushRequest, decodeShardState, encodePullReply, encodePushReply, encodeShardState,
+  decodeJobRequest, decodePullRequest, encodeJobRequest, decodePushRequest, decodeShardState, encodePushReply, encodeShardState,
   encodeShardStats, type JobSpec,
 } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
@@ -46,7 +46,7 @@ export class ParameterServer {
       const m = decodePullRequest(data, this.payloadBytesMax);
       const e = this.#entry(job, m.job);
       e.pulls++;
-      const reply = encodePullReply(await e.shard.pull(m.trainer, m.step, m.ids));
+      const reply = await e.shard.pull(m.trainer, m.step, m.ids);
       if (reply.byteLength > this.payloadBytesMax) {
         throw new LimitExceededError(`a pull of ${m.ids.length} chunks is ${reply.byteLength} bytes, over the ${this.payloadBytesMax}-byte limit; pull fewer chunks per request`);
       }

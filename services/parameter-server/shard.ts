@@ -10,7 +10,7 @@
 //   ASP: never.
 import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
-import { DType, type Chunk, type ChunkState, type PullReply, type PushReply, type PushRequest, type ShardState, f32Chunk, chunkF32 } from "../../schemas/messages.ts";
+import { DType, type Chunk, type ChunkState, encodePullReplyFilled, type PushReply, type PushRequest, type ShardState } from "../../schemas/messages.ts";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/errors.ts";
 import type { JobConfig } from "../runtime/job.ts";
 import type { ChunkInfo, Layout } from "./layout.ts";
@@ -34,7 +34,7 @@ interface Waiter {
   step: number;
   ids: Uint32Array;
   ready: () => boolean;
-  resolve: (r: PullReply) => void;
+  resolve: (r: Uint8Array) => void;
   reject: (e: Error) => void;
   timer: ReturnType<typeof setTimeout>;
 }
@@ -60,8 +60,9 @@ export class ParameterShard {
   readonly #slots = new Map<number, ChunkSlot>();
   readonly #params: Allocation;
   readonly #grads: Allocation;
-  /** one chunk of backend memory to upload a gradient into */
-  readonly #scratch: Allocation;
+  /** backend memory a push's gradients are uploaded to and checked in */
+  #staging: Allocation | null = null;
+  #stagingElems = 0;
   readonly #state: { name: string; alloc: Allocation }[];
   readonly #clock: Float64Array;
   /** per trainer: step -> chunks of this shard received for it */
@@ -87,7 +88,6 @@ export class ParameterShard {
     this.#params = this.#be.alloc(bytes);
     this.#grads = this.#be.alloc(bytes);
     this.#be.zero(this.#grads.ptr, bytes);
-    this.#scratch = this.#be.alloc(o.layout.chunkElems * 4);
     const names = o.config.optimizer.kind === "sgd" ? ["momentum"] : ["m", "v"];
     this.#state = names.map((name) => {
       const alloc = this.#be.alloc(bytes);
@@ -140,29 +140,54 @@ export class ParameterShard {
     return slot;
   }
 
-  /** Applies (or aggregates) one trainer's gradients for some of this shard's chunks. */
+  /**
+   * Applies (or aggregates) one trainer's gradients for some of this shard's chunks. Everything
+   * is checked first (metadata, then finiteness on the staged data, natively): a bad push
+   * changes nothing.
+   */
   push(m: PushRequest): PushReply {
     this.#checkTrainer(m.trainer);
-    const checked = m.chunks.map((c) => this.#checkGradient(c, m));
     const seen = new Set<number>();
-    let accepted = 0, duplicates = 0, updates = 0;
-    for (const { slot, grad } of checked) {
-      if (seen.has(slot.info.id)) throw new BadRequestError(`chunk ${slot.info.id} appears twice in one push`);
-      seen.add(slot.info.id);
+    const fresh: { slot: ChunkSlot; chunk: Chunk; at: number }[] = [];
+    let duplicates = 0, staged = 0;
+    for (const c of m.chunks) {
+      const slot = this.#checkChunk(c, m);
+      if (seen.has(c.id)) throw new BadRequestError(`chunk ${c.id} appears twice in one push`);
+      seen.add(c.id);
       if (slot.lastStep[m.trainer]! >= m.step) {
         duplicates++; // a retried or duplicated push: applied once already
         continue;
       }
-      slot.lastStep[m.trainer] = m.step;
-      accepted++;
-      updates += this.#accumulate(slot, grad, m.step);
+      fresh.push({ slot, chunk: c, at: staged });
+      staged += Math.ceil(c.count / alignElems) * alignElems;
     }
-    if (accepted > 0) this.#advanceClock(m.trainer, m.step, accepted);
+    const staging = this.#stagingFor(staged);
+    for (const f of fresh) this.#be.upload(staging + f.at * 4, f.chunk.data);
+    if (staged > 0 && this.#be.countNonFinite(staging, staged) > 0) {
+      const bad = fresh.find((f) => this.#be.countNonFinite(staging + f.at * 4, f.chunk.count) > 0)!;
+      throw new BadRequestError(`chunk ${bad.chunk.id} from trainer ${m.trainer} step ${m.step}: the gradient holds NaN or Inf`);
+    }
+    let updates = 0;
+    for (const f of fresh) {
+      f.slot.lastStep[m.trainer] = m.step;
+      updates += this.#accumulate(f.slot, staging + f.at * 4, m.step);
+    }
+    if (fresh.length > 0) this.#advanceClock(m.trainer, m.step, fresh.length);
     this.#wake();
-    return { accepted, duplicates, updates };
+    return { accepted: fresh.length, duplicates, updates };
   }
 
-  #checkGradient(c: Chunk, m: PushRequest): { slot: ChunkSlot; grad: Float32Array } {
+  /** Backend memory for `elems` staged gradient elements (grown, never shrunk). */
+  #stagingFor(elems: number): number {
+    if (elems > this.#stagingElems) {
+      if (this.#staging) this.#be.free(this.#staging);
+      this.#staging = this.#be.alloc(Math.max(elems, alignElems) * 4);
+      this.#stagingElems = elems;
+    }
+    return this.#staging?.ptr ?? 0;
+  }
+
+  #checkChunk(c: Chunk, m: PushRequest): ChunkSlot {
     const slot = this.#slot(c.id);
     if (c.dtype !== DType.F32) throw new BadRequestError(`chunk ${c.id}: dtype ${DType[c.dtype]} is not accepted by this job (F32 only)`);
     if (c.count !== slot.info.count) throw new BadRequestError(`chunk ${c.id} has ${c.count} elements, the layout says ${slot.info.count}`);
@@ -170,39 +195,43 @@ export class ParameterShard {
     if (this.#cfg.sync === "bsp" && slot.lastStep[m.trainer]! < m.step && m.step !== slot.version) {
       throw new BadRequestError(`push for step ${m.step} of chunk ${c.id}, which is at step ${slot.version} (BSP)`);
     }
-    const grad = chunkF32(c);
-    for (let i = 0; i < grad.length; i++) {
-      if (!Number.isFinite(grad[i]!)) throw new BadRequestError(`chunk ${c.id} from trainer ${m.trainer} step ${m.step}: gradient element ${i} is ${grad[i]}`);
-    }
-    return { slot, grad };
+    return slot;
   }
 
-  /** Adds a gradient to the chunk's pending sum; returns 1 when that completed an update. */
-  #accumulate(slot: ChunkSlot, grad: Float32Array, step: number): number {
+  /**
+   * Adds a staged gradient to the chunk's pending sum; returns 1 when that completed an update.
+   * With one push per update the optimizer reads the staged gradient directly.
+   */
+  #accumulate(slot: ChunkSlot, grad: number, step: number): number {
     const be = this.#be;
     const n = slot.info.count;
-    be.upload(this.#scratch.ptr, grad);
-    be.axpy(this.#ptr(this.#grads, slot), this.#scratch.ptr, n, 1);
-    slot.pending++;
     const need = this.#cfg.sync === "bsp" ? this.#cfg.trainers : this.#cfg.batchPushes;
-    if (slot.pending < need) return 0;
-    be.scale(this.#ptr(this.#grads, slot), n, 1 / slot.pending);
-    this.#applyOptimizer(slot, lrAt(this.#schedule, this.#cfg.lr, step));
-    be.zero(this.#ptr(this.#grads, slot), n * 4);
-    slot.pending = 0;
+    const lr = () => lrAt(this.#schedule, this.#cfg.lr, step);
+    if (need === 1) {
+      this.#applyOptimizer(slot, grad, lr());
+    } else {
+      const sum = this.#ptr(this.#grads, slot);
+      if (slot.pending === 0) be.copy(sum, grad, n * 4);
+      else be.axpy(sum, grad, n, 1);
+      slot.pending++;
+      if (slot.pending < need) return 0;
+      be.scale(sum, n, 1 / slot.pending);
+      this.#applyOptimizer(slot, sum, lr());
+      slot.pending = 0;
+    }
     slot.version++;
     this.#updates++;
     return 1;
   }
 
-  #applyOptimizer(slot: ChunkSlot, lr: number): void {
+  #applyOptimizer(slot: ChunkSlot, g: number, lr: number): void {
     const be = this.#be;
     const o = this.#cfg.optimizer;
     const segments = [
       { at: 0, n: slot.info.decayCount, wd: o.weightDecay },
       { at: slot.info.decayCount, n: slot.info.count - slot.info.decayCount, wd: 0 },
     ].filter((s) => s.n > 0);
-    const p = this.#ptr(this.#params, slot), g = this.#ptr(this.#grads, slot);
+    const p = this.#ptr(this.#params, slot);
     const s0 = this.#ptr(this.#state[0]!.alloc, slot);
     for (const seg of segments) {
       const off = seg.at * 4;
@@ -239,8 +268,12 @@ export class ParameterShard {
     }
   }
 
-  /** Current parameters of `ids`, once the sync policy allows trainer `trainer` to compute `step`. */
-  pull(trainer: number, step: number, ids: Uint32Array): Promise<PullReply> {
+  /**
+   * The PullReply message with the current parameters of `ids`, once the sync policy allows
+   * trainer `trainer` to compute `step` (encoded here: parameters go from backend memory
+   * straight into the message).
+   */
+  pull(trainer: number, step: number, ids: Uint32Array): Promise<Uint8Array> {
     this.#checkTrainer(trainer);
     for (const id of ids) this.#slot(id);
     if (new Set(ids).size !== ids.length) throw new BadRequestError("a pull names a chunk twice");
@@ -268,14 +301,11 @@ export class ParameterShard {
     }
   }
 
-  #snapshot(ids: Uint32Array): PullReply {
-    const chunks = [...ids].map((id) => {
+  #snapshot(ids: Uint32Array): Uint8Array {
+    return encodePullReplyFilled(this.#updates, [...ids].map((id) => {
       const slot = this.#slots.get(id)!;
-      const values = new Float32Array(slot.info.count);
-      this.#be.download(this.#ptr(this.#params, slot), values);
-      return f32Chunk(id, values, slot.version);
-    });
-    return { updates: this.#updates, chunks };
+      return { id, version: slot.version, count: slot.info.count, fill: (dst: Uint8Array) => this.#be.download(this.#ptr(this.#params, slot), dst) };
+    }));
   }
 
   /** Everything needed to resume: parameters, optimizer state and versions of every chunk. */
@@ -335,6 +365,6 @@ export class ParameterShard {
       w.reject(new DeadlineError(`shard ${this.shard} of job ${this.job} stopped`));
     }
     this.#waiters.clear();
-    for (const a of [this.#params, this.#grads, this.#scratch, ...this.#state.map((s) => s.alloc)]) this.#be.free(a);
+    for (const a of [this.#params, this.#grads, ...(this.#staging ? [this.#staging] : []), ...this.#state.map((s) => s.alloc)]) this.#be.free(a);
   }
 }

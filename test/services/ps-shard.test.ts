@@ -6,7 +6,7 @@ import { buildLayout } from "../../services/parameter-server/layout.ts";
 import { ParameterShard } from "../../services/parameter-server/shard.ts";
 import { BadRequestError, DeadlineError } from "../../services/runtime/errors.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
-import { chunkF32, f32Chunk, type PushRequest } from "../../schemas/messages.ts";
+import { chunkF32, decodePullReply, f32Chunk, type PushRequest } from "../../schemas/messages.ts";
 import { Rng } from "../../engine/rng.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { cpu, randn, relErr } from "../helpers/numeric.ts";
@@ -30,7 +30,7 @@ function pushAll(layout: ReturnType<typeof buildLayout>, trainer: number, step: 
 }
 
 async function pullAll(shard: ParameterShard, ids: Uint32Array, trainer: number, step: number, total: number): Promise<Float32Array> {
-  const r = await shard.pull(trainer, step, ids);
+  const r = decodePullReply(await shard.pull(trainer, step, ids), 1 << 30);
   const out = new Float32Array(total);
   let at = 0;
   for (const c of r.chunks) {
@@ -186,7 +186,8 @@ describe("bad pushes are rejected before anything changes", () => {
     ["an unknown chunk", (l: ReturnType<typeof buildLayout>) => ({ job: "t", trainer: 0, step: 0, chunks: [f32Chunk(999, new Float32Array(4))] }), "not owned"],
     ["a wrong element count", (l: ReturnType<typeof buildLayout>) => ({ job: "t", trainer: 0, step: 0, chunks: [f32Chunk(l.chunks[0]!.id, new Float32Array(7))] }), "7 elements"],
     ["a trainer outside the job", (l: ReturnType<typeof buildLayout>) => ({ ...pushAll(l, 5, 0, new Float32Array(2500)) }), "trainer 5"],
-    ["a NaN gradient", (l: ReturnType<typeof buildLayout>) => pushAll(l, 0, 0, new Float32Array(2500).fill(Number.NaN)), "NaN"],
+    ["a NaN gradient", (l: ReturnType<typeof buildLayout>) => pushAll(l, 0, 0, new Float32Array(2500).fill(Number.NaN)), "NaN or Inf"],
+    ["one Inf in the last chunk", (l: ReturnType<typeof buildLayout>) => pushAll(l, 0, 0, new Float32Array(2500).map((_, i) => (i === 2499 ? Infinity : 0))), "chunk 2 "],
     ["a step ahead of BSP", (l: ReturnType<typeof buildLayout>) => pushAll(l, 0, 3, new Float32Array(2500)), "step 3"],
   ])("%s", async (_, make, fragment) => {
     const { shard, layout, initial, ids } = makeShard(cfg);

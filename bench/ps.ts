@@ -1,0 +1,144 @@
+// Parameter-server benchmark: push + pull of a whole model by one trainer (ASP, so nothing
+// waits on other trainers) against shard processes on a real nats-server, in GB/s, next to raw
+// NATS request/reply of the same messages (same sizes, same number of processes, no work) in
+// the same run. Ratio = parameter-server GB/s / raw NATS GB/s; target 0.8.
+//
+//   bun run bench ps [--sizes-mb 4,16,64] [--shards 1,2,4] [--rounds 5] [--json-only]
+import { join } from "node:path";
+import { packByBytes } from "../schemas/codec.ts";
+import { decodeShardStats, encodeJobRequest, SyncPolicy } from "../schemas/messages.ts";
+import { buildLayout } from "../services/parameter-server/layout.ts";
+import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../services/runtime/job.ts";
+import { JobStore } from "../services/runtime/jobs.ts";
+import { NatsBus } from "../services/runtime/nats.ts";
+import { startNatsServer } from "../services/runtime/nats-server.ts";
+import { PsClient } from "../services/trainer/ps-client.ts";
+import { ConfigError } from "../engine/errors.ts";
+import { parseBenchArgs, positiveInt } from "./args.ts";
+import { median, printTable, round } from "./table.ts";
+
+export interface PsBenchResult {
+  model_mb: number;
+  shards: number;
+  messages: number;
+  ps_ms: number;
+  ps_gb_per_s: number;
+  nats_gb_per_s: number;
+  ratio: number;
+  target: number;
+}
+
+const root = join(import.meta.dir, "..");
+const chunkBytes = 1 << 20;
+const payloadBytesMax = 8 << 20;
+const list = (name: string, raw: unknown) => String(raw).split(",").map((x) => positiveInt(name, x));
+
+/** An MLP 1024-H-10 of about `mb` megabytes of fp32 parameters. */
+function jobFor(mb: number, shards: number): JobConfig {
+  const hidden = Math.round((mb * (1 << 20)) / 4 / (1024 + 10 + 1));
+  return parseJobConfig({
+    ...jobDefaults, job: `bench-${mb}mb-${shards}`, model: { kind: "mlp", widths: [1024, hidden, 10], dropout: 0 },
+    trainers: 1, shards, sync: "asp", optimizer: { kind: "sgd", momentum: 0.9, nesterov: false, weightDecay: 0 },
+    schedule: "constant", warmupSteps: 0, chunkBytes, checkpointEvery: 0,
+  });
+}
+
+function spawn(args: string[]) {
+  const p = Bun.spawn([process.execPath, ...args], { cwd: root, stdout: "pipe", stderr: "ignore", env: { ...process.env, OMP_NUM_THREADS: "1", MT_LOG_LEVEL: "warn" } });
+  return p;
+}
+
+async function waitLine(p: ReturnType<typeof spawn>, text: string): Promise<void> {
+  const decoder = new TextDecoder();
+  let out = "";
+  for await (const chunk of p.stdout) {
+    out += decoder.decode(chunk);
+    if (out.includes(text)) return;
+  }
+  throw new Error(`process exited before printing "${text}"`);
+}
+
+export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
+  const v = parseBenchArgs(argv, {
+    "sizes-mb": { type: "string", default: "4,16,64" }, shards: { type: "string", default: "1,2,4" },
+    rounds: { type: "string", default: "5" }, "json-only": { type: "boolean", default: false },
+  });
+  const sizes = list("sizes-mb", v["sizes-mb"]), shardCounts = list("shards", v.shards), rounds = positiveInt("rounds", v.rounds);
+  if (Math.max(...shardCounts) > 8) throw new ConfigError("--shards: at most 8");
+  await using server = await startNatsServer({ maxPayloadBytes: payloadBytesMax });
+  const maxShards = Math.max(...shardCounts);
+  const shards = Array.from({ length: maxShards }, (_, k) =>
+    spawn(["services/parameter-server/main.ts", "--nats-url", server.url, "--shard", String(k)]));
+  const echoes = Array.from({ length: maxShards }, (_, k) => spawn(["bench/nats-echo.ts", server.url, String(k)]));
+  await Promise.all(echoes.map((p) => waitLine(p, "ready")));
+  const bus = await NatsBus.connect({ url: server.url, name: "bench-ps", connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
+  const store = await JobStore.open(bus.nc);
+  const rows: PsBenchResult[] = [];
+  try {
+    for (const mb of sizes) for (const n of shardCounts) rows.push(await benchOne(bus, store, jobFor(mb, n), mb, rounds));
+  } finally {
+    await bus.close();
+    for (const p of [...shards, ...echoes]) p.kill("SIGTERM");
+    await Promise.all([...shards, ...echoes].map((p) => p.exited));
+  }
+  if (!v["json-only"]) {
+    console.log(`parameter-server benchmark: 1 trainer pushes then pulls the whole model (ASP, SGD momentum), ${chunkBytes >> 20} MB chunks, ` +
+      `messages up to ${payloadBytesMax >> 20} MB; median of ${rounds} rounds; raw NATS = the same messages to echo processes`);
+    printTable(rows, ["model_mb", "shards", "messages", "ps_ms", "ps_gb_per_s", "nats_gb_per_s", "ratio", "target"]);
+  }
+  console.log(JSON.stringify({ bench: "ps", results: rows }));
+  return rows;
+}
+
+async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: number, rounds: number): Promise<PsBenchResult> {
+  await store.put({ job: cfg.job, trainers: 1, shards: cfg.shards, sync: SyncPolicy.ASP, staleness: 0, configJson: JSON.stringify(cfg) });
+  const hidden = cfg.model.widths[1]!;
+  // the slab of MLP 1024-H-10: two matrices (decay) then two biases, each padded to 16 floats
+  const pad = (n: number) => Math.ceil(n / 16) * 16;
+  const decay = pad(1024 * hidden) + pad(hidden * 10);
+  const total = decay + pad(hidden) + pad(10);
+  const layout = buildLayout(cfg.job, total, decay, cfg.chunkBytes, cfg.shards);
+  for (let k = 0; k < cfg.shards; k++) {
+    for (let i = 0; ; i++) {
+      try {
+        const s = decodeShardStats(await bus.request(subjects.psStats(cfg.job, k), encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 2000), 1 << 20);
+        if (s.elements !== layout.byShard[k]!.reduce((a, id) => a + layout.chunks[id]!.count, 0)) throw new Error(`shard ${k} layout differs from the bench's`);
+        break;
+      } catch (e) {
+        if (i > 600 || (e as Error).message.includes("layout differs")) throw e;
+        await Bun.sleep(50);
+      }
+    }
+  }
+  const client = new PsClient(bus, layout, 0, payloadBytesMax);
+  const grads = new Float32Array(total).fill(1e-6), params = new Float32Array(total);
+  const psMs: number[] = [];
+  for (let r = 0; r < rounds + 1; r++) {
+    const t0 = performance.now();
+    await client.push(r, grads);
+    await client.pull(r + 1, params);
+    if (r > 0) psMs.push(performance.now() - t0); // round 0 warms up
+  }
+  // the same messages, raw: per shard, groups as PsClient sends them
+  const groups = layout.byShard.map((ids) => packByBytes(ids, (id) => layout.chunks[id]!.count * 4, payloadBytesMax)
+    .map((g) => g.reduce((s, id) => s + layout.chunks[id]!.count * 4, 0)));
+  const natsMs: number[] = [];
+  const sizeReq = (bytes: number) => {
+    const b = new Uint8Array(64);
+    new DataView(b.buffer).setUint32(0, bytes + 256, true);
+    return b;
+  };
+  for (let r = 0; r < rounds + 1; r++) {
+    const t0 = performance.now();
+    await Promise.all(groups.flatMap((g, k) => g.map((bytes) => bus.request(`bench.${k}.push`, new Uint8Array(bytes + 256), 60_000))));
+    await Promise.all(groups.flatMap((g, k) => g.map((bytes) => bus.request(`bench.${k}.pull`, sizeReq(bytes), 60_000))));
+    if (r > 0) natsMs.push(performance.now() - t0);
+  }
+  await store.delete(cfg.job);
+  const bytes = 2 * total * 4;
+  const ps = bytes / median(psMs) / 1e6, nats = bytes / median(natsMs) / 1e6;
+  return {
+    model_mb: mb, shards: cfg.shards, messages: 2 * groups.flat().length, ps_ms: round(median(psMs), 1),
+    ps_gb_per_s: round(ps, 3), nats_gb_per_s: round(nats, 3), ratio: round(ps / nats, 3), target: 0.8,
+  };
+}

@@ -1,0 +1,16 @@
+// Benchmark output: an aligned table for people, then one JSON line for machines.
+export function printTable<R extends object>(rows: readonly R[], cols: readonly (keyof R & string)[]): void {
+  const cells = rows.map((r) => cols.map((c) => String(r[c])));
+  const widths = cols.map((c, i) => Math.max(c.length, ...cells.map((row) => row[i]!.length)));
+  const line = (xs: readonly string[]) => xs.map((x, i) => x.padEnd(widths[i]!)).join("  ");
+  console.log(line(cols));
+  console.log(line(widths.map((w) => "-".repeat(w))));
+  for (const row of cells) console.log(line(row));
+}
+
+export const round = (x: number, digits: number) => Number(x.toFixed(digits));
+export const median = (xs: readonly number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
+export const percentile = (xs: readonly number[], p: number) => {
+  const s = [...xs].sort((a, b) => a - b);
+  return s[Math.min(s.length - 1, Math.floor(p * s.length))]!;
+};
