@@ -52,6 +52,7 @@ export class TrainerRun {
   /** resolves when a restore arrives, so a step blocked on a dead shard is abandoned at once */
   #restored: { promise: Promise<void>; resolve: () => void } = Promise.withResolvers<void>();
   #sub: Subscription | null = null;
+  #ahead: { step: number; promise: Promise<Batch> } | null = null;
 
   constructor(o: TrainerOptions) {
     this.#o = o;
@@ -160,8 +161,7 @@ export class TrainerRun {
   async #runStep(step: number, generation: number): Promise<void> {
     const { cfg, rank, bus, backend } = this.#o;
     const t0 = performance.now();
-    const batchReq = encodeBatchRequest({ job: cfg.job, rank, split: Split.Train, credits: loaderCredits, step });
-    const batch = decodeBatch(await bus.request(subjects.dataNext(cfg.job), batchReq, requestTimeoutMs), this.#o.payloadBytesMax);
+    const batch = await this.#batch(step);
     const t1 = performance.now();
     const params = this.#paramsFor(generation);
     await this.#ps.pull(step, params);
@@ -187,6 +187,28 @@ export class TrainerRun {
       kind: EventKind.Step, step, loss, lr: lrAt(this.#schedule, cfg.lr, step), samplesPerS: batch.rows / ((t5 - t0) / 1000),
       dataWaitMs: t1 - t0, pullMs: t2 - t1, computeMs: t4 - t3, pushMs: t5 - t4, count: batch.rows,
     });
+  }
+
+  /**
+   * The batch of `step`. The request for the next step goes out at once, so its transfer
+   * overlaps this step's compute (the loader has it prefetched; only the transfer is left).
+   */
+  async #batch(step: number): Promise<Batch> {
+    const { cfg, rank, bus } = this.#o;
+    const fetch = (s: number) => {
+      const req = encodeBatchRequest({ job: cfg.job, rank, split: Split.Train, credits: loaderCredits, step: s });
+      const promise = bus.request(subjects.dataNext(cfg.job), req, requestTimeoutMs).then((r) => decodeBatch(r, this.#o.payloadBytesMax));
+      promise.catch(() => {}); // a failed look-ahead is retried as the step's own request
+      return { step: s, promise };
+    };
+    const ahead = this.#ahead?.step === step ? this.#ahead : null;
+    this.#ahead = step + 1 < this.#o.totalSteps ? fetch(step + 1) : null;
+    try {
+      return await (ahead ?? fetch(step)).promise;
+    } catch (e) {
+      if (!ahead) throw e;
+      return await fetch(step).promise;
+    }
   }
 
   /** A step abandoned by a restore stops at its next check instead of touching the model. */
