@@ -9,6 +9,7 @@ import {
 } from "../schemas/messages.ts";
 import { type JobConfig, parseJobConfig, subjects } from "../services/runtime/job.ts";
 import { JobStore } from "../services/runtime/jobs.ts";
+import { DeadlineError } from "../services/runtime/errors.ts";
 import { NatsBus } from "../services/runtime/nats.ts";
 
 const syncPolicy = { bsp: SyncPolicy.BSP, asp: SyncPolicy.ASP, ssp: SyncPolicy.SSP } as const;
@@ -114,8 +115,20 @@ export class MeshClient implements AsyncDisposable {
     return decodeCheckpointList(await this.bus.request(subjects.ckptList(job), encodeJobRequest({ job, step: 0, tag: "" }), 10_000), 64 << 20).items;
   }
 
-  async saveCheckpoint(job: string, step: number): Promise<Manifest> {
-    return decodeManifest(await this.bus.request(subjects.ckptSave(job), encodeJobRequest({ job, step, tag: "requested" }), 120_000), 1 << 22);
+  /**
+   * Asks for a snapshot now: trainer rank 0 takes it at its next step boundary (where the
+   * parameter servers are consistent). Resolves with the Checkpoint event, or rejects after
+   * timeoutMs (the job is not training).
+   */
+  async saveCheckpoint(job: string, timeoutMs = 60_000): Promise<Event> {
+    const events = this.events(job, AbortSignal.timeout(timeoutMs));
+    try {
+      this.bus.publish(subjects.checkpointNow(job), new Uint8Array(0));
+      for await (const e of events) if (e.kind === EventKind.Checkpoint) return e;
+      throw new DeadlineError(`no snapshot of ${job} within ${timeoutMs} ms; is it training?`);
+    } finally {
+      await events.return?.();
+    }
   }
 
   /** Rolls the whole job back to a snapshot (the newest good one when id is empty). */

@@ -26,6 +26,7 @@ function jobOptions(cmd: Command): Command {
     .option("--dropout <p>", "dropout after each hidden layer", float(0, 0.99), d.model.dropout)
     .option("--epochs <n>", "passes over the training set", int(1), d.epochs)
     .option("--batch-size <n>", "samples per trainer per step", int(1), d.batchSize)
+    .option("--accum <k>", "micro-batches per step (gradient accumulation; divides --batch-size)", int(1), d.accumSteps)
     .addOption(new Option("--optimizer <name>", "optimizer, applied on the shards").choices(["sgd", "adamw"]).default(d.optimizer.kind))
     .option("--lr <x>", "peak learning rate", float(0, Infinity, { exclusiveMin: true }), d.lr)
     .option("--momentum <x>", "SGD momentum (Nesterov)", float(0, 0.999), 0.9)
@@ -44,7 +45,7 @@ function jobOptions(cmd: Command): Command {
 // commander's parsed options for jobOptions
 interface JobFlags {
   job?: string; trainers: number; shards: number; sync: "bsp" | "asp" | "ssp"; staleness: number; batchPushes: number;
-  widths: number[]; dropout: number; epochs: number; batchSize: number; optimizer: "sgd" | "adamw"; lr: number; momentum: number;
+  widths: number[]; dropout: number; epochs: number; batchSize: number; accum: number; optimizer: "sgd" | "adamw"; lr: number; momentum: number;
   weightDecay: number; schedule: "constant" | "cosine" | "linear"; warmup: number; chunkBytes: number; checkpointEvery: number;
   keepLast: number; evalEvery: number; valFraction: number; seed: number; dataDir: string;
 }
@@ -59,7 +60,7 @@ export function jobConfigOf(f: JobFlags): JobConfig {
     optimizer: f.optimizer === "sgd"
       ? { kind: "sgd", momentum: f.momentum, nesterov: f.momentum > 0, weightDecay: f.weightDecay }
       : { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: f.weightDecay },
-    lr: f.lr, schedule: f.schedule, warmupSteps: f.warmup, batchSize: f.batchSize, epochs: f.epochs, valFraction: f.valFraction,
+    lr: f.lr, schedule: f.schedule, warmupSteps: f.warmup, batchSize: f.batchSize, accumSteps: f.accum, epochs: f.epochs, valFraction: f.valFraction,
     evalEvery: f.evalEvery, seed: f.seed, chunkBytes: f.chunkBytes, checkpointEvery: f.checkpointEvery, keepLast: f.keepLast,
   });
 }
@@ -134,6 +135,13 @@ export function addMeshCommands(program: Command): void {
       for (const m of await client.checkpoints(job)) {
         console.log(`${m.id}  step ${m.step}  metric ${Number.isFinite(m.metric) ? m.metric.toFixed(4) : "-"}  ${m.files.reduce((s, f) => s + f.bytes, 0)} bytes  ${new Date(m.createdMs).toISOString()}`);
       }
+    });
+
+  natsOption(program.command("save").description("take a snapshot of a training job at its next step").argument("<job>"))
+    .action(async (job: string, opts: { natsUrl: string }) => {
+      await using client = await MeshClient.connect(opts.natsUrl);
+      const e = await client.saveCheckpoint(job);
+      console.log(`${job}: ${e.text}`);
     });
 
   natsOption(program.command("restore").description("roll a job back to a snapshot (default: the newest that verifies)").argument("<job>").argument("[id]"))

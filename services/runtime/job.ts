@@ -36,6 +36,8 @@ export const jobConfigSchema = z.object({
   warmupSteps: int(0),
   /** samples per trainer per step */
   batchSize: int(1, 1 << 16),
+  /** micro-batches the step's batch is cut into (forward/backward each, gradients summed) */
+  accumSteps: int(1, 1024),
   epochs: int(1, 10_000),
   /** share of the training set held out for validation (seeded) */
   valFraction: z.number().min(0).max(0.5),
@@ -69,6 +71,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   schedule: "cosine",
   warmupSteps: 100,
   batchSize: 128,
+  accumSteps: 1,
   epochs: 10,
   valFraction: 0,
   evalEvery: 0,
@@ -86,6 +89,7 @@ export function parseJobConfig(data: unknown): JobConfig {
   }
   const c = r.data;
   if (c.minLr > c.lr) throw new ConfigError(`invalid job config: minLr (${c.minLr}) exceeds lr (${c.lr})`);
+  if (c.batchSize % c.accumSteps !== 0) throw new ConfigError(`invalid job config: batchSize (${c.batchSize}) must be a multiple of accumSteps (${c.accumSteps})`);
   if (c.sync === "bsp" && c.batchPushes !== 1) throw new ConfigError("invalid job config: batchPushes applies to asp and ssp (bsp aggregates the W pushes of a step)");
   return c;
 }
@@ -113,6 +117,8 @@ export const subjects = {
   ckptList: (job: string) => `mt.${job}.ckpt.list`,
   ckptRestore: (job: string) => `mt.${job}.ckpt.restore`,
   events: (job: string, kind: string) => `mt.${job}.events.${kind}`,
+  /** published by the SDK: trainer rank 0 takes a snapshot at its next step boundary */
+  checkpointNow: (job: string) => `mt.${job}.ctl.checkpoint`,
   allEvents: (job: string) => `mt.${job}.events.>`,
   jobsSubmit: "mt.ctl.jobs.submit",
   jobsCancel: "mt.ctl.jobs.cancel",

@@ -37,6 +37,20 @@ export class StaleStepError extends Error {
 
 const toHost = (b: Batch): HostBatch => ({ inputs: b.x, inputShape: [b.rows, b.cols], targets: b.y, targetShape: [b.rows] });
 
+/**
+ * The step's batch cut into `k` micro-batches (gradient accumulation: each micro-batch's mean
+ * loss is back-propagated with weight 1/k). A short last batch is cut into fewer.
+ */
+export function microBatches(b: Batch, k: number): HostBatch[] {
+  const size = Math.ceil(b.rows / Math.min(k, b.rows));
+  const out: HostBatch[] = [];
+  for (let r = 0; r < b.rows; r += size) {
+    const n = Math.min(size, b.rows - r);
+    out.push({ inputs: b.x.subarray(r * b.cols, (r + n) * b.cols), inputShape: [n, b.cols], targets: b.y.subarray(r, r + n), targetShape: [n] });
+  }
+  return out;
+}
+
 export class TrainerRun {
   readonly #o: TrainerOptions;
   readonly #ctx: Context;
@@ -53,6 +67,9 @@ export class TrainerRun {
   #restored: { promise: Promise<void>; resolve: () => void } = Promise.withResolvers<void>();
   #sub: Subscription | null = null;
   #ahead: { step: number; promise: Promise<Batch> } | null = null;
+  /** a snapshot was asked for (SDK `save`): rank 0 takes it at the next step boundary */
+  #snapshotAsked = false;
+  #ctl: Subscription | null = null;
 
   constructor(o: TrainerOptions) {
     this.#o = o;
@@ -103,6 +120,7 @@ export class TrainerRun {
       this.#restored = Promise.withResolvers<void>();
       log?.warn({ step: e.step, why: e.text }, "job restored from a checkpoint; resuming there");
     });
+    if (this.#o.rank === 0) this.#ctl = bus.subscribe(subjects.checkpointNow(cfg.job), () => (this.#snapshotAsked = true));
     try {
       let step = await this.#retry("find the start step", () => this.#startStep());
       log?.info({ step, totalSteps }, "training");
@@ -119,6 +137,7 @@ export class TrainerRun {
       throw e;
     } finally {
       this.#sub?.unsubscribe();
+      this.#ctl?.unsubscribe();
       this.#ctx.dispose();
     }
   }
@@ -169,12 +188,16 @@ export class TrainerRun {
     backend.upload(this.#model.store.values.ptr, params);
     const t2 = performance.now();
     if (cfg.evalEvery > 0 && step > 0 && step % cfg.evalEvery === 0) await this.#evaluate(step);
-    if (rank === 0 && cfg.checkpointEvery > 0 && step % cfg.checkpointEvery === 0) await this.#checkpoint(step);
+    const scheduled = cfg.checkpointEvery > 0 && step % cfg.checkpointEvery === 0;
+    if (rank === 0 && (scheduled || this.#snapshotAsked)) {
+      this.#snapshotAsked = false;
+      await this.#checkpoint(step);
+    }
     const t3 = performance.now();
     this.#checkGeneration(step, generation);
     let loss = 0;
     if (batch.rows > 0) {
-      loss = lossAndGradients(this.#ctx, this.#model, [toHost(batch)], cfg.gradClip, step).loss;
+      loss = lossAndGradients(this.#ctx, this.#model, microBatches(batch, cfg.accumSteps), cfg.gradClip, step).loss;
       backend.download(this.#model.store.grads.ptr, this.#grads);
     } else {
       this.#grads.fill(0); // this rank got no samples in the epoch's last, short step

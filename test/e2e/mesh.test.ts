@@ -43,10 +43,14 @@ describe("mesh", () => {
     const dir = mkdtempSync(join(tmpdir(), "mt-e2e-"));
     await using mesh = await LocalMesh.start({ dir });
     await using client = await MeshClient.connect(mesh.url);
-    const cfg = config({ job: "e2e", checkpointEvery: 100, evalEvery: 100 });
+    // 2 micro-batches of 64 per step (gradient accumulation on the trainers)
+    const cfg = config({ job: "e2e", checkpointEvery: 100, evalEvery: 100, accumSteps: 2 });
     const total = jobTotalSteps(cfg);
     const seen: Event[] = [];
-    const events = tap(client.events(cfg.job), seen);
+    let asked: Promise<Event> | null = null;
+    const events = tap(client.events(cfg.job), seen, (e) => {
+      if (asked === null && e.kind === EventKind.Step && e.step === 30) asked = client.saveCheckpoint(cfg.job);
+    });
     await client.submit(cfg);
     const r = await watchJob(events, { trainers: 2, totalSteps: total, quiet: true });
     expect(r.accuracy).toBeGreaterThan(0.9); // chance is 0.1
@@ -54,7 +58,11 @@ describe("mesh", () => {
     const steps = effectiveSteps(seen, 2);
     for (const rank of [0, 1]) expect(steps[rank]).toEqual(Array.from({ length: total }, (_, i) => i));
     expect(seen.filter((e) => e.kind === EventKind.Eval && e.step === 100)).toHaveLength(2); // both ranks evaluated at step 100
-    expect(r.checkpoints).toBe(Math.ceil(total / 100));
+    // the scheduled snapshots, and the one asked for at step 30 (taken at rank 0's next step)
+    const onDemand = await asked!;
+    expect(onDemand.step).toBeGreaterThan(30);
+    expect(onDemand.step % 100).not.toBe(0);
+    expect(r.checkpoints).toBe(Math.ceil(total / 100) + 1);
     const step = seen.find((e) => e.kind === EventKind.Step)!;
     expect(step.pullMs).toBeGreaterThan(0);
     expect(step.computeMs).toBeGreaterThan(0);

@@ -95,3 +95,15 @@ describe("loader over a MemoryBus", () => {
     expect((await ask({ step: 3 })).rows).toBe(64); // still serving
   });
 });
+
+describe("trainer micro-batches", () => {
+  test("a batch cut into k micro-batches keeps every row once, in order; a short batch into fewer", async () => {
+    const { microBatches } = await import("../../services/trainer/loop.ts");
+    const b = { epoch: 0, index: 0, sampleIds: new Uint32Array(10), rows: 10, cols: 3, x: Float32Array.from({ length: 30 }, (_, i) => i), y: Int32Array.from({ length: 10 }, (_, i) => i), endOfEpoch: false };
+    const m = microBatches(b, 4);
+    expect(m.map((x) => x.targetShape[0])).toEqual([3, 3, 3, 1]);
+    expect(m.flatMap((x) => [...x.targets])).toEqual([...b.y]);
+    expect(m.flatMap((x) => [...x.inputs])).toEqual([...b.x]);
+    expect(microBatches({ ...b, rows: 2, x: b.x.subarray(0, 6), y: b.y.subarray(0, 2) }, 4)).toHaveLength(2);
+  });
+});
