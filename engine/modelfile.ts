@@ -37,7 +37,8 @@ export interface ModelFileHeader {
   createdAt: string;
 }
 
-function fsyncPath(path: string): void {
+/** fsync a file or folder by path (a folder: makes a rename or a new entry in it durable). */
+export function fsyncPath(path: string): void {
   const fd = openSync(path, "r");
   try {
     fsyncSync(fd);

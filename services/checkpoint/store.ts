@@ -6,20 +6,12 @@
 // Reading verifies every file's size and CRC32 against the manifest.
 import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readdirSync, readFileSync, renameSync, rmSync, writeSync } from "node:fs";
 import { join } from "node:path";
+import { fsyncPath } from "../../engine/modelfile.ts";
 import { decodeManifest, encodeManifest, type Manifest } from "../../schemas/messages.ts";
 import { CorruptDataError, NotReadyError } from "../runtime/errors.ts";
 import { fileBytesMax, formatVersion, manifestBytesMax } from "./limits.ts";
 
 export const manifestName = "manifest.mtcm";
-
-function fsyncPath(path: string): void {
-  const fd = openSync(path, "r");
-  try {
-    fsyncSync(fd);
-  } finally {
-    closeSync(fd);
-  }
-}
 
 function writeDurable(path: string, bytes: Uint8Array): void {
   const fd = openSync(path, "w");
