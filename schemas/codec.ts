@@ -32,16 +32,19 @@ const headerBytes = 8;
 
 /**
  * Checks size, file identifier and schema version, then returns the root. The bytes are first
- * copied to aligned memory when they are not 4-byte aligned, so float vectors can be viewed.
+ * copied to aligned memory when they are not 4-byte aligned, so typed vectors can be viewed;
+ * `align: false` skips that for messages whose vectors are all bytes (f32Of copies the
+ * unaligned ones it is asked to view).
  */
-export function openRoot<T>(data: Uint8Array, type: RootType<T>, bytesMax: number): T {
+export function openRoot<T>(data: Uint8Array, type: RootType<T>, bytesMax: number, opts: { align: boolean } = { align: true }): T {
   if (data.byteLength < headerBytes) {
     throw new WireFormatError("truncated", `${type.name}: ${data.byteLength} bytes is shorter than a FlatBuffers header (${headerBytes})`);
   }
   if (data.byteLength > bytesMax) {
     throw new WireFormatError("oversized", `${type.name}: ${data.byteLength} bytes exceeds the limit of ${bytesMax}`);
   }
-  const bb = new ByteBuffer(alignedBytes(data));
+  // messages that hold only byte vectors (read with any alignment) skip the copy: opts.align false
+  const bb = new ByteBuffer(opts.align ? alignedBytes(data) : data);
   if (!bb.__has_identifier(type.identifier)) {
     const got = new TextDecoder().decode(data.subarray(4, 8)).replace(/[^\x20-\x7e]/g, "?");
     throw new WireFormatError("bad_identifier", `${type.name}: file identifier "${got}", expected "${type.identifier}"`);

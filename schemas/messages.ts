@@ -20,6 +20,11 @@ function root<T extends { schemaVersion(): number }>(name: string, identifier: s
 }
 
 const str = (b: Builder, s: string) => b.createString(s);
+/**
+ * A builder whose capacity is a multiple of 64 bytes: FlatBuffers aligns from the end of the
+ * buffer, so only then are 16-byte aligned vectors also aligned from the start of its memory.
+ */
+const builder = (bytes: number) => new Builder(Math.ceil(bytes / 64) * 64);
 const big = (n: number) => BigInt(n);
 const num = (n: bigint) => Number(n);
 
@@ -104,7 +109,7 @@ export interface ErrorReply {
 const errorRoot = root("ErrorReply", "MTER", (bb) => ErrorReplyT.getRootAsErrorReply(bb));
 
 export function encodeErrorReply(e: ErrorReply): Uint8Array {
-  const b = new Builder(256 + e.message.length);
+  const b = builder(256 + e.message.length);
   const code = str(b, e.code), message = str(b, e.message), subject = str(b, e.subject);
   return finishBytes(b, ErrorReplyT.createErrorReply(b, schemaVersion, code, message, subject), errorRoot.identifier);
 }
@@ -130,14 +135,14 @@ export interface PushRequest {
 const pushRoot = root("PushRequest", "MTPS", (bb) => PushRequestT.getRootAsPushRequest(bb));
 
 export function encodePushRequest(m: PushRequest): Uint8Array {
-  const b = new Builder(1024 + m.chunks.reduce((s, c) => s + c.data.byteLength + 64, 0));
+  const b = builder(1024 + m.chunks.reduce((s, c) => s + c.data.byteLength + 64, 0));
   const chunks = chunkVector(b, m.chunks, PushRequestT.createChunksVector);
   const job = str(b, m.job);
   return finishBytes(b, PushRequestT.createPushRequest(b, schemaVersion, job, m.trainer, big(m.step), chunks), pushRoot.identifier);
 }
 
 export function decodePushRequest(data: Uint8Array, bytesMax: number): PushRequest {
-  const r = openRoot(data, pushRoot, bytesMax);
+  const r = openRoot(data, pushRoot, bytesMax, { align: false }); // byte vectors only: no aligned copy
   return guarded("PushRequest", () => ({
     job: r.job() ?? "",
     trainer: r.trainer(),
@@ -155,7 +160,7 @@ export interface PushReply {
 const pushReplyRoot = root("PushReply", "MTPR", (bb) => PushReplyT.getRootAsPushReply(bb));
 
 export function encodePushReply(m: PushReply): Uint8Array {
-  const b = new Builder(64);
+  const b = builder(64);
   return finishBytes(b, PushReplyT.createPushReply(b, schemaVersion, m.accepted, m.duplicates, m.updates), pushReplyRoot.identifier);
 }
 
@@ -176,7 +181,7 @@ export interface PullRequest {
 const pullRoot = root("PullRequest", "MTPL", (bb) => PullRequestT.getRootAsPullRequest(bb));
 
 export function encodePullRequest(m: PullRequest): Uint8Array {
-  const b = new Builder(256 + m.ids.byteLength);
+  const b = builder(256 + m.ids.byteLength);
   const ids = createI32s(b, m.ids);
   const job = str(b, m.job);
   return finishBytes(b, PullRequestT.createPullRequest(b, schemaVersion, job, m.trainer, big(m.step), ids), pullRoot.identifier);
@@ -199,7 +204,7 @@ export interface PullReply {
 
 /** A pull reply whose chunk bytes are filled in place (see ChunkSource). */
 export function encodePullReplyFilled(updates: number, chunks: readonly ChunkSource[]): Uint8Array {
-  const b = new Builder(1024 + chunks.reduce((s, c) => s + c.count * 4 + 64, 0));
+  const b = builder(1024 + chunks.reduce((s, c) => s + c.count * 4 + 64, 0));
   const vec = chunkVector(b, chunks, PullReplyT.createChunksVector);
   return finishBytes(b, PullReplyT.createPullReply(b, schemaVersion, big(updates), vec), pullReplyRoot.identifier);
 }
@@ -207,13 +212,13 @@ export function encodePullReplyFilled(updates: number, chunks: readonly ChunkSou
 const pullReplyRoot = root("PullReply", "MTPY", (bb) => PullReplyT.getRootAsPullReply(bb));
 
 export function encodePullReply(m: PullReply): Uint8Array {
-  const b = new Builder(1024 + m.chunks.reduce((s, c) => s + c.data.byteLength + 64, 0));
+  const b = builder(1024 + m.chunks.reduce((s, c) => s + c.data.byteLength + 64, 0));
   const chunks = chunkVector(b, m.chunks, PullReplyT.createChunksVector);
   return finishBytes(b, PullReplyT.createPullReply(b, schemaVersion, big(m.updates), chunks), pullReplyRoot.identifier);
 }
 
 export function decodePullReply(data: Uint8Array, bytesMax: number): PullReply {
-  const r = openRoot(data, pullReplyRoot, bytesMax);
+  const r = openRoot(data, pullReplyRoot, bytesMax, { align: false }); // byte vectors only: no aligned copy
   return guarded("PullReply", () => ({
     updates: num(r.updates()),
     chunks: readList(r.chunksLength(), (i) => r.chunks(i), readChunk, "PullReply.chunks"),
@@ -234,7 +239,7 @@ export interface BatchRequest {
 const batchRequestRoot = root("BatchRequest", "MTBQ", (bb) => BatchRequestT.getRootAsBatchRequest(bb));
 
 export function encodeBatchRequest(m: BatchRequest): Uint8Array {
-  const b = new Builder(128);
+  const b = builder(128);
   const job = str(b, m.job);
   return finishBytes(b, BatchRequestT.createBatchRequest(b, schemaVersion, job, m.rank, m.split, m.credits, big(m.step)), batchRequestRoot.identifier);
 }
@@ -260,7 +265,7 @@ export interface Batch {
 const batchRoot = root("Batch", "MTBA", (bb) => BatchT.getRootAsBatch(bb));
 
 export function encodeBatch(m: Batch): Uint8Array {
-  const b = new Builder(1024 + m.x.byteLength + m.y.byteLength + m.sampleIds.byteLength);
+  const b = builder(1024 + m.x.byteLength + m.y.byteLength + m.sampleIds.byteLength);
   const x = createBytes(b, bytesOf(m.x));
   const y = createI32s(b, m.y);
   const ids = createI32s(b, m.sampleIds);
@@ -315,7 +320,7 @@ export const emptyEvent = (job: string, kind: EventKind): Event => ({
 const eventRoot = root("Event", "MTEV", (bb) => EventT.getRootAsEvent(bb));
 
 export function encodeEvent(m: Event): Uint8Array {
-  const b = new Builder(256 + m.text.length * 3);
+  const b = builder(256 + m.text.length * 3);
   const job = str(b, m.job), text = str(b, m.text);
   return finishBytes(b, EventT.createEvent(b, schemaVersion, job, m.kind, m.rank, big(m.step), m.timeMs, m.loss, m.lr, m.accuracy,
     m.samplesPerS, m.dataWaitMs, m.pullMs, m.computeMs, m.pushMs, text, m.count), eventRoot.identifier);
@@ -344,7 +349,7 @@ export interface JobSpec {
 const jobRoot = root("JobSpec", "MTJS", (bb) => JobSpecT.getRootAsJobSpec(bb));
 
 export function encodeJobSpec(m: JobSpec): Uint8Array {
-  const b = new Builder(256 + m.configJson.length * 3);
+  const b = builder(256 + m.configJson.length * 3);
   const job = str(b, m.job), config = str(b, m.configJson);
   return finishBytes(b, JobSpecT.createJobSpec(b, schemaVersion, job, m.trainers, m.shards, m.sync, m.staleness, config), jobRoot.identifier);
 }
@@ -379,7 +384,7 @@ const shardStateRoot = root("ShardState", "MTSS", (bb) => ShardStateT.getRootAsS
 
 export function encodeShardState(m: ShardState): Uint8Array {
   const bytes = m.chunks.reduce((s, c) => s + c.params.byteLength * (1 + c.state.length) + 256, 1024);
-  const b = new Builder(bytes);
+  const b = builder(bytes);
   const chunks = m.chunks.map((c) => {
     const state = ChunkStateT.createStateVector(b, c.state.map((v) => {
       const data = createBytes(b, bytesOf(v.data)), name = str(b, v.name);
@@ -393,7 +398,7 @@ export function encodeShardState(m: ShardState): Uint8Array {
 }
 
 export function decodeShardState(data: Uint8Array, bytesMax: number): ShardState {
-  const r = openRoot(data, shardStateRoot, bytesMax);
+  const r = openRoot(data, shardStateRoot, bytesMax, { align: false }); // byte vectors only: no aligned copy
   return guarded("ShardState", () => ({
     job: r.job() ?? "", shard: r.shard(), updates: num(r.updates()), optimizerSteps: num(r.optimizerSteps()), step: num(r.step()),
     chunks: readList(r.chunksLength(), (i) => r.chunks(i), (c) => ({
@@ -436,7 +441,7 @@ function writeManifest(b: Builder, m: Manifest): number {
 }
 
 export function encodeManifest(m: Manifest): Uint8Array {
-  const b = new Builder(1024 + m.configJson.length * 3);
+  const b = builder(1024 + m.configJson.length * 3);
   return finishBytes(b, writeManifest(b, m), manifestRoot.identifier);
 }
 
@@ -462,7 +467,7 @@ export interface CheckpointList {
 const checkpointListRoot = root("CheckpointList", "MTCL", (bb) => CheckpointListT.getRootAsCheckpointList(bb));
 
 export function encodeCheckpointList(m: CheckpointList): Uint8Array {
-  const b = new Builder(1024);
+  const b = builder(1024);
   const items = CheckpointListT.createItemsVector(b, m.items.map((x) => writeManifest(b, x)));
   const job = str(b, m.job);
   return finishBytes(b, CheckpointListT.createCheckpointList(b, schemaVersion, job, items), checkpointListRoot.identifier);
@@ -484,7 +489,7 @@ export interface JobRequest {
 const jobRequestRoot = root("JobRequest", "MTJR", (bb) => JobRequestT.getRootAsJobRequest(bb));
 
 export function encodeJobRequest(m: JobRequest): Uint8Array {
-  const b = new Builder(128);
+  const b = builder(128);
   const job = str(b, m.job), tag = str(b, m.tag);
   return finishBytes(b, JobRequestT.createJobRequest(b, schemaVersion, job, big(m.step), tag), jobRequestRoot.identifier);
 }
@@ -512,7 +517,7 @@ export interface ShardStats {
 const shardStatsRoot = root("ShardStats", "MTST", (bb) => ShardStatsT.getRootAsShardStats(bb));
 
 export function encodeShardStats(m: ShardStats): Uint8Array {
-  const b = new Builder(256);
+  const b = builder(256);
   const clocks = ShardStatsT.createClocksVector(b, m.clocks.map(big));
   const job = str(b, m.job);
   return finishBytes(b, ShardStatsT.createShardStats(b, schemaVersion, job, m.shard, m.chunks, big(m.elements), big(m.updates), big(m.pushes),
@@ -544,7 +549,7 @@ export interface LoaderStats {
 const loaderStatsRoot = root("LoaderStats", "MTLS", (bb) => LoaderStatsT.getRootAsLoaderStats(bb));
 
 export function encodeLoaderStats(m: LoaderStats): Uint8Array {
-  const b = new Builder(128);
+  const b = builder(128);
   const job = str(b, m.job);
   return finishBytes(b, LoaderStatsT.createLoaderStats(b, schemaVersion, job, big(m.batches), m.batchesPerS, m.queueDepth, big(m.prefetchHits),
     big(m.prefetchMisses), m.waitMsP50, m.waitMsP99), loaderStatsRoot.identifier);

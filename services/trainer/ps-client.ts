@@ -2,7 +2,7 @@
 // push the whole gradient vector. Requests go to all shards at once, each split into messages
 // that fit the payload limit.
 import { packByBytes } from "../../schemas/codec.ts";
-import { chunkF32, decodePullReply, decodePushReply, encodePullRequest, encodePushRequest, f32Chunk, type PushReply } from "../../schemas/messages.ts";
+import { DType, decodePullReply, decodePushReply, encodePullRequest, encodePushRequest, f32Chunk, type PushReply } from "../../schemas/messages.ts";
 import { BadRequestError } from "../runtime/errors.ts";
 import type { Bus } from "../runtime/bus.ts";
 import { subjects } from "../runtime/job.ts";
@@ -20,6 +20,7 @@ export class PsClient {
   /** Fills `out` (the flat vector) with the parameters the shards give for `step`; returns the lowest chunk version. */
   async pull(step: number, out: Float32Array): Promise<number> {
     const job = this.layout.job;
+    const outBytes = new Uint8Array(out.buffer, out.byteOffset, out.byteLength);
     let minVersion = Number.POSITIVE_INFINITY;
     await Promise.all(this.#groups.flatMap((groups, shard) => groups.map(async (ids) => {
       const req = encodePullRequest({ job, trainer: this.trainer, step, ids: Uint32Array.from(ids) });
@@ -28,7 +29,8 @@ export class PsClient {
       for (const c of reply.chunks) {
         const info = this.layout.chunks[c.id];
         if (!info || info.shard !== shard || c.count !== info.count) throw new BadRequestError(`shard ${shard} answered an unexpected chunk ${c.id}`);
-        out.set(chunkF32(c), info.offset);
+        if (c.dtype !== DType.F32) throw new BadRequestError(`shard ${shard} answered chunk ${c.id} as ${DType[c.dtype]}`);
+        outBytes.set(c.data, info.offset * 4); // bytes: one copy, whatever the payload's alignment
         minVersion = Math.min(minVersion, c.version);
       }
     })));
