@@ -13,14 +13,22 @@ import { fileBytesMax, formatVersion, manifestBytesMax } from "./limits.ts";
 
 export const manifestName = "manifest.mtcm";
 
-function writeDurable(path: string, bytes: Uint8Array): void {
-  const fd = openSync(path, "w");
+/**
+ * Writes every file, then fsyncs them all: the kernel writes them back together instead of one
+ * after the other, and nothing is acknowledged before all of it is on disk.
+ */
+function writeAllDurable(files: readonly { path: string; bytes: Uint8Array }[]): void {
+  const fds: number[] = [];
   try {
-    let at = 0;
-    while (at < bytes.byteLength) at += writeSync(fd, bytes, at);
-    fsyncSync(fd);
+    for (const f of files) {
+      const fd = openSync(f.path, "w");
+      fds.push(fd);
+      let at = 0;
+      while (at < f.bytes.byteLength) at += writeSync(fd, f.bytes, at);
+    }
+    for (const fd of fds) fsyncSync(fd);
   } finally {
-    closeSync(fd);
+    for (const fd of fds) closeSync(fd);
   }
 }
 
@@ -52,11 +60,8 @@ export class CheckpointStore {
       ...m, id, formatVersion, createdMs: Date.now(),
       files: files.map((f) => ({ name: f.name, bytes: f.bytes.byteLength, crc32: Bun.hash.crc32(f.bytes) })),
     };
-    for (const f of files) {
-      if (f.name.includes("/") || f.name === manifestName) throw new Error(`bad snapshot file name ${f.name}`);
-      writeDurable(join(tmp, f.name), f.bytes);
-    }
-    writeDurable(join(tmp, manifestName), encodeManifest(manifest));
+    for (const f of files) if (f.name.includes("/") || f.name === manifestName) throw new Error(`bad snapshot file name ${f.name}`);
+    writeAllDurable([...files.map((f) => ({ path: join(tmp, f.name), bytes: f.bytes })), { path: join(tmp, manifestName), bytes: encodeManifest(manifest) }]);
     fsyncPath(tmp);
     const final = join(dir, id);
     rmSync(final, { recursive: true, force: true }); // a snapshot of the same step is replaced
