@@ -2,16 +2,16 @@
 // gets an error reply naming the problem, and the service answers the next good request.
 // (The parameter-server's subjects: test/services/ps.integration.test.ts.)
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { mkdtempSync } from "node:fs";
+import { mkdtempSync, readFileSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Builder } from "flatbuffers";
 import { finishBytes, schemaVersion, WireFormatError } from "../../schemas/codec.ts";
 import {
-  decodeBatch, decodeCheckpointList, decodeLoaderStats, decodeManifest, encodeBatchRequest, encodeJobRequest, encodePullRequest, Split,
+  decodeBatch, decodeCheckpointList, decodeLoaderStats, decodeManifest, encodeBatchRequest, encodeJobRequest, encodePullRequest, EventKind, Split,
 } from "../../schemas/messages.ts";
 import { JobRequest as JobRequestT } from "../../schemas/wire.ts";
-import { BadRequestError, NotReadyError, UnknownJobError } from "../../services/runtime/errors.ts";
+import { BadRequestError, CorruptDataError, NotReadyError, UnknownJobError } from "../../services/runtime/errors.ts";
 import { jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
@@ -21,9 +21,11 @@ const job = "badinput";
 const payloadBytesMax = 1 << 20;
 let mesh: LocalMesh;
 let client: MeshClient;
+let dir: string;
 
 beforeAll(async () => {
-  mesh = await LocalMesh.start({ dir: mkdtempSync(join(tmpdir(), "mt-bad-")), env: { MT_PAYLOAD_BYTES_MAX: String(payloadBytesMax) } });
+  dir = mkdtempSync(join(tmpdir(), "mt-bad-"));
+  mesh = await LocalMesh.start({ dir, env: { MT_PAYLOAD_BYTES_MAX: String(payloadBytesMax) } });
   client = await MeshClient.connect(mesh.url);
   // a job of 4 ranks on a mesh of 2 trainers: ranks 0 and 1 take the step-0 snapshot, then wait
   // for ranks 2 and 3 (BSP), so the job stays open and still
@@ -97,5 +99,31 @@ describe("bad input on every loader and checkpoint subject gets an error reply; 
     expect(m.files.map((f) => f.name)).toEqual(["ps-0.mtss", "ps-1.mtss"]);
     const r = decodeManifest(await client.bus.request(restore, jr(), 30_000), 1 << 20);
     expect(r.id).toBe(m.id);
+  });
+
+  test("a flipped byte in a snapshot file is detected on restore and reported; the service keeps serving", async () => {
+    const m = decodeManifest(await client.bus.request(save, encodeJobRequest({ job, step: 0, tag: "test" }), 30_000), 1 << 20);
+    const path = join(dir, "checkpoints", job, m.id, "ps-1.mtss");
+    const bytes = readFileSync(path);
+    bytes[Math.floor(bytes.length / 2)]! ^= 0x10;
+    writeFileSync(path, bytes);
+    const reports: string[] = [];
+    const events = client.events(job);
+    const collect = (async () => {
+      for await (const e of events) if (e.kind === EventKind.Log) reports.push(e.text);
+    })();
+    let error: unknown;
+    try {
+      await client.bus.request(restore, jr(), 30_000);
+    } catch (e) {
+      error = e;
+    }
+    // its only snapshot is corrupt: nothing to fall back to (the fallback itself: checkpoint-store.test.ts)
+    expect(error).toBeInstanceOf(CorruptDataError);
+    await waitFor("the corruption report", () => reports.length > 0, 5_000);
+    expect(reports[0]).toContain(`${m.id}: ps-1.mtss fails its checksum`);
+    await events.return?.();
+    await collect;
+    expect(decodeCheckpointList(await client.bus.request(list, jr(), 10_000), 1 << 20).items.map((x) => x.id)).toEqual([m.id]);
   });
 });
