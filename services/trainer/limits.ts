@@ -11,3 +11,6 @@ export const checkpointTimeoutMs = 120_000;
 export const loaderCredits = 4;
 /** Consecutive failed attempts of one step before the trainer gives up on the job. */
 export const stepAttemptsMax = 20;
+/** How long a trainer waits for every shard to open a new job (a large model's shards
+ *  initialize its parameters first) before it reports the job failed. */
+export const jobStartWaitMsMax = 300_000;

@@ -18,7 +18,7 @@ import { subjects } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
 import { buildModel } from "../runtime/model.ts";
 import { buildLayout } from "../parameter-server/layout.ts";
-import { checkpointTimeoutMs, loaderCredits, requestTimeoutMs, stepAttemptsMax } from "./limits.ts";
+import { checkpointTimeoutMs, jobStartWaitMsMax, loaderCredits, requestTimeoutMs, stepAttemptsMax } from "./limits.ts";
 import { PsClient } from "./ps-client.ts";
 
 export interface TrainerOptions {
@@ -122,7 +122,7 @@ export class TrainerRun {
     });
     if (this.#o.rank === 0) this.#ctl = bus.subscribe(subjects.checkpointNow(cfg.job), () => (this.#snapshotAsked = true));
     try {
-      let step = await this.#retry("find the start step", () => this.#startStep());
+      let step = await this.#retry("find the start step (every shard must have opened the job)", () => this.#startStep(), jobStartWaitMsMax);
       log?.info({ step, totalSteps }, "training");
       while (step < totalSteps && !this.#stopped) {
         step = await this.#step(step);
@@ -166,12 +166,14 @@ export class TrainerRun {
     }
   }
 
-  async #retry<T>(what: string, fn: () => Promise<T>): Promise<T> {
+  /** Retries until it succeeds, the run stops, or `waitMsMax` has passed. */
+  async #retry<T>(what: string, fn: () => Promise<T>, waitMsMax: number): Promise<T> {
+    const started = Date.now();
     for (let attempt = 1; ; attempt++) {
       try {
         return await fn();
       } catch (e) {
-        if (attempt >= stepAttemptsMax || this.#stopped) throw new Error(`cannot ${what}: ${(e as Error).message}`, { cause: e });
+        if (Date.now() - started > waitMsMax || this.#stopped) throw new Error(`cannot ${what} within ${waitMsMax} ms: ${(e as Error).message}`, { cause: e });
         await Bun.sleep(Math.min(100 * attempt, 2000));
       }
     }
