@@ -3,7 +3,7 @@
 // NATS request/reply of the same messages (same sizes, same number of processes, no work) in
 // the same run. Ratio = parameter-server GB/s / raw NATS GB/s; target 0.8.
 //
-//   bun run bench ps [--sizes-mb 4,16,64] [--shards 1,2,4] [--rounds 5] [--json-only]
+//   bun run bench ps [--sizes-mb 4,16,64] [--shards 1,2,4] [--rounds 15] [--json-only]
 import { join } from "node:path";
 import { packByBytes } from "../schemas/codec.ts";
 import { decodeShardStats, encodeJobRequest, SyncPolicy } from "../schemas/messages.ts";
@@ -61,7 +61,7 @@ async function waitLine(p: ReturnType<typeof spawn>, text: string): Promise<void
 export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
   const v = parseBenchArgs(argv, {
     "sizes-mb": { type: "string", default: "4,16,64" }, shards: { type: "string", default: "1,2,4" },
-    rounds: { type: "string", default: "5" }, "json-only": { type: "boolean", default: false },
+    rounds: { type: "string", default: "15" }, "json-only": { type: "boolean", default: false },
   });
   const sizes = list("sizes-mb", v["sizes-mb"]), shardCounts = list("shards", v.shards), rounds = positiveInt("rounds", v.rounds);
   if (Math.max(...shardCounts) > 8) throw new ConfigError("--shards: at most 8");
@@ -83,7 +83,7 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
   }
   if (!v["json-only"]) {
     console.log(`parameter-server benchmark: 1 trainer pushes then pulls the whole model (ASP, SGD momentum), ${chunkBytes >> 20} MB chunks, ` +
-      `messages up to ${payloadBytesMax >> 20} MB; median of ${rounds} rounds; raw NATS = the same messages to echo processes`);
+      `messages up to ${payloadBytesMax >> 20} MB; medians of ${rounds} rounds, interleaved with rounds of raw NATS (the same messages to echo processes)`);
     printTable(rows, ["model_mb", "shards", "messages", "ps_ms", "ps_gb_per_s", "nats_gb_per_s", "ratio", "target"]);
   }
   console.log(JSON.stringify({ bench: "ps", results: rows }));
@@ -112,27 +112,42 @@ async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: numbe
   }
   const client = new PsClient(bus, layout, 0, payloadBytesMax);
   const grads = new Float32Array(total).fill(1e-6), params = new Float32Array(total);
-  const psMs: number[] = [];
-  for (let r = 0; r < rounds + 1; r++) {
-    const t0 = performance.now();
-    await client.push(r, grads);
-    await client.pull(r + 1, params);
-    if (r > 0) psMs.push(performance.now() - t0); // round 0 warms up
-  }
   // the same messages, raw: per shard, groups as PsClient sends them
   const groups = layout.byShard.map((ids) => packByBytes(ids, (id) => layout.chunks[id]!.count * 4, payloadBytesMax)
     .map((g) => g.reduce((s, id) => s + layout.chunks[id]!.count * 4, 0)));
-  const natsMs: number[] = [];
   const sizeReq = (bytes: number) => {
     const b = new Uint8Array(64);
     new DataView(b.buffer).setUint32(0, bytes + 256, true);
     return b;
   };
-  for (let r = 0; r < rounds + 1; r++) {
+  let step = 0;
+  const psRound = async () => {
+    const t0 = performance.now();
+    await client.push(step, grads);
+    await client.pull(++step, params);
+    return performance.now() - t0;
+  };
+  const natsRound = async () => {
     const t0 = performance.now();
     await Promise.all(groups.flatMap((g, k) => g.map((bytes) => bus.request(`bench.${k}.push`, new Uint8Array(bytes + 256), 60_000))));
     await Promise.all(groups.flatMap((g, k) => g.map((bytes) => bus.request(`bench.${k}.pull`, sizeReq(bytes), 60_000))));
-    if (r > 0) natsMs.push(performance.now() - t0);
+    return performance.now() - t0;
+  };
+  // interleaved, alternating which goes first, so both see the same (noisy) machine; round 0 warms up
+  const psMs: number[] = [], natsMs: number[] = [];
+  for (let r = 0; r <= rounds; r++) {
+    let p: number, n: number;
+    if (r % 2 === 0) {
+      p = await psRound();
+      n = await natsRound();
+    } else {
+      n = await natsRound();
+      p = await psRound();
+    }
+    if (r > 0) {
+      psMs.push(p);
+      natsMs.push(n);
+    }
   }
   await store.delete(cfg.job);
   const bytes = 2 * total * 4;

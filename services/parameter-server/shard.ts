@@ -60,6 +60,8 @@ export class ParameterShard {
   readonly #slots = new Map<number, ChunkSlot>();
   readonly #params: Allocation;
   readonly #grads: Allocation;
+  /** the optimizer math of the last push, until it runs (see flush) */
+  #deferred: (() => void) | null = null;
   /** backend memory a push's gradients are uploaded to and checked in */
   #staging: Allocation | null = null;
   #stagingElems = 0;
@@ -112,16 +114,31 @@ export class ParameterShard {
   }
 
   get updates(): number {
+    this.flush();
     return this.#updates;
   }
 
   /** Steps each trainer has pushed completely to this shard. */
   get clocks(): readonly number[] {
+    this.flush();
     return [...this.#clock];
   }
 
   get waiting(): number {
+    this.flush();
     return this.#waiters.size;
+  }
+
+  /**
+   * Runs the optimizer math of the last accepted push, if it has not run yet. A push is
+   * answered as soon as it is checked, staged and booked; its math runs right after the reply
+   * is flushed (setImmediate), or first thing in the next request, whichever comes first, so
+   * every request still sees every push before it fully applied.
+   */
+  flush(): void {
+    const apply = this.#deferred;
+    this.#deferred = null;
+    apply?.();
   }
 
   #ptr(a: Allocation, slot: ChunkSlot): number {
@@ -146,6 +163,7 @@ export class ParameterShard {
    * changes nothing.
    */
   push(m: PushRequest): PushReply {
+    this.flush(); // the staging memory is about to be reused
     this.#checkTrainer(m.trainer);
     const seen = new Set<number>();
     const fresh: { slot: ChunkSlot; chunk: Chunk; at: number }[] = [];
@@ -167,13 +185,18 @@ export class ParameterShard {
       const bad = fresh.find((f) => this.#be.countNonFinite(staging + f.at * 4, f.chunk.count) > 0)!;
       throw new BadRequestError(`chunk ${bad.chunk.id} from trainer ${m.trainer} step ${m.step}: the gradient holds NaN or Inf`);
     }
+    const need = this.#cfg.sync === "bsp" ? this.#cfg.trainers : this.#cfg.batchPushes;
     let updates = 0;
     for (const f of fresh) {
-      f.slot.lastStep[m.trainer] = m.step;
-      updates += this.#accumulate(f.slot, staging + f.at * 4, m.step);
+      f.slot.lastStep[m.trainer] = m.step; // booked now: a retry of this push is a duplicate
+      if (f.slot.pending + 1 >= need) updates++;
     }
-    if (fresh.length > 0) this.#advanceClock(m.trainer, m.step, fresh.length);
-    this.#wake();
+    this.#deferred = () => {
+      for (const f of fresh) this.#accumulate(f.slot, staging + f.at * 4, m.step);
+      if (fresh.length > 0) this.#advanceClock(m.trainer, m.step, fresh.length);
+      this.#wake();
+    };
+    setImmediate(() => this.flush());
     return { accepted: fresh.length, duplicates, updates };
   }
 
@@ -274,6 +297,7 @@ export class ParameterShard {
    * straight into the message).
    */
   pull(trainer: number, step: number, ids: Uint32Array): Promise<Uint8Array> {
+    this.flush();
     this.#checkTrainer(trainer);
     for (const id of ids) this.#slot(id);
     if (new Set(ids).size !== ids.length) throw new BadRequestError("a pull names a chunk twice");
@@ -310,6 +334,7 @@ export class ParameterShard {
 
   /** Everything needed to resume: parameters, optimizer state and versions of every chunk. */
   exportState(): ShardState {
+    this.flush();
     const chunks: ChunkState[] = [...this.#slots.values()].map((slot) => {
       const read = (a: Allocation) => {
         const v = new Float32Array(slot.info.count);
@@ -327,6 +352,7 @@ export class ParameterShard {
    * steps. Checks everything before changing anything: a bad snapshot leaves the shard as it was.
    */
   importState(s: ShardState): void {
+    this.flush();
     const step = s.step;
     if (s.job !== this.job || s.shard !== this.shard) throw new BadRequestError(`snapshot of ${s.job} shard ${s.shard} loaded into ${this.job} shard ${this.shard}`);
     const ids = s.chunks.map((c) => c.id).sort((a, b) => a - b);
@@ -359,6 +385,7 @@ export class ParameterShard {
 
   dispose(): void {
     if (this.#disposed) return;
+    this.#deferred = null; // its memory is freed below
     this.#disposed = true;
     for (const w of this.#waiters) {
       clearTimeout(w.timer);
