@@ -89,6 +89,10 @@ export function parseJobConfig(data: unknown): JobConfig {
   }
   const c = r.data;
   if (c.minLr > c.lr) throw new ConfigError(`invalid job config: minLr (${c.minLr}) exceeds lr (${c.lr})`);
+  const widths = c.model.widths;
+  if (c.dataset === "mnist" && (widths[0] !== 784 || widths[widths.length - 1] !== 10)) {
+    throw new ConfigError(`invalid job config: model.widths must start with 784 (MNIST pixels) and end with 10 (classes), got ${widths.join(",")}`);
+  }
   if (c.batchSize % c.accumSteps !== 0) throw new ConfigError(`invalid job config: batchSize (${c.batchSize}) must be a multiple of accumSteps (${c.accumSteps})`);
   if (c.sync === "bsp" && c.batchPushes !== 1) throw new ConfigError("invalid job config: batchPushes applies to asp and ssp (bsp aggregates the W pushes of a step)");
   return c;

@@ -14,6 +14,18 @@ function cli(...args: string[]) {
 }
 
 describe("bad input gets one clear error and a non-zero exit", () => {
+  test.each([
+    [["run", "--widths", "784,100,3"], "model.widths must start with 784"],
+    [["run", "--batch-size", "100", "--accum", "3"], "batchSize (100) must be a multiple of accumSteps (3)"],
+    [["run", "--job", "no spaces"], "job: a job name is 1-64 letters"],
+    [["submit", "--sync", "sometimes"], "Allowed choices are bsp, asp, ssp"],
+    [["run", "--shards", "0"], "expected an integer >= 1"],
+  ])("mesh job options %p", (args, fragment) => {
+    const r = cli(...args);
+    expect(r.code).not.toBe(0);
+    expect(r.err).toContain(fragment);
+  });
+
   test("an out-of-range option", () => {
     const r = cli("train", "mlp", "--lr", "-1");
     expect(r.code).not.toBe(0);
