@@ -33,11 +33,11 @@ const chunkBytes = 1 << 20;
 const payloadBytesMax = 8 << 20;
 const list = (name: string, raw: unknown) => String(raw).split(",").map((x) => positiveInt(name, x));
 
-/** An MLP 1024-H-10 of about `mb` megabytes of fp32 parameters. */
+/** An MLP 784-H-10 of about `mb` megabytes of fp32 parameters. */
 function jobFor(mb: number, shards: number): JobConfig {
-  const hidden = Math.round((mb * (1 << 20)) / 4 / (1024 + 10 + 1));
+  const hidden = Math.round((mb * (1 << 20)) / 4 / (784 + 10 + 1));
   return parseJobConfig({
-    ...jobDefaults, job: `bench-${mb}mb-${shards}`, model: { kind: "mlp", widths: [1024, hidden, 10], dropout: 0 },
+    ...jobDefaults, job: `bench-${mb}mb-${shards}`, model: { kind: "mlp", widths: [784, hidden, 10], dropout: 0 },
     trainers: 1, shards, sync: "asp", optimizer: { kind: "sgd", momentum: 0.9, nesterov: false, weightDecay: 0 },
     schedule: "constant", warmupSteps: 0, chunkBytes, checkpointEvery: 0,
   });
@@ -93,9 +93,9 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
 async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: number, rounds: number): Promise<PsBenchResult> {
   await store.put({ job: cfg.job, trainers: 1, shards: cfg.shards, sync: SyncPolicy.ASP, staleness: 0, configJson: JSON.stringify(cfg) });
   const hidden = cfg.model.widths[1]!;
-  // the slab of MLP 1024-H-10: two matrices (decay) then two biases, each padded to 16 floats
+  // the slab of MLP 784-H-10: two matrices (decay) then two biases, each padded to 16 floats
   const pad = (n: number) => Math.ceil(n / 16) * 16;
-  const decay = pad(1024 * hidden) + pad(hidden * 10);
+  const decay = pad(784 * hidden) + pad(hidden * 10);
   const total = decay + pad(hidden) + pad(10);
   const layout = buildLayout(cfg.job, total, decay, cfg.chunkBytes, cfg.shards);
   for (let k = 0; k < cfg.shards; k++) {

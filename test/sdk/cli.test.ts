@@ -118,3 +118,38 @@ test("bench kernels prints a table and a last JSON line", () => {
   expect(viaCli.code).toBe(0);
   expect(JSON.parse(viaCli.out.trim()).bench).toBe("kernels");
 }, 120_000);
+
+describe("service benchmarks print a table and a last JSON line (small sizes)", () => {
+  const bench = (...args: string[]) => {
+    const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), ...args], { cwd: root, stdout: "pipe", stderr: "pipe" });
+    const lines = p.stdout.toString().trim().split("\n");
+    const tail = lines[lines.length - 1] ?? "";
+    return { code: p.exitCode, lines, last: tail.startsWith("{") ? JSON.parse(tail) : null, err: p.stderr.toString() };
+  };
+
+  test("ps: parameter-server shard processes against raw NATS on a real nats-server", () => {
+    const r = bench("ps", "--sizes-mb", "1", "--shards", "1,2", "--rounds", "2");
+    expect(r.code).toBe(0);
+    expect(r.lines[1]).toContain("nats_gb_per_s");
+    expect(r.last.results.map((x: { shards: number }) => x.shards)).toEqual([1, 2]);
+    for (const x of r.last.results) for (const k of ["ps_gb_per_s", "nats_gb_per_s", "ratio"]) expect(x[k]).toBeGreaterThan(0);
+  }, 120_000);
+
+  test("checkpoint: save and restore against a plain write + fsync", () => {
+    const r = bench("checkpoint", "--sizes-mb", "2", "--reps", "2");
+    expect(r.code).toBe(0);
+    for (const k of ["save_mb_per_s", "plain_write_mb_per_s", "restore_mb_per_s", "save_ratio"]) expect(r.last.results[0][k]).toBeGreaterThan(0);
+  }, 60_000);
+
+  test("data-loader: the loader process against a trainer's step rate", () => {
+    const r = bench("data-loader", "--batches", "5", "--batch-size", "32");
+    expect(r.code).toBe(0);
+    expect(r.last.results.map((x: { batches_per_s: number }) => x.batches_per_s > 0)).toEqual([true, true]);
+  }, 60_000);
+
+  test("bad benchmark options are one clear line", () => {
+    expect(bench("ps", "--shards", "0").err).toContain("--shards must be a positive integer");
+    expect(bench("trainer", "--sync", "never").err).toContain("--sync must be bsp, asp or ssp");
+    expect(bench("nope").err).toContain("usage: bun run bench <engine|kernels|ps|checkpoint|data-loader|trainer>");
+  });
+});
