@@ -9,7 +9,7 @@ import { join } from "node:path";
 import { fsyncPath } from "../../engine/modelfile.ts";
 import { decodeManifest, encodeManifest, type Manifest } from "../../schemas/messages.ts";
 import { CorruptDataError, NotReadyError } from "../runtime/errors.ts";
-import { fileBytesMax, formatVersion, manifestBytesMax } from "./limits.ts";
+import { fileBytesMax, formatVersion, manifestBytesMax, snapshotsMax } from "./limits.ts";
 
 export const manifestName = "manifest.mtcm";
 
@@ -150,7 +150,7 @@ export class CheckpointStore {
   /** Keeps the last `keepLast` snapshots and the one with the best metric; removes the rest. */
   retain(job: string, keepLast: number): string[] {
     const all = this.list(job);
-    const keep = new Set(all.slice(-keepLast).map((m) => m.id));
+    const keep = new Set(all.slice(-Math.min(keepLast, snapshotsMax)).map((m) => m.id));
     const scored = all.filter((m) => Number.isFinite(m.metric));
     if (scored.length > 0) keep.add(scored.reduce((a, b) => (b.metric > a.metric ? b : a)).id);
     const removed: string[] = [];

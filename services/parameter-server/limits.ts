@@ -9,8 +9,6 @@ export const chunkBytesMax = 8 << 20;
 export const pullWaitersMax = 1024;
 /** How long a pull may wait for slower trainers before it is answered with DeadlineError. */
 export const pullWaitMsMax = 120_000;
-/** Trainers per job (a (trainer, chunk) table of last steps is kept per shard). */
-export const trainersMax = 64;
 /** Jobs one shard process serves at once. */
 export const jobsMax = 16;
 
