@@ -4,6 +4,7 @@
 import { type Command, Option } from "commander";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job.ts";
 import { totalSteps as jobTotalSteps } from "../services/data-loader/sampler.ts";
+import { UnknownJobError } from "../services/runtime/errors.ts";
 import { MeshClient } from "./client.ts";
 import { LocalMesh } from "./launcher.ts";
 import { defaultRunDir, runMesh } from "./local/run-mesh.ts";
@@ -108,7 +109,7 @@ export function addMeshCommands(program: Command): void {
     .action(async (job: string, opts: { natsUrl: string }) => {
       await using client = await MeshClient.connect(opts.natsUrl);
       const st = await client.status(job);
-      if (!st) throw new Error(`no job ${job} on ${opts.natsUrl}`);
+      if (!st) throw new UnknownJobError(`no job ${job} on ${opts.natsUrl}`);
       const r = await watchJob(client.events(job), { trainers: st.config.trainers, totalSteps: jobTotalSteps(st.config) });
       console.log(`test accuracy: ${(100 * r.accuracy).toFixed(2)}%`);
     });
@@ -118,7 +119,7 @@ export function addMeshCommands(program: Command): void {
       await using client = await MeshClient.connect(opts.natsUrl);
       if (!job) return void console.log(JSON.stringify({ jobs: await client.list() }, null, 2));
       const st = await client.status(job);
-      if (!st) throw new Error(`no job ${job} on ${opts.natsUrl}`);
+      if (!st) throw new UnknownJobError(`no job ${job} on ${opts.natsUrl}`);
       console.log(JSON.stringify(st, null, 2));
     });
 

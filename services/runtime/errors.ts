@@ -36,6 +36,8 @@ export class NoRespondersError extends define("NoRespondersError", "no_responder
 export class CorruptDataError extends define("CorruptDataError", "corrupt_data") {}
 /** A bug or an unexpected failure inside the service. */
 export class InternalError extends define("InternalError", "internal") {}
+/** The NATS server runs without JetStream, where the mesh keeps its job specs (KV). */
+export class JetStreamUnavailableError extends define("JetStreamUnavailableError", "no_jetstream") {}
 /** Configuration that does not validate. */
 export class ConfigError extends define("ConfigError", "config") {}
 
@@ -49,6 +51,7 @@ const classes: Record<string, new (message: string) => MeshError> = {
   corrupt_data: CorruptDataError,
   internal: InternalError,
   config: ConfigError,
+  no_jetstream: JetStreamUnavailableError,
 };
 
 const wireCodes: readonly WireFormatCode[] = ["truncated", "oversized", "bad_identifier", "bad_version", "malformed"];

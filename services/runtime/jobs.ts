@@ -4,6 +4,7 @@
 import { Kvm, type KV } from "@nats-io/kv";
 import type { NatsConnection } from "@nats-io/transport-node";
 import { decodeJobSpec, encodeJobSpec, type JobSpec } from "../../schemas/messages.ts";
+import { JetStreamUnavailableError } from "./errors.ts";
 import type { Logger } from "./log.ts";
 
 export const jobsBucket = "mt-jobs";
@@ -16,9 +17,15 @@ export class JobStore {
   private constructor(readonly kv: KV) {}
 
   static async open(nc: NatsConnection): Promise<JobStore> {
-    // create() opens the bucket when it exists with the same settings
-    const kv = await new Kvm(nc).create(jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax });
-    return new JobStore(kv);
+    try {
+      // create() opens the bucket when it exists with the same settings
+      const kv = await new Kvm(nc).create(jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax });
+      return new JobStore(kv);
+    } catch (e) {
+      if ((e as Error).name !== "JetStreamNotEnabled") throw e;
+      throw new JetStreamUnavailableError(`the NATS server at ${nc.getServer()} runs without JetStream, where the mesh keeps job specs ` +
+        `(KV bucket ${jobsBucket}); start it with JetStream: nats-server -js (or jetstream {} in its config)`, { cause: e });
+    }
   }
 
   async put(spec: JobSpec): Promise<void> {

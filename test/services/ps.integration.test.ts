@@ -172,3 +172,11 @@ test("invalid configuration is reported with the key and where it came from", as
   expect(p.log()).toContain("shard (from --shard)");
   expect(p.log()).toContain("natsUrl (from $MT_NATS_URL)");
 }, 30_000);
+
+test("a NATS server without JetStream is one clear error naming the fix", async () => {
+  await using plain = await startNatsServer({ jetstream: false });
+  const p = spawnService("services/parameter-server/main.ts", ["--nats-url", plain.url, "--shard", "0"]);
+  expect(await p.exited).toBe(1);
+  expect(p.log()).toContain("runs without JetStream");
+  expect(p.log()).toContain("nats-server -js");
+}, 30_000);
