@@ -2,8 +2,7 @@
 // gets an error reply naming the problem, and the service answers the next good request.
 // (The parameter-server's subjects: test/services/ps.integration.test.ts.)
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { mkdtempSync, readFileSync, writeFileSync } from "node:fs";
-import { tmpdir } from "node:os";
+import { readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { Builder } from "flatbuffers";
 import { finishBytes, schemaVersion, WireFormatError } from "../../schemas/codec.ts";
@@ -15,7 +14,9 @@ import { BadRequestError, CorruptDataError, NotReadyError, UnknownJobError } fro
 import { jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
-import { waitFor } from "../helpers/mesh.ts";
+import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
+
+afterAll(removeTempDirs);
 
 const job = "badinput";
 const payloadBytesMax = 1 << 20;
@@ -24,7 +25,7 @@ let client: MeshClient;
 let dir: string;
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), "mt-bad-"));
+  dir = tempDir("mt-bad-");
   mesh = await LocalMesh.start({ dir, env: { MT_PAYLOAD_BYTES_MAX: String(payloadBytesMax) } });
   client = await MeshClient.connect(mesh.url);
   // a job of 4 ranks on a mesh of 2 trainers: ranks 0 and 1 take the step-0 snapshot, then wait

@@ -1,10 +1,7 @@
 // The whole mesh as a user runs it: the launcher reads deploy/docker-compose.yml and starts a
 // real nats-server and every service as a process; the SDK submits a job and streams its
 // events. Then the chaos test: SIGKILL a parameter-server shard and a trainer mid-run.
-import { describe, expect, test } from "bun:test";
-import { mkdtempSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { join } from "node:path";
+import { afterAll, describe, expect, test } from "bun:test";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { type Event, EventKind } from "../../schemas/messages.ts";
 import { JobData } from "../../services/data-loader/loader.ts";
@@ -13,6 +10,9 @@ import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runt
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";
+import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
+
+afterAll(removeTempDirs);
 
 const config = (over: Partial<JobConfig>): JobConfig => parseJobConfig({
   // 16 KB chunks: the 204 KB model is cut into 13 chunks, so both shards own some
@@ -40,7 +40,7 @@ function effectiveSteps(events: readonly Event[], trainers: number): number[][] 
 
 describe("mesh", () => {
   test("a short BSP run on the local mesh learns, and its events reach the SDK", async () => {
-    const dir = mkdtempSync(join(tmpdir(), "mt-e2e-"));
+    const dir = tempDir("mt-e2e-");
     await using mesh = await LocalMesh.start({ dir });
     await using client = await MeshClient.connect(mesh.url);
     // 2 micro-batches of 64 per step (gradient accumulation on the trainers)
@@ -72,7 +72,7 @@ describe("mesh", () => {
   }, 180_000);
 
   test("SIGKILL of a parameter-server shard and a trainer mid-run: the job restores from its last snapshot and finishes; no sample is repeated or skipped", async () => {
-    const dir = mkdtempSync(join(tmpdir(), "mt-chaos-"));
+    const dir = tempDir("mt-chaos-");
     const launcherLines: string[] = [];
     await using mesh = await LocalMesh.start({ dir, onEvent: (l) => launcherLines.push(l) });
     await using client = await MeshClient.connect(mesh.url);

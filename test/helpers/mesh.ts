@@ -1,5 +1,7 @@
 // Integration-test helpers: a real nats-server, service processes, a client bus.
 import { type Subprocess } from "bun";
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { NatsBus } from "../../services/runtime/nats.ts";
 import { startNatsServer } from "../../services/runtime/nats-server.ts";
@@ -60,4 +62,18 @@ export async function waitFor(what: string, cond: () => boolean | Promise<boolea
 export async function clientBus(url: string): Promise<NatsBus & AsyncDisposable> {
   const bus = await NatsBus.connect({ url, name: "test-client", connectRetryMsMax: 5_000, connectBackoffMsMax: 500 });
   return Object.assign(bus, { [Symbol.asyncDispose]: () => bus.close() });
+}
+
+const tempDirs = new Set<string>();
+
+/** A fresh temporary folder (callable inside tests); a file that uses it calls afterAll(removeTempDirs). */
+export function tempDir(prefix: string): string {
+  const dir = mkdtempSync(join(tmpdir(), prefix));
+  tempDirs.add(dir);
+  return dir;
+}
+
+export function removeTempDirs(): void {
+  for (const d of tempDirs) rmSync(d, { recursive: true, force: true });
+  tempDirs.clear();
 }

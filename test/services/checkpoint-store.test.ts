@@ -1,15 +1,17 @@
 // The checkpoint store on real files: atomic saves, verification on read, fallback to the
 // previous good snapshot, retention, and leftovers of a crashed save.
-import { describe, expect, test } from "bun:test";
-import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
-import { tmpdir } from "node:os";
+import { afterAll, describe, expect, test } from "bun:test";
+import { existsSync, mkdirSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { encodeManifest } from "../../schemas/messages.ts";
 import { CheckpointStore, manifestName, snapshotId } from "../../services/checkpoint/store.ts";
 import { CorruptDataError, NotReadyError } from "../../services/runtime/errors.ts";
 import { expectThrown } from "../helpers/errors.ts";
+import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 
-const fresh = () => new CheckpointStore(mkdtempSync(join(tmpdir(), "mt-ckpt-")));
+afterAll(removeTempDirs);
+
+const fresh = () => new CheckpointStore(tempDir("mt-ckpt-"));
 const files = (step: number) => [
   { name: "ps-0.mtss", bytes: crypto.getRandomValues(new Uint8Array(5000 + step)) },
   { name: "ps-1.mtss", bytes: crypto.getRandomValues(new Uint8Array(3000)) },

@@ -1,8 +1,7 @@
 // Service runtime pieces without a server: config sources and precedence, typed errors across
 // the wire, subject matching, the job config.
-import { describe, expect, test } from "bun:test";
-import { mkdtempSync, writeFileSync } from "node:fs";
-import { tmpdir } from "node:os";
+import { afterAll, describe, expect, test } from "bun:test";
+import { writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { z } from "zod";
 import { WireFormatError } from "../../schemas/codec.ts";
@@ -12,13 +11,16 @@ import { loadConfig } from "../../services/runtime/config.ts";
 import { BadRequestError, ConfigError, errorReplyOf, InternalError, MeshError, rebuildError, UnknownJobError } from "../../services/runtime/errors.ts";
 import { jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
 import { expectThrown } from "../helpers/errors.ts";
+import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
+
+afterAll(removeTempDirs);
 
 const schema = z.object({ natsUrl: z.string(), shard: z.number().int().min(0), verbose: z.boolean(), widths: z.array(z.number()) });
 const base = { natsUrl: "nats://a:1", shard: 0, verbose: false, widths: [1] };
 
 describe("config", () => {
   test("defaults < file < environment < flags", () => {
-    const dir = mkdtempSync(join(tmpdir(), "mt-cfg-"));
+    const dir = tempDir("mt-cfg-");
     const file = join(dir, "ps.yaml");
     writeFileSync(file, "natsUrl: nats://file:1\nshard: 3\nwidths: [784, 10]\n");
     expect(loadConfig(schema, { argv: ["--config", file], env: {} }, base)).toEqual({ natsUrl: "nats://file:1", shard: 3, verbose: false, widths: [784, 10] });
@@ -36,7 +38,7 @@ describe("config", () => {
     expectThrown(() => loadConfig(schema, { argv: ["--shard"], env: {} }, base), ConfigError, "needs a value");
     expectThrown(() => loadConfig(schema, { argv: ["stray"], env: {} }, base), ConfigError, "unexpected argument");
     expectThrown(() => loadConfig(schema, { argv: ["--config", "/nonexistent.yaml"], env: {} }, base), ConfigError, "cannot read");
-    const dir = mkdtempSync(join(tmpdir(), "mt-cfg-"));
+    const dir = tempDir("mt-cfg-");
     writeFileSync(join(dir, "bad.yaml"), "- a list\n- not a mapping\n");
     expectThrown(() => loadConfig(schema, { argv: ["--config", join(dir, "bad.yaml")], env: {} }, base), ConfigError, "mapping");
     writeFileSync(join(dir, "extra.yaml"), "shard: 1\ncolour: blue\n");
