@@ -16,7 +16,6 @@ import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 
-afterAll(removeTempDirs);
 
 const job = "badinput";
 const payloadBytesMax = 1 << 20;
@@ -41,6 +40,7 @@ beforeAll(async () => {
 afterAll(async () => {
   await client?.close();
   await mesh?.stop();
+  removeTempDirs();
 });
 
 const wrongVersion = (() => {
