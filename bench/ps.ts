@@ -10,6 +10,7 @@ import { decodeShardStats, encodeJobRequest, SyncPolicy } from "../schemas/messa
 import { buildLayout } from "../services/parameter-server/layout.ts";
 import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../services/runtime/job.ts";
 import { JobStore } from "../services/runtime/jobs.ts";
+import { initialParameters } from "../services/runtime/model.ts";
 import { NatsBus } from "../services/runtime/nats.ts";
 import { startNatsServer } from "../services/runtime/nats-server.ts";
 import { PsClient } from "../services/trainer/ps-client.ts";
@@ -92,12 +93,10 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
 
 async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: number, rounds: number): Promise<PsBenchResult> {
   await store.put({ job: cfg.job, trainers: 1, shards: cfg.shards, sync: SyncPolicy.ASP, staleness: 0, configJson: JSON.stringify(cfg) });
-  const hidden = cfg.model.widths[1]!;
-  // the slab of MLP 784-H-10: two matrices (decay) then two biases, each padded to 16 floats
-  const pad = (n: number) => Math.ceil(n / 16) * 16;
-  const decay = pad(784 * hidden) + pad(hidden * 10);
-  const total = decay + pad(hidden) + pad(10);
-  const layout = buildLayout(cfg.job, total, decay, cfg.chunkBytes, cfg.shards);
+  // the same layout the shards and trainers derive from the model
+  const init = initialParameters(cfg);
+  const total = init.values.length;
+  const layout = buildLayout(cfg.job, total, init.decayElems, cfg.chunkBytes, cfg.shards);
   for (let k = 0; k < cfg.shards; k++) {
     for (let i = 0; ; i++) {
       try {

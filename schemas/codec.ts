@@ -137,8 +137,8 @@ export function createBytes(b: Builder, bytes: Uint8Array, alignment = 16): numb
  * Reserves an aligned byte vector and lets `fill` write it in place (a backend download straight
  * into the message: no intermediate copy).
  */
-export function createBytesFilled(b: Builder, byteLength: number, fill: (dst: Uint8Array) => void, alignment = 16): number {
-  b.startVector(1, byteLength, alignment);
+export function createBytesFilled(b: Builder, byteLength: number, fill: (dst: Uint8Array) => void, alignment = 16, elemBytes = 1): number {
+  b.startVector(elemBytes, byteLength / elemBytes, alignment);
   const inner = b as unknown as BuilderInternals;
   inner.space -= byteLength;
   fill(inner.bb.bytes().subarray(inner.space, inner.space + byteLength));
@@ -147,11 +147,7 @@ export function createBytesFilled(b: Builder, byteLength: number, fill: (dst: Ui
 
 /** Same for an int32 or uint32 vector. */
 export function createI32s(b: Builder, values: Int32Array | Uint32Array): number {
-  b.startVector(4, values.length, 4);
-  const inner = b as unknown as BuilderInternals;
-  inner.space -= values.byteLength;
-  inner.bb.bytes().set(bytesOf(values), inner.space);
-  return b.endVector();
+  return createBytesFilled(b, values.byteLength, (dst) => dst.set(bytesOf(values)), 4, 4);
 }
 
 /** The finished buffer: a view into the builder's memory (the builder is not reused), no copy. */

@@ -10,7 +10,7 @@ import {
 } from "../../schemas/messages.ts";
 import type { Bus, Subscription } from "../runtime/bus.ts";
 import { BadRequestError, UnknownJobError } from "../runtime/errors.ts";
-import { type JobConfig, jobConfigFromJson, subjects } from "../runtime/job.ts";
+import { configOfSpec, type JobConfig, jobOfRequest, subjects } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
 import { stateTimeoutMs } from "./limits.ts";
 import { CheckpointStore } from "./store.ts";
@@ -35,8 +35,7 @@ export class CheckpointService {
     const on = (name: string, handler: (e: JobEntry, tag: string, step: number) => Promise<Uint8Array> | Uint8Array) =>
       this.bus.serve({ name, subject: `mt.*.ckpt.${name}`, handler: (data, subject) => {
         const m = decodeJobRequest(data, this.payloadBytesMax);
-        const job = subject.split(".")[1]!;
-        if (m.job !== job) throw new BadRequestError(`message for job "${m.job}" sent on a subject of job "${job}"`);
+        const job = jobOfRequest(subject, m.job);
         const e = this.#jobs.get(job);
         if (!e) throw new UnknownJobError(`the checkpoint service runs no job "${job}"`);
         return handler(e, m.tag, m.step);
@@ -104,7 +103,7 @@ export class CheckpointService {
   }
 
   openJob(spec: JobSpec): void {
-    const cfg = jobConfigFromJson(spec.configJson);
+    const cfg = configOfSpec(spec);
     this.closeJob(cfg.job);
     this.store.sweep(cfg.job);
     const evals = new Map<number, { correct: number; count: number }>();

@@ -3,8 +3,8 @@
 import type { Mnist } from "../../engine/data/mnist.ts";
 import { decodeBatchRequest, decodeJobRequest, encodeLoaderStats, type JobSpec } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
-import { BadRequestError, LimitExceededError, UnknownJobError } from "../runtime/errors.ts";
-import { jobConfigFromJson } from "../runtime/job.ts";
+import { LimitExceededError, UnknownJobError } from "../runtime/errors.ts";
+import { configOfSpec, jobOfRequest } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
 import { jobsMax } from "./limits.ts";
 import { JobData } from "./loader.ts";
@@ -38,16 +38,14 @@ export class DataLoader {
   }
 
   #job(subject: string, messageJob: string): JobData {
-    const subjectJob = subject.split(".")[1]!;
-    if (messageJob !== subjectJob) throw new BadRequestError(`message for job "${messageJob}" sent on a subject of job "${subjectJob}"`);
-    const j = this.#jobs.get(subjectJob);
-    if (!j) throw new UnknownJobError(`the data-loader runs no job "${subjectJob}"`);
+    const job = jobOfRequest(subject, messageJob);
+    const j = this.#jobs.get(job);
+    if (!j) throw new UnknownJobError(`the data-loader runs no job "${job}"`);
     return j;
   }
 
   openJob(spec: JobSpec): void {
-    const cfg = jobConfigFromJson(spec.configJson);
-    if (cfg.job !== spec.job) throw new BadRequestError(`job spec "${spec.job}" carries the config of "${cfg.job}"`);
+    const cfg = configOfSpec(spec);
     if (!this.#jobs.has(cfg.job) && this.#jobs.size >= jobsMax) throw new LimitExceededError(`the data-loader serves ${jobsMax} jobs already`);
     const j = new JobData(cfg, this.dataset);
     this.#jobs.set(cfg.job, j);

@@ -8,8 +8,8 @@ import {
   encodeShardStats, type JobSpec,
 } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
-import { BadRequestError, LimitExceededError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
-import { jobConfigFromJson, subjects } from "../runtime/job.ts";
+import { LimitExceededError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
+import { configOfSpec, jobOfRequest, subjects } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
 import { initialParameters } from "../runtime/model.ts";
 import { totalSteps } from "../data-loader/sampler.ts";
@@ -32,19 +32,19 @@ export class ParameterServer {
 
   serve(): void {
     const k = this.shardIndex;
-    const on = (name: string, handler: (job: string, data: Uint8Array) => Promise<Uint8Array> | Uint8Array) =>
-      this.bus.serve({ name, subject: `mt.*.ps.${k}.${name}`, handler: (data, subject) => handler(subject.split(".")[1]!, data) });
-    on("push", (job, data) => {
+    const on = (name: string, handler: (subject: string, data: Uint8Array) => Promise<Uint8Array> | Uint8Array) =>
+      this.bus.serve({ name, subject: `mt.*.ps.${k}.${name}`, handler: (data, subject) => handler(subject, data) });
+    on("push", (subject, data) => {
       const m = decodePushRequest(data, this.payloadBytesMax);
-      const e = this.#entry(job, m.job);
+      const e = this.#entry(subject, m.job);
       const r = e.shard.push(m);
       e.pushes++;
       e.duplicates += r.duplicates;
       return encodePushReply(r);
     });
-    on("pull", async (job, data) => {
+    on("pull", async (subject, data) => {
       const m = decodePullRequest(data, this.payloadBytesMax);
-      const e = this.#entry(job, m.job);
+      const e = this.#entry(subject, m.job);
       e.pulls++;
       const reply = await e.shard.pull(m.trainer, m.step, m.ids);
       if (reply.byteLength > this.payloadBytesMax) {
@@ -52,32 +52,32 @@ export class ParameterServer {
       }
       return reply;
     });
-    on("stats", (job, data) => {
+    on("stats", (subject, data) => {
       const m = decodeJobRequest(data, this.payloadBytesMax);
-      const e = this.#entry(job, m.job);
+      const e = this.#entry(subject, m.job);
       const s = e.shard;
       return encodeShardStats({
-        job, shard: k, chunks: s.ids.length, elements: s.elements, updates: s.updates, pushes: e.pushes, duplicates: e.duplicates,
+        job: m.job, shard: k, chunks: s.ids.length, elements: s.elements, updates: s.updates, pushes: e.pushes, duplicates: e.duplicates,
         pulls: e.pulls, waiting: s.waiting, clocks: [...s.clocks],
       });
     });
-    on("state", (job, data) => {
+    on("state", (subject, data) => {
       const m = decodeJobRequest(data, this.payloadBytesMax);
-      return encodeShardState(this.#entry(job, m.job).shard.exportState());
+      return encodeShardState(this.#entry(subject, m.job).shard.exportState());
     });
-    on("load", (job, data) => {
+    on("load", (subject, data) => {
       // snapshots are as large as the shard's parameters and state: allow 64 MB
       const s = decodeShardState(data, Math.max(this.payloadBytesMax, 64 << 20));
-      this.#entry(job, s.job).shard.importState(s);
-      this.log?.info({ job, step: s.step }, "shard state loaded");
-      return encodeShardStats({ job, shard: k, chunks: s.chunks.length, elements: 0, updates: s.updates, pushes: 0, duplicates: 0, pulls: 0, waiting: 0, clocks: [] });
+      this.#entry(subject, s.job).shard.importState(s);
+      this.log?.info({ job: s.job, step: s.step }, "shard state loaded");
+      return encodeShardStats({ job: s.job, shard: k, chunks: s.chunks.length, elements: 0, updates: s.updates, pushes: 0, duplicates: 0, pulls: 0, waiting: 0, clocks: [] });
     });
   }
 
-  #entry(subjectJob: string, messageJob: string): JobEntry {
-    if (messageJob !== subjectJob) throw new BadRequestError(`message for job "${messageJob}" sent on a subject of job "${subjectJob}"`);
-    const e = this.#jobs.get(subjectJob);
-    if (!e) throw new UnknownJobError(`shard ${this.shardIndex} runs no job "${subjectJob}" (running: ${[...this.#jobs.keys()].join(", ") || "none"})`);
+  #entry(subject: string, messageJob: string): JobEntry {
+    const job = jobOfRequest(subject, messageJob);
+    const e = this.#jobs.get(job);
+    if (!e) throw new UnknownJobError(`shard ${this.shardIndex} runs no job "${job}" (running: ${[...this.#jobs.keys()].join(", ") || "none"})`);
     return e;
   }
 
@@ -87,8 +87,7 @@ export class ParameterServer {
 
   /** Opens (or re-opens with a new spec) this shard's part of a job. */
   openJob(spec: JobSpec): void {
-    const cfg = jobConfigFromJson(spec.configJson);
-    if (cfg.job !== spec.job) throw new BadRequestError(`job spec "${spec.job}" carries the config of "${cfg.job}"`);
+    const cfg = configOfSpec(spec);
     this.closeJob(spec.job);
     if (this.shardIndex >= cfg.shards) return; // this job has fewer shards
     if (this.#jobs.size >= jobsMax) throw new LimitExceededError(`shard ${this.shardIndex} runs ${jobsMax} jobs already`);

@@ -222,10 +222,10 @@ export class ParameterShard {
   }
 
   /**
-   * Adds a staged gradient to the chunk's pending sum; returns 1 when that completed an update.
-   * With one push per update the optimizer reads the staged gradient directly.
+   * Adds a staged gradient to the chunk's pending sum and applies the update once enough pushes
+   * are in. With one push per update the optimizer reads the staged gradient directly.
    */
-  #accumulate(slot: ChunkSlot, grad: number, step: number): number {
+  #accumulate(slot: ChunkSlot, grad: number, step: number): void {
     const be = this.#be;
     const n = slot.info.count;
     const need = this.#cfg.sync === "bsp" ? this.#cfg.trainers : this.#cfg.batchPushes;
@@ -237,14 +237,13 @@ export class ParameterShard {
       if (slot.pending === 0) be.copy(sum, grad, n * 4);
       else be.axpy(sum, grad, n, 1);
       slot.pending++;
-      if (slot.pending < need) return 0;
+      if (slot.pending < need) return;
       be.scale(sum, n, 1 / slot.pending);
       this.#applyOptimizer(slot, sum, lr());
       slot.pending = 0;
     }
     slot.version++;
     this.#updates++;
-    return 1;
   }
 
   #applyOptimizer(slot: ChunkSlot, g: number, lr: number): void {

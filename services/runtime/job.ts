@@ -1,7 +1,8 @@
 // A job's resolved configuration: what `meshtrain submit` sends, what every service of the
 // job reads, and what each checkpoint stores. Validated with zod; defaults in one block.
 import { z } from "zod";
-import { ConfigError } from "./errors.ts";
+import type { JobSpec } from "../../schemas/messages.ts";
+import { BadRequestError, ConfigError } from "./errors.ts";
 
 const int = (min: number, max = Number.MAX_SAFE_INTEGER) => z.number().int().min(min).max(max);
 
@@ -107,6 +108,23 @@ export const jobConfigFromJson = (text: string): JobConfig => {
   }
   return parseJobConfig(data);
 };
+
+/** The validated config of a job spec from the bucket; its name must be the spec's. */
+export function configOfSpec(spec: JobSpec): JobConfig {
+  const cfg = jobConfigFromJson(spec.configJson);
+  if (cfg.job !== spec.job) throw new BadRequestError(`job spec "${spec.job}" carries the config of "${cfg.job}"`);
+  return cfg;
+}
+
+/**
+ * The job a request is for: the job token of `mt.<job>.…`, which must be the job the message
+ * names (a message sent on another job's subject is refused, not served for the wrong job).
+ */
+export function jobOfRequest(subject: string, messageJob: string): string {
+  const job = subject.split(".")[1] ?? "";
+  if (messageJob !== job) throw new BadRequestError(`message for job "${messageJob}" sent on a subject of job "${job}"`);
+  return job;
+}
 
 /** Subjects of one job (ARCHITECTURE.md). */
 export const subjects = {

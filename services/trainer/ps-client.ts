@@ -17,11 +17,10 @@ export class PsClient {
     this.#groups = layout.byShard.map((ids) => packByBytes(ids, (id) => layout.chunks[id]!.count * 4, payloadBytesMax));
   }
 
-  /** Fills `out` (the flat vector) with the parameters the shards give for `step`; returns the lowest chunk version. */
-  async pull(step: number, out: Float32Array): Promise<number> {
+  /** Fills `out` (the flat vector) with the parameters the shards give for `step`. */
+  async pull(step: number, out: Float32Array): Promise<void> {
     const job = this.layout.job;
     const outBytes = new Uint8Array(out.buffer, out.byteOffset, out.byteLength);
-    let minVersion = Number.POSITIVE_INFINITY;
     await Promise.all(this.#groups.flatMap((groups, shard) => groups.map(async (ids) => {
       const req = encodePullRequest({ job, trainer: this.trainer, step, ids: Uint32Array.from(ids) });
       const reply = decodePullReply(await this.bus.request(subjects.psPull(job, shard), req, pullTimeoutMs), this.payloadBytesMax);
@@ -31,10 +30,8 @@ export class PsClient {
         if (!info || info.shard !== shard || c.count !== info.count) throw new BadRequestError(`shard ${shard} answered an unexpected chunk ${c.id}`);
         if (c.dtype !== DType.F32) throw new BadRequestError(`shard ${shard} answered chunk ${c.id} as ${DType[c.dtype]}`);
         outBytes.set(c.data, info.offset * 4); // bytes: one copy, whatever the payload's alignment
-        minVersion = Math.min(minVersion, c.version);
       }
     })));
-    return minVersion;
   }
 
   /** Pushes the gradient vector for `step` to every shard. */

@@ -3,7 +3,7 @@
 import type { Backend } from "../../ffi/backend.ts";
 import type { JobSpec } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
-import { jobConfigFromJson } from "../runtime/job.ts";
+import { configOfSpec } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
 import { totalSteps } from "../data-loader/sampler.ts";
 import { TrainerRun } from "./loop.ts";
@@ -14,7 +14,7 @@ export class Trainer {
   constructor(readonly bus: Bus, readonly rank: number, readonly backend: Backend, readonly log: Logger | undefined, readonly payloadBytesMax: number) {}
 
   openJob(spec: JobSpec): void {
-    const cfg = jobConfigFromJson(spec.configJson);
+    const cfg = configOfSpec(spec);
     if (this.rank >= cfg.trainers || this.#runs.has(cfg.job)) return;
     const run = new TrainerRun({ bus: this.bus, backend: this.backend, cfg, rank: this.rank, totalSteps: totalSteps(cfg), payloadBytesMax: this.payloadBytesMax, ...(this.log ? { log: this.log.child({ job: cfg.job }) } : {}) });
     const done = run.run()
