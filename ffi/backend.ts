@@ -26,6 +26,16 @@ export interface Allocation {
 
 export type BinaryOp = "add" | "mul";
 
+/**
+ * What the multiply of a GEMM reads. Accumulation and C are always f32.
+ *   f32   4-byte floats, full-precision multiplies
+ *   tf32  4-byte floats whose multiply inputs may be rounded to 10 mantissa bits (tensor cores);
+ *         a backend without such units computes in f32, which is more precise
+ *   bf16, f16  A and B hold 2-byte elements (autocast copies of f32 tensors)
+ */
+export type GemmInput = "f32" | "tf32" | "bf16" | "f16";
+export const gemmInputBytes: Readonly<Record<GemmInput, number>> = { f32: 4, tf32: 4, bf16: 2, f16: 2 };
+
 /** Up to 4 dims, outermost first; unused leading dims are 1. Strides in elements. */
 export type Dims4 = readonly [number, number, number, number];
 
@@ -59,6 +69,11 @@ export interface Backend {
   gemmStridedBatched(transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
                      A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
                      beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void;
+  /** Strided-batched GEMM whose A and B hold `input` elements (strides and leading dimensions
+   *  in elements); accumulates in f32 and reads/writes C as f32. batch 1 ignores the strides. */
+  gemmEx(input: GemmInput, transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
+         A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
+         beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void;
 
   // ---- elementwise (f32) ----
   add(out: Ptr, a: Ptr, b: Ptr, n: number): void;

@@ -1,0 +1,404 @@
+// CUDA backend: the driver API, cuBLAS and our PTX kernels (ffi/cuda/kernels/*.cu), called
+// directly through bun:ffi. One device, its primary context, one non-blocking stream.
+//
+// Ordering: every kernel, copy and GEMM goes onto the one stream, so they run in call order
+// and the engine needs no synchronization of its own. Calls that hand a value to JavaScript
+// (download, sumSquares, countNonFinite, the invalid-index counts) synchronize the stream.
+//
+// Host memory the GPU reads or writes asynchronously is pinned (cuMemAllocHost), never a
+// JavaScript buffer: the upload staging buffers, the kernel-argument block, the cuBLAS alpha/
+// beta scalars and the 8-byte result slot. An upload copies the caller's data into a staging
+// buffer and returns while the copy runs; the buffer is reused only after its event reports
+// the copy done (two buffers alternate, so a batch upload overlaps the previous step's work).
+// No CUDA thread ever calls into JavaScript: completion is polled (whenIdle) or waited on.
+import { readFileSync } from "node:fs";
+import type { Allocation, Backend, BackendStats, BinaryOp, Dims4, GemmInput, Ptr } from "../backend.ts";
+import { CachingAllocator, type CachingAllocatorStats } from "./allocator.ts";
+import { Cublas, loadCublas } from "./cublas.ts";
+import { CU_EVENT_DISABLE_TIMING, driver, type Driver, hostBytes } from "./driver.ts";
+import { ensurePtx } from "./build.ts";
+import { type KernelName, kernelSpecs, type Launch, plans, scratchBytes } from "./kernels.ts";
+
+export { probeCuda } from "./driver.ts";
+
+/** Kernel parameters per launch; the widest kernel has 17. */
+const kernelArgsMax = 32;
+// Layout of the pinned host block: result slot, GEMM scalars, kernel argument values (8 bytes
+// each), then the array of pointers to them that cuLaunchKernel reads.
+const resultOffset = 0;
+const scalarsOffset = 64;
+const argValuesOffset = 128;
+const argPointersOffset = argValuesOffset + 8 * kernelArgsMax;
+const hostBlockBytes = argPointersOffset + 8 * kernelArgsMax;
+/** Upload staging starts at this size and grows to the largest upload seen. */
+const stagingBytesMin = 4 << 20;
+
+interface Staging {
+  ptr: Ptr;
+  bytes: number;
+  view: Uint8Array;
+  /** recorded after the copy that reads this buffer; null before first use */
+  event: bigint | null;
+}
+
+export interface CudaBackendOptions {
+  /** device ordinal (default 0) */
+  device?: number;
+}
+
+export class CudaBackend implements Backend {
+  readonly name = "cuda";
+  readonly deviceOrdinal: number;
+  readonly #d: Driver;
+  readonly #device: number;
+  readonly #context: bigint;
+  readonly #stream: bigint;
+  readonly #allocator: CachingAllocator;
+  readonly #live = new Map<Ptr, number>();
+  readonly #host: Ptr;
+  readonly #args: DataView;
+  readonly #result: DataView;
+  readonly #modules = new Map<string, bigint>();
+  readonly #functions = new Map<KernelName, bigint>();
+  readonly #cublas: Cublas;
+  readonly #scratch: Ptr;
+  readonly #staging: Staging[] = [];
+  #stagingNext = 0;
+  #allocCount = 0;
+  #allocBytes = 0;
+  #liveBytes = 0;
+  #disposed = false;
+
+  constructor(options: CudaBackendOptions = {}) {
+    this.deviceOrdinal = options.device ?? 0;
+    const d = (this.#d = driver());
+    this.#device = d.device(this.deviceOrdinal);
+    this.#context = d.primaryContextRetain(this.#device);
+    d.setCurrentContext(this.#context);
+    this.#stream = d.streamCreate();
+    this.#allocator = new CachingAllocator({ alloc: (b) => d.memAlloc(b), free: (p) => d.memFree(p) }, this.name);
+    this.#host = d.memAllocHost(hostBlockBytes);
+    const host = hostBytes(this.#host, hostBlockBytes);
+    this.#args = new DataView(host, argValuesOffset, 8 * kernelArgsMax);
+    this.#result = new DataView(host, resultOffset, 8);
+    // the pointer array never changes: slot i always points at argument value i
+    const pointers = new DataView(host, argPointersOffset, 8 * kernelArgsMax);
+    for (let i = 0; i < kernelArgsMax; i++) pointers.setBigUint64(8 * i, BigInt(this.#host + argValuesOffset + 8 * i), true);
+    this.#cublas = new Cublas(loadCublas(), this.#stream, new Float32Array(host, scalarsOffset, 2), this.#host + scalarsOffset);
+    this.#scratch = this.#allocator.alloc(scratchBytes).ptr;
+    for (const [module, path] of Object.entries(ensurePtx())) {
+      this.#modules.set(module, d.moduleLoadPtx(readFileSync(path, "utf8"), module));
+    }
+  }
+
+  get stats(): BackendStats {
+    return { allocCount: this.#allocCount, allocBytes: this.#allocBytes, liveBytes: this.#liveBytes };
+  }
+
+  get allocatorStats(): CachingAllocatorStats {
+    return this.#allocator.stats;
+  }
+
+  get deviceName(): string {
+    return this.#d.deviceName(this.#device);
+  }
+
+  /** the stream every operation runs on (for NCCL collectives that must join it) */
+  get stream(): bigint {
+    return this.#stream;
+  }
+
+  // ---- memory -----------------------------------------------------------------------------
+
+  alloc(bytes: number): Allocation {
+    this.#checkUsable();
+    const block = this.#allocator.alloc(bytes);
+    // the engine expects zeroed memory from alloc (the CPU backend's mt_alloc zeroes too)
+    if (block.bytes > 0) this.#d.memsetD8Async(block.ptr, 0, block.bytes, this.#stream);
+    this.#live.set(block.ptr, bytes);
+    this.#allocCount++;
+    this.#allocBytes += bytes;
+    this.#liveBytes += bytes;
+    return { ptr: block.ptr, bytes };
+  }
+
+  free(allocation: Allocation): void {
+    const bytes = this.#live.get(allocation.ptr);
+    if (bytes === undefined) throw new Error(`free: ${allocation.ptr} is not a live allocation of this backend`);
+    this.#live.delete(allocation.ptr);
+    this.#liveBytes -= bytes;
+    this.#allocator.free(allocation.ptr);
+  }
+
+  /** Give cached device memory back to the driver. */
+  emptyCache(): void {
+    this.synchronize();
+    this.#allocator.emptyCache();
+  }
+
+  upload(dst: Ptr, src: ArrayBufferView): void {
+    const bytes = src.byteLength;
+    if (bytes === 0) return;
+    const stage = this.#stagingFor(bytes);
+    stage.view.set(new Uint8Array(src.buffer, src.byteOffset, bytes));
+    this.#d.copyHtoDAsync(dst, stage.ptr, bytes, this.#stream);
+    stage.event ??= this.#d.eventCreate(CU_EVENT_DISABLE_TIMING);
+    this.#d.eventRecord(stage.event, this.#stream);
+  }
+
+  download(src: Ptr, dst: ArrayBufferView): void {
+    const bytes = dst.byteLength;
+    if (bytes === 0) return;
+    const stage = this.#stagingFor(bytes);
+    this.#d.copyDtoHAsync(stage.ptr, src, bytes, this.#stream);
+    this.#d.streamSynchronize(this.#stream);
+    new Uint8Array(dst.buffer, dst.byteOffset, bytes).set(stage.view.subarray(0, bytes));
+  }
+
+  copy(dst: Ptr, src: Ptr, bytes: number): void {
+    if (bytes > 0) this.#d.copyDtoDAsync(dst, src, bytes, this.#stream);
+  }
+
+  zero(dst: Ptr, bytes: number): void {
+    if (bytes > 0) this.#d.memsetD8Async(dst, 0, bytes, this.#stream);
+  }
+
+  fill(dst: Ptr, n: number, value: number): void {
+    if (n > 0) this.#d.memsetD32Async(dst, f32Bits(value), n, this.#stream);
+  }
+
+  synchronize(): void {
+    this.#d.streamSynchronize(this.#stream);
+  }
+
+  /** Resolves when all queued work has finished, polling an event: the event loop stays free. */
+  async whenIdle(pollMs = 1): Promise<void> {
+    const event = this.#d.eventCreate(CU_EVENT_DISABLE_TIMING);
+    try {
+      this.#d.eventRecord(event, this.#stream);
+      while (!this.#d.eventDone(event)) await Bun.sleep(pollMs);
+    } finally {
+      this.#d.eventDestroy(event);
+    }
+  }
+
+  // ---- GEMM (cuBLAS) ----------------------------------------------------------------------
+
+  gemm(transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
+       A: Ptr, lda: number, B: Ptr, ldb: number, beta: number, C: Ptr, ldc: number): void {
+    this.#cublas.gemm("f32", transA, transB, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+  }
+
+  gemmStridedBatched(transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
+                     A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
+                     beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void {
+    this.#cublas.gemm("f32", transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
+  }
+
+  gemmEx(input: GemmInput, transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
+         A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
+         beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void {
+    this.#cublas.gemm(input, transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
+  }
+
+  // ---- kernels ----------------------------------------------------------------------------
+
+  add(out: Ptr, a: Ptr, b: Ptr, n: number): void {
+    this.#run(plans.add(out, a, b, n));
+  }
+  mul(out: Ptr, a: Ptr, b: Ptr, n: number): void {
+    this.#run(plans.mul(out, a, b, n));
+  }
+  axpy(y: Ptr, x: Ptr, n: number, alpha: number): void {
+    this.#run(plans.axpy(y, x, n, alpha));
+  }
+  scale(x: Ptr, n: number, s: number): void {
+    this.#run(plans.scale(x, n, s));
+  }
+  addScalarFrom(dinp: Ptr, dout: Ptr, scale: number, n: number): void {
+    this.#run(plans.addScalarFrom(dinp, dout, scale, n));
+  }
+  binaryBroadcast(op: BinaryOp, out: Ptr, a: Ptr, b: Ptr, dims: Dims4, aStrides: Dims4, bStrides: Dims4): void {
+    this.#run(plans.binaryBroadcast(op, out, a, b, dims, aStrides, bStrides));
+  }
+  reduceBroadcast(out: Ptr, inp: Ptr, dims: Dims4, outStrides: Dims4): void {
+    this.#run(plans.reduceBroadcast(out, inp, dims, outStrides));
+  }
+  biasAdd(out: Ptr, inp: Ptr, bias: Ptr, N: number, C: number): void {
+    this.#run(plans.biasAdd(out, inp, bias, N, C));
+  }
+  biasBackward(dbias: Ptr, dout: Ptr, N: number, C: number): void {
+    this.#run(plans.biasBackward(dbias, dout, N, C));
+  }
+  reluForward(out: Ptr, inp: Ptr, n: number): void {
+    this.#run(plans.reluForward(out, inp, n));
+  }
+  reluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): void {
+    this.#run(plans.reluBackward(dinp, inp, dout, n));
+  }
+  geluForward(out: Ptr, inp: Ptr, n: number): void {
+    this.#run(plans.geluForward(out, inp, n));
+  }
+  geluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): void {
+    this.#run(plans.geluBackward(dinp, inp, dout, n));
+  }
+  dropoutForward(out: Ptr, inp: Ptr, n: number, p: number, seed: bigint): void {
+    this.#run(plans.dropoutForward(out, inp, n, p, seed));
+  }
+  dropoutBackward(dinp: Ptr, dout: Ptr, n: number, p: number, seed: bigint): void {
+    this.#run(plans.dropoutBackward(dinp, dout, n, p, seed));
+  }
+  crossEntropyForward(loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr, N: number, V: number): number {
+    this.#run(plans.crossEntropyForward(this.#scratch, loss, losses, probs, logits, targets, N, V));
+    return this.#readResult("i64");
+  }
+  crossEntropyBackward(dlogits: Ptr, probs: Ptr, targets: Ptr, dloss: Ptr, N: number, V: number): void {
+    this.#run(plans.crossEntropyBackward(dlogits, probs, targets, dloss, N, V));
+  }
+  layerNormForward(out: Ptr, mean: Ptr, rstd: Ptr, inp: Ptr, weight: Ptr, bias: Ptr, N: number, C: number, eps: number): void {
+    this.#run(plans.layerNormForward(out, mean, rstd, inp, weight, bias, N, C, eps));
+  }
+  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr,
+                    mean: Ptr, rstd: Ptr, N: number, C: number): void {
+    this.#run(plans.layerNormBackward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C));
+  }
+  embeddingForward(out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number): number {
+    this.#run(plans.embeddingForward(this.#scratch, out, ids, table, N, C, V));
+    return this.#readResult("i64");
+  }
+  embeddingBackward(dtable: Ptr, ids: Ptr, dout: Ptr, N: number, C: number): void {
+    this.#run(plans.embeddingBackward(dtable, ids, dout, N, C));
+  }
+  causalSoftmaxForward(out: Ptr, inp: Ptr, BH: number, T: number, scale: number): void {
+    this.#run(plans.causalSoftmaxForward(out, inp, BH, T, scale));
+  }
+  causalSoftmaxBackward(dinp: Ptr, out: Ptr, dout: Ptr, BH: number, T: number, scale: number): void {
+    this.#run(plans.causalSoftmaxBackward(dinp, out, dout, BH, T, scale));
+  }
+  stridedCopy(out: Ptr, outStrides: Dims4, inp: Ptr, inpStrides: Dims4, dims: Dims4, accumulate: boolean): void {
+    this.#run(plans.stridedCopy(out, outStrides, inp, inpStrides, dims, accumulate));
+  }
+
+  sum(out: Ptr, inp: Ptr, n: number): void {
+    this.#run(plans.sum(out, inp, n));
+  }
+  sumSquares(x: Ptr, n: number): number {
+    this.#run(plans.sumSquares(this.#scratch, x, n));
+    return this.#readResult("f64");
+  }
+  countNonFinite(x: Ptr, n: number): number {
+    this.#run(plans.countNonFinite(this.#scratch, x, n));
+    return this.#readResult("i64");
+  }
+
+  sgdStep(param: Ptr, grad: Ptr, momentumBuf: Ptr, n: number, lr: number, momentum: number,
+          dampening: number, weightDecay: number, nesterov: boolean, first: boolean): void {
+    this.#run(plans.sgdStep(param, grad, momentumBuf, n, lr, momentum, dampening, weightDecay, nesterov, first));
+  }
+  adamwStep(param: Ptr, grad: Ptr, m: Ptr, v: Ptr, n: number, lr: number, beta1: number, beta2: number,
+            eps: number, weightDecay: number, biasCorrection1: number, biasCorrection2: number): void {
+    this.#run(plans.adamwStep(param, grad, m, v, n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2));
+  }
+
+  castF32ToBF16(out: Ptr, inp: Ptr, n: number): void {
+    this.#run(plans.castF32ToBF16(out, inp, n));
+  }
+  castBF16ToF32(out: Ptr, inp: Ptr, n: number): void {
+    this.#run(plans.castBF16ToF32(out, inp, n));
+  }
+  castF32ToF16(out: Ptr, inp: Ptr, n: number): void {
+    this.#run(plans.castF32ToF16(out, inp, n));
+  }
+  castF16ToF32(out: Ptr, inp: Ptr, n: number): void {
+    this.#run(plans.castF16ToF32(out, inp, n));
+  }
+
+  dispose(): void {
+    if (this.#disposed) return;
+    const d = this.#d;
+    d.streamSynchronize(this.#stream);
+    this.#disposed = true;
+    this.#cublas.destroy();
+    for (const m of this.#modules.values()) d.moduleUnload(m);
+    this.#modules.clear();
+    this.#functions.clear();
+    this.#allocator.releaseAll();
+    this.#live.clear();
+    this.#liveBytes = 0;
+    for (const s of this.#staging) {
+      if (s.event !== null) d.eventDestroy(s.event);
+      d.memFreeHost(s.ptr);
+    }
+    this.#staging.length = 0;
+    d.memFreeHost(this.#host);
+    d.streamDestroy(this.#stream);
+    d.primaryContextRelease(this.#device);
+  }
+
+  // ---- internals --------------------------------------------------------------------------
+
+  #checkUsable(): void {
+    if (this.#disposed) throw new Error("CudaBackend used after dispose()");
+  }
+
+  #run(launches: readonly Launch[]): void {
+    for (const l of launches) this.#launch(l);
+  }
+
+  #launch(l: Launch): void {
+    const params = kernelSpecs[l.kernel].params;
+    // a wrong argument list is a programmer error in kernels.ts, never an operating error
+    if (l.args.length !== params.length) throw new Error(`${l.kernel}: ${l.args.length} arguments for ${params.length} parameters`);
+    const v = this.#args;
+    for (let i = 0; i < params.length; i++) {
+      const a = l.args[i]!;
+      switch (params[i]) {
+        case "f32": v.setFloat32(8 * i, a as number, true); break;
+        case "i32": v.setInt32(8 * i, a as number, true); break;
+        case "u64": v.setBigUint64(8 * i, a as bigint, true); break;
+        default: v.setBigInt64(8 * i, BigInt(a), true); // ptr, i64
+      }
+    }
+    this.#d.launch(this.#function(l.kernel), l.kernel, l.grid, l.block, l.sharedBytes, this.#stream, this.#host + argPointersOffset);
+  }
+
+  #function(kernel: KernelName): bigint {
+    let fn = this.#functions.get(kernel);
+    if (fn === undefined) {
+      const module = this.#modules.get(kernelSpecs[kernel].module);
+      if (module === undefined) throw new Error(`${kernel}: module ${kernelSpecs[kernel].module} was not loaded`);
+      fn = this.#d.moduleFunction(module, kernel);
+      this.#functions.set(kernel, fn);
+    }
+    return fn;
+  }
+
+  /** Copy the 8-byte result a plan left at scratch[0] to the host (synchronizes). */
+  #readResult(kind: "i64" | "f64"): number {
+    this.#d.copyDtoHAsync(this.#host + resultOffset, this.#scratch, 8, this.#stream);
+    this.#d.streamSynchronize(this.#stream);
+    return kind === "f64" ? this.#result.getFloat64(0, true) : Number(this.#result.getBigInt64(0, true));
+  }
+
+  /** A pinned staging buffer of at least `bytes`, free for reuse (its last copy has finished). */
+  #stagingFor(bytes: number): Staging {
+    const index = this.#stagingNext;
+    this.#stagingNext = (index + 1) % 2;
+    let stage = this.#staging[index];
+    if (stage?.event != null) this.#d.eventSynchronize(stage.event);
+    if (stage === undefined || stage.bytes < bytes) {
+      if (stage !== undefined) this.#d.memFreeHost(stage.ptr);
+      const size = Math.max(bytes, stagingBytesMin, stage?.bytes ?? 0);
+      const ptr = this.#d.memAllocHost(size);
+      stage = { ptr, bytes: size, view: new Uint8Array(hostBytes(ptr, size)), event: stage?.event ?? null };
+      this.#staging[index] = stage;
+    }
+    return stage;
+  }
+}
+
+const bitsView = new DataView(new ArrayBuffer(4));
+function f32Bits(value: number): number {
+  bitsView.setFloat32(0, value, true);
+  return bitsView.getUint32(0, true);
+}
