@@ -1,13 +1,21 @@
 // Engine benchmark: one full training step (forward, backward, optimizer) of the MLP
-// 784-1024-1024-10 at batch 256 and of the default GPT, against OpenBLAS sgemm timed on
-// exactly the GEMM shapes of that step, in the same run. The ratio is the fraction of the
-// machine's GEMM rate the whole step achieves; the rest is overhead.
+// 784-1024-1024-10 at batch 256 and of the default GPT, against the backend's GEMM (OpenBLAS
+// sgemm, or cuBLAS) timed on exactly the GEMM shapes of that step, in the same run. The ratio
+// is the fraction of the machine's GEMM rate the whole step achieves; the rest is overhead.
 //
-//   bun run bench engine [--steps N] [--json-only]
-import type { Backend } from "../ffi/backend.ts";
+// On CUDA it also runs bench/torch_step.py where python3 has PyTorch with CUDA: PyTorch eager's
+// step time for the same models, batch and precision, and torch.matmul on the same GEMM
+// shapes, each against ours (target: our step time <= 1.1x PyTorch's).
+//
+//   bun run bench engine [--device auto|cpu|cuda] [--precision f32|tf32|bf16|f16] [--steps N] [--json-only]
+import { join } from "node:path";
+import { type Backend, type GemmInput, gemmInputBytes } from "../ffi/backend.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { median, printTable, round } from "./table.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
+import { deviceChoices, type DeviceChoice, openBackend } from "../ffi/select.ts";
+import { ConfigError } from "../engine/errors.ts";
+import { checkPrecision, type Precision } from "../engine/mixed.ts";
 import { gptDefaults, GptModel } from "../engine/models/gpt.ts";
 import { MlpModel } from "../engine/models/mlp.ts";
 import { gemmFlops, type GemmShape, type Model } from "../engine/models/model.ts";
@@ -34,28 +42,27 @@ export interface EngineBenchResult {
  * once, on scratch buffers of the same shapes), interleaved one of each at a time so both see
  * the same machine conditions; returns the medians in ms.
  */
-function timeInterleaved(be: Backend, trainer: TrainStep, batch: HostBatch, shapes: readonly GemmShape[], reps: number) {
-  const buffers = shapes.map((s) => {
-    const a = be.alloc(s.M * s.K * s.batch * 4);
-    const b = be.alloc(s.K * s.N * s.batch * 4);
-    const c = be.alloc(s.M * s.N * s.batch * 4);
-    const rng = new Rng(s.M + s.N + s.K);
-    be.upload(a.ptr, Float32Array.from({ length: s.M * s.K * s.batch }, () => rng.normal()));
-    be.upload(b.ptr, Float32Array.from({ length: s.K * s.N * s.batch }, () => rng.normal()));
-    return { a, b, c };
-  });
+function timeInterleaved(be: Backend, trainer: TrainStep, batch: HostBatch, shapes: readonly GemmShape[], reps: number,
+                         input: GemmInput) {
+  const buffers = shapes.map((s) => ({
+    a: randomMatrix(be, s.M * s.K * s.batch, input, s.M + s.N + s.K),
+    b: randomMatrix(be, s.K * s.N * s.batch, input, s.M + s.N + s.K + 1),
+    c: be.alloc(s.M * s.N * s.batch * 4),
+  }));
   const gemmRound = () => {
     shapes.forEach((s, i) => {
       const { a, b, c } = buffers[i]!;
       const lda = s.transA ? s.M : s.K;
       const ldb = s.transB ? s.K : s.N;
-      if (s.batch === 1) be.gemm(s.transA, s.transB, s.M, s.N, s.K, 1, a.ptr, lda, b.ptr, ldb, 0, c.ptr, s.N);
-      else be.gemmStridedBatched(s.transA, s.transB, s.M, s.N, s.K, 1, a.ptr, lda, s.M * s.K, b.ptr, ldb, s.K * s.N, 0, c.ptr, s.N, s.M * s.N, s.batch);
+      be.gemmEx(input, s.transA, s.transB, s.M, s.N, s.K, 1, a.ptr, lda, s.M * s.K, b.ptr, ldb, s.K * s.N, 0, c.ptr, s.N, s.M * s.N, s.batch);
     });
   };
+  // a GPU backend queues work: synchronize so each interval covers the work it launched
   const timed = (fn: () => void) => {
+    be.synchronize();
     const t = performance.now();
     fn();
+    be.synchronize();
     return performance.now() - t;
   };
   for (let i = 0; i < 3; i++) {
@@ -72,8 +79,32 @@ function timeInterleaved(be: Backend, trainer: TrainStep, batch: HostBatch, shap
   return { stepMs: median(stepMs), gemmMs: median(gemmMs) };
 }
 
+/** n standard-normal elements of the GEMM input type in backend memory */
+function randomMatrix(be: Backend, n: number, input: GemmInput, seed: number) {
+  const rng = new Rng(seed);
+  const data = Float32Array.from({ length: n }, () => rng.normal());
+  const out = be.alloc(n * gemmInputBytes[input]);
+  if (gemmInputBytes[input] === 4) {
+    be.upload(out.ptr, data);
+    return out;
+  }
+  const wide = be.alloc(n * 4);
+  be.upload(wide.ptr, data);
+  if (input === "bf16") be.castF32ToBF16(out.ptr, wide.ptr, n);
+  else be.castF32ToF16(out.ptr, wide.ptr, n);
+  be.free(wide);
+  return out;
+}
+
+/** the GEMM input a context of this precision uses */
+const gemmInputOf = (p: Precision): GemmInput => p;
+
+/** The GEMM shapes of every model benchmarked in this process, for the PyTorch comparison. */
+const benchedShapes: GemmShape[] = [];
+
 function result(name: string, batch: number, model: Model, stepMs: number, gemmMs: number, target: number): EngineBenchResult {
   const flops = gemmFlops(model.gemmShapes(batch));
+  benchedShapes.push(...model.gemmShapes(batch));
   return {
     model: name,
     batch,
@@ -87,9 +118,9 @@ function result(name: string, batch: number, model: Model, stepMs: number, gemmM
 }
 
 
-export function benchMlp(be: Backend, steps: number): EngineBenchResult {
+export function benchMlp(be: Backend, steps: number, precision: Precision = "f32"): EngineBenchResult {
   const batch = 256;
-  const ctx = new Context(be, { seed: 1 });
+  const ctx = new Context(be, { seed: 1, precision });
   const model = new MlpModel(ctx, { widths: [784, 1024, 1024, 10], activation: "relu", dropout: 0 }, 1);
   const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, sgdDefaults),
     { lr: 0.01, schedule: { kind: "constant" }, gradClip: 0, accumSteps: 1 });
@@ -100,17 +131,17 @@ export function benchMlp(be: Backend, steps: number): EngineBenchResult {
     targets: Int32Array.from({ length: batch }, () => rng.int(10)),
     targetShape: [batch],
   };
-  const { stepMs, gemmMs } = timeInterleaved(be, trainer, hb, model.gemmShapes(batch), steps);
+  const { stepMs, gemmMs } = timeInterleaved(be, trainer, hb, model.gemmShapes(batch), steps, gemmInputOf(precision));
   ctx.dispose();
   return result("mlp 784-1024-1024-10", batch, model, stepMs, gemmMs, 0.7);
 }
 
 export const gptBenchBatch = 32;
 
-export function benchGpt(be: Backend, steps: number): EngineBenchResult {
+export function benchGpt(be: Backend, steps: number, precision: Precision = "f32"): EngineBenchResult {
   const batch = gptBenchBatch;
   const vocabSize = 83; // Moby Dick's character count
-  const ctx = new Context(be, { seed: 1 });
+  const ctx = new Context(be, { seed: 1, precision });
   const config = { ...gptDefaults, vocabSize };
   const model = new GptModel(ctx, config, 1);
   const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamwDefaults),
@@ -123,23 +154,105 @@ export function benchGpt(be: Backend, steps: number): EngineBenchResult {
     targets: Int32Array.from({ length: n }, () => rng.int(vocabSize)),
     targetShape: [batch, config.blockSize],
   };
-  const { stepMs, gemmMs } = timeInterleaved(be, trainer, hb, model.gemmShapes(batch), steps);
+  const { stepMs, gemmMs } = timeInterleaved(be, trainer, hb, model.gemmShapes(batch), steps, gemmInputOf(precision));
   ctx.dispose();
   const c = config;
   return result(`gpt L${c.nLayer} H${c.nHead} C${c.nEmbd} T${c.blockSize} V${c.vocabSize}`, batch, model, stepMs, gemmMs, 0.5);
 }
 
 export function runEngineBench(argv: string[]): EngineBenchResult[] {
-  const values = parseBenchArgs(argv, { steps: { type: "string", default: "20" }, "json-only": { type: "boolean", default: false } });
+  const values = parseBenchArgs(argv, {
+    steps: { type: "string", default: "20" },
+    "json-only": { type: "boolean", default: false },
+    device: { type: "string", default: "auto" },
+    precision: { type: "string", default: "f32" },
+  });
   const steps = positiveInt("steps", values.steps);
-  const be = new CpuBackend();
-  const rows = [benchMlp(be, steps), benchGpt(be, steps)];
-  if (!values["json-only"]) {
-    console.log(`engine benchmark: CPU backend, ${be.threads} threads; medians of ${steps} steps interleaved with ${steps} rounds of their GEMMs; ratio = sgemm time / step time`);
+  const device = values.device as DeviceChoice;
+  if (!deviceChoices.includes(device)) throw new ConfigError(`--device must be one of ${deviceChoices.join(", ")}, got ${values.device}`);
+  const precision = checkPrecision(values.precision as Precision);
+  const quiet = values["json-only"];
+  const { backend: be, why } = openBackend(device);
+  const gpu = be.name !== "cpu";
+  const rows = [benchMlp(be, steps, precision), benchGpt(be, steps, precision)];
+  if (!quiet) {
+    const threads = be instanceof CpuBackend ? `, ${be.threads} threads` : "";
+    console.log(`engine benchmark: ${why}${threads}, precision ${precision}; medians of ${steps} steps interleaved with ${steps} rounds of their GEMMs; ratio = GEMM time / step time`);
     printTable(rows, ["model", "batch", "step_ms", "samples_per_s", "achieved_gflops", "sgemm_gflops", "ratio", "target"]);
   }
-  console.log(JSON.stringify({ bench: "engine", results: rows }));
+  const torch = gpu ? compareWithTorch(be, rows, precision, steps, quiet) : null;
+  be.dispose();
+  console.log(JSON.stringify({ bench: "engine", device: be.name, precision, results: rows, ...(torch === null ? {} : { torch }) }));
   return rows;
+}
+
+/** PyTorch eager on the same machine, models, batch and precision (bench/torch_step.py). */
+function compareWithTorch(be: Backend, rows: EngineBenchResult[], precision: Precision, steps: number, quiet: boolean): object | null {
+  // distinct shapes only: torch times each once, as our GEMM round does per occurrence
+  const shapes = [...new Map(benchedShapes.map((s) => [JSON.stringify(s), s])).values()];
+  const script = join(import.meta.dir, "torch_step.py");
+  const p = Bun.spawnSync(["python3", script, "--precision", precision, "--steps", String(steps), "--gemm-shapes", JSON.stringify(shapes)],
+    { stdout: "pipe", stderr: "pipe" });
+  const line = p.stdout.toString().trim().split("\n").pop() ?? "";
+  let torch: { mlp_step_ms: number; gpt_step_ms: number; gemm_tflops: number; gemm: { ms: number }[]; device: string; torch: string;
+    error?: string };
+  try {
+    torch = JSON.parse(line);
+  } catch {
+    if (!quiet) console.log(`PyTorch comparison skipped: ${script} did not run (${p.stderr.toString().trim().split("\n").pop() ?? `exit ${p.exitCode}`})`);
+    return null;
+  }
+  if (torch.error !== undefined) {
+    if (!quiet) console.log(`PyTorch comparison skipped: ${torch.error}`);
+    return null;
+  }
+  const [mlp, gpt] = rows as [EngineBenchResult, EngineBenchResult];
+  const comparison = [
+    { model: mlp.model, ours_step_ms: mlp.step_ms, torch_step_ms: round(torch.mlp_step_ms, 3), ratio: round(mlp.step_ms / torch.mlp_step_ms, 3), target: 1.1 },
+    { model: gpt.model, ours_step_ms: gpt.step_ms, torch_step_ms: round(torch.gpt_step_ms, 3), ratio: round(gpt.step_ms / torch.gpt_step_ms, 3), target: 1.1 },
+  ];
+  if (!quiet) {
+    console.log(`PyTorch ${torch.torch} eager on ${torch.device}, same models, batch and precision (ratio = ours / torch, target <= 1.1):`);
+    printTable(comparison, ["model", "ours_step_ms", "torch_step_ms", "ratio", "target"]);
+  }
+  const ours = gemmShapeTimes(be, shapes, gemmInputOf(precision), steps);
+  const gemm = shapes.map((s, i) => {
+    const flops = 2 * s.M * s.N * s.K * s.batch;
+    const [o, t] = [ours[i]!, torch.gemm[i]!.ms];
+    return { shape: `${s.batch}x${s.M}x${s.N}x${s.K}${s.transA ? " tA" : ""}${s.transB ? " tB" : ""}`, ours_tflops: round(flops / o / 1e9, 2),
+      torch_tflops: round(flops / t / 1e9, 2), ratio: round(t / o, 3) };
+  });
+  const total = (ms: number[]) => shapes.reduce((f, s) => f + 2 * s.M * s.N * s.K * s.batch, 0) / ms.reduce((a, b) => a + b, 0) / 1e9;
+  const gemmTflops = { ours: round(total(ours), 2), torch: round(torch.gemm_tflops, 2) };
+  if (!quiet) {
+    console.log("GEMM through our cuBLAS binding against torch.matmul, same shapes (ratio = torch time / ours):");
+    printTable(gemm, ["shape", "ours_tflops", "torch_tflops", "ratio"]);
+    console.log(`all shapes: ours ${gemmTflops.ours} TFLOP/s, torch ${gemmTflops.torch} TFLOP/s`);
+  }
+  return { ...torch, comparison, gemm, gemm_tflops: gemmTflops };
+}
+
+/** Median ms of each GEMM shape on its own, timed as torch_step.py times torch.matmul. */
+function gemmShapeTimes(be: Backend, shapes: readonly GemmShape[], input: GemmInput, reps: number): number[] {
+  return shapes.map((s, i) => {
+    const a = randomMatrix(be, s.M * s.K * s.batch, input, 2 * i);
+    const b = randomMatrix(be, s.K * s.N * s.batch, input, 2 * i + 1);
+    const c = be.alloc(s.M * s.N * s.batch * 4);
+    const lda = s.transA ? s.M : s.K;
+    const ldb = s.transB ? s.K : s.N;
+    const run = () => be.gemmEx(input, s.transA, s.transB, s.M, s.N, s.K, 1, a.ptr, lda, s.M * s.K, b.ptr, ldb, s.K * s.N, 0, c.ptr, s.N, s.M * s.N, s.batch);
+    for (let w = 0; w < 3; w++) run();
+    const ms: number[] = [];
+    for (let r = 0; r < reps; r++) {
+      be.synchronize();
+      const t = performance.now();
+      run();
+      be.synchronize();
+      ms.push(performance.now() - t);
+    }
+    [a, b, c].forEach((x) => be.free(x));
+    return median(ms);
+  });
 }
 
 if (import.meta.main) runEngineBench(process.argv.slice(2));

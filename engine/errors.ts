@@ -78,6 +78,21 @@ export class NonFiniteLossError extends EngineError {
   }
 }
 
+/** f16 gradients overflowed step after step although the loss scale kept halving. */
+export class GradientOverflowError extends EngineError {
+  override readonly name = "GradientOverflowError";
+  constructor(
+    readonly step: number,
+    readonly skipsInARow: number,
+    readonly lossScale: number,
+  ) {
+    super(
+      `gradients overflowed in ${skipsInARow} steps in a row at step ${step} (loss scale now ${lossScale}): training stopped. ` +
+        `Lower the learning rate, or train in bf16 or f32 (--precision).`,
+    );
+  }
+}
+
 /** A configuration value that cannot work (negative learning rate, zero batch, ...). */
 export class ConfigError extends EngineError {
   override readonly name = "ConfigError";

@@ -18,6 +18,7 @@ import type { Allocation, Backend, DType, Ptr } from "../ffi/backend.ts";
 import { dtypeBytes } from "../ffi/backend.ts";
 import { Arena } from "./arena.ts";
 import { EngineError, ShapeError } from "./errors.ts";
+import { checkPrecision, type Precision } from "./mixed.ts";
 
 export type Shape = readonly number[];
 
@@ -171,7 +172,21 @@ function resolveReshape(from: Shape, to: Shape): Shape {
 export interface ContextOptions {
   /** base seed of dropout masks */
   seed?: number;
+  /** what matmul's GEMMs read (engine/mixed.ts); default "f32" */
+  precision?: Precision;
+  /** fill every tensor empty() returns with NaN, so that a kernel that leaves an element
+   *  unwritten fails the parity tests (tests only: it costs a fill per tensor). Default off. */
+  poison?: boolean;
 }
+
+// Poison values for fill(), which writes f32 elements. A JavaScript number cannot carry a NaN
+// payload into fill(), and a canonical f32 NaN (0x7fc00000) seen as two 2-byte elements is
+// 0x0000 and 0x7fc0: only every other element would be poisoned. So 2-byte tensors get a
+// finite f32 whose two halves are each poison: 0x7e00, an f16 NaN, for f16; and for bf16
+// 0x7f7f, the largest finite bf16 (3.4e38), because an f32 whose upper half is a bf16 NaN is
+// itself a NaN.
+const f32OfBits = (bits: number) => new Float32Array(new Uint32Array([bits]).buffer)[0]!;
+const poisonValue: Readonly<Record<DType, number>> = { f32: NaN, i32: NaN, f16: f32OfBits(0x7e007e00), bf16: f32OfBits(0x7f7f7f7f) };
 
 export class Context {
   readonly backend: Backend;
@@ -181,6 +196,9 @@ export class Context {
   gradEnabled = true;
   /** false in evaluation: dropout is the identity */
   training = true;
+  /** what matmul's GEMMs read; may be changed between passes (engine/mixed.ts) */
+  precision: Precision;
+  readonly poison: boolean;
   readonly #persistent: Allocation[] = [];
   #dropoutSeed: bigint;
   #dropoutCalls = 0n;
@@ -189,6 +207,8 @@ export class Context {
     this.backend = backend;
     this.arena = new Arena(backend);
     this.#dropoutSeed = BigInt.asUintN(64, BigInt(options.seed ?? 0));
+    this.precision = checkPrecision(options.precision ?? "f32");
+    this.poison = options.poison ?? false;
   }
 
   /** Start a new forward/backward pass: recycle the arena and clear the tape. */
@@ -200,7 +220,10 @@ export class Context {
   empty(shape: Shape, dtype: DType = "f32"): Tensor {
     checkShape("empty", shape);
     const bytes = numelOf(shape) * dtypeBytes[dtype];
-    return new Tensor(this, shape, dtype, this.arena.alloc(bytes), this.arena.generation);
+    const ptr = this.arena.alloc(bytes);
+    // arena blocks are 64-byte aligned, so rounding up to whole f32s stays inside the block
+    if (this.poison) this.backend.fill(ptr, Math.ceil(bytes / 4), poisonValue[dtype]);
+    return new Tensor(this, shape, dtype, ptr, this.arena.generation);
   }
 
   zeros(shape: Shape, dtype: DType = "f32"): Tensor {

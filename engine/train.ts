@@ -5,9 +5,17 @@
 // Gradient accumulation: each micro-batch's mean loss is back-propagated with d(loss) = 1/k
 // into the same gradient slab, so k micro-batches of size b give exactly the gradient of one
 // batch of size k*b (tested to 1e-5).
-import { NonFiniteLossError, ConfigError, ShapeError } from "./errors.ts";
+//
+// Precision f16 adds dynamic loss scaling (engine/optim/loss-scale.ts): d(loss) = scale/k,
+// and a step whose gradients overflow is skipped. A skipped step uses up its batches but not
+// a step: as in PyTorch (GradScaler.step does not call optimizer.step), the parameters, the
+// optimizer state and its step count stay as they were, and so does the learning rate, which
+// follows the step count. The next run() retries that step with the next batches at half the
+// scale.
+import { NonFiniteLossError, ConfigError, EngineError, ShapeError } from "./errors.ts";
 import type { Model } from "./models/model.ts";
 import { clipGradNorm } from "./optim/clip.ts";
+import { type LossScaleConfig, LossScaler } from "./optim/loss-scale.ts";
 import type { Optimizer } from "./optim/optimizer.ts";
 import { lrAt, type Schedule } from "./optim/schedule.ts";
 import { softmaxCrossEntropy } from "./ops/crossentropy.ts";
@@ -28,15 +36,31 @@ export interface StepConfig {
   gradClip: number;
   /** micro-batches per optimizer step */
   accumSteps: number;
+  /** loss-scaler settings over lossScaleDefaults; precision f16 only (bf16 and f32 keep f32's
+   *  exponent range in their gradients and need no scaler) */
+  lossScale?: Partial<LossScaleConfig>;
 }
 
 export interface StepResult {
   step: number;
   /** mean loss over the step's micro-batches */
   loss: number;
-  /** gradient norm before clipping */
+  /** gradient norm before clipping (after unscaling); Infinity when the step was skipped */
   gradNorm: number;
   lr: number;
+  /** the gradients overflowed (f16 loss scaling): nothing was updated */
+  skipped: boolean;
+  /** the loss scale after this step's update, which the next step uses; 1 without a scaler */
+  lossScale: number;
+}
+
+export interface Gradients {
+  /** mean loss over the micro-batches */
+  loss: number;
+  /** norm before clipping; Infinity when not finite */
+  gradNorm: number;
+  /** false: the gradients overflowed under loss scaling; the slab holds inf/NaN and must not be used */
+  finite: boolean;
 }
 
 export function uploadBatch(ctx: Context, b: HostBatch): { x: Tensor; y: Tensor } {
@@ -44,11 +68,18 @@ export function uploadBatch(ctx: Context, b: HostBatch): { x: Tensor; y: Tensor 
 }
 
 export class TrainStep {
+  /** present when the context's precision is f16 */
+  readonly scaler: LossScaler | null;
+
   constructor(readonly ctx: Context, readonly model: Model, readonly optimizer: Optimizer, readonly config: StepConfig) {
     if (!Number.isInteger(config.accumSteps) || config.accumSteps < 1) {
       throw new ConfigError(`accumSteps must be an integer >= 1, got ${config.accumSteps}`);
     }
     if (!(config.gradClip >= 0)) throw new ConfigError(`gradClip must be >= 0, got ${config.gradClip}`);
+    if (config.lossScale !== undefined && ctx.precision !== "f16") {
+      throw new ConfigError(`lossScale is for precision f16; this context computes in ${ctx.precision}, which needs no loss scaling`);
+    }
+    this.scaler = ctx.precision === "f16" ? new LossScaler(config.lossScale) : null;
   }
 
   /** The number of optimizer steps taken so far. */
@@ -59,21 +90,28 @@ export class TrainStep {
   run(micro: readonly HostBatch[]): StepResult {
     const k = this.config.accumSteps;
     if (micro.length !== k) throw new ShapeError("TrainStep.run", [[micro.length]], `expected ${k} micro-batches`);
-    const { loss, gradNorm } = lossAndGradients(this.ctx, this.model, micro, this.config.gradClip, this.step);
+    if ((this.ctx.precision === "f16") !== (this.scaler !== null)) {
+      throw new EngineError(`TrainStep: the context's precision changed to ${this.ctx.precision} after the TrainStep was built`);
+    }
+    const { loss, gradNorm, finite } = lossAndGradients(this.ctx, this.model, micro, this.config.gradClip, this.step, this.scaler);
     const lr = lrAt(this.config.schedule, this.config.lr, this.step);
-    this.optimizer.step(lr);
-    return { step: this.step, loss, gradNorm, lr };
+    if (finite) this.optimizer.step(lr);
+    this.scaler?.update(finite, this.step);
+    return { step: this.step, loss, gradNorm, lr, skipped: !finite, lossScale: this.scaler?.scale ?? 1 };
   }
 }
 
 /**
  * Forward and backward over micro-batches into the gradient slab (zeroed first), then clipping:
  * everything of a step but the update. A trainer in parameter-server mode pushes the slab; the
- * shards apply the optimizer.
+ * shards apply the optimizer. With a scaler, backward seeds d(loss) = scale/k and the slab is
+ * unscaled before clipping, or, if it overflowed, returned with finite = false and not clipped.
  */
-export function lossAndGradients(ctx: Context, model: Model, micro: readonly HostBatch[], gradClip: number, step: number): { loss: number; gradNorm: number } {
+export function lossAndGradients(ctx: Context, model: Model, micro: readonly HostBatch[], gradClip: number, step: number,
+                                 scaler: LossScaler | null = null): Gradients {
   const store = model.store;
   const k = micro.length;
+  const dloss = (scaler?.scale ?? 1) / k;
   store.zeroGrad();
   let loss = 0;
   for (const b of micro) {
@@ -83,10 +121,11 @@ export function lossAndGradients(ctx: Context, model: Model, micro: readonly Hos
     const value = l.item();
     // stop before the update: the parameters stay as they were at the last good step
     if (!Number.isFinite(value)) throw new NonFiniteLossError(step, value);
-    ctx.backward(l, 1 / k);
+    ctx.backward(l, dloss);
     loss += value / k;
   }
-  return { loss, gradNorm: clipGradNorm(ctx, store, gradClip) };
+  if (scaler !== null && !scaler.unscale(ctx, store)) return { loss, gradNorm: Infinity, finite: false };
+  return { loss, gradNorm: clipGradNorm(ctx, store, gradClip), finite: true };
 }
 
 export interface EvalResult {

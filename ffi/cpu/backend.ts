@@ -6,13 +6,39 @@
 // of upload/download, and those calls are synchronous: the TypedArray argument stays
 // referenced by the caller's frame for the whole call.
 import { dlopen, FFIType, ptr as addressOf, type Pointer } from "bun:ffi";
-import type { Allocation, Backend, BackendStats, BinaryOp, Dims4, Ptr } from "../backend.ts";
+import type { Allocation, Backend, BackendStats, BinaryOp, Dims4, GemmInput, Ptr } from "../backend.ts";
 import { OutOfMemoryError } from "../errors.ts";
 import { ensureKernelLibrary } from "./build.ts";
 
 const CblasRowMajor = 101;
 const CblasNoTrans = 111;
 const CblasTrans = 112;
+
+/** gemmEx's scratch grows in steps of this many bytes, so a run of slightly larger GEMMs
+ *  does not reallocate each time. */
+const scratchGrainBytes = 64 * 1024;
+const alignBytes = 64;
+const alignUp = (n: number, to: number) => Math.ceil(n / to) * to;
+
+/**
+ * Elements a strided-batched GEMM operand spans: `batch` matrices of `rows` rows of `cols`
+ * elements, rows `ld` apart and matrices `stride` apart (batch 1 ignores the stride).
+ */
+export function gemmOperandElems(rows: number, cols: number, ld: number, stride: number, batch: number): number {
+  const one = (rows - 1) * ld + cols;
+  return batch === 1 ? one : (batch - 1) * stride + one;
+}
+
+function checkGemmArgs(M: number, N: number, K: number, transA: boolean, transB: boolean, lda: number, ldb: number,
+                       ldc: number, strides: readonly number[], batch: number): void {
+  const ints = [M, N, K, lda, ldb, ldc, batch, ...strides];
+  if (ints.some((v) => !Number.isSafeInteger(v) || v < 0) || M * N * K === 0 || batch < 1) {
+    throw new RangeError(`gemmEx: invalid sizes M=${M} N=${N} K=${K} batch=${batch} ld=${lda},${ldb},${ldc} strides=${strides.join(",")}`);
+  }
+  if (lda < (transA ? M : K) || ldb < (transB ? K : N) || ldc < N) {
+    throw new RangeError(`gemmEx: a leading dimension is shorter than its row (lda=${lda} ldb=${ldb} ldc=${ldc}, M=${M} N=${N} K=${K})`);
+  }
+}
 
 function loadLibraries() {
   const { kernels, openblas } = ensureKernelLibrary();
@@ -104,6 +130,10 @@ export class CpuBackend implements Backend {
   #allocBytes = 0;
   #liveBytes = 0;
   #disposed = false;
+  /** gemmEx's f32 copies of 2-byte A and B: owned by the backend, grown on demand, never
+   *  shrunk, freed by dispose(). Once the first training step has seen every GEMM shape, no
+   *  gemmEx call allocates (its growth shows in stats.allocCount like any allocation). */
+  #scratch: Allocation | null = null;
 
   constructor() {
     libraries ??= loadLibraries();
@@ -174,6 +204,46 @@ export class CpuBackend implements Backend {
                      beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void {
     this.#lib.k.symbols.mt_sgemm_strided_batched(transA ? 1 : 0, transB ? 1 : 0, M, N, K, alpha,
       p(A), lda, strideA, p(B), ldb, strideB, beta, p(C), ldc, strideC, batch);
+  }
+
+  /**
+   * A CPU has no 2-byte or TF32 multiply units that OpenBLAS uses, so:
+   *   f32, tf32  sgemm on the f32 inputs (tf32 thus computes in full f32, which is more precise)
+   *   bf16, f16  widen the whole extent of A and B to f32 in the scratch (exact: every 2-byte
+   *              value is an f32), then sgemm. Products and sums are f32, as on tensor cores.
+   */
+  gemmEx(input: GemmInput, transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
+         A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
+         beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void {
+    checkGemmArgs(M, N, K, transA, transB, lda, ldb, ldc, [strideA, strideB, strideC], batch);
+    if (input === "f32" || input === "tf32") {
+      this.gemmStridedBatched(transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
+      return;
+    }
+    if (input !== "bf16" && input !== "f16") throw new RangeError(`gemmEx: unknown input type ${String(input)}`);
+    // A is stored (M,K), or (K,M) with transA; B (K,N), or (N,K) with transB
+    const nA = gemmOperandElems(transA ? K : M, transA ? M : K, lda, strideA, batch);
+    const nB = gemmOperandElems(transB ? N : K, transB ? K : N, ldb, strideB, batch);
+    const offsetB = alignUp(nA * 4, alignBytes);
+    const scratch = this.#scratchFor(offsetB + nB * 4);
+    this.#widen(input, scratch, A, nA);
+    this.#widen(input, scratch + offsetB, B, nB);
+    this.gemmStridedBatched(transA, transB, M, N, K, alpha, scratch, lda, strideA, scratch + offsetB, ldb, strideB,
+      beta, C, ldc, strideC, batch);
+  }
+
+  #widen(input: "bf16" | "f16", out: Ptr, inp: Ptr, n: number): void {
+    if (input === "bf16") this.castBF16ToF32(out, inp, n);
+    else this.castF16ToF32(out, inp, n);
+  }
+
+  #scratchFor(bytes: number): Ptr {
+    if (this.#scratch === null || this.#scratch.bytes < bytes) {
+      if (this.#scratch !== null) this.free(this.#scratch);
+      this.#scratch = null; // an alloc failure must not leave a freed block here
+      this.#scratch = this.alloc(alignUp(bytes, scratchGrainBytes));
+    }
+    return this.#scratch.ptr;
   }
 
   add(out: Ptr, a: Ptr, b: Ptr, n: number): void {
@@ -291,6 +361,7 @@ export class CpuBackend implements Backend {
   dispose(): void {
     for (const ptr of this.#live.keys()) this.#lib.k.symbols.mt_free(p(ptr));
     this.#live.clear();
+    this.#scratch = null;
     this.#liveBytes = 0;
     this.#disposed = true;
   }

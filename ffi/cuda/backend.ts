@@ -44,6 +44,8 @@ interface Staging {
 export interface CudaBackendOptions {
   /** device ordinal (default 0) */
   device?: number;
+  /** the driver library (default: the process-wide libcuda, see driver()) */
+  driver?: Driver;
 }
 
 export class CudaBackend implements Backend {
@@ -60,7 +62,8 @@ export class CudaBackend implements Backend {
   readonly #result: DataView;
   readonly #modules = new Map<string, bigint>();
   readonly #functions = new Map<KernelName, bigint>();
-  readonly #cublas: Cublas;
+  /** created at the first GEMM: a backend that only moves memory never loads cuBLAS */
+  #cublasHandle: Cublas | null = null;
   readonly #scratch: Ptr;
   readonly #staging: Staging[] = [];
   #stagingNext = 0;
@@ -71,7 +74,8 @@ export class CudaBackend implements Backend {
 
   constructor(options: CudaBackendOptions = {}) {
     this.deviceOrdinal = options.device ?? 0;
-    const d = (this.#d = driver());
+    const d = (this.#d = options.driver ?? driver());
+    d.init();
     this.#device = d.device(this.deviceOrdinal);
     this.#context = d.primaryContextRetain(this.#device);
     d.setCurrentContext(this.#context);
@@ -84,7 +88,6 @@ export class CudaBackend implements Backend {
     // the pointer array never changes: slot i always points at argument value i
     const pointers = new DataView(host, argPointersOffset, 8 * kernelArgsMax);
     for (let i = 0; i < kernelArgsMax; i++) pointers.setBigUint64(8 * i, BigInt(this.#host + argValuesOffset + 8 * i), true);
-    this.#cublas = new Cublas(loadCublas(), this.#stream, new Float32Array(host, scalarsOffset, 2), this.#host + scalarsOffset);
     this.#scratch = this.#allocator.alloc(scratchBytes).ptr;
     for (const [module, path] of Object.entries(ensurePtx())) {
       this.#modules.set(module, d.moduleLoadPtx(readFileSync(path, "utf8"), module));
@@ -186,19 +189,19 @@ export class CudaBackend implements Backend {
 
   gemm(transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
        A: Ptr, lda: number, B: Ptr, ldb: number, beta: number, C: Ptr, ldc: number): void {
-    this.#cublas.gemm("f32", transA, transB, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+    this.#cublas().gemm("f32", transA, transB, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
   }
 
   gemmStridedBatched(transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
                      A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
                      beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void {
-    this.#cublas.gemm("f32", transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
+    this.#cublas().gemm("f32", transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
   }
 
   gemmEx(input: GemmInput, transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
          A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
          beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void {
-    this.#cublas.gemm(input, transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
+    this.#cublas().gemm(input, transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
   }
 
   // ---- kernels ----------------------------------------------------------------------------
@@ -318,7 +321,7 @@ export class CudaBackend implements Backend {
     const d = this.#d;
     d.streamSynchronize(this.#stream);
     this.#disposed = true;
-    this.#cublas.destroy();
+    this.#cublasHandle?.destroy();
     for (const m of this.#modules.values()) d.moduleUnload(m);
     this.#modules.clear();
     this.#functions.clear();
@@ -339,6 +342,12 @@ export class CudaBackend implements Backend {
 
   #checkUsable(): void {
     if (this.#disposed) throw new Error("CudaBackend used after dispose()");
+  }
+
+  #cublas(): Cublas {
+    this.#cublasHandle ??= new Cublas(loadCublas(), this.#stream, new Float32Array(hostBytes(this.#host, hostBlockBytes), scalarsOffset, 2),
+      this.#host + scalarsOffset);
+    return this.#cublasHandle;
   }
 
   #run(launches: readonly Launch[]): void {

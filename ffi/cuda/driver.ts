@@ -376,10 +376,11 @@ export interface CudaProbe {
   reason: string;
 }
 
-/** Is there a usable CUDA driver and device? Never throws. */
-export function probeCuda(): CudaProbe {
+/** Is there a usable CUDA driver and device? Never throws. `load` gives the driver (tests
+ *  pass one over another library). */
+export function probeCuda(load: () => Driver = driver): CudaProbe {
   try {
-    const d = driver();
+    const d = load();
     const count = d.deviceCount();
     if (count === 0) return { ok: false, reason: "the CUDA driver reports no device" };
     const dev = d.device(0);

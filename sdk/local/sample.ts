@@ -1,5 +1,6 @@
 // Sample text from a trained character-level GPT model file.
-import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import type { Backend } from "../../ffi/backend.ts";
+import { type DeviceChoice, openBackend } from "../../ffi/select.ts";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { CharVocab } from "../../engine/data/text.ts";
 import { loadSlabInto, readModelFile } from "../../engine/modelfile.ts";
@@ -14,15 +15,28 @@ export interface SampleOptions {
   temperature: number;
   topK: number;
   seed: number;
+  /** auto: CUDA when a driver and a GPU are present, else the CPU */
+  device: DeviceChoice;
+  /** where the device line goes (stdout carries the sample) */
+  log?: (line: string) => void;
 }
 
 export function runSample(o: SampleOptions): string {
+  const { backend } = openBackend(o.device, o.log);
+  try {
+    return sample(o, backend);
+  } finally {
+    backend.dispose();
+  }
+}
+
+function sample(o: SampleOptions, backend: Backend): string {
   const loaded = readModelFile(o.model);
   const { header } = loaded;
   if (header.kind !== "gpt") throw new DataFileError(o.model, `is a ${header.kind} model; sampling needs a gpt model`);
   if (header.vocab === undefined) throw new DataFileError(o.model, "has no character vocabulary (trained on token files); cannot decode samples");
   const vocab = new CharVocab(header.vocab);
-  const ctx = new Context(new CpuBackend(), { seed: o.seed });
+  const ctx = new Context(backend, { seed: o.seed });
   try {
     const model = new GptModel(ctx, header.config as GptConfig, 0);
     loadSlabInto(o.model, model.store, loaded);

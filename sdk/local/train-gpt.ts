@@ -3,7 +3,8 @@
 // that `meshtrain sample` reads.
 import { existsSync, mkdirSync, readFileSync } from "node:fs";
 import { dirname, join } from "node:path";
-import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import type { Backend } from "../../ffi/backend.ts";
+import { type DeviceChoice, openBackend } from "../../ffi/select.ts";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts";
 import { readTokenFile, splitTokens, TokenBatcher } from "../../engine/data/tokens.ts";
@@ -12,9 +13,11 @@ import { type GptConfig, gptDefaults, GptModel } from "../../engine/models/gpt.t
 import { AdamW } from "../../engine/optim/adamw.ts";
 import { checkSchedule, type Schedule } from "../../engine/optim/schedule.ts";
 import { Rng } from "../../engine/rng.ts";
+import type { Precision } from "../../engine/mixed.ts";
 import { Context } from "../../engine/tensor.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
 import { Progress, RateMeter } from "../progress.ts";
+import { precisionNote, skippedStepNote } from "./precision.ts";
 
 export interface GptRunOptions {
   /** a UTF-8 text file for a character-level model (default: Moby Dick) */
@@ -42,6 +45,10 @@ export interface GptRunOptions {
   seed: number;
   out: string;
   sampleChars: number;
+  /** auto: CUDA when a driver and a GPU are present, else the CPU */
+  device: DeviceChoice;
+  /** what the GEMMs read (engine/mixed.ts); parameters stay f32 */
+  precision: Precision;
 }
 
 // The small default: ~0.8M parameters, reaches < 2.0 nats/char validation loss on Moby Dick
@@ -63,6 +70,8 @@ export const gptRunDefaults: GptRunOptions = {
   seed: 1,
   out: "runs/gpt-moby-dick/model.mtm",
   sampleChars: 300,
+  device: "auto",
+  precision: "f32",
 };
 
 interface Corpus {
@@ -105,9 +114,18 @@ export interface GptRunResult {
 }
 
 export function runGpt(o: GptRunOptions): GptRunResult {
+  const { backend } = openBackend(o.device, (why) => console.log(why));
+  try {
+    return trainGpt(o, backend);
+  } finally {
+    backend.dispose();
+  }
+}
+
+function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
   const t0 = performance.now();
   const corpus = loadCorpus(o);
-  const ctx = new Context(new CpuBackend(), { seed: o.seed });
+  const ctx = new Context(backend, { seed: o.seed, precision: o.precision });
   const config: GptConfig = { vocabSize: corpus.vocabSize, blockSize: o.blockSize, nLayer: o.nLayer, nHead: o.nHead, nEmbd: o.nEmbd, dropout: o.dropout };
   const model = new GptModel(ctx, config, o.seed);
   const schedule: Schedule = { kind: "cosine", warmupSteps: Math.min(o.warmup, o.maxSteps - 1), totalSteps: o.maxSteps, minLr: o.minLr };
@@ -118,7 +136,7 @@ export function runGpt(o: GptRunOptions): GptRunResult {
   const valBatches = new TokenBatcher(corpus.val, 64, o.blockSize, corpus.vocabSize);
   const tokensPerStep = o.batchSize * o.accum * o.blockSize;
 
-  console.log(`meshtrain: gpt on ${corpus.name}: ${corpus.train.length.toLocaleString("en-US")} train / ${corpus.val.length.toLocaleString("en-US")} val tokens, vocab ${corpus.vocabSize}, CPU backend`);
+  console.log(`meshtrain: gpt on ${corpus.name}: ${corpus.train.length.toLocaleString("en-US")} train / ${corpus.val.length.toLocaleString("en-US")} val tokens, vocab ${corpus.vocabSize}, ${backend.name} backend, ${precisionNote(o.precision)}`);
   console.log(`config: ${JSON.stringify({ model: config, training: o })}`);
   console.log(`parameters: ${model.store.paramCount.toLocaleString("en-US")} | tokens/step: ${tokensPerStep} ` +
     `| GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)} | limit: ${o.maxSteps} steps or ${o.timeLimitMin} min`);
@@ -141,6 +159,7 @@ export function runGpt(o: GptRunOptions): GptRunResult {
     const r = trainer.run(micro);
     step++;
     rate.add(tokensPerStep);
+    if (r.skipped) progress.log(skippedStepNote(step, r.lossScale));
     progress.update(step, { loss: r.loss.toFixed(4), sps: rate.rate.toFixed(0), extra: `lr ${r.lr.toExponential(2)} | ` });
     if (step % o.evalEvery === 0) validate();
   }

@@ -1,7 +1,8 @@
 // In-process MLP training on MNIST: the README's main job until the mesh services exist.
 import { mkdirSync } from "node:fs";
 import { dirname } from "node:path";
-import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import type { Backend } from "../../ffi/backend.ts";
+import { type DeviceChoice, openBackend } from "../../ffi/select.ts";
 import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { trainValSplit } from "../../engine/data/sampler.ts";
@@ -12,9 +13,11 @@ import type { Optimizer } from "../../engine/optim/optimizer.ts";
 import { checkSchedule, type Schedule } from "../../engine/optim/schedule.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
 import { ConfigError } from "../../engine/errors.ts";
+import type { Precision } from "../../engine/mixed.ts";
 import { Context } from "../../engine/tensor.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
 import { Progress, RateMeter } from "../progress.ts";
+import { precisionNote, skippedStepNote } from "./precision.ts";
 
 export interface MlpRunOptions {
   widths: number[];
@@ -35,6 +38,10 @@ export interface MlpRunOptions {
   valFraction: number;
   dataDir?: string;
   out: string;
+  /** auto: CUDA when a driver and a GPU are present, else the CPU */
+  device: DeviceChoice;
+  /** what the GEMMs read (engine/mixed.ts); parameters stay f32 */
+  precision: Precision;
 }
 
 // Defaults: LeCun's 784-800-10 network, trained to >= 98% test accuracy in ~10 epochs.
@@ -55,6 +62,8 @@ export const mlpRunDefaults: MlpRunOptions = {
   seed: 1,
   valFraction: 0,
   out: "runs/mlp-mnist/model.mtm",
+  device: "auto",
+  precision: "f32",
 };
 
 export interface MlpRunResult {
@@ -71,13 +80,22 @@ export function makeOptimizer(ctx: Context, model: MlpModel, o: MlpRunOptions): 
 }
 
 export function runMlp(o: MlpRunOptions): MlpRunResult {
+  const { backend } = openBackend(o.device, (why) => console.log(why));
+  try {
+    return trainMlp(o, backend);
+  } finally {
+    backend.dispose();
+  }
+}
+
+function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
   const t0 = performance.now();
   const data = loadMnist(o.dataDir);
   const features = data.train.rows * data.train.cols;
   if (o.widths[0] !== features || o.widths[o.widths.length - 1] !== 10) {
     throw new ConfigError(`--widths must start with ${features} (pixels) and end with 10 (classes), got ${o.widths.join(",")}`);
   }
-  const ctx = new Context(new CpuBackend(), { seed: o.seed });
+  const ctx = new Context(backend, { seed: o.seed, precision: o.precision });
   const config: MlpConfig = { widths: o.widths, activation: "relu", dropout: o.dropout };
   const model = new MlpModel(ctx, config, o.seed);
   const split = trainValSplit(data.train.count, o.valFraction, o.seed);
@@ -90,7 +108,7 @@ export function runMlp(o: MlpRunOptions): MlpRunResult {
   checkSchedule(schedule, o.lr);
   const trainer = new TrainStep(ctx, model, makeOptimizer(ctx, model, o), { lr: o.lr, schedule, gradClip: o.gradClip, accumSteps: o.accum });
 
-  console.log(`meshtrain: mlp ${o.widths.join("-")} on MNIST (${split.train.length} train / ${split.val.length} validation / ${data.test.count} test), CPU backend`);
+  console.log(`meshtrain: mlp ${o.widths.join("-")} on MNIST (${split.train.length} train / ${split.val.length} validation / ${data.test.count} test), ${backend.name} backend, ${precisionNote(o.precision)}`);
   console.log(`config: ${JSON.stringify(o)}`);
   console.log(`parameters: ${model.store.paramCount.toLocaleString("en-US")} | samples/step: ${o.batchSize * o.accum} ` +
     `| steps: ${totalSteps} (${stepsPerEpoch}/epoch) | GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)}`);
@@ -108,6 +126,7 @@ export function runMlp(o: MlpRunOptions): MlpRunResult {
       const r = trainer.run(group);
       step++;
       rate.add(o.batchSize * o.accum);
+      if (r.skipped) progress.log(skippedStepNote(step, r.lossScale));
       progress.update(step, { loss: r.loss.toFixed(4), sps: rate.rate.toFixed(0), extra: `epoch ${epoch + 1}/${o.epochs} | ` });
     }
     const ev = evaluate(ctx, model, testBatches.epoch(0, 0, false, false));

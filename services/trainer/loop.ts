@@ -199,6 +199,9 @@ export class TrainerRun {
     this.#checkGeneration(step, generation);
     let loss = 0;
     if (batch.rows > 0) {
+      // f32 (the context's default precision) and no loss scaler: the gradients are always
+      // pushed. With f16 loss scaling an overflowed step (finite = false) would have to push
+      // zeros instead, never the inf/NaN slab.
       loss = lossAndGradients(this.#ctx, this.#model, microBatches(batch, cfg.accumSteps), cfg.gradClip, step).loss;
       backend.download(this.#model.store.grads.ptr, this.#grads);
     } else {

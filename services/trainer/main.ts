@@ -1,7 +1,7 @@
 #!/usr/bin/env bun
 // trainer process of one rank: `bun services/trainer/main.ts --rank 0 --nats-url nats://...`
 import { z } from "zod";
-import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { type DeviceChoice, deviceChoices, openBackend } from "../../ffi/select.ts";
 import { followJobs } from "../runtime/jobs.ts";
 import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/service.ts";
 import { Trainer } from "./service.ts";
@@ -9,18 +9,27 @@ import { Trainer } from "./service.ts";
 const schema = baseConfigSchema.extend({
   /** this process's trainer rank; jobs with `trainers` <= rank leave it idle */
   rank: z.number().int().min(0).max(63),
+  /** compute device (MT_DEVICE / --device): auto picks CUDA when a driver and a GPU are present */
+  device: z.enum(deviceChoices),
 });
-type Config = BaseConfig & { rank: number };
+type Config = BaseConfig & { rank: number; device: DeviceChoice };
+
+// Default cpu, not auto: a host runs several trainer ranks (the local mesh and the compose
+// file start one process per rank), and auto would put every one of them on GPU 0, each with
+// its own CUDA context, for a model whose step is dominated by pushing and pulling the
+// parameter slab. A GPU host opts in with MT_DEVICE=auto or cuda.
+const deviceDefault: DeviceChoice = "cpu";
 
 await runService<Config>({
   name: "trainer",
   description: "the training loop: batches in, gradients out",
   schema,
-  defaults: { ...baseConfigDefaults, rank: 0 },
+  defaults: { ...baseConfigDefaults, rank: 0, device: deviceDefault },
   metadata: (c) => ({ rank: String(c.rank) }),
   logFields: (c) => ({ rank: c.rank }),
   async start({ config, log, bus }) {
-    const trainer = new Trainer(bus, config.rank, new CpuBackend(), log, config.payloadBytesMax);
+    const { backend } = openBackend(config.device, (why) => log.info({ device: config.device }, why));
+    const trainer = new Trainer(bus, config.rank, backend, log, config.payloadBytesMax);
     const watch = await followJobs(bus.nc, log, trainer);
     return {
       async stop() {

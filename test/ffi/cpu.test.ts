@@ -2,7 +2,7 @@
 import { describe, expect, test } from "bun:test";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { Rng } from "../../engine/rng.ts";
-import { cpu } from "../helpers/numeric.ts";
+import { cpu, relErr } from "../helpers/numeric.ts";
 
 /** float32 -> bfloat16 bits, round to nearest even, written from the definition. */
 function bf16Reference(x: number): number {
@@ -147,4 +147,110 @@ describe("kernels that split work by hand", () => {
     expect(r.biasBackward).toBeLessThan(1e-5);
     expect(r.embeddingBackward).toBeLessThan(1e-5);
   }, 60_000);
+});
+
+describe("gemmEx", () => {
+  type Input = "f32" | "tf32" | "bf16" | "f16";
+  /** The value each 2-byte element holds, decoded in JavaScript (not by the backend's widening). */
+  const decode = (input: Input, bits: Uint16Array): Float64Array =>
+    input === "bf16" ? Float64Array.from(bits, (b) => new Float32Array(new Uint32Array([b << 16]).buffer)[0]!)
+      : Float64Array.from(new Float16Array(bits.buffer, bits.byteOffset, bits.length));
+
+  /** Uploads x as `input` elements; returns the allocation and the values it holds. */
+  function operand(be: CpuBackend, input: Input, x: Float32Array) {
+    const n = x.length;
+    const f32 = be.alloc(n * 4);
+    be.upload(f32.ptr, x);
+    if (input === "f32" || input === "tf32") return { a: f32, values: Float64Array.from(x), extra: [] };
+    const half = be.alloc(n * 2);
+    if (input === "bf16") be.castF32ToBF16(half.ptr, f32.ptr, n);
+    else be.castF32ToF16(half.ptr, f32.ptr, n);
+    const bits = new Uint16Array(n);
+    be.download(half.ptr, bits);
+    return { a: half, values: decode(input, bits), extra: [f32] };
+  }
+
+  /** C[b] = alpha op(A[b]) op(B[b]) + beta C[b] in float64, straight from the definition. */
+  function reference(s: Shape, A: Float64Array, B: Float64Array, C: Float64Array, alpha: number, beta: number): Float64Array {
+    const out = Float64Array.from(C);
+    for (let b = 0; b < s.batch; b++) {
+      for (let i = 0; i < s.M; i++) {
+        for (let j = 0; j < s.N; j++) {
+          let acc = 0;
+          for (let k = 0; k < s.K; k++) {
+            const av = A[b * s.strideA + (s.tA ? k * s.lda + i : i * s.lda + k)]!;
+            const bv = B[b * s.strideB + (s.tB ? j * s.ldb + k : k * s.ldb + j)]!;
+            acc += av * bv;
+          }
+          const c = b * s.strideC + i * s.ldc + j;
+          out[c] = alpha * acc + beta * C[c]!;
+        }
+      }
+    }
+    return out;
+  }
+
+  interface Shape { M: number; N: number; K: number; tA: boolean; tB: boolean; batch: number; lda: number; ldb: number; ldc: number; strideA: number; strideB: number; strideC: number }
+  /** Odd sizes, leading dimensions padded by `pad` and matrices `gap` elements apart beyond that. */
+  function shape(M: number, N: number, K: number, tA: boolean, tB: boolean, batch: number, pad: number, gap: number): Shape {
+    const lda = (tA ? M : K) + pad, ldb = (tB ? K : N) + pad, ldc = N + pad;
+    return { M, N, K, tA, tB, batch, lda, ldb, ldc,
+      strideA: (tA ? K : M) * lda + gap, strideB: (tB ? N : K) * ldb + gap, strideC: M * ldc + gap };
+  }
+
+  const cases: [Input, boolean, boolean, number, number][] = [];
+  for (const input of ["f32", "tf32", "bf16", "f16"] as const) {
+    for (const [tA, tB] of [[false, false], [false, true], [true, false], [true, true]] as const) {
+      cases.push([input, tA, tB, 1, 0], [input, tA, tB, 3, 0], [input, tA, tB, 3, 5]);
+    }
+  }
+  test.each(cases)("%s transA=%p transB=%p batch %d, padding %d: float64 reference on the rounded inputs", (input, tA, tB, batch, pad) => {
+    const be = cpu();
+    const s = shape(7, 5, 13, tA, tB, batch, pad, pad * 3);
+    const rng = new Rng(batch * 10 + pad + (tA ? 100 : 0) + (tB ? 200 : 0));
+    const rand = (n: number) => Float32Array.from({ length: n }, () => rng.normal());
+    const nA = (batch - 1) * s.strideA + (tA ? s.K : s.M) * s.lda;
+    const nB = (batch - 1) * s.strideB + (tB ? s.N : s.K) * s.ldb;
+    const nC = (batch - 1) * s.strideC + s.M * s.ldc;
+    const A = operand(be, input, rand(nA));
+    const B = operand(be, input, rand(nB));
+    const c0 = rand(nC);
+    const C = be.alloc(nC * 4);
+    be.upload(C.ptr, c0);
+    be.gemmEx(input, tA, tB, s.M, s.N, s.K, 0.75, A.a.ptr, s.lda, s.strideA, B.a.ptr, s.ldb, s.strideB, 0.5, C.ptr, s.ldc, s.strideC, batch);
+    const got = new Float32Array(nC);
+    be.download(C.ptr, got);
+    const want = reference(s, A.values, B.values, Float64Array.from(c0), 0.75, 0.5);
+    expect(relErr(got, want)).toBeLessThan(1e-5);
+    // padding and gaps of C are not written
+    const written = new Set<number>();
+    for (let b = 0; b < batch; b++) for (let i = 0; i < s.M; i++) for (let j = 0; j < s.N; j++) written.add(b * s.strideC + i * s.ldc + j);
+    for (let i = 0; i < nC; i++) if (!written.has(i)) expect(got[i]).toBe(c0[i]!);
+    for (const a of [A.a, B.a, C, ...A.extra, ...B.extra]) be.free(a);
+  });
+
+  test("2-byte inputs: scratch is allocated once, grown only for a larger GEMM, freed by dispose", () => {
+    const be = new CpuBackend();
+    const run = (M: number, N: number, K: number) => {
+      const a = be.alloc(M * K * 2), b = be.alloc(K * N * 2), c = be.alloc(M * N * 4);
+      be.gemmEx("bf16", false, false, M, N, K, 1, a.ptr, K, 0, b.ptr, N, 0, 0, c.ptr, N, 0, 1);
+      for (const x of [a, b, c]) be.free(x);
+    };
+    run(64, 64, 64);
+    expect(be.stats.allocCount).toBe(3 + 1); // A, B, C and the scratch
+    for (let i = 0; i < 3; i++) run(64, 64, 64);
+    run(8, 8, 8);
+    expect(be.stats.allocCount).toBe(4 + 4 * 3); // only the operands of the 4 runs
+    run(512, 512, 512);
+    expect(be.stats.allocCount).toBe(16 + 3 + 1); // operands and one larger scratch
+    be.dispose();
+    expect(be.stats.liveBytes).toBe(0);
+  });
+
+  test("bad arguments are refused before any native call", () => {
+    const be = cpu();
+    expect(() => be.gemmEx("bf16", false, false, 4, 4, 4, 1, 0, 3, 0, 0, 4, 0, 0, 0, 4, 0, 1)).toThrow(/leading dimension/);
+    expect(() => be.gemmEx("bf16", false, false, 0, 4, 4, 1, 0, 4, 0, 0, 4, 0, 0, 0, 4, 0, 1)).toThrow(RangeError);
+    expect(() => be.gemmEx("f8" as never, false, false, 4, 4, 4, 1, 0, 4, 0, 0, 4, 0, 0, 0, 4, 0, 1)).toThrow(/unknown input type/);
+  });
 });

@@ -1,7 +1,10 @@
-// Numeric helpers for tests: seeded data, relative errors, central finite differences.
+// Numeric helpers for tests: seeded data, relative errors, central finite differences, and
+// the backends a parity suite runs on.
+import type { Backend } from "../../ffi/backend.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { CudaBackend, probeCuda } from "../../ffi/cuda/backend.ts";
 import { Rng } from "../../engine/rng.ts";
-import { Context, type Tensor } from "../../engine/tensor.ts";
+import { Context, type ContextOptions, type Tensor } from "../../engine/tensor.ts";
 
 let shared: CpuBackend | undefined;
 /** One CPU backend for the whole test process (loading the libraries once). */
@@ -10,8 +13,31 @@ export function cpu(): CpuBackend {
   return shared;
 }
 
-export function newContext(seed = 0): Context {
-  return new Context(cpu(), { seed });
+let sharedCuda: CudaBackend | undefined;
+const cudaProbe = probeCuda();
+/** Why the CUDA tests skip here, or null when a GPU is present. */
+export const cudaSkipReason: string | null = cudaProbe.ok ? null : `CUDA tests skipped: ${cudaProbe.reason}`;
+
+export interface TestBackend {
+  name: string;
+  backend: () => Backend;
+}
+
+/** The CPU backend, and the CUDA backend where a driver and a device are present. */
+export function testBackends(): TestBackend[] {
+  const list: TestBackend[] = [{ name: "cpu", backend: cpu }];
+  if (cudaProbe.ok) list.push({ name: "cuda", backend: () => (sharedCuda ??= new CudaBackend()) });
+  return list;
+}
+
+let active: Backend | undefined;
+/** The backend newContext() uses (the CPU when unset); a parity suite sets it per block. */
+export function useBackend(backend: Backend | undefined): void {
+  active = backend;
+}
+
+export function newContext(seed = 0, options: Omit<ContextOptions, "seed"> = {}): Context {
+  return new Context(active ?? cpu(), { seed, ...options });
 }
 
 export function randn(rng: Rng, n: number, scale = 1): Float64Array {

@@ -3,6 +3,7 @@ import { afterAll, describe, expect, test } from "bun:test";
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { probeCuda } from "../../ffi/cuda/backend.ts";
 
 const root = join(import.meta.dir, "..", "..");
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-cli-"));
@@ -52,6 +53,24 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     expect(r.code).toBe(1);
     expect(r.err).toContain("train-images-idx3-ubyte: file not found");
   });
+  test.each([
+    [["train", "mlp", "--device", "tpu"], "error: option '--device <name>' argument 'tpu' is invalid. Allowed choices are auto, cpu, cuda."],
+    [["train", "gpt", "--precision", "f8"], "error: option '--precision <p>' argument 'f8' is invalid. Allowed choices are f32, tf32, bf16, f16."],
+    [["sample", "--device", "gpu"], "error: option '--device <name>' argument 'gpu' is invalid. Allowed choices are auto, cpu, cuda."],
+    [["sample", "--precision", "bf16"], "error: unknown option '--precision'"],
+  ])("device and precision choices %p", (args, message) => {
+    const r = cli(...args);
+    expect(r.code).toBe(1);
+    expect(r.err).toContain(message);
+  });
+  // where CUDA is present, `--device cuda` trains: the end-to-end runs cover that
+  test.skipIf(probeCuda().ok).each(["train mlp", "train gpt", "sample"])("--device cuda without a GPU: one clear line (%s)", (command) => {
+    const r = cli(...command.split(" "), "--device", "cuda");
+    expect(r.code).toBe(1);
+    const lines = r.err.trim().split("\n");
+    expect(lines).toHaveLength(1);
+    expect(lines[0]).toStartWith("meshtrain: NativeLibraryError: --device cuda: ");
+  });
   test("gpt heads that do not divide the width", () => {
     const r = cli("train", "gpt", "--n-embd", "30", "--n-head", "4");
     expect(r.code).toBe(1);
@@ -68,6 +87,9 @@ describe("training runs end to end", () => {
     expect(accuracy).toBeGreaterThan(95);
     expect(r.out).toContain(`saved ${out}`);
     expect(r.out).toContain("parameters: 636,010");
+    expect(r.out).toMatch(/^device: (cpu|cuda), picked by auto \(.+\)$/m); // once, first
+    expect(r.out.match(/^device: /gm)).toHaveLength(1);
+    expect(r.out.startsWith("device: ")).toBe(true);
   }, 120_000);
 
   test("gpt on Moby Dick: loss falls well below uniform, then sample continues a prompt", () => {
@@ -86,6 +108,21 @@ describe("training runs end to end", () => {
     const unknown = cli("sample", "--model", out, "--prompt", "€");
     expect(unknown.code).toBe(1);
     expect(unknown.err).toContain("is not in the vocabulary");
+  }, 120_000);
+
+  test("gpt in f16 on the CPU: autocast GEMMs with loss scaling train as f32 does", () => {
+    const run = (precision: string) => {
+      const r = cli("train", "gpt", "--max-steps", "30", "--eval-every", "30", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+        "--block-size", "32", "--batch-size", "16", "--warmup", "5", "--lr", "5e-3", "--sample-chars", "0", "--device", "cpu",
+        "--precision", precision, "--out", join(dir, `gpt-${precision}.mtm`));
+      expect(r.code).toBe(0);
+      expect(r.out.startsWith("device: cpu (asked for)\n")).toBe(true);
+      return { out: r.out, val: Number(/validation loss: ([\d.]+)/.exec(r.out)?.[1]) };
+    };
+    const f16 = run("f16");
+    expect(f16.out).toContain("cpu backend, f16 autocast GEMMs, f32 master weights, dynamic loss scaling");
+    const f32 = run("f32");
+    expect(Math.abs(f16.val - f32.val)).toBeLessThan(0.05 * f32.val);
   }, 120_000);
 });
 

@@ -1,0 +1,38 @@
+// Mixed precision: which multiply a GEMM runs, and the 2-byte copies autocast makes.
+//
+// Context.precision picks the GEMM inputs of matmul (engine/ops/matmul.ts):
+//   f32   plain f32 GEMMs (the default)
+//   tf32  f32 tensors, multiply inputs rounded to TF32 on tensor cores (f32 on a CPU)
+//   bf16  autocast: matmul casts a and b to bf16 arena copies and runs gemmEx; its backward
+//         casts dout once and reuses those copies. Accumulation is f32, into f32 outputs and
+//         gradients.
+//   f16   as bf16, with f16 copies. f16's 5-bit exponent flushes small gradients to zero, so
+//         a training step with f16 scales the loss (engine/optim/loss-scale.ts).
+// Parameters stay f32 (fp32 master weights: the optimizer updates them in f32), and every op
+// that is not a GEMM (softmax, LayerNorm, the loss, attention's batched GEMMs) runs in f32.
+import type { DType } from "../ffi/backend.ts";
+import { ConfigError } from "./errors.ts";
+import type { Tensor } from "./tensor.ts";
+
+export const precisions = ["f32", "tf32", "bf16", "f16"] as const;
+export type Precision = (typeof precisions)[number];
+
+export function checkPrecision(p: string): Precision {
+  if (!(precisions as readonly string[]).includes(p)) {
+    throw new ConfigError(`precision must be one of ${precisions.join(", ")}, got ${JSON.stringify(p)}`);
+  }
+  return p as Precision;
+}
+
+/** The 2-byte dtype autocast copies GEMM inputs into, or null when GEMMs read f32 tensors. */
+export function autocastDType(p: Precision): "bf16" | "f16" | null {
+  return p === "bf16" || p === "f16" ? p : null;
+}
+
+/** t (f32) rounded to nearest even into a new arena tensor of `dtype`; not recorded on the tape. */
+export function castCopy(t: Tensor, dtype: Extract<DType, "bf16" | "f16">): Tensor {
+  const out = t.ctx.empty(t.shape, dtype);
+  if (dtype === "bf16") t.ctx.backend.castF32ToBF16(out.ptr, t.ptr, t.numel);
+  else t.ctx.backend.castF32ToF16(out.ptr, t.ptr, t.numel);
+  return out;
+}

@@ -1,0 +1,147 @@
+// Compiles each ffi/cuda/kernels/<module>.cu to ffi/cuda/build/<module>.ptx with nvcc. The
+// PTX targets compute_80 and the driver JIT-compiles it for the GPU it runs on (A100, H100,
+// H200), so the build needs nvcc but no GPU. A module is rebuilt only when its source, the
+// shared headers, the flags or the nvcc version change (a stamp file beside the PTX records
+// them). Run directly (`bun ffi/cuda/build.ts`) at set-up; the CUDA backend also calls
+// ensurePtx() so a fresh checkout just works.
+import { createHash } from "node:crypto";
+import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { NativeLibraryError } from "../errors.ts";
+
+const here = import.meta.dir;
+export const kernelSourceDir = join(here, "kernels");
+const buildDir = join(here, "build");
+
+export const nvccInstallHint =
+  "install the CUDA toolkit (https://developer.nvidia.com/cuda-downloads, or apt-get install -y cuda-nvcc-13-0), " +
+  "or point MESHTRAIN_NVCC at an nvcc binary";
+
+const defaultNvccPaths = ["/usr/local/cuda/bin/nvcc"];
+
+// -arch=compute_80: PTX only (no SASS), JIT-compiled by the driver for sm_80 and newer.
+// -lineinfo: source lines in profiles (Nsight) at no runtime cost. No --use_fast_math: the
+// kernels must match the CPU backend (expf, logf, tanhf, IEEE division and sqrt).
+export const nvccFlags: readonly string[] = ["-ptx", "-arch=compute_80", "-O3", "-std=c++17", "-lineinfo"];
+
+/** nvcc from MESHTRAIN_NVCC, then PATH, then /usr/local/cuda/bin; null when there is none. */
+export function findNvcc(): string | null {
+  const override = process.env.MESHTRAIN_NVCC;
+  if (override !== undefined && override !== "") {
+    // An explicit setting that points nowhere is a configuration error, not "no nvcc".
+    if (!existsSync(override)) throw new NativeLibraryError(`MESHTRAIN_NVCC=${override} does not exist`);
+    return override;
+  }
+  const onPath = Bun.which("nvcc");
+  if (onPath !== null) return onPath;
+  return defaultNvccPaths.find((p) => existsSync(p)) ?? null;
+}
+
+/** Module stems: every <stem>.cu in ffi/cuda/kernels, sorted. */
+export function kernelSourceModules(): string[] {
+  return readdirSync(kernelSourceDir)
+    .filter((f) => f.endsWith(".cu"))
+    .map((f) => f.slice(0, -".cu".length))
+    .sort();
+}
+
+const versionCache = new Map<string, string>();
+function nvccVersion(nvcc: string): string {
+  const cached = versionCache.get(nvcc);
+  if (cached !== undefined) return cached;
+  const result = Bun.spawnSync([nvcc, "--version"], { stdout: "pipe", stderr: "pipe" });
+  if (result.exitCode !== 0) {
+    throw new NativeLibraryError(`${nvcc} --version failed (exit ${result.exitCode}):\n${result.stderr.toString()}`);
+  }
+  const version = result.stdout.toString().trim();
+  versionCache.set(nvcc, version);
+  return version;
+}
+
+interface Stamp {
+  /** sha256 of the module source and every shared header */
+  readonly source: string;
+  readonly flags: string;
+  /** `nvcc --version` of the compiler that wrote the PTX */
+  readonly nvcc: string;
+}
+
+function sourceHash(module: string): string {
+  const hash = createHash("sha256").update(readFileSync(join(kernelSourceDir, `${module}.cu`)));
+  const headers = readdirSync(kernelSourceDir).filter((f) => f.endsWith(".cuh")).sort();
+  for (const h of headers) hash.update(h).update(readFileSync(join(kernelSourceDir, h)));
+  return hash.digest("hex");
+}
+
+function readStamp(path: string): Stamp | null {
+  if (!existsSync(path)) return null;
+  try {
+    return JSON.parse(readFileSync(path, "utf8")) as Stamp;
+  } catch {
+    return null; // a torn or foreign stamp just means "rebuild"
+  }
+}
+
+function compile(nvcc: string, module: string, ptxPath: string, log: (line: string) => void): void {
+  mkdirSync(buildDir, { recursive: true });
+  // Build to a temporary name and rename: a concurrent loader never sees a half-written file.
+  const tmp = `${ptxPath}.${process.pid}.tmp`;
+  const source = join(kernelSourceDir, `${module}.cu`);
+  const args = [nvcc, ...nvccFlags, "-o", tmp, source];
+  log(`building CUDA kernels: ${args.join(" ")}`);
+  const result = Bun.spawnSync(args, { stdout: "pipe", stderr: "pipe" });
+  if (result.exitCode !== 0) {
+    rmSync(tmp, { force: true });
+    throw new NativeLibraryError(`compiling ${source} failed (exit ${result.exitCode}):\n${result.stderr.toString()}`);
+  }
+  const warnings = result.stderr.toString().trim();
+  if (warnings !== "") log(warnings);
+  renameSync(tmp, ptxPath);
+}
+
+/**
+ * Paths of the PTX of every kernel module, compiling those that are missing or stale.
+ * Without nvcc, PTX built earlier from the same sources and flags is used as it is.
+ */
+export function ensurePtx(log: (line: string) => void = () => {}): Record<string, string> {
+  const nvcc = findNvcc();
+  const flags = nvccFlags.join(" ");
+  const paths: Record<string, string> = {};
+  for (const module of kernelSourceModules()) {
+    const ptxPath = join(buildDir, `${module}.ptx`);
+    const stampPath = join(buildDir, `${module}.stamp`);
+    const source = sourceHash(module);
+    const stamp = readStamp(stampPath);
+    const built = existsSync(ptxPath) && stamp !== null && stamp.source === source && stamp.flags === flags;
+    if (nvcc === null) {
+      if (!built) {
+        throw new NativeLibraryError(
+          `nvcc not found (checked MESHTRAIN_NVCC, PATH and ${defaultNvccPaths.join(", ")}) and ${ptxPath} ` +
+            `is missing or stale; the CUDA backend needs the CUDA toolkit to build its kernels: ${nvccInstallHint}`,
+        );
+      }
+    } else {
+      const version = nvccVersion(nvcc);
+      if (!built || stamp.nvcc !== version) {
+        compile(nvcc, module, ptxPath, log);
+        const next: Stamp = { source, flags, nvcc: version };
+        const tmp = `${stampPath}.${process.pid}.tmp`;
+        writeFileSync(tmp, JSON.stringify(next));
+        renameSync(tmp, stampPath);
+      }
+    }
+    paths[module] = ptxPath;
+  }
+  return paths;
+}
+
+if (import.meta.main) {
+  const quiet = process.argv.includes("--quiet");
+  if (findNvcc() === null) {
+    // Exit 0: set-up on a CPU-only machine must still succeed; the CPU backend needs no nvcc.
+    console.log(`CUDA kernels: nvcc not found, skipping (${nvccInstallHint})`);
+  } else {
+    const paths = ensurePtx((line) => console.error(line));
+    if (!quiet) for (const [module, path] of Object.entries(paths)) console.log(`CUDA kernels ${module}: ${path}`);
+  }
+}

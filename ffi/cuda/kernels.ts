@@ -1,0 +1,468 @@
+// The contract between the CUDA kernels (ffi/cuda/kernels/*.cu, compiled to PTX by build.ts)
+// and the CUDA backend:
+//   - kernelSpecs: every kernel's module and parameter types, in order (the test checks them
+//     against the compiled PTX);
+//   - plans: for each non-GEMM Backend method, the launches that implement it, in stream order.
+// The backend loads each module's PTX, looks kernels up by name, and launches what a plan
+// returns with the arguments converted by type:
+//   ptr  a CUdeviceptr (Ptr, a number)      i64  int64 (a number; sizes, strides)
+//   u64  uint64 (a bigint; the dropout seed)  i32  int32 (a number; flags)   f32  float32 (a number)
+//
+// Methods that return a number (crossEntropyForward, embeddingForward, sumSquares,
+// countNonFinite) take a first extra argument `scratch`: device memory of scratchBytes bytes
+// whose contents are unspecified. Their launches initialize what they use and leave the result
+// at byte offset 0: an int64 count (invalid targets, invalid ids, non-finite values) or, for
+// sumSquares, a float64. The backend synchronizes and reads those 8 bytes.
+//
+// Empty inputs: a plan launches nothing when there is nothing to write (n = 0, N*C = 0, ...).
+// The exception is a plan with a scalar result, which still writes it, as the CPU does: sum's
+// out[0] = 0, the scratch result of sumSquares / countNonFinite / embeddingForward (0), and
+// crossEntropyForward's count (0) and loss (0/0 = NaN for N = 0). Each of those is one
+// single-block launch, so the backend can always read scratch after running a plan.
+//
+// Dimension letters as in ffi/cpu/kernels.c: N rows, C channels, V vocab, BH batch*heads, T time.
+import type { Backend, BinaryOp, Dims4, Ptr } from "../backend.ts";
+
+export type ParamType = "ptr" | "i64" | "u64" | "i32" | "f32";
+
+export interface KernelSpec {
+  /** file stem in ffi/cuda/kernels/ */
+  readonly module: string;
+  readonly params: readonly ParamType[];
+}
+
+const i64x4 = ["i64", "i64", "i64", "i64"] as const;
+const unary = ["ptr", "ptr", "i64"] as const; // out, inp, n
+const binary = ["ptr", "ptr", "ptr", "i64"] as const; // out, a, b, n
+// kept dims, their inp strides and out strides; reduced dims and their inp strides
+const reduceBcastParams = ["ptr", "ptr", ...i64x4, ...i64x4, ...i64x4, ...i64x4, ...i64x4] as const;
+
+export const kernelSpecs = {
+  // elementwise.cu
+  mt_fill_f32: { module: "elementwise", params: ["ptr", "i64", "f32"] },
+  mt_add_f32: { module: "elementwise", params: binary },
+  mt_mul_f32: { module: "elementwise", params: binary },
+  mt_axpy_f32: { module: "elementwise", params: ["ptr", "ptr", "i64", "f32"] },
+  mt_scale_f32: { module: "elementwise", params: ["ptr", "i64", "f32"] },
+  mt_add_scalar_ptr_f32: { module: "elementwise", params: ["ptr", "ptr", "f32", "i64"] },
+  // broadcast.cu
+  mt_binary_bcast_f32: { module: "broadcast", params: ["i32", "ptr", "ptr", "ptr", ...i64x4, ...i64x4, ...i64x4] },
+  mt_reduce_bcast_rows_f32: { module: "broadcast", params: reduceBcastParams },
+  mt_reduce_bcast_cols_f32: { module: "broadcast", params: reduceBcastParams },
+  // layers.cu
+  mt_bias_add_f32: { module: "layers", params: ["ptr", "ptr", "ptr", "i64", "i64"] },
+  mt_bias_backward_f32: { module: "layers", params: ["ptr", "ptr", "i64", "i64"] },
+  mt_relu_forward_f32: { module: "layers", params: unary },
+  mt_relu_backward_f32: { module: "layers", params: binary },
+  mt_gelu_forward_f32: { module: "layers", params: unary },
+  mt_gelu_backward_f32: { module: "layers", params: binary },
+  mt_dropout_forward_f32: { module: "layers", params: ["ptr", "ptr", "i64", "f32", "u64"] },
+  mt_dropout_backward_f32: { module: "layers", params: ["ptr", "ptr", "i64", "f32", "u64"] },
+  // crossentropy.cu
+  mt_crossentropy_forward_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
+  mt_crossentropy_loss_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
+  mt_crossentropy_backward_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
+  // layernorm.cu
+  mt_layernorm_forward_f32: {
+    module: "layernorm",
+    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "f32"],
+  },
+  mt_layernorm_backward_f32: { module: "layernorm", params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
+  mt_layernorm_backward_params_f32: { module: "layernorm", params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
+  // embedding.cu
+  mt_embedding_forward_f32: { module: "embedding", params: ["ptr", "ptr", "ptr", "i64", "i64", "i64"] },
+  mt_embedding_count_invalid_i32: { module: "embedding", params: ["ptr", "ptr", "i64", "i64"] },
+  mt_embedding_backward_f32: { module: "embedding", params: ["ptr", "ptr", "ptr", "i64", "i64"] },
+  // attention.cu
+  mt_causal_softmax_forward_f32: { module: "attention", params: ["ptr", "ptr", "i64", "i64", "f32"] },
+  mt_causal_softmax_backward_f32: { module: "attention", params: ["ptr", "ptr", "ptr", "i64", "i64", "f32"] },
+  mt_strided_copy_f32: { module: "attention", params: ["ptr", "ptr", ...i64x4, ...i64x4, ...i64x4, "i32"] },
+  // reduce.cu
+  mt_sum_f32: { module: "reduce", params: unary },
+  mt_sum_squares_partial_f32: { module: "reduce", params: unary },
+  mt_count_nonfinite_partial_f32: { module: "reduce", params: unary },
+  mt_sum_partials_f64: { module: "reduce", params: unary },
+  mt_sum_partials_i64: { module: "reduce", params: unary },
+  // optim.cu
+  mt_sgd_step_f32: {
+    module: "optim",
+    params: ["ptr", "ptr", "ptr", "i64", "f32", "f32", "f32", "f32", "i32", "i32"],
+  },
+  mt_adamw_step_f32: {
+    module: "optim",
+    params: ["ptr", "ptr", "ptr", "ptr", "i64", "f32", "f32", "f32", "f32", "f32", "f32", "f32"],
+  },
+  // casts.cu
+  mt_f32_to_bf16: { module: "casts", params: unary },
+  mt_bf16_to_f32: { module: "casts", params: unary },
+  mt_f32_to_f16: { module: "casts", params: unary },
+  mt_f16_to_f32: { module: "casts", params: unary },
+} as const satisfies Record<string, KernelSpec>;
+
+export type KernelName = keyof typeof kernelSpecs;
+
+export interface Launch {
+  readonly kernel: KernelName;
+  readonly grid: readonly [number, number, number];
+  readonly block: readonly [number, number, number];
+  /** dynamic shared memory; the kernels here use static shared memory only, so always 0 */
+  readonly sharedBytes: number;
+  readonly args: readonly (number | bigint)[];
+}
+
+/** The distinct module stems, in kernelSpecs order. */
+export function kernelModules(): string[] {
+  return [...new Set(Object.values(kernelSpecs).map((s) => s.module))];
+}
+
+// ---- limits -----------------------------------------------------------------------------------
+
+/** Device scratch the backend passes to the plans that return a number. */
+export const scratchBytes = 1 << 20;
+// Scratch layout: the 8-byte result at 0, block partials from 256 (aligned for any access).
+const scratchPartialsOffset = 256;
+// Block partials of sumSquares / countNonFinite: 1024 blocks of 256 threads is ~2 waves on a
+// 132-SM H100 (2048 resident threads per SM) and enough to saturate memory bandwidth; the
+// second pass sums 1024 values in one block. 8 KiB of scratch.
+const partialsMax = 1024;
+
+// CUDA launch limits (compute capability 8.0 and newer).
+export const gridXMax = 2 ** 31 - 1;
+export const gridYZMax = 65535;
+export const blockThreadsMax = 1024;
+/** static shared memory per block without opting in to more */
+export const sharedBytesMax = 48 * 1024;
+
+// Grid-stride loops make every kernel correct for any grid, so grids are capped: 65536 blocks
+// of 256 threads is 16.7M threads, ~60 waves of a 132-SM H100 (270k resident threads), which
+// keeps the scheduler busy while each thread still loops a few times on huge n.
+const gridBlocksMax = 65536;
+// Memory-bound elementwise kernels: 256 threads (8 warps) lets 8 blocks share an SM's 2048
+// threads, the usual sweet spot for occupancy against per-block overhead.
+const elementwiseThreads = 256;
+// Warp-per-row kernels (layernorm, causal softmax, embedding rows): 8 rows per 256-thread block.
+const warpRowThreads = 256;
+const warpSize = 32;
+// Block-per-row kernels (cross-entropy over V): up to 512 threads (98 floats each for GPT-2's
+// V = 50257), fewer for short rows so small vocabularies do not idle most of a block.
+const blockRowThreadsMax = 512;
+// Column reductions (biasBackward, layernorm dweight/dbias, reduceBroadcast onto an inner
+// dim): 32 consecutive columns (one coalesced 128-byte read per row) by up to 32 row slices.
+// The .cu files size their shared partials for these (BIAS_Y_MAX etc.).
+const columnRowSlicesMax = 32;
+// Single-block passes (sum, second passes, counts): a full 1024-thread block, since one SM
+// does all the work.
+const singleBlockThreads = 1024;
+// reduceBroadcast onto a scalar-like out: a whole 1024-thread block per out element when each
+// has at least this many inputs (>= 32 per thread); below it a warp per element.
+const rowsBlockGroupMin = 32768;
+
+if (partialsMax * 8 + scratchPartialsOffset > scratchBytes) throw new Error("kernels.ts: partials exceed scratch");
+if (gridBlocksMax > gridXMax) throw new Error("kernels.ts: gridBlocksMax exceeds the grid limit");
+if (warpRowThreads % warpSize !== 0 || blockRowThreadsMax % warpSize !== 0) {
+  throw new Error("kernels.ts: row kernels need whole warps");
+}
+
+// ---- launch construction ------------------------------------------------------------------------
+
+const u64Max = (1n << 64n) - 1n;
+const i32Min = -(2 ** 31);
+const i32Max = 2 ** 31 - 1;
+
+function checkArg(kernel: KernelName, index: number, type: ParamType, arg: number | bigint): void {
+  const ok =
+    type === "u64" ? typeof arg === "bigint" && arg >= 0n && arg <= u64Max
+    : type === "f32" ? typeof arg === "number"
+    : type === "i32" ? Number.isInteger(arg) && (arg as number) >= i32Min && (arg as number) <= i32Max
+    : type === "ptr" ? Number.isSafeInteger(arg) && (arg as number) >= 0
+    : Number.isSafeInteger(arg);
+  if (!ok) throw new RangeError(`${kernel}: argument ${index} (${type}) is invalid: ${String(arg)}`);
+}
+
+/** A launch, with its arguments and shape checked against the spec and the CUDA limits
+ *  (a failure is a programmer error in a plan or its caller). */
+function launch(kernel: KernelName, grid: number, block: readonly [number, number, number],
+                args: readonly (number | bigint)[]): Launch {
+  const params = kernelSpecs[kernel].params;
+  if (args.length !== params.length) {
+    throw new RangeError(`${kernel}: ${args.length} arguments for ${params.length} parameters`);
+  }
+  params.forEach((type, i) => checkArg(kernel, i, type, args[i]!));
+  const threads = block[0] * block[1] * block[2];
+  if (!(Number.isInteger(grid) && grid >= 1 && grid <= gridXMax) || !(threads >= 1 && threads <= blockThreadsMax)) {
+    throw new RangeError(`${kernel}: bad launch shape grid ${grid}, block ${block.join("x")}`);
+  }
+  return { kernel, grid: [grid, 1, 1], block, sharedBytes: 0, args };
+}
+
+function blocksFor(items: number, perBlock: number): number {
+  if (!(Number.isSafeInteger(items) && items >= 0)) throw new RangeError(`invalid size ${items}`);
+  return Math.max(1, Math.min(gridBlocksMax, Math.ceil(items / perBlock)));
+}
+
+/** One elementwise launch over n items (grid-stride), or none for n = 0. */
+function elementwise(kernel: KernelName, n: number, args: readonly (number | bigint)[]): Launch[] {
+  if (n === 0) return [];
+  return [launch(kernel, blocksFor(n, elementwiseThreads), [elementwiseThreads, 1, 1], args)];
+}
+
+/** A warp-per-row launch over `rows` rows. */
+function warpRows(kernel: KernelName, rows: number, args: readonly (number | bigint)[]): Launch {
+  return launch(kernel, blocksFor(rows, warpRowThreads / warpSize), [warpRowThreads, 1, 1], args);
+}
+
+/** A block-per-row launch over `rows` rows of `length` elements. */
+function blockRows(kernel: KernelName, rows: number, length: number, args: readonly (number | bigint)[]): Launch {
+  const threads = Math.min(blockRowThreadsMax, Math.max(warpSize, Math.ceil(length / warpSize) * warpSize));
+  return launch(kernel, blocksFor(rows, 1), [threads, 1, 1], args);
+}
+
+/** A (32 columns) x (row slices) launch over C columns of N rows. */
+function columns(kernel: KernelName, N: number, C: number, args: readonly (number | bigint)[]): Launch {
+  const slices = Math.max(1, Math.min(columnRowSlicesMax, N));
+  return launch(kernel, blocksFor(C, warpSize), [warpSize, slices, 1], args);
+}
+
+function singleBlock(kernel: KernelName, args: readonly (number | bigint)[]): Launch {
+  return launch(kernel, 1, [singleBlockThreads, 1, 1], args);
+}
+
+const product = (d: Dims4): number => d[0] * d[1] * d[2] * d[3];
+
+// ---- reduceBroadcast: split dims into kept and reduced -------------------------------------------
+
+interface Axis {
+  size: number;
+  inStride: number;
+  outStride: number;
+}
+
+interface ReduceShape {
+  /** kept dims (out stride != 0), padded to 4 with leading 1s; inp and out strides */
+  kept: { dims: number[]; inStrides: number[]; outStrides: number[] };
+  /** reduced dims (out stride 0), padded to 4; inp strides */
+  reduced: { dims: number[]; inStrides: number[] };
+  /** whether the innermost non-trivial dim is reduced (contiguous rows to sum) */
+  innerReduced: boolean;
+}
+
+/** Drops size-1 dims, merges neighbours that stay contiguous (always for two reduced dims, since
+ *  inp is contiguous; for kept ones when the out strides nest too), and splits the rest. */
+export function reduceShape(dims: Dims4, outStrides: Dims4): ReduceShape {
+  const inStrides = [dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1];
+  const axes: (Axis & { kept: boolean })[] = [];
+  for (let k = 0; k < 4; k++) {
+    if (dims[k] === 1) continue;
+    const axis = { size: dims[k]!, inStride: inStrides[k]!, outStride: outStrides[k]!, kept: outStrides[k] !== 0 };
+    const last = axes[axes.length - 1];
+    const nests = last !== undefined && last.kept === axis.kept &&
+      (!axis.kept || last.outStride === axis.size * axis.outStride);
+    if (last !== undefined && nests) {
+      last.size *= axis.size;
+      last.inStride = axis.inStride;
+      last.outStride = axis.outStride;
+    } else {
+      axes.push(axis);
+    }
+  }
+  const pad = (list: number[], fill: number): number[] => [...Array(4 - list.length).fill(fill), ...list];
+  const kept = axes.filter((a) => a.kept);
+  const reduced = axes.filter((a) => !a.kept);
+  return {
+    kept: {
+      dims: pad(kept.map((a) => a.size), 1),
+      inStrides: pad(kept.map((a) => a.inStride), 0),
+      outStrides: pad(kept.map((a) => a.outStride), 0),
+    },
+    reduced: { dims: pad(reduced.map((a) => a.size), 1), inStrides: pad(reduced.map((a) => a.inStride), 0) },
+    innerReduced: axes.length > 0 && !axes[axes.length - 1]!.kept,
+  };
+}
+
+function reduceBroadcastPlan(out: Ptr, inp: Ptr, dims: Dims4, outStrides: Dims4): Launch[] {
+  if (product(dims) === 0) return [];
+  const { kept, reduced, innerReduced } = reduceShape(dims, outStrides);
+  const args = [out, inp, ...kept.dims, ...kept.inStrides, ...kept.outStrides, ...reduced.dims, ...reduced.inStrides];
+  const nOut = kept.dims.reduce((a, b) => a * b, 1);
+  const nRed = reduced.dims.reduce((a, b) => a * b, 1);
+  if (innerReduced) {
+    // a group of threads per out element: a whole block when there is a lot to sum, else a warp
+    const block: [number, number, number] =
+      nRed >= rowsBlockGroupMin ? [singleBlockThreads, 1, 1] : [warpSize, elementwiseThreads / warpSize, 1];
+    return [launch("mt_reduce_bcast_rows_f32", blocksFor(nOut, block[1]), block, args)];
+  }
+  return [columns("mt_reduce_bcast_cols_f32", nRed, nOut, args)];
+}
+
+// ---- scalar results in scratch ------------------------------------------------------------------
+
+/** Block partials of a grid-stride reduction over n: a function of n alone (determinism). */
+function partialCount(n: number): number {
+  return Math.max(1, Math.min(partialsMax, Math.ceil(n / (elementwiseThreads * 8))));
+}
+
+/** Per-block partials into scratch, then one block sums them in order into scratch[0]. */
+function twoPass(partialKernel: KernelName, finalKernel: KernelName, scratch: Ptr, x: Ptr, n: number): Launch[] {
+  const partials = scratch + scratchPartialsOffset;
+  if (n === 0) return [singleBlock(finalKernel, [scratch, partials, 0])];
+  const count = partialCount(n);
+  return [
+    launch(partialKernel, count, [elementwiseThreads, 1, 1], [partials, x, n]),
+    singleBlock(finalKernel, [scratch, partials, count]),
+  ];
+}
+
+// ---- plans --------------------------------------------------------------------------------------
+
+type PlannedMethod =
+  | "fill" | "add" | "mul" | "axpy" | "scale" | "addScalarFrom" | "binaryBroadcast" | "reduceBroadcast"
+  | "biasAdd" | "biasBackward" | "reluForward" | "reluBackward" | "geluForward" | "geluBackward"
+  | "dropoutForward" | "dropoutBackward" | "crossEntropyForward" | "crossEntropyBackward"
+  | "layerNormForward" | "layerNormBackward" | "embeddingForward" | "embeddingBackward"
+  | "causalSoftmaxForward" | "causalSoftmaxBackward" | "stridedCopy" | "sum" | "sumSquares" | "countNonFinite"
+  | "sgdStep" | "adamwStep" | "castF32ToBF16" | "castBF16ToF32" | "castF32ToF16" | "castF16ToF32";
+
+/** The methods that return a number: their plans take `scratch` first. */
+type ScalarMethod = "crossEntropyForward" | "embeddingForward" | "sumSquares" | "countNonFinite";
+
+type Plan<M extends PlannedMethod> = Backend[M] extends (...args: infer A) => unknown
+  ? M extends ScalarMethod ? (scratch: Ptr, ...args: A) => Launch[] : (...args: A) => Launch[]
+  : never;
+
+export type Plans = { readonly [M in PlannedMethod]: Plan<M> };
+
+export const plans = {
+  // ---- elementwise ----
+  fill(dst: Ptr, n: number, value: number): Launch[] {
+    return elementwise("mt_fill_f32", n, [dst, n, value]);
+  },
+  add(out: Ptr, a: Ptr, b: Ptr, n: number): Launch[] {
+    return elementwise("mt_add_f32", n, [out, a, b, n]);
+  },
+  mul(out: Ptr, a: Ptr, b: Ptr, n: number): Launch[] {
+    return elementwise("mt_mul_f32", n, [out, a, b, n]);
+  },
+  axpy(y: Ptr, x: Ptr, n: number, alpha: number): Launch[] {
+    return elementwise("mt_axpy_f32", n, [y, x, n, alpha]);
+  },
+  scale(x: Ptr, n: number, s: number): Launch[] {
+    return elementwise("mt_scale_f32", n, [x, n, s]);
+  },
+  addScalarFrom(dinp: Ptr, dout: Ptr, scale: number, n: number): Launch[] {
+    return elementwise("mt_add_scalar_ptr_f32", n, [dinp, dout, scale, n]);
+  },
+  binaryBroadcast(op: BinaryOp, out: Ptr, a: Ptr, b: Ptr, dims: Dims4, aStrides: Dims4, bStrides: Dims4): Launch[] {
+    return elementwise("mt_binary_bcast_f32", product(dims),
+      [op === "add" ? 0 : 1, out, a, b, ...dims, ...aStrides, ...bStrides]);
+  },
+  reduceBroadcast(out: Ptr, inp: Ptr, dims: Dims4, outStrides: Dims4): Launch[] {
+    return reduceBroadcastPlan(out, inp, dims, outStrides);
+  },
+
+  // ---- layers ----
+  biasAdd(out: Ptr, inp: Ptr, bias: Ptr, N: number, C: number): Launch[] {
+    return elementwise("mt_bias_add_f32", N * C, [out, inp, bias, N, C]);
+  },
+  biasBackward(dbias: Ptr, dout: Ptr, N: number, C: number): Launch[] {
+    if (N * C === 0) return [];
+    return [columns("mt_bias_backward_f32", N, C, [dbias, dout, N, C])];
+  },
+  reluForward(out: Ptr, inp: Ptr, n: number): Launch[] {
+    return elementwise("mt_relu_forward_f32", n, [out, inp, n]);
+  },
+  reluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): Launch[] {
+    return elementwise("mt_relu_backward_f32", n, [dinp, inp, dout, n]);
+  },
+  geluForward(out: Ptr, inp: Ptr, n: number): Launch[] {
+    return elementwise("mt_gelu_forward_f32", n, [out, inp, n]);
+  },
+  geluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): Launch[] {
+    return elementwise("mt_gelu_backward_f32", n, [dinp, inp, dout, n]);
+  },
+  dropoutForward(out: Ptr, inp: Ptr, n: number, p: number, seed: bigint): Launch[] {
+    return elementwise("mt_dropout_forward_f32", n, [out, inp, n, p, seed]);
+  },
+  dropoutBackward(dinp: Ptr, dout: Ptr, n: number, p: number, seed: bigint): Launch[] {
+    return elementwise("mt_dropout_backward_f32", n, [dinp, dout, n, p, seed]);
+  },
+  crossEntropyForward(scratch: Ptr, loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr,
+                      N: number, V: number): Launch[] {
+    const rows = N === 0 ? [] : [blockRows("mt_crossentropy_forward_f32", N, V, [losses, probs, logits, targets, N, V])];
+    return [...rows, singleBlock("mt_crossentropy_loss_f32", [loss, scratch, losses, targets, N, V])];
+  },
+  crossEntropyBackward(dlogits: Ptr, probs: Ptr, targets: Ptr, dloss: Ptr, N: number, V: number): Launch[] {
+    if (N * V === 0) return [];
+    return [blockRows("mt_crossentropy_backward_f32", N, V, [dlogits, probs, targets, dloss, N, V])];
+  },
+  layerNormForward(out: Ptr, mean: Ptr, rstd: Ptr, inp: Ptr, weight: Ptr, bias: Ptr, N: number, C: number,
+                   eps: number): Launch[] {
+    // C = 0 still writes mean and rstd (NaN, as on the CPU)
+    if (N === 0) return [];
+    return [warpRows("mt_layernorm_forward_f32", N, [out, mean, rstd, inp, weight, bias, N, C, eps])];
+  },
+  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr, mean: Ptr, rstd: Ptr,
+                    N: number, C: number): Launch[] {
+    if (N * C === 0) return [];
+    return [
+      warpRows("mt_layernorm_backward_f32", N, [dinp, dout, inp, weight, mean, rstd, N, C]),
+      columns("mt_layernorm_backward_params_f32", N, C, [dweight, dbias, dout, inp, mean, rstd, N, C]),
+    ];
+  },
+  embeddingForward(scratch: Ptr, out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number): Launch[] {
+    const rows = N * C === 0 ? [] : [warpRows("mt_embedding_forward_f32", N, [out, ids, table, N, C, V])];
+    return [...rows, singleBlock("mt_embedding_count_invalid_i32", [scratch, ids, N, V])];
+  },
+  embeddingBackward(dtable: Ptr, ids: Ptr, dout: Ptr, N: number, C: number): Launch[] {
+    return elementwise("mt_embedding_backward_f32", N * C, [dtable, ids, dout, N, C]);
+  },
+  causalSoftmaxForward(out: Ptr, inp: Ptr, BH: number, T: number, scale: number): Launch[] {
+    if (BH * T === 0) return [];
+    return [warpRows("mt_causal_softmax_forward_f32", BH * T, [out, inp, BH, T, scale])];
+  },
+  causalSoftmaxBackward(dinp: Ptr, out: Ptr, dout: Ptr, BH: number, T: number, scale: number): Launch[] {
+    if (BH * T === 0) return [];
+    return [warpRows("mt_causal_softmax_backward_f32", BH * T, [dinp, out, dout, BH, T, scale])];
+  },
+  stridedCopy(out: Ptr, outStrides: Dims4, inp: Ptr, inpStrides: Dims4, dims: Dims4, accumulate: boolean): Launch[] {
+    return elementwise("mt_strided_copy_f32", product(dims),
+      [out, inp, ...dims, ...outStrides, ...inpStrides, accumulate ? 1 : 0]);
+  },
+
+  // ---- reductions ----
+  sum(out: Ptr, inp: Ptr, n: number): Launch[] {
+    // one block: no scratch for partials (see reduce.cu); n = 0 still writes out[0] = 0
+    return [singleBlock("mt_sum_f32", [out, inp, n])];
+  },
+  sumSquares(scratch: Ptr, x: Ptr, n: number): Launch[] {
+    return twoPass("mt_sum_squares_partial_f32", "mt_sum_partials_f64", scratch, x, n);
+  },
+  countNonFinite(scratch: Ptr, x: Ptr, n: number): Launch[] {
+    return twoPass("mt_count_nonfinite_partial_f32", "mt_sum_partials_i64", scratch, x, n);
+  },
+
+  // ---- optimizer updates ----
+  sgdStep(param: Ptr, grad: Ptr, momentumBuf: Ptr, n: number, lr: number, momentum: number, dampening: number,
+          weightDecay: number, nesterov: boolean, first: boolean): Launch[] {
+    return elementwise("mt_sgd_step_f32", n,
+      [param, grad, momentumBuf, n, lr, momentum, dampening, weightDecay, nesterov ? 1 : 0, first ? 1 : 0]);
+  },
+  adamwStep(param: Ptr, grad: Ptr, m: Ptr, v: Ptr, n: number, lr: number, beta1: number, beta2: number, eps: number,
+            weightDecay: number, biasCorrection1: number, biasCorrection2: number): Launch[] {
+    return elementwise("mt_adamw_step_f32", n,
+      [param, grad, m, v, n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2]);
+  },
+
+  // ---- casts ----
+  castF32ToBF16(out: Ptr, inp: Ptr, n: number): Launch[] {
+    return elementwise("mt_f32_to_bf16", n, [out, inp, n]);
+  },
+  castBF16ToF32(out: Ptr, inp: Ptr, n: number): Launch[] {
+    return elementwise("mt_bf16_to_f32", n, [out, inp, n]);
+  },
+  castF32ToF16(out: Ptr, inp: Ptr, n: number): Launch[] {
+    return elementwise("mt_f32_to_f16", n, [out, inp, n]);
+  },
+  castF16ToF32(out: Ptr, inp: Ptr, n: number): Launch[] {
+    return elementwise("mt_f16_to_f32", n, [out, inp, n]);
+  },
+} satisfies Plans;

@@ -1,0 +1,108 @@
+// LayerNorm over the last dim C. N rows.
+// Row kernels: one warp per row (blockDim.x a multiple of 32, grid-stride over rows), loops
+// over the row, so any C works; warp shuffles in a fixed pattern keep results deterministic.
+#include "common.cuh"
+
+// first row of this warp, and the row step of the grid
+__device__ __forceinline__ int64_t warp_row() {
+  return (int64_t)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+}
+__device__ __forceinline__ int64_t warp_row_step() {
+  return (int64_t)gridDim.x * (blockDim.x / WARP_SIZE);
+}
+
+// out, inp (N,C); mean, rstd (N); weight, bias (C)
+// out[n,c] = (inp[n,c] - mean[n]) * rstd[n] * weight[c] + bias[c], with the two-pass mean and
+// (biased) variance of kernels.c: mean first, then the mean of squared deviations.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                         const float* bias, int64_t N, int64_t C, float eps) {
+  const int lane = threadIdx.x % WARP_SIZE;
+  for (int64_t n = warp_row(); n < N; n += warp_row_step()) {
+    const float* x = inp + n * C;
+    float m = 0.0f;
+    for (int64_t c = lane; c < C; c += WARP_SIZE) m += x[c];
+    m = warp_reduce(m, SumOp()) / (float)C;
+    float var = 0.0f;
+    for (int64_t c = lane; c < C; c += WARP_SIZE) {
+      const float d = x[c] - m;
+      var += d * d;
+    }
+    var = warp_reduce(var, SumOp()) / (float)C;
+    const float s = 1.0f / sqrtf(var + eps);
+    float* o = out + n * C;
+    for (int64_t c = lane; c < C; c += WARP_SIZE) o[c] = (x[c] - m) * s * weight[c] + bias[c];
+    if (lane == 0) {
+      mean[n] = m;
+      rstd[n] = s;
+    }
+  }
+}
+
+// forward was: out[n,c] = (inp[n,c] - mean[n]) * rstd[n] * weight[c] + bias[c]
+// dinp, dout, inp (N,C); weight (C); mean, rstd (N). One warp per row:
+// dinp += (dnorm - mean_c(dnorm) - norm * mean_c(dnorm * norm)) * rstd, dnorm = weight * dout.
+// dweight and dbias are mt_layernorm_backward_params_f32's.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_layernorm_backward_f32(float* dinp, const float* dout, const float* inp, const float* weight,
+                          const float* mean, const float* rstd, int64_t N, int64_t C) {
+  const int lane = threadIdx.x % WARP_SIZE;
+  for (int64_t n = warp_row(); n < N; n += warp_row_step()) {
+    const float* g = dout + n * C;
+    const float* x = inp + n * C;
+    const float m = mean[n], s = rstd[n];
+    float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+    for (int64_t c = lane; c < C; c += WARP_SIZE) {
+      const float norm = (x[c] - m) * s;
+      const float dnorm = weight[c] * g[c];
+      dnorm_mean += dnorm;
+      dnorm_norm_mean += dnorm * norm;
+    }
+    dnorm_mean = warp_reduce(dnorm_mean, SumOp()) / (float)C;
+    dnorm_norm_mean = warp_reduce(dnorm_norm_mean, SumOp()) / (float)C;
+    float* dx = dinp + n * C;
+    for (int64_t c = lane; c < C; c += WARP_SIZE) {
+      const float norm = (x[c] - m) * s;
+      const float dnorm = weight[c] * g[c];
+      dx[c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
+    }
+  }
+}
+
+// forward was: out[n,c] = norm[n,c] * weight[c] + bias[c], norm = (inp - mean) * rstd
+// dweight, dbias (C) += sum over rows of norm * dout, dout; dout, inp (N,C); mean, rstd (N).
+// A block (32, Y) takes 32 consecutive channels; its Y rows of threads split the rows and their
+// partials are added in row order: deterministic, no atomics. Needs blockDim.x == 32, Y <= 32.
+#define PARAMS_Y_MAX 32
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_layernorm_backward_params_f32(float* dweight, float* dbias, const float* dout, const float* inp,
+                                 const float* mean, const float* rstd, int64_t N, int64_t C) {
+  __shared__ float dw_partial[PARAMS_Y_MAX][WARP_SIZE + 1];  // +1: no bank conflicts on the column sum
+  __shared__ float db_partial[PARAMS_Y_MAX][WARP_SIZE + 1];
+  const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
+  for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+    const int64_t c = chunk * WARP_SIZE + threadIdx.x;
+    float dw = 0.0f, db = 0.0f;
+    if (c < C) {
+      for (int64_t n = threadIdx.y; n < N; n += blockDim.y) {
+        const float g = dout[n * C + c];
+        const float norm = (inp[n * C + c] - mean[n]) * rstd[n];
+        dw += norm * g;
+        db += g;
+      }
+    }
+    dw_partial[threadIdx.y][threadIdx.x] = dw;
+    db_partial[threadIdx.y][threadIdx.x] = db;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+      float dw_total = 0.0f, db_total = 0.0f;
+      for (unsigned y = 0; y < blockDim.y; y++) {
+        dw_total += dw_partial[y][threadIdx.x];
+        db_total += db_partial[y][threadIdx.x];
+      }
+      dweight[c] += dw_total;
+      dbias[c] += db_total;
+    }
+    __syncthreads();  // the partials are rewritten by the next chunk
+  }
+}

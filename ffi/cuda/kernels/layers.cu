@@ -1,0 +1,113 @@
+// Bias, activations and dropout (f32). N rows, C channels; n is an element count.
+#include "common.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// bias
+// ---------------------------------------------------------------------------------------------
+
+// out, inp (N,C), bias (C): out = inp + bias
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_bias_add_f32(float* out, const float* inp, const float* bias, int64_t N, int64_t C) {
+  const int64_t n = N * C;
+  for (int64_t i = thread_index(); i < n; i += thread_count()) out[i] = inp[i] + bias[i % C];
+}
+
+// forward was: out[n,c] = inp[n,c] + bias[c]
+// dbias (C) += sum over rows of dout (N,C). A block (32, Y) takes 32 consecutive channels; its Y
+// rows of threads split the rows of dout and their partials are added in row order, so the
+// result is deterministic without atomics. Needs blockDim.x == 32, blockDim.y <= 32.
+#define BIAS_Y_MAX 32
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_bias_backward_f32(float* dbias, const float* dout, int64_t N, int64_t C) {
+  __shared__ float partial[BIAS_Y_MAX][WARP_SIZE + 1];  // +1: no bank conflicts on the column sum
+  const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
+  for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+    const int64_t c = chunk * WARP_SIZE + threadIdx.x;
+    float acc = 0.0f;
+    if (c < C) {
+      for (int64_t n = threadIdx.y; n < N; n += blockDim.y) acc += dout[n * C + c];
+    }
+    partial[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+      float total = 0.0f;
+      for (unsigned y = 0; y < blockDim.y; y++) total += partial[y][threadIdx.x];
+      dbias[c] += total;
+    }
+    __syncthreads();  // partial is rewritten by the next chunk
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// relu, gelu
+// ---------------------------------------------------------------------------------------------
+
+// out, inp (n): out = max(inp, 0), written so NaN propagates (NaN < 0 is false), as torch.relu
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_relu_forward_f32(float* out, const float* inp, int64_t n) {
+  for (int64_t i = thread_index(); i < n; i += thread_count()) out[i] = inp[i] < 0.0f ? 0.0f : inp[i];
+}
+// forward was: out = max(inp, 0)
+// dinp, inp, dout (n): dinp += inp > 0 ? dout : 0
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_relu_backward_f32(float* dinp, const float* inp, const float* dout, int64_t n) {
+  for (int64_t i = thread_index(); i < n; i += thread_count()) dinp[i] += inp[i] > 0.0f ? dout[i] : 0.0f;
+}
+
+#define GELU_SCALE 0.7978845608028654f  // sqrt(2/pi)
+// out, inp (n); tanh approximation, as in GPT-2: out = 0.5 x (1 + tanh(s (x + 0.044715 x^3)))
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_gelu_forward_f32(float* out, const float* inp, int64_t n) {
+  for (int64_t i = thread_index(); i < n; i += thread_count()) {
+    const float x = inp[i];
+    const float cube = 0.044715f * x * x * x;
+    out[i] = 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + cube)));
+  }
+}
+// forward was: out = 0.5 x (1 + tanh(s (x + 0.044715 x^3)))
+// dinp, inp, dout (n): dinp += gelu'(inp) * dout
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_gelu_backward_f32(float* dinp, const float* inp, const float* dout, int64_t n) {
+  for (int64_t i = thread_index(); i < n; i += thread_count()) {
+    const float x = inp[i];
+    const float cube = 0.044715f * x * x * x;
+    const float t = tanhf(GELU_SCALE * (x + cube));
+    const float sech2 = 1.0f - t * t;
+    const float local = 0.5f * (1.0f + t) + x * 0.5f * sech2 * GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+    dinp[i] += local * dout[i];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dropout: a counter-based hash decides each element, so backward recomputes the mask from
+// (seed, index) and no mask is stored. The same hash as ffi/cpu/kernels.c and
+// engine/ops/dropout.ts (integer arithmetic only), so masks match the CPU bit for bit.
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+// uniform in [0,1) with 24 bits, exactly representable in float32
+__device__ __forceinline__ float dropout_uniform(uint64_t seed, int64_t i) {
+  return (float)(splitmix64(seed ^ ((uint64_t)i * 0xD1B54A32D192ED03ull)) >> 40) * (1.0f / 16777216.0f);
+}
+// out, inp (n); keep with probability 1-p, scale kept values by 1/(1-p)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_dropout_forward_f32(float* out, const float* inp, int64_t n, float p, uint64_t seed) {
+  const float scale = 1.0f / (1.0f - p);
+  for (int64_t i = thread_index(); i < n; i += thread_count()) {
+    out[i] = dropout_uniform(seed, i) >= p ? inp[i] * scale : 0.0f;
+  }
+}
+// forward was: out[i] = keep(i) ? inp[i] / (1-p) : 0
+// dinp, dout (n): dinp += keep(i) ? dout / (1-p) : 0
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_dropout_backward_f32(float* dinp, const float* dout, int64_t n, float p, uint64_t seed) {
+  const float scale = 1.0f / (1.0f - p);
+  for (int64_t i = thread_index(); i < n; i += thread_count()) {
+    if (dropout_uniform(seed, i) >= p) dinp[i] += dout[i] * scale;
+  }
+}

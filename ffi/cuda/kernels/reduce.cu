@@ -1,0 +1,57 @@
+// Reductions over n elements: sum, sum of squares, count of non-finite values (the inf/nan
+// check of fp16 loss scaling). All deterministic: block partials combined in a fixed order,
+// no atomics. The partial count is chosen by the plan from n alone, so a given n always
+// reduces in the same order.
+#include "common.cuh"
+
+// out (1) = sum of inp (n), accumulated in double. One block (the grid must be 1 block): the
+// method has no scratch memory for block partials, and sum is used on small tensors (losses).
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_sum_f32(float* out, const float* inp, int64_t n) {
+  if (blockIdx.x != 0) return;
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) acc += inp[i];
+  acc = block_reduce(acc, SumOp());
+  if (threadIdx.x == 0) out[0] = (float)acc;
+}
+
+// partials (gridDim.x) double = per-block sums of x*x over x (n), in double
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_sum_squares_partial_f32(double* partials, const float* x, int64_t n) {
+  double acc = 0.0;
+  for (int64_t i = thread_index(); i < n; i += thread_count()) acc += (double)x[i] * (double)x[i];
+  acc = block_reduce(acc, SumOp());
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+// partials (gridDim.x) int64 = per-block counts of NaN or +-Inf in x (n). A bit test (exponent
+// all ones), exact whatever the compiler flags.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_count_nonfinite_partial_f32(int64_t* partials, const float* x, int64_t n) {
+  int64_t bad = 0;
+  for (int64_t i = thread_index(); i < n; i += thread_count()) {
+    bad += (__float_as_uint(x[i]) & 0x7f800000u) == 0x7f800000u ? 1 : 0;
+  }
+  bad = block_reduce(bad, SumOp());
+  if (threadIdx.x == 0) partials[blockIdx.x] = bad;
+}
+
+// result (1) double = sum of partials (count), in a fixed order. One block.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_sum_partials_f64(double* result, const double* partials, int64_t count) {
+  if (blockIdx.x != 0) return;
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
+  acc = block_reduce(acc, SumOp());
+  if (threadIdx.x == 0) result[0] = acc;
+}
+
+// result (1) int64 = sum of partials (count). One block.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_sum_partials_i64(int64_t* result, const int64_t* partials, int64_t count) {
+  if (blockIdx.x != 0) return;
+  int64_t acc = 0;
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
+  acc = block_reduce(acc, SumOp());
+  if (threadIdx.x == 0) result[0] = acc;
+}

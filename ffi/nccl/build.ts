@@ -1,0 +1,61 @@
+// Builds ffi/nccl/shim.c (the by-value ncclUniqueId call bun:ffi cannot make) into
+// ffi/nccl/build/libmtnccl.so with the system C compiler. It needs neither nccl.h nor libnccl,
+// so every machine builds it; NCCL itself is dlopen'ed at run time. Rebuilt only when the
+// source or flags change (a stamp file beside it records them). Run directly
+// (`bun ffi/nccl/build.ts`) at set-up; ffi/nccl/nccl.ts calls ensureNcclShim() too, so a fresh
+// checkout just works.
+import { createHash } from "node:crypto";
+import { existsSync, mkdirSync, readFileSync, renameSync, rmSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { NativeLibraryError } from "../errors.ts";
+
+const here = import.meta.dir;
+export const shimSourcePath = join(here, "shim.c");
+const buildDir = join(here, "build");
+export const shimLibraryPath = join(buildDir, "libmtnccl.so");
+const stampPath = join(buildDir, "libmtnccl.stamp");
+
+export const compilerInstallHint = "apt-get install -y gcc";
+
+function findCompiler(): string {
+  const override = process.env.CC;
+  const candidates = override !== undefined && override !== "" ? [override] : ["cc", "gcc", "clang"];
+  for (const c of candidates) {
+    if (Bun.which(c) !== null) return c;
+  }
+  throw new NativeLibraryError(`no C compiler found (tried ${candidates.join(", ")}); install one with: ${compilerInstallHint}`);
+}
+
+// No -march=native: the shim is a handful of calls, nothing to vectorize. -pthread for the
+// fallback init thread; -ldl for dlopen on glibc older than 2.34 (harmless after).
+const flags = ["-O2", "-fPIC", "-shared", "-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread"];
+const libs = ["-ldl"];
+
+/** Path of the compiled shim, compiling it first if it is missing or stale. */
+export function ensureNcclShim(log: (line: string) => void = () => {}): string {
+  const source = readFileSync(shimSourcePath);
+  const stamp = createHash("sha256").update(source).update([...flags, ...libs].join(" ")).digest("hex");
+  if (existsSync(shimLibraryPath) && existsSync(stampPath) && readFileSync(stampPath, "utf8") === stamp) {
+    return shimLibraryPath; // a machine (an image) with the shim built needs no compiler
+  }
+  const cc = findCompiler();
+  mkdirSync(buildDir, { recursive: true });
+  // Build to a temporary name and rename: a concurrent loader never sees a half-written file.
+  const tmp = `${shimLibraryPath}.${process.pid}.tmp`;
+  const args = [cc, ...flags, "-o", tmp, shimSourcePath, ...libs];
+  log(`building the NCCL shim: ${args.join(" ")}`);
+  const result = Bun.spawnSync(args, { stdout: "pipe", stderr: "pipe" });
+  if (result.exitCode !== 0) {
+    rmSync(tmp, { force: true });
+    throw new NativeLibraryError(`compiling ${shimSourcePath} failed (exit ${result.exitCode}):\n${result.stderr.toString()}`);
+  }
+  renameSync(tmp, shimLibraryPath);
+  writeFileSync(stampPath, stamp);
+  return shimLibraryPath;
+}
+
+if (import.meta.main) {
+  const quiet = process.argv.includes("--quiet");
+  const path = ensureNcclShim((line) => console.error(line));
+  if (!quiet) console.log(`NCCL shim: ${path}`);
+}

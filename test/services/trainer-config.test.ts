@@ -1,0 +1,19 @@
+// The trainer service's device key: validated with the rest of its config, before it connects.
+import { expect, test } from "bun:test";
+import { join } from "node:path";
+
+const main = join(import.meta.dir, "..", "..", "services", "trainer", "main.ts");
+
+test.each([
+  [["--device", "tpu"], {}, "device (from --device): Invalid option"],
+  [[], { MT_DEVICE: "gpu" }, "device (from $MT_DEVICE): Invalid option"],
+])("a bad device %p %p is one clear start-up error", (args, env, fragment) => {
+  const p = Bun.spawnSync([process.execPath, main, ...args], {
+    env: { ...process.env, ...env, MT_CONNECT_RETRY_MS_MAX: "0", MT_LOG_LEVEL: "silent" },
+    stdout: "pipe",
+    stderr: "pipe",
+  });
+  expect(p.exitCode).toBe(1);
+  expect(p.stderr.toString()).toContain(fragment);
+  expect(p.stderr.toString()).toContain(`expected one of "auto"|"cpu"|"cuda"`);
+});
