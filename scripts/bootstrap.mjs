@@ -5,8 +5,9 @@
 //      running as root; otherwise the exact command is printed and set-up goes on.
 //   2. npm packages (Bun among them): `npm ci` when node_modules is missing or older than
 //      package-lock.json.
-//   3. The C kernel library, compiled with the system C compiler (skipped with a message if
-//      the compiler or OpenBLAS is still missing).
+//   3. The C kernel library and the NCCL shim, compiled with the system C compiler (skipped with
+//      a message if the compiler or OpenBLAS is still missing), and the CUDA kernels compiled to
+//      PTX where nvcc is present.
 // Quiet when everything is in place. MESHTRAIN_SKIP_BOOTSTRAP=1 skips it entirely.
 import { execFileSync, spawnSync } from "node:child_process";
 import { existsSync, readFileSync, statSync, writeFileSync } from "node:fs";
@@ -82,10 +83,15 @@ if (!upToDate) {
 
 // ---- native kernels ------------------------------------------------------------------------
 if (needs.slice(0, 2).every((n) => n.ok())) {
-  try {
-    execFileSync(bunBinary, [join(root, "ffi", "cpu", "build.ts"), "--quiet"], { cwd: root, stdio: ["ignore", "ignore", "inherit"] });
-  } catch (e) {
-    log(`building the CPU kernel library failed: ${e.message}`);
-    process.exit(1);
+  // the CPU kernels; the NCCL shim (it builds without NCCL installed); the CUDA kernels as PTX
+  // where nvcc is present (ffi/cuda/build.ts skips quietly without it)
+  for (const [what, script] of [["the CPU kernel library", "ffi/cpu/build.ts"], ["the NCCL shim", "ffi/nccl/build.ts"],
+    ["the CUDA kernels", "ffi/cuda/build.ts"]]) {
+    try {
+      execFileSync(bunBinary, [join(root, script), "--quiet"], { cwd: root, stdio: ["ignore", "ignore", "inherit"] });
+    } catch (e) {
+      log(`building ${what} failed: ${e.message}`);
+      process.exit(1);
+    }
   }
 }

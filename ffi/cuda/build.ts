@@ -14,8 +14,8 @@ export const kernelSourceDir = join(here, "kernels");
 const buildDir = join(here, "build");
 
 export const nvccInstallHint =
-  "install the CUDA toolkit (https://developer.nvidia.com/cuda-downloads, or apt-get install -y cuda-nvcc-13-0), " +
-  "or point MESHTRAIN_NVCC at an nvcc binary";
+  "install the CUDA toolkit (nvcc 12 or newer, https://developer.nvidia.com/cuda-downloads) " +
+  "or set MESHTRAIN_NVCC to an nvcc binary";
 
 const defaultNvccPaths = ["/usr/local/cuda/bin/nvcc"];
 

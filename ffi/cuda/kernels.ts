@@ -121,12 +121,14 @@ export function kernelModules(): string[] {
 export const scratchBytes = 1 << 20;
 // Scratch layout: the 8-byte result at 0, block partials from 256 (aligned for any access).
 const scratchPartialsOffset = 256;
-// Block partials of sumSquares / countNonFinite: 1024 blocks of 256 threads is ~2 waves on a
-// 132-SM H100 (2048 resident threads per SM) and enough to saturate memory bandwidth; the
-// second pass sums 1024 values in one block. 8 KiB of scratch.
+// Block partials of sumSquares / countNonFinite: 1024 blocks of 256 threads is about one full
+// wave on a 132-SM H100 (8 such blocks per SM), enough to saturate memory bandwidth; the
+// second pass sums at most 1024 values in one block. 8 KiB of scratch.
 const partialsMax = 1024;
 
-// CUDA launch limits (compute capability 8.0 and newer).
+// CUDA launch limits (compute capability 8.0 and newer). Every kernel is compiled with
+// __launch_bounds__(1024) (BLOCK_THREADS_MAX in kernels/common.cuh), so any block up to
+// blockThreadsMax launches.
 export const gridXMax = 2 ** 31 - 1;
 export const gridYZMax = 65535;
 export const blockThreadsMax = 1024;
@@ -161,6 +163,9 @@ if (partialsMax * 8 + scratchPartialsOffset > scratchBytes) throw new Error("ker
 if (gridBlocksMax > gridXMax) throw new Error("kernels.ts: gridBlocksMax exceeds the grid limit");
 if (warpRowThreads % warpSize !== 0 || blockRowThreadsMax % warpSize !== 0) {
   throw new Error("kernels.ts: row kernels need whole warps");
+}
+if (columnRowSlicesMax * warpSize > blockThreadsMax || singleBlockThreads > blockThreadsMax) {
+  throw new Error("kernels.ts: a block size exceeds blockThreadsMax");
 }
 
 // ---- launch construction ------------------------------------------------------------------------
@@ -279,6 +284,9 @@ export function reduceShape(dims: Dims4, outStrides: Dims4): ReduceShape {
   };
 }
 
+// outStrides are those of a broadcast operand (engine/ops/broadcast.ts): 0 on broadcast dims, the
+// operand's own strides elsewhere, so distinct kept indices address distinct out elements and
+// each out element has exactly one thread group summing into it.
 function reduceBroadcastPlan(out: Ptr, inp: Ptr, dims: Dims4, outStrides: Dims4): Launch[] {
   if (product(dims) === 0) return [];
   const { kept, reduced, innerReduced } = reduceShape(dims, outStrides);

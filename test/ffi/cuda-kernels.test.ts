@@ -8,7 +8,7 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { chmodSync, existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
-import { join } from "node:path";
+import { dirname, join } from "node:path";
 import type { Dims4 } from "../../ffi/backend.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { ensurePtx, findNvcc, kernelSourceModules, nvccInstallHint } from "../../ffi/cuda/build.ts";
@@ -57,12 +57,23 @@ if (nvcc === null) {
   console.warn(`cuda-kernels: skipping the PTX checks: nvcc not found (set MESHTRAIN_NVCC, or ${nvccInstallHint})`);
 }
 
-/** name -> PTX parameter types (u64, u32, s32, f32, ...) of every .entry in the text */
-function ptxEntries(ptx: string): Map<string, string[]> {
-  const entries = new Map<string, string[]>();
-  for (const m of ptx.matchAll(/\.entry\s+([A-Za-z_$][\w$]*)\s*\(([^)]*)\)/g)) {
+interface PtxEntry {
+  /** PTX parameter types in order (u64, u32, s32, f32, ...) */
+  readonly params: string[];
+  /** threads per block from .maxntid (__launch_bounds__), or null without one */
+  readonly maxThreads: number | null;
+}
+
+/** Every .entry in a PTX text, by name. */
+function ptxEntries(ptx: string): Map<string, PtxEntry> {
+  const entries = new Map<string, PtxEntry>();
+  for (const m of ptx.matchAll(/\.entry\s+([A-Za-z_$][\w$]*)\s*\(([^)]*)\)([^{]*)\{/g)) {
     const params = m[2]!.split(",").map((p) => p.trim()).filter((p) => p !== "");
-    entries.set(m[1]!, params.map((p) => /^\.param\s+\.(\w+)\s+[\w$]+$/.exec(p)?.[1] ?? `unparsed(${p})`));
+    const maxntid = /\.maxntid\s+(\d+),\s*(\d+),\s*(\d+)/.exec(m[3]!);
+    entries.set(m[1]!, {
+      params: params.map((p) => /^\.param\s+\.(\w+)\s+[\w$]+$/.exec(p)?.[1] ?? `unparsed(${p})`),
+      maxThreads: maxntid === null ? null : Number(maxntid[1]) * Number(maxntid[2]) * Number(maxntid[3]),
+    });
   }
   return entries;
 }
@@ -102,8 +113,9 @@ describe("PTX", () => {
         mismatches.push(`${name}: no .entry in ${spec.module}.ptx`);
         continue;
       }
-      const ok = entry.length === spec.params.length && spec.params.every((t, i) => ptxTypes[t].includes(entry[i]!));
-      if (!ok) mismatches.push(`${name}: spec (${spec.params.join(", ")}) vs PTX (${entry.join(", ")})`);
+      const types = entry.params;
+      const ok = types.length === spec.params.length && spec.params.every((t, i) => ptxTypes[t].includes(types[i]!));
+      if (!ok) mismatches.push(`${name}: spec (${spec.params.join(", ")}) vs PTX (${types.join(", ")})`);
     }
     expect(mismatches).toEqual([]);
   }, compileTimeoutMs);
@@ -117,6 +129,29 @@ describe("PTX", () => {
       }
     }
     expect(orphans).toEqual([]);
+  }, compileTimeoutMs);
+
+  test.skipIf(nvcc === null)("every kernel is bounded for 1024-thread blocks (.maxntid), the largest a plan uses", () => {
+    const unbounded: string[] = [];
+    for (const path of Object.values(ptx())) {
+      for (const [name, entry] of ptxEntries(readFileSync(path, "utf8"))) {
+        if (entry.maxThreads !== 1024) unbounded.push(`${name}: .maxntid ${entry.maxThreads}`);
+      }
+    }
+    expect(unbounded).toEqual([]);
+  }, compileTimeoutMs);
+
+  // What the driver's JIT does at load time: assemble the PTX for the GPUs we run on.
+  const ptxas = nvcc === null ? null : join(dirname(nvcc), "ptxas");
+  test.skipIf(ptxas === null || !existsSync(ptxas))("the PTX assembles for sm_80 and sm_90 (ptxas)", () => {
+    const failures: string[] = [];
+    for (const [module, path] of Object.entries(ptx())) {
+      for (const arch of ["sm_80", "sm_90"]) {
+        const result = Bun.spawnSync([ptxas!, `-arch=${arch}`, "-o", "/dev/null", path], { stdout: "pipe", stderr: "pipe" });
+        if (result.exitCode !== 0) failures.push(`${module} ${arch}: ${result.stderr.toString()}`);
+      }
+    }
+    expect(failures).toEqual([]);
   }, compileTimeoutMs);
 });
 

@@ -2,14 +2,6 @@
 // splits, merges and permutes heads. BH batch*heads, T time.
 #include "common.cuh"
 
-// first row of this warp, and the row step of the grid (one warp per row)
-__device__ __forceinline__ int64_t warp_row() {
-  return (int64_t)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-}
-__device__ __forceinline__ int64_t warp_row_step() {
-  return (int64_t)gridDim.x * (blockDim.x / WARP_SIZE);
-}
-
 // out, inp (BH,T,T): out[b,i,j] = softmax_{j<=i}(scale * inp[b,i,j]); 0 for j > i.
 // One warp per row (BH*T rows), looping over the row, so any T works.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)

@@ -29,6 +29,15 @@ __device__ __forceinline__ int64_t thread_count() {
   return (int64_t)gridDim.x * blockDim.x;
 }
 
+// Warp-per-row kernels (blockDim.x a multiple of 32): the first row of this warp, and the row
+// step of the grid.
+__device__ __forceinline__ int64_t warp_row() {
+  return (int64_t)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+}
+__device__ __forceinline__ int64_t warp_row_step() {
+  return (int64_t)gridDim.x * (blockDim.x / WARP_SIZE);
+}
+
 struct SumOp {
   template <class T>
   __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }

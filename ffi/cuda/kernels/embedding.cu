@@ -6,8 +6,7 @@
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
 mt_embedding_forward_f32(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C, int64_t V) {
   const int lane = threadIdx.x % WARP_SIZE;
-  const int64_t warps = blockDim.x / WARP_SIZE;
-  for (int64_t n = (int64_t)blockIdx.x * warps + threadIdx.x / WARP_SIZE; n < N; n += (int64_t)gridDim.x * warps) {
+  for (int64_t n = warp_row(); n < N; n += warp_row_step()) {
     const int64_t id = ids[n];
     float* o = out + n * C;
     if (id < 0 || id >= V) {

@@ -3,14 +3,6 @@
 // over the row, so any C works; warp shuffles in a fixed pattern keep results deterministic.
 #include "common.cuh"
 
-// first row of this warp, and the row step of the grid
-__device__ __forceinline__ int64_t warp_row() {
-  return (int64_t)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-}
-__device__ __forceinline__ int64_t warp_row_step() {
-  return (int64_t)gridDim.x * (blockDim.x / WARP_SIZE);
-}
-
 // out, inp (N,C); mean, rstd (N); weight, bias (C)
 // out[n,c] = (inp[n,c] - mean[n]) * rstd[n] * weight[c] + bias[c], with the two-pass mean and
 // (biased) variance of kernels.c: mean first, then the mean of squared deviations.
