@@ -45,7 +45,8 @@ export function findOpenBLAS(): string {
   return found;
 }
 
-function findCompiler(): string {
+/** The system C compiler: $CC, else cc, gcc or clang. Shared with ffi/nccl/build.ts. */
+export function findCompiler(): string {
   const override = process.env.CC;
   const candidates = override !== undefined && override !== "" ? [override] : ["cc", "gcc", "clang"];
   for (const c of candidates) {

@@ -8,23 +8,13 @@ import { createHash } from "node:crypto";
 import { existsSync, mkdirSync, readFileSync, renameSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { NativeLibraryError } from "../errors.ts";
+import { findCompiler } from "../cpu/build.ts";
 
 const here = import.meta.dir;
 export const shimSourcePath = join(here, "shim.c");
 const buildDir = join(here, "build");
 export const shimLibraryPath = join(buildDir, "libmtnccl.so");
 const stampPath = join(buildDir, "libmtnccl.stamp");
-
-export const compilerInstallHint = "apt-get install -y gcc";
-
-function findCompiler(): string {
-  const override = process.env.CC;
-  const candidates = override !== undefined && override !== "" ? [override] : ["cc", "gcc", "clang"];
-  for (const c of candidates) {
-    if (Bun.which(c) !== null) return c;
-  }
-  throw new NativeLibraryError(`no C compiler found (tried ${candidates.join(", ")}); install one with: ${compilerInstallHint}`);
-}
 
 // No -march=native: the shim is a handful of calls, nothing to vectorize. -pthread for the
 // fallback init thread; -ldl for dlopen on glibc older than 2.34 (harmless after).

@@ -1,0 +1,588 @@
+// The CUDA kernels' logic, checked on the host without a GPU or nvcc.
+//
+// g++ compiles each ffi/cuda/kernels/*.cu as C++ against a small CUDA emulator
+// (fixtures/cuda-emu: one host thread per CUDA thread, blocks one after another, barriers for
+// __syncthreads and warp shuffles). Every plan in ffi/cuda/kernels.ts is then run launch by
+// launch through the emulator, on seeded random inputs, and compared with the CPU backend on the
+// same inputs: bit-exact where the kernel does the same float operations in the same order
+// (casts, dropout, relu, fill/add/mul/scale, copies, embedding forward, integer counts), within
+// a relative error of 1e-5 elsewhere (reductions combine in a different order).
+//
+// What this proves: the kernels' index math (64-bit, strides, odd shapes, partial warps and
+// blocks), their reductions (shuffle patterns, shared partials, two-pass scratch results), the
+// grid-stride loops (each shape also runs with grids capped at a few blocks, so the loops really
+// loop), barrier placement (a missing __syncthreads reads stale shared memory, a shuffle outside
+// full warps deadlocks), that every output element is written (outputs start as NaN), and that
+// the plans pass the arguments the kernels expect, in kernelSpecs order.
+//
+// What it does not prove: anything about the real GPU memory model (the host is more strongly
+// ordered; a race the hardware would expose may pass here), warp scheduling (lanes here are
+// real threads synchronised at every shuffle), nvcc's code generation and accurate-math library
+// (expf, tanhf, ... here are glibc's), register or shared-memory limits, or performance. The
+// real-GPU parity suite in test/engine/ops.test.ts covers those on a machine with a GPU.
+import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
+import { dlopen, ptr } from "bun:ffi";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import type { Allocation, BinaryOp, Dims4, Ptr } from "../../ffi/backend.ts";
+import { kernelSpecs, type KernelName, type Launch, plans, scratchBytes } from "../../ffi/cuda/kernels.ts";
+import { Rng } from "../../engine/rng.ts";
+import { cpu, relErr } from "../helpers/numeric.ts";
+
+const repoRoot = join(import.meta.dir, "..", "..");
+const emuDir = join(import.meta.dir, "fixtures", "cuda-emu");
+const kernelsDir = join(repoRoot, "ffi", "cuda", "kernels");
+
+const gxx = Bun.which("g++");
+if (gxx === null) console.log("cuda-emulation tests skipped: g++ not found on PATH (it builds the host CUDA emulator)");
+
+// ---- building the emulator ----------------------------------------------------------------------
+
+// -ffp-contract=off: no fused multiply-adds the CPU backend would not do either (GCC contracts by
+// default on targets with FMA, such as aarch64).
+const cxxFlags = ["-std=c++20", "-O2", "-ffp-contract=off", "-fPIC", "-pthread", "-Wall", "-Wno-unused-variable"];
+const buildTimeoutMs = 120_000;
+
+/** One translation unit per kernel module: the emulator header, the .cu file, and a registration
+ *  line per kernel in kernelSpecs (so a kernel missing from the .cu fails to compile). */
+function translationUnits(): Map<string, string> {
+  const byModule = new Map<string, string[]>();
+  for (const [name, spec] of Object.entries(kernelSpecs)) {
+    byModule.set(spec.module, [...(byModule.get(spec.module) ?? []), name]);
+  }
+  const units = new Map<string, string>();
+  for (const [module, names] of byModule) {
+    const source = join(kernelsDir, `${module}.cu`);
+    units.set(`gen_${module}.cpp`,
+      `#include "emu.h"\n#include ${JSON.stringify(source)}\n${names.map((n) => `EMU_REGISTER(${n})`).join("\n")}\n`);
+  }
+  return units;
+}
+
+async function compile(args: string[], cwd: string): Promise<void> {
+  const proc = Bun.spawn([gxx!, ...args], { cwd, stdout: "pipe", stderr: "pipe" });
+  const [stderr, code] = await Promise.all([new Response(proc.stderr).text(), proc.exited]);
+  if (code !== 0) throw new Error(`g++ ${args.join(" ")} failed (exit ${code}):\n${stderr}`);
+}
+
+/** Builds libemu.so in dir: objects compiled in parallel, then linked. */
+async function buildEmulator(dir: string): Promise<string> {
+  const sources = [join(emuDir, "emu.cpp")];
+  for (const [file, text] of translationUnits()) {
+    writeFileSync(join(dir, file), text);
+    sources.push(join(dir, file));
+  }
+  const objects = sources.map((_, i) => join(dir, `unit${i}.o`));
+  await Promise.all(sources.map((s, i) => compile([...cxxFlags, `-I${emuDir}`, "-c", s, "-o", objects[i]!], dir)));
+  const lib = join(dir, "libemu.so");
+  await compile(["-shared", "-pthread", "-o", lib, ...objects], dir);
+  return lib;
+}
+
+// ---- running plans -------------------------------------------------------------------------------
+
+type Method = keyof typeof plans;
+
+interface Emulator {
+  launch(name: Uint8Array, grid: number, bx: number, by: number, bz: number, slots: BigUint64Array, gridCap: number): number;
+  close(): void;
+}
+
+function openEmulator(path: string): Emulator {
+  const lib = dlopen(path, {
+    emu_launch: { args: ["ptr", "u32", "u32", "u32", "u32", "ptr", "u32"], returns: "i32" },
+  });
+  return {
+    launch: (name, grid, bx, by, bz, slots, gridCap) =>
+      lib.symbols.emu_launch(ptr(name), grid, bx, by, bz, ptr(slots), gridCap),
+    close: () => lib.close(),
+  };
+}
+
+/** The kernel arguments as 64-bit slots, decoded by type on the C++ side (emu_from_slot). */
+function encodeArgs(launch: Launch): BigUint64Array {
+  const params = kernelSpecs[launch.kernel].params;
+  const slots = new BigUint64Array(Math.max(1, params.length));
+  const f32Bits = new Uint32Array(1);
+  params.forEach((type, i) => {
+    const arg = launch.args[i]!;
+    if (type === "f32") {
+      new Float32Array(f32Bits.buffer)[0] = arg as number;
+      slots[i] = BigInt(f32Bits[0]!);
+    } else {
+      slots[i] = BigInt.asUintN(64, BigInt(arg));
+    }
+  });
+  return slots;
+}
+
+// Grid modes: as planned, and capped at a few blocks so every grid-stride loop runs several
+// rounds (elementwise kernels past 3*256 items, warp-row kernels past 24 rows, column kernels
+// past 96 columns). Block-partial kernels are never capped: their grid is the partial count that
+// the second pass reads, one partial per block (reduce.cu).
+const gridModes = [
+  { name: "grid as planned", gridCap: 0 },
+  { name: "grid capped at 3 blocks", gridCap: 3 },
+] as const;
+const uncappedKernels = new Set<KernelName>(["mt_sum_squares_partial_f32", "mt_count_nonfinite_partial_f32"]);
+
+let emulator: Emulator | undefined;
+let gridCap = 0;
+const plansRun = new Set<Method>();
+const kernelsRun = new Set<KernelName>();
+
+function runPlan(method: Method, launches: Launch[]): void {
+  plansRun.add(method);
+  for (const l of launches) {
+    expect(l.grid[1] * l.grid[2]).toBe(1); // the emulator runs 1D grids, as the plans make
+    const cap = uncappedKernels.has(l.kernel) ? 0 : gridCap;
+    const rc = emulator!.launch(Buffer.from(`${l.kernel}\0`), l.grid[0], l.block[0], l.block[1], l.block[2],
+      encodeArgs(l), cap);
+    if (rc !== 0) throw new Error(`emu_launch ${l.kernel} grid ${l.grid[0]} block ${l.block.join("x")}: rc ${rc}`);
+    kernelsRun.add(l.kernel);
+  }
+}
+
+// ---- memory: every buffer has a CPU copy and an emulator copy -------------------------------------
+
+const be = cpu();
+const live: Allocation[] = [];
+let scratch: Allocation | undefined;
+// the scratch bytes the plans use: the result at 0, up to 1024 8-byte partials from 256
+const scratchUsedBytes = 256 + 1024 * 8;
+
+type HostArray = Float32Array | Int32Array | Uint16Array;
+
+function devAlloc(data: HostArray): Ptr {
+  const a = be.alloc(Math.max(8, data.byteLength));
+  live.push(a);
+  be.upload(a.ptr, data);
+  return a.ptr;
+}
+
+/** [cpu, emulator] copies of data */
+function twin(data: HostArray): [Ptr, Ptr] {
+  return [devAlloc(data), devAlloc(data)];
+}
+
+/** [cpu, emulator] outputs of n floats, NaN so that an element the kernel never writes fails */
+const outF32 = (n: number): [Ptr, Ptr] => twin(new Float32Array(n).fill(NaN));
+const outU16 = (n: number): [Ptr, Ptr] => twin(new Uint16Array(n).fill(0xffff));
+
+function readF32(p: Ptr, n: number): Float32Array {
+  const out = new Float32Array(n);
+  be.download(p, out);
+  return out;
+}
+function readU16(p: Ptr, n: number): Uint16Array {
+  const out = new Uint16Array(n);
+  be.download(p, out);
+  return out;
+}
+
+/** Scratch contents are unspecified: poison them before each scalar plan. */
+function poisonedScratch(): Ptr {
+  be.upload(scratch!.ptr, new Uint8Array(scratchUsedBytes).fill(0xff));
+  return scratch!.ptr;
+}
+function scratchI64(): number {
+  const out = new BigInt64Array(1);
+  be.download(scratch!.ptr, out);
+  return Number(out[0]);
+}
+function scratchF64(): number {
+  const out = new Float64Array(1);
+  be.download(scratch!.ptr, out);
+  return out[0]!;
+}
+
+// ---- comparisons ---------------------------------------------------------------------------------
+
+/** The first element where emu and cpu differ in value (NaN matches any NaN), or null. */
+function firstMismatch(emu: ArrayLike<number>, ref: ArrayLike<number>): string | null {
+  if (emu.length !== ref.length) return `lengths ${emu.length} vs ${ref.length}`;
+  for (let i = 0; i < ref.length; i++) {
+    const e = emu[i]!, c = ref[i]!;
+    if (!(e === c || (Number.isNaN(e) && Number.isNaN(c))) || Object.is(e, -0) !== Object.is(c, -0)) {
+      return `element ${i}: emulator ${e}, cpu ${c}`;
+    }
+  }
+  return null;
+}
+
+function expectExact(what: string, emu: ArrayLike<number>, ref: ArrayLike<number>): void {
+  expect({ what, mismatch: firstMismatch(emu, ref) }).toEqual({ what, mismatch: null });
+}
+
+/** Non-finite elements must match exactly; the finite rest within relErr <= tol. */
+function expectClose(what: string, emu: ArrayLike<number>, ref: ArrayLike<number>, tol = 1e-5): void {
+  expect(emu.length).toBe(ref.length);
+  const e: number[] = [], c: number[] = [];
+  let nonFinite: string | null = null;
+  for (let i = 0; i < ref.length; i++) {
+    if (Number.isFinite(emu[i]!) && Number.isFinite(ref[i]!)) {
+      e.push(emu[i]!);
+      c.push(ref[i]!);
+    } else if (nonFinite === null && firstMismatch([emu[i]!], [ref[i]!]) !== null) {
+      nonFinite = `element ${i}: emulator ${emu[i]}, cpu ${ref[i]}`;
+    }
+  }
+  expect({ what, nonFinite }).toEqual({ what, nonFinite: null });
+  const err = relErr(e, c);
+  expect({ what, withinTol: err <= tol ? true : `relErr ${err} > ${tol}` }).toEqual({ what, withinTol: true });
+}
+
+const bitsOf = (x: Float32Array): Uint32Array => new Uint32Array(x.buffer, x.byteOffset, x.length);
+const prod = (d: Dims4): number => d[0] * d[1] * d[2] * d[3];
+/** elements a strided view over dims spans */
+const extent = (d: Dims4, s: Dims4): number => 1 + d.reduce((acc, n, k) => acc + s[k]! * (n - 1), 0);
+
+let rng = new Rng(1);
+/** seeded normals (never zero in practice: zeros hide unwritten or mis-indexed elements) */
+function normals(n: number, scale = 1): Float32Array {
+  return Float32Array.from({ length: n }, () => rng.normal() * scale);
+}
+function ints(n: number, limit: number): Int32Array {
+  return Int32Array.from({ length: n }, () => rng.int(limit));
+}
+
+// ---- the suite -----------------------------------------------------------------------------------
+
+describe.skipIf(gxx === null)("CUDA kernels under host emulation match the CPU backend", () => {
+  let buildDir = "";
+  beforeAll(async () => {
+    buildDir = mkdtempSync(join(tmpdir(), "meshtrain-cuda-emu-"));
+    emulator = openEmulator(await buildEmulator(buildDir));
+    scratch = be.alloc(scratchBytes);
+  }, buildTimeoutMs);
+  afterEach(() => {
+    for (const a of live.splice(0)) be.free(a);
+  });
+  afterAll(() => {
+    emulator?.close();
+    if (scratch !== undefined) be.free(scratch);
+    if (buildDir !== "") rmSync(buildDir, { recursive: true, force: true });
+  });
+
+  describe.each(gridModes)("$name", ({ gridCap: cap }) => {
+    beforeAll(() => {
+      gridCap = cap;
+      rng = new Rng(1000 + cap);
+    });
+    elementwiseTests();
+    broadcastTests();
+    layerTests();
+    crossEntropyTests();
+    layerNormTests();
+    embeddingTests();
+    attentionTests();
+    reductionTests();
+    optimizerTests();
+    castTests();
+  });
+
+  // Guards the suite itself against a plan or kernel added without a case here. (It also fails
+  // when an earlier test stopped before reaching a plan: fix that failure first.)
+  test("every plan and every kernel ran", () => {
+    expect<string[]>([...plansRun].sort()).toEqual(Object.keys(plans).sort());
+    expect<string[]>([...kernelsRun].sort()).toEqual(Object.keys(kernelSpecs).sort());
+  });
+});
+
+function elementwiseTests(): void {
+  test.each([1, 31, 1000, 2049])("fill, add, mul, axpy, scale, addScalarFrom: n %d", (n) => {
+    const a = normals(n), b = normals(n);
+    {
+      const [c, e] = outF32(n);
+      be.fill(c, n, 2.5);
+      runPlan("fill", plans.fill(e, n, 2.5));
+      expectExact("fill", readF32(e, n), readF32(c, n));
+    }
+    for (const op of ["add", "mul"] as const) {
+      const [ac, ae] = twin(a), [bc, bE] = twin(b), [oc, oe] = outF32(n);
+      be[op](oc, ac, bc, n);
+      runPlan(op, plans[op](oe, ae, bE, n));
+      expectExact(op, readF32(oe, n), readF32(oc, n));
+    }
+    {
+      const [yc, ye] = twin(a), [xc, xe] = twin(b);
+      be.axpy(yc, xc, n, 0.3);
+      runPlan("axpy", plans.axpy(ye, xe, n, 0.3));
+      expectClose("axpy", readF32(ye, n), readF32(yc, n));
+    }
+    {
+      const [xc, xe] = twin(a);
+      be.scale(xc, n, -1.7);
+      runPlan("scale", plans.scale(xe, n, -1.7));
+      expectExact("scale", readF32(xe, n), readF32(xc, n));
+    }
+    {
+      const [dc, de] = twin(a), [sc, se] = twin(new Float32Array([1.25]));
+      be.addScalarFrom(dc, sc, 0.5, n);
+      runPlan("addScalarFrom", plans.addScalarFrom(de, se, 0.5, n));
+      expectExact("addScalarFrom", readF32(de, n), readF32(dc, n));
+    }
+  });
+}
+
+function broadcastTests(): void {
+  // dims, a strides, b strides
+  const binaryCases: [Dims4, Dims4, Dims4][] = [
+    [[2, 3, 4, 5], [60, 20, 5, 1], [0, 0, 5, 1]],
+    [[2, 3, 4, 5], [0, 4, 1, 0], [60, 20, 5, 1]],
+    [[1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]],
+    [[3, 1, 70, 33], [33, 0, 0, 1], [0, 0, 1, 0]],
+  ];
+  test.each(binaryCases)("binaryBroadcast dims %p a %p b %p", (d, as, bs) => {
+    const n = prod(d);
+    for (const op of ["add", "mul"] as BinaryOp[]) {
+      const [ac, ae] = twin(normals(extent(d, as))), [bc, bE] = twin(normals(extent(d, bs))), [oc, oe] = outF32(n);
+      be.binaryBroadcast(op, oc, ac, bc, d, as, bs);
+      runPlan("binaryBroadcast", plans.binaryBroadcast(op, oe, ae, bE, d, as, bs));
+      expectExact(op, readF32(oe, n), readF32(oc, n));
+    }
+  });
+
+  // dims, out strides: every split the plan makes (rows / cols kernel, warp or block groups)
+  const reduceCases: [Dims4, Dims4][] = [
+    [[1, 1, 37, 70], [0, 0, 0, 1]], // bias-like: onto columns
+    [[1, 1, 37, 70], [0, 0, 1, 0]], // onto rows
+    [[1, 1, 1, 40000], [0, 0, 0, 0]], // onto a scalar, a block per out element
+    [[1, 1, 200, 300], [0, 0, 0, 0]], // onto a scalar, reduced dims merged
+    [[3, 4, 5, 6], [0, 1, 0, 0]], // keep a middle dim, reduce outer and inner
+    [[3, 4, 5, 6], [0, 5, 0, 1]], // keep d1 and d3 with non-nesting out strides
+    [[3, 4, 5, 6], [4, 1, 0, 0]], // keep the outer two (they merge), reduce the inner two
+    [[3, 4, 5, 6], [0, 6, 0, 1]], // keep d1, d3: out (4,6), columns kernel
+    [[2, 1, 5, 6], [0, 99, 6, 1]], // a size-1 dim with an odd stride
+    [[1, 1, 1, 1], [0, 0, 0, 0]],
+    [[5, 1, 1, 1], [1, 0, 0, 0]],
+    [[1, 1, 64, 1], [0, 0, 0, 0]],
+    [[1, 1, 3, 40000], [0, 0, 1, 0]], // rows, block groups, several out elements
+    [[1, 1, 20, 500], [0, 0, 0, 1]], // columns: chunks loop over a capped grid
+    [[7, 1, 20, 500], [0, 0, 0, 0]], // everything reduced
+  ];
+  test.each(reduceCases)("reduceBroadcast dims %p out strides %p", (d, os) => {
+    const n = prod(d), outLen = extent(d, os);
+    const [ic, ie] = twin(normals(n)), [oc, oe] = twin(normals(outLen));
+    be.reduceBroadcast(oc, ic, d, os);
+    runPlan("reduceBroadcast", plans.reduceBroadcast(oe, ie, d, os));
+    expectClose("out", readF32(oe, outLen), readF32(oc, outLen));
+  });
+}
+
+function layerTests(): void {
+  test.each([[1, 1], [37, 70], [100, 3], [5, 1000]])("biasAdd, biasBackward: N %d C %d", (N, C) => {
+    const n = N * C;
+    const [ic, ie] = twin(normals(n)), [bc, bE] = twin(normals(C)), [oc, oe] = outF32(n);
+    be.biasAdd(oc, ic, bc, N, C);
+    runPlan("biasAdd", plans.biasAdd(oe, ie, bE, N, C));
+    expectExact("biasAdd", readF32(oe, n), readF32(oc, n));
+    const [dc, de] = twin(normals(C));
+    be.biasBackward(dc, ic, N, C);
+    runPlan("biasBackward", plans.biasBackward(de, ie, N, C));
+    expectClose("dbias", readF32(de, C), readF32(dc, C));
+  });
+
+  test.each([1, 777, 3000])("relu, gelu forward and backward: n %d", (n) => {
+    const x = normals(n, 3);
+    if (n > 5) [x[1], x[2], x[3], x[4]] = [NaN, 0, -0, Infinity]; // relu's edge cases
+    const [xc, xe] = twin(x), [gc, ge] = twin(normals(n)), [oc, oe] = outF32(n);
+    be.reluForward(oc, xc, n);
+    runPlan("reluForward", plans.reluForward(oe, xe, n));
+    expectExact("relu out", readF32(oe, n), readF32(oc, n));
+    const [dc, de] = twin(normals(n));
+    be.reluBackward(dc, xc, gc, n);
+    runPlan("reluBackward", plans.reluBackward(de, xe, ge, n));
+    expectExact("relu dinp", readF32(de, n), readF32(dc, n));
+
+    const [yc, ye] = twin(normals(n, 4)), [Oc, Oe] = outF32(n), [Dc, De] = twin(normals(n));
+    be.geluForward(Oc, yc, n);
+    runPlan("geluForward", plans.geluForward(Oe, ye, n));
+    expectClose("gelu out", readF32(Oe, n), readF32(Oc, n));
+    be.geluBackward(Dc, yc, gc, n);
+    runPlan("geluBackward", plans.geluBackward(De, ye, ge, n));
+    expectClose("gelu dinp", readF32(De, n), readF32(Dc, n));
+  });
+
+  test.each([1, 777, 3000])("dropout forward and backward: n %d", (n) => {
+    const [xc, xe] = twin(normals(n)), [gc, ge] = twin(normals(n));
+    for (const [p, seed] of [[0.3, 0xdeadbeefcafebaben], [0.9, 1n], [0, 0n]] as const) {
+      const [oc, oe] = outF32(n), [dc, de] = twin(normals(n));
+      be.dropoutForward(oc, xc, n, p, seed);
+      runPlan("dropoutForward", plans.dropoutForward(oe, xe, n, p, seed));
+      expectExact(`out p ${p}`, readF32(oe, n), readF32(oc, n));
+      be.dropoutBackward(dc, gc, n, p, seed);
+      runPlan("dropoutBackward", plans.dropoutBackward(de, ge, n, p, seed));
+      expectExact(`dinp p ${p}`, readF32(de, n), readF32(dc, n));
+    }
+  });
+}
+
+function crossEntropyTests(): void {
+  test.each([[1, 1], [7, 10], [33, 1000], [3, 5000], [4, 0], [0, 5]])("crossEntropy forward and backward: N %d V %d", (N, V) => {
+    const targets = V > 0 ? ints(N, V) : new Int32Array(N);
+    if (N > 3) [targets[1], targets[2]] = [-1, V]; // out of range: counted, loss 0
+    const [lc, le] = twin(normals(N * V, 5)), [tc, te] = twin(targets);
+    const [pc, pe] = outF32(N * V), [sc, se] = outF32(N), [Lc, Le] = outF32(1);
+    const badCpu = be.crossEntropyForward(Lc, sc, pc, lc, tc, N, V);
+    runPlan("crossEntropyForward", plans.crossEntropyForward(poisonedScratch(), Le, se, pe, le, te, N, V));
+    expectExact("invalid target count", [scratchI64()], [badCpu]);
+    expectClose("probs", readF32(pe, N * V), readF32(pc, N * V));
+    expectClose("losses", readF32(se, N), readF32(sc, N));
+    expectClose("loss", readF32(Le, 1), readF32(Lc, 1));
+    const [dc, de] = twin(normals(N * V)), [gc, ge] = twin(new Float32Array([1.5]));
+    be.crossEntropyBackward(dc, pc, tc, gc, N, V);
+    runPlan("crossEntropyBackward", plans.crossEntropyBackward(de, pe, te, ge, N, V));
+    expectClose("dlogits", readF32(de, N * V), readF32(dc, N * V));
+  });
+}
+
+function layerNormTests(): void {
+  test.each([[1, 1], [10, 64], [9, 777], [3, 5000], [40, 3]])("layerNorm forward and backward: N %d C %d", (N, C) => {
+    const n = N * C;
+    const [xc, xe] = twin(normals(n, 2)), [wc, we] = twin(normals(C)), [bc, bE] = twin(normals(C));
+    const [oc, oe] = outF32(n), [mc, me] = outF32(N), [rc, re] = outF32(N);
+    be.layerNormForward(oc, mc, rc, xc, wc, bc, N, C, 1e-5);
+    runPlan("layerNormForward", plans.layerNormForward(oe, me, re, xe, we, bE, N, C, 1e-5));
+    expectClose("out", readF32(oe, n), readF32(oc, n));
+    expectClose("mean", readF32(me, N), readF32(mc, N));
+    expectClose("rstd", readF32(re, N), readF32(rc, N));
+    const [gc, ge] = twin(normals(n)), [dxc, dxe] = twin(normals(n));
+    const [dwc, dwe] = twin(normals(C)), [dbc, dbe] = twin(normals(C));
+    // both backwards read the CPU forward's mean and rstd, so only the backward is compared
+    const [m2, r2] = [devAlloc(readF32(mc, N)), devAlloc(readF32(rc, N))];
+    be.layerNormBackward(dxc, dwc, dbc, gc, xc, wc, mc, rc, N, C);
+    runPlan("layerNormBackward", plans.layerNormBackward(dxe, dwe, dbe, ge, xe, we, m2, r2, N, C));
+    expectClose("dinp", readF32(dxe, n), readF32(dxc, n));
+    expectClose("dweight", readF32(dwe, C), readF32(dwc, C));
+    expectClose("dbias", readF32(dbe, C), readF32(dbc, C));
+  });
+}
+
+function embeddingTests(): void {
+  test.each([[1, 1, 1], [20, 33, 7], [50, 300, 11]])("embedding forward and backward: N %d C %d V %d", (N, C, V) => {
+    const ids = ints(N, V);
+    const idsFwd = ids.slice();
+    if (N > 3) [idsFwd[0], idsFwd[3]] = [-5, V]; // out of range: counted
+    const [tc, te] = twin(normals(V * C)), [ic, ie] = twin(idsFwd), [oc, oe] = outF32(N * C);
+    const bad = be.embeddingForward(oc, ic, tc, N, C, V);
+    runPlan("embeddingForward", plans.embeddingForward(poisonedScratch(), oe, ie, te, N, C, V));
+    expectExact("invalid id count", [scratchI64()], [bad]);
+    expectExact("out", readF32(oe, N * C), readF32(oc, N * C));
+    const [jc, je] = twin(ids), [dc, de] = twin(normals(V * C)), [gc, ge] = twin(normals(N * C));
+    be.embeddingBackward(dc, jc, gc, N, C);
+    runPlan("embeddingBackward", plans.embeddingBackward(de, je, ge, N, C));
+    expectClose("dtable", readF32(de, V * C), readF32(dc, V * C));
+  });
+}
+
+function attentionTests(): void {
+  test.each([[1, 1], [2, 5], [3, 70], [1, 300]])("causalSoftmax forward and backward: BH %d T %d", (BH, T) => {
+    const n = BH * T * T;
+    const [ic, ie] = twin(normals(n, 3)), [oc, oe] = outF32(n);
+    be.causalSoftmaxForward(oc, ic, BH, T, 0.35);
+    runPlan("causalSoftmaxForward", plans.causalSoftmaxForward(oe, ie, BH, T, 0.35));
+    expectClose("out", readF32(oe, n), readF32(oc, n));
+    const [gc, ge] = twin(normals(n)), [dc, de] = twin(normals(n));
+    const out2 = devAlloc(readF32(oc, n)); // the backward reads the CPU forward's out
+    be.causalSoftmaxBackward(dc, oc, gc, BH, T, 0.35);
+    runPlan("causalSoftmaxBackward", plans.causalSoftmaxBackward(de, out2, ge, BH, T, 0.35));
+    expectClose("dinp", readF32(de, n), readF32(dc, n));
+  });
+
+  // dims, out strides, inp strides
+  const copyCases: [Dims4, Dims4, Dims4][] = [
+    [[2, 3, 4, 5], [60, 20, 5, 1], [60, 5, 15, 1]], // (B,T,H,D) -> (B,H,T,D)
+    [[2, 3, 4, 5], [60, 1, 15, 3], [60, 20, 5, 1]],
+    [[1, 1, 1, 7], [0, 0, 0, 1], [0, 0, 0, 2]], // every other element
+    [[3, 4, 10, 9], [360, 9, 36, 1], [360, 90, 9, 1]], // 1080 elements: loops over a capped grid
+  ];
+  test.each(copyCases)("stridedCopy dims %p out strides %p inp strides %p", (d, os, is) => {
+    const outLen = extent(d, os);
+    const [ic, ie] = twin(normals(extent(d, is)));
+    for (const accumulate of [false, true]) {
+      // elements no index maps to stay as they were: NaN here for the copy, numbers to add into
+      const [oc, oe] = accumulate ? twin(normals(outLen)) : outF32(outLen);
+      be.stridedCopy(oc, os, ic, is, d, accumulate);
+      runPlan("stridedCopy", plans.stridedCopy(oe, os, ie, is, d, accumulate));
+      expectExact(`accumulate ${accumulate}`, readF32(oe, outLen), readF32(oc, outLen));
+    }
+  });
+}
+
+function reductionTests(): void {
+  test.each([0, 1, 1000, 100000])("sum, sumSquares, countNonFinite: n %d", (n) => {
+    const x = normals(Math.max(1, n), 3);
+    const [oc, oe] = outF32(1);
+    {
+      const [xc, xe] = twin(x);
+      be.sum(oc, xc, n);
+      runPlan("sum", plans.sum(oe, xe, n));
+      expectClose("sum", readF32(oe, 1), readF32(oc, 1));
+      const ss = be.sumSquares(xc, n);
+      runPlan("sumSquares", plans.sumSquares(poisonedScratch(), xe, n));
+      expectClose("sumSquares", [scratchF64()], [ss]);
+    }
+    if (n >= 1000) [x[5], x[17], x[999]] = [NaN, Infinity, -Infinity];
+    const [xc, xe] = twin(x);
+    const count = be.countNonFinite(xc, n);
+    runPlan("countNonFinite", plans.countNonFinite(poisonedScratch(), xe, n));
+    expectExact("countNonFinite", [scratchI64()], [count]);
+    be.sum(oc, xc, n);
+    runPlan("sum", plans.sum(oe, xe, n));
+    expectExact("sum with non-finite inputs", readF32(oe, 1), readF32(oc, 1));
+  });
+}
+
+function optimizerTests(): void {
+  // momentum, dampening, weight decay, nesterov, first step
+  const sgdCases = [[0, 0, 0, false, false], [0.9, 0.1, 0.01, false, true], [0.9, 0, 0.01, true, false],
+    [0.9, 0.5, 0, false, false]] as const;
+  test.each([1, 1000])("sgdStep, adamwStep: n %d", (n) => {
+    for (const [momentum, dampening, wd, nesterov, first] of sgdCases) {
+      const [pc, pe] = twin(normals(n)), [gc, ge] = twin(normals(n)), [mc, me] = twin(normals(n));
+      be.sgdStep(pc, gc, mc, n, 0.1, momentum, dampening, wd, nesterov, first);
+      runPlan("sgdStep", plans.sgdStep(pe, ge, me, n, 0.1, momentum, dampening, wd, nesterov, first));
+      const what = `sgd ${momentum},${dampening},${wd},${nesterov},${first}`;
+      expectClose(`${what} param`, readF32(pe, n), readF32(pc, n));
+      expectClose(`${what} momentum`, readF32(me, n), readF32(mc, n));
+    }
+    const [pc, pe] = twin(normals(n)), [gc, ge] = twin(normals(n)), [mc, me] = twin(normals(n, 0.1));
+    const [vc, ve] = twin(Float32Array.from(normals(n, 0.1), Math.abs));
+    const [bc1, bc2] = [1 - 0.9 ** 3, 1 - 0.999 ** 3];
+    be.adamwStep(pc, gc, mc, vc, n, 1e-3, 0.9, 0.999, 1e-8, 0.1, bc1, bc2);
+    runPlan("adamwStep", plans.adamwStep(pe, ge, me, ve, n, 1e-3, 0.9, 0.999, 1e-8, 0.1, bc1, bc2));
+    expectClose("adamw param", readF32(pe, n), readF32(pc, n));
+    expectClose("adamw m", readF32(me, n), readF32(mc, n));
+    expectClose("adamw v", readF32(ve, n), readF32(vc, n));
+  });
+}
+
+function castTests(): void {
+  test("f32 -> bf16 and f16: rounding, overflow, subnormals, specials", () => {
+    const specials = [0, -0, 1, -1, 0.1, 65504, 65519, 65520, 1e6, -1e6, 6.1e-5, 6.0e-5, 5.96e-8, 2.98e-8, 2.99e-8,
+      1e-10, 3.4e38, -3.4e38, Infinity, -Infinity, NaN, 1.00390625, 1.01171875, 256.5, 257.5];
+    const random = Array.from({ length: 3000 }, () => (rng.uniform() - 0.5) * 10 ** Math.floor(rng.uniform() * 20 - 10));
+    const x = Float32Array.from([...specials, ...random]);
+    const n = x.length;
+    const [xc, xe] = twin(x);
+    for (const method of ["castF32ToBF16", "castF32ToF16"] as const) {
+      const [hc, he] = outU16(n);
+      be[method](hc, xc, n);
+      runPlan(method, plans[method](he, xe, n));
+      expectExact(method, readU16(he, n), readU16(hc, n));
+    }
+  });
+
+  test("bf16 and f16 -> f32: every bit pattern, bit-exact (NaN payloads included)", () => {
+    const n = 65536;
+    const [bc, be16] = twin(Uint16Array.from({ length: n }, (_, i) => i));
+    for (const method of ["castBF16ToF32", "castF16ToF32"] as const) {
+      const [oc, oe] = outF32(n);
+      be[method](oc, bc, n);
+      runPlan(method, plans[method](oe, be16, n));
+      expectExact(method, bitsOf(readF32(oe, n)), bitsOf(readF32(oc, n)));
+    }
+  });
+}
