@@ -14,7 +14,7 @@
 import { readFileSync } from "node:fs";
 import type { Allocation, Backend, BackendStats, BinaryOp, Dims4, GemmInput, Ptr } from "../backend.ts";
 import { CachingAllocator, type CachingAllocatorStats } from "./allocator.ts";
-import { Cublas, loadCublas } from "./cublas.ts";
+import { Cublas, findCublas, loadCublas } from "./cublas.ts";
 import { CU_EVENT_DISABLE_TIMING, driver, type Driver, hostBytes } from "./driver.ts";
 import { ensurePtx } from "./build.ts";
 import { type KernelName, kernelSpecs, type Launch, plans, scratchBytes } from "./kernels.ts";
@@ -46,11 +46,14 @@ export interface CudaBackendOptions {
   device?: number;
   /** the driver library (default: the process-wide libcuda, see driver()) */
   driver?: Driver;
+  /** the cuBLAS library file (default: findCublas()) */
+  cublasPath?: string;
 }
 
 export class CudaBackend implements Backend {
   readonly name = "cuda";
   readonly deviceOrdinal: number;
+  readonly #cublasPath: string | undefined;
   readonly #d: Driver;
   readonly #device: number;
   readonly #context: bigint;
@@ -74,6 +77,7 @@ export class CudaBackend implements Backend {
 
   constructor(options: CudaBackendOptions = {}) {
     this.deviceOrdinal = options.device ?? 0;
+    this.#cublasPath = options.cublasPath;
     const d = (this.#d = options.driver ?? driver());
     d.init();
     this.#device = d.device(this.deviceOrdinal);
@@ -345,7 +349,7 @@ export class CudaBackend implements Backend {
   }
 
   #cublas(): Cublas {
-    this.#cublasHandle ??= new Cublas(loadCublas(), this.#stream, new Float32Array(hostBytes(this.#host, hostBlockBytes), scalarsOffset, 2),
+    this.#cublasHandle ??= new Cublas(loadCublas(this.#cublasPath ?? findCublas()), this.#stream, new Float32Array(hostBytes(this.#host, hostBlockBytes), scalarsOffset, 2),
       this.#host + scalarsOffset);
     return this.#cublasHandle;
   }

@@ -1,4 +1,5 @@
-// Every op, on every available backend (the CPU; CUDA where a GPU is present):
+// Every op, on every available backend (the CPU; CUDA where a GPU is present, else the CUDA
+// backend over a fake driver running the kernels on the host CUDA emulator):
 //   1. the float64 reference's gradients agree with central finite differences of its forward;
 //   2. the backend's float32 forward agrees with the reference (relative error <= 1e-4);
 //   3. the backend's float32 backward agrees with the reference's gradients (<= 1e-4);
@@ -25,11 +26,12 @@ import { meanReference, sumBackwardReference, sumReference } from "../../engine/
 import { reluBackwardReference, reluReference } from "../../engine/ops/relu.ts";
 import { Rng } from "../../engine/rng.ts";
 import type { Tensor } from "../../engine/tensor.ts";
-import { cpu, cudaSkipReason, dot, f32, f64, finiteDiff, grad64, leaf, newContext, randInts, randn, relErr, testBackends,
+import { cpu, dot, f32, f64, finiteDiff, grad64, leaf, newContext, randInts, randn, relErr,
   useBackend } from "../helpers/numeric.ts";
 import type { Backend } from "../../ffi/backend.ts";
 import { Context } from "../../engine/tensor.ts";
 import type { Precision } from "../../engine/mixed.ts";
+import { parityBackends } from "../helpers/emulated-cuda.ts";
 
 const tolF32 = 1e-4;
 /** another backend against the CPU backend, same float32 inputs */
@@ -190,9 +192,11 @@ function permuteCase(rng: Rng, shape: number[], perm: number[]): OpCase {
   };
 }
 
-if (cudaSkipReason !== null) console.log(cudaSkipReason);
+// Where there is no GPU, the CUDA backend's own code still runs: over a fake driver whose
+// launches run the .cu kernels on the host emulator (test/helpers/emulated-cuda.ts).
+const backends = await parityBackends();
 
-describe.each(testBackends())("$name backend", ({ backend }) => {
+describe.each(backends)("$name backend", ({ backend }) => {
   beforeAll(() => useBackend(backend()));
   afterAll(() => useBackend(undefined));
 

@@ -22,63 +22,20 @@
 // real-GPU parity suite in test/engine/ops.test.ts covers those on a machine with a GPU.
 import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
 import { dlopen, ptr } from "bun:ffi";
-import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { Allocation, BinaryOp, Dims4, Ptr } from "../../ffi/backend.ts";
 import { kernelSpecs, type KernelName, type Launch, plans, scratchBytes } from "../../ffi/cuda/kernels.ts";
 import { Rng } from "../../engine/rng.ts";
 import { cpu, relErr } from "../helpers/numeric.ts";
+import { buildEmulator } from "../helpers/emulated-cuda.ts";
 
-const repoRoot = join(import.meta.dir, "..", "..");
-const emuDir = join(import.meta.dir, "fixtures", "cuda-emu");
-const kernelsDir = join(repoRoot, "ffi", "cuda", "kernels");
+/** g++ on 2 busy cores: the build compiles ten kernel modules */
+const buildTimeoutMs = 120_000;
 
 const gxx = Bun.which("g++");
 if (gxx === null) console.log("cuda-emulation tests skipped: g++ not found on PATH (it builds the host CUDA emulator)");
-
-// ---- building the emulator ----------------------------------------------------------------------
-
-// -ffp-contract=off: no fused multiply-adds the CPU backend would not do either (GCC contracts by
-// default on targets with FMA, such as aarch64).
-const cxxFlags = ["-std=c++20", "-O2", "-ffp-contract=off", "-fPIC", "-pthread", "-Wall", "-Wno-unused-variable"];
-const buildTimeoutMs = 120_000;
-
-/** One translation unit per kernel module: the emulator header, the .cu file, and a registration
- *  line per kernel in kernelSpecs (so a kernel missing from the .cu fails to compile). */
-function translationUnits(): Map<string, string> {
-  const byModule = new Map<string, string[]>();
-  for (const [name, spec] of Object.entries(kernelSpecs)) {
-    byModule.set(spec.module, [...(byModule.get(spec.module) ?? []), name]);
-  }
-  const units = new Map<string, string>();
-  for (const [module, names] of byModule) {
-    const source = join(kernelsDir, `${module}.cu`);
-    units.set(`gen_${module}.cpp`,
-      `#include "emu.h"\n#include ${JSON.stringify(source)}\n${names.map((n) => `EMU_REGISTER(${n})`).join("\n")}\n`);
-  }
-  return units;
-}
-
-async function compile(args: string[], cwd: string): Promise<void> {
-  const proc = Bun.spawn([gxx!, ...args], { cwd, stdout: "pipe", stderr: "pipe" });
-  const [stderr, code] = await Promise.all([new Response(proc.stderr).text(), proc.exited]);
-  if (code !== 0) throw new Error(`g++ ${args.join(" ")} failed (exit ${code}):\n${stderr}`);
-}
-
-/** Builds libemu.so in dir: objects compiled in parallel, then linked. */
-async function buildEmulator(dir: string): Promise<string> {
-  const sources = [join(emuDir, "emu.cpp")];
-  for (const [file, text] of translationUnits()) {
-    writeFileSync(join(dir, file), text);
-    sources.push(join(dir, file));
-  }
-  const objects = sources.map((_, i) => join(dir, `unit${i}.o`));
-  await Promise.all(sources.map((s, i) => compile([...cxxFlags, `-I${emuDir}`, "-c", s, "-o", objects[i]!], dir)));
-  const lib = join(dir, "libemu.so");
-  await compile(["-shared", "-pthread", "-o", lib, ...objects], dir);
-  return lib;
-}
 
 // ---- running plans -------------------------------------------------------------------------------
 

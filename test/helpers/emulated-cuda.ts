@@ -1,0 +1,132 @@
+// The CUDA backend on the host, for machines without a GPU: the real CudaBackend code (driver
+// binding, caching allocator, pinned staging, kernel-argument block, scratch reads, cuBLAS
+// argument marshalling and the row-major swap) over fake-cuda.c, whose cuLaunchKernel runs
+// each kernel of ffi/cuda/kernels/*.cu compiled by g++ against the host CUDA emulator
+// (fixtures/cuda-emu), and fake-cublas.c, whose GEMMs are column-major loops that check their
+// arguments as cuBLAS documents them.
+//
+// Everything is built once into .test-results/emulated-cuda/<hash of the sources>/ and reused
+// by later runs; the build needs g++ and cc. The PTX the backend loads at start needs nvcc (or
+// PTX built earlier); the fake driver accepts it without compiling it.
+import { dlopen, ptr } from "bun:ffi";
+import { createHash } from "node:crypto";
+import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { CudaBackend } from "../../ffi/cuda/backend.ts";
+import { findNvcc } from "../../ffi/cuda/build.ts";
+import { Driver } from "../../ffi/cuda/driver.ts";
+import { kernelSpecs } from "../../ffi/cuda/kernels.ts";
+import type { Backend } from "../../ffi/backend.ts";
+import { cudaSkipReason, testBackends } from "./numeric.ts";
+
+const root = join(import.meta.dir, "..", "..");
+const fixtures = join(root, "test", "ffi", "fixtures");
+export const emuDir = join(fixtures, "cuda-emu");
+const kernelsDir = join(root, "ffi", "cuda", "kernels");
+
+// -ffp-contract=off: no fused multiply-adds the CPU backend would not do either (GCC contracts by
+// default on targets with FMA, such as aarch64).
+const cxxFlags = ["-std=c++20", "-O2", "-ffp-contract=off", "-fPIC", "-pthread", "-Wall", "-Wno-unused-variable"];
+
+/** One translation unit per kernel module: the emulator header, the .cu file, and a registration
+ *  line per kernel in kernelSpecs (so a kernel missing from the .cu fails to compile). */
+function translationUnits(): Map<string, string> {
+  const byModule = new Map<string, string[]>();
+  for (const [name, spec] of Object.entries(kernelSpecs)) {
+    byModule.set(spec.module, [...(byModule.get(spec.module) ?? []), name]);
+  }
+  const units = new Map<string, string>();
+  for (const [module, names] of byModule) {
+    const source = join(kernelsDir, `${module}.cu`);
+    units.set(`gen_${module}.cpp`,
+      `#include "emu.h"\n#include ${JSON.stringify(source)}\n${names.map((n) => `EMU_REGISTER(${n})`).join("\n")}\n`);
+  }
+  return units;
+}
+
+async function run(cmd: string[], cwd: string): Promise<void> {
+  const proc = Bun.spawn(cmd, { cwd, stdout: "pipe", stderr: "pipe" });
+  const [stderr, code] = await Promise.all([new Response(proc.stderr).text(), proc.exited]);
+  if (code !== 0) throw new Error(`${cmd.join(" ")} failed (exit ${code}):\n${stderr}`);
+}
+
+/** Builds libemu.so in dir: objects compiled in parallel, then linked. */
+export async function buildEmulator(dir: string): Promise<string> {
+  const gxx = Bun.which("g++");
+  if (gxx === null) throw new Error("g++ not found on PATH");
+  const sources = [join(emuDir, "emu.cpp")];
+  for (const [file, text] of translationUnits()) {
+    writeFileSync(join(dir, file), text);
+    sources.push(join(dir, file));
+  }
+  const objects = sources.map((_, i) => join(dir, `unit${i}.o`));
+  await Promise.all(sources.map((s, i) => run([gxx, ...cxxFlags, `-I${emuDir}`, "-c", s, "-o", objects[i]!], dir)));
+  const lib = join(dir, "libemu.so");
+  await run([gxx, "-shared", "-pthread", "-o", lib, ...objects], dir);
+  return lib;
+}
+
+/** Hash of everything the build reads, so a changed kernel or fake rebuilds. */
+function sourcesHash(): string {
+  const h = createHash("sha256").update(JSON.stringify(kernelSpecs)).update(cxxFlags.join(" "));
+  const files = [...readdirSync(kernelsDir).map((f) => join(kernelsDir, f)), ...readdirSync(emuDir).map((f) => join(emuDir, f)),
+    join(fixtures, "fake-cuda.c"), join(fixtures, "fake-cublas.c")].sort();
+  for (const f of files) h.update(f).update(readFileSync(f));
+  return h.digest("hex").slice(0, 16);
+}
+
+interface Built {
+  emulator: string;
+  fakeCuda: string;
+  fakeCublas: string;
+}
+
+async function build(): Promise<Built> {
+  const dir = join(root, ".test-results", "emulated-cuda", sourcesHash());
+  const built: Built = { emulator: join(dir, "libemu.so"), fakeCuda: join(dir, "libfakecuda.so"), fakeCublas: join(dir, "libfakecublas.so") };
+  if (Object.values(built).every((p) => existsSync(p))) return built;
+  // build in a fresh folder and rename, so a concurrent or interrupted build leaves nothing half-written
+  const tmp = `${dir}.${process.pid}.tmp`;
+  rmSync(tmp, { recursive: true, force: true });
+  mkdirSync(tmp, { recursive: true });
+  const cc = (src: string, out: string) => run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-o", join(tmp, out), join(fixtures, src), "-ldl"], tmp);
+  await Promise.all([buildEmulator(tmp), cc("fake-cuda.c", "libfakecuda.so"), cc("fake-cublas.c", "libfakecublas.so")]);
+  rmSync(dir, { recursive: true, force: true });
+  renameSync(tmp, dir);
+  return built;
+}
+
+export type EmulatedCuda = { ok: true; backend: () => CudaBackend } | { ok: false; reason: string };
+
+let opened: Promise<EmulatedCuda> | undefined;
+
+/** The emulated CUDA backend (one per process), or why it cannot be had here. */
+export function emulatedCuda(): Promise<EmulatedCuda> {
+  opened ??= open();
+  return opened;
+}
+
+async function open(): Promise<EmulatedCuda> {
+  if (Bun.which("g++") === null || Bun.which("cc") === null) return { ok: false, reason: "g++ and cc are needed to build it" };
+  if (findNvcc() === null && !existsSync(join(root, "ffi", "cuda", "build"))) {
+    return { ok: false, reason: "the backend loads PTX at start and there is no nvcc to build it" };
+  }
+  const built = await build();
+  const control = dlopen(built.fakeCuda, { fake_use_emulator: { args: ["ptr"], returns: "i32" } });
+  if (control.symbols.fake_use_emulator(ptr(Buffer.from(`${built.emulator}\0`))) !== 0) {
+    return { ok: false, reason: `the fake driver could not load ${built.emulator}` };
+  }
+  const driver = new Driver(built.fakeCuda);
+  let backend: CudaBackend | undefined;
+  return { ok: true, backend: () => (backend ??= new CudaBackend({ driver, cublasPath: built.fakeCublas })) };
+}
+
+/** Every backend a parity suite should run on: the CPU, CUDA where a GPU is present, and
+ *  otherwise the CUDA backend emulated on the host (when it can be built). Prints one line for
+ *  what is skipped. */
+export async function parityBackends(): Promise<{ name: string; backend: () => Backend }[]> {
+  if (cudaSkipReason !== null) console.log(cudaSkipReason);
+  const emulated = cudaSkipReason === null ? null : await emulatedCuda();
+  if (emulated?.ok === false) console.log(`emulated CUDA backend skipped: ${emulated.reason}`);
+  return [...testBackends(), ...(emulated?.ok === true ? [{ name: "cuda (emulated on the host)", backend: emulated.backend }] : [])];
+}
