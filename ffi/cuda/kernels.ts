@@ -39,7 +39,6 @@ const reduceBcastParams = ["ptr", "ptr", ...i64x4, ...i64x4, ...i64x4, ...i64x4,
 
 export const kernelSpecs = {
   // elementwise.cu
-  mt_fill_f32: { module: "elementwise", params: ["ptr", "i64", "f32"] },
   mt_add_f32: { module: "elementwise", params: binary },
   mt_mul_f32: { module: "elementwise", params: binary },
   mt_axpy_f32: { module: "elementwise", params: ["ptr", "ptr", "i64", "f32"] },
@@ -323,7 +322,7 @@ function twoPass(partialKernel: KernelName, finalKernel: KernelName, scratch: Pt
 // ---- plans --------------------------------------------------------------------------------------
 
 type PlannedMethod =
-  | "fill" | "add" | "mul" | "axpy" | "scale" | "addScalarFrom" | "binaryBroadcast" | "reduceBroadcast"
+  | "add" | "mul" | "axpy" | "scale" | "addScalarFrom" | "binaryBroadcast" | "reduceBroadcast"
   | "biasAdd" | "biasBackward" | "reluForward" | "reluBackward" | "geluForward" | "geluBackward"
   | "dropoutForward" | "dropoutBackward" | "crossEntropyForward" | "crossEntropyBackward"
   | "layerNormForward" | "layerNormBackward" | "embeddingForward" | "embeddingBackward"
@@ -341,9 +340,6 @@ export type Plans = { readonly [M in PlannedMethod]: Plan<M> };
 
 export const plans = {
   // ---- elementwise ----
-  fill(dst: Ptr, n: number, value: number): Launch[] {
-    return elementwise("mt_fill_f32", n, [dst, n, value]);
-  },
   add(out: Ptr, a: Ptr, b: Ptr, n: number): Launch[] {
     return elementwise("mt_add_f32", n, [out, a, b, n]);
   },

@@ -20,7 +20,7 @@ import { NativeLibraryError } from "../../ffi/errors.ts";
 // ---- (c) the method list ------------------------------------------------------------------------
 
 const methods = [
-  "fill", "add", "mul", "axpy", "scale", "addScalarFrom", "binaryBroadcast", "reduceBroadcast",
+  "add", "mul", "axpy", "scale", "addScalarFrom", "binaryBroadcast", "reduceBroadcast",
   "biasAdd", "biasBackward", "reluForward", "reluBackward", "geluForward", "geluBackward",
   "dropoutForward", "dropoutBackward", "crossEntropyForward", "crossEntropyBackward",
   "layerNormForward", "layerNormBackward", "embeddingForward", "embeddingBackward",
@@ -218,7 +218,6 @@ const vocab: [number, number][] = [[1, 1], [1, 50_257], [8192, 50_257], [1_000_0
 const attention: [number, number][] = [[1, 1], [96, 4096], [1, 65_536], [4096, 4096], [48, 65_536]];
 
 const cases: { readonly [M in Method]: readonly Args[] } = {
-  fill: sizes.map((n) => [p, n, 1.5]),
   add: sizes.map((n) => [p, p, p, n]),
   mul: sizes.map((n) => [p, p, p, n]),
   axpy: sizes.map((n) => [p, p, n, -0.5]),
@@ -257,7 +256,7 @@ const cases: { readonly [M in Method]: readonly Args[] } = {
 
 /** The same methods with an empty input. */
 const emptyCases: { readonly [M in Method]: Args } = {
-  fill: [p, 0, 1], add: [p, p, p, 0], mul: [p, p, p, 0], axpy: [p, p, 0, 1], scale: [p, 0, 1],
+  add: [p, p, p, 0], mul: [p, p, p, 0], axpy: [p, p, 0, 1], scale: [p, 0, 1],
   addScalarFrom: [p, p, 1, 0],
   binaryBroadcast: ["add", p, p, p, [2, 0, 3, 4], [0, 0, 4, 1], [12, 12, 4, 1]],
   reduceBroadcast: [p, p, [2, 3, 0, 4], [0, 0, 0, 1]],

@@ -1,12 +1,6 @@
-// Elementwise f32 kernels: fill, add, mul, axpy, scale, addScalarFrom.
+// Elementwise f32 kernels: add, mul, axpy, scale, addScalarFrom (fill is the driver's cuMemsetD32Async).
 // n is an element count; 1D grid-stride loops, so any 1D grid works.
 #include "common.cuh"
-
-// dst (n) = value
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_fill_f32(float* dst, int64_t n, float value) {
-  for (int64_t i = thread_index(); i < n; i += thread_count()) dst[i] = value;
-}
 
 // out, a, b (n): out = a + b
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
