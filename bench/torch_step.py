@@ -90,10 +90,14 @@ def mlp_step_ms(precision, steps):
     model = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     scaler = torch.amp.GradScaler("cuda", enabled=precision == "f16")
-    x = torch.randn(256, 784, device=dev)
-    y = torch.randint(0, 10, (256,), device=dev)
+    # the batch comes from host memory every step, as meshtrain's does (pinned, as a
+    # DataLoader with pin_memory=True hands it over)
+    x_host = torch.randn(256, 784).pin_memory()
+    y_host = torch.randint(0, 10, (256,)).pin_memory()
 
     def step():
+        x = x_host.to(dev, non_blocking=True)
+        y = y_host.to(dev, non_blocking=True)
         opt.zero_grad(set_to_none=False)
         with autocast(precision):
             loss = F.cross_entropy(model(x).float(), y)
@@ -109,12 +113,18 @@ def gpt_step_ms(precision, steps, sdpa):
     dev = "cuda"
     V, T, B = 83, 64, 32
     model = Gpt(V, T, 4, 4, 128, sdpa).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    # weight decay on matrices and embeddings only, as meshtrain's parameter groups do
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
     scaler = torch.amp.GradScaler("cuda", enabled=precision == "f16")
-    idx = torch.randint(0, V, (B, T), device=dev)
-    tgt = torch.randint(0, V, (B, T), device=dev)
+    idx_host = torch.randint(0, V, (B, T)).pin_memory()
+    tgt_host = torch.randint(0, V, (B, T)).pin_memory()
 
     def step():
+        idx = idx_host.to(dev, non_blocking=True)
+        tgt = tgt_host.to(dev, non_blocking=True)
         opt.zero_grad(set_to_none=False)
         with autocast(precision):
             loss = model(idx, tgt)

@@ -8,8 +8,9 @@
 //         gradients.
 //   f16   as bf16, with f16 copies. f16's 5-bit exponent flushes small gradients to zero, so
 //         a training step with f16 scales the loss (engine/optim/loss-scale.ts).
-// Parameters stay f32 (fp32 master weights: the optimizer updates them in f32), and every op
-// that is not a GEMM (softmax, LayerNorm, the loss, attention's batched GEMMs) runs in f32.
+// Attention's batched GEMMs (engine/ops/attention.ts) follow the same rule. Parameters stay f32
+// (fp32 master weights: the optimizer updates them in f32), and every op that is not a GEMM
+// (softmax, LayerNorm, the loss) runs in f32.
 import type { DType } from "../ffi/backend.ts";
 import { ConfigError } from "./errors.ts";
 import type { Tensor } from "./tensor.ts";

@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
-# Packs what a lent GPU machine needs but cannot install (it has no network): Bun and the npm
-# packages the GPU checks use, xz-compressed into .device/carry.tar.xz (git-ignored, under the
-# device tool's 64 MiB carry limit). Run here, then on the device: bash scripts/device-check.sh
+# Packs what a lent GPU machine needs but cannot install (it has no network) into .device/
+# (git-ignored), under the device tool's 64 MiB carry limit:
+#   .device/carry.tar.xz  Bun and the npm packages the GPU checks use
+#   .device/lib/          Debian's OpenBLAS (OpenMP build) and its runtime libraries, for the
+#                         CPU backend the parity tests compare against (pip's numpy OpenBLAS
+#                         has other symbol names and cannot stand in)
+# Run here; then on the device (carry [".device"]): bash scripts/device-check.sh tests|train|bench
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p .device
+mkdir -p .device/lib
+arch=$(gcc -dumpmachine 2>/dev/null || echo x86_64-linux-gnu)
+for lib in "/usr/lib/$arch/openblas-openmp/libopenblas.so.0" "/usr/lib/$arch/libgfortran.so.5" "/usr/lib/$arch/libquadmath.so.0"; do
+  [ -e "$lib" ] && cp -L "$lib" .device/lib/
+done
+xz -9 -f -k .device/lib/*.so.* 2>/dev/null && rm -f .device/lib/*.so.? .device/lib/*.so.?? 2>/dev/null || true
 # typescript and the type packages are for tsc only; the GPU run needs none of them
 tar -cf - --exclude='node_modules/typescript' --exclude='node_modules/@typescript' --exclude='node_modules/bun-types' \
   --exclude='node_modules/@types' node_modules | xz -9 -T2 > .device/carry.tar.xz
-ls -la .device/carry.tar.xz
+du -ch .device/carry.tar.xz .device/lib/* | tail -n 1

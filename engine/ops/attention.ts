@@ -8,10 +8,23 @@
 //   att     (B*H,T,T) = causal softmax(preatt / sqrt(D)), zero above the diagonal
 //   y       (B*H,T,D) = att v                  batched GEMM
 //   out     (B,T,C)   = y with heads merged back
-import type { Dims4 } from "../../ffi/backend.ts";
+//
+// The batched GEMMs read what the context's precision says (engine/mixed.ts), as matmul's do:
+// tf32 passes the f32 buffers, bf16/f16 make one 2-byte copy of each operand (q, k, v and att
+// in the forward, dy and dpreatt in the backward) and accumulate in f32. Softmax stays f32.
+import type { Dims4, GemmInput, Ptr } from "../../ffi/backend.ts";
 import { ShapeError } from "../errors.ts";
-import type { Tensor } from "../tensor.ts";
+import { autocastDType, castCopy } from "../mixed.ts";
+import type { Context, Tensor } from "../tensor.ts";
 import { checkDType, checkInputs } from "./check.ts";
+
+/** What the batched GEMMs read under the context's current precision, and how an f32 operand
+ *  becomes that (itself, or a 2-byte arena copy). */
+function gemmOperands(ctx: Context): { input: GemmInput; operand: (t: Tensor) => Ptr } {
+  const half = autocastDType(ctx.precision);
+  if (half !== null) return { input: half, operand: (t) => castCopy(t, half).ptr };
+  return { input: ctx.precision === "tf32" ? "tf32" : "f32", operand: (t) => t.ptr };
+}
 
 export function causalSelfAttention(qkv: Tensor, nHead: number): Tensor {
   const ctx = checkInputs("causalSelfAttention", [qkv]);
@@ -39,31 +52,36 @@ export function causalSelfAttention(qkv: Tensor, nHead: number): Tensor {
   be.stridedCopy(q.ptr, headMajor, qkv.ptr, inQkv, dims, false);
   be.stridedCopy(k.ptr, headMajor, qkv.ptr + C * f, inQkv, dims, false);
   be.stridedCopy(v.ptr, headMajor, qkv.ptr + 2 * C * f, inQkv, dims, false);
+  const { input, operand } = gemmOperands(ctx);
+  const [qg, kg, vg] = [operand(q), operand(k), operand(v)];
   const preatt = ctx.empty([BH, T, T]);
-  be.gemmStridedBatched(false, true, T, T, D, 1, q.ptr, D, T * D, k.ptr, D, T * D, 0, preatt.ptr, T, T * T, BH);
+  be.gemmEx(input, false, true, T, T, D, 1, qg, D, T * D, kg, D, T * D, 0, preatt.ptr, T, T * T, BH);
   const att = ctx.empty([BH, T, T]);
   be.causalSoftmaxForward(att.ptr, preatt.ptr, BH, T, scale);
+  const attg = operand(att);
   const y = ctx.empty([BH, T, D]);
-  be.gemmStridedBatched(false, false, T, D, T, 1, att.ptr, T, T * T, v.ptr, D, T * D, 0, y.ptr, D, T * D, BH);
+  be.gemmEx(input, false, false, T, D, T, 1, attg, T, T * T, vg, D, T * D, 0, y.ptr, D, T * D, BH);
   const out = ctx.empty([B, T, C]);
   be.stridedCopy(out.ptr, inOut, y.ptr, headMajor, dims, false);
 
   ctx.record("causalSelfAttention", [qkv], out, () => {
     const dy = ctx.empty([BH, T, D]);
     be.stridedCopy(dy.ptr, headMajor, out.grad!.ptr, inOut, dims, false);
+    const dyg = operand(dy);
     // forward was: y = att v  =>  datt = dy v^T, dv = att^T dy
     const datt = ctx.empty([BH, T, T]);
-    be.gemmStridedBatched(false, true, T, T, D, 1, dy.ptr, D, T * D, v.ptr, D, T * D, 0, datt.ptr, T, T * T, BH);
+    be.gemmEx(input, false, true, T, T, D, 1, dyg, D, T * D, vg, D, T * D, 0, datt.ptr, T, T * T, BH);
     const dv = ctx.empty([BH, T, D]);
-    be.gemmStridedBatched(true, false, T, D, T, 1, att.ptr, T, T * T, dy.ptr, D, T * D, 0, dv.ptr, D, T * D, BH);
+    be.gemmEx(input, true, false, T, D, T, 1, attg, T, T * T, dyg, D, T * D, 0, dv.ptr, D, T * D, BH);
     // forward was: att = causal softmax(scale preatt)
     const dpreatt = ctx.zeros([BH, T, T]);
     be.causalSoftmaxBackward(dpreatt.ptr, att.ptr, datt.ptr, BH, T, scale);
+    const dpreattg = operand(dpreatt);
     // forward was: preatt = q k^T  =>  dq = dpreatt k, dk = dpreatt^T q
     const dq = ctx.empty([BH, T, D]);
-    be.gemmStridedBatched(false, false, T, D, T, 1, dpreatt.ptr, T, T * T, k.ptr, D, T * D, 0, dq.ptr, D, T * D, BH);
+    be.gemmEx(input, false, false, T, D, T, 1, dpreattg, T, T * T, kg, D, T * D, 0, dq.ptr, D, T * D, BH);
     const dk = ctx.empty([BH, T, D]);
-    be.gemmStridedBatched(true, false, T, D, T, 1, dpreatt.ptr, T, T * T, q.ptr, D, T * D, 0, dk.ptr, D, T * D, BH);
+    be.gemmEx(input, true, false, T, D, T, 1, dpreattg, T, T * T, qg, D, T * D, 0, dk.ptr, D, T * D, BH);
     const dqkv = qkv.ensureGrad().ptr;
     be.stridedCopy(dqkv, inQkv, dq.ptr, headMajor, dims, true);
     be.stridedCopy(dqkv + C * f, inQkv, dk.ptr, headMajor, dims, true);

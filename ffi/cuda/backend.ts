@@ -21,7 +21,7 @@ import { type KernelName, kernelSpecs, type Launch, plans, scratchBytes } from "
 
 export { probeCuda } from "./driver.ts";
 
-/** Kernel parameters per launch; the widest kernel has 17. */
+/** Kernel parameters per launch; the widest kernels (reduceBroadcast's) have 22. */
 const kernelArgsMax = 32;
 // Layout of the pinned host block: result slot, GEMM scalars, kernel argument values (8 bytes
 // each), then the array of pointers to them that cuLaunchKernel reads.

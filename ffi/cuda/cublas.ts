@@ -154,7 +154,9 @@ export class Cublas {
     for (const [name, v] of [["M", M], ["N", N], ["K", K], ["lda", lda], ["ldb", ldb], ["ldc", ldc], ["batch", batch]] as const) {
       if (!Number.isInteger(v) || v < 0 || v > int32Max) throw new RangeError(`gemm: ${name} = ${v} is outside cuBLAS's int range`);
     }
-    const g = rowMajorGemm(transA, transB, M, N, K, A, lda, strideA, B, ldb, strideB, C, ldc, strideC);
+    // cuBLAS wants every leading dimension >= 1, even where K = 0 leaves an operand empty
+    // (C = beta C then); our row-major callers pass ld = K for such operands
+    const g = rowMajorGemm(transA, transB, M, N, K, A, Math.max(1, lda), strideA, B, Math.max(1, ldb), strideB, C, ldc, strideC);
     const { dtype, compute } = inputTypes[input];
     this.#scalars[0] = alpha;
     this.#scalars[1] = beta;

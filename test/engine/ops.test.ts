@@ -480,5 +480,14 @@ describe.each(backends)("$name backend", ({ backend }) => {
       expect(relErr(got.grads[0]!, want.grads[0]!)).toBeLessThanOrEqual(tol);
       expect(relErr(got.grads[1]!, want.grads[1]!)).toBeLessThanOrEqual(tol);
     });
+    test("attention B=2 T=17 C=24 H=3", () => {
+      const rng = new Rng(43);
+      const c = attentionCase(rng, 2, 17, 24, 3);
+      const dout = f64(f32(randn(rng, 2 * 17 * 24)));
+      const got = runCase(c, newContext().backend, dout, precision);
+      const want = runCase(c, cpu(), dout, "f32");
+      expect(relErr(got.out, want.out)).toBeLessThanOrEqual(tol);
+      expect(relErr(got.grads[0]!, want.grads[0]!)).toBeLessThanOrEqual(tol);
+    });
   });
 });
