@@ -22,14 +22,12 @@
 // real-GPU parity suite in test/engine/ops.test.ts covers those on a machine with a GPU.
 import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
 import { dlopen, ptr } from "bun:ffi";
-import { mkdtempSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { Allocation, BinaryOp, Dims4, Ptr } from "../../ffi/backend.ts";
 import { kernelSpecs, type KernelName, type Launch, plans, scratchBytes } from "../../ffi/cuda/kernels.ts";
 import { Rng } from "../../engine/rng.ts";
 import { cpu, relErr } from "../helpers/numeric.ts";
-import { buildEmulator } from "../helpers/emulated-cuda.ts";
+import { emulatorLibrary } from "../helpers/emulated-cuda.ts";
 
 /** g++ on 2 busy cores: the build compiles ten kernel modules */
 const buildTimeoutMs = 120_000;
@@ -43,7 +41,6 @@ type Method = keyof typeof plans;
 
 interface Emulator {
   launch(name: Uint8Array, grid: number, bx: number, by: number, bz: number, slots: BigUint64Array, gridCap: number): number;
-  close(): void;
 }
 
 function openEmulator(path: string): Emulator {
@@ -53,7 +50,6 @@ function openEmulator(path: string): Emulator {
   return {
     launch: (name, grid, bx, by, bz, slots, gridCap) =>
       lib.symbols.emu_launch(ptr(name), grid, bx, by, bz, ptr(slots), gridCap),
-    close: () => lib.close(),
   };
 }
 
@@ -207,19 +203,17 @@ function ints(n: number, limit: number): Int32Array {
 // ---- the suite -----------------------------------------------------------------------------------
 
 describe.skipIf(gxx === null)("CUDA kernels under host emulation match the CPU backend", () => {
-  let buildDir = "";
   beforeAll(async () => {
-    buildDir = mkdtempSync(join(tmpdir(), "meshtrain-cuda-emu-"));
-    emulator = openEmulator(await buildEmulator(buildDir));
+    emulator = openEmulator(await emulatorLibrary());
     scratch = be.alloc(scratchBytes);
   }, buildTimeoutMs);
   afterEach(() => {
     for (const a of live.splice(0)) be.free(a);
   });
   afterAll(() => {
-    emulator?.close();
+    // the emulator stays loaded: its worker threads live until the process exits, and
+    // unmapping their code under them (dlclose) crashes the process
     if (scratch !== undefined) be.free(scratch);
-    if (buildDir !== "") rmSync(buildDir, { recursive: true, force: true });
   });
 
   describe.each(gridModes)("$name", ({ gridCap: cap }) => {

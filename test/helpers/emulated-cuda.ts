@@ -96,6 +96,11 @@ async function build(): Promise<Built> {
   return built;
 }
 
+/** The emulator library (libemu.so), built once into .test-results like the rest. */
+export async function emulatorLibrary(): Promise<string> {
+  return (await build()).emulator;
+}
+
 export type EmulatedCuda = { ok: true; backend: () => CudaBackend } | { ok: false; reason: string };
 
 let opened: Promise<EmulatedCuda> | undefined;
