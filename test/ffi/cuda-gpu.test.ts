@@ -9,11 +9,11 @@ import { cudaSkipReason } from "../helpers/numeric.ts";
 
 if (cudaSkipReason !== null) console.log(cudaSkipReason);
 
-describe.skipIf(cudaSkipReason !== null)("CUDA backend on the GPU", () => {
-  let be: CudaBackend | undefined;
-  const backend = () => (be ??= new CudaBackend());
-  afterAll(() => be?.dispose());
+let be: CudaBackend | undefined;
+const backend = () => (be ??= new CudaBackend());
+afterAll(() => be?.dispose());
 
+describe.skipIf(cudaSkipReason !== null)("CUDA backend on the GPU", () => {
   test("upload, copy, zero, fill and download move exactly the bytes asked, at any offset", () => {
     const b = backend();
     const n = (5 << 20) + 3; // past the first staging buffer, odd length
