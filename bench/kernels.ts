@@ -1,12 +1,16 @@
-// Kernel benchmark: every memory-bound kernel of the CPU backend at a size well beyond the
-// caches, reported as achieved GB/s (bytes each call must read + write) against memcpy's
-// rate over the same byte count, measured in the same run and interleaved with it.
+// Kernel benchmark: every memory-bound kernel of a backend at a size well beyond the caches,
+// reported as achieved GB/s (bytes each call must read + write) against the backend's own copy
+// (a parallel memcpy on the CPU, cuMemcpyDtoD on CUDA) over the same byte count, measured in
+// the same run and interleaved with it. On CUDA it also prints the host-side cost of one
+// kernel call (our argument marshalling + cuLaunchKernel), the floor of a small op's time.
 //
-//   bun run bench kernels [--elems N] [--reps N] [--json-only]
+//   bun run bench kernels [--device auto|cpu|cuda] [--elems N] [--reps N] [--json-only]
 import type { Backend, Ptr } from "../ffi/backend.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { median, printTable, round } from "./table.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
+import { deviceChoices, type DeviceChoice, openBackend } from "../ffi/select.ts";
+import { ConfigError } from "../engine/errors.ts";
 import { Rng } from "../engine/rng.ts";
 
 export interface KernelBenchResult {
@@ -79,11 +83,14 @@ export function runKernelBench(argv: string[]): KernelBenchResult[] {
     elems: { type: "string", default: String(1 << 23) },
     reps: { type: "string", default: "15" },
     "json-only": { type: "boolean", default: false },
+    device: { type: "string", default: "auto" },
   });
+  const device = values.device as DeviceChoice;
+  if (!deviceChoices.includes(device)) throw new ConfigError(`--device must be one of ${deviceChoices.join(", ")}, got ${values.device}`);
   // a multiple of 2^18 keeps every derived shape whole: (n/256/256, 256, 256), (n/1024, 1024), ...
   const n = positiveInt("elems", values.elems, 1 << 18);
   const reps = positiveInt("reps", values.reps);
-  const be = new CpuBackend();
+  const { backend: be, why } = openBackend(device);
   const rng = new Rng(1);
   const allocations: Ptr[] = [];
   const buf = (elems: number) => {
@@ -109,26 +116,45 @@ export function runKernelBench(argv: string[]): KernelBenchResult[] {
     c.run();
     be.copy(dst.ptr, src.ptr, copyBytes);
     for (let r = 0; r < reps; r++) {
-      let t = performance.now();
-      c.run();
-      kernelMs.push(performance.now() - t);
-      t = performance.now();
-      be.copy(dst.ptr, src.ptr, copyBytes);
-      copyMs.push(performance.now() - t);
+      kernelMs.push(timed(be, c.run));
+      copyMs.push(timed(be, () => be.copy(dst.ptr, src.ptr, copyBytes)));
     }
     const ms = median(kernelMs);
     const gbps = c.bytes / ms / 1e6;
     const copyGbps = (2 * copyBytes) / median(copyMs) / 1e6;
     rows.push({ kernel: c.name, bytes_per_call: c.bytes, ms: round(ms, 3), gb_per_s: round(gbps, 1), memcpy_gb_per_s: round(copyGbps, 1), ratio: round(gbps / copyGbps, 2) });
   }
+  const launchUs = be.name === "cpu" ? null : launchOverheadUs(be, buf(1));
   if (!values["json-only"]) {
-    console.log(`kernel benchmark: CPU backend, ${be.threads} threads, ${n} f32 elements per tensor, median of ${reps}; ` +
-      "ratio = achieved GB/s / memcpy GB/s on the same bytes");
+    const threads = be instanceof CpuBackend ? `, ${be.threads} threads` : "";
+    console.log(`kernel benchmark: ${why}${threads}, ${n} f32 elements per tensor, median of ${reps}; ` +
+      "ratio = achieved GB/s / the backend's copy GB/s on the same bytes");
     printTable(rows, ["kernel", "bytes_per_call", "ms", "gb_per_s", "memcpy_gb_per_s", "ratio"]);
+    if (launchUs !== null) console.log(`host cost of one kernel call (add of 1 element, 10000 calls queued): ${round(launchUs, 2)} us`);
   }
-  console.log(JSON.stringify({ bench: "kernels", elems: n, results: rows }));
+  console.log(JSON.stringify({ bench: "kernels", device: be.name, elems: n, results: rows, ...(launchUs === null ? {} : { launch_us: round(launchUs, 3) }) }));
   be.dispose();
   return rows;
+}
+
+/** ms of fn, from an idle device to an idle device (a GPU backend queues work) */
+function timed(be: Backend, fn: () => void): number {
+  be.synchronize();
+  const t = performance.now();
+  fn();
+  be.synchronize();
+  return performance.now() - t;
+}
+
+/** Microseconds the host spends per kernel call: many tiny launches queued back to back. */
+function launchOverheadUs(be: Backend, x: Ptr): number {
+  const calls = 10_000;
+  be.synchronize();
+  const t = performance.now();
+  for (let i = 0; i < calls; i++) be.add(x, x, x, 1);
+  const hostMs = performance.now() - t;
+  be.synchronize();
+  return (hostMs * 1000) / calls;
 }
 
 if (import.meta.main) runKernelBench(process.argv.slice(2));

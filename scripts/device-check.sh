@@ -4,7 +4,8 @@
 # and builds the PTX kernels and the NCCL shim, then runs one phase (each fits a 10-minute call):
 #   tests  the CUDA, cuBLAS and NCCL tests and the op parity and mixed-precision suites on the GPU
 #   train  MNIST on the GPU (target >= 98.0% test accuracy), then the GPT for 2000 steps in bf16
-#   bench  the engine benchmark on CUDA against PyTorch eager, f32 then bf16
+#   bench  the engine benchmark on CUDA against PyTorch eager (f32, then bf16), and every
+#          kernel's GB/s against cuMemcpyDtoD with the host cost of one kernel call
 # Logs go to stdout and to $OUT (the device tool's folder) when set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +39,7 @@ case "$phase" in
     run bun sdk/cli.ts train gpt --device cuda --precision bf16 --max-steps 2000 --out "$out/gpt.mtm" ;;
   bench)
     run bun bench/index.ts engine --device cuda --precision f32 --steps 50
-    run bun bench/index.ts engine --device cuda --precision bf16 --steps 50 ;;
+    run bun bench/index.ts engine --device cuda --precision bf16 --steps 50
+    run bun bench/index.ts kernels --device cuda --elems 33554432 ;;
   *) echo "usage: scripts/device-check.sh tests|train|bench"; exit 2 ;;
 esac

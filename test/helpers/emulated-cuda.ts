@@ -93,6 +93,9 @@ async function build(): Promise<Built> {
   await Promise.all([buildEmulator(tmp), cc("fake-cuda.c", "libfakecuda.so"), cc("fake-cublas.c", "libfakecublas.so")]);
   rmSync(dir, { recursive: true, force: true });
   renameSync(tmp, dir);
+  // builds of earlier sources are of no further use
+  const parent = join(dir, "..");
+  for (const old of readdirSync(parent)) if (join(parent, old) !== dir && !old.endsWith(".tmp")) rmSync(join(parent, old), { recursive: true, force: true });
   return built;
 }
 
