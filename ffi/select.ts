@@ -26,6 +26,16 @@ export function openBackend(choice: DeviceChoice, log: (line: string) => void = 
   return opened(new CpuBackend(), `device: cpu, picked by auto (no CUDA: ${probe.reason})`, log);
 }
 
+/** Run fn on the chosen backend and dispose of it afterwards, whatever happens. */
+export function withBackend<T>(choice: DeviceChoice, log: ((line: string) => void) | undefined, fn: (backend: Backend) => T): T {
+  const { backend } = openBackend(choice, log);
+  try {
+    return fn(backend);
+  } finally {
+    backend.dispose();
+  }
+}
+
 function opened(backend: Backend, why: string, log: (line: string) => void): OpenedBackend {
   log(why);
   return { backend, why };

@@ -1,6 +1,6 @@
 // Sample text from a trained character-level GPT model file.
 import type { Backend } from "../../ffi/backend.ts";
-import { type DeviceChoice, openBackend } from "../../ffi/select.ts";
+import { type DeviceChoice, withBackend } from "../../ffi/select.ts";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { CharVocab } from "../../engine/data/text.ts";
 import { loadSlabInto, readModelFile } from "../../engine/modelfile.ts";
@@ -22,12 +22,7 @@ export interface SampleOptions {
 }
 
 export function runSample(o: SampleOptions): string {
-  const { backend } = openBackend(o.device, o.log);
-  try {
-    return sample(o, backend);
-  } finally {
-    backend.dispose();
-  }
+  return withBackend(o.device, o.log, (backend) => sample(o, backend));
 }
 
 function sample(o: SampleOptions, backend: Backend): string {

@@ -4,7 +4,7 @@
 import { existsSync, mkdirSync, readFileSync } from "node:fs";
 import { dirname, join } from "node:path";
 import type { Backend } from "../../ffi/backend.ts";
-import { type DeviceChoice, openBackend } from "../../ffi/select.ts";
+import { type DeviceChoice, withBackend } from "../../ffi/select.ts";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts";
 import { readTokenFile, splitTokens, TokenBatcher } from "../../engine/data/tokens.ts";
@@ -114,12 +114,7 @@ export interface GptRunResult {
 }
 
 export function runGpt(o: GptRunOptions): GptRunResult {
-  const { backend } = openBackend(o.device, (why) => console.log(why));
-  try {
-    return trainGpt(o, backend);
-  } finally {
-    backend.dispose();
-  }
+  return withBackend(o.device, (why) => console.log(why), (backend) => trainGpt(o, backend));
 }
 
 function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {

@@ -2,7 +2,7 @@
 import { mkdirSync } from "node:fs";
 import { dirname } from "node:path";
 import type { Backend } from "../../ffi/backend.ts";
-import { type DeviceChoice, openBackend } from "../../ffi/select.ts";
+import { type DeviceChoice, withBackend } from "../../ffi/select.ts";
 import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { trainValSplit } from "../../engine/data/sampler.ts";
@@ -80,12 +80,7 @@ export function makeOptimizer(ctx: Context, model: MlpModel, o: MlpRunOptions): 
 }
 
 export function runMlp(o: MlpRunOptions): MlpRunResult {
-  const { backend } = openBackend(o.device, (why) => console.log(why));
-  try {
-    return trainMlp(o, backend);
-  } finally {
-    backend.dispose();
-  }
+  return withBackend(o.device, (why) => console.log(why), (backend) => trainMlp(o, backend));
 }
 
 function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
