@@ -17,6 +17,9 @@ export interface RawDeviceMemory {
   /** null when the device is out of memory; other failures throw */
   alloc(bytes: number): Ptr | null;
   free(ptr: Ptr): void;
+  /** wait for all queued work: called before cached blocks go back to the device, since
+   *  kernels still queued may use them (a block is cached as soon as the engine frees it) */
+  synchronize(): void;
 }
 
 export const smallBlockBytesMax = 1 << 20;
@@ -99,6 +102,8 @@ export class CachingAllocator {
 
   /** Give every cached block back to the device. */
   emptyCache(): void {
+    if (this.#free.length === 0) return;
+    this.#raw.synchronize();
     for (const b of this.#free) {
       this.#raw.free(b.ptr);
       this.#rawFreeCount++;
@@ -109,6 +114,7 @@ export class CachingAllocator {
 
   /** Free everything, live blocks included (backend dispose). */
   releaseAll(): void {
+    this.#raw.synchronize();
     for (const ptr of this.#live.keys()) {
       this.#raw.free(ptr);
       this.#rawFreeCount++;

@@ -84,7 +84,9 @@ export class CudaBackend implements Backend {
     this.#context = d.primaryContextRetain(this.#device);
     d.setCurrentContext(this.#context);
     this.#stream = d.streamCreate();
-    this.#allocator = new CachingAllocator({ alloc: (b) => d.memAlloc(b), free: (p) => d.memFree(p) }, this.name);
+    this.#allocator = new CachingAllocator({
+      alloc: (b) => d.memAlloc(b), free: (p) => d.memFree(p), synchronize: () => d.streamSynchronize(this.#stream),
+    }, this.name);
     this.#host = d.memAllocHost(hostBlockBytes);
     const host = hostBytes(this.#host, hostBlockBytes);
     this.#args = new DataView(host, argValuesOffset, 8 * kernelArgsMax);
@@ -139,7 +141,6 @@ export class CudaBackend implements Backend {
 
   /** Give cached device memory back to the driver. */
   emptyCache(): void {
-    this.synchronize();
     this.#allocator.emptyCache();
   }
 

@@ -9,10 +9,14 @@ function fakeDevice(capacity: number) {
   let next = 0x10000;
   let used = 0;
   const live = new Map<number, number>();
-  const raw: RawDeviceMemory & { used: () => number; allocs: number; frees: number } = {
+  const raw: RawDeviceMemory & { used: () => number; allocs: number; frees: number; syncs: number } = {
     allocs: 0,
     frees: 0,
+    syncs: 0,
     used: () => used,
+    synchronize() {
+      raw.syncs++;
+    },
     alloc(bytes) {
       if (used + bytes > capacity) return null;
       const ptr = next;
@@ -73,6 +77,7 @@ describe("CachingAllocator", () => {
     a.free(x.ptr); // 6 MiB cached, 4 MiB left on the device
     const y = a.alloc(8 << 20); // fits only once the cache is given back
     expect(dev.frees).toBe(1);
+    expect(dev.syncs).toBe(1); // queued kernels may still use the cached block: wait first
     expect(a.stats.cachedBytes).toBe(0);
     expect(() => a.alloc(4 << 20)).toThrow(OutOfMemoryError);
     a.free(y.ptr);
