@@ -15,15 +15,18 @@ export interface OpenedBackend {
   why: string;
 }
 
-export function openBackend(choice: DeviceChoice, log: (line: string) => void = () => {}): OpenedBackend {
+/**
+ * `slot` spreads processes over the GPUs of a host: a trainer passes its rank and gets GPU
+ * rank mod (GPU count). Single-process commands use GPU 0.
+ */
+export function openBackend(choice: DeviceChoice, log: (line: string) => void = () => {}, slot = 0): OpenedBackend {
   if (choice === "cpu") return opened(new CpuBackend(), "device: cpu (asked for)", log);
   const probe = probeCuda();
-  if (choice === "cuda") {
-    if (!probe.ok) throw new NativeLibraryError(`--device cuda: ${probe.reason}`);
-    return opened(new CudaBackend({ device: 0 }), `device: cuda (${probe.reason})`, log);
-  }
-  if (probe.ok) return opened(new CudaBackend({ device: 0 }), `device: cuda, picked by auto (${probe.reason})`, log);
-  return opened(new CpuBackend(), `device: cpu, picked by auto (no CUDA: ${probe.reason})`, log);
+  if (choice === "cuda" && !probe.ok) throw new NativeLibraryError(`--device cuda: ${probe.reason}`);
+  if (!probe.ok) return opened(new CpuBackend(), `device: cpu, picked by auto (no CUDA: ${probe.reason})`, log);
+  const ordinal = slot % probe.deviceCount;
+  const how = choice === "auto" ? ", picked by auto" : "";
+  return opened(new CudaBackend({ device: ordinal }), `device: cuda:${ordinal}${how} (${probe.reason})`, log);
 }
 
 /** Run fn on the chosen backend and dispose of it afterwards, whatever happens. */

@@ -372,6 +372,8 @@ export function driver(): Driver {
 
 export interface CudaProbe {
   ok: boolean;
+  /** devices the driver reports (0 when not ok) */
+  deviceCount: number;
   /** what was found ("NVIDIA H100 80GB HBM3, compute 9.0, driver 13.0") or why not */
   reason: string;
 }
@@ -382,16 +384,16 @@ export function probeCuda(load: () => Driver = driver): CudaProbe {
   try {
     const d = load();
     const count = d.deviceCount();
-    if (count === 0) return { ok: false, reason: "the CUDA driver reports no device" };
+    if (count === 0) return { ok: false, deviceCount: 0, reason: "the CUDA driver reports no device" };
     const dev = d.device(0);
     const major = d.deviceAttribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
     const minor = d.deviceAttribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
     const v = d.driverVersion();
     const plural = count === 1 ? "" : ` (device 0 of ${count})`;
-    return { ok: true, reason: `${d.deviceName(dev)}${plural}, compute ${major}.${minor}, driver ${Math.floor(v / 1000)}.${(v % 1000) / 10}` };
+    return { ok: true, deviceCount: count, reason: `${d.deviceName(dev)}${plural}, compute ${major}.${minor}, driver ${Math.floor(v / 1000)}.${(v % 1000) / 10}` };
   } catch (e) {
-    if (e instanceof CudaError && e.code === CUDA_ERROR_NO_DEVICE) return { ok: false, reason: "the CUDA driver finds no device (CUDA_ERROR_NO_DEVICE)" };
-    if (e instanceof NativeLibraryError) return { ok: false, reason: `no CUDA driver (libcuda.so.1 not loadable: ${driverInstallHint})` };
-    return { ok: false, reason: (e as Error).message };
+    if (e instanceof CudaError && e.code === CUDA_ERROR_NO_DEVICE) return { ok: false, deviceCount: 0, reason: "the CUDA driver finds no device (CUDA_ERROR_NO_DEVICE)" };
+    if (e instanceof NativeLibraryError) return { ok: false, deviceCount: 0, reason: `no CUDA driver (libcuda.so.1 not loadable: ${driverInstallHint})` };
+    return { ok: false, deviceCount: 0, reason: (e as Error).message };
   }
 }

@@ -28,7 +28,7 @@ await runService<Config>({
   metadata: (c) => ({ rank: String(c.rank) }),
   logFields: (c) => ({ rank: c.rank }),
   async start({ config, log, bus }) {
-    const { backend } = openBackend(config.device, (why) => log.info({ device: config.device }, why));
+    const { backend } = openBackend(config.device, (why) => log.info({ device: config.device }, why), config.rank);
     const trainer = new Trainer(bus, config.rank, backend, log, config.payloadBytesMax);
     const watch = await followJobs(bus.nc, log, trainer);
     return {

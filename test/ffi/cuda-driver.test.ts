@@ -64,15 +64,18 @@ beforeEach(() => fake.fake_reset());
 
 describe("driver binding", () => {
   test("probe names the device, its compute capability and the driver version", () => {
-    expect(probeCuda(() => driver)).toEqual({ ok: true, reason: "Fake GPU, compute 9.0, driver 13.0" });
+    expect(probeCuda(() => driver)).toEqual({ ok: true, deviceCount: 1, reason: "Fake GPU, compute 9.0, driver 13.0" });
+    fake.fake_set_device_count(4);
+    expect(probeCuda(() => driver)).toEqual({ ok: true, deviceCount: 4, reason: "Fake GPU (device 0 of 4), compute 9.0, driver 13.0" });
   });
 
   test("no device: the probe says so instead of throwing", () => {
     fake.fake_set_device_count(0);
-    expect(probeCuda(() => driver)).toEqual({ ok: false, reason: "the CUDA driver reports no device" });
+    expect(probeCuda(() => driver)).toEqual({ ok: false, deviceCount: 0, reason: "the CUDA driver reports no device" });
     fake.fake_reset();
     failNext("cuInit", 100);
-    expect(probeCuda(() => { driver.init(); return driver; })).toEqual({ ok: false, reason: "the CUDA driver finds no device (CUDA_ERROR_NO_DEVICE)" });
+    expect(probeCuda(() => { driver.init(); return driver; })).toEqual({ ok: false, deviceCount: 0,
+      reason: "the CUDA driver finds no device (CUDA_ERROR_NO_DEVICE)" });
   });
 
   test("no driver library: the probe names what is missing", () => {
