@@ -1,7 +1,7 @@
 #!/usr/bin/env node
 // Set-up that the two README commands run first. Plain Node (>= 20), no dependencies, so it
 // works on a fresh Debian machine before `npm ci`:
-//   1. Debian packages: OpenBLAS (OpenMP build), a C compiler, nats-server and flatc. Installed with apt-get when
+//   1. Debian packages: OpenBLAS (OpenMP build), C and C++ compilers, nats-server and flatc. Installed with apt-get when
 //      running as root; otherwise the exact command is printed and set-up goes on.
 //   2. npm packages (Bun among them): `npm ci` when node_modules is missing or older than
 //      package-lock.json.
@@ -38,6 +38,8 @@ const needs = [
       `/usr/lib/${multiarch}/libopenblas.so.0`].some((p) => existsSync(p)) || Boolean(process.env.MESHTRAIN_OPENBLAS),
   },
   { what: "a C compiler", pkg: "gcc", ok: () => which(process.env.CC || "cc") || which("gcc") || which("clang") },
+  // the tests run the CUDA kernels on a host emulator compiled as C++ (test/ffi/fixtures/cuda-emu)
+  { what: "a C++ compiler", pkg: "g++", ok: () => which("g++") },
   // the mesh: a local nats-server for the launcher and the tests, flatc for `bun run schemas`
   { what: "nats-server", pkg: "nats-server", ok: () => which("nats-server") || Boolean(process.env.MESHTRAIN_NATS_SERVER) },
   { what: "the FlatBuffers compiler", pkg: "flatbuffers-compiler", ok: () => which("flatc") },
