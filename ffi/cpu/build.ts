@@ -9,6 +9,7 @@ import { NativeLibraryError } from "../errors.ts";
 
 const here = import.meta.dir;
 export const kernelSourcePath = join(here, "kernels.c");
+export const numericsHeaderPath = join(here, "..", "numerics.h");
 const buildDir = join(here, "build");
 const libraryPath = join(buildDir, "libmtkernels.so");
 const stampPath = join(buildDir, "libmtkernels.stamp");
@@ -67,7 +68,8 @@ function compileFlags(): string[] {
 /** Path of the compiled kernel library, compiling it first if it is missing or stale. */
 export function ensureKernelLibrary(log: (line: string) => void = () => {}): { kernels: string; openblas: string } {
   const openblas = findOpenBLAS();
-  const source = readFileSync(kernelSourcePath);
+  // kernels.c and the header it shares with the CUDA kernels
+  const source = Buffer.concat([readFileSync(kernelSourcePath), readFileSync(numericsHeaderPath)]);
   const flags = compileFlags();
   const stamp = createHash("sha256").update(source).update(flags.join(" ")).update(openblas).digest("hex");
   if (existsSync(libraryPath) && existsSync(stampPath) && readFileSync(stampPath, "utf8") === stamp) {

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "../numerics.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -282,32 +283,22 @@ void mt_gelu_backward_f32(float* dinp, const float* inp, const float* dout, int6
 }
 
 // ---------------------------------------------------------------------------------------------
-// dropout: a counter-based hash decides each element, so backward recomputes the mask from
-// (seed, index) and no mask is stored. The same hash is in engine/ops/dropout.ts (reference).
+// dropout: a counter-based hash decides each element (mt_dropout_uniform, ffi/numerics.h), so
+// backward recomputes the mask from (seed, index) and no mask is stored.
 // ---------------------------------------------------------------------------------------------
 
-static inline uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-// uniform in [0,1) with 24 bits, exactly representable in float32
-static inline float dropout_uniform(uint64_t seed, int64_t i) {
-  return (float)(splitmix64(seed ^ ((uint64_t)i * 0xD1B54A32D192ED03ull)) >> 40) * (1.0f / 16777216.0f);
-}
 // out, inp (n); keep with probability 1-p, scale kept values by 1/(1-p)
 void mt_dropout_forward_f32(float* out, const float* inp, int64_t n, float p, uint64_t seed) {
   const float scale = 1.0f / (1.0f - p);
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-  for (int64_t i = 0; i < n; i++) out[i] = dropout_uniform(seed, i) >= p ? inp[i] * scale : 0.0f;
+  for (int64_t i = 0; i < n; i++) out[i] = mt_dropout_uniform(seed, i) >= p ? inp[i] * scale : 0.0f;
 }
 // forward was: out[i] = keep(i) ? inp[i] / (1-p) : 0
 void mt_dropout_backward_f32(float* dinp, const float* dout, int64_t n, float p, uint64_t seed) {
   const float scale = 1.0f / (1.0f - p);
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
   for (int64_t i = 0; i < n; i++)
-    if (dropout_uniform(seed, i) >= p) dinp[i] += dout[i] * scale;
+    if (mt_dropout_uniform(seed, i) >= p) dinp[i] += dout[i] * scale;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -648,68 +639,20 @@ void mt_adamw_step_f32(float* param, const float* grad, float* m, float* v, int6
 }
 
 // ---------------------------------------------------------------------------------------------
-// casts (round to nearest even; NaN stays NaN)
+// casts (round to nearest even; NaN stays NaN): the element conversions are in ffi/numerics.h
 // ---------------------------------------------------------------------------------------------
-
-static inline uint32_t f32_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return u;
-}
-static inline float bits_f32(uint32_t u) {
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
 
 void mt_f32_to_bf16(uint16_t* out, const float* inp, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-  for (int64_t i = 0; i < n; i++) {
-    const uint32_t u = f32_bits(inp[i]);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-      out[i] = (uint16_t)((u >> 16) | 0x40u);  // quiet NaN
-    } else {
-      out[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
-  }
+  for (int64_t i = 0; i < n; i++) out[i] = mt_f32_to_bf16_bits(inp[i]);
 }
 void mt_bf16_to_f32(float* out, const uint16_t* inp, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-  for (int64_t i = 0; i < n; i++) out[i] = bits_f32((uint32_t)inp[i] << 16);
+  for (int64_t i = 0; i < n; i++) out[i] = mt_bits_f32((uint32_t)inp[i] << 16);
 }
 
-static inline uint16_t f32_to_f16_bits(float f) {
-  const uint32_t u = f32_bits(f);
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  const uint32_t absu = u & 0x7fffffffu;
-  if (absu > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  // NaN
-  if (absu >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // overflow (>= 65520) -> inf
-  if (absu < 0x38800000u) {
-    // subnormal half (or zero): value = mant * 2^-24; round |f| * 2^24 to nearest even
-    if (absu < 0x33000000u) return (uint16_t)sign;  // < 2^-25: rounds to zero
-    const uint32_t e = absu >> 23;                  // 102..112
-    const uint32_t mant = (absu & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126u - e;  // 14..24
-    uint32_t h = mant >> shift;
-    const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-    if (rem > half || (rem == half && (h & 1u))) h++;
-    return (uint16_t)(sign | h);
-  }
-  // normal: rebias exponent 127 -> 15, round the 13 dropped mantissa bits to nearest even
-  uint32_t h = ((absu - 0x38000000u) >> 13);
-  const uint32_t rem = absu & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
-  return (uint16_t)(sign | h);
-}
-static inline float f16_bits_to_f32(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0) return bits_f32(sign) + (sign ? -1.0f : 1.0f) * (float)m * 5.9604644775390625e-8f;  // m * 2^-24
-  if (e == 31) return bits_f32(sign | 0x7f800000u | (m << 13));
-  return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
-}
 // With F16C (x86 since 2012) the hardware converts 8 at a time with the same IEEE rounding
-// (round to nearest even, subnormals kept); the portable bit-twiddling versions above cover the
+// (round to nearest even, subnormals kept); the portable bit-twiddling versions (ffi/numerics.h) cover the
 // tails and other machines. Both agree bit for bit (tested against Float16Array).
 #ifdef __F16C__
 #include <immintrin.h>
@@ -725,7 +668,7 @@ void mt_f32_to_f16(uint16_t* out, const float* inp, int64_t n) {
       _mm_storeu_si128((__m128i*)(out + i), h);
     }
 #endif
-    for (; i < end; i++) out[i] = f32_to_f16_bits(inp[i]);
+    for (; i < end; i++) out[i] = mt_f32_to_f16_bits(inp[i]);
   }
 }
 void mt_f16_to_f32(float* out, const uint16_t* inp, int64_t n) {
@@ -736,6 +679,6 @@ void mt_f16_to_f32(float* out, const uint16_t* inp, int64_t n) {
 #ifdef __F16C__
     for (; i + 8 <= end; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(inp + i))));
 #endif
-    for (; i < end; i++) out[i] = f16_bits_to_f32(inp[i]);
+    for (; i < end; i++) out[i] = mt_f16_bits_to_f32(inp[i]);
   }
 }

@@ -9,6 +9,9 @@ import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, w
 import { join } from "node:path";
 import { NativeLibraryError } from "../errors.ts";
 
+/** element functions shared with the CPU kernels (ffi/numerics.h), included by some modules */
+const numericsHeaderPath = join(import.meta.dir, "..", "numerics.h");
+
 const here = import.meta.dir;
 export const kernelSourceDir = join(here, "kernels");
 const buildDir = join(here, "build");
@@ -70,6 +73,8 @@ function sourceHash(module: string): string {
   const hash = createHash("sha256").update(readFileSync(join(kernelSourceDir, `${module}.cu`)));
   const headers = readdirSync(kernelSourceDir).filter((f) => f.endsWith(".cuh")).sort();
   for (const h of headers) hash.update(h).update(readFileSync(join(kernelSourceDir, h)));
+  // the element functions shared with the CPU kernels
+  hash.update(readFileSync(numericsHeaderPath));
   return hash.digest("hex");
 }
 

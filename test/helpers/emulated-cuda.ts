@@ -70,7 +70,7 @@ export async function buildEmulator(dir: string): Promise<string> {
 function sourcesHash(): string {
   const h = createHash("sha256").update(JSON.stringify(kernelSpecs)).update(cxxFlags.join(" "));
   const files = [...readdirSync(kernelsDir).map((f) => join(kernelsDir, f)), ...readdirSync(emuDir).map((f) => join(emuDir, f)),
-    join(fixtures, "fake-cuda.c"), join(fixtures, "fake-cublas.c")].sort();
+    join(fixtures, "fake-cuda.c"), join(fixtures, "fake-cublas.c"), join(root, "ffi", "numerics.h")].sort();
   for (const f of files) h.update(f).update(readFileSync(f));
   return h.digest("hex").slice(0, 16);
 }

@@ -1,5 +1,6 @@
 // Bias, activations and dropout (f32). N rows, C channels; n is an element count.
 #include "common.cuh"
+#include "../../numerics.h"
 
 // ---------------------------------------------------------------------------------------------
 // bias
@@ -80,26 +81,16 @@ mt_gelu_backward_f32(float* dinp, const float* inp, const float* dout, int64_t n
 
 // ---------------------------------------------------------------------------------------------
 // dropout: a counter-based hash decides each element, so backward recomputes the mask from
-// (seed, index) and no mask is stored. The same hash as ffi/cpu/kernels.c and
-// engine/ops/dropout.ts (integer arithmetic only), so masks match the CPU bit for bit.
+// (seed, index) and no mask is stored. The hash is ffi/numerics.h, shared with ffi/cpu/kernels.c
+// (integer arithmetic only), so masks match the CPU bit for bit.
 // ---------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-// uniform in [0,1) with 24 bits, exactly representable in float32
-__device__ __forceinline__ float dropout_uniform(uint64_t seed, int64_t i) {
-  return (float)(splitmix64(seed ^ ((uint64_t)i * 0xD1B54A32D192ED03ull)) >> 40) * (1.0f / 16777216.0f);
-}
 // out, inp (n); keep with probability 1-p, scale kept values by 1/(1-p)
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
 mt_dropout_forward_f32(float* out, const float* inp, int64_t n, float p, uint64_t seed) {
   const float scale = 1.0f / (1.0f - p);
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
-    out[i] = dropout_uniform(seed, i) >= p ? inp[i] * scale : 0.0f;
+    out[i] = mt_dropout_uniform(seed, i) >= p ? inp[i] * scale : 0.0f;
   }
 }
 // forward was: out[i] = keep(i) ? inp[i] / (1-p) : 0
@@ -108,6 +99,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
 mt_dropout_backward_f32(float* dinp, const float* dout, int64_t n, float p, uint64_t seed) {
   const float scale = 1.0f / (1.0f - p);
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
-    if (dropout_uniform(seed, i) >= p) dinp[i] += dout[i] * scale;
+    if (mt_dropout_uniform(seed, i) >= p) dinp[i] += dout[i] * scale;
   }
 }

@@ -1,0 +1,89 @@
+// Element functions whose results must be bit-identical on every backend, written once and
+// compiled by both ffi/cpu/kernels.c (C11) and ffi/cuda/kernels/*.cu (nvcc): the dropout
+// mask hash and the conversions between f32 and the 2-byte formats. Integer arithmetic and
+// bit manipulation only, so the compilers cannot make them disagree.
+#ifndef MT_NUMERICS_H
+#define MT_NUMERICS_H
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define MT_FN static __host__ __device__ __forceinline__
+MT_FN uint32_t mt_f32_bits(float f) { return __float_as_uint(f); }
+MT_FN float mt_bits_f32(uint32_t u) { return __uint_as_float(u); }
+#else
+#include <string.h>
+#define MT_FN static inline
+MT_FN uint32_t mt_f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+MT_FN float mt_bits_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+#endif
+
+// ---- dropout: a counter-based hash decides each element, so backward recomputes the mask from
+// (seed, index) and no mask is stored. engine/ops/dropout.ts has the same hash (reference).
+MT_FN uint64_t mt_splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+// uniform in [0,1) with 24 bits, exactly representable in float32
+MT_FN float mt_dropout_uniform(uint64_t seed, int64_t i) {
+  return (float)(mt_splitmix64(seed ^ ((uint64_t)i * 0xD1B54A32D192ED03ull)) >> 40) * (1.0f / 16777216.0f);
+}
+
+// ---- casts: round to nearest even; NaN stays NaN (quiet) -----------------------------------
+MT_FN uint16_t mt_f32_to_bf16_bits(float f) {
+  const uint32_t u = mt_f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  // quiet NaN
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+MT_FN uint16_t mt_f32_to_f16_bits(float f) {
+  const uint32_t u = mt_f32_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t absu = u & 0x7fffffffu;
+  if (absu > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);   // NaN
+  if (absu >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // overflow (>= 65520) -> inf
+  if (absu < 0x38800000u) {
+    // subnormal half (or zero): value = mant * 2^-24; round |f| * 2^24 to nearest even
+    if (absu < 0x33000000u) return (uint16_t)sign;  // < 2^-25: rounds to zero
+    const uint32_t e = absu >> 23;                  // 102..112
+    const uint32_t mant = (absu & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126u - e;  // 14..24
+    uint32_t h = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+  }
+  // normal: rebias exponent 127 -> 15, round the 13 dropped mantissa bits to nearest even
+  uint32_t h = (absu - 0x38000000u) >> 13;
+  const uint32_t rem = absu & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+  return (uint16_t)(sign | h);
+}
+
+// Exact for numbers. Subnormals are built from their bits (m * 2^-24 normalized), so no
+// compiler's contraction of float arithmetic can change them; a NaN is made quiet (bit 22), as
+// IEEE conversion and x86's F16C do.
+MT_FN float mt_f16_bits_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) {
+    if (m == 0) return mt_bits_f32(sign);  // +-0
+    int shift = 0;                         // moves the leading 1 of m to bit 10
+    while (((m << shift) & 0x400u) == 0) shift++;
+    const uint32_t exponent = 113u - (uint32_t)shift;  // m * 2^-24 = 1.f * 2^(10-shift-24)
+    return mt_bits_f32(sign | (exponent << 23) | (((m << shift) & 0x3ffu) << 13));
+  }
+  if (e == 31) return mt_bits_f32(sign | 0x7f800000u | (m << 13) | (m != 0 ? 0x400000u : 0u));
+  return mt_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+#endif
