@@ -1,10 +1,14 @@
 // Element functions whose results must be bit-identical on every backend, written once and
 // compiled by both ffi/cpu/kernels.c (C11) and ffi/cuda/kernels/*.cu (nvcc): the dropout
 // mask hash and the conversions between f32 and the 2-byte formats. Integer arithmetic and
-// bit manipulation only, so the compilers cannot make them disagree.
+// bit manipulation only, so the compilers cannot make them disagree; and the optimizer updates,
+// so both backends apply the same rule (their float results agree to rounding).
 #ifndef MT_NUMERICS_H
 #define MT_NUMERICS_H
 #include <stdint.h>
+#ifndef __CUDACC__
+#include <math.h>
+#endif
 
 #ifdef __CUDACC__
 #define MT_FN static __host__ __device__ __forceinline__
@@ -84,6 +88,34 @@ MT_FN float mt_f16_bits_to_f32(uint16_t h) {
   }
   if (e == 31) return mt_bits_f32(sign | 0x7f800000u | (m << 13) | (m != 0 ? 0x400000u : 0u));
   return mt_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+// ---- optimizer updates of one parameter (PyTorch semantics) ---------------------------------
+// SGD: g = grad + wd p; buf = first ? g : momentum buf + (1 - dampening) g;
+// step = nesterov ? g + momentum buf : buf; p -= lr step. momentum == 0 means plain SGD (mom
+// is then never touched and may be null).
+MT_FN void mt_sgd_update(float* param, const float* grad, float* mom, int64_t i, float lr, float momentum,
+                         float dampening, float weight_decay, int32_t nesterov, int32_t first) {
+  float g = grad[i] + weight_decay * param[i];
+  if (momentum != 0.0f) {
+    const float buf = first ? g : momentum * mom[i] + (1.0f - dampening) * g;
+    mom[i] = buf;
+    g = nesterov ? g + momentum * buf : buf;
+  }
+  param[i] -= lr * g;
+}
+
+// AdamW with decoupled weight decay: decay = 1 - lr wd, inv_bc1 = 1 / (1 - beta1^t),
+// inv_sqrt_bc2 = 1 / sqrt(1 - beta2^t), computed once per step by the caller.
+MT_FN void mt_adamw_update(float* param, const float* grad, float* m, float* v, int64_t i, float lr, float beta1,
+                           float beta2, float eps, float decay, float inv_bc1, float inv_sqrt_bc2) {
+  const float g = grad[i];
+  const float mi = beta1 * m[i] + (1.0f - beta1) * g;
+  const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+  m[i] = mi;
+  v[i] = vi;
+  // PyTorch: p -= lr * (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)
+  param[i] = param[i] * decay - lr * (mi * inv_bc1) / (sqrtf(vi) * inv_sqrt_bc2 + eps);
 }
 
 #endif

@@ -601,7 +601,7 @@ int64_t mt_count_nonfinite_f32(const float* x, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// optimizer updates (PyTorch semantics)
+// optimizer updates (PyTorch semantics): the element rules are in ffi/numerics.h
 // ---------------------------------------------------------------------------------------------
 
 // param, grad, mom (n). g = grad + wd p; buf = first ? g : momentum buf + (1 - dampening) g;
@@ -609,15 +609,7 @@ int64_t mt_count_nonfinite_f32(const float* x, int64_t n) {
 void mt_sgd_step_f32(float* param, const float* grad, float* mom, int64_t n, float lr, float momentum,
                      float dampening, float weight_decay, int32_t nesterov, int32_t first) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-  for (int64_t i = 0; i < n; i++) {
-    float g = grad[i] + weight_decay * param[i];
-    if (momentum != 0.0f) {
-      const float buf = first ? g : momentum * mom[i] + (1.0f - dampening) * g;
-      mom[i] = buf;
-      g = nesterov ? g + momentum * buf : buf;
-    }
-    param[i] -= lr * g;
-  }
+  for (int64_t i = 0; i < n; i++) mt_sgd_update(param, grad, mom, i, lr, momentum, dampening, weight_decay, nesterov, first);
 }
 
 // param, grad, m, v (n). Decoupled weight decay: p *= 1 - lr wd; then the Adam step with
@@ -627,15 +619,7 @@ void mt_adamw_step_f32(float* param, const float* grad, float* m, float* v, int6
   const float decay = 1.0f - lr * weight_decay;
   const float inv_bc1 = 1.0f / bc1, inv_sqrt_bc2 = 1.0f / sqrtf(bc2);
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-  for (int64_t i = 0; i < n; i++) {
-    const float g = grad[i];
-    const float mi = beta1 * m[i] + (1.0f - beta1) * g;
-    const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    // PyTorch: p -= lr * (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)
-    param[i] = param[i] * decay - lr * (mi * inv_bc1) / (sqrtf(vi) * inv_sqrt_bc2 + eps);
-  }
+  for (int64_t i = 0; i < n; i++) mt_adamw_update(param, grad, m, v, i, lr, beta1, beta2, eps, decay, inv_bc1, inv_sqrt_bc2);
 }
 
 // ---------------------------------------------------------------------------------------------

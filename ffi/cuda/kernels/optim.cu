@@ -1,5 +1,6 @@
 // Optimizer updates with PyTorch semantics, elementwise over n parameters (as ffi/cpu/kernels.c).
 #include "common.cuh"
+#include "../../numerics.h"
 
 // param, grad, mom (n). g = grad + wd p; buf = first ? g : momentum buf + (1 - dampening) g;
 // step = nesterov ? g + momentum buf : buf; p -= lr step. momentum == 0 means plain SGD (mom is
@@ -8,13 +9,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
 mt_sgd_step_f32(float* param, const float* grad, float* mom, int64_t n, float lr, float momentum,
                 float dampening, float weight_decay, int32_t nesterov, int32_t first) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
-    float g = grad[i] + weight_decay * param[i];
-    if (momentum != 0.0f) {
-      const float buf = first ? g : momentum * mom[i] + (1.0f - dampening) * g;
-      mom[i] = buf;
-      g = nesterov ? g + momentum * buf : buf;
-    }
-    param[i] -= lr * g;
+    mt_sgd_update(param, grad, mom, i, lr, momentum, dampening, weight_decay, nesterov, first);
   }
 }
 
@@ -26,12 +21,6 @@ mt_adamw_step_f32(float* param, const float* grad, float* m, float* v, int64_t n
   const float decay = 1.0f - lr * weight_decay;
   const float inv_bc1 = 1.0f / bc1, inv_sqrt_bc2 = 1.0f / sqrtf(bc2);
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
-    const float g = grad[i];
-    const float mi = beta1 * m[i] + (1.0f - beta1) * g;
-    const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    // PyTorch: p -= lr * (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)
-    param[i] = param[i] * decay - lr * (mi * inv_bc1) / (sqrtf(vi) * inv_sqrt_bc2 + eps);
+    mt_adamw_update(param, grad, m, v, i, lr, beta1, beta2, eps, decay, inv_bc1, inv_sqrt_bc2);
   }
 }

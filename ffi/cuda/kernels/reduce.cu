@@ -38,22 +38,20 @@ mt_count_nonfinite_partial_f32(int64_t* partials, const float* x, int64_t n) {
   if (threadIdx.x == 0) partials[blockIdx.x] = bad;
 }
 
-// result (1) double = sum of partials (count), in a fixed order. One block.
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_sum_partials_f64(double* result, const double* partials, int64_t count) {
+// result (1) = sum of partials (count), in a fixed order. One block.
+template <class T>
+__device__ __forceinline__ void sum_partials(T* result, const T* partials, int64_t count) {
   if (blockIdx.x != 0) return;
-  double acc = 0.0;
+  T acc = 0;
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
   acc = block_reduce(acc, SumOp());
   if (threadIdx.x == 0) result[0] = acc;
 }
-
-// result (1) int64 = sum of partials (count). One block.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_sum_partials_f64(double* result, const double* partials, int64_t count) {
+  sum_partials(result, partials, count);
+}
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
 mt_sum_partials_i64(int64_t* result, const int64_t* partials, int64_t count) {
-  if (blockIdx.x != 0) return;
-  int64_t acc = 0;
-  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
-  acc = block_reduce(acc, SumOp());
-  if (threadIdx.x == 0) result[0] = acc;
+  sum_partials(result, partials, count);
 }
