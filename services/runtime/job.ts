@@ -4,6 +4,10 @@ import { z } from "zod";
 import type { JobSpec } from "../../schemas/messages.ts";
 import { BadRequestError, ConfigError } from "./errors.ts";
 
+/** f16 is missing on purpose: its loss scaler skips a step when the gradients overflow, which in
+ *  the mesh every trainer and shard would have to agree on before anyone updates. */
+export const meshPrecisions = ["f32", "tf32", "bf16"] as const;
+
 const int = (min: number, max = Number.MAX_SAFE_INTEGER) => z.number().int().min(min).max(max);
 
 export const jobNamePattern = /^[A-Za-z0-9_-]{1,64}$/;
@@ -45,6 +49,10 @@ export const jobConfigSchema = z.object({
   /** steps between evaluations on the validation split (0: only at the end) */
   evalEvery: int(0),
   gradClip: z.number().min(0),
+  /** the trainers' GEMM precision (engine/mixed.ts): f32, tf32, or bf16 autocast with f32
+   *  master weights. Gradients travel as f32 whatever it is. Configs stored before this field
+   *  existed read as f32. */
+  precision: z.enum(meshPrecisions).default("f32"),
   seed: int(0, 2 ** 31 - 1),
   /** parameter chunk size in bytes: the unit of sharding, pushes and pulls */
   chunkBytes: int(4096, 8 << 20).refine((n) => n % 64 === 0, "chunkBytes must be a multiple of 64"),
@@ -77,6 +85,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   valFraction: 0,
   evalEvery: 0,
   gradClip: 0,
+  precision: "f32",
   seed: 1,
   chunkBytes: 256 << 10,
   checkpointEvery: 500,
@@ -84,6 +93,10 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
 };
 
 export function parseJobConfig(data: unknown): JobConfig {
+  if ((data as { precision?: unknown } | null)?.precision === "f16") {
+    throw new ConfigError("invalid job config: precision f16 runs only in a single process (meshtrain train): its loss scaler "
+      + `skips steps whose gradients overflow, which the mesh's trainers and shards do not agree on; use ${meshPrecisions.join(", ")}`);
+  }
   const r = jobConfigSchema.safeParse(data);
   if (!r.success) {
     throw new ConfigError(`invalid job config: ${r.error.issues.map((i) => `${i.path.join(".") || "(job)"}: ${i.message}`).join("; ")}`);

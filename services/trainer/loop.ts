@@ -73,7 +73,8 @@ export class TrainerRun {
 
   constructor(o: TrainerOptions) {
     this.#o = o;
-    this.#ctx = new Context(o.backend, { seed: o.cfg.seed * 1000 + o.rank }); // dropout differs per rank
+    // dropout differs per rank
+    this.#ctx = new Context(o.backend, { seed: o.cfg.seed * 1000 + o.rank, precision: o.cfg.precision });
     this.#model = buildModel(this.#ctx, o.cfg);
     const store = this.#model.store;
     const layout = buildLayout(o.cfg.job, store.slabNumel, store.decayRange.numel, o.cfg.chunkBytes, o.cfg.shards);
@@ -123,7 +124,7 @@ export class TrainerRun {
     if (this.#o.rank === 0) this.#ctl = bus.subscribe(subjects.checkpointNow(cfg.job), () => (this.#snapshotAsked = true));
     try {
       let step = await this.#retry("find the start step (every shard must have opened the job)", () => this.#startStep(), jobStartWaitMsMax);
-      log?.info({ step, totalSteps }, "training");
+      log?.info({ step, totalSteps, precision: this.#o.cfg.precision }, "training");
       while (step < totalSteps && !this.#stopped) {
         step = await this.#step(step);
       }
@@ -199,9 +200,9 @@ export class TrainerRun {
     this.#checkGeneration(step, generation);
     let loss = 0;
     if (batch.rows > 0) {
-      // f32 (the context's default precision) and no loss scaler: the gradients are always
-      // pushed. With f16 loss scaling an overflowed step (finite = false) would have to push
-      // zeros instead, never the inf/NaN slab.
+      // no loss scaler (the mesh refuses f16): the gradients are f32 and always pushed. With
+      // f16 loss scaling an overflowed step (finite = false) would have to be skipped by every
+      // trainer and shard alike, never pushed as the inf/NaN slab.
       loss = lossAndGradients(this.#ctx, this.#model, microBatches(batch, cfg.accumSteps), cfg.gradClip, step).loss;
       backend.download(this.#model.store.grads.ptr, this.#grads);
     } else {

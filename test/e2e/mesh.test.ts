@@ -43,8 +43,9 @@ describe("mesh", () => {
     const dir = tempDir("mt-e2e-");
     await using mesh = await LocalMesh.start({ dir });
     await using client = await MeshClient.connect(mesh.url);
-    // 2 micro-batches of 64 per step (gradient accumulation on the trainers)
-    const cfg = config({ job: "e2e", checkpointEvery: 100, evalEvery: 100, accumSteps: 2 });
+    // 2 micro-batches of 64 per step (gradient accumulation on the trainers), bf16 autocast
+    // GEMMs on the trainers (the chaos test below runs f32)
+    const cfg = config({ job: "e2e", checkpointEvery: 100, evalEvery: 100, accumSteps: 2, precision: "bf16" });
     const total = jobTotalSteps(cfg);
     const seen: Event[] = [];
     let asked: Promise<Event> | null = null;
@@ -67,6 +68,7 @@ describe("mesh", () => {
     expect(step.pullMs).toBeGreaterThan(0);
     expect(step.computeMs).toBeGreaterThan(0);
     const status = await client.status(cfg.job);
+    expect(status!.config.precision).toBe("bf16");
     expect(status!.shards.map((s) => ("clocks" in s ? s.clocks : s.error))).toEqual([[total, total], [total, total]]);
     expect(status!.checkpoints.length).toBeLessThanOrEqual(cfg.keepLast + 1);
   }, 180_000);

@@ -89,4 +89,12 @@ describe("job config", () => {
     expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", minLr: 1 }), ConfigError, "minLr");
     expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", batchPushes: 2 }), ConfigError, "batchPushes");
   });
+
+  test("precision: f32, tf32 or bf16; f16 is refused with the reason; a config stored without it reads as f32", () => {
+    for (const p of ["f32", "tf32", "bf16"] as const) expect(parseJobConfig({ ...jobDefaults, job: "j", precision: p }).precision).toBe(p);
+    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", precision: "f16" }), ConfigError, "precision f16 runs only in a single process");
+    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", precision: "fp8" }), ConfigError, "precision:");
+    const { precision: _, ...older } = { ...jobDefaults, job: "j" };
+    expect(parseJobConfig(older).precision).toBe("f32");
+  });
 });
