@@ -13,8 +13,16 @@ arch=$(gcc -dumpmachine 2>/dev/null || echo x86_64-linux-gnu)
 for lib in "/usr/lib/$arch/openblas-openmp/libopenblas.so.0" "/usr/lib/$arch/libgfortran.so.5" "/usr/lib/$arch/libquadmath.so.0"; do
   [ -e "$lib" ] && cp -L "$lib" .device/lib/
 done
-xz -9 -f -k .device/lib/*.so.* 2>/dev/null && rm -f .device/lib/*.so.? .device/lib/*.so.?? 2>/dev/null || true
+# only the .xz files travel (a rerun finds them here already: compress the fresh copies alone)
+for f in .device/lib/*; do
+  case "$f" in *.xz) ;; *) xz -9 -f "$f" ;; esac
+done
 # typescript and the type packages are for tsc only; the GPU run needs none of them
 tar -cf - --exclude='node_modules/typescript' --exclude='node_modules/@typescript' --exclude='node_modules/bun-types' \
   --exclude='node_modules/@types' node_modules | xz -9 -T2 > .device/carry.tar.xz
 du -ch .device/carry.tar.xz .device/lib/* | tail -n 1
+bytes=$(du -cb .device | tail -n 1 | cut -f1)
+if [ "$bytes" -gt $((60 * 1024 * 1024)) ]; then
+  echo "device-pack: .device holds $bytes bytes, too close to the 64 MiB carry limit with the working tree beside it" >&2
+  exit 1
+fi
