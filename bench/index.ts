@@ -1,5 +1,6 @@
 // `bun run bench <name> [options]`: the per-component benchmarks.
 import { ConfigError } from "../engine/errors.ts";
+import { NativeLibraryError } from "../ffi/errors.ts";
 import { runEngineBench } from "./engine.ts";
 import { runKernelBench } from "./kernels.ts";
 import { runPsBench } from "./ps.ts";
@@ -26,8 +27,14 @@ if (import.meta.main) {
   try {
     await bench(rest);
   } catch (e) {
-    if (!(e instanceof ConfigError)) throw e;
-    console.error(`bench ${name}: ${e.message}`);
-    process.exit(2);
+    // a bad option, or a device or library that is not there: one clear line (anything else is a
+    // bug and keeps its stack)
+    if (e instanceof ConfigError) {
+      console.error(`bench ${name}: ${e.message}`);
+      process.exit(2);
+    }
+    if (!(e instanceof NativeLibraryError)) throw e;
+    console.error(`bench ${name}: ${e.name}: ${e.message}`);
+    process.exit(1);
   }
 }

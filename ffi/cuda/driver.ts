@@ -34,6 +34,29 @@ export const CUDA_ERROR_OUT_OF_MEMORY = 2;
 export const CUDA_ERROR_NO_DEVICE = 100;
 export const CUDA_ERROR_NOT_READY = 600;
 
+const CUDA_ERROR_INVALID_PTX = 218;
+const CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222;
+
+/**
+ * Why a driver refuses PTX it cannot JIT, and the fix: the usual cause is an nvcc newer than the
+ * driver (CUDA 13's nvcc writes PTX ISA 9.0, which a CUDA 12 driver does not read). Names the
+ * PTX's ISA version and target and the driver's CUDA version. Empty for other errors.
+ */
+export function ptxRejectedHint(code: number, ptx: string, driverVersion: () => number): string {
+  if (code !== CUDA_ERROR_UNSUPPORTED_PTX_VERSION && code !== CUDA_ERROR_INVALID_PTX) return "";
+  const isa = /^\s*\.version\s+(\S+)/m.exec(ptx)?.[1] ?? "unknown";
+  const target = /^\s*\.target\s+(\S+)/m.exec(ptx)?.[1] ?? "unknown";
+  let driver = "an unknown CUDA version";
+  try {
+    const v = driverVersion();
+    driver = `CUDA ${Math.floor(v / 1000)}.${(v % 1000) / 10}`;
+  } catch {
+    // keep "unknown": the hint must not hide the load error
+  }
+  return `the PTX is ISA ${isa} for ${target} and this driver supports ${driver}; update the NVIDIA driver, or rebuild `
+    + "the kernels with an nvcc no newer than the driver (MESHTRAIN_NVCC=/path/to/nvcc bun ffi/cuda/build.ts)";
+}
+
 // A few names, for when cuGetErrorName itself is unavailable (the library failed half-way).
 const fallbackNames: Record<number, string> = {
   1: "CUDA_ERROR_INVALID_VALUE", 2: "CUDA_ERROR_OUT_OF_MEMORY", 3: "CUDA_ERROR_NOT_INITIALIZED",
@@ -322,7 +345,10 @@ export class Driver {
   moduleLoadPtx(ptx: string, name: string): bigint {
     const image = Buffer.from(`${ptx}\0`, "utf8");
     const code = this.lib.symbols.cuModuleLoadData(addressOf(this.#out64), addressOf(image));
-    if (code !== CUDA_SUCCESS) this.check(`cuModuleLoadData(${name}.ptx)`, code);
+    if (code !== CUDA_SUCCESS) {
+      const detail = [this.errorString(code), ptxRejectedHint(code, ptx, () => this.driverVersion())].filter((s) => s !== "");
+      throw new CudaError(`cuModuleLoadData(${name}.ptx)`, code, this.errorName(code), detail.join("; "));
+    }
     return this.#out64[0]!;
   }
 

@@ -20,6 +20,7 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     [["run", "--batch-size", "100", "--accum", "3"], "batchSize (100) must be a multiple of accumSteps (3)"],
     [["run", "--job", "no spaces"], "job: a job name is 1-64 letters"],
     [["submit", "--sync", "sometimes"], "Allowed choices are bsp, asp, ssp"],
+    [["run", "--precision", "f16"], "Allowed choices are f32, tf32, bf16"],
     [["run", "--shards", "0"], "expected an integer >= 1"],
   ])("mesh job options %p", (args, fragment) => {
     const r = cli(...args);
@@ -70,6 +71,13 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     const lines = r.err.trim().split("\n");
     expect(lines).toHaveLength(1);
     expect(lines[0]).toStartWith("meshtrain: NativeLibraryError: --device cuda: ");
+  });
+  test.skipIf(probeCuda().ok).each(["engine", "kernels"])("`bun run bench %s --device cuda` without a GPU: one clear line", (name) => {
+    const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), name, "--device", "cuda"], { cwd: root, stdout: "pipe", stderr: "pipe" });
+    expect(p.exitCode).toBe(1);
+    const lines = p.stderr.toString().trim().split("\n");
+    expect(lines).toHaveLength(1);
+    expect(lines[0]).toStartWith(`bench ${name}: NativeLibraryError: --device cuda: `);
   });
   test("gpt heads that do not divide the width", () => {
     const r = cli("train", "gpt", "--n-embd", "30", "--n-head", "4");
