@@ -41,6 +41,23 @@ function checkShape(op: string, shape: Shape): void {
 /** generation of tensors that do not live in the arena */
 const persistentGeneration = -1;
 
+/** The smallest and largest value of an i32 tensor, known on the host without reading it back. */
+export interface ValueRange {
+  readonly min: number;
+  readonly max: number;
+}
+
+function rangeOf(data: Int32Array): ValueRange {
+  let min = Infinity;
+  let max = -Infinity;
+  for (let i = 0; i < data.length; i++) {
+    const v = data[i]!;
+    if (v < min) min = v;
+    if (v > max) max = v;
+  }
+  return { min, max };
+}
+
 export interface TapeNode {
   readonly op: string;
   readonly output: Tensor;
@@ -60,10 +77,16 @@ export class Tensor {
   readonly viewOffset: number;
   requiresGrad: boolean;
   name: string | undefined;
+  /**
+   * For an i32 tensor copied from the host (Context.fromArray), and views of it: the range of
+   * its values, so an op can check ids or targets without reading them back from a GPU. Null
+   * when unknown. (Tensors are never written after the op that made them.)
+   */
+  readonly valueRange: ValueRange | null;
   #grad: Tensor | null = null;
 
   constructor(ctx: Context, shape: Shape, dtype: DType, ptr: Ptr, generation: number,
-              requiresGrad = false, viewOf: Tensor | null = null, viewOffset = 0) {
+              requiresGrad = false, viewOf: Tensor | null = null, viewOffset = 0, valueRange: ValueRange | null = null) {
     this.ctx = ctx;
     this.shape = shape;
     this.dtype = dtype;
@@ -73,6 +96,12 @@ export class Tensor {
     this.requiresGrad = requiresGrad;
     this.viewOf = viewOf;
     this.viewOffset = viewOffset;
+    this.valueRange = valueRange;
+  }
+
+  /** Whether every value is known (on the host) to lie in [0, limit). */
+  knownInRange(limit: number): boolean {
+    return this.valueRange !== null && this.valueRange.min >= 0 && this.valueRange.max < limit;
   }
 
   get bytes(): number {
@@ -131,8 +160,9 @@ export class Tensor {
   #viewOfRange(shape: Shape, offset: number): Tensor {
     const base = this.viewOf ?? this;
     const baseOffset = this.viewOffset + offset;
+    // a view's values are some of its base's: the base's range still bounds them
     return new Tensor(this.ctx, shape, this.dtype, base.ptr + baseOffset * dtypeBytes[this.dtype], this.generation,
-      this.requiresGrad, base, baseOffset);
+      this.requiresGrad, base, baseOffset, this.valueRange);
   }
 
   /** Copy to host memory (a new typed array). */
@@ -239,9 +269,10 @@ export class Context {
     if (numelOf(shape) !== data.length) {
       throw new ShapeError("fromArray", [shape], `data has ${data.length} elements, shape needs ${numelOf(shape)}`);
     }
-    const t = this.empty(shape, dtype);
-    this.backend.upload(t.ptr, data);
-    return t;
+    const ptr = this.empty(shape, dtype).ptr;
+    this.backend.upload(ptr, data);
+    return new Tensor(this, shape, dtype, ptr, this.arena.generation, false, null, 0,
+      data instanceof Int32Array ? rangeOf(data) : null);
   }
 
   /** Backend memory that lives until dispose() (slabs). Zeroed. */

@@ -118,10 +118,12 @@ export function lossAndGradients(ctx: Context, model: Model, micro: readonly Hos
     ctx.newPass();
     const { x, y } = uploadBatch(ctx, b);
     const l = model.loss(x, y);
+    // the loss is read after backward is queued: on a GPU, reading it first would make the
+    // host wait for the forward pass before queuing the backward one
+    ctx.backward(l, dloss);
     const value = l.item();
     // stop before the update: the parameters stay as they were at the last good step
     if (!Number.isFinite(value)) throw new NonFiniteLossError(step, value);
-    ctx.backward(l, dloss);
     loss += value / k;
   }
   if (scaler !== null && !scaler.unscale(ctx, store)) return { loss, gradNorm: Infinity, finite: false };

@@ -97,14 +97,19 @@ export interface Backend {
   geluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): void;
   dropoutForward(out: Ptr, inp: Ptr, n: number, p: number, seed: bigint): void;
   dropoutBackward(dinp: Ptr, dout: Ptr, n: number, p: number, seed: bigint): void;
-  /** returns the count of targets outside [0, V) */
-  crossEntropyForward(loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr, N: number, V: number): number;
+  /**
+   * Returns the count of targets outside [0, V). `inRange`: the caller has checked on the host
+   * that every target is in [0, V), so the count is not wanted; a GPU backend then returns 0
+   * without waiting for the device (out-of-range targets still never read outside the row).
+   */
+  crossEntropyForward(loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr, N: number, V: number, inRange?: boolean): number;
   crossEntropyBackward(dlogits: Ptr, probs: Ptr, targets: Ptr, dloss: Ptr, N: number, V: number): void;
   layerNormForward(out: Ptr, mean: Ptr, rstd: Ptr, inp: Ptr, weight: Ptr, bias: Ptr, N: number, C: number, eps: number): void;
   layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr,
                     mean: Ptr, rstd: Ptr, N: number, C: number): void;
-  /** returns the count of ids outside [0, V) */
-  embeddingForward(out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number): number;
+  /** Returns the count of ids outside [0, V) (their rows come out zero). `inRange` as for
+   *  crossEntropyForward: 0 is returned without waiting for the device. */
+  embeddingForward(out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number, inRange?: boolean): number;
   embeddingBackward(dtable: Ptr, ids: Ptr, dout: Ptr, N: number, C: number): void;
   causalSoftmaxForward(out: Ptr, inp: Ptr, BH: number, T: number, scale: number): void;
   causalSoftmaxBackward(dinp: Ptr, out: Ptr, dout: Ptr, BH: number, T: number, scale: number): void;

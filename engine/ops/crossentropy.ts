@@ -19,7 +19,8 @@ export function softmaxCrossEntropy(logits: Tensor, targets: Tensor): Tensor {
   const loss = ctx.empty([1]);
   const losses = ctx.empty([N]);
   const probs = ctx.empty([N, V]);
-  const invalid = be.crossEntropyForward(loss.ptr, losses.ptr, probs.ptr, logits.ptr, targets.ptr, N, V);
+  // targets known on the host to be in range need no count (on a GPU: no wait in the forward pass)
+  const invalid = be.crossEntropyForward(loss.ptr, losses.ptr, probs.ptr, logits.ptr, targets.ptr, N, V, targets.knownInRange(V));
   if (invalid > 0) throw new IndexRangeError("softmaxCrossEntropy", invalid, V, targets.shape);
   ctx.record("softmaxCrossEntropy", [logits], loss, () => {
     be.crossEntropyBackward(logits.ensureGrad().ptr, probs.ptr, targets.ptr, loss.grad!.ptr, N, V);

@@ -4,6 +4,9 @@
 // Ordering: every kernel, copy and GEMM goes onto the one stream, so they run in call order
 // and the engine needs no synchronization of its own. Calls that hand a value to JavaScript
 // (download, sumSquares, countNonFinite, the invalid-index counts) synchronize the stream.
+// The engine keeps those out of the forward and backward passes (ids and targets are checked
+// on the host, inRange; the loss is read after backward), so the host queues a whole pass
+// while the GPU still runs the previous one's tail.
 //
 // Host memory the GPU reads or writes asynchronously is pinned (cuMemAllocHost), never a
 // JavaScript buffer: the upload staging buffers, the kernel-argument block, the cuBLAS alpha/
@@ -256,9 +259,9 @@ export class CudaBackend implements Backend {
   dropoutBackward(dinp: Ptr, dout: Ptr, n: number, p: number, seed: bigint): void {
     this.#run(plans.dropoutBackward(dinp, dout, n, p, seed));
   }
-  crossEntropyForward(loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr, N: number, V: number): number {
-    this.#run(plans.crossEntropyForward(this.#scratch, loss, losses, probs, logits, targets, N, V));
-    return this.#readResult("i64");
+  crossEntropyForward(loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr, N: number, V: number, inRange = false): number {
+    this.#run(plans.crossEntropyForward(this.#scratch, loss, losses, probs, logits, targets, N, V, inRange));
+    return inRange ? 0 : this.#readResult("i64");
   }
   crossEntropyBackward(dlogits: Ptr, probs: Ptr, targets: Ptr, dloss: Ptr, N: number, V: number): void {
     this.#run(plans.crossEntropyBackward(dlogits, probs, targets, dloss, N, V));
@@ -270,9 +273,9 @@ export class CudaBackend implements Backend {
                     mean: Ptr, rstd: Ptr, N: number, C: number): void {
     this.#run(plans.layerNormBackward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C));
   }
-  embeddingForward(out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number): number {
-    this.#run(plans.embeddingForward(this.#scratch, out, ids, table, N, C, V));
-    return this.#readResult("i64");
+  embeddingForward(out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number, inRange = false): number {
+    this.#run(plans.embeddingForward(this.#scratch, out, ids, table, N, C, V, inRange));
+    return inRange ? 0 : this.#readResult("i64");
   }
   embeddingBackward(dtable: Ptr, ids: Ptr, dout: Ptr, N: number, C: number): void {
     this.#run(plans.embeddingBackward(dtable, ids, dout, N, C));

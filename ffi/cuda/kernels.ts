@@ -389,8 +389,10 @@ export const plans = {
   dropoutBackward(dinp: Ptr, dout: Ptr, n: number, p: number, seed: bigint): Launch[] {
     return elementwise("mt_dropout_backward_f32", n, [dinp, dout, n, p, seed]);
   },
+  // inRange changes nothing here: the loss kernel computes the count with the mean anyway; the
+  // backend just does not read it
   crossEntropyForward(scratch: Ptr, loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr,
-                      N: number, V: number): Launch[] {
+                      N: number, V: number, _inRange = false): Launch[] {
     const rows = N === 0 ? [] : [blockRows("mt_crossentropy_forward_f32", N, V, [losses, probs, logits, targets, N, V])];
     return [...rows, singleBlock("mt_crossentropy_loss_f32", [loss, scratch, losses, targets, N, V])];
   },
@@ -412,9 +414,10 @@ export const plans = {
       columns("mt_layernorm_backward_params_f32", N, C, [dweight, dbias, dout, inp, mean, rstd, N, C]),
     ];
   },
-  embeddingForward(scratch: Ptr, out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number): Launch[] {
+  embeddingForward(scratch: Ptr, out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number, inRange = false): Launch[] {
     const rows = N * C === 0 ? [] : [warpRows("mt_embedding_forward_f32", N, [out, ids, table, N, C, V])];
-    return [...rows, singleBlock("mt_embedding_count_invalid_i32", [scratch, ids, N, V])];
+    // ids checked on the host: no count to compute
+    return inRange ? rows : [...rows, singleBlock("mt_embedding_count_invalid_i32", [scratch, ids, N, V])];
   },
   embeddingBackward(dtable: Ptr, ids: Ptr, dout: Ptr, N: number, C: number): Launch[] {
     return elementwise("mt_embedding_backward_f32", N * C, [dtable, ids, dout, N, C]);

@@ -32,6 +32,8 @@ import type { Backend } from "../../ffi/backend.ts";
 import { Context } from "../../engine/tensor.ts";
 import type { Precision } from "../../engine/mixed.ts";
 import { parityBackends } from "../helpers/emulated-cuda.ts";
+import { expectThrown } from "../helpers/errors.ts";
+import { IndexRangeError } from "../../engine/errors.ts";
 
 const tolF32 = 1e-4;
 /** another backend against the CPU backend, same float32 inputs */
@@ -316,6 +318,26 @@ describe.each(backends)("$name backend", ({ backend }) => {
       const out = embedding(table, ctx.fromArray(Int32Array.of(3, 0, 1, 1), [2, 2]));
       expect(out.shape).toEqual([2, 2, 3]);
       expect([...out.toFloat32()]).toEqual([9, 10, 11, 0, 1, 2, 3, 4, 5, 3, 4, 5]);
+    });
+    test("ids and targets the host has not seen are counted on the device: served in range, IndexRangeError outside", () => {
+      const ctx = newContext();
+      const table = ctx.fromArray(new Float32Array(12).map((_, i) => i), [4, 3]);
+      // written straight into backend memory: no host range
+      const deviceIds = (values: number[]) => {
+        const t = ctx.empty([values.length], "i32");
+        ctx.backend.upload(t.ptr, Int32Array.from(values));
+        return t;
+      };
+      const known = ctx.fromArray(Int32Array.of(3, 0, 2, 1), [2, 2]);
+      expect([known.valueRange, known.knownInRange(4), known.knownInRange(3)]).toEqual([{ min: 0, max: 3 }, true, false]);
+      expect(known.narrowRows(1, 1).valueRange).toEqual({ min: 0, max: 3 }); // a view stays within its base's range
+      const unknown = deviceIds([3, 0]);
+      expect([unknown.valueRange, unknown.knownInRange(4)]).toEqual([null, false]);
+      expect([...embedding(table, unknown).toFloat32()]).toEqual([9, 10, 11, 0, 1, 2]);
+      expectThrown(() => embedding(table, deviceIds([1, 4, -2])), IndexRangeError, "2 index value(s) outside [0, 4)");
+      const logits = ctx.fromArray(Float32Array.of(1, 2, 3, 3, 2, 1), [2, 3]);
+      expect(softmaxCrossEntropy(logits, deviceIds([2, 0])).item()).toBeCloseTo(Math.log(Math.exp(1) + Math.exp(2) + Math.exp(3)) - 3, 6);
+      expectThrown(() => softmaxCrossEntropy(logits, deviceIds([0, 3])), IndexRangeError, "1 index value(s) outside [0, 3)");
     });
   });
 

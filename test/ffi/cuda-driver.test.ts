@@ -34,6 +34,7 @@ const fake = dlopen(libPath, {
   fake_launch_at: { args: ["i32", "ptr"], returns: "void" },
   fake_alloc_count: { args: [], returns: "i64" },
   fake_used_bytes: { args: [], returns: "u64" },
+  fake_stream_sync_count: { args: [], returns: "i32" },
 }).symbols;
 const failNext = (call: string, code: number) => fake.fake_fail(addressOf(Buffer.from(`${call}\0`)), code);
 
@@ -225,18 +226,16 @@ describe.skipIf(nvcc === null)("CUDA backend over the fake driver", () => {
   test.each([["sumSquares", "f64"], ["countNonFinite", "i64"], ["crossEntropyForward", "i64"], ["embeddingForward", "i64"]] as const)(
     "%s passes the backend's scratch buffer first and returns the %s left at its start", (method, kind) => {
       const be = backend();
-      const call: Record<typeof method, () => number> = {
-        sumSquares: () => be.sumSquares(P, 1000),
-        countNonFinite: () => be.countNonFinite(P, 1000),
-        crossEntropyForward: () => be.crossEntropyForward(P, Q, R, S, T, 37, 83),
-        embeddingForward: () => be.embeddingForward(P, Q, R, 50, 16, 83),
+      const args: Record<typeof method, number[]> = {
+        sumSquares: [P, 1000], countNonFinite: [P, 1000], crossEntropyForward: [P, Q, R, S, T, 37, 83], embeddingForward: [P, Q, R, 50, 16, 83],
       };
+      const call = () => (be[method] as (...a: number[]) => number)(...args[method]);
       fake.fake_reset();
-      call[method]();
+      call();
       // the fake runs no kernel: write the result where the kernels would, then ask again.
       // Where the plan puts scratch: plan with a marker address and find it.
       const marker = 0x7eadbeef00;
-      const planned = (plans[method] as (...a: unknown[]) => readonly Launch[])(marker, P, Q, R, S, T, 37, 83);
+      const planned = (plans[method] as (...a: unknown[]) => readonly Launch[])(marker, ...args[method]);
       const at = planned.findIndex((l) => l.args.includes(marker));
       const slotIndex = planned[at]!.args.indexOf(marker);
       const scratch = Number(recorded(at).params.getBigUint64(8 * slotIndex, true));
@@ -244,7 +243,24 @@ describe.skipIf(nvcc === null)("CUDA backend over the fake driver", () => {
       const slot = new DataView(toArrayBuffer(scratch as Pointer, 0, 8));
       if (kind === "f64") slot.setFloat64(0, 42.5, true);
       else slot.setBigInt64(0, 7n, true);
-      expect(call[method]()).toBe(kind === "f64" ? 42.5 : 7);
+      expect(call()).toBe(kind === "f64" ? 42.5 : 7);
+      be.dispose();
+    });
+
+  test.each(["crossEntropyForward", "embeddingForward"] as const)(
+    "%s with inRange (ids checked on the host) returns 0 without waiting on the GPU, and counts nothing", (method) => {
+      const be = backend();
+      const args = method === "crossEntropyForward" ? [P, Q, R, S, T, 37, 83] : [P, Q, R, 50, 16, 83];
+      fake.fake_reset();
+      expect((be[method] as (...a: unknown[]) => number)(...args, true)).toBe(0);
+      expect(fake.fake_stream_sync_count()).toBe(0);
+      const names = Array.from({ length: fake.fake_launch_count() }, (_, i) => recorded(i).name);
+      expect(names).toEqual(method === "crossEntropyForward"
+        ? ["mt_crossentropy_forward_f32", "mt_crossentropy_loss_f32"] : ["mt_embedding_forward_f32"]);
+      // without it: the count, and one wait to read it
+      fake.fake_reset();
+      (be[method] as (...a: unknown[]) => number)(...args);
+      expect(fake.fake_stream_sync_count()).toBe(1);
       be.dispose();
     });
 });

@@ -14,7 +14,7 @@ import { Sgd } from "../../engine/optim/sgd.ts";
 import { Rng } from "../../engine/rng.ts";
 import { Context } from "../../engine/tensor.ts";
 import { evaluate, type HostBatch, TrainStep } from "../../engine/train.ts";
-import { emulatedCuda } from "../helpers/emulated-cuda.ts";
+import { emulatedCuda, type Timeline } from "../helpers/emulated-cuda.ts";
 import { cpu, relErr } from "../helpers/numeric.ts";
 
 const emulated = await emulatedCuda();
@@ -96,5 +96,37 @@ describe.skipIf(!emulated.ok)("training on the CUDA backend (emulated on the hos
     };
     const batches = gptBatches(5, V, T);
     expectSameRun(train(gpu(), build, batches), train(cpu(), build, batches));
+  }, 120_000);
+
+  // The host must not wait on the GPU while it queues a pass: each wait drains the GPU's queue,
+  // and the GPU then idles while the host queues the rest. So: no stream synchronization before
+  // the backward pass is fully queued (the last kernel of backward is the token embedding's), and
+  // none after the optimizer's first kernel, so the next step's forward is queued while the
+  // update runs. Ids and targets are checked on the host; the loss is read after backward.
+  test("a GPT step waits on the GPU only between its backward pass and its update", () => {
+    const { timeline } = emulated as { timeline: Timeline };
+    const [V, T] = [11, 6];
+    const ctx = new Context(gpu(), { seed: 5 });
+    const model = new GptModel(ctx, { vocabSize: V, blockSize: T, nLayer: 1, nHead: 2, nEmbd: 8, dropout: 0.1 }, 4);
+    const opt = new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 });
+    const step = new TrainStep(ctx, model, opt, { lr: 3e-3, schedule: { kind: "constant" }, gradClip: 0.5, accumSteps: 1 });
+    const batches = gptBatches(3, V, T);
+    step.run([batches[0]!]);
+    step.run([batches[1]!]);
+    timeline.reset();
+    step.run([batches[2]!]);
+    const launches = timeline.launches();
+    const syncs = timeline.streamSyncs();
+    ctx.dispose();
+    const backwardQueued = launches.lastIndexOf("mt_embedding_backward_f32") + 1;
+    const updateStarts = launches.indexOf("mt_adamw_step_f32");
+    expect(backwardQueued).toBeGreaterThan(launches.indexOf("mt_crossentropy_backward_f32"));
+    expect(updateStarts).toBeGreaterThan(backwardQueued);
+    // the loss, and the gradient norm for clipping
+    expect(syncs.length).toBe(2);
+    for (const s of syncs) {
+      expect(s).toBeGreaterThanOrEqual(backwardQueued);
+      expect(s).toBeLessThanOrEqual(updateStarts);
+    }
   }, 120_000);
 });

@@ -104,7 +104,16 @@ export async function emulatorLibrary(): Promise<string> {
   return (await build()).emulator;
 }
 
-export type EmulatedCuda = { ok: true; backend: () => CudaBackend } | { ok: false; reason: string };
+/** What the fake driver under the emulated backend recorded: kernel launches, and the launch
+ *  count at each cuStreamSynchronize (where the host waited on the GPU). */
+export interface Timeline {
+  reset(): void;
+  launches(): string[];
+  /** for each stream synchronization, how many kernels had been launched before it */
+  streamSyncs(): number[];
+}
+
+export type EmulatedCuda = { ok: true; backend: () => CudaBackend; timeline: Timeline } | { ok: false; reason: string };
 
 let opened: Promise<EmulatedCuda> | undefined;
 
@@ -120,13 +129,31 @@ async function open(): Promise<EmulatedCuda> {
     return { ok: false, reason: "the backend loads PTX at start and there is no nvcc to build it" };
   }
   const built = await build();
-  const control = dlopen(built.fakeCuda, { fake_use_emulator: { args: ["ptr"], returns: "i32" } });
+  const control = dlopen(built.fakeCuda, {
+    fake_use_emulator: { args: ["ptr"], returns: "i32" },
+    fake_timeline_reset: { args: [], returns: "void" },
+    fake_launch_count: { args: [], returns: "i32" },
+    fake_launch_at: { args: ["i32", "ptr"], returns: "void" },
+    fake_stream_sync_count: { args: [], returns: "i32" },
+    fake_stream_sync_at: { args: ["i32"], returns: "i32" },
+  });
+  const c = control.symbols;
+  // FakeLaunch begins with the kernel's name, char[64]; the whole struct is 360 bytes
+  const record = new Uint8Array(360);
+  const timeline: Timeline = {
+    reset: () => c.fake_timeline_reset(),
+    launches: () => Array.from({ length: Math.min(c.fake_launch_count(), 4096) }, (_, i) => {
+      c.fake_launch_at(i, ptr(record));
+      return Buffer.from(record.subarray(0, record.indexOf(0))).toString();
+    }),
+    streamSyncs: () => Array.from({ length: Math.min(c.fake_stream_sync_count(), 256) }, (_, i) => c.fake_stream_sync_at(i)),
+  };
   if (control.symbols.fake_use_emulator(ptr(Buffer.from(`${built.emulator}\0`))) !== 0) {
     return { ok: false, reason: `the fake driver could not load ${built.emulator}` };
   }
   const driver = new Driver(built.fakeCuda);
   let backend: CudaBackend | undefined;
-  return { ok: true, backend: () => (backend ??= new CudaBackend({ driver, cublasPath: built.fakeCublas })) };
+  return { ok: true, backend: () => (backend ??= new CudaBackend({ driver, cublasPath: built.fakeCublas })), timeline };
 }
 
 /** Every backend a parity suite should run on: the CPU, CUDA where a GPU is present, and
