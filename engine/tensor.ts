@@ -230,6 +230,7 @@ export class Context {
   precision: Precision;
   readonly poison: boolean;
   readonly #persistent: Allocation[] = [];
+  #scalars: Allocation | null = null;
   #dropoutSeed: bigint;
   #dropoutCalls = 0n;
 
@@ -249,11 +250,15 @@ export class Context {
 
   empty(shape: Shape, dtype: DType = "f32"): Tensor {
     checkShape("empty", shape);
+    return this.#arenaTensor(shape, dtype, null);
+  }
+
+  #arenaTensor(shape: Shape, dtype: DType, valueRange: ValueRange | null): Tensor {
     const bytes = numelOf(shape) * dtypeBytes[dtype];
     const ptr = this.arena.alloc(bytes);
     // arena blocks are 64-byte aligned, so rounding up to whole f32s stays inside the block
     if (this.poison) this.backend.fill(ptr, Math.ceil(bytes / 4), poisonValue[dtype]);
-    return new Tensor(this, shape, dtype, ptr, this.arena.generation);
+    return new Tensor(this, shape, dtype, ptr, this.arena.generation, false, null, 0, valueRange);
   }
 
   zeros(shape: Shape, dtype: DType = "f32"): Tensor {
@@ -269,10 +274,9 @@ export class Context {
     if (numelOf(shape) !== data.length) {
       throw new ShapeError("fromArray", [shape], `data has ${data.length} elements, shape needs ${numelOf(shape)}`);
     }
-    const ptr = this.empty(shape, dtype).ptr;
-    this.backend.upload(ptr, data);
-    return new Tensor(this, shape, dtype, ptr, this.arena.generation, false, null, 0,
-      data instanceof Int32Array ? rangeOf(data) : null);
+    const t = this.#arenaTensor(shape, dtype, data instanceof Int32Array ? rangeOf(data) : null);
+    this.backend.upload(t.ptr, data);
+    return t;
   }
 
   /** Backend memory that lives until dispose() (slabs). Zeroed. */
@@ -280,6 +284,23 @@ export class Context {
     const a = this.backend.alloc(bytes);
     this.#persistent.push(a);
     return a;
+  }
+
+  /**
+   * Persistent backend memory for n f32 scalars, the same on every call (regrown when n outgrows
+   * it): where a training step gathers its micro-batches' losses, so that reading them back is
+   * one wait on a GPU rather than one per micro-batch. The contents last until the next call.
+   */
+  scalarSlots(n: number): Ptr {
+    const bytes = 4 * n;
+    if (this.#scalars === null || this.#scalars.bytes < bytes) {
+      if (this.#scalars !== null) {
+        this.#persistent.splice(this.#persistent.indexOf(this.#scalars), 1);
+        this.backend.free(this.#scalars);
+      }
+      this.#scalars = this.allocPersistent(Math.max(bytes, 64));
+    }
+    return this.#scalars.ptr;
   }
 
   /** A tensor over persistent memory at ptr (a slab view). */
@@ -344,5 +365,6 @@ export class Context {
     this.arena.dispose();
     for (const a of this.#persistent) this.backend.free(a);
     this.#persistent.length = 0;
+    this.#scalars = null;
   }
 }

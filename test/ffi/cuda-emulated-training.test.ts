@@ -103,18 +103,18 @@ describe.skipIf(!emulated.ok)("training on the CUDA backend (emulated on the hos
   // the backward pass is fully queued (the last kernel of backward is the token embedding's), and
   // none after the optimizer's first kernel, so the next step's forward is queued while the
   // update runs. Ids and targets are checked on the host; the loss is read after backward.
-  test("a GPT step waits on the GPU only between its backward pass and its update", () => {
+  test.each([1, 3])("a GPT step of %i micro-batch(es) waits on the GPU only between its last backward pass and its update", (k) => {
     const { timeline } = emulated as { timeline: Timeline };
     const [V, T] = [11, 6];
     const ctx = new Context(gpu(), { seed: 5 });
     const model = new GptModel(ctx, { vocabSize: V, blockSize: T, nLayer: 1, nHead: 2, nEmbd: 8, dropout: 0.1 }, 4);
     const opt = new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 });
-    const step = new TrainStep(ctx, model, opt, { lr: 3e-3, schedule: { kind: "constant" }, gradClip: 0.5, accumSteps: 1 });
-    const batches = gptBatches(3, V, T);
-    step.run([batches[0]!]);
-    step.run([batches[1]!]);
+    const step = new TrainStep(ctx, model, opt, { lr: 3e-3, schedule: { kind: "constant" }, gradClip: 0.5, accumSteps: k });
+    const batches = gptBatches(3 * k, V, T);
+    step.run(batches.slice(0, k));
+    step.run(batches.slice(k, 2 * k));
     timeline.reset();
-    step.run([batches[2]!]);
+    step.run(batches.slice(2 * k));
     const launches = timeline.launches();
     const syncs = timeline.streamSyncs();
     ctx.dispose();
@@ -122,7 +122,8 @@ describe.skipIf(!emulated.ok)("training on the CUDA backend (emulated on the hos
     const updateStarts = launches.indexOf("mt_adamw_step_f32");
     expect(backwardQueued).toBeGreaterThan(launches.indexOf("mt_crossentropy_backward_f32"));
     expect(updateStarts).toBeGreaterThan(backwardQueued);
-    // the loss, and the gradient norm for clipping
+    expect(launches.filter((name) => name === "mt_crossentropy_backward_f32")).toHaveLength(k);
+    // the losses, and the gradient norm for clipping
     expect(syncs.length).toBe(2);
     for (const s of syncs) {
       expect(s).toBeGreaterThanOrEqual(backwardQueued);

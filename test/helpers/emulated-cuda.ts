@@ -140,13 +140,22 @@ async function open(): Promise<EmulatedCuda> {
   const c = control.symbols;
   // FakeLaunch begins with the kernel's name, char[64]; the whole struct is 360 bytes
   const record = new Uint8Array(360);
+  // the fake keeps the first 4096 launches and stops counting there: past that, positions lie
+  const recordedLaunches = () => {
+    const n = c.fake_launch_count();
+    if (n >= 4096) throw new Error("the fake driver's launch record is full (4096): reset the timeline more often");
+    return n;
+  };
   const timeline: Timeline = {
     reset: () => c.fake_timeline_reset(),
-    launches: () => Array.from({ length: Math.min(c.fake_launch_count(), 4096) }, (_, i) => {
+    launches: () => Array.from({ length: recordedLaunches() }, (_, i) => {
       c.fake_launch_at(i, ptr(record));
       return Buffer.from(record.subarray(0, record.indexOf(0))).toString();
     }),
-    streamSyncs: () => Array.from({ length: Math.min(c.fake_stream_sync_count(), 256) }, (_, i) => c.fake_stream_sync_at(i)),
+    streamSyncs: () => {
+      recordedLaunches();
+      return Array.from({ length: Math.min(c.fake_stream_sync_count(), 256) }, (_, i) => c.fake_stream_sync_at(i));
+    },
   };
   if (control.symbols.fake_use_emulator(ptr(Buffer.from(`${built.emulator}\0`))) !== 0) {
     return { ok: false, reason: `the fake driver could not load ${built.emulator}` };
