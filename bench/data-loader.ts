@@ -37,7 +37,7 @@ export async function runDataLoaderBench(argv: string[]): Promise<DataLoaderBenc
   const loader = Bun.spawn([process.execPath, "services/data-loader/main.ts", "--nats-url", server.url], { cwd: root, stdout: "ignore", stderr: "ignore", env: { ...process.env, OMP_NUM_THREADS: "1" } });
   const bus = await NatsBus.connect({ url: server.url, name: "bench-dl", connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
   try {
-    await (await JobStore.open(bus.nc)).put({ job: cfg.job, trainers: 2, shards: 1, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(cfg) });
+    await (await JobStore.open(bus.nc)).putSpec({ job: cfg.job, trainers: 2, shards: 1, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(cfg) });
     for (let i = 0; ; i++) {
       try {
         await bus.request(`mt.${cfg.job}.data.stats`, encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 1000);

@@ -7,7 +7,7 @@
 import { join } from "node:path";
 import { packByBytes } from "../schemas/codec.ts";
 import { decodeShardStats, encodeJobRequest, SyncPolicy } from "../schemas/messages.ts";
-import { buildLayout } from "../services/parameter-server/layout.ts";
+import { buildLayout } from "../services/runtime/layout.ts";
 import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../services/runtime/job.ts";
 import { JobStore } from "../services/runtime/jobs.ts";
 import { initialParameters } from "../services/runtime/model.ts";
@@ -70,6 +70,8 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
   const maxShards = Math.max(...shardCounts);
   const shards = Array.from({ length: maxShards }, (_, k) =>
     spawn(["services/parameter-server/main.ts", "--nats-url", server.url, "--shard", String(k)]));
+  // the shards take each job's step count (its schedule's length) from the data-loader's plan
+  const loader = spawn(["services/data-loader/main.ts", "--nats-url", server.url]);
   const echoes = Array.from({ length: maxShards }, (_, k) => spawn(["bench/nats-echo.ts", server.url, String(k)]));
   await Promise.all(echoes.map((p) => waitLine(p, "ready")));
   const bus = await NatsBus.connect({ url: server.url, name: "bench-ps", connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
@@ -79,8 +81,8 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
     for (const mb of sizes) for (const n of shardCounts) rows.push(await benchOne(bus, store, jobFor(mb, n), mb, rounds));
   } finally {
     await bus.close();
-    for (const p of [...shards, ...echoes]) p.kill("SIGTERM");
-    await Promise.all([...shards, ...echoes].map((p) => p.exited));
+    for (const p of [...shards, loader, ...echoes]) p.kill("SIGTERM");
+    await Promise.all([...shards, loader, ...echoes].map((p) => p.exited));
   }
   if (!v["json-only"]) {
     console.log(`parameter-server benchmark: 1 trainer pushes then pulls the whole model (ASP, SGD momentum), ${chunkBytes >> 20} MB chunks, ` +
@@ -92,7 +94,7 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
 }
 
 async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: number, rounds: number): Promise<PsBenchResult> {
-  await store.put({ job: cfg.job, trainers: 1, shards: cfg.shards, sync: SyncPolicy.ASP, staleness: 0, configJson: JSON.stringify(cfg) });
+  await store.putSpec({ job: cfg.job, trainers: 1, shards: cfg.shards, sync: SyncPolicy.ASP, staleness: 0, configJson: JSON.stringify(cfg) });
   // the same layout the shards and trainers derive from the model
   const init = initialParameters(cfg);
   const total = init.values.length;
@@ -148,7 +150,7 @@ async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: numbe
       natsMs.push(n);
     }
   }
-  await store.delete(cfg.job);
+  await store.deleteSpec(cfg.job);
   const bytes = 2 * total * 4;
   const ps = bytes / median(psMs) / 1e6, nats = bytes / median(natsMs) / 1e6;
   return {

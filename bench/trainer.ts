@@ -41,11 +41,10 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
   const dir = mkdtempSync(join(tmpdir(), "mt-bench-trainer-"));
   let mesh: Awaited<ReturnType<typeof watchJob>>;
   try {
-    await using m = await LocalMesh.start({ dir });
+    await using m = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: cfg.trainers, shards: cfg.shards });
     await using client = await MeshClient.connect(m.url);
-    const events = client.events(cfg.job);
-    await client.submit(cfg);
-    mesh = await watchJob(events, { trainers: cfg.trainers, totalSteps: steps, quiet: true });
+    await client.submit(cfg, { membersWaitMs: 60_000 });
+    mesh = await watchJob(client, cfg.job, { quiet: true });
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }

@@ -1,6 +1,8 @@
 // Picks the compute backend for `--device auto|cpu|cuda`. `auto` takes CUDA when a driver
-// and a device are present and says which it picked and why; `cuda` without them is an error
-// that names what is missing.
+// and a device are present and says in one short line which it picked; `cuda` without them
+// is an error that names what is missing and how to install it. The probe's full finding
+// (driver and device, or why CUDA is not usable with the install hint) is `detail`, for logs:
+// on a machine without a GPU, `auto` picking the CPU is expected, not something to fix.
 import type { Backend } from "./backend.ts";
 import { CpuBackend } from "./cpu/backend.ts";
 import { CudaBackend, probeCuda } from "./cuda/backend.ts";
@@ -11,26 +13,31 @@ export type DeviceChoice = (typeof deviceChoices)[number];
 
 export interface OpenedBackend {
   backend: Backend;
-  /** one line saying which backend runs and why (printed by the CLI) */
+  /** one short line saying which backend runs and why (printed by the CLI) */
   why: string;
+  /** the CUDA probe's full finding, for logs ("not probed" for --device cpu) */
+  detail: string;
 }
+
+/** Gets `why` and `detail` (see OpenedBackend); a CLI prints the first, a service logs both. */
+export type DeviceLog = (why: string, detail: string) => void;
 
 /**
  * `slot` spreads processes over the GPUs of a host: a trainer passes its rank and gets GPU
  * rank mod (GPU count). Single-process commands use GPU 0.
  */
-export function openBackend(choice: DeviceChoice, log: (line: string) => void = () => {}, slot = 0): OpenedBackend {
-  if (choice === "cpu") return opened(new CpuBackend(), "device: cpu (asked for)", log);
+export function openBackend(choice: DeviceChoice, log: DeviceLog = () => {}, slot = 0): OpenedBackend {
+  if (choice === "cpu") return opened(new CpuBackend(), "device: cpu (asked for)", "CUDA not probed (--device cpu)", log);
   const probe = probeCuda();
   if (choice === "cuda" && !probe.ok) throw new NativeLibraryError(`--device cuda: ${probe.reason}`);
-  if (!probe.ok) return opened(new CpuBackend(), `device: cpu, picked by auto (no CUDA: ${probe.reason})`, log);
+  if (!probe.ok) return opened(new CpuBackend(), "device: cpu (no GPU found)", `no CUDA: ${probe.reason}`, log);
   const ordinal = slot % probe.deviceCount;
   const how = choice === "auto" ? ", picked by auto" : "";
-  return opened(new CudaBackend({ device: ordinal }), `device: cuda:${ordinal}${how} (${probe.reason})`, log);
+  return opened(new CudaBackend({ device: ordinal }), `device: cuda:${ordinal}${how} (${probe.reason})`, probe.reason, log);
 }
 
 /** Run fn on the chosen backend and dispose of it afterwards, whatever happens. */
-export function withBackend<T>(choice: DeviceChoice, log: ((line: string) => void) | undefined, fn: (backend: Backend) => T): T {
+export function withBackend<T>(choice: DeviceChoice, log: DeviceLog | undefined, fn: (backend: Backend) => T): T {
   const { backend } = openBackend(choice, log);
   try {
     return fn(backend);
@@ -39,7 +46,7 @@ export function withBackend<T>(choice: DeviceChoice, log: ((line: string) => voi
   }
 }
 
-function opened(backend: Backend, why: string, log: (line: string) => void): OpenedBackend {
-  log(why);
-  return { backend, why };
+function opened(backend: Backend, why: string, detail: string, log: DeviceLog): OpenedBackend {
+  log(why, detail);
+  return { backend, why, detail };
 }

@@ -5,13 +5,14 @@
 import { Builder, type ByteBuffer } from "flatbuffers";
 import {
   Batch as BatchT, BatchRequest as BatchRequestT, CheckpointList as CheckpointListT, Chunk as ChunkT, ChunkState as ChunkStateT, DType, ErrorReply as ErrorReplyT,
-  Event as EventT, EventKind, FileEntry as FileEntryT, JobRequest as JobRequestT, JobSpec as JobSpecT, LoaderStats as LoaderStatsT, ShardStats as ShardStatsT, Manifest as ManifestT, NamedVector as NamedVectorT,
+  DataPlan as DataPlanT, Event as EventT, EventKind, FileEntry as FileEntryT, JobRecord as JobRecordT, JobRequest as JobRequestT, JobSpec as JobSpecT,
+  JobState, LoaderStats as LoaderStatsT, ShardStats as ShardStatsT, Manifest as ManifestT, NamedVector as NamedVectorT,
   PullReply as PullReplyT, PullRequest as PullRequestT, PushReply as PushReplyT, PushRequest as PushRequestT,
   ShardState as ShardStateT, Split, SyncPolicy,
 } from "./wire.ts";
 import { bytesOf, createBytes, createBytesFilled, createI32s, f32Of, finishBytes, guarded, openRoot, verifyTable, type RootType, schemaVersion, WireFormatError } from "./codec.ts";
 
-export { DType, EventKind, Split, SyncPolicy };
+export { DType, EventKind, JobState, Split, SyncPolicy };
 
 const dtypeBytes: Record<DType, number> = { [DType.F32]: 4, [DType.F16]: 2, [DType.I8]: 1 };
 
@@ -429,6 +430,8 @@ export interface Manifest {
   files: FileEntry[];
   /** per trainer rank: the step its data resumes from */
   cursors: number[];
+  /** the model file exported from this snapshot (a job's final one); "" otherwise */
+  modelPath: string;
 }
 
 const manifestRoot = root("Manifest", "MTCM", (bb) => ManifestT.getRootAsManifest(bb));
@@ -436,12 +439,12 @@ const manifestRoot = root("Manifest", "MTCM", (bb) => ManifestT.getRootAsManifes
 function writeManifest(b: Builder, m: Manifest): number {
   const cursors = ManifestT.createCursorsVector(b, m.cursors.map(big));
   const files = ManifestT.createFilesVector(b, m.files.map((f) => FileEntryT.createFileEntry(b, str(b, f.name), big(f.bytes), f.crc32)));
-  const job = str(b, m.job), id = str(b, m.id), config = str(b, m.configJson);
-  return ManifestT.createManifest(b, schemaVersion, m.formatVersion, job, id, big(m.step), m.createdMs, m.metric, config, files, cursors);
+  const job = str(b, m.job), id = str(b, m.id), config = str(b, m.configJson), modelPath = str(b, m.modelPath);
+  return ManifestT.createManifest(b, schemaVersion, m.formatVersion, job, id, big(m.step), m.createdMs, m.metric, config, files, cursors, modelPath);
 }
 
 export function encodeManifest(m: Manifest): Uint8Array {
-  const b = builder(1024 + m.configJson.length * 3);
+  const b = builder(1024 + (m.configJson.length + m.modelPath.length) * 3);
   return finishBytes(b, writeManifest(b, m), manifestRoot.identifier);
 }
 
@@ -451,6 +454,7 @@ function readManifest(r: ManifestT): Manifest {
     metric: r.metric(), configJson: r.configJson() ?? "",
     files: readList(r.filesLength(), (i) => r.files(i), (f) => ({ name: f.name() ?? "", bytes: num(f.bytes()), crc32: f.crc32() }), "Manifest.files"),
     cursors: Array.from({ length: r.cursorsLength() }, (_, i) => num(r.cursors(i) ?? 0n)),
+    modelPath: r.modelPath() ?? "",
   };
 }
 
@@ -561,4 +565,78 @@ export function decodeLoaderStats(data: Uint8Array, bytesMax: number): LoaderSta
     job: r.job() ?? "", batches: num(r.batches()), batchesPerS: r.batchesPerS(), queueDepth: r.queueDepth(), prefetchHits: num(r.prefetchHits()),
     prefetchMisses: num(r.prefetchMisses()), waitMsP50: r.waitMsP50(), waitMsP99: r.waitMsP99(),
   }));
+}
+
+// ---- data plan -----------------------------------------------------------------------------
+
+export interface DataPlan {
+  job: string;
+  trainSamples: number;
+  valSamples: number;
+  testSamples: number;
+  stepsPerEpoch: number;
+  totalSteps: number;
+}
+
+const dataPlanRoot = root("DataPlan", "MTDP", (bb) => DataPlanT.getRootAsDataPlan(bb));
+
+export function encodeDataPlan(m: DataPlan): Uint8Array {
+  const b = builder(128);
+  const job = str(b, m.job);
+  return finishBytes(b, DataPlanT.createDataPlan(b, schemaVersion, job, m.trainSamples, m.valSamples, m.testSamples, big(m.stepsPerEpoch),
+    big(m.totalSteps)), dataPlanRoot.identifier);
+}
+
+export function decodeDataPlan(data: Uint8Array, bytesMax: number): DataPlan {
+  const r = openRoot(data, dataPlanRoot, bytesMax);
+  return guarded("DataPlan", () => ({
+    job: r.job() ?? "", trainSamples: r.trainSamples(), valSamples: r.valSamples(), testSamples: r.testSamples(),
+    stepsPerEpoch: num(r.stepsPerEpoch()), totalSteps: num(r.totalSteps()),
+  }));
+}
+
+// ---- job record ----------------------------------------------------------------------------
+
+export interface JobRecord {
+  job: string;
+  state: JobState;
+  configJson: string;
+  submittedMs: number;
+  /** 0 while running */
+  endedMs: number;
+  /** 0 until the data-loader has planned the job */
+  totalSteps: number;
+  /** the newest evaluation over every rank (accuracy -1: none yet) */
+  evalStep: number;
+  accuracy: number;
+  loss: number;
+  evaluated: number;
+  evalSplit: string;
+  reason: string;
+  snapshot: string;
+  modelPath: string;
+  snapshotDir: string;
+  attempts: number;
+}
+
+const jobRecordRoot = root("JobRecord", "MTJB", (bb) => JobRecordT.getRootAsJobRecord(bb));
+
+export function encodeJobRecord(m: JobRecord): Uint8Array {
+  const texts = [m.job, m.configJson, m.evalSplit, m.reason, m.snapshot, m.modelPath, m.snapshotDir];
+  const b = builder(512 + texts.reduce((s, t) => s + t.length * 3, 0));
+  const [job, config, split, reason, snapshot, modelPath, snapshotDir] = texts.map((t) => str(b, t)) as [number, number, number, number, number, number, number];
+  return finishBytes(b, JobRecordT.createJobRecord(b, schemaVersion, job, m.state, config, m.submittedMs, m.endedMs, big(m.totalSteps), big(m.evalStep),
+    m.accuracy, m.loss, m.evaluated, split, reason, snapshot, modelPath, snapshotDir, m.attempts), jobRecordRoot.identifier);
+}
+
+export function decodeJobRecord(data: Uint8Array, bytesMax: number): JobRecord {
+  const r = openRoot(data, jobRecordRoot, bytesMax);
+  const m = guarded("JobRecord", () => ({
+    job: r.job() ?? "", state: r.state(), configJson: r.configJson() ?? "", submittedMs: r.submittedMs(), endedMs: r.endedMs(),
+    totalSteps: num(r.totalSteps()), evalStep: num(r.evalStep()), accuracy: r.accuracy(), loss: r.loss(), evaluated: r.evaluated(),
+    evalSplit: r.evalSplit() ?? "", reason: r.reason() ?? "", snapshot: r.snapshot() ?? "", modelPath: r.modelPath() ?? "",
+    snapshotDir: r.snapshotDir() ?? "", attempts: r.attempts(),
+  }));
+  if (JobState[m.state] === undefined) throw new WireFormatError("malformed", `JobRecord: unknown state ${m.state}`);
+  return m;
 }

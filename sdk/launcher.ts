@@ -1,12 +1,20 @@
 // The local launcher: reads deploy/docker-compose.yml (the single source of the topology) and
-// starts the same services as local processes, next to an embedded nats-server on a free port.
+// starts the same services as local processes, next to an embedded nats-server. The compose
+// file's trainer and parameter-server entries are templates: the launcher starts as many ranks
+// and shards as asked for, each with its own MT_RANK or MT_SHARD.
+//
+// Lifetimes: every child runs in its own session (a terminal's Ctrl-C reaches only the launcher,
+// which stops the services, then NATS, in order) and gets SIGTERM from the kernel if the launcher
+// dies without stopping them (util-linux's setpriv --pdeathsig): nothing outlives the launcher.
 // A service that dies is restarted (after a short pause, a bounded number of times), as
-// `restart: on-failure` does in compose. Service logs go to one file per service.
+// `restart: on-failure` does in compose. Each service's output goes to one log file per launch;
+// lines about a job can also be copied into that job's own log folder.
 import { createWriteStream, mkdirSync, readFileSync, type WriteStream } from "node:fs";
 import { join } from "node:path";
 import type { Subprocess } from "bun";
 import { parse } from "yaml";
 import { z } from "zod";
+import { jobNamePattern } from "../services/runtime/job.ts";
 import { type NatsServer, startNatsServer } from "../services/runtime/nats-server.ts";
 
 export const composePath = join(import.meta.dir, "..", "deploy", "docker-compose.yml");
@@ -16,6 +24,10 @@ const root = join(import.meta.dir, "..");
 export const restartsMax = 10;
 /** Pause before a restart, so a service that fails at once does not spin. */
 export const restartDelayMs = 500;
+/** How long services get to drain after SIGTERM before they are killed. */
+export const stopGraceMs = 10_000;
+/** Per-job log files kept open at once (mesh up): the oldest is closed first. */
+const jobLogFilesMax = 64;
 
 const composeSchema = z.object({
   services: z.record(z.string(), z.object({
@@ -44,9 +56,36 @@ export function readTopology(path = composePath): ServiceSpec[] {
     }));
 }
 
+/**
+ * The topology with `trainers` trainer ranks and `shards` parameter-server shards: the compose
+ * file's entries of each kind are the template (their first one, renamed per index).
+ */
+export function scaleTopology(specs: readonly ServiceSpec[], counts: { trainers?: number; shards?: number }): ServiceSpec[] {
+  const scale = (key: "MT_RANK" | "MT_SHARD", n: number | undefined, out: ServiceSpec[]) => {
+    const kind = specs.filter((s) => s.env[key] !== undefined);
+    const template = kind[0];
+    if (n === undefined || template === undefined) return out.push(...kind);
+    const base = template.name.replace(/-?\d+$/, "");
+    for (let i = 0; i < n; i++) out.push({ ...template, name: `${base}-${i}`, env: { ...template.env, [key]: String(i) } });
+  };
+  const out: ServiceSpec[] = specs.filter((s) => s.env.MT_RANK === undefined && s.env.MT_SHARD === undefined);
+  scale("MT_SHARD", counts.shards, out);
+  scale("MT_RANK", counts.trainers, out);
+  return out;
+}
+
 export interface MeshOptions {
-  /** folder for service logs and checkpoints */
-  dir: string;
+  /** folder that holds the jobs' folders (snapshots, model, logs): MT_DIR of the checkpoint service */
+  jobsDir: string;
+  /** folder for this launch's service logs (one file per service) */
+  logDir: string;
+  /** also copy every log line about a job into <jobsDir>/<job>/logs/<service>.log */
+  jobLogs?: boolean;
+  trainers?: number;
+  shards?: number;
+  /** NATS port (default: a free one) and JetStream folder (default: a temporary one, removed at stop) */
+  port?: number;
+  natsStoreDir?: string;
   /** extra MT_* overrides for every service */
   env?: Record<string, string>;
   onEvent?: (line: string) => void;
@@ -58,23 +97,38 @@ interface Running {
   restarts: number;
 }
 
+/** argv that asks the kernel to SIGTERM the child when the launcher dies (Linux; plain argv elsewhere). */
+function tiedToLauncher(argv: string[]): string[] {
+  const setpriv = Bun.which("setpriv");
+  return setpriv ? [setpriv, "--pdeathsig", "TERM", "--", ...argv] : argv;
+}
+
 export class LocalMesh implements AsyncDisposable {
   readonly #running = new Map<string, Running>();
   readonly #logs = new Map<string, WriteStream>();
-  #stopping = false;
+  #stopping: Promise<void> | null = null;
 
   private constructor(readonly nats: NatsServer, readonly opts: MeshOptions, readonly services: ServiceSpec[]) {}
 
   static async start(opts: MeshOptions, topology = readTopology()): Promise<LocalMesh> {
-    mkdirSync(join(opts.dir, "logs"), { recursive: true });
-    const nats = await startNatsServer();
-    const mesh = new LocalMesh(nats, opts, topology);
-    for (const spec of topology) mesh.#spawn(spec, 0);
+    mkdirSync(opts.logDir, { recursive: true });
+    mkdirSync(opts.jobsDir, { recursive: true });
+    const nats = await startNatsServer({
+      ...(opts.port === undefined ? {} : { port: opts.port }), ...(opts.natsStoreDir === undefined ? {} : { dir: opts.natsStoreDir }),
+      wrap: tiedToLauncher, logFile: join(opts.logDir, "nats-server.log"),
+    });
+    const mesh = new LocalMesh(nats, opts, scaleTopology(topology, opts));
+    for (const spec of mesh.services) mesh.#spawn(spec, 0);
     return mesh;
   }
 
   get url(): string {
     return this.nats.url;
+  }
+
+  /** Process ids of everything the mesh runs now: NATS and every service. */
+  get pids(): number[] {
+    return [this.nats.pid, ...[...this.#running.values()].map((r) => r.proc.pid)];
   }
 
   /**
@@ -91,40 +145,68 @@ export class LocalMesh implements AsyncDisposable {
       ...(process.env as Record<string, string>), ...spec.env,
       OMP_NUM_THREADS: this.#threads(spec),
       MT_NATS_URL: this.nats.url,
-      MT_DIR: join(this.opts.dir, "checkpoints"),
+      MT_DIR: this.opts.jobsDir,
       ...this.opts.env,
-      // per-service identity from the compose file wins over the overrides
+      // per-service identity from the topology wins over the overrides
       ...(spec.env.MT_SHARD ? { MT_SHARD: spec.env.MT_SHARD } : {}),
       ...(spec.env.MT_RANK ? { MT_RANK: spec.env.MT_RANK } : {}),
     };
   }
 
-  #log(name: string): WriteStream {
-    let s = this.#logs.get(name);
+  #file(path: string): WriteStream {
+    let s = this.#logs.get(path);
     if (!s) {
-      s = createWriteStream(join(this.opts.dir, "logs", `${name}.log`), { flags: "a" });
-      this.#logs.set(name, s);
+      if (this.#logs.size >= jobLogFilesMax + this.services.length) {
+        const oldest = [...this.#logs.keys()].find((p) => p.startsWith(this.opts.jobsDir));
+        if (oldest) {
+          this.#logs.get(oldest)!.end();
+          this.#logs.delete(oldest);
+        }
+      }
+      s = createWriteStream(path, { flags: "a" });
+      this.#logs.set(path, s);
     }
     return s;
   }
 
-  #spawn(spec: ServiceSpec, restarts: number): void {
-    const log = this.#log(spec.name);
-    const proc = Bun.spawn(spec.argv, { cwd: root, env: this.#env(spec), stdin: "ignore", stdout: "pipe", stderr: "pipe" });
-    for (const stream of [proc.stdout, proc.stderr]) {
-      void (async () => {
-        for await (const chunk of stream) log.write(chunk);
-      })();
+  /** Where a service's log goes. */
+  logPath(name: string): string {
+    return join(this.opts.logDir, `${name}.log`);
+  }
+
+  /** Copies a service's output to its log, and each line about a job to that job's log too. */
+  async #pump(name: string, stream: ReadableStream<Uint8Array>): Promise<void> {
+    const log = this.#file(this.logPath(name));
+    const decoder = new TextDecoder();
+    let rest = "";
+    for await (const chunk of stream) {
+      log.write(chunk);
+      if (!this.opts.jobLogs) continue;
+      const lines = (rest + decoder.decode(chunk, { stream: true })).split("\n");
+      rest = lines.pop() ?? "";
+      for (const line of lines) {
+        const job = /"job":"([^"]{1,64})"/.exec(line)?.[1];
+        if (!job || !jobNamePattern.test(job)) continue;
+        const dir = join(this.opts.jobsDir, job, "logs");
+        mkdirSync(dir, { recursive: true });
+        this.#file(join(dir, `${name}.log`)).write(`${line}\n`);
+      }
     }
+  }
+
+  #spawn(spec: ServiceSpec, restarts: number): void {
+    const proc = Bun.spawn(tiedToLauncher(spec.argv), { cwd: root, env: this.#env(spec), stdin: "ignore", stdout: "pipe", stderr: "pipe", detached: true });
+    void this.#pump(spec.name, proc.stdout);
+    void this.#pump(spec.name, proc.stderr);
     this.#running.set(spec.name, { spec, proc, restarts });
     void proc.exited.then((code) => {
       if (this.#stopping) return;
       const why = proc.signalCode ? `signal ${proc.signalCode}` : `exit ${code}`;
       if (restarts >= restartsMax) {
-        this.opts.onEvent?.(`${spec.name} died (${why}) ${restarts} times; not restarting (log: ${join(this.opts.dir, "logs", spec.name + ".log")})`);
+        this.opts.onEvent?.(`${spec.name} died (${why}) ${restarts} times; not restarting (log: ${this.logPath(spec.name)})`);
         return;
       }
-      this.opts.onEvent?.(`${spec.name} died (${why}); restarting`);
+      this.opts.onEvent?.(`${spec.name} died (${why}); restarting (log: ${this.logPath(spec.name)})`);
       setTimeout(() => {
         if (!this.#stopping) this.#spawn(spec, restarts + 1);
       }, restartDelayMs);
@@ -139,19 +221,30 @@ export class LocalMesh implements AsyncDisposable {
     return r.proc.pid;
   }
 
+  /** The process id of a service's current process. */
+  pid(name: string): number {
+    const r = this.#running.get(name);
+    if (!r) throw new Error(`no service ${name}; services: ${[...this.#running.keys()].join(", ")}`);
+    return r.proc.pid;
+  }
+
   restarts(name: string): number {
     return this.#running.get(name)?.restarts ?? 0;
   }
 
-  async stop(): Promise<void> {
-    if (this.#stopping) return;
-    this.#stopping = true;
+  /** Stops every service (SIGTERM, then SIGKILL after stopGraceMs), then NATS. Idempotent. */
+  stop(): Promise<void> {
+    this.#stopping ??= this.#stop();
+    return this.#stopping;
+  }
+
+  async #stop(): Promise<void> {
     const procs = [...this.#running.values()].map((r) => r.proc);
     for (const p of procs) p.kill("SIGTERM");
-    const deadline = setTimeout(() => procs.forEach((p) => p.kill("SIGKILL")), 10_000);
+    const deadline = setTimeout(() => procs.forEach((p) => p.kill("SIGKILL")), stopGraceMs);
     await Promise.all(procs.map((p) => p.exited));
     clearTimeout(deadline);
-    for (const s of this.#logs.values()) s.end();
+    await Promise.all([...this.#logs.values()].map((s) => new Promise<void>((resolve) => s.end(resolve))));
     await this.nats.stop();
   }
 

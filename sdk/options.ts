@@ -1,6 +1,28 @@
 // Option parsers for the CLI: each turns a string into a checked value or raises commander's
 // InvalidArgumentError, which commander prints as "error: option '--x <n>' argument '...' is invalid. <reason>".
+// And the paths the user types: resolved against their folder, shown back as they would type them.
+import { isAbsolute, relative, resolve, sep } from "node:path";
 import { InvalidArgumentError } from "commander";
+
+/** The folder the user ran the command in: `npm run meshtrain -- ...` runs with the package
+ *  root as its working directory and passes the user's in INIT_CWD (npx sets it too). */
+const userDir = (): string => process.env.INIT_CWD ?? process.cwd();
+
+/** A path the user typed (or a default), absolute: relative paths resolve against userDir. */
+export function userPath(p: string): string {
+  return resolve(userDir(), p);
+}
+
+/** An absolute path as the user would type it: relative to userDir when inside it. */
+export function shownPath(p: string): string {
+  const rel = relative(userDir(), p);
+  return rel !== "" && rel.split(sep)[0] !== ".." && !isAbsolute(rel) ? rel : p;
+}
+
+/** One shell word: quoted when it holds anything beyond letters, digits and ./_-+,:=@% */
+export function shellWord(s: string): string {
+  return /^[\w./+,:=@%-]+$/.test(s) ? s : `'${s.replaceAll("'", "'\\''")}'`;
+}
 
 export function float(min = -Infinity, max = Infinity, { exclusiveMin = false } = {}) {
   return (raw: string): number => {

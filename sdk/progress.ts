@@ -1,16 +1,32 @@
 // Training progress: a live bar on a terminal (cli-progress), and on anything else (CI logs,
-// pipes, files) one plain line every few seconds. The training loop is synchronous, so
-// nothing here may rely on timers: every render happens inside update().
+// pipes, files) one plain line every few seconds. The in-process training loops are
+// synchronous, so nothing here may rely on timers: every render happens inside update().
+//
+// Lines printed while the bar runs (evaluations, restores) go above it: the bar is cleared,
+// the line printed, the bar drawn again, so no stale copy of the bar stays on screen. When it
+// stops, the bar gives way to one plain line with the last figures.
 import cliProgress from "cli-progress";
 
 export interface ProgressFields {
   loss: string;
   sps: string;
+  /** shown before the eta, e.g. "acc 97.10% | " */
   extra: string;
 }
 
 /** Seconds between plain lines when stdout is not a terminal. */
 const plainLineIntervalMs = 5000;
+/** Steps seen before an eta is shown: the first steps include start-up and say little. */
+const etaStepsMin = 5;
+
+/** "1h05m", "4m10s", "35s". */
+export function formatSeconds(s: number): string {
+  if (!Number.isFinite(s) || s < 0) return "-";
+  const t = Math.round(s);
+  if (t >= 3600) return `${Math.floor(t / 3600)}h${String(Math.floor((t % 3600) / 60)).padStart(2, "0")}m`;
+  if (t >= 60) return `${Math.floor(t / 60)}m${String(t % 60).padStart(2, "0")}s`;
+  return `${t}s`;
+}
 
 export class Progress {
   readonly #bar: cliProgress.SingleBar | null;
@@ -20,59 +36,83 @@ export class Progress {
   #fields: ProgressFields = { loss: "-", sps: "-", extra: "" };
   #value = 0;
   #lastLineMs = 0;
+  #lastLineValue = -1;
+  /** when the first update arrived, and at which step: the eta's rate is measured from there */
+  #first: { ms: number; step: number } | null = null;
+  #stopped = false;
 
   constructor(total: number, unit: string, tty = Boolean(process.stdout.isTTY)) {
     this.#total = total;
     this.#unit = unit;
     this.#bar = tty ? new cliProgress.SingleBar({
-      format: `{bar} step {value}/{total} | loss {loss} | {sps} ${unit}/s | {extra}eta {eta_formatted}`,
+      format: `{bar} step {value}/{total} | loss {loss} | {sps} ${unit}/s | {extra}eta {eta}`,
       barCompleteChar: "█",
       barIncompleteChar: "░",
       barsize: 24,
       hideCursor: true,
-      clearOnComplete: false,
+      clearOnComplete: true,
       synchronousUpdate: true,
-      etaBuffer: 50,
       fps: 10,
     }) : null;
-    this.#bar?.start(total, 0, this.#fields);
+    this.#bar?.start(total, 0, this.#payload());
+  }
+
+  #eta(): string {
+    const f = this.#first;
+    if (f === null || this.#value - f.step < etaStepsMin) return "-";
+    const perStep = (performance.now() - f.ms) / 1000 / (this.#value - f.step);
+    return formatSeconds(perStep * (this.#total - this.#value));
+  }
+
+  #payload(): ProgressFields & { eta: string } {
+    return { ...this.#fields, eta: this.#eta() };
   }
 
   update(step: number, fields: ProgressFields): void {
+    if (this.#stopped) return;
     this.#fields = fields;
-    this.#value = step;
+    this.#value = Math.min(step, this.#total);
+    this.#first ??= { ms: performance.now(), step: this.#value };
     if (this.#bar !== null) {
-      this.#bar.update(step, fields);
+      this.#bar.update(this.#value, this.#payload());
       return;
     }
     const now = performance.now();
-    if (now - this.#lastLineMs >= plainLineIntervalMs || step === this.#total) {
-      this.#lastLineMs = now;
-      console.log(this.#plainLine());
-    }
+    if (now - this.#lastLineMs >= plainLineIntervalMs || this.#value === this.#total) this.#plain(now);
   }
 
-  #plainLine(): string {
+  #plain(now = performance.now()): void {
+    if (this.#lastLineValue === this.#value) return; // that line is on screen already
+    this.#lastLineMs = now;
+    this.#lastLineValue = this.#value;
+    console.log(this.line());
+  }
+
+  /** The current figures as one plain line. */
+  line(): string {
     const f = this.#fields;
     const elapsed = (performance.now() - this.#t0) / 1000;
-    return `step ${this.#value}/${this.#total} | loss ${f.loss} | ${f.sps} ${this.#unit}/s | ${f.extra}${elapsed.toFixed(0)} s`;
+    return `step ${this.#value}/${this.#total} | loss ${f.loss} | ${f.sps} ${this.#unit}/s | ${f.extra}${formatSeconds(elapsed)}`;
   }
 
   /** Print a line above the bar (evaluations, checkpoints). */
   log(line: string): void {
-    if (this.#bar === null) {
+    if (this.#bar === null || this.#stopped) {
       console.log(line);
       return;
     }
-    // cli-progress has no "print above": stop, print, restart with the same state
+    // cli-progress has no "print above" for a single bar: clear it, print, draw it again
     this.#bar.stop();
     console.log(line);
-    this.#bar.start(this.#total, this.#value, this.#fields);
+    this.#bar.start(this.#total, this.#value, this.#payload());
   }
 
+  /** Ends the display with one plain line of the last figures (once). */
   stop(): void {
-    if (this.#bar !== null) this.#bar.stop();
-    else if (this.#value !== this.#total) console.log(this.#plainLine());
+    if (this.#stopped) return;
+    this.#stopped = true;
+    this.#bar?.stop();
+    this.#plain();
   }
 }
 

@@ -1,105 +1,184 @@
-// Follows a job's events to its end: a progress line or bar (step, loss, accuracy, samples/s),
-// evaluations combined over ranks (weighted by the samples each evaluated), restores and
-// checkpoints printed as they happen. Resolves with the final evaluation.
-import { type Event, EventKind } from "../schemas/messages.ts";
+// Follows a job to its end: a progress bar or plain lines (step, loss, accuracy, samples/s),
+// evaluations combined over ranks, restores and checkpoints printed as they happen. The job
+// ends with its Ended event; in case that event is lost (NATS core delivers at most once) the
+// job's record is read every few seconds too. A job that ended already is answered at once.
+import { type Event, EventKind, type JobRecord, JobState } from "../schemas/messages.ts";
+import { DeadlineError } from "../services/runtime/errors.ts";
+import { EvalTally } from "../services/runtime/evals.ts";
+import { jobConfigFromJson } from "../services/runtime/job.ts";
+import { isEnded, stateName } from "../services/runtime/jobs.ts";
+import type { MeshClient } from "./client.ts";
 import { Progress, RateMeter } from "./progress.ts";
 
 export class JobFailedError extends Error {
   override readonly name = "JobFailedError";
+  constructor(message: string, readonly record: JobRecord | null = null) {
+    super(message);
+  }
 }
 
-export interface JobResult {
-  accuracy: number;
-  loss: number;
-  evaluated: number;
-  steps: number;
+export interface JobOutcome {
+  /** the job's record as it ended */
+  record: JobRecord;
   seconds: number;
   restores: number;
   checkpoints: number;
-  /** mean over all ranks' steps, milliseconds */
+  /** mean over all ranks' steps seen, milliseconds */
   split: { dataWaitMs: number; pullMs: number; computeMs: number; pushMs: number };
   samplesPerS: number;
+  /** the newest step rank 0 reported (0 when none was seen) */
+  step: number;
+  /** false when the job had ended before watching began */
+  watched: boolean;
 }
 
 export interface WatchOptions {
-  trainers: number;
-  totalSteps: number;
-  /** lines that are not progress (the launcher's restarts); printed above the bar */
-  progress?: Progress;
+  /** no bar and no lines */
   quiet?: boolean;
+  /** stop waiting (the outcome is a DeadlineError naming the reason) */
+  signal?: AbortSignal;
+  /** lines of the caller's (the launcher's restarts), printed above the bar; set by watchJob */
+  onLine?: (print: (line: string) => void) => void;
+  /** every event, as it arrives (tests, tools) */
+  onEvent?: (e: Event) => void;
 }
 
-export async function watchJob(events: AsyncIterable<Event>, o: WatchOptions): Promise<JobResult> {
+/** How often the job's record is read besides the events. */
+const recordPollMs = 2_000;
+
+/** Follows a job to its end. Resolves with the outcome of a job that is done; throws JobFailedError for a failed or cancelled one. */
+export async function watchJob(client: MeshClient, job: string, o: WatchOptions = {}): Promise<JobOutcome> {
   const t0 = performance.now();
-  const progress = o.progress ?? new Progress(o.totalSteps, "samples");
-  const say = (line: string) => !o.quiet && progress.log(line);
-  const rate = new RateMeter(40);
-  const evals = new Map<number, { loss: number; correct: number; count: number; ranks: number }>();
-  const done = new Set<number>();
-  let step = 0, loss = Number.NaN, accuracy = "-", restores = 0, checkpoints = 0;
-  let final: { loss: number; correct: number; count: number } | null = null;
-  const split = { dataWaitMs: 0, pullMs: 0, computeMs: 0, pushMs: 0 };
-  let stepEvents = 0, samples = 0;
+  const events = client.events(job, o.signal);
+  let record = await client.record(job);
+  const cfg = jobConfigFromJson(record.configJson);
+  const w = new Watcher(cfg.trainers, cfg.epochs, o);
+  o.onLine?.((line) => w.say(line));
   try {
-    for await (const e of events) {
-      switch (e.kind) {
-        case EventKind.Step:
-          if (e.rank === 0) {
-            step = e.step + 1;
-            loss = e.loss;
-          }
-          rate.add(e.count);
-          samples += e.count;
-          stepEvents++;
-          split.dataWaitMs += e.dataWaitMs;
-          split.pullMs += e.pullMs;
-          split.computeMs += e.computeMs;
-          split.pushMs += e.pushMs;
-          if (!o.quiet) progress.update(Math.min(step, o.totalSteps), { loss: Number.isFinite(loss) ? loss.toFixed(4) : "-", sps: rate.rate.toFixed(0), extra: `acc ${accuracy} | ` });
-          break;
-        case EventKind.Eval: {
-          const r = evals.get(e.step) ?? { loss: 0, correct: 0, count: 0, ranks: 0 };
-          r.loss += e.loss * e.count;
-          r.correct += e.accuracy * e.count;
-          r.count += e.count;
-          r.ranks++;
-          evals.set(e.step, r);
-          if (r.ranks === o.trainers) {
-            accuracy = `${((100 * r.correct) / r.count).toFixed(2)}%`;
-            say(`step ${e.step}: ${e.text} loss ${(r.loss / r.count).toFixed(4)}, accuracy ${accuracy} (${r.count} samples over ${o.trainers} trainers)`);
-            if (e.step >= o.totalSteps) final = r;
-          }
+    const it = events[Symbol.asyncIterator]();
+    let pending: Promise<IteratorResult<Event>> | null = null;
+    let lastPoll = performance.now();
+    while (!isEnded(record)) {
+      pending ??= it.next();
+      const tick = Bun.sleep(recordPollMs).then(() => "tick" as const);
+      const r = await Promise.race([pending, tick]);
+      if (r !== "tick") {
+        pending = null;
+        if (r.done) {
+          if (o.signal?.aborted) throw new DeadlineError(`stopped following job ${job}: ${String(o.signal.reason ?? "aborted")}`);
           break;
         }
-        case EventKind.Restore:
-          restores++;
-          say(`restored: ${e.text}; resuming at step ${e.step}`);
-          break;
-        case EventKind.Checkpoint:
-          checkpoints++;
-          break;
-        case EventKind.Log:
-          say(e.text);
-          break;
-        case EventKind.Failed:
-          throw new JobFailedError(`trainer ${e.rank} failed: ${e.text}`);
-        case EventKind.Done:
-          done.add(e.rank);
-          break;
+        o.onEvent?.(r.value);
+        if (w.handle(r.value, record.totalSteps) === "ended") record = await client.record(job);
+        if (record.totalSteps === 0 && r.value.kind === EventKind.Step) record = await client.record(job);
       }
-      if (done.size === o.trainers && final !== null) break;
+      if (performance.now() - lastPoll >= recordPollMs) {
+        lastPoll = performance.now();
+        record = await client.record(job);
+      }
     }
+    if (!isEnded(record)) record = await client.record(job);
   } finally {
-    if (!o.quiet) progress.stop();
+    w.stop();
+    await events.return?.();
   }
-  if (final === null) throw new JobFailedError("the event stream ended before the job finished");
-  return {
-    accuracy: final.correct / final.count, loss: final.loss / final.count, evaluated: final.count, steps: o.totalSteps,
-    seconds: (performance.now() - t0) / 1000, restores, checkpoints,
-    split: {
-      dataWaitMs: split.dataWaitMs / Math.max(stepEvents, 1), pullMs: split.pullMs / Math.max(stepEvents, 1),
-      computeMs: split.computeMs / Math.max(stepEvents, 1), pushMs: split.pushMs / Math.max(stepEvents, 1),
-    },
-    samplesPerS: samples / ((performance.now() - t0) / 1000),
-  };
+  const outcome = w.outcome(record, (performance.now() - t0) / 1000);
+  if (record.state !== JobState.Done) {
+    throw new JobFailedError(`job ${job} ${stateName(record.state)}${record.reason ? `: ${record.reason}` : ""}`, record);
+  }
+  return outcome;
+}
+
+/** The state of one watch: figures gathered from the events, and the display. */
+class Watcher {
+  readonly #rate = new RateMeter(40);
+  readonly #tally: EvalTally;
+  readonly #split = { dataWaitMs: 0, pullMs: 0, computeMs: 0, pushMs: 0 };
+  #progress: Progress | null = null;
+  #step = 0;
+  #loss = Number.NaN;
+  #accuracy = "";
+  #restores = 0;
+  #checkpoints = 0;
+  #stepEvents = 0;
+  #samples = 0;
+  #watched = false;
+
+  constructor(readonly trainers: number, readonly epochs: number, readonly o: WatchOptions) {
+    this.#tally = new EvalTally(trainers);
+  }
+
+  say(line: string): void {
+    if (this.o.quiet) return;
+    if (this.#progress) this.#progress.log(line);
+    else console.log(line);
+  }
+
+  /** Takes one event; "ended" when it ends the job. */
+  handle(e: Event, totalSteps: number): "ended" | null {
+    this.#watched = true;
+    switch (e.kind) {
+      case EventKind.Step:
+        this.#onStep(e, totalSteps);
+        break;
+      case EventKind.Eval: {
+        const r = this.#tally.add(e);
+        if (r) {
+          this.#accuracy = `${r.split} acc ${(100 * r.accuracy).toFixed(2)}% | `;
+          const epoch = totalSteps > 0 && r.step < totalSteps ? ` (epoch ${Math.round((r.step * this.epochs) / totalSteps)}/${this.epochs})` : "";
+          this.say(`step ${r.step}${epoch}: ${r.split} loss ${r.loss.toFixed(4)}, accuracy ${(100 * r.accuracy).toFixed(2)}% (${r.evaluated} samples over ${r.ranks} trainers)`);
+        }
+        break;
+      }
+      case EventKind.Restore:
+        this.#restores++;
+        this.say(`restored: ${e.text}; resuming at step ${e.step}`);
+        break;
+      case EventKind.Checkpoint:
+        this.#checkpoints++;
+        break;
+      case EventKind.Log:
+        this.say(e.text);
+        break;
+      case EventKind.Failed:
+        this.say(`failed: ${e.text}`);
+        break;
+      case EventKind.Ended:
+        return "ended";
+    }
+    return null;
+  }
+
+  #onStep(e: Event, totalSteps: number): void {
+    if (e.rank === 0) {
+      this.#step = e.step + 1;
+      this.#loss = e.loss;
+    }
+    this.#rate.add(e.count);
+    this.#samples += e.count;
+    this.#stepEvents++;
+    this.#split.dataWaitMs += e.dataWaitMs;
+    this.#split.pullMs += e.pullMs;
+    this.#split.computeMs += e.computeMs;
+    this.#split.pushMs += e.pushMs;
+    if (this.o.quiet || totalSteps === 0) return;
+    this.#progress ??= new Progress(totalSteps, "samples");
+    this.#progress.update(this.#step, {
+      loss: Number.isFinite(this.#loss) ? this.#loss.toFixed(4) : "-", sps: this.#rate.rate.toFixed(0), extra: this.#accuracy,
+    });
+  }
+
+  stop(): void {
+    this.#progress?.stop();
+  }
+
+  outcome(record: JobRecord, seconds: number): JobOutcome {
+    const n = Math.max(this.#stepEvents, 1);
+    const s = this.#split;
+    return {
+      record, seconds, restores: this.#restores, checkpoints: this.#checkpoints, step: this.#step, watched: this.#watched,
+      split: { dataWaitMs: s.dataWaitMs / n, pullMs: s.pullMs / n, computeMs: s.computeMs / n, pushMs: s.pushMs / n },
+      samplesPerS: this.#samples / Math.max(seconds, 1e-9),
+    };
+  }
 }

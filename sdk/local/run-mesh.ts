@@ -1,46 +1,104 @@
-// `meshtrain run`: the README's main job. Starts the local mesh (embedded nats-server plus
-// every service of deploy/docker-compose.yml as a process), submits an MNIST job, shows its
-// progress, and prints the final test accuracy. The mesh is stopped at the end.
+// `meshtrain run`: the README's main job. Starts a local mesh sized for the job (embedded
+// nats-server plus the services of deploy/docker-compose.yml as processes: as many trainers and
+// shards as the job has), submits an MNIST job, shows its progress, and prints the final test
+// accuracy and where the model, snapshots and logs went. The mesh is stopped at the end, and on
+// Ctrl-C (after a snapshot), with nothing left running or behind.
+import { mkdirSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { type JobConfig, parseJobConfig } from "../../services/runtime/job.ts";
-import { totalSteps as jobTotalSteps } from "../../services/data-loader/sampler.ts";
-import { MeshClient } from "../client.ts";
+import { JobState } from "../../schemas/messages.ts";
+import { CheckpointStore } from "../../services/checkpoint/store.ts";
+import { DeadlineError } from "../../services/runtime/errors.ts";
+import { jobConfigFromJson } from "../../services/runtime/job.ts";
+import { checkResume, MeshClient, type PreviousRun } from "../client.ts";
 import { LocalMesh } from "../launcher.ts";
-import { Progress } from "../progress.ts";
-import { type JobResult, watchJob } from "../watch.ts";
+import { type JobFlags, jobConfigOf, resolveConfig } from "../job-flags.ts";
+import { cliName, configSummary, outcomeLines, shownPath } from "../report.ts";
+import { StopRequests } from "../signals.ts";
+import { JobFailedError, watchJob } from "../watch.ts";
 
 export interface MeshRunOptions {
-  config: JobConfig;
-  /** folder for logs and checkpoints */
+  flags: JobFlags;
+  /** the options the user typed */
+  given: ReadonlySet<string>;
+  /** folder for the jobs' folders (absolute) */
   dir: string;
   /** stop waiting after this long */
   timeoutMin: number;
 }
 
-export async function runMesh(o: MeshRunOptions): Promise<JobResult> {
-  const cfg = parseJobConfig(o.config);
-  const totalSteps = jobTotalSteps(cfg);
-  const progress = new Progress(totalSteps, "samples");
-  await using mesh = await LocalMesh.start({ dir: o.dir, onEvent: (line) => progress.log(`launcher: ${line}`) });
-  await using client = await MeshClient.connect(mesh.url);
-  console.log(`meshtrain: job ${cfg.job} on a local mesh (nats ${mesh.url}; ${mesh.services.map((s) => s.name).join(", ")})`);
-  console.log(`config: ${JSON.stringify(cfg)}`);
-  console.log(`steps: ${totalSteps} (${cfg.trainers} trainers x ${cfg.batchSize} samples, ${cfg.sync}${cfg.sync === "ssp" ? ` staleness ${cfg.staleness}` : ""}) | logs and checkpoints: ${o.dir}`);
-  const abort = new AbortController();
-  const timer = setTimeout(() => abort.abort(), o.timeoutMin * 60_000);
-  const events = client.events(cfg.job, abort.signal);
+export const defaultRunDir = () => join("runs", "mesh");
+/** How long the services of a fresh local mesh get to register (start-up on a loaded machine). */
+const membersWaitMs = 60_000;
+/** How long a stop waits for the snapshot it asks for before stopping anyway. */
+const stopSnapshotMs = 30_000;
+
+/** The job's earlier run, from its snapshots in the jobs folder (a local run's mesh is new each time). */
+function previousOnDisk(jobsDir: string, job: string): PreviousRun | null {
+  const snapshot = new CheckpointStore(jobsDir).list(job).at(-1) ?? null;
+  return snapshot ? { config: jobConfigFromJson(snapshot.configJson), record: null, snapshot } : null;
+}
+
+/** Runs the job to its end; resolves with the process's exit code. */
+export async function runMesh(o: MeshRunOptions): Promise<number> {
+  const jobsDir = join(o.dir, "jobs");
+  const asked = jobConfigOf(o.flags);
+  const prev = o.flags.job ? previousOnDisk(jobsDir, asked.job) : null;
+  const cfg = resolveConfig(asked, o.given, prev);
+  if (prev) checkResume(cfg, prev, shownPath(jobsDir));
+  const jobDir = join(jobsDir, cfg.job), logDir = join(jobDir, "logs");
+  mkdirSync(logDir, { recursive: true });
+  writeFileSync(join(logDir, "job.json"), `${JSON.stringify(cfg, null, 2)}\n`);
+
+  const resumeLine = `${cliName()} run --job ${cfg.job}${o.dir === join(process.env.INIT_CWD ?? process.cwd(), defaultRunDir()) ? "" : ` --dir ${shownPath(o.dir)}`}`;
+  console.log(`meshtrain run: job ${cfg.job}${prev ? `, resumed from ${prev.snapshot!.id}` : ""}, on a local mesh of ${cfg.trainers} trainer` +
+    `${cfg.trainers > 1 ? "s" : ""}, ${cfg.shards} parameter-server shard${cfg.shards > 1 ? "s" : ""}, a data-loader and a checkpoint service`);
+  for (const line of configSummary(cfg)) console.log(`  ${line}`);
+  console.log(`  files      ${shownPath(jobDir)}/ (snapshots, model.mtm, logs/; the full config: logs/job.json)`);
+
+  let print = (line: string) => console.log(line);
+  using stop = new StopRequests((s) => print(`${s}: stopping job ${cfg.job}: a snapshot first, then the mesh (again to stop at once)`));
+  const mesh = await LocalMesh.start({ jobsDir, logDir, trainers: cfg.trainers, shards: cfg.shards, onEvent: (line) => print(`launcher: ${line}`) });
+  let client: MeshClient | null = null;
   try {
-    await client.submit(cfg);
-    const result = await watchJob(events, { trainers: cfg.trainers, totalSteps, progress });
-    console.log(`test accuracy: ${(100 * result.accuracy).toFixed(2)}% (loss ${result.loss.toFixed(4)}, ${result.evaluated} test samples) after ${result.steps} steps in ${result.seconds.toFixed(1)} s` +
-      ` | ${result.checkpoints} checkpoints, ${result.restores} restores`);
-    const t = result.split;
-    console.log(`step time per trainer: data wait ${t.dataWaitMs.toFixed(1)} ms, pull ${t.pullMs.toFixed(1)} ms, compute ${t.computeMs.toFixed(1)} ms, push ${t.pushMs.toFixed(1)} ms | ${result.samplesPerS.toFixed(0)} samples/s`);
-    return result;
+    client = await MeshClient.connect(mesh.url);
+    // the launcher started every rank the job needs: wait for them to register
+    await client.submit(cfg, { membersWaitMs });
+    console.log("submitted; the mesh opens the job (data, parameters), then the trainers start");
+    const timeout = AbortSignal.timeout(o.timeoutMin * 60_000);
+    const outcome = await watchJob(client, cfg.job, {
+      signal: AbortSignal.any([stop.first.signal, timeout]),
+      onLine: (p) => (print = p),
+    });
+    for (const line of outcomeLines(outcome, { logs: logDir })) console.log(line);
+    return 0;
+  } catch (e) {
+    if (stop.requested && client) {
+      await stopCleanly(client, cfg.job, stop);
+      console.log(`stopped; files in ${shownPath(jobDir)}. Resume with: ${resumeLine}`);
+      return 130;
+    }
+    if (e instanceof DeadlineError) throw new DeadlineError(`${e.message}; job ${cfg.job} did not end within --timeout-min ${o.timeoutMin} (logs: ${shownPath(logDir)}); resume it with: ${resumeLine}`);
+    if (e instanceof JobFailedError) {
+      const resumable = e.record?.state === JobState.Failed ? ` Once fixed, resume it with: ${resumeLine}` : "";
+      throw new JobFailedError(`${e.message} (logs: ${shownPath(logDir)}).${resumable}`, e.record);
+    }
+    throw e;
   } finally {
-    clearTimeout(timer);
-    await events.return?.();
+    print = (line) => console.log(line);
+    await client?.close();
+    await mesh.stop();
   }
 }
 
-export const defaultRunDir = () => join("runs", "mesh");
+/** After a stop request: a snapshot of the job at its next step, unless a second signal comes first. */
+async function stopCleanly(client: MeshClient, job: string, stop: StopRequests): Promise<void> {
+  try {
+    const snap = client.saveCheckpoint(job, stopSnapshotMs);
+    snap.catch(() => {}); // reported below, or dropped when a second signal wins
+    const second = new Promise<null>((resolve) => stop.second.signal.addEventListener("abort", () => resolve(null), { once: true }));
+    const e = await Promise.race([snap, second]);
+    console.log(e ? `snapshot taken: ${e.text}` : "stopping at once; the newest snapshot is the last scheduled one");
+  } catch (err) {
+    console.log(`no snapshot on the way out (${(err as Error).message}); the newest snapshot is the last scheduled one`);
+  }
+}

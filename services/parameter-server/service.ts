@@ -1,20 +1,20 @@
 // The parameter-server shard process: serves `mt.<job>.ps.<shard>.push|pull|stats|state|load`
 // for every job in the `mt-jobs` bucket that has a shard with this index. Subjects are served
 // with a wildcard job token, so a request for a job this shard does not run gets an
-// UnknownJobError reply rather than silence.
+// UnknownJobError reply rather than silence. Opening a job waits for the data-loader's plan
+// (the schedule's step count); requests meanwhile get NotReadyError.
 import type { Backend } from "../../ffi/backend.ts";
 import {
-  decodeJobRequest, decodePullRequest, encodeJobRequest, decodePushRequest, decodeShardState, encodePushReply, encodeShardState,
+  decodeDataPlan, decodeJobRequest, decodePullRequest, encodeJobRequest, decodePushRequest, decodeShardState, encodePushReply, encodeShardState,
   encodeShardStats, type JobSpec,
 } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
 import { LimitExceededError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
-import { configOfSpec, jobOfRequest, subjects } from "../runtime/job.ts";
+import { configOfSpec, type JobConfig, jobOfRequest, subjects } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
 import { initialParameters } from "../runtime/model.ts";
-import { totalSteps } from "../data-loader/sampler.ts";
-import { buildLayout } from "./layout.ts";
-import { jobsMax } from "./limits.ts";
+import { buildLayout } from "../runtime/layout.ts";
+import { jobsMaxDefault, planRequestMs, planWaitMsMax } from "./limits.ts";
 import { ParameterShard } from "./shard.ts";
 
 interface JobEntry {
@@ -26,9 +26,11 @@ interface JobEntry {
 
 export class ParameterServer {
   readonly #jobs = new Map<string, JobEntry>();
+  /** jobs waiting for the data-loader's plan; aborted when the job closes first */
+  readonly #opening = new Map<string, AbortController>();
 
   constructor(readonly bus: Bus, readonly shardIndex: number, readonly backend: Backend, readonly log: Logger | undefined,
-    readonly payloadBytesMax: number) {}
+    readonly payloadBytesMax: number, readonly jobsMax = jobsMaxDefault) {}
 
   serve(): void {
     const k = this.shardIndex;
@@ -77,26 +79,55 @@ export class ParameterServer {
   #entry(subject: string, messageJob: string): JobEntry {
     const job = jobOfRequest(subject, messageJob);
     const e = this.#jobs.get(job);
-    if (!e) throw new UnknownJobError(`shard ${this.shardIndex} runs no job "${job}" (running: ${[...this.#jobs.keys()].join(", ") || "none"})`);
-    return e;
+    if (e) return e;
+    if (this.#opening.has(job)) throw new NotReadyError(`shard ${this.shardIndex} is opening job "${job}" (waiting for the data-loader's plan)`);
+    throw new UnknownJobError(`shard ${this.shardIndex} runs no job "${job}" (running: ${[...this.#jobs.keys()].join(", ") || "none"})`);
   }
 
   get jobs(): string[] {
     return [...this.#jobs.keys()];
   }
 
-  /** Opens (or re-opens with a new spec) this shard's part of a job. */
-  openJob(spec: JobSpec): void {
+  /**
+   * Opens (or re-opens with a new spec) this shard's part of a job, once the data-loader has
+   * planned it: the learning-rate schedule runs over the plan's step count.
+   */
+  async openJob(spec: JobSpec): Promise<void> {
     const cfg = configOfSpec(spec);
     this.closeJob(spec.job);
     if (this.shardIndex >= cfg.shards) return; // this job has fewer shards
-    if (this.#jobs.size >= jobsMax) throw new LimitExceededError(`shard ${this.shardIndex} runs ${jobsMax} jobs already`);
-    const init = initialParameters(cfg, this.backend);
-    const layout = buildLayout(cfg.job, init.values.length, init.decayElems, cfg.chunkBytes, cfg.shards);
-    const shard = new ParameterShard({ backend: this.backend, config: cfg, layout, shard: this.shardIndex, totalSteps: totalSteps(cfg), initial: init.values });
-    this.#jobs.set(cfg.job, { shard, pushes: 0, duplicates: 0, pulls: 0 });
-    this.log?.info({ job: cfg.job, chunks: shard.ids.length, elements: shard.elements, sync: cfg.sync }, "job opened");
-    this.#restoreIfResumed(cfg.job);
+    if (this.#jobs.size + this.#opening.size >= this.jobsMax) {
+      throw new LimitExceededError(`shard ${this.shardIndex} runs ${this.jobsMax} jobs already (${[...this.#jobs.keys(), ...this.#opening.keys()].join(", ")}); raise its --jobs-max`);
+    }
+    const abort = new AbortController();
+    this.#opening.set(cfg.job, abort);
+    try {
+      const totalSteps = await this.#plannedSteps(cfg, abort.signal);
+      if (abort.signal.aborted) return;
+      const init = initialParameters(cfg, this.backend);
+      const layout = buildLayout(cfg.job, init.values.length, init.decayElems, cfg.chunkBytes, cfg.shards);
+      const shard = new ParameterShard({ backend: this.backend, config: cfg, layout, shard: this.shardIndex, totalSteps, initial: init.values });
+      this.#jobs.set(cfg.job, { shard, pushes: 0, duplicates: 0, pulls: 0 });
+      this.log?.info({ job: cfg.job, chunks: shard.ids.length, elements: shard.elements, sync: cfg.sync, totalSteps }, "job opened");
+      this.#restoreIfResumed(cfg.job);
+    } finally {
+      if (this.#opening.get(cfg.job) === abort) this.#opening.delete(cfg.job);
+    }
+  }
+
+  /** The job's step count from the data-loader (which may open the job after this shard). */
+  async #plannedSteps(cfg: JobConfig, signal: AbortSignal): Promise<number> {
+    const req = encodeJobRequest({ job: cfg.job, step: 0, tag: "" });
+    const started = Date.now();
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return decodeDataPlan(await this.bus.request(subjects.dataPlan(cfg.job), req, planRequestMs), 1 << 16).totalSteps;
+      } catch (e) {
+        if (signal.aborted) return 0;
+        if (Date.now() - started > planWaitMsMax) throw new Error(`no plan from the data-loader within ${planWaitMsMax} ms: ${(e as Error).message}`, { cause: e });
+        await Bun.sleep(Math.min(100 * attempt, 2000));
+      }
+    }
   }
 
   /**
@@ -116,6 +147,8 @@ export class ParameterServer {
   }
 
   closeJob(job: string): void {
+    this.#opening.get(job)?.abort();
+    this.#opening.delete(job);
     const e = this.#jobs.get(job);
     if (!e) return;
     e.shard.dispose();
@@ -124,6 +157,6 @@ export class ParameterServer {
   }
 
   stop(): void {
-    for (const job of [...this.#jobs.keys()]) this.closeJob(job);
+    for (const job of [...this.#jobs.keys(), ...this.#opening.keys()]) this.closeJob(job);
   }
 }

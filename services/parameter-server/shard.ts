@@ -13,7 +13,7 @@ import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
 import { DType, type Chunk, type ChunkState, encodePullReplyFilled, type PushReply, type PushRequest, type ShardState } from "../../schemas/messages.ts";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/errors.ts";
 import type { JobConfig } from "../runtime/job.ts";
-import type { ChunkInfo, Layout } from "./layout.ts";
+import type { ChunkInfo, Layout } from "../runtime/layout.ts";
 import { pullWaitersMax, pullWaitMsMax } from "./limits.ts";
 
 const alignElems = 16;

@@ -40,6 +40,10 @@ export class InternalError extends define("InternalError", "internal") {}
 export class JetStreamUnavailableError extends define("JetStreamUnavailableError", "no_jetstream") {}
 /** Configuration that does not validate. */
 export class ConfigError extends define("ConfigError", "config") {}
+/** The job's state does not allow the request: it is not running, it ended already, or it runs. */
+export class JobStateError extends define("JobStateError", "job_state") {}
+/** The mesh lacks a rank or a service the job needs (a trainer rank, a shard, the data-loader). */
+export class CapacityError extends define("CapacityError", "capacity") {}
 
 const classes: Record<string, new (message: string) => MeshError> = {
   bad_request: BadRequestError,
@@ -52,6 +56,8 @@ const classes: Record<string, new (message: string) => MeshError> = {
   internal: InternalError,
   config: ConfigError,
   no_jetstream: JetStreamUnavailableError,
+  job_state: JobStateError,
+  capacity: CapacityError,
 };
 
 const wireCodes: readonly WireFormatCode[] = ["truncated", "oversized", "bad_identifier", "bad_version", "malformed"];

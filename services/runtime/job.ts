@@ -48,8 +48,9 @@ export const jobConfigSchema = z.object({
   epochs: int(1, 10_000),
   /** share of the training set held out for validation (seeded) */
   valFraction: z.number().min(0).max(0.5),
-  /** steps between evaluations on the validation split (0: only at the end) */
-  evalEvery: int(0),
+  /** steps between evaluations (on the validation split, or the test split when none is held
+   *  out); "epoch": at the end of every epoch; 0: only at the end */
+  evalEvery: z.union([int(0), z.literal("epoch")]),
   gradClip: z.number().min(0),
   /** the trainers' GEMM precision (engine/mixed.ts): f32, tf32, or bf16 autocast with f32
    *  master weights. Gradients travel as f32 whatever it is. Configs stored before this field
@@ -85,7 +86,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   accumSteps: 1,
   epochs: 10,
   valFraction: 0,
-  evalEvery: 0,
+  evalEvery: "epoch",
   gradClip: 0,
   precision: "f32",
   seed: 1,
@@ -112,6 +113,9 @@ export function parseJobConfig(data: unknown): JobConfig {
   if (c.sync === "bsp" && c.batchPushes !== 1) throw new ConfigError("invalid job config: batchPushes applies to asp and ssp (bsp aggregates the W pushes of a step)");
   return c;
 }
+
+/** Steps between evaluations of a job whose epochs are `stepsPerEpoch` steps (0: only at the end). */
+export const evalInterval = (cfg: JobConfig, stepsPerEpoch: number): number => (cfg.evalEvery === "epoch" ? stepsPerEpoch : cfg.evalEvery);
 
 export const jobConfigFromJson = (text: string): JobConfig => {
   let data: unknown;
@@ -140,9 +144,35 @@ export function jobOfRequest(subject: string, messageJob: string): string {
   return job;
 }
 
+/**
+ * Config keys a resumed job may change: where its data is read from and how often it is
+ * evaluated and snapshotted. Every other key shapes the model or the trajectory, and a job's
+ * snapshots are only valid for the values they were taken with.
+ */
+export const resumableKeys = ["dataDir", "evalEvery", "checkpointEvery", "keepLast"] as const satisfies readonly (keyof JobConfig)[];
+
+/** The trajectory-defining keys on which two configs of one job differ, as "key: a -> b". */
+export function trajectoryDiff(was: JobConfig, now: JobConfig): string[] {
+  const out: string[] = [];
+  const walk = (a: unknown, b: unknown, path: string) => {
+    if (a !== null && b !== null && typeof a === "object" && typeof b === "object" && !Array.isArray(a) && !Array.isArray(b)) {
+      for (const k of [...new Set([...Object.keys(a), ...Object.keys(b)])].sort()) {
+        walk((a as Record<string, unknown>)[k], (b as Record<string, unknown>)[k], path ? `${path}.${k}` : k);
+      }
+      return;
+    }
+    const [ja, jb] = [JSON.stringify(a), JSON.stringify(b)];
+    if (ja !== jb) out.push(`${path}: ${ja ?? "(none)"} -> ${jb ?? "(none)"}`);
+  };
+  const strip = (c: JobConfig) => Object.fromEntries(Object.entries(c).filter(([k]) => k !== "job" && !(resumableKeys as readonly string[]).includes(k)));
+  walk(strip(was), strip(now), "");
+  return out;
+}
+
 /** Subjects of one job (ARCHITECTURE.md). */
 export const subjects = {
   dataNext: (job: string) => `mt.${job}.data.next`,
+  dataPlan: (job: string) => `mt.${job}.data.plan`,
   dataCursor: (job: string) => `mt.${job}.data.cursor`,
   psPush: (job: string, shard: number) => `mt.${job}.ps.${shard}.push`,
   psPull: (job: string, shard: number) => `mt.${job}.ps.${shard}.pull`,

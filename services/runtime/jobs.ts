@@ -1,58 +1,137 @@
-// Job specs live in the JetStream KV bucket `mt-jobs`, one key per job (the JobSpec message).
-// The SDK puts a spec to submit and deletes it to cancel; every service watches the bucket
-// and opens or closes its part of the job.
+// Jobs on the mesh live in two JetStream KV buckets:
+//   mt-jobs          the specs (JobSpec) of the jobs that run now, one key per job. Every service
+//                    follows it: a put opens the service's part of the job, a delete closes it
+//                    and frees what it held.
+//   mt-job-records   every job's record (JobRecord): running, done, failed or cancelled, its
+//                    newest evaluation, and once it ended, why and where its model went.
+// A job ends exactly once: the first caller to move its record from running to an end state
+// wins (compare-and-set on the key's revision); it then deletes the spec, so every service
+// closes the job, and publishes the Ended event. A service that restarts opens only the specs of
+// running jobs: an ended job is never reopened.
 import { Kvm, type KV } from "@nats-io/kv";
 import type { NatsConnection } from "@nats-io/transport-node";
-import { decodeJobSpec, encodeJobSpec, type JobSpec } from "../../schemas/messages.ts";
+import {
+  decodeJobRecord, decodeJobSpec, emptyEvent, encodeEvent, encodeJobRecord, encodeJobSpec, EventKind, type JobRecord, type JobSpec, JobState,
+} from "../../schemas/messages.ts";
+import type { Bus } from "./bus.ts";
 import { JetStreamUnavailableError } from "./errors.ts";
+import { subjects } from "./job.ts";
 import type { Logger } from "./log.ts";
 
 export const jobsBucket = "mt-jobs";
+export const recordsBucket = "mt-job-records";
 /** A job spec is config, not data. */
 export const jobSpecBytesMax = 256 << 10;
+/** A record is a spec plus a few figures and texts. */
+export const jobRecordBytesMax = 512 << 10;
+/** Texts copied into a record or an event (a failure's reason): bounded, whatever they quote. */
+export const reasonCharsMax = 2000;
+/** Compare-and-set attempts of one record update before giving up (each loses only to another writer). */
+const casAttemptsMax = 20;
 
 export type JobChange = { job: string; spec: JobSpec | null };
 
+export const isEnded = (r: JobRecord): boolean => r.state !== JobState.Running;
+export const stateName = (s: JobState): string => JobState[s]!.toLowerCase();
+export const boundText = (text: string): string => (text.length > reasonCharsMax ? `${text.slice(0, reasonCharsMax - 1)}…` : text);
+
+/** A fresh record of a job submitted now. */
+export function runningRecord(job: string, configJson: string, attempts: number): JobRecord {
+  return {
+    job, state: JobState.Running, configJson, submittedMs: Date.now(), endedMs: 0, totalSteps: 0, evalStep: 0, accuracy: -1, loss: 0, evaluated: 0,
+    evalSplit: "", reason: "", snapshot: "", modelPath: "", snapshotDir: "", attempts,
+  };
+}
+
 export class JobStore {
-  private constructor(readonly kv: KV) {}
+  private constructor(readonly specs: KV, readonly records: KV) {}
 
   static async open(nc: NatsConnection): Promise<JobStore> {
     try {
-      // create() opens the bucket when it exists with the same settings
-      const kv = await new Kvm(nc).create(jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax });
-      return new JobStore(kv);
+      // create() opens a bucket that exists with the same settings
+      const kvm = new Kvm(nc);
+      const specs = await kvm.create(jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax });
+      const records = await kvm.create(recordsBucket, { history: 1, maxValueSize: jobRecordBytesMax });
+      return new JobStore(specs, records);
     } catch (e) {
       if ((e as Error).name !== "JetStreamNotEnabled") throw e;
       throw new JetStreamUnavailableError(`the NATS server at ${nc.getServer()} runs without JetStream, where the mesh keeps job specs ` +
-        `(KV bucket ${jobsBucket}); start it with JetStream: nats-server -js (or jetstream {} in its config)`, { cause: e });
+        `(KV buckets ${jobsBucket}, ${recordsBucket}); start it with JetStream: nats-server -js (or jetstream {} in its config)`, { cause: e });
     }
   }
 
-  async put(spec: JobSpec): Promise<void> {
-    await this.kv.put(spec.job, encodeJobSpec(spec));
+  async putSpec(spec: JobSpec): Promise<void> {
+    await this.specs.put(spec.job, encodeJobSpec(spec));
   }
 
-  async delete(job: string): Promise<void> {
-    await this.kv.delete(job);
+  async deleteSpec(job: string): Promise<void> {
+    await this.specs.delete(job);
   }
 
-  async get(job: string): Promise<JobSpec | null> {
-    const e = await this.kv.get(job);
+  async spec(job: string): Promise<JobSpec | null> {
+    const e = await this.specs.get(job);
     return e && e.operation === "PUT" ? decodeJobSpec(e.value, jobSpecBytesMax) : null;
   }
 
-  async list(): Promise<string[]> {
+  async record(job: string): Promise<{ record: JobRecord; revision: number } | null> {
+    const e = await this.records.get(job);
+    return e && e.operation === "PUT" ? { record: decodeJobRecord(e.value, jobRecordBytesMax), revision: e.revision } : null;
+  }
+
+  /** Every job's record, oldest submission first. One that does not decode is left out. */
+  async allRecords(): Promise<JobRecord[]> {
     const keys: string[] = [];
-    for await (const k of await this.kv.keys()) keys.push(k);
-    return keys.sort();
+    for await (const k of await this.records.keys()) keys.push(k);
+    const out: JobRecord[] = [];
+    for (const k of keys) {
+      try {
+        const r = await this.record(k);
+        if (r) out.push(r.record);
+      } catch {
+        // a record we cannot read is not listed; `status <job>` names the problem
+      }
+    }
+    return out.sort((a, b) => a.submittedMs - b.submittedMs);
+  }
+
+  /** Writes a record that must not exist yet; false when one does. */
+  async createRecord(r: JobRecord): Promise<boolean> {
+    try {
+      await this.records.create(r.job, encodeJobRecord(r));
+      return true;
+    } catch (e) {
+      if (/exist|wrong last sequence/i.test((e as Error).message)) return false;
+      throw e;
+    }
   }
 
   /**
-   * Calls onChange for every job present now and every later put or delete. A spec that does
-   * not decode is logged and skipped (it cannot be run; the SDK validates before putting).
+   * Changes a job's record by compare-and-set: `change` sees the current record and returns the
+   * new one, or null to leave it. Retried when another writer got in between. Returns what was
+   * written (null: no record, or change declined).
+   */
+  async updateRecord(job: string, change: (r: JobRecord) => JobRecord | null): Promise<JobRecord | null> {
+    for (let attempt = 1; attempt <= casAttemptsMax; attempt++) {
+      const cur = await this.record(job);
+      if (cur === null) return null;
+      const next = change(cur.record);
+      if (next === null) return null;
+      try {
+        await this.records.update(job, encodeJobRecord(next), cur.revision);
+        return next;
+      } catch (e) {
+        if (!/wrong last sequence/i.test((e as Error).message)) throw e;
+      }
+    }
+    throw new Error(`the record of job ${job} changed ${casAttemptsMax} times while it was being updated`);
+  }
+
+  /**
+   * Calls onChange for every job spec present now and every later put or delete. A spec that
+   * does not decode is logged and skipped (it cannot be run; the SDK validates before putting).
    */
   async watch(onChange: (c: JobChange) => void, log?: Logger): Promise<{ stop(): void }> {
-    const it = await this.kv.watch(); // by default: the last value of every key, then changes
+    const it = await this.specs.watch(); // by default: the last value of every key, then changes
     void (async () => {
       for await (const e of it) {
         if (e.operation !== "PUT") {
@@ -70,15 +149,98 @@ export class JobStore {
   }
 }
 
-/** Opens and closes a service's part of each job as specs come and go in the bucket. */
-export async function followJobs(nc: NatsConnection, log: Logger, part: { openJob(spec: JobSpec): void; closeJob(job: string): void }): Promise<{ stop(): void }> {
-  const store = await JobStore.open(nc);
-  return await store.watch(({ job, spec }) => {
-    try {
-      if (spec) part.openJob(spec);
-      else part.closeJob(job);
-    } catch (e) {
-      log.error({ job, err: (e as Error).message }, "cannot open job");
+/** The figures a job ends with (done), or why it ended (failed, cancelled). */
+export interface JobEnding {
+  state: JobState.Done | JobState.Failed | JobState.Cancelled;
+  reason?: string;
+  evalStep?: number;
+  accuracy?: number;
+  loss?: number;
+  evaluated?: number;
+  evalSplit?: string;
+  snapshot?: string;
+  modelPath?: string;
+  snapshotDir?: string;
+}
+
+/** What a service's part of a job may report about the job as a whole. */
+export interface JobControl {
+  /** Ends a running job; resolves with the record written, or null when it had ended already. */
+  end(job: string, ending: JobEnding): Promise<JobRecord | null>;
+  /** Records an evaluation every rank has reported. */
+  noteEval(job: string, e: { step: number; accuracy: number; loss: number; evaluated: number; split: string }): Promise<void>;
+  /** Records the step count the data-loader planned. */
+  notePlan(job: string, totalSteps: number): Promise<void>;
+}
+
+/** JobControl over the KV buckets, plus the spec-following every service runs. */
+export class JobLedger implements JobControl {
+  private constructor(readonly store: JobStore, readonly bus: Bus, readonly log: Logger | undefined) {}
+
+  static async open(nc: NatsConnection, bus: Bus, log?: Logger): Promise<JobLedger> {
+    return new JobLedger(await JobStore.open(nc), bus, log);
+  }
+
+  async end(job: string, ending: JobEnding): Promise<JobRecord | null> {
+    const reason = boundText(ending.reason ?? "");
+    const ended = (r: JobRecord): JobRecord => ({ ...r, ...ending, reason, endedMs: Date.now() });
+    let written = await this.store.updateRecord(job, (r) => (isEnded(r) ? null : ended(r)));
+    if (written === null && (await this.store.record(job)) === null) {
+      // a spec put without a record (a script that bypassed the SDK): record how it ended
+      const r = ended(runningRecord(job, "", 1));
+      written = (await this.store.createRecord(r)) ? r : null;
     }
-  }, log);
+    // delete the spec in any case: a spec whose record ended (a crash between the two writes)
+    // must not stay open anywhere
+    await this.store.deleteSpec(job);
+    if (written) {
+      const text = `${stateName(written.state)}${reason ? `: ${reason}` : ""}`;
+      this.bus.publish(subjects.events(job, "ended"), encodeEvent({ ...emptyEvent(job, EventKind.Ended), step: written.evalStep, text }));
+      this.log?.info({ job, state: stateName(written.state), reason }, "job ended");
+    }
+    return written;
+  }
+
+  async noteEval(job: string, e: { step: number; accuracy: number; loss: number; evaluated: number; split: string }): Promise<void> {
+    await this.store.updateRecord(job, (r) => (isEnded(r) || r.evalStep > e.step ? null
+      : { ...r, evalStep: e.step, accuracy: e.accuracy, loss: e.loss, evaluated: e.evaluated, evalSplit: e.split }));
+  }
+
+  async notePlan(job: string, totalSteps: number): Promise<void> {
+    await this.store.updateRecord(job, (r) => (isEnded(r) || r.totalSteps === totalSteps ? null : { ...r, totalSteps }));
+  }
+
+  /**
+   * Opens and closes a service's part of each job as specs come and go. A job whose record has
+   * ended is not opened (its stale spec is removed). When a part cannot open a job (its data
+   * cannot be read, a limit is reached), the job fails at once with that reason: nobody waits
+   * for a job that cannot run.
+   */
+  async follow(service: string, part: { openJob(spec: JobSpec): void | Promise<void>; closeJob(job: string): void }): Promise<{ stop(): void }> {
+    return await this.store.watch(({ job, spec }) => {
+      if (!spec) {
+        part.closeJob(job);
+        return;
+      }
+      void this.#open(service, part, spec);
+    }, this.log);
+  }
+
+  async #open(service: string, part: { openJob(spec: JobSpec): void | Promise<void> }, spec: JobSpec): Promise<void> {
+    try {
+      const rec = await this.store.record(spec.job);
+      if (rec && isEnded(rec.record)) {
+        this.log?.info({ job: spec.job, state: stateName(rec.record.state) }, "job ended already; not opened");
+        await this.store.deleteSpec(spec.job);
+        return;
+      }
+      await part.openJob(spec);
+    } catch (e) {
+      const why = `${service} cannot open job ${spec.job}: ${(e as Error).message}`;
+      this.log?.error({ job: spec.job, err: (e as Error).message }, "cannot open job; failing it");
+      await this.end(spec.job, { state: JobState.Failed, reason: why }).catch((err: unknown) => {
+        this.log?.error({ job: spec.job, err: (err as Error).message }, "cannot record the job's failure");
+      });
+    }
+  }
 }

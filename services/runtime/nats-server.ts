@@ -1,7 +1,8 @@
-// Starts a real nats-server as a child process: on a free port, with a generated config
-// (JetStream in a temporary folder, max_payload raised to the mesh's message limit). Used by
-// the local launcher and by the integration tests. `await using server = await startNatsServer()`.
-import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+// Starts a real nats-server as a child process: on a free port (or a given one), with a
+// generated config (JetStream in a temporary folder removed at stop, or in a given folder that
+// is kept; max_payload raised to the mesh's message limit). Used by the local launcher and by
+// the integration tests. `await using server = await startNatsServer()`.
+import { createWriteStream, mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -16,6 +17,7 @@ export interface NatsServer extends AsyncDisposable {
   url: string;
   port: number;
   dir: string;
+  pid: number;
   stop(): Promise<void>;
 }
 
@@ -25,6 +27,15 @@ export interface NatsServerOptions {
   jetstream: boolean;
   /** how long to wait for the server to accept connections */
   startTimeoutMs: number;
+  /** a port to listen on (refused when taken); default: a free one */
+  port?: number;
+  /** the folder for the config and the JetStream store, kept at stop; default: a temporary one, removed */
+  dir?: string;
+  /** rewrites the server's argv (the launcher ties its life to the launcher's) */
+  wrap?: (argv: string[]) => string[];
+  /** where the server's own log goes once it runs (default: dropped); its stderr is always
+   *  drained, so a chatty server never blocks on a full pipe */
+  logFile?: string;
 }
 
 export const natsServerDefaults: NatsServerOptions = { maxPayloadBytes: 8 << 20, jetstream: true, startTimeoutMs: 10_000 };
@@ -57,11 +68,25 @@ async function canConnect(port: number): Promise<boolean> {
   }
 }
 
+async function drain(stream: ReadableStream<Uint8Array>, logFile: string | undefined): Promise<void> {
+  const out = logFile ? createWriteStream(logFile, { flags: "a" }) : null;
+  for await (const chunk of stream) out?.write(chunk);
+  out?.end();
+}
+
 export async function startNatsServer(options: Partial<NatsServerOptions> = {}): Promise<NatsServer> {
   const opts = { ...natsServerDefaults, ...options };
   const bin = natsServerBinary();
-  const dir = mkdtempSync(join(tmpdir(), "mt-nats-"));
-  const port = await freePort();
+  if (opts.port !== undefined && (await canConnect(opts.port))) {
+    throw new NatsServerError(`port ${opts.port} is taken (another meshtrain mesh, or another NATS server, listens there); pick another with --port`);
+  }
+  const keep = opts.dir !== undefined;
+  const dir = opts.dir ?? mkdtempSync(join(tmpdir(), "mt-nats-"));
+  mkdirSync(dir, { recursive: true });
+  const port = opts.port ?? (await freePort());
+  const removeDir = () => {
+    if (!keep) rmSync(dir, { recursive: true, force: true });
+  };
   const conf = [
     `listen: "127.0.0.1:${port}"`,
     `max_payload: ${opts.maxPayloadBytes}`,
@@ -70,23 +95,26 @@ export async function startNatsServer(options: Partial<NatsServerOptions> = {}):
     opts.jetstream ? `jetstream { store_dir: "${join(dir, "js")}" }` : "",
   ].join("\n");
   writeFileSync(join(dir, "nats.conf"), conf + "\n");
-  const proc = Bun.spawn([bin, "-c", join(dir, "nats.conf")], { stdout: "ignore", stderr: "pipe" });
+  const argv = [bin, "-c", join(dir, "nats.conf")];
+  // its own session: a terminal's Ctrl-C reaches whoever started it, who stops it in order
+  const proc = Bun.spawn(opts.wrap ? opts.wrap(argv) : argv, { stdin: "ignore", stdout: "ignore", stderr: "pipe", detached: true });
   const deadline = Date.now() + opts.startTimeoutMs;
   while (!(await canConnect(port))) {
     if (proc.exitCode !== null || Date.now() > deadline) {
       proc.kill();
       const err = await new Response(proc.stderr).text();
-      rmSync(dir, { recursive: true, force: true });
+      removeDir();
       throw new NatsServerError(`nats-server did not start on port ${port}: ${err.trim().split("\n").slice(-3).join(" | ")}`);
     }
     await Bun.sleep(20);
   }
+  void drain(proc.stderr, opts.logFile);
   const stop = async () => {
     if (proc.exitCode === null) {
       proc.kill("SIGTERM");
       await proc.exited;
     }
-    rmSync(dir, { recursive: true, force: true });
+    removeDir();
   };
-  return { url: `nats://127.0.0.1:${port}`, port, dir, stop, [Symbol.asyncDispose]: stop };
+  return { url: `nats://127.0.0.1:${port}`, port, dir, pid: proc.pid, stop, [Symbol.asyncDispose]: stop };
 }

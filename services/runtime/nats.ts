@@ -17,6 +17,8 @@ export interface NatsBusOptions {
   connectRetryMsMax: number;
   /** largest pause between connection attempts */
   connectBackoffMsMax: number;
+  /** what to do when the server cannot be reached (default: how to start one) */
+  hint?: string;
 }
 
 export const natsInstallHint = "apt-get install -y nats-server && nats-server -p 4222 (or: docker run -p 4222:4222 nats)";
@@ -47,7 +49,7 @@ export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnec
       const elapsedMs = Date.now() - started;
       const why = e instanceof Error ? e.message : String(e);
       if (elapsedMs + pauseMs > opts.connectRetryMsMax) {
-        throw new NatsUnreachableError(`cannot reach NATS at ${opts.url} after ${attempt} attempts over ${elapsedMs} ms (${why}); start a server: ${natsInstallHint}`, { cause: e });
+        throw new NatsUnreachableError(`cannot reach NATS at ${opts.url} after ${attempt} attempts over ${elapsedMs} ms (${why}); ${opts.hint ?? `start a server: ${natsInstallHint}`}`, { cause: e });
       }
       if (attempt === 1) opts.log?.error({ url: opts.url, err: why }, `NATS at ${opts.url} is unreachable; retrying with backoff. Start a server: ${natsInstallHint}`);
       else opts.log?.debug({ url: opts.url, attempt }, "NATS still unreachable");
@@ -117,7 +119,7 @@ export class NatsBus implements Bus {
           if (failed) {
             log?.warn({ subject: msg.subject, err: error instanceof Error ? error.message : String(error) }, "request failed");
             // counted in $SRV.STATS num_errors; the body is our ErrorReply
-            msg.respondError(400, error instanceof Error ? error.message.slice(0, 200) : "error", reply);
+            msg.respondError(400, headerText(error instanceof Error ? error.message : "error"), reply);
           } else {
             msg.respond(reply);
           }
@@ -134,6 +136,9 @@ export class NatsBus implements Bus {
     await this.nc.drain();
   }
 }
+
+/** Text for a NATS header: one line (the protocol refuses CR/LF there), bounded. */
+export const headerText = (text: string): string => text.replace(/[\r\n]+/g, " ").slice(0, 200);
 
 function translate(e: unknown, subject: string, timeoutMs: number): unknown {
   const names = [e, (e as { cause?: unknown } | undefined)?.cause].map((x) => (x instanceof Error ? x.name : ""));

@@ -14,3 +14,12 @@ export const stepAttemptsMax = 20;
 /** How long a trainer waits for every shard to open a new job (a large model's shards
  *  initialize its parameters first) before it reports the job failed. */
 export const jobStartWaitMsMax = 300_000;
+/** How long a trainer waits for every rank and shard a new job needs to show up in service
+ *  discovery (a process the launcher just restarted takes seconds) before failing the job. */
+export const membersWaitMsMax = 30_000;
+/** How long rank 0 waits for the other ranks' final evaluations (ASP ranks may trail). */
+export const finishWaitMsMax = 600_000;
+/** Pause between repeats of a finished rank's final events, until the job has ended. */
+export const finalRepeatMs = 5_000;
+/** Attempts at the final snapshot before the job ends without it. */
+export const finalSaveAttemptsMax = 3;

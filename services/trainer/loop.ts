@@ -4,21 +4,35 @@
 // published as events. Rank 0 asks the checkpoint service for a snapshot every
 // `checkpointEvery` steps, between its pull and its push (under BSP no shard can move past
 // the step until rank 0 pushes, so the snapshot is exactly the state after step-1).
+//
+// The job's life: every rank takes the step count from the data-loader's plan (it alone reads
+// the data) and checks that the mesh runs every rank and shard the job needs. A rank that fails
+// fails the whole job (its record in the KV bucket, which closes it everywhere). At the end each
+// rank evaluates its share of the test split; rank 0 combines them, asks for the final snapshot
+// (exported as a model file) and ends the job as done. The other ranks repeat their final
+// events until the job has ended, so a restarted rank 0 still hears them.
 import type { Backend } from "../../ffi/backend.ts";
 import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
 import { Context } from "../../engine/tensor.ts";
 import { evaluate, type HostBatch, lossAndGradients } from "../../engine/train.ts";
+import { dirname } from "node:path";
 import {
-  type Batch, decodeBatch, decodeEvent, decodeShardStats, emptyEvent, encodeBatchRequest, encodeEvent, encodeJobRequest, type Event,
-  EventKind, Split,
+  type Batch, type DataPlan, decodeBatch, decodeDataPlan, decodeEvent, decodeManifest, decodeShardStats, emptyEvent, encodeBatchRequest, encodeEvent,
+  encodeJobRequest, type Event, EventKind, JobState, type Manifest, Split,
 } from "../../schemas/messages.ts";
 import type { Bus, Subscription } from "../runtime/bus.ts";
-import type { JobConfig } from "../runtime/job.ts";
-import { subjects } from "../runtime/job.ts";
+import { capacityMessage, type MeshMembers, missingMembers } from "../runtime/discovery.ts";
+import { CapacityError } from "../runtime/errors.ts";
+import { type CombinedEval, EvalTally } from "../runtime/evals.ts";
+import { evalInterval, type JobConfig, subjects } from "../runtime/job.ts";
+import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { buildModel } from "../runtime/model.ts";
-import { buildLayout } from "../parameter-server/layout.ts";
-import { checkpointTimeoutMs, jobStartWaitMsMax, loaderCredits, requestTimeoutMs, stepAttemptsMax } from "./limits.ts";
+import { buildLayout } from "../runtime/layout.ts";
+import {
+  checkpointTimeoutMs, finalRepeatMs, finalSaveAttemptsMax, finishWaitMsMax, jobStartWaitMsMax, loaderCredits, membersWaitMsMax, requestTimeoutMs,
+  stepAttemptsMax,
+} from "./limits.ts";
 import { PsClient } from "./ps-client.ts";
 
 export interface TrainerOptions {
@@ -26,9 +40,12 @@ export interface TrainerOptions {
   backend: Backend;
   cfg: JobConfig;
   rank: number;
-  totalSteps: number;
   payloadBytesMax: number;
   log?: Logger;
+  /** the job's record: failures end the job; rank 0 ends it as done (absent in unit tests) */
+  control?: JobControl;
+  /** who is on the mesh ($SRV discovery); absent: not checked */
+  members?: () => Promise<MeshMembers>;
 }
 
 export class StaleStepError extends Error {
@@ -58,8 +75,17 @@ export class TrainerRun {
   readonly #ps: PsClient;
   #params: { generation: number; data: Float32Array };
   readonly #grads: Float32Array;
-  readonly #schedule: Schedule;
+  /** from the data-loader's plan, set when the run starts */
+  #plan: DataPlan = { job: "", trainSamples: 0, valSamples: 0, testSamples: 0, stepsPerEpoch: 0, totalSteps: 0 };
+  #schedule: Schedule = { kind: "constant" };
   #stopped = false;
+  /** resolves when the run is stopped (the job was closed), to end waits at once */
+  readonly #stop = Promise.withResolvers<void>();
+  /** rank 0: every rank's evaluations */
+  #tally: EvalTally | null = null;
+  #evalSub: Subscription | null = null;
+  /** this rank's final Eval event, repeated until the job ends */
+  #final: (Partial<Event> & { kind: EventKind }) | null = null;
   #restoreTo: number | null = null;
   /** bumped by every restore: a step begun before it must not push */
   #generation = 0;
@@ -81,9 +107,10 @@ export class TrainerRun {
     this.#ps = new PsClient(o.bus, layout, o.rank, o.payloadBytesMax);
     this.#params = { generation: 0, data: new Float32Array(store.slabNumel) };
     this.#grads = new Float32Array(store.slabNumel);
-    const c = o.cfg;
-    this.#schedule = c.schedule === "constant" ? { kind: "constant" }
-      : { kind: c.schedule, warmupSteps: Math.min(c.warmupSteps, Math.max(0, o.totalSteps - 1)), totalSteps: o.totalSteps, minLr: c.minLr };
+  }
+
+  get #total(): number {
+    return this.#plan.totalSteps;
   }
 
   /** Stops after the current step; a step blocked on a pull is abandoned at once. */
@@ -91,6 +118,35 @@ export class TrainerRun {
     this.#stopped = true;
     this.#generation++;
     this.#restored.resolve();
+    this.#stop.resolve();
+  }
+
+  /** The data-loader's plan of the job; the schedule runs over its step count. */
+  async #loadPlan(): Promise<void> {
+    const { cfg, bus } = this.#o;
+    const req = encodeJobRequest({ job: cfg.job, step: 0, tag: "" });
+    this.#plan = await this.#retry("get the job's data plan from the data-loader",
+      async () => decodeDataPlan(await bus.request(subjects.dataPlan(cfg.job), req, requestTimeoutMs), 1 << 16), jobStartWaitMsMax);
+    const total = this.#plan.totalSteps;
+    this.#schedule = cfg.schedule === "constant" ? { kind: "constant" }
+      : { kind: cfg.schedule, warmupSteps: Math.min(cfg.warmupSteps, Math.max(0, total - 1)), totalSteps: total, minLr: cfg.minLr };
+  }
+
+  /**
+   * Waits (a while: a restarted process takes seconds to register) until the mesh runs every
+   * trainer rank, shard and service the job needs; then fails the job, naming what is missing.
+   */
+  async #checkMembers(): Promise<void> {
+    const members = this.#o.members;
+    if (!members) return;
+    const started = Date.now();
+    for (;;) {
+      const m = await members();
+      if (missingMembers(this.#o.cfg, m).length === 0) return;
+      if (Date.now() - started > membersWaitMsMax) throw new CapacityError(capacityMessage(this.#o.cfg, m, "its NATS server"));
+      if (this.#stopped) return;
+      await Promise.race([Bun.sleep(1000), this.#stop.promise]);
+    }
   }
 
   #publish(e: Partial<Event> & { kind: EventKind }): void {
@@ -112,7 +168,7 @@ export class TrainerRun {
   }
 
   async run(): Promise<void> {
-    const { cfg, log, bus, totalSteps } = this.#o;
+    const { cfg, log, bus, rank } = this.#o;
     this.#sub = bus.subscribe(subjects.events(cfg.job, "restore"), (data) => {
       const e = decodeEvent(data, 1 << 16);
       this.#restoreTo = e.step;
@@ -121,25 +177,104 @@ export class TrainerRun {
       this.#restored = Promise.withResolvers<void>();
       log?.warn({ step: e.step, why: e.text }, "job restored from a checkpoint; resuming there");
     });
-    if (this.#o.rank === 0) this.#ctl = bus.subscribe(subjects.checkpointNow(cfg.job), () => (this.#snapshotAsked = true));
+    if (rank === 0) {
+      this.#ctl = bus.subscribe(subjects.checkpointNow(cfg.job), () => (this.#snapshotAsked = true));
+      this.#tally = new EvalTally(cfg.trainers);
+      this.#evalSub = bus.subscribe(subjects.events(cfg.job, "eval"), (data) => this.#onEval(data));
+    }
     try {
+      await this.#loadPlan();
+      await this.#checkMembers();
       let step = await this.#retry("find the start step (every shard must have opened the job)", () => this.#startStep(), jobStartWaitMsMax);
-      log?.info({ step, totalSteps, precision: this.#o.cfg.precision }, "training");
-      while (step < totalSteps && !this.#stopped) {
+      log?.info({ step, totalSteps: this.#total, precision: cfg.precision }, "training");
+      while (step < this.#total && !this.#stopped) {
         step = await this.#step(step);
       }
-      if (!this.#stopped) {
-        await this.#evaluate(totalSteps);
-        this.#publish({ kind: EventKind.Done, step: totalSteps });
-      }
+      if (this.#stopped) return;
+      await this.#evaluate(this.#total);
+      this.#publish({ kind: EventKind.Done, step: this.#total });
+      if (rank === 0) await this.#finish();
+      else await this.#repeatFinal();
     } catch (e) {
+      if (this.#stopped) return; // the job was closed (ended or cancelled) under us: not a failure
+      const why = `trainer ${rank}: ${(e as Error).message}`;
       log?.error({ err: (e as Error).message }, "training failed");
-      this.#publish({ kind: EventKind.Failed, text: (e as Error).message });
+      this.#publish({ kind: EventKind.Failed, text: why });
+      await this.#o.control?.end(cfg.job, { state: JobState.Failed, reason: why }).catch((err: unknown) => {
+        log?.error({ err: (err as Error).message }, "cannot record the job's failure");
+      });
       throw e;
     } finally {
-      this.#sub?.unsubscribe();
-      this.#ctl?.unsubscribe();
+      for (const s of [this.#sub, this.#ctl, this.#evalSub]) s?.unsubscribe();
       this.#ctx.dispose();
+    }
+  }
+
+  /** Rank 0: tallies every rank's evaluations; a step all ranks reported goes into the job's record. */
+  #onEval(data: Uint8Array): void {
+    let e: Event;
+    try {
+      e = decodeEvent(data, 1 << 16);
+    } catch {
+      return; // not an event of ours; the publishers validate theirs
+    }
+    const done = this.#tally?.add(e);
+    if (done) {
+      void this.#o.control?.noteEval(this.#o.cfg.job, done).catch((err: unknown) => {
+        this.#o.log?.warn({ err: (err as Error).message }, "cannot record an evaluation in the job's record");
+      });
+    }
+  }
+
+  /**
+   * Rank 0, after its own final evaluation: waits for every rank's, asks for the final snapshot
+   * (which the checkpoint service exports as a model file), and ends the job as done.
+   */
+  async #finish(): Promise<void> {
+    const { cfg, bus, log, control } = this.#o;
+    const final = await this.#finalEval();
+    if (final === null) return; // stopped
+    let snap: Manifest | null = null, note = "";
+    for (let attempt = 1; attempt <= finalSaveAttemptsMax && !this.#stopped; attempt++) {
+      try {
+        const req = encodeJobRequest({ job: cfg.job, step: this.#total, tag: "final" });
+        snap = decodeManifest(await bus.request(subjects.ckptSave(cfg.job), req, checkpointTimeoutMs), 1 << 22);
+        break;
+      } catch (e) {
+        note = (e as Error).message;
+        log?.warn({ attempt, err: note }, "final snapshot failed");
+        await Bun.sleep(1000 * attempt);
+      }
+    }
+    await control?.end(cfg.job, {
+      state: JobState.Done, evalStep: final.step, accuracy: final.accuracy, loss: final.loss, evaluated: final.evaluated, evalSplit: final.split,
+      snapshot: snap?.id ?? "", modelPath: snap?.modelPath ?? "", snapshotDir: snap?.modelPath ? dirname(snap.modelPath) : "",
+      reason: snap ? "" : `trained, but the final snapshot failed (${note}); the parameters stay on the shards only until the job closes`,
+    });
+  }
+
+  /** Every rank's evaluation of the final step, combined; null when stopped first. */
+  async #finalEval(): Promise<CombinedEval | null> {
+    const started = Date.now();
+    for (;;) {
+      const r = this.#tally!.combined(this.#total);
+      if (r !== null && r.ranks === this.#o.cfg.trainers) return r;
+      if (this.#stopped) return null;
+      if (Date.now() - started > finishWaitMsMax) {
+        throw new Error(`ranks ${r === null ? "all but this one" : `${r.ranks} of ${this.#o.cfg.trainers}`} reported their final evaluation within ${finishWaitMsMax} ms`);
+      }
+      await Promise.race([Bun.sleep(100), this.#stop.promise]);
+    }
+  }
+
+  /** Ranks > 0: repeat the final events until the job ends (rank 0 may have restarted and missed them). */
+  async #repeatFinal(): Promise<void> {
+    const started = Date.now();
+    while (!this.#stopped && Date.now() - started < finishWaitMsMax) {
+      await Promise.race([Bun.sleep(finalRepeatMs), this.#stop.promise]);
+      if (this.#stopped || this.#final === null) return;
+      this.#publish(this.#final);
+      this.#publish({ kind: EventKind.Done, step: this.#total });
     }
   }
 
@@ -190,7 +325,8 @@ export class TrainerRun {
     this.#checkGeneration(step, generation);
     backend.upload(this.#model.store.values.ptr, params);
     const t2 = performance.now();
-    if (cfg.evalEvery > 0 && step > 0 && step % cfg.evalEvery === 0) await this.#evaluate(step);
+    const every = evalInterval(cfg, this.#plan.stepsPerEpoch);
+    if (every > 0 && step > 0 && step % every === 0) await this.#evaluate(step);
     const scheduled = cfg.checkpointEvery > 0 && step % cfg.checkpointEvery === 0;
     if (rank === 0 && (scheduled || this.#snapshotAsked)) {
       this.#snapshotAsked = false;
@@ -231,7 +367,7 @@ export class TrainerRun {
       return { step: s, promise };
     };
     const ahead = this.#ahead?.step === step ? this.#ahead : null;
-    this.#ahead = step + 1 < this.#o.totalSteps ? fetch(step + 1) : null;
+    this.#ahead = step + 1 < this.#total ? fetch(step + 1) : null;
     try {
       return await (ahead ?? fetch(step)).promise;
     } catch (e) {
@@ -264,12 +400,12 @@ export class TrainerRun {
   /** Evaluates the current parameters on this rank's share of the held-out split. */
   async #evaluate(step: number): Promise<void> {
     const { cfg, rank, bus, backend } = this.#o;
-    if (step >= this.#o.totalSteps) {
+    if (step >= this.#total) {
       const params = this.#paramsFor(this.#generation);
       await this.#ps.pull(step, params); // the final parameters
       backend.upload(this.#model.store.values.ptr, params);
     }
-    const split = cfg.valFraction > 0 && step < this.#o.totalSteps ? Split.Val : Split.Test;
+    const split = cfg.valFraction > 0 && step < this.#total ? Split.Val : Split.Test;
     const batches: HostBatch[] = [];
     for (let i = 0; ; i++) {
       const req = encodeBatchRequest({ job: cfg.job, rank, split, credits: 0, step: i });
@@ -278,6 +414,8 @@ export class TrainerRun {
       batches.push(toHost(b));
     }
     const r = evaluate(this.#ctx, this.#model, batches);
-    this.#publish({ kind: EventKind.Eval, step, loss: r.loss, accuracy: r.accuracy, count: r.count, text: Split[split].toLowerCase() });
+    const e = { kind: EventKind.Eval, step, loss: r.loss, accuracy: r.accuracy, count: r.count, text: Split[split].toLowerCase() };
+    if (step >= this.#total) this.#final = e;
+    this.#publish(e);
   }
 }

@@ -2,7 +2,8 @@
 // trainer process of one rank: `bun services/trainer/main.ts --rank 0 --nats-url nats://...`
 import { z } from "zod";
 import { type DeviceChoice, deviceChoices, openBackend } from "../../ffi/select.ts";
-import { followJobs } from "../runtime/jobs.ts";
+import { meshMembers } from "../runtime/discovery.ts";
+import { JobLedger } from "../runtime/jobs.ts";
 import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/service.ts";
 import { Trainer } from "./service.ts";
 
@@ -28,9 +29,11 @@ await runService<Config>({
   metadata: (c) => ({ rank: String(c.rank) }),
   logFields: (c) => ({ rank: c.rank }),
   async start({ config, log, bus }) {
-    const { backend } = openBackend(config.device, (why) => log.info({ device: config.device }, why), config.rank);
-    const trainer = new Trainer(bus, config.rank, backend, log, config.payloadBytesMax);
-    const watch = await followJobs(bus.nc, log, trainer);
+    const { backend } = openBackend(config.device, (why, detail) => log.info({ device: config.device, detail }, why), config.rank);
+    const ledger = await JobLedger.open(bus.nc, bus, log);
+    const trainer = new Trainer({ bus, rank: config.rank, backend, log, payloadBytesMax: config.payloadBytesMax, control: ledger,
+      members: () => meshMembers(bus.nc) });
+    const watch = await ledger.follow(`trainer ${config.rank}`, trainer);
     return {
       async stop() {
         watch.stop();

@@ -6,7 +6,7 @@ import { DType, decodePullReply, decodePushReply, encodePullRequest, encodePushR
 import { BadRequestError } from "../runtime/errors.ts";
 import type { Bus } from "../runtime/bus.ts";
 import { subjects } from "../runtime/job.ts";
-import type { Layout } from "../parameter-server/layout.ts";
+import type { Layout } from "../runtime/layout.ts";
 import { pullTimeoutMs, requestTimeoutMs } from "./limits.ts";
 
 export class PsClient {

@@ -2,8 +2,15 @@
 // real nats-server and every service as a process; the SDK submits a job and streams its
 // events. Then the chaos test: SIGKILL a parameter-server shard and a trainer mid-run.
 import { afterAll, describe, expect, test } from "bun:test";
+import { join } from "node:path";
+import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
-import { type Event, EventKind } from "../../schemas/messages.ts";
+import { loadSlabInto, readModelFile } from "../../engine/modelfile.ts";
+import { MlpModel } from "../../engine/models/mlp.ts";
+import { Context } from "../../engine/tensor.ts";
+import { evaluate } from "../../engine/train.ts";
+import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { JobData } from "../../services/data-loader/loader.ts";
 import { totalSteps as jobTotalSteps } from "../../services/data-loader/sampler.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
@@ -19,12 +26,22 @@ const config = (over: Partial<JobConfig>): JobConfig => parseJobConfig({
   ...jobDefaults, model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 }, epochs: 1, warmupSteps: 20, chunkBytes: 16 << 10, ...over,
 });
 
-/** Passes events through while recording them. */
-async function* tap(events: AsyncIterable<Event>, seen: Event[], onEvent?: (e: Event) => void): AsyncGenerator<Event> {
-  for await (const e of events) {
-    seen.push(e);
-    onEvent?.(e);
-    yield e;
+/** A local mesh in a fresh folder, sized for `trainers` and `shards`. */
+const startMesh = (prefix: string, o: { trainers?: number; shards?: number; onEvent?: (line: string) => void } = {}) => {
+  const dir = tempDir(prefix);
+  return LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), ...o });
+};
+
+/** The test accuracy of a model file, evaluated in this process with the job's GEMM precision. */
+function modelFileAccuracy(path: string, precision: JobConfig["precision"]): number {
+  const loaded = readModelFile(path);
+  const ctx = new Context(new CpuBackend(), { seed: 0, precision });
+  try {
+    const model = new MlpModel(ctx, loaded.header.config as ConstructorParameters<typeof MlpModel>[1], 0);
+    loadSlabInto(path, model.store, loaded);
+    return evaluate(ctx, model, new ImageBatcher(loadMnist().test, 1000).epoch(0, 0, false, false)).accuracy;
+  } finally {
+    ctx.dispose();
   }
 }
 
@@ -39,9 +56,8 @@ function effectiveSteps(events: readonly Event[], trainers: number): number[][] 
 }
 
 describe("mesh", () => {
-  test("a short BSP run on the local mesh learns, and its events reach the SDK", async () => {
-    const dir = tempDir("mt-e2e-");
-    await using mesh = await LocalMesh.start({ dir });
+  test("a short BSP run on the local mesh learns, its events reach the SDK, and its final snapshot is exported as a model file", async () => {
+    await using mesh = await startMesh("mt-e2e-");
     await using client = await MeshClient.connect(mesh.url);
     // 2 micro-batches of 64 per step (gradient accumulation on the trainers), bf16 autocast
     // GEMMs on the trainers (the chaos test below runs f32)
@@ -49,48 +65,55 @@ describe("mesh", () => {
     const total = jobTotalSteps(cfg);
     const seen: Event[] = [];
     let asked: Promise<Event> | null = null;
-    const events = tap(client.events(cfg.job), seen, (e) => {
+    await client.submit(cfg, { membersWaitMs: 60_000 });
+    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => {
+      seen.push(e);
       if (asked === null && e.kind === EventKind.Step && e.step === 30) asked = client.saveCheckpoint(cfg.job);
-    });
-    await client.submit(cfg);
-    const r = await watchJob(events, { trainers: 2, totalSteps: total, quiet: true });
-    expect(r.accuracy).toBeGreaterThan(0.9); // chance is 0.1
-    expect(r.evaluated).toBe(10_000);
+    } });
+    expect(r.record.state).toBe(JobState.Done);
+    expect(r.record.accuracy).toBeGreaterThan(0.9); // chance is 0.1
+    expect(r.record.evaluated).toBe(10_000);
+    expect(r.record.totalSteps).toBe(total);
     const steps = effectiveSteps(seen, 2);
     for (const rank of [0, 1]) expect(steps[rank]).toEqual(Array.from({ length: total }, (_, i) => i));
     expect(seen.filter((e) => e.kind === EventKind.Eval && e.step === 100)).toHaveLength(2); // both ranks evaluated at step 100
-    // the scheduled snapshots, and the one asked for at step 30 (taken at rank 0's next step)
+    // the scheduled snapshots, the one asked for at step 30 (taken at rank 0's next step), the final one
     const onDemand = await asked!;
     expect(onDemand.step).toBeGreaterThanOrEqual(30); // rank 1 may report step 30 before rank 0 reaches its snapshot point
     expect(onDemand.step % 100).not.toBe(0);
-    expect(r.checkpoints).toBe(Math.ceil(total / 100) + 1);
+    expect(r.checkpoints).toBe(Math.ceil(total / 100) + 2);
+    expect(seen.at(-1)!.kind).toBe(EventKind.Ended);
     const step = seen.find((e) => e.kind === EventKind.Step)!;
     expect(step.pullMs).toBeGreaterThan(0);
     expect(step.computeMs).toBeGreaterThan(0);
+    // the final snapshot and its model file: the same parameters the trainers evaluated
+    expect(r.record.snapshot).toBe(`step-${String(total).padStart(9, "0")}`);
+    expect(r.record.modelPath).toBe(join(r.record.snapshotDir, "model.mtm"));
+    expect(modelFileAccuracy(r.record.modelPath, cfg.precision)).toBeCloseTo(r.record.accuracy, 6);
     const status = await client.status(cfg.job);
-    expect(status!.config.precision).toBe("bf16");
-    expect(status!.shards.map((s) => ("clocks" in s ? s.clocks : s.error))).toEqual([[total, total], [total, total]]);
-    expect(status!.checkpoints.length).toBeLessThanOrEqual(cfg.keepLast + 1);
+    expect(status.config.precision).toBe("bf16");
+    expect(status.shards).toEqual([]); // an ended job is closed on every service
+    expect(status.checkpoints.at(-1)!.modelPath).toBe(r.record.modelPath);
+    expect(status.checkpoints.length).toBeLessThanOrEqual(cfg.keepLast + 1);
   }, 180_000);
 
   test("SIGKILL of a parameter-server shard and a trainer mid-run: the job restores from its last snapshot and finishes; no sample is repeated or skipped", async () => {
-    const dir = tempDir("mt-chaos-");
     const launcherLines: string[] = [];
-    await using mesh = await LocalMesh.start({ dir, onEvent: (l) => launcherLines.push(l) });
+    await using mesh = await startMesh("mt-chaos-", { onEvent: (l) => launcherLines.push(l) });
     await using client = await MeshClient.connect(mesh.url);
     const cfg = config({ job: "chaos", epochs: 2, checkpointEvery: 40 });
     const total = jobTotalSteps(cfg);
     const seen: Event[] = [];
     let killedAt = -1;
-    const events = tap(client.events(cfg.job), seen, (e) => {
+    await client.submit(cfg, { membersWaitMs: 60_000 });
+    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => {
+      seen.push(e);
       if (killedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step >= 150) {
         killedAt = e.step;
         mesh.kill("parameter-server-1", "SIGKILL");
         mesh.kill("trainer-1", "SIGKILL");
       }
-    });
-    await client.submit(cfg);
-    const r = await watchJob(events, { trainers: 2, totalSteps: total, quiet: true });
+    } });
     expect(killedAt).toBeGreaterThan(0);
     expect(launcherLines.some((l) => l.includes("parameter-server-1 died (signal SIGKILL); restarting"))).toBe(true);
     expect(launcherLines.some((l) => l.includes("trainer-1 died (signal SIGKILL); restarting"))).toBe(true);
@@ -98,7 +121,7 @@ describe("mesh", () => {
     expect(restores.length).toBeGreaterThanOrEqual(1);
     expect(restores[0]!.step % 40).toBe(0);
     expect(restores[0]!.step).toBeLessThanOrEqual(killedAt + 1);
-    expect(r.accuracy).toBeGreaterThan(0.93);
+    expect(r.record.accuracy).toBeGreaterThan(0.93);
     // the effective history of every rank is every step exactly once; batches are a pure
     // function of (rank, step), so each epoch visits every training sample exactly once
     const steps = effectiveSteps(seen, 2);

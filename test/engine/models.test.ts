@@ -63,6 +63,9 @@ describe("gpt", () => {
     const b = model.generate([1, 2, 3], 20, new Rng(5), 1.0, 4);
     expect(a).toEqual(b);
     expect(a.length).toBe(20);
+    const streamed: number[] = [];
+    expect(model.generate([1, 2, 3], 20, new Rng(5), 1.0, 4, (t) => streamed.push(t))).toEqual(a);
+    expect(streamed).toEqual(a); // each token as it is sampled, in order
     expect(a.every((t) => t >= 0 && t < 11)).toBe(true);
     expect(() => model.generate([], 5, new Rng(1))).toThrow(ConfigError);
     expect(() => model.generate([1], 5, new Rng(1), 0)).toThrow(ConfigError);

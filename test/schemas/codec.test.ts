@@ -57,7 +57,7 @@ describe("round trips, from unaligned payloads", () => {
     expect(decodeJobSpec(unaligned(encodeJobSpec(spec)), limit)).toEqual(spec);
     const state = { job: "j", shard: 1, updates: 4, optimizerSteps: 4, step: 4, chunks: [{ id: 3, version: 4, params: floats(5), state: [{ name: "m", data: floats(5, 3) }] }] };
     expect(decodeShardState(unaligned(encodeShardState(state)), limit)).toEqual(state);
-    const manifest = { formatVersion: 1, job: "j", id: "step-10", step: 10, createdMs: 1.5e12, metric: 0.97, configJson: "{}", files: [{ name: "ps-0.bin", bytes: 123, crc32: 0xdeadbeef }], cursors: [10, 10] };
+    const manifest = { formatVersion: 1, job: "j", id: "step-10", step: 10, createdMs: 1.5e12, metric: 0.97, configJson: "{}", files: [{ name: "ps-0.bin", bytes: 123, crc32: 0xdeadbeef }], cursors: [10, 10], modelPath: "" };
     expect(decodeManifest(unaligned(encodeManifest(manifest)), limit)).toEqual(manifest);
     const err = encodeErrorReply({ code: "unknown_job", message: "no job x", subject: "mt.x.ps.0.push" });
     expect(isErrorReply(err)).toBe(true);

@@ -1,14 +1,14 @@
 // Distributed sampling and the loader's batches, without NATS.
-import { describe, expect, test } from "bun:test";
+import { beforeAll, describe, expect, test } from "bun:test";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { DataLoader } from "../../services/data-loader/service.ts";
 import { JobData } from "../../services/data-loader/loader.ts";
 import { rankSlice, stepsPerEpochOf } from "../../services/data-loader/sampler.ts";
 import { WireFormatError } from "../../schemas/codec.ts";
-import { decodeBatch, decodeLoaderStats, encodeBatchRequest, encodeJobRequest, Split, SyncPolicy } from "../../schemas/messages.ts";
+import { decodeBatch, decodeDataPlan, decodeLoaderStats, encodeBatchRequest, encodeJobRequest, Split, SyncPolicy } from "../../schemas/messages.ts";
 import { MemoryBus } from "../../services/runtime/bus.ts";
 import { BadRequestError, UnknownJobError } from "../../services/runtime/errors.ts";
-import { jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
 
 const mnist = loadMnist();
 const cfg = (over: object) => parseJobConfig({ ...jobDefaults, job: "dl", ...over });
@@ -54,10 +54,11 @@ describe("distributed sampling", () => {
 
 describe("loader over a MemoryBus", () => {
   const bus = new MemoryBus();
-  const loader = new DataLoader(bus, undefined, 8 << 20, mnist);
+  const loader = new DataLoader(bus, { payloadBytesMax: 8 << 20, dataset: mnist });
   loader.serve();
   const c = cfg({ trainers: 2, batchSize: 64 });
-  loader.openJob({ job: "dl", trainers: 2, shards: 2, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(c) });
+  const opened = loader.openJob({ job: "dl", trainers: 2, shards: 2, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(c) });
+  beforeAll(() => opened);
   const ask = async (m: { rank?: number; split?: Split; step?: number; credits?: number; job?: string }, subject = "mt.dl.data.next") =>
     decodeBatch(await bus.request(subject, encodeBatchRequest({ job: "dl", rank: 0, split: Split.Train, credits: 2, step: 0, ...m }), 1000), 8 << 20);
 
@@ -93,6 +94,37 @@ describe("loader over a MemoryBus", () => {
     await expect(ask({ split: Split.Val })).rejects.toThrow("no validation split");
     await expect(bus.request("mt.dl.data.next", Uint8Array.of(1, 2, 3), 1000)).rejects.toBeInstanceOf(WireFormatError);
     expect((await ask({ step: 3 })).rows).toBe(64); // still serving
+  });
+
+  test("data.plan: the sample counts and the step count the trainers and shards schedule over", async () => {
+    const plan = decodeDataPlan(await bus.request("mt.dl.data.plan", encodeJobRequest({ job: "dl", step: 0, tag: "" }), 1000), 1 << 16);
+    expect(plan).toEqual({ job: "dl", trainSamples: 60_000, valSamples: 0, testSamples: 10_000, stepsPerEpoch: 469, totalSteps: 469 * c.epochs });
+    await expect(bus.request("mt.nope.data.plan", encodeJobRequest({ job: "nope", step: 0, tag: "" }), 1000)).rejects.toBeInstanceOf(UnknownJobError);
+  });
+});
+
+describe("the loader's jobs: a limit, shared data sets, freed when their jobs close, unreadable data refused", () => {
+  const spec = (job: string, over: Partial<JobConfig> = {}) =>
+    ({ job, trainers: 1, shards: 1, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(cfg({ ...over, job, trainers: 1 })) });
+
+  test("jobs reading one folder share one copy; the last to close frees it; one job over the limit is refused with the reason", async () => {
+    const loader = new DataLoader(new MemoryBus(), { payloadBytesMax: 8 << 20, jobsMax: 2 });
+    await loader.openJob(spec("a"));
+    await loader.openJob(spec("b"));
+    expect(loader.datasets).toBe(1);
+    await expect(loader.openJob(spec("c"))).rejects.toThrow("the data-loader serves 2 jobs already (a, b)");
+    loader.closeJob("a");
+    expect([loader.jobs, loader.datasets]).toEqual([["b"], 1]);
+    await loader.openJob(spec("c"));
+    loader.closeJob("b");
+    loader.closeJob("c");
+    expect([loader.jobs, loader.datasets]).toEqual([[], 0]);
+  });
+
+  test("a folder without the idx files is refused naming the file; nothing is held", async () => {
+    const loader = new DataLoader(new MemoryBus(), { payloadBytesMax: 8 << 20 });
+    await expect(loader.openJob(spec("d", { dataDir: "/nonexistent" }))).rejects.toThrow("/nonexistent/train-images-idx3-ubyte: file not found");
+    expect([loader.jobs, loader.datasets]).toEqual([[], 0]);
   });
 });
 

@@ -10,7 +10,7 @@ import {
   encodePushRequest, encodeShardState, f32Chunk, SyncPolicy,
 } from "../../schemas/messages.ts";
 import { PullRequest as PullRequestT } from "../../schemas/wire.ts";
-import { buildLayout } from "../../services/parameter-server/layout.ts";
+import { buildLayout } from "../../services/runtime/layout.ts";
 import { BadRequestError, UnknownJobError } from "../../services/runtime/errors.ts";
 import { type JobConfig, jobDefaults, subjects } from "../../services/runtime/job.ts";
 import { JobStore } from "../../services/runtime/jobs.ts";
@@ -29,15 +29,18 @@ const timeout = 10_000;
 
 let server: Awaited<ReturnType<typeof startNatsServer>>;
 let shards: ServiceProcess[];
+let loader: ServiceProcess;
 let bus: Awaited<ReturnType<typeof clientBus>>;
 
 beforeAll(async () => {
   server = await startNatsServer();
   shards = [0, 1].map((k) => spawnService("services/parameter-server/main.ts",
     ["--nats-url", server.url, "--shard", String(k), "--payload-bytes-max", String(payloadBytesMax)]));
+  // the shards take the job's step count from the data-loader's plan
+  loader = spawnService("services/data-loader/main.ts", ["--nats-url", server.url, "--payload-bytes-max", String(payloadBytesMax)]);
   bus = await clientBus(server.url);
   const store = await JobStore.open(bus.nc);
-  await store.put({ job: cfg.job, trainers: 2, shards: 2, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(cfg) });
+  await store.putSpec({ job: cfg.job, trainers: 2, shards: 2, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(cfg) });
   for (const k of [0, 1]) {
     await waitFor(`shard ${k} to open the job`, async () =>
       decodeShardStats(await bus.request(subjects.psStats(cfg.job, k), encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 1000), 1 << 20).chunks > 0);
@@ -46,7 +49,7 @@ beforeAll(async () => {
 
 afterAll(async () => {
   await bus?.close();
-  for (const s of shards ?? []) await s[Symbol.asyncDispose]();
+  for (const s of [...(shards ?? []), ...(loader ? [loader] : [])]) await s[Symbol.asyncDispose]();
   await server?.stop();
 });
 

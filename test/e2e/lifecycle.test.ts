@@ -1,0 +1,166 @@
+// Jobs on one long-running local mesh (3 trainers, 3 shards, each service limited to 2 jobs at
+// once), as `meshtrain mesh up` runs it: any N of ranks runs, a job the mesh cannot run is
+// refused or fails at once with the reason, every client request about a job ends with an
+// answer, a job ends exactly once and is closed everywhere (also after every service restarts),
+// a cancelled job resumes from its snapshots, and more jobs than any limit run one after another
+// with flat memory.
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { copyFileSync, existsSync, readFileSync, truncateSync } from "node:fs";
+import { join } from "node:path";
+import { defaultMnistDir } from "../../engine/data/mnist.ts";
+import { readModelFile } from "../../engine/modelfile.ts";
+import { encodeJobRequest, type Event, EventKind, JobState } from "../../schemas/messages.ts";
+import { CapacityError, JobStateError, UnknownJobError } from "../../services/runtime/errors.ts";
+import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job.ts";
+import { MeshClient } from "../../sdk/client.ts";
+import { LocalMesh } from "../../sdk/launcher.ts";
+import { JobFailedError, watchJob } from "../../sdk/watch.ts";
+import { expectRejected } from "../helpers/errors.ts";
+import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
+
+let mesh: LocalMesh;
+let client: MeshClient;
+let dir: string;
+
+/** 3 x 1000 samples per step: 20 steps an epoch. */
+const small = (job: string, over: Partial<JobConfig> = {}): JobConfig => parseJobConfig({
+  ...jobDefaults, job, model: { kind: "mlp", widths: [784, 32, 10], dropout: 0 }, trainers: 3, shards: 3, batchSize: 1000, epochs: 1,
+  warmupSteps: 5, checkpointEvery: 10, chunkBytes: 16 << 10, ...over,
+});
+const stepsPerEpoch = 20;
+
+beforeAll(async () => {
+  dir = tempDir("mt-life-");
+  mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), jobLogs: true, trainers: 3, shards: 3, env: { MT_JOBS_MAX: "2" } });
+  client = await MeshClient.connect(mesh.url);
+  await client.waitForMembers({ job: "any", trainers: 3, shards: 3 }, 60_000);
+}, 90_000);
+
+afterAll(async () => {
+  await client?.close();
+  await mesh?.stop();
+  removeTempDirs();
+});
+
+/** Follows a job to its end, keeping its events; the failure of a failed or cancelled job is returned, not thrown. */
+async function follow(job: string, onEvent?: (e: Event) => void) {
+  const events: Event[] = [];
+  try {
+    const o = await watchJob(client, job, { quiet: true, onEvent: (e) => (events.push(e), onEvent?.(e)) });
+    return { record: o.record, events, error: null };
+  } catch (e) {
+    if (!(e instanceof JobFailedError)) throw e;
+    return { record: e.record!, events, error: e };
+  }
+}
+
+const rssKb = (pid: number) => Number(/VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, "utf8"))![1]);
+
+describe("jobs on one long-running mesh", () => {
+  test("a job on 3 trainers and 3 shards runs to the end; its record, final snapshot, model file and per-job logs are where it says", async () => {
+    await client.submit(small("three"));
+    const { record, events } = await follow("three");
+    expect(record.state).toBe(JobState.Done);
+    expect([record.totalSteps, record.evalStep, record.evaluated, record.attempts]).toEqual([stepsPerEpoch, stepsPerEpoch, 10_000, 1]);
+    expect(record.accuracy).toBeGreaterThan(0.8);
+    expect(new Set(events.filter((e) => e.kind === EventKind.Step).map((e) => e.rank))).toEqual(new Set([0, 1, 2]));
+    expect(events.filter((e) => e.kind === EventKind.Ended)).toHaveLength(1);
+    expect(record.snapshotDir).toBe(join(dir, "jobs", "three"));
+    expect(readModelFile(record.modelPath).header.step).toBe(stepsPerEpoch);
+    for (const s of ["data-loader", "parameter-server-2", "trainer-2", "checkpoint"]) expect(existsSync(join(record.snapshotDir, "logs", `${s}.log`))).toBe(true);
+    // closed everywhere: no service answers for it any more
+    await expect(client.bus.request(subjects.dataPlan("three"), encodeJobRequest({ job: "three", step: 0, tag: "" }), 5000)).rejects.toBeInstanceOf(UnknownJobError);
+    await expect(client.bus.request(subjects.psStats("three", 2), encodeJobRequest({ job: "three", step: 0, tag: "" }), 5000)).rejects.toBeInstanceOf(UnknownJobError);
+    // a finished job is not run again under its name
+    await expect(client.submit(small("three"))).rejects.toThrow("job three done at");
+  }, 120_000);
+
+  test("a job that needs more ranks than the mesh runs is refused at once, naming them; nothing is stored", async () => {
+    const e = await client.submit(small("too-big", { trainers: 4, shards: 5 })).catch((x: unknown) => x);
+    expect(e).toBeInstanceOf(CapacityError);
+    expect((e as Error).message).toContain("needs trainer rank 3, parameter-server shards 3-4");
+    expect((e as Error).message).toContain("meshtrain mesh up --trainers 4 --shards 5");
+    expect((await client.list()).map((r) => r.job)).not.toContain("too-big");
+    expect(await client.jobs.spec("too-big")).toBeNull();
+  });
+
+  test.each([
+    ["a folder that does not exist", () => "/nonexistent-mnist", "/nonexistent-mnist/train-images-idx3-ubyte: file not found"],
+    ["a truncated idx file", () => {
+      const d = tempDir("mt-trunc-");
+      for (const f of ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]) copyFileSync(join(defaultMnistDir(), f), join(d, f));
+      truncateSync(join(d, "train-images-idx3-ubyte"), 5000);
+      return d;
+    }, "train-images-idx3-ubyte"],
+  ])("data the loader cannot read (%s) fails the job at once with the loader's reason", async (_, dataDir, fragment) => {
+    const job = `bad-data-${Date.now()}`;
+    const t0 = performance.now();
+    await client.submit(small(job, { dataDir: dataDir() }));
+    const { record, error } = await follow(job);
+    expect(record.state).toBe(JobState.Failed);
+    expect(record.reason).toContain(`data-loader cannot open job ${job}`);
+    expect(record.reason).toContain(fragment);
+    expect(error!.message).toContain(fragment);
+    expect(performance.now() - t0).toBeLessThan(20_000); // not the 5-minute start wait
+    expect(await client.jobs.spec(job)).toBeNull();
+  }, 60_000);
+
+  test("cancel; every request about an unknown or ended job answers at once; resubmitting resumes from the newest snapshot and ends done", async () => {
+    const cfg = small("resumable", { epochs: 2 });
+    await client.submit(cfg);
+    let cancelled: Promise<unknown> | null = null;
+    const first = await follow(cfg.job, (e) => {
+      if (cancelled === null && e.kind === EventKind.Checkpoint && e.step >= 10) cancelled = client.cancel(cfg.job);
+    });
+    await cancelled;
+    expect(first.record.state).toBe(JobState.Cancelled);
+    expect(first.record.reason).toStartWith("cancelled by ");
+    const snaps = await client.checkpoints(cfg.job); // from disk: the job is closed
+    expect(snaps.length).toBeGreaterThan(0);
+    const newest = snaps.at(-1)!.step;
+
+    const t0 = performance.now();
+    await expectRejected(() => client.cancel(cfg.job), JobStateError, "job resumable cancelled at", "nothing to cancel");
+    await expectRejected(() => client.cancel("nosuch"), UnknownJobError, "no job nosuch");
+    await expectRejected(() => client.saveCheckpoint("nosuch"), UnknownJobError, "no job nosuch");
+    await expectRejected(() => client.saveCheckpoint(cfg.job), JobStateError, "needs a running job");
+    await expectRejected(() => client.restore(cfg.job), JobStateError, "restore needs a running job");
+    await expectRejected(() => client.checkpoints("nosuch"), UnknownJobError, "no snapshots");
+    await expectRejected(() => client.status("nosuch"), UnknownJobError, "no job nosuch");
+    await expectRejected(() => watchJob(client, cfg.job, { quiet: true }), JobFailedError, "job resumable cancelled");
+    expect(performance.now() - t0).toBeLessThan(15_000);
+
+    await expectRejected(() => client.submit({ ...cfg, lr: 0.2 }), JobStateError, "ran before with other settings (lr: 0.1 -> 0.2)");
+    const rec = await client.submit(cfg);
+    expect(rec.attempts).toBe(2);
+    const second = await follow(cfg.job);
+    expect(second.record.state).toBe(JobState.Done);
+    const restore = second.events.find((e) => e.kind === EventKind.Restore)!;
+    expect(restore.step).toBe(newest);
+    // every step of the second run from the snapshot on, on every rank, exactly once after the restore
+    const after = second.events.slice(second.events.indexOf(restore)).filter((e) => e.kind === EventKind.Step);
+    for (const rank of [0, 1, 2]) {
+      expect(after.filter((e) => e.rank === rank).map((e) => e.step)).toEqual(Array.from({ length: 2 * stepsPerEpoch - newest }, (_, i) => newest + i));
+    }
+  }, 180_000);
+
+  test("more jobs one after another than any service's limit (2) run to the end, with flat data-loader memory; after every service restarts, ended jobs stay closed", async () => {
+    const rss: number[] = [];
+    for (let i = 0; i < 5; i++) {
+      await client.submit(small(`seq-${i}`));
+      expect((await follow(`seq-${i}`)).record.state).toBe(JobState.Done);
+      rss.push(rssKb(mesh.pid("data-loader")));
+    }
+    // a leak of each job's data set would add 55 MB a job
+    expect(rss[4]! - rss[1]!).toBeLessThan(100 * 1024);
+    for (const s of ["data-loader", "parameter-server-0", "trainer-0", "checkpoint"]) mesh.kill(s, "SIGKILL");
+    await waitFor("the services to be back", async () => {
+      await client.waitForMembers({ job: "any", trainers: 3, shards: 3 }, 0);
+      return true;
+    }, 60_000);
+    for (const job of ["three", "seq-4"]) {
+      await expect(client.bus.request(subjects.dataPlan(job), encodeJobRequest({ job, step: 0, tag: "" }), 5000)).rejects.toBeInstanceOf(UnknownJobError);
+      expect((await client.record(job)).state).toBe(JobState.Done);
+    }
+  }, 240_000);
+});
