@@ -1,35 +1,91 @@
 // The README's test command runs this: `bun test` over test/ with a JUnit report next to bun's
-// own console output, then one totals line, "N passed, N failed", which CI reads.
-import { mkdirSync, readFileSync, rmSync } from "node:fs";
+// own console output, then, when anything skipped, one line saying why, and last one totals
+// line, "N passed, N failed, N skipped" (CI reads its first two numbers). Tests say why they skip
+// through test/helpers/skip.ts, which records {file, line, need, reason} in skips.jsonl.
+import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
+import { type SkipRecord, skipsFileEnv } from "../test/helpers/skip.ts";
 
 const root = join(import.meta.dir, "..");
 const reportDir = join(root, ".test-results");
 const report = join(reportDir, "junit.xml");
+const skipsFile = join(reportDir, "skips.jsonl");
 rmSync(report, { force: true });
 mkdirSync(reportDir, { recursive: true });
+writeFileSync(skipsFile, "");
 
 // Per-test limit: end-to-end tests train real models for several seconds on 2 cores.
 const timeoutMs = 120_000;
 const proc = Bun.spawnSync([process.execPath, "test", `--timeout=${timeoutMs}`, "--reporter=junit", `--reporter-outfile=${report}`,
   ...process.argv.slice(2)], {
   cwd: root,
+  env: { ...process.env, [skipsFileEnv]: skipsFile },
   stdio: ["inherit", "inherit", "inherit"],
 });
 const code = proc.exitCode ?? 1;
 
-let passed = 0;
-let failed = 0;
-try {
-  const xml = readFileSync(report, "utf8");
+interface Totals {
+  passed: number;
+  failed: number;
+  skipped: number;
+  /** file and line of each skipped test case (a case in a skipped block has the block's line) */
+  skippedCases: { file: string; line: number }[];
+}
+
+function readTotals(xml: string): Totals {
   const top = /<testsuites\b([^>]*)>/.exec(xml)?.[1] ?? "";
-  const attr = (name: string) => Number(new RegExp(`\\b${name}="(\\d+)"`).exec(top)?.[1] ?? 0);
-  failed = attr("failures") + attr("errors");
-  passed = attr("tests") - attr("failures") - attr("errors") - attr("skipped");
+  const attr = (attrs: string, name: string) => new RegExp(`\\b${name}="([^"]*)"`).exec(attrs)?.[1];
+  const count = (name: string) => Number(attr(top, name) ?? 0);
+  const failed = count("failures") + count("errors");
+  const skipped = count("skipped");
+  const skippedCases: Totals["skippedCases"] = [];
+  for (const m of xml.matchAll(/<testcase\b([^>]*?)(?:\/>|>([\s\S]*?)<\/testcase>)/g)) {
+    if (!(m[2] ?? "").includes("<skipped")) continue;
+    skippedCases.push({ file: unescapeXml(String(attr(m[1]!, "file") ?? "")), line: Number(attr(m[1]!, "line") ?? 0) });
+  }
+  return { passed: count("tests") - failed - skipped, failed, skipped, skippedCases };
+}
+
+function unescapeXml(s: string): string {
+  return s.replace(/&quot;/g, '"').replace(/&apos;/g, "'").replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&");
+}
+
+/** The record that decided a skipped case: in its file, the last skip() at or above its line (a
+ *  test's own, or its block's), else the first below (a skip() call wrapped onto a later line). */
+function recordFor(c: { file: string; line: number }, records: SkipRecord[]): SkipRecord | undefined {
+  const inFile = records.filter((r) => r.file === c.file).sort((a, b) => a.line - b.line);
+  return inFile.findLast((r) => r.line <= c.line) ?? inFile[0];
+}
+
+/** "10 skipped: 6 need a GPU (why); 4 need libnccl (why)" (semicolons: the reasons hold commas) */
+function skipSummary(totals: Totals, records: SkipRecord[]): string {
+  const groups = new Map<string, number>();
+  let unexplained = totals.skipped;
+  for (const c of totals.skippedCases) {
+    const r = recordFor(c, records);
+    if (r === undefined) continue;
+    const key = `${r.need} (${r.reason})`;
+    groups.set(key, (groups.get(key) ?? 0) + 1);
+    unexplained--;
+  }
+  const parts = [...groups].sort((a, b) => b[1] - a[1]).map(([key, n]) => `${n} ${n === 1 ? "needs" : "need"} ${key}`);
+  if (unexplained > 0) parts.push(`${unexplained} with no reason recorded (test/helpers/skip.ts)`);
+  return `${totals.skipped} skipped: ${parts.join("; ")}`;
+}
+
+let totals: Totals = { passed: 0, failed: 0, skipped: 0, skippedCases: [] };
+try {
+  totals = readTotals(readFileSync(report, "utf8"));
 } catch {
   // no report: bun itself failed before running tests; counted below
 }
 // a non-zero exit with no failing test (a file that failed to load, say) is still a failure
-if (code !== 0 && failed === 0) failed = 1;
-console.log(`${passed} passed, ${failed} failed`);
+if (code !== 0 && totals.failed === 0) totals.failed = 1;
+if (totals.skipped > 0) {
+  const records = existsSync(skipsFile)
+    ? readFileSync(skipsFile, "utf8").split("\n").filter((l) => l !== "").map((l) => JSON.parse(l) as SkipRecord)
+    : [];
+  console.log(skipSummary(totals, records));
+}
+console.log(`${totals.passed} passed, ${totals.failed} failed, ${totals.skipped} skipped`);
 process.exit(code);

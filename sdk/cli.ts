@@ -17,12 +17,14 @@ import { addMeshCommands } from "./mesh-commands.ts";
 import { MeshError } from "../services/runtime/errors.ts";
 import { WireFormatError } from "../schemas/codec.ts";
 import { NatsUnreachableError } from "../services/runtime/nats.ts";
+import { NatsServerError } from "../services/runtime/nats-server.ts";
 import { JobFailedError } from "./watch.ts";
 
 const program = new Command()
   .name("meshtrain")
   .description("distributed deep-learning training on Bun: CPU (OpenBLAS) and GPU backends, one mesh of services over NATS")
-  .showHelpAfterError();
+  // a wrong option gets its error and one line on where help is, not the whole help (below)
+  .showHelpAfterError(false);
 
 addMeshCommands(program);
 
@@ -146,12 +148,31 @@ function optionalPath(p: string | undefined): string | undefined {
   return p === undefined ? undefined : userPath(p);
 }
 
+/** "(every option: meshtrain run --help)" for the command the user typed. */
+function helpHint(argv: readonly string[]): string {
+  const words: string[] = [];
+  let cmd: Command = program;
+  for (const a of argv) {
+    const sub = cmd.commands.find((c) => c.name() === a || c.aliases().includes(a));
+    if (!sub) break;
+    words.push(a);
+    cmd = sub;
+  }
+  return `(every option: meshtrain ${[...words, "--help"].join(" ")})`;
+}
+const hint = helpHint(process.argv.slice(2));
+const withHint = (c: Command): void => {
+  c.showHelpAfterError(hint);
+  c.commands.forEach(withHint);
+};
+withHint(program);
+
 try {
   await program.parseAsync(process.argv);
 } catch (e) {
   // operating errors get one clear line; anything else is a bug and keeps its stack
   if (e instanceof DataFileError || e instanceof EngineError || e instanceof NativeLibraryError || e instanceof MeshError ||
-    e instanceof WireFormatError || e instanceof NatsUnreachableError || e instanceof JobFailedError) {
+    e instanceof WireFormatError || e instanceof NatsUnreachableError || e instanceof JobFailedError || e instanceof NatsServerError) {
     console.error(`meshtrain: ${e.name}: ${e.message}`);
     process.exit(1);
   }

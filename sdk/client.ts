@@ -10,7 +10,7 @@ import {
   type Manifest, type ShardStats, SyncPolicy,
 } from "../schemas/messages.ts";
 import { capacityMessage, meshMembers, type MeshMembers, missingMembers } from "../services/runtime/discovery.ts";
-import { CapacityError, DeadlineError, JobStateError, UnknownJobError } from "../services/runtime/errors.ts";
+import { CapacityError, DeadlineError, JobStateError, NoRespondersError, UnknownJobError } from "../services/runtime/errors.ts";
 import { type JobConfig, jobConfigFromJson, parseJobConfig, subjects, trajectoryDiff } from "../services/runtime/job.ts";
 import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../services/runtime/jobs.ts";
 import { NatsBus } from "../services/runtime/nats.ts";
@@ -112,6 +112,9 @@ export class MeshClient implements AsyncDisposable {
     try {
       snaps = await this.checkpoints(job);
     } catch (e) {
+      if (e instanceof NoRespondersError) {
+        throw new CapacityError(`no checkpoint service answers on ${this.url}, so the snapshots of job ${job} cannot be looked up; is the mesh up? (meshtrain status)`);
+      }
       if (!(e instanceof UnknownJobError)) throw e;
     }
     const snapshot = snaps.at(-1) ?? null;

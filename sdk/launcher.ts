@@ -24,6 +24,8 @@ const root = join(import.meta.dir, "..");
 export const restartsMax = 10;
 /** Pause before a restart, so a service that fails at once does not spin. */
 export const restartDelayMs = 500;
+/** How long the services of a fresh mesh get to register (start-up on a loaded machine). */
+export const membersWaitMs = 60_000;
 /** How long services get to drain after SIGTERM before they are killed. */
 export const stopGraceMs = 10_000;
 /** Per-job log files kept open at once (mesh up): the oldest is closed first. */

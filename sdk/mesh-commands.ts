@@ -9,7 +9,7 @@ import { JobState } from "../schemas/messages.ts";
 import { jobDefaults } from "../services/runtime/job.ts";
 import { MeshClient } from "./client.ts";
 import { givenOptions, type JobFlags, jobConfigOf, jobOptions, resolveConfig } from "./job-flags.ts";
-import { type MeshOptions, LocalMesh } from "./launcher.ts";
+import { type MeshOptions, LocalMesh, membersWaitMs } from "./launcher.ts";
 import { announceLocalMesh, resolveNatsUrl, unreachableHint } from "./local-mesh.ts";
 import { defaultRunDir, runMesh } from "./local/run-mesh.ts";
 import { float, int, userPath } from "./options.ts";
@@ -17,6 +17,7 @@ import { cliName, configSummary, jobsTable, outcomeLines, shownPath, statusLines
 import { StopRequests } from "./signals.ts";
 import { JobFailedError, watchJob } from "./watch.ts";
 import { NatsUnreachableError } from "../services/runtime/nats.ts";
+import { CapacityError } from "../services/runtime/errors.ts";
 
 const d = jobDefaults;
 
@@ -154,13 +155,20 @@ async function meshUp(o: { dir: string; port: number; trainers: number; shards: 
   };
   using stop = new StopRequests((s) => console.log(`\n${s}: stopping the mesh (again to stop at once)`));
   const m = await LocalMesh.start(opts);
-  const forget = announceLocalMesh({ url: m.url, pid: process.pid, dir: o.dir });
+  let forget = () => {};
   try {
+    // up means every service has registered: a job submitted now finds them all
+    await using client = await MeshClient.connect(m.url);
+    await client.waitForMembers({ job: "(any)", trainers: o.trainers, shards: o.shards }, membersWaitMs);
+    forget = announceLocalMesh({ url: m.url, pid: process.pid, dir: o.dir });
     console.log(`mesh up: NATS at ${m.url}; ${m.services.map((s) => s.name).join(", ")}`);
     console.log(`  jobs' snapshots, models and logs: ${shownPath(opts.jobsDir)}/<job>/; the services' logs: ${shownPath(opts.logDir)}`);
     console.log(`  client commands on this machine find it; elsewhere: export MT_NATS_URL=${m.url.replace("127.0.0.1", "<this host>")}`);
     console.log(`submit a job: ${cliName()} submit --epochs 1 | stop the mesh: Ctrl-C`);
     await new Promise<void>((resolve) => stop.first.signal.addEventListener("abort", () => resolve(), { once: true }));
+  } catch (e) {
+    if (e instanceof CapacityError) throw new CapacityError(`the mesh's services did not all start within ${membersWaitMs / 1000} s (logs: ${shownPath(opts.logDir)}): ${e.message}`);
+    throw e;
   } finally {
     forget();
     await m.stop();

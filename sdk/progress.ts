@@ -45,7 +45,7 @@ export class Progress {
     this.#total = total;
     this.#unit = unit;
     this.#bar = tty ? new cliProgress.SingleBar({
-      format: `{bar} step {value}/{total} | loss {loss} | {sps} ${unit}/s | {extra}eta {eta}`,
+      format: `{bar} step {value}/{total} | loss {loss} | {sps} ${unit}/s | {extra}eta {remaining}`,
       barCompleteChar: "█",
       barIncompleteChar: "░",
       barsize: 24,
@@ -64,8 +64,8 @@ export class Progress {
     return formatSeconds(perStep * (this.#total - this.#value));
   }
 
-  #payload(): ProgressFields & { eta: string } {
-    return { ...this.#fields, eta: this.#eta() };
+  #payload(): ProgressFields & { remaining: string } {
+    return { ...this.#fields, remaining: this.#eta() };
   }
 
   update(step: number, fields: ProgressFields): void {

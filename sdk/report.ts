@@ -24,6 +24,7 @@ export function cliName(): string {
 }
 
 const num = (n: number) => n.toLocaleString("en-US");
+const plural = (n: number, what: string) => `${n} ${what}${n === 1 ? "" : "s"}`;
 const percent = (x: number) => `${(100 * x).toFixed(2)}%`;
 
 /** Weights and biases of an MLP of these widths. */
@@ -63,7 +64,7 @@ export function outcomeLines(o: JobOutcome, files: { logs: string | null }): str
   const r = o.record;
   const lines = [
     `${r.evalSplit || "test"} accuracy: ${percent(r.accuracy)} (loss ${r.loss.toFixed(4)}, ${num(r.evaluated)} ${r.evalSplit || "test"} samples) after ${r.totalSteps} steps` +
-      (o.watched ? ` in ${o.seconds.toFixed(1)} s | ${o.checkpoints} snapshots, ${o.restores} restores` : ""),
+      (o.watched ? ` in ${o.seconds.toFixed(1)} s | ${plural(o.checkpoints, "snapshot")}, ${plural(o.restores, "restore")}` : ""),
   ];
   if (o.watched && o.samplesPerS > 0) {
     const t = o.split;

@@ -65,8 +65,11 @@ function compileFlags(): string[] {
   return ["-O3", ...arch, "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fno-math-errno", "-Wall", "-Wextra"];
 }
 
-/** Path of the compiled kernel library, compiling it first if it is missing or stale. */
-export function ensureKernelLibrary(log: (line: string) => void = () => {}): { kernels: string; openblas: string } {
+/**
+ * Path of the compiled kernel library, compiling it first if it is missing or stale. `log` gets
+ * the compile command when it compiles; `warn` gets the compiler's warnings.
+ */
+export function ensureKernelLibrary(log: (line: string) => void = () => {}, warn: (text: string) => void = log): { kernels: string; openblas: string } {
   const openblas = findOpenBLAS();
   // kernels.c and the header it shares with the CUDA kernels
   const source = Buffer.concat([readFileSync(kernelSourcePath), readFileSync(numericsHeaderPath)]);
@@ -86,14 +89,22 @@ export function ensureKernelLibrary(log: (line: string) => void = () => {}): { k
     throw new NativeLibraryError(`compiling ${kernelSourcePath} failed (exit ${result.exitCode}):\n${result.stderr.toString()}`);
   }
   const warnings = result.stderr.toString().trim();
-  if (warnings !== "") log(warnings);
+  if (warnings !== "") warn(warnings);
   renameSync(tmp, libraryPath);
   writeFileSync(stampPath, stamp);
   return { kernels: libraryPath, openblas };
 }
 
 if (import.meta.main) {
+  // Progress on stdout; compiler diagnostics on stderr. --quiet (set-up): one line if it built
+  // the library, nothing if it was up to date.
   const quiet = process.argv.includes("--quiet");
-  const { kernels, openblas } = ensureKernelLibrary((line) => console.error(line));
+  let built = false;
+  const progress = (line: string) => {
+    built = true;
+    if (!quiet) console.log(line);
+  };
+  const { kernels, openblas } = ensureKernelLibrary(progress, (text) => console.error(text));
   if (!quiet) console.log(`CPU kernels: ${kernels}\nOpenBLAS:    ${openblas}`);
+  else if (built) console.log(`built the CPU kernels: ${kernels}`);
 }

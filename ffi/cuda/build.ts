@@ -87,7 +87,7 @@ function readStamp(path: string): Stamp | null {
   }
 }
 
-function compile(nvcc: string, module: string, ptxPath: string, log: (line: string) => void): void {
+function compile(nvcc: string, module: string, ptxPath: string, log: (line: string) => void, warn: (text: string) => void): void {
   mkdirSync(buildDir, { recursive: true });
   // Build to a temporary name and rename: a concurrent loader never sees a half-written file.
   const tmp = `${ptxPath}.${process.pid}.tmp`;
@@ -100,15 +100,16 @@ function compile(nvcc: string, module: string, ptxPath: string, log: (line: stri
     throw new NativeLibraryError(`compiling ${source} failed (exit ${result.exitCode}):\n${result.stderr.toString()}`);
   }
   const warnings = result.stderr.toString().trim();
-  if (warnings !== "") log(warnings);
+  if (warnings !== "") warn(warnings);
   renameSync(tmp, ptxPath);
 }
 
 /**
  * Paths of the PTX of every kernel module, compiling those that are missing or stale.
- * Without nvcc, PTX built earlier from the same sources and flags is used as it is.
+ * Without nvcc, PTX built earlier from the same sources and flags is used as it is. `log` gets
+ * one compile command per module it compiles; `warn` gets nvcc's warnings.
  */
-export function ensurePtx(log: (line: string) => void = () => {}): Record<string, string> {
+export function ensurePtx(log: (line: string) => void = () => {}, warn: (text: string) => void = log): Record<string, string> {
   const nvcc = findNvcc();
   const flags = nvccFlags.join(" ");
   const paths: Record<string, string> = {};
@@ -128,7 +129,7 @@ export function ensurePtx(log: (line: string) => void = () => {}): Record<string
     } else {
       const version = nvccVersion(nvcc);
       if (!built || stamp.nvcc !== version) {
-        compile(nvcc, module, ptxPath, log);
+        compile(nvcc, module, ptxPath, log, warn);
         const next: Stamp = { source, flags, nvcc: version };
         const tmp = `${stampPath}.${process.pid}.tmp`;
         writeFileSync(tmp, JSON.stringify(next));
@@ -141,12 +142,20 @@ export function ensurePtx(log: (line: string) => void = () => {}): Record<string
 }
 
 if (import.meta.main) {
+  // Progress on stdout; nvcc's diagnostics on stderr. --quiet (set-up): one line if it compiled
+  // any module, nothing if all were up to date or there is no nvcc.
   const quiet = process.argv.includes("--quiet");
   if (findNvcc() === null) {
     // Exit 0: set-up on a CPU-only machine must still succeed; the CPU backend needs no nvcc.
-    console.log(`CUDA kernels: nvcc not found, skipping (${nvccInstallHint})`);
+    if (!quiet) console.log(`CUDA kernels: nvcc not found, skipping (${nvccInstallHint})`);
   } else {
-    const paths = ensurePtx((line) => console.error(line));
+    let builtCount = 0;
+    const progress = (line: string) => {
+      builtCount++;
+      if (!quiet) console.log(line);
+    };
+    const paths = ensurePtx(progress, (text) => console.error(text));
     if (!quiet) for (const [module, path] of Object.entries(paths)) console.log(`CUDA kernels ${module}: ${path}`);
+    else if (builtCount > 0) console.log(`built the CUDA kernels: ${builtCount} of ${Object.keys(paths).length} modules to PTX in ${buildDir}`);
   }
 }

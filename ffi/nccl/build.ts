@@ -21,7 +21,7 @@ const stampPath = join(buildDir, "libmtnccl.stamp");
 const flags = ["-O2", "-fPIC", "-shared", "-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread"];
 const libs = ["-ldl"];
 
-/** Path of the compiled shim, compiling it first if it is missing or stale. */
+/** Path of the compiled shim, compiling it first if it is missing or stale; `log` gets the compile command. */
 export function ensureNcclShim(log: (line: string) => void = () => {}): string {
   const source = readFileSync(shimSourcePath);
   const stamp = createHash("sha256").update(source).update([...flags, ...libs].join(" ")).digest("hex");
@@ -45,7 +45,14 @@ export function ensureNcclShim(log: (line: string) => void = () => {}): string {
 }
 
 if (import.meta.main) {
+  // Progress on stdout; a compile error is thrown (stderr). --quiet (set-up): one line if it
+  // built the shim, nothing if it was up to date.
   const quiet = process.argv.includes("--quiet");
-  const path = ensureNcclShim((line) => console.error(line));
+  let built = false;
+  const path = ensureNcclShim((line) => {
+    built = true;
+    if (!quiet) console.log(line);
+  });
   if (!quiet) console.log(`NCCL shim: ${path}`);
+  else if (built) console.log(`built the NCCL shim: ${path}`);
 }

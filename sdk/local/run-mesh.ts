@@ -10,7 +10,7 @@ import { CheckpointStore } from "../../services/checkpoint/store.ts";
 import { DeadlineError } from "../../services/runtime/errors.ts";
 import { jobConfigFromJson } from "../../services/runtime/job.ts";
 import { checkResume, MeshClient, type PreviousRun } from "../client.ts";
-import { LocalMesh } from "../launcher.ts";
+import { LocalMesh, membersWaitMs } from "../launcher.ts";
 import { type JobFlags, jobConfigOf, resolveConfig } from "../job-flags.ts";
 import { cliName, configSummary, outcomeLines, shownPath } from "../report.ts";
 import { StopRequests } from "../signals.ts";
@@ -27,8 +27,6 @@ export interface MeshRunOptions {
 }
 
 export const defaultRunDir = () => join("runs", "mesh");
-/** How long the services of a fresh local mesh get to register (start-up on a loaded machine). */
-const membersWaitMs = 60_000;
 /** How long a stop waits for the snapshot it asks for before stopping anyway. */
 const stopSnapshotMs = 30_000;
 

@@ -18,9 +18,9 @@ await runService<Config>({
   schema,
   defaults: { ...baseConfigDefaults, dir: "runs/checkpoints" },
   async start({ config, log, bus }) {
-    const svc = new CheckpointService(bus, new CheckpointStore(config.dir), log, config.payloadBytesMax);
-    svc.serve();
     const ledger = await JobLedger.open(bus.nc, bus, log);
+    const svc = new CheckpointService(bus, new CheckpointStore(config.dir), log, config.payloadBytesMax, ledger);
+    svc.serve();
     const watch = await ledger.follow("checkpoint", svc);
     return { async stop() { watch.stop(); } };
   },

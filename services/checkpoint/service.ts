@@ -17,6 +17,7 @@ import type { Bus, Subscription } from "../runtime/bus.ts";
 import { BadRequestError, ConfigError, UnknownJobError } from "../runtime/errors.ts";
 import { EvalTally } from "../runtime/evals.ts";
 import { configOfSpec, type JobConfig, jobConfigFromJson, jobNamePattern, jobOfRequest, subjects, trajectoryDiff } from "../runtime/job.ts";
+import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { exportModelFile } from "../runtime/model.ts";
 import { stateTimeoutMs } from "./limits.ts";
@@ -36,7 +37,8 @@ const shardFile = (k: number) => `ps-${k}.mtss`;
 export class CheckpointService {
   readonly #jobs = new Map<string, JobEntry>();
 
-  constructor(readonly bus: Bus, readonly store: CheckpointStore, readonly log: Logger | undefined, readonly payloadBytesMax: number) {}
+  constructor(readonly bus: Bus, readonly store: CheckpointStore, readonly log: Logger | undefined, readonly payloadBytesMax: number,
+    readonly control?: JobControl) {}
 
   serve(): void {
     const on = (name: string, handler: (e: JobEntry, tag: string, step: number) => Promise<Uint8Array> | Uint8Array) =>
@@ -136,6 +138,9 @@ export class CheckpointService {
       }
     });
     this.#jobs.set(cfg.job, { cfg, evals, sub, busy: Promise.resolve() });
+    void this.control?.note(cfg.job, { snapshotDir: this.store.jobDir(cfg.job) }).catch((err: unknown) => {
+      this.log?.warn({ job: cfg.job, err: (err as Error).message }, "cannot record the job's folder in its record");
+    });
   }
 
   /** A job name with snapshots resumes from them: only with the settings they were taken with. */

@@ -92,7 +92,7 @@ export class DataLoader {
     const j = new JobData(cfg, this.#dataset(cfg.job, cfg.dataDir));
     this.#jobs.set(cfg.job, j);
     this.o.log?.info({ ...j.plan }, "job opened");
-    await this.o.control?.notePlan(cfg.job, j.totalSteps);
+    await this.o.control?.note(cfg.job, { totalSteps: j.totalSteps });
   }
 
   #dataset(job: string, dir: string): Mnist {

@@ -163,14 +163,17 @@ export interface JobEnding {
   snapshotDir?: string;
 }
 
+export type JobFacts = Partial<Pick<JobRecord, "totalSteps" | "snapshotDir">>;
+
 /** What a service's part of a job may report about the job as a whole. */
 export interface JobControl {
   /** Ends a running job; resolves with the record written, or null when it had ended already. */
   end(job: string, ending: JobEnding): Promise<JobRecord | null>;
   /** Records an evaluation every rank has reported. */
   noteEval(job: string, e: { step: number; accuracy: number; loss: number; evaluated: number; split: string }): Promise<void>;
-  /** Records the step count the data-loader planned. */
-  notePlan(job: string, totalSteps: number): Promise<void>;
+  /** Records what a service learnt when it opened the job: the step count the data-loader
+   *  planned, the folder the checkpoint service keeps the job's snapshots in. */
+  note(job: string, facts: JobFacts): Promise<void>;
 }
 
 /** JobControl over the KV buckets, plus the spec-following every service runs. */
@@ -206,8 +209,9 @@ export class JobLedger implements JobControl {
       : { ...r, evalStep: e.step, accuracy: e.accuracy, loss: e.loss, evaluated: e.evaluated, evalSplit: e.split }));
   }
 
-  async notePlan(job: string, totalSteps: number): Promise<void> {
-    await this.store.updateRecord(job, (r) => (isEnded(r) || r.totalSteps === totalSteps ? null : { ...r, totalSteps }));
+  async note(job: string, facts: JobFacts): Promise<void> {
+    const known = (r: JobRecord) => Object.entries(facts).every(([k, v]) => r[k as keyof JobFacts] === v);
+    await this.store.updateRecord(job, (r) => (isEnded(r) || known(r) ? null : { ...r, ...facts }));
   }
 
   /**

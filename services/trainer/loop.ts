@@ -248,7 +248,7 @@ export class TrainerRun {
     }
     await control?.end(cfg.job, {
       state: JobState.Done, evalStep: final.step, accuracy: final.accuracy, loss: final.loss, evaluated: final.evaluated, evalSplit: final.split,
-      snapshot: snap?.id ?? "", modelPath: snap?.modelPath ?? "", snapshotDir: snap?.modelPath ? dirname(snap.modelPath) : "",
+      snapshot: snap?.id ?? "", modelPath: snap?.modelPath ?? "", ...(snap?.modelPath ? { snapshotDir: dirname(snap.modelPath) } : {}),
       reason: snap ? "" : `trained, but the final snapshot failed (${note}); the parameters stay on the shards only until the job closes`,
     });
   }

@@ -7,6 +7,7 @@ import { Rng } from "../../engine/rng.ts";
 import { CUBLAS_OP_T, cublasStatusName, cublasSymbolNames, findCublas, loadCublas, rowMajorGemm } from "../../ffi/cuda/cublas.ts";
 import { probeCuda } from "../../ffi/cuda/driver.ts";
 import { relErr } from "../helpers/numeric.ts";
+import { skip } from "../helpers/skip.ts";
 
 /**
  * Column-major BLAS semantics over flat memory with element offsets as "pointers":
@@ -56,17 +57,16 @@ describe("rowMajorGemm", () => {
 });
 
 const cublasPath = findCublas();
-const noCublas = cublasPath === null;
-if (noCublas) console.log("cuBLAS symbol tests skipped: no libcublas on this machine (pip install nvidia-cublas, or set MESHTRAIN_CUBLAS)");
+const cublasMissing = cublasPath === null ? "no libcublas on this machine (pip install nvidia-cublas, or set MESHTRAIN_CUBLAS)" : null;
 
 describe("libcublas", () => {
-  test.skipIf(noCublas)("every symbol the binding declares resolves", () => {
+  test.skipIf(skip("libcublas", cublasMissing))("every symbol the binding declares resolves", () => {
     const lib = loadCublas(cublasPath);
     expect(cublasSymbolNames.every((name) => typeof (lib.symbols as Record<string, unknown>)[name] === "function")).toBe(true);
     expect(cublasStatusName(lib, 13)).toBe("CUBLAS_STATUS_EXECUTION_FAILED");
   });
 
-  test.skipIf(noCublas || probeCuda().ok)("without a GPU, creating a handle is a typed CublasError, not a crash", async () => {
+  test.skipIf(skip("libcublas", cublasMissing) || skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null))("without a GPU, creating a handle is a typed CublasError, not a crash", async () => {
     const { Cublas, CublasError } = await import("../../ffi/cuda/cublas.ts");
     const lib = loadCublas(cublasPath);
     const scalars = new Float32Array(2);

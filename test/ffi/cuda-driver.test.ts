@@ -16,6 +16,7 @@ import { findNvcc } from "../../ffi/cuda/build.ts";
 import { CudaError, Driver, probeCuda, ptxRejectedHint } from "../../ffi/cuda/driver.ts";
 import { kernelSpecs, type Launch, plans } from "../../ffi/cuda/kernels.ts";
 import { OutOfMemoryError } from "../../ffi/errors.ts";
+import { skip } from "../helpers/skip.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "mt-fake-cuda-"));
 const libPath = join(dir, "libfakecuda.so");
@@ -121,9 +122,8 @@ describe("driver binding", () => {
 });
 
 const nvcc = findNvcc();
-if (nvcc === null) console.log("CUDA backend tests over the fake driver skipped: no nvcc to build the PTX kernels (set MESHTRAIN_NVCC)");
 
-describe.skipIf(nvcc === null)("CUDA backend over the fake driver", () => {
+describe.skipIf(skip("nvcc", nvcc === null ? "no nvcc to build the PTX kernels (set MESHTRAIN_NVCC)" : null))("CUDA backend over the fake driver", () => {
   const backend = () => new CudaBackend({ driver });
 
   test("alloc is zeroed; upload, download, copy, zero and fill move exactly the bytes asked", () => {

@@ -16,9 +16,9 @@ import { Context } from "../../engine/tensor.ts";
 import { evaluate, type HostBatch, TrainStep } from "../../engine/train.ts";
 import { emulatedCuda, type Timeline } from "../helpers/emulated-cuda.ts";
 import { cpu, relErr } from "../helpers/numeric.ts";
+import { skip } from "../helpers/skip.ts";
 
 const emulated = await emulatedCuda();
-if (!emulated.ok) console.log(`emulated CUDA training tests skipped: ${emulated.reason}`);
 
 interface Run {
   losses: number[];
@@ -74,7 +74,7 @@ function expectSameRun(got: Run, want: Run): void {
   expect(got.allocCounts.slice(2).every((c) => c === got.allocCounts[2])).toBe(true);
 }
 
-describe.skipIf(!emulated.ok)("training on the CUDA backend (emulated on the host) matches the CPU", () => {
+describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.reason))("training on the CUDA backend (emulated on the host) matches the CPU", () => {
   const gpu = () => (emulated as { backend: () => Backend }).backend();
 
   test("mlp 20-16-3, Nesterov SGD with weight decay, 8 steps", () => {

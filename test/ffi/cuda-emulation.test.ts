@@ -28,12 +28,12 @@ import { kernelSpecs, type KernelName, type Launch, plans, scratchBytes } from "
 import { Rng } from "../../engine/rng.ts";
 import { cpu, relErr } from "../helpers/numeric.ts";
 import { emulatorLibrary } from "../helpers/emulated-cuda.ts";
+import { skip } from "../helpers/skip.ts";
 
 /** g++ on 2 busy cores: the build compiles ten kernel modules */
 const buildTimeoutMs = 120_000;
 
 const gxx = Bun.which("g++");
-if (gxx === null) console.log("cuda-emulation tests skipped: g++ not found on PATH (it builds the host CUDA emulator)");
 
 // ---- running plans -------------------------------------------------------------------------------
 
@@ -202,7 +202,7 @@ function ints(n: number, limit: number): Int32Array {
 
 // ---- the suite -----------------------------------------------------------------------------------
 
-describe.skipIf(gxx === null)("CUDA kernels under host emulation match the CPU backend", () => {
+describe.skipIf(skip("g++", gxx === null ? "g++ not found on PATH (it builds the host CUDA emulator)" : null))("CUDA kernels under host emulation match the CPU backend", () => {
   beforeAll(async () => {
     emulator = openEmulator(await emulatorLibrary());
     scratch = be.alloc(scratchBytes);

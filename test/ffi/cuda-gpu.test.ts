@@ -3,17 +3,17 @@
 // (the same code runs over a fake driver in cuda-driver.test.ts and on the host emulator in
 // cuda-emulated-training.test.ts there).
 import { afterAll, describe, expect, test } from "bun:test";
-import { CudaBackend } from "../../ffi/cuda/backend.ts";
+import { CudaBackend, probeCuda } from "../../ffi/cuda/backend.ts";
 import { OutOfMemoryError } from "../../ffi/errors.ts";
-import { cudaSkipReason } from "../helpers/numeric.ts";
+import { skip } from "../helpers/skip.ts";
 
-if (cudaSkipReason !== null) console.log(cudaSkipReason);
+const probe = probeCuda();
 
 let be: CudaBackend | undefined;
 const backend = () => (be ??= new CudaBackend());
 afterAll(() => be?.dispose());
 
-describe.skipIf(cudaSkipReason !== null)("CUDA backend on the GPU", () => {
+describe.skipIf(skip("a GPU", probe.ok ? null : probe.reason))("CUDA backend on the GPU", () => {
   test("upload, copy, zero, fill and download move exactly the bytes asked, at any offset", () => {
     const b = backend();
     const n = (5 << 20) + 3; // past the first staging buffer, odd length

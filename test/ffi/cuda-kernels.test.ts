@@ -16,6 +16,7 @@ import {
   kernelModules, kernelSpecs, type KernelName, type Launch, type ParamType, plans, reduceShape, scratchBytes,
 } from "../../ffi/cuda/kernels.ts";
 import { NativeLibraryError } from "../../ffi/errors.ts";
+import { skip } from "../helpers/skip.ts";
 
 // ---- (c) the method list ------------------------------------------------------------------------
 
@@ -53,9 +54,7 @@ describe("plans cover the Backend", () => {
 // ---- (a) PTX ------------------------------------------------------------------------------------
 
 const nvcc = findNvcc();
-if (nvcc === null) {
-  console.warn(`cuda-kernels: skipping the PTX checks: nvcc not found (set MESHTRAIN_NVCC, or ${nvccInstallHint})`);
-}
+const nvccMissing = nvcc === null ? `nvcc not found (set MESHTRAIN_NVCC, or ${nvccInstallHint})` : null;
 
 interface PtxEntry {
   /** PTX parameter types in order (u64, u32, s32, f32, ...) */
@@ -87,7 +86,7 @@ const compileTimeoutMs = 600_000; // ~10 modules, a few seconds each on a busy 2
 const ptx = () => (built ??= ensurePtx());
 
 describe("PTX", () => {
-  test.skipIf(nvcc === null)("every module compiles to compute_80 PTX", () => {
+  test.skipIf(skip("nvcc", nvccMissing))("every module compiles to compute_80 PTX", () => {
     const paths = ptx();
     expect(Object.keys(paths).sort()).toEqual([...kernelModules()].sort());
     for (const path of Object.values(paths)) {
@@ -97,14 +96,14 @@ describe("PTX", () => {
     }
   }, compileTimeoutMs);
 
-  test.skipIf(nvcc === null)("an up-to-date build compiles nothing", () => {
+  test.skipIf(skip("nvcc", nvccMissing))("an up-to-date build compiles nothing", () => {
     ptx();
     const lines: string[] = [];
     ensurePtx((line) => lines.push(line));
     expect(lines).toEqual([]);
   }, compileTimeoutMs);
 
-  test.skipIf(nvcc === null)("every kernelSpecs entry is a PTX .entry with exactly its parameter types", () => {
+  test.skipIf(skip("nvcc", nvccMissing))("every kernelSpecs entry is a PTX .entry with exactly its parameter types", () => {
     const paths = ptx();
     const mismatches: string[] = [];
     for (const [name, spec] of Object.entries(kernelSpecs)) {
@@ -120,7 +119,7 @@ describe("PTX", () => {
     expect(mismatches).toEqual([]);
   }, compileTimeoutMs);
 
-  test.skipIf(nvcc === null)("every PTX .entry is in kernelSpecs, in its own module (no orphans)", () => {
+  test.skipIf(skip("nvcc", nvccMissing))("every PTX .entry is in kernelSpecs, in its own module (no orphans)", () => {
     const orphans: string[] = [];
     for (const [module, path] of Object.entries(ptx())) {
       for (const name of ptxEntries(readFileSync(path, "utf8")).keys()) {
@@ -131,7 +130,7 @@ describe("PTX", () => {
     expect(orphans).toEqual([]);
   }, compileTimeoutMs);
 
-  test.skipIf(nvcc === null)("every kernel is bounded for 1024-thread blocks (.maxntid), the largest a plan uses", () => {
+  test.skipIf(skip("nvcc", nvccMissing))("every kernel is bounded for 1024-thread blocks (.maxntid), the largest a plan uses", () => {
     const unbounded: string[] = [];
     for (const path of Object.values(ptx())) {
       for (const [name, entry] of ptxEntries(readFileSync(path, "utf8"))) {
@@ -143,7 +142,7 @@ describe("PTX", () => {
 
   // What the driver's JIT does at load time: assemble the PTX for the GPUs we run on.
   const ptxas = nvcc === null ? null : join(dirname(nvcc), "ptxas");
-  test.skipIf(ptxas === null || !existsSync(ptxas))("the PTX assembles for sm_80 and sm_90 (ptxas)", () => {
+  test.skipIf(skip("nvcc", nvccMissing) || skip("ptxas", ptxas !== null && !existsSync(ptxas) ? `${ptxas} not found` : null))("the PTX assembles for sm_80 and sm_90 (ptxas)", () => {
     const failures: string[] = [];
     for (const [module, path] of Object.entries(ptx())) {
       for (const arch of ["sm_80", "sm_90"]) {

@@ -16,6 +16,7 @@ import {
   ncclUniqueIdBytes, ncclVersion, shimConfigLayout,
 } from "../../ffi/nccl/nccl.ts";
 import { expectThrown } from "../helpers/errors.ts";
+import { skip } from "../helpers/skip.ts";
 import { waitFor } from "../helpers/mesh.ts";
 
 const fixture = join(import.meta.dir, "fixtures", "fake-nccl.c");
@@ -128,7 +129,8 @@ describe("findLibrary", () => {
       join(venv, "lib", "python3.12", "site-packages", "nvidia", "nccl", "lib"));
   });
 
-  test.skipIf(tryFindLibrary(ncclLibrarySpec) !== null)("without libnccl, the first NCCL use says how to install it", () => {
+  const installed = tryFindLibrary(ncclLibrarySpec);
+  test.skipIf(skip("a machine without libnccl", installed === null ? null : `libnccl is installed (${installed})`))("without libnccl, the first NCCL use says how to install it", () => {
     expectThrown(() => ncclVersion(), NativeLibraryError, "MESHTRAIN_NCCL", "pip install nvidia-nccl-cu13");
   });
 
@@ -460,12 +462,13 @@ export async function runOneRankCollectives(comm: NcclComm, backend: StreamBacke
 
 const realNccl = tryFindLibrary(ncclLibrarySpec);
 const gpuPresent = existsSync("/dev/nvidia0") || existsSync("/dev/nvidiactl");
-const realGpuReady = realNccl !== null && gpuPresent;
+const ncclMissing = realNccl === null ? "no libnccl here (pip install nvidia-nccl-cu13, or set MESHTRAIN_NCCL)" : null;
+const gpuMissing = gpuPresent ? null : "no GPU device node (/dev/nvidia0, /dev/nvidiactl)";
 
 describe("real NCCL", () => {
   // pip's nvidia-nccl-cu13 on a machine without a GPU: the library loads, makes ids, and a
   // communicator fails cleanly (NCCL checks CUDA before it reads the id or the config).
-  test.skipIf(realNccl === null || gpuPresent)(`real libnccl without a GPU${realNccl === null ? " (skipped: no libnccl here)" : ""}`, async () => {
+  test.skipIf(skip("libnccl", ncclMissing) || skip("a machine without a GPU", gpuPresent ? "a GPU is present" : null))("real libnccl without a GPU", async () => {
     const lib = NcclLibrary.open(realNccl!);
     expect(lib.nonBlockingInit).toBe(lib.version.code >= 21400);
     const id = lib.getUniqueId();
@@ -479,7 +482,7 @@ describe("real NCCL", () => {
     expect(e.message).toContain("last error: Cuda failure");
   });
 
-  test.skipIf(!realGpuReady)(`one-rank communicator on a real GPU${realGpuReady ? "" : ` (skipped: no libnccl / no GPU here: ${realNccl === null ? "no libnccl" : "libnccl found, no GPU"})`}`, async () => {
+  test.skipIf(skip("libnccl", ncclMissing) || skip("a GPU", gpuMissing))("one-rank communicator on a real GPU", async () => {
     const cuda = await import("../../ffi/cuda/backend.ts");
     const probe = cuda.probeCuda();
     if (!probe.ok) throw new Error(`a GPU device node exists but CUDA is not usable: ${probe.reason}`);

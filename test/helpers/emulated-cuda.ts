@@ -169,8 +169,8 @@ async function open(): Promise<EmulatedCuda> {
  *  otherwise the CUDA backend emulated on the host (when it can be built). Prints one line for
  *  what is skipped. */
 export async function parityBackends(): Promise<{ name: string; backend: () => Backend }[]> {
-  if (cudaSkipReason !== null) console.log(cudaSkipReason);
   const emulated = cudaSkipReason === null ? null : await emulatedCuda();
-  if (emulated?.ok === false) console.log(`emulated CUDA backend skipped: ${emulated.reason}`);
+  if (emulated?.ok === true) console.log("no GPU here: the CUDA backend runs emulated on the host");
+  if (emulated?.ok === false) console.log(`${cudaSkipReason}; the emulated CUDA backend is skipped too: ${emulated.reason}`);
   return [...testBackends(), ...(emulated?.ok === true ? [{ name: "cuda (emulated on the host)", backend: emulated.backend }] : [])];
 }

@@ -4,6 +4,7 @@ import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { probeCuda } from "../../ffi/cuda/backend.ts";
+import { skip } from "../helpers/skip.ts";
 
 const root = join(import.meta.dir, "..", "..");
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-cli-"));
@@ -69,14 +70,14 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     expect(r.err).toContain(message);
   });
   // where CUDA is present, `--device cuda` trains: the end-to-end runs cover that
-  test.skipIf(probeCuda().ok).each(["train mlp", "train gpt", "sample"])("--device cuda without a GPU: one clear line (%s)", (command) => {
+  test.skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null)).each(["train mlp", "train gpt", "sample"])("--device cuda without a GPU: one clear line (%s)", (command) => {
     const r = cli(...command.split(" "), "--device", "cuda");
     expect(r.code).toBe(1);
     const lines = r.err.trim().split("\n");
     expect(lines).toHaveLength(1);
     expect(lines[0]).toStartWith("meshtrain: NativeLibraryError: --device cuda: ");
   });
-  test.skipIf(probeCuda().ok).each(["engine", "kernels"])("`bun run bench %s --device cuda` without a GPU: one clear line", (name) => {
+  test.skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null)).each(["engine", "kernels"])("`bun run bench %s --device cuda` without a GPU: one clear line", (name) => {
     const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), name, "--device", "cuda"], { cwd: root, stdout: "pipe", stderr: "pipe" });
     expect(p.exitCode).toBe(1);
     const lines = p.stderr.toString().trim().split("\n");

@@ -5,9 +5,9 @@ import { join } from "node:path";
 const main = join(import.meta.dir, "..", "..", "services", "trainer", "main.ts");
 
 test.each([
-  [["--device", "tpu"], {}, "device (from --device): Invalid option"],
-  [[], { MT_DEVICE: "gpu" }, "device (from $MT_DEVICE): Invalid option"],
-])("a bad device %p %p is one clear start-up error", (args, env, fragment) => {
+  ["--device tpu", ["--device", "tpu"], {}, "device (from --device): Invalid option"],
+  ["MT_DEVICE=gpu", [], { MT_DEVICE: "gpu" }, "device (from $MT_DEVICE): Invalid option"],
+])("a bad device (%s) is one clear start-up error", (_, args, env, fragment) => {
   const p = Bun.spawnSync([process.execPath, main, ...args], {
     env: { ...process.env, ...env, MT_CONNECT_RETRY_MS_MAX: "0", MT_LOG_LEVEL: "silent" },
     stdout: "pipe",

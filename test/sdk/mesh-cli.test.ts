@@ -1,0 +1,191 @@
+// The mesh commands as a user runs them, as real processes: `run` on any number of trainers and
+// shards with paths relative to the user's folder, a data folder that cannot be read, a stop by
+// SIGINT to the `run` process alone and its resume; `mesh up` with the client commands, each of
+// which ends with an answer.
+import { afterAll, describe, expect, test } from "bun:test";
+import { copyFileSync, existsSync, mkdirSync, readdirSync, readFileSync } from "node:fs";
+import { join } from "node:path";
+import type { Subprocess } from "bun";
+import { defaultMnistDir } from "../../engine/data/mnist.ts";
+import { freePort } from "../../services/runtime/nats-server.ts";
+import { newJobName } from "../../sdk/job-flags.ts";
+import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
+
+afterAll(removeTempDirs);
+
+const root = join(import.meta.dir, "..", "..");
+const cliPath = join(root, "sdk", "cli.ts");
+/** A small, quick job: 784-32-10, 1000 samples per trainer and step. */
+const quick = ["--widths", "784,32,10", "--batch-size", "1000", "--epochs", "1", "--warmup", "5"];
+
+/** The child's environment: the user's folder is `cwd` (npm test's INIT_CWD must not leak in). */
+function env(cwd: string, extra: Record<string, string> = {}): Record<string, string> {
+  const e = { ...process.env, ...extra } as Record<string, string>;
+  e.INIT_CWD = cwd;
+  delete e.npm_lifecycle_event;
+  delete e.MT_NATS_URL;
+  return e;
+}
+
+function cli(cwd: string, args: string[], extra: Record<string, string> = {}) {
+  const p = Bun.spawnSync([process.execPath, cliPath, ...args], { cwd, env: env(cwd, extra), stdout: "pipe", stderr: "pipe" });
+  return { code: p.exitCode, out: p.stdout.toString(), err: p.stderr.toString() };
+}
+
+/** A running CLI process whose stdout is collected as it comes. */
+function start(cwd: string, args: string[], extra: Record<string, string> = {}) {
+  const proc = Bun.spawn([process.execPath, cliPath, ...args], { cwd, env: env(cwd, extra), stdin: "ignore", stdout: "pipe", stderr: "pipe" });
+  let out = "", err = "";
+  const pump = async (s: ReadableStream<Uint8Array>, add: (t: string) => void) => {
+    const d = new TextDecoder();
+    for await (const c of s) add(d.decode(c, { stream: true }));
+  };
+  const done = Promise.all([pump(proc.stdout, (t) => (out += t)), pump(proc.stderr, (t) => (err += t))]).then(() => proc.exited);
+  return { proc, out: () => out, err: () => err, done };
+}
+
+/** Processes whose command line or environment mention `text`. */
+function processesMentioning(text: string): number[] {
+  const pids: number[] = [];
+  for (const pid of readdirSync("/proc").filter((n) => /^\d+$/.test(n))) {
+    try {
+      const seen = ["cmdline", "environ"].map((f) => readFileSync(`/proc/${pid}/${f}`, "utf8")).join("\0");
+      if (seen.includes(text) && Number(pid) !== process.pid) pids.push(Number(pid));
+    } catch {
+      // gone meanwhile, or not ours to read
+    }
+  }
+  return pids;
+}
+
+test("default job names differ even when two runs start in the same second", () => {
+  expect(newJobName()).toMatch(/^mnist-\d{8}-\d{6}-[0-9a-f]{4}$/);
+  expect(new Set(Array.from({ length: 50 }, newJobName)).size).toBe(50);
+});
+
+describe("meshtrain run", () => {
+  test("3 trainers and 3 shards, relative --dir and --data-dir in the user's folder: the header first, then the result, and where everything went", () => {
+    const cwd = tempDir("mt-run3-");
+    mkdirSync(join(cwd, "mnist"));
+    for (const f of ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]) copyFileSync(join(defaultMnistDir(), f), join(cwd, "mnist", f));
+    const r = cli(cwd, ["run", ...quick, "--trainers", "3", "--shards", "3", "--job", "three", "--dir", "out", "--data-dir", "mnist"]);
+    expect(r.err).toBe("");
+    expect(r.code).toBe(0);
+    const lines = r.out.trim().split("\n");
+    expect(lines[0]).toBe("meshtrain run: job three, on a local mesh of 3 trainers, 3 parameter-server shards, a data-loader and a checkpoint service");
+    expect(r.out).toContain(`data       MNIST from ${join(cwd, "mnist")}`);
+    const accuracy = Number(/^test accuracy: ([\d.]+)%/m.exec(r.out)![1]);
+    expect(accuracy).toBeGreaterThan(80);
+    expect(lines.slice(-4)).toEqual([
+      "model:     out/jobs/three/model.mtm",
+      "snapshots: out/jobs/three (step-000000020 is the final one)",
+      "logs:      out/jobs/three/logs",
+      "next:      npx meshtrain eval --model out/jobs/three/model.mtm",
+    ]);
+    for (const f of ["model.mtm", "step-000000020", "logs/trainer-2.log", "logs/parameter-server-2.log", "logs/job.json"]) expect(existsSync(join(cwd, "out/jobs/three", f))).toBe(true);
+    // the exported model is the one the trainers evaluated
+    const ev = cli(cwd, ["eval", "--model", "out/jobs/three/model.mtm"]);
+    expect(ev.code).toBe(0);
+    expect(Number(/test accuracy: ([\d.]+)%/.exec(ev.out)![1])).toBe(accuracy);
+  }, 120_000);
+
+  test("a data folder that does not exist: one line naming the file and the logs, at once; nothing left running", () => {
+    const cwd = tempDir("mt-runbad-");
+    const t0 = performance.now();
+    const r = cli(cwd, ["run", ...quick, "--job", "nodata", "--dir", "out", "--data-dir", "/nonexistent"]);
+    expect(r.code).toBe(1);
+    expect(r.err.trim().split("\n")).toEqual([
+      "meshtrain: JobFailedError: job nodata failed: data-loader cannot open job nodata: /nonexistent/train-images-idx3-ubyte: file not found " +
+        "(logs: out/jobs/nodata/logs). Once fixed, resume it with: npx meshtrain run --job nodata --dir out",
+    ]);
+    expect(performance.now() - t0).toBeLessThan(30_000);
+    expect(processesMentioning(cwd)).toEqual([]);
+  }, 60_000);
+
+  test("SIGINT to the run process alone: a snapshot, how to resume, nothing running or left behind; the resume finishes the job", async () => {
+    const cwd = tempDir("mt-runint-");
+    const tmp = join(cwd, "tmp");
+    mkdirSync(tmp);
+    const args = ["run", "--widths", "784,32,10", "--batch-size", "256", "--epochs", "2", "--checkpoint-every", "50", "--job", "stopme", "--dir", "out"];
+    const run = start(cwd, args, { TMPDIR: tmp });
+    await waitFor("training to start", () => /^step \d+\/\d+/m.test(run.out()), 60_000);
+    run.proc.kill("SIGINT");
+    expect(await run.done).toBe(130);
+    expect(run.out()).toContain("SIGINT: stopping job stopme: a snapshot first, then the mesh");
+    expect(run.out()).toMatch(/snapshot taken: saved step-\d+/);
+    expect(run.out()).toContain("Resume with: npx meshtrain run --job stopme --dir out");
+    expect(processesMentioning(cwd)).toEqual([]); // no nats-server, no service
+    expect(readdirSync(tmp)).toEqual([]); // no mt-nats-* folder
+    const resumed = cli(cwd, ["run", "--job", "stopme", "--dir", "out"]);
+    expect(resumed.code).toBe(0);
+    expect(resumed.out.split("\n")[0]).toMatch(/^meshtrain run: job stopme, resumed from step-\d+,/);
+    expect(resumed.out).toContain("training   2 epochs, 2 trainers × 256 samples per step"); // the stopped run's settings
+    expect(resumed.out).toMatch(/^test accuracy: /m);
+    const again = cli(cwd, ["run", "--job", "stopme", "--dir", "out"]);
+    expect(again.code).toBe(1);
+    expect(again.err).toContain("job stopme finished (final snapshot step-000000236");
+  }, 180_000);
+});
+
+describe("meshtrain mesh up and the client commands", () => {
+  test("submit, status, watch, checkpoints, cancel, save, restore: each ends with an answer; a second mesh on the port is refused; Ctrl-C stops it", async () => {
+    const cwd = tempDir("mt-meshup-");
+    const runtime = join(cwd, "runtime"); // where `mesh up` leaves its note for the client commands
+    mkdirSync(runtime);
+    const port = await freePort();
+    const xdg = { XDG_RUNTIME_DIR: runtime };
+    const up = start(cwd, ["mesh", "up", "--port", String(port), "--dir", "m", "--trainers", "2", "--shards", "2"], xdg);
+    await waitFor("the mesh to be up", () => up.out().includes("submit a job:"), 60_000);
+    expect(up.out()).toContain(`mesh up: NATS at nats://127.0.0.1:${port}`);
+    const c = (...args: string[]) => cli(cwd, args, xdg);
+
+    const s = c("submit", ...quick, "--job", "j1");
+    expect(s.err).toBe("");
+    expect(s.out).toContain(`submitted job j1 to the mesh at nats://127.0.0.1:${port}`);
+    expect(s.out).toMatch(/^test accuracy: [\d.]+%/m);
+    expect(s.out).toContain("model:     m/jobs/j1/model.mtm");
+    expect(s.out).toContain("logs:      m/jobs/j1/logs");
+
+    const table = c("status");
+    expect(table.out.split("\n")[0]).toMatch(/^job\s+state\s+accuracy\s+steps/);
+    expect(table.out).toMatch(/^j1\s+done\s+\d+\.\d+%\s+30\s/m);
+    expect(c("status", "j1").out).toMatch(/^state      done; submitted /m);
+    const watched = c("watch", "j1");
+    expect([watched.code, /^test accuracy: /m.test(watched.out)]).toEqual([0, true]);
+    expect(c("checkpoints", "j1").out).toMatch(/^step-000000030  step 30 .* model .*model\.mtm$/m);
+
+    const fails: [string[], string][] = [
+      [["cancel", "nosuch"], "meshtrain: UnknownJobError: no job nosuch"],
+      [["save", "nosuch"], "meshtrain: UnknownJobError: no job nosuch"],
+      [["status", "nosuch"], "meshtrain: UnknownJobError: no job nosuch"],
+      [["watch", "nosuch"], "meshtrain: UnknownJobError: no job nosuch"],
+      [["cancel", "j1"], "meshtrain: JobStateError: job j1 done at"],
+      [["restore", "j1"], "restore needs a running job"],
+      [["submit", ...quick, "--job", "j1"], "give the new run another --job name"],
+      [["submit", ...quick, "--trainers", "3"], "meshtrain mesh up --trainers 3 --shards 2"],
+      [["mesh", "up", "--port", String(port), "--dir", "m2"], `meshtrain: NatsServerError: port ${port} is taken`],
+    ];
+    for (const [args, fragment] of fails) {
+      const r = c(...args);
+      expect([args.join(" "), r.code, r.err.includes(fragment)]).toEqual([args.join(" "), 1, true]);
+      expect(r.err.trim().split("\n")).toHaveLength(1);
+    }
+
+    const detached = c("submit", ...quick, "--epochs", "50", "--job", "j2", "--detach");
+    expect(detached.out).toContain("follow it: npx meshtrain watch j2");
+    const cancelled = c("cancel", "j2");
+    expect(cancelled.out).toMatch(/^cancelled job j2 \(cancelled by .+\); resume it later: npx meshtrain submit --job j2$/m);
+    expect(c("status", "j2").out).toMatch(/^state      cancelled;/m);
+    const w = c("watch", "j2");
+    expect([w.code, w.err.trim()]).toEqual([1, expect.stringMatching(/^meshtrain: JobFailedError: job j2 cancelled: cancelled by .+ \(logs: m\/jobs\/j2\/logs\)$/)]);
+
+    up.proc.kill("SIGINT");
+    expect(await up.done).toBe(0);
+    expect(up.out()).toContain("mesh stopped");
+    expect(readdirSync(join(runtime, readdirSync(runtime)[0]!))).toEqual([]); // its note is gone
+    expect(processesMentioning(cwd)).toEqual([]);
+    // no mesh now: a clear line that says how to start one
+    const none = c("status");
+    expect([none.code, none.err.includes("start a local mesh with: meshtrain mesh up")]).toEqual([1, true]);
+  }, 240_000);
+});
