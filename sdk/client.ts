@@ -254,7 +254,10 @@ export class MeshClient implements AsyncDisposable {
   /** Refuses with JobStateError unless the job runs now. */
   async #running(job: string, what: string): Promise<JobRecord> {
     const r = await this.record(job);
-    if (isEnded(r)) throw new JobStateError(`${endedLine(r)}; ${what} needs a running job`);
+    if (isEnded(r)) {
+      const resume = r.state === JobState.Done ? "" : `; to resume it from its newest snapshot, submit it again: meshtrain submit --job ${job}`;
+      throw new JobStateError(`${endedLine(r)}; ${what} needs a running job${resume}`);
+    }
     return r;
   }
 

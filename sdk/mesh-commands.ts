@@ -12,8 +12,8 @@ import { givenOptions, type JobFlags, jobConfigOf, jobOptions, resolveConfig } f
 import { type MeshOptions, LocalMesh, membersWaitMs } from "./launcher.ts";
 import { announceLocalMesh, resolveNatsUrl, unreachableHint } from "./local-mesh.ts";
 import { defaultRunDir, runMesh } from "./local/run-mesh.ts";
-import { float, int, userPath } from "./options.ts";
-import { cliName, configSummary, jobsTable, outcomeLines, shownPath, statusLines } from "./report.ts";
+import { cliName, float, int, shownPath, userPath } from "./options.ts";
+import { configSummary, jobsTable, outcomeLines, statusLines } from "./report.ts";
 import { StopRequests } from "./signals.ts";
 import { JobFailedError, watchJob } from "./watch.ts";
 import { NatsUnreachableError } from "../services/runtime/nats.ts";

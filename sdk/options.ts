@@ -19,6 +19,12 @@ export function shownPath(p: string): string {
   return rel !== "" && rel.split(sep)[0] !== ".." && !isAbsolute(rel) ? rel : p;
 }
 
+/** How the user runs meshtrain: `npm start --` when they came through npm start (the mesh's
+ *  resume line), else `npx meshtrain` (works in the project without a global install). */
+export function cliName(other = "npx meshtrain"): string {
+  return process.env.npm_lifecycle_event === "start" ? "npm start --" : other;
+}
+
 /** One shell word: quoted when it holds anything beyond letters, digits and ./_-+,:=@% */
 export function shellWord(s: string): string {
   return /^[\w./+,:=@%-]+$/.test(s) ? s : `'${s.replaceAll("'", "'\\''")}'`;

@@ -1,27 +1,12 @@
 // What the mesh commands print: a job's settings in a few readable lines (the full JSON goes
 // to the job's log folder), how a job ended and where its files went, and `status`.
-import { isAbsolute, relative } from "node:path";
 import { type JobRecord, JobState, type Manifest } from "../schemas/messages.ts";
 import type { JobConfig } from "../services/runtime/job.ts";
 import { stateName } from "../services/runtime/jobs.ts";
 import type { JobStatus } from "./client.ts";
+import { shownPath } from "./options.ts";
 import { formatSeconds } from "./progress.ts";
 import type { JobOutcome } from "./watch.ts";
-
-/** The folder relative paths are shown against: where the user ran the command. */
-const userCwd = () => process.env.INIT_CWD ?? process.cwd();
-
-/** A path as the user would type it: relative to their folder when it lies inside it. */
-export function shownPath(p: string): string {
-  if (!p || !isAbsolute(p)) return p;
-  const r = relative(userCwd(), p);
-  return r && !r.startsWith("..") && !isAbsolute(r) ? r : p;
-}
-
-/** The command a user types to run meshtrain: `npm start -- …` when they came through npm start. */
-export function cliName(): string {
-  return process.env.npm_lifecycle_event === "start" ? "npm start --" : "npx meshtrain";
-}
 
 const num = (n: number) => n.toLocaleString("en-US");
 const plural = (n: number, what: string) => `${n} ${what}${n === 1 ? "" : "s"}`;
@@ -73,7 +58,7 @@ export function outcomeLines(o: JobOutcome, files: { logs: string | null }): str
   }
   if (r.reason) lines.push(`note:      ${r.reason}`);
   lines.push(...whereLines(r, files.logs));
-  if (r.modelPath) lines.push(`next:      ${cliName() === "npm start --" ? "npx meshtrain" : cliName()} eval --model ${shownPath(r.modelPath)}`);
+  if (r.modelPath) lines.push(`next:      npx meshtrain eval --model ${shownPath(r.modelPath)}`);
   return lines;
 }
 

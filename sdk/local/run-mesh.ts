@@ -3,7 +3,7 @@
 // shards as the job has), submits an MNIST job, shows its progress, and prints the final test
 // accuracy and where the model, snapshots and logs went. The mesh is stopped at the end, and on
 // Ctrl-C (after a snapshot), with nothing left running or behind.
-import { mkdirSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { JobState } from "../../schemas/messages.ts";
 import { CheckpointStore } from "../../services/checkpoint/store.ts";
@@ -12,7 +12,8 @@ import { jobConfigFromJson } from "../../services/runtime/job.ts";
 import { checkResume, MeshClient, type PreviousRun } from "../client.ts";
 import { LocalMesh, membersWaitMs } from "../launcher.ts";
 import { type JobFlags, jobConfigOf, resolveConfig } from "../job-flags.ts";
-import { cliName, configSummary, outcomeLines, shownPath } from "../report.ts";
+import { configSummary, outcomeLines } from "../report.ts";
+import { cliName, shownPath } from "../options.ts";
 import { StopRequests } from "../signals.ts";
 import { JobFailedError, watchJob } from "../watch.ts";
 
@@ -30,10 +31,15 @@ export const defaultRunDir = () => join("runs", "mesh");
 /** How long a stop waits for the snapshot it asks for before stopping anyway. */
 const stopSnapshotMs = 30_000;
 
-/** The job's earlier run, from its snapshots in the jobs folder (a local run's mesh is new each time). */
+/**
+ * The job's earlier run, from its newest snapshot in the jobs folder (a local run's mesh is new
+ * each time), else from the config it wrote at start (a run that failed before any snapshot).
+ */
 function previousOnDisk(jobsDir: string, job: string): PreviousRun | null {
   const snapshot = new CheckpointStore(jobsDir).list(job).at(-1) ?? null;
-  return snapshot ? { config: jobConfigFromJson(snapshot.configJson), record: null, snapshot } : null;
+  if (snapshot) return { config: jobConfigFromJson(snapshot.configJson), record: null, snapshot };
+  const started = join(jobsDir, job, "logs", "job.json");
+  return existsSync(started) ? { config: jobConfigFromJson(readFileSync(started, "utf8")), record: null, snapshot: null } : null;
 }
 
 /** Runs the job to its end; resolves with the process's exit code. */
@@ -48,7 +54,8 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
   writeFileSync(join(logDir, "job.json"), `${JSON.stringify(cfg, null, 2)}\n`);
 
   const resumeLine = `${cliName()} run --job ${cfg.job}${o.dir === join(process.env.INIT_CWD ?? process.cwd(), defaultRunDir()) ? "" : ` --dir ${shownPath(o.dir)}`}`;
-  console.log(`meshtrain run: job ${cfg.job}${prev ? `, resumed from ${prev.snapshot!.id}` : ""}, on a local mesh of ${cfg.trainers} trainer` +
+  const from = prev === null ? "" : prev.snapshot ? `, resumed from ${prev.snapshot.id}` : ", started again with its settings (it has no snapshot)";
+  console.log(`meshtrain run: job ${cfg.job}${from}, on a local mesh of ${cfg.trainers} trainer` +
     `${cfg.trainers > 1 ? "s" : ""}, ${cfg.shards} parameter-server shard${cfg.shards > 1 ? "s" : ""}, a data-loader and a checkpoint service`);
   for (const line of configSummary(cfg)) console.log(`  ${line}`);
   console.log(`  files      ${shownPath(jobDir)}/ (snapshots, model.mtm, logs/; the full config: logs/job.json)`);

@@ -221,18 +221,24 @@ export class JobLedger implements JobControl {
    * for a job that cannot run.
    */
   async follow(service: string, part: { openJob(spec: JobSpec): void | Promise<void>; closeJob(job: string): void }): Promise<{ stop(): void }> {
+    // each change of a job's spec gets a number: an open still reading the record when a newer
+    // change arrives (the job ended meanwhile) must not open it after it was closed
+    const changes = new Map<string, number>();
     return await this.store.watch(({ job, spec }) => {
+      const n = (changes.get(job) ?? 0) + 1;
+      changes.set(job, n);
       if (!spec) {
         part.closeJob(job);
         return;
       }
-      void this.#open(service, part, spec);
+      void this.#open(service, part, spec, () => changes.get(job) === n);
     }, this.log);
   }
 
-  async #open(service: string, part: { openJob(spec: JobSpec): void | Promise<void> }, spec: JobSpec): Promise<void> {
+  async #open(service: string, part: { openJob(spec: JobSpec): void | Promise<void> }, spec: JobSpec, current: () => boolean): Promise<void> {
     try {
       const rec = await this.store.record(spec.job);
+      if (!current()) return; // deleted or replaced while the record was read
       if (rec && isEnded(rec.record)) {
         this.log?.info({ job: spec.job, state: stateName(rec.record.state) }, "job ended already; not opened");
         await this.store.deleteSpec(spec.job);

@@ -3,7 +3,7 @@
 import { Svcm, type Service, type ServiceMsg } from "@nats-io/services";
 import { connect, type NatsConnection, type Subscription as NatsSub } from "@nats-io/transport-node";
 import { answer, type Bus, type EndpointSpec, type Subscription, unwrapReply } from "./bus.ts";
-import { DeadlineError, NoRespondersError } from "./errors.ts";
+import { DeadlineError, MeshError, NoRespondersError } from "./errors.ts";
 import type { Logger } from "./log.ts";
 
 export interface NatsBusOptions {
@@ -22,6 +22,9 @@ export interface NatsBusOptions {
 }
 
 export const natsInstallHint = "apt-get install -y nats-server && nats-server -p 4222 (or: docker run -p 4222:4222 nats)";
+
+/** Error codes that answer a question about a job rather than report a problem (logged at debug level). */
+const answerCodes = new Set(["unknown_job", "not_ready", "job_state"]);
 
 export class NatsUnreachableError extends Error {
   override readonly name = "NatsUnreachableError";
@@ -117,7 +120,9 @@ export class NatsBus implements Bus {
         }
         void answer(endpoint.handler, msg.data, msg.subject).then(({ reply, failed, error }) => {
           if (failed) {
-            log?.warn({ subject: msg.subject, err: error instanceof Error ? error.message : String(error) }, "request failed");
+            // "no such job here", "not ready yet" are answers, not trouble: only the log's debug level has them
+            const level = error instanceof MeshError && answerCodes.has(error.code) ? "debug" : "warn";
+            log?.[level]({ subject: msg.subject, err: error instanceof Error ? error.message : String(error) }, "request failed");
             // counted in $SRV.STATS num_errors; the body is our ErrorReply
             msg.respondError(400, headerText(error instanceof Error ? error.message : "error"), reply);
           } else {

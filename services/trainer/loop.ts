@@ -316,7 +316,7 @@ export class TrainerRun {
   }
 
   async #runStep(step: number, generation: number): Promise<void> {
-    const { cfg, rank, bus, backend } = this.#o;
+    const { cfg, rank, backend } = this.#o;
     const t0 = performance.now();
     const batch = await this.#batch(step);
     const t1 = performance.now();

@@ -3,7 +3,6 @@
 // The backend-dependent parts run on every backend present (the CPU; CUDA where there is a GPU).
 import { describe, expect, test } from "bun:test";
 import type { Backend } from "../../ffi/backend.ts";
-import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { ConfigError, GradientOverflowError, NonFiniteLossError } from "../../engine/errors.ts";
 import type { Precision } from "../../engine/mixed.ts";
 import { GptModel } from "../../engine/models/gpt.ts";

@@ -22,7 +22,6 @@
 // real-GPU parity suite in test/engine/ops.test.ts covers those on a machine with a GPU.
 import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
 import { dlopen, ptr } from "bun:ffi";
-import { join } from "node:path";
 import type { Allocation, BinaryOp, Dims4, Ptr } from "../../ffi/backend.ts";
 import { kernelSpecs, type KernelName, type Launch, plans, scratchBytes } from "../../ffi/cuda/kernels.ts";
 import { Rng } from "../../engine/rng.ts";

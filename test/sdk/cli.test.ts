@@ -99,7 +99,7 @@ describe("training runs end to end", () => {
     const accuracy = Number(/test accuracy: ([\d.]+)%/.exec(r.out)?.[1]);
     expect(accuracy).toBeGreaterThan(95);
     // it ends by naming the model file and the command that uses it
-    expect(r.out.trimEnd().split("\n").slice(-2)).toEqual([`model: ${out}`, `next: meshtrain eval --model ${out}`]);
+    expect(r.out.trimEnd().split("\n").slice(-2)).toEqual([`model: ${out}`, `next: npx meshtrain eval --model ${out}`]);
     expect(r.out).toContain("parameters: 636,010");
     // short: the reason CUDA is missing (and how to install it) is for --device cuda, not for auto
     expect(r.out).toMatch(/^device: (cpu \(no GPU found\)|cuda:\d+, picked by auto \(.+\))$/m); // once, first

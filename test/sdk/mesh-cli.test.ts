@@ -5,7 +5,6 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { copyFileSync, existsSync, mkdirSync, readdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
-import type { Subprocess } from "bun";
 import { defaultMnistDir } from "../../engine/data/mnist.ts";
 import { freePort } from "../../services/runtime/nats-server.ts";
 import { newJobName } from "../../sdk/job-flags.ts";
@@ -100,7 +99,13 @@ describe("meshtrain run", () => {
     ]);
     expect(performance.now() - t0).toBeLessThan(30_000);
     expect(processesMentioning(cwd)).toEqual([]);
-  }, 60_000);
+    // fixed (the package's data): the same job again, with the settings it was started with
+    const again = cli(cwd, ["run", "--job", "nodata", "--dir", "out", "--data-dir", ""]);
+    expect(again.code).toBe(0);
+    expect(again.out.split("\n")[0]).toStartWith("meshtrain run: job nodata, started again with its settings (it has no snapshot)");
+    expect(again.out).toContain("model      MLP 784-32-10");
+    expect(again.out).toMatch(/^test accuracy: /m);
+  }, 90_000);
 
   test("SIGINT to the run process alone: a snapshot, how to resume, nothing running or left behind; the resume finishes the job", async () => {
     const cwd = tempDir("mt-runint-");

@@ -50,12 +50,12 @@ describe("training ends by naming the model file and the commands that use it", 
   test("mlp", () => {
     expect(existsSync(mlpModel)).toBe(true);
     expect(existsSync(join(root, "mlp", "model.mtm"))).toBe(false);
-    expect(lastLines(mlpTrain, 2)).toEqual(["model: mlp/model.mtm", "next: meshtrain eval --model mlp/model.mtm"]);
+    expect(lastLines(mlpTrain, 2)).toEqual(["model: mlp/model.mtm", "next: npx meshtrain eval --model mlp/model.mtm"]);
   });
   test("gpt", () => {
     expect(existsSync(gptModel)).toBe(true);
-    expect(lastLines(gptTrain, 3)).toEqual(["model: gpt/model.mtm", "next: meshtrain sample --model gpt/model.mtm --prompt 'Call me'",
-      "next: meshtrain eval --model gpt/model.mtm"]);
+    expect(lastLines(gptTrain, 3)).toEqual(["model: gpt/model.mtm", "next: npx meshtrain sample --model gpt/model.mtm --prompt 'Call me'",
+      "next: npx meshtrain eval --model gpt/model.mtm"]);
   });
 });
 
@@ -97,7 +97,7 @@ describe("eval", () => {
     const train = cli("train", "gpt", "--tokens-dir", "tok", "--vocab-size", "8", "--max-steps", "10", "--eval-every", "10", "--n-layer", "1",
       "--n-embd", "16", "--n-head", "2", "--block-size", "8", "--batch-size", "8", "--warmup", "2", "--out", "tok.mtm");
     expect(train.code).toBe(0);
-    expect(lastLines(train.out, 2)).toEqual(["model: tok.mtm", "next: meshtrain eval --model tok.mtm"]); // no vocabulary: no sample
+    expect(lastLines(train.out, 2)).toEqual(["model: tok.mtm", "next: npx meshtrain eval --model tok.mtm"]); // no vocabulary: no sample
     const r = cli("eval", "--model", model);
     expect(r.code).toBe(0);
     const trained = number(/^validation loss: ([\d.]+) nats\/token/m, train.out);

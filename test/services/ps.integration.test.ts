@@ -6,7 +6,7 @@ import { Svcm } from "@nats-io/services";
 import { Builder } from "flatbuffers";
 import { finishBytes, schemaVersion, WireFormatError } from "../../schemas/codec.ts";
 import {
-  chunkF32, decodePullReply, decodePushReply, decodeShardState, decodeShardStats, encodeJobRequest, encodeJobSpec, encodePullRequest,
+  chunkF32, decodePullReply, decodePushReply, decodeShardState, decodeShardStats, encodeJobRequest, encodePullRequest,
   encodePushRequest, encodeShardState, f32Chunk, SyncPolicy,
 } from "../../schemas/messages.ts";
 import { PullRequest as PullRequestT } from "../../schemas/wire.ts";
