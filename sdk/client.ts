@@ -31,8 +31,9 @@ export interface JobStatus {
   checkpoints: Manifest[];
 }
 
-/** A job name's earlier run: from its record on this mesh, or from its snapshots on disk. */
+/** A job name's earlier run: from its record on this mesh, and its snapshots on disk. */
 export interface PreviousRun {
+  /** the newest snapshot's settings (what it resumes with), else the record's */
   config: JobConfig;
   record: JobRecord | null;
   /** its newest snapshot */
@@ -51,7 +52,8 @@ export function endedLine(r: JobRecord): string {
 
 /**
  * Refuses to submit under a name that ran before unless that run can be resumed: it failed or
- * was cancelled (or only its snapshots are known), it did not finish, and its settings agree.
+ * was cancelled (or only its snapshots are known), it did not finish, and the settings agree
+ * with its snapshots'.
  */
 export function checkResume(cfg: JobConfig, prev: PreviousRun, where: string): void {
   const r = prev.record;
@@ -62,7 +64,8 @@ export function checkResume(cfg: JobConfig, prev: PreviousRun, where: string): v
     const line = r ? endedLine(r) : `job ${cfg.job} finished (final snapshot ${prev.snapshot!.id}, model ${prev.snapshot!.modelPath})`;
     throw new JobStateError(`${line}; give the new run another --job name`);
   }
-  const diff = trajectoryDiff(prev.config, cfg);
+  // without a snapshot there is nothing to resume from: the job starts over, with any settings
+  const diff = prev.snapshot ? trajectoryDiff(prev.config, cfg) : [];
   if (diff.length > 0) {
     throw new JobStateError(`job ${cfg.job} ran before with other settings (${diff.join("; ")}); resuming it needs the same settings: ` +
       "leave those options out, or give the new run another --job name");
@@ -118,8 +121,9 @@ export class MeshClient implements AsyncDisposable {
       if (!(e instanceof UnknownJobError)) throw e;
     }
     const snapshot = snaps.at(-1) ?? null;
-    if (rec) return { config: jobConfigFromJson(rec.record.configJson), record: rec.record, snapshot };
-    return snapshot ? { config: jobConfigFromJson(snapshot.configJson), record: null, snapshot } : null;
+    // a job resumes from its snapshots: their settings are the ones it keeps
+    if (snapshot) return { config: jobConfigFromJson(snapshot.configJson), record: rec?.record ?? null, snapshot };
+    return rec ? { config: jobConfigFromJson(rec.record.configJson), record: rec.record, snapshot: null } : null;
   }
 
   /**

@@ -113,6 +113,11 @@ export class TrainerRun {
     return this.#plan.totalSteps;
   }
 
+  /** Whether stop() was called (the run may still be finishing its step). */
+  get stopped(): boolean {
+    return this.#stopped;
+  }
+
   /** Stops after the current step; a step blocked on a pull is abandoned at once. */
   stop(): void {
     this.#stopped = true;

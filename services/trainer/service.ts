@@ -21,27 +21,42 @@ export interface TrainerDeps {
 
 export class Trainer {
   readonly #runs = new Map<string, { run: TrainerRun; done: Promise<void> }>();
+  /** a job reopened while its previous run was still stopping: started once that run is done */
+  readonly #pending = new Map<string, JobSpec>();
 
   constructor(readonly deps: TrainerDeps) {}
 
   openJob(spec: JobSpec): void {
     const cfg = configOfSpec(spec);
     const { rank, log } = this.deps;
-    if (rank >= cfg.trainers || this.#runs.has(cfg.job)) return;
+    if (rank >= cfg.trainers) return;
+    const previous = this.#runs.get(cfg.job);
+    if (previous) {
+      if (!previous.run.stopped) return; // the same job again: it runs already
+      this.#pending.set(cfg.job, spec);
+      return;
+    }
     const run = new TrainerRun({ ...this.deps, cfg, ...(log ? { log: log.child({ job: cfg.job }) } : {}) });
     const done = run.run()
       .catch(() => {
         // reported as a Failed event, in the job's record and the log by the run itself
       })
-      .finally(() => this.#runs.delete(cfg.job));
+      .finally(() => {
+        this.#runs.delete(cfg.job);
+        const next = this.#pending.get(cfg.job);
+        this.#pending.delete(cfg.job);
+        if (next) this.openJob(next);
+      });
     this.#runs.set(cfg.job, { run, done });
   }
 
   closeJob(job: string): void {
+    this.#pending.delete(job);
     this.#runs.get(job)?.run.stop();
   }
 
   async stop(): Promise<void> {
+    this.#pending.clear();
     for (const { run } of this.#runs.values()) run.stop();
     await Promise.all([...this.#runs.values()].map((r) => r.done));
   }

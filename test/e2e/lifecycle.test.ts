@@ -9,7 +9,7 @@ import { copyFileSync, existsSync, readFileSync, truncateSync } from "node:fs";
 import { join } from "node:path";
 import { defaultMnistDir } from "../../engine/data/mnist.ts";
 import { readModelFile } from "../../engine/modelfile.ts";
-import { encodeJobRequest, type Event, EventKind, JobState } from "../../schemas/messages.ts";
+import { encodeJobRequest, type Event, EventKind, JobState, SyncPolicy } from "../../schemas/messages.ts";
 import { CapacityError, JobStateError, UnknownJobError } from "../../services/runtime/errors.ts";
 import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
@@ -132,8 +132,18 @@ describe("jobs on one long-running mesh", () => {
     expect(performance.now() - t0).toBeLessThan(15_000);
 
     await expectRejected(() => client.submit({ ...cfg, lr: 0.2 }), JobStateError, "ran before with other settings (lr: 0.1 -> 0.2)");
+    // past the SDK's check (a script that writes the spec itself): the checkpoint service refuses
+    // to open it over the snapshots, so the job fails with the differences
+    const other = { ...cfg, lr: 0.2 };
+    await client.jobs.updateRecord(cfg.job, (r) => ({ ...r, state: JobState.Running, configJson: JSON.stringify(other) }));
+    await client.jobs.putSpec({ job: cfg.job, trainers: 3, shards: 3, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(other) });
+    const refused = await follow(cfg.job);
+    expect(refused.record.state).toBe(JobState.Failed);
+    expect(refused.record.reason).toContain("checkpoint cannot open job resumable: job resumable has snapshots taken with other settings");
+    expect(refused.record.reason).toContain("lr: 0.1 -> 0.2");
+    expect(await client.checkpoints(cfg.job)).toEqual(snaps); // untouched
     const rec = await client.submit(cfg);
-    expect(rec.attempts).toBe(2);
+    expect(rec.attempts).toBe(2); // the refused spec above went around the SDK: not an attempt
     const second = await follow(cfg.job);
     expect(second.record.state).toBe(JobState.Done);
     const restore = second.events.find((e) => e.kind === EventKind.Restore)!;

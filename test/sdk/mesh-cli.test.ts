@@ -57,6 +57,17 @@ function processesMentioning(text: string): number[] {
   return pids;
 }
 
+test("a wrong option: its error and one line on where help is, not the whole help", () => {
+  const cwd = tempDir("mt-flag-");
+  for (const [args, help] of [[["run", "--epochs", "x"], "meshtrain run --help"], [["mesh", "up", "--prot", "1"], "meshtrain mesh up --help"],
+    [["submit", "--shards"], "meshtrain submit --help"]] as const) {
+    const r = cli(cwd, [...args]);
+    const lines = r.err.trim().split("\n");
+    expect([r.code, lines.at(-1)]).toEqual([1, `(every option: ${help})`]);
+    expect(lines.length).toBeLessThanOrEqual(3); // the error, perhaps a "did you mean", the hint
+  }
+});
+
 test("default job names differ even when two runs start in the same second", () => {
   expect(newJobName()).toMatch(/^mnist-\d{8}-\d{6}-[0-9a-f]{4}$/);
   expect(new Set(Array.from({ length: 50 }, newJobName)).size).toBe(50);
@@ -82,6 +93,11 @@ describe("meshtrain run", () => {
       "next:      npx meshtrain eval --model out/jobs/three/model.mtm",
     ]);
     for (const f of ["model.mtm", "step-000000020", "logs/trainer-2.log", "logs/parameter-server-2.log", "logs/job.json"]) expect(existsSync(join(cwd, "out/jobs/three", f))).toBe(true);
+    // a clean run logs no warnings or errors (normal states, such as no snapshot yet, are not warnings)
+    const logs = join(cwd, "out/jobs/three/logs");
+    const warnings = readdirSync(logs).filter((f) => f.endsWith(".log") && f !== "nats-server.log")
+      .flatMap((f) => readFileSync(join(logs, f), "utf8").split("\n").filter((l) => /"level":"(warn|error|fatal)"/.test(l)).map((l) => `${f}: ${l}`));
+    expect(warnings).toEqual([]);
     // the exported model is the one the trainers evaluated
     const ev = cli(cwd, ["eval", "--model", "out/jobs/three/model.mtm"]);
     expect(ev.code).toBe(0);
