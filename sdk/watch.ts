@@ -25,6 +25,8 @@ export interface JobOutcome {
   checkpoints: number;
   /** mean over all ranks' steps seen, milliseconds */
   split: { dataWaitMs: number; pullMs: number; computeMs: number; pushMs: number };
+  /** samples trained per second, from the first step seen to the last (start-up and the final
+   *  evaluation and snapshot are not in it) */
   samplesPerS: number;
   /** the newest step rank 0 reported (0 when none was seen) */
   step: number;
@@ -101,7 +103,10 @@ class Watcher {
   #restores = 0;
   #checkpoints = 0;
   #stepEvents = 0;
+  /** samples of the steps after the first one seen, and when the first and the last arrived */
   #samples = 0;
+  #firstStepMs = 0;
+  #lastStepMs = 0;
   #watched = false;
 
   constructor(readonly trainers: number, readonly epochs: number, readonly o: WatchOptions) {
@@ -155,7 +160,10 @@ class Watcher {
       this.#loss = e.loss;
     }
     this.#rate.add(e.count);
-    this.#samples += e.count;
+    const now = performance.now();
+    if (this.#stepEvents === 0) this.#firstStepMs = now;
+    else this.#samples += e.count;
+    this.#lastStepMs = now;
     this.#stepEvents++;
     this.#split.dataWaitMs += e.dataWaitMs;
     this.#split.pullMs += e.pullMs;
@@ -178,7 +186,7 @@ class Watcher {
     return {
       record, seconds, restores: this.#restores, checkpoints: this.#checkpoints, step: this.#step, watched: this.#watched,
       split: { dataWaitMs: s.dataWaitMs / n, pullMs: s.pullMs / n, computeMs: s.computeMs / n, pushMs: s.pushMs / n },
-      samplesPerS: this.#samples / Math.max(seconds, 1e-9),
+      samplesPerS: this.#lastStepMs > this.#firstStepMs ? this.#samples / ((this.#lastStepMs - this.#firstStepMs) / 1000) : 0,
     };
   }
 }
