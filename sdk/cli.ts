@@ -1,8 +1,8 @@
 #!/usr/bin/env bun
 // meshtrain command line: `run` trains on a local mesh; submit/watch/status/cancel/
 // checkpoints/restore talk to any mesh over NATS; `train` runs in this process.
+import { join } from "node:path";
 import { Command, Option } from "commander";
-import { benches } from "../bench/index.ts";
 import { DataFileError } from "../engine/data/errors.ts";
 import { EngineError } from "../engine/errors.ts";
 import { NativeLibraryError } from "../ffi/errors.ts";
@@ -130,8 +130,10 @@ program.command("bench")
   .allowUnknownOption(true)
   .allowExcessArguments(true)
   .helpOption(false)
-  .action(async (name: keyof typeof benches, _opts, cmd: Command) => {
-    await benches[name](cmd.args.slice(1));
+  .action(async (name: string, _opts, cmd: Command) => {
+    // the benchmarks are their own program (bench/index.ts): run it, passing its options on
+    const p = Bun.spawn([process.execPath, join(import.meta.dir, "..", "bench", "index.ts"), name, ...cmd.args.slice(1)], { stdio: ["inherit", "inherit", "inherit"] });
+    process.exitCode = await p.exited;
   });
 
 /** A reader that goes away (`meshtrain sample | head`) ends the sample quietly: it has what it wanted. */
