@@ -345,6 +345,8 @@ export interface JobSpec {
   sync: SyncPolicy;
   staleness: number;
   configJson: string;
+  /** the submission of the job name this spec belongs to (its record's attempts); 0: not known */
+  attempt?: number;
 }
 
 const jobRoot = root("JobSpec", "MTJS", (bb) => JobSpecT.getRootAsJobSpec(bb));
@@ -352,13 +354,14 @@ const jobRoot = root("JobSpec", "MTJS", (bb) => JobSpecT.getRootAsJobSpec(bb));
 export function encodeJobSpec(m: JobSpec): Uint8Array {
   const b = builder(256 + m.configJson.length * 3);
   const job = str(b, m.job), config = str(b, m.configJson);
-  return finishBytes(b, JobSpecT.createJobSpec(b, schemaVersion, job, m.trainers, m.shards, m.sync, m.staleness, config), jobRoot.identifier);
+  return finishBytes(b, JobSpecT.createJobSpec(b, schemaVersion, job, m.trainers, m.shards, m.sync, m.staleness, config, m.attempt ?? 0), jobRoot.identifier);
 }
 
 export function decodeJobSpec(data: Uint8Array, bytesMax: number): JobSpec {
   const r = openRoot(data, jobRoot, bytesMax);
   return guarded("JobSpec", () => ({
     job: r.job() ?? "", trainers: r.trainers(), shards: r.shards(), sync: r.sync(), staleness: r.staleness(), configJson: r.configJson() ?? "",
+    attempt: r.attempt(),
   }));
 }
 

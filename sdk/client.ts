@@ -9,15 +9,19 @@ import {
   decodeCheckpointList, decodeEvent, decodeManifest, decodeShardStats, encodeJobRequest, type Event, EventKind, type JobRecord, JobState,
   type Manifest, type ShardStats, SyncPolicy,
 } from "../schemas/messages.ts";
-import { capacityMessage, meshMembers, type MeshMembers, missingMembers } from "../services/runtime/discovery.ts";
-import { CapacityError, DeadlineError, JobStateError, NoRespondersError, UnknownJobError } from "../services/runtime/errors.ts";
-import { type JobConfig, jobConfigFromJson, parseJobConfig, subjects, trajectoryDiff } from "../services/runtime/job.ts";
+import { awaitMembers, meshMembers, type MeshMembers } from "../services/runtime/discovery.ts";
+import { BadRequestError, CapacityError, DeadlineError, JobStateError, NoRespondersError, UnknownJobError } from "../services/runtime/errors.ts";
+import { type JobConfig, jobConfigFromJson, jobNamePattern, parseJobConfig, subjects, trajectoryDiff } from "../services/runtime/job.ts";
 import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../services/runtime/jobs.ts";
 import { NatsBus } from "../services/runtime/nats.ts";
+import { percent, when } from "./format.ts";
 
 const syncPolicy = { bsp: SyncPolicy.BSP, asp: SyncPolicy.ASP, ssp: SyncPolicy.SSP } as const;
 /** Events queued for a slow consumer before the oldest are dropped (counted in `dropped`). */
 export const eventQueueMax = 100_000;
+/** How long `submit` looks for the ranks a job needs: a service busy in a synchronous stretch
+ *  (reading a data set, a long step) can miss one look's window. */
+export const submitMembersWaitMs = 5_000;
 /** Shard stats in `status`: a live shard answers in milliseconds. */
 const statsTimeoutMs = 3_000;
 
@@ -38,10 +42,15 @@ export interface PreviousRun {
   record: JobRecord | null;
   /** its newest snapshot */
   snapshot: Manifest | null;
+  /** recorded as running, but without a spec: its submission was cut off (resubmitting it is allowed) */
+  orphaned: boolean;
 }
 
-const when = (ms: number) => new Date(ms).toISOString().replace("T", " ").slice(0, 19);
-const percent = (x: number) => `${(100 * x).toFixed(2)}%`;
+/** Refuses what cannot be a job name before it becomes a subject or a KV key ("a b", "*", "x.y"). */
+function checkName(job: string): void {
+  if (!jobNamePattern.test(job)) throw new BadRequestError(`${JSON.stringify(job)} is not a job name: a job name is 1-64 letters, digits, _ or -`);
+}
+
 
 /** One line on how a job ended, for errors that refuse to touch it again. */
 export function endedLine(r: JobRecord): string {
@@ -57,7 +66,7 @@ export function endedLine(r: JobRecord): string {
  */
 export function checkResume(cfg: JobConfig, prev: PreviousRun, where: string): void {
   const r = prev.record;
-  if (r?.state === JobState.Running) {
+  if (r?.state === JobState.Running && !prev.orphaned) {
     throw new JobStateError(`job ${cfg.job} is running on ${where}; follow it with: meshtrain watch ${cfg.job} (or stop it: meshtrain cancel ${cfg.job})`);
   }
   if (r?.state === JobState.Done || (r === null && prev.snapshot?.modelPath)) {
@@ -92,17 +101,11 @@ export class MeshClient implements AsyncDisposable {
   }
 
   /**
-   * Resolves once the mesh runs every rank, shard and service the job needs; CapacityError
-   * naming what is missing when it still does not after `waitMs` (0: look once).
+   * Resolves true once the mesh runs every rank, shard and service the job needs (false when
+   * `signal` aborts first); CapacityError naming what is missing after `waitMs`.
    */
-  async waitForMembers(cfg: Pick<JobConfig, "job" | "trainers" | "shards">, waitMs: number): Promise<void> {
-    const deadline = Date.now() + waitMs;
-    for (;;) {
-      const m = await this.members();
-      if (missingMembers(cfg, m).length === 0) return;
-      if (Date.now() >= deadline) throw new CapacityError(capacityMessage(cfg, m, this.url));
-      await Bun.sleep(250);
-    }
+  async waitForMembers(cfg: Pick<JobConfig, "job" | "trainers" | "shards">, waitMs: number, signal?: AbortSignal): Promise<boolean> {
+    return await awaitMembers(() => this.members(), cfg, waitMs, this.url, signal);
   }
 
   /**
@@ -110,6 +113,7 @@ export class MeshClient implements AsyncDisposable {
    * snapshot on the checkpoint service's disk (a local `meshtrain run` starts a new mesh each time).
    */
   async previous(job: string): Promise<PreviousRun | null> {
+    checkName(job);
     const rec = await this.jobs.record(job);
     let snaps: Manifest[] = [];
     try {
@@ -121,9 +125,10 @@ export class MeshClient implements AsyncDisposable {
       if (!(e instanceof UnknownJobError)) throw e;
     }
     const snapshot = snaps.at(-1) ?? null;
+    const orphaned = rec !== null && rec.record.state === JobState.Running && (await this.jobs.spec(job)) === null;
     // a job resumes from its snapshots: their settings are the ones it keeps
-    if (snapshot) return { config: jobConfigFromJson(snapshot.configJson), record: rec?.record ?? null, snapshot };
-    return rec ? { config: jobConfigFromJson(rec.record.configJson), record: rec.record, snapshot: null } : null;
+    if (snapshot) return { config: jobConfigFromJson(snapshot.configJson), record: rec?.record ?? null, snapshot, orphaned };
+    return rec ? { config: jobConfigFromJson(rec.record.configJson), record: rec.record, snapshot: null, orphaned } : null;
   }
 
   /**
@@ -133,9 +138,11 @@ export class MeshClient implements AsyncDisposable {
    * from its snapshots, if that run failed or was cancelled and the settings agree; a running or
    * finished job is refused.
    */
-  async submit(config: JobConfig, o: { membersWaitMs?: number; checkMembers?: boolean } = {}): Promise<JobRecord> {
+  async submit(config: JobConfig, o: { membersWaitMs?: number; checkMembers?: boolean; signal?: AbortSignal } = {}): Promise<JobRecord> {
     const cfg = parseJobConfig(config);
-    if (o.checkMembers ?? true) await this.waitForMembers(cfg, o.membersWaitMs ?? 0);
+    if ((o.checkMembers ?? true) && !(await this.waitForMembers(cfg, o.membersWaitMs ?? submitMembersWaitMs, o.signal))) {
+      throw new DeadlineError(`the submission of job ${cfg.job} was stopped (${String(o.signal?.reason ?? "aborted")})`);
+    }
     const prev = await this.previous(cfg.job);
     if (prev) checkResume(cfg, prev, this.url);
     const attempts = (prev?.record?.attempts ?? 0) + 1;
@@ -144,7 +151,10 @@ export class MeshClient implements AsyncDisposable {
       ? await this.jobs.updateRecord(cfg.job, (r) => (r.state === prev.record!.state && r.attempts === prev.record!.attempts ? rec : null))
       : (await this.jobs.createRecord(rec)) ? rec : null;
     if (written === null) throw new JobStateError(`job ${cfg.job} was submitted or changed by someone else just now; see meshtrain status ${cfg.job}`);
-    await this.jobs.putSpec({ job: cfg.job, trainers: cfg.trainers, shards: cfg.shards, sync: syncPolicy[cfg.sync], staleness: cfg.staleness, configJson: JSON.stringify(cfg) });
+    await this.jobs.putSpec({
+      job: cfg.job, trainers: cfg.trainers, shards: cfg.shards, sync: syncPolicy[cfg.sync], staleness: cfg.staleness, configJson: JSON.stringify(cfg),
+      attempt: written.attempts,
+    });
     return written;
   }
 
@@ -158,13 +168,14 @@ export class MeshClient implements AsyncDisposable {
     } catch {
       // no user name (a container without one): "a client" says enough
     }
-    const written = await this.ledger.end(job, { state: JobState.Cancelled, reason: `cancelled by ${who}` });
+    const written = await this.ledger.end(job, { state: JobState.Cancelled, reason: `cancelled by ${who}` }, r.attempts);
     if (written === null) throw new JobStateError(`${endedLine((await this.record(job)))} before it could be cancelled`);
     return written;
   }
 
   /** A job's record; UnknownJobError when this mesh has none. */
   async record(job: string): Promise<JobRecord> {
+    checkName(job);
     const r = await this.jobs.record(job);
     if (!r) throw new UnknownJobError(`no job ${job} on ${this.url} (meshtrain status lists the jobs)`);
     return r.record;
@@ -180,6 +191,7 @@ export class MeshClient implements AsyncDisposable {
    * every event. Ends when the iterator is returned (break) or `signal` aborts.
    */
   events(job: string, signal?: AbortSignal): AsyncIterableIterator<Event> & { dropped: number } {
+    checkName(job);
     const queue: Event[] = [];
     let wake: (() => void) | null = null;
     let ended = false;
@@ -215,12 +227,15 @@ export class MeshClient implements AsyncDisposable {
       sub.unsubscribe();
       wake?.();
     };
-    signal?.addEventListener("abort", end, { once: true });
+    // a signal aborted already never fires its event: end now
+    if (signal?.aborted) end();
+    else signal?.addEventListener("abort", end, { once: true });
     return it;
   }
 
   /** The job's record, config, shard clocks (while it runs) and snapshots. */
   async status(job: string): Promise<JobStatus> {
+    checkName(job);
     const rec = await this.jobs.record(job);
     let checkpoints: Manifest[] = [];
     try {
@@ -252,6 +267,7 @@ export class MeshClient implements AsyncDisposable {
 
   /** The job's snapshots (also of a job that ended: they stay on the checkpoint service's disk). */
   async checkpoints(job: string): Promise<Manifest[]> {
+    checkName(job);
     return decodeCheckpointList(await this.bus.request(subjects.ckptList(job), encodeJobRequest({ job, step: 0, tag: "" }), 10_000), 64 << 20).items;
   }
 

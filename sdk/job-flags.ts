@@ -4,15 +4,15 @@
 import { type Command, InvalidArgumentError, Option } from "commander";
 import { type JobConfig, jobDefaults, meshF16Refusal, meshPrecisions, parseJobConfig } from "../services/runtime/job.ts";
 import type { PreviousRun } from "./client.ts";
+import { stamp } from "./format.ts";
 import { choice, float, int, intList, userPath } from "./options.ts";
 
 const d = jobDefaults;
 
 /** mnist-<date>-<time>-<4 hex>: two runs started in the same second still get their own name. */
 export const newJobName = (): string => {
-  const stamp = new Date().toISOString().replace(/[-:]/g, "").replace("T", "-").slice(0, 15);
   const tag = [...crypto.getRandomValues(new Uint8Array(2))].map((b) => b.toString(16).padStart(2, "0")).join("");
-  return `mnist-${stamp}-${tag}`;
+  return `mnist-${stamp()}-${tag}`;
 };
 
 /** --eval-every: a step count, or "epoch". */

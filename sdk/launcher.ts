@@ -97,7 +97,13 @@ interface Running {
   spec: ServiceSpec;
   proc: Subprocess;
   restarts: number;
+  /** its output copied to the logs, to the last line */
+  pumped: Promise<unknown>;
 }
+
+/** A service that ran this long before dying is restarted as if for the first time (restartsMax
+ *  counts quick, repeated failures, not a long-running mesh's rare ones). */
+const healthyRunMs = 60_000;
 
 /** argv that asks the kernel to SIGTERM the child when the launcher dies (Linux; plain argv elsewhere). */
 function tiedToLauncher(argv: string[]): string[] {
@@ -196,13 +202,14 @@ export class LocalMesh implements AsyncDisposable {
     }
   }
 
-  #spawn(spec: ServiceSpec, restarts: number): void {
+  #spawn(spec: ServiceSpec, restartsBefore: number): void {
+    const startedMs = Date.now();
     const proc = Bun.spawn(tiedToLauncher(spec.argv), { cwd: root, env: this.#env(spec), stdin: "ignore", stdout: "pipe", stderr: "pipe", detached: true });
-    void this.#pump(spec.name, proc.stdout);
-    void this.#pump(spec.name, proc.stderr);
-    this.#running.set(spec.name, { spec, proc, restarts });
+    const pumped = Promise.all([this.#pump(spec.name, proc.stdout), this.#pump(spec.name, proc.stderr)]);
+    this.#running.set(spec.name, { spec, proc, restarts: restartsBefore, pumped });
     void proc.exited.then((code) => {
       if (this.#stopping) return;
+      const restarts = Date.now() - startedMs >= healthyRunMs ? 0 : restartsBefore;
       const why = proc.signalCode ? `signal ${proc.signalCode}` : `exit ${code}`;
       if (restarts >= restartsMax) {
         this.opts.onEvent?.(`${spec.name} died (${why}) ${restarts} times; not restarting (log: ${this.logPath(spec.name)})`);
@@ -234,8 +241,12 @@ export class LocalMesh implements AsyncDisposable {
     return this.#running.get(name)?.restarts ?? 0;
   }
 
-  /** Stops every service (SIGTERM, then SIGKILL after stopGraceMs), then NATS. Idempotent. */
-  stop(): Promise<void> {
+  /**
+   * Stops every service (SIGTERM, then SIGKILL after stopGraceMs), then NATS. Idempotent; `now`
+   * (a second Ctrl-C) kills what still runs at once, also during a stop already under way.
+   */
+  stop(now = false): Promise<void> {
+    if (now) for (const r of this.#running.values()) r.proc.kill("SIGKILL");
     this.#stopping ??= this.#stop();
     return this.#stopping;
   }
@@ -246,6 +257,8 @@ export class LocalMesh implements AsyncDisposable {
     const deadline = setTimeout(() => procs.forEach((p) => p.kill("SIGKILL")), stopGraceMs);
     await Promise.all(procs.map((p) => p.exited));
     clearTimeout(deadline);
+    // the services' last lines are in the pipes still: copy them before the files close
+    await Promise.all([...this.#running.values()].map((r) => r.pumped.catch(() => {})));
     await Promise.all([...this.#logs.values()].map((s) => new Promise<void>((resolve) => s.end(resolve))));
     await this.nats.stop();
   }

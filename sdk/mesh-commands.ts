@@ -12,6 +12,7 @@ import { givenOptions, type JobFlags, jobConfigOf, jobOptions, resolveConfig } f
 import { type MeshOptions, LocalMesh, membersWaitMs } from "./launcher.ts";
 import { announceLocalMesh, resolveNatsUrl, unreachableHint } from "./local-mesh.ts";
 import { defaultRunDir, runMesh } from "./local/run-mesh.ts";
+import { stamp } from "./format.ts";
 import { cliName, float, int, shownPath, userPath } from "./options.ts";
 import { configSummary, jobsTable, outcomeLines, statusLines } from "./report.ts";
 import { StopRequests } from "./signals.ts";
@@ -148,24 +149,24 @@ export function addMeshCommands(program: Command): void {
 
 /** `mesh up`: runs until Ctrl-C, leaving a note so that client commands on this machine find it. */
 async function meshUp(o: { dir: string; port: number; trainers: number; shards: number }): Promise<void> {
-  const stamp = new Date().toISOString().replace(/[-:]/g, "").replace("T", "-").slice(0, 15);
   const opts: MeshOptions = {
-    jobsDir: join(o.dir, "jobs"), logDir: join(o.dir, "logs", `mesh-${stamp}`), jobLogs: true, trainers: o.trainers, shards: o.shards,
+    jobsDir: join(o.dir, "jobs"), logDir: join(o.dir, "logs", `mesh-${stamp()}`), jobLogs: true, trainers: o.trainers, shards: o.shards,
     port: o.port, natsStoreDir: join(o.dir, "nats"), onEvent: (line) => console.log(`launcher: ${line}`),
   };
   using stop = new StopRequests((s) => console.log(`\n${s}: stopping the mesh (again to stop at once)`));
   const m = await LocalMesh.start(opts);
+  stop.second.signal.addEventListener("abort", () => void m.stop(true), { once: true });
   let forget = () => {};
   try {
     // up means every service has registered: a job submitted now finds them all
     await using client = await MeshClient.connect(m.url);
-    await client.waitForMembers({ job: "(any)", trainers: o.trainers, shards: o.shards }, membersWaitMs);
+    if (!(await client.waitForMembers({ job: "(any)", trainers: o.trainers, shards: o.shards }, membersWaitMs, stop.first.signal))) return;
     forget = announceLocalMesh({ url: m.url, pid: process.pid, dir: o.dir });
     console.log(`mesh up: NATS at ${m.url}; ${m.services.map((s) => s.name).join(", ")}`);
     console.log(`  jobs' snapshots, models and logs: ${shownPath(opts.jobsDir)}/<job>/; the services' logs: ${shownPath(opts.logDir)}`);
     console.log(`  client commands on this machine find it; elsewhere: export MT_NATS_URL=${m.url.replace("127.0.0.1", "<this host>")}`);
     console.log(`submit a job: ${cliName()} submit --epochs 1 | stop the mesh: Ctrl-C`);
-    await new Promise<void>((resolve) => stop.first.signal.addEventListener("abort", () => resolve(), { once: true }));
+    if (!stop.first.signal.aborted) await new Promise<void>((resolve) => stop.first.signal.addEventListener("abort", () => resolve(), { once: true }));
   } catch (e) {
     if (e instanceof CapacityError) throw new CapacityError(`the mesh's services did not all start within ${membersWaitMs / 1000} s (logs: ${shownPath(opts.logDir)}): ${e.message}`);
     throw e;

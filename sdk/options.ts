@@ -1,12 +1,19 @@
 // Option parsers for the CLI: each turns a string into a checked value or raises commander's
 // InvalidArgumentError, which commander prints as "error: option '--x <n>' argument '...' is invalid. <reason>".
 // And the paths the user types: resolved against their folder, shown back as they would type them.
-import { isAbsolute, relative, resolve, sep } from "node:path";
+import { dirname, isAbsolute, relative, resolve, sep } from "node:path";
 import { InvalidArgumentError } from "commander";
 
-/** The folder the user ran the command in: `npm run meshtrain -- ...` runs with the package
- *  root as its working directory and passes the user's in INIT_CWD (npx sets it too). */
-const userDir = (): string => process.env.INIT_CWD ?? process.cwd();
+/**
+ * The folder the user ran the command in. `npm run meshtrain -- ...` runs with the package root
+ * as its working directory and passes the user's in INIT_CWD (npm_package_json names that
+ * package). A process started elsewhere (a script that changes folder first) inherits INIT_CWD
+ * but does not run in the package's folder: its own folder is the user's.
+ */
+const userDir = (): string => {
+  const init = process.env.INIT_CWD, pkg = process.env.npm_package_json;
+  return init && pkg && resolve(process.cwd()) === dirname(resolve(pkg)) ? init : process.cwd();
+};
 
 /** A path the user typed (or a default), absolute: relative paths resolve against userDir. */
 export function userPath(p: string): string {

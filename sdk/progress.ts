@@ -6,6 +6,7 @@
 // the line printed, the bar drawn again, so no stale copy of the bar stays on screen. When it
 // stops, the bar gives way to one plain line with the last figures.
 import cliProgress from "cli-progress";
+import { formatSeconds } from "./format.ts";
 
 export interface ProgressFields {
   loss: string;
@@ -18,15 +19,6 @@ export interface ProgressFields {
 const plainLineIntervalMs = 5000;
 /** Steps seen before an eta is shown: the first steps include start-up and say little. */
 const etaStepsMin = 5;
-
-/** "1h05m", "4m10s", "35s". */
-export function formatSeconds(s: number): string {
-  if (!Number.isFinite(s) || s < 0) return "-";
-  const t = Math.round(s);
-  if (t >= 3600) return `${Math.floor(t / 3600)}h${String(Math.floor((t % 3600) / 60)).padStart(2, "0")}m`;
-  if (t >= 60) return `${Math.floor(t / 60)}m${String(t % 60).padStart(2, "0")}s`;
-  return `${t}s`;
-}
 
 export class Progress {
   readonly #bar: cliProgress.SingleBar | null;

@@ -5,12 +5,9 @@ import type { JobConfig } from "../services/runtime/job.ts";
 import { stateName } from "../services/runtime/jobs.ts";
 import type { JobStatus } from "./client.ts";
 import { shownPath } from "./options.ts";
-import { formatSeconds } from "./progress.ts";
+import { formatSeconds, num, percent, plural, when } from "./format.ts";
 import type { JobOutcome } from "./watch.ts";
 
-const num = (n: number) => n.toLocaleString("en-US");
-const plural = (n: number, what: string) => `${n} ${what}${n === 1 ? "" : "s"}`;
-const percent = (x: number) => `${(100 * x).toFixed(2)}%`;
 
 /** Weights and biases of an MLP of these widths. */
 export const mlpParameters = (widths: readonly number[]): number =>
@@ -71,7 +68,6 @@ export function whereLines(r: JobRecord, logs: string | null): string[] {
   return out;
 }
 
-const when = (ms: number) => (ms > 0 ? new Date(ms).toISOString().replace("T", " ").slice(0, 19) : "-");
 
 function stepOf(s: JobStatus): string {
   const clocks = s.shards.flatMap((x) => ("clocks" in x && x.chunks > 0 ? x.clocks : []));
@@ -99,8 +95,9 @@ export function statusLines(s: JobStatus): string[] {
   }
   lines.push(...configSummary(s.config).map((l) => `  ${l}`));
   const snaps = s.checkpoints.map((m: Manifest) => m.id);
-  lines.push(`snapshots  ${snaps.length > 0 ? snaps.join(", ") : "none"}`);
-  if (r) lines.push(...whereLines(r, null));
+  const where = r?.snapshotDir ? ` in ${shownPath(r.snapshotDir)}` : "";
+  lines.push(`snapshots  ${snaps.length > 0 ? `${snaps.join(", ")}${where}` : "none yet"}`);
+  if (r?.modelPath) lines.push(`model      ${shownPath(r.modelPath)}`);
   for (const x of s.shards) {
     lines.push("error" in x ? `shard ${x.shard}    ${x.error}` : `shard ${x.shard}    ${x.chunks} chunks, ${num(x.elements)} values, clocks ${x.clocks.join(",")}, ${x.updates} updates`);
   }

@@ -3,7 +3,7 @@
 // ends with its Ended event; in case that event is lost (NATS core delivers at most once) the
 // job's record is read every few seconds too. A job that ended already is answered at once.
 import { type Event, EventKind, type JobRecord, JobState } from "../schemas/messages.ts";
-import { DeadlineError } from "../services/runtime/errors.ts";
+import { DeadlineError, JobStateError } from "../services/runtime/errors.ts";
 import { EvalTally } from "../services/runtime/evals.ts";
 import { jobConfigFromJson } from "../services/runtime/job.ts";
 import { isEnded, stateName } from "../services/runtime/jobs.ts";
@@ -60,6 +60,7 @@ export async function watchJob(client: MeshClient, job: string, o: WatchOptions 
     const it = events[Symbol.asyncIterator]();
     let pending: Promise<IteratorResult<Event>> | null = null;
     let lastPoll = performance.now();
+    let specMissing = 0;
     while (!isEnded(record)) {
       pending ??= it.next();
       const tick = Bun.sleep(recordPollMs).then(() => "tick" as const);
@@ -77,6 +78,12 @@ export async function watchJob(client: MeshClient, job: string, o: WatchOptions 
       if (performance.now() - lastPoll >= recordPollMs) {
         lastPoll = performance.now();
         record = await client.record(job);
+        // running on record, but no spec twice in a row: no service runs it, and none will
+        specMissing = !isEnded(record) && (await client.jobs.spec(job)) === null ? specMissing + 1 : 0;
+        if (specMissing >= 2) {
+          throw new JobStateError(`job ${job} is recorded as running, but no service runs it (its submission was cut off before the mesh got it); ` +
+            `submit it again to resume it: meshtrain submit --job ${job}`);
+        }
       }
     }
     if (!isEnded(record)) record = await client.record(job);

@@ -37,9 +37,9 @@ const stopSnapshotMs = 30_000;
  */
 function previousOnDisk(jobsDir: string, job: string): PreviousRun | null {
   const snapshot = new CheckpointStore(jobsDir).list(job).at(-1) ?? null;
-  if (snapshot) return { config: jobConfigFromJson(snapshot.configJson), record: null, snapshot };
+  if (snapshot) return { config: jobConfigFromJson(snapshot.configJson), record: null, snapshot, orphaned: false };
   const started = join(jobsDir, job, "logs", "job.json");
-  return existsSync(started) ? { config: jobConfigFromJson(readFileSync(started, "utf8")), record: null, snapshot: null } : null;
+  return existsSync(started) ? { config: jobConfigFromJson(readFileSync(started, "utf8")), record: null, snapshot: null, orphaned: false } : null;
 }
 
 /** Runs the job to its end; resolves with the process's exit code. */
@@ -63,11 +63,14 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
   let print = (line: string) => console.log(line);
   using stop = new StopRequests((s) => print(`${s}: stopping job ${cfg.job}: a snapshot first, then the mesh (again to stop at once)`));
   const mesh = await LocalMesh.start({ jobsDir, logDir, trainers: cfg.trainers, shards: cfg.shards, onEvent: (line) => print(`launcher: ${line}`) });
+  stop.second.signal.addEventListener("abort", () => void mesh.stop(true), { once: true });
   let client: MeshClient | null = null;
+  let submitted = false;
   try {
     client = await MeshClient.connect(mesh.url);
     // the launcher started every rank the job needs: wait for them to register
-    await client.submit(cfg, { membersWaitMs });
+    await client.submit(cfg, { membersWaitMs, signal: stop.first.signal });
+    submitted = true;
     console.log("submitted; the mesh opens the job (data, parameters), then the trainers start");
     const timeout = AbortSignal.timeout(o.timeoutMin * 60_000);
     const outcome = await watchJob(client, cfg.job, {
@@ -77,9 +80,10 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
     for (const line of outcomeLines(outcome, { logs: logDir })) console.log(line);
     return 0;
   } catch (e) {
-    if (stop.requested && client) {
-      await stopCleanly(client, cfg.job, stop);
-      console.log(`stopped; files in ${shownPath(jobDir)}. Resume with: ${resumeLine}`);
+    // a stop asked for, unless the job itself failed meanwhile (that is the news)
+    if (stop.requested && !(e instanceof JobFailedError)) {
+      if (submitted && client && !stop.second.signal.aborted) await stopCleanly(client, cfg.job, stop);
+      console.log(`stopped; files in ${shownPath(jobDir)}. ${submitted ? "Resume" : "Start it again"} with: ${resumeLine}`);
       return 130;
     }
     if (e instanceof DeadlineError) throw new DeadlineError(`${e.message}; job ${cfg.job} did not end within --timeout-min ${o.timeoutMin} (logs: ${shownPath(logDir)}); resume it with: ${resumeLine}`);

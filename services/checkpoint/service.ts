@@ -9,14 +9,16 @@
 // A job opened under a name whose snapshots were taken with other settings is refused (it would
 // overwrite them, and resuming from them would be wrong): the job fails with the differences.
 import {
-  decodeJobRequest, decodeShardState, encodeCheckpointList, encodeEvent, encodeJobRequest, encodeManifest, emptyEvent, EventKind,
+  decodeJobRequest, decodeShardState, decodeShardStats, encodeCheckpointList, encodeEvent, encodeJobRequest, encodeManifest, emptyEvent, EventKind,
   decodeEvent, type JobSpec,
 } from "../../schemas/messages.ts";
 import { join } from "node:path";
 import type { Bus, Subscription } from "../runtime/bus.ts";
-import { BadRequestError, ConfigError, UnknownJobError } from "../runtime/errors.ts";
+import { BadRequestError, ConfigError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
 import { EvalTally } from "../runtime/evals.ts";
-import { configOfSpec, type JobConfig, jobConfigFromJson, jobNamePattern, jobOfRequest, subjects, trajectoryDiff } from "../runtime/job.ts";
+import {
+  configOfSpec, type JobConfig, jobConfigFromJson, jobNamePattern, jobOfRequest, shardOfOpenedTag, subjects, trajectoryDiff,
+} from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { exportModelFile } from "../runtime/model.ts";
@@ -105,6 +107,12 @@ export class CheckpointService {
 
   async #restore(e: JobEntry, tag: string): Promise<Uint8Array> {
     const { cfg } = e;
+    // the shards of a resumed job each ask when they open it: one restore loads them all, and
+    // the others find their shard loaded already (restoring again would rewind the trainers)
+    const opened = shardOfOpenedTag(tag);
+    if (opened !== null && opened < cfg.shards && !(await this.#holdsNothing(cfg, opened))) {
+      throw new NotReadyError(`shard ${opened} of job ${cfg.job} holds state already (an earlier restore loaded it, or it trained): nothing to restore`);
+    }
     const id = tag.startsWith("step-") ? tag : "";
     const snap = this.store.latestGood(cfg.job, id, (bad, why) => {
       this.log?.error({ job: cfg.job, id: bad, why }, "snapshot failed verification; trying the previous one");
@@ -118,6 +126,13 @@ export class CheckpointService {
     this.log?.warn({ job: cfg.job, id: snap.manifest.id, step: snap.manifest.step, why: tag }, "job restored");
     this.#event(cfg.job, EventKind.Restore, snap.manifest.step, `restored ${snap.manifest.id} (${tag || "requested"})`);
     return encodeManifest(snap.manifest);
+  }
+
+  /** Whether a shard holds nothing yet: no update applied, no trainer's step pushed. */
+  async #holdsNothing(cfg: JobConfig, shard: number): Promise<boolean> {
+    const req = encodeJobRequest({ job: cfg.job, step: 0, tag: "" });
+    const s = decodeShardStats(await this.bus.request(subjects.psStats(cfg.job, shard), req, stateTimeoutMs), 1 << 20);
+    return s.updates === 0 && s.clocks.every((c) => c === 0);
   }
 
   #event(job: string, kind: EventKind, step: number, text: string): void {

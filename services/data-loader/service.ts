@@ -89,22 +89,22 @@ export class DataLoader {
     if (this.#jobs.size >= this.jobsMax) {
       throw new LimitExceededError(`the data-loader serves ${this.jobsMax} jobs already (${this.jobs.join(", ")}); wait for one to end or raise its --jobs-max`);
     }
-    const j = new JobData(cfg, this.#dataset(cfg.job, cfg.dataDir));
+    const data = this.#dataset(cfg.dataDir);
+    const j = new JobData(cfg, data.data); // may refuse the job (images that do not fit its model): then nothing is held
+    if (!this.o.dataset) {
+      this.#datasets.set(cfg.dataDir, data);
+      data.jobs.add(cfg.job);
+    }
     this.#jobs.set(cfg.job, j);
     this.o.log?.info({ ...j.plan }, "job opened");
     await this.o.control?.note(cfg.job, { totalSteps: j.totalSteps });
   }
 
-  #dataset(job: string, dir: string): Mnist {
-    if (this.o.dataset) return this.o.dataset;
-    let d = this.#datasets.get(dir);
-    if (!d) {
-      // a folder that cannot be read throws DataFileError naming the file: the job fails with it
-      d = { data: loadMnist(dir || undefined), jobs: new Set() };
-      this.#datasets.set(dir, d);
-    }
-    d.jobs.add(job);
-    return d.data;
+  /** The data set of a folder: the copy jobs already share, or a fresh one (not yet held). */
+  #dataset(dir: string): { data: Mnist; jobs: Set<string> } {
+    if (this.o.dataset) return { data: this.o.dataset, jobs: new Set() };
+    // a folder that cannot be read throws DataFileError naming the file: the job fails with it
+    return this.#datasets.get(dir) ?? { data: loadMnist(dir || undefined), jobs: new Set() };
   }
 
   closeJob(job: string): void {

@@ -10,7 +10,7 @@ import {
 } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
 import { LimitExceededError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
-import { configOfSpec, type JobConfig, jobOfRequest, subjects } from "../runtime/job.ts";
+import { configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
 import { initialParameters } from "../runtime/model.ts";
 import { buildLayout } from "../runtime/layout.ts";
@@ -136,7 +136,7 @@ export class ParameterServer {
    * asks the checkpoint service to restore the whole job. A new job has no snapshot yet.
    */
   #restoreIfResumed(job: string): void {
-    const req = encodeJobRequest({ job, step: 0, tag: `shard ${this.shardIndex} opened the job` });
+    const req = encodeJobRequest({ job, step: 0, tag: shardOpenedTag(this.shardIndex) });
     this.bus.request(subjects.ckptRestore(job), req, 120_000).then(
       () => this.log?.warn({ job }, "job restored from its last snapshot after this shard opened it"),
       (e: unknown) => {

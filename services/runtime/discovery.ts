@@ -4,6 +4,7 @@
 // so a job that needs ranks the mesh does not run fails at once, naming them, instead of waiting.
 import { Svcm } from "@nats-io/services";
 import type { NatsConnection } from "@nats-io/transport-node";
+import { CapacityError } from "./errors.ts";
 import type { JobConfig } from "./job.ts";
 
 export interface MeshMembers {
@@ -71,4 +72,27 @@ export function capacityMessage(cfg: Pick<JobConfig, "job" | "trainers" | "shard
     `(it runs trainer ranks ${indexList(m.trainers)}, shards ${indexList(m.shards)}, ${m.dataLoaders} data-loader(s), ${m.checkpoints} checkpoint service(s)); ` +
     `start a mesh that does (meshtrain mesh up --trainers ${Math.max(cfg.trainers, 1)} --shards ${Math.max(cfg.shards, 1)}), or submit with ` +
     `--trainers ${Math.max(m.trainers.length, 1)} --shards ${Math.max(m.shards.length, 1)}`;
+}
+
+/** Pause between looks while waiting for members to register. */
+const membersPollMs = 250;
+
+/**
+ * Waits until the mesh runs every rank, shard and service the job needs: true then; false when
+ * `signal` aborts first; CapacityError naming what is missing when `waitMs` has passed (0: one
+ * look). A busy service can miss one look's window, so callers give a few seconds at least.
+ */
+export async function awaitMembers(members: () => Promise<MeshMembers>, cfg: Pick<JobConfig, "job" | "trainers" | "shards">, waitMs: number,
+  where: string, signal?: AbortSignal): Promise<boolean> {
+  const deadline = Date.now() + waitMs;
+  for (;;) {
+    if (signal?.aborted) return false;
+    const m = await members();
+    if (missingMembers(cfg, m).length === 0) return true;
+    if (Date.now() >= deadline) throw new CapacityError(capacityMessage(cfg, m, where));
+    await new Promise<void>((resolve) => {
+      const t = setTimeout(resolve, membersPollMs);
+      signal?.addEventListener("abort", () => (clearTimeout(t), resolve()), { once: true });
+    });
+  }
 }

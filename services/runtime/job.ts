@@ -169,6 +169,14 @@ export function trajectoryDiff(was: JobConfig, now: JobConfig): string[] {
   return out;
 }
 
+/** The tag of the restore a parameter-server shard asks for when it opens a job (it may be a
+ *  restarted shard, or a resumed job): the checkpoint service reads the shard index back. */
+export const shardOpenedTag = (shard: number): string => `shard ${shard} opened the job`;
+export const shardOfOpenedTag = (tag: string): number | null => {
+  const m = /^shard (\d{1,2}) opened the job$/.exec(tag);
+  return m ? Number(m[1]) : null;
+};
+
 /** Subjects of one job (ARCHITECTURE.md). */
 export const subjects = {
   dataNext: (job: string) => `mt.${job}.data.next`,

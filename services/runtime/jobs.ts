@@ -64,8 +64,24 @@ export class JobStore {
     await this.specs.put(spec.job, encodeJobSpec(spec));
   }
 
-  async deleteSpec(job: string): Promise<void> {
-    await this.specs.delete(job);
+  /**
+   * Deletes a job's spec; given an attempt, only the spec of that submission (a newer one put
+   * meanwhile stays). The delete is conditional on the revision read, so it cannot remove a spec
+   * put between the read and the delete.
+   */
+  async deleteSpec(job: string, attempt = 0): Promise<void> {
+    const e = await this.specs.get(job);
+    if (!e || e.operation !== "PUT") return;
+    if (attempt > 0) {
+      const spec = decodeJobSpec(e.value, jobSpecBytesMax);
+      if ((spec.attempt ?? 0) > 0 && spec.attempt !== attempt) return;
+    }
+    try {
+      await this.specs.delete(job, { previousSeq: e.revision });
+    } catch (err) {
+      // another writer got there first (a resubmission put a new spec): that spec is not ours
+      if (!/wrong last sequence/i.test((err as Error).message)) throw err;
+    }
   }
 
   async spec(job: string): Promise<JobSpec | null> {
@@ -167,8 +183,9 @@ export type JobFacts = Partial<Pick<JobRecord, "totalSteps" | "snapshotDir">>;
 
 /** What a service's part of a job may report about the job as a whole. */
 export interface JobControl {
-  /** Ends a running job; resolves with the record written, or null when it had ended already. */
-  end(job: string, ending: JobEnding): Promise<JobRecord | null>;
+  /** Ends a running job (given `attempt` > 0: only that submission of it); resolves with the
+   *  record written, or null when it had ended already. */
+  end(job: string, ending: JobEnding, attempt?: number): Promise<JobRecord | null>;
   /** Records an evaluation every rank has reported. */
   noteEval(job: string, e: { step: number; accuracy: number; loss: number; evaluated: number; split: string }): Promise<void>;
   /** Records what a service learnt when it opened the job: the step count the data-loader
@@ -184,18 +201,20 @@ export class JobLedger implements JobControl {
     return new JobLedger(await JobStore.open(nc), bus, log);
   }
 
-  async end(job: string, ending: JobEnding): Promise<JobRecord | null> {
+  async end(job: string, ending: JobEnding, attempt = 0): Promise<JobRecord | null> {
     const reason = boundText(ending.reason ?? "");
     const ended = (r: JobRecord): JobRecord => ({ ...r, ...ending, reason, endedMs: Date.now() });
-    let written = await this.store.updateRecord(job, (r) => (isEnded(r) ? null : ended(r)));
+    // only the submission it is about: a late end from an earlier one leaves a resubmission alone
+    const ours = (r: JobRecord) => attempt === 0 || r.attempts === attempt;
+    let written = await this.store.updateRecord(job, (r) => (isEnded(r) || !ours(r) ? null : ended(r)));
     if (written === null && (await this.store.record(job)) === null) {
       // a spec put without a record (a script that bypassed the SDK): record how it ended
       const r = ended(runningRecord(job, "", 1));
       written = (await this.store.createRecord(r)) ? r : null;
     }
-    // delete the spec in any case: a spec whose record ended (a crash between the two writes)
-    // must not stay open anywhere
-    await this.store.deleteSpec(job);
+    // delete this submission's spec in any case: a spec whose record ended (a crash between the
+    // two writes) must not stay open anywhere
+    await this.store.deleteSpec(job, attempt);
     if (written) {
       const text = `${stateName(written.state)}${reason ? `: ${reason}` : ""}`;
       this.bus.publish(subjects.events(job, "ended"), encodeEvent({ ...emptyEvent(job, EventKind.Ended), step: written.evalStep, text }));
@@ -224,13 +243,15 @@ export class JobLedger implements JobControl {
     // each change of a job's spec gets a number: an open still reading the record when a newer
     // change arrives (the job ended meanwhile) must not open it after it was closed
     const changes = new Map<string, number>();
+    let counter = 0;
     return await this.store.watch(({ job, spec }) => {
-      const n = (changes.get(job) ?? 0) + 1;
-      changes.set(job, n);
+      const n = ++counter;
       if (!spec) {
+        changes.delete(job); // an open still under way sees no number of its own: it stops
         part.closeJob(job);
         return;
       }
+      changes.set(job, n);
       void this.#open(service, part, spec, () => changes.get(job) === n);
     }, this.log);
   }
@@ -241,14 +262,14 @@ export class JobLedger implements JobControl {
       if (!current()) return; // deleted or replaced while the record was read
       if (rec && isEnded(rec.record)) {
         this.log?.info({ job: spec.job, state: stateName(rec.record.state) }, "job ended already; not opened");
-        await this.store.deleteSpec(spec.job);
+        await this.store.deleteSpec(spec.job, spec.attempt);
         return;
       }
       await part.openJob(spec);
     } catch (e) {
       const why = `${service} cannot open job ${spec.job}: ${(e as Error).message}`;
       this.log?.error({ job: spec.job, err: (e as Error).message }, "cannot open job; failing it");
-      await this.end(spec.job, { state: JobState.Failed, reason: why }).catch((err: unknown) => {
+      await this.end(spec.job, { state: JobState.Failed, reason: why }, spec.attempt).catch((err: unknown) => {
         this.log?.error({ job: spec.job, err: (err as Error).message }, "cannot record the job's failure");
       });
     }

@@ -21,8 +21,7 @@ import {
   encodeJobRequest, type Event, EventKind, JobState, type Manifest, Split,
 } from "../../schemas/messages.ts";
 import type { Bus, Subscription } from "../runtime/bus.ts";
-import { capacityMessage, type MeshMembers, missingMembers } from "../runtime/discovery.ts";
-import { CapacityError } from "../runtime/errors.ts";
+import { awaitMembers, type MeshMembers } from "../runtime/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/evals.ts";
 import { evalInterval, type JobConfig, subjects } from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
@@ -44,6 +43,8 @@ export interface TrainerOptions {
   log?: Logger;
   /** the job's record: failures end the job; rank 0 ends it as done (absent in unit tests) */
   control?: JobControl;
+  /** the submission this run belongs to (its spec's attempt): it ends only that one */
+  attempt?: number;
   /** who is on the mesh ($SRV discovery); absent: not checked */
   members?: () => Promise<MeshMembers>;
 }
@@ -81,6 +82,7 @@ export class TrainerRun {
   #stopped = false;
   /** resolves when the run is stopped (the job was closed), to end waits at once */
   readonly #stop = Promise.withResolvers<void>();
+  readonly #stopSignal = new AbortController();
   /** rank 0: every rank's evaluations */
   #tally: EvalTally | null = null;
   #evalSub: Subscription | null = null;
@@ -124,6 +126,7 @@ export class TrainerRun {
     this.#generation++;
     this.#restored.resolve();
     this.#stop.resolve();
+    this.#stopSignal.abort();
   }
 
   /** The data-loader's plan of the job; the schedule runs over its step count. */
@@ -143,15 +146,7 @@ export class TrainerRun {
    */
   async #checkMembers(): Promise<void> {
     const members = this.#o.members;
-    if (!members) return;
-    const started = Date.now();
-    for (;;) {
-      const m = await members();
-      if (missingMembers(this.#o.cfg, m).length === 0) return;
-      if (Date.now() - started > membersWaitMsMax) throw new CapacityError(capacityMessage(this.#o.cfg, m, "its NATS server"));
-      if (this.#stopped) return;
-      await Promise.race([Bun.sleep(1000), this.#stop.promise]);
-    }
+    if (members) await awaitMembers(members, this.#o.cfg, membersWaitMsMax, "its NATS server", this.#stopSignal.signal);
   }
 
   #publish(e: Partial<Event> & { kind: EventKind }): void {
@@ -205,7 +200,7 @@ export class TrainerRun {
       const why = `trainer ${rank}: ${(e as Error).message}`;
       log?.error({ err: (e as Error).message }, "training failed");
       this.#publish({ kind: EventKind.Failed, text: why });
-      await this.#o.control?.end(cfg.job, { state: JobState.Failed, reason: why }).catch((err: unknown) => {
+      await this.#o.control?.end(cfg.job, { state: JobState.Failed, reason: why }, this.#o.attempt).catch((err: unknown) => {
         log?.error({ err: (err as Error).message }, "cannot record the job's failure");
       });
       throw e;
@@ -251,11 +246,12 @@ export class TrainerRun {
         await Bun.sleep(1000 * attempt);
       }
     }
+    if (this.#stopped) return; // the job was closed meanwhile (cancelled): it is not this run's to end
     await control?.end(cfg.job, {
       state: JobState.Done, evalStep: final.step, accuracy: final.accuracy, loss: final.loss, evaluated: final.evaluated, evalSplit: final.split,
       snapshot: snap?.id ?? "", modelPath: snap?.modelPath ?? "", ...(snap?.modelPath ? { snapshotDir: dirname(snap.modelPath) } : {}),
       reason: snap ? "" : `trained, but the final snapshot failed (${note}); the parameters stay on the shards only until the job closes`,
-    });
+    }, this.#o.attempt);
   }
 
   /** Every rank's evaluation of the final step, combined; null when stopped first. */

@@ -36,7 +36,7 @@ export class Trainer {
       this.#pending.set(cfg.job, spec);
       return;
     }
-    const run = new TrainerRun({ ...this.deps, cfg, ...(log ? { log: log.child({ job: cfg.job }) } : {}) });
+    const run = new TrainerRun({ ...this.deps, cfg, attempt: spec.attempt ?? 0, ...(log ? { log: log.child({ job: cfg.job }) } : {}) });
     const done = run.run()
       .catch(() => {
         // reported as a Failed event, in the job's record and the log by the run itself

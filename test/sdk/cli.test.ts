@@ -11,7 +11,7 @@ const dir = mkdtempSync(join(tmpdir(), "meshtrain-cli-"));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
 // the user's folder is the package root (an INIT_CWD from the outer `npm test` would move where paths are shown from)
-const env = { ...process.env, INIT_CWD: root };
+const env = { ...process.env, INIT_CWD: root, npm_package_json: join(root, "package.json") };
 
 function cli(...args: string[]) {
   const p = Bun.spawnSync([process.execPath, join(root, "sdk", "cli.ts"), ...args], { cwd: root, env, stdout: "pipe", stderr: "pipe" });

@@ -2,7 +2,7 @@
 // shards with paths relative to the user's folder, a data folder that cannot be read, a stop by
 // SIGINT to the `run` process alone and its resume; `mesh up` with the client commands, each of
 // which ends with an answer.
-import { afterAll, describe, expect, test } from "bun:test";
+import { afterAll, afterEach, describe, expect, test } from "bun:test";
 import { copyFileSync, existsSync, mkdirSync, readdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { defaultMnistDir } from "../../engine/data/mnist.ts";
@@ -10,6 +10,12 @@ import { freePort } from "../../services/runtime/nats-server.ts";
 import { newJobName } from "../../sdk/job-flags.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 
+/** Processes start() began: a failing test must not leave them running. */
+const started = new Set<ReturnType<typeof Bun.spawn>>();
+afterEach(() => {
+  for (const p of started) if (p.exitCode === null) p.kill("SIGKILL"); // its children follow (the launcher's pdeathsig)
+  started.clear();
+});
 afterAll(removeTempDirs);
 
 const root = join(import.meta.dir, "..", "..");
@@ -17,10 +23,13 @@ const cliPath = join(root, "sdk", "cli.ts");
 /** A small, quick job: 784-32-10, 1000 samples per trainer and step. */
 const quick = ["--widths", "784,32,10", "--batch-size", "1000", "--epochs", "1", "--warmup", "5"];
 
-/** The child's environment: the user's folder is `cwd` (npm test's INIT_CWD must not leak in). */
+/** The child's environment: the user's folder is `cwd`. */
 function env(cwd: string, extra: Record<string, string> = {}): Record<string, string> {
   const e = { ...process.env, ...extra } as Record<string, string>;
-  e.INIT_CWD = cwd;
+  // run from the user's folder itself: an INIT_CWD inherited from an npm script (the package
+  // root, where npm test ran) must not move it
+  e.INIT_CWD = root;
+  e.npm_package_json = join(root, "package.json");
   delete e.npm_lifecycle_event;
   delete e.MT_NATS_URL;
   return e;
@@ -34,6 +43,7 @@ function cli(cwd: string, args: string[], extra: Record<string, string> = {}) {
 /** A running CLI process whose stdout is collected as it comes. */
 function start(cwd: string, args: string[], extra: Record<string, string> = {}) {
   const proc = Bun.spawn([process.execPath, cliPath, ...args], { cwd, env: env(cwd, extra), stdin: "ignore", stdout: "pipe", stderr: "pipe" });
+  started.add(proc);
   let out = "", err = "";
   const pump = async (s: ReadableStream<Uint8Array>, add: (t: string) => void) => {
     const d = new TextDecoder();
@@ -106,14 +116,12 @@ describe("meshtrain run", () => {
 
   test("a data folder that does not exist: one line naming the file and the logs, at once; nothing left running", () => {
     const cwd = tempDir("mt-runbad-");
-    const t0 = performance.now();
     const r = cli(cwd, ["run", ...quick, "--job", "nodata", "--dir", "out", "--data-dir", "/nonexistent"]);
     expect(r.code).toBe(1);
     expect(r.err.trim().split("\n")).toEqual([
       "meshtrain: JobFailedError: job nodata failed: data-loader cannot open job nodata: /nonexistent/train-images-idx3-ubyte: file not found " +
         "(logs: out/jobs/nodata/logs). Once fixed, resume it with: npx meshtrain run --job nodata --dir out",
     ]);
-    expect(performance.now() - t0).toBeLessThan(30_000);
     expect(processesMentioning(cwd)).toEqual([]);
     // fixed (the package's data): the same job again, with the settings it was started with
     const again = cli(cwd, ["run", "--job", "nodata", "--dir", "out", "--data-dir", ""]);
@@ -177,6 +185,9 @@ describe("meshtrain mesh up and the client commands", () => {
 
     const fails: [string[], string][] = [
       [["cancel", "nosuch"], "meshtrain: UnknownJobError: no job nosuch"],
+      [["status", "a b"], "meshtrain: BadRequestError: \"a b\" is not a job name"],
+      [["watch", "j>"], "is not a job name"],
+      [["cancel", "*"], "is not a job name"],
       [["save", "nosuch"], "meshtrain: UnknownJobError: no job nosuch"],
       [["status", "nosuch"], "meshtrain: UnknownJobError: no job nosuch"],
       [["watch", "nosuch"], "meshtrain: UnknownJobError: no job nosuch"],

@@ -14,7 +14,8 @@ afterAll(() => rmSync(dir, { recursive: true, force: true }));
 function env(initCwd?: string): Record<string, string | undefined> {
   const e: Record<string, string | undefined> = { ...process.env };
   delete e.INIT_CWD;
-  if (initCwd !== undefined) e.INIT_CWD = initCwd;
+  delete e.npm_package_json;
+  if (initCwd !== undefined) Object.assign(e, { INIT_CWD: initCwd, npm_package_json: join(root, "package.json") });
   return e;
 }
 

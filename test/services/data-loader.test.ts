@@ -1,5 +1,8 @@
 // Distributed sampling and the loader's batches, without NATS.
 import { beforeAll, describe, expect, test } from "bun:test";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { DataLoader } from "../../services/data-loader/service.ts";
 import { JobData } from "../../services/data-loader/loader.ts";
@@ -119,6 +122,28 @@ describe("the loader's jobs: a limit, shared data sets, freed when their jobs cl
     loader.closeJob("b");
     loader.closeJob("c");
     expect([loader.jobs, loader.datasets]).toEqual([[], 0]);
+  });
+
+  test("images that do not fit the job's model are refused; the data set read for it is not held", async () => {
+    // an idx folder of 2x2 images: readable, but not for a model that takes 784 inputs
+    const dir = mkdtempSync(join(tmpdir(), "mt-idx-"));
+    try {
+      const idx = (dims: number[], data: Uint8Array) => {
+        const head = new DataView(new ArrayBuffer(4 + 4 * dims.length));
+        head.setUint32(0, (0x08 << 8) | dims.length, false);
+        dims.forEach((d, i) => head.setUint32(4 + 4 * i, d, false));
+        return Buffer.concat([new Uint8Array(head.buffer), data]);
+      };
+      for (const [name, dims] of [["train-images-idx3-ubyte", [10, 2, 2]], ["t10k-images-idx3-ubyte", [10, 2, 2]]] as const) {
+        writeFileSync(join(dir, name), idx([...dims], new Uint8Array(40)));
+      }
+      for (const name of ["train-labels-idx1-ubyte", "t10k-labels-idx1-ubyte"]) writeFileSync(join(dir, name), idx([10], new Uint8Array(10)));
+      const loader = new DataLoader(new MemoryBus(), { payloadBytesMax: 8 << 20 });
+      await expect(loader.openJob(spec("tiny", { dataDir: dir }))).rejects.toThrow("the model takes 784 inputs, but the images in");
+      expect([loader.jobs, loader.datasets]).toEqual([[], 0]);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
   });
 
   test("a folder without the idx files is refused naming the file; nothing is held", async () => {

@@ -70,8 +70,17 @@ configJson(optionalEncoding?:any):string|Uint8Array|null {
   return offset ? this.bb!.__string(this.bb_pos + offset, optionalEncoding) : null;
 }
 
+/**
+ * which submission of this job name the spec belongs to (its record's `attempts`; 0 in specs
+ * written before this field): a late end from an earlier submission must not end this one
+ */
+attempt():number {
+  const offset = this.bb!.__offset(this.bb_pos, 18);
+  return offset ? this.bb!.readUint32(this.bb_pos + offset) : 0;
+}
+
 static startJobSpec(builder:flatbuffers.Builder) {
-  builder.startObject(7);
+  builder.startObject(8);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -102,6 +111,10 @@ static addConfigJson(builder:flatbuffers.Builder, configJsonOffset:flatbuffers.O
   builder.addFieldOffset(6, configJsonOffset, 0);
 }
 
+static addAttempt(builder:flatbuffers.Builder, attempt:number) {
+  builder.addFieldInt32(7, attempt, 0);
+}
+
 static endJobSpec(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -115,7 +128,7 @@ static finishSizePrefixedJobSpecBuffer(builder:flatbuffers.Builder, offset:flatb
   builder.finish(offset, 'MTJS', true);
 }
 
-static createJobSpec(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, trainers:number, shards:number, sync:SyncPolicy, staleness:number, configJsonOffset:flatbuffers.Offset):flatbuffers.Offset {
+static createJobSpec(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, trainers:number, shards:number, sync:SyncPolicy, staleness:number, configJsonOffset:flatbuffers.Offset, attempt:number):flatbuffers.Offset {
   JobSpec.startJobSpec(builder);
   JobSpec.addSchemaVersion(builder, schemaVersion);
   JobSpec.addJob(builder, jobOffset);
@@ -124,6 +137,7 @@ static createJobSpec(builder:flatbuffers.Builder, schemaVersion:number, jobOffse
   JobSpec.addSync(builder, sync);
   JobSpec.addStaleness(builder, staleness);
   JobSpec.addConfigJson(builder, configJsonOffset);
+  JobSpec.addAttempt(builder, attempt);
   return JobSpec.endJobSpec(builder);
 }
 }
