@@ -3,6 +3,7 @@ import { Builder } from "flatbuffers";
 import { staleFiles } from "../../schemas/build.ts";
 import { chunkRanges, createBytes, finishBytes, packByBytes, Reassembler, schemaVersion, WireFormatError } from "../../schemas/codec.ts";
 import {
+  decodeDataPlan, decodeJobRecord, encodeDataPlan, encodeJobRecord, JobState,
   chunkF32, decodeBatch, decodeBatchRequest, decodeErrorReply, decodeEvent, decodeJobSpec, decodeManifest, decodePullReply,
   decodePullRequest, decodePushReply, decodePushRequest, decodeShardState, DType, emptyEvent, encodeBatch, encodeBatchRequest,
   encodeErrorReply, encodeEvent, encodeJobSpec, encodeManifest, encodePullReply, encodePullRequest, encodePushReply,
@@ -53,12 +54,19 @@ describe("round trips, from unaligned payloads", () => {
     expect(decodeBatch(unaligned(encodeBatch(batch)), limit)).toEqual(batch);
     const ev = { ...emptyEvent("j", EventKind.Step), step: 5, loss: 0.5, text: "héllo" };
     expect(decodeEvent(unaligned(encodeEvent(ev)), limit)).toEqual(ev);
-    const spec = { job: "j", trainers: 2, shards: 3, sync: SyncPolicy.SSP, staleness: 2, configJson: "{\"a\":1}" };
+    const spec = { job: "j", trainers: 2, shards: 3, sync: SyncPolicy.SSP, staleness: 2, configJson: "{\"a\":1}", attempt: 3 };
     expect(decodeJobSpec(unaligned(encodeJobSpec(spec)), limit)).toEqual(spec);
     const state = { job: "j", shard: 1, updates: 4, optimizerSteps: 4, step: 4, chunks: [{ id: 3, version: 4, params: floats(5), state: [{ name: "m", data: floats(5, 3) }] }] };
     expect(decodeShardState(unaligned(encodeShardState(state)), limit)).toEqual(state);
-    const manifest = { formatVersion: 1, job: "j", id: "step-10", step: 10, createdMs: 1.5e12, metric: 0.97, configJson: "{}", files: [{ name: "ps-0.bin", bytes: 123, crc32: 0xdeadbeef }], cursors: [10, 10], modelPath: "" };
+    const manifest = { formatVersion: 1, job: "j", id: "step-10", step: 10, createdMs: 1.5e12, metric: 0.97, configJson: "{}", files: [{ name: "ps-0.bin", bytes: 123, crc32: 0xdeadbeef }], cursors: [10, 10], modelPath: "/d/j/model.mtm" };
     expect(decodeManifest(unaligned(encodeManifest(manifest)), limit)).toEqual(manifest);
+    const plan = { job: "j", trainSamples: 60_000, valSamples: 0, testSamples: 10_000, stepsPerEpoch: 235, totalSteps: 2350 };
+    expect(decodeDataPlan(unaligned(encodeDataPlan(plan)), limit)).toEqual(plan);
+    const rec = {
+      job: "j", state: JobState.Failed, configJson: "{}", submittedMs: 1.7e12, endedMs: 1.7e12 + 5, totalSteps: 2350, evalStep: 235, accuracy: 0.5, loss: 1.25,
+      evaluated: 10_000, evalSplit: "test", reason: "trainer 1: ünicode", snapshot: "step-000000235", modelPath: "/m.mtm", snapshotDir: "/d", attempts: 2,
+    };
+    expect(decodeJobRecord(unaligned(encodeJobRecord(rec)), limit)).toEqual(rec);
     const err = encodeErrorReply({ code: "unknown_job", message: "no job x", subject: "mt.x.ps.0.push" });
     expect(isErrorReply(err)).toBe(true);
     expect(decodeErrorReply(unaligned(err), limit)).toEqual({ code: "unknown_job", message: "no job x", subject: "mt.x.ps.0.push" });
