@@ -60,7 +60,7 @@ export function outcomeLines(o: JobOutcome, files: { logs: string | null }): str
 }
 
 /** model / snapshots / logs lines of a job's record. */
-export function whereLines(r: JobRecord, logs: string | null): string[] {
+function whereLines(r: JobRecord, logs: string | null): string[] {
   const out: string[] = [];
   if (r.modelPath) out.push(`model:     ${shownPath(r.modelPath)}`);
   if (r.snapshotDir) out.push(`snapshots: ${shownPath(r.snapshotDir)}${r.snapshot ? ` (${r.snapshot} is the final one)` : ""}`);

@@ -5,6 +5,7 @@
 import { Svcm } from "@nats-io/services";
 import type { NatsConnection } from "@nats-io/transport-node";
 import { CapacityError } from "./errors.ts";
+import { pause } from "./pause.ts";
 import type { JobConfig } from "./job.ts";
 
 export interface MeshMembers {
@@ -90,9 +91,6 @@ export async function awaitMembers(members: () => Promise<MeshMembers>, cfg: Pic
     const m = await members();
     if (missingMembers(cfg, m).length === 0) return true;
     if (Date.now() >= deadline) throw new CapacityError(capacityMessage(cfg, m, where));
-    await new Promise<void>((resolve) => {
-      const t = setTimeout(resolve, membersPollMs);
-      signal?.addEventListener("abort", () => (clearTimeout(t), resolve()), { once: true });
-    });
+    await pause(membersPollMs, signal);
   }
 }

@@ -26,6 +26,7 @@ import { type CombinedEval, EvalTally } from "../runtime/evals.ts";
 import { evalInterval, type JobConfig, subjects } from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
+import { pause } from "../runtime/pause.ts";
 import { buildModel } from "../runtime/model.ts";
 import { buildLayout } from "../runtime/layout.ts";
 import {
@@ -80,8 +81,7 @@ export class TrainerRun {
   #plan: DataPlan = { job: "", trainSamples: 0, valSamples: 0, testSamples: 0, stepsPerEpoch: 0, totalSteps: 0 };
   #schedule: Schedule = { kind: "constant" };
   #stopped = false;
-  /** resolves when the run is stopped (the job was closed), to end waits at once */
-  readonly #stop = Promise.withResolvers<void>();
+  /** aborted when the run is stopped (the job was closed), to end waits at once */
   readonly #stopSignal = new AbortController();
   /** rank 0: every rank's evaluations */
   #tally: EvalTally | null = null;
@@ -125,7 +125,6 @@ export class TrainerRun {
     this.#stopped = true;
     this.#generation++;
     this.#restored.resolve();
-    this.#stop.resolve();
     this.#stopSignal.abort();
   }
 
@@ -243,7 +242,7 @@ export class TrainerRun {
       } catch (e) {
         note = (e as Error).message;
         log?.warn({ attempt, err: note }, "final snapshot failed");
-        await Bun.sleep(1000 * attempt);
+        await pause(1000 * attempt, this.#stopSignal.signal);
       }
     }
     if (this.#stopped) return; // the job was closed meanwhile (cancelled): it is not this run's to end
@@ -264,7 +263,7 @@ export class TrainerRun {
       if (Date.now() - started > finishWaitMsMax) {
         throw new Error(`ranks ${r === null ? "all but this one" : `${r.ranks} of ${this.#o.cfg.trainers}`} reported their final evaluation within ${finishWaitMsMax} ms`);
       }
-      await Promise.race([Bun.sleep(100), this.#stop.promise]);
+      await pause(100, this.#stopSignal.signal);
     }
   }
 
@@ -272,7 +271,7 @@ export class TrainerRun {
   async #repeatFinal(): Promise<void> {
     const started = Date.now();
     while (!this.#stopped && Date.now() - started < finishWaitMsMax) {
-      await Promise.race([Bun.sleep(finalRepeatMs), this.#stop.promise]);
+      await pause(finalRepeatMs, this.#stopSignal.signal);
       if (this.#stopped || this.#final === null) return;
       this.#publish(this.#final);
       this.#publish({ kind: EventKind.Done, step: this.#total });
