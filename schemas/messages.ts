@@ -4,7 +4,7 @@
 // read into a WireFormatError. Callers check semantics (shapes, job names, ranges).
 import { Builder, type ByteBuffer } from "flatbuffers";
 import {
-  Batch as BatchT, BatchRequest as BatchRequestT, CheckpointList as CheckpointListT, Chunk as ChunkT, ChunkState as ChunkStateT, DType, ErrorReply as ErrorReplyT,
+  Batch as BatchT, BatchRequest as BatchRequestT, CheckpointList as CheckpointListT, Chunk as ChunkT, CollPhase, CollPiece as CollPieceT, ChunkState as ChunkStateT, DType, ErrorReply as ErrorReplyT,
   DataPlan as DataPlanT, Event as EventT, EventKind, FileEntry as FileEntryT, JobRecord as JobRecordT, JobRequest as JobRequestT, JobSpec as JobSpecT,
   JobState, LoaderStats as LoaderStatsT, ShardStats as ShardStatsT, Manifest as ManifestT, NamedVector as NamedVectorT,
   PullReply as PullReplyT, PullRequest as PullRequestT, PushReply as PushReplyT, PushRequest as PushRequestT,
@@ -12,7 +12,7 @@ import {
 } from "./wire.ts";
 import { bytesOf, createBytes, createBytesFilled, createI32s, f32Of, finishBytes, guarded, openRoot, verifyTable, type RootType, schemaVersion, WireFormatError } from "./codec.ts";
 
-export { DType, EventKind, JobState, Split, SyncPolicy };
+export { CollPhase, DType, EventKind, JobState, Split, SyncPolicy };
 
 const dtypeBytes: Record<DType, number> = { [DType.F32]: 4, [DType.F16]: 2, [DType.I8]: 1 };
 
@@ -641,5 +641,52 @@ export function decodeJobRecord(data: Uint8Array, bytesMax: number): JobRecord {
     snapshotDir: r.snapshotDir() ?? "", attempts: r.attempts(),
   }));
   if (JobState[m.state] === undefined) throw new WireFormatError("malformed", `JobRecord: unknown state ${m.state}`);
+  return m;
+}
+
+// ---- collective pieces ---------------------------------------------------------------------
+
+export interface CollPiece {
+  job: string;
+  generation: number;
+  group: string;
+  from: number;
+  to: number;
+  step: number;
+  bucket: number;
+  phase: CollPhase;
+  hop: number;
+  piece: number;
+  /** element offset in the operation's buffer */
+  offset: number;
+  count: number;
+  /** count f32 values; any byte alignment (added or copied straight from the payload) */
+  data: Uint8Array;
+  /** Abort: why the sender gave the operation up */
+  reason: string;
+}
+
+const collRoot = root("CollPiece", "MTCP", (bb) => CollPieceT.getRootAsCollPiece(bb));
+/** Bytes a piece's message needs besides its data. */
+export const collPieceOverheadBytes = 512;
+
+/** `values` are written straight into the message (one copy). */
+export function encodeCollPiece(m: Omit<CollPiece, "data" | "count">, values: Float32Array): Uint8Array {
+  const b = builder(collPieceOverheadBytes + values.byteLength + m.reason.length * 3);
+  const job = str(b, m.job), group = str(b, m.group), reason = str(b, m.reason);
+  const data = createBytes(b, bytesOf(values));
+  return finishBytes(b, CollPieceT.createCollPiece(b, schemaVersion, job, m.generation, group, m.from, m.to, big(m.step), m.bucket, m.phase,
+    m.hop, m.piece, big(m.offset), values.length, data, reason), collRoot.identifier);
+}
+
+export function decodeCollPiece(data: Uint8Array, bytesMax: number): CollPiece {
+  const r = openRoot(data, collRoot, bytesMax, { align: false }); // byte vectors only: no aligned copy
+  const m = guarded("CollPiece", () => ({
+    job: r.job() ?? "", generation: r.generation(), group: r.group() ?? "", from: r.from(), to: r.to(), step: num(r.step()),
+    bucket: r.bucket(), phase: r.phase(), hop: r.hop(), piece: r.piece(), offset: num(r.offset()), count: r.count(),
+    data: r.dataArray() ?? new Uint8Array(0), reason: r.reason() ?? "",
+  }));
+  if (CollPhase[m.phase] === undefined) throw new WireFormatError("malformed", `CollPiece: unknown phase ${m.phase}`);
+  if (m.data.byteLength !== m.count * 4) throw new WireFormatError("malformed", `CollPiece: ${m.data.byteLength} data bytes for ${m.count} float32`);
   return m;
 }

@@ -5,6 +5,8 @@ export { Batch } from "./generated/mt/wire/batch.ts";
 export { CheckpointList } from "./generated/mt/wire/checkpoint-list.ts";
 export { ChunkState } from "./generated/mt/wire/chunk-state.ts";
 export { Chunk } from "./generated/mt/wire/chunk.ts";
+export { CollPhase } from "./generated/mt/wire/coll-phase.ts";
+export { CollPiece } from "./generated/mt/wire/coll-piece.ts";
 export { DataPlan } from "./generated/mt/wire/data-plan.ts";
 export { DType } from "./generated/mt/wire/dtype.ts";
 export { ErrorReply } from "./generated/mt/wire/error-reply.ts";

@@ -149,6 +149,17 @@ void mt_mul_f32(float* out, const float* a, const float* b, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
   for (int64_t i = 0; i < n; i++) out[i] = a[i] * b[i];
 }
+// dst += src, where src is n float32 read from any byte address: a collective's piece straight
+// from a message payload, which NATS hands out at arbitrary offsets. memcpy loads are the
+// defined way to read an unaligned float; the compiler turns them into plain vector loads.
+// One thread: pieces are at most a few MB and the ranks of a ring already share the cores.
+void mt_add_unaligned_f32(float* dst, const unsigned char* src, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    float v;
+    memcpy(&v, src + 4 * i, sizeof v);
+    dst[i] += v;
+  }
+}
 // y += alpha * x   (n)
 void mt_axpy_f32(float* y, const float* x, int64_t n, float alpha) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)

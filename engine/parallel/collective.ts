@@ -1,0 +1,100 @@
+// The collective layer: what data-parallel training (and later ZeRO, tensor parallelism and
+// elastic resizing) asks of a group of ranks, whatever carries the bytes.
+//
+//   allReduce      every rank ends with the element-wise sum (or mean) of every rank's buffer
+//   reduceScatter  rank r ends with the sum of segment r (segments below); the rest is scratch
+//   allGather      every rank ends with every rank's segment r as rank r had it
+//   broadcast      every rank ends with the root's buffer
+//   barrier        returns once every rank of the group has called it
+//
+// Implementations: RingCollective (engine/parallel/ring.ts), a ring over any PeerTransport
+// (NATS on CPUs); HierarchicalCollective (engine/parallel/hierarchical.ts), rings within and
+// across hosts; NcclCollective (engine/parallel/nccl.ts) on GPUs.
+//
+// Every rank of a group issues the same operations with the same keys in the same order. A key
+// is (step, bucket): it names the operation on the wire, so a retried or duplicated piece is
+// taken once, and pieces that arrive before this rank started the operation wait for it.
+//
+// Results are bit-identical on every rank: each element's sum is computed once, by one rank,
+// in the fixed ring order, and then copied.
+
+/** Names one operation among the group's: a training step and a bucket within it. */
+export interface OpKey {
+  step: number;
+  bucket: number;
+}
+
+export interface Range {
+  offset: number;
+  count: number;
+}
+
+export type ReduceOp = "sum" | "avg";
+
+export interface Collective<B = Float32Array> {
+  /** this rank's index in the group, 0..size-1 */
+  readonly rank: number;
+  readonly size: number;
+  allReduce(buf: B, key: OpKey, op?: ReduceOp): Promise<void>;
+  /** In place: returns segment(buf length, size, rank), which then holds the sum over ranks. */
+  reduceScatter(buf: B, key: OpKey): Promise<Range>;
+  /** In place: segment r of every rank's buffer is rank r's segment r. */
+  allGather(buf: B, key: OpKey): Promise<void>;
+  broadcast(buf: B, root: number, key: OpKey): Promise<void>;
+  barrier(key: OpKey): Promise<void>;
+  /** Fails the operations in flight (with `reason`) and releases the transport. */
+  close(reason?: string): void;
+}
+
+/**
+ * Segment i of n elements cut among `size` ranks: [floor(i·n/size), floor((i+1)·n/size)). Sizes
+ * differ by at most one element; with n < size some segments are empty.
+ */
+export function segment(n: number, size: number, i: number): Range {
+  const offset = Math.floor((i * n) / size);
+  return { offset, count: Math.floor(((i + 1) * n) / size) - offset };
+}
+
+// ---- errors ---------------------------------------------------------------------------------
+
+export class CollectiveError extends Error {
+  override readonly name: string = "CollectiveError";
+}
+
+/** A peer did not take a piece within the time allowed: it died, hung, or left the mesh. */
+export class PeerLostError extends CollectiveError {
+  override readonly name = "PeerLostError";
+  constructor(readonly peer: number, detail: string, options?: ErrorOptions) {
+    super(`rank ${peer} is unreachable: ${detail}`, options);
+  }
+}
+
+/** An operation made no progress for its timeout (a peer upstream is gone or stuck). */
+export class CollectiveTimeoutError extends CollectiveError {
+  override readonly name = "CollectiveTimeoutError";
+}
+
+/** A peer gave the operation up and said so (its own error is the reason). */
+export class CollectiveAbortedError extends CollectiveError {
+  override readonly name = "CollectiveAbortedError";
+  constructor(readonly peer: number, readonly reason: string) {
+    super(`rank ${peer} aborted the operation: ${reason}`);
+  }
+}
+
+/** A piece that does not fit the operation it names (a bug or a hostile sender). */
+export class BadPieceError extends CollectiveError {
+  override readonly name = "BadPieceError";
+}
+
+/** The collective was closed (the job stopped) while the operation ran. */
+export class CollectiveClosedError extends CollectiveError {
+  override readonly name = "CollectiveClosedError";
+}
+
+/** Programmer errors in how a collective is called: the same on every rank, asserted. */
+export function checkKey(key: OpKey): void {
+  if (!Number.isSafeInteger(key.step) || key.step < 0 || !Number.isInteger(key.bucket) || key.bucket < 0 || key.bucket > 0xffff_ffff) {
+    throw new RangeError(`collective key needs a step >= 0 and a bucket in [0, 2^32), got step ${key.step} bucket ${key.bucket}`);
+  }
+}

@@ -1,0 +1,242 @@
+// Ring and hierarchical collectives over the in-memory transport: every operation against a
+// float64 reference for 1-4 ranks and awkward sizes, bit-identical results, retries and
+// duplicates, early pieces, hostile pieces, and failing peers. The same algorithms over a real
+// nats-server and real processes: test/services/collective.integration.test.ts.
+import { describe, expect, test } from "bun:test";
+import {
+  CollectiveAbortedError, CollectiveClosedError, CollectiveTimeoutError, type Collective, segment,
+} from "../../engine/parallel/collective.ts";
+import { HierarchicalCollective, topologyRings } from "../../engine/parallel/hierarchical.ts";
+import { RingCollective } from "../../engine/parallel/ring.ts";
+import { MemoryTransport, type PieceHeader } from "../../engine/parallel/transport.ts";
+import { Rng } from "../../engine/rng.ts";
+import { expectRejected } from "../helpers/errors.ts";
+
+type Hook = (h: PieceHeader) => "deliver" | "drop" | "twice";
+
+function mesh(n: number, pieceBytes: number, opts: { hosts?: string[]; hook?: Hook; timeoutMs?: number; earlyBytesMax?: number } = {}): Collective[] {
+  const peers = new Map<number, MemoryTransport>();
+  const ring = { progressTimeoutMs: opts.timeoutMs ?? 5_000, ...(opts.earlyBytesMax ? { earlyBytesMax: opts.earlyBytesMax } : {}) };
+  return Array.from({ length: n }, (_, r) => {
+    const t = new MemoryTransport(r, peers, pieceBytes, opts.hook ? { beforeDeliver: opts.hook } : {});
+    return opts.hosts ? new HierarchicalCollective(t, { hosts: opts.hosts }, ring) : new RingCollective(t, n, ring);
+  });
+}
+
+function inputs(n: number, len: number, seed: number): Float32Array[] {
+  const rng = new Rng(seed);
+  return Array.from({ length: n }, () => Float32Array.from({ length: len }, () => rng.normal() * 3));
+}
+
+/** The float64 sum, and the bound on an f32 ring's rounding: (N-1) additions, each at most eps relative. */
+function reference(xs: Float32Array[]): { sum: Float64Array; bound: Float64Array } {
+  const len = xs[0]!.length;
+  const sum = new Float64Array(len), abs = new Float64Array(len);
+  for (const x of xs) for (let i = 0; i < len; i++) { sum[i]! += x[i]!; abs[i]! += Math.abs(x[i]!); }
+  const eps = 2 ** -23;
+  return { sum, bound: abs.map((a) => a * eps * xs.length + 1e-30) };
+}
+
+function expectNear(got: Float32Array, ref: { sum: Float64Array; bound: Float64Array }, range = { offset: 0, count: got.length }): void {
+  for (let i = range.offset; i < range.offset + range.count; i++) {
+    if (!(Math.abs(got[i]! - ref.sum[i]!) <= ref.bound[i]!)) throw new Error(`element ${i}: ${got[i]} vs float64 ${ref.sum[i]} (bound ${ref.bound[i]})`);
+  }
+}
+
+const bitsOf = (x: Float32Array) => Buffer.from(x.buffer, x.byteOffset, x.byteLength).toString("base64");
+
+describe.each([1, 2, 3, 4])("ring of %i ranks", (n) => {
+  describe.each([0, 1, 3, 7, 1000, 40_003])("%i elements", (len) => {
+    test("all-reduce: the float64 sum within f32 rounding, bit-identical on every rank", async () => {
+      const colls = mesh(n, 64 * 4);
+      const xs = inputs(n, len, 11 + len);
+      const ref = reference(xs);
+      const bufs = xs.map((x) => x.slice());
+      await Promise.all(colls.map((c, r) => c.allReduce(bufs[r]!, { step: 3, bucket: 1 })));
+      for (const b of bufs) expectNear(b, ref);
+      expect(new Set(bufs.map(bitsOf)).size).toBe(1);
+    });
+
+    test("reduce-scatter leaves each rank's segment summed; all-gather spreads the segments", async () => {
+      const colls = mesh(n, 128 * 4);
+      const xs = inputs(n, len, 5);
+      const ref = reference(xs);
+      const bufs = xs.map((x) => x.slice());
+      const segs = await Promise.all(colls.map((c, r) => c.reduceScatter(bufs[r]!, { step: 0, bucket: 0 })));
+      segs.forEach((s, r) => {
+        expect(s).toEqual(segment(len, n, r));
+        expectNear(bufs[r]!, ref, s);
+      });
+      await Promise.all(colls.map((c, r) => c.allGather(bufs[r]!, { step: 0, bucket: 1 })));
+      for (const b of bufs) expectNear(b, ref);
+      expect(new Set(bufs.map(bitsOf)).size).toBe(1);
+    });
+
+    test("broadcast from every root", async () => {
+      for (let root = 0; root < n; root++) {
+        const colls = mesh(n, 32 * 4);
+        const xs = inputs(n, len, root);
+        const bufs = xs.map((x) => x.slice());
+        await Promise.all(colls.map((c, r) => c.broadcast(bufs[r]!, root, { step: 1, bucket: root })));
+        for (const b of bufs) expect(bitsOf(b)).toBe(bitsOf(xs[root]!));
+      }
+    });
+  });
+});
+
+describe("ring: the wire misbehaves", () => {
+  test("lost acks (every third piece sent again) and duplicated pieces change nothing", async () => {
+    let i = 0;
+    const hook: Hook = () => (++i % 3 === 0 ? "drop" : i % 5 === 0 ? "twice" : "deliver");
+    const xs = inputs(4, 10_001, 9);
+    const clean = xs.map((x) => x.slice()), noisy = xs.map((x) => x.slice());
+    const a = mesh(4, 256), b = mesh(4, 256, { hook });
+    await Promise.all(a.map((c, r) => c.allReduce(clean[r]!, { step: 0, bucket: 0 })));
+    await Promise.all(b.map((c, r) => c.allReduce(noisy[r]!, { step: 0, bucket: 0 })));
+    expect(noisy.map(bitsOf)).toEqual(clean.map(bitsOf));
+  });
+
+  test("pieces that arrive before a rank starts the operation wait for it, one operation after another", async () => {
+    const colls = mesh(3, 400);
+    const xs = inputs(3, 5_000, 2);
+    const ref = reference(xs);
+    const bufs = xs.map((x) => x.slice());
+    // ranks 1 and 2 run ahead: their pieces for rank 0 are held until it starts
+    const late = (async () => {
+      await Bun.sleep(30);
+      await colls[0]!.allReduce(bufs[0]!, { step: 7, bucket: 0 });
+    })();
+    await Promise.all([late, colls[1]!.allReduce(bufs[1]!, { step: 7, bucket: 0 }), colls[2]!.allReduce(bufs[2]!, { step: 7, bucket: 0 })]);
+    for (const b of bufs) expectNear(b, ref);
+    // buckets of one step overlap: all three started before any finished
+    const ys = inputs(3, 3_000, 3).map((x) => x.slice());
+    const zs = inputs(3, 2_000, 4).map((x) => x.slice());
+    const refY = reference(ys.map((y) => y.slice())), refZ = reference(zs.map((z) => z.slice()));
+    await Promise.all(colls.flatMap((c, r) => [c.allReduce(ys[r]!, { step: 8, bucket: 0 }), c.allReduce(zs[r]!, { step: 8, bucket: 1 })]));
+    for (const y of ys) expectNear(y, refY);
+    for (const z of zs) expectNear(z, refZ);
+  });
+
+  test("a full early-piece budget makes the sender retry, not fail", async () => {
+    const colls = mesh(2, 400, { earlyBytesMax: 2_000 });
+    const xs = inputs(2, 20_000, 6);
+    const ref = reference(xs);
+    const bufs = xs.map((x) => x.slice());
+    const late = (async () => {
+      await Bun.sleep(50);
+      await colls[1]!.allReduce(bufs[1]!, { step: 0, bucket: 0 });
+    })();
+    await Promise.all([colls[0]!.allReduce(bufs[0]!, { step: 0, bucket: 0 }), late]);
+    for (const b of bufs) expectNear(b, ref);
+  });
+
+  test("a hostile piece is refused and the operation goes on", async () => {
+    const peers = new Map<number, MemoryTransport>();
+    const ts = [0, 1].map((r) => new MemoryTransport(r, peers, 400));
+    const colls = ts.map((t) => new RingCollective(t, 2, { progressTimeoutMs: 5_000 }));
+    // a third party that speaks as rank 0 with a wrong range, and as a rank outside the ring
+    const forger = new MemoryTransport(9, peers, 400);
+    const bufs = inputs(2, 1_000, 1);
+    const ref = reference(bufs.map((b) => b.slice()));
+    // rank 1 waits for rank 0's pieces; rank 0 starts once the forged ones were refused
+    const waiting = colls[1]!.allReduce(bufs[1]!, { step: 0, bucket: 0 });
+    const header = { group: "#all-reduce", to: 1, step: 0, bucket: 0, phase: "reduce-scatter" as const, hop: 0, piece: 0 };
+    await expect(forger.send({ ...header, from: 0, offset: 3, count: 4 }, new Float32Array(4), new AbortController().signal)).rejects.toThrow(/expected \[/);
+    await expect(forger.send({ ...header, from: 9, offset: 0, count: 100 }, new Float32Array(100), new AbortController().signal)).rejects.toThrow(/rank 9/);
+    await Promise.all([waiting, colls[0]!.allReduce(bufs[0]!, { step: 0, bucket: 0 })]);
+    for (const b of bufs) expectNear(b, ref);
+  });
+
+  test("the same key twice at once is a programmer error", async () => {
+    const [a] = mesh(2, 400);
+    const p = a!.allReduce(new Float32Array(10), { step: 0, bucket: 0 });
+    p.catch(() => {});
+    expect(() => a!.allReduce(new Float32Array(10), { step: 0, bucket: 0 })).toThrow(/already running/);
+    a!.close("test over");
+    await expect(p).rejects.toBeInstanceOf(CollectiveClosedError);
+  });
+});
+
+describe("ring: a peer fails", () => {
+  test("a rank that never joins: the others time out with a typed error", async () => {
+    const colls = mesh(3, 400, { timeoutMs: 300 });
+    const bufs = inputs(3, 2_000, 1);
+    const started = performance.now();
+    const results = await Promise.allSettled([0, 1].map((r) => colls[r]!.allReduce(bufs[r]!, { step: 0, bucket: 0 })));
+    // the first to time out tells the other, which may hear that before its own deadline
+    const reasons = results.map((r) => (r.status === "rejected" ? r.reason : null));
+    expect(reasons.some((e) => e instanceof CollectiveTimeoutError)).toBe(true);
+    for (const e of reasons) expect(e instanceof CollectiveTimeoutError || e instanceof CollectiveAbortedError).toBe(true);
+    // within the timeout plus the checker's period, not a hang (a bound on correctness, not speed)
+    expect(performance.now() - started).toBeLessThan(10_000);
+  });
+
+  test("a rank that closes mid-operation: the others fail at once with its reason", async () => {
+    let colls: Collective[] = [];
+    let closed = false;
+    // rank 2 leaves when the first all-gather piece moves: the reduce-scatter is over, the
+    // all-gather has begun
+    colls = mesh(3, 64, { timeoutMs: 60_000, hook: (h) => {
+      if (h.phase === "all-gather" && !closed) {
+        closed = true;
+        queueMicrotask(() => colls[2]!.close("rank 2 is going away"));
+      }
+      return "deliver";
+    } });
+    const bufs = inputs(3, 5_000, 1);
+    const ops = colls.map((c, r) => c.allReduce(bufs[r]!, { step: 0, bucket: 0 }));
+    ops.forEach((p) => p.catch(() => {}));
+    const e = await expectRejected(() => ops[0]!, CollectiveAbortedError, "rank 2", "going away");
+    expect((e as CollectiveAbortedError).peer).toBe(2);
+    await expectRejected(() => ops[1]!, CollectiveAbortedError, "rank 2");
+    await expectRejected(() => ops[2]!, CollectiveClosedError);
+  });
+});
+
+describe("hierarchical", () => {
+  test("rings of a topology: hosts in order of first appearance, one leader each", () => {
+    expect(topologyRings(["a", "b", "a", "b"])).toEqual({ order: [0, 2, 1, 3], byHost: new Map([["a", [0, 2]], ["b", [1, 3]]]), leaders: [0, 1] });
+  });
+
+  test.each([
+    [["a", "a", "b", "b"]],
+    [["a", "b", "a", "b"]],
+    [["x", "y", "y", "z"]],
+  ])("hosts %j: all-reduce, reduce-scatter, all-gather and broadcast match the flat ring's results", async (hosts) => {
+    for (const len of [0, 1, 5, 9_999]) {
+      const xs = inputs(4, len, len);
+      const ref = reference(xs);
+      const h = mesh(4, 128, { hosts });
+      const bufs = xs.map((x) => x.slice());
+      await Promise.all(h.map((c, r) => c.allReduce(bufs[r]!, { step: 0, bucket: 0 })));
+      for (const b of bufs) expectNear(b, ref);
+      expect(new Set(bufs.map(bitsOf)).size).toBe(1);
+
+      const rs = xs.map((x) => x.slice());
+      const segs = await Promise.all(h.map((c, r) => c.reduceScatter(rs[r]!, { step: 1, bucket: 0 })));
+      segs.forEach((s, r) => expectNear(rs[r]!, ref, s));
+      await Promise.all(h.map((c, r) => c.allGather(rs[r]!, { step: 1, bucket: 1 })));
+      for (const b of rs) expectNear(b, ref);
+
+      const bc = xs.map((x) => x.slice());
+      await Promise.all(h.map((c, r) => c.broadcast(bc[r]!, 2, { step: 2, bucket: 0 })));
+      for (const b of bc) expect(bitsOf(b)).toBe(bitsOf(xs[2]!));
+      await Promise.all(h.map((c) => c.barrier({ step: 3, bucket: 0 })));
+    }
+  });
+
+  test("bytes between hosts: each host sends and receives 2(H-1)/H of the buffer, not the flat ring's share per rank", async () => {
+    const hosts = ["a", "a", "b", "b"];
+    let crossing = 0;
+    const hook = (hd: PieceHeader) => {
+      if (hosts[hd.from] !== hosts[hd.to]) crossing += hd.count;
+      return "deliver" as const;
+    };
+    const len = 8_000;
+    const h = mesh(4, 256, { hosts, hook });
+    const bufs = inputs(4, len, 1);
+    await Promise.all(h.map((c, r) => c.allReduce(bufs[r]!, { step: 0, bucket: 0 })));
+    // two leaders: each sends half the buffer twice (reduce-scatter and all-gather of 2 ranks)
+    expect(crossing).toBe(2 * len);
+  });
+});
