@@ -77,11 +77,19 @@ export class PieceRouter {
     return { kind: "taken" };
   }
 
-  /** Starts routing to `op`; pieces that came early are handed over now. */
+  /** Starts routing to `op`. */
   open(op: RingOp): void {
     if (this.#ops.has(op.id)) throw new Error(`collective ${op.id} is already running: every operation needs its own key`);
     this.#finished.delete(op.id);
     this.#ops.set(op.id, op);
+  }
+
+  /**
+   * Hands `op` the pieces that came before it started. Called once the op has sent its first
+   * pieces: handed over earlier, they could complete its receipts while nothing is in flight yet,
+   * and it would end without sending.
+   */
+  replayEarly(op: RingOp): void {
     const held = this.#early.get(op.id) ?? [];
     this.#early.delete(op.id);
     for (const p of held) {
@@ -255,6 +263,7 @@ export class RingGroup {
       throw e;
     }
     start(op);
+    this.router.replayEarly(op);
     return op.done;
   }
 

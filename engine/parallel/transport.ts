@@ -92,7 +92,8 @@ export class MemoryTransport implements PeerTransport {
 
   abort(header: PieceHeader, reason: string): void {
     const peer = this.peers.get(header.to);
-    queueMicrotask(() => peer?.#receive?.({ ...header, phase: "abort", data: new Uint8Array(0), reason }));
+    const receive = peer === undefined ? null : peer.#receive;
+    queueMicrotask(() => receive?.({ ...header, phase: "abort", data: new Uint8Array(0), reason }));
   }
 
   listen(receive: (p: Piece) => Receipt): void {

@@ -25,6 +25,12 @@ export interface Bus {
   publish(subject: string, data: Uint8Array): void;
   subscribe(subject: string, onMessage: (data: Uint8Array, subject: string) => void): Subscription;
   serve(endpoint: EndpointSpec): void;
+  /**
+   * Answers requests on `subject` until unsubscribed, outside $SRV discovery: per-job hot-path
+   * subjects (collective pieces) that come and go with the job. A throw becomes an ErrorReply;
+   * a message without a reply subject is handled and not answered.
+   */
+  handle(subject: string, handler: Handler): Subscription;
   close(): Promise<void>;
 }
 
@@ -84,6 +90,12 @@ export class MemoryBus implements Bus {
     const sub = { subject, fn: onMessage };
     this.#subs.add(sub);
     return { unsubscribe: () => this.#subs.delete(sub) };
+  }
+
+  handle(subject: string, handler: Handler): Subscription {
+    const ep = { name: "handle", subject, handler };
+    this.serve(ep);
+    return { unsubscribe: () => this.#endpoints.get(subject) === ep && this.#endpoints.delete(subject) };
   }
 
   serve(endpoint: EndpointSpec): void {

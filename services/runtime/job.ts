@@ -187,6 +187,8 @@ export const subjects = {
   psStats: (job: string, shard: number) => `mt.${job}.ps.${shard}.stats`,
   psState: (job: string, shard: number) => `mt.${job}.ps.${shard}.state`,
   psLoad: (job: string, shard: number) => `mt.${job}.ps.${shard}.load`,
+  /** collective pieces addressed to trainer `rank` (all-reduce mode) */
+  coll: (job: string, rank: number) => `mt.${job}.coll.${rank}`,
   ckptSave: (job: string) => `mt.${job}.ckpt.save`,
   ckptList: (job: string) => `mt.${job}.ckpt.list`,
   ckptRestore: (job: string) => `mt.${job}.ckpt.restore`,

@@ -2,7 +2,8 @@
 // registered through @nats-io/services so `$SRV.PING|INFO|STATS` discovery works.
 import { Svcm, type Service, type ServiceMsg } from "@nats-io/services";
 import { connect, type NatsConnection, type Subscription as NatsSub } from "@nats-io/transport-node";
-import { answer, type Bus, type EndpointSpec, type Subscription, unwrapReply } from "./bus.ts";
+import { headers as natsHeaders, type MsgHdrs } from "@nats-io/transport-node";
+import { answer, type Bus, type EndpointSpec, type Handler, type Subscription, unwrapReply } from "./bus.ts";
 import { DeadlineError, MeshError, NoRespondersError } from "./errors.ts";
 import type { Logger } from "./log.ts";
 
@@ -105,6 +106,23 @@ export class NatsBus implements Bus {
     return { unsubscribe: () => sub.unsubscribe() };
   }
 
+  handle(subject: string, handler: Handler): Subscription {
+    const log = this.opts.log;
+    const sub = this.nc.subscribe(subject, { callback: (err, msg) => {
+      if (err !== null) {
+        log?.error({ err: err.message, subject }, "subscription failed");
+        return;
+      }
+      void answer(handler, msg.data, msg.subject).then(({ reply, failed, error }) => {
+        if (msg.reply === undefined || msg.reply === "") return; // a publish: nothing to answer
+        if (failed) msg.respond(reply, { headers: errorHeaders(error) });
+        else msg.respond(reply);
+      });
+    } });
+    this.#subs.push(sub);
+    return { unsubscribe: () => sub.unsubscribe() };
+  }
+
   serve(endpoint: EndpointSpec): void {
     if (!this.#service) throw new Error("this bus was connected without a service identity; it cannot serve");
     const log = this.opts.log;
@@ -140,6 +158,14 @@ export class NatsBus implements Bus {
     for (const s of this.#subs) s.unsubscribe();
     await this.nc.drain();
   }
+}
+
+/** The status headers of an error reply, as @nats-io/services writes them (one line each). */
+function errorHeaders(error: unknown): MsgHdrs {
+  const h = natsHeaders();
+  h.set("Nats-Service-Error", headerText(error instanceof Error ? error.message : "error"));
+  h.set("Nats-Service-Error-Code", "400");
+  return h;
 }
 
 /** Text for a NATS header: one line (the protocol refuses CR/LF there), bounded. */

@@ -117,6 +117,25 @@ describe("ring: the wire misbehaves", () => {
     for (const z of zs) expectNear(z, refZ);
   });
 
+  test("a late rank whose every piece came early still sends its own (2-rank barrier and all-gather)", async () => {
+    const colls = mesh(2, 400);
+    for (let step = 0; step < 3; step++) {
+      const late = (async () => {
+        await Bun.sleep(5);
+        await colls[0]!.barrier({ step, bucket: 0 });
+      })();
+      await Promise.all([late, colls[1]!.barrier({ step, bucket: 0 })]);
+    }
+    const bufs = inputs(2, 50, 1);
+    const want = Float32Array.from([...bufs[0]!.subarray(0, 25), ...bufs[1]!.subarray(25)]);
+    const late = (async () => {
+      await Bun.sleep(5);
+      await colls[1]!.allGather(bufs[1]!, { step: 9, bucket: 0 });
+    })();
+    await Promise.all([late, colls[0]!.allGather(bufs[0]!, { step: 9, bucket: 0 })]);
+    for (const b of bufs) expect(bitsOf(b)).toBe(bitsOf(want));
+  });
+
   test("a full early-piece budget makes the sender retry, not fail", async () => {
     const colls = mesh(2, 400, { earlyBytesMax: 2_000 });
     const xs = inputs(2, 20_000, 6);

@@ -1,0 +1,176 @@
+// The collective's transport over NATS: each trainer rank answers `mt.<job>.coll.<rank>`, and
+// a piece is one request whose (empty) reply says the peer took it. Requests, not publishes,
+// because core NATS drops what a slow consumer cannot take: the reply is the acknowledgement,
+// a missing reply is retried, and the ring's keys make the retry harmless.
+//
+// Flow control: at most `windowPieces` pieces are in flight to one peer, which keeps every
+// link busy (a piece's acknowledgement returns while the next ones travel) and bounds what the
+// server buffers for a slow rank. A piece the peer cannot take yet (its early-piece budget is
+// full: CapacityError) or that gets no answer (DeadlineError, NoRespondersError while the peer
+// restarts) is sent again after a pause, until `peerLostMs` has passed: then PeerLostError.
+//
+// Every piece is checked on arrival: the job, the communicator's generation, the addressee,
+// the sender's rank and the data's length; a piece that fails is answered with an error and
+// changes nothing.
+import { BadPieceError, CollectiveClosedError, PeerLostError } from "../../engine/parallel/collective.ts";
+import type { PeerTransport, Phase, Piece, PieceHeader, Receipt } from "../../engine/parallel/transport.ts";
+import { CollPhase, collPieceOverheadBytes, decodeCollPiece, encodeCollPiece } from "../../schemas/messages.ts";
+import type { Bus, Subscription } from "./bus.ts";
+import { BadRequestError, CapacityError, DeadlineError, NoRespondersError } from "./errors.ts";
+import { subjects } from "./job.ts";
+import type { Logger } from "./log.ts";
+import { pause } from "./pause.ts";
+
+export interface BusTransportOptions {
+  job: string;
+  /** this rank, and how many there are */
+  rank: number;
+  size: number;
+  /** the communicator's generation: bumped whenever the ranks rebuild it (a restore) */
+  generation: number;
+  /** the largest piece's data; a message is this plus collPieceOverheadBytes */
+  pieceBytesMax: number;
+  windowPieces: number;
+  /** one attempt at delivering a piece */
+  sendTimeoutMs: number;
+  /** how long a piece is retried before its peer counts as lost */
+  peerLostMs: number;
+  log?: Logger;
+}
+
+export const busTransportDefaults = {
+  // 1 MB pieces: large enough that a message's fixed costs vanish, small enough that a 25 MB
+  // bucket among 4 ranks is cut into several pieces per segment, which pipeline
+  pieceBytesMax: 1 << 20,
+  // 4 MB in flight per link: the acknowledgement round trip is hidden behind 3 more pieces
+  windowPieces: 4,
+  sendTimeoutMs: 10_000,
+  peerLostMs: 30_000,
+} as const;
+
+const phases: Readonly<Record<Phase, CollPhase>> = {
+  "reduce-scatter": CollPhase.ReduceScatter, "all-gather": CollPhase.AllGather, broadcast: CollPhase.Broadcast, gather: CollPhase.Gather, abort: CollPhase.Abort,
+};
+const phaseOf = new Map<CollPhase, Phase>(Object.entries(phases).map(([k, v]) => [v, k as Phase]));
+/** longest abort reason sent */
+const reasonCharsMax = 500;
+
+class Window {
+  inFlight = 0;
+  readonly waiters: (() => void)[] = [];
+}
+
+export class BusTransport implements PeerTransport {
+  readonly rank: number;
+  readonly pieceBytesMax: number;
+  readonly #o: BusTransportOptions;
+  readonly #windows = new Map<number, Window>();
+  #sub: Subscription | null = null;
+  #closed = false;
+
+  constructor(readonly bus: Bus, options: BusTransportOptions) {
+    this.#o = options;
+    this.rank = options.rank;
+    if (options.pieceBytesMax % 4 !== 0 || options.pieceBytesMax < 4) throw new RangeError(`pieceBytesMax must be a positive multiple of 4, got ${options.pieceBytesMax}`);
+    this.pieceBytesMax = options.pieceBytesMax;
+  }
+
+  /** Bytes of the largest message this transport sends or takes. */
+  get messageBytesMax(): number {
+    return this.pieceBytesMax + collPieceOverheadBytes + reasonCharsMax * 3;
+  }
+
+  listen(receive: (p: Piece) => Receipt): void {
+    const { job, rank } = this.#o;
+    this.#sub = this.bus.handle(subjects.coll(job, rank), (data) => {
+      const receipt = receive(this.#check(data));
+      if (receipt.kind === "busy") throw new CapacityError(receipt.why);
+      if (receipt.kind === "bad") throw new BadRequestError(receipt.why);
+      return new Uint8Array(0);
+    });
+  }
+
+  #check(data: Uint8Array): Piece {
+    const { job, generation, rank, size } = this.#o;
+    const m = decodeCollPiece(data, this.messageBytesMax);
+    if (m.job !== job) throw new BadRequestError(`piece for job "${m.job}" sent to job "${job}"`);
+    if (m.generation !== generation) throw new BadRequestError(`piece of communicator generation ${m.generation}; rank ${rank} runs generation ${generation}`);
+    if (m.to !== rank) throw new BadRequestError(`piece for rank ${m.to} sent to rank ${rank}`);
+    if (!(m.from < size) || m.from === rank) throw new BadRequestError(`piece from rank ${m.from}, not a peer of rank ${rank} among ${size}`);
+    if (m.data.byteLength > this.pieceBytesMax) throw new BadRequestError(`piece of ${m.data.byteLength} bytes exceeds ${this.pieceBytesMax}`);
+    return { ...m, phase: phaseOf.get(m.phase)! };
+  }
+
+  async send(header: PieceHeader, values: Float32Array, signal: AbortSignal): Promise<void> {
+    if (values.byteLength > this.pieceBytesMax) throw new RangeError(`piece of ${values.byteLength} bytes exceeds ${this.pieceBytesMax}`);
+    await this.#acquire(header.to, signal);
+    try {
+      await this.#deliver(header, values, signal);
+    } finally {
+      this.#release(header.to);
+    }
+  }
+
+  async #deliver(header: PieceHeader, values: Float32Array, signal: AbortSignal): Promise<void> {
+    const { job, generation, sendTimeoutMs, peerLostMs } = this.#o;
+    const subject = subjects.coll(job, header.to);
+    const started = performance.now();
+    for (let attempt = 1; ; attempt++) {
+      signal.throwIfAborted();
+      if (this.#closed) throw new CollectiveClosedError("the transport is closed");
+      const msg = encodeCollPiece({ ...header, job, generation, phase: phases[header.phase], reason: "" }, values);
+      try {
+        // an attempt never outlasts the piece's budget: a peer that died holding the request
+        // is declared lost on time
+        const leftMs = peerLostMs - (performance.now() - started);
+        await this.bus.request(subject, msg, Math.max(100, Math.min(sendTimeoutMs, leftMs)));
+        return;
+      } catch (e) {
+        if (e instanceof BadRequestError) throw new BadPieceError(`rank ${header.to} refused a piece: ${e.message}`, { cause: e });
+        const retry = e instanceof CapacityError || e instanceof DeadlineError || e instanceof NoRespondersError;
+        const elapsedMs = performance.now() - started;
+        if (!retry) throw e;
+        if (elapsedMs > peerLostMs) throw new PeerLostError(header.to, `${attempt} attempts over ${Math.round(elapsedMs)} ms: ${(e as Error).message}`, { cause: e });
+        // a busy peer frees room as its operation starts; an absent one may be restarting
+        await pause(Math.min(2 ** attempt, e instanceof CapacityError ? 50 : 500), signal);
+      }
+    }
+  }
+
+  abort(header: PieceHeader, reason: string): void {
+    if (this.#closed) return;
+    const { job, generation } = this.#o;
+    const msg = encodeCollPiece({ ...header, job, generation, phase: CollPhase.Abort, reason: reason.replace(/[\r\n]+/g, " ").slice(0, reasonCharsMax) },
+      new Float32Array(0));
+    this.bus.publish(subjects.coll(job, header.to), msg);
+  }
+
+  async #acquire(to: number, signal: AbortSignal): Promise<void> {
+    let w = this.#windows.get(to);
+    if (w === undefined) this.#windows.set(to, (w = new Window()));
+    while (w.inFlight >= this.#o.windowPieces) {
+      signal.throwIfAborted();
+      const { promise, resolve } = Promise.withResolvers<void>();
+      w.waiters.push(resolve);
+      const onAbort = () => resolve();
+      signal.addEventListener("abort", onAbort, { once: true });
+      await promise;
+      signal.removeEventListener("abort", onAbort);
+    }
+    signal.throwIfAborted();
+    w.inFlight++;
+  }
+
+  #release(to: number): void {
+    const w = this.#windows.get(to)!;
+    w.inFlight--;
+    w.waiters.shift()?.();
+  }
+
+  close(): void {
+    this.#closed = true;
+    this.#sub?.unsubscribe();
+    this.#sub = null;
+    for (const w of this.#windows.values()) for (const wake of w.waiters.splice(0)) wake();
+  }
+}

@@ -1,0 +1,136 @@
+// The ring and hierarchical collectives over a real nats-server, one process per rank
+// (bench/collective-rank.ts): results against a float64 sum and bit-identical on every rank for
+// 1-4 ranks and awkward sizes; ranks labelled as 2 hosts x 2; a rank SIGKILLed mid-operation
+// gives the others a typed error within the timeout; hostile pieces on the subject are refused.
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import type { RankOp, RankPlan, RankResult } from "../../bench/collective-rank.ts";
+import { BusTransport } from "../../services/runtime/collective-bus.ts";
+import { BadRequestError } from "../../services/runtime/errors.ts";
+import { subjects } from "../../services/runtime/job.ts";
+import { NatsBus } from "../../services/runtime/nats.ts";
+import { CollPhase, encodeCollPiece } from "../../schemas/messages.ts";
+import { expectRejected } from "../helpers/errors.ts";
+import { bunBin, root, startNatsServer } from "../helpers/mesh.ts";
+
+// each test starts up to 4 bun processes on 2 cores
+setDefaultTimeout(90_000);
+
+let server: Awaited<ReturnType<typeof startNatsServer>>;
+const dir = mkdtempSync(join(tmpdir(), "mt-coll-"));
+let jobs = 0;
+
+beforeAll(async () => {
+  server = await startNatsServer();
+});
+afterAll(async () => {
+  await server?.[Symbol.asyncDispose]();
+  rmSync(dir, { recursive: true, force: true });
+});
+
+interface Run {
+  results: RankResult[][];
+  codes: number[];
+  stderr: string[];
+}
+
+async function runRanks(hosts: string[], ops: RankOp[], extra: Partial<RankPlan> & { dieRank?: number } = {}): Promise<Run> {
+  const job = `coll${++jobs}`;
+  const procs = hosts.map((_, rank) => {
+    const plan: RankPlan = {
+      url: server.url, job, rank, hosts, pieceBytes: 4096, windowPieces: 4, progressTimeoutMs: 20_000, peerLostMs: 20_000, ops, ...extra,
+      ...(extra.dieRank === rank ? { dieAfterPieces: extra.dieAfterPieces ?? 5 } : { dieAfterPieces: undefined }),
+    };
+    const file = join(dir, `${job}-${rank}.json`);
+    writeFileSync(file, JSON.stringify(plan));
+    return Bun.spawn([bunBin, join(root, "bench/collective-rank.ts"), file], { cwd: root, stdout: "pipe", stderr: "pipe" });
+  });
+  try {
+    const outs = await Promise.all(procs.map(async (p) => ({ out: await new Response(p.stdout).text(), err: await new Response(p.stderr).text(), code: await p.exited })));
+    return {
+      results: outs.map((o) => o.out.trim().split("\n").filter((l) => l !== "").map((l) => JSON.parse(l) as RankResult)),
+      codes: outs.map((o) => o.code),
+      stderr: outs.map((o) => o.err),
+    };
+  } finally {
+    for (const p of procs) if (p.exitCode === null) p.kill("SIGKILL");
+  }
+}
+
+const op = (o: Partial<RankOp> & Pick<RankOp, "op" | "len">): RankOp => ({ seed: 1, step: 0, bucket: 0, check: true, ...o });
+
+/** Every rank's result of operation i: no error, within rounding of float64, the same bits. */
+function expectAgreed(run: Run, i: number, sameHash = true): void {
+  const rs = run.results.map((r) => r[i]!);
+  for (const r of rs) {
+    expect(r.error).toBeUndefined();
+    expect(r.errorRatio).toBeLessThanOrEqual(1);
+  }
+  if (sameHash) expect(new Set(rs.map((r) => r.hash)).size).toBe(1);
+}
+
+describe("ring over NATS, one process per rank", () => {
+  test.each([1, 2, 3, 4])("%i ranks: all-reduce of 0, 1, 7 and 10 007 elements, reduce-scatter, all-gather, broadcast", async (n) => {
+    const ops = [
+      op({ op: "allReduce", len: 0, step: 1 }), op({ op: "allReduce", len: 1, step: 2 }), op({ op: "allReduce", len: 7, step: 3 }),
+      op({ op: "allReduce", len: 10_007, step: 4, seed: 5 }),
+      op({ op: "reduceScatter", len: 10_007, step: 5 }), op({ op: "allGather", len: 9_999, step: 6 }), op({ op: "broadcast", len: 3_001, step: 7, root: n - 1 }),
+    ];
+    const run = await runRanks(Array(n).fill("h"), ops);
+    expect(run.codes).toEqual(Array(n).fill(0));
+    for (let i = 0; i < ops.length; i++) expectAgreed(run, i, ops[i]!.op !== "reduceScatter");
+  });
+
+  test("2 hosts x 2 ranks: the hierarchical all-reduce matches float64 and agrees bit for bit", async () => {
+    const ops = [op({ op: "allReduce", len: 20_001, step: 1 }), op({ op: "allReduce", len: 3, step: 2 }), op({ op: "reduceScatter", len: 1_001, step: 3 })];
+    const run = await runRanks(["a", "a", "b", "b"], ops);
+    expect(run.codes).toEqual([0, 0, 0, 0]);
+    expectAgreed(run, 0);
+    expectAgreed(run, 1);
+    expectAgreed(run, 2, false);
+  });
+
+  test("a rank SIGKILLed mid-operation: the others end with a typed error within the timeout, not a hang", async () => {
+    const started = performance.now();
+    const run = await runRanks(["h", "h", "h"], [op({ op: "allReduce", len: 200_000, step: 1, check: false })], {
+      dieRank: 2, dieAfterPieces: 5, progressTimeoutMs: 3_000, peerLostMs: 2_000,
+    });
+    expect(run.codes[2]).not.toBe(0);
+    for (const r of [0, 1]) {
+      expect(run.codes[r]).toBe(0);
+      const e = run.results[r]![0]!.error;
+      expect(e?.name).toMatch(/^(PeerLostError|CollectiveTimeoutError|CollectiveAbortedError)$/);
+    }
+    // bounded by the timeouts (3 s) plus process start-up, far below a hang
+    expect(performance.now() - started).toBeLessThan(60_000);
+  });
+});
+
+describe("the collective subject refuses hostile pieces", () => {
+  test("wrong job, generation, addressee, sender, length: error replies; the rank keeps working", async () => {
+    await using bus = Object.assign(await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 }), {
+      async [Symbol.asyncDispose]() { await this.close(); },
+    });
+    const t = new BusTransport(bus, { job: "hostile", rank: 0, size: 2, generation: 3, pieceBytesMax: 64, windowPieces: 2, sendTimeoutMs: 2_000, peerLostMs: 2_000 });
+    const taken: number[] = [];
+    t.listen((p) => {
+      taken.push(p.piece);
+      return { kind: "taken" };
+    });
+    const good = { job: "hostile", generation: 3, group: "#all-reduce", from: 1, to: 0, step: 0, bucket: 0, phase: CollPhase.ReduceScatter, hop: 0, piece: 0, offset: 0, reason: "" };
+    const send = (m: Uint8Array) => bus.request(subjects.coll("hostile", 0), m, 2_000);
+    await expectRejected(() => send(encodeCollPiece({ ...good, job: "other" }, new Float32Array(2))), BadRequestError, "job");
+    await expectRejected(() => send(encodeCollPiece({ ...good, generation: 2 }, new Float32Array(2))), BadRequestError, "generation 2");
+    await expectRejected(() => send(encodeCollPiece({ ...good, to: 1 }, new Float32Array(2))), BadRequestError, "for rank 1");
+    await expectRejected(() => send(encodeCollPiece({ ...good, from: 0 }, new Float32Array(2))), BadRequestError, "not a peer");
+    await expectRejected(() => send(encodeCollPiece({ ...good, from: 7 }, new Float32Array(2))), BadRequestError, "not a peer");
+    await expectRejected(() => send(encodeCollPiece(good, new Float32Array(100))), BadRequestError);
+    await expectRejected(() => send(new Uint8Array([1, 2, 3])), Error);
+    expect(taken).toEqual([]);
+    await send(encodeCollPiece({ ...good, piece: 9 }, new Float32Array(2)));
+    expect(taken).toEqual([9]);
+    t.close();
+  });
+});
