@@ -1,6 +1,7 @@
 // `bun run bench <name> [options]`: the per-component benchmarks.
 import { ConfigError } from "../engine/errors.ts";
 import { NativeLibraryError } from "../ffi/errors.ts";
+import { runAllReduceBench } from "./allreduce.ts";
 import { runEngineBench } from "./engine.ts";
 import { runKernelBench } from "./kernels.ts";
 import { runPsBench } from "./ps.ts";
@@ -15,6 +16,7 @@ export const benches = {
   checkpoint: runCheckpointBench,
   "data-loader": runDataLoaderBench,
   trainer: runTrainerBench,
+  allreduce: runAllReduceBench,
 } satisfies Record<string, (argv: string[]) => unknown>;
 
 if (import.meta.main) {

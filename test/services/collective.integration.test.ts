@@ -110,9 +110,8 @@ describe("ring over NATS, one process per rank", () => {
 
 describe("the collective subject refuses hostile pieces", () => {
   test("wrong job, generation, addressee, sender, length: error replies; the rank keeps working", async () => {
-    await using bus = Object.assign(await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 }), {
-      async [Symbol.asyncDispose]() { await this.close(); },
-    });
+    const bus = await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 });
+    await using _closer = { [Symbol.asyncDispose]: () => bus.close() };
     const t = new BusTransport(bus, { job: "hostile", rank: 0, size: 2, generation: 3, pieceBytesMax: 64, windowPieces: 2, sendTimeoutMs: 2_000, peerLostMs: 2_000 });
     const taken: number[] = [];
     t.listen((p) => {

@@ -1,0 +1,106 @@
+// All-reduce benchmark: the ring over NATS among N rank processes (bench/collective-rank.ts) on
+// a real nats-server, as bus bandwidth (nccl-tests' busbw = algbw · 2(N-1)/N, where algbw =
+// buffer bytes / time), against raw NATS moving the same bytes point-to-point in the same run:
+// every rank sends the 2(N-1)/N of the buffer a ring puts on its link to the next rank, as
+// requests of the same piece size with the same window, and nothing else (no encoding, no
+// sums, no hops to wait for). Ratio = ring busbw / raw busbw; target 0.8.
+//
+//   bun run bench allreduce [--ranks 2,4] [--sizes-mb 1,4,16,64] [--rounds 5] [--piece-kb 1024] [--window 4] [--json-only]
+//
+// Each operation starts after a barrier; its time is the slowest rank's, and a row reports the
+// median over rounds.
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { ConfigError } from "../engine/errors.ts";
+import { collPieceOverheadBytes } from "../schemas/messages.ts";
+import { startNatsServer } from "../services/runtime/nats-server.ts";
+import { parseBenchArgs, positiveInt } from "./args.ts";
+import type { RankOp, RankPlan, RankResult } from "./collective-rank.ts";
+import { median, printTable, round } from "./table.ts";
+
+export interface AllReduceBenchResult {
+  ranks: number;
+  size_mb: number;
+  ring_ms: number;
+  ring_busbw_gb_per_s: number;
+  raw_ms: number;
+  raw_busbw_gb_per_s: number;
+  ratio: number;
+  target: number;
+}
+
+const root = join(import.meta.dir, "..");
+const list = (name: string, raw: unknown) => String(raw).split(",").map((x) => positiveInt(name, x));
+
+export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchResult[]> {
+  const v = parseBenchArgs(argv, {
+    ranks: { type: "string", default: "2,4" }, "sizes-mb": { type: "string", default: "1,4,16,64" }, rounds: { type: "string", default: "5" },
+    "piece-kb": { type: "string", default: "1024" }, window: { type: "string", default: "4" }, "json-only": { type: "boolean", default: false },
+  });
+  const rankCounts = list("ranks", v.ranks), sizes = list("sizes-mb", v["sizes-mb"]), rounds = positiveInt("rounds", v.rounds);
+  const pieceBytes = positiveInt("piece-kb", v["piece-kb"]) * 1024, windowPieces = positiveInt("window", v.window);
+  if (rankCounts.some((n) => n < 2 || n > 16)) throw new ConfigError("--ranks: each from 2 to 16 (one rank moves nothing)");
+  if (pieceBytes > 16 << 20) throw new ConfigError("--piece-kb: at most 16384");
+  if (Math.max(...sizes) > 1024) throw new ConfigError("--sizes-mb: at most 1024");
+  const dir = mkdtempSync(join(tmpdir(), "mt-bench-allreduce-"));
+  await using server = await startNatsServer({ maxPayloadBytes: Math.max(1 << 20, pieceBytes + collPieceOverheadBytes + 4096) });
+  const rows: AllReduceBenchResult[] = [];
+  try {
+    for (const n of rankCounts) {
+      const ops: RankOp[] = [];
+      let step = 0;
+      for (const mb of sizes) {
+        const len = (mb << 20) / 4;
+        for (let r = 0; r < rounds; r++) {
+          ops.push({ op: "allReduce", len, seed: 1, step: ++step, bucket: 0, check: false });
+          ops.push({ op: "raw", len, seed: 1, step: ++step, bucket: 0, check: false });
+        }
+      }
+      const results = await runRanks(dir, server.url, n, ops, pieceBytes, windowPieces);
+      for (const mb of sizes) {
+        const len = (mb << 20) / 4;
+        const slowest = (kind: string) => ops.map((o, i) => ({ o, i })).filter(({ o }) => o.op === kind && o.len === len)
+          .map(({ i }) => Math.max(...results.map((rs) => rs[i]!.ms)));
+        const ringMs = median(slowest("allReduce")), rawMs = median(slowest("raw"));
+        const bus = (ms: number) => ((mb << 20) / (ms / 1000) / 1e9) * (2 * (n - 1)) / n;
+        rows.push({
+          ranks: n, size_mb: mb, ring_ms: round(ringMs, 1), ring_busbw_gb_per_s: round(bus(ringMs), 3), raw_ms: round(rawMs, 1),
+          raw_busbw_gb_per_s: round(bus(rawMs), 3), ratio: round(rawMs / ringMs, 2), target: 0.8,
+        });
+      }
+    }
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
+  if (!v["json-only"]) {
+    console.log(`all-reduce: ring over NATS (${pieceBytes >> 10} KB pieces, ${windowPieces} in flight per link) vs raw NATS moving the same bytes per link; median of ${rounds}`);
+    printTable(rows, ["ranks", "size_mb", "ring_ms", "ring_busbw_gb_per_s", "raw_ms", "raw_busbw_gb_per_s", "ratio", "target"]);
+  }
+  console.log(JSON.stringify({ bench: "allreduce", rows }));
+  return rows;
+}
+
+async function runRanks(dir: string, url: string, n: number, ops: RankOp[], pieceBytes: number, windowPieces: number): Promise<RankResult[][]> {
+  const job = `bench-allreduce-${n}`;
+  const procs = Array.from({ length: n }, (_, rank) => {
+    const plan: RankPlan = { url, job, rank, hosts: Array(n).fill("local"), pieceBytes, windowPieces, progressTimeoutMs: 60_000, peerLostMs: 60_000, ops };
+    const file = join(dir, `${job}-${rank}.json`);
+    writeFileSync(file, JSON.stringify(plan));
+    // one thread per rank: the ranks share the cores, as trainers on one machine do
+    return Bun.spawn([process.execPath, join(root, "bench/collective-rank.ts"), file], { cwd: root, stdout: "pipe", stderr: "pipe", env: { ...process.env, OMP_NUM_THREADS: "1" } });
+  });
+  try {
+    const outs = await Promise.all(procs.map(async (p) => ({ out: await new Response(p.stdout).text(), err: await new Response(p.stderr).text(), code: await p.exited })));
+    return outs.map((o, rank) => {
+      const lines = o.out.trim().split("\n").filter((l) => l !== "").map((l) => JSON.parse(l) as RankResult);
+      const failed = lines.find((l) => l.error);
+      if (o.code !== 0 || lines.length !== ops.length || failed) {
+        throw new Error(`rank ${rank} of ${n} failed (exit ${o.code}): ${failed?.error?.message ?? o.err.trim().split("\n").slice(-3).join(" | ")}`);
+      }
+      return lines;
+    });
+  } finally {
+    for (const p of procs) if (p.exitCode === null) p.kill("SIGKILL");
+  }
+}
