@@ -15,6 +15,8 @@ import {
   findNccl, getUniqueId, NcclComm, type NcclDType, ncclDataTypes, NcclError, NcclLibrary, ncclLibrarySpec, type NcclRedOp, ncclRedOps,
   ncclUniqueIdBytes, ncclVersion, shimConfigLayout,
 } from "../../ffi/nccl/nccl.ts";
+import { CollectiveClosedError } from "../../engine/parallel/collective.ts";
+import { NcclCollective } from "../../engine/parallel/nccl.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { skip } from "../helpers/skip.ts";
 import { waitFor } from "../helpers/mesh.ts";
@@ -498,4 +500,56 @@ describe("real NCCL", () => {
       (backend as { dispose?: () => void }).dispose?.();
     }
   }, 120_000);
+});
+
+describe("NcclCollective: the Collective over a (fake) communicator", () => {
+  let fake: Controls;
+  let comm: NcclComm;
+  let coll: NcclCollective;
+  const buf = { ptr: 0x7f00_0000_1000, count: 4 * 1000 };
+  const stream = 0x5612_0000_4560n;
+
+  beforeAll(async () => {
+    const path = compileFake("libfakenccl-coll.so", []);
+    fake = openControls(path);
+    fake.fake_reset();
+    comm = await NcclComm.init(4, 2, distinctiveId(), { timeoutMs, library: NcclLibrary.open(path) });
+    coll = new NcclCollective(comm, stream, { ptr: 0x7f00_0000_0040, count: 1 });
+  });
+
+  const call = (over: Partial<ReturnType<typeof collRecord>>) => ({ op: -1n, root: -1n, comm: BigInt(comm.handle!), stream, ...over });
+
+  test("all-reduce in place, sum or mean; an empty buffer calls nothing", async () => {
+    await coll.allReduce(buf, { step: 1, bucket: 0 });
+    expect(collRecord(fake)).toEqual(call({ send: BigInt(buf.ptr), recv: BigInt(buf.ptr), count: 4000n, dtype: 7n, op: 0n }));
+    await coll.allReduce(buf, { step: 1, bucket: 1 }, "avg");
+    expect(collRecord(fake).op).toBe(4n);
+    await coll.allReduce({ ptr: 0x10, count: 0 }, { step: 1, bucket: 2 });
+    expect(collRecord(fake).send).toBe(BigInt(buf.ptr));
+  });
+
+  test("reduce-scatter in place into this rank's block; all-gather from it; segments as the ring's", async () => {
+    const mine = await coll.reduceScatter(buf, { step: 2, bucket: 0 });
+    expect(mine).toEqual({ offset: 2000, count: 1000 });
+    expect(collRecord(fake)).toEqual(call({ send: BigInt(buf.ptr), recv: BigInt(buf.ptr + 2000 * 4), count: 1000n, dtype: 7n, op: 0n }));
+    await coll.allGather(buf, { step: 2, bucket: 1 });
+    expect(collRecord(fake)).toEqual(call({ send: BigInt(buf.ptr + 2000 * 4), recv: BigInt(buf.ptr), count: 1000n, dtype: 7n }));
+    await expect(coll.reduceScatter({ ptr: buf.ptr, count: 4001 }, { step: 2, bucket: 2 })).rejects.toThrow(/not a multiple of the 4 ranks/);
+  });
+
+  test("broadcast and barrier", async () => {
+    await coll.broadcast(buf, 3, { step: 3, bucket: 0 });
+    expect(collRecord(fake)).toEqual(call({ send: BigInt(buf.ptr), recv: BigInt(buf.ptr), count: 4000n, dtype: 7n, root: 3n }));
+    await coll.barrier({ step: 3, bucket: 1 });
+    expect(collRecord(fake)).toEqual(call({ send: 0x7f00_0000_0040n, recv: 0x7f00_0000_0040n, count: 1n, dtype: 7n, op: 0n }));
+  });
+
+  test("an asynchronous error is thrown by the next operation; close aborts, and later calls are refused", async () => {
+    fake.fake_set_async_state(3);
+    await expect(coll.allReduce(buf, { step: 4, bucket: 0 })).rejects.toBeInstanceOf(NcclError);
+    fake.fake_set_async_state(0);
+    coll.close();
+    expect(counts(fake).aborts).toBeGreaterThanOrEqual(1);
+    await expect(coll.allReduce(buf, { step: 4, bucket: 1 })).rejects.toBeInstanceOf(CollectiveClosedError);
+  });
 });
