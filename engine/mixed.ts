@@ -10,10 +10,9 @@
 //         a training step with f16 scales the loss (engine/optim/loss-scale.ts).
 // Attention's batched GEMMs (engine/ops/attention.ts) follow the same rule. Parameters stay f32
 // (fp32 master weights: the optimizer updates them in f32), and every op that is not a GEMM
-// (softmax, LayerNorm, the loss) runs in f32.
-import type { DType } from "../ffi/backend.ts";
+// (softmax, LayerNorm, the loss) runs in f32. The autocast copies are made by ops/cast.ts; this
+// module imports no tensor code, so the tensor module can take its precision from here.
 import { ConfigError } from "./errors.ts";
-import type { Tensor } from "./tensor.ts";
 
 export const precisions = ["f32", "tf32", "bf16", "f16"] as const;
 export type Precision = (typeof precisions)[number];
@@ -28,12 +27,4 @@ export function checkPrecision(p: string): Precision {
 /** The 2-byte dtype autocast copies GEMM inputs into, or null when GEMMs read f32 tensors. */
 export function autocastDType(p: Precision): "bf16" | "f16" | null {
   return p === "bf16" || p === "f16" ? p : null;
-}
-
-/** t (f32) rounded to nearest even into a new arena tensor of `dtype`; not recorded on the tape. */
-export function castCopy(t: Tensor, dtype: Extract<DType, "bf16" | "f16">): Tensor {
-  const out = t.ctx.empty(t.shape, dtype);
-  if (dtype === "bf16") t.ctx.backend.castF32ToBF16(out.ptr, t.ptr, t.numel);
-  else t.ctx.backend.castF32ToF16(out.ptr, t.ptr, t.numel);
-  return out;
 }

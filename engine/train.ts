@@ -1,6 +1,6 @@
-// One optimizer step over k micro-batches, and evaluation. This is the unit a trainer
-// service runs between pulling parameters and pushing gradients; the single-process loop
-// (sdk/commands/train.ts) calls it directly.
+// One optimizer step over k micro-batches, and evaluation. lossAndGradients is what a trainer
+// service runs between pulling parameters and pushing gradients (services/trainer/loop.ts);
+// the single-process runs (sdk/local/train-mlp.ts, sdk/local/train-gpt.ts) use TrainStep.
 //
 // Gradient accumulation: each micro-batch's mean loss is back-propagated with d(loss) = 1/k
 // into the same gradient slab, so k micro-batches of size b give exactly the gradient of one

@@ -1,6 +1,6 @@
-// The one interface every compute backend implements: the CPU backend (OpenBLAS + kernels.c)
-// now, the CUDA backend (driver API + cuBLAS + PTX kernels) later. The engine talks to
-// nothing else.
+// The one interface every compute backend implements: the CPU backend (ffi/cpu: OpenBLAS +
+// kernels.c) and the CUDA backend (ffi/cuda: driver API + cuBLAS + PTX kernels). The engine
+// talks to nothing else.
 //
 // Memory is addressed by `Ptr`: a plain number holding a native address (a host address on
 // the CPU, a CUdeviceptr on CUDA). Addresses stay below 2^53 on every platform we run on.

@@ -18,10 +18,3 @@ export class OutOfMemoryError extends Error {
   }
 }
 
-/** A native kernel reported bad data it was handed (an index out of range, say). */
-export class KernelInputError extends Error {
-  override readonly name = "KernelInputError";
-  constructor(message: string) {
-    super(message);
-  }
-}

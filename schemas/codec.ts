@@ -197,34 +197,3 @@ export function packByBytes<T>(items: readonly T[], bytesOfItem: (item: T) => nu
   return groups;
 }
 
-/**
- * Reassembles a flat vector from chunks that arrive in any order, each exactly once. Rejects
- * out-of-range and repeated chunks and anything beyond `elemsMax` (checked before allocating).
- */
-export class Reassembler {
-  readonly data: Float32Array;
-  readonly #seen: Uint8Array;
-  #received = 0;
-  readonly #ranges: { offset: number; count: number }[];
-
-  constructor(readonly total: number, readonly chunkElems: number, elemsMax: number) {
-    if (total > elemsMax) throw new WireFormatError("oversized", `vector of ${total} elements exceeds the limit of ${elemsMax}`);
-    this.#ranges = chunkRanges(total, chunkElems);
-    this.data = new Float32Array(total);
-    this.#seen = new Uint8Array(this.#ranges.length);
-  }
-
-  get complete(): boolean {
-    return this.#received === this.#ranges.length;
-  }
-
-  add(id: number, values: Float32Array): void {
-    const range = this.#ranges[id];
-    if (range === undefined) throw new WireFormatError("malformed", `chunk ${id} is out of range (0..${this.#ranges.length - 1})`);
-    if (values.length !== range.count) throw new WireFormatError("malformed", `chunk ${id} has ${values.length} elements, expected ${range.count}`);
-    if (this.#seen[id] === 1) throw new WireFormatError("malformed", `chunk ${id} arrived twice`);
-    this.#seen[id] = 1;
-    this.#received++;
-    this.data.set(values, range.offset);
-  }
-}

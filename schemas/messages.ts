@@ -96,9 +96,6 @@ function chunkVector(b: Builder, chunks: readonly (Chunk | ChunkSource)[], creat
   return create(b, chunks.map((c) => writeChunk(b, c)));
 }
 
-/** Bytes a chunk adds to a message, for packing messages under a payload limit. */
-export const chunkWireBytes = (c: Chunk): number => c.data.byteLength;
-
 // ---- ErrorReply ----------------------------------------------------------------------------
 
 export interface ErrorReply {
@@ -203,19 +200,13 @@ export interface PullReply {
   chunks: Chunk[];
 }
 
-/** A pull reply whose chunk bytes are filled in place (see ChunkSource). */
-export function encodePullReplyFilled(updates: number, chunks: readonly ChunkSource[]): Uint8Array {
-  const b = builder(1024 + chunks.reduce((s, c) => s + c.count * 4 + 64, 0));
-  const vec = chunkVector(b, chunks, PullReplyT.createChunksVector);
-  return finishBytes(b, PullReplyT.createPullReply(b, schemaVersion, big(updates), vec), pullReplyRoot.identifier);
-}
-
 const pullReplyRoot = root("PullReply", "MTPY", (bb) => PullReplyT.getRootAsPullReply(bb));
 
-export function encodePullReply(m: PullReply): Uint8Array {
-  const b = builder(1024 + m.chunks.reduce((s, c) => s + c.data.byteLength + 64, 0));
-  const chunks = chunkVector(b, m.chunks, PullReplyT.createChunksVector);
-  return finishBytes(b, PullReplyT.createPullReply(b, schemaVersion, big(m.updates), chunks), pullReplyRoot.identifier);
+/** A pull reply; chunks given as sources have their bytes filled in place (see ChunkSource). */
+export function encodePullReply(updates: number, chunks: readonly (Chunk | ChunkSource)[]): Uint8Array {
+  const b = builder(1024 + chunks.reduce((s, c) => s + ("fill" in c ? c.count * 4 : c.data.byteLength) + 64, 0));
+  const vec = chunkVector(b, chunks, PullReplyT.createChunksVector);
+  return finishBytes(b, PullReplyT.createPullReply(b, schemaVersion, big(updates), vec), pullReplyRoot.identifier);
 }
 
 export function decodePullReply(data: Uint8Array, bytesMax: number): PullReply {

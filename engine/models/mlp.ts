@@ -12,8 +12,6 @@ export interface MlpConfig {
   dropout: number;
 }
 
-export const mlpDefaults: MlpConfig = { widths: [784, 800, 10], activation: "relu", dropout: 0 };
-
 export class MlpModel implements Model {
   readonly kind = "mlp";
   readonly store: ParamStore;

@@ -14,7 +14,8 @@
 // in the forward, dy and dpreatt in the backward) and accumulate in f32. Softmax stays f32.
 import type { Dims4, GemmInput, Ptr } from "../../ffi/backend.ts";
 import { ShapeError } from "../errors.ts";
-import { autocastDType, castCopy } from "../mixed.ts";
+import { autocastDType } from "../mixed.ts";
+import { castCopy } from "./cast.ts";
 import type { Context, Tensor } from "../tensor.ts";
 import { checkDType, checkInputs } from "./check.ts";
 

@@ -9,7 +9,8 @@
 // dout and accumulate in f32 into the f32 out, da and db (engine/mixed.ts).
 import type { Backend, GemmInput, Ptr } from "../../ffi/backend.ts";
 import { ShapeError } from "../errors.ts";
-import { autocastDType, castCopy } from "../mixed.ts";
+import { autocastDType } from "../mixed.ts";
+import { castCopy } from "./cast.ts";
 import { numelOf, type Tensor } from "../tensor.ts";
 import { checkDType, checkInputs } from "./check.ts";
 

@@ -9,6 +9,16 @@ export type Schedule =
   /** linear warmup, then linear decay to minLr at totalSteps */
   | { kind: "linear"; warmupSteps: number; totalSteps: number; minLr: number };
 
+/**
+ * The schedule of a run of `totalSteps` steps: the one place a run's settings become a
+ * Schedule (trainers, shards and the single-process runs all call it). Warmup is cut short to
+ * leave at least one step after it.
+ */
+export function scheduleOf(kind: Schedule["kind"], warmupSteps: number, totalSteps: number, minLr: number): Schedule {
+  if (kind === "constant") return { kind };
+  return { kind, warmupSteps: Math.min(warmupSteps, Math.max(0, totalSteps - 1)), totalSteps, minLr };
+}
+
 export function checkSchedule(s: Schedule, lr: number): void {
   if (!(lr > 0) || !Number.isFinite(lr)) throw new ConfigError(`learning rate must be a positive number, got ${lr}`);
   if (s.kind === "constant") return;

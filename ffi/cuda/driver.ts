@@ -124,9 +124,6 @@ const symbols = {
   },
 } as const;
 
-/** Every driver symbol the binding uses (tests check them against a real libcuda). */
-export const driverSymbolNames = Object.keys(symbols);
-
 type DriverLib = ReturnType<typeof dlopen<typeof symbols>>;
 
 export const driverInstallHint =

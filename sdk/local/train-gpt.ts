@@ -11,7 +11,7 @@ import { readTokenFile, splitTokens, TokenBatcher } from "../../engine/data/toke
 import { saveModelFile } from "../../engine/modelfile.ts";
 import { type GptConfig, gptDefaults, GptModel } from "../../engine/models/gpt.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
-import { checkSchedule, type Schedule } from "../../engine/optim/schedule.ts";
+import { checkSchedule, scheduleOf } from "../../engine/optim/schedule.ts";
 import { Rng } from "../../engine/rng.ts";
 import type { Precision } from "../../engine/mixed.ts";
 import { Context } from "../../engine/tensor.ts";
@@ -135,7 +135,7 @@ function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
   const ctx = new Context(backend, { seed: o.seed, precision: o.precision });
   const config: GptConfig = { vocabSize: corpus.vocabSize, blockSize: o.blockSize, nLayer: o.nLayer, nHead: o.nHead, nEmbd: o.nEmbd, dropout: o.dropout };
   const model = new GptModel(ctx, config, o.seed);
-  const schedule: Schedule = { kind: "cosine", warmupSteps: Math.min(o.warmup, o.maxSteps - 1), totalSteps: o.maxSteps, minLr: o.minLr };
+  const schedule = scheduleOf("cosine", o.warmup, o.maxSteps, o.minLr);
   checkSchedule(schedule, o.lr);
   const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: o.beta2, eps: 1e-8, weightDecay: o.weightDecay });
   const trainer = new TrainStep(ctx, model, optimizer, { lr: o.lr, schedule, gradClip: o.gradClip, accumSteps: o.accum });

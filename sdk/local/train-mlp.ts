@@ -10,7 +10,7 @@ import { saveModelFile } from "../../engine/modelfile.ts";
 import { type MlpConfig, MlpModel } from "../../engine/models/mlp.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
 import type { Optimizer } from "../../engine/optim/optimizer.ts";
-import { checkSchedule, type Schedule } from "../../engine/optim/schedule.ts";
+import { checkSchedule, scheduleOf } from "../../engine/optim/schedule.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
 import { ConfigError } from "../../engine/errors.ts";
 import type { Precision } from "../../engine/mixed.ts";
@@ -102,8 +102,7 @@ function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
   const valBatches = split.val.length > 0 ? new ImageBatcher(data.train, evalBatchSamples, split.val) : null;
   const stepsPerEpoch = Math.floor(micro.batchesPerEpoch(true) / o.accum);
   const totalSteps = stepsPerEpoch * o.epochs;
-  const schedule: Schedule = o.schedule === "constant" ? { kind: "constant" }
-    : { kind: o.schedule, warmupSteps: Math.min(o.warmup, totalSteps - 1), totalSteps, minLr: 0 };
+  const schedule = scheduleOf(o.schedule, o.warmup, totalSteps, 0);
   checkSchedule(schedule, o.lr);
   const trainer = new TrainStep(ctx, model, makeOptimizer(ctx, model, o), { lr: o.lr, schedule, gradClip: o.gradClip, accumSteps: o.accum });
 

@@ -9,8 +9,8 @@
 //   SSP: the slowest trainer's clock >= s - staleness,
 //   ASP: never.
 import type { Allocation, Backend } from "../../ffi/backend.ts";
-import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
-import { DType, type Chunk, type ChunkState, encodePullReplyFilled, type PushReply, type PushRequest, type ShardState } from "../../schemas/messages.ts";
+import { lrAt, type Schedule, scheduleOf } from "../../engine/optim/schedule.ts";
+import { DType, type Chunk, type ChunkState, encodePullReply, type PushReply, type PushRequest, type ShardState } from "../../schemas/messages.ts";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/errors.ts";
 import type { JobConfig } from "../runtime/job.ts";
 import type { ChunkInfo, Layout } from "../runtime/layout.ts";
@@ -102,8 +102,7 @@ export class ParameterShard {
     this.#clock = new Float64Array(W);
     this.#received = Array.from({ length: W }, () => new Map());
     const c = o.config;
-    this.#schedule = c.schedule === "constant" ? { kind: "constant" }
-      : { kind: c.schedule, warmupSteps: Math.min(c.warmupSteps, Math.max(0, o.totalSteps - 1)), totalSteps: o.totalSteps, minLr: c.minLr };
+    this.#schedule = scheduleOf(c.schedule, c.warmupSteps, o.totalSteps, c.minLr);
   }
 
   /** parameters this shard holds */
@@ -325,7 +324,7 @@ export class ParameterShard {
   }
 
   #snapshot(ids: Uint32Array): Uint8Array {
-    return encodePullReplyFilled(this.#updates, [...ids].map((id) => {
+    return encodePullReply(this.#updates, [...ids].map((id) => {
       const slot = this.#slots.get(id)!;
       return { id, version: slot.version, count: slot.info.count, fill: (dst: Uint8Array) => this.#be.download(this.#ptr(this.#params, slot), dst) };
     }));

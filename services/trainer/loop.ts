@@ -12,7 +12,7 @@
 // (exported as a model file) and ends the job as done. The other ranks repeat their final
 // events until the job has ended, so a restarted rank 0 still hears them.
 import type { Backend } from "../../ffi/backend.ts";
-import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
+import { lrAt, type Schedule, scheduleOf } from "../../engine/optim/schedule.ts";
 import { Context } from "../../engine/tensor.ts";
 import { evaluate, type HostBatch, lossAndGradients } from "../../engine/train.ts";
 import { dirname } from "node:path";
@@ -135,8 +135,7 @@ export class TrainerRun {
     this.#plan = await this.#retry("get the job's data plan from the data-loader",
       async () => decodeDataPlan(await bus.request(subjects.dataPlan(cfg.job), req, requestTimeoutMs), 1 << 16), jobStartWaitMsMax);
     const total = this.#plan.totalSteps;
-    this.#schedule = cfg.schedule === "constant" ? { kind: "constant" }
-      : { kind: cfg.schedule, warmupSteps: Math.min(cfg.warmupSteps, Math.max(0, total - 1)), totalSteps: total, minLr: cfg.minLr };
+    this.#schedule = scheduleOf(cfg.schedule, cfg.warmupSteps, total, cfg.minLr);
   }
 
   /**

@@ -5,7 +5,7 @@ import { GptModel } from "../../engine/models/gpt.ts";
 import { MlpModel } from "../../engine/models/mlp.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
 import { clipGradNorm, gradNorm } from "../../engine/optim/clip.ts";
-import { lrAt, scaleLrForBatch } from "../../engine/optim/schedule.ts";
+import { lrAt, scaleLrForBatch, scheduleOf } from "../../engine/optim/schedule.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
 import { ParamBuilder, ParamStore } from "../../engine/params.ts";
 import { Rng } from "../../engine/rng.ts";
@@ -149,6 +149,13 @@ describe("AdamW (torch.optim.AdamW rules)", () => {
 });
 
 describe("learning-rate schedules", () => {
+  test("scheduleOf: constant ignores the rest; warmup is cut to leave a step after it", () => {
+    expect(scheduleOf("constant", 100, 10, 0)).toEqual({ kind: "constant" });
+    expect(scheduleOf("cosine", 100, 1000, 0.01)).toEqual({ kind: "cosine", warmupSteps: 100, totalSteps: 1000, minLr: 0.01 });
+    expect(scheduleOf("linear", 100, 50, 0)).toEqual({ kind: "linear", warmupSteps: 49, totalSteps: 50, minLr: 0 });
+    expect(scheduleOf("cosine", 5, 0, 0)).toEqual({ kind: "cosine", warmupSteps: 0, totalSteps: 0, minLr: 0 });
+  });
+
   test("constant", () => {
     expect(lrAt({ kind: "constant" }, 0.1, 0)).toBe(0.1);
     expect(lrAt({ kind: "constant" }, 0.1, 10 ** 6)).toBe(0.1);

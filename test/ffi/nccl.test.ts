@@ -517,7 +517,8 @@ describe("NcclCollective: the Collective over a (fake) communicator", () => {
     coll = new NcclCollective(comm, stream, { ptr: 0x7f00_0000_0040, count: 1 });
   });
 
-  const call = (over: Partial<ReturnType<typeof collRecord>>) => ({ op: -1n, root: -1n, comm: BigInt(comm.handle!), stream, ...over });
+  type Call = ReturnType<typeof collRecord>;
+  const call = (over: Pick<Call, "send" | "recv" | "count" | "dtype"> & Partial<Call>): Call => ({ op: -1n, root: -1n, comm: BigInt(comm.handle!), stream, ...over });
 
   test("all-reduce in place, sum or mean; an empty buffer calls nothing", async () => {
     await coll.allReduce(buf, { step: 1, bucket: 0 });

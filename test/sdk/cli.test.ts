@@ -200,9 +200,19 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
     expect(r.last.results.map((x: { batches_per_s: number }) => x.batches_per_s > 0)).toEqual([true, true]);
   }, 60_000);
 
+  test("allreduce: the ring among rank processes against raw NATS moving the same bytes", () => {
+    const r = bench("allreduce", "--ranks", "2", "--sizes-mb", "1", "--rounds", "1");
+    expect(r.code).toBe(0);
+    expect(r.lines[1]).toContain("ring_busbw_gb_per_s");
+    expect(r.last.rows.map((x: { ranks: number }) => x.ranks)).toEqual([2]);
+    for (const k of ["ring_busbw_gb_per_s", "raw_busbw_gb_per_s", "ratio"]) expect(r.last.rows[0][k]).toBeGreaterThan(0);
+  }, 120_000);
+
   test("bad benchmark options are one clear line", () => {
     expect(bench("ps", "--shards", "0").err).toContain("--shards must be a positive integer");
     expect(bench("trainer", "--sync", "never").err).toContain("--sync must be bsp, asp or ssp");
-    expect(bench("nope").err).toContain("usage: bun run bench <engine|kernels|ps|checkpoint|data-loader|trainer>");
+    expect(bench("allreduce", "--ranks", "1").err).toContain("--ranks: each from 2 to 16");
+    expect(bench("allreduce", "--piece-kb", "x").err).toContain("--piece-kb must be a positive integer");
+    expect(bench("nope").err).toContain("usage: bun run bench <engine|kernels|ps|checkpoint|data-loader|trainer|allreduce>");
   });
 });
