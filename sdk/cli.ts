@@ -125,7 +125,7 @@ program.command("eval")
 
 program.command("bench")
   .description("run a benchmark: engine, kernels, ps, data-loader, checkpoint or trainer (each prints a table, then one JSON line)")
-  .argument("<name>", "benchmark name", choice("engine", "kernels", "ps", "data-loader", "checkpoint", "trainer"))
+  .argument("<name>", "benchmark name", choice("engine", "kernels", "ps", "data-loader", "checkpoint", "trainer", "allreduce"))
   // the benchmark parses its own options (--steps, --elems, ...)
   .allowUnknownOption(true)
   .allowExcessArguments(true)
