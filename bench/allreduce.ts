@@ -9,14 +9,14 @@
 //
 // Each operation starts after a barrier; its time is the slowest rank's, and a row reports the
 // median over rounds.
-import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { ConfigError } from "../engine/errors.ts";
 import { collPieceOverheadBytes } from "../schemas/messages.ts";
 import { startNatsServer } from "../services/runtime/nats-server.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
-import type { RankOp, RankPlan, RankResult } from "./collective-rank.ts";
+import { type RankOp, type RankPlan, type RankResult, runRankProcesses } from "./collective-rank.ts";
 import { median, printTable, round } from "./table.ts";
 
 export interface AllReduceBenchResult {
@@ -30,7 +30,6 @@ export interface AllReduceBenchResult {
   target: number;
 }
 
-const root = join(import.meta.dir, "..");
 const list = (name: string, raw: unknown) => String(raw).split(",").map((x) => positiveInt(name, x));
 
 export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchResult[]> {
@@ -83,24 +82,15 @@ export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchR
 
 async function runRanks(dir: string, url: string, n: number, ops: RankOp[], pieceBytes: number, windowPieces: number): Promise<RankResult[][]> {
   const job = `bench-allreduce-${n}`;
-  const procs = Array.from({ length: n }, (_, rank) => {
-    const plan: RankPlan = { url, job, rank, hosts: Array(n).fill("local"), pieceBytes, windowPieces, progressTimeoutMs: 60_000, peerLostMs: 60_000, ops };
-    const file = join(dir, `${job}-${rank}.json`);
-    writeFileSync(file, JSON.stringify(plan));
-    // one thread per rank: the ranks share the cores, as trainers on one machine do
-    return Bun.spawn([process.execPath, join(root, "bench/collective-rank.ts"), file], { cwd: root, stdout: "pipe", stderr: "pipe", env: { ...process.env, OMP_NUM_THREADS: "1" } });
+  const plans = Array.from({ length: n }, (_, rank): RankPlan =>
+    ({ url, job, rank, hosts: Array(n).fill("local"), pieceBytes, windowPieces, progressTimeoutMs: 60_000, peerLostMs: 60_000, ops }));
+  // one thread per rank: the ranks share the cores, as trainers on one machine do
+  const run = await runRankProcesses(dir, plans, { OMP_NUM_THREADS: "1" });
+  return run.results.map((lines, rank) => {
+    const failed = lines.find((l) => l.error);
+    if (run.codes[rank] !== 0 || lines.length !== ops.length || failed) {
+      throw new Error(`rank ${rank} of ${n} failed (exit ${run.codes[rank]}): ${failed?.error?.message ?? run.stderr[rank]!.trim().split("\n").slice(-3).join(" | ")}`);
+    }
+    return lines;
   });
-  try {
-    const outs = await Promise.all(procs.map(async (p) => ({ out: await new Response(p.stdout).text(), err: await new Response(p.stderr).text(), code: await p.exited })));
-    return outs.map((o, rank) => {
-      const lines = o.out.trim().split("\n").filter((l) => l !== "").map((l) => JSON.parse(l) as RankResult);
-      const failed = lines.find((l) => l.error);
-      if (o.code !== 0 || lines.length !== ops.length || failed) {
-        throw new Error(`rank ${rank} of ${n} failed (exit ${o.code}): ${failed?.error?.message ?? o.err.trim().split("\n").slice(-3).join(" | ")}`);
-      }
-      return lines;
-    });
-  } finally {
-    for (const p of procs) if (p.exitCode === null) p.kill("SIGKILL");
-  }
 }

@@ -10,9 +10,12 @@
 // Every rank makes every rank's input from (seed, rank), so each can check its result alone.
 // "raw" moves the same bytes a ring all-reduce puts on each link (2(N-1)/N of the buffer) to
 // the next rank as plain NATS requests of the same size and window: the baseline.
+import { writeFileSync } from "node:fs";
+import { join } from "node:path";
 import { HierarchicalCollective } from "../engine/parallel/hierarchical.ts";
 import type { Collective } from "../engine/parallel/collective.ts";
 import { RingCollective } from "../engine/parallel/ring.ts";
+import type { PeerTransport } from "../engine/parallel/transport.ts";
 import { Rng } from "../engine/rng.ts";
 import { BusTransport, busTransportDefaults } from "../services/runtime/collective-bus.ts";
 import { NatsBus } from "../services/runtime/nats.ts";
@@ -88,16 +91,16 @@ async function main(): Promise<void> {
     sendTimeoutMs: busTransportDefaults.sendTimeoutMs, peerLostMs: plan.peerLostMs,
   });
   let arrived = 0;
-  const counting = plan.dieAfterPieces === undefined ? transport : new Proxy(transport, {
-    get(t, k) {
-      const v = Reflect.get(t, k, t) as unknown;
-      if (k !== "listen") return typeof v === "function" ? v.bind(t) : v;
-      return (receive: Parameters<BusTransport["listen"]>[0]) => t.listen((p) => {
-        if (++arrived >= plan.dieAfterPieces!) process.kill(process.pid, "SIGKILL");
-        return receive(p);
-      });
-    },
-  });
+  const dieAfter = plan.dieAfterPieces ?? Infinity;
+  // the transport, with a receiver that counts pieces and crashes the process when told to
+  const counting: PeerTransport = {
+    rank: transport.rank, pieceBytesMax: transport.pieceBytesMax,
+    send: (h, v, s) => transport.send(h, v, s), abort: (h, r) => transport.abort(h, r), close: () => transport.close(),
+    listen: (receive) => transport.listen((p) => {
+      if (++arrived >= dieAfter) process.kill(process.pid, "SIGKILL");
+      return receive(p);
+    }),
+  };
   const options = { progressTimeoutMs: plan.progressTimeoutMs };
   const coll: Collective = new Set(plan.hosts).size > 1 ? new HierarchicalCollective(counting, { hosts: plan.hosts }, options) : new RingCollective(counting, size, options);
   const raw = rawLink(bus, plan);
@@ -200,6 +203,34 @@ function rawLink(bus: NatsBus, plan: RankPlan) {
       sub.unsubscribe();
     },
   };
+}
+
+export interface RanksRun {
+  /** per rank, one result per operation it finished */
+  results: RankResult[][];
+  codes: number[];
+  stderr: string[];
+}
+
+/** Runs one process per plan (plans[r].rank === r) to the end; processes left are killed. */
+export async function runRankProcesses(dir: string, plans: RankPlan[], env: Record<string, string> = {}): Promise<RanksRun> {
+  const procs = plans.map((plan) => {
+    const file = join(dir, `${plan.job}-${plan.rank}.json`);
+    writeFileSync(file, JSON.stringify(plan));
+    return Bun.spawn([process.execPath, join(import.meta.dir, "collective-rank.ts"), file], {
+      cwd: join(import.meta.dir, ".."), stdout: "pipe", stderr: "pipe", env: { ...process.env, ...env },
+    });
+  });
+  try {
+    const outs = await Promise.all(procs.map(async (p) => ({ out: await new Response(p.stdout).text(), err: await new Response(p.stderr).text(), code: await p.exited })));
+    return {
+      results: outs.map((o) => o.out.trim().split("\n").filter((l) => l !== "").map((l) => JSON.parse(l) as RankResult)),
+      codes: outs.map((o) => o.code),
+      stderr: outs.map((o) => o.err),
+    };
+  } finally {
+    for (const p of procs) if (p.exitCode === null) p.kill("SIGKILL");
+  }
 }
 
 if (import.meta.main) await main();

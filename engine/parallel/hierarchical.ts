@@ -9,7 +9,6 @@
 // (correct, and no sum is done twice; ZeRO's reduce-scatter on one host takes the flat ring).
 // allGather and broadcast move no sums, so they use the flat ring, ordered host by host so
 // that only one link per host pair in the ring crosses between hosts.
-import { hostKernels } from "../../ffi/cpu/host.ts";
 import { type Collective, CollectiveClosedError, type OpKey, type Range, type ReduceOp, segment } from "./collective.ts";
 import { PieceRouter, RingGroup, type RingOptions, ringDefaults, scaleInPlace } from "./ring.ts";
 import type { PeerTransport } from "./transport.ts";
@@ -38,7 +37,7 @@ export class HierarchicalCollective implements Collective {
   #closed = false;
 
   constructor(readonly transport: PeerTransport, topology: Topology, options: Partial<RingOptions> = {}) {
-    const o = { ...ringDefaults, add: options.add ?? hostKernels().addInto, ...options };
+    const o = { ...ringDefaults, ...options };
     const { order, byHost, leaders } = topologyRings(topology.hosts);
     const host = topology.hosts[transport.rank];
     if (host === undefined) throw new RangeError(`rank ${transport.rank} has no host label (${topology.hosts.length} labels)`);

@@ -127,8 +127,11 @@ class RingOp {
   readonly #stop = new AbortController();
   readonly #timer: ReturnType<typeof setInterval>;
 
-  constructor(readonly id: string, readonly what: string, receives: number, readonly ring: RingGroup,
+  readonly id: string;
+
+  constructor(readonly group: string, readonly key: OpKey, readonly what: string, receives: number, readonly ring: RingGroup,
               readonly handle: (p: Piece) => void, timeoutMs: number) {
+    this.id = opId(group, key.step, key.bucket);
     this.#receivesLeft = receives;
     this.#timer = setInterval(() => {
       const idleMs = performance.now() - this.#progressAt;
@@ -179,7 +182,7 @@ class RingOp {
     if (this.#settled) return;
     this.#settle();
     this.#stop.abort(e);
-    if (tell) this.ring.tellAbort(this.id, e.message);
+    if (tell) this.ring.tellAbort(this.group, this.key, e.message);
     this.#done.reject(e);
   }
 
@@ -235,12 +238,10 @@ export class RingGroup {
   }
 
   /** Tells every other rank of the ring that this rank gave the operation up. */
-  tellAbort(id: string, reason: string): void {
-    const [group, step, bucket] = id.split("|");
+  tellAbort(group: string, key: OpKey, reason: string): void {
     for (const to of this.ranks) {
       if (to === this.transport.rank) continue;
-      this.transport.abort({ group: group!, from: this.transport.rank, to, step: Number(step), bucket: Number(bucket), phase: "abort", hop: 0, piece: 0,
-        offset: 0, count: 0 }, reason.replace(/[\r\n]+/g, " ").slice(0, 500));
+      this.transport.abort({ group, from: this.transport.rank, to, step: key.step, bucket: key.bucket, phase: "abort", hop: 0, piece: 0, offset: 0, count: 0 }, reason);
     }
   }
 
@@ -255,7 +256,7 @@ export class RingGroup {
     checkKey(key);
     const group = `${this.name}#${kind}`;
     const what = `${kind} of step ${key.step} bucket ${key.bucket} in ring "${this.name || "all"}" at rank ${this.transport.rank}`;
-    const op: RingOp = new RingOp(opId(group, key.step, key.bucket), what, receives, this, (p) => handle(op, p), this.options.progressTimeoutMs);
+    const op: RingOp = new RingOp(group, key, what, receives, this, (p) => handle(op, p), this.options.progressTimeoutMs);
     try {
       this.router.open(op);
     } catch (e) {

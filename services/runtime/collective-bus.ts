@@ -18,7 +18,6 @@ import { CollPhase, collPieceOverheadBytes, decodeCollPiece, encodeCollPiece } f
 import type { Bus, Subscription } from "./bus.ts";
 import { BadRequestError, CapacityError, DeadlineError, NoRespondersError } from "./errors.ts";
 import { subjects } from "./job.ts";
-import type { Logger } from "./log.ts";
 import { pause } from "./pause.ts";
 
 export interface BusTransportOptions {
@@ -35,7 +34,6 @@ export interface BusTransportOptions {
   sendTimeoutMs: number;
   /** how long a piece is retried before its peer counts as lost */
   peerLostMs: number;
-  log?: Logger;
 }
 
 export const busTransportDefaults = {

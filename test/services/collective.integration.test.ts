@@ -3,17 +3,17 @@
 // 1-4 ranks and awkward sizes; ranks labelled as 2 hosts x 2; a rank SIGKILLed mid-operation
 // gives the others a typed error within the timeout; hostile pieces on the subject are refused.
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import type { RankOp, RankPlan, RankResult } from "../../bench/collective-rank.ts";
+import { type RankOp, type RankPlan, type RanksRun, runRankProcesses } from "../../bench/collective-rank.ts";
 import { BusTransport } from "../../services/runtime/collective-bus.ts";
 import { BadRequestError } from "../../services/runtime/errors.ts";
 import { subjects } from "../../services/runtime/job.ts";
 import { NatsBus } from "../../services/runtime/nats.ts";
 import { CollPhase, encodeCollPiece } from "../../schemas/messages.ts";
 import { expectRejected } from "../helpers/errors.ts";
-import { bunBin, root, startNatsServer } from "../helpers/mesh.ts";
+import { startNatsServer } from "../helpers/mesh.ts";
 
 // each test starts up to 4 bun processes on 2 cores
 setDefaultTimeout(90_000);
@@ -30,39 +30,19 @@ afterAll(async () => {
   rmSync(dir, { recursive: true, force: true });
 });
 
-interface Run {
-  results: RankResult[][];
-  codes: number[];
-  stderr: string[];
-}
-
-async function runRanks(hosts: string[], ops: RankOp[], extra: Partial<RankPlan> & { dieRank?: number } = {}): Promise<Run> {
+async function runRanks(hosts: string[], ops: RankOp[], extra: Partial<RankPlan> & { dieRank?: number } = {}): Promise<RanksRun> {
   const job = `coll${++jobs}`;
-  const procs = hosts.map((_, rank) => {
-    const plan: RankPlan = {
-      url: server.url, job, rank, hosts, pieceBytes: 4096, windowPieces: 4, progressTimeoutMs: 20_000, peerLostMs: 20_000, ops, ...extra,
-      ...(extra.dieRank === rank ? { dieAfterPieces: extra.dieAfterPieces ?? 5 } : { dieAfterPieces: undefined }),
-    };
-    const file = join(dir, `${job}-${rank}.json`);
-    writeFileSync(file, JSON.stringify(plan));
-    return Bun.spawn([bunBin, join(root, "bench/collective-rank.ts"), file], { cwd: root, stdout: "pipe", stderr: "pipe" });
-  });
-  try {
-    const outs = await Promise.all(procs.map(async (p) => ({ out: await new Response(p.stdout).text(), err: await new Response(p.stderr).text(), code: await p.exited })));
-    return {
-      results: outs.map((o) => o.out.trim().split("\n").filter((l) => l !== "").map((l) => JSON.parse(l) as RankResult)),
-      codes: outs.map((o) => o.code),
-      stderr: outs.map((o) => o.err),
-    };
-  } finally {
-    for (const p of procs) if (p.exitCode === null) p.kill("SIGKILL");
-  }
+  const { dieRank, dieAfterPieces, ...rest } = extra;
+  return runRankProcesses(dir, hosts.map((_, rank) => ({
+    url: server.url, job, rank, hosts, pieceBytes: 4096, windowPieces: 4, progressTimeoutMs: 20_000, peerLostMs: 20_000, ops, ...rest,
+    ...(dieRank === rank ? { dieAfterPieces: dieAfterPieces ?? 5 } : {}),
+  })));
 }
 
 const op = (o: Partial<RankOp> & Pick<RankOp, "op" | "len">): RankOp => ({ seed: 1, step: 0, bucket: 0, check: true, ...o });
 
 /** Every rank's result of operation i: no error, within rounding of float64, the same bits. */
-function expectAgreed(run: Run, i: number, sameHash = true): void {
+function expectAgreed(run: RanksRun, i: number, sameHash = true): void {
   const rs = run.results.map((r) => r[i]!);
   for (const r of rs) {
     expect(r.error).toBeUndefined();
