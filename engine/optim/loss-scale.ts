@@ -81,6 +81,14 @@ export class LossScaler {
     return true;
   }
 
+  /** Resumes at a checkpoint's scale (the count of good steps starts over). */
+  restoreScale(scale: number): void {
+    if (!(scale > 0) || !Number.isFinite(scale)) throw new ConfigError(`a loss scale must be a finite number > 0, got ${scale}`);
+    this.#scale = scale;
+    this.#goodSteps = 0;
+    this.#skipsInARow = 0;
+  }
+
   /** After a step: back off on overflow, grow after growthInterval good steps in a row. */
   update(finite: boolean, step: number): void {
     const c = this.config;

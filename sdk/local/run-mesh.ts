@@ -8,7 +8,7 @@ import { join } from "node:path";
 import { JobState } from "../../schemas/messages.ts";
 import { CheckpointStore } from "../../services/checkpoint/store.ts";
 import { DeadlineError } from "../../services/runtime/errors.ts";
-import { jobConfigFromJson } from "../../services/runtime/job.ts";
+import { jobConfigFromJson, usesShards } from "../../services/runtime/job.ts";
 import { checkResume, MeshClient, type PreviousRun } from "../client.ts";
 import { LocalMesh, membersWaitMs } from "../launcher.ts";
 import { type JobFlags, jobConfigOf, resolveConfig } from "../job-flags.ts";
@@ -55,14 +55,15 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
 
   const resumeLine = `${cliName()} run --job ${cfg.job}${o.dir === join(process.env.INIT_CWD ?? process.cwd(), defaultRunDir()) ? "" : ` --dir ${shownPath(o.dir)}`}`;
   const from = prev === null ? "" : prev.snapshot ? `, resumed from ${prev.snapshot.id}` : ", started again with its settings (it has no snapshot)";
+  const shards = usesShards(cfg) ? cfg.shards : 0;
   console.log(`meshtrain run: job ${cfg.job}${from}, on a local mesh of ${cfg.trainers} trainer` +
-    `${cfg.trainers > 1 ? "s" : ""}, ${cfg.shards} parameter-server shard${cfg.shards > 1 ? "s" : ""}, a data-loader and a checkpoint service`);
+    `${cfg.trainers > 1 ? "s" : ""}, ${shards > 0 ? `${shards} parameter-server shard${shards > 1 ? "s" : ""}, ` : ""}a data-loader and a checkpoint service`);
   for (const line of configSummary(cfg)) console.log(`  ${line}`);
   console.log(`  files      ${shownPath(jobDir)}/ (snapshots, model.mtm, logs/; the full config: logs/job.json)`);
 
   let print = (line: string) => console.log(line);
   using stop = new StopRequests((s) => print(`${s}: stopping job ${cfg.job}: a snapshot first, then the mesh (again to stop at once)`));
-  const mesh = await LocalMesh.start({ jobsDir, logDir, trainers: cfg.trainers, shards: cfg.shards, onEvent: (line) => print(`launcher: ${line}`) });
+  const mesh = await LocalMesh.start({ jobsDir, logDir, trainers: cfg.trainers, shards, onEvent: (line) => print(`launcher: ${line}`) });
   stop.second.signal.addEventListener("abort", () => void mesh.stop(true), { once: true });
   let client: MeshClient | null = null;
   let submitted = false;

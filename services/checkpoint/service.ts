@@ -6,18 +6,21 @@
 //   list:    the job's snapshots; also of a job that has ended (they stay on disk).
 //   restore: the newest snapshot that verifies (or the one named), loaded into every shard
 //            (`ps.<k>.load`); then a Restore event tells the trainers where to resume.
+// All-reduce jobs have no shards: a snapshot holds trainer rank 0's replica, read in parts
+// (`replica.state`, files replica-<p>.mtss), and a restore loads every part into every trainer
+// rank (`replica.<r>.load`) under a new communicator generation before the Restore event.
 // A job opened under a name whose snapshots were taken with other settings is refused (it would
 // overwrite them, and resuming from them would be wrong): the job fails with the differences.
 import {
-  decodeJobRequest, decodeShardState, decodeShardStats, encodeCheckpointList, encodeEvent, encodeJobRequest, encodeManifest, emptyEvent, EventKind,
-  decodeEvent, type JobSpec,
+  decodeJobRequest, decodeShardState, decodeShardStats, encodeCheckpointList, encodeEvent, encodeJobRequest, encodeManifest, encodeShardState, emptyEvent,
+  EventKind, decodeEvent, type JobSpec, type ShardState,
 } from "../../schemas/messages.ts";
 import { join } from "node:path";
 import type { Bus, Subscription } from "../runtime/bus.ts";
 import { BadRequestError, ConfigError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
 import { EvalTally } from "../runtime/evals.ts";
 import {
-  configOfSpec, type JobConfig, jobConfigFromJson, jobNamePattern, jobOfRequest, shardOfOpenedTag, subjects, trajectoryDiff,
+  configOfSpec, type JobConfig, jobConfigFromJson, jobNamePattern, jobOfRequest, shardOfOpenedTag, subjects, trajectoryDiff, usesShards,
 } from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
@@ -32,9 +35,14 @@ interface JobEntry {
   sub: Subscription;
   /** one save or restore at a time per job */
   busy: Promise<unknown>;
+  /** all-reduce mode: the communicator generation of the last restore */
+  generation: number;
 }
 
 const shardFile = (k: number) => `ps-${k}.mtss`;
+const replicaFile = (p: number) => `replica-${p}.mtss`;
+/** Parts a replica may be cut into (a 64 GB model in 8 MB messages). */
+const replicaPartsMax = 8192;
 
 export class CheckpointService {
   readonly #jobs = new Map<string, JobEntry>();
@@ -74,7 +82,7 @@ export class CheckpointService {
     const { cfg } = e;
     const t0 = performance.now();
     const req = encodeJobRequest({ job: cfg.job, step, tag: "" });
-    const states = await Promise.all(Array.from({ length: cfg.shards }, async (_, k) => {
+    const states = !usesShards(cfg) ? await this.#replicaParts(cfg, step) : await Promise.all(Array.from({ length: cfg.shards }, async (_, k) => {
       const bytes = await this.bus.request(subjects.psState(cfg.job, k), req, stateTimeoutMs);
       // verify before writing: a state that does not decode is never saved
       const s = decodeShardState(bytes, 1 << 30);
@@ -100,6 +108,21 @@ export class CheckpointService {
     return encodeManifest(manifest);
   }
 
+  /** All-reduce mode: trainer rank 0's replica at `step`, part by part, each verified. */
+  async #replicaParts(cfg: JobConfig, step: number): Promise<{ name: string; bytes: Uint8Array; state: ShardState }[]> {
+    const out: { name: string; bytes: Uint8Array; state: ShardState }[] = [];
+    for (let p = 0, parts = 1; p < parts; p++) {
+      const bytes = await this.bus.request(subjects.replicaState(cfg.job), encodeJobRequest({ job: cfg.job, step, tag: `part ${p}` }), stateTimeoutMs);
+      const s = decodeShardState(bytes, this.payloadBytesMax);
+      if (p === 0) parts = s.parts ?? 0;
+      if (s.job !== cfg.job || s.shard !== p || s.parts !== parts || s.step !== step || !(parts >= 1 && parts <= replicaPartsMax)) {
+        throw new BadRequestError(`trainer 0 answered part ${s.shard} of ${s.parts} of job ${s.job}'s replica at step ${s.step} for part ${p} at step ${step}`);
+      }
+      out.push({ name: replicaFile(p), bytes, state: s });
+    }
+    return out;
+  }
+
   /** Accuracy of the newest evaluation every rank reported at or before `step` (NaN when none). */
   #metricAt(e: JobEntry, step: number): number {
     return e.evals.newestComplete(step)?.accuracy ?? Number.NaN;
@@ -118,14 +141,36 @@ export class CheckpointService {
       this.log?.error({ job: cfg.job, id: bad, why }, "snapshot failed verification; trying the previous one");
       this.#event(cfg.job, EventKind.Log, 0, `snapshot ${bad} is corrupt: ${why}`);
     });
-    await Promise.all(Array.from({ length: cfg.shards }, async (_, k) => {
-      const bytes = snap.files.get(shardFile(k));
-      if (!bytes) throw new BadRequestError(`snapshot ${snap.manifest.id} has no file for shard ${k}`);
-      await this.bus.request(subjects.psLoad(cfg.job, k), bytes, stateTimeoutMs);
-    }));
+    if (usesShards(cfg)) {
+      await Promise.all(Array.from({ length: cfg.shards }, async (_, k) => {
+        const bytes = snap.files.get(shardFile(k));
+        if (!bytes) throw new BadRequestError(`snapshot ${snap.manifest.id} has no file for shard ${k}`);
+        await this.bus.request(subjects.psLoad(cfg.job, k), bytes, stateTimeoutMs);
+      }));
+    } else {
+      await this.#loadReplicas(e, snap.manifest.id, snap.files);
+    }
     this.log?.warn({ job: cfg.job, id: snap.manifest.id, step: snap.manifest.step, why: tag }, "job restored");
     this.#event(cfg.job, EventKind.Restore, snap.manifest.step, `restored ${snap.manifest.id} (${tag || "requested"})`);
     return encodeManifest(snap.manifest);
+  }
+
+  /**
+   * All-reduce mode: every part of the snapshot's replica into every trainer rank, under a new
+   * communicator generation (later than any before, also across restarts of this service).
+   */
+  async #loadReplicas(e: JobEntry, id: string, files: ReadonlyMap<string, Uint8Array>): Promise<void> {
+    const { cfg } = e;
+    const generation = Math.max(e.generation + 1, Date.now());
+    e.generation = generation;
+    const parts: Uint8Array[] = [];
+    for (let p = 0; files.has(replicaFile(p)); p++) {
+      parts.push(encodeShardState({ ...decodeShardState(files.get(replicaFile(p))!, this.payloadBytesMax), generation }));
+    }
+    if (parts.length === 0) throw new BadRequestError(`snapshot ${id} holds no replica (it was taken by a parameter-server job)`);
+    await Promise.all(Array.from({ length: cfg.trainers }, async (_, r) => {
+      for (const bytes of parts) await this.bus.request(subjects.replicaLoad(cfg.job, r), bytes, stateTimeoutMs);
+    }));
   }
 
   /** Whether a shard holds nothing yet: no update applied, no trainer's step pushed. */
@@ -152,7 +197,7 @@ export class CheckpointService {
         this.log?.warn({ err: (err as Error).message }, "undecodable eval event ignored");
       }
     });
-    this.#jobs.set(cfg.job, { cfg, evals, sub, busy: Promise.resolve() });
+    this.#jobs.set(cfg.job, { cfg, evals, sub, busy: Promise.resolve(), generation: 0 });
     void this.control?.note(cfg.job, { snapshotDir: this.store.jobDir(cfg.job) }).catch((err: unknown) => {
       this.log?.warn({ job: cfg.job, err: (err as Error).message }, "cannot record the job's folder in its record");
     });

@@ -10,7 +10,7 @@ import {
 } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
 import { LimitExceededError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
-import { configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects } from "../runtime/job.ts";
+import { configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects, usesShards } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
 import { initialParameters } from "../runtime/model.ts";
 import { buildLayout } from "../runtime/layout.ts";
@@ -95,7 +95,7 @@ export class ParameterServer {
   async openJob(spec: JobSpec): Promise<void> {
     const cfg = configOfSpec(spec);
     this.closeJob(spec.job);
-    if (this.shardIndex >= cfg.shards) return; // this job has fewer shards
+    if (this.shardIndex >= cfg.shards || !usesShards(cfg)) return; // this job has fewer shards, or none (all-reduce)
     if (this.#jobs.size + this.#opening.size >= this.jobsMax) {
       throw new LimitExceededError(`shard ${this.shardIndex} runs ${this.jobsMax} jobs already (${[...this.#jobs.keys(), ...this.#opening.keys()].join(", ")}); raise its --jobs-max`);
     }

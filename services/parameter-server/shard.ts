@@ -12,7 +12,7 @@ import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { lrAt, type Schedule, scheduleOf } from "../../engine/optim/schedule.ts";
 import { DType, type Chunk, type ChunkState, encodePullReply, type PushReply, type PushRequest, type ShardState } from "../../schemas/messages.ts";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/errors.ts";
-import type { JobConfig } from "../runtime/job.ts";
+import { type JobConfig, peakLr } from "../runtime/job.ts";
 import type { ChunkInfo, Layout } from "../runtime/layout.ts";
 import { pullWaitersMax, pullWaitMsMax } from "./limits.ts";
 
@@ -228,7 +228,7 @@ export class ParameterShard {
     const be = this.#be;
     const n = slot.info.count;
     const need = this.#cfg.sync === "bsp" ? this.#cfg.trainers : this.#cfg.batchPushes;
-    const lr = () => lrAt(this.#schedule, this.#cfg.lr, step);
+    const lr = () => lrAt(this.#schedule, peakLr(this.#cfg), step);
     if (need === 1) {
       this.#applyOptimizer(slot, grad, lr());
     } else {
@@ -286,6 +286,8 @@ export class ParameterShard {
       case "bsp":
         for (const id of ids) if (this.#slots.get(id)!.version < step) return false;
         return true;
+      case "allreduce":
+        throw new BadRequestError("an all-reduce job has no parameter-server shards");
     }
   }
 

@@ -92,6 +92,9 @@ export class BusTransport implements PeerTransport {
     const { job, generation, rank, size } = this.#o;
     const m = decodeCollPiece(data, this.messageBytesMax);
     if (m.job !== job) throw new BadRequestError(`piece for job "${m.job}" sent to job "${job}"`);
+    // a newer generation's piece comes from a rank that took a restore this one is about to
+    // take: the sender retries until it has; an older one's is from before the restore
+    if (m.generation > generation) throw new CapacityError(`rank ${rank} still runs communicator generation ${generation}, the piece is of ${m.generation}`);
     if (m.generation !== generation) throw new BadRequestError(`piece of communicator generation ${m.generation}; rank ${rank} runs generation ${generation}`);
     if (m.to !== rank) throw new BadRequestError(`piece for rank ${m.to} sent to rank ${rank}`);
     if (!(m.from < size) || m.from === rank) throw new BadRequestError(`piece from rank ${m.from}, not a peer of rank ${rank} among ${size}`);

@@ -56,9 +56,10 @@ export function indexList(ids: readonly number[]): string {
 }
 
 /** What the job needs that the mesh lacks, each as a phrase; empty when it can run. */
-export function missingMembers(cfg: Pick<JobConfig, "trainers" | "shards">, m: MeshMembers): string[] {
+export function missingMembers(cfg: Pick<JobConfig, "trainers" | "shards"> & Partial<Pick<JobConfig, "sync">>, m: MeshMembers): string[] {
   const lack = (want: number, have: readonly number[]) => Array.from({ length: want }, (_, i) => i).filter((i) => !have.includes(i));
-  const ranks = lack(cfg.trainers, m.trainers), shards = lack(cfg.shards, m.shards);
+  // an all-reduce job needs no shard
+  const ranks = lack(cfg.trainers, m.trainers), shards = lack(cfg.sync === "allreduce" ? 0 : cfg.shards, m.shards);
   const out: string[] = [];
   if (ranks.length > 0) out.push(`trainer rank${ranks.length > 1 ? "s" : ""} ${indexList(ranks)}`);
   if (shards.length > 0) out.push(`parameter-server shard${shards.length > 1 ? "s" : ""} ${indexList(shards)}`);
@@ -68,7 +69,7 @@ export function missingMembers(cfg: Pick<JobConfig, "trainers" | "shards">, m: M
 }
 
 /** One sentence: what the mesh runs and what the job lacks, and how to fix it. */
-export function capacityMessage(cfg: Pick<JobConfig, "job" | "trainers" | "shards">, m: MeshMembers, where: string): string {
+export function capacityMessage(cfg: Pick<JobConfig, "job" | "trainers" | "shards"> & Partial<Pick<JobConfig, "sync">>, m: MeshMembers, where: string): string {
   return `job ${cfg.job} needs ${missingMembers(cfg, m).join(", ")}, which the mesh at ${where} does not run ` +
     `(it runs trainer ranks ${indexList(m.trainers)}, shards ${indexList(m.shards)}, ${m.dataLoaders} data-loader(s), ${m.checkpoints} checkpoint service(s)); ` +
     `start a mesh that does (meshtrain mesh up --trainers ${Math.max(cfg.trainers, 1)} --shards ${Math.max(cfg.shards, 1)}), or submit with ` +
@@ -83,7 +84,7 @@ const membersPollMs = 250;
  * `signal` aborts first; CapacityError naming what is missing when `waitMs` has passed (0: one
  * look). A busy service can miss one look's window, so callers give a few seconds at least.
  */
-export async function awaitMembers(members: () => Promise<MeshMembers>, cfg: Pick<JobConfig, "job" | "trainers" | "shards">, waitMs: number,
+export async function awaitMembers(members: () => Promise<MeshMembers>, cfg: Pick<JobConfig, "job" | "trainers" | "shards"> & Partial<Pick<JobConfig, "sync">>, waitMs: number,
   where: string, signal?: AbortSignal): Promise<boolean> {
   const deadline = Date.now() + waitMs;
   for (;;) {

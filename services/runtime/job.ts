@@ -4,11 +4,19 @@ import { z } from "zod";
 import type { JobSpec } from "../../schemas/messages.ts";
 import { BadRequestError, ConfigError } from "./errors.ts";
 
-/** f16 is missing on purpose: its loss scaler skips a step when the gradients overflow, which in
- *  the mesh every trainer and shard would have to agree on before anyone updates. */
-export const meshPrecisions = ["f32", "tf32", "bf16"] as const;
-export const meshF16Refusal = "precision f16 runs only in a single process (meshtrain train): its loss scaler skips steps whose "
-  + `gradients overflow, which the mesh's trainers and shards do not agree on; use ${meshPrecisions.join(", ")}`;
+/** f16 runs in all-reduce mode only: its loss scaler skips a step when the gradients overflow,
+ *  and only there does every rank see the same (reduced) gradient, so every rank skips alike.
+ *  In parameter-server mode the trainers and shards would have to agree first. */
+export const meshPrecisions = ["f32", "tf32", "bf16", "f16"] as const;
+export const meshF16Refusal = "precision f16 runs in all-reduce mode (--sync allreduce) or a single process (meshtrain train): its loss "
+  + "scaler skips steps whose gradients overflow, which a parameter server's trainers and shards do not agree on; use f32, tf32 or bf16";
+
+/** The sync modes: three of the parameter server, and the collective one (trainers hold replicas). */
+export const syncModes = ["bsp", "asp", "ssp", "allreduce"] as const;
+/** Whether the job trains with parameter-server shards (else: replicas and all-reduce). */
+export const usesShards = (cfg: Pick<JobConfig, "sync">): boolean => cfg.sync !== "allreduce";
+/** The learning rate the schedule peaks at: `lr`, times the trainers under linear scaling (--scale-lr). */
+export const peakLr = (cfg: Pick<JobConfig, "lr" | "scaleLr" | "trainers">): number => (cfg.scaleLr ? cfg.lr * cfg.trainers : cfg.lr);
 
 const int = (min: number, max = Number.MAX_SAFE_INTEGER) => z.number().int().min(min).max(max);
 
@@ -27,8 +35,10 @@ export const jobConfigSchema = z.object({
   dataDir: z.string(),
   trainers: int(1, 64),
   shards: int(1, 64),
-  /** BSP: aggregate the W pushes of a step, then update; ASP: apply on arrival; SSP: ASP with a staleness bound */
-  sync: z.enum(["bsp", "asp", "ssp"]),
+  /** BSP: aggregate the W pushes of a step, then update; ASP: apply on arrival; SSP: ASP with a
+   *  staleness bound; allreduce: no shards, every trainer holds a replica and the gradients are
+   *  averaged by a ring all-reduce */
+  sync: z.enum(syncModes),
   /** SSP: a trainer may be at most this many steps ahead of the slowest */
   staleness: int(0, 1000),
   /** ASP/SSP: aggregate this many pushes per chunk before one update (1: every push) */
@@ -38,6 +48,13 @@ export const jobConfigSchema = z.object({
     z.object({ kind: z.literal("adamw"), beta1: z.number().min(0).max(0.9999), beta2: z.number().min(0).max(0.99999), eps: z.number().positive(), weightDecay: z.number().min(0) }),
   ]),
   lr: z.number().positive().finite(),
+  /** linear scaling: the schedule peaks at lr x trainers (after warmupSteps, which it needs) */
+  scaleLr: z.boolean().default(false),
+  /** allreduce: gradient bucket size in MB (each bucket's all-reduce starts once backward has
+   *  written all of it) */
+  bucketMb: z.number().positive().max(1024).default(25),
+  /** allreduce: steps between comparisons of the ranks' parameter hashes (0: never) */
+  replicaCheckEvery: int(0).default(100),
   minLr: z.number().min(0),
   schedule: z.enum(["constant", "cosine", "linear"]),
   warmupSteps: int(0),
@@ -79,6 +96,9 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   optimizer: { kind: "sgd", momentum: 0.9, nesterov: true, weightDecay: 5e-4 },
   // the single-process run's 0.05 at batch 128, scaled linearly to the global batch 2 x 128
   lr: 0.1,
+  scaleLr: false,
+  bucketMb: 25,
+  replicaCheckEvery: 100,
   minLr: 0,
   schedule: "cosine",
   warmupSteps: 100,
@@ -96,9 +116,6 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
 };
 
 export function parseJobConfig(data: unknown): JobConfig {
-  if ((data as { precision?: unknown } | null)?.precision === "f16") {
-    throw new ConfigError(`invalid job config: ${meshF16Refusal}`);
-  }
   const r = jobConfigSchema.safeParse(data);
   if (!r.success) {
     throw new ConfigError(`invalid job config: ${r.error.issues.map((i) => `${i.path.join(".") || "(job)"}: ${i.message}`).join("; ")}`);
@@ -110,6 +127,13 @@ export function parseJobConfig(data: unknown): JobConfig {
     throw new ConfigError(`invalid job config: model.widths must start with 784 (MNIST pixels) and end with 10 (classes), got ${widths.join(",")}`);
   }
   if (c.batchSize % c.accumSteps !== 0) throw new ConfigError(`invalid job config: batchSize (${c.batchSize}) must be a multiple of accumSteps (${c.accumSteps})`);
+  if (c.precision === "f16" && c.sync !== "allreduce") throw new ConfigError(`invalid job config: ${meshF16Refusal}`);
+  if (c.scaleLr && c.warmupSteps === 0) {
+    throw new ConfigError("invalid job config: scaleLr needs warmupSteps > 0 (a learning rate scaled by the trainers diverges without warmup; Goyal et al. warm up over 5 epochs)");
+  }
+  if (c.sync === "allreduce" && (c.batchPushes !== 1 || c.staleness !== 0)) {
+    throw new ConfigError("invalid job config: batchPushes and staleness apply to the parameter server's asp and ssp, not to allreduce");
+  }
   if (c.sync === "bsp" && c.batchPushes !== 1) throw new ConfigError("invalid job config: batchPushes applies to asp and ssp (bsp aggregates the W pushes of a step)");
   return c;
 }
@@ -149,7 +173,7 @@ export function jobOfRequest(subject: string, messageJob: string): string {
  * evaluated and snapshotted. Every other key shapes the model or the trajectory, and a job's
  * snapshots are only valid for the values they were taken with.
  */
-export const resumableKeys = ["dataDir", "evalEvery", "checkpointEvery", "keepLast"] as const satisfies readonly (keyof JobConfig)[];
+export const resumableKeys = ["dataDir", "evalEvery", "checkpointEvery", "keepLast", "replicaCheckEvery"] as const satisfies readonly (keyof JobConfig)[];
 
 /** The trajectory-defining keys on which two configs of one job differ, as "key: a -> b". */
 export function trajectoryDiff(was: JobConfig, now: JobConfig): string[] {
@@ -187,6 +211,10 @@ export const subjects = {
   psStats: (job: string, shard: number) => `mt.${job}.ps.${shard}.stats`,
   psState: (job: string, shard: number) => `mt.${job}.ps.${shard}.state`,
   psLoad: (job: string, shard: number) => `mt.${job}.ps.${shard}.load`,
+  /** all-reduce mode: trainer rank 0's replica (parameters and optimizer state), one part per request */
+  replicaState: (job: string) => `mt.${job}.replica.state`,
+  /** all-reduce mode: a snapshot's replica loaded into trainer `rank`, one part per request */
+  replicaLoad: (job: string, rank: number) => `mt.${job}.replica.${rank}.load`,
   /** collective pieces addressed to trainer `rank` (all-reduce mode) */
   coll: (job: string, rank: number) => `mt.${job}.coll.${rank}`,
   ckptSave: (job: string) => `mt.${job}.ckpt.save`,

@@ -1,9 +1,17 @@
-// One trainer rank running one job in parameter-server mode:
+// One trainer rank running one job. In parameter-server mode:
 //   next batch -> pull parameters (as the sync policy allows) -> forward/backward -> clip ->
 //   push gradients, with the step's time split into data wait, pull, compute and push,
 // published as events. Rank 0 asks the checkpoint service for a snapshot every
 // `checkpointEvery` steps, between its pull and its push (under BSP no shard can move past
 // the step until rank 0 pushes, so the snapshot is exactly the state after step-1).
+// In all-reduce mode (replica.ts) the rank holds the parameters and optimizer state itself:
+//   next batch -> forward/backward with the gradient all-reduced bucket by bucket -> clip ->
+//   update, the split into data wait, compute, communication and exposed communication.
+// Rank 0's snapshots are of its replica, taken at a step boundary; a rank that opens the job
+// (new, resumed or restarted) asks for a restore of the newest snapshot, which loads every
+// rank, so all resume at one step with one communicator generation. A collective that fails
+// (a peer died) also rewinds every rank to the newest snapshot instead of retrying the step:
+// a ring operation cannot be retried by one rank alone.
 //
 // The job's life: every rank takes the step count from the data-loader's plan (it alone reads
 // the data) and checks that the mesh runs every rank and shard the job needs. A rank that fails
@@ -13,17 +21,19 @@
 // events until the job has ended, so a restarted rank 0 still hears them.
 import type { Backend } from "../../ffi/backend.ts";
 import { lrAt, type Schedule, scheduleOf } from "../../engine/optim/schedule.ts";
+import { CollectiveClosedError, CollectiveError } from "../../engine/parallel/collective.ts";
 import { Context } from "../../engine/tensor.ts";
 import { evaluate, type HostBatch, lossAndGradients } from "../../engine/train.ts";
 import { dirname } from "node:path";
 import {
-  type Batch, type DataPlan, decodeBatch, decodeDataPlan, decodeEvent, decodeManifest, decodeShardStats, emptyEvent, encodeBatchRequest, encodeEvent,
-  encodeJobRequest, type Event, EventKind, JobState, type Manifest, Split,
+  type Batch, type DataPlan, decodeBatch, decodeDataPlan, decodeEvent, decodeJobRequest, decodeManifest, decodeShardState, decodeShardStats, emptyEvent,
+  encodeBatchRequest, encodeEvent, encodeJobRequest, encodeShardState, type Event, EventKind, JobState, type Manifest, Split,
 } from "../../schemas/messages.ts";
 import type { Bus, Subscription } from "../runtime/bus.ts";
 import { awaitMembers, type MeshMembers } from "../runtime/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/evals.ts";
-import { evalInterval, type JobConfig, subjects } from "../runtime/job.ts";
+import { BadRequestError, NotReadyError } from "../runtime/errors.ts";
+import { evalInterval, type JobConfig, jobOfRequest, peakLr, subjects, usesShards } from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { pause } from "../runtime/pause.ts";
@@ -34,6 +44,7 @@ import {
   stepAttemptsMax,
 } from "./limits.ts";
 import { PsClient } from "./ps-client.ts";
+import { Replica, type ReplicaOptions, stepRows } from "./replica.ts";
 
 export interface TrainerOptions {
   bus: Bus;
@@ -48,7 +59,12 @@ export interface TrainerOptions {
   attempt?: number;
   /** who is on the mesh ($SRV discovery); absent: not checked */
   members?: () => Promise<MeshMembers>;
+  /** all-reduce mode: collective settings over the defaults (tests shorten the timeouts) */
+  collective?: Pick<ReplicaOptions, "transport" | "progressTimeoutMs">;
 }
+
+/** The restore tag of a trainer rank that opens an all-reduce job. */
+export const trainerOpenedTag = (rank: number): string => `trainer ${rank} opened the job`;
 
 export class StaleStepError extends Error {
   override readonly name = "StaleStepError";
@@ -74,7 +90,12 @@ export class TrainerRun {
   readonly #o: TrainerOptions;
   readonly #ctx: Context;
   readonly #model: ReturnType<typeof buildModel>;
-  readonly #ps: PsClient;
+  /** parameter-server mode */
+  readonly #ps: PsClient | null;
+  /** all-reduce mode */
+  readonly #replica: Replica | null;
+  /** all-reduce mode: the step this rank's replica is at (what a snapshot of it is labelled) */
+  #replicaStep = 0;
   #params: { generation: number; data: Float32Array };
   readonly #grads: Float32Array;
   /** from the data-loader's plan, set when the run starts */
@@ -98,6 +119,7 @@ export class TrainerRun {
   /** a snapshot was asked for (SDK `save`): rank 0 takes it at the next step boundary */
   #snapshotAsked = false;
   #ctl: Subscription | null = null;
+  #replicaSubs: Subscription[] = [];
 
   constructor(o: TrainerOptions) {
     this.#o = o;
@@ -106,7 +128,9 @@ export class TrainerRun {
     this.#model = buildModel(this.#ctx, o.cfg);
     const store = this.#model.store;
     const layout = buildLayout(o.cfg.job, store.slabNumel, store.decayRange.numel, o.cfg.chunkBytes, o.cfg.shards);
-    this.#ps = new PsClient(o.bus, layout, o.rank, o.payloadBytesMax);
+    this.#ps = usesShards(o.cfg) ? new PsClient(o.bus, layout, o.rank, o.payloadBytesMax) : null;
+    this.#replica = usesShards(o.cfg) ? null
+      : new Replica({ bus: o.bus, backend: o.backend, cfg: o.cfg, rank: o.rank, ctx: this.#ctx, model: this.#model, payloadBytesMax: o.payloadBytesMax, ...o.collective });
     this.#params = { generation: 0, data: new Float32Array(store.slabNumel) };
     this.#grads = new Float32Array(store.slabNumel);
   }
@@ -152,9 +176,23 @@ export class TrainerRun {
     this.#o.bus.publish(subjects.events(this.#o.cfg.job, kind), encodeEvent({ ...emptyEvent(this.#o.cfg.job, e.kind), rank: this.#o.rank, ...e }));
   }
 
-  /** The step to start from: what this rank has pushed completely to every shard (0 for a new job). */
+  /**
+   * The step to start from. Parameter-server mode: what this rank has pushed completely to every
+   * shard (0 for a new job). All-reduce mode: the newest snapshot's, loaded into every rank (a
+   * resumed job, or a rank that restarted and lost its replica); 0 when the job has none.
+   */
   async #startStep(): Promise<number> {
     const { cfg, rank, bus } = this.#o;
+    if (this.#replica) {
+      try {
+        const req = encodeJobRequest({ job: cfg.job, step: 0, tag: trainerOpenedTag(rank) });
+        const m = decodeManifest(await bus.request(subjects.ckptRestore(cfg.job), req, checkpointTimeoutMs), 1 << 22);
+        return m.step; // every rank takes the restore at its next step boundary (the Restore event)
+      } catch (e) {
+        if (e instanceof NotReadyError) return 0; // no snapshot: a new job, every rank from the seed's initialization
+        throw e;
+      }
+    }
     let step = Number.POSITIVE_INFINITY;
     for (let k = 0; k < cfg.shards; k++) {
       const reply = await bus.request(subjects.psStats(cfg.job, k), encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), requestTimeoutMs);
@@ -175,6 +213,7 @@ export class TrainerRun {
       this.#restored = Promise.withResolvers<void>();
       log?.warn({ step: e.step, why: e.text }, "job restored from a checkpoint; resuming there");
     });
+    if (this.#replica) this.#serveReplica();
     if (rank === 0) {
       this.#ctl = bus.subscribe(subjects.checkpointNow(cfg.job), () => (this.#snapshotAsked = true));
       this.#tally = new EvalTally(cfg.trainers);
@@ -203,9 +242,32 @@ export class TrainerRun {
       });
       throw e;
     } finally {
-      for (const s of [this.#sub, this.#ctl, this.#evalSub]) s?.unsubscribe();
+      for (const s of [this.#sub, this.#ctl, this.#evalSub, ...this.#replicaSubs]) s?.unsubscribe();
+      this.#replica?.close();
       this.#ctx.dispose();
     }
+  }
+
+  /**
+   * All-reduce mode: every rank takes the parts of a snapshot's replica on restore; rank 0 serves
+   * its replica's parts to the checkpoint service, for the step it is at.
+   */
+  #serveReplica(): void {
+    const { cfg, bus, rank, payloadBytesMax } = this.#o;
+    const replica = this.#replica!;
+    this.#replicaSubs.push(bus.handle(subjects.replicaLoad(cfg.job, rank), (data) => {
+      replica.stage(decodeShardState(data, payloadBytesMax));
+      return new Uint8Array(0);
+    }));
+    if (rank !== 0) return;
+    this.#replicaSubs.push(bus.handle(subjects.replicaState(cfg.job), (data, subject) => {
+      const m = decodeJobRequest(data, 1 << 16);
+      jobOfRequest(subject, m.job);
+      const part = /^part (\d{1,6})$/.exec(m.tag);
+      if (!part) throw new BadRequestError(`a replica request names its part as "part <n>", not "${m.tag.slice(0, 64)}"`);
+      if (m.step !== this.#replicaStep) throw new NotReadyError(`trainer 0's replica is at step ${this.#replicaStep}, not ${m.step}`);
+      return encodeShardState(replica.exportPart(m.step, Number(part[1]), payloadBytesMax));
+    }));
   }
 
   /** Rank 0: tallies every rank's evaluations; a step all ranks reported goes into the job's record. */
@@ -284,21 +346,62 @@ export class TrainerRun {
       if (this.#restoreTo !== null) {
         const to = this.#restoreTo;
         this.#restoreTo = null;
-        return to;
+        return this.#replica ? this.#applyRestore(to) : to;
       }
       try {
-        const run = this.#runStep(step, this.#generation).then(() => "done" as const);
+        const run = (this.#replica ? this.#runReplicaStep(step, this.#generation) : this.#runStep(step, this.#generation)).then(() => "done" as const);
         run.catch(() => {}); // once abandoned by a restore, its failure (StaleStepError) is expected
         const outcome = await Promise.race([run, this.#restored.promise.then(() => "restored" as const)]);
-        if (outcome === "restored") continue; // the abandoned step's push is refused by its generation check
+        if (outcome === "restored") {
+          // parameter-server mode: the abandoned step's push is refused by its generation check.
+          // All-reduce mode: its collectives are failed, and it must be over before the restore
+          // rewrites the model it computes on
+          if (this.#replica) {
+            this.#replica.interrupt();
+            await run.catch(() => {});
+          }
+          continue;
+        }
         return step + 1;
       } catch (e) {
         if (this.#stopped) return step;
+        if (this.#replica && e instanceof CollectiveError && !(e instanceof CollectiveClosedError) && this.#restoreTo === null) {
+          await this.#rewind(step, e);
+          continue;
+        }
         if (attempt >= stepAttemptsMax) throw e;
         this.#o.log?.warn({ step, attempt, err: (e as Error).message }, "step failed; retrying");
         await Bun.sleep(Math.min(200 * attempt, 2000));
       }
     }
+  }
+
+  /**
+   * All-reduce mode, after a collective failed (a peer died or stalled): every rank is rewound to
+   * the newest snapshot (its Restore event sets #restoreTo). Without a snapshot the job fails.
+   */
+  async #rewind(step: number, cause: Error): Promise<void> {
+    const { cfg, bus, rank, log } = this.#o;
+    log?.warn({ step, err: cause.message }, "a collective failed; rewinding every rank to the newest snapshot");
+    try {
+      const req = encodeJobRequest({ job: cfg.job, step, tag: `trainer ${rank}: a collective of step ${step} failed` });
+      await bus.request(subjects.ckptRestore(cfg.job), req, checkpointTimeoutMs);
+    } catch (e) {
+      if (this.#restoreTo !== null) return; // another rank's restore came meanwhile
+      throw new Error(`${cause.message}; and the ranks cannot rewind to a snapshot: ${(e as Error).message}`, { cause });
+    }
+  }
+
+  /** All-reduce mode: takes the restore every rank was loaded with; returns its step. */
+  #applyRestore(to: number): number {
+    const staged = this.#replica!.staged;
+    if (staged === null || staged.step !== to) {
+      throw new Error(`a restore to step ${to} was announced, but this rank holds no complete replica of it`);
+    }
+    const { generation } = this.#replica!.apply();
+    this.#replicaStep = to;
+    this.#o.log?.info({ step: to, generation }, "replica restored");
+    return to;
   }
 
   /** Retries until it succeeds, the run stops, or `waitMsMax` has passed. */
@@ -320,7 +423,7 @@ export class TrainerRun {
     const batch = await this.#batch(step);
     const t1 = performance.now();
     const params = this.#paramsFor(generation);
-    await this.#ps.pull(step, params);
+    await this.#ps!.pull(step, params);
     this.#checkGeneration(step, generation);
     backend.upload(this.#model.store.values.ptr, params);
     const t2 = performance.now();
@@ -345,11 +448,43 @@ export class TrainerRun {
     }
     const t4 = performance.now();
     this.#checkGeneration(step, generation);
-    await this.#ps.push(step, this.#grads);
+    await this.#ps!.push(step, this.#grads);
     const t5 = performance.now();
     this.#publish({
-      kind: EventKind.Step, step, loss, lr: lrAt(this.#schedule, cfg.lr, step), samplesPerS: batch.rows / ((t5 - t0) / 1000),
+      kind: EventKind.Step, step, loss, lr: lrAt(this.#schedule, peakLr(cfg), step), samplesPerS: batch.rows / ((t5 - t0) / 1000),
       dataWaitMs: t1 - t0, pullMs: t2 - t1, computeMs: t4 - t3, pushMs: t5 - t4, count: batch.rows,
+    });
+  }
+
+  /** All-reduce mode: a step on this rank's replica (replica.ts). */
+  async #runReplicaStep(step: number, generation: number): Promise<void> {
+    const { cfg, rank } = this.#o;
+    const replica = this.#replica!;
+    this.#replicaStep = step;
+    const t0 = performance.now();
+    const batch = await this.#batch(step);
+    const t1 = performance.now();
+    this.#checkGeneration(step, generation);
+    const every = evalInterval(cfg, this.#plan.stepsPerEpoch);
+    if (every > 0 && step > 0 && step % every === 0) await this.#evaluate(step);
+    const scheduled = cfg.checkpointEvery > 0 && step % cfg.checkpointEvery === 0;
+    if (rank === 0 && (scheduled || this.#snapshotAsked)) {
+      this.#snapshotAsked = false;
+      await this.#checkpoint(step);
+    }
+    this.#checkGeneration(step, generation);
+    const lr = lrAt(this.#schedule, peakLr(cfg), step);
+    const total = stepRows(this.#plan.trainSamples, this.#plan.stepsPerEpoch, cfg.trainers, cfg.batchSize, step);
+    const micro = batch.rows > 0 ? microBatches(batch, cfg.accumSteps) : [];
+    const r = await replica.step(step, micro, batch.rows, total, lr, toHost(batch));
+    this.#checkGeneration(step, generation);
+    if (cfg.replicaCheckEvery > 0 && ((step + 1) % cfg.replicaCheckEvery === 0 || step + 1 === this.#total)) await replica.checkReplicas(step);
+    this.#replicaStep = step + 1;
+    const t3 = performance.now();
+    this.#publish({
+      kind: EventKind.Step, step, loss: r.loss, lr, samplesPerS: batch.rows / ((t3 - t0) / 1000), dataWaitMs: t1 - t0, computeMs: r.computeMs,
+      commMs: r.commMs, exposedCommMs: r.exposedCommMs, pullMs: 0, pushMs: 0, count: batch.rows,
+      ...(r.skipped ? { text: "f16 gradients overflowed: the update was skipped on every rank" } : {}),
     });
   }
 
@@ -399,7 +534,7 @@ export class TrainerRun {
   /** Evaluates the current parameters on this rank's share of the held-out split. */
   async #evaluate(step: number): Promise<void> {
     const { cfg, rank, bus, backend } = this.#o;
-    if (step >= this.#total) {
+    if (step >= this.#total && this.#ps) {
       const params = this.#paramsFor(this.#generation);
       await this.#ps.pull(step, params); // the final parameters
       backend.upload(this.#model.store.values.ptr, params);

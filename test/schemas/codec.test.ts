@@ -56,7 +56,10 @@ describe("round trips, from unaligned payloads", () => {
     expect(decodeEvent(unaligned(encodeEvent(ev)), limit)).toEqual(ev);
     const spec = { job: "j", trainers: 2, shards: 3, sync: SyncPolicy.SSP, staleness: 2, configJson: "{\"a\":1}", attempt: 3 };
     expect(decodeJobSpec(unaligned(encodeJobSpec(spec)), limit)).toEqual(spec);
-    const state = { job: "j", shard: 1, updates: 4, optimizerSteps: 4, step: 4, chunks: [{ id: 3, version: 4, params: floats(5), state: [{ name: "m", data: floats(5, 3) }] }] };
+    const state = {
+      job: "j", shard: 1, updates: 4, optimizerSteps: 4, step: 4, chunks: [{ id: 3, version: 4, params: floats(5), state: [{ name: "m", data: floats(5, 3) }] }],
+      parts: 3, generation: 1_795_000_000_000, lossScale: 1024,
+    };
     expect(decodeShardState(unaligned(encodeShardState(state)), limit)).toEqual(state);
     const manifest = { formatVersion: 1, job: "j", id: "step-10", step: 10, createdMs: 1.5e12, metric: 0.97, configJson: "{}", files: [{ name: "ps-0.bin", bytes: 123, crc32: 0xdeadbeef }], cursors: [10, 10], modelPath: "/d/j/model.mtm" };
     expect(decodeManifest(unaligned(encodeManifest(manifest)), limit)).toEqual(manifest);

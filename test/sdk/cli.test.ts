@@ -24,8 +24,10 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     [["run", "--batch-size", "100", "--accum", "3"], "batchSize (100) must be a multiple of accumSteps (3)"],
     [["run", "--job", "no spaces"], "job: a job name is 1-64 letters"],
     [["submit", "--sync", "sometimes"], "Allowed choices are bsp, asp, ssp"],
-    [["run", "--precision", "f16"], "precision f16 runs only in a single process (meshtrain train): its loss scaler skips steps"],
-    [["submit", "--precision", "fp8"], "expected one of: f32, tf32, bf16"],
+    [["run", "--precision", "f16"], "precision f16 runs in all-reduce mode (--sync allreduce) or a single process (meshtrain train): its loss scaler skips steps"],
+    [["submit", "--precision", "fp8"], "Allowed choices are f32, tf32, bf16, f16"],
+    [["run", "--scale-lr", "--warmup", "0"], "scaleLr needs warmupSteps > 0"],
+    [["run", "--sync", "allreduce", "--bucket-mb", "0"], "--bucket-mb"],
     [["run", "--shards", "0"], "expected an integer >= 1"],
   ])("mesh job options %p", (args, fragment) => {
     const r = cli(...args);

@@ -9,7 +9,7 @@ import { decodeErrorReply, encodeErrorReply } from "../../schemas/messages.ts";
 import { MemoryBus, subjectMatches } from "../../services/runtime/bus.ts";
 import { loadConfig } from "../../services/runtime/config.ts";
 import { BadRequestError, ConfigError, errorReplyOf, InternalError, MeshError, rebuildError, UnknownJobError } from "../../services/runtime/errors.ts";
-import { jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { jobDefaults, parseJobConfig, peakLr, usesShards } from "../../services/runtime/job.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 
@@ -91,9 +91,24 @@ describe("job config", () => {
     expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", batchPushes: 2 }), ConfigError, "batchPushes");
   });
 
-  test("precision: f32, tf32 or bf16; f16 is refused with the reason; a config stored without it reads as f32", () => {
+  test("all-reduce mode: its options, refusals, and configs stored before them", () => {
+    const c = parseJobConfig({ ...jobDefaults, job: "j", sync: "allreduce", bucketMb: 4, scaleLr: true });
+    expect([c.bucketMb, c.scaleLr, c.replicaCheckEvery, peakLr(c)]).toEqual([4, true, 100, jobDefaults.lr * 2]);
+    expect(usesShards(c)).toBe(false);
+    expect(usesShards(jobDefaults)).toBe(true);
+    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", sync: "allreduce", staleness: 2 }), ConfigError, "not to allreduce");
+    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", sync: "allreduce", batchPushes: 2 }), ConfigError, "not to allreduce");
+    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", scaleLr: true, warmupSteps: 0 }), ConfigError, "scaleLr needs warmupSteps > 0");
+    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", sync: "allreduce", bucketMb: 0 }), ConfigError, "bucketMb");
+    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", sync: "ring" }), ConfigError, "sync");
+    const { scaleLr: _a, bucketMb: _b, replicaCheckEvery: _c, ...older } = { ...jobDefaults, job: "j" };
+    expect(parseJobConfig(older)).toEqual(parseJobConfig({ ...jobDefaults, job: "j" }));
+  });
+
+  test("precision: f32, tf32 or bf16; f16 only in all-reduce mode, refused elsewhere with the reason; a config stored without it reads as f32", () => {
     for (const p of ["f32", "tf32", "bf16"] as const) expect(parseJobConfig({ ...jobDefaults, job: "j", precision: p }).precision).toBe(p);
-    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", precision: "f16" }), ConfigError, "precision f16 runs only in a single process");
+    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", precision: "f16" }), ConfigError, "precision f16 runs in all-reduce mode (--sync allreduce)");
+    expect(parseJobConfig({ ...jobDefaults, job: "j", precision: "f16", sync: "allreduce" }).precision).toBe("f16");
     expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", precision: "fp8" }), ConfigError, "precision:");
     const { precision: _, ...older } = { ...jobDefaults, job: "j" };
     expect(parseJobConfig(older).precision).toBe("f32");

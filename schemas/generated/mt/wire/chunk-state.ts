@@ -7,7 +7,9 @@ import { NamedVector } from '../../mt/wire/named-vector';
 
 /**
  * Everything one parameter-server shard holds for one chunk: parameters, optimizer state,
- * version. Served on `mt.<job>.ps.<shard>.state` for checkpoints; loaded on restore.
+ * version. Served on `mt.<job>.ps.<shard>.state` for checkpoints; loaded on restore. In
+ * all-reduce mode trainer rank 0 serves its replica in the same form, in parts
+ * (`mt.<job>.replica.state`), and every rank loads it (`mt.<job>.replica.<rank>.load`).
  */
 export class ChunkState {
   bb: flatbuffers.ByteBuffer|null = null;

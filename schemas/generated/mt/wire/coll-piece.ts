@@ -46,9 +46,9 @@ job(optionalEncoding?:any):string|Uint8Array|null {
   return offset ? this.bb!.__string(this.bb_pos + offset, optionalEncoding) : null;
 }
 
-generation():number {
+generation():bigint {
   const offset = this.bb!.__offset(this.bb_pos, 8);
-  return offset ? this.bb!.readUint32(this.bb_pos + offset) : 0;
+  return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
 }
 
 /**
@@ -146,8 +146,8 @@ static addJob(builder:flatbuffers.Builder, jobOffset:flatbuffers.Offset) {
   builder.addFieldOffset(1, jobOffset, 0);
 }
 
-static addGeneration(builder:flatbuffers.Builder, generation:number) {
-  builder.addFieldInt32(2, generation, 0);
+static addGeneration(builder:flatbuffers.Builder, generation:bigint) {
+  builder.addFieldInt64(2, generation, BigInt('0'));
 }
 
 static addGroup(builder:flatbuffers.Builder, groupOffset:flatbuffers.Offset) {
@@ -223,7 +223,7 @@ static finishSizePrefixedCollPieceBuffer(builder:flatbuffers.Builder, offset:fla
   builder.finish(offset, 'MTCP', true);
 }
 
-static createCollPiece(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, generation:number, groupOffset:flatbuffers.Offset, from:number, to:number, step:bigint, bucket:number, phase:CollPhase, hop:number, piece:number, offset:bigint, count:number, dataOffset:flatbuffers.Offset, reasonOffset:flatbuffers.Offset):flatbuffers.Offset {
+static createCollPiece(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, generation:bigint, groupOffset:flatbuffers.Offset, from:number, to:number, step:bigint, bucket:number, phase:CollPhase, hop:number, piece:number, offset:bigint, count:number, dataOffset:flatbuffers.Offset, reasonOffset:flatbuffers.Offset):flatbuffers.Offset {
   CollPiece.startCollPiece(builder);
   CollPiece.addSchemaVersion(builder, schemaVersion);
   CollPiece.addJob(builder, jobOffset);

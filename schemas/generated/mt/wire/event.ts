@@ -117,8 +117,22 @@ count():number {
   return offset ? this.bb!.readUint32(this.bb_pos + offset) : 0;
 }
 
+/**
+ * Step, all-reduce mode: time the step's collectives ran, and the part of it the step
+ * waited for after its compute (exposed communication)
+ */
+commMs():number {
+  const offset = this.bb!.__offset(this.bb_pos, 36);
+  return offset ? this.bb!.readFloat32(this.bb_pos + offset) : 0.0;
+}
+
+exposedCommMs():number {
+  const offset = this.bb!.__offset(this.bb_pos, 38);
+  return offset ? this.bb!.readFloat32(this.bb_pos + offset) : 0.0;
+}
+
 static startEvent(builder:flatbuffers.Builder) {
-  builder.startObject(16);
+  builder.startObject(18);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -185,6 +199,14 @@ static addCount(builder:flatbuffers.Builder, count:number) {
   builder.addFieldInt32(15, count, 0);
 }
 
+static addCommMs(builder:flatbuffers.Builder, commMs:number) {
+  builder.addFieldFloat32(16, commMs, 0.0);
+}
+
+static addExposedCommMs(builder:flatbuffers.Builder, exposedCommMs:number) {
+  builder.addFieldFloat32(17, exposedCommMs, 0.0);
+}
+
 static endEvent(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -198,7 +220,7 @@ static finishSizePrefixedEventBuffer(builder:flatbuffers.Builder, offset:flatbuf
   builder.finish(offset, 'MTEV', true);
 }
 
-static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, kind:EventKind, rank:number, step:bigint, timeMs:number, loss:number, lr:number, accuracy:number, samplesPerS:number, dataWaitMs:number, pullMs:number, computeMs:number, pushMs:number, textOffset:flatbuffers.Offset, count:number):flatbuffers.Offset {
+static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, kind:EventKind, rank:number, step:bigint, timeMs:number, loss:number, lr:number, accuracy:number, samplesPerS:number, dataWaitMs:number, pullMs:number, computeMs:number, pushMs:number, textOffset:flatbuffers.Offset, count:number, commMs:number, exposedCommMs:number):flatbuffers.Offset {
   Event.startEvent(builder);
   Event.addSchemaVersion(builder, schemaVersion);
   Event.addJob(builder, jobOffset);
@@ -216,6 +238,8 @@ static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:
   Event.addPushMs(builder, pushMs);
   Event.addText(builder, textOffset);
   Event.addCount(builder, count);
+  Event.addCommMs(builder, commMs);
+  Event.addExposedCommMs(builder, exposedCommMs);
   return Event.endEvent(builder);
 }
 }

@@ -72,8 +72,33 @@ step():bigint {
   return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
 }
 
+/**
+ * a state cut into several messages (a trainer's replica in all-reduce mode): this part's
+ * index is `shard`, and there are `parts` of them; 0 or 1: one message
+ */
+parts():number {
+  const offset = this.bb!.__offset(this.bb_pos, 18);
+  return offset ? this.bb!.readUint32(this.bb_pos + offset) : 0;
+}
+
+/**
+ * all-reduce mode, on restore: the communicator generation every rank resumes with
+ */
+generation():bigint {
+  const offset = this.bb!.__offset(this.bb_pos, 20);
+  return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
+}
+
+/**
+ * all-reduce mode with precision f16: the loss scaler's scale (0: none)
+ */
+lossScale():number {
+  const offset = this.bb!.__offset(this.bb_pos, 22);
+  return offset ? this.bb!.readFloat32(this.bb_pos + offset) : 0.0;
+}
+
 static startShardState(builder:flatbuffers.Builder) {
-  builder.startObject(7);
+  builder.startObject(10);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -116,6 +141,18 @@ static addStep(builder:flatbuffers.Builder, step:bigint) {
   builder.addFieldInt64(6, step, BigInt('0'));
 }
 
+static addParts(builder:flatbuffers.Builder, parts:number) {
+  builder.addFieldInt32(7, parts, 0);
+}
+
+static addGeneration(builder:flatbuffers.Builder, generation:bigint) {
+  builder.addFieldInt64(8, generation, BigInt('0'));
+}
+
+static addLossScale(builder:flatbuffers.Builder, lossScale:number) {
+  builder.addFieldFloat32(9, lossScale, 0.0);
+}
+
 static endShardState(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -129,7 +166,7 @@ static finishSizePrefixedShardStateBuffer(builder:flatbuffers.Builder, offset:fl
   builder.finish(offset, 'MTSS', true);
 }
 
-static createShardState(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, shard:number, updates:bigint, optimizerSteps:bigint, chunksOffset:flatbuffers.Offset, step:bigint):flatbuffers.Offset {
+static createShardState(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, shard:number, updates:bigint, optimizerSteps:bigint, chunksOffset:flatbuffers.Offset, step:bigint, parts:number, generation:bigint, lossScale:number):flatbuffers.Offset {
   ShardState.startShardState(builder);
   ShardState.addSchemaVersion(builder, schemaVersion);
   ShardState.addJob(builder, jobOffset);
@@ -138,6 +175,9 @@ static createShardState(builder:flatbuffers.Builder, schemaVersion:number, jobOf
   ShardState.addOptimizerSteps(builder, optimizerSteps);
   ShardState.addChunks(builder, chunksOffset);
   ShardState.addStep(builder, step);
+  ShardState.addParts(builder, parts);
+  ShardState.addGeneration(builder, generation);
+  ShardState.addLossScale(builder, lossScale);
   return ShardState.endShardState(builder);
 }
 }

@@ -3,5 +3,6 @@
 export enum SyncPolicy {
   BSP = 0,
   ASP = 1,
-  SSP = 2
+  SSP = 2,
+  AllReduce = 3
 }

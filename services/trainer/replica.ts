@@ -1,0 +1,441 @@
+// A trainer rank's replica in all-reduce mode (`sync: "allreduce"`): the parameters, the
+// optimizer state and the loss scaler live in the trainer, and a step is
+//   forward/backward -> average the gradient over the ranks (ring all-reduce over NATS,
+//   bucket by bucket while backward goes on) -> unscale (f16) -> clip by the global norm ->
+//   the same optimizer step on every rank.
+// Every rank reduces to bit-identical gradients (fixed ring order), so the replicas stay equal;
+// a hash of the parameters is compared every `replicaCheckEvery` steps to prove it.
+//
+// Buckets: parameters are grouped, in the order backward completes their gradients, into
+// buckets of about `bucketMb`. The order comes from the tape of a forward pass (the first op to
+// read a parameter is the last backward op to write its gradient); every rank runs the same
+// model, so every rank cuts the same buckets. A bucket's all-reduce starts as soon as backward
+// has written its last gradient; backward yields to the event loop between ops while a bucket is
+// in flight, so its pieces move while the next gradients are computed.
+//
+// Averaging: rank r scales its mean gradient by rows_r / rows (the step's samples over all
+// ranks, known from the data plan) before the sum, so a short last step weighs each sample
+// once, as a single process with the whole batch would.
+//
+// Checkpoints: rank 0 serves its replica in parts (ShardState messages of the job's chunk
+// layout, each under the message limit) to the checkpoint service; on restore every rank is
+// loaded the same parts and applies them at its next step boundary, with the communicator
+// generation the restore assigned (pieces of the earlier generation are refused).
+import type { Backend } from "../../ffi/backend.ts";
+import { EngineError, NonFiniteLossError } from "../../engine/errors.ts";
+import type { Model } from "../../engine/models/model.ts";
+import { AdamW } from "../../engine/optim/adamw.ts";
+import { clipGradNorm } from "../../engine/optim/clip.ts";
+import { LossScaler } from "../../engine/optim/loss-scale.ts";
+import type { Optimizer } from "../../engine/optim/optimizer.ts";
+import { Sgd } from "../../engine/optim/sgd.ts";
+import type { ParamEntry } from "../../engine/params.ts";
+import { RingCollective } from "../../engine/parallel/ring.ts";
+import type { Context, Tensor } from "../../engine/tensor.ts";
+import { type HostBatch, uploadBatch } from "../../engine/train.ts";
+import type { ShardState } from "../../schemas/messages.ts";
+import type { Bus } from "../runtime/bus.ts";
+import { BusTransport, busTransportDefaults, type BusTransportOptions } from "../runtime/collective-bus.ts";
+import { BadRequestError } from "../runtime/errors.ts";
+import type { JobConfig } from "../runtime/job.ts";
+import { buildLayout, type Layout } from "../runtime/layout.ts";
+
+/** Bucket ids at and above this name the replica check's operations, not gradient buckets. */
+const checkBucket = 1 << 24;
+/** Bytes of a replica part's message besides its floats. */
+const partOverheadBytes = 64 << 10;
+/** Bits of the parameter hash per float (exact as an f32 integer, never a NaN). */
+const hashBitsPerFloat = 21;
+
+export class ReplicaDivergedError extends Error {
+  override readonly name = "ReplicaDivergedError";
+}
+
+interface Bucket {
+  id: number;
+  entries: ParamEntry[];
+  /** elements over its entries */
+  numel: number;
+  buf: Float32Array;
+}
+
+export interface ReplicaStepResult {
+  /** this rank's mean loss over its micro-batches */
+  loss: number;
+  /** global norm of the averaged gradient before clipping; Infinity when the step was skipped */
+  gradNorm: number;
+  /** f16: the averaged gradient overflowed and every rank skipped the update */
+  skipped: boolean;
+  /** forward, backward and update */
+  computeMs: number;
+  /** from the first bucket's all-reduce start until the step holds every reduced bucket */
+  commMs: number;
+  /** how long the step waited for all-reduces after its backward was done */
+  exposedCommMs: number;
+}
+
+export interface ReplicaOptions {
+  bus: Bus;
+  backend: Backend;
+  cfg: JobConfig;
+  rank: number;
+  ctx: Context;
+  model: Model;
+  /** the largest message (a part of the replica, a collective piece plus its header) */
+  payloadBytesMax: number;
+  /** collective transport settings over busTransportDefaults (tests shorten the timeouts) */
+  transport?: Partial<Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs">>;
+  progressTimeoutMs?: number;
+}
+
+interface Staged {
+  step: number;
+  generation: number;
+  parts: number;
+  optimizerSteps: number;
+  lossScale: number;
+  got: Map<number, ShardState>;
+}
+
+export class Replica {
+  readonly optimizer: Optimizer;
+  readonly scaler: LossScaler | null;
+  readonly layout: Layout;
+  readonly #o: ReplicaOptions;
+  #generation = 0;
+  #collective: RingCollective;
+  #buckets: Bucket[] | null = null;
+  #bucketOf = new Map<string, Bucket>();
+  #staged: Staged | null = null;
+  /** rank 0: the encoded parts of the replica at a step, kept while the checkpoint service reads them */
+  #exported: { step: number; parts: ShardState[] } | null = null;
+
+  constructor(o: ReplicaOptions) {
+    this.#o = o;
+    const { ctx, model, cfg } = o;
+    const store = model.store;
+    const opt = cfg.optimizer;
+    this.optimizer = opt.kind === "sgd"
+      ? new Sgd(ctx, store, { momentum: opt.momentum, dampening: 0, nesterov: opt.nesterov, weightDecay: opt.weightDecay })
+      : new AdamW(ctx, store, { beta1: opt.beta1, beta2: opt.beta2, eps: opt.eps, weightDecay: opt.weightDecay });
+    this.scaler = ctx.precision === "f16" ? new LossScaler() : null;
+    this.layout = buildLayout(cfg.job, store.slabNumel, store.decayRange.numel, cfg.chunkBytes, 1);
+    this.#collective = this.#connect(0);
+  }
+
+  get generation(): number {
+    return this.#generation;
+  }
+
+  #connect(generation: number): RingCollective {
+    const { bus, cfg, rank, payloadBytesMax } = this.#o;
+    const t = { ...busTransportDefaults, ...this.#o.transport };
+    // a piece and its header fit the message limit
+    const pieceBytesMax = Math.min(t.pieceBytesMax, Math.floor((payloadBytesMax - 4096) / 4) * 4);
+    const transport = new BusTransport(bus, { ...t, pieceBytesMax, job: cfg.job, rank, size: cfg.trainers, generation });
+    return new RingCollective(transport, cfg.trainers, this.#o.progressTimeoutMs ? { progressTimeoutMs: this.#o.progressTimeoutMs } : {});
+  }
+
+  /** Rebuilds the communicator under a new generation: operations in flight fail, stale pieces are refused. */
+  reconnect(generation: number): void {
+    this.#collective.close(`communicator generation ${this.#generation} replaced by ${generation} (a restore)`);
+    this.#generation = generation;
+    this.#collective = this.#connect(generation);
+  }
+
+  close(): void {
+    this.#collective.close("the trainer stopped");
+  }
+
+  /** Fails the operations in flight (a restore abandons the step); the restore's apply() reconnects. */
+  interrupt(): void {
+    this.#collective.close("the step was abandoned for a restore");
+  }
+
+  /**
+   * The buckets, cut from the tape of a forward pass over a one-row batch shaped like `b`
+   * (nothing is computed backward). Every rank cuts the same ones.
+   */
+  #plan(b: HostBatch): Bucket[] {
+    if (this.#buckets) return this.#buckets;
+    const { ctx, model, cfg } = this.#o;
+    const store = model.store;
+    const per = (shape: number[]) => shape.slice(1).reduce((a, d) => a * d, 1);
+    const inputs = b.inputs instanceof Float32Array ? new Float32Array(per(b.inputShape)) : new Int32Array(per(b.inputShape));
+    ctx.newPass();
+    const { x, y } = uploadBatch(ctx, {
+      inputs, inputShape: [1, ...b.inputShape.slice(1)], targets: new Int32Array(per(b.targetShape)), targetShape: [1, ...b.targetShape.slice(1)],
+    });
+    model.loss(x, y);
+    const order = ctx.gradReadyOrder().flat();
+    ctx.newPass();
+    const seen = new Set<string>();
+    const entries: ParamEntry[] = [];
+    for (const t of order) {
+      if (t.name === undefined || seen.has(t.name)) continue;
+      seen.add(t.name);
+      entries.push(store.entry(t.name));
+    }
+    // parameters no op reads have zero gradients; they ride in the last bucket
+    for (const e of store.entries) if (!seen.has(e.name)) entries.push(e);
+    const capElems = Math.max(1, Math.floor((cfg.bucketMb * 1e6) / 4));
+    const buckets: Bucket[] = [];
+    let cur: ParamEntry[] = [], n = 0;
+    const close = () => {
+      buckets.push({ id: buckets.length, entries: cur, numel: n, buf: new Float32Array(n) });
+      cur = [];
+      n = 0;
+    };
+    for (const e of entries) {
+      cur.push(e);
+      n += e.numel;
+      if (n >= capElems) close();
+    }
+    if (cur.length > 0) close();
+    this.#buckets = buckets;
+    for (const bk of buckets) for (const e of bk.entries) this.#bucketOf.set(e.name, bk);
+    return buckets;
+  }
+
+  /** Sizes of the buckets in elements, in the order they are reduced (after the first step). */
+  get bucketSizes(): number[] {
+    return (this.#buckets ?? []).map((b) => b.numel);
+  }
+
+  /**
+   * One step: forward/backward over `micro` (this rank's `rows` samples), the averaged gradient
+   * over all ranks (`totalRows` samples), and the update at `lr`.
+   */
+  async step(step: number, micro: readonly HostBatch[], rows: number, totalRows: number, lr: number, shape: HostBatch): Promise<ReplicaStepResult> {
+    const { ctx, model, backend, cfg } = this.#o;
+    const store = model.store;
+    const buckets = this.#plan(shape);
+    const t0 = performance.now();
+    const weight = totalRows > 0 ? rows / totalRows : 0;
+    const collective = this.#collective;
+    const pending: Promise<void>[] = [];
+    let inFlight = 0;
+    let firstStart = Infinity;
+    const left = new Map(buckets.map((b) => [b, b.entries.length]));
+    const launch = (b: Bucket) => {
+      let at = 0;
+      for (const e of b.entries) {
+        backend.download(store.grads.ptr + e.offset * 4, b.buf.subarray(at, at + e.numel));
+        at += e.numel;
+      }
+      if (weight !== 1) for (let i = 0; i < b.buf.length; i++) b.buf[i]! *= weight;
+      firstStart = Math.min(firstStart, performance.now());
+      inFlight++;
+      const op = collective.allReduce(b.buf, { step, bucket: b.id }, "sum").finally(() => inFlight--);
+      op.catch(() => {}); // awaited below
+      pending.push(op);
+    };
+
+    store.zeroGrad();
+    let loss = 0;
+    const k = micro.length;
+    const dloss = (this.scaler?.scale ?? 1) / Math.max(k, 1);
+    if (k > 0) {
+      const slots = ctx.scalarSlots(k);
+      for (let i = 0; i < k; i++) {
+        ctx.newPass();
+        const { x, y } = uploadBatch(ctx, micro[i]!);
+        const l = model.loss(x, y);
+        backend.copy(slots + 4 * i, l.ptr, 4);
+        if (i < k - 1) {
+          ctx.backward(l, dloss);
+          continue;
+        }
+        for (const ready of ctx.backwardSteps(l, dloss)) {
+          for (const t of ready) {
+            const b = this.#bucketFor(t);
+            const n = left.get(b)! - 1;
+            left.set(b, n);
+            if (n === 0) launch(b);
+          }
+          // let the buckets in flight move while backward goes on
+          if (inFlight > 0) await new Promise<void>((r) => setImmediate(r));
+        }
+      }
+      const values = new Float32Array(k);
+      backend.download(slots, values);
+      for (const v of values) loss += v / k;
+    }
+    // buckets not launched yet: a rank without samples this step, or gradients no op wrote
+    for (const b of buckets) if (left.get(b)! > 0) launch(b);
+    const tBackward = performance.now();
+    await Promise.all(pending);
+    const tReduced = performance.now();
+    for (const b of buckets) {
+      let at = 0;
+      for (const e of b.entries) {
+        backend.upload(store.grads.ptr + e.offset * 4, b.buf.subarray(at, at + e.numel));
+        at += e.numel;
+      }
+    }
+    // a non-finite loss stops the job, but only after the reduction: the peers are not left
+    // waiting for this rank's buckets
+    if (!Number.isFinite(loss)) throw new NonFiniteLossError(step, loss);
+    let finite = true, gradNorm = Infinity;
+    if (this.scaler !== null) finite = this.scaler.unscale(ctx, store);
+    if (finite) {
+      gradNorm = clipGradNorm(ctx, store, cfg.gradClip);
+      this.optimizer.step(lr);
+    }
+    this.scaler?.update(finite, step);
+    const t1 = performance.now();
+    return {
+      loss, gradNorm, skipped: !finite,
+      computeMs: tBackward - t0 + (t1 - tReduced),
+      commMs: pending.length > 0 ? tReduced - firstStart : 0,
+      exposedCommMs: tReduced - tBackward,
+    };
+  }
+
+  #bucketFor(t: Tensor): Bucket {
+    const b = t.name === undefined ? undefined : this.#bucketOf.get(t.name);
+    if (b === undefined) throw new EngineError(`parameter ${t.name ?? "(unnamed)"} is in no gradient bucket: the tape differs from the one the buckets were cut from`);
+    return b;
+  }
+
+  /**
+   * Compares the ranks' parameters: every rank all-gathers every rank's 63-bit hash of its
+   * parameter slab. A difference throws ReplicaDivergedError naming the ranks (on every rank).
+   */
+  async checkReplicas(step: number): Promise<void> {
+    const { cfg, rank, model } = this.#o;
+    const h = Bun.hash(new Uint8Array(model.store.readValues().buffer));
+    const n = cfg.trainers;
+    const buf = new Float32Array(3 * n);
+    const mask = (1n << BigInt(hashBitsPerFloat)) - 1n;
+    for (let i = 0; i < 3; i++) buf[3 * rank + i] = Number((BigInt(h) >> BigInt(hashBitsPerFloat * i)) & mask);
+    await this.#collective.allGather(buf, { step, bucket: checkBucket });
+    const hashOf = (r: number) => [0, 1, 2].map((i) => buf[3 * r + i]!.toString(16)).join(".");
+    const differ = Array.from({ length: n }, (_, r) => r).filter((r) => hashOf(r) !== hashOf(0));
+    if (differ.length > 0) {
+      throw new ReplicaDivergedError(`the replicas diverged by step ${step}: the parameters of rank${differ.length > 1 ? "s" : ""} ${differ.join(", ")} `
+        + `hash ${differ.map(hashOf).join(", ")}, rank 0's ${hashOf(0)}; every rank should apply the same averaged gradient`);
+    }
+  }
+
+  /**
+   * Rank 0: part `part` of the replica as it is at `step` (parameters, optimizer state, step
+   * count, loss scale), cut along the job's chunks so that each part fits `partBytesMax`.
+   */
+  exportPart(step: number, part: number, partBytesMax: number): ShardState {
+    if (this.#exported?.step !== step) this.#exported = { step, parts: this.#exportParts(step, partBytesMax) };
+    const parts = this.#exported.parts;
+    if (!Number.isInteger(part) || part < 0 || part >= parts.length) throw new BadRequestError(`the replica has parts 0 to ${parts.length - 1}, not ${part}`);
+    return parts[part]!;
+  }
+
+  #exportParts(step: number, partBytesMax: number): ShardState[] {
+    const { model, backend, cfg } = this.#o;
+    const store = model.store;
+    const slabs = this.optimizer.stateSlabs();
+    const values = store.readValues();
+    const states = slabs.map((s) => {
+      const v = new Float32Array(store.slabNumel);
+      backend.download(s.allocation.ptr, v);
+      return { name: s.name, data: v };
+    });
+    const perElem = 4 * (1 + slabs.length);
+    const budget = Math.max(perElem * this.layout.chunkElems, partBytesMax - partOverheadBytes);
+    const groups: (typeof this.layout.chunks)[] = [[]];
+    let bytes = 0;
+    for (const c of this.layout.chunks) {
+      const need = c.count * perElem + 256;
+      if (bytes + need > budget && groups.at(-1)!.length > 0) {
+        groups.push([]);
+        bytes = 0;
+      }
+      groups.at(-1)!.push(c);
+      bytes += need;
+    }
+    const steps = this.optimizer.stepCount;
+    return groups.map((chunks, p) => ({
+      job: cfg.job, shard: p, parts: groups.length, updates: steps, optimizerSteps: steps, step, generation: 0, lossScale: this.scaler?.scale ?? 0,
+      chunks: chunks.map((c) => ({
+        id: c.id, version: steps, params: values.slice(c.offset, c.offset + c.count),
+        state: states.map((s) => ({ name: s.name, data: s.data.slice(c.offset, c.offset + c.count) })),
+      })),
+    }));
+  }
+
+  /**
+   * Takes one part of a snapshot's replica (a restore). Everything is checked before it is kept;
+   * nothing changes until every part of one restore is here and apply() runs.
+   */
+  stage(s: ShardState): void {
+    const { cfg } = this.#o;
+    const parts = s.parts ?? 0;
+    if (s.job !== cfg.job) throw new BadRequestError(`a replica of job ${s.job} loaded into job ${cfg.job}`);
+    if (!(parts >= 1) || s.shard >= parts) throw new BadRequestError(`replica part ${s.shard} of ${parts}`);
+    if (!((s.generation ?? 0) > 0)) throw new BadRequestError("a replica load names no communicator generation");
+    if (!Number.isSafeInteger(s.step) || s.step < 0) throw new BadRequestError(`replica of step ${s.step}`);
+    if (!(Number.isFinite(s.lossScale ?? 0) && (s.lossScale ?? 0) >= 0)) throw new BadRequestError(`replica with loss scale ${s.lossScale}`);
+    const names = this.optimizer.stateSlabs().map((x) => x.name).join(",");
+    for (const c of s.chunks) {
+      const info = this.layout.chunks[c.id];
+      if (!info) throw new BadRequestError(`replica chunk ${c.id}: the job has chunks 0 to ${this.layout.chunks.length - 1}`);
+      if (c.params.length !== info.count) throw new BadRequestError(`replica chunk ${c.id} has ${c.params.length} values, expected ${info.count}`);
+      if (c.state.map((v) => v.name).join(",") !== names) throw new BadRequestError(`replica chunk ${c.id} has optimizer state [${c.state.map((v) => v.name).join(",")}], this job needs [${names}]`);
+      for (const v of [c.params, ...c.state.map((x) => x.data)]) {
+        if (v.length !== info.count) throw new BadRequestError(`replica chunk ${c.id} has a state vector of ${v.length} values, expected ${info.count}`);
+        for (let i = 0; i < v.length; i++) if (!Number.isFinite(v[i]!)) throw new BadRequestError(`replica chunk ${c.id} holds a non-finite value`);
+      }
+    }
+    const g = s.generation!;
+    const cur = this.#staged;
+    if (cur === null || cur.generation !== g) {
+      if (cur !== null && g < cur.generation) throw new BadRequestError(`replica of generation ${g}; a load of generation ${cur.generation} is under way`);
+      this.#staged = { step: s.step, generation: g, parts, optimizerSteps: s.optimizerSteps, lossScale: s.lossScale ?? 0, got: new Map() };
+    }
+    const st = this.#staged!;
+    if (st.step !== s.step || st.parts !== parts) throw new BadRequestError(`replica part of step ${s.step} (${parts} parts) in a load of step ${st.step} (${st.parts} parts)`);
+    st.got.set(s.shard, s);
+  }
+
+  /** The restore staged completely (every part, every chunk once), or null. */
+  get staged(): { step: number; generation: number } | null {
+    const st = this.#staged;
+    if (st === null || st.got.size !== st.parts) return null;
+    const ids = [...st.got.values()].flatMap((p) => p.chunks.map((c) => c.id));
+    if (ids.length !== this.layout.chunks.length || new Set(ids).size !== ids.length) return null;
+    return { step: st.step, generation: st.generation };
+  }
+
+  /** Applies the staged restore: parameters, optimizer state, loss scale, and the communicator's generation. */
+  apply(): { step: number; generation: number } {
+    const done = this.staged;
+    if (done === null) throw new EngineError("no complete replica is staged");
+    const st = this.#staged!;
+    const { model, backend } = this.#o;
+    const store = model.store;
+    const values = store.readValues();
+    const slabs = this.optimizer.stateSlabs();
+    const states = slabs.map(() => new Float32Array(store.slabNumel));
+    for (const part of st.got.values()) {
+      for (const c of part.chunks) {
+        const info = this.layout.chunks[c.id]!;
+        values.set(c.params, info.offset);
+        c.state.forEach((v, i) => states[i]!.set(v.data, info.offset));
+      }
+    }
+    store.writeValues(values);
+    slabs.forEach((s, i) => backend.upload(s.allocation.ptr, states[i]!));
+    this.optimizer.setStepCount(st.optimizerSteps);
+    if (this.scaler !== null && st.lossScale > 0) this.scaler.restoreScale(st.lossScale);
+    store.zeroGrad();
+    this.#staged = null;
+    this.#exported = null;
+    this.reconnect(done.generation);
+    return done;
+  }
+}
+
+/** The samples every rank trains on at `step` together (the DistributedSampler's step size). */
+export function stepRows(trainSamples: number, stepsPerEpoch: number, trainers: number, batchSize: number, step: number): number {
+  const s = step % Math.max(stepsPerEpoch, 1);
+  return Math.max(0, Math.min(trainers * batchSize, trainSamples - s * trainers * batchSize));
+}

@@ -1,0 +1,113 @@
+// All-reduce mode on the whole mesh as a user runs it (a real nats-server, every service a
+// process, no parameter-server shard): a short run that learns and exports its model, and the
+// chaos test: SIGKILL a trainer mid-run, every rank rewinds to the newest snapshot of rank 0's
+// replica, and the job finishes with every step once.
+import { afterAll, describe, expect, test } from "bun:test";
+import { join } from "node:path";
+import { existsSync, readdirSync } from "node:fs";
+import { ImageBatcher } from "../../engine/data/images.ts";
+import { loadMnist } from "../../engine/data/mnist.ts";
+import { loadSlabInto, readModelFile } from "../../engine/modelfile.ts";
+import { MlpModel } from "../../engine/models/mlp.ts";
+import { Context } from "../../engine/tensor.ts";
+import { evaluate } from "../../engine/train.ts";
+import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
+import { totalSteps as jobTotalSteps } from "../../services/data-loader/sampler.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { MeshClient } from "../../sdk/client.ts";
+import { LocalMesh } from "../../sdk/launcher.ts";
+import { watchJob } from "../../sdk/watch.ts";
+import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
+
+afterAll(removeTempDirs);
+
+const config = (over: Partial<JobConfig>): JobConfig => parseJobConfig({
+  // 16 KB chunks and 16 KB buckets: the snapshot is cut into chunks, the gradient into buckets
+  ...jobDefaults, sync: "allreduce", model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 }, epochs: 1, warmupSteps: 20, chunkBytes: 16 << 10,
+  bucketMb: 0.016, replicaCheckEvery: 25, ...over,
+});
+
+const startMesh = (prefix: string, o: { onEvent?: (line: string) => void } = {}) => {
+  const dir = tempDir(prefix);
+  return LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 2, shards: 0, ...o });
+};
+
+function modelFileAccuracy(path: string): number {
+  const loaded = readModelFile(path);
+  const ctx = new Context(new CpuBackend(), { seed: 0 });
+  try {
+    const model = new MlpModel(ctx, loaded.header.config as ConstructorParameters<typeof MlpModel>[1], 0);
+    loadSlabInto(path, model.store, loaded);
+    return evaluate(ctx, model, new ImageBatcher(loadMnist().test, 1000).epoch(0, 0, false, false)).accuracy;
+  } finally {
+    ctx.dispose();
+  }
+}
+
+/** Each rank's steps as they stand at the end: a restore to T discards the steps >= T run before it. */
+function effectiveSteps(events: readonly Event[], trainers: number): number[][] {
+  const steps: number[][] = Array.from({ length: trainers }, () => []);
+  for (const e of events) {
+    if (e.kind === EventKind.Restore) for (const r of steps) r.splice(0, r.length, ...r.filter((s) => s < e.step));
+    if (e.kind === EventKind.Step) steps[e.rank]!.push(e.step);
+  }
+  return steps;
+}
+
+describe("all-reduce mode on the mesh", () => {
+  test("a short run with no parameter-server shard learns; the step split shows the all-reduce; its final snapshot of the replica is exported", async () => {
+    await using mesh = await startMesh("mt-ar-");
+    await using client = await MeshClient.connect(mesh.url);
+    const cfg = config({ job: "ar", checkpointEvery: 100, gradClip: 5, accumSteps: 2, scaleLr: true, lr: 0.05 });
+    const total = jobTotalSteps(cfg);
+    const seen: Event[] = [];
+    await client.submit(cfg, { membersWaitMs: 60_000 });
+    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
+    expect(r.record.state).toBe(JobState.Done);
+    expect(r.record.accuracy).toBeGreaterThan(0.9);
+    expect(r.record.evaluated).toBe(10_000);
+    const steps = effectiveSteps(seen, 2);
+    for (const rank of [0, 1]) expect(steps[rank]).toEqual(Array.from({ length: total }, (_, i) => i));
+    const stepEvents = seen.filter((e) => e.kind === EventKind.Step);
+    expect(stepEvents.every((e) => e.pullMs === 0 && e.pushMs === 0)).toBe(true);
+    expect(stepEvents.filter((e) => !(e.commMs > 0 && e.exposedCommMs >= 0 && e.exposedCommMs <= e.commMs))).toEqual([]);
+    // --scale-lr: the schedule peaks at lr x 2 trainers
+    expect(Math.max(...stepEvents.map((e) => e.lr))).toBeCloseTo(0.1, 6);
+    expect(seen.some((e) => e.kind === EventKind.Failed)).toBe(false);
+    // snapshots of rank 0's replica, in parts; the final one exported as the model file
+    const snapDir = join(r.record.snapshotDir, r.record.snapshot);
+    expect(readdirSync(snapDir).filter((f) => f.startsWith("replica-")).length).toBeGreaterThan(0);
+    expect(readdirSync(snapDir).some((f) => f.startsWith("ps-"))).toBe(false);
+    expect(existsSync(r.record.modelPath)).toBe(true);
+    expect(modelFileAccuracy(r.record.modelPath)).toBeCloseTo(r.record.accuracy, 6);
+  }, 180_000);
+
+  test("SIGKILL of a trainer mid-run: every rank rewinds to the newest snapshot of the replica and the job finishes, every step once", async () => {
+    const launcherLines: string[] = [];
+    await using mesh = await startMesh("mt-ar-chaos-", { onEvent: (l) => launcherLines.push(l) });
+    await using client = await MeshClient.connect(mesh.url);
+    const cfg = config({ job: "ar-chaos", epochs: 2, checkpointEvery: 40 });
+    const total = jobTotalSteps(cfg);
+    const seen: Event[] = [];
+    let killedAt = -1;
+    await client.submit(cfg, { membersWaitMs: 60_000 });
+    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => {
+      seen.push(e);
+      if (killedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step >= 150) {
+        killedAt = e.step;
+        mesh.kill("trainer-1", "SIGKILL");
+      }
+    } });
+    expect(r.record.state).toBe(JobState.Done);
+    expect(killedAt).toBeGreaterThan(0);
+    expect(launcherLines.some((l) => l.includes("trainer-1 died (signal SIGKILL); restarting"))).toBe(true);
+    const restores = seen.filter((e) => e.kind === EventKind.Restore);
+    expect(restores.length).toBeGreaterThanOrEqual(1);
+    expect(restores[0]!.step % 40).toBe(0);
+    expect(restores[0]!.step).toBeLessThanOrEqual(killedAt + 1);
+    expect(r.record.accuracy).toBeGreaterThan(0.93);
+    const steps = effectiveSteps(seen, 2);
+    for (const rank of [0, 1]) expect(steps[rank]).toEqual(Array.from({ length: total }, (_, i) => i));
+  }, 300_000);
+});

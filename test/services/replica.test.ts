@@ -1,0 +1,196 @@
+// All-reduce mode's replicas (services/trainer/replica.ts), several ranks in one process over the
+// in-memory bus: the averaged step against one process with the whole batch, buckets cut in
+// backward order, the replica check, and snapshot parts (export, hostile loads, restore).
+import { describe, expect, test } from "bun:test";
+import { loadMnist } from "../../engine/data/mnist.ts";
+import type { MlpModel } from "../../engine/models/mlp.ts";
+import { Sgd } from "../../engine/optim/sgd.ts";
+import { Context } from "../../engine/tensor.ts";
+import { type HostBatch, TrainStep } from "../../engine/train.ts";
+import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { MemoryBus } from "../../services/runtime/bus.ts";
+import { BadRequestError } from "../../services/runtime/errors.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { buildModel } from "../../services/runtime/model.ts";
+import { Replica, ReplicaDivergedError, stepRows } from "../../services/trainer/replica.ts";
+
+const mnist = loadMnist();
+const cols = 784;
+
+const config = (over: Partial<JobConfig> = {}): JobConfig => parseJobConfig({
+  ...jobDefaults, job: "replica", sync: "allreduce", model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 }, trainers: 2, bucketMb: 0.002,
+  chunkBytes: 16 << 10, gradClip: 1, ...over,
+});
+
+/** Rows [from, from+n) of the MNIST training set. */
+function batch(from: number, n: number): HostBatch {
+  const x = new Float32Array(n * cols);
+  for (let i = 0; i < n * cols; i++) x[i] = mnist.train.images[from * cols + i]! / 255;
+  const y = new Int32Array(n);
+  for (let i = 0; i < n; i++) y[i] = mnist.train.labels[from + i]!;
+  return { inputs: x, inputShape: [n, cols], targets: y, targetShape: [n] };
+}
+
+interface Rank {
+  ctx: Context;
+  model: MlpModel;
+  replica: Replica;
+}
+
+function ranks(cfg: JobConfig, bus = new MemoryBus()): Rank[] {
+  return Array.from({ length: cfg.trainers }, (_, rank) => {
+    const ctx = new Context(new CpuBackend(), { seed: 7 + rank, precision: cfg.precision });
+    const model = buildModel(ctx, cfg);
+    const replica = new Replica({ bus, backend: ctx.backend, cfg, rank, ctx, model, payloadBytesMax: 1 << 20, transport: { peerLostMs: 5_000 }, progressTimeoutMs: 5_000 });
+    return { ctx, model, replica };
+  });
+}
+
+const dispose = (rs: Rank[]) => {
+  for (const r of rs) {
+    r.replica.close();
+    r.ctx.dispose();
+  }
+};
+
+const relDiff = (a: number, b: number) => Math.abs(a - b) / Math.max(Math.abs(b), 1e-12);
+
+describe("all-reduce replicas", () => {
+  test("2 ranks x batch b follow one process with batch 2b for 50 steps (<= 1e-4), with global-norm clipping; the replicas stay bit-identical", async () => {
+    const cfg = config();
+    const b = 32, lr = 0.05;
+    const rs = ranks(cfg);
+    const ctx = new Context(new CpuBackend(), { seed: 0 });
+    const single = buildModel(ctx, cfg);
+    const o = cfg.optimizer.kind === "sgd" ? cfg.optimizer : null;
+    const opt = new Sgd(ctx, single.store, { momentum: o!.momentum, dampening: 0, nesterov: o!.nesterov, weightDecay: o!.weightDecay });
+    const train = new TrainStep(ctx, single, opt, { lr, schedule: { kind: "constant" }, gradClip: cfg.gradClip, accumSteps: 1 });
+    let worst = 0, clipped = 0;
+    try {
+      for (let s = 0; s < 50; s++) {
+        const whole = train.run([batch(s * 2 * b, 2 * b)]);
+        const results = await Promise.all(rs.map((r, rank) => {
+          const mine = batch(s * 2 * b + rank * b, b);
+          return r.replica.step(s, [mine], b, 2 * b, lr, mine);
+        }));
+        const loss = (results[0]!.loss + results[1]!.loss) / 2;
+        worst = Math.max(worst, relDiff(loss, whole.loss), relDiff(results[0]!.gradNorm, whole.gradNorm));
+        expect(results[0]!.gradNorm).toBe(results[1]!.gradNorm); // one averaged gradient on every rank
+        if (whole.gradNorm > cfg.gradClip) clipped++;
+      }
+      expect(worst).toBeLessThanOrEqual(1e-4);
+      expect(clipped).toBeGreaterThan(0); // the clip was exercised
+      const [p0, p1] = rs.map((r) => r.model.store.readValues());
+      expect(Buffer.from(p0!.buffer).equals(Buffer.from(p1!.buffer))).toBe(true);
+      const ref = single.store.readValues();
+      let maxErr = 0;
+      for (let i = 0; i < ref.length; i++) maxErr = Math.max(maxErr, Math.abs(p0![i]! - ref[i]!));
+      expect(maxErr).toBeLessThan(1e-4);
+      // several buckets (2 KB: the last layer and its bias, then the first layer), cut in backward order
+      expect(rs[0]!.replica.bucketSizes).toEqual([640 + 10, 64 + 784 * 64]);
+      expect(rs[0]!.replica.bucketSizes.reduce((a, n) => a + n, 0)).toBe(single.store.paramCount);
+      await Promise.all(rs.map((r) => r.replica.checkReplicas(50)));
+    } finally {
+      dispose(rs);
+      ctx.dispose();
+    }
+  }, 60_000);
+
+  test("a rank without samples (the epoch's short last step) still reduces, and the step weighs each sample once", async () => {
+    const cfg = config({ gradClip: 0 });
+    const rs = ranks(cfg);
+    const ctx = new Context(new CpuBackend(), { seed: 0 });
+    const single = buildModel(ctx, cfg);
+    const o = cfg.optimizer.kind === "sgd" ? cfg.optimizer : null;
+    const opt = new Sgd(ctx, single.store, { momentum: o!.momentum, dampening: 0, nesterov: o!.nesterov, weightDecay: o!.weightDecay });
+    const train = new TrainStep(ctx, single, opt, { lr: 0.1, schedule: { kind: "constant" }, gradClip: 0, accumSteps: 1 });
+    try {
+      const only = batch(0, 3);
+      const whole = train.run([only]);
+      const [r0] = await Promise.all([
+        rs[0]!.replica.step(0, [only], 3, 3, 0.1, only),
+        rs[1]!.replica.step(0, [], 0, 3, 0.1, { ...only, inputs: new Float32Array(0), inputShape: [0, cols], targets: new Int32Array(0), targetShape: [0] }),
+      ]);
+      expect(relDiff(r0!.gradNorm, whole.gradNorm)).toBeLessThan(1e-5);
+      const ref = single.store.readValues(), p1 = rs[1]!.model.store.readValues();
+      for (let i = 0; i < ref.length; i += 97) expect(Math.abs(p1[i]! - ref[i]!)).toBeLessThan(1e-6);
+    } finally {
+      dispose(rs);
+      ctx.dispose();
+    }
+  });
+
+  test("stepRows: the samples of a step over all ranks, the short last step of each epoch included", () => {
+    expect(stepRows(1000, 4, 2, 128, 0)).toBe(256);
+    expect(stepRows(1000, 4, 2, 128, 3)).toBe(1000 - 3 * 256);
+    expect(stepRows(1000, 4, 2, 128, 7)).toBe(1000 - 3 * 256); // epoch 1's last step
+  });
+
+  test("a replica that differs is caught by the hash check on every rank", async () => {
+    const cfg = config();
+    const rs = ranks(cfg);
+    try {
+      await Promise.all(rs.map((r) => r.replica.checkReplicas(0)));
+      const v = rs[1]!.model.store.readValues();
+      v[5] = v[5]! + 1e-7;
+      rs[1]!.model.store.writeValues(v);
+      const outcomes = await Promise.allSettled(rs.map((r) => r.replica.checkReplicas(1)));
+      for (const o of outcomes) {
+        expect(o.status).toBe("rejected");
+        expect((o as PromiseRejectedResult).reason).toBeInstanceOf(ReplicaDivergedError);
+        expect(String((o as PromiseRejectedResult).reason.message)).toContain("rank 1");
+      }
+    } finally {
+      dispose(rs);
+    }
+  });
+
+  test("snapshot parts: exported under the size limit, hostile parts refused without a change, a restore continues on the same trajectory", async () => {
+    const cfg = config({ optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 } });
+    const rs = ranks(cfg);
+    const rest = ranks(cfg, new MemoryBus()); // a second pair that resumes from rank 0's snapshot
+    try {
+      const run = async (group: Rank[], s: number) => Promise.all(group.map((r, rank) => {
+        const mine = batch(s * 16 + rank * 8, 8);
+        return r.replica.step(s, [mine], 8, 16, 1e-3, mine);
+      }));
+      for (let s = 0; s < 3; s++) await run(rs, s);
+      const partBytes = 96 << 10; // 204 KB of parameters x 3 slabs: several parts
+      const first = rs[0]!.replica.exportPart(3, 0, partBytes);
+      const parts = Array.from({ length: first.parts! }, (_, p) => rs[0]!.replica.exportPart(3, p, partBytes));
+      expect(parts.length).toBeGreaterThan(3);
+      expect(() => rs[0]!.replica.exportPart(3, parts.length, partBytes)).toThrow(BadRequestError);
+      const before = rest[0]!.model.store.readValues();
+      const target = rest[0]!.replica;
+      const hostile = [
+        { ...parts[0]!, job: "other" },
+        { ...parts[0]!, generation: 0 },
+        { ...parts[0]!, shard: parts.length },
+        { ...parts[0]!, chunks: [{ ...parts[0]!.chunks[0]!, id: 999 }] },
+        { ...parts[0]!, chunks: [{ ...parts[0]!.chunks[0]!, params: parts[0]!.chunks[0]!.params.slice(1) }] },
+        { ...parts[0]!, chunks: [{ ...parts[0]!.chunks[0]!, params: parts[0]!.chunks[0]!.params.map((v, i) => (i === 3 ? Number.NaN : v)) }] },
+        { ...parts[0]!, chunks: [{ ...parts[0]!.chunks[0]!, state: parts[0]!.chunks[0]!.state.slice(1) }] },
+      ];
+      for (const h of hostile) expect(() => target.stage({ ...h, generation: h.generation ?? 5 })).toThrow(BadRequestError);
+      expect(target.staged).toBeNull();
+      expect(Buffer.from(rest[0]!.model.store.readValues().buffer).equals(Buffer.from(before.buffer))).toBe(true);
+      // every part into both ranks of the second pair, then both pairs go on: the same parameters
+      for (const r of rest) {
+        for (const p of parts.slice(0, -1)) r.replica.stage({ ...p, generation: 5 });
+        expect(r.replica.staged).toBeNull(); // not complete yet
+        r.replica.stage({ ...parts.at(-1)!, generation: 5 });
+        expect(r.replica.apply()).toEqual({ step: 3, generation: 5 });
+      }
+      for (let s = 3; s < 6; s++) {
+        await run(rs, s);
+        await run(rest, s);
+      }
+      const a = rs[0]!.model.store.readValues(), c = rest[1]!.model.store.readValues();
+      expect(Buffer.from(a.buffer).equals(Buffer.from(c.buffer))).toBe(true);
+      expect(rest[0]!.replica.optimizer.stepCount).toBe(6);
+    } finally {
+      dispose(rs);
+      dispose(rest);
+    }
+  });
+});
