@@ -493,6 +493,8 @@ export interface JobRequest {
   job: string;
   step: number;
   tag: string;
+  /** ps.<k>.norm's reply: a shard's sum of squares (absent: 0) */
+  value?: number;
 }
 
 const jobRequestRoot = root("JobRequest", "MTJR", (bb) => JobRequestT.getRootAsJobRequest(bb));
@@ -500,12 +502,15 @@ const jobRequestRoot = root("JobRequest", "MTJR", (bb) => JobRequestT.getRootAsJ
 export function encodeJobRequest(m: JobRequest): Uint8Array {
   const b = builder(128);
   const job = str(b, m.job), tag = str(b, m.tag);
-  return finishBytes(b, JobRequestT.createJobRequest(b, schemaVersion, job, big(m.step), tag), jobRequestRoot.identifier);
+  return finishBytes(b, JobRequestT.createJobRequest(b, schemaVersion, job, big(m.step), tag, m.value ?? 0), jobRequestRoot.identifier);
 }
 
 export function decodeJobRequest(data: Uint8Array, bytesMax: number): JobRequest {
   const r = openRoot(data, jobRequestRoot, bytesMax);
-  return guarded("JobRequest", () => ({ job: r.job() ?? "", step: num(r.step()), tag: r.tag() ?? "" }));
+  return guarded("JobRequest", () => {
+    const value = r.value();
+    return { job: r.job() ?? "", step: num(r.step()), tag: r.tag() ?? "", ...(value !== 0 ? { value } : {}) };
+  });
 }
 
 // ---- shard stats ---------------------------------------------------------------------------

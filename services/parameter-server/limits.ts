@@ -17,3 +17,6 @@ export const planRequestMs = 5_000;
 export const planWaitMsMax = 300_000;
 
 if (chunkBytesMax > payloadBytesMaxDefault) throw new Error("limits: chunkBytesMax must fit the default payload limit");
+/** BSP clipping: how long a shard waits for the others' parts of a step's gradient norm (they
+ *  wait for the same pushes its pulls do). */
+export const normWaitMs = 120_000;

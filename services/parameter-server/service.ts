@@ -14,7 +14,7 @@ import { configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects, u
 import type { Logger } from "../runtime/log.ts";
 import { initialParameters } from "../runtime/model.ts";
 import { buildLayout } from "../runtime/layout.ts";
-import { jobsMaxDefault, planRequestMs, planWaitMsMax } from "./limits.ts";
+import { jobsMaxDefault, normWaitMs, planRequestMs, planWaitMsMax } from "./limits.ts";
 import { ParameterShard } from "./shard.ts";
 
 interface JobEntry {
@@ -67,6 +67,12 @@ export class ParameterServer {
       const m = decodeJobRequest(data, this.payloadBytesMax);
       return encodeShardState(this.#entry(subject, m.job).shard.exportState());
     });
+    // BSP clipping: this shard's sum of squares of a step's averaged gradient, once it has it
+    on("norm", async (subject, data) => {
+      const m = decodeJobRequest(data, this.payloadBytesMax);
+      const value = await this.#entry(subject, m.job).shard.partialNorm(m.step, normWaitMs);
+      return encodeJobRequest({ job: m.job, step: m.step, tag: "", value });
+    });
     on("load", (subject, data) => {
       // snapshots are as large as the shard's parameters and state: allow 64 MB
       const s = decodeShardState(data, Math.max(this.payloadBytesMax, 64 << 20));
@@ -74,6 +80,29 @@ export class ParameterServer {
       this.log?.info({ job: s.job, step: s.step }, "shard state loaded");
       return encodeShardStats({ job: s.job, shard: k, chunks: s.chunks.length, elements: 0, updates: s.updates, pushes: 0, duplicates: 0, pulls: 0, waiting: 0, clocks: [] });
     });
+  }
+
+  /**
+   * The global norm of a step's averaged gradient: every chunk-owning shard's sum of squares,
+   * added in shard order (every shard gets the same bits). Retried until normWaitMs has passed.
+   */
+  async #agreeNorm(cfg: JobConfig, owners: readonly number[], step: number, own: number): Promise<number> {
+    const req = encodeJobRequest({ job: cfg.job, step, tag: "" });
+    const started = Date.now();
+    const parts = await Promise.all(owners.map(async (k) => {
+      if (k === this.shardIndex) return own;
+      for (let attempt = 1; ; attempt++) {
+        try {
+          return decodeJobRequest(await this.bus.request(subjects.psNorm(cfg.job, k), req, normWaitMs), 1 << 16).value ?? 0;
+        } catch (e) {
+          if (Date.now() - started > normWaitMs || !this.#jobs.has(cfg.job)) throw e;
+          await Bun.sleep(Math.min(100 * attempt, 2000));
+        }
+      }
+    }));
+    let sum = 0;
+    for (const p of parts) sum += p;
+    return Math.sqrt(sum);
   }
 
   #entry(subject: string, messageJob: string): JobEntry {
@@ -106,7 +135,12 @@ export class ParameterServer {
       if (abort.signal.aborted) return;
       const init = initialParameters(cfg, this.backend);
       const layout = buildLayout(cfg.job, init.values.length, init.decayElems, cfg.chunkBytes, cfg.shards);
-      const shard = new ParameterShard({ backend: this.backend, config: cfg, layout, shard: this.shardIndex, totalSteps, initial: init.values });
+      const owners = layout.byShard.flatMap((ids, k) => (ids.length > 0 ? [k] : []));
+      const shard = new ParameterShard({
+        backend: this.backend, config: cfg, layout, shard: this.shardIndex, totalSteps, initial: init.values,
+        ...(owners.length > 1 ? { agreeNorm: (step: number, own: number) => this.#agreeNorm(cfg, owners, step, own) } : {}),
+      });
+      shard.onNormFailure = (step, e) => this.log?.error({ job: cfg.job, step, err: e.message }, "the shards did not agree on the gradient norm");
       this.#jobs.set(cfg.job, { shard, pushes: 0, duplicates: 0, pulls: 0 });
       this.log?.info({ job: cfg.job, chunks: shard.ids.length, elements: shard.elements, sync: cfg.sync, totalSteps }, "job opened");
       this.#restoreIfResumed(cfg.job);

@@ -8,11 +8,18 @@
 //   BSP: every requested chunk has version >= s (the aggregated updates of steps < s applied),
 //   SSP: the slowest trainer's clock >= s - staleness,
 //   ASP: never.
+// Global-norm clipping (gradClip > 0) under BSP: a step's averaged gradient is spread over the
+// shards, so its norm is agreed before anyone applies it. Once every chunk of this shard has
+// all W pushes of step s, the shard computes its part of the sum of squares, learns the other
+// shards' parts (`agreeNorm`: service.ts asks them over `ps.<k>.norm`), scales by
+// gradClip / (norm + 1e-6) when the norm exceeds gradClip, and applies. (ASP and SSP apply
+// each push as it comes: there the trainer clips its own gradient, whose norm is the global
+// norm of that update.)
 import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { lrAt, type Schedule, scheduleOf } from "../../engine/optim/schedule.ts";
 import { DType, type Chunk, type ChunkState, encodePullReply, type PushReply, type PushRequest, type ShardState } from "../../schemas/messages.ts";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/errors.ts";
-import { type JobConfig, peakLr } from "../runtime/job.ts";
+import { type JobConfig, peakLr, shardsClip } from "../runtime/job.ts";
 import type { ChunkInfo, Layout } from "../runtime/layout.ts";
 import { pullWaitersMax, pullWaitMsMax } from "./limits.ts";
 
@@ -48,7 +55,11 @@ export interface ShardOptions {
   totalSteps: number;
   /** the job's initial flat parameter vector (each shard keeps its chunks) */
   initial: Float32Array;
+  /** BSP with gradClip: the global norm of step `step`'s averaged gradient, given this shard's
+   *  sum of squares (absent: this shard is the only one that owns chunks) */
+  agreeNorm?: (step: number, sumSquares: number) => Promise<number>;
 }
+
 
 export class ParameterShard {
   readonly job: string;
@@ -72,6 +83,14 @@ export class ParameterShard {
   readonly #waiters = new Set<Waiter>();
   readonly #schedule: Schedule;
   #disposed = false;
+  readonly #agreeNorm: ShardOptions["agreeNorm"];
+  /** BSP clipping: chunks whose averaged gradient of the current step waits for the global norm */
+  readonly #clipWait = new Set<ChunkSlot>();
+  /** BSP clipping: this shard's sum of squares per recent step, and who waits for one */
+  readonly #partials = new Map<number, number>();
+  readonly #partialWaiters = new Map<number, ((v: number) => void)[]>();
+  /** bumped by a restore: a norm agreed for the state before it is dropped */
+  #epoch = 0;
 
   constructor(o: ShardOptions) {
     this.job = o.config.job;
@@ -103,6 +122,29 @@ export class ParameterShard {
     this.#received = Array.from({ length: W }, () => new Map());
     const c = o.config;
     this.#schedule = scheduleOf(c.schedule, c.warmupSteps, o.totalSteps, c.minLr);
+    this.#agreeNorm = o.agreeNorm;
+  }
+
+  /**
+   * This shard's sum of squares of step `step`'s averaged gradient (BSP clipping), once every
+   * chunk it owns has all the step's pushes; rejected after `waitMs`.
+   */
+  partialNorm(step: number, waitMs: number): Promise<number> {
+    this.flush();
+    if (!shardsClip(this.#cfg)) throw new BadRequestError(`job ${this.job} does not clip on the shards (BSP with gradClip > 0 does)`);
+    const known = this.#partials.get(step);
+    if (known !== undefined) return Promise.resolve(known);
+    const version = Math.min(...[...this.#slots.values()].map((x) => x.version));
+    if (step < version - 2) throw new BadRequestError(`shard ${this.shard} is at step ${version}; the norm of step ${step} is forgotten`);
+    return new Promise<number>((resolve, reject) => {
+      const timer = setTimeout(() => reject(new DeadlineError(`shard ${this.shard} has not got every push of step ${step} within ${waitMs} ms`)), waitMs);
+      const list = this.#partialWaiters.get(step) ?? [];
+      list.push((v) => {
+        clearTimeout(timer);
+        resolve(v);
+      });
+      this.#partialWaiters.set(step, list);
+    });
   }
 
   /** parameters this shard holds */
@@ -229,6 +271,17 @@ export class ParameterShard {
     const n = slot.info.count;
     const need = this.#cfg.sync === "bsp" ? this.#cfg.trainers : this.#cfg.batchPushes;
     const lr = () => lrAt(this.#schedule, peakLr(this.#cfg), step);
+    if (shardsClip(this.#cfg)) {
+      const sum = this.#ptr(this.#grads, slot);
+      if (slot.pending === 0) be.copy(sum, grad, n * 4);
+      else be.axpy(sum, grad, n, 1);
+      slot.pending++;
+      if (slot.pending < need) return;
+      be.scale(sum, n, 1 / slot.pending);
+      this.#clipWait.add(slot);
+      if (this.#clipWait.size === this.#slots.size) this.#clipAndApply(step, lr());
+      return;
+    }
     if (need === 1) {
       this.#applyOptimizer(slot, grad, lr());
     } else {
@@ -244,6 +297,45 @@ export class ParameterShard {
     slot.version++;
     this.#updates++;
   }
+
+  /** BSP clipping: every chunk holds step `step`'s averaged gradient; agree on the norm, clip, apply. */
+  #clipAndApply(step: number, lr: number): void {
+    const be = this.#be;
+    let partial = 0;
+    for (const slot of this.#clipWait) partial += be.sumSquares(this.#ptr(this.#grads, slot), slot.info.count);
+    this.#partials.set(step, partial);
+    for (const k of this.#partials.keys()) if (k < step - 2) this.#partials.delete(k);
+    for (const wake of this.#partialWaiters.get(step) ?? []) wake(partial);
+    this.#partialWaiters.delete(step);
+    const epoch = this.#epoch;
+    const apply = (norm: number) => {
+      if (epoch !== this.#epoch || this.#disposed) return; // restored meanwhile: the state this was for is gone
+      const clip = this.#cfg.gradClip;
+      const scale = norm > clip ? clip / (norm + 1e-6) : 1;
+      for (const slot of this.#clipWait) {
+        const sum = this.#ptr(this.#grads, slot);
+        if (scale !== 1) be.scale(sum, slot.info.count, scale);
+        this.#applyOptimizer(slot, sum, lr);
+        slot.pending = 0;
+        slot.version++;
+        this.#updates++;
+      }
+      this.#clipWait.clear();
+      this.lastNorm = norm;
+      this.#wake();
+    };
+    if (!this.#agreeNorm) return apply(Math.sqrt(partial));
+    this.#agreeNorm(step, partial).then(apply, (e: unknown) => {
+      // the pulls of step+1 wait; the trainers retry them, and a shard that is gone is
+      // restored with the whole job
+      this.onNormFailure?.(step, e as Error);
+    });
+  }
+
+  /** BSP clipping: the global norm of the last step applied (before clipping). */
+  lastNorm = Number.NaN;
+  /** BSP clipping: told when the shards could not agree on a step's norm */
+  onNormFailure: ((step: number, e: Error) => void) | undefined;
 
   #applyOptimizer(slot: ChunkSlot, g: number, lr: number): void {
     const be = this.#be;
@@ -380,6 +472,9 @@ export class ParameterShard {
     }
     this.#updates = s.updates;
     this.#clock.fill(step);
+    this.#epoch++;
+    this.#clipWait.clear();
+    this.#partials.clear();
     for (const r of this.#received) r.clear();
   }
 

@@ -15,6 +15,10 @@ export const meshF16Refusal = "precision f16 runs in all-reduce mode (--sync all
 export const syncModes = ["bsp", "asp", "ssp", "allreduce"] as const;
 /** Whether the job trains with parameter-server shards (else: replicas and all-reduce). */
 export const usesShards = (cfg: Pick<JobConfig, "sync">): boolean => cfg.sync !== "allreduce";
+/** Whether the shards agree on the global norm of a step's averaged gradient and clip it (BSP
+ *  with gradClip); else the trainers clip their own gradient (ASP/SSP: each push is applied as
+ *  one update, so its norm is that update's global norm; all-reduce: after the reduction). */
+export const shardsClip = (cfg: Pick<JobConfig, "sync" | "gradClip">): boolean => cfg.sync === "bsp" && cfg.gradClip > 0;
 /** The learning rate the schedule peaks at: `lr`, times the trainers under linear scaling (--scale-lr). */
 export const peakLr = (cfg: Pick<JobConfig, "lr" | "scaleLr" | "trainers">): number => (cfg.scaleLr ? cfg.lr * cfg.trainers : cfg.lr);
 
@@ -211,6 +215,8 @@ export const subjects = {
   psStats: (job: string, shard: number) => `mt.${job}.ps.${shard}.stats`,
   psState: (job: string, shard: number) => `mt.${job}.ps.${shard}.state`,
   psLoad: (job: string, shard: number) => `mt.${job}.ps.${shard}.load`,
+  /** BSP clipping: the shard's sum of squares of a step's averaged gradient */
+  psNorm: (job: string, shard: number) => `mt.${job}.ps.${shard}.norm`,
   /** all-reduce mode: trainer rank 0's replica (parameters and optimizer state), one part per request */
   replicaState: (job: string) => `mt.${job}.replica.state`,
   /** all-reduce mode: a snapshot's replica loaded into trainer `rank`, one part per request */

@@ -33,7 +33,7 @@ import type { Bus, Subscription } from "../runtime/bus.ts";
 import { awaitMembers, type MeshMembers } from "../runtime/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/evals.ts";
 import { BadRequestError, NotReadyError } from "../runtime/errors.ts";
-import { evalInterval, type JobConfig, jobOfRequest, peakLr, subjects, usesShards } from "../runtime/job.ts";
+import { evalInterval, type JobConfig, jobOfRequest, peakLr, shardsClip, subjects, usesShards } from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { pause } from "../runtime/pause.ts";
@@ -441,7 +441,8 @@ export class TrainerRun {
       // no loss scaler (the mesh refuses f16): the gradients are f32 and always pushed. With
       // f16 loss scaling an overflowed step (finite = false) would have to be skipped by every
       // trainer and shard alike, never pushed as the inf/NaN slab.
-      loss = lossAndGradients(this.#ctx, this.#model, microBatches(batch, cfg.accumSteps), cfg.gradClip, step).loss;
+      // BSP with clipping: the shards clip the averaged gradient by its global norm
+      loss = lossAndGradients(this.#ctx, this.#model, microBatches(batch, cfg.accumSteps), shardsClip(cfg) ? 0 : cfg.gradClip, step).loss;
       backend.download(this.#model.store.grads.ptr, this.#grads);
     } else {
       this.#grads.fill(0); // this rank got no samples in the epoch's last, short step

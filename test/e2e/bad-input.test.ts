@@ -48,7 +48,7 @@ afterAll(async () => {
 const wrongVersion = (() => {
   const b = new Builder(64);
   const j = b.createString(job), t = b.createString("");
-  return finishBytes(b, JobRequestT.createJobRequest(b, schemaVersion + 7, j, 0n, t), "MTJR");
+  return finishBytes(b, JobRequestT.createJobRequest(b, schemaVersion + 7, j, 0n, t, 0), "MTJR");
 })();
 const garbage = crypto.getRandomValues(new Uint8Array(512));
 const huge = new Uint8Array(payloadBytesMax + 1000);

@@ -61,7 +61,8 @@ describe("mesh", () => {
     await using client = await MeshClient.connect(mesh.url);
     // 2 micro-batches of 64 per step (gradient accumulation on the trainers), bf16 autocast
     // GEMMs on the trainers (the chaos test below runs f32)
-    const cfg = config({ job: "e2e", checkpointEvery: 100, evalEvery: 100, accumSteps: 2, precision: "bf16" });
+    // gradClip: the shards agree on the global norm of each step's averaged gradient (ps.<k>.norm)
+    const cfg = config({ job: "e2e", checkpointEvery: 100, evalEvery: 100, accumSteps: 2, precision: "bf16", gradClip: 1 });
     const total = jobTotalSteps(cfg);
     const seen: Event[] = [];
     let asked: Promise<Event> | null = null;

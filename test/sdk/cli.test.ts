@@ -212,7 +212,8 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
 
   test("bad benchmark options are one clear line", () => {
     expect(bench("ps", "--shards", "0").err).toContain("--shards must be a positive integer");
-    expect(bench("trainer", "--sync", "never").err).toContain("--sync must be bsp, asp or ssp");
+    expect(bench("trainer", "--sync", "never").err).toContain("--sync must be a list of bsp, asp, ssp, allreduce");
+    expect(bench("trainer", "--bucket-mb", "0").err).toContain("--bucket-mb must be a number in (0, 1024]");
     expect(bench("allreduce", "--ranks", "1").err).toContain("--ranks: each from 2 to 16");
     expect(bench("allreduce", "--piece-kb", "x").err).toContain("--piece-kb must be a positive integer");
     expect(bench("nope").err).toContain("usage: bun run bench <engine|kernels|ps|checkpoint|data-loader|trainer|allreduce>");

@@ -139,6 +139,66 @@ describe("BSP", () => {
   });
 });
 
+describe("BSP with global-norm clipping", () => {
+  test("two shards agree on the norm of the averaged gradient and clip by it before they apply (float64 reference)", async () => {
+    const cfg = job({ trainers: 2, sync: "bsp", lr: 0.1, gradClip: 0.5, optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 } });
+    const total = 2500;
+    const layout = buildLayout(cfg.job, total, 1500, cfg.chunkBytes, 2);
+    expect(layout.byShard.every((ids) => ids.length > 0)).toBe(true);
+    const initial = Float32Array.from(randn(new Rng(7), total, 0.1));
+    const shards: ParameterShard[] = [];
+    const agree = (k: number) => async (step: number, own: number) => {
+      const other = await shards[1 - k]!.partialNorm(step, 5_000);
+      return Math.sqrt(k === 0 ? own + other : other + own);
+    };
+    for (const k of [0, 1]) shards.push(new ParameterShard({ backend: be, config: cfg, layout, shard: k, totalSteps: 100, initial, agreeNorm: agree(k) }));
+    const p = Float64Array.from(initial);
+    const push = (k: number, trainer: number, step: number, g: Float32Array) => shards[k]!.push({
+      job: "t", trainer, step, chunks: layout.byShard[k]!.map((id) => f32Chunk(id, g.slice(layout.chunks[id]!.offset, layout.chunks[id]!.offset + layout.chunks[id]!.count))),
+    });
+    for (let step = 0; step < 3; step++) {
+      const g0 = Float32Array.from(randn(new Rng(100 + step), total, 0.02)), g1 = Float32Array.from(randn(new Rng(200 + step), total, 0.02));
+      for (const k of [0, 1]) for (const [t, g] of [[0, g0], [1, g1]] as const) push(k, t, step, g);
+      let sq = 0;
+      for (let i = 0; i < total; i++) sq += ((g0[i]! + g1[i]!) / 2) ** 2;
+      const norm = Math.sqrt(sq), scale = norm > cfg.gradClip ? cfg.gradClip / (norm + 1e-6) : 1;
+      for (let i = 0; i < total; i++) p[i] = p[i]! - 0.1 * scale * ((g0[i]! + g1[i]!) / 2);
+      const got = new Float32Array(total);
+      for (const k of [0, 1]) {
+        const ids = Uint32Array.from(layout.byShard[k]!);
+        const r = decodePullReply(await shards[k]!.pull(0, step + 1, ids), 1 << 30);
+        r.chunks.forEach((c, i) => got.set(chunkF32(c), layout.chunks[ids[i]!]!.offset));
+        expect(relErr(Float64Array.of(shards[k]!.lastNorm), Float64Array.of(norm))).toBeLessThan(1e-6);
+      }
+      expect(scale).toBeLessThan(1); // the clip acted
+      expect(relErr(got, p)).toBeLessThan(1e-5);
+      expect(shards[0]!.lastNorm).toBe(shards[1]!.lastNorm); // the same bits on every shard
+    }
+    expect(() => makeShard(job({ sync: "bsp" })).shard.partialNorm(0, 10)).toThrow(BadRequestError);
+    for (const s of shards) s.dispose();
+  });
+
+  test("a shard waits for every push of the step before it gives its part of the norm", async () => {
+    const cfg = job({ trainers: 2, sync: "bsp", gradClip: 1 });
+    const { shard, layout } = makeShard(cfg);
+    const part = shard.partialNorm(0, 5_000);
+    let done = false;
+    void part.then(() => (done = true));
+    const g = Float32Array.from(randn(new Rng(1), 2500, 0.01));
+    shard.push(pushAll(layout, 0, 0, g));
+    shard.flush();
+    await Bun.sleep(10);
+    expect(done).toBe(false);
+    shard.push(pushAll(layout, 1, 0, g));
+    shard.flush();
+    let sq = 0;
+    for (const v of g) sq += v * v;
+    expect(relErr(Float64Array.of(await part), Float64Array.of(sq))).toBeLessThan(1e-5);
+    await expect(shard.partialNorm(5, 20)).rejects.toBeInstanceOf(DeadlineError);
+    shard.dispose();
+  });
+});
+
 describe("ASP and SSP", () => {
   test("ASP applies each push on arrival and never makes a pull wait", async () => {
     const cfg = job({ trainers: 2, sync: "asp", optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 }, lr: 0.5 });

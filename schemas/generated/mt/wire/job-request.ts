@@ -57,8 +57,17 @@ tag(optionalEncoding?:any):string|Uint8Array|null {
   return offset ? this.bb!.__string(this.bb_pos + offset, optionalEncoding) : null;
 }
 
+/**
+ * a number the request or its reply carries: a shard's sum of squares of its part of a
+ * step's averaged gradient (`ps.<k>.norm`, BSP clipping)
+ */
+value():number {
+  const offset = this.bb!.__offset(this.bb_pos, 12);
+  return offset ? this.bb!.readFloat64(this.bb_pos + offset) : 0.0;
+}
+
 static startJobRequest(builder:flatbuffers.Builder) {
-  builder.startObject(4);
+  builder.startObject(5);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -77,6 +86,10 @@ static addTag(builder:flatbuffers.Builder, tagOffset:flatbuffers.Offset) {
   builder.addFieldOffset(3, tagOffset, 0);
 }
 
+static addValue(builder:flatbuffers.Builder, value:number) {
+  builder.addFieldFloat64(4, value, 0.0);
+}
+
 static endJobRequest(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -90,12 +103,13 @@ static finishSizePrefixedJobRequestBuffer(builder:flatbuffers.Builder, offset:fl
   builder.finish(offset, 'MTJR', true);
 }
 
-static createJobRequest(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, step:bigint, tagOffset:flatbuffers.Offset):flatbuffers.Offset {
+static createJobRequest(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, step:bigint, tagOffset:flatbuffers.Offset, value:number):flatbuffers.Offset {
   JobRequest.startJobRequest(builder);
   JobRequest.addSchemaVersion(builder, schemaVersion);
   JobRequest.addJob(builder, jobOffset);
   JobRequest.addStep(builder, step);
   JobRequest.addTag(builder, tagOffset);
+  JobRequest.addValue(builder, value);
   return JobRequest.endJobRequest(builder);
 }
 }
