@@ -56,6 +56,40 @@ describe("gpt", () => {
     expect(row10.some((v) => v !== 0)).toBe(true);
   });
 
+  test("backwardSteps: every parameter once, only after its last gradient write (wte, tied, last); the same gradients as backward()", () => {
+    const ctx = newContext();
+    const model = new GptModel(ctx, config, 1);
+    const rng = new Rng(2);
+    const x = randInts(rng, 16, 11), y = randInts(rng, 16, 11);
+    const run = () => {
+      ctx.newPass();
+      model.store.zeroGrad();
+      return model.loss(ctx.fromArray(x, [2, 8]), ctx.fromArray(y, [2, 8]));
+    };
+    ctx.backward(run());
+    const reference = model.store.readGrads();
+    const loss = run();
+    const planned = ctx.gradReadyOrder().flat().map((t) => t.name!);
+    const order: string[] = [];
+    const complete = new Map<string, Float32Array>();
+    for (const ready of ctx.backwardSteps(loss)) {
+      for (const t of ready) {
+        order.push(t.name!);
+        complete.set(t.name!, (t.grad!.toArray() as Float32Array).slice());
+      }
+    }
+    expect(order).toEqual(planned);
+    expect(new Set(order).size).toBe(model.store.entries.length);
+    expect(order.at(-1)).toBe("wte.weight"); // read by the head first and the embedding last
+    // each gradient, when yielded, is already final: nothing after it wrote to it
+    const final = model.store.readGrads();
+    for (const e of model.store.entries) {
+      expect(complete.get(e.name)).toEqual(final.slice(e.offset, e.offset + e.numel));
+      expect(final.slice(e.offset, e.offset + e.numel)).toEqual(reference.slice(e.offset, e.offset + e.numel));
+    }
+    expect(ctx.tape.length).toBe(0);
+  });
+
   test("generate: same seed, same text; respects blockSize; bad settings refused", () => {
     const ctx = newContext();
     const model = new GptModel(ctx, config, 3);
