@@ -3,13 +3,7 @@
 // events. Then the chaos test: SIGKILL a parameter-server shard and a trainer mid-run.
 import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
-import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
-import { loadSlabInto, readModelFile } from "../../engine/modelfile.ts";
-import { MlpModel } from "../../engine/models/mlp.ts";
-import { Context } from "../../engine/tensor.ts";
-import { evaluate } from "../../engine/train.ts";
-import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { JobData } from "../../services/data-loader/loader.ts";
 import { totalSteps as jobTotalSteps } from "../../services/data-loader/sampler.ts";
@@ -17,6 +11,7 @@ import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runt
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";
+import { effectiveSteps, modelFileAccuracy } from "../helpers/jobs.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 
 afterAll(removeTempDirs);
@@ -31,29 +26,6 @@ const startMesh = (prefix: string, o: { trainers?: number; shards?: number; onEv
   const dir = tempDir(prefix);
   return LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), ...o });
 };
-
-/** The test accuracy of a model file, evaluated in this process with the job's GEMM precision. */
-function modelFileAccuracy(path: string, precision: JobConfig["precision"]): number {
-  const loaded = readModelFile(path);
-  const ctx = new Context(new CpuBackend(), { seed: 0, precision });
-  try {
-    const model = new MlpModel(ctx, loaded.header.config as ConstructorParameters<typeof MlpModel>[1], 0);
-    loadSlabInto(path, model.store, loaded);
-    return evaluate(ctx, model, new ImageBatcher(loadMnist().test, 1000).epoch(0, 0, false, false)).accuracy;
-  } finally {
-    ctx.dispose();
-  }
-}
-
-/** Each rank's steps as they stand at the end: a restore to T discards the steps >= T run before it. */
-function effectiveSteps(events: readonly Event[], trainers: number): number[][] {
-  const steps: number[][] = Array.from({ length: trainers }, () => []);
-  for (const e of events) {
-    if (e.kind === EventKind.Restore) for (const r of steps) r.splice(0, r.length, ...r.filter((s) => s < e.step));
-    if (e.kind === EventKind.Step) steps[e.rank]!.push(e.step);
-  }
-  return steps;
-}
 
 describe("mesh", () => {
   test("a short BSP run on the local mesh learns, its events reach the SDK, and its final snapshot is exported as a model file", async () => {

@@ -1,0 +1,34 @@
+// Helpers of the end-to-end job tests: a model file's accuracy evaluated in this process, and
+// each rank's effective step history from a job's events.
+import { ImageBatcher } from "../../engine/data/images.ts";
+import { loadMnist } from "../../engine/data/mnist.ts";
+import { loadSlabInto, readModelFile } from "../../engine/modelfile.ts";
+import { MlpModel } from "../../engine/models/mlp.ts";
+import { Context } from "../../engine/tensor.ts";
+import { evaluate } from "../../engine/train.ts";
+import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { type Event, EventKind } from "../../schemas/messages.ts";
+import type { JobConfig } from "../../services/runtime/job.ts";
+
+/** The test accuracy of a model file, evaluated in this process with the job's GEMM precision. */
+export function modelFileAccuracy(path: string, precision: JobConfig["precision"] = "f32"): number {
+  const loaded = readModelFile(path);
+  const ctx = new Context(new CpuBackend(), { seed: 0, precision });
+  try {
+    const model = new MlpModel(ctx, loaded.header.config as ConstructorParameters<typeof MlpModel>[1], 0);
+    loadSlabInto(path, model.store, loaded);
+    return evaluate(ctx, model, new ImageBatcher(loadMnist().test, 1000).epoch(0, 0, false, false)).accuracy;
+  } finally {
+    ctx.dispose();
+  }
+}
+
+/** Each rank's steps as they stand at the end: a restore to T discards the steps >= T run before it. */
+export function effectiveSteps(events: readonly Event[], trainers: number): number[][] {
+  const steps: number[][] = Array.from({ length: trainers }, () => []);
+  for (const e of events) {
+    if (e.kind === EventKind.Restore) for (const r of steps) r.splice(0, r.length, ...r.filter((s) => s < e.step));
+    if (e.kind === EventKind.Step) steps[e.rank]!.push(e.step);
+  }
+  return steps;
+}
