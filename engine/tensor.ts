@@ -326,10 +326,14 @@ export class Context {
 
   /** Run reverse-mode autodiff from a scalar loss. dloss seeds d(loss) (a loss scale). */
   backward(loss: Tensor, dloss = 1): void {
+    this.#seedLoss(loss, dloss);
+    this.#runTape();
+  }
+
+  #seedLoss(loss: Tensor, dloss: number): void {
     if (loss.numel !== 1) throw new ShapeError("backward", [loss.shape], "loss must have exactly one element");
     if (!loss.requiresGrad) throw new EngineError("backward: loss does not depend on any tensor that requires grad");
     this.backend.fill(loss.ensureGrad().ptr, 1, dloss);
-    this.#runTape();
   }
 
   /** Run reverse-mode autodiff from any output, seeding its gradient with `grad` (same shape):
@@ -382,10 +386,8 @@ export class Context {
    * and that some op read is yielded exactly once; the caller drives the generator to its end.
    */
   *backwardSteps(loss: Tensor, dloss = 1): Generator<Tensor[], void, void> {
-    if (loss.numel !== 1) throw new ShapeError("backward", [loss.shape], "loss must have exactly one element");
-    if (!loss.requiresGrad) throw new EngineError("backward: loss does not depend on any tensor that requires grad");
     const readyAt = this.#gradReadyAt();
-    this.backend.fill(loss.ensureGrad().ptr, 1, dloss);
+    this.#seedLoss(loss, dloss);
     try {
       for (let i = this.tape.length - 1; i >= 0; i--) {
         this.#runNode(i);

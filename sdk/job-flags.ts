@@ -5,7 +5,7 @@ import { type Command, InvalidArgumentError, Option } from "commander";
 import { type JobConfig, jobDefaults, meshPrecisions, parseJobConfig, syncModes } from "../services/runtime/job.ts";
 import type { PreviousRun } from "./client.ts";
 import { stamp } from "./format.ts";
-import { choice, float, int, intList, userPath } from "./options.ts";
+import { float, int, intList, userPath } from "./options.ts";
 
 const d = jobDefaults;
 
@@ -43,7 +43,7 @@ export function jobOptions(cmd: Command): Command {
     .option("--epochs <n>", "passes over the training set", int(1), d.epochs)
     .option("--batch-size <n>", "samples per trainer per step", int(1), d.batchSize)
     .option("--accum <k>", "micro-batches per step (gradient accumulation; divides --batch-size)", int(1), d.accumSteps)
-    .addOption(new Option("--optimizer <name>", "optimizer, applied on the shards").choices(["sgd", "adamw"]).default(d.optimizer.kind))
+    .addOption(new Option("--optimizer <name>", "optimizer, applied on the shards (every trainer's replica under --sync allreduce)").choices(["sgd", "adamw"]).default(d.optimizer.kind))
     .option("--lr <x>", "peak learning rate", float(0, Infinity, { exclusiveMin: true }), d.lr)
     .option("--momentum <x>", "SGD momentum (Nesterov)", float(0, 0.999), 0.9)
     .option("--weight-decay <x>", "weight decay", float(0), d.optimizer.weightDecay)

@@ -271,18 +271,8 @@ export class ParameterShard {
     const n = slot.info.count;
     const need = this.#cfg.sync === "bsp" ? this.#cfg.trainers : this.#cfg.batchPushes;
     const lr = () => lrAt(this.#schedule, peakLr(this.#cfg), step);
-    if (shardsClip(this.#cfg)) {
-      const sum = this.#ptr(this.#grads, slot);
-      if (slot.pending === 0) be.copy(sum, grad, n * 4);
-      else be.axpy(sum, grad, n, 1);
-      slot.pending++;
-      if (slot.pending < need) return;
-      be.scale(sum, n, 1 / slot.pending);
-      this.#clipWait.add(slot);
-      if (this.#clipWait.size === this.#slots.size) this.#clipAndApply(step, lr());
-      return;
-    }
-    if (need === 1) {
+    const clip = shardsClip(this.#cfg);
+    if (need === 1 && !clip) {
       this.#applyOptimizer(slot, grad, lr());
     } else {
       const sum = this.#ptr(this.#grads, slot);
@@ -291,6 +281,12 @@ export class ParameterShard {
       slot.pending++;
       if (slot.pending < need) return;
       be.scale(sum, n, 1 / slot.pending);
+      if (clip) {
+        // the update waits for the global norm, agreed once every chunk has its average
+        this.#clipWait.add(slot);
+        if (this.#clipWait.size === this.#slots.size) this.#clipAndApply(step, lr());
+        return;
+      }
       this.#applyOptimizer(slot, sum, lr());
       slot.pending = 0;
     }

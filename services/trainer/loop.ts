@@ -131,8 +131,10 @@ export class TrainerRun {
     this.#ps = usesShards(o.cfg) ? new PsClient(o.bus, layout, o.rank, o.payloadBytesMax) : null;
     this.#replica = usesShards(o.cfg) ? null
       : new Replica({ bus: o.bus, backend: o.backend, cfg: o.cfg, rank: o.rank, ctx: this.#ctx, model: this.#model, payloadBytesMax: o.payloadBytesMax, ...o.collective });
-    this.#params = { generation: 0, data: new Float32Array(store.slabNumel) };
-    this.#grads = new Float32Array(store.slabNumel);
+    // host copies of pulled parameters and pushed gradients: parameter-server mode only
+    const hostElems = this.#ps ? store.slabNumel : 0;
+    this.#params = { generation: 0, data: new Float32Array(hostElems) };
+    this.#grads = new Float32Array(hostElems);
   }
 
   get #total(): number {
@@ -418,7 +420,7 @@ export class TrainerRun {
   }
 
   async #runStep(step: number, generation: number): Promise<void> {
-    const { cfg, rank, backend } = this.#o;
+    const { cfg, backend } = this.#o;
     const t0 = performance.now();
     const batch = await this.#batch(step);
     const t1 = performance.now();
@@ -427,21 +429,13 @@ export class TrainerRun {
     this.#checkGeneration(step, generation);
     backend.upload(this.#model.store.values.ptr, params);
     const t2 = performance.now();
-    const every = evalInterval(cfg, this.#plan.stepsPerEpoch);
-    if (every > 0 && step > 0 && step % every === 0) await this.#evaluate(step);
-    const scheduled = cfg.checkpointEvery > 0 && step % cfg.checkpointEvery === 0;
-    if (rank === 0 && (scheduled || this.#snapshotAsked)) {
-      this.#snapshotAsked = false;
-      await this.#checkpoint(step);
-    }
+    await this.#boundary(step);
     const t3 = performance.now();
     this.#checkGeneration(step, generation);
     let loss = 0;
     if (batch.rows > 0) {
-      // no loss scaler (the mesh refuses f16): the gradients are f32 and always pushed. With
-      // f16 loss scaling an overflowed step (finite = false) would have to be skipped by every
-      // trainer and shard alike, never pushed as the inf/NaN slab.
-      // BSP with clipping: the shards clip the averaged gradient by its global norm
+      // no loss scaler (parameter-server mode refuses f16): the gradients are f32 and always
+      // pushed. BSP with clipping: the shards clip the averaged gradient by its global norm
       loss = lossAndGradients(this.#ctx, this.#model, microBatches(batch, cfg.accumSteps), shardsClip(cfg) ? 0 : cfg.gradClip, step).loss;
       backend.download(this.#model.store.grads.ptr, this.#grads);
     } else {
@@ -457,15 +451,12 @@ export class TrainerRun {
     });
   }
 
-  /** All-reduce mode: a step on this rank's replica (replica.ts). */
-  async #runReplicaStep(step: number, generation: number): Promise<void> {
+  /**
+   * What runs at a step boundary, before the step computes: the scheduled evaluation, and on
+   * rank 0 a snapshot (scheduled or asked for) of the state after step-1.
+   */
+  async #boundary(step: number): Promise<void> {
     const { cfg, rank } = this.#o;
-    const replica = this.#replica!;
-    this.#replicaStep = step;
-    const t0 = performance.now();
-    const batch = await this.#batch(step);
-    const t1 = performance.now();
-    this.#checkGeneration(step, generation);
     const every = evalInterval(cfg, this.#plan.stepsPerEpoch);
     if (every > 0 && step > 0 && step % every === 0) await this.#evaluate(step);
     const scheduled = cfg.checkpointEvery > 0 && step % cfg.checkpointEvery === 0;
@@ -473,6 +464,18 @@ export class TrainerRun {
       this.#snapshotAsked = false;
       await this.#checkpoint(step);
     }
+  }
+
+  /** All-reduce mode: a step on this rank's replica (replica.ts). */
+  async #runReplicaStep(step: number, generation: number): Promise<void> {
+    const { cfg } = this.#o;
+    const replica = this.#replica!;
+    this.#replicaStep = step;
+    const t0 = performance.now();
+    const batch = await this.#batch(step);
+    const t1 = performance.now();
+    this.#checkGeneration(step, generation);
+    await this.#boundary(step);
     this.#checkGeneration(step, generation);
     const lr = lrAt(this.#schedule, peakLr(cfg), step);
     const total = stepRows(this.#plan.trainSamples, this.#plan.stepsPerEpoch, cfg.trainers, cfg.batchSize, step);

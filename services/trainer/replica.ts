@@ -30,7 +30,7 @@ import { LossScaler } from "../../engine/optim/loss-scale.ts";
 import type { Optimizer } from "../../engine/optim/optimizer.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
 import type { ParamEntry } from "../../engine/params.ts";
-import { RingCollective } from "../../engine/parallel/ring.ts";
+import { RingCollective, scaleInPlace } from "../../engine/parallel/ring.ts";
 import type { Context, Tensor } from "../../engine/tensor.ts";
 import { type HostBatch, uploadBatch } from "../../engine/train.ts";
 import type { ShardState } from "../../schemas/messages.ts";
@@ -223,7 +223,7 @@ export class Replica {
         backend.download(store.grads.ptr + e.offset * 4, b.buf.subarray(at, at + e.numel));
         at += e.numel;
       }
-      if (weight !== 1) for (let i = 0; i < b.buf.length; i++) b.buf[i]! *= weight;
+      if (weight !== 1) scaleInPlace(b.buf, weight);
       firstStart = Math.min(firstStart, performance.now());
       inFlight++;
       const op = collective.allReduce(b.buf, { step, bucket: b.id }, "sum").finally(() => inFlight--);
