@@ -9,6 +9,7 @@ import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { Context } from "../engine/tensor.ts";
 import { lossAndGradients } from "../engine/train.ts";
 import { decodeBatch, decodeLoaderStats, encodeBatchRequest, encodeJobRequest, Split, SyncPolicy } from "../schemas/messages.ts";
+import { planHere } from "../services/data-loader/loader.ts";
 import { jobDefaults, parseJobConfig, subjects } from "../services/runtime/job.ts";
 import { JobStore } from "../services/runtime/jobs.ts";
 import { buildModel } from "../services/runtime/model.ts";
@@ -37,7 +38,7 @@ export async function runDataLoaderBench(argv: string[]): Promise<DataLoaderBenc
   const loader = Bun.spawn([process.execPath, "services/data-loader/main.ts", "--nats-url", server.url], { cwd: root, stdout: "ignore", stderr: "ignore", env: { ...process.env, OMP_NUM_THREADS: "1" } });
   const bus = await NatsBus.connect({ url: server.url, name: "bench-dl", connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
   try {
-    await (await JobStore.open(bus.nc)).putSpec({ job: cfg.job, trainers: 2, shards: 1, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(cfg) });
+    await (await JobStore.open(bus.nc)).putSpec({ job: cfg.job, trainers: 2, shards: 1, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(cfg), plan: planHere(cfg) });
     for (let i = 0; ; i++) {
       try {
         await bus.request(`mt.${cfg.job}.data.stats`, encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 1000);
@@ -62,7 +63,7 @@ export async function runDataLoaderBench(argv: string[]): Promise<DataLoaderBenc
     // the trainer's step time on this machine, in this process, for this batch
     const be = new CpuBackend();
     const ctx = new Context(be, { seed: 1 });
-    const model = buildModel(ctx, cfg);
+    const model = buildModel(ctx, cfg, planHere(cfg));
     const { b: sample } = await ask(0, batches);
     const host = { inputs: sample.x, inputShape: [sample.rows, sample.cols], targets: sample.y, targetShape: [sample.rows] };
     const stepMs = median(Array.from({ length: 15 }, () => {

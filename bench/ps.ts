@@ -7,6 +7,7 @@
 import { join } from "node:path";
 import { packByBytes } from "../schemas/codec.ts";
 import { decodeShardStats, encodeJobRequest, SyncPolicy } from "../schemas/messages.ts";
+import { planHere } from "../services/data-loader/loader.ts";
 import { buildLayout } from "../services/runtime/layout.ts";
 import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../services/runtime/job.ts";
 import { JobStore } from "../services/runtime/jobs.ts";
@@ -94,9 +95,10 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
 }
 
 async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: number, rounds: number): Promise<PsBenchResult> {
-  await store.putSpec({ job: cfg.job, trainers: 1, shards: cfg.shards, sync: SyncPolicy.ASP, staleness: 0, configJson: JSON.stringify(cfg) });
+  const plan = planHere(cfg);
+  await store.putSpec({ job: cfg.job, trainers: 1, shards: cfg.shards, sync: SyncPolicy.ASP, staleness: 0, configJson: JSON.stringify(cfg), plan });
   // the same layout the shards and trainers derive from the model
-  const init = initialParameters(cfg);
+  const init = initialParameters(cfg, plan);
   const total = init.values.length;
   const layout = buildLayout(cfg.job, total, init.decayElems, cfg.chunkBytes, cfg.shards);
   for (let k = 0; k < cfg.shards; k++) {

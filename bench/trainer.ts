@@ -3,21 +3,26 @@
 // limited to its share of the cores) against the single-process trainer on the same model and
 // global batch in the same run, with the mesh step's time split: data wait, pull, compute,
 // push, and in all-reduce mode the all-reduce's time and the part of it the step waited for
-// (exposed), also as a share of the step.
+// (exposed), also as a share of the step. Per model: the MLP on MNIST (an epoch by default),
+// and the GPT on Moby Dick (--gpt-steps steps of 2 x 32 windows of 64 characters).
 //
-//   bun run bench trainer [--epochs 1] [--sync bsp,allreduce] [--bucket-mb 25] [--json-only]
+//   bun run bench trainer [--model mlp,gpt] [--epochs 1] [--gpt-steps 60] [--sync bsp,allreduce] [--bucket-mb 25] [--json-only]
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
+import { loadCorpus } from "../engine/data/corpus.ts";
 import { ImageBatcher } from "../engine/data/images.ts";
 import { loadMnist } from "../engine/data/mnist.ts";
+import { TokenBatcher } from "../engine/data/tokens.ts";
+import { AdamW } from "../engine/optim/adamw.ts";
+import type { Optimizer } from "../engine/optim/optimizer.ts";
 import { Sgd } from "../engine/optim/sgd.ts";
+import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/tensor.ts";
-import { TrainStep } from "../engine/train.ts";
+import { type HostBatch, TrainStep } from "../engine/train.ts";
 import { ConfigError } from "../engine/errors.ts";
-import { totalSteps as jobTotalSteps } from "../services/data-loader/sampler.ts";
-import { type JobConfig, jobDefaults, parseJobConfig, usesShards } from "../services/runtime/job.ts";
+import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig, usesShards } from "../services/runtime/job.ts";
 import { buildModel } from "../services/runtime/model.ts";
 import { MeshClient } from "../sdk/client.ts";
 import { LocalMesh } from "../sdk/launcher.ts";
@@ -26,6 +31,7 @@ import { parseBenchArgs, positiveInt } from "./args.ts";
 import { printTable, round } from "./table.ts";
 
 export interface TrainerBenchResult {
+  model: string;
   run: string;
   steps: number;
   samples_per_s: number;
@@ -42,20 +48,40 @@ export interface TrainerBenchResult {
 
 const benchSyncs = ["bsp", "asp", "ssp", "allreduce"] as const;
 
+const benchModels = ["mlp", "gpt"] as const;
+
 export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResult[]> {
   const v = parseBenchArgs(argv, {
-    epochs: { type: "string", default: "1" }, sync: { type: "string", default: "bsp,allreduce" }, "bucket-mb": { type: "string", default: String(jobDefaults.bucketMb) },
+    model: { type: "string", default: "mlp,gpt" }, epochs: { type: "string", default: "1" }, "gpt-steps": { type: "string", default: "60" },
+    sync: { type: "string", default: "bsp,allreduce" }, "bucket-mb": { type: "string", default: String(jobDefaults.bucketMb) },
     "json-only": { type: "boolean", default: false },
   });
   const syncs = String(v.sync).split(",");
   for (const x of syncs) if (!(benchSyncs as readonly string[]).includes(x)) throw new ConfigError(`--sync must be a list of ${benchSyncs.join(", ")}, got ${String(v.sync)}`);
+  const models = String(v.model).split(",");
+  for (const x of models) if (!(benchModels as readonly string[]).includes(x)) throw new ConfigError(`--model must be a list of ${benchModels.join(", ")}, got ${String(v.model)}`);
   const bucketMb = Number(v["bucket-mb"]);
   if (!(bucketMb > 0 && bucketMb <= 1024)) throw new ConfigError(`--bucket-mb must be a number in (0, 1024], got ${String(v["bucket-mb"])}`);
-  const base = parseJobConfig({ ...jobDefaults, job: "bench-trainer", epochs: positiveInt("epochs", v.epochs), checkpointEvery: 0 });
-  const steps = jobTotalSteps(base);
+  const rows: TrainerBenchResult[] = [];
+  for (const kind of models) {
+    const base = kind === "mlp"
+      ? parseJobConfig({ ...jobDefaults, job: "bench-trainer", epochs: positiveInt("epochs", v.epochs), checkpointEvery: 0 })
+      : parseJobConfig({ ...gptJobDefaults, job: "bench-trainer", epochs: 1, maxSteps: positiveInt("gpt-steps", v["gpt-steps"]), checkpointEvery: 0, evalEvery: 0 });
+    rows.push(...(await benchModel(base, syncs, bucketMb)));
+  }
+  if (!v["json-only"]) {
+    console.log(`trainer benchmark: 2 trainers per mesh run, all services on this machine (${navigator.hardwareConcurrency} cores); ` +
+      `mesh times are per trainer step (ms); ratio = samples/s against the single-process trainer on the same model, global batch and steps`);
+    printTable(rows, ["model", "run", "steps", "samples_per_s", "data_wait_ms", "pull_ms", "compute_ms", "push_ms", "comm_ms", "exposed_ms", "exposed_share", "ratio"]);
+  }
+  console.log(JSON.stringify({ bench: "trainer", results: rows }));
+  return rows;
+}
+
+async function benchModel(base: JobConfig, syncs: string[], bucketMb: number): Promise<TrainerBenchResult[]> {
   const meshRuns: { cfg: JobConfig; r: Awaited<ReturnType<typeof watchJob>> }[] = [];
   for (const sync of syncs) {
-    const cfg = parseJobConfig({ ...base, job: `bench-trainer-${sync}-${Date.now()}`, sync, staleness: sync === "ssp" ? 2 : 0, bucketMb });
+    const cfg = parseJobConfig({ ...base, job: `bench-trainer-${base.model.kind}-${sync}-${Date.now()}`, sync, staleness: sync === "ssp" ? 2 : 0, bucketMb });
     const dir = mkdtempSync(join(tmpdir(), "mt-bench-trainer-"));
     try {
       await using m = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: cfg.trainers, shards: usesShards(cfg) ? cfg.shards : 0 });
@@ -67,43 +93,56 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
     }
   }
   const cfg = base;
-  // single process, same model, global batch and number of steps
-  const data = loadMnist();
-  const ctx = new Context(new CpuBackend(), { seed: cfg.seed });
-  const model = buildModel(ctx, cfg);
-  const o = cfg.optimizer.kind === "sgd" ? cfg.optimizer : { momentum: 0.9, nesterov: true, weightDecay: 0 };
-  const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, { momentum: o.momentum, dampening: 0, nesterov: o.nesterov, weightDecay: o.weightDecay }),
-    { lr: cfg.lr, schedule: { kind: "constant" }, gradClip: 0, accumSteps: 1 });
-  const batcher = new ImageBatcher(data.train, cfg.batchSize * cfg.trainers);
-  const t0 = performance.now();
-  let done = 0;
-  for (let epoch = 0; done < steps; epoch++) {
-    for (const b of batcher.epoch(cfg.seed, epoch, true, true)) {
-      trainer.run([b]);
-      if (++done >= steps) break;
-    }
-  }
-  const singleRate = (done * cfg.batchSize * cfg.trainers) / ((performance.now() - t0) / 1000);
-  ctx.dispose();
+  const steps = meshRuns[0]?.r.record.totalSteps ?? 50;
+  const { rate: singleRate, done } = singleProcessRate(cfg, steps);
+  const name = cfg.model.kind === "mlp" ? `mlp ${cfg.model.widths.join("-")}` : `gpt L${cfg.model.nLayer} C${cfg.model.nEmbd} T${cfg.model.blockSize}`;
   const rows: TrainerBenchResult[] = meshRuns.map(({ cfg: c, r }) => {
     const s = r.split;
     const stepMs = (1000 * c.batchSize * c.trainers) / r.samplesPerS;
     const where = usesShards(c) ? `${c.trainers} trainers x ${c.shards} shards` : `${c.trainers} trainers, ${c.bucketMb} MB buckets`;
     return {
-      run: `mesh ${c.sync} ${where}`, steps, samples_per_s: round(r.samplesPerS, 0), data_wait_ms: round(s.dataWaitMs, 2), pull_ms: round(s.pullMs, 2),
-      compute_ms: round(s.computeMs, 2), push_ms: round(s.pushMs, 2), comm_ms: round(s.commMs, 2), exposed_ms: round(s.exposedCommMs, 2),
+      model: name, run: `mesh ${c.sync} ${where}`, steps: r.record.totalSteps, samples_per_s: round(r.samplesPerS, 0), data_wait_ms: round(s.dataWaitMs, 2),
+      pull_ms: round(s.pullMs, 2), compute_ms: round(s.computeMs, 2), push_ms: round(s.pushMs, 2), comm_ms: round(s.commMs, 2), exposed_ms: round(s.exposedCommMs, 2),
       exposed_share: round(s.exposedCommMs / stepMs, 3), ratio: round(r.samplesPerS / singleRate, 3),
     };
   });
   rows.push({
-    run: "single process", steps: done, samples_per_s: round(singleRate, 0), data_wait_ms: 0, pull_ms: 0, compute_ms: round((1000 * cfg.batchSize * cfg.trainers) / singleRate, 2),
-    push_ms: 0, comm_ms: 0, exposed_ms: 0, exposed_share: 0, ratio: 1,
+    model: name, run: "single process", steps: done, samples_per_s: round(singleRate, 0), data_wait_ms: 0, pull_ms: 0,
+    compute_ms: round((1000 * cfg.batchSize * cfg.trainers) / singleRate, 2), push_ms: 0, comm_ms: 0, exposed_ms: 0, exposed_share: 0, ratio: 1,
   });
-  if (!v["json-only"]) {
-    console.log(`trainer benchmark: MNIST ${cfg.model.widths.join("-")}, ${cfg.trainers} x ${cfg.batchSize} samples per step, ${steps} steps, all services on this machine (${navigator.hardwareConcurrency} cores); ` +
-      `mesh times are per trainer step (ms); ratio = samples/s against the single-process trainer`);
-    printTable(rows, ["run", "steps", "samples_per_s", "data_wait_ms", "pull_ms", "compute_ms", "push_ms", "comm_ms", "exposed_ms", "exposed_share", "ratio"]);
-  }
-  console.log(JSON.stringify({ bench: "trainer", results: rows }));
   return rows;
+}
+
+/** Samples/s of the single-process trainer: the same model and optimizer at the mesh's global batch, `steps` steps. */
+function singleProcessRate(cfg: JobConfig, steps: number): { rate: number; done: number } {
+  const global = cfg.batchSize * cfg.trainers;
+  const ctx = new Context(new CpuBackend(), { seed: cfg.seed });
+  let batches: () => HostBatch;
+  let plan = { vocabSize: 0, vocab: [] as number[] };
+  if (cfg.model.kind === "mlp") {
+    const batcher = new ImageBatcher(loadMnist().train, global);
+    let it = batcher.epoch(cfg.seed, 0, true, true), epoch = 0;
+    batches = () => {
+      let n = it.next();
+      if (n.done) n = (it = batcher.epoch(cfg.seed, ++epoch, true, true)).next();
+      return n.value as HostBatch;
+    };
+  } else {
+    const corpus = loadCorpus({ valFraction: cfg.valFraction });
+    plan = { vocabSize: corpus.vocabSize, vocab: [] };
+    const batcher = new TokenBatcher(corpus.train, global, cfg.model.blockSize, corpus.vocabSize), rng = new Rng(cfg.seed);
+    batches = () => batcher.random(rng);
+  }
+  const model = buildModel(ctx, cfg, plan);
+  const o = cfg.optimizer;
+  const optimizer: Optimizer = o.kind === "sgd"
+    ? new Sgd(ctx, model.store, { momentum: o.momentum, dampening: 0, nesterov: o.nesterov, weightDecay: o.weightDecay })
+    : new AdamW(ctx, model.store, { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weightDecay: o.weightDecay });
+  const trainer = new TrainStep(ctx, model, optimizer, { lr: cfg.lr, schedule: { kind: "constant" }, gradClip: cfg.gradClip, accumSteps: 1 });
+  trainer.run([batches()]); // warm-up: first-touch allocations, as the mesh's first step is not counted either
+  const t0 = performance.now();
+  for (let i = 0; i < steps; i++) trainer.run([batches()]);
+  const rate = (steps * global) / ((performance.now() - t0) / 1000);
+  ctx.dispose();
+  return { rate, done: steps };
 }

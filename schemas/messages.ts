@@ -252,16 +252,20 @@ export interface Batch {
   /** (rows) */
   y: Int32Array;
   endOfEpoch: boolean;
+  /** token data: (rows, cols + 1) token ids, each row a window with its next token; x and y empty */
+  tokens?: Uint16Array;
 }
 
 const batchRoot = root("Batch", "MTBA", (bb) => BatchT.getRootAsBatch(bb));
 
 export function encodeBatch(m: Batch): Uint8Array {
-  const b = builder(1024 + m.x.byteLength + m.y.byteLength + m.sampleIds.byteLength);
+  const tokens = m.tokens ?? new Uint16Array(0);
+  const b = builder(1024 + m.x.byteLength + m.y.byteLength + m.sampleIds.byteLength + tokens.byteLength);
   const x = createBytes(b, bytesOf(m.x));
   const y = createI32s(b, m.y);
   const ids = createI32s(b, m.sampleIds);
-  return finishBytes(b, BatchT.createBatch(b, schemaVersion, m.epoch, m.index, ids, m.rows, m.cols, x, y, m.endOfEpoch), batchRoot.identifier);
+  const t = createBytesFilled(b, tokens.byteLength, (dst) => dst.set(bytesOf(tokens)), 4, 2);
+  return finishBytes(b, BatchT.createBatch(b, schemaVersion, m.epoch, m.index, ids, m.rows, m.cols, x, y, m.endOfEpoch, t), batchRoot.identifier);
 }
 
 export function decodeBatch(data: Uint8Array, bytesMax: number): Batch {
@@ -275,12 +279,19 @@ export function decodeBatch(data: Uint8Array, bytesMax: number): Batch {
     x: f32Of("Batch.x", r.xArray()),
     y: (r.yArray() ?? new Int32Array(0)).slice(),
     endOfEpoch: r.endOfEpoch(),
+    ...tokensField(r.tokensArray()),
   }));
-  if (m.x.length !== m.rows * m.cols || m.y.length !== m.rows || m.sampleIds.length !== m.rows) {
-    throw new WireFormatError("malformed", `Batch: ${m.rows}x${m.cols} with ${m.x.length} x values, ${m.y.length} labels, ${m.sampleIds.length} ids`);
+  const tokens = m.tokens?.length ?? 0;
+  const ok = tokens > 0
+    ? m.x.length === 0 && m.y.length === 0 && tokens === m.rows * (m.cols + 1)
+    : m.x.length === m.rows * m.cols && m.y.length === m.rows;
+  if (!ok || m.sampleIds.length !== m.rows) {
+    throw new WireFormatError("malformed", `Batch: ${m.rows}x${m.cols} with ${m.x.length} x values, ${m.y.length} labels, ${tokens} tokens, ${m.sampleIds.length} ids`);
   }
   return m;
 }
+
+const tokensField = (t: Uint16Array | null): { tokens?: Uint16Array } => (t !== null && t.length > 0 ? { tokens: t.slice() } : {});
 
 // ---- events --------------------------------------------------------------------------------
 
@@ -341,22 +352,41 @@ export interface JobSpec {
   configJson: string;
   /** the submission of the job name this spec belongs to (its record's attempts); 0: not known */
   attempt?: number;
+  /** the job's plan, computed at submission (absent: a request for one, `mt.ctl.plan`) */
+  plan?: DataPlan;
 }
 
 const jobRoot = root("JobSpec", "MTJS", (bb) => JobSpecT.getRootAsJobSpec(bb));
 
 export function encodeJobSpec(m: JobSpec): Uint8Array {
-  const b = builder(256 + m.configJson.length * 3);
+  const b = builder(512 + m.configJson.length * 3 + (m.plan?.vocab.length ?? 0) * 4);
   const job = str(b, m.job), config = str(b, m.configJson);
-  return finishBytes(b, JobSpecT.createJobSpec(b, schemaVersion, job, m.trainers, m.shards, m.sync, m.staleness, config, m.attempt ?? 0), jobRoot.identifier);
+  const plan = m.plan ? createPlan(b, m.plan) : 0;
+  JobSpecT.startJobSpec(b);
+  JobSpecT.addSchemaVersion(b, schemaVersion);
+  JobSpecT.addJob(b, job);
+  JobSpecT.addTrainers(b, m.trainers);
+  JobSpecT.addShards(b, m.shards);
+  JobSpecT.addSync(b, m.sync);
+  JobSpecT.addStaleness(b, m.staleness);
+  JobSpecT.addConfigJson(b, config);
+  JobSpecT.addAttempt(b, m.attempt ?? 0);
+  if (plan !== 0) JobSpecT.addPlan(b, plan);
+  return finishBytes(b, JobSpecT.endJobSpec(b), jobRoot.identifier);
 }
 
 export function decodeJobSpec(data: Uint8Array, bytesMax: number): JobSpec {
   const r = openRoot(data, jobRoot, bytesMax);
   return guarded("JobSpec", () => ({
     job: r.job() ?? "", trainers: r.trainers(), shards: r.shards(), sync: r.sync(), staleness: r.staleness(), configJson: r.configJson() ?? "",
-    attempt: r.attempt(),
+    attempt: r.attempt(), ...planField(r.plan()),
   }));
+}
+
+function planField(p: DataPlanT | null): { plan?: DataPlan } {
+  if (p === null) return {};
+  verifyTable(p.bb!, p.bb_pos, "JobSpec.plan");
+  return { plan: planOf(p) };
 }
 
 // ---- shard state (checkpoints) -------------------------------------------------------------
@@ -586,23 +616,49 @@ export interface DataPlan {
   testSamples: number;
   stepsPerEpoch: number;
   totalSteps: number;
+  /** token data: the vocabulary's size (0: images) */
+  vocabSize: number;
+  /** character data: the vocabulary as Unicode code points in id order (empty: none) */
+  vocab: number[];
+  /** the flat parameter vector's length (padding included) and its leading decayed elements */
+  slabNumel: number;
+  decayElems: number;
+  paramCount: number;
 }
 
 const dataPlanRoot = root("DataPlan", "MTDP", (bb) => DataPlanT.getRootAsDataPlan(bb));
 
-export function encodeDataPlan(m: DataPlan): Uint8Array {
-  const b = builder(128);
+/** Writes a plan into `b` (a message of its own, or the plan inside a JobSpec). */
+function createPlan(b: Builder, m: DataPlan): number {
   const job = str(b, m.job);
-  return finishBytes(b, DataPlanT.createDataPlan(b, schemaVersion, job, m.trainSamples, m.valSamples, m.testSamples, big(m.stepsPerEpoch),
-    big(m.totalSteps)), dataPlanRoot.identifier);
+  const vocab = DataPlanT.createVocabVector(b, Uint32Array.from(m.vocab));
+  return DataPlanT.createDataPlan(b, schemaVersion, job, m.trainSamples, m.valSamples, m.testSamples, big(m.stepsPerEpoch),
+    big(m.totalSteps), m.vocabSize, vocab, big(m.slabNumel), big(m.decayElems), big(m.paramCount));
+}
+
+function planOf(r: DataPlanT): DataPlan {
+  const m: DataPlan = {
+    job: r.job() ?? "", trainSamples: r.trainSamples(), valSamples: r.valSamples(), testSamples: r.testSamples(),
+    stepsPerEpoch: num(r.stepsPerEpoch()), totalSteps: num(r.totalSteps()), vocabSize: r.vocabSize(), vocab: [...(r.vocabArray() ?? [])],
+    slabNumel: num(r.slabNumel()), decayElems: num(r.decayElems()), paramCount: num(r.paramCount()),
+  };
+  if (m.vocab.length > 0 && (m.vocab.length !== m.vocabSize || m.vocab.some((c) => c > 0x10ffff))) {
+    throw new WireFormatError("malformed", `DataPlan: a vocabulary of ${m.vocab.length} characters for vocab_size ${m.vocabSize}, or a code point past U+10FFFF`);
+  }
+  if (m.vocabSize > 65536 || m.decayElems > m.slabNumel || m.paramCount > m.slabNumel) {
+    throw new WireFormatError("malformed", `DataPlan: vocab_size ${m.vocabSize}, ${m.decayElems} decayed and ${m.paramCount} parameters of a ${m.slabNumel}-element vector`);
+  }
+  return m;
+}
+
+export function encodeDataPlan(m: DataPlan): Uint8Array {
+  const b = builder(256 + m.vocab.length * 4);
+  return finishBytes(b, createPlan(b, m), dataPlanRoot.identifier);
 }
 
 export function decodeDataPlan(data: Uint8Array, bytesMax: number): DataPlan {
   const r = openRoot(data, dataPlanRoot, bytesMax);
-  return guarded("DataPlan", () => ({
-    job: r.job() ?? "", trainSamples: r.trainSamples(), valSamples: r.valSamples(), testSamples: r.testSamples(),
-    stepsPerEpoch: num(r.stepsPerEpoch()), totalSteps: num(r.totalSteps()),
-  }));
+  return guarded("DataPlan", () => planOf(r));
 }
 
 // ---- job record ----------------------------------------------------------------------------

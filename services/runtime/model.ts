@@ -1,20 +1,39 @@
 // The model a job trains, as the services need it: the trainer builds it to compute; the
 // parameter server takes only its initial flat parameter vector and the decay boundary, so
-// every process agrees on the layout of the vector without exchanging it.
+// every process agrees on the layout of the vector without exchanging it. A GPT's size depends
+// on its vocabulary, which the job's plan carries (plan.ts).
 import type { Backend } from "../../ffi/backend.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { saveModelFile } from "../../engine/modelfile.ts";
+import { type GptConfig, GptModel } from "../../engine/models/gpt.ts";
 import { type MlpConfig, MlpModel } from "../../engine/models/mlp.ts";
+import type { Model } from "../../engine/models/model.ts";
 import { Context } from "../../engine/tensor.ts";
-import type { ShardState } from "../../schemas/messages.ts";
+import type { DataPlan, ShardState } from "../../schemas/messages.ts";
 import { CorruptDataError } from "./errors.ts";
 import type { JobConfig } from "./job.ts";
 import { buildLayout } from "./layout.ts";
 
-export const modelConfigOf = (cfg: JobConfig): MlpConfig => ({ widths: cfg.model.widths, activation: "relu", dropout: cfg.model.dropout });
+/** What a plan must say for the model to be built: the vocabulary of token data. */
+export type ModelPlan = Pick<DataPlan, "vocabSize" | "vocab">;
 
-export function buildModel(ctx: Context, cfg: JobConfig): MlpModel {
-  return new MlpModel(ctx, modelConfigOf(cfg), cfg.seed);
+export function modelConfigOf(cfg: JobConfig, plan: ModelPlan): MlpConfig | GptConfig {
+  const m = cfg.model;
+  if (m.kind === "mlp") return { widths: m.widths, activation: "relu", dropout: m.dropout };
+  if (plan.vocabSize < 1) throw new CorruptDataError(`the plan of gpt job ${cfg.job} has no vocabulary size`);
+  return { vocabSize: plan.vocabSize, blockSize: m.blockSize, nLayer: m.nLayer, nHead: m.nHead, nEmbd: m.nEmbd, dropout: m.dropout };
+}
+
+export function buildModel(ctx: Context, cfg: JobConfig, plan: ModelPlan): Model {
+  const config = modelConfigOf(cfg, plan);
+  return cfg.model.kind === "mlp" ? new MlpModel(ctx, config as MlpConfig, cfg.seed) : new GptModel(ctx, config as GptConfig, cfg.seed);
+}
+
+/** The model file's header fields for a job's model (a GPT's character vocabulary, for sampling). */
+export function modelFileFields(cfg: JobConfig, plan: ModelPlan): { kind: "mlp" | "gpt"; config: object; vocab?: string[] } {
+  const config = modelConfigOf(cfg, plan);
+  if (cfg.model.kind === "mlp") return { kind: "mlp", config };
+  return { kind: "gpt", config, ...(plan.vocab.length > 0 ? { vocab: plan.vocab.map((c) => String.fromCodePoint(c)) } : {}) };
 }
 
 export interface InitialParameters {
@@ -25,10 +44,10 @@ export interface InitialParameters {
   paramCount: number;
 }
 
-export function initialParameters(cfg: JobConfig, backend: Backend = new CpuBackend()): InitialParameters {
+export function initialParameters(cfg: JobConfig, plan: ModelPlan, backend: Backend = new CpuBackend()): InitialParameters {
   const ctx = new Context(backend, { seed: cfg.seed });
   try {
-    const model = buildModel(ctx, cfg);
+    const model = buildModel(ctx, cfg, plan);
     const values = new Float32Array(model.store.slabNumel);
     backend.download(model.store.values.ptr, values);
     return { values, decayElems: model.store.decayRange.numel, paramCount: model.store.paramCount };
@@ -42,10 +61,10 @@ export function initialParameters(cfg: JobConfig, backend: Backend = new CpuBack
  * parameters as the shards hold them: every chunk is put back at its place in the flat vector.
  * Every chunk of the layout must be present exactly once.
  */
-export function exportModelFile(cfg: JobConfig, states: readonly ShardState[], path: string, step: number): void {
+export function exportModelFile(cfg: JobConfig, plan: ModelPlan, states: readonly ShardState[], path: string, step: number): void {
   const ctx = new Context(new CpuBackend(), { seed: cfg.seed });
   try {
-    const model = buildModel(ctx, cfg);
+    const model = buildModel(ctx, cfg, plan);
     const store = model.store;
     const layout = buildLayout(cfg.job, store.slabNumel, store.decayRange.numel, cfg.chunkBytes, cfg.shards);
     const slab = new Float32Array(store.slabNumel);
@@ -62,7 +81,7 @@ export function exportModelFile(cfg: JobConfig, states: readonly ShardState[], p
     }
     if (seen.size !== layout.chunks.length) throw new CorruptDataError(`the shards' states hold ${seen.size} of the job's ${layout.chunks.length} chunks`);
     store.writeValues(slab);
-    saveModelFile(path, store, { kind: "mlp", config: modelConfigOf(cfg), step, training: cfg });
+    saveModelFile(path, store, { ...modelFileFields(cfg, plan), step, training: cfg });
   } finally {
     ctx.dispose();
   }

@@ -13,20 +13,21 @@
 // (a peer died) also rewinds every rank to the newest snapshot instead of retrying the step:
 // a ring operation cannot be retried by one rank alone.
 //
-// The job's life: every rank takes the step count from the data-loader's plan (it alone reads
-// the data) and checks that the mesh runs every rank and shard the job needs. A rank that fails
+// The job's life: every rank takes the step count, the vocabulary and the parameter layout from
+// the plan its spec carries (computed at submission; only the data-loader reads the data) and
+// checks that the mesh runs every rank and shard the job needs. A rank that fails
 // fails the whole job (its record in the KV bucket, which closes it everywhere). At the end each
 // rank evaluates its share of the test split; rank 0 combines them, asks for the final snapshot
 // (exported as a model file) and ends the job as done. The other ranks repeat their final
 // events until the job has ended, so a restarted rank 0 still hears them.
 import type { Backend } from "../../ffi/backend.ts";
-import { lrAt, type Schedule, scheduleOf } from "../../engine/optim/schedule.ts";
+import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
 import { CollectiveClosedError, CollectiveError } from "../../engine/parallel/collective.ts";
 import { Context } from "../../engine/tensor.ts";
 import { evaluate, type HostBatch, lossAndGradients } from "../../engine/train.ts";
 import { dirname } from "node:path";
 import {
-  type Batch, type DataPlan, decodeBatch, decodeDataPlan, decodeEvent, decodeJobRequest, decodeManifest, decodeShardState, decodeShardStats, emptyEvent,
+  type Batch, type DataPlan, decodeBatch, decodeEvent, decodeJobRequest, decodeManifest, decodeShardState, decodeShardStats, emptyEvent,
   encodeBatchRequest, encodeEvent, encodeJobRequest, encodeShardState, type Event, EventKind, JobState, type Manifest, Split,
 } from "../../schemas/messages.ts";
 import type { Bus, Subscription } from "../runtime/bus.ts";
@@ -38,7 +39,7 @@ import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { pause } from "../runtime/pause.ts";
 import { buildModel } from "../runtime/model.ts";
-import { buildLayout } from "../runtime/layout.ts";
+import { checkPlanLayout, jobSchedule, planLayout } from "../runtime/plan.ts";
 import {
   checkpointTimeoutMs, finalRepeatMs, finalSaveAttemptsMax, finishWaitMsMax, jobStartWaitMsMax, loaderCredits, membersWaitMsMax, requestTimeoutMs,
   stepAttemptsMax,
@@ -50,6 +51,8 @@ export interface TrainerOptions {
   bus: Bus;
   backend: Backend;
   cfg: JobConfig;
+  /** the job's plan, from its spec */
+  plan: DataPlan;
   rank: number;
   payloadBytesMax: number;
   log?: Logger;
@@ -70,7 +73,23 @@ export class StaleStepError extends Error {
   override readonly name = "StaleStepError";
 }
 
-const toHost = (b: Batch): HostBatch => ({ inputs: b.x, inputShape: [b.rows, b.cols], targets: b.y, targetShape: [b.rows] });
+/** Rows [r, r+n) of a batch as the model takes them: images and labels, or token windows
+ *  (inputs a window's first T tokens, targets its last T). */
+function hostRows(b: Batch, r: number, n: number): HostBatch {
+  if (b.tokens === undefined || b.tokens.length === 0) {
+    return { inputs: b.x.subarray(r * b.cols, (r + n) * b.cols), inputShape: [n, b.cols], targets: b.y.subarray(r, r + n), targetShape: [n] };
+  }
+  const T = b.cols;
+  const inputs = new Int32Array(n * T), targets = new Int32Array(n * T);
+  for (let i = 0; i < n; i++) {
+    const w = b.tokens.subarray((r + i) * (T + 1), (r + i + 1) * (T + 1));
+    inputs.set(w.subarray(0, T), i * T);
+    targets.set(w.subarray(1), i * T);
+  }
+  return { inputs, inputShape: [n, T], targets, targetShape: [n, T] };
+}
+
+const toHost = (b: Batch): HostBatch => hostRows(b, 0, b.rows);
 
 /**
  * The step's batch cut into `k` micro-batches (gradient accumulation: each micro-batch's mean
@@ -79,10 +98,7 @@ const toHost = (b: Batch): HostBatch => ({ inputs: b.x, inputShape: [b.rows, b.c
 export function microBatches(b: Batch, k: number): HostBatch[] {
   const size = Math.ceil(b.rows / Math.min(k, b.rows));
   const out: HostBatch[] = [];
-  for (let r = 0; r < b.rows; r += size) {
-    const n = Math.min(size, b.rows - r);
-    out.push({ inputs: b.x.subarray(r * b.cols, (r + n) * b.cols), inputShape: [n, b.cols], targets: b.y.subarray(r, r + n), targetShape: [n] });
-  }
+  for (let r = 0; r < b.rows; r += size) out.push(hostRows(b, r, Math.min(size, b.rows - r)));
   return out;
 }
 
@@ -98,9 +114,9 @@ export class TrainerRun {
   #replicaStep = 0;
   #params: { generation: number; data: Float32Array };
   readonly #grads: Float32Array;
-  /** from the data-loader's plan, set when the run starts */
-  #plan: DataPlan = { job: "", trainSamples: 0, valSamples: 0, testSamples: 0, stepsPerEpoch: 0, totalSteps: 0 };
-  #schedule: Schedule = { kind: "constant" };
+  /** the job's plan, from its spec */
+  readonly #plan: DataPlan;
+  readonly #schedule: Schedule;
   #stopped = false;
   /** aborted when the run is stopped (the job was closed), to end waits at once */
   readonly #stopSignal = new AbortController();
@@ -125,9 +141,12 @@ export class TrainerRun {
     this.#o = o;
     // dropout differs per rank
     this.#ctx = new Context(o.backend, { seed: o.cfg.seed * 1000 + o.rank, precision: o.cfg.precision });
-    this.#model = buildModel(this.#ctx, o.cfg);
+    this.#plan = o.plan;
+    this.#schedule = jobSchedule(o.cfg, o.plan);
+    this.#model = buildModel(this.#ctx, o.cfg, o.plan);
     const store = this.#model.store;
-    const layout = buildLayout(o.cfg.job, store.slabNumel, store.decayRange.numel, o.cfg.chunkBytes, o.cfg.shards);
+    checkPlanLayout(o.plan, store.slabNumel, store.decayRange.numel);
+    const layout = planLayout(o.cfg, o.plan);
     this.#ps = usesShards(o.cfg) ? new PsClient(o.bus, layout, o.rank, o.payloadBytesMax) : null;
     this.#replica = usesShards(o.cfg) ? null
       : new Replica({ bus: o.bus, backend: o.backend, cfg: o.cfg, rank: o.rank, ctx: this.#ctx, model: this.#model, payloadBytesMax: o.payloadBytesMax, ...o.collective });
@@ -152,16 +171,6 @@ export class TrainerRun {
     this.#generation++;
     this.#restored.resolve();
     this.#stopSignal.abort();
-  }
-
-  /** The data-loader's plan of the job; the schedule runs over its step count. */
-  async #loadPlan(): Promise<void> {
-    const { cfg, bus } = this.#o;
-    const req = encodeJobRequest({ job: cfg.job, step: 0, tag: "" });
-    this.#plan = await this.#retry("get the job's data plan from the data-loader",
-      async () => decodeDataPlan(await bus.request(subjects.dataPlan(cfg.job), req, requestTimeoutMs), 1 << 16), jobStartWaitMsMax);
-    const total = this.#plan.totalSteps;
-    this.#schedule = scheduleOf(cfg.schedule, cfg.warmupSteps, total, cfg.minLr);
   }
 
   /**
@@ -222,7 +231,6 @@ export class TrainerRun {
       this.#evalSub = bus.subscribe(subjects.events(cfg.job, "eval"), (data) => this.#onEval(data));
     }
     try {
-      await this.#loadPlan();
       await this.#checkMembers();
       let step = await this.#retry("find the start step (every shard must have opened the job)", () => this.#startStep(), jobStartWaitMsMax);
       log?.info({ step, totalSteps: this.#total, precision: cfg.precision }, "training");
@@ -543,7 +551,8 @@ export class TrainerRun {
       await this.#ps.pull(step, params); // the final parameters
       backend.upload(this.#model.store.values.ptr, params);
     }
-    const split = cfg.valFraction > 0 && step < this.#total ? Split.Val : Split.Test;
+    // the validation split during training; at the end the test split, where the data set has one
+    const split = this.#plan.valSamples > 0 && (step < this.#total || this.#plan.testSamples === 0) ? Split.Val : Split.Test;
     const batches: HostBatch[] = [];
     for (let i = 0; ; i++) {
       const req = encodeBatchRequest({ job: cfg.job, rank, split, credits: 0, step: i });

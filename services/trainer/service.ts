@@ -4,6 +4,7 @@ import type { Backend } from "../../ffi/backend.ts";
 import type { JobSpec } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
 import type { MeshMembers } from "../runtime/discovery.ts";
+import { planOfSpec } from "../runtime/plan.ts";
 import { configOfSpec } from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
@@ -36,7 +37,7 @@ export class Trainer {
       this.#pending.set(cfg.job, spec);
       return;
     }
-    const run = new TrainerRun({ ...this.deps, cfg, attempt: spec.attempt ?? 0, ...(log ? { log: log.child({ job: cfg.job }) } : {}) });
+    const run = new TrainerRun({ ...this.deps, cfg, plan: planOfSpec(spec), attempt: spec.attempt ?? 0, ...(log ? { log: log.child({ job: cfg.job }) } : {}) });
     const done = run.run()
       .catch(() => {
         // reported as a Failed event, in the job's record and the log by the run itself

@@ -6,7 +6,7 @@ import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
 import { existsSync, readdirSync } from "node:fs";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
-import { totalSteps as jobTotalSteps } from "../../services/data-loader/sampler.ts";
+import { planHere } from "../../services/data-loader/loader.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
@@ -32,7 +32,7 @@ describe("all-reduce mode on the mesh", () => {
     await using mesh = await startMesh("mt-ar-");
     await using client = await MeshClient.connect(mesh.url);
     const cfg = config({ job: "ar", checkpointEvery: 100, gradClip: 5, accumSteps: 2, scaleLr: true, lr: 0.05 });
-    const total = jobTotalSteps(cfg);
+    const total = planHere(cfg).totalSteps;
     const seen: Event[] = [];
     await client.submit(cfg, { membersWaitMs: 60_000 });
     const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
@@ -60,7 +60,7 @@ describe("all-reduce mode on the mesh", () => {
     await using mesh = await startMesh("mt-ar-chaos-", { onEvent: (l) => launcherLines.push(l) });
     await using client = await MeshClient.connect(mesh.url);
     const cfg = config({ job: "ar-chaos", epochs: 2, checkpointEvery: 40 });
-    const total = jobTotalSteps(cfg);
+    const total = planHere(cfg).totalSteps;
     const seen: Event[] = [];
     let killedAt = -1;
     await client.submit(cfg, { membersWaitMs: 60_000 });

@@ -10,8 +10,8 @@ import { join } from "node:path";
 import { defaultMnistDir } from "../../engine/data/mnist.ts";
 import { readModelFile } from "../../engine/modelfile.ts";
 import { encodeJobRequest, type Event, EventKind, JobState, SyncPolicy } from "../../schemas/messages.ts";
-import { CapacityError, JobStateError, UnknownJobError } from "../../services/runtime/errors.ts";
-import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job.ts";
+import { CapacityError, ConfigError, JobStateError, UnknownJobError } from "../../services/runtime/errors.ts";
+import { type JobConfig, jobConfigFromJson, jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job.ts";
 import { runningRecord } from "../../services/runtime/jobs.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
@@ -95,9 +95,15 @@ describe("jobs on one long-running mesh", () => {
       return d;
     }, "train-images-idx3-ubyte"],
   // "at once": within the test's limit, not after the trainers' 5-minute wait for a job to start
-  ])("data the loader cannot read (%s) fails the job at once with the loader's reason", async (_, dataDir, fragment) => {
+  ])("data the loader cannot read (%s): the submission is refused with the loader's reason; a spec written past it fails the job at once", async (_, dataDir, fragment) => {
     const job = `bad-data-${Date.now()}`;
-    await client.submit(small(job, { dataDir: dataDir() }));
+    const cfg = small(job, { dataDir: dataDir() });
+    // the plan is made at submission, by the data-loader: its refusal is the submission's, and no job is left behind
+    await expectRejected(() => client.submit(cfg), ConfigError, `the data-loader cannot plan job ${job}`, fragment);
+    expect(await client.jobs.record(job)).toBeNull();
+    // a script that writes the spec itself, with a plan made for readable data: the loader fails the job
+    await client.jobs.createRecord(runningRecord(job, JSON.stringify(cfg), 1));
+    await client.jobs.putSpec({ job, trainers: 3, shards: 3, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(cfg), attempt: 1, plan: await client.plan(small(job)) });
     const { record, error } = await follow(job);
     expect(record.state).toBe(JobState.Failed);
     expect(record.reason).toContain(`data-loader cannot open job ${job}`);
@@ -134,7 +140,7 @@ describe("jobs on one long-running mesh", () => {
     // to open it over the snapshots, so the job fails with the differences
     const other = { ...cfg, lr: 0.2 };
     await client.jobs.updateRecord(cfg.job, (r) => ({ ...r, state: JobState.Running, configJson: JSON.stringify(other) }));
-    await client.jobs.putSpec({ job: cfg.job, trainers: 3, shards: 3, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(other) });
+    await client.jobs.putSpec({ job: cfg.job, trainers: 3, shards: 3, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(other), plan: await client.plan(other) });
     const refused = await follow(cfg.job);
     expect(refused.record.state).toBe(JobState.Failed);
     expect(refused.record.reason).toContain("checkpoint cannot open job resumable: job resumable has snapshots taken with other settings");
@@ -185,7 +191,8 @@ describe("jobs on one long-running mesh", () => {
     // a spec left behind by a crash between the record's end and the spec's delete: no service
     // opens it, and it is removed
     const ended = await client.record("seq-4");
-    await client.jobs.putSpec({ job: "seq-4", trainers: 3, shards: 3, sync: SyncPolicy.BSP, staleness: 0, configJson: ended.configJson, attempt: ended.attempts });
+    await client.jobs.putSpec({ job: "seq-4", trainers: 3, shards: 3, sync: SyncPolicy.BSP, staleness: 0, configJson: ended.configJson, attempt: ended.attempts,
+      plan: await client.plan(jobConfigFromJson(ended.configJson)) });
     await waitFor("the stale spec to be removed", async () => (await client.jobs.spec("seq-4")) === null, 10_000);
     for (const job of ["three", "seq-4"]) {
       await expect(client.bus.request(subjects.dataPlan(job), encodeJobRequest({ job, step: 0, tag: "" }), 5000)).rejects.toBeInstanceOf(UnknownJobError);

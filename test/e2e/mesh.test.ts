@@ -5,8 +5,7 @@ import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
-import { JobData } from "../../services/data-loader/loader.ts";
-import { totalSteps as jobTotalSteps } from "../../services/data-loader/sampler.ts";
+import { JobData, planHere } from "../../services/data-loader/loader.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
@@ -35,7 +34,7 @@ describe("mesh", () => {
     // GEMMs on the trainers (the chaos test below runs f32)
     // gradClip: the shards agree on the global norm of each step's averaged gradient (ps.<k>.norm)
     const cfg = config({ job: "e2e", checkpointEvery: 100, evalEvery: 100, accumSteps: 2, precision: "bf16", gradClip: 1 });
-    const total = jobTotalSteps(cfg);
+    const total = planHere(cfg).totalSteps;
     const seen: Event[] = [];
     let asked: Promise<Event> | null = null;
     await client.submit(cfg, { membersWaitMs: 60_000 });
@@ -75,7 +74,7 @@ describe("mesh", () => {
     await using mesh = await startMesh("mt-chaos-", { onEvent: (l) => launcherLines.push(l) });
     await using client = await MeshClient.connect(mesh.url);
     const cfg = config({ job: "chaos", epochs: 2, checkpointEvery: 40 });
-    const total = jobTotalSteps(cfg);
+    const total = planHere(cfg).totalSteps;
     const seen: Event[] = [];
     let killedAt = -1;
     await client.submit(cfg, { membersWaitMs: 60_000 });
@@ -99,7 +98,7 @@ describe("mesh", () => {
     // function of (rank, step), so each epoch visits every training sample exactly once
     const steps = effectiveSteps(seen, 2);
     for (const rank of [0, 1]) expect(steps[rank]).toEqual(Array.from({ length: total }, (_, i) => i));
-    const data = new JobData(cfg, loadMnist());
+    const data = new JobData(cfg, { kind: "mnist", data: loadMnist() });
     for (let epoch = 0; epoch < cfg.epochs; epoch++) {
       const ids: number[] = [];
       for (let s = epoch * data.stepsPerEpoch; s < (epoch + 1) * data.stepsPerEpoch; s++) for (const rank of [0, 1]) ids.push(...data.trainIds(rank, steps[rank]![s]!));

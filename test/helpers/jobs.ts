@@ -1,5 +1,5 @@
-// Helpers of the end-to-end job tests: a model file's accuracy evaluated in this process, and
-// each rank's effective step history from a job's events.
+// Helpers of the job tests: a job's spec with its plan, a model file's accuracy evaluated in
+// this process, and each rank's effective step history from a job's events.
 import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { loadSlabInto, readModelFile } from "../../engine/modelfile.ts";
@@ -7,8 +7,21 @@ import { MlpModel } from "../../engine/models/mlp.ts";
 import { Context } from "../../engine/tensor.ts";
 import { evaluate } from "../../engine/train.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
-import { type Event, EventKind } from "../../schemas/messages.ts";
+import { type Event, EventKind, type JobSpec } from "../../schemas/messages.ts";
+import { syncPolicy } from "../../sdk/client.ts";
+import { planHere } from "../../services/data-loader/loader.ts";
 import type { JobConfig } from "../../services/runtime/job.ts";
+
+/** What buildModel needs of an image job's plan (no vocabulary). */
+export const imagePlan = { vocabSize: 0, vocab: [] as number[] };
+
+/** The spec a client submits for `cfg`, with the plan its data set gives (read here). */
+export function specOf(cfg: JobConfig, over: Partial<JobSpec> = {}): JobSpec {
+  return {
+    job: cfg.job, trainers: cfg.trainers, shards: cfg.shards, sync: syncPolicy[cfg.sync], staleness: cfg.staleness, configJson: JSON.stringify(cfg),
+    ...over, plan: over.plan ?? planHere(cfg),
+  };
+}
 
 /** The test accuracy of a model file, evaluated in this process with the job's GEMM precision. */
 export function modelFileAccuracy(path: string, precision: JobConfig["precision"] = "f32"): number {

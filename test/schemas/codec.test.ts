@@ -63,8 +63,17 @@ describe("round trips, from unaligned payloads", () => {
     expect(decodeShardState(unaligned(encodeShardState(state)), limit)).toEqual(state);
     const manifest = { formatVersion: 1, job: "j", id: "step-10", step: 10, createdMs: 1.5e12, metric: 0.97, configJson: "{}", files: [{ name: "ps-0.bin", bytes: 123, crc32: 0xdeadbeef }], cursors: [10, 10], modelPath: "/d/j/model.mtm" };
     expect(decodeManifest(unaligned(encodeManifest(manifest)), limit)).toEqual(manifest);
-    const plan = { job: "j", trainSamples: 60_000, valSamples: 0, testSamples: 10_000, stepsPerEpoch: 235, totalSteps: 2350 };
+    const plan = {
+      job: "j", trainSamples: 60_000, valSamples: 0, testSamples: 10_000, stepsPerEpoch: 235, totalSteps: 2350, vocabSize: 3, vocab: [65, 0x1f600, 10],
+      slabNumel: 1024, decayElems: 512, paramCount: 1000,
+    };
     expect(decodeDataPlan(unaligned(encodeDataPlan(plan)), limit)).toEqual(plan);
+    const planned = { job: "j", trainers: 2, shards: 1, sync: SyncPolicy.AllReduce, staleness: 0, configJson: "{}", attempt: 3, plan };
+    expect(decodeJobSpec(unaligned(encodeJobSpec(planned)), limit)).toEqual(planned);
+    expect(decodeJobSpec(encodeJobSpec({ ...planned, plan: undefined }), limit).plan).toBeUndefined();
+    // a plan whose vocabulary disagrees with its size, or whose layout cannot be, is refused
+    expect(() => decodeDataPlan(encodeDataPlan({ ...plan, vocabSize: 4 }), limit)).toThrow(WireFormatError);
+    expect(() => decodeDataPlan(encodeDataPlan({ ...plan, decayElems: 2048 }), limit)).toThrow(WireFormatError);
     const rec = {
       job: "j", state: JobState.Failed, configJson: "{}", submittedMs: 1.7e12, endedMs: 1.7e12 + 5, totalSteps: 2350, evalStep: 235, accuracy: 0.5, loss: 1.25,
       evaluated: 10_000, evalSplit: "test", reason: "trainer 1: ünicode", snapshot: "step-000000235", modelPath: "/m.mtm", snapshotDir: "/d", attempts: 2,

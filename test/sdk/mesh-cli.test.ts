@@ -114,16 +114,16 @@ describe("meshtrain run", () => {
     expect(Number(/test accuracy: ([\d.]+)%/.exec(ev.out)![1])).toBe(accuracy);
   }, 120_000);
 
-  test("a data folder that does not exist: one line naming the file and the logs, at once; nothing left running", () => {
+  test("a data folder that does not exist: one line naming the file, at once, and no job is started; nothing left running", () => {
     const cwd = tempDir("mt-runbad-");
     const r = cli(cwd, ["run", ...quick, "--job", "nodata", "--dir", "out", "--data-dir", "/nonexistent"]);
     expect(r.code).toBe(1);
+    // the job's plan is made when it is submitted: the data-loader's refusal is the submission's
     expect(r.err.trim().split("\n")).toEqual([
-      "meshtrain: JobFailedError: job nodata failed: data-loader cannot open job nodata: /nonexistent/train-images-idx3-ubyte: file not found " +
-        "(logs: out/jobs/nodata/logs). Once fixed, resume it with: npx meshtrain run --job nodata --dir out",
+      "meshtrain: ConfigError: the data-loader cannot plan job nodata: /nonexistent/train-images-idx3-ubyte: file not found (from mt.ctl.plan)",
     ]);
     expect(processesMentioning(cwd)).toEqual([]);
-    // fixed (the package's data): the same job again, with the settings it was started with
+    // fixed (the package's data): the same name runs, with the settings it was started with and the new folder
     const again = cli(cwd, ["run", "--job", "nodata", "--dir", "out", "--data-dir", ""]);
     expect(again.code).toBe(0);
     expect(again.out.split("\n")[0]).toStartWith("meshtrain run: job nodata, started again with its settings (it has no snapshot)");

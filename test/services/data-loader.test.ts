@@ -1,19 +1,26 @@
 // Distributed sampling and the loader's batches, without NATS.
-import { beforeAll, describe, expect, test } from "bun:test";
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { DataLoader } from "../../services/data-loader/service.ts";
-import { JobData } from "../../services/data-loader/loader.ts";
-import { rankSlice, stepsPerEpochOf } from "../../services/data-loader/sampler.ts";
+import { JobData, planHere } from "../../services/data-loader/loader.ts";
+import { loadCorpus } from "../../engine/data/corpus.ts";
+import { Rng } from "../../engine/rng.ts";
+import { initialParameters } from "../../services/runtime/model.ts";
+import { rankSlice } from "../../services/data-loader/sampler.ts";
+import { type Dataset, readDataset, windowOffset } from "../../services/data-loader/sources.ts";
+import { stepsPerEpochOf } from "../../services/runtime/plan.ts";
+import { specOf } from "../helpers/jobs.ts";
 import { WireFormatError } from "../../schemas/codec.ts";
 import { decodeBatch, decodeDataPlan, decodeLoaderStats, encodeBatchRequest, encodeJobRequest, Split, SyncPolicy } from "../../schemas/messages.ts";
 import { MemoryBus } from "../../services/runtime/bus.ts";
 import { BadRequestError, UnknownJobError } from "../../services/runtime/errors.ts";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
 
 const mnist = loadMnist();
+const images: Dataset = { kind: "mnist", data: mnist };
 const cfg = (over: object) => parseJobConfig({ ...jobDefaults, job: "dl", ...over });
 
 describe("distributed sampling", () => {
@@ -30,7 +37,7 @@ describe("distributed sampling", () => {
   });
 
   test("a job's epochs: ids per rank are disjoint, cover the training split once, and differ between epochs", () => {
-    const j = new JobData(cfg({ trainers: 3, batchSize: 500, epochs: 2, valFraction: 0.1 }), mnist);
+    const j = new JobData(cfg({ trainers: 3, batchSize: 500, epochs: 2, valFraction: 0.1 }), images);
     for (const epoch of [0, 1]) {
       const seen = new Set<number>();
       for (let s = 0; s < j.stepsPerEpoch; s++) {
@@ -46,8 +53,8 @@ describe("distributed sampling", () => {
   });
 
   test("resuming at step T gives exactly the batches an uninterrupted run gets from T on", () => {
-    const a = new JobData(cfg({ trainers: 2, batchSize: 64 }), mnist);
-    const b = new JobData(cfg({ trainers: 2, batchSize: 64 }), mnist); // a fresh loader, as after a restart
+    const a = new JobData(cfg({ trainers: 2, batchSize: 64 }), images);
+    const b = new JobData(cfg({ trainers: 2, batchSize: 64 }), images); // a fresh loader, as after a restart
     const T = 470; // inside epoch 2
     for (let s = T; s < T + 5; s++) for (const r of [0, 1]) {
       expect(decodeBatch(b.next(r, Split.Train, s, 2), 1 << 24)).toEqual(decodeBatch(a.next(r, Split.Train, s, 2), 1 << 24));
@@ -57,10 +64,10 @@ describe("distributed sampling", () => {
 
 describe("loader over a MemoryBus", () => {
   const bus = new MemoryBus();
-  const loader = new DataLoader(bus, { payloadBytesMax: 8 << 20, dataset: mnist });
+  const loader = new DataLoader(bus, { payloadBytesMax: 8 << 20, dataset: images });
   loader.serve();
   const c = cfg({ trainers: 2, batchSize: 64 });
-  const opened = loader.openJob({ job: "dl", trainers: 2, shards: 2, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(c) });
+  const opened = loader.openJob(specOf(c));
   beforeAll(() => opened);
   const ask = async (m: { rank?: number; split?: Split; step?: number; credits?: number; job?: string }, subject = "mt.dl.data.next") =>
     decodeBatch(await bus.request(subject, encodeBatchRequest({ job: "dl", rank: 0, split: Split.Train, credits: 2, step: 0, ...m }), 1000), 8 << 20);
@@ -101,14 +108,16 @@ describe("loader over a MemoryBus", () => {
 
   test("data.plan: the sample counts and the step count the trainers and shards schedule over", async () => {
     const plan = decodeDataPlan(await bus.request("mt.dl.data.plan", encodeJobRequest({ job: "dl", step: 0, tag: "" }), 1000), 1 << 16);
-    expect(plan).toEqual({ job: "dl", trainSamples: 60_000, valSamples: 0, testSamples: 10_000, stepsPerEpoch: 469, totalSteps: 469 * c.epochs });
+    expect(plan).toMatchObject({ job: "dl", trainSamples: 60_000, valSamples: 0, testSamples: 10_000, stepsPerEpoch: 469, totalSteps: 469 * c.epochs, vocabSize: 0 });
+    expect(plan.slabNumel).toBeGreaterThanOrEqual(784 * 800 + 800 + 800 * 10 + 10);
     await expect(bus.request("mt.nope.data.plan", encodeJobRequest({ job: "nope", step: 0, tag: "" }), 1000)).rejects.toBeInstanceOf(UnknownJobError);
   });
 });
 
 describe("the loader's jobs: a limit, shared data sets, freed when their jobs close, unreadable data refused", () => {
+  // the plan of the default data (a job whose folder cannot be read is refused on opening)
   const spec = (job: string, over: Partial<JobConfig> = {}) =>
-    ({ job, trainers: 1, shards: 1, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(cfg({ ...over, job, trainers: 1 })) });
+    specOf(cfg({ ...over, job, trainers: 1 }), { plan: { ...specOf(cfg({ job, trainers: 1 })).plan!, job } });
 
   test("jobs reading one folder share one copy; the last to close frees it; one job over the limit is refused with the reason", async () => {
     const loader = new DataLoader(new MemoryBus(), { payloadBytesMax: 8 << 20, jobsMax: 2 });
@@ -162,5 +171,96 @@ describe("trainer micro-batches", () => {
     expect(m.flatMap((x) => [...x.targets])).toEqual([...b.y]);
     expect(m.flatMap((x) => [...x.inputs])).toEqual([...b.x]);
     expect(microBatches({ ...b, rows: 2, x: b.x.subarray(0, 6), y: b.y.subarray(0, 2) }, 4)).toHaveLength(2);
+  });
+});
+
+describe("token windows (the gpt's data)", () => {
+  // a text whose every position is recognizable: its characters cycle through a small alphabet
+  const dir = mkdtempSync(join(tmpdir(), "mt-text-"));
+  const file = join(dir, "t.txt");
+  const alphabet = "abcdefghij \n";
+  const rng = new Rng(3);
+  writeFileSync(file, Array.from({ length: 4000 }, () => alphabet[rng.int(alphabet.length)]).join(""));
+  const T = 8;
+  const gcfg = (over: object = {}) => parseJobConfig({
+    ...gptJobDefaults, job: "tw", dataDir: file, trainers: 3, batchSize: 5, epochs: 3, model: { ...gptJobDefaults.model, blockSize: T }, ...over,
+  });
+  const corpus = loadCorpus({ text: file, valFraction: 0.1 });
+  afterAll(() => rmSync(dir, { recursive: true, force: true }));
+
+  test("the plan: windows at every offset, the vocabulary's characters, the model's layout", () => {
+    const cfg = gcfg();
+    const plan = planHere(cfg);
+    const windows = Math.floor((corpus.train.length - T) / T);
+    expect(plan).toMatchObject({ trainSamples: windows, valSamples: Math.floor((corpus.val.length - 1) / T), testSamples: 0, stepsPerEpoch: Math.ceil(windows / 15) });
+    expect(plan.vocab.map((c) => String.fromCodePoint(c)).join("")).toBe([...alphabet].sort().join(""));
+    expect(plan.vocabSize).toBe(alphabet.length);
+    expect(planHere(gcfg({ maxSteps: 7 })).totalSteps).toBe(7);
+    // the vector the trainers will build: embeddings of the 12 characters and the 64 positions' rows among them
+    const init = initialParameters(cfg, plan);
+    expect([plan.slabNumel, plan.decayElems, plan.paramCount]).toEqual([init.values.length, init.decayElems, init.paramCount]);
+  });
+
+  test("every epoch visits each window once across the ranks, at an offset of its own; rows are T+1 consecutive tokens", () => {
+    const cfg = gcfg();
+    const j = new JobData(cfg, readDataset(cfg));
+    const offsets: number[] = [];
+    for (let epoch = 0; epoch < 3; epoch++) {
+      const seen = new Set<number>();
+      const off = windowOffset(cfg.seed, epoch, T);
+      offsets.push(off);
+      for (let s = 0; s < j.stepsPerEpoch; s++) {
+        for (let r = 0; r < 3; r++) {
+          const b = decodeBatch(j.next(r, Split.Train, epoch * j.stepsPerEpoch + s, 0), 1 << 24);
+          expect([b.cols, b.x.length, b.y.length, b.tokens!.length]).toEqual([T, 0, 0, b.rows * (T + 1)]);
+          b.sampleIds.forEach((id, row) => {
+            expect(seen.has(id)).toBe(false);
+            seen.add(id);
+            expect([...b.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([...corpus.train.subarray(off + id * T, off + id * T + T + 1)]);
+          });
+        }
+      }
+      expect(seen.size).toBe(j.train.length);
+    }
+    expect(offsets[0]).toBe(0);
+    expect(new Set(Array.from({ length: 8 }, (_, e) => windowOffset(cfg.seed, e, T))).size).toBeGreaterThan(1);
+  });
+
+  test("resuming at a step gives exactly the batches an uninterrupted run gets; validation windows cover the held-out end once; no test split", async () => {
+    const cfg = gcfg();
+    const a = new JobData(cfg, readDataset(cfg)), b = new JobData(cfg, readDataset(cfg));
+    for (let s = 30; s < 36; s++) for (const r of [0, 1, 2]) expect(decodeBatch(b.next(r, Split.Train, s, 2), 1 << 24)).toEqual(decodeBatch(a.next(r, Split.Train, s, 2), 1 << 24));
+    const ids: number[] = [];
+    for (const r of [0, 1, 2]) {
+      for (let i = 0; ; i++) {
+        const v = decodeBatch(a.next(r, Split.Val, i, 0), 1 << 24);
+        if (v.endOfEpoch) break;
+        v.sampleIds.forEach((id, row) => expect([...v.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([...corpus.val.subarray(id * T, id * T + T + 1)]));
+        ids.push(...v.sampleIds);
+      }
+    }
+    expect(ids.sort((x, y) => x - y)).toEqual([...a.val]);
+    expect(() => a.next(0, Split.Test, 0, 0)).toThrow("has no test split; ask for Val");
+  });
+
+  test("a plan made for other data (the file changed since submission) refuses the job; a text too short for one window is refused", () => {
+    const cfg = gcfg();
+    const plan = planHere(cfg);
+    expect(() => new JobData(cfg, readDataset(cfg), { ...plan, trainSamples: plan.trainSamples + 1 })).toThrow("the data changed since the job was submitted");
+    expect(() => new JobData(cfg, readDataset(cfg), { ...plan, vocab: plan.vocab.slice().reverse() })).toThrow("the data changed");
+    const short = join(dir, "short.txt");
+    writeFileSync(short, "abcdefghijklmnopqrst");
+    expect(() => planHere(gcfg({ dataDir: short }))).toThrow("hold no window");
+  });
+
+  test("the trainer cuts a token batch into micro-batches of inputs and next-token targets", async () => {
+    const { microBatches } = await import("../../services/trainer/loop.ts");
+    const tokens = Uint16Array.from({ length: 3 * 5 }, (_, i) => i); // 3 windows of T=4 (+1)
+    const b = { epoch: 0, index: 0, sampleIds: new Uint32Array(3), rows: 3, cols: 4, x: new Float32Array(0), y: new Int32Array(0), endOfEpoch: false, tokens };
+    const m = microBatches(b, 2);
+    expect(m.map((x) => x.inputShape)).toEqual([[2, 4], [1, 4]]);
+    expect([...m[0]!.inputs]).toEqual([0, 1, 2, 3, 5, 6, 7, 8]);
+    expect([...m[0]!.targets]).toEqual([1, 2, 3, 4, 6, 7, 8, 9]);
+    expect([...m[1]!.targets]).toEqual([11, 12, 13, 14]);
   });
 });

@@ -10,6 +10,7 @@ import { chunkF32, decodePullReply, f32Chunk, type PushRequest } from "../../sch
 import { Rng } from "../../engine/rng.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { cpu, randn, relErr } from "../helpers/numeric.ts";
+import { specOf } from "../helpers/jobs.ts";
 
 const be = cpu();
 
@@ -307,19 +308,17 @@ describe("ParameterServer over a MemoryBus", () => {
   test("a pull whose reply would exceed the payload limit is refused with LimitExceededError; smaller pulls work", async () => {
     const { ParameterServer } = await import("../../services/parameter-server/service.ts");
     const { MemoryBus } = await import("../../services/runtime/bus.ts");
-    const { LimitExceededError, NotReadyError } = await import("../../services/runtime/errors.ts");
-    const { encodeDataPlan, encodePullRequest, decodePullReply, SyncPolicy } = await import("../../schemas/messages.ts");
+    const { LimitExceededError } = await import("../../services/runtime/errors.ts");
+    const { encodePullRequest, decodePullReply } = await import("../../schemas/messages.ts");
     const cfg = job({ model: { kind: "mlp", widths: [784, 16, 10], dropout: 0 }, trainers: 1, shards: 1 });
     const bus = new MemoryBus();
     const ps = new ParameterServer(bus, 0, be, undefined, 16_000);
     ps.serve();
-    // the shard opens the job once the data-loader's plan is in; until then it is not ready
-    const opened = ps.openJob({ job: "t", trainers: 1, shards: 1, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(cfg) });
+    // a spec without its plan is refused (the plan carries the step count and the layout)
+    const spec = specOf(cfg);
+    await expect(ps.openJob({ ...spec, plan: undefined })).rejects.toThrow("carries no plan");
+    await ps.openJob(spec);
     const one = encodePullRequest({ job: "t", trainer: 0, step: 0, ids: Uint32Array.of(0) });
-    await expect(bus.request("mt.t.ps.0.pull", one, 1000)).rejects.toBeInstanceOf(NotReadyError);
-    bus.serve({ name: "plan", subject: "mt.*.data.plan", handler: () =>
-      encodeDataPlan({ job: "t", trainSamples: 100, valSamples: 0, testSamples: 10, stepsPerEpoch: 10, totalSteps: 10 }) });
-    await opened;
     const all = encodePullRequest({ job: "t", trainer: 0, step: 0, ids: Uint32Array.from({ length: 12 }, (_, i) => i) });
     await expect(bus.request("mt.t.ps.0.pull", all, 1000)).rejects.toBeInstanceOf(LimitExceededError);
     expect(decodePullReply(await bus.request("mt.t.ps.0.pull", one, 1000), 16_000).chunks[0]!.count).toBe(1024);

@@ -16,6 +16,7 @@ import { type JobConfig, jobDefaults, subjects } from "../../services/runtime/jo
 import { JobStore } from "../../services/runtime/jobs.ts";
 import { initialParameters } from "../../services/runtime/model.ts";
 import { freePort } from "../../services/runtime/nats-server.ts";
+import { imagePlan, specOf } from "../helpers/jobs.ts";
 import { clientBus, type ServiceProcess, spawnService, startNatsServer, waitFor } from "../helpers/mesh.ts";
 
 const cfg: JobConfig = {
@@ -23,7 +24,7 @@ const cfg: JobConfig = {
   optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 }, lr: 1, schedule: "constant", warmupSteps: 0, chunkBytes: 4096,
 };
 const payloadBytesMax = 1 << 20;
-const init = initialParameters(cfg);
+const init = initialParameters(cfg, imagePlan);
 const layout = buildLayout(cfg.job, init.values.length, init.decayElems, cfg.chunkBytes, cfg.shards);
 const timeout = 10_000;
 
@@ -40,7 +41,7 @@ beforeAll(async () => {
   loader = spawnService("services/data-loader/main.ts", ["--nats-url", server.url, "--payload-bytes-max", String(payloadBytesMax)]);
   bus = await clientBus(server.url);
   const store = await JobStore.open(bus.nc);
-  await store.putSpec({ job: cfg.job, trainers: 2, shards: 2, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(cfg) });
+  await store.putSpec(specOf(cfg));
   for (const k of [0, 1]) {
     await waitFor(`shard ${k} to open the job`, async () =>
       decodeShardStats(await bus.request(subjects.psStats(cfg.job, k), encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 1000), 1 << 20).chunks > 0);

@@ -3,16 +3,19 @@
 // backward order, the replica check, and snapshot parts (export, hostile loads, restore).
 import { describe, expect, test } from "bun:test";
 import { loadMnist } from "../../engine/data/mnist.ts";
-import type { MlpModel } from "../../engine/models/mlp.ts";
+import type { Model } from "../../engine/models/model.ts";
+import { AdamW } from "../../engine/optim/adamw.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
+import { Rng } from "../../engine/rng.ts";
 import { Context } from "../../engine/tensor.ts";
 import { type HostBatch, TrainStep } from "../../engine/train.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { MemoryBus } from "../../services/runtime/bus.ts";
 import { BadRequestError } from "../../services/runtime/errors.ts";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
 import { buildModel } from "../../services/runtime/model.ts";
 import { Replica, ReplicaDivergedError, stepRows } from "../../services/trainer/replica.ts";
+import { imagePlan } from "../helpers/jobs.ts";
 
 const mnist = loadMnist();
 const cols = 784;
@@ -33,14 +36,16 @@ function batch(from: number, n: number): HostBatch {
 
 interface Rank {
   ctx: Context;
-  model: MlpModel;
+  model: Model;
   replica: Replica;
 }
+
+const sharedBus = new MemoryBus();
 
 function ranks(cfg: JobConfig, bus = new MemoryBus()): Rank[] {
   return Array.from({ length: cfg.trainers }, (_, rank) => {
     const ctx = new Context(new CpuBackend(), { seed: 7 + rank, precision: cfg.precision });
-    const model = buildModel(ctx, cfg);
+    const model = buildModel(ctx, cfg, imagePlan);
     const replica = new Replica({ bus, backend: ctx.backend, cfg, rank, ctx, model, payloadBytesMax: 1 << 20, transport: { peerLostMs: 5_000 }, progressTimeoutMs: 5_000 });
     return { ctx, model, replica };
   });
@@ -61,7 +66,7 @@ describe("all-reduce replicas", () => {
     const b = 32, lr = 0.05;
     const rs = ranks(cfg);
     const ctx = new Context(new CpuBackend(), { seed: 0 });
-    const single = buildModel(ctx, cfg);
+    const single = buildModel(ctx, cfg, imagePlan);
     const o = cfg.optimizer.kind === "sgd" ? cfg.optimizer : null;
     const opt = new Sgd(ctx, single.store, { momentum: o!.momentum, dampening: 0, nesterov: o!.nesterov, weightDecay: o!.weightDecay });
     const train = new TrainStep(ctx, single, opt, { lr, schedule: { kind: "constant" }, gradClip: cfg.gradClip, accumSteps: 1 });
@@ -96,11 +101,63 @@ describe("all-reduce replicas", () => {
     }
   }, 60_000);
 
+  test("a GPT (AdamW, tied embedding, clipping): 2 ranks x 4 windows follow one process with 8 windows for 20 steps (<= 1e-4); several buckets", async () => {
+    const cfg = parseJobConfig({
+      ...gptJobDefaults, job: "replica-gpt", sync: "allreduce", trainers: 2, bucketMb: 0.02, chunkBytes: 16 << 10,
+      model: { ...gptJobDefaults.model, nLayer: 2, nHead: 2, nEmbd: 32, blockSize: 16 },
+    });
+    const V = 20, T = 16, b = 4, lr = 3e-3;
+    const plan = { vocabSize: V, vocab: [] as number[] };
+    const rng = new Rng(5);
+    const stream = Int32Array.from({ length: 40 * 2 * b * (T + 1) }, () => rng.int(V));
+    const windows = (from: number, n: number): HostBatch => {
+      const inputs = new Int32Array(n * T), targets = new Int32Array(n * T);
+      for (let w = 0; w < n; w++) {
+        inputs.set(stream.subarray((from + w) * (T + 1), (from + w) * (T + 1) + T), w * T);
+        targets.set(stream.subarray((from + w) * (T + 1) + 1, (from + w + 1) * (T + 1)), w * T);
+      }
+      return { inputs, inputShape: [n, T], targets, targetShape: [n, T] };
+    };
+    const rs = Array.from({ length: 2 }, (_, rank) => {
+      const ctx = new Context(new CpuBackend(), { seed: 7 + rank });
+      const model = buildModel(ctx, cfg, plan);
+      return { ctx, model, replica: new Replica({ bus: sharedBus, backend: ctx.backend, cfg, rank, ctx, model, payloadBytesMax: 1 << 20, progressTimeoutMs: 5_000 }) };
+    });
+    const ctx = new Context(new CpuBackend(), { seed: 0 });
+    const single = buildModel(ctx, cfg, plan);
+    const o = cfg.optimizer.kind === "adamw" ? cfg.optimizer : null;
+    const train = new TrainStep(ctx, single, new AdamW(ctx, single.store, { beta1: o!.beta1, beta2: o!.beta2, eps: o!.eps, weightDecay: o!.weightDecay }),
+      { lr, schedule: { kind: "constant" }, gradClip: cfg.gradClip, accumSteps: 1 });
+    let worst = 0;
+    try {
+      for (let s = 0; s < 20; s++) {
+        const whole = train.run([windows(s * 2 * b, 2 * b)]);
+        const results = await Promise.all(rs.map((r, rank) => {
+          const mine = windows(s * 2 * b + rank * b, b);
+          return r.replica.step(s, [mine], b, 2 * b, lr, mine);
+        }));
+        worst = Math.max(worst, relDiff((results[0]!.loss + results[1]!.loss) / 2, whole.loss), relDiff(results[0]!.gradNorm, whole.gradNorm));
+      }
+      expect(worst).toBeLessThanOrEqual(1e-4);
+      const [p0, p1] = rs.map((r) => r.model.store.readValues());
+      expect(Buffer.from(p0!.buffer).equals(Buffer.from(p1!.buffer))).toBe(true);
+      const ref = single.store.readValues();
+      let maxErr = 0;
+      for (let i = 0; i < ref.length; i++) maxErr = Math.max(maxErr, Math.abs(p0![i]! - ref[i]!));
+      expect(maxErr).toBeLessThan(1e-4);
+      expect(rs[0]!.replica.bucketSizes.length).toBeGreaterThan(1);
+      expect(rs[0]!.replica.bucketSizes.reduce((a, n) => a + n, 0)).toBe(single.store.paramCount);
+    } finally {
+      dispose(rs);
+      ctx.dispose();
+    }
+  }, 60_000);
+
   test("a rank without samples (the epoch's short last step) still reduces, and the step weighs each sample once", async () => {
     const cfg = config({ gradClip: 0 });
     const rs = ranks(cfg);
     const ctx = new Context(new CpuBackend(), { seed: 0 });
-    const single = buildModel(ctx, cfg);
+    const single = buildModel(ctx, cfg, imagePlan);
     const o = cfg.optimizer.kind === "sgd" ? cfg.optimizer : null;
     const opt = new Sgd(ctx, single.store, { momentum: o!.momentum, dampening: 0, nesterov: o!.nesterov, weightDecay: o!.weightDecay });
     const train = new TrainStep(ctx, single, opt, { lr: 0.1, schedule: { kind: "constant" }, gradClip: 0, accumSteps: 1 });

@@ -9,7 +9,7 @@ import { decodeErrorReply, encodeErrorReply } from "../../schemas/messages.ts";
 import { MemoryBus, subjectMatches } from "../../services/runtime/bus.ts";
 import { loadConfig } from "../../services/runtime/config.ts";
 import { BadRequestError, ConfigError, errorReplyOf, InternalError, MeshError, rebuildError, UnknownJobError } from "../../services/runtime/errors.ts";
-import { jobDefaults, parseJobConfig, peakLr, usesShards } from "../../services/runtime/job.ts";
+import { gptJobDefaults, jobDefaults, parseJobConfig, peakLr, usesShards } from "../../services/runtime/job.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 
@@ -103,6 +103,21 @@ describe("job config", () => {
     expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", sync: "ring" }), ConfigError, "sync");
     const { scaleLr: _a, bucketMb: _b, replicaCheckEvery: _c, ...older } = { ...jobDefaults, job: "j" };
     expect(parseJobConfig(older)).toEqual(parseJobConfig({ ...jobDefaults, job: "j" }));
+  });
+
+  test("gpt jobs: its defaults validate; a model and a data set that do not go together are refused, naming why", () => {
+    const g = parseJobConfig({ ...gptJobDefaults, job: "g" });
+    expect([g.model.kind, g.dataset, g.optimizer.kind, g.maxSteps]).toEqual(["gpt", "text", "adamw", 0]);
+    expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", dataset: "mnist" }), ConfigError, "the gpt trains on dataset text");
+    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "m", dataset: "text" }), ConfigError, "the mlp trains on dataset mnist");
+    expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", model: { ...gptJobDefaults.model, nHead: 3 } }), ConfigError, "divisible by model.nHead");
+    expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", valFraction: 0 }), ConfigError, "dataset text needs valFraction > 0");
+    expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", dataset: "tokens", dataDir: "/d" }), ConfigError, "valFraction must be 0");
+    expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", model: { ...gptJobDefaults.model, vocabSize: 50 } }), ConfigError, "model.vocabSize is for token folders");
+    expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", model: { ...gptJobDefaults.model, kind: "rnn" } }), ConfigError, "model.kind");
+    expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", maxSteps: -1 }), ConfigError, "maxSteps");
+    expect(parseJobConfig({ ...gptJobDefaults, job: "g", dataset: "tokens", dataDir: "/d", valFraction: 0, model: { ...gptJobDefaults.model, vocabSize: 50 } }).model)
+      .toMatchObject({ kind: "gpt", vocabSize: 50 });
   });
 
   test("precision: f32, tf32 or bf16; f16 only in all-reduce mode, refused elsewhere with the reason; a config stored without it reads as f32", () => {

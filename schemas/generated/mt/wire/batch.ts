@@ -5,7 +5,9 @@ import * as flatbuffers from 'flatbuffers';
 
 
 /**
- * A batch of samples: `x` is (rows, cols) fp32, `y` one int32 label per row.
+ * A batch of samples: `x` is (rows, cols) fp32, `y` one int32 label per row (images); or, for
+ * token data, `tokens` holds rows windows of cols + 1 token ids (a window's inputs are its first
+ * cols tokens, its targets the last cols), and x and y are empty.
  * `end_of_epoch`: rows may be 0; the rank's share of this epoch (or of the split) is done.
  */
 export class Batch {
@@ -108,8 +110,23 @@ endOfEpoch():boolean {
   return offset ? !!this.bb!.readInt8(this.bb_pos + offset) : false;
 }
 
+tokens(index: number):number|null {
+  const offset = this.bb!.__offset(this.bb_pos, 22);
+  return offset ? this.bb!.readUint16(this.bb!.__vector(this.bb_pos + offset) + index * 2) : 0;
+}
+
+tokensLength():number {
+  const offset = this.bb!.__offset(this.bb_pos, 22);
+  return offset ? this.bb!.__vector_len(this.bb_pos + offset) : 0;
+}
+
+tokensArray():Uint16Array|null {
+  const offset = this.bb!.__offset(this.bb_pos, 22);
+  return offset ? new Uint16Array(this.bb!.bytes().buffer, this.bb!.bytes().byteOffset + this.bb!.__vector(this.bb_pos + offset), this.bb!.__vector_len(this.bb_pos + offset)) : null;
+}
+
 static startBatch(builder:flatbuffers.Builder) {
-  builder.startObject(9);
+  builder.startObject(10);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -194,6 +211,27 @@ static addEndOfEpoch(builder:flatbuffers.Builder, endOfEpoch:boolean) {
   builder.addFieldInt8(8, +endOfEpoch, +false);
 }
 
+static addTokens(builder:flatbuffers.Builder, tokensOffset:flatbuffers.Offset) {
+  builder.addFieldOffset(9, tokensOffset, 0);
+}
+
+static createTokensVector(builder:flatbuffers.Builder, data:number[]|Uint16Array):flatbuffers.Offset;
+/**
+ * @deprecated This Uint8Array overload will be removed in the future.
+ */
+static createTokensVector(builder:flatbuffers.Builder, data:number[]|Uint8Array):flatbuffers.Offset;
+static createTokensVector(builder:flatbuffers.Builder, data:number[]|Uint16Array|Uint8Array):flatbuffers.Offset {
+  builder.startVector(2, data.length, 2);
+  for (let i = data.length - 1; i >= 0; i--) {
+    builder.addInt16(data[i]!);
+  }
+  return builder.endVector();
+}
+
+static startTokensVector(builder:flatbuffers.Builder, numElems:number) {
+  builder.startVector(2, numElems, 2);
+}
+
 static endBatch(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -207,7 +245,7 @@ static finishSizePrefixedBatchBuffer(builder:flatbuffers.Builder, offset:flatbuf
   builder.finish(offset, 'MTBA', true);
 }
 
-static createBatch(builder:flatbuffers.Builder, schemaVersion:number, epoch:number, index:number, sampleIdsOffset:flatbuffers.Offset, rows:number, cols:number, xOffset:flatbuffers.Offset, yOffset:flatbuffers.Offset, endOfEpoch:boolean):flatbuffers.Offset {
+static createBatch(builder:flatbuffers.Builder, schemaVersion:number, epoch:number, index:number, sampleIdsOffset:flatbuffers.Offset, rows:number, cols:number, xOffset:flatbuffers.Offset, yOffset:flatbuffers.Offset, endOfEpoch:boolean, tokensOffset:flatbuffers.Offset):flatbuffers.Offset {
   Batch.startBatch(builder);
   Batch.addSchemaVersion(builder, schemaVersion);
   Batch.addEpoch(builder, epoch);
@@ -218,6 +256,7 @@ static createBatch(builder:flatbuffers.Builder, schemaVersion:number, epoch:numb
   Batch.addX(builder, xOffset);
   Batch.addY(builder, yOffset);
   Batch.addEndOfEpoch(builder, endOfEpoch);
+  Batch.addTokens(builder, tokensOffset);
   return Batch.endBatch(builder);
 }
 }

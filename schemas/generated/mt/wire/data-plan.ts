@@ -5,9 +5,11 @@ import * as flatbuffers from 'flatbuffers';
 
 
 /**
- * What `mt.<job>.data.plan` answers: the job's data as the data-loader found it, and the steps
- * that follow from it. The loader is the only service that reads the data; trainers and
- * parameter-server shards take the step count (the learning-rate schedule's length) from here.
+ * A job's plan, computed once when it is submitted (`mt.ctl.plan` answers it: the
+ * data-loader is the only service that reads the data) and carried in its JobSpec: the data
+ * set's sizes, the steps that follow from them (the learning-rate schedule's length), the
+ * vocabulary of token data (the model's size depends on it), and the parameter vector's layout
+ * (its length and the leading elements that take weight decay; chunks follow from chunkBytes).
  */
 export class DataPlan {
   bb: flatbuffers.ByteBuffer|null = null;
@@ -68,8 +70,55 @@ totalSteps():bigint {
   return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
 }
 
+/**
+ * token data: the vocabulary's size (0 for images)
+ */
+vocabSize():number {
+  const offset = this.bb!.__offset(this.bb_pos, 18);
+  return offset ? this.bb!.readUint32(this.bb_pos + offset) : 0;
+}
+
+/**
+ * character data: the vocabulary's characters as Unicode code points, in id order
+ */
+vocab(index: number):number|null {
+  const offset = this.bb!.__offset(this.bb_pos, 20);
+  return offset ? this.bb!.readUint32(this.bb!.__vector(this.bb_pos + offset) + index * 4) : 0;
+}
+
+vocabLength():number {
+  const offset = this.bb!.__offset(this.bb_pos, 20);
+  return offset ? this.bb!.__vector_len(this.bb_pos + offset) : 0;
+}
+
+vocabArray():Uint32Array|null {
+  const offset = this.bb!.__offset(this.bb_pos, 20);
+  return offset ? new Uint32Array(this.bb!.bytes().buffer, this.bb!.bytes().byteOffset + this.bb!.__vector(this.bb_pos + offset), this.bb!.__vector_len(this.bb_pos + offset)) : null;
+}
+
+/**
+ * elements of the flat parameter vector, padding included
+ */
+slabNumel():bigint {
+  const offset = this.bb!.__offset(this.bb_pos, 22);
+  return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
+}
+
+/**
+ * its leading elements that take weight decay
+ */
+decayElems():bigint {
+  const offset = this.bb!.__offset(this.bb_pos, 24);
+  return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
+}
+
+paramCount():bigint {
+  const offset = this.bb!.__offset(this.bb_pos, 26);
+  return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
+}
+
 static startDataPlan(builder:flatbuffers.Builder) {
-  builder.startObject(7);
+  builder.startObject(12);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -100,6 +149,43 @@ static addTotalSteps(builder:flatbuffers.Builder, totalSteps:bigint) {
   builder.addFieldInt64(6, totalSteps, BigInt('0'));
 }
 
+static addVocabSize(builder:flatbuffers.Builder, vocabSize:number) {
+  builder.addFieldInt32(7, vocabSize, 0);
+}
+
+static addVocab(builder:flatbuffers.Builder, vocabOffset:flatbuffers.Offset) {
+  builder.addFieldOffset(8, vocabOffset, 0);
+}
+
+static createVocabVector(builder:flatbuffers.Builder, data:number[]|Uint32Array):flatbuffers.Offset;
+/**
+ * @deprecated This Uint8Array overload will be removed in the future.
+ */
+static createVocabVector(builder:flatbuffers.Builder, data:number[]|Uint8Array):flatbuffers.Offset;
+static createVocabVector(builder:flatbuffers.Builder, data:number[]|Uint32Array|Uint8Array):flatbuffers.Offset {
+  builder.startVector(4, data.length, 4);
+  for (let i = data.length - 1; i >= 0; i--) {
+    builder.addInt32(data[i]!);
+  }
+  return builder.endVector();
+}
+
+static startVocabVector(builder:flatbuffers.Builder, numElems:number) {
+  builder.startVector(4, numElems, 4);
+}
+
+static addSlabNumel(builder:flatbuffers.Builder, slabNumel:bigint) {
+  builder.addFieldInt64(9, slabNumel, BigInt('0'));
+}
+
+static addDecayElems(builder:flatbuffers.Builder, decayElems:bigint) {
+  builder.addFieldInt64(10, decayElems, BigInt('0'));
+}
+
+static addParamCount(builder:flatbuffers.Builder, paramCount:bigint) {
+  builder.addFieldInt64(11, paramCount, BigInt('0'));
+}
+
 static endDataPlan(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -113,7 +199,7 @@ static finishSizePrefixedDataPlanBuffer(builder:flatbuffers.Builder, offset:flat
   builder.finish(offset, 'MTDP', true);
 }
 
-static createDataPlan(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, trainSamples:number, valSamples:number, testSamples:number, stepsPerEpoch:bigint, totalSteps:bigint):flatbuffers.Offset {
+static createDataPlan(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, trainSamples:number, valSamples:number, testSamples:number, stepsPerEpoch:bigint, totalSteps:bigint, vocabSize:number, vocabOffset:flatbuffers.Offset, slabNumel:bigint, decayElems:bigint, paramCount:bigint):flatbuffers.Offset {
   DataPlan.startDataPlan(builder);
   DataPlan.addSchemaVersion(builder, schemaVersion);
   DataPlan.addJob(builder, jobOffset);
@@ -122,6 +208,11 @@ static createDataPlan(builder:flatbuffers.Builder, schemaVersion:number, jobOffs
   DataPlan.addTestSamples(builder, testSamples);
   DataPlan.addStepsPerEpoch(builder, stepsPerEpoch);
   DataPlan.addTotalSteps(builder, totalSteps);
+  DataPlan.addVocabSize(builder, vocabSize);
+  DataPlan.addVocab(builder, vocabOffset);
+  DataPlan.addSlabNumel(builder, slabNumel);
+  DataPlan.addDecayElems(builder, decayElems);
+  DataPlan.addParamCount(builder, paramCount);
   return DataPlan.endDataPlan(builder);
 }
 }

