@@ -30,15 +30,25 @@ export interface AllReduceBenchResult {
   target: number;
 }
 
-const list = (name: string, raw: unknown) => String(raw).split(",").map((x) => positiveInt(name, x));
+const list = (name: string, raw: unknown) =>
+  String(raw)
+    .split(",")
+    .map((x) => positiveInt(name, x));
 
 export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchResult[]> {
   const v = parseBenchArgs(argv, {
-    ranks: { type: "string", default: "2,4" }, "sizes-mb": { type: "string", default: "1,4,16,64" }, rounds: { type: "string", default: "5" },
-    "piece-kb": { type: "string", default: "1024" }, window: { type: "string", default: "4" }, "json-only": { type: "boolean", default: false },
+    ranks: { type: "string", default: "2,4" },
+    "sizes-mb": { type: "string", default: "1,4,16,64" },
+    rounds: { type: "string", default: "5" },
+    "piece-kb": { type: "string", default: "1024" },
+    window: { type: "string", default: "4" },
+    "json-only": { type: "boolean", default: false },
   });
-  const rankCounts = list("ranks", v.ranks), sizes = list("sizes-mb", v["sizes-mb"]), rounds = positiveInt("rounds", v.rounds);
-  const pieceBytes = positiveInt("piece-kb", v["piece-kb"]) * 1024, windowPieces = positiveInt("window", v.window);
+  const rankCounts = list("ranks", v.ranks),
+    sizes = list("sizes-mb", v["sizes-mb"]),
+    rounds = positiveInt("rounds", v.rounds);
+  const pieceBytes = positiveInt("piece-kb", v["piece-kb"]) * 1024,
+    windowPieces = positiveInt("window", v.window);
   if (rankCounts.some((n) => n < 2 || n > 16)) throw new ConfigError("--ranks: each from 2 to 16 (one rank moves nothing)");
   if (pieceBytes > 16 << 20) throw new ConfigError("--piece-kb: at most 16384");
   if (Math.max(...sizes) > 1024) throw new ConfigError("--sizes-mb: at most 1024");
@@ -59,13 +69,23 @@ export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchR
       const results = await runRanks(dir, server.url, n, ops, pieceBytes, windowPieces);
       for (const mb of sizes) {
         const len = (mb << 20) / 4;
-        const slowest = (kind: string) => ops.map((o, i) => ({ o, i })).filter(({ o }) => o.op === kind && o.len === len)
-          .map(({ i }) => Math.max(...results.map((rs) => rs[i]!.ms)));
-        const ringMs = median(slowest("allReduce")), rawMs = median(slowest("raw"));
-        const bus = (ms: number) => ((mb << 20) / (ms / 1000) / 1e9) * (2 * (n - 1)) / n;
+        const slowest = (kind: string) =>
+          ops
+            .map((o, i) => ({ o, i }))
+            .filter(({ o }) => o.op === kind && o.len === len)
+            .map(({ i }) => Math.max(...results.map((rs) => rs[i]!.ms)));
+        const ringMs = median(slowest("allReduce")),
+          rawMs = median(slowest("raw"));
+        const bus = (ms: number) => (((mb << 20) / (ms / 1000) / 1e9) * (2 * (n - 1))) / n;
         rows.push({
-          ranks: n, size_mb: mb, ring_ms: round(ringMs, 1), ring_busbw_gb_per_s: round(bus(ringMs), 3), raw_ms: round(rawMs, 1),
-          raw_busbw_gb_per_s: round(bus(rawMs), 3), ratio: round(rawMs / ringMs, 2), target: 0.8,
+          ranks: n,
+          size_mb: mb,
+          ring_ms: round(ringMs, 1),
+          ring_busbw_gb_per_s: round(bus(ringMs), 3),
+          raw_ms: round(rawMs, 1),
+          raw_busbw_gb_per_s: round(bus(rawMs), 3),
+          ratio: round(rawMs / ringMs, 2),
+          target: 0.8,
         });
       }
     }
@@ -73,7 +93,9 @@ export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchR
     rmSync(dir, { recursive: true, force: true });
   }
   if (!v["json-only"]) {
-    console.log(`all-reduce: ring over NATS (${pieceBytes >> 10} KB pieces, ${windowPieces} in flight per link) vs raw NATS moving the same bytes per link; median of ${rounds}`);
+    console.log(
+      `all-reduce: ring over NATS (${pieceBytes >> 10} KB pieces, ${windowPieces} in flight per link) vs raw NATS moving the same bytes per link; median of ${rounds}`,
+    );
     printTable(rows, ["ranks", "size_mb", "ring_ms", "ring_busbw_gb_per_s", "raw_ms", "raw_busbw_gb_per_s", "ratio", "target"]);
   }
   console.log(JSON.stringify({ bench: "allreduce", rows }));
@@ -82,14 +104,18 @@ export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchR
 
 async function runRanks(dir: string, url: string, n: number, ops: RankOp[], pieceBytes: number, windowPieces: number): Promise<RankResult[][]> {
   const job = `bench-allreduce-${n}`;
-  const plans = Array.from({ length: n }, (_, rank): RankPlan =>
-    ({ url, job, rank, hosts: Array(n).fill("local"), pieceBytes, windowPieces, progressTimeoutMs: 60_000, peerLostMs: 60_000, ops }));
+  const plans = Array.from(
+    { length: n },
+    (_, rank): RankPlan => ({ url, job, rank, hosts: Array(n).fill("local"), pieceBytes, windowPieces, progressTimeoutMs: 60_000, peerLostMs: 60_000, ops }),
+  );
   // one thread per rank: the ranks share the cores, as trainers on one machine do
   const run = await runRankProcesses(dir, plans, { OMP_NUM_THREADS: "1" });
   return run.results.map((lines, rank) => {
     const failed = lines.find((l) => l.error);
     if (run.codes[rank] !== 0 || lines.length !== ops.length || failed) {
-      throw new Error(`rank ${rank} of ${n} failed (exit ${run.codes[rank]}): ${failed?.error?.message ?? run.stderr[rank]!.trim().split("\n").slice(-3).join(" | ")}`);
+      throw new Error(
+        `rank ${rank} of ${n} failed (exit ${run.codes[rank]}): ${failed?.error?.message ?? run.stderr[rank]!.trim().split("\n").slice(-3).join(" | ")}`,
+      );
     }
     return lines;
   });

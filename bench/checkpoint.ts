@@ -42,10 +42,14 @@ const timed = (fn: () => void) => {
 
 export function runCheckpointBench(argv: string[]): CheckpointBenchResult[] {
   const v = parseBenchArgs(argv, {
-    "sizes-mb": { type: "string", default: "16,64,256" }, reps: { type: "string", default: "6" },
-    dir: { type: "string", default: tmpdir() }, "json-only": { type: "boolean", default: false },
+    "sizes-mb": { type: "string", default: "16,64,256" },
+    reps: { type: "string", default: "6" },
+    dir: { type: "string", default: tmpdir() },
+    "json-only": { type: "boolean", default: false },
   });
-  const sizes = String(v["sizes-mb"]).split(",").map((x) => positiveInt("sizes-mb", x));
+  const sizes = String(v["sizes-mb"])
+    .split(",")
+    .map((x) => positiveInt("sizes-mb", x));
   const reps = positiveInt("reps", v.reps);
   const root = mkdtempSync(join(String(v.dir), "mt-bench-ckpt-"));
   const rows: CheckpointBenchResult[] = [];
@@ -54,7 +58,10 @@ export function runCheckpointBench(argv: string[]): CheckpointBenchResult[] {
       const half = (mb << 20) / 2;
       const files = ["ps-0.mtss", "ps-1.mtss"].map((name) => ({ name, bytes: new Uint8Array(half).map((_, i) => (i * 2654435761) >>> 24) }));
       const store = new CheckpointStore(join(root, "store"));
-      const save: number[] = [], plain: number[] = [], restore: number[] = [], read: number[] = [];
+      const save: number[] = [],
+        plain: number[] = [],
+        restore: number[] = [],
+        read: number[] = [];
       for (let r = 0; r < reps; r++) {
         const step = mb * 1000 + r;
         // alternate which goes first: the second writer pays for the first one's writeback
@@ -74,17 +81,34 @@ export function runCheckpointBench(argv: string[]): CheckpointBenchResult[] {
       rmSync(join(root, "store"), { recursive: true, force: true });
       const rate = (ms: number[]) => mb / (median(ms) / 1000);
       rows.push({
-        snapshot_mb: mb, plain_write_mb_per_s: round(rate(plain), 1), save_mb_per_s: round(rate(save), 1), save_ratio: round(rate(save) / rate(plain), 3),
-        restore_mb_per_s: round(rate(restore), 1), restore_ratio: round(rate(restore) / rate(plain), 3), target: 0.7, plain_read_mb_per_s: round(rate(read), 1),
+        snapshot_mb: mb,
+        plain_write_mb_per_s: round(rate(plain), 1),
+        save_mb_per_s: round(rate(save), 1),
+        save_ratio: round(rate(save) / rate(plain), 3),
+        restore_mb_per_s: round(rate(restore), 1),
+        restore_ratio: round(rate(restore) / rate(plain), 3),
+        target: 0.7,
+        plain_read_mb_per_s: round(rate(read), 1),
       });
     }
   } finally {
     rmSync(root, { recursive: true, force: true });
   }
   if (!v["json-only"]) {
-    console.log(`checkpoint benchmark: 2 files per snapshot in ${String(v.dir)}; median of ${reps}; save = CRC32 + write + fsync + manifest + rename + folder fsync, ` +
-      "restore = read + size and CRC32 checks; ratios against the plain write + fsync of the same bytes; plain read for reference (page cache)");
-    printTable(rows, ["snapshot_mb", "plain_write_mb_per_s", "save_mb_per_s", "save_ratio", "restore_mb_per_s", "restore_ratio", "target", "plain_read_mb_per_s"]);
+    console.log(
+      `checkpoint benchmark: 2 files per snapshot in ${String(v.dir)}; median of ${reps}; save = CRC32 + write + fsync + manifest + rename + folder fsync, ` +
+        "restore = read + size and CRC32 checks; ratios against the plain write + fsync of the same bytes; plain read for reference (page cache)",
+    );
+    printTable(rows, [
+      "snapshot_mb",
+      "plain_write_mb_per_s",
+      "save_mb_per_s",
+      "save_ratio",
+      "restore_mb_per_s",
+      "restore_ratio",
+      "target",
+      "plain_read_mb_per_s",
+    ]);
   }
   console.log(JSON.stringify({ bench: "checkpoint", results: rows }));
   return rows;

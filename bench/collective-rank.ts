@@ -71,38 +71,52 @@ export function rankInput(seed: number, rank: number, len: number): Float32Array
 function errorRatio(got: Float32Array, inputs: Float32Array[], from: number, to: number): number {
   let worst = 0;
   for (let i = from; i < to; i++) {
-    let sum = 0, abs = 0;
-    for (const x of inputs) { sum += x[i]!; abs += Math.abs(x[i]!); }
+    let sum = 0,
+      abs = 0;
+    for (const x of inputs) {
+      sum += x[i]!;
+      abs += Math.abs(x[i]!);
+    }
     const bound = abs * 2 ** -23 * inputs.length + 1e-30;
     worst = Math.max(worst, Math.abs(got[i]! - sum) / bound);
   }
   return worst;
 }
 
-const hashOf = (x: Float32Array, from = 0, to = x.length) =>
-  Bun.hash.xxHash64(new Uint8Array(x.buffer, x.byteOffset + from * 4, (to - from) * 4)).toString(16);
+const hashOf = (x: Float32Array, from = 0, to = x.length) => Bun.hash.xxHash64(new Uint8Array(x.buffer, x.byteOffset + from * 4, (to - from) * 4)).toString(16);
 
 async function main(): Promise<void> {
   const plan = (await Bun.file(process.argv[2]!).json()) as RankPlan;
   const size = plan.hosts.length;
   const bus = await NatsBus.connect({ url: plan.url, name: `coll-rank-${plan.rank}`, connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
   const transport = new BusTransport(bus, {
-    job: plan.job, rank: plan.rank, size, generation: 1, pieceBytesMax: plan.pieceBytes, windowPieces: plan.windowPieces,
-    sendTimeoutMs: busTransportDefaults.sendTimeoutMs, peerLostMs: plan.peerLostMs,
+    job: plan.job,
+    rank: plan.rank,
+    size,
+    generation: 1,
+    pieceBytesMax: plan.pieceBytes,
+    windowPieces: plan.windowPieces,
+    sendTimeoutMs: busTransportDefaults.sendTimeoutMs,
+    peerLostMs: plan.peerLostMs,
   });
   let arrived = 0;
   const dieAfter = plan.dieAfterPieces ?? Infinity;
   // the transport, with a receiver that counts pieces and crashes the process when told to
   const counting: PeerTransport = {
-    rank: transport.rank, pieceBytesMax: transport.pieceBytesMax,
-    send: (h, v, s) => transport.send(h, v, s), abort: (h, r) => transport.abort(h, r), close: () => transport.close(),
-    listen: (receive) => transport.listen((p) => {
-      if (++arrived >= dieAfter) process.kill(process.pid, "SIGKILL");
-      return receive(p);
-    }),
+    rank: transport.rank,
+    pieceBytesMax: transport.pieceBytesMax,
+    send: (h, v, s) => transport.send(h, v, s),
+    abort: (h, r) => transport.abort(h, r),
+    close: () => transport.close(),
+    listen: (receive) =>
+      transport.listen((p) => {
+        if (++arrived >= dieAfter) process.kill(process.pid, "SIGKILL");
+        return receive(p);
+      }),
   };
   const options = { progressTimeoutMs: plan.progressTimeoutMs };
-  const coll: Collective = new Set(plan.hosts).size > 1 ? new HierarchicalCollective(counting, { hosts: plan.hosts }, options) : new RingCollective(counting, size, options);
+  const coll: Collective =
+    new Set(plan.hosts).size > 1 ? new HierarchicalCollective(counting, { hosts: plan.hosts }, options) : new RingCollective(counting, size, options);
   const raw = rawLink(bus, plan);
   // a piece for a rank that has not subscribed yet is retried (NoResponders) until it has
   for (const op of plan.ops) {
@@ -115,7 +129,8 @@ async function main(): Promise<void> {
 }
 
 async function runOp(coll: Collective, raw: ReturnType<typeof rawLink>, plan: RankPlan, op: RankOp): Promise<RankResult> {
-  const size = plan.hosts.length, key = { step: op.step, bucket: op.bucket };
+  const size = plan.hosts.length,
+    key = { step: op.step, bucket: op.bucket };
   const inputs = op.check ? Array.from({ length: size }, (_, r) => rankInput(op.seed, r, op.len)) : [];
   const buf = op.check ? inputs[plan.rank]!.slice() : filled(op.len, plan.rank);
   const out: RankResult = { op: op.op, len: op.len, step: op.step, bucket: op.bucket, ms: 0, hash: "", errorRatio: 0 };
@@ -140,7 +155,8 @@ async function runOp(coll: Collective, raw: ReturnType<typeof rawLink>, plan: Ra
       if (op.check) {
         const want = new Float32Array(op.len);
         inputs.forEach((x, r) => {
-          const from = Math.floor((r * op.len) / size), to = Math.floor(((r + 1) * op.len) / size);
+          const from = Math.floor((r * op.len) / size),
+            to = Math.floor(((r + 1) * op.len) / size);
           want.set(x.subarray(from, to), from);
         });
         out.errorRatio = hashOf(want) === out.hash ? 0 : Infinity;
@@ -154,7 +170,7 @@ async function runOp(coll: Collective, raw: ReturnType<typeof rawLink>, plan: Ra
       await coll.barrier(key);
       out.ms = performance.now() - t0;
     } else {
-      await raw.run(op.len * 4 * 2 * (size - 1) / size, op.step);
+      await raw.run((op.len * 4 * 2 * (size - 1)) / size, op.step);
       out.ms = performance.now() - t0;
     }
   } catch (e) {
@@ -218,13 +234,24 @@ export async function runRankProcesses(dir: string, plans: RankPlan[], env: Reco
     const file = join(dir, `${plan.job}-${plan.rank}.json`);
     writeFileSync(file, JSON.stringify(plan));
     return Bun.spawn([process.execPath, join(import.meta.dir, "collective-rank.ts"), file], {
-      cwd: join(import.meta.dir, ".."), stdout: "pipe", stderr: "pipe", env: { ...process.env, ...env },
+      cwd: join(import.meta.dir, ".."),
+      stdout: "pipe",
+      stderr: "pipe",
+      env: { ...process.env, ...env },
     });
   });
   try {
-    const outs = await Promise.all(procs.map(async (p) => ({ out: await new Response(p.stdout).text(), err: await new Response(p.stderr).text(), code: await p.exited })));
+    const outs = await Promise.all(
+      procs.map(async (p) => ({ out: await new Response(p.stdout).text(), err: await new Response(p.stderr).text(), code: await p.exited })),
+    );
     return {
-      results: outs.map((o) => o.out.trim().split("\n").filter((l) => l !== "").map((l) => JSON.parse(l) as RankResult)),
+      results: outs.map((o) =>
+        o.out
+          .trim()
+          .split("\n")
+          .filter((l) => l !== "")
+          .map((l) => JSON.parse(l) as RankResult),
+      ),
       codes: outs.map((o) => o.code),
       stderr: outs.map((o) => o.err),
     };

@@ -36,14 +36,12 @@ export interface EngineBenchResult {
   target: number;
 }
 
-
 /**
  * Times `reps` training steps and `reps` rounds of the step's GEMMs (every GEMM of the step
  * once, on scratch buffers of the same shapes), interleaved one of each at a time so both see
  * the same machine conditions; returns the medians in ms.
  */
-function timeInterleaved(be: Backend, trainer: TrainStep, batch: HostBatch, shapes: readonly GemmShape[], reps: number,
-                         input: GemmInput) {
+function timeInterleaved(be: Backend, trainer: TrainStep, batch: HostBatch, shapes: readonly GemmShape[], reps: number, input: GemmInput) {
   const buffers = shapes.map((s) => ({
     a: randomMatrix(be, s.M * s.K * s.batch, input, s.M + s.N + s.K),
     b: randomMatrix(be, s.K * s.N * s.batch, input, s.M + s.N + s.K + 1),
@@ -117,13 +115,11 @@ function result(name: string, batch: number, model: Model, stepMs: number, gemmM
   };
 }
 
-
 export function benchMlp(be: Backend, steps: number, precision: Precision = "f32"): EngineBenchResult {
   const batch = 256;
   const ctx = new Context(be, { seed: 1, precision });
   const model = new MlpModel(ctx, { widths: [784, 1024, 1024, 10], activation: "relu", dropout: 0 }, 1);
-  const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, sgdDefaults),
-    { lr: 0.01, schedule: { kind: "constant" }, gradClip: 0, accumSteps: 1 });
+  const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, sgdDefaults), { lr: 0.01, schedule: { kind: "constant" }, gradClip: 0, accumSteps: 1 });
   const rng = new Rng(2);
   const hb: HostBatch = {
     inputs: Float32Array.from({ length: batch * 784 }, () => rng.normal()),
@@ -144,8 +140,12 @@ export function benchGpt(be: Backend, steps: number, precision: Precision = "f32
   const ctx = new Context(be, { seed: 1, precision });
   const config = { ...gptDefaults, vocabSize };
   const model = new GptModel(ctx, config, 1);
-  const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamwDefaults),
-    { lr: 1e-3, schedule: { kind: "constant" }, gradClip: 1, accumSteps: 1 });
+  const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamwDefaults), {
+    lr: 1e-3,
+    schedule: { kind: "constant" },
+    gradClip: 1,
+    accumSteps: 1,
+  });
   const rng = new Rng(3);
   const n = batch * config.blockSize;
   const hb: HostBatch = {
@@ -177,7 +177,9 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] {
   const rows = [benchMlp(be, steps, precision), benchGpt(be, steps, precision)];
   if (!quiet) {
     const threads = be instanceof CpuBackend ? `, ${be.threads} threads` : "";
-    console.log(`engine benchmark: ${why}${threads}, precision ${precision}; medians of ${steps} steps interleaved with ${steps} rounds of their GEMMs; ratio = GEMM time / step time`);
+    console.log(
+      `engine benchmark: ${why}${threads}, precision ${precision}; medians of ${steps} steps interleaved with ${steps} rounds of their GEMMs; ratio = GEMM time / step time`,
+    );
     printTable(rows, ["model", "batch", "step_ms", "samples_per_s", "achieved_gflops", "sgemm_gflops", "ratio", "target"]);
   }
   const torch = gpu ? compareWithTorch(be, rows, precision, steps, quiet) : null;
@@ -191,11 +193,12 @@ function compareWithTorch(be: Backend, rows: EngineBenchResult[], precision: Pre
   // distinct shapes only: torch times each once, as our GEMM round does per occurrence
   const shapes = [...new Map(benchedShapes.map((s) => [JSON.stringify(s), s])).values()];
   const script = join(import.meta.dir, "torch_step.py");
-  const p = Bun.spawnSync(["python3", script, "--precision", precision, "--steps", String(steps), "--gemm-shapes", JSON.stringify(shapes)],
-    { stdout: "pipe", stderr: "pipe" });
+  const p = Bun.spawnSync(["python3", script, "--precision", precision, "--steps", String(steps), "--gemm-shapes", JSON.stringify(shapes)], {
+    stdout: "pipe",
+    stderr: "pipe",
+  });
   const line = p.stdout.toString().trim().split("\n").pop() ?? "";
-  let torch: { mlp_step_ms: number; gpt_step_ms: number; gemm_tflops: number; gemm: { ms: number }[]; device: string; torch: string;
-    error?: string };
+  let torch: { mlp_step_ms: number; gpt_step_ms: number; gemm_tflops: number; gemm: { ms: number }[]; device: string; torch: string; error?: string };
   try {
     torch = JSON.parse(line);
   } catch {
@@ -219,8 +222,12 @@ function compareWithTorch(be: Backend, rows: EngineBenchResult[], precision: Pre
   const gemm = shapes.map((s, i) => {
     const flops = 2 * s.M * s.N * s.K * s.batch;
     const [o, t] = [ours[i]!, torch.gemm[i]!.ms];
-    return { shape: `${s.batch}x${s.M}x${s.N}x${s.K}${s.transA ? " tA" : ""}${s.transB ? " tB" : ""}`, ours_tflops: round(flops / o / 1e9, 2),
-      torch_tflops: round(flops / t / 1e9, 2), ratio: round(t / o, 3) };
+    return {
+      shape: `${s.batch}x${s.M}x${s.N}x${s.K}${s.transA ? " tA" : ""}${s.transB ? " tB" : ""}`,
+      ours_tflops: round(flops / o / 1e9, 2),
+      torch_tflops: round(flops / t / 1e9, 2),
+      ratio: round(t / o, 3),
+    };
   });
   const total = (ms: number[]) => shapes.reduce((f, s) => f + 2 * s.M * s.N * s.K * s.batch, 0) / ms.reduce((a, b) => a + b, 0) / 1e9;
   const gemmTflops = { ours: round(total(ours), 2), torch: round(torch.gemm_tflops, 2) };

@@ -29,7 +29,6 @@ interface Case {
   run: () => void;
 }
 
-
 function cases(be: Backend, n: number, buf: (elems: number) => Ptr, ints: (count: number, limit: number) => Ptr): Case[] {
   const [x, y, z, w] = [buf(n), buf(n), buf(n), buf(n)];
   const half = buf(n / 2);
@@ -68,7 +67,11 @@ function cases(be: Backend, n: number, buf: (elems: number) => Ptr, ints: (count
     { name: "causalSoftmaxBackward (BH,256,256)", bytes: 4 * n * f, run: () => be.causalSoftmaxBackward(z, y, x, BH, T, 0.125) },
     { name: "embeddingForward (N,768)", bytes: 2 * NC * f, run: () => be.embeddingForward(y, ids, table, N, C, V) },
     { name: "embeddingBackward (N,768)", bytes: 3 * NC * f, run: () => be.embeddingBackward(table, ids, x, N, C) },
-    { name: "transpose (B,T,12,64)->(B,12,T,64)", bytes: 2 * NC * f, run: () => be.stridedCopy(y, [12 * T * 64, T * 64, 64, 1], x, [T * C, 64, C, 1], [NC / (T * C), 12, T, 64], false) },
+    {
+      name: "transpose (B,T,12,64)->(B,12,T,64)",
+      bytes: 2 * NC * f,
+      run: () => be.stridedCopy(y, [12 * T * 64, T * 64, 64, 1], x, [T * C, 64, C, 1], [NC / (T * C), 12, T, 64], false),
+    },
     { name: "sgdStep (momentum)", bytes: 5 * n * f, run: () => be.sgdStep(x, y, z, n, 1e-3, 0.9, 0, 0, false, false) },
     { name: "adamwStep", bytes: 7 * n * f, run: () => be.adamwStep(x, y, z, w, n, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.5, 0.5) },
     { name: "sumSquares", bytes: n * f, run: () => be.sumSquares(x, n) },
@@ -95,13 +98,19 @@ export function runKernelBench(argv: string[]): KernelBenchResult[] {
   const allocations: Ptr[] = [];
   const buf = (elems: number) => {
     const a = be.alloc(elems * 4);
-    be.upload(a.ptr, Float32Array.from({ length: elems }, () => rng.normal() * 0.5));
+    be.upload(
+      a.ptr,
+      Float32Array.from({ length: elems }, () => rng.normal() * 0.5),
+    );
     allocations.push(a.ptr);
     return a.ptr;
   };
   const ints = (count: number, limit: number) => {
     const a = be.alloc(count * 4);
-    be.upload(a.ptr, Int32Array.from({ length: count }, () => rng.int(limit)));
+    be.upload(
+      a.ptr,
+      Int32Array.from({ length: count }, () => rng.int(limit)),
+    );
     allocations.push(a.ptr);
     return a.ptr;
   };
@@ -122,13 +131,22 @@ export function runKernelBench(argv: string[]): KernelBenchResult[] {
     const ms = median(kernelMs);
     const gbps = c.bytes / ms / 1e6;
     const copyGbps = (2 * copyBytes) / median(copyMs) / 1e6;
-    rows.push({ kernel: c.name, bytes_per_call: c.bytes, ms: round(ms, 3), gb_per_s: round(gbps, 1), memcpy_gb_per_s: round(copyGbps, 1), ratio: round(gbps / copyGbps, 2) });
+    rows.push({
+      kernel: c.name,
+      bytes_per_call: c.bytes,
+      ms: round(ms, 3),
+      gb_per_s: round(gbps, 1),
+      memcpy_gb_per_s: round(copyGbps, 1),
+      ratio: round(gbps / copyGbps, 2),
+    });
   }
   const launchUs = be.name === "cpu" ? null : launchOverheadUs(be, buf(1));
   if (!values["json-only"]) {
     const threads = be instanceof CpuBackend ? `, ${be.threads} threads` : "";
-    console.log(`kernel benchmark: ${why}${threads}, ${n} f32 elements per tensor, median of ${reps}; ` +
-      "ratio = achieved GB/s / the backend's copy GB/s on the same bytes");
+    console.log(
+      `kernel benchmark: ${why}${threads}, ${n} f32 elements per tensor, median of ${reps}; ` +
+        "ratio = achieved GB/s / the backend's copy GB/s on the same bytes",
+    );
     printTable(rows, ["kernel", "bytes_per_call", "ms", "gb_per_s", "memcpy_gb_per_s", "ratio"]);
     if (launchUs !== null) console.log(`host cost of one kernel call (add of 1 element, 10000 calls queued): ${round(launchUs, 2)} us`);
   }

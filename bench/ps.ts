@@ -33,20 +33,36 @@ export interface PsBenchResult {
 const root = join(import.meta.dir, "..");
 const chunkBytes = 1 << 20;
 const payloadBytesMax = 8 << 20;
-const list = (name: string, raw: unknown) => String(raw).split(",").map((x) => positiveInt(name, x));
+const list = (name: string, raw: unknown) =>
+  String(raw)
+    .split(",")
+    .map((x) => positiveInt(name, x));
 
 /** An MLP 784-H-10 of about `mb` megabytes of fp32 parameters. */
 function jobFor(mb: number, shards: number): JobConfig {
   const hidden = Math.round((mb * (1 << 20)) / 4 / (784 + 10 + 1));
   return parseJobConfig({
-    ...jobDefaults, job: `bench-${mb}mb-${shards}`, model: { kind: "mlp", widths: [784, hidden, 10], dropout: 0 },
-    trainers: 1, shards, sync: "asp", optimizer: { kind: "sgd", momentum: 0.9, nesterov: false, weightDecay: 0 },
-    schedule: "constant", warmupSteps: 0, chunkBytes, checkpointEvery: 0,
+    ...jobDefaults,
+    job: `bench-${mb}mb-${shards}`,
+    model: { kind: "mlp", widths: [784, hidden, 10], dropout: 0 },
+    trainers: 1,
+    shards,
+    sync: "asp",
+    optimizer: { kind: "sgd", momentum: 0.9, nesterov: false, weightDecay: 0 },
+    schedule: "constant",
+    warmupSteps: 0,
+    chunkBytes,
+    checkpointEvery: 0,
   });
 }
 
 function spawn(args: string[]) {
-  const p = Bun.spawn([process.execPath, ...args], { cwd: root, stdout: "pipe", stderr: "ignore", env: { ...process.env, OMP_NUM_THREADS: "1", MT_LOG_LEVEL: "warn" } });
+  const p = Bun.spawn([process.execPath, ...args], {
+    cwd: root,
+    stdout: "pipe",
+    stderr: "ignore",
+    env: { ...process.env, OMP_NUM_THREADS: "1", MT_LOG_LEVEL: "warn" },
+  });
   return p;
 }
 
@@ -62,15 +78,18 @@ async function waitLine(p: ReturnType<typeof spawn>, text: string): Promise<void
 
 export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
   const v = parseBenchArgs(argv, {
-    "sizes-mb": { type: "string", default: "4,16,64" }, shards: { type: "string", default: "1,2,4" },
-    rounds: { type: "string", default: "15" }, "json-only": { type: "boolean", default: false },
+    "sizes-mb": { type: "string", default: "4,16,64" },
+    shards: { type: "string", default: "1,2,4" },
+    rounds: { type: "string", default: "15" },
+    "json-only": { type: "boolean", default: false },
   });
-  const sizes = list("sizes-mb", v["sizes-mb"]), shardCounts = list("shards", v.shards), rounds = positiveInt("rounds", v.rounds);
+  const sizes = list("sizes-mb", v["sizes-mb"]),
+    shardCounts = list("shards", v.shards),
+    rounds = positiveInt("rounds", v.rounds);
   if (Math.max(...shardCounts) > 8) throw new ConfigError("--shards: at most 8");
   await using server = await startNatsServer({ maxPayloadBytes: payloadBytesMax });
   const maxShards = Math.max(...shardCounts);
-  const shards = Array.from({ length: maxShards }, (_, k) =>
-    spawn(["services/parameter-server/main.ts", "--nats-url", server.url, "--shard", String(k)]));
+  const shards = Array.from({ length: maxShards }, (_, k) => spawn(["services/parameter-server/main.ts", "--nats-url", server.url, "--shard", String(k)]));
   // the shards take each job's step count (its schedule's length) from the data-loader's plan
   const loader = spawn(["services/data-loader/main.ts", "--nats-url", server.url]);
   const echoes = Array.from({ length: maxShards }, (_, k) => spawn(["bench/nats-echo.ts", server.url, String(k)]));
@@ -86,8 +105,10 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
     await Promise.all([...shards, loader, ...echoes].map((p) => p.exited));
   }
   if (!v["json-only"]) {
-    console.log(`parameter-server benchmark: 1 trainer pushes then pulls the whole model (ASP, SGD momentum), ${chunkBytes >> 20} MB chunks, ` +
-      `messages up to ${payloadBytesMax >> 20} MB; medians of ${rounds} rounds, interleaved with rounds of raw NATS (the same messages to echo processes)`);
+    console.log(
+      `parameter-server benchmark: 1 trainer pushes then pulls the whole model (ASP, SGD momentum), ${chunkBytes >> 20} MB chunks, ` +
+        `messages up to ${payloadBytesMax >> 20} MB; medians of ${rounds} rounds, interleaved with rounds of raw NATS (the same messages to echo processes)`,
+    );
     printTable(rows, ["model_mb", "shards", "messages", "ps_ms", "ps_gb_per_s", "nats_gb_per_s", "ratio", "target"]);
   }
   console.log(JSON.stringify({ bench: "ps", results: rows }));
@@ -114,10 +135,12 @@ async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: numbe
     }
   }
   const client = new PsClient(bus, layout, 0, payloadBytesMax);
-  const grads = new Float32Array(total).fill(1e-6), params = new Float32Array(total);
+  const grads = new Float32Array(total).fill(1e-6),
+    params = new Float32Array(total);
   // the same messages, raw: per shard, groups as PsClient sends them
-  const groups = layout.byShard.map((ids) => packByBytes(ids, (id) => layout.chunks[id]!.count * 4, payloadBytesMax)
-    .map((g) => g.reduce((s, id) => s + layout.chunks[id]!.count * 4, 0)));
+  const groups = layout.byShard.map((ids) =>
+    packByBytes(ids, (id) => layout.chunks[id]!.count * 4, payloadBytesMax).map((g) => g.reduce((s, id) => s + layout.chunks[id]!.count * 4, 0)),
+  );
   const sizeReq = (bytes: number) => {
     const b = new Uint8Array(64);
     new DataView(b.buffer).setUint32(0, bytes + 256, true);
@@ -137,7 +160,8 @@ async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: numbe
     return performance.now() - t0;
   };
   // interleaved, alternating which goes first, so both see the same (noisy) machine; round 0 warms up
-  const psMs: number[] = [], natsMs: number[] = [];
+  const psMs: number[] = [],
+    natsMs: number[] = [];
   for (let r = 0; r <= rounds; r++) {
     let p: number, n: number;
     if (r % 2 === 0) {
@@ -154,9 +178,16 @@ async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: numbe
   }
   await store.deleteSpec(cfg.job);
   const bytes = 2 * total * 4;
-  const ps = bytes / median(psMs) / 1e6, nats = bytes / median(natsMs) / 1e6;
+  const ps = bytes / median(psMs) / 1e6,
+    nats = bytes / median(natsMs) / 1e6;
   return {
-    model_mb: mb, shards: cfg.shards, messages: 2 * groups.flat().length, ps_ms: round(median(psMs), 1),
-    ps_gb_per_s: round(ps, 3), nats_gb_per_s: round(nats, 3), ratio: round(ps / nats, 3), target: 0.8,
+    model_mb: mb,
+    shards: cfg.shards,
+    messages: 2 * groups.flat().length,
+    ps_ms: round(median(psMs), 1),
+    ps_gb_per_s: round(ps, 3),
+    nats_gb_per_s: round(nats, 3),
+    ratio: round(ps / nats, 3),
+    target: 0.8,
   };
 }

@@ -52,27 +52,55 @@ const benchModels = ["mlp", "gpt"] as const;
 
 export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResult[]> {
   const v = parseBenchArgs(argv, {
-    model: { type: "string", default: "mlp,gpt" }, epochs: { type: "string", default: "1" }, "gpt-steps": { type: "string", default: "60" },
-    sync: { type: "string", default: "bsp,allreduce" }, "bucket-mb": { type: "string", default: String(jobDefaults.bucketMb) },
+    model: { type: "string", default: "mlp,gpt" },
+    epochs: { type: "string", default: "1" },
+    "gpt-steps": { type: "string", default: "60" },
+    sync: { type: "string", default: "bsp,allreduce" },
+    "bucket-mb": { type: "string", default: String(jobDefaults.bucketMb) },
     "json-only": { type: "boolean", default: false },
   });
   const syncs = String(v.sync).split(",");
-  for (const x of syncs) if (!(benchSyncs as readonly string[]).includes(x)) throw new ConfigError(`--sync must be a list of ${benchSyncs.join(", ")}, got ${String(v.sync)}`);
+  for (const x of syncs)
+    if (!(benchSyncs as readonly string[]).includes(x)) throw new ConfigError(`--sync must be a list of ${benchSyncs.join(", ")}, got ${String(v.sync)}`);
   const models = String(v.model).split(",");
-  for (const x of models) if (!(benchModels as readonly string[]).includes(x)) throw new ConfigError(`--model must be a list of ${benchModels.join(", ")}, got ${String(v.model)}`);
+  for (const x of models)
+    if (!(benchModels as readonly string[]).includes(x)) throw new ConfigError(`--model must be a list of ${benchModels.join(", ")}, got ${String(v.model)}`);
   const bucketMb = Number(v["bucket-mb"]);
   if (!(bucketMb > 0 && bucketMb <= 1024)) throw new ConfigError(`--bucket-mb must be a number in (0, 1024], got ${String(v["bucket-mb"])}`);
   const rows: TrainerBenchResult[] = [];
   for (const kind of models) {
-    const base = kind === "mlp"
-      ? parseJobConfig({ ...jobDefaults, job: "bench-trainer", epochs: positiveInt("epochs", v.epochs), checkpointEvery: 0 })
-      : parseJobConfig({ ...gptJobDefaults, job: "bench-trainer", epochs: 1, maxSteps: positiveInt("gpt-steps", v["gpt-steps"]), checkpointEvery: 0, evalEvery: 0 });
+    const base =
+      kind === "mlp"
+        ? parseJobConfig({ ...jobDefaults, job: "bench-trainer", epochs: positiveInt("epochs", v.epochs), checkpointEvery: 0 })
+        : parseJobConfig({
+            ...gptJobDefaults,
+            job: "bench-trainer",
+            epochs: 1,
+            maxSteps: positiveInt("gpt-steps", v["gpt-steps"]),
+            checkpointEvery: 0,
+            evalEvery: 0,
+          });
     rows.push(...(await benchModel(base, syncs, bucketMb)));
   }
   if (!v["json-only"]) {
-    console.log(`trainer benchmark: 2 trainers per mesh run, all services on this machine (${navigator.hardwareConcurrency} cores); ` +
-      `mesh times are per trainer step (ms); ratio = samples/s against the single-process trainer on the same model, global batch and steps`);
-    printTable(rows, ["model", "run", "steps", "samples_per_s", "data_wait_ms", "pull_ms", "compute_ms", "push_ms", "comm_ms", "exposed_ms", "exposed_share", "ratio"]);
+    console.log(
+      `trainer benchmark: 2 trainers per mesh run, all services on this machine (${navigator.hardwareConcurrency} cores); ` +
+        `mesh times are per trainer step (ms); ratio = samples/s against the single-process trainer on the same model, global batch and steps`,
+    );
+    printTable(rows, [
+      "model",
+      "run",
+      "steps",
+      "samples_per_s",
+      "data_wait_ms",
+      "pull_ms",
+      "compute_ms",
+      "push_ms",
+      "comm_ms",
+      "exposed_ms",
+      "exposed_share",
+      "ratio",
+    ]);
   }
   console.log(JSON.stringify({ bench: "trainer", results: rows }));
   return rows;
@@ -84,7 +112,12 @@ async function benchModel(base: JobConfig, syncs: string[], bucketMb: number): P
     const cfg = parseJobConfig({ ...base, job: `bench-trainer-${base.model.kind}-${sync}-${Date.now()}`, sync, staleness: sync === "ssp" ? 2 : 0, bucketMb });
     const dir = mkdtempSync(join(tmpdir(), "mt-bench-trainer-"));
     try {
-      await using m = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: cfg.trainers, shards: usesShards(cfg) ? cfg.shards : 0 });
+      await using m = await LocalMesh.start({
+        jobsDir: join(dir, "jobs"),
+        logDir: join(dir, "logs"),
+        trainers: cfg.trainers,
+        shards: usesShards(cfg) ? cfg.shards : 0,
+      });
       await using client = await MeshClient.connect(m.url);
       await client.submit(cfg, { membersWaitMs: 60_000 });
       meshRuns.push({ cfg, r: await watchJob(client, cfg.job, { quiet: true }) });
@@ -101,14 +134,33 @@ async function benchModel(base: JobConfig, syncs: string[], bucketMb: number): P
     const stepMs = (1000 * c.batchSize * c.trainers) / r.samplesPerS;
     const where = usesShards(c) ? `${c.trainers} trainers x ${c.shards} shards` : `${c.trainers} trainers, ${c.bucketMb} MB buckets`;
     return {
-      model: name, run: `mesh ${c.sync} ${where}`, steps: r.record.totalSteps, samples_per_s: round(r.samplesPerS, 0), data_wait_ms: round(s.dataWaitMs, 2),
-      pull_ms: round(s.pullMs, 2), compute_ms: round(s.computeMs, 2), push_ms: round(s.pushMs, 2), comm_ms: round(s.commMs, 2), exposed_ms: round(s.exposedCommMs, 2),
-      exposed_share: round(s.exposedCommMs / stepMs, 3), ratio: round(r.samplesPerS / singleRate, 3),
+      model: name,
+      run: `mesh ${c.sync} ${where}`,
+      steps: r.record.totalSteps,
+      samples_per_s: round(r.samplesPerS, 0),
+      data_wait_ms: round(s.dataWaitMs, 2),
+      pull_ms: round(s.pullMs, 2),
+      compute_ms: round(s.computeMs, 2),
+      push_ms: round(s.pushMs, 2),
+      comm_ms: round(s.commMs, 2),
+      exposed_ms: round(s.exposedCommMs, 2),
+      exposed_share: round(s.exposedCommMs / stepMs, 3),
+      ratio: round(r.samplesPerS / singleRate, 3),
     };
   });
   rows.push({
-    model: name, run: "single process", steps: done, samples_per_s: round(singleRate, 0), data_wait_ms: 0, pull_ms: 0,
-    compute_ms: round((1000 * cfg.batchSize * cfg.trainers) / singleRate, 2), push_ms: 0, comm_ms: 0, exposed_ms: 0, exposed_share: 0, ratio: 1,
+    model: name,
+    run: "single process",
+    steps: done,
+    samples_per_s: round(singleRate, 0),
+    data_wait_ms: 0,
+    pull_ms: 0,
+    compute_ms: round((1000 * cfg.batchSize * cfg.trainers) / singleRate, 2),
+    push_ms: 0,
+    comm_ms: 0,
+    exposed_ms: 0,
+    exposed_share: 0,
+    ratio: 1,
   });
   return rows;
 }
@@ -121,7 +173,8 @@ function singleProcessRate(cfg: JobConfig, steps: number): { rate: number; done:
   let plan = { vocabSize: 0, vocab: [] as number[] };
   if (cfg.model.kind === "mlp") {
     const batcher = new ImageBatcher(loadMnist().train, global);
-    let it = batcher.epoch(cfg.seed, 0, true, true), epoch = 0;
+    let it = batcher.epoch(cfg.seed, 0, true, true),
+      epoch = 0;
     batches = () => {
       let n = it.next();
       if (n.done) n = (it = batcher.epoch(cfg.seed, ++epoch, true, true)).next();
@@ -130,14 +183,16 @@ function singleProcessRate(cfg: JobConfig, steps: number): { rate: number; done:
   } else {
     const corpus = loadCorpus({ valFraction: cfg.valFraction });
     plan = { vocabSize: corpus.vocabSize, vocab: [] };
-    const batcher = new TokenBatcher(corpus.train, global, cfg.model.blockSize, corpus.vocabSize), rng = new Rng(cfg.seed);
+    const batcher = new TokenBatcher(corpus.train, global, cfg.model.blockSize, corpus.vocabSize),
+      rng = new Rng(cfg.seed);
     batches = () => batcher.random(rng);
   }
   const model = buildModel(ctx, cfg, plan);
   const o = cfg.optimizer;
-  const optimizer: Optimizer = o.kind === "sgd"
-    ? new Sgd(ctx, model.store, { momentum: o.momentum, dampening: 0, nesterov: o.nesterov, weightDecay: o.weightDecay })
-    : new AdamW(ctx, model.store, { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weightDecay: o.weightDecay });
+  const optimizer: Optimizer =
+    o.kind === "sgd"
+      ? new Sgd(ctx, model.store, { momentum: o.momentum, dampening: 0, nesterov: o.nesterov, weightDecay: o.weightDecay })
+      : new AdamW(ctx, model.store, { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weightDecay: o.weightDecay });
   const trainer = new TrainStep(ctx, model, optimizer, { lr: cfg.lr, schedule: { kind: "constant" }, gradClip: cfg.gradClip, accumSteps: 1 });
   trainer.run([batches()]); // warm-up: first-touch allocations, as the mesh's first step is not counted either
   const t0 = performance.now();

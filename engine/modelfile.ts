@@ -87,7 +87,10 @@ export function readModelFile(path: string): LoadedModelFile {
   const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
   const version = view.getUint32(8, true);
   if (version !== modelFileVersion) {
-    throw new DataFileError(path, `model file format version ${version}; this meshtrain reads version ${modelFileVersion} (retrain or convert with the meshtrain that wrote it)`);
+    throw new DataFileError(
+      path,
+      `model file format version ${version}; this meshtrain reads version ${modelFileVersion} (retrain or convert with the meshtrain that wrote it)`,
+    );
   }
   const headerLength = view.getUint32(12, true);
   if (headerLength > headerBytesMax || prefixBytes + headerLength > bytes.length) {
@@ -120,8 +123,16 @@ export function readModelFile(path: string): LoadedModelFile {
 export function loadSlabInto(path: string, store: ParamStore, loaded: LoadedModelFile): void {
   const a = loaded.header.entries;
   const b = store.entries;
-  const same = a.length === b.length && a.every((e, i) => e.name === b[i]!.name && e.offset === b[i]!.offset
-    && e.numel === b[i]!.numel && e.shape.length === b[i]!.shape.length && e.shape.every((d, j) => d === b[i]!.shape[j]));
+  const same =
+    a.length === b.length &&
+    a.every(
+      (e, i) =>
+        e.name === b[i]!.name &&
+        e.offset === b[i]!.offset &&
+        e.numel === b[i]!.numel &&
+        e.shape.length === b[i]!.shape.length &&
+        e.shape.every((d, j) => d === b[i]!.shape[j]),
+    );
   if (!same || loaded.header.slabNumel !== store.slabNumel) {
     throw new DataFileError(path, "parameter layout does not match the model built from its config");
   }

@@ -11,11 +11,7 @@ import { ConfigError, ShapeError } from "./errors.ts";
 import { Rng } from "./rng.ts";
 import { type Context, numelOf, type Shape, type Tensor } from "./tensor.ts";
 
-export type Init =
-  | { kind: "normal"; std: number }
-  | { kind: "uniform"; bound: number }
-  | { kind: "zeros" }
-  | { kind: "ones" };
+export type Init = { kind: "normal"; std: number } | { kind: "uniform"; bound: number } | { kind: "zeros" } | { kind: "ones" };
 
 export interface ParamSpec {
   readonly name: string;

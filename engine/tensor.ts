@@ -86,8 +86,17 @@ export class Tensor {
   readonly valueRange: ValueRange | null;
   #grad: Tensor | null = null;
 
-  constructor(ctx: Context, shape: Shape, dtype: DType, ptr: Ptr, generation: number,
-              requiresGrad = false, viewOf: Tensor | null = null, viewOffset = 0, valueRange: ValueRange | null = null) {
+  constructor(
+    ctx: Context,
+    shape: Shape,
+    dtype: DType,
+    ptr: Ptr,
+    generation: number,
+    requiresGrad = false,
+    viewOf: Tensor | null = null,
+    viewOffset = 0,
+    valueRange: ValueRange | null = null,
+  ) {
     this.ctx = ctx;
     this.shape = shape;
     this.dtype = dtype;
@@ -138,8 +147,7 @@ export class Tensor {
   }
 
   #viewAt(shape: Shape, offset: number): Tensor {
-    return new Tensor(this.ctx, shape, this.dtype, this.ptr + offset * dtypeBytes[this.dtype], this.generation,
-      false, this, offset);
+    return new Tensor(this.ctx, shape, this.dtype, this.ptr + offset * dtypeBytes[this.dtype], this.generation, false, this, offset);
   }
 
   /** A view with another shape over the same elements (row-major); no copy. */
@@ -162,14 +170,22 @@ export class Tensor {
     const base = this.viewOf ?? this;
     const baseOffset = this.viewOffset + offset;
     // a view's values are some of its base's: the base's range still bounds them
-    return new Tensor(this.ctx, shape, this.dtype, base.ptr + baseOffset * dtypeBytes[this.dtype], this.generation,
-      this.requiresGrad, base, baseOffset, this.valueRange);
+    return new Tensor(
+      this.ctx,
+      shape,
+      this.dtype,
+      base.ptr + baseOffset * dtypeBytes[this.dtype],
+      this.generation,
+      this.requiresGrad,
+      base,
+      baseOffset,
+      this.valueRange,
+    );
   }
 
   /** Copy to host memory (a new typed array). */
   toArray(): Float32Array | Int32Array | Uint16Array {
-    const out = this.dtype === "f32" ? new Float32Array(this.numel)
-      : this.dtype === "i32" ? new Int32Array(this.numel) : new Uint16Array(this.numel);
+    const out = this.dtype === "f32" ? new Float32Array(this.numel) : this.dtype === "i32" ? new Int32Array(this.numel) : new Uint16Array(this.numel);
     this.ctx.backend.download(this.ptr, out);
     return out;
   }

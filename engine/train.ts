@@ -71,7 +71,12 @@ export class TrainStep {
   /** present when the context's precision is f16 */
   readonly scaler: LossScaler | null;
 
-  constructor(readonly ctx: Context, readonly model: Model, readonly optimizer: Optimizer, readonly config: StepConfig) {
+  constructor(
+    readonly ctx: Context,
+    readonly model: Model,
+    readonly optimizer: Optimizer,
+    readonly config: StepConfig,
+  ) {
     if (!Number.isInteger(config.accumSteps) || config.accumSteps < 1) {
       throw new ConfigError(`accumSteps must be an integer >= 1, got ${config.accumSteps}`);
     }
@@ -109,8 +114,14 @@ export class TrainStep {
  * A non-finite loss throws NonFiniteLossError once every micro-batch has run backward; the slab
  * is then unusable (and zeroed by the next call), the parameters untouched.
  */
-export function lossAndGradients(ctx: Context, model: Model, micro: readonly HostBatch[], gradClip: number, step: number,
-                                 scaler: LossScaler | null = null): Gradients {
+export function lossAndGradients(
+  ctx: Context,
+  model: Model,
+  micro: readonly HostBatch[],
+  gradClip: number,
+  step: number,
+  scaler: LossScaler | null = null,
+): Gradients {
   const store = model.store;
   const k = micro.length;
   const dloss = (scaler?.scale ?? 1) / k;

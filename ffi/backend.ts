@@ -64,16 +64,62 @@ export interface Backend {
   synchronize(): void;
 
   // ---- GEMM, row-major: C (M,N) = alpha op(A) op(B) + beta C; op(A) is (M,K), op(B) (K,N) ----
-  gemm(transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
-       A: Ptr, lda: number, B: Ptr, ldb: number, beta: number, C: Ptr, ldc: number): void;
-  gemmStridedBatched(transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
-                     A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
-                     beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void;
+  gemm(
+    transA: boolean,
+    transB: boolean,
+    M: number,
+    N: number,
+    K: number,
+    alpha: number,
+    A: Ptr,
+    lda: number,
+    B: Ptr,
+    ldb: number,
+    beta: number,
+    C: Ptr,
+    ldc: number,
+  ): void;
+  gemmStridedBatched(
+    transA: boolean,
+    transB: boolean,
+    M: number,
+    N: number,
+    K: number,
+    alpha: number,
+    A: Ptr,
+    lda: number,
+    strideA: number,
+    B: Ptr,
+    ldb: number,
+    strideB: number,
+    beta: number,
+    C: Ptr,
+    ldc: number,
+    strideC: number,
+    batch: number,
+  ): void;
   /** Strided-batched GEMM whose A and B hold `input` elements (strides and leading dimensions
    *  in elements); accumulates in f32 and reads/writes C as f32. batch 1 ignores the strides. */
-  gemmEx(input: GemmInput, transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
-         A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
-         beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void;
+  gemmEx(
+    input: GemmInput,
+    transA: boolean,
+    transB: boolean,
+    M: number,
+    N: number,
+    K: number,
+    alpha: number,
+    A: Ptr,
+    lda: number,
+    strideA: number,
+    B: Ptr,
+    ldb: number,
+    strideB: number,
+    beta: number,
+    C: Ptr,
+    ldc: number,
+    strideC: number,
+    batch: number,
+  ): void;
 
   // ---- elementwise (f32) ----
   add(out: Ptr, a: Ptr, b: Ptr, n: number): void;
@@ -105,8 +151,7 @@ export interface Backend {
   crossEntropyForward(loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr, N: number, V: number, inRange?: boolean): number;
   crossEntropyBackward(dlogits: Ptr, probs: Ptr, targets: Ptr, dloss: Ptr, N: number, V: number): void;
   layerNormForward(out: Ptr, mean: Ptr, rstd: Ptr, inp: Ptr, weight: Ptr, bias: Ptr, N: number, C: number, eps: number): void;
-  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr,
-                    mean: Ptr, rstd: Ptr, N: number, C: number): void;
+  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr, mean: Ptr, rstd: Ptr, N: number, C: number): void;
   /** Returns the count of ids outside [0, V) (their rows come out zero). `inRange` as for
    *  crossEntropyForward: 0 is returned without waiting for the device. */
   embeddingForward(out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number, inRange?: boolean): number;
@@ -124,10 +169,32 @@ export interface Backend {
   countNonFinite(x: Ptr, n: number): number;
 
   // ---- optimizer updates (PyTorch semantics; see ffi/cpu/kernels.c) ----
-  sgdStep(param: Ptr, grad: Ptr, momentumBuf: Ptr, n: number, lr: number, momentum: number,
-          dampening: number, weightDecay: number, nesterov: boolean, first: boolean): void;
-  adamwStep(param: Ptr, grad: Ptr, m: Ptr, v: Ptr, n: number, lr: number, beta1: number, beta2: number,
-            eps: number, weightDecay: number, biasCorrection1: number, biasCorrection2: number): void;
+  sgdStep(
+    param: Ptr,
+    grad: Ptr,
+    momentumBuf: Ptr,
+    n: number,
+    lr: number,
+    momentum: number,
+    dampening: number,
+    weightDecay: number,
+    nesterov: boolean,
+    first: boolean,
+  ): void;
+  adamwStep(
+    param: Ptr,
+    grad: Ptr,
+    m: Ptr,
+    v: Ptr,
+    n: number,
+    lr: number,
+    beta1: number,
+    beta2: number,
+    eps: number,
+    weightDecay: number,
+    biasCorrection1: number,
+    biasCorrection2: number,
+  ): void;
 
   // ---- casts ----
   castF32ToBF16(out: Ptr, inp: Ptr, n: number): void;

@@ -17,4 +17,3 @@ export class OutOfMemoryError extends Error {
     super(`${backend}: could not allocate ${bytes} bytes`);
   }
 }
-

@@ -41,7 +41,10 @@ function subdirs(parent: string, pattern: RegExp): string[] {
   } catch {
     return []; // the parent does not exist here: nothing to look in
   }
-  return names.filter((n) => pattern.test(n)).sort().map((n) => join(parent, n));
+  return names
+    .filter((n) => pattern.test(n))
+    .sort()
+    .map((n) => join(parent, n));
 }
 
 const pythonDir = /^python3(\.\d+)?t?$/; // python3, python3.12, python3.13t (free-threaded)

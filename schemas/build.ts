@@ -15,7 +15,10 @@ export class SchemaBuildError extends Error {
 }
 
 export function schemaFiles(): string[] {
-  return readdirSync(here).filter((f) => f.endsWith(".fbs")).sort().map((f) => join(here, f));
+  return readdirSync(here)
+    .filter((f) => f.endsWith(".fbs"))
+    .sort()
+    .map((f) => join(here, f));
 }
 
 /** Runs flatc into a fresh temporary folder and returns its path. */
@@ -55,8 +58,7 @@ export function staleFiles(): string[] {
     const a = listFiles(fresh);
     const b = listFiles(generatedDir);
     const names = [...new Set([...a, ...b])].sort();
-    const stale = names.filter((n) => !a.includes(n) || !b.includes(n) ||
-      !readFileSync(join(fresh, n)).equals(readFileSync(join(generatedDir, n))));
+    const stale = names.filter((n) => !a.includes(n) || !b.includes(n) || !readFileSync(join(fresh, n)).equals(readFileSync(join(generatedDir, n))));
     const index = existsSync(wireIndexPath) ? readFileSync(wireIndexPath, "utf8") : "";
     return index === wireIndex(fresh) ? stale : [...stale, "../wire.ts"];
   } finally {

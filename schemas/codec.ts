@@ -14,7 +14,11 @@ export type WireFormatCode = "truncated" | "oversized" | "bad_identifier" | "bad
 
 export class WireFormatError extends Error {
   override readonly name = "WireFormatError";
-  constructor(readonly code: WireFormatCode, message: string, options?: ErrorOptions) {
+  constructor(
+    readonly code: WireFormatCode,
+    message: string,
+    options?: ErrorOptions,
+  ) {
     super(message, options);
   }
 }
@@ -196,4 +200,3 @@ export function packByBytes<T>(items: readonly T[], bytesOfItem: (item: T) => nu
   if (group.length > 0) groups.push(group);
   return groups;
 }
-

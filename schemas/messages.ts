@@ -4,13 +4,49 @@
 // read into a WireFormatError. Callers check semantics (shapes, job names, ranges).
 import { Builder, type ByteBuffer } from "flatbuffers";
 import {
-  Batch as BatchT, BatchRequest as BatchRequestT, CheckpointList as CheckpointListT, Chunk as ChunkT, CollPhase, CollPiece as CollPieceT, ChunkState as ChunkStateT, DType, ErrorReply as ErrorReplyT,
-  DataPlan as DataPlanT, Event as EventT, EventKind, FileEntry as FileEntryT, JobRecord as JobRecordT, JobRequest as JobRequestT, JobSpec as JobSpecT,
-  JobState, LoaderStats as LoaderStatsT, ShardStats as ShardStatsT, Manifest as ManifestT, NamedVector as NamedVectorT,
-  PullReply as PullReplyT, PullRequest as PullRequestT, PushReply as PushReplyT, PushRequest as PushRequestT,
-  ShardState as ShardStateT, Split, SyncPolicy,
+  Batch as BatchT,
+  BatchRequest as BatchRequestT,
+  CheckpointList as CheckpointListT,
+  Chunk as ChunkT,
+  CollPhase,
+  CollPiece as CollPieceT,
+  ChunkState as ChunkStateT,
+  DType,
+  ErrorReply as ErrorReplyT,
+  DataPlan as DataPlanT,
+  Event as EventT,
+  EventKind,
+  FileEntry as FileEntryT,
+  JobRecord as JobRecordT,
+  JobRequest as JobRequestT,
+  JobSpec as JobSpecT,
+  JobState,
+  LoaderStats as LoaderStatsT,
+  ShardStats as ShardStatsT,
+  Manifest as ManifestT,
+  NamedVector as NamedVectorT,
+  PullReply as PullReplyT,
+  PullRequest as PullRequestT,
+  PushReply as PushReplyT,
+  PushRequest as PushRequestT,
+  ShardState as ShardStateT,
+  Split,
+  SyncPolicy,
 } from "./wire.ts";
-import { bytesOf, createBytes, createBytesFilled, createI32s, f32Of, finishBytes, guarded, openRoot, verifyTable, type RootType, schemaVersion, WireFormatError } from "./codec.ts";
+import {
+  bytesOf,
+  createBytes,
+  createBytesFilled,
+  createI32s,
+  f32Of,
+  finishBytes,
+  guarded,
+  openRoot,
+  verifyTable,
+  type RootType,
+  schemaVersion,
+  WireFormatError,
+} from "./codec.ts";
 
 export { CollPhase, DType, EventKind, JobState, Split, SyncPolicy };
 
@@ -41,8 +77,14 @@ export interface Chunk {
   data: Uint8Array;
 }
 
-export const f32Chunk = (id: number, values: Float32Array, version = 0): Chunk =>
-  ({ id, version, dtype: DType.F32, scale: 1, count: values.length, data: bytesOf(values) });
+export const f32Chunk = (id: number, values: Float32Array, version = 0): Chunk => ({
+  id,
+  version,
+  dtype: DType.F32,
+  scale: 1,
+  count: values.length,
+  data: bytesOf(values),
+});
 
 /** fp32 values of an F32 chunk (a view); other dtypes are decompressed by the caller. */
 export const chunkF32 = (c: Chunk): Float32Array => f32Of(`chunk ${c.id}`, c.data);
@@ -57,7 +99,8 @@ export interface ChunkSource {
 
 function writeChunk(b: Builder, c: Chunk | ChunkSource): number {
   const data = "fill" in c ? createBytesFilled(b, c.count * 4, c.fill) : createBytes(b, c.data);
-  const dtype = "fill" in c ? DType.F32 : c.dtype, scale = "fill" in c ? 1 : c.scale;
+  const dtype = "fill" in c ? DType.F32 : c.dtype,
+    scale = "fill" in c ? 1 : c.scale;
   ChunkT.startChunk(b);
   ChunkT.addId(b, c.id);
   ChunkT.addVersion(b, big(c.version));
@@ -93,7 +136,10 @@ function readList<T extends { bb: ByteBuffer | null; bb_pos: number }, R>(length
 }
 
 function chunkVector(b: Builder, chunks: readonly (Chunk | ChunkSource)[], create: (b: Builder, offsets: number[]) => number): number {
-  return create(b, chunks.map((c) => writeChunk(b, c)));
+  return create(
+    b,
+    chunks.map((c) => writeChunk(b, c)),
+  );
 }
 
 // ---- ErrorReply ----------------------------------------------------------------------------
@@ -108,13 +154,14 @@ const errorRoot = root("ErrorReply", "MTER", (bb) => ErrorReplyT.getRootAsErrorR
 
 export function encodeErrorReply(e: ErrorReply): Uint8Array {
   const b = builder(256 + e.message.length);
-  const code = str(b, e.code), message = str(b, e.message), subject = str(b, e.subject);
+  const code = str(b, e.code),
+    message = str(b, e.message),
+    subject = str(b, e.subject);
   return finishBytes(b, ErrorReplyT.createErrorReply(b, schemaVersion, code, message, subject), errorRoot.identifier);
 }
 
 /** True when the bytes carry the ErrorReply identifier (checked before decoding a reply). */
-export const isErrorReply = (data: Uint8Array): boolean =>
-  data.byteLength >= 8 && data[4] === 0x4d && data[5] === 0x54 && data[6] === 0x45 && data[7] === 0x52; // "MTER"
+export const isErrorReply = (data: Uint8Array): boolean => data.byteLength >= 8 && data[4] === 0x4d && data[5] === 0x54 && data[6] === 0x45 && data[7] === 0x52; // "MTER"
 
 export function decodeErrorReply(data: Uint8Array, bytesMax: number): ErrorReply {
   const r = openRoot(data, errorRoot, bytesMax);
@@ -282,11 +329,12 @@ export function decodeBatch(data: Uint8Array, bytesMax: number): Batch {
     ...tokensField(r.tokensArray()),
   }));
   const tokens = m.tokens?.length ?? 0;
-  const ok = tokens > 0
-    ? m.x.length === 0 && m.y.length === 0 && tokens === m.rows * (m.cols + 1)
-    : m.x.length === m.rows * m.cols && m.y.length === m.rows;
+  const ok = tokens > 0 ? m.x.length === 0 && m.y.length === 0 && tokens === m.rows * (m.cols + 1) : m.x.length === m.rows * m.cols && m.y.length === m.rows;
   if (!ok || m.sampleIds.length !== m.rows) {
-    throw new WireFormatError("malformed", `Batch: ${m.rows}x${m.cols} with ${m.x.length} x values, ${m.y.length} labels, ${tokens} tokens, ${m.sampleIds.length} ids`);
+    throw new WireFormatError(
+      "malformed",
+      `Batch: ${m.rows}x${m.cols} with ${m.x.length} x values, ${m.y.length} labels, ${tokens} tokens, ${m.sampleIds.length} ids`,
+    );
   }
   return m;
 }
@@ -319,25 +367,78 @@ export interface Event {
 }
 
 export const emptyEvent = (job: string, kind: EventKind): Event => ({
-  job, kind, rank: 0, step: 0, timeMs: Date.now(), loss: 0, lr: 0, accuracy: -1, samplesPerS: 0,
-  dataWaitMs: 0, pullMs: 0, computeMs: 0, pushMs: 0, text: "", count: 0, commMs: 0, exposedCommMs: 0,
+  job,
+  kind,
+  rank: 0,
+  step: 0,
+  timeMs: Date.now(),
+  loss: 0,
+  lr: 0,
+  accuracy: -1,
+  samplesPerS: 0,
+  dataWaitMs: 0,
+  pullMs: 0,
+  computeMs: 0,
+  pushMs: 0,
+  text: "",
+  count: 0,
+  commMs: 0,
+  exposedCommMs: 0,
 });
 
 const eventRoot = root("Event", "MTEV", (bb) => EventT.getRootAsEvent(bb));
 
 export function encodeEvent(m: Event): Uint8Array {
   const b = builder(256 + m.text.length * 3);
-  const job = str(b, m.job), text = str(b, m.text);
-  return finishBytes(b, EventT.createEvent(b, schemaVersion, job, m.kind, m.rank, big(m.step), m.timeMs, m.loss, m.lr, m.accuracy,
-    m.samplesPerS, m.dataWaitMs, m.pullMs, m.computeMs, m.pushMs, text, m.count, m.commMs, m.exposedCommMs), eventRoot.identifier);
+  const job = str(b, m.job),
+    text = str(b, m.text);
+  return finishBytes(
+    b,
+    EventT.createEvent(
+      b,
+      schemaVersion,
+      job,
+      m.kind,
+      m.rank,
+      big(m.step),
+      m.timeMs,
+      m.loss,
+      m.lr,
+      m.accuracy,
+      m.samplesPerS,
+      m.dataWaitMs,
+      m.pullMs,
+      m.computeMs,
+      m.pushMs,
+      text,
+      m.count,
+      m.commMs,
+      m.exposedCommMs,
+    ),
+    eventRoot.identifier,
+  );
 }
 
 export function decodeEvent(data: Uint8Array, bytesMax: number): Event {
   const r = openRoot(data, eventRoot, bytesMax);
   return guarded("Event", () => ({
-    job: r.job() ?? "", kind: r.kind(), rank: r.rank(), step: num(r.step()), timeMs: r.timeMs(), loss: r.loss(), lr: r.lr(),
-    accuracy: r.accuracy(), samplesPerS: r.samplesPerS(), dataWaitMs: r.dataWaitMs(), pullMs: r.pullMs(),
-    computeMs: r.computeMs(), pushMs: r.pushMs(), text: r.text() ?? "", count: r.count(), commMs: r.commMs(), exposedCommMs: r.exposedCommMs(),
+    job: r.job() ?? "",
+    kind: r.kind(),
+    rank: r.rank(),
+    step: num(r.step()),
+    timeMs: r.timeMs(),
+    loss: r.loss(),
+    lr: r.lr(),
+    accuracy: r.accuracy(),
+    samplesPerS: r.samplesPerS(),
+    dataWaitMs: r.dataWaitMs(),
+    pullMs: r.pullMs(),
+    computeMs: r.computeMs(),
+    pushMs: r.pushMs(),
+    text: r.text() ?? "",
+    count: r.count(),
+    commMs: r.commMs(),
+    exposedCommMs: r.exposedCommMs(),
   }));
 }
 
@@ -360,7 +461,8 @@ const jobRoot = root("JobSpec", "MTJS", (bb) => JobSpecT.getRootAsJobSpec(bb));
 
 export function encodeJobSpec(m: JobSpec): Uint8Array {
   const b = builder(512 + m.configJson.length * 3 + (m.plan?.vocab.length ?? 0) * 4);
-  const job = str(b, m.job), config = str(b, m.configJson);
+  const job = str(b, m.job),
+    config = str(b, m.configJson);
   const plan = m.plan ? createPlan(b, m.plan) : 0;
   JobSpecT.startJobSpec(b);
   JobSpecT.addSchemaVersion(b, schemaVersion);
@@ -378,8 +480,14 @@ export function encodeJobSpec(m: JobSpec): Uint8Array {
 export function decodeJobSpec(data: Uint8Array, bytesMax: number): JobSpec {
   const r = openRoot(data, jobRoot, bytesMax);
   return guarded("JobSpec", () => ({
-    job: r.job() ?? "", trainers: r.trainers(), shards: r.shards(), sync: r.sync(), staleness: r.staleness(), configJson: r.configJson() ?? "",
-    attempt: r.attempt(), ...planField(r.plan()),
+    job: r.job() ?? "",
+    trainers: r.trainers(),
+    shards: r.shards(),
+    sync: r.sync(),
+    staleness: r.staleness(),
+    configJson: r.configJson() ?? "",
+    attempt: r.attempt(),
+    ...planField(r.plan()),
   }));
 }
 
@@ -420,29 +528,65 @@ export function encodeShardState(m: ShardState): Uint8Array {
   const bytes = m.chunks.reduce((s, c) => s + c.params.byteLength * (1 + c.state.length) + 256, 1024);
   const b = builder(bytes);
   const chunks = m.chunks.map((c) => {
-    const state = ChunkStateT.createStateVector(b, c.state.map((v) => {
-      const data = createBytes(b, bytesOf(v.data)), name = str(b, v.name);
-      return NamedVectorT.createNamedVector(b, name, data);
-    }));
+    const state = ChunkStateT.createStateVector(
+      b,
+      c.state.map((v) => {
+        const data = createBytes(b, bytesOf(v.data)),
+          name = str(b, v.name);
+        return NamedVectorT.createNamedVector(b, name, data);
+      }),
+    );
     const params = createBytes(b, bytesOf(c.params));
     return ChunkStateT.createChunkState(b, c.id, big(c.version), params, state);
   });
-  const vec = ShardStateT.createChunksVector(b, chunks), job = str(b, m.job);
-  return finishBytes(b, ShardStateT.createShardState(b, schemaVersion, job, m.shard, big(m.updates), big(m.optimizerSteps), vec, big(m.step),
-    m.parts ?? 0, big(m.generation ?? 0), m.lossScale ?? 0), shardStateRoot.identifier);
+  const vec = ShardStateT.createChunksVector(b, chunks),
+    job = str(b, m.job);
+  return finishBytes(
+    b,
+    ShardStateT.createShardState(
+      b,
+      schemaVersion,
+      job,
+      m.shard,
+      big(m.updates),
+      big(m.optimizerSteps),
+      vec,
+      big(m.step),
+      m.parts ?? 0,
+      big(m.generation ?? 0),
+      m.lossScale ?? 0,
+    ),
+    shardStateRoot.identifier,
+  );
 }
 
 export function decodeShardState(data: Uint8Array, bytesMax: number): ShardState {
   const r = openRoot(data, shardStateRoot, bytesMax, { align: false }); // byte vectors only: no aligned copy
   return guarded("ShardState", () => ({
-    job: r.job() ?? "", shard: r.shard(), updates: num(r.updates()), optimizerSteps: num(r.optimizerSteps()), step: num(r.step()),
-    parts: r.parts(), generation: num(r.generation()), lossScale: r.lossScale(),
-    chunks: readList(r.chunksLength(), (i) => r.chunks(i), (c) => ({
-      id: c.id(),
-      version: num(c.version()),
-      params: f32Of(`chunk ${c.id()} params`, c.paramsArray()),
-      state: readList(c.stateLength(), (i) => c.state(i), (v) => ({ name: v.name() ?? "", data: f32Of(`chunk ${c.id()} state`, v.dataArray()) }), "state"),
-    }), "ShardState.chunks"),
+    job: r.job() ?? "",
+    shard: r.shard(),
+    updates: num(r.updates()),
+    optimizerSteps: num(r.optimizerSteps()),
+    step: num(r.step()),
+    parts: r.parts(),
+    generation: num(r.generation()),
+    lossScale: r.lossScale(),
+    chunks: readList(
+      r.chunksLength(),
+      (i) => r.chunks(i),
+      (c) => ({
+        id: c.id(),
+        version: num(c.version()),
+        params: f32Of(`chunk ${c.id()} params`, c.paramsArray()),
+        state: readList(
+          c.stateLength(),
+          (i) => c.state(i),
+          (v) => ({ name: v.name() ?? "", data: f32Of(`chunk ${c.id()} state`, v.dataArray()) }),
+          "state",
+        ),
+      }),
+      "ShardState.chunks",
+    ),
   }));
 }
 
@@ -473,8 +617,14 @@ const manifestRoot = root("Manifest", "MTCM", (bb) => ManifestT.getRootAsManifes
 
 function writeManifest(b: Builder, m: Manifest): number {
   const cursors = ManifestT.createCursorsVector(b, m.cursors.map(big));
-  const files = ManifestT.createFilesVector(b, m.files.map((f) => FileEntryT.createFileEntry(b, str(b, f.name), big(f.bytes), f.crc32)));
-  const job = str(b, m.job), id = str(b, m.id), config = str(b, m.configJson), modelPath = str(b, m.modelPath);
+  const files = ManifestT.createFilesVector(
+    b,
+    m.files.map((f) => FileEntryT.createFileEntry(b, str(b, f.name), big(f.bytes), f.crc32)),
+  );
+  const job = str(b, m.job),
+    id = str(b, m.id),
+    config = str(b, m.configJson),
+    modelPath = str(b, m.modelPath);
   return ManifestT.createManifest(b, schemaVersion, m.formatVersion, job, id, big(m.step), m.createdMs, m.metric, config, files, cursors, modelPath);
 }
 
@@ -485,9 +635,19 @@ export function encodeManifest(m: Manifest): Uint8Array {
 
 function readManifest(r: ManifestT): Manifest {
   return {
-    formatVersion: r.formatVersion(), job: r.job() ?? "", id: r.id() ?? "", step: num(r.step()), createdMs: r.createdMs(),
-    metric: r.metric(), configJson: r.configJson() ?? "",
-    files: readList(r.filesLength(), (i) => r.files(i), (f) => ({ name: f.name() ?? "", bytes: num(f.bytes()), crc32: f.crc32() }), "Manifest.files"),
+    formatVersion: r.formatVersion(),
+    job: r.job() ?? "",
+    id: r.id() ?? "",
+    step: num(r.step()),
+    createdMs: r.createdMs(),
+    metric: r.metric(),
+    configJson: r.configJson() ?? "",
+    files: readList(
+      r.filesLength(),
+      (i) => r.files(i),
+      (f) => ({ name: f.name() ?? "", bytes: num(f.bytes()), crc32: f.crc32() }),
+      "Manifest.files",
+    ),
     cursors: Array.from({ length: r.cursorsLength() }, (_, i) => num(r.cursors(i) ?? 0n)),
     modelPath: r.modelPath() ?? "",
   };
@@ -507,7 +667,10 @@ const checkpointListRoot = root("CheckpointList", "MTCL", (bb) => CheckpointList
 
 export function encodeCheckpointList(m: CheckpointList): Uint8Array {
   const b = builder(1024);
-  const items = CheckpointListT.createItemsVector(b, m.items.map((x) => writeManifest(b, x)));
+  const items = CheckpointListT.createItemsVector(
+    b,
+    m.items.map((x) => writeManifest(b, x)),
+  );
   const job = str(b, m.job);
   return finishBytes(b, CheckpointListT.createCheckpointList(b, schemaVersion, job, items), checkpointListRoot.identifier);
 }
@@ -531,7 +694,8 @@ const jobRequestRoot = root("JobRequest", "MTJR", (bb) => JobRequestT.getRootAsJ
 
 export function encodeJobRequest(m: JobRequest): Uint8Array {
   const b = builder(128);
-  const job = str(b, m.job), tag = str(b, m.tag);
+  const job = str(b, m.job),
+    tag = str(b, m.tag);
   return finishBytes(b, JobRequestT.createJobRequest(b, schemaVersion, job, big(m.step), tag, m.value ?? 0), jobRequestRoot.identifier);
 }
 
@@ -564,15 +728,38 @@ export function encodeShardStats(m: ShardStats): Uint8Array {
   const b = builder(256);
   const clocks = ShardStatsT.createClocksVector(b, m.clocks.map(big));
   const job = str(b, m.job);
-  return finishBytes(b, ShardStatsT.createShardStats(b, schemaVersion, job, m.shard, m.chunks, big(m.elements), big(m.updates), big(m.pushes),
-    big(m.duplicates), big(m.pulls), m.waiting, clocks), shardStatsRoot.identifier);
+  return finishBytes(
+    b,
+    ShardStatsT.createShardStats(
+      b,
+      schemaVersion,
+      job,
+      m.shard,
+      m.chunks,
+      big(m.elements),
+      big(m.updates),
+      big(m.pushes),
+      big(m.duplicates),
+      big(m.pulls),
+      m.waiting,
+      clocks,
+    ),
+    shardStatsRoot.identifier,
+  );
 }
 
 export function decodeShardStats(data: Uint8Array, bytesMax: number): ShardStats {
   const r = openRoot(data, shardStatsRoot, bytesMax);
   return guarded("ShardStats", () => ({
-    job: r.job() ?? "", shard: r.shard(), chunks: r.chunks(), elements: num(r.elements()), updates: num(r.updates()), pushes: num(r.pushes()),
-    duplicates: num(r.duplicates()), pulls: num(r.pulls()), waiting: r.waiting(),
+    job: r.job() ?? "",
+    shard: r.shard(),
+    chunks: r.chunks(),
+    elements: num(r.elements()),
+    updates: num(r.updates()),
+    pushes: num(r.pushes()),
+    duplicates: num(r.duplicates()),
+    pulls: num(r.pulls()),
+    waiting: r.waiting(),
     clocks: Array.from({ length: r.clocksLength() }, (_, i) => num(r.clocks(i) ?? 0n)),
   }));
 }
@@ -595,15 +782,35 @@ const loaderStatsRoot = root("LoaderStats", "MTLS", (bb) => LoaderStatsT.getRoot
 export function encodeLoaderStats(m: LoaderStats): Uint8Array {
   const b = builder(128);
   const job = str(b, m.job);
-  return finishBytes(b, LoaderStatsT.createLoaderStats(b, schemaVersion, job, big(m.batches), m.batchesPerS, m.queueDepth, big(m.prefetchHits),
-    big(m.prefetchMisses), m.waitMsP50, m.waitMsP99), loaderStatsRoot.identifier);
+  return finishBytes(
+    b,
+    LoaderStatsT.createLoaderStats(
+      b,
+      schemaVersion,
+      job,
+      big(m.batches),
+      m.batchesPerS,
+      m.queueDepth,
+      big(m.prefetchHits),
+      big(m.prefetchMisses),
+      m.waitMsP50,
+      m.waitMsP99,
+    ),
+    loaderStatsRoot.identifier,
+  );
 }
 
 export function decodeLoaderStats(data: Uint8Array, bytesMax: number): LoaderStats {
   const r = openRoot(data, loaderStatsRoot, bytesMax);
   return guarded("LoaderStats", () => ({
-    job: r.job() ?? "", batches: num(r.batches()), batchesPerS: r.batchesPerS(), queueDepth: r.queueDepth(), prefetchHits: num(r.prefetchHits()),
-    prefetchMisses: num(r.prefetchMisses()), waitMsP50: r.waitMsP50(), waitMsP99: r.waitMsP99(),
+    job: r.job() ?? "",
+    batches: num(r.batches()),
+    batchesPerS: r.batchesPerS(),
+    queueDepth: r.queueDepth(),
+    prefetchHits: num(r.prefetchHits()),
+    prefetchMisses: num(r.prefetchMisses()),
+    waitMsP50: r.waitMsP50(),
+    waitMsP99: r.waitMsP99(),
   }));
 }
 
@@ -632,21 +839,48 @@ const dataPlanRoot = root("DataPlan", "MTDP", (bb) => DataPlanT.getRootAsDataPla
 function createPlan(b: Builder, m: DataPlan): number {
   const job = str(b, m.job);
   const vocab = DataPlanT.createVocabVector(b, Uint32Array.from(m.vocab));
-  return DataPlanT.createDataPlan(b, schemaVersion, job, m.trainSamples, m.valSamples, m.testSamples, big(m.stepsPerEpoch),
-    big(m.totalSteps), m.vocabSize, vocab, big(m.slabNumel), big(m.decayElems), big(m.paramCount));
+  return DataPlanT.createDataPlan(
+    b,
+    schemaVersion,
+    job,
+    m.trainSamples,
+    m.valSamples,
+    m.testSamples,
+    big(m.stepsPerEpoch),
+    big(m.totalSteps),
+    m.vocabSize,
+    vocab,
+    big(m.slabNumel),
+    big(m.decayElems),
+    big(m.paramCount),
+  );
 }
 
 function planOf(r: DataPlanT): DataPlan {
   const m: DataPlan = {
-    job: r.job() ?? "", trainSamples: r.trainSamples(), valSamples: r.valSamples(), testSamples: r.testSamples(),
-    stepsPerEpoch: num(r.stepsPerEpoch()), totalSteps: num(r.totalSteps()), vocabSize: r.vocabSize(), vocab: [...(r.vocabArray() ?? [])],
-    slabNumel: num(r.slabNumel()), decayElems: num(r.decayElems()), paramCount: num(r.paramCount()),
+    job: r.job() ?? "",
+    trainSamples: r.trainSamples(),
+    valSamples: r.valSamples(),
+    testSamples: r.testSamples(),
+    stepsPerEpoch: num(r.stepsPerEpoch()),
+    totalSteps: num(r.totalSteps()),
+    vocabSize: r.vocabSize(),
+    vocab: [...(r.vocabArray() ?? [])],
+    slabNumel: num(r.slabNumel()),
+    decayElems: num(r.decayElems()),
+    paramCount: num(r.paramCount()),
   };
   if (m.vocab.length > 0 && (m.vocab.length !== m.vocabSize || m.vocab.some((c) => c > 0x10ffff))) {
-    throw new WireFormatError("malformed", `DataPlan: a vocabulary of ${m.vocab.length} characters for vocab_size ${m.vocabSize}, or a code point past U+10FFFF`);
+    throw new WireFormatError(
+      "malformed",
+      `DataPlan: a vocabulary of ${m.vocab.length} characters for vocab_size ${m.vocabSize}, or a code point past U+10FFFF`,
+    );
   }
   if (m.vocabSize > 65536 || m.decayElems > m.slabNumel || m.paramCount > m.slabNumel) {
-    throw new WireFormatError("malformed", `DataPlan: vocab_size ${m.vocabSize}, ${m.decayElems} decayed and ${m.paramCount} parameters of a ${m.slabNumel}-element vector`);
+    throw new WireFormatError(
+      "malformed",
+      `DataPlan: vocab_size ${m.vocabSize}, ${m.decayElems} decayed and ${m.paramCount} parameters of a ${m.slabNumel}-element vector`,
+    );
   }
   return m;
 }
@@ -690,18 +924,60 @@ const jobRecordRoot = root("JobRecord", "MTJB", (bb) => JobRecordT.getRootAsJobR
 export function encodeJobRecord(m: JobRecord): Uint8Array {
   const texts = [m.job, m.configJson, m.evalSplit, m.reason, m.snapshot, m.modelPath, m.snapshotDir];
   const b = builder(512 + texts.reduce((s, t) => s + t.length * 3, 0));
-  const [job, config, split, reason, snapshot, modelPath, snapshotDir] = texts.map((t) => str(b, t)) as [number, number, number, number, number, number, number];
-  return finishBytes(b, JobRecordT.createJobRecord(b, schemaVersion, job, m.state, config, m.submittedMs, m.endedMs, big(m.totalSteps), big(m.evalStep),
-    m.accuracy, m.loss, m.evaluated, split, reason, snapshot, modelPath, snapshotDir, m.attempts), jobRecordRoot.identifier);
+  const [job, config, split, reason, snapshot, modelPath, snapshotDir] = texts.map((t) => str(b, t)) as [
+    number,
+    number,
+    number,
+    number,
+    number,
+    number,
+    number,
+  ];
+  return finishBytes(
+    b,
+    JobRecordT.createJobRecord(
+      b,
+      schemaVersion,
+      job,
+      m.state,
+      config,
+      m.submittedMs,
+      m.endedMs,
+      big(m.totalSteps),
+      big(m.evalStep),
+      m.accuracy,
+      m.loss,
+      m.evaluated,
+      split,
+      reason,
+      snapshot,
+      modelPath,
+      snapshotDir,
+      m.attempts,
+    ),
+    jobRecordRoot.identifier,
+  );
 }
 
 export function decodeJobRecord(data: Uint8Array, bytesMax: number): JobRecord {
   const r = openRoot(data, jobRecordRoot, bytesMax);
   const m = guarded("JobRecord", () => ({
-    job: r.job() ?? "", state: r.state(), configJson: r.configJson() ?? "", submittedMs: r.submittedMs(), endedMs: r.endedMs(),
-    totalSteps: num(r.totalSteps()), evalStep: num(r.evalStep()), accuracy: r.accuracy(), loss: r.loss(), evaluated: r.evaluated(),
-    evalSplit: r.evalSplit() ?? "", reason: r.reason() ?? "", snapshot: r.snapshot() ?? "", modelPath: r.modelPath() ?? "",
-    snapshotDir: r.snapshotDir() ?? "", attempts: r.attempts(),
+    job: r.job() ?? "",
+    state: r.state(),
+    configJson: r.configJson() ?? "",
+    submittedMs: r.submittedMs(),
+    endedMs: r.endedMs(),
+    totalSteps: num(r.totalSteps()),
+    evalStep: num(r.evalStep()),
+    accuracy: r.accuracy(),
+    loss: r.loss(),
+    evaluated: r.evaluated(),
+    evalSplit: r.evalSplit() ?? "",
+    reason: r.reason() ?? "",
+    snapshot: r.snapshot() ?? "",
+    modelPath: r.modelPath() ?? "",
+    snapshotDir: r.snapshotDir() ?? "",
+    attempts: r.attempts(),
   }));
   if (JobState[m.state] === undefined) throw new WireFormatError("malformed", `JobRecord: unknown state ${m.state}`);
   return m;
@@ -736,18 +1012,51 @@ export const collPieceOverheadBytes = 512;
 /** `values` are written straight into the message (one copy). */
 export function encodeCollPiece(m: Omit<CollPiece, "data" | "count">, values: Float32Array): Uint8Array {
   const b = builder(collPieceOverheadBytes + values.byteLength + m.reason.length * 3);
-  const job = str(b, m.job), group = str(b, m.group), reason = str(b, m.reason);
+  const job = str(b, m.job),
+    group = str(b, m.group),
+    reason = str(b, m.reason);
   const data = createBytes(b, bytesOf(values));
-  return finishBytes(b, CollPieceT.createCollPiece(b, schemaVersion, job, big(m.generation), group, m.from, m.to, big(m.step), m.bucket, m.phase,
-    m.hop, m.piece, big(m.offset), values.length, data, reason), collRoot.identifier);
+  return finishBytes(
+    b,
+    CollPieceT.createCollPiece(
+      b,
+      schemaVersion,
+      job,
+      big(m.generation),
+      group,
+      m.from,
+      m.to,
+      big(m.step),
+      m.bucket,
+      m.phase,
+      m.hop,
+      m.piece,
+      big(m.offset),
+      values.length,
+      data,
+      reason,
+    ),
+    collRoot.identifier,
+  );
 }
 
 export function decodeCollPiece(data: Uint8Array, bytesMax: number): CollPiece {
   const r = openRoot(data, collRoot, bytesMax, { align: false }); // byte vectors only: no aligned copy
   const m = guarded("CollPiece", () => ({
-    job: r.job() ?? "", generation: num(r.generation()), group: r.group() ?? "", from: r.from(), to: r.to(), step: num(r.step()),
-    bucket: r.bucket(), phase: r.phase(), hop: r.hop(), piece: r.piece(), offset: num(r.offset()), count: r.count(),
-    data: r.dataArray() ?? new Uint8Array(0), reason: r.reason() ?? "",
+    job: r.job() ?? "",
+    generation: num(r.generation()),
+    group: r.group() ?? "",
+    from: r.from(),
+    to: r.to(),
+    step: num(r.step()),
+    bucket: r.bucket(),
+    phase: r.phase(),
+    hop: r.hop(),
+    piece: r.piece(),
+    offset: num(r.offset()),
+    count: r.count(),
+    data: r.dataArray() ?? new Uint8Array(0),
+    reason: r.reason() ?? "",
   }));
   if (CollPhase[m.phase] === undefined) throw new WireFormatError("malformed", `CollPiece: unknown phase ${m.phase}`);
   if (m.data.byteLength !== m.count * 4) throw new WireFormatError("malformed", `CollPiece: ${m.data.byteLength} data bytes for ${m.count} float32`);

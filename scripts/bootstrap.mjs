@@ -37,8 +37,12 @@ const needs = [
   {
     what: "OpenBLAS (OpenMP build)",
     pkg: "libopenblas0-openmp",
-    ok: () => [`/usr/lib/${multiarch}/openblas-openmp/libopenblas.so.0`, `/usr/lib/${multiarch}/openblas-pthread/libopenblas.so.0`,
-      `/usr/lib/${multiarch}/libopenblas.so.0`].some((p) => existsSync(p)) || Boolean(process.env.MESHTRAIN_OPENBLAS),
+    ok: () =>
+      [
+        `/usr/lib/${multiarch}/openblas-openmp/libopenblas.so.0`,
+        `/usr/lib/${multiarch}/openblas-pthread/libopenblas.so.0`,
+        `/usr/lib/${multiarch}/libopenblas.so.0`,
+      ].some((p) => existsSync(p)) || Boolean(process.env.MESHTRAIN_OPENBLAS),
   },
   { what: "a C compiler", pkg: "gcc", ok: () => which(process.env.CC || "cc") || which("gcc") || which("clang") },
   // the tests run the CUDA kernels on a host emulator compiled as C++ (test/ffi/fixtures/cuda-emu)
@@ -105,8 +109,11 @@ if (needs.slice(0, 2).every((n) => n.ok())) {
   // where nvcc is present (ffi/cuda/build.ts skips quietly without it). With --quiet each
   // prints one line to stdout for what it built and nothing when it is up to date; compiler
   // errors and warnings go to stderr, passed through.
-  for (const [what, script] of [["the CPU kernel library", "ffi/cpu/build.ts"], ["the NCCL shim", "ffi/nccl/build.ts"],
-    ["the CUDA kernels", "ffi/cuda/build.ts"]]) {
+  for (const [what, script] of [
+    ["the CPU kernel library", "ffi/cpu/build.ts"],
+    ["the NCCL shim", "ffi/nccl/build.ts"],
+    ["the CUDA kernels", "ffi/cuda/build.ts"],
+  ]) {
     let out;
     try {
       out = execFileSync(bunBinary, [join(root, script), "--quiet"], { cwd: root, encoding: "utf8", stdio: ["ignore", "pipe", "inherit"] });

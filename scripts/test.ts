@@ -16,8 +16,7 @@ writeFileSync(skipsFile, "");
 
 // Per-test limit: end-to-end tests train real models for several seconds on 2 cores.
 const timeoutMs = 120_000;
-const proc = Bun.spawnSync([process.execPath, "test", `--timeout=${timeoutMs}`, "--reporter=junit", `--reporter-outfile=${report}`,
-  ...process.argv.slice(2)], {
+const proc = Bun.spawnSync([process.execPath, "test", `--timeout=${timeoutMs}`, "--reporter=junit", `--reporter-outfile=${report}`, ...process.argv.slice(2)], {
   cwd: root,
   env: { ...process.env, [skipsFileEnv]: skipsFile },
   stdio: ["inherit", "inherit", "inherit"],
@@ -47,7 +46,12 @@ function readTotals(xml: string): Totals {
 }
 
 function unescapeXml(s: string): string {
-  return s.replace(/&quot;/g, '"').replace(/&apos;/g, "'").replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&");
+  return s
+    .replace(/&quot;/g, '"')
+    .replace(/&apos;/g, "'")
+    .replace(/&lt;/g, "<")
+    .replace(/&gt;/g, ">")
+    .replace(/&amp;/g, "&");
 }
 
 /** The record that decided a skipped case: in its file, the last skip() at or above its line (a
@@ -83,7 +87,10 @@ try {
 if (code !== 0 && totals.failed === 0) totals.failed = 1;
 if (totals.skipped > 0) {
   const records = existsSync(skipsFile)
-    ? readFileSync(skipsFile, "utf8").split("\n").filter((l) => l !== "").map((l) => JSON.parse(l) as SkipRecord)
+    ? readFileSync(skipsFile, "utf8")
+        .split("\n")
+        .filter((l) => l !== "")
+        .map((l) => JSON.parse(l) as SkipRecord)
     : [];
   console.log(skipSummary(totals, records));
 }

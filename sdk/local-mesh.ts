@@ -58,5 +58,6 @@ export function resolveNatsUrl(flag: string | undefined): { url: string; from: s
 }
 
 /** What to do when a client command cannot reach NATS. */
-export const unreachableHint = "start a local mesh with: meshtrain mesh up (it stays up until Ctrl-C), " +
+export const unreachableHint =
+  "start a local mesh with: meshtrain mesh up (it stays up until Ctrl-C), " +
   "or point --nats-url or MT_NATS_URL at a running one (meshtrain run trains one job on a mesh of its own)";

@@ -22,7 +22,8 @@ import { CapacityError } from "../services/runtime/errors.ts";
 
 const d = jobDefaults;
 
-const natsOption = (cmd: Command) => cmd.option("--nats-url <url>", "the mesh's NATS server (default: $MT_NATS_URL, else the mesh `meshtrain mesh up` runs here, else nats://127.0.0.1:4222)");
+const natsOption = (cmd: Command) =>
+  cmd.option("--nats-url <url>", "the mesh's NATS server (default: $MT_NATS_URL, else the mesh `meshtrain mesh up` runs here, else nats://127.0.0.1:4222)");
 
 /** Connects to the mesh the options name, with a hint that says how to start one. */
 async function connect(flag: string | undefined): Promise<MeshClient> {
@@ -43,7 +44,9 @@ const localLogs = (snapshotDir: string): string | null => (snapshotDir && exists
  * (the job goes on) and says how to come back to it.
  */
 async function follow(client: MeshClient, job: string): Promise<void> {
-  using stop = new StopRequests(() => console.log(`\nstopped following job ${job}; it goes on training. Follow it again: ${cliName()} watch ${job}; stop it: ${cliName()} cancel ${job}`));
+  using stop = new StopRequests(() =>
+    console.log(`\nstopped following job ${job}; it goes on training. Follow it again: ${cliName()} watch ${job}; stop it: ${cliName()} cancel ${job}`),
+  );
   try {
     const o = await watchJob(client, job, { signal: stop.first.signal });
     for (const line of outcomeLines(o, { logs: localLogs(o.record.snapshotDir) })) console.log(line);
@@ -58,8 +61,13 @@ async function follow(client: MeshClient, job: string): Promise<void> {
 }
 
 export function addMeshCommands(program: Command): void {
-  jobOptions(program.command("run")
-    .description("train MNIST on a local mesh of its own (embedded nats-server; data-loader, parameter-server shards, trainers and checkpoint as processes) and print the test accuracy"))
+  jobOptions(
+    program
+      .command("run")
+      .description(
+        "train MNIST on a local mesh of its own (embedded nats-server; data-loader, parameter-server shards, trainers and checkpoint as processes) and print the test accuracy",
+      ),
+  )
     .option("--dir <dir>", "folder for the jobs' snapshots, models and logs (<dir>/jobs/<job>/)", defaultRunDir())
     .option("--timeout-min <m>", "give up after this many minutes", float(0, Infinity, { exclusiveMin: true }), 60)
     .action(async (opts: JobFlags & { dir: string; timeoutMin: number }, cmd: Command) => {
@@ -67,8 +75,11 @@ export function addMeshCommands(program: Command): void {
     });
 
   const mesh = program.command("mesh").description("run the mesh's services on this machine");
-  mesh.command("up")
-    .description("start a local mesh (nats-server and the services of deploy/docker-compose.yml as processes) until Ctrl-C; submit jobs to it from other shells")
+  mesh
+    .command("up")
+    .description(
+      "start a local mesh (nats-server and the services of deploy/docker-compose.yml as processes) until Ctrl-C; submit jobs to it from other shells",
+    )
     .option("--dir <dir>", "folder for the jobs' snapshots, models and logs, and the mesh's NATS store", defaultRunDir())
     .option("--port <n>", "NATS port", int(1, 65535), 4222)
     .option("--trainers <n>", "trainer ranks to run (a job may use fewer)", int(1, 64), d.trainers)
@@ -94,64 +105,87 @@ export function addMeshCommands(program: Command): void {
       await follow(client, cfg.job);
     });
 
-  natsOption(program.command("watch").description("follow a job to its end (a job that ended is reported at once)").argument("<job>"))
-    .action(async (job: string, opts: { natsUrl?: string }) => {
+  natsOption(program.command("watch").description("follow a job to its end (a job that ended is reported at once)").argument("<job>")).action(
+    async (job: string, opts: { natsUrl?: string }) => {
       await using client = await connect(opts.natsUrl);
       await follow(client, job);
-    });
+    },
+  );
 
-  natsOption(program.command("status").description("a job's state, newest accuracy, progress, snapshots and model; without a job, every job of the mesh").argument("[job]"))
+  natsOption(
+    program
+      .command("status")
+      .description("a job's state, newest accuracy, progress, snapshots and model; without a job, every job of the mesh")
+      .argument("[job]"),
+  )
     .option("--json", "print JSON")
     .action(async (job: string | undefined, opts: { natsUrl?: string; json?: boolean }) => {
       await using client = await connect(opts.natsUrl);
       if (!job) {
         const records = await client.list();
-        console.log(opts.json ? JSON.stringify({ jobs: records.map((r) => ({ ...r, state: JobState[r.state].toLowerCase() })) }, null, 2) : jobsTable(records).join("\n"));
+        console.log(
+          opts.json ? JSON.stringify({ jobs: records.map((r) => ({ ...r, state: JobState[r.state].toLowerCase() })) }, null, 2) : jobsTable(records).join("\n"),
+        );
         return;
       }
       const st = await client.status(job);
-      console.log(opts.json ? JSON.stringify({ ...st, record: st.record && { ...st.record, state: JobState[st.record.state].toLowerCase() } }, null, 2)
-        : statusLines(st).join("\n"));
+      console.log(
+        opts.json
+          ? JSON.stringify({ ...st, record: st.record && { ...st.record, state: JobState[st.record.state].toLowerCase() } }, null, 2)
+          : statusLines(st).join("\n"),
+      );
     });
 
-  natsOption(program.command("cancel").description("stop a running job (its snapshots stay; giving its name to run or submit resumes it)").argument("<job>"))
-    .action(async (job: string, opts: { natsUrl?: string }) => {
-      await using client = await connect(opts.natsUrl);
-      const r = await client.cancel(job);
-      console.log(`cancelled job ${job} (${r.reason}); resume it later: ${cliName()} submit --job ${job}`);
-    });
+  natsOption(
+    program.command("cancel").description("stop a running job (its snapshots stay; giving its name to run or submit resumes it)").argument("<job>"),
+  ).action(async (job: string, opts: { natsUrl?: string }) => {
+    await using client = await connect(opts.natsUrl);
+    const r = await client.cancel(job);
+    console.log(`cancelled job ${job} (${r.reason}); resume it later: ${cliName()} submit --job ${job}`);
+  });
 
-  natsOption(program.command("checkpoints").description("list a job's snapshots (also of a job that ended)").argument("<job>"))
-    .action(async (job: string, opts: { natsUrl?: string }) => {
+  natsOption(program.command("checkpoints").description("list a job's snapshots (also of a job that ended)").argument("<job>")).action(
+    async (job: string, opts: { natsUrl?: string }) => {
       await using client = await connect(opts.natsUrl);
       const items = await client.checkpoints(job);
       if (items.length === 0) console.log(`job ${job} has no snapshots yet`);
       for (const m of items) {
-        console.log(`${m.id}  step ${m.step}  metric ${Number.isFinite(m.metric) ? m.metric.toFixed(4) : "-"}  ${m.files.reduce((s, f) => s + f.bytes, 0)} bytes  ` +
-          `${new Date(m.createdMs).toISOString()}${m.modelPath ? `  model ${m.modelPath}` : ""}`);
+        console.log(
+          `${m.id}  step ${m.step}  metric ${Number.isFinite(m.metric) ? m.metric.toFixed(4) : "-"}  ${m.files.reduce((s, f) => s + f.bytes, 0)} bytes  ` +
+            `${new Date(m.createdMs).toISOString()}${m.modelPath ? `  model ${m.modelPath}` : ""}`,
+        );
       }
-    });
+    },
+  );
 
-  natsOption(program.command("save").description("take a snapshot of a running job at its next step").argument("<job>"))
-    .action(async (job: string, opts: { natsUrl?: string }) => {
+  natsOption(program.command("save").description("take a snapshot of a running job at its next step").argument("<job>")).action(
+    async (job: string, opts: { natsUrl?: string }) => {
       await using client = await connect(opts.natsUrl);
       const e = await client.saveCheckpoint(job);
       console.log(`${job}: ${e.text}`);
-    });
+    },
+  );
 
-  natsOption(program.command("restore").description("roll a running job back to a snapshot (default: the newest that verifies)").argument("<job>").argument("[id]"))
-    .action(async (job: string, id: string | undefined, opts: { natsUrl?: string }) => {
-      await using client = await connect(opts.natsUrl);
-      const m = await client.restore(job, id ?? "");
-      console.log(`restored ${job} to ${m.id} (step ${m.step}); its trainers resume there`);
-    });
+  natsOption(
+    program.command("restore").description("roll a running job back to a snapshot (default: the newest that verifies)").argument("<job>").argument("[id]"),
+  ).action(async (job: string, id: string | undefined, opts: { natsUrl?: string }) => {
+    await using client = await connect(opts.natsUrl);
+    const m = await client.restore(job, id ?? "");
+    console.log(`restored ${job} to ${m.id} (step ${m.step}); its trainers resume there`);
+  });
 }
 
 /** `mesh up`: runs until Ctrl-C, leaving a note so that client commands on this machine find it. */
 async function meshUp(o: { dir: string; port: number; trainers: number; shards: number }): Promise<void> {
   const opts: MeshOptions = {
-    jobsDir: join(o.dir, "jobs"), logDir: join(o.dir, "logs", `mesh-${stamp()}`), jobLogs: true, trainers: o.trainers, shards: o.shards,
-    port: o.port, natsStoreDir: join(o.dir, "nats"), onEvent: (line) => console.log(`launcher: ${line}`),
+    jobsDir: join(o.dir, "jobs"),
+    logDir: join(o.dir, "logs", `mesh-${stamp()}`),
+    jobLogs: true,
+    trainers: o.trainers,
+    shards: o.shards,
+    port: o.port,
+    natsStoreDir: join(o.dir, "nats"),
+    onEvent: (line) => console.log(`launcher: ${line}`),
   };
   using stop = new StopRequests((s) => console.log(`\n${s}: stopping the mesh (again to stop at once)`));
   const m = await LocalMesh.start(opts);
@@ -168,7 +202,8 @@ async function meshUp(o: { dir: string; port: number; trainers: number; shards: 
     console.log(`submit a job: ${cliName()} submit --epochs 1 | stop the mesh: Ctrl-C`);
     if (!stop.first.signal.aborted) await new Promise<void>((resolve) => stop.first.signal.addEventListener("abort", () => resolve(), { once: true }));
   } catch (e) {
-    if (e instanceof CapacityError) throw new CapacityError(`the mesh's services did not all start within ${membersWaitMs / 1000} s (logs: ${shownPath(opts.logDir)}): ${e.message}`);
+    if (e instanceof CapacityError)
+      throw new CapacityError(`the mesh's services did not all start within ${membersWaitMs / 1000} s (logs: ${shownPath(opts.logDir)}): ${e.message}`);
     throw e;
   } finally {
     forget();

@@ -11,7 +11,8 @@ import { InvalidArgumentError } from "commander";
  * but does not run in the package's folder: its own folder is the user's.
  */
 const userDir = (): string => {
-  const init = process.env.INIT_CWD, pkg = process.env.npm_package_json;
+  const init = process.env.INIT_CWD,
+    pkg = process.env.npm_package_json;
   return init && pkg && resolve(process.cwd()) === dirname(resolve(pkg)) ? init : process.cwd();
 };
 

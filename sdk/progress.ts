@@ -36,16 +36,18 @@ export class Progress {
   constructor(total: number, unit: string, tty = Boolean(process.stdout.isTTY)) {
     this.#total = total;
     this.#unit = unit;
-    this.#bar = tty ? new cliProgress.SingleBar({
-      format: `{bar} step {value}/{total} | loss {loss} | {sps} ${unit}/s | {extra}eta {remaining}`,
-      barCompleteChar: "█",
-      barIncompleteChar: "░",
-      barsize: 24,
-      hideCursor: true,
-      clearOnComplete: true,
-      synchronousUpdate: true,
-      fps: 10,
-    }) : null;
+    this.#bar = tty
+      ? new cliProgress.SingleBar({
+          format: `{bar} step {value}/{total} | loss {loss} | {sps} ${unit}/s | {extra}eta {remaining}`,
+          barCompleteChar: "█",
+          barIncompleteChar: "░",
+          barsize: 24,
+          hideCursor: true,
+          clearOnComplete: true,
+          synchronousUpdate: true,
+          fps: 10,
+        })
+      : null;
     this.#bar?.start(total, 0, this.#payload());
   }
 

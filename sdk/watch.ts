@@ -12,7 +12,10 @@ import { Progress, RateMeter } from "./progress.ts";
 
 export class JobFailedError extends Error {
   override readonly name = "JobFailedError";
-  constructor(message: string, readonly record: JobRecord | null = null) {
+  constructor(
+    message: string,
+    readonly record: JobRecord | null = null,
+  ) {
     super(message);
   }
 }
@@ -81,8 +84,10 @@ export async function watchJob(client: MeshClient, job: string, o: WatchOptions 
         // running on record, but no spec twice in a row: no service runs it, and none will
         specMissing = !isEnded(record) && (await client.jobs.spec(job)) === null ? specMissing + 1 : 0;
         if (specMissing >= 2) {
-          throw new JobStateError(`job ${job} is recorded as running, but no service runs it (its submission was cut off before the mesh got it); ` +
-            `submit it again to resume it: meshtrain submit --job ${job}`);
+          throw new JobStateError(
+            `job ${job} is recorded as running, but no service runs it (its submission was cut off before the mesh got it); ` +
+              `submit it again to resume it: meshtrain submit --job ${job}`,
+          );
         }
       }
     }
@@ -116,7 +121,12 @@ class Watcher {
   #lastStepMs = 0;
   #watched = false;
 
-  constructor(readonly trainers: number, readonly epochs: number, readonly o: WatchOptions, readonly unit: "samples" | "tokens") {
+  constructor(
+    readonly trainers: number,
+    readonly epochs: number,
+    readonly o: WatchOptions,
+    readonly unit: "samples" | "tokens",
+  ) {
     this.#tally = new EvalTally(trainers);
   }
 
@@ -136,9 +146,11 @@ class Watcher {
       case EventKind.Eval: {
         const r = this.#tally.add(e);
         if (r) {
-          this.#accuracy = `${r.split} acc ${(100 * r.accuracy).toFixed(2)}% | `;
+          this.#accuracy = this.unit === "tokens" ? `${r.split} loss ${r.loss.toFixed(3)} | ` : `${r.split} acc ${(100 * r.accuracy).toFixed(2)}% | `;
           const epoch = totalSteps > 0 && r.step < totalSteps ? ` (epoch ${Math.round((r.step * this.epochs) / totalSteps)}/${this.epochs})` : "";
-          this.say(`step ${r.step}${epoch}: ${r.split} loss ${r.loss.toFixed(4)}, accuracy ${(100 * r.accuracy).toFixed(2)}% (${r.evaluated} ${this.unit} over ${r.ranks} trainers)`);
+          this.say(
+            `step ${r.step}${epoch}: ${r.split} loss ${r.loss.toFixed(4)}, accuracy ${(100 * r.accuracy).toFixed(2)}% (${r.evaluated} ${this.unit} over ${r.ranks} trainers)`,
+          );
         }
         break;
       }
@@ -181,7 +193,9 @@ class Watcher {
     if (this.o.quiet || totalSteps === 0) return;
     this.#progress ??= new Progress(totalSteps, "samples");
     this.#progress.update(this.#step, {
-      loss: Number.isFinite(this.#loss) ? this.#loss.toFixed(4) : "-", sps: this.#rate.rate.toFixed(0), extra: this.#accuracy,
+      loss: Number.isFinite(this.#loss) ? this.#loss.toFixed(4) : "-",
+      sps: this.#rate.rate.toFixed(0),
+      extra: this.#accuracy,
     });
   }
 
@@ -193,8 +207,20 @@ class Watcher {
     const n = Math.max(this.#stepEvents, 1);
     const s = this.#split;
     return {
-      record, seconds, restores: this.#restores, checkpoints: this.#checkpoints, step: this.#step, watched: this.#watched,
-      split: { dataWaitMs: s.dataWaitMs / n, pullMs: s.pullMs / n, computeMs: s.computeMs / n, pushMs: s.pushMs / n, commMs: s.commMs / n, exposedCommMs: s.exposedCommMs / n },
+      record,
+      seconds,
+      restores: this.#restores,
+      checkpoints: this.#checkpoints,
+      step: this.#step,
+      watched: this.#watched,
+      split: {
+        dataWaitMs: s.dataWaitMs / n,
+        pullMs: s.pullMs / n,
+        computeMs: s.computeMs / n,
+        pushMs: s.pushMs / n,
+        commMs: s.commMs / n,
+        exposedCommMs: s.exposedCommMs / n,
+      },
       samplesPerS: this.#lastStepMs > this.#firstStepMs ? this.#samples / ((this.#lastStepMs - this.#firstStepMs) / 1000) : 0,
     };
   }

@@ -45,7 +45,10 @@ export function loadCorpus(o: CorpusSource): Corpus {
     }
     const vocabSize = vocab?.size ?? o.vocabSize;
     if (vocabSize === undefined) throw new DataFileError(o.tokensDir, "no vocab.json: pass --vocab-size");
-    for (const [name, tokens] of [["train.bin", train], ["val.bin", val]] as const) {
+    for (const [name, tokens] of [
+      ["train.bin", train],
+      ["val.bin", val],
+    ] as const) {
       const max = tokens.reduce((m, t) => (t > m ? t : m), 0);
       if (max >= vocabSize) throw new DataFileError(join(o.tokensDir, name), `holds token id ${max}, outside the vocabulary of ${vocabSize}`);
     }

@@ -13,7 +13,11 @@ export class ImageBatcher {
   /** the sample ids this batcher draws from (a train or validation subset), default all */
   readonly ids: Uint32Array;
 
-  constructor(readonly split: MnistSplit, readonly batchSize: number, ids?: Uint32Array) {
+  constructor(
+    readonly split: MnistSplit,
+    readonly batchSize: number,
+    ids?: Uint32Array,
+  ) {
     if (!Number.isInteger(batchSize) || batchSize < 1) throw new ConfigError(`batch size must be an integer >= 1, got ${batchSize}`);
     this.features = split.rows * split.cols;
     this.#inputs = new Float32Array(batchSize * this.features);

@@ -31,7 +31,10 @@ export function parseIdx(path: string, bytes: Uint8Array): IdxArray {
   const expected = dims.reduce((a, b) => a * b, 1);
   const actual = bytes.length - headerBytes;
   if (actual !== expected) {
-    throw new DataFileError(path, `${actual < expected ? "truncated" : "trailing bytes"}: dims [${dims.join(", ")}] need ${expected} data bytes, file has ${actual}`);
+    throw new DataFileError(
+      path,
+      `${actual < expected ? "truncated" : "trailing bytes"}: dims [${dims.join(", ")}] need ${expected} data bytes, file has ${actual}`,
+    );
   }
   return { dims, data: bytes.subarray(headerBytes) };
 }

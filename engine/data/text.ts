@@ -44,7 +44,10 @@ export class CharVocab {
     for (let i = 0; i < chars.length; i++) {
       const id = this.#ids.get(chars[i]!);
       if (id === undefined) {
-        throw new DataFileError("<text>", `character ${JSON.stringify(chars[i])} (U+${chars[i]!.codePointAt(0)!.toString(16).toUpperCase()}) at position ${i} is not in the vocabulary`);
+        throw new DataFileError(
+          "<text>",
+          `character ${JSON.stringify(chars[i])} (U+${chars[i]!.codePointAt(0)!.toString(16).toUpperCase()}) at position ${i} is not in the vocabulary`,
+        );
       }
       out[i] = id;
     }

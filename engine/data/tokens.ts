@@ -84,7 +84,12 @@ export class TokenBatcher {
   readonly #inputs: Int32Array;
   readonly #targets: Int32Array;
 
-  constructor(readonly tokens: Uint16Array, readonly batchSize: number, readonly blockSize: number, readonly vocabSize: number) {
+  constructor(
+    readonly tokens: Uint16Array,
+    readonly batchSize: number,
+    readonly blockSize: number,
+    readonly vocabSize: number,
+  ) {
     if (!Number.isInteger(batchSize) || batchSize < 1) throw new ConfigError(`batch size must be an integer >= 1, got ${batchSize}`);
     if (tokens.length < blockSize + 1) {
       throw new ConfigError(`token stream of ${tokens.length} is too short for windows of ${blockSize} + 1`);

@@ -43,7 +43,11 @@ export class GptModel implements Model {
   readonly lnF: LayerNorm;
   readonly #ctx: Context;
 
-  constructor(ctx: Context, readonly config: GptConfig, seed: number) {
+  constructor(
+    ctx: Context,
+    readonly config: GptConfig,
+    seed: number,
+  ) {
     checkGptConfig(config);
     this.#ctx = ctx;
     const pb = new ParamBuilder();
@@ -107,8 +111,7 @@ export class GptModel implements Model {
    * softmax of the last position's logits / temperature, restricted to the topK most likely.
    * `onToken` gets each new token as soon as it is sampled (a caller streams the text).
    */
-  generate(prompt: readonly number[], count: number, rng: Rng, temperature = 1, topK = 0,
-           onToken: (token: number) => void = () => {}): number[] {
+  generate(prompt: readonly number[], count: number, rng: Rng, temperature = 1, topK = 0, onToken: (token: number) => void = () => {}): number[] {
     if (prompt.length === 0) throw new ConfigError("generate: the prompt needs at least one token");
     if (!(temperature > 0)) throw new ConfigError(`generate: temperature must be > 0, got ${temperature}`);
     const ctx = this.#ctx;

@@ -17,7 +17,11 @@ export class MlpModel implements Model {
   readonly store: ParamStore;
   readonly net: MLP;
 
-  constructor(ctx: Context, readonly config: MlpConfig, seed: number) {
+  constructor(
+    ctx: Context,
+    readonly config: MlpConfig,
+    seed: number,
+  ) {
     if (!(config.dropout >= 0 && config.dropout < 1)) throw new ConfigError(`mlp dropout must be in [0, 1), got ${config.dropout}`);
     const pb = new ParamBuilder();
     this.net = new MLP(pb, "mlp", config.widths, config.activation, config.dropout);

@@ -27,5 +27,4 @@ export interface GemmShape {
   batch: number;
 }
 
-export const gemmFlops = (shapes: readonly GemmShape[]): number =>
-  shapes.reduce((sum, s) => sum + 2 * s.M * s.N * s.K * s.batch, 0);
+export const gemmFlops = (shapes: readonly GemmShape[]): number => shapes.reduce((sum, s) => sum + 2 * s.M * s.N * s.K * s.batch, 0);

@@ -26,7 +26,11 @@ export class Block {
   readonly fc: Linear;
   readonly fcProj: Linear;
 
-  constructor(pb: ParamBuilder, name: string, readonly config: BlockConfig) {
+  constructor(
+    pb: ParamBuilder,
+    name: string,
+    readonly config: BlockConfig,
+  ) {
     const C = config.nEmbd;
     const std = 0.02;
     // GPT-2: residual projections scaled by 1/sqrt(2 n_layer), so the residual stream's

@@ -6,8 +6,13 @@ import type { Tensor } from "../tensor.ts";
 export class Embedding {
   readonly weight: Param;
 
-  constructor(pb: ParamBuilder, name: string, readonly count: number, readonly dim: number,
-              init: Init = { kind: "normal", std: 0.02 }) {
+  constructor(
+    pb: ParamBuilder,
+    name: string,
+    readonly count: number,
+    readonly dim: number,
+    init: Init = { kind: "normal", std: 0.02 },
+  ) {
     this.weight = pb.add(`${name}.weight`, [count, dim], init, true);
   }
 

@@ -7,7 +7,12 @@ export class LayerNorm {
   readonly weight: Param;
   readonly bias: Param;
 
-  constructor(pb: ParamBuilder, name: string, readonly dim: number, readonly eps = layerNormEps) {
+  constructor(
+    pb: ParamBuilder,
+    name: string,
+    readonly dim: number,
+    readonly eps = layerNormEps,
+  ) {
     this.weight = pb.add(`${name}.weight`, [dim], { kind: "ones" }, false);
     this.bias = pb.add(`${name}.bias`, [dim], { kind: "zeros" }, false);
   }

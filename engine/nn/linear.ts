@@ -14,13 +14,17 @@ export class Linear {
   readonly weight: Param;
   readonly bias: Param | null;
 
-  constructor(pb: ParamBuilder, name: string, readonly inFeatures: number, readonly outFeatures: number,
-              options: LinearOptions = {}) {
+  constructor(
+    pb: ParamBuilder,
+    name: string,
+    readonly inFeatures: number,
+    readonly outFeatures: number,
+    options: LinearOptions = {},
+  ) {
     // default: PyTorch's nn.Linear init, U(-1/sqrt(in), 1/sqrt(in))
     const bound = 1 / Math.sqrt(inFeatures);
     this.weight = pb.add(`${name}.weight`, [outFeatures, inFeatures], options.weightInit ?? { kind: "uniform", bound }, true);
-    this.bias = options.bias === false ? null
-      : pb.add(`${name}.bias`, [outFeatures], options.biasInit ?? { kind: "uniform", bound }, false);
+    this.bias = options.bias === false ? null : pb.add(`${name}.bias`, [outFeatures], options.biasInit ?? { kind: "uniform", bound }, false);
   }
 
   forward(x: Tensor): Tensor {

@@ -13,8 +13,13 @@ export type Activation = "relu" | "gelu";
 export class MLP {
   readonly layers: Linear[] = [];
 
-  constructor(pb: ParamBuilder, name: string, readonly widths: readonly number[], readonly activation: Activation = "relu",
-              readonly dropoutP = 0) {
+  constructor(
+    pb: ParamBuilder,
+    name: string,
+    readonly widths: readonly number[],
+    readonly activation: Activation = "relu",
+    readonly dropoutP = 0,
+  ) {
     if (widths.length < 2 || widths.some((w) => !Number.isInteger(w) || w <= 0)) {
       throw new ConfigError(`MLP widths must be at least two positive integers, got [${widths.join(", ")}]`);
     }
@@ -22,10 +27,12 @@ export class MLP {
       const fanIn = widths[i]!;
       // He (Kaiming) normal init for layers followed by ReLU; biases start at zero
       const std = activation === "relu" && i + 2 < widths.length ? Math.sqrt(2 / fanIn) : Math.sqrt(1 / fanIn);
-      this.layers.push(new Linear(pb, `${name}.${i}`, fanIn, widths[i + 1]!, {
-        weightInit: { kind: "normal", std },
-        biasInit: { kind: "zeros" },
-      }));
+      this.layers.push(
+        new Linear(pb, `${name}.${i}`, fanIn, widths[i + 1]!, {
+          weightInit: { kind: "normal", std },
+          biasInit: { kind: "zeros" },
+        }),
+      );
     }
   }
 

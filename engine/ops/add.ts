@@ -21,7 +21,11 @@ export function add(a: Tensor, b: Tensor): Tensor {
   }
   const plan = broadcastPlan("add", a.shape, b.shape);
   const out = ctx.empty(plan.outShape);
-  for (const { dims, strides: [, as, bs], offsets: [o, ao, bo] } of plan.blocks) {
+  for (const {
+    dims,
+    strides: [, as, bs],
+    offsets: [o, ao, bo],
+  } of plan.blocks) {
     be.binaryBroadcast("add", out.ptr + o! * 4, a.ptr + ao! * 4, b.ptr + bo! * 4, dims, as!, bs!);
   }
   ctx.record("add", [a, b], out, () => {
@@ -29,7 +33,11 @@ export function add(a: Tensor, b: Tensor): Tensor {
     const dout = out.grad!.ptr;
     const da = a.requiresGrad ? a.ensureGrad().ptr : 0;
     const db = b.requiresGrad ? b.ensureGrad().ptr : 0;
-    for (const { dims, strides: [, as, bs], offsets: [o, ao, bo] } of plan.blocks) {
+    for (const {
+      dims,
+      strides: [, as, bs],
+      offsets: [o, ao, bo],
+    } of plan.blocks) {
       if (a.requiresGrad) be.reduceBroadcast(da + ao! * 4, dout + o! * 4, dims, as!);
       if (b.requiresGrad) be.reduceBroadcast(db + bo! * 4, dout + o! * 4, dims, bs!);
     }

@@ -125,8 +125,7 @@ export function causalSelfAttentionReference(qkv: Float64Array, B: number, T: nu
   return { out, att };
 }
 
-export function causalSelfAttentionBackwardReference(qkv: Float64Array, dout: Float64Array, B: number, T: number,
-                                                     C: number, H: number): Float64Array {
+export function causalSelfAttentionBackwardReference(qkv: Float64Array, dout: Float64Array, B: number, T: number, C: number, H: number): Float64Array {
   const D = C / H;
   const scale = 1 / Math.sqrt(D);
   const { att } = causalSelfAttentionReference(qkv, B, T, C, H);

@@ -10,7 +10,11 @@ export function checkInputs(op: string, tensors: readonly Tensor[]): Context {
   const ctx = tensors[0]!.ctx;
   for (const t of tensors) {
     if (t.ctx !== ctx) {
-      throw new BackendMismatchError(op, tensors.map((x) => x.ctx.backend.name), tensors.map((x) => x.shape));
+      throw new BackendMismatchError(
+        op,
+        tensors.map((x) => x.ctx.backend.name),
+        tensors.map((x) => x.shape),
+      );
     }
     if (t.isStale) throw new StaleTensorError(op, t.shape);
   }

@@ -45,8 +45,7 @@ export function softmaxCrossEntropyReference(logits: Float64Array, targets: Int3
 }
 
 // forward was: loss = (1/N) sum_n (logsumexp(x_n) - x_n[t_n])  =>  dx_n[v] = (p_n[v] - [v == t_n]) / N
-export function softmaxCrossEntropyBackwardReference(probs: Float64Array, targets: Int32Array, N: number, V: number,
-                                                     dloss = 1): Float64Array {
+export function softmaxCrossEntropyBackwardReference(probs: Float64Array, targets: Int32Array, N: number, V: number, dloss = 1): Float64Array {
   const d = new Float64Array(N * V);
   for (let n = 0; n < N; n++) {
     for (let v = 0; v < V; v++) d[n * V + v] = ((probs[n * V + v]! - (v === targets[n] ? 1 : 0)) * dloss) / N;

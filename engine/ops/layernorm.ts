@@ -31,8 +31,7 @@ export function layerNorm(inp: Tensor, weight: Tensor, bias: Tensor, eps = layer
 
 // ---- float64 reference --------------------------------------------------------------------
 
-export function layerNormReference(inp: Float64Array, weight: Float64Array, bias: Float64Array, N: number, C: number,
-                                   eps = layerNormEps) {
+export function layerNormReference(inp: Float64Array, weight: Float64Array, bias: Float64Array, N: number, C: number, eps = layerNormEps) {
   const out = new Float64Array(N * C);
   const mean = new Float64Array(N);
   const rstd = new Float64Array(N);
@@ -53,8 +52,7 @@ export function layerNormReference(inp: Float64Array, weight: Float64Array, bias
 
 // forward was: out = norm * weight + bias, norm = (x - mean) * rstd
 // dnorm = dout * weight; dx = rstd (dnorm - mean(dnorm) - norm mean(dnorm norm))
-export function layerNormBackwardReference(inp: Float64Array, weight: Float64Array, dout: Float64Array, N: number,
-                                           C: number, eps = layerNormEps) {
+export function layerNormBackwardReference(inp: Float64Array, weight: Float64Array, dout: Float64Array, N: number, C: number, eps = layerNormEps) {
   const { mean, rstd } = layerNormReference(inp, weight, new Float64Array(C), N, C, eps);
   const dinp = new Float64Array(N * C);
   const dweight = new Float64Array(C);

@@ -30,8 +30,10 @@ interface Plan {
 function plan(a: Tensor, b: Tensor, transA: boolean, transB: boolean): Plan {
   const shapes = [a.shape, b.shape];
   if (a.shape.length < 2 || b.shape.length < 2) throw new ShapeError("matmul", shapes, "operands need at least 2 dims");
-  const ar = a.shape[a.shape.length - 2]!, ac = a.shape[a.shape.length - 1]!;
-  const br = b.shape[b.shape.length - 2]!, bc = b.shape[b.shape.length - 1]!;
+  const ar = a.shape[a.shape.length - 2]!,
+    ac = a.shape[a.shape.length - 1]!;
+  const br = b.shape[b.shape.length - 2]!,
+    bc = b.shape[b.shape.length - 1]!;
   const N = transB ? br : bc;
   const Kb = transB ? bc : br;
   if (b.shape.length === 2 && a.shape.length > 2) {
@@ -50,8 +52,20 @@ function plan(a: Tensor, b: Tensor, transA: boolean, transB: boolean): Plan {
 }
 
 /** C = op(A) op(B) + beta C over `batch` contiguous matrices whose A and B hold `input` elements. */
-function gemm(be: Backend, input: GemmInput, batch: number, tA: boolean, tB: boolean, M: number, N: number, K: number,
-              A: Ptr, B: Ptr, beta: number, C: Ptr): void {
+function gemm(
+  be: Backend,
+  input: GemmInput,
+  batch: number,
+  tA: boolean,
+  tB: boolean,
+  M: number,
+  N: number,
+  K: number,
+  A: Ptr,
+  B: Ptr,
+  beta: number,
+  C: Ptr,
+): void {
   const lda = tA ? M : K;
   const ldb = tB ? K : N;
   if (input !== "f32") {
@@ -86,13 +100,15 @@ export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tenso
     if (a.requiresGrad) {
       const da = a.ensureGrad().ptr;
       // forward was: out = op(a) op(b)  =>  d op(a) = dout op(b)^T
-      if (!tA) gemm(be, input, batch, false, !tB, M, K, N, dout, b16.ptr, 1, da); // da (M,K)
+      if (!tA)
+        gemm(be, input, batch, false, !tB, M, K, N, dout, b16.ptr, 1, da); // da (M,K)
       else gemm(be, input, batch, tB, true, K, M, N, b16.ptr, dout, 1, da); // da (K,M) = op(b) dout^T
     }
     if (b.requiresGrad) {
       const db = b.ensureGrad().ptr;
       // d op(b) = op(a)^T dout
-      if (!tB) gemm(be, input, batch, !tA, false, K, N, M, a16.ptr, dout, 1, db); // db (K,N)
+      if (!tB)
+        gemm(be, input, batch, !tA, false, K, N, M, a16.ptr, dout, 1, db); // db (K,N)
       else gemm(be, input, batch, true, tA, N, K, M, dout, a16.ptr, 1, db); // db (N,K) = dout^T op(a)
     }
   });
@@ -102,8 +118,7 @@ export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tenso
 // ---- float64 reference --------------------------------------------------------------------
 
 /** out (M,N) = op(a) op(b); a, b stored row-major as the flags say. */
-export function matmulReference(a: Float64Array, b: Float64Array, M: number, N: number, K: number,
-                                transA = false, transB = false): Float64Array {
+export function matmulReference(a: Float64Array, b: Float64Array, M: number, N: number, K: number, transA = false, transB = false): Float64Array {
   const out = new Float64Array(M * N);
   for (let i = 0; i < M; i++) {
     for (let j = 0; j < N; j++) {
@@ -120,8 +135,16 @@ export function matmulReference(a: Float64Array, b: Float64Array, M: number, N: 
 }
 
 /** Gradients of sum(out * dout) with respect to a and b, in their stored layouts. */
-export function matmulBackwardReference(a: Float64Array, b: Float64Array, dout: Float64Array, M: number, N: number,
-                                        K: number, transA = false, transB = false): { da: Float64Array; db: Float64Array } {
+export function matmulBackwardReference(
+  a: Float64Array,
+  b: Float64Array,
+  dout: Float64Array,
+  M: number,
+  N: number,
+  K: number,
+  transA = false,
+  transB = false,
+): { da: Float64Array; db: Float64Array } {
   const da = new Float64Array(M * K);
   const db = new Float64Array(K * N);
   for (let i = 0; i < M; i++) {

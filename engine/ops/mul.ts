@@ -28,7 +28,11 @@ export function mul(a: Tensor, b: Tensor): Tensor {
   }
   const plan = broadcastPlan("mul", a.shape, b.shape);
   const out = ctx.empty(plan.outShape);
-  for (const { dims, strides: [, as, bs], offsets: [o, ao, bo] } of plan.blocks) {
+  for (const {
+    dims,
+    strides: [, as, bs],
+    offsets: [o, ao, bo],
+  } of plan.blocks) {
     be.binaryBroadcast("mul", out.ptr + o! * 4, a.ptr + ao! * 4, b.ptr + bo! * 4, dims, as!, bs!);
   }
   ctx.record("mul", [a, b], out, () => {
@@ -38,7 +42,11 @@ export function mul(a: Tensor, b: Tensor): Tensor {
     const da = a.requiresGrad ? a.ensureGrad().ptr : 0;
     const db = b.requiresGrad ? b.ensureGrad().ptr : 0;
     // dout and tmp are contiguous in the out layout (strides[0])
-    for (const { dims, strides: [os, as, bs], offsets: [o, ao, bo] } of plan.blocks) {
+    for (const {
+      dims,
+      strides: [os, as, bs],
+      offsets: [o, ao, bo],
+    } of plan.blocks) {
       if (a.requiresGrad) {
         be.binaryBroadcast("mul", tmp + o! * 4, dout + o! * 4, b.ptr + bo! * 4, dims, os!, bs!);
         be.reduceBroadcast(da + ao! * 4, tmp + o! * 4, dims, as!);
@@ -63,8 +71,7 @@ export function mulReference(a: Float64Array, aShape: number[], b: Float64Array,
   return { out, outShape: plan.outShape };
 }
 
-export function mulBackwardReference(a: Float64Array, aShape: number[], b: Float64Array, bShape: number[],
-                                     dout: Float64Array) {
+export function mulBackwardReference(a: Float64Array, aShape: number[], b: Float64Array, bShape: number[], dout: Float64Array) {
   const plan = broadcastPlan("mul", aShape, bShape);
   const ai = broadcastIndexReference(plan.outShape, plan.aFull);
   const bi = broadcastIndexReference(plan.outShape, plan.bFull);

@@ -19,14 +19,22 @@ export function permute(x: Tensor, perm: readonly number[]): Tensor {
   const blocks = blocks4(outShape, [contiguousStrides(outShape), inStrides]);
   const be = ctx.backend;
   const out = ctx.empty(outShape);
-  for (const { dims, strides: [outS, inS], offsets: [o, i] } of blocks) {
+  for (const {
+    dims,
+    strides: [outS, inS],
+    offsets: [o, i],
+  } of blocks) {
     be.stridedCopy(out.ptr + o! * 4, outS!, x.ptr + i! * 4, inS!, dims, false);
   }
   ctx.record("permute", [x], out, () => {
     // forward was: out[i·outS] = x[i·inS]  =>  dx[i·inS] += dout[i·outS]
     const dx = x.ensureGrad().ptr;
     const dout = out.grad!.ptr;
-    for (const { dims, strides: [outS, inS], offsets: [o, i] } of blocks) {
+    for (const {
+      dims,
+      strides: [outS, inS],
+      offsets: [o, i],
+    } of blocks) {
       be.stridedCopy(dx + i! * 4, inS!, dout + o! * 4, outS!, dims, true);
     }
   });
@@ -66,5 +74,9 @@ export function permuteReference(x: Float64Array, shape: readonly number[], perm
 export function permuteBackwardReference(dout: Float64Array, shape: readonly number[], perm: readonly number[]): Float64Array {
   const inverse = new Array<number>(perm.length);
   perm.forEach((d, k) => (inverse[d] = k));
-  return permuteReference(dout, perm.map((d) => shape[d]!), inverse);
+  return permuteReference(
+    dout,
+    perm.map((d) => shape[d]!),
+    inverse,
+  );
 }

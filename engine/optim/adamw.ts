@@ -24,7 +24,11 @@ export class AdamW implements Optimizer {
   readonly #m: Allocation;
   readonly #v: Allocation;
 
-  constructor(readonly ctx: Context, readonly store: ParamStore, readonly config: AdamWConfig) {
+  constructor(
+    readonly ctx: Context,
+    readonly store: ParamStore,
+    readonly config: AdamWConfig,
+  ) {
     const { beta1, beta2, eps, weightDecay } = config;
     if (!(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1)) {
       throw new ConfigError(`adamw betas must be in [0, 1), got (${beta1}, ${beta2})`);
@@ -54,7 +58,10 @@ export class AdamW implements Optimizer {
   }
 
   stateSlabs() {
-    return [{ name: "m", allocation: this.#m }, { name: "v", allocation: this.#v }];
+    return [
+      { name: "m", allocation: this.#m },
+      { name: "v", allocation: this.#v },
+    ];
   }
 
   setStepCount(n: number): void {

@@ -40,7 +40,8 @@ export const lossScaleDefaults: Readonly<LossScaleConfig> = {
 
 export function checkLossScaleConfig(c: LossScaleConfig): void {
   if (!(c.initScale > 0) || !Number.isFinite(c.initScale)) throw new ConfigError(`lossScale.initScale must be a finite number > 0, got ${c.initScale}`);
-  if (!(c.growthFactor > 1) || !Number.isFinite(c.growthFactor)) throw new ConfigError(`lossScale.growthFactor must be a finite number > 1, got ${c.growthFactor}`);
+  if (!(c.growthFactor > 1) || !Number.isFinite(c.growthFactor))
+    throw new ConfigError(`lossScale.growthFactor must be a finite number > 1, got ${c.growthFactor}`);
   if (!(c.backoffFactor > 0 && c.backoffFactor < 1)) throw new ConfigError(`lossScale.backoffFactor must be in (0, 1), got ${c.backoffFactor}`);
   for (const key of ["growthInterval", "skipsInARowMax"] as const) {
     if (!Number.isSafeInteger(c[key]) || c[key] < 1) throw new ConfigError(`lossScale.${key} must be an integer >= 1, got ${c[key]}`);

@@ -24,7 +24,11 @@ export class Sgd implements Optimizer {
   #steps = 0;
   readonly #momentum: Allocation;
 
-  constructor(readonly ctx: Context, readonly store: ParamStore, readonly config: SgdConfig) {
+  constructor(
+    readonly ctx: Context,
+    readonly store: ParamStore,
+    readonly config: SgdConfig,
+  ) {
     const { momentum, dampening, nesterov, weightDecay } = config;
     if (!(momentum >= 0 && momentum < 1)) throw new ConfigError(`sgd momentum must be in [0, 1), got ${momentum}`);
     if (!(dampening >= 0 && dampening <= 1)) throw new ConfigError(`sgd dampening must be in [0, 1], got ${dampening}`);
@@ -45,8 +49,18 @@ export class Sgd implements Optimizer {
     const first = this.#steps === 0;
     const { values, grads } = this.store;
     for (const g of decayGroups(this.store, weightDecay)) {
-      be.sgdStep(values.ptr + g.offsetBytes, grads.ptr + g.offsetBytes, this.#momentum.ptr + g.offsetBytes, g.numel, lr,
-        momentum, dampening, g.weightDecay, nesterov, first);
+      be.sgdStep(
+        values.ptr + g.offsetBytes,
+        grads.ptr + g.offsetBytes,
+        this.#momentum.ptr + g.offsetBytes,
+        g.numel,
+        lr,
+        momentum,
+        dampening,
+        g.weightDecay,
+        nesterov,
+        first,
+      );
     }
     this.#steps++;
   }

@@ -64,7 +64,11 @@ export class CollectiveError extends Error {
 /** A peer did not take a piece within the time allowed: it died, hung, or left the mesh. */
 export class PeerLostError extends CollectiveError {
   override readonly name = "PeerLostError";
-  constructor(readonly peer: number, detail: string, options?: ErrorOptions) {
+  constructor(
+    readonly peer: number,
+    detail: string,
+    options?: ErrorOptions,
+  ) {
     super(`rank ${peer} is unreachable: ${detail}`, options);
   }
 }
@@ -77,7 +81,10 @@ export class CollectiveTimeoutError extends CollectiveError {
 /** A peer gave the operation up and said so (its own error is the reason). */
 export class CollectiveAbortedError extends CollectiveError {
   override readonly name = "CollectiveAbortedError";
-  constructor(readonly peer: number, readonly reason: string) {
+  constructor(
+    readonly peer: number,
+    readonly reason: string,
+  ) {
     super(`rank ${peer} aborted the operation: ${reason}`);
   }
 }

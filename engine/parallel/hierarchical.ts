@@ -36,7 +36,11 @@ export class HierarchicalCollective implements Collective {
   readonly leaders: RingGroup | null;
   #closed = false;
 
-  constructor(readonly transport: PeerTransport, topology: Topology, options: Partial<RingOptions> = {}) {
+  constructor(
+    readonly transport: PeerTransport,
+    topology: Topology,
+    options: Partial<RingOptions> = {},
+  ) {
     const o = { ...ringDefaults, ...options };
     const { order, byHost, leaders } = topologyRings(topology.hosts);
     const host = topology.hosts[transport.rank];

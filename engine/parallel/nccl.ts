@@ -21,7 +21,12 @@ export class NcclCollective implements Collective<DeviceBuffer> {
   #closed = false;
 
   /** `scratch`: one f32 of device memory, for barrier(). */
-  constructor(readonly comm: NcclComm, readonly stream: NcclStream, readonly scratch: DeviceBuffer, readonly settleTimeoutMs = 60_000) {}
+  constructor(
+    readonly comm: NcclComm,
+    readonly stream: NcclStream,
+    readonly scratch: DeviceBuffer,
+    readonly settleTimeoutMs = 60_000,
+  ) {}
 
   get rank(): number {
     return this.comm.rank;
@@ -82,7 +87,8 @@ export class NcclCollective implements Collective<DeviceBuffer> {
   }
 
   #block(buf: DeviceBuffer, what: string): number {
-    if (buf.count % this.size !== 0) throw new RangeError(`${what} over NCCL: ${buf.count} elements is not a multiple of the ${this.size} ranks (pad the buffer)`);
+    if (buf.count % this.size !== 0)
+      throw new RangeError(`${what} over NCCL: ${buf.count} elements is not a multiple of the ${this.size} ranks (pad the buffer)`);
     return buf.count / this.size;
   }
 }

@@ -23,8 +23,17 @@
 // tells the others, who fail theirs at once instead of waiting out the timeout.
 import { hostKernels } from "../../ffi/cpu/host.ts";
 import {
-  BadPieceError, checkKey, type Collective, CollectiveAbortedError, CollectiveClosedError, CollectiveError, CollectiveTimeoutError, type OpKey,
-  type Range, type ReduceOp, segment,
+  BadPieceError,
+  checkKey,
+  type Collective,
+  CollectiveAbortedError,
+  CollectiveClosedError,
+  CollectiveError,
+  CollectiveTimeoutError,
+  type OpKey,
+  type Range,
+  type ReduceOp,
+  segment,
 } from "./collective.ts";
 import type { PeerTransport, Phase, Piece, PieceHeader, Receipt } from "./transport.ts";
 
@@ -129,17 +138,32 @@ class RingOp {
 
   readonly id: string;
 
-  constructor(readonly group: string, readonly key: OpKey, readonly what: string, receives: number, readonly ring: RingGroup,
-              readonly handle: (p: Piece) => void, timeoutMs: number) {
+  constructor(
+    readonly group: string,
+    readonly key: OpKey,
+    readonly what: string,
+    receives: number,
+    readonly ring: RingGroup,
+    readonly handle: (p: Piece) => void,
+    timeoutMs: number,
+  ) {
     this.id = opId(group, key.step, key.bucket);
     this.#receivesLeft = receives;
-    this.#timer = setInterval(() => {
-      const idleMs = performance.now() - this.#progressAt;
-      if (idleMs > timeoutMs) {
-        this.fail(new CollectiveTimeoutError(`${what}: no progress for ${Math.round(idleMs)} ms (${this.#receivesLeft} pieces still to receive, `
-          + `${this.#sendsInFlight} sends not taken); a rank upstream is gone or stuck`), true);
-      }
-    }, Math.max(10, Math.min(1000, timeoutMs / 4)));
+    this.#timer = setInterval(
+      () => {
+        const idleMs = performance.now() - this.#progressAt;
+        if (idleMs > timeoutMs) {
+          this.fail(
+            new CollectiveTimeoutError(
+              `${what}: no progress for ${Math.round(idleMs)} ms (${this.#receivesLeft} pieces still to receive, ` +
+                `${this.#sendsInFlight} sends not taken); a rank upstream is gone or stuck`,
+            ),
+            true,
+          );
+        }
+      },
+      Math.max(10, Math.min(1000, timeoutMs / 4)),
+    );
   }
 
   get done(): Promise<void> {
@@ -170,11 +194,14 @@ class RingOp {
   send(header: PieceHeader, values: Float32Array): void {
     if (this.#settled) return;
     this.#sendsInFlight++;
-    this.ring.transport.send(header, values, this.#stop.signal).then(() => {
-      this.#sendsInFlight--;
-      this.#progressAt = performance.now();
-      this.#maybeDone();
-    }, (e: unknown) => this.fail(e instanceof Error ? e : new CollectiveError(String(e)), true));
+    this.ring.transport.send(header, values, this.#stop.signal).then(
+      () => {
+        this.#sendsInFlight--;
+        this.#progressAt = performance.now();
+        this.#maybeDone();
+      },
+      (e: unknown) => this.fail(e instanceof Error ? e : new CollectiveError(String(e)), true),
+    );
   }
 
   /** `tell`: this rank's own failure, which the other ranks hear of (not an abort they sent). */
@@ -216,8 +243,13 @@ export class RingGroup {
    *  so in the ring of every rank, rank r owns segment r whatever the ring's order */
   readonly #segOf: readonly number[];
 
-  constructor(readonly name: string, readonly ranks: readonly number[], readonly transport: PeerTransport, readonly router: PieceRouter,
-              readonly options: RingOptions) {
+  constructor(
+    readonly name: string,
+    readonly ranks: readonly number[],
+    readonly transport: PeerTransport,
+    readonly router: PieceRouter,
+    readonly options: RingOptions,
+  ) {
     this.pos = ranks.indexOf(transport.rank);
     if (this.pos < 0) throw new RangeError(`rank ${transport.rank} is not in ring "${name}" (${ranks.join(",")})`);
     if (new Set(ranks).size !== ranks.length) throw new RangeError(`ring "${name}" lists a rank twice (${ranks.join(",")})`);
@@ -241,7 +273,10 @@ export class RingGroup {
   tellAbort(group: string, key: OpKey, reason: string): void {
     for (const to of this.ranks) {
       if (to === this.transport.rank) continue;
-      this.transport.abort({ group, from: this.transport.rank, to, step: key.step, bucket: key.bucket, phase: "abort", hop: 0, piece: 0, offset: 0, count: 0 }, reason);
+      this.transport.abort(
+        { group, from: this.transport.rank, to, step: key.step, bucket: key.bucket, phase: "abort", hop: 0, piece: 0, offset: 0, count: 0 },
+        reason,
+      );
     }
   }
 
@@ -269,7 +304,18 @@ export class RingGroup {
   }
 
   #header(kind: string, key: OpKey, to: number, phase: Phase, hop: number, piece: number, r: Range): PieceHeader {
-    return { group: `${this.name}#${kind}`, from: this.transport.rank, to, step: key.step, bucket: key.bucket, phase, hop, piece, offset: r.offset, count: r.count };
+    return {
+      group: `${this.name}#${kind}`,
+      from: this.transport.rank,
+      to,
+      step: key.step,
+      bucket: key.bucket,
+      phase,
+      hop,
+      piece,
+      offset: r.offset,
+      count: r.count,
+    };
   }
 
   /** Checks a received piece against the one expected; returns the expected range. */
@@ -290,55 +336,71 @@ export class RingGroup {
    * segment pos summed; `ag` alone spreads every rank's own segment; both: all-reduce.
    */
   ring(buf: Float32Array, key: OpKey, kind: string, rs: boolean, ag: boolean): Promise<void> {
-    const N = this.size, p = this.pos;
+    const N = this.size,
+      p = this.pos;
     if (N === 1 || buf.length === 0) return Promise.resolve();
     const segs = this.#segments(buf.length);
-    const next = this.ranks[mod(p + 1, N)]!, prev = this.ranks[mod(p - 1, N)]!;
+    const next = this.ranks[mod(p + 1, N)]!,
+      prev = this.ranks[mod(p - 1, N)]!;
     let receives = 0;
     for (let h = 0; h <= N - 2; h++) receives += (rs ? segs[mod(p - h - 2, N)]!.length : 0) + (ag ? segs[mod(p - h - 1, N)]!.length : 0);
     const send = (op: RingOp, phase: Phase, hop: number, s: number, j: number) => {
       const r = segs[s]![j]!;
       op.send(this.#header(kind, key, next, phase, hop, j, r), buf.subarray(r.offset, r.offset + r.count));
     };
-    return this.#run(kind, key, receives, (op, piece) => {
-      if (piece.phase === "reduce-scatter") {
-        if (!rs) throw new BadPieceError("a reduce-scatter piece in an all-gather");
-        const s = mod(p - piece.hop - 2, N);
-        const r = this.#expect(piece, prev, "reduce-scatter", N - 2, segs[s]!);
-        this.#add(buf.subarray(r.offset, r.offset + r.count), piece.data);
-        if (piece.hop < N - 2) send(op, "reduce-scatter", piece.hop + 1, s, piece.piece);
-        else if (ag) send(op, "all-gather", 0, s, piece.piece); // s === p: summed over every rank
-      } else {
-        if (!ag) throw new BadPieceError(`a ${piece.phase} piece in a reduce-scatter`);
-        const s = mod(p - piece.hop - 1, N);
-        const r = this.#expect(piece, prev, "all-gather", N - 2, segs[s]!);
-        copyInto(buf.subarray(r.offset, r.offset + r.count), piece.data);
-        if (piece.hop < N - 2) send(op, "all-gather", piece.hop + 1, s, piece.piece);
-      }
-    }, (op) => {
-      const first = rs ? mod(p - 1, N) : p;
-      segs[first]!.forEach((_, j) => send(op, rs ? "reduce-scatter" : "all-gather", 0, first, j));
-    });
+    return this.#run(
+      kind,
+      key,
+      receives,
+      (op, piece) => {
+        if (piece.phase === "reduce-scatter") {
+          if (!rs) throw new BadPieceError("a reduce-scatter piece in an all-gather");
+          const s = mod(p - piece.hop - 2, N);
+          const r = this.#expect(piece, prev, "reduce-scatter", N - 2, segs[s]!);
+          this.#add(buf.subarray(r.offset, r.offset + r.count), piece.data);
+          if (piece.hop < N - 2) send(op, "reduce-scatter", piece.hop + 1, s, piece.piece);
+          else if (ag) send(op, "all-gather", 0, s, piece.piece); // s === p: summed over every rank
+        } else {
+          if (!ag) throw new BadPieceError(`a ${piece.phase} piece in a reduce-scatter`);
+          const s = mod(p - piece.hop - 1, N);
+          const r = this.#expect(piece, prev, "all-gather", N - 2, segs[s]!);
+          copyInto(buf.subarray(r.offset, r.offset + r.count), piece.data);
+          if (piece.hop < N - 2) send(op, "all-gather", piece.hop + 1, s, piece.piece);
+        }
+      },
+      (op) => {
+        const first = rs ? mod(p - 1, N) : p;
+        segs[first]!.forEach((_, j) => send(op, rs ? "reduce-scatter" : "all-gather", 0, first, j));
+      },
+    );
   }
 
   /** The root's buffer to every rank, piece by piece along the ring from the root. */
   broadcast(buf: Float32Array, rootPos: number, key: OpKey, kind = "broadcast"): Promise<void> {
-    const N = this.size, d = mod(this.pos - rootPos, N);
+    const N = this.size,
+      d = mod(this.pos - rootPos, N);
     if (N === 1 || buf.length === 0) return Promise.resolve();
     const pieces = this.#pieces({ offset: 0, count: buf.length });
-    const next = this.ranks[mod(this.pos + 1, N)]!, prev = this.ranks[mod(this.pos - 1, N)]!;
+    const next = this.ranks[mod(this.pos + 1, N)]!,
+      prev = this.ranks[mod(this.pos - 1, N)]!;
     const send = (op: RingOp, j: number) => {
       const r = pieces[j]!;
       op.send(this.#header(kind, key, next, "broadcast", d, j, r), buf.subarray(r.offset, r.offset + r.count));
     };
-    return this.#run(kind, key, d === 0 ? 0 : pieces.length, (op, piece) => {
-      const r = this.#expect(piece, prev, "broadcast", N - 2, pieces);
-      if (piece.hop !== d - 1) throw new BadPieceError(`broadcast hop ${piece.hop} at distance ${d} from the root`);
-      copyInto(buf.subarray(r.offset, r.offset + r.count), piece.data);
-      if (d < N - 1) send(op, piece.piece);
-    }, (op) => {
-      if (d === 0) pieces.forEach((_, j) => send(op, j));
-    });
+    return this.#run(
+      kind,
+      key,
+      d === 0 ? 0 : pieces.length,
+      (op, piece) => {
+        const r = this.#expect(piece, prev, "broadcast", N - 2, pieces);
+        if (piece.hop !== d - 1) throw new BadPieceError(`broadcast hop ${piece.hop} at distance ${d} from the root`);
+        copyInto(buf.subarray(r.offset, r.offset + r.count), piece.data);
+        if (d < N - 1) send(op, piece.piece);
+      },
+      (op) => {
+        if (d === 0) pieces.forEach((_, j) => send(op, j));
+      },
+    );
   }
 
   /** Every rank's own segment to the root (which keeps its own): the second half of a reduce. */
@@ -351,17 +413,29 @@ export class RingGroup {
     const receives = isRoot ? segs.reduce((s, pieces, i) => s + (i === rootPos ? 0 : pieces.length), 0) : 0;
     // piece numbers run over the segments in order, so one number names one range
     const numbered = segs.flatMap((pieces, i) => pieces.map((r) => ({ seg: i, r })));
-    return this.#run(kind, key, receives, (_op, piece) => {
-      const entry = numbered[piece.piece];
-      if (entry === undefined || entry.seg === rootPos) throw new BadPieceError(`gather piece ${piece.piece} of ${numbered.length}`);
-      const r = this.#expect(piece, this.ranks[entry.seg]!, "gather", 0, numbered.map((e) => e.r));
-      copyInto(buf.subarray(r.offset, r.offset + r.count), piece.data);
-    }, (op) => {
-      if (isRoot) return;
-      numbered.forEach(({ seg, r }, j) => {
-        if (seg === this.pos) op.send(this.#header(kind, key, root, "gather", 0, j, r), buf.subarray(r.offset, r.offset + r.count));
-      });
-    });
+    return this.#run(
+      kind,
+      key,
+      receives,
+      (_op, piece) => {
+        const entry = numbered[piece.piece];
+        if (entry === undefined || entry.seg === rootPos) throw new BadPieceError(`gather piece ${piece.piece} of ${numbered.length}`);
+        const r = this.#expect(
+          piece,
+          this.ranks[entry.seg]!,
+          "gather",
+          0,
+          numbered.map((e) => e.r),
+        );
+        copyInto(buf.subarray(r.offset, r.offset + r.count), piece.data);
+      },
+      (op) => {
+        if (isRoot) return;
+        numbered.forEach(({ seg, r }, j) => {
+          if (seg === this.pos) op.send(this.#header(kind, key, root, "gather", 0, j, r), buf.subarray(r.offset, r.offset + r.count));
+        });
+      },
+    );
   }
 
   /** The sum of every rank's buffer at the root (other ranks' buffers are left as scratch). */
@@ -385,11 +459,21 @@ export class RingCollective implements Collective {
   readonly group: RingGroup;
   #closed = false;
 
-  constructor(readonly transport: PeerTransport, size: number, options: Partial<RingOptions> = {}) {
+  constructor(
+    readonly transport: PeerTransport,
+    size: number,
+    options: Partial<RingOptions> = {},
+  ) {
     const o = { ...ringDefaults, ...options };
     this.router = new PieceRouter(o.earlyBytesMax);
     transport.listen((p) => this.router.receive(p));
-    this.group = new RingGroup("", Array.from({ length: size }, (_, i) => i), transport, this.router, o);
+    this.group = new RingGroup(
+      "",
+      Array.from({ length: size }, (_, i) => i),
+      transport,
+      this.router,
+      o,
+    );
   }
 
   get rank(): number {

@@ -63,8 +63,12 @@ export class MemoryTransport implements PeerTransport {
   /** pieces sent, for tests that count traffic */
   sent = 0;
 
-  constructor(readonly rank: number, readonly peers: Map<number, MemoryTransport>, readonly pieceBytesMax: number,
-              readonly hooks: { beforeDeliver?: (h: PieceHeader) => "deliver" | "drop" | "twice" } = {}) {
+  constructor(
+    readonly rank: number,
+    readonly peers: Map<number, MemoryTransport>,
+    readonly pieceBytesMax: number,
+    readonly hooks: { beforeDeliver?: (h: PieceHeader) => "deliver" | "drop" | "twice" } = {},
+  ) {
     peers.set(rank, this);
   }
 

@@ -29,8 +29,18 @@ export function gemmOperandElems(rows: number, cols: number, ld: number, stride:
   return batch === 1 ? one : (batch - 1) * stride + one;
 }
 
-function checkGemmArgs(M: number, N: number, K: number, transA: boolean, transB: boolean, lda: number, ldb: number,
-                       ldc: number, strides: readonly number[], batch: number): void {
+function checkGemmArgs(
+  M: number,
+  N: number,
+  K: number,
+  transA: boolean,
+  transB: boolean,
+  lda: number,
+  ldb: number,
+  ldc: number,
+  strides: readonly number[],
+  batch: number,
+): void {
   const ints = [M, N, K, lda, ldb, ldc, batch, ...strides];
   if (ints.some((v) => !Number.isSafeInteger(v) || v < 0) || M * N * K === 0 || batch < 1) {
     throw new RangeError(`gemmEx: invalid sizes M=${M} N=${N} K=${K} batch=${batch} ld=${lda},${ldb},${ldc} strides=${strides.join(",")}`);
@@ -193,17 +203,77 @@ export class CpuBackend implements Backend {
     // CPU kernels are synchronous.
   }
 
-  gemm(transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
-       A: Ptr, lda: number, B: Ptr, ldb: number, beta: number, C: Ptr, ldc: number): void {
-    this.#lib.blas.symbols.cblas_sgemm(CblasRowMajor, transA ? CblasTrans : CblasNoTrans, transB ? CblasTrans : CblasNoTrans,
-      M, N, K, alpha, p(A), lda, p(B), ldb, beta, p(C), ldc);
+  gemm(
+    transA: boolean,
+    transB: boolean,
+    M: number,
+    N: number,
+    K: number,
+    alpha: number,
+    A: Ptr,
+    lda: number,
+    B: Ptr,
+    ldb: number,
+    beta: number,
+    C: Ptr,
+    ldc: number,
+  ): void {
+    this.#lib.blas.symbols.cblas_sgemm(
+      CblasRowMajor,
+      transA ? CblasTrans : CblasNoTrans,
+      transB ? CblasTrans : CblasNoTrans,
+      M,
+      N,
+      K,
+      alpha,
+      p(A),
+      lda,
+      p(B),
+      ldb,
+      beta,
+      p(C),
+      ldc,
+    );
   }
 
-  gemmStridedBatched(transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
-                     A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
-                     beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void {
-    this.#lib.k.symbols.mt_sgemm_strided_batched(transA ? 1 : 0, transB ? 1 : 0, M, N, K, alpha,
-      p(A), lda, strideA, p(B), ldb, strideB, beta, p(C), ldc, strideC, batch);
+  gemmStridedBatched(
+    transA: boolean,
+    transB: boolean,
+    M: number,
+    N: number,
+    K: number,
+    alpha: number,
+    A: Ptr,
+    lda: number,
+    strideA: number,
+    B: Ptr,
+    ldb: number,
+    strideB: number,
+    beta: number,
+    C: Ptr,
+    ldc: number,
+    strideC: number,
+    batch: number,
+  ): void {
+    this.#lib.k.symbols.mt_sgemm_strided_batched(
+      transA ? 1 : 0,
+      transB ? 1 : 0,
+      M,
+      N,
+      K,
+      alpha,
+      p(A),
+      lda,
+      strideA,
+      p(B),
+      ldb,
+      strideB,
+      beta,
+      p(C),
+      ldc,
+      strideC,
+      batch,
+    );
   }
 
   /**
@@ -212,9 +282,26 @@ export class CpuBackend implements Backend {
    *   bf16, f16  widen the whole extent of A and B to f32 in the scratch (exact: every 2-byte
    *              value is an f32), then sgemm. Products and sums are f32, as on tensor cores.
    */
-  gemmEx(input: GemmInput, transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
-         A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
-         beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void {
+  gemmEx(
+    input: GemmInput,
+    transA: boolean,
+    transB: boolean,
+    M: number,
+    N: number,
+    K: number,
+    alpha: number,
+    A: Ptr,
+    lda: number,
+    strideA: number,
+    B: Ptr,
+    ldb: number,
+    strideB: number,
+    beta: number,
+    C: Ptr,
+    ldc: number,
+    strideC: number,
+    batch: number,
+  ): void {
     checkGemmArgs(M, N, K, transA, transB, lda, ldb, ldc, [strideA, strideB, strideC], batch);
     if (input === "f32" || input === "tf32") {
       this.#sgemm(transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
@@ -228,15 +315,30 @@ export class CpuBackend implements Backend {
     const scratch = this.#scratchFor(offsetB + nB * 4);
     this.#widen(input, scratch, A, nA);
     this.#widen(input, scratch + offsetB, B, nB);
-    this.#sgemm(transA, transB, M, N, K, alpha, scratch, lda, strideA, scratch + offsetB, ldb, strideB,
-      beta, C, ldc, strideC, batch);
+    this.#sgemm(transA, transB, M, N, K, alpha, scratch, lda, strideA, scratch + offsetB, ldb, strideB, beta, C, ldc, strideC, batch);
   }
 
   /** One GEMM goes straight to cblas_sgemm: through the batched kernel's (inactive) OpenMP
    *  region OpenBLAS ran it on one thread (measured: 110 against 170 GFLOP/s on 2 cores). */
-  #sgemm(transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
-         A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
-         beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void {
+  #sgemm(
+    transA: boolean,
+    transB: boolean,
+    M: number,
+    N: number,
+    K: number,
+    alpha: number,
+    A: Ptr,
+    lda: number,
+    strideA: number,
+    B: Ptr,
+    ldb: number,
+    strideB: number,
+    beta: number,
+    C: Ptr,
+    ldc: number,
+    strideC: number,
+    batch: number,
+  ): void {
     if (batch === 1) this.gemm(transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     else this.gemmStridedBatched(transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
   }
@@ -271,8 +373,24 @@ export class CpuBackend implements Backend {
     this.#lib.k.symbols.mt_add_scalar_ptr_f32(p(dinp), p(dout), scale, n);
   }
   binaryBroadcast(op: BinaryOp, out: Ptr, a: Ptr, b: Ptr, d: Dims4, as: Dims4, bs: Dims4): void {
-    this.#lib.k.symbols.mt_binary_bcast_f32(op === "add" ? 0 : 1, p(out), p(a), p(b),
-      d[0], d[1], d[2], d[3], as[0], as[1], as[2], as[3], bs[0], bs[1], bs[2], bs[3]);
+    this.#lib.k.symbols.mt_binary_bcast_f32(
+      op === "add" ? 0 : 1,
+      p(out),
+      p(a),
+      p(b),
+      d[0],
+      d[1],
+      d[2],
+      d[3],
+      as[0],
+      as[1],
+      as[2],
+      as[3],
+      bs[0],
+      bs[1],
+      bs[2],
+      bs[3],
+    );
   }
   reduceBroadcast(out: Ptr, inp: Ptr, d: Dims4, os: Dims4): void {
     this.#lib.k.symbols.mt_reduce_bcast_f32(p(out), p(inp), d[0], d[1], d[2], d[3], os[0], os[1], os[2], os[3]);
@@ -311,8 +429,7 @@ export class CpuBackend implements Backend {
   layerNormForward(out: Ptr, mean: Ptr, rstd: Ptr, inp: Ptr, weight: Ptr, bias: Ptr, N: number, C: number, eps: number): void {
     this.#lib.k.symbols.mt_layernorm_forward_f32(p(out), p(mean), p(rstd), p(inp), p(weight), p(bias), N, C, eps);
   }
-  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr,
-                    mean: Ptr, rstd: Ptr, N: number, C: number): void {
+  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr, mean: Ptr, rstd: Ptr, N: number, C: number): void {
     this.#lib.k.symbols.mt_layernorm_backward_f32(p(dinp), p(dweight), p(dbias), p(dout), p(inp), p(weight), p(mean), p(rstd), N, C);
   }
   embeddingForward(out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number): number {
@@ -328,9 +445,9 @@ export class CpuBackend implements Backend {
     this.#lib.k.symbols.mt_causal_softmax_backward_f32(p(dinp), p(out), p(dout), BH, T, scale);
   }
   stridedCopy(out: Ptr, outStrides: Dims4, inp: Ptr, inpStrides: Dims4, d: Dims4, accumulate: boolean): void {
-    const os = outStrides, is = inpStrides;
-    this.#lib.k.symbols.mt_strided_copy_f32(p(out), p(inp), d[0], d[1], d[2], d[3], os[0], os[1], os[2], os[3],
-      is[0], is[1], is[2], is[3], accumulate ? 1 : 0);
+    const os = outStrides,
+      is = inpStrides;
+    this.#lib.k.symbols.mt_strided_copy_f32(p(out), p(inp), d[0], d[1], d[2], d[3], os[0], os[1], os[2], os[3], is[0], is[1], is[2], is[3], accumulate ? 1 : 0);
   }
 
   sum(out: Ptr, inp: Ptr, n: number): void {
@@ -343,15 +460,35 @@ export class CpuBackend implements Backend {
     return this.#lib.k.symbols.mt_count_nonfinite_f32(p(x), n) as number;
   }
 
-  sgdStep(param: Ptr, grad: Ptr, momentumBuf: Ptr, n: number, lr: number, momentum: number,
-          dampening: number, weightDecay: number, nesterov: boolean, first: boolean): void {
-    this.#lib.k.symbols.mt_sgd_step_f32(p(param), p(grad), p(momentumBuf), n, lr, momentum, dampening, weightDecay,
-      nesterov ? 1 : 0, first ? 1 : 0);
+  sgdStep(
+    param: Ptr,
+    grad: Ptr,
+    momentumBuf: Ptr,
+    n: number,
+    lr: number,
+    momentum: number,
+    dampening: number,
+    weightDecay: number,
+    nesterov: boolean,
+    first: boolean,
+  ): void {
+    this.#lib.k.symbols.mt_sgd_step_f32(p(param), p(grad), p(momentumBuf), n, lr, momentum, dampening, weightDecay, nesterov ? 1 : 0, first ? 1 : 0);
   }
-  adamwStep(param: Ptr, grad: Ptr, m: Ptr, v: Ptr, n: number, lr: number, beta1: number, beta2: number,
-            eps: number, weightDecay: number, biasCorrection1: number, biasCorrection2: number): void {
-    this.#lib.k.symbols.mt_adamw_step_f32(p(param), p(grad), p(m), p(v), n, lr, beta1, beta2, eps, weightDecay,
-      biasCorrection1, biasCorrection2);
+  adamwStep(
+    param: Ptr,
+    grad: Ptr,
+    m: Ptr,
+    v: Ptr,
+    n: number,
+    lr: number,
+    beta1: number,
+    beta2: number,
+    eps: number,
+    weightDecay: number,
+    biasCorrection1: number,
+    biasCorrection2: number,
+  ): void {
+    this.#lib.k.symbols.mt_adamw_step_f32(p(param), p(grad), p(m), p(v), n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2);
   }
 
   castF32ToBF16(out: Ptr, inp: Ptr, n: number): void {

@@ -39,9 +39,7 @@ export function findOpenBLAS(): string {
   }
   const found = openblasCandidates.find((p) => existsSync(p));
   if (found === undefined) {
-    throw new NativeLibraryError(
-      `OpenBLAS not found (looked in ${openblasCandidates.join(", ")}); install it with: ${openblasInstallHint}`,
-    );
+    throw new NativeLibraryError(`OpenBLAS not found (looked in ${openblasCandidates.join(", ")}); install it with: ${openblasInstallHint}`);
   }
   return found;
 }

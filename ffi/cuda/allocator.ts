@@ -59,14 +59,21 @@ export class CachingAllocator {
   #peakReservedBytes = 0;
   #cacheHits = 0;
 
-  constructor(raw: RawDeviceMemory, readonly backendName = "cuda") {
+  constructor(
+    raw: RawDeviceMemory,
+    readonly backendName = "cuda",
+  ) {
     this.#raw = raw;
   }
 
   get stats(): CachingAllocatorStats {
     return {
-      rawAllocCount: this.#rawAllocCount, rawFreeCount: this.#rawFreeCount, liveBytes: this.#liveBytes,
-      cachedBytes: this.#cachedBytes, peakReservedBytes: this.#peakReservedBytes, cacheHits: this.#cacheHits,
+      rawAllocCount: this.#rawAllocCount,
+      rawFreeCount: this.#rawFreeCount,
+      liveBytes: this.#liveBytes,
+      cachedBytes: this.#cachedBytes,
+      peakReservedBytes: this.#peakReservedBytes,
+      cacheHits: this.#cacheHits,
     };
   }
 

@@ -87,9 +87,14 @@ export class CudaBackend implements Backend {
     this.#context = d.primaryContextRetain(this.#device);
     d.setCurrentContext(this.#context);
     this.#stream = d.streamCreate();
-    this.#allocator = new CachingAllocator({
-      alloc: (b) => d.memAlloc(b), free: (p) => d.memFree(p), synchronize: () => d.streamSynchronize(this.#stream),
-    }, this.name);
+    this.#allocator = new CachingAllocator(
+      {
+        alloc: (b) => d.memAlloc(b),
+        free: (p) => d.memFree(p),
+        synchronize: () => d.streamSynchronize(this.#stream),
+      },
+      this.name,
+    );
     this.#host = d.memAllocHost(hostBlockBytes);
     const host = hostBytes(this.#host, hostBlockBytes);
     this.#args = new DataView(host, argValuesOffset, 8 * kernelArgsMax);
@@ -195,20 +200,66 @@ export class CudaBackend implements Backend {
 
   // ---- GEMM (cuBLAS) ----------------------------------------------------------------------
 
-  gemm(transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
-       A: Ptr, lda: number, B: Ptr, ldb: number, beta: number, C: Ptr, ldc: number): void {
+  gemm(
+    transA: boolean,
+    transB: boolean,
+    M: number,
+    N: number,
+    K: number,
+    alpha: number,
+    A: Ptr,
+    lda: number,
+    B: Ptr,
+    ldb: number,
+    beta: number,
+    C: Ptr,
+    ldc: number,
+  ): void {
     this.#cublas().gemm("f32", transA, transB, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
   }
 
-  gemmStridedBatched(transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
-                     A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
-                     beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void {
+  gemmStridedBatched(
+    transA: boolean,
+    transB: boolean,
+    M: number,
+    N: number,
+    K: number,
+    alpha: number,
+    A: Ptr,
+    lda: number,
+    strideA: number,
+    B: Ptr,
+    ldb: number,
+    strideB: number,
+    beta: number,
+    C: Ptr,
+    ldc: number,
+    strideC: number,
+    batch: number,
+  ): void {
     this.#cublas().gemm("f32", transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
   }
 
-  gemmEx(input: GemmInput, transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
-         A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
-         beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void {
+  gemmEx(
+    input: GemmInput,
+    transA: boolean,
+    transB: boolean,
+    M: number,
+    N: number,
+    K: number,
+    alpha: number,
+    A: Ptr,
+    lda: number,
+    strideA: number,
+    B: Ptr,
+    ldb: number,
+    strideB: number,
+    beta: number,
+    C: Ptr,
+    ldc: number,
+    strideC: number,
+    batch: number,
+  ): void {
     this.#cublas().gemm(input, transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
   }
 
@@ -269,8 +320,7 @@ export class CudaBackend implements Backend {
   layerNormForward(out: Ptr, mean: Ptr, rstd: Ptr, inp: Ptr, weight: Ptr, bias: Ptr, N: number, C: number, eps: number): void {
     this.#run(plans.layerNormForward(out, mean, rstd, inp, weight, bias, N, C, eps));
   }
-  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr,
-                    mean: Ptr, rstd: Ptr, N: number, C: number): void {
+  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr, mean: Ptr, rstd: Ptr, N: number, C: number): void {
     this.#run(plans.layerNormBackward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C));
   }
   embeddingForward(out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number, inRange = false): number {
@@ -302,12 +352,34 @@ export class CudaBackend implements Backend {
     return this.#readResult("i64");
   }
 
-  sgdStep(param: Ptr, grad: Ptr, momentumBuf: Ptr, n: number, lr: number, momentum: number,
-          dampening: number, weightDecay: number, nesterov: boolean, first: boolean): void {
+  sgdStep(
+    param: Ptr,
+    grad: Ptr,
+    momentumBuf: Ptr,
+    n: number,
+    lr: number,
+    momentum: number,
+    dampening: number,
+    weightDecay: number,
+    nesterov: boolean,
+    first: boolean,
+  ): void {
     this.#run(plans.sgdStep(param, grad, momentumBuf, n, lr, momentum, dampening, weightDecay, nesterov, first));
   }
-  adamwStep(param: Ptr, grad: Ptr, m: Ptr, v: Ptr, n: number, lr: number, beta1: number, beta2: number,
-            eps: number, weightDecay: number, biasCorrection1: number, biasCorrection2: number): void {
+  adamwStep(
+    param: Ptr,
+    grad: Ptr,
+    m: Ptr,
+    v: Ptr,
+    n: number,
+    lr: number,
+    beta1: number,
+    beta2: number,
+    eps: number,
+    weightDecay: number,
+    biasCorrection1: number,
+    biasCorrection2: number,
+  ): void {
     this.#run(plans.adamwStep(param, grad, m, v, n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2));
   }
 
@@ -353,8 +425,12 @@ export class CudaBackend implements Backend {
   }
 
   #cublas(): Cublas {
-    this.#cublasHandle ??= new Cublas(loadCublas(this.#cublasPath ?? findCublas()), this.#stream, new Float32Array(hostBytes(this.#host, hostBlockBytes), scalarsOffset, 2),
-      this.#host + scalarsOffset);
+    this.#cublasHandle ??= new Cublas(
+      loadCublas(this.#cublasPath ?? findCublas()),
+      this.#stream,
+      new Float32Array(hostBytes(this.#host, hostBlockBytes), scalarsOffset, 2),
+      this.#host + scalarsOffset,
+    );
     return this.#cublasHandle;
   }
 
@@ -370,10 +446,17 @@ export class CudaBackend implements Backend {
     for (let i = 0; i < params.length; i++) {
       const a = l.args[i]!;
       switch (params[i]) {
-        case "f32": v.setFloat32(8 * i, a as number, true); break;
-        case "i32": v.setInt32(8 * i, a as number, true); break;
-        case "u64": v.setBigUint64(8 * i, a as bigint, true); break;
-        default: v.setBigInt64(8 * i, BigInt(a), true); // ptr, i64
+        case "f32":
+          v.setFloat32(8 * i, a as number, true);
+          break;
+        case "i32":
+          v.setInt32(8 * i, a as number, true);
+          break;
+        case "u64":
+          v.setBigUint64(8 * i, a as bigint, true);
+          break;
+        default:
+          v.setBigInt64(8 * i, BigInt(a), true); // ptr, i64
       }
     }
     this.#d.launch(this.#function(l.kernel), l.kernel, l.grid, l.block, l.sharedBytes, this.#stream, this.#host + argPointersOffset);

@@ -17,8 +17,7 @@ export const kernelSourceDir = join(here, "kernels");
 const buildDir = join(here, "build");
 
 export const nvccInstallHint =
-  "install the CUDA toolkit (nvcc 12 or newer, https://developer.nvidia.com/cuda-downloads) " +
-  "or set MESHTRAIN_NVCC to an nvcc binary";
+  "install the CUDA toolkit (nvcc 12 or newer, https://developer.nvidia.com/cuda-downloads) " + "or set MESHTRAIN_NVCC to an nvcc binary";
 
 const defaultNvccPaths = ["/usr/local/cuda/bin/nvcc"];
 
@@ -71,7 +70,9 @@ interface Stamp {
 
 function sourceHash(module: string): string {
   const hash = createHash("sha256").update(readFileSync(join(kernelSourceDir, `${module}.cu`)));
-  const headers = readdirSync(kernelSourceDir).filter((f) => f.endsWith(".cuh")).sort();
+  const headers = readdirSync(kernelSourceDir)
+    .filter((f) => f.endsWith(".cuh"))
+    .sort();
   for (const h of headers) hash.update(h).update(readFileSync(join(kernelSourceDir, h)));
   // the element functions shared with the CPU kernels
   hash.update(readFileSync(numericsHeaderPath));

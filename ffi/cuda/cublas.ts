@@ -12,15 +12,25 @@ import { tryFindLibrary } from "../find-library.ts";
 
 export class CublasError extends Error {
   override readonly name = "CublasError";
-  constructor(readonly call: string, readonly status: number, readonly statusName: string) {
+  constructor(
+    readonly call: string,
+    readonly status: number,
+    readonly statusName: string,
+  ) {
     super(`${call} failed: ${statusName} (${status})`);
   }
 }
 
 const statusNames: Record<number, string> = {
-  0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED", 3: "CUBLAS_STATUS_ALLOC_FAILED",
-  7: "CUBLAS_STATUS_INVALID_VALUE", 8: "CUBLAS_STATUS_ARCH_MISMATCH", 11: "CUBLAS_STATUS_MAPPING_ERROR",
-  13: "CUBLAS_STATUS_EXECUTION_FAILED", 14: "CUBLAS_STATUS_INTERNAL_ERROR", 15: "CUBLAS_STATUS_NOT_SUPPORTED",
+  0: "CUBLAS_STATUS_SUCCESS",
+  1: "CUBLAS_STATUS_NOT_INITIALIZED",
+  3: "CUBLAS_STATUS_ALLOC_FAILED",
+  7: "CUBLAS_STATUS_INVALID_VALUE",
+  8: "CUBLAS_STATUS_ARCH_MISMATCH",
+  11: "CUBLAS_STATUS_MAPPING_ERROR",
+  13: "CUBLAS_STATUS_EXECUTION_FAILED",
+  14: "CUBLAS_STATUS_INTERNAL_ERROR",
+  15: "CUBLAS_STATUS_NOT_SUPPORTED",
   16: "CUBLAS_STATUS_LICENSE_ERROR",
 };
 
@@ -50,8 +60,31 @@ const symbols = {
   },
   cublasGemmStridedBatchedEx: {
     // ..., A, Atype, lda, strideA (long long), B, Btype, ldb, strideB, beta*, C, Ctype, ldc, strideC, batchCount, computeType, algo
-    args: ["u64", "i32", "i32", "i32", "i32", "i32", "u64", "u64", "i32", "i32", "i64", "u64", "i32", "i32", "i64", "u64",
-      "u64", "i32", "i32", "i64", "i32", "i32", "i32"],
+    args: [
+      "u64",
+      "i32",
+      "i32",
+      "i32",
+      "i32",
+      "i32",
+      "u64",
+      "u64",
+      "i32",
+      "i32",
+      "i64",
+      "u64",
+      "i32",
+      "i32",
+      "i64",
+      "u64",
+      "u64",
+      "i32",
+      "i32",
+      "i64",
+      "i32",
+      "i32",
+      "i32",
+    ],
     returns: "i32",
   },
 } as const;
@@ -59,13 +92,15 @@ const symbols = {
 /** Every cuBLAS symbol the binding uses (tests check them against a real libcublas). */
 export const cublasSymbolNames = Object.keys(symbols);
 
-export const cublasInstallHint =
-  "install cuBLAS (pip install nvidia-cublas, or the CUDA toolkit), or set MESHTRAIN_CUBLAS to libcublas.so";
+export const cublasInstallHint = "install cuBLAS (pip install nvidia-cublas, or the CUDA toolkit), or set MESHTRAIN_CUBLAS to libcublas.so";
 
 export function findCublas(): string | null {
   return tryFindLibrary({
-    what: "cuBLAS", envVar: "MESHTRAIN_CUBLAS", names: ["libcublas.so.13", "libcublas.so.12", "libcublas.so"],
-    pipSubdir: ["cu13", "cublas"], installHint: cublasInstallHint,
+    what: "cuBLAS",
+    envVar: "MESHTRAIN_CUBLAS",
+    names: ["libcublas.so.13", "libcublas.so.12", "libcublas.so"],
+    pipSubdir: ["cu13", "cublas"],
+    installHint: cublasInstallHint,
   });
 }
 
@@ -99,15 +134,37 @@ export interface CublasGemmArgs {
 }
 
 /** Row-major C (M,N) = op(A) op(B)  ==  column-major C^T (N,M) = op(B)^T op(A)^T. */
-export function rowMajorGemm(transA: boolean, transB: boolean, M: number, N: number, K: number,
-                             A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
-                             C: Ptr, ldc: number, strideC: number): CublasGemmArgs {
+export function rowMajorGemm(
+  transA: boolean,
+  transB: boolean,
+  M: number,
+  N: number,
+  K: number,
+  A: Ptr,
+  lda: number,
+  strideA: number,
+  B: Ptr,
+  ldb: number,
+  strideB: number,
+  C: Ptr,
+  ldc: number,
+  strideC: number,
+): CublasGemmArgs {
   return {
-    transa: transB ? CUBLAS_OP_T : CUBLAS_OP_N, transb: transA ? CUBLAS_OP_T : CUBLAS_OP_N,
-    m: N, n: M, k: K,
-    A: B, lda: ldb, strideA: strideB,
-    B: A, ldb: lda, strideB: strideA,
-    C, ldc, strideC,
+    transa: transB ? CUBLAS_OP_T : CUBLAS_OP_N,
+    transb: transA ? CUBLAS_OP_T : CUBLAS_OP_N,
+    m: N,
+    n: M,
+    k: K,
+    A: B,
+    lda: ldb,
+    strideA: strideB,
+    B: A,
+    ldb: lda,
+    strideB: strideA,
+    C,
+    ldc,
+    strideC,
   };
 }
 
@@ -147,11 +204,36 @@ export class Cublas {
     return out[0]!;
   }
 
-  gemm(input: GemmInput, transA: boolean, transB: boolean, M: number, N: number, K: number, alpha: number,
-       A: Ptr, lda: number, strideA: number, B: Ptr, ldb: number, strideB: number,
-       beta: number, C: Ptr, ldc: number, strideC: number, batch: number): void {
+  gemm(
+    input: GemmInput,
+    transA: boolean,
+    transB: boolean,
+    M: number,
+    N: number,
+    K: number,
+    alpha: number,
+    A: Ptr,
+    lda: number,
+    strideA: number,
+    B: Ptr,
+    ldb: number,
+    strideB: number,
+    beta: number,
+    C: Ptr,
+    ldc: number,
+    strideC: number,
+    batch: number,
+  ): void {
     if (M === 0 || N === 0 || batch === 0) return;
-    for (const [name, v] of [["M", M], ["N", N], ["K", K], ["lda", lda], ["ldb", ldb], ["ldc", ldc], ["batch", batch]] as const) {
+    for (const [name, v] of [
+      ["M", M],
+      ["N", N],
+      ["K", K],
+      ["lda", lda],
+      ["ldb", ldb],
+      ["ldc", ldc],
+      ["batch", batch],
+    ] as const) {
       if (!Number.isInteger(v) || v < 0 || v > int32Max) throw new RangeError(`gemm: ${name} = ${v} is outside cuBLAS's int range`);
     }
     // cuBLAS wants every leading dimension >= 1, even where K = 0 leaves an operand empty
@@ -164,12 +246,59 @@ export class Cublas {
     const betaPtr = BigInt(this.#scalarsPtr + 4);
     const s = this.#lib.symbols;
     if (batch === 1) {
-      this.#check("cublasGemmEx", s.cublasGemmEx(this.#handle, g.transa, g.transb, g.m, g.n, g.k, alphaPtr,
-        BigInt(g.A), dtype, g.lda, BigInt(g.B), dtype, g.ldb, betaPtr, BigInt(g.C), CUDA_R_32F, g.ldc, compute, CUBLAS_GEMM_DEFAULT));
+      this.#check(
+        "cublasGemmEx",
+        s.cublasGemmEx(
+          this.#handle,
+          g.transa,
+          g.transb,
+          g.m,
+          g.n,
+          g.k,
+          alphaPtr,
+          BigInt(g.A),
+          dtype,
+          g.lda,
+          BigInt(g.B),
+          dtype,
+          g.ldb,
+          betaPtr,
+          BigInt(g.C),
+          CUDA_R_32F,
+          g.ldc,
+          compute,
+          CUBLAS_GEMM_DEFAULT,
+        ),
+      );
     } else {
-      this.#check("cublasGemmStridedBatchedEx", s.cublasGemmStridedBatchedEx(this.#handle, g.transa, g.transb, g.m, g.n, g.k,
-        alphaPtr, BigInt(g.A), dtype, g.lda, g.strideA, BigInt(g.B), dtype, g.ldb, g.strideB, betaPtr,
-        BigInt(g.C), CUDA_R_32F, g.ldc, g.strideC, batch, compute, CUBLAS_GEMM_DEFAULT));
+      this.#check(
+        "cublasGemmStridedBatchedEx",
+        s.cublasGemmStridedBatchedEx(
+          this.#handle,
+          g.transa,
+          g.transb,
+          g.m,
+          g.n,
+          g.k,
+          alphaPtr,
+          BigInt(g.A),
+          dtype,
+          g.lda,
+          g.strideA,
+          BigInt(g.B),
+          dtype,
+          g.ldb,
+          g.strideB,
+          betaPtr,
+          BigInt(g.C),
+          CUDA_R_32F,
+          g.ldc,
+          g.strideC,
+          batch,
+          compute,
+          CUBLAS_GEMM_DEFAULT,
+        ),
+      );
     }
   }
 

@@ -53,10 +53,12 @@ export function ptxRejectedHint(code: number, ptx: string, driverVersion: () => 
     // keep "unknown": the hint must not hide the load error
   }
   // 222 says the ISA is too new; 218 is any JIT failure, of which that is only the usual cause
-  const fix = "update the NVIDIA driver, or rebuild the kernels with an nvcc no newer than the driver "
-    + "(MESHTRAIN_NVCC=/path/to/nvcc bun ffi/cuda/build.ts)";
-  return `the PTX is ISA ${isa} for ${target} and this driver supports ${driver}; `
-    + (code === CUDA_ERROR_UNSUPPORTED_PTX_VERSION ? fix : `if the nvcc that wrote it is newer than the driver, ${fix}`);
+  const fix =
+    "update the NVIDIA driver, or rebuild the kernels with an nvcc no newer than the driver " + "(MESHTRAIN_NVCC=/path/to/nvcc bun ffi/cuda/build.ts)";
+  return (
+    `the PTX is ISA ${isa} for ${target} and this driver supports ${driver}; ` +
+    (code === CUDA_ERROR_UNSUPPORTED_PTX_VERSION ? fix : `if the nvcc that wrote it is newer than the driver, ${fix}`)
+  );
 }
 
 /** cuDriverGetVersion's 13000 as "13.0" */
@@ -64,11 +66,21 @@ export const cudaVersionText = (v: number): string => `${Math.floor(v / 1000)}.$
 
 // A few names, for when cuGetErrorName itself is unavailable (the library failed half-way).
 const fallbackNames: Record<number, string> = {
-  1: "CUDA_ERROR_INVALID_VALUE", 2: "CUDA_ERROR_OUT_OF_MEMORY", 3: "CUDA_ERROR_NOT_INITIALIZED",
-  34: "CUDA_ERROR_STUB_LIBRARY", 35: "CUDA_ERROR_INSUFFICIENT_DRIVER", 100: "CUDA_ERROR_NO_DEVICE",
-  101: "CUDA_ERROR_INVALID_DEVICE", 200: "CUDA_ERROR_INVALID_IMAGE", 218: "CUDA_ERROR_INVALID_PTX",
-  222: "CUDA_ERROR_UNSUPPORTED_PTX_VERSION", 500: "CUDA_ERROR_NOT_FOUND", 600: "CUDA_ERROR_NOT_READY",
-  700: "CUDA_ERROR_ILLEGAL_ADDRESS", 701: "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", 719: "CUDA_ERROR_LAUNCH_FAILED",
+  1: "CUDA_ERROR_INVALID_VALUE",
+  2: "CUDA_ERROR_OUT_OF_MEMORY",
+  3: "CUDA_ERROR_NOT_INITIALIZED",
+  34: "CUDA_ERROR_STUB_LIBRARY",
+  35: "CUDA_ERROR_INSUFFICIENT_DRIVER",
+  100: "CUDA_ERROR_NO_DEVICE",
+  101: "CUDA_ERROR_INVALID_DEVICE",
+  200: "CUDA_ERROR_INVALID_IMAGE",
+  218: "CUDA_ERROR_INVALID_PTX",
+  222: "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+  500: "CUDA_ERROR_NOT_FOUND",
+  600: "CUDA_ERROR_NOT_READY",
+  700: "CUDA_ERROR_ILLEGAL_ADDRESS",
+  701: "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+  719: "CUDA_ERROR_LAUNCH_FAILED",
   999: "CUDA_ERROR_UNKNOWN",
 };
 
@@ -126,8 +138,7 @@ const symbols = {
 
 type DriverLib = ReturnType<typeof dlopen<typeof symbols>>;
 
-export const driverInstallHint =
-  "install the NVIDIA driver (it provides libcuda.so.1), or set MESHTRAIN_LIBCUDA to its path";
+export const driverInstallHint = "install the NVIDIA driver (it provides libcuda.so.1), or set MESHTRAIN_LIBCUDA to its path";
 
 const libcudaCandidates = [
   "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
@@ -365,10 +376,16 @@ export class Driver {
   }
 
   /** kernelParams: the address of an array of pointers to each argument's value */
-  launch(fn: bigint, name: string, grid: readonly [number, number, number], block: readonly [number, number, number],
-         sharedBytes: number, stream: bigint, kernelParams: Ptr): void {
-    const code = this.lib.symbols.cuLaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], sharedBytes,
-      stream, BigInt(kernelParams), 0n);
+  launch(
+    fn: bigint,
+    name: string,
+    grid: readonly [number, number, number],
+    block: readonly [number, number, number],
+    sharedBytes: number,
+    stream: bigint,
+    kernelParams: Ptr,
+  ): void {
+    const code = this.lib.symbols.cuLaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], sharedBytes, stream, BigInt(kernelParams), 0n);
     if (code !== CUDA_SUCCESS) this.check(`cuLaunchKernel(${name})`, code);
   }
 }
@@ -420,7 +437,8 @@ export function probeCuda(load: () => Driver = driver): CudaProbe {
     const plural = count === 1 ? "" : ` (device 0 of ${count})`;
     return { ok: true, deviceCount: count, reason: `${d.deviceName(dev)}${plural}, compute ${major}.${minor}, driver ${cudaVersionText(v)}` };
   } catch (e) {
-    if (e instanceof CudaError && e.code === CUDA_ERROR_NO_DEVICE) return { ok: false, deviceCount: 0, reason: "the CUDA driver finds no device (CUDA_ERROR_NO_DEVICE)" };
+    if (e instanceof CudaError && e.code === CUDA_ERROR_NO_DEVICE)
+      return { ok: false, deviceCount: 0, reason: "the CUDA driver finds no device (CUDA_ERROR_NO_DEVICE)" };
     if (e instanceof NativeLibraryError) return { ok: false, deviceCount: 0, reason: `no CUDA driver (libcuda.so.1 not loadable: ${driverInstallHint})` };
     return { ok: false, deviceCount: 0, reason: (e as Error).message };
   }

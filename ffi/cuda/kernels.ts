@@ -177,18 +177,21 @@ const i32Max = 2 ** 31 - 1;
 
 function checkArg(kernel: KernelName, index: number, type: ParamType, arg: number | bigint): void {
   const ok =
-    type === "u64" ? typeof arg === "bigint" && arg >= 0n && arg <= u64Max
-    : type === "f32" ? typeof arg === "number"
-    : type === "i32" ? Number.isInteger(arg) && (arg as number) >= i32Min && (arg as number) <= i32Max
-    : type === "ptr" ? Number.isSafeInteger(arg) && (arg as number) >= 0
-    : Number.isSafeInteger(arg);
+    type === "u64"
+      ? typeof arg === "bigint" && arg >= 0n && arg <= u64Max
+      : type === "f32"
+        ? typeof arg === "number"
+        : type === "i32"
+          ? Number.isInteger(arg) && (arg as number) >= i32Min && (arg as number) <= i32Max
+          : type === "ptr"
+            ? Number.isSafeInteger(arg) && (arg as number) >= 0
+            : Number.isSafeInteger(arg);
   if (!ok) throw new RangeError(`${kernel}: argument ${index} (${type}) is invalid: ${String(arg)}`);
 }
 
 /** A launch, with its arguments and shape checked against the spec and the CUDA limits
  *  (a failure is a programmer error in a plan or its caller). */
-function launch(kernel: KernelName, grid: number, block: readonly [number, number, number],
-                args: readonly (number | bigint)[]): Launch {
+function launch(kernel: KernelName, grid: number, block: readonly [number, number, number], args: readonly (number | bigint)[]): Launch {
   const params = kernelSpecs[kernel].params;
   if (args.length !== params.length) {
     throw new RangeError(`${kernel}: ${args.length} arguments for ${params.length} parameters`);
@@ -261,8 +264,7 @@ export function reduceShape(dims: Dims4, outStrides: Dims4): ReduceShape {
     if (dims[k] === 1) continue;
     const axis = { size: dims[k]!, inStride: inStrides[k]!, outStride: outStrides[k]!, kept: outStrides[k] !== 0 };
     const last = axes[axes.length - 1];
-    const nests = last !== undefined && last.kept === axis.kept &&
-      (!axis.kept || last.outStride === axis.size * axis.outStride);
+    const nests = last !== undefined && last.kept === axis.kept && (!axis.kept || last.outStride === axis.size * axis.outStride);
     if (last !== undefined && nests) {
       last.size *= axis.size;
       last.inStride = axis.inStride;
@@ -276,11 +278,29 @@ export function reduceShape(dims: Dims4, outStrides: Dims4): ReduceShape {
   const reduced = axes.filter((a) => !a.kept);
   return {
     kept: {
-      dims: pad(kept.map((a) => a.size), 1),
-      inStrides: pad(kept.map((a) => a.inStride), 0),
-      outStrides: pad(kept.map((a) => a.outStride), 0),
+      dims: pad(
+        kept.map((a) => a.size),
+        1,
+      ),
+      inStrides: pad(
+        kept.map((a) => a.inStride),
+        0,
+      ),
+      outStrides: pad(
+        kept.map((a) => a.outStride),
+        0,
+      ),
     },
-    reduced: { dims: pad(reduced.map((a) => a.size), 1), inStrides: pad(reduced.map((a) => a.inStride), 0) },
+    reduced: {
+      dims: pad(
+        reduced.map((a) => a.size),
+        1,
+      ),
+      inStrides: pad(
+        reduced.map((a) => a.inStride),
+        0,
+      ),
+    },
     innerReduced: axes.length > 0 && !axes[axes.length - 1]!.kept,
   };
 }
@@ -296,8 +316,7 @@ function reduceBroadcastPlan(out: Ptr, inp: Ptr, dims: Dims4, outStrides: Dims4)
   const nRed = reduced.dims.reduce((a, b) => a * b, 1);
   if (innerReduced) {
     // a group of threads per out element: a whole block when there is a lot to sum, else a warp
-    const block: [number, number, number] =
-      nRed >= rowsBlockGroupMin ? [singleBlockThreads, 1, 1] : [warpSize, elementwiseThreads / warpSize, 1];
+    const block: [number, number, number] = nRed >= rowsBlockGroupMin ? [singleBlockThreads, 1, 1] : [warpSize, elementwiseThreads / warpSize, 1];
     return [launch("mt_reduce_bcast_rows_f32", blocksFor(nOut, block[1]), block, args)];
   }
   return [columns("mt_reduce_bcast_cols_f32", nRed, nOut, args)];
@@ -315,27 +334,53 @@ function twoPass(partialKernel: KernelName, finalKernel: KernelName, scratch: Pt
   const partials = scratch + scratchPartialsOffset;
   if (n === 0) return [singleBlock(finalKernel, [scratch, partials, 0])];
   const count = partialCount(n);
-  return [
-    launch(partialKernel, count, [elementwiseThreads, 1, 1], [partials, x, n]),
-    singleBlock(finalKernel, [scratch, partials, count]),
-  ];
+  return [launch(partialKernel, count, [elementwiseThreads, 1, 1], [partials, x, n]), singleBlock(finalKernel, [scratch, partials, count])];
 }
 
 // ---- plans --------------------------------------------------------------------------------------
 
 type PlannedMethod =
-  | "add" | "mul" | "axpy" | "scale" | "addScalarFrom" | "binaryBroadcast" | "reduceBroadcast"
-  | "biasAdd" | "biasBackward" | "reluForward" | "reluBackward" | "geluForward" | "geluBackward"
-  | "dropoutForward" | "dropoutBackward" | "crossEntropyForward" | "crossEntropyBackward"
-  | "layerNormForward" | "layerNormBackward" | "embeddingForward" | "embeddingBackward"
-  | "causalSoftmaxForward" | "causalSoftmaxBackward" | "stridedCopy" | "sum" | "sumSquares" | "countNonFinite"
-  | "sgdStep" | "adamwStep" | "castF32ToBF16" | "castBF16ToF32" | "castF32ToF16" | "castF16ToF32";
+  | "add"
+  | "mul"
+  | "axpy"
+  | "scale"
+  | "addScalarFrom"
+  | "binaryBroadcast"
+  | "reduceBroadcast"
+  | "biasAdd"
+  | "biasBackward"
+  | "reluForward"
+  | "reluBackward"
+  | "geluForward"
+  | "geluBackward"
+  | "dropoutForward"
+  | "dropoutBackward"
+  | "crossEntropyForward"
+  | "crossEntropyBackward"
+  | "layerNormForward"
+  | "layerNormBackward"
+  | "embeddingForward"
+  | "embeddingBackward"
+  | "causalSoftmaxForward"
+  | "causalSoftmaxBackward"
+  | "stridedCopy"
+  | "sum"
+  | "sumSquares"
+  | "countNonFinite"
+  | "sgdStep"
+  | "adamwStep"
+  | "castF32ToBF16"
+  | "castBF16ToF32"
+  | "castF32ToF16"
+  | "castF16ToF32";
 
 /** The methods that return a number: their plans take `scratch` first. */
 type ScalarMethod = "crossEntropyForward" | "embeddingForward" | "sumSquares" | "countNonFinite";
 
 type Plan<M extends PlannedMethod> = Backend[M] extends (...args: infer A) => unknown
-  ? M extends ScalarMethod ? (scratch: Ptr, ...args: A) => Launch[] : (...args: A) => Launch[]
+  ? M extends ScalarMethod
+    ? (scratch: Ptr, ...args: A) => Launch[]
+    : (...args: A) => Launch[]
   : never;
 
 export type Plans = { readonly [M in PlannedMethod]: Plan<M> };
@@ -358,8 +403,7 @@ export const plans = {
     return elementwise("mt_add_scalar_ptr_f32", n, [dinp, dout, scale, n]);
   },
   binaryBroadcast(op: BinaryOp, out: Ptr, a: Ptr, b: Ptr, dims: Dims4, aStrides: Dims4, bStrides: Dims4): Launch[] {
-    return elementwise("mt_binary_bcast_f32", product(dims),
-      [op === "add" ? 0 : 1, out, a, b, ...dims, ...aStrides, ...bStrides]);
+    return elementwise("mt_binary_bcast_f32", product(dims), [op === "add" ? 0 : 1, out, a, b, ...dims, ...aStrides, ...bStrides]);
   },
   reduceBroadcast(out: Ptr, inp: Ptr, dims: Dims4, outStrides: Dims4): Launch[] {
     return reduceBroadcastPlan(out, inp, dims, outStrides);
@@ -393,8 +437,7 @@ export const plans = {
   },
   // (no inRange: the loss kernel computes the count with the mean anyway; the backend just
   // does not read it when the targets were checked on the host)
-  crossEntropyForward(scratch: Ptr, loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr,
-                      N: number, V: number): Launch[] {
+  crossEntropyForward(scratch: Ptr, loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr, N: number, V: number): Launch[] {
     const rows = N === 0 ? [] : [blockRows("mt_crossentropy_forward_f32", N, V, [losses, probs, logits, targets, N, V])];
     return [...rows, singleBlock("mt_crossentropy_loss_f32", [loss, scratch, losses, targets, N, V])];
   },
@@ -402,14 +445,12 @@ export const plans = {
     if (N * V === 0) return [];
     return [blockRows("mt_crossentropy_backward_f32", N, V, [dlogits, probs, targets, dloss, N, V])];
   },
-  layerNormForward(out: Ptr, mean: Ptr, rstd: Ptr, inp: Ptr, weight: Ptr, bias: Ptr, N: number, C: number,
-                   eps: number): Launch[] {
+  layerNormForward(out: Ptr, mean: Ptr, rstd: Ptr, inp: Ptr, weight: Ptr, bias: Ptr, N: number, C: number, eps: number): Launch[] {
     // C = 0 still writes mean and rstd (NaN, as on the CPU)
     if (N === 0) return [];
     return [warpRows("mt_layernorm_forward_f32", N, [out, mean, rstd, inp, weight, bias, N, C, eps])];
   },
-  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr, mean: Ptr, rstd: Ptr,
-                    N: number, C: number): Launch[] {
+  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr, mean: Ptr, rstd: Ptr, N: number, C: number): Launch[] {
     if (N * C === 0) return [];
     return [
       warpRows("mt_layernorm_backward_f32", N, [dinp, dout, inp, weight, mean, rstd, N, C]),
@@ -433,8 +474,7 @@ export const plans = {
     return [warpRows("mt_causal_softmax_backward_f32", BH * T, [dinp, out, dout, BH, T, scale])];
   },
   stridedCopy(out: Ptr, outStrides: Dims4, inp: Ptr, inpStrides: Dims4, dims: Dims4, accumulate: boolean): Launch[] {
-    return elementwise("mt_strided_copy_f32", product(dims),
-      [out, inp, ...dims, ...outStrides, ...inpStrides, accumulate ? 1 : 0]);
+    return elementwise("mt_strided_copy_f32", product(dims), [out, inp, ...dims, ...outStrides, ...inpStrides, accumulate ? 1 : 0]);
   },
 
   // ---- reductions ----
@@ -450,15 +490,35 @@ export const plans = {
   },
 
   // ---- optimizer updates ----
-  sgdStep(param: Ptr, grad: Ptr, momentumBuf: Ptr, n: number, lr: number, momentum: number, dampening: number,
-          weightDecay: number, nesterov: boolean, first: boolean): Launch[] {
-    return elementwise("mt_sgd_step_f32", n,
-      [param, grad, momentumBuf, n, lr, momentum, dampening, weightDecay, nesterov ? 1 : 0, first ? 1 : 0]);
+  sgdStep(
+    param: Ptr,
+    grad: Ptr,
+    momentumBuf: Ptr,
+    n: number,
+    lr: number,
+    momentum: number,
+    dampening: number,
+    weightDecay: number,
+    nesterov: boolean,
+    first: boolean,
+  ): Launch[] {
+    return elementwise("mt_sgd_step_f32", n, [param, grad, momentumBuf, n, lr, momentum, dampening, weightDecay, nesterov ? 1 : 0, first ? 1 : 0]);
   },
-  adamwStep(param: Ptr, grad: Ptr, m: Ptr, v: Ptr, n: number, lr: number, beta1: number, beta2: number, eps: number,
-            weightDecay: number, biasCorrection1: number, biasCorrection2: number): Launch[] {
-    return elementwise("mt_adamw_step_f32", n,
-      [param, grad, m, v, n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2]);
+  adamwStep(
+    param: Ptr,
+    grad: Ptr,
+    m: Ptr,
+    v: Ptr,
+    n: number,
+    lr: number,
+    beta1: number,
+    beta2: number,
+    eps: number,
+    weightDecay: number,
+    biasCorrection1: number,
+    biasCorrection2: number,
+  ): Launch[] {
+    return elementwise("mt_adamw_step_f32", n, [param, grad, m, v, n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2]);
   },
 
   // ---- casts ----

@@ -24,7 +24,10 @@ const libs = ["-ldl"];
 /** Path of the compiled shim, compiling it first if it is missing or stale; `log` gets the compile command. */
 export function ensureNcclShim(log: (line: string) => void = () => {}): string {
   const source = readFileSync(shimSourcePath);
-  const stamp = createHash("sha256").update(source).update([...flags, ...libs].join(" ")).digest("hex");
+  const stamp = createHash("sha256")
+    .update(source)
+    .update([...flags, ...libs].join(" "))
+    .digest("hex");
   if (existsSync(shimLibraryPath) && existsSync(stampPath) && readFileSync(stampPath, "utf8") === stamp) {
     return shimLibraryPath; // a machine (an image) with the shim built needs no compiler
   }

@@ -372,7 +372,13 @@ export class NcclComm {
   #slot: Pointer | null;
   #pending = false;
 
-  private constructor(lib: NcclLibrary, comm: Pointer, slot: Pointer | null, readonly nranks: number, readonly rank: number) {
+  private constructor(
+    lib: NcclLibrary,
+    comm: Pointer,
+    slot: Pointer | null,
+    readonly nranks: number,
+    readonly rank: number,
+  ) {
     this.#lib = lib;
     this.#comm = comm;
     this.#slot = slot;
@@ -628,5 +634,9 @@ function initError(lib: NcclLibrary, call: string, code: number, comm: Pointer |
 }
 
 function timeoutError(call: string, nranks: number, rank: number, timeoutMs: number): NcclError {
-  return new NcclError(call, ncclTimeout, `rank ${rank} of ${nranks} was not ready within ${timeoutMs} ms (a rank missing or stuck?); the communicator was aborted`);
+  return new NcclError(
+    call,
+    ncclTimeout,
+    `rank ${rank} of ${nranks} was not ready within ${timeoutMs} ms (a rank missing or stuck?); the communicator was aborted`,
+  );
 }

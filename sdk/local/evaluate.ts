@@ -45,7 +45,11 @@ export type EvalReport =
 
 /** Prints the device line first, as the training commands do, then the report. */
 export function runEval(o: EvalOptions): EvalReport {
-  return withBackend(o.device, (why) => console.log(why), (backend) => evalModel(o, backend));
+  return withBackend(
+    o.device,
+    (why) => console.log(why),
+    (backend) => evalModel(o, backend),
+  );
 }
 
 function checkDataOptions(o: EvalOptions, kind: "mlp" | "gpt"): void {
@@ -97,7 +101,9 @@ function evalMlp(o: EvalOptions, ctx: Context, loaded: LoadedModelFile): EvalRep
   const model = buildModel(o.model, loaded, () => new MlpModel(ctx, config, 0));
   const r = evaluate(ctx, model, new ImageBatcher(test, evalBatchSamples).epoch(0, 0, false, false));
   console.log(`model: ${shownPath(o.model)}: mlp ${widths.join("-")}, ${model.store.paramCount.toLocaleString("en-US")} parameters, ${stepsNote(loaded)}`);
-  console.log(`test accuracy: ${(r.accuracy * 100).toFixed(2)}% (error ${((1 - r.accuracy) * 100).toFixed(2)}%) on ${r.count.toLocaleString("en-US")} MNIST test samples`);
+  console.log(
+    `test accuracy: ${(r.accuracy * 100).toFixed(2)}% (error ${((1 - r.accuracy) * 100).toFixed(2)}%) on ${r.count.toLocaleString("en-US")} MNIST test samples`,
+  );
   console.log(`test loss: ${r.loss.toFixed(4)}`);
   return { kind: "mlp", accuracy: r.accuracy, loss: r.loss, samples: r.count };
 }
@@ -118,10 +124,12 @@ function evalGpt(o: EvalOptions, ctx: Context, loaded: LoadedModelFile): EvalRep
   const batches = Math.min(o.batches, batchesInSplit);
   const r = evaluate(ctx, model, take(batcher.sequential(), batches));
   const { nLayer, nHead, nEmbd, blockSize, vocabSize } = config;
-  console.log(`model: ${shownPath(o.model)}: gpt L${nLayer} H${nHead} C${nEmbd} T${blockSize} V${vocabSize}, ` +
-    `${model.store.paramCount.toLocaleString("en-US")} parameters, ${stepsNote(loaded)}`);
-  const cut = batches < batchesInSplit ? `the first ${batches} of ${batchesInSplit} batches; --batches for more`
-    : `${batches} batch${batches === 1 ? "" : "es"}, all`;
+  console.log(
+    `model: ${shownPath(o.model)}: gpt L${nLayer} H${nHead} C${nEmbd} T${blockSize} V${vocabSize}, ` +
+      `${model.store.paramCount.toLocaleString("en-US")} parameters, ${stepsNote(loaded)}`,
+  );
+  const cut =
+    batches < batchesInSplit ? `the first ${batches} of ${batchesInSplit} batches; --batches for more` : `${batches} batch${batches === 1 ? "" : "es"}, all`;
   const units = split.unit === "char" ? "characters" : "tokens";
   console.log(`validation loss: ${r.loss.toFixed(4)} nats/${split.unit} on ${r.count.toLocaleString("en-US")} ${units} of ${split.name} (${cut})`);
   return { kind: "gpt", loss: r.loss, tokens: r.count, batches, batchesInSplit };

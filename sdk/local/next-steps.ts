@@ -5,6 +5,10 @@ import { cliName, shellWord, shownPath } from "../options.ts";
 /** `commands` are meshtrain subcommands taking --model, each with its extra arguments. */
 export function modelLines(modelPath: string, commands: readonly (readonly string[])[]): string[] {
   const model = shownPath(modelPath);
-  return [`model: ${model}`, ...commands.map(([name, ...extra]) =>
-    `next: ${[name!, "--model", model, ...extra].map(shellWord).reduce((line, w) => `${line} ${w}`, cliName("npx meshtrain"))}`)];
+  return [
+    `model: ${model}`,
+    ...commands.map(
+      ([name, ...extra]) => `next: ${[name!, "--model", model, ...extra].map(shellWord).reduce((line, w) => `${line} ${w}`, cliName("npx meshtrain"))}`,
+    ),
+  ];
 }

@@ -49,15 +49,18 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
   const prev = o.flags.job ? previousOnDisk(jobsDir, asked.job) : null;
   const cfg = resolveConfig(asked, o.given, prev);
   if (prev) checkResume(cfg, prev, shownPath(jobsDir));
-  const jobDir = join(jobsDir, cfg.job), logDir = join(jobDir, "logs");
+  const jobDir = join(jobsDir, cfg.job),
+    logDir = join(jobDir, "logs");
   mkdirSync(logDir, { recursive: true });
   writeFileSync(join(logDir, "job.json"), `${JSON.stringify(cfg, null, 2)}\n`);
 
   const resumeLine = `${cliName()} run --job ${cfg.job}${o.dir === join(process.env.INIT_CWD ?? process.cwd(), defaultRunDir()) ? "" : ` --dir ${shownPath(o.dir)}`}`;
   const from = prev === null ? "" : prev.snapshot ? `, resumed from ${prev.snapshot.id}` : ", started again with its settings (it has no snapshot)";
   const shards = usesShards(cfg) ? cfg.shards : 0;
-  console.log(`meshtrain run: job ${cfg.job}${from}, on a local mesh of ${cfg.trainers} trainer` +
-    `${cfg.trainers > 1 ? "s" : ""}, ${shards > 0 ? `${shards} parameter-server shard${shards > 1 ? "s" : ""}, ` : ""}a data-loader and a checkpoint service`);
+  console.log(
+    `meshtrain run: job ${cfg.job}${from}, on a local mesh of ${cfg.trainers} trainer` +
+      `${cfg.trainers > 1 ? "s" : ""}, ${shards > 0 ? `${shards} parameter-server shard${shards > 1 ? "s" : ""}, ` : ""}a data-loader and a checkpoint service`,
+  );
   for (const line of configSummary(cfg)) console.log(`  ${line}`);
   console.log(`  files      ${shownPath(jobDir)}/ (snapshots, model.mtm, logs/; the full config: logs/job.json)`);
 
@@ -87,7 +90,10 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
       console.log(`stopped; files in ${shownPath(jobDir)}. ${submitted ? "Resume" : "Start it again"} with: ${resumeLine}`);
       return 130;
     }
-    if (e instanceof DeadlineError) throw new DeadlineError(`${e.message}; job ${cfg.job} did not end within --timeout-min ${o.timeoutMin} (logs: ${shownPath(logDir)}); resume it with: ${resumeLine}`);
+    if (e instanceof DeadlineError)
+      throw new DeadlineError(
+        `${e.message}; job ${cfg.job} did not end within --timeout-min ${o.timeoutMin} (logs: ${shownPath(logDir)}); resume it with: ${resumeLine}`,
+      );
     if (e instanceof JobFailedError) {
       const resumable = e.record?.state === JobState.Failed ? ` Once fixed, resume it with: ${resumeLine}` : "";
       throw new JobFailedError(`${e.message} (logs: ${shownPath(logDir)}).${resumable}`, e.record);

@@ -55,6 +55,7 @@ function sample(o: SampleOptions, backend: Backend): string {
 function notATextModel(path: string, header: ModelFileHeader): string {
   const widths = (header.config as { widths?: unknown }).widths;
   const shape = Array.isArray(widths) ? ` (${widths.join("-")})` : "";
-  return `is an MLP classifier${shape}, not a text model; sample needs a gpt model. ` +
-    `To see how good it is: meshtrain eval --model ${shellWord(shownPath(path))}`;
+  return (
+    `is an MLP classifier${shape}, not a text model; sample needs a gpt model. ` + `To see how good it is: meshtrain eval --model ${shellWord(shownPath(path))}`
+  );
 }

@@ -93,7 +93,11 @@ function nextCommands(vocab: CharVocab | undefined): string[][] {
 }
 
 export function runGpt(o: GptRunOptions): GptRunResult {
-  return withBackend(o.device, (why) => console.log(why), (backend) => trainGpt(o, backend));
+  return withBackend(
+    o.device,
+    (why) => console.log(why),
+    (backend) => trainGpt(o, backend),
+  );
 }
 
 function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
@@ -110,10 +114,14 @@ function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
   const valBatches = new TokenBatcher(corpus.val, valBatchWindows, o.blockSize, corpus.vocabSize);
   const tokensPerStep = o.batchSize * o.accum * o.blockSize;
 
-  console.log(`meshtrain: gpt on ${corpus.name}: ${corpus.train.length.toLocaleString("en-US")} train / ${corpus.val.length.toLocaleString("en-US")} val tokens, vocab ${corpus.vocabSize}, ${backend.name} backend, ${precisionNote(o.precision)}`);
+  console.log(
+    `meshtrain: gpt on ${corpus.name}: ${corpus.train.length.toLocaleString("en-US")} train / ${corpus.val.length.toLocaleString("en-US")} val tokens, vocab ${corpus.vocabSize}, ${backend.name} backend, ${precisionNote(o.precision)}`,
+  );
   console.log(`config: ${JSON.stringify({ model: config, training: o })}`);
-  console.log(`parameters: ${model.store.paramCount.toLocaleString("en-US")} | tokens/step: ${tokensPerStep} ` +
-    `| GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)} | limit: ${o.maxSteps} steps or ${o.timeLimitMin} min`);
+  console.log(
+    `parameters: ${model.store.paramCount.toLocaleString("en-US")} | tokens/step: ${tokensPerStep} ` +
+      `| GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)} | limit: ${o.maxSteps} steps or ${o.timeLimitMin} min`,
+  );
 
   const rng = new Rng(o.seed);
   const progress = new Progress(o.maxSteps, "tokens");

@@ -84,7 +84,11 @@ export function makeOptimizer(ctx: Context, model: MlpModel, o: MlpRunOptions): 
 }
 
 export function runMlp(o: MlpRunOptions): MlpRunResult {
-  return withBackend(o.device, (why) => console.log(why), (backend) => trainMlp(o, backend));
+  return withBackend(
+    o.device,
+    (why) => console.log(why),
+    (backend) => trainMlp(o, backend),
+  );
 }
 
 function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
@@ -106,10 +110,14 @@ function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
   checkSchedule(schedule, o.lr);
   const trainer = new TrainStep(ctx, model, makeOptimizer(ctx, model, o), { lr: o.lr, schedule, gradClip: o.gradClip, accumSteps: o.accum });
 
-  console.log(`meshtrain: mlp ${o.widths.join("-")} on MNIST (${split.train.length} train / ${split.val.length} validation / ${data.test.count} test), ${backend.name} backend, ${precisionNote(o.precision)}`);
+  console.log(
+    `meshtrain: mlp ${o.widths.join("-")} on MNIST (${split.train.length} train / ${split.val.length} validation / ${data.test.count} test), ${backend.name} backend, ${precisionNote(o.precision)}`,
+  );
   console.log(`config: ${JSON.stringify(o)}`);
-  console.log(`parameters: ${model.store.paramCount.toLocaleString("en-US")} | samples/step: ${o.batchSize * o.accum} ` +
-    `| steps: ${totalSteps} (${stepsPerEpoch}/epoch) | GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)}`);
+  console.log(
+    `parameters: ${model.store.paramCount.toLocaleString("en-US")} | samples/step: ${o.batchSize * o.accum} ` +
+      `| steps: ${totalSteps} (${stepsPerEpoch}/epoch) | GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)}`,
+  );
 
   const testBatches = new ImageBatcher(data.test, evalBatchSamples);
   const progress = new Progress(totalSteps, "samples");
@@ -119,8 +127,7 @@ function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
   for (let epoch = 0; epoch < o.epochs; epoch++) {
     const batches = micro.epoch(o.seed, epoch, true, true);
     for (let s = 0; s < stepsPerEpoch; s++) {
-      const group = o.accum === 1 ? [batches.next().value!]
-        : Array.from({ length: o.accum }, () => cloneBatch(batches.next().value!));
+      const group = o.accum === 1 ? [batches.next().value!] : Array.from({ length: o.accum }, () => cloneBatch(batches.next().value!));
       const r = trainer.run(group);
       step++;
       rate.add(o.batchSize * o.accum);
@@ -129,18 +136,23 @@ function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
     }
     const ev = evaluate(ctx, model, testBatches.epoch(0, 0, false, false));
     last = { loss: ev.loss, accuracy: ev.accuracy };
-    const val = valBatches === null ? "" : (() => {
-      const v = evaluate(ctx, model, valBatches.epoch(0, 0, false, false));
-      return `validation loss ${v.loss.toFixed(4)}, validation accuracy ${(v.accuracy * 100).toFixed(2)}%; `;
-    })();
+    const val =
+      valBatches === null
+        ? ""
+        : (() => {
+            const v = evaluate(ctx, model, valBatches.epoch(0, 0, false, false));
+            return `validation loss ${v.loss.toFixed(4)}, validation accuracy ${(v.accuracy * 100).toFixed(2)}%; `;
+          })();
     progress.log(`epoch ${epoch + 1}/${o.epochs}: ${val}test loss ${ev.loss.toFixed(4)}, test accuracy ${(ev.accuracy * 100).toFixed(2)}%`);
   }
   progress.stop();
   mkdirSync(dirname(o.out), { recursive: true });
   saveModelFile(o.out, model.store, { kind: "mlp", config, step, training: o });
   const seconds = (performance.now() - t0) / 1000;
-  console.log(`test accuracy: ${(last.accuracy * 100).toFixed(2)}% (error ${((1 - last.accuracy) * 100).toFixed(2)}%; ` +
-    `LeCun et al. list 1.6% for 784-800-10) after ${step} steps in ${seconds.toFixed(1)} s`);
+  console.log(
+    `test accuracy: ${(last.accuracy * 100).toFixed(2)}% (error ${((1 - last.accuracy) * 100).toFixed(2)}%; ` +
+      `LeCun et al. list 1.6% for 784-800-10) after ${step} steps in ${seconds.toFixed(1)} s`,
+  );
   for (const line of modelLines(o.out, [["eval"]])) console.log(line);
   ctx.dispose();
   return { testAccuracy: last.accuracy, testLoss: last.loss, steps: step, seconds };

@@ -22,6 +22,10 @@ await runService<Config>({
     const svc = new CheckpointService(bus, new CheckpointStore(config.dir), log, config.payloadBytesMax, ledger);
     svc.serve();
     const watch = await ledger.follow("checkpoint", svc);
-    return { async stop() { watch.stop(); } };
+    return {
+      async stop() {
+        watch.stop();
+      },
+    };
   },
 });

@@ -12,15 +12,35 @@
 // A job opened under a name whose snapshots were taken with other settings is refused (it would
 // overwrite them, and resuming from them would be wrong): the job fails with the differences.
 import {
-  decodeJobRequest, decodeShardState, decodeShardStats, encodeCheckpointList, encodeEvent, encodeJobRequest, encodeManifest, encodeShardState, emptyEvent,
-  EventKind, decodeEvent, type DataPlan, type JobSpec, type ShardState,
+  decodeJobRequest,
+  decodeShardState,
+  decodeShardStats,
+  encodeCheckpointList,
+  encodeEvent,
+  encodeJobRequest,
+  encodeManifest,
+  encodeShardState,
+  emptyEvent,
+  EventKind,
+  decodeEvent,
+  type DataPlan,
+  type JobSpec,
+  type ShardState,
 } from "../../schemas/messages.ts";
 import { join } from "node:path";
 import type { Bus, Subscription } from "../runtime/bus.ts";
 import { BadRequestError, ConfigError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
 import { EvalTally } from "../runtime/evals.ts";
 import {
-  configOfSpec, type JobConfig, jobConfigFromJson, jobNamePattern, jobOfRequest, shardOfOpenedTag, subjects, trajectoryDiff, usesShards,
+  configOfSpec,
+  type JobConfig,
+  jobConfigFromJson,
+  jobNamePattern,
+  jobOfRequest,
+  shardOfOpenedTag,
+  subjects,
+  trajectoryDiff,
+  usesShards,
 } from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
@@ -50,29 +70,42 @@ const replicaPartsMax = 8192;
 export class CheckpointService {
   readonly #jobs = new Map<string, JobEntry>();
 
-  constructor(readonly bus: Bus, readonly store: CheckpointStore, readonly log: Logger | undefined, readonly payloadBytesMax: number,
-    readonly control?: JobControl) {}
+  constructor(
+    readonly bus: Bus,
+    readonly store: CheckpointStore,
+    readonly log: Logger | undefined,
+    readonly payloadBytesMax: number,
+    readonly control?: JobControl,
+  ) {}
 
   serve(): void {
     const on = (name: string, handler: (e: JobEntry, tag: string, step: number) => Promise<Uint8Array> | Uint8Array) =>
-      this.bus.serve({ name, subject: `mt.*.ckpt.${name}`, handler: (data, subject) => {
-        const m = decodeJobRequest(data, this.payloadBytesMax);
-        const job = jobOfRequest(subject, m.job);
-        const e = this.#jobs.get(job);
-        if (!e) throw new UnknownJobError(`the checkpoint service runs no job "${job}" (it is not running)`);
-        return handler(e, m.tag, m.step);
-      } });
+      this.bus.serve({
+        name,
+        subject: `mt.*.ckpt.${name}`,
+        handler: (data, subject) => {
+          const m = decodeJobRequest(data, this.payloadBytesMax);
+          const job = jobOfRequest(subject, m.job);
+          const e = this.#jobs.get(job);
+          if (!e) throw new UnknownJobError(`the checkpoint service runs no job "${job}" (it is not running)`);
+          return handler(e, m.tag, m.step);
+        },
+      });
     on("save", (e, tag, step) => this.#serial(e, () => this.#save(e, step, tag)));
     on("restore", (e, tag) => this.#serial(e, () => this.#restore(e, tag)));
     // list answers for ended jobs too: their snapshots stay on disk
-    this.bus.serve({ name: "list", subject: "mt.*.ckpt.list", handler: (data, subject) => {
-      const job = jobOfRequest(subject, decodeJobRequest(data, this.payloadBytesMax).job);
-      const items = jobNamePattern.test(job) ? this.store.list(job) : [];
-      if (items.length === 0 && !this.#jobs.has(job)) {
-        throw new UnknownJobError(`no job "${job}" here: it is not running and has no snapshots in ${this.store.root}`);
-      }
-      return encodeCheckpointList({ job, items });
-    } });
+    this.bus.serve({
+      name: "list",
+      subject: "mt.*.ckpt.list",
+      handler: (data, subject) => {
+        const job = jobOfRequest(subject, decodeJobRequest(data, this.payloadBytesMax).job);
+        const items = jobNamePattern.test(job) ? this.store.list(job) : [];
+        if (items.length === 0 && !this.#jobs.has(job)) {
+          throw new UnknownJobError(`no job "${job}" here: it is not running and has no snapshots in ${this.store.root}`);
+        }
+        return encodeCheckpointList({ job, items });
+      },
+    });
   }
 
   #serial<T>(e: JobEntry, fn: () => Promise<T>): Promise<T> {
@@ -85,29 +118,52 @@ export class CheckpointService {
     const { cfg, plan } = e;
     const t0 = performance.now();
     const req = encodeJobRequest({ job: cfg.job, step, tag: "" });
-    const states = !usesShards(cfg) ? await this.#replicaParts(cfg, step) : await Promise.all(Array.from({ length: cfg.shards }, async (_, k) => {
-      const bytes = await this.bus.request(subjects.psState(cfg.job, k), req, stateTimeoutMs);
-      // verify before writing: a state that does not decode is never saved
-      const s = decodeShardState(bytes, 1 << 30);
-      if (s.shard !== k || s.job !== cfg.job) throw new BadRequestError(`shard ${k} answered the state of ${s.job} shard ${s.shard}`);
-      return { name: shardFile(k), bytes, state: s };
-    }));
+    const states = !usesShards(cfg)
+      ? await this.#replicaParts(cfg, step)
+      : await Promise.all(
+          Array.from({ length: cfg.shards }, async (_, k) => {
+            const bytes = await this.bus.request(subjects.psState(cfg.job, k), req, stateTimeoutMs);
+            // verify before writing: a state that does not decode is never saved
+            const s = decodeShardState(bytes, 1 << 30);
+            if (s.shard !== k || s.job !== cfg.job) throw new BadRequestError(`shard ${k} answered the state of ${s.job} shard ${s.shard}`);
+            return { name: shardFile(k), bytes, state: s };
+          }),
+        );
     // the final snapshot's parameters as a model file, written (durably) before the snapshot
     // that names it
     let modelPath = "";
     if (why === "final") {
       modelPath = join(this.store.jobDir(cfg.job), modelFileName);
-      exportModelFile(cfg, plan, states.map((s) => s.state), modelPath, step);
+      exportModelFile(
+        cfg,
+        plan,
+        states.map((s) => s.state),
+        modelPath,
+        step,
+      );
     }
     const files = states.map(({ name, bytes }) => ({ name, bytes }));
-    const manifest = this.store.save({
-      job: cfg.job, step, metric: this.#metricAt(e, step), configJson: JSON.stringify(cfg), cursors: Array(cfg.trainers).fill(step), modelPath,
-    }, files);
+    const manifest = this.store.save(
+      {
+        job: cfg.job,
+        step,
+        metric: this.#metricAt(e, step),
+        configJson: JSON.stringify(cfg),
+        cursors: Array(cfg.trainers).fill(step),
+        modelPath,
+      },
+      files,
+    );
     const removed = this.store.retain(cfg.job, cfg.keepLast);
     const bytes = files.reduce((s, f) => s + f.bytes.byteLength, 0);
     const ms = performance.now() - t0;
     this.log?.info({ job: cfg.job, id: manifest.id, step, bytes, ms: Math.round(ms), removed, why, modelPath }, "snapshot saved");
-    this.#event(cfg.job, EventKind.Checkpoint, step, `saved ${manifest.id} (${(bytes / 1e6).toFixed(1)} MB in ${ms.toFixed(0)} ms)${modelPath ? `; model ${modelPath}` : ""}`);
+    this.#event(
+      cfg.job,
+      EventKind.Checkpoint,
+      step,
+      `saved ${manifest.id} (${(bytes / 1e6).toFixed(1)} MB in ${ms.toFixed(0)} ms)${modelPath ? `; model ${modelPath}` : ""}`,
+    );
     return encodeManifest(manifest);
   }
 
@@ -145,11 +201,13 @@ export class CheckpointService {
       this.#event(cfg.job, EventKind.Log, 0, `snapshot ${bad} is corrupt: ${why}`);
     });
     if (usesShards(cfg)) {
-      await Promise.all(Array.from({ length: cfg.shards }, async (_, k) => {
-        const bytes = snap.files.get(shardFile(k));
-        if (!bytes) throw new BadRequestError(`snapshot ${snap.manifest.id} has no file for shard ${k}`);
-        await this.bus.request(subjects.psLoad(cfg.job, k), bytes, stateTimeoutMs);
-      }));
+      await Promise.all(
+        Array.from({ length: cfg.shards }, async (_, k) => {
+          const bytes = snap.files.get(shardFile(k));
+          if (!bytes) throw new BadRequestError(`snapshot ${snap.manifest.id} has no file for shard ${k}`);
+          await this.bus.request(subjects.psLoad(cfg.job, k), bytes, stateTimeoutMs);
+        }),
+      );
     } else {
       await this.#loadReplicas(e, snap.manifest.id, snap.files);
     }
@@ -171,9 +229,11 @@ export class CheckpointService {
       parts.push(encodeShardState({ ...decodeShardState(files.get(replicaFile(p))!, this.payloadBytesMax), generation }));
     }
     if (parts.length === 0) throw new BadRequestError(`snapshot ${id} holds no replica (it was taken by a parameter-server job)`);
-    await Promise.all(Array.from({ length: cfg.trainers }, async (_, r) => {
-      for (const bytes of parts) await this.bus.request(subjects.replicaLoad(cfg.job, r), bytes, stateTimeoutMs);
-    }));
+    await Promise.all(
+      Array.from({ length: cfg.trainers }, async (_, r) => {
+        for (const bytes of parts) await this.bus.request(subjects.replicaLoad(cfg.job, r), bytes, stateTimeoutMs);
+      }),
+    );
   }
 
   /** Whether a shard holds nothing yet: no update applied, no trainer's step pushed. */
@@ -213,8 +273,10 @@ export class CheckpointService {
     if (!newest) return;
     const diff = trajectoryDiff(jobConfigFromJson(newest.configJson), cfg);
     if (diff.length > 0) {
-      throw new ConfigError(`job ${cfg.job} has snapshots taken with other settings in ${this.store.jobDir(cfg.job)} (${diff.join("; ")}); ` +
-        "resubmit it with those settings to resume it, or give the new run another job name");
+      throw new ConfigError(
+        `job ${cfg.job} has snapshots taken with other settings in ${this.store.jobDir(cfg.job)} (${diff.join("; ")}); ` +
+          "resubmit it with those settings to resume it, or give the new run another job name",
+      );
     }
   }
 

@@ -63,7 +63,11 @@ export class CheckpointStore {
     rmSync(tmp, { recursive: true, force: true });
     mkdirSync(tmp);
     const manifest: Manifest = {
-      ...m, modelPath: m.modelPath ?? "", id, formatVersion, createdMs: Date.now(),
+      ...m,
+      modelPath: m.modelPath ?? "",
+      id,
+      formatVersion,
+      createdMs: Date.now(),
       files: files.map((f) => ({ name: f.name, bytes: f.bytes.byteLength, crc32: Bun.hash.crc32(f.bytes) })),
     };
     for (const f of files) if (f.name.includes("/") || f.name === manifestName) throw new Error(`bad snapshot file name ${f.name}`);
@@ -108,7 +112,9 @@ export class CheckpointStore {
       throw new CorruptDataError(`snapshot ${id} of ${job}: manifest does not decode (${(e as Error).message})`);
     }
     if (m.formatVersion !== formatVersion) {
-      throw new CorruptDataError(`snapshot ${id} of ${job} has checkpoint format ${m.formatVersion}; this build reads ${formatVersion} (restore it with a matching meshtrain)`);
+      throw new CorruptDataError(
+        `snapshot ${id} of ${job} has checkpoint format ${m.formatVersion}; this build reads ${formatVersion} (restore it with a matching meshtrain)`,
+      );
     }
     if (m.id !== id || m.job !== job) throw new CorruptDataError(`snapshot folder ${id} of ${job} holds the manifest of ${m.job}/${m.id}`);
     return m;
@@ -128,7 +134,8 @@ export class CheckpointStore {
       }
       if (bytes.byteLength !== f.bytes) throw new CorruptDataError(`snapshot ${id}: ${f.name} has ${bytes.byteLength} bytes, the manifest says ${f.bytes}`);
       const crc = Bun.hash.crc32(bytes);
-      if (crc !== f.crc32) throw new CorruptDataError(`snapshot ${id}: ${f.name} fails its checksum (crc32 ${crc.toString(16)}, manifest ${f.crc32.toString(16)})`);
+      if (crc !== f.crc32)
+        throw new CorruptDataError(`snapshot ${id}: ${f.name} fails its checksum (crc32 ${crc.toString(16)}, manifest ${f.crc32.toString(16)})`);
       files.set(f.name, bytes);
     }
     return { manifest, files };

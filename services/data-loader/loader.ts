@@ -30,18 +30,26 @@ export class JobData {
    * The job's data from its data set. `plan`: the one its spec carries, which must be the plan of
    * this data (a file that changed since the job was submitted refuses the job); absent: computed.
    */
-  constructor(readonly cfg: JobConfig, dataset: Dataset, plan?: DataPlan) {
+  constructor(
+    readonly cfg: JobConfig,
+    dataset: Dataset,
+    plan?: DataPlan,
+  ) {
     this.#source = jobSource(cfg, dataset);
     this.train = this.#source.train;
     this.val = this.#source.val;
     this.plan = plan ?? jobPlan(cfg, this.#source.facts);
-    const f = this.#source.facts, p = this.plan;
+    const f = this.#source.facts,
+      p = this.plan;
     if (p.trainSamples !== f.train || p.valSamples !== f.val || p.testSamples !== f.test || p.vocabSize !== f.vocabSize || p.vocab.join() !== f.vocab.join()) {
-      throw new BadRequestError(`job ${cfg.job} was planned for ${p.trainSamples} training, ${p.valSamples} validation and ${p.testSamples} test samples`
-        + `${p.vocabSize ? ` of a ${p.vocabSize}-token vocabulary` : ""}, but its data set now has ${f.train}, ${f.val} and ${f.test}`
-        + `${f.vocabSize ? ` of ${f.vocabSize}` : ""}: the data changed since the job was submitted`);
+      throw new BadRequestError(
+        `job ${cfg.job} was planned for ${p.trainSamples} training, ${p.valSamples} validation and ${p.testSamples} test samples` +
+          `${p.vocabSize ? ` of a ${p.vocabSize}-token vocabulary` : ""}, but its data set now has ${f.train}, ${f.val} and ${f.test}` +
+          `${f.vocabSize ? ` of ${f.vocabSize}` : ""}: the data changed since the job was submitted`,
+      );
     }
-    if (p.stepsPerEpoch !== stepsPerEpochOf(f.train, cfg.trainers, cfg.batchSize)) throw new BadRequestError(`job ${cfg.job}'s plan has ${p.stepsPerEpoch} steps per epoch, its config another count`);
+    if (p.stepsPerEpoch !== stepsPerEpochOf(f.train, cfg.trainers, cfg.batchSize))
+      throw new BadRequestError(`job ${cfg.job}'s plan has ${p.stepsPerEpoch} steps per epoch, its config another count`);
     this.stepsPerEpoch = p.stepsPerEpoch;
     this.totalSteps = p.totalSteps;
     this.#ready = Array.from({ length: cfg.trainers }, () => new Map());
@@ -74,8 +82,10 @@ export class JobData {
   #encodeEval(rank: number, split: Split, index: number): Uint8Array {
     const all = split === Split.Test ? null : this.val;
     const n = all === null ? this.plan.testSamples : all.length;
-    const W = this.cfg.trainers, rows = this.#source.evalRows;
-    const lo = Math.floor((rank * n) / W), hi = Math.floor(((rank + 1) * n) / W);
+    const W = this.cfg.trainers,
+      rows = this.#source.evalRows;
+    const lo = Math.floor((rank * n) / W),
+      hi = Math.floor(((rank + 1) * n) / W);
     const start = lo + index * rows;
     const count = Math.max(0, Math.min(rows, hi - start));
     const ids = all === null ? Uint32Array.from({ length: count }, (_, i) => start + i) : all.slice(start, start + count);
@@ -87,7 +97,8 @@ export class JobData {
     if (!(rank < this.cfg.trainers)) throw new BadRequestError(`rank ${rank} is not in job ${this.cfg.job} (ranks 0..${this.cfg.trainers - 1})`);
     const started = performance.now();
     if (split !== Split.Train) {
-      if (split === Split.Val && this.val.length === 0) throw new BadRequestError(`job ${this.cfg.job} holds out no validation split (valFraction 0); ask for Test`);
+      if (split === Split.Val && this.val.length === 0)
+        throw new BadRequestError(`job ${this.cfg.job} holds out no validation split (valFraction 0); ask for Test`);
       if (split === Split.Test && this.plan.testSamples === 0) throw new BadRequestError(`job ${this.cfg.job}'s data set has no test split; ask for Val`);
       if (split !== Split.Val && split !== Split.Test) throw new BadRequestError(`unknown split ${split}`);
       return this.#encodeEval(rank, split, step);

@@ -22,6 +22,10 @@ await runService<Config>({
     const loader = new DataLoader(bus, { payloadBytesMax: config.payloadBytesMax, jobsMax: config.jobsMax, log, control: ledger });
     loader.serve();
     const watch = await ledger.follow("data-loader", loader);
-    return { async stop() { watch.stop(); } };
+    return {
+      async stop() {
+        watch.stop();
+      },
+    };
   },
 });

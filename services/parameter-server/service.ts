@@ -5,8 +5,16 @@
 // (the schedule's step count); requests meanwhile get NotReadyError.
 import type { Backend } from "../../ffi/backend.ts";
 import {
-  decodeDataPlan, decodeJobRequest, decodePullRequest, encodeJobRequest, decodePushRequest, decodeShardState, encodePushReply, encodeShardState,
-  encodeShardStats, type JobSpec,
+  decodeDataPlan,
+  decodeJobRequest,
+  decodePullRequest,
+  encodeJobRequest,
+  decodePushRequest,
+  decodeShardState,
+  encodePushReply,
+  encodeShardState,
+  encodeShardStats,
+  type JobSpec,
 } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
 import { LimitExceededError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
@@ -29,8 +37,14 @@ export class ParameterServer {
   /** jobs waiting for the data-loader's plan; aborted when the job closes first */
   readonly #opening = new Map<string, AbortController>();
 
-  constructor(readonly bus: Bus, readonly shardIndex: number, readonly backend: Backend, readonly log: Logger | undefined,
-    readonly payloadBytesMax: number, readonly jobsMax = jobsMaxDefault) {}
+  constructor(
+    readonly bus: Bus,
+    readonly shardIndex: number,
+    readonly backend: Backend,
+    readonly log: Logger | undefined,
+    readonly payloadBytesMax: number,
+    readonly jobsMax = jobsMaxDefault,
+  ) {}
 
   serve(): void {
     const k = this.shardIndex;
@@ -50,7 +64,9 @@ export class ParameterServer {
       e.pulls++;
       const reply = await e.shard.pull(m.trainer, m.step, m.ids);
       if (reply.byteLength > this.payloadBytesMax) {
-        throw new LimitExceededError(`a pull of ${m.ids.length} chunks is ${reply.byteLength} bytes, over the ${this.payloadBytesMax}-byte limit; pull fewer chunks per request`);
+        throw new LimitExceededError(
+          `a pull of ${m.ids.length} chunks is ${reply.byteLength} bytes, over the ${this.payloadBytesMax}-byte limit; pull fewer chunks per request`,
+        );
       }
       return reply;
     });
@@ -59,8 +75,16 @@ export class ParameterServer {
       const e = this.#entry(subject, m.job);
       const s = e.shard;
       return encodeShardStats({
-        job: m.job, shard: k, chunks: s.ids.length, elements: s.elements, updates: s.updates, pushes: e.pushes, duplicates: e.duplicates,
-        pulls: e.pulls, waiting: s.waiting, clocks: [...s.clocks],
+        job: m.job,
+        shard: k,
+        chunks: s.ids.length,
+        elements: s.elements,
+        updates: s.updates,
+        pushes: e.pushes,
+        duplicates: e.duplicates,
+        pulls: e.pulls,
+        waiting: s.waiting,
+        clocks: [...s.clocks],
       });
     });
     on("state", (subject, data) => {
@@ -78,7 +102,18 @@ export class ParameterServer {
       const s = decodeShardState(data, Math.max(this.payloadBytesMax, 64 << 20));
       this.#entry(subject, s.job).shard.importState(s);
       this.log?.info({ job: s.job, step: s.step }, "shard state loaded");
-      return encodeShardStats({ job: s.job, shard: k, chunks: s.chunks.length, elements: 0, updates: s.updates, pushes: 0, duplicates: 0, pulls: 0, waiting: 0, clocks: [] });
+      return encodeShardStats({
+        job: s.job,
+        shard: k,
+        chunks: s.chunks.length,
+        elements: 0,
+        updates: s.updates,
+        pushes: 0,
+        duplicates: 0,
+        pulls: 0,
+        waiting: 0,
+        clocks: [],
+      });
     });
   }
 
@@ -89,17 +124,19 @@ export class ParameterServer {
   async #agreeNorm(cfg: JobConfig, owners: readonly number[], step: number, own: number): Promise<number> {
     const req = encodeJobRequest({ job: cfg.job, step, tag: "" });
     const started = Date.now();
-    const parts = await Promise.all(owners.map(async (k) => {
-      if (k === this.shardIndex) return own;
-      for (let attempt = 1; ; attempt++) {
-        try {
-          return decodeJobRequest(await this.bus.request(subjects.psNorm(cfg.job, k), req, normWaitMs), 1 << 16).value ?? 0;
-        } catch (e) {
-          if (Date.now() - started > normWaitMs || !this.#jobs.has(cfg.job)) throw e;
-          await Bun.sleep(Math.min(100 * attempt, 2000));
+    const parts = await Promise.all(
+      owners.map(async (k) => {
+        if (k === this.shardIndex) return own;
+        for (let attempt = 1; ; attempt++) {
+          try {
+            return decodeJobRequest(await this.bus.request(subjects.psNorm(cfg.job, k), req, normWaitMs), 1 << 16).value ?? 0;
+          } catch (e) {
+            if (Date.now() - started > normWaitMs || !this.#jobs.has(cfg.job)) throw e;
+            await Bun.sleep(Math.min(100 * attempt, 2000));
+          }
         }
-      }
-    }));
+      }),
+    );
     let sum = 0;
     for (const p of parts) sum += p;
     return Math.sqrt(sum);
@@ -126,7 +163,9 @@ export class ParameterServer {
     this.closeJob(spec.job);
     if (this.shardIndex >= cfg.shards || !usesShards(cfg)) return; // this job has fewer shards, or none (all-reduce)
     if (this.#jobs.size + this.#opening.size >= this.jobsMax) {
-      throw new LimitExceededError(`shard ${this.shardIndex} runs ${this.jobsMax} jobs already (${[...this.#jobs.keys(), ...this.#opening.keys()].join(", ")}); raise its --jobs-max`);
+      throw new LimitExceededError(
+        `shard ${this.shardIndex} runs ${this.jobsMax} jobs already (${[...this.#jobs.keys(), ...this.#opening.keys()].join(", ")}); raise its --jobs-max`,
+      );
     }
     const abort = new AbortController();
     this.#opening.set(cfg.job, abort);
@@ -138,7 +177,12 @@ export class ParameterServer {
       const layout = planLayout(cfg, plan);
       const owners = layout.byShard.flatMap((ids, k) => (ids.length > 0 ? [k] : []));
       const shard = new ParameterShard({
-        backend: this.backend, config: cfg, layout, shard: this.shardIndex, totalSteps, initial: init.values,
+        backend: this.backend,
+        config: cfg,
+        layout,
+        shard: this.shardIndex,
+        totalSteps,
+        initial: init.values,
         ...(owners.length > 1 ? { agreeNorm: (step: number, own: number) => this.#agreeNorm(cfg, owners, step, own) } : {}),
       });
       shard.onNormFailure = (step, e) => this.log?.error({ job: cfg.job, step, err: e.message }, "the shards did not agree on the gradient norm");

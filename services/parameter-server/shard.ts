@@ -61,7 +61,6 @@ export interface ShardOptions {
   agreeNorm?: (step: number, sumSquares: number) => Promise<number>;
 }
 
-
 export class ParameterShard {
   readonly job: string;
   readonly shard: number;
@@ -209,7 +208,8 @@ export class ParameterShard {
     this.#checkTrainer(m.trainer);
     const seen = new Set<number>();
     const fresh: { slot: ChunkSlot; chunk: Chunk; at: number }[] = [];
-    let duplicates = 0, staged = 0;
+    let duplicates = 0,
+      staged = 0;
     for (const c of m.chunks) {
       const slot = this.#checkChunk(c, m);
       if (seen.has(c.id)) throw new BadRequestError(`chunk ${c.id} appears twice in one push`);
@@ -394,11 +394,19 @@ export class ParameterShard {
     if (this.#waiters.size >= pullWaitersMax) throw new LimitExceededError(`${pullWaitersMax} pulls are waiting on shard ${this.shard} already`);
     return new Promise((resolve, reject) => {
       const w: Waiter = {
-        trainer, step, ids, resolve, reject,
+        trainer,
+        step,
+        ids,
+        resolve,
+        reject,
         ready: () => this.#ready(step, ids),
         timer: setTimeout(() => {
           this.#waiters.delete(w);
-          reject(new DeadlineError(`pull for step ${step} by trainer ${trainer} waited ${pullWaitMsMax} ms; trainer clocks on shard ${this.shard}: ${this.#clock.join(",")}`));
+          reject(
+            new DeadlineError(
+              `pull for step ${step} by trainer ${trainer} waited ${pullWaitMsMax} ms; trainer clocks on shard ${this.shard}: ${this.#clock.join(",")}`,
+            ),
+          );
         }, pullWaitMsMax),
       };
       this.#waiters.add(w);
@@ -415,10 +423,13 @@ export class ParameterShard {
   }
 
   #snapshot(ids: Uint32Array): Uint8Array {
-    return encodePullReply(this.#updates, [...ids].map((id) => {
-      const slot = this.#slots.get(id)!;
-      return { id, version: slot.version, count: slot.info.count, fill: (dst: Uint8Array) => this.#be.download(this.#ptr(this.#params, slot), dst) };
-    }));
+    return encodePullReply(
+      this.#updates,
+      [...ids].map((id) => {
+        const slot = this.#slots.get(id)!;
+        return { id, version: slot.version, count: slot.info.count, fill: (dst: Uint8Array) => this.#be.download(this.#ptr(this.#params, slot), dst) };
+      }),
+    );
   }
 
   /** Everything needed to resume: parameters, optimizer state and versions of every chunk. */
@@ -443,15 +454,19 @@ export class ParameterShard {
   importState(s: ShardState): void {
     this.flush();
     const step = s.step;
-    if (s.job !== this.job || s.shard !== this.shard) throw new BadRequestError(`snapshot of ${s.job} shard ${s.shard} loaded into ${this.job} shard ${this.shard}`);
+    if (s.job !== this.job || s.shard !== this.shard)
+      throw new BadRequestError(`snapshot of ${s.job} shard ${s.shard} loaded into ${this.job} shard ${this.shard}`);
     const ids = s.chunks.map((c) => c.id).sort((a, b) => a - b);
-    if (ids.join(",") !== [...this.ids].sort((a, b) => a - b).join(",")) throw new BadRequestError(`snapshot holds chunks ${ids.join(",")}, shard ${this.shard} owns ${this.ids.join(",")}`);
+    if (ids.join(",") !== [...this.ids].sort((a, b) => a - b).join(","))
+      throw new BadRequestError(`snapshot holds chunks ${ids.join(",")}, shard ${this.shard} owns ${this.ids.join(",")}`);
     for (const c of s.chunks) {
       const slot = this.#slot(c.id);
       if (c.params.length !== slot.info.count) throw new BadRequestError(`snapshot chunk ${c.id} has ${c.params.length} elements, expected ${slot.info.count}`);
       const names = c.state.map((v) => v.name).join(",");
-      if (names !== this.#state.map((v) => v.name).join(",")) throw new BadRequestError(`snapshot chunk ${c.id} has optimizer state [${names}], this job needs [${this.#state.map((v) => v.name).join(",")}]`);
-      for (const v of c.state) if (v.data.length !== slot.info.count) throw new BadRequestError(`snapshot chunk ${c.id} ${v.name} has ${v.data.length} elements`);
+      if (names !== this.#state.map((v) => v.name).join(","))
+        throw new BadRequestError(`snapshot chunk ${c.id} has optimizer state [${names}], this job needs [${this.#state.map((v) => v.name).join(",")}]`);
+      for (const v of c.state)
+        if (v.data.length !== slot.info.count) throw new BadRequestError(`snapshot chunk ${c.id} ${v.name} has ${v.data.length} elements`);
     }
     for (const w of this.#waiters) {
       clearTimeout(w.timer);

@@ -54,7 +54,8 @@ export function unwrapReply(reply: Uint8Array): Uint8Array {
 
 /** Subject matching with NATS wildcards: `*` one token, `>` the rest. */
 export function subjectMatches(pattern: string, subject: string): boolean {
-  const p = pattern.split("."), s = subject.split(".");
+  const p = pattern.split("."),
+    s = subject.split(".");
   for (let i = 0; i < p.length; i++) {
     if (p[i] === ">") return s.length > i;
     if (i >= s.length || (p[i] !== "*" && p[i] !== s[i])) return false;

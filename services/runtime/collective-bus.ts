@@ -47,7 +47,11 @@ export const busTransportDefaults = {
 } as const;
 
 const phases: Readonly<Record<Phase, CollPhase>> = {
-  "reduce-scatter": CollPhase.ReduceScatter, "all-gather": CollPhase.AllGather, broadcast: CollPhase.Broadcast, gather: CollPhase.Gather, abort: CollPhase.Abort,
+  "reduce-scatter": CollPhase.ReduceScatter,
+  "all-gather": CollPhase.AllGather,
+  broadcast: CollPhase.Broadcast,
+  gather: CollPhase.Gather,
+  abort: CollPhase.Abort,
 };
 const phaseOf = new Map<CollPhase, Phase>(Object.entries(phases).map(([k, v]) => [v, k as Phase]));
 /** longest abort reason sent */
@@ -66,10 +70,14 @@ export class BusTransport implements PeerTransport {
   #sub: Subscription | null = null;
   #closed = false;
 
-  constructor(readonly bus: Bus, options: BusTransportOptions) {
+  constructor(
+    readonly bus: Bus,
+    options: BusTransportOptions,
+  ) {
     this.#o = options;
     this.rank = options.rank;
-    if (options.pieceBytesMax % 4 !== 0 || options.pieceBytesMax < 4) throw new RangeError(`pieceBytesMax must be a positive multiple of 4, got ${options.pieceBytesMax}`);
+    if (options.pieceBytesMax % 4 !== 0 || options.pieceBytesMax < 4)
+      throw new RangeError(`pieceBytesMax must be a positive multiple of 4, got ${options.pieceBytesMax}`);
     this.pieceBytesMax = options.pieceBytesMax;
   }
 
@@ -131,7 +139,8 @@ export class BusTransport implements PeerTransport {
         const retry = e instanceof CapacityError || e instanceof DeadlineError || e instanceof NoRespondersError;
         const elapsedMs = performance.now() - started;
         if (!retry) throw e;
-        if (elapsedMs > peerLostMs) throw new PeerLostError(header.to, `${attempt} attempts over ${Math.round(elapsedMs)} ms: ${(e as Error).message}`, { cause: e });
+        if (elapsedMs > peerLostMs)
+          throw new PeerLostError(header.to, `${attempt} attempts over ${Math.round(elapsedMs)} ms: ${(e as Error).message}`, { cause: e });
         // a busy peer frees room as its operation starts; an absent one may be restarting
         await pause(Math.min(2 ** attempt, e instanceof CapacityError ? 50 : 500), signal);
       }
@@ -141,8 +150,10 @@ export class BusTransport implements PeerTransport {
   abort(header: PieceHeader, reason: string): void {
     if (this.#closed) return;
     const { job, generation } = this.#o;
-    const msg = encodeCollPiece({ ...header, job, generation, phase: CollPhase.Abort, reason: reason.replace(/[\r\n]+/g, " ").slice(0, reasonCharsMax) },
-      new Float32Array(0));
+    const msg = encodeCollPiece(
+      { ...header, job, generation, phase: CollPhase.Abort, reason: reason.replace(/[\r\n]+/g, " ").slice(0, reasonCharsMax) },
+      new Float32Array(0),
+    );
     this.bus.publish(subjects.coll(job, header.to), msg);
   }
 

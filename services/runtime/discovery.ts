@@ -46,7 +46,7 @@ export async function meshMembers(nc: NatsConnection, waitMs = discoveryWaitMs):
 export function indexList(ids: readonly number[]): string {
   if (ids.length === 0) return "none";
   const runs: string[] = [];
-  for (let i = 0; i < ids.length;) {
+  for (let i = 0; i < ids.length; ) {
     let j = i;
     while (j + 1 < ids.length && ids[j + 1] === ids[j]! + 1) j++;
     runs.push(i === j ? `${ids[i]}` : `${ids[i]}-${ids[j]}`);
@@ -59,7 +59,8 @@ export function indexList(ids: readonly number[]): string {
 export function missingMembers(cfg: Pick<JobConfig, "trainers" | "shards"> & Partial<Pick<JobConfig, "sync">>, m: MeshMembers): string[] {
   const lack = (want: number, have: readonly number[]) => Array.from({ length: want }, (_, i) => i).filter((i) => !have.includes(i));
   // an all-reduce job needs no shard
-  const ranks = lack(cfg.trainers, m.trainers), shards = lack(cfg.sync === "allreduce" ? 0 : cfg.shards, m.shards);
+  const ranks = lack(cfg.trainers, m.trainers),
+    shards = lack(cfg.sync === "allreduce" ? 0 : cfg.shards, m.shards);
   const out: string[] = [];
   if (ranks.length > 0) out.push(`trainer rank${ranks.length > 1 ? "s" : ""} ${indexList(ranks)}`);
   if (shards.length > 0) out.push(`parameter-server shard${shards.length > 1 ? "s" : ""} ${indexList(shards)}`);
@@ -70,10 +71,12 @@ export function missingMembers(cfg: Pick<JobConfig, "trainers" | "shards"> & Par
 
 /** One sentence: what the mesh runs and what the job lacks, and how to fix it. */
 export function capacityMessage(cfg: Pick<JobConfig, "job" | "trainers" | "shards"> & Partial<Pick<JobConfig, "sync">>, m: MeshMembers, where: string): string {
-  return `job ${cfg.job} needs ${missingMembers(cfg, m).join(", ")}, which the mesh at ${where} does not run ` +
+  return (
+    `job ${cfg.job} needs ${missingMembers(cfg, m).join(", ")}, which the mesh at ${where} does not run ` +
     `(it runs trainer ranks ${indexList(m.trainers)}, shards ${indexList(m.shards)}, ${m.dataLoaders} data-loader(s), ${m.checkpoints} checkpoint service(s)); ` +
     `start a mesh that does (meshtrain mesh up --trainers ${Math.max(cfg.trainers, 1)} --shards ${Math.max(cfg.shards, 1)}), or submit with ` +
-    `--trainers ${Math.max(m.trainers.length, 1)} --shards ${Math.max(m.shards.length, 1)}`;
+    `--trainers ${Math.max(m.trainers.length, 1)} --shards ${Math.max(m.shards.length, 1)}`
+  );
 }
 
 /** Pause between looks while waiting for members to register. */
@@ -84,8 +87,13 @@ const membersPollMs = 250;
  * `signal` aborts first; CapacityError naming what is missing when `waitMs` has passed (0: one
  * look). A busy service can miss one look's window, so callers give a few seconds at least.
  */
-export async function awaitMembers(members: () => Promise<MeshMembers>, cfg: Pick<JobConfig, "job" | "trainers" | "shards"> & Partial<Pick<JobConfig, "sync">>, waitMs: number,
-  where: string, signal?: AbortSignal): Promise<boolean> {
+export async function awaitMembers(
+  members: () => Promise<MeshMembers>,
+  cfg: Pick<JobConfig, "job" | "trainers" | "shards"> & Partial<Pick<JobConfig, "sync">>,
+  waitMs: number,
+  where: string,
+  signal?: AbortSignal,
+): Promise<boolean> {
   const deadline = Date.now() + waitMs;
   for (;;) {
     if (signal?.aborted) return false;

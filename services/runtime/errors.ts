@@ -7,7 +7,11 @@ import type { ErrorReply } from "../../schemas/messages.ts";
 /** Every error a service answers with. `code` is stable: it is what crosses the wire. */
 export class MeshError extends Error {
   override name = "MeshError";
-  constructor(readonly code: string, message: string, options?: ErrorOptions) {
+  constructor(
+    readonly code: string,
+    message: string,
+    options?: ErrorOptions,
+  ) {
     super(message, options);
   }
 }

@@ -42,7 +42,10 @@ export class EvalTally {
   combined(stepIndex: number): CombinedEval | null {
     const step = this.#byStep.get(stepIndex);
     if (!step || step.size === 0) return null;
-    let correct = 0, loss = 0, count = 0, split = "";
+    let correct = 0,
+      loss = 0,
+      count = 0,
+      split = "";
     for (const r of step.values()) {
       correct += r.accuracy * r.count;
       loss += r.loss * r.count;

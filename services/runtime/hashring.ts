@@ -11,7 +11,10 @@ export class HashRing {
   readonly #points: Uint32Array;
   readonly #owners: Int32Array;
 
-  constructor(readonly shards: readonly number[], readonly vnodes = vnodesDefault) {
+  constructor(
+    readonly shards: readonly number[],
+    readonly vnodes = vnodesDefault,
+  ) {
     if (shards.length === 0) throw new RangeError("a hash ring needs at least one shard");
     if (new Set(shards).size !== shards.length) throw new RangeError(`shard ids repeat: ${shards.join(",")}`);
     const pts: { h: number; shard: number }[] = [];
@@ -25,7 +28,8 @@ export class HashRing {
   /** The shard that owns `key`. */
   owner(key: string): number {
     const h = hash32(key);
-    let lo = 0, hi = this.#points.length; // first point >= h
+    let lo = 0,
+      hi = this.#points.length; // first point >= h
     while (lo < hi) {
       const mid = (lo + hi) >>> 1;
       if (this.#points[mid]! < h) lo = mid + 1;

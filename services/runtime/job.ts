@@ -8,8 +8,9 @@ import { BadRequestError, ConfigError } from "./errors.ts";
  *  and only there does every rank see the same (reduced) gradient, so every rank skips alike.
  *  In parameter-server mode the trainers and shards would have to agree first. */
 export const meshPrecisions = ["f32", "tf32", "bf16", "f16"] as const;
-export const meshF16Refusal = "precision f16 runs in all-reduce mode (--sync allreduce) or a single process (meshtrain train): its loss "
-  + "scaler skips steps whose gradients overflow, which a parameter server's trainers and shards do not agree on; use f32, tf32 or bf16";
+export const meshF16Refusal =
+  "precision f16 runs in all-reduce mode (--sync allreduce) or a single process (meshtrain train): its loss " +
+  "scaler skips steps whose gradients overflow, which a parameter server's trainers and shards do not agree on; use f32, tf32 or bf16";
 
 /** The sync modes: three of the parameter server, and the collective one (trainers hold replicas). */
 export const syncModes = ["bsp", "asp", "ssp", "allreduce"] as const;
@@ -32,7 +33,10 @@ export const jobConfigSchema = z.object({
   model: z.discriminatedUnion("kind", [
     z.object({
       kind: z.literal("mlp"),
-      widths: z.array(int(1, 1 << 16)).min(2).max(16),
+      widths: z
+        .array(int(1, 1 << 16))
+        .min(2)
+        .max(16),
       dropout: z.number().min(0).max(0.99),
     }),
     z.object({
@@ -65,7 +69,13 @@ export const jobConfigSchema = z.object({
   batchPushes: int(1, 64),
   optimizer: z.discriminatedUnion("kind", [
     z.object({ kind: z.literal("sgd"), momentum: z.number().min(0).max(0.999), nesterov: z.boolean(), weightDecay: z.number().min(0) }),
-    z.object({ kind: z.literal("adamw"), beta1: z.number().min(0).max(0.9999), beta2: z.number().min(0).max(0.99999), eps: z.number().positive(), weightDecay: z.number().min(0) }),
+    z.object({
+      kind: z.literal("adamw"),
+      beta1: z.number().min(0).max(0.9999),
+      beta2: z.number().min(0).max(0.99999),
+      eps: z.number().positive(),
+      weightDecay: z.number().min(0),
+    }),
   ]),
   lr: z.number().positive().finite(),
   /** linear scaling: the schedule peaks at lr x trainers (after warmupSteps, which it needs) */
@@ -170,12 +180,14 @@ export function parseJobConfig(data: unknown): JobConfig {
   if (c.minLr > c.lr) throw new ConfigError(`invalid job config: minLr (${c.minLr}) exceeds lr (${c.lr})`);
   const m = c.model;
   if (m.kind === "mlp") {
-    if (c.dataset !== "mnist") throw new ConfigError(`invalid job config: the mlp trains on dataset mnist, not ${c.dataset} (the gpt trains on text and tokens)`);
+    if (c.dataset !== "mnist")
+      throw new ConfigError(`invalid job config: the mlp trains on dataset mnist, not ${c.dataset} (the gpt trains on text and tokens)`);
     if (m.widths[0] !== 784 || m.widths[m.widths.length - 1] !== 10) {
       throw new ConfigError(`invalid job config: model.widths must start with 784 (MNIST pixels) and end with 10 (classes), got ${m.widths.join(",")}`);
     }
   } else {
-    if (c.dataset === "mnist") throw new ConfigError("invalid job config: the gpt trains on dataset text (a UTF-8 file) or tokens (a folder of uint16 tokens), not mnist");
+    if (c.dataset === "mnist")
+      throw new ConfigError("invalid job config: the gpt trains on dataset text (a UTF-8 file) or tokens (a folder of uint16 tokens), not mnist");
     if (m.nEmbd % m.nHead !== 0) throw new ConfigError(`invalid job config: model.nEmbd (${m.nEmbd}) must be divisible by model.nHead (${m.nHead})`);
     if (c.dataset === "text" && c.valFraction === 0) {
       throw new ConfigError("invalid job config: dataset text needs valFraction > 0 (the held-out tail of the text is what the gpt is evaluated on)");
@@ -183,17 +195,22 @@ export function parseJobConfig(data: unknown): JobConfig {
     if (c.dataset === "tokens" && c.valFraction !== 0) {
       throw new ConfigError("invalid job config: dataset tokens is evaluated on its folder's val.bin; valFraction must be 0");
     }
-    if (c.dataset === "text" && m.vocabSize !== 0) throw new ConfigError("invalid job config: model.vocabSize is for token folders without vocab.json; a text's vocabulary is its characters");
+    if (c.dataset === "text" && m.vocabSize !== 0)
+      throw new ConfigError("invalid job config: model.vocabSize is for token folders without vocab.json; a text's vocabulary is its characters");
   }
-  if (c.batchSize % c.accumSteps !== 0) throw new ConfigError(`invalid job config: batchSize (${c.batchSize}) must be a multiple of accumSteps (${c.accumSteps})`);
+  if (c.batchSize % c.accumSteps !== 0)
+    throw new ConfigError(`invalid job config: batchSize (${c.batchSize}) must be a multiple of accumSteps (${c.accumSteps})`);
   if (c.precision === "f16" && c.sync !== "allreduce") throw new ConfigError(`invalid job config: ${meshF16Refusal}`);
   if (c.scaleLr && c.warmupSteps === 0) {
-    throw new ConfigError("invalid job config: scaleLr needs warmupSteps > 0 (a learning rate scaled by the trainers diverges without warmup; Goyal et al. warm up over 5 epochs)");
+    throw new ConfigError(
+      "invalid job config: scaleLr needs warmupSteps > 0 (a learning rate scaled by the trainers diverges without warmup; Goyal et al. warm up over 5 epochs)",
+    );
   }
   if (c.sync === "allreduce" && (c.batchPushes !== 1 || c.staleness !== 0)) {
     throw new ConfigError("invalid job config: batchPushes and staleness apply to the parameter server's asp and ssp, not to allreduce");
   }
-  if (c.sync === "bsp" && c.batchPushes !== 1) throw new ConfigError("invalid job config: batchPushes applies to asp and ssp (bsp aggregates the W pushes of a step)");
+  if (c.sync === "bsp" && c.batchPushes !== 1)
+    throw new ConfigError("invalid job config: batchPushes applies to asp and ssp (bsp aggregates the W pushes of a step)");
   return c;
 }
 

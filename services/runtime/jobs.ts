@@ -11,7 +11,16 @@
 import { Kvm, type KV } from "@nats-io/kv";
 import type { NatsConnection } from "@nats-io/transport-node";
 import {
-  decodeJobRecord, decodeJobSpec, emptyEvent, encodeEvent, encodeJobRecord, encodeJobSpec, EventKind, type JobRecord, type JobSpec, JobState,
+  decodeJobRecord,
+  decodeJobSpec,
+  emptyEvent,
+  encodeEvent,
+  encodeJobRecord,
+  encodeJobSpec,
+  EventKind,
+  type JobRecord,
+  type JobSpec,
+  JobState,
 } from "../../schemas/messages.ts";
 import type { Bus } from "./bus.ts";
 import { JetStreamUnavailableError } from "./errors.ts";
@@ -38,13 +47,30 @@ export const boundText = (text: string): string => (text.length > reasonCharsMax
 /** A fresh record of a job submitted now. */
 export function runningRecord(job: string, configJson: string, attempts: number): JobRecord {
   return {
-    job, state: JobState.Running, configJson, submittedMs: Date.now(), endedMs: 0, totalSteps: 0, evalStep: 0, accuracy: -1, loss: 0, evaluated: 0,
-    evalSplit: "", reason: "", snapshot: "", modelPath: "", snapshotDir: "", attempts,
+    job,
+    state: JobState.Running,
+    configJson,
+    submittedMs: Date.now(),
+    endedMs: 0,
+    totalSteps: 0,
+    evalStep: 0,
+    accuracy: -1,
+    loss: 0,
+    evaluated: 0,
+    evalSplit: "",
+    reason: "",
+    snapshot: "",
+    modelPath: "",
+    snapshotDir: "",
+    attempts,
   };
 }
 
 export class JobStore {
-  private constructor(readonly specs: KV, readonly records: KV) {}
+  private constructor(
+    readonly specs: KV,
+    readonly records: KV,
+  ) {}
 
   static async open(nc: NatsConnection): Promise<JobStore> {
     try {
@@ -55,8 +81,11 @@ export class JobStore {
       return new JobStore(specs, records);
     } catch (e) {
       if ((e as Error).name !== "JetStreamNotEnabled") throw e;
-      throw new JetStreamUnavailableError(`the NATS server at ${nc.getServer()} runs without JetStream, where the mesh keeps job specs ` +
-        `(KV buckets ${jobsBucket}, ${recordsBucket}); start it with JetStream: nats-server -js (or jetstream {} in its config)`, { cause: e });
+      throw new JetStreamUnavailableError(
+        `the NATS server at ${nc.getServer()} runs without JetStream, where the mesh keeps job specs ` +
+          `(KV buckets ${jobsBucket}, ${recordsBucket}); start it with JetStream: nats-server -js (or jetstream {} in its config)`,
+        { cause: e },
+      );
     }
   }
 
@@ -195,7 +224,11 @@ export interface JobControl {
 
 /** JobControl over the KV buckets, plus the spec-following every service runs. */
 export class JobLedger implements JobControl {
-  private constructor(readonly store: JobStore, readonly bus: Bus, readonly log: Logger | undefined) {}
+  private constructor(
+    readonly store: JobStore,
+    readonly bus: Bus,
+    readonly log: Logger | undefined,
+  ) {}
 
   static async open(nc: NatsConnection, bus: Bus, log?: Logger): Promise<JobLedger> {
     return new JobLedger(await JobStore.open(nc), bus, log);
@@ -224,8 +257,9 @@ export class JobLedger implements JobControl {
   }
 
   async noteEval(job: string, e: { step: number; accuracy: number; loss: number; evaluated: number; split: string }): Promise<void> {
-    await this.store.updateRecord(job, (r) => (isEnded(r) || r.evalStep > e.step ? null
-      : { ...r, evalStep: e.step, accuracy: e.accuracy, loss: e.loss, evaluated: e.evaluated, evalSplit: e.split }));
+    await this.store.updateRecord(job, (r) =>
+      isEnded(r) || r.evalStep > e.step ? null : { ...r, evalStep: e.step, accuracy: e.accuracy, loss: e.loss, evaluated: e.evaluated, evalSplit: e.split },
+    );
   }
 
   async note(job: string, facts: JobFacts): Promise<void> {

@@ -7,10 +7,13 @@ export type { Logger };
 export type LogLevel = "fatal" | "error" | "warn" | "info" | "debug" | "trace" | "silent";
 
 export function createLogger(fields: { service: string; job?: string; rank?: number; shard?: number }, level: LogLevel = "info"): Logger {
-  return pino({
-    level,
-    base: { pid: process.pid, ...fields },
-    timestamp: pino.stdTimeFunctions.isoTime,
-    formatters: { level: (label) => ({ level: label }) },
-  }, pino.destination({ fd: 2, sync: true }));
+  return pino(
+    {
+      level,
+      base: { pid: process.pid, ...fields },
+      timestamp: pino.stdTimeFunctions.isoTime,
+      formatters: { level: (label) => ({ level: label }) },
+    },
+    pino.destination({ fd: 2, sync: true }),
+  );
 }

@@ -53,9 +53,13 @@ export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnec
       const elapsedMs = Date.now() - started;
       const why = e instanceof Error ? e.message : String(e);
       if (elapsedMs + pauseMs > opts.connectRetryMsMax) {
-        throw new NatsUnreachableError(`cannot reach NATS at ${opts.url} after ${attempt} attempts over ${elapsedMs} ms (${why}); ${opts.hint ?? `start a server: ${natsInstallHint}`}`, { cause: e });
+        throw new NatsUnreachableError(
+          `cannot reach NATS at ${opts.url} after ${attempt} attempts over ${elapsedMs} ms (${why}); ${opts.hint ?? `start a server: ${natsInstallHint}`}`,
+          { cause: e },
+        );
       }
-      if (attempt === 1) opts.log?.error({ url: opts.url, err: why }, `NATS at ${opts.url} is unreachable; retrying with backoff. Start a server: ${natsInstallHint}`);
+      if (attempt === 1)
+        opts.log?.error({ url: opts.url, err: why }, `NATS at ${opts.url} is unreachable; retrying with backoff. Start a server: ${natsInstallHint}`);
       else opts.log?.debug({ url: opts.url, attempt }, "NATS still unreachable");
       await Bun.sleep(pauseMs);
       pauseMs = Math.min(pauseMs * 2, opts.connectBackoffMsMax);
@@ -67,7 +71,10 @@ export class NatsBus implements Bus {
   #service: Service | undefined;
   readonly #subs: NatsSub[] = [];
 
-  private constructor(readonly nc: NatsConnection, readonly opts: NatsBusOptions) {}
+  private constructor(
+    readonly nc: NatsConnection,
+    readonly opts: NatsBusOptions,
+  ) {}
 
   static async connect(opts: NatsBusOptions): Promise<NatsBus> {
     const nc = await connectWithRetry(opts);
@@ -99,26 +106,30 @@ export class NatsBus implements Bus {
   }
 
   subscribe(subject: string, onMessage: (data: Uint8Array, subject: string) => void): Subscription {
-    const sub = this.nc.subscribe(subject, { callback: (err, msg) => {
-      if (err === null) onMessage(msg.data, msg.subject);
-    } });
+    const sub = this.nc.subscribe(subject, {
+      callback: (err, msg) => {
+        if (err === null) onMessage(msg.data, msg.subject);
+      },
+    });
     this.#subs.push(sub);
     return { unsubscribe: () => sub.unsubscribe() };
   }
 
   handle(subject: string, handler: Handler): Subscription {
     const log = this.opts.log;
-    const sub = this.nc.subscribe(subject, { callback: (err, msg) => {
-      if (err !== null) {
-        log?.error({ err: err.message, subject }, "subscription failed");
-        return;
-      }
-      void answer(handler, msg.data, msg.subject).then(({ reply, failed, error }) => {
-        if (msg.reply === undefined || msg.reply === "") return; // a publish: nothing to answer
-        if (failed) msg.respond(reply, { headers: errorHeaders(error) });
-        else msg.respond(reply);
-      });
-    } });
+    const sub = this.nc.subscribe(subject, {
+      callback: (err, msg) => {
+        if (err !== null) {
+          log?.error({ err: err.message, subject }, "subscription failed");
+          return;
+        }
+        void answer(handler, msg.data, msg.subject).then(({ reply, failed, error }) => {
+          if (msg.reply === undefined || msg.reply === "") return; // a publish: nothing to answer
+          if (failed) msg.respond(reply, { headers: errorHeaders(error) });
+          else msg.respond(reply);
+        });
+      },
+    });
     this.#subs.push(sub);
     return { unsubscribe: () => sub.unsubscribe() };
   }

@@ -90,7 +90,10 @@ export function decodeNcclId(data: Uint8Array): { id: Uint8Array; nranks: number
   if (data.byteLength > ncclIdRecordBytes) throw new WireFormatError("oversized", `an NCCL id record is ${ncclIdRecordBytes} bytes, got ${data.byteLength}`);
   if (magic.some((b, i) => data[i] !== b)) throw new WireFormatError("bad_identifier", "not an NCCL id record (no MTNI magic)");
   if (data[4] !== ncclIdFormatVersion) {
-    throw new WireFormatError("bad_version", `NCCL id record format ${data[4]}, this build reads ${ncclIdFormatVersion}: run one meshtrain version across the job`);
+    throw new WireFormatError(
+      "bad_version",
+      `NCCL id record format ${data[4]}, this build reads ${ncclIdFormatVersion}: run one meshtrain version across the job`,
+    );
   }
   const nranks = new DataView(data.buffer, data.byteOffset, data.byteLength).getUint32(8, true);
   if (nranks < 1 || nranks > ncclRanksMax) throw new WireFormatError("malformed", `NCCL id record names ${nranks} ranks (1..${ncclRanksMax})`);
@@ -109,8 +112,11 @@ export class NcclIdStore {
       return new NcclIdStore(kv);
     } catch (e) {
       if ((e as Error).name !== "JetStreamNotEnabled") throw e;
-      throw new JetStreamUnavailableError(`the NATS server at ${nc.getServer()} runs without JetStream, where ranks exchange NCCL ids ` +
-        `(KV bucket ${ncclIdsBucket}); start it with JetStream: nats-server -js (or jetstream {} in its config)`, { cause: e });
+      throw new JetStreamUnavailableError(
+        `the NATS server at ${nc.getServer()} runs without JetStream, where ranks exchange NCCL ids ` +
+          `(KV bucket ${ncclIdsBucket}); start it with JetStream: nats-server -js (or jetstream {} in its config)`,
+        { cause: e },
+      );
     }
   }
 

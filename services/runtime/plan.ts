@@ -30,8 +30,17 @@ export function jobPlan(cfg: JobConfig, facts: DatasetFacts): DataPlan {
   const epochsSteps = stepsPerEpoch * cfg.epochs;
   const totalSteps = cfg.maxSteps > 0 ? Math.min(cfg.maxSteps, epochsSteps) : epochsSteps;
   const partial: DataPlan = {
-    job: cfg.job, trainSamples: facts.train, valSamples: facts.val, testSamples: facts.test, stepsPerEpoch, totalSteps,
-    vocabSize: facts.vocabSize, vocab: facts.vocab, slabNumel: 0, decayElems: 0, paramCount: 0,
+    job: cfg.job,
+    trainSamples: facts.train,
+    valSamples: facts.val,
+    testSamples: facts.test,
+    stepsPerEpoch,
+    totalSteps,
+    vocabSize: facts.vocabSize,
+    vocab: facts.vocab,
+    slabNumel: 0,
+    decayElems: 0,
+    paramCount: 0,
   };
   const init = initialParameters(cfg, partial);
   return { ...partial, slabNumel: init.values.length, decayElems: init.decayElems, paramCount: init.paramCount };
@@ -40,13 +49,17 @@ export function jobPlan(cfg: JobConfig, facts: DatasetFacts): DataPlan {
 /** The plan a job's spec carries (a spec without one comes from an SDK older than the plan). */
 export function planOfSpec(spec: JobSpec): DataPlan {
   const plan = spec.plan;
-  if (!plan) throw new BadRequestError(`job spec "${spec.job}" carries no plan; submit it with this version's SDK (meshtrain submit/run), which asks the data-loader for one`);
+  if (!plan)
+    throw new BadRequestError(
+      `job spec "${spec.job}" carries no plan; submit it with this version's SDK (meshtrain submit/run), which asks the data-loader for one`,
+    );
   if (plan.job !== spec.job) throw new BadRequestError(`job spec "${spec.job}" carries the plan of "${plan.job}"`);
   return plan;
 }
 
 /** The learning-rate schedule of a job: its kind over the plan's steps (trainers and shards alike). */
-export const jobSchedule = (cfg: JobConfig, plan: Pick<DataPlan, "totalSteps">): Schedule => scheduleOf(cfg.schedule, cfg.warmupSteps, plan.totalSteps, cfg.minLr);
+export const jobSchedule = (cfg: JobConfig, plan: Pick<DataPlan, "totalSteps">): Schedule =>
+  scheduleOf(cfg.schedule, cfg.warmupSteps, plan.totalSteps, cfg.minLr);
 
 /** The chunk layout of the job's parameter vector, as the plan states its size. */
 export const planLayout = (cfg: JobConfig, plan: DataPlan): Layout => buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, cfg.shards);
@@ -54,7 +67,9 @@ export const planLayout = (cfg: JobConfig, plan: DataPlan): Layout => buildLayou
 /** Throws when a model built here does not have the vector the plan was made for. */
 export function checkPlanLayout(plan: DataPlan, slabNumel: number, decayElems: number): void {
   if (plan.slabNumel !== slabNumel || plan.decayElems !== decayElems) {
-    throw new CorruptDataError(`the job's plan is for a parameter vector of ${plan.slabNumel} elements (${plan.decayElems} decayed), `
-      + `but its model here has ${slabNumel} (${decayElems}); the plan and the config disagree`);
+    throw new CorruptDataError(
+      `the job's plan is for a parameter vector of ${plan.slabNumel} elements (${plan.decayElems} decayed), ` +
+        `but its model here has ${slabNumel} (${decayElems}); the plan and the config disagree`,
+    );
   }
 }

@@ -13,7 +13,11 @@ export const baseConfigSchema = z.object({
   natsUrl: z.string().regex(/^(nats|tls|ws|wss):\/\/[^\s]+$/, "a NATS URL looks like nats://host:4222"),
   logLevel: z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"]),
   /** largest message sent or accepted; must not exceed the server's max_payload */
-  payloadBytesMax: z.number().int().min(64 << 10).max(64 << 20),
+  payloadBytesMax: z
+    .number()
+    .int()
+    .min(64 << 10)
+    .max(64 << 20),
   /** how long to keep trying to reach NATS at start-up */
   connectRetryMsMax: z.number().int().min(0),
 });

@@ -27,8 +27,24 @@ import { Context } from "../../engine/tensor.ts";
 import { evaluate, type HostBatch, lossAndGradients } from "../../engine/train.ts";
 import { dirname } from "node:path";
 import {
-  type Batch, type DataPlan, decodeBatch, decodeEvent, decodeJobRequest, decodeManifest, decodeShardState, decodeShardStats, emptyEvent,
-  encodeBatchRequest, encodeEvent, encodeJobRequest, encodeShardState, type Event, EventKind, JobState, type Manifest, Split,
+  type Batch,
+  type DataPlan,
+  decodeBatch,
+  decodeEvent,
+  decodeJobRequest,
+  decodeManifest,
+  decodeShardState,
+  decodeShardStats,
+  emptyEvent,
+  encodeBatchRequest,
+  encodeEvent,
+  encodeJobRequest,
+  encodeShardState,
+  type Event,
+  EventKind,
+  JobState,
+  type Manifest,
+  Split,
 } from "../../schemas/messages.ts";
 import type { Bus, Subscription } from "../runtime/bus.ts";
 import { awaitMembers, type MeshMembers } from "../runtime/discovery.ts";
@@ -41,7 +57,14 @@ import { pause } from "../runtime/pause.ts";
 import { buildModel } from "../runtime/model.ts";
 import { checkPlanLayout, jobSchedule, planLayout } from "../runtime/plan.ts";
 import {
-  checkpointTimeoutMs, finalRepeatMs, finalSaveAttemptsMax, finishWaitMsMax, jobStartWaitMsMax, loaderCredits, membersWaitMsMax, requestTimeoutMs,
+  checkpointTimeoutMs,
+  finalRepeatMs,
+  finalSaveAttemptsMax,
+  finishWaitMsMax,
+  jobStartWaitMsMax,
+  loaderCredits,
+  membersWaitMsMax,
+  requestTimeoutMs,
   stepAttemptsMax,
 } from "./limits.ts";
 import { PsClient } from "./ps-client.ts";
@@ -80,7 +103,8 @@ function hostRows(b: Batch, r: number, n: number): HostBatch {
     return { inputs: b.x.subarray(r * b.cols, (r + n) * b.cols), inputShape: [n, b.cols], targets: b.y.subarray(r, r + n), targetShape: [n] };
   }
   const T = b.cols;
-  const inputs = new Int32Array(n * T), targets = new Int32Array(n * T);
+  const inputs = new Int32Array(n * T),
+    targets = new Int32Array(n * T);
   for (let i = 0; i < n; i++) {
     const w = b.tokens.subarray((r + i) * (T + 1), (r + i + 1) * (T + 1));
     inputs.set(w.subarray(0, T), i * T);
@@ -148,8 +172,18 @@ export class TrainerRun {
     checkPlanLayout(o.plan, store.slabNumel, store.decayRange.numel);
     const layout = planLayout(o.cfg, o.plan);
     this.#ps = usesShards(o.cfg) ? new PsClient(o.bus, layout, o.rank, o.payloadBytesMax) : null;
-    this.#replica = usesShards(o.cfg) ? null
-      : new Replica({ bus: o.bus, backend: o.backend, cfg: o.cfg, rank: o.rank, ctx: this.#ctx, model: this.#model, payloadBytesMax: o.payloadBytesMax, ...o.collective });
+    this.#replica = usesShards(o.cfg)
+      ? null
+      : new Replica({
+          bus: o.bus,
+          backend: o.backend,
+          cfg: o.cfg,
+          rank: o.rank,
+          ctx: this.#ctx,
+          model: this.#model,
+          payloadBytesMax: o.payloadBytesMax,
+          ...o.collective,
+        });
     // host copies of pulled parameters and pushed gradients: parameter-server mode only
     const hostElems = this.#ps ? store.slabNumel : 0;
     this.#params = { generation: 0, data: new Float32Array(hostElems) };
@@ -265,19 +299,23 @@ export class TrainerRun {
   #serveReplica(): void {
     const { cfg, bus, rank, payloadBytesMax } = this.#o;
     const replica = this.#replica!;
-    this.#replicaSubs.push(bus.handle(subjects.replicaLoad(cfg.job, rank), (data) => {
-      replica.stage(decodeShardState(data, payloadBytesMax));
-      return new Uint8Array(0);
-    }));
+    this.#replicaSubs.push(
+      bus.handle(subjects.replicaLoad(cfg.job, rank), (data) => {
+        replica.stage(decodeShardState(data, payloadBytesMax));
+        return new Uint8Array(0);
+      }),
+    );
     if (rank !== 0) return;
-    this.#replicaSubs.push(bus.handle(subjects.replicaState(cfg.job), (data, subject) => {
-      const m = decodeJobRequest(data, 1 << 16);
-      jobOfRequest(subject, m.job);
-      const part = /^part (\d{1,6})$/.exec(m.tag);
-      if (!part) throw new BadRequestError(`a replica request names its part as "part <n>", not "${m.tag.slice(0, 64)}"`);
-      if (m.step !== this.#replicaStep) throw new NotReadyError(`trainer 0's replica is at step ${this.#replicaStep}, not ${m.step}`);
-      return encodeShardState(replica.exportPart(m.step, Number(part[1]), payloadBytesMax));
-    }));
+    this.#replicaSubs.push(
+      bus.handle(subjects.replicaState(cfg.job), (data, subject) => {
+        const m = decodeJobRequest(data, 1 << 16);
+        jobOfRequest(subject, m.job);
+        const part = /^part (\d{1,6})$/.exec(m.tag);
+        if (!part) throw new BadRequestError(`a replica request names its part as "part <n>", not "${m.tag.slice(0, 64)}"`);
+        if (m.step !== this.#replicaStep) throw new NotReadyError(`trainer 0's replica is at step ${this.#replicaStep}, not ${m.step}`);
+        return encodeShardState(replica.exportPart(m.step, Number(part[1]), payloadBytesMax));
+      }),
+    );
   }
 
   /** Rank 0: tallies every rank's evaluations; a step all ranks reported goes into the job's record. */
@@ -304,7 +342,8 @@ export class TrainerRun {
     const { cfg, bus, log, control } = this.#o;
     const final = await this.#finalEval();
     if (final === null) return; // stopped
-    let snap: Manifest | null = null, note = "";
+    let snap: Manifest | null = null,
+      note = "";
     for (let attempt = 1; attempt <= finalSaveAttemptsMax && !this.#stopped; attempt++) {
       try {
         const req = encodeJobRequest({ job: cfg.job, step: this.#total, tag: "final" });
@@ -317,11 +356,22 @@ export class TrainerRun {
       }
     }
     if (this.#stopped) return; // the job was closed meanwhile (cancelled): it is not this run's to end
-    await control?.end(cfg.job, {
-      state: JobState.Done, evalStep: final.step, accuracy: final.accuracy, loss: final.loss, evaluated: final.evaluated, evalSplit: final.split,
-      snapshot: snap?.id ?? "", modelPath: snap?.modelPath ?? "", ...(snap?.modelPath ? { snapshotDir: dirname(snap.modelPath) } : {}),
-      reason: snap ? "" : `trained, but the final snapshot failed (${note}); the parameters stay on the shards only until the job closes`,
-    }, this.#o.attempt);
+    await control?.end(
+      cfg.job,
+      {
+        state: JobState.Done,
+        evalStep: final.step,
+        accuracy: final.accuracy,
+        loss: final.loss,
+        evaluated: final.evaluated,
+        evalSplit: final.split,
+        snapshot: snap?.id ?? "",
+        modelPath: snap?.modelPath ?? "",
+        ...(snap?.modelPath ? { snapshotDir: dirname(snap.modelPath) } : {}),
+        reason: snap ? "" : `trained, but the final snapshot failed (${note}); the parameters stay on the shards only until the job closes`,
+      },
+      this.#o.attempt,
+    );
   }
 
   /** Every rank's evaluation of the final step, combined; null when stopped first. */
@@ -332,7 +382,9 @@ export class TrainerRun {
       if (r !== null && r.ranks === this.#o.cfg.trainers) return r;
       if (this.#stopped) return null;
       if (Date.now() - started > finishWaitMsMax) {
-        throw new Error(`ranks ${r === null ? "all but this one" : `${r.ranks} of ${this.#o.cfg.trainers}`} reported their final evaluation within ${finishWaitMsMax} ms`);
+        throw new Error(
+          `ranks ${r === null ? "all but this one" : `${r.ranks} of ${this.#o.cfg.trainers}`} reported their final evaluation within ${finishWaitMsMax} ms`,
+        );
       }
       await pause(100, this.#stopSignal.signal);
     }
@@ -454,8 +506,16 @@ export class TrainerRun {
     await this.#ps!.push(step, this.#grads);
     const t5 = performance.now();
     this.#publish({
-      kind: EventKind.Step, step, loss, lr: lrAt(this.#schedule, peakLr(cfg), step), samplesPerS: batch.rows / ((t5 - t0) / 1000),
-      dataWaitMs: t1 - t0, pullMs: t2 - t1, computeMs: t4 - t3, pushMs: t5 - t4, count: batch.rows,
+      kind: EventKind.Step,
+      step,
+      loss,
+      lr: lrAt(this.#schedule, peakLr(cfg), step),
+      samplesPerS: batch.rows / ((t5 - t0) / 1000),
+      dataWaitMs: t1 - t0,
+      pullMs: t2 - t1,
+      computeMs: t4 - t3,
+      pushMs: t5 - t4,
+      count: batch.rows,
     });
   }
 
@@ -494,8 +554,18 @@ export class TrainerRun {
     this.#replicaStep = step + 1;
     const t3 = performance.now();
     this.#publish({
-      kind: EventKind.Step, step, loss: r.loss, lr, samplesPerS: batch.rows / ((t3 - t0) / 1000), dataWaitMs: t1 - t0, computeMs: r.computeMs,
-      commMs: r.commMs, exposedCommMs: r.exposedCommMs, pullMs: 0, pushMs: 0, count: batch.rows,
+      kind: EventKind.Step,
+      step,
+      loss: r.loss,
+      lr,
+      samplesPerS: batch.rows / ((t3 - t0) / 1000),
+      dataWaitMs: t1 - t0,
+      computeMs: r.computeMs,
+      commMs: r.commMs,
+      exposedCommMs: r.exposedCommMs,
+      pullMs: 0,
+      pushMs: 0,
+      count: batch.rows,
       ...(r.skipped ? { text: "f16 gradients overflowed: the update was skipped on every rank" } : {}),
     });
   }

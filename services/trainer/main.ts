@@ -31,8 +31,15 @@ await runService<Config>({
   async start({ config, log, bus }) {
     const { backend } = openBackend(config.device, (why, detail) => log.info({ device: config.device, detail }, why), config.rank);
     const ledger = await JobLedger.open(bus.nc, bus, log);
-    const trainer = new Trainer({ bus, rank: config.rank, backend, log, payloadBytesMax: config.payloadBytesMax, control: ledger,
-      members: () => meshMembers(bus.nc) });
+    const trainer = new Trainer({
+      bus,
+      rank: config.rank,
+      backend,
+      log,
+      payloadBytesMax: config.payloadBytesMax,
+      control: ledger,
+      members: () => meshMembers(bus.nc),
+    });
     const watch = await ledger.follow(`trainer ${config.rank}`, trainer);
     return {
       async stop() {

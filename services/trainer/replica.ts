@@ -115,9 +115,10 @@ export class Replica {
     const { ctx, model, cfg } = o;
     const store = model.store;
     const opt = cfg.optimizer;
-    this.optimizer = opt.kind === "sgd"
-      ? new Sgd(ctx, store, { momentum: opt.momentum, dampening: 0, nesterov: opt.nesterov, weightDecay: opt.weightDecay })
-      : new AdamW(ctx, store, { beta1: opt.beta1, beta2: opt.beta2, eps: opt.eps, weightDecay: opt.weightDecay });
+    this.optimizer =
+      opt.kind === "sgd"
+        ? new Sgd(ctx, store, { momentum: opt.momentum, dampening: 0, nesterov: opt.nesterov, weightDecay: opt.weightDecay })
+        : new AdamW(ctx, store, { beta1: opt.beta1, beta2: opt.beta2, eps: opt.eps, weightDecay: opt.weightDecay });
     this.scaler = ctx.precision === "f16" ? new LossScaler() : null;
     this.layout = buildLayout(cfg.job, store.slabNumel, store.decayRange.numel, cfg.chunkBytes, 1);
     this.#collective = this.#connect(0);
@@ -164,7 +165,10 @@ export class Replica {
     const inputs = b.inputs instanceof Float32Array ? new Float32Array(per(b.inputShape)) : new Int32Array(per(b.inputShape));
     ctx.newPass();
     const { x, y } = uploadBatch(ctx, {
-      inputs, inputShape: [1, ...b.inputShape.slice(1)], targets: new Int32Array(per(b.targetShape)), targetShape: [1, ...b.targetShape.slice(1)],
+      inputs,
+      inputShape: [1, ...b.inputShape.slice(1)],
+      targets: new Int32Array(per(b.targetShape)),
+      targetShape: [1, ...b.targetShape.slice(1)],
     });
     model.loss(x, y);
     const order = ctx.gradReadyOrder().flat();
@@ -180,7 +184,8 @@ export class Replica {
     for (const e of store.entries) if (!seen.has(e.name)) entries.push(e);
     const capElems = Math.max(1, Math.floor((cfg.bucketMb * 1e6) / 4));
     const buckets: Bucket[] = [];
-    let cur: ParamEntry[] = [], n = 0;
+    let cur: ParamEntry[] = [],
+      n = 0;
     const close = () => {
       buckets.push({ id: buckets.length, entries: cur, numel: n, buf: new Float32Array(n) });
       cur = [];
@@ -276,7 +281,8 @@ export class Replica {
     // a non-finite loss stops the job, but only after the reduction: the peers are not left
     // waiting for this rank's buckets
     if (!Number.isFinite(loss)) throw new NonFiniteLossError(step, loss);
-    let finite = true, gradNorm = Infinity;
+    let finite = true,
+      gradNorm = Infinity;
     if (this.scaler !== null) finite = this.scaler.unscale(ctx, store);
     if (finite) {
       gradNorm = clipGradNorm(ctx, store, cfg.gradClip);
@@ -285,7 +291,9 @@ export class Replica {
     this.scaler?.update(finite, step);
     const t1 = performance.now();
     return {
-      loss, gradNorm, skipped: !finite,
+      loss,
+      gradNorm,
+      skipped: !finite,
       computeMs: tBackward - t0 + (t1 - tReduced),
       commMs: pending.length > 0 ? tReduced - firstStart : 0,
       exposedCommMs: tReduced - tBackward,
@@ -294,7 +302,8 @@ export class Replica {
 
   #bucketFor(t: Tensor): Bucket {
     const b = t.name === undefined ? undefined : this.#bucketOf.get(t.name);
-    if (b === undefined) throw new EngineError(`parameter ${t.name ?? "(unnamed)"} is in no gradient bucket: the tape differs from the one the buckets were cut from`);
+    if (b === undefined)
+      throw new EngineError(`parameter ${t.name ?? "(unnamed)"} is in no gradient bucket: the tape differs from the one the buckets were cut from`);
     return b;
   }
 
@@ -313,8 +322,10 @@ export class Replica {
     const hashOf = (r: number) => [0, 1, 2].map((i) => buf[3 * r + i]!.toString(16)).join(".");
     const differ = Array.from({ length: n }, (_, r) => r).filter((r) => hashOf(r) !== hashOf(0));
     if (differ.length > 0) {
-      throw new ReplicaDivergedError(`the replicas diverged by step ${step}: the parameters of rank${differ.length > 1 ? "s" : ""} ${differ.join(", ")} `
-        + `hash ${differ.map(hashOf).join(", ")}, rank 0's ${hashOf(0)}; every rank should apply the same averaged gradient`);
+      throw new ReplicaDivergedError(
+        `the replicas diverged by step ${step}: the parameters of rank${differ.length > 1 ? "s" : ""} ${differ.join(", ")} ` +
+          `hash ${differ.map(hashOf).join(", ")}, rank 0's ${hashOf(0)}; every rank should apply the same averaged gradient`,
+      );
     }
   }
 
@@ -354,9 +365,18 @@ export class Replica {
     }
     const steps = this.optimizer.stepCount;
     return groups.map((chunks, p) => ({
-      job: cfg.job, shard: p, parts: groups.length, updates: steps, optimizerSteps: steps, step, generation: 0, lossScale: this.scaler?.scale ?? 0,
+      job: cfg.job,
+      shard: p,
+      parts: groups.length,
+      updates: steps,
+      optimizerSteps: steps,
+      step,
+      generation: 0,
+      lossScale: this.scaler?.scale ?? 0,
       chunks: chunks.map((c) => ({
-        id: c.id, version: steps, params: values.slice(c.offset, c.offset + c.count),
+        id: c.id,
+        version: steps,
+        params: values.slice(c.offset, c.offset + c.count),
         state: states.map((s) => ({ name: s.name, data: s.data.slice(c.offset, c.offset + c.count) })),
       })),
     }));
@@ -374,12 +394,16 @@ export class Replica {
     if (!((s.generation ?? 0) > 0)) throw new BadRequestError("a replica load names no communicator generation");
     if (!Number.isSafeInteger(s.step) || s.step < 0) throw new BadRequestError(`replica of step ${s.step}`);
     if (!(Number.isFinite(s.lossScale ?? 0) && (s.lossScale ?? 0) >= 0)) throw new BadRequestError(`replica with loss scale ${s.lossScale}`);
-    const names = this.optimizer.stateSlabs().map((x) => x.name).join(",");
+    const names = this.optimizer
+      .stateSlabs()
+      .map((x) => x.name)
+      .join(",");
     for (const c of s.chunks) {
       const info = this.layout.chunks[c.id];
       if (!info) throw new BadRequestError(`replica chunk ${c.id}: the job has chunks 0 to ${this.layout.chunks.length - 1}`);
       if (c.params.length !== info.count) throw new BadRequestError(`replica chunk ${c.id} has ${c.params.length} values, expected ${info.count}`);
-      if (c.state.map((v) => v.name).join(",") !== names) throw new BadRequestError(`replica chunk ${c.id} has optimizer state [${c.state.map((v) => v.name).join(",")}], this job needs [${names}]`);
+      if (c.state.map((v) => v.name).join(",") !== names)
+        throw new BadRequestError(`replica chunk ${c.id} has optimizer state [${c.state.map((v) => v.name).join(",")}], this job needs [${names}]`);
       for (const v of [c.params, ...c.state.map((x) => x.data)]) {
         if (v.length !== info.count) throw new BadRequestError(`replica chunk ${c.id} has a state vector of ${v.length} values, expected ${info.count}`);
         for (let i = 0; i < v.length; i++) if (!Number.isFinite(v[i]!)) throw new BadRequestError(`replica chunk ${c.id} holds a non-finite value`);
@@ -392,7 +416,8 @@ export class Replica {
       this.#staged = { step: s.step, generation: g, parts, optimizerSteps: s.optimizerSteps, lossScale: s.lossScale ?? 0, got: new Map() };
     }
     const st = this.#staged!;
-    if (st.step !== s.step || st.parts !== parts) throw new BadRequestError(`replica part of step ${s.step} (${parts} parts) in a load of step ${st.step} (${st.parts} parts)`);
+    if (st.step !== s.step || st.parts !== parts)
+      throw new BadRequestError(`replica part of step ${s.step} (${parts} parts) in a load of step ${st.step} (${st.parts} parts)`);
     st.got.set(s.shard, s);
   }
 

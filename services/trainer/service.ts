@@ -38,7 +38,8 @@ export class Trainer {
       return;
     }
     const run = new TrainerRun({ ...this.deps, cfg, plan: planOfSpec(spec), attempt: spec.attempt ?? 0, ...(log ? { log: log.child({ job: cfg.job }) } : {}) });
-    const done = run.run()
+    const done = run
+      .run()
       .catch(() => {
         // reported as a Failed event, in the job's record and the log by the run itself
       })

@@ -16,11 +16,19 @@ import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 
 afterAll(removeTempDirs);
 
-const config = (over: Partial<JobConfig>): JobConfig => parseJobConfig({
-  // 16 KB chunks and 16 KB buckets: the snapshot is cut into chunks, the gradient into buckets
-  ...jobDefaults, sync: "allreduce", model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 }, epochs: 1, warmupSteps: 20, chunkBytes: 16 << 10,
-  bucketMb: 0.016, replicaCheckEvery: 25, ...over,
-});
+const config = (over: Partial<JobConfig>): JobConfig =>
+  parseJobConfig({
+    // 16 KB chunks and 16 KB buckets: the snapshot is cut into chunks, the gradient into buckets
+    ...jobDefaults,
+    sync: "allreduce",
+    model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
+    epochs: 1,
+    warmupSteps: 20,
+    chunkBytes: 16 << 10,
+    bucketMb: 0.016,
+    replicaCheckEvery: 25,
+    ...over,
+  });
 
 const startMesh = (prefix: string, o: { onEvent?: (line: string) => void } = {}) => {
   const dir = tempDir(prefix);
@@ -64,13 +72,16 @@ describe("all-reduce mode on the mesh", () => {
     const seen: Event[] = [];
     let killedAt = -1;
     await client.submit(cfg, { membersWaitMs: 60_000 });
-    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => {
-      seen.push(e);
-      if (killedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step >= 150) {
-        killedAt = e.step;
-        mesh.kill("trainer-1", "SIGKILL");
-      }
-    } });
+    const r = await watchJob(client, cfg.job, {
+      quiet: true,
+      onEvent: (e) => {
+        seen.push(e);
+        if (killedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step >= 150) {
+          killedAt = e.step;
+          mesh.kill("trainer-1", "SIGKILL");
+        }
+      },
+    });
     expect(r.record.state).toBe(JobState.Done);
     expect(killedAt).toBeGreaterThan(0);
     expect(launcherLines.some((l) => l.includes("trainer-1 died (signal SIGKILL); restarting"))).toBe(true);

@@ -7,7 +7,15 @@ import { join } from "node:path";
 import { Builder } from "flatbuffers";
 import { finishBytes, schemaVersion, WireFormatError } from "../../schemas/codec.ts";
 import {
-  decodeBatch, decodeCheckpointList, decodeLoaderStats, decodeManifest, encodeBatchRequest, encodeJobRequest, encodePullRequest, EventKind, Split,
+  decodeBatch,
+  decodeCheckpointList,
+  decodeLoaderStats,
+  decodeManifest,
+  encodeBatchRequest,
+  encodeJobRequest,
+  encodePullRequest,
+  EventKind,
+  Split,
 } from "../../schemas/messages.ts";
 import { JobRequest as JobRequestT } from "../../schemas/wire.ts";
 import { BadRequestError, CorruptDataError, NotReadyError, UnknownJobError } from "../../services/runtime/errors.ts";
@@ -15,7 +23,6 @@ import { jobDefaults, parseJobConfig, subjects } from "../../services/runtime/jo
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
-
 
 const job = "badinput";
 const payloadBytesMax = 1 << 20;
@@ -27,11 +34,17 @@ beforeAll(async () => {
   dir = tempDir("mt-bad-");
   // a mesh without trainers: the job opens on the loader, the shards and the checkpoint service
   // and stays still
-  mesh = await LocalMesh.start({ jobsDir: join(dir, "checkpoints"), logDir: join(dir, "logs"), trainers: 0, env: { MT_PAYLOAD_BYTES_MAX: String(payloadBytesMax) } });
+  mesh = await LocalMesh.start({
+    jobsDir: join(dir, "checkpoints"),
+    logDir: join(dir, "logs"),
+    trainers: 0,
+    env: { MT_PAYLOAD_BYTES_MAX: String(payloadBytesMax) },
+  });
   client = await MeshClient.connect(mesh.url);
   await waitFor("the checkpoint service", async () => (await client.checkpoints(job).catch((e: unknown) => e)) instanceof UnknownJobError);
-  await client.submit(parseJobConfig({ ...jobDefaults, job, model: { kind: "mlp", widths: [784, 32, 10], dropout: 0 }, chunkBytes: 16 << 10 }),
-    { checkMembers: false });
+  await client.submit(parseJobConfig({ ...jobDefaults, job, model: { kind: "mlp", widths: [784, 32, 10], dropout: 0 }, chunkBytes: 16 << 10 }), {
+    checkMembers: false,
+  });
   await waitFor("the loader and checkpoint service to open the job", async () => {
     await client.bus.request(subjects.ckptList(job), encodeJobRequest({ job, step: 0, tag: "" }), 1000);
     await client.bus.request(`mt.${job}.data.stats`, encodeJobRequest({ job, step: 0, tag: "" }), 1000);
@@ -47,7 +60,8 @@ afterAll(async () => {
 
 const wrongVersion = (() => {
   const b = new Builder(64);
-  const j = b.createString(job), t = b.createString("");
+  const j = b.createString(job),
+    t = b.createString("");
   return finishBytes(b, JobRequestT.createJobRequest(b, schemaVersion + 7, j, 0n, t, 0), "MTJR");
 })();
 const garbage = crypto.getRandomValues(new Uint8Array(512));
@@ -57,8 +71,11 @@ const jr = (j = job) => encodeJobRequest({ job: j, step: 0, tag: "" });
 const br = (over: object = {}) => encodeBatchRequest({ job, rank: 0, split: Split.Train, credits: 2, step: 0, ...over });
 
 type Cls = abstract new (...a: never[]) => Error;
-const next = subjects.dataNext(job), dstats = `mt.${job}.data.stats`;
-const save = subjects.ckptSave(job), list = subjects.ckptList(job), restore = subjects.ckptRestore(job);
+const next = subjects.dataNext(job),
+  dstats = `mt.${job}.data.stats`;
+const save = subjects.ckptSave(job),
+  list = subjects.ckptList(job),
+  restore = subjects.ckptRestore(job);
 const cases: [string, string, Uint8Array, Cls, string][] = [
   ["data.next: truncated", next, br().subarray(0, 6), WireFormatError, "shorter"],
   ["data.next: garbage", next, garbage, WireFormatError, "identifier"],
@@ -66,7 +83,13 @@ const cases: [string, string, Uint8Array, Cls, string][] = [
   ["data.next: oversized", next, huge, WireFormatError, "exceeds the limit"],
   ["data.next: rank outside the job", next, br({ rank: 9 }), BadRequestError, "rank 9"],
   ["data.next: no validation split", next, br({ split: Split.Val }), BadRequestError, "validation"],
-  ["data.next: unknown job", subjects.dataNext("nobody"), encodeBatchRequest({ job: "nobody", rank: 0, split: Split.Train, credits: 1, step: 0 }), UnknownJobError, "nobody"],
+  [
+    "data.next: unknown job",
+    subjects.dataNext("nobody"),
+    encodeBatchRequest({ job: "nobody", rank: 0, split: Split.Train, credits: 1, step: 0 }),
+    UnknownJobError,
+    "nobody",
+  ],
   ["data.stats: wrong version", dstats, wrongVersion, WireFormatError, "schema version 8"],
   ["data.stats: job differs from subject", dstats, jr("other"), BadRequestError, "other"],
   ["ckpt.save: garbage", save, garbage, WireFormatError, ""],

@@ -17,35 +17,51 @@ import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 afterAll(removeTempDirs);
 
 /** A small GPT (1 block, width 32, context 16): 40 steps of 2 x 16 windows. */
-const config = (over: Partial<JobConfig>): JobConfig => parseJobConfig({
-  ...gptJobDefaults, model: { ...gptJobDefaults.model, nLayer: 1, nHead: 2, nEmbd: 32, blockSize: 16 }, batchSize: 16, maxSteps: 40, warmupSteps: 10,
-  lr: 3e-3, checkpointEvery: 20, chunkBytes: 16 << 10, bucketMb: 0.016, ...over,
-});
+const config = (over: Partial<JobConfig>): JobConfig =>
+  parseJobConfig({
+    ...gptJobDefaults,
+    model: { ...gptJobDefaults.model, nLayer: 1, nHead: 2, nEmbd: 32, blockSize: 16 },
+    batchSize: 16,
+    maxSteps: 40,
+    warmupSteps: 10,
+    lr: 3e-3,
+    checkpointEvery: 20,
+    chunkBytes: 16 << 10,
+    bucketMb: 0.016,
+    ...over,
+  });
 
 describe("gpt on the mesh", () => {
-  test.each([["allreduce", 0], ["bsp", 2]] as const)("%s: it learns Moby Dick's characters; the exported model evaluates to the loss the trainers reported", async (sync, shards) => {
-    const dir = tempDir("mt-gpt-");
-    await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 2, shards });
-    await using client = await MeshClient.connect(mesh.url);
-    const cfg = config({ job: `gpt-${sync}`, sync, shards: Math.max(shards, 1) });
-    const plan = await client.plan(cfg, { waitMs: 60_000 });
-    expect([plan.vocabSize, plan.vocab.length, plan.testSamples, plan.totalSteps]).toEqual([plan.vocab.length, plan.vocab.length, 0, 40]);
-    const seen: Event[] = [];
-    await client.submit(cfg, { membersWaitMs: 60_000 });
-    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
-    expect(r.record.state).toBe(JobState.Done);
-    expect(r.record.evalSplit).toBe("val");
-    // from ln(vocab) = 4.4 nats/char at initialization
-    expect(r.record.loss).toBeLessThan(3.5);
-    expect(r.record.evaluated).toBe(plan.valSamples * 16);
-    const steps = effectiveSteps(seen, 2);
-    for (const rank of [0, 1]) expect(steps[rank]).toEqual(Array.from({ length: 40 }, (_, i) => i));
-    expect(seen.some((e) => e.kind === EventKind.Failed)).toBe(false);
-    const file = readModelFile(r.record.modelPath);
-    expect(file.header.kind).toBe("gpt");
-    expect(file.header.vocab!.join("").length).toBe(plan.vocabSize);
-    const e = runEval({ model: r.record.modelPath, batches: 1_000_000, device: "cpu" });
-    expect(e.kind).toBe("gpt");
-    expect(Math.abs(e.loss - r.record.loss) / r.record.loss).toBeLessThan(1e-4);
-  }, 180_000);
+  test.each([
+    ["allreduce", 0],
+    ["bsp", 2],
+  ] as const)(
+    "%s: it learns Moby Dick's characters; the exported model evaluates to the loss the trainers reported",
+    async (sync, shards) => {
+      const dir = tempDir("mt-gpt-");
+      await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 2, shards });
+      await using client = await MeshClient.connect(mesh.url);
+      const cfg = config({ job: `gpt-${sync}`, sync, shards: Math.max(shards, 1) });
+      const plan = await client.plan(cfg, { waitMs: 60_000 });
+      expect([plan.vocabSize, plan.vocab.length, plan.testSamples, plan.totalSteps]).toEqual([plan.vocab.length, plan.vocab.length, 0, 40]);
+      const seen: Event[] = [];
+      await client.submit(cfg, { membersWaitMs: 60_000 });
+      const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
+      expect(r.record.state).toBe(JobState.Done);
+      expect(r.record.evalSplit).toBe("val");
+      // from ln(vocab) = 4.4 nats/char at initialization
+      expect(r.record.loss).toBeLessThan(3.5);
+      expect(r.record.evaluated).toBe(plan.valSamples * 16);
+      const steps = effectiveSteps(seen, 2);
+      for (const rank of [0, 1]) expect(steps[rank]).toEqual(Array.from({ length: 40 }, (_, i) => i));
+      expect(seen.some((e) => e.kind === EventKind.Failed)).toBe(false);
+      const file = readModelFile(r.record.modelPath);
+      expect(file.header.kind).toBe("gpt");
+      expect(file.header.vocab!.join("").length).toBe(plan.vocabSize);
+      const e = runEval({ model: r.record.modelPath, batches: 1_000_000, device: "cpu" });
+      expect(e.kind).toBe("gpt");
+      expect(Math.abs(e.loss - r.record.loss) / r.record.loss).toBeLessThan(1e-4);
+    },
+    180_000,
+  );
 });

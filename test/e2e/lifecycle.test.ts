@@ -24,10 +24,20 @@ let client: MeshClient;
 let dir: string;
 
 /** 3 x 1000 samples per step: 20 steps an epoch. */
-const small = (job: string, over: Partial<JobConfig> = {}): JobConfig => parseJobConfig({
-  ...jobDefaults, job, model: { kind: "mlp", widths: [784, 32, 10], dropout: 0 }, trainers: 3, shards: 3, batchSize: 1000, epochs: 1,
-  warmupSteps: 5, checkpointEvery: 10, chunkBytes: 16 << 10, ...over,
-});
+const small = (job: string, over: Partial<JobConfig> = {}): JobConfig =>
+  parseJobConfig({
+    ...jobDefaults,
+    job,
+    model: { kind: "mlp", widths: [784, 32, 10], dropout: 0 },
+    trainers: 3,
+    shards: 3,
+    batchSize: 1000,
+    epochs: 1,
+    warmupSteps: 5,
+    checkpointEvery: 10,
+    chunkBytes: 16 << 10,
+    ...over,
+  });
 const stepsPerEpoch = 20;
 
 beforeAll(async () => {
@@ -68,11 +78,19 @@ describe("jobs on one long-running mesh", () => {
     expect(events.filter((e) => e.kind === EventKind.Ended)).toHaveLength(1);
     expect(record.snapshotDir).toBe(join(dir, "jobs", "three"));
     expect(readModelFile(record.modelPath).header.step).toBe(stepsPerEpoch);
-    for (const s of ["data-loader", "parameter-server-2", "trainer-2", "checkpoint"]) expect(existsSync(join(record.snapshotDir, "logs", `${s}.log`))).toBe(true);
+    for (const s of ["data-loader", "parameter-server-2", "trainer-2", "checkpoint"])
+      expect(existsSync(join(record.snapshotDir, "logs", `${s}.log`))).toBe(true);
     // closed everywhere (each service hears of the deleted spec on its own): no service answers for it any more
-    const closed = (subject: string) => client.bus.request(subject, encodeJobRequest({ job: "three", step: 0, tag: "" }), 5000)
-      .then(() => false, (e: unknown) => e instanceof UnknownJobError);
-    await waitFor("the loader and the shards to close the job", async () => (await closed(subjects.dataPlan("three"))) && (await closed(subjects.psStats("three", 2))), 10_000);
+    const closed = (subject: string) =>
+      client.bus.request(subject, encodeJobRequest({ job: "three", step: 0, tag: "" }), 5000).then(
+        () => false,
+        (e: unknown) => e instanceof UnknownJobError,
+      );
+    await waitFor(
+      "the loader and the shards to close the job",
+      async () => (await closed(subjects.dataPlan("three"))) && (await closed(subjects.psStats("three", 2))),
+      10_000,
+    );
     // a finished job is not run again under its name
     await expect(client.submit(small("three"))).rejects.toThrow("job three done at");
   }, 120_000);
@@ -88,29 +106,47 @@ describe("jobs on one long-running mesh", () => {
 
   test.each([
     ["a folder that does not exist", () => "/nonexistent-mnist", "/nonexistent-mnist/train-images-idx3-ubyte: file not found"],
-    ["a truncated idx file", () => {
-      const d = tempDir("mt-trunc-");
-      for (const f of ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]) copyFileSync(join(defaultMnistDir(), f), join(d, f));
-      truncateSync(join(d, "train-images-idx3-ubyte"), 5000);
-      return d;
-    }, "train-images-idx3-ubyte"],
-  // "at once": within the test's limit, not after the trainers' 5-minute wait for a job to start
-  ])("data the loader cannot read (%s): the submission is refused with the loader's reason; a spec written past it fails the job at once", async (_, dataDir, fragment) => {
-    const job = `bad-data-${Date.now()}`;
-    const cfg = small(job, { dataDir: dataDir() });
-    // the plan is made at submission, by the data-loader: its refusal is the submission's, and no job is left behind
-    await expectRejected(() => client.submit(cfg), ConfigError, `the data-loader cannot plan job ${job}`, fragment);
-    expect(await client.jobs.record(job)).toBeNull();
-    // a script that writes the spec itself, with a plan made for readable data: the loader fails the job
-    await client.jobs.createRecord(runningRecord(job, JSON.stringify(cfg), 1));
-    await client.jobs.putSpec({ job, trainers: 3, shards: 3, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(cfg), attempt: 1, plan: await client.plan(small(job)) });
-    const { record, error } = await follow(job);
-    expect(record.state).toBe(JobState.Failed);
-    expect(record.reason).toContain(`data-loader cannot open job ${job}`);
-    expect(record.reason).toContain(fragment);
-    expect(error!.message).toContain(fragment);
-    expect(await client.jobs.spec(job)).toBeNull();
-  }, 30_000);
+    [
+      "a truncated idx file",
+      () => {
+        const d = tempDir("mt-trunc-");
+        for (const f of ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"])
+          copyFileSync(join(defaultMnistDir(), f), join(d, f));
+        truncateSync(join(d, "train-images-idx3-ubyte"), 5000);
+        return d;
+      },
+      "train-images-idx3-ubyte",
+    ],
+    // "at once": within the test's limit, not after the trainers' 5-minute wait for a job to start
+  ])(
+    "data the loader cannot read (%s): the submission is refused with the loader's reason; a spec written past it fails the job at once",
+    async (_, dataDir, fragment) => {
+      const job = `bad-data-${Date.now()}`;
+      const cfg = small(job, { dataDir: dataDir() });
+      // the plan is made at submission, by the data-loader: its refusal is the submission's, and no job is left behind
+      await expectRejected(() => client.submit(cfg), ConfigError, `the data-loader cannot plan job ${job}`, fragment);
+      expect(await client.jobs.record(job)).toBeNull();
+      // a script that writes the spec itself, with a plan made for readable data: the loader fails the job
+      await client.jobs.createRecord(runningRecord(job, JSON.stringify(cfg), 1));
+      await client.jobs.putSpec({
+        job,
+        trainers: 3,
+        shards: 3,
+        sync: SyncPolicy.BSP,
+        staleness: 0,
+        configJson: JSON.stringify(cfg),
+        attempt: 1,
+        plan: await client.plan(small(job)),
+      });
+      const { record, error } = await follow(job);
+      expect(record.state).toBe(JobState.Failed);
+      expect(record.reason).toContain(`data-loader cannot open job ${job}`);
+      expect(record.reason).toContain(fragment);
+      expect(error!.message).toContain(fragment);
+      expect(await client.jobs.spec(job)).toBeNull();
+    },
+    30_000,
+  );
 
   test("cancel; every request about an unknown or ended job answers at once; resubmitting resumes from the newest snapshot and ends done", async () => {
     const cfg = small("resumable", { epochs: 2 });
@@ -140,7 +176,15 @@ describe("jobs on one long-running mesh", () => {
     // to open it over the snapshots, so the job fails with the differences
     const other = { ...cfg, lr: 0.2 };
     await client.jobs.updateRecord(cfg.job, (r) => ({ ...r, state: JobState.Running, configJson: JSON.stringify(other) }));
-    await client.jobs.putSpec({ job: cfg.job, trainers: 3, shards: 3, sync: SyncPolicy.BSP, staleness: 0, configJson: JSON.stringify(other), plan: await client.plan(other) });
+    await client.jobs.putSpec({
+      job: cfg.job,
+      trainers: 3,
+      shards: 3,
+      sync: SyncPolicy.BSP,
+      staleness: 0,
+      configJson: JSON.stringify(other),
+      plan: await client.plan(other),
+    });
     const refused = await follow(cfg.job);
     expect(refused.record.state).toBe(JobState.Failed);
     expect(refused.record.reason).toContain("checkpoint cannot open job resumable: job resumable has snapshots taken with other settings");
@@ -180,10 +224,14 @@ describe("jobs on one long-running mesh", () => {
     // a leak of each job's data set would add 55 MB a job
     expect(rss[4]! - rss[1]!).toBeLessThan(100 * 1024);
     for (const s of ["data-loader", "parameter-server-0", "trainer-0", "checkpoint"]) mesh.kill(s, "SIGKILL");
-    await waitFor("the services to be back", async () => {
-      await client.waitForMembers({ job: "any", trainers: 3, shards: 3 }, 0);
-      return true;
-    }, 60_000);
+    await waitFor(
+      "the services to be back",
+      async () => {
+        await client.waitForMembers({ job: "any", trainers: 3, shards: 3 }, 0);
+        return true;
+      },
+      60_000,
+    );
     // a job that runs to its end on the restarted services: by then they have read every spec in
     // the bucket (a watch delivers the ones there before new ones)
     await client.submit(small("after-restart"));
@@ -191,8 +239,16 @@ describe("jobs on one long-running mesh", () => {
     // a spec left behind by a crash between the record's end and the spec's delete: no service
     // opens it, and it is removed
     const ended = await client.record("seq-4");
-    await client.jobs.putSpec({ job: "seq-4", trainers: 3, shards: 3, sync: SyncPolicy.BSP, staleness: 0, configJson: ended.configJson, attempt: ended.attempts,
-      plan: await client.plan(jobConfigFromJson(ended.configJson)) });
+    await client.jobs.putSpec({
+      job: "seq-4",
+      trainers: 3,
+      shards: 3,
+      sync: SyncPolicy.BSP,
+      staleness: 0,
+      configJson: ended.configJson,
+      attempt: ended.attempts,
+      plan: await client.plan(jobConfigFromJson(ended.configJson)),
+    });
     await waitFor("the stale spec to be removed", async () => (await client.jobs.spec("seq-4")) === null, 10_000);
     for (const job of ["three", "seq-4"]) {
       await expect(client.bus.request(subjects.dataPlan(job), encodeJobRequest({ job, step: 0, tag: "" }), 5000)).rejects.toBeInstanceOf(UnknownJobError);

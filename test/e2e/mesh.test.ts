@@ -15,10 +15,16 @@ import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 
 afterAll(removeTempDirs);
 
-const config = (over: Partial<JobConfig>): JobConfig => parseJobConfig({
-  // 16 KB chunks: the 204 KB model is cut into 13 chunks, so both shards own some
-  ...jobDefaults, model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 }, epochs: 1, warmupSteps: 20, chunkBytes: 16 << 10, ...over,
-});
+const config = (over: Partial<JobConfig>): JobConfig =>
+  parseJobConfig({
+    // 16 KB chunks: the 204 KB model is cut into 13 chunks, so both shards own some
+    ...jobDefaults,
+    model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
+    epochs: 1,
+    warmupSteps: 20,
+    chunkBytes: 16 << 10,
+    ...over,
+  });
 
 /** A local mesh in a fresh folder, sized for `trainers` and `shards`. */
 const startMesh = (prefix: string, o: { trainers?: number; shards?: number; onEvent?: (line: string) => void } = {}) => {
@@ -38,10 +44,13 @@ describe("mesh", () => {
     const seen: Event[] = [];
     let asked: Promise<Event> | null = null;
     await client.submit(cfg, { membersWaitMs: 60_000 });
-    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => {
-      seen.push(e);
-      if (asked === null && e.kind === EventKind.Step && e.step === 30) asked = client.saveCheckpoint(cfg.job);
-    } });
+    const r = await watchJob(client, cfg.job, {
+      quiet: true,
+      onEvent: (e) => {
+        seen.push(e);
+        if (asked === null && e.kind === EventKind.Step && e.step === 30) asked = client.saveCheckpoint(cfg.job);
+      },
+    });
     expect(r.record.state).toBe(JobState.Done);
     expect(r.record.accuracy).toBeGreaterThan(0.9); // chance is 0.1
     expect(r.record.evaluated).toBe(10_000);
@@ -78,14 +87,17 @@ describe("mesh", () => {
     const seen: Event[] = [];
     let killedAt = -1;
     await client.submit(cfg, { membersWaitMs: 60_000 });
-    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => {
-      seen.push(e);
-      if (killedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step >= 150) {
-        killedAt = e.step;
-        mesh.kill("parameter-server-1", "SIGKILL");
-        mesh.kill("trainer-1", "SIGKILL");
-      }
-    } });
+    const r = await watchJob(client, cfg.job, {
+      quiet: true,
+      onEvent: (e) => {
+        seen.push(e);
+        if (killedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step >= 150) {
+          killedAt = e.step;
+          mesh.kill("parameter-server-1", "SIGKILL");
+          mesh.kill("trainer-1", "SIGKILL");
+        }
+      },
+    });
     expect(killedAt).toBeGreaterThan(0);
     expect(launcherLines.some((l) => l.includes("parameter-server-1 died (signal SIGKILL); restarting"))).toBe(true);
     expect(launcherLines.some((l) => l.includes("trainer-1 died (signal SIGKILL); restarting"))).toBe(true);
@@ -101,7 +113,8 @@ describe("mesh", () => {
     const data = new JobData(cfg, { kind: "mnist", data: loadMnist() });
     for (let epoch = 0; epoch < cfg.epochs; epoch++) {
       const ids: number[] = [];
-      for (let s = epoch * data.stepsPerEpoch; s < (epoch + 1) * data.stepsPerEpoch; s++) for (const rank of [0, 1]) ids.push(...data.trainIds(rank, steps[rank]![s]!));
+      for (let s = epoch * data.stepsPerEpoch; s < (epoch + 1) * data.stepsPerEpoch; s++)
+        for (const rank of [0, 1]) ids.push(...data.trainIds(rank, steps[rank]![s]!));
       expect(ids.sort((a, b) => a - b)).toEqual([...data.train]);
     }
   }, 300_000);

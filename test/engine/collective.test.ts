@@ -3,9 +3,7 @@
 // duplicates, early pieces, hostile pieces, and failing peers. The same algorithms over a real
 // nats-server and real processes: test/services/collective.integration.test.ts.
 import { describe, expect, test } from "bun:test";
-import {
-  CollectiveAbortedError, CollectiveClosedError, CollectiveTimeoutError, type Collective, segment,
-} from "../../engine/parallel/collective.ts";
+import { CollectiveAbortedError, CollectiveClosedError, CollectiveTimeoutError, type Collective, segment } from "../../engine/parallel/collective.ts";
 import { HierarchicalCollective, topologyRings } from "../../engine/parallel/hierarchical.ts";
 import { RingCollective } from "../../engine/parallel/ring.ts";
 import { MemoryTransport, type PieceHeader } from "../../engine/parallel/transport.ts";
@@ -31,8 +29,13 @@ function inputs(n: number, len: number, seed: number): Float32Array[] {
 /** The float64 sum, and the bound on an f32 ring's rounding: (N-1) additions, each at most eps relative. */
 function reference(xs: Float32Array[]): { sum: Float64Array; bound: Float64Array } {
   const len = xs[0]!.length;
-  const sum = new Float64Array(len), abs = new Float64Array(len);
-  for (const x of xs) for (let i = 0; i < len; i++) { sum[i]! += x[i]!; abs[i]! += Math.abs(x[i]!); }
+  const sum = new Float64Array(len),
+    abs = new Float64Array(len);
+  for (const x of xs)
+    for (let i = 0; i < len; i++) {
+      sum[i]! += x[i]!;
+      abs[i]! += Math.abs(x[i]!);
+    }
   const eps = 2 ** -23;
   return { sum, bound: abs.map((a) => a * eps * xs.length + 1e-30) };
 }
@@ -89,8 +92,10 @@ describe("ring: the wire misbehaves", () => {
     let i = 0;
     const hook: Hook = () => (++i % 3 === 0 ? "drop" : i % 5 === 0 ? "twice" : "deliver");
     const xs = inputs(4, 10_001, 9);
-    const clean = xs.map((x) => x.slice()), noisy = xs.map((x) => x.slice());
-    const a = mesh(4, 256), b = mesh(4, 256, { hook });
+    const clean = xs.map((x) => x.slice()),
+      noisy = xs.map((x) => x.slice());
+    const a = mesh(4, 256),
+      b = mesh(4, 256, { hook });
     await Promise.all(a.map((c, r) => c.allReduce(clean[r]!, { step: 0, bucket: 0 })));
     await Promise.all(b.map((c, r) => c.allReduce(noisy[r]!, { step: 0, bucket: 0 })));
     expect(noisy.map(bitsOf)).toEqual(clean.map(bitsOf));
@@ -111,7 +116,8 @@ describe("ring: the wire misbehaves", () => {
     // buckets of one step overlap: all three started before any finished
     const ys = inputs(3, 3_000, 3).map((x) => x.slice());
     const zs = inputs(3, 2_000, 4).map((x) => x.slice());
-    const refY = reference(ys.map((y) => y.slice())), refZ = reference(zs.map((z) => z.slice()));
+    const refY = reference(ys.map((y) => y.slice())),
+      refZ = reference(zs.map((z) => z.slice()));
     await Promise.all(colls.flatMap((c, r) => [c.allReduce(ys[r]!, { step: 8, bucket: 0 }), c.allReduce(zs[r]!, { step: 8, bucket: 1 })]));
     for (const y of ys) expectNear(y, refY);
     for (const z of zs) expectNear(z, refZ);
@@ -195,13 +201,16 @@ describe("ring: a peer fails", () => {
     let closed = false;
     // rank 2 leaves when the first all-gather piece moves: the reduce-scatter is over, the
     // all-gather has begun
-    colls = mesh(3, 64, { timeoutMs: 60_000, hook: (h) => {
-      if (h.phase === "all-gather" && !closed) {
-        closed = true;
-        queueMicrotask(() => colls[2]!.close("rank 2 is going away"));
-      }
-      return "deliver";
-    } });
+    colls = mesh(3, 64, {
+      timeoutMs: 60_000,
+      hook: (h) => {
+        if (h.phase === "all-gather" && !closed) {
+          closed = true;
+          queueMicrotask(() => colls[2]!.close("rank 2 is going away"));
+        }
+        return "deliver";
+      },
+    });
     const bufs = inputs(3, 5_000, 1);
     const ops = colls.map((c, r) => c.allReduce(bufs[r]!, { step: 0, bucket: 0 }));
     ops.forEach((p) => p.catch(() => {}));
@@ -214,35 +223,41 @@ describe("ring: a peer fails", () => {
 
 describe("hierarchical", () => {
   test("rings of a topology: hosts in order of first appearance, one leader each", () => {
-    expect(topologyRings(["a", "b", "a", "b"])).toEqual({ order: [0, 2, 1, 3], byHost: new Map([["a", [0, 2]], ["b", [1, 3]]]), leaders: [0, 1] });
+    expect(topologyRings(["a", "b", "a", "b"])).toEqual({
+      order: [0, 2, 1, 3],
+      byHost: new Map([
+        ["a", [0, 2]],
+        ["b", [1, 3]],
+      ]),
+      leaders: [0, 1],
+    });
   });
 
-  test.each([
-    [["a", "a", "b", "b"]],
-    [["a", "b", "a", "b"]],
-    [["x", "y", "y", "z"]],
-  ])("hosts %j: all-reduce, reduce-scatter, all-gather and broadcast match the flat ring's results", async (hosts) => {
-    for (const len of [0, 1, 5, 9_999]) {
-      const xs = inputs(4, len, len);
-      const ref = reference(xs);
-      const h = mesh(4, 128, { hosts });
-      const bufs = xs.map((x) => x.slice());
-      await Promise.all(h.map((c, r) => c.allReduce(bufs[r]!, { step: 0, bucket: 0 })));
-      for (const b of bufs) expectNear(b, ref);
-      expect(new Set(bufs.map(bitsOf)).size).toBe(1);
+  test.each([[["a", "a", "b", "b"]], [["a", "b", "a", "b"]], [["x", "y", "y", "z"]]])(
+    "hosts %j: all-reduce, reduce-scatter, all-gather and broadcast match the flat ring's results",
+    async (hosts) => {
+      for (const len of [0, 1, 5, 9_999]) {
+        const xs = inputs(4, len, len);
+        const ref = reference(xs);
+        const h = mesh(4, 128, { hosts });
+        const bufs = xs.map((x) => x.slice());
+        await Promise.all(h.map((c, r) => c.allReduce(bufs[r]!, { step: 0, bucket: 0 })));
+        for (const b of bufs) expectNear(b, ref);
+        expect(new Set(bufs.map(bitsOf)).size).toBe(1);
 
-      const rs = xs.map((x) => x.slice());
-      const segs = await Promise.all(h.map((c, r) => c.reduceScatter(rs[r]!, { step: 1, bucket: 0 })));
-      segs.forEach((s, r) => expectNear(rs[r]!, ref, s));
-      await Promise.all(h.map((c, r) => c.allGather(rs[r]!, { step: 1, bucket: 1 })));
-      for (const b of rs) expectNear(b, ref);
+        const rs = xs.map((x) => x.slice());
+        const segs = await Promise.all(h.map((c, r) => c.reduceScatter(rs[r]!, { step: 1, bucket: 0 })));
+        segs.forEach((s, r) => expectNear(rs[r]!, ref, s));
+        await Promise.all(h.map((c, r) => c.allGather(rs[r]!, { step: 1, bucket: 1 })));
+        for (const b of rs) expectNear(b, ref);
 
-      const bc = xs.map((x) => x.slice());
-      await Promise.all(h.map((c, r) => c.broadcast(bc[r]!, 2, { step: 2, bucket: 0 })));
-      for (const b of bc) expect(bitsOf(b)).toBe(bitsOf(xs[2]!));
-      await Promise.all(h.map((c) => c.barrier({ step: 3, bucket: 0 })));
-    }
-  });
+        const bc = xs.map((x) => x.slice());
+        await Promise.all(h.map((c, r) => c.broadcast(bc[r]!, 2, { step: 2, bucket: 0 })));
+        for (const b of bc) expect(bitsOf(b)).toBe(bitsOf(xs[2]!));
+        await Promise.all(h.map((c) => c.barrier({ step: 3, bucket: 0 })));
+      }
+    },
+  );
 
   test("bytes between hosts: each host sends and receives 2(H-1)/H of the buffer, not the flat ring's share per rank", async () => {
     const hosts = ["a", "a", "b", "b"];

@@ -181,7 +181,10 @@ describe("uint16 token files", () => {
   });
 
   test("train/validation split keeps order", () => {
-    const { train, val } = splitTokens(Uint16Array.from({ length: 100 }, (_, i) => i), 0.1);
+    const { train, val } = splitTokens(
+      Uint16Array.from({ length: 100 }, (_, i) => i),
+      0.1,
+    );
     expect(train.length).toBe(90);
     expect(val[0]).toBe(90);
     expect(() => splitTokens(tokens, 0)).toThrow(/valFraction/);

@@ -1,21 +1,17 @@
 // Wrong shapes, dtypes, contexts and indices give typed errors that name the op and the
 // shapes; a NaN/Inf loss stops training with a clear message and leaves the weights intact.
 import { describe, expect, test } from "bun:test";
-import { BackendMismatchError, DTypeError, IndexRangeError, NonFiniteLossError, ShapeError, StaleTensorError }
-  from "../../engine/errors.ts";
+import { BackendMismatchError, DTypeError, IndexRangeError, NonFiniteLossError, ShapeError, StaleTensorError } from "../../engine/errors.ts";
 import { MlpModel } from "../../engine/models/mlp.ts";
-import { add, biasAdd, causalSelfAttention, embedding, layerNorm, matmul, mul, permute, relu, softmaxCrossEntropy }
-  from "../../engine/ops/index.ts";
+import { add, biasAdd, causalSelfAttention, embedding, layerNorm, matmul, mul, permute, relu, softmaxCrossEntropy } from "../../engine/ops/index.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
 import { TrainStep } from "../../engine/train.ts";
 import { GptModel } from "../../engine/models/gpt.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { newContext } from "../helpers/numeric.ts";
 
-const f = (ctx: ReturnType<typeof newContext>, shape: number[]) =>
-  ctx.fromArray(new Float32Array(shape.reduce((a, b) => a * b, 1)), shape);
-const ids = (ctx: ReturnType<typeof newContext>, values: number[], shape = [values.length]) =>
-  ctx.fromArray(Int32Array.from(values), shape);
+const f = (ctx: ReturnType<typeof newContext>, shape: number[]) => ctx.fromArray(new Float32Array(shape.reduce((a, b) => a * b, 1)), shape);
+const ids = (ctx: ReturnType<typeof newContext>, values: number[], shape = [values.length]) => ctx.fromArray(Int32Array.from(values), shape);
 
 const expectError = (...args: Parameters<typeof expectThrown>): void => {
   expectThrown(...args);
@@ -82,8 +78,12 @@ describe("a non-finite loss stops training", () => {
   test("NaN input: NonFiniteLossError with the step, weights untouched", () => {
     const ctx = newContext();
     const model = new MlpModel(ctx, { widths: [4, 8, 3], activation: "relu", dropout: 0 }, 1);
-    const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }),
-      { lr: 0.1, schedule: { kind: "constant" }, gradClip: 0, accumSteps: 1 });
+    const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }), {
+      lr: 0.1,
+      schedule: { kind: "constant" },
+      gradClip: 0,
+      accumSteps: 1,
+    });
     const good = { inputs: Float32Array.of(1, 2, 3, 4), inputShape: [1, 4], targets: Int32Array.of(1), targetShape: [1] };
     trainer.run([good]);
     const before = model.store.readValues();
@@ -96,8 +96,12 @@ describe("a non-finite loss stops training", () => {
   test("a learning rate that diverges ends in the same clear error", () => {
     const ctx = newContext();
     const model = new MlpModel(ctx, { widths: [4, 8, 3], activation: "relu", dropout: 0 }, 1);
-    const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }),
-      { lr: 1e30, schedule: { kind: "constant" }, gradClip: 0, accumSteps: 1 });
+    const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }), {
+      lr: 1e30,
+      schedule: { kind: "constant" },
+      gradClip: 0,
+      accumSteps: 1,
+    });
     const b = { inputs: Float32Array.of(1, 2, 3, 4), inputShape: [1, 4], targets: Int32Array.of(1), targetShape: [1] };
     expect(() => {
       for (let i = 0; i < 20; i++) trainer.run([b]);

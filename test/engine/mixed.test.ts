@@ -43,9 +43,12 @@ describe.each(backends)("autocast matmul on %s", (_name, backend) => {
   describe.each(["bf16", "f16"] as const)("%s", (half) => {
     test.each(cases)("%s: forward and backward match float64 on the rounded inputs", (_n, aShape, bShape, M, N, K, batch, tA, tB) => {
       const rng = new Rng(3);
-      const a = randn(rng, M * K * batch), b = randn(rng, K * N * batch), dout = randn(rng, M * N * batch);
+      const a = randn(rng, M * K * batch),
+        b = randn(rng, K * N * batch),
+        dout = randn(rng, M * N * batch);
       const ctx = poisoned(backend(), half);
-      const ta = leaf(ctx, a, [...aShape]), tb = leaf(ctx, b, [...bShape]);
+      const ta = leaf(ctx, a, [...aShape]),
+        tb = leaf(ctx, b, [...bShape]);
       const out = matmul(ta, tb, { transA: tA, transB: tB });
       ctx.backwardFrom(out, ctx.fromArray(Float32Array.from(dout), [...out.shape]));
       const [ah, bh, dh] = [rounded(a, half), rounded(b, half), rounded(dout, half)];
@@ -62,8 +65,9 @@ describe.each(backends)("autocast matmul on %s", (_name, backend) => {
       expect(relErr(grad64(ta), want.da)).toBeLessThan(1e-5);
       expect(relErr(grad64(tb), want.db)).toBeLessThan(1e-5);
       // and close to the unrounded f32 result: 8 (bf16) or 11 (f16) significant bits per input
-      const exact = [...Array(batch).keys()].flatMap((i) => [...matmulReference(a.subarray(i * M * K, (i + 1) * M * K),
-        b.subarray(i * K * N, (i + 1) * K * N), M, N, K, tA, tB)]);
+      const exact = [...Array(batch).keys()].flatMap((i) => [
+        ...matmulReference(a.subarray(i * M * K, (i + 1) * M * K), b.subarray(i * K * N, (i + 1) * K * N), M, N, K, tA, tB),
+      ]);
       expect(relErr(out.toFloat32(), exact)).toBeLessThan(half === "bf16" ? 1e-2 : 2e-3);
     });
   });
@@ -77,7 +81,12 @@ describe.each(backends)("autocast matmul on %s", (_name, backend) => {
     const ones = ctx.fromArray(new Float32Array(24).fill(1), [6, 4]);
     ctx.backwardFrom(add(matmul(x, w), matmul(x, w)), ones); // the same weight used twice: both contributions add up
     const once = matmulBackwardReference(rounded(a, "bf16"), rounded(b, "bf16"), new Float64Array(24).fill(1), 6, 4, 9).db;
-    expect(relErr(grad64(w), once.map((v) => 2 * v))).toBeLessThan(1e-5);
+    expect(
+      relErr(
+        grad64(w),
+        once.map((v) => 2 * v),
+      ),
+    ).toBeLessThan(1e-5);
   });
 });
 
@@ -87,7 +96,8 @@ describe.each(backends)("tf32 on %s", (_name, backend) => {
     const [a, b] = [randn(rng, 6 * 9), randn(rng, 9 * 4)];
     const run = (precision: Precision) => {
       const ctx = poisoned(backend(), precision);
-      const ta = leaf(ctx, a, [6, 9]), tb = leaf(ctx, b, [9, 4]);
+      const ta = leaf(ctx, a, [6, 9]),
+        tb = leaf(ctx, b, [9, 4]);
       const out = matmul(ta, tb);
       ctx.backwardFrom(out, ctx.fromArray(new Float32Array(24).fill(1), [6, 4]));
       return { out: out.toFloat32(), da: ta.grad!.toFloat32() };
@@ -174,8 +184,16 @@ describe("LossScaler (torch.cuda.amp.GradScaler rules)", () => {
   });
 
   test.each([
-    ["initScale", 0], ["initScale", Infinity], ["initScale", NaN], ["growthFactor", 1], ["growthFactor", 0.5],
-    ["backoffFactor", 1], ["backoffFactor", 0], ["growthInterval", 0], ["growthInterval", 2.5], ["skipsInARowMax", -1],
+    ["initScale", 0],
+    ["initScale", Infinity],
+    ["initScale", NaN],
+    ["growthFactor", 1],
+    ["growthFactor", 0.5],
+    ["backoffFactor", 1],
+    ["backoffFactor", 0],
+    ["growthInterval", 0],
+    ["growthInterval", 2.5],
+    ["skipsInARowMax", -1],
   ] as const)("%s = %p is a ConfigError", (key, value) => {
     expect(() => new LossScaler({ [key]: value })).toThrow(ConfigError);
     expect(() => new LossScaler({ [key]: value })).toThrow(`lossScale.${key}`);
@@ -245,8 +263,7 @@ describe.each(backends)("f16 training steps with loss scaling on %s", (_name, ba
   });
 });
 
-describe("the step path", () => {
-});
+describe("the step path", () => {});
 
 // The emulated CUDA backend runs every CUDA thread as a host thread: dozens of full training
 // steps take minutes there, so these run on real backends only (the CPU; a GPU).
@@ -275,8 +292,12 @@ describe.each(realBackends)("training in reduced precision reaches f32's loss on
     const run = (p: Precision) => {
       const ctx = poisoned(backend(), p, 1);
       const model = new GptModel(ctx, { vocabSize: 11, blockSize: 8, nLayer: 1, nHead: 2, nEmbd: 16, dropout: 0 }, 2);
-      const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }),
-        { lr: 1e-2, schedule: { kind: "constant" }, gradClip: 1, accumSteps: 1 });
+      const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }), {
+        lr: 1e-2,
+        schedule: { kind: "constant" },
+        gradClip: 1,
+        accumSteps: 1,
+      });
       const rng = new Rng(4);
       // a learnable sequence: each token is the previous one plus 1 (mod 11)
       const batch = (): HostBatch => {

@@ -60,7 +60,8 @@ describe("gpt", () => {
     const ctx = newContext();
     const model = new GptModel(ctx, config, 1);
     const rng = new Rng(2);
-    const x = randInts(rng, 16, 11), y = randInts(rng, 16, 11);
+    const x = randInts(rng, 16, 11),
+      y = randInts(rng, 16, 11);
     const run = () => {
       ctx.newPass();
       model.store.zeroGrad();
@@ -69,7 +70,10 @@ describe("gpt", () => {
     ctx.backward(run());
     const reference = model.store.readGrads();
     const loss = run();
-    const planned = ctx.gradReadyOrder().flat().map((t) => t.name!);
+    const planned = ctx
+      .gradReadyOrder()
+      .flat()
+      .map((t) => t.name!);
     const order: string[] = [];
     const complete = new Map<string, Float32Array>();
     for (const ready of ctx.backwardSteps(loss)) {

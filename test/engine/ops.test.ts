@@ -9,8 +9,23 @@
 // fails. Inputs are fresh random normals, never zeros. Shapes include 1s and odd sizes that
 // do not fit SIMD widths.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { add, biasAdd, causalSelfAttention, dropout, embedding, gelu, layerNorm, matmul, mean, mul, permute,
-  relu, softmaxCrossEntropy, sum, transpose } from "../../engine/ops/index.ts";
+import {
+  add,
+  biasAdd,
+  causalSelfAttention,
+  dropout,
+  embedding,
+  gelu,
+  layerNorm,
+  matmul,
+  mean,
+  mul,
+  permute,
+  relu,
+  softmaxCrossEntropy,
+  sum,
+  transpose,
+} from "../../engine/ops/index.ts";
 import { addBackwardReference, addReference } from "../../engine/ops/add.ts";
 import { causalSelfAttentionBackwardReference, causalSelfAttentionReference } from "../../engine/ops/attention.ts";
 import { biasAddBackwardReference, biasAddReference } from "../../engine/ops/bias.ts";
@@ -26,8 +41,7 @@ import { meanReference, sumBackwardReference, sumReference } from "../../engine/
 import { reluBackwardReference, reluReference } from "../../engine/ops/relu.ts";
 import { Rng } from "../../engine/rng.ts";
 import type { Tensor } from "../../engine/tensor.ts";
-import { cpu, dot, f32, f64, finiteDiff, grad64, leaf, newContext, randInts, randn, relErr,
-  useBackend } from "../helpers/numeric.ts";
+import { cpu, dot, f32, f64, finiteDiff, grad64, leaf, newContext, randInts, randn, relErr, useBackend } from "../helpers/numeric.ts";
 import type { Backend } from "../../ffi/backend.ts";
 import { Context } from "../../engine/tensor.ts";
 import type { Precision } from "../../engine/mixed.ts";
@@ -155,7 +169,11 @@ function layerNormCase(rng: Rng, N: number, C: number, inputGrad = true): OpCase
 }
 
 function embeddingCase(rng: Rng, V: number, C: number, idShape: number[]): OpCase {
-  const ids = randInts(rng, idShape.reduce((a, b) => a * b, 1), V);
+  const ids = randInts(
+    rng,
+    idShape.reduce((a, b) => a * b, 1),
+    V,
+  );
   return {
     inputs: [input(rng, [V, C])],
     ints: [{ data: ids, shape: idShape }],
@@ -175,8 +193,7 @@ function attentionCase(rng: Rng, B: number, T: number, C: number, H: number): Op
 }
 
 function unaryCase(rng: Rng, op: "relu" | "gelu", shape: number[]): OpCase {
-  const [f, ref, refGrad] = op === "relu" ? [relu, reluReference, reluBackwardReference] as const
-    : [gelu, geluReference, geluBackwardReference] as const;
+  const [f, ref, refGrad] = op === "relu" ? ([relu, reluReference, reluBackwardReference] as const) : ([gelu, geluReference, geluBackwardReference] as const);
   return {
     inputs: [input(rng, shape, true, 2)],
     run: ([x]) => f(x!),
@@ -203,51 +220,94 @@ describe.each(backends)("$name backend", ({ backend }) => {
   afterAll(() => useBackend(undefined));
 
   describe("matmul", () => {
-    const shapes: [number, number, number][] = [[1, 1, 1], [3, 5, 7], [17, 9, 33], [64, 31, 20]];
+    const shapes: [number, number, number][] = [
+      [1, 1, 1],
+      [3, 5, 7],
+      [17, 9, 33],
+      [64, 31, 20],
+    ];
     describe.each(shapes)("M=%i N=%i K=%i", (M, N, K) => {
-      test.each([[false, false], [false, true], [true, false], [true, true]])("transA=%p transB=%p", (tA, tB) => {
+      test.each([
+        [false, false],
+        [false, true],
+        [true, false],
+        [true, true],
+      ])("transA=%p transB=%p", (tA, tB) => {
         const rng = new Rng(M * 1000 + N * 10 + K);
         checkOp(matmulCase(rng, M, N, K, tA, tB), rng);
       });
     });
 
-    test.each([[false, false], [false, true], [true, false], [true, true]])("batched (3 x 5x7x6) transA=%p transB=%p", (tA, tB) => {
+    test.each([
+      [false, false],
+      [false, true],
+      [true, false],
+      [true, true],
+    ])("batched (3 x 5x7x6) transA=%p transB=%p", (tA, tB) => {
       const [Bt, M, N, K] = [3, 5, 7, 6];
       const rng = new Rng(99);
       // the reference runs per batch element on subarrays
       const part = (x: Float64Array, i: number, size: number) => x.subarray(i * size, (i + 1) * size);
       const concat = (parts: Float64Array[]) => Float64Array.from(parts.flatMap((p) => [...p]));
-      checkOp({
-        inputs: [input(rng, tA ? [Bt, K, M] : [Bt, M, K]), input(rng, tB ? [Bt, N, K] : [Bt, K, N])],
-        run: ([a, b]) => matmul(a!, b!, { transA: tA, transB: tB }),
-        ref: ([a, b]) => concat(Array.from({ length: Bt }, (_, i) =>
-          matmulReference(part(a!, i, M * K), part(b!, i, K * N), M, N, K, tA, tB))),
-        refGrad: ([a, b], d) => {
-          const g = Array.from({ length: Bt }, (_, i) =>
-            matmulBackwardReference(part(a!, i, M * K), part(b!, i, K * N), part(d, i, M * N), M, N, K, tA, tB));
-          return [concat(g.map((x) => x.da)), concat(g.map((x) => x.db))];
+      checkOp(
+        {
+          inputs: [input(rng, tA ? [Bt, K, M] : [Bt, M, K]), input(rng, tB ? [Bt, N, K] : [Bt, K, N])],
+          run: ([a, b]) => matmul(a!, b!, { transA: tA, transB: tB }),
+          ref: ([a, b]) => concat(Array.from({ length: Bt }, (_, i) => matmulReference(part(a!, i, M * K), part(b!, i, K * N), M, N, K, tA, tB))),
+          refGrad: ([a, b], d) => {
+            const g = Array.from({ length: Bt }, (_, i) => matmulBackwardReference(part(a!, i, M * K), part(b!, i, K * N), part(d, i, M * N), M, N, K, tA, tB));
+            return [concat(g.map((x) => x.da)), concat(g.map((x) => x.db))];
+          },
         },
-      }, rng);
+        rng,
+      );
     });
 
     test("3-D input against a shared 2-D weight (x @ W^T)", () => {
       const rng = new Rng(5);
       const [B, T, C, O] = [2, 3, 5, 4];
-      checkOp({
-        inputs: [input(rng, [B, T, C]), input(rng, [O, C])],
-        run: ([x, w]) => matmul(x!, w!, { transB: true }),
-        ref: ([x, w]) => matmulReference(x!, w!, B * T, O, C, false, true),
-        refGrad: ([x, w], d) => Object.values(matmulBackwardReference(x!, w!, d, B * T, O, C, false, true)),
-      }, rng);
+      checkOp(
+        {
+          inputs: [input(rng, [B, T, C]), input(rng, [O, C])],
+          run: ([x, w]) => matmul(x!, w!, { transB: true }),
+          ref: ([x, w]) => matmulReference(x!, w!, B * T, O, C, false, true),
+          refGrad: ([x, w], d) => Object.values(matmulBackwardReference(x!, w!, d, B * T, O, C, false, true)),
+        },
+        rng,
+      );
     });
   });
 
   describe.each(["add", "mul"] as const)("%s with broadcasting", (op) => {
     const pairs: [number[], number[]][] = [
-      [[4, 5], [4, 5]], [[3, 4, 5], [5]], [[3, 1, 5], [1, 4, 1]], [[2, 3, 4, 5], [3, 1, 5]], [[7], [1]],
-      [[1], [6, 3]], [[9, 17], [9, 1]],
+      [
+        [4, 5],
+        [4, 5],
+      ],
+      [[3, 4, 5], [5]],
+      [
+        [3, 1, 5],
+        [1, 4, 1],
+      ],
+      [
+        [2, 3, 4, 5],
+        [3, 1, 5],
+      ],
+      [[7], [1]],
+      [[1], [6, 3]],
+      [
+        [9, 17],
+        [9, 1],
+      ],
       // alternating broadcast dims: 5 dims even after merging (split into 4-dim blocks)
-      [[2, 1, 3, 1, 2], [2, 1, 2, 1]], [[2, 1, 2, 1, 2, 1], [2, 1, 2, 1, 2]],
+      [
+        [2, 1, 3, 1, 2],
+        [2, 1, 2, 1],
+      ],
+      [
+        [2, 1, 2, 1, 2, 1],
+        [2, 1, 2, 1, 2],
+      ],
     ];
     test.each(pairs)("%p with %p", (as, bs) => {
       const rng = new Rng(as.length * 31 + bs.length);
@@ -256,15 +316,18 @@ describe.each(backends)("$name backend", ({ backend }) => {
     test("same tensor on both sides", () => {
       const rng = new Rng(3);
       const c = broadcastCase(rng, op, [3, 4], [3, 4]);
-      checkOp({
-        inputs: [c.inputs[0]!],
-        run: ([a]) => c.run([a!, a!], []),
-        ref: ([a]) => c.ref([a!, a!]),
-        refGrad: ([a], d) => {
-          const [ga, gb] = c.refGrad([a!, a!], d);
-          return [ga!.map((v, i) => v + gb![i]!)];
+      checkOp(
+        {
+          inputs: [c.inputs[0]!],
+          run: ([a]) => c.run([a!, a!], []),
+          ref: ([a]) => c.ref([a!, a!]),
+          refGrad: ([a], d) => {
+            const [ga, gb] = c.refGrad([a!, a!], d);
+            return [ga!.map((v, i) => v + gb![i]!)];
+          },
         },
-      }, rng);
+        rng,
+      );
     });
   });
 
@@ -297,7 +360,12 @@ describe.each(backends)("$name backend", ({ backend }) => {
   });
 
   describe("layerNorm", () => {
-    test.each([[1, 3], [5, 7], [9, 64], [300, 129]])("N=%i C=%i", (N, C) => {
+    test.each([
+      [1, 3],
+      [5, 7],
+      [9, 64],
+      [300, 129],
+    ])("N=%i C=%i", (N, C) => {
       const rng = new Rng(N + 7 * C);
       checkOp(layerNormCase(rng, N, C), rng);
     });
@@ -308,20 +376,30 @@ describe.each(backends)("$name backend", ({ backend }) => {
   });
 
   describe("embedding", () => {
-    test.each([[1, 1, 1], [10, 7, 13], [83, 32, 64]])("V=%i C=%i N=%i (repeated ids)", (V, C, N) => {
+    test.each([
+      [1, 1, 1],
+      [10, 7, 13],
+      [83, 32, 64],
+    ])("V=%i C=%i N=%i (repeated ids)", (V, C, N) => {
       const rng = new Rng(V + C + N);
       checkOp(embeddingCase(rng, V, C, [N]), rng);
     });
     test("2-D ids give a 3-D output", () => {
       const ctx = newContext();
-      const table = ctx.fromArray(new Float32Array(12).map((_, i) => i), [4, 3]);
+      const table = ctx.fromArray(
+        new Float32Array(12).map((_, i) => i),
+        [4, 3],
+      );
       const out = embedding(table, ctx.fromArray(Int32Array.of(3, 0, 1, 1), [2, 2]));
       expect(out.shape).toEqual([2, 2, 3]);
       expect([...out.toFloat32()]).toEqual([9, 10, 11, 0, 1, 2, 3, 4, 5, 3, 4, 5]);
     });
     test("ids and targets the host has not seen are counted on the device: served in range, IndexRangeError outside", () => {
       const ctx = newContext();
-      const table = ctx.fromArray(new Float32Array(12).map((_, i) => i), [4, 3]);
+      const table = ctx.fromArray(
+        new Float32Array(12).map((_, i) => i),
+        [4, 3],
+      );
       // written straight into backend memory: no host range
       const deviceIds = (values: number[]) => {
         const t = ctx.empty([values.length], "i32");
@@ -342,7 +420,12 @@ describe.each(backends)("$name backend", ({ backend }) => {
   });
 
   describe("causalSelfAttention", () => {
-    test.each([[1, 1, 4, 1], [2, 5, 12, 3], [2, 8, 16, 2], [3, 17, 24, 4]])("B=%i T=%i C=%i H=%i", (B, T, C, H) => {
+    test.each([
+      [1, 1, 4, 1],
+      [2, 5, 12, 3],
+      [2, 8, 16, 2],
+      [3, 17, 24, 4],
+    ])("B=%i T=%i C=%i H=%i", (B, T, C, H) => {
       const rng = new Rng(B * T * C * H);
       checkOp(attentionCase(rng, B, T, C, H), rng);
     });
@@ -365,12 +448,15 @@ describe.each(backends)("$name backend", ({ backend }) => {
     test.each([[[1]], [[5, 7]], [[50000]]])("shape %p, p=0.3, mask recomputed in backward", (shape) => {
       const rng = new Rng(2);
       const p = 0.3;
-      checkOp({
-        inputs: [input(rng, shape)],
-        run: ([x]) => dropout(x!, p),
-        ref: ([x]) => dropoutReference(x!, p, firstSeed()),
-        refGrad: (_x, d) => [dropoutBackwardReference(d, p, firstSeed())],
-      }, rng);
+      checkOp(
+        {
+          inputs: [input(rng, shape)],
+          run: ([x]) => dropout(x!, p),
+          ref: ([x]) => dropoutReference(x!, p, firstSeed()),
+          refGrad: (_x, d) => [dropoutBackwardReference(d, p, firstSeed())],
+        },
+        rng,
+      );
     });
     test("keeps about 1-p of the elements and preserves the mean", () => {
       const ctx = newContext(3);
@@ -391,8 +477,30 @@ describe.each(backends)("$name backend", ({ backend }) => {
 
   describe("permute / transpose", () => {
     const cases: [number[], number[]][] = [
-      [[2, 3], [1, 0]], [[2, 3, 4], [0, 2, 1]], [[2, 3, 4, 5], [3, 1, 0, 2]], [[2, 3, 4, 5], [0, 2, 1, 3]],
-      [[3, 1, 4, 2, 2], [4, 2, 0, 1, 3]], [[5, 7], [0, 1]],
+      [
+        [2, 3],
+        [1, 0],
+      ],
+      [
+        [2, 3, 4],
+        [0, 2, 1],
+      ],
+      [
+        [2, 3, 4, 5],
+        [3, 1, 0, 2],
+      ],
+      [
+        [2, 3, 4, 5],
+        [0, 2, 1, 3],
+      ],
+      [
+        [3, 1, 4, 2, 2],
+        [4, 2, 0, 1, 3],
+      ],
+      [
+        [5, 7],
+        [0, 1],
+      ],
     ];
     test.each(cases)("shape %p perm %p", (shape, perm) => {
       const rng = new Rng(shape.length * 13 + perm[0]!);
@@ -411,13 +519,19 @@ describe.each(backends)("$name backend", ({ backend }) => {
     test.each([[[1]], [[7, 13]], [[100000]]])("shape %p", (shape) => {
       const rng = new Rng(shape[0]!);
       const n = shape.reduce((a, b) => a * b, 1);
-      for (const [op, ref, isMean] of [[sum, sumReference, false], [mean, meanReference, true]] as const) {
-        checkOp({
-          inputs: [input(rng, shape)],
-          run: ([x]) => op(x!),
-          ref: ([x]) => Float64Array.of(ref(x!)),
-          refGrad: (_x, d) => [sumBackwardReference(n, d[0]!, isMean)],
-        }, rng);
+      for (const [op, ref, isMean] of [
+        [sum, sumReference, false],
+        [mean, meanReference, true],
+      ] as const) {
+        checkOp(
+          {
+            inputs: [input(rng, shape)],
+            run: ([x]) => op(x!),
+            ref: ([x]) => Float64Array.of(ref(x!)),
+            refGrad: (_x, d) => [sumBackwardReference(n, d[0]!, isMean)],
+          },
+          rng,
+        );
       }
     });
   });
@@ -491,8 +605,17 @@ describe.each(backends)("$name backend", ({ backend }) => {
 
   // Reduced-precision GEMMs (autocast) against the f32 CPU result on the same inputs: tf32 may
   // round multiply inputs to 10 mantissa bits, bf16 to 7, f16 to 10 (f32 accumulation throughout).
-  describe.each([["tf32", 1e-3], ["bf16", 1e-2], ["f16", 1e-2]] as const)("matmul in %s", (precision, tol) => {
-    test.each([[false, false], [false, true], [true, false], [true, true]])("64x48x96 transA=%p transB=%p", (tA, tB) => {
+  describe.each([
+    ["tf32", 1e-3],
+    ["bf16", 1e-2],
+    ["f16", 1e-2],
+  ] as const)("matmul in %s", (precision, tol) => {
+    test.each([
+      [false, false],
+      [false, true],
+      [true, false],
+      [true, true],
+    ])("64x48x96 transA=%p transB=%p", (tA, tB) => {
       const rng = new Rng(41 + (tA ? 1 : 0) + (tB ? 2 : 0));
       const c = matmulCase(rng, 64, 48, 96, tA, tB);
       const dout = f64(f32(randn(rng, 64 * 48)));

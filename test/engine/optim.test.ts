@@ -127,7 +127,10 @@ describe("AdamW (torch.optim.AdamW rules)", () => {
     const opt = new AdamW(ctx, store, { beta1: b1, beta2: b2, eps, weightDecay: wd });
     let w = [1, -2, 3];
     let bb = [0.5, -0.5];
-    let mW = [0, 0, 0], vW = [0, 0, 0], mB = [0, 0], vB = [0, 0];
+    let mW = [0, 0, 0],
+      vW = [0, 0, 0],
+      mB = [0, 0],
+      vB = [0, 0];
     grads.forEach((g, i) => {
       const t = i + 1;
       setGrads(g.w, g.b);
@@ -138,7 +141,8 @@ describe("AdamW (torch.optim.AdamW rules)", () => {
       vW = vW.map((v, k) => b2 * v + (1 - b2) * g.w[k]! ** 2);
       mB = mB.map((m, k) => b1 * m + (1 - b1) * g.b[k]!);
       vB = vB.map((v, k) => b2 * v + (1 - b2) * g.b[k]! ** 2);
-      const bc1 = 1 - b1 ** t, bc2 = 1 - b2 ** t;
+      const bc1 = 1 - b1 ** t,
+        bc2 = 1 - b2 ** t;
       w = w.map((p, k) => p * (1 - lr * wd) - (lr * (mW[k]! / bc1)) / (Math.sqrt(vW[k]! / bc2) + eps));
       bb = bb.map((p, k) => p - (lr * (mB[k]! / bc1)) / (Math.sqrt(vB[k]! / bc2) + eps));
       expectClose(values().w, w);
@@ -221,8 +225,12 @@ describe("gradient accumulation", () => {
     const run = (k: number) => {
       const ctx = newContext(1);
       const model = new MlpModel(ctx, { widths: [20, 16, 5], activation: "relu", dropout: 0 }, 3);
-      const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }),
-        { lr: 0.1, schedule: { kind: "constant" }, gradClip: 0, accumSteps: k });
+      const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }), {
+        lr: 0.1,
+        schedule: { kind: "constant" },
+        gradClip: 0,
+        accumSteps: k,
+      });
       const micro = Array.from({ length: k }, (_, i) => slice(big, i * (32 / k), 32 / k, 20, 1));
       const r = trainer.run(micro);
       return { grads: model.store.readGrads(), values: model.store.readValues(), loss: r.loss };
@@ -241,8 +249,12 @@ describe("gradient accumulation", () => {
     const run = (k: number) => {
       const ctx = newContext(1);
       const model = new GptModel(ctx, { vocabSize: V, blockSize: T, nLayer: 2, nHead: 2, nEmbd: 16, dropout: 0 }, 4);
-      const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }),
-        { lr: 1e-3, schedule: { kind: "constant" }, gradClip: 0, accumSteps: k });
+      const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }), {
+        lr: 1e-3,
+        schedule: { kind: "constant" },
+        gradClip: 0,
+        accumSteps: k,
+      });
       trainer.run(Array.from({ length: k }, (_, i) => slice(big, i * (B / k), B / k, T, T)));
       return model.store.readGrads();
     };
@@ -255,8 +267,12 @@ describe("reproducibility and the step path", () => {
     const ctx = newContext(seed);
     const model = new MlpModel(ctx, { widths: [20, 32, 5], activation: "relu", dropout: 0.3 }, seed);
     const init = model.store.readValues();
-    const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 }),
-      { lr: 1e-2, schedule: { kind: "constant" }, gradClip: 1, accumSteps: 1 });
+    const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 }), {
+      lr: 1e-2,
+      schedule: { kind: "constant" },
+      gradClip: 1,
+      accumSteps: 1,
+    });
     const rng = new Rng(9);
     const losses = Array.from({ length: steps }, () => trainer.run([mlpBatch(rng, 16)]).loss);
     return { init, losses, values: model.store.readValues() };
@@ -281,8 +297,12 @@ describe("reproducibility and the step path", () => {
     const be = new CpuBackend();
     const ctx = new Context(be, { seed: 1, precision });
     const model = new GptModel(ctx, { vocabSize: 13, blockSize: 8, nLayer: 2, nHead: 2, nEmbd: 16, dropout: 0.1 }, 1);
-    const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }),
-      { lr: 1e-3, schedule: { kind: "constant" }, gradClip: 1, accumSteps: 2 });
+    const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }), {
+      lr: 1e-3,
+      schedule: { kind: "constant" },
+      gradClip: 1,
+      accumSteps: 2,
+    });
     const rng = new Rng(2);
     const batch = (): HostBatch => ({ inputs: randInts(rng, 32, 13), inputShape: [4, 8], targets: randInts(rng, 32, 13), targetShape: [4, 8] });
     trainer.run([batch(), batch()]);

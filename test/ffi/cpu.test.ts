@@ -36,8 +36,33 @@ function roundTrip(be: CpuBackend, input: Float32Array, to: "bf16" | "f16") {
   return { bits, restored };
 }
 
-const specials = [0, -0, 1, -1, 0.1, 65504, 65519, 65520, 1e6, -1e6, 6.1e-5, 6.0e-5, 5.96e-8, 2.98e-8, 2.99e-8, 1e-10,
-  3.4e38, -3.4e38, Infinity, -Infinity, NaN, 1.00390625, 1.01171875, 256.5, 257.5];
+const specials = [
+  0,
+  -0,
+  1,
+  -1,
+  0.1,
+  65504,
+  65519,
+  65520,
+  1e6,
+  -1e6,
+  6.1e-5,
+  6.0e-5,
+  5.96e-8,
+  2.98e-8,
+  2.99e-8,
+  1e-10,
+  3.4e38,
+  -3.4e38,
+  Infinity,
+  -Infinity,
+  NaN,
+  1.00390625,
+  1.01171875,
+  256.5,
+  257.5,
+];
 
 describe("casts", () => {
   const rng = new Rng(42);
@@ -135,25 +160,30 @@ describe("kernels that split work by hand", () => {
     ["default threads", {}],
     ["4 requested, 1 granted", { OMP_NUM_THREADS: "4", OMP_THREAD_LIMIT: "1" }],
     ["3 threads", { OMP_NUM_THREADS: "3" }],
-  ])("%s: sumSquares, biasBackward, embeddingBackward match references", (_name, env) => {
-    const p = Bun.spawnSync([process.execPath, `${import.meta.dir}/fixtures/reductions.ts`], {
-      env: { ...process.env, ...env },
-      stdout: "pipe",
-      stderr: "pipe",
-    });
-    expect(p.stderr.toString()).toBe("");
-    const r = JSON.parse(p.stdout.toString());
-    expect(r.sumSquares).toBeLessThan(1e-6);
-    expect(r.biasBackward).toBeLessThan(1e-5);
-    expect(r.embeddingBackward).toBeLessThan(1e-5);
-  }, 60_000);
+  ])(
+    "%s: sumSquares, biasBackward, embeddingBackward match references",
+    (_name, env) => {
+      const p = Bun.spawnSync([process.execPath, `${import.meta.dir}/fixtures/reductions.ts`], {
+        env: { ...process.env, ...env },
+        stdout: "pipe",
+        stderr: "pipe",
+      });
+      expect(p.stderr.toString()).toBe("");
+      const r = JSON.parse(p.stdout.toString());
+      expect(r.sumSquares).toBeLessThan(1e-6);
+      expect(r.biasBackward).toBeLessThan(1e-5);
+      expect(r.embeddingBackward).toBeLessThan(1e-5);
+    },
+    60_000,
+  );
 });
 
 describe("gemmEx", () => {
   type Input = "f32" | "tf32" | "bf16" | "f16";
   /** The value each 2-byte element holds, decoded in JavaScript (not by the backend's widening). */
   const decode = (input: Input, bits: Uint16Array): Float64Array =>
-    input === "bf16" ? Float64Array.from(bits, (b) => new Float32Array(new Uint32Array([b << 16]).buffer)[0]!)
+    input === "bf16"
+      ? Float64Array.from(bits, (b) => new Float32Array(new Uint32Array([b << 16]).buffer)[0]!)
       : Float64Array.from(new Float16Array(bits.buffer, bits.byteOffset, bits.length));
 
   /** Uploads x as `input` elements; returns the allocation and the values it holds. */
@@ -190,17 +220,36 @@ describe("gemmEx", () => {
     return out;
   }
 
-  interface Shape { M: number; N: number; K: number; tA: boolean; tB: boolean; batch: number; lda: number; ldb: number; ldc: number; strideA: number; strideB: number; strideC: number }
+  interface Shape {
+    M: number;
+    N: number;
+    K: number;
+    tA: boolean;
+    tB: boolean;
+    batch: number;
+    lda: number;
+    ldb: number;
+    ldc: number;
+    strideA: number;
+    strideB: number;
+    strideC: number;
+  }
   /** Odd sizes, leading dimensions padded by `pad` and matrices `gap` elements apart beyond that. */
   function shape(M: number, N: number, K: number, tA: boolean, tB: boolean, batch: number, pad: number, gap: number): Shape {
-    const lda = (tA ? M : K) + pad, ldb = (tB ? K : N) + pad, ldc = N + pad;
-    return { M, N, K, tA, tB, batch, lda, ldb, ldc,
-      strideA: (tA ? K : M) * lda + gap, strideB: (tB ? N : K) * ldb + gap, strideC: M * ldc + gap };
+    const lda = (tA ? M : K) + pad,
+      ldb = (tB ? K : N) + pad,
+      ldc = N + pad;
+    return { M, N, K, tA, tB, batch, lda, ldb, ldc, strideA: (tA ? K : M) * lda + gap, strideB: (tB ? N : K) * ldb + gap, strideC: M * ldc + gap };
   }
 
   const cases: [Input, boolean, boolean, number, number][] = [];
   for (const input of ["f32", "tf32", "bf16", "f16"] as const) {
-    for (const [tA, tB] of [[false, false], [false, true], [true, false], [true, true]] as const) {
+    for (const [tA, tB] of [
+      [false, false],
+      [false, true],
+      [true, false],
+      [true, true],
+    ] as const) {
       cases.push([input, tA, tB, 1, 0], [input, tA, tB, 3, 0], [input, tA, tB, 3, 5]);
     }
   }
@@ -232,7 +281,9 @@ describe("gemmEx", () => {
   test("2-byte inputs: scratch is allocated once, grown only for a larger GEMM, freed by dispose", () => {
     const be = new CpuBackend();
     const run = (M: number, N: number, K: number) => {
-      const a = be.alloc(M * K * 2), b = be.alloc(K * N * 2), c = be.alloc(M * N * 4);
+      const a = be.alloc(M * K * 2),
+        b = be.alloc(K * N * 2),
+        c = be.alloc(M * N * 4);
       be.gemmEx("bf16", false, false, M, N, K, 1, a.ptr, K, 0, b.ptr, N, 0, 0, c.ptr, N, 0, 1);
       for (const x of [a, b, c]) be.free(x);
     };

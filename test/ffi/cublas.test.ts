@@ -14,8 +14,20 @@ import { skip } from "../helpers/skip.ts";
  * C[i + j ldc] = alpha sum_k opA(i,k) opB(k,j) + beta C[i + j ldc], with
  * opA(i,k) = transa ? A[k + i lda] : A[i + k lda] (likewise B).
  */
-function columnMajorGemm(mem: Float64Array, transa: number, transb: number, m: number, n: number, k: number,
-                         A: number, lda: number, B: number, ldb: number, C: number, ldc: number): void {
+function columnMajorGemm(
+  mem: Float64Array,
+  transa: number,
+  transb: number,
+  m: number,
+  n: number,
+  k: number,
+  A: number,
+  lda: number,
+  B: number,
+  ldb: number,
+  C: number,
+  ldc: number,
+): void {
   for (let j = 0; j < n; j++) {
     for (let i = 0; i < m; i++) {
       let acc = 0;
@@ -30,9 +42,19 @@ function columnMajorGemm(mem: Float64Array, transa: number, transb: number, m: n
 }
 
 describe("rowMajorGemm", () => {
-  const shapes: [number, number, number][] = [[1, 1, 1], [3, 5, 7], [8, 2, 9], [13, 17, 4]];
+  const shapes: [number, number, number][] = [
+    [1, 1, 1],
+    [3, 5, 7],
+    [8, 2, 9],
+    [13, 17, 4],
+  ];
   describe.each(shapes)("M=%i N=%i K=%i", (M, N, K) => {
-    test.each([[false, false], [false, true], [true, false], [true, true]])("transA=%p transB=%p", (tA, tB) => {
+    test.each([
+      [false, false],
+      [false, true],
+      [true, false],
+      [true, true],
+    ])("transA=%p transB=%p", (tA, tB) => {
       const rng = new Rng(M * 100 + N * 10 + K + (tA ? 1 : 0) + (tB ? 2 : 0));
       const a = Float64Array.from({ length: M * K }, () => rng.normal());
       const b = Float64Array.from({ length: K * N }, () => rng.normal());
@@ -51,8 +73,22 @@ describe("rowMajorGemm", () => {
 
   test("batched strides follow their operands through the swap", () => {
     const g = rowMajorGemm(false, true, 4, 6, 5, 1000, 5, 20, 2000, 5, 30, 3000, 6, 24);
-    expect(g).toEqual({ transa: CUBLAS_OP_T, transb: 0, m: 6, n: 4, k: 5, A: 2000, lda: 5, strideA: 30,
-      B: 1000, ldb: 5, strideB: 20, C: 3000, ldc: 6, strideC: 24 });
+    expect(g).toEqual({
+      transa: CUBLAS_OP_T,
+      transb: 0,
+      m: 6,
+      n: 4,
+      k: 5,
+      A: 2000,
+      lda: 5,
+      strideA: 30,
+      B: 1000,
+      ldb: 5,
+      strideB: 20,
+      C: 3000,
+      ldc: 6,
+      strideC: 24,
+    });
   });
 });
 
@@ -66,17 +102,20 @@ describe("libcublas", () => {
     expect(cublasStatusName(lib, 13)).toBe("CUBLAS_STATUS_EXECUTION_FAILED");
   });
 
-  test.skipIf(skip("libcublas", cublasMissing) || skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null))("without a GPU, creating a handle is a typed CublasError, not a crash", async () => {
-    const { Cublas, CublasError } = await import("../../ffi/cuda/cublas.ts");
-    const lib = loadCublas(cublasPath);
-    const scalars = new Float32Array(2);
-    let error: unknown;
-    try {
-      new Cublas(lib, 0n, scalars, 0);
-    } catch (e) {
-      error = e;
-    }
-    expect(error).toBeInstanceOf(CublasError);
-    expect((error as InstanceType<typeof CublasError>).message).toMatch(/^cublasCreate_v2 failed: CUBLAS_STATUS_\w+ \(\d+\)$/);
-  });
+  test.skipIf(skip("libcublas", cublasMissing) || skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null))(
+    "without a GPU, creating a handle is a typed CublasError, not a crash",
+    async () => {
+      const { Cublas, CublasError } = await import("../../ffi/cuda/cublas.ts");
+      const lib = loadCublas(cublasPath);
+      const scalars = new Float32Array(2);
+      let error: unknown;
+      try {
+        new Cublas(lib, 0n, scalars, 0);
+      } catch (e) {
+        error = e;
+      }
+      expect(error).toBeInstanceOf(CublasError);
+      expect((error as InstanceType<typeof CublasError>).message).toMatch(/^cublasCreate_v2 failed: CUBLAS_STATUS_\w+ \(\d+\)$/);
+    },
+  );
 });

@@ -38,10 +38,17 @@ function fakeDevice(capacity: number) {
 }
 
 describe("roundBlockBytes", () => {
-  test.each([[0, 512], [1, 512], [512, 512], [513, 1024], [1 << 20, 1 << 20], [(1 << 20) + 1, 2 << 20], [5 << 20, 6 << 20]])(
-    "%i -> %i", (bytes, rounded) => {
-      expect(roundBlockBytes(bytes)).toBe(rounded);
-    });
+  test.each([
+    [0, 512],
+    [1, 512],
+    [512, 512],
+    [513, 1024],
+    [1 << 20, 1 << 20],
+    [(1 << 20) + 1, 2 << 20],
+    [5 << 20, 6 << 20],
+  ])("%i -> %i", (bytes, rounded) => {
+    expect(roundBlockBytes(bytes)).toBe(rounded);
+  });
 });
 
 describe("CachingAllocator", () => {

@@ -47,8 +47,7 @@ function openEmulator(path: string): Emulator {
     emu_launch: { args: ["ptr", "u32", "u32", "u32", "u32", "ptr", "u32"], returns: "i32" },
   });
   return {
-    launch: (name, grid, bx, by, bz, slots, gridCap) =>
-      lib.symbols.emu_launch(ptr(name), grid, bx, by, bz, ptr(slots), gridCap),
+    launch: (name, grid, bx, by, bz, slots, gridCap) => lib.symbols.emu_launch(ptr(name), grid, bx, by, bz, ptr(slots), gridCap),
   };
 }
 
@@ -89,8 +88,7 @@ function runPlan(method: Method, launches: Launch[]): void {
   for (const l of launches) {
     expect(l.grid[1] * l.grid[2]).toBe(1); // the emulator runs 1D grids, as the plans make
     const cap = uncappedKernels.has(l.kernel) ? 0 : gridCap;
-    const rc = emulator!.launch(Buffer.from(`${l.kernel}\0`), l.grid[0], l.block[0], l.block[1], l.block[2],
-      encodeArgs(l), cap);
+    const rc = emulator!.launch(Buffer.from(`${l.kernel}\0`), l.grid[0], l.block[0], l.block[1], l.block[2], encodeArgs(l), cap);
     if (rc !== 0) throw new Error(`emu_launch ${l.kernel} grid ${l.grid[0]} block ${l.block.join("x")}: rc ${rc}`);
     kernelsRun.add(l.kernel);
   }
@@ -155,7 +153,8 @@ function scratchF64(): number {
 function firstMismatch(emu: ArrayLike<number>, ref: ArrayLike<number>): string | null {
   if (emu.length !== ref.length) return `lengths ${emu.length} vs ${ref.length}`;
   for (let i = 0; i < ref.length; i++) {
-    const e = emu[i]!, c = ref[i]!;
+    const e = emu[i]!,
+      c = ref[i]!;
     if (!(e === c || (Number.isNaN(e) && Number.isNaN(c))) || Object.is(e, -0) !== Object.is(c, -0)) {
       return `element ${i}: emulator ${e}, cpu ${c}`;
     }
@@ -170,7 +169,8 @@ function expectExact(what: string, emu: ArrayLike<number>, ref: ArrayLike<number
 /** Non-finite elements must match exactly; the finite rest within relErr <= tol. */
 function expectClose(what: string, emu: ArrayLike<number>, ref: ArrayLike<number>, tol = 1e-5): void {
   expect(emu.length).toBe(ref.length);
-  const e: number[] = [], c: number[] = [];
+  const e: number[] = [],
+    c: number[] = [];
   let nonFinite: string | null = null;
   for (let i = 0; i < ref.length; i++) {
     if (Number.isFinite(emu[i]!) && Number.isFinite(ref[i]!)) {
@@ -201,56 +201,63 @@ function ints(n: number, limit: number): Int32Array {
 
 // ---- the suite -----------------------------------------------------------------------------------
 
-describe.skipIf(skip("g++", gxx === null ? "g++ not found on PATH (it builds the host CUDA emulator)" : null))("CUDA kernels under host emulation match the CPU backend", () => {
-  beforeAll(async () => {
-    emulator = openEmulator(await emulatorLibrary());
-    scratch = be.alloc(scratchBytes);
-  }, buildTimeoutMs);
-  afterEach(() => {
-    for (const a of live.splice(0)) be.free(a);
-  });
-  afterAll(() => {
-    // the emulator stays loaded: its worker threads live until the process exits, and
-    // unmapping their code under them (dlclose) crashes the process
-    if (scratch !== undefined) be.free(scratch);
-  });
-
-  describe.each(gridModes)("$name", ({ gridCap: cap }) => {
-    beforeAll(() => {
-      gridCap = cap;
-      rng = new Rng(1000 + cap);
+describe.skipIf(skip("g++", gxx === null ? "g++ not found on PATH (it builds the host CUDA emulator)" : null))(
+  "CUDA kernels under host emulation match the CPU backend",
+  () => {
+    beforeAll(async () => {
+      emulator = openEmulator(await emulatorLibrary());
+      scratch = be.alloc(scratchBytes);
+    }, buildTimeoutMs);
+    afterEach(() => {
+      for (const a of live.splice(0)) be.free(a);
     });
-    elementwiseTests();
-    broadcastTests();
-    layerTests();
-    crossEntropyTests();
-    layerNormTests();
-    embeddingTests();
-    attentionTests();
-    reductionTests();
-    optimizerTests();
-    castTests();
-  });
+    afterAll(() => {
+      // the emulator stays loaded: its worker threads live until the process exits, and
+      // unmapping their code under them (dlclose) crashes the process
+      if (scratch !== undefined) be.free(scratch);
+    });
 
-  // Guards the suite itself against a plan or kernel added without a case here. (It also fails
-  // when an earlier test stopped before reaching a plan: fix that failure first.)
-  test("every plan and every kernel ran", () => {
-    expect<string[]>([...plansRun].sort()).toEqual(Object.keys(plans).sort());
-    expect<string[]>([...kernelsRun].sort()).toEqual(Object.keys(kernelSpecs).sort());
-  });
-});
+    describe.each(gridModes)("$name", ({ gridCap: cap }) => {
+      beforeAll(() => {
+        gridCap = cap;
+        rng = new Rng(1000 + cap);
+      });
+      elementwiseTests();
+      broadcastTests();
+      layerTests();
+      crossEntropyTests();
+      layerNormTests();
+      embeddingTests();
+      attentionTests();
+      reductionTests();
+      optimizerTests();
+      castTests();
+    });
+
+    // Guards the suite itself against a plan or kernel added without a case here. (It also fails
+    // when an earlier test stopped before reaching a plan: fix that failure first.)
+    test("every plan and every kernel ran", () => {
+      expect<string[]>([...plansRun].sort()).toEqual(Object.keys(plans).sort());
+      expect<string[]>([...kernelsRun].sort()).toEqual(Object.keys(kernelSpecs).sort());
+    });
+  },
+);
 
 function elementwiseTests(): void {
   test.each([1, 31, 1000, 2049])("add, mul, axpy, scale, addScalarFrom: n %d", (n) => {
-    const a = normals(n), b = normals(n);
+    const a = normals(n),
+      b = normals(n);
     for (const op of ["add", "mul"] as const) {
-      const [ac, ae] = twin(a), [bc, bE] = twin(b), [oc, oe] = outF32(n);
+      const [ac, ae] = twin(a),
+        [bc, bE] = twin(b),
+        [oc, oe] = outF32(n);
       be[op](oc, ac, bc, n);
       runPlan(op, plans[op](oe, ae, bE, n));
       expectExact(op, readF32(oe, n), readF32(oc, n));
     }
     {
-      const [yc, ye] = twin(a), [xc, xe] = twin(b);
+      const [yc, ye] = twin(a),
+        [xc, xe] = twin(b);
       be.axpy(yc, xc, n, 0.3);
       runPlan("axpy", plans.axpy(ye, xe, n, 0.3));
       expectClose("axpy", readF32(ye, n), readF32(yc, n));
@@ -262,7 +269,8 @@ function elementwiseTests(): void {
       expectExact("scale", readF32(xe, n), readF32(xc, n));
     }
     {
-      const [dc, de] = twin(a), [sc, se] = twin(new Float32Array([1.25]));
+      const [dc, de] = twin(a),
+        [sc, se] = twin(new Float32Array([1.25]));
       be.addScalarFrom(dc, sc, 0.5, n);
       runPlan("addScalarFrom", plans.addScalarFrom(de, se, 0.5, n));
       expectExact("addScalarFrom", readF32(de, n), readF32(dc, n));
@@ -273,15 +281,33 @@ function elementwiseTests(): void {
 function broadcastTests(): void {
   // dims, a strides, b strides
   const binaryCases: [Dims4, Dims4, Dims4][] = [
-    [[2, 3, 4, 5], [60, 20, 5, 1], [0, 0, 5, 1]],
-    [[2, 3, 4, 5], [0, 4, 1, 0], [60, 20, 5, 1]],
-    [[1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]],
-    [[3, 1, 70, 33], [33, 0, 0, 1], [0, 0, 1, 0]],
+    [
+      [2, 3, 4, 5],
+      [60, 20, 5, 1],
+      [0, 0, 5, 1],
+    ],
+    [
+      [2, 3, 4, 5],
+      [0, 4, 1, 0],
+      [60, 20, 5, 1],
+    ],
+    [
+      [1, 1, 1, 1],
+      [0, 0, 0, 0],
+      [0, 0, 0, 0],
+    ],
+    [
+      [3, 1, 70, 33],
+      [33, 0, 0, 1],
+      [0, 0, 1, 0],
+    ],
   ];
   test.each(binaryCases)("binaryBroadcast dims %p a %p b %p", (d, as, bs) => {
     const n = prod(d);
     for (const op of ["add", "mul"] as BinaryOp[]) {
-      const [ac, ae] = twin(normals(extent(d, as))), [bc, bE] = twin(normals(extent(d, bs))), [oc, oe] = outF32(n);
+      const [ac, ae] = twin(normals(extent(d, as))),
+        [bc, bE] = twin(normals(extent(d, bs))),
+        [oc, oe] = outF32(n);
       be.binaryBroadcast(op, oc, ac, bc, d, as, bs);
       runPlan("binaryBroadcast", plans.binaryBroadcast(op, oe, ae, bE, d, as, bs));
       expectExact(op, readF32(oe, n), readF32(oc, n));
@@ -290,25 +316,72 @@ function broadcastTests(): void {
 
   // dims, out strides: every split the plan makes (rows / cols kernel, warp or block groups)
   const reduceCases: [Dims4, Dims4][] = [
-    [[1, 1, 37, 70], [0, 0, 0, 1]], // bias-like: onto columns
-    [[1, 1, 37, 70], [0, 0, 1, 0]], // onto rows
-    [[1, 1, 1, 40000], [0, 0, 0, 0]], // onto a scalar, a block per out element
-    [[1, 1, 200, 300], [0, 0, 0, 0]], // onto a scalar, reduced dims merged
-    [[3, 4, 5, 6], [0, 1, 0, 0]], // keep a middle dim, reduce outer and inner
-    [[3, 4, 5, 6], [0, 5, 0, 1]], // keep d1 and d3 with non-nesting out strides
-    [[3, 4, 5, 6], [4, 1, 0, 0]], // keep the outer two (they merge), reduce the inner two
-    [[3, 4, 5, 6], [0, 6, 0, 1]], // keep d1, d3: out (4,6), columns kernel
-    [[2, 1, 5, 6], [0, 99, 6, 1]], // a size-1 dim with an odd stride
-    [[1, 1, 1, 1], [0, 0, 0, 0]],
-    [[5, 1, 1, 1], [1, 0, 0, 0]],
-    [[1, 1, 64, 1], [0, 0, 0, 0]],
-    [[1, 1, 3, 40000], [0, 0, 1, 0]], // rows, block groups, several out elements
-    [[1, 1, 20, 500], [0, 0, 0, 1]], // columns: chunks loop over a capped grid
-    [[7, 1, 20, 500], [0, 0, 0, 0]], // everything reduced
+    [
+      [1, 1, 37, 70],
+      [0, 0, 0, 1],
+    ], // bias-like: onto columns
+    [
+      [1, 1, 37, 70],
+      [0, 0, 1, 0],
+    ], // onto rows
+    [
+      [1, 1, 1, 40000],
+      [0, 0, 0, 0],
+    ], // onto a scalar, a block per out element
+    [
+      [1, 1, 200, 300],
+      [0, 0, 0, 0],
+    ], // onto a scalar, reduced dims merged
+    [
+      [3, 4, 5, 6],
+      [0, 1, 0, 0],
+    ], // keep a middle dim, reduce outer and inner
+    [
+      [3, 4, 5, 6],
+      [0, 5, 0, 1],
+    ], // keep d1 and d3 with non-nesting out strides
+    [
+      [3, 4, 5, 6],
+      [4, 1, 0, 0],
+    ], // keep the outer two (they merge), reduce the inner two
+    [
+      [3, 4, 5, 6],
+      [0, 6, 0, 1],
+    ], // keep d1, d3: out (4,6), columns kernel
+    [
+      [2, 1, 5, 6],
+      [0, 99, 6, 1],
+    ], // a size-1 dim with an odd stride
+    [
+      [1, 1, 1, 1],
+      [0, 0, 0, 0],
+    ],
+    [
+      [5, 1, 1, 1],
+      [1, 0, 0, 0],
+    ],
+    [
+      [1, 1, 64, 1],
+      [0, 0, 0, 0],
+    ],
+    [
+      [1, 1, 3, 40000],
+      [0, 0, 1, 0],
+    ], // rows, block groups, several out elements
+    [
+      [1, 1, 20, 500],
+      [0, 0, 0, 1],
+    ], // columns: chunks loop over a capped grid
+    [
+      [7, 1, 20, 500],
+      [0, 0, 0, 0],
+    ], // everything reduced
   ];
   test.each(reduceCases)("reduceBroadcast dims %p out strides %p", (d, os) => {
-    const n = prod(d), outLen = extent(d, os);
-    const [ic, ie] = twin(normals(n)), [oc, oe] = twin(normals(outLen));
+    const n = prod(d),
+      outLen = extent(d, os);
+    const [ic, ie] = twin(normals(n)),
+      [oc, oe] = twin(normals(outLen));
     be.reduceBroadcast(oc, ic, d, os);
     runPlan("reduceBroadcast", plans.reduceBroadcast(oe, ie, d, os));
     expectClose("out", readF32(oe, outLen), readF32(oc, outLen));
@@ -316,9 +389,16 @@ function broadcastTests(): void {
 }
 
 function layerTests(): void {
-  test.each([[1, 1], [37, 70], [100, 3], [5, 1000]])("biasAdd, biasBackward: N %d C %d", (N, C) => {
+  test.each([
+    [1, 1],
+    [37, 70],
+    [100, 3],
+    [5, 1000],
+  ])("biasAdd, biasBackward: N %d C %d", (N, C) => {
     const n = N * C;
-    const [ic, ie] = twin(normals(n)), [bc, bE] = twin(normals(C)), [oc, oe] = outF32(n);
+    const [ic, ie] = twin(normals(n)),
+      [bc, bE] = twin(normals(C)),
+      [oc, oe] = outF32(n);
     be.biasAdd(oc, ic, bc, N, C);
     runPlan("biasAdd", plans.biasAdd(oe, ie, bE, N, C));
     expectExact("biasAdd", readF32(oe, n), readF32(oc, n));
@@ -331,7 +411,9 @@ function layerTests(): void {
   test.each([1, 777, 3000])("relu, gelu forward and backward: n %d", (n) => {
     const x = normals(n, 3);
     if (n > 5) [x[1], x[2], x[3], x[4]] = [NaN, 0, -0, Infinity]; // relu's edge cases
-    const [xc, xe] = twin(x), [gc, ge] = twin(normals(n)), [oc, oe] = outF32(n);
+    const [xc, xe] = twin(x),
+      [gc, ge] = twin(normals(n)),
+      [oc, oe] = outF32(n);
     be.reluForward(oc, xc, n);
     runPlan("reluForward", plans.reluForward(oe, xe, n));
     expectExact("relu out", readF32(oe, n), readF32(oc, n));
@@ -340,7 +422,9 @@ function layerTests(): void {
     runPlan("reluBackward", plans.reluBackward(de, xe, ge, n));
     expectExact("relu dinp", readF32(de, n), readF32(dc, n));
 
-    const [yc, ye] = twin(normals(n, 4)), [Oc, Oe] = outF32(n), [Dc, De] = twin(normals(n));
+    const [yc, ye] = twin(normals(n, 4)),
+      [Oc, Oe] = outF32(n),
+      [Dc, De] = twin(normals(n));
     be.geluForward(Oc, yc, n);
     runPlan("geluForward", plans.geluForward(Oe, ye, n));
     expectClose("gelu out", readF32(Oe, n), readF32(Oc, n));
@@ -350,9 +434,15 @@ function layerTests(): void {
   });
 
   test.each([1, 777, 3000])("dropout forward and backward: n %d", (n) => {
-    const [xc, xe] = twin(normals(n)), [gc, ge] = twin(normals(n));
-    for (const [p, seed] of [[0.3, 0xdeadbeefcafebaben], [0.9, 1n], [0, 0n]] as const) {
-      const [oc, oe] = outF32(n), [dc, de] = twin(normals(n));
+    const [xc, xe] = twin(normals(n)),
+      [gc, ge] = twin(normals(n));
+    for (const [p, seed] of [
+      [0.3, 0xdeadbeefcafebaben],
+      [0.9, 1n],
+      [0, 0n],
+    ] as const) {
+      const [oc, oe] = outF32(n),
+        [dc, de] = twin(normals(n));
       be.dropoutForward(oc, xc, n, p, seed);
       runPlan("dropoutForward", plans.dropoutForward(oe, xe, n, p, seed));
       expectExact(`out p ${p}`, readF32(oe, n), readF32(oc, n));
@@ -364,18 +454,29 @@ function layerTests(): void {
 }
 
 function crossEntropyTests(): void {
-  test.each([[1, 1], [7, 10], [33, 1000], [3, 5000], [4, 0], [0, 5]])("crossEntropy forward and backward: N %d V %d", (N, V) => {
+  test.each([
+    [1, 1],
+    [7, 10],
+    [33, 1000],
+    [3, 5000],
+    [4, 0],
+    [0, 5],
+  ])("crossEntropy forward and backward: N %d V %d", (N, V) => {
     const targets = V > 0 ? ints(N, V) : new Int32Array(N);
     if (N > 3) [targets[1], targets[2]] = [-1, V]; // out of range: counted, loss 0
-    const [lc, le] = twin(normals(N * V, 5)), [tc, te] = twin(targets);
-    const [pc, pe] = outF32(N * V), [sc, se] = outF32(N), [Lc, Le] = outF32(1);
+    const [lc, le] = twin(normals(N * V, 5)),
+      [tc, te] = twin(targets);
+    const [pc, pe] = outF32(N * V),
+      [sc, se] = outF32(N),
+      [Lc, Le] = outF32(1);
     const badCpu = be.crossEntropyForward(Lc, sc, pc, lc, tc, N, V);
     runPlan("crossEntropyForward", plans.crossEntropyForward(poisonedScratch(), Le, se, pe, le, te, N, V));
     expectExact("invalid target count", [scratchI64()], [badCpu]);
     expectClose("probs", readF32(pe, N * V), readF32(pc, N * V));
     expectClose("losses", readF32(se, N), readF32(sc, N));
     expectClose("loss", readF32(Le, 1), readF32(Lc, 1));
-    const [dc, de] = twin(normals(N * V)), [gc, ge] = twin(new Float32Array([1.5]));
+    const [dc, de] = twin(normals(N * V)),
+      [gc, ge] = twin(new Float32Array([1.5]));
     be.crossEntropyBackward(dc, pc, tc, gc, N, V);
     runPlan("crossEntropyBackward", plans.crossEntropyBackward(de, pe, te, ge, N, V));
     expectClose("dlogits", readF32(de, N * V), readF32(dc, N * V));
@@ -383,17 +484,29 @@ function crossEntropyTests(): void {
 }
 
 function layerNormTests(): void {
-  test.each([[1, 1], [10, 64], [9, 777], [3, 5000], [40, 3]])("layerNorm forward and backward: N %d C %d", (N, C) => {
+  test.each([
+    [1, 1],
+    [10, 64],
+    [9, 777],
+    [3, 5000],
+    [40, 3],
+  ])("layerNorm forward and backward: N %d C %d", (N, C) => {
     const n = N * C;
-    const [xc, xe] = twin(normals(n, 2)), [wc, we] = twin(normals(C)), [bc, bE] = twin(normals(C));
-    const [oc, oe] = outF32(n), [mc, me] = outF32(N), [rc, re] = outF32(N);
+    const [xc, xe] = twin(normals(n, 2)),
+      [wc, we] = twin(normals(C)),
+      [bc, bE] = twin(normals(C));
+    const [oc, oe] = outF32(n),
+      [mc, me] = outF32(N),
+      [rc, re] = outF32(N);
     be.layerNormForward(oc, mc, rc, xc, wc, bc, N, C, 1e-5);
     runPlan("layerNormForward", plans.layerNormForward(oe, me, re, xe, we, bE, N, C, 1e-5));
     expectClose("out", readF32(oe, n), readF32(oc, n));
     expectClose("mean", readF32(me, N), readF32(mc, N));
     expectClose("rstd", readF32(re, N), readF32(rc, N));
-    const [gc, ge] = twin(normals(n)), [dxc, dxe] = twin(normals(n));
-    const [dwc, dwe] = twin(normals(C)), [dbc, dbe] = twin(normals(C));
+    const [gc, ge] = twin(normals(n)),
+      [dxc, dxe] = twin(normals(n));
+    const [dwc, dwe] = twin(normals(C)),
+      [dbc, dbe] = twin(normals(C));
     // both backwards read the CPU forward's mean and rstd, so only the backward is compared
     const [m2, r2] = [devAlloc(readF32(mc, N)), devAlloc(readF32(rc, N))];
     be.layerNormBackward(dxc, dwc, dbc, gc, xc, wc, mc, rc, N, C);
@@ -405,16 +518,24 @@ function layerNormTests(): void {
 }
 
 function embeddingTests(): void {
-  test.each([[1, 1, 1], [20, 33, 7], [50, 300, 11]])("embedding forward and backward: N %d C %d V %d", (N, C, V) => {
+  test.each([
+    [1, 1, 1],
+    [20, 33, 7],
+    [50, 300, 11],
+  ])("embedding forward and backward: N %d C %d V %d", (N, C, V) => {
     const ids = ints(N, V);
     const idsFwd = ids.slice();
     if (N > 3) [idsFwd[0], idsFwd[3]] = [-5, V]; // out of range: counted
-    const [tc, te] = twin(normals(V * C)), [ic, ie] = twin(idsFwd), [oc, oe] = outF32(N * C);
+    const [tc, te] = twin(normals(V * C)),
+      [ic, ie] = twin(idsFwd),
+      [oc, oe] = outF32(N * C);
     const bad = be.embeddingForward(oc, ic, tc, N, C, V);
     runPlan("embeddingForward", plans.embeddingForward(poisonedScratch(), oe, ie, te, N, C, V));
     expectExact("invalid id count", [scratchI64()], [bad]);
     expectExact("out", readF32(oe, N * C), readF32(oc, N * C));
-    const [jc, je] = twin(ids), [dc, de] = twin(normals(V * C)), [gc, ge] = twin(normals(N * C));
+    const [jc, je] = twin(ids),
+      [dc, de] = twin(normals(V * C)),
+      [gc, ge] = twin(normals(N * C));
     be.embeddingBackward(dc, jc, gc, N, C);
     runPlan("embeddingBackward", plans.embeddingBackward(de, je, ge, N, C));
     expectClose("dtable", readF32(de, V * C), readF32(dc, V * C));
@@ -422,13 +543,20 @@ function embeddingTests(): void {
 }
 
 function attentionTests(): void {
-  test.each([[1, 1], [2, 5], [3, 70], [1, 300]])("causalSoftmax forward and backward: BH %d T %d", (BH, T) => {
+  test.each([
+    [1, 1],
+    [2, 5],
+    [3, 70],
+    [1, 300],
+  ])("causalSoftmax forward and backward: BH %d T %d", (BH, T) => {
     const n = BH * T * T;
-    const [ic, ie] = twin(normals(n, 3)), [oc, oe] = outF32(n);
+    const [ic, ie] = twin(normals(n, 3)),
+      [oc, oe] = outF32(n);
     be.causalSoftmaxForward(oc, ic, BH, T, 0.35);
     runPlan("causalSoftmaxForward", plans.causalSoftmaxForward(oe, ie, BH, T, 0.35));
     expectClose("out", readF32(oe, n), readF32(oc, n));
-    const [gc, ge] = twin(normals(n)), [dc, de] = twin(normals(n));
+    const [gc, ge] = twin(normals(n)),
+      [dc, de] = twin(normals(n));
     const out2 = devAlloc(readF32(oc, n)); // the backward reads the CPU forward's out
     be.causalSoftmaxBackward(dc, oc, gc, BH, T, 0.35);
     runPlan("causalSoftmaxBackward", plans.causalSoftmaxBackward(de, out2, ge, BH, T, 0.35));
@@ -437,10 +565,26 @@ function attentionTests(): void {
 
   // dims, out strides, inp strides
   const copyCases: [Dims4, Dims4, Dims4][] = [
-    [[2, 3, 4, 5], [60, 20, 5, 1], [60, 5, 15, 1]], // (B,T,H,D) -> (B,H,T,D)
-    [[2, 3, 4, 5], [60, 1, 15, 3], [60, 20, 5, 1]],
-    [[1, 1, 1, 7], [0, 0, 0, 1], [0, 0, 0, 2]], // every other element
-    [[3, 4, 10, 9], [360, 9, 36, 1], [360, 90, 9, 1]], // 1080 elements: loops over a capped grid
+    [
+      [2, 3, 4, 5],
+      [60, 20, 5, 1],
+      [60, 5, 15, 1],
+    ], // (B,T,H,D) -> (B,H,T,D)
+    [
+      [2, 3, 4, 5],
+      [60, 1, 15, 3],
+      [60, 20, 5, 1],
+    ],
+    [
+      [1, 1, 1, 7],
+      [0, 0, 0, 1],
+      [0, 0, 0, 2],
+    ], // every other element
+    [
+      [3, 4, 10, 9],
+      [360, 9, 36, 1],
+      [360, 90, 9, 1],
+    ], // 1080 elements: loops over a capped grid
   ];
   test.each(copyCases)("stridedCopy dims %p out strides %p inp strides %p", (d, os, is) => {
     const outLen = extent(d, os);
@@ -481,18 +625,26 @@ function reductionTests(): void {
 
 function optimizerTests(): void {
   // momentum, dampening, weight decay, nesterov, first step
-  const sgdCases = [[0, 0, 0, false, false], [0.9, 0.1, 0.01, false, true], [0.9, 0, 0.01, true, false],
-    [0.9, 0.5, 0, false, false]] as const;
+  const sgdCases = [
+    [0, 0, 0, false, false],
+    [0.9, 0.1, 0.01, false, true],
+    [0.9, 0, 0.01, true, false],
+    [0.9, 0.5, 0, false, false],
+  ] as const;
   test.each([1, 1000])("sgdStep, adamwStep: n %d", (n) => {
     for (const [momentum, dampening, wd, nesterov, first] of sgdCases) {
-      const [pc, pe] = twin(normals(n)), [gc, ge] = twin(normals(n)), [mc, me] = twin(normals(n));
+      const [pc, pe] = twin(normals(n)),
+        [gc, ge] = twin(normals(n)),
+        [mc, me] = twin(normals(n));
       be.sgdStep(pc, gc, mc, n, 0.1, momentum, dampening, wd, nesterov, first);
       runPlan("sgdStep", plans.sgdStep(pe, ge, me, n, 0.1, momentum, dampening, wd, nesterov, first));
       const what = `sgd ${momentum},${dampening},${wd},${nesterov},${first}`;
       expectClose(`${what} param`, readF32(pe, n), readF32(pc, n));
       expectClose(`${what} momentum`, readF32(me, n), readF32(mc, n));
     }
-    const [pc, pe] = twin(normals(n)), [gc, ge] = twin(normals(n)), [mc, me] = twin(normals(n, 0.1));
+    const [pc, pe] = twin(normals(n)),
+      [gc, ge] = twin(normals(n)),
+      [mc, me] = twin(normals(n, 0.1));
     const [vc, ve] = twin(Float32Array.from(normals(n, 0.1), Math.abs));
     const [bc1, bc2] = [1 - 0.9 ** 3, 1 - 0.999 ** 3];
     be.adamwStep(pc, gc, mc, vc, n, 1e-3, 0.9, 0.999, 1e-8, 0.1, bc1, bc2);
@@ -505,8 +657,33 @@ function optimizerTests(): void {
 
 function castTests(): void {
   test("f32 -> bf16 and f16: rounding, overflow, subnormals, specials", () => {
-    const specials = [0, -0, 1, -1, 0.1, 65504, 65519, 65520, 1e6, -1e6, 6.1e-5, 6.0e-5, 5.96e-8, 2.98e-8, 2.99e-8,
-      1e-10, 3.4e38, -3.4e38, Infinity, -Infinity, NaN, 1.00390625, 1.01171875, 256.5, 257.5];
+    const specials = [
+      0,
+      -0,
+      1,
+      -1,
+      0.1,
+      65504,
+      65519,
+      65520,
+      1e6,
+      -1e6,
+      6.1e-5,
+      6.0e-5,
+      5.96e-8,
+      2.98e-8,
+      2.99e-8,
+      1e-10,
+      3.4e38,
+      -3.4e38,
+      Infinity,
+      -Infinity,
+      NaN,
+      1.00390625,
+      1.01171875,
+      256.5,
+      257.5,
+    ];
     const random = Array.from({ length: 3000 }, () => (rng.uniform() - 0.5) * 10 ** Math.floor(rng.uniform() * 20 - 10));
     const x = Float32Array.from([...specials, ...random]);
     const n = x.length;

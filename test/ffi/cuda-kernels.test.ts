@@ -12,21 +12,46 @@ import { dirname, join } from "node:path";
 import type { Dims4 } from "../../ffi/backend.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { ensurePtx, findNvcc, kernelSourceModules, nvccInstallHint } from "../../ffi/cuda/build.ts";
-import {
-  kernelModules, kernelSpecs, type KernelName, type Launch, type ParamType, plans, reduceShape, scratchBytes,
-} from "../../ffi/cuda/kernels.ts";
+import { kernelModules, kernelSpecs, type KernelName, type Launch, type ParamType, plans, reduceShape, scratchBytes } from "../../ffi/cuda/kernels.ts";
 import { NativeLibraryError } from "../../ffi/errors.ts";
 import { skip } from "../helpers/skip.ts";
 
 // ---- (c) the method list ------------------------------------------------------------------------
 
 const methods = [
-  "add", "mul", "axpy", "scale", "addScalarFrom", "binaryBroadcast", "reduceBroadcast",
-  "biasAdd", "biasBackward", "reluForward", "reluBackward", "geluForward", "geluBackward",
-  "dropoutForward", "dropoutBackward", "crossEntropyForward", "crossEntropyBackward",
-  "layerNormForward", "layerNormBackward", "embeddingForward", "embeddingBackward",
-  "causalSoftmaxForward", "causalSoftmaxBackward", "stridedCopy", "sum", "sumSquares", "countNonFinite",
-  "sgdStep", "adamwStep", "castF32ToBF16", "castBF16ToF32", "castF32ToF16", "castF16ToF32",
+  "add",
+  "mul",
+  "axpy",
+  "scale",
+  "addScalarFrom",
+  "binaryBroadcast",
+  "reduceBroadcast",
+  "biasAdd",
+  "biasBackward",
+  "reluForward",
+  "reluBackward",
+  "geluForward",
+  "geluBackward",
+  "dropoutForward",
+  "dropoutBackward",
+  "crossEntropyForward",
+  "crossEntropyBackward",
+  "layerNormForward",
+  "layerNormBackward",
+  "embeddingForward",
+  "embeddingBackward",
+  "causalSoftmaxForward",
+  "causalSoftmaxBackward",
+  "stridedCopy",
+  "sum",
+  "sumSquares",
+  "countNonFinite",
+  "sgdStep",
+  "adamwStep",
+  "castF32ToBF16",
+  "castBF16ToF32",
+  "castF32ToF16",
+  "castF16ToF32",
 ] as const;
 type Method = (typeof methods)[number];
 /** methods that return a number: their plans take `scratch` first */
@@ -39,10 +64,12 @@ describe("plans cover the Backend", () => {
 
   test("each plan takes the Backend method's arguments (plus scratch for scalar results)", () => {
     const arity = Object.fromEntries(methods.map((m) => [m, plans[m].length]));
-    const expected = Object.fromEntries(methods.map((m) => {
-      const method = CpuBackend.prototype[m] as (...args: unknown[]) => unknown;
-      return [m, method.length + (scalarMethods.has(m) ? 1 : 0)];
-    }));
+    const expected = Object.fromEntries(
+      methods.map((m) => {
+        const method = CpuBackend.prototype[m] as (...args: unknown[]) => unknown;
+        return [m, method.length + (scalarMethods.has(m) ? 1 : 0)];
+      }),
+    );
     expect(arity).toEqual(expected);
   });
 
@@ -67,7 +94,10 @@ interface PtxEntry {
 function ptxEntries(ptx: string): Map<string, PtxEntry> {
   const entries = new Map<string, PtxEntry>();
   for (const m of ptx.matchAll(/\.entry\s+([A-Za-z_$][\w$]*)\s*\(([^)]*)\)([^{]*)\{/g)) {
-    const params = m[2]!.split(",").map((p) => p.trim()).filter((p) => p !== "");
+    const params = m[2]!
+      .split(",")
+      .map((p) => p.trim())
+      .filter((p) => p !== "");
     const maxntid = /\.maxntid\s+(\d+),\s*(\d+),\s*(\d+)/.exec(m[3]!);
     entries.set(m[1]!, {
       params: params.map((p) => /^\.param\s+\.(\w+)\s+[\w$]+$/.exec(p)?.[1] ?? `unparsed(${p})`),
@@ -78,7 +108,11 @@ function ptxEntries(ptx: string): Map<string, PtxEntry> {
 }
 
 const ptxTypes: Record<ParamType, readonly string[]> = {
-  ptr: ["u64"], i64: ["u64"], u64: ["u64"], i32: ["u32", "s32"], f32: ["f32"],
+  ptr: ["u64"],
+  i64: ["u64"],
+  u64: ["u64"],
+  i32: ["u32", "s32"],
+  f32: ["f32"],
 };
 
 let built: Record<string, string> | undefined;
@@ -86,72 +120,96 @@ const compileTimeoutMs = 600_000; // ~10 modules, a few seconds each on a busy 2
 const ptx = () => (built ??= ensurePtx());
 
 describe("PTX", () => {
-  test.skipIf(skip("nvcc", nvccMissing))("every module compiles to compute_80 PTX", () => {
-    const paths = ptx();
-    expect(Object.keys(paths).sort()).toEqual([...kernelModules()].sort());
-    for (const path of Object.values(paths)) {
-      const text = readFileSync(path, "utf8");
-      expect(text).toMatch(/^\.target sm_80\b/m);
-      expect(text).toMatch(/\.entry /);
-    }
-  }, compileTimeoutMs);
-
-  test.skipIf(skip("nvcc", nvccMissing))("an up-to-date build compiles nothing", () => {
-    ptx();
-    const lines: string[] = [];
-    ensurePtx((line) => lines.push(line));
-    expect(lines).toEqual([]);
-  }, compileTimeoutMs);
-
-  test.skipIf(skip("nvcc", nvccMissing))("every kernelSpecs entry is a PTX .entry with exactly its parameter types", () => {
-    const paths = ptx();
-    const mismatches: string[] = [];
-    for (const [name, spec] of Object.entries(kernelSpecs)) {
-      const entry = ptxEntries(readFileSync(paths[spec.module]!, "utf8")).get(name);
-      if (entry === undefined) {
-        mismatches.push(`${name}: no .entry in ${spec.module}.ptx`);
-        continue;
+  test.skipIf(skip("nvcc", nvccMissing))(
+    "every module compiles to compute_80 PTX",
+    () => {
+      const paths = ptx();
+      expect(Object.keys(paths).sort()).toEqual([...kernelModules()].sort());
+      for (const path of Object.values(paths)) {
+        const text = readFileSync(path, "utf8");
+        expect(text).toMatch(/^\.target sm_80\b/m);
+        expect(text).toMatch(/\.entry /);
       }
-      const types = entry.params;
-      const ok = types.length === spec.params.length && spec.params.every((t, i) => ptxTypes[t].includes(types[i]!));
-      if (!ok) mismatches.push(`${name}: spec (${spec.params.join(", ")}) vs PTX (${types.join(", ")})`);
-    }
-    expect(mismatches).toEqual([]);
-  }, compileTimeoutMs);
+    },
+    compileTimeoutMs,
+  );
 
-  test.skipIf(skip("nvcc", nvccMissing))("every PTX .entry is in kernelSpecs, in its own module (no orphans)", () => {
-    const orphans: string[] = [];
-    for (const [module, path] of Object.entries(ptx())) {
-      for (const name of ptxEntries(readFileSync(path, "utf8")).keys()) {
-        const spec = (kernelSpecs as Record<string, { module: string }>)[name];
-        if (spec?.module !== module) orphans.push(`${module}.ptx: ${name}`);
-      }
-    }
-    expect(orphans).toEqual([]);
-  }, compileTimeoutMs);
+  test.skipIf(skip("nvcc", nvccMissing))(
+    "an up-to-date build compiles nothing",
+    () => {
+      ptx();
+      const lines: string[] = [];
+      ensurePtx((line) => lines.push(line));
+      expect(lines).toEqual([]);
+    },
+    compileTimeoutMs,
+  );
 
-  test.skipIf(skip("nvcc", nvccMissing))("every kernel is bounded for 1024-thread blocks (.maxntid), the largest a plan uses", () => {
-    const unbounded: string[] = [];
-    for (const path of Object.values(ptx())) {
-      for (const [name, entry] of ptxEntries(readFileSync(path, "utf8"))) {
-        if (entry.maxThreads !== 1024) unbounded.push(`${name}: .maxntid ${entry.maxThreads}`);
+  test.skipIf(skip("nvcc", nvccMissing))(
+    "every kernelSpecs entry is a PTX .entry with exactly its parameter types",
+    () => {
+      const paths = ptx();
+      const mismatches: string[] = [];
+      for (const [name, spec] of Object.entries(kernelSpecs)) {
+        const entry = ptxEntries(readFileSync(paths[spec.module]!, "utf8")).get(name);
+        if (entry === undefined) {
+          mismatches.push(`${name}: no .entry in ${spec.module}.ptx`);
+          continue;
+        }
+        const types = entry.params;
+        const ok = types.length === spec.params.length && spec.params.every((t, i) => ptxTypes[t].includes(types[i]!));
+        if (!ok) mismatches.push(`${name}: spec (${spec.params.join(", ")}) vs PTX (${types.join(", ")})`);
       }
-    }
-    expect(unbounded).toEqual([]);
-  }, compileTimeoutMs);
+      expect(mismatches).toEqual([]);
+    },
+    compileTimeoutMs,
+  );
+
+  test.skipIf(skip("nvcc", nvccMissing))(
+    "every PTX .entry is in kernelSpecs, in its own module (no orphans)",
+    () => {
+      const orphans: string[] = [];
+      for (const [module, path] of Object.entries(ptx())) {
+        for (const name of ptxEntries(readFileSync(path, "utf8")).keys()) {
+          const spec = (kernelSpecs as Record<string, { module: string }>)[name];
+          if (spec?.module !== module) orphans.push(`${module}.ptx: ${name}`);
+        }
+      }
+      expect(orphans).toEqual([]);
+    },
+    compileTimeoutMs,
+  );
+
+  test.skipIf(skip("nvcc", nvccMissing))(
+    "every kernel is bounded for 1024-thread blocks (.maxntid), the largest a plan uses",
+    () => {
+      const unbounded: string[] = [];
+      for (const path of Object.values(ptx())) {
+        for (const [name, entry] of ptxEntries(readFileSync(path, "utf8"))) {
+          if (entry.maxThreads !== 1024) unbounded.push(`${name}: .maxntid ${entry.maxThreads}`);
+        }
+      }
+      expect(unbounded).toEqual([]);
+    },
+    compileTimeoutMs,
+  );
 
   // What the driver's JIT does at load time: assemble the PTX for the GPUs we run on.
   const ptxas = nvcc === null ? null : join(dirname(nvcc), "ptxas");
-  test.skipIf(skip("nvcc", nvccMissing) || skip("ptxas", ptxas !== null && !existsSync(ptxas) ? `${ptxas} not found` : null))("the PTX assembles for sm_80 and sm_90 (ptxas)", () => {
-    const failures: string[] = [];
-    for (const [module, path] of Object.entries(ptx())) {
-      for (const arch of ["sm_80", "sm_90"]) {
-        const result = Bun.spawnSync([ptxas!, `-arch=${arch}`, "-o", "/dev/null", path], { stdout: "pipe", stderr: "pipe" });
-        if (result.exitCode !== 0) failures.push(`${module} ${arch}: ${result.stderr.toString()}`);
+  test.skipIf(skip("nvcc", nvccMissing) || skip("ptxas", ptxas !== null && !existsSync(ptxas) ? `${ptxas} not found` : null))(
+    "the PTX assembles for sm_80 and sm_90 (ptxas)",
+    () => {
+      const failures: string[] = [];
+      for (const [module, path] of Object.entries(ptx())) {
+        for (const arch of ["sm_80", "sm_90"]) {
+          const result = Bun.spawnSync([ptxas!, `-arch=${arch}`, "-o", "/dev/null", path], { stdout: "pipe", stderr: "pipe" });
+          if (result.exitCode !== 0) failures.push(`${module} ${arch}: ${result.stderr.toString()}`);
+        }
       }
-    }
-    expect(failures).toEqual([]);
-  }, compileTimeoutMs);
+      expect(failures).toEqual([]);
+    },
+    compileTimeoutMs,
+  );
 });
 
 describe("build errors", () => {
@@ -165,12 +223,15 @@ describe("build errors", () => {
 
   test("a failing nvcc raises NativeLibraryError with its stderr and leaves no PTX behind", () => {
     const fake = join(dir, "nvcc");
-    writeFileSync(fake, [
-      "#!/bin/sh",
-      'if [ "$1" = "--version" ]; then echo "fake nvcc for meshtrain tests"; exit 0; fi',
-      'echo "fake-nvcc: simulated compile error" >&2',
-      "exit 2",
-    ].join("\n"));
+    writeFileSync(
+      fake,
+      [
+        "#!/bin/sh",
+        'if [ "$1" = "--version" ]; then echo "fake nvcc for meshtrain tests"; exit 0; fi',
+        'echo "fake-nvcc: simulated compile error" >&2',
+        "exit 2",
+      ].join("\n"),
+    );
     chmodSync(fake, 0o755);
     process.env.MESHTRAIN_NVCC = fake;
     expect(findNvcc()).toBe(fake);
@@ -203,18 +264,49 @@ const seeds = [0n, 0xdeadbeefcafebaben, (1n << 64n) - 1n];
 
 type Args = readonly unknown[];
 const dims4: Dims4[] = [
-  [1, 1, 1, 1], [2, 3, 4, 5], [1, 1, 100_000, 30_000], [262_144, 1, 1, 70_000], [7, 12, 4096, 64], [1, 1, 1, huge],
+  [1, 1, 1, 1],
+  [2, 3, 4, 5],
+  [1, 1, 100_000, 30_000],
+  [262_144, 1, 1, 70_000],
+  [7, 12, 4096, 64],
+  [1, 1, 1, huge],
 ];
 const contiguous = (d: Dims4): Dims4 => [d[1] * d[2] * d[3], d[2] * d[3], d[3], 1];
 const broadcastOn = (d: Dims4, keep: readonly boolean[]): Dims4 => {
   const s = contiguous(d);
   return [0, 1, 2, 3].map((k) => (keep[k] ? s[k]! : 0)) as unknown as Dims4;
 };
-const keepPatterns = [[false, false, false, false], [false, false, false, true], [false, false, true, false],
-  [true, false, false, false], [false, true, false, true], [true, true, true, true]];
-const rowsByCols: [number, number][] = [[1, 1], [8192, 768], [1_000_000, 4096], [huge, 1], [1, huge], [16, 65_536]];
-const vocab: [number, number][] = [[1, 1], [1, 50_257], [8192, 50_257], [1_000_000, 50_257], [huge, 1], [5, 2]];
-const attention: [number, number][] = [[1, 1], [96, 4096], [1, 65_536], [4096, 4096], [48, 65_536]];
+const keepPatterns = [
+  [false, false, false, false],
+  [false, false, false, true],
+  [false, false, true, false],
+  [true, false, false, false],
+  [false, true, false, true],
+  [true, true, true, true],
+];
+const rowsByCols: [number, number][] = [
+  [1, 1],
+  [8192, 768],
+  [1_000_000, 4096],
+  [huge, 1],
+  [1, huge],
+  [16, 65_536],
+];
+const vocab: [number, number][] = [
+  [1, 1],
+  [1, 50_257],
+  [8192, 50_257],
+  [1_000_000, 50_257],
+  [huge, 1],
+  [5, 2],
+];
+const attention: [number, number][] = [
+  [1, 1],
+  [96, 4096],
+  [1, 65_536],
+  [4096, 4096],
+  [48, 65_536],
+];
 
 const cases: { readonly [M in Method]: readonly Args[] } = {
   add: sizes.map((n) => [p, p, p, n]),
@@ -222,8 +314,7 @@ const cases: { readonly [M in Method]: readonly Args[] } = {
   axpy: sizes.map((n) => [p, p, n, -0.5]),
   scale: sizes.map((n) => [p, n, 2]),
   addScalarFrom: sizes.map((n) => [p, p, 0.25, n]),
-  binaryBroadcast: dims4.flatMap((d) => (["add", "mul"] as const).map((op) =>
-    [op, p, p, p, d, broadcastOn(d, [false, true, false, true]), contiguous(d)])),
+  binaryBroadcast: dims4.flatMap((d) => (["add", "mul"] as const).map((op) => [op, p, p, p, d, broadcastOn(d, [false, true, false, true]), contiguous(d)])),
   reduceBroadcast: dims4.flatMap((d) => keepPatterns.map((keep) => [p, p, d, broadcastOn(d, keep)])),
   biasAdd: rowsByCols.map(([N, C]) => [p, p, p, N, C]),
   biasBackward: rowsByCols.map(([N, C]) => [p, p, N, C]),
@@ -245,7 +336,10 @@ const cases: { readonly [M in Method]: readonly Args[] } = {
   sum: sizes.map((n) => [p, p, n]),
   sumSquares: sizes.map((n) => [scratch, p, n]),
   countNonFinite: sizes.map((n) => [scratch, p, n]),
-  sgdStep: sizes.flatMap((n) => [[p, p, p, n, 0.1, 0.9, 0, 1e-4, true, false], [p, p, 0, n, 0.1, 0, 0, 0, false, true]]),
+  sgdStep: sizes.flatMap((n) => [
+    [p, p, p, n, 0.1, 0.9, 0, 1e-4, true, false],
+    [p, p, 0, n, 0.1, 0, 0, 0, false, true],
+  ]),
   adamwStep: sizes.map((n) => [p, p, p, p, n, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.1, 0.001]),
   castF32ToBF16: sizes.map((n) => [p, p, n]),
   castBF16ToF32: sizes.map((n) => [p, p, n]),
@@ -255,22 +349,39 @@ const cases: { readonly [M in Method]: readonly Args[] } = {
 
 /** The same methods with an empty input. */
 const emptyCases: { readonly [M in Method]: Args } = {
-  add: [p, p, p, 0], mul: [p, p, p, 0], axpy: [p, p, 0, 1], scale: [p, 0, 1],
+  add: [p, p, p, 0],
+  mul: [p, p, p, 0],
+  axpy: [p, p, 0, 1],
+  scale: [p, 0, 1],
   addScalarFrom: [p, p, 1, 0],
   binaryBroadcast: ["add", p, p, p, [2, 0, 3, 4], [0, 0, 4, 1], [12, 12, 4, 1]],
   reduceBroadcast: [p, p, [2, 3, 0, 4], [0, 0, 0, 1]],
-  biasAdd: [p, p, p, 0, 768], biasBackward: [p, p, 8192, 0],
-  reluForward: [p, p, 0], reluBackward: [p, p, p, 0], geluForward: [p, p, 0], geluBackward: [p, p, p, 0],
-  dropoutForward: [p, p, 0, 0.5, 1n], dropoutBackward: [p, p, 0, 0.5, 1n],
-  crossEntropyForward: [scratch, p, p, p, p, p, 0, 50_257], crossEntropyBackward: [p, p, p, p, 0, 50_257],
-  layerNormForward: [p, p, p, p, p, p, 0, 768, 1e-5], layerNormBackward: [p, p, p, p, p, p, p, p, 0, 768],
-  embeddingForward: [scratch, p, p, p, 0, 768, 50_257], embeddingBackward: [p, p, p, 0, 768],
-  causalSoftmaxForward: [p, p, 0, 1024, 1], causalSoftmaxBackward: [p, p, p, 12, 0, 1],
+  biasAdd: [p, p, p, 0, 768],
+  biasBackward: [p, p, 8192, 0],
+  reluForward: [p, p, 0],
+  reluBackward: [p, p, p, 0],
+  geluForward: [p, p, 0],
+  geluBackward: [p, p, p, 0],
+  dropoutForward: [p, p, 0, 0.5, 1n],
+  dropoutBackward: [p, p, 0, 0.5, 1n],
+  crossEntropyForward: [scratch, p, p, p, p, p, 0, 50_257],
+  crossEntropyBackward: [p, p, p, p, 0, 50_257],
+  layerNormForward: [p, p, p, p, p, p, 0, 768, 1e-5],
+  layerNormBackward: [p, p, p, p, p, p, p, p, 0, 768],
+  embeddingForward: [scratch, p, p, p, 0, 768, 50_257],
+  embeddingBackward: [p, p, p, 0, 768],
+  causalSoftmaxForward: [p, p, 0, 1024, 1],
+  causalSoftmaxBackward: [p, p, p, 12, 0, 1],
   stridedCopy: [p, [0, 0, 1, 1], p, [0, 0, 1, 1], [1, 1, 0, 5], true],
-  sum: [p, p, 0], sumSquares: [scratch, p, 0], countNonFinite: [scratch, p, 0],
+  sum: [p, p, 0],
+  sumSquares: [scratch, p, 0],
+  countNonFinite: [scratch, p, 0],
   sgdStep: [p, p, p, 0, 0.1, 0.9, 0, 0, false, false],
   adamwStep: [p, p, p, p, 0, 1e-3, 0.9, 0.999, 1e-8, 0, 0.1, 0.001],
-  castF32ToBF16: [p, p, 0], castBF16ToF32: [p, p, 0], castF32ToF16: [p, p, 0], castF16ToF32: [p, p, 0],
+  castF32ToBF16: [p, p, 0],
+  castBF16ToF32: [p, p, 0],
+  castF32ToF16: [p, p, 0],
+  castF16ToF32: [p, p, 0],
 };
 /** Plans with a scalar result still write it for an empty input: one single-block launch. */
 const writesScalarWhenEmpty = new Set<Method>(["sum", "sumSquares", "countNonFinite", "crossEntropyForward", "embeddingForward"]);
@@ -280,10 +391,14 @@ function planFor(method: Method, args: Args): Launch[] {
 }
 
 // Kernel-specific launch requirements stated in the .cu files.
-const singleBlockKernels = new Set<KernelName>(["mt_sum_f32", "mt_crossentropy_loss_f32",
-  "mt_embedding_count_invalid_i32", "mt_sum_partials_f64", "mt_sum_partials_i64"]);
-const columnKernels = new Set<KernelName>(["mt_bias_backward_f32", "mt_layernorm_backward_params_f32",
-  "mt_reduce_bcast_cols_f32"]);
+const singleBlockKernels = new Set<KernelName>([
+  "mt_sum_f32",
+  "mt_crossentropy_loss_f32",
+  "mt_embedding_count_invalid_i32",
+  "mt_sum_partials_f64",
+  "mt_sum_partials_i64",
+]);
+const columnKernels = new Set<KernelName>(["mt_bias_backward_f32", "mt_layernorm_backward_params_f32", "mt_reduce_bcast_cols_f32"]);
 
 /** Everything wrong with one launch, as readable strings (empty when it is fine). */
 function launchProblems(l: Launch): string[] {
@@ -294,10 +409,13 @@ function launchProblems(l: Launch): string[] {
   spec.params.forEach((type, i) => {
     const a = l.args[i];
     const ok =
-      type === "u64" ? typeof a === "bigint" && a >= 0n && a < 1n << 64n
-      : type === "f32" ? typeof a === "number"
-      : type === "i32" ? typeof a === "number" && Number.isInteger(a) && a >= -(2 ** 31) && a < 2 ** 31
-      : typeof a === "number" && Number.isSafeInteger(a);
+      type === "u64"
+        ? typeof a === "bigint" && a >= 0n && a < 1n << 64n
+        : type === "f32"
+          ? typeof a === "number"
+          : type === "i32"
+            ? typeof a === "number" && Number.isInteger(a) && a >= -(2 ** 31) && a < 2 ** 31
+            : typeof a === "number" && Number.isSafeInteger(a);
     if (!ok) problems.push(`arg ${i} (${type}) = ${String(a)} (${typeof a})`);
   });
   const [gx, gy, gz] = l.grid;

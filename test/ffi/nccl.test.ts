@@ -12,8 +12,19 @@ import { NativeLibraryError } from "../../ffi/errors.ts";
 import { findLibrary, librarySearchDirs, tryFindLibrary } from "../../ffi/find-library.ts";
 import { ensureNcclShim } from "../../ffi/nccl/build.ts";
 import {
-  findNccl, getUniqueId, NcclComm, type NcclDType, ncclDataTypes, NcclError, NcclLibrary, ncclLibrarySpec, type NcclRedOp, ncclRedOps,
-  ncclUniqueIdBytes, ncclVersion, shimConfigLayout,
+  findNccl,
+  getUniqueId,
+  NcclComm,
+  type NcclDType,
+  ncclDataTypes,
+  NcclError,
+  NcclLibrary,
+  ncclLibrarySpec,
+  type NcclRedOp,
+  ncclRedOps,
+  ncclUniqueIdBytes,
+  ncclVersion,
+  shimConfigLayout,
 } from "../../ffi/nccl/nccl.ts";
 import { CollectiveClosedError } from "../../engine/parallel/collective.ts";
 import { NcclCollective } from "../../engine/parallel/nccl.ts";
@@ -112,7 +123,13 @@ describe("findLibrary", () => {
     const cu13 = join(venv, "lib", "python3.11", "site-packages", "nvidia", "cu13", "lib");
     mkdirSync(cu13, { recursive: true });
     writeFileSync(join(cu13, "libmt-cublas-test.so.13"), "");
-    const spec = { what: "cuBLAS", envVar: "MESHTRAIN_CUBLAS_TEST", names: ["libmt-cublas-test.so.13"], pipSubdir: ["cu13", "cublas"], installHint: "pip install nvidia-cublas" };
+    const spec = {
+      what: "cuBLAS",
+      envVar: "MESHTRAIN_CUBLAS_TEST",
+      names: ["libmt-cublas-test.so.13"],
+      pipSubdir: ["cu13", "cublas"],
+      installHint: "pip install nvidia-cublas",
+    };
     expect(findLibrary(spec, env({ VIRTUAL_ENV: venv }))).toBe(join(cu13, "libmt-cublas-test.so.13"));
     const ld = join(dir, "ld");
     mkdirSync(ld, { recursive: true });
@@ -126,15 +143,24 @@ describe("findLibrary", () => {
     mkdirSync(join(venv, "lib", "python3.12", "site-packages"), { recursive: true });
     const spec = { ...ncclLibrarySpec, names: ["libnccl-absent-for-test.so.2"] };
     expect(tryFindLibrary(spec, env({ VIRTUAL_ENV: venv }))).toBeNull();
-    expectThrown(() => findLibrary(spec, env({ VIRTUAL_ENV: venv })), NativeLibraryError,
-      "NCCL not found", "MESHTRAIN_NCCL", "pip install nvidia-nccl-cu13", "/usr/local/cuda/lib64",
-      join(venv, "lib", "python3.12", "site-packages", "nvidia", "nccl", "lib"));
+    expectThrown(
+      () => findLibrary(spec, env({ VIRTUAL_ENV: venv })),
+      NativeLibraryError,
+      "NCCL not found",
+      "MESHTRAIN_NCCL",
+      "pip install nvidia-nccl-cu13",
+      "/usr/local/cuda/lib64",
+      join(venv, "lib", "python3.12", "site-packages", "nvidia", "nccl", "lib"),
+    );
   });
 
   const installed = tryFindLibrary(ncclLibrarySpec);
-  test.skipIf(skip("a machine without libnccl", installed === null ? null : `libnccl is installed (${installed})`))("without libnccl, the first NCCL use says how to install it", () => {
-    expectThrown(() => ncclVersion(), NativeLibraryError, "MESHTRAIN_NCCL", "pip install nvidia-nccl-cu13");
-  });
+  test.skipIf(skip("a machine without libnccl", installed === null ? null : `libnccl is installed (${installed})`))(
+    "without libnccl, the first NCCL use says how to install it",
+    () => {
+      expectThrown(() => ncclVersion(), NativeLibraryError, "MESHTRAIN_NCCL", "pip install nvidia-nccl-cu13");
+    },
+  );
 
   test("importing the binding loads no native library", () => {
     const script = `await import(${JSON.stringify(join(import.meta.dir, "..", "..", "ffi", "nccl", "nccl.ts"))});
@@ -200,7 +226,10 @@ describe("NCCL binding against a fake libnccl", () => {
     await using _ = await NcclComm.init(2, 0, distinctiveId(), { timeoutMs, library: lib });
     const r = initRecord(fake);
     expect({ configSize: r.configSize, magic: r.magic, version: r.version, blocking: r.blocking }).toEqual({
-      configSize: 24, magic: 0xcafebeef, version: 21400, blocking: 0,
+      configSize: 24,
+      magic: 0xcafebeef,
+      version: 21400,
+      blocking: 0,
     });
     // NCCL >= 2.17 copies all 24 bytes, so its cgaClusterSize (offset 20) comes from our tail
     // padding: the shim zeroes it, and the version gate (21400 < 2.17) resets it to UNDEF.
@@ -228,7 +257,9 @@ describe("NCCL binding against a fake libnccl", () => {
     const e = await NcclComm.init(2, 0, distinctiveId(), { timeoutMs: 30, library: lib }).catch((x: unknown) => x);
     expect(e).toBeInstanceOf(NcclError);
     expect({ name: (e as NcclError).name, codeName: (e as NcclError).codeName, call: (e as NcclError).call }).toEqual({
-      name: "NcclError", codeName: "ncclTimeout", call: "ncclCommInitRankConfig",
+      name: "NcclError",
+      codeName: "ncclTimeout",
+      call: "ncclCommInitRankConfig",
     });
     expect((e as Error).message).toContain("aborted");
     expect(counts(fake).aborts).toBe(1);
@@ -283,18 +314,51 @@ describe("NCCL binding against a fake libnccl", () => {
     test.each(ops)("allReduce op %s passes every argument through", (op) => {
       comm.allReduce(send, recv, 1_000_003, dtype, op, stream);
       expect(collRecord(fake)).toEqual({
-        send: BigInt(send), recv: BigInt(recv), count: 1_000_003n, dtype: BigInt(ncclDataTypes[dtype]), op: BigInt(ncclRedOps[op]),
-        root: -1n, comm: BigInt(comm.handle!), stream,
+        send: BigInt(send),
+        recv: BigInt(recv),
+        count: 1_000_003n,
+        dtype: BigInt(ncclDataTypes[dtype]),
+        op: BigInt(ncclRedOps[op]),
+        root: -1n,
+        comm: BigInt(comm.handle!),
+        stream,
       });
     });
 
     test("reduceScatter, allGather and broadcast pass every argument through", () => {
       comm.reduceScatter(send, recv, 4096, dtype, "avg", Number(stream));
-      expect(collRecord(fake)).toEqual({ send: BigInt(send), recv: BigInt(recv), count: 4096n, dtype: BigInt(ncclDataTypes[dtype]), op: 4n, root: -1n, comm: BigInt(comm.handle!), stream });
+      expect(collRecord(fake)).toEqual({
+        send: BigInt(send),
+        recv: BigInt(recv),
+        count: 4096n,
+        dtype: BigInt(ncclDataTypes[dtype]),
+        op: 4n,
+        root: -1n,
+        comm: BigInt(comm.handle!),
+        stream,
+      });
       comm.allGather(send, recv, 77, dtype, stream);
-      expect(collRecord(fake)).toEqual({ send: BigInt(send), recv: BigInt(recv), count: 77n, dtype: BigInt(ncclDataTypes[dtype]), op: -1n, root: -1n, comm: BigInt(comm.handle!), stream });
+      expect(collRecord(fake)).toEqual({
+        send: BigInt(send),
+        recv: BigInt(recv),
+        count: 77n,
+        dtype: BigInt(ncclDataTypes[dtype]),
+        op: -1n,
+        root: -1n,
+        comm: BigInt(comm.handle!),
+        stream,
+      });
       comm.broadcast(send, send, 5, dtype, 3, 0);
-      expect(collRecord(fake)).toEqual({ send: BigInt(send), recv: BigInt(send), count: 5n, dtype: BigInt(ncclDataTypes[dtype]), op: -1n, root: 3n, comm: BigInt(comm.handle!), stream: 0n });
+      expect(collRecord(fake)).toEqual({
+        send: BigInt(send),
+        recv: BigInt(send),
+        count: 5n,
+        dtype: BigInt(ncclDataTypes[dtype]),
+        op: -1n,
+        root: 3n,
+        comm: BigInt(comm.handle!),
+        stream: 0n,
+      });
     });
   });
 
@@ -470,36 +534,44 @@ const gpuMissing = gpuPresent ? null : "no GPU device node (/dev/nvidia0, /dev/n
 describe("real NCCL", () => {
   // pip's nvidia-nccl-cu13 on a machine without a GPU: the library loads, makes ids, and a
   // communicator fails cleanly (NCCL checks CUDA before it reads the id or the config).
-  test.skipIf(skip("libnccl", ncclMissing) || skip("a machine without a GPU", gpuPresent ? "a GPU is present" : null))("real libnccl without a GPU", async () => {
-    const lib = NcclLibrary.open(realNccl!);
-    expect(lib.nonBlockingInit).toBe(lib.version.code >= 21400);
-    const id = lib.getUniqueId();
-    expect(id.length).toBe(ncclUniqueIdBytes);
-    expect(id.some((b) => b !== 0)).toBe(true);
-    const e = (await NcclComm.init(1, 0, id, { timeoutMs, library: lib }).catch((x: unknown) => x)) as NcclError;
-    expect(e).toBeInstanceOf(NcclError);
-    expect({ codeName: e.codeName, call: e.call }).toEqual({
-      codeName: "ncclUnhandledCudaError", call: lib.nonBlockingInit ? "ncclCommInitRankConfig" : "ncclCommInitRank",
-    });
-    expect(e.message).toContain("last error: Cuda failure");
-  });
+  test.skipIf(skip("libnccl", ncclMissing) || skip("a machine without a GPU", gpuPresent ? "a GPU is present" : null))(
+    "real libnccl without a GPU",
+    async () => {
+      const lib = NcclLibrary.open(realNccl!);
+      expect(lib.nonBlockingInit).toBe(lib.version.code >= 21400);
+      const id = lib.getUniqueId();
+      expect(id.length).toBe(ncclUniqueIdBytes);
+      expect(id.some((b) => b !== 0)).toBe(true);
+      const e = (await NcclComm.init(1, 0, id, { timeoutMs, library: lib }).catch((x: unknown) => x)) as NcclError;
+      expect(e).toBeInstanceOf(NcclError);
+      expect({ codeName: e.codeName, call: e.call }).toEqual({
+        codeName: "ncclUnhandledCudaError",
+        call: lib.nonBlockingInit ? "ncclCommInitRankConfig" : "ncclCommInitRank",
+      });
+      expect(e.message).toContain("last error: Cuda failure");
+    },
+  );
 
-  test.skipIf(skip("libnccl", ncclMissing) || skip("a GPU", gpuMissing))("one-rank communicator on a real GPU", async () => {
-    const cuda = await import("../../ffi/cuda/backend.ts");
-    const probe = cuda.probeCuda();
-    if (!probe.ok) throw new Error(`a GPU device node exists but CUDA is not usable: ${probe.reason}`);
-    const backend = new cuda.CudaBackend({ device: 0 }); // makes the device's primary context current
-    try {
-      const comm = await NcclComm.init(1, 0, getUniqueId(), { timeoutMs: 60_000 });
+  test.skipIf(skip("libnccl", ncclMissing) || skip("a GPU", gpuMissing))(
+    "one-rank communicator on a real GPU",
+    async () => {
+      const cuda = await import("../../ffi/cuda/backend.ts");
+      const probe = cuda.probeCuda();
+      if (!probe.ok) throw new Error(`a GPU device node exists but CUDA is not usable: ${probe.reason}`);
+      const backend = new cuda.CudaBackend({ device: 0 }); // makes the device's primary context current
       try {
-        await runOneRankCollectives(comm, backend);
+        const comm = await NcclComm.init(1, 0, getUniqueId(), { timeoutMs: 60_000 });
+        try {
+          await runOneRankCollectives(comm, backend);
+        } finally {
+          await comm.destroy();
+        }
       } finally {
-        await comm.destroy();
+        (backend as { dispose?: () => void }).dispose?.();
       }
-    } finally {
-      (backend as { dispose?: () => void }).dispose?.();
-    }
-  }, 120_000);
+    },
+    120_000,
+  );
 });
 
 describe("NcclCollective: the Collective over a (fake) communicator", () => {
@@ -518,7 +590,13 @@ describe("NcclCollective: the Collective over a (fake) communicator", () => {
   });
 
   type Call = ReturnType<typeof collRecord>;
-  const call = (over: Pick<Call, "send" | "recv" | "count" | "dtype"> & Partial<Call>): Call => ({ op: -1n, root: -1n, comm: BigInt(comm.handle!), stream, ...over });
+  const call = (over: Pick<Call, "send" | "recv" | "count" | "dtype"> & Partial<Call>): Call => ({
+    op: -1n,
+    root: -1n,
+    comm: BigInt(comm.handle!),
+    stream,
+    ...over,
+  });
 
   test("all-reduce in place, sum or mean; an empty buffer calls nothing", async () => {
     await coll.allReduce(buf, { step: 1, bucket: 0 });

@@ -38,8 +38,7 @@ function translationUnits(): Map<string, string> {
   const units = new Map<string, string>();
   for (const [module, names] of byModule) {
     const source = join(kernelsDir, `${module}.cu`);
-    units.set(`gen_${module}.cpp`,
-      `#include "emu.h"\n#include ${JSON.stringify(source)}\n${names.map((n) => `EMU_REGISTER(${n})`).join("\n")}\n`);
+    units.set(`gen_${module}.cpp`, `#include "emu.h"\n#include ${JSON.stringify(source)}\n${names.map((n) => `EMU_REGISTER(${n})`).join("\n")}\n`);
   }
   return units;
 }
@@ -69,8 +68,13 @@ export async function buildEmulator(dir: string): Promise<string> {
 /** Hash of everything the build reads, so a changed kernel or fake rebuilds. */
 function sourcesHash(): string {
   const h = createHash("sha256").update(JSON.stringify(kernelSpecs)).update(cxxFlags.join(" "));
-  const files = [...readdirSync(kernelsDir).map((f) => join(kernelsDir, f)), ...readdirSync(emuDir).map((f) => join(emuDir, f)),
-    join(fixtures, "fake-cuda.c"), join(fixtures, "fake-cublas.c"), join(root, "ffi", "numerics.h")].sort();
+  const files = [
+    ...readdirSync(kernelsDir).map((f) => join(kernelsDir, f)),
+    ...readdirSync(emuDir).map((f) => join(emuDir, f)),
+    join(fixtures, "fake-cuda.c"),
+    join(fixtures, "fake-cublas.c"),
+    join(root, "ffi", "numerics.h"),
+  ].sort();
   for (const f of files) h.update(f).update(readFileSync(f));
   return h.digest("hex").slice(0, 16);
 }
@@ -148,10 +152,11 @@ async function open(): Promise<EmulatedCuda> {
   };
   const timeline: Timeline = {
     reset: () => c.fake_timeline_reset(),
-    launches: () => Array.from({ length: recordedLaunches() }, (_, i) => {
-      c.fake_launch_at(i, ptr(record));
-      return Buffer.from(record.subarray(0, record.indexOf(0))).toString();
-    }),
+    launches: () =>
+      Array.from({ length: recordedLaunches() }, (_, i) => {
+        c.fake_launch_at(i, ptr(record));
+        return Buffer.from(record.subarray(0, record.indexOf(0))).toString();
+      }),
     streamSyncs: () => {
       recordedLaunches();
       return Array.from({ length: Math.min(c.fake_stream_sync_count(), 256) }, (_, i) => c.fake_stream_sync_at(i));

@@ -8,7 +8,7 @@ import { Context } from "../../engine/tensor.ts";
 import { evaluate } from "../../engine/train.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { type Event, EventKind, type JobSpec } from "../../schemas/messages.ts";
-import { syncPolicy } from "../../sdk/client.ts";
+import { specOfConfig } from "../../sdk/client.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
 import type { JobConfig } from "../../services/runtime/job.ts";
 
@@ -17,10 +17,7 @@ export const imagePlan = { vocabSize: 0, vocab: [] as number[] };
 
 /** The spec a client submits for `cfg`, with the plan its data set gives (read here). */
 export function specOf(cfg: JobConfig, over: Partial<JobSpec> = {}): JobSpec {
-  return {
-    job: cfg.job, trainers: cfg.trainers, shards: cfg.shards, sync: syncPolicy[cfg.sync], staleness: cfg.staleness, configJson: JSON.stringify(cfg),
-    ...over, plan: over.plan ?? planHere(cfg),
-  };
+  return { ...specOfConfig(cfg), ...over, plan: over.plan ?? planHere(cfg) };
 }
 
 /** The test accuracy of a model file, evaluated in this process with the job's GEMM precision. */

@@ -21,7 +21,11 @@ export interface ServiceProcess extends AsyncDisposable {
 /** Starts `bun <script> ...args`; disposing kills it (SIGKILL if SIGTERM is ignored). */
 export function spawnService(script: string, args: string[], env: Record<string, string> = {}): ServiceProcess {
   const proc = Bun.spawn([bunBin, join(root, script), ...args], {
-    cwd: root, stdin: "ignore", stdout: "pipe", stderr: "pipe", env: { ...process.env, ...env },
+    cwd: root,
+    stdin: "ignore",
+    stdout: "pipe",
+    stderr: "pipe",
+    env: { ...process.env, ...env },
   });
   let text = "";
   void (async () => {

@@ -3,11 +3,41 @@ import { Builder } from "flatbuffers";
 import { staleFiles } from "../../schemas/build.ts";
 import { chunkRanges, createBytes, finishBytes, packByBytes, schemaVersion, WireFormatError } from "../../schemas/codec.ts";
 import {
-  decodeDataPlan, decodeJobRecord, encodeDataPlan, encodeJobRecord, JobState,
-  chunkF32, decodeBatch, decodeBatchRequest, decodeErrorReply, decodeEvent, decodeJobSpec, decodeManifest, decodePullReply,
-  decodePullRequest, decodePushReply, decodePushRequest, decodeShardState, DType, emptyEvent, encodeBatch, encodeBatchRequest,
-  encodeErrorReply, encodeEvent, encodeJobSpec, encodeManifest, encodePullReply, encodePullRequest, encodePushReply,
-  encodePushRequest, encodeShardState, EventKind, f32Chunk, isErrorReply, Split, SyncPolicy,
+  decodeDataPlan,
+  decodeJobRecord,
+  encodeDataPlan,
+  encodeJobRecord,
+  JobState,
+  chunkF32,
+  decodeBatch,
+  decodeBatchRequest,
+  decodeErrorReply,
+  decodeEvent,
+  decodeJobSpec,
+  decodeManifest,
+  decodePullReply,
+  decodePullRequest,
+  decodePushReply,
+  decodePushRequest,
+  decodeShardState,
+  DType,
+  emptyEvent,
+  encodeBatch,
+  encodeBatchRequest,
+  encodeErrorReply,
+  encodeEvent,
+  encodeJobSpec,
+  encodeManifest,
+  encodePullReply,
+  encodePullRequest,
+  encodePushReply,
+  encodePushRequest,
+  encodeShardState,
+  EventKind,
+  f32Chunk,
+  isErrorReply,
+  Split,
+  SyncPolicy,
 } from "../../schemas/messages.ts";
 import { PushRequest as PushRequestT } from "../../schemas/wire.ts";
 import { expectThrown } from "../helpers/errors.ts";
@@ -28,11 +58,17 @@ test("schemas/generated matches what flatc generates from schemas/*.fbs (run `bu
 
 describe("round trips, from unaligned payloads", () => {
   test("PushRequest keeps chunk data bit-exact and views it as aligned float32", () => {
-    const a = floats(1000), b = floats(7, 2);
+    const a = floats(1000),
+      b = floats(7, 2);
     const bytes = encodePushRequest({ job: "j1", trainer: 3, step: 2 ** 40 + 5, chunks: [f32Chunk(4, a), f32Chunk(9, b, 17)] });
     const m = decodePushRequest(unaligned(bytes), limit);
-    expect({ job: m.job, trainer: m.trainer, step: m.step, ids: m.chunks.map((c) => c.id), versions: m.chunks.map((c) => c.version) })
-      .toEqual({ job: "j1", trainer: 3, step: 2 ** 40 + 5, ids: [4, 9], versions: [0, 17] });
+    expect({ job: m.job, trainer: m.trainer, step: m.step, ids: m.chunks.map((c) => c.id), versions: m.chunks.map((c) => c.version) }).toEqual({
+      job: "j1",
+      trainer: 3,
+      step: 2 ** 40 + 5,
+      ids: [4, 9],
+      versions: [0, 17],
+    });
     expect(chunkF32(m.chunks[0]!)).toEqual(a);
     expect(chunkF32(m.chunks[1]!)).toEqual(b);
     // decoded from the encoder's own (aligned) bytes, the data is 16-byte aligned: viewed, not copied
@@ -48,24 +84,56 @@ describe("round trips, from unaligned payloads", () => {
     const pr = decodePullReply(unaligned(encodePullReply(12, [f32Chunk(1, floats(33), 12)])), limit);
     expect(pr.updates).toBe(12);
     expect(chunkF32(pr.chunks[0]!)).toEqual(floats(33));
-    expect(decodeBatchRequest(unaligned(encodeBatchRequest({ job: "j", rank: 1, split: Split.Val, credits: 4, step: 3 })), limit))
-      .toEqual({ job: "j", rank: 1, split: Split.Val, credits: 4, step: 3 });
+    expect(decodeBatchRequest(unaligned(encodeBatchRequest({ job: "j", rank: 1, split: Split.Val, credits: 4, step: 3 })), limit)).toEqual({
+      job: "j",
+      rank: 1,
+      split: Split.Val,
+      credits: 4,
+      step: 3,
+    });
     const batch = { epoch: 2, index: 7, sampleIds: Uint32Array.of(9, 3), rows: 2, cols: 3, x: floats(6), y: Int32Array.of(4, 1), endOfEpoch: false };
     expect(decodeBatch(unaligned(encodeBatch(batch)), limit)).toEqual(batch);
     const ev = { ...emptyEvent("j", EventKind.Step), step: 5, loss: 0.5, text: "héllo" };
     expect(decodeEvent(unaligned(encodeEvent(ev)), limit)).toEqual(ev);
-    const spec = { job: "j", trainers: 2, shards: 3, sync: SyncPolicy.SSP, staleness: 2, configJson: "{\"a\":1}", attempt: 3 };
+    const spec = { job: "j", trainers: 2, shards: 3, sync: SyncPolicy.SSP, staleness: 2, configJson: '{"a":1}', attempt: 3 };
     expect(decodeJobSpec(unaligned(encodeJobSpec(spec)), limit)).toEqual(spec);
     const state = {
-      job: "j", shard: 1, updates: 4, optimizerSteps: 4, step: 4, chunks: [{ id: 3, version: 4, params: floats(5), state: [{ name: "m", data: floats(5, 3) }] }],
-      parts: 3, generation: 1_795_000_000_000, lossScale: 1024,
+      job: "j",
+      shard: 1,
+      updates: 4,
+      optimizerSteps: 4,
+      step: 4,
+      chunks: [{ id: 3, version: 4, params: floats(5), state: [{ name: "m", data: floats(5, 3) }] }],
+      parts: 3,
+      generation: 1_795_000_000_000,
+      lossScale: 1024,
     };
     expect(decodeShardState(unaligned(encodeShardState(state)), limit)).toEqual(state);
-    const manifest = { formatVersion: 1, job: "j", id: "step-10", step: 10, createdMs: 1.5e12, metric: 0.97, configJson: "{}", files: [{ name: "ps-0.bin", bytes: 123, crc32: 0xdeadbeef }], cursors: [10, 10], modelPath: "/d/j/model.mtm" };
+    const manifest = {
+      formatVersion: 1,
+      job: "j",
+      id: "step-10",
+      step: 10,
+      createdMs: 1.5e12,
+      metric: 0.97,
+      configJson: "{}",
+      files: [{ name: "ps-0.bin", bytes: 123, crc32: 0xdeadbeef }],
+      cursors: [10, 10],
+      modelPath: "/d/j/model.mtm",
+    };
     expect(decodeManifest(unaligned(encodeManifest(manifest)), limit)).toEqual(manifest);
     const plan = {
-      job: "j", trainSamples: 60_000, valSamples: 0, testSamples: 10_000, stepsPerEpoch: 235, totalSteps: 2350, vocabSize: 3, vocab: [65, 0x1f600, 10],
-      slabNumel: 1024, decayElems: 512, paramCount: 1000,
+      job: "j",
+      trainSamples: 60_000,
+      valSamples: 0,
+      testSamples: 10_000,
+      stepsPerEpoch: 235,
+      totalSteps: 2350,
+      vocabSize: 3,
+      vocab: [65, 0x1f600, 10],
+      slabNumel: 1024,
+      decayElems: 512,
+      paramCount: 1000,
     };
     expect(decodeDataPlan(unaligned(encodeDataPlan(plan)), limit)).toEqual(plan);
     const planned = { job: "j", trainers: 2, shards: 1, sync: SyncPolicy.AllReduce, staleness: 0, configJson: "{}", attempt: 3, plan };
@@ -75,8 +143,22 @@ describe("round trips, from unaligned payloads", () => {
     expect(() => decodeDataPlan(encodeDataPlan({ ...plan, vocabSize: 4 }), limit)).toThrow(WireFormatError);
     expect(() => decodeDataPlan(encodeDataPlan({ ...plan, decayElems: 2048 }), limit)).toThrow(WireFormatError);
     const rec = {
-      job: "j", state: JobState.Failed, configJson: "{}", submittedMs: 1.7e12, endedMs: 1.7e12 + 5, totalSteps: 2350, evalStep: 235, accuracy: 0.5, loss: 1.25,
-      evaluated: 10_000, evalSplit: "test", reason: "trainer 1: ünicode", snapshot: "step-000000235", modelPath: "/m.mtm", snapshotDir: "/d", attempts: 2,
+      job: "j",
+      state: JobState.Failed,
+      configJson: "{}",
+      submittedMs: 1.7e12,
+      endedMs: 1.7e12 + 5,
+      totalSteps: 2350,
+      evalStep: 235,
+      accuracy: 0.5,
+      loss: 1.25,
+      evaluated: 10_000,
+      evalSplit: "test",
+      reason: "trainer 1: ünicode",
+      snapshot: "step-000000235",
+      modelPath: "/m.mtm",
+      snapshotDir: "/d",
+      attempts: 2,
     };
     expect(decodeJobRecord(unaligned(encodeJobRecord(rec)), limit)).toEqual(rec);
     const err = encodeErrorReply({ code: "unknown_job", message: "no job x", subject: "mt.x.ps.0.push" });
@@ -156,7 +238,11 @@ describe("bulk vectors", () => {
 
 describe("chunking", () => {
   test("chunkRanges covers the vector exactly once", () => {
-    expect(chunkRanges(10, 4)).toEqual([{ offset: 0, count: 4 }, { offset: 4, count: 4 }, { offset: 8, count: 2 }]);
+    expect(chunkRanges(10, 4)).toEqual([
+      { offset: 0, count: 4 },
+      { offset: 4, count: 4 },
+      { offset: 8, count: 2 },
+    ]);
     expect(chunkRanges(0, 4)).toEqual([]);
     expect(() => chunkRanges(10, 0)).toThrow(RangeError);
   });
@@ -168,5 +254,4 @@ describe("chunking", () => {
     for (const g of groups) expect(1024 + g.reduce((s, x) => s + x + 64, 0)).toBeLessThanOrEqual(2048);
     expect(() => packByBytes([5000], (s) => s, 2048)).toThrow("cannot fit");
   });
-
 });

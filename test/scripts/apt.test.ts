@@ -4,8 +4,13 @@
 import { describe, expect, test } from "bun:test";
 import { aptUpdateReason, hasPackageLists, packagesWithoutCandidate } from "../../scripts/apt.mjs";
 
-const lists = ["lock", "partial", "auxfiles", "deb.debian.org_debian_dists_bookworm_InRelease",
-  "deb.debian.org_debian_dists_bookworm_main_binary-amd64_Packages.lz4"];
+const lists = [
+  "lock",
+  "partial",
+  "auxfiles",
+  "deb.debian.org_debian_dists_bookworm_InRelease",
+  "deb.debian.org_debian_dists_bookworm_main_binary-amd64_Packages.lz4",
+];
 
 // `LC_ALL=C apt-cache policy nats-server flatbuffers-compiler` on bookworm with package lists
 const seen = `nats-server:

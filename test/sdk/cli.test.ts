@@ -24,7 +24,10 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     [["run", "--batch-size", "100", "--accum", "3"], "batchSize (100) must be a multiple of accumSteps (3)"],
     [["run", "--job", "no spaces"], "job: a job name is 1-64 letters"],
     [["submit", "--sync", "sometimes"], "Allowed choices are bsp, asp, ssp"],
-    [["run", "--precision", "f16"], "precision f16 runs in all-reduce mode (--sync allreduce) or a single process (meshtrain train): its loss scaler skips steps"],
+    [
+      ["run", "--precision", "f16"],
+      "precision f16 runs in all-reduce mode (--sync allreduce) or a single process (meshtrain train): its loss scaler skips steps",
+    ],
     [["submit", "--precision", "fp8"], "Allowed choices are f32, tf32, bf16, f16"],
     [["run", "--scale-lr", "--warmup", "0"], "scaleLr needs warmupSteps > 0"],
     [["run", "--sync", "allreduce", "--bucket-mb", "0"], "--bucket-mb"],
@@ -72,20 +75,26 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     expect(r.err).toContain(message);
   });
   // where CUDA is present, `--device cuda` trains: the end-to-end runs cover that
-  test.skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null)).each(["train mlp", "train gpt", "sample"])("--device cuda without a GPU: one clear line (%s)", (command) => {
-    const r = cli(...command.split(" "), "--device", "cuda");
-    expect(r.code).toBe(1);
-    const lines = r.err.trim().split("\n");
-    expect(lines).toHaveLength(1);
-    expect(lines[0]).toStartWith("meshtrain: NativeLibraryError: --device cuda: ");
-  });
-  test.skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null)).each(["engine", "kernels"])("`bun run bench %s --device cuda` without a GPU: one clear line", (name) => {
-    const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), name, "--device", "cuda"], { cwd: root, stdout: "pipe", stderr: "pipe" });
-    expect(p.exitCode).toBe(1);
-    const lines = p.stderr.toString().trim().split("\n");
-    expect(lines).toHaveLength(1);
-    expect(lines[0]).toStartWith(`bench ${name}: NativeLibraryError: --device cuda: `);
-  });
+  test.skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null)).each(["train mlp", "train gpt", "sample"])(
+    "--device cuda without a GPU: one clear line (%s)",
+    (command) => {
+      const r = cli(...command.split(" "), "--device", "cuda");
+      expect(r.code).toBe(1);
+      const lines = r.err.trim().split("\n");
+      expect(lines).toHaveLength(1);
+      expect(lines[0]).toStartWith("meshtrain: NativeLibraryError: --device cuda: ");
+    },
+  );
+  test.skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null)).each(["engine", "kernels"])(
+    "`bun run bench %s --device cuda` without a GPU: one clear line",
+    (name) => {
+      const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), name, "--device", "cuda"], { cwd: root, stdout: "pipe", stderr: "pipe" });
+      expect(p.exitCode).toBe(1);
+      const lines = p.stderr.toString().trim().split("\n");
+      expect(lines).toHaveLength(1);
+      expect(lines[0]).toStartWith(`bench ${name}: NativeLibraryError: --device cuda: `);
+    },
+  );
   test("gpt heads that do not divide the width", () => {
     const r = cli("train", "gpt", "--n-embd", "30", "--n-head", "4");
     expect(r.code).toBe(1);
@@ -111,8 +120,32 @@ describe("training runs end to end", () => {
 
   test("gpt on Moby Dick: loss falls well below uniform, then sample continues a prompt", () => {
     const out = join(dir, "gpt.mtm");
-    const r = cli("train", "gpt", "--max-steps", "60", "--eval-every", "30", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-      "--block-size", "32", "--batch-size", "16", "--warmup", "10", "--lr", "5e-3", "--sample-chars", "40", "--out", out);
+    const r = cli(
+      "train",
+      "gpt",
+      "--max-steps",
+      "60",
+      "--eval-every",
+      "30",
+      "--n-layer",
+      "1",
+      "--n-embd",
+      "32",
+      "--n-head",
+      "2",
+      "--block-size",
+      "32",
+      "--batch-size",
+      "16",
+      "--warmup",
+      "10",
+      "--lr",
+      "5e-3",
+      "--sample-chars",
+      "40",
+      "--out",
+      out,
+    );
     expect(r.code).toBe(0);
     const val = Number(/validation loss: ([\d.]+)/.exec(r.out)?.[1]);
     expect(val).toBeLessThan(Math.log(83) - 1); // uniform over 83 characters is 4.42 nats
@@ -129,9 +162,36 @@ describe("training runs end to end", () => {
 
   test("gpt in f16 on the CPU: autocast GEMMs with loss scaling train as f32 does", () => {
     const run = (precision: string) => {
-      const r = cli("train", "gpt", "--max-steps", "30", "--eval-every", "30", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-        "--block-size", "32", "--batch-size", "16", "--warmup", "5", "--lr", "5e-3", "--sample-chars", "0", "--device", "cpu",
-        "--precision", precision, "--out", join(dir, `gpt-${precision}.mtm`));
+      const r = cli(
+        "train",
+        "gpt",
+        "--max-steps",
+        "30",
+        "--eval-every",
+        "30",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--block-size",
+        "32",
+        "--batch-size",
+        "16",
+        "--warmup",
+        "5",
+        "--lr",
+        "5e-3",
+        "--sample-chars",
+        "0",
+        "--device",
+        "cpu",
+        "--precision",
+        precision,
+        "--out",
+        join(dir, `gpt-${precision}.mtm`),
+      );
       expect(r.code).toBe(0);
       expect(r.out.startsWith("device: cpu (asked for)\n")).toBe(true);
       return { out: r.out, val: Number(/validation loss: ([\d.]+)/.exec(r.out)?.[1]) };
@@ -156,7 +216,11 @@ test("bench engine prints a table and a last JSON line", () => {
 }, 120_000);
 
 test("bench kernels prints a table and a last JSON line", () => {
-  const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), "kernels", "--elems", "262144", "--reps", "2"], { cwd: root, stdout: "pipe", stderr: "pipe" });
+  const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), "kernels", "--elems", "262144", "--reps", "2"], {
+    cwd: root,
+    stdout: "pipe",
+    stderr: "pipe",
+  });
   expect(p.exitCode).toBe(0);
   const lines = p.stdout.toString().trim().split("\n");
   expect(lines[1]).toContain("memcpy_gb_per_s");

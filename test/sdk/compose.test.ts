@@ -9,10 +9,18 @@ import { deviceChoices } from "../../ffi/select.ts";
 import { composePath, readTopology } from "../../sdk/launcher.ts";
 
 const deploy = join(import.meta.dir, "..", "..", "deploy");
-const read = (file: string) => parse(readFileSync(join(deploy, file), "utf8"), { merge: true }) as {
-  services: Record<string, { command?: string[]; environment?: Record<string, string>; build?: { dockerfile: string };
-    deploy?: { resources: { reservations: { devices: { driver: string; count: string; capabilities: string[] }[] } } } }>;
-};
+const read = (file: string) =>
+  parse(readFileSync(join(deploy, file), "utf8"), { merge: true }) as {
+    services: Record<
+      string,
+      {
+        command?: string[];
+        environment?: Record<string, string>;
+        build?: { dockerfile: string };
+        deploy?: { resources: { reservations: { devices: { driver: string; count: string; capabilities: string[] }[] } } };
+      }
+    >;
+  };
 
 test("the GPU override moves exactly the trainers onto the GPU image, with MT_DEVICE=cuda and a GPU reservation", () => {
   const base = read("docker-compose.yml").services;

@@ -44,7 +44,8 @@ function cli(cwd: string, args: string[], extra: Record<string, string> = {}) {
 function start(cwd: string, args: string[], extra: Record<string, string> = {}) {
   const proc = Bun.spawn([process.execPath, cliPath, ...args], { cwd, env: env(cwd, extra), stdin: "ignore", stdout: "pipe", stderr: "pipe" });
   started.add(proc);
-  let out = "", err = "";
+  let out = "",
+    err = "";
   const pump = async (s: ReadableStream<Uint8Array>, add: (t: string) => void) => {
     const d = new TextDecoder();
     for await (const c of s) add(d.decode(c, { stream: true }));
@@ -69,8 +70,11 @@ function processesMentioning(text: string): number[] {
 
 test("a wrong option: its error and one line on where help is, not the whole help", () => {
   const cwd = tempDir("mt-flag-");
-  for (const [args, help] of [[["run", "--epochs", "x"], "meshtrain run --help"], [["mesh", "up", "--prot", "1"], "meshtrain mesh up --help"],
-    [["submit", "--shards"], "meshtrain submit --help"]] as const) {
+  for (const [args, help] of [
+    [["run", "--epochs", "x"], "meshtrain run --help"],
+    [["mesh", "up", "--prot", "1"], "meshtrain mesh up --help"],
+    [["submit", "--shards"], "meshtrain submit --help"],
+  ] as const) {
     const r = cli(cwd, [...args]);
     const lines = r.err.trim().split("\n");
     expect([r.code, lines.at(-1)]).toEqual([1, `(every option: ${help})`]);
@@ -87,7 +91,8 @@ describe("meshtrain run", () => {
   test("3 trainers and 3 shards, relative --dir and --data-dir in the user's folder: the header first, then the result, and where everything went", () => {
     const cwd = tempDir("mt-run3-");
     mkdirSync(join(cwd, "mnist"));
-    for (const f of ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]) copyFileSync(join(defaultMnistDir(), f), join(cwd, "mnist", f));
+    for (const f of ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"])
+      copyFileSync(join(defaultMnistDir(), f), join(cwd, "mnist", f));
     const r = cli(cwd, ["run", ...quick, "--trainers", "3", "--shards", "3", "--job", "three", "--dir", "out", "--data-dir", "mnist"]);
     expect(r.err).toBe("");
     expect(r.code).toBe(0);
@@ -102,11 +107,18 @@ describe("meshtrain run", () => {
       "logs:      out/jobs/three/logs",
       "next:      npx meshtrain eval --model out/jobs/three/model.mtm",
     ]);
-    for (const f of ["model.mtm", "step-000000020", "logs/trainer-2.log", "logs/parameter-server-2.log", "logs/job.json"]) expect(existsSync(join(cwd, "out/jobs/three", f))).toBe(true);
+    for (const f of ["model.mtm", "step-000000020", "logs/trainer-2.log", "logs/parameter-server-2.log", "logs/job.json"])
+      expect(existsSync(join(cwd, "out/jobs/three", f))).toBe(true);
     // a clean run logs no warnings or errors (normal states, such as no snapshot yet, are not warnings)
     const logs = join(cwd, "out/jobs/three/logs");
-    const warnings = readdirSync(logs).filter((f) => f.endsWith(".log") && f !== "nats-server.log")
-      .flatMap((f) => readFileSync(join(logs, f), "utf8").split("\n").filter((l) => /"level":"(warn|error|fatal)"/.test(l)).map((l) => `${f}: ${l}`));
+    const warnings = readdirSync(logs)
+      .filter((f) => f.endsWith(".log") && f !== "nats-server.log")
+      .flatMap((f) =>
+        readFileSync(join(logs, f), "utf8")
+          .split("\n")
+          .filter((l) => /"level":"(warn|error|fatal)"/.test(l))
+          .map((l) => `${f}: ${l}`),
+      );
     expect(warnings).toEqual([]);
     // the exported model is the one the trainers evaluated
     const ev = cli(cwd, ["eval", "--model", "out/jobs/three/model.mtm"]);
@@ -185,7 +197,7 @@ describe("meshtrain mesh up and the client commands", () => {
 
     const fails: [string[], string][] = [
       [["cancel", "nosuch"], "meshtrain: UnknownJobError: no job nosuch"],
-      [["status", "a b"], "meshtrain: BadRequestError: \"a b\" is not a job name"],
+      [["status", "a b"], 'meshtrain: BadRequestError: "a b" is not a job name'],
       [["watch", "j>"], "is not a job name"],
       [["cancel", "*"], "is not a job name"],
       [["save", "nosuch"], "meshtrain: UnknownJobError: no job nosuch"],
@@ -209,7 +221,10 @@ describe("meshtrain mesh up and the client commands", () => {
     expect(cancelled.out).toMatch(/^cancelled job j2 \(cancelled by .+\); resume it later: npx meshtrain submit --job j2$/m);
     expect(c("status", "j2").out).toMatch(/^state      cancelled;/m);
     const w = c("watch", "j2");
-    expect([w.code, w.err.trim()]).toEqual([1, expect.stringMatching(/^meshtrain: JobFailedError: job j2 cancelled: cancelled by .+ \(logs: m\/jobs\/j2\/logs\)$/)]);
+    expect([w.code, w.err.trim()]).toEqual([
+      1,
+      expect.stringMatching(/^meshtrain: JobFailedError: job j2 cancelled: cancelled by .+ \(logs: m\/jobs\/j2\/logs\)$/),
+    ]);
 
     up.proc.kill("SIGINT");
     expect(await up.done).toBe(0);

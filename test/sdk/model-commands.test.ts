@@ -41,8 +41,32 @@ beforeAll(() => {
   const mlp = cli("train", "mlp", "--epochs", "1", "--widths", "784,64,10", "--out", "mlp/model.mtm");
   expect(mlp.code).toBe(0);
   mlpTrain = mlp.out;
-  const gpt = cli("train", "gpt", "--max-steps", "30", "--eval-every", "30", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-    "--block-size", "32", "--batch-size", "16", "--warmup", "5", "--lr", "5e-3", "--sample-chars", "0", "--out", "gpt/model.mtm");
+  const gpt = cli(
+    "train",
+    "gpt",
+    "--max-steps",
+    "30",
+    "--eval-every",
+    "30",
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "16",
+    "--warmup",
+    "5",
+    "--lr",
+    "5e-3",
+    "--sample-chars",
+    "0",
+    "--out",
+    "gpt/model.mtm",
+  );
   expect(gpt.code).toBe(0);
   gptTrain = gpt.out;
 }, 120_000);
@@ -55,71 +79,120 @@ describe("training ends by naming the model file and the commands that use it", 
   });
   test("gpt", () => {
     expect(existsSync(gptModel)).toBe(true);
-    expect(lastLines(gptTrain, 3)).toEqual(["model: gpt/model.mtm", "next: npx meshtrain sample --model gpt/model.mtm --prompt 'Call me'",
-      "next: npx meshtrain eval --model gpt/model.mtm"]);
+    expect(lastLines(gptTrain, 3)).toEqual([
+      "model: gpt/model.mtm",
+      "next: npx meshtrain sample --model gpt/model.mtm --prompt 'Call me'",
+      "next: npx meshtrain eval --model gpt/model.mtm",
+    ]);
   });
 });
 
 describe("eval", () => {
-  test("an mlp: the test accuracy and loss training printed, on the 10,000 MNIST test samples", () => {
-    const r = cli("eval", "--model", mlpModel);
-    expect(r.code).toBe(0);
-    expect(r.err).toBe("");
-    expect(r.out).toMatch(/^device: (cpu \(no GPU found\)|cuda:0, picked by auto \(.+\))\n/);
-    // a path inside the user's folder is shown as they would type it from there
-    expect(r.out).toContain("model: mlp/model.mtm: mlp 784-64-10, 50,890 parameters, 468 steps trained");
-    const trained = number(/^test accuracy: ([\d.]+)%/m, mlpTrain);
-    expect(trained).toBeGreaterThan(90);
-    expect(number(/^test accuracy: ([\d.]+)% \(error [\d.]+%\) on 10,000 MNIST test samples$/m, r.out)).toBe(trained);
-    expect(number(/^test loss: ([\d.]+)$/m, r.out)).toBe(number(/test loss ([\d.]+), test accuracy/, mlpTrain));
-  }, timeoutMs);
+  test(
+    "an mlp: the test accuracy and loss training printed, on the 10,000 MNIST test samples",
+    () => {
+      const r = cli("eval", "--model", mlpModel);
+      expect(r.code).toBe(0);
+      expect(r.err).toBe("");
+      expect(r.out).toMatch(/^device: (cpu \(no GPU found\)|cuda:0, picked by auto \(.+\))\n/);
+      // a path inside the user's folder is shown as they would type it from there
+      expect(r.out).toContain("model: mlp/model.mtm: mlp 784-64-10, 50,890 parameters, 468 steps trained");
+      const trained = number(/^test accuracy: ([\d.]+)%/m, mlpTrain);
+      expect(trained).toBeGreaterThan(90);
+      expect(number(/^test accuracy: ([\d.]+)% \(error [\d.]+%\) on 10,000 MNIST test samples$/m, r.out)).toBe(trained);
+      expect(number(/^test loss: ([\d.]+)$/m, r.out)).toBe(number(/test loss ([\d.]+), test accuracy/, mlpTrain));
+    },
+    timeoutMs,
+  );
 
-  test("a gpt: the validation loss training printed, over the same split in the same batches", () => {
-    const all = cli("eval", "--model", gptModel, "--batches", "1000");
-    expect(all.code).toBe(0);
-    const trained = number(/^validation loss: ([\d.]+) nats\/token/m, gptTrain);
-    expect(trained).toBeLessThan(Math.log(83)); // it learned something: uniform over 83 characters is 4.42
-    expect(number(/^validation loss: ([\d.]+) nats\/char on [\d,]+ characters of Moby Dick/m, all.out)).toBe(trained);
-    expect(all.out).toContain("its last 10% (59 batches, all)");
-    // the default reads a bounded number of batches, and says so
-    const some = cli("eval", "--model", gptModel, "--batches", "2");
-    expect(some.code).toBe(0);
-    expect(some.out).toContain("nats/char on 4,096 characters of Moby Dick");
-    expect(some.out).toContain("its last 10% (the first 2 of 59 batches; --batches for more)");
-    expect(Math.abs(number(/^validation loss: ([\d.]+)/m, some.out) - trained)).toBeLessThan(0.5);
-  }, timeoutMs);
+  test(
+    "a gpt: the validation loss training printed, over the same split in the same batches",
+    () => {
+      const all = cli("eval", "--model", gptModel, "--batches", "1000");
+      expect(all.code).toBe(0);
+      const trained = number(/^validation loss: ([\d.]+) nats\/token/m, gptTrain);
+      expect(trained).toBeLessThan(Math.log(83)); // it learned something: uniform over 83 characters is 4.42
+      expect(number(/^validation loss: ([\d.]+) nats\/char on [\d,]+ characters of Moby Dick/m, all.out)).toBe(trained);
+      expect(all.out).toContain("its last 10% (59 batches, all)");
+      // the default reads a bounded number of batches, and says so
+      const some = cli("eval", "--model", gptModel, "--batches", "2");
+      expect(some.code).toBe(0);
+      expect(some.out).toContain("nats/char on 4,096 characters of Moby Dick");
+      expect(some.out).toContain("its last 10% (the first 2 of 59 batches; --batches for more)");
+      expect(Math.abs(number(/^validation loss: ([\d.]+)/m, some.out) - trained)).toBeLessThan(0.5);
+    },
+    timeoutMs,
+  );
 
-  test("a gpt on token files: the recorded --tokens-dir's val.bin, or another one; a text is refused", () => {
-    const tokens = (n: number) => Uint16Array.from({ length: n }, (_, i) => (i * 3) % 7);
-    mkdirSync(join(dir, "tok"));
-    writeTokenFile(join(dir, "tok", "train.bin"), tokens(4000));
-    writeTokenFile(join(dir, "tok", "val.bin"), tokens(1000), "raw");
-    const model = join(dir, "tok.mtm");
-    const train = cli("train", "gpt", "--tokens-dir", "tok", "--vocab-size", "8", "--max-steps", "10", "--eval-every", "10", "--n-layer", "1",
-      "--n-embd", "16", "--n-head", "2", "--block-size", "8", "--batch-size", "8", "--warmup", "2", "--out", "tok.mtm");
-    expect(train.code).toBe(0);
-    expect(lastLines(train.out, 2)).toEqual(["model: tok.mtm", "next: npx meshtrain eval --model tok.mtm"]); // no vocabulary: no sample
-    const r = cli("eval", "--model", model);
-    expect(r.code).toBe(0);
-    const trained = number(/^validation loss: ([\d.]+) nats\/token/m, train.out);
-    expect(number(/^validation loss: ([\d.]+) nats\/token on 992 tokens of tok\/val\.bin \(2 batches, all\)$/m, r.out)).toBe(trained);
-    mkdirSync(join(dir, "tok2"));
-    writeTokenFile(join(dir, "tok2", "val.bin"), tokens(200));
-    expect(cli("eval", "--model", model, "--tokens-dir", "tok2").out).toContain("nats/token on 192 tokens of tok2/val.bin (1 batch, all)");
-    const text = cli("eval", "--model", model, "--text", "a.txt");
-    expect(text.code).toBe(1);
-    expect(text.err).toBe("meshtrain: ConfigError: tok.mtm was trained on token files and has no character vocabulary: pass --tokens-dir <dir> (with val.bin)\n");
-  }, timeoutMs);
+  test(
+    "a gpt on token files: the recorded --tokens-dir's val.bin, or another one; a text is refused",
+    () => {
+      const tokens = (n: number) => Uint16Array.from({ length: n }, (_, i) => (i * 3) % 7);
+      mkdirSync(join(dir, "tok"));
+      writeTokenFile(join(dir, "tok", "train.bin"), tokens(4000));
+      writeTokenFile(join(dir, "tok", "val.bin"), tokens(1000), "raw");
+      const model = join(dir, "tok.mtm");
+      const train = cli(
+        "train",
+        "gpt",
+        "--tokens-dir",
+        "tok",
+        "--vocab-size",
+        "8",
+        "--max-steps",
+        "10",
+        "--eval-every",
+        "10",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "16",
+        "--n-head",
+        "2",
+        "--block-size",
+        "8",
+        "--batch-size",
+        "8",
+        "--warmup",
+        "2",
+        "--out",
+        "tok.mtm",
+      );
+      expect(train.code).toBe(0);
+      expect(lastLines(train.out, 2)).toEqual(["model: tok.mtm", "next: npx meshtrain eval --model tok.mtm"]); // no vocabulary: no sample
+      const r = cli("eval", "--model", model);
+      expect(r.code).toBe(0);
+      const trained = number(/^validation loss: ([\d.]+) nats\/token/m, train.out);
+      expect(number(/^validation loss: ([\d.]+) nats\/token on 992 tokens of tok\/val\.bin \(2 batches, all\)$/m, r.out)).toBe(trained);
+      mkdirSync(join(dir, "tok2"));
+      writeTokenFile(join(dir, "tok2", "val.bin"), tokens(200));
+      expect(cli("eval", "--model", model, "--tokens-dir", "tok2").out).toContain("nats/token on 192 tokens of tok2/val.bin (1 batch, all)");
+      const text = cli("eval", "--model", model, "--text", "a.txt");
+      expect(text.code).toBe(1);
+      expect(text.err).toBe(
+        "meshtrain: ConfigError: tok.mtm was trained on token files and has no character vocabulary: pass --tokens-dir <dir> (with val.bin)\n",
+      );
+    },
+    timeoutMs,
+  );
 
-  test("a relative --model resolves against the user's folder (INIT_CWD), or the working directory without it", () => {
-    const viaNpm = cli("eval", "--model", "mlp/model.mtm");
-    expect(viaNpm.code).toBe(0);
-    expect(viaNpm.out).toContain("model: mlp/model.mtm: mlp 784-64-10");
-    const direct = Bun.spawnSync([process.execPath, cliPath, "eval", "--model", join("mlp", "model.mtm")],
-      { cwd: dir, env: env(), stdout: "pipe", stderr: "pipe" });
-    expect(direct.exitCode).toBe(0);
-    expect(direct.stdout.toString()).toContain("model: mlp/model.mtm: mlp 784-64-10");
-  }, timeoutMs);
+  test(
+    "a relative --model resolves against the user's folder (INIT_CWD), or the working directory without it",
+    () => {
+      const viaNpm = cli("eval", "--model", "mlp/model.mtm");
+      expect(viaNpm.code).toBe(0);
+      expect(viaNpm.out).toContain("model: mlp/model.mtm: mlp 784-64-10");
+      const direct = Bun.spawnSync([process.execPath, cliPath, "eval", "--model", join("mlp", "model.mtm")], {
+        cwd: dir,
+        env: env(),
+        stdout: "pipe",
+        stderr: "pipe",
+      });
+      expect(direct.exitCode).toBe(0);
+      expect(direct.stdout.toString()).toContain("model: mlp/model.mtm: mlp 784-64-10");
+    },
+    timeoutMs,
+  );
 });
 
 describe("bad input: a typed error on one line and exit 1", () => {
@@ -129,74 +202,114 @@ describe("bad input: a typed error on one line and exit 1", () => {
     return lastLines(r.err, 1)[0]!;
   };
 
-  test.each(["eval", "sample"])("%s: a missing model file", (command) => {
-    const absent = join(dir, "absent.mtm");
-    const r = cli(command, "--model", absent);
-    expect(failure(r)).toBe(`meshtrain: DataFileError: ${absent}: file not found`);
-    if (command === "eval") expect(r.err.trim().split("\n")).toHaveLength(1);
-  }, timeoutMs);
+  test.each(["eval", "sample"])(
+    "%s: a missing model file",
+    (command) => {
+      const absent = join(dir, "absent.mtm");
+      const r = cli(command, "--model", absent);
+      expect(failure(r)).toBe(`meshtrain: DataFileError: ${absent}: file not found`);
+      if (command === "eval") expect(r.err.trim().split("\n")).toHaveLength(1);
+    },
+    timeoutMs,
+  );
 
-  test.each(["eval", "sample"])("%s: a truncated model file", (command) => {
-    const cut = join(dir, "truncated.mtm");
-    const bytes = readFileSync(gptModel);
-    writeFileSync(cut, bytes.subarray(0, bytes.length - 100));
-    expect(failure(cli(command, "--model", cut)))
-      .toBe(`meshtrain: DataFileError: ${cut}: truncated or corrupt: expected ${bytes.length} bytes, file has ${bytes.length - 100}`);
-  }, timeoutMs);
+  test.each(["eval", "sample"])(
+    "%s: a truncated model file",
+    (command) => {
+      const cut = join(dir, "truncated.mtm");
+      const bytes = readFileSync(gptModel);
+      writeFileSync(cut, bytes.subarray(0, bytes.length - 100));
+      expect(failure(cli(command, "--model", cut))).toBe(
+        `meshtrain: DataFileError: ${cut}: truncated or corrupt: expected ${bytes.length} bytes, file has ${bytes.length - 100}`,
+      );
+    },
+    timeoutMs,
+  );
 
-  test("sample on an mlp: it is a classifier, and eval is the command for it", () => {
-    expect(failure(cli("sample", "--model", "mlp/model.mtm"))).toBe(`meshtrain: DataFileError: ${mlpModel}: is an MLP classifier (784-64-10), ` +
-      "not a text model; sample needs a gpt model. To see how good it is: meshtrain eval --model mlp/model.mtm");
-  }, timeoutMs);
+  test(
+    "sample on an mlp: it is a classifier, and eval is the command for it",
+    () => {
+      expect(failure(cli("sample", "--model", "mlp/model.mtm"))).toBe(
+        `meshtrain: DataFileError: ${mlpModel}: is an MLP classifier (784-64-10), ` +
+          "not a text model; sample needs a gpt model. To see how good it is: meshtrain eval --model mlp/model.mtm",
+      );
+    },
+    timeoutMs,
+  );
 
-  test("eval: data options for the other kind of model", () => {
-    expect(failure(cli("eval", "--model", gptModel, "--data-dir", dir)))
-      .toBe("meshtrain: ConfigError: --data-dir cannot be used on gpt/model.mtm: it is a GPT, which takes --text or --tokens-dir");
-    expect(failure(cli("eval", "--model", mlpModel, "--text", "a.txt", "--tokens-dir", "t")))
-      .toBe("meshtrain: ConfigError: --text and --tokens-dir cannot be used on mlp/model.mtm: it is an MLP classifier, which takes --data-dir (MNIST idx files)");
-    expect(failure(cli("eval", "--model", gptModel, "--text", "a.txt", "--tokens-dir", "t")))
-      .toBe("meshtrain: ConfigError: --text and --tokens-dir exclude each other: pass one");
-  }, timeoutMs);
+  test(
+    "eval: data options for the other kind of model",
+    () => {
+      expect(failure(cli("eval", "--model", gptModel, "--data-dir", dir))).toBe(
+        "meshtrain: ConfigError: --data-dir cannot be used on gpt/model.mtm: it is a GPT, which takes --text or --tokens-dir",
+      );
+      expect(failure(cli("eval", "--model", mlpModel, "--text", "a.txt", "--tokens-dir", "t"))).toBe(
+        "meshtrain: ConfigError: --text and --tokens-dir cannot be used on mlp/model.mtm: it is an MLP classifier, which takes --data-dir (MNIST idx files)",
+      );
+      expect(failure(cli("eval", "--model", gptModel, "--text", "a.txt", "--tokens-dir", "t"))).toBe(
+        "meshtrain: ConfigError: --text and --tokens-dir exclude each other: pass one",
+      );
+    },
+    timeoutMs,
+  );
 
-  test("eval: data that does not fit the model", () => {
-    const other = join(dir, "other.txt");
-    writeFileSync(other, "Ахав ".repeat(100));
-    expect(failure(cli("eval", "--model", gptModel, "--text", "other.txt")))
-      .toBe(`meshtrain: DataFileError: ${other}: character "А" (U+410) at position 0 is not in the vocabulary: the model was trained on another text`);
-    expect(failure(cli("eval", "--model", mlpModel, "--data-dir", "nowhere")))
-      .toBe(`meshtrain: DataFileError: ${join(dir, "nowhere", "t10k-images-idx3-ubyte")}: file not found`);
-    const zero = cli("eval", "--model", gptModel, "--batches", "0");
-    expect(zero.code).toBe(1);
-    expect(zero.err).toStartWith("error: option '--batches <n>' argument '0' is invalid. expected an integer >= 1\n"); // then the help
-  }, timeoutMs);
+  test(
+    "eval: data that does not fit the model",
+    () => {
+      const other = join(dir, "other.txt");
+      writeFileSync(other, "Ахав ".repeat(100));
+      expect(failure(cli("eval", "--model", gptModel, "--text", "other.txt"))).toBe(
+        `meshtrain: DataFileError: ${other}: character "А" (U+410) at position 0 is not in the vocabulary: the model was trained on another text`,
+      );
+      expect(failure(cli("eval", "--model", mlpModel, "--data-dir", "nowhere"))).toBe(
+        `meshtrain: DataFileError: ${join(dir, "nowhere", "t10k-images-idx3-ubyte")}: file not found`,
+      );
+      const zero = cli("eval", "--model", gptModel, "--batches", "0");
+      expect(zero.code).toBe(1);
+      expect(zero.err).toStartWith("error: option '--batches <n>' argument '0' is invalid. expected an integer >= 1\n"); // then the help
+    },
+    timeoutMs,
+  );
 });
 
 describe("sample", () => {
-  test("stdout carries the prompt and the sample alone, ending in a newline; the device line is on stderr", () => {
-    const r = cli("sample", "--model", gptModel, "--prompt", "Call me", "--length", "40", "--seed", "3");
-    expect(r.code).toBe(0);
-    expect(r.out).toStartWith("Call me");
-    expect(r.out).toEndWith("\n");
-    expect([...r.out].length).toBe(7 + 40 + 1);
-    expect(r.err).toMatch(/^device: (cpu \(no GPU found\)|cuda:0, picked by auto \(.+\))\n$/);
-  }, timeoutMs);
+  test(
+    "stdout carries the prompt and the sample alone, ending in a newline; the device line is on stderr",
+    () => {
+      const r = cli("sample", "--model", gptModel, "--prompt", "Call me", "--length", "40", "--seed", "3");
+      expect(r.code).toBe(0);
+      expect(r.out).toStartWith("Call me");
+      expect(r.out).toEndWith("\n");
+      expect([...r.out].length).toBe(7 + 40 + 1);
+      expect(r.err).toMatch(/^device: (cpu \(no GPU found\)|cuda:0, picked by auto \(.+\))\n$/);
+    },
+    timeoutMs,
+  );
 
-  test("characters arrive on stdout while it is still generating", async () => {
-    // a million characters would take minutes: the process is stopped once the first arrive
-    await using p = Bun.spawn([process.execPath, cliPath, "sample", "--model", gptModel, "--prompt", "Call me", "--length", "1000000"],
-      { cwd: root, env: env(dir), stdout: "pipe", stderr: "ignore" });
-    const reader = p.stdout.getReader();
-    let text = "";
-    const decoder = new TextDecoder();
-    while (text.length <= "Call me".length) {
-      const { value, done } = await reader.read();
-      expect(done).toBe(false);
-      text += decoder.decode(value, { stream: true });
-    }
-    expect(text).toStartWith("Call me");
-    expect(p.exitCode).toBe(null);
-    p.kill();
-    await p.exited;
-    expect(p.signalCode).toBe("SIGTERM"); // it was stopped, not finished
-  }, timeoutMs);
+  test(
+    "characters arrive on stdout while it is still generating",
+    async () => {
+      // a million characters would take minutes: the process is stopped once the first arrive
+      await using p = Bun.spawn([process.execPath, cliPath, "sample", "--model", gptModel, "--prompt", "Call me", "--length", "1000000"], {
+        cwd: root,
+        env: env(dir),
+        stdout: "pipe",
+        stderr: "ignore",
+      });
+      const reader = p.stdout.getReader();
+      let text = "";
+      const decoder = new TextDecoder();
+      while (text.length <= "Call me".length) {
+        const { value, done } = await reader.read();
+        expect(done).toBe(false);
+        text += decoder.decode(value, { stream: true });
+      }
+      expect(text).toStartWith("Call me");
+      expect(p.exitCode).toBe(null);
+      p.kill();
+      await p.exited;
+      expect(p.signalCode).toBe("SIGTERM"); // it was stopped, not finished
+    },
+    timeoutMs,
+  );
 });

@@ -23,7 +23,7 @@ describe("checkpoint store", () => {
   test("a saved snapshot reads back bit-exact, with checksums and cursors in its manifest", () => {
     const s = fresh();
     const f = files(10);
-    const m = s.save({ job: "j", step: 10, metric: 0.5, configJson: "{\"a\":1}", cursors: [10, 10] }, f);
+    const m = s.save({ job: "j", step: 10, metric: 0.5, configJson: '{"a":1}', cursors: [10, 10] }, f);
     expect(m.id).toBe(snapshotId(10));
     expect(m.files.map((x) => x.crc32)).toEqual(f.map((x) => Bun.hash.crc32(x.bytes)));
     const r = s.read("j", m.id);
@@ -50,7 +50,10 @@ describe("checkpoint store", () => {
 
   test("a truncated file, a missing file, a garbage manifest and a future format are each caught", () => {
     const s = fresh();
-    const a = save(s, 1), b = save(s, 2), c = save(s, 3), d = save(s, 4);
+    const a = save(s, 1),
+      b = save(s, 2),
+      c = save(s, 3),
+      d = save(s, 4);
     writeFileSync(join(s.root, "j", a.id, "ps-0.mtss"), new Uint8Array(10));
     expectThrown(() => s.read("j", a.id), CorruptDataError, "10 bytes");
     Bun.spawnSync(["rm", join(s.root, "j", b.id, "ps-1.mtss")]);
@@ -72,7 +75,15 @@ describe("checkpoint store", () => {
 
   test("retention keeps the last K and the best by metric", () => {
     const s = fresh();
-    for (const [step, metric] of [[1, 0.9], [2, 0.99], [3, 0.95], [4, 0.96], [5, Number.NaN], [6, 0.97]] as const) save(s, step, metric);
+    for (const [step, metric] of [
+      [1, 0.9],
+      [2, 0.99],
+      [3, 0.95],
+      [4, 0.96],
+      [5, Number.NaN],
+      [6, 0.97],
+    ] as const)
+      save(s, step, metric);
     const removed = s.retain("j", 2);
     expect(removed).toEqual([snapshotId(1), snapshotId(3), snapshotId(4)]);
     expect(s.list("j").map((m) => m.step)).toEqual([2, 5, 6]);

@@ -33,10 +33,22 @@ afterAll(async () => {
 async function runRanks(hosts: string[], ops: RankOp[], extra: Partial<RankPlan> & { dieRank?: number } = {}): Promise<RanksRun> {
   const job = `coll${++jobs}`;
   const { dieRank, dieAfterPieces, ...rest } = extra;
-  return runRankProcesses(dir, hosts.map((_, rank) => ({
-    url: server.url, job, rank, hosts, pieceBytes: 4096, windowPieces: 4, progressTimeoutMs: 20_000, peerLostMs: 20_000, ops, ...rest,
-    ...(dieRank === rank ? { dieAfterPieces: dieAfterPieces ?? 5 } : {}),
-  })));
+  return runRankProcesses(
+    dir,
+    hosts.map((_, rank) => ({
+      url: server.url,
+      job,
+      rank,
+      hosts,
+      pieceBytes: 4096,
+      windowPieces: 4,
+      progressTimeoutMs: 20_000,
+      peerLostMs: 20_000,
+      ops,
+      ...rest,
+      ...(dieRank === rank ? { dieAfterPieces: dieAfterPieces ?? 5 } : {}),
+    })),
+  );
 }
 
 const op = (o: Partial<RankOp> & Pick<RankOp, "op" | "len">): RankOp => ({ seed: 1, step: 0, bucket: 0, check: true, ...o });
@@ -54,9 +66,13 @@ function expectAgreed(run: RanksRun, i: number, sameHash = true): void {
 describe("ring over NATS, one process per rank", () => {
   test.each([1, 2, 3, 4])("%i ranks: all-reduce of 0, 1, 7 and 10 007 elements, reduce-scatter, all-gather, broadcast", async (n) => {
     const ops = [
-      op({ op: "allReduce", len: 0, step: 1 }), op({ op: "allReduce", len: 1, step: 2 }), op({ op: "allReduce", len: 7, step: 3 }),
+      op({ op: "allReduce", len: 0, step: 1 }),
+      op({ op: "allReduce", len: 1, step: 2 }),
+      op({ op: "allReduce", len: 7, step: 3 }),
       op({ op: "allReduce", len: 10_007, step: 4, seed: 5 }),
-      op({ op: "reduceScatter", len: 10_007, step: 5 }), op({ op: "allGather", len: 9_999, step: 6 }), op({ op: "broadcast", len: 3_001, step: 7, root: n - 1 }),
+      op({ op: "reduceScatter", len: 10_007, step: 5 }),
+      op({ op: "allGather", len: 9_999, step: 6 }),
+      op({ op: "broadcast", len: 3_001, step: 7, root: n - 1 }),
     ];
     const run = await runRanks(Array(n).fill("h"), ops);
     expect(run.codes).toEqual(Array(n).fill(0));
@@ -75,7 +91,10 @@ describe("ring over NATS, one process per rank", () => {
   test("a rank SIGKILLed mid-operation: the others end with a typed error within the timeout, not a hang", async () => {
     const started = performance.now();
     const run = await runRanks(["h", "h", "h"], [op({ op: "allReduce", len: 200_000, step: 1, check: false })], {
-      dieRank: 2, dieAfterPieces: 5, progressTimeoutMs: 3_000, peerLostMs: 2_000,
+      dieRank: 2,
+      dieAfterPieces: 5,
+      progressTimeoutMs: 3_000,
+      peerLostMs: 2_000,
     });
     expect(run.codes[2]).not.toBe(0);
     for (const r of [0, 1]) {
@@ -92,13 +111,35 @@ describe("the collective subject refuses hostile pieces", () => {
   test("wrong job, generation, addressee, sender, length: error replies; the rank keeps working", async () => {
     const bus = await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 });
     await using _closer = { [Symbol.asyncDispose]: () => bus.close() };
-    const t = new BusTransport(bus, { job: "hostile", rank: 0, size: 2, generation: 3, pieceBytesMax: 64, windowPieces: 2, sendTimeoutMs: 2_000, peerLostMs: 2_000 });
+    const t = new BusTransport(bus, {
+      job: "hostile",
+      rank: 0,
+      size: 2,
+      generation: 3,
+      pieceBytesMax: 64,
+      windowPieces: 2,
+      sendTimeoutMs: 2_000,
+      peerLostMs: 2_000,
+    });
     const taken: number[] = [];
     t.listen((p) => {
       taken.push(p.piece);
       return { kind: "taken" };
     });
-    const good = { job: "hostile", generation: 3, group: "#all-reduce", from: 1, to: 0, step: 0, bucket: 0, phase: CollPhase.ReduceScatter, hop: 0, piece: 0, offset: 0, reason: "" };
+    const good = {
+      job: "hostile",
+      generation: 3,
+      group: "#all-reduce",
+      from: 1,
+      to: 0,
+      step: 0,
+      bucket: 0,
+      phase: CollPhase.ReduceScatter,
+      hop: 0,
+      piece: 0,
+      offset: 0,
+      reason: "",
+    };
     const send = (m: Uint8Array) => bus.request(subjects.coll("hostile", 0), m, 2_000);
     await expectRejected(() => send(encodeCollPiece({ ...good, job: "other" }, new Float32Array(2))), BadRequestError, "job");
     await expectRejected(() => send(encodeCollPiece({ ...good, generation: 2 }, new Float32Array(2))), BadRequestError, "generation 2");

@@ -24,7 +24,12 @@ const images: Dataset = { kind: "mnist", data: mnist };
 const cfg = (over: object) => parseJobConfig({ ...jobDefaults, job: "dl", ...over });
 
 describe("distributed sampling", () => {
-  test.each([[60_000, 2, 64], [1000, 3, 7], [10, 4, 3], [5, 8, 2]])("N=%d W=%d B=%d: every sample exactly once per epoch, ranks disjoint", (N, W, B) => {
+  test.each([
+    [60_000, 2, 64],
+    [1000, 3, 7],
+    [10, 4, 3],
+    [5, 8, 2],
+  ])("N=%d W=%d B=%d: every sample exactly once per epoch, ranks disjoint", (N, W, B) => {
     const seen = new Uint8Array(N);
     for (let s = 0; s < stepsPerEpochOf(N, W, B); s++) {
       for (let r = 0; r < W; r++) {
@@ -41,10 +46,11 @@ describe("distributed sampling", () => {
     for (const epoch of [0, 1]) {
       const seen = new Set<number>();
       for (let s = 0; s < j.stepsPerEpoch; s++) {
-        for (let r = 0; r < 3; r++) for (const id of j.trainIds(r, epoch * j.stepsPerEpoch + s)) {
-          expect(seen.has(id)).toBe(false);
-          seen.add(id);
-        }
+        for (let r = 0; r < 3; r++)
+          for (const id of j.trainIds(r, epoch * j.stepsPerEpoch + s)) {
+            expect(seen.has(id)).toBe(false);
+            seen.add(id);
+          }
       }
       expect([...seen].sort((a, b) => a - b)).toEqual([...j.train]);
     }
@@ -56,9 +62,10 @@ describe("distributed sampling", () => {
     const a = new JobData(cfg({ trainers: 2, batchSize: 64 }), images);
     const b = new JobData(cfg({ trainers: 2, batchSize: 64 }), images); // a fresh loader, as after a restart
     const T = 470; // inside epoch 2
-    for (let s = T; s < T + 5; s++) for (const r of [0, 1]) {
-      expect(decodeBatch(b.next(r, Split.Train, s, 2), 1 << 24)).toEqual(decodeBatch(a.next(r, Split.Train, s, 2), 1 << 24));
-    }
+    for (let s = T; s < T + 5; s++)
+      for (const r of [0, 1]) {
+        expect(decodeBatch(b.next(r, Split.Train, s, 2), 1 << 24)).toEqual(decodeBatch(a.next(r, Split.Train, s, 2), 1 << 24));
+      }
   });
 });
 
@@ -108,7 +115,15 @@ describe("loader over a MemoryBus", () => {
 
   test("data.plan: the sample counts and the step count the trainers and shards schedule over", async () => {
     const plan = decodeDataPlan(await bus.request("mt.dl.data.plan", encodeJobRequest({ job: "dl", step: 0, tag: "" }), 1000), 1 << 16);
-    expect(plan).toMatchObject({ job: "dl", trainSamples: 60_000, valSamples: 0, testSamples: 10_000, stepsPerEpoch: 469, totalSteps: 469 * c.epochs, vocabSize: 0 });
+    expect(plan).toMatchObject({
+      job: "dl",
+      trainSamples: 60_000,
+      valSamples: 0,
+      testSamples: 10_000,
+      stepsPerEpoch: 469,
+      totalSteps: 469 * c.epochs,
+      vocabSize: 0,
+    });
     expect(plan.slabNumel).toBeGreaterThanOrEqual(784 * 800 + 800 + 800 * 10 + 10);
     await expect(bus.request("mt.nope.data.plan", encodeJobRequest({ job: "nope", step: 0, tag: "" }), 1000)).rejects.toBeInstanceOf(UnknownJobError);
   });
@@ -143,7 +158,10 @@ describe("the loader's jobs: a limit, shared data sets, freed when their jobs cl
         dims.forEach((d, i) => head.setUint32(4 + 4 * i, d, false));
         return Buffer.concat([new Uint8Array(head.buffer), data]);
       };
-      for (const [name, dims] of [["train-images-idx3-ubyte", [10, 2, 2]], ["t10k-images-idx3-ubyte", [10, 2, 2]]] as const) {
+      for (const [name, dims] of [
+        ["train-images-idx3-ubyte", [10, 2, 2]],
+        ["t10k-images-idx3-ubyte", [10, 2, 2]],
+      ] as const) {
         writeFileSync(join(dir, name), idx([...dims], new Uint8Array(40)));
       }
       for (const name of ["train-labels-idx1-ubyte", "t10k-labels-idx1-ubyte"]) writeFileSync(join(dir, name), idx([10], new Uint8Array(10)));
@@ -165,7 +183,16 @@ describe("the loader's jobs: a limit, shared data sets, freed when their jobs cl
 describe("trainer micro-batches", () => {
   test("a batch cut into k micro-batches keeps every row once, in order; a short batch into fewer", async () => {
     const { microBatches } = await import("../../services/trainer/loop.ts");
-    const b = { epoch: 0, index: 0, sampleIds: new Uint32Array(10), rows: 10, cols: 3, x: Float32Array.from({ length: 30 }, (_, i) => i), y: Int32Array.from({ length: 10 }, (_, i) => i), endOfEpoch: false };
+    const b = {
+      epoch: 0,
+      index: 0,
+      sampleIds: new Uint32Array(10),
+      rows: 10,
+      cols: 3,
+      x: Float32Array.from({ length: 30 }, (_, i) => i),
+      y: Int32Array.from({ length: 10 }, (_, i) => i),
+      endOfEpoch: false,
+    };
     const m = microBatches(b, 4);
     expect(m.map((x) => x.targetShape[0])).toEqual([3, 3, 3, 1]);
     expect(m.flatMap((x) => [...x.targets])).toEqual([...b.y]);
@@ -182,9 +209,17 @@ describe("token windows (the gpt's data)", () => {
   const rng = new Rng(3);
   writeFileSync(file, Array.from({ length: 4000 }, () => alphabet[rng.int(alphabet.length)]).join(""));
   const T = 8;
-  const gcfg = (over: object = {}) => parseJobConfig({
-    ...gptJobDefaults, job: "tw", dataDir: file, trainers: 3, batchSize: 5, epochs: 3, model: { ...gptJobDefaults.model, blockSize: T }, ...over,
-  });
+  const gcfg = (over: object = {}) =>
+    parseJobConfig({
+      ...gptJobDefaults,
+      job: "tw",
+      dataDir: file,
+      trainers: 3,
+      batchSize: 5,
+      epochs: 3,
+      model: { ...gptJobDefaults.model, blockSize: T },
+      ...over,
+    });
   const corpus = loadCorpus({ text: file, valFraction: 0.1 });
   afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
@@ -192,7 +227,12 @@ describe("token windows (the gpt's data)", () => {
     const cfg = gcfg();
     const plan = planHere(cfg);
     const windows = Math.floor((corpus.train.length - T) / T);
-    expect(plan).toMatchObject({ trainSamples: windows, valSamples: Math.floor((corpus.val.length - 1) / T), testSamples: 0, stepsPerEpoch: Math.ceil(windows / 15) });
+    expect(plan).toMatchObject({
+      trainSamples: windows,
+      valSamples: Math.floor((corpus.val.length - 1) / T),
+      testSamples: 0,
+      stepsPerEpoch: Math.ceil(windows / 15),
+    });
     expect(plan.vocab.map((c) => String.fromCodePoint(c)).join("")).toBe([...alphabet].sort().join(""));
     expect(plan.vocabSize).toBe(alphabet.length);
     expect(planHere(gcfg({ maxSteps: 7 })).totalSteps).toBe(7);
@@ -228,14 +268,18 @@ describe("token windows (the gpt's data)", () => {
 
   test("resuming at a step gives exactly the batches an uninterrupted run gets; validation windows cover the held-out end once; no test split", async () => {
     const cfg = gcfg();
-    const a = new JobData(cfg, readDataset(cfg)), b = new JobData(cfg, readDataset(cfg));
-    for (let s = 30; s < 36; s++) for (const r of [0, 1, 2]) expect(decodeBatch(b.next(r, Split.Train, s, 2), 1 << 24)).toEqual(decodeBatch(a.next(r, Split.Train, s, 2), 1 << 24));
+    const a = new JobData(cfg, readDataset(cfg)),
+      b = new JobData(cfg, readDataset(cfg));
+    for (let s = 30; s < 36; s++)
+      for (const r of [0, 1, 2]) expect(decodeBatch(b.next(r, Split.Train, s, 2), 1 << 24)).toEqual(decodeBatch(a.next(r, Split.Train, s, 2), 1 << 24));
     const ids: number[] = [];
     for (const r of [0, 1, 2]) {
       for (let i = 0; ; i++) {
         const v = decodeBatch(a.next(r, Split.Val, i, 0), 1 << 24);
         if (v.endOfEpoch) break;
-        v.sampleIds.forEach((id, row) => expect([...v.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([...corpus.val.subarray(id * T, id * T + T + 1)]));
+        v.sampleIds.forEach((id, row) =>
+          expect([...v.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([...corpus.val.subarray(id * T, id * T + T + 1)]),
+        );
         ids.push(...v.sampleIds);
       }
     }
@@ -258,7 +302,10 @@ describe("token windows (the gpt's data)", () => {
     const tokens = Uint16Array.from({ length: 3 * 5 }, (_, i) => i); // 3 windows of T=4 (+1)
     const b = { epoch: 0, index: 0, sampleIds: new Uint32Array(3), rows: 3, cols: 4, x: new Float32Array(0), y: new Int32Array(0), endOfEpoch: false, tokens };
     const m = microBatches(b, 2);
-    expect(m.map((x) => x.inputShape)).toEqual([[2, 4], [1, 4]]);
+    expect(m.map((x) => x.inputShape)).toEqual([
+      [2, 4],
+      [1, 4],
+    ]);
     expect([...m[0]!.inputs]).toEqual([0, 1, 2, 3, 5, 6, 7, 8]);
     expect([...m[0]!.targets]).toEqual([1, 2, 3, 4, 6, 7, 8, 9]);
     expect([...m[1]!.targets]).toEqual([11, 12, 13, 14]);

@@ -6,9 +6,7 @@ import { Kvm } from "@nats-io/kv";
 import { type WireFormatCode, WireFormatError } from "../../schemas/codec.ts";
 import { ncclUniqueIdBytes } from "../../ffi/nccl/nccl.ts";
 import { BadRequestError, DeadlineError } from "../../services/runtime/errors.ts";
-import {
-  decodeNcclId, encodeNcclId, ncclIdBytes, ncclIdRecordBytes, ncclIdsBucket, NcclIdStore,
-} from "../../services/runtime/nccl-id.ts";
+import { decodeNcclId, encodeNcclId, ncclIdBytes, ncclIdRecordBytes, ncclIdsBucket, NcclIdStore } from "../../services/runtime/nccl-id.ts";
 import { clientBus, startNatsServer } from "../helpers/mesh.ts";
 
 const timeoutMs = 10_000;
@@ -18,7 +16,10 @@ function idOf(seed: number): Uint8Array {
 }
 
 async function rejection(p: Promise<unknown>): Promise<Error> {
-  const e = await p.then(() => null, (x: unknown) => x);
+  const e = await p.then(
+    () => null,
+    (x: unknown) => x,
+  );
   if (!(e instanceof Error)) throw new Error("expected the promise to reject");
   return e;
 }

@@ -49,7 +49,8 @@ describe("consistent hashing", () => {
       const after = new HashRing(Array.from({ length: n + 1 }, (_, i) => i));
       let moved = 0;
       for (const k of keys) {
-        const a = before.owner(k), b = after.owner(k);
+        const a = before.owner(k),
+          b = after.owner(k);
         if (a !== b) {
           moved++;
           expect(b).toBe(n);
@@ -83,13 +84,15 @@ describe("BSP", () => {
     const cfg = job({ trainers: 2, sync: "bsp", lr: 0.1, optimizer: { kind: "sgd", momentum: 0.9, nesterov: true, weightDecay: 0.01 } });
     const { shard, layout, initial, ids } = makeShard(cfg);
     const n = initial.length;
-    const p = Float64Array.from(initial), buf = new Float64Array(n);
+    const p = Float64Array.from(initial),
+      buf = new Float64Array(n);
     for (let step = 0; step < 3; step++) {
-      const g0 = Float32Array.from(randn(new Rng(100 + step), n)), g1 = Float32Array.from(randn(new Rng(200 + step), n));
+      const g0 = Float32Array.from(randn(new Rng(100 + step), n)),
+        g1 = Float32Array.from(randn(new Rng(200 + step), n));
       expect(shard.push(pushAll(layout, 0, step, g0))).toEqual({ accepted: layout.chunks.length, duplicates: 0, updates: 0 });
       expect(shard.push(pushAll(layout, 1, step, g1))).toEqual({ accepted: layout.chunks.length, duplicates: 0, updates: layout.chunks.length });
       for (let i = 0; i < n; i++) {
-        const g = ((g0[i]! + g1[i]!) / 2) + (i < 1500 ? 0.01 * p[i]! : 0);
+        const g = (g0[i]! + g1[i]!) / 2 + (i < 1500 ? 0.01 * p[i]! : 0);
         buf[i] = step === 0 ? g : 0.9 * buf[i]! + g;
         p[i] = p[i]! - 0.1 * (g + 0.9 * buf[i]!);
       }
@@ -104,7 +107,9 @@ describe("BSP", () => {
     const cfg = job({ trainers: 1, sync: "bsp", lr: 0.01, optimizer: o });
     const { shard, layout, initial, ids } = makeShard(cfg);
     const n = initial.length;
-    const p = Float64Array.from(initial), m = new Float64Array(n), v = new Float64Array(n);
+    const p = Float64Array.from(initial),
+      m = new Float64Array(n),
+      v = new Float64Array(n);
     for (let step = 0; step < 3; step++) {
       const g = Float32Array.from(randn(new Rng(300 + step), n));
       shard.push(pushAll(layout, 0, step, g));
@@ -112,7 +117,8 @@ describe("BSP", () => {
       for (let i = 0; i < n; i++) {
         m[i] = 0.9 * m[i]! + 0.1 * g[i]!;
         v[i] = 0.99 * v[i]! + 0.01 * g[i]! * g[i]!;
-        const mh = m[i]! / (1 - 0.9 ** t), vh = v[i]! / (1 - 0.99 ** t);
+        const mh = m[i]! / (1 - 0.9 ** t),
+          vh = v[i]! / (1 - 0.99 ** t);
         p[i] = p[i]! - 0.01 * ((i < 1500 ? 0.1 * p[i]! : 0) + mh / (Math.sqrt(vh) + 1e-8));
       }
     }
@@ -134,7 +140,12 @@ describe("BSP", () => {
     shard.push(pushAll(layout, 1, 0, g));
     const after = await pending;
     // one update with the mean gradient 1 and lr 1: p - 1 (a double-applied push would give p - 1.5)
-    expect(relErr(after, initial.map((x) => x - 1))).toBeLessThan(1e-6);
+    expect(
+      relErr(
+        after,
+        initial.map((x) => x - 1),
+      ),
+    ).toBeLessThan(1e-6);
     expect(shard.waiting).toBe(0);
     shard.dispose();
   });
@@ -154,15 +165,26 @@ describe("BSP with global-norm clipping", () => {
     };
     for (const k of [0, 1]) shards.push(new ParameterShard({ backend: be, config: cfg, layout, shard: k, totalSteps: 100, initial, agreeNorm: agree(k) }));
     const p = Float64Array.from(initial);
-    const push = (k: number, trainer: number, step: number, g: Float32Array) => shards[k]!.push({
-      job: "t", trainer, step, chunks: layout.byShard[k]!.map((id) => f32Chunk(id, g.slice(layout.chunks[id]!.offset, layout.chunks[id]!.offset + layout.chunks[id]!.count))),
-    });
+    const push = (k: number, trainer: number, step: number, g: Float32Array) =>
+      shards[k]!.push({
+        job: "t",
+        trainer,
+        step,
+        chunks: layout.byShard[k]!.map((id) => f32Chunk(id, g.slice(layout.chunks[id]!.offset, layout.chunks[id]!.offset + layout.chunks[id]!.count))),
+      });
     for (let step = 0; step < 3; step++) {
-      const g0 = Float32Array.from(randn(new Rng(100 + step), total, 0.02)), g1 = Float32Array.from(randn(new Rng(200 + step), total, 0.02));
-      for (const k of [0, 1]) for (const [t, g] of [[0, g0], [1, g1]] as const) push(k, t, step, g);
+      const g0 = Float32Array.from(randn(new Rng(100 + step), total, 0.02)),
+        g1 = Float32Array.from(randn(new Rng(200 + step), total, 0.02));
+      for (const k of [0, 1])
+        for (const [t, g] of [
+          [0, g0],
+          [1, g1],
+        ] as const)
+          push(k, t, step, g);
       let sq = 0;
       for (let i = 0; i < total; i++) sq += ((g0[i]! + g1[i]!) / 2) ** 2;
-      const norm = Math.sqrt(sq), scale = norm > cfg.gradClip ? cfg.gradClip / (norm + 1e-6) : 1;
+      const norm = Math.sqrt(sq),
+        scale = norm > cfg.gradClip ? cfg.gradClip / (norm + 1e-6) : 1;
       for (let i = 0; i < total; i++) p[i] = p[i]! - 0.1 * scale * ((g0[i]! + g1[i]!) / 2);
       const got = new Float32Array(total);
       for (const k of [0, 1]) {
@@ -207,7 +229,12 @@ describe("ASP and SSP", () => {
     const g = new Float32Array(initial.length).fill(1);
     for (let s = 0; s < 3; s++) expect(shard.push(pushAll(layout, 0, s, g)).updates).toBe(layout.chunks.length);
     const p = await pullAll(shard, ids, 1, 0, initial.length);
-    expect(relErr(p, initial.map((x) => x - 1.5))).toBeLessThan(1e-6);
+    expect(
+      relErr(
+        p,
+        initial.map((x) => x - 1.5),
+      ),
+    ).toBeLessThan(1e-6);
     shard.dispose();
   });
 
@@ -216,7 +243,12 @@ describe("ASP and SSP", () => {
     const { shard, layout, initial, ids } = makeShard(cfg);
     expect(shard.push(pushAll(layout, 0, 0, new Float32Array(initial.length).fill(1))).updates).toBe(0);
     expect(shard.push(pushAll(layout, 1, 0, new Float32Array(initial.length).fill(3))).updates).toBe(layout.chunks.length);
-    expect(relErr(await pullAll(shard, ids, 0, 1, initial.length), initial.map((x) => x - 2))).toBeLessThan(1e-6);
+    expect(
+      relErr(
+        await pullAll(shard, ids, 0, 1, initial.length),
+        initial.map((x) => x - 2),
+      ),
+    ).toBeLessThan(1e-6);
     shard.dispose();
   });
 
@@ -245,10 +277,24 @@ describe("bad pushes are rejected before anything changes", () => {
 
   test.each([
     ["an unknown chunk", (l: ReturnType<typeof buildLayout>) => ({ job: "t", trainer: 0, step: 0, chunks: [f32Chunk(999, new Float32Array(4))] }), "not owned"],
-    ["a wrong element count", (l: ReturnType<typeof buildLayout>) => ({ job: "t", trainer: 0, step: 0, chunks: [f32Chunk(l.chunks[0]!.id, new Float32Array(7))] }), "7 elements"],
+    [
+      "a wrong element count",
+      (l: ReturnType<typeof buildLayout>) => ({ job: "t", trainer: 0, step: 0, chunks: [f32Chunk(l.chunks[0]!.id, new Float32Array(7))] }),
+      "7 elements",
+    ],
     ["a trainer outside the job", (l: ReturnType<typeof buildLayout>) => ({ ...pushAll(l, 5, 0, new Float32Array(2500)) }), "trainer 5"],
     ["a NaN gradient", (l: ReturnType<typeof buildLayout>) => pushAll(l, 0, 0, new Float32Array(2500).fill(Number.NaN)), "NaN or Inf"],
-    ["one Inf in the last chunk", (l: ReturnType<typeof buildLayout>) => pushAll(l, 0, 0, new Float32Array(2500).map((_, i) => (i === 2499 ? Infinity : 0))), "chunk 2 "],
+    [
+      "one Inf in the last chunk",
+      (l: ReturnType<typeof buildLayout>) =>
+        pushAll(
+          l,
+          0,
+          0,
+          new Float32Array(2500).map((_, i) => (i === 2499 ? Infinity : 0)),
+        ),
+      "chunk 2 ",
+    ],
     ["a step ahead of BSP", (l: ReturnType<typeof buildLayout>) => pushAll(l, 0, 3, new Float32Array(2500)), "step 3"],
   ])("%s", async (_, make, fragment) => {
     const { shard, layout, initial, ids } = makeShard(cfg);
@@ -269,7 +315,8 @@ describe("bad pushes are rejected before anything changes", () => {
 describe("snapshots", () => {
   test("export then import into a fresh shard restores parameters, optimizer state and versions", async () => {
     const cfg = job({ trainers: 1, sync: "bsp", optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 }, lr: 0.01 });
-    const a = makeShard(cfg), b = makeShard(cfg);
+    const a = makeShard(cfg),
+      b = makeShard(cfg);
     for (let s = 0; s < 2; s++) a.shard.push(pushAll(a.layout, 0, s, Float32Array.from(randn(new Rng(s), 2500))));
     const state = a.shard.exportState();
     b.shard.importState(state);

@@ -6,8 +6,17 @@ import { Svcm } from "@nats-io/services";
 import { Builder } from "flatbuffers";
 import { finishBytes, schemaVersion, WireFormatError } from "../../schemas/codec.ts";
 import {
-  chunkF32, decodePullReply, decodePushReply, decodeShardState, decodeShardStats, encodeJobRequest, encodePullRequest,
-  encodePushRequest, encodeShardState, f32Chunk, SyncPolicy,
+  chunkF32,
+  decodePullReply,
+  decodePushReply,
+  decodeShardState,
+  decodeShardStats,
+  encodeJobRequest,
+  encodePullRequest,
+  encodePushRequest,
+  encodeShardState,
+  f32Chunk,
+  SyncPolicy,
 } from "../../schemas/messages.ts";
 import { PullRequest as PullRequestT } from "../../schemas/wire.ts";
 import { buildLayout } from "../../services/runtime/layout.ts";
@@ -20,8 +29,17 @@ import { imagePlan, specOf } from "../helpers/jobs.ts";
 import { clientBus, type ServiceProcess, spawnService, startNatsServer, waitFor } from "../helpers/mesh.ts";
 
 const cfg: JobConfig = {
-  ...jobDefaults, job: "psjob", model: { kind: "mlp", widths: [784, 16, 10], dropout: 0 }, trainers: 2, shards: 2, sync: "bsp",
-  optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 }, lr: 1, schedule: "constant", warmupSteps: 0, chunkBytes: 4096,
+  ...jobDefaults,
+  job: "psjob",
+  model: { kind: "mlp", widths: [784, 16, 10], dropout: 0 },
+  trainers: 2,
+  shards: 2,
+  sync: "bsp",
+  optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 },
+  lr: 1,
+  schedule: "constant",
+  warmupSteps: 0,
+  chunkBytes: 4096,
 };
 const payloadBytesMax = 1 << 20;
 const init = initialParameters(cfg, imagePlan);
@@ -35,16 +53,20 @@ let bus: Awaited<ReturnType<typeof clientBus>>;
 
 beforeAll(async () => {
   server = await startNatsServer();
-  shards = [0, 1].map((k) => spawnService("services/parameter-server/main.ts",
-    ["--nats-url", server.url, "--shard", String(k), "--payload-bytes-max", String(payloadBytesMax)]));
+  shards = [0, 1].map((k) =>
+    spawnService("services/parameter-server/main.ts", ["--nats-url", server.url, "--shard", String(k), "--payload-bytes-max", String(payloadBytesMax)]),
+  );
   // the shards take the job's step count from the data-loader's plan
   loader = spawnService("services/data-loader/main.ts", ["--nats-url", server.url, "--payload-bytes-max", String(payloadBytesMax)]);
   bus = await clientBus(server.url);
   const store = await JobStore.open(bus.nc);
   await store.putSpec(specOf(cfg));
   for (const k of [0, 1]) {
-    await waitFor(`shard ${k} to open the job`, async () =>
-      decodeShardStats(await bus.request(subjects.psStats(cfg.job, k), encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 1000), 1 << 20).chunks > 0);
+    await waitFor(
+      `shard ${k} to open the job`,
+      async () =>
+        decodeShardStats(await bus.request(subjects.psStats(cfg.job, k), encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 1000), 1 << 20).chunks > 0,
+    );
   }
 }, 60_000);
 
@@ -54,19 +76,29 @@ afterAll(async () => {
   await server?.stop();
 });
 
-const pushFor = (k: number, trainer: number, step: number, g: Float32Array) => encodePushRequest({
-  job: cfg.job, trainer, step, chunks: layout.byShard[k]!.map((id) => {
-    const c = layout.chunks[id]!;
-    return f32Chunk(id, g.slice(c.offset, c.offset + c.count));
-  }),
-});
+const pushFor = (k: number, trainer: number, step: number, g: Float32Array) =>
+  encodePushRequest({
+    job: cfg.job,
+    trainer,
+    step,
+    chunks: layout.byShard[k]!.map((id) => {
+      const c = layout.chunks[id]!;
+      return f32Chunk(id, g.slice(c.offset, c.offset + c.count));
+    }),
+  });
 
 async function pullVector(trainer: number, step: number): Promise<Float32Array> {
   const out = new Float32Array(init.values.length);
-  await Promise.all([0, 1].map(async (k) => {
-    const reply = await bus.request(subjects.psPull(cfg.job, k), encodePullRequest({ job: cfg.job, trainer, step, ids: Uint32Array.from(layout.byShard[k]!) }), timeout);
-    for (const c of decodePullReply(reply, 64 << 20).chunks) out.set(chunkF32(c), layout.chunks[c.id]!.offset);
-  }));
+  await Promise.all(
+    [0, 1].map(async (k) => {
+      const reply = await bus.request(
+        subjects.psPull(cfg.job, k),
+        encodePullRequest({ job: cfg.job, trainer, step, ids: Uint32Array.from(layout.byShard[k]!) }),
+        timeout,
+      );
+      for (const c of decodePullReply(reply, 64 << 20).chunks) out.set(chunkF32(c), layout.chunks[c.id]!.offset);
+    }),
+  );
   return out;
 }
 
@@ -83,7 +115,8 @@ test("both shards answer $SRV.PING and $SRV.STATS as parameter-server instances"
 
 test("a BSP step across two shard processes: both pushes averaged into one update, pulls wait for it", async () => {
   expect(await pullVector(0, 0)).toEqual(init.values);
-  const g0 = init.values.map((_, i) => Math.sin(i)), g1 = init.values.map((_, i) => Math.cos(i));
+  const g0 = init.values.map((_, i) => Math.sin(i)),
+    g1 = init.values.map((_, i) => Math.cos(i));
   for (const k of [0, 1]) decodePushReply(await bus.request(subjects.psPush(cfg.job, k), pushFor(k, 0, 0, g0), timeout), 1024);
   const waiting = pullVector(1, 1); // waits for trainer 1's push
   for (const k of [0, 1]) {
@@ -112,18 +145,54 @@ describe("bad input on every subject gets an error reply, and the shard keeps se
   const cases: [string, string, Uint8Array, abstract new (...a: never[]) => Error, string][] = [
     ["push: truncated bytes", subjects.psPush(job, 0), pushFor(0, 0, 1, init.values).subarray(0, 20), WireFormatError, ""],
     ["push: garbage", subjects.psPush(job, 0), garbage, WireFormatError, "file identifier"],
-    ["push: a pull request (wrong file_identifier)", subjects.psPush(job, 0), encodePullRequest({ job, trainer: 0, step: 0, ids: new Uint32Array(1) }), WireFormatError, "expected \"MTPS\""],
-    ["push: oversized", subjects.psPush(job, 0), encodePushRequest({ job, trainer: 0, step: 1, chunks: [f32Chunk(0, new Float32Array(300_000))] }), WireFormatError, "exceeds the limit"],
-    ["push: wrong shape", subjects.psPush(job, 0), encodePushRequest({ job, trainer: 0, step: 1, chunks: [f32Chunk(layout.byShard[0]![0]!, new Float32Array(5))] }), BadRequestError, "5 elements"],
+    [
+      "push: a pull request (wrong file_identifier)",
+      subjects.psPush(job, 0),
+      encodePullRequest({ job, trainer: 0, step: 0, ids: new Uint32Array(1) }),
+      WireFormatError,
+      'expected "MTPS"',
+    ],
+    [
+      "push: oversized",
+      subjects.psPush(job, 0),
+      encodePushRequest({ job, trainer: 0, step: 1, chunks: [f32Chunk(0, new Float32Array(300_000))] }),
+      WireFormatError,
+      "exceeds the limit",
+    ],
+    [
+      "push: wrong shape",
+      subjects.psPush(job, 0),
+      encodePushRequest({ job, trainer: 0, step: 1, chunks: [f32Chunk(layout.byShard[0]![0]!, new Float32Array(5))] }),
+      BadRequestError,
+      "5 elements",
+    ],
     ["push: unknown job", subjects.psPush("nojob", 0), encodePushRequest({ job: "nojob", trainer: 0, step: 0, chunks: [] }), UnknownJobError, "nojob"],
     ["push: job differs from subject", subjects.psPush(job, 0), encodePushRequest({ job: "other", trainer: 0, step: 0, chunks: [] }), BadRequestError, "other"],
     ["pull: wrong version", subjects.psPull(job, 1), stale, WireFormatError, "schema version 2"],
-    ["pull: chunk of the other shard", subjects.psPull(job, 1), encodePullRequest({ job, trainer: 0, step: 0, ids: Uint32Array.of(layout.byShard[0]![0]!) }), BadRequestError, "not owned"],
-    ["pull: trainer outside the job", subjects.psPull(job, 1), encodePullRequest({ job, trainer: 9, step: 0, ids: new Uint32Array(0) }), BadRequestError, "trainer 9"],
+    [
+      "pull: chunk of the other shard",
+      subjects.psPull(job, 1),
+      encodePullRequest({ job, trainer: 0, step: 0, ids: Uint32Array.of(layout.byShard[0]![0]!) }),
+      BadRequestError,
+      "not owned",
+    ],
+    [
+      "pull: trainer outside the job",
+      subjects.psPull(job, 1),
+      encodePullRequest({ job, trainer: 9, step: 0, ids: new Uint32Array(0) }),
+      BadRequestError,
+      "trainer 9",
+    ],
     ["stats: garbage", subjects.psStats(job, 0), garbage, WireFormatError, ""],
     ["stats: unknown job", subjects.psStats("ghost", 1), encodeJobRequest({ job: "ghost", step: 0, tag: "" }), UnknownJobError, "ghost"],
     ["state: truncated", subjects.psState(job, 0), new Uint8Array(3), WireFormatError, "shorter"],
-    ["load: snapshot of the wrong shard", subjects.psLoad(job, 0), encodeShardState({ job, shard: 1, updates: 0, optimizerSteps: 0, step: 0, chunks: [] }), BadRequestError, "shard 1"],
+    [
+      "load: snapshot of the wrong shard",
+      subjects.psLoad(job, 0),
+      encodeShardState({ job, shard: 1, updates: 0, optimizerSteps: 0, step: 0, chunks: [] }),
+      BadRequestError,
+      "shard 1",
+    ],
     ["load: wrong identifier", subjects.psLoad(job, 0), encodeJobRequest({ job, step: 0, tag: "" }), WireFormatError, "MTSS"],
   ];
   test.each(cases)("%s", async (_, subject, data, cls, fragment) => {

@@ -20,10 +20,18 @@ import { imagePlan } from "../helpers/jobs.ts";
 const mnist = loadMnist();
 const cols = 784;
 
-const config = (over: Partial<JobConfig> = {}): JobConfig => parseJobConfig({
-  ...jobDefaults, job: "replica", sync: "allreduce", model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 }, trainers: 2, bucketMb: 0.002,
-  chunkBytes: 16 << 10, gradClip: 1, ...over,
-});
+const config = (over: Partial<JobConfig> = {}): JobConfig =>
+  parseJobConfig({
+    ...jobDefaults,
+    job: "replica",
+    sync: "allreduce",
+    model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
+    trainers: 2,
+    bucketMb: 0.002,
+    chunkBytes: 16 << 10,
+    gradClip: 1,
+    ...over,
+  });
 
 /** Rows [from, from+n) of the MNIST training set. */
 function batch(from: number, n: number): HostBatch {
@@ -46,7 +54,17 @@ function ranks(cfg: JobConfig, bus = new MemoryBus()): Rank[] {
   return Array.from({ length: cfg.trainers }, (_, rank) => {
     const ctx = new Context(new CpuBackend(), { seed: 7 + rank, precision: cfg.precision });
     const model = buildModel(ctx, cfg, imagePlan);
-    const replica = new Replica({ bus, backend: ctx.backend, cfg, rank, ctx, model, payloadBytesMax: 1 << 20, transport: { peerLostMs: 5_000 }, progressTimeoutMs: 5_000 });
+    const replica = new Replica({
+      bus,
+      backend: ctx.backend,
+      cfg,
+      rank,
+      ctx,
+      model,
+      payloadBytesMax: 1 << 20,
+      transport: { peerLostMs: 5_000 },
+      progressTimeoutMs: 5_000,
+    });
     return { ctx, model, replica };
   });
 }
@@ -63,21 +81,25 @@ const relDiff = (a: number, b: number) => Math.abs(a - b) / Math.max(Math.abs(b)
 describe("all-reduce replicas", () => {
   test("2 ranks x batch b follow one process with batch 2b for 50 steps (<= 1e-4), with global-norm clipping; the replicas stay bit-identical", async () => {
     const cfg = config();
-    const b = 32, lr = 0.05;
+    const b = 32,
+      lr = 0.05;
     const rs = ranks(cfg);
     const ctx = new Context(new CpuBackend(), { seed: 0 });
     const single = buildModel(ctx, cfg, imagePlan);
     const o = cfg.optimizer.kind === "sgd" ? cfg.optimizer : null;
     const opt = new Sgd(ctx, single.store, { momentum: o!.momentum, dampening: 0, nesterov: o!.nesterov, weightDecay: o!.weightDecay });
     const train = new TrainStep(ctx, single, opt, { lr, schedule: { kind: "constant" }, gradClip: cfg.gradClip, accumSteps: 1 });
-    let worst = 0, clipped = 0;
+    let worst = 0,
+      clipped = 0;
     try {
       for (let s = 0; s < 50; s++) {
         const whole = train.run([batch(s * 2 * b, 2 * b)]);
-        const results = await Promise.all(rs.map((r, rank) => {
-          const mine = batch(s * 2 * b + rank * b, b);
-          return r.replica.step(s, [mine], b, 2 * b, lr, mine);
-        }));
+        const results = await Promise.all(
+          rs.map((r, rank) => {
+            const mine = batch(s * 2 * b + rank * b, b);
+            return r.replica.step(s, [mine], b, 2 * b, lr, mine);
+          }),
+        );
         const loss = (results[0]!.loss + results[1]!.loss) / 2;
         worst = Math.max(worst, relDiff(loss, whole.loss), relDiff(results[0]!.gradNorm, whole.gradNorm));
         expect(results[0]!.gradNorm).toBe(results[1]!.gradNorm); // one averaged gradient on every rank
@@ -103,15 +125,24 @@ describe("all-reduce replicas", () => {
 
   test("a GPT (AdamW, tied embedding, clipping): 2 ranks x 4 windows follow one process with 8 windows for 20 steps (<= 1e-4); several buckets", async () => {
     const cfg = parseJobConfig({
-      ...gptJobDefaults, job: "replica-gpt", sync: "allreduce", trainers: 2, bucketMb: 0.02, chunkBytes: 16 << 10,
+      ...gptJobDefaults,
+      job: "replica-gpt",
+      sync: "allreduce",
+      trainers: 2,
+      bucketMb: 0.02,
+      chunkBytes: 16 << 10,
       model: { ...gptJobDefaults.model, nLayer: 2, nHead: 2, nEmbd: 32, blockSize: 16 },
     });
-    const V = 20, T = 16, b = 4, lr = 3e-3;
+    const V = 20,
+      T = 16,
+      b = 4,
+      lr = 3e-3;
     const plan = { vocabSize: V, vocab: [] as number[] };
     const rng = new Rng(5);
     const stream = Int32Array.from({ length: 40 * 2 * b * (T + 1) }, () => rng.int(V));
     const windows = (from: number, n: number): HostBatch => {
-      const inputs = new Int32Array(n * T), targets = new Int32Array(n * T);
+      const inputs = new Int32Array(n * T),
+        targets = new Int32Array(n * T);
       for (let w = 0; w < n; w++) {
         inputs.set(stream.subarray((from + w) * (T + 1), (from + w) * (T + 1) + T), w * T);
         targets.set(stream.subarray((from + w) * (T + 1) + 1, (from + w + 1) * (T + 1)), w * T);
@@ -121,21 +152,31 @@ describe("all-reduce replicas", () => {
     const rs = Array.from({ length: 2 }, (_, rank) => {
       const ctx = new Context(new CpuBackend(), { seed: 7 + rank });
       const model = buildModel(ctx, cfg, plan);
-      return { ctx, model, replica: new Replica({ bus: sharedBus, backend: ctx.backend, cfg, rank, ctx, model, payloadBytesMax: 1 << 20, progressTimeoutMs: 5_000 }) };
+      return {
+        ctx,
+        model,
+        replica: new Replica({ bus: sharedBus, backend: ctx.backend, cfg, rank, ctx, model, payloadBytesMax: 1 << 20, progressTimeoutMs: 5_000 }),
+      };
     });
     const ctx = new Context(new CpuBackend(), { seed: 0 });
     const single = buildModel(ctx, cfg, plan);
     const o = cfg.optimizer.kind === "adamw" ? cfg.optimizer : null;
-    const train = new TrainStep(ctx, single, new AdamW(ctx, single.store, { beta1: o!.beta1, beta2: o!.beta2, eps: o!.eps, weightDecay: o!.weightDecay }),
-      { lr, schedule: { kind: "constant" }, gradClip: cfg.gradClip, accumSteps: 1 });
+    const train = new TrainStep(ctx, single, new AdamW(ctx, single.store, { beta1: o!.beta1, beta2: o!.beta2, eps: o!.eps, weightDecay: o!.weightDecay }), {
+      lr,
+      schedule: { kind: "constant" },
+      gradClip: cfg.gradClip,
+      accumSteps: 1,
+    });
     let worst = 0;
     try {
       for (let s = 0; s < 20; s++) {
         const whole = train.run([windows(s * 2 * b, 2 * b)]);
-        const results = await Promise.all(rs.map((r, rank) => {
-          const mine = windows(s * 2 * b + rank * b, b);
-          return r.replica.step(s, [mine], b, 2 * b, lr, mine);
-        }));
+        const results = await Promise.all(
+          rs.map((r, rank) => {
+            const mine = windows(s * 2 * b + rank * b, b);
+            return r.replica.step(s, [mine], b, 2 * b, lr, mine);
+          }),
+        );
         worst = Math.max(worst, relDiff((results[0]!.loss + results[1]!.loss) / 2, whole.loss), relDiff(results[0]!.gradNorm, whole.gradNorm));
       }
       expect(worst).toBeLessThanOrEqual(1e-4);
@@ -169,7 +210,8 @@ describe("all-reduce replicas", () => {
         rs[1]!.replica.step(0, [], 0, 3, 0.1, { ...only, inputs: new Float32Array(0), inputShape: [0, cols], targets: new Int32Array(0), targetShape: [0] }),
       ]);
       expect(relDiff(r0!.gradNorm, whole.gradNorm)).toBeLessThan(1e-5);
-      const ref = single.store.readValues(), p1 = rs[1]!.model.store.readValues();
+      const ref = single.store.readValues(),
+        p1 = rs[1]!.model.store.readValues();
       for (let i = 0; i < ref.length; i += 97) expect(Math.abs(p1[i]! - ref[i]!)).toBeLessThan(1e-6);
     } finally {
       dispose(rs);
@@ -207,10 +249,13 @@ describe("all-reduce replicas", () => {
     const rs = ranks(cfg);
     const rest = ranks(cfg, new MemoryBus()); // a second pair that resumes from rank 0's snapshot
     try {
-      const run = async (group: Rank[], s: number) => Promise.all(group.map((r, rank) => {
-        const mine = batch(s * 16 + rank * 8, 8);
-        return r.replica.step(s, [mine], 8, 16, 1e-3, mine);
-      }));
+      const run = async (group: Rank[], s: number) =>
+        Promise.all(
+          group.map((r, rank) => {
+            const mine = batch(s * 16 + rank * 8, 8);
+            return r.replica.step(s, [mine], 8, 16, 1e-3, mine);
+          }),
+        );
       for (let s = 0; s < 3; s++) await run(rs, s);
       const partBytes = 96 << 10; // 204 KB of parameters x 3 slabs: several parts
       const first = rs[0]!.replica.exportPart(3, 0, partBytes);
@@ -242,7 +287,8 @@ describe("all-reduce replicas", () => {
         await run(rs, s);
         await run(rest, s);
       }
-      const a = rs[0]!.model.store.readValues(), c = rest[1]!.model.store.readValues();
+      const a = rs[0]!.model.store.readValues(),
+        c = rest[1]!.model.store.readValues();
       expect(Buffer.from(a.buffer).equals(Buffer.from(c.buffer))).toBe(true);
       expect(rest[0]!.replica.optimizer.stepCount).toBe(6);
     } finally {

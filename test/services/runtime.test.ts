@@ -24,10 +24,18 @@ describe("config", () => {
     const file = join(dir, "ps.yaml");
     writeFileSync(file, "natsUrl: nats://file:1\nshard: 3\nwidths: [784, 10]\n");
     expect(loadConfig(schema, { argv: ["--config", file], env: {} }, base)).toEqual({ natsUrl: "nats://file:1", shard: 3, verbose: false, widths: [784, 10] });
-    expect(loadConfig(schema, { argv: ["--config", file], env: { MT_SHARD: "5", MT_VERBOSE: "true" } }, base))
-      .toEqual({ natsUrl: "nats://file:1", shard: 5, verbose: true, widths: [784, 10] });
-    expect(loadConfig(schema, { argv: ["--config", file, "--shard=7", "--nats-url", "nats://flag:2"], env: { MT_SHARD: "5" } }, base))
-      .toEqual({ natsUrl: "nats://flag:2", shard: 7, verbose: false, widths: [784, 10] });
+    expect(loadConfig(schema, { argv: ["--config", file], env: { MT_SHARD: "5", MT_VERBOSE: "true" } }, base)).toEqual({
+      natsUrl: "nats://file:1",
+      shard: 5,
+      verbose: true,
+      widths: [784, 10],
+    });
+    expect(loadConfig(schema, { argv: ["--config", file, "--shard=7", "--nats-url", "nats://flag:2"], env: { MT_SHARD: "5" } }, base)).toEqual({
+      natsUrl: "nats://flag:2",
+      shard: 7,
+      verbose: false,
+      widths: [784, 10],
+    });
   });
 
   test("every problem is named with its key and source", () => {
@@ -69,15 +77,23 @@ describe("typed errors cross the wire", () => {
 
   test("MemoryBus: a handler's throw reaches the caller typed; wildcards match like NATS", async () => {
     const bus = new MemoryBus();
-    bus.serve({ name: "x", subject: "mt.*.x", handler: (d) => {
-      if (d.length === 0) throw new BadRequestError("empty");
-      return d;
-    } });
+    bus.serve({
+      name: "x",
+      subject: "mt.*.x",
+      handler: (d) => {
+        if (d.length === 0) throw new BadRequestError("empty");
+        return d;
+      },
+    });
     expect(await bus.request("mt.j.x", Uint8Array.of(1), 100)).toEqual(Uint8Array.of(1));
     await expect(bus.request("mt.j.x", new Uint8Array(0), 100)).rejects.toBeInstanceOf(BadRequestError);
     await expect(bus.request("mt.j.y", Uint8Array.of(1), 100)).rejects.toThrow("no service");
-    expect([subjectMatches("a.*.c", "a.b.c"), subjectMatches("a.>", "a.b.c"), subjectMatches("a.*", "a.b.c"), subjectMatches("a.>", "a")])
-      .toEqual([true, true, false, false]);
+    expect([subjectMatches("a.*.c", "a.b.c"), subjectMatches("a.>", "a.b.c"), subjectMatches("a.*", "a.b.c"), subjectMatches("a.>", "a")]).toEqual([
+      true,
+      true,
+      false,
+      false,
+    ]);
   });
 });
 
@@ -113,11 +129,17 @@ describe("job config", () => {
     expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", model: { ...gptJobDefaults.model, nHead: 3 } }), ConfigError, "divisible by model.nHead");
     expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", valFraction: 0 }), ConfigError, "dataset text needs valFraction > 0");
     expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", dataset: "tokens", dataDir: "/d" }), ConfigError, "valFraction must be 0");
-    expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", model: { ...gptJobDefaults.model, vocabSize: 50 } }), ConfigError, "model.vocabSize is for token folders");
+    expectThrown(
+      () => parseJobConfig({ ...gptJobDefaults, job: "g", model: { ...gptJobDefaults.model, vocabSize: 50 } }),
+      ConfigError,
+      "model.vocabSize is for token folders",
+    );
     expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", model: { ...gptJobDefaults.model, kind: "rnn" } }), ConfigError, "model.kind");
     expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", maxSteps: -1 }), ConfigError, "maxSteps");
-    expect(parseJobConfig({ ...gptJobDefaults, job: "g", dataset: "tokens", dataDir: "/d", valFraction: 0, model: { ...gptJobDefaults.model, vocabSize: 50 } }).model)
-      .toMatchObject({ kind: "gpt", vocabSize: 50 });
+    expect(
+      parseJobConfig({ ...gptJobDefaults, job: "g", dataset: "tokens", dataDir: "/d", valFraction: 0, model: { ...gptJobDefaults.model, vocabSize: 50 } })
+        .model,
+    ).toMatchObject({ kind: "gpt", vocabSize: 50 });
   });
 
   test("precision: f32, tf32 or bf16; f16 only in all-reduce mode, refused elsewhere with the reason; a config stored without it reads as f32", () => {
