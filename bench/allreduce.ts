@@ -5,7 +5,11 @@
 // requests of the same piece size with the same window, and nothing else (no encoding, no
 // sums, no hops to wait for). Ratio = ring busbw / raw busbw; target 0.8.
 //
-//   bun run bench allreduce [--ranks 2,4] [--sizes-mb 1,4,16,64] [--rounds 5] [--piece-kb 1024] [--window 4] [--json-only]
+// Transports (--transport): "nats", every byte through NATS; "shm", the values through shared
+// memory between the rank processes and only the pieces' headers through NATS (what a job's
+// ranks on one machine use, --coll-transport auto). Raw NATS is the baseline of both.
+//
+//   bun run bench allreduce [--ranks 2,4] [--sizes-mb 1,4,16,64] [--transport nats,shm] [--rounds 5] [--piece-kb 1024] [--window 4] [--json-only]
 //
 // Each operation starts after a barrier; its time is the slowest rank's, and a row reports the
 // median over rounds.
@@ -20,6 +24,7 @@ import { type RankOp, type RankPlan, type RankResult, runRankProcesses } from ".
 import { median, printTable, round } from "./table.ts";
 
 export interface AllReduceBenchResult {
+  transport: string;
   ranks: number;
   size_mb: number;
   ring_ms: number;
@@ -39,6 +44,7 @@ export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchR
   const v = parseBenchArgs(argv, {
     ranks: { type: "string", default: "2,4" },
     "sizes-mb": { type: "string", default: "1,4,16,64" },
+    transport: { type: "string", default: "nats,shm" },
     rounds: { type: "string", default: "5" },
     "piece-kb": { type: "string", default: "1024" },
     window: { type: "string", default: "4" },
@@ -49,6 +55,8 @@ export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchR
     rounds = positiveInt("rounds", v.rounds);
   const pieceBytes = positiveInt("piece-kb", v["piece-kb"]) * 1024,
     windowPieces = positiveInt("window", v.window);
+  const transports = String(v.transport).split(",");
+  for (const t of transports) if (t !== "nats" && t !== "shm") throw new ConfigError(`--transport must be a list of nats, shm; got ${String(v.transport)}`);
   if (rankCounts.some((n) => n < 2 || n > 16)) throw new ConfigError("--ranks: each from 2 to 16 (one rank moves nothing)");
   if (pieceBytes > 16 << 20) throw new ConfigError("--piece-kb: at most 16384");
   if (Math.max(...sizes) > 1024) throw new ConfigError("--sizes-mb: at most 1024");
@@ -56,57 +64,79 @@ export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchR
   await using server = await startNatsServer({ maxPayloadBytes: Math.max(1 << 20, pieceBytes + collPieceOverheadBytes + 4096) });
   const rows: AllReduceBenchResult[] = [];
   try {
-    for (const n of rankCounts) {
-      const ops: RankOp[] = [];
-      let step = 0;
-      for (const mb of sizes) {
-        const len = (mb << 20) / 4;
-        for (let r = 0; r < rounds; r++) {
-          ops.push({ op: "allReduce", len, seed: 1, step: ++step, bucket: 0, check: false });
-          ops.push({ op: "raw", len, seed: 1, step: ++step, bucket: 0, check: false });
+    for (const transport of transports)
+      for (const n of rankCounts) {
+        const ops: RankOp[] = [];
+        let step = 0;
+        for (const mb of sizes) {
+          const len = (mb << 20) / 4;
+          for (let r = 0; r < rounds; r++) {
+            ops.push({ op: "allReduce", len, seed: 1, step: ++step, bucket: 0, check: false });
+            ops.push({ op: "raw", len, seed: 1, step: ++step, bucket: 0, check: false });
+          }
+        }
+        const results = await runRanks(dir, server.url, n, ops, pieceBytes, windowPieces, transport === "shm");
+        for (const mb of sizes) {
+          const len = (mb << 20) / 4;
+          const slowest = (kind: string) =>
+            ops
+              .map((o, i) => ({ o, i }))
+              .filter(({ o }) => o.op === kind && o.len === len)
+              .map(({ i }) => Math.max(...results.map((rs) => rs[i]!.ms)));
+          const ringMs = median(slowest("allReduce")),
+            rawMs = median(slowest("raw"));
+          const bus = (ms: number) => (((mb << 20) / (ms / 1000) / 1e9) * (2 * (n - 1))) / n;
+          rows.push({
+            transport,
+            ranks: n,
+            size_mb: mb,
+            ring_ms: round(ringMs, 1),
+            ring_busbw_gb_per_s: round(bus(ringMs), 3),
+            raw_ms: round(rawMs, 1),
+            raw_busbw_gb_per_s: round(bus(rawMs), 3),
+            ratio: round(rawMs / ringMs, 2),
+            target: transport === "nats" ? 0.8 : 0,
+          });
         }
       }
-      const results = await runRanks(dir, server.url, n, ops, pieceBytes, windowPieces);
-      for (const mb of sizes) {
-        const len = (mb << 20) / 4;
-        const slowest = (kind: string) =>
-          ops
-            .map((o, i) => ({ o, i }))
-            .filter(({ o }) => o.op === kind && o.len === len)
-            .map(({ i }) => Math.max(...results.map((rs) => rs[i]!.ms)));
-        const ringMs = median(slowest("allReduce")),
-          rawMs = median(slowest("raw"));
-        const bus = (ms: number) => (((mb << 20) / (ms / 1000) / 1e9) * (2 * (n - 1))) / n;
-        rows.push({
-          ranks: n,
-          size_mb: mb,
-          ring_ms: round(ringMs, 1),
-          ring_busbw_gb_per_s: round(bus(ringMs), 3),
-          raw_ms: round(rawMs, 1),
-          raw_busbw_gb_per_s: round(bus(rawMs), 3),
-          ratio: round(rawMs / ringMs, 2),
-          target: 0.8,
-        });
-      }
-    }
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }
   if (!v["json-only"]) {
     console.log(
-      `all-reduce: ring over NATS (${pieceBytes >> 10} KB pieces, ${windowPieces} in flight per link) vs raw NATS moving the same bytes per link; median of ${rounds}`,
+      `all-reduce: ring over NATS, or with its values through shared memory (shm), ${pieceBytes >> 10} KB pieces, ${windowPieces} in flight per link, ` +
+        `vs raw NATS moving the same bytes per link; median of ${rounds}`,
     );
-    printTable(rows, ["ranks", "size_mb", "ring_ms", "ring_busbw_gb_per_s", "raw_ms", "raw_busbw_gb_per_s", "ratio", "target"]);
+    printTable(rows, ["transport", "ranks", "size_mb", "ring_ms", "ring_busbw_gb_per_s", "raw_ms", "raw_busbw_gb_per_s", "ratio", "target"]);
   }
   console.log(JSON.stringify({ bench: "allreduce", rows }));
   return rows;
 }
 
-async function runRanks(dir: string, url: string, n: number, ops: RankOp[], pieceBytes: number, windowPieces: number): Promise<RankResult[][]> {
-  const job = `bench-allreduce-${n}`;
+async function runRanks(
+  dir: string,
+  url: string,
+  n: number,
+  ops: RankOp[],
+  pieceBytes: number,
+  windowPieces: number,
+  sharedMemory: boolean,
+): Promise<RankResult[][]> {
+  const job = `bench-allreduce-${n}-${sharedMemory ? "shm" : "nats"}`;
   const plans = Array.from(
     { length: n },
-    (_, rank): RankPlan => ({ url, job, rank, hosts: Array(n).fill("local"), pieceBytes, windowPieces, progressTimeoutMs: 60_000, peerLostMs: 60_000, ops }),
+    (_, rank): RankPlan => ({
+      url,
+      job,
+      rank,
+      hosts: Array(n).fill("local"),
+      pieceBytes,
+      windowPieces,
+      progressTimeoutMs: 60_000,
+      peerLostMs: 60_000,
+      ops,
+      sharedMemory,
+    }),
   );
   // one thread per rank: the ranks share the cores, as trainers on one machine do
   const run = await runRankProcesses(dir, plans, { OMP_NUM_THREADS: "1" });

@@ -45,6 +45,8 @@ export interface RankPlan {
   ops: RankOp[];
   /** die (SIGKILL itself) once this many pieces have arrived: a crash mid-operation */
   dieAfterPieces?: number;
+  /** values through shared memory between these processes (one machine) */
+  sharedMemory?: boolean;
 }
 
 export interface RankResult {
@@ -57,6 +59,8 @@ export interface RankResult {
   hash: string;
   /** largest |result - float64| / rounding bound over checked elements; <= 1 passes */
   errorRatio: number;
+  /** peers this rank sent to through shared memory by the operation's end */
+  shmPeers: number;
   error?: { name: string; message: string };
 }
 
@@ -98,6 +102,7 @@ async function main(): Promise<void> {
     windowPieces: plan.windowPieces,
     sendTimeoutMs: busTransportDefaults.sendTimeoutMs,
     peerLostMs: plan.peerLostMs,
+    sharedMemory: plan.sharedMemory ?? false,
   });
   let arrived = 0;
   const dieAfter = plan.dieAfterPieces ?? Infinity;
@@ -121,6 +126,7 @@ async function main(): Promise<void> {
   // a piece for a rank that has not subscribed yet is retried (NoResponders) until it has
   for (const op of plan.ops) {
     const result = await runOp(coll, raw, plan, op);
+    result.shmPeers = transport.sharedMemoryPeers.length;
     process.stdout.write(JSON.stringify(result) + "\n");
   }
   coll.close("plan done");
@@ -133,7 +139,7 @@ async function runOp(coll: Collective, raw: ReturnType<typeof rawLink>, plan: Ra
     key = { step: op.step, bucket: op.bucket };
   const inputs = op.check ? Array.from({ length: size }, (_, r) => rankInput(op.seed, r, op.len)) : [];
   const buf = op.check ? inputs[plan.rank]!.slice() : filled(op.len, plan.rank);
-  const out: RankResult = { op: op.op, len: op.len, step: op.step, bucket: op.bucket, ms: 0, hash: "", errorRatio: 0 };
+  const out: RankResult = { op: op.op, len: op.len, step: op.step, bucket: op.bucket, ms: 0, hash: "", errorRatio: 0, shmPeers: 0 };
   let t0 = performance.now();
   try {
     await coll.barrier({ step: op.step, bucket: 0xffff_0000 + (op.bucket & 0xffff) });

@@ -303,16 +303,41 @@ export interface Batch {
   tokens?: Uint16Array;
 }
 
+/**
+ * Images on the wire as 8-bit pixels and the 256 values they stand for: encodeBatch sends
+ * these instead of x, and decodeBatch turns them back into x (the same floats, bit for bit).
+ */
+export interface BatchPixels {
+  /** (rows, cols) */
+  pixels: Uint8Array;
+  /** 256 finite values */
+  values: Float32Array;
+}
+
 const batchRoot = root("Batch", "MTBA", (bb) => BatchT.getRootAsBatch(bb));
 
-export function encodeBatch(m: Batch): Uint8Array {
+/** With `pixels`, x is not sent (pass it empty): the receiver rebuilds it from the pixels. */
+export function encodeBatch(m: Batch, pixels?: BatchPixels): Uint8Array {
   const tokens = m.tokens ?? new Uint16Array(0);
-  const b = builder(1024 + m.x.byteLength + m.y.byteLength + m.sampleIds.byteLength + tokens.byteLength);
+  const px = pixels?.pixels ?? new Uint8Array(0),
+    pv = pixels?.values ?? new Float32Array(0);
+  const b = builder(2048 + m.x.byteLength + m.y.byteLength + m.sampleIds.byteLength + tokens.byteLength + px.byteLength + pv.byteLength);
   const x = createBytes(b, bytesOf(m.x));
   const y = createI32s(b, m.y);
   const ids = createI32s(b, m.sampleIds);
   const t = createBytesFilled(b, tokens.byteLength, (dst) => dst.set(bytesOf(tokens)), 4, 2);
-  return finishBytes(b, BatchT.createBatch(b, schemaVersion, m.epoch, m.index, ids, m.rows, m.cols, x, y, m.endOfEpoch, t), batchRoot.identifier);
+  const p = createBytes(b, px);
+  const v = createBytesFilled(b, pv.byteLength, (dst) => dst.set(bytesOf(pv)), 4, 4);
+  return finishBytes(b, BatchT.createBatch(b, schemaVersion, m.epoch, m.index, ids, m.rows, m.cols, x, y, m.endOfEpoch, t, p, v), batchRoot.identifier);
+}
+
+/** x of a batch sent as pixels: values[pixel] for each pixel. */
+function pixelsToX(name: string, pixels: Uint8Array, values: Float32Array | null): Float32Array {
+  if (values === null || values.length !== 256) throw new WireFormatError("malformed", `${name}: ${values?.length ?? 0} pixel values, not 256`);
+  for (const v of values) if (!Number.isFinite(v)) throw new WireFormatError("malformed", `${name}: a pixel value is ${v}`);
+  const x = new Float32Array(pixels.length);
+  for (let i = 0; i < pixels.length; i++) x[i] = values[pixels[i]!]!;
+  return x;
 }
 
 export function decodeBatch(data: Uint8Array, bytesMax: number): Batch {
@@ -327,7 +352,18 @@ export function decodeBatch(data: Uint8Array, bytesMax: number): Batch {
     y: (r.yArray() ?? new Int32Array(0)).slice(),
     endOfEpoch: r.endOfEpoch(),
     ...tokensField(r.tokensArray()),
+    pixels: r.pixelsArray(),
+    pixelValues: r.pixelValuesArray(),
   }));
+  const { pixels, pixelValues, ...batch } = m;
+  if (pixels !== null && pixels.length > 0) {
+    if (batch.x.length > 0) throw new WireFormatError("malformed", `Batch: both x (${batch.x.length} values) and ${pixels.length} pixels`);
+    batch.x = pixelsToX("Batch", pixels, pixelValues);
+  }
+  return checkBatch(batch);
+}
+
+function checkBatch(m: Batch): Batch {
   const tokens = m.tokens?.length ?? 0;
   const ok = tokens > 0 ? m.x.length === 0 && m.y.length === 0 && tokens === m.rows * (m.cols + 1) : m.x.length === m.rows * m.cols && m.y.length === m.rows;
   if (!ok || m.sampleIds.length !== m.rows) {
@@ -1003,19 +1039,30 @@ export interface CollPiece {
   data: Uint8Array;
   /** Abort: why the sender gave the operation up */
   reason: string;
+  /** nonzero: data is empty; the values are in slot shmSlot of the sender's shared-memory file with this nonce */
+  shmNonce: number;
+  shmSlot: number;
 }
 
 const collRoot = root("CollPiece", "MTCP", (bb) => CollPieceT.getRootAsCollPiece(bb));
 /** Bytes a piece's message needs besides its data. */
 export const collPieceOverheadBytes = 512;
 
-/** `values` are written straight into the message (one copy). */
-export function encodeCollPiece(m: Omit<CollPiece, "data" | "count">, values: Float32Array): Uint8Array {
-  const b = builder(collPieceOverheadBytes + values.byteLength + m.reason.length * 3);
+/**
+ * `values` are written straight into the message (one copy); with `shm` they are in a shared
+ * memory slot, and the message carries their count and the slot instead.
+ */
+export function encodeCollPiece(
+  m: Omit<CollPiece, "data" | "count" | "shmNonce" | "shmSlot">,
+  values: Float32Array,
+  shm?: { nonce: number; slot: number },
+): Uint8Array {
+  const inline = shm === undefined ? values : new Float32Array(0);
+  const b = builder(collPieceOverheadBytes + inline.byteLength + m.reason.length * 3);
   const job = str(b, m.job),
     group = str(b, m.group),
     reason = str(b, m.reason);
-  const data = createBytes(b, bytesOf(values));
+  const data = createBytes(b, bytesOf(inline));
   return finishBytes(
     b,
     CollPieceT.createCollPiece(
@@ -1035,6 +1082,8 @@ export function encodeCollPiece(m: Omit<CollPiece, "data" | "count">, values: Fl
       values.length,
       data,
       reason,
+      shm?.nonce ?? 0,
+      shm?.slot ?? 0,
     ),
     collRoot.identifier,
   );
@@ -1057,8 +1106,12 @@ export function decodeCollPiece(data: Uint8Array, bytesMax: number): CollPiece {
     count: r.count(),
     data: r.dataArray() ?? new Uint8Array(0),
     reason: r.reason() ?? "",
+    shmNonce: r.shmNonce(),
+    shmSlot: r.shmSlot(),
   }));
   if (CollPhase[m.phase] === undefined) throw new WireFormatError("malformed", `CollPiece: unknown phase ${m.phase}`);
-  if (m.data.byteLength !== m.count * 4) throw new WireFormatError("malformed", `CollPiece: ${m.data.byteLength} data bytes for ${m.count} float32`);
+  if (m.shmNonce !== 0) {
+    if (m.data.byteLength !== 0) throw new WireFormatError("malformed", `CollPiece: ${m.data.byteLength} data bytes in a shared-memory piece`);
+  } else if (m.data.byteLength !== m.count * 4) throw new WireFormatError("malformed", `CollPiece: ${m.data.byteLength} data bytes for ${m.count} float32`);
   return m;
 }

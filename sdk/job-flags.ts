@@ -60,6 +60,14 @@ export function jobOptions(cmd: Command): Command {
       float(0, 1024, { exclusiveMin: true }),
       d.bucketMb,
     )
+    .addOption(
+      new Option(
+        "--coll-transport <kind>",
+        "allreduce: auto: ranks on one machine exchange gradients through shared memory (NATS carries the pieces' headers), NATS between machines; nats: every byte through NATS",
+      )
+        .choices(["auto", "nats"])
+        .default(d.collTransport),
+    )
     .option("--replica-check-every <steps>", "allreduce: steps between comparisons of the replicas' parameter hashes (0: never)", int(0), d.replicaCheckEvery)
     .option("--scale-lr", "linear learning-rate scaling: the schedule peaks at --lr times the trainers (needs --warmup > 0)", false)
     .option("--staleness <s>", "ssp: steps a trainer may run ahead of the slowest", int(0, 1000), 2)
@@ -125,6 +133,7 @@ export interface JobFlags {
   batchPushes: number;
   bucketMb: number;
   replicaCheckEvery: number;
+  collTransport: JobConfig["collTransport"];
   scaleLr: boolean;
   gradClip?: number;
   widths?: number[];
@@ -210,6 +219,7 @@ export function jobConfigOf(f: JobFlags): JobConfig {
     batchPushes: f.sync === "bsp" || f.sync === "allreduce" ? 1 : f.batchPushes,
     bucketMb: f.bucketMb,
     replicaCheckEvery: f.replicaCheckEvery,
+    collTransport: f.collTransport,
     scaleLr: f.scaleLr,
     gradClip: f.gradClip ?? def.gradClip,
     optimizer:
@@ -244,6 +254,7 @@ const flagPaths: Record<Exclude<keyof JobFlags, "job">, string[]> = {
   batchPushes: ["batchPushes"],
   bucketMb: ["bucketMb"],
   replicaCheckEvery: ["replicaCheckEvery"],
+  collTransport: ["collTransport"],
   scaleLr: ["scaleLr"],
   gradClip: ["gradClip"],
   widths: ["model.widths"],

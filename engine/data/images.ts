@@ -9,6 +9,7 @@ export class ImageBatcher {
   readonly #inputs: Float32Array;
   readonly #targets: Int32Array;
   readonly #lut = new Float32Array(256);
+  #pixels: Uint8Array | null = null;
 
   /** the sample ids this batcher draws from (a train or validation subset), default all */
   readonly ids: Uint32Array;
@@ -45,6 +46,28 @@ export class ImageBatcher {
       targets: n === this.batchSize ? this.#targets : this.#targets.subarray(0, n),
       targetShape: [n],
     };
+  }
+
+  /** The input each pixel value stands for (pixel / 255, normalized): what batch() writes. */
+  get pixelValues(): Float32Array {
+    return this.#lut;
+  }
+
+  /**
+   * The raw 8-bit pixels of samples order[start .. start+batchSize) and their labels: the same
+   * batch as batch(), a quarter of the bytes (inputs are pixelValues[pixel]). Buffers are reused.
+   */
+  pixelBatch(order: ArrayLike<number>, start: number): { pixels: Uint8Array; targets: Int32Array } {
+    const n = Math.min(this.batchSize, order.length - start);
+    const F = this.features;
+    const { images, labels } = this.split;
+    this.#pixels ??= new Uint8Array(this.batchSize * F);
+    for (let i = 0; i < n; i++) {
+      const s = order[start + i]!;
+      this.#pixels.set(images.subarray(s * F, (s + 1) * F), i * F);
+      this.#targets[i] = labels[s]!;
+    }
+    return { pixels: this.#pixels.subarray(0, n * F), targets: this.#targets.subarray(0, n) };
   }
 
   /** Batches per epoch: with dropLast the incomplete tail is skipped (it is reshuffled next epoch). */

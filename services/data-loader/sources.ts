@@ -86,24 +86,22 @@ class ImageSource implements JobSource {
     this.#testBatcher = new ImageBatcher(data.test, evalBatchRows);
   }
 
+  // images go as their 8-bit pixels with the batcher's normalization table: a quarter of the
+  // bytes of normalized floats, and the trainer rebuilds exactly those floats
   trainBatch(ids: Uint32Array, epoch: number, index: number, endOfEpoch: boolean): Uint8Array {
-    const b = this.#batcher.batch(ids, 0);
-    return encodeBatch({ epoch, index, sampleIds: ids, rows: ids.length, cols: this.#batcher.features, x: b.inputs as Float32Array, y: b.targets, endOfEpoch });
+    return this.#encode(this.#batcher, ids, epoch, index, endOfEpoch);
   }
 
   evalBatch(split: Split, ids: Uint32Array, index: number): Uint8Array {
-    const batcher = split === Split.Test ? this.#testBatcher : this.#evalBatcher;
-    const b = batcher.batch(ids, 0);
-    return encodeBatch({
-      epoch: 0,
-      index,
-      sampleIds: ids,
-      rows: ids.length,
-      cols: batcher.features,
-      x: b.inputs as Float32Array,
-      y: b.targets,
-      endOfEpoch: ids.length === 0,
-    });
+    return this.#encode(split === Split.Test ? this.#testBatcher : this.#evalBatcher, ids, 0, index, ids.length === 0);
+  }
+
+  #encode(batcher: ImageBatcher, ids: Uint32Array, epoch: number, index: number, endOfEpoch: boolean): Uint8Array {
+    const { pixels, targets } = batcher.pixelBatch(ids, 0);
+    return encodeBatch(
+      { epoch, index, sampleIds: ids, rows: ids.length, cols: batcher.features, x: new Float32Array(0), y: targets, endOfEpoch },
+      { pixels, values: batcher.pixelValues },
+    );
   }
 }
 

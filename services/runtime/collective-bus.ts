@@ -12,10 +12,15 @@
 // Every piece is checked on arrival: the job, the communicator's generation, the addressee,
 // the sender's rank and the data's length; a piece that fails is answered with an error and
 // changes nothing.
+//
+// With `sharedMemory`, peers on the same machine exchange the values through /dev/shm and the
+// request carries only the header (services/runtime/collective-shm.ts); every inline piece's
+// answer says which machine answered, so the sender learns which peers share its memory.
 import { BadPieceError, CollectiveClosedError, PeerLostError } from "../../engine/parallel/collective.ts";
 import type { PeerTransport, Phase, Piece, PieceHeader, Receipt } from "../../engine/parallel/transport.ts";
 import { CollPhase, collPieceOverheadBytes, decodeCollPiece, encodeCollPiece } from "../../schemas/messages.ts";
 import type { Bus, Subscription } from "./bus.ts";
+import { ShmInbox, ShmOutbox, shmIdentity, shmRefusedPrefix } from "./collective-shm.ts";
 import { BadRequestError, CapacityError, DeadlineError, NoRespondersError } from "./errors.ts";
 import { subjects } from "./job.ts";
 import { pause } from "./pause.ts";
@@ -34,6 +39,8 @@ export interface BusTransportOptions {
   sendTimeoutMs: number;
   /** how long a piece is retried before its peer counts as lost */
   peerLostMs: number;
+  /** values through shared memory to the peers on this machine (they are found out, not configured) */
+  sharedMemory: boolean;
 }
 
 export const busTransportDefaults = {
@@ -44,6 +51,7 @@ export const busTransportDefaults = {
   windowPieces: 4,
   sendTimeoutMs: 10_000,
   peerLostMs: 30_000,
+  sharedMemory: false,
 } as const;
 
 const phases: Readonly<Record<Phase, CollPhase>> = {
@@ -62,11 +70,20 @@ class Window {
   readonly waiters: (() => void)[] = [];
 }
 
+/** How pieces go to one peer: not known yet (inline until its first answer), inline, or shared memory. */
+type Link = { kind: "unknown" } | { kind: "inline" } | { kind: "shm"; out: ShmOutbox; mapped: boolean };
+
+const encoder = new TextEncoder();
+const decoder = new TextDecoder();
+
 export class BusTransport implements PeerTransport {
   readonly rank: number;
   readonly pieceBytesMax: number;
   readonly #o: BusTransportOptions;
   readonly #windows = new Map<number, Window>();
+  readonly #links = new Map<number, Link>();
+  readonly #identity: string | null;
+  readonly #inbox: ShmInbox | null;
   #sub: Subscription | null = null;
   #closed = false;
 
@@ -79,6 +96,13 @@ export class BusTransport implements PeerTransport {
     if (options.pieceBytesMax % 4 !== 0 || options.pieceBytesMax < 4)
       throw new RangeError(`pieceBytesMax must be a positive multiple of 4, got ${options.pieceBytesMax}`);
     this.pieceBytesMax = options.pieceBytesMax;
+    this.#identity = options.sharedMemory ? shmIdentity() : null;
+    this.#inbox = this.#identity === null ? null : new ShmInbox(options.job, options.generation, options.rank);
+  }
+
+  /** Peers whose pieces go through shared memory. */
+  get sharedMemoryPeers(): number[] {
+    return [...this.#links].filter(([, l]) => l.kind === "shm").map(([peer]) => peer);
   }
 
   /** Bytes of the largest message this transport sends or takes. */
@@ -88,15 +112,17 @@ export class BusTransport implements PeerTransport {
 
   listen(receive: (p: Piece) => Receipt): void {
     const { job, rank } = this.#o;
+    const identity = this.#identity === null ? new Uint8Array(0) : encoder.encode(this.#identity);
     this.#sub = this.bus.handle(subjects.coll(job, rank), (data) => {
-      const receipt = receive(this.#check(data));
+      const { piece, inline } = this.#check(data);
+      const receipt = receive(piece);
       if (receipt.kind === "busy") throw new CapacityError(receipt.why);
       if (receipt.kind === "bad") throw new BadRequestError(receipt.why);
-      return new Uint8Array(0);
+      return inline ? identity : new Uint8Array(0);
     });
   }
 
-  #check(data: Uint8Array): Piece {
+  #check(data: Uint8Array): { piece: Piece; inline: boolean } {
     const { job, generation, rank, size } = this.#o;
     const m = decodeCollPiece(data, this.messageBytesMax);
     if (m.job !== job) throw new BadRequestError(`piece for job "${m.job}" sent to job "${job}"`);
@@ -107,7 +133,16 @@ export class BusTransport implements PeerTransport {
     if (m.to !== rank) throw new BadRequestError(`piece for rank ${m.to} sent to rank ${rank}`);
     if (!(m.from < size) || m.from === rank) throw new BadRequestError(`piece from rank ${m.from}, not a peer of rank ${rank} among ${size}`);
     if (m.data.byteLength > this.pieceBytesMax) throw new BadRequestError(`piece of ${m.data.byteLength} bytes exceeds ${this.pieceBytesMax}`);
-    return { ...m, phase: phaseOf.get(m.phase)! };
+    if (m.shmNonce === 0) return { piece: { ...m, phase: phaseOf.get(m.phase)! }, inline: true };
+    if (this.#inbox === null) throw new BadRequestError(`${shmRefusedPrefix}rank ${rank} takes its pieces inline`);
+    if (m.count * 4 > this.pieceBytesMax) throw new BadRequestError(`piece of ${m.count * 4} bytes exceeds ${this.pieceBytesMax}`);
+    let values: Uint8Array;
+    try {
+      values = this.#inbox.read(m.from, m.shmNonce, m.shmSlot, m.count);
+    } catch (e) {
+      throw new BadRequestError((e as Error).message);
+    }
+    return { piece: { ...m, data: values, phase: phaseOf.get(m.phase)! }, inline: false };
   }
 
   async send(header: PieceHeader, values: Float32Array, signal: AbortSignal): Promise<void> {
@@ -120,30 +155,75 @@ export class BusTransport implements PeerTransport {
     }
   }
 
+  #link(peer: number): Link {
+    const l = this.#links.get(peer);
+    if (l !== undefined) return l;
+    const fresh: Link = { kind: this.#identity === null ? "inline" : "unknown" };
+    this.#links.set(peer, fresh);
+    return fresh;
+  }
+
+  /** After an inline piece's answer: a peer that answered from this machine gets shared memory. */
+  #learn(peer: number, answer: Uint8Array): void {
+    if (this.#link(peer).kind !== "unknown") return;
+    const { job, generation, rank, windowPieces } = this.#o;
+    const out =
+      answer.byteLength > 0 && decoder.decode(answer) === this.#identity
+        ? ShmOutbox.create(job, generation, rank, peer, windowPieces, this.pieceBytesMax)
+        : null;
+    this.#links.set(peer, out === null ? { kind: "inline" } : { kind: "shm", out, mapped: false });
+  }
+
   async #deliver(header: PieceHeader, values: Float32Array, signal: AbortSignal): Promise<void> {
     const { job, generation, sendTimeoutMs, peerLostMs } = this.#o;
     const subject = subjects.coll(job, header.to);
     const started = performance.now();
-    for (let attempt = 1; ; attempt++) {
-      signal.throwIfAborted();
-      if (this.#closed) throw new CollectiveClosedError("the transport is closed");
-      const msg = encodeCollPiece({ ...header, job, generation, phase: phases[header.phase], reason: "" }, values);
-      try {
-        // an attempt never outlasts the piece's budget: a peer that died holding the request
-        // is declared lost on time
-        const leftMs = peerLostMs - (performance.now() - started);
-        await this.bus.request(subject, msg, Math.max(100, Math.min(sendTimeoutMs, leftMs)));
-        return;
-      } catch (e) {
-        if (e instanceof BadRequestError) throw new BadPieceError(`rank ${header.to} refused a piece: ${e.message}`, { cause: e });
-        const retry = e instanceof CapacityError || e instanceof DeadlineError || e instanceof NoRespondersError;
-        const elapsedMs = performance.now() - started;
-        if (!retry) throw e;
-        if (elapsedMs > peerLostMs)
-          throw new PeerLostError(header.to, `${attempt} attempts over ${Math.round(elapsedMs)} ms: ${(e as Error).message}`, { cause: e });
-        // a busy peer frees room as its operation starts; an absent one may be restarting
-        await pause(Math.min(2 ** attempt, e instanceof CapacityError ? 50 : 500), signal);
+    // the window bounds a peer's pieces in flight by its slots, so a slot is free
+    let link = this.#link(header.to);
+    let slot = link.kind === "shm" && values.length > 0 ? link.out.take() : null;
+    try {
+      for (let attempt = 1; ; attempt++) {
+        signal.throwIfAborted();
+        if (this.#closed) throw new CollectiveClosedError("the transport is closed");
+        const m = { ...header, job, generation, phase: phases[header.phase], reason: "" };
+        let msg: Uint8Array;
+        if (link.kind === "shm" && slot !== null) {
+          link.out.write(slot, values); // again for a retry, as the interface says
+          msg = encodeCollPiece(m, values, { nonce: link.out.nonce, slot });
+        } else msg = encodeCollPiece(m, values);
+        try {
+          // an attempt never outlasts the piece's budget: a peer that died holding the request
+          // is declared lost on time
+          const leftMs = peerLostMs - (performance.now() - started);
+          const answer = await this.bus.request(subject, msg, Math.max(100, Math.min(sendTimeoutMs, leftMs)));
+          if (link.kind === "shm" && slot !== null && !link.mapped) {
+            link.mapped = true;
+            link.out.unlink();
+          }
+          if (slot === null) this.#learn(header.to, answer);
+          return;
+        } catch (e) {
+          if (e instanceof BadRequestError && slot !== null && link.kind === "shm" && e.message.includes(shmRefusedPrefix)) {
+            // the peer cannot read this machine's shared memory after all: inline from now on
+            link.out.release(slot);
+            link.out.unlink();
+            slot = null;
+            this.#links.set(header.to, (link = { kind: "inline" }));
+            attempt = 0;
+            continue;
+          }
+          if (e instanceof BadRequestError) throw new BadPieceError(`rank ${header.to} refused a piece: ${e.message}`, { cause: e });
+          const retry = e instanceof CapacityError || e instanceof DeadlineError || e instanceof NoRespondersError;
+          const elapsedMs = performance.now() - started;
+          if (!retry) throw e;
+          if (elapsedMs > peerLostMs)
+            throw new PeerLostError(header.to, `${attempt} attempts over ${Math.round(elapsedMs)} ms: ${(e as Error).message}`, { cause: e });
+          // a busy peer frees room as its operation starts; an absent one may be restarting
+          await pause(Math.min(2 ** attempt, e instanceof CapacityError ? 50 : 500), signal);
+        }
       }
+    } finally {
+      if (slot !== null && link.kind === "shm") link.out.release(slot);
     }
   }
 
@@ -183,6 +263,7 @@ export class BusTransport implements PeerTransport {
     this.#closed = true;
     this.#sub?.unsubscribe();
     this.#sub = null;
+    for (const l of this.#links.values()) if (l.kind === "shm") l.out.unlink();
     for (const w of this.#windows.values()) for (const wake of w.waiters.splice(0)) wake();
   }
 }

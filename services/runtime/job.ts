@@ -85,6 +85,9 @@ export const jobConfigSchema = z.object({
   bucketMb: z.number().positive().max(1024).default(25),
   /** allreduce: steps between comparisons of the ranks' parameter hashes (0: never) */
   replicaCheckEvery: int(0).default(100),
+  /** allreduce: what carries the collective's values between ranks on one machine: "auto",
+   *  shared memory (NATS carries only the pieces' headers; NATS between machines); "nats", NATS */
+  collTransport: z.enum(["auto", "nats"]).default("auto"),
   minLr: z.number().min(0),
   schedule: z.enum(["constant", "cosine", "linear"]),
   warmupSteps: int(0),
@@ -131,6 +134,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   scaleLr: false,
   bucketMb: 25,
   replicaCheckEvery: 100,
+  collTransport: "auto",
   minLr: 0,
   schedule: "cosine",
   warmupSteps: 100,
@@ -249,7 +253,14 @@ export function jobOfRequest(subject: string, messageJob: string): string {
  * evaluated and snapshotted. Every other key shapes the model or the trajectory, and a job's
  * snapshots are only valid for the values they were taken with.
  */
-export const resumableKeys = ["dataDir", "evalEvery", "checkpointEvery", "keepLast", "replicaCheckEvery"] as const satisfies readonly (keyof JobConfig)[];
+export const resumableKeys = [
+  "dataDir",
+  "evalEvery",
+  "checkpointEvery",
+  "keepLast",
+  "replicaCheckEvery",
+  "collTransport",
+] as const satisfies readonly (keyof JobConfig)[];
 
 /** The trajectory-defining keys on which two configs of one job differ, as "key: a -> b". */
 export function trajectoryDiff(was: JobConfig, now: JobConfig): string[] {

@@ -84,7 +84,7 @@ export interface ReplicaOptions {
   /** the largest message (a part of the replica, a collective piece plus its header) */
   payloadBytesMax: number;
   /** collective transport settings over busTransportDefaults (tests shorten the timeouts) */
-  transport?: Partial<Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs">>;
+  transport?: Partial<Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs" | "sharedMemory">>;
   progressTimeoutMs?: number;
 }
 
@@ -133,7 +133,15 @@ export class Replica {
     const t = { ...busTransportDefaults, ...this.#o.transport };
     // a piece and its header fit the message limit
     const pieceBytesMax = Math.min(t.pieceBytesMax, Math.floor((payloadBytesMax - 4096) / 4) * 4);
-    const transport = new BusTransport(bus, { ...t, pieceBytesMax, job: cfg.job, rank, size: cfg.trainers, generation });
+    const transport = new BusTransport(bus, {
+      ...t,
+      pieceBytesMax,
+      job: cfg.job,
+      rank,
+      size: cfg.trainers,
+      generation,
+      sharedMemory: this.#o.transport?.sharedMemory ?? cfg.collTransport === "auto",
+    });
     return new RingCollective(transport, cfg.trainers, this.#o.progressTimeoutMs ? { progressTimeoutMs: this.#o.progressTimeoutMs } : {});
   }
 

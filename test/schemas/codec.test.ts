@@ -3,6 +3,9 @@ import { Builder } from "flatbuffers";
 import { staleFiles } from "../../schemas/build.ts";
 import { chunkRanges, createBytes, finishBytes, packByBytes, schemaVersion, WireFormatError } from "../../schemas/codec.ts";
 import {
+  CollPhase,
+  decodeCollPiece,
+  encodeCollPiece,
   decodeDataPlan,
   decodeJobRecord,
   encodeDataPlan,
@@ -39,7 +42,7 @@ import {
   Split,
   SyncPolicy,
 } from "../../schemas/messages.ts";
-import { PushRequest as PushRequestT } from "../../schemas/wire.ts";
+import { CollPiece as CollPieceT, PushRequest as PushRequestT } from "../../schemas/wire.ts";
 import { expectThrown } from "../helpers/errors.ts";
 
 const limit = 8 << 20;
@@ -93,6 +96,11 @@ describe("round trips, from unaligned payloads", () => {
     });
     const batch = { epoch: 2, index: 7, sampleIds: Uint32Array.of(9, 3), rows: 2, cols: 3, x: floats(6), y: Int32Array.of(4, 1), endOfEpoch: false };
     expect(decodeBatch(unaligned(encodeBatch(batch)), limit)).toEqual(batch);
+    // images as 8-bit pixels: x comes back as the values the pixels stand for, bit for bit
+    const values = Float32Array.from({ length: 256 }, (_, v) => (v / 255 - 0.1307) / 0.3081);
+    const pixels = Uint8Array.of(0, 17, 255, 128, 3, 99);
+    const fromPixels = decodeBatch(unaligned(encodeBatch({ ...batch, x: new Float32Array(0) }, { pixels, values })), limit);
+    expect(fromPixels).toEqual({ ...batch, x: Float32Array.from(pixels, (p) => values[p]!) });
     const ev = { ...emptyEvent("j", EventKind.Step), step: 5, loss: 0.5, text: "héllo" };
     expect(decodeEvent(unaligned(encodeEvent(ev)), limit)).toEqual(ev);
     const spec = { job: "j", trainers: 2, shards: 3, sync: SyncPolicy.SSP, staleness: 2, configJson: '{"a":1}', attempt: 3 };
@@ -218,6 +226,55 @@ describe("bad input is a WireFormatError with a code", () => {
   test("a batch whose shapes disagree", () => {
     const bad = { epoch: 0, index: 0, sampleIds: Uint32Array.of(1, 2), rows: 2, cols: 3, x: floats(5), y: Int32Array.of(1, 2), endOfEpoch: false };
     expect(code(() => decodeBatch(encodeBatch(bad), limit))).toBe("malformed");
+  });
+
+  test("a shared-memory collective piece that carries data as well", () => {
+    const b = new Builder(256);
+    const job = b.createString("j"),
+      group = b.createString("#all-reduce"),
+      reason = b.createString("");
+    const data = createBytes(b, new Uint8Array(8));
+    const off = CollPieceT.createCollPiece(b, schemaVersion, job, 1n, group, 1, 0, 0n, 0, CollPhase.ReduceScatter, 0, 0, 0n, 2, data, reason, 7, 0);
+    expect(code(() => decodeCollPiece(finishBytes(b, off, "MTCP"), limit))).toBe("malformed");
+    const ok = decodeCollPiece(
+      encodeCollPiece(
+        {
+          job: "j",
+          generation: 1,
+          group: "#all-reduce",
+          from: 1,
+          to: 0,
+          step: 0,
+          bucket: 0,
+          phase: CollPhase.ReduceScatter,
+          hop: 0,
+          piece: 0,
+          offset: 0,
+          reason: "",
+        },
+        new Float32Array(2),
+        { nonce: 7, slot: 1 },
+      ),
+      limit,
+    );
+    expect([ok.count, ok.data.byteLength, ok.shmNonce, ok.shmSlot]).toEqual([2, 0, 7, 1]);
+  });
+
+  test("a batch of pixels: too few, non-finite or missing pixel values, pixels beside x, the wrong count", () => {
+    const m = { epoch: 0, index: 0, sampleIds: Uint32Array.of(1, 2), rows: 2, cols: 3, x: new Float32Array(0), y: Int32Array.of(1, 2), endOfEpoch: false };
+    const pixels = Uint8Array.of(0, 1, 2, 3, 4, 255);
+    const values = Float32Array.from({ length: 256 }, (_, v) => v / 10);
+    const nan = values.slice();
+    nan[7] = Number.NaN;
+    for (const [what, batch, px] of [
+      ["255 values", m, { pixels, values: values.subarray(0, 255) }],
+      ["a NaN value", m, { pixels, values: nan }],
+      ["no values", m, { pixels, values: new Float32Array(0) }],
+      ["x as well", { ...m, x: floats(6) }, { pixels, values }],
+      ["5 pixels for 2x3", m, { pixels: pixels.subarray(0, 5), values }],
+    ] as const) {
+      expect([what, code(() => decodeBatch(encodeBatch(batch, px), limit))]).toEqual([what, "malformed"]);
+    }
   });
 });
 

@@ -3,11 +3,12 @@
 // 1-4 ranks and awkward sizes; ranks labelled as 2 hosts x 2; a rank SIGKILLed mid-operation
 // gives the others a typed error within the timeout; hostile pieces on the subject are refused.
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import { mkdtempSync, rmSync } from "node:fs";
+import { mkdtempSync, readdirSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { type RankOp, type RankPlan, type RanksRun, runRankProcesses } from "../../bench/collective-rank.ts";
 import { BusTransport } from "../../services/runtime/collective-bus.ts";
+import { ShmOutbox, shmDir, shmPath, shmRefusedPrefix } from "../../services/runtime/collective-shm.ts";
 import { BadRequestError } from "../../services/runtime/errors.ts";
 import { subjects } from "../../services/runtime/job.ts";
 import { NatsBus } from "../../services/runtime/nats.ts";
@@ -30,10 +31,10 @@ afterAll(async () => {
   rmSync(dir, { recursive: true, force: true });
 });
 
-async function runRanks(hosts: string[], ops: RankOp[], extra: Partial<RankPlan> & { dieRank?: number } = {}): Promise<RanksRun> {
+async function runRanks(hosts: string[], ops: RankOp[], extra: Partial<RankPlan> & { dieRank?: number } = {}): Promise<RanksRun & { job: string }> {
   const job = `coll${++jobs}`;
   const { dieRank, dieAfterPieces, ...rest } = extra;
-  return runRankProcesses(
+  const run = await runRankProcesses(
     dir,
     hosts.map((_, rank) => ({
       url: server.url,
@@ -49,6 +50,7 @@ async function runRanks(hosts: string[], ops: RankOp[], extra: Partial<RankPlan>
       ...(dieRank === rank ? { dieAfterPieces: dieAfterPieces ?? 5 } : {}),
     })),
   );
+  return { ...run, job };
 }
 
 const op = (o: Partial<RankOp> & Pick<RankOp, "op" | "len">): RankOp => ({ seed: 1, step: 0, bucket: 0, check: true, ...o });
@@ -107,7 +109,91 @@ describe("ring over NATS, one process per rank", () => {
   });
 });
 
+describe("ring with its values through shared memory, one process per rank", () => {
+  const leftovers = (job: string) => readdirSync(shmDir).filter((f) => f.startsWith(shmPath(job, 1, 0, 1, 1).split("/").pop()!.split("-g")[0]!));
+
+  test.each([2, 3, 4])("%i ranks: every rank switches to shared memory, results match float64 and agree bit for bit, no file is left", async (n) => {
+    const ops = [
+      op({ op: "allReduce", len: 10_007, step: 1, seed: 5 }), // inline: each rank learns its peers share its memory
+      op({ op: "allReduce", len: 1, step: 2 }),
+      op({ op: "allReduce", len: 30_011, step: 3, seed: 7 }),
+      op({ op: "reduceScatter", len: 10_007, step: 4 }),
+      op({ op: "allGather", len: 9_999, step: 5 }),
+      op({ op: "broadcast", len: 3_001, step: 6, root: n - 1 }),
+    ];
+    const run = await runRanks(Array(n).fill("h"), ops, { sharedMemory: true });
+    expect(run.codes).toEqual(Array(n).fill(0));
+    for (let i = 0; i < ops.length; i++) expectAgreed(run, i, ops[i]!.op !== "reduceScatter");
+    // after the first operation every rank sends to its ring neighbour through shared memory
+    for (const r of run.results) expect(r.at(-1)!.shmPeers).toBeGreaterThanOrEqual(1);
+    expect(leftovers(run.job)).toEqual([]);
+  });
+
+  test("a rank SIGKILLed mid-operation: the others end with a typed error within the timeout, not a hang", async () => {
+    const started = performance.now();
+    const run = await runRanks(["h", "h", "h"], [op({ op: "allReduce", len: 3_000, step: 1 }), op({ op: "allReduce", len: 200_000, step: 2, check: false })], {
+      dieRank: 2,
+      dieAfterPieces: 12,
+      progressTimeoutMs: 3_000,
+      peerLostMs: 2_000,
+      sharedMemory: true,
+    });
+    expect(run.codes[2]).not.toBe(0);
+    for (const r of [0, 1]) {
+      expect(run.codes[r]).toBe(0);
+      expect(run.results[r]![0]!.error).toBeUndefined();
+      expect(run.results[r]![1]!.error?.name).toMatch(/^(PeerLostError|CollectiveTimeoutError|CollectiveAbortedError)$/);
+    }
+    expect(performance.now() - started).toBeLessThan(60_000);
+  });
+});
+
 describe("the collective subject refuses hostile pieces", () => {
+  test("shared-memory pieces: no such file, a slot or count out of bounds, a rank that takes none", async () => {
+    const bus = await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 });
+    await using _closer = { [Symbol.asyncDispose]: () => bus.close() };
+    const options = { job: "hostile-shm", rank: 0, size: 2, generation: 3, pieceBytesMax: 64, windowPieces: 2, sendTimeoutMs: 2_000, peerLostMs: 2_000 };
+    const t = new BusTransport(bus, { ...options, sharedMemory: true });
+    const got: number[][] = [];
+    t.listen((p) => {
+      got.push([...new Float32Array(p.data.slice().buffer)]);
+      return { kind: "taken" };
+    });
+    const out = ShmOutbox.create("hostile-shm", 3, 1, 0, 2, 64)!;
+    expect(out).not.toBeNull();
+    out.write(1, Float32Array.of(1.5, -2));
+    const good = {
+      job: "hostile-shm",
+      generation: 3,
+      group: "#all-reduce",
+      from: 1,
+      to: 0,
+      step: 0,
+      bucket: 0,
+      phase: CollPhase.ReduceScatter,
+      hop: 0,
+      piece: 0,
+      offset: 0,
+      reason: "",
+    };
+    const two = new Float32Array(2);
+    const send = (m: Uint8Array) => bus.request(subjects.coll("hostile-shm", 0), m, 2_000);
+    await expectRejected(() => send(encodeCollPiece(good, two, { nonce: out.nonce + 1, slot: 1 })), BadRequestError, shmRefusedPrefix);
+    await expectRejected(() => send(encodeCollPiece(good, two, { nonce: out.nonce, slot: 2 })), BadRequestError, "slot 2 of 2");
+    await expectRejected(() => send(encodeCollPiece(good, new Float32Array(17), { nonce: out.nonce, slot: 1 })), BadRequestError, "exceeds");
+    expect(got).toEqual([]);
+    await send(encodeCollPiece(good, two, { nonce: out.nonce, slot: 1 }));
+    expect(got).toEqual([[1.5, -2]]);
+    out.unlink();
+    t.close();
+    // a rank without shared memory refuses such pieces, naming why, so the sender goes inline
+    const inline = new BusTransport(bus, { ...options, job: "hostile-inline", sharedMemory: false });
+    inline.listen(() => ({ kind: "taken" }));
+    const m = encodeCollPiece({ ...good, job: "hostile-inline" }, two, { nonce: 5, slot: 0 });
+    await expectRejected(() => bus.request(subjects.coll("hostile-inline", 0), m, 2_000), BadRequestError, shmRefusedPrefix);
+    inline.close();
+  });
+
   test("wrong job, generation, addressee, sender, length: error replies; the rank keeps working", async () => {
     const bus = await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 });
     await using _closer = { [Symbol.asyncDispose]: () => bus.close() };
@@ -120,6 +206,7 @@ describe("the collective subject refuses hostile pieces", () => {
       windowPieces: 2,
       sendTimeoutMs: 2_000,
       peerLostMs: 2_000,
+      sharedMemory: false,
     });
     const taken: number[] = [];
     t.listen((p) => {

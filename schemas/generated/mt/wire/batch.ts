@@ -125,8 +125,42 @@ tokensArray():Uint16Array|null {
   return offset ? new Uint16Array(this.bb!.bytes().buffer, this.bb!.bytes().byteOffset + this.bb!.__vector(this.bb_pos + offset), this.bb!.__vector_len(this.bb_pos + offset)) : null;
 }
 
+/**
+ * images sent as their 8-bit pixels (a quarter of x's bytes): x is empty, and the model's
+ * input for pixel value v is pixel_values[v] (256 floats: the loader's normalization)
+ */
+pixels(index: number):number|null {
+  const offset = this.bb!.__offset(this.bb_pos, 24);
+  return offset ? this.bb!.readUint8(this.bb!.__vector(this.bb_pos + offset) + index) : 0;
+}
+
+pixelsLength():number {
+  const offset = this.bb!.__offset(this.bb_pos, 24);
+  return offset ? this.bb!.__vector_len(this.bb_pos + offset) : 0;
+}
+
+pixelsArray():Uint8Array|null {
+  const offset = this.bb!.__offset(this.bb_pos, 24);
+  return offset ? new Uint8Array(this.bb!.bytes().buffer, this.bb!.bytes().byteOffset + this.bb!.__vector(this.bb_pos + offset), this.bb!.__vector_len(this.bb_pos + offset)) : null;
+}
+
+pixelValues(index: number):number|null {
+  const offset = this.bb!.__offset(this.bb_pos, 26);
+  return offset ? this.bb!.readFloat32(this.bb!.__vector(this.bb_pos + offset) + index * 4) : 0;
+}
+
+pixelValuesLength():number {
+  const offset = this.bb!.__offset(this.bb_pos, 26);
+  return offset ? this.bb!.__vector_len(this.bb_pos + offset) : 0;
+}
+
+pixelValuesArray():Float32Array|null {
+  const offset = this.bb!.__offset(this.bb_pos, 26);
+  return offset ? new Float32Array(this.bb!.bytes().buffer, this.bb!.bytes().byteOffset + this.bb!.__vector(this.bb_pos + offset), this.bb!.__vector_len(this.bb_pos + offset)) : null;
+}
+
 static startBatch(builder:flatbuffers.Builder) {
-  builder.startObject(10);
+  builder.startObject(12);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -232,6 +266,43 @@ static startTokensVector(builder:flatbuffers.Builder, numElems:number) {
   builder.startVector(2, numElems, 2);
 }
 
+static addPixels(builder:flatbuffers.Builder, pixelsOffset:flatbuffers.Offset) {
+  builder.addFieldOffset(10, pixelsOffset, 0);
+}
+
+static createPixelsVector(builder:flatbuffers.Builder, data:number[]|Uint8Array):flatbuffers.Offset {
+  builder.startVector(1, data.length, 1);
+  for (let i = data.length - 1; i >= 0; i--) {
+    builder.addInt8(data[i]!);
+  }
+  return builder.endVector();
+}
+
+static startPixelsVector(builder:flatbuffers.Builder, numElems:number) {
+  builder.startVector(1, numElems, 1);
+}
+
+static addPixelValues(builder:flatbuffers.Builder, pixelValuesOffset:flatbuffers.Offset) {
+  builder.addFieldOffset(11, pixelValuesOffset, 0);
+}
+
+static createPixelValuesVector(builder:flatbuffers.Builder, data:number[]|Float32Array):flatbuffers.Offset;
+/**
+ * @deprecated This Uint8Array overload will be removed in the future.
+ */
+static createPixelValuesVector(builder:flatbuffers.Builder, data:number[]|Uint8Array):flatbuffers.Offset;
+static createPixelValuesVector(builder:flatbuffers.Builder, data:number[]|Float32Array|Uint8Array):flatbuffers.Offset {
+  builder.startVector(4, data.length, 4);
+  for (let i = data.length - 1; i >= 0; i--) {
+    builder.addFloat32(data[i]!);
+  }
+  return builder.endVector();
+}
+
+static startPixelValuesVector(builder:flatbuffers.Builder, numElems:number) {
+  builder.startVector(4, numElems, 4);
+}
+
 static endBatch(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -245,7 +316,7 @@ static finishSizePrefixedBatchBuffer(builder:flatbuffers.Builder, offset:flatbuf
   builder.finish(offset, 'MTBA', true);
 }
 
-static createBatch(builder:flatbuffers.Builder, schemaVersion:number, epoch:number, index:number, sampleIdsOffset:flatbuffers.Offset, rows:number, cols:number, xOffset:flatbuffers.Offset, yOffset:flatbuffers.Offset, endOfEpoch:boolean, tokensOffset:flatbuffers.Offset):flatbuffers.Offset {
+static createBatch(builder:flatbuffers.Builder, schemaVersion:number, epoch:number, index:number, sampleIdsOffset:flatbuffers.Offset, rows:number, cols:number, xOffset:flatbuffers.Offset, yOffset:flatbuffers.Offset, endOfEpoch:boolean, tokensOffset:flatbuffers.Offset, pixelsOffset:flatbuffers.Offset, pixelValuesOffset:flatbuffers.Offset):flatbuffers.Offset {
   Batch.startBatch(builder);
   Batch.addSchemaVersion(builder, schemaVersion);
   Batch.addEpoch(builder, epoch);
@@ -257,6 +328,8 @@ static createBatch(builder:flatbuffers.Builder, schemaVersion:number, epoch:numb
   Batch.addY(builder, yOffset);
   Batch.addEndOfEpoch(builder, endOfEpoch);
   Batch.addTokens(builder, tokensOffset);
+  Batch.addPixels(builder, pixelsOffset);
+  Batch.addPixelValues(builder, pixelValuesOffset);
   return Batch.endBatch(builder);
 }
 }

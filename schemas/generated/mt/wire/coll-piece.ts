@@ -134,8 +134,22 @@ reason(optionalEncoding?:any):string|Uint8Array|null {
   return offset ? this.bb!.__string(this.bb_pos + offset, optionalEncoding) : null;
 }
 
+/**
+ * nonzero: `data` is empty and the count float32 are in slot `shm_slot` of the sender's
+ * shared-memory file for this receiver, named by this nonce (services/runtime/collective-shm.ts)
+ */
+shmNonce():number {
+  const offset = this.bb!.__offset(this.bb_pos, 34);
+  return offset ? this.bb!.readUint32(this.bb_pos + offset) : 0;
+}
+
+shmSlot():number {
+  const offset = this.bb!.__offset(this.bb_pos, 36);
+  return offset ? this.bb!.readUint32(this.bb_pos + offset) : 0;
+}
+
 static startCollPiece(builder:flatbuffers.Builder) {
-  builder.startObject(15);
+  builder.startObject(17);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -210,6 +224,14 @@ static addReason(builder:flatbuffers.Builder, reasonOffset:flatbuffers.Offset) {
   builder.addFieldOffset(14, reasonOffset, 0);
 }
 
+static addShmNonce(builder:flatbuffers.Builder, shmNonce:number) {
+  builder.addFieldInt32(15, shmNonce, 0);
+}
+
+static addShmSlot(builder:flatbuffers.Builder, shmSlot:number) {
+  builder.addFieldInt32(16, shmSlot, 0);
+}
+
 static endCollPiece(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -223,7 +245,7 @@ static finishSizePrefixedCollPieceBuffer(builder:flatbuffers.Builder, offset:fla
   builder.finish(offset, 'MTCP', true);
 }
 
-static createCollPiece(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, generation:bigint, groupOffset:flatbuffers.Offset, from:number, to:number, step:bigint, bucket:number, phase:CollPhase, hop:number, piece:number, offset:bigint, count:number, dataOffset:flatbuffers.Offset, reasonOffset:flatbuffers.Offset):flatbuffers.Offset {
+static createCollPiece(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, generation:bigint, groupOffset:flatbuffers.Offset, from:number, to:number, step:bigint, bucket:number, phase:CollPhase, hop:number, piece:number, offset:bigint, count:number, dataOffset:flatbuffers.Offset, reasonOffset:flatbuffers.Offset, shmNonce:number, shmSlot:number):flatbuffers.Offset {
   CollPiece.startCollPiece(builder);
   CollPiece.addSchemaVersion(builder, schemaVersion);
   CollPiece.addJob(builder, jobOffset);
@@ -240,6 +262,8 @@ static createCollPiece(builder:flatbuffers.Builder, schemaVersion:number, jobOff
   CollPiece.addCount(builder, count);
   CollPiece.addData(builder, dataOffset);
   CollPiece.addReason(builder, reasonOffset);
+  CollPiece.addShmNonce(builder, shmNonce);
+  CollPiece.addShmSlot(builder, shmSlot);
   return CollPiece.endCollPiece(builder);
 }
 }
