@@ -15,12 +15,15 @@
 //
 // With `sharedMemory`, peers on the same machine exchange the values through /dev/shm and the
 // request carries only the header (services/runtime/collective-shm.ts); every inline piece's
-// answer says which machine answered, so the sender learns which peers share its memory.
+// answer says which machine answered, so the sender learns which peers share its memory. Those
+// requests then go straight to the peer over a Unix socket (services/runtime/local-link.ts),
+// with NATS as the fallback when the socket cannot be reached.
 import { BadPieceError, CollectiveClosedError, PeerLostError } from "../../engine/parallel/collective.ts";
 import type { PeerTransport, Phase, Piece, PieceHeader, Receipt } from "../../engine/parallel/transport.ts";
 import { CollPhase, collPieceOverheadBytes, decodeCollPiece, encodeCollPiece } from "../../schemas/messages.ts";
 import type { Bus, Subscription } from "./bus.ts";
-import { ShmInbox, ShmOutbox, shmIdentity, shmRefusedPrefix } from "./collective-shm.ts";
+import { ShmInbox, ShmOutbox, shmIdentity, shmRefusedPrefix, shmSocketPath } from "./collective-shm.ts";
+import { LocalLinkClient, LocalLinkServer } from "./local-link.ts";
 import { BadRequestError, CapacityError, DeadlineError, NoRespondersError } from "./errors.ts";
 import { subjects } from "./job.ts";
 import { pause } from "./pause.ts";
@@ -71,7 +74,7 @@ class Window {
 }
 
 /** How pieces go to one peer: not known yet (inline until its first answer), inline, or shared memory. */
-type Link = { kind: "unknown" } | { kind: "inline" } | { kind: "shm"; out: ShmOutbox; mapped: boolean };
+type Link = { kind: "unknown" } | { kind: "inline" } | { kind: "shm"; out: ShmOutbox; mapped: boolean; direct: LocalLinkClient | null };
 
 const encoder = new TextEncoder();
 const decoder = new TextDecoder();
@@ -85,6 +88,7 @@ export class BusTransport implements PeerTransport {
   readonly #identity: string | null;
   readonly #inbox: ShmInbox | null;
   #sub: Subscription | null = null;
+  #server: LocalLinkServer | null = null;
   #closed = false;
 
   constructor(
@@ -113,13 +117,17 @@ export class BusTransport implements PeerTransport {
   listen(receive: (p: Piece) => Receipt): void {
     const { job, rank } = this.#o;
     const identity = this.#identity === null ? new Uint8Array(0) : encoder.encode(this.#identity);
-    this.#sub = this.bus.handle(subjects.coll(job, rank), (data) => {
+    const handler = (data: Uint8Array) => {
       const { piece, inline } = this.#check(data);
       const receipt = receive(piece);
       if (receipt.kind === "busy") throw new CapacityError(receipt.why);
       if (receipt.kind === "bad") throw new BadRequestError(receipt.why);
       return inline ? identity : new Uint8Array(0);
-    });
+    };
+    this.#sub = this.bus.handle(subjects.coll(job, rank), handler);
+    if (this.#identity !== null) {
+      this.#server = LocalLinkServer.listen(shmSocketPath(job, this.#o.generation, rank), subjects.coll(job, rank), handler, this.messageBytesMax);
+    }
   }
 
   #check(data: Uint8Array): { piece: Piece; inline: boolean } {
@@ -171,7 +179,16 @@ export class BusTransport implements PeerTransport {
       answer.byteLength > 0 && decoder.decode(answer) === this.#identity
         ? ShmOutbox.create(job, generation, rank, peer, windowPieces, this.pieceBytesMax)
         : null;
-    this.#links.set(peer, out === null ? { kind: "inline" } : { kind: "shm", out, mapped: false });
+    if (out === null) {
+      this.#links.set(peer, { kind: "inline" });
+      return;
+    }
+    const link: Link = { kind: "shm", out, mapped: false, direct: null };
+    this.#links.set(peer, link);
+    void LocalLinkClient.connect(shmSocketPath(job, generation, peer), this.messageBytesMax).then((c) => {
+      if (this.#closed || this.#links.get(peer) !== link) c?.close();
+      else link.direct = c;
+    });
   }
 
   async #deliver(header: PieceHeader, values: Float32Array, signal: AbortSignal): Promise<void> {
@@ -195,7 +212,9 @@ export class BusTransport implements PeerTransport {
           // an attempt never outlasts the piece's budget: a peer that died holding the request
           // is declared lost on time
           const leftMs = peerLostMs - (performance.now() - started);
-          const answer = await this.bus.request(subject, msg, Math.max(100, Math.min(sendTimeoutMs, leftMs)));
+          const attemptMs = Math.max(100, Math.min(sendTimeoutMs, leftMs));
+          const direct = link.kind === "shm" && link.direct?.open ? link.direct : null;
+          const answer = direct !== null ? await direct.request(msg, attemptMs) : await this.bus.request(subject, msg, attemptMs);
           if (link.kind === "shm" && slot !== null && !link.mapped) {
             link.mapped = true;
             link.out.unlink();
@@ -263,7 +282,13 @@ export class BusTransport implements PeerTransport {
     this.#closed = true;
     this.#sub?.unsubscribe();
     this.#sub = null;
-    for (const l of this.#links.values()) if (l.kind === "shm") l.out.unlink();
+    this.#server?.close();
+    this.#server = null;
+    for (const l of this.#links.values()) {
+      if (l.kind !== "shm") continue;
+      l.out.unlink();
+      l.direct?.close();
+    }
     for (const w of this.#windows.values()) for (const wake of w.waiters.splice(0)) wake();
   }
 }

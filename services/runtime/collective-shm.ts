@@ -55,6 +55,11 @@ export function shmPath(job: string, generation: number, from: number, to: numbe
   return join(shmDir, `meshtrain-${jobHash}-g${generation}-${from}to${to}-${nonce.toString(16)}`);
 }
 
+/** Where rank `rank` of a job's communicator answers its same-machine peers (services/runtime/local-link.ts). */
+export function shmSocketPath(job: string, generation: number, rank: number): string {
+  return join(shmDir, `meshtrain-${Bun.hash(job).toString(16)}-g${generation}-r${rank}.sock`);
+}
+
 const slotStride = (pieceBytesMax: number) => Math.ceil(pieceBytesMax / 64) * 64;
 
 /** The sender's side: a file of slots it writes pieces into. */

@@ -9,6 +9,8 @@ export const requestTimeoutMs = 30_000;
 export const checkpointTimeoutMs = 120_000;
 /** Batches a trainer lets the loader prepare ahead of it. */
 export const loaderCredits = 4;
+/** Batch requests a trainer keeps in flight beyond the step it runs (at most loaderCredits). */
+export const batchLookAhead = 2;
 /** Consecutive failed attempts of one step before the trainer gives up on the job. */
 export const stepAttemptsMax = 20;
 /** How long a trainer waits for every shard to open a new job (a large model's shards

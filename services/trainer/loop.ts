@@ -62,6 +62,7 @@ import {
   finalSaveAttemptsMax,
   finishWaitMsMax,
   jobStartWaitMsMax,
+  batchLookAhead,
   loaderCredits,
   membersWaitMsMax,
   requestTimeoutMs,
@@ -155,7 +156,8 @@ export class TrainerRun {
   /** resolves when a restore arrives, so a step blocked on a dead shard is abandoned at once */
   #restored: { promise: Promise<void>; resolve: () => void } = Promise.withResolvers<void>();
   #sub: Subscription | null = null;
-  #ahead: { step: number; promise: Promise<Batch> } | null = null;
+  /** batch requests sent ahead of the step that needs them, in step order */
+  #ahead: { step: number; promise: Promise<Batch> }[] = [];
   /** a snapshot was asked for (SDK `save`): rank 0 takes it at the next step boundary */
   #snapshotAsked = false;
   #ctl: Subscription | null = null;
@@ -571,8 +573,9 @@ export class TrainerRun {
   }
 
   /**
-   * The batch of `step`. The request for the next step goes out at once, so its transfer
-   * overlaps this step's compute (the loader has it prefetched; only the transfer is left).
+   * The batch of `step`. The requests for the next `batchLookAhead` steps go out at once, so
+   * their transfers overlap this step's compute (the loader has them prefetched; only the
+   * transfer is left), and a reply that a busy machine delays does not stall the next step.
    */
   async #batch(step: number): Promise<Batch> {
     const { cfg, rank, bus } = this.#o;
@@ -582,8 +585,10 @@ export class TrainerRun {
       promise.catch(() => {}); // a failed look-ahead is retried as the step's own request
       return { step: s, promise };
     };
-    const ahead = this.#ahead?.step === step ? this.#ahead : null;
-    this.#ahead = step + 1 < this.#total ? fetch(step + 1) : null;
+    // look-aheads for other steps are stale (a restore moved the step)
+    if (this.#ahead[0]?.step !== step) this.#ahead = [];
+    const ahead = this.#ahead.shift() ?? null;
+    for (let s = (this.#ahead.at(-1)?.step ?? step) + 1; this.#ahead.length < batchLookAhead && s < this.#total; s++) this.#ahead.push(fetch(s));
     try {
       return await (ahead ?? fetch(step)).promise;
     } catch (e) {

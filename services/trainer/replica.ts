@@ -30,7 +30,7 @@ import { LossScaler } from "../../engine/optim/loss-scale.ts";
 import type { Optimizer } from "../../engine/optim/optimizer.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
 import type { ParamEntry } from "../../engine/params.ts";
-import { RingCollective, scaleInPlace } from "../../engine/parallel/ring.ts";
+import { RingCollective } from "../../engine/parallel/ring.ts";
 import type { Context, Tensor } from "../../engine/tensor.ts";
 import { type HostBatch, uploadBatch } from "../../engine/train.ts";
 import type { ShardState } from "../../schemas/messages.ts";
@@ -236,7 +236,6 @@ export class Replica {
         backend.download(store.grads.ptr + e.offset * 4, b.buf.subarray(at, at + e.numel));
         at += e.numel;
       }
-      if (weight !== 1) scaleInPlace(b.buf, weight);
       firstStart = Math.min(firstStart, performance.now());
       inFlight++;
       const op = collective.allReduce(b.buf, { step, bucket: b.id }, "sum").finally(() => inFlight--);
@@ -247,7 +246,9 @@ export class Replica {
     store.zeroGrad();
     let loss = 0;
     const k = micro.length;
-    const dloss = (this.scaler?.scale ?? 1) / Math.max(k, 1);
+    // the rank's share of the global batch is folded into the loss's seed, so the gradients
+    // come out of backward already weighted and the buckets' sum is the global mean
+    const dloss = ((this.scaler?.scale ?? 1) * weight) / Math.max(k, 1);
     if (k > 0) {
       const slots = ctx.scalarSlots(k);
       for (let i = 0; i < k; i++) {
