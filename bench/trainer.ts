@@ -6,7 +6,11 @@
 // (exposed), also as a share of the step. Per model: the MLP on MNIST (an epoch by default),
 // and the GPT on Moby Dick (--gpt-steps steps of 2 x 32 windows of 64 characters).
 //
-//   bun run bench trainer [--model mlp,gpt] [--epochs 1] [--gpt-steps 60] [--sync bsp,allreduce] [--bucket-mb 25] [--json-only]
+// In all-reduce mode, --coll-transport picks what carries the gradients between the trainers:
+// auto (shared memory and a Unix socket between processes on one machine, as a job does by
+// default) and/or nats (every byte through the NATS server).
+//
+//   bun run bench trainer [--model mlp,gpt] [--epochs 1] [--gpt-steps 60] [--sync bsp,allreduce] [--coll-transport auto,nats] [--bucket-mb 25] [--json-only]
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -57,6 +61,7 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
     "gpt-steps": { type: "string", default: "60" },
     sync: { type: "string", default: "bsp,allreduce" },
     "bucket-mb": { type: "string", default: String(jobDefaults.bucketMb) },
+    "coll-transport": { type: "string", default: "auto" },
     "json-only": { type: "boolean", default: false },
   });
   const syncs = String(v.sync).split(",");
@@ -65,6 +70,9 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
   const models = String(v.model).split(",");
   for (const x of models)
     if (!(benchModels as readonly string[]).includes(x)) throw new ConfigError(`--model must be a list of ${benchModels.join(", ")}, got ${String(v.model)}`);
+  const transports = String(v["coll-transport"]).split(",") as JobConfig["collTransport"][];
+  for (const x of transports)
+    if (x !== "auto" && x !== "nats") throw new ConfigError(`--coll-transport must be a list of auto, nats; got ${String(v["coll-transport"])}`);
   const bucketMb = Number(v["bucket-mb"]);
   if (!(bucketMb > 0 && bucketMb <= 1024)) throw new ConfigError(`--bucket-mb must be a number in (0, 1024], got ${String(v["bucket-mb"])}`);
   const rows: TrainerBenchResult[] = [];
@@ -80,7 +88,7 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
             checkpointEvery: 0,
             evalEvery: 0,
           });
-    rows.push(...(await benchModel(base, syncs, bucketMb)));
+    rows.push(...(await benchModel(base, syncs, bucketMb, transports)));
   }
   if (!v["json-only"]) {
     console.log(
@@ -106,10 +114,18 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
   return rows;
 }
 
-async function benchModel(base: JobConfig, syncs: string[], bucketMb: number): Promise<TrainerBenchResult[]> {
+async function benchModel(base: JobConfig, syncs: string[], bucketMb: number, transports: JobConfig["collTransport"][]): Promise<TrainerBenchResult[]> {
   const meshRuns: { cfg: JobConfig; r: Awaited<ReturnType<typeof watchJob>> }[] = [];
-  for (const sync of syncs) {
-    const cfg = parseJobConfig({ ...base, job: `bench-trainer-${base.model.kind}-${sync}-${Date.now()}`, sync, staleness: sync === "ssp" ? 2 : 0, bucketMb });
+  const runs = syncs.flatMap((sync) => (sync === "allreduce" ? transports : ["auto" as const]).map((collTransport) => ({ sync, collTransport })));
+  for (const { sync, collTransport } of runs) {
+    const cfg = parseJobConfig({
+      ...base,
+      job: `bench-trainer-${base.model.kind}-${sync}-${Date.now()}`,
+      sync,
+      staleness: sync === "ssp" ? 2 : 0,
+      bucketMb,
+      collTransport,
+    });
     const dir = mkdtempSync(join(tmpdir(), "mt-bench-trainer-"));
     try {
       await using m = await LocalMesh.start({
@@ -132,7 +148,9 @@ async function benchModel(base: JobConfig, syncs: string[], bucketMb: number): P
   const rows: TrainerBenchResult[] = meshRuns.map(({ cfg: c, r }) => {
     const s = r.split;
     const stepMs = (1000 * c.batchSize * c.trainers) / r.samplesPerS;
-    const where = usesShards(c) ? `${c.trainers} trainers x ${c.shards} shards` : `${c.trainers} trainers, ${c.bucketMb} MB buckets`;
+    const where = usesShards(c)
+      ? `${c.trainers} trainers x ${c.shards} shards`
+      : `${c.trainers} trainers, ${c.bucketMb} MB buckets, ${c.collTransport === "auto" ? "shared memory" : "NATS"}`;
     return {
       model: name,
       run: `mesh ${c.sync} ${where}`,
