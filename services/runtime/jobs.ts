@@ -239,15 +239,16 @@ export class JobLedger implements JobControl {
     const ended = (r: JobRecord): JobRecord => ({ ...r, ...ending, reason, endedMs: Date.now() });
     // only the submission it is about: a late end from an earlier one leaves a resubmission alone
     const ours = (r: JobRecord) => attempt === 0 || r.attempts === attempt;
+    // this submission's spec goes first, in any case: whoever sees the record ended finds no
+    // spec of it open anywhere (and a crash between the two writes leaves a running record
+    // without a spec, which watch reports and a resubmission runs)
+    await this.store.deleteSpec(job, attempt);
     let written = await this.store.updateRecord(job, (r) => (isEnded(r) || !ours(r) ? null : ended(r)));
     if (written === null && (await this.store.record(job)) === null) {
       // a spec put without a record (a script that bypassed the SDK): record how it ended
       const r = ended(runningRecord(job, "", 1));
       written = (await this.store.createRecord(r)) ? r : null;
     }
-    // delete this submission's spec in any case: a spec whose record ended (a crash between the
-    // two writes) must not stay open anywhere
-    await this.store.deleteSpec(job, attempt);
     if (written) {
       const text = `${stateName(written.state)}${reason ? `: ${reason}` : ""}`;
       this.bus.publish(subjects.events(job, "ended"), encodeEvent({ ...emptyEvent(job, EventKind.Ended), step: written.evalStep, text }));

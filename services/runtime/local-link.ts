@@ -12,7 +12,8 @@
 import { unlinkSync } from "node:fs";
 import type { Socket } from "bun";
 import { answer, type Handler, unwrapReply } from "./bus.ts";
-import { DeadlineError, NoRespondersError } from "./errors.ts";
+import { encodeErrorReply } from "../../schemas/messages.ts";
+import { DeadlineError, errorReplyOf, NoRespondersError } from "./errors.ts";
 
 const headerBytes = 8;
 
@@ -114,9 +115,18 @@ export class LocalLinkServer {
             s.data = {
               writer,
               reader: new FrameReader(frameBytesMax, (id, payload) => {
-                void answer(handler, payload.slice(), name).then(({ reply }) => {
-                  if (s.readyState === 1) writer.write(s, frame(id, reply));
-                });
+                // a handler that answers at once is answered at once: the reply is on the wire
+                // before whatever its work set off (the end of an operation, a close) runs
+                const reply = (r: Uint8Array) => writer.write(s, frame(id, r));
+                let result: Uint8Array | Promise<Uint8Array>;
+                try {
+                  result = handler(payload.slice(), name);
+                } catch (e) {
+                  reply(encodeErrorReply(errorReplyOf(e, name)));
+                  return;
+                }
+                if (result instanceof Uint8Array) reply(result);
+                else void answer(() => result, payload, name).then(({ reply: r }) => reply(r));
               }),
             };
           },
@@ -135,8 +145,9 @@ export class LocalLinkServer {
     }
   }
 
+  /** Takes no new connection; those open end with their peers (a reply already written still arrives). */
   close(): void {
-    this.#listener.stop(true);
+    this.#listener.stop(false);
     try {
       unlinkSync(this.path);
     } catch {}

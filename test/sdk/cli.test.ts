@@ -270,8 +270,11 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
     const r = bench("allreduce", "--ranks", "2", "--sizes-mb", "1", "--rounds", "1");
     expect(r.code).toBe(0);
     expect(r.lines[1]).toContain("ring_busbw_gb_per_s");
-    expect(r.last.rows.map((x: { ranks: number }) => x.ranks)).toEqual([2]);
-    for (const k of ["ring_busbw_gb_per_s", "raw_busbw_gb_per_s", "ratio"]) expect(r.last.rows[0][k]).toBeGreaterThan(0);
+    expect(r.last.rows.map((x: { transport: string; ranks: number }) => [x.transport, x.ranks])).toEqual([
+      ["nats", 2],
+      ["shm", 2],
+    ]);
+    for (const row of r.last.rows) for (const k of ["ring_busbw_gb_per_s", "raw_busbw_gb_per_s", "ratio"]) expect(row[k]).toBeGreaterThan(0);
   }, 120_000);
 
   test("bad benchmark options are one clear line", () => {
@@ -280,6 +283,8 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
     expect(bench("trainer", "--bucket-mb", "0").err).toContain("--bucket-mb must be a number in (0, 1024]");
     expect(bench("allreduce", "--ranks", "1").err).toContain("--ranks: each from 2 to 16");
     expect(bench("allreduce", "--piece-kb", "x").err).toContain("--piece-kb must be a positive integer");
+    expect(bench("allreduce", "--transport", "tcp").err).toContain("--transport must be a list of nats, shm");
+    expect(bench("trainer", "--coll-transport", "tcp").err).toContain("--coll-transport must be a list of auto, nats");
     expect(bench("nope").err).toContain("usage: bun run bench <engine|kernels|ps|checkpoint|data-loader|trainer|allreduce>");
   });
 });
