@@ -8,7 +8,8 @@
 // wins (compare-and-set on the key's revision); it then deletes the spec, so every service
 // closes the job, and publishes the Ended event. A service that restarts opens only the specs of
 // running jobs: an ended job is never reopened.
-import { Kvm, type KV } from "@nats-io/kv";
+import type { KV } from "@nats-io/kv";
+import { openBucket } from "./kv-bucket.ts";
 import type { NatsConnection } from "@nats-io/transport-node";
 import {
   decodeJobRecord,
@@ -74,10 +75,8 @@ export class JobStore {
 
   static async open(nc: NatsConnection): Promise<JobStore> {
     try {
-      // create() opens a bucket that exists with the same settings
-      const kvm = new Kvm(nc);
-      const specs = await kvm.create(jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax });
-      const records = await kvm.create(recordsBucket, { history: 1, maxValueSize: jobRecordBytesMax });
+      const specs = await openBucket(nc, jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax });
+      const records = await openBucket(nc, recordsBucket, { history: 1, maxValueSize: jobRecordBytesMax });
       return new JobStore(specs, records);
     } catch (e) {
       if ((e as Error).name !== "JetStreamNotEnabled") throw e;

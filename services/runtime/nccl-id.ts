@@ -17,7 +17,8 @@
 //   bytes 12-139 the 128 id bytes
 //
 // This module moves bytes only: no bun:ffi, no ffi/nccl (services never call native code).
-import { Kvm, type KV } from "@nats-io/kv";
+import type { KV } from "@nats-io/kv";
+import { openBucket } from "./kv-bucket.ts";
 import type { NatsConnection } from "@nats-io/transport-node";
 import { WireFormatError } from "../../schemas/codec.ts";
 import { BadRequestError, DeadlineError, JetStreamUnavailableError } from "./errors.ts";
@@ -107,9 +108,7 @@ export class NcclIdStore {
 
   static async open(nc: NatsConnection): Promise<NcclIdStore> {
     try {
-      // create() opens the bucket when it exists with the same settings
-      const kv = await new Kvm(nc).create(ncclIdsBucket, { history: 1, maxValueSize: ncclIdMessageBytesMax, ttl: ncclIdTtlMs });
-      return new NcclIdStore(kv);
+      return new NcclIdStore(await openBucket(nc, ncclIdsBucket, { history: 1, maxValueSize: ncclIdMessageBytesMax, ttl: ncclIdTtlMs }));
     } catch (e) {
       if ((e as Error).name !== "JetStreamNotEnabled") throw e;
       throw new JetStreamUnavailableError(
