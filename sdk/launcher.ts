@@ -97,6 +97,8 @@ export interface MeshOptions {
   natsStoreDir?: string;
   /** extra MT_* overrides for every service */
   env?: Record<string, string>;
+  /** host label per trainer rank (MT_HOST), as if the ranks ran on these machines; default: this machine's name */
+  trainerHosts?: string[];
   onEvent?: (line: string) => void;
 }
 
@@ -172,6 +174,7 @@ export class LocalMesh implements AsyncDisposable {
       // per-service identity from the topology wins over the overrides
       ...(spec.env.MT_SHARD ? { MT_SHARD: spec.env.MT_SHARD } : {}),
       ...(spec.env.MT_RANK ? { MT_RANK: spec.env.MT_RANK } : {}),
+      ...(spec.env.MT_RANK && this.opts.trainerHosts?.[Number(spec.env.MT_RANK)] ? { MT_HOST: this.opts.trainerHosts[Number(spec.env.MT_RANK)]! } : {}),
     };
   }
 

@@ -10,6 +10,8 @@ import type { JobConfig } from "./job.ts";
 
 export interface MeshMembers {
   trainers: number[];
+  /** host label of each trainer rank that gave one (the collective's topology) */
+  trainerHosts?: Record<number, string>;
   shards: number[];
   dataLoaders: number;
   checkpoints: number;
@@ -39,7 +41,15 @@ export async function meshMembers(nc: NatsConnection, waitMs = discoveryWaitMs):
   const [trainers, shards, loaders, checkpoints] = await Promise.all(
     ["trainer", "parameter-server", "data-loader", "checkpoint"].map((n) => infos(nc, n, waitMs)),
   );
-  return { trainers: indices(trainers!, "rank"), shards: indices(shards!, "shard"), dataLoaders: loaders!.length, checkpoints: checkpoints!.length };
+  const trainerHosts: Record<number, string> = {};
+  for (const m of trainers!) if (Number.isInteger(Number(m.rank)) && typeof m.host === "string" && m.host !== "") trainerHosts[Number(m.rank)] = m.host;
+  return {
+    trainers: indices(trainers!, "rank"),
+    trainerHosts,
+    shards: indices(shards!, "shard"),
+    dataLoaders: loaders!.length,
+    checkpoints: checkpoints!.length,
+  };
 }
 
 /** "0-2", "0,2,5": a compact list of indices. */

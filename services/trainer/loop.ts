@@ -214,8 +214,22 @@ export class TrainerRun {
    * trainer rank, shard and service the job needs; then fails the job, naming what is missing.
    */
   async #checkMembers(): Promise<void> {
-    const members = this.#o.members;
-    if (members) await awaitMembers(members, this.#o.cfg, membersWaitMsMax, "its NATS server", this.#stopSignal.signal);
+    const { members, cfg, log } = this.#o;
+    if (!members) return;
+    if (!(await awaitMembers(members, cfg, membersWaitMsMax, "its NATS server", this.#stopSignal.signal))) return;
+    if (this.#replica === null) return;
+    // the collective's topology: every rank reads the same labels from service discovery
+    const known = (await members()).trainerHosts ?? {};
+    const hosts = Array.from({ length: cfg.trainers }, (_, r) => known[r] ?? "");
+    if (hosts.some((h) => h === "")) {
+      log?.warn({ hosts }, "some ranks gave no host label; the all-reduce is the flat ring");
+      return;
+    }
+    this.#replica.useTopology(hosts);
+    log?.info(
+      { hosts, hostCount: this.#replica.hostCount },
+      this.#replica.hostCount > 1 ? "all-reduce is hierarchical across hosts" : "all-reduce is a ring on one host",
+    );
   }
 
   #publish(e: Partial<Event> & { kind: EventKind }): void {

@@ -1,5 +1,6 @@
 #!/usr/bin/env bun
 // trainer process of one rank: `bun services/trainer/main.ts --rank 0 --nats-url nats://...`
+import { hostname } from "node:os";
 import { z } from "zod";
 import { type DeviceChoice, deviceChoices, openBackend } from "../../ffi/select.ts";
 import { meshMembers } from "../runtime/discovery.ts";
@@ -12,8 +13,15 @@ const schema = baseConfigSchema.extend({
   rank: z.number().int().min(0).max(63),
   /** compute device (MT_DEVICE / --device): auto picks CUDA when a driver and a GPU are present */
   device: z.enum(deviceChoices),
+  /** the machine this rank runs on (MT_HOST / --host), for the collective's topology: ranks with
+   *  one label reduce among themselves first; default the machine's name */
+  host: z
+    .string()
+    .min(1)
+    .max(64)
+    .regex(/^[A-Za-z0-9._-]+$/, "a host label is letters, digits, '.', '_' or '-'"),
 });
-type Config = BaseConfig & { rank: number; device: DeviceChoice };
+type Config = BaseConfig & { rank: number; device: DeviceChoice; host: string };
 
 // Default cpu, not auto: a host runs several trainer ranks (the local mesh and the compose
 // file start one process per rank), and auto would put every one of them on GPU 0, each with
@@ -25,8 +33,16 @@ await runService<Config>({
   name: "trainer",
   description: "the training loop: batches in, gradients out",
   schema,
-  defaults: { ...baseConfigDefaults, rank: 0, device: deviceDefault },
-  metadata: (c) => ({ rank: String(c.rank) }),
+  defaults: {
+    ...baseConfigDefaults,
+    rank: 0,
+    device: deviceDefault,
+    host:
+      hostname()
+        .replace(/[^A-Za-z0-9._-]/g, "-")
+        .slice(0, 64) || "host",
+  },
+  metadata: (c) => ({ rank: String(c.rank), host: c.host }),
   logFields: (c) => ({ rank: c.rank }),
   async start({ config, log, bus }) {
     const { backend } = openBackend(config.device, (why, detail) => log.info({ device: config.device, detail }, why), config.rank);

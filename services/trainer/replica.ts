@@ -1,10 +1,15 @@
 // A trainer rank's replica in all-reduce mode (`sync: "allreduce"`): the parameters, the
 // optimizer state and the loss scaler live in the trainer, and a step is
-//   forward/backward -> average the gradient over the ranks (ring all-reduce over NATS,
-//   bucket by bucket while backward goes on) -> unscale (f16) -> clip by the global norm ->
-//   the same optimizer step on every rank.
+//   forward/backward -> average the gradient over the ranks (ring all-reduce, bucket by bucket
+//   while backward goes on) -> unscale (f16) -> clip by the global norm -> the same optimizer
+//   step on every rank.
 // Every rank reduces to bit-identical gradients (fixed ring order), so the replicas stay equal;
 // a hash of the parameters is compared every `replicaCheckEvery` steps to prove it.
+//
+// Topology: when the ranks' host labels (useTopology, from service discovery) name more than
+// one machine, the all-reduce is hierarchical (engine/parallel/hierarchical.ts): within each
+// host first, then across one leader per host, so the links between machines carry each byte
+// once. On one machine it is the flat ring.
 //
 // Buckets: parameters are grouped, in the order backward completes their gradients, into
 // buckets of about `bucketMb`. The order comes from the tape of a forward pass (the first op to
@@ -14,8 +19,8 @@
 // in flight, so its pieces move while the next gradients are computed.
 //
 // Averaging: rank r scales its mean gradient by rows_r / rows (the step's samples over all
-// ranks, known from the data plan) before the sum, so a short last step weighs each sample
-// once, as a single process with the whole batch would.
+// ranks, known from the data plan; folded into the loss's seed) before the sum, so a short last
+// step weighs each sample once, as a single process with the whole batch would.
 //
 // Checkpoints: rank 0 serves its replica in parts (ShardState messages of the job's chunk
 // layout, each under the message limit) to the checkpoint service; on restore every rank is
@@ -30,6 +35,8 @@ import { LossScaler } from "../../engine/optim/loss-scale.ts";
 import type { Optimizer } from "../../engine/optim/optimizer.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
 import type { ParamEntry } from "../../engine/params.ts";
+import type { Collective } from "../../engine/parallel/collective.ts";
+import { HierarchicalCollective } from "../../engine/parallel/hierarchical.ts";
 import { RingCollective } from "../../engine/parallel/ring.ts";
 import type { Context, Tensor } from "../../engine/tensor.ts";
 import { type HostBatch, uploadBatch } from "../../engine/train.ts";
@@ -103,7 +110,9 @@ export class Replica {
   readonly layout: Layout;
   readonly #o: ReplicaOptions;
   #generation = 0;
-  #collective: RingCollective;
+  #collective: Collective;
+  /** host label per rank; null or a single label: the flat ring */
+  #hosts: readonly string[] | null = null;
   #buckets: Bucket[] | null = null;
   #bucketOf = new Map<string, Bucket>();
   #staged: Staged | null = null;
@@ -128,7 +137,24 @@ export class Replica {
     return this.#generation;
   }
 
-  #connect(generation: number): RingCollective {
+  /** How many machines the ranks' labels name (1 until useTopology). */
+  get hostCount(): number {
+    return new Set(this.#hosts ?? [""]).size;
+  }
+
+  /**
+   * Takes the ranks' host labels (every rank must pass the same ones before its first step):
+   * more than one host makes the all-reduce hierarchical. Rebuilds the communicator.
+   */
+  useTopology(hosts: readonly string[]): void {
+    const n = this.#o.cfg.trainers;
+    if (hosts.length !== n || hosts.some((h) => h === ""))
+      throw new RangeError(`a topology needs a host label for each of the ${n} ranks, got ${hosts.join(",")}`);
+    this.#hosts = [...hosts];
+    this.reconnect(this.#generation);
+  }
+
+  #connect(generation: number): Collective {
     const { bus, cfg, rank, payloadBytesMax } = this.#o;
     const t = { ...busTransportDefaults, ...this.#o.transport };
     // a piece and its header fit the message limit
@@ -142,12 +168,15 @@ export class Replica {
       generation,
       sharedMemory: this.#o.transport?.sharedMemory ?? cfg.collTransport === "auto",
     });
-    return new RingCollective(transport, cfg.trainers, this.#o.progressTimeoutMs ? { progressTimeoutMs: this.#o.progressTimeoutMs } : {});
+    const options = this.#o.progressTimeoutMs ? { progressTimeoutMs: this.#o.progressTimeoutMs } : {};
+    return this.#hosts !== null && new Set(this.#hosts).size > 1
+      ? new HierarchicalCollective(transport, { hosts: this.#hosts }, options)
+      : new RingCollective(transport, cfg.trainers, options);
   }
 
   /** Rebuilds the communicator under a new generation: operations in flight fail, stale pieces are refused. */
   reconnect(generation: number): void {
-    this.#collective.close(`communicator generation ${this.#generation} replaced by ${generation} (a restore)`);
+    this.#collective.close(`communicator generation ${this.#generation} replaced by ${generation}`);
     this.#generation = generation;
     this.#collective = this.#connect(generation);
   }

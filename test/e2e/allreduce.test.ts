@@ -4,7 +4,7 @@
 // replica, and the job finishes with every step once.
 import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
-import { existsSync, readdirSync } from "node:fs";
+import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
@@ -30,7 +30,7 @@ const config = (over: Partial<JobConfig>): JobConfig =>
     ...over,
   });
 
-const startMesh = (prefix: string, o: { onEvent?: (line: string) => void } = {}) => {
+const startMesh = (prefix: string, o: { onEvent?: (line: string) => void; trainers?: number; trainerHosts?: string[] } = {}) => {
   const dir = tempDir(prefix);
   return LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 2, shards: 0, ...o });
 };
@@ -61,6 +61,25 @@ describe("all-reduce mode on the mesh", () => {
     expect(readdirSync(snapDir).some((f) => f.startsWith("ps-"))).toBe(false);
     expect(existsSync(r.record.modelPath)).toBe(true);
     expect(modelFileAccuracy(r.record.modelPath)).toBeCloseTo(r.record.accuracy, 6);
+  }, 180_000);
+
+  test("4 ranks labelled as 2 hosts x 2: the all-reduce is hierarchical, the replicas stay identical, the job learns", async () => {
+    await using mesh = await startMesh("mt-ar-hosts-", { trainers: 4, trainerHosts: ["a", "a", "b", "b"] });
+    await using client = await MeshClient.connect(mesh.url);
+    const cfg = config({ job: "ar-hosts", trainers: 4, maxSteps: 60, replicaCheckEvery: 20, checkpointEvery: 0 });
+    const seen: Event[] = [];
+    await client.submit(cfg, { membersWaitMs: 60_000 });
+    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
+    expect(r.record.state).toBe(JobState.Done);
+    expect(r.record.accuracy).toBeGreaterThan(0.85);
+    // every 20 steps the ranks compared their parameters' hashes (a difference fails the job)
+    expect(seen.some((e) => e.kind === EventKind.Failed)).toBe(false);
+    const steps = effectiveSteps(seen, 4);
+    for (const rank of [0, 1, 2, 3]) expect(steps[rank]).toEqual(Array.from({ length: 60 }, (_, i) => i));
+    for (const rank of [0, 1, 2, 3]) {
+      const log = readFileSync(join(mesh.opts.logDir, `trainer-${rank}.log`), "utf8");
+      expect(log).toContain("all-reduce is hierarchical across hosts");
+    }
   }, 180_000);
 
   test("SIGKILL of a trainer mid-run: every rank rewinds to the newest snapshot of the replica and the job finishes, every step once", async () => {
