@@ -226,6 +226,7 @@ export class BusTransport implements PeerTransport {
             // the peer cannot read this machine's shared memory after all: inline from now on
             link.out.release(slot);
             link.out.unlink();
+            link.direct?.close();
             slot = null;
             this.#links.set(header.to, (link = { kind: "inline" }));
             attempt = 0;
