@@ -110,7 +110,8 @@ export class Replica {
   readonly layout: Layout;
   readonly #o: ReplicaOptions;
   #generation = 0;
-  #collective: Collective;
+  /** built at its first use, once the topology is known (see useTopology) */
+  #collective: Collective | null = null;
   /** host label per rank; null or a single label: the flat ring */
   #hosts: readonly string[] | null = null;
   #buckets: Bucket[] | null = null;
@@ -130,7 +131,6 @@ export class Replica {
         : new AdamW(ctx, store, { beta1: opt.beta1, beta2: opt.beta2, eps: opt.eps, weightDecay: opt.weightDecay });
     this.scaler = ctx.precision === "f16" ? new LossScaler() : null;
     this.layout = buildLayout(cfg.job, store.slabNumel, store.decayRange.numel, cfg.chunkBytes, 1);
-    this.#collective = this.#connect(0);
   }
 
   get generation(): number {
@@ -144,14 +144,25 @@ export class Replica {
 
   /**
    * Takes the ranks' host labels (every rank must pass the same ones before its first step):
-   * more than one host makes the all-reduce hierarchical. Rebuilds the communicator.
+   * more than one host makes the all-reduce hierarchical.
+   *
+   * The communicator is built after this, at its first use. Rebuilding one under the same
+   * generation would lose pieces: a faster peer's first pieces, taken and held by the old
+   * communicator as early, would never reach the new one, and the step would hang. A topology
+   * given after the communicator was built is a programmer's error.
    */
   useTopology(hosts: readonly string[]): void {
     const n = this.#o.cfg.trainers;
     if (hosts.length !== n || hosts.some((h) => h === ""))
       throw new RangeError(`a topology needs a host label for each of the ${n} ranks, got ${hosts.join(",")}`);
+    if (this.#collective !== null) throw new Error("the topology must be given before the communicator's first use");
     this.#hosts = [...hosts];
-    this.reconnect(this.#generation);
+  }
+
+  /** The communicator of the current generation (built at first use). */
+  get #comm(): Collective {
+    this.#collective ??= this.#connect(this.#generation);
+    return this.#collective;
   }
 
   #connect(generation: number): Collective {
@@ -176,18 +187,18 @@ export class Replica {
 
   /** Rebuilds the communicator under a new generation: operations in flight fail, stale pieces are refused. */
   reconnect(generation: number): void {
-    this.#collective.close(`communicator generation ${this.#generation} replaced by ${generation}`);
+    this.#collective?.close(`communicator generation ${this.#generation} replaced by ${generation}`);
     this.#generation = generation;
     this.#collective = this.#connect(generation);
   }
 
   close(): void {
-    this.#collective.close("the trainer stopped");
+    this.#collective?.close("the trainer stopped");
   }
 
   /** Fails the operations in flight (a restore abandons the step); the restore's apply() reconnects. */
   interrupt(): void {
-    this.#collective.close("the step was abandoned for a restore");
+    this.#collective?.close("the step was abandoned for a restore");
   }
 
   /**
@@ -254,7 +265,7 @@ export class Replica {
     const buckets = this.#plan(shape);
     const t0 = performance.now();
     const weight = totalRows > 0 ? rows / totalRows : 0;
-    const collective = this.#collective;
+    const collective = this.#comm;
     const pending: Promise<void>[] = [];
     let inFlight = 0;
     let firstStart = Infinity;
@@ -356,7 +367,7 @@ export class Replica {
     const buf = new Float32Array(3 * n);
     const mask = (1n << BigInt(hashBitsPerFloat)) - 1n;
     for (let i = 0; i < 3; i++) buf[3 * rank + i] = Number((BigInt(h) >> BigInt(hashBitsPerFloat * i)) & mask);
-    await this.#collective.allGather(buf, { step, bucket: checkBucket });
+    await this.#comm.allGather(buf, { step, bucket: checkBucket });
     const hashOf = (r: number) => [0, 1, 2].map((i) => buf[3 * r + i]!.toString(16)).join(".");
     const differ = Array.from({ length: n }, (_, r) => r).filter((r) => hashOf(r) !== hashOf(0));
     if (differ.length > 0) {

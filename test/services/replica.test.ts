@@ -225,6 +225,34 @@ describe("all-reduce replicas", () => {
     expect(stepRows(1000, 4, 2, 128, 7)).toBe(1000 - 3 * 256); // epoch 1's last step
   });
 
+  test("a rank that takes its topology late loses none of the pieces its faster peers already sent (2 hosts x 2, hierarchical)", async () => {
+    // the race CI hit: ranks 0-2 had their labels and sent step 0's pieces while rank 3 was still
+    // reading service discovery; its first communicator took them as early, the rebuilt one never
+    // saw them, and the step hung until the progress timeout
+    const cfg = config({ trainers: 4 });
+    const rs = ranks(cfg);
+    const hosts = ["a", "a", "b", "b"];
+    try {
+      const steps = rs.slice(0, 3).map((r, rank) => {
+        r.replica.useTopology(hosts);
+        const mine = batch(rank * 16, 16);
+        return r.replica.step(0, [mine], 16, 64, 0.05, mine);
+      });
+      await Bun.sleep(300); // the others' first pieces are out (and retried: no one listens yet)
+      rs[3]!.replica.useTopology(hosts);
+      const last = batch(3 * 16, 16);
+      const results = await Promise.all([...steps, rs[3]!.replica.step(0, [last], 16, 64, 0.05, last)]);
+      expect(new Set(results.map((x) => x.gradNorm)).size).toBe(1);
+      expect(rs[3]!.replica.hostCount).toBe(2);
+      const values = rs.map((r) => Buffer.from(r.model.store.readValues().buffer));
+      for (const v of values) expect(v.equals(values[0]!)).toBe(true);
+      // the topology is fixed once the communicator has been used
+      expect(() => rs[0]!.replica.useTopology(hosts)).toThrow("before the communicator's first use");
+    } finally {
+      dispose(rs);
+    }
+  }, 30_000);
+
   test("a replica that differs is caught by the hash check on every rank", async () => {
     const cfg = config();
     const rs = ranks(cfg);
