@@ -7,7 +7,7 @@
 // each group is one contiguous range. Every parameter starts on a 64-byte boundary; the
 // padding between them is zero in all slabs and stays zero under every update rule.
 import type { Allocation } from "../ffi/backend.ts";
-import { ConfigError, ShapeError } from "./errors.ts";
+import { ConfigError, EngineError, ShapeError } from "./errors.ts";
 import { Rng } from "./rng.ts";
 import { type Context, numelOf, type Shape, type Tensor } from "./tensor.ts";
 
@@ -84,9 +84,9 @@ export class ParamStore {
   readonly decayRange: ParamRange;
   readonly noDecayRange: ParamRange;
   readonly values: Allocation;
-  readonly grads: Allocation;
   readonly valuesTensor: Tensor;
-  readonly gradsTensor: Tensor;
+  #grads: Allocation | null;
+  #gradsTensor: Tensor | null;
   readonly #ctx: Context;
   readonly #byName = new Map<string, ParamEntry>();
   readonly #params: readonly Param[];
@@ -112,14 +112,14 @@ export class ParamStore {
     for (const e of entries) this.#byName.set(e.name, e);
 
     this.values = ctx.allocPersistent(this.slabNumel * 4);
-    this.grads = ctx.allocPersistent(this.slabNumel * 4);
+    this.#grads = ctx.allocPersistent(this.slabNumel * 4);
     this.valuesTensor = ctx.persistentTensor([this.slabNumel], "f32", this.values.ptr, false);
-    this.gradsTensor = ctx.persistentTensor([this.slabNumel], "f32", this.grads.ptr, false);
+    this.#gradsTensor = ctx.persistentTensor([this.slabNumel], "f32", this.#grads.ptr, false);
     const byName = new Map(params.map((p) => [p.spec.name, p]));
     for (const e of entries) {
       const t = ctx.persistentTensor(e.shape, "f32", this.values.ptr + e.offset * 4, true);
       t.name = e.name;
-      t.bindGrad(ctx.persistentTensor(e.shape, "f32", this.grads.ptr + e.offset * 4, false));
+      t.bindGrad(ctx.persistentTensor(e.shape, "f32", this.#grads.ptr + e.offset * 4, false));
       byName.get(e.name)!.bind(t);
     }
   }
@@ -129,6 +129,39 @@ export class ParamStore {
     const store = new ParamStore(ctx, builder.params);
     store.initialize(seed);
     return store;
+  }
+
+  /** The gradient slab (backward accumulates every parameter's gradient into its view). */
+  get grads(): Allocation {
+    if (this.#grads === null) throw new EngineError("the gradient slab was released: gradients live in the step's arena (ZeRO stage 2)");
+    return this.#grads;
+  }
+
+  get gradsTensor(): Tensor {
+    if (this.#gradsTensor === null) throw new EngineError("the gradient slab was released: gradients live in the step's arena (ZeRO stage 2)");
+    return this.#gradsTensor;
+  }
+
+  /** Whether the gradient slab is held (false after releaseGradSlab). */
+  get holdsGradSlab(): boolean {
+    return this.#grads !== null;
+  }
+
+  /**
+   * Gives the gradient slab back (ZeRO stage 2): backward then writes each parameter's gradient
+   * into the pass's arena, and whoever reduces them reads them with gradOf before the next pass.
+   */
+  releaseGradSlab(): void {
+    if (this.#grads === null) return;
+    for (const p of this.#params) p.tensor.unbindGrad();
+    this.#ctx.freePersistent(this.#grads);
+    this.#grads = null;
+    this.#gradsTensor = null;
+  }
+
+  /** A parameter's gradient as the last backward left it; null when no op read the parameter. */
+  gradOf(name: string): Tensor | null {
+    return this.param(name).grad;
   }
 
   entry(name: string): ParamEntry {
@@ -167,8 +200,13 @@ export class ParamStore {
     this.#ctx.backend.upload(this.values.ptr, host);
   }
 
+  /** Zeroes the gradient slab; without one, drops the arena gradients of the last backward. */
   zeroGrad(): void {
-    this.#ctx.backend.zero(this.grads.ptr, this.slabNumel * 4);
+    if (this.#grads === null) {
+      for (const p of this.#params) p.tensor.unbindGrad();
+      return;
+    }
+    this.#ctx.backend.zero(this.#grads.ptr, this.slabNumel * 4);
   }
 
   /** A host copy of the whole value slab (checkpoints, parity checks). */

@@ -146,6 +146,11 @@ export class Tensor {
     this.#grad = grad;
   }
 
+  /** Drops the gradient buffer: the next backward makes one in the arena (ZeRO stage 2's parameters). */
+  unbindGrad(): void {
+    this.#grad = null;
+  }
+
   #viewAt(shape: Shape, offset: number): Tensor {
     return new Tensor(this.ctx, shape, this.dtype, this.ptr + offset * dtypeBytes[this.dtype], this.generation, false, this, offset);
   }
@@ -301,6 +306,14 @@ export class Context {
     const a = this.backend.alloc(bytes);
     this.#persistent.push(a);
     return a;
+  }
+
+  /** Gives persistent memory back before dispose(). */
+  freePersistent(a: Allocation): void {
+    const i = this.#persistent.indexOf(a);
+    if (i < 0) throw new EngineError("freePersistent: not a persistent allocation of this context");
+    this.#persistent.splice(i, 1);
+    this.backend.free(a);
   }
 
   /**

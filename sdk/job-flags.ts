@@ -68,6 +68,14 @@ export function jobOptions(cmd: Command): Command {
         .choices(["auto", "nats"])
         .default(d.collTransport),
     )
+    .addOption(
+      new Option(
+        "--zero <stage>",
+        "allreduce: ZeRO stage; 0: every trainer holds everything; 1: the optimizer state is partitioned among the trainers; 2: the gradients too",
+      )
+        .choices(["0", "1", "2"])
+        .default(String(d.zero)),
+    )
     .option("--replica-check-every <steps>", "allreduce: steps between comparisons of the replicas' parameter hashes (0: never)", int(0), d.replicaCheckEvery)
     .option("--scale-lr", "linear learning-rate scaling: the schedule peaks at --lr times the trainers (needs --warmup > 0)", false)
     .option("--staleness <s>", "ssp: steps a trainer may run ahead of the slowest", int(0, 1000), 2)
@@ -134,6 +142,7 @@ export interface JobFlags {
   bucketMb: number;
   replicaCheckEvery: number;
   collTransport: JobConfig["collTransport"];
+  zero: string;
   scaleLr: boolean;
   gradClip?: number;
   widths?: number[];
@@ -220,6 +229,7 @@ export function jobConfigOf(f: JobFlags): JobConfig {
     bucketMb: f.bucketMb,
     replicaCheckEvery: f.replicaCheckEvery,
     collTransport: f.collTransport,
+    zero: Number(f.zero) as JobConfig["zero"],
     scaleLr: f.scaleLr,
     gradClip: f.gradClip ?? def.gradClip,
     optimizer:
@@ -255,6 +265,7 @@ const flagPaths: Record<Exclude<keyof JobFlags, "job">, string[]> = {
   bucketMb: ["bucketMb"],
   replicaCheckEvery: ["replicaCheckEvery"],
   collTransport: ["collTransport"],
+  zero: ["zero"],
   scaleLr: ["scaleLr"],
   gradClip: ["gradClip"],
   widths: ["model.widths"],

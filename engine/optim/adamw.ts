@@ -7,7 +7,7 @@ import type { Allocation } from "../../ffi/backend.ts";
 import { ConfigError } from "../errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../tensor.ts";
-import { allocStateSlab, decayGroups, type Optimizer } from "./optimizer.ts";
+import { allocStateSlab, type Optimizer, type UpdatePlan, updateGroups, wholeSlabPlan } from "./optimizer.ts";
 
 export interface AdamWConfig {
   beta1: number;
@@ -28,6 +28,7 @@ export class AdamW implements Optimizer {
     readonly ctx: Context,
     readonly store: ParamStore,
     readonly config: AdamWConfig,
+    readonly plan: UpdatePlan = wholeSlabPlan(store),
   ) {
     const { beta1, beta2, eps, weightDecay } = config;
     if (!(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1)) {
@@ -35,8 +36,8 @@ export class AdamW implements Optimizer {
     }
     if (!(eps > 0)) throw new ConfigError(`adamw eps must be > 0, got ${eps}`);
     if (!(weightDecay >= 0)) throw new ConfigError(`adamw weightDecay must be >= 0, got ${weightDecay}`);
-    this.#m = allocStateSlab(ctx, store);
-    this.#v = allocStateSlab(ctx, store);
+    this.#m = allocStateSlab(ctx, plan);
+    this.#v = allocStateSlab(ctx, plan);
   }
 
   get stepCount(): number {
@@ -49,10 +50,9 @@ export class AdamW implements Optimizer {
     const t = this.#steps + 1;
     const bc1 = 1 - beta1 ** t;
     const bc2 = 1 - beta2 ** t;
-    const { values, grads } = this.store;
-    for (const g of decayGroups(this.store, weightDecay)) {
-      const o = g.offsetBytes;
-      be.adamwStep(values.ptr + o, grads.ptr + o, this.#m.ptr + o, this.#v.ptr + o, g.numel, lr, beta1, beta2, eps, g.weightDecay, bc1, bc2);
+    for (const g of updateGroups(this.store, this.plan, weightDecay)) {
+      const o = g.stateOffsetBytes;
+      be.adamwStep(g.param, g.grad, this.#m.ptr + o, this.#v.ptr + o, g.numel, lr, beta1, beta2, eps, g.weightDecay, bc1, bc2);
     }
     this.#steps = t;
   }

@@ -8,7 +8,7 @@ import type { Allocation } from "../../ffi/backend.ts";
 import { ConfigError } from "../errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../tensor.ts";
-import { allocStateSlab, decayGroups, type Optimizer } from "./optimizer.ts";
+import { allocStateSlab, type Optimizer, type UpdatePlan, updateGroups, wholeSlabPlan } from "./optimizer.ts";
 
 export interface SgdConfig {
   momentum: number;
@@ -28,6 +28,7 @@ export class Sgd implements Optimizer {
     readonly ctx: Context,
     readonly store: ParamStore,
     readonly config: SgdConfig,
+    readonly plan: UpdatePlan = wholeSlabPlan(store),
   ) {
     const { momentum, dampening, nesterov, weightDecay } = config;
     if (!(momentum >= 0 && momentum < 1)) throw new ConfigError(`sgd momentum must be in [0, 1), got ${momentum}`);
@@ -36,7 +37,7 @@ export class Sgd implements Optimizer {
     if (nesterov && (momentum === 0 || dampening !== 0)) {
       throw new ConfigError("sgd nesterov needs momentum > 0 and dampening = 0");
     }
-    this.#momentum = allocStateSlab(ctx, store);
+    this.#momentum = allocStateSlab(ctx, plan);
   }
 
   get stepCount(): number {
@@ -47,20 +48,8 @@ export class Sgd implements Optimizer {
     const be = this.ctx.backend;
     const { momentum, dampening, nesterov, weightDecay } = this.config;
     const first = this.#steps === 0;
-    const { values, grads } = this.store;
-    for (const g of decayGroups(this.store, weightDecay)) {
-      be.sgdStep(
-        values.ptr + g.offsetBytes,
-        grads.ptr + g.offsetBytes,
-        this.#momentum.ptr + g.offsetBytes,
-        g.numel,
-        lr,
-        momentum,
-        dampening,
-        g.weightDecay,
-        nesterov,
-        first,
-      );
+    for (const g of updateGroups(this.store, this.plan, weightDecay)) {
+      be.sgdStep(g.param, g.grad, this.#momentum.ptr + g.stateOffsetBytes, g.numel, lr, momentum, dampening, g.weightDecay, nesterov, first);
     }
     this.#steps++;
   }

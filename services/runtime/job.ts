@@ -88,6 +88,9 @@ export const jobConfigSchema = z.object({
   /** allreduce: what carries the collective's values between ranks on one machine: "auto",
    *  shared memory (NATS carries only the pieces' headers; NATS between machines); "nats", NATS */
   collTransport: z.enum(["auto", "nats"]).default("auto"),
+  /** allreduce: ZeRO stage. 0: every rank holds everything; 1: the optimizer state is
+   *  partitioned among the ranks; 2: the gradients too (engine/parallel/zero.ts) */
+  zero: z.union([z.literal(0), z.literal(1), z.literal(2)]).default(0),
   minLr: z.number().min(0),
   schedule: z.enum(["constant", "cosine", "linear"]),
   warmupSteps: int(0),
@@ -135,6 +138,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   bucketMb: 25,
   replicaCheckEvery: 100,
   collTransport: "auto",
+  zero: 0,
   minLr: 0,
   schedule: "cosine",
   warmupSteps: 100,
@@ -210,6 +214,10 @@ export function parseJobConfig(data: unknown): JobConfig {
       "invalid job config: scaleLr needs warmupSteps > 0 (a learning rate scaled by the trainers diverges without warmup; Goyal et al. warm up over 5 epochs)",
     );
   }
+  if (c.zero > 0 && c.sync !== "allreduce")
+    throw new ConfigError(
+      `invalid job config: ZeRO (zero ${c.zero}) partitions the trainers' replicas, so it needs sync allreduce; the parameter server already holds one copy of the model, cut among its shards`,
+    );
   if (c.sync === "allreduce" && (c.batchPushes !== 1 || c.staleness !== 0)) {
     throw new ConfigError("invalid job config: batchPushes and staleness apply to the parameter server's asp and ssp, not to allreduce");
   }

@@ -564,7 +564,7 @@ export class TrainerRun {
     const lr = lrAt(this.#schedule, peakLr(cfg), step);
     const total = stepRows(this.#plan.trainSamples, this.#plan.stepsPerEpoch, cfg.trainers, cfg.batchSize, step);
     const micro = batch.rows > 0 ? microBatches(batch, cfg.accumSteps) : [];
-    const r = await replica.step(step, micro, batch.rows, total, lr, toHost(batch));
+    const r = await replica.step(step, micro, batch.rows, total, lr);
     this.#checkGeneration(step, generation);
     if (cfg.replicaCheckEvery > 0 && ((step + 1) % cfg.replicaCheckEvery === 0 || step + 1 === this.#total)) await replica.checkReplicas(step);
     this.#replicaStep = step + 1;

@@ -26,18 +26,19 @@
 // layout, each under the message limit) to the checkpoint service; on restore every rank is
 // loaded the same parts and applies them at its next step boundary, with the communicator
 // generation the restore assigned (pieces of the earlier generation are refused).
-import type { Backend } from "../../ffi/backend.ts";
+import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { EngineError, NonFiniteLossError } from "../../engine/errors.ts";
 import type { Model } from "../../engine/models/model.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
 import { clipGradNorm } from "../../engine/optim/clip.ts";
 import { LossScaler } from "../../engine/optim/loss-scale.ts";
-import type { Optimizer } from "../../engine/optim/optimizer.ts";
+import type { Optimizer, UpdatePlan } from "../../engine/optim/optimizer.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
 import type { ParamEntry } from "../../engine/params.ts";
 import type { Collective } from "../../engine/parallel/collective.ts";
 import { HierarchicalCollective } from "../../engine/parallel/hierarchical.ts";
 import { RingCollective } from "../../engine/parallel/ring.ts";
+import { type ModelMemory, type Partition, partitionOf, type ZeroStage } from "../../engine/parallel/zero.ts";
 import type { Context, Tensor } from "../../engine/tensor.ts";
 import { type HostBatch, uploadBatch } from "../../engine/train.ts";
 import type { ShardState } from "../../schemas/messages.ts";
@@ -49,6 +50,10 @@ import { buildLayout, type Layout } from "../runtime/layout.ts";
 
 /** Bucket ids at and above this name the replica check's operations, not gradient buckets. */
 const checkBucket = 1 << 24;
+/** ZeRO: the all-reduce of the partitions' overflow counts and sums of squares */
+const statsBucket = (1 << 24) - 1;
+/** ZeRO: bucket b's parameters are all-gathered as bucket gatherBucket + b */
+const gatherBucket = 1 << 23;
 /** Bytes of a replica part's message besides its floats. */
 const partOverheadBytes = 64 << 10;
 /** Bits of the parameter hash per float (exact as an f32 integer, never a NaN). */
@@ -108,7 +113,13 @@ export class Replica {
   readonly optimizer: Optimizer;
   readonly scaler: LossScaler | null;
   readonly layout: Layout;
+  readonly zero: ZeroStage;
+  /** ZeRO: the part of every bucket this rank owns (null at stage 0) */
+  readonly partition: Partition | null;
   readonly #o: ReplicaOptions;
+  /** ZeRO stage 2: the partition's reduced gradients, and scratch to add a micro-batch's into them */
+  readonly #ownedGrads: Allocation | null = null;
+  readonly #addScratch: Allocation | null = null;
   #generation = 0;
   /** built at its first use, once the topology is known (see useTopology) */
   #collective: Collective | null = null;
@@ -124,13 +135,43 @@ export class Replica {
     this.#o = o;
     const { ctx, model, cfg } = o;
     const store = model.store;
+    const buckets = this.#plan();
+    this.zero = cfg.zero;
+    this.partition = cfg.zero > 0 ? partitionOf(buckets, cfg.trainers, o.rank) : null;
+    let plan: UpdatePlan | undefined;
+    if (this.partition !== null) {
+      const part = this.partition;
+      if (cfg.zero === 2) {
+        store.releaseGradSlab();
+        this.#ownedGrads = ctx.allocPersistent(Math.max(part.numel, 1) * 4);
+        const widest = Math.max(1, ...part.ranges.flat().map((r) => r.numel));
+        this.#addScratch = ctx.allocPersistent(widest * 4);
+      }
+      plan = { ranges: part.ranges.flat(), stateNumel: part.numel, grads: this.#ownedGrads };
+    }
     const opt = cfg.optimizer;
     this.optimizer =
       opt.kind === "sgd"
-        ? new Sgd(ctx, store, { momentum: opt.momentum, dampening: 0, nesterov: opt.nesterov, weightDecay: opt.weightDecay })
-        : new AdamW(ctx, store, { beta1: opt.beta1, beta2: opt.beta2, eps: opt.eps, weightDecay: opt.weightDecay });
+        ? new Sgd(ctx, store, { momentum: opt.momentum, dampening: 0, nesterov: opt.nesterov, weightDecay: opt.weightDecay }, plan)
+        : new AdamW(ctx, store, { beta1: opt.beta1, beta2: opt.beta2, eps: opt.eps, weightDecay: opt.weightDecay }, plan);
     this.scaler = ctx.precision === "f16" ? new LossScaler() : null;
     this.layout = buildLayout(cfg.job, store.slabNumel, store.decayRange.numel, cfg.chunkBytes, 1);
+  }
+
+  /** What this rank holds for the model, read from its allocations (and the arena's high-water mark). */
+  get memory(): ModelMemory {
+    const { model, ctx, cfg } = this.#o;
+    const store = model.store;
+    return {
+      stage: this.zero,
+      ranks: cfg.trainers,
+      params: store.values.bytes,
+      paramCount: store.paramCount,
+      grads: store.holdsGradSlab ? store.grads.bytes : (this.#ownedGrads?.bytes ?? 0),
+      optimizer: this.optimizer.stateSlabs().reduce((sum, s) => sum + s.allocation.bytes, 0),
+      buckets: (this.#buckets ?? []).reduce((sum, b) => sum + b.buf.byteLength, 0),
+      arenaPeak: ctx.arena.highWaterBytes,
+    };
   }
 
   get generation(): number {
@@ -202,22 +243,15 @@ export class Replica {
   }
 
   /**
-   * The buckets, cut from the tape of a forward pass over a one-row batch shaped like `b`
-   * (nothing is computed backward). Every rank cuts the same ones.
+   * The buckets, cut from the tape of a forward pass over a one-row batch of zeros shaped as the
+   * job's (nothing is computed backward). Every rank cuts the same ones.
    */
-  #plan(b: HostBatch): Bucket[] {
+  #plan(): Bucket[] {
     if (this.#buckets) return this.#buckets;
     const { ctx, model, cfg } = this.#o;
     const store = model.store;
-    const per = (shape: number[]) => shape.slice(1).reduce((a, d) => a * d, 1);
-    const inputs = b.inputs instanceof Float32Array ? new Float32Array(per(b.inputShape)) : new Int32Array(per(b.inputShape));
     ctx.newPass();
-    const { x, y } = uploadBatch(ctx, {
-      inputs,
-      inputShape: [1, ...b.inputShape.slice(1)],
-      targets: new Int32Array(per(b.targetShape)),
-      targetShape: [1, ...b.targetShape.slice(1)],
-    });
+    const { x, y } = uploadBatch(ctx, probeBatch(cfg));
     model.loss(x, y);
     const order = ctx.gradReadyOrder().flat();
     ctx.newPass();
@@ -259,10 +293,11 @@ export class Replica {
    * One step: forward/backward over `micro` (this rank's `rows` samples), the averaged gradient
    * over all ranks (`totalRows` samples), and the update at `lr`.
    */
-  async step(step: number, micro: readonly HostBatch[], rows: number, totalRows: number, lr: number, shape: HostBatch): Promise<ReplicaStepResult> {
+  async step(step: number, micro: readonly HostBatch[], rows: number, totalRows: number, lr: number): Promise<ReplicaStepResult> {
     const { ctx, model, backend, cfg } = this.#o;
     const store = model.store;
-    const buckets = this.#plan(shape);
+    if (this.zero > 0) return this.#stepZero(step, micro, rows, totalRows, lr);
+    const buckets = this.#plan();
     const t0 = performance.now();
     const weight = totalRows > 0 ? rows / totalRows : 0;
     const collective = this.#comm;
@@ -347,6 +382,163 @@ export class Replica {
       commMs: pending.length > 0 ? tReduced - firstStart : 0,
       exposedCommMs: tReduced - tBackward,
     };
+  }
+
+  /**
+   * A ZeRO step. Stage 1: backward into the gradient slab as at stage 0, each bucket
+   * reduce-scattered (this rank keeps the sums of its partition, in the slab). Stage 2: every
+   * micro-batch's backward writes into the arena, and each bucket is reduce-scattered as soon as
+   * it is complete; the partition's sums are added up in a buffer of the partition's size.
+   * Then: overflow and the global norm from every rank's partition (one small all-reduce), the
+   * optimizer on the partition, and each bucket's updated parameters all-gathered.
+   */
+  async #stepZero(step: number, micro: readonly HostBatch[], rows: number, totalRows: number, lr: number): Promise<ReplicaStepResult> {
+    const { ctx, model, backend, cfg } = this.#o;
+    const store = model.store;
+    const part = this.partition!;
+    const buckets = this.#plan();
+    const stage2 = this.zero === 2;
+    const t0 = performance.now();
+    const weight = totalRows > 0 ? rows / totalRows : 0;
+    const collective = this.#comm;
+    let pending: Promise<void>[] = [];
+    let inFlight = 0;
+    let firstStart = Infinity;
+    const launch = (b: Bucket, round: number) => {
+      let at = 0;
+      for (const e of b.entries) {
+        const dst = b.buf.subarray(at, at + e.numel);
+        const grad = stage2 ? store.gradOf(e.name) : null;
+        if (!stage2) backend.download(store.grads.ptr + e.offset * 4, dst);
+        else if (grad === null)
+          dst.fill(0); // no op read it in this micro-batch
+        else backend.download(grad.ptr, dst);
+        at += e.numel;
+      }
+      firstStart = Math.min(firstStart, performance.now());
+      inFlight++;
+      const op = collective
+        .reduceScatter(b.buf, { step, bucket: round * buckets.length + b.id })
+        .then(() => this.#keep(b, round > 0))
+        .finally(() => inFlight--);
+      op.catch(() => {}); // awaited below
+      pending.push(op);
+    };
+
+    let loss = 0;
+    const k = micro.length;
+    const dloss = ((this.scaler?.scale ?? 1) * weight) / Math.max(k, 1);
+    // stage 2 reduces every micro-batch (its gradients live in that pass's arena); the ranks
+    // agree on the rounds, so a rank with fewer micro-batches reduces zeros
+    const rounds = stage2 ? Math.max(cfg.accumSteps, k, 1) : 1;
+    const slots = k > 0 ? ctx.scalarSlots(k) : 0;
+    store.zeroGrad();
+    for (let i = 0; i < Math.max(k, rounds); i++) {
+      const round = stage2 ? i : 0;
+      if (stage2) store.zeroGrad(); // drops the last pass's arena gradients
+      const left = new Map(buckets.map((b) => [b, b.entries.length]));
+      if (i < k) {
+        ctx.newPass();
+        const { x, y } = uploadBatch(ctx, micro[i]!);
+        const l = model.loss(x, y);
+        backend.copy(slots + 4 * i, l.ptr, 4);
+        if (!stage2 && i < k - 1) {
+          ctx.backward(l, dloss);
+          continue;
+        }
+        for (const ready of ctx.backwardSteps(l, dloss)) {
+          for (const t of ready) {
+            const b = this.#bucketFor(t);
+            const n = left.get(b)! - 1;
+            left.set(b, n);
+            if (n === 0) launch(b, round);
+          }
+          if (inFlight > 0) await new Promise<void>((r) => setImmediate(r));
+        }
+      }
+      if (i >= rounds) continue;
+      for (const b of buckets) if (left.get(b)! > 0) launch(b, round);
+      // the buckets' buffers are reused by the next round
+      if (stage2 && i < Math.max(k, rounds) - 1) {
+        await Promise.all(pending);
+        pending = [];
+      }
+    }
+    if (k > 0) {
+      const values = new Float32Array(k);
+      backend.download(slots, values);
+      for (const v of values) loss += v / k;
+    }
+    const tBackward = performance.now();
+    await Promise.all(pending);
+    const tReduced = performance.now();
+    if (!Number.isFinite(loss)) throw new NonFiniteLossError(step, loss);
+
+    // overflow and the norm, over every rank's partition
+    const ranges = part.ranges.flat();
+    const gradAt = (r: (typeof ranges)[number]) => (stage2 ? this.#ownedGrads!.ptr + r.stateOffset * 4 : store.grads.ptr + r.paramOffset * 4);
+    const stats = new Float32Array(2);
+    let nonFinite = 0,
+      sumSq = 0;
+    for (const r of ranges) {
+      nonFinite += backend.countNonFinite(gradAt(r), r.numel);
+      sumSq += backend.sumSquares(gradAt(r), r.numel);
+    }
+    stats[0] = nonFinite;
+    stats[1] = nonFinite > 0 ? 0 : sumSq;
+    await collective.allReduce(stats, { step, bucket: statsBucket }, "sum");
+    const finite = stats[0] === 0;
+    const scale = this.scaler?.scale ?? 1;
+    let gradNorm = Infinity;
+    if (finite) {
+      gradNorm = Math.sqrt(stats[1]!) / scale;
+      let factor = 1 / scale;
+      if (cfg.gradClip > 0 && gradNorm > cfg.gradClip) factor *= cfg.gradClip / (gradNorm + 1e-6);
+      if (factor !== 1) for (const r of ranges) backend.scale(gradAt(r), r.numel, factor);
+      this.optimizer.step(lr);
+      // every rank's updated partition to every rank
+      const gathers = buckets.map((b) => {
+        for (const r of part.ranges[b.id]!) backend.download(store.values.ptr + r.paramOffset * 4, b.buf.subarray(r.bucketOffset, r.bucketOffset + r.numel));
+        return collective.allGather(b.buf, { step, bucket: gatherBucket + b.id });
+      });
+      await Promise.all(gathers);
+      for (const b of buckets) {
+        let at = 0;
+        for (const e of b.entries) {
+          backend.upload(store.values.ptr + e.offset * 4, b.buf.subarray(at, at + e.numel));
+          at += e.numel;
+        }
+      }
+    }
+    this.scaler?.update(finite, step);
+    const t1 = performance.now();
+    return {
+      loss,
+      gradNorm,
+      skipped: !finite,
+      computeMs: tBackward - t0,
+      commMs: t1 - Math.min(firstStart, tBackward),
+      exposedCommMs: t1 - tBackward,
+    };
+  }
+
+  /** ZeRO: keeps this rank's segment of a reduce-scattered bucket (adds it in, for a later micro-batch). */
+  #keep(b: Bucket, add: boolean): void {
+    const { backend, model } = this.#o;
+    for (const r of this.partition!.ranges[b.id]!) {
+      const src = b.buf.subarray(r.bucketOffset, r.bucketOffset + r.numel);
+      if (this.zero === 1) {
+        backend.upload(model.store.grads.ptr + r.paramOffset * 4, src);
+        continue;
+      }
+      const dst = this.#ownedGrads!.ptr + r.stateOffset * 4;
+      if (!add) {
+        backend.upload(dst, src);
+        continue;
+      }
+      backend.upload(this.#addScratch!.ptr, src);
+      backend.add(dst, dst, this.#addScratch!.ptr, r.numel);
+    }
   }
 
   #bucketFor(t: Tensor): Bucket {
@@ -512,4 +704,14 @@ export class Replica {
 export function stepRows(trainSamples: number, stepsPerEpoch: number, trainers: number, batchSize: number, step: number): number {
   const s = step % Math.max(stepsPerEpoch, 1);
   return Math.max(0, Math.min(trainers * batchSize, trainSamples - s * trainers * batchSize));
+}
+
+/** A one-row batch of zeros shaped as the job's (what the buckets are cut from). */
+function probeBatch(cfg: JobConfig): HostBatch {
+  if (cfg.model.kind === "mlp") {
+    const cols = cfg.model.widths[0]!;
+    return { inputs: new Float32Array(cols), inputShape: [1, cols], targets: new Int32Array(1), targetShape: [1] };
+  }
+  const t = cfg.model.blockSize;
+  return { inputs: new Int32Array(t), inputShape: [1, t], targets: new Int32Array(t), targetShape: [1, t] };
 }

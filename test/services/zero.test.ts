@@ -1,0 +1,237 @@
+// ZeRO stages 1 and 2 on the all-reduce replica (engine/parallel/zero.ts,
+// services/trainer/replica.ts), several ranks in one process over the in-memory bus: the
+// partition covers every element once; every stage follows stage 0's trajectory (MLP with SGD
+// and clipping, GPT with AdamW, N = 2 and 4, gradient accumulation, f16 with the loss scaler);
+// the memory each rank holds, read from its allocations, against the ZeRO paper's accounting.
+import { describe, expect, test } from "bun:test";
+import { loadMnist } from "../../engine/data/mnist.ts";
+import { type BucketEntries, bytesPerParam, type ModelMemory, partitionOf } from "../../engine/parallel/zero.ts";
+import { segment } from "../../engine/parallel/collective.ts";
+import { Rng } from "../../engine/rng.ts";
+import { Context } from "../../engine/tensor.ts";
+import type { HostBatch } from "../../engine/train.ts";
+import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { MemoryBus } from "../../services/runtime/bus.ts";
+import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { buildModel } from "../../services/runtime/model.ts";
+import { Replica, type ReplicaStepResult } from "../../services/trainer/replica.ts";
+import { imagePlan } from "../helpers/jobs.ts";
+
+const mnist = loadMnist();
+const cols = 784;
+
+function images(from: number, n: number): HostBatch {
+  const x = new Float32Array(n * cols);
+  for (let i = 0; i < n * cols; i++) x[i] = mnist.train.images[from * cols + i]! / 255;
+  const y = new Int32Array(n);
+  for (let i = 0; i < n; i++) y[i] = mnist.train.labels[from + i]!;
+  return { inputs: x, inputShape: [n, cols], targets: y, targetShape: [n] };
+}
+
+const V = 20,
+  T = 16;
+const gptPlan = { vocabSize: V, vocab: [] as number[] };
+const stream = (() => {
+  const rng = new Rng(5);
+  return Int32Array.from({ length: 400 * (T + 1) }, () => rng.int(V));
+})();
+function windows(from: number, n: number): HostBatch {
+  const inputs = new Int32Array(n * T),
+    targets = new Int32Array(n * T);
+  for (let w = 0; w < n; w++) {
+    const at = ((from + w) % 390) * (T + 1);
+    inputs.set(stream.subarray(at, at + T), w * T);
+    targets.set(stream.subarray(at + 1, at + T + 1), w * T);
+  }
+  return { inputs, inputShape: [n, T], targets, targetShape: [n, T] };
+}
+
+const mlpConfig = (over: Partial<JobConfig>): JobConfig =>
+  parseJobConfig({
+    ...jobDefaults,
+    job: "zero",
+    sync: "allreduce",
+    model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
+    bucketMb: 0.05,
+    chunkBytes: 16 << 10,
+    gradClip: 1,
+    ...over,
+  });
+
+const gptConfig = (over: Partial<JobConfig>): JobConfig =>
+  parseJobConfig({
+    ...gptJobDefaults,
+    job: "zero-gpt",
+    sync: "allreduce",
+    bucketMb: 0.02,
+    chunkBytes: 16 << 10,
+    model: { ...gptJobDefaults.model, nLayer: 2, nHead: 2, nEmbd: 32, blockSize: T },
+    ...over,
+  });
+
+interface Run {
+  losses: number[];
+  norms: number[];
+  skipped: boolean[];
+  params: Float32Array[];
+  memory: ModelMemory[];
+}
+
+/**
+ * `steps` steps of `cfg` on cfg.trainers ranks; rank r's batch at step s is data(s, r). Returns
+ * the step losses averaged over ranks, rank 0's norms, and every rank's final parameters.
+ */
+async function train(
+  cfg: JobConfig,
+  steps: number,
+  data: (s: number, r: number) => HostBatch[],
+  lr: number,
+  rows: number,
+  init: (r: Replica) => void = () => {},
+): Promise<Run> {
+  const bus = new MemoryBus();
+  const ranks = Array.from({ length: cfg.trainers }, (_, rank) => {
+    const ctx = new Context(new CpuBackend(), { seed: 7 + rank, precision: cfg.precision });
+    const model = buildModel(ctx, cfg, cfg.model.kind === "gpt" ? gptPlan : imagePlan);
+    const replica = new Replica({ bus, backend: ctx.backend, cfg, rank, ctx, model, payloadBytesMax: 1 << 20, progressTimeoutMs: 10_000 });
+    init(replica);
+    return { ctx, model, replica };
+  });
+  const run: Run = { losses: [], norms: [], skipped: [], params: [], memory: [] };
+  try {
+    for (let s = 0; s < steps; s++) {
+      const results: ReplicaStepResult[] = await Promise.all(ranks.map((r, rank) => r.replica.step(s, data(s, rank), rows, rows * cfg.trainers, lr)));
+      run.losses.push(results.reduce((a, x) => a + x.loss, 0) / results.length);
+      // one reduced gradient: every rank sees the same norm and skips the same steps
+      for (const x of results) {
+        expect(x.gradNorm).toBe(results[0]!.gradNorm);
+        expect(x.skipped).toBe(results[0]!.skipped);
+      }
+      run.norms.push(results[0]!.gradNorm);
+      run.skipped.push(results[0]!.skipped);
+    }
+    run.params = ranks.map((r) => r.model.store.readValues());
+    run.memory = ranks.map((r) => r.replica.memory);
+  } finally {
+    for (const r of ranks) {
+      r.replica.close();
+      r.ctx.dispose();
+    }
+  }
+  return run;
+}
+
+const relDiff = (a: number, b: number) => Math.abs(a - b) / Math.max(Math.abs(b), 1e-12);
+
+/** The stage's run against stage 0's: losses and norms within summation order, replicas bit-identical. */
+function expectParity(run: Run, base: Run, tol: number): void {
+  let worst = 0;
+  run.losses.forEach((l, i) => {
+    worst = Math.max(worst, relDiff(l, base.losses[i]!));
+  });
+  run.norms.forEach((n, i) => {
+    if (Number.isFinite(base.norms[i]!)) worst = Math.max(worst, relDiff(n, base.norms[i]!));
+  });
+  expect(worst).toBeLessThanOrEqual(tol);
+  expect(run.skipped).toEqual(base.skipped);
+  for (const p of run.params) expect(Buffer.from(p.buffer).equals(Buffer.from(run.params[0]!.buffer))).toBe(true);
+  let maxErr = 0;
+  const ref = base.params[0]!;
+  for (let i = 0; i < ref.length; i++) maxErr = Math.max(maxErr, Math.abs(run.params[0]![i]! - ref[i]!));
+  expect(maxErr).toBeLessThan(1e-4);
+}
+
+describe("ZeRO partition", () => {
+  test("every element of every bucket is owned by exactly one rank, in its reduce-scatter segment, packed in order", () => {
+    const entry = (name: string, offset: number, numel: number, decay: boolean) => ({ name, shape: [numel], offset, numel, decay });
+    // slab offsets aligned to 16 as the store's; buckets in backward order (not slab order)
+    const buckets: BucketEntries[] = [
+      { entries: [entry("b2", 816, 10, false), entry("w2", 0, 640, true)], numel: 650 },
+      { entries: [entry("b1", 656, 64, false), entry("w1", 640, 1, true), entry("e", 720, 33, false)], numel: 98 },
+      { entries: [entry("one", 800, 1, false)], numel: 1 },
+    ];
+    for (const size of [1, 2, 3, 4, 7]) {
+      const owner = new Map<number, number>();
+      for (let rank = 0; rank < size; rank++) {
+        const p = partitionOf(buckets, size, rank);
+        let packed = 0;
+        p.ranges.forEach((rs, b) => {
+          expect(p.segments[b]).toEqual(segment(buckets[b]!.numel, size, rank));
+          let covered = 0;
+          for (const r of rs) {
+            expect(r.stateOffset).toBe(packed);
+            packed += r.numel;
+            covered += r.numel;
+            expect(r.bucketOffset).toBeGreaterThanOrEqual(p.segments[b]!.offset);
+            expect(r.bucketOffset + r.numel).toBeLessThanOrEqual(p.segments[b]!.offset + p.segments[b]!.count);
+            for (let i = 0; i < r.numel; i++) {
+              expect(owner.has(r.paramOffset + i)).toBe(false);
+              owner.set(r.paramOffset + i, rank);
+            }
+          }
+          expect(covered).toBe(p.segments[b]!.count);
+        });
+        expect(p.numel).toBe(packed);
+      }
+      expect(owner.size).toBe(650 + 98 + 1);
+    }
+    expect(() => partitionOf(buckets, 2, 2)).toThrow(RangeError);
+  });
+});
+
+describe("ZeRO stages on the replica", () => {
+  const b = 16;
+  const mlpData = (n: number) => (s: number, r: number) => [images((s * n + r) * b, b)];
+
+  for (const n of [2, 4]) {
+    test(`MLP (SGD, clipping), ${n} ranks, 50 steps: stages 1 and 2 follow stage 0`, async () => {
+      const base = await train(mlpConfig({ trainers: n, zero: 0 }), 50, mlpData(n), 0.05, b);
+      expect(base.norms.some((x) => x > 1)).toBe(true); // the clip was exercised
+      for (const zero of [1, 2] as const) expectParity(await train(mlpConfig({ trainers: n, zero }), 50, mlpData(n), 0.05, b), base, 1e-4);
+    }, 120_000);
+
+    test(`GPT (AdamW, tied embedding, clipping), ${n} ranks, 50 steps: stages 1 and 2 follow stage 0`, async () => {
+      const data = (s: number, r: number) => [windows((s * n + r) * 2, 2)];
+      const base = await train(gptConfig({ trainers: n, zero: 0 }), 50, data, 3e-3, 2);
+      for (const zero of [1, 2] as const) expectParity(await train(gptConfig({ trainers: n, zero }), 50, data, 3e-3, 2), base, 1e-4);
+    }, 120_000);
+  }
+
+  test("gradient accumulation (2 micro-batches; at stage 2 each is reduced) and a rank without samples", async () => {
+    const data = (s: number, r: number) => (s === 3 && r === 1 ? [] : [images((s * 2 + r) * b, b / 2), images((s * 2 + r) * b + b / 2, b / 2)]);
+    const cfg = (zero: 0 | 1 | 2) => mlpConfig({ trainers: 2, zero, accumSteps: 2 });
+    const base = await train(cfg(0), 8, data, 0.05, b);
+    for (const zero of [1, 2] as const) expectParity(await train(cfg(zero), 8, data, 0.05, b), base, 1e-4);
+  }, 60_000);
+
+  test("f16 with the dynamic loss scaler: every stage skips the same overflowing steps", async () => {
+    const cfg = (zero: 0 | 1 | 2) => mlpConfig({ trainers: 2, zero, precision: "f16", lr: 0.05 });
+    // a scale of 2^40 overflows backward's f16 products: the first steps are skipped while it backs off
+    const huge = (r: Replica) => r.scaler!.restoreScale(2 ** 40);
+    const base = await train(cfg(0), 40, mlpData(2), 0.05, b, huge);
+    expect(base.skipped.slice(0, 3)).toEqual([true, true, true]);
+    expect(base.skipped.at(-1)).toBe(false);
+    for (const zero of [1, 2] as const) expectParity(await train(cfg(zero), 40, mlpData(2), 0.05, b, huge), base, 1e-3);
+  }, 60_000);
+});
+
+describe("ZeRO memory, read from the allocations", () => {
+  test("bytes per parameter of f32 AdamW: 16, 8 + 8/N, 4 + 12/N for N = 1, 2, 4 (the slab's padding and the allocator's rounding are the overhead)", async () => {
+    const rows: string[] = [];
+    for (const n of [1, 2, 4]) {
+      for (const zero of [0, 1, 2] as const) {
+        const cfg = gptConfig({ trainers: n, zero });
+        const run = await train(cfg, 1, (_s, r) => [windows(r * 2, 2)], 3e-3, 2);
+        const expected = zero === 0 ? 16 : zero === 1 ? 8 + 8 / n : 4 + 12 / n;
+        for (const m of run.memory) {
+          const measured = bytesPerParam(m);
+          rows.push(`N=${n} stage ${zero} rank ${run.memory.indexOf(m)}: ${measured.toFixed(3)} B/param (paper ${expected.toFixed(3)})`);
+          // the slab pads each parameter to 16 floats and segments differ by one element among ranks
+          expect(Math.abs(measured - expected) / expected).toBeLessThan(0.02);
+          if (zero === 2) expect(m.arenaPeak).toBeGreaterThan(0);
+        }
+      }
+    }
+    console.log(rows.join("\n"));
+  }, 60_000);
+});
