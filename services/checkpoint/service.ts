@@ -25,6 +25,7 @@ import {
   decodeEvent,
   type DataPlan,
   type JobSpec,
+  type Manifest,
   type ShardState,
 } from "../../schemas/messages.ts";
 import { join } from "node:path";
@@ -38,6 +39,7 @@ import {
   jobNamePattern,
   jobOfRequest,
   shardOfOpenedTag,
+  trainerOfOpenedTag,
   subjects,
   trajectoryDiff,
   usesShards,
@@ -60,6 +62,12 @@ interface JobEntry {
   busy: Promise<unknown>;
   /** all-reduce mode: the communicator generation of the last restore */
   generation: number;
+  /**
+   * all-reduce mode: the last restore's manifest, and the ranks that opened the job since (a
+   * rank's first ask is answered with it: one restore loaded every rank; a rank that asks again
+   * is a restarted process, whose replica is gone, and gets a new restore for every rank)
+   */
+  lastRestore: { manifest: Manifest; opened: Set<number> } | null;
 }
 
 const shardFile = (k: number) => `ps-${k}.mtss`;
@@ -195,6 +203,12 @@ export class CheckpointService {
     if (opened !== null && opened < cfg.shards && !(await this.#holdsNothing(cfg, opened))) {
       throw new NotReadyError(`shard ${opened} of job ${cfg.job} holds state already (an earlier restore loaded it, or it trained): nothing to restore`);
     }
+    const rank = usesShards(cfg) ? null : trainerOfOpenedTag(tag);
+    const last = e.lastRestore;
+    if (rank !== null && last !== null && !last.opened.has(rank)) {
+      last.opened.add(rank);
+      return encodeManifest(last.manifest);
+    }
     const id = tag.startsWith("step-") ? tag : "";
     const snap = this.store.latestGood(cfg.job, id, (bad, why) => {
       this.log?.error({ job: cfg.job, id: bad, why }, "snapshot failed verification; trying the previous one");
@@ -212,6 +226,7 @@ export class CheckpointService {
       await this.#loadReplicas(e, snap.manifest.id, snap.files);
     }
     this.log?.warn({ job: cfg.job, id: snap.manifest.id, step: snap.manifest.step, why: tag }, "job restored");
+    if (!usesShards(cfg)) e.lastRestore = { manifest: snap.manifest, opened: new Set(rank === null ? [] : [rank]) };
     this.#event(cfg.job, EventKind.Restore, snap.manifest.step, `restored ${snap.manifest.id} (${tag || "requested"})`);
     return encodeManifest(snap.manifest);
   }
@@ -261,7 +276,7 @@ export class CheckpointService {
         this.log?.warn({ err: (err as Error).message }, "undecodable eval event ignored");
       }
     });
-    this.#jobs.set(cfg.job, { cfg, plan, evals, sub, busy: Promise.resolve(), generation: 0 });
+    this.#jobs.set(cfg.job, { cfg, plan, evals, sub, busy: Promise.resolve(), generation: 0, lastRestore: null });
     void this.control?.note(cfg.job, { snapshotDir: this.store.jobDir(cfg.job) }).catch((err: unknown) => {
       this.log?.warn({ job: cfg.job, err: (err as Error).message }, "cannot record the job's folder in its record");
     });

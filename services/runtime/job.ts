@@ -268,6 +268,8 @@ export const resumableKeys = [
   "keepLast",
   "replicaCheckEvery",
   "collTransport",
+  // a ZeRO snapshot holds the slab's layout, the same at every stage
+  "zero",
 ] as const satisfies readonly (keyof JobConfig)[];
 
 /** The trajectory-defining keys on which two configs of one job differ, as "key: a -> b". */
@@ -296,6 +298,13 @@ export const shardOfOpenedTag = (tag: string): number | null => {
   return m ? Number(m[1]) : null;
 };
 
+/** The same for a trainer rank of an all-reduce job (its replica is loaded by the restore). */
+export const trainerOpenedTag = (rank: number): string => `trainer ${rank} opened the job`;
+export const trainerOfOpenedTag = (tag: string): number | null => {
+  const m = /^trainer (\d{1,2}) opened the job$/.exec(tag);
+  return m ? Number(m[1]) : null;
+};
+
 /** Subjects of one job (ARCHITECTURE.md). */
 export const subjects = {
   dataNext: (job: string) => `mt.${job}.data.next`,
@@ -313,6 +322,8 @@ export const subjects = {
   psNorm: (job: string, shard: number) => `mt.${job}.ps.${shard}.norm`,
   /** all-reduce mode: trainer rank 0's replica (parameters and optimizer state), one part per request */
   replicaState: (job: string) => `mt.${job}.replica.state`,
+  /** all-reduce mode with ZeRO: a slice of trainer `rank`'s packed optimizer state ("state <offset> <count>"), for rank 0's snapshot */
+  replicaPartition: (job: string, rank: number) => `mt.${job}.replica.${rank}.partition`,
   /** all-reduce mode: a snapshot's replica loaded into trainer `rank`, one part per request */
   replicaLoad: (job: string, rank: number) => `mt.${job}.replica.${rank}.load`,
   /** collective pieces addressed to trainer `rank` (all-reduce mode) */

@@ -50,7 +50,7 @@ import type { Bus, Subscription } from "../runtime/bus.ts";
 import { awaitMembers, type MeshMembers } from "../runtime/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/evals.ts";
 import { BadRequestError, NotReadyError } from "../runtime/errors.ts";
-import { evalInterval, type JobConfig, jobOfRequest, peakLr, shardsClip, subjects, usesShards } from "../runtime/job.ts";
+import { evalInterval, type JobConfig, jobOfRequest, peakLr, shardsClip, subjects, trainerOpenedTag, usesShards } from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { pause } from "../runtime/pause.ts";
@@ -69,6 +69,7 @@ import {
   stepAttemptsMax,
 } from "./limits.ts";
 import { PsClient } from "./ps-client.ts";
+import { bytesPerParam } from "../../engine/parallel/zero.ts";
 import { Replica, type ReplicaOptions, stepRows } from "./replica.ts";
 
 export interface TrainerOptions {
@@ -91,7 +92,6 @@ export interface TrainerOptions {
 }
 
 /** The restore tag of a trainer rank that opens an all-reduce job. */
-export const trainerOpenedTag = (rank: number): string => `trainer ${rank} opened the job`;
 
 export class StaleStepError extends Error {
   override readonly name = "StaleStepError";
@@ -184,6 +184,7 @@ export class TrainerRun {
           ctx: this.#ctx,
           model: this.#model,
           payloadBytesMax: o.payloadBytesMax,
+          fetchPartition: (r, step, offset, count) => this.#fetchPartition(r, step, offset, count),
           ...o.collective,
         });
     // host copies of pulled parameters and pushed gradients: parameter-server mode only
@@ -248,6 +249,12 @@ export class TrainerRun {
       try {
         const req = encodeJobRequest({ job: cfg.job, step: 0, tag: trainerOpenedTag(rank) });
         const m = decodeManifest(await bus.request(subjects.ckptRestore(cfg.job), req, checkpointTimeoutMs), 1 << 22);
+        // the first ask of each rank is answered with the restore that loaded every rank (the
+        // first rank's); if that loaded an earlier process of this rank, this one asks for its own
+        if (this.#replica.staged?.step !== m.step && this.#restoreTo === null) {
+          const again = encodeJobRequest({ job: cfg.job, step: 0, tag: `trainer ${rank} holds no replica of ${m.id}` });
+          return decodeManifest(await bus.request(subjects.ckptRestore(cfg.job), again, checkpointTimeoutMs), 1 << 22).step;
+        }
         return m.step; // every rank takes the restore at its next step boundary (the Restore event)
       } catch (e) {
         if (e instanceof NotReadyError) return 0; // no snapshot: a new job, every rank from the seed's initialization
@@ -284,6 +291,21 @@ export class TrainerRun {
       await this.#checkMembers();
       let step = await this.#retry("find the start step (every shard must have opened the job)", () => this.#startStep(), jobStartWaitMsMax);
       log?.info({ step, totalSteps: this.#total, precision: cfg.precision }, "training");
+      if (this.#replica) {
+        const m = this.#replica.memory;
+        const mb = (b: number) => Math.round(b / 1e4) / 100;
+        log?.info(
+          {
+            zero: m.stage,
+            paramsMb: mb(m.params),
+            gradsMb: mb(m.grads),
+            optimizerMb: mb(m.optimizer),
+            bucketsMb: mb(m.buckets),
+            bytesPerParam: bytesPerParam(m),
+          },
+          `model state on this rank: ${bytesPerParam(m).toFixed(2)} bytes per parameter (ZeRO stage ${m.stage}, ${cfg.trainers} ranks)`,
+        );
+      }
       while (step < this.#total && !this.#stopped) {
         step = await this.#step(step);
       }
@@ -321,6 +343,34 @@ export class TrainerRun {
         return new Uint8Array(0);
       }),
     );
+    if (replica.partition !== null) {
+      // ZeRO: rank 0's snapshot reads this rank's optimizer state (it is at the same step
+      // boundary: no rank updates before rank 0 joins the step's collectives)
+      this.#replicaSubs.push(
+        bus.handle(subjects.replicaPartition(cfg.job, rank), (data, subject) => {
+          const m = decodeJobRequest(data, 1 << 16);
+          jobOfRequest(subject, m.job);
+          const range = /^state (\d{1,12}) (\d{1,12})$/.exec(m.tag);
+          if (!range) throw new BadRequestError(`a partition request names its range as "state <offset> <count>", not "${m.tag.slice(0, 64)}"`);
+          if (m.step !== this.#replicaStep) throw new NotReadyError(`trainer ${rank}'s replica is at step ${this.#replicaStep}, not ${m.step}`);
+          const names = replica.optimizer.stateSlabs().map((x) => x.name);
+          const count = Number(range[2]);
+          if (count * 4 * names.length > payloadBytesMax - (64 << 10)) throw new BadRequestError(`${count} elements of state do not fit a message`);
+          const state = replica.packedState(Number(range[1]), count).map((v, i) => ({ name: names[i]!, data: v }));
+          return encodeShardState({
+            job: cfg.job,
+            shard: rank,
+            parts: 1,
+            updates: 0,
+            optimizerSteps: replica.optimizer.stepCount,
+            step: m.step,
+            generation: 0,
+            lossScale: 0,
+            chunks: [{ id: 0, version: 0, params: new Float32Array(0), state }],
+          });
+        }),
+      );
+    }
     if (rank !== 0) return;
     this.#replicaSubs.push(
       bus.handle(subjects.replicaState(cfg.job), (data, subject) => {
@@ -329,9 +379,27 @@ export class TrainerRun {
         const part = /^part (\d{1,6})$/.exec(m.tag);
         if (!part) throw new BadRequestError(`a replica request names its part as "part <n>", not "${m.tag.slice(0, 64)}"`);
         if (m.step !== this.#replicaStep) throw new NotReadyError(`trainer 0's replica is at step ${this.#replicaStep}, not ${m.step}`);
-        return encodeShardState(replica.exportPart(m.step, Number(part[1]), payloadBytesMax));
+        return replica.exportPart(m.step, Number(part[1]), payloadBytesMax).then(encodeShardState);
       }),
     );
+  }
+
+  /** ZeRO, rank 0: a slice of rank `r`'s packed optimizer state at `step` (retried while it finishes its step). */
+  async #fetchPartition(r: number, step: number, offset: number, count: number): Promise<Float32Array[]> {
+    const { bus, cfg, payloadBytesMax } = this.#o;
+    const req = encodeJobRequest({ job: cfg.job, step, tag: `state ${offset} ${count}` });
+    const s = await this.#retry(
+      `read trainer ${r}'s optimizer state for the snapshot`,
+      async () => decodeShardState(await bus.request(subjects.replicaPartition(cfg.job, r), req, requestTimeoutMs), payloadBytesMax),
+      checkpointTimeoutMs,
+    );
+    const c = s.chunks[0];
+    if (s.job !== cfg.job || s.shard !== r || s.step !== step || s.chunks.length !== 1 || c === undefined)
+      throw new BadRequestError(`trainer ${r} answered the state of job ${s.job} rank ${s.shard} at step ${s.step}`);
+    for (const v of c.state)
+      for (let i = 0; i < v.data.length; i++)
+        if (!Number.isFinite(v.data[i]!)) throw new BadRequestError(`trainer ${r}'s optimizer state holds a non-finite value`);
+    return c.state.map((v) => v.data);
   }
 
   /** Rank 0: tallies every rank's evaluations; a step all ranks reported goes into the job's record. */

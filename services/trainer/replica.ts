@@ -98,6 +98,11 @@ export interface ReplicaOptions {
   /** collective transport settings over busTransportDefaults (tests shorten the timeouts) */
   transport?: Partial<Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs" | "sharedMemory">>;
   progressTimeoutMs?: number;
+  /**
+   * ZeRO, rank 0's snapshots: rank `rank`'s packed optimizer state at `step`, elements
+   * [offset, offset + count) of each state slab (the loop asks that rank over NATS)
+   */
+  fetchPartition?: (rank: number, step: number, offset: number, count: number) => Promise<Float32Array[]>;
 }
 
 interface Staged {
@@ -574,23 +579,71 @@ export class Replica {
    * Rank 0: part `part` of the replica as it is at `step` (parameters, optimizer state, step
    * count, loss scale), cut along the job's chunks so that each part fits `partBytesMax`.
    */
-  exportPart(step: number, part: number, partBytesMax: number): ShardState {
-    if (this.#exported?.step !== step) this.#exported = { step, parts: this.#exportParts(step, partBytesMax) };
+  async exportPart(step: number, part: number, partBytesMax: number): Promise<ShardState> {
+    if (this.#exported?.step !== step) this.#exported = { step, parts: this.#exportParts(step, partBytesMax, await this.#fullState(step)) };
     const parts = this.#exported.parts;
     if (!Number.isInteger(part) || part < 0 || part >= parts.length) throw new BadRequestError(`the replica has parts 0 to ${parts.length - 1}, not ${part}`);
     return parts[part]!;
   }
 
-  #exportParts(step: number, partBytesMax: number): ShardState[] {
-    const { model, backend, cfg } = this.#o;
+  /**
+   * The optimizer state in the slab's layout. Under ZeRO every rank holds its partition only:
+   * the others' are fetched (they are at the same step boundary: none can update before this
+   * rank joins the step's collectives) and placed where their ranges are in the slab, so a
+   * snapshot is the same whatever the stage and the number of ranks, and loads into any.
+   */
+  async #fullState(step: number): Promise<{ name: string; data: Float32Array }[]> {
+    const { model, backend, cfg, rank } = this.#o;
+    const store = model.store;
+    const slabs = this.optimizer.stateSlabs();
+    const full = slabs.map((s) => ({ name: s.name, data: new Float32Array(store.slabNumel) }));
+    if (this.partition === null) {
+      slabs.forEach((s, i) => backend.download(s.allocation.ptr, full[i]!.data));
+      return full;
+    }
+    for (let r = 0; r < cfg.trainers; r++) {
+      const part = r === rank ? this.partition : partitionOf(this.#plan(), cfg.trainers, r);
+      const packed = r === rank ? this.packedState(0, part.numel) : await this.#fetchPacked(r, step, part.numel);
+      for (const range of part.ranges.flat()) {
+        packed.forEach((p, i) => full[i]!.data.set(p.subarray(range.stateOffset, range.stateOffset + range.numel), range.paramOffset));
+      }
+    }
+    return full;
+  }
+
+  async #fetchPacked(r: number, step: number, numel: number): Promise<Float32Array[]> {
+    const fetch = this.#o.fetchPartition;
+    if (fetch === undefined) throw new EngineError("a ZeRO replica needs fetchPartition to snapshot the other ranks' optimizer state");
+    const names = this.optimizer.stateSlabs().length;
+    const per = Math.max(1, Math.floor((this.#o.payloadBytesMax - partOverheadBytes) / (4 * names)));
+    const out = Array.from({ length: names }, () => new Float32Array(numel));
+    for (let at = 0; at < numel; at += per) {
+      const count = Math.min(per, numel - at);
+      const got = await fetch(r, step, at, count);
+      if (got.length !== names || got.some((v) => v.length !== count))
+        throw new BadRequestError(`rank ${r} answered ${got.length} state vectors of ${got.map((v) => v.length).join(",")} values for ${names} of ${count}`);
+      got.forEach((v, i) => out[i]!.set(v, at));
+    }
+    return out;
+  }
+
+  /** ZeRO: elements [offset, offset + count) of this rank's packed optimizer state slabs. */
+  packedState(offset: number, count: number): Float32Array[] {
+    const numel = this.partition?.numel ?? this.#o.model.store.slabNumel;
+    if (!(Number.isSafeInteger(offset) && Number.isSafeInteger(count) && offset >= 0 && count >= 0 && offset + count <= numel))
+      throw new BadRequestError(`state elements [${offset}, +${count}) outside this rank's ${numel}`);
+    return this.optimizer.stateSlabs().map((s) => {
+      const v = new Float32Array(count);
+      if (count > 0) this.#o.backend.download(s.allocation.ptr + offset * 4, v);
+      return v;
+    });
+  }
+
+  #exportParts(step: number, partBytesMax: number, states: { name: string; data: Float32Array }[]): ShardState[] {
+    const { model, cfg } = this.#o;
     const store = model.store;
     const slabs = this.optimizer.stateSlabs();
     const values = store.readValues();
-    const states = slabs.map((s) => {
-      const v = new Float32Array(store.slabNumel);
-      backend.download(s.allocation.ptr, v);
-      return { name: s.name, data: v };
-    });
     const perElem = 4 * (1 + slabs.length);
     const budget = Math.max(perElem * this.layout.chunkElems, partBytesMax - partOverheadBytes);
     const groups: (typeof this.layout.chunks)[] = [[]];
@@ -689,7 +742,14 @@ export class Replica {
       }
     }
     store.writeValues(values);
-    slabs.forEach((s, i) => backend.upload(s.allocation.ptr, states[i]!));
+    if (this.partition === null) slabs.forEach((s, i) => backend.upload(s.allocation.ptr, states[i]!));
+    else {
+      // ZeRO: this rank keeps its partition's ranges (the snapshot holds the slab's layout, so a
+      // job resumes on any number of ranks and at any stage)
+      for (const r of this.partition.ranges.flat()) {
+        slabs.forEach((s, i) => backend.upload(s.allocation.ptr + r.stateOffset * 4, states[i]!.subarray(r.paramOffset, r.paramOffset + r.numel)));
+      }
+    }
     this.optimizer.setStepCount(st.optimizerSteps);
     if (this.scaler !== null && st.lossScale > 0) this.scaler.restoreScale(st.lossScale);
     store.zeroGrad();

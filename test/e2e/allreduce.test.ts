@@ -82,6 +82,37 @@ describe("all-reduce mode on the mesh", () => {
     }
   }, 180_000);
 
+  test("ZeRO stage 2 on the mesh: the job learns, each trainer logs its bytes per parameter, and a snapshot (rank 0 reads the other's partition) resumes at stage 1", async () => {
+    await using mesh = await startMesh("mt-ar-zero-");
+    await using client = await MeshClient.connect(mesh.url);
+    const adamw = { kind: "adamw" as const, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
+    const cfg = config({ job: "ar-zero", zero: 2, maxSteps: 100, checkpointEvery: 20, optimizer: adamw, lr: 2e-3 });
+    await client.submit(cfg, { membersWaitMs: 60_000 });
+    let cancelled: Promise<unknown> | null = null;
+    const first = await watchJob(client, cfg.job, {
+      quiet: true,
+      onEvent: (e) => {
+        if (cancelled === null && e.kind === EventKind.Checkpoint && e.step >= 40) cancelled = client.cancel(cfg.job);
+      },
+    }).catch((e: unknown) => e);
+    await cancelled;
+    expect(String(first)).toContain("cancelled");
+    for (const rank of [0, 1]) {
+      const log = readFileSync(join(mesh.opts.logDir, `trainer-${rank}.log`), "utf8");
+      // AdamW in f32 on 2 ranks at stage 2: 4 + 12/2 = 10 bytes per parameter
+      expect(log).toMatch(/model state on this rank: 10\.0\d bytes per parameter \(ZeRO stage 2, 2 ranks\)/);
+    }
+    const newest = (await client.checkpoints(cfg.job)).at(-1)!.step;
+    expect(newest).toBeGreaterThanOrEqual(40);
+    // the same job at stage 1 resumes from that snapshot and finishes
+    await client.submit({ ...cfg, zero: 1 }, { membersWaitMs: 60_000 });
+    const seen: Event[] = [];
+    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
+    expect(r.record.state).toBe(JobState.Done);
+    expect(r.record.accuracy).toBeGreaterThan(0.85);
+    expect(seen.filter((e) => e.kind === EventKind.Restore).map((e) => e.step)).toEqual([newest]);
+  }, 180_000);
+
   test("SIGKILL of a trainer mid-run: every rank rewinds to the newest snapshot of the replica and the job finishes, every step once", async () => {
     const launcherLines: string[] = [];
     await using mesh = await startMesh("mt-ar-chaos-", { onEvent: (l) => launcherLines.push(l) });

@@ -283,10 +283,10 @@ describe("all-reduce replicas", () => {
         );
       for (let s = 0; s < 3; s++) await run(rs, s);
       const partBytes = 96 << 10; // 204 KB of parameters x 3 slabs: several parts
-      const first = rs[0]!.replica.exportPart(3, 0, partBytes);
-      const parts = Array.from({ length: first.parts! }, (_, p) => rs[0]!.replica.exportPart(3, p, partBytes));
+      const first = await rs[0]!.replica.exportPart(3, 0, partBytes);
+      const parts = await Promise.all(Array.from({ length: first.parts! }, (_, p) => rs[0]!.replica.exportPart(3, p, partBytes)));
       expect(parts.length).toBeGreaterThan(3);
-      expect(() => rs[0]!.replica.exportPart(3, parts.length, partBytes)).toThrow(BadRequestError);
+      await expect(rs[0]!.replica.exportPart(3, parts.length, partBytes)).rejects.toThrow(BadRequestError);
       const before = rest[0]!.model.store.readValues();
       const target = rest[0]!.replica;
       const hostile = [
