@@ -50,7 +50,11 @@ import {
 
 export { CollPhase, DType, EventKind, JobState, Split, SyncPolicy };
 
-const dtypeBytes: Record<DType, number> = { [DType.F32]: 4, [DType.F16]: 2, [DType.I8]: 1 };
+/** bytes per element (TopK: per entry sent, an index and a value) */
+const dtypeBytes: Record<DType, number> = { [DType.F32]: 4, [DType.F16]: 2, [DType.I8]: 1, [DType.BF16]: 2, [DType.TopK]: 8 };
+
+/** Bytes of a chunk's data: count elements, or nnz entries for TopK. */
+export const chunkDataBytes = (dtype: DType, count: number, nnz = 0): number => (dtype === DType.TopK ? nnz : count) * dtypeBytes[dtype];
 
 function root<T extends { schemaVersion(): number }>(name: string, identifier: string, getRoot: (bb: ByteBuffer) => T): RootType<T> {
   return { name, identifier, getRoot, version: (r) => r.schemaVersion() };
@@ -73,8 +77,10 @@ export interface Chunk {
   dtype: DType;
   scale: number;
   count: number;
-  /** the element bytes (f32: count * 4) */
+  /** the element bytes (f32: count * 4; TopK: nnz indices then nnz values) */
   data: Uint8Array;
+  /** TopK: the entries sent (0 otherwise) */
+  nnz?: number;
 }
 
 export const f32Chunk = (id: number, values: Float32Array, version = 0): Chunk => ({
@@ -89,18 +95,21 @@ export const f32Chunk = (id: number, values: Float32Array, version = 0): Chunk =
 /** fp32 values of an F32 chunk (a view); other dtypes are decompressed by the caller. */
 export const chunkF32 = (c: Chunk): Float32Array => f32Of(`chunk ${c.id}`, c.data);
 
-/** A chunk whose bytes are written straight into the message by `fill` (count * 4 bytes, F32). */
+/** A chunk whose bytes are written straight into the message by `fill` (count elements of dtype: F32, F16 or BF16). */
 export interface ChunkSource {
   id: number;
   version: number;
   count: number;
+  /** F32 when absent */
+  dtype?: DType;
   fill(dst: Uint8Array): void;
 }
 
 function writeChunk(b: Builder, c: Chunk | ChunkSource): number {
-  const data = "fill" in c ? createBytesFilled(b, c.count * 4, c.fill) : createBytes(b, c.data);
-  const dtype = "fill" in c ? DType.F32 : c.dtype,
+  const dtype = c.dtype ?? DType.F32,
     scale = "fill" in c ? 1 : c.scale;
+  if ("fill" in c && dtype !== DType.F32 && dtype !== DType.F16 && dtype !== DType.BF16) throw new RangeError(`a filled chunk is dense, not ${DType[dtype]}`);
+  const data = "fill" in c ? createBytesFilled(b, c.count * dtypeBytes[dtype], c.fill) : createBytes(b, c.data);
   ChunkT.startChunk(b);
   ChunkT.addId(b, c.id);
   ChunkT.addVersion(b, big(c.version));
@@ -108,6 +117,7 @@ function writeChunk(b: Builder, c: Chunk | ChunkSource): number {
   ChunkT.addScale(b, scale);
   ChunkT.addCount(b, c.count);
   ChunkT.addData(b, data);
+  if (!("fill" in c) && (c.nnz ?? 0) > 0) ChunkT.addNnz(b, c.nnz!);
   return ChunkT.endChunk(b);
 }
 
@@ -116,11 +126,17 @@ function readChunk(c: ChunkT): Chunk {
   const width = dtypeBytes[dtype];
   if (width === undefined) throw new WireFormatError("malformed", `chunk ${c.id()}: unknown dtype ${dtype}`);
   const data = c.dataArray() ?? new Uint8Array(0);
-  const count = c.count();
-  if (data.byteLength !== count * width) {
+  const count = c.count(),
+    nnz = c.nnz();
+  if (dtype === DType.TopK) {
+    if (nnz > count) throw new WireFormatError("malformed", `chunk ${c.id()}: ${nnz} top-k entries of ${count} elements`);
+    if (data.byteLength !== nnz * width)
+      throw new WireFormatError("malformed", `chunk ${c.id()}: ${data.byteLength} data bytes for ${nnz} top-k entries of ${width} bytes`);
+  } else if (nnz !== 0) throw new WireFormatError("malformed", `chunk ${c.id()}: nnz ${nnz} on a dense ${DType[dtype]} chunk`);
+  else if (data.byteLength !== count * width) {
     throw new WireFormatError("malformed", `chunk ${c.id()}: ${data.byteLength} data bytes for ${count} elements of ${width} bytes`);
   }
-  return { id: c.id(), version: num(c.version()), dtype, scale: c.scale(), count, data };
+  return { id: c.id(), version: num(c.version()), dtype, scale: c.scale(), count, data, nnz };
 }
 
 /** Reads a vector of tables, verifying that each element table lies inside the buffer. */
@@ -221,6 +237,8 @@ export interface PullRequest {
   trainer: number;
   step: number;
   ids: Uint32Array;
+  /** the parameters' type in the reply (F32 when absent; F16 or BF16: a lossy copy) */
+  dtype?: DType;
 }
 
 const pullRoot = root("PullRequest", "MTPL", (bb) => PullRequestT.getRootAsPullRequest(bb));
@@ -229,7 +247,7 @@ export function encodePullRequest(m: PullRequest): Uint8Array {
   const b = builder(256 + m.ids.byteLength);
   const ids = createI32s(b, m.ids);
   const job = str(b, m.job);
-  return finishBytes(b, PullRequestT.createPullRequest(b, schemaVersion, job, m.trainer, big(m.step), ids), pullRoot.identifier);
+  return finishBytes(b, PullRequestT.createPullRequest(b, schemaVersion, job, m.trainer, big(m.step), ids, m.dtype ?? DType.F32), pullRoot.identifier);
 }
 
 export function decodePullRequest(data: Uint8Array, bytesMax: number): PullRequest {
@@ -239,6 +257,7 @@ export function decodePullRequest(data: Uint8Array, bytesMax: number): PullReque
     trainer: r.trainer(),
     step: num(r.step()),
     ids: (r.idsArray() ?? new Uint32Array(0)).slice(),
+    dtype: r.dtype(),
   }));
 }
 
@@ -251,7 +270,7 @@ const pullReplyRoot = root("PullReply", "MTPY", (bb) => PullReplyT.getRootAsPull
 
 /** A pull reply; chunks given as sources have their bytes filled in place (see ChunkSource). */
 export function encodePullReply(updates: number, chunks: readonly (Chunk | ChunkSource)[]): Uint8Array {
-  const b = builder(1024 + chunks.reduce((s, c) => s + ("fill" in c ? c.count * 4 : c.data.byteLength) + 64, 0));
+  const b = builder(1024 + chunks.reduce((s, c) => s + ("fill" in c ? c.count * dtypeBytes[c.dtype ?? DType.F32] : c.data.byteLength) + 64, 0));
   const vec = chunkVector(b, chunks, PullReplyT.createChunksVector);
   return finishBytes(b, PullReplyT.createPullReply(b, schemaVersion, big(updates), vec), pullReplyRoot.identifier);
 }
@@ -400,6 +419,10 @@ export interface Event {
   /** Step, all-reduce mode: the collectives' time, and the part the step waited for after compute */
   commMs: number;
   exposedCommMs: number;
+  /** Step: gradient and parameter bytes this rank moved on the bus for the step, as encoded */
+  wireBytes: number;
+  /** Step, all-reduce with top-k: share of the summed gradient not zero (-1: none) */
+  density: number;
 }
 
 export const emptyEvent = (job: string, kind: EventKind): Event => ({
@@ -420,6 +443,8 @@ export const emptyEvent = (job: string, kind: EventKind): Event => ({
   count: 0,
   commMs: 0,
   exposedCommMs: 0,
+  wireBytes: 0,
+  density: -1,
 });
 
 const eventRoot = root("Event", "MTEV", (bb) => EventT.getRootAsEvent(bb));
@@ -450,6 +475,8 @@ export function encodeEvent(m: Event): Uint8Array {
       m.count,
       m.commMs,
       m.exposedCommMs,
+      m.wireBytes,
+      m.density,
     ),
     eventRoot.identifier,
   );
@@ -475,6 +502,8 @@ export function decodeEvent(data: Uint8Array, bytesMax: number): Event {
     count: r.count(),
     commMs: r.commMs(),
     exposedCommMs: r.exposedCommMs(),
+    wireBytes: r.wireBytes(),
+    density: r.density(),
   }));
 }
 

@@ -2,6 +2,7 @@
 // and resuming: for a job name that ran before, that run's config with the options the user
 // typed laid over it.
 import { type Command, InvalidArgumentError, Option } from "commander";
+import { parseCompression } from "../engine/parallel/compress.ts";
 import { ConfigError } from "../services/runtime/errors.ts";
 import { defaultsOf, gptJobDefaults, type JobConfig, jobDefaults, meshPrecisions, parseJobConfig, syncModes } from "../services/runtime/job.ts";
 import type { PreviousRun } from "./client.ts";
@@ -76,6 +77,22 @@ export function jobOptions(cmd: Command): Command {
         .choices(["0", "1", "2"])
         .default(String(d.zero)),
     )
+    .addOption(
+      new Option(
+        "--compress <codec>",
+        "gradient compression with error feedback: none, bf16, fp16, int8 (a scale per chunk), topk:<fraction> (the largest fraction of each bucket or chunk); " +
+          "parameter-server mode compresses pushes (bf16/fp16 also pull a 16-bit copy of the parameters), allreduce each bucket",
+      )
+        .argParser((v: string) => {
+          try {
+            parseCompression(v);
+          } catch (e) {
+            throw new InvalidArgumentError((e as Error).message);
+          }
+          return v;
+        })
+        .default(d.compress),
+    )
     .option("--replica-check-every <steps>", "allreduce: steps between comparisons of the replicas' parameter hashes (0: never)", int(0), d.replicaCheckEvery)
     .option("--scale-lr", "linear learning-rate scaling: the schedule peaks at --lr times the trainers (needs --warmup > 0)", false)
     .option("--staleness <s>", "ssp: steps a trainer may run ahead of the slowest", int(0, 1000), 2)
@@ -143,6 +160,7 @@ export interface JobFlags {
   replicaCheckEvery: number;
   collTransport: JobConfig["collTransport"];
   zero: string;
+  compress: string;
   scaleLr: boolean;
   gradClip?: number;
   widths?: number[];
@@ -230,6 +248,7 @@ export function jobConfigOf(f: JobFlags): JobConfig {
     replicaCheckEvery: f.replicaCheckEvery,
     collTransport: f.collTransport,
     zero: Number(f.zero) as JobConfig["zero"],
+    compress: f.compress,
     scaleLr: f.scaleLr,
     gradClip: f.gradClip ?? def.gradClip,
     optimizer:
@@ -266,6 +285,7 @@ const flagPaths: Record<Exclude<keyof JobFlags, "job">, string[]> = {
   replicaCheckEvery: ["replicaCheckEvery"],
   collTransport: ["collTransport"],
   zero: ["zero"],
+  compress: ["compress"],
   scaleLr: ["scaleLr"],
   gradClip: ["gradClip"],
   widths: ["model.widths"],

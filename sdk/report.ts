@@ -89,8 +89,10 @@ export function outcomeLines(o: JobOutcome, files: { logs: string | null }): str
       t.commMs > 0
         ? `all-reduce ${t.commMs.toFixed(1)} ms of which exposed ${t.exposedCommMs.toFixed(1)} ms`
         : `pull ${t.pullMs.toFixed(1)} ms, push ${t.pushMs.toFixed(1)} ms`;
+    const wire = o.wireBytesPerStep > 0 ? ` | ${(o.wireBytesPerStep / 1e6).toFixed(2)} MB on the wire per step` : "";
+    const dense = o.density >= 0 ? ` (summed top-k density ${(100 * o.density).toFixed(2)}%)` : "";
     lines.push(
-      `step time per trainer: data wait ${t.dataWaitMs.toFixed(1)} ms, compute ${t.computeMs.toFixed(1)} ms, ${comm} | ${o.samplesPerS.toFixed(0)} samples/s`,
+      `step time per trainer: data wait ${t.dataWaitMs.toFixed(1)} ms, compute ${t.computeMs.toFixed(1)} ms, ${comm} | ${o.samplesPerS.toFixed(0)} samples/s${wire}${dense}`,
     );
   }
   if (r.reason) lines.push(`note:      ${r.reason}`);

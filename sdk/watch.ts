@@ -28,6 +28,9 @@ export interface JobOutcome {
   checkpoints: number;
   /** mean over all ranks' steps seen, milliseconds */
   split: { dataWaitMs: number; pullMs: number; computeMs: number; pushMs: number; commMs: number; exposedCommMs: number };
+  /** mean per trainer step: gradient and parameter bytes on the bus, and (top-k) the summed gradient's density (-1: none) */
+  wireBytesPerStep: number;
+  density: number;
   /** samples trained per second, from the first step seen to the last (start-up and the final
    *  evaluation and snapshot are not in it) */
   samplesPerS: number;
@@ -108,6 +111,8 @@ class Watcher {
   readonly #rate = new RateMeter(40);
   readonly #tally: EvalTally;
   readonly #split = { dataWaitMs: 0, pullMs: 0, computeMs: 0, pushMs: 0, commMs: 0, exposedCommMs: 0 };
+  #wireBytes = 0;
+  #density = { sum: 0, n: 0 };
   #progress: Progress | null = null;
   #step = 0;
   #loss = Number.NaN;
@@ -190,6 +195,11 @@ class Watcher {
     this.#split.pushMs += e.pushMs;
     this.#split.commMs += e.commMs;
     this.#split.exposedCommMs += e.exposedCommMs;
+    this.#wireBytes += e.wireBytes;
+    if (e.density >= 0) {
+      this.#density.sum += e.density;
+      this.#density.n++;
+    }
     if (this.o.quiet || totalSteps === 0) return;
     this.#progress ??= new Progress(totalSteps, "samples");
     this.#progress.update(this.#step, {
@@ -221,6 +231,8 @@ class Watcher {
         commMs: s.commMs / n,
         exposedCommMs: s.exposedCommMs / n,
       },
+      wireBytesPerStep: this.#wireBytes / n,
+      density: this.#density.n > 0 ? this.#density.sum / this.#density.n : -1,
       samplesPerS: this.#lastStepMs > this.#firstStepMs ? this.#samples / ((this.#lastStepMs - this.#firstStepMs) / 1000) : 0,
     };
   }

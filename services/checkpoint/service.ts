@@ -68,6 +68,14 @@ interface JobEntry {
    * is a restarted process, whose replica is gone, and gets a new restore for every rank)
    */
   lastRestore: { manifest: Manifest; opened: Set<number> } | null;
+  /**
+   * all-reduce mode: the job had no snapshot when it was opened (a new job), and the ranks that
+   * have asked since. A rank's first ask in a new job starts it from the seed, even when rank 0
+   * has meanwhile snapshotted step 0 (no rank passes step 0 without every rank): restoring then
+   * would rewind the ranks that started for nothing.
+   */
+  fresh: boolean;
+  firstAsks: Set<number>;
 }
 
 const shardFile = (k: number) => `ps-${k}.mtss`;
@@ -205,6 +213,10 @@ export class CheckpointService {
     }
     const rank = usesShards(cfg) ? null : trainerOfOpenedTag(tag);
     const last = e.lastRestore;
+    if (rank !== null && e.fresh && last === null && !e.firstAsks.has(rank)) {
+      e.firstAsks.add(rank);
+      throw new NotReadyError(`job ${cfg.job} is new: trainer ${rank} starts from the seed's initialization`);
+    }
     if (rank !== null && last !== null && !last.opened.has(rank)) {
       last.opened.add(rank);
       return encodeManifest(last.manifest);
@@ -276,7 +288,8 @@ export class CheckpointService {
         this.log?.warn({ err: (err as Error).message }, "undecodable eval event ignored");
       }
     });
-    this.#jobs.set(cfg.job, { cfg, plan, evals, sub, busy: Promise.resolve(), generation: 0, lastRestore: null });
+    const fresh = this.store.list(cfg.job).length === 0;
+    this.#jobs.set(cfg.job, { cfg, plan, evals, sub, busy: Promise.resolve(), generation: 0, lastRestore: null, fresh, firstAsks: new Set() });
     void this.control?.note(cfg.job, { snapshotDir: this.store.jobDir(cfg.job) }).catch((err: unknown) => {
       this.log?.warn({ job: cfg.job, err: (err as Error).message }, "cannot record the job's folder in its record");
     });

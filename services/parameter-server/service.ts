@@ -62,7 +62,7 @@ export class ParameterServer {
       const m = decodePullRequest(data, this.payloadBytesMax);
       const e = this.#entry(subject, m.job);
       e.pulls++;
-      const reply = await e.shard.pull(m.trainer, m.step, m.ids);
+      const reply = await e.shard.pull(m.trainer, m.step, m.ids, m.dtype);
       if (reply.byteLength > this.payloadBytesMax) {
         throw new LimitExceededError(
           `a pull of ${m.ids.length} chunks is ${reply.byteLength} bytes, over the ${this.payloadBytesMax}-byte limit; pull fewer chunks per request`,

@@ -18,6 +18,8 @@
 import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
 import { DType, type Chunk, type ChunkState, encodePullReply, type PushReply, type PushRequest, type ShardState } from "../../schemas/messages.ts";
+import { parseCompression } from "../../engine/parallel/compress.ts";
+import { decodeChunk, fillParams, pushDType } from "../runtime/chunk-codec.ts";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/errors.ts";
 import { type JobConfig, peakLr, shardsClip } from "../runtime/job.ts";
 import type { ChunkInfo, Layout } from "../runtime/layout.ts";
@@ -41,6 +43,7 @@ interface Waiter {
   trainer: number;
   step: number;
   ids: Uint32Array;
+  dtype: DType;
   ready: () => boolean;
   resolve: (r: Uint8Array) => void;
   reject: (e: Error) => void;
@@ -83,6 +86,10 @@ export class ParameterShard {
   readonly #waiters = new Set<Waiter>();
   readonly #schedule: Schedule;
   #disposed = false;
+  /** the chunk dtype this job's compression pushes (F32 is always accepted) */
+  readonly #pushDType: DType;
+  /** host memory a compressed chunk is decoded into */
+  #decoded = new Float32Array(0);
   readonly #agreeNorm: ShardOptions["agreeNorm"];
   /** BSP clipping: chunks whose averaged gradient of the current step waits for the global norm */
   readonly #clipWait = new Set<ChunkSlot>();
@@ -97,6 +104,7 @@ export class ParameterShard {
     this.shard = o.shard;
     this.#be = o.backend;
     this.#cfg = o.config;
+    this.#pushDType = pushDType(parseCompression(o.config.compress));
     this.ids = o.layout.byShard[o.shard] ?? [];
     const W = o.config.trainers;
     let local = 0;
@@ -222,7 +230,7 @@ export class ParameterShard {
       staged += Math.ceil(c.count / alignElems) * alignElems;
     }
     const staging = this.#stagingFor(staged);
-    for (const f of fresh) this.#be.upload(staging + f.at * 4, f.chunk.data);
+    for (const f of fresh) this.#stage(staging + f.at * 4, f.chunk);
     if (staged > 0 && this.#be.countNonFinite(staging, staged) > 0) {
       const bad = fresh.find((f) => this.#be.countNonFinite(staging + f.at * 4, f.chunk.count) > 0)!;
       throw new BadRequestError(`chunk ${bad.chunk.id} from trainer ${m.trainer} step ${m.step}: the gradient holds NaN or Inf`);
@@ -252,9 +260,24 @@ export class ParameterShard {
     return this.#staging?.ptr ?? 0;
   }
 
+  /** A pushed chunk into staging memory as f32 (compressed ones decoded on the host first). */
+  #stage(at: number, c: Chunk): void {
+    if (c.dtype === DType.F32) {
+      this.#be.upload(at, c.data);
+      return;
+    }
+    if (this.#decoded.length < c.count) this.#decoded = new Float32Array(c.count);
+    const out = this.#decoded.subarray(0, c.count);
+    decodeChunk(c, out);
+    this.#be.upload(at, out);
+  }
+
   #checkChunk(c: Chunk, m: PushRequest): ChunkSlot {
     const slot = this.#slot(c.id);
-    if (c.dtype !== DType.F32) throw new BadRequestError(`chunk ${c.id}: dtype ${DType[c.dtype]} is not accepted by this job (F32 only)`);
+    if (c.dtype !== DType.F32 && c.dtype !== this.#pushDType) {
+      const also = this.#pushDType === DType.F32 ? "" : ` or ${DType[this.#pushDType]}`;
+      throw new BadRequestError(`chunk ${c.id}: dtype ${DType[c.dtype] ?? c.dtype} is not accepted by this job (compress ${this.#cfg.compress}: F32${also})`);
+    }
     if (c.count !== slot.info.count) throw new BadRequestError(`chunk ${c.id} has ${c.count} elements, the layout says ${slot.info.count}`);
     // under BSP a trainer pulls step s (which waits for the update of s-1) before it pushes s
     if (this.#cfg.sync === "bsp" && slot.lastStep[m.trainer]! < m.step && m.step !== slot.version) {
@@ -385,18 +408,21 @@ export class ParameterShard {
    * trainer `trainer` to compute `step` (encoded here: parameters go from backend memory
    * straight into the message).
    */
-  pull(trainer: number, step: number, ids: Uint32Array): Promise<Uint8Array> {
+  pull(trainer: number, step: number, ids: Uint32Array, dtype: DType = DType.F32): Promise<Uint8Array> {
     this.flush();
     this.#checkTrainer(trainer);
+    if (dtype !== DType.F32 && dtype !== DType.F16 && dtype !== DType.BF16)
+      throw new BadRequestError(`parameters are pulled as F32, F16 or BF16 (a lossy copy), not ${DType[dtype] ?? dtype}`);
     for (const id of ids) this.#slot(id);
     if (new Set(ids).size !== ids.length) throw new BadRequestError("a pull names a chunk twice");
-    if (this.#ready(step, ids)) return Promise.resolve(this.#snapshot(ids));
+    if (this.#ready(step, ids)) return Promise.resolve(this.#snapshot(ids, dtype));
     if (this.#waiters.size >= pullWaitersMax) throw new LimitExceededError(`${pullWaitersMax} pulls are waiting on shard ${this.shard} already`);
     return new Promise((resolve, reject) => {
       const w: Waiter = {
         trainer,
         step,
         ids,
+        dtype,
         resolve,
         reject,
         ready: () => this.#ready(step, ids),
@@ -418,16 +444,25 @@ export class ParameterShard {
       if (!w.ready()) continue;
       clearTimeout(w.timer);
       this.#waiters.delete(w);
-      w.resolve(this.#snapshot(w.ids));
+      w.resolve(this.#snapshot(w.ids, w.dtype));
     }
   }
 
-  #snapshot(ids: Uint32Array): Uint8Array {
+  #snapshot(ids: Uint32Array, dtype: DType): Uint8Array {
     return encodePullReply(
       this.#updates,
       [...ids].map((id) => {
         const slot = this.#slots.get(id)!;
-        return { id, version: slot.version, count: slot.info.count, fill: (dst: Uint8Array) => this.#be.download(this.#ptr(this.#params, slot), dst) };
+        const fill =
+          dtype === DType.F32
+            ? (dst: Uint8Array) => this.#be.download(this.#ptr(this.#params, slot), dst)
+            : (dst: Uint8Array) => {
+                // a 16-bit copy of the f32 master parameters
+                const v = new Float32Array(slot.info.count);
+                this.#be.download(this.#ptr(this.#params, slot), v);
+                fillParams(dtype, v, dst);
+              };
+        return { id, version: slot.version, count: slot.info.count, dtype, fill };
       }),
     );
   }

@@ -44,6 +44,8 @@ export interface BusTransportOptions {
   peerLostMs: number;
   /** values through shared memory to the peers on this machine (they are found out, not configured) */
   sharedMemory: boolean;
+  /** counts the bytes of values this transport delivered (whatever the path), for the wire statistics */
+  meter?: { bytes: number };
 }
 
 export const busTransportDefaults = {
@@ -158,6 +160,7 @@ export class BusTransport implements PeerTransport {
     await this.#acquire(header.to, signal);
     try {
       await this.#deliver(header, values, signal);
+      if (this.#o.meter) this.#o.meter.bytes += values.byteLength;
     } finally {
       this.#release(header.to);
     }

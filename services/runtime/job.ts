@@ -1,6 +1,7 @@
 // A job's resolved configuration: what `meshtrain submit` sends, what every service of the
 // job reads, and what each checkpoint stores. Validated with zod; defaults in one block.
 import { z } from "zod";
+import { compressionPattern } from "../../engine/parallel/compress.ts";
 import type { JobSpec } from "../../schemas/messages.ts";
 import { BadRequestError, ConfigError } from "./errors.ts";
 
@@ -91,6 +92,15 @@ export const jobConfigSchema = z.object({
   /** allreduce: ZeRO stage. 0: every rank holds everything; 1: the optimizer state is
    *  partitioned among the ranks; 2: the gradients too (engine/parallel/zero.ts) */
   zero: z.union([z.literal(0), z.literal(1), z.literal(2)]).default(0),
+  /** gradient compression on the wire (engine/parallel/compress.ts), with error feedback:
+   *  none, bf16, fp16, int8 or topk:<fraction>. Parameter-server mode compresses pushes, and
+   *  bf16/fp16 also pulls (a lossy copy of the shards' f32 parameters); all-reduce mode each
+   *  bucket */
+  compress: z
+    .string()
+    .regex(compressionPattern, "must be none, bf16, fp16, int8 or topk:<fraction in (0, 1]>")
+    .refine((s) => !s.startsWith("topk:") || (Number(s.slice(5)) > 0 && Number(s.slice(5)) <= 1), "topk's fraction must be in (0, 1]")
+    .default("none"),
   minLr: z.number().min(0),
   schedule: z.enum(["constant", "cosine", "linear"]),
   warmupSteps: int(0),
@@ -139,6 +149,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   replicaCheckEvery: 100,
   collTransport: "auto",
   zero: 0,
+  compress: "none",
   minLr: 0,
   schedule: "cosine",
   warmupSteps: 100,

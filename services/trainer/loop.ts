@@ -69,6 +69,7 @@ import {
   stepAttemptsMax,
 } from "./limits.ts";
 import { PsClient } from "./ps-client.ts";
+import { parseCompression } from "../../engine/parallel/compress.ts";
 import { bytesPerParam } from "../../engine/parallel/zero.ts";
 import { Replica, type ReplicaOptions, stepRows } from "./replica.ts";
 
@@ -173,7 +174,7 @@ export class TrainerRun {
     const store = this.#model.store;
     checkPlanLayout(o.plan, store.slabNumel, store.decayRange.numel);
     const layout = planLayout(o.cfg, o.plan);
-    this.#ps = usesShards(o.cfg) ? new PsClient(o.bus, layout, o.rank, o.payloadBytesMax) : null;
+    this.#ps = usesShards(o.cfg) ? new PsClient(o.bus, layout, o.rank, o.payloadBytesMax, parseCompression(o.cfg.compress)) : null;
     this.#replica = usesShards(o.cfg)
       ? null
       : new Replica({
@@ -568,6 +569,7 @@ export class TrainerRun {
     const t0 = performance.now();
     const batch = await this.#batch(step);
     const t1 = performance.now();
+    const wire0 = this.#ps!.wireBytes;
     const params = this.#paramsFor(generation);
     await this.#ps!.pull(step, params);
     this.#checkGeneration(step, generation);
@@ -600,6 +602,7 @@ export class TrainerRun {
       computeMs: t4 - t3,
       pushMs: t5 - t4,
       count: batch.rows,
+      wireBytes: this.#ps!.wireBytes - wire0,
     });
   }
 
@@ -632,6 +635,7 @@ export class TrainerRun {
     const lr = lrAt(this.#schedule, peakLr(cfg), step);
     const total = stepRows(this.#plan.trainSamples, this.#plan.stepsPerEpoch, cfg.trainers, cfg.batchSize, step);
     const micro = batch.rows > 0 ? microBatches(batch, cfg.accumSteps) : [];
+    const wire0 = replica.wireBytes;
     const r = await replica.step(step, micro, batch.rows, total, lr);
     this.#checkGeneration(step, generation);
     if (cfg.replicaCheckEvery > 0 && ((step + 1) % cfg.replicaCheckEvery === 0 || step + 1 === this.#total)) await replica.checkReplicas(step);
@@ -650,6 +654,8 @@ export class TrainerRun {
       pullMs: 0,
       pushMs: 0,
       count: batch.rows,
+      wireBytes: replica.wireBytes - wire0,
+      density: r.density,
       ...(r.skipped ? { text: "f16 gradients overflowed: the update was skipped on every rank" } : {}),
     });
   }

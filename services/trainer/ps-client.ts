@@ -1,8 +1,15 @@
 // A trainer's view of the parameter servers: pull the whole flat parameter vector for a step,
 // push the whole gradient vector. Requests go to all shards at once, each split into messages
 // that fit the payload limit.
+//
+// Compression (services/runtime/chunk-codec.ts): each chunk of a push is encoded with error
+// feedback (the residual covers the whole gradient vector); bf16/fp16 jobs also pull a 16-bit
+// copy of the parameters. `wireBytes` counts the bytes of gradients and parameters sent and
+// received (requests and replies as encoded), what the bench reports per step.
 import { packByBytes } from "../../schemas/codec.ts";
+import { Codec, type Compression, ErrorFeedback } from "../../engine/parallel/compress.ts";
 import { DType, decodePullReply, decodePushReply, encodePullRequest, encodePushRequest, f32Chunk, type PushReply } from "../../schemas/messages.ts";
+import { chunkCodec, decodeChunk, encodeChunk, pullDType } from "../runtime/chunk-codec.ts";
 import { BadRequestError } from "../runtime/errors.ts";
 import type { Bus } from "../runtime/bus.ts";
 import { subjects } from "../runtime/job.ts";
@@ -12,14 +19,27 @@ import { pullTimeoutMs, requestTimeoutMs } from "./limits.ts";
 export class PsClient {
   /** per shard: groups of chunk ids, each group's reply fits one message */
   readonly #groups: number[][][];
+  readonly #feedback: ErrorFeedback | null;
+  readonly #pullDType: DType;
+  /** bytes of pushes and pulls (requests and replies) so far */
+  wireBytes = 0;
 
   constructor(
     readonly bus: Bus,
     readonly layout: Layout,
     readonly trainer: number,
     readonly payloadBytesMax: number,
+    compression: Compression = { kind: "none" },
   ) {
     this.#groups = layout.byShard.map((ids) => packByBytes(ids, (id) => layout.chunks[id]!.count * 4, payloadBytesMax));
+    const codec: Codec = chunkCodec(compression, layout.chunkElems);
+    this.#feedback = codec.lossy
+      ? new ErrorFeedback(
+          codec,
+          layout.chunks.reduce((n, c) => Math.max(n, c.offset + c.count), 0),
+        )
+      : null;
+    this.#pullDType = pullDType(compression);
   }
 
   /** Fills `out` (the flat vector) with the parameters the shards give for `step`. */
@@ -29,21 +49,29 @@ export class PsClient {
     await Promise.all(
       this.#groups.flatMap((groups, shard) =>
         groups.map(async (ids) => {
-          const req = encodePullRequest({ job, trainer: this.trainer, step, ids: Uint32Array.from(ids) });
-          const reply = decodePullReply(await this.bus.request(subjects.psPull(job, shard), req, pullTimeoutMs), this.payloadBytesMax);
+          const req = encodePullRequest({ job, trainer: this.trainer, step, ids: Uint32Array.from(ids), dtype: this.#pullDType });
+          const bytes = await this.bus.request(subjects.psPull(job, shard), req, pullTimeoutMs);
+          this.wireBytes += req.byteLength + bytes.byteLength;
+          const reply = decodePullReply(bytes, this.payloadBytesMax);
           if (reply.chunks.length !== ids.length) throw new BadRequestError(`shard ${shard} answered ${reply.chunks.length} chunks for ${ids.length}`);
           for (const c of reply.chunks) {
             const info = this.layout.chunks[c.id];
             if (!info || info.shard !== shard || c.count !== info.count) throw new BadRequestError(`shard ${shard} answered an unexpected chunk ${c.id}`);
-            if (c.dtype !== DType.F32) throw new BadRequestError(`shard ${shard} answered chunk ${c.id} as ${DType[c.dtype]}`);
-            outBytes.set(c.data, info.offset * 4); // bytes: one copy, whatever the payload's alignment
+            if (c.dtype !== this.#pullDType)
+              throw new BadRequestError(`shard ${shard} answered chunk ${c.id} as ${DType[c.dtype]}, not ${DType[this.#pullDType]}`);
+            if (c.dtype === DType.F32)
+              outBytes.set(c.data, info.offset * 4); // bytes: one copy, whatever the payload's alignment
+            else decodeChunk(c, out.subarray(info.offset, info.offset + info.count));
           }
         }),
       ),
     );
   }
 
-  /** Pushes the gradient vector for `step` to every shard. */
+  /**
+   * Pushes the gradient vector for `step` to every shard (compressed: `grads` is overwritten
+   * with gradient + residual).
+   */
   async push(step: number, grads: Float32Array): Promise<PushReply> {
     const job = this.layout.job;
     const replies = await Promise.all(
@@ -51,10 +79,13 @@ export class PsClient {
         groups.map(async (ids) => {
           const chunks = ids.map((id) => {
             const c = this.layout.chunks[id]!;
-            return f32Chunk(id, grads.subarray(c.offset, c.offset + c.count));
+            const x = grads.subarray(c.offset, c.offset + c.count);
+            return this.#feedback ? encodeChunk(this.#feedback, id, x, c.offset) : f32Chunk(id, x);
           });
           const req = encodePushRequest({ job, trainer: this.trainer, step, chunks });
-          return decodePushReply(await this.bus.request(subjects.psPush(job, shard), req, requestTimeoutMs), this.payloadBytesMax);
+          const bytes = await this.bus.request(subjects.psPush(job, shard), req, requestTimeoutMs);
+          this.wireBytes += req.byteLength + bytes.byteLength;
+          return decodePushReply(bytes, this.payloadBytesMax);
         }),
       ),
     );

@@ -22,6 +22,11 @@
 // ranks, known from the data plan; folded into the loss's seed) before the sum, so a short last
 // step weighs each sample once, as a single process with the whole batch would.
 //
+// Compression (`compress`, engine/parallel/compress.ts): a bucket is encoded with error
+// feedback (a residual per bucket), every rank's encoding is all-gathered, and each rank sums
+// the decoded contributions in rank order (the same bits on every rank). ZeRO keeps its
+// partition of that sum. With top-k the density of the summed bucket is reported.
+//
 // Checkpoints: rank 0 serves its replica in parts (ShardState messages of the job's chunk
 // layout, each under the message limit) to the checkpoint service; on restore every rank is
 // loaded the same parts and applies them at its next step boundary, with the communicator
@@ -35,8 +40,9 @@ import { LossScaler } from "../../engine/optim/loss-scale.ts";
 import type { Optimizer, UpdatePlan } from "../../engine/optim/optimizer.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
 import type { ParamEntry } from "../../engine/params.ts";
-import type { Collective } from "../../engine/parallel/collective.ts";
+import { BadPieceError, type Collective } from "../../engine/parallel/collective.ts";
 import { HierarchicalCollective } from "../../engine/parallel/hierarchical.ts";
+import { Codec, density, ErrorFeedback, parseCompression } from "../../engine/parallel/compress.ts";
 import { RingCollective } from "../../engine/parallel/ring.ts";
 import { type ModelMemory, type Partition, partitionOf, type ZeroStage } from "../../engine/parallel/zero.ts";
 import type { Context, Tensor } from "../../engine/tensor.ts";
@@ -69,6 +75,9 @@ interface Bucket {
   /** elements over its entries */
   numel: number;
   buf: Float32Array;
+  /** compression: the bucket's error feedback, and every rank's encoding of it (all-gathered) */
+  feedback: ErrorFeedback | null;
+  gathered: Float32Array | null;
 }
 
 export interface ReplicaStepResult {
@@ -84,6 +93,8 @@ export interface ReplicaStepResult {
   commMs: number;
   /** how long the step waited for all-reduces after its backward was done */
   exposedCommMs: number;
+  /** top-k: share of the summed gradient that is not zero (-1 otherwise) */
+  density: number;
 }
 
 export interface ReplicaOptions {
@@ -122,6 +133,12 @@ export class Replica {
   /** ZeRO: the part of every bucket this rank owns (null at stage 0) */
   readonly partition: Partition | null;
   readonly #o: ReplicaOptions;
+  /** the bucket codec (compression) */
+  readonly codec: Codec;
+  /** bytes of values this rank's communicators delivered to peers */
+  readonly #meter = { bytes: 0 };
+  /** top-k: nonzero and total entries of the summed buckets this step */
+  #dense = { nonzero: 0, total: 0 };
   /** ZeRO stage 2: the partition's reduced gradients, and scratch to add a micro-batch's into them */
   readonly #ownedGrads: Allocation | null = null;
   readonly #addScratch: Allocation | null = null;
@@ -140,6 +157,7 @@ export class Replica {
     this.#o = o;
     const { ctx, model, cfg } = o;
     const store = model.store;
+    this.codec = new Codec(parseCompression(cfg.compress));
     const buckets = this.#plan();
     this.zero = cfg.zero;
     this.partition = cfg.zero > 0 ? partitionOf(buckets, cfg.trainers, o.rank) : null;
@@ -174,13 +192,19 @@ export class Replica {
       paramCount: store.paramCount,
       grads: store.holdsGradSlab ? store.grads.bytes : (this.#ownedGrads?.bytes ?? 0),
       optimizer: this.optimizer.stateSlabs().reduce((sum, s) => sum + s.allocation.bytes, 0),
-      buckets: (this.#buckets ?? []).reduce((sum, b) => sum + b.buf.byteLength, 0),
+      // the host buffers buckets travel through (compression: the residuals and the all-gathered encodings too)
+      buckets: (this.#buckets ?? []).reduce((sum, b) => sum + b.buf.byteLength + (b.feedback?.residual.byteLength ?? 0) + (b.gathered?.byteLength ?? 0), 0),
       arenaPeak: ctx.arena.highWaterBytes,
     };
   }
 
   get generation(): number {
     return this.#generation;
+  }
+
+  /** Bytes of values this rank has sent to its peers (every collective, every path). */
+  get wireBytes(): number {
+    return this.#meter.bytes;
   }
 
   /** How many machines the ranks' labels name (1 until useTopology). */
@@ -224,6 +248,7 @@ export class Replica {
       size: cfg.trainers,
       generation,
       sharedMemory: this.#o.transport?.sharedMemory ?? cfg.collTransport === "auto",
+      meter: this.#meter,
     });
     const options = this.#o.progressTimeoutMs ? { progressTimeoutMs: this.#o.progressTimeoutMs } : {};
     return this.#hosts !== null && new Set(this.#hosts).size > 1
@@ -273,8 +298,17 @@ export class Replica {
     const buckets: Bucket[] = [];
     let cur: ParamEntry[] = [],
       n = 0;
+    const codec = this.codec;
     const close = () => {
-      buckets.push({ id: buckets.length, entries: cur, numel: n, buf: new Float32Array(n) });
+      const lossy = codec.lossy;
+      buckets.push({
+        id: buckets.length,
+        entries: cur,
+        numel: n,
+        buf: new Float32Array(n),
+        feedback: lossy ? new ErrorFeedback(codec, n) : null,
+        gathered: lossy ? new Float32Array((cfg.trainers * codec.slotBytes(n)) / 4) : null,
+      });
       cur = [];
       n = 0;
     };
@@ -318,12 +352,14 @@ export class Replica {
       }
       firstStart = Math.min(firstStart, performance.now());
       inFlight++;
-      const op = collective.allReduce(b.buf, { step, bucket: b.id }, "sum").finally(() => inFlight--);
+      const key = { step, bucket: b.id };
+      const op = (b.feedback ? this.#compressedAllReduce(b, key) : collective.allReduce(b.buf, key, "sum")).finally(() => inFlight--);
       op.catch(() => {}); // awaited below
       pending.push(op);
     };
 
     store.zeroGrad();
+    this.#dense = { nonzero: 0, total: 0 };
     let loss = 0;
     const k = micro.length;
     // the rank's share of the global batch is folded into the loss's seed, so the gradients
@@ -377,7 +413,7 @@ export class Replica {
       gradNorm = clipGradNorm(ctx, store, cfg.gradClip);
       this.optimizer.step(lr);
     }
-    this.scaler?.update(finite, step);
+    this.#updateScale(finite, step);
     const t1 = performance.now();
     return {
       loss,
@@ -386,6 +422,7 @@ export class Replica {
       computeMs: tBackward - t0 + (t1 - tReduced),
       commMs: pending.length > 0 ? tReduced - firstStart : 0,
       exposedCommMs: tReduced - tBackward,
+      density: this.#density,
     };
   }
 
@@ -422,8 +459,8 @@ export class Replica {
       }
       firstStart = Math.min(firstStart, performance.now());
       inFlight++;
-      const op = collective
-        .reduceScatter(b.buf, { step, bucket: round * buckets.length + b.id })
+      const key = { step, bucket: round * buckets.length + b.id };
+      const op = (b.feedback ? this.#compressedAllReduce(b, key) : collective.reduceScatter(b.buf, key))
         .then(() => this.#keep(b, round > 0))
         .finally(() => inFlight--);
       op.catch(() => {}); // awaited below
@@ -438,6 +475,7 @@ export class Replica {
     const rounds = stage2 ? Math.max(cfg.accumSteps, k, 1) : 1;
     const slots = k > 0 ? ctx.scalarSlots(k) : 0;
     store.zeroGrad();
+    this.#dense = { nonzero: 0, total: 0 };
     for (let i = 0; i < Math.max(k, rounds); i++) {
       const round = stage2 ? i : 0;
       if (stage2) store.zeroGrad(); // drops the last pass's arena gradients
@@ -515,7 +553,7 @@ export class Replica {
         }
       }
     }
-    this.scaler?.update(finite, step);
+    this.#updateScale(finite, step);
     const t1 = performance.now();
     return {
       loss,
@@ -524,7 +562,47 @@ export class Replica {
       computeMs: tBackward - t0,
       commMs: t1 - Math.min(firstStart, tBackward),
       exposedCommMs: t1 - tBackward,
+      density: this.#density,
     };
+  }
+
+  /**
+   * A compressed bucket's sum over the ranks into b.buf: this rank's gradient plus its residual
+   * is encoded into its slot, every rank's slot is all-gathered, and the decoded slots are
+   * added up in rank order (every rank computes the same sum, bit for bit).
+   */
+  async #compressedAllReduce(b: Bucket, key: { step: number; bucket: number }): Promise<void> {
+    const codec = this.codec;
+    const width = codec.slotBytes(b.numel);
+    const all = b.gathered!;
+    const slotOf = (r: number) => new Uint8Array(all.buffer, all.byteOffset + r * width, width);
+    b.feedback!.encode(b.buf, slotOf(this.#o.rank));
+    await this.#comm.allGather(all, key);
+    b.buf.fill(0);
+    for (let r = 0; r < this.#o.cfg.trainers; r++) {
+      try {
+        codec.decode(slotOf(r), b.buf, true);
+      } catch (e) {
+        throw new BadPieceError(`rank ${r}'s ${codec.kind} encoding of bucket ${b.id} at step ${key.step}: ${(e as Error).message}`, { cause: e });
+      }
+    }
+    if (codec.kind === "topk") {
+      this.#dense.nonzero += density(b.buf) * b.numel;
+      this.#dense.total += b.numel;
+    }
+  }
+
+  get #density(): number {
+    return this.#dense.total > 0 ? this.#dense.nonzero / this.#dense.total : -1;
+  }
+
+  /** The loss scaler's update; the residuals follow its scale (they are in the scaled gradient's units). */
+  #updateScale(finite: boolean, step: number): void {
+    if (this.scaler === null) return;
+    const before = this.scaler.scale;
+    this.scaler.update(finite, step);
+    const factor = this.scaler.scale / before;
+    if (factor !== 1) for (const b of this.#buckets ?? []) b.feedback?.rescale(factor);
   }
 
   /** ZeRO: keeps this rank's segment of a reduce-scattered bucket (adds it in, for a later micro-batch). */
@@ -753,6 +831,8 @@ export class Replica {
     this.optimizer.setStepCount(st.optimizerSteps);
     if (this.scaler !== null && st.lossScale > 0) this.scaler.restoreScale(st.lossScale);
     store.zeroGrad();
+    // the residuals belong to the steps the restore abandoned
+    for (const b of this.#buckets ?? []) b.feedback?.reset();
     this.#staged = null;
     this.#exported = null;
     this.reconnect(done.generation);

@@ -6,7 +6,9 @@ import { buildLayout } from "../../services/runtime/layout.ts";
 import { ParameterShard } from "../../services/parameter-server/shard.ts";
 import { BadRequestError, DeadlineError } from "../../services/runtime/errors.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
-import { chunkF32, decodePullReply, f32Chunk, type PushRequest } from "../../schemas/messages.ts";
+import { chunkF32, decodePullReply, DType, f32Chunk, type PushRequest } from "../../schemas/messages.ts";
+import { Codec, ErrorFeedback, parseCompression } from "../../engine/parallel/compress.ts";
+import { chunkCodec, decodeChunk, encodeChunk } from "../../services/runtime/chunk-codec.ts";
 import { Rng } from "../../engine/rng.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { cpu, randn, relErr } from "../helpers/numeric.ts";
@@ -371,5 +373,107 @@ describe("ParameterServer over a MemoryBus", () => {
     expect(decodePullReply(await bus.request("mt.t.ps.0.pull", one, 1000), 16_000).chunks[0]!.count).toBe(1024);
     ps.stop();
     await bus.close();
+  });
+});
+
+describe("compressed pushes and pulls", () => {
+  const codecPush = (cfg: JobConfig, layout: ReturnType<typeof buildLayout>, trainer: number, step: number, g: Float32Array) => {
+    const ef = new ErrorFeedback(chunkCodec(parseCompression(cfg.compress), layout.chunkElems), g.length);
+    const x = g.slice();
+    return { job: "t", trainer, step, chunks: layout.chunks.map((c) => encodeChunk(ef, c.id, x.subarray(c.offset, c.offset + c.count), c.offset)) };
+  };
+
+  for (const compress of ["bf16", "fp16", "int8", "topk:0.1"]) {
+    test(`${compress}: the shard applies the decoded gradient (float64 reference of SGD on it), and still takes F32`, async () => {
+      const cfg = job({ trainers: 2, sync: "bsp", lr: 0.1, compress, optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 } });
+      const { shard, layout, initial, ids } = makeShard(cfg);
+      const n = initial.length;
+      const g0 = Float32Array.from(randn(new Rng(11), n)),
+        g1 = Float32Array.from(randn(new Rng(12), n));
+      const push0 = codecPush(cfg, layout, 0, 0, g0);
+      // what the shard should see: each chunk decoded
+      const seen = new Float32Array(n);
+      for (const c of push0.chunks) decodeChunk(c, seen.subarray(layout.chunks[c.id]!.offset, layout.chunks[c.id]!.offset + c.count));
+      shard.push(push0);
+      shard.push(pushAll(layout, 1, 0, g1)); // F32 is always accepted
+      const p = Float64Array.from(initial, (v, i) => v - 0.1 * ((seen[i]! + g1[i]!) / 2));
+      expect(relErr(await pullAll(shard, ids, 0, 1, n), p)).toBeLessThan(1e-6);
+      if (compress === "topk:0.1") expect(seen.filter((v) => v !== 0).length).toBe(layout.chunks.reduce((s, c) => s + Math.ceil(0.1 * c.count), 0));
+      shard.dispose();
+    });
+  }
+
+  test("a bf16 pull is the f32 master parameters rounded to bf16; the shard keeps f32", async () => {
+    const cfg = job({ trainers: 1, sync: "bsp", compress: "bf16" });
+    const { shard, layout, initial, ids } = makeShard(cfg);
+    const r = decodePullReply(await shard.pull(0, 0, ids, DType.BF16), 1 << 30);
+    const got = new Float32Array(initial.length);
+    for (const c of r.chunks) {
+      expect(c.dtype).toBe(DType.BF16);
+      expect(c.data.byteLength).toBe(2 * c.count);
+      decodeChunk(c, got.subarray(layout.chunks[c.id]!.offset, layout.chunks[c.id]!.offset + c.count));
+    }
+    const bf = new Codec({ kind: "bf16" });
+    const s = new Uint8Array(bf.slotBytes(initial.length));
+    bf.encode(initial, s);
+    const ref = new Float32Array(initial.length);
+    bf.decode(s, ref, false);
+    expect(got).toEqual(ref);
+    expect(await pullAll(shard, ids, 0, 0, initial.length)).toEqual(initial); // f32 pulls: the master copy, exact
+    expectThrown(() => shard.pull(0, 0, ids, DType.I8), BadRequestError, "F32, F16 or BF16");
+    shard.dispose();
+  });
+
+  describe("hostile compressed chunks are refused and change nothing", () => {
+    const cfg = job({ trainers: 2, sync: "bsp", compress: "topk:0.1" });
+    const topk = (l: ReturnType<typeof buildLayout>, idx: number[], values: number[], nnz = idx.length) => {
+      const c = l.chunks[0]!;
+      const data = new Uint8Array(8 * idx.length);
+      new Uint32Array(data.buffer, 0, idx.length).set(idx);
+      new Float32Array(data.buffer, 4 * idx.length, idx.length).set(values);
+      return { job: "t", trainer: 0, step: 0, chunks: [{ id: c.id, version: 0, dtype: DType.TopK, scale: 1, count: c.count, data, nnz }] };
+    };
+    test.each([
+      ["top-k indices out of range", (l: ReturnType<typeof buildLayout>) => topk(l, [1, 5000], [1, 2]), "below 1024"],
+      ["top-k indices repeated", (l: ReturnType<typeof buildLayout>) => topk(l, [3, 3], [1, 2]), "ascend"],
+      ["top-k indices descending", (l: ReturnType<typeof buildLayout>) => topk(l, [9, 3], [1, 2]), "ascend"],
+      ["a top-k NaN value", (l: ReturnType<typeof buildLayout>) => topk(l, [3, 9], [1, Number.NaN]), "NaN or Inf"],
+      [
+        "a dtype the job does not push (I8 in a top-k job)",
+        (l: ReturnType<typeof buildLayout>) => {
+          const c = l.chunks[0]!;
+          return {
+            job: "t",
+            trainer: 0,
+            step: 0,
+            chunks: [{ id: c.id, version: 0, dtype: DType.I8, scale: 1, count: c.count, data: new Uint8Array(c.count) }],
+          };
+        },
+        "compress topk:0.1: F32 or TopK",
+      ],
+    ])("%s", async (_, make, fragment) => {
+      const { shard, layout, initial, ids } = makeShard(cfg);
+      expectThrown(() => shard.push(make(layout)), BadRequestError, fragment);
+      expect(await pullAll(shard, ids, 0, 0, initial.length)).toEqual(initial);
+      expect(shard.clocks).toEqual([0, 0]);
+      shard.dispose();
+    });
+
+    test("an int8 chunk with a negative or infinite scale", async () => {
+      const c8 = job({ trainers: 2, sync: "bsp", compress: "int8" });
+      for (const scale of [-1, Infinity]) {
+        const { shard, layout, initial, ids } = makeShard(c8);
+        const c = layout.chunks[0]!;
+        const m = {
+          job: "t",
+          trainer: 0,
+          step: 0,
+          chunks: [{ id: c.id, version: 0, dtype: DType.I8, scale, count: c.count, data: new Uint8Array(c.count).fill(3) }],
+        };
+        expectThrown(() => shard.push(m), BadRequestError, "scale");
+        expect(await pullAll(shard, ids, 0, 0, initial.length)).toEqual(initial);
+        shard.dispose();
+      }
+    });
   });
 });

@@ -139,7 +139,7 @@ describe("bad input on every subject gets an error reply, and the shard keeps se
   const stale = (() => {
     const b = new Builder(64);
     const j = b.createString(job);
-    return finishBytes(b, PullRequestT.createPullRequest(b, schemaVersion + 1, j, 0, 0n, 0), "MTPL");
+    return finishBytes(b, PullRequestT.createPullRequest(b, schemaVersion + 1, j, 0, 0n, 0, 0), "MTPL");
   })();
   const garbage = crypto.getRandomValues(new Uint8Array(300));
   const cases: [string, string, Uint8Array, abstract new (...a: never[]) => Error, string][] = [

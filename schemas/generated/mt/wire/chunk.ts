@@ -51,7 +51,7 @@ scale():number {
 }
 
 /**
- * element count; data holds count * sizeof(dtype) bytes
+ * element count; data holds count * sizeof(dtype) bytes (TopK: nnz * 8)
  */
 count():number {
   const offset = this.bb!.__offset(this.bb_pos, 12);
@@ -73,8 +73,16 @@ dataArray():Uint8Array|null {
   return offset ? new Uint8Array(this.bb!.bytes().buffer, this.bb!.bytes().byteOffset + this.bb!.__vector(this.bb_pos + offset), this.bb!.__vector_len(this.bb_pos + offset)) : null;
 }
 
+/**
+ * TopK: the entries sent
+ */
+nnz():number {
+  const offset = this.bb!.__offset(this.bb_pos, 16);
+  return offset ? this.bb!.readUint32(this.bb_pos + offset) : 0;
+}
+
 static startChunk(builder:flatbuffers.Builder) {
-  builder.startObject(6);
+  builder.startObject(7);
 }
 
 static addId(builder:flatbuffers.Builder, id:number) {
@@ -113,12 +121,16 @@ static startDataVector(builder:flatbuffers.Builder, numElems:number) {
   builder.startVector(1, numElems, 1);
 }
 
+static addNnz(builder:flatbuffers.Builder, nnz:number) {
+  builder.addFieldInt32(6, nnz, 0);
+}
+
 static endChunk(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
 }
 
-static createChunk(builder:flatbuffers.Builder, id:number, version:bigint, dtype:DType, scale:number, count:number, dataOffset:flatbuffers.Offset):flatbuffers.Offset {
+static createChunk(builder:flatbuffers.Builder, id:number, version:bigint, dtype:DType, scale:number, count:number, dataOffset:flatbuffers.Offset, nnz:number):flatbuffers.Offset {
   Chunk.startChunk(builder);
   Chunk.addId(builder, id);
   Chunk.addVersion(builder, version);
@@ -126,6 +138,7 @@ static createChunk(builder:flatbuffers.Builder, id:number, version:bigint, dtype
   Chunk.addScale(builder, scale);
   Chunk.addCount(builder, count);
   Chunk.addData(builder, dataOffset);
+  Chunk.addNnz(builder, nnz);
   return Chunk.endChunk(builder);
 }
 }

@@ -131,8 +131,25 @@ exposedCommMs():number {
   return offset ? this.bb!.readFloat32(this.bb_pos + offset) : 0.0;
 }
 
+/**
+ * Step: bytes of gradients and parameters this rank put on and took off the bus for the step
+ * (pushes and pulls, or collective pieces sent), as encoded
+ */
+wireBytes():number {
+  const offset = this.bb!.__offset(this.bb_pos, 40);
+  return offset ? this.bb!.readFloat64(this.bb_pos + offset) : 0.0;
+}
+
+/**
+ * Step, all-reduce mode with top-k: share of the summed gradient that is not zero
+ */
+density():number {
+  const offset = this.bb!.__offset(this.bb_pos, 42);
+  return offset ? this.bb!.readFloat32(this.bb_pos + offset) : -1.0;
+}
+
 static startEvent(builder:flatbuffers.Builder) {
-  builder.startObject(18);
+  builder.startObject(20);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -207,6 +224,14 @@ static addExposedCommMs(builder:flatbuffers.Builder, exposedCommMs:number) {
   builder.addFieldFloat32(17, exposedCommMs, 0.0);
 }
 
+static addWireBytes(builder:flatbuffers.Builder, wireBytes:number) {
+  builder.addFieldFloat64(18, wireBytes, 0.0);
+}
+
+static addDensity(builder:flatbuffers.Builder, density:number) {
+  builder.addFieldFloat32(19, density, -1.0);
+}
+
 static endEvent(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -220,7 +245,7 @@ static finishSizePrefixedEventBuffer(builder:flatbuffers.Builder, offset:flatbuf
   builder.finish(offset, 'MTEV', true);
 }
 
-static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, kind:EventKind, rank:number, step:bigint, timeMs:number, loss:number, lr:number, accuracy:number, samplesPerS:number, dataWaitMs:number, pullMs:number, computeMs:number, pushMs:number, textOffset:flatbuffers.Offset, count:number, commMs:number, exposedCommMs:number):flatbuffers.Offset {
+static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, kind:EventKind, rank:number, step:bigint, timeMs:number, loss:number, lr:number, accuracy:number, samplesPerS:number, dataWaitMs:number, pullMs:number, computeMs:number, pushMs:number, textOffset:flatbuffers.Offset, count:number, commMs:number, exposedCommMs:number, wireBytes:number, density:number):flatbuffers.Offset {
   Event.startEvent(builder);
   Event.addSchemaVersion(builder, schemaVersion);
   Event.addJob(builder, jobOffset);
@@ -240,6 +265,8 @@ static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:
   Event.addCount(builder, count);
   Event.addCommMs(builder, commMs);
   Event.addExposedCommMs(builder, exposedCommMs);
+  Event.addWireBytes(builder, wireBytes);
+  Event.addDensity(builder, density);
   return Event.endEvent(builder);
 }
 }

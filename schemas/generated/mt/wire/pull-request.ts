@@ -2,6 +2,7 @@
 
 import * as flatbuffers from 'flatbuffers';
 
+import { DType } from '../../mt/wire/dtype';
 
 
 /**
@@ -68,8 +69,17 @@ idsArray():Uint32Array|null {
   return offset ? new Uint32Array(this.bb!.bytes().buffer, this.bb!.bytes().byteOffset + this.bb!.__vector(this.bb_pos + offset), this.bb!.__vector_len(this.bb_pos + offset)) : null;
 }
 
+/**
+ * the parameters' type in the reply: F32, or F16 / BF16 (a lossy copy, for a job with that
+ * compression; the shard keeps f32 master parameters)
+ */
+dtype():DType {
+  const offset = this.bb!.__offset(this.bb_pos, 14);
+  return offset ? this.bb!.readUint8(this.bb_pos + offset) : DType.F32;
+}
+
 static startPullRequest(builder:flatbuffers.Builder) {
-  builder.startObject(5);
+  builder.startObject(6);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -109,6 +119,10 @@ static startIdsVector(builder:flatbuffers.Builder, numElems:number) {
   builder.startVector(4, numElems, 4);
 }
 
+static addDtype(builder:flatbuffers.Builder, dtype:DType) {
+  builder.addFieldInt8(5, dtype, DType.F32);
+}
+
 static endPullRequest(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -122,13 +136,14 @@ static finishSizePrefixedPullRequestBuffer(builder:flatbuffers.Builder, offset:f
   builder.finish(offset, 'MTPL', true);
 }
 
-static createPullRequest(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, trainer:number, step:bigint, idsOffset:flatbuffers.Offset):flatbuffers.Offset {
+static createPullRequest(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, trainer:number, step:bigint, idsOffset:flatbuffers.Offset, dtype:DType):flatbuffers.Offset {
   PullRequest.startPullRequest(builder);
   PullRequest.addSchemaVersion(builder, schemaVersion);
   PullRequest.addJob(builder, jobOffset);
   PullRequest.addTrainer(builder, trainer);
   PullRequest.addStep(builder, step);
   PullRequest.addIds(builder, idsOffset);
+  PullRequest.addDtype(builder, dtype);
   return PullRequest.endPullRequest(builder);
 }
 }
