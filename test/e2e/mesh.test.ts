@@ -118,4 +118,25 @@ describe("mesh", () => {
       expect(ids.sort((a, b) => a - b)).toEqual([...data.train]);
     }
   }, 300_000);
+
+  test("compressed pushes and pulls: bf16 moves half the bytes of f32, int8 pushes a quarter; both learn", async () => {
+    await using mesh = await startMesh("mt-e2e-compress-");
+    await using client = await MeshClient.connect(mesh.url);
+    const perStep: Record<string, number> = {};
+    for (const compress of ["none", "bf16", "int8"]) {
+      const cfg = config({ job: `e2e-compress-${compress}`, maxSteps: 60, checkpointEvery: 0, evalEvery: 0, compress });
+      await client.submit(cfg, { membersWaitMs: 60_000 });
+      const r = await watchJob(client, cfg.job, { quiet: true });
+      expect(r.record.state).toBe(JobState.Done);
+      expect(r.record.accuracy).toBeGreaterThan(0.8);
+      perStep[compress] = r.wireBytesPerStep;
+    }
+    // pulls and pushes each carry the 50,890 parameters: f32 both ways, bf16 both ways, f32
+    // pulls and int8 pushes (plus the messages' headers)
+    const f32 = perStep.none!;
+    expect(f32).toBeGreaterThan(2 * 4 * 50_890);
+    expect(f32).toBeLessThan(2 * 4 * 50_890 * 1.05);
+    expect(perStep.bf16! / f32).toBeCloseTo(0.5, 1);
+    expect(perStep.int8! / f32).toBeCloseTo(0.625, 1);
+  }, 180_000);
 });

@@ -34,6 +34,9 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     [["run", "--sync", "allreduce", "--zero", "3"], "Allowed choices are 0, 1, 2"],
     [["run", "--zero", "1"], "ZeRO (zero 1) partitions the trainers' replicas, so it needs sync allreduce"],
     [["run", "--shards", "0"], "expected an integer >= 1"],
+    [["run", "--compress", "int4"], "compression must be none, bf16, fp16, int8 or topk:<fraction in (0, 1]>"],
+    [["run", "--compress", "topk:0"], "topk's fraction must be in (0, 1]"],
+    [["submit", "--compress", "topk:1.5"], "topk's fraction must be in (0, 1]"],
   ])("mesh job options %p", (args, fragment) => {
     const r = cli(...args);
     expect(r.code).not.toBe(0);
