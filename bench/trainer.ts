@@ -10,7 +10,14 @@
 // auto (shared memory and a Unix socket between processes on one machine, as a job does by
 // default) and/or nats (every byte through the NATS server).
 //
-//   bun run bench trainer [--model mlp,gpt] [--epochs 1] [--gpt-steps 60] [--sync bsp,allreduce] [--coll-transport auto,nats] [--bucket-mb 25] [--json-only]
+// --compress runs each mesh configuration once per codec (engine/parallel/compress.ts) and
+// reports the gradient and parameter bytes each trainer moved per step, measured at the bus
+// (pushes and pulls as encoded, or the collective's pieces sent), against the f32 run's
+// (measured, when "none" is in the list) and against what the codec should give (theory), and
+// the final accuracy (MNIST) or validation loss (GPT).
+//
+//   bun run bench trainer [--model mlp,gpt] [--epochs 1] [--gpt-steps 60] [--sync bsp,allreduce] [--coll-transport auto,nats] [--bucket-mb 25]
+//                         [--compress none,bf16,int8,topk:0.01] [--json-only]
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -33,6 +40,7 @@ import { LocalMesh } from "../sdk/launcher.ts";
 import { watchJob } from "../sdk/watch.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { printTable, round } from "./table.ts";
+import { Codec, parseCompression } from "../engine/parallel/compress.ts";
 
 export interface TrainerBenchResult {
   model: string;
@@ -48,6 +56,14 @@ export interface TrainerBenchResult {
   /** exposed communication over the step time */
   exposed_share: number;
   ratio: number;
+  compress: string;
+  /** gradient and parameter bytes per trainer step, measured at the bus */
+  wire_kb: number;
+  /** wire bytes against the same run uncompressed (measured; 0 when not run) and against theory */
+  wire_ratio: number;
+  wire_theory: number;
+  /** MNIST: test accuracy; GPT: validation loss */
+  quality: number;
 }
 
 const benchSyncs = ["bsp", "asp", "ssp", "allreduce"] as const;
@@ -62,8 +78,11 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
     sync: { type: "string", default: "bsp,allreduce" },
     "bucket-mb": { type: "string", default: String(jobDefaults.bucketMb) },
     "coll-transport": { type: "string", default: "auto" },
+    compress: { type: "string", default: "none" },
     "json-only": { type: "boolean", default: false },
   });
+  const codecs = String(v.compress).split(",");
+  for (const c of codecs) parseCompression(c);
   const syncs = String(v.sync).split(",");
   for (const x of syncs)
     if (!(benchSyncs as readonly string[]).includes(x)) throw new ConfigError(`--sync must be a list of ${benchSyncs.join(", ")}, got ${String(v.sync)}`);
@@ -88,7 +107,7 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
             checkpointEvery: 0,
             evalEvery: 0,
           });
-    rows.push(...(await benchModel(base, syncs, bucketMb, transports)));
+    rows.push(...(await benchModel(base, syncs, bucketMb, transports, codecs)));
   }
   if (!v["json-only"]) {
     console.log(
@@ -108,16 +127,29 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
       "exposed_ms",
       "exposed_share",
       "ratio",
+      "compress",
+      "wire_kb",
+      "wire_ratio",
+      "wire_theory",
+      "quality",
     ]);
   }
   console.log(JSON.stringify({ bench: "trainer", results: rows }));
   return rows;
 }
 
-async function benchModel(base: JobConfig, syncs: string[], bucketMb: number, transports: JobConfig["collTransport"][]): Promise<TrainerBenchResult[]> {
+async function benchModel(
+  base: JobConfig,
+  syncs: string[],
+  bucketMb: number,
+  transports: JobConfig["collTransport"][],
+  codecs: string[],
+): Promise<TrainerBenchResult[]> {
   const meshRuns: { cfg: JobConfig; r: Awaited<ReturnType<typeof watchJob>> }[] = [];
-  const runs = syncs.flatMap((sync) => (sync === "allreduce" ? transports : ["auto" as const]).map((collTransport) => ({ sync, collTransport })));
-  for (const { sync, collTransport } of runs) {
+  const runs = syncs.flatMap((sync) =>
+    (sync === "allreduce" ? transports : ["auto" as const]).flatMap((collTransport) => codecs.map((compress) => ({ sync, collTransport, compress }))),
+  );
+  for (const { sync, collTransport, compress } of runs) {
     const cfg = parseJobConfig({
       ...base,
       job: `bench-trainer-${base.model.kind}-${sync}-${Date.now()}`,
@@ -125,6 +157,7 @@ async function benchModel(base: JobConfig, syncs: string[], bucketMb: number, tr
       staleness: sync === "ssp" ? 2 : 0,
       bucketMb,
       collTransport,
+      compress,
     });
     const dir = mkdtempSync(join(tmpdir(), "mt-bench-trainer-"));
     try {
@@ -143,7 +176,9 @@ async function benchModel(base: JobConfig, syncs: string[], bucketMb: number, tr
   }
   const cfg = base;
   const steps = meshRuns[0]?.r.record.totalSteps ?? 50;
-  const { rate: singleRate, done } = singleProcessRate(cfg, steps);
+  const { rate: singleRate, done, params } = singleProcessRate(cfg, steps);
+  const f32Wire = (c: JobConfig) =>
+    meshRuns.find((m) => m.cfg.sync === c.sync && m.cfg.collTransport === c.collTransport && m.cfg.compress === "none")?.r.wireBytesPerStep ?? 0;
   const name = cfg.model.kind === "mlp" ? `mlp ${cfg.model.widths.join("-")}` : `gpt L${cfg.model.nLayer} C${cfg.model.nEmbd} T${cfg.model.blockSize}`;
   const rows: TrainerBenchResult[] = meshRuns.map(({ cfg: c, r }) => {
     const s = r.split;
@@ -164,6 +199,11 @@ async function benchModel(base: JobConfig, syncs: string[], bucketMb: number, tr
       exposed_ms: round(s.exposedCommMs, 2),
       exposed_share: round(s.exposedCommMs / stepMs, 3),
       ratio: round(r.samplesPerS / singleRate, 3),
+      compress: c.compress,
+      wire_kb: round(r.wireBytesPerStep / 1024, 1),
+      wire_ratio: f32Wire(c) > 0 ? round(r.wireBytesPerStep / f32Wire(c), 3) : 0,
+      wire_theory: round(wireTheory(c, params), 3),
+      quality: round(c.model.kind === "gpt" ? r.record.loss : r.record.accuracy, 4),
     };
   });
   rows.push({
@@ -179,12 +219,41 @@ async function benchModel(base: JobConfig, syncs: string[], bucketMb: number, tr
     exposed_ms: 0,
     exposed_share: 0,
     ratio: 1,
+    compress: "none",
+    wire_kb: 0,
+    wire_ratio: 0,
+    wire_theory: 0,
+    quality: 0,
   });
   return rows;
 }
 
+/**
+ * The bytes a codec should move per trainer step against f32, for `n` parameters. Parameter
+ * server: pulls (f32, or 16-bit with bf16/fp16) plus pushes (chunks as encoded) against 2 x 4n.
+ * All-reduce: every rank's encoding all-gathered, (N-1) slots, against the f32 ring's 2(N-1)/N x 4n
+ * (one bucket per 25 MB: these models fit one).
+ */
+export function wireTheory(c: JobConfig, n: number): number {
+  const comp = parseCompression(c.compress);
+  if (comp.kind === "none") return 1;
+  if (c.sync === "allreduce") {
+    const codec = new Codec(comp);
+    return ((c.trainers - 1) * codec.slotBytes(n)) / (((2 * (c.trainers - 1)) / c.trainers) * 4 * n);
+  }
+  const chunk = c.chunkBytes / 4;
+  const codec = new Codec(comp, chunk);
+  let push = 0;
+  for (let at = 0; at < n; at += chunk) {
+    const m = Math.min(chunk, n - at);
+    push += comp.kind === "int8" ? m + 4 : comp.kind === "bf16" || comp.kind === "fp16" ? 2 * m : codec.slotBytes(m);
+  }
+  const pull = (comp.kind === "bf16" || comp.kind === "fp16" ? 2 : 4) * n;
+  return (pull + push) / (8 * n);
+}
+
 /** Samples/s of the single-process trainer: the same model and optimizer at the mesh's global batch, `steps` steps. */
-function singleProcessRate(cfg: JobConfig, steps: number): { rate: number; done: number } {
+function singleProcessRate(cfg: JobConfig, steps: number): { rate: number; done: number; params: number } {
   const global = cfg.batchSize * cfg.trainers;
   const ctx = new Context(new CpuBackend(), { seed: cfg.seed });
   let batches: () => HostBatch;
@@ -216,6 +285,7 @@ function singleProcessRate(cfg: JobConfig, steps: number): { rate: number; done:
   const t0 = performance.now();
   for (let i = 0; i < steps; i++) trainer.run([batches()]);
   const rate = (steps * global) / ((performance.now() - t0) / 1000);
+  const params = model.store.paramCount;
   ctx.dispose();
-  return { rate, done: steps };
+  return { rate, done: steps, params };
 }

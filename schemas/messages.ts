@@ -32,6 +32,7 @@ import {
   ShardState as ShardStateT,
   Split,
   SyncPolicy,
+  TrainerStats as TrainerStatsT,
 } from "./wire.ts";
 import {
   bytesOf,
@@ -826,6 +827,69 @@ export function decodeShardStats(data: Uint8Array, bytesMax: number): ShardStats
     pulls: num(r.pulls()),
     waiting: r.waiting(),
     clocks: Array.from({ length: r.clocksLength() }, (_, i) => num(r.clocks(i) ?? 0n)),
+  }));
+}
+
+// ---- trainer stats -------------------------------------------------------------------------
+
+export interface TrainerStats {
+  job: string;
+  rank: number;
+  step: number;
+  /** ZeRO stage (0 in parameter-server mode) and the ranks the model state is cut among */
+  zeroStage: number;
+  ranks: number;
+  paramCount: number;
+  paramBytes: number;
+  gradBytes: number;
+  optimizerBytes: number;
+  bucketBytes: number;
+  arenaPeakBytes: number;
+  wireBytes: number;
+}
+
+const trainerStatsRoot = root("TrainerStats", "MTTS", (bb) => TrainerStatsT.getRootAsTrainerStats(bb));
+
+export function encodeTrainerStats(m: TrainerStats): Uint8Array {
+  const b = builder(256);
+  const job = str(b, m.job);
+  return finishBytes(
+    b,
+    TrainerStatsT.createTrainerStats(
+      b,
+      schemaVersion,
+      job,
+      m.rank,
+      big(m.step),
+      m.zeroStage,
+      m.ranks,
+      big(m.paramCount),
+      big(m.paramBytes),
+      big(m.gradBytes),
+      big(m.optimizerBytes),
+      big(m.bucketBytes),
+      big(m.arenaPeakBytes),
+      big(m.wireBytes),
+    ),
+    trainerStatsRoot.identifier,
+  );
+}
+
+export function decodeTrainerStats(data: Uint8Array, bytesMax: number): TrainerStats {
+  const r = openRoot(data, trainerStatsRoot, bytesMax);
+  return guarded("TrainerStats", () => ({
+    job: r.job() ?? "",
+    rank: r.rank(),
+    step: num(r.step()),
+    zeroStage: r.zeroStage(),
+    ranks: r.ranks(),
+    paramCount: num(r.paramCount()),
+    paramBytes: num(r.paramBytes()),
+    gradBytes: num(r.gradBytes()),
+    optimizerBytes: num(r.optimizerBytes()),
+    bucketBytes: num(r.bucketBytes()),
+    arenaPeakBytes: num(r.arenaPeakBytes()),
+    wireBytes: num(r.wireBytes()),
   }));
 }
 

@@ -28,3 +28,4 @@ export { ShardState } from "./generated/mt/wire/shard-state.ts";
 export { ShardStats } from "./generated/mt/wire/shard-stats.ts";
 export { Split } from "./generated/mt/wire/split.ts";
 export { SyncPolicy } from "./generated/mt/wire/sync-policy.ts";
+export { TrainerStats } from "./generated/mt/wire/trainer-stats.ts";

@@ -14,6 +14,7 @@ import {
   decodeManifest,
   encodeJobSpec,
   decodeShardStats,
+  decodeTrainerStats,
   encodeJobRequest,
   type Event,
   EventKind,
@@ -21,6 +22,7 @@ import {
   JobState,
   type Manifest,
   type ShardStats,
+  type TrainerStats,
   SyncPolicy,
 } from "../schemas/messages.ts";
 import { awaitMembers, meshMembers, type MeshMembers } from "../services/runtime/discovery.ts";
@@ -59,6 +61,8 @@ export interface JobStatus {
   config: JobConfig;
   /** per shard while the job runs */
   shards: (ShardStats | { shard: number; error: string })[];
+  /** per trainer rank while the job runs: its step and the model state it holds */
+  trainers: (TrainerStats | { rank: number; error: string })[];
   checkpoints: Manifest[];
 }
 
@@ -305,11 +309,28 @@ export class MeshClient implements AsyncDisposable {
     if (rec === null) {
       const newest = checkpoints.at(-1);
       if (!newest) throw new UnknownJobError(`no job ${job} on ${this.url}: no record and no snapshots (meshtrain status lists the jobs)`);
-      return { job, record: null, config: jobConfigFromJson(newest.configJson), shards: [], checkpoints };
+      return { job, record: null, config: jobConfigFromJson(newest.configJson), shards: [], trainers: [], checkpoints };
     }
     const config = jobConfigFromJson(rec.record.configJson);
-    const shards = isEnded(rec.record) || !usesShards(config) ? [] : await this.#shardStats(job, config.shards);
-    return { job, record: rec.record, config, shards, checkpoints };
+    const ended = isEnded(rec.record);
+    const [shards, trainers] = await Promise.all([
+      ended || !usesShards(config) ? [] : this.#shardStats(job, config.shards),
+      ended ? [] : this.#trainerStats(job, config.trainers),
+    ]);
+    return { job, record: rec.record, config, shards, trainers, checkpoints };
+  }
+
+  async #trainerStats(job: string, trainers: number): Promise<JobStatus["trainers"]> {
+    const req = encodeJobRequest({ job, step: 0, tag: "" });
+    return await Promise.all(
+      Array.from({ length: trainers }, async (_, rank) => {
+        try {
+          return decodeTrainerStats(await this.bus.request(subjects.trainerStats(job, rank), req, statsTimeoutMs), 1 << 20);
+        } catch (e) {
+          return { rank, error: (e as Error).message };
+        }
+      }),
+    );
   }
 
   async #shardStats(job: string, shards: number): Promise<JobStatus["shards"]> {

@@ -146,6 +146,20 @@ export function statusLines(s: JobStatus): string[] {
         : `shard ${x.shard}    ${x.chunks} chunks, ${num(x.elements)} values, clocks ${x.clocks.join(",")}, ${x.updates} updates`,
     );
   }
+  const mb = (b: number) => `${(b / 1e6).toFixed(2)} MB`;
+  for (const t of s.trainers) {
+    if ("error" in t) {
+      lines.push(`trainer ${t.rank}  ${t.error}`);
+      continue;
+    }
+    const held = t.paramBytes + t.gradBytes + t.optimizerBytes;
+    const zero = s.config.sync === "allreduce" ? `ZeRO stage ${t.zeroStage} of ${t.ranks} ranks` : "parameter server (optimizer on the shards)";
+    lines.push(
+      `trainer ${t.rank}  step ${t.step}; ${zero}: ${(held / Math.max(t.paramCount, 1)).toFixed(2)} bytes per parameter ` +
+        `(parameters ${mb(t.paramBytes)}, gradients ${mb(t.gradBytes)}, optimizer ${mb(t.optimizerBytes)}), ` +
+        `buckets ${mb(t.bucketBytes)}, arena peak ${mb(t.arenaPeakBytes)}, ${mb(t.wireBytes)} moved on the bus`,
+    );
+  }
   return lines;
 }
 

@@ -270,7 +270,8 @@ export function jobOfRequest(subject: string, messageJob: string): string {
 /**
  * Config keys a resumed job may change: where its data is read from and how often it is
  * evaluated and snapshotted. Every other key shapes the model or the trajectory, and a job's
- * snapshots are only valid for the values they were taken with.
+ * snapshots are only valid for the values they were taken with, except that an all-reduce job
+ * may resume on another number of trainers with the same global batch (trainers x batchSize).
  */
 export const resumableKeys = [
   "dataDir",
@@ -296,7 +297,11 @@ export function trajectoryDiff(was: JobConfig, now: JobConfig): string[] {
     const [ja, jb] = [JSON.stringify(a), JSON.stringify(b)];
     if (ja !== jb) out.push(`${path}: ${ja ?? "(none)"} -> ${jb ?? "(none)"}`);
   };
-  const strip = (c: JobConfig) => Object.fromEntries(Object.entries(c).filter(([k]) => k !== "job" && !(resumableKeys as readonly string[]).includes(k)));
+  // all-reduce mode: the number of trainers may change with the same global batch (a snapshot
+  // holds the whole replica, the sampler's steps cut the same samples whatever the ranks)
+  const regrouped = was.sync === "allreduce" && now.sync === "allreduce" && was.trainers * was.batchSize === now.trainers * now.batchSize;
+  const skip = new Set<string>(["job", ...resumableKeys, ...(regrouped ? ["trainers", "batchSize"] : [])]);
+  const strip = (c: JobConfig) => Object.fromEntries(Object.entries(c).filter(([k]) => !skip.has(k)));
   walk(strip(was), strip(now), "");
   return out;
 }
@@ -327,6 +332,7 @@ export const subjects = {
   psPush: (job: string, shard: number) => `mt.${job}.ps.${shard}.push`,
   psPull: (job: string, shard: number) => `mt.${job}.ps.${shard}.pull`,
   psStats: (job: string, shard: number) => `mt.${job}.ps.${shard}.stats`,
+  trainerStats: (job: string, rank: number) => `mt.${job}.trainer.${rank}.stats`,
   psState: (job: string, shard: number) => `mt.${job}.ps.${shard}.state`,
   psLoad: (job: string, shard: number) => `mt.${job}.ps.${shard}.load`,
   /** BSP clipping: the shard's sum of squares of a step's averaged gradient */

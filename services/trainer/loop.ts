@@ -40,6 +40,7 @@ import {
   encodeEvent,
   encodeJobRequest,
   encodeShardState,
+  encodeTrainerStats,
   type Event,
   EventKind,
   JobState,
@@ -163,6 +164,8 @@ export class TrainerRun {
   #snapshotAsked = false;
   #ctl: Subscription | null = null;
   #replicaSubs: Subscription[] = [];
+  /** the step this rank is at (for its stats) */
+  #at = 0;
 
   constructor(o: TrainerOptions) {
     this.#o = o;
@@ -283,6 +286,7 @@ export class TrainerRun {
       log?.warn({ step: e.step, why: e.text }, "job restored from a checkpoint; resuming there");
     });
     if (this.#replica) this.#serveReplica();
+    this.#replicaSubs.push(bus.handle(subjects.trainerStats(cfg.job, rank), (data, subject) => this.#stats(data, subject)));
     if (rank === 0) {
       this.#ctl = bus.subscribe(subjects.checkpointNow(cfg.job), () => (this.#snapshotAsked = true));
       this.#tally = new EvalTally(cfg.trainers);
@@ -308,8 +312,10 @@ export class TrainerRun {
         );
       }
       while (step < this.#total && !this.#stopped) {
+        this.#at = step;
         step = await this.#step(step);
       }
+      this.#at = step;
       if (this.#stopped) return;
       await this.#evaluate(this.#total);
       this.#publish({ kind: EventKind.Done, step: this.#total });
@@ -383,6 +389,29 @@ export class TrainerRun {
         return replica.exportPart(m.step, Number(part[1]), payloadBytesMax).then(encodeShardState);
       }),
     );
+  }
+
+  /** `mt.<job>.trainer.<rank>.stats`: the step, and what this rank holds for the model, read from its allocations. */
+  #stats(data: Uint8Array, subject: string): Uint8Array {
+    const { cfg, rank } = this.#o;
+    const m = decodeJobRequest(data, 1 << 16);
+    jobOfRequest(subject, m.job);
+    const store = this.#model.store;
+    const mem = this.#replica?.memory;
+    return encodeTrainerStats({
+      job: cfg.job,
+      rank,
+      step: this.#at,
+      zeroStage: mem?.stage ?? 0,
+      ranks: mem?.ranks ?? cfg.trainers,
+      paramCount: store.paramCount,
+      paramBytes: mem?.params ?? store.values.bytes,
+      gradBytes: mem?.grads ?? (store.holdsGradSlab ? store.grads.bytes : 0),
+      optimizerBytes: mem?.optimizer ?? 0,
+      bucketBytes: mem?.buckets ?? 0,
+      arenaPeakBytes: this.#ctx.arena.highWaterBytes,
+      wireBytes: this.#replica?.wireBytes ?? this.#ps?.wireBytes ?? 0,
+    });
   }
 
   /** ZeRO, rank 0: a slice of rank `r`'s packed optimizer state at `step` (retried while it finishes its step). */

@@ -83,7 +83,33 @@ describe("round trips, from unaligned payloads", () => {
   test("replies, requests, batches, events, job specs, shard states and manifests", () => {
     expect(decodePushReply(unaligned(encodePushReply({ accepted: 3, duplicates: 1, updates: 2 })), limit)).toEqual({ accepted: 3, duplicates: 1, updates: 2 });
     const pull = decodePullRequest(unaligned(encodePullRequest({ job: "j", trainer: 1, step: 9, ids: Uint32Array.of(5, 1, 7) })), limit);
-    expect({ ...pull, ids: [...pull.ids] }).toEqual({ job: "j", trainer: 1, step: 9, ids: [5, 1, 7] });
+    expect({ ...pull, ids: [...pull.ids] }).toEqual({ job: "j", trainer: 1, step: 9, ids: [5, 1, 7], dtype: DType.F32 });
+    expect(decodePullRequest(unaligned(encodePullRequest({ job: "j", trainer: 1, step: 9, ids: Uint32Array.of(5), dtype: DType.BF16 })), limit).dtype).toBe(
+      DType.BF16,
+    );
+    // a sparse top-k chunk: nnz entries of (index, value), nnz <= count; a dense chunk with nnz is malformed
+    const sparse = new Uint8Array(16);
+    new Uint32Array(sparse.buffer, 0, 2).set([3, 9]);
+    new Float32Array(sparse.buffer, 8, 2).set([0.5, -2]);
+    const top = decodePushRequest(
+      unaligned(
+        encodePushRequest({ job: "j", trainer: 0, step: 1, chunks: [{ id: 2, version: 0, dtype: DType.TopK, scale: 1, count: 10, data: sparse, nnz: 2 }] }),
+      ),
+      limit,
+    ).chunks[0]!;
+    expect([top.dtype, top.count, top.nnz, top.data.byteLength]).toEqual([DType.TopK, 10, 2, 16]);
+    for (const [nnz, count] of [
+      [3, 10],
+      [2, 1],
+    ]) {
+      const bad = encodePushRequest({
+        job: "j",
+        trainer: 0,
+        step: 1,
+        chunks: [{ id: 2, version: 0, dtype: DType.TopK, scale: 1, count: count!, data: sparse, nnz }],
+      });
+      expect(() => decodePushRequest(bad, limit)).toThrow(WireFormatError);
+    }
     const pr = decodePullReply(unaligned(encodePullReply(12, [f32Chunk(1, floats(33), 12)])), limit);
     expect(pr.updates).toBe(12);
     expect(chunkF32(pr.chunks[0]!)).toEqual(floats(33));
