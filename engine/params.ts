@@ -91,7 +91,8 @@ export class ParamStore {
   readonly #byName = new Map<string, ParamEntry>();
   readonly #params: readonly Param[];
 
-  private constructor(ctx: Context, params: readonly Param[]) {
+  /** bind: point the Params at this store's views (false: a mirror, whose Params stay where they are) */
+  private constructor(ctx: Context, params: readonly Param[], bind = true) {
     this.#ctx = ctx;
     this.#params = params;
     const ordered = [...params.filter((p) => p.spec.decay), ...params.filter((p) => !p.spec.decay)];
@@ -120,8 +121,19 @@ export class ParamStore {
       const t = ctx.persistentTensor(e.shape, "f32", this.values.ptr + e.offset * 4, true);
       t.name = e.name;
       t.bindGrad(ctx.persistentTensor(e.shape, "f32", this.#grads.ptr + e.offset * 4, false));
-      byName.get(e.name)!.bind(t);
+      if (bind) byName.get(e.name)!.bind(t);
     }
+  }
+
+  /**
+   * A store of the same layout on another context (another backend) holding a copy of the
+   * values: ZeRO-Offload's host master copy, which the optimizer updates in host memory. The
+   * model's Params stay bound to this store.
+   */
+  mirror(ctx: Context): ParamStore {
+    const m = new ParamStore(ctx, this.#params, false);
+    m.writeValues(this.readValues());
+    return m;
   }
 
   /** Allocate the slabs, bind every Param to its view, and initialize from seed. */

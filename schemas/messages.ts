@@ -846,6 +846,8 @@ export interface TrainerStats {
   bucketBytes: number;
   arenaPeakBytes: number;
   wireBytes: number;
+  /** offload: host memory the optimizer runs in */
+  hostBytes: number;
 }
 
 const trainerStatsRoot = root("TrainerStats", "MTTS", (bb) => TrainerStatsT.getRootAsTrainerStats(bb));
@@ -870,6 +872,7 @@ export function encodeTrainerStats(m: TrainerStats): Uint8Array {
       big(m.bucketBytes),
       big(m.arenaPeakBytes),
       big(m.wireBytes),
+      big(m.hostBytes),
     ),
     trainerStatsRoot.identifier,
   );
@@ -890,6 +893,7 @@ export function decodeTrainerStats(data: Uint8Array, bytesMax: number): TrainerS
     bucketBytes: num(r.bucketBytes()),
     arenaPeakBytes: num(r.arenaPeakBytes()),
     wireBytes: num(r.wireBytes()),
+    hostBytes: num(r.hostBytes()),
   }));
 }
 

@@ -79,6 +79,14 @@ export function jobOptions(cmd: Command): Command {
     )
     .addOption(
       new Option(
+        "--offload <what>",
+        "allreduce: optimizer keeps the optimizer state, the update and f32 master parameters in host memory (the CPU kernels); the device holds parameters and gradients",
+      )
+        .choices(["none", "optimizer"])
+        .default(d.offload),
+    )
+    .addOption(
+      new Option(
         "--compress <codec>",
         "gradient compression with error feedback: none, bf16, fp16, int8 (a scale per chunk), topk:<fraction> (the largest fraction of each bucket or chunk); " +
           "parameter-server mode compresses pushes (bf16/fp16 also pull a 16-bit copy of the parameters), allreduce each bucket",
@@ -161,6 +169,7 @@ export interface JobFlags {
   collTransport: JobConfig["collTransport"];
   zero: string;
   compress: string;
+  offload: JobConfig["offload"];
   scaleLr: boolean;
   gradClip?: number;
   widths?: number[];
@@ -249,6 +258,7 @@ export function jobConfigOf(f: JobFlags): JobConfig {
     collTransport: f.collTransport,
     zero: Number(f.zero) as JobConfig["zero"],
     compress: f.compress,
+    offload: f.offload,
     scaleLr: f.scaleLr,
     gradClip: f.gradClip ?? def.gradClip,
     optimizer:
@@ -286,6 +296,7 @@ const flagPaths: Record<Exclude<keyof JobFlags, "job">, string[]> = {
   collTransport: ["collTransport"],
   zero: ["zero"],
   compress: ["compress"],
+  offload: ["offload"],
   scaleLr: ["scaleLr"],
   gradClip: ["gradClip"],
   widths: ["model.widths"],

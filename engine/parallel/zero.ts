@@ -84,6 +84,8 @@ export interface ModelMemory {
   buckets: number;
   /** the scratch arena's high-water mark (activations; at stage 2 the step's gradients too) */
   arenaPeak: number;
+  /** offload: host memory the optimizer runs in (f32 master parameters, gradients, its state) */
+  host: number;
 }
 
 /** Bytes per parameter of the model state (parameters, gradients, optimizer state). */

@@ -96,6 +96,9 @@ export const jobConfigSchema = z.object({
    *  none, bf16, fp16, int8 or topk:<fraction>. Parameter-server mode compresses pushes, and
    *  bf16/fp16 also pulls (a lossy copy of the shards' f32 parameters); all-reduce mode each
    *  bucket */
+  /** allreduce: "optimizer" keeps the optimizer state, the update and an f32 master copy of the
+   *  parameters in host memory (the CPU kernels); the device holds parameters and gradients */
+  offload: z.enum(["none", "optimizer"]).default("none"),
   compress: z
     .string()
     .regex(compressionPattern, "must be none, bf16, fp16, int8 or topk:<fraction in (0, 1]>")
@@ -149,6 +152,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   replicaCheckEvery: 100,
   collTransport: "auto",
   zero: 0,
+  offload: "none",
   compress: "none",
   minLr: 0,
   schedule: "cosine",
@@ -229,6 +233,14 @@ export function parseJobConfig(data: unknown): JobConfig {
     throw new ConfigError(
       `invalid job config: ZeRO (zero ${c.zero}) partitions the trainers' replicas, so it needs sync allreduce; the parameter server already holds one copy of the model, cut among its shards`,
     );
+  if (c.offload !== "none" && c.sync !== "allreduce")
+    throw new ConfigError(
+      "invalid job config: offload optimizer moves the trainers' optimizer to host memory, so it needs sync allreduce; in parameter-server mode the optimizer runs on the shards already",
+    );
+  if (c.offload !== "none" && c.zero > 0)
+    throw new ConfigError(
+      `invalid job config: offload optimizer with ZeRO (zero ${c.zero}) is not built yet: offload keeps the whole optimizer state in each trainer's host memory`,
+    );
   if (c.sync === "allreduce" && (c.batchPushes !== 1 || c.staleness !== 0)) {
     throw new ConfigError("invalid job config: batchPushes and staleness apply to the parameter server's asp and ssp, not to allreduce");
   }
@@ -282,6 +294,8 @@ export const resumableKeys = [
   "collTransport",
   // a ZeRO snapshot holds the slab's layout, the same at every stage
   "zero",
+  // where the optimizer runs, not what it computes
+  "offload",
 ] as const satisfies readonly (keyof JobConfig)[];
 
 /** The trajectory-defining keys on which two configs of one job differ, as "key: a -> b". */

@@ -308,7 +308,8 @@ export class TrainerRun {
             bucketsMb: mb(m.buckets),
             bytesPerParam: bytesPerParam(m),
           },
-          `model state on this rank: ${bytesPerParam(m).toFixed(2)} bytes per parameter (ZeRO stage ${m.stage}, ${cfg.trainers} ranks)`,
+          `model state on this rank: ${bytesPerParam(m).toFixed(2)} bytes per parameter (ZeRO stage ${m.stage}, ${cfg.trainers} ranks)` +
+            (m.host > 0 ? `; the optimizer is offloaded: ${(m.host / m.paramCount).toFixed(2)} bytes per parameter in host memory` : ""),
         );
       }
       while (step < this.#total && !this.#stopped) {
@@ -411,6 +412,7 @@ export class TrainerRun {
       bucketBytes: mem?.buckets ?? 0,
       arenaPeakBytes: this.#ctx.arena.highWaterBytes,
       wireBytes: this.#replica?.wireBytes ?? this.#ps?.wireBytes ?? 0,
+      hostBytes: mem?.host ?? 0,
     });
   }
 

@@ -27,6 +27,12 @@
 // the decoded contributions in rank order (the same bits on every rank). ZeRO keeps its
 // partition of that sum. With top-k the density of the summed bucket is reported.
 //
+// Offload (`offload: "optimizer"`, ZeRO-Offload's CPU optimizer): the optimizer's state, the
+// update and an f32 master copy of the parameters live in host memory (a CPU-backend mirror of
+// the parameter store). The buckets already come to the host for the all-reduce; their reduced
+// gradients go into the mirror instead of back to the device, the loss scaler, the clip and the
+// optimizer run there with the CPU kernels, and the updated parameters go back to the device.
+//
 // Checkpoints: rank 0 serves its replica in parts (ShardState messages of the job's chunk
 // layout, each under the message limit) to the checkpoint service; on restore every rank is
 // loaded the same parts and applies them at its next step boundary, with the communicator
@@ -39,13 +45,14 @@ import { clipGradNorm } from "../../engine/optim/clip.ts";
 import { LossScaler } from "../../engine/optim/loss-scale.ts";
 import type { Optimizer, UpdatePlan } from "../../engine/optim/optimizer.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
-import type { ParamEntry } from "../../engine/params.ts";
+import type { ParamEntry, ParamStore } from "../../engine/params.ts";
 import { BadPieceError, type Collective } from "../../engine/parallel/collective.ts";
 import { HierarchicalCollective } from "../../engine/parallel/hierarchical.ts";
 import { Codec, density, ErrorFeedback, parseCompression } from "../../engine/parallel/compress.ts";
 import { RingCollective } from "../../engine/parallel/ring.ts";
 import { type ModelMemory, type Partition, partitionOf, type ZeroStage } from "../../engine/parallel/zero.ts";
-import type { Context, Tensor } from "../../engine/tensor.ts";
+import { Context, type Tensor } from "../../engine/tensor.ts";
+import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { type HostBatch, uploadBatch } from "../../engine/train.ts";
 import type { ShardState } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
@@ -133,6 +140,8 @@ export class Replica {
   /** ZeRO: the part of every bucket this rank owns (null at stage 0) */
   readonly partition: Partition | null;
   readonly #o: ReplicaOptions;
+  /** offload: the host mirror of the parameter store the optimizer runs on */
+  readonly #host: { ctx: Context; store: ParamStore } | null = null;
   /** the bucket codec (compression) */
   readonly codec: Codec;
   /** bytes of values this rank's communicators delivered to peers */
@@ -172,11 +181,16 @@ export class Replica {
       }
       plan = { ranges: part.ranges.flat(), stateNumel: part.numel, grads: this.#ownedGrads };
     }
+    if (cfg.offload === "optimizer") {
+      const hostCtx = new Context(new CpuBackend(), { seed: cfg.seed });
+      this.#host = { ctx: hostCtx, store: store.mirror(hostCtx) };
+    }
     const opt = cfg.optimizer;
+    const [optCtx, optStore] = this.#host ? [this.#host.ctx, this.#host.store] : [ctx, store];
     this.optimizer =
       opt.kind === "sgd"
-        ? new Sgd(ctx, store, { momentum: opt.momentum, dampening: 0, nesterov: opt.nesterov, weightDecay: opt.weightDecay }, plan)
-        : new AdamW(ctx, store, { beta1: opt.beta1, beta2: opt.beta2, eps: opt.eps, weightDecay: opt.weightDecay }, plan);
+        ? new Sgd(optCtx, optStore, { momentum: opt.momentum, dampening: 0, nesterov: opt.nesterov, weightDecay: opt.weightDecay }, plan)
+        : new AdamW(optCtx, optStore, { beta1: opt.beta1, beta2: opt.beta2, eps: opt.eps, weightDecay: opt.weightDecay }, plan);
     this.scaler = ctx.precision === "f16" ? new LossScaler() : null;
     this.layout = buildLayout(cfg.job, store.slabNumel, store.decayRange.numel, cfg.chunkBytes, 1);
   }
@@ -191,7 +205,8 @@ export class Replica {
       params: store.values.bytes,
       paramCount: store.paramCount,
       grads: store.holdsGradSlab ? store.grads.bytes : (this.#ownedGrads?.bytes ?? 0),
-      optimizer: this.optimizer.stateSlabs().reduce((sum, s) => sum + s.allocation.bytes, 0),
+      optimizer: this.#host ? 0 : this.#optimizerBytes,
+      host: this.#host ? this.#host.store.values.bytes + this.#host.store.grads.bytes + this.#optimizerBytes : 0,
       // the host buffers buckets travel through (compression: the residuals and the all-gathered encodings too)
       buckets: (this.#buckets ?? []).reduce((sum, b) => sum + b.buf.byteLength + (b.feedback?.residual.byteLength ?? 0) + (b.gathered?.byteLength ?? 0), 0),
       arenaPeak: ctx.arena.highWaterBytes,
@@ -200,6 +215,15 @@ export class Replica {
 
   get generation(): number {
     return this.#generation;
+  }
+
+  get #optimizerBytes(): number {
+    return this.optimizer.stateSlabs().reduce((sum, s) => sum + s.allocation.bytes, 0);
+  }
+
+  /** Where the optimizer's state lives: host memory when offloaded, else the device. */
+  get #optBackend(): Backend {
+    return this.#host?.ctx.backend ?? this.#o.backend;
   }
 
   /** Bytes of values this rank has sent to its peers (every collective, every path). */
@@ -265,6 +289,7 @@ export class Replica {
 
   close(): void {
     this.#collective?.close("the trainer stopped");
+    this.#host?.ctx.dispose();
   }
 
   /** Fails the operations in flight (a restore abandons the step); the restore's apply() reconnects. */
@@ -396,10 +421,12 @@ export class Replica {
     const tBackward = performance.now();
     await Promise.all(pending);
     const tReduced = performance.now();
+    // offload: the reduced gradients stay on the host, in the mirror the optimizer runs on
+    const [gradCtx, gradStore] = this.#host ? [this.#host.ctx, this.#host.store] : [ctx, store];
     for (const b of buckets) {
       let at = 0;
       for (const e of b.entries) {
-        backend.upload(store.grads.ptr + e.offset * 4, b.buf.subarray(at, at + e.numel));
+        gradCtx.backend.upload(gradStore.grads.ptr + e.offset * 4, b.buf.subarray(at, at + e.numel));
         at += e.numel;
       }
     }
@@ -408,10 +435,12 @@ export class Replica {
     if (!Number.isFinite(loss)) throw new NonFiniteLossError(step, loss);
     let finite = true,
       gradNorm = Infinity;
-    if (this.scaler !== null) finite = this.scaler.unscale(ctx, store);
+    if (this.scaler !== null) finite = this.scaler.unscale(gradCtx, gradStore);
     if (finite) {
-      gradNorm = clipGradNorm(ctx, store, cfg.gradClip);
+      gradNorm = clipGradNorm(gradCtx, gradStore, cfg.gradClip);
       this.optimizer.step(lr);
+      // offload: the updated master parameters back to the device
+      if (this.#host) store.writeValues(this.#host.store.readValues());
     }
     this.#updateScale(finite, step);
     const t1 = performance.now();
@@ -676,7 +705,7 @@ export class Replica {
     const slabs = this.optimizer.stateSlabs();
     const full = slabs.map((s) => ({ name: s.name, data: new Float32Array(store.slabNumel) }));
     if (this.partition === null) {
-      slabs.forEach((s, i) => backend.download(s.allocation.ptr, full[i]!.data));
+      slabs.forEach((s, i) => this.#optBackend.download(s.allocation.ptr, full[i]!.data));
       return full;
     }
     for (let r = 0; r < cfg.trainers; r++) {
@@ -712,7 +741,7 @@ export class Replica {
       throw new BadRequestError(`state elements [${offset}, +${count}) outside this rank's ${numel}`);
     return this.optimizer.stateSlabs().map((s) => {
       const v = new Float32Array(count);
-      if (count > 0) this.#o.backend.download(s.allocation.ptr + offset * 4, v);
+      if (count > 0) this.#optBackend.download(s.allocation.ptr + offset * 4, v);
       return v;
     });
   }
@@ -820,7 +849,8 @@ export class Replica {
       }
     }
     store.writeValues(values);
-    if (this.partition === null) slabs.forEach((s, i) => backend.upload(s.allocation.ptr, states[i]!));
+    this.#host?.store.writeValues(values);
+    if (this.partition === null) slabs.forEach((s, i) => this.#optBackend.upload(s.allocation.ptr, states[i]!));
     else {
       // ZeRO: this rank keeps its partition's ranges (the snapshot holds the slab's layout, so a
       // job resumes on any number of ranks and at any stage)

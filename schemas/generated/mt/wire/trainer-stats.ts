@@ -112,8 +112,16 @@ wireBytes():bigint {
   return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
 }
 
+/**
+ * offload: host memory the optimizer runs in (f32 master parameters, gradients, its state)
+ */
+hostBytes():bigint {
+  const offset = this.bb!.__offset(this.bb_pos, 30);
+  return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
+}
+
 static startTrainerStats(builder:flatbuffers.Builder) {
-  builder.startObject(13);
+  builder.startObject(14);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -168,6 +176,10 @@ static addWireBytes(builder:flatbuffers.Builder, wireBytes:bigint) {
   builder.addFieldInt64(12, wireBytes, BigInt('0'));
 }
 
+static addHostBytes(builder:flatbuffers.Builder, hostBytes:bigint) {
+  builder.addFieldInt64(13, hostBytes, BigInt('0'));
+}
+
 static endTrainerStats(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -181,7 +193,7 @@ static finishSizePrefixedTrainerStatsBuffer(builder:flatbuffers.Builder, offset:
   builder.finish(offset, 'MTTS', true);
 }
 
-static createTrainerStats(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, rank:number, step:bigint, zeroStage:number, ranks:number, paramCount:bigint, paramBytes:bigint, gradBytes:bigint, optimizerBytes:bigint, bucketBytes:bigint, arenaPeakBytes:bigint, wireBytes:bigint):flatbuffers.Offset {
+static createTrainerStats(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, rank:number, step:bigint, zeroStage:number, ranks:number, paramCount:bigint, paramBytes:bigint, gradBytes:bigint, optimizerBytes:bigint, bucketBytes:bigint, arenaPeakBytes:bigint, wireBytes:bigint, hostBytes:bigint):flatbuffers.Offset {
   TrainerStats.startTrainerStats(builder);
   TrainerStats.addSchemaVersion(builder, schemaVersion);
   TrainerStats.addJob(builder, jobOffset);
@@ -196,6 +208,7 @@ static createTrainerStats(builder:flatbuffers.Builder, schemaVersion:number, job
   TrainerStats.addBucketBytes(builder, bucketBytes);
   TrainerStats.addArenaPeakBytes(builder, arenaPeakBytes);
   TrainerStats.addWireBytes(builder, wireBytes);
+  TrainerStats.addHostBytes(builder, hostBytes);
   return TrainerStats.endTrainerStats(builder);
 }
 }
