@@ -6,7 +6,7 @@
 // Layout: parameters that take weight decay first, then the rest (biases, LayerNorm, ...), so
 // each group is one contiguous range. Every parameter starts on a 64-byte boundary; the
 // padding between them is zero in all slabs and stays zero under every update rule.
-import type { Allocation } from "../ffi/backend.ts";
+import type { Allocation, Ptr } from "../ffi/backend.ts";
 import { ConfigError, EngineError, ShapeError } from "./errors.ts";
 import { Rng } from "./rng.ts";
 import { type Context, numelOf, type Shape, type Tensor } from "./tensor.ts";
@@ -83,12 +83,13 @@ export class ParamStore {
   readonly paramCount: number;
   readonly decayRange: ParamRange;
   readonly noDecayRange: ParamRange;
-  readonly values: Allocation;
-  readonly valuesTensor: Tensor;
+  #values: Allocation | null;
+  #valuesTensor: Tensor | null;
   #grads: Allocation | null;
   #gradsTensor: Tensor | null;
   readonly #ctx: Context;
   readonly #byName = new Map<string, ParamEntry>();
+  readonly #paramByName = new Map<string, Param>();
   readonly #params: readonly Param[];
 
   /** bind: point the Params at this store's views (false: a mirror, whose Params stay where they are) */
@@ -112,13 +113,13 @@ export class ParamStore {
     this.noDecayRange = { offset: decayEnd, numel: offset - decayEnd };
     for (const e of entries) this.#byName.set(e.name, e);
 
-    this.values = ctx.allocPersistent(this.slabNumel * 4);
+    this.#values = ctx.allocPersistent(this.slabNumel * 4);
     this.#grads = ctx.allocPersistent(this.slabNumel * 4);
-    this.valuesTensor = ctx.persistentTensor([this.slabNumel], "f32", this.values.ptr, false);
+    this.#valuesTensor = ctx.persistentTensor([this.slabNumel], "f32", this.#values.ptr, false);
     this.#gradsTensor = ctx.persistentTensor([this.slabNumel], "f32", this.#grads.ptr, false);
     const byName = new Map(params.map((p) => [p.spec.name, p]));
     for (const e of entries) {
-      const t = ctx.persistentTensor(e.shape, "f32", this.values.ptr + e.offset * 4, true);
+      const t = ctx.persistentTensor(e.shape, "f32", this.#values.ptr + e.offset * 4, true);
       t.name = e.name;
       t.bindGrad(ctx.persistentTensor(e.shape, "f32", this.#grads.ptr + e.offset * 4, false));
       if (bind) byName.get(e.name)!.bind(t);
@@ -141,6 +142,39 @@ export class ParamStore {
     const store = new ParamStore(ctx, builder.params);
     store.initialize(seed);
     return store;
+  }
+
+  /** The parameter slab (every parameter's values, at its entry's offset). */
+  get values(): Allocation {
+    if (this.#values === null) throw new EngineError("the parameter slab was released: each rank holds its partition, gathered per bucket (ZeRO stage 3)");
+    return this.#values;
+  }
+
+  get valuesTensor(): Tensor {
+    if (this.#valuesTensor === null) throw new EngineError("the parameter slab was released (ZeRO stage 3)");
+    return this.#valuesTensor;
+  }
+
+  /** Whether the parameter slab is held (false after releaseValueSlab). */
+  get holdsValueSlab(): boolean {
+    return this.#values !== null;
+  }
+
+  /**
+   * Gives the parameter slab back (ZeRO stage 3): every parameter is unbound until bind() points
+   * it at gathered memory, and a kernel that reads an unbound one throws.
+   */
+  releaseValueSlab(): void {
+    if (this.#values === null) return;
+    for (const p of this.#params) p.tensor.rebind(null);
+    this.#ctx.freePersistent(this.#values);
+    this.#values = null;
+    this.#valuesTensor = null;
+  }
+
+  /** Points parameter `name` at memory holding its values (null: unbinds it). */
+  bind(name: string, ptr: Ptr | null): void {
+    this.param(name).rebind(ptr);
   }
 
   /** The gradient slab (backward accumulates every parameter's gradient into its view). */
@@ -184,7 +218,8 @@ export class ParamStore {
 
   param(name: string): Tensor {
     this.entry(name);
-    return this.#params.find((p) => p.spec.name === name)!.tensor;
+    if (this.#paramByName.size === 0) for (const p of this.#params) this.#paramByName.set(p.spec.name, p);
+    return this.#paramByName.get(name)!.tensor;
   }
 
   /** Deterministic initialization: each parameter draws from Rng(seed, hash(name)). */

@@ -40,6 +40,8 @@ function checkShape(op: string, shape: Shape): void {
 
 /** generation of tensors that do not live in the arena */
 const persistentGeneration = -1;
+/** the address of a persistent tensor that is bound to no memory (a ZeRO-3 parameter not gathered) */
+const unbound = -1;
 
 /** The smallest and largest value of an i32 tensor, known on the host without reading it back. */
 export interface ValueRange {
@@ -69,7 +71,7 @@ export class Tensor {
   readonly ctx: Context;
   readonly shape: Shape;
   readonly dtype: DType;
-  readonly ptr: Ptr;
+  #ptr: Ptr;
   readonly numel: number;
   /** arena generation it was allocated in, or -1 for persistent memory */
   readonly generation: number;
@@ -100,7 +102,7 @@ export class Tensor {
     this.ctx = ctx;
     this.shape = shape;
     this.dtype = dtype;
-    this.ptr = ptr;
+    this.#ptr = ptr;
     this.numel = numelOf(shape);
     this.generation = generation;
     this.requiresGrad = requiresGrad;
@@ -110,6 +112,30 @@ export class Tensor {
   }
 
   /** Whether every value is known (on the host) to lie in [0, limit). */
+  /**
+   * The address of the tensor's first element. A view's follows its base, so a view taken in
+   * forward stays right when its base is rebound before backward (ZeRO stage 3 gathers a
+   * parameter into a new buffer each time); an unbound parameter throws rather than let a kernel
+   * read freed memory.
+   */
+  get ptr(): Ptr {
+    if (this.viewOf !== null) return this.viewOf.ptr + this.viewOffset * dtypeBytes[this.dtype];
+    if (this.#ptr === unbound)
+      throw new EngineError(`parameter ${this.name ?? "(unnamed)"} is not gathered on this rank (ZeRO stage 3 binds it only while a pass reads it)`);
+    return this.#ptr;
+  }
+
+  /** Persistent tensors only: point at other memory, or at none (null). */
+  rebind(ptr: Ptr | null): void {
+    if (this.generation !== persistentGeneration || this.viewOf !== null) throw new EngineError("only a persistent tensor that is not a view can be rebound");
+    this.#ptr = ptr ?? unbound;
+  }
+
+  /** Whether the tensor is bound to memory (a ZeRO-3 parameter only while gathered). */
+  get bound(): boolean {
+    return this.viewOf?.bound ?? this.#ptr !== unbound;
+  }
+
   knownInRange(limit: number): boolean {
     return this.valueRange !== null && this.valueRange.min >= 0 && this.valueRange.max < limit;
   }
@@ -422,6 +448,31 @@ export class Context {
         this.#runNode(i);
         const ready = readyAt.get(i);
         if (ready) yield ready;
+      }
+    } finally {
+      this.tape.length = 0;
+    }
+  }
+
+  /**
+   * backwardSteps with the parameters each node reads announced before it runs: yields
+   * { need } (the parameters a node's backward may read: its persistent inputs) before the node,
+   * and { ready } (parameters whose gradient is complete) after it. ZeRO stage 3 gathers a
+   * parameter on `need` and frees it once its bucket is `ready`.
+   */
+  *backwardEvents(loss: Tensor, dloss = 1): Generator<{ need: Tensor[] } | { ready: Tensor[] }, void, void> {
+    const readyAt = this.#gradReadyAt();
+    this.#seedLoss(loss, dloss);
+    try {
+      for (let i = this.tape.length - 1; i >= 0; i--) {
+        const node = this.tape[i]!;
+        if (node.output.grad !== null) {
+          const need = [...new Set(node.inputs.map((t) => t.viewOf ?? t).filter((t) => t.generation === persistentGeneration && t.name !== undefined))];
+          if (need.length > 0) yield { need };
+          node.backward();
+        }
+        const ready = readyAt.get(i);
+        if (ready) yield { ready };
       }
     } finally {
       this.tape.length = 0;

@@ -848,6 +848,8 @@ export interface TrainerStats {
   wireBytes: number;
   /** offload: host memory the optimizer runs in */
   hostBytes: number;
+  /** ZeRO stage 3: the most parameter bytes gathered at once */
+  gatheredPeakBytes: number;
 }
 
 const trainerStatsRoot = root("TrainerStats", "MTTS", (bb) => TrainerStatsT.getRootAsTrainerStats(bb));
@@ -873,6 +875,7 @@ export function encodeTrainerStats(m: TrainerStats): Uint8Array {
       big(m.arenaPeakBytes),
       big(m.wireBytes),
       big(m.hostBytes),
+      big(m.gatheredPeakBytes),
     ),
     trainerStatsRoot.identifier,
   );
@@ -894,6 +897,7 @@ export function decodeTrainerStats(data: Uint8Array, bytesMax: number): TrainerS
     arenaPeakBytes: num(r.arenaPeakBytes()),
     wireBytes: num(r.wireBytes()),
     hostBytes: num(r.hostBytes()),
+    gatheredPeakBytes: num(r.gatheredPeakBytes()),
   }));
 }
 

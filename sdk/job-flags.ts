@@ -72,9 +72,9 @@ export function jobOptions(cmd: Command): Command {
     .addOption(
       new Option(
         "--zero <stage>",
-        "allreduce: ZeRO stage; 0: every trainer holds everything; 1: the optimizer state is partitioned among the trainers; 2: the gradients too",
+        "allreduce: ZeRO stage; 0: every trainer holds everything; 1: the optimizer state is partitioned among the trainers; 2: the gradients too; 3: the parameters too (gathered per bucket as forward and backward need them)",
       )
-        .choices(["0", "1", "2"])
+        .choices(["0", "1", "2", "3"])
         .default(String(d.zero)),
     )
     .addOption(

@@ -158,7 +158,8 @@ export function statusLines(s: JobStatus): string[] {
       `trainer ${t.rank}  step ${t.step}; ${zero}: ${(held / Math.max(t.paramCount, 1)).toFixed(2)} bytes per parameter ` +
         `(parameters ${mb(t.paramBytes)}, gradients ${mb(t.gradBytes)}, optimizer ${mb(t.optimizerBytes)}), ` +
         `buckets ${mb(t.bucketBytes)}, arena peak ${mb(t.arenaPeakBytes)}, ${mb(t.wireBytes)} moved on the bus` +
-        (t.hostBytes > 0 ? `; optimizer offloaded to ${mb(t.hostBytes)} of host memory` : ""),
+        (t.hostBytes > 0 ? `; optimizer offloaded to ${mb(t.hostBytes)} of host memory` : "") +
+        (t.zeroStage === 3 ? `; gathered parameters peak ${mb(t.gatheredPeakBytes)}` : ""),
     );
   }
   return lines;

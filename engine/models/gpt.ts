@@ -11,7 +11,7 @@ import { matmul } from "../ops/matmul.ts";
 import { ParamBuilder, ParamStore } from "../params.ts";
 import type { Rng } from "../rng.ts";
 import type { Context, Tensor } from "../tensor.ts";
-import { gemmFlops, type GemmShape, type Model } from "./model.ts";
+import { drive, gemmFlops, type GemmShape, type Model, namesUnder } from "./model.ts";
 
 export interface GptConfig {
   vocabSize: number;
@@ -60,14 +60,25 @@ export class GptModel implements Model {
   }
 
   forward(idx: Tensor): Tensor {
+    return drive(this.forwardSteps(idx));
+  }
+
+  /** forward() a part at a time: the embeddings, each block, the final norm and the tied head. */
+  *forwardSteps(idx: Tensor): Generator<readonly string[], Tensor, void> {
     if (idx.shape.length !== 2 || idx.shape[1]! > this.config.blockSize) {
       throw new ShapeError("gpt.forward", [idx.shape], `idx must be (B,T) with T <= blockSize ${this.config.blockSize}`);
     }
+    const names = this.store.entries.map((e) => e.name);
     const T = idx.shape[1]!;
+    yield [...namesUnder(names, "wte"), ...namesUnder(names, "wpe")];
     const tok = this.wte.forward(idx); // (B,T,C)
     const pos = this.wpe.weight.tensor.narrowRows(0, T); // (T,C), broadcast over B
     let x = dropout(add(tok, pos), this.config.dropout);
-    for (const block of this.blocks) x = block.forward(x);
+    for (const [l, block] of this.blocks.entries()) {
+      yield namesUnder(names, `h.${l}`);
+      x = block.forward(x);
+    }
+    yield [...namesUnder(names, "ln_f"), ...namesUnder(names, "wte")];
     x = this.lnF.forward(x);
     // weight tying: the output projection is the token embedding
     return matmul(x, this.wte.weight.tensor, { transB: true }); // (B,T,V)
@@ -75,6 +86,11 @@ export class GptModel implements Model {
 
   loss(idx: Tensor, targets: Tensor): Tensor {
     return softmaxCrossEntropy(this.forward(idx), targets);
+  }
+
+  *lossSteps(idx: Tensor, targets: Tensor): Generator<readonly string[], Tensor, void> {
+    const logits = yield* this.forwardSteps(idx);
+    return softmaxCrossEntropy(logits, targets);
   }
 
   gemmShapes(batch: number): GemmShape[] {

@@ -4,7 +4,7 @@ import { type Activation, MLP } from "../nn/mlp.ts";
 import { softmaxCrossEntropy } from "../ops/crossentropy.ts";
 import { ParamBuilder, ParamStore } from "../params.ts";
 import type { Context, Tensor } from "../tensor.ts";
-import { gemmFlops, type GemmShape, type Model } from "./model.ts";
+import { gemmFlops, type GemmShape, type Model, namesUnder } from "./model.ts";
 
 export interface MlpConfig {
   widths: number[];
@@ -34,6 +34,17 @@ export class MlpModel implements Model {
 
   loss(x: Tensor, y: Tensor): Tensor {
     return softmaxCrossEntropy(this.forward(x), y);
+  }
+
+  /** loss() a layer at a time (the same ops in the same order as net.forward). */
+  *lossSteps(x: Tensor, y: Tensor): Generator<readonly string[], Tensor, void> {
+    const names = this.store.entries.map((e) => e.name);
+    let h = x;
+    for (let i = 0; i < this.net.layers.length; i++) {
+      yield namesUnder(names, `mlp.${i}`);
+      h = this.net.layerForward(i, h);
+    }
+    return softmaxCrossEntropy(h, y);
   }
 
   gemmShapes(batch: number): GemmShape[] {

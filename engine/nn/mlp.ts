@@ -38,13 +38,17 @@ export class MLP {
 
   forward(x: Tensor): Tensor {
     let h = x;
-    this.layers.forEach((layer, i) => {
-      h = layer.forward(h);
-      if (i + 1 < this.layers.length) {
-        h = this.activation === "relu" ? relu(h) : gelu(h);
-        h = dropout(h, this.dropoutP);
-      }
-    });
+    for (let i = 0; i < this.layers.length; i++) h = this.layerForward(i, h);
+    return h;
+  }
+
+  /** Layer i, and the activation and dropout after it (none after the last). */
+  layerForward(i: number, h: Tensor): Tensor {
+    h = this.layers[i]!.forward(h);
+    if (i + 1 < this.layers.length) {
+      h = this.activation === "relu" ? relu(h) : gelu(h);
+      h = dropout(h, this.dropoutP);
+    }
     return h;
   }
 }

@@ -33,6 +33,8 @@ export interface UpdatePlan {
   stateNumel: number;
   /** the gradients: null, the store's gradient slab at paramOffset; else this buffer at stateOffset */
   grads: Allocation | null;
+  /** the parameters: null or absent, the store's slab at paramOffset; else this buffer at stateOffset (ZeRO stage 3) */
+  params?: Allocation | null;
 }
 
 /** The whole slab: state slabs of the slab's layout, gradients in the store's slab. */
@@ -55,7 +57,7 @@ export function updateGroups(
   weightDecay: number,
 ): { param: Ptr; grad: Ptr; stateOffsetBytes: number; numel: number; weightDecay: number }[] {
   return plan.ranges.map((r) => ({
-    param: store.values.ptr + r.paramOffset * 4,
+    param: plan.params ? plan.params.ptr + r.stateOffset * 4 : store.values.ptr + r.paramOffset * 4,
     grad: plan.grads === null ? store.grads.ptr + r.paramOffset * 4 : plan.grads.ptr + r.stateOffset * 4,
     stateOffsetBytes: r.stateOffset * 4,
     numel: r.numel,

@@ -18,7 +18,7 @@ import type { UpdateRange } from "../optim/optimizer.ts";
 import type { ParamEntry } from "../params.ts";
 import { type Range, segment } from "./collective.ts";
 
-export type ZeroStage = 0 | 1 | 2;
+export type ZeroStage = 0 | 1 | 2 | 3;
 
 /** A bucket as ZeRO sees it: its parameters in buffer order. */
 export interface BucketEntries {
@@ -86,6 +86,8 @@ export interface ModelMemory {
   arenaPeak: number;
   /** offload: host memory the optimizer runs in (f32 master parameters, gradients, its state) */
   host: number;
+  /** stage 3: the most parameter bytes gathered at once (0 below stage 3) */
+  gatheredPeak: number;
 }
 
 /** Bytes per parameter of the model state (parameters, gradients, optimizer state). */

@@ -90,8 +90,9 @@ export const jobConfigSchema = z.object({
    *  shared memory (NATS carries only the pieces' headers; NATS between machines); "nats", NATS */
   collTransport: z.enum(["auto", "nats"]).default("auto"),
   /** allreduce: ZeRO stage. 0: every rank holds everything; 1: the optimizer state is
-   *  partitioned among the ranks; 2: the gradients too (engine/parallel/zero.ts) */
-  zero: z.union([z.literal(0), z.literal(1), z.literal(2)]).default(0),
+   *  partitioned among the ranks; 2: the gradients too; 3: the parameters too, gathered per
+   *  bucket just before forward and backward read them (engine/parallel/zero.ts) */
+  zero: z.union([z.literal(0), z.literal(1), z.literal(2), z.literal(3)]).default(0),
   /** gradient compression on the wire (engine/parallel/compress.ts), with error feedback:
    *  none, bf16, fp16, int8 or topk:<fraction>. Parameter-server mode compresses pushes, and
    *  bf16/fp16 also pulls (a lossy copy of the shards' f32 parameters); all-reduce mode each

@@ -309,7 +309,8 @@ export class TrainerRun {
             bytesPerParam: bytesPerParam(m),
           },
           `model state on this rank: ${bytesPerParam(m).toFixed(2)} bytes per parameter (ZeRO stage ${m.stage}, ${cfg.trainers} ranks)` +
-            (m.host > 0 ? `; the optimizer is offloaded: ${(m.host / m.paramCount).toFixed(2)} bytes per parameter in host memory` : ""),
+            (m.host > 0 ? `; the optimizer is offloaded: ${(m.host / m.paramCount).toFixed(2)} bytes per parameter in host memory` : "") +
+            (m.stage === 3 ? "; parameters are gathered per bucket as the passes need them (the peak is in status)" : ""),
         );
       }
       while (step < this.#total && !this.#stopped) {
@@ -361,7 +362,7 @@ export class TrainerRun {
           const range = /^state (\d{1,12}) (\d{1,12})$/.exec(m.tag);
           if (!range) throw new BadRequestError(`a partition request names its range as "state <offset> <count>", not "${m.tag.slice(0, 64)}"`);
           if (m.step !== this.#replicaStep) throw new NotReadyError(`trainer ${rank}'s replica is at step ${this.#replicaStep}, not ${m.step}`);
-          const names = replica.optimizer.stateSlabs().map((x) => x.name);
+          const names = replica.packedNames;
           const count = Number(range[2]);
           if (count * 4 * names.length > payloadBytesMax - (64 << 10)) throw new BadRequestError(`${count} elements of state do not fit a message`);
           const state = replica.packedState(Number(range[1]), count).map((v, i) => ({ name: names[i]!, data: v }));
@@ -413,6 +414,7 @@ export class TrainerRun {
       arenaPeakBytes: this.#ctx.arena.highWaterBytes,
       wireBytes: this.#replica?.wireBytes ?? this.#ps?.wireBytes ?? 0,
       hostBytes: mem?.host ?? 0,
+      gatheredPeakBytes: mem?.gatheredPeak ?? 0,
     });
   }
 
@@ -754,7 +756,10 @@ export class TrainerRun {
       if (b.endOfEpoch) break;
       batches.push(toHost(b));
     }
+    // ZeRO stage 3: every rank gathers the whole model for the evaluation (they all evaluate at this boundary)
+    await this.#replica?.gatherAll(step);
     const r = evaluate(this.#ctx, this.#model, batches);
+    await this.#replica?.releaseAll();
     const e = { kind: EventKind.Eval, step, loss: r.loss, accuracy: r.accuracy, count: r.count, text: Split[split].toLowerCase() };
     if (step >= this.#total) this.#final = e;
     this.#publish(e);

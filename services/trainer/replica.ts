@@ -67,6 +67,8 @@ const checkBucket = 1 << 24;
 const statsBucket = (1 << 24) - 1;
 /** ZeRO: bucket b's parameters are all-gathered as bucket gatherBucket + b */
 const gatherBucket = 1 << 23;
+/** ZeRO stage 3: the step's n-th gather of a bucket's parameters is bucket paramGatherBucket + n */
+const paramGatherBucket = 1 << 22;
 /** Bytes of a replica part's message besides its floats. */
 const partOverheadBytes = 64 << 10;
 /** Bits of the parameter hash per float (exact as an f32 integer, never a NaN). */
@@ -151,6 +153,18 @@ export class Replica {
   /** ZeRO stage 2: the partition's reduced gradients, and scratch to add a micro-batch's into them */
   readonly #ownedGrads: Allocation | null = null;
   readonly #addScratch: Allocation | null = null;
+  /** ZeRO stage 3: the partition's f32 parameters (packed as the optimizer state), the buckets
+   *  gathered now (device buffers the parameters are bound to) and those on their way */
+  readonly #ownedParams: Allocation | null = null;
+  readonly #gathered = new Map<number, Allocation>();
+  readonly #gathering = new Map<number, Promise<void>>();
+  #gatheredBytes = 0;
+  #gatheredPeak = 0;
+  /** gatherAll() is under way (its gathers do not count toward the training passes' peak) */
+  #whole = false;
+  #gatherSeq = { step: -1, n: 0 };
+  /** the buckets each part of the forward pass reads (lossSteps on the probe batch), in order */
+  #forwardPlan: number[][] = [];
   #generation = 0;
   /** built at its first use, once the topology is known (see useTopology) */
   #collective: Collective | null = null;
@@ -173,13 +187,20 @@ export class Replica {
     let plan: UpdatePlan | undefined;
     if (this.partition !== null) {
       const part = this.partition;
-      if (cfg.zero === 2) {
+      if (cfg.zero >= 2) {
         store.releaseGradSlab();
         this.#ownedGrads = ctx.allocPersistent(Math.max(part.numel, 1) * 4);
         const widest = Math.max(1, ...part.ranges.flat().map((r) => r.numel));
         this.#addScratch = ctx.allocPersistent(widest * 4);
       }
-      plan = { ranges: part.ranges.flat(), stateNumel: part.numel, grads: this.#ownedGrads };
+      if (cfg.zero === 3) {
+        // every rank initialized the whole model from the seed; it keeps its partition
+        const owned = ctx.allocPersistent(Math.max(part.numel, 1) * 4);
+        for (const r of part.ranges.flat()) o.backend.copy(owned.ptr + r.stateOffset * 4, store.values.ptr + r.paramOffset * 4, r.numel * 4);
+        this.#ownedParams = owned;
+        store.releaseValueSlab();
+      }
+      plan = { ranges: part.ranges.flat(), stateNumel: part.numel, grads: this.#ownedGrads, params: this.#ownedParams };
     }
     if (cfg.offload === "optimizer") {
       const hostCtx = new Context(new CpuBackend(), { seed: cfg.seed });
@@ -202,7 +223,7 @@ export class Replica {
     return {
       stage: this.zero,
       ranks: cfg.trainers,
-      params: store.values.bytes,
+      params: this.#ownedParams?.bytes ?? store.values.bytes,
       paramCount: store.paramCount,
       grads: store.holdsGradSlab ? store.grads.bytes : (this.#ownedGrads?.bytes ?? 0),
       optimizer: this.#host ? 0 : this.#optimizerBytes,
@@ -210,6 +231,7 @@ export class Replica {
       // the host buffers buckets travel through (compression: the residuals and the all-gathered encodings too)
       buckets: (this.#buckets ?? []).reduce((sum, b) => sum + b.buf.byteLength + (b.feedback?.residual.byteLength ?? 0) + (b.gathered?.byteLength ?? 0), 0),
       arenaPeak: ctx.arena.highWaterBytes,
+      gatheredPeak: this.#gatheredPeak,
     };
   }
 
@@ -307,7 +329,9 @@ export class Replica {
     const store = model.store;
     ctx.newPass();
     const { x, y } = uploadBatch(ctx, probeBatch(cfg));
-    model.loss(x, y);
+    const parts: (readonly string[])[] = [];
+    const steps = model.lossSteps(x, y);
+    for (let r = steps.next(); !r.done; r = steps.next()) parts.push(r.value);
     const order = ctx.gradReadyOrder().flat();
     ctx.newPass();
     const seen = new Set<string>();
@@ -345,6 +369,7 @@ export class Replica {
     if (cur.length > 0) close();
     this.#buckets = buckets;
     for (const bk of buckets) for (const e of bk.entries) this.#bucketOf.set(e.name, bk);
+    this.#forwardPlan = parts.map((names) => this.#bucketIds(names));
     return buckets;
   }
 
@@ -468,7 +493,8 @@ export class Replica {
     const store = model.store;
     const part = this.partition!;
     const buckets = this.#plan();
-    const stage2 = this.zero === 2;
+    const stage2 = this.zero >= 2;
+    const stage3 = this.zero === 3;
     const t0 = performance.now();
     const weight = totalRows > 0 ? rows / totalRows : 0;
     const collective = this.#comm;
@@ -509,25 +535,41 @@ export class Replica {
       const round = stage2 ? i : 0;
       if (stage2) store.zeroGrad(); // drops the last pass's arena gradients
       const left = new Map(buckets.map((b) => [b, b.entries.length]));
-      if (i < k) {
+      // stage 3: a rank without a micro-batch this round still takes part in the rounds'
+      // parameter gathers: it runs the probe batch with a zero loss seed (zero gradients)
+      const batch = i < k ? micro[i]! : stage3 && i < rounds ? probeBatch(cfg) : null;
+      if (batch !== null) {
+        const seed = i < k ? dloss : 0;
         ctx.newPass();
-        const { x, y } = uploadBatch(ctx, micro[i]!);
-        const l = model.loss(x, y);
-        backend.copy(slots + 4 * i, l.ptr, 4);
+        const { x, y } = uploadBatch(ctx, batch);
+        const l = stage3 ? await this.#lossGathered(x, y, step) : model.loss(x, y);
+        if (i < k) backend.copy(slots + 4 * i, l.ptr, 4);
         if (!stage2 && i < k - 1) {
-          ctx.backward(l, dloss);
+          ctx.backward(l, seed);
           continue;
         }
-        for (const ready of ctx.backwardSteps(l, dloss)) {
-          for (const t of ready) {
-            const b = this.#bucketFor(t);
-            const n = left.get(b)! - 1;
-            left.set(b, n);
-            if (n === 0) launch(b, round);
+        const done = (t: Tensor) => {
+          const b = this.#bucketFor(t);
+          const n = left.get(b)! - 1;
+          left.set(b, n);
+          if (n > 0) return;
+          launch(b, round);
+          if (stage3) this.#release(b); // no later backward node reads its parameters
+        };
+        if (stage3) {
+          for (const ev of ctx.backwardEvents(l, seed)) {
+            if ("need" in ev) await this.#gatherFor(ev.need, step);
+            else for (const t of ev.ready) done(t);
+            if (inFlight > 0) await new Promise<void>((r) => setImmediate(r));
           }
-          if (inFlight > 0) await new Promise<void>((r) => setImmediate(r));
+        } else {
+          for (const ready of ctx.backwardSteps(l, seed)) {
+            for (const t of ready) done(t);
+            if (inFlight > 0) await new Promise<void>((r) => setImmediate(r));
+          }
         }
       }
+      if (stage3) await this.releaseAll();
       if (i >= rounds) continue;
       for (const b of buckets) if (left.get(b)! > 0) launch(b, round);
       // the buckets' buffers are reused by the next round
@@ -568,7 +610,9 @@ export class Replica {
       if (cfg.gradClip > 0 && gradNorm > cfg.gradClip) factor *= cfg.gradClip / (gradNorm + 1e-6);
       if (factor !== 1) for (const r of ranges) backend.scale(gradAt(r), r.numel, factor);
       this.optimizer.step(lr);
-      // every rank's updated partition to every rank
+    }
+    // every rank's updated partition to every rank (stage 3 gathers them as the next pass needs them)
+    if (finite && !stage3) {
       const gathers = buckets.map((b) => {
         for (const r of part.ranges[b.id]!) backend.download(store.values.ptr + r.paramOffset * 4, b.buf.subarray(r.bucketOffset, r.bucketOffset + r.numel));
         return collective.allGather(b.buf, { step, bucket: gatherBucket + b.id });
@@ -593,6 +637,127 @@ export class Replica {
       exposedCommMs: t1 - tBackward,
       density: this.#density,
     };
+  }
+
+  /** The buckets holding parameters `names`, in the order the names first come. */
+  #bucketIds(names: readonly string[]): number[] {
+    const ids: number[] = [];
+    for (const n of names) {
+      const b = this.#bucketOf.get(n);
+      if (b !== undefined && !ids.includes(b.id)) ids.push(b.id);
+    }
+    return ids;
+  }
+
+  /**
+   * ZeRO stage 3, one forward pass: before each part of the model's lossSteps its buckets are
+   * gathered (the next part's are asked for at once, so their all-gather runs while this part
+   * computes), and the buckets neither reads are freed (backward gathers them again).
+   */
+  async #lossGathered(x: Tensor, y: Tensor, step: number): Promise<Tensor> {
+    const buckets = this.#buckets!;
+    const steps = this.#o.model.lossSteps(x, y);
+    let part = 0;
+    for (let r = steps.next(); ; r = steps.next(), part++) {
+      if (r.done) return r.value;
+      const need = this.#bucketIds(r.value);
+      const next = this.#forwardPlan[part + 1] ?? [];
+      for (const id of [...this.#gathered.keys()]) if (!need.includes(id) && !next.includes(id)) this.#release(buckets[id]!);
+      const ready = need.map((id) => this.#gather(buckets[id]!, step));
+      for (const id of next) if (!need.includes(id)) this.#gather(buckets[id]!, step).catch(() => {}); // awaited when its part comes
+      await Promise.all(ready);
+    }
+  }
+
+  /** ZeRO stage 3, backward: the buckets of the parameters a node reads, and the next bucket backward will need. */
+  async #gatherFor(params: readonly Tensor[], step: number): Promise<void> {
+    const buckets = this.#buckets!;
+    const ids = this.#bucketIds(params.map((t) => t.name!)).filter((id) => !this.#gathered.has(id));
+    if (ids.length === 0) return;
+    const waits = ids.map((id) => this.#gather(buckets[id]!, step));
+    const after = buckets[Math.max(...ids) + 1];
+    if (after !== undefined) this.#gather(after, step).catch(() => {});
+    await Promise.all(waits);
+  }
+
+  /**
+   * ZeRO stage 3: all-gathers bucket b's parameters (every rank contributes its segment, from its
+   * partition) into a device buffer and binds them to it. Every rank asks for the same gathers in
+   * the same order, so the n-th of a step has the same key everywhere.
+   */
+  #gather(b: Bucket, step: number): Promise<void> {
+    if (this.#gathered.has(b.id)) return Promise.resolve();
+    const running = this.#gathering.get(b.id);
+    if (running !== undefined) return running;
+    if (this.#gatherSeq.step !== step) this.#gatherSeq = { step, n: 0 };
+    const key = { step, bucket: paramGatherBucket + this.#gatherSeq.n++ };
+    const { ctx, backend, model } = this.#o;
+    const buf = new Float32Array(b.numel);
+    for (const r of this.partition!.ranges[b.id]!)
+      backend.download(this.#ownedParams!.ptr + r.stateOffset * 4, buf.subarray(r.bucketOffset, r.bucketOffset + r.numel));
+    const op = this.#comm
+      .allGather(buf, key)
+      .then(() => {
+        const alloc = ctx.allocPersistent(b.numel * 4);
+        backend.upload(alloc.ptr, buf);
+        let at = 0;
+        for (const e of b.entries) {
+          model.store.bind(e.name, alloc.ptr + at * 4);
+          at += e.numel;
+        }
+        this.#gathered.set(b.id, alloc);
+        this.#gatheredBytes += alloc.bytes;
+        // the training passes' peak (an evaluation gathers the whole model, and says so)
+        if (!this.#whole) this.#gatheredPeak = Math.max(this.#gatheredPeak, this.#gatheredBytes);
+      })
+      .finally(() => this.#gathering.delete(b.id));
+    this.#gathering.set(b.id, op);
+    return op;
+  }
+
+  /** ZeRO stage 3: unbinds bucket b's parameters and frees their buffer. */
+  #release(b: Bucket): void {
+    const a = this.#gathered.get(b.id);
+    if (a === undefined) return;
+    for (const e of b.entries) this.#o.model.store.bind(e.name, null);
+    this.#o.ctx.freePersistent(a);
+    this.#gathered.delete(b.id);
+    this.#gatheredBytes -= a.bytes;
+  }
+
+  /**
+   * ZeRO stage 3: every bucket's parameters gathered and bound (an evaluation runs the whole
+   * model at once). Every rank calls it at the same step boundary; releaseAll() undoes it.
+   */
+  async gatherAll(step: number): Promise<void> {
+    if (this.zero !== 3) return;
+    this.#whole = true;
+    try {
+      await Promise.all(this.#buckets!.map((b) => this.#gather(b, step)));
+    } finally {
+      this.#whole = false;
+    }
+  }
+
+  /**
+   * The whole parameter slab as this rank sees it. At stage 3 it is gathered (a collective: every
+   * rank calls it at the same step boundary, `step`).
+   */
+  async readValues(step: number): Promise<Float32Array> {
+    const store = this.#o.model.store;
+    if (this.zero !== 3) return store.readValues();
+    await this.gatherAll(step);
+    const out = new Float32Array(store.slabNumel);
+    for (const e of store.entries) this.#o.backend.download(store.param(e.name).ptr, out.subarray(e.offset, e.offset + e.numel));
+    await this.releaseAll();
+    return out;
+  }
+
+  /** ZeRO stage 3: waits for the gathers in flight and frees every gathered bucket. */
+  async releaseAll(): Promise<void> {
+    if (this.zero !== 3) return;
+    await Promise.allSettled([...this.#gathering.values()]);
+    for (const b of this.#buckets!) this.#release(b);
   }
 
   /**
@@ -666,6 +831,7 @@ export class Replica {
    */
   async checkReplicas(step: number): Promise<void> {
     const { cfg, rank, model } = this.#o;
+    if (this.zero === 3) return; // each rank holds only its partition of the parameters: no replica to compare
     const h = Bun.hash(new Uint8Array(model.store.readValues().buffer));
     const n = cfg.trainers;
     const buf = new Float32Array(3 * n);
@@ -687,7 +853,10 @@ export class Replica {
    * count, loss scale), cut along the job's chunks so that each part fits `partBytesMax`.
    */
   async exportPart(step: number, part: number, partBytesMax: number): Promise<ShardState> {
-    if (this.#exported?.step !== step) this.#exported = { step, parts: this.#exportParts(step, partBytesMax, await this.#fullState(step)) };
+    if (this.#exported?.step !== step) {
+      const full = await this.#fullState(step);
+      this.#exported = { step, parts: this.#exportParts(step, partBytesMax, full.states, full.values) };
+    }
     const parts = this.#exported.parts;
     if (!Number.isInteger(part) || part < 0 || part >= parts.length) throw new BadRequestError(`the replica has parts 0 to ${parts.length - 1}, not ${part}`);
     return parts[part]!;
@@ -699,29 +868,37 @@ export class Replica {
    * rank joins the step's collectives) and placed where their ranges are in the slab, so a
    * snapshot is the same whatever the stage and the number of ranks, and loads into any.
    */
-  async #fullState(step: number): Promise<{ name: string; data: Float32Array }[]> {
-    const { model, backend, cfg, rank } = this.#o;
+  async #fullState(step: number): Promise<{ states: { name: string; data: Float32Array }[]; values: Float32Array }> {
+    const { model, cfg, rank } = this.#o;
     const store = model.store;
     const slabs = this.optimizer.stateSlabs();
     const full = slabs.map((s) => ({ name: s.name, data: new Float32Array(store.slabNumel) }));
     if (this.partition === null) {
       slabs.forEach((s, i) => this.#optBackend.download(s.allocation.ptr, full[i]!.data));
-      return full;
+      return { states: full, values: store.readValues() };
     }
+    // stage 3: the parameters are partitioned too, and come with the state (the last vector)
+    const values = this.zero === 3 ? new Float32Array(store.slabNumel) : store.readValues();
+    const into = this.zero === 3 ? [...full.map((f) => f.data), values] : full.map((f) => f.data);
     for (let r = 0; r < cfg.trainers; r++) {
       const part = r === rank ? this.partition : partitionOf(this.#plan(), cfg.trainers, r);
       const packed = r === rank ? this.packedState(0, part.numel) : await this.#fetchPacked(r, step, part.numel);
       for (const range of part.ranges.flat()) {
-        packed.forEach((p, i) => full[i]!.data.set(p.subarray(range.stateOffset, range.stateOffset + range.numel), range.paramOffset));
+        packed.forEach((p, i) => into[i]!.set(p.subarray(range.stateOffset, range.stateOffset + range.numel), range.paramOffset));
       }
     }
-    return full;
+    return { states: full, values };
+  }
+
+  /** What packedState gives, per vector: the optimizer's state slabs, and at stage 3 the parameters. */
+  get packedNames(): string[] {
+    return [...this.optimizer.stateSlabs().map((x) => x.name), ...(this.zero === 3 ? ["params"] : [])];
   }
 
   async #fetchPacked(r: number, step: number, numel: number): Promise<Float32Array[]> {
     const fetch = this.#o.fetchPartition;
     if (fetch === undefined) throw new EngineError("a ZeRO replica needs fetchPartition to snapshot the other ranks' optimizer state");
-    const names = this.optimizer.stateSlabs().length;
+    const names = this.packedNames.length;
     const per = Math.max(1, Math.floor((this.#o.payloadBytesMax - partOverheadBytes) / (4 * names)));
     const out = Array.from({ length: names }, () => new Float32Array(numel));
     for (let at = 0; at < numel; at += per) {
@@ -734,23 +911,24 @@ export class Replica {
     return out;
   }
 
-  /** ZeRO: elements [offset, offset + count) of this rank's packed optimizer state slabs. */
+  /** ZeRO: elements [offset, offset + count) of this rank's packed optimizer state slabs (and at stage 3 its parameters), as packedNames. */
   packedState(offset: number, count: number): Float32Array[] {
     const numel = this.partition?.numel ?? this.#o.model.store.slabNumel;
     if (!(Number.isSafeInteger(offset) && Number.isSafeInteger(count) && offset >= 0 && count >= 0 && offset + count <= numel))
       throw new BadRequestError(`state elements [${offset}, +${count}) outside this rank's ${numel}`);
-    return this.optimizer.stateSlabs().map((s) => {
+    const read = (be: Backend, ptr: number) => {
       const v = new Float32Array(count);
-      if (count > 0) this.#optBackend.download(s.allocation.ptr + offset * 4, v);
+      if (count > 0) be.download(ptr + offset * 4, v);
       return v;
-    });
+    };
+    const out = this.optimizer.stateSlabs().map((s) => read(this.#optBackend, s.allocation.ptr));
+    if (this.#ownedParams !== null) out.push(read(this.#o.backend, this.#ownedParams.ptr));
+    return out;
   }
 
-  #exportParts(step: number, partBytesMax: number, states: { name: string; data: Float32Array }[]): ShardState[] {
-    const { model, cfg } = this.#o;
-    const store = model.store;
+  #exportParts(step: number, partBytesMax: number, states: { name: string; data: Float32Array }[], values: Float32Array): ShardState[] {
+    const { cfg } = this.#o;
     const slabs = this.optimizer.stateSlabs();
-    const values = store.readValues();
     const perElem = 4 * (1 + slabs.length);
     const budget = Math.max(perElem * this.layout.chunkElems, partBytesMax - partOverheadBytes);
     const groups: (typeof this.layout.chunks)[] = [[]];
@@ -838,7 +1016,7 @@ export class Replica {
     const st = this.#staged!;
     const { model, backend } = this.#o;
     const store = model.store;
-    const values = store.readValues();
+    const values = new Float32Array(store.slabNumel);
     const slabs = this.optimizer.stateSlabs();
     const states = slabs.map(() => new Float32Array(store.slabNumel));
     for (const part of st.got.values()) {
@@ -848,7 +1026,12 @@ export class Replica {
         c.state.forEach((v, i) => states[i]!.set(v.data, info.offset));
       }
     }
-    store.writeValues(values);
+    if (this.#ownedParams !== null) {
+      // stage 3: this rank keeps its partition of the parameters (any gathered copy is stale)
+      for (const b of this.#buckets ?? []) this.#release(b);
+      for (const r of this.partition!.ranges.flat())
+        backend.upload(this.#ownedParams.ptr + r.stateOffset * 4, values.subarray(r.paramOffset, r.paramOffset + r.numel));
+    } else store.writeValues(values);
     this.#host?.store.writeValues(values);
     if (this.partition === null) slabs.forEach((s, i) => this.#optBackend.upload(s.allocation.ptr, states[i]!));
     else {

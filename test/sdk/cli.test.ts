@@ -31,7 +31,7 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     [["submit", "--precision", "fp8"], "Allowed choices are f32, tf32, bf16, f16"],
     [["run", "--scale-lr", "--warmup", "0"], "scaleLr needs warmupSteps > 0"],
     [["run", "--sync", "allreduce", "--bucket-mb", "0"], "--bucket-mb"],
-    [["run", "--sync", "allreduce", "--zero", "3"], "Allowed choices are 0, 1, 2"],
+    [["run", "--sync", "allreduce", "--zero", "4"], "Allowed choices are 0, 1, 2, 3"],
     [["run", "--zero", "1"], "ZeRO (zero 1) partitions the trainers' replicas, so it needs sync allreduce"],
     [["run", "--shards", "0"], "expected an integer >= 1"],
     [["run", "--compress", "int4"], "compression must be none, bf16, fp16, int8 or topk:<fraction in (0, 1]>"],

@@ -120,8 +120,16 @@ hostBytes():bigint {
   return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
 }
 
+/**
+ * ZeRO stage 3: the most parameter bytes gathered at once
+ */
+gatheredPeakBytes():bigint {
+  const offset = this.bb!.__offset(this.bb_pos, 32);
+  return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
+}
+
 static startTrainerStats(builder:flatbuffers.Builder) {
-  builder.startObject(14);
+  builder.startObject(15);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -180,6 +188,10 @@ static addHostBytes(builder:flatbuffers.Builder, hostBytes:bigint) {
   builder.addFieldInt64(13, hostBytes, BigInt('0'));
 }
 
+static addGatheredPeakBytes(builder:flatbuffers.Builder, gatheredPeakBytes:bigint) {
+  builder.addFieldInt64(14, gatheredPeakBytes, BigInt('0'));
+}
+
 static endTrainerStats(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -193,7 +205,7 @@ static finishSizePrefixedTrainerStatsBuffer(builder:flatbuffers.Builder, offset:
   builder.finish(offset, 'MTTS', true);
 }
 
-static createTrainerStats(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, rank:number, step:bigint, zeroStage:number, ranks:number, paramCount:bigint, paramBytes:bigint, gradBytes:bigint, optimizerBytes:bigint, bucketBytes:bigint, arenaPeakBytes:bigint, wireBytes:bigint, hostBytes:bigint):flatbuffers.Offset {
+static createTrainerStats(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, rank:number, step:bigint, zeroStage:number, ranks:number, paramCount:bigint, paramBytes:bigint, gradBytes:bigint, optimizerBytes:bigint, bucketBytes:bigint, arenaPeakBytes:bigint, wireBytes:bigint, hostBytes:bigint, gatheredPeakBytes:bigint):flatbuffers.Offset {
   TrainerStats.startTrainerStats(builder);
   TrainerStats.addSchemaVersion(builder, schemaVersion);
   TrainerStats.addJob(builder, jobOffset);
@@ -209,6 +221,7 @@ static createTrainerStats(builder:flatbuffers.Builder, schemaVersion:number, job
   TrainerStats.addArenaPeakBytes(builder, arenaPeakBytes);
   TrainerStats.addWireBytes(builder, wireBytes);
   TrainerStats.addHostBytes(builder, hostBytes);
+  TrainerStats.addGatheredPeakBytes(builder, gatheredPeakBytes);
   return TrainerStats.endTrainerStats(builder);
 }
 }
