@@ -227,7 +227,7 @@ describe("ZeRO memory, read from the allocations", () => {
     for (const n of [1, 2, 4]) {
       for (const zero of [0, 1, 2, 3] as const) {
         // 6 blocks: a block and the next one (prefetched) are a third of the model
-        const cfg = gptConfig({ trainers: n, zero, model: { ...gptJobDefaults.model, nLayer: 6, nHead: 2, nEmbd: 32, blockSize: T } });
+        const cfg = gptConfig({ trainers: n, zero, model: { kind: "gpt", blockSize: T, nLayer: 6, nHead: 2, nEmbd: 32, dropout: 0, vocabSize: 0 } });
         const run = await train(cfg, 1, (_s, r) => [windows(r * 2, 2)], 3e-3, 2);
         const expected = zero === 0 ? 16 : zero === 1 ? 8 + 8 / n : zero === 2 ? 4 + 12 / n : 16 / n;
         for (const m of run.memory) {
