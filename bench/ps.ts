@@ -1,9 +1,13 @@
 // Parameter-server benchmark: push + pull of a whole model by one trainer (ASP, so nothing
 // waits on other trainers) against shard processes on a real nats-server, in GB/s, next to raw
 // NATS request/reply of the same messages (same sizes, same number of processes, no work) in
-// the same run. Ratio = parameter-server GB/s / raw NATS GB/s; target 0.8.
+// the same run. Ratio = parameter-server GB/s / raw NATS GB/s (of the f32 model's bytes); target 0.8.
 //
-//   bun run bench ps [--sizes-mb 4,16,64] [--shards 1,2,4] [--rounds 15] [--json-only]
+// --compress runs each size once per codec (pushes encoded with error feedback; bf16/fp16 also
+// pull a 16-bit copy): wire_mb is what one push + pull moved (requests and replies as encoded),
+// and vs_f32 the push + pull time against the uncompressed run's.
+//
+//   bun run bench ps [--sizes-mb 4,16,64] [--shards 1,2,4] [--rounds 15] [--compress none,bf16,int8,topk:0.01] [--json-only]
 import { join } from "node:path";
 import { packByBytes } from "../schemas/codec.ts";
 import { decodeShardStats, encodeJobRequest, SyncPolicy } from "../schemas/messages.ts";
@@ -16,6 +20,7 @@ import { NatsBus } from "../services/runtime/nats.ts";
 import { startNatsServer } from "../services/runtime/nats-server.ts";
 import { PsClient } from "../services/trainer/ps-client.ts";
 import { ConfigError } from "../engine/errors.ts";
+import { parseCompression } from "../engine/parallel/compress.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { median, printTable, round } from "./table.ts";
 
@@ -28,6 +33,11 @@ export interface PsBenchResult {
   nats_gb_per_s: number;
   ratio: number;
   target: number;
+  compress: string;
+  /** bytes one push + pull moved, as encoded */
+  wire_mb: number;
+  /** push + pull time against the uncompressed run of the same size and shards (0: not run) */
+  vs_f32: number;
 }
 
 const root = join(import.meta.dir, "..");
@@ -39,11 +49,12 @@ const list = (name: string, raw: unknown) =>
     .map((x) => positiveInt(name, x));
 
 /** An MLP 784-H-10 of about `mb` megabytes of fp32 parameters. */
-function jobFor(mb: number, shards: number): JobConfig {
+function jobFor(mb: number, shards: number, compress: string): JobConfig {
   const hidden = Math.round((mb * (1 << 20)) / 4 / (784 + 10 + 1));
   return parseJobConfig({
     ...jobDefaults,
-    job: `bench-${mb}mb-${shards}`,
+    job: `bench-${mb}mb-${shards}-${compress.replace(/[^a-z0-9]/g, "")}`,
+    compress,
     model: { kind: "mlp", widths: [784, hidden, 10], dropout: 0 },
     trainers: 1,
     shards,
@@ -81,8 +92,11 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
     "sizes-mb": { type: "string", default: "4,16,64" },
     shards: { type: "string", default: "1,2,4" },
     rounds: { type: "string", default: "15" },
+    compress: { type: "string", default: "none" },
     "json-only": { type: "boolean", default: false },
   });
+  const codecs = String(v.compress).split(",");
+  for (const c of codecs) parseCompression(c);
   const sizes = list("sizes-mb", v["sizes-mb"]),
     shardCounts = list("shards", v.shards),
     rounds = positiveInt("rounds", v.rounds);
@@ -98,7 +112,13 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
   const store = await JobStore.open(bus.nc);
   const rows: PsBenchResult[] = [];
   try {
-    for (const mb of sizes) for (const n of shardCounts) rows.push(await benchOne(bus, store, jobFor(mb, n), mb, rounds));
+    for (const mb of sizes)
+      for (const n of shardCounts)
+        for (const c of codecs) {
+          const row = await benchOne(bus, store, jobFor(mb, n, c), mb, rounds);
+          const f32 = rows.find((r) => r.model_mb === mb && r.shards === n && r.compress === "none");
+          rows.push({ ...row, vs_f32: c === "none" ? 1 : f32 ? round(row.ps_ms / f32.ps_ms, 3) : 0 });
+        }
   } finally {
     await bus.close();
     for (const p of [...shards, loader, ...echoes]) p.kill("SIGTERM");
@@ -109,7 +129,7 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
       `parameter-server benchmark: 1 trainer pushes then pulls the whole model (ASP, SGD momentum), ${chunkBytes >> 20} MB chunks, ` +
         `messages up to ${payloadBytesMax >> 20} MB; medians of ${rounds} rounds, interleaved with rounds of raw NATS (the same messages to echo processes)`,
     );
-    printTable(rows, ["model_mb", "shards", "messages", "ps_ms", "ps_gb_per_s", "nats_gb_per_s", "ratio", "target"]);
+    printTable(rows, ["model_mb", "shards", "compress", "messages", "ps_ms", "wire_mb", "vs_f32", "ps_gb_per_s", "nats_gb_per_s", "ratio", "target"]);
   }
   console.log(JSON.stringify({ bench: "ps", results: rows }));
   return rows;
@@ -134,7 +154,7 @@ async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: numbe
       }
     }
   }
-  const client = new PsClient(bus, layout, 0, payloadBytesMax);
+  const client = new PsClient(bus, layout, 0, payloadBytesMax, parseCompression(cfg.compress));
   const grads = new Float32Array(total).fill(1e-6),
     params = new Float32Array(total);
   // the same messages, raw: per shard, groups as PsClient sends them
@@ -162,6 +182,7 @@ async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: numbe
   // interleaved, alternating which goes first, so both see the same (noisy) machine; round 0 warms up
   const psMs: number[] = [],
     natsMs: number[] = [];
+  let wire = 0;
   for (let r = 0; r <= rounds; r++) {
     let p: number, n: number;
     if (r % 2 === 0) {
@@ -171,6 +192,7 @@ async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: numbe
       n = await natsRound();
       p = await psRound();
     }
+    if (r === 0) wire = client.wireBytes;
     if (r > 0) {
       psMs.push(p);
       natsMs.push(n);
@@ -189,5 +211,8 @@ async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: numbe
     nats_gb_per_s: round(nats, 3),
     ratio: round(ps / nats, 3),
     target: 0.8,
+    compress: cfg.compress,
+    wire_mb: round((client.wireBytes - wire) / rounds / 1e6, 2),
+    vs_f32: 0,
   };
 }

@@ -216,6 +216,7 @@ export function checkIndices(idx: Uint32Array, n: number): void {
  */
 export class ErrorFeedback {
   readonly residual: Float32Array;
+  readonly #k = hostKernels();
   #sent: Float32Array;
 
   constructor(
@@ -239,18 +240,15 @@ export class ErrorFeedback {
     if (this.#sent.length < n) this.#sent = new Float32Array(n);
     const sent = this.#sent.subarray(0, n);
     codec.decode(slot, sent, false);
-    const r = this.residual;
-    for (let i = 0; i < n; i++) {
-      const d = x[i]! - sent[i]!;
-      r[at + i] = Number.isFinite(d) ? d : 0;
-    }
+    this.#k.residual(this.residual.subarray(at, at + n), x, sent);
   }
 
   #compensate(x: Float32Array, at: number): Float32Array {
     if (!this.codec.lossy) return x;
     const r = this.residual;
     if (at < 0 || at + x.length > r.length) throw new RangeError(`error feedback over [${at}, ${at + x.length}) of ${r.length} values`);
-    for (let i = 0; i < x.length; i++) x[i]! += r[at + i]!;
+    const part = r.subarray(at, at + x.length);
+    this.#k.addInto(x, new Uint8Array(part.buffer, part.byteOffset, part.byteLength));
     return x;
   }
 

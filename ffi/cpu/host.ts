@@ -22,6 +22,8 @@ export interface HostKernels {
   topK(idx: Uint32Array, val: Float32Array, x: Float32Array, scratch: Float32Array): void;
   /** out[idx[i]] += val[i] (indices must be < out.length: checked here) */
   scatterAdd(out: Float32Array, idx: Uint32Array, val: Float32Array): void;
+  /** r = x - sent where finite, else 0 (error feedback's residual) */
+  residual(r: Float32Array, x: Float32Array, sent: Float32Array): void;
 }
 
 function load(): HostKernels {
@@ -37,6 +39,7 @@ function load(): HostKernels {
     mt_decode_i8: { args: ["ptr", "ptr", "ptr", "i64", "i64", "i32"], returns: "void" },
     mt_topk_f32: { args: ["ptr", "ptr", "ptr", "i64", "i64", "ptr"], returns: "void" },
     mt_scatter_add_f32: { args: ["ptr", "ptr", "ptr", "i64"], returns: "void" },
+    mt_residual_f32: { args: ["ptr", "ptr", "ptr", "i64"], returns: "void" },
   }).symbols;
   const same = (what: string, a: { length: number }, b: { length: number }) => {
     if (a.length !== b.length) throw new RangeError(`${what}: ${a.length} outputs for ${b.length} inputs`);
@@ -87,6 +90,11 @@ function load(): HostKernels {
       same("scatterAdd", idx, val);
       for (let i = 0; i < idx.length; i++) if (idx[i]! >= out.length) throw new RangeError(`scatterAdd: index ${idx[i]} outside ${out.length} values`);
       if (idx.length > 0) k.mt_scatter_add_f32(addressOf(out), addressOf(idx), addressOf(val), idx.length);
+    },
+    residual(r, x, sent) {
+      same("residual", r, x);
+      same("residual", sent, x);
+      if (x.length > 0) k.mt_residual_f32(addressOf(r), addressOf(x), addressOf(sent), x.length);
     },
   };
 }

@@ -806,3 +806,12 @@ void mt_topk_f32(uint32_t* idx, float* val, const float* x, int64_t n, int64_t k
 void mt_scatter_add_f32(float* out, const uint32_t* idx, const float* val, int64_t k) {
   for (int64_t i = 0; i < k; i++) out[idx[i]] += val[i];
 }
+
+// error feedback: r = x - sent where that is finite, else 0 (x, sent, r: n)
+void mt_residual_f32(float* r, const float* x, const float* sent, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+  for (int64_t i = 0; i < n; i++) {
+    const float d = x[i] - sent[i];
+    r[i] = isfinite(d) ? d : 0.0f;
+  }
+}
