@@ -8,7 +8,8 @@ import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
-import { MeshClient } from "../../sdk/client.ts";
+import { type JobStatus, MeshClient } from "../../sdk/client.ts";
+import { statusLines } from "../../sdk/report.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { effectiveSteps, modelFileAccuracy } from "../helpers/jobs.ts";
@@ -89,14 +90,28 @@ describe("all-reduce mode on the mesh", () => {
     const cfg = config({ job: "ar-zero", zero: 2, maxSteps: 100, checkpointEvery: 20, optimizer: adamw, lr: 2e-3 });
     await client.submit(cfg, { membersWaitMs: 60_000 });
     let cancelled: Promise<unknown> | null = null;
+    let status: Promise<JobStatus> | null = null;
     const first = await watchJob(client, cfg.job, {
       quiet: true,
       onEvent: (e) => {
+        if (status === null && e.kind === EventKind.Step && e.step >= 10) status = client.status(cfg.job);
         if (cancelled === null && e.kind === EventKind.Checkpoint && e.step >= 40) cancelled = client.cancel(cfg.job);
       },
     }).catch((e: unknown) => e);
     await cancelled;
     expect(String(first)).toContain("cancelled");
+    // status shows what each rank holds while the job runs
+    const st = await status!;
+    expect(st.trainers).toHaveLength(2);
+    for (const t of st.trainers) {
+      if ("error" in t) throw new Error(t.error);
+      expect(t.zeroStage).toBe(2);
+      expect(t.step).toBeGreaterThanOrEqual(10);
+      expect((t.paramBytes + t.gradBytes + t.optimizerBytes) / t.paramCount).toBeCloseTo(10, 1);
+      expect(t.arenaPeakBytes).toBeGreaterThan(0);
+      expect(t.wireBytes).toBeGreaterThan(0);
+    }
+    expect(statusLines(st).join("\n")).toMatch(/trainer 1  step \d+; ZeRO stage 2 of 2 ranks: 10\.0\d bytes per parameter/);
     for (const rank of [0, 1]) {
       const log = readFileSync(join(mesh.opts.logDir, `trainer-${rank}.log`), "utf8");
       // AdamW in f32 on 2 ranks at stage 2: 4 + 12/2 = 10 bytes per parameter
@@ -112,6 +127,59 @@ describe("all-reduce mode on the mesh", () => {
     expect(r.record.accuracy).toBeGreaterThan(0.85);
     expect(seen.filter((e) => e.kind === EventKind.Restore).map((e) => e.step)).toEqual([newest]);
   }, 180_000);
+
+  test("a ZeRO-2 snapshot of 4 trainers resumes on 2 and on 3 (the same global batch) and continues on the 4-trainer run's loss trajectory", async () => {
+    await using mesh = await startMesh("mt-ar-regroup-", { trainers: 4 });
+    await using client = await MeshClient.connect(mesh.url);
+    const adamw = { kind: "adamw" as const, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
+    const base = { zero: 2 as const, trainers: 4, batchSize: 48, maxSteps: 60, checkpointEvery: 20, optimizer: adamw, lr: 2e-3, replicaCheckEvery: 20 };
+    /** per step: the loss over every rank's samples, after the last restore */
+    const globalLoss = (events: Event[]) => {
+      const at = new Map<number, { sum: number; n: number }>();
+      for (const e of events) {
+        if (e.kind === EventKind.Restore) for (const k of [...at.keys()]) if (k >= e.step) at.delete(k);
+        if (e.kind !== EventKind.Step || e.count === 0) continue;
+        const a = at.get(e.step) ?? { sum: 0, n: 0 };
+        a.sum += e.loss * e.count;
+        a.n += e.count;
+        at.set(e.step, a);
+      }
+      return new Map([...at].map(([k, a]) => [k, a.sum / a.n]));
+    };
+    const reference: Event[] = [];
+    const ref = config({ job: "ar-regroup-ref", ...base });
+    await client.submit(ref, { membersWaitMs: 60_000 });
+    await watchJob(client, ref.job, { quiet: true, onEvent: (e) => reference.push(e) });
+    const refLoss = globalLoss(reference);
+    for (const [trainers, batchSize] of [
+      [2, 96],
+      [3, 64],
+    ] as const) {
+      const cfg = config({ job: `ar-regroup-${trainers}`, ...base });
+      await client.submit(cfg, { membersWaitMs: 60_000 });
+      let cancelled: Promise<unknown> | null = null;
+      await watchJob(client, cfg.job, {
+        quiet: true,
+        onEvent: (e) => {
+          if (cancelled === null && e.kind === EventKind.Checkpoint && e.step >= 20) cancelled = client.cancel(cfg.job);
+        },
+      }).catch(() => {});
+      await cancelled;
+      const newest = (await client.checkpoints(cfg.job)).at(-1)!.step;
+      expect(newest).toBeGreaterThanOrEqual(20);
+      expect(newest).toBeLessThan(60);
+      const seen: Event[] = [];
+      await client.submit({ ...cfg, trainers, batchSize }, { membersWaitMs: 60_000 });
+      const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
+      expect(r.record.state).toBe(JobState.Done);
+      expect(seen.filter((e) => e.kind === EventKind.Restore).map((e) => e.step)).toEqual([newest]);
+      expect(new Set(seen.filter((e) => e.kind === EventKind.Step).map((e) => e.rank))).toEqual(new Set(Array.from({ length: trainers }, (_, i) => i)));
+      const loss = globalLoss(seen);
+      let worst = 0;
+      for (let s = newest; s < 60; s++) worst = Math.max(worst, Math.abs(loss.get(s)! - refLoss.get(s)!) / refLoss.get(s)!);
+      expect(worst).toBeLessThan(2e-4);
+    }
+  }, 300_000);
 
   test("SIGKILL of a trainer mid-run: every rank rewinds to the newest snapshot of the replica and the job finishes, every step once", async () => {
     const launcherLines: string[] = [];

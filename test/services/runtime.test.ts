@@ -9,7 +9,7 @@ import { decodeErrorReply, encodeErrorReply } from "../../schemas/messages.ts";
 import { MemoryBus, subjectMatches } from "../../services/runtime/bus.ts";
 import { loadConfig } from "../../services/runtime/config.ts";
 import { BadRequestError, ConfigError, errorReplyOf, InternalError, MeshError, rebuildError, UnknownJobError } from "../../services/runtime/errors.ts";
-import { gptJobDefaults, jobDefaults, parseJobConfig, peakLr, usesShards } from "../../services/runtime/job.ts";
+import { gptJobDefaults, jobDefaults, parseJobConfig, peakLr, trajectoryDiff, usesShards } from "../../services/runtime/job.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 
@@ -149,5 +149,20 @@ describe("job config", () => {
     expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", precision: "fp8" }), ConfigError, "precision:");
     const { precision: _, ...older } = { ...jobDefaults, job: "j" };
     expect(parseJobConfig(older).precision).toBe("f32");
+  });
+});
+
+describe("which config changes a snapshot survives", () => {
+  const ar = (over: object) => parseJobConfig({ ...jobDefaults, job: "j", sync: "allreduce", trainers: 4, batchSize: 48, ...over });
+  test("all-reduce: another number of trainers with the same global batch; the stage, offload and transport too", () => {
+    expect(trajectoryDiff(ar({}), ar({ trainers: 2, batchSize: 96 }))).toEqual([]);
+    expect(trajectoryDiff(ar({}), ar({ trainers: 3, batchSize: 64, zero: 3, collTransport: "nats" }))).toEqual([]);
+    expect(trajectoryDiff(ar({}), ar({ offload: "optimizer" }))).toEqual([]);
+  });
+  test("another global batch, a parameter-server job's trainers, or another codec change the trajectory, and are named", () => {
+    expect(trajectoryDiff(ar({}), ar({ trainers: 2 }))).toEqual(["trainers: 4 -> 2"]);
+    const ps = (over: object) => parseJobConfig({ ...jobDefaults, job: "j", trainers: 4, batchSize: 48, ...over });
+    expect(trajectoryDiff(ps({}), ps({ trainers: 2, batchSize: 96 }))).toEqual(["batchSize: 48 -> 96", "trainers: 4 -> 2"]);
+    expect(trajectoryDiff(ar({}), ar({ compress: "int8" }))).toEqual(['compress: "none" -> "int8"']);
   });
 });
