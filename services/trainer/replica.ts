@@ -305,6 +305,8 @@ export class Replica {
   /** Rebuilds the communicator under a new generation: operations in flight fail, stale pieces are refused. */
   reconnect(generation: number): void {
     this.#collective?.close(`communicator generation ${this.#generation} replaced by ${generation}`);
+    // stage 3: the new communicator's gathers are counted afresh on every rank
+    this.#gatherSeq = { step: -1, n: 0 };
     this.#generation = generation;
     this.#collective = this.#connect(generation);
   }

@@ -7,35 +7,21 @@ import { describe, expect, test } from "bun:test";
 import type { Backend } from "../../ffi/backend.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { bytesPerParam, type ModelMemory } from "../../engine/parallel/zero.ts";
-import { Rng } from "../../engine/rng.ts";
 import { Context } from "../../engine/tensor.ts";
-import type { HostBatch } from "../../engine/train.ts";
 import { MemoryBus } from "../../services/runtime/bus.ts";
 import { gptJobDefaults, type JobConfig, parseJobConfig } from "../../services/runtime/job.ts";
 import { buildModel } from "../../services/runtime/model.ts";
 import { Replica } from "../../services/trainer/replica.ts";
 import { emulatedCuda } from "../helpers/emulated-cuda.ts";
 import { skip } from "../helpers/skip.ts";
+import { tokenWindows } from "../helpers/windows.ts";
 
 const emulated = await emulatedCuda();
 
 const V = 20,
   T = 8;
 const plan = { vocabSize: V, vocab: [] as number[] };
-const stream = (() => {
-  const rng = new Rng(3);
-  return Int32Array.from({ length: 200 * (T + 1) }, () => rng.int(V));
-})();
-function windows(from: number, n: number): HostBatch {
-  const inputs = new Int32Array(n * T),
-    targets = new Int32Array(n * T);
-  for (let w = 0; w < n; w++) {
-    const at = ((from + w) % 190) * (T + 1);
-    inputs.set(stream.subarray(at, at + T), w * T);
-    targets.set(stream.subarray(at + 1, at + T + 1), w * T);
-  }
-  return { inputs, inputShape: [n, T], targets, targetShape: [n, T] };
-}
+const windows = tokenWindows({ V, T, seed: 3, windows: 190 });
 
 const config = (over: Partial<JobConfig>): JobConfig =>
   parseJobConfig({

@@ -7,7 +7,6 @@ import { describe, expect, test } from "bun:test";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { type BucketEntries, bytesPerParam, type ModelMemory, partitionOf } from "../../engine/parallel/zero.ts";
 import { segment } from "../../engine/parallel/collective.ts";
-import { Rng } from "../../engine/rng.ts";
 import { Context } from "../../engine/tensor.ts";
 import type { HostBatch } from "../../engine/train.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
@@ -16,6 +15,7 @@ import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../
 import { buildModel } from "../../services/runtime/model.ts";
 import { Replica, type ReplicaStepResult } from "../../services/trainer/replica.ts";
 import { imagePlan } from "../helpers/jobs.ts";
+import { tokenWindows } from "../helpers/windows.ts";
 
 const mnist = loadMnist();
 const cols = 784;
@@ -31,20 +31,7 @@ function images(from: number, n: number): HostBatch {
 const V = 20,
   T = 16;
 const gptPlan = { vocabSize: V, vocab: [] as number[] };
-const stream = (() => {
-  const rng = new Rng(5);
-  return Int32Array.from({ length: 400 * (T + 1) }, () => rng.int(V));
-})();
-function windows(from: number, n: number): HostBatch {
-  const inputs = new Int32Array(n * T),
-    targets = new Int32Array(n * T);
-  for (let w = 0; w < n; w++) {
-    const at = ((from + w) % 390) * (T + 1);
-    inputs.set(stream.subarray(at, at + T), w * T);
-    targets.set(stream.subarray(at + 1, at + T + 1), w * T);
-  }
-  return { inputs, inputShape: [n, T], targets, targetShape: [n, T] };
-}
+const windows = tokenWindows({ V, T, seed: 5, windows: 390 });
 
 const mlpConfig = (over: Partial<JobConfig>): JobConfig =>
   parseJobConfig({
