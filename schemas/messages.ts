@@ -586,6 +586,9 @@ export interface ShardState {
   generation?: number;
   /** all-reduce mode, f16: the loss scaler's scale (0: none) */
   lossScale?: number;
+  /** ZeRO: the chunks are slab ranges (id = offset) of trainer `rank`'s partition */
+  slabRanges?: boolean;
+  rank?: number;
 }
 
 const shardStateRoot = root("ShardState", "MTSS", (bb) => ShardStateT.getRootAsShardState(bb));
@@ -621,6 +624,8 @@ export function encodeShardState(m: ShardState): Uint8Array {
       m.parts ?? 0,
       big(m.generation ?? 0),
       m.lossScale ?? 0,
+      m.slabRanges ?? false,
+      m.rank ?? 0,
     ),
     shardStateRoot.identifier,
   );
@@ -637,6 +642,8 @@ export function decodeShardState(data: Uint8Array, bytesMax: number): ShardState
     parts: r.parts(),
     generation: num(r.generation()),
     lossScale: r.lossScale(),
+    slabRanges: r.slabRanges(),
+    rank: r.rank(),
     chunks: readList(
       r.chunksLength(),
       (i) => r.chunks(i),

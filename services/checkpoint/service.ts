@@ -46,7 +46,9 @@ import {
 } from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
+import { buildLayout } from "../runtime/layout.ts";
 import { exportModelFile } from "../runtime/model.ts";
+import { replicaFromPartitions } from "../runtime/replica-parts.ts";
 import { planOfSpec } from "../runtime/plan.ts";
 import { stateTimeoutMs } from "./limits.ts";
 import { CheckpointStore, modelFileName } from "./store.ts";
@@ -80,6 +82,9 @@ interface JobEntry {
 
 const shardFile = (k: number) => `ps-${k}.mtss`;
 const replicaFile = (p: number) => `replica-${p}.mtss`;
+/** ZeRO: part p of rank r's partition */
+const partitionFile = (r: number, p: number) => `partition-${r}-${p}.mtss`;
+const partitionFilePattern = /^partition-\d{1,4}-\d{1,6}\.mtss$/;
 /** Parts a replica may be cut into (a 64 GB model in 8 MB messages). */
 const replicaPartsMax = 8192;
 
@@ -135,7 +140,9 @@ export class CheckpointService {
     const t0 = performance.now();
     const req = encodeJobRequest({ job: cfg.job, step, tag: "" });
     const states = !usesShards(cfg)
-      ? await this.#replicaParts(cfg, step)
+      ? cfg.zero > 0
+        ? await this.#partitionParts(cfg, step)
+        : await this.#replicaParts(cfg, step)
       : await Promise.all(
           Array.from({ length: cfg.shards }, async (_, k) => {
             const bytes = await this.bus.request(subjects.psState(cfg.job, k), req, stateTimeoutMs);
@@ -150,13 +157,17 @@ export class CheckpointService {
     let modelPath = "";
     if (why === "final") {
       modelPath = join(this.store.jobDir(cfg.job), modelFileName);
-      exportModelFile(
-        cfg,
-        plan,
-        states.map((s) => s.state),
-        modelPath,
-        step,
-      );
+      // under ZeRO the ranks' partitions, assembled into the replica's chunks
+      const replica =
+        cfg.zero > 0 && !usesShards(cfg)
+          ? this.#assemble(
+              cfg,
+              plan,
+              cfg.trainers,
+              states.map((s) => s.state),
+            )
+          : states.map((s) => s.state);
+      exportModelFile(cfg, plan, replica, modelPath, step);
     }
     const files = states.map(({ name, bytes }) => ({ name, bytes }));
     const manifest = this.store.save(
@@ -198,6 +209,53 @@ export class CheckpointService {
     return out;
   }
 
+  /**
+   * ZeRO: every rank's partition at `step`, part by part, each verified: no rank sends another's
+   * state, and no rank holds the whole replica to save it.
+   */
+  async #partitionParts(cfg: JobConfig, step: number): Promise<{ name: string; bytes: Uint8Array; state: ShardState }[]> {
+    const perRank = await Promise.all(
+      Array.from({ length: cfg.trainers }, async (_, r) => {
+        const out: { name: string; bytes: Uint8Array; state: ShardState }[] = [];
+        for (let p = 0, parts = 1; p < parts; p++) {
+          const req = encodeJobRequest({ job: cfg.job, step, tag: `part ${p}` });
+          const bytes = await this.bus.request(subjects.replicaPartition(cfg.job, r), req, stateTimeoutMs);
+          const s = decodeShardState(bytes, this.payloadBytesMax);
+          if (p === 0) parts = s.parts ?? 0;
+          if (
+            s.job !== cfg.job ||
+            !s.slabRanges ||
+            s.rank !== r ||
+            s.shard !== p ||
+            s.parts !== parts ||
+            s.step !== step ||
+            !(parts >= 1 && parts <= replicaPartsMax)
+          ) {
+            throw new BadRequestError(
+              `trainer ${r} answered part ${s.shard} of ${s.parts} of job ${s.job}'s ${s.slabRanges ? `partition of rank ${s.rank}` : "replica"} at step ${s.step} ` +
+                `for part ${p} of its partition at step ${step}`,
+            );
+          }
+          out.push({ name: partitionFile(r, p), bytes, state: s });
+        }
+        return out;
+      }),
+    );
+    return perRank.flat();
+  }
+
+  /** The replica's chunks from the partitions of `ranks` ranks (services/runtime/replica-parts.ts). */
+  #assemble(cfg: JobConfig, plan: DataPlan, ranks: number, parts: readonly ShardState[]): ShardState[] {
+    return replicaFromPartitions(parts, {
+      job: cfg.job,
+      layout: buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, 1),
+      slabNumel: plan.slabNumel,
+      paramCount: plan.paramCount,
+      ranks,
+      partBytesMax: this.payloadBytesMax,
+    });
+  }
+
   /** Accuracy of the newest evaluation every rank reported at or before `step` (NaN when none). */
   #metricAt(e: JobEntry, step: number): number {
     return e.evals.newestComplete(step)?.accuracy ?? Number.NaN;
@@ -235,7 +293,7 @@ export class CheckpointService {
         }),
       );
     } else {
-      await this.#loadReplicas(e, snap.manifest.id, snap.files);
+      await this.#loadReplicas(e, snap.manifest, snap.files);
     }
     this.log?.warn({ job: cfg.job, id: snap.manifest.id, step: snap.manifest.step, why: tag }, "job restored");
     if (!usesShards(cfg)) e.lastRestore = { manifest: snap.manifest, opened: new Set(rank === null ? [] : [rank]) };
@@ -247,14 +305,26 @@ export class CheckpointService {
    * All-reduce mode: every part of the snapshot's replica into every trainer rank, under a new
    * communicator generation (later than any before, also across restarts of this service).
    */
-  async #loadReplicas(e: JobEntry, id: string, files: ReadonlyMap<string, Uint8Array>): Promise<void> {
-    const { cfg } = e;
+  async #loadReplicas(e: JobEntry, manifest: Manifest, files: ReadonlyMap<string, Uint8Array>): Promise<void> {
+    const { cfg, plan } = e;
+    const id = manifest.id;
     const generation = Math.max(e.generation + 1, Date.now());
     e.generation = generation;
-    const parts: Uint8Array[] = [];
-    for (let p = 0; files.has(replicaFile(p)); p++) {
-      parts.push(encodeShardState({ ...decodeShardState(files.get(replicaFile(p))!, this.payloadBytesMax), generation }));
+    let states: ShardState[] = [];
+    for (let p = 0; files.has(replicaFile(p)); p++) states.push(decodeShardState(files.get(replicaFile(p))!, this.payloadBytesMax));
+    const partitions = [...files.keys()].filter((name) => partitionFilePattern.test(name));
+    if (states.length === 0 && partitions.length > 0) {
+      // a ZeRO snapshot: the ranks' partitions, resharded into the replica every rank loads
+      // (whatever the stage and the number of ranks now)
+      const saved = jobConfigFromJson(manifest.configJson).trainers;
+      states = this.#assemble(
+        cfg,
+        plan,
+        saved,
+        partitions.map((name) => decodeShardState(files.get(name)!, this.payloadBytesMax)),
+      );
     }
+    const parts = states.map((s) => encodeShardState({ ...s, generation }));
     if (parts.length === 0) throw new BadRequestError(`snapshot ${id} holds no replica (it was taken by a parameter-server job)`);
     await Promise.all(
       Array.from({ length: cfg.trainers }, async (_, r) => {

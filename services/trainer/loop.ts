@@ -188,7 +188,6 @@ export class TrainerRun {
           ctx: this.#ctx,
           model: this.#model,
           payloadBytesMax: o.payloadBytesMax,
-          fetchPartition: (r, step, offset, count) => this.#fetchPartition(r, step, offset, count),
           ...o.collective,
         });
     // host copies of pulled parameters and pushed gradients: parameter-server mode only
@@ -341,7 +340,8 @@ export class TrainerRun {
 
   /**
    * All-reduce mode: every rank takes the parts of a snapshot's replica on restore; rank 0 serves
-   * its replica's parts to the checkpoint service, for the step it is at.
+   * its replica's parts to the checkpoint service (under ZeRO every rank its partition's), for
+   * the step it is at.
    */
   #serveReplica(): void {
     const { cfg, bus, rank, payloadBytesMax } = this.#o;
@@ -352,42 +352,16 @@ export class TrainerRun {
         return new Uint8Array(0);
       }),
     );
-    if (replica.partition !== null) {
-      // ZeRO: rank 0's snapshot reads this rank's optimizer state (it is at the same step
-      // boundary: no rank updates before rank 0 joins the step's collectives)
-      this.#replicaSubs.push(
-        bus.handle(subjects.replicaPartition(cfg.job, rank), (data, subject) => {
-          const m = decodeJobRequest(data, 1 << 16);
-          jobOfRequest(subject, m.job);
-          const range = /^state (\d{1,12}) (\d{1,12})$/.exec(m.tag);
-          if (!range) throw new BadRequestError(`a partition request names its range as "state <offset> <count>", not "${m.tag.slice(0, 64)}"`);
-          if (m.step !== this.#replicaStep) throw new NotReadyError(`trainer ${rank}'s replica is at step ${this.#replicaStep}, not ${m.step}`);
-          const names = replica.packedNames;
-          const count = Number(range[2]);
-          if (count * 4 * names.length > payloadBytesMax - (64 << 10)) throw new BadRequestError(`${count} elements of state do not fit a message`);
-          const state = replica.packedState(Number(range[1]), count).map((v, i) => ({ name: names[i]!, data: v }));
-          return encodeShardState({
-            job: cfg.job,
-            shard: rank,
-            parts: 1,
-            updates: 0,
-            optimizerSteps: replica.optimizer.stepCount,
-            step: m.step,
-            generation: 0,
-            lossScale: 0,
-            chunks: [{ id: 0, version: 0, params: new Float32Array(0), state }],
-          });
-        }),
-      );
-    }
-    if (rank !== 0) return;
+    // a snapshot reads rank 0's replica (stage 0), or every rank's partition (ZeRO), for the step the rank is at
+    const subject = replica.partition === null ? (rank === 0 ? subjects.replicaState(cfg.job) : null) : subjects.replicaPartition(cfg.job, rank);
+    if (subject === null) return;
     this.#replicaSubs.push(
-      bus.handle(subjects.replicaState(cfg.job), (data, subject) => {
+      bus.handle(subject, (data, subject) => {
         const m = decodeJobRequest(data, 1 << 16);
         jobOfRequest(subject, m.job);
         const part = /^part (\d{1,6})$/.exec(m.tag);
         if (!part) throw new BadRequestError(`a replica request names its part as "part <n>", not "${m.tag.slice(0, 64)}"`);
-        if (m.step !== this.#replicaStep) throw new NotReadyError(`trainer 0's replica is at step ${this.#replicaStep}, not ${m.step}`);
+        if (m.step !== this.#replicaStep) throw new NotReadyError(`trainer ${rank}'s replica is at step ${this.#replicaStep}, not ${m.step}`);
         return replica.exportPart(m.step, Number(part[1]), payloadBytesMax).then(encodeShardState);
       }),
     );
@@ -416,24 +390,6 @@ export class TrainerRun {
       hostBytes: mem?.host ?? 0,
       gatheredPeakBytes: mem?.gatheredPeak ?? 0,
     });
-  }
-
-  /** ZeRO, rank 0: a slice of rank `r`'s packed optimizer state at `step` (retried while it finishes its step). */
-  async #fetchPartition(r: number, step: number, offset: number, count: number): Promise<Float32Array[]> {
-    const { bus, cfg, payloadBytesMax } = this.#o;
-    const req = encodeJobRequest({ job: cfg.job, step, tag: `state ${offset} ${count}` });
-    const s = await this.#retry(
-      `read trainer ${r}'s optimizer state for the snapshot`,
-      async () => decodeShardState(await bus.request(subjects.replicaPartition(cfg.job, r), req, requestTimeoutMs), payloadBytesMax),
-      checkpointTimeoutMs,
-    );
-    const c = s.chunks[0];
-    if (s.job !== cfg.job || s.shard !== r || s.step !== step || s.chunks.length !== 1 || c === undefined)
-      throw new BadRequestError(`trainer ${r} answered the state of job ${s.job} rank ${s.shard} at step ${s.step}`);
-    for (const v of c.state)
-      for (let i = 0; i < v.data.length; i++)
-        if (!Number.isFinite(v.data[i]!)) throw new BadRequestError(`trainer ${r}'s optimizer state holds a non-finite value`);
-    return c.state.map((v) => v.data);
   }
 
   /** Rank 0: tallies every rank's evaluations; a step all ranks reported goes into the job's record. */

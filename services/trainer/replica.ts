@@ -60,6 +60,7 @@ import { BusTransport, busTransportDefaults, type BusTransportOptions } from "..
 import { BadRequestError } from "../runtime/errors.ts";
 import type { JobConfig } from "../runtime/job.ts";
 import { buildLayout, type Layout } from "../runtime/layout.ts";
+import { cutPartition, cutReplica, type ReplicaMeta } from "../runtime/replica-parts.ts";
 
 /** Bucket ids at and above this name the replica check's operations, not gradient buckets. */
 const checkBucket = 1 << 24;
@@ -69,8 +70,6 @@ const statsBucket = (1 << 24) - 1;
 const gatherBucket = 1 << 23;
 /** ZeRO stage 3: the step's n-th gather of a bucket's parameters is bucket paramGatherBucket + n */
 const paramGatherBucket = 1 << 22;
-/** Bytes of a replica part's message besides its floats. */
-const partOverheadBytes = 64 << 10;
 /** Bits of the parameter hash per float (exact as an f32 integer, never a NaN). */
 const hashBitsPerFloat = 21;
 
@@ -118,11 +117,6 @@ export interface ReplicaOptions {
   /** collective transport settings over busTransportDefaults (tests shorten the timeouts) */
   transport?: Partial<Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs" | "sharedMemory">>;
   progressTimeoutMs?: number;
-  /**
-   * ZeRO, rank 0's snapshots: rank `rank`'s packed optimizer state at `step`, elements
-   * [offset, offset + count) of each state slab (the loop asks that rank over NATS)
-   */
-  fetchPartition?: (rank: number, step: number, offset: number, count: number) => Promise<Float32Array[]>;
 }
 
 interface Staged {
@@ -851,116 +845,56 @@ export class Replica {
   }
 
   /**
-   * Rank 0: part `part` of the replica as it is at `step` (parameters, optimizer state, step
-   * count, loss scale), cut along the job's chunks so that each part fits `partBytesMax`.
+   * What this rank serves a snapshot, part `part` of it as it is at `step`: at stage 0 (rank 0)
+   * the replica (parameters, optimizer state, step count, loss scale) cut along the job's chunks;
+   * under ZeRO (every rank) its own partition, slab ranges with their parameters and state
+   * (services/runtime/replica-parts.ts). Each part fits `partBytesMax`.
    */
   async exportPart(step: number, part: number, partBytesMax: number): Promise<ShardState> {
-    if (this.#exported?.step !== step) {
-      const full = await this.#fullState(step);
-      this.#exported = { step, parts: this.#exportParts(step, partBytesMax, full.states, full.values) };
-    }
+    if (this.#exported?.step !== step)
+      this.#exported = { step, parts: this.partition === null ? this.#replicaParts(step, partBytesMax) : this.#partitionParts(step, partBytesMax) };
     const parts = this.#exported.parts;
     if (!Number.isInteger(part) || part < 0 || part >= parts.length) throw new BadRequestError(`the replica has parts 0 to ${parts.length - 1}, not ${part}`);
     return parts[part]!;
   }
 
-  /**
-   * The optimizer state in the slab's layout. Under ZeRO every rank holds its partition only:
-   * the others' are fetched (they are at the same step boundary: none can update before this
-   * rank joins the step's collectives) and placed where their ranges are in the slab, so a
-   * snapshot is the same whatever the stage and the number of ranks, and loads into any.
-   */
-  async #fullState(step: number): Promise<{ states: { name: string; data: Float32Array }[]; values: Float32Array }> {
-    const { model, cfg, rank } = this.#o;
-    const store = model.store;
+  #meta(step: number): ReplicaMeta {
+    return { job: this.#o.cfg.job, step, optimizerSteps: this.optimizer.stepCount, lossScale: this.scaler?.scale ?? 0 };
+  }
+
+  #replicaParts(step: number, partBytesMax: number): ShardState[] {
+    const store = this.#o.model.store;
+    const states = this.optimizer.stateSlabs().map((s) => {
+      const data = new Float32Array(store.slabNumel);
+      this.#optBackend.download(s.allocation.ptr, data);
+      return { name: s.name, data };
+    });
+    return cutReplica(this.#meta(step), this.layout, store.readValues(), states, partBytesMax);
+  }
+
+  /** ZeRO: this rank's ranges of the slab, their parameters (its own at stage 3, the replicated slab's below) and its packed state. */
+  #partitionParts(step: number, partBytesMax: number): ShardState[] {
+    const { backend, model, rank } = this.#o;
     const slabs = this.optimizer.stateSlabs();
-    const full = slabs.map((s) => ({ name: s.name, data: new Float32Array(store.slabNumel) }));
-    if (this.partition === null) {
-      slabs.forEach((s, i) => this.#optBackend.download(s.allocation.ptr, full[i]!.data));
-      return { states: full, values: store.readValues() };
-    }
-    // stage 3: the parameters are partitioned too, and come with the state (the last vector)
-    const values = this.zero === 3 ? new Float32Array(store.slabNumel) : store.readValues();
-    const into = this.zero === 3 ? [...full.map((f) => f.data), values] : full.map((f) => f.data);
-    for (let r = 0; r < cfg.trainers; r++) {
-      const part = r === rank ? this.partition : partitionOf(this.#plan(), cfg.trainers, r);
-      const packed = r === rank ? this.packedState(0, part.numel) : await this.#fetchPacked(r, step, part.numel);
-      for (const range of part.ranges.flat()) {
-        packed.forEach((p, i) => into[i]!.set(p.subarray(range.stateOffset, range.stateOffset + range.numel), range.paramOffset));
-      }
-    }
-    return { states: full, values };
-  }
-
-  /** What packedState gives, per vector: the optimizer's state slabs, and at stage 3 the parameters. */
-  get packedNames(): string[] {
-    return [...this.optimizer.stateSlabs().map((x) => x.name), ...(this.zero === 3 ? ["params"] : [])];
-  }
-
-  async #fetchPacked(r: number, step: number, numel: number): Promise<Float32Array[]> {
-    const fetch = this.#o.fetchPartition;
-    if (fetch === undefined) throw new EngineError("a ZeRO replica needs fetchPartition to snapshot the other ranks' optimizer state");
-    const names = this.packedNames.length;
-    const per = Math.max(1, Math.floor((this.#o.payloadBytesMax - partOverheadBytes) / (4 * names)));
-    const out = Array.from({ length: names }, () => new Float32Array(numel));
-    for (let at = 0; at < numel; at += per) {
-      const count = Math.min(per, numel - at);
-      const got = await fetch(r, step, at, count);
-      if (got.length !== names || got.some((v) => v.length !== count))
-        throw new BadRequestError(`rank ${r} answered ${got.length} state vectors of ${got.map((v) => v.length).join(",")} values for ${names} of ${count}`);
-      got.forEach((v, i) => out[i]!.set(v, at));
-    }
-    return out;
-  }
-
-  /** ZeRO: elements [offset, offset + count) of this rank's packed optimizer state slabs (and at stage 3 its parameters), as packedNames. */
-  packedState(offset: number, count: number): Float32Array[] {
-    const numel = this.partition?.numel ?? this.#o.model.store.slabNumel;
-    if (!(Number.isSafeInteger(offset) && Number.isSafeInteger(count) && offset >= 0 && count >= 0 && offset + count <= numel))
-      throw new BadRequestError(`state elements [${offset}, +${count}) outside this rank's ${numel}`);
-    const read = (be: Backend, ptr: number) => {
-      const v = new Float32Array(count);
-      if (count > 0) be.download(ptr + offset * 4, v);
-      return v;
+    const ranges = this.partition!.ranges.flat().map((r) => ({ offset: r.paramOffset, count: r.numel, packed: r.stateOffset }));
+    const read = (offset: number, count: number, packed: number) => {
+      const params = new Float32Array(count);
+      if (this.#ownedParams !== null) backend.download(this.#ownedParams.ptr + packed * 4, params);
+      else backend.download(model.store.values.ptr + offset * 4, params);
+      const state = slabs.map((s) => {
+        const v = new Float32Array(count);
+        this.#optBackend.download(s.allocation.ptr + packed * 4, v);
+        return v;
+      });
+      return { params, state };
     };
-    const out = this.optimizer.stateSlabs().map((s) => read(this.#optBackend, s.allocation.ptr));
-    if (this.#ownedParams !== null) out.push(read(this.#o.backend, this.#ownedParams.ptr));
-    return out;
-  }
-
-  #exportParts(step: number, partBytesMax: number, states: { name: string; data: Float32Array }[], values: Float32Array): ShardState[] {
-    const { cfg } = this.#o;
-    const slabs = this.optimizer.stateSlabs();
-    const perElem = 4 * (1 + slabs.length);
-    const budget = Math.max(perElem * this.layout.chunkElems, partBytesMax - partOverheadBytes);
-    const groups: (typeof this.layout.chunks)[] = [[]];
-    let bytes = 0;
-    for (const c of this.layout.chunks) {
-      const need = c.count * perElem + 256;
-      if (bytes + need > budget && groups.at(-1)!.length > 0) {
-        groups.push([]);
-        bytes = 0;
-      }
-      groups.at(-1)!.push(c);
-      bytes += need;
-    }
-    const steps = this.optimizer.stepCount;
-    return groups.map((chunks, p) => ({
-      job: cfg.job,
-      shard: p,
-      parts: groups.length,
-      updates: steps,
-      optimizerSteps: steps,
-      step,
-      generation: 0,
-      lossScale: this.scaler?.scale ?? 0,
-      chunks: chunks.map((c) => ({
-        id: c.id,
-        version: steps,
-        params: values.slice(c.offset, c.offset + c.count),
-        state: states.map((s) => ({ name: s.name, data: s.data.slice(c.offset, c.offset + c.count) })),
-      })),
-    }));
+    return cutPartition(
+      { ...this.#meta(step), rank },
+      ranges,
+      slabs.map((x) => x.name),
+      read,
+      partBytesMax,
+    );
   }
 
   /**

@@ -83,7 +83,7 @@ describe("all-reduce mode on the mesh", () => {
     }
   }, 180_000);
 
-  test("ZeRO stage 2 on the mesh: the job learns, each trainer logs its bytes per parameter, and a snapshot (rank 0 reads the other's partition) resumes at stage 1", async () => {
+  test("ZeRO stage 2 on the mesh: the job learns, each trainer logs its bytes per parameter, and a snapshot (each rank's partition in its own files) resumes at stage 1", async () => {
     await using mesh = await startMesh("mt-ar-zero-");
     await using client = await MeshClient.connect(mesh.url);
     const adamw = { kind: "adamw" as const, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
@@ -117,8 +117,12 @@ describe("all-reduce mode on the mesh", () => {
       // AdamW in f32 on 2 ranks at stage 2: 4 + 12/2 = 10 bytes per parameter
       expect(log).toMatch(/model state on this rank: 10\.0\d bytes per parameter \(ZeRO stage 2, 2 ranks\)/);
     }
-    const newest = (await client.checkpoints(cfg.job)).at(-1)!.step;
+    const newestSnap = (await client.checkpoints(cfg.job)).at(-1)!;
+    const newest = newestSnap.step;
     expect(newest).toBeGreaterThanOrEqual(40);
+    // one file per rank and part: no rank sent another's state
+    const ranksSaved = new Set(newestSnap.files.map((f) => /^partition-(\d+)-\d+\.mtss$/.exec(f.name)?.[1]));
+    expect([...ranksSaved].sort()).toEqual(["0", "1"]);
     // the same job at stage 1 resumes from that snapshot and finishes
     await client.submit({ ...cfg, zero: 1 }, { membersWaitMs: 60_000 });
     const seen: Event[] = [];

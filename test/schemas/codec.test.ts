@@ -141,8 +141,13 @@ describe("round trips, from unaligned payloads", () => {
       parts: 3,
       generation: 1_795_000_000_000,
       lossScale: 1024,
+      slabRanges: false,
+      rank: 0,
     };
     expect(decodeShardState(unaligned(encodeShardState(state)), limit)).toEqual(state);
+    // a ZeRO rank's partition: slab ranges of rank 3
+    const partition = { ...state, slabRanges: true, rank: 3 };
+    expect(decodeShardState(unaligned(encodeShardState(partition)), limit)).toEqual(partition);
     const manifest = {
       formatVersion: 1,
       job: "j",

@@ -14,6 +14,9 @@ import { MemoryBus } from "../../services/runtime/bus.ts";
 import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
 import { buildModel } from "../../services/runtime/model.ts";
 import { Replica, type ReplicaStepResult } from "../../services/trainer/replica.ts";
+import { replicaFromPartitions } from "../../services/runtime/replica-parts.ts";
+import { CorruptDataError } from "../../services/runtime/errors.ts";
+import type { ShardState } from "../../schemas/messages.ts";
 import { imagePlan } from "../helpers/jobs.ts";
 import { tokenWindows } from "../helpers/windows.ts";
 
@@ -238,13 +241,13 @@ describe("ZeRO memory, read from the allocations", () => {
 });
 
 describe("ZeRO checkpoints", () => {
-  test("a snapshot of 4 ranks at stage 3 (each rank's partition of parameters and state read by rank 0) resumes on 2 ranks at stage 1, on 3 at stage 3 and on 1 at stage 0, on the same trajectory", async () => {
+  test("a snapshot of 4 ranks at stage 3 (each rank's partition of parameters and state, assembled) resumes on 2 ranks at stage 1, on 3 at stage 3 and on 1 at stage 0, on the same trajectory", async () => {
     const global = 48;
     const data = (n: number) => (s: number, r: number) => [images(s * global + r * (global / n), global / n)];
     const make = (n: number, zero: 0 | 1 | 2 | 3) => {
       const cfg = mlpConfig({ trainers: n, zero, optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 } });
       const bus = new MemoryBus();
-      const ranks: { ctx: Context; replica: Replica }[] = [];
+      const ranks: { ctx: Context; model: ReturnType<typeof buildModel>; replica: Replica }[] = [];
       for (let rank = 0; rank < n; rank++) {
         const ctx = new Context(new CpuBackend(), { seed: 7 + rank });
         const model = buildModel(ctx, cfg, imagePlan);
@@ -255,11 +258,10 @@ describe("ZeRO checkpoints", () => {
           rank,
           ctx,
           model,
-          payloadBytesMax: 256 << 10, // the partitions are read in several slices
+          payloadBytesMax: 256 << 10,
           progressTimeoutMs: 10_000,
-          fetchPartition: async (r, _step, offset, count) => ranks[r]!.replica.packedState(offset, count),
         });
-        ranks.push({ ctx, replica });
+        ranks.push({ ctx, model, replica });
       }
       const steps = async (from: number, to: number) => {
         const losses: number[] = [];
@@ -283,8 +285,31 @@ describe("ZeRO checkpoints", () => {
     try {
       const ref = await reference.steps(0, 8);
       await saved.steps(0, 3);
-      const first = await saved.ranks[0]!.replica.exportPart(3, 0, 200 << 10);
-      const parts = await Promise.all(Array.from({ length: first.parts! }, (_, p) => saved.ranks[0]!.replica.exportPart(3, p, 200 << 10)));
+      // every rank serves its own partition, in several parts; the checkpoint service's
+      // assembly turns them into the replica any number of ranks loads
+      const partitions: ShardState[] = [];
+      for (const x of saved.ranks) {
+        const head = await x.replica.exportPart(3, 0, 100 << 10);
+        expect(head.slabRanges).toBe(true);
+        for (let p = 0; p < head.parts!; p++) partitions.push(await x.replica.exportPart(3, p, 100 << 10));
+      }
+      expect(partitions.length).toBeGreaterThan(saved.ranks.length);
+      const store = saved.ranks[0]!.model.store;
+      const assemble = (ps: ShardState[]) =>
+        replicaFromPartitions(ps, {
+          job: "zero",
+          layout: saved.ranks[0]!.replica.layout,
+          slabNumel: store.slabNumel,
+          paramCount: store.paramCount,
+          ranks: 4,
+          partBytesMax: 200 << 10,
+        });
+      const parts = assemble(partitions);
+      const first = parts[0]!;
+      // a partition missing, one twice, or one of another step is refused
+      expect(() => assemble(partitions.slice(1))).toThrow(CorruptDataError);
+      expect(() => assemble([...partitions, partitions[0]!])).toThrow(/repeated/);
+      expect(() => assemble([...partitions.slice(1), { ...partitions[0]!, step: 4 }])).toThrow(/steps/);
       for (const run of resumed) {
         for (const x of run.ranks) {
           for (const p of parts) x.replica.stage({ ...p, generation: 5 });

@@ -97,8 +97,22 @@ lossScale():number {
   return offset ? this.bb!.readFloat32(this.bb_pos + offset) : 0.0;
 }
 
+/**
+ * ZeRO: the chunks are ranges of the parameter slab (`id` is the offset of the first element)
+ * that trainer `rank` owns, its partition, rather than chunks of the job's layout
+ */
+slabRanges():boolean {
+  const offset = this.bb!.__offset(this.bb_pos, 24);
+  return offset ? !!this.bb!.readInt8(this.bb_pos + offset) : false;
+}
+
+rank():number {
+  const offset = this.bb!.__offset(this.bb_pos, 26);
+  return offset ? this.bb!.readUint32(this.bb_pos + offset) : 0;
+}
+
 static startShardState(builder:flatbuffers.Builder) {
-  builder.startObject(10);
+  builder.startObject(12);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -153,6 +167,14 @@ static addLossScale(builder:flatbuffers.Builder, lossScale:number) {
   builder.addFieldFloat32(9, lossScale, 0.0);
 }
 
+static addSlabRanges(builder:flatbuffers.Builder, slabRanges:boolean) {
+  builder.addFieldInt8(10, +slabRanges, +false);
+}
+
+static addRank(builder:flatbuffers.Builder, rank:number) {
+  builder.addFieldInt32(11, rank, 0);
+}
+
 static endShardState(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -166,7 +188,7 @@ static finishSizePrefixedShardStateBuffer(builder:flatbuffers.Builder, offset:fl
   builder.finish(offset, 'MTSS', true);
 }
 
-static createShardState(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, shard:number, updates:bigint, optimizerSteps:bigint, chunksOffset:flatbuffers.Offset, step:bigint, parts:number, generation:bigint, lossScale:number):flatbuffers.Offset {
+static createShardState(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, shard:number, updates:bigint, optimizerSteps:bigint, chunksOffset:flatbuffers.Offset, step:bigint, parts:number, generation:bigint, lossScale:number, slabRanges:boolean, rank:number):flatbuffers.Offset {
   ShardState.startShardState(builder);
   ShardState.addSchemaVersion(builder, schemaVersion);
   ShardState.addJob(builder, jobOffset);
@@ -178,6 +200,8 @@ static createShardState(builder:flatbuffers.Builder, schemaVersion:number, jobOf
   ShardState.addParts(builder, parts);
   ShardState.addGeneration(builder, generation);
   ShardState.addLossScale(builder, lossScale);
+  ShardState.addSlabRanges(builder, slabRanges);
+  ShardState.addRank(builder, rank);
   return ShardState.endShardState(builder);
 }
 }
