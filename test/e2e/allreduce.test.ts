@@ -132,11 +132,21 @@ describe("all-reduce mode on the mesh", () => {
     expect(seen.filter((e) => e.kind === EventKind.Restore).map((e) => e.step)).toEqual([newest]);
   }, 180_000);
 
-  test("a ZeRO-2 snapshot of 4 trainers resumes on 2 and on 3 (the same global batch) and continues on the 4-trainer run's loss trajectory", async () => {
+  test("ZeRO 3 on the mesh: a snapshot of 4 trainers resumes on 2 (stage 3) and on 3 (stage 1) with the same global batch and continues on the 4-trainer stage-2 run's loss trajectory", async () => {
     await using mesh = await startMesh("mt-ar-regroup-", { trainers: 4 });
     await using client = await MeshClient.connect(mesh.url);
     const adamw = { kind: "adamw" as const, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
-    const base = { zero: 2 as const, trainers: 4, batchSize: 48, maxSteps: 60, checkpointEvery: 20, optimizer: adamw, lr: 2e-3, replicaCheckEvery: 20 };
+    const base = {
+      zero: 2 as 0 | 1 | 2 | 3,
+      trainers: 4,
+      batchSize: 48,
+      maxSteps: 60,
+      checkpointEvery: 20,
+      evalEvery: 30,
+      optimizer: adamw,
+      lr: 2e-3,
+      replicaCheckEvery: 20,
+    };
     /** per step: the loss over every rank's samples, after the last restore */
     const globalLoss = (events: Event[]) => {
       const at = new Map<number, { sum: number; n: number }>();
@@ -155,11 +165,13 @@ describe("all-reduce mode on the mesh", () => {
     await client.submit(ref, { membersWaitMs: 60_000 });
     await watchJob(client, ref.job, { quiet: true, onEvent: (e) => reference.push(e) });
     const refLoss = globalLoss(reference);
-    for (const [trainers, batchSize] of [
-      [2, 96],
-      [3, 64],
+    // saved at stage 3 (each rank's parameters and state in its own files), resumed at stage 3 on
+    // 2 ranks and at stage 1 on 3
+    for (const [trainers, batchSize, zero] of [
+      [2, 96, 3],
+      [3, 64, 1],
     ] as const) {
-      const cfg = config({ job: `ar-regroup-${trainers}`, ...base });
+      const cfg = config({ job: `ar-regroup-${trainers}`, ...base, zero: 3 });
       await client.submit(cfg, { membersWaitMs: 60_000 });
       let cancelled: Promise<unknown> | null = null;
       await watchJob(client, cfg.job, {
@@ -173,7 +185,7 @@ describe("all-reduce mode on the mesh", () => {
       expect(newest).toBeGreaterThanOrEqual(20);
       expect(newest).toBeLessThan(60);
       const seen: Event[] = [];
-      await client.submit({ ...cfg, trainers, batchSize }, { membersWaitMs: 60_000 });
+      await client.submit({ ...cfg, trainers, batchSize, zero }, { membersWaitMs: 60_000 });
       const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
       expect(r.record.state).toBe(JobState.Done);
       expect(seen.filter((e) => e.kind === EventKind.Restore).map((e) => e.step)).toEqual([newest]);
