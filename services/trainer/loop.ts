@@ -177,7 +177,7 @@ export class TrainerRun {
     const store = this.#model.store;
     checkPlanLayout(o.plan, store.slabNumel, store.decayRange.numel);
     const layout = planLayout(o.cfg, o.plan);
-    this.#ps = usesShards(o.cfg) ? new PsClient(o.bus, layout, o.rank, o.payloadBytesMax, parseCompression(o.cfg.compress)) : null;
+    this.#ps = usesShards(o.cfg) ? new PsClient(o.bus, layout, o.rank, o.payloadBytesMax, parseCompression(o.cfg.compress), o.cfg.warmupSteps) : null;
     this.#replica = usesShards(o.cfg)
       ? null
       : new Replica({

@@ -30,6 +30,8 @@ export class PsClient {
     readonly trainer: number,
     readonly payloadBytesMax: number,
     compression: Compression = { kind: "none" },
+    /** the learning rate's warm-up steps (top-k's fraction warms up with it) */
+    readonly warmupSteps = 0,
   ) {
     this.#groups = layout.byShard.map((ids) => packByBytes(ids, (id) => layout.chunks[id]!.count * 4, payloadBytesMax));
     const codec: Codec = chunkCodec(compression, layout.chunkElems);
@@ -74,6 +76,7 @@ export class PsClient {
    */
   async push(step: number, grads: Float32Array): Promise<PushReply> {
     const job = this.layout.job;
+    this.#feedback?.codec.atStep(step, this.warmupSteps);
     const replies = await Promise.all(
       this.#groups.flatMap((groups, shard) =>
         groups.map(async (ids) => {

@@ -381,6 +381,7 @@ export class Replica {
   async step(step: number, micro: readonly HostBatch[], rows: number, totalRows: number, lr: number): Promise<ReplicaStepResult> {
     const { ctx, model, backend, cfg } = this.#o;
     const store = model.store;
+    this.codec.atStep(step, cfg.warmupSteps);
     if (this.zero > 0) return this.#stepZero(step, micro, rows, totalRows, lr);
     const buckets = this.#plan();
     const t0 = performance.now();
@@ -764,6 +765,8 @@ export class Replica {
   async #compressedAllReduce(b: Bucket, key: { step: number; bucket: number }): Promise<void> {
     const codec = this.codec;
     const width = codec.slotBytes(b.numel);
+    // top-k's slots follow its warm-up (the same width on every rank at a step)
+    if (b.gathered!.byteLength !== this.#o.cfg.trainers * width) b.gathered = new Float32Array((this.#o.cfg.trainers * width) / 4);
     const all = b.gathered!;
     const slotOf = (r: number) => new Uint8Array(all.buffer, all.byteOffset + r * width, width);
     b.feedback!.encode(b.buf, slotOf(this.#o.rank));

@@ -218,6 +218,21 @@ describe("error feedback", () => {
     expect(ef.residual[0]).toBe(r0 / 2);
   });
 
+  test("top-k warms up with the learning rate: dense at step 0, f^(step/warmup) in between, f from the warm-up's end", () => {
+    const codec = new Codec({ kind: "topk", fraction: 0.01 });
+    const at = (step: number) => {
+      codec.atStep(step, 100);
+      return codec.keep(10_000);
+    };
+    expect(at(0)).toBe(10_000);
+    expect(at(50)).toBe(1000); // 0.01^0.5
+    expect(at(100)).toBe(100);
+    expect(at(5000)).toBe(100);
+    codec.atStep(3, 0);
+    expect(codec.keep(10_000)).toBe(100);
+    expect(codec.slotBytes(10_000)).toBe(800);
+  });
+
   test("density counts the entries a summed top-k bucket holds", () => {
     expect(density(new Float32Array([0, 1, 0, 2]))).toBe(0.5);
     expect(density(new Float32Array(0))).toBe(0);
