@@ -40,7 +40,7 @@ import { LocalMesh } from "../sdk/launcher.ts";
 import { watchJob } from "../sdk/watch.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { printTable, round } from "./table.ts";
-import { Codec, parseCompression } from "../engine/parallel/compress.ts";
+import { Codec, type Compression, parseCompression } from "../engine/parallel/compress.ts";
 
 export interface TrainerBenchResult {
   model: string;
@@ -202,7 +202,7 @@ async function benchModel(
       compress: c.compress,
       wire_kb: round(r.wireBytesPerStep / 1024, 1),
       wire_ratio: f32Wire(c) > 0 ? round(r.wireBytesPerStep / f32Wire(c), 3) : 0,
-      wire_theory: round(wireTheory(c, params), 3),
+      wire_theory: round(wireTheory(c, params, r.record.totalSteps), 3),
       quality: round(c.model.kind === "gpt" ? r.record.loss : r.record.accuracy, 4),
     };
   });
@@ -234,15 +234,24 @@ async function benchModel(
  * All-reduce: every rank's encoding all-gathered, (N-1) slots, against the f32 ring's 2(N-1)/N x 4n
  * (one bucket per 25 MB: these models fit one).
  */
-export function wireTheory(c: JobConfig, n: number): number {
+export function wireTheory(c: JobConfig, n: number, steps: number): number {
   const comp = parseCompression(c.compress);
   if (comp.kind === "none") return 1;
+  // the mean over the run's steps (top-k is denser over the learning rate's warm-up)
+  let sum = 0;
+  for (let s = 0; s < steps; s++) sum += wireAt(c, comp, n, s);
+  return sum / Math.max(steps, 1);
+}
+
+function wireAt(c: JobConfig, comp: Compression, n: number, step: number): number {
   if (c.sync === "allreduce") {
     const codec = new Codec(comp);
+    codec.atStep(step, c.warmupSteps);
     return ((c.trainers - 1) * codec.slotBytes(n)) / (((2 * (c.trainers - 1)) / c.trainers) * 4 * n);
   }
   const chunk = c.chunkBytes / 4;
   const codec = new Codec(comp, chunk);
+  codec.atStep(step, c.warmupSteps);
   let push = 0;
   for (let at = 0; at < n; at += chunk) {
     const m = Math.min(chunk, n - at);
