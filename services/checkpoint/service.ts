@@ -71,13 +71,14 @@ interface JobEntry {
    */
   lastRestore: { manifest: Manifest; opened: Set<number> } | null;
   /**
-   * all-reduce mode: the job had no snapshot when it was opened (a new job), and the ranks that
-   * have asked since. A rank's first ask in a new job starts it from the seed, even when rank 0
-   * has meanwhile snapshotted step 0 (no rank passes step 0 without every rank): restoring then
-   * would rewind the ranks that started for nothing.
+   * The job had no snapshot when it was opened (a new job), and the trainer ranks and shards
+   * that have asked since ("trainer 1", "shard 0"). A first ask in a new job starts the asker
+   * from the seed, even when rank 0 has meanwhile snapshotted step 0 (no rank passes step 0
+   * without every rank and shard): restoring then would rewind the others for nothing. A second
+   * ask is a restarted process, and restores.
    */
   fresh: boolean;
-  firstAsks: Set<number>;
+  firstAsks: Set<string>;
 }
 
 const shardFile = (k: number) => `ps-${k}.mtss`;
@@ -266,13 +267,18 @@ export class CheckpointService {
     // the shards of a resumed job each ask when they open it: one restore loads them all, and
     // the others find their shard loaded already (restoring again would rewind the trainers)
     const opened = shardOfOpenedTag(tag);
+    // a new job: a shard's first ask finds the snapshot of step 0 at most, which it holds already
+    if (opened !== null && e.fresh && !e.firstAsks.has(`shard ${opened}`)) {
+      e.firstAsks.add(`shard ${opened}`);
+      throw new NotReadyError(`job ${cfg.job} is new: shard ${opened} starts from the seed's initialization`);
+    }
     if (opened !== null && opened < cfg.shards && !(await this.#holdsNothing(cfg, opened))) {
       throw new NotReadyError(`shard ${opened} of job ${cfg.job} holds state already (an earlier restore loaded it, or it trained): nothing to restore`);
     }
     const rank = usesShards(cfg) ? null : trainerOfOpenedTag(tag);
     const last = e.lastRestore;
-    if (rank !== null && e.fresh && last === null && !e.firstAsks.has(rank)) {
-      e.firstAsks.add(rank);
+    if (rank !== null && e.fresh && last === null && !e.firstAsks.has(`trainer ${rank}`)) {
+      e.firstAsks.add(`trainer ${rank}`);
       throw new NotReadyError(`job ${cfg.job} is new: trainer ${rank} starts from the seed's initialization`);
     }
     if (rank !== null && last !== null && !last.opened.has(rank)) {

@@ -23,6 +23,9 @@ import type { Logger } from "../runtime/log.ts";
 import { initialParameters } from "../runtime/model.ts";
 import { checkPlanLayout, planLayout, planOfSpec } from "../runtime/plan.ts";
 import { jobsMaxDefault, normWaitMs } from "./limits.ts";
+
+/** Asks for a restore while the checkpoint service has not opened the job yet (about 30 s). */
+const restoreAsksMax = 40;
 import { ParameterShard } from "./shard.ts";
 
 interface JobEntry {
@@ -199,12 +202,18 @@ export class ParameterServer {
    * resubmitted to resume): its fresh parameters would disagree with the other shards, so it
    * asks the checkpoint service to restore the whole job. A new job has no snapshot yet.
    */
-  #restoreIfResumed(job: string): void {
+  #restoreIfResumed(job: string, attempt = 1): void {
     const req = encodeJobRequest({ job, step: 0, tag: shardOpenedTag(this.shardIndex) });
     this.bus.request(subjects.ckptRestore(job), req, 120_000).then(
       () => this.log?.warn({ job }, "job restored from its last snapshot after this shard opened it"),
       (e: unknown) => {
         if (e instanceof NotReadyError) return; // no snapshot: a new job
+        // every service opens the job when its spec appears, in no set order: the checkpoint
+        // service may not have yet (a resumed job must still be restored once it has)
+        if (e instanceof UnknownJobError && attempt < restoreAsksMax && this.#jobs.has(job)) {
+          setTimeout(() => this.#restoreIfResumed(job, attempt + 1), Math.min(100 * attempt, 1000));
+          return;
+        }
         this.log?.warn({ job, err: (e as Error).message }, "no restore after opening the job");
       },
     );
