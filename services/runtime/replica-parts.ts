@@ -23,6 +23,20 @@ export interface ReplicaMeta {
   lossScale: number;
 }
 
+/** Part p of `parts`: everything but its chunks. */
+function partHeader(meta: ReplicaMeta, p: number, parts: number): Omit<ShardState, "chunks"> {
+  return {
+    job: meta.job,
+    shard: p,
+    parts,
+    updates: meta.optimizerSteps,
+    optimizerSteps: meta.optimizerSteps,
+    step: meta.step,
+    generation: 0,
+    lossScale: meta.lossScale,
+  };
+}
+
 /** The replica (values and state vectors in the slab's layout) cut along the layout's chunks into parts under partBytesMax. */
 export function cutReplica(
   meta: ReplicaMeta,
@@ -45,14 +59,7 @@ export function cutReplica(
     bytes += need;
   }
   return groups.map((chunks, p) => ({
-    job: meta.job,
-    shard: p,
-    parts: groups.length,
-    updates: meta.optimizerSteps,
-    optimizerSteps: meta.optimizerSteps,
-    step: meta.step,
-    generation: 0,
-    lossScale: meta.lossScale,
+    ...partHeader(meta, p, groups.length),
     chunks: chunks.map((c) => ({
       id: c.id,
       version: meta.optimizerSteps,
@@ -91,14 +98,7 @@ export function cutPartition(
     }
   }
   return groups.map((pieces, p) => ({
-    job: meta.job,
-    shard: p,
-    parts: groups.length,
-    updates: meta.optimizerSteps,
-    optimizerSteps: meta.optimizerSteps,
-    step: meta.step,
-    generation: 0,
-    lossScale: meta.lossScale,
+    ...partHeader(meta, p, groups.length),
     slabRanges: true,
     rank: meta.rank,
     chunks: pieces.map((x) => {
