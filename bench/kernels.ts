@@ -73,7 +73,7 @@ function cases(be: Backend, n: number, buf: (elems: number) => Ptr, ints: (count
       run: () => be.stridedCopy(y, [12 * T * 64, T * 64, 64, 1], x, [T * C, 64, C, 1], [NC / (T * C), 12, T, 64], false),
     },
     { name: "sgdStep (momentum)", bytes: 5 * n * f, run: () => be.sgdStep(x, y, z, n, 1e-3, 0.9, 0, 0, false, false) },
-    { name: "adamwStep", bytes: 7 * n * f, run: () => be.adamwStep(x, y, z, w, n, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.5, 0.5) },
+    { name: "adamwStep", bytes: 7 * n * f, run: () => be.adamwStep(x, y, z, w, 0, n, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.5, 0.5) },
     { name: "sumSquares", bytes: n * f, run: () => be.sumSquares(x, n) },
     { name: "castF32ToBF16", bytes: (n / 2) * (4 + 2), run: () => be.castF32ToBF16(half, x, n / 2) },
     { name: "castF32ToF16", bytes: (n / 2) * (4 + 2), run: () => be.castF32ToF16(half, x, n / 2) },

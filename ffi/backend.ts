@@ -186,6 +186,8 @@ export interface Backend {
     grad: Ptr,
     m: Ptr,
     v: Ptr,
+    /** 0, or the steps since each coordinate last had a gradient (sparse gradients: ffi/numerics.h) */
+    age: Ptr,
     n: number,
     lr: number,
     beta1: number,

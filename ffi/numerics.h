@@ -107,15 +107,37 @@ MT_FN void mt_sgd_update(float* param, const float* grad, float* mom, int64_t i,
 
 // AdamW with decoupled weight decay: decay = 1 - lr wd, inv_bc1 = 1 / (1 - beta1^t),
 // inv_sqrt_bc2 = 1 / sqrt(1 - beta2^t), computed once per step by the caller.
-MT_FN void mt_adamw_update(float* param, const float* grad, float* m, float* v, int64_t i, float lr, float beta1,
-                           float beta2, float eps, float decay, float inv_bc1, float inv_sqrt_bc2) {
-  const float g = grad[i];
-  const float mi = beta1 * m[i] + (1.0f - beta1) * g;
-  const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+//
+// age (may be null): for a gradient that skips coordinates, as top-k compression's does (a
+// coordinate left at 0 has its gradient waiting in the senders' error-feedback residuals). age[i]
+// counts the steps since coordinate i last had a gradient. A 0 gradient only decays the parameter
+// and counts the step; a gradient g that arrives after tau = age + 1 steps is tau steps' worth,
+// taken as tau steps of g / tau: the moments move by beta^tau, and the parameter moves tau steps.
+// (Plain AdamW would move such a coordinate by about sqrt(tau) steps in tau: it normalizes the
+// burst by its own size.) With a gradient every step (tau = 1) this is AdamW, bit for bit.
+MT_FN void mt_adamw_update(float* param, const float* grad, float* m, float* v, float* age, int64_t i, float lr,
+                           float beta1, float beta2, float eps, float decay, float inv_bc1, float inv_sqrt_bc2) {
+  float g = grad[i], b1 = beta1, b2 = beta2, steps = 1.0f;
+  if (age != 0) {
+    if (g == 0.0f) {
+      age[i] += 1.0f;
+      param[i] *= decay;
+      return;
+    }
+    steps = age[i] + 1.0f;
+    age[i] = 0.0f;
+    if (steps != 1.0f) {
+      g /= steps;
+      b1 = powf(beta1, steps);
+      b2 = powf(beta2, steps);
+    }
+  }
+  const float mi = b1 * m[i] + (1.0f - b1) * g;
+  const float vi = b2 * v[i] + (1.0f - b2) * g * g;
   m[i] = mi;
   v[i] = vi;
   // PyTorch: p -= lr * (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)
-  param[i] = param[i] * decay - lr * (mi * inv_bc1) / (sqrtf(vi) * inv_sqrt_bc2 + eps);
+  param[i] = param[i] * decay - steps * lr * (mi * inv_bc1) / (sqrtf(vi) * inv_sqrt_bc2 + eps);
 }
 
 #endif

@@ -3,6 +3,11 @@
 //   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
 //   p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 // Weight decay applies to the parameters that declared decay (matrices and embeddings).
+//
+// sparse: the gradients skip coordinates (top-k compression, engine/parallel/compress.ts). A
+// third state, age, counts each coordinate's steps since its last gradient, and a gradient that
+// arrives after tau steps is taken as tau steps of its mean (ffi/numerics.h, mt_adamw_update).
+// With a gradient in every coordinate at every step this is AdamW, bit for bit.
 import type { Allocation } from "../../ffi/backend.ts";
 import { ConfigError } from "../errors.ts";
 import type { ParamStore } from "../params.ts";
@@ -14,6 +19,8 @@ export interface AdamWConfig {
   beta2: number;
   eps: number;
   weightDecay: number;
+  /** the gradients skip coordinates (top-k): keep an age per coordinate and catch up */
+  sparse?: boolean;
 }
 
 export const adamwDefaults: AdamWConfig = { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
@@ -23,6 +30,7 @@ export class AdamW implements Optimizer {
   #steps = 0;
   readonly #m: Allocation;
   readonly #v: Allocation;
+  readonly #age: Allocation | null;
 
   constructor(
     readonly ctx: Context,
@@ -38,6 +46,7 @@ export class AdamW implements Optimizer {
     if (!(weightDecay >= 0)) throw new ConfigError(`adamw weightDecay must be >= 0, got ${weightDecay}`);
     this.#m = allocStateSlab(ctx, plan);
     this.#v = allocStateSlab(ctx, plan);
+    this.#age = config.sparse ? allocStateSlab(ctx, plan) : null;
   }
 
   get stepCount(): number {
@@ -52,16 +61,27 @@ export class AdamW implements Optimizer {
     const bc2 = 1 - beta2 ** t;
     for (const g of updateGroups(this.store, this.plan, weightDecay)) {
       const o = g.stateOffsetBytes;
-      be.adamwStep(g.param, g.grad, this.#m.ptr + o, this.#v.ptr + o, g.numel, lr, beta1, beta2, eps, g.weightDecay, bc1, bc2);
+      be.adamwStep(
+        g.param,
+        g.grad,
+        this.#m.ptr + o,
+        this.#v.ptr + o,
+        this.#age ? this.#age.ptr + o : 0,
+        g.numel,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        g.weightDecay,
+        bc1,
+        bc2,
+      );
     }
     this.#steps = t;
   }
 
   stateSlabs() {
-    return [
-      { name: "m", allocation: this.#m },
-      { name: "v", allocation: this.#v },
-    ];
+    return [{ name: "m", allocation: this.#m }, { name: "v", allocation: this.#v }, ...(this.#age ? [{ name: "age", allocation: this.#age }] : [])];
   }
 
   setStepCount(n: number): void {

@@ -200,6 +200,16 @@ export class Codec {
     }
   }
 
+  /** topk: the keep(x.length) entries of x largest in magnitude, indices ascending. */
+  selectTopK(x: Float32Array): { idx: Uint32Array; values: Float32Array } {
+    if (this.kind !== "topk") throw new RangeError(`selectTopK on a ${this.kind} codec`);
+    const k = x.length === 0 ? 0 : this.keep(x.length);
+    const idx = new Uint32Array(k),
+      values = new Float32Array(k);
+    if (k > 0) this.#k.topK(idx, values, x, this.#scratchOf(x.length));
+    return { idx, values };
+  }
+
   #checkSlot(n: number, slot: Uint8Array): void {
     if (slot.byteLength !== this.slotBytes(n) || slot.byteOffset % 4 !== 0)
       throw new RangeError(
@@ -258,6 +268,21 @@ export class ErrorFeedback {
     const sent = this.#sent.subarray(0, n);
     codec.decode(slot, sent, false);
     this.#k.residual(this.residual.subarray(at, at + n), x, sent);
+  }
+
+  /**
+   * topk over the whole vector at once (a parameter-server push: the budget goes where the
+   * gradient is largest, not an equal share to every chunk). Adds the residual into x (in place),
+   * picks the top entries, and keeps everything else as the residual; as with encode, a value
+   * that is not finite leaves a residual of 0.
+   */
+  selectTopK(x: Float32Array): { idx: Uint32Array; values: Float32Array } {
+    const r = this.residual;
+    if (x.length !== r.length) throw new RangeError(`top-k error feedback over ${x.length} values of ${r.length}`);
+    const picked = this.codec.selectTopK(this.#compensate(x, 0));
+    for (let i = 0; i < x.length; i++) r[i] = Number.isFinite(x[i]!) ? x[i]! : 0;
+    for (const i of picked.idx) r[i] = 0;
+    return picked;
   }
 
   #compensate(x: Float32Array, at: number): Float32Array {

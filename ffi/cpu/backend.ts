@@ -111,7 +111,7 @@ function loadLibraries() {
       returns: "void",
     },
     mt_adamw_step_f32: {
-      args: ["ptr", "ptr", "ptr", "ptr", "i64", "f32", "f32", "f32", "f32", "f32", "f32", "f32"],
+      args: ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "f32", "f32", "f32", "f32", "f32", "f32", "f32"],
       returns: "void",
     },
     mt_f32_to_bf16: { args: ["ptr", "ptr", "i64"], returns: "void" },
@@ -479,6 +479,7 @@ export class CpuBackend implements Backend {
     grad: Ptr,
     m: Ptr,
     v: Ptr,
+    age: Ptr,
     n: number,
     lr: number,
     beta1: number,
@@ -488,7 +489,7 @@ export class CpuBackend implements Backend {
     biasCorrection1: number,
     biasCorrection2: number,
   ): void {
-    this.#lib.k.symbols.mt_adamw_step_f32(p(param), p(grad), p(m), p(v), n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2);
+    this.#lib.k.symbols.mt_adamw_step_f32(p(param), p(grad), p(m), p(v), p(age), n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2);
   }
 
   castF32ToBF16(out: Ptr, inp: Ptr, n: number): void {

@@ -371,6 +371,7 @@ export class CudaBackend implements Backend {
     grad: Ptr,
     m: Ptr,
     v: Ptr,
+    age: Ptr,
     n: number,
     lr: number,
     beta1: number,
@@ -380,7 +381,7 @@ export class CudaBackend implements Backend {
     biasCorrection1: number,
     biasCorrection2: number,
   ): void {
-    this.#run(plans.adamwStep(param, grad, m, v, n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2));
+    this.#run(plans.adamwStep(param, grad, m, v, age, n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2));
   }
 
   castF32ToBF16(out: Ptr, inp: Ptr, n: number): void {

@@ -91,7 +91,7 @@ export const kernelSpecs = {
   },
   mt_adamw_step_f32: {
     module: "optim",
-    params: ["ptr", "ptr", "ptr", "ptr", "i64", "f32", "f32", "f32", "f32", "f32", "f32", "f32"],
+    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "f32", "f32", "f32", "f32", "f32", "f32", "f32"],
   },
   // casts.cu
   mt_f32_to_bf16: { module: "casts", params: unary },
@@ -509,6 +509,7 @@ export const plans = {
     grad: Ptr,
     m: Ptr,
     v: Ptr,
+    age: Ptr,
     n: number,
     lr: number,
     beta1: number,
@@ -518,7 +519,7 @@ export const plans = {
     biasCorrection1: number,
     biasCorrection2: number,
   ): Launch[] {
-    return elementwise("mt_adamw_step_f32", n, [param, grad, m, v, n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2]);
+    return elementwise("mt_adamw_step_f32", n, [param, grad, m, v, age, n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2]);
   },
 
   // ---- casts ----

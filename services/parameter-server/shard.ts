@@ -117,7 +117,8 @@ export class ParameterShard {
     this.#params = this.#be.alloc(bytes);
     this.#grads = this.#be.alloc(bytes);
     this.#be.zero(this.#grads.ptr, bytes);
-    const names = o.config.optimizer.kind === "sgd" ? ["momentum"] : ["m", "v"];
+    // top-k pushes skip coordinates: AdamW keeps each one's age (engine/optim/adamw.ts)
+    const names = o.config.optimizer.kind === "sgd" ? ["momentum"] : ["m", "v", ...(parseCompression(o.config.compress).kind === "topk" ? ["age"] : [])];
     this.#state = names.map((name) => {
       const alloc = this.#be.alloc(bytes);
       this.#be.zero(alloc.ptr, bytes);
@@ -373,7 +374,8 @@ export class ParameterShard {
       } else {
         const t = slot.version + 1;
         const s1 = this.#ptr(this.#state[1]!.alloc, slot);
-        be.adamwStep(p + off, g + off, s0 + off, s1 + off, seg.n, lr, o.beta1, o.beta2, o.eps, seg.wd, 1 - o.beta1 ** t, 1 - o.beta2 ** t);
+        const age = this.#state[2] ? this.#ptr(this.#state[2].alloc, slot) + off : 0;
+        be.adamwStep(p + off, g + off, s0 + off, s1 + off, age, seg.n, lr, o.beta1, o.beta2, o.eps, seg.wd, 1 - o.beta1 ** t, 1 - o.beta2 ** t);
       }
     }
   }

@@ -62,6 +62,33 @@ export function encodeChunk(ef: ErrorFeedback, id: number, x: Float32Array, at: 
   }
 }
 
+/** The first position of the ascending `idx` whose index is >= at. */
+function lowerBound(idx: Uint32Array, at: number): number {
+  let lo = 0,
+    hi = idx.length;
+  while (lo < hi) {
+    const mid = (lo + hi) >>> 1;
+    if (idx[mid]! < at) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+/**
+ * The TopK chunk `id` (elements [at, at + count) of the vector) of a selection over the whole
+ * vector (ErrorFeedback.selectTopK): its entries, however many fall in the chunk (0 included).
+ */
+export function topKChunk(sel: { idx: Uint32Array; values: Float32Array }, id: number, at: number, count: number): Chunk {
+  const lo = lowerBound(sel.idx, at),
+    hi = lowerBound(sel.idx, at + count);
+  const nnz = hi - lo;
+  const data = new Uint8Array(8 * nnz);
+  const idx = new Uint32Array(data.buffer, 0, nnz);
+  for (let j = 0; j < nnz; j++) idx[j] = sel.idx[lo + j]! - at;
+  new Float32Array(data.buffer, 4 * nnz, nnz).set(sel.values.subarray(lo, hi));
+  return { id, version: 0, dtype: DType.TopK, scale: 1, count, data, nnz };
+}
+
 /** Dense f16/bf16 data as a Uint16Array (copied when the payload is not 2-byte aligned). */
 const u16Of = (data: Uint8Array, n: number): Uint16Array =>
   data.byteOffset % 2 === 0 ? new Uint16Array(data.buffer, data.byteOffset, n) : new Uint16Array(data.slice().buffer, 0, n);

@@ -205,7 +205,12 @@ export class Replica {
     this.optimizer =
       opt.kind === "sgd"
         ? new Sgd(optCtx, optStore, { momentum: opt.momentum, dampening: 0, nesterov: opt.nesterov, weightDecay: opt.weightDecay }, plan)
-        : new AdamW(optCtx, optStore, { beta1: opt.beta1, beta2: opt.beta2, eps: opt.eps, weightDecay: opt.weightDecay }, plan);
+        : new AdamW(
+            optCtx,
+            optStore,
+            { beta1: opt.beta1, beta2: opt.beta2, eps: opt.eps, weightDecay: opt.weightDecay, sparse: this.codec.kind === "topk" },
+            plan,
+          );
     this.scaler = ctx.precision === "f16" ? new LossScaler() : null;
     this.layout = buildLayout(cfg.job, store.slabNumel, store.decayRange.numel, cfg.chunkBytes, 1);
   }

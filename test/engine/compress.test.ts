@@ -6,6 +6,7 @@ import { describe, expect, test } from "bun:test";
 import { ConfigError } from "../../engine/errors.ts";
 import { Codec, type Compression, CompressionError, density, ErrorFeedback, parseCompression } from "../../engine/parallel/compress.ts";
 import { Rng } from "../../engine/rng.ts";
+import { decodeChunk, topKChunk } from "../../services/runtime/chunk-codec.ts";
 
 /** Gradient-like values: normal, with a few large outliers and exact zeros. */
 function gradients(rng: Rng, n: number, scale = 1e-3): Float32Array {
@@ -205,6 +206,35 @@ describe("error feedback", () => {
       expect(worst).toBeLessThan(30 * 2 ** -24 * 0.1);
     });
   }
+
+  test("top-k over the whole vector, cut into chunks (parameter-server pushes): sent + residual = x exactly, and the chunks hold every pick", () => {
+    const n = 5003,
+      chunk = 700;
+    const codec = new Codec({ kind: "topk", fraction: 0.01 });
+    const ef = new ErrorFeedback(codec, n);
+    const rng = new Rng(9);
+    for (let step = 0; step < 10; step++) {
+      // one chunk's gradients 100x the others': the picks go there, not 1% to every chunk
+      const g = gradients(rng, n);
+      for (let i = 1400; i < 2100; i++) g[i]! *= 100;
+      const x = g.slice();
+      const sel = ef.selectTopK(x);
+      expect(sel.idx.length).toBe(codec.keep(n));
+      const sent = new Float32Array(n);
+      let nnz = 0;
+      for (let at = 0; at < n; at += chunk) {
+        const count = Math.min(chunk, n - at);
+        const c = topKChunk(sel, at / chunk, at, count);
+        nnz += c.nnz!;
+        decodeChunk(c, sent.subarray(at, at + count));
+        if (step === 0 && at !== 1400) expect(c.nnz).toBe(0);
+      }
+      expect(nnz).toBe(sel.idx.length);
+      for (let i = 0; i < n; i++) expect(sent[i]! + ef.residual[i]!).toBe(x[i]!);
+    }
+    expect(() => ef.selectTopK(new Float32Array(n - 1))).toThrow(RangeError);
+    expect(() => new Codec({ kind: "int8" }).selectTopK(new Float32Array(4))).toThrow(RangeError);
+  });
 
   test("a step that overflows leaves no poisoned residual, and the residual follows the loss scale", () => {
     const codec = new Codec({ kind: "bf16" });

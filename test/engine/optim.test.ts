@@ -152,6 +152,96 @@ describe("AdamW (torch.optim.AdamW rules)", () => {
   });
 });
 
+describe("AdamW for sparse (top-k) gradients: a gradient after tau steps counts as tau steps of its mean", () => {
+  const [b1, b2, eps, wd, lr] = [0.9, 0.99, 1e-8, 0.1, 0.01];
+
+  test("with a gradient in every coordinate at every step it is AdamW, bit for bit", () => {
+    const ctx = newContext();
+    const a = tinyStore(ctx),
+      s = tinyStore(ctx);
+    const plain = new AdamW(ctx, a.store, { beta1: b1, beta2: b2, eps, weightDecay: wd });
+    const sparse = new AdamW(ctx, s.store, { beta1: b1, beta2: b2, eps, weightDecay: wd, sparse: true });
+    expect(sparse.stateSlabs().map((x) => x.name)).toEqual(["m", "v", "age"]);
+    for (const g of grads) {
+      a.setGrads(g.w, g.b);
+      s.setGrads(g.w, g.b);
+      plain.step(lr);
+      sparse.step(lr);
+      expect(s.store.readValues()).toEqual(a.store.readValues());
+    }
+  });
+
+  test("against a float64 reference: a zero decays and waits; g after tau steps moves the moments by beta^tau and the parameter tau steps", () => {
+    const ctx = newContext();
+    const { store, setGrads, values } = tinyStore(ctx);
+    const opt = new AdamW(ctx, store, { beta1: b1, beta2: b2, eps, weightDecay: wd, sparse: true });
+    // w[0] every step, w[1] after 3 steps, w[2] never; b[0] at steps 1 and 4, b[1] at step 4
+    const seq = [
+      { w: [0.1, 0, 0], b: [1, 0] },
+      { w: [-0.4, 0, 0], b: [0, 0] },
+      { w: [0.7, 0.9, 0], b: [0, 0] },
+      { w: [0.2, 0, 0], b: [-2, 0.6] },
+    ];
+    const ref = {
+      p: [1, -2, 3, 0.5, -0.5],
+      m: [0, 0, 0, 0, 0],
+      v: [0, 0, 0, 0, 0],
+      age: [0, 0, 0, 0, 0],
+    };
+    const decays = [true, true, true, false, false];
+    seq.forEach((g, i) => {
+      const t = i + 1;
+      setGrads(g.w, g.b);
+      opt.step(lr);
+      const bc1 = 1 - b1 ** t,
+        bc2 = 1 - b2 ** t;
+      [...g.w, ...g.b].forEach((gk, k) => {
+        if (decays[k]) ref.p[k]! *= 1 - lr * wd;
+        if (gk === 0) {
+          ref.age[k]!++;
+          return;
+        }
+        const tau = ref.age[k]! + 1;
+        ref.age[k] = 0;
+        // tau steps of the mean gradient gk / tau, by the recursion itself
+        for (let j = 0; j < tau; j++) {
+          ref.m[k] = b1 * ref.m[k]! + (1 - b1) * (gk / tau);
+          ref.v[k] = b2 * ref.v[k]! + (1 - b2) * (gk / tau) ** 2;
+        }
+        ref.p[k]! -= (tau * lr * (ref.m[k]! / bc1)) / (Math.sqrt(ref.v[k]! / bc2) + eps);
+      });
+      const got = values();
+      expectClose([...got.w, ...got.b], ref.p, 2e-6);
+    });
+    const age = new Float32Array(store.slabNumel);
+    ctx.backend.download(opt.stateSlabs()[2]!.allocation.ptr, age);
+    expect([age[store.entry("w").offset + 2], age[store.entry("w").offset + 1], age[store.entry("b").offset]]).toEqual([4, 1, 0]);
+  });
+
+  test("a burst of tau steps' gradient moves the parameter as tau dense steps of its mean would (plain AdamW: about sqrt(tau) of them)", () => {
+    const tau = 16,
+      g = 0.05;
+    const ctx = newContext();
+    const run = (sparse: boolean, burst: boolean) => {
+      const { store, setGrads, values } = tinyStore(ctx);
+      const opt = new AdamW(ctx, store, { beta1: b1, beta2: b2, eps, weightDecay: 0, sparse });
+      for (let round = 0; round < 8; round++) {
+        for (let j = 0; j < tau; j++) {
+          const x = burst ? (j === tau - 1 ? tau * g : 0) : g;
+          setGrads([x, 0, 0], [0, 0]);
+          opt.step(lr);
+        }
+      }
+      return 1 - values().w[0]!;
+    };
+    const dense = run(false, false);
+    const caughtUp = run(true, true);
+    const plain = run(false, true);
+    expect(Math.abs(caughtUp - dense) / dense).toBeLessThan(0.15);
+    expect(plain / dense).toBeLessThan(0.5);
+  });
+});
+
 describe("learning-rate schedules", () => {
   test("scheduleOf: constant ignores the rest; warmup is cut to leave a step after it", () => {
     expect(scheduleOf("constant", 100, 10, 0)).toEqual({ kind: "constant" });

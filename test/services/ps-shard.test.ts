@@ -403,6 +403,40 @@ describe("compressed pushes and pulls", () => {
     });
   }
 
+  test("top-k with AdamW: the shard keeps each coordinate's age, and a gradient after 2 steps moves it 2 steps", async () => {
+    const adamw = { kind: "adamw", beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0 } as const;
+    const cfg = job({ trainers: 1, sync: "bsp", lr: 0.01, compress: "topk:0.1", optimizer: adamw });
+    const { shard, layout, initial, ids } = makeShard(cfg);
+    expect(shard.exportState().chunks[0]!.state.map((s) => s.name)).toEqual(["m", "v", "age"]);
+    const n = initial.length;
+    // coordinate 0: nothing at step 0, then 2 (two steps of 1); coordinate 1: 1 at each step
+    shard.push(
+      pushAll(
+        layout,
+        0,
+        0,
+        Float32Array.from({ length: n }, (_, i) => (i === 1 ? 1 : 0)),
+      ),
+    );
+    shard.push(
+      pushAll(
+        layout,
+        0,
+        1,
+        Float32Array.from({ length: n }, (_, i) => (i === 0 ? 2 : i === 1 ? 1 : 0)),
+      ),
+    );
+    const p = await pullAll(shard, ids, 0, 2, n);
+    // both: m and v after two steps of 1 are exactly their bias corrections, so each step moves lr
+    expect(initial[0]! - p[0]!).toBeCloseTo(0.02, 6);
+    expect(initial[1]! - p[1]!).toBeCloseTo(0.02, 6);
+    expect(p[2]).toBe(initial[2]!);
+    shard.dispose();
+    const dense = makeShard(job({ trainers: 1, compress: "int8", optimizer: adamw })).shard;
+    expect(dense.exportState().chunks[0]!.state.map((s) => s.name)).toEqual(["m", "v"]);
+    dense.dispose();
+  });
+
   test("a bf16 pull is the f32 master parameters rounded to bf16; the shard keeps f32", async () => {
     const cfg = job({ trainers: 1, sync: "bsp", compress: "bf16" });
     const { shard, layout, initial, ids } = makeShard(cfg);
