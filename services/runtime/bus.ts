@@ -2,7 +2,7 @@
 // server; MemoryBus below is for unit tests only. A request answered with an ErrorReply is
 // thrown on the caller's side as the typed error it names (errors.ts).
 import { decodeErrorReply, encodeErrorReply, isErrorReply } from "../../schemas/messages.ts";
-import { DeadlineError, errorReplyOf, NoRespondersError, rebuildError } from "./errors.ts";
+import { DeadlineError, errorReplyOf, LimitExceededError, NoRespondersError, rebuildError } from "./errors.ts";
 
 /** Handles one request; what it returns is the reply. A throw becomes an ErrorReply. */
 export type Handler = (data: Uint8Array, subject: string) => Promise<Uint8Array> | Uint8Array;
@@ -37,10 +37,27 @@ export interface Bus {
 /** Largest error reply read back (an error message is text, not data). */
 export const errorReplyBytesMax = 64 << 10;
 
-/** Runs a handler and turns its failure into an ErrorReply payload. */
-export async function answer(handler: Handler, data: Uint8Array, subject: string): Promise<{ reply: Uint8Array; failed: boolean; error?: unknown }> {
+/** Room left in a message for the reply's subject and headers. */
+const replyOverheadBytes = 4096;
+
+/**
+ * Runs a handler and turns its failure into an ErrorReply payload. A reply larger than the
+ * transport carries (`replyBytesMax`, the server's max_payload) becomes an error naming the sizes:
+ * sending it would throw in the middle of the connection's write path.
+ */
+export async function answer(
+  handler: Handler,
+  data: Uint8Array,
+  subject: string,
+  replyBytesMax = Infinity,
+): Promise<{ reply: Uint8Array; failed: boolean; error?: unknown }> {
   try {
-    return { reply: await handler(data, subject), failed: false };
+    const reply = await handler(data, subject);
+    if (reply.byteLength > replyBytesMax - replyOverheadBytes)
+      throw new LimitExceededError(
+        `the answer on ${subject} is ${reply.byteLength} bytes, more than the ${replyBytesMax - replyOverheadBytes} a message carries (the server's max_payload less ${replyOverheadBytes})`,
+      );
+    return { reply, failed: false };
   } catch (e) {
     return { reply: encodeErrorReply(errorReplyOf(e, subject)), failed: true, error: e };
   }

@@ -123,10 +123,9 @@ export class NatsBus implements Bus {
           log?.error({ err: err.message, subject }, "subscription failed");
           return;
         }
-        void answer(handler, msg.data, msg.subject).then(({ reply, failed, error }) => {
+        void answer(handler, msg.data, msg.subject, this.#maxPayload).then(({ reply, failed, error }) => {
           if (msg.reply === undefined || msg.reply === "") return; // a publish: nothing to answer
-          if (failed) msg.respond(reply, { headers: errorHeaders(error) });
-          else msg.respond(reply);
+          this.#send(subject, () => (failed ? msg.respond(reply, { headers: errorHeaders(error) }) : msg.respond(reply)));
         });
       },
     });
@@ -147,19 +146,33 @@ export class NatsBus implements Bus {
           log?.error({ err: err.message, subject: endpoint.subject }, "endpoint subscription failed");
           return;
         }
-        void answer(endpoint.handler, msg.data, msg.subject).then(({ reply, failed, error }) => {
+        void answer(endpoint.handler, msg.data, msg.subject, this.#maxPayload).then(({ reply, failed, error }) => {
           if (failed) {
             // "no such job here", "not ready yet" are answers, not trouble: only the log's debug level has them
             const level = error instanceof MeshError && answerCodes.has(error.code) ? "debug" : "warn";
             log?.[level]({ subject: msg.subject, err: error instanceof Error ? error.message : String(error) }, "request failed");
             // counted in $SRV.STATS num_errors; the body is our ErrorReply
-            msg.respondError(400, headerText(error instanceof Error ? error.message : "error"), reply);
+            this.#send(endpoint.subject, () => msg.respondError(400, headerText(error instanceof Error ? error.message : "error"), reply));
           } else {
-            msg.respond(reply);
+            this.#send(endpoint.subject, () => msg.respond(reply));
           }
         });
       },
     });
+  }
+
+  /** The server's max_payload (what one message carries). */
+  get #maxPayload(): number {
+    return this.nc.info?.max_payload ?? Infinity;
+  }
+
+  /** Sends an answer; one the connection refuses (closed, too large) is logged, never thrown into the event loop. */
+  #send(subject: string, respond: () => unknown): void {
+    try {
+      respond();
+    } catch (e) {
+      this.opts.log?.error({ subject, err: e instanceof Error ? e.message : String(e) }, "could not send the answer");
+    }
   }
 
   /** Drains: stops taking requests, finishes the ones in flight, flushes, closes. */

@@ -1,0 +1,45 @@
+// The NATS bus against a real nats-server: an answer too large for a message and an error text
+// with line breaks both reach the caller as typed errors, and the serving side keeps serving.
+import { afterAll, expect, test } from "bun:test";
+import { LimitExceededError, BadRequestError } from "../../services/runtime/errors.ts";
+import { NatsBus } from "../../services/runtime/nats.ts";
+import { expectRejected } from "../helpers/errors.ts";
+import { clientBus, startNatsServer } from "../helpers/mesh.ts";
+
+const maxPayloadBytes = 64 << 10;
+const server = await startNatsServer({ maxPayloadBytes });
+const serving = await NatsBus.connect({
+  url: server.url,
+  name: "test-serving",
+  service: { name: "bus-test", version: "0.0.1" },
+  connectRetryMsMax: 5_000,
+  connectBackoffMsMax: 500,
+});
+const client = await clientBus(server.url);
+
+afterAll(async () => {
+  await client.close();
+  await serving.close();
+  await server.stop();
+});
+
+const handler = async (data: Uint8Array) => {
+  const ask = new TextDecoder().decode(data);
+  if (ask === "big") return new Uint8Array(maxPayloadBytes + 1);
+  if (ask === "lines") throw new BadRequestError("job a\r\nb is not\nhere");
+  return new TextEncoder().encode(`ok ${ask}`);
+};
+serving.handle("t.handle", handler);
+serving.serve({ name: "served", subject: "t.serve", handler });
+
+for (const subject of ["t.handle", "t.serve"]) {
+  test(`${subject}: an answer over max_payload is a LimitExceededError naming the sizes; the next request is answered`, async () => {
+    await expectRejected(() => client.request(subject, new TextEncoder().encode("big"), 5_000), LimitExceededError, `${maxPayloadBytes + 1} bytes`);
+    expect(new TextDecoder().decode(await client.request(subject, new TextEncoder().encode("x"), 5_000))).toBe("ok x");
+  });
+
+  test(`${subject}: an error text with CR/LF comes back whole as its type`, async () => {
+    await expectRejected(() => client.request(subject, new TextEncoder().encode("lines"), 5_000), BadRequestError, "is not\nhere");
+    expect(new TextDecoder().decode(await client.request(subject, new TextEncoder().encode("y"), 5_000))).toBe("ok y");
+  });
+}
