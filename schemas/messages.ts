@@ -589,7 +589,30 @@ export interface ShardState {
   /** ZeRO: the chunks are slab ranges (id = offset) of trainer `rank`'s partition */
   slabRanges?: boolean;
   rank?: number;
+  /** a parameter server's state in `parts` messages: `shard` is the shard, this the part */
+  part?: number;
+  /** shardStateChecksum of the rest (0n: none) */
+  checksum?: bigint;
 }
+
+/**
+ * A checksum (wyhash, chained) over what a state holds: job, step, counters, loss scale, and
+ * every chunk's id, version, state names and bytes. It leaves out where a part travels (shard,
+ * part, parts, generation, rank), which the checkpoint service sets when it routes a restore.
+ * A load whose checksum differs was changed after it was cut and is refused.
+ */
+export function shardStateChecksum(m: ShardState): bigint {
+  let h = Bun.hash.wyhash(JSON.stringify([m.job, m.updates, m.optimizerSteps, m.step, m.lossScale ?? 0, m.slabRanges ?? false]), 0n);
+  for (const c of m.chunks) {
+    h = Bun.hash.wyhash(`${c.id}:${c.version}:${c.params.length}:${c.state.map((v) => v.name).join(",")}`, h);
+    h = Bun.hash.wyhash(bytesOf(c.params), h);
+    for (const v of c.state) h = Bun.hash.wyhash(bytesOf(v.data), h);
+  }
+  return h;
+}
+
+/** The state with its checksum set. */
+export const withChecksum = (m: ShardState): ShardState => ({ ...m, checksum: shardStateChecksum(m) });
 
 const shardStateRoot = root("ShardState", "MTSS", (bb) => ShardStateT.getRootAsShardState(bb));
 
@@ -626,6 +649,8 @@ export function encodeShardState(m: ShardState): Uint8Array {
       m.lossScale ?? 0,
       m.slabRanges ?? false,
       m.rank ?? 0,
+      m.part ?? 0,
+      m.checksum ?? 0n,
     ),
     shardStateRoot.identifier,
   );
@@ -644,6 +669,8 @@ export function decodeShardState(data: Uint8Array, bytesMax: number): ShardState
     lossScale: r.lossScale(),
     slabRanges: r.slabRanges(),
     rank: r.rank(),
+    part: r.part(),
+    checksum: r.checksum(),
     chunks: readList(
       r.chunksLength(),
       (i) => r.chunks(i),

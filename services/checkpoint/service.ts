@@ -27,6 +27,7 @@ import {
   type JobSpec,
   type Manifest,
   type ShardState,
+  shardStateChecksum,
 } from "../../schemas/messages.ts";
 import { join } from "node:path";
 import type { Bus, Subscription } from "../runtime/bus.ts";
@@ -81,7 +82,9 @@ interface JobEntry {
   firstAsks: Set<string>;
 }
 
-const shardFile = (k: number) => `ps-${k}.mtss`;
+/** part p of shard k's state (a snapshot before parts: ps-<k>.mtss, one part) */
+const shardFile = (k: number, p: number) => `ps-${k}-${p}.mtss`;
+const shardFilePattern = /^ps-(\d{1,4})(?:-(\d{1,6}))?\.mtss$/;
 const replicaFile = (p: number) => `replica-${p}.mtss`;
 /** ZeRO: part p of rank r's partition */
 const partitionFile = (r: number, p: number) => `partition-${r}-${p}.mtss`;
@@ -144,15 +147,7 @@ export class CheckpointService {
       ? cfg.zero > 0
         ? await this.#partitionParts(cfg, step)
         : await this.#replicaParts(cfg, step)
-      : await Promise.all(
-          Array.from({ length: cfg.shards }, async (_, k) => {
-            const bytes = await this.bus.request(subjects.psState(cfg.job, k), req, stateTimeoutMs);
-            // verify before writing: a state that does not decode is never saved
-            const s = decodeShardState(bytes, 1 << 30);
-            if (s.shard !== k || s.job !== cfg.job) throw new BadRequestError(`shard ${k} answered the state of ${s.job} shard ${s.shard}`);
-            return { name: shardFile(k), bytes, state: s };
-          }),
-        );
+      : (await Promise.all(Array.from({ length: cfg.shards }, (_, k) => this.#shardParts(cfg, k, step)))).flat();
     // the final snapshot's parameters as a model file, written (durably) before the snapshot
     // that names it
     let modelPath = "";
@@ -193,6 +188,22 @@ export class CheckpointService {
       `saved ${manifest.id} (${(bytes / 1e6).toFixed(1)} MB in ${ms.toFixed(0)} ms)${modelPath ? `; model ${modelPath}` : ""}`,
     );
     return encodeManifest(manifest);
+  }
+
+  /** Parameter-server mode: shard k's state at `step`, part by part, each verified before it is written. */
+  async #shardParts(cfg: JobConfig, k: number, step: number): Promise<{ name: string; bytes: Uint8Array; state: ShardState }[]> {
+    const out: { name: string; bytes: Uint8Array; state: ShardState }[] = [];
+    for (let p = 0, parts = 1; p < parts; p++) {
+      const bytes = await this.bus.request(subjects.psState(cfg.job, k), encodeJobRequest({ job: cfg.job, step, tag: `part ${p}` }), stateTimeoutMs);
+      const s = decodeShardState(bytes, 1 << 30);
+      if (p === 0) parts = Math.max(1, s.parts ?? 0);
+      if (s.shard !== k || s.job !== cfg.job || (s.part ?? 0) !== p || Math.max(1, s.parts ?? 0) !== parts || s.checksum !== shardStateChecksum(s))
+        throw new BadRequestError(
+          `shard ${k} answered part ${s.part ?? 0} of ${s.parts ?? 0} of ${s.job} shard ${s.shard} for part ${p} of ${parts}, or a part whose checksum does not match`,
+        );
+      out.push({ name: shardFile(k, p), bytes, state: s });
+    }
+    return out;
   }
 
   /** All-reduce mode: trainer rank 0's replica at `step`, part by part, each verified. */
@@ -291,11 +302,17 @@ export class CheckpointService {
       this.#event(cfg.job, EventKind.Log, 0, `snapshot ${bad} is corrupt: ${why}`);
     });
     if (usesShards(cfg)) {
+      const byShard = new Map<number, { p: number; bytes: Uint8Array }[]>();
+      for (const [name, bytes] of snap.files) {
+        const m = shardFilePattern.exec(name);
+        if (m) byShard.set(Number(m[1]), [...(byShard.get(Number(m[1])) ?? []), { p: Number(m[2] ?? 0), bytes }]);
+      }
       await Promise.all(
         Array.from({ length: cfg.shards }, async (_, k) => {
-          const bytes = snap.files.get(shardFile(k));
-          if (!bytes) throw new BadRequestError(`snapshot ${snap.manifest.id} has no file for shard ${k}`);
-          await this.bus.request(subjects.psLoad(cfg.job, k), bytes, stateTimeoutMs);
+          const parts = (byShard.get(k) ?? []).sort((a, b) => a.p - b.p);
+          if (parts.length === 0) throw new BadRequestError(`snapshot ${snap.manifest.id} has no file for shard ${k}`);
+          // the shard checks each part and applies them together, after the last
+          for (const { bytes } of parts) await this.bus.request(subjects.psLoad(cfg.job, k), bytes, stateTimeoutMs);
         }),
       );
     } else {

@@ -18,6 +18,7 @@ import {
 } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
 import { LimitExceededError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
+import { partOfTag } from "../runtime/replica-parts.ts";
 import { configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects, usesShards } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
 import { initialParameters } from "../runtime/model.ts";
@@ -90,9 +91,11 @@ export class ParameterServer {
         clocks: [...s.clocks],
       });
     });
+    // a snapshot's state, one part (tag "part <p>") per request, each under the message limit
     on("state", (subject, data) => {
       const m = decodeJobRequest(data, this.payloadBytesMax);
-      return encodeShardState(this.#entry(subject, m.job).shard.exportState());
+      const part = partOfTag(m.tag);
+      return encodeShardState(this.#entry(subject, m.job).shard.exportPart(part, m.step, this.payloadBytesMax));
     });
     // BSP clipping: this shard's sum of squares of a step's averaged gradient, once it has it
     on("norm", async (subject, data) => {
@@ -103,8 +106,7 @@ export class ParameterServer {
     on("load", (subject, data) => {
       // snapshots are as large as the shard's parameters and state: allow 64 MB
       const s = decodeShardState(data, Math.max(this.payloadBytesMax, 64 << 20));
-      this.#entry(subject, s.job).shard.importState(s);
-      this.log?.info({ job: s.job, step: s.step }, "shard state loaded");
+      if (this.#entry(subject, s.job).shard.loadPart(s)) this.log?.info({ job: s.job, step: s.step, parts: Math.max(1, s.parts ?? 0) }, "shard state loaded");
       return encodeShardStats({
         job: s.job,
         shard: k,

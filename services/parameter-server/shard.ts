@@ -17,7 +17,19 @@
 // norm of that update.)
 import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
-import { DType, type Chunk, type ChunkState, encodePullReply, type PushReply, type PushRequest, type ShardState } from "../../schemas/messages.ts";
+import {
+  DType,
+  type Chunk,
+  type ChunkState,
+  encodePullReply,
+  type PushReply,
+  type PushRequest,
+  type ShardState,
+  shardStateChecksum,
+  withChecksum,
+} from "../../schemas/messages.ts";
+import { packByBytes } from "../../schemas/codec.ts";
+import { partOverheadBytes } from "../runtime/replica-parts.ts";
 import { parseCompression } from "../../engine/parallel/compress.ts";
 import { decodeChunk, fillParams, pushDType } from "../runtime/chunk-codec.ts";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/errors.ts";
@@ -27,6 +39,11 @@ import { jobSchedule } from "../runtime/plan.ts";
 import { pullWaitersMax, pullWaitMsMax } from "./limits.ts";
 
 const alignElems = 16;
+
+function allFinite(v: Float32Array): boolean {
+  for (let i = 0; i < v.length; i++) if (!Number.isFinite(v[i]!)) return false;
+  return true;
+}
 
 interface ChunkSlot {
   info: ChunkInfo;
@@ -98,8 +115,10 @@ export class ParameterShard {
   readonly #partialWaiters = new Map<number, ((v: number) => void)[]>();
   /** bumped by a restore: a norm agreed for the state before it is dropped */
   #epoch = 0;
+  readonly #totalSteps: number;
 
   constructor(o: ShardOptions) {
+    this.#totalSteps = o.totalSteps;
     this.job = o.config.job;
     this.shard = o.shard;
     this.#be = o.backend;
@@ -481,7 +500,86 @@ export class ParameterShard {
       return { id: slot.info.id, version: slot.version, params: read(this.#params), state: this.#state.map((s) => ({ name: s.name, data: read(s.alloc) })) };
     });
     const step = Math.min(...this.clocks);
-    return { job: this.job, shard: this.shard, updates: this.#updates, optimizerSteps: step, step, chunks };
+    return withChecksum({ job: this.job, shard: this.shard, updates: this.#updates, optimizerSteps: step, step, chunks });
+  }
+
+  /** A snapshot's parts: asked at `step`, cut from the state at part 0's ask */
+  #exported: { step: number; parts: ShardState[] } | null = null;
+
+  /**
+   * Part `part` of this shard's state for the snapshot of `step`, each part under partBytesMax.
+   * Part 0 takes the state, so that every part is of one moment; the later parts come from it.
+   */
+  exportPart(part: number, step: number, partBytesMax: number): ShardState {
+    if (part === 0) {
+      const whole = this.exportState();
+      const groups = packByBytes(whole.chunks, (c) => c.params.byteLength * (1 + c.state.length) + 256, Math.max(1, partBytesMax - partOverheadBytes));
+      this.#exported = {
+        step,
+        parts: groups.map((chunks, p) => withChecksum({ ...whole, chunks, parts: groups.length, part: p })),
+      };
+    }
+    const ex = this.#exported;
+    if (ex === null || ex.step !== step) throw new BadRequestError(`part ${part} of shard ${this.shard}'s state at step ${step}: ask for part 0 first`);
+    const s = ex.parts[part];
+    if (s === undefined) throw new BadRequestError(`shard ${this.shard}'s state at step ${step} has parts 0 to ${ex.parts.length - 1}, not ${part}`);
+    if (part === ex.parts.length - 1) this.#exported = null;
+    return s;
+  }
+
+  /** A restore's parts as they come, each checked; applied when every one is here */
+  #loading: { step: number; parts: number; got: Map<number, ShardState> } | null = null;
+
+  /**
+   * Takes part `s.part` of `s.parts` of a snapshot of this shard (a whole state is one part).
+   * Each part is checked completely as it comes (its checksum, job and shard, its chunks this
+   * shard's, their sizes and state, every value finite, the step within the job); nothing is
+   * applied until the last part is here, and then all at once. Returns whether it was applied.
+   */
+  loadPart(s: ShardState): boolean {
+    const parts = Math.max(1, s.parts ?? 0),
+      part = s.part ?? 0;
+    if (s.checksum === undefined || s.checksum === 0n || s.checksum !== shardStateChecksum(s))
+      throw new BadRequestError(`shard ${this.shard}: a load whose checksum does not match its contents (changed after it was cut)`);
+    if (!(part < parts)) throw new BadRequestError(`a load's part ${part} of ${parts}`);
+    this.#checkState(s);
+    const cur = this.#loading;
+    // a part of another snapshot, or one already here (a new attempt), starts over
+    if (cur === null || cur.step !== s.step || cur.parts !== parts || cur.got.has(part)) this.#loading = { step: s.step, parts, got: new Map() };
+    const l = this.#loading!;
+    l.got.set(part, s);
+    if (l.got.size < parts) return false;
+    this.#loading = null;
+    const all = [...l.got.values()];
+    this.importState({ ...all[0]!, parts: 1, part: 0, chunks: all.flatMap((x) => x.chunks) });
+    return true;
+  }
+
+  /** Everything about a state but whether it covers the shard: refused with BadRequestError. */
+  #checkState(s: ShardState): void {
+    if (s.job !== this.job || s.shard !== this.shard)
+      throw new BadRequestError(`snapshot of ${s.job} shard ${s.shard} loaded into ${this.job} shard ${this.shard}`);
+    if (!Number.isSafeInteger(s.step) || s.step < 0 || s.step > this.#totalSteps)
+      throw new BadRequestError(`snapshot of step ${s.step}: job ${this.job} runs steps 0 to ${this.#totalSteps}`);
+    if (!Number.isSafeInteger(s.updates) || s.updates < 0) throw new BadRequestError(`snapshot with ${s.updates} updates`);
+    const names = this.#state.map((v) => v.name).join(",");
+    const seen = new Set<number>();
+    for (const c of s.chunks) {
+      const slot = this.#slots.get(c.id);
+      if (slot === undefined) throw new BadRequestError(`snapshot chunk ${c.id}: shard ${this.shard} owns ${this.ids.join(",")}`);
+      if (seen.has(c.id)) throw new BadRequestError(`snapshot chunk ${c.id} appears twice`);
+      seen.add(c.id);
+      if (!Number.isSafeInteger(c.version) || c.version < 0 || c.version > this.#totalSteps * this.#cfg.trainers)
+        throw new BadRequestError(`snapshot chunk ${c.id} at version ${c.version}`);
+      if (c.params.length !== slot.info.count) throw new BadRequestError(`snapshot chunk ${c.id} has ${c.params.length} elements, expected ${slot.info.count}`);
+      if (c.state.map((v) => v.name).join(",") !== names)
+        throw new BadRequestError(`snapshot chunk ${c.id} has optimizer state [${c.state.map((v) => v.name).join(",")}], this job needs [${names}]`);
+      for (const v of [c.params, ...c.state.map((x) => x.data)]) {
+        if (v.length !== slot.info.count)
+          throw new BadRequestError(`snapshot chunk ${c.id} has a state vector of ${v.length} elements, expected ${slot.info.count}`);
+        if (!allFinite(v)) throw new BadRequestError(`snapshot chunk ${c.id} holds a value that is NaN or infinite`);
+      }
+    }
   }
 
   /**
@@ -491,20 +589,10 @@ export class ParameterShard {
   importState(s: ShardState): void {
     this.flush();
     const step = s.step;
-    if (s.job !== this.job || s.shard !== this.shard)
-      throw new BadRequestError(`snapshot of ${s.job} shard ${s.shard} loaded into ${this.job} shard ${this.shard}`);
+    this.#checkState(s);
     const ids = s.chunks.map((c) => c.id).sort((a, b) => a - b);
     if (ids.join(",") !== [...this.ids].sort((a, b) => a - b).join(","))
       throw new BadRequestError(`snapshot holds chunks ${ids.join(",")}, shard ${this.shard} owns ${this.ids.join(",")}`);
-    for (const c of s.chunks) {
-      const slot = this.#slot(c.id);
-      if (c.params.length !== slot.info.count) throw new BadRequestError(`snapshot chunk ${c.id} has ${c.params.length} elements, expected ${slot.info.count}`);
-      const names = c.state.map((v) => v.name).join(",");
-      if (names !== this.#state.map((v) => v.name).join(","))
-        throw new BadRequestError(`snapshot chunk ${c.id} has optimizer state [${names}], this job needs [${this.#state.map((v) => v.name).join(",")}]`);
-      for (const v of c.state)
-        if (v.data.length !== slot.info.count) throw new BadRequestError(`snapshot chunk ${c.id} ${v.name} has ${v.data.length} elements`);
-    }
     for (const w of this.#waiters) {
       clearTimeout(w.timer);
       w.reject(new DeadlineError(`shard ${this.shard} was restored to step ${step}; pull again`));

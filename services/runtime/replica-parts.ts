@@ -8,9 +8,16 @@
 //     snapshot, so no rank holds another's state; the checkpoint service writes them as they
 //     are and, on restore or to export the model, assembles the replica from all of them
 //     (replicaFromPartitions), whatever the number of ranks and stage it is loaded into.
-import type { ShardState } from "../../schemas/messages.ts";
-import { CorruptDataError } from "./errors.ts";
+import { type ShardState, shardStateChecksum, withChecksum } from "../../schemas/messages.ts";
+import { BadRequestError, CorruptDataError } from "./errors.ts";
 import type { Layout } from "./layout.ts";
+
+/** The part a snapshot request names in its tag, "part <n>" (BadRequestError otherwise). */
+export function partOfTag(tag: string): number {
+  const m = /^part (\d{1,6})$/.exec(tag);
+  if (!m) throw new BadRequestError(`a state request names its part as "part <n>", not "${tag.slice(0, 64).replace(/[\r\n]+/g, " ")}"`);
+  return Number(m[1]);
+}
 
 /** Bytes of a part's message besides its floats. */
 export const partOverheadBytes = 64 << 10;
@@ -58,15 +65,17 @@ export function cutReplica(
     groups.at(-1)!.push(c);
     bytes += need;
   }
-  return groups.map((chunks, p) => ({
-    ...partHeader(meta, p, groups.length),
-    chunks: chunks.map((c) => ({
-      id: c.id,
-      version: meta.optimizerSteps,
-      params: values.slice(c.offset, c.offset + c.count),
-      state: states.map((s) => ({ name: s.name, data: s.data.slice(c.offset, c.offset + c.count) })),
-    })),
-  }));
+  return groups.map((chunks, p) =>
+    withChecksum({
+      ...partHeader(meta, p, groups.length),
+      chunks: chunks.map((c) => ({
+        id: c.id,
+        version: meta.optimizerSteps,
+        params: values.slice(c.offset, c.offset + c.count),
+        state: states.map((s) => ({ name: s.name, data: s.data.slice(c.offset, c.offset + c.count) })),
+      })),
+    }),
+  );
 }
 
 /**
@@ -97,15 +106,17 @@ export function cutPartition(
       at += count;
     }
   }
-  return groups.map((pieces, p) => ({
-    ...partHeader(meta, p, groups.length),
-    slabRanges: true,
-    rank: meta.rank,
-    chunks: pieces.map((x) => {
-      const got = read(x.offset, x.count, x.packed);
-      return { id: x.offset, version: meta.optimizerSteps, params: got.params, state: got.state.map((data, i) => ({ name: names[i]!, data })) };
+  return groups.map((pieces, p) =>
+    withChecksum({
+      ...partHeader(meta, p, groups.length),
+      slabRanges: true,
+      rank: meta.rank,
+      chunks: pieces.map((x) => {
+        const got = read(x.offset, x.count, x.packed);
+        return { id: x.offset, version: meta.optimizerSteps, params: got.params, state: got.state.map((data, i) => ({ name: names[i]!, data })) };
+      }),
     }),
-  }));
+  );
 }
 
 /**
@@ -125,6 +136,8 @@ export function replicaFromPartitions(
   const seen = new Map<number, Set<number>>();
   for (const p of parts) {
     if (!p.slabRanges) throw new CorruptDataError(`part ${p.shard} of job ${p.job} is not a partition`);
+    if (p.checksum !== shardStateChecksum(p))
+      throw new CorruptDataError(`rank ${p.rank ?? 0}'s partition part ${p.shard}: its checksum does not match its contents`);
     if (p.job !== o.job) throw new CorruptDataError(`a partition of job ${p.job} in job ${o.job}`);
     if (p.step !== first.step || p.optimizerSteps !== first.optimizerSteps || (p.lossScale ?? 0) !== (first.lossScale ?? 0))
       throw new CorruptDataError(`partition parts of steps ${first.step} and ${p.step} (optimizer steps ${first.optimizerSteps}, ${p.optimizerSteps})`);

@@ -51,6 +51,7 @@ import type { Bus, Subscription } from "../runtime/bus.ts";
 import { awaitMembers, type MeshMembers } from "../runtime/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/evals.ts";
 import { BadRequestError, NotReadyError } from "../runtime/errors.ts";
+import { partOfTag } from "../runtime/replica-parts.ts";
 import { evalInterval, type JobConfig, jobOfRequest, peakLr, shardsClip, subjects, trainerOpenedTag, usesShards } from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
@@ -359,10 +360,9 @@ export class TrainerRun {
       bus.handle(subject, (data, subject) => {
         const m = decodeJobRequest(data, 1 << 16);
         jobOfRequest(subject, m.job);
-        const part = /^part (\d{1,6})$/.exec(m.tag);
-        if (!part) throw new BadRequestError(`a replica request names its part as "part <n>", not "${m.tag.slice(0, 64)}"`);
+        const part = partOfTag(m.tag);
         if (m.step !== this.#replicaStep) throw new NotReadyError(`trainer ${rank}'s replica is at step ${this.#replicaStep}, not ${m.step}`);
-        return replica.exportPart(m.step, Number(part[1]), payloadBytesMax).then(encodeShardState);
+        return replica.exportPart(m.step, part, payloadBytesMax).then(encodeShardState);
       }),
     );
   }

@@ -54,7 +54,7 @@ import { type ModelMemory, type Partition, partitionOf, type ZeroStage } from ".
 import { Context, type Tensor } from "../../engine/tensor.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { type HostBatch, uploadBatch } from "../../engine/train.ts";
-import type { ShardState } from "../../schemas/messages.ts";
+import { type ShardState, shardStateChecksum } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
 import { BusTransport, busTransportDefaults, type BusTransportOptions } from "../runtime/collective-bus.ts";
 import { BadRequestError } from "../runtime/errors.ts";
@@ -913,6 +913,7 @@ export class Replica {
     const { cfg } = this.#o;
     const parts = s.parts ?? 0;
     if (s.job !== cfg.job) throw new BadRequestError(`a replica of job ${s.job} loaded into job ${cfg.job}`);
+    if (s.checksum !== shardStateChecksum(s)) throw new BadRequestError("a replica part whose checksum does not match its contents (changed after it was cut)");
     if (!(parts >= 1) || s.shard >= parts) throw new BadRequestError(`replica part ${s.shard} of ${parts}`);
     if (!((s.generation ?? 0) > 0)) throw new BadRequestError("a replica load names no communicator generation");
     if (!Number.isSafeInteger(s.step) || s.step < 0) throw new BadRequestError(`replica of step ${s.step}`);

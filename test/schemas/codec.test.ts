@@ -36,6 +36,8 @@ import {
   encodePushReply,
   encodePushRequest,
   encodeShardState,
+  shardStateChecksum,
+  withChecksum,
   EventKind,
   f32Chunk,
   isErrorReply,
@@ -143,8 +145,15 @@ describe("round trips, from unaligned payloads", () => {
       lossScale: 1024,
       slabRanges: false,
       rank: 0,
+      part: 0,
+      checksum: 0n,
     };
     expect(decodeShardState(unaligned(encodeShardState(state)), limit)).toEqual(state);
+    // a parameter server's part 2 of 3, its checksum over the contents (not where it goes)
+    const part = withChecksum({ ...state, part: 2 });
+    expect(part.checksum).toBe(shardStateChecksum({ ...state, shard: 0, parts: 1, part: 0, generation: 9, rank: 7 }));
+    expect(part.checksum).not.toBe(shardStateChecksum({ ...state, step: 5 }));
+    expect(decodeShardState(unaligned(encodeShardState(part)), limit)).toEqual(part);
     // a ZeRO rank's partition: slab ranges of rank 3
     const partition = { ...state, slabRanges: true, rank: 3 };
     expect(decodeShardState(unaligned(encodeShardState(partition)), limit)).toEqual(partition);

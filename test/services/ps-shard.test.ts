@@ -6,7 +6,7 @@ import { buildLayout } from "../../services/runtime/layout.ts";
 import { ParameterShard } from "../../services/parameter-server/shard.ts";
 import { BadRequestError, DeadlineError } from "../../services/runtime/errors.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
-import { chunkF32, decodePullReply, DType, f32Chunk, type PushRequest } from "../../schemas/messages.ts";
+import { chunkF32, decodePullReply, DType, f32Chunk, type PushRequest, withChecksum } from "../../schemas/messages.ts";
 import { Codec, ErrorFeedback, parseCompression } from "../../engine/parallel/compress.ts";
 import { chunkCodec, decodeChunk, encodeChunk } from "../../services/runtime/chunk-codec.ts";
 import { Rng } from "../../engine/rng.ts";
@@ -341,6 +341,37 @@ describe("snapshots", () => {
     expectThrown(() => shard.importState(noState), BadRequestError, "momentum");
     expect(await pullAll(shard, ids, 0, 0, initial.length)).toEqual(initial);
     shard.dispose();
+  });
+
+  test("a state larger than a message travels in parts of one moment, and a restore applies them together after the last", async () => {
+    const cfg = job({ trainers: 1, sync: "bsp", optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 }, lr: 0.01 });
+    const a = makeShard(cfg),
+      b = makeShard(cfg);
+    a.shard.push(pushAll(a.layout, 0, 0, Float32Array.from(randn(new Rng(3), 2500))));
+    // 4 KB chunks of 3 vectors: 12 KB each, so an 84 KB limit (less the 64 KB overhead) takes 1 per part
+    const limit = (64 + 20) << 10;
+    const first = a.shard.exportPart(0, 1, limit);
+    const parts = [first];
+    // a push between the asks does not reach the later parts: they are cut from part 0's moment
+    a.shard.push(pushAll(a.layout, 0, 1, Float32Array.from(randn(new Rng(4), 2500))));
+    for (let p = 1; p < first.parts!; p++) parts.push(a.shard.exportPart(p, 1, limit));
+    expect(first.parts).toBeGreaterThan(1);
+    expect(parts.map((s) => s.part)).toEqual([...Array(first.parts).keys()]);
+    expectThrown(() => a.shard.exportPart(1, 1, limit), BadRequestError, "part 0 first");
+    const before = b.shard.exportState();
+    // a part changed after it was cut, or holding a NaN, is refused; nothing is applied before the last part
+    expectThrown(() => b.shard.loadPart({ ...parts[0]!, step: 5 }), BadRequestError, "checksum");
+    const nan = structuredClone(parts[0]!);
+    nan.chunks[0]!.state[1]!.data[3] = Number.NaN;
+    expectThrown(() => b.shard.loadPart(withChecksum(nan)), BadRequestError, "NaN");
+    for (const s of parts.slice(0, -1)) expect(b.shard.loadPart(s)).toBe(false);
+    expect(b.shard.exportState()).toEqual(before);
+    expect(b.shard.loadPart(parts.at(-1)!)).toBe(true);
+    const whole = b.shard.exportState();
+    expect(whole.chunks).toEqual(parts.flatMap((s) => s.chunks));
+    expect(whole.step).toBe(1);
+    a.shard.dispose();
+    b.shard.dispose();
   });
 
   test("a restore answers pulls that were waiting with a DeadlineError", async () => {

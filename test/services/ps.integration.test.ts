@@ -15,6 +15,8 @@ import {
   encodePullRequest,
   encodePushRequest,
   encodeShardState,
+  shardStateChecksum,
+  withChecksum,
   f32Chunk,
   SyncPolicy,
 } from "../../schemas/messages.ts";
@@ -189,10 +191,26 @@ describe("bad input on every subject gets an error reply, and the shard keeps se
     [
       "load: snapshot of the wrong shard",
       subjects.psLoad(job, 0),
-      encodeShardState({ job, shard: 1, updates: 0, optimizerSteps: 0, step: 0, chunks: [] }),
+      encodeShardState(withChecksum({ job, shard: 1, updates: 0, optimizerSteps: 0, step: 0, chunks: [] })),
       BadRequestError,
       "shard 1",
     ],
+    [
+      "load: a state changed after it was cut (checksum)",
+      subjects.psLoad(job, 0),
+      encodeShardState({ ...withChecksum({ job, shard: 0, updates: 0, optimizerSteps: 0, step: 0, chunks: [] }), step: 1 }),
+      BadRequestError,
+      "checksum",
+    ],
+    [
+      "load: a step past the job's end",
+      subjects.psLoad(job, 0),
+      encodeShardState(withChecksum({ job, shard: 0, updates: 0, optimizerSteps: 0, step: 2 ** 53 - 1, chunks: [] })),
+      BadRequestError,
+      "runs steps 0 to",
+    ],
+    ["state: a part not named", subjects.psState(job, 0), encodeJobRequest({ job, step: 0, tag: "" }), BadRequestError, "part <n>"],
+    ["state: a later part before part 0", subjects.psState(job, 0), encodeJobRequest({ job, step: 77, tag: "part 1" }), BadRequestError, "part 0 first"],
     ["load: wrong identifier", subjects.psLoad(job, 0), encodeJobRequest({ job, step: 0, tag: "" }), WireFormatError, "MTSS"],
   ];
   test.each(cases)("%s", async (_, subject, data, cls, fragment) => {
@@ -211,9 +229,10 @@ describe("bad input on every subject gets an error reply, and the shard keeps se
 });
 
 test("state then load round-trips a shard's snapshot through the wire", async () => {
-  const req = encodeJobRequest({ job: cfg.job, step: 0, tag: "" });
+  const req = encodeJobRequest({ job: cfg.job, step: 0, tag: "part 0" });
   const state = decodeShardState(await bus.request(subjects.psState(cfg.job, 1), req, timeout), 64 << 20);
   expect(state.chunks.map((c) => c.id).sort((a, b) => a - b)).toEqual(layout.byShard[1]!);
+  expect([state.parts, state.part, state.checksum === shardStateChecksum(state)]).toEqual([1, 0, true]);
   await bus.request(subjects.psLoad(cfg.job, 1), encodeShardState(state), timeout);
   const again = decodeShardState(await bus.request(subjects.psState(cfg.job, 1), req, timeout), 64 << 20);
   expect(again).toEqual(state);

@@ -16,7 +16,7 @@ import { buildModel } from "../../services/runtime/model.ts";
 import { Replica, type ReplicaStepResult } from "../../services/trainer/replica.ts";
 import { replicaFromPartitions } from "../../services/runtime/replica-parts.ts";
 import { CorruptDataError } from "../../services/runtime/errors.ts";
-import type { ShardState } from "../../schemas/messages.ts";
+import { type ShardState, withChecksum } from "../../schemas/messages.ts";
 import { imagePlan } from "../helpers/jobs.ts";
 import { tokenWindows } from "../helpers/windows.ts";
 
@@ -309,7 +309,8 @@ describe("ZeRO checkpoints", () => {
       // a partition missing, one twice, or one of another step is refused
       expect(() => assemble(partitions.slice(1))).toThrow(CorruptDataError);
       expect(() => assemble([...partitions, partitions[0]!])).toThrow(/repeated/);
-      expect(() => assemble([...partitions.slice(1), { ...partitions[0]!, step: 4 }])).toThrow(/steps/);
+      expect(() => assemble([...partitions.slice(1), withChecksum({ ...partitions[0]!, step: 4 })])).toThrow(/steps/);
+      expect(() => assemble([...partitions.slice(1), { ...partitions[0]!, step: 4 }])).toThrow(/checksum/);
       for (const run of resumed) {
         for (const x of run.ranks) {
           for (const p of parts) x.replica.stage({ ...p, generation: 5 });

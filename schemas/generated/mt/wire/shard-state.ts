@@ -111,8 +111,27 @@ rank():number {
   return offset ? this.bb!.readUint32(this.bb_pos + offset) : 0;
 }
 
+/**
+ * a parameter server's state cut into several messages: `shard` is the shard, this is the
+ * part's index of `parts`
+ */
+part():number {
+  const offset = this.bb!.__offset(this.bb_pos, 28);
+  return offset ? this.bb!.readUint32(this.bb_pos + offset) : 0;
+}
+
+/**
+ * shardStateChecksum (schemas/messages.ts): over the job, step, counters and every chunk, not
+ * over where the part goes (shard, part, parts, generation, rank); set by whoever cuts the
+ * state, checked before a load is applied
+ */
+checksum():bigint {
+  const offset = this.bb!.__offset(this.bb_pos, 30);
+  return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
+}
+
 static startShardState(builder:flatbuffers.Builder) {
-  builder.startObject(12);
+  builder.startObject(14);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -175,6 +194,14 @@ static addRank(builder:flatbuffers.Builder, rank:number) {
   builder.addFieldInt32(11, rank, 0);
 }
 
+static addPart(builder:flatbuffers.Builder, part:number) {
+  builder.addFieldInt32(12, part, 0);
+}
+
+static addChecksum(builder:flatbuffers.Builder, checksum:bigint) {
+  builder.addFieldInt64(13, checksum, BigInt('0'));
+}
+
 static endShardState(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -188,7 +215,7 @@ static finishSizePrefixedShardStateBuffer(builder:flatbuffers.Builder, offset:fl
   builder.finish(offset, 'MTSS', true);
 }
 
-static createShardState(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, shard:number, updates:bigint, optimizerSteps:bigint, chunksOffset:flatbuffers.Offset, step:bigint, parts:number, generation:bigint, lossScale:number, slabRanges:boolean, rank:number):flatbuffers.Offset {
+static createShardState(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, shard:number, updates:bigint, optimizerSteps:bigint, chunksOffset:flatbuffers.Offset, step:bigint, parts:number, generation:bigint, lossScale:number, slabRanges:boolean, rank:number, part:number, checksum:bigint):flatbuffers.Offset {
   ShardState.startShardState(builder);
   ShardState.addSchemaVersion(builder, schemaVersion);
   ShardState.addJob(builder, jobOffset);
@@ -202,6 +229,8 @@ static createShardState(builder:flatbuffers.Builder, schemaVersion:number, jobOf
   ShardState.addLossScale(builder, lossScale);
   ShardState.addSlabRanges(builder, slabRanges);
   ShardState.addRank(builder, rank);
+  ShardState.addPart(builder, part);
+  ShardState.addChecksum(builder, checksum);
   return ShardState.endShardState(builder);
 }
 }
