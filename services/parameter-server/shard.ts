@@ -513,7 +513,11 @@ export class ParameterShard {
   exportPart(part: number, step: number, partBytesMax: number): ShardState {
     if (part === 0) {
       const whole = this.exportState();
-      const groups = packByBytes(whole.chunks, (c) => c.params.byteLength * (1 + c.state.length) + 256, Math.max(1, partBytesMax - partOverheadBytes));
+      // a shard that owns no chunks still answers one part, with none
+      const groups =
+        whole.chunks.length === 0
+          ? [[]]
+          : packByBytes(whole.chunks, (c) => c.params.byteLength * (1 + c.state.length) + 256, Math.max(1, partBytesMax - partOverheadBytes));
       this.#exported = {
         step,
         parts: groups.map((chunks, p) => withChecksum({ ...whole, chunks, parts: groups.length, part: p })),

@@ -122,14 +122,14 @@ describe("bad input on every loader and checkpoint subject gets an error reply; 
 
   test("after all that, a save and a restore of the job work", async () => {
     const m = decodeManifest(await client.bus.request(save, encodeJobRequest({ job, step: 0, tag: "test" }), 30_000), 1 << 20);
-    expect(m.files.map((f) => f.name)).toEqual(["ps-0.mtss", "ps-1.mtss"]);
+    expect(m.files.map((f) => f.name)).toEqual(["ps-0-0.mtss", "ps-1-0.mtss"]);
     const r = decodeManifest(await client.bus.request(restore, jr(), 30_000), 1 << 20);
     expect(r.id).toBe(m.id);
   });
 
   test("a flipped byte in a snapshot file is detected on restore and reported; the service keeps serving", async () => {
     const m = decodeManifest(await client.bus.request(save, encodeJobRequest({ job, step: 0, tag: "test" }), 30_000), 1 << 20);
-    const path = join(dir, "checkpoints", job, m.id, "ps-1.mtss");
+    const path = join(dir, "checkpoints", job, m.id, "ps-1-0.mtss");
     const bytes = readFileSync(path);
     bytes[Math.floor(bytes.length / 2)]! ^= 0x10;
     writeFileSync(path, bytes);
@@ -147,7 +147,7 @@ describe("bad input on every loader and checkpoint subject gets an error reply; 
     // its only snapshot is corrupt: nothing to fall back to (the fallback itself: checkpoint-store.test.ts)
     expect(error).toBeInstanceOf(CorruptDataError);
     await waitFor("the corruption report", () => reports.length > 0, 5_000);
-    expect(reports[0]).toContain(`${m.id}: ps-1.mtss fails its checksum`);
+    expect(reports[0]).toContain(`${m.id}: ps-1-0.mtss fails its checksum`);
     await events.return?.();
     await collect;
     expect(decodeCheckpointList(await client.bus.request(list, jr(), 10_000), 1 << 20).items.map((x) => x.id)).toEqual([m.id]);

@@ -374,6 +374,18 @@ describe("snapshots", () => {
     b.shard.dispose();
   });
 
+  test("a shard that owns no chunks answers one part with none, and loads it", () => {
+    const cfg = job({ trainers: 1, sync: "bsp", shards: 2 });
+    const layout = buildLayout(cfg.job, 100, 50, cfg.chunkBytes, 2);
+    const empty = layout.byShard.findIndex((ids) => ids.length === 0);
+    expect(empty).toBeGreaterThanOrEqual(0);
+    const shard = new ParameterShard({ backend: be, config: cfg, layout, shard: empty, totalSteps: 10, initial: new Float32Array(100) });
+    const s = shard.exportPart(0, 0, 1 << 20);
+    expect([s.parts, s.part, s.chunks.length]).toEqual([1, 0, 0]);
+    expect(shard.loadPart(s)).toBe(true);
+    shard.dispose();
+  });
+
   test("a restore answers pulls that were waiting with a DeadlineError", async () => {
     const cfg = job({ trainers: 2, sync: "bsp" });
     const { shard, ids } = makeShard(cfg);
