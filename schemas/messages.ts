@@ -792,6 +792,10 @@ export interface JobRequest {
 
 const jobRequestRoot = root("JobRequest", "MTJR", (bb) => JobRequestT.getRootAsJobRequest(bb));
 
+/** A request's job name and tag are short words (a tag names a part, a snapshot or a reason):
+ *  longer ones are refused, so that no text copied from a request into an event or a log is large. */
+export const jobRequestTextMax = 256;
+
 export function encodeJobRequest(m: JobRequest): Uint8Array {
   const b = builder(128);
   const job = str(b, m.job),
@@ -803,7 +807,15 @@ export function decodeJobRequest(data: Uint8Array, bytesMax: number): JobRequest
   const r = openRoot(data, jobRequestRoot, bytesMax);
   return guarded("JobRequest", () => {
     const value = r.value();
-    return { job: r.job() ?? "", step: num(r.step()), tag: r.tag() ?? "", ...(value !== 0 ? { value } : {}) };
+    const job = r.job() ?? "",
+      tag = r.tag() ?? "";
+    for (const [what, text] of [
+      ["job name", job],
+      ["tag", tag],
+    ] as const)
+      if (text.length > jobRequestTextMax)
+        throw new WireFormatError("malformed", `a JobRequest's ${what} of ${text.length} characters (at most ${jobRequestTextMax})`);
+    return { job, step: num(r.step()), tag, ...(value !== 0 ? { value } : {}) };
   });
 }
 

@@ -31,7 +31,7 @@ import {
 } from "../../schemas/messages.ts";
 import { join } from "node:path";
 import type { Bus, Subscription } from "../runtime/bus.ts";
-import { BadRequestError, ConfigError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
+import { BadRequestError, ConfigError, CorruptDataError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
 import { EvalTally } from "../runtime/evals.ts";
 import {
   configOfSpec,
@@ -52,7 +52,7 @@ import { exportModelFile } from "../runtime/model.ts";
 import { replicaFromPartitions } from "../runtime/replica-parts.ts";
 import { planOfSpec } from "../runtime/plan.ts";
 import { stateTimeoutMs } from "./limits.ts";
-import { CheckpointStore, modelFileName } from "./store.ts";
+import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
 
 interface JobEntry {
   cfg: JobConfig;
@@ -139,15 +139,31 @@ export class CheckpointService {
     return next;
   }
 
-  async #save(e: JobEntry, step: number, why: string): Promise<Uint8Array> {
+  async #save(e: JobEntry, asked: number, why: string): Promise<Uint8Array> {
     const { cfg, plan } = e;
     const t0 = performance.now();
-    const req = encodeJobRequest({ job: cfg.job, step, tag: "" });
+    if (!Number.isSafeInteger(asked) || asked < 0 || asked > plan.totalSteps)
+      throw new BadRequestError(`a save for step ${asked}: job ${cfg.job} runs steps 0 to ${plan.totalSteps}`);
     const states = !usesShards(cfg)
       ? cfg.zero > 0
-        ? await this.#partitionParts(cfg, step)
-        : await this.#replicaParts(cfg, step)
-      : (await Promise.all(Array.from({ length: cfg.shards }, (_, k) => this.#shardParts(cfg, k, step)))).flat();
+        ? await this.#partitionParts(cfg, asked)
+        : await this.#replicaParts(cfg, asked)
+      : (await Promise.all(Array.from({ length: cfg.shards }, (_, k) => this.#shardParts(cfg, k, asked)))).flat();
+    // the snapshot's step is the state's, never the request's: under ASP and SSP the step every
+    // trainer had pushed; otherwise it must be the step asked for
+    // (a shard that owns no chunks gets no pushes, and its clocks say nothing)
+    const holding = states.filter((s) => s.state.chunks.length > 0);
+    const step = holding.length === 0 ? asked : Math.min(...holding.map((s) => s.state.step));
+    const loose = usesShards(cfg) && cfg.sync !== "bsp";
+    const off = holding.find((s) => s.state.step !== asked);
+    if (!loose && off !== undefined) throw new BadRequestError(`a save for step ${asked}, but the state is at step ${off.state.step}`);
+    // a step's snapshot is written once: a save of a step already saved (a retried request, or
+    // a run going over that step again after a restore) answers with it
+    const existing = this.#goodSnapshot(cfg.job, step);
+    if (existing !== null) {
+      this.log?.info({ job: cfg.job, id: existing.id, why }, "snapshot of this step exists; kept");
+      return encodeManifest(existing);
+    }
     // the final snapshot's parameters as a model file, written (durably) before the snapshot
     // that names it
     let modelPath = "";
@@ -188,6 +204,18 @@ export class CheckpointService {
       `saved ${manifest.id} (${(bytes / 1e6).toFixed(1)} MB in ${ms.toFixed(0)} ms)${modelPath ? `; model ${modelPath}` : ""}`,
     );
     return encodeManifest(manifest);
+  }
+
+  /** The snapshot of `step` if there is one whose files all verify (a corrupt one may be replaced). */
+  #goodSnapshot(job: string, step: number): Manifest | null {
+    const id = snapshotId(step);
+    if (!this.store.list(job).some((m) => m.id === id)) return null;
+    try {
+      return this.store.read(job, id).manifest;
+    } catch (e) {
+      if (e instanceof CorruptDataError) return null;
+      throw e;
+    }
   }
 
   /** Parameter-server mode: shard k's state at `step`, part by part, each verified before it is written. */

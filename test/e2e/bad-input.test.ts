@@ -95,6 +95,9 @@ const cases: [string, string, Uint8Array, Cls, string][] = [
   ["ckpt.save: garbage", save, garbage, WireFormatError, ""],
   ["ckpt.save: wrong version", save, wrongVersion, WireFormatError, "schema version"],
   ["ckpt.save: unknown job", subjects.ckptSave("ghost"), jr("ghost"), UnknownJobError, "ghost"],
+  ["ckpt.save: a step past the job's end", save, encodeJobRequest({ job, step: 2 ** 53 - 1, tag: "" }), BadRequestError, "runs steps 0 to"],
+  ["ckpt.save: a step the state is not at (BSP)", save, encodeJobRequest({ job, step: 3, tag: "" }), BadRequestError, "the state is at step 0"],
+  ["ckpt.restore: a 100 KB tag", restore, encodeJobRequest({ job, step: 0, tag: "x".repeat(100_000) }), WireFormatError, "tag of 100000 characters"],
   ["ckpt.list: truncated", list, jr().subarray(0, 9), WireFormatError, ""],
   ["ckpt.list: oversized", list, huge, WireFormatError, "exceeds"],
   ["ckpt.restore: a snapshot that does not exist", restore, encodeJobRequest({ job, step: 0, tag: "step-000000777" }), NotReadyError, "step-000000777"],
@@ -123,6 +126,9 @@ describe("bad input on every loader and checkpoint subject gets an error reply; 
   test("after all that, a save and a restore of the job work", async () => {
     const m = decodeManifest(await client.bus.request(save, encodeJobRequest({ job, step: 0, tag: "test" }), 30_000), 1 << 20);
     expect(m.files.map((f) => f.name)).toEqual(["ps-0-0.mtss", "ps-1-0.mtss"]);
+    // a step's snapshot is written once: saving it again answers with the one there
+    const again = decodeManifest(await client.bus.request(save, encodeJobRequest({ job, step: 0, tag: "again" }), 30_000), 1 << 20);
+    expect([again.id, again.createdMs]).toEqual([m.id, m.createdMs]);
     const r = decodeManifest(await client.bus.request(restore, jr(), 30_000), 1 << 20);
     expect(r.id).toBe(m.id);
   });
