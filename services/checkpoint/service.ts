@@ -22,6 +22,7 @@ import {
   encodeShardState,
   emptyEvent,
   EventKind,
+  JobState,
   decodeEvent,
   type DataPlan,
   type JobSpec,
@@ -80,6 +81,8 @@ interface JobEntry {
    */
   fresh: boolean;
   firstAsks: Set<string>;
+  /** the shards and ranks that have asked for their restore since the job opened here */
+  asked: Set<string>;
 }
 
 /** part p of shard k's state (a snapshot before parts: ps-<k>.mtss, one part) */
@@ -306,6 +309,11 @@ export class CheckpointService {
     // the shards of a resumed job each ask when they open it: one restore loads them all, and
     // the others find their shard loaded already (restoring again would rewind the trainers)
     const opened = shardOfOpenedTag(tag);
+    const rank = usesShards(cfg) ? null : trainerOfOpenedTag(tag);
+    // a shard or rank that asks a second time came back (restarted) since it opened the job
+    const asker = opened !== null ? `shard ${opened}` : rank !== null ? `trainer ${rank}` : null;
+    const askedBefore = asker !== null && e.asked.has(asker);
+    if (asker !== null) e.asked.add(asker);
     // a new job: a shard's first ask finds the snapshot of step 0 at most, which it holds already
     if (opened !== null && e.fresh && !e.firstAsks.has(`shard ${opened}`)) {
       e.firstAsks.add(`shard ${opened}`);
@@ -314,7 +322,6 @@ export class CheckpointService {
     if (opened !== null && opened < cfg.shards && !(await this.#holdsNothing(cfg, opened))) {
       throw new NotReadyError(`shard ${opened} of job ${cfg.job} holds state already (an earlier restore loaded it, or it trained): nothing to restore`);
     }
-    const rank = usesShards(cfg) ? null : trainerOfOpenedTag(tag);
     const last = e.lastRestore;
     if (rank !== null && e.fresh && last === null && !e.firstAsks.has(`trainer ${rank}`)) {
       e.firstAsks.add(`trainer ${rank}`);
@@ -325,6 +332,17 @@ export class CheckpointService {
       return encodeManifest(last.manifest);
     }
     const id = tag.startsWith("step-") ? tag : "";
+    if (askedBefore && id === "" && this.store.list(cfg.job).length === 0) {
+      // a process that had opened the job came back without its state, and nothing can give
+      // it back: the job cannot go on consistently, so it fails now rather than wait on it
+      const reason = `${asker} restarted and lost its state, and job ${cfg.job} has no snapshot to restore it from${cfg.checkpointEvery === 0 ? " (checkpointEvery is 0)" : ""}`;
+      this.log?.error({ job: cfg.job }, reason);
+      this.#event(cfg.job, EventKind.Failed, 0, reason);
+      await this.control?.end(cfg.job, { state: JobState.Failed, reason }).catch((err: unknown) => {
+        this.log?.error({ err: (err as Error).message }, "cannot record the job's failure");
+      });
+      throw new BadRequestError(reason);
+    }
     const snap = this.store.latestGood(cfg.job, id, (bad, why) => {
       this.log?.error({ job: cfg.job, id: bad, why }, "snapshot failed verification; trying the previous one");
       this.#event(cfg.job, EventKind.Log, 0, `snapshot ${bad} is corrupt: ${why}`);
@@ -410,7 +428,18 @@ export class CheckpointService {
       }
     });
     const fresh = this.store.list(cfg.job).length === 0;
-    this.#jobs.set(cfg.job, { cfg, plan, evals, sub, busy: Promise.resolve(), generation: 0, lastRestore: null, fresh, firstAsks: new Set() });
+    this.#jobs.set(cfg.job, {
+      cfg,
+      plan,
+      evals,
+      sub,
+      busy: Promise.resolve(),
+      generation: 0,
+      lastRestore: null,
+      fresh,
+      firstAsks: new Set(),
+      asked: new Set(),
+    });
     void this.control?.note(cfg.job, { snapshotDir: this.store.jobDir(cfg.job) }).catch((err: unknown) => {
       this.log?.warn({ job: cfg.job, err: (err as Error).message }, "cannot record the job's folder in its record");
     });

@@ -9,7 +9,7 @@ import { JobData, planHere } from "../../services/data-loader/loader.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
-import { watchJob } from "../../sdk/watch.ts";
+import { JobFailedError, watchJob } from "../../sdk/watch.ts";
 import { effectiveSteps, modelFileAccuracy } from "../helpers/jobs.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 
@@ -118,6 +118,28 @@ describe("mesh", () => {
       expect(ids.sort((a, b) => a - b)).toEqual([...data.train]);
     }
   }, 300_000);
+
+  test("a shard killed in a job with no snapshot to restore it from: the job fails at once, saying so, instead of waiting on it", async () => {
+    await using mesh = await startMesh("mt-nosnap-");
+    await using client = await MeshClient.connect(mesh.url);
+    const cfg = config({ job: "nosnap", epochs: 2, checkpointEvery: 0 });
+    let killedAt = -1;
+    await client.submit(cfg, { membersWaitMs: 60_000 });
+    const failed = await watchJob(client, cfg.job, {
+      quiet: true,
+      onEvent: (e) => {
+        if (killedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step >= 20) {
+          killedAt = e.step;
+          mesh.kill("parameter-server-1", "SIGKILL");
+        }
+      },
+    }).catch((e: unknown) => e);
+    expect(killedAt).toBeGreaterThan(0);
+    expect(failed).toBeInstanceOf(JobFailedError);
+    const record = (failed as JobFailedError).record!;
+    expect(record.state).toBe(JobState.Failed);
+    expect(record.reason).toContain("shard 1 restarted and lost its state, and job nosnap has no snapshot to restore it from (checkpointEvery is 0)");
+  }, 120_000);
 
   test("compressed pushes and pulls: bf16 moves half the bytes of f32, int8 pushes a quarter; both learn", async () => {
     await using mesh = await startMesh("mt-e2e-compress-");
