@@ -243,6 +243,17 @@ export class MeshClient implements AsyncDisposable {
     return r.record;
   }
 
+  /** Fails every running job with `reason` (a service the launcher gave up on); the records written. */
+  async failRunning(reason: string): Promise<JobRecord[]> {
+    const failed: JobRecord[] = [];
+    for (const r of await this.list()) {
+      if (isEnded(r)) continue;
+      const written = await this.ledger.end(r.job, { state: JobState.Failed, reason }, r.attempts);
+      if (written !== null) failed.push(written);
+    }
+    return failed;
+  }
+
   /** Every job this mesh has a record of, oldest first. */
   async list(): Promise<JobRecord[]> {
     return await this.jobs.allRecords();

@@ -6,8 +6,10 @@
 // Lifetimes: every child runs in its own session (a terminal's Ctrl-C reaches only the launcher,
 // which stops the services, then NATS, in order) and gets SIGTERM from the kernel if the launcher
 // dies without stopping them (util-linux's setpriv --pdeathsig): nothing outlives the launcher.
-// A service that dies is restarted (after a short pause, a bounded number of times), as
-// `restart: on-failure` does in compose. Each service's output goes to one log file per launch;
+// A service that dies is restarted, as `restart: on-failure` does in compose: after a pause that
+// doubles with each quick failure in a row (RestartPolicy), and at most `budget` times within a
+// sliding window; past that the launcher gives up on it and says why, with the last error the
+// service wrote (onGiveUp: the CLI fails the running jobs with it). Each service's output goes to one log file per launch;
 // lines about a job can also be copied into that job's own log folder.
 import { createWriteStream, mkdirSync, readFileSync, type WriteStream } from "node:fs";
 import { join } from "node:path";
@@ -20,10 +22,58 @@ import { type NatsServer, startNatsServer } from "../services/runtime/nats-serve
 export const composePath = join(import.meta.dir, "..", "deploy", "docker-compose.yml");
 const root = join(import.meta.dir, "..");
 
-/** Restarts of one service before the launcher gives up on it. */
-export const restartsMax = 10;
-/** Pause before a restart, so a service that fails at once does not spin. */
-export const restartDelayMs = 500;
+/** When the launcher restarts a service that died, and when it gives up. */
+export interface RestartPolicy {
+  /** pause before the first restart of a failure streak; each quick failure after it doubles it */
+  baseDelayMs: number;
+  maxDelayMs: number;
+  /** restarts allowed within windowMs before the launcher gives up on the service */
+  budget: number;
+  windowMs: number;
+  /** a run this long was healthy: the next failure starts a new streak (the base pause) */
+  healthyRunMs: number;
+}
+
+export const restartDefaults: RestartPolicy = { baseDelayMs: 500, maxDelayMs: 30_000, budget: 10, windowMs: 10 * 60_000, healthyRunMs: 60_000 };
+
+/** One service's restarts: the pause before the next, or null once the window's budget is spent. */
+export class RestartTracker {
+  readonly #times: number[] = [];
+  #streak = 0;
+
+  constructor(readonly policy: RestartPolicy) {}
+
+  /** restarts within the window, as of the last call */
+  get recent(): number {
+    return this.#times.length;
+  }
+
+  /** A run that lasted `ranMs` ended at `nowMs`: the pause before restarting it, or null (give up). */
+  next(nowMs: number, ranMs: number): number | null {
+    const p = this.policy;
+    while (this.#times.length > 0 && this.#times[0]! <= nowMs - p.windowMs) this.#times.shift();
+    if (this.#times.length >= p.budget) return null;
+    this.#streak = ranMs >= p.healthyRunMs ? 0 : this.#streak + 1;
+    this.#times.push(nowMs);
+    return Math.min(p.maxDelayMs, p.baseDelayMs * 2 ** Math.max(0, this.#streak - 1));
+  }
+}
+
+/** The error a service last reported: a pino line at level error or fatal (its err, else its msg), or a crash's "SomeError: text" line. */
+export function errorOfLine(line: string): string | null {
+  if (line.startsWith("{")) {
+    try {
+      const o = JSON.parse(line) as { level?: unknown; err?: unknown; msg?: unknown };
+      if (o.level !== "error" && o.level !== "fatal" && o.level !== 50 && o.level !== 60) return null;
+      const text = [o.msg, o.err].filter((x) => typeof x === "string" && x !== "").join(": ");
+      return text === "" ? null : text;
+    } catch {
+      return null;
+    }
+  }
+  const m = /^\s*([A-Z]\w*(?:Error|Exception)): (.+)$/.exec(line);
+  return m ? `${m[1]}: ${m[2]}` : null;
+}
 /** How long the services of a fresh mesh get to register (start-up on a loaded machine). */
 export const membersWaitMs = 60_000;
 /** How long services get to drain after SIGTERM before they are killed. */
@@ -100,19 +150,19 @@ export interface MeshOptions {
   /** host label per trainer rank (MT_HOST), as if the ranks ran on these machines; default: this machine's name */
   trainerHosts?: string[];
   onEvent?: (line: string) => void;
+  /** a service kept failing and is not restarted again: its name, what it last wrote as an error, its log */
+  onGiveUp?: (service: string, lastError: string, log: string) => void;
+  /** restart policy (default restartDefaults) */
+  restart?: Partial<RestartPolicy>;
 }
 
 interface Running {
   spec: ServiceSpec;
   proc: Subprocess;
-  restarts: number;
+  restarts: RestartTracker;
   /** its output copied to the logs, to the last line */
   pumped: Promise<unknown>;
 }
-
-/** A service that ran this long before dying is restarted as if for the first time (restartsMax
- *  counts quick, repeated failures, not a long-running mesh's rare ones). */
-const healthyRunMs = 60_000;
 
 /** argv that asks the kernel to SIGTERM the child when the launcher dies (Linux; plain argv elsewhere). */
 function tiedToLauncher(argv: string[]): string[] {
@@ -141,7 +191,7 @@ export class LocalMesh implements AsyncDisposable {
       logFile: join(opts.logDir, "nats-server.log"),
     });
     const mesh = new LocalMesh(nats, opts, scaleTopology(topology, opts));
-    for (const spec of mesh.services) mesh.#spawn(spec, 0);
+    for (const spec of mesh.services) mesh.#spawn(spec);
     return mesh;
   }
 
@@ -206,9 +256,13 @@ export class LocalMesh implements AsyncDisposable {
     let rest = "";
     for await (const chunk of stream) {
       log.write(chunk);
-      if (!this.opts.jobLogs) continue;
       const lines = (rest + decoder.decode(chunk, { stream: true })).split("\n");
       rest = lines.pop() ?? "";
+      for (const line of lines) {
+        const error = errorOfLine(line);
+        if (error !== null) this.#lastError.set(name, error.slice(0, 500));
+      }
+      if (!this.opts.jobLogs) continue;
       for (const line of lines) {
         const job = /"job":"([^"]{1,64})"/.exec(line)?.[1];
         if (!job || !jobNamePattern.test(job)) continue;
@@ -219,25 +273,36 @@ export class LocalMesh implements AsyncDisposable {
     }
   }
 
-  #spawn(spec: ServiceSpec, restartsBefore: number): void {
+  #spawn(spec: ServiceSpec, restarts = new RestartTracker({ ...restartDefaults, ...this.opts.restart })): void {
     const startedMs = Date.now();
     const proc = Bun.spawn(tiedToLauncher(spec.argv), { cwd: root, env: this.#env(spec), stdin: "ignore", stdout: "pipe", stderr: "pipe", detached: true });
     const pumped = Promise.all([this.#pump(spec.name, proc.stdout), this.#pump(spec.name, proc.stderr)]);
-    this.#running.set(spec.name, { spec, proc, restarts: restartsBefore, pumped });
-    void proc.exited.then((code) => {
+    this.#running.set(spec.name, { spec, proc, restarts, pumped });
+    void proc.exited.then(async (code) => {
       if (this.#stopping) return;
-      const restarts = Date.now() - startedMs >= healthyRunMs ? 0 : restartsBefore;
+      const now = Date.now();
       const why = proc.signalCode ? `signal ${proc.signalCode}` : `exit ${code}`;
-      if (restarts >= restartsMax) {
-        this.opts.onEvent?.(`${spec.name} died (${why}) ${restarts} times; not restarting (log: ${this.logPath(spec.name)})`);
+      const log = this.logPath(spec.name);
+      const pause = restarts.next(now, now - startedMs);
+      if (pause === null) {
+        await pumped; // its last lines, the crash's among them
+        const lastError = this.#lastError.get(spec.name) ?? "(none in its log)";
+        const { budget, windowMs } = restarts.policy;
+        this.opts.onEvent?.(
+          `${spec.name} died (${why}) after ${budget} restarts within ${Math.round(windowMs / 60_000)} min; not restarting. Its last error: ${lastError} (log: ${log})`,
+        );
+        this.opts.onGiveUp?.(spec.name, lastError, log);
         return;
       }
-      this.opts.onEvent?.(`${spec.name} died (${why}); restarting (log: ${this.logPath(spec.name)})`);
+      this.opts.onEvent?.(`${spec.name} died (${why}); restarting in ${(pause / 1000).toFixed(1)} s (log: ${log})`);
       setTimeout(() => {
-        if (!this.#stopping) this.#spawn(spec, restarts + 1);
-      }, restartDelayMs);
+        if (!this.#stopping) this.#spawn(spec, restarts);
+      }, pause);
     });
   }
+
+  /** per service: the last error it wrote (errorOfLine) */
+  readonly #lastError = new Map<string, string>();
 
   /** Sends a signal to a service's current process (the chaos tests' SIGKILL). */
   kill(name: string, signal: NodeJS.Signals = "SIGKILL"): number {
@@ -254,8 +319,9 @@ export class LocalMesh implements AsyncDisposable {
     return r.proc.pid;
   }
 
+  /** A service's restarts within the policy's window. */
   restarts(name: string): number {
-    return this.#running.get(name)?.restarts ?? 0;
+    return this.#running.get(name)?.restarts.recent ?? 0;
   }
 
   /**

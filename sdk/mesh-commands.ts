@@ -188,12 +188,18 @@ async function meshUp(o: { dir: string; port: number; trainers: number; shards: 
     onEvent: (line) => console.log(`launcher: ${line}`),
   };
   using stop = new StopRequests((s) => console.log(`\n${s}: stopping the mesh (again to stop at once)`));
-  const m = await LocalMesh.start(opts);
+  let failJobs: (reason: string) => void = () => {};
+  const m = await LocalMesh.start({
+    ...opts,
+    onGiveUp: (service, lastError, log) => failJobs(`${service} keeps crashing: ${lastError} (log: ${shownPath(log)})`),
+  });
   stop.second.signal.addEventListener("abort", () => void m.stop(true), { once: true });
   let forget = () => {};
   try {
     // up means every service has registered: a job submitted now finds them all
     await using client = await MeshClient.connect(m.url);
+    failJobs = (reason) =>
+      void client.failRunning(reason).catch((e: unknown) => console.log(`launcher: cannot fail the running jobs: ${(e as Error).message}`));
     if (!(await client.waitForMembers({ job: "(any)", trainers: o.trainers, shards: o.shards }, membersWaitMs, stop.first.signal))) return;
     forget = announceLocalMesh({ url: m.url, pid: process.pid, dir: o.dir });
     console.log(`mesh up: NATS at ${m.url}; ${m.services.map((s) => s.name).join(", ")}`);

@@ -66,9 +66,17 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
 
   let print = (line: string) => console.log(line);
   using stop = new StopRequests((s) => print(`${s}: stopping job ${cfg.job}: a snapshot first, then the mesh (again to stop at once)`));
-  const mesh = await LocalMesh.start({ jobsDir, logDir, trainers: cfg.trainers, shards, onEvent: (line) => print(`launcher: ${line}`) });
-  stop.second.signal.addEventListener("abort", () => void mesh.stop(true), { once: true });
   let client: MeshClient | null = null;
+  const mesh = await LocalMesh.start({
+    jobsDir,
+    logDir,
+    trainers: cfg.trainers,
+    shards,
+    onEvent: (line) => print(`launcher: ${line}`),
+    // a service that keeps crashing fails the job with its own last error
+    onGiveUp: (service, lastError, log) => void client?.failRunning(`${service} keeps crashing: ${lastError} (log: ${shownPath(log)})`).catch(() => {}),
+  });
+  stop.second.signal.addEventListener("abort", () => void mesh.stop(true), { once: true });
   let submitted = false;
   try {
     client = await MeshClient.connect(mesh.url);
