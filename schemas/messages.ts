@@ -33,6 +33,7 @@ import {
   Split,
   SyncPolicy,
   TrainerStats as TrainerStatsT,
+  Heartbeat as HeartbeatT,
 } from "./wire.ts";
 import {
   bytesOf,
@@ -944,6 +945,43 @@ export function decodeTrainerStats(data: Uint8Array, bytesMax: number): TrainerS
     wireBytes: num(r.wireBytes()),
     hostBytes: num(r.hostBytes()),
     gatheredPeakBytes: num(r.gatheredPeakBytes()),
+  }));
+}
+
+// ---- heartbeats ----------------------------------------------------------------------------
+
+export interface Heartbeat {
+  job: string;
+  /** "trainer 1", "shard 0", "data-loader" */
+  who: string;
+  step: number;
+  /** data, pull, compute, push, collective, eval, checkpoint, serving, idle */
+  phase: string;
+  /** when the phase began (ms, the sender's clock) */
+  phaseMs: number;
+  /** a trainer: its last step's time (ms) */
+  stepMs: number;
+}
+
+const heartbeatRoot = root("Heartbeat", "MTHB", (bb) => HeartbeatT.getRootAsHeartbeat(bb));
+
+export function encodeHeartbeat(m: Heartbeat): Uint8Array {
+  const b = builder(128);
+  const job = str(b, m.job),
+    who = str(b, m.who),
+    phase = str(b, m.phase);
+  return finishBytes(b, HeartbeatT.createHeartbeat(b, schemaVersion, job, who, big(m.step), phase, m.phaseMs, m.stepMs), heartbeatRoot.identifier);
+}
+
+export function decodeHeartbeat(data: Uint8Array, bytesMax: number): Heartbeat {
+  const r = openRoot(data, heartbeatRoot, bytesMax);
+  return guarded("Heartbeat", () => ({
+    job: r.job() ?? "",
+    who: r.who() ?? "",
+    step: num(r.step()),
+    phase: r.phase() ?? "",
+    phaseMs: r.phaseMs(),
+    stepMs: r.stepMs(),
   }));
 }
 

@@ -13,6 +13,7 @@ export { ErrorReply } from "./generated/mt/wire/error-reply.ts";
 export { EventKind } from "./generated/mt/wire/event-kind.ts";
 export { Event } from "./generated/mt/wire/event.ts";
 export { FileEntry } from "./generated/mt/wire/file-entry.ts";
+export { Heartbeat } from "./generated/mt/wire/heartbeat.ts";
 export { JobRecord } from "./generated/mt/wire/job-record.ts";
 export { JobRequest } from "./generated/mt/wire/job-request.ts";
 export { JobSpec } from "./generated/mt/wire/job-spec.ts";

@@ -172,6 +172,9 @@ class Watcher {
       case EventKind.Failed:
         this.say(`failed: ${e.text}`);
         break;
+      case EventKind.Stalled:
+        this.say(`stalled: ${e.text}`);
+        break;
       case EventKind.Ended:
         return "ended";
     }

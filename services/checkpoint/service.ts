@@ -54,6 +54,7 @@ import { replicaFromPartitions } from "../runtime/replica-parts.ts";
 import { planOfSpec } from "../runtime/plan.ts";
 import { stateTimeoutMs } from "./limits.ts";
 import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
+import { LivenessMonitor } from "../runtime/liveness.ts";
 
 interface JobEntry {
   cfg: JobConfig;
@@ -83,6 +84,8 @@ interface JobEntry {
   firstAsks: Set<string>;
   /** the shards and ranks that have asked for their restore since the job opened here */
   asked: Set<string>;
+  /** the job's heartbeats: who went quiet (Stalled events) */
+  liveness: LivenessMonitor;
 }
 
 /** part p of shard k's state (a snapshot before parts: ps-<k>.mtss, one part) */
@@ -439,6 +442,7 @@ export class CheckpointService {
       fresh,
       firstAsks: new Set(),
       asked: new Set(),
+      liveness: new LivenessMonitor(this.bus, cfg.job),
     });
     void this.control?.note(cfg.job, { snapshotDir: this.store.jobDir(cfg.job) }).catch((err: unknown) => {
       this.log?.warn({ job: cfg.job, err: (err as Error).message }, "cannot record the job's folder in its record");
@@ -460,6 +464,7 @@ export class CheckpointService {
 
   closeJob(job: string): void {
     this.#jobs.get(job)?.sub.unsubscribe();
+    this.#jobs.get(job)?.liveness.close();
     this.#jobs.delete(job);
   }
 }

@@ -15,6 +15,7 @@ import type { Logger } from "../runtime/log.ts";
 import { jobsMaxDefault } from "./limits.ts";
 import { JobData } from "./loader.ts";
 import { type Dataset, datasetKey, readDataset } from "./sources.ts";
+import { HeartbeatPublisher } from "../runtime/liveness.ts";
 
 export interface DataLoaderOptions {
   payloadBytesMax: number;
@@ -29,6 +30,8 @@ export interface DataLoaderOptions {
 
 export class DataLoader {
   readonly #jobs = new Map<string, JobData>();
+  /** per job: this loader's heartbeat (services/runtime/liveness.ts) */
+  readonly #heartbeats = new Map<string, HeartbeatPublisher>();
   /** loaded data sets by datasetKey, with the jobs that use each */
   readonly #datasets = new Map<string, { data: Dataset; jobs: Set<string> }>();
   readonly payloadBytesMax: number;
@@ -135,6 +138,8 @@ export class DataLoader {
       data.jobs.add(cfg.job);
     }
     this.#jobs.set(cfg.job, j);
+    this.#heartbeats.set(cfg.job, new HeartbeatPublisher(this.bus, cfg.job, "data-loader"));
+    this.#heartbeats.get(cfg.job)!.at(0, "serving");
     this.o.log?.info({ ...j.plan }, "job opened");
     await this.o.control?.note(cfg.job, { totalSteps: j.totalSteps });
   }
@@ -150,6 +155,8 @@ export class DataLoader {
     const j = this.#jobs.get(job);
     if (!j) return;
     this.#jobs.delete(job);
+    this.#heartbeats.get(job)?.stop();
+    this.#heartbeats.delete(job);
     const key = datasetKey(j.cfg);
     const d = this.#datasets.get(key);
     d?.jobs.delete(job);

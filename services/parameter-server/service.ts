@@ -19,6 +19,7 @@ import {
 import type { Bus } from "../runtime/bus.ts";
 import { LimitExceededError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
 import { partOfTag } from "../runtime/replica-parts.ts";
+import { HeartbeatPublisher } from "../runtime/liveness.ts";
 import { configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects, usesShards } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
 import { initialParameters } from "../runtime/model.ts";
@@ -34,6 +35,8 @@ interface JobEntry {
   pushes: number;
   duplicates: number;
   pulls: number;
+  /** this shard's heartbeat for the job (its step: the slowest trainer's clock) */
+  hb: HeartbeatPublisher;
 }
 
 export class ParameterServer {
@@ -60,6 +63,7 @@ export class ParameterServer {
       const r = e.shard.push(m);
       e.pushes++;
       e.duplicates += r.duplicates;
+      e.hb.at(Math.min(...e.shard.clocks), "serving");
       return encodePushReply(r);
     });
     on("pull", async (subject, data) => {
@@ -191,7 +195,9 @@ export class ParameterServer {
         ...(owners.length > 1 ? { agreeNorm: (step: number, own: number) => this.#agreeNorm(cfg, owners, step, own) } : {}),
       });
       shard.onNormFailure = (step, e) => this.log?.error({ job: cfg.job, step, err: e.message }, "the shards did not agree on the gradient norm");
-      this.#jobs.set(cfg.job, { shard, pushes: 0, duplicates: 0, pulls: 0 });
+      const hb = new HeartbeatPublisher(this.bus, cfg.job, `shard ${this.shardIndex}`);
+      hb.at(0, "serving");
+      this.#jobs.set(cfg.job, { shard, pushes: 0, duplicates: 0, pulls: 0, hb });
       this.log?.info({ job: cfg.job, chunks: shard.ids.length, elements: shard.elements, sync: cfg.sync, totalSteps }, "job opened");
       this.#restoreIfResumed(cfg.job);
     } finally {
@@ -227,6 +233,7 @@ export class ParameterServer {
     const e = this.#jobs.get(job);
     if (!e) return;
     e.shard.dispose();
+    e.hb.stop();
     this.#jobs.delete(job);
     this.log?.info({ job }, "job closed");
   }

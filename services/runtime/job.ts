@@ -364,6 +364,9 @@ export const subjects = {
   ckptList: (job: string) => `mt.${job}.ckpt.list`,
   ckptRestore: (job: string) => `mt.${job}.ckpt.restore`,
   events: (job: string, kind: string) => `mt.${job}.events.${kind}`,
+  /** a process's heartbeat (services/runtime/liveness.ts); who "trainer 1" -> trainer-1 */
+  heartbeat: (job: string, who: string) => `mt.${job}.hb.${who.replace(/[^A-Za-z0-9_-]+/g, "-")}`,
+  heartbeats: (job: string) => `mt.${job}.hb.*`,
   /** published by the SDK: trainer rank 0 takes a snapshot at its next step boundary */
   checkpointNow: (job: string) => `mt.${job}.ctl.checkpoint`,
   allEvents: (job: string) => `mt.${job}.events.>`,

@@ -52,6 +52,7 @@ import { awaitMembers, type MeshMembers } from "../runtime/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/evals.ts";
 import { BadRequestError, NotReadyError } from "../runtime/errors.ts";
 import { partOfTag } from "../runtime/replica-parts.ts";
+import { HeartbeatPublisher } from "../runtime/liveness.ts";
 import { evalInterval, type JobConfig, jobOfRequest, peakLr, shardsClip, subjects, trainerOpenedTag, usesShards } from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
@@ -159,6 +160,8 @@ export class TrainerRun {
   /** resolves when a restore arrives, so a step blocked on a dead shard is abandoned at once */
   #restored: { promise: Promise<void>; resolve: () => void } = Promise.withResolvers<void>();
   #sub: Subscription | null = null;
+  /** this rank's heartbeat (services/runtime/liveness.ts): step and phase */
+  #hb: HeartbeatPublisher | null = null;
   /** batch requests sent ahead of the step that needs them, in step order */
   #ahead: { step: number; promise: Promise<Batch> }[] = [];
   /** a snapshot was asked for (SDK `save`): rank 0 takes it at the next step boundary */
@@ -287,6 +290,7 @@ export class TrainerRun {
     });
     if (this.#replica) this.#serveReplica();
     this.#replicaSubs.push(bus.handle(subjects.trainerStats(cfg.job, rank), (data, subject) => this.#stats(data, subject)));
+    this.#hb = new HeartbeatPublisher(bus, cfg.job, `trainer ${rank}`);
     if (rank === 0) {
       this.#ctl = bus.subscribe(subjects.checkpointNow(cfg.job), () => (this.#snapshotAsked = true));
       this.#tally = new EvalTally(cfg.trainers);
@@ -333,6 +337,7 @@ export class TrainerRun {
       });
       throw e;
     } finally {
+      this.#hb?.stop();
       for (const s of [this.#sub, this.#ctl, this.#evalSub, ...this.#replicaSubs]) s?.unsubscribe();
       this.#replica?.close();
       this.#ctx.dispose();
@@ -555,11 +560,14 @@ export class TrainerRun {
 
   async #runStep(step: number, generation: number): Promise<void> {
     const { cfg, backend } = this.#o;
+    const hb = this.#hb;
     const t0 = performance.now();
+    hb?.at(step, "data");
     const batch = await this.#batch(step);
     const t1 = performance.now();
     const wire0 = this.#ps!.wireBytes;
     const params = this.#paramsFor(generation);
+    hb?.at(step, "pull");
     await this.#ps!.pull(step, params);
     this.#checkGeneration(step, generation);
     backend.upload(this.#model.store.values.ptr, params);
@@ -567,6 +575,7 @@ export class TrainerRun {
     await this.#boundary(step);
     const t3 = performance.now();
     this.#checkGeneration(step, generation);
+    hb?.at(step, "compute");
     let loss = 0;
     if (batch.rows > 0) {
       // no loss scaler (parameter-server mode refuses f16): the gradients are f32 and always
@@ -578,8 +587,10 @@ export class TrainerRun {
     }
     const t4 = performance.now();
     this.#checkGeneration(step, generation);
+    hb?.at(step, "push");
     await this.#ps!.push(step, this.#grads);
     const t5 = performance.now();
+    hb?.stepTook(t5 - t0);
     this.#publish({
       kind: EventKind.Step,
       step,
@@ -616,11 +627,13 @@ export class TrainerRun {
     const replica = this.#replica!;
     this.#replicaStep = step;
     const t0 = performance.now();
+    this.#hb?.at(step, "data");
     const batch = await this.#batch(step);
     const t1 = performance.now();
     this.#checkGeneration(step, generation);
     await this.#boundary(step);
     this.#checkGeneration(step, generation);
+    this.#hb?.at(step, "compute and collective");
     const lr = lrAt(this.#schedule, peakLr(cfg), step);
     const total = stepRows(this.#plan.trainSamples, this.#plan.stepsPerEpoch, cfg.trainers, cfg.batchSize, step);
     const micro = batch.rows > 0 ? microBatches(batch, cfg.accumSteps) : [];
@@ -630,6 +643,7 @@ export class TrainerRun {
     if (cfg.replicaCheckEvery > 0 && ((step + 1) % cfg.replicaCheckEvery === 0 || step + 1 === this.#total)) await replica.checkReplicas(step);
     this.#replicaStep = step + 1;
     const t3 = performance.now();
+    this.#hb?.stepTook(t3 - t0);
     this.#publish({
       kind: EventKind.Step,
       step,
@@ -686,6 +700,7 @@ export class TrainerRun {
   }
 
   async #checkpoint(step: number): Promise<void> {
+    this.#hb?.at(step, "checkpoint");
     const { cfg, bus, log } = this.#o;
     try {
       await bus.request(subjects.ckptSave(cfg.job), encodeJobRequest({ job: cfg.job, step, tag: "schedule" }), checkpointTimeoutMs);
@@ -697,6 +712,7 @@ export class TrainerRun {
 
   /** Evaluates the current parameters on this rank's share of the held-out split. */
   async #evaluate(step: number): Promise<void> {
+    this.#hb?.at(step, "eval");
     const { cfg, rank, bus, backend } = this.#o;
     if (step >= this.#total && this.#ps) {
       const params = this.#paramsFor(this.#generation);

@@ -119,6 +119,38 @@ describe("mesh", () => {
     }
   }, 300_000);
 
+  test("a trainer stopped with SIGSTOP is reported by a Stalled event naming it, its step and phase; after SIGCONT it is back and the job finishes", async () => {
+    await using mesh = await startMesh("mt-stall-");
+    await using client = await MeshClient.connect(mesh.url);
+    const cfg = config({ job: "stall", epochs: 1, checkpointEvery: 0 });
+    const stalled: Event[] = [];
+    let stoppedAt = -1;
+    await client.submit(cfg, { membersWaitMs: 60_000 });
+    const r = await watchJob(client, cfg.job, {
+      quiet: true,
+      onEvent: (e) => {
+        if (stoppedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step >= 100) {
+          stoppedAt = e.step;
+          mesh.kill("trainer-1", "SIGSTOP");
+        }
+        if (e.kind === EventKind.Stalled) {
+          stalled.push(e);
+          if (stalled.length === 1) mesh.kill("trainer-1", "SIGCONT");
+        }
+      },
+    });
+    expect(stoppedAt).toBeGreaterThan(0);
+    expect(r.record.state).toBe(JobState.Done);
+    expect(stalled[0]!.text).toMatch(/^trainer 1 has sent no heartbeat for \d+ s \(stopped, wedged or dead\); it was at step \d+, \w+/);
+    // what it said last, at most half a second before it stopped (heartbeats go out at phase
+    // changes, at most every 0.5 s, and every 2 s)
+    expect(stalled[0]!.step, stalled[0]!.text).toBeGreaterThan(0);
+    expect(stalled[0]!.step, stalled[0]!.text).toBeLessThanOrEqual(stoppedAt + 2);
+    expect(stalled.some((e) => e.text.startsWith("trainer 1 is back after"))).toBe(true);
+    // nothing else went quiet
+    expect(stalled.filter((e) => !e.text.startsWith("trainer 1 ")).map((e) => e.text)).toEqual([]);
+  }, 180_000);
+
   test("a shard killed in a job with no snapshot to restore it from: the job fails at once, saying so, instead of waiting on it", async () => {
     await using mesh = await startMesh("mt-nosnap-");
     await using client = await MeshClient.connect(mesh.url);

@@ -4,7 +4,8 @@
  * Restore: the job was rolled back to the snapshot of `step`; trainers resume from there.
  * Done: one rank finished its steps and its final evaluation. Ended: the whole job ended
  * (`text` is done, failed or cancelled and why); its record in the KV bucket `mt-job-records`
- * has the details. Nothing of the job is published after it.
+ * has the details. Nothing of the job is published after it. Stalled: a process of the job
+ * stopped sending heartbeats (`text` names it and what it was doing), or came back.
  */
 export enum EventKind {
   Step = 0,
@@ -14,5 +15,6 @@ export enum EventKind {
   Failed = 4,
   Checkpoint = 5,
   Restore = 6,
-  Ended = 7
+  Ended = 7,
+  Stalled = 8
 }

@@ -1,0 +1,54 @@
+// Heartbeats and the liveness monitor (services/runtime/liveness.ts) over an in-memory bus with
+// a hand-moved clock: silence past the bound is one Stalled event naming the process and what it
+// was doing; its return is another; hostile heartbeats are ignored.
+import { expect, test } from "bun:test";
+import { decodeEvent, decodeHeartbeat, encodeHeartbeat, type Event, EventKind } from "../../schemas/messages.ts";
+import { MemoryBus } from "../../services/runtime/bus.ts";
+import { subjects } from "../../services/runtime/job.ts";
+import { HeartbeatPublisher, LivenessMonitor } from "../../services/runtime/liveness.ts";
+
+test("a publisher says its step and phase; the monitor reports silence once, then the return", () => {
+  const bus = new MemoryBus();
+  let now = 1_000_000;
+  const events: Event[] = [];
+  bus.subscribe(subjects.events("j", "stalled"), (d) => events.push(decodeEvent(d, 1 << 16)));
+  const seen: string[] = [];
+  bus.subscribe(subjects.heartbeats("j"), (d, subject) => seen.push(`${subject} ${decodeHeartbeat(d, 4096).phase}`));
+  const monitor = new LivenessMonitor(bus, "j", 8_000, () => now);
+  const hb = new HeartbeatPublisher(bus, "j", "trainer 1", 60_000);
+  hb.at(57, "pull");
+  hb.publish();
+  expect(seen).toEqual(["mt.j.hb.trainer-1 starting", "mt.j.hb.trainer-1 pull"]);
+  now += 7_999;
+  monitor.check();
+  expect(events).toEqual([]);
+  now += 2_001;
+  monitor.check();
+  monitor.check(); // once
+  expect(events.map((e) => [e.kind, e.step, e.text])).toEqual([
+    [EventKind.Stalled, 57, "trainer 1 has sent no heartbeat for 10 s (stopped, wedged or dead); it was at step 57, pull"],
+  ]);
+  expect(monitor.stalled.map((h) => h.who)).toEqual(["trainer 1"]);
+  now += 5_000;
+  hb.at(58, "compute");
+  hb.publish();
+  expect(events.at(-1)!.text).toBe("trainer 1 is back after 15 s of silence (step 58, compute)");
+  expect(monitor.stalled).toEqual([]);
+  hb.stop();
+  monitor.close();
+});
+
+test("heartbeats of another job, oversized names or garbage change nothing", () => {
+  const bus = new MemoryBus();
+  let now = 0;
+  const events: Event[] = [];
+  bus.subscribe(subjects.events("j", "stalled"), (d) => events.push(decodeEvent(d, 1 << 16)));
+  const monitor = new LivenessMonitor(bus, "j", 8_000, () => now);
+  bus.publish("mt.j.hb.x", crypto.getRandomValues(new Uint8Array(64)));
+  bus.publish("mt.j.hb.y", encodeHeartbeat({ job: "other", who: "trainer 0", step: 1, phase: "pull", phaseMs: 0, stepMs: 0 }));
+  bus.publish("mt.j.hb.z", encodeHeartbeat({ job: "j", who: "x".repeat(100), step: 1, phase: "pull", phaseMs: 0, stepMs: 0 }));
+  now += 60_000;
+  monitor.check();
+  expect(events).toEqual([]);
+  monitor.close();
+});
