@@ -147,6 +147,8 @@ export interface MeshOptions {
   natsStoreDir?: string;
   /** extra MT_* overrides for every service */
   env?: Record<string, string>;
+  /** extra MT_* overrides per service name (tests: MT_STEP_DELAY_MS for one trainer) */
+  serviceEnv?: Record<string, Record<string, string>>;
   /** host label per trainer rank (MT_HOST), as if the ranks ran on these machines; default: this machine's name */
   trainerHosts?: string[];
   onEvent?: (line: string) => void;
@@ -221,6 +223,7 @@ export class LocalMesh implements AsyncDisposable {
       MT_NATS_URL: this.nats.url,
       MT_DIR: this.opts.jobsDir,
       ...this.opts.env,
+      ...this.opts.serviceEnv?.[spec.name],
       // per-service identity from the topology wins over the overrides
       ...(spec.env.MT_SHARD ? { MT_SHARD: spec.env.MT_SHARD } : {}),
       ...(spec.env.MT_RANK ? { MT_RANK: spec.env.MT_RANK } : {}),

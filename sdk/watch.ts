@@ -175,6 +175,9 @@ class Watcher {
       case EventKind.Stalled:
         this.say(`stalled: ${e.text}`);
         break;
+      case EventKind.Straggler:
+        this.say(`straggler: ${e.text}`);
+        break;
       case EventKind.Ended:
         return "ended";
     }

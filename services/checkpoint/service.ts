@@ -54,7 +54,7 @@ import { replicaFromPartitions } from "../runtime/replica-parts.ts";
 import { planOfSpec } from "../runtime/plan.ts";
 import { stateTimeoutMs } from "./limits.ts";
 import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
-import { LivenessMonitor } from "../runtime/liveness.ts";
+import { LivenessMonitor, StragglerDetector } from "../runtime/liveness.ts";
 
 interface JobEntry {
   cfg: JobConfig;
@@ -86,6 +86,8 @@ interface JobEntry {
   asked: Set<string>;
   /** the job's heartbeats: who went quiet (Stalled events) */
   liveness: LivenessMonitor;
+  /** the ranks' step events, for stragglers */
+  steps: Subscription;
 }
 
 /** part p of shard k's state (a snapshot before parts: ps-<k>.mtss, one part) */
@@ -443,6 +445,7 @@ export class CheckpointService {
       firstAsks: new Set(),
       asked: new Set(),
       liveness: new LivenessMonitor(this.bus, cfg.job),
+      steps: this.#followSteps(cfg),
     });
     void this.control?.note(cfg.job, { snapshotDir: this.store.jobDir(cfg.job) }).catch((err: unknown) => {
       this.log?.warn({ job: cfg.job, err: (err as Error).message }, "cannot record the job's folder in its record");
@@ -462,8 +465,21 @@ export class CheckpointService {
     }
   }
 
+  /** Every rank's step times, for stragglers (StragglerDetector). */
+  #followSteps(cfg: JobConfig): Subscription {
+    const detector = new StragglerDetector(cfg.trainers, (step, text) => this.#event(cfg.job, EventKind.Straggler, step, text));
+    return this.bus.subscribe(subjects.events(cfg.job, "step"), (data) => {
+      try {
+        detector.add(decodeEvent(data, 1 << 16));
+      } catch {
+        // not an event: nothing to learn from it
+      }
+    });
+  }
+
   closeJob(job: string): void {
     this.#jobs.get(job)?.sub.unsubscribe();
+    this.#jobs.get(job)?.steps.unsubscribe();
     this.#jobs.get(job)?.liveness.close();
     this.#jobs.delete(job);
   }

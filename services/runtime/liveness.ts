@@ -133,3 +133,79 @@ export class LivenessMonitor {
     this.bus.publish(subjects.events(this.job, "stalled"), encodeEvent({ ...emptyEvent(this.job, EventKind.Stalled), step, text }));
   }
 }
+
+/** Steps per rank the straggler test looks back over. */
+export const stragglerWindow = 20;
+/** A rank whose own time per step is this many times the other ranks' is a straggler. */
+export const stragglerRatio = 1.5;
+/** ... and stops being one below this. */
+const stragglerClearRatio = 1.2;
+
+const median = (xs: readonly number[]): number => {
+  const s = [...xs].sort((a, b) => a - b);
+  const m = s.length >> 1;
+  return s.length % 2 === 1 ? s[m]! : (s[m - 1]! + s[m]!) / 2;
+};
+
+interface RankSteps {
+  /** its own time per step: data wait + compute + push (not the waits on other ranks) */
+  busy: number[];
+  data: number[];
+  compute: number[];
+  push: number[];
+  straggler: boolean;
+}
+
+/**
+ * Names a rank that is consistently slower than the others. A rank's own time per step is what
+ * it spends on its data, compute and push: under BSP and all-reduce the other ranks' wait for it
+ * shows up in their pull or exposed communication, not here. Over the last stragglerWindow steps
+ * of every rank, a rank whose median is stragglerRatio times the median of the other ranks'
+ * medians gets a Straggler event with its step split against theirs (once, until it falls
+ * below stragglerClearRatio, which is reported too).
+ */
+export class StragglerDetector {
+  readonly #ranks = new Map<number, RankSteps>();
+
+  constructor(
+    readonly ranks: number,
+    readonly publish: (step: number, text: string) => void,
+  ) {}
+
+  add(e: { rank: number; step: number; dataWaitMs: number; computeMs: number; pushMs: number }): void {
+    if (!(e.rank < this.ranks) || ![e.dataWaitMs, e.computeMs, e.pushMs].every((x) => Number.isFinite(x) && x >= 0)) return;
+    let r = this.#ranks.get(e.rank);
+    if (!r) this.#ranks.set(e.rank, (r = { busy: [], data: [], compute: [], push: [], straggler: false }));
+    const push = (xs: number[], x: number) => {
+      xs.push(x);
+      if (xs.length > stragglerWindow) xs.shift();
+    };
+    push(r.busy, e.dataWaitMs + e.computeMs + e.pushMs);
+    push(r.data, e.dataWaitMs);
+    push(r.compute, e.computeMs);
+    push(r.push, e.pushMs);
+    if (this.ranks < 2 || this.#ranks.size < this.ranks || [...this.#ranks.values()].some((x) => x.busy.length < stragglerWindow)) return;
+    const others = [...this.#ranks.entries()].filter(([k]) => k !== e.rank).map(([, x]) => x);
+    const theirs = median(others.map((x) => median(x.busy)));
+    const mine = median(r.busy);
+    const ratio = mine / Math.max(theirs, 1e-3);
+    const split = (x: RankSteps) => `data ${median(x.data).toFixed(1)} ms, compute ${median(x.compute).toFixed(1)} ms, push ${median(x.push).toFixed(1)} ms`;
+    if (!r.straggler && ratio >= stragglerRatio) {
+      r.straggler = true;
+      const them = {
+        busy: [],
+        data: others.map((x) => median(x.data)),
+        compute: others.map((x) => median(x.compute)),
+        push: others.map((x) => median(x.push)),
+        straggler: false,
+      };
+      this.publish(
+        e.step,
+        `trainer ${e.rank} is a straggler: its own time per step is ${ratio.toFixed(1)}x the other ranks' over the last ${stragglerWindow} steps (${split(r)}; the others: ${split(them)})`,
+      );
+    } else if (r.straggler && ratio < stragglerClearRatio) {
+      r.straggler = false;
+      this.publish(e.step, `trainer ${e.rank} is no longer a straggler (${ratio.toFixed(1)}x the other ranks')`);
+    }
+  }
+}

@@ -93,6 +93,8 @@ export interface TrainerOptions {
   members?: () => Promise<MeshMembers>;
   /** all-reduce mode: collective settings over the defaults (tests shorten the timeouts) */
   collective?: Pick<ReplicaOptions, "transport" | "progressTimeoutMs">;
+  /** test-only (MT_STEP_DELAY_MS): sleep this long in every step's compute, to make a straggler */
+  stepDelayMs?: number;
 }
 
 /** The restore tag of a trainer rank that opens an all-reduce job. */
@@ -585,6 +587,7 @@ export class TrainerRun {
     } else {
       this.#grads.fill(0); // this rank got no samples in the epoch's last, short step
     }
+    if (this.#o.stepDelayMs) await Bun.sleep(this.#o.stepDelayMs);
     const t4 = performance.now();
     this.#checkGeneration(step, generation);
     hb?.at(step, "push");
@@ -638,6 +641,9 @@ export class TrainerRun {
     const total = stepRows(this.#plan.trainSamples, this.#plan.stepsPerEpoch, cfg.trainers, cfg.batchSize, step);
     const micro = batch.rows > 0 ? microBatches(batch, cfg.accumSteps) : [];
     const wire0 = replica.wireBytes;
+    const delayed = performance.now();
+    if (this.#o.stepDelayMs) await Bun.sleep(this.#o.stepDelayMs);
+    const delayMs = performance.now() - delayed;
     const r = await replica.step(step, micro, batch.rows, total, lr);
     this.#checkGeneration(step, generation);
     if (cfg.replicaCheckEvery > 0 && ((step + 1) % cfg.replicaCheckEvery === 0 || step + 1 === this.#total)) await replica.checkReplicas(step);
@@ -651,7 +657,7 @@ export class TrainerRun {
       lr,
       samplesPerS: batch.rows / ((t3 - t0) / 1000),
       dataWaitMs: t1 - t0,
-      computeMs: r.computeMs,
+      computeMs: r.computeMs + delayMs,
       commMs: r.commMs,
       exposedCommMs: r.exposedCommMs,
       pullMs: 0,

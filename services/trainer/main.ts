@@ -20,8 +20,11 @@ const schema = baseConfigSchema.extend({
     .min(1)
     .max(64)
     .regex(/^[A-Za-z0-9._-]+$/, "a host label is letters, digits, '.', '_' or '-'"),
+  /** test-only (MT_STEP_DELAY_MS / --step-delay-ms): sleep this long in every step's compute, to
+   *  make this rank a straggler on purpose; 0 in any real run */
+  stepDelayMs: z.number().int().min(0).max(60_000),
 });
-type Config = BaseConfig & { rank: number; device: DeviceChoice; host: string };
+type Config = BaseConfig & { rank: number; device: DeviceChoice; host: string; stepDelayMs: number };
 
 // Default cpu, not auto: a host runs several trainer ranks (the local mesh and the compose
 // file start one process per rank), and auto would put every one of them on GPU 0, each with
@@ -36,6 +39,7 @@ await runService<Config>({
   defaults: {
     ...baseConfigDefaults,
     rank: 0,
+    stepDelayMs: 0,
     device: deviceDefault,
     host:
       hostname()
@@ -55,6 +59,7 @@ await runService<Config>({
       payloadBytesMax: config.payloadBytesMax,
       control: ledger,
       members: () => meshMembers(bus.nc),
+      stepDelayMs: config.stepDelayMs,
     });
     const watch = await ledger.follow(`trainer ${config.rank}`, trainer);
     return {

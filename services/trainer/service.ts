@@ -18,6 +18,8 @@ export interface TrainerDeps {
   payloadBytesMax: number;
   control?: JobControl;
   members?: () => Promise<MeshMembers>;
+  /** test-only: sleep this long in every step's compute (a straggler on purpose) */
+  stepDelayMs?: number;
 }
 
 export class Trainer {

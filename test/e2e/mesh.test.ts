@@ -27,7 +27,10 @@ const config = (over: Partial<JobConfig>): JobConfig =>
   });
 
 /** A local mesh in a fresh folder, sized for `trainers` and `shards`. */
-const startMesh = (prefix: string, o: { trainers?: number; shards?: number; onEvent?: (line: string) => void } = {}) => {
+const startMesh = (
+  prefix: string,
+  o: { trainers?: number; shards?: number; onEvent?: (line: string) => void; serviceEnv?: Record<string, Record<string, string>> } = {},
+) => {
   const dir = tempDir(prefix);
   return LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), ...o });
 };
@@ -150,6 +153,22 @@ describe("mesh", () => {
     // nothing else went quiet
     expect(stalled.filter((e) => !e.text.startsWith("trainer 1 ")).map((e) => e.text)).toEqual([]);
   }, 180_000);
+
+  test("a trainer made slow (a test-only delay in its compute) gets a straggler event naming it and its step split", async () => {
+    await using mesh = await startMesh("mt-straggler-", { serviceEnv: { "trainer-1": { MT_STEP_DELAY_MS: "40" } } });
+    await using client = await MeshClient.connect(mesh.url);
+    const cfg = config({ job: "straggler", maxSteps: 80, checkpointEvery: 0, evalEvery: 0 });
+    const stragglers: Event[] = [];
+    await client.submit(cfg, { membersWaitMs: 60_000 });
+    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => e.kind === EventKind.Straggler && stragglers.push(e) });
+    expect(r.record.state).toBe(JobState.Done);
+    expect(stragglers.length).toBeGreaterThanOrEqual(1);
+    expect(stragglers[0]!.text).toMatch(
+      /^trainer 1 is a straggler: its own time per step is [\d.]+x the other ranks' over the last 20 steps \(data [\d.]+ ms, compute [\d.]+ ms, push [\d.]+ ms; the others: data/,
+    );
+    // the one made slow, and no other
+    expect(stragglers.filter((e) => !e.text.startsWith("trainer 1 ")).map((e) => e.text)).toEqual([]);
+  }, 120_000);
 
   test("a shard killed in a job with no snapshot to restore it from: the job fails at once, saying so, instead of waiting on it", async () => {
     await using mesh = await startMesh("mt-nosnap-");

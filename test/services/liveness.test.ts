@@ -1,11 +1,11 @@
 // Heartbeats and the liveness monitor (services/runtime/liveness.ts) over an in-memory bus with
 // a hand-moved clock: silence past the bound is one Stalled event naming the process and what it
 // was doing; its return is another; hostile heartbeats are ignored.
-import { expect, test } from "bun:test";
+import { describe, expect, test } from "bun:test";
 import { decodeEvent, decodeHeartbeat, encodeHeartbeat, type Event, EventKind } from "../../schemas/messages.ts";
 import { MemoryBus } from "../../services/runtime/bus.ts";
 import { subjects } from "../../services/runtime/job.ts";
-import { HeartbeatPublisher, LivenessMonitor } from "../../services/runtime/liveness.ts";
+import { HeartbeatPublisher, LivenessMonitor, StragglerDetector } from "../../services/runtime/liveness.ts";
 
 test("a publisher says its step and phase; the monitor reports silence once, then the return", () => {
   const bus = new MemoryBus();
@@ -51,4 +51,45 @@ test("heartbeats of another job, oversized names or garbage change nothing", () 
   monitor.check();
   expect(events).toEqual([]);
   monitor.close();
+});
+
+describe("StragglerDetector", () => {
+  const step = (rank: number, s: number, compute: number) => ({ rank, step: s, dataWaitMs: 1, computeMs: compute, pushMs: 1 });
+
+  test("a rank whose own time per step is 1.5x the others' over 20 steps is named once with its split; its recovery too", () => {
+    const said: [number, string][] = [];
+    const d = new StragglerDetector(2, (s, text) => said.push([s, text]));
+    for (let s = 0; s < 19; s++)
+      for (const [rank, c] of [
+        [0, 8],
+        [1, 40],
+      ] as const)
+        d.add(step(rank, s, c));
+    expect(said).toEqual([]); // not 20 steps of every rank yet
+    for (let s = 19; s < 30; s++)
+      for (const [rank, c] of [
+        [0, 8],
+        [1, 40],
+      ] as const)
+        d.add(step(rank, s, c));
+    expect(said).toEqual([
+      [
+        19,
+        "trainer 1 is a straggler: its own time per step is 4.2x the other ranks' over the last 20 steps (data 1.0 ms, compute 40.0 ms, push 1.0 ms; the others: data 1.0 ms, compute 8.0 ms, push 1.0 ms)",
+      ],
+    ]);
+    for (let s = 30; s < 60; s++) for (const rank of [0, 1]) d.add(step(rank, s, 8));
+    expect(said.at(-1)![1]).toBe("trainer 1 is no longer a straggler (1.0x the other ranks')");
+    expect(said.length).toBe(2);
+  });
+
+  test("one rank, equal ranks, or hostile numbers: nothing is said", () => {
+    const said: string[] = [];
+    const one = new StragglerDetector(1, (_, t) => said.push(t));
+    for (let s = 0; s < 40; s++) one.add(step(0, s, 50));
+    const even = new StragglerDetector(3, (_, t) => said.push(t));
+    for (let s = 0; s < 40; s++) for (const rank of [0, 1, 2]) even.add(step(rank, s, 10 + (s % 3)));
+    for (const bad of [step(7, 0, 1e9), { ...step(1, 0, 1), computeMs: Number.NaN }, { ...step(1, 0, 1), pushMs: -5 }]) even.add(bad);
+    expect(said).toEqual([]);
+  });
 });

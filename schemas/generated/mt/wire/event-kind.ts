@@ -5,7 +5,8 @@
  * Done: one rank finished its steps and its final evaluation. Ended: the whole job ended
  * (`text` is done, failed or cancelled and why); its record in the KV bucket `mt-job-records`
  * has the details. Nothing of the job is published after it. Stalled: a process of the job
- * stopped sending heartbeats (`text` names it and what it was doing), or came back.
+ * stopped sending heartbeats (`text` names it and what it was doing), or came back. Straggler:
+ * a rank whose own share of its steps (data, compute, push) is 1.5x the other ranks', or no longer.
  */
 export enum EventKind {
   Step = 0,
@@ -16,5 +17,6 @@ export enum EventKind {
   Checkpoint = 5,
   Restore = 6,
   Ended = 7,
-  Stalled = 8
+  Stalled = 8,
+  Straggler = 9
 }
