@@ -410,6 +410,16 @@ export class ParameterShard {
     this.#clock[trainer] = Math.max(this.#clock[trainer]!, step + 1);
   }
 
+  /** Who a pull of `step` waits for: the trainers whose pushes the sync policy still needs. */
+  waitingFor(step: number): string {
+    this.flush();
+    const need = this.#cfg.sync === "ssp" ? step - this.#cfg.staleness : step;
+    const behind = [...this.#clock.keys()].filter((t) => this.#clock[t]! < need);
+    return behind.length === 0
+      ? "(every trainer has pushed; an update is pending)"
+      : `for trainer${behind.length > 1 ? "s" : ""} ${behind.join(", ")} (their pushes of step ${need - 1})`;
+  }
+
   #ready(step: number, ids: Uint32Array): boolean {
     switch (this.#cfg.sync) {
       case "asp":
@@ -451,7 +461,7 @@ export class ParameterShard {
           this.#waiters.delete(w);
           reject(
             new DeadlineError(
-              `pull for step ${step} by trainer ${trainer} waited ${pullWaitMsMax} ms; trainer clocks on shard ${this.shard}: ${this.#clock.join(",")}`,
+              `pull for step ${step} by trainer ${trainer} waited ${pullWaitMsMax} ms ${this.waitingFor(step)}; trainer clocks on shard ${this.shard}: ${this.#clock.join(",")}`,
             ),
           );
         }, pullWaitMsMax),

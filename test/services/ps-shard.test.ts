@@ -386,6 +386,17 @@ describe("snapshots", () => {
     shard.dispose();
   });
 
+  test("a waiting BSP pull names the trainers it waits for", () => {
+    const cfg = job({ trainers: 3, sync: "bsp" });
+    const { shard, layout } = makeShard(cfg);
+    shard.push(pushAll(layout, 0, 0, new Float32Array(2500)));
+    shard.push(pushAll(layout, 2, 0, new Float32Array(2500)));
+    expect(shard.waitingFor(1)).toBe("for trainer 1 (their pushes of step 0)");
+    shard.push(pushAll(layout, 1, 0, new Float32Array(2500)));
+    expect(shard.waitingFor(2)).toBe("for trainers 0, 1, 2 (their pushes of step 1)");
+    shard.dispose();
+  });
+
   test("a restore answers pulls that were waiting with a DeadlineError", async () => {
     const cfg = job({ trainers: 2, sync: "bsp" });
     const { shard, ids } = makeShard(cfg);
