@@ -28,7 +28,9 @@ import {
   type JobSpec,
   type Manifest,
   type ShardState,
+  type ChunkState,
   shardStateChecksum,
+  withChecksum,
 } from "../../schemas/messages.ts";
 import { join } from "node:path";
 import type { Bus, Subscription } from "../runtime/bus.ts";
@@ -50,7 +52,8 @@ import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { buildLayout } from "../runtime/layout.ts";
 import { exportModelFile } from "../runtime/model.ts";
-import { replicaFromPartitions } from "../runtime/replica-parts.ts";
+import { partOverheadBytes, replicaFromPartitions } from "../runtime/replica-parts.ts";
+import { packByBytes } from "../../schemas/codec.ts";
 import { planOfSpec } from "../runtime/plan.ts";
 import { stateTimeoutMs } from "./limits.ts";
 import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
@@ -292,6 +295,42 @@ export class CheckpointService {
     return perRank.flat();
   }
 
+  /**
+   * Parameter-server mode: a snapshot's chunks, whatever number of shards wrote them, as the
+   * parts each of this job's shards loads (the job's layout says who owns which chunk: the same
+   * chunks, owned as the hash ring over cfg.shards says). Refused with CorruptDataError: a part
+   * whose checksum does not match, states of different steps, a chunk missing or twice.
+   */
+  #reshard(e: JobEntry, manifest: Manifest, files: Map<string, Uint8Array>): ShardState[][] {
+    const { cfg, plan } = e;
+    const layout = buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, cfg.shards);
+    const states = [...files.entries()].filter(([name]) => shardFilePattern.test(name)).map(([name, bytes]) => ({ name, s: decodeShardState(bytes, 1 << 30) }));
+    if (states.length === 0) throw new CorruptDataError(`snapshot ${manifest.id} has no parameter-server state`);
+    const chunks = new Map<number, ChunkState>();
+    let updates = 0;
+    const step = states[0]!.s.step;
+    for (const { name, s } of states) {
+      if (s.checksum !== shardStateChecksum(s) || s.job !== cfg.job)
+        throw new CorruptDataError(`snapshot ${manifest.id}: ${name} does not match its checksum or job`);
+      if (s.step !== step) throw new CorruptDataError(`snapshot ${manifest.id}: ${name} is of step ${s.step}, the others of ${step}`);
+      updates = Math.max(updates, s.updates);
+      for (const c of s.chunks) {
+        if (chunks.has(c.id) || !layout.chunks[c.id])
+          throw new CorruptDataError(`snapshot ${manifest.id}: chunk ${c.id} is repeated or not in the job's layout`);
+        chunks.set(c.id, c);
+      }
+    }
+    if (chunks.size !== layout.chunks.length)
+      throw new CorruptDataError(`snapshot ${manifest.id} holds ${chunks.size} of the job's ${layout.chunks.length} chunks`);
+    const head = { job: cfg.job, updates, optimizerSteps: step, step };
+    return layout.byShard.map((ids, k) => {
+      const own = ids.map((id) => chunks.get(id)!);
+      const groups =
+        own.length === 0 ? [[]] : packByBytes(own, (c) => c.params.byteLength * (1 + c.state.length) + 256, this.payloadBytesMax - partOverheadBytes);
+      return groups.map((g, p) => withChecksum({ ...head, shard: k, parts: groups.length, part: p, chunks: g }));
+    });
+  }
+
   /** The replica's chunks from the partitions of `ranks` ranks (services/runtime/replica-parts.ts). */
   #assemble(cfg: JobConfig, plan: DataPlan, ranks: number, parts: readonly ShardState[]): ShardState[] {
     return replicaFromPartitions(parts, {
@@ -353,17 +392,11 @@ export class CheckpointService {
       this.#event(cfg.job, EventKind.Log, 0, `snapshot ${bad} is corrupt: ${why}`);
     });
     if (usesShards(cfg)) {
-      const byShard = new Map<number, { p: number; bytes: Uint8Array }[]>();
-      for (const [name, bytes] of snap.files) {
-        const m = shardFilePattern.exec(name);
-        if (m) byShard.set(Number(m[1]), [...(byShard.get(Number(m[1])) ?? []), { p: Number(m[2] ?? 0), bytes }]);
-      }
+      const loads = this.#reshard(e, snap.manifest, snap.files);
       await Promise.all(
-        Array.from({ length: cfg.shards }, async (_, k) => {
-          const parts = (byShard.get(k) ?? []).sort((a, b) => a.p - b.p);
-          if (parts.length === 0) throw new BadRequestError(`snapshot ${snap.manifest.id} has no file for shard ${k}`);
+        loads.map(async (parts, k) => {
           // the shard checks each part and applies them together, after the last
-          for (const { bytes } of parts) await this.bus.request(subjects.psLoad(cfg.job, k), bytes, stateTimeoutMs);
+          for (const part of parts) await this.bus.request(subjects.psLoad(cfg.job, k), encodeShardState(part), stateTimeoutMs);
         }),
       );
     } else {

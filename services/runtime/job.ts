@@ -315,7 +315,10 @@ export function trajectoryDiff(was: JobConfig, now: JobConfig): string[] {
   // all-reduce mode: the number of trainers may change with the same global batch (a snapshot
   // holds the whole replica, the sampler's steps cut the same samples whatever the ranks)
   const regrouped = was.sync === "allreduce" && now.sync === "allreduce" && was.trainers * was.batchSize === now.trainers * now.batchSize;
-  const skip = new Set<string>(["job", ...resumableKeys, ...(regrouped ? ["trainers", "batchSize"] : [])]);
+  // parameter-server mode: the snapshot's chunks are loaded into any number of shards (the
+  // checkpoint service reshards them as the job's hash ring says)
+  const resharded = usesShards(was) && usesShards(now);
+  const skip = new Set<string>(["job", ...resumableKeys, ...(regrouped ? ["trainers", "batchSize"] : []), ...(resharded ? ["shards"] : [])]);
   const strip = (c: JobConfig) => Object.fromEntries(Object.entries(c).filter(([k]) => !skip.has(k)));
   walk(strip(was), strip(now), "");
   return out;

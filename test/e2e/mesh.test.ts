@@ -154,6 +154,40 @@ describe("mesh", () => {
     expect(stalled.filter((e) => !e.text.startsWith("trainer 1 ")).map((e) => e.text)).toEqual([]);
   }, 180_000);
 
+  test("a snapshot of 2 shards resumes on 3 (its chunks resharded by the hash ring): the steps after the snapshot repeat the first run's losses", async () => {
+    await using mesh = await startMesh("mt-reshard-", { shards: 3 });
+    await using client = await MeshClient.connect(mesh.url);
+    const cfg = config({ job: "reshard", shards: 2, maxSteps: 60, checkpointEvery: 20, evalEvery: 0 });
+    const first = new Map<string, number>();
+    let cancelled = false;
+    await client.submit(cfg, { membersWaitMs: 60_000 });
+    const stopped = await watchJob(client, cfg.job, {
+      quiet: true,
+      onEvent: (e) => {
+        if (e.kind !== EventKind.Step) return;
+        first.set(`${e.rank}:${e.step}`, e.loss);
+        if (!cancelled && e.rank === 0 && e.step >= 45) {
+          cancelled = true;
+          void client.cancel(cfg.job);
+        }
+      },
+    }).catch((e: unknown) => e);
+    expect(stopped).toBeInstanceOf(JobFailedError);
+    const again: Event[] = [];
+    await client.submit({ ...cfg, shards: 3 }, { membersWaitMs: 60_000 });
+    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => again.push(e) });
+    expect(r.record.state).toBe(JobState.Done);
+    const restore = again.find((e) => e.kind === EventKind.Restore)!;
+    expect(restore.step).toBe(40);
+    // the same parameters and optimizer state, and the same batches: the same losses
+    for (const rank of [0, 1]) {
+      for (let step = 40; step < 45; step++) {
+        const loss = again.find((e) => e.kind === EventKind.Step && e.rank === rank && e.step === step)!.loss;
+        expect(Math.abs(loss - first.get(`${rank}:${step}`)!)).toBeLessThan(1e-5);
+      }
+    }
+  }, 180_000);
+
   test("a trainer made slow (a test-only delay in its compute) gets a straggler event naming it and its step split", async () => {
     await using mesh = await startMesh("mt-straggler-", { serviceEnv: { "trainer-1": { MT_STEP_DELAY_MS: "40" } } });
     await using client = await MeshClient.connect(mesh.url);

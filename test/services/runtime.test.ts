@@ -159,6 +159,12 @@ describe("which config changes a snapshot survives", () => {
     expect(trajectoryDiff(ar({}), ar({ trainers: 3, batchSize: 64, zero: 3, collTransport: "nats" }))).toEqual([]);
     expect(trajectoryDiff(ar({}), ar({ offload: "optimizer" }))).toEqual([]);
   });
+  test("parameter-server mode: another number of shards (the snapshot's chunks are resharded); not into all-reduce", () => {
+    const ps = (over: object) => parseJobConfig({ ...jobDefaults, job: "j", shards: 2, ...over });
+    expect(trajectoryDiff(ps({}), ps({ shards: 3 }))).toEqual([]);
+    expect(trajectoryDiff(ps({}), ps({ shards: 1, sync: "ssp", staleness: 2 }))).toEqual(["staleness: 0 -> 2", 'sync: "bsp" -> "ssp"']);
+    expect(trajectoryDiff(ps({}), ar({ shards: 2 }))).toContain('sync: "bsp" -> "allreduce"');
+  });
   test("another global batch, a parameter-server job's trainers, or another codec change the trajectory, and are named", () => {
     expect(trajectoryDiff(ar({}), ar({ trainers: 2 }))).toEqual(["trainers: 4 -> 2"]);
     const ps = (over: object) => parseJobConfig({ ...jobDefaults, job: "j", trainers: 4, batchSize: 48, ...over });
