@@ -11,7 +11,8 @@
 // sliding window; past that the launcher gives up on it and says why, with the last error the
 // service wrote (onGiveUp: the CLI fails the running jobs with it). Each service's output goes to one log file per launch;
 // lines about a job can also be copied into that job's own log folder.
-import { createWriteStream, mkdirSync, readFileSync, type WriteStream } from "node:fs";
+import { createWriteStream, mkdirSync, mkdtempSync, readFileSync, rmSync, type WriteStream } from "node:fs";
+import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { Subprocess } from "bun";
 import { parse } from "yaml";
@@ -177,24 +178,63 @@ export class LocalMesh implements AsyncDisposable {
   readonly #logs = new Map<string, WriteStream>();
   #stopping: Promise<void> | null = null;
 
+  #nats: NatsServer;
+
   private constructor(
-    readonly nats: NatsServer,
+    nats: NatsServer,
     readonly opts: MeshOptions,
     readonly services: ServiceSpec[],
-  ) {}
+    /** the JetStream store when the launcher made it (removed at stop) */
+    readonly tempNatsDir: string | null,
+  ) {
+    this.#nats = nats;
+  }
+
+  /** The NATS server now (a restart replaces it, on the same port and store). */
+  get nats(): NatsServer {
+    return this.#nats;
+  }
 
   static async start(opts: MeshOptions, topology = readTopology()): Promise<LocalMesh> {
     mkdirSync(opts.logDir, { recursive: true });
     mkdirSync(opts.jobsDir, { recursive: true });
+    // the store outlives a NATS restart: a given folder, or one this launch makes and removes
+    const tempNatsDir = opts.natsStoreDir === undefined ? mkdtempSync(join(tmpdir(), "mt-nats-")) : null;
     const nats = await startNatsServer({
       ...(opts.port === undefined ? {} : { port: opts.port }),
-      ...(opts.natsStoreDir === undefined ? {} : { dir: opts.natsStoreDir }),
+      dir: opts.natsStoreDir ?? tempNatsDir!,
       wrap: tiedToLauncher,
       logFile: join(opts.logDir, "nats-server.log"),
     });
-    const mesh = new LocalMesh(nats, opts, scaleTopology(topology, opts));
+    const mesh = new LocalMesh(nats, opts, scaleTopology(topology, opts), tempNatsDir);
+    mesh.#watchNats();
     for (const spec of mesh.services) mesh.#spawn(spec);
     return mesh;
+  }
+
+  /**
+   * NATS that dies is restarted on the same port with the same JetStream store (the jobs'
+   * specs and records are in it); the services reconnect on their own and retry what failed.
+   */
+  #watchNats(): void {
+    const nats = this.#nats;
+    void nats.exited.then(async (code) => {
+      if (this.#stopping) return;
+      this.opts.onEvent?.(
+        `nats-server died (exit ${code}); restarting it on port ${nats.port} with its store (log: ${join(this.opts.logDir, "nats-server.log")})`,
+      );
+      for (let attempt = 1; !this.#stopping; attempt++) {
+        try {
+          this.#nats = await startNatsServer({ port: nats.port, dir: nats.dir, wrap: tiedToLauncher, logFile: join(this.opts.logDir, "nats-server.log") });
+          this.opts.onEvent?.(`nats-server is back on port ${nats.port}`);
+          this.#watchNats();
+          return;
+        } catch (e) {
+          this.opts.onEvent?.(`nats-server did not restart (attempt ${attempt}): ${(e as Error).message}`);
+          await Bun.sleep(Math.min(500 * attempt, 5_000));
+        }
+      }
+    });
   }
 
   get url(): string {
@@ -346,7 +386,8 @@ export class LocalMesh implements AsyncDisposable {
     // the services' last lines are in the pipes still: copy them before the files close
     await Promise.all([...this.#running.values()].map((r) => r.pumped.catch(() => {})));
     await Promise.all([...this.#logs.values()].map((s) => new Promise<void>((resolve) => s.end(resolve))));
-    await this.nats.stop();
+    await this.#nats.stop();
+    if (this.tempNatsDir !== null) rmSync(this.tempNatsDir, { recursive: true, force: true });
   }
 
   [Symbol.asyncDispose](): Promise<void> {

@@ -18,6 +18,8 @@ export interface NatsServer extends AsyncDisposable {
   port: number;
   dir: string;
   pid: number;
+  /** resolves with the exit code when the server process ends (for whatever reason) */
+  exited: Promise<number>;
   stop(): Promise<void>;
 }
 
@@ -116,5 +118,5 @@ export async function startNatsServer(options: Partial<NatsServerOptions> = {}):
     }
     removeDir();
   };
-  return { url: `nats://127.0.0.1:${port}`, port, dir, pid: proc.pid, stop, [Symbol.asyncDispose]: stop };
+  return { url: `nats://127.0.0.1:${port}`, port, dir, pid: proc.pid, exited: proc.exited, stop, [Symbol.asyncDispose]: stop };
 }

@@ -67,14 +67,29 @@ export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnec
   }
 }
 
+const droppedText = "the connection to NATS dropped while waiting for the answer";
+
 export class NatsBus implements Bus {
   #service: Service | undefined;
   readonly #subs: NatsSub[] = [];
 
+  /** requests waiting for an answer: each fails at once when the connection drops */
+  readonly #inflight = new Set<(e: Error) => void>();
+
   private constructor(
     readonly nc: NatsConnection,
     readonly opts: NatsBusOptions,
-  ) {}
+  ) {
+    // an answer to a request sent before a disconnect never comes (the server that would route
+    // it is gone): fail those requests now, so that callers retry once the client has
+    // reconnected instead of waiting out their whole timeout
+    void (async () => {
+      for await (const s of nc.status()) {
+        if (s.type !== "disconnect") continue;
+        for (const drop of this.#inflight) drop(new DeadlineError(droppedText));
+      }
+    })().catch(() => {});
+  }
 
   static async connect(opts: NatsBusOptions): Promise<NatsBus> {
     const nc = await connectWithRetry(opts);
@@ -93,11 +108,19 @@ export class NatsBus implements Bus {
   }
 
   async request(subject: string, data: Uint8Array, timeoutMs: number): Promise<Uint8Array> {
+    let drop: (e: Error) => void = () => {};
+    const dropped = new Promise<never>((_, reject) => (drop = reject));
+    this.#inflight.add(drop);
     try {
-      const msg = await this.nc.request(subject, data, { timeout: timeoutMs });
+      const pending = this.nc.request(subject, data, { timeout: timeoutMs });
+      pending.catch(() => {}); // when the drop wins, its own failure comes later
+      const msg = await Promise.race([pending, dropped]);
       return unwrapReply(msg.data);
     } catch (e) {
+      if (e instanceof DeadlineError && e.message.startsWith(droppedText)) throw new DeadlineError(`${droppedText} on ${subject}; retry`, { cause: e });
       throw translate(e, subject, timeoutMs);
+    } finally {
+      this.#inflight.delete(drop);
     }
   }
 

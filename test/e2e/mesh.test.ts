@@ -4,7 +4,8 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
 import { loadMnist } from "../../engine/data/mnist.ts";
-import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
+import { decodeShardState, type Event, EventKind, JobState } from "../../schemas/messages.ts";
+import { CheckpointStore } from "../../services/checkpoint/store.ts";
 import { JobData, planHere } from "../../services/data-loader/loader.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
@@ -152,6 +153,36 @@ describe("mesh", () => {
     expect(stalled.some((e) => e.text.startsWith("trainer 1 is back after"))).toBe(true);
     // nothing else went quiet
     expect(stalled.filter((e) => !e.text.startsWith("trainer 1 ")).map((e) => e.text)).toEqual([]);
+  }, 180_000);
+
+  test("nats-server SIGKILLed mid-run: the launcher restarts it on its port with its store, the services reconnect, and every step is applied once", async () => {
+    const launcherLines: string[] = [];
+    await using mesh = await startMesh("mt-natskill-", { onEvent: (l) => launcherLines.push(l) });
+    await using client = await MeshClient.connect(mesh.url);
+    const cfg = config({ job: "natskill", epochs: 1, checkpointEvery: 50 });
+    const total = planHere(cfg).totalSteps;
+    let killed = false;
+    await client.submit(cfg, { membersWaitMs: 60_000 });
+    const r = await watchJob(client, cfg.job, {
+      quiet: true,
+      onEvent: (e) => {
+        if (!killed && e.kind === EventKind.Step && e.rank === 0 && e.step >= 80) {
+          killed = true;
+          process.kill(mesh.nats.pid, "SIGKILL");
+        }
+      },
+    });
+    expect(killed).toBe(true);
+    expect(launcherLines.some((l) => l.startsWith("nats-server died"))).toBe(true);
+    expect(launcherLines.some((l) => l.startsWith("nats-server is back"))).toBe(true);
+    expect(r.record.state).toBe(JobState.Done);
+    expect(r.record.accuracy).toBeGreaterThan(0.9);
+    // under BSP each step updates every chunk once: the final snapshot's versions count the steps applied
+    const snap = new CheckpointStore(join(r.record.snapshotDir, "..")).read(cfg.job, r.record.snapshot);
+    const versions = [...snap.files.entries()]
+      .filter(([n]) => n.startsWith("ps-"))
+      .flatMap(([, b]) => decodeShardState(b, 1 << 30).chunks.map((c) => c.version));
+    expect(new Set(versions)).toEqual(new Set([total]));
   }, 180_000);
 
   test("a snapshot of 2 shards resumes on 3 (its chunks resharded by the hash ring): the steps after the snapshot repeat the first run's losses", async () => {

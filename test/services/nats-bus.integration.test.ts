@@ -1,7 +1,7 @@
 // The NATS bus against a real nats-server: an answer too large for a message and an error text
 // with line breaks both reach the caller as typed errors, and the serving side keeps serving.
 import { afterAll, expect, test } from "bun:test";
-import { LimitExceededError, BadRequestError } from "../../services/runtime/errors.ts";
+import { BadRequestError, DeadlineError, LimitExceededError } from "../../services/runtime/errors.ts";
 import { NatsBus } from "../../services/runtime/nats.ts";
 import { expectRejected } from "../helpers/errors.ts";
 import { clientBus, startNatsServer } from "../helpers/mesh.ts";
@@ -43,3 +43,16 @@ for (const subject of ["t.handle", "t.serve"]) {
     expect(new TextDecoder().decode(await client.request(subject, new TextEncoder().encode("y"), 5_000))).toBe("ok y");
   });
 }
+
+test("a request waiting when the server dies fails at once with a DeadlineError saying so, not at its timeout", async () => {
+  const other = await startNatsServer();
+  const quiet = await NatsBus.connect({ url: other.url, name: "test-quiet", connectRetryMsMax: 5_000, connectBackoffMsMax: 500 });
+  quiet.subscribe("t.never", () => {}); // takes the request, never answers
+  const asker = await NatsBus.connect({ url: other.url, name: "test-asker", connectRetryMsMax: 5_000, connectBackoffMsMax: 500 });
+  await quiet.nc.flush();
+  const waiting = asker.request("t.never", new Uint8Array(1), 60_000);
+  await Bun.sleep(200);
+  await other.stop();
+  await expectRejected(() => waiting, DeadlineError, "the connection to NATS dropped while waiting for the answer on t.never");
+  await Promise.allSettled([asker.nc.close(), quiet.nc.close()]);
+}, 20_000); // the request's own timeout is 60 s: only the drop ends it within the test's 20 s
