@@ -383,8 +383,9 @@ export class LocalMesh implements AsyncDisposable {
     const deadline = setTimeout(() => procs.forEach((p) => p.kill("SIGKILL")), stopGraceMs);
     await Promise.all(procs.map((p) => p.exited));
     clearTimeout(deadline);
-    // the services' last lines are in the pipes still: copy them before the files close
-    await Promise.all([...this.#running.values()].map((r) => r.pumped.catch(() => {})));
+    // the services' last lines are in the pipes still: copy them before the files close (a pipe
+    // that some leftover child of a service holds open is not waited for)
+    await Promise.race([Promise.all([...this.#running.values()].map((r) => r.pumped.catch(() => {}))), Bun.sleep(stopGraceMs)]);
     await Promise.all([...this.#logs.values()].map((s) => new Promise<void>((resolve) => s.end(resolve))));
     await this.#nats.stop();
     if (this.tempNatsDir !== null) rmSync(this.tempNatsDir, { recursive: true, force: true });

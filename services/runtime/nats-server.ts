@@ -114,7 +114,9 @@ export async function startNatsServer(options: Partial<NatsServerOptions> = {}):
   const stop = async () => {
     if (proc.exitCode === null) {
       proc.kill("SIGTERM");
+      const killer = setTimeout(() => proc.kill("SIGKILL"), 10_000);
       await proc.exited;
+      clearTimeout(killer);
     }
     removeDir();
   };

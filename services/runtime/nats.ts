@@ -203,9 +203,17 @@ export class NatsBus implements Bus {
     if (this.nc.isClosed()) return;
     await this.#service?.stop();
     for (const s of this.#subs) s.unsubscribe();
-    await this.nc.drain();
+    // a drain that cannot finish (a server gone for good) ends in a plain close
+    const drained = this.nc.drain().then(
+      () => true,
+      () => false,
+    );
+    if (!(await Promise.race([drained, Bun.sleep(closeDrainMsMax).then(() => false)]))) await this.nc.close().catch(() => {});
   }
 }
+
+/** How long close() lets a drain take before it closes the connection outright. */
+const closeDrainMsMax = 10_000;
 
 /** The status headers of an error reply, as @nats-io/services writes them (one line each). */
 function errorHeaders(error: unknown): MsgHdrs {
