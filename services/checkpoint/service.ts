@@ -30,7 +30,6 @@ import {
   type ShardState,
   type ChunkState,
   shardStateChecksum,
-  withChecksum,
 } from "../../schemas/messages.ts";
 import { join } from "node:path";
 import type { Bus, Subscription } from "../runtime/bus.ts";
@@ -52,8 +51,7 @@ import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { buildLayout } from "../runtime/layout.ts";
 import { exportModelFile } from "../runtime/model.ts";
-import { partOverheadBytes, replicaFromPartitions } from "../runtime/replica-parts.ts";
-import { packByBytes } from "../../schemas/codec.ts";
+import { cutShardState, replicaFromPartitions } from "../runtime/replica-parts.ts";
 import { planOfSpec } from "../runtime/plan.ts";
 import { stateTimeoutMs } from "./limits.ts";
 import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
@@ -323,12 +321,13 @@ export class CheckpointService {
     if (chunks.size !== layout.chunks.length)
       throw new CorruptDataError(`snapshot ${manifest.id} holds ${chunks.size} of the job's ${layout.chunks.length} chunks`);
     const head = { job: cfg.job, updates, optimizerSteps: step, step };
-    return layout.byShard.map((ids, k) => {
-      const own = ids.map((id) => chunks.get(id)!);
-      const groups =
-        own.length === 0 ? [[]] : packByBytes(own, (c) => c.params.byteLength * (1 + c.state.length) + 256, this.payloadBytesMax - partOverheadBytes);
-      return groups.map((g, p) => withChecksum({ ...head, shard: k, parts: groups.length, part: p, chunks: g }));
-    });
+    return layout.byShard.map((ids, k) =>
+      cutShardState(
+        { ...head, shard: k },
+        ids.map((id) => chunks.get(id)!),
+        this.payloadBytesMax,
+      ),
+    );
   }
 
   /** The replica's chunks from the partitions of `ranks` ranks (services/runtime/replica-parts.ts). */

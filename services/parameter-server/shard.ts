@@ -28,8 +28,7 @@ import {
   shardStateChecksum,
   withChecksum,
 } from "../../schemas/messages.ts";
-import { packByBytes } from "../../schemas/codec.ts";
-import { partOverheadBytes } from "../runtime/replica-parts.ts";
+import { cutShardState } from "../runtime/replica-parts.ts";
 import { parseCompression } from "../../engine/parallel/compress.ts";
 import { decodeChunk, fillParams, pushDType } from "../runtime/chunk-codec.ts";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/errors.ts";
@@ -524,14 +523,8 @@ export class ParameterShard {
     if (part === 0) {
       const whole = this.exportState();
       // a shard that owns no chunks still answers one part, with none
-      const groups =
-        whole.chunks.length === 0
-          ? [[]]
-          : packByBytes(whole.chunks, (c) => c.params.byteLength * (1 + c.state.length) + 256, Math.max(1, partBytesMax - partOverheadBytes));
-      this.#exported = {
-        step,
-        parts: groups.map((chunks, p) => withChecksum({ ...whole, chunks, parts: groups.length, part: p })),
-      };
+      const { chunks, checksum: _, ...head } = whole;
+      this.#exported = { step, parts: cutShardState(head, chunks, partBytesMax) };
     }
     const ex = this.#exported;
     if (ex === null || ex.step !== step) throw new BadRequestError(`part ${part} of shard ${this.shard}'s state at step ${step}: ask for part 0 first`);

@@ -8,7 +8,8 @@
 //     snapshot, so no rank holds another's state; the checkpoint service writes them as they
 //     are and, on restore or to export the model, assembles the replica from all of them
 //     (replicaFromPartitions), whatever the number of ranks and stage it is loaded into.
-import { type ShardState, shardStateChecksum, withChecksum } from "../../schemas/messages.ts";
+import { packByBytes } from "../../schemas/codec.ts";
+import { type ChunkState, type ShardState, shardStateChecksum, withChecksum } from "../../schemas/messages.ts";
 import { BadRequestError, CorruptDataError } from "./errors.ts";
 import type { Layout } from "./layout.ts";
 
@@ -28,6 +29,21 @@ export interface ReplicaMeta {
   optimizerSteps: number;
   /** f16: the loss scaler's scale (0: none) */
   lossScale: number;
+}
+
+/**
+ * A parameter server's state (`head`: everything but its chunks) cut into parts of whole chunks
+ * under partBytesMax, each numbered (part of parts) and with its checksum; a state of no chunks
+ * is one part.
+ */
+export function cutShardState(
+  head: Omit<ShardState, "chunks" | "parts" | "part" | "checksum">,
+  chunks: readonly ChunkState[],
+  partBytesMax: number,
+): ShardState[] {
+  const groups =
+    chunks.length === 0 ? [[]] : packByBytes(chunks, (c) => c.params.byteLength * (1 + c.state.length) + 256, Math.max(1, partBytesMax - partOverheadBytes));
+  return groups.map((g, p) => withChecksum({ ...head, parts: groups.length, part: p, chunks: g }));
 }
 
 /** Part p of `parts`: everything but its chunks. */
