@@ -110,7 +110,9 @@ export class ParameterServer {
     on("load", (subject, data) => {
       // snapshots are as large as the shard's parameters and state: allow 64 MB
       const s = decodeShardState(data, Math.max(this.payloadBytesMax, 64 << 20));
-      if (this.#entry(subject, s.job).shard.loadPart(s)) this.log?.info({ job: s.job, step: s.step, parts: Math.max(1, s.parts ?? 0) }, "shard state loaded");
+      const missing = this.#entry(subject, s.job).shard.loadPart(s);
+      if (missing === 0) this.log?.info({ job: s.job, step: s.step, parts: Math.max(1, s.parts ?? 0) }, "shard state loaded");
+      // waiting: the parts still to come (0: the state is applied)
       return encodeShardStats({
         job: s.job,
         shard: k,
@@ -120,7 +122,7 @@ export class ParameterServer {
         pushes: 0,
         duplicates: 0,
         pulls: 0,
-        waiting: 0,
+        waiting: missing,
         clocks: [],
       });
     });

@@ -111,7 +111,7 @@ export class ParameterShard {
   readonly #clipWait = new Set<ChunkSlot>();
   /** BSP clipping: this shard's sum of squares per recent step, and who waits for one */
   readonly #partials = new Map<number, number>();
-  readonly #partialWaiters = new Map<number, ((v: number) => void)[]>();
+  readonly #partialWaiters = new Map<number, { wake: (v: number) => void; fail: (e: Error) => void }[]>();
   /** bumped by a restore: a norm agreed for the state before it is dropped */
   #epoch = 0;
   readonly #totalSteps: number;
@@ -159,19 +159,41 @@ export class ParameterShard {
   partialNorm(step: number, waitMs: number): Promise<number> {
     this.flush();
     if (!shardsClip(this.#cfg)) throw new BadRequestError(`job ${this.job} does not clip on the shards (BSP with gradClip > 0 does)`);
+    this.#checkStep(step, "the norm of");
     const known = this.#partials.get(step);
     if (known !== undefined) return Promise.resolve(known);
     const version = Math.min(...[...this.#slots.values()].map((x) => x.version));
     if (step < version - 2) throw new BadRequestError(`shard ${this.shard} is at step ${version}; the norm of step ${step} is forgotten`);
+    let waiting = 0;
+    for (const l of this.#partialWaiters.values()) waiting += l.length;
+    if (waiting >= pullWaitersMax) throw new LimitExceededError(`${pullWaitersMax} norm requests are waiting on shard ${this.shard} already`);
     return new Promise<number>((resolve, reject) => {
-      const timer = setTimeout(() => reject(new DeadlineError(`shard ${this.shard} has not got every push of step ${step} within ${waitMs} ms`)), waitMs);
       const list = this.#partialWaiters.get(step) ?? [];
-      list.push((v) => {
-        clearTimeout(timer);
-        resolve(v);
-      });
+      const w = {
+        wake: (v: number) => {
+          clearTimeout(timer);
+          resolve(v);
+        },
+        fail: (e: Error) => {
+          clearTimeout(timer);
+          reject(e);
+        },
+      };
+      const timer = setTimeout(() => {
+        const l = this.#partialWaiters.get(step);
+        l?.splice(l.indexOf(w) >>> 0, 1);
+        if (l?.length === 0) this.#partialWaiters.delete(step);
+        reject(new DeadlineError(`shard ${this.shard} has not got every push of step ${step} within ${waitMs} ms`));
+      }, waitMs);
+      list.push(w);
       this.#partialWaiters.set(step, list);
     });
+  }
+
+  /** A step a request names must be one of the job's (a pull or norm of a later one would only wait). */
+  #checkStep(step: number, what: string): void {
+    if (!(Number.isSafeInteger(step) && step >= 0 && step <= this.#totalSteps))
+      throw new BadRequestError(`${what} step ${step}: job ${this.job} runs steps 0 to ${this.#totalSteps}`);
   }
 
   /** parameters this shard holds */
@@ -344,7 +366,7 @@ export class ParameterShard {
     for (const slot of this.#clipWait) partial += be.sumSquares(this.#ptr(this.#grads, slot), slot.info.count);
     this.#partials.set(step, partial);
     for (const k of this.#partials.keys()) if (k < step - 2) this.#partials.delete(k);
-    for (const wake of this.#partialWaiters.get(step) ?? []) wake(partial);
+    for (const w of this.#partialWaiters.get(step) ?? []) w.wake(partial);
     this.#partialWaiters.delete(step);
     const epoch = this.#epoch;
     const apply = (norm: number) => {
@@ -441,6 +463,7 @@ export class ParameterShard {
   pull(trainer: number, step: number, ids: Uint32Array, dtype: DType = DType.F32): Promise<Uint8Array> {
     this.flush();
     this.#checkTrainer(trainer);
+    this.#checkStep(step, "a pull of");
     if (dtype !== DType.F32 && dtype !== DType.F16 && dtype !== DType.BF16)
       throw new BadRequestError(`parameters are pulled as F32, F16 or BF16 (a lossy copy), not ${DType[dtype] ?? dtype}`);
     for (const id of ids) this.#slot(id);
@@ -535,15 +558,16 @@ export class ParameterShard {
   }
 
   /** A restore's parts as they come, each checked; applied when every one is here */
-  #loading: { step: number; parts: number; got: Map<number, ShardState> } | null = null;
+  #loading: { step: number; updates: number; parts: number; got: Map<number, ShardState> } | null = null;
 
   /**
    * Takes part `s.part` of `s.parts` of a snapshot of this shard (a whole state is one part).
    * Each part is checked completely as it comes (its checksum, job and shard, its chunks this
    * shard's, their sizes and state, every value finite, the step within the job); nothing is
-   * applied until the last part is here, and then all at once. Returns whether it was applied.
+   * applied until the last part is here, and then all at once. Returns the parts still missing
+   * (0: the state was applied).
    */
-  loadPart(s: ShardState): boolean {
+  loadPart(s: ShardState): number {
     const parts = Math.max(1, s.parts ?? 0),
       part = s.part ?? 0;
     if (s.checksum === undefined || s.checksum === 0n || s.checksum !== shardStateChecksum(s))
@@ -551,15 +575,17 @@ export class ParameterShard {
     if (!(part < parts)) throw new BadRequestError(`a load's part ${part} of ${parts}`);
     this.#checkState(s);
     const cur = this.#loading;
-    // a part of another snapshot, or one already here (a new attempt), starts over
-    if (cur === null || cur.step !== s.step || cur.parts !== parts || cur.got.has(part)) this.#loading = { step: s.step, parts, got: new Map() };
+    // a part of another snapshot (another step or moment: its counters differ), or one already
+    // here (a new attempt), starts over
+    if (cur === null || cur.step !== s.step || cur.updates !== s.updates || cur.parts !== parts || cur.got.has(part))
+      this.#loading = { step: s.step, updates: s.updates, parts, got: new Map() };
     const l = this.#loading!;
     l.got.set(part, s);
-    if (l.got.size < parts) return false;
+    if (l.got.size < parts) return parts - l.got.size;
     this.#loading = null;
     const all = [...l.got.values()];
     this.importState({ ...all[0]!, parts: 1, part: 0, chunks: all.flatMap((x) => x.chunks) });
-    return true;
+    return 0;
   }
 
   /** Everything about a state but whether it covers the shard: refused with BadRequestError. */
@@ -631,6 +657,8 @@ export class ParameterShard {
       w.reject(new DeadlineError(`shard ${this.shard} of job ${this.job} stopped`));
     }
     this.#waiters.clear();
+    for (const l of this.#partialWaiters.values()) for (const w of l) w.fail(new DeadlineError(`shard ${this.shard} of job ${this.job} stopped`));
+    this.#partialWaiters.clear();
     for (const a of [this.#params, this.#grads, ...(this.#staging ? [this.#staging] : []), ...this.#state.map((s) => s.alloc)]) this.#be.free(a);
   }
 }

@@ -1,0 +1,239 @@
+// 20,000 mutated messages over every request subject of a job while it trains, on a real mesh:
+// no service crashes or restarts, every request is answered within its timeout, no mutated
+// push, load, save or restore changes anything, and the job finishes with the loss trajectory
+// of the same job run without the fuzz. The mutations are seeded: MT_FUZZ_SEED replays a run.
+import { afterAll, expect, test } from "bun:test";
+import { join } from "node:path";
+import {
+  decodeBatchRequest,
+  decodeJobRequest,
+  decodeJobSpec,
+  decodePullRequest,
+  decodePushReply,
+  decodePushRequest,
+  decodeShardState,
+  decodeShardStats,
+  encodeBatchRequest,
+  encodeJobRequest,
+  encodeJobSpec,
+  encodePullRequest,
+  encodePushRequest,
+  encodeShardState,
+  type Event,
+  EventKind,
+  JobState,
+  type ShardState,
+  shardStateChecksum,
+  Split,
+  withChecksum,
+} from "../../schemas/messages.ts";
+import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job.ts";
+import { specOfConfig, MeshClient } from "../../sdk/client.ts";
+import { LocalMesh } from "../../sdk/launcher.ts";
+import { watchJob } from "../../sdk/watch.ts";
+import { planHere } from "../../services/data-loader/loader.ts";
+import { fuzz, poisonNumbers, type Target } from "../helpers/fuzz.ts";
+import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
+
+afterAll(removeTempDirs);
+
+const messages = Number(process.env.MT_FUZZ_MESSAGES ?? 20_000);
+const fuzzSeed = Number(process.env.MT_FUZZ_SEED ?? 20261123);
+
+const config = (job: string): JobConfig =>
+  parseJobConfig({
+    ...jobDefaults,
+    job,
+    model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
+    epochs: 2,
+    warmupSteps: 20,
+    chunkBytes: 16 << 10,
+    checkpointEvery: 40,
+    // BSP with clipping on the shards: the ps.<k>.norm subject is in use
+    gradClip: 1,
+  });
+
+/** Each (rank, step)'s loss of a job's run, from its events. */
+function losses(events: readonly Event[]): Map<string, number> {
+  const out = new Map<string, number>();
+  for (const e of events) if (e.kind === EventKind.Step) out.set(`${e.rank}:${e.step}`, e.loss);
+  return out;
+}
+
+test(`${messages} mutated messages over every request subject while a job trains: no crash, every request answered, nothing applied, the same run`, async () => {
+  const dir = tempDir("mt-fuzz-");
+  // every step sleeps 40 ms in the trainers, so that the job is still training when the fuzz ends
+  await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), env: { MT_STEP_DELAY_MS: "40" } });
+  await using client = await MeshClient.connect(mesh.url);
+
+  // the run without the fuzz
+  const ref = config("fuzz-ref");
+  const refEvents: Event[] = [];
+  await client.submit(ref, { membersWaitMs: 60_000 });
+  const refOutcome = await watchJob(client, ref.job, { quiet: true, onEvent: (e) => refEvents.push(e) });
+  expect(refOutcome.record.state).toBe(JobState.Done);
+
+  const pids = mesh.pids;
+  const cfg = config("fuzz-main");
+  const total = planHere(cfg).totalSteps;
+  const seen: Event[] = [];
+  let ended = false;
+  await client.submit(cfg, { membersWaitMs: 60_000 });
+  const watching = watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) }).finally(() => (ended = true));
+  await waitFor("the job's step 3", () => seen.some((e) => e.kind === EventKind.Step && e.step >= 3), 60_000);
+
+  // seeds: real messages of this job, taken from it now
+  const job = cfg.job;
+  const states: ShardState[] = [];
+  for (const k of [0, 1]) {
+    const bytes = await client.bus.request(subjects.psState(job, k), encodeJobRequest({ job, step: 3, tag: "part 0" }), 30_000);
+    states.push(decodeShardState(bytes, 64 << 20));
+  }
+  const jr = (over: Partial<{ job: string; step: number; tag: string }> = {}) => ({ job, step: 0, tag: "", ...over });
+  const jobRequest = { encode: encodeJobRequest, decode: (d: Uint8Array) => decodeJobRequest(d, 1 << 20) };
+  const spec = specOfConfig(cfg);
+  const targets: Target[] = [
+    {
+      name: "data.next",
+      subject: subjects.dataNext(job),
+      seeds: [0, 1].flatMap((rank) => [Split.Train, Split.Test].map((split) => ({ job, rank, split, credits: 2, step: 5 }))),
+      encode: encodeBatchRequest,
+      decode: (d) => decodeBatchRequest(d, 1 << 20),
+      timeoutMs: 30_000,
+    } satisfies Target<ReturnType<typeof decodeBatchRequest>>,
+    { name: "data.plan", subject: subjects.dataPlan(job), seeds: [jr()], ...jobRequest, timeoutMs: 30_000 },
+    { name: "data.stats", subject: `mt.${job}.data.stats`, seeds: [jr()], ...jobRequest, timeoutMs: 30_000 },
+    {
+      // a job about to be submitted: its plan (the data-loader reads its data set)
+      name: "ctl.plan",
+      subject: subjects.planJob,
+      seeds: [{ ...spec, job: "fuzz-other", configJson: JSON.stringify({ ...JSON.parse(spec.configJson), job: "fuzz-other" }) }],
+      encode: encodeJobSpec,
+      decode: (d) => decodeJobSpec(d, 1 << 20),
+      timeoutMs: 30_000,
+    } satisfies Target<ReturnType<typeof decodeJobSpec>>,
+    ...[0, 1].flatMap((k): Target[] => {
+      const ids = Uint32Array.from(states[k]!.chunks.map((c) => c.id));
+      const chunks = states[k]!.chunks.map((c) => ({
+        id: c.id,
+        version: 0,
+        dtype: 0,
+        scale: 1,
+        count: c.params.length,
+        data: new Uint8Array(c.params.buffer, c.params.byteOffset, c.params.byteLength).slice(),
+      }));
+      return [
+        {
+          // pushes as trainers the job does not have: every one refused (a push as one of its
+          // trainers is theirs to make; credentials decide who may, not validation)
+          name: `ps.${k}.push`,
+          subject: subjects.psPush(job, k),
+          seeds: [2, 0x7ffffff0].map((trainer) => ({ job, trainer, step: 5, chunks })),
+          encode: encodePushRequest,
+          decode: (d) => decodePushRequest(d, 8 << 20),
+          legitimate: (m) => m.trainer < cfg.trainers,
+          taken: (reply) => decodePushReply(reply, 1 << 16).accepted > 0,
+          timeoutMs: 30_000,
+        } satisfies Target<ReturnType<typeof decodePushRequest>>,
+        {
+          // a pull of a step ahead waits until the job gets there (or ends): a long timeout
+          name: `ps.${k}.pull`,
+          subject: subjects.psPull(job, k),
+          seeds: [0, 1].map((trainer) => ({ job, trainer, step: 1, ids })),
+          encode: encodePullRequest,
+          decode: (d) => decodePullRequest(d, 1 << 20),
+          timeoutMs: 240_000,
+        } satisfies Target<ReturnType<typeof decodePullRequest>>,
+        { name: `ps.${k}.stats`, subject: subjects.psStats(job, k), seeds: [jr()], ...jobRequest, timeoutMs: 30_000 },
+        { name: `ps.${k}.state`, subject: subjects.psState(job, k), seeds: [jr({ step: 3, tag: "part 0" })], ...jobRequest, timeoutMs: 30_000 },
+        { name: `ps.${k}.norm`, subject: subjects.psNorm(job, k), seeds: [jr({ step: 1 })], ...jobRequest, timeoutMs: 240_000 },
+        {
+          // the shard's own state: every mutation must be refused (a byte changed after the cut,
+          // or a field set to a value no state has, with the checksum made to match)
+          name: `ps.${k}.load`,
+          subject: subjects.psLoad(job, k),
+          seeds: [states[k]!],
+          encode: encodeShardState,
+          decode: (d) => decodeShardState(d, 64 << 20),
+          numbers: poisonNumbers,
+          fix: withChecksum,
+          legitimate: (m) => loadable(m, states[k]!, total * cfg.trainers),
+          // a part of several is kept until the others come (waiting: how many); 0 is applied
+          taken: (reply) => decodeShardStats(reply, 1 << 16).waiting === 0,
+          timeoutMs: 30_000,
+        } satisfies Target<ShardState>,
+      ];
+    }),
+    ...[0, 1].map((r): Target => ({ name: `trainer.${r}.stats`, subject: subjects.trainerStats(job, r), seeds: [jr()], ...jobRequest, timeoutMs: 30_000 })),
+    { name: "ckpt.list", subject: subjects.ckptList(job), seeds: [jr()], ...jobRequest, timeoutMs: 30_000 },
+    {
+      // saves of steps the job does not have: a save of one of its steps is anyone's to ask
+      name: "ckpt.save",
+      subject: subjects.ckptSave(job),
+      seeds: [jr({ step: 2 ** 53 - 1, tag: "x" }), jr({ step: total + 1000, tag: "a\nb" })],
+      ...jobRequest,
+      legitimate: (m) => Number.isSafeInteger(m.step) && m.step >= 0 && m.step <= total,
+      taken: () => true,
+      timeoutMs: 60_000,
+    } satisfies Target<ReturnType<typeof decodeJobRequest>>,
+    {
+      // restores of snapshots that do not exist (a tag that is not "step-..." asks for the latest one)
+      name: "ckpt.restore",
+      subject: subjects.ckptRestore(job),
+      seeds: [jr({ tag: "step-000000777" }), jr({ tag: "step-999999999" })],
+      ...jobRequest,
+      legitimate: (m) => !/^step-/.test(m.tag) || (/^step-\d+$/.test(m.tag) && Number(m.tag.slice(5)) <= total),
+      taken: () => true,
+      timeoutMs: 60_000,
+    } satisfies Target<ReturnType<typeof decodeJobRequest>>,
+  ];
+  const t0 = performance.now();
+  const outcome = await fuzz(client.bus, targets, { messages, seed: fuzzSeed, concurrency: 24 });
+  const fuzzSeconds = (performance.now() - t0) / 1000;
+  const stepAtFuzzEnd = Math.max(...seen.filter((e) => e.kind === EventKind.Step).map((e) => e.step));
+  const endedDuringFuzz = ended;
+  const r = await watching;
+
+  const errors = [...outcome.errors].sort(([a], [b]) => a.localeCompare(b));
+  console.log(
+    `fuzz (seed ${fuzzSeed}): ${outcome.sent} messages over ${targets.length} subjects in ${fuzzSeconds.toFixed(1)} s; ${outcome.answered} answered, ${errors.reduce((s, [, n]) => s + n, 0)} error replies, ${outcome.unanswered.length} unanswered; ${outcome.redrawn} legitimate mutations drawn again`,
+  );
+  for (const [what, n] of errors) console.log(`  ${what}: ${n}`);
+  console.log(`  answered: ${[...outcome.answeredBy].map(([t, n]) => `${t} ${n}`).join(", ")}`);
+  console.log(
+    `accuracy: ${(r.record.accuracy * 100).toFixed(2)}% under fuzz, ${(refOutcome.record.accuracy * 100).toFixed(2)}% without (the job was at step ${stepAtFuzzEnd} of ${total} when the fuzz ended)`,
+  );
+
+  expect(outcome.sent).toBe(messages);
+  expect(outcome.unanswered).toEqual([]);
+  expect(outcome.other).toEqual([]);
+  expect(endedDuringFuzz).toBe(false);
+  // no service died or was restarted
+  expect(mesh.pids).toEqual(pids);
+  for (const name of mesh.services.map((s) => s.name)) expect(mesh.restarts(name)).toBe(0);
+  // nothing changed state: no push, load, save or restore was taken
+  expect(Object.fromEntries(outcome.taken)).toEqual({});
+  expect(seen.filter((e) => e.kind === EventKind.Restore)).toEqual([]);
+  // the job finished with the very run of the fault-free job: the same loss at every step
+  expect(r.record.state).toBe(JobState.Done);
+  const want = losses(refEvents),
+    got = losses(seen);
+  expect(got.size).toBe(want.size);
+  for (const [key, loss] of want) expect(Math.abs(got.get(key)! - loss)).toBeLessThanOrEqual(1e-6 * Math.max(1, Math.abs(loss)));
+  expect(r.record.accuracy).toBe(refOutcome.record.accuracy);
+}, 900_000);
+
+/** Whether a shard would take `m` as its state: a well-formed snapshot of itself (drawn again). */
+function loadable(m: ShardState, seed: ShardState, versionMax: number): boolean {
+  if (m.checksum !== shardStateChecksum(m) || m.job !== seed.job || m.shard !== seed.shard) return false;
+  if ((m.parts ?? 0) > 1 || (m.part ?? 0) !== 0) return false;
+  if (!Number.isSafeInteger(m.step) || m.step < 0 || !Number.isSafeInteger(m.updates) || m.updates < 0) return false;
+  const want = new Map(seed.chunks.map((c) => [c.id, c]));
+  if (m.chunks.length !== seed.chunks.length || new Set(m.chunks.map((c) => c.id)).size !== m.chunks.length) return false;
+  return m.chunks.every((c) => {
+    const s = want.get(c.id);
+    if (!s || c.params.length !== s.params.length || !Number.isSafeInteger(c.version) || c.version < 0 || c.version > versionMax) return false;
+    if (c.state.map((v) => v.name).join() !== s.state.map((v) => v.name).join()) return false;
+    return [c.params, ...c.state.map((v) => v.data)].every((v) => v.length === s.params.length && v.every(Number.isFinite));
+  });
+}
