@@ -935,10 +935,11 @@ export class Replica {
     }
     const g = s.generation!;
     const cur = this.#staged;
-    if (cur === null || cur.generation !== g) {
-      if (cur !== null && g < cur.generation) throw new BadRequestError(`replica of generation ${g}; a load of generation ${cur.generation} is under way`);
+    // a part of another load starts over: the checkpoint service loads every part of a restore
+    // before it announces it, one restore at a time, so the newest parts are the ones to keep
+    // (refusing older generations instead would let one part with a huge one block every restore)
+    if (cur === null || cur.generation !== g)
       this.#staged = { step: s.step, generation: g, parts, optimizerSteps: s.optimizerSteps, lossScale: s.lossScale ?? 0, got: new Map() };
-    }
     const st = this.#staged!;
     if (st.step !== s.step || st.parts !== parts)
       throw new BadRequestError(`replica part of step ${s.step} (${parts} parts) in a load of step ${st.step} (${st.parts} parts)`);

@@ -2,10 +2,12 @@
 // no service crashes or restarts, every request is answered within its timeout, no mutated
 // push, load, save or restore changes anything, and the job finishes with the loss trajectory
 // of the same job run without the fuzz. The mutations are seeded: MT_FUZZ_SEED replays a run.
-import { afterAll, expect, test } from "bun:test";
+import { afterAll, beforeAll, expect, test } from "bun:test";
+import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import {
   decodeBatchRequest,
+  decodeCollPiece,
   decodeJobRequest,
   decodeJobSpec,
   decodePullRequest,
@@ -14,6 +16,7 @@ import {
   decodeShardState,
   decodeShardStats,
   encodeBatchRequest,
+  encodeCollPiece,
   encodeJobRequest,
   encodeJobSpec,
   encodePullRequest,
@@ -35,12 +38,10 @@ import { planHere } from "../../services/data-loader/loader.ts";
 import { fuzz, poisonNumbers, type Target } from "../helpers/fuzz.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 
-afterAll(removeTempDirs);
-
 const messages = Number(process.env.MT_FUZZ_MESSAGES ?? 20_000);
 const fuzzSeed = Number(process.env.MT_FUZZ_SEED ?? 20261123);
 
-const config = (job: string): JobConfig =>
+const config = (job: string, over: Partial<JobConfig>): JobConfig =>
   parseJobConfig({
     ...jobDefaults,
     job,
@@ -51,6 +52,7 @@ const config = (job: string): JobConfig =>
     checkpointEvery: 40,
     // BSP with clipping on the shards: the ps.<k>.norm subject is in use
     gradClip: 1,
+    ...over,
   });
 
 /** Each (rank, step)'s loss of a job's run, from its events. */
@@ -60,39 +62,32 @@ function losses(events: readonly Event[]): Map<string, number> {
   return out;
 }
 
-test(`${messages} mutated messages over every request subject while a job trains: no crash, every request answered, nothing applied, the same run`, async () => {
-  const dir = tempDir("mt-fuzz-");
+let dir: string;
+let mesh: LocalMesh;
+let client: MeshClient;
+
+beforeAll(async () => {
+  dir = tempDir("mt-fuzz-");
   // every step sleeps 40 ms in the trainers, so that the job is still training when the fuzz ends
-  await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), env: { MT_STEP_DELAY_MS: "40" } });
-  await using client = await MeshClient.connect(mesh.url);
+  mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), env: { MT_STEP_DELAY_MS: "40" } });
+  client = await MeshClient.connect(mesh.url);
+}, 120_000);
 
-  // the run without the fuzz
-  const ref = config("fuzz-ref");
-  const refEvents: Event[] = [];
-  await client.submit(ref, { membersWaitMs: 60_000 });
-  const refOutcome = await watchJob(client, ref.job, { quiet: true, onEvent: (e) => refEvents.push(e) });
-  expect(refOutcome.record.state).toBe(JobState.Done);
+afterAll(async () => {
+  await client?.close();
+  await mesh?.stop();
+  removeTempDirs();
+});
 
-  const pids = mesh.pids;
-  const cfg = config("fuzz-main");
-  const total = planHere(cfg).totalSteps;
-  const seen: Event[] = [];
-  let ended = false;
-  await client.submit(cfg, { membersWaitMs: 60_000 });
-  const watching = watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) }).finally(() => (ended = true));
-  await waitFor("the job's step 3", () => seen.some((e) => e.kind === EventKind.Step && e.step >= 3), 60_000);
+/** What a request whose reply is a JobRequest needs. */
+const jobRequest = { encode: encodeJobRequest, decode: (d: Uint8Array) => decodeJobRequest(d, 1 << 20) };
 
-  // seeds: real messages of this job, taken from it now
+/** The targets every job has: its data-loader's, its checkpoint service's, its trainers' stats. */
+function commonTargets(cfg: JobConfig, total: number): Target[] {
   const job = cfg.job;
-  const states: ShardState[] = [];
-  for (const k of [0, 1]) {
-    const bytes = await client.bus.request(subjects.psState(job, k), encodeJobRequest({ job, step: 3, tag: "part 0" }), 30_000);
-    states.push(decodeShardState(bytes, 64 << 20));
-  }
   const jr = (over: Partial<{ job: string; step: number; tag: string }> = {}) => ({ job, step: 0, tag: "", ...over });
-  const jobRequest = { encode: encodeJobRequest, decode: (d: Uint8Array) => decodeJobRequest(d, 1 << 20) };
   const spec = specOfConfig(cfg);
-  const targets: Target[] = [
+  return [
     {
       name: "data.next",
       subject: subjects.dataNext(job),
@@ -112,58 +107,6 @@ test(`${messages} mutated messages over every request subject while a job trains
       decode: (d) => decodeJobSpec(d, 1 << 20),
       timeoutMs: 30_000,
     } satisfies Target<ReturnType<typeof decodeJobSpec>>,
-    ...[0, 1].flatMap((k): Target[] => {
-      const ids = Uint32Array.from(states[k]!.chunks.map((c) => c.id));
-      const chunks = states[k]!.chunks.map((c) => ({
-        id: c.id,
-        version: 0,
-        dtype: 0,
-        scale: 1,
-        count: c.params.length,
-        data: new Uint8Array(c.params.buffer, c.params.byteOffset, c.params.byteLength).slice(),
-      }));
-      return [
-        {
-          // pushes as trainers the job does not have: every one refused (a push as one of its
-          // trainers is theirs to make; credentials decide who may, not validation)
-          name: `ps.${k}.push`,
-          subject: subjects.psPush(job, k),
-          seeds: [2, 0x7ffffff0].map((trainer) => ({ job, trainer, step: 5, chunks })),
-          encode: encodePushRequest,
-          decode: (d) => decodePushRequest(d, 8 << 20),
-          legitimate: (m) => m.trainer < cfg.trainers,
-          taken: (reply) => decodePushReply(reply, 1 << 16).accepted > 0,
-          timeoutMs: 30_000,
-        } satisfies Target<ReturnType<typeof decodePushRequest>>,
-        {
-          // a pull of a step ahead waits until the job gets there (or ends): a long timeout
-          name: `ps.${k}.pull`,
-          subject: subjects.psPull(job, k),
-          seeds: [0, 1].map((trainer) => ({ job, trainer, step: 1, ids })),
-          encode: encodePullRequest,
-          decode: (d) => decodePullRequest(d, 1 << 20),
-          timeoutMs: 240_000,
-        } satisfies Target<ReturnType<typeof decodePullRequest>>,
-        { name: `ps.${k}.stats`, subject: subjects.psStats(job, k), seeds: [jr()], ...jobRequest, timeoutMs: 30_000 },
-        { name: `ps.${k}.state`, subject: subjects.psState(job, k), seeds: [jr({ step: 3, tag: "part 0" })], ...jobRequest, timeoutMs: 30_000 },
-        { name: `ps.${k}.norm`, subject: subjects.psNorm(job, k), seeds: [jr({ step: 1 })], ...jobRequest, timeoutMs: 240_000 },
-        {
-          // the shard's own state: every mutation must be refused (a byte changed after the cut,
-          // or a field set to a value no state has, with the checksum made to match)
-          name: `ps.${k}.load`,
-          subject: subjects.psLoad(job, k),
-          seeds: [states[k]!],
-          encode: encodeShardState,
-          decode: (d) => decodeShardState(d, 64 << 20),
-          numbers: poisonNumbers,
-          fix: withChecksum,
-          legitimate: (m) => loadable(m, states[k]!, total * cfg.trainers),
-          // a part of several is kept until the others come (waiting: how many); 0 is applied
-          taken: (reply) => decodeShardStats(reply, 1 << 16).waiting === 0,
-          timeoutMs: 30_000,
-        } satisfies Target<ShardState>,
-      ];
-    }),
     ...[0, 1].map((r): Target => ({ name: `trainer.${r}.stats`, subject: subjects.trainerStats(job, r), seeds: [jr()], ...jobRequest, timeoutMs: 30_000 })),
     { name: "ckpt.list", subject: subjects.ckptList(job), seeds: [jr()], ...jobRequest, timeoutMs: 30_000 },
     {
@@ -187,6 +130,29 @@ test(`${messages} mutated messages over every request subject while a job trains
       timeoutMs: 60_000,
     } satisfies Target<ReturnType<typeof decodeJobRequest>>,
   ];
+}
+
+/**
+ * Runs `name`-ref without the fuzz and `name` under it (the fuzz starts at its step 3, with the
+ * targets `targetsOf` makes then), and checks that nothing the fuzz sent changed the run.
+ */
+async function fuzzRun(cfgOf: (job: string) => JobConfig, targetsOf: (cfg: JobConfig, total: number) => Promise<Target[]>): Promise<void> {
+  const ref = cfgOf(`${cfgOf("x").sync}-ref`);
+  const refEvents: Event[] = [];
+  await client.submit(ref, { membersWaitMs: 60_000 });
+  const refOutcome = await watchJob(client, ref.job, { quiet: true, onEvent: (e) => refEvents.push(e) });
+  expect(refOutcome.record.state).toBe(JobState.Done);
+
+  const pids = mesh.pids;
+  const cfg = cfgOf(`${ref.sync}-fuzzed`);
+  const total = planHere(cfg).totalSteps;
+  const seen: Event[] = [];
+  let ended = false;
+  await client.submit(cfg, { membersWaitMs: 60_000 });
+  const watching = watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) }).finally(() => (ended = true));
+  await waitFor("the job's step 3", () => seen.some((e) => e.kind === EventKind.Step && e.step >= 3), 60_000);
+  const targets = [...commonTargets(cfg, total), ...(await targetsOf(cfg, total))];
+
   const t0 = performance.now();
   const outcome = await fuzz(client.bus, targets, { messages, seed: fuzzSeed, concurrency: 24 });
   const fuzzSeconds = (performance.now() - t0) / 1000;
@@ -196,12 +162,12 @@ test(`${messages} mutated messages over every request subject while a job trains
 
   const errors = [...outcome.errors].sort(([a], [b]) => a.localeCompare(b));
   console.log(
-    `fuzz (seed ${fuzzSeed}): ${outcome.sent} messages over ${targets.length} subjects in ${fuzzSeconds.toFixed(1)} s; ${outcome.answered} answered, ${errors.reduce((s, [, n]) => s + n, 0)} error replies, ${outcome.unanswered.length} unanswered; ${outcome.redrawn} legitimate mutations drawn again`,
+    `${cfg.sync} job, fuzz seed ${fuzzSeed}: ${outcome.sent} messages over ${targets.length} subjects in ${fuzzSeconds.toFixed(1)} s; ${outcome.answered} answered, ${errors.reduce((s, [, n]) => s + n, 0)} error replies, ${outcome.unanswered.length} unanswered; ${outcome.redrawn} legitimate mutations drawn again`,
   );
   for (const [what, n] of errors) console.log(`  ${what}: ${n}`);
   console.log(`  answered: ${[...outcome.answeredBy].map(([t, n]) => `${t} ${n}`).join(", ")}`);
   console.log(
-    `accuracy: ${(r.record.accuracy * 100).toFixed(2)}% under fuzz, ${(refOutcome.record.accuracy * 100).toFixed(2)}% without (the job was at step ${stepAtFuzzEnd} of ${total} when the fuzz ended)`,
+    `  accuracy: ${(r.record.accuracy * 100).toFixed(2)}% under fuzz, ${(refOutcome.record.accuracy * 100).toFixed(2)}% without (the job was at step ${stepAtFuzzEnd} of ${total} when the fuzz ended)`,
   );
 
   expect(outcome.sent).toBe(messages);
@@ -221,7 +187,144 @@ test(`${messages} mutated messages over every request subject while a job trains
   expect(got.size).toBe(want.size);
   for (const [key, loss] of want) expect(Math.abs(got.get(key)! - loss)).toBeLessThanOrEqual(1e-6 * Math.max(1, Math.abs(loss)));
   expect(r.record.accuracy).toBe(refOutcome.record.accuracy);
-}, 900_000);
+}
+
+test(`parameter-server mode: ${messages} mutated messages over every request subject while a job trains; no crash, every request answered, nothing taken, the same run`, async () => {
+  await fuzzRun(
+    (job) => config(job, { sync: "bsp" }),
+    async (cfg, total) => {
+      const job = cfg.job;
+      const jr = (over: Partial<{ job: string; step: number; tag: string }> = {}) => ({ job, step: 0, tag: "", ...over });
+      // seeds: the shards' real state, taken from the job now
+      const states: ShardState[] = [];
+      for (const k of [0, 1]) {
+        const bytes = await client.bus.request(subjects.psState(job, k), encodeJobRequest({ job, step: 3, tag: "part 0" }), 30_000);
+        states.push(decodeShardState(bytes, 64 << 20));
+      }
+      return [0, 1].flatMap((k): Target[] => {
+        const ids = Uint32Array.from(states[k]!.chunks.map((c) => c.id));
+        const chunks = states[k]!.chunks.map((c) => ({
+          id: c.id,
+          version: 0,
+          dtype: 0,
+          scale: 1,
+          count: c.params.length,
+          data: new Uint8Array(c.params.buffer, c.params.byteOffset, c.params.byteLength).slice(),
+        }));
+        return [
+          {
+            // pushes as trainers the job does not have: every one refused (a push as one of its
+            // trainers is theirs to make; credentials decide who may, not validation)
+            name: `ps.${k}.push`,
+            subject: subjects.psPush(job, k),
+            seeds: [2, 0x7ffffff0].map((trainer) => ({ job, trainer, step: 5, chunks })),
+            encode: encodePushRequest,
+            decode: (d) => decodePushRequest(d, 8 << 20),
+            legitimate: (m) => m.trainer < cfg.trainers,
+            taken: (reply) => decodePushReply(reply, 1 << 16).accepted > 0,
+            timeoutMs: 30_000,
+          } satisfies Target<ReturnType<typeof decodePushRequest>>,
+          {
+            // a pull of a step ahead waits until the job gets there (or ends): a long timeout
+            name: `ps.${k}.pull`,
+            subject: subjects.psPull(job, k),
+            seeds: [0, 1].map((trainer) => ({ job, trainer, step: 1, ids })),
+            encode: encodePullRequest,
+            decode: (d) => decodePullRequest(d, 1 << 20),
+            timeoutMs: 240_000,
+          } satisfies Target<ReturnType<typeof decodePullRequest>>,
+          { name: `ps.${k}.stats`, subject: subjects.psStats(job, k), seeds: [jr()], ...jobRequest, timeoutMs: 30_000 },
+          { name: `ps.${k}.state`, subject: subjects.psState(job, k), seeds: [jr({ step: 3, tag: "part 0" })], ...jobRequest, timeoutMs: 30_000 },
+          { name: `ps.${k}.norm`, subject: subjects.psNorm(job, k), seeds: [jr({ step: 1 })], ...jobRequest, timeoutMs: 240_000 },
+          {
+            // the shard's own state: every mutation must be refused (a byte changed after the cut,
+            // or a field set to a value no state has, with the checksum made to match)
+            name: `ps.${k}.load`,
+            subject: subjects.psLoad(job, k),
+            seeds: [states[k]!],
+            encode: encodeShardState,
+            decode: (d) => decodeShardState(d, 64 << 20),
+            numbers: poisonNumbers,
+            fix: withChecksum,
+            legitimate: (m) => loadable(m, states[k]!, total * cfg.trainers),
+            // a part of several is kept until the others come (waiting: how many); 0 is applied
+            taken: (reply) => decodeShardStats(reply, 1 << 16).waiting === 0,
+            timeoutMs: 30_000,
+          } satisfies Target<ShardState>,
+        ];
+      });
+    },
+  );
+}, 600_000);
+
+test(`all-reduce mode: ${messages} mutated messages over every request subject while a job trains; no crash, every request answered, nothing taken, the same run`, async () => {
+  await fuzzRun(
+    (job) => config(job, { sync: "allreduce" }),
+    async (cfg) => {
+      const job = cfg.job;
+      // seeds: the replica of the job's first snapshot (step 40), read from its files
+      const snapshot = join(dir, "jobs", job, "step-000000040");
+      // (a snapshot's folder appears whole: it is written under another name, then renamed)
+      await waitFor("the job's first snapshot", () => existsSync(snapshot), 120_000);
+      const parts = readdirSync(snapshot)
+        .filter((f) => /^replica-\d+\.mtss$/.test(f))
+        .map((f) => decodeShardState(readFileSync(join(snapshot, f)), 64 << 20));
+      expect(parts.length).toBeGreaterThan(0);
+      const generation = Date.now();
+      return [
+        {
+          name: "replica.state",
+          subject: subjects.replicaState(job),
+          seeds: [{ job, step: 41, tag: "part 0" }],
+          ...jobRequest,
+          timeoutMs: 60_000,
+        },
+        ...[0, 1].flatMap((r): Target[] => [
+          {
+            // a restore's parts, staged until a restore event names their step: none comes, so
+            // nothing staged is ever applied (the run below shows it)
+            name: `replica.${r}.load`,
+            subject: subjects.replicaLoad(job, r),
+            seeds: parts.map((p) => ({ ...p, generation })),
+            encode: encodeShardState,
+            decode: (d) => decodeShardState(d, 64 << 20),
+            numbers: poisonNumbers,
+            fix: withChecksum,
+            timeoutMs: 30_000,
+          } satisfies Target<ShardState>,
+          {
+            // collective pieces from ranks the job does not have (a piece from one of its ranks is
+            // theirs to send)
+            name: `coll.${r}`,
+            subject: subjects.coll(job, r),
+            seeds: [2, 0x7ffffff0].map((from) => ({
+              job,
+              generation: 0,
+              group: "dp",
+              from,
+              to: r,
+              step: 5,
+              bucket: 0,
+              phase: 0,
+              hop: 0,
+              piece: 0,
+              offset: 0,
+              count: 16,
+              data: new Uint8Array(64),
+              reason: "",
+              shmNonce: 0,
+              shmSlot: 0,
+            })),
+            encode: (m) => encodeCollPiece(m, new Float32Array(m.data.buffer.slice(m.data.byteOffset, m.data.byteOffset + (m.data.byteLength & ~3)))),
+            decode: (d) => decodeCollPiece(d, 8 << 20),
+            legitimate: (m) => m.job === job && m.to === r && m.from < cfg.trainers,
+            timeoutMs: 30_000,
+          } satisfies Target<ReturnType<typeof decodeCollPiece>>,
+        ]),
+      ];
+    },
+  );
+}, 600_000);
 
 /** Whether a shard would take `m` as its state: a well-formed snapshot of itself (drawn again). */
 function loadable(m: ShardState, seed: ShardState, versionMax: number): boolean {
