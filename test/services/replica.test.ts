@@ -14,7 +14,7 @@ import { MemoryBus } from "../../services/runtime/bus.ts";
 import { BadRequestError } from "../../services/runtime/errors.ts";
 import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
 import { buildModel } from "../../services/runtime/model.ts";
-import { Replica, ReplicaDivergedError, stepRows } from "../../services/trainer/replica.ts";
+import { Replica, ReplicaDivergedError } from "../../services/trainer/replica.ts";
 import { imagePlan } from "../helpers/jobs.ts";
 
 const mnist = loadMnist();
@@ -214,12 +214,6 @@ describe("all-reduce replicas", () => {
       dispose(rs);
       ctx.dispose();
     }
-  });
-
-  test("stepRows: the samples of a step over all ranks, the short last step of each epoch included", () => {
-    expect(stepRows(1000, 4, 2, 128, 0)).toBe(256);
-    expect(stepRows(1000, 4, 2, 128, 3)).toBe(1000 - 3 * 256);
-    expect(stepRows(1000, 4, 2, 128, 7)).toBe(1000 - 3 * 256); // epoch 1's last step
   });
 
   test("a rank that takes its topology late loses none of the pieces its faster peers already sent (2 hosts x 2, hierarchical)", async () => {

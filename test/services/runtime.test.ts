@@ -171,4 +171,57 @@ describe("which config changes a snapshot survives", () => {
     expect(trajectoryDiff(ps({}), ps({ trainers: 2, batchSize: 96 }))).toEqual(["batchSize: 48 -> 96", "trainers: 4 -> 2"]);
     expect(trajectoryDiff(ar({}), ar({ compress: "int8" }))).toEqual(['compress: "none" -> "int8"']);
   });
+  test("either mode: other trainers from a later step, which the world records; not a rewritten past", () => {
+    for (const sync of ["bsp", "allreduce"] as const) {
+      const c = (over: object) => parseJobConfig({ ...jobDefaults, job: "j", sync, trainers: 2, ...over });
+      const grown = c({
+        trainers: 3,
+        world: [
+          { from: 0, trainers: 2 },
+          { from: 40, trainers: 3 },
+        ],
+      });
+      expect(trajectoryDiff(c({}), grown)).toEqual([]);
+      // and back to 2 at step 90
+      expect(
+        trajectoryDiff(
+          grown,
+          c({
+            world: [
+              { from: 0, trainers: 2 },
+              { from: 40, trainers: 3 },
+              { from: 90, trainers: 2 },
+            ],
+          }),
+        ),
+      ).toEqual([]);
+      // a world that says the job always had 3, or changed at another step than it did
+      expect(trajectoryDiff(c({}), c({ trainers: 3 }))).toEqual(["trainers: 2 -> 3"]);
+      expect(
+        trajectoryDiff(
+          grown,
+          c({
+            trainers: 3,
+            world: [
+              { from: 0, trainers: 4 },
+              { from: 40, trainers: 3 },
+            ],
+          }),
+        ).length,
+      ).toBeGreaterThan(0);
+      // a change before the last one replaces it (a resume from a snapshot before step 40)
+      expect(
+        trajectoryDiff(
+          grown,
+          c({
+            trainers: 4,
+            world: [
+              { from: 0, trainers: 2 },
+              { from: 30, trainers: 4 },
+            ],
+          }),
+        ),
+      ).toEqual([]);
+    }
+  });
 });

@@ -1,0 +1,130 @@
+// A job's world over time: how many trainers ran each step. A job starts with cfg.trainers; a
+// resize (or a resume on another number of trainers) adds a change at the step it takes effect,
+// so cfg.world lists every change, { from: 0, trainers } first, and cfg.trainers is the last one.
+//
+// The sampler follows the world: each step takes the next trainers x batchSize positions of the
+// epoch's permutation (fewer in an epoch's last step), so when the world changes mid-epoch the
+// rest of the epoch is re-split among the new ranks and every sample is still seen exactly
+// once per epoch. An epoch ends when its permutation is used up; so the job's step count, and
+// where each epoch starts, depend on the world. With one trainer count this is the plain
+// DistributedSampler of services/data-loader/sampler.ts.
+import { BadRequestError } from "./errors.ts";
+
+export interface WorldChange {
+  /** the first step the count holds for */
+  from: number;
+  trainers: number;
+}
+
+/** The world of a job: its changes, or the one of a job that never changed. */
+export const worldOf = (cfg: { trainers: number; world?: readonly WorldChange[] }): readonly WorldChange[] =>
+  cfg.world && cfg.world.length > 0 ? cfg.world : [{ from: 0, trainers: cfg.trainers }];
+
+/** A world's problems (empty: good): it starts at step 0, steps increase, and it ends at `trainers`. */
+export function worldProblems(world: readonly WorldChange[], trainers: number): string[] {
+  const out: string[] = [];
+  if (world.length === 0) return out;
+  if (world[0]!.from !== 0) out.push(`the world starts at step ${world[0]!.from}, not 0`);
+  for (let i = 1; i < world.length; i++)
+    if (!(world[i]!.from > world[i - 1]!.from)) out.push(`the world's change ${i} at step ${world[i]!.from} is not after step ${world[i - 1]!.from}`);
+  if (world.at(-1)!.trainers !== trainers) out.push(`the world ends with ${world.at(-1)!.trainers} trainers, the job has ${trainers}`);
+  return out;
+}
+
+/** The world with a change to `trainers` at `step` (changes at or after it are replaced). */
+export function changeWorld(cfg: { trainers: number; world?: readonly WorldChange[] }, step: number, trainers: number): WorldChange[] {
+  const before = worldOf(cfg).filter((c) => c.from < step);
+  if (before.at(-1)?.trainers === trainers) return before;
+  return [...before, { from: step, trainers }];
+}
+
+/** Where a step stands: its epoch, the first position of the epoch's permutation it takes, its ranks. */
+export interface StepPlace {
+  epoch: number;
+  /** position in the epoch's permutation where the step's samples begin */
+  cursor: number;
+  /** samples the step takes, over all its ranks */
+  rows: number;
+  trainers: number;
+  /** the step's index within its epoch */
+  index: number;
+  /** the epoch's last step */
+  last: boolean;
+}
+
+/**
+ * The steps of a job: for each, its epoch, cursor and world. Built once per job (a few thousand
+ * steps of two small arrays).
+ */
+export class StepSchedule {
+  readonly totalSteps: number;
+  /** the first step of each epoch (one per epoch the job reaches) */
+  readonly epochStarts: number[] = [];
+  readonly #cursor: Int32Array;
+  readonly #epoch: Int32Array;
+  readonly #world: readonly WorldChange[];
+
+  constructor(
+    readonly samples: number,
+    readonly batchSize: number,
+    world: readonly WorldChange[],
+    epochs: number,
+    maxSteps = 0,
+  ) {
+    if (!(samples > 0 && batchSize > 0)) throw new BadRequestError(`a schedule of ${samples} samples in batches of ${batchSize}`);
+    this.#world = world;
+    const cursors: number[] = [],
+      epochOf: number[] = [];
+    let step = 0;
+    for (let e = 0; e < epochs && (maxSteps <= 0 || step < maxSteps); e++) {
+      this.epochStarts.push(step);
+      for (let c = 0; c < samples && (maxSteps <= 0 || step < maxSteps); step++) {
+        cursors.push(c);
+        epochOf.push(e);
+        c += this.trainersAt(step) * batchSize;
+      }
+    }
+    this.totalSteps = step;
+    this.#cursor = Int32Array.from(cursors);
+    this.#epoch = Int32Array.from(epochOf);
+  }
+
+  /** The trainers of step `step` (the world's last count for steps past the job's end). */
+  trainersAt(step: number): number {
+    let w = this.#world[0]!.trainers;
+    for (const c of this.#world) if (c.from <= step) w = c.trainers;
+    return w;
+  }
+
+  /** The most trainers any step has. */
+  get trainersMax(): number {
+    return Math.max(...this.#world.map((c) => c.trainers));
+  }
+
+  at(step: number): StepPlace {
+    if (!(Number.isInteger(step) && step >= 0 && step < this.totalSteps))
+      throw new BadRequestError(`step ${step}: the job runs steps 0 to ${this.totalSteps - 1}`);
+    const cursor = this.#cursor[step]!,
+      epoch = this.#epoch[step]!,
+      trainers = this.trainersAt(step);
+    const rows = Math.min(trainers * this.batchSize, this.samples - cursor);
+    return { epoch, cursor, rows, trainers, index: step - this.epochStarts[epoch]!, last: cursor + rows >= this.samples };
+  }
+
+  /**
+   * [start, start+count) positions of the epoch's permutation that rank `rank` takes at `step`:
+   * batchSize each, and in an epoch's last step the remainder split as evenly as possible.
+   */
+  rankSlice(step: number, rank: number): { start: number; count: number } {
+    const p = this.at(step);
+    if (!(rank < p.trainers)) return { start: p.cursor, count: 0 };
+    const q = Math.floor(p.rows / p.trainers),
+      rem = p.rows % p.trainers;
+    return { start: p.cursor + rank * q + Math.min(rank, rem), count: q + (rank < rem ? 1 : 0) };
+  }
+
+  /** Whether `step` is the first of an epoch after the first (where an epoch's evaluation runs). */
+  startsEpoch(step: number): boolean {
+    return step > 0 && this.epochStarts.includes(step);
+  }
+}
