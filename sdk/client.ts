@@ -27,22 +27,25 @@ import {
 } from "../schemas/messages.ts";
 import { awaitMembers, meshMembers, type MeshMembers } from "../services/runtime/discovery.ts";
 import { BadRequestError, CapacityError, DeadlineError, JobStateError, NoRespondersError, UnknownJobError } from "../services/runtime/errors.ts";
-import { type JobConfig, jobConfigFromJson, jobNamePattern, parseJobConfig, subjects, trajectoryDiff, usesShards } from "../services/runtime/job.ts";
+import {
+  type JobConfig,
+  jobConfigFromJson,
+  jobNamePattern,
+  parseJobConfig,
+  specOfConfig,
+  subjects,
+  syncPolicy,
+  trajectoryDiff,
+  usesShards,
+} from "../services/runtime/job.ts";
+import { changeWorld } from "../services/runtime/world.ts";
 import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../services/runtime/jobs.ts";
 import { NatsBus } from "../services/runtime/nats.ts";
 import { percent, when } from "./format.ts";
 
-export const syncPolicy = { bsp: SyncPolicy.BSP, asp: SyncPolicy.ASP, ssp: SyncPolicy.SSP, allreduce: SyncPolicy.AllReduce } as const;
-/** The spec of a job: its config, the fields routing needs, and the submission's attempt and plan. */
-export const specOfConfig = (cfg: JobConfig, extra: Pick<JobSpec, "attempt" | "plan"> = {}): JobSpec => ({
-  job: cfg.job,
-  trainers: cfg.trainers,
-  shards: cfg.shards,
-  sync: syncPolicy[cfg.sync],
-  staleness: cfg.staleness,
-  configJson: JSON.stringify(cfg),
-  ...extra,
-});
+export { specOfConfig, syncPolicy };
+/** A resize: a snapshot (up to a minute), every service closing the job (up to a minute), the plan, the reopen. */
+export const resizeTimeoutMs = 240_000;
 /** Events queued for a slow consumer before the oldest are dropped (counted in `dropped`). */
 export const eventQueueMax = 100_000;
 /** How long `submit` looks for the ranks a job needs: a service busy in a synchronous stretch
@@ -113,6 +116,21 @@ export function checkResume(cfg: JobConfig, prev: PreviousRun, where: string): v
   }
 }
 
+/**
+ * A resumed job's config with its world: resuming on another number of trainers changes them from
+ * the snapshot's step (the sampler re-splits the rest of that epoch among the new ranks). An
+ * all-reduce job that keeps its global batch (trainers x batchSize) needs no change: its steps
+ * take the same samples.
+ */
+export function resumedWorld(cfg: JobConfig, prev: PreviousRun): JobConfig {
+  const was = prev.config;
+  if (prev.snapshot === null || cfg.world.length > 0) return cfg;
+  if (cfg.trainers === was.trainers) return parseJobConfig({ ...cfg, world: was.world });
+  const regrouped = was.sync === "allreduce" && cfg.sync === "allreduce" && was.trainers * was.batchSize === cfg.trainers * cfg.batchSize;
+  if (regrouped || cfg.batchSize !== was.batchSize) return cfg;
+  return parseJobConfig({ ...cfg, world: changeWorld(was, prev.snapshot.step, cfg.trainers) });
+}
+
 export class MeshClient implements AsyncDisposable {
   private constructor(
     readonly bus: NatsBus,
@@ -178,12 +196,15 @@ export class MeshClient implements AsyncDisposable {
    * finished job is refused.
    */
   async submit(config: JobConfig, o: { membersWaitMs?: number; checkMembers?: boolean; signal?: AbortSignal } = {}): Promise<JobRecord> {
-    const cfg = parseJobConfig(config);
+    let cfg = parseJobConfig(config);
     if ((o.checkMembers ?? true) && !(await this.waitForMembers(cfg, o.membersWaitMs ?? submitMembersWaitMs, o.signal))) {
       throw new DeadlineError(`the submission of job ${cfg.job} was stopped (${String(o.signal?.reason ?? "aborted")})`);
     }
     const prev = await this.previous(cfg.job);
-    if (prev) checkResume(cfg, prev, this.url);
+    if (prev) {
+      cfg = resumedWorld(cfg, prev);
+      checkResume(cfg, prev, this.url);
+    }
     const plan = await this.plan(cfg);
     const attempts = (prev?.record?.attempts ?? 0) + 1;
     const rec = runningRecord(cfg.job, JSON.stringify(cfg), attempts);
@@ -400,6 +421,25 @@ export class MeshClient implements AsyncDisposable {
   async restore(job: string, id = ""): Promise<Manifest> {
     await this.#running(job, "restore");
     return decodeManifest(await this.bus.request(subjects.ckptRestore(job), encodeJobRequest({ job, step: 0, tag: id }), 120_000), 1 << 22);
+  }
+
+  /**
+   * Changes a running job's trainers or shards at a step boundary: the checkpoint service takes
+   * a snapshot, every service closes the job and opens it again with the new sizes from that
+   * snapshot (the trainers change from its step: the sampler re-splits the rest of the epoch; the
+   * shards take its chunks as the new hash ring says). Checks first that the mesh runs every rank
+   * and shard the new sizes need. Resolves with the manifest resumed from.
+   */
+  async resize(job: string, to: { trainers?: number; shards?: number }, o: { membersWaitMs?: number } = {}): Promise<Manifest> {
+    const rec = await this.#running(job, "resize");
+    const cfg = jobConfigFromJson(rec.configJson);
+    const trainers = to.trainers ?? cfg.trainers,
+      shards = to.shards ?? cfg.shards;
+    if (!usesShards(cfg) && to.shards !== undefined && to.shards !== cfg.shards)
+      throw new BadRequestError(`job ${job} runs in all-reduce mode: it has no parameter-server shards to resize`);
+    await awaitMembers(() => this.members(), { job, trainers, shards, sync: cfg.sync }, o.membersWaitMs ?? submitMembersWaitMs, this.url);
+    const req = encodeJobRequest({ job, step: 0, tag: `trainers ${trainers} shards ${shards}` });
+    return decodeManifest(await this.bus.request(subjects.ckptResize(job), req, resizeTimeoutMs), 1 << 22);
   }
 
   async close(): Promise<void> {

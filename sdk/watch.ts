@@ -6,7 +6,7 @@ import { type Event, EventKind, type JobRecord, JobState } from "../schemas/mess
 import { DeadlineError, JobStateError } from "../services/runtime/errors.ts";
 import { EvalTally } from "../services/runtime/evals.ts";
 import { jobConfigFromJson } from "../services/runtime/job.ts";
-import { isEnded, stateName } from "../services/runtime/jobs.ts";
+import { isEnded, resizingReasonPrefix, stateName } from "../services/runtime/jobs.ts";
 import type { MeshClient } from "./client.ts";
 import { Progress, RateMeter } from "./progress.ts";
 
@@ -84,8 +84,11 @@ export async function watchJob(client: MeshClient, job: string, o: WatchOptions 
       if (performance.now() - lastPoll >= recordPollMs) {
         lastPoll = performance.now();
         record = await client.record(job);
+        w.resized(jobConfigFromJson(record.configJson).trainers);
         // running on record, but no spec twice in a row: no service runs it, and none will
-        specMissing = !isEnded(record) && (await client.jobs.spec(job)) === null ? specMissing + 1 : 0;
+        // (a resize takes the spec away for a moment, and says so in the record)
+        const paused = record.reason.startsWith(resizingReasonPrefix);
+        specMissing = !isEnded(record) && !paused && (await client.jobs.spec(job)) === null ? specMissing + 1 : 0;
         if (specMissing >= 2) {
           throw new JobStateError(
             `job ${job} is recorded as running, but no service runs it (its submission was cut off before the mesh got it); ` +
@@ -109,7 +112,7 @@ export async function watchJob(client: MeshClient, job: string, o: WatchOptions 
 /** The state of one watch: figures gathered from the events, and the display. */
 class Watcher {
   readonly #rate = new RateMeter(40);
-  readonly #tally: EvalTally;
+  #tally: EvalTally;
   readonly #split = { dataWaitMs: 0, pullMs: 0, computeMs: 0, pushMs: 0, commMs: 0, exposedCommMs: 0 };
   #wireBytes = 0;
   #density = { sum: 0, n: 0 };
@@ -127,11 +130,18 @@ class Watcher {
   #watched = false;
 
   constructor(
-    readonly trainers: number,
+    public trainers: number,
     readonly epochs: number,
     readonly o: WatchOptions,
     readonly unit: "samples" | "tokens",
   ) {
+    this.#tally = new EvalTally(trainers);
+  }
+
+  /** A resize changed the job's trainers: evaluations are combined over the new ranks. */
+  resized(trainers: number): void {
+    if (trainers === this.trainers) return;
+    this.trainers = trainers;
     this.#tally = new EvalTally(trainers);
   }
 

@@ -10,3 +10,9 @@ export const manifestBytesMax = 4 << 20;
 export const snapshotsMax = 1000;
 /** A shard's state request: the shard copies its memory out, the transfer is the cost. */
 export const stateTimeoutMs = 60_000;
+/** A resize: how long it waits for the snapshot it asks the ranks for (then it resumes from the newest one). */
+export const resizeSnapshotWaitMs = 60_000;
+/** A resize: how long every service gets to close the job once it is paused. */
+export const resizeCloseWaitMs = 60_000;
+/** A resize: the data-loader's plan of the resized job. */
+export const resizePlanTimeoutMs = 60_000;

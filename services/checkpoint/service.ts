@@ -12,7 +12,9 @@
 // A job opened under a name whose snapshots were taken with other settings is refused (it would
 // overwrite them, and resuming from them would be wrong): the job fails with the differences.
 import {
+  decodeDataPlan,
   decodeJobRequest,
+  encodeJobSpec,
   decodeShardState,
   decodeShardStats,
   encodeCheckpointList,
@@ -33,7 +35,16 @@ import {
 } from "../../schemas/messages.ts";
 import { join } from "node:path";
 import type { Bus, Subscription } from "../runtime/bus.ts";
-import { BadRequestError, ConfigError, CorruptDataError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
+import {
+  BadRequestError,
+  ConfigError,
+  CorruptDataError,
+  DeadlineError,
+  JobStateError,
+  NoRespondersError,
+  NotReadyError,
+  UnknownJobError,
+} from "../runtime/errors.ts";
 import { EvalTally } from "../runtime/evals.ts";
 import {
   configOfSpec,
@@ -41,19 +52,22 @@ import {
   jobConfigFromJson,
   jobNamePattern,
   jobOfRequest,
+  parseJobConfig,
   shardOfOpenedTag,
+  specOfConfig,
   trainerOfOpenedTag,
   subjects,
   trajectoryDiff,
   usesShards,
 } from "../runtime/job.ts";
-import type { JobControl } from "../runtime/jobs.ts";
+import { changeWorld, worldResumeProblem } from "../runtime/world.ts";
+import { type JobControl, resizingReasonPrefix } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { buildLayout } from "../runtime/layout.ts";
 import { exportModelFile } from "../runtime/model.ts";
 import { cutShardState, replicaFromPartitions } from "../runtime/replica-parts.ts";
 import { planOfSpec } from "../runtime/plan.ts";
-import { stateTimeoutMs } from "./limits.ts";
+import { resizeCloseWaitMs, resizePlanTimeoutMs, resizeSnapshotWaitMs, stateTimeoutMs } from "./limits.ts";
 import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
 import { LivenessMonitor, StragglerDetector } from "../runtime/liveness.ts";
 
@@ -89,6 +103,12 @@ interface JobEntry {
   liveness: LivenessMonitor;
   /** the ranks' step events, for stragglers */
   steps: Subscription;
+  /** the submission of the job this entry runs (its spec's attempt) */
+  attempt: number;
+  /** a resize was asked and is under way */
+  resizeAsked: boolean;
+  /** the resize has paused the job: saves are refused (the ranks that ask are about to stop) */
+  resizing: boolean;
 }
 
 /** part p of shard k's state (a snapshot before parts: ps-<k>.mtss, one part) */
@@ -127,6 +147,7 @@ export class CheckpointService {
       });
     on("save", (e, tag, step) => this.#serial(e, () => this.#save(e, step, tag)));
     on("restore", (e, tag) => this.#serial(e, () => this.#restore(e, tag)));
+    on("resize", (e, tag) => this.#resize(e, tag));
     // list answers for ended jobs too: their snapshots stay on disk
     this.bus.serve({
       name: "list",
@@ -151,6 +172,7 @@ export class CheckpointService {
   async #save(e: JobEntry, asked: number, why: string): Promise<Uint8Array> {
     const { cfg, plan } = e;
     const t0 = performance.now();
+    if (e.resizing) throw new NotReadyError(`job ${cfg.job} is being resized: its ranks stop now, and resume from the snapshot taken for it`);
     if (!Number.isSafeInteger(asked) || asked < 0 || asked > plan.totalSteps)
       throw new BadRequestError(`a save for step ${asked}: job ${cfg.job} runs steps 0 to ${plan.totalSteps}`);
     const states = !usesShards(cfg)
@@ -386,10 +408,22 @@ export class CheckpointService {
       });
       throw new BadRequestError(reason);
     }
-    const snap = this.store.latestGood(cfg.job, id, (bad, why) => {
-      this.log?.error({ job: cfg.job, id: bad, why }, "snapshot failed verification; trying the previous one");
-      this.#event(cfg.job, EventKind.Log, 0, `snapshot ${bad} is corrupt: ${why}`);
-    });
+    const snap = this.store.latestGood(
+      cfg.job,
+      id,
+      (bad, why) => {
+        this.log?.error({ job: cfg.job, id: bad, why }, "snapshot failed verification; trying the previous one");
+        this.#event(cfg.job, EventKind.Log, 0, `snapshot ${bad} is corrupt: ${why}`);
+      },
+      // a resized job resumes from the step its trainers changed, or later under the new ones
+      (m) => {
+        try {
+          return worldResumeProblem(cfg, jobConfigFromJson(m.configJson), m.step);
+        } catch (e) {
+          return `its settings do not read: ${(e as Error).message}`;
+        }
+      },
+    );
     if (usesShards(cfg)) {
       const loads = this.#reshard(e, snap.manifest, snap.files);
       await Promise.all(
@@ -446,6 +480,106 @@ export class CheckpointService {
     return s.updates === 0 && s.clocks.every((c) => c === 0);
   }
 
+  /**
+   * Changes a running job's trainers or shards (tag "trainers <n> shards <m>"): a snapshot at the
+   * ranks' next step boundary, then every service closes the job (its record stays running), then
+   * it opens again as its next attempt with the new sizes, resuming from that snapshot. The
+   * trainers change from the snapshot's step (the world: the sampler re-splits the rest of the
+   * epoch); the shards take the snapshot's chunks as the new hash ring says. Answers the manifest
+   * resumed from. When anything fails after the job was paused, it goes on as it was.
+   */
+  async #resize(e: JobEntry, tag: string): Promise<Uint8Array> {
+    const { cfg } = e;
+    const job = cfg.job;
+    const pause = this.control?.pause?.bind(this.control),
+      resume = this.control?.resume?.bind(this.control);
+    if (!pause || !resume) throw new NotReadyError(`this checkpoint service keeps no job records, so it cannot resize job ${job}`);
+    const m = /^trainers (\d{1,2}) shards (\d{1,2})$/.exec(tag);
+    if (m === null) throw new BadRequestError(`a resize names its sizes as "trainers <n> shards <m>", not ${JSON.stringify(tag.slice(0, 64))}`);
+    const trainers = Number(m[1]),
+      shards = Number(m[2]);
+    if (trainers === cfg.trainers && shards === cfg.shards) throw new BadRequestError(`job ${job} runs ${trainers} trainers and ${shards} shards already`);
+    if (!usesShards(cfg) && shards !== cfg.shards) throw new BadRequestError(`job ${job} runs in all-reduce mode: it has no shards to resize`);
+    // the new settings must make a job (refused now, before anything stops)
+    parseJobConfig({ ...cfg, trainers, shards, world: changeWorld(cfg, Number.MAX_SAFE_INTEGER, trainers) });
+    if (e.resizeAsked) throw new JobStateError(`job ${job} is being resized already`);
+    e.resizeAsked = true;
+    try {
+      // a snapshot at the next step boundary, so that little is trained again
+      const newest = () => this.store.list(job).at(-1)?.step ?? -1;
+      const before = newest();
+      this.bus.publish(subjects.checkpointNow(job), new Uint8Array(0));
+      const waitUntil = Date.now() + resizeSnapshotWaitMs;
+      while (newest() <= before && Date.now() < waitUntil && this.#jobs.get(job) === e) await Bun.sleep(100);
+      if (this.#jobs.get(job) !== e) throw new JobStateError(`job ${job} ended or was reopened while it was being resized`);
+      // no save after this one: the ranks stop
+      await this.#serial(e, async () => {
+        e.resizing = true;
+      });
+      const why = `${resizingReasonPrefix}trainers ${cfg.trainers} -> ${trainers}, shards ${cfg.shards} -> ${shards}`;
+      if (!(await pause(job, e.attempt, why))) throw new JobStateError(`job ${job} is not running as submission ${e.attempt}; nothing resized`);
+      try {
+        await this.#waitClosed(cfg);
+        const snap = this.store.latestGood(
+          job,
+          "",
+          (bad, why) => this.log?.error({ job, id: bad, why }, "snapshot failed verification; trying the previous one"),
+          (s) => {
+            try {
+              return worldResumeProblem(cfg, jobConfigFromJson(s.configJson), s.step);
+            } catch (err) {
+              return `its settings do not read: ${(err as Error).message}`;
+            }
+          },
+        );
+        const next = parseJobConfig({ ...cfg, trainers, shards, world: changeWorld(cfg, snap.manifest.step, trainers) });
+        const plan = decodeDataPlan(await this.bus.request(subjects.planJob, encodeJobSpec(specOfConfig(next)), resizePlanTimeoutMs), 1 << 20);
+        const written = await resume(specOfConfig(next, { attempt: e.attempt + 1, plan }), plan.totalSteps);
+        if (written === null) throw new JobStateError(`job ${job} ended while it was being resized`);
+        const text = `resized from step ${snap.manifest.step} (${snap.manifest.id}): trainers ${cfg.trainers} -> ${trainers}, shards ${cfg.shards} -> ${shards}; ${plan.totalSteps} steps in all`;
+        this.log?.warn({ job, step: snap.manifest.step, trainers, shards }, "job resized");
+        this.#event(job, EventKind.Log, snap.manifest.step, text);
+        return encodeManifest(snap.manifest);
+      } catch (err) {
+        // the job goes on as it was: its own spec again (as the next attempt, so that every service opens it anew)
+        this.log?.error({ job, err: (err as Error).message }, "resize failed; the job goes on with its sizes");
+        await resume(specOfConfig(cfg, { attempt: e.attempt + 1, plan: e.plan }), e.plan.totalSteps).catch((again: unknown) => {
+          this.log?.error({ job, err: (again as Error).message }, "cannot reopen the job after a failed resize");
+        });
+        throw err;
+      }
+    } finally {
+      e.resizing = false;
+      e.resizeAsked = false;
+    }
+  }
+
+  /** Waits until every service of the job's sizes has closed it (resizeCloseWaitMs at most). */
+  async #waitClosed(cfg: JobConfig): Promise<void> {
+    const job = cfg.job;
+    const req = encodeJobRequest({ job, step: 0, tag: "" });
+    const closed = async (subject: string): Promise<boolean> => {
+      try {
+        await this.bus.request(subject, req, 2_000);
+        return false;
+      } catch (err) {
+        return err instanceof UnknownJobError || err instanceof NoRespondersError;
+      }
+    };
+    const who = [
+      [`mt.${job}.data.stats`, "the data-loader"],
+      ...Array.from({ length: cfg.trainers }, (_, r) => [subjects.trainerStats(job, r), `trainer ${r}`]),
+      ...(usesShards(cfg) ? Array.from({ length: cfg.shards }, (_, k) => [subjects.psStats(job, k), `shard ${k}`]) : []),
+    ] as const;
+    const until = Date.now() + resizeCloseWaitMs;
+    for (;;) {
+      const open = (await Promise.all(who.map(async ([subject, name]) => ((await closed(subject)) ? null : name)))).filter((x) => x !== null);
+      if (open.length === 0) return;
+      if (Date.now() > until) throw new DeadlineError(`${open.join(", ")} still run job ${job} ${resizeCloseWaitMs} ms after it was paused for a resize`);
+      await Bun.sleep(200);
+    }
+  }
+
   #event(job: string, kind: EventKind, step: number, text: string): void {
     this.bus.publish(subjects.events(job, EventKind[kind].toLowerCase()), encodeEvent({ ...emptyEvent(job, kind), step, text }));
   }
@@ -478,6 +612,9 @@ export class CheckpointService {
       asked: new Set(),
       liveness: new LivenessMonitor(this.bus, cfg.job),
       steps: this.#followSteps(cfg),
+      attempt: spec.attempt ?? 0,
+      resizeAsked: false,
+      resizing: false,
     });
     void this.control?.note(cfg.job, { snapshotDir: this.store.jobDir(cfg.job) }).catch((err: unknown) => {
       this.log?.warn({ job: cfg.job, err: (err as Error).message }, "cannot record the job's folder in its record");

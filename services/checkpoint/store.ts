@@ -145,11 +145,23 @@ export class CheckpointStore {
    * The newest snapshot (or the one named) whose files all verify. Each corrupt one is reported
    * through onCorrupt and the next older one is tried.
    */
-  latestGood(job: string, id: string, onCorrupt: (id: string, why: string) => void): { manifest: Manifest; files: Map<string, Uint8Array> } {
+  latestGood(
+    job: string,
+    id: string,
+    onCorrupt: (id: string, why: string) => void,
+    /** why a snapshot cannot be restored now (null: it can); such ones are passed over */
+    unusable: (m: Manifest) => string | null = () => null,
+  ): { manifest: Manifest; files: Map<string, Uint8Array> } {
     const all = this.list(job, onCorrupt);
     const candidates = (id ? all.filter((m) => m.id === id) : all).reverse();
     if (candidates.length === 0) throw new NotReadyError(id ? `job ${job} has no snapshot ${id}` : `job ${job} has no snapshot yet`);
+    const passed: string[] = [];
     for (const m of candidates) {
+      const why = unusable(m);
+      if (why !== null) {
+        passed.push(`${m.id}: ${why}`);
+        continue;
+      }
       try {
         return this.read(job, m.id);
       } catch (e) {
@@ -157,7 +169,10 @@ export class CheckpointStore {
         onCorrupt(m.id, e.message);
       }
     }
-    throw new CorruptDataError(`every snapshot of job ${job} failed verification`);
+    if (passed.length === candidates.length) throw new NotReadyError(`no snapshot of job ${job} can resume it now (${passed.slice(0, 3).join("; ")})`);
+    throw new CorruptDataError(
+      `every snapshot of job ${job} failed verification${passed.length > 0 ? ` or cannot resume it now (${passed.slice(0, 3).join("; ")})` : ""}`,
+    );
   }
 
   /** Keeps the last `keepLast` snapshots and the one with the best metric; removes the rest. */

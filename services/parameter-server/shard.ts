@@ -33,6 +33,7 @@ import { parseCompression } from "../../engine/parallel/compress.ts";
 import { decodeChunk, fillParams, pushDType } from "../runtime/chunk-codec.ts";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/errors.ts";
 import { type JobConfig, peakLr, shardsClip } from "../runtime/job.ts";
+import { worldOf } from "../runtime/world.ts";
 import type { ChunkInfo, Layout } from "../runtime/layout.ts";
 import { jobSchedule } from "../runtime/plan.ts";
 import { pullWaitersMax, pullWaitMsMax } from "./limits.ts";
@@ -602,7 +603,7 @@ export class ParameterShard {
       if (slot === undefined) throw new BadRequestError(`snapshot chunk ${c.id}: shard ${this.shard} owns ${this.ids.join(",")}`);
       if (seen.has(c.id)) throw new BadRequestError(`snapshot chunk ${c.id} appears twice`);
       seen.add(c.id);
-      if (!Number.isSafeInteger(c.version) || c.version < 0 || c.version > this.#totalSteps * this.#cfg.trainers)
+      if (!Number.isSafeInteger(c.version) || c.version < 0 || c.version > this.#totalSteps * Math.max(...worldOf(this.#cfg).map((w) => w.trainers)))
         throw new BadRequestError(`snapshot chunk ${c.id} at version ${c.version}`);
       if (c.params.length !== slot.info.count) throw new BadRequestError(`snapshot chunk ${c.id} has ${c.params.length} elements, expected ${slot.info.count}`);
       if (c.state.map((v) => v.name).join(",") !== names)

@@ -2,7 +2,7 @@
 // job reads, and what each checkpoint stores. Validated with zod; defaults in one block.
 import { z } from "zod";
 import { compressionPattern } from "../../engine/parallel/compress.ts";
-import type { JobSpec } from "../../schemas/messages.ts";
+import { type JobSpec, SyncPolicy } from "../../schemas/messages.ts";
 import { BadRequestError, ConfigError } from "./errors.ts";
 import { changeWorld, StepSchedule, worldOf, worldProblems } from "./world.ts";
 
@@ -391,6 +391,8 @@ export const subjects = {
   ckptSave: (job: string) => `mt.${job}.ckpt.save`,
   ckptList: (job: string) => `mt.${job}.ckpt.list`,
   ckptRestore: (job: string) => `mt.${job}.ckpt.restore`,
+  /** a running job's trainers or shards changed at a step boundary (tag "trainers <n> shards <m>") */
+  ckptResize: (job: string) => `mt.${job}.ckpt.resize`,
   events: (job: string, kind: string) => `mt.${job}.events.${kind}`,
   /** a process's heartbeat (services/runtime/liveness.ts); who "trainer 1" -> trainer-1 */
   heartbeat: (job: string, who: string) => `mt.${job}.hb.${who.replace(/[^A-Za-z0-9_-]+/g, "-")}`,
@@ -402,3 +404,16 @@ export const subjects = {
   jobsCancel: "mt.ctl.jobs.cancel",
   jobsStatus: "mt.ctl.jobs.status",
 };
+
+/** The wire's sync policy of each mode. */
+export const syncPolicy = { bsp: SyncPolicy.BSP, asp: SyncPolicy.ASP, ssp: SyncPolicy.SSP, allreduce: SyncPolicy.AllReduce } as const;
+/** The spec of a job: its config, the fields routing needs, and the submission's attempt and plan. */
+export const specOfConfig = (cfg: JobConfig, extra: Pick<JobSpec, "attempt" | "plan"> = {}): JobSpec => ({
+  job: cfg.job,
+  trainers: cfg.trainers,
+  shards: cfg.shards,
+  sync: syncPolicy[cfg.sync],
+  staleness: cfg.staleness,
+  configJson: JSON.stringify(cfg),
+  ...extra,
+});

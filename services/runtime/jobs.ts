@@ -39,6 +39,9 @@ export const reasonCharsMax = 2000;
 /** Compare-and-set attempts of one record update before giving up (each loses only to another writer). */
 const casAttemptsMax = 20;
 
+/** A paused job's record says why in its reason, starting with this (watchers wait through it). */
+export const resizingReasonPrefix = "resizing: ";
+
 export type JobChange = { job: string; spec: JobSpec | null };
 
 export const isEnded = (r: JobRecord): boolean => r.state !== JobState.Running;
@@ -219,6 +222,12 @@ export interface JobControl {
   /** Records what a service learnt when it opened the job: the step count the data-loader
    *  planned, the folder the checkpoint service keeps the job's snapshots in. */
   note(job: string, facts: JobFacts): Promise<void>;
+  /** Takes submission `attempt`'s spec away while its record stays running, saying why (a
+   *  resize): every service closes the job. False when the job is not that submission running. */
+  pause?(job: string, attempt: number, why: string): Promise<boolean>;
+  /** Runs a paused job again as `spec` (its next attempt): the record takes the spec's config
+   *  and step count, then the spec is put, and every service opens it. */
+  resume?(spec: JobSpec, totalSteps: number): Promise<JobRecord | null>;
 }
 
 /** JobControl over the KV buckets, plus the spec-following every service runs. */
@@ -260,6 +269,22 @@ export class JobLedger implements JobControl {
     await this.store.updateRecord(job, (r) =>
       isEnded(r) || r.evalStep > e.step ? null : { ...r, evalStep: e.step, accuracy: e.accuracy, loss: e.loss, evaluated: e.evaluated, evalSplit: e.split },
     );
+  }
+
+  async pause(job: string, attempt: number, why: string): Promise<boolean> {
+    const written = await this.store.updateRecord(job, (r) => (isEnded(r) || r.attempts !== attempt ? null : { ...r, reason: boundText(why) }));
+    if (written === null) return false;
+    await this.store.deleteSpec(job, attempt);
+    return true;
+  }
+
+  async resume(spec: JobSpec, totalSteps: number): Promise<JobRecord | null> {
+    const attempt = spec.attempt ?? 0;
+    const written = await this.store.updateRecord(spec.job, (r) =>
+      isEnded(r) || r.attempts !== attempt - 1 ? null : { ...r, configJson: spec.configJson, attempts: attempt, totalSteps, reason: "" },
+    );
+    if (written !== null) await this.store.putSpec(spec);
+    return written;
   }
 
   async note(job: string, facts: JobFacts): Promise<void> {

@@ -38,6 +38,25 @@ export function changeWorld(cfg: { trainers: number; world?: readonly WorldChang
   return [...before, { from: step, trainers }];
 }
 
+/**
+ * Why a snapshot of step `step`, taken by a job configured `was`, cannot resume the job as
+ * configured `now` (null: it can): `now` changes its trainers after that step (the steps between
+ * would need the old ranks), or the two disagree on the world before it (the snapshot is of
+ * another history: one taken by the old ranks after the step a resize took effect from).
+ */
+export function worldResumeProblem(
+  now: { trainers: number; world?: readonly WorldChange[] },
+  was: { trainers: number; world?: readonly WorldChange[] },
+  step: number,
+): string | null {
+  const last = worldOf(now).at(-1)!;
+  if (last.from > step) return `the job runs ${last.trainers} trainers from step ${last.from}, after this snapshot's step ${step}`;
+  const before = (w: readonly WorldChange[]) => JSON.stringify(w.filter((c) => c.from < step));
+  if (before(worldOf(now)) !== before(worldOf(was)))
+    return `it was taken with trainers ${JSON.stringify(worldOf(was))}, and the job's are ${JSON.stringify(worldOf(now))}`;
+  return null;
+}
+
 /** Where a step stands: its epoch, the first position of the epoch's permutation it takes, its ranks. */
 export interface StepPlace {
   epoch: number;
