@@ -16,8 +16,13 @@
 // (measured, when "none" is in the list) and against what the codec should give (theory), and
 // the final accuracy (MNIST) or validation loss (GPT).
 //
+// --snapshot-every N runs each model and sync mode with a snapshot every N steps instead, twice:
+// snapshots staged and written in the background (the default), and written before the save is
+// answered (--sync-snapshots, the baseline); it reports how long rank 0's steps waited for them
+// (per snapshot, and as a share of all step time) and the samples/s of each.
+//
 //   bun run bench trainer [--model mlp,gpt] [--epochs 1] [--gpt-steps 60] [--sync bsp,allreduce] [--coll-transport auto,nats] [--bucket-mb 25]
-//                         [--compress none,bf16,int8,topk:0.01] [--json-only]
+//                         [--compress none,bf16,int8,topk:0.01] [--snapshot-every 20] [--json-only]
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -38,6 +43,7 @@ import { buildModel } from "../services/runtime/model.ts";
 import { MeshClient } from "../sdk/client.ts";
 import { LocalMesh } from "../sdk/launcher.ts";
 import { watchJob } from "../sdk/watch.ts";
+import { EventKind } from "../schemas/messages.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { printTable, round } from "./table.ts";
 import { Codec, type Compression, parseCompression } from "../engine/parallel/compress.ts";
@@ -70,7 +76,7 @@ const benchSyncs = ["bsp", "asp", "ssp", "allreduce"] as const;
 
 const benchModels = ["mlp", "gpt"] as const;
 
-export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResult[]> {
+export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResult[] | SnapshotBenchResult[]> {
   const v = parseBenchArgs(argv, {
     model: { type: "string", default: "mlp,gpt" },
     epochs: { type: "string", default: "1" },
@@ -79,8 +85,12 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
     "bucket-mb": { type: "string", default: String(jobDefaults.bucketMb) },
     "coll-transport": { type: "string", default: "auto" },
     compress: { type: "string", default: "none" },
+    "snapshot-every": { type: "string", default: "0" },
     "json-only": { type: "boolean", default: false },
   });
+  const snapshotEvery = Number(v["snapshot-every"]);
+  if (!(Number.isInteger(snapshotEvery) && snapshotEvery >= 0))
+    throw new ConfigError(`--snapshot-every must be a step count >= 0, got ${String(v["snapshot-every"])}`);
   const codecs = String(v.compress).split(",");
   for (const c of codecs) parseCompression(c);
   const syncs = String(v.sync).split(",");
@@ -94,6 +104,15 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
     if (x !== "auto" && x !== "nats") throw new ConfigError(`--coll-transport must be a list of auto, nats; got ${String(v["coll-transport"])}`);
   const bucketMb = Number(v["bucket-mb"]);
   if (!(bucketMb > 0 && bucketMb <= 1024)) throw new ConfigError(`--bucket-mb must be a number in (0, 1024], got ${String(v["bucket-mb"])}`);
+  if (snapshotEvery > 0)
+    return await snapshotBench(
+      models,
+      syncs,
+      positiveInt("epochs", v.epochs),
+      positiveInt("gpt-steps", v["gpt-steps"]),
+      snapshotEvery,
+      Boolean(v["json-only"]),
+    );
   const rows: TrainerBenchResult[] = [];
   for (const kind of models) {
     const base =
@@ -225,6 +244,94 @@ async function benchModel(
     wire_theory: 0,
     quality: 0,
   });
+  return rows;
+}
+
+export interface SnapshotBenchResult {
+  model: string;
+  run: string;
+  snapshots: string;
+  steps: number;
+  samples_per_s: number;
+  step_ms: number;
+  /** rank 0's wait at a snapshot's boundary, per snapshot */
+  stall_ms: number;
+  /** all snapshot waits over all step time (rank 0) */
+  stall_share: number;
+  /** samples/s against the synchronous snapshots' run */
+  ratio: number;
+}
+
+/** Snapshot stalls: every model and sync mode with a snapshot every `every` steps, background writes against synchronous ones. */
+async function snapshotBench(
+  models: string[],
+  syncs: string[],
+  epochs: number,
+  gptSteps: number,
+  every: number,
+  jsonOnly: boolean,
+): Promise<SnapshotBenchResult[]> {
+  const rows: SnapshotBenchResult[] = [];
+  for (const kind of models)
+    for (const sync of syncs) {
+      const cfg =
+        kind === "mlp"
+          ? parseJobConfig({ ...jobDefaults, job: "bench-snapshots", epochs, checkpointEvery: every, sync, staleness: sync === "ssp" ? 2 : 0 })
+          : parseJobConfig({ ...gptJobDefaults, job: "bench-snapshots", epochs: 1, maxSteps: gptSteps, checkpointEvery: every, evalEvery: 0, sync });
+      const name = cfg.model.kind === "mlp" ? `mlp ${cfg.model.widths.join("-")}` : `gpt L${cfg.model.nLayer} C${cfg.model.nEmbd} T${cfg.model.blockSize}`;
+      const pair: SnapshotBenchResult[] = [];
+      for (const background of [false, true]) {
+        const dir = mkdtempSync(join(tmpdir(), "mt-bench-snapshots-"));
+        try {
+          await using m = await LocalMesh.start({
+            jobsDir: join(dir, "jobs"),
+            logDir: join(dir, "logs"),
+            trainers: cfg.trainers,
+            shards: usesShards(cfg) ? cfg.shards : 0,
+            env: { MT_SYNC_SNAPSHOTS: String(!background) },
+          });
+          await using client = await MeshClient.connect(m.url);
+          const job = `${cfg.job}-${Date.now()}`;
+          await client.submit({ ...cfg, job }, { membersWaitMs: 60_000 });
+          let stall = 0,
+            stepMs = 0,
+            taken = 0;
+          const r = await watchJob(client, job, {
+            quiet: true,
+            onEvent: (e) => {
+              if (e.kind !== EventKind.Step || e.rank !== 0 || e.samplesPerS <= 0) return;
+              stepMs += (1000 * e.count) / e.samplesPerS;
+              if (e.snapshotMs > 0) {
+                stall += e.snapshotMs;
+                taken++;
+              }
+            },
+          });
+          pair.push({
+            model: name,
+            run: `mesh ${sync}`,
+            snapshots: background ? `every ${every} steps, written in the background` : `every ${every} steps, written before the answer`,
+            steps: r.record.totalSteps,
+            samples_per_s: round(r.samplesPerS, 0),
+            step_ms: round(stepMs / Math.max(r.record.totalSteps, 1), 2),
+            stall_ms: round(stall / Math.max(taken, 1), 2),
+            stall_share: round(stall / Math.max(stepMs, 1e-9), 4),
+            ratio: 1,
+          });
+        } finally {
+          rmSync(dir, { recursive: true, force: true });
+        }
+      }
+      for (const row of pair) row.ratio = round(row.samples_per_s / pair[0]!.samples_per_s, 3);
+      rows.push(...pair);
+    }
+  if (!jsonOnly) {
+    console.log(
+      "snapshot stall: rank 0's wait at each snapshot's step boundary (the state staged, or written too), per snapshot and as a share of all its step time; ratio = samples/s against the run whose snapshots are written before the answer",
+    );
+    printTable(rows, ["model", "run", "snapshots", "steps", "samples_per_s", "step_ms", "stall_ms", "stall_share", "ratio"]);
+  }
+  console.log(JSON.stringify({ bench: "trainer-snapshots", results: rows }));
   return rows;
 }
 

@@ -425,6 +425,8 @@ export interface Event {
   wireBytes: number;
   /** Step, all-reduce with top-k: share of the summed gradient not zero (-1: none) */
   density: number;
+  /** Step, rank 0: time the step waited at its boundary for a snapshot */
+  snapshotMs: number;
 }
 
 export const emptyEvent = (job: string, kind: EventKind): Event => ({
@@ -447,6 +449,7 @@ export const emptyEvent = (job: string, kind: EventKind): Event => ({
   exposedCommMs: 0,
   wireBytes: 0,
   density: -1,
+  snapshotMs: 0,
 });
 
 const eventRoot = root("Event", "MTEV", (bb) => EventT.getRootAsEvent(bb));
@@ -479,6 +482,7 @@ export function encodeEvent(m: Event): Uint8Array {
       m.exposedCommMs,
       m.wireBytes,
       m.density,
+      m.snapshotMs,
     ),
     eventRoot.identifier,
   );
@@ -506,6 +510,7 @@ export function decodeEvent(data: Uint8Array, bytesMax: number): Event {
     exposedCommMs: r.exposedCommMs(),
     wireBytes: r.wireBytes(),
     density: r.density(),
+    snapshotMs: r.snapshotMs(),
   }));
 }
 

@@ -6,7 +6,7 @@ import { existsSync } from "node:fs";
 import { join } from "node:path";
 import type { Command } from "commander";
 import { JobState } from "../schemas/messages.ts";
-import { jobDefaults } from "../services/runtime/job.ts";
+import { jobConfigFromJson, jobDefaults } from "../services/runtime/job.ts";
 import { MeshClient } from "./client.ts";
 import { givenOptions, type JobFlags, jobConfigOf, jobOptions, resolveConfig } from "./job-flags.ts";
 import { type MeshOptions, LocalMesh, membersWaitMs } from "./launcher.ts";
@@ -18,7 +18,7 @@ import { configSummary, jobsTable, outcomeLines, statusLines } from "./report.ts
 import { StopRequests } from "./signals.ts";
 import { JobFailedError, watchJob } from "./watch.ts";
 import { NatsUnreachableError } from "../services/runtime/nats.ts";
-import { CapacityError } from "../services/runtime/errors.ts";
+import { BadRequestError, CapacityError } from "../services/runtime/errors.ts";
 
 const d = jobDefaults;
 
@@ -165,6 +165,26 @@ export function addMeshCommands(program: Command): void {
       console.log(`${job}: ${e.text}`);
     },
   );
+
+  natsOption(
+    program
+      .command("resize")
+      .description(
+        "change a running job's trainers or shards at a step boundary: it snapshots, every service reopens it with the new sizes from there (the rest of the epoch is re-split among the trainers; the shards take the chunks as the new hash ring says)",
+      )
+      .argument("<job>")
+      .option("--trainers <n>", "trainer ranks from the next snapshot on (the mesh must run them)", int(1, 64))
+      .option("--shards <n>", "parameter-server shards (parameter-server mode)", int(1, 64)),
+  ).action(async (job: string, opts: { natsUrl?: string; trainers?: number; shards?: number }) => {
+    if (opts.trainers === undefined && opts.shards === undefined) throw new BadRequestError("resize needs --trainers or --shards (or both)");
+    await using client = await connect(opts.natsUrl);
+    const m = await client.resize(job, { trainers: opts.trainers, shards: opts.shards });
+    const r = await client.record(job);
+    const cfg = jobConfigFromJson(r.configJson);
+    console.log(
+      `resized ${job} from ${m.id} (step ${m.step}): ${cfg.trainers} trainers${cfg.sync === "allreduce" ? "" : `, ${cfg.shards} shards`}; ${r.totalSteps} steps in all; follow it: ${cliName()} watch ${job}`,
+    );
+  });
 
   natsOption(
     program.command("restore").description("roll a running job back to a snapshot (default: the newest that verifies)").argument("<job>").argument("[id]"),

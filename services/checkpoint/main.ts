@@ -9,22 +9,26 @@ import { CheckpointStore } from "./store.ts";
 const schema = baseConfigSchema.extend({
   /** folder that holds <job>/<snapshot>/ */
   dir: z.string().min(1),
+  /** write every snapshot before answering its save (the ranks wait for the disk); by default a
+   *  snapshot is staged (copied and checked) and written in the background while training goes on */
+  syncSnapshots: z.boolean(),
 });
-type Config = BaseConfig & { dir: string };
+type Config = BaseConfig & { dir: string; syncSnapshots: boolean };
 
 await runService<Config>({
   name: "checkpoint",
   description: "durable, verified snapshots of whole jobs",
   schema,
-  defaults: { ...baseConfigDefaults, dir: "runs/checkpoints" },
+  defaults: { ...baseConfigDefaults, dir: "runs/checkpoints", syncSnapshots: false },
   async start({ config, log, bus }) {
     const ledger = await JobLedger.open(bus.nc, bus, log);
-    const svc = new CheckpointService(bus, new CheckpointStore(config.dir), log, config.payloadBytesMax, ledger);
+    const svc = new CheckpointService(bus, new CheckpointStore(config.dir), log, config.payloadBytesMax, ledger, config.syncSnapshots);
     svc.serve();
     const watch = await ledger.follow("checkpoint", svc);
     return {
       async stop() {
         watch.stop();
+        await svc.flush(); // snapshots being written are finished
       },
     };
   },

@@ -65,8 +65,8 @@ import { type JobControl, resizingReasonPrefix } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { buildLayout } from "../runtime/layout.ts";
 import { exportModelFile } from "../runtime/model.ts";
-import { cutShardState, replicaFromPartitions } from "../runtime/replica-parts.ts";
-import { planOfSpec } from "../runtime/plan.ts";
+import { cutShardState, cutTag, replicaFromPartitions } from "../runtime/replica-parts.ts";
+import { planLayout, planOfSpec } from "../runtime/plan.ts";
 import { resizeCloseWaitMs, resizePlanTimeoutMs, resizeSnapshotWaitMs, stateTimeoutMs } from "./limits.ts";
 import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
 import { LivenessMonitor, StragglerDetector } from "../runtime/liveness.ts";
@@ -105,6 +105,9 @@ interface JobEntry {
   steps: Subscription;
   /** the submission of the job this entry runs (its spec's attempt) */
   attempt: number;
+  /** snapshots answered but still being written, by step, and the chain of their writes (one at a time) */
+  staged: Map<number, Manifest>;
+  writing: Promise<void>;
   /** a resize was asked and is under way */
   resizeAsked: boolean;
   /** the resize has paused the job: saves are refused (the ranks that ask are about to stop) */
@@ -130,6 +133,8 @@ export class CheckpointService {
     readonly log: Logger | undefined,
     readonly payloadBytesMax: number,
     readonly control?: JobControl,
+    /** write every snapshot before answering the save (the ranks wait for the disk); else in the background */
+    readonly syncSnapshots = false,
   ) {}
 
   serve(): void {
@@ -169,12 +174,86 @@ export class CheckpointService {
     return next;
   }
 
+  /**
+   * A snapshot of the job at `asked`. A save that trainer rank 0 asks at a step boundary (tag
+   * "schedule") waits only for the state to be cut (copied where it lives: the shards, or the
+   * replica or partitions); the parts are fetched, checked and written in the background while
+   * training goes on, one snapshot at a time, and the Checkpoint event says when it is on disk.
+   * Any other save (the final one, one asked directly, or all with syncSnapshots) answers once
+   * it is written.
+   */
   async #save(e: JobEntry, asked: number, why: string): Promise<Uint8Array> {
     const { cfg, plan } = e;
     const t0 = performance.now();
     if (e.resizing) throw new NotReadyError(`job ${cfg.job} is being resized: its ranks stop now, and resume from the snapshot taken for it`);
     if (!Number.isSafeInteger(asked) || asked < 0 || asked > plan.totalSteps)
       throw new BadRequestError(`a save for step ${asked}: job ${cfg.job} runs steps 0 to ${plan.totalSteps}`);
+    // one snapshot in memory at a time: a save waits for the write before it (which a save
+    // interval longer than a write never does)
+    if (e.staged.size > 0) await e.writing;
+    if (why !== "schedule" || this.syncSnapshots) return await this.#fetchAndWrite(e, asked, why, t0, 0);
+    const step = await this.#cut(e, asked);
+    const existing = e.staged.get(step) ?? this.#goodSnapshot(cfg.job, step);
+    if (existing !== null) return encodeManifest(existing);
+    const stagedMs = performance.now() - t0;
+    // what the answer says: the snapshot being written (its files are listed once they are)
+    const staged: Manifest = {
+      job: cfg.job,
+      id: snapshotId(step),
+      step,
+      formatVersion: 0,
+      createdMs: Date.now(),
+      metric: Number.NaN,
+      configJson: JSON.stringify(cfg),
+      cursors: Array(cfg.trainers).fill(step),
+      modelPath: "",
+      files: [],
+    };
+    e.staged.set(step, staged);
+    e.writing = e.writing.then(async () => {
+      await Bun.sleep(0); // after the answer goes out
+      try {
+        await this.#fetchAndWrite(e, asked, why, performance.now(), stagedMs);
+      } catch (err) {
+        this.log?.error({ job: cfg.job, id: staged.id, err: (err as Error).message }, "snapshot not written; the ones before it stay");
+        this.#event(cfg.job, EventKind.Log, step, `snapshot ${staged.id} could not be written (${(err as Error).message}); the ones before it stay`);
+      } finally {
+        e.staged.delete(step);
+      }
+    });
+    return encodeManifest(staged);
+  }
+
+  /**
+   * Cuts the job's state for a snapshot of `asked` where it lives, and answers the state's step
+   * (the one asked, except under ASP and SSP: the step every trainer had pushed).
+   */
+  async #cut(e: JobEntry, asked: number): Promise<number> {
+    const { cfg, plan } = e;
+    const req = encodeJobRequest({ job: cfg.job, step: asked, tag: cutTag });
+    if (!usesShards(cfg)) {
+      const sources = cfg.zero > 0 ? Array.from({ length: cfg.trainers }, (_, r) => subjects.replicaPartition(cfg.job, r)) : [subjects.replicaState(cfg.job)];
+      await Promise.all(sources.map((subject) => this.bus.request(subject, req, stateTimeoutMs)));
+      return asked;
+    }
+    const owners = planLayout(cfg, plan).byShard.map((ids) => ids.length > 0);
+    const heads = await Promise.all(
+      Array.from({ length: cfg.shards }, async (_, k) => {
+        const h = decodeShardState(await this.bus.request(subjects.psState(cfg.job, k), req, stateTimeoutMs), this.payloadBytesMax);
+        if (h.job !== cfg.job || h.shard !== k) throw new BadRequestError(`shard ${k} answered the cut of job ${h.job}'s shard ${h.shard}`);
+        return h;
+      }),
+    );
+    const holding = heads.filter((_, k) => owners[k]);
+    const step = holding.length === 0 ? asked : Math.min(...holding.map((h) => h.step));
+    const off = holding.find((h) => h.step !== asked);
+    if (cfg.sync === "bsp" && off !== undefined) throw new BadRequestError(`a save for step ${asked}, but the state is at step ${off.step}`);
+    return step;
+  }
+
+  /** Fetches the state's parts (from the cut, or cutting it now), checks them and writes the snapshot. */
+  async #fetchAndWrite(e: JobEntry, asked: number, why: string, t0: number, stagedMs: number): Promise<Uint8Array> {
+    const { cfg, plan } = e;
     const states = !usesShards(cfg)
       ? cfg.zero > 0
         ? await this.#partitionParts(cfg, asked)
@@ -190,13 +269,13 @@ export class CheckpointService {
     if (!loose && off !== undefined) throw new BadRequestError(`a save for step ${asked}, but the state is at step ${off.state.step}`);
     // a step's snapshot is written once: a save of a step already saved (a retried request, or
     // a run going over that step again after a restore) answers with it
-    const existing = this.#goodSnapshot(cfg.job, step);
+    const existing = (stagedMs > 0 ? null : e.staged.get(step)) ?? this.#goodSnapshot(cfg.job, step);
     if (existing !== null) {
       this.log?.info({ job: cfg.job, id: existing.id, why }, "snapshot of this step exists; kept");
       return encodeManifest(existing);
     }
     // the final snapshot's parameters as a model file, written (durably) before the snapshot
-    // that names it
+    // that names it; the final snapshot is on disk before the answer (the job ends with it)
     let modelPath = "";
     if (why === "final") {
       modelPath = join(this.store.jobDir(cfg.job), modelFileName);
@@ -213,7 +292,7 @@ export class CheckpointService {
       exportModelFile(cfg, plan, replica, modelPath, step);
     }
     const files = states.map(({ name, bytes }) => ({ name, bytes }));
-    const manifest = this.store.save(
+    const manifest = this.store.prepare(
       {
         job: cfg.job,
         step,
@@ -224,15 +303,22 @@ export class CheckpointService {
       },
       files,
     );
+    // (the ranks that asked for it at a step boundary went on meanwhile: stagedMs is what they waited)
+    const w0 = performance.now();
+    this.store.write(manifest, files);
     const removed = this.store.retain(cfg.job, cfg.keepLast);
-    const bytes = files.reduce((s, f) => s + f.bytes.byteLength, 0);
-    const ms = performance.now() - t0;
-    this.log?.info({ job: cfg.job, id: manifest.id, step, bytes, ms: Math.round(ms), removed, why, modelPath }, "snapshot saved");
+    const bytes = files.reduce((sum, f) => sum + f.bytes.byteLength, 0);
+    const writeMs = performance.now() - w0;
+    const waited = stagedMs > 0 ? `; the ranks waited ${stagedMs.toFixed(0)} ms for its cut` : "";
+    this.log?.info(
+      { job: cfg.job, id: manifest.id, step, bytes, ms: Math.round(performance.now() - t0), stagedMs: Math.round(stagedMs), removed, why, modelPath },
+      "snapshot saved",
+    );
     this.#event(
       cfg.job,
       EventKind.Checkpoint,
       step,
-      `saved ${manifest.id} (${(bytes / 1e6).toFixed(1)} MB in ${ms.toFixed(0)} ms)${modelPath ? `; model ${modelPath}` : ""}`,
+      `saved ${manifest.id} (${(bytes / 1e6).toFixed(1)} MB in ${(performance.now() - t0).toFixed(0)} ms, written in ${writeMs.toFixed(0)} ms${waited})${modelPath ? `; model ${modelPath}` : ""}`,
     );
     return encodeManifest(manifest);
   }
@@ -259,6 +345,12 @@ export class CheckpointService {
       if (s.shard !== k || s.job !== cfg.job || (s.part ?? 0) !== p || Math.max(1, s.parts ?? 0) !== parts || s.checksum !== shardStateChecksum(s))
         throw new BadRequestError(
           `shard ${k} answered part ${s.part ?? 0} of ${s.parts ?? 0} of ${s.job} shard ${s.shard} for part ${p} of ${parts}, or a part whose checksum does not match`,
+        );
+      // every part of one cut: the same moment (another requester's cut in between would differ)
+      const first = out[0]?.state;
+      if (first !== undefined && (s.step !== first.step || s.updates !== first.updates))
+        throw new BadRequestError(
+          `shard ${k}'s part ${p} is of another moment (step ${s.step}, ${s.updates} updates) than part 0 (step ${first.step}, ${first.updates})`,
         );
       out.push({ name: shardFile(k, p), bytes, state: s });
     }
@@ -371,6 +463,7 @@ export class CheckpointService {
 
   async #restore(e: JobEntry, tag: string): Promise<Uint8Array> {
     const { cfg } = e;
+    await e.writing; // the newest snapshot is on disk
     // the shards of a resumed job each ask when they open it: one restore loads them all, and
     // the others find their shard loaded already (restoring again would rewind the trainers)
     const opened = shardOfOpenedTag(tag);
@@ -520,6 +613,7 @@ export class CheckpointService {
       if (!(await pause(job, e.attempt, why))) throw new JobStateError(`job ${job} is not running as submission ${e.attempt}; nothing resized`);
       try {
         await this.#waitClosed(cfg);
+        await e.writing; // the snapshot asked for is on disk
         const snap = this.store.latestGood(
           job,
           "",
@@ -613,6 +707,8 @@ export class CheckpointService {
       liveness: new LivenessMonitor(this.bus, cfg.job),
       steps: this.#followSteps(cfg),
       attempt: spec.attempt ?? 0,
+      staged: new Map(),
+      writing: Promise.resolve(),
       resizeAsked: false,
       resizing: false,
     });
@@ -644,6 +740,11 @@ export class CheckpointService {
         // not an event: nothing to learn from it
       }
     });
+  }
+
+  /** Resolves when every snapshot being written is on disk. */
+  async flush(): Promise<void> {
+    await Promise.all([...this.#jobs.values()].map((e) => e.writing));
   }
 
   closeJob(job: string): void {

@@ -44,6 +44,9 @@ export interface SnapshotFile {
   bytes: Uint8Array;
 }
 
+/** What a snapshot's manifest says besides its files (and what prepare fills in). */
+export type SnapshotMeta = Omit<Manifest, "files" | "formatVersion" | "id" | "createdMs" | "modelPath"> & { modelPath?: string };
+
 export class CheckpointStore {
   constructor(readonly root: string) {
     mkdirSync(root, { recursive: true });
@@ -55,29 +58,43 @@ export class CheckpointStore {
   }
 
   /** Writes a snapshot atomically and returns its manifest. */
-  save(m: Omit<Manifest, "files" | "formatVersion" | "id" | "createdMs" | "modelPath"> & { modelPath?: string }, files: readonly SnapshotFile[]): Manifest {
-    const id = snapshotId(m.step);
-    const dir = this.jobDir(m.job);
-    mkdirSync(dir, { recursive: true });
-    const tmp = join(dir, `.tmp-${id}-${process.pid}`);
-    rmSync(tmp, { recursive: true, force: true });
-    mkdirSync(tmp);
-    const manifest: Manifest = {
+  save(m: SnapshotMeta, files: readonly SnapshotFile[]): Manifest {
+    const manifest = this.prepare(m, files);
+    this.write(manifest, files);
+    return manifest;
+  }
+
+  /** The manifest a snapshot of `files` will have (sizes and CRC32s), before anything is written. */
+  prepare(m: SnapshotMeta, files: readonly SnapshotFile[]): Manifest {
+    for (const f of files) if (f.name.includes("/") || f.name === manifestName) throw new Error(`bad snapshot file name ${f.name}`);
+    return {
       ...m,
       modelPath: m.modelPath ?? "",
-      id,
+      id: snapshotId(m.step),
       formatVersion,
       createdMs: Date.now(),
       files: files.map((f) => ({ name: f.name, bytes: f.bytes.byteLength, crc32: Bun.hash.crc32(f.bytes) })),
     };
-    for (const f of files) if (f.name.includes("/") || f.name === manifestName) throw new Error(`bad snapshot file name ${f.name}`);
+  }
+
+  /**
+   * Writes a prepared snapshot atomically: into a .tmp- folder (every file fsynced, the manifest
+   * last, the folder fsynced), renamed into place, the parent fsynced. A crash at any point
+   * leaves the snapshots before it as they were.
+   */
+  write(manifest: Manifest, files: readonly SnapshotFile[]): void {
+    const id = manifest.id;
+    const dir = this.jobDir(manifest.job);
+    mkdirSync(dir, { recursive: true });
+    const tmp = join(dir, `.tmp-${id}-${process.pid}`);
+    rmSync(tmp, { recursive: true, force: true });
+    mkdirSync(tmp);
     writeAllDurable([...files.map((f) => ({ path: join(tmp, f.name), bytes: f.bytes })), { path: join(tmp, manifestName), bytes: encodeManifest(manifest) }]);
     fsyncPath(tmp);
     const final = join(dir, id);
     rmSync(final, { recursive: true, force: true }); // a snapshot of the same step is replaced
     renameSync(tmp, final);
     fsyncPath(dir);
-    return manifest;
   }
 
   /** Manifests of the job's snapshots, oldest first. Unreadable manifests are reported, skipped. */

@@ -18,7 +18,7 @@ import {
 } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
 import { LimitExceededError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
-import { partOfTag } from "../runtime/replica-parts.ts";
+import { cutTag, partOfTag } from "../runtime/replica-parts.ts";
 import { HeartbeatPublisher } from "../runtime/liveness.ts";
 import { configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects, usesShards } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
@@ -95,11 +95,13 @@ export class ParameterServer {
         clocks: [...s.clocks],
       });
     });
-    // a snapshot's state, one part (tag "part <p>") per request, each under the message limit
+    // a snapshot's state: cut (tag "cut"), then one part (tag "part <p>") per request, each under the message limit
     on("state", (subject, data) => {
       const m = decodeJobRequest(data, this.payloadBytesMax);
-      const part = partOfTag(m.tag);
-      return encodeShardState(this.#entry(subject, m.job).shard.exportPart(part, m.step, this.payloadBytesMax));
+      const shard = this.#entry(subject, m.job).shard;
+      // "cut": the state of this moment is kept for the parts that follow; the answer is its head (no chunks)
+      if (m.tag === cutTag) return encodeShardState(shard.cut(m.step, this.payloadBytesMax));
+      return encodeShardState(shard.exportPart(partOfTag(m.tag), m.step, this.payloadBytesMax));
     });
     // BSP clipping: this shard's sum of squares of a step's averaged gradient, once it has it
     on("norm", async (subject, data) => {

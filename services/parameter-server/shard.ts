@@ -540,18 +540,29 @@ export class ParameterShard {
   #exported: { step: number; parts: ShardState[] } | null = null;
 
   /**
-   * Part `part` of this shard's state for the snapshot of `step`, each part under partBytesMax.
-   * Part 0 takes the state, so that every part is of one moment; the later parts come from it.
+   * Cuts this shard's state for the snapshot of `step` (a copy of its memory, cut into parts each
+   * under partBytesMax, every part checksummed) and keeps it until its last part is read; answers
+   * the cut's head: its step, counters and number of parts. Training goes on meanwhile: the
+   * parts are of this moment.
+   */
+  cut(step: number, partBytesMax: number): ShardState {
+    const whole = this.exportState();
+    // a shard that owns no chunks still answers one part, with none
+    const { chunks, checksum: _, ...head } = whole;
+    const parts = cutShardState(head, chunks, partBytesMax);
+    this.#exported = { step, parts };
+    return { ...head, chunks: [], parts: parts.length, part: 0 };
+  }
+
+  /**
+   * Part `part` of this shard's state for the snapshot of `step`, from the cut for that step (part
+   * 0 with no cut for the step makes one), each part under partBytesMax.
    */
   exportPart(part: number, step: number, partBytesMax: number): ShardState {
-    if (part === 0) {
-      const whole = this.exportState();
-      // a shard that owns no chunks still answers one part, with none
-      const { chunks, checksum: _, ...head } = whole;
-      this.#exported = { step, parts: cutShardState(head, chunks, partBytesMax) };
-    }
+    if (part === 0 && this.#exported?.step !== step) this.cut(step, partBytesMax);
     const ex = this.#exported;
-    if (ex === null || ex.step !== step) throw new BadRequestError(`part ${part} of shard ${this.shard}'s state at step ${step}: ask for part 0 first`);
+    if (ex === null || ex.step !== step)
+      throw new BadRequestError(`part ${part} of shard ${this.shard}'s state at step ${step}: cut it first (ask for part 0)`);
     const s = ex.parts[part];
     if (s === undefined) throw new BadRequestError(`shard ${this.shard}'s state at step ${step} has parts 0 to ${ex.parts.length - 1}, not ${part}`);
     if (part === ex.parts.length - 1) this.#exported = null;

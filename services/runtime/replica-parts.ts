@@ -13,6 +13,9 @@ import { type ChunkState, type ShardState, shardStateChecksum, withChecksum } fr
 import { BadRequestError, CorruptDataError } from "./errors.ts";
 import type { Layout } from "./layout.ts";
 
+/** The tag of a state request that cuts the state (kept for the parts asked next) and answers its head. */
+export const cutTag = "cut";
+
 /** The part a snapshot request names in its tag, "part <n>" (BadRequestError otherwise). */
 export function partOfTag(tag: string): number {
   const m = /^part (\d{1,6})$/.exec(tag);

@@ -45,15 +45,21 @@ export function changeWorld(cfg: { trainers: number; world?: readonly WorldChang
  * another history: one taken by the old ranks after the step a resize took effect from).
  */
 export function worldResumeProblem(
-  now: { trainers: number; world?: readonly WorldChange[] },
-  was: { trainers: number; world?: readonly WorldChange[] },
+  now: { trainers: number; batchSize: number; world?: readonly WorldChange[] },
+  was: { trainers: number; batchSize: number; world?: readonly WorldChange[] },
   step: number,
 ): string | null {
   const last = worldOf(now).at(-1)!;
   if (last.from > step) return `the job runs ${last.trainers} trainers from step ${last.from}, after this snapshot's step ${step}`;
-  const before = (w: readonly WorldChange[]) => JSON.stringify(w.filter((c) => c.from < step));
-  if (before(worldOf(now)) !== before(worldOf(was)))
-    return `it was taken with trainers ${JSON.stringify(worldOf(was))}, and the job's are ${JSON.stringify(worldOf(now))}`;
+  // what the steps before it took: samples per step (an all-reduce job regrouped onto other
+  // trainers with the same global batch took the same ones)
+  const before = (c: typeof now) =>
+    JSON.stringify(
+      worldOf(c)
+        .filter((w) => w.from < step)
+        .map((w) => [w.from, w.trainers * c.batchSize]),
+    );
+  if (before(now) !== before(was)) return `it was taken with trainers ${JSON.stringify(worldOf(was))}, and the job's are ${JSON.stringify(worldOf(now))}`;
   return null;
 }
 

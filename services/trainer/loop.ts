@@ -51,7 +51,7 @@ import type { Bus, Subscription } from "../runtime/bus.ts";
 import { awaitMembers, type MeshMembers } from "../runtime/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/evals.ts";
 import { BadRequestError, NotReadyError } from "../runtime/errors.ts";
-import { partOfTag } from "../runtime/replica-parts.ts";
+import { cutTag, partOfTag } from "../runtime/replica-parts.ts";
 import { HeartbeatPublisher } from "../runtime/liveness.ts";
 import { evaluatesAt, type JobConfig, jobOfRequest, peakLr, shardsClip, stepScheduleOf, subjects, trainerOpenedTag, usesShards } from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
@@ -371,9 +371,12 @@ export class TrainerRun {
       bus.handle(subject, (data, subject) => {
         const m = decodeJobRequest(data, 1 << 16);
         jobOfRequest(subject, m.job);
-        const part = partOfTag(m.tag);
-        if (m.step !== this.#replicaStep) throw new NotReadyError(`trainer ${rank}'s replica is at step ${this.#replicaStep}, not ${m.step}`);
-        return replica.exportPart(m.step, part, payloadBytesMax).then(encodeShardState);
+        // "cut" copies the replica of this step for the parts asked next (the rank goes on meanwhile)
+        if (m.tag === cutTag || !replica.hasCut(m.step)) {
+          if (m.step !== this.#replicaStep) throw new NotReadyError(`trainer ${rank}'s replica is at step ${this.#replicaStep}, not ${m.step}`);
+          if (m.tag === cutTag) return encodeJobRequest({ job: cfg.job, step: m.step, tag: cutTag, value: replica.cut(m.step, payloadBytesMax) });
+        }
+        return replica.exportPart(m.step, partOfTag(m.tag), payloadBytesMax).then(encodeShardState);
       }),
     );
   }
@@ -578,7 +581,7 @@ export class TrainerRun {
     this.#checkGeneration(step, generation);
     backend.upload(this.#model.store.values.ptr, params);
     const t2 = performance.now();
-    await this.#boundary(step);
+    const snapshotMs = await this.#boundary(step);
     const t3 = performance.now();
     this.#checkGeneration(step, generation);
     hb?.at(step, "compute");
@@ -610,6 +613,7 @@ export class TrainerRun {
       pushMs: t5 - t4,
       count: batch.rows,
       wireBytes: this.#ps!.wireBytes - wire0,
+      snapshotMs,
     });
   }
 
@@ -617,14 +621,17 @@ export class TrainerRun {
    * What runs at a step boundary, before the step computes: the scheduled evaluation, and on
    * rank 0 a snapshot (scheduled or asked for) of the state after step-1.
    */
-  async #boundary(step: number): Promise<void> {
+  async #boundary(step: number): Promise<number> {
     const { cfg, rank } = this.#o;
     if (evaluatesAt(cfg, this.#steps, step)) await this.#evaluate(step);
     const scheduled = cfg.checkpointEvery > 0 && step % cfg.checkpointEvery === 0;
     if (rank === 0 && (scheduled || this.#snapshotAsked)) {
       this.#snapshotAsked = false;
+      const t0 = performance.now();
       await this.#checkpoint(step);
+      return performance.now() - t0;
     }
+    return 0;
   }
 
   /** All-reduce mode: a step on this rank's replica (replica.ts). */
@@ -637,7 +644,7 @@ export class TrainerRun {
     const batch = await this.#batch(step);
     const t1 = performance.now();
     this.#checkGeneration(step, generation);
-    await this.#boundary(step);
+    const snapshotMs = await this.#boundary(step);
     this.#checkGeneration(step, generation);
     this.#hb?.at(step, "compute and collective");
     const lr = lrAt(this.#schedule, peakLr(cfg), step);
@@ -668,6 +675,7 @@ export class TrainerRun {
       count: batch.rows,
       wireBytes: replica.wireBytes - wire0,
       density: r.density,
+      snapshotMs,
       ...(r.skipped ? { text: "f16 gradients overflowed: the update was skipped on every rank" } : {}),
     });
   }

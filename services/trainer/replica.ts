@@ -852,6 +852,17 @@ export class Replica {
     }
   }
 
+  /** Cuts the replica (or this rank's partition) for the snapshot of `step`: copies kept for its parts; returns their number. */
+  cut(step: number, partBytesMax: number): number {
+    this.#exported = { step, parts: this.partition === null ? this.#replicaParts(step, partBytesMax) : this.#partitionParts(step, partBytesMax) };
+    return this.#exported.parts.length;
+  }
+
+  /** Whether a cut of `step` is kept. */
+  hasCut(step: number): boolean {
+    return this.#exported?.step === step;
+  }
+
   /**
    * What this rank serves a snapshot, part `part` of it as it is at `step`: at stage 0 (rank 0)
    * the replica (parameters, optimizer state, step count, loss scale) cut along the job's chunks;
@@ -859,9 +870,8 @@ export class Replica {
    * (services/runtime/replica-parts.ts). Each part fits `partBytesMax`.
    */
   async exportPart(step: number, part: number, partBytesMax: number): Promise<ShardState> {
-    if (this.#exported?.step !== step)
-      this.#exported = { step, parts: this.partition === null ? this.#replicaParts(step, partBytesMax) : this.#partitionParts(step, partBytesMax) };
-    const parts = this.#exported.parts;
+    if (this.#exported?.step !== step) this.cut(step, partBytesMax);
+    const parts = this.#exported!.parts;
     if (!Number.isInteger(part) || part < 0 || part >= parts.length) throw new BadRequestError(`the replica has parts 0 to ${parts.length - 1}, not ${part}`);
     return parts[part]!;
   }

@@ -109,7 +109,8 @@ describe("elastic world size", () => {
       const c = cfgAt(e.step);
       expect(e.lr).toBeCloseTo(lrAt(jobSchedule(c, planHere(c)), peakLr(c), e.step), 6);
     }
-    expect(lrs[t1!]!.lr / lrs[t1! - 1]!.lr).toBeGreaterThan(1.4); // 2 -> 3 trainers: x1.5, less the decay
+    // 2 -> 3 trainers: x1.5, on a cosine over the new (shorter) step count
+    expect(lrs[t1!]!.lr / lrs[t1! - 1]!.lr).toBeGreaterThan(1.25);
     // the shards took the snapshot's chunks as the 3-shard ring says: about a third moved, all to the new shard
     const plan = planHere(final);
     const before = buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, 2),

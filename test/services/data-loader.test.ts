@@ -9,7 +9,7 @@ import { JobData, planHere } from "../../services/data-loader/loader.ts";
 import { loadCorpus } from "../../engine/data/corpus.ts";
 import { Rng } from "../../engine/rng.ts";
 import { initialParameters } from "../../services/runtime/model.ts";
-import { changeWorld, StepSchedule, worldProblems } from "../../services/runtime/world.ts";
+import { changeWorld, StepSchedule, worldProblems, worldResumeProblem } from "../../services/runtime/world.ts";
 import { type Dataset, readDataset, windowOffset } from "../../services/data-loader/sources.ts";
 import { stepsPerEpochOf } from "../../services/runtime/plan.ts";
 import { specOf } from "../helpers/jobs.ts";
@@ -92,6 +92,21 @@ describe("distributed sampling", () => {
       { from: 0, trainers: 2 },
       { from: 10, trainers: 3 },
     ]);
+    // which snapshots resume a job: of the same history before their step, and not before its last change
+    const two = { trainers: 2, batchSize: 64 },
+      grown = {
+        trainers: 3,
+        batchSize: 64,
+        world: [
+          { from: 0, trainers: 2 },
+          { from: 40, trainers: 3 },
+        ],
+      };
+    expect(worldResumeProblem(grown, two, 40)).toBeNull(); // the snapshot the resize resumed from
+    expect(worldResumeProblem(grown, grown, 90)).toBeNull();
+    expect(worldResumeProblem(grown, two, 70)).toContain("it was taken with trainers"); // the old ranks' after the change
+    expect(worldResumeProblem(grown, two, 20)).toContain("after this snapshot's step 20");
+    expect(worldResumeProblem({ trainers: 4, batchSize: 32 }, two, 70)).toBeNull(); // the same global batch
     // a change at a step already changed replaces it; one back to the count before drops it
     expect(
       changeWorld(

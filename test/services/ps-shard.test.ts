@@ -362,14 +362,18 @@ describe("snapshots", () => {
     a.shard.push(pushAll(a.layout, 0, 0, Float32Array.from(randn(new Rng(3), 2500))));
     // 4 KB chunks of 3 vectors: 12 KB each, so an 84 KB limit (less the 64 KB overhead) takes 1 per part
     const limit = (64 + 20) << 10;
+    // the cut: its head names the parts and carries no chunks; the parts are of its moment
+    const head = a.shard.cut(1, limit);
+    expect([head.chunks.length, head.step]).toEqual([0, 1]);
     const first = a.shard.exportPart(0, 1, limit);
+    expect(first.parts).toBe(head.parts);
     const parts = [first];
-    // a push between the asks does not reach the later parts: they are cut from part 0's moment
+    // a push between the asks does not reach the later parts: they are cut from the cut's moment
     a.shard.push(pushAll(a.layout, 0, 1, Float32Array.from(randn(new Rng(4), 2500))));
     for (let p = 1; p < first.parts!; p++) parts.push(a.shard.exportPart(p, 1, limit));
     expect(first.parts).toBeGreaterThan(1);
     expect(parts.map((s) => s.part)).toEqual([...Array(first.parts).keys()]);
-    expectThrown(() => a.shard.exportPart(1, 1, limit), BadRequestError, "part 0 first");
+    expectThrown(() => a.shard.exportPart(1, 1, limit), BadRequestError, "cut it first");
     const before = b.shard.exportState();
     // a part changed after it was cut, or holding a NaN, is refused; nothing is applied before the last part
     expectThrown(() => b.shard.loadPart({ ...parts[0]!, step: 5 }), BadRequestError, "checksum");

@@ -148,8 +148,17 @@ density():number {
   return offset ? this.bb!.readFloat32(this.bb_pos + offset) : -1.0;
 }
 
+/**
+ * Step, rank 0: time the step waited at its boundary for a snapshot to be staged (or
+ * written, with synchronous snapshots)
+ */
+snapshotMs():number {
+  const offset = this.bb!.__offset(this.bb_pos, 44);
+  return offset ? this.bb!.readFloat32(this.bb_pos + offset) : 0.0;
+}
+
 static startEvent(builder:flatbuffers.Builder) {
-  builder.startObject(20);
+  builder.startObject(21);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -232,6 +241,10 @@ static addDensity(builder:flatbuffers.Builder, density:number) {
   builder.addFieldFloat32(19, density, -1.0);
 }
 
+static addSnapshotMs(builder:flatbuffers.Builder, snapshotMs:number) {
+  builder.addFieldFloat32(20, snapshotMs, 0.0);
+}
+
 static endEvent(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -245,7 +258,7 @@ static finishSizePrefixedEventBuffer(builder:flatbuffers.Builder, offset:flatbuf
   builder.finish(offset, 'MTEV', true);
 }
 
-static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, kind:EventKind, rank:number, step:bigint, timeMs:number, loss:number, lr:number, accuracy:number, samplesPerS:number, dataWaitMs:number, pullMs:number, computeMs:number, pushMs:number, textOffset:flatbuffers.Offset, count:number, commMs:number, exposedCommMs:number, wireBytes:number, density:number):flatbuffers.Offset {
+static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, kind:EventKind, rank:number, step:bigint, timeMs:number, loss:number, lr:number, accuracy:number, samplesPerS:number, dataWaitMs:number, pullMs:number, computeMs:number, pushMs:number, textOffset:flatbuffers.Offset, count:number, commMs:number, exposedCommMs:number, wireBytes:number, density:number, snapshotMs:number):flatbuffers.Offset {
   Event.startEvent(builder);
   Event.addSchemaVersion(builder, schemaVersion);
   Event.addJob(builder, jobOffset);
@@ -267,6 +280,7 @@ static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:
   Event.addExposedCommMs(builder, exposedCommMs);
   Event.addWireBytes(builder, wireBytes);
   Event.addDensity(builder, density);
+  Event.addSnapshotMs(builder, snapshotMs);
   return Event.endEvent(builder);
 }
 }
