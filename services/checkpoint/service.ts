@@ -135,6 +135,8 @@ export class CheckpointService {
     readonly control?: JobControl,
     /** write every snapshot before answering the save (the ranks wait for the disk); else in the background */
     readonly syncSnapshots = false,
+    /** test-only: a pause before each background write (a slow disk) */
+    readonly writeDelayMs = 0,
   ) {}
 
   serve(): void {
@@ -211,7 +213,7 @@ export class CheckpointService {
     };
     e.staged.set(step, staged);
     e.writing = e.writing.then(async () => {
-      await Bun.sleep(0); // after the answer goes out
+      await Bun.sleep(this.writeDelayMs); // after the answer goes out
       try {
         await this.#fetchAndWrite(e, asked, why, performance.now(), stagedMs);
       } catch (err) {
