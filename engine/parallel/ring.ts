@@ -155,8 +155,11 @@ class RingOp {
         if (idleMs > timeoutMs) {
           this.fail(
             new CollectiveTimeoutError(
-              `${what}: no progress for ${Math.round(idleMs)} ms (${this.#receivesLeft} pieces still to receive, ` +
-                `${this.#sendsInFlight} sends not taken); a rank upstream is gone or stuck`,
+              `${what}: no progress for ${Math.round(idleMs)} ms (${this.#receivesLeft} pieces still to receive from rank ${ring.upstream}, ` +
+                `${this.#sendsInFlight} sends to rank ${ring.downstream} not taken); ` +
+                (this.#receivesLeft > 0
+                  ? `waiting for rank ${ring.upstream}, or a rank before it in the ring, gone or stuck`
+                  : `rank ${ring.downstream} is gone or stuck`),
             ),
             true,
           );
@@ -258,6 +261,16 @@ export class RingGroup {
     this.#add = options.add ?? hostKernels().addInto;
     const sorted = [...ranks].sort((a, b) => a - b);
     this.#segOf = ranks.map((r) => sorted.indexOf(r));
+  }
+
+  /** The rank this one receives ring pieces from. */
+  get upstream(): number {
+    return this.ranks[mod(this.pos - 1, this.ranks.length)]!;
+  }
+
+  /** The rank this one sends ring pieces to. */
+  get downstream(): number {
+    return this.ranks[mod(this.pos + 1, this.ranks.length)]!;
   }
 
   /** The buffer's segments by ring position, cut into pieces. */

@@ -192,6 +192,10 @@ describe("ring: a peer fails", () => {
     const reasons = results.map((r) => (r.status === "rejected" ? r.reason : null));
     expect(reasons.some((e) => e instanceof CollectiveTimeoutError)).toBe(true);
     for (const e of reasons) expect(e instanceof CollectiveTimeoutError || e instanceof CollectiveAbortedError).toBe(true);
+    // the timeout names the rank it waits for: rank 0 hears from rank 2 (which never joined), rank 1 from rank 0
+    const timedOut = reasons.filter((e) => e instanceof CollectiveTimeoutError).map((e) => (e as Error).message);
+    expect(timedOut.every((m) => /waiting for rank \d|rank \d is gone or stuck/.test(m))).toBe(true);
+    if (reasons[0] instanceof CollectiveTimeoutError) expect(reasons[0].message).toContain("from rank 2");
     // within the timeout plus the checker's period, not a hang (a bound on correctness, not speed)
     expect(performance.now() - started).toBeLessThan(10_000);
   });
