@@ -7,6 +7,11 @@ export const pullTimeoutMs = 130_000;
 export const requestTimeoutMs = 30_000;
 /** A checkpoint save reads every shard and writes with fsync: allow for a large model. */
 export const checkpointTimeoutMs = 120_000;
+/** A snapshot rank 0 asks at a step boundary waits for the state's cut only (the write goes on in
+ *  the background; with synchronous snapshots, for the write too): one not answered by then is
+ *  skipped (a checkpoint service that died with the request, or is far behind), so that
+ *  training stalls at most this long. */
+export const scheduledSnapshotTimeoutMs = 30_000;
 /** Batches a trainer lets the loader prepare ahead of it. */
 export const loaderCredits = 4;
 /** Batch requests a trainer keeps in flight beyond the step it runs (at most loaderCredits). */

@@ -61,6 +61,7 @@ import { buildModel } from "../runtime/model.ts";
 import { checkPlanLayout, jobSchedule, planLayout } from "../runtime/plan.ts";
 import {
   checkpointTimeoutMs,
+  scheduledSnapshotTimeoutMs,
   finalRepeatMs,
   finalSaveAttemptsMax,
   finishWaitMsMax,
@@ -720,7 +721,7 @@ export class TrainerRun {
     this.#hb?.at(step, "checkpoint");
     const { cfg, bus, log } = this.#o;
     try {
-      await bus.request(subjects.ckptSave(cfg.job), encodeJobRequest({ job: cfg.job, step, tag: "schedule" }), checkpointTimeoutMs);
+      await bus.request(subjects.ckptSave(cfg.job), encodeJobRequest({ job: cfg.job, step, tag: "schedule" }), scheduledSnapshotTimeoutMs);
     } catch (e) {
       // training goes on: a missed snapshot costs recovery time, not correctness
       log?.warn({ step, err: (e as Error).message }, "checkpoint failed");

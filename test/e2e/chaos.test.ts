@@ -74,14 +74,26 @@ test("twelve SIGKILLs of every kind of process, some within 2 s of each other: t
   const fired: string[] = [];
   let next = 0,
     timer: ReturnType<typeof setTimeout> | null = null;
-  const fire = () => {
+  // a target the launcher is still restarting (killed just before) is killed once it is back
+  const fire = async () => {
     const f = faults[next++]!;
-    const pid = f.target === "nats-server" ? mesh.nats.pid : mesh.pid(f.target);
-    process.kill(pid, "SIGKILL");
-    fired.push(`${describeFault(f)} (pid ${pid})`);
+    timer = setTimeout(() => {}, 1 << 30); // no other fault fires meanwhile
+    const deadline = Date.now() + 60_000;
+    for (;;) {
+      const pid = f.target === "nats-server" ? mesh.nats.pid : mesh.pid(f.target);
+      try {
+        process.kill(pid, "SIGKILL");
+        fired.push(`${describeFault(f)} (pid ${pid})`);
+        break;
+      } catch (e) {
+        if ((e as { code?: string }).code !== "ESRCH" || Date.now() > deadline) throw e;
+        await Bun.sleep(100);
+      }
+    }
+    clearTimeout(timer);
     timer = null;
     const after = faults[next];
-    if (after?.afterMs !== undefined) timer = setTimeout(fire, after.afterMs);
+    if (after?.afterMs !== undefined) timer = setTimeout(() => void fire(), after.afterMs);
   };
   const seen: Event[] = [];
   await client.submit(cfg, { membersWaitMs: 60_000 });
@@ -90,7 +102,7 @@ test("twelve SIGKILLs of every kind of process, some within 2 s of each other: t
     onEvent: (e) => {
       seen.push(e);
       const f = faults[next];
-      if (timer === null && f?.atStep !== undefined && e.kind === EventKind.Step && e.rank === 0 && e.step >= f.atStep) fire();
+      if (timer === null && f?.atStep !== undefined && e.kind === EventKind.Step && e.rank === 0 && e.step >= f.atStep) void fire();
     },
   });
   if (timer !== null) clearTimeout(timer);

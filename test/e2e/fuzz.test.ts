@@ -120,6 +120,19 @@ function commonTargets(cfg: JobConfig, total: number): Target[] {
       timeoutMs: 60_000,
     } satisfies Target<ReturnType<typeof decodeJobRequest>>,
     {
+      // resizes to sizes no job has (a resize to sizes a job may have is an operator's to ask)
+      name: "ckpt.resize",
+      subject: subjects.ckptResize(job),
+      seeds: [jr({ tag: "trainers 99 shards 99" }), jr({ tag: "trainers 0 shards 2" }), jr({ tag: "trainers 2 shards 2" })],
+      ...jobRequest,
+      legitimate: (m) => {
+        const t = /^trainers (\d{1,2}) shards (\d{1,2})$/.exec(m.tag);
+        return t !== null && Number(t[1]) >= 1 && Number(t[1]) <= 64 && Number(t[2]) >= 1 && Number(t[2]) <= 64 && !(t[1] === "2" && t[2] === "2");
+      },
+      taken: () => true,
+      timeoutMs: 60_000,
+    } satisfies Target<ReturnType<typeof decodeJobRequest>>,
+    {
       // restores of snapshots that do not exist (a tag that is not "step-..." asks for the latest one)
       name: "ckpt.restore",
       subject: subjects.ckptRestore(job),
