@@ -210,7 +210,7 @@ describe("bad input on every subject gets an error reply, and the shard keeps se
       "runs steps 0 to",
     ],
     ["state: a part not named", subjects.psState(job, 0), encodeJobRequest({ job, step: 0, tag: "" }), BadRequestError, "part <n>"],
-    ["state: a later part before part 0", subjects.psState(job, 0), encodeJobRequest({ job, step: 77, tag: "part 1" }), BadRequestError, "part 0 first"],
+    ["state: a later part before part 0", subjects.psState(job, 0), encodeJobRequest({ job, step: 77, tag: "part 1" }), BadRequestError, "cut it first"],
     ["load: wrong identifier", subjects.psLoad(job, 0), encodeJobRequest({ job, step: 0, tag: "" }), WireFormatError, "MTSS"],
   ];
   test.each(cases)("%s", async (_, subject, data, cls, fragment) => {
