@@ -65,7 +65,7 @@ import { type JobControl, resizingReasonPrefix } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { buildLayout } from "../runtime/layout.ts";
 import { exportModelFile } from "../runtime/model.ts";
-import { cutShardState, cutTag, replicaFromPartitions } from "../runtime/replica-parts.ts";
+import { cutShardState, cutTag, precutSaveTag, replicaFromPartitions } from "../runtime/replica-parts.ts";
 import { planLayout, planOfSpec } from "../runtime/plan.ts";
 import { resizeCloseWaitMs, resizePlanTimeoutMs, resizeSnapshotWaitMs, stateTimeoutMs } from "./limits.ts";
 import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
@@ -193,8 +193,10 @@ export class CheckpointService {
     // one snapshot in memory at a time: a save waits for the write before it (which a save
     // interval longer than a write never does)
     if (e.staged.size > 0) await e.writing;
-    if (why !== "schedule" || this.syncSnapshots) return await this.#fetchAndWrite(e, asked, why, t0, 0);
-    const step = await this.#cut(e, asked);
+    const scheduled = why === "schedule" || why === precutSaveTag;
+    if (!scheduled || this.syncSnapshots) return await this.#fetchAndWrite(e, asked, why, t0, 0);
+    // (a replica trainer rank 0 cut before it asked: nothing to cut)
+    const step = why === precutSaveTag && !usesShards(cfg) && cfg.zero === 0 ? asked : await this.#cut(e, asked);
     const existing = e.staged.get(step) ?? this.#goodSnapshot(cfg.job, step);
     if (existing !== null) return encodeManifest(existing);
     const stagedMs = performance.now() - t0;

@@ -16,6 +16,10 @@ import type { Layout } from "./layout.ts";
 /** The tag of a state request that cuts the state (kept for the parts asked next) and answers its head. */
 export const cutTag = "cut";
 
+/** The tag of a scheduled save whose state trainer rank 0 has cut already (all-reduce without
+ *  ZeRO: its replica), so the checkpoint service reads the parts without asking for a cut. */
+export const precutSaveTag = "schedule, cut";
+
 /** The part a snapshot request names in its tag, "part <n>" (BadRequestError otherwise). */
 export function partOfTag(tag: string): number {
   const m = /^part (\d{1,6})$/.exec(tag);
@@ -63,7 +67,8 @@ function partHeader(meta: ReplicaMeta, p: number, parts: number): Omit<ShardStat
   };
 }
 
-/** The replica (values and state vectors in the slab's layout) cut along the layout's chunks into parts under partBytesMax. */
+/** The replica (values and state vectors in the slab's layout) cut along the layout's chunks into
+ *  parts under partBytesMax. The parts view `values` and `states`, which they then own. */
 export function cutReplica(
   meta: ReplicaMeta,
   layout: Layout,
@@ -90,8 +95,9 @@ export function cutReplica(
       chunks: chunks.map((c) => ({
         id: c.id,
         version: meta.optimizerSteps,
-        params: values.slice(c.offset, c.offset + c.count),
-        state: states.map((s) => ({ name: s.name, data: s.data.slice(c.offset, c.offset + c.count) })),
+        // views: the parts own `values` and `states` (every caller passes copies of its own)
+        params: values.subarray(c.offset, c.offset + c.count),
+        state: states.map((s) => ({ name: s.name, data: s.data.subarray(c.offset, c.offset + c.count) })),
       })),
     }),
   );

@@ -51,7 +51,7 @@ import type { Bus, Subscription } from "../runtime/bus.ts";
 import { awaitMembers, type MeshMembers } from "../runtime/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/evals.ts";
 import { BadRequestError, NotReadyError } from "../runtime/errors.ts";
-import { cutTag, partOfTag } from "../runtime/replica-parts.ts";
+import { cutTag, partOfTag, precutSaveTag } from "../runtime/replica-parts.ts";
 import { HeartbeatPublisher } from "../runtime/liveness.ts";
 import { evaluatesAt, type JobConfig, jobOfRequest, peakLr, shardsClip, stepScheduleOf, subjects, trainerOpenedTag, usesShards } from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
@@ -719,12 +719,19 @@ export class TrainerRun {
 
   async #checkpoint(step: number): Promise<void> {
     this.#hb?.at(step, "checkpoint");
-    const { cfg, bus, log } = this.#o;
+    const { cfg, bus, log, payloadBytesMax } = this.#o;
+    // training goes on: a missed snapshot costs recovery time, not correctness
+    const failed = (e: unknown) => log?.warn({ step, err: (e as Error).message }, "checkpoint failed");
+    // all-reduce without ZeRO: rank 0 holds the whole state, and cuts it here (no round trip
+    // for it); the checkpoint service reads the cut's parts in the background
+    const replica = this.#replica;
+    const precut = replica !== null && replica.partition === null;
     try {
-      await bus.request(subjects.ckptSave(cfg.job), encodeJobRequest({ job: cfg.job, step, tag: "schedule" }), scheduledSnapshotTimeoutMs);
+      if (precut) replica.cut(step, payloadBytesMax);
+      const tag = precut ? precutSaveTag : "schedule";
+      await bus.request(subjects.ckptSave(cfg.job), encodeJobRequest({ job: cfg.job, step, tag }), scheduledSnapshotTimeoutMs);
     } catch (e) {
-      // training goes on: a missed snapshot costs recovery time, not correctness
-      log?.warn({ step, err: (e as Error).message }, "checkpoint failed");
+      failed(e);
     }
   }
 
