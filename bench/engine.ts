@@ -34,6 +34,8 @@ export interface EngineBenchResult {
   sgemm_gflops: number;
   ratio: number;
   target: number;
+  /** the peak of one pass's working memory (the arena: activations and their gradients), MiB */
+  peak_act_mib: number;
 }
 
 /**
@@ -100,7 +102,7 @@ const gemmInputOf = (p: Precision): GemmInput => p;
 /** The GEMM shapes of every model benchmarked in this process, for the PyTorch comparison. */
 const benchedShapes: GemmShape[] = [];
 
-function result(name: string, batch: number, model: Model, stepMs: number, gemmMs: number, target: number): EngineBenchResult {
+function result(name: string, batch: number, model: Model, stepMs: number, gemmMs: number, target: number, peakBytes: number): EngineBenchResult {
   const flops = gemmFlops(model.gemmShapes(batch));
   benchedShapes.push(...model.gemmShapes(batch));
   return {
@@ -112,6 +114,7 @@ function result(name: string, batch: number, model: Model, stepMs: number, gemmM
     sgemm_gflops: round(flops / gemmMs / 1e6, 1),
     ratio: round(gemmMs / stepMs, 3),
     target,
+    peak_act_mib: round(peakBytes / 2 ** 20, 2),
   };
 }
 
@@ -128,18 +131,22 @@ export function benchMlp(be: Backend, steps: number, precision: Precision = "f32
     targetShape: [batch],
   };
   const { stepMs, gemmMs } = timeInterleaved(be, trainer, hb, model.gemmShapes(batch), steps, gemmInputOf(precision));
+  const peak = ctx.arena.passPeakBytes;
   ctx.dispose();
-  return result("mlp 784-1024-1024-10", batch, model, stepMs, gemmMs, 0.7);
+  return result("mlp 784-1024-1024-10", batch, model, stepMs, gemmMs, 0.7, peak);
 }
 
 export const gptBenchBatch = 32;
 
-export function benchGpt(be: Backend, steps: number, precision: Precision = "f32"): EngineBenchResult {
+/** recompute: activation checkpointing (each block's activations recomputed in backward); its
+ *  GEMM rate counts the step's GEMMs once, so the recomputed forward shows as a lower ratio */
+export function benchGpt(be: Backend, steps: number, precision: Precision = "f32", recompute = false): EngineBenchResult {
   const batch = gptBenchBatch;
   const vocabSize = 83; // Moby Dick's character count
   const ctx = new Context(be, { seed: 1, precision });
   const config = { ...gptDefaults, vocabSize };
   const model = new GptModel(ctx, config, 1);
+  model.recompute = recompute;
   const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamwDefaults), {
     lr: 1e-3,
     schedule: { kind: "constant" },
@@ -155,9 +162,11 @@ export function benchGpt(be: Backend, steps: number, precision: Precision = "f32
     targetShape: [batch, config.blockSize],
   };
   const { stepMs, gemmMs } = timeInterleaved(be, trainer, hb, model.gemmShapes(batch), steps, gemmInputOf(precision));
+  const peak = ctx.arena.passPeakBytes;
   ctx.dispose();
   const c = config;
-  return result(`gpt L${c.nLayer} H${c.nHead} C${c.nEmbd} T${c.blockSize} V${c.vocabSize}`, batch, model, stepMs, gemmMs, 0.5);
+  const name = `gpt L${c.nLayer} H${c.nHead} C${c.nEmbd} T${c.blockSize} V${c.vocabSize}${recompute ? " recompute" : ""}`;
+  return result(name, batch, model, stepMs, gemmMs, 0.5, peak);
 }
 
 export function runEngineBench(argv: string[]): EngineBenchResult[] {
@@ -174,13 +183,18 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] {
   const quiet = values["json-only"];
   const { backend: be, why } = openBackend(device);
   const gpu = be.name !== "cpu";
-  const rows = [benchMlp(be, steps, precision), benchGpt(be, steps, precision)];
+  const rows = [benchMlp(be, steps, precision), benchGpt(be, steps, precision), benchGpt(be, steps, precision, true)];
   if (!quiet) {
     const threads = be instanceof CpuBackend ? `, ${be.threads} threads` : "";
     console.log(
       `engine benchmark: ${why}${threads}, precision ${precision}; medians of ${steps} steps interleaved with ${steps} rounds of their GEMMs; ratio = GEMM time / step time`,
     );
-    printTable(rows, ["model", "batch", "step_ms", "samples_per_s", "achieved_gflops", "sgemm_gflops", "ratio", "target"]);
+    printTable(rows, ["model", "batch", "step_ms", "samples_per_s", "achieved_gflops", "sgemm_gflops", "ratio", "target", "peak_act_mib"]);
+    const [, kept, recomputed] = rows as [EngineBenchResult, EngineBenchResult, EngineBenchResult];
+    console.log(
+      `activation recomputation: peak pass memory ${kept.peak_act_mib} -> ${recomputed.peak_act_mib} MiB (x${round(recomputed.peak_act_mib / kept.peak_act_mib, 3)}), ` +
+        `step time x${round(recomputed.step_ms / kept.step_ms, 3)}`,
+    );
   }
   const torch = gpu ? compareWithTorch(be, rows, precision, steps, quiet) : null;
   be.dispose();

@@ -6,6 +6,7 @@
 // (Backend.stats.allocCount stays constant; the tests check this).
 import type { Allocation, Backend, Ptr } from "../ffi/backend.ts";
 import { OutOfMemoryError } from "../ffi/errors.ts";
+import { EngineError } from "./errors.ts";
 
 /** 64 bytes: a cache line, and the alignment AVX-512 loads and cuBLAS like best. */
 export const arenaAlignBytes = 64;
@@ -13,6 +14,13 @@ export const arenaAlignBytes = 64;
 const chunkBytesMin = 16 * 1024 * 1024;
 /** A limit on one pass's working memory, so that a runaway shape fails clearly. */
 export const arenaBytesMax = 64 * 1024 * 1024 * 1024;
+
+export interface ArenaMark {
+  readonly chunkIndex: number;
+  readonly offsetBytes: number;
+  readonly usedBytes: number;
+  readonly generation: number;
+}
 
 const alignUp = (n: number) => Math.ceil(n / arenaAlignBytes) * arenaAlignBytes;
 
@@ -23,6 +31,7 @@ export class Arena {
   #offsetBytes = 0;
   #usedBytes = 0;
   #highWaterBytes = 0;
+  #passPeakBytes = 0;
   /** bumped by every reset(); tensors remember the generation they were allocated in */
   generation = 0;
 
@@ -32,6 +41,13 @@ export class Arena {
 
   get highWaterBytes(): number {
     return this.#highWaterBytes;
+  }
+  /** The most bytes in use at once since the last reset(): one pass's peak working memory. */
+  get passPeakBytes(): number {
+    return this.#passPeakBytes;
+  }
+  get usedBytes(): number {
+    return this.#usedBytes;
   }
   get capacityBytes(): number {
     return this.#chunks.reduce((sum, c) => sum + c.bytes, 0);
@@ -45,6 +61,7 @@ export class Arena {
         const ptr = chunk.ptr + this.#offsetBytes;
         this.#offsetBytes += size;
         this.#usedBytes += size;
+        this.#passPeakBytes = Math.max(this.#passPeakBytes, this.#usedBytes);
         this.#highWaterBytes = Math.max(this.#highWaterBytes, this.#usedBytes);
         return ptr;
       }
@@ -67,6 +84,25 @@ export class Arena {
     return ptr;
   }
 
+  /** Where the next allocation goes: release(mark) frees everything allocated after it. */
+  mark(): ArenaMark {
+    return { chunkIndex: this.#chunkIndex, offsetBytes: this.#offsetBytes, usedBytes: this.#usedBytes, generation: this.generation };
+  }
+
+  /**
+   * Frees everything allocated since `mark` (a stack: marks are released newest first). What
+   * lives in that memory must be dead: activation recomputation (engine/recompute.ts) releases a
+   * block's recomputed activations once its backward has run.
+   */
+  release(mark: ArenaMark): void {
+    if (mark.generation !== this.generation || mark.usedBytes > this.#usedBytes) {
+      throw new EngineError("arena: a mark of another pass, or one already released, cannot be released");
+    }
+    this.#chunkIndex = mark.chunkIndex;
+    this.#offsetBytes = mark.offsetBytes;
+    this.#usedBytes = mark.usedBytes;
+  }
+
   reset(): void {
     if (this.#chunks.length > 1) {
       // consolidate: one chunk that holds the whole high-water mark
@@ -76,6 +112,7 @@ export class Arena {
     this.#chunkIndex = 0;
     this.#offsetBytes = 0;
     this.#usedBytes = 0;
+    this.#passPeakBytes = 0;
     this.generation++;
   }
 

@@ -75,6 +75,8 @@ export class Tensor {
   readonly numel: number;
   /** arena generation it was allocated in, or -1 for persistent memory */
   readonly generation: number;
+  /** the arena it lives in (its pass's), or null for persistent memory */
+  readonly home: Arena | null;
   /** the tensor this one is a view of (its gradient aliases the base's) */
   readonly viewOf: Tensor | null;
   readonly viewOffset: number;
@@ -93,6 +95,7 @@ export class Tensor {
     shape: Shape,
     dtype: DType,
     ptr: Ptr,
+    home: Arena | null,
     generation: number,
     requiresGrad = false,
     viewOf: Tensor | null = null,
@@ -104,6 +107,7 @@ export class Tensor {
     this.dtype = dtype;
     this.#ptr = ptr;
     this.numel = numelOf(shape);
+    this.home = home;
     this.generation = generation;
     this.requiresGrad = requiresGrad;
     this.viewOf = viewOf;
@@ -145,7 +149,8 @@ export class Tensor {
   }
 
   get isStale(): boolean {
-    return this.generation !== persistentGeneration && this.generation !== this.ctx.arena.generation;
+    // a tensor of an earlier pass, or of another pass in flight (a pipeline stage's micro-batch)
+    return this.home !== null && (this.generation !== this.home.generation || this.home !== this.ctx.arena);
   }
 
   /** The gradient buffer, or null if no gradient has reached this tensor. */
@@ -178,7 +183,7 @@ export class Tensor {
   }
 
   #viewAt(shape: Shape, offset: number): Tensor {
-    return new Tensor(this.ctx, shape, this.dtype, this.ptr + offset * dtypeBytes[this.dtype], this.generation, false, this, offset);
+    return new Tensor(this.ctx, shape, this.dtype, this.ptr + offset * dtypeBytes[this.dtype], this.home, this.generation, false, this, offset);
   }
 
   /** A view with another shape over the same elements (row-major); no copy. */
@@ -206,6 +211,7 @@ export class Tensor {
       shape,
       this.dtype,
       base.ptr + baseOffset * dtypeBytes[this.dtype],
+      this.home,
       this.generation,
       this.requiresGrad,
       base,
@@ -266,10 +272,28 @@ export interface ContextOptions {
 const f32OfBits = (bits: number) => new Float32Array(new Uint32Array([bits]).buffer)[0]!;
 const poisonValue: Readonly<Record<DType, number>> = { f32: NaN, i32: NaN, f16: f32OfBits(0x7e007e00), bf16: f32OfBits(0x7f7f7f7f) };
 
+/**
+ * The memory and the tape of one forward/backward pass. A context has one of its own, which
+ * newPass() recycles; a pipeline stage keeps one open per micro-batch in flight (openPass), so
+ * that a micro-batch's activations live from its forward to its backward and are freed then,
+ * whatever the order of the others.
+ */
+export class Pass {
+  readonly arena: Arena;
+  tape: TapeNode[] = [];
+
+  constructor(backend: Backend) {
+    this.arena = new Arena(backend);
+  }
+}
+
 export class Context {
   readonly backend: Backend;
-  readonly arena: Arena;
-  readonly tape: TapeNode[] = [];
+  readonly #own: Pass;
+  /** the pass ops allocate in and record on */
+  #pass: Pass;
+  readonly #open = new Set<Pass>();
+  readonly #idle: Pass[] = [];
   /** false inside noGrad(): ops record nothing */
   gradEnabled = true;
   /** false in evaluation: dropout is the identity */
@@ -284,16 +308,69 @@ export class Context {
 
   constructor(backend: Backend, options: ContextOptions = {}) {
     this.backend = backend;
-    this.arena = new Arena(backend);
+    this.#own = new Pass(backend);
+    this.#pass = this.#own;
     this.#dropoutSeed = BigInt.asUintN(64, BigInt(options.seed ?? 0));
     this.precision = checkPrecision(options.precision ?? "f32");
     this.poison = options.poison ?? false;
   }
 
+  /** The ops recorded since the pass began (backward empties it). */
+  get tape(): readonly TapeNode[] {
+    return this.#pass.tape;
+  }
+
+  /** The current pass's memory. */
+  get arena(): Arena {
+    return this.#pass.arena;
+  }
+
   /** Start a new forward/backward pass: recycle the arena and clear the tape. */
   newPass(): void {
-    this.tape.length = 0;
-    this.arena.reset();
+    if (this.#pass !== this.#own) throw new EngineError("newPass: inside another pass (inPass); close that pass instead");
+    this.#own.tape.length = 0;
+    this.#own.arena.reset();
+  }
+
+  /** A pass of its own memory and tape, beside the context's (a pipeline stage's micro-batch):
+   *  ops run in it inside inPass(), and its memory lives until closePass(). */
+  openPass(): Pass {
+    const pass = this.#idle.pop() ?? new Pass(this.backend);
+    this.#open.add(pass);
+    return pass;
+  }
+
+  /** Runs fn with ops allocating in, and recording on, `pass`. */
+  inPass<T>(pass: Pass, fn: () => T): T {
+    if (!this.#open.has(pass)) throw new EngineError("inPass: that pass is not open in this context");
+    const previous = this.#pass;
+    this.#pass = pass;
+    try {
+      return fn();
+    } finally {
+      this.#pass = previous;
+    }
+  }
+
+  /** Frees a pass's memory (its tensors become stale) and keeps it for the next openPass(). */
+  closePass(pass: Pass): void {
+    if (!this.#open.delete(pass)) throw new EngineError("closePass: that pass is not open in this context");
+    if (this.#pass === pass) throw new EngineError("closePass: the pass is running (inside inPass)");
+    pass.tape.length = 0;
+    pass.arena.reset();
+    this.#idle.push(pass);
+  }
+
+  /** Bytes in use now in the context's pass and every open one: the activations held. */
+  get heldBytes(): number {
+    let sum = this.#own.arena.usedBytes;
+    for (const p of this.#open) sum += p.arena.usedBytes;
+    return sum;
+  }
+
+  /** The passes open now (micro-batches whose activations are held). */
+  get openPasses(): number {
+    return this.#open.size;
   }
 
   empty(shape: Shape, dtype: DType = "f32"): Tensor {
@@ -306,13 +383,14 @@ export class Context {
     const ptr = this.arena.alloc(bytes);
     // arena blocks are 64-byte aligned, so rounding up to whole f32s stays inside the block
     if (this.poison) this.backend.fill(ptr, Math.ceil(bytes / 4), poisonValue[dtype]);
-    return new Tensor(this, shape, dtype, ptr, this.arena.generation, false, null, 0, valueRange);
+    return new Tensor(this, shape, dtype, ptr, this.arena, this.arena.generation, false, null, 0, valueRange);
   }
 
   zeros(shape: Shape, dtype: DType = "f32"): Tensor {
     checkShape("zeros", shape);
     const bytes = numelOf(shape) * dtypeBytes[dtype];
-    return new Tensor(this, shape, dtype, this.arena.allocZeroed(bytes), this.arena.generation);
+    const arena = this.arena;
+    return new Tensor(this, shape, dtype, arena.allocZeroed(bytes), arena, arena.generation);
   }
 
   /** An arena tensor holding a copy of host data. */
@@ -362,7 +440,7 @@ export class Context {
   /** A tensor over persistent memory at ptr (a slab view). */
   persistentTensor(shape: Shape, dtype: DType, ptr: Ptr, requiresGrad: boolean): Tensor {
     checkShape("persistentTensor", shape);
-    return new Tensor(this, shape, dtype, ptr, persistentGeneration, requiresGrad);
+    return new Tensor(this, shape, dtype, ptr, null, persistentGeneration, requiresGrad);
   }
 
   /** The seed of the next dropout mask: distinct for every call over the context's life. */
@@ -376,7 +454,7 @@ export class Context {
     if (!this.gradEnabled) return;
     if (!inputs.some((t) => t.requiresGrad)) return;
     output.requiresGrad = true;
-    this.tape.push({ op, inputs, output, backward });
+    this.#pass.tape.push({ op, inputs, output, backward });
   }
 
   /** Run reverse-mode autodiff from a scalar loss. dloss seeds d(loss) (a loss scale). */
@@ -401,12 +479,12 @@ export class Context {
   }
 
   #runTape(): void {
-    for (let i = this.tape.length - 1; i >= 0; i--) this.#runNode(i);
-    this.tape.length = 0;
+    for (let i = this.#pass.tape.length - 1; i >= 0; i--) this.#runNode(i);
+    this.#pass.tape.length = 0;
   }
 
   #runNode(i: number): void {
-    const node = this.tape[i]!;
+    const node = this.#pass.tape[i]!;
     // an output no later op used (and that is not the loss) has no gradient: skip it
     if (node.output.grad !== null) node.backward();
   }
@@ -415,7 +493,7 @@ export class Context {
    *  (it is the earliest node reading them). */
   #gradReadyAt(): Map<number, Tensor[]> {
     const firstUse = new Map<Tensor, number>();
-    this.tape.forEach((node, i) => {
+    this.#pass.tape.forEach((node, i) => {
       for (const t of node.inputs) {
         const base = t.viewOf ?? t;
         if (base.generation === persistentGeneration && base.requiresGrad && !firstUse.has(base)) firstUse.set(base, i);
@@ -444,13 +522,13 @@ export class Context {
     const readyAt = this.#gradReadyAt();
     this.#seedLoss(loss, dloss);
     try {
-      for (let i = this.tape.length - 1; i >= 0; i--) {
+      for (let i = this.#pass.tape.length - 1; i >= 0; i--) {
         this.#runNode(i);
         const ready = readyAt.get(i);
         if (ready) yield ready;
       }
     } finally {
-      this.tape.length = 0;
+      this.#pass.tape.length = 0;
     }
   }
 
@@ -464,8 +542,8 @@ export class Context {
     const readyAt = this.#gradReadyAt();
     this.#seedLoss(loss, dloss);
     try {
-      for (let i = this.tape.length - 1; i >= 0; i--) {
-        const node = this.tape[i]!;
+      for (let i = this.#pass.tape.length - 1; i >= 0; i--) {
+        const node = this.#pass.tape[i]!;
         if (node.output.grad !== null) {
           const need = [...new Set(node.inputs.map((t) => t.viewOf ?? t).filter((t) => t.generation === persistentGeneration && t.name !== undefined))];
           if (need.length > 0) yield { need };
@@ -475,8 +553,47 @@ export class Context {
         if (ready) yield { ready };
       }
     } finally {
-      this.tape.length = 0;
+      this.#pass.tape.length = 0;
     }
+  }
+
+  /**
+   * Activation recomputation: out = fn(x), keeping only x and out. fn runs without recording,
+   * and what it allocated is freed at once; backward runs fn again from x (with the same dropout
+   * masks) and back-propagates out's gradient through that second run, into x and `params` (what
+   * fn reads that needs a gradient), then frees it too. fn must give a result of x's shape (a
+   * residual block). Gradients equal fn's own; the pass's peak memory holds one fn's
+   * activations instead of every call's.
+   */
+  recompute(x: Tensor, params: readonly Tensor[], fn: (x: Tensor) => Tensor): Tensor {
+    if (!this.gradEnabled || !(x.requiresGrad || params.some((t) => t.requiresGrad))) return fn(x);
+    const dropoutCalls = this.#dropoutCalls;
+    const out = this.empty(x.shape, x.dtype);
+    const mark = this.arena.mark();
+    const y = this.noGrad(() => fn(x));
+    if (!sameShape(y.shape, x.shape) || y.dtype !== x.dtype) {
+      throw new ShapeError("recompute", [x.shape, y.shape], "the recomputed function must keep its input's shape and dtype");
+    }
+    this.backend.copy(out.ptr, y.ptr, y.bytes);
+    this.arena.release(mark);
+    this.record("recompute", [x, ...params], out, () => {
+      // the buffers backward adds into are made before the mark, so they outlive the release
+      if (x.requiresGrad) x.ensureGrad();
+      for (const t of params) if (t.requiresGrad) t.ensureGrad();
+      const again = this.arena.mark();
+      const outer = this.#pass.tape;
+      const dropoutCallsNow = this.#dropoutCalls;
+      this.#pass.tape = [];
+      this.#dropoutCalls = dropoutCalls;
+      try {
+        this.backwardFrom(fn(x), out.grad!);
+      } finally {
+        this.#pass.tape = outer;
+        this.#dropoutCalls = dropoutCallsNow;
+        this.arena.release(again);
+      }
+    });
+    return out;
   }
 
   /** Run fn without recording (evaluation, sampling). */
@@ -491,7 +608,9 @@ export class Context {
   }
 
   dispose(): void {
-    this.arena.dispose();
+    for (const p of [this.#own, ...this.#open, ...this.#idle]) p.arena.dispose();
+    this.#open.clear();
+    this.#idle.length = 0;
     for (const a of this.#persistent) this.backend.free(a);
     this.#persistent.length = 0;
     this.#scalars = null;

@@ -93,6 +93,11 @@ train
   .option("--seed <n>", "seed of initialization, batches and dropout", int(0), g.seed)
   .option("--out <file>", "where to write the trained model", g.out)
   .option("--sample-chars <n>", "characters to sample at the end (0: none)", int(0), g.sampleChars)
+  .option(
+    "--recompute",
+    "activation checkpointing: each block keeps only its input and recomputes its activations in backward (less memory, ~1/3 more compute)",
+    g.recompute,
+  )
   .addOption(deviceOption(g.device))
   .addOption(precisionOption(g.precision))
   .action((opts) => {

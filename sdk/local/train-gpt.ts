@@ -50,6 +50,8 @@ export interface GptRunOptions {
   device: DeviceChoice;
   /** what the GEMMs read (engine/mixed.ts); parameters stay f32 */
   precision: Precision;
+  /** activation checkpointing (GptModel.recompute) */
+  recompute: boolean;
 }
 
 // The small default: ~0.8M parameters, reaches < 2.0 nats/char validation loss on Moby Dick
@@ -73,6 +75,7 @@ export const gptRunDefaults: GptRunOptions = {
   sampleChars: 300,
   device: "auto",
   precision: "f32",
+  recompute: false,
 };
 
 /** Windows per validation batch; `meshtrain eval` reads the same batches. */
@@ -106,6 +109,7 @@ function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
   const ctx = new Context(backend, { seed: o.seed, precision: o.precision });
   const config: GptConfig = { vocabSize: corpus.vocabSize, blockSize: o.blockSize, nLayer: o.nLayer, nHead: o.nHead, nEmbd: o.nEmbd, dropout: o.dropout };
   const model = new GptModel(ctx, config, o.seed);
+  model.recompute = o.recompute;
   const schedule = scheduleOf("cosine", o.warmup, o.maxSteps, o.minLr);
   checkSchedule(schedule, o.lr);
   const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: o.beta2, eps: 1e-8, weightDecay: o.weightDecay });

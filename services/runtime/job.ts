@@ -128,6 +128,9 @@ export const jobConfigSchema = z.object({
    *  out); "epoch": at the end of every epoch; 0: only at the end */
   evalEvery: z.union([int(0), z.literal("epoch")]),
   gradClip: z.number().min(0),
+  /** gpt: activation checkpointing: each transformer block keeps only its input in forward and
+   *  recomputes its activations in backward (the same gradients, less memory, ~1/3 more compute) */
+  recompute: z.boolean().default(false),
   /** the trainers' GEMM precision (engine/mixed.ts): f32, tf32, or bf16 autocast with f32
    *  master weights. Gradients travel as f32 whatever it is. Configs stored before this field
    *  existed read as f32. */
@@ -174,6 +177,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   evalEvery: "epoch",
   gradClip: 0,
   precision: "f32",
+  recompute: false,
   seed: 1,
   chunkBytes: 256 << 10,
   checkpointEvery: 500,
@@ -212,6 +216,8 @@ export function parseJobConfig(data: unknown): JobConfig {
   if (c.minLr > c.lr) throw new ConfigError(`invalid job config: minLr (${c.minLr}) exceeds lr (${c.lr})`);
   const m = c.model;
   if (m.kind === "mlp") {
+    if (c.recompute)
+      throw new ConfigError("invalid job config: recompute is for the gpt (each transformer block recomputes its activations); the mlp keeps its few");
     if (c.dataset !== "mnist")
       throw new ConfigError(`invalid job config: the mlp trains on dataset mnist, not ${c.dataset} (the gpt trains on text and tokens)`);
     if (m.widths[0] !== 784 || m.widths[m.widths.length - 1] !== 10) {
@@ -312,6 +318,8 @@ export const resumableKeys = [
   "zero",
   // where the optimizer runs, not what it computes
   "offload",
+  // recomputed activations are the same activations
+  "recompute",
 ] as const satisfies readonly (keyof JobConfig)[];
 
 /** The trajectory-defining keys on which two configs of one job differ, as "key: a -> b". */

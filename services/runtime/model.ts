@@ -26,7 +26,10 @@ export function modelConfigOf(cfg: JobConfig, plan: ModelPlan): MlpConfig | GptC
 
 export function buildModel(ctx: Context, cfg: JobConfig, plan: ModelPlan): Model {
   const config = modelConfigOf(cfg, plan);
-  return cfg.model.kind === "mlp" ? new MlpModel(ctx, config as MlpConfig, cfg.seed) : new GptModel(ctx, config as GptConfig, cfg.seed);
+  if (cfg.model.kind === "mlp") return new MlpModel(ctx, config as MlpConfig, cfg.seed);
+  const gpt = new GptModel(ctx, config as GptConfig, cfg.seed);
+  gpt.recompute = cfg.recompute;
+  return gpt;
 }
 
 /** The model file's header fields for a job's model (a GPT's character vocabulary, for sampling). */

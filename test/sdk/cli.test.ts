@@ -214,10 +214,14 @@ test("bench engine prints a table and a last JSON line", () => {
   const lines = p.stdout.toString().trim().split("\n");
   expect(lines[1]).toContain("sgemm_gflops");
   const last = JSON.parse(lines[lines.length - 1]!);
-  expect(last.results.map((r: { model: string }) => r.model.split(" ")[0])).toEqual(["mlp", "gpt"]);
+  expect(last.results.map((r: { model: string }) => r.model.split(" ")[0])).toEqual(["mlp", "gpt", "gpt"]);
   for (const r of last.results) {
-    for (const k of ["batch", "step_ms", "samples_per_s", "achieved_gflops", "sgemm_gflops", "ratio"]) expect(r[k]).toBeGreaterThan(0);
+    for (const k of ["batch", "step_ms", "samples_per_s", "achieved_gflops", "sgemm_gflops", "ratio", "peak_act_mib"]) expect(r[k]).toBeGreaterThan(0);
   }
+  // the third row recomputes the GPT's activations: the same step, less memory
+  expect(last.results[2].model).toEndWith(" recompute");
+  expect(last.results[2].peak_act_mib).toBeLessThan(last.results[1].peak_act_mib);
+  expect(p.stdout.toString()).toContain("activation recomputation: peak pass memory");
 }, 120_000);
 
 test("bench kernels prints a table and a last JSON line", () => {
