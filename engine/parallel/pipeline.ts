@@ -23,19 +23,20 @@ import { softmaxCrossEntropy } from "../ops/crossentropy.ts";
 import type { Optimizer } from "../optim/optimizer.ts";
 import type { Context, Pass, Tensor } from "../tensor.ts";
 import type { HostBatch } from "../train.ts";
-import type { Collective } from "./collective.ts";
+import { type Collective, type OpKey, type Range, type ReduceOp, segment } from "./collective.ts";
+import type { RingGroup } from "./ring.ts";
 import { type PipeSchedule, stageActions } from "./schedule.ts";
 
 /** What a stage exchanges with its neighbours: f32 tensors, one per (step, micro-batch). */
 export interface StageLink {
   /** this stage's output activations of a micro-batch, to the next stage */
   sendActivations(step: number, micro: number, data: Float32Array): Promise<void>;
-  /** the previous stage's output activations of a micro-batch (waits until they come) */
-  receiveActivations(step: number, micro: number): Promise<Float32Array>;
+  /** the previous stage's output activations of a micro-batch, `elems` values (waits until they come) */
+  receiveActivations(step: number, micro: number, elems: number): Promise<Float32Array>;
   /** the gradient of this stage's input of a micro-batch, to the previous stage */
   sendGradients(step: number, micro: number, data: Float32Array): Promise<void>;
-  /** the gradient of this stage's output of a micro-batch, from the next stage */
-  receiveGradients(step: number, micro: number): Promise<Float32Array>;
+  /** the gradient of this stage's output of a micro-batch, `elems` values, from the next stage */
+  receiveGradients(step: number, micro: number, elems: number): Promise<Float32Array>;
 }
 
 export interface PipelineStepResult {
@@ -108,7 +109,7 @@ export class PipelineStage {
       const b = micro[a.micro]!;
       const [B, T] = [b.targetShape[0]!, b.targetShape[1]!];
       if (a.kind === "forward") {
-        const data = model.first ? null : await waited(link.receiveActivations(step, a.micro));
+        const data = model.first ? null : await waited(link.receiveActivations(step, a.micro, B * T * C));
         const pass = ctx.openPass();
         const { input, output } = ctx.inPass(pass, () => {
           const input = data === null ? ctx.fromArray(b.inputs, b.inputShape) : ctx.fromArray(data, [B, T, C]);
@@ -129,7 +130,7 @@ export class PipelineStage {
           );
       } else {
         const h = held.get(a.micro)!;
-        const grad = model.last ? null : await waited(link.receiveGradients(step, a.micro));
+        const grad = model.last ? null : await waited(link.receiveGradients(step, a.micro, h.output.numel));
         ctx.inPass(h.pass, () => {
           if (grad === null) {
             losses[a.micro] = h.output.item();
@@ -176,43 +177,83 @@ export class PipelineStage {
   }
 }
 
-/** P stages of one process connected in memory (tests, and the single-process pipeline run). */
-export function memoryStageLinks(stages: number): StageLink[] {
-  const boxes = Array.from({ length: stages }, () => new Mailbox());
-  return Array.from({ length: stages }, (_, s) => ({
-    sendActivations: async (step, micro, data) => boxes[s + 1]!.put(`a ${step} ${micro}`, data.slice()),
-    receiveActivations: (step, micro) => boxes[s]!.take(`a ${step} ${micro}`),
-    sendGradients: async (step, micro, data) => boxes[s - 1]!.put(`g ${step} ${micro}`, data.slice()),
-    receiveGradients: (step, micro) => boxes[s]!.take(`g ${step} ${micro}`),
-  }));
+/**
+ * A stage's link to its neighbours over the collective layer's rings (engine/parallel/ring.ts),
+ * whatever carries their pieces (NATS between processes: services/runtime/collective-bus.ts;
+ * memory in tests): the stage and its next one form a ring of two, and a send is a broadcast
+ * from one to the other, keyed by the step and the micro-batch. A broadcast's pieces are taken
+ * by the receiver's router even before it asks for them (within its early-piece budget), so a
+ * send completes without waiting for the receiver to get there.
+ */
+export function ringStageLink(toPrevious: RingGroup | null, toNext: RingGroup | null): StageLink {
+  const need = (g: RingGroup | null, what: string): RingGroup => {
+    if (g === null) throw new EngineError(`pipeline: this stage has no ${what}`);
+    return g;
+  };
+  // in each pair's ring the earlier stage is position 0
+  return {
+    sendActivations: (step, micro, data) => need(toNext, "next stage").broadcast(data, 0, { step, bucket: micro }, "activations"),
+    receiveActivations: async (step, micro, elems) => {
+      const buf = new Float32Array(elems);
+      await need(toPrevious, "previous stage").broadcast(buf, 0, { step, bucket: micro }, "activations");
+      return buf;
+    },
+    sendGradients: (step, micro, data) => need(toPrevious, "previous stage").broadcast(data, 1, { step, bucket: micro }, "gradients"),
+    receiveGradients: async (step, micro, elems) => {
+      const buf = new Float32Array(elems);
+      await need(toNext, "next stage").broadcast(buf, 1, { step, bucket: micro }, "gradients");
+      return buf;
+    },
+  };
 }
 
-/** Tensors by key: a take waits for its put, and a put for no one. */
-export class Mailbox {
-  readonly #ready = new Map<string, Float32Array>();
-  readonly #waiting = new Map<string, (data: Float32Array) => void>();
+/** A Collective over one ring of a transport's (the stages of a pipeline, among the job's ranks). */
+export class RingGroupCollective implements Collective {
+  constructor(readonly group: RingGroup) {}
 
-  put(key: string, data: Float32Array): void {
-    const w = this.#waiting.get(key);
-    if (w !== undefined) {
-      this.#waiting.delete(key);
-      w(data);
-    } else if (this.#ready.has(key)) throw new EngineError(`pipeline: ${key} arrived twice`);
-    else this.#ready.set(key, data);
+  get rank(): number {
+    return this.group.pos;
+  }
+  get size(): number {
+    return this.group.size;
   }
 
-  take(key: string): Promise<Float32Array> {
-    const d = this.#ready.get(key);
-    if (d !== undefined) {
-      this.#ready.delete(key);
-      return Promise.resolve(d);
-    }
-    if (this.#waiting.has(key)) return Promise.reject(new EngineError(`pipeline: ${key} is awaited twice`));
-    return new Promise((resolve) => this.#waiting.set(key, resolve));
+  async allReduce(buf: Float32Array, key: OpKey, op: ReduceOp = "sum"): Promise<void> {
+    await this.group.ring(buf, key, "all-reduce", true, true);
+    if (op === "avg") for (let i = 0; i < buf.length; i++) buf[i]! /= this.size;
   }
 
-  /** keys put and not taken (a finished step leaves none) */
-  get pending(): number {
-    return this.#ready.size;
+  async reduceScatter(buf: Float32Array, key: OpKey): Promise<Range> {
+    await this.group.ring(buf, key, "reduce-scatter", true, false);
+    return segment(buf.length, this.size, this.rank);
   }
+
+  allGather(buf: Float32Array, key: OpKey): Promise<void> {
+    return this.group.ring(buf, key, "all-gather", false, true);
+  }
+
+  broadcast(buf: Float32Array, root: number, key: OpKey): Promise<void> {
+    return this.group.broadcast(buf, root, key);
+  }
+
+  barrier(key: OpKey): Promise<void> {
+    return this.group.ring(new Float32Array(this.size), key, "barrier", false, true);
+  }
+
+  /** The transport is the caller's (it carries other rings too): nothing to release here. */
+  close(): void {}
+}
+
+/** The rings of a pipeline of stages held by `ranks` (stage s by ranks[s]), as seen from `rank`. */
+export function pipelineRings(
+  name: string,
+  ranks: readonly number[],
+  rank: number,
+  ring: (name: string, ranks: readonly number[]) => RingGroup,
+): { link: StageLink; stages: Collective } {
+  const s = ranks.indexOf(rank);
+  if (s < 0) throw new EngineError(`pipeline ${name}: rank ${rank} holds none of its stages (${ranks.join(",")})`);
+  const pair = (a: number) => ring(`${name}:${a}-${a + 1}`, [ranks[a]!, ranks[a + 1]!]);
+  const link = ringStageLink(s > 0 ? pair(s - 1) : null, s + 1 < ranks.length ? pair(s) : null);
+  return { link, stages: new RingGroupCollective(ring(`${name}:stages`, ranks)) };
 }

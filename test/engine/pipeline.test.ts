@@ -4,8 +4,8 @@ import { describe, expect, test } from "bun:test";
 import { ConfigError } from "../../engine/errors.ts";
 import { GptModel, stageBlocks } from "../../engine/models/gpt.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
-import { memoryStageLinks, PipelineStage, type PipelineStepResult } from "../../engine/parallel/pipeline.ts";
-import { RingCollective } from "../../engine/parallel/ring.ts";
+import { PipelineStage, type PipelineStepResult, pipelineRings } from "../../engine/parallel/pipeline.ts";
+import { PieceRouter, RingGroup, ringDefaults } from "../../engine/parallel/ring.ts";
 import { peakInFlight, type PipeSchedule, simulatePipeline, stageActions, theoreticalBubble } from "../../engine/parallel/schedule.ts";
 import { MemoryTransport } from "../../engine/parallel/transport.ts";
 import { Rng } from "../../engine/rng.ts";
@@ -104,14 +104,19 @@ function singleProcess(data: HostBatch[][]): { losses: number[]; norms: number[]
 }
 
 async function pipelined(P: number, schedule: PipeSchedule, data: HostBatch[][]) {
-  const links = memoryStageLinks(P);
+  // the stages on ranks 10, 11, ... of a transport in memory: the rings the mesh's ranks use over NATS
   const peers = new Map<number, MemoryTransport>();
-  const stages = Array.from({ length: P }, (_, s) => {
+  const ranks = Array.from({ length: P }, (_, s) => 10 + s);
+  const stages = ranks.map((rank, s) => {
     const ctx = newContext(1);
     const model = new GptModel(ctx, config, 7, { stage: s, stages: P });
-    const collective = new RingCollective(new MemoryTransport(s, peers, 1 << 16), P);
-    const stage = new PipelineStage({ ctx, model, optimizer: new AdamW(ctx, model.store, adamw), link: links[s]!, stages: collective, schedule, gradClip });
-    return { ctx, model, stage, collective };
+    // 16 KB pieces: an activation of a micro-batch (3 x 16 x 32 floats) travels in several
+    const transport = new MemoryTransport(rank, peers, 16 << 10);
+    const router = new PieceRouter(ringDefaults.earlyBytesMax);
+    transport.listen((p) => router.receive(p));
+    const { link, stages: group } = pipelineRings("pp", ranks, rank, (name, members) => new RingGroup(name, members, transport, router, ringDefaults));
+    const stage = new PipelineStage({ ctx, model, optimizer: new AdamW(ctx, model.store, adamw), link, stages: group, schedule, gradClip });
+    return { ctx, model, stage, collective: transport };
   });
   const results: PipelineStepResult[][] = stages.map(() => []);
   for (const [step, micro] of data.entries()) {
