@@ -1,16 +1,17 @@
 #!/usr/bin/env bun
-// One stage of a pipeline-parallel GPT over a real nats-server, as its own process: the stages'
-// activations and gradients travel as CollPiece FlatBuffers messages on each stage's subject
-// (mt.<job>.coll.<rank>, services/runtime/collective-bus.ts). Trains `steps` steps on synthetic
-// token batches every stage makes alike from the plan's seed, and prints one JSON line per step.
-// `bun run bench pipeline` starts P of these; test/services/pipeline.integration.test.ts does
-// too, against the single process's trajectory.
+// One rank of a model-parallel GPT (data x pipeline x tensor, engine/parallel/pipeline.ts) over a
+// real nats-server, as its own process: the stages' activations and gradients, the tensor
+// ranks' all-reduces and the replicas' gradients travel as CollPiece FlatBuffers messages on
+// each rank's subject (mt.<job>.coll.<rank>, services/runtime/collective-bus.ts). Trains `steps`
+// steps on synthetic token batches every rank makes alike from the plan's seed, and prints one
+// JSON line per step. test/services/pipeline.integration.test.ts starts one per rank, against
+// the single process's trajectory.
 //
 //   bun bench/pipeline-stage.ts <plan.json>
 import { writeFileSync } from "node:fs";
 import { type GptConfig, GptModel } from "../engine/models/gpt.ts";
 import { AdamW } from "../engine/optim/adamw.ts";
-import { PipelineStage, pipelineRings } from "../engine/parallel/pipeline.ts";
+import { type ModelLayout, modelParallelRank, modelParallelRings } from "../engine/parallel/pipeline.ts";
 import { PieceRouter, RingGroup, ringDefaults } from "../engine/parallel/ring.ts";
 import type { PipeSchedule } from "../engine/parallel/schedule.ts";
 import { Rng } from "../engine/rng.ts";
@@ -23,10 +24,10 @@ import { NatsBus } from "../services/runtime/nats.ts";
 export interface StagePlan {
   url: string;
   job: string;
-  stage: number;
-  stages: number;
+  layout: ModelLayout;
+  rank: number;
   schedule: PipeSchedule;
-  /** micro-batches a step, and windows a micro-batch */
+  /** micro-batches a step (over every replica: each runs micro / layout.data), and windows a micro-batch */
   micro: number;
   microBatch: number;
   steps: number;
@@ -68,7 +69,7 @@ export function syntheticBatches(plan: Pick<StagePlan, "seed" | "micro" | "micro
 }
 
 /** The single process over the same batches: the trajectory the stages must repeat. */
-export function singleProcessRun(plan: Omit<StagePlan, "url" | "job" | "stage" | "stages" | "schedule">): {
+export function singleProcessRun(plan: Omit<StagePlan, "url" | "job" | "layout" | "rank" | "schedule">): {
   losses: number[];
   norms: number[];
   params: Map<string, Float32Array>;
@@ -98,34 +99,37 @@ export function singleProcessRun(plan: Omit<StagePlan, "url" | "job" | "stage" |
 
 async function main(): Promise<void> {
   const plan = (await Bun.file(process.argv[2]!).json()) as StagePlan;
-  const bus = await NatsBus.connect({ url: plan.url, name: `pp-stage-${plan.stage}`, connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
+  const { layout } = plan;
+  const size = layout.data * layout.stages * layout.tensor;
+  const bus = await NatsBus.connect({ url: plan.url, name: `mp-rank-${plan.rank}`, connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
   const transport = new BusTransport(bus, {
     ...busTransportDefaults,
     job: plan.job,
-    rank: plan.stage,
-    size: plan.stages,
+    rank: plan.rank,
+    size,
     generation: 1,
     sharedMemory: plan.sharedMemory ?? false,
   });
   const router = new PieceRouter(ringDefaults.earlyBytesMax);
   transport.listen((p) => router.receive(p));
-  const ranks = Array.from({ length: plan.stages }, (_, s) => s);
-  const { link, stages } = pipelineRings("pp", ranks, plan.stage, (name, members) => new RingGroup(name, members, transport, router, ringDefaults));
+  const rings = modelParallelRings("mp", layout, plan.rank, (name, members) => new RingGroup(name, members, transport, router, ringDefaults));
   const ctx = new Context(new CpuBackend(), { seed: 1 });
-  const model = new GptModel(ctx, plan.model, plan.seed, { stage: plan.stage, stages: plan.stages });
-  model.recompute = plan.recompute ?? false;
-  const stage = new PipelineStage({
+  const { model, stage, coords } = modelParallelRank({
     ctx,
-    model,
-    optimizer: new AdamW(ctx, model.store, stageAdamW),
-    link,
-    stages,
+    config: plan.model,
+    seed: plan.seed,
+    layout,
+    rings,
+    optimizer: (m) => new AdamW(ctx, m.store, stageAdamW),
     schedule: plan.schedule,
     gradClip: plan.gradClip,
+    recompute: plan.recompute ?? false,
   });
-  // every stage subscribes before any sends: a piece to a stage not yet listening is retried
+  const perReplica = plan.micro / layout.data;
+  // a piece to a rank that has not subscribed yet is retried until it has
   for (let step = 0; step < plan.steps; step++) {
-    const r = await stage.step(step, syntheticBatches(plan, step), plan.lr);
+    const micro = syntheticBatches(plan, step).slice(coords.d * perReplica, (coords.d + 1) * perReplica);
+    const r = await stage.step(step, micro, plan.lr, 1 / layout.data);
     const out: StageStepResult = {
       step,
       loss: r.loss,
@@ -141,11 +145,12 @@ async function main(): Promise<void> {
   if (plan.paramsFile) {
     const values = model.store.readValues();
     const params = Object.fromEntries(model.store.entries.map((e) => [e.name, Array.from(values.subarray(e.offset, e.offset + e.numel))]));
-    writeFileSync(plan.paramsFile, JSON.stringify(params));
+    writeFileSync(plan.paramsFile, JSON.stringify({ coords, slices: Object.fromEntries(model.slices), params }));
   }
-  // the last stage's final sends are acknowledged before it returns; a barrier keeps every stage
+  // a rank's last sends are acknowledged before its step returns; the barrier keeps every rank
   // listening until all of them are done
-  await stages.barrier({ step: plan.steps, bucket: 0 });
+  await rings.modelGroup.barrier({ step: plan.steps, bucket: 0 });
+  if (rings.data) await rings.data.barrier({ step: plan.steps, bucket: 0 });
   transport.close();
   ctx.dispose();
   await bus.close();
@@ -157,10 +162,10 @@ export interface StagesRun {
   stderr: string[];
 }
 
-/** Runs one process per stage of `plans` and collects their lines. */
+/** Runs one process per rank of `plans` and collects their lines. */
 export async function runStageProcesses(dir: string, plans: StagePlan[]): Promise<StagesRun> {
   const procs = plans.map((plan) => {
-    const file = `${dir}/${plan.job}-stage-${plan.stage}.json`;
+    const file = `${dir}/${plan.job}-rank-${plan.rank}.json`;
     writeFileSync(file, JSON.stringify(plan));
     return Bun.spawn([process.execPath, import.meta.path, file], { cwd: `${import.meta.dir}/..`, stdout: "pipe", stderr: "pipe" });
   });

@@ -13,12 +13,55 @@ import { type Context, numelOf, type Shape, type Tensor } from "./tensor.ts";
 
 export type Init = { kind: "normal"; std: number } | { kind: "uniform"; bound: number } | { kind: "zeros" } | { kind: "ones" };
 
+/**
+ * A parameter that is a slice of a larger one (a tensor-parallel rank's share of a weight): the
+ * whole parameter's shape, and the rows (ranges, concatenated in order) and columns it keeps.
+ * Its initial values are the whole parameter's at those places.
+ */
+export interface SliceOf {
+  readonly shape: Shape;
+  readonly rows?: readonly { offset: number; count: number }[];
+  readonly cols?: { offset: number; count: number };
+}
+
 export interface ParamSpec {
   readonly name: string;
   readonly shape: Shape;
   readonly init: Init;
   /** takes weight decay (matrices and embeddings do; biases and norms do not) */
   readonly decay: boolean;
+  readonly sliceOf?: SliceOf;
+}
+
+/** Writes a slice's values at their places in the whole parameter (takeSlice's inverse). */
+export function putSlice(whole: Float32Array, of: SliceOf, values: Float32Array): void {
+  const rowsAll = of.shape[0]!;
+  const cols = of.shape.length === 1 ? 1 : whole.length / rowsAll;
+  const rows = of.rows ?? [{ offset: 0, count: rowsAll }];
+  const c = of.cols ?? { offset: 0, count: cols };
+  if (values.length !== rows.reduce((n, r) => n + r.count, 0) * c.count)
+    throw new ShapeError("putSlice", [of.shape, [values.length]], "the values are not the slice's size");
+  let o = 0;
+  for (const r of rows) {
+    for (let i = r.offset; i < r.offset + r.count; i++, o += c.count) whole.set(values.subarray(o, o + c.count), i * cols + c.offset);
+  }
+}
+
+/** The values of a slice (SliceOf) of a row-major parameter of `whole` values. */
+export function takeSlice(whole: Float32Array, of: SliceOf): Float32Array {
+  const rowsAll = of.shape[0]!;
+  const cols = of.shape.length === 1 ? 1 : whole.length / rowsAll;
+  const rows = of.rows ?? [{ offset: 0, count: rowsAll }];
+  const c = of.cols ?? { offset: 0, count: cols };
+  if (c.offset < 0 || c.offset + c.count > cols || rows.some((r) => r.offset < 0 || r.offset + r.count > rowsAll)) {
+    throw new ShapeError("takeSlice", [of.shape], "the slice reaches outside the parameter");
+  }
+  const out = new Float32Array(rows.reduce((n, r) => n + r.count, 0) * c.count);
+  let o = 0;
+  for (const r of rows) {
+    for (let i = r.offset; i < r.offset + r.count; i++, o += c.count) out.set(whole.subarray(i * cols + c.offset, i * cols + c.offset + c.count), o);
+  }
+  return out;
 }
 
 /** A parameter a module declared; its tensor exists once the ParamStore is built. */
@@ -40,13 +83,16 @@ export class ParamBuilder {
   readonly params: Param[] = [];
   readonly #names = new Set<string>();
 
-  add(name: string, shape: Shape, init: Init, decay: boolean): Param {
+  add(name: string, shape: Shape, init: Init, decay: boolean, sliceOf?: SliceOf): Param {
     if (this.#names.has(name)) throw new ConfigError(`duplicate parameter name ${name}`);
     if (shape.some((d) => !Number.isSafeInteger(d) || d <= 0)) {
       throw new ShapeError("ParamBuilder.add", [shape], `parameter ${name} needs positive integer dims`);
     }
     this.#names.add(name);
-    const p = new Param({ name, shape, init, decay });
+    if (sliceOf !== undefined && takeSlice(new Float32Array(numelOf(sliceOf.shape)), sliceOf).length !== numelOf(shape)) {
+      throw new ShapeError("ParamBuilder.add", [shape, sliceOf.shape], `parameter ${name}: the slice's size is not the parameter's`);
+    }
+    const p = new Param({ name, shape, init, decay, ...(sliceOf === undefined ? {} : { sliceOf }) });
     this.params.push(p);
     return p;
   }
@@ -227,8 +273,9 @@ export class ParamStore {
     const host = new Float32Array(this.slabNumel);
     const specs = new Map(this.#params.map((p) => [p.spec.name, p.spec]));
     for (const e of this.entries) {
-      const init = specs.get(e.name)!.init;
-      const view = host.subarray(e.offset, e.offset + e.numel);
+      const { init, sliceOf } = specs.get(e.name)!;
+      // a slice draws the whole parameter's values and keeps its own
+      const view = sliceOf === undefined ? host.subarray(e.offset, e.offset + e.numel) : new Float32Array(numelOf(sliceOf.shape));
       const rng = new Rng((seed * 0x9e3779b1) ^ nameHash(e.name));
       switch (init.kind) {
         case "normal":
@@ -243,6 +290,7 @@ export class ParamStore {
         case "zeros":
           break;
       }
+      if (sliceOf !== undefined) host.set(takeSlice(view, sliceOf), e.offset);
     }
     this.#ctx.backend.upload(this.values.ptr, host);
   }

@@ -64,7 +64,9 @@ export interface TapeNode {
   readonly op: string;
   readonly inputs: readonly Tensor[];
   readonly output: Tensor;
-  readonly backward: () => void;
+  /** adds the op's input gradients; a tensor-parallel op's may wait for a collective (then only
+   *  the async runners, backwardAsync and backwardFromAsync, can run the tape) */
+  readonly backward: () => void | Promise<void>;
 }
 
 export class Tensor {
@@ -450,7 +452,7 @@ export class Context {
   }
 
   /** Record an op on the tape if gradients are wanted; sets output.requiresGrad. */
-  record(op: string, inputs: readonly Tensor[], output: Tensor, backward: () => void): void {
+  record(op: string, inputs: readonly Tensor[], output: Tensor, backward: () => void | Promise<void>): void {
     if (!this.gradEnabled) return;
     if (!inputs.some((t) => t.requiresGrad)) return;
     output.requiresGrad = true;
@@ -478,15 +480,46 @@ export class Context {
     this.#runTape();
   }
 
+  /** backward() for a tape whose ops may wait (tensor parallelism's collectives). */
+  async backwardAsync(loss: Tensor, dloss = 1): Promise<void> {
+    this.#seedLoss(loss, dloss);
+    await this.#runTapeAsync();
+  }
+
+  /** backwardFrom() for a tape whose ops may wait. */
+  async backwardFromAsync(output: Tensor, grad: Tensor): Promise<void> {
+    if (!sameShape(output.shape, grad.shape)) throw new ShapeError("backwardFrom", [output.shape, grad.shape], "grad shape differs");
+    if (!output.requiresGrad) throw new EngineError("backwardFrom: output does not depend on any tensor that requires grad");
+    this.backend.copy(output.ensureGrad().ptr, grad.ptr, grad.bytes);
+    await this.#runTapeAsync();
+  }
+
   #runTape(): void {
     for (let i = this.#pass.tape.length - 1; i >= 0; i--) this.#runNode(i);
     this.#pass.tape.length = 0;
   }
 
+  async #runTapeAsync(): Promise<void> {
+    const tape = this.#pass.tape;
+    try {
+      for (let i = tape.length - 1; i >= 0; i--) {
+        const node = tape[i]!;
+        if (node.output.grad !== null) await node.backward();
+      }
+    } finally {
+      tape.length = 0;
+    }
+  }
+
   #runNode(i: number): void {
     const node = this.#pass.tape[i]!;
     // an output no later op used (and that is not the loss) has no gradient: skip it
-    if (node.output.grad !== null) node.backward();
+    if (node.output.grad === null) return;
+    const r = node.backward();
+    if (r instanceof Promise) {
+      r.catch(() => {});
+      throw new EngineError(`backward: op ${node.op} waits for a collective (tensor parallelism); run the tape with backwardAsync`);
+    }
   }
 
   /** Tape index -> the parameters whose gradient is complete once that node's backward has run
@@ -594,6 +627,59 @@ export class Context {
       }
     });
     return out;
+  }
+
+  /** recompute() of an fn that waits (a tensor-parallel block, whose forward all-reduces). The
+   *  context must run nothing else meanwhile: the pass, the tape and noGrad span fn's waits. */
+  async recomputeAsync(x: Tensor, params: readonly Tensor[], fn: (x: Tensor) => Promise<Tensor>): Promise<Tensor> {
+    if (!this.gradEnabled || !(x.requiresGrad || params.some((t) => t.requiresGrad))) return fn(x);
+    const dropoutCalls = this.#dropoutCalls;
+    const out = this.empty(x.shape, x.dtype);
+    const mark = this.arena.mark();
+    this.gradEnabled = false;
+    let y: Tensor;
+    try {
+      y = await fn(x);
+    } finally {
+      this.gradEnabled = true;
+    }
+    if (!sameShape(y.shape, x.shape) || y.dtype !== x.dtype) {
+      throw new ShapeError("recompute", [x.shape, y.shape], "the recomputed function must keep its input's shape and dtype");
+    }
+    this.backend.copy(out.ptr, y.ptr, y.bytes);
+    this.arena.release(mark);
+    this.record("recompute", [x, ...params], out, async () => {
+      if (x.requiresGrad) x.ensureGrad();
+      for (const t of params) if (t.requiresGrad) t.ensureGrad();
+      const again = this.arena.mark();
+      const outer = this.#pass.tape;
+      const dropoutCallsNow = this.#dropoutCalls;
+      this.#pass.tape = [];
+      this.#dropoutCalls = dropoutCalls;
+      try {
+        const y2 = await fn(x);
+        this.#dropoutCalls = dropoutCallsNow;
+        await this.backwardFromAsync(y2, out.grad!);
+      } finally {
+        this.#pass.tape = outer;
+        this.#dropoutCalls = dropoutCallsNow;
+        this.arena.release(again);
+      }
+    });
+    return out;
+  }
+
+  /** Runs fn in `pass` across its waits (a tensor-parallel forward); as inPass, the context
+   *  must run nothing else meanwhile. */
+  async inPassAsync<T>(pass: Pass, fn: () => Promise<T>): Promise<T> {
+    if (!this.#open.has(pass)) throw new EngineError("inPass: that pass is not open in this context");
+    const previous = this.#pass;
+    this.#pass = pass;
+    try {
+      return await fn();
+    } finally {
+      this.#pass = previous;
+    }
   }
 
   /** Run fn without recording (evaluation, sampling). */

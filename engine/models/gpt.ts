@@ -8,7 +8,8 @@ import { add } from "../ops/add.ts";
 import { softmaxCrossEntropy } from "../ops/crossentropy.ts";
 import { dropout } from "../ops/dropout.ts";
 import { matmul } from "../ops/matmul.ts";
-import { ParamBuilder, ParamStore } from "../params.ts";
+import { ParamBuilder, ParamStore, type SliceOf } from "../params.ts";
+import type { TensorParallel, TensorRank } from "../parallel/tensor-parallel.ts";
 import type { Rng } from "../rng.ts";
 import type { Context, Tensor } from "../tensor.ts";
 import { drive, gemmFlops, type GemmShape, type Model, namesUnder } from "./model.ts";
@@ -45,6 +46,8 @@ export function checkGptConfig(c: GptConfig): void {
 export interface GptPart {
   readonly stage: number;
   readonly stages: number;
+  /** the tensor-parallel rank: the blocks' matrices cut across its ranks (Block) */
+  readonly tensor?: TensorRank;
 }
 
 export const wholeModel: GptPart = { stage: 0, stages: 1 };
@@ -75,6 +78,8 @@ export class GptModel implements Model {
   readonly blockRange: { from: number; to: number };
   readonly first: boolean;
   readonly last: boolean;
+  /** the parameters this tensor rank holds a share of, and which (the others are replicated) */
+  readonly slices: ReadonlyMap<string, SliceOf>;
   readonly #ctx: Context;
   /** activation checkpointing: each block keeps only its input during forward and recomputes
    *  its activations during backward (Context.recompute); a training option, not the model's */
@@ -96,14 +101,57 @@ export class GptModel implements Model {
     const { vocabSize: V, blockSize, nEmbd: C } = config;
     this.wte = this.first || this.last ? new Embedding(pb, "wte", V, C) : null;
     this.wpe = this.first ? new Embedding(pb, "wpe", blockSize, C) : null;
-    for (let l = this.blockRange.from; l < this.blockRange.to; l++) this.blocks.push(new Block(pb, `h.${l}`, config));
+    for (let l = this.blockRange.from; l < this.blockRange.to; l++) this.blocks.push(new Block(pb, `h.${l}`, config, part.tensor));
     this.lnF = this.last ? new LayerNorm(pb, "ln_f", C) : null;
+    this.slices = new Map(pb.params.flatMap((p) => (p.spec.sliceOf === undefined ? [] : [[p.spec.name, p.spec.sliceOf] as const])));
     this.store = ParamStore.build(ctx, pb, seed);
   }
 
-  /** Whether this is the whole model rather than one stage of a pipeline. */
+  get splitNames(): ReadonlySet<string> {
+    return new Set(this.slices.keys());
+  }
+
+  /** Whether this is the whole model rather than one stage of a pipeline or a tensor rank's share. */
   get whole(): boolean {
-    return this.part.stages === 1;
+    return this.part.stages === 1 && (this.part.tensor?.size ?? 1) === 1;
+  }
+
+  #checkInput(input: Tensor): void {
+    const { blockSize, nEmbd: C } = this.config;
+    const bad = this.first
+      ? input.shape.length !== 2 || input.shape[1]! > blockSize
+      : input.shape.length !== 3 || input.shape[1]! > blockSize || input.shape[2] !== C || input.dtype !== "f32";
+    if (bad) {
+      const want = this.first ? "idx must be (B,T)" : `stage ${this.part.stage}'s input must be f32 activations (B,T,${C})`;
+      throw new ShapeError("gpt.forward", [input.shape], `${want} with T <= blockSize ${blockSize}`);
+    }
+  }
+
+  /** The first stage: token and position embeddings of idx (B,T). */
+  #embed(idx: Tensor): Tensor {
+    const T = idx.shape[1]!;
+    const tok = this.wte!.forward(idx); // (B,T,C)
+    const pos = this.wpe!.weight.tensor.narrowRows(0, T); // (T,C), broadcast over B
+    return dropout(add(tok, pos), this.config.dropout);
+  }
+
+  /** The last stage: the final norm and the tied head, (B,T,C) -> logits (B,T,V). */
+  #head(x: Tensor): Tensor {
+    // weight tying: the output projection is the token embedding
+    return matmul(this.lnF!.forward(x), this.wte!.weight.tensor, { transB: true });
+  }
+
+  /**
+   * forward() of a tensor-parallel rank (or any model: with one rank it is forward()): each block
+   * waits for its all-reduces. The context must run nothing else meanwhile.
+   */
+  async forwardAsync(input: Tensor, tp: TensorParallel): Promise<Tensor> {
+    this.#checkInput(input);
+    let x = this.first ? this.#embed(input) : input;
+    for (const block of this.blocks) {
+      x = this.recompute ? await this.#ctx.recomputeAsync(x, block.parameters(), (h) => block.forwardAsync(h, tp)) : await block.forwardAsync(x, tp);
+    }
+    return this.last ? this.#head(x) : x;
   }
 
   forward(idx: Tensor): Tensor {
@@ -116,22 +164,12 @@ export class GptModel implements Model {
    * stage's activations (B,T,C); its output the logits (B,T,V) on the last, else activations.
    */
   *forwardSteps(input: Tensor): Generator<readonly string[], Tensor, void> {
-    const { blockSize, nEmbd: C } = this.config;
-    const bad = this.first
-      ? input.shape.length !== 2 || input.shape[1]! > blockSize
-      : input.shape.length !== 3 || input.shape[1]! > blockSize || input.shape[2] !== C || input.dtype !== "f32";
-    if (bad) {
-      const want = this.first ? "idx must be (B,T)" : `stage ${this.part.stage}'s input must be f32 activations (B,T,${C})`;
-      throw new ShapeError("gpt.forward", [input.shape], `${want} with T <= blockSize ${blockSize}`);
-    }
+    this.#checkInput(input);
     const names = this.store.entries.map((e) => e.name);
     let x = input;
     if (this.first) {
-      const T = input.shape[1]!;
       yield [...namesUnder(names, "wte"), ...namesUnder(names, "wpe")];
-      const tok = this.wte!.forward(input); // (B,T,C)
-      const pos = this.wpe!.weight.tensor.narrowRows(0, T); // (T,C), broadcast over B
-      x = dropout(add(tok, pos), this.config.dropout);
+      x = this.#embed(input);
     }
     for (const [i, block] of this.blocks.entries()) {
       yield namesUnder(names, `h.${this.blockRange.from + i}`);
@@ -139,9 +177,7 @@ export class GptModel implements Model {
     }
     if (!this.last) return x;
     yield [...namesUnder(names, "ln_f"), ...namesUnder(names, "wte")];
-    x = this.lnF!.forward(x);
-    // weight tying: the output projection is the token embedding
-    return matmul(x, this.wte!.weight.tensor, { transB: true }); // (B,T,V)
+    return this.#head(x); // (B,T,V)
   }
 
   loss(idx: Tensor, targets: Tensor): Tensor {

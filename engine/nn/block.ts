@@ -2,7 +2,11 @@
 //   x = x + dropout(proj(attn(ln1(x))))
 //   x = x + dropout(fc2(gelu(fc1(ln2(x)))))
 // x (B,T,C); attention over a fused qkv projection (C -> 3C).
+import { ConfigError } from "../errors.ts";
 import { add } from "../ops/add.ts";
+import { biasAdd } from "../ops/bias.ts";
+import { matmul } from "../ops/matmul.ts";
+import { qkvRows, shareOf, type TensorParallel, type TensorRank } from "../parallel/tensor-parallel.ts";
 import { causalSelfAttention } from "../ops/attention.ts";
 import { dropout } from "../ops/dropout.ts";
 import { gelu } from "../ops/gelu.ts";
@@ -26,23 +30,51 @@ export class Block {
   readonly fc: Linear;
   readonly fcProj: Linear;
 
+  /** the ranks the block's matrices are cut across (engine/parallel/tensor-parallel.ts) */
+  readonly tensor: TensorRank;
+
   constructor(
     pb: ParamBuilder,
     name: string,
     readonly config: BlockConfig,
+    tensor: TensorRank = { rank: 0, size: 1 },
   ) {
     const C = config.nEmbd;
+    const T = tensor.size;
+    if (config.nHead % T !== 0) throw new ConfigError(`tensor parallelism over ${T} ranks needs nHead (${config.nHead}) divisible by ${T}`);
+    this.tensor = tensor;
+    const split = T > 1;
     const std = 0.02;
     // GPT-2: residual projections scaled by 1/sqrt(2 n_layer), so the residual stream's
     // variance does not grow with depth
     const projStd = 0.02 / Math.sqrt(2 * config.nLayer);
     const zeros = { kind: "zeros" } as const;
     this.ln1 = new LayerNorm(pb, `${name}.ln_1`, C);
-    this.attn = new Linear(pb, `${name}.attn.c_attn`, C, 3 * C, { weightInit: { kind: "normal", std }, biasInit: zeros });
-    this.attnProj = new Linear(pb, `${name}.attn.c_proj`, C, C, { weightInit: { kind: "normal", std: projStd }, biasInit: zeros });
+    // column-parallel: this rank's heads' rows of Q, K and V; row-parallel: the columns that read them
+    const qkv = qkvRows(C, tensor),
+      heads = shareOf(C, tensor),
+      hidden = shareOf(4 * C, tensor);
+    this.attn = new Linear(pb, `${name}.attn.c_attn`, C, 3 * heads.count, {
+      weightInit: { kind: "normal", std },
+      biasInit: zeros,
+      ...(split ? { weightSlice: { shape: [3 * C, C], rows: qkv }, biasSlice: { shape: [3 * C], rows: qkv } } : {}),
+    });
+    this.attnProj = new Linear(pb, `${name}.attn.c_proj`, heads.count, C, {
+      weightInit: { kind: "normal", std: projStd },
+      biasInit: zeros,
+      ...(split ? { weightSlice: { shape: [C, C], cols: heads } } : {}),
+    });
     this.ln2 = new LayerNorm(pb, `${name}.ln_2`, C);
-    this.fc = new Linear(pb, `${name}.mlp.c_fc`, C, 4 * C, { weightInit: { kind: "normal", std }, biasInit: zeros });
-    this.fcProj = new Linear(pb, `${name}.mlp.c_proj`, 4 * C, C, { weightInit: { kind: "normal", std: projStd }, biasInit: zeros });
+    this.fc = new Linear(pb, `${name}.mlp.c_fc`, C, hidden.count, {
+      weightInit: { kind: "normal", std },
+      biasInit: zeros,
+      ...(split ? { weightSlice: { shape: [4 * C, C], rows: [hidden] }, biasSlice: { shape: [4 * C], rows: [hidden] } } : {}),
+    });
+    this.fcProj = new Linear(pb, `${name}.mlp.c_proj`, hidden.count, C, {
+      weightInit: { kind: "normal", std: projStd },
+      biasInit: zeros,
+      ...(split ? { weightSlice: { shape: [C, 4 * C], cols: hidden } } : {}),
+    });
   }
 
   /** The block's parameter tensors (what a recomputation of forward reads besides its input). */
@@ -52,7 +84,27 @@ export class Block {
     );
   }
 
+  /**
+   * forward() with the block's matrices cut across `tp`'s ranks: each computes its heads and its
+   * share of the MLP, and the row-parallel outputs are summed over the ranks before their bias.
+   * With one rank it computes what forward() does.
+   */
+  async forwardAsync(x: Tensor, tp: TensorParallel): Promise<Tensor> {
+    if (tp.size !== this.tensor.size || tp.rank !== this.tensor.rank) {
+      throw new ConfigError(`block built for tensor rank ${this.tensor.rank} of ${this.tensor.size}, run on rank ${tp.rank} of ${tp.size}`);
+    }
+    const p = this.config.dropout;
+    const heads = this.config.nHead / tp.size;
+    const a = causalSelfAttention(this.attn.forward(tp.copy(this.ln1.forward(x))), heads);
+    const attnOut = await tp.reduce(matmul(a, this.attnProj.weight.tensor, { transB: true }));
+    x = add(x, dropout(biasAdd(attnOut, this.attnProj.bias!.tensor), p));
+    const h = gelu(this.fc.forward(tp.copy(this.ln2.forward(x))));
+    const mlpOut = await tp.reduce(matmul(h, this.fcProj.weight.tensor, { transB: true }));
+    return add(x, dropout(biasAdd(mlpOut, this.fcProj.bias!.tensor), p));
+  }
+
   forward(x: Tensor): Tensor {
+    if (this.tensor.size > 1) throw new ConfigError("a tensor-parallel block runs with forwardAsync (its outputs are summed over the ranks)");
     const p = this.config.dropout;
     const a = causalSelfAttention(this.attn.forward(this.ln1.forward(x)), this.config.nHead);
     x = add(x, dropout(this.attnProj.forward(a), p));

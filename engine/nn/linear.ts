@@ -1,13 +1,16 @@
 // Linear: out (...,out) = inp (...,in) @ weight^T + bias; weight (out,in) as in PyTorch.
 import { biasAdd } from "../ops/bias.ts";
 import { matmul } from "../ops/matmul.ts";
-import type { Init, Param, ParamBuilder } from "../params.ts";
+import type { Init, Param, ParamBuilder, SliceOf } from "../params.ts";
 import type { Tensor } from "../tensor.ts";
 
 export interface LinearOptions {
   bias?: boolean;
   weightInit?: Init;
   biasInit?: Init;
+  /** a tensor-parallel rank's share of a larger layer's weight and bias (params.ts SliceOf) */
+  weightSlice?: SliceOf;
+  biasSlice?: SliceOf;
 }
 
 export class Linear {
@@ -23,8 +26,8 @@ export class Linear {
   ) {
     // default: PyTorch's nn.Linear init, U(-1/sqrt(in), 1/sqrt(in))
     const bound = 1 / Math.sqrt(inFeatures);
-    this.weight = pb.add(`${name}.weight`, [outFeatures, inFeatures], options.weightInit ?? { kind: "uniform", bound }, true);
-    this.bias = options.bias === false ? null : pb.add(`${name}.bias`, [outFeatures], options.biasInit ?? { kind: "uniform", bound }, false);
+    this.weight = pb.add(`${name}.weight`, [outFeatures, inFeatures], options.weightInit ?? { kind: "uniform", bound }, true, options.weightSlice);
+    this.bias = options.bias === false ? null : pb.add(`${name}.bias`, [outFeatures], options.biasInit ?? { kind: "uniform", bound }, false, options.biasSlice);
   }
 
   forward(x: Tensor): Tensor {

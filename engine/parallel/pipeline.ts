@@ -18,7 +18,8 @@
 // Then every stage applies its optimizer to its own parameters. The step is the single
 // process's over the same M micro-batches (gradient accumulation), up to summation order.
 import { EngineError, NonFiniteLossError } from "../errors.ts";
-import type { GptModel } from "../models/gpt.ts";
+import { type GptConfig, GptModel } from "../models/gpt.ts";
+import { TensorParallel } from "./tensor-parallel.ts";
 import { softmaxCrossEntropy } from "../ops/crossentropy.ts";
 import type { Optimizer } from "../optim/optimizer.ts";
 import type { Context, Pass, Tensor } from "../tensor.ts";
@@ -59,33 +60,60 @@ export interface PipelineStageOptions {
   model: GptModel;
   optimizer: Optimizer;
   link: StageLink;
-  /** the P stages, rank = stage: the tied embedding's gradient and the norm and loss */
-  stages: Collective;
   schedule: PipeSchedule;
   gradClip: number;
+  /** the blocks' tensor-parallel ranks (this stage's T ranks; a group of one without) */
+  tensor: TensorParallel;
+  /** every rank of this model copy (P stages x T tensor ranks): the global norm and the loss */
+  modelGroup: Collective;
+  /** the first and the last stage of this tensor rank (P > 1): the tied embedding's gradient */
+  tie: Collective | null;
+  /** the data-parallel replicas of this stage and tensor rank: gradients averaged, each weighed
+   *  by its rows (null: one replica) */
+  data?: Collective | null;
 }
 
-/** A stage's element offset and count of wte.weight in its gradient slab, or null without one. */
-const wteEntry = (model: GptModel) => (model.wte === null ? null : model.store.entry("wte.weight"));
+/** Keys of the step's collectives on the model group and the tie (the tensor group keys its own). */
+const tieBucket = 0,
+  statsBucket = 1,
+  dataBucket = 2;
 
 export class PipelineStage {
   readonly #o: PipelineStageOptions;
+  /** the entries (element ranges of the slab) whose squares this rank adds to the global norm */
+  readonly #normRanges: { offset: number; numel: number }[];
 
   constructor(o: PipelineStageOptions) {
-    if (o.stages.size !== o.model.part.stages || o.stages.rank !== o.model.part.stage) {
-      throw new EngineError(
-        `pipeline: the stage collective is rank ${o.stages.rank} of ${o.stages.size}, the model stage ${o.model.part.stage} of ${o.model.part.stages}`,
-      );
+    const { model } = o;
+    const T = model.part.tensor?.size ?? 1;
+    const want = model.part.stages * T;
+    if (o.modelGroup.size !== want)
+      throw new EngineError(`pipeline: the model group has ${o.modelGroup.size} ranks; ${model.part.stages} stages x ${T} tensor ranks are ${want}`);
+    if (o.tensor.size !== T || o.tensor.rank !== (model.part.tensor?.rank ?? 0)) {
+      throw new EngineError(`pipeline: the tensor group is rank ${o.tensor.rank} of ${o.tensor.size}, the model's ${model.part.tensor?.rank ?? 0} of ${T}`);
+    }
+    if ((o.tie === null) !== (model.part.stages === 1 || !(model.first || model.last))) {
+      throw new EngineError("pipeline: the first and the last stage of a pipeline (and only they) need the tied embedding's group");
     }
     this.#o = o;
+    // a split matrix counts on every tensor rank; a replicated parameter on rank 0 only; wte on
+    // the first stage only (the last holds the same values and, once tied, the same gradient)
+    const split = model.splitNames;
+    const tensorRank = o.tensor.rank;
+    this.#normRanges = model.store.entries
+      .filter((e) => split.has(e.name) || tensorRank === 0)
+      .filter((e) => !(e.name === "wte.weight" && !model.first))
+      .map((e) => ({ offset: e.offset, numel: e.numel }));
   }
 
   /**
    * One optimizer step over `micro` (every stage gets the step's micro-batches: the first reads
-   * their inputs, the last their targets, the others only their shapes). `lr` is the step's rate.
+   * their inputs, the last their targets, the others only their shapes). `lr` is the step's
+   * rate; `weight` this replica's share of the step's rows over every data-parallel replica
+   * (1 with one replica).
    */
-  async step(step: number, micro: readonly HostBatch[], lr: number): Promise<PipelineStepResult> {
-    const { ctx, model, link, schedule } = this.#o;
+  async step(step: number, micro: readonly HostBatch[], lr: number, weight = 1): Promise<PipelineStepResult> {
+    const { ctx, model, link, schedule, tensor } = this.#o;
     const { stage, stages } = model.part;
     const M = micro.length;
     const t0 = performance.now();
@@ -99,6 +127,7 @@ export class PipelineStage {
       }
     };
     const C = model.config.nEmbd;
+    tensor.begin(step);
     model.store.zeroGrad();
     const held = new Map<number, { pass: Pass; input: Tensor; output: Tensor }>();
     const sends: Promise<void>[] = [];
@@ -111,10 +140,10 @@ export class PipelineStage {
       if (a.kind === "forward") {
         const data = model.first ? null : await waited(link.receiveActivations(step, a.micro, B * T * C));
         const pass = ctx.openPass();
-        const { input, output } = ctx.inPass(pass, () => {
+        const { input, output } = await ctx.inPassAsync(pass, async () => {
           const input = data === null ? ctx.fromArray(b.inputs, b.inputShape) : ctx.fromArray(data, [B, T, C]);
           if (data !== null) input.requiresGrad = true;
-          const out = model.forward(input);
+          const out = await model.forwardAsync(input, tensor);
           return { input, output: model.last ? softmaxCrossEntropy(out, ctx.fromArray(b.targets, b.targetShape)) : out };
         });
         held.set(a.micro, { pass, input, output });
@@ -131,22 +160,26 @@ export class PipelineStage {
       } else {
         const h = held.get(a.micro)!;
         const grad = model.last ? null : await waited(link.receiveGradients(step, a.micro, h.output.numel));
-        ctx.inPass(h.pass, () => {
+        await ctx.inPassAsync(h.pass, async () => {
           if (grad === null) {
             losses[a.micro] = h.output.item();
-            ctx.backward(h.output, 1 / M);
-          } else ctx.backwardFrom(h.output, ctx.fromArray(grad, h.output.shape));
+            await ctx.backwardAsync(h.output, weight / M);
+          } else await ctx.backwardFromAsync(h.output, ctx.fromArray(grad, h.output.shape));
         });
-        if (!model.first) {
-          const dx = ctx.inPass(h.pass, () => h.input.grad!.toFloat32());
-          sends.push(link.sendGradients(step, a.micro, dx));
-        }
+        if (!model.first)
+          sends.push(
+            link.sendGradients(
+              step,
+              a.micro,
+              ctx.inPass(h.pass, () => h.input.grad!.toFloat32()),
+            ),
+          );
         ctx.closePass(h.pass);
         held.delete(a.micro);
       }
     }
     await waited(Promise.all(sends));
-    const { gradNorm, loss } = await this.#agree(step, losses);
+    const { gradNorm, loss } = await this.#agree(step, losses, weight);
     if (!Number.isFinite(loss)) throw new NonFiniteLossError(step, loss);
     const clip = this.#o.gradClip;
     if (clip > 0 && gradNorm > clip) ctx.backend.scale(model.store.grads.ptr, model.store.slabNumel, clip / (gradNorm + 1e-6));
@@ -154,25 +187,40 @@ export class PipelineStage {
     return { loss, gradNorm, lr, stepMs: performance.now() - t0, idleMs, peakInFlight, peakHeldBytes };
   }
 
-  /** The tied embedding's summed gradient, then the global norm and the mean loss. */
-  async #agree(step: number, losses: Float32Array): Promise<{ gradNorm: number; loss: number }> {
-    const { ctx, model, stages } = this.#o;
+  /** The gradients summed over the replicas and the tied embedding's copies, then the global
+   *  norm and the mean loss. */
+  async #agree(step: number, losses: Float32Array, weight: number): Promise<{ gradNorm: number; loss: number }> {
+    const { ctx, model, tie, data, tensor } = this.#o;
     const be = ctx.backend;
-    const grads = model.store.grads.ptr;
-    const wte = wteEntry(model);
-    if (model.part.stages > 1) {
-      const V = model.config.vocabSize,
-        C = model.config.nEmbd;
-      const tied = new Float32Array(V * C);
-      if (wte !== null) be.download(grads + wte.offset * 4, tied);
-      await stages.allReduce(tied, { step, bucket: 0 });
-      if (wte !== null) be.upload(grads + wte.offset * 4, tied);
+    const store = model.store;
+    const grads = store.grads.ptr;
+    if (data && data.size > 1) {
+      // each replica's gradient is already weighed by its share of the rows (the loss's seed)
+      const all = new Float32Array(store.slabNumel);
+      be.download(grads, all);
+      await data.allReduce(all, { step, bucket: dataBucket });
+      be.upload(grads, all);
     }
-    let sumSquares = be.sumSquares(grads, model.store.slabNumel);
-    // wte is on the first and the last stage: the last leaves it out of the norm
-    if (wte !== null && !model.first) sumSquares -= be.sumSquares(grads + wte.offset * 4, wte.numel);
-    const stats = new Float32Array([sumSquares, model.last ? losses.reduce((a, b) => a + b, 0) / losses.length : 0]);
-    if (model.part.stages > 1) await stages.allReduce(stats, { step, bucket: 1 });
+    if (tie !== null) {
+      const wte = store.entry("wte.weight");
+      const tied = new Float32Array(wte.numel);
+      be.download(grads + wte.offset * 4, tied);
+      await tie.allReduce(tied, { step, bucket: tieBucket });
+      be.upload(grads + wte.offset * 4, tied);
+    }
+    let sumSquares = 0;
+    for (const r of this.#normRanges) sumSquares += be.sumSquares(grads + r.offset * 4, r.numel);
+    // the loss: the last stage's tensor rank 0 speaks for its replica; the replicas' losses are
+    // weighed by their rows
+    const speaks = model.last && tensor.rank === 0;
+    const stats = new Float32Array([sumSquares, speaks ? (losses.reduce((a, b) => a + b, 0) / losses.length) * weight : 0]);
+    await this.#o.modelGroup.allReduce(stats, { step, bucket: statsBucket });
+    if (data && data.size > 1) {
+      // the norm is the same on every replica (the gradients are); the loss is summed over them
+      const l = new Float32Array([stats[1]!]);
+      await data.allReduce(l, { step, bucket: statsBucket });
+      stats[1] = l[0]!;
+    }
     return { gradNorm: Math.sqrt(Math.max(stats[0]!, 0)), loss: stats[1]! };
   }
 }
@@ -244,16 +292,121 @@ export class RingGroupCollective implements Collective {
   close(): void {}
 }
 
-/** The rings of a pipeline of stages held by `ranks` (stage s by ranks[s]), as seen from `rank`. */
-export function pipelineRings(
+/** How a job's ranks hold the model: D data-parallel replicas of P pipeline stages of T tensor ranks. */
+export interface ModelLayout {
+  readonly data: number;
+  readonly stages: number;
+  readonly tensor: number;
+}
+
+export interface LayoutCoords {
+  /** the data-parallel replica, the pipeline stage and the tensor rank */
+  readonly d: number;
+  readonly s: number;
+  readonly t: number;
+}
+
+/** Ranks are numbered tensor rank fastest, then stage, then replica: a stage's tensor ranks are
+ *  neighbours (on one machine first), and so are a replica's stages. */
+export const rankOf = (layout: ModelLayout, c: LayoutCoords): number => (c.d * layout.stages + c.s) * layout.tensor + c.t;
+
+export function coordsOf(layout: ModelLayout, rank: number): LayoutCoords {
+  const size = layout.data * layout.stages * layout.tensor;
+  if (!Number.isInteger(rank) || rank < 0 || rank >= size) throw new EngineError(`rank ${rank} is not one of the layout's ${size}`);
+  return { t: rank % layout.tensor, s: Math.floor(rank / layout.tensor) % layout.stages, d: Math.floor(rank / (layout.tensor * layout.stages)) };
+}
+
+export interface ModelParallelRings {
+  coords: LayoutCoords;
+  link: StageLink;
+  /** this replica's P x T ranks */
+  modelGroup: Collective;
+  /** this tensor rank's first and last stage, when P > 1 and this is one of them */
+  tie: Collective | null;
+  /** this stage's T tensor ranks */
+  tensor: Collective;
+  /** this stage's and tensor rank's D replicas (null with one) */
+  data: Collective | null;
+}
+
+/**
+ * The rings a rank of a data x pipeline x tensor layout takes part in, made by `ring` (a name
+ * and its members, in order) over the rank's transport: offset by `base` in the job's ranks.
+ */
+export function modelParallelRings(
   name: string,
-  ranks: readonly number[],
+  layout: ModelLayout,
   rank: number,
   ring: (name: string, ranks: readonly number[]) => RingGroup,
-): { link: StageLink; stages: Collective } {
-  const s = ranks.indexOf(rank);
-  if (s < 0) throw new EngineError(`pipeline ${name}: rank ${rank} holds none of its stages (${ranks.join(",")})`);
-  const pair = (a: number) => ring(`${name}:${a}-${a + 1}`, [ranks[a]!, ranks[a + 1]!]);
-  const link = ringStageLink(s > 0 ? pair(s - 1) : null, s + 1 < ranks.length ? pair(s) : null);
-  return { link, stages: new RingGroupCollective(ring(`${name}:stages`, ranks)) };
+): ModelParallelRings {
+  const c = coordsOf(layout, rank);
+  const { d, s, t } = c;
+  const at = (x: Partial<LayoutCoords>) => rankOf(layout, { ...c, ...x });
+  const pair = (a: number) => ring(`${name}:pp:${d}:${t}:${a}`, [at({ s: a }), at({ s: a + 1 })]);
+  const link = ringStageLink(s > 0 ? pair(s - 1) : null, s + 1 < layout.stages ? pair(s) : null);
+  const range = (n: number) => Array.from({ length: n }, (_, i) => i);
+  const modelRanks = range(layout.stages).flatMap((ss) => range(layout.tensor).map((tt) => at({ s: ss, t: tt })));
+  const ends = layout.stages > 1 && (s === 0 || s === layout.stages - 1);
+  return {
+    coords: c,
+    link,
+    modelGroup: new RingGroupCollective(ring(`${name}:model:${d}`, modelRanks)),
+    tie: ends ? new RingGroupCollective(ring(`${name}:tie:${d}:${t}`, [at({ s: 0 }), at({ s: layout.stages - 1 })])) : null,
+    tensor: new RingGroupCollective(
+      ring(
+        `${name}:tp:${d}:${s}`,
+        range(layout.tensor).map((tt) => at({ t: tt })),
+      ),
+    ),
+    data:
+      layout.data > 1
+        ? new RingGroupCollective(
+            ring(
+              `${name}:dp:${s}:${t}`,
+              range(layout.data).map((dd) => at({ d: dd })),
+            ),
+          )
+        : null,
+  };
+}
+
+export interface ModelParallelRank {
+  model: GptModel;
+  stage: PipelineStage;
+  tensor: TensorParallel;
+  coords: LayoutCoords;
+}
+
+/**
+ * The model share and the step runner of one rank of a layout: its stage (and tensor share) of
+ * the GPT, initialized as the whole model would be, and the rings it steps with.
+ */
+export function modelParallelRank(o: {
+  ctx: Context;
+  config: GptConfig;
+  seed: number;
+  layout: ModelLayout;
+  rings: ModelParallelRings;
+  optimizer: (model: GptModel) => Optimizer;
+  schedule: PipeSchedule;
+  gradClip: number;
+  recompute?: boolean;
+}): ModelParallelRank {
+  const { s, t } = o.rings.coords;
+  const model = new GptModel(o.ctx, o.config, o.seed, { stage: s, stages: o.layout.stages, tensor: { rank: t, size: o.layout.tensor } });
+  model.recompute = o.recompute ?? false;
+  const tensor = new TensorParallel(o.rings.tensor);
+  const stage = new PipelineStage({
+    ctx: o.ctx,
+    model,
+    optimizer: o.optimizer(model),
+    link: o.rings.link,
+    schedule: o.schedule,
+    gradClip: o.gradClip,
+    tensor,
+    modelGroup: o.rings.modelGroup,
+    tie: o.rings.tie,
+    data: o.rings.data,
+  });
+  return { model, stage, tensor, coords: o.rings.coords };
 }

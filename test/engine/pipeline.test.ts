@@ -4,10 +4,11 @@ import { describe, expect, test } from "bun:test";
 import { ConfigError } from "../../engine/errors.ts";
 import { GptModel, stageBlocks } from "../../engine/models/gpt.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
-import { PipelineStage, type PipelineStepResult, pipelineRings } from "../../engine/parallel/pipeline.ts";
+import { type ModelLayout, modelParallelRank, modelParallelRings, type PipelineStepResult } from "../../engine/parallel/pipeline.ts";
 import { PieceRouter, RingGroup, ringDefaults } from "../../engine/parallel/ring.ts";
 import { peakInFlight, type PipeSchedule, simulatePipeline, stageActions, theoreticalBubble } from "../../engine/parallel/schedule.ts";
 import { MemoryTransport } from "../../engine/parallel/transport.ts";
+import { putSlice, type SliceOf } from "../../engine/params.ts";
 import { Rng } from "../../engine/rng.ts";
 import { type HostBatch, TrainStep } from "../../engine/train.ts";
 import { newContext, randInts } from "../helpers/numeric.ts";
@@ -65,17 +66,17 @@ describe("pipeline schedules", () => {
   });
 });
 
-const config = { vocabSize: 23, blockSize: 16, nLayer: 4, nHead: 2, nEmbd: 32, dropout: 0 };
-const M = 4; // micro-batches a step
+const config = { vocabSize: 23, blockSize: 16, nLayer: 4, nHead: 4, nEmbd: 32, dropout: 0 };
+const microTotal = 4; // micro-batches a step, over every data-parallel replica
 const b = 3; // windows a micro-batch
 const lr = 3e-3;
-const gradClip = 0.5; // low enough to clip: every stage must scale by the same global norm
+const gradClip = 0.5; // low enough to clip: every rank must scale by the same global norm
 
 function batches(steps: number): HostBatch[][] {
   const rng = new Rng(5);
   const T = config.blockSize;
   return Array.from({ length: steps }, () =>
-    Array.from({ length: M }, () => ({
+    Array.from({ length: microTotal }, () => ({
       inputs: randInts(rng, b * T, config.vocabSize),
       inputShape: [b, T],
       targets: randInts(rng, b * T, config.vocabSize),
@@ -89,7 +90,7 @@ const adamw = { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 };
 function singleProcess(data: HostBatch[][]): { losses: number[]; norms: number[]; params: Map<string, Float32Array> } {
   const ctx = newContext(1);
   const model = new GptModel(ctx, config, 7);
-  const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamw), { lr, schedule: { kind: "constant" }, gradClip, accumSteps: M });
+  const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamw), { lr, schedule: { kind: "constant" }, gradClip, accumSteps: microTotal });
   const losses: number[] = [],
     norms: number[] = [];
   for (const micro of data) {
@@ -103,54 +104,79 @@ function singleProcess(data: HostBatch[][]): { losses: number[]; norms: number[]
   return { losses, norms, params };
 }
 
-async function pipelined(P: number, schedule: PipeSchedule, data: HostBatch[][]) {
-  // the stages on ranks 10, 11, ... of a transport in memory: the rings the mesh's ranks use over NATS
+/** Every rank of the layout in this process, over a transport in memory (the mesh's rings over NATS). */
+async function layoutRun(layout: ModelLayout, schedule: PipeSchedule, data: HostBatch[][], recompute = false) {
   const peers = new Map<number, MemoryTransport>();
-  const ranks = Array.from({ length: P }, (_, s) => 10 + s);
-  const stages = ranks.map((rank, s) => {
+  const size = layout.data * layout.stages * layout.tensor;
+  const ranks = Array.from({ length: size }, (_, rank) => {
     const ctx = newContext(1);
-    const model = new GptModel(ctx, config, 7, { stage: s, stages: P });
     // 16 KB pieces: an activation of a micro-batch (3 x 16 x 32 floats) travels in several
     const transport = new MemoryTransport(rank, peers, 16 << 10);
     const router = new PieceRouter(ringDefaults.earlyBytesMax);
     transport.listen((p) => router.receive(p));
-    const { link, stages: group } = pipelineRings("pp", ranks, rank, (name, members) => new RingGroup(name, members, transport, router, ringDefaults));
-    const stage = new PipelineStage({ ctx, model, optimizer: new AdamW(ctx, model.store, adamw), link, stages: group, schedule, gradClip });
-    return { ctx, model, stage, collective: transport };
+    const rings = modelParallelRings("job", layout, rank, (name, members) => new RingGroup(name, members, transport, router, ringDefaults));
+    const r = modelParallelRank({ ctx, config, seed: 7, layout, rings, optimizer: (m) => new AdamW(ctx, m.store, adamw), schedule, gradClip, recompute });
+    return { ...r, ctx, transport };
   });
-  const results: PipelineStepResult[][] = stages.map(() => []);
+  const perReplica = microTotal / layout.data;
+  const results: PipelineStepResult[][] = ranks.map(() => []);
   for (const [step, micro] of data.entries()) {
-    const r = await Promise.all(stages.map((s) => s.stage.step(step, micro, lr)));
-    r.forEach((x, s) => results[s]!.push(x));
+    const r = await Promise.all(ranks.map((x) => x.stage.step(step, micro.slice(x.coords.d * perReplica, (x.coords.d + 1) * perReplica), lr, 1 / layout.data)));
+    r.forEach((x, i) => results[i]!.push(x));
   }
+  // each parameter's copies (replicas; wte's two ends), tensor shares put back together by name
   const params = new Map<string, Float32Array[]>();
-  for (const { model, ctx, collective } of stages) {
+  const shares = new Map<string, { of: SliceOf; values: Float32Array }[]>();
+  for (const { model, ctx, transport, coords } of ranks) {
     const values = model.store.readValues();
-    for (const e of model.store.entries) params.set(e.name, [...(params.get(e.name) ?? []), values.slice(e.offset, e.offset + e.numel)]);
-    collective.close();
+    for (const e of model.store.entries) {
+      const v = values.slice(e.offset, e.offset + e.numel);
+      const of = model.slices.get(e.name);
+      if (of !== undefined) {
+        const key = `${e.name}|${coords.d}`;
+        shares.set(key, [...(shares.get(key) ?? []), { of, values: v }]);
+      } else if (coords.t === 0) params.set(e.name, [...(params.get(e.name) ?? []), v]);
+      else expect(Array.from(v)).toEqual(Array.from(params.get(e.name)!.at(-1)!)); // a replicated parameter: equal on every tensor rank
+    }
+    transport.close();
     ctx.dispose();
   }
-  return { results, params, models: stages.map((s) => s.model) };
+  for (const [key, parts] of shares) {
+    const name = key.split("|")[0]!;
+    const whole = new Float32Array(parts[0]!.of.shape.reduce((a, b) => a * b, 1));
+    for (const p of parts) putSlice(whole, p.of, p.values);
+    params.set(name, [...(params.get(name) ?? []), whole]);
+  }
+  return { results, params, ranks: ranks.map((r) => ({ coords: r.coords, paramBytes: r.model.store.paramCount * 4 })) };
 }
 
 const relDiff = (a: number, b: number) => Math.abs(a - b) / Math.max(Math.abs(b), 1e-30);
 
-describe("pipeline-parallel GPT in one process", () => {
+describe("model-parallel GPT in one process: data x pipeline x tensor", () => {
   const steps = 20;
   const data = batches(steps);
   const reference = singleProcess(data);
 
-  for (const [P, schedule] of [
-    [2, "1f1b"],
-    [4, "1f1b"],
-    [4, "gpipe"],
+  for (const as of [
+    [{ data: 1, stages: 2, tensor: 1 }, "1f1b"],
+    [{ data: 1, stages: 4, tensor: 1 }, "1f1b"],
+    [{ data: 1, stages: 4, tensor: 1 }, "gpipe"],
+    [{ data: 1, stages: 1, tensor: 2 }, "1f1b"],
+    [{ data: 1, stages: 1, tensor: 4 }, "1f1b"],
+    [{ data: 2, stages: 2, tensor: 1 }, "1f1b"],
+    [{ data: 1, stages: 2, tensor: 2 }, "gpipe"],
+    [{ data: 2, stages: 1, tensor: 2 }, "1f1b"],
+    [{ data: 1, stages: 2, tensor: 2 }, "1f1b", "recompute"],
   ] as const) {
-    test(`P=${P} ${schedule}: the single process's loss trajectory for ${steps} steps, its clipped norms and final parameters; wte equal on both ends`, async () => {
-      const run = await pipelined(P, schedule, data);
-      // every stage reports the same loss and norm
-      for (let s = 1; s < P; s++) {
-        expect(run.results[s]!.map((r) => r.loss)).toEqual(run.results[0]!.map((r) => r.loss));
-        expect(run.results[s]!.map((r) => r.gradNorm)).toEqual(run.results[0]!.map((r) => r.gradNorm));
+    const [layout, schedule] = as;
+    const name = `${layout.data}x${layout.stages}x${layout.tensor}`;
+    const recompute = as.length > 2;
+    test(`${name} (data x pipeline x tensor) ${schedule}${recompute ? " with recomputation" : ""}: the single process's ${steps} steps (losses, clipped norms, parameters)`, async () => {
+      const run = await layoutRun(layout, schedule, data, recompute);
+      // every rank reports the same loss and norm
+      for (const r of run.results) {
+        expect(r.map((x) => x.loss)).toEqual(run.results[0]!.map((x) => x.loss));
+        expect(r.map((x) => x.gradNorm)).toEqual(run.results[0]!.map((x) => x.gradNorm));
       }
       let worstLoss = 0,
         worstNorm = 0,
@@ -159,33 +185,63 @@ describe("pipeline-parallel GPT in one process", () => {
         worstLoss = Math.max(worstLoss, relDiff(r.loss, reference.losses[i]!));
         worstNorm = Math.max(worstNorm, relDiff(r.gradNorm, reference.norms[i]!));
       });
-      for (const [name, copies] of run.params) {
-        const want = reference.params.get(name)!;
-        for (const got of copies) for (let i = 0; i < want.length; i++) worstParam = Math.max(worstParam, Math.abs(got[i]! - want[i]!));
+      for (const [pname, copies] of run.params) {
+        const want = reference.params.get(pname)!;
+        for (const got of copies) {
+          expect(got.length).toBe(want.length);
+          for (let i = 0; i < want.length; i++) worstParam = Math.max(worstParam, Math.abs(got[i]! - want[i]!));
+        }
+        // the copies of a parameter (replicas, and wte's two ends) are bit-equal
+        for (const got of copies) expect(got).toEqual(copies[0]!);
       }
-      // the tied embedding: one copy on the first stage, one on the last, bit-equal
-      expect(run.params.get("wte.weight")!.length).toBe(2);
-      expect(run.params.get("wte.weight")![0]).toEqual(run.params.get("wte.weight")![1]!);
       expect(new Set(run.params.keys())).toEqual(new Set(reference.params.keys()));
+      const whole = [...reference.params.values()].reduce((n, p) => n + p.length, 0) * 4;
       console.log(
-        `P=${P} ${schedule}: worst relative difference over ${steps} steps: loss ${worstLoss.toExponential(2)}, norm ${worstNorm.toExponential(2)}; ` +
-          `worst parameter difference ${worstParam.toExponential(2)} (losses ${reference.losses[0]!.toFixed(4)} -> ${reference.losses.at(-1)!.toFixed(4)})`,
+        `${name} ${schedule}: worst relative difference over ${steps} steps: loss ${worstLoss.toExponential(2)}, norm ${worstNorm.toExponential(2)}; ` +
+          `worst parameter difference ${worstParam.toExponential(2)}; parameter bytes per rank ${run.ranks.map((r) => r.paramBytes).join(" ")} (whole model ${whole})`,
       );
       expect(reference.norms.some((n) => n > gradClip)).toBe(true); // clipping is exercised
       expect(worstLoss).toBeLessThan(1e-5);
       expect(worstNorm).toBeLessThan(1e-4);
       expect(worstParam).toBeLessThan(1e-5);
       // activations held, measured: 1F1B's first stage at most P micro-batches, GPipe's all M
-      const held = run.results[0]!.map((r) => r.peakInFlight);
-      expect(Math.max(...held)).toBe(schedule === "1f1b" ? Math.min(P, M) : M);
+      const M = microTotal / layout.data;
+      const held = Math.max(...run.results[0]!.map((r) => r.peakInFlight));
+      expect(held).toBe(schedule === "1f1b" ? Math.min(layout.stages, M) : M);
     });
   }
 
+  test("tensor parallel: each rank holds 1/T of the split matrices (measured from its slab), the rest replicated", async () => {
+    const run = await layoutRun({ data: 1, stages: 1, tensor: 4 }, "1f1b", data.slice(0, 1));
+    const ctx = newContext(1);
+    const whole = new GptModel(ctx, config, 7);
+    const split = new GptModel(ctx, config, 7, { stage: 0, stages: 1, tensor: { rank: 1, size: 4 } });
+    const bytes = (m: GptModel, names: (n: string) => boolean) => m.store.entries.filter((e) => names(e.name)).reduce((n, e) => n + e.numel * 4, 0);
+    const isSplit = (n: string) => split.splitNames.has(n);
+    console.log(
+      `tensor parallel over 4: split matrices ${bytes(whole, isSplit)} bytes whole, ${bytes(split, isSplit)} on a rank; replicated ${bytes(split, (n) => !isSplit(n))} bytes on every rank`,
+    );
+    expect(bytes(split, isSplit) * 4).toBe(bytes(whole, isSplit));
+    expect(bytes(split, (n) => !isSplit(n))).toBe(bytes(whole, (n) => !isSplit(n)));
+    expect(run.ranks.every((r) => r.paramBytes === split.store.paramCount * 4)).toBe(true);
+    ctx.dispose();
+  });
+
   test("1F1B holds fewer bytes of activations on the first stage than GPipe (measured from the open passes)", async () => {
     const few = data.slice(0, 2);
-    const [one, all] = [await pipelined(2, "1f1b", few), await pipelined(2, "gpipe", few)];
+    const layout = { data: 1, stages: 2, tensor: 1 };
+    const [one, all] = [await layoutRun(layout, "1f1b", few), await layoutRun(layout, "gpipe", few)];
     const bytes = (r: typeof one) => Math.max(...r.results[0]!.map((x) => x.peakHeldBytes));
-    console.log(`stage 0 of 2, ${M} micro-batches: 1F1B holds ${bytes(one)} bytes of activations at most, GPipe ${bytes(all)}`);
+    console.log(`stage 0 of 2, ${microTotal} micro-batches: 1F1B holds ${bytes(one)} bytes of activations at most, GPipe ${bytes(all)}`);
     expect(bytes(one)).toBeLessThan(bytes(all));
+  });
+
+  test("a tensor-parallel block refuses the synchronous forward, and nHead must divide among the ranks", () => {
+    const ctx = newContext(1);
+    expect(() => new GptModel(ctx, { ...config, nHead: 2 }, 7, { stage: 0, stages: 1, tensor: { rank: 0, size: 4 } })).toThrow(ConfigError);
+    const m = new GptModel(ctx, config, 7, { stage: 0, stages: 1, tensor: { rank: 0, size: 2 } });
+    ctx.newPass();
+    expect(() => m.forward(ctx.fromArray(new Int32Array(16), [1, 16]))).toThrow(ConfigError);
+    ctx.dispose();
   });
 });
