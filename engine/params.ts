@@ -121,6 +121,25 @@ function nameHash(name: string): number {
   return h >>> 0;
 }
 
+/**
+ * Where each parameter lives in the slabs: decayed ones first, each on a 64-byte boundary. What
+ * a ParamStore of these parameters allocates; also computed without one (the whole model's
+ * layout, which a model-parallel rank maps its share into).
+ */
+export function slabLayoutOf(specs: readonly ParamSpec[]): { entries: ParamEntry[]; slabNumel: number; decayEnd: number; offset: number } {
+  const ordered = [...specs.filter((p) => p.decay), ...specs.filter((p) => !p.decay)];
+  let offset = 0;
+  let decayEnd = 0;
+  const entries: ParamEntry[] = [];
+  for (const p of ordered) {
+    const numel = numelOf(p.shape);
+    entries.push({ name: p.name, shape: p.shape, offset, numel, decay: p.decay });
+    offset += Math.ceil(numel / alignElems) * alignElems;
+    if (p.decay) decayEnd = offset;
+  }
+  return { entries, slabNumel: Math.max(offset, alignElems), decayEnd, offset };
+}
+
 export class ParamStore {
   readonly entries: readonly ParamEntry[];
   /** total slab length in elements, padding included */
@@ -142,18 +161,9 @@ export class ParamStore {
   private constructor(ctx: Context, params: readonly Param[], bind = true) {
     this.#ctx = ctx;
     this.#params = params;
-    const ordered = [...params.filter((p) => p.spec.decay), ...params.filter((p) => !p.spec.decay)];
-    let offset = 0;
-    let decayEnd = 0;
-    const entries: ParamEntry[] = [];
-    for (const p of ordered) {
-      const numel = numelOf(p.spec.shape);
-      entries.push({ name: p.spec.name, shape: p.spec.shape, offset, numel, decay: p.spec.decay });
-      offset += Math.ceil(numel / alignElems) * alignElems;
-      if (p.spec.decay) decayEnd = offset;
-    }
+    const { entries, slabNumel, decayEnd, offset } = slabLayoutOf(params.map((p) => p.spec));
     this.entries = entries;
-    this.slabNumel = Math.max(offset, alignElems);
+    this.slabNumel = slabNumel;
     this.paramCount = entries.reduce((s, e) => s + e.numel, 0);
     this.decayRange = { offset: 0, numel: decayEnd };
     this.noDecayRange = { offset: decayEnd, numel: offset - decayEnd };

@@ -184,7 +184,7 @@ export function evaluate(ctx: Context, model: Model, batches: Iterable<HostBatch
   return { loss: lossSum / Math.max(count, 1), accuracy: correct / Math.max(count, 1), count };
 }
 
-function countCorrect(logits: Float32Array, targets: Int32Array): number {
+export function countCorrect(logits: Float32Array, targets: Int32Array): number {
   const V = logits.length / targets.length;
   let correct = 0;
   for (let n = 0; n < targets.length; n++) {

@@ -5,7 +5,7 @@
 import { type Event, EventKind, type JobRecord, JobState } from "../schemas/messages.ts";
 import { DeadlineError, JobStateError } from "../services/runtime/errors.ts";
 import { EvalTally } from "../services/runtime/evals.ts";
-import { jobConfigFromJson } from "../services/runtime/job.ts";
+import { dataRanks, jobConfigFromJson } from "../services/runtime/job.ts";
 import { isEnded, resizingReasonPrefix, stateName } from "../services/runtime/jobs.ts";
 import type { MeshClient } from "./client.ts";
 import { Progress, RateMeter } from "./progress.ts";
@@ -60,7 +60,7 @@ export async function watchJob(client: MeshClient, job: string, o: WatchOptions 
   const events = client.events(job, o.signal);
   let record = await client.record(job);
   const cfg = jobConfigFromJson(record.configJson);
-  const w = new Watcher(cfg.trainers, cfg.epochs, o, cfg.model.kind === "gpt" ? "tokens" : "samples");
+  const w = new Watcher(dataRanks(cfg), cfg.epochs, o, cfg.model.kind === "gpt" ? "tokens" : "samples");
   o.onLine?.((line) => w.say(line));
   try {
     const it = events[Symbol.asyncIterator]();

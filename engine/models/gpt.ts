@@ -8,7 +8,7 @@ import { add } from "../ops/add.ts";
 import { softmaxCrossEntropy } from "../ops/crossentropy.ts";
 import { dropout } from "../ops/dropout.ts";
 import { matmul } from "../ops/matmul.ts";
-import { ParamBuilder, ParamStore, type SliceOf } from "../params.ts";
+import { ParamBuilder, type ParamSpec, ParamStore, type SliceOf } from "../params.ts";
 import type { TensorParallel, TensorRank } from "../parallel/tensor-parallel.ts";
 import type { Rng } from "../rng.ts";
 import type { Context, Tensor } from "../tensor.ts";
@@ -65,6 +65,28 @@ export function stageBlocks(nLayer: number, part: GptPart): { from: number; to: 
   return { from, to: from + base + (stage < extra ? 1 : 0) };
 }
 
+/** Declares a GPT part's modules and their parameters (no memory yet). */
+function declareGpt(pb: ParamBuilder, config: GptConfig, part: GptPart) {
+  const { vocabSize: V, blockSize, nEmbd: C } = config;
+  const { from, to } = stageBlocks(config.nLayer, part);
+  const first = part.stage === 0,
+    last = part.stage === part.stages - 1;
+  const blocks: Block[] = [];
+  const wte = first || last ? new Embedding(pb, "wte", V, C) : null;
+  const wpe = first ? new Embedding(pb, "wpe", blockSize, C) : null;
+  for (let l = from; l < to; l++) blocks.push(new Block(pb, `h.${l}`, config, part.tensor));
+  const lnF = last ? new LayerNorm(pb, "ln_f", C) : null;
+  return { wte, wpe, blocks, lnF };
+}
+
+/** The parameters a GPT part declares, as GptModel would, without building it. */
+export function gptParamSpecs(config: GptConfig, part: GptPart = wholeModel): ParamSpec[] {
+  checkGptConfig(config);
+  const pb = new ParamBuilder();
+  declareGpt(pb, config, part);
+  return pb.params.map((p) => p.spec);
+}
+
 export class GptModel implements Model {
   readonly kind = "gpt";
   readonly store: ParamStore;
@@ -72,7 +94,7 @@ export class GptModel implements Model {
   readonly wte: Embedding | null;
   readonly wpe: Embedding | null;
   /** this stage's blocks; blocks[i] is layer blockRange.from + i */
-  readonly blocks: Block[] = [];
+  readonly blocks: Block[];
   readonly lnF: LayerNorm | null;
   readonly part: GptPart;
   readonly blockRange: { from: number; to: number };
@@ -98,11 +120,11 @@ export class GptModel implements Model {
     this.first = part.stage === 0;
     this.last = part.stage === part.stages - 1;
     const pb = new ParamBuilder();
-    const { vocabSize: V, blockSize, nEmbd: C } = config;
-    this.wte = this.first || this.last ? new Embedding(pb, "wte", V, C) : null;
-    this.wpe = this.first ? new Embedding(pb, "wpe", blockSize, C) : null;
-    for (let l = this.blockRange.from; l < this.blockRange.to; l++) this.blocks.push(new Block(pb, `h.${l}`, config, part.tensor));
-    this.lnF = this.last ? new LayerNorm(pb, "ln_f", C) : null;
+    const m = declareGpt(pb, config, part);
+    this.wte = m.wte;
+    this.wpe = m.wpe;
+    this.blocks = m.blocks;
+    this.lnF = m.lnF;
     this.slices = new Map(pb.params.flatMap((p) => (p.spec.sliceOf === undefined ? [] : [[p.spec.name, p.spec.sliceOf] as const])));
     this.store = ParamStore.build(ctx, pb, seed);
   }

@@ -22,8 +22,9 @@ import { type GptConfig, GptModel } from "../models/gpt.ts";
 import { TensorParallel } from "./tensor-parallel.ts";
 import { softmaxCrossEntropy } from "../ops/crossentropy.ts";
 import type { Optimizer } from "../optim/optimizer.ts";
+import type { ParamEntry } from "../params.ts";
 import type { Context, Pass, Tensor } from "../tensor.ts";
-import type { HostBatch } from "../train.ts";
+import { countCorrect, type EvalResult, type HostBatch } from "../train.ts";
 import { type Collective, type OpKey, type Range, type ReduceOp, segment } from "./collective.ts";
 import type { RingGroup } from "./ring.ts";
 import { type PipeSchedule, stageActions } from "./schedule.ts";
@@ -76,7 +77,11 @@ export interface PipelineStageOptions {
 /** Keys of the step's collectives on the model group and the tie (the tensor group keys its own). */
 const tieBucket = 0,
   statsBucket = 1,
-  dataBucket = 2;
+  dataBucket = 2,
+  evalStatsBucket = 3;
+/** An evaluation's micro-batches and tensor-parallel collectives are keyed from here (a step's
+ *  training keys stay below it) */
+const evalKeyBase = 1 << 20;
 
 export class PipelineStage {
   readonly #o: PipelineStageOptions;
@@ -134,7 +139,8 @@ export class PipelineStage {
     const losses = new Float32Array(M);
     let peakInFlight = 0,
       peakHeldBytes = 0;
-    for (const a of stageActions(schedule, stages, M, stage)) {
+    // a replica with no rows in the epoch's short last step still joins the reductions (with zeros)
+    for (const a of M === 0 ? [] : stageActions(schedule, stages, M, stage)) {
       const b = micro[a.micro]!;
       const [B, T] = [b.targetShape[0]!, b.targetShape[1]!];
       if (a.kind === "forward") {
@@ -187,6 +193,53 @@ export class PipelineStage {
     return { loss, gradNorm, lr, stepMs: performance.now() - t0, idleMs, peakInFlight, peakHeldBytes };
   }
 
+  /**
+   * Mean loss and argmax accuracy of this copy of the model over `batches` (every rank of the copy
+   * gets the same ones), forward only: the first stage reads the inputs, the last scores the
+   * targets, and the copy's ranks agree on the result. `step` keys it (the step it runs before).
+   */
+  async evaluate(step: number, batches: readonly HostBatch[]): Promise<EvalResult> {
+    const { ctx, model, link, tensor } = this.#o;
+    const C = model.config.nEmbd;
+    tensor.begin(step, evalKeyBase);
+    const wasTraining = ctx.training;
+    ctx.training = false;
+    const sends: Promise<void>[] = [];
+    let lossSum = 0,
+      correct = 0,
+      count = 0;
+    try {
+      for (const [i, b] of batches.entries()) {
+        const [B, T] = [b.targetShape[0]!, b.targetShape[1]!];
+        const data = model.first ? null : await link.receiveActivations(step, evalKeyBase + i, B * T * C);
+        ctx.newPass();
+        ctx.gradEnabled = false;
+        try {
+          const input = data === null ? ctx.fromArray(b.inputs, b.inputShape) : ctx.fromArray(data, [B, T, C]);
+          const out = await model.forwardAsync(input, tensor);
+          if (!model.last) sends.push(link.sendActivations(step, evalKeyBase + i, out.toFloat32()));
+          else {
+            const loss = softmaxCrossEntropy(out, ctx.fromArray(b.targets, b.targetShape));
+            const rows = b.targets.length;
+            lossSum += loss.item() * rows;
+            correct += countCorrect(out.toFloat32(), b.targets);
+            count += rows;
+          }
+        } finally {
+          ctx.gradEnabled = true;
+        }
+      }
+      await Promise.all(sends);
+    } finally {
+      ctx.training = wasTraining;
+    }
+    const speaks = model.last && tensor.rank === 0;
+    const stats = new Float32Array(speaks ? [lossSum, correct, count] : [0, 0, 0]);
+    await this.#o.modelGroup.allReduce(stats, { step, bucket: evalStatsBucket });
+    const n = Math.max(stats[2]!, 1);
+    return { loss: stats[0]! / n, accuracy: stats[1]! / n, count: stats[2]! };
+  }
+
   /** The gradients summed over the replicas and the tied embedding's copies, then the global
    *  norm and the mean loss. */
   async #agree(step: number, losses: Float32Array, weight: number): Promise<{ gradNorm: number; loss: number }> {
@@ -213,7 +266,7 @@ export class PipelineStage {
     // the loss: the last stage's tensor rank 0 speaks for its replica; the replicas' losses are
     // weighed by their rows
     const speaks = model.last && tensor.rank === 0;
-    const stats = new Float32Array([sumSquares, speaks ? (losses.reduce((a, b) => a + b, 0) / losses.length) * weight : 0]);
+    const stats = new Float32Array([sumSquares, speaks && losses.length > 0 ? (losses.reduce((a, b) => a + b, 0) / losses.length) * weight : 0]);
     await this.#o.modelGroup.allReduce(stats, { step, bucket: statsBucket });
     if (data && data.size > 1) {
       // the norm is the same on every replica (the gradients are); the loss is summed over them
@@ -409,4 +462,47 @@ export function modelParallelRank(o: {
     data: o.rings.data,
   });
   return { model, stage, tensor, coords: o.rings.coords };
+}
+
+/** A run of contiguous elements of a rank's slab and where it sits in the whole model's slab. */
+export interface SlabRun {
+  readonly whole: number;
+  readonly local: number;
+  readonly count: number;
+}
+
+/**
+ * Where a model-parallel rank's parameters sit in the whole model's slab (`wholeEntries`, the
+ * whole GptModel's layout: slabLayoutOf(gptParamSpecs(config))). "all": every element the rank
+ * holds (what a restore fills); "owned": the ones it answers for in a snapshot, so that one copy's
+ * ranks together hold every element once (a replicated parameter on tensor rank 0, wte on the
+ * first stage).
+ */
+export function shareRuns(model: GptModel, wholeEntries: readonly ParamEntry[], which: "all" | "owned"): SlabRun[] {
+  const whole = new Map(wholeEntries.map((e) => [e.name, e]));
+  const tensorRank = model.part.tensor?.rank ?? 0;
+  const runs: SlabRun[] = [];
+  for (const e of model.store.entries) {
+    const w = whole.get(e.name);
+    if (w === undefined) throw new EngineError(`the whole model has no parameter ${e.name}`);
+    const of = model.slices.get(e.name);
+    if (which === "owned" && ((of === undefined && tensorRank !== 0) || (e.name === "wte.weight" && !model.first))) continue;
+    if (of === undefined) {
+      runs.push({ whole: w.offset, local: e.offset, count: e.numel });
+      continue;
+    }
+    const rowsAll = of.shape[0]!;
+    const cols = of.shape.length === 1 ? 1 : w.numel / rowsAll;
+    const c = of.cols ?? { offset: 0, count: cols };
+    let local = e.offset;
+    for (const r of of.rows ?? [{ offset: 0, count: rowsAll }]) {
+      if (c.count === cols) {
+        runs.push({ whole: w.offset + r.offset * cols, local, count: r.count * cols });
+        local += r.count * cols;
+      } else {
+        for (let i = r.offset; i < r.offset + r.count; i++, local += c.count) runs.push({ whole: w.offset + i * cols + c.offset, local, count: c.count });
+      }
+    }
+  }
+  return runs;
 }

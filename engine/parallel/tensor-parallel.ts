@@ -53,10 +53,11 @@ export class TensorParallel implements TensorRank {
     return this.group.size;
   }
 
-  /** Starts a step's keys: every rank calls it with the same step before the step's first op. */
-  begin(step: number): void {
+  /** Starts a step's keys: every rank calls it with the same step before the step's first op.
+   *  `base` sets another range of keys for other passes at that step (an evaluation's). */
+  begin(step: number, base = 0): void {
     this.#step = step;
-    this.#seq = 0;
+    this.#seq = base;
   }
 
   #key(): OpKey {

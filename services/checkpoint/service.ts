@@ -48,6 +48,8 @@ import {
 import { EvalTally } from "../runtime/evals.ts";
 import {
   configOfSpec,
+  dataRanks,
+  partitionRanks,
   type JobConfig,
   jobConfigFromJson,
   jobNamePattern,
@@ -209,7 +211,7 @@ export class CheckpointService {
       createdMs: Date.now(),
       metric: Number.NaN,
       configJson: JSON.stringify(cfg),
-      cursors: Array(cfg.trainers).fill(step),
+      cursors: Array(dataRanks(cfg)).fill(step),
       modelPath: "",
       files: [],
     };
@@ -236,7 +238,8 @@ export class CheckpointService {
     const { cfg, plan } = e;
     const req = encodeJobRequest({ job: cfg.job, step: asked, tag: cutTag });
     if (!usesShards(cfg)) {
-      const sources = cfg.zero > 0 ? Array.from({ length: cfg.trainers }, (_, r) => subjects.replicaPartition(cfg.job, r)) : [subjects.replicaState(cfg.job)];
+      const ranks = partitionRanks(cfg);
+      const sources = ranks > 0 ? Array.from({ length: ranks }, (_, r) => subjects.replicaPartition(cfg.job, r)) : [subjects.replicaState(cfg.job)];
       await Promise.all(sources.map((subject) => this.bus.request(subject, req, stateTimeoutMs)));
       return asked;
     }
@@ -259,7 +262,7 @@ export class CheckpointService {
   async #fetchAndWrite(e: JobEntry, asked: number, why: string, t0: number, stagedMs: number): Promise<Uint8Array> {
     const { cfg, plan } = e;
     const states = !usesShards(cfg)
-      ? cfg.zero > 0
+      ? partitionRanks(cfg) > 0
         ? await this.#partitionParts(cfg, asked)
         : await this.#replicaParts(cfg, asked)
       : (await Promise.all(Array.from({ length: cfg.shards }, (_, k) => this.#shardParts(cfg, k, asked)))).flat();
@@ -285,11 +288,11 @@ export class CheckpointService {
       modelPath = join(this.store.jobDir(cfg.job), modelFileName);
       // under ZeRO the ranks' partitions, assembled into the replica's chunks
       const replica =
-        cfg.zero > 0 && !usesShards(cfg)
+        partitionRanks(cfg) > 0 && !usesShards(cfg)
           ? this.#assemble(
               cfg,
               plan,
-              cfg.trainers,
+              partitionRanks(cfg),
               states.map((s) => s.state),
             )
           : states.map((s) => s.state);
@@ -302,7 +305,7 @@ export class CheckpointService {
         step,
         metric: this.#metricAt(e, step),
         configJson: JSON.stringify(cfg),
-        cursors: Array(cfg.trainers).fill(step),
+        cursors: Array(dataRanks(cfg)).fill(step),
         modelPath,
       },
       files,
@@ -382,7 +385,7 @@ export class CheckpointService {
    */
   async #partitionParts(cfg: JobConfig, step: number): Promise<{ name: string; bytes: Uint8Array; state: ShardState }[]> {
     const perRank = await Promise.all(
-      Array.from({ length: cfg.trainers }, async (_, r) => {
+      Array.from({ length: partitionRanks(cfg) }, async (_, r) => {
         const out: { name: string; bytes: Uint8Array; state: ShardState }[] = [];
         for (let p = 0, parts = 1; p < parts; p++) {
           const req = encodeJobRequest({ job: cfg.job, step, tag: `part ${p}` });
@@ -553,7 +556,7 @@ export class CheckpointService {
     if (states.length === 0 && partitions.length > 0) {
       // a ZeRO snapshot: the ranks' partitions, resharded into the replica every rank loads
       // (whatever the stage and the number of ranks now)
-      const saved = jobConfigFromJson(manifest.configJson).trainers;
+      const saved = partitionRanks(jobConfigFromJson(manifest.configJson));
       states = this.#assemble(
         cfg,
         plan,
@@ -688,7 +691,7 @@ export class CheckpointService {
     this.closeJob(cfg.job);
     this.#checkResumable(cfg);
     this.store.sweep(cfg.job);
-    const evals = new EvalTally(cfg.trainers);
+    const evals = new EvalTally(dataRanks(cfg));
     const sub = this.bus.subscribe(subjects.events(cfg.job, "eval"), (data) => {
       try {
         evals.add(decodeEvent(data, 1 << 16));
@@ -736,7 +739,7 @@ export class CheckpointService {
 
   /** Every rank's step times, for stragglers (StragglerDetector). */
   #followSteps(cfg: JobConfig): Subscription {
-    const detector = new StragglerDetector(cfg.trainers, (step, text) => this.#event(cfg.job, EventKind.Straggler, step, text));
+    const detector = new StragglerDetector(dataRanks(cfg), (step, text) => this.#event(cfg.job, EventKind.Straggler, step, text));
     return this.bus.subscribe(subjects.events(cfg.job, "step"), (data) => {
       try {
         detector.add(decodeEvent(data, 1 << 16));

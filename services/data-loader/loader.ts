@@ -4,7 +4,7 @@
 // in the background (bounded by prefetchMax), so the next request is answered at once.
 import { type DataPlan, Split } from "../../schemas/messages.ts";
 import { BadRequestError } from "../runtime/errors.ts";
-import { type JobConfig, stepScheduleOf } from "../runtime/job.ts";
+import { dataRanks, type JobConfig, stepScheduleOf } from "../runtime/job.ts";
 import { jobPlan, stepsPerEpochOf } from "../runtime/plan.ts";
 import { prefetchMax, waitSamplesMax } from "./limits.ts";
 import { epochIds } from "./sampler.ts";
@@ -51,11 +51,11 @@ export class JobData {
       );
     }
     this.#steps = stepScheduleOf(cfg, f.train);
-    if (p.stepsPerEpoch !== stepsPerEpochOf(f.train, cfg.trainers, cfg.batchSize) || p.totalSteps !== this.#steps.totalSteps)
+    if (p.stepsPerEpoch !== stepsPerEpochOf(f.train, dataRanks(cfg), cfg.batchSize) || p.totalSteps !== this.#steps.totalSteps)
       throw new BadRequestError(`job ${cfg.job}'s plan has ${p.stepsPerEpoch} steps per epoch and ${p.totalSteps} in all, its config other counts`);
     this.stepsPerEpoch = p.stepsPerEpoch;
     this.totalSteps = p.totalSteps;
-    this.#ready = Array.from({ length: cfg.trainers }, () => new Map());
+    this.#ready = Array.from({ length: dataRanks(cfg) }, () => new Map());
   }
 
   get queueDepth(): number {
@@ -90,7 +90,7 @@ export class JobData {
   #encodeEval(rank: number, split: Split, index: number): Uint8Array {
     const all = split === Split.Test ? null : this.val;
     const n = all === null ? this.plan.testSamples : all.length;
-    const W = this.cfg.trainers,
+    const W = dataRanks(this.cfg),
       rows = this.#source.evalRows;
     const lo = Math.floor((rank * n) / W),
       hi = Math.floor(((rank + 1) * n) / W);
@@ -102,7 +102,8 @@ export class JobData {
 
   /** The reply to a batch request; prepares the following ones for the rank. */
   next(rank: number, split: Split, step: number, credits: number): Uint8Array {
-    if (!(rank < this.cfg.trainers)) throw new BadRequestError(`rank ${rank} is not in job ${this.cfg.job} (ranks 0..${this.cfg.trainers - 1})`);
+    const ranks = dataRanks(this.cfg);
+    if (!(rank < ranks)) throw new BadRequestError(`rank ${rank} is not in job ${this.cfg.job} (ranks 0..${ranks - 1})`);
     const started = performance.now();
     if (split !== Split.Train) {
       if (split === Split.Val && this.val.length === 0)

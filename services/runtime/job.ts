@@ -4,7 +4,9 @@ import { z } from "zod";
 import { compressionPattern } from "../../engine/parallel/compress.ts";
 import { type JobSpec, SyncPolicy } from "../../schemas/messages.ts";
 import { BadRequestError, ConfigError } from "./errors.ts";
-import { changeWorld, StepSchedule, worldOf, worldProblems } from "./world.ts";
+import { changeWorld, dataRanks, modelRanks, StepSchedule, worldOf, worldProblems } from "./world.ts";
+
+export { dataRanks, modelRanks };
 
 /** f16 runs in all-reduce mode only: its loss scaler skips a step when the gradients overflow,
  *  and only there does every rank see the same (reduced) gradient, so every rank skips alike.
@@ -23,7 +25,13 @@ export const usesShards = (cfg: Pick<JobConfig, "sync">): boolean => cfg.sync !=
  *  one update, so its norm is that update's global norm; all-reduce: after the reduction). */
 export const shardsClip = (cfg: Pick<JobConfig, "sync" | "gradClip">): boolean => cfg.sync === "bsp" && cfg.gradClip > 0;
 /** The learning rate the schedule peaks at: `lr`, times the trainers under linear scaling (--scale-lr). */
-export const peakLr = (cfg: Pick<JobConfig, "lr" | "scaleLr" | "trainers">): number => (cfg.scaleLr ? cfg.lr * cfg.trainers : cfg.lr);
+export const peakLr = (cfg: Pick<JobConfig, "lr" | "scaleLr" | "trainers" | "pipelineStages" | "tensorParallel">): number =>
+  cfg.scaleLr ? cfg.lr * dataRanks(cfg) : cfg.lr;
+/** Whether the trainers cut the model among them (pipeline or tensor parallelism). */
+export const modelParallel = (cfg: Pick<JobConfig, "pipelineStages" | "tensorParallel">): boolean => modelRanks(cfg) > 1;
+/** All-reduce mode: the trainer ranks that each serve a part of a snapshot (ZeRO: every rank its
+ *  partition; model parallelism: the first copy's ranks their shares); 0: rank 0 serves it whole. */
+export const partitionRanks = (cfg: JobConfig): number => (cfg.zero > 0 ? cfg.trainers : modelParallel(cfg) ? modelRanks(cfg) : 0);
 
 const int = (min: number, max = Number.MAX_SAFE_INTEGER) => z.number().int().min(min).max(max);
 
@@ -128,6 +136,14 @@ export const jobConfigSchema = z.object({
    *  out); "epoch": at the end of every epoch; 0: only at the end */
   evalEvery: z.union([int(0), z.literal("epoch")]),
   gradClip: z.number().min(0),
+  /** gpt, allreduce: pipeline parallelism: the blocks cut into this many stages, each a trainer
+   *  process; a step's micro-batches (accumSteps) flow through them (engine/parallel/pipeline.ts) */
+  pipelineStages: int(1, 64).default(1),
+  /** the pipeline's order of passes: gpipe (all forwards, then all backwards) or 1f1b */
+  pipeSchedule: z.enum(["1f1b", "gpipe"]).default("1f1b"),
+  /** gpt, allreduce: tensor parallelism: each block's matrices cut across this many trainers
+   *  (Megatron's column- and row-parallel layers) */
+  tensorParallel: int(1, 64).default(1),
   /** gpt: activation checkpointing: each transformer block keeps only its input in forward and
    *  recomputes its activations in backward (the same gradients, less memory, ~1/3 more compute) */
   recompute: z.boolean().default(false),
@@ -177,6 +193,9 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   evalEvery: "epoch",
   gradClip: 0,
   precision: "f32",
+  pipelineStages: 1,
+  pipeSchedule: "1f1b",
+  tensorParallel: 1,
   recompute: false,
   seed: 1,
   chunkBytes: 256 << 10,
@@ -260,6 +279,30 @@ export function parseJobConfig(data: unknown): JobConfig {
     );
   if (c.sync === "allreduce" && (c.batchPushes !== 1 || c.staleness !== 0)) {
     throw new ConfigError("invalid job config: batchPushes and staleness apply to the parameter server's asp and ssp, not to allreduce");
+  }
+  const mp = modelRanks(c);
+  if (mp > 1) {
+    const what = `pipeline stages ${c.pipelineStages} x tensor parallel ${c.tensorParallel}`;
+    if (c.model.kind !== "gpt") throw new ConfigError(`invalid job config: ${what} cut a gpt's blocks; the mlp is not cut`);
+    if (c.sync !== "allreduce")
+      throw new ConfigError(`invalid job config: ${what} needs sync allreduce (the model's ranks exchange activations and reduce gradients among themselves)`);
+    if (c.trainers % mp !== 0)
+      throw new ConfigError(`invalid job config: ${c.trainers} trainers do not divide into copies of ${mp} ranks (${what}); use a multiple of ${mp}`);
+    if (c.model.nLayer < c.pipelineStages)
+      throw new ConfigError(`invalid job config: ${c.model.nLayer} layers cannot fill ${c.pipelineStages} pipeline stages`);
+    if (c.model.nHead % c.tensorParallel !== 0)
+      throw new ConfigError(`invalid job config: tensor parallel ${c.tensorParallel} splits the heads: nHead (${c.model.nHead}) must be a multiple of it`);
+    const not = [
+      c.zero > 0 && `zero ${c.zero}`,
+      c.compress !== "none" && `compress ${c.compress}`,
+      c.offload !== "none" && `offload ${c.offload}`,
+      c.precision === "f16" && "precision f16",
+      c.world.length > 0 && "a changed world (resize)",
+    ].filter(Boolean);
+    if (not.length > 0)
+      throw new ConfigError(
+        `invalid job config: ${not.join(", ")} with ${what} is not built yet (the model-parallel ranks reduce f32 gradients of their own shares); leave it out`,
+      );
   }
   if (c.sync === "bsp" && c.batchPushes !== 1)
     throw new ConfigError("invalid job config: batchPushes applies to asp and ssp (bsp aggregates the W pushes of a step)");

@@ -5,7 +5,7 @@
 import { scheduleOf, type Schedule } from "../../engine/optim/schedule.ts";
 import type { DataPlan, JobSpec } from "../../schemas/messages.ts";
 import { BadRequestError, CorruptDataError } from "./errors.ts";
-import { type JobConfig, stepScheduleOf } from "./job.ts";
+import { dataRanks, type JobConfig, stepScheduleOf } from "./job.ts";
 import { buildLayout, type Layout } from "./layout.ts";
 import { initialParameters } from "./model.ts";
 
@@ -27,7 +27,7 @@ export const stepsPerEpochOf = (samples: number, W: number, B: number): number =
 /** The job's plan from its config and its data set's facts (builds the model once, on the CPU). */
 export function jobPlan(cfg: JobConfig, facts: DatasetFacts): DataPlan {
   // steps per epoch with the trainers the job has now; the step count follows its whole world
-  const stepsPerEpoch = stepsPerEpochOf(facts.train, cfg.trainers, cfg.batchSize);
+  const stepsPerEpoch = stepsPerEpochOf(facts.train, dataRanks(cfg), cfg.batchSize);
   const totalSteps = facts.train > 0 ? stepScheduleOf(cfg, facts.train).totalSteps : 0;
   const partial: DataPlan = {
     job: cfg.job,

@@ -16,9 +16,24 @@ export interface WorldChange {
   trainers: number;
 }
 
-/** The world of a job: its changes, or the one of a job that never changed. */
-export const worldOf = (cfg: { trainers: number; world?: readonly WorldChange[] }): readonly WorldChange[] =>
-  cfg.world && cfg.world.length > 0 ? cfg.world : [{ from: 0, trainers: cfg.trainers }];
+/** How the trainers hold the model: its pipeline stages x tensor ranks (1 and 1 without model parallelism). */
+export interface ModelCut {
+  trainers: number;
+  pipelineStages?: number;
+  tensorParallel?: number;
+}
+
+/** The trainers that hold one copy of the model between them: its pipeline stages x tensor ranks. */
+export const modelRanks = (cfg: Omit<ModelCut, "trainers">): number => (cfg.pipelineStages ?? 1) * (cfg.tensorParallel ?? 1);
+
+/** The data-parallel ranks: copies of the model, each training on its share of a step's samples
+ *  (every trainer without model parallelism). The sampler and the data-loader split among these. */
+export const dataRanks = (cfg: ModelCut): number => cfg.trainers / modelRanks(cfg);
+
+/** The world of a job: its changes, or the one of a job that never changed, in data-parallel
+ *  ranks (a model-parallel job never changes its world). */
+export const worldOf = (cfg: ModelCut & { world?: readonly WorldChange[] }): readonly WorldChange[] =>
+  cfg.world && cfg.world.length > 0 ? cfg.world : [{ from: 0, trainers: dataRanks(cfg) }];
 
 /** A world's problems (empty: good): it starts at step 0, steps increase, and it ends at `trainers`. */
 export function worldProblems(world: readonly WorldChange[], trainers: number): string[] {

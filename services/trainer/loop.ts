@@ -53,7 +53,18 @@ import { type CombinedEval, EvalTally } from "../runtime/evals.ts";
 import { BadRequestError, NotReadyError } from "../runtime/errors.ts";
 import { cutTag, partOfTag, precutSaveTag } from "../runtime/replica-parts.ts";
 import { HeartbeatPublisher } from "../runtime/liveness.ts";
-import { evaluatesAt, type JobConfig, jobOfRequest, peakLr, shardsClip, stepScheduleOf, subjects, trainerOpenedTag, usesShards } from "../runtime/job.ts";
+import {
+  dataRanks,
+  evaluatesAt,
+  type JobConfig,
+  jobOfRequest,
+  peakLr,
+  shardsClip,
+  stepScheduleOf,
+  subjects,
+  trainerOpenedTag,
+  usesShards,
+} from "../runtime/job.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { pause } from "../runtime/pause.ts";
@@ -300,7 +311,7 @@ export class TrainerRun {
     this.#hb = new HeartbeatPublisher(bus, cfg.job, `trainer ${rank}`);
     if (rank === 0) {
       this.#ctl = bus.subscribe(subjects.checkpointNow(cfg.job), () => (this.#snapshotAsked = true));
-      this.#tally = new EvalTally(cfg.trainers);
+      this.#tally = new EvalTally(dataRanks(cfg));
       this.#evalSub = bus.subscribe(subjects.events(cfg.job, "eval"), (data) => this.#onEval(data));
     }
     try {
@@ -468,11 +479,11 @@ export class TrainerRun {
     const started = Date.now();
     for (;;) {
       const r = this.#tally!.combined(this.#total);
-      if (r !== null && r.ranks === this.#o.cfg.trainers) return r;
+      if (r !== null && r.ranks === dataRanks(this.#o.cfg)) return r;
       if (this.#stopped) return null;
       if (Date.now() - started > finishWaitMsMax) {
         throw new Error(
-          `ranks ${r === null ? "all but this one" : `${r.ranks} of ${this.#o.cfg.trainers}`} reported their final evaluation within ${finishWaitMsMax} ms`,
+          `ranks ${r === null ? "all but this one" : `${r.ranks} of ${dataRanks(this.#o.cfg)}`} reported their final evaluation within ${finishWaitMsMax} ms`,
         );
       }
       await pause(100, this.#stopSignal.signal);

@@ -2,15 +2,15 @@
 // stages of a GPT against the single process's training, step by step.
 import { describe, expect, test } from "bun:test";
 import { ConfigError } from "../../engine/errors.ts";
-import { GptModel, stageBlocks } from "../../engine/models/gpt.ts";
+import { GptModel, gptParamSpecs, stageBlocks } from "../../engine/models/gpt.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
-import { type ModelLayout, modelParallelRank, modelParallelRings, type PipelineStepResult } from "../../engine/parallel/pipeline.ts";
+import { coordsOf, type ModelLayout, modelParallelRank, modelParallelRings, type PipelineStepResult, shareRuns } from "../../engine/parallel/pipeline.ts";
 import { PieceRouter, RingGroup, ringDefaults } from "../../engine/parallel/ring.ts";
 import { peakInFlight, type PipeSchedule, simulatePipeline, stageActions, theoreticalBubble } from "../../engine/parallel/schedule.ts";
 import { MemoryTransport } from "../../engine/parallel/transport.ts";
-import { putSlice, type SliceOf } from "../../engine/params.ts";
+import { putSlice, type SliceOf, slabLayoutOf } from "../../engine/params.ts";
 import { Rng } from "../../engine/rng.ts";
-import { type HostBatch, TrainStep } from "../../engine/train.ts";
+import { evaluate, type HostBatch, TrainStep } from "../../engine/train.ts";
 import { newContext, randInts } from "../helpers/numeric.ts";
 
 describe("pipeline schedules", () => {
@@ -234,6 +234,58 @@ describe("model-parallel GPT in one process: data x pipeline x tensor", () => {
     const bytes = (r: typeof one) => Math.max(...r.results[0]!.map((x) => x.peakHeldBytes));
     console.log(`stage 0 of 2, ${microTotal} micro-batches: 1F1B holds ${bytes(one)} bytes of activations at most, GPipe ${bytes(all)}`);
     expect(bytes(one)).toBeLessThan(bytes(all));
+  });
+
+  test("evaluate: every rank of a 1x2x2 copy reports the whole model's loss and accuracy on the same batches", async () => {
+    const layout = { data: 1, stages: 2, tensor: 2 };
+    const peers = new Map<number, MemoryTransport>();
+    const ranks = Array.from({ length: 4 }, (_, rank) => {
+      const ctx = newContext(1);
+      const transport = new MemoryTransport(rank, peers, 16 << 10);
+      const router = new PieceRouter(ringDefaults.earlyBytesMax);
+      transport.listen((p) => router.receive(p));
+      const rings = modelParallelRings("job", layout, rank, (name, members) => new RingGroup(name, members, transport, router, ringDefaults));
+      return {
+        ...modelParallelRank({ ctx, config, seed: 7, layout, rings, optimizer: (m) => new AdamW(ctx, m.store, adamw), schedule: "1f1b", gradClip }),
+        ctx,
+        transport,
+      };
+    });
+    const batches = data[0]!;
+    const got = await Promise.all(ranks.map((r) => r.stage.evaluate(5, batches)));
+    const ctx = newContext(1);
+    const want = evaluate(ctx, new GptModel(ctx, config, 7), batches);
+    for (const g of got) {
+      expect(g.count).toBe(want.count);
+      expect(g.accuracy).toBe(want.accuracy);
+      expect(relDiff(g.loss, want.loss)).toBeLessThan(1e-6);
+    }
+    ctx.dispose();
+    for (const r of ranks) {
+      r.transport.close();
+      r.ctx.dispose();
+    }
+  });
+
+  test("shares in the whole slab: one copy's owned runs cover every parameter once; every rank's runs read its initial values from the whole model's", () => {
+    const layout = { data: 1, stages: 2, tensor: 2 };
+    const ctx = newContext(1);
+    const whole = new GptModel(ctx, config, 7);
+    const wholeValues = whole.store.readValues();
+    const { entries } = slabLayoutOf(gptParamSpecs(config));
+    expect(entries).toEqual([...whole.store.entries]);
+    const covered = new Uint8Array(whole.store.slabNumel);
+    for (let rank = 0; rank < 4; rank++) {
+      const { s, t } = coordsOf(layout, rank);
+      const m = new GptModel(ctx, config, 7, { stage: s, stages: 2, tensor: { rank: t, size: 2 } });
+      const mine = m.store.readValues();
+      for (const r of shareRuns(m, entries, "all")) expect(mine.subarray(r.local, r.local + r.count)).toEqual(wholeValues.subarray(r.whole, r.whole + r.count));
+      for (const r of shareRuns(m, entries, "owned")) for (let i = r.whole; i < r.whole + r.count; i++) covered[i]! += 1;
+    }
+    const coveredCount = covered.reduce((n, c) => n + c, 0);
+    expect(Math.max(...covered)).toBe(1);
+    expect(coveredCount).toBe(whole.store.paramCount);
+    ctx.dispose();
   });
 
   test("a tensor-parallel block refuses the synchronous forward, and nHead must divide among the ranks", () => {
