@@ -132,7 +132,7 @@ async function main(): Promise<void> {
     const r = await stage.step(step, micro, plan.lr, 1 / layout.data);
     const out: StageStepResult = {
       step,
-      loss: r.loss,
+      loss: r.globalLoss,
       gradNorm: r.gradNorm,
       stepMs: r.stepMs,
       idleMs: r.idleMs,

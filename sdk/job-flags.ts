@@ -77,6 +77,27 @@ export function jobOptions(cmd: Command): Command {
         .choices(["0", "1", "2", "3"])
         .default(String(d.zero)),
     )
+    .option(
+      "--pipeline-stages <P>",
+      "gpt, allreduce: cut the blocks into P pipeline stages, each on its own trainer (--trainers: a multiple of P x T)",
+      int(1, 64),
+      d.pipelineStages,
+    )
+    .addOption(
+      new Option(
+        "--pipe-schedule <s>",
+        "the pipeline's order: 1f1b (a forward, then a backward: a stage holds at most P micro-batches' activations) or gpipe (every forward, then every backward)",
+      )
+        .choices(["1f1b", "gpipe"])
+        .default(d.pipeSchedule),
+    )
+    .option(
+      "--tensor-parallel <T>",
+      "gpt, allreduce: cut each block's matrices across T trainers (Megatron's column- and row-parallel layers)",
+      int(1, 64),
+      d.tensorParallel,
+    )
+    .option("--micro-batches <M>", "micro-batches a step, which a pipeline's stages work on in turn (sets --accum)", int(1))
     .addOption(
       new Option(
         "--offload <what>",
@@ -187,6 +208,10 @@ export interface JobFlags {
   maxSteps: number;
   batchSize?: number;
   accum: number;
+  microBatches?: number;
+  pipelineStages: number;
+  pipeSchedule: JobConfig["pipeSchedule"];
+  tensorParallel: number;
   optimizer?: "sgd" | "adamw";
   lr?: number;
   minLr?: number;
@@ -276,7 +301,10 @@ export function jobConfigOf(f: JobFlags): JobConfig {
     schedule: f.schedule,
     warmupSteps: f.warmup,
     batchSize: f.batchSize ?? def.batchSize,
-    accumSteps: f.accum,
+    accumSteps: f.microBatches ?? f.accum,
+    pipelineStages: f.pipelineStages,
+    pipeSchedule: f.pipeSchedule,
+    tensorParallel: f.tensorParallel,
     epochs: f.epochs ?? def.epochs,
     maxSteps: f.maxSteps,
     valFraction: f.valFraction ?? (dataset === "tokens" ? 0 : def.valFraction),
@@ -317,6 +345,10 @@ const flagPaths: Record<Exclude<keyof JobFlags, "job">, string[]> = {
   maxSteps: ["maxSteps"],
   batchSize: ["batchSize"],
   accum: ["accumSteps"],
+  microBatches: ["accumSteps"],
+  pipelineStages: ["pipelineStages"],
+  pipeSchedule: ["pipeSchedule"],
+  tensorParallel: ["tensorParallel"],
   optimizer: ["optimizer"],
   lr: ["lr"],
   minLr: ["minLr"],

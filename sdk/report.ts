@@ -1,7 +1,7 @@
 // What the mesh commands print: a job's settings in a few readable lines (the full JSON goes
 // to the job's log folder), how a job ended and where its files went, and `status`.
 import { type JobRecord, JobState, type Manifest } from "../schemas/messages.ts";
-import { type JobConfig, peakLr, usesShards } from "../services/runtime/job.ts";
+import { dataRanks, type JobConfig, modelParallel, peakLr, usesShards } from "../services/runtime/job.ts";
 import { stateName } from "../services/runtime/jobs.ts";
 import type { JobStatus } from "./client.ts";
 import { shownPath } from "./options.ts";
@@ -63,10 +63,12 @@ export function configSummary(c: JobConfig): string[] {
   return [
     `model      ${model}, seed ${c.seed}`,
     `data       ${data}, read by the data-loader; ${split} ${evals}`,
-    `training   ${c.epochs} epoch${c.epochs > 1 ? "s" : ""}${c.maxSteps > 0 ? ` (at most ${c.maxSteps} steps)` : ""}, ${c.trainers} trainer${c.trainers > 1 ? "s" : ""} × ${c.batchSize} ${samples} per step` +
-      `${c.accumSteps > 1 ? ` in ${c.accumSteps} micro-batches` : ""}, ${syncText(c)}, ${c.precision}`,
+    `training   ${c.epochs} epoch${c.epochs > 1 ? "s" : ""}${c.maxSteps > 0 ? ` (at most ${c.maxSteps} steps)` : ""}, ${c.trainers} trainer${c.trainers > 1 ? "s" : ""}` +
+      `${modelParallel(c) ? ` as ${dataRanks(c)} cop${dataRanks(c) > 1 ? "ies" : "y"} of the model, each ${c.pipelineStages} pipeline stage${c.pipelineStages > 1 ? "s" : ""} (${c.pipeSchedule}) x ${c.tensorParallel} tensor rank${c.tensorParallel > 1 ? "s" : ""},` : ""}` +
+      ` × ${c.batchSize} ${samples} per step` +
+      `${c.accumSteps > 1 ? ` in ${c.accumSteps} micro-batches` : ""}, ${syncText(c)}, ${c.precision}${c.recompute ? ", activations recomputed" : ""}`,
     `optimizer  ${optimizerText(c)} ${usesShards(c) ? `on ${c.shards} parameter-server shard${c.shards > 1 ? "s" : ""}` : "in every trainer's replica"}; ${lr}` +
-      `${c.scaleLr ? ` (scaled by ${c.trainers} trainers: peak ${peakLr(c)})` : ""}${c.gradClip > 0 ? `; gradients clipped to global norm ${c.gradClip}` : ""}`,
+      `${c.scaleLr ? ` (scaled by ${dataRanks(c)} data-parallel ranks: peak ${peakLr(c)})` : ""}${c.gradClip > 0 ? `; gradients clipped to global norm ${c.gradClip}` : ""}`,
     `snapshots  ${c.checkpointEvery > 0 ? `every ${c.checkpointEvery} steps and ` : ""}at the end; the last ${c.keepLast} and the best are kept`,
   ];
 }

@@ -42,8 +42,10 @@ export interface StageLink {
 }
 
 export interface PipelineStepResult {
-  /** mean loss over the micro-batches (every stage reports the last stage's) */
+  /** this copy's mean loss over its micro-batches (every rank of the copy reports the last stage's) */
   loss: number;
+  /** the loss over every copy's rows (the copies' losses weighed by their rows) */
+  globalLoss: number;
   /** global gradient norm before clipping, over every stage's parameters (wte once) */
   gradNorm: number;
   lr: number;
@@ -185,12 +187,12 @@ export class PipelineStage {
       }
     }
     await waited(Promise.all(sends));
-    const { gradNorm, loss } = await this.#agree(step, losses, weight);
-    if (!Number.isFinite(loss)) throw new NonFiniteLossError(step, loss);
+    const { gradNorm, loss, globalLoss } = await this.#agree(step, losses, weight);
+    if (!Number.isFinite(globalLoss)) throw new NonFiniteLossError(step, globalLoss);
     const clip = this.#o.gradClip;
     if (clip > 0 && gradNorm > clip) ctx.backend.scale(model.store.grads.ptr, model.store.slabNumel, clip / (gradNorm + 1e-6));
     this.#o.optimizer.step(lr);
-    return { loss, gradNorm, lr, stepMs: performance.now() - t0, idleMs, peakInFlight, peakHeldBytes };
+    return { loss, globalLoss, gradNorm, lr, stepMs: performance.now() - t0, idleMs, peakInFlight, peakHeldBytes };
   }
 
   /**
@@ -242,7 +244,7 @@ export class PipelineStage {
 
   /** The gradients summed over the replicas and the tied embedding's copies, then the global
    *  norm and the mean loss. */
-  async #agree(step: number, losses: Float32Array, weight: number): Promise<{ gradNorm: number; loss: number }> {
+  async #agree(step: number, losses: Float32Array, weight: number): Promise<{ gradNorm: number; loss: number; globalLoss: number }> {
     const { ctx, model, tie, data, tensor } = this.#o;
     const be = ctx.backend;
     const store = model.store;
@@ -263,18 +265,19 @@ export class PipelineStage {
     }
     let sumSquares = 0;
     for (const r of this.#normRanges) sumSquares += be.sumSquares(grads + r.offset * 4, r.numel);
-    // the loss: the last stage's tensor rank 0 speaks for its replica; the replicas' losses are
-    // weighed by their rows
+    // the loss: the last stage's tensor rank 0 speaks for its copy
     const speaks = model.last && tensor.rank === 0;
-    const stats = new Float32Array([sumSquares, speaks && losses.length > 0 ? (losses.reduce((a, b) => a + b, 0) / losses.length) * weight : 0]);
+    const stats = new Float32Array([sumSquares, speaks && losses.length > 0 ? losses.reduce((a, b) => a + b, 0) / losses.length : 0]);
     await this.#o.modelGroup.allReduce(stats, { step, bucket: statsBucket });
+    const loss = stats[1]!;
+    let globalLoss = loss;
     if (data && data.size > 1) {
-      // the norm is the same on every replica (the gradients are); the loss is summed over them
-      const l = new Float32Array([stats[1]!]);
+      // the norm is the same in every copy (the gradients are); the copies' losses weighed by their rows
+      const l = new Float32Array([loss * weight]);
       await data.allReduce(l, { step, bucket: statsBucket });
-      stats[1] = l[0]!;
+      globalLoss = l[0]!;
     }
-    return { gradNorm: Math.sqrt(Math.max(stats[0]!, 0)), loss: stats[1]! };
+    return { gradNorm: Math.sqrt(Math.max(stats[0]!, 0)), loss, globalLoss };
   }
 }
 
@@ -428,6 +431,7 @@ export interface ModelParallelRank {
   stage: PipelineStage;
   tensor: TensorParallel;
   coords: LayoutCoords;
+  rings: ModelParallelRings;
 }
 
 /**
@@ -444,9 +448,11 @@ export function modelParallelRank(o: {
   schedule: PipeSchedule;
   gradClip: number;
   recompute?: boolean;
+  /** the share built before (new rings for it after a restore); else one is built */
+  model?: GptModel;
 }): ModelParallelRank {
   const { s, t } = o.rings.coords;
-  const model = new GptModel(o.ctx, o.config, o.seed, { stage: s, stages: o.layout.stages, tensor: { rank: t, size: o.layout.tensor } });
+  const model = o.model ?? new GptModel(o.ctx, o.config, o.seed, { stage: s, stages: o.layout.stages, tensor: { rank: t, size: o.layout.tensor } });
   model.recompute = o.recompute ?? false;
   const tensor = new TensorParallel(o.rings.tensor);
   const stage = new PipelineStage({
@@ -461,7 +467,7 @@ export function modelParallelRank(o: {
     tie: o.rings.tie,
     data: o.rings.data,
   });
-  return { model, stage, tensor, coords: o.rings.coords };
+  return { model, stage, tensor, coords: o.rings.coords, rings: o.rings };
 }
 
 /** A run of contiguous elements of a rank's slab and where it sits in the whole model's slab. */

@@ -363,6 +363,10 @@ export const resumableKeys = [
   "offload",
   // recomputed activations are the same activations
   "recompute",
+  // a snapshot holds the whole model's layout, whatever the ranks' cut of it (summation order aside)
+  "pipelineStages",
+  "tensorParallel",
+  "pipeSchedule",
 ] as const satisfies readonly (keyof JobConfig)[];
 
 /** The trajectory-defining keys on which two configs of one job differ, as "key: a -> b". */
@@ -380,7 +384,7 @@ export function trajectoryDiff(was: JobConfig, now: JobConfig): string[] {
   };
   // all-reduce mode: the number of trainers may change with the same global batch (a snapshot
   // holds the whole replica, the sampler's steps cut the same samples whatever the ranks)
-  const regrouped = was.sync === "allreduce" && now.sync === "allreduce" && was.trainers * was.batchSize === now.trainers * now.batchSize;
+  const regrouped = was.sync === "allreduce" && now.sync === "allreduce" && dataRanks(was) * was.batchSize === dataRanks(now) * now.batchSize;
   // parameter-server mode: the snapshot's chunks are loaded into any number of shards (the
   // checkpoint service reshards them as the job's hash ring says)
   const resharded = usesShards(was) && usesShards(now);

@@ -58,6 +58,7 @@ import {
   evaluatesAt,
   type JobConfig,
   jobOfRequest,
+  modelParallel,
   peakLr,
   shardsClip,
   stepScheduleOf,
@@ -86,6 +87,7 @@ import {
 import { PsClient } from "./ps-client.ts";
 import { parseCompression } from "../../engine/parallel/compress.ts";
 import { bytesPerParam } from "../../engine/parallel/zero.ts";
+import { ModelParallelReplica } from "./model-parallel.ts";
 import { Replica, type ReplicaOptions } from "./replica.ts";
 import type { StepSchedule } from "../runtime/world.ts";
 
@@ -152,8 +154,8 @@ export class TrainerRun {
   readonly #model: ReturnType<typeof buildModel>;
   /** parameter-server mode */
   readonly #ps: PsClient | null;
-  /** all-reduce mode */
-  readonly #replica: Replica | null;
+  /** all-reduce mode: a replica, or a share of a model-parallel job's model */
+  readonly #replica: Replica | ModelParallelReplica | null;
   /** all-reduce mode: the step this rank's replica is at (what a snapshot of it is labelled) */
   #replicaStep = 0;
   #params: { generation: number; data: Float32Array };
@@ -195,14 +197,28 @@ export class TrainerRun {
     this.#plan = o.plan;
     this.#steps = stepScheduleOf(o.cfg, o.plan.trainSamples);
     this.#schedule = jobSchedule(o.cfg, o.plan);
-    this.#model = buildModel(this.#ctx, o.cfg, o.plan);
+    const mp = modelParallel(o.cfg)
+      ? new ModelParallelReplica({
+          bus: o.bus,
+          backend: o.backend,
+          cfg: o.cfg,
+          rank: o.rank,
+          ctx: this.#ctx,
+          plan: o.plan,
+          payloadBytesMax: o.payloadBytesMax,
+          ...o.collective,
+        })
+      : null;
+    // a model-parallel rank holds its share only (checked against the plan's whole model)
+    this.#model = mp?.model ?? buildModel(this.#ctx, o.cfg, o.plan);
     const store = this.#model.store;
-    checkPlanLayout(o.plan, store.slabNumel, store.decayRange.numel);
+    if (mp === null) checkPlanLayout(o.plan, store.slabNumel, store.decayRange.numel);
     const layout = planLayout(o.cfg, o.plan);
     this.#ps = usesShards(o.cfg) ? new PsClient(o.bus, layout, o.rank, o.payloadBytesMax, parseCompression(o.cfg.compress), o.cfg.warmupSteps) : null;
     this.#replica = usesShards(o.cfg)
       ? null
-      : new Replica({
+      : (mp ??
+        new Replica({
           bus: o.bus,
           backend: o.backend,
           cfg: o.cfg,
@@ -211,7 +227,7 @@ export class TrainerRun {
           model: this.#model,
           payloadBytesMax: o.payloadBytesMax,
           ...o.collective,
-        });
+        }));
     // host copies of pulled parameters and pushed gradients: parameter-server mode only
     const hostElems = this.#ps ? store.slabNumel : 0;
     this.#params = { generation: 0, data: new Float32Array(hostElems) };
@@ -260,7 +276,17 @@ export class TrainerRun {
 
   #publish(e: Partial<Event> & { kind: EventKind }): void {
     const kind = EventKind[e.kind].toLowerCase();
-    this.#o.bus.publish(subjects.events(this.#o.cfg.job, kind), encodeEvent({ ...emptyEvent(this.#o.cfg.job, e.kind), rank: this.#o.rank, ...e }));
+    let rank: number | null = this.#o.rank;
+    // Step and Eval events are a data-parallel rank's: in a model-parallel job one rank of each
+    // copy of the model speaks for it, as its copy
+    if (e.kind === EventKind.Step || e.kind === EventKind.Eval) rank = this.#replica?.eventRank ?? this.#o.rank;
+    if (rank === null) return;
+    this.#o.bus.publish(subjects.events(this.#o.cfg.job, kind), encodeEvent({ ...emptyEvent(this.#o.cfg.job, e.kind), rank, ...e }));
+  }
+
+  /** The data-loader's rank this trainer reads (its copy of the model's, in a model-parallel job). */
+  get #dataRank(): number {
+    return this.#replica?.dataRank ?? this.#o.rank;
   }
 
   /**
@@ -377,7 +403,8 @@ export class TrainerRun {
       }),
     );
     // a snapshot reads rank 0's replica (stage 0), or every rank's partition (ZeRO), for the step the rank is at
-    const subject = replica.partition === null ? (rank === 0 ? subjects.replicaState(cfg.job) : null) : subjects.replicaPartition(cfg.job, rank);
+    const subject =
+      replica.serves === "whole" ? subjects.replicaState(cfg.job) : replica.serves === "partition" ? subjects.replicaPartition(cfg.job, rank) : null;
     if (subject === null) return;
     this.#replicaSubs.push(
       bus.handle(subject, (data, subject) => {
@@ -700,7 +727,7 @@ export class TrainerRun {
   async #batch(step: number): Promise<Batch> {
     const { cfg, rank, bus } = this.#o;
     const fetch = (s: number) => {
-      const req = encodeBatchRequest({ job: cfg.job, rank, split: Split.Train, credits: loaderCredits, step: s });
+      const req = encodeBatchRequest({ job: cfg.job, rank: this.#dataRank, split: Split.Train, credits: loaderCredits, step: s });
       const promise = bus.request(subjects.dataNext(cfg.job), req, requestTimeoutMs).then((r) => decodeBatch(r, this.#o.payloadBytesMax));
       promise.catch(() => {}); // a failed look-ahead is retried as the step's own request
       return { step: s, promise };
@@ -736,7 +763,7 @@ export class TrainerRun {
     // all-reduce without ZeRO: rank 0 holds the whole state, and cuts it here (no round trip
     // for it); the checkpoint service reads the cut's parts in the background
     const replica = this.#replica;
-    const precut = replica !== null && replica.partition === null;
+    const precut = replica !== null && replica.serves === "whole";
     try {
       if (precut) replica.cut(step, payloadBytesMax);
       const tag = precut ? precutSaveTag : "schedule";
@@ -759,14 +786,15 @@ export class TrainerRun {
     const split = this.#plan.valSamples > 0 && (step < this.#total || this.#plan.testSamples === 0) ? Split.Val : Split.Test;
     const batches: HostBatch[] = [];
     for (let i = 0; ; i++) {
-      const req = encodeBatchRequest({ job: cfg.job, rank, split, credits: 0, step: i });
+      const req = encodeBatchRequest({ job: cfg.job, rank: this.#dataRank, split, credits: 0, step: i });
       const b = decodeBatch(await bus.request(subjects.dataNext(cfg.job), req, requestTimeoutMs), this.#o.payloadBytesMax);
       if (b.endOfEpoch) break;
       batches.push(toHost(b));
     }
     // ZeRO stage 3: every rank gathers the whole model for the evaluation (they all evaluate at this boundary)
     await this.#replica?.gatherAll(step);
-    const r = evaluate(this.#ctx, this.#model, batches);
+    // a model-parallel copy evaluates through its stages together
+    const r = this.#replica instanceof ModelParallelReplica ? await this.#replica.evaluate(step, batches) : evaluate(this.#ctx, this.#model, batches);
     await this.#replica?.releaseAll();
     const e = { kind: EventKind.Eval, step, loss: r.loss, accuracy: r.accuracy, count: r.count, text: Split[split].toLowerCase() };
     if (step >= this.#total) this.#final = e;

@@ -238,6 +238,21 @@ export class Replica {
     return this.#generation;
   }
 
+  /** What this rank serves a snapshot: rank 0 the whole replica, or (ZeRO) every rank its partition. */
+  get serves(): "whole" | "partition" | "none" {
+    return this.partition !== null ? "partition" : this.#o.rank === 0 ? "whole" : "none";
+  }
+
+  /** The rank this one's Step and Eval events carry (every rank speaks for itself). */
+  get eventRank(): number | null {
+    return this.#o.rank;
+  }
+
+  /** The data-loader's rank this rank reads. */
+  get dataRank(): number {
+    return this.#o.rank;
+  }
+
   get #optimizerBytes(): number {
     return this.optimizer.stateSlabs().reduce((sum, s) => sum + s.allocation.bytes, 0);
   }
@@ -920,29 +935,13 @@ export class Replica {
    * nothing changes until every part of one restore is here and apply() runs.
    */
   stage(s: ShardState): void {
-    const { cfg } = this.#o;
-    const parts = s.parts ?? 0;
-    if (s.job !== cfg.job) throw new BadRequestError(`a replica of job ${s.job} loaded into job ${cfg.job}`);
-    if (s.checksum !== shardStateChecksum(s)) throw new BadRequestError("a replica part whose checksum does not match its contents (changed after it was cut)");
-    if (!(parts >= 1) || s.shard >= parts) throw new BadRequestError(`replica part ${s.shard} of ${parts}`);
-    if (!((s.generation ?? 0) > 0)) throw new BadRequestError("a replica load names no communicator generation");
-    if (!Number.isSafeInteger(s.step) || s.step < 0) throw new BadRequestError(`replica of step ${s.step}`);
-    if (!(Number.isFinite(s.lossScale ?? 0) && (s.lossScale ?? 0) >= 0)) throw new BadRequestError(`replica with loss scale ${s.lossScale}`);
-    const names = this.optimizer
-      .stateSlabs()
-      .map((x) => x.name)
-      .join(",");
-    for (const c of s.chunks) {
-      const info = this.layout.chunks[c.id];
-      if (!info) throw new BadRequestError(`replica chunk ${c.id}: the job has chunks 0 to ${this.layout.chunks.length - 1}`);
-      if (c.params.length !== info.count) throw new BadRequestError(`replica chunk ${c.id} has ${c.params.length} values, expected ${info.count}`);
-      if (c.state.map((v) => v.name).join(",") !== names)
-        throw new BadRequestError(`replica chunk ${c.id} has optimizer state [${c.state.map((v) => v.name).join(",")}], this job needs [${names}]`);
-      for (const v of [c.params, ...c.state.map((x) => x.data)]) {
-        if (v.length !== info.count) throw new BadRequestError(`replica chunk ${c.id} has a state vector of ${v.length} values, expected ${info.count}`);
-        for (let i = 0; i < v.length; i++) if (!Number.isFinite(v[i]!)) throw new BadRequestError(`replica chunk ${c.id} holds a non-finite value`);
-      }
-    }
+    checkReplicaPart(
+      s,
+      this.#o.cfg.job,
+      this.layout,
+      this.optimizer.stateSlabs().map((x) => x.name),
+    );
+    const parts = s.parts!;
     const g = s.generation!;
     const cur = this.#staged;
     // a part of another load starts over: the checkpoint service loads every part of a restore
@@ -1006,6 +1005,34 @@ export class Replica {
     this.#exported = null;
     this.reconnect(done.generation);
     return done;
+  }
+}
+
+/**
+ * Checks one part of a snapshot's replica before anything is kept: its job, checksum, part
+ * number, communicator generation, step and loss scale, and every chunk against the job's
+ * layout (its length, the optimizer's state vectors `names`, finite values). BadRequestError
+ * names the first problem.
+ */
+export function checkReplicaPart(s: ShardState, job: string, layout: Layout, names: readonly string[]): void {
+  const parts = s.parts ?? 0;
+  if (s.job !== job) throw new BadRequestError(`a replica of job ${s.job} loaded into job ${job}`);
+  if (s.checksum !== shardStateChecksum(s)) throw new BadRequestError("a replica part whose checksum does not match its contents (changed after it was cut)");
+  if (!(parts >= 1) || s.shard >= parts) throw new BadRequestError(`replica part ${s.shard} of ${parts}`);
+  if (!((s.generation ?? 0) > 0)) throw new BadRequestError("a replica load names no communicator generation");
+  if (!Number.isSafeInteger(s.step) || s.step < 0) throw new BadRequestError(`replica of step ${s.step}`);
+  if (!(Number.isFinite(s.lossScale ?? 0) && (s.lossScale ?? 0) >= 0)) throw new BadRequestError(`replica with loss scale ${s.lossScale}`);
+  const want = names.join(",");
+  for (const c of s.chunks) {
+    const info = layout.chunks[c.id];
+    if (!info) throw new BadRequestError(`replica chunk ${c.id}: the job has chunks 0 to ${layout.chunks.length - 1}`);
+    if (c.params.length !== info.count) throw new BadRequestError(`replica chunk ${c.id} has ${c.params.length} values, expected ${info.count}`);
+    if (c.state.map((v) => v.name).join(",") !== want)
+      throw new BadRequestError(`replica chunk ${c.id} has optimizer state [${c.state.map((v) => v.name).join(",")}], this job needs [${want}]`);
+    for (const v of [c.params, ...c.state.map((x) => x.data)]) {
+      if (v.length !== info.count) throw new BadRequestError(`replica chunk ${c.id} has a state vector of ${v.length} values, expected ${info.count}`);
+      for (let i = 0; i < v.length; i++) if (!Number.isFinite(v[i]!)) throw new BadRequestError(`replica chunk ${c.id} holds a non-finite value`);
+    }
   }
 }
 

@@ -175,14 +175,14 @@ describe("model-parallel GPT in one process: data x pipeline x tensor", () => {
       const run = await layoutRun(layout, schedule, data, recompute);
       // every rank reports the same loss and norm
       for (const r of run.results) {
-        expect(r.map((x) => x.loss)).toEqual(run.results[0]!.map((x) => x.loss));
+        expect(r.map((x) => x.globalLoss)).toEqual(run.results[0]!.map((x) => x.globalLoss));
         expect(r.map((x) => x.gradNorm)).toEqual(run.results[0]!.map((x) => x.gradNorm));
       }
       let worstLoss = 0,
         worstNorm = 0,
         worstParam = 0;
       run.results[0]!.forEach((r, i) => {
-        worstLoss = Math.max(worstLoss, relDiff(r.loss, reference.losses[i]!));
+        worstLoss = Math.max(worstLoss, relDiff(r.globalLoss, reference.losses[i]!));
         worstNorm = Math.max(worstNorm, relDiff(r.gradNorm, reference.norms[i]!));
       });
       for (const [pname, copies] of run.params) {

@@ -1,0 +1,356 @@
+// A trainer rank of a model-parallel job (`pipelineStages` x `tensorParallel` > 1, all-reduce
+// mode): it holds one share of the GPT, its stage's blocks cut to its tensor rank
+// (engine/parallel/pipeline.ts), and steps with the other ranks of its copy of the model and the
+// same share in the other copies. Ranks are numbered tensor rank fastest, then stage, then copy
+// (coordsOf): a job of 8 trainers with 2 stages and 2 tensor ranks runs copies d = 0 and 1 of
+// ranks 0-3 and 4-7, and copy d trains on the data-loader's rank d.
+//
+// Every collective (a stage's activations to the next, the tensor ranks' all-reduces, the tied
+// embedding, the replicas' gradients) is a ring of the job's collective transport over NATS
+// (services/runtime/collective-bus.ts), one per group, under the communicator generation that
+// the newest restore assigned.
+//
+// Snapshots are in the whole model's layout, so they export as a model file and restore into any
+// layout: each rank of copy 0 serves the elements it answers for (shareRuns "owned") as slab
+// ranges, as a ZeRO rank serves its partition, and the checkpoint service assembles the
+// replica from them. A restore loads the whole replica's parts into every rank, which keeps
+// its share of the parameters and the optimizer state.
+//
+// The events: the last stage's tensor rank 0 of each copy speaks for it (Step and Eval events
+// with rank = its copy), so a job's events read as those of its data-parallel ranks.
+import type { Backend } from "../../ffi/backend.ts";
+import { EngineError } from "../../engine/errors.ts";
+import { type GptConfig, gptParamSpecs } from "../../engine/models/gpt.ts";
+import { AdamW } from "../../engine/optim/adamw.ts";
+import type { Optimizer } from "../../engine/optim/optimizer.ts";
+import { Sgd } from "../../engine/optim/sgd.ts";
+import { slabLayoutOf } from "../../engine/params.ts";
+import { CollectiveClosedError } from "../../engine/parallel/collective.ts";
+import {
+  coordsOf,
+  type LayoutCoords,
+  type ModelLayout,
+  type ModelParallelRank,
+  modelParallelRank,
+  modelParallelRings,
+  type SlabRun,
+  shareRuns,
+} from "../../engine/parallel/pipeline.ts";
+import { PieceRouter, RingGroup, ringDefaults } from "../../engine/parallel/ring.ts";
+import type { ModelMemory } from "../../engine/parallel/zero.ts";
+import type { Context } from "../../engine/tensor.ts";
+import type { EvalResult, HostBatch } from "../../engine/train.ts";
+import type { DataPlan, ShardState } from "../../schemas/messages.ts";
+import type { Bus } from "../runtime/bus.ts";
+import { BusTransport, busTransportDefaults, type BusTransportOptions } from "../runtime/collective-bus.ts";
+import { BadRequestError, CorruptDataError } from "../runtime/errors.ts";
+import { dataRanks, type JobConfig } from "../runtime/job.ts";
+import { buildLayout, type Layout } from "../runtime/layout.ts";
+import { modelConfigOf } from "../runtime/model.ts";
+import { cutPartition, type ReplicaMeta } from "../runtime/replica-parts.ts";
+import { checkReplicaPart, type ReplicaStepResult } from "./replica.ts";
+
+/** Bits of the parameter hash per float (exact as an f32 integer, never a NaN). */
+const hashBitsPerFloat = 21;
+/** The replica check's key (the training steps' keys are below it) */
+const checkBucket = 1 << 24;
+
+export interface ModelParallelOptions {
+  bus: Bus;
+  backend: Backend;
+  cfg: JobConfig;
+  rank: number;
+  ctx: Context;
+  plan: DataPlan;
+  payloadBytesMax: number;
+  transport?: Partial<Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs" | "sharedMemory">>;
+  progressTimeoutMs?: number;
+}
+
+interface Staged {
+  step: number;
+  generation: number;
+  parts: number;
+  optimizerSteps: number;
+  got: Map<number, ShardState>;
+}
+
+export class ModelParallelReplica {
+  readonly layout: Layout;
+  readonly mp: ModelLayout;
+  readonly coords: LayoutCoords;
+  readonly #o: ModelParallelOptions;
+  readonly #config: GptConfig;
+  /** the model share and its step runner, rebuilt (on the same model) by every reconnect */
+  #rank: ModelParallelRank;
+  readonly optimizer: Optimizer;
+  /** the transport and its router of the current generation */
+  #wire: { transport: BusTransport; router: PieceRouter } | null = null;
+  #generation = 0;
+  readonly #meter = { bytes: 0 };
+  /** this rank's elements in the whole model's slab: all of them (restores), and those it serves */
+  readonly #all: SlabRun[];
+  readonly #owned: SlabRun[];
+  #staged: Staged | null = null;
+  #exported: { step: number; parts: ShardState[] } | null = null;
+
+  constructor(o: ModelParallelOptions) {
+    this.#o = o;
+    const { cfg, plan } = o;
+    if (cfg.model.kind !== "gpt") throw new EngineError("model parallelism cuts a gpt");
+    this.mp = { data: dataRanks(cfg), stages: cfg.pipelineStages, tensor: cfg.tensorParallel };
+    this.coords = coordsOf(this.mp, o.rank);
+    this.#config = modelConfigOf(cfg, plan) as GptConfig;
+    const whole = slabLayoutOf(gptParamSpecs(this.#config));
+    if (whole.slabNumel !== plan.slabNumel || whole.decayEnd !== plan.decayElems) {
+      throw new CorruptDataError(
+        `job ${cfg.job}'s plan holds a model of ${plan.slabNumel} slab elements (${plan.decayElems} decayed); this trainer builds ${whole.slabNumel} (${whole.decayEnd})`,
+      );
+    }
+    this.layout = buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, 1);
+    const opt = cfg.optimizer;
+    let optimizer: Optimizer | null = null;
+    this.#rank = modelParallelRank({
+      ...this.#common(0),
+      optimizer: (m) =>
+        (optimizer =
+          opt.kind === "sgd"
+            ? new Sgd(o.ctx, m.store, { momentum: opt.momentum, dampening: 0, nesterov: opt.nesterov, weightDecay: opt.weightDecay })
+            : new AdamW(o.ctx, m.store, { beta1: opt.beta1, beta2: opt.beta2, eps: opt.eps, weightDecay: opt.weightDecay })),
+    });
+    this.optimizer = optimizer!;
+    this.#all = shareRuns(this.model, whole.entries, "all");
+    this.#owned = shareRuns(this.model, whole.entries, "owned");
+  }
+
+  /** What a rank is built from, with rings over a new transport of generation `generation`. */
+  #common(generation: number) {
+    const { bus, cfg, rank, payloadBytesMax, ctx } = this.#o;
+    const t = { ...busTransportDefaults, ...this.#o.transport };
+    const transport = new BusTransport(bus, {
+      ...t,
+      pieceBytesMax: Math.min(t.pieceBytesMax, Math.floor((payloadBytesMax - 4096) / 4) * 4),
+      job: cfg.job,
+      rank,
+      size: cfg.trainers,
+      generation,
+      sharedMemory: this.#o.transport?.sharedMemory ?? cfg.collTransport === "auto",
+      meter: this.#meter,
+    });
+    const router = new PieceRouter(ringDefaults.earlyBytesMax);
+    transport.listen((p) => router.receive(p));
+    this.#wire = { transport, router };
+    const options = { ...ringDefaults, ...(this.#o.progressTimeoutMs ? { progressTimeoutMs: this.#o.progressTimeoutMs } : {}) };
+    const rings = modelParallelRings("mp", this.mp, rank, (name, members) => new RingGroup(name, members, transport, router, options));
+    return { ctx, config: this.#config, seed: cfg.seed, layout: this.mp, rings, schedule: cfg.pipeSchedule, gradClip: cfg.gradClip, recompute: cfg.recompute };
+  }
+
+  get model(): ModelParallelRank["model"] {
+    return this.#rank.model;
+  }
+
+  /** What this rank serves a snapshot: its owned elements, if it is in copy 0. */
+  get serves(): "whole" | "partition" | "none" {
+    return this.coords.d === 0 ? "partition" : "none";
+  }
+
+  /** The rank whose Step and Eval events speak for this copy (its number), or null. */
+  get eventRank(): number | null {
+    return this.coords.s === this.mp.stages - 1 && this.coords.t === 0 ? this.coords.d : null;
+  }
+
+  /** The data-loader's rank this copy reads. */
+  get dataRank(): number {
+    return this.coords.d;
+  }
+
+  get memory(): ModelMemory {
+    const { ctx, cfg } = this.#o;
+    const store = this.model.store;
+    return {
+      stage: 0,
+      ranks: cfg.trainers,
+      params: store.values.bytes,
+      paramCount: store.paramCount,
+      grads: store.grads.bytes,
+      optimizer: this.optimizer.stateSlabs().reduce((sum, s) => sum + s.allocation.bytes, 0),
+      host: 0,
+      buckets: 0,
+      arenaPeak: ctx.arena.highWaterBytes,
+      gatheredPeak: 0,
+    };
+  }
+
+  get wireBytes(): number {
+    return this.#meter.bytes;
+  }
+
+  get generation(): number {
+    return this.#generation;
+  }
+
+  readonly hostCount = 1;
+
+  /** The topology does not change the rings of a model-parallel job (a flat ring each). */
+  useTopology(_hosts: readonly string[]): void {}
+
+  async gatherAll(_step: number): Promise<void> {}
+  async releaseAll(): Promise<void> {}
+
+  /**
+   * One step of this rank: its share of the copy's micro-batches (`micro`: the copy's batch,
+   * `rows` of the step's `total`), reduced with the other copies by their rows.
+   */
+  async step(step: number, micro: readonly HostBatch[], rows: number, total: number, lr: number): Promise<ReplicaStepResult> {
+    const r = await this.#rank.stage.step(step, micro, lr, total > 0 ? rows / total : 0);
+    return {
+      loss: r.loss,
+      gradNorm: r.gradNorm,
+      skipped: false,
+      computeMs: r.stepMs - r.idleMs,
+      commMs: r.idleMs,
+      exposedCommMs: r.idleMs,
+      density: -1,
+    };
+  }
+
+  /** The copy's evaluation over `batches` (every rank of the copy gets the same). */
+  evaluate(step: number, batches: readonly HostBatch[]): Promise<EvalResult> {
+    return this.#rank.stage.evaluate(step, batches);
+  }
+
+  /** The copies' parameters compared: every copy of this share must hold the same bits. */
+  async checkReplicas(step: number): Promise<void> {
+    const data = this.#rank.rings.data;
+    if (data === null) return;
+    const h = Bun.hash(new Uint8Array(this.model.store.readValues().buffer));
+    const n = data.size;
+    const buf = new Float32Array(3 * n);
+    const mask = (1n << BigInt(hashBitsPerFloat)) - 1n;
+    for (let i = 0; i < 3; i++) buf[3 * this.coords.d + i] = Number((BigInt(h) >> BigInt(hashBitsPerFloat * i)) & mask);
+    await data.allGather(buf, { step, bucket: checkBucket });
+    const hashOf = (d: number) => [0, 1, 2].map((i) => buf[3 * d + i]!.toString(16)).join(".");
+    const differ = Array.from({ length: n }, (_, d) => d).filter((d) => hashOf(d) !== hashOf(0));
+    if (differ.length > 0) {
+      const { s, t } = this.coords;
+      throw new EngineError(`the copies of stage ${s}, tensor rank ${t} diverged by step ${step}: copies ${differ.join(", ")} differ from copy 0`);
+    }
+  }
+
+  /** Cuts this rank's share (copy 0) for the snapshot of `step`; returns its number of parts. */
+  cut(step: number, partBytesMax: number): number {
+    if (this.serves !== "partition") throw new BadRequestError(`trainer ${this.#o.rank} is in copy ${this.coords.d} of the model; copy 0 serves snapshots`);
+    const store = this.model.store;
+    const values = store.readValues();
+    const slabs = this.optimizer.stateSlabs();
+    const states = slabs.map((s) => {
+      const v = new Float32Array(store.slabNumel);
+      this.#o.backend.download(s.allocation.ptr, v);
+      return v;
+    });
+    const meta: ReplicaMeta & { rank: number } = { job: this.#o.cfg.job, step, optimizerSteps: this.optimizer.stepCount, lossScale: 0, rank: this.#o.rank };
+    const ranges = this.#owned.map((r) => ({ offset: r.whole, count: r.count, packed: r.local }));
+    const parts = cutPartition(
+      meta,
+      ranges,
+      slabs.map((s) => s.name),
+      (_offset, count, packed) => ({ params: values.slice(packed, packed + count), state: states.map((v) => v.slice(packed, packed + count)) }),
+      partBytesMax,
+    );
+    this.#exported = { step, parts };
+    return parts.length;
+  }
+
+  hasCut(step: number): boolean {
+    return this.#exported?.step === step;
+  }
+
+  async exportPart(step: number, part: number, partBytesMax: number): Promise<ShardState> {
+    if (this.#exported?.step !== step) this.cut(step, partBytesMax);
+    const parts = this.#exported!.parts;
+    if (!Number.isInteger(part) || part < 0 || part >= parts.length) throw new BadRequestError(`the share has parts 0 to ${parts.length - 1}, not ${part}`);
+    return parts[part]!;
+  }
+
+  /** Takes one part of a restore's whole replica, checked; nothing changes until apply(). */
+  stage(s: ShardState): void {
+    checkReplicaPart(
+      s,
+      this.#o.cfg.job,
+      this.layout,
+      this.optimizer.stateSlabs().map((x) => x.name),
+    );
+    const parts = s.parts!;
+    const g = s.generation!;
+    if (this.#staged === null || this.#staged.generation !== g)
+      this.#staged = { step: s.step, generation: g, parts, optimizerSteps: s.optimizerSteps, got: new Map() };
+    const st = this.#staged;
+    if (st.step !== s.step || st.parts !== parts)
+      throw new BadRequestError(`replica part of step ${s.step} (${parts} parts) in a load of step ${st.step} (${st.parts} parts)`);
+    st.got.set(s.shard, s);
+  }
+
+  get staged(): { step: number; generation: number } | null {
+    const st = this.#staged;
+    if (st === null || st.got.size !== st.parts) return null;
+    const ids = [...st.got.values()].flatMap((p) => p.chunks.map((c) => c.id));
+    if (ids.length !== this.layout.chunks.length || new Set(ids).size !== ids.length) return null;
+    return { step: st.step, generation: st.generation };
+  }
+
+  /** Applies the staged restore: this rank's share of the parameters and optimizer state, and the generation. */
+  apply(): { step: number; generation: number } {
+    const done = this.staged;
+    if (done === null) throw new EngineError("no complete replica is staged");
+    const st = this.#staged!;
+    const { backend, plan } = this.#o;
+    const values = new Float32Array(plan.slabNumel);
+    const slabs = this.optimizer.stateSlabs();
+    const states = slabs.map(() => new Float32Array(plan.slabNumel));
+    for (const part of st.got.values()) {
+      for (const c of part.chunks) {
+        const info = this.layout.chunks[c.id]!;
+        values.set(c.params, info.offset);
+        c.state.forEach((v, i) => states[i]!.set(v.data, info.offset));
+      }
+    }
+    const store = this.model.store;
+    const mine = new Float32Array(store.slabNumel);
+    const mineStates = slabs.map(() => new Float32Array(store.slabNumel));
+    for (const r of this.#all) {
+      mine.set(values.subarray(r.whole, r.whole + r.count), r.local);
+      mineStates.forEach((m, i) => m.set(states[i]!.subarray(r.whole, r.whole + r.count), r.local));
+    }
+    store.writeValues(mine);
+    slabs.forEach((s, i) => backend.upload(s.allocation.ptr, mineStates[i]!));
+    this.optimizer.setStepCount(st.optimizerSteps);
+    store.zeroGrad();
+    this.#staged = null;
+    this.#exported = null;
+    this.reconnect(done.generation);
+    return done;
+  }
+
+  /** New rings under a new generation: operations in flight fail, stale pieces are refused. */
+  reconnect(generation: number): void {
+    this.#disconnect(`communicator generation ${this.#generation} replaced by ${generation}`);
+    this.#generation = generation;
+    this.#rank = modelParallelRank({ ...this.#common(generation), optimizer: () => this.optimizer, model: this.model });
+  }
+
+  /** Fails the operations in flight (a restore abandons the step); apply() reconnects. */
+  interrupt(): void {
+    this.#disconnect("the step was abandoned for a restore");
+  }
+
+  close(): void {
+    this.#disconnect("the trainer stopped");
+  }
+
+  #disconnect(reason: string): void {
+    if (this.#wire === null) return;
+    this.#wire.router.failAll(new CollectiveClosedError(reason));
+    this.#wire.transport.close();
+    this.#wire = null;
+  }
+}
