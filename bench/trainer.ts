@@ -21,8 +21,17 @@
 // answered (--sync-snapshots, the baseline); it reports how long rank 0's steps waited for them
 // (per snapshot, and as a share of all step time) and the samples/s of each.
 //
+// --layouts DxPxT,... runs the GPT once per layout of data x pipeline x tensor parallelism on
+// the mesh (D x P x T trainers; the same global batch of 32 windows in --micro-batches
+// micro-batches, the same steps) and reports each one's samples/s against 1x1x1's, what each
+// rank holds (parameters, gradients and optimizer state; the arena's peak of activations), and
+// the share of a step the speaking ranks waited for their neighbours against the pipeline's
+// theoretical bubble. On this machine's 2 cores more trainers share the same cores: the rows
+// show what each layout costs and saves per rank, not a speed-up.
+//
 //   bun run bench trainer [--model mlp,gpt] [--epochs 1] [--gpt-steps 60] [--sync bsp,allreduce] [--coll-transport auto,nats] [--bucket-mb 25]
-//                         [--compress none,bf16,int8,topk:0.01] [--snapshot-every 20] [--json-only]
+//                         [--compress none,bf16,int8,topk:0.01] [--snapshot-every 20] [--layouts 1x1x1,1x2x1,1x1x2,2x2x1,1x2x2]
+//                         [--micro-batches 4] [--schedule 1f1b] [--json-only]
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -76,7 +85,7 @@ const benchSyncs = ["bsp", "asp", "ssp", "allreduce"] as const;
 
 const benchModels = ["mlp", "gpt"] as const;
 
-export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResult[] | SnapshotBenchResult[]> {
+export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResult[] | SnapshotBenchResult[] | LayoutBenchResult[]> {
   const v = parseBenchArgs(argv, {
     model: { type: "string", default: "mlp,gpt" },
     epochs: { type: "string", default: "1" },
@@ -86,6 +95,9 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
     "coll-transport": { type: "string", default: "auto" },
     compress: { type: "string", default: "none" },
     "snapshot-every": { type: "string", default: "0" },
+    layouts: { type: "string", default: "" },
+    "micro-batches": { type: "string", default: "4" },
+    schedule: { type: "string", default: "1f1b" },
     "json-only": { type: "boolean", default: false },
   });
   const snapshotEvery = Number(v["snapshot-every"]);
@@ -104,6 +116,17 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
     if (x !== "auto" && x !== "nats") throw new ConfigError(`--coll-transport must be a list of auto, nats; got ${String(v["coll-transport"])}`);
   const bucketMb = Number(v["bucket-mb"]);
   if (!(bucketMb > 0 && bucketMb <= 1024)) throw new ConfigError(`--bucket-mb must be a number in (0, 1024], got ${String(v["bucket-mb"])}`);
+  if (String(v.layouts) !== "") {
+    const schedule = String(v.schedule);
+    if (schedule !== "1f1b" && schedule !== "gpipe") throw new ConfigError(`--schedule must be 1f1b or gpipe, got ${schedule}`);
+    return await layoutBench(
+      parseLayouts(String(v.layouts)),
+      positiveInt("gpt-steps", v["gpt-steps"]),
+      positiveInt("micro-batches", v["micro-batches"]),
+      schedule,
+      Boolean(v["json-only"]),
+    );
+  }
   if (snapshotEvery > 0)
     return await snapshotBench(
       models,
@@ -260,6 +283,122 @@ export interface SnapshotBenchResult {
   stall_share: number;
   /** samples/s against the synchronous snapshots' run */
   ratio: number;
+}
+
+export interface LayoutBenchResult {
+  layout: string;
+  trainers: number;
+  steps: number;
+  samples_per_s: number;
+  /** samples/s against the first layout's (1x1x1 by default) */
+  ratio: number;
+  /** the most any rank holds: parameters; parameters, gradients and optimizer state; activations */
+  params_kb: number;
+  state_kb: number;
+  arena_peak_kb: number;
+  /** the speaking ranks' share of a step spent waiting for their neighbours */
+  idle_share: number;
+  bubble_theory: number;
+  val_loss: number;
+}
+
+type Layout3 = { data: number; stages: number; tensor: number };
+
+function parseLayouts(text: string): Layout3[] {
+  return text.split(",").map((l) => {
+    const m = /^(\d+)x(\d+)x(\d+)$/.exec(l.trim());
+    if (!m) throw new ConfigError(`--layouts takes DxPxT layouts (data x pipeline x tensor), comma-separated: got "${l}"`);
+    const [data, stages, tensor] = [Number(m[1]), Number(m[2]), Number(m[3])];
+    if (!(data >= 1 && stages >= 1 && tensor >= 1 && data * stages * tensor <= 16)) throw new ConfigError(`--layouts: ${l} needs 1 to 16 trainers`);
+    return { data, stages, tensor };
+  });
+}
+
+/** The GPT in each layout of data x pipeline x tensor parallelism on the mesh, the same global batch and steps. */
+async function layoutBench(layouts: Layout3[], steps: number, micro: number, schedule: "1f1b" | "gpipe", jsonOnly: boolean): Promise<LayoutBenchResult[]> {
+  const rows: LayoutBenchResult[] = [];
+  const globalBatch = 32;
+  for (const l of layouts) {
+    const trainers = l.data * l.stages * l.tensor;
+    if (globalBatch % (l.data * micro) !== 0)
+      throw new ConfigError(`--layouts ${l.data}x..: ${l.data} copies x ${micro} micro-batches do not divide ${globalBatch} windows`);
+    const cfg = parseJobConfig({
+      ...gptJobDefaults,
+      job: "bench-layouts",
+      sync: "allreduce",
+      trainers,
+      pipelineStages: l.stages,
+      tensorParallel: l.tensor,
+      pipeSchedule: schedule,
+      batchSize: globalBatch / l.data,
+      accumSteps: micro,
+      epochs: 1,
+      maxSteps: steps,
+      checkpointEvery: 0,
+      evalEvery: 0,
+    });
+    const dir = mkdtempSync(join(tmpdir(), "mt-bench-layouts-"));
+    try {
+      await using m = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers, shards: 0 });
+      await using client = await MeshClient.connect(m.url);
+      const job = `${cfg.job}-${Date.now()}`;
+      await client.submit({ ...cfg, job }, { membersWaitMs: 60_000 });
+      let status: ReturnType<MeshClient["status"]> | null = null;
+      let idle = 0,
+        busy = 0;
+      const r = await watchJob(client, job, {
+        quiet: true,
+        onEvent: (e) => {
+          if (e.kind !== EventKind.Step || e.samplesPerS <= 0) return;
+          if (status === null && e.step >= Math.floor(steps / 2)) status = client.status(job);
+          if (e.step < 2) return; // the first steps include the connections' start
+          idle += e.commMs;
+          busy += (1000 * e.count) / e.samplesPerS;
+        },
+      });
+      const st = status === null ? null : await (status as ReturnType<MeshClient["status"]>).catch(() => null);
+      const ranks = (st?.trainers ?? []).flatMap((t) => ("error" in t ? [] : [t]));
+      const kb = (b: number) => round(b / 1024, 1);
+      rows.push({
+        layout: `${l.data}x${l.stages}x${l.tensor}`,
+        trainers,
+        steps: r.record.totalSteps,
+        samples_per_s: round(r.samplesPerS, 1),
+        ratio: 1,
+        params_kb: kb(Math.max(0, ...ranks.map((t) => t.paramBytes))),
+        state_kb: kb(Math.max(0, ...ranks.map((t) => t.paramBytes + t.gradBytes + t.optimizerBytes))),
+        arena_peak_kb: kb(Math.max(0, ...ranks.map((t) => t.arenaPeakBytes))),
+        idle_share: round(idle / Math.max(busy, 1e-9), 3),
+        bubble_theory: round((l.stages - 1) / (micro + l.stages - 1), 3),
+        val_loss: round(r.record.loss, 4),
+      });
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  }
+  for (const row of rows) row.ratio = round(row.samples_per_s / rows[0]!.samples_per_s, 3);
+  if (!jsonOnly) {
+    console.log(
+      `model-parallel layouts (data x pipeline x tensor) of the GPT on the mesh, ${globalBatch} windows a step in ${micro} micro-batches a copy, ${schedule}, ` +
+        `${steps} steps, all on this machine (${navigator.hardwareConcurrency} cores); per-rank memory is the most any rank holds (from its allocations); ` +
+        "idle = the share of a step the copies' speaking ranks waited for their neighbours",
+    );
+    printTable(rows, [
+      "layout",
+      "trainers",
+      "steps",
+      "samples_per_s",
+      "ratio",
+      "params_kb",
+      "state_kb",
+      "arena_peak_kb",
+      "idle_share",
+      "bubble_theory",
+      "val_loss",
+    ]);
+  }
+  console.log(JSON.stringify({ bench: "trainer-layouts", results: rows }));
+  return rows;
 }
 
 /** Snapshot stalls: every model and sync mode with a snapshot every `every` steps, background writes against synchronous ones. */

@@ -12,6 +12,8 @@
 //
 // Backward kernels ADD into their gradient buffers (dinp += ...).
 
+import type { OpMethods } from "./ops.ts";
+
 export type Ptr = number;
 
 export type DType = "f32" | "bf16" | "f16" | "i32";
@@ -47,7 +49,7 @@ export interface BackendStats {
   readonly liveBytes: number;
 }
 
-export interface Backend {
+export interface Backend extends OpMethods {
   readonly name: string;
   readonly stats: BackendStats;
 
@@ -121,88 +123,8 @@ export interface Backend {
     batch: number,
   ): void;
 
-  // ---- elementwise (f32) ----
-  add(out: Ptr, a: Ptr, b: Ptr, n: number): void;
-  mul(out: Ptr, a: Ptr, b: Ptr, n: number): void;
-  /** y += alpha x */
-  axpy(y: Ptr, x: Ptr, n: number, alpha: number): void;
-  scale(x: Ptr, n: number, s: number): void;
-  /** dinp[i] += dout[0] * scale (dout is a scalar in backend memory) */
-  addScalarFrom(dinp: Ptr, dout: Ptr, scale: number, n: number): void;
-  /** out[i] = a[i·aStrides] op b[i·bStrides] over dims; out is contiguous with `dims` */
-  binaryBroadcast(op: BinaryOp, out: Ptr, a: Ptr, b: Ptr, dims: Dims4, aStrides: Dims4, bStrides: Dims4): void;
-  /** out[i·outStrides] += inp[i] over dims (inp contiguous): reduce a gradient onto a broadcast operand */
-  reduceBroadcast(out: Ptr, inp: Ptr, dims: Dims4, outStrides: Dims4): void;
-
-  // ---- layers ----
-  biasAdd(out: Ptr, inp: Ptr, bias: Ptr, N: number, C: number): void;
-  biasBackward(dbias: Ptr, dout: Ptr, N: number, C: number): void;
-  reluForward(out: Ptr, inp: Ptr, n: number): void;
-  reluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): void;
-  geluForward(out: Ptr, inp: Ptr, n: number): void;
-  geluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): void;
-  dropoutForward(out: Ptr, inp: Ptr, n: number, p: number, seed: bigint): void;
-  dropoutBackward(dinp: Ptr, dout: Ptr, n: number, p: number, seed: bigint): void;
-  /**
-   * Returns the count of targets outside [0, V). `inRange`: the caller has checked on the host
-   * that every target is in [0, V), so the count is not wanted; a GPU backend then returns 0
-   * without waiting for the device (out-of-range targets still never read outside the row).
-   */
-  crossEntropyForward(loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr, N: number, V: number, inRange?: boolean): number;
-  crossEntropyBackward(dlogits: Ptr, probs: Ptr, targets: Ptr, dloss: Ptr, N: number, V: number): void;
-  layerNormForward(out: Ptr, mean: Ptr, rstd: Ptr, inp: Ptr, weight: Ptr, bias: Ptr, N: number, C: number, eps: number): void;
-  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr, mean: Ptr, rstd: Ptr, N: number, C: number): void;
-  /** Returns the count of ids outside [0, V) (their rows come out zero). `inRange` as for
-   *  crossEntropyForward: 0 is returned without waiting for the device. */
-  embeddingForward(out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number, inRange?: boolean): number;
-  embeddingBackward(dtable: Ptr, ids: Ptr, dout: Ptr, N: number, C: number): void;
-  causalSoftmaxForward(out: Ptr, inp: Ptr, BH: number, T: number, scale: number): void;
-  causalSoftmaxBackward(dinp: Ptr, out: Ptr, dout: Ptr, BH: number, T: number, scale: number): void;
-  /** out[i·outStrides] = (or +=) inp[i·inpStrides] over dims: permutes, splits, merges.
-   *  No two indices may map to the same out element. */
-  stridedCopy(out: Ptr, outStrides: Dims4, inp: Ptr, inpStrides: Dims4, dims: Dims4, accumulate: boolean): void;
-
-  // ---- reductions ----
-  /** out[0] = sum of inp (n) */
-  sum(out: Ptr, inp: Ptr, n: number): void;
-  sumSquares(x: Ptr, n: number): number;
-  countNonFinite(x: Ptr, n: number): number;
-
-  // ---- optimizer updates (PyTorch semantics; see ffi/cpu/kernels.c) ----
-  sgdStep(
-    param: Ptr,
-    grad: Ptr,
-    momentumBuf: Ptr,
-    n: number,
-    lr: number,
-    momentum: number,
-    dampening: number,
-    weightDecay: number,
-    nesterov: boolean,
-    first: boolean,
-  ): void;
-  adamwStep(
-    param: Ptr,
-    grad: Ptr,
-    m: Ptr,
-    v: Ptr,
-    /** 0, or the steps since each coordinate last had a gradient (sparse gradients: ffi/numerics.h) */
-    age: Ptr,
-    n: number,
-    lr: number,
-    beta1: number,
-    beta2: number,
-    eps: number,
-    weightDecay: number,
-    biasCorrection1: number,
-    biasCorrection2: number,
-  ): void;
-
-  // ---- casts ----
-  castF32ToBF16(out: Ptr, inp: Ptr, n: number): void;
-  castBF16ToF32(out: Ptr, inp: Ptr, n: number): void;
-  castF32ToF16(out: Ptr, inp: Ptr, n: number): void;
-  castF16ToF32(out: Ptr, inp: Ptr, n: number): void;
+  // the kernel ops (elementwise, layers, reductions, optimizer updates, casts) are OpMethods,
+  // declared once in ffi/ops.ts
 
   /** release native resources; the backend is unusable afterwards */
   dispose(): void;

@@ -6,8 +6,9 @@
 // of upload/download, and those calls are synchronous: the TypedArray argument stays
 // referenced by the caller's frame for the whole call.
 import { dlopen, FFIType, ptr as addressOf, type Pointer } from "bun:ffi";
-import type { Allocation, Backend, BackendStats, BinaryOp, Dims4, GemmInput, Ptr } from "../backend.ts";
+import type { Allocation, Backend, BackendStats, GemmInput, Ptr } from "../backend.ts";
 import { OutOfMemoryError } from "../errors.ts";
+import { cArgTypes, type OpDecl, type OpMethods, type OpName, ops, passesStraight, toCArgs } from "../ops.ts";
 import { ensureKernelLibrary } from "./build.ts";
 
 const CblasRowMajor = 101;
@@ -66,60 +67,29 @@ function loadLibraries() {
     mt_zero: { args: ["ptr", "i64"], returns: "void" },
     mt_fill_f32: { args: ["ptr", "i64", "f32"], returns: "void" },
     mt_num_threads: { args: [], returns: "i32" },
-    mt_add_f32: { args: ["ptr", "ptr", "ptr", "i64"], returns: "void" },
-    mt_mul_f32: { args: ["ptr", "ptr", "ptr", "i64"], returns: "void" },
-    mt_axpy_f32: { args: ["ptr", "ptr", "i64", "f32"], returns: "void" },
-    mt_scale_f32: { args: ["ptr", "i64", "f32"], returns: "void" },
-    mt_add_scalar_ptr_f32: { args: ["ptr", "ptr", "f32", "i64"], returns: "void" },
-    mt_binary_bcast_f32: {
-      args: ["i32", "ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64"],
-      returns: "void",
-    },
-    mt_reduce_bcast_f32: { args: ["ptr", "ptr", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64"], returns: "void" },
-    mt_bias_add_f32: { args: ["ptr", "ptr", "ptr", "i64", "i64"], returns: "void" },
-    mt_bias_backward_f32: { args: ["ptr", "ptr", "i64", "i64"], returns: "void" },
-    mt_relu_forward_f32: { args: ["ptr", "ptr", "i64"], returns: "void" },
-    mt_relu_backward_f32: { args: ["ptr", "ptr", "ptr", "i64"], returns: "void" },
-    mt_gelu_forward_f32: { args: ["ptr", "ptr", "i64"], returns: "void" },
-    mt_gelu_backward_f32: { args: ["ptr", "ptr", "ptr", "i64"], returns: "void" },
-    mt_dropout_forward_f32: { args: ["ptr", "ptr", "i64", "f32", "u64"], returns: "void" },
-    mt_dropout_backward_f32: { args: ["ptr", "ptr", "i64", "f32", "u64"], returns: "void" },
-    mt_crossentropy_forward_f32: { args: ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"], returns: FFIType.i64_fast },
-    mt_crossentropy_backward_f32: { args: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"], returns: "void" },
-    mt_layernorm_forward_f32: { args: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "f32"], returns: "void" },
-    mt_layernorm_backward_f32: {
-      args: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"],
-      returns: "void",
-    },
-    mt_embedding_forward_f32: { args: ["ptr", "ptr", "ptr", "i64", "i64", "i64"], returns: FFIType.i64_fast },
-    mt_embedding_backward_f32: { args: ["ptr", "ptr", "ptr", "i64", "i64"], returns: "void" },
-    mt_causal_softmax_forward_f32: { args: ["ptr", "ptr", "i64", "i64", "f32"], returns: "void" },
-    mt_causal_softmax_backward_f32: { args: ["ptr", "ptr", "ptr", "i64", "i64", "f32"], returns: "void" },
-    mt_strided_copy_f32: {
-      args: ["ptr", "ptr", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "i32"],
-      returns: "void",
-    },
     mt_sgemm_strided_batched: {
       args: ["i32", "i32", "i64", "i64", "i64", "f32", "ptr", "i64", "i64", "ptr", "i64", "i64", "f32", "ptr", "i64", "i64", "i64"],
       returns: "void",
     },
-    mt_sum_f32: { args: ["ptr", "ptr", "i64"], returns: "void" },
-    mt_sum_squares_f32: { args: ["ptr", "i64"], returns: "f64" },
-    mt_count_nonfinite_f32: { args: ["ptr", "i64"], returns: FFIType.i64_fast },
-    mt_sgd_step_f32: {
-      args: ["ptr", "ptr", "ptr", "i64", "f32", "f32", "f32", "f32", "i32", "i32"],
-      returns: "void",
-    },
-    mt_adamw_step_f32: {
-      args: ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "f32", "f32", "f32", "f32", "f32", "f32", "f32"],
-      returns: "void",
-    },
-    mt_f32_to_bf16: { args: ["ptr", "ptr", "i64"], returns: "void" },
-    mt_bf16_to_f32: { args: ["ptr", "ptr", "i64"], returns: "void" },
-    mt_f32_to_f16: { args: ["ptr", "ptr", "i64"], returns: "void" },
-    mt_f16_to_f32: { args: ["ptr", "ptr", "i64"], returns: "void" },
   });
-  return { blas, k };
+  // every op's kernel, its parameters derived from its declaration (ffi/ops.ts)
+  const table: Record<string, { args: FFIType[]; returns: FFIType }> = {};
+  for (const d of Object.values(ops) as OpDecl[]) {
+    const returns = d.result === "void" ? FFIType.void : d.result === "i64" ? FFIType.i64_fast : FFIType.f64;
+    table[d.cpu] = { args: cArgTypes(d).map((t) => ffiTypes[t]), returns };
+  }
+  const kernelOps = dlopen(kernels, table);
+  return { blas, k, ops: kernelOps.symbols as Record<string, (...args: unknown[]) => unknown> };
+}
+
+const ffiTypes = { ptr: FFIType.ptr, i64: FFIType.i64, f32: FFIType.f32, u64: FFIType.u64, i32: FFIType.i32 } as const;
+
+/** The method of op `d` over its C kernel: the kernel itself when the arguments pass as they are. */
+function cpuMethod(d: OpDecl, kernel: (...args: unknown[]) => unknown): (...args: unknown[]) => unknown {
+  if (passesStraight(d)) return kernel;
+  const n = d.args.length;
+  // inRange (the last, optional argument) means nothing on the CPU: the count costs no wait
+  return (...args: unknown[]) => kernel(...toCArgs(d, args.length > n ? args.slice(0, n) : args));
 }
 
 type Libraries = ReturnType<typeof loadLibraries>;
@@ -132,6 +102,11 @@ function hostAddress(view: ArrayBufferView): Pointer {
   return addressOf(view as Uint8Array);
 }
 
+// the op methods are made from their declarations in the constructor
+// biome-ignore lint/suspicious/noUnsafeDeclarationMerging: the class fills these in
+export interface CpuBackend extends OpMethods {}
+
+// biome-ignore lint/suspicious/noUnsafeDeclarationMerging: see above
 export class CpuBackend implements Backend {
   readonly name = "cpu";
   readonly #lib: Libraries;
@@ -148,6 +123,9 @@ export class CpuBackend implements Backend {
   constructor() {
     libraries ??= loadLibraries();
     this.#lib = libraries;
+    // the op methods (OpMethods), each straight to its kernel
+    const self = this as unknown as Record<string, unknown>;
+    for (const [name, d] of Object.entries(ops) as [OpName, OpDecl][]) self[name] = cpuMethod(d, this.#lib.ops[d.cpu]!);
   }
 
   get stats(): BackendStats {
@@ -355,154 +333,6 @@ export class CpuBackend implements Backend {
       this.#scratch = this.alloc(alignUp(bytes, scratchGrainBytes));
     }
     return this.#scratch.ptr;
-  }
-
-  add(out: Ptr, a: Ptr, b: Ptr, n: number): void {
-    this.#lib.k.symbols.mt_add_f32(p(out), p(a), p(b), n);
-  }
-  mul(out: Ptr, a: Ptr, b: Ptr, n: number): void {
-    this.#lib.k.symbols.mt_mul_f32(p(out), p(a), p(b), n);
-  }
-  axpy(y: Ptr, x: Ptr, n: number, alpha: number): void {
-    this.#lib.k.symbols.mt_axpy_f32(p(y), p(x), n, alpha);
-  }
-  scale(x: Ptr, n: number, s: number): void {
-    this.#lib.k.symbols.mt_scale_f32(p(x), n, s);
-  }
-  addScalarFrom(dinp: Ptr, dout: Ptr, scale: number, n: number): void {
-    this.#lib.k.symbols.mt_add_scalar_ptr_f32(p(dinp), p(dout), scale, n);
-  }
-  binaryBroadcast(op: BinaryOp, out: Ptr, a: Ptr, b: Ptr, d: Dims4, as: Dims4, bs: Dims4): void {
-    this.#lib.k.symbols.mt_binary_bcast_f32(
-      op === "add" ? 0 : 1,
-      p(out),
-      p(a),
-      p(b),
-      d[0],
-      d[1],
-      d[2],
-      d[3],
-      as[0],
-      as[1],
-      as[2],
-      as[3],
-      bs[0],
-      bs[1],
-      bs[2],
-      bs[3],
-    );
-  }
-  reduceBroadcast(out: Ptr, inp: Ptr, d: Dims4, os: Dims4): void {
-    this.#lib.k.symbols.mt_reduce_bcast_f32(p(out), p(inp), d[0], d[1], d[2], d[3], os[0], os[1], os[2], os[3]);
-  }
-
-  biasAdd(out: Ptr, inp: Ptr, bias: Ptr, N: number, C: number): void {
-    this.#lib.k.symbols.mt_bias_add_f32(p(out), p(inp), p(bias), N, C);
-  }
-  biasBackward(dbias: Ptr, dout: Ptr, N: number, C: number): void {
-    this.#lib.k.symbols.mt_bias_backward_f32(p(dbias), p(dout), N, C);
-  }
-  reluForward(out: Ptr, inp: Ptr, n: number): void {
-    this.#lib.k.symbols.mt_relu_forward_f32(p(out), p(inp), n);
-  }
-  reluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): void {
-    this.#lib.k.symbols.mt_relu_backward_f32(p(dinp), p(inp), p(dout), n);
-  }
-  geluForward(out: Ptr, inp: Ptr, n: number): void {
-    this.#lib.k.symbols.mt_gelu_forward_f32(p(out), p(inp), n);
-  }
-  geluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): void {
-    this.#lib.k.symbols.mt_gelu_backward_f32(p(dinp), p(inp), p(dout), n);
-  }
-  dropoutForward(out: Ptr, inp: Ptr, n: number, prob: number, seed: bigint): void {
-    this.#lib.k.symbols.mt_dropout_forward_f32(p(out), p(inp), n, prob, seed);
-  }
-  dropoutBackward(dinp: Ptr, dout: Ptr, n: number, prob: number, seed: bigint): void {
-    this.#lib.k.symbols.mt_dropout_backward_f32(p(dinp), p(dout), n, prob, seed);
-  }
-  crossEntropyForward(loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr, N: number, V: number): number {
-    return this.#lib.k.symbols.mt_crossentropy_forward_f32(p(loss), p(losses), p(probs), p(logits), p(targets), N, V) as number;
-  }
-  crossEntropyBackward(dlogits: Ptr, probs: Ptr, targets: Ptr, dloss: Ptr, N: number, V: number): void {
-    this.#lib.k.symbols.mt_crossentropy_backward_f32(p(dlogits), p(probs), p(targets), p(dloss), N, V);
-  }
-  layerNormForward(out: Ptr, mean: Ptr, rstd: Ptr, inp: Ptr, weight: Ptr, bias: Ptr, N: number, C: number, eps: number): void {
-    this.#lib.k.symbols.mt_layernorm_forward_f32(p(out), p(mean), p(rstd), p(inp), p(weight), p(bias), N, C, eps);
-  }
-  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr, mean: Ptr, rstd: Ptr, N: number, C: number): void {
-    this.#lib.k.symbols.mt_layernorm_backward_f32(p(dinp), p(dweight), p(dbias), p(dout), p(inp), p(weight), p(mean), p(rstd), N, C);
-  }
-  embeddingForward(out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number): number {
-    return this.#lib.k.symbols.mt_embedding_forward_f32(p(out), p(ids), p(table), N, C, V) as number;
-  }
-  embeddingBackward(dtable: Ptr, ids: Ptr, dout: Ptr, N: number, C: number): void {
-    this.#lib.k.symbols.mt_embedding_backward_f32(p(dtable), p(ids), p(dout), N, C);
-  }
-  causalSoftmaxForward(out: Ptr, inp: Ptr, BH: number, T: number, scale: number): void {
-    this.#lib.k.symbols.mt_causal_softmax_forward_f32(p(out), p(inp), BH, T, scale);
-  }
-  causalSoftmaxBackward(dinp: Ptr, out: Ptr, dout: Ptr, BH: number, T: number, scale: number): void {
-    this.#lib.k.symbols.mt_causal_softmax_backward_f32(p(dinp), p(out), p(dout), BH, T, scale);
-  }
-  stridedCopy(out: Ptr, outStrides: Dims4, inp: Ptr, inpStrides: Dims4, d: Dims4, accumulate: boolean): void {
-    const os = outStrides,
-      is = inpStrides;
-    this.#lib.k.symbols.mt_strided_copy_f32(p(out), p(inp), d[0], d[1], d[2], d[3], os[0], os[1], os[2], os[3], is[0], is[1], is[2], is[3], accumulate ? 1 : 0);
-  }
-
-  sum(out: Ptr, inp: Ptr, n: number): void {
-    this.#lib.k.symbols.mt_sum_f32(p(out), p(inp), n);
-  }
-  sumSquares(x: Ptr, n: number): number {
-    return this.#lib.k.symbols.mt_sum_squares_f32(p(x), n);
-  }
-  countNonFinite(x: Ptr, n: number): number {
-    return this.#lib.k.symbols.mt_count_nonfinite_f32(p(x), n) as number;
-  }
-
-  sgdStep(
-    param: Ptr,
-    grad: Ptr,
-    momentumBuf: Ptr,
-    n: number,
-    lr: number,
-    momentum: number,
-    dampening: number,
-    weightDecay: number,
-    nesterov: boolean,
-    first: boolean,
-  ): void {
-    this.#lib.k.symbols.mt_sgd_step_f32(p(param), p(grad), p(momentumBuf), n, lr, momentum, dampening, weightDecay, nesterov ? 1 : 0, first ? 1 : 0);
-  }
-  adamwStep(
-    param: Ptr,
-    grad: Ptr,
-    m: Ptr,
-    v: Ptr,
-    age: Ptr,
-    n: number,
-    lr: number,
-    beta1: number,
-    beta2: number,
-    eps: number,
-    weightDecay: number,
-    biasCorrection1: number,
-    biasCorrection2: number,
-  ): void {
-    this.#lib.k.symbols.mt_adamw_step_f32(p(param), p(grad), p(m), p(v), p(age), n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2);
-  }
-
-  castF32ToBF16(out: Ptr, inp: Ptr, n: number): void {
-    this.#lib.k.symbols.mt_f32_to_bf16(p(out), p(inp), n);
-  }
-  castBF16ToF32(out: Ptr, inp: Ptr, n: number): void {
-    this.#lib.k.symbols.mt_bf16_to_f32(p(out), p(inp), n);
-  }
-  castF32ToF16(out: Ptr, inp: Ptr, n: number): void {
-    this.#lib.k.symbols.mt_f32_to_f16(p(out), p(inp), n);
-  }
-  castF16ToF32(out: Ptr, inp: Ptr, n: number): void {
-    this.#lib.k.symbols.mt_f16_to_f32(p(out), p(inp), n);
   }
 
   dispose(): void {

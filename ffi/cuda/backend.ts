@@ -15,11 +15,12 @@
 // the copy done (two buffers alternate, so a batch upload overlaps the previous step's work).
 // No CUDA thread ever calls into JavaScript: completion is polled (whenIdle) or waited on.
 import { readFileSync } from "node:fs";
-import type { Allocation, Backend, BackendStats, BinaryOp, Dims4, GemmInput, Ptr } from "../backend.ts";
+import type { Allocation, Backend, BackendStats, GemmInput, Ptr } from "../backend.ts";
 import { CachingAllocator, type CachingAllocatorStats } from "./allocator.ts";
 import { Cublas, findCublas, loadCublas } from "./cublas.ts";
 import { CU_EVENT_DISABLE_TIMING, driver, type Driver, hostBytes } from "./driver.ts";
 import { ensurePtx } from "./build.ts";
+import { type OpDecl, type OpMethods, type OpName, ops } from "../ops.ts";
 import { type KernelName, kernelSpecs, type Launch, plans, scratchBytes } from "./kernels.ts";
 
 export { probeCuda } from "./driver.ts";
@@ -53,6 +54,11 @@ export interface CudaBackendOptions {
   cublasPath?: string;
 }
 
+// the op methods are made from their declarations in the constructor
+// biome-ignore lint/suspicious/noUnsafeDeclarationMerging: the class fills these in
+export interface CudaBackend extends OpMethods {}
+
+// biome-ignore lint/suspicious/noUnsafeDeclarationMerging: see above
 export class CudaBackend implements Backend {
   readonly name = "cuda";
   readonly deviceOrdinal: number;
@@ -105,6 +111,20 @@ export class CudaBackend implements Backend {
     this.#scratch = this.#allocator.alloc(scratchBytes).ptr;
     for (const [module, path] of Object.entries(ensurePtx())) {
       this.#modules.set(module, d.moduleLoadPtx(readFileSync(path, "utf8"), module));
+    }
+    // the op methods (OpMethods), each running its plan; one with a result reads it back from
+    // scratch (which waits for the stream), unless the caller checked its ids on the host
+    const self = this as unknown as Record<string, unknown>;
+    for (const [name, d] of Object.entries(ops) as [OpName, OpDecl][]) {
+      const plan = plans[name] as (...args: unknown[]) => Launch[];
+      const n = d.args.length;
+      self[name] =
+        d.result === "void"
+          ? (...args: unknown[]) => this.#run(plan(...args))
+          : (...args: unknown[]) => {
+              this.#run(plan(this.#scratch, ...args));
+              return d.inRange === true && args[n] === true ? 0 : this.#readResult(d.result as "i64" | "f64");
+            };
     }
   }
 
@@ -264,138 +284,6 @@ export class CudaBackend implements Backend {
   }
 
   // ---- kernels ----------------------------------------------------------------------------
-
-  add(out: Ptr, a: Ptr, b: Ptr, n: number): void {
-    this.#run(plans.add(out, a, b, n));
-  }
-  mul(out: Ptr, a: Ptr, b: Ptr, n: number): void {
-    this.#run(plans.mul(out, a, b, n));
-  }
-  axpy(y: Ptr, x: Ptr, n: number, alpha: number): void {
-    this.#run(plans.axpy(y, x, n, alpha));
-  }
-  scale(x: Ptr, n: number, s: number): void {
-    this.#run(plans.scale(x, n, s));
-  }
-  addScalarFrom(dinp: Ptr, dout: Ptr, scale: number, n: number): void {
-    this.#run(plans.addScalarFrom(dinp, dout, scale, n));
-  }
-  binaryBroadcast(op: BinaryOp, out: Ptr, a: Ptr, b: Ptr, dims: Dims4, aStrides: Dims4, bStrides: Dims4): void {
-    this.#run(plans.binaryBroadcast(op, out, a, b, dims, aStrides, bStrides));
-  }
-  reduceBroadcast(out: Ptr, inp: Ptr, dims: Dims4, outStrides: Dims4): void {
-    this.#run(plans.reduceBroadcast(out, inp, dims, outStrides));
-  }
-  biasAdd(out: Ptr, inp: Ptr, bias: Ptr, N: number, C: number): void {
-    this.#run(plans.biasAdd(out, inp, bias, N, C));
-  }
-  biasBackward(dbias: Ptr, dout: Ptr, N: number, C: number): void {
-    this.#run(plans.biasBackward(dbias, dout, N, C));
-  }
-  reluForward(out: Ptr, inp: Ptr, n: number): void {
-    this.#run(plans.reluForward(out, inp, n));
-  }
-  reluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): void {
-    this.#run(plans.reluBackward(dinp, inp, dout, n));
-  }
-  geluForward(out: Ptr, inp: Ptr, n: number): void {
-    this.#run(plans.geluForward(out, inp, n));
-  }
-  geluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): void {
-    this.#run(plans.geluBackward(dinp, inp, dout, n));
-  }
-  dropoutForward(out: Ptr, inp: Ptr, n: number, p: number, seed: bigint): void {
-    this.#run(plans.dropoutForward(out, inp, n, p, seed));
-  }
-  dropoutBackward(dinp: Ptr, dout: Ptr, n: number, p: number, seed: bigint): void {
-    this.#run(plans.dropoutBackward(dinp, dout, n, p, seed));
-  }
-  crossEntropyForward(loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr, N: number, V: number, inRange = false): number {
-    this.#run(plans.crossEntropyForward(this.#scratch, loss, losses, probs, logits, targets, N, V));
-    return inRange ? 0 : this.#readResult("i64");
-  }
-  crossEntropyBackward(dlogits: Ptr, probs: Ptr, targets: Ptr, dloss: Ptr, N: number, V: number): void {
-    this.#run(plans.crossEntropyBackward(dlogits, probs, targets, dloss, N, V));
-  }
-  layerNormForward(out: Ptr, mean: Ptr, rstd: Ptr, inp: Ptr, weight: Ptr, bias: Ptr, N: number, C: number, eps: number): void {
-    this.#run(plans.layerNormForward(out, mean, rstd, inp, weight, bias, N, C, eps));
-  }
-  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr, mean: Ptr, rstd: Ptr, N: number, C: number): void {
-    this.#run(plans.layerNormBackward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C));
-  }
-  embeddingForward(out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number, inRange = false): number {
-    this.#run(plans.embeddingForward(this.#scratch, out, ids, table, N, C, V, inRange));
-    return inRange ? 0 : this.#readResult("i64");
-  }
-  embeddingBackward(dtable: Ptr, ids: Ptr, dout: Ptr, N: number, C: number): void {
-    this.#run(plans.embeddingBackward(dtable, ids, dout, N, C));
-  }
-  causalSoftmaxForward(out: Ptr, inp: Ptr, BH: number, T: number, scale: number): void {
-    this.#run(plans.causalSoftmaxForward(out, inp, BH, T, scale));
-  }
-  causalSoftmaxBackward(dinp: Ptr, out: Ptr, dout: Ptr, BH: number, T: number, scale: number): void {
-    this.#run(plans.causalSoftmaxBackward(dinp, out, dout, BH, T, scale));
-  }
-  stridedCopy(out: Ptr, outStrides: Dims4, inp: Ptr, inpStrides: Dims4, dims: Dims4, accumulate: boolean): void {
-    this.#run(plans.stridedCopy(out, outStrides, inp, inpStrides, dims, accumulate));
-  }
-
-  sum(out: Ptr, inp: Ptr, n: number): void {
-    this.#run(plans.sum(out, inp, n));
-  }
-  sumSquares(x: Ptr, n: number): number {
-    this.#run(plans.sumSquares(this.#scratch, x, n));
-    return this.#readResult("f64");
-  }
-  countNonFinite(x: Ptr, n: number): number {
-    this.#run(plans.countNonFinite(this.#scratch, x, n));
-    return this.#readResult("i64");
-  }
-
-  sgdStep(
-    param: Ptr,
-    grad: Ptr,
-    momentumBuf: Ptr,
-    n: number,
-    lr: number,
-    momentum: number,
-    dampening: number,
-    weightDecay: number,
-    nesterov: boolean,
-    first: boolean,
-  ): void {
-    this.#run(plans.sgdStep(param, grad, momentumBuf, n, lr, momentum, dampening, weightDecay, nesterov, first));
-  }
-  adamwStep(
-    param: Ptr,
-    grad: Ptr,
-    m: Ptr,
-    v: Ptr,
-    age: Ptr,
-    n: number,
-    lr: number,
-    beta1: number,
-    beta2: number,
-    eps: number,
-    weightDecay: number,
-    biasCorrection1: number,
-    biasCorrection2: number,
-  ): void {
-    this.#run(plans.adamwStep(param, grad, m, v, age, n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2));
-  }
-
-  castF32ToBF16(out: Ptr, inp: Ptr, n: number): void {
-    this.#run(plans.castF32ToBF16(out, inp, n));
-  }
-  castBF16ToF32(out: Ptr, inp: Ptr, n: number): void {
-    this.#run(plans.castBF16ToF32(out, inp, n));
-  }
-  castF32ToF16(out: Ptr, inp: Ptr, n: number): void {
-    this.#run(plans.castF32ToF16(out, inp, n));
-  }
-  castF16ToF32(out: Ptr, inp: Ptr, n: number): void {
-    this.#run(plans.castF16ToF32(out, inp, n));
-  }
 
   dispose(): void {
     if (this.#disposed) return;

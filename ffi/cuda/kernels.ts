@@ -24,6 +24,7 @@
 //
 // Dimension letters as in ffi/cpu/kernels.c: N rows, C channels, V vocab, BH batch*heads, T time.
 import type { Backend, BinaryOp, Dims4, Ptr } from "../backend.ts";
+import type { OpName, ops } from "../ops.ts";
 
 export type ParamType = "ptr" | "i64" | "u64" | "i32" | "f32";
 
@@ -339,51 +340,15 @@ function twoPass(partialKernel: KernelName, finalKernel: KernelName, scratch: Pt
 
 // ---- plans --------------------------------------------------------------------------------------
 
-type PlannedMethod =
-  | "add"
-  | "mul"
-  | "axpy"
-  | "scale"
-  | "addScalarFrom"
-  | "binaryBroadcast"
-  | "reduceBroadcast"
-  | "biasAdd"
-  | "biasBackward"
-  | "reluForward"
-  | "reluBackward"
-  | "geluForward"
-  | "geluBackward"
-  | "dropoutForward"
-  | "dropoutBackward"
-  | "crossEntropyForward"
-  | "crossEntropyBackward"
-  | "layerNormForward"
-  | "layerNormBackward"
-  | "embeddingForward"
-  | "embeddingBackward"
-  | "causalSoftmaxForward"
-  | "causalSoftmaxBackward"
-  | "stridedCopy"
-  | "sum"
-  | "sumSquares"
-  | "countNonFinite"
-  | "sgdStep"
-  | "adamwStep"
-  | "castF32ToBF16"
-  | "castBF16ToF32"
-  | "castF32ToF16"
-  | "castF16ToF32";
-
-/** The methods that return a number: their plans take `scratch` first. */
-type ScalarMethod = "crossEntropyForward" | "embeddingForward" | "sumSquares" | "countNonFinite";
-
-type Plan<M extends PlannedMethod> = Backend[M] extends (...args: infer A) => unknown
-  ? M extends ScalarMethod
-    ? (scratch: Ptr, ...args: A) => Launch[]
-    : (...args: A) => Launch[]
+/** Every op (ffi/ops.ts) has a plan taking the method's arguments; one that returns a number to
+ *  JavaScript takes `scratch` first. */
+type Plan<M extends OpName> = Backend[M] extends (...args: infer A) => unknown
+  ? (typeof ops)[M]["result"] extends "void"
+    ? (...args: A) => Launch[]
+    : (scratch: Ptr, ...args: A) => Launch[]
   : never;
 
-export type Plans = { readonly [M in PlannedMethod]: Plan<M> };
+export type Plans = { readonly [M in OpName]: Plan<M> };
 
 export const plans = {
   // ---- elementwise ----

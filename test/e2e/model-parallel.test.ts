@@ -47,7 +47,7 @@ function losses(events: readonly Event[]): number[] {
 const relDiff = (a: number, b: number) => Math.abs(a - b) / Math.max(Math.abs(b), 1e-30);
 
 describe("model-parallel jobs on the mesh", () => {
-  test("1 trainer, 1x2x2 (pipeline x tensor) and 2x2x1 (data x pipeline) on 4 trainers: the same losses step by step and the same validation; a stage killed mid-run restores and finishes alike", async () => {
+  test("1 trainer, 1x2x2 (pipeline x tensor) and 2x2x1 (data x pipeline) on 4 trainers: the same losses step by step and the same validation; a stage killed mid-run restores and finishes alike; a snapshot resumes in another layout", async () => {
     const dir = tempDir("mt-mp-");
     await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 4, shards: 0 });
     await using client = await MeshClient.connect(mesh.url);
@@ -75,11 +75,29 @@ describe("model-parallel jobs on the mesh", () => {
         mesh.kill("trainer-2"); // stage 1, tensor rank 0: the rank that speaks for the copy
       }
     });
+    // a snapshot of 1x2x2 resumed as 1x4x1: the whole model's layout restores into any cut
+    const relayout = config({ job: "mp-relayout", trainers: 4, pipelineStages: 2, tensorParallel: 2 });
+    await client.submit(relayout, { membersWaitMs: 60_000 });
+    let cancelled: Promise<unknown> | null = null;
+    const firstPart: Event[] = [];
+    await watchJob(client, relayout.job, {
+      quiet: true,
+      onEvent: (e) => {
+        firstPart.push(e);
+        if (cancelled === null && e.kind === EventKind.Checkpoint && e.step >= 20) cancelled = client.cancel(relayout.job);
+      },
+    }).catch(() => {});
+    await cancelled;
+    const resumed = await run({ ...relayout, pipelineStages: 4, tensorParallel: 1 });
+    const restoredAt = resumed.seen.find((e) => e.kind === EventKind.Restore)!.step;
+    expect(restoredAt).toBeGreaterThanOrEqual(20);
+    const stitched = [...losses(firstPart).slice(0, restoredAt), ...losses(resumed.seen).slice(restoredAt)];
     expect(plain.losses.length).toBe(40);
     for (const [name, r] of [
       ["1x2x2", pt],
       ["2x2x1", dp],
       ["1x2x2 with a SIGKILL", chaos],
+      ["1x2x2, resumed as 1x4x1", { ...resumed, losses: stitched }],
     ] as const) {
       expect(r.losses.length).toBe(40);
       const worst = Math.max(...r.losses.map((l, i) => relDiff(l, plain.losses[i]!)));
@@ -90,6 +108,7 @@ describe("model-parallel jobs on the mesh", () => {
       expect(worst).toBeLessThan(1e-4);
       expect(relDiff(r.record.loss, plain.record.loss)).toBeLessThan(1e-4);
       expect(r.seen.some((e) => e.kind === EventKind.Failed)).toBe(false);
+      expect(r.record.modelPath).not.toBe("");
     }
     expect(plain.losses.at(-1)!).toBeLessThan(plain.losses[0]! - 0.5);
     expect(chaos.seen.filter((e) => e.kind === EventKind.Restore).length).toBeGreaterThan(0);

@@ -10,64 +10,30 @@ import { chmodSync, existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, 
 import { tmpdir } from "node:os";
 import { dirname, join } from "node:path";
 import type { Dims4 } from "../../ffi/backend.ts";
-import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { ensurePtx, findNvcc, kernelSourceModules, nvccInstallHint } from "../../ffi/cuda/build.ts";
 import { kernelModules, kernelSpecs, type KernelName, type Launch, type ParamType, plans, reduceShape, scratchBytes } from "../../ffi/cuda/kernels.ts";
+import { type OpDecl, type OpName, ops } from "../../ffi/ops.ts";
 import { NativeLibraryError } from "../../ffi/errors.ts";
 import { skip } from "../helpers/skip.ts";
 
 // ---- (c) the method list ------------------------------------------------------------------------
 
-const methods = [
-  "add",
-  "mul",
-  "axpy",
-  "scale",
-  "addScalarFrom",
-  "binaryBroadcast",
-  "reduceBroadcast",
-  "biasAdd",
-  "biasBackward",
-  "reluForward",
-  "reluBackward",
-  "geluForward",
-  "geluBackward",
-  "dropoutForward",
-  "dropoutBackward",
-  "crossEntropyForward",
-  "crossEntropyBackward",
-  "layerNormForward",
-  "layerNormBackward",
-  "embeddingForward",
-  "embeddingBackward",
-  "causalSoftmaxForward",
-  "causalSoftmaxBackward",
-  "stridedCopy",
-  "sum",
-  "sumSquares",
-  "countNonFinite",
-  "sgdStep",
-  "adamwStep",
-  "castF32ToBF16",
-  "castBF16ToF32",
-  "castF32ToF16",
-  "castF16ToF32",
-] as const;
-type Method = (typeof methods)[number];
-/** methods that return a number: their plans take `scratch` first */
-const scalarMethods = new Set<Method>(["crossEntropyForward", "embeddingForward", "sumSquares", "countNonFinite"]);
+/** every op (ffi/ops.ts), and those that return a number to JavaScript (their plans take scratch first) */
+const methods = Object.keys(ops) as OpName[];
+const scalarMethods = new Set<OpName>(methods.filter((m) => ops[m].result !== "void"));
 
 describe("plans cover the Backend", () => {
-  test("one plan per non-GEMM Backend method, no extras", () => {
-    expect(Object.keys(plans).sort()).toEqual([...methods].sort());
+  test("one plan per op (ffi/ops.ts), no extras", () => {
+    expect(Object.keys(plans).sort()).toEqual(Object.keys(ops).sort());
   });
 
-  test("each plan takes the Backend method's arguments (plus scratch for scalar results)", () => {
-    const arity = Object.fromEntries(methods.map((m) => [m, plans[m].length]));
+  test("each plan takes the op's declared arguments (plus scratch for a result; inRange optional)", () => {
+    const names = Object.keys(ops) as OpName[];
+    const arity = Object.fromEntries(names.map((m) => [m, plans[m].length]));
     const expected = Object.fromEntries(
-      methods.map((m) => {
-        const method = CpuBackend.prototype[m] as (...args: unknown[]) => unknown;
-        return [m, method.length + (scalarMethods.has(m) ? 1 : 0)];
+      names.map((m) => {
+        const d = ops[m] as OpDecl;
+        return [m, d.args.length + (d.result === "void" ? 0 : 1)];
       }),
     );
     expect(arity).toEqual(expected);
@@ -308,7 +274,7 @@ const attention: [number, number][] = [
   [48, 65_536],
 ];
 
-const cases: { readonly [M in Method]: readonly Args[] } = {
+const cases: { readonly [M in OpName]: readonly Args[] } = {
   add: sizes.map((n) => [p, p, p, n]),
   mul: sizes.map((n) => [p, p, p, n]),
   axpy: sizes.map((n) => [p, p, n, -0.5]),
@@ -348,7 +314,7 @@ const cases: { readonly [M in Method]: readonly Args[] } = {
 };
 
 /** The same methods with an empty input. */
-const emptyCases: { readonly [M in Method]: Args } = {
+const emptyCases: { readonly [M in OpName]: Args } = {
   add: [p, p, p, 0],
   mul: [p, p, p, 0],
   axpy: [p, p, 0, 1],
@@ -384,9 +350,9 @@ const emptyCases: { readonly [M in Method]: Args } = {
   castF16ToF32: [p, p, 0],
 };
 /** Plans with a scalar result still write it for an empty input: one single-block launch. */
-const writesScalarWhenEmpty = new Set<Method>(["sum", "sumSquares", "countNonFinite", "crossEntropyForward", "embeddingForward"]);
+const writesScalarWhenEmpty = new Set<OpName>(["sum", "sumSquares", "countNonFinite", "crossEntropyForward", "embeddingForward"]);
 
-function planFor(method: Method, args: Args): Launch[] {
+function planFor(method: OpName, args: Args): Launch[] {
   return (plans[method] as (...a: readonly unknown[]) => Launch[])(...args);
 }
 
