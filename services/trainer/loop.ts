@@ -279,7 +279,7 @@ export class TrainerRun {
     let rank: number | null = this.#o.rank;
     // Step and Eval events are a data-parallel rank's: in a model-parallel job one rank of each
     // copy of the model speaks for it, as its copy
-    if (e.kind === EventKind.Step || e.kind === EventKind.Eval) rank = this.#replica?.eventRank ?? this.#o.rank;
+    if ((e.kind === EventKind.Step || e.kind === EventKind.Eval) && this.#replica !== null) rank = this.#replica.eventRank;
     if (rank === null) return;
     this.#o.bus.publish(subjects.events(this.#o.cfg.job, kind), encodeEvent({ ...emptyEvent(this.#o.cfg.job, e.kind), rank, ...e }));
   }

@@ -92,6 +92,8 @@ export class ModelParallelReplica {
   readonly #all: SlabRun[];
   readonly #owned: SlabRun[];
   #staged: Staged | null = null;
+  /** the most bytes of activations this rank's passes held at once (after a forward) */
+  #peakHeld = 0;
   #exported: { step: number; parts: ShardState[] } | null = null;
 
   constructor(o: ModelParallelOptions) {
@@ -176,7 +178,8 @@ export class ModelParallelReplica {
       optimizer: this.optimizer.stateSlabs().reduce((sum, s) => sum + s.allocation.bytes, 0),
       host: 0,
       buckets: 0,
-      arenaPeak: ctx.arena.highWaterBytes,
+      // activations live in a pass per micro-batch in flight: the most they held at once
+      arenaPeak: Math.max(ctx.arena.highWaterBytes, this.#peakHeld),
       gatheredPeak: 0,
     };
   }
@@ -203,6 +206,7 @@ export class ModelParallelReplica {
    */
   async step(step: number, micro: readonly HostBatch[], rows: number, total: number, lr: number): Promise<ReplicaStepResult> {
     const r = await this.#rank.stage.step(step, micro, lr, total > 0 ? rows / total : 0);
+    this.#peakHeld = Math.max(this.#peakHeld, r.peakHeldBytes);
     return {
       loss: r.loss,
       gradNorm: r.gradNorm,

@@ -111,6 +111,11 @@ describe("model-parallel jobs on the mesh", () => {
       expect(r.record.modelPath).not.toBe("");
     }
     expect(plain.losses.at(-1)!).toBeLessThan(plain.losses[0]! - 0.5);
+    // one rank of each copy speaks for it: Step events of rank 0 (one copy) or 0 and 1 (two), once a step
+    const speakers = (r: { seen: Event[] }) => r.seen.filter((e) => e.kind === EventKind.Step).map((e) => `${e.rank}@${e.step}`);
+    expect(speakers(pt)).toEqual(Array.from({ length: 40 }, (_, s) => `0@${s}`));
+    expect(new Set(speakers(dp)).size).toBe(80);
+    expect(new Set(dp.seen.filter((e) => e.kind === EventKind.Step).map((e) => e.rank))).toEqual(new Set([0, 1]));
     expect(chaos.seen.filter((e) => e.kind === EventKind.Restore).length).toBeGreaterThan(0);
     // the snapshot is the whole model's: every rank of the first copy served its share
     const snap = (await client.checkpoints("mp-pt")).at(-1)!;
