@@ -296,7 +296,7 @@ export interface LayoutBenchResult {
   params_kb: number;
   state_kb: number;
   arena_peak_kb: number;
-  /** the speaking ranks' share of a step spent waiting for their neighbours */
+  /** the speaking ranks' share of a step spent waiting for their neighbour stages and the tensor all-reduces */
   idle_share: number;
   bubble_theory: number;
   val_loss: number;
@@ -381,7 +381,7 @@ async function layoutBench(layouts: Layout3[], steps: number, micro: number, sch
     console.log(
       `model-parallel layouts (data x pipeline x tensor) of the GPT on the mesh, ${globalBatch} windows a step in ${micro} micro-batches a copy, ${schedule}, ` +
         `${steps} steps, all on this machine (${navigator.hardwareConcurrency} cores); per-rank memory is the most any rank holds (from its allocations); ` +
-        "idle = the share of a step the copies' speaking ranks waited for their neighbours",
+        "idle = the share of a step the copies' speaking ranks waited for their neighbour stages and in the tensor ranks' all-reduces",
     );
     printTable(rows, [
       "layout",

@@ -49,9 +49,11 @@ export interface PipelineStepResult {
   /** global gradient norm before clipping, over every stage's parameters (wte once) */
   gradNorm: number;
   lr: number;
-  /** wall time of the step on this stage, and of it the time spent waiting for a neighbour */
+  /** wall time of the step on this stage, and of it the time spent waiting for a neighbour,
+   *  and in the tensor ranks' all-reduces */
   stepMs: number;
   idleMs: number;
+  tensorMs: number;
   /** the most micro-batches whose activations this stage held at once */
   peakInFlight: number;
   /** the most bytes of activations (open passes) held at once, sampled after each forward */
@@ -124,6 +126,7 @@ export class PipelineStage {
     const { stage, stages } = model.part;
     const M = micro.length;
     const t0 = performance.now();
+    const tensorWait0 = tensor.waitMs;
     let idleMs = 0;
     const waited = async <T>(p: Promise<T>): Promise<T> => {
       const t = performance.now();
@@ -192,7 +195,7 @@ export class PipelineStage {
     const clip = this.#o.gradClip;
     if (clip > 0 && gradNorm > clip) ctx.backend.scale(model.store.grads.ptr, model.store.slabNumel, clip / (gradNorm + 1e-6));
     this.#o.optimizer.step(lr);
-    return { loss, globalLoss, gradNorm, lr, stepMs: performance.now() - t0, idleMs, peakInFlight, peakHeldBytes };
+    return { loss, globalLoss, gradNorm, lr, stepMs: performance.now() - t0, idleMs, tensorMs: tensor.waitMs - tensorWait0, peakInFlight, peakHeldBytes };
   }
 
   /**

@@ -41,8 +41,9 @@ export function shareOf(n: number, tp: TensorRank): { offset: number; count: num
 export class TensorParallel implements TensorRank {
   #step = 0;
   #seq = 0;
-  /** bytes all-reduced so far (forward and backward) */
+  /** bytes all-reduced so far (forward and backward), and the time spent waiting for them */
   wireBytes = 0;
+  waitMs = 0;
 
   constructor(readonly group: Collective) {}
 
@@ -67,7 +68,9 @@ export class TensorParallel implements TensorRank {
   async #allReduce(t: Tensor, key: OpKey): Promise<Float32Array> {
     const buf = t.toFloat32();
     this.wireBytes += buf.byteLength;
+    const started = performance.now();
     await this.group.allReduce(buf, key);
+    this.waitMs += performance.now() - started;
     return buf;
   }
 

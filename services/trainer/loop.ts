@@ -438,7 +438,7 @@ export class TrainerRun {
       gradBytes: mem?.grads ?? (store.holdsGradSlab ? store.grads.bytes : 0),
       optimizerBytes: mem?.optimizer ?? 0,
       bucketBytes: mem?.buckets ?? 0,
-      arenaPeakBytes: this.#ctx.arena.highWaterBytes,
+      arenaPeakBytes: mem?.arenaPeak ?? this.#ctx.arena.highWaterBytes,
       wireBytes: this.#replica?.wireBytes ?? this.#ps?.wireBytes ?? 0,
       hostBytes: mem?.host ?? 0,
       gatheredPeakBytes: mem?.gatheredPeak ?? 0,

@@ -211,9 +211,10 @@ export class ModelParallelReplica {
       loss: r.loss,
       gradNorm: r.gradNorm,
       skipped: false,
-      computeMs: r.stepMs - r.idleMs,
-      commMs: r.idleMs,
-      exposedCommMs: r.idleMs,
+      // waits: for a neighbour stage's activations or gradients, and in the tensor ranks' all-reduces
+      computeMs: r.stepMs - r.idleMs - r.tensorMs,
+      commMs: r.idleMs + r.tensorMs,
+      exposedCommMs: r.idleMs + r.tensorMs,
       density: -1,
     };
   }
