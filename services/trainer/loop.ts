@@ -192,8 +192,10 @@ export class TrainerRun {
 
   constructor(o: TrainerOptions) {
     this.#o = o;
-    // dropout differs per rank
-    this.#ctx = new Context(o.backend, { seed: o.cfg.seed * 1000 + o.rank, precision: o.cfg.precision });
+    // dropout differs per rank, except among a stage's tensor ranks: they drop the same elements
+    // of the activations they all hold (ranks count tensor rank fastest)
+    const dropoutRank = Math.floor(o.rank / o.cfg.tensorParallel);
+    this.#ctx = new Context(o.backend, { seed: o.cfg.seed * 1000 + dropoutRank, precision: o.cfg.precision });
     this.#plan = o.plan;
     this.#steps = stepScheduleOf(o.cfg, o.plan.trainSamples);
     this.#schedule = jobSchedule(o.cfg, o.plan);

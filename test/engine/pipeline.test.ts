@@ -105,17 +105,28 @@ function singleProcess(data: HostBatch[][]): { losses: number[]; norms: number[]
 }
 
 /** Every rank of the layout in this process, over a transport in memory (the mesh's rings over NATS). */
-async function layoutRun(layout: ModelLayout, schedule: PipeSchedule, data: HostBatch[][], recompute = false) {
+async function layoutRun(layout: ModelLayout, schedule: PipeSchedule, data: HostBatch[][], recompute = false, model = config) {
   const peers = new Map<number, MemoryTransport>();
   const size = layout.data * layout.stages * layout.tensor;
   const ranks = Array.from({ length: size }, (_, rank) => {
-    const ctx = newContext(1);
+    // dropout seeds as the mesh's trainers take them: the same among a stage's tensor ranks
+    const ctx = newContext(1 + Math.floor(rank / layout.tensor));
     // 16 KB pieces: an activation of a micro-batch (3 x 16 x 32 floats) travels in several
     const transport = new MemoryTransport(rank, peers, 16 << 10);
     const router = new PieceRouter(ringDefaults.earlyBytesMax);
     transport.listen((p) => router.receive(p));
     const rings = modelParallelRings("job", layout, rank, (name, members) => new RingGroup(name, members, transport, router, ringDefaults));
-    const r = modelParallelRank({ ctx, config, seed: 7, layout, rings, optimizer: (m) => new AdamW(ctx, m.store, adamw), schedule, gradClip, recompute });
+    const r = modelParallelRank({
+      ctx,
+      config: model,
+      seed: 7,
+      layout,
+      rings,
+      optimizer: (m) => new AdamW(ctx, m.store, adamw),
+      schedule,
+      gradClip,
+      recompute,
+    });
     return { ...r, ctx, transport };
   });
   const perReplica = microTotal / layout.data;
@@ -210,6 +221,13 @@ describe("model-parallel GPT in one process: data x pipeline x tensor", () => {
       expect(held).toBe(schedule === "1f1b" ? Math.min(layout.stages, M) : M);
     });
   }
+
+  test("dropout under tensor parallelism: a stage's tensor ranks drop the same elements, so their replicated parameters stay equal", async () => {
+    const run = await layoutRun({ data: 1, stages: 2, tensor: 2 }, "1f1b", data.slice(0, 5), false, { ...config, dropout: 0.2 });
+    // layoutRun compares every replicated parameter across the tensor ranks; the losses are finite and agree
+    for (const r of run.results) expect(r.map((x) => x.globalLoss)).toEqual(run.results[0]!.map((x) => x.globalLoss));
+    expect(run.results[0]!.every((x) => Number.isFinite(x.globalLoss))).toBe(true);
+  });
 
   test("tensor parallel: each rank holds 1/T of the split matrices (measured from its slab), the rest replicated", async () => {
     const run = await layoutRun({ data: 1, stages: 1, tensor: 4 }, "1f1b", data.slice(0, 1));
