@@ -25,7 +25,7 @@ import {
   type TrainerStats,
   SyncPolicy,
 } from "../schemas/messages.ts";
-import { awaitMembers, meshMembers, type MeshMembers } from "../services/runtime/discovery.ts";
+import { awaitMembers, meshMembers, type MeshMembers, type MetricsEndpoint, metricsEndpoints } from "../services/runtime/discovery.ts";
 import { BadRequestError, CapacityError, DeadlineError, JobStateError, NoRespondersError, UnknownJobError } from "../services/runtime/errors.ts";
 import {
   type JobConfig,
@@ -153,6 +153,11 @@ export class MeshClient implements AsyncDisposable {
   /** Who is on the mesh now ($SRV discovery). */
   async members(): Promise<MeshMembers> {
     return await meshMembers(this.bus.nc);
+  }
+
+  /** Every service's Prometheus /metrics endpoint (from service discovery). */
+  async metricsEndpoints(): Promise<MetricsEndpoint[]> {
+    return await metricsEndpoints(this.bus.nc);
   }
 
   /**

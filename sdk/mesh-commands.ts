@@ -158,6 +158,16 @@ export function addMeshCommands(program: Command): void {
     },
   );
 
+  natsOption(program.command("metrics").description("list every service's Prometheus /metrics endpoint (from service discovery)")).action(
+    async (opts: { natsUrl?: string }) => {
+      await using client = await connect(opts.natsUrl);
+      const endpoints = await client.metricsEndpoints();
+      if (endpoints.length === 0) console.log("no service of this mesh serves metrics (they run with MT_METRICS_PORT=-1)");
+      const width = Math.max(0, ...endpoints.map((e) => e.service.length));
+      for (const e of endpoints) console.log(`${e.service.padEnd(width)}  ${e.url}`);
+    },
+  );
+
   natsOption(program.command("save").description("take a snapshot of a running job at its next step").argument("<job>")).action(
     async (job: string, opts: { natsUrl?: string }) => {
       await using client = await connect(opts.natsUrl);

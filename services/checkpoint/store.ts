@@ -6,6 +6,7 @@
 // manifest last, the folder fsynced, then renamed to <id> and the parent fsynced: a crash
 // leaves either the whole snapshot or a .tmp- folder that is ignored and removed.
 // Reading verifies every file's size and CRC32 against the manifest.
+import { m } from "../runtime/metrics.ts";
 import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readdirSync, readFileSync, renameSync, rmSync, writeSync } from "node:fs";
 import { join } from "node:path";
 import { fsyncPath } from "../../engine/modelfile.ts";
@@ -28,7 +29,11 @@ function writeAllDurable(files: readonly { path: string; bytes: Uint8Array }[]):
       let at = 0;
       while (at < f.bytes.byteLength) at += writeSync(fd, f.bytes, at);
     }
-    for (const fd of fds) fsyncSync(fd);
+    for (const fd of fds) {
+      const end = m.checkpointFsync.startTimer();
+      fsyncSync(fd);
+      end();
+    }
   } finally {
     for (const fd of fds) closeSync(fd);
   }
@@ -90,7 +95,14 @@ export class CheckpointStore {
     rmSync(tmp, { recursive: true, force: true });
     mkdirSync(tmp);
     writeAllDurable([...files.map((f) => ({ path: join(tmp, f.name), bytes: f.bytes })), { path: join(tmp, manifestName), bytes: encodeManifest(manifest) }]);
+    const end = m.checkpointFsync.startTimer();
     fsyncPath(tmp);
+    end();
+    m.checkpointSnapshots.inc({ job: manifest.job });
+    m.checkpointBytes.inc(
+      { job: manifest.job },
+      files.reduce((n, f) => n + f.bytes.byteLength, 0),
+    );
     const final = join(dir, id);
     rmSync(final, { recursive: true, force: true }); // a snapshot of the same step is replaced
     renameSync(tmp, final);

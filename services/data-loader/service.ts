@@ -12,6 +12,7 @@ import { jobSpecBytesMax } from "../runtime/jobs.ts";
 import { planOfSpec } from "../runtime/plan.ts";
 import type { JobControl } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
+import { m as metrics, onScrape } from "../runtime/metrics.ts";
 import { jobsMaxDefault } from "./limits.ts";
 import { JobData } from "./loader.ts";
 import { type Dataset, datasetKey, readDataset } from "./sources.ts";
@@ -43,6 +44,13 @@ export class DataLoader {
   ) {
     this.payloadBytesMax = o.payloadBytesMax;
     this.jobsMax = o.jobsMax ?? jobsMaxDefault;
+    onScrape(() => {
+      for (const [job, j] of this.#jobs) {
+        metrics.loaderQueue.set({ job }, j.queueDepth);
+        metrics.loaderWait.set({ job, quantile: "0.5" }, j.waitPercentile(0.5) / 1000);
+        metrics.loaderWait.set({ job, quantile: "0.99" }, j.waitPercentile(0.99) / 1000);
+      }
+    });
   }
 
   serve(): void {
@@ -53,6 +61,7 @@ export class DataLoader {
         const m = decodeBatchRequest(data, this.payloadBytesMax);
         const job = this.#job(subject, m.job);
         const reply = job.next(m.rank, m.split, m.step, m.credits);
+        metrics.loaderBatches.inc({ job: m.job });
         if (reply.byteLength > this.payloadBytesMax)
           throw new LimitExceededError(`a batch of ${reply.byteLength} bytes exceeds the ${this.payloadBytesMax}-byte limit; lower batchSize`);
         return reply;

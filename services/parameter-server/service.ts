@@ -28,6 +28,7 @@ import { jobsMaxDefault, normWaitMs } from "./limits.ts";
 
 /** Asks for a restore while the checkpoint service has not opened the job yet (about 30 s). */
 const restoreAsksMax = 40;
+import { m as metrics, onScrape } from "../runtime/metrics.ts";
 import { ParameterShard } from "./shard.ts";
 
 interface JobEntry {
@@ -51,7 +52,17 @@ export class ParameterServer {
     readonly log: Logger | undefined,
     readonly payloadBytesMax: number,
     readonly jobsMax = jobsMaxDefault,
-  ) {}
+  ) {
+    onScrape(() => {
+      const shard = String(shardIndex);
+      for (const [job, e] of this.#jobs) {
+        const clocks = [...e.shard.clocks];
+        clocks.forEach((c, t) => metrics.shardClock.set({ job, shard, trainer: String(t) }, c));
+        if (clocks.length > 0) metrics.shardStaleness.set({ job, shard }, Math.max(...clocks) - Math.min(...clocks));
+        metrics.shardUpdates.set({ job, shard }, e.shard.updates);
+      }
+    });
+  }
 
   serve(): void {
     const k = this.shardIndex;

@@ -52,6 +52,27 @@ export async function meshMembers(nc: NatsConnection, waitMs = discoveryWaitMs):
   };
 }
 
+export interface MetricsEndpoint {
+  /** the service, with its rank or shard: "trainer 1", "parameter-server 0", "data-loader" */
+  service: string;
+  /** its Prometheus endpoint, http://host:port/metrics */
+  url: string;
+}
+
+/** Every service's Prometheus endpoint, from $SRV metadata (services run with metricsPort -1 have none). */
+export async function metricsEndpoints(nc: NatsConnection, waitMs = discoveryWaitMs): Promise<MetricsEndpoint[]> {
+  const names = ["trainer", "parameter-server", "data-loader", "checkpoint"];
+  const all = await Promise.all(names.map((n) => infos(nc, n, waitMs)));
+  return names
+    .flatMap((name, i) =>
+      all[i]!.filter((m) => typeof m.metrics === "string" && m.metrics !== "").map((m) => ({
+        service: m.rank !== undefined ? `${name} ${m.rank}` : m.shard !== undefined ? `${name} ${m.shard}` : name,
+        url: m.metrics!,
+      })),
+    )
+    .sort((a, b) => a.service.localeCompare(b.service, "en", { numeric: true }));
+}
+
 /** "0-2", "0,2,5": a compact list of indices. */
 export function indexList(ids: readonly number[]): string {
   if (ids.length === 0) return "none";

@@ -1,5 +1,6 @@
 // NatsBus: the Bus over a real NATS server (@nats-io/transport-node), with every endpoint
 // registered through @nats-io/services so `$SRV.PING|INFO|STATS` discovery works.
+import { busTraffic } from "./metrics.ts";
 import { Svcm, type Service, type ServiceMsg } from "@nats-io/services";
 import { connect, type NatsConnection, type Subscription as NatsSub } from "@nats-io/transport-node";
 import { headers as natsHeaders, type MsgHdrs } from "@nats-io/transport-node";
@@ -112,9 +113,11 @@ export class NatsBus implements Bus {
     const dropped = new Promise<never>((_, reject) => (drop = reject));
     this.#inflight.add(drop);
     try {
+      busTraffic("out", subject, data.byteLength);
       const pending = this.nc.request(subject, data, { timeout: timeoutMs });
       pending.catch(() => {}); // when the drop wins, its own failure comes later
       const msg = await Promise.race([pending, dropped]);
+      busTraffic("in", subject, msg.data.byteLength);
       return unwrapReply(msg.data);
     } catch (e) {
       if (e instanceof DeadlineError && e.message.startsWith(droppedText)) throw new DeadlineError(`${droppedText} on ${subject}; retry`, { cause: e });
@@ -125,13 +128,16 @@ export class NatsBus implements Bus {
   }
 
   publish(subject: string, data: Uint8Array): void {
+    busTraffic("out", subject, data.byteLength);
     this.nc.publish(subject, data);
   }
 
   subscribe(subject: string, onMessage: (data: Uint8Array, subject: string) => void): Subscription {
     const sub = this.nc.subscribe(subject, {
       callback: (err, msg) => {
-        if (err === null) onMessage(msg.data, msg.subject);
+        if (err !== null) return;
+        busTraffic("in", msg.subject, msg.data.byteLength);
+        onMessage(msg.data, msg.subject);
       },
     });
     this.#subs.push(sub);
@@ -146,8 +152,10 @@ export class NatsBus implements Bus {
           log?.error({ err: err.message, subject }, "subscription failed");
           return;
         }
+        busTraffic("in", msg.subject, msg.data.byteLength);
         void answer(handler, msg.data, msg.subject, this.#maxPayload).then(({ reply, failed, error }) => {
           if (msg.reply === undefined || msg.reply === "") return; // a publish: nothing to answer
+          busTraffic("out", msg.subject, reply.byteLength);
           this.#send(subject, () => (failed ? msg.respond(reply, { headers: errorHeaders(error) }) : msg.respond(reply)));
         });
       },
@@ -169,7 +177,9 @@ export class NatsBus implements Bus {
           log?.error({ err: err.message, subject: endpoint.subject }, "endpoint subscription failed");
           return;
         }
+        busTraffic("in", msg.subject, msg.data.byteLength);
         void answer(endpoint.handler, msg.data, msg.subject, this.#maxPayload).then(({ reply, failed, error }) => {
+          busTraffic("out", msg.subject, reply.byteLength);
           if (failed) {
             // "no such job here", "not ready yet" are answers, not trouble: only the log's debug level has them
             const level = error instanceof MeshError && answerCodes.has(error.code) ? "debug" : "warn";

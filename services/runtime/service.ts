@@ -4,6 +4,7 @@
 import { z } from "zod";
 import { loadConfig } from "./config.ts";
 import { createLogger, type Logger } from "./log.ts";
+import { serveMetrics } from "./metrics.ts";
 import { NatsBus } from "./nats.ts";
 
 export const serviceVersion = "0.1.0";
@@ -20,6 +21,10 @@ export const baseConfigSchema = z.object({
     .max(64 << 20),
   /** how long to keep trying to reach NATS at start-up */
   connectRetryMsMax: z.number().int().min(0),
+  /** Prometheus /metrics on this port (0: one the system picks, announced in $SRV metadata and
+   *  the log; -1: none), on metricsHost */
+  metricsPort: z.number().int().min(-1).max(65535),
+  metricsHost: z.string().min(1),
 });
 
 export const baseConfigDefaults = {
@@ -27,6 +32,8 @@ export const baseConfigDefaults = {
   logLevel: "info" as const,
   payloadBytesMax: 8 << 20,
   connectRetryMsMax: 300_000,
+  metricsPort: 0,
+  metricsHost: "0.0.0.0",
 };
 
 export interface ServiceContext<C> {
@@ -58,10 +65,13 @@ export async function runService<C extends BaseConfig>(def: ServiceDefinition<C>
     const config = loadConfig(def.schema, { argv, env: process.env }, def.defaults) as C;
     log = createLogger({ service: def.name, ...def.logFields?.(config) }, config.logLevel);
     log.info({ config }, `${def.name} starting`);
+    const metrics = config.metricsPort >= 0 ? serveMetrics(config.metricsPort, config.metricsHost) : null;
+    if (metrics !== null) log.info({ metrics: metrics.url }, `${def.name} serves Prometheus metrics at ${metrics.url}`);
+    const metadata = { ...(def.metadata?.(config) ?? {}), ...(metrics === null ? {} : { metrics: metrics.url }) };
     const bus = await NatsBus.connect({
       url: config.natsUrl,
       name: def.name,
-      service: { name: def.name, version: serviceVersion, description: def.description, metadata: def.metadata?.(config) ?? {} },
+      service: { name: def.name, version: serviceVersion, description: def.description, metadata },
       log,
       connectRetryMsMax: config.connectRetryMsMax,
       connectBackoffMsMax: 5_000,
@@ -75,6 +85,7 @@ export async function runService<C extends BaseConfig>(def: ServiceDefinition<C>
       log.info({ signal }, `${def.name} draining`);
       await running.stop();
       await bus.close(); // stop taking requests, answer those in flight, flush
+      await metrics?.stop();
       log.info(`${def.name} stopped`);
       process.exit(0);
     };

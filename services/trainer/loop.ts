@@ -87,6 +87,7 @@ import {
 import { PsClient } from "./ps-client.ts";
 import { parseCompression } from "../../engine/parallel/compress.ts";
 import { bytesPerParam } from "../../engine/parallel/zero.ts";
+import { m as metrics } from "../runtime/metrics.ts";
 import { ModelParallelReplica } from "./model-parallel.ts";
 import { Replica, type ReplicaOptions } from "./replica.ts";
 import type { StepSchedule } from "../runtime/world.ts";
@@ -278,6 +279,7 @@ export class TrainerRun {
 
   #publish(e: Partial<Event> & { kind: EventKind }): void {
     const kind = EventKind[e.kind].toLowerCase();
+    if (e.kind === EventKind.Step) this.#metrics(e);
     let rank: number | null = this.#o.rank;
     // Step and Eval events are a data-parallel rank's: in a model-parallel job one rank of each
     // copy of the model speaks for it, as its copy
@@ -285,6 +287,21 @@ export class TrainerRun {
     if (rank === null) return;
     this.#o.bus.publish(subjects.events(this.#o.cfg.job, kind), encodeEvent({ ...emptyEvent(this.#o.cfg.job, e.kind), rank, ...e }));
   }
+
+  /** This rank's step in its Prometheus metrics (services/runtime/metrics.ts). */
+  #metrics(e: Partial<Event>): void {
+    const job = this.#o.cfg.job;
+    metrics.trainerStep.set({ job }, e.step ?? 0);
+    metrics.trainerSteps.inc({ job });
+    metrics.trainerLoss.set({ job }, e.loss ?? 0);
+    metrics.trainerRate.set({ job }, e.samplesPerS ?? 0);
+    const phases = { data_wait: e.dataWaitMs, pull: e.pullMs, compute: e.computeMs, push: e.pushMs, comm: e.commMs, exposed_comm: e.exposedCommMs };
+    for (const [phase, ms] of Object.entries(phases)) metrics.trainerPhase.set({ job, phase }, (ms ?? 0) / 1000);
+    const wire = this.#replica?.wireBytes ?? 0;
+    if (wire > this.#wireSeen) metrics.collectiveBytes.inc({ job }, wire - this.#wireSeen);
+    this.#wireSeen = wire;
+  }
+  #wireSeen = 0;
 
   /** The data-loader's rank this trainer reads (its copy of the model's, in a model-parallel job). */
   get #dataRank(): number {

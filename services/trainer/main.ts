@@ -1,5 +1,6 @@
 #!/usr/bin/env bun
 // trainer process of one rank: `bun services/trainer/main.ts --rank 0 --nats-url nats://...`
+import { m as metrics, onScrape } from "../runtime/metrics.ts";
 import { hostname } from "node:os";
 import { z } from "zod";
 import { type DeviceChoice, deviceChoices, openBackend } from "../../ffi/select.ts";
@@ -50,6 +51,7 @@ await runService<Config>({
   logFields: (c) => ({ rank: c.rank }),
   async start({ config, log, bus }) {
     const { backend } = openBackend(config.device, (why, detail) => log.info({ device: config.device, detail }, why), config.rank);
+    onScrape(() => metrics.deviceMemory.set({ device: backend.name }, backend.stats.liveBytes));
     const ledger = await JobLedger.open(bus.nc, bus, log);
     const trainer = new Trainer({
       bus,

@@ -1,0 +1,110 @@
+// Prometheus metrics of a service process (prom-client), served at http://<host>:<port>/metrics
+// when the service's metricsPort is set (0: a port of the system's choosing, announced in the
+// service's $SRV metadata as `metrics` and in its log; -1: none).
+//
+// What each process exposes, besides prom-client's process and runtime metrics (RSS, heap, CPU,
+// event-loop lag):
+//   mt_bus_messages_total, mt_bus_bytes_total      {direction: in|out, kind}  every NATS message
+//       the process sent or took, by subject kind (the subject with the job and the numbers cut
+//       out: mt.<job>.ps.<k>.push -> "ps.push", mt.<job>.coll.<r> -> "coll")
+//   trainer  mt_trainer_step{job}, mt_trainer_loss{job}, mt_trainer_samples_per_second{job},
+//            mt_trainer_step_seconds{job,phase} (the last step's split: data_wait, pull, compute,
+//            push, comm, exposed_comm), mt_trainer_steps_total{job},
+//            mt_collective_bytes_total{job} (values this rank's collectives delivered)
+//   loader   mt_loader_batches_total{job}, mt_loader_queue_depth{job},
+//            mt_loader_wait_seconds{job,quantile: 0.5|0.99}
+//   shard    mt_shard_clock{job,shard,trainer} (the step each trainer pushed last),
+//            mt_shard_staleness{job,shard} (fastest clock less slowest), mt_shard_updates_total{job,shard}
+//   checkpoint  mt_checkpoint_bytes_total{job}, mt_checkpoint_fsync_seconds (histogram),
+//            mt_checkpoint_snapshots_total{job}
+//   a GPU    mt_device_memory_bytes{device} (the backend's live bytes)
+import client from "prom-client";
+
+export const registry = new client.Registry();
+client.collectDefaultMetrics({ register: registry });
+
+const counter = (name: string, help: string, labelNames: string[]) => new client.Counter({ name, help, labelNames, registers: [registry] });
+const gauge = (name: string, help: string, labelNames: string[]) => new client.Gauge({ name, help, labelNames, registers: [registry] });
+
+export const m = {
+  busMessages: counter("mt_bus_messages_total", "NATS messages this process sent (out) or took (in), by subject kind", ["direction", "kind"]),
+  busBytes: counter("mt_bus_bytes_total", "bytes of NATS message payloads this process sent (out) or took (in), by subject kind", ["direction", "kind"]),
+  trainerStep: gauge("mt_trainer_step", "the step this trainer rank finished last", ["job"]),
+  trainerSteps: counter("mt_trainer_steps_total", "training steps this trainer rank finished", ["job"]),
+  trainerLoss: gauge("mt_trainer_loss", "the training loss of this rank's last step", ["job"]),
+  trainerRate: gauge("mt_trainer_samples_per_second", "samples per second of this rank's last step", ["job"]),
+  trainerPhase: gauge("mt_trainer_step_seconds", "the last step's time by phase", ["job", "phase"]),
+  collectiveBytes: counter("mt_collective_bytes_total", "bytes of values this rank's collectives delivered to peers", ["job"]),
+  loaderBatches: counter("mt_loader_batches_total", "batches the data-loader answered", ["job"]),
+  loaderQueue: gauge("mt_loader_queue_depth", "batches prepared and waiting, over all ranks", ["job"]),
+  loaderWait: gauge("mt_loader_wait_seconds", "time from a batch request to its reply", ["job", "quantile"]),
+  shardClock: gauge("mt_shard_clock", "the step each trainer pushed last to this shard", ["job", "shard", "trainer"]),
+  shardStaleness: gauge("mt_shard_staleness", "steps between the fastest and the slowest trainer's clock on this shard", ["job", "shard"]),
+  shardUpdates: gauge("mt_shard_updates_total", "updates this shard applied", ["job", "shard"]),
+  checkpointBytes: counter("mt_checkpoint_bytes_total", "bytes of snapshot files written", ["job"]),
+  checkpointSnapshots: counter("mt_checkpoint_snapshots_total", "snapshots written", ["job"]),
+  checkpointFsync: new client.Histogram({
+    name: "mt_checkpoint_fsync_seconds",
+    help: "time of each fsync of a snapshot file or folder",
+    buckets: [0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5],
+    registers: [registry],
+  }),
+  deviceMemory: gauge("mt_device_memory_bytes", "bytes the compute backend holds (live allocations)", ["device"]),
+};
+
+/** A subject's kind: its tokens after mt.<job>, without the numbers (ranks, shards). */
+export function subjectKind(subject: string): string {
+  const t = subject.split(".");
+  if (t[0] === "$SRV" || t[0] === "_INBOX" || t[0] === "$JS" || t[0] === "$KV") return t[0].toLowerCase().replace("$", "");
+  if (t[0] !== "mt") return "other";
+  // mt.ctl.<what> has no job token
+  const rest = t[1] === "ctl" ? t.slice(1) : t.slice(2);
+  return rest.filter((x) => !/^\d+$/.test(x)).join(".") || "mt";
+}
+
+/** Counts one message on the bus. */
+export function busTraffic(direction: "in" | "out", subject: string, bytes: number): void {
+  const kind = subjectKind(subject);
+  m.busMessages.inc({ direction, kind });
+  m.busBytes.inc({ direction, kind }, bytes);
+}
+
+/** Callbacks that set gauges from the process's state when the metrics are read (a shard's
+ *  clocks, the loader's queue): registered by each service, run before every scrape. */
+const collectors: (() => void)[] = [];
+export function onScrape(collect: () => void): void {
+  collectors.push(collect);
+}
+
+/** The metrics in Prometheus's text format, as a scrape reads them. */
+export async function scrape(): Promise<string> {
+  for (const c of collectors) {
+    try {
+      c();
+    } catch {
+      // a collector of a job that is closing: its gauges keep their last values
+    }
+  }
+  return registry.metrics();
+}
+
+export interface MetricsServer {
+  readonly port: number;
+  readonly url: string;
+  stop(): Promise<void>;
+}
+
+/** Serves the registry at /metrics on `port` (0: any free port) of `host`. */
+export function serveMetrics(port: number, host = "0.0.0.0"): MetricsServer {
+  const server = Bun.serve({
+    port,
+    hostname: host,
+    async fetch(req) {
+      const path = new URL(req.url).pathname;
+      if (path !== "/metrics") return new Response("meshtrain serves /metrics here\n", { status: 404 });
+      return new Response(await scrape(), { headers: { "content-type": registry.contentType } });
+    },
+  });
+  const shown = host === "0.0.0.0" ? "127.0.0.1" : host;
+  return { port: server.port!, url: `http://${shown}:${server.port}/metrics`, stop: () => server.stop(true) };
+}
