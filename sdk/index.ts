@@ -1,0 +1,25 @@
+// meshtrain's SDK: one entry point (`import { MeshClient, ... } from "meshtrain"`) with its types.
+//
+//   MeshClient       connect to a mesh over NATS: submit a job, follow its events, list and take
+//                    snapshots, restore, resize, cancel, read status and metrics endpoints
+//   watchJob         follow a job to its end (a progress bar, or quiet with onEvent)
+//   jobConfig        a validated job config from defaults and overrides (the CLI's options)
+//   LocalMesh        every service as a local process with an embedded NATS server
+// examples/sdk.ts runs each of them against a local mesh.
+import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job.ts";
+
+export { MeshClient, type JobStatus, type PreviousRun, EventKind, JobState } from "./client.ts";
+export { watchJob, JobFailedError, type JobOutcome, type WatchOptions } from "./watch.ts";
+export { LocalMesh, type MeshOptions } from "./launcher.ts";
+export type { MetricsEndpoint, MeshMembers } from "../services/runtime/discovery.ts";
+export type { Event, JobRecord, Manifest } from "../schemas/messages.ts";
+export { type JobConfig, parseJobConfig, jobDefaults, gptJobDefaults } from "../services/runtime/job.ts";
+export { MeshError, ConfigError, BadRequestError, UnknownJobError, DeadlineError } from "../services/runtime/errors.ts";
+
+/**
+ * A job's config: the model kind's defaults (an MLP on MNIST, a character GPT on Moby Dick)
+ * with `over` laid on them, validated (ConfigError names every problem).
+ */
+export function jobConfig(kind: "mlp" | "gpt", over: Partial<JobConfig> & { job: string }): JobConfig {
+  return parseJobConfig({ ...(kind === "gpt" ? gptJobDefaults : jobDefaults), ...over });
+}
