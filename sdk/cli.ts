@@ -16,7 +16,7 @@ import { choice, float, int, intList, userPath } from "./options.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
 import { MeshError } from "../services/runtime/errors.ts";
 import { WireFormatError } from "../schemas/codec.ts";
-import { NatsUnreachableError } from "../services/runtime/nats.ts";
+import { NatsAccessError, NatsUnreachableError } from "../services/runtime/nats.ts";
 import { NatsServerError } from "../services/runtime/nats-server.ts";
 import { JobFailedError } from "./watch.ts";
 
@@ -210,6 +210,7 @@ try {
     e instanceof MeshError ||
     e instanceof WireFormatError ||
     e instanceof NatsUnreachableError ||
+    e instanceof NatsAccessError ||
     e instanceof JobFailedError ||
     e instanceof NatsServerError
   ) {

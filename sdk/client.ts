@@ -25,6 +25,7 @@ import {
   type TrainerStats,
   SyncPolicy,
 } from "../schemas/messages.ts";
+import { type NatsTls, tlsFromEnv } from "../services/runtime/nats.ts";
 import { awaitMembers, meshMembers, type MeshMembers, type MetricsEndpoint, metricsEndpoints } from "../services/runtime/discovery.ts";
 import { BadRequestError, CapacityError, DeadlineError, JobStateError, NoRespondersError, UnknownJobError } from "../services/runtime/errors.ts";
 import {
@@ -139,8 +140,10 @@ export class MeshClient implements AsyncDisposable {
     readonly url: string,
   ) {}
 
-  static async connect(url: string, connectRetryMsMax = 3_000): Promise<MeshClient> {
-    const bus = await NatsBus.connect({ url, name: "meshtrain-sdk", connectRetryMsMax, connectBackoffMsMax: 1000 });
+  /** `tls`: the CA of a tls:// server (and a client certificate and key when it verifies
+   *  clients); by default MT_TLS_CA, MT_TLS_CERT and MT_TLS_KEY. */
+  static async connect(url: string, connectRetryMsMax = 3_000, tls: NatsTls = tlsFromEnv()): Promise<MeshClient> {
+    const bus = await NatsBus.connect({ url, name: "meshtrain-sdk", connectRetryMsMax, connectBackoffMsMax: 1000, tls });
     try {
       const ledger = await JobLedger.open(bus.nc, bus);
       return new MeshClient(bus, ledger.store, ledger, url);

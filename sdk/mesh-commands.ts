@@ -23,7 +23,18 @@ import { BadRequestError, CapacityError } from "../services/runtime/errors.ts";
 const d = jobDefaults;
 
 const natsOption = (cmd: Command) =>
-  cmd.option("--nats-url <url>", "the mesh's NATS server (default: $MT_NATS_URL, else the mesh `meshtrain mesh up` runs here, else nats://127.0.0.1:4222)");
+  cmd
+    .option("--nats-url <url>", "the mesh's NATS server (default: $MT_NATS_URL, else the mesh `meshtrain mesh up` runs here, else nats://127.0.0.1:4222)")
+    .option("--tls-ca <file>", "TLS: the CA that signed the NATS server's certificate (default: $MT_TLS_CA)")
+    .option("--tls-cert <file>", "TLS: this client's certificate, for a server that verifies clients (default: $MT_TLS_CERT)")
+    .option("--tls-key <file>", "TLS: the key of --tls-cert (default: $MT_TLS_KEY)")
+    .hook("preAction", (c) => {
+      // the SDK reads the TLS files from MT_TLS_* (MeshClient.connect's default)
+      const o = c.opts() as { tlsCa?: string; tlsCert?: string; tlsKey?: string };
+      if (o.tlsCa) process.env.MT_TLS_CA = userPath(o.tlsCa);
+      if (o.tlsCert) process.env.MT_TLS_CERT = userPath(o.tlsCert);
+      if (o.tlsKey) process.env.MT_TLS_KEY = userPath(o.tlsKey);
+    });
 
 /** Connects to the mesh the options name, with a hint that says how to start one. */
 async function connect(flag: string | undefined): Promise<MeshClient> {

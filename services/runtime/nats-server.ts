@@ -38,6 +38,9 @@ export interface NatsServerOptions {
   /** where the server's own log goes once it runs (default: dropped); its stderr is always
    *  drained, so a chatty server never blocks on a full pipe */
   logFile?: string;
+  /** TLS: the server's certificate and key, and the CA its clients must present certificates of
+   *  (verify: a client without one is refused); the URL is then tls:// */
+  tls?: { certFile: string; keyFile: string; caFile?: string; verify?: boolean };
 }
 
 export const natsServerDefaults: NatsServerOptions = { maxPayloadBytes: 8 << 20, jetstream: true, startTimeoutMs: 10_000 };
@@ -95,6 +98,16 @@ export async function startNatsServer(options: Partial<NatsServerOptions> = {}):
     // the mesh's largest messages are max_payload; give the write path room for a few
     `max_pending: ${Math.max(64 << 20, opts.maxPayloadBytes * 8)}`,
     opts.jetstream ? `jetstream { store_dir: "${join(dir, "js")}" }` : "",
+    opts.tls
+      ? [
+          "tls {",
+          `  cert_file: "${opts.tls.certFile}"`,
+          `  key_file: "${opts.tls.keyFile}"`,
+          opts.tls.caFile ? `  ca_file: "${opts.tls.caFile}"` : "",
+          opts.tls.verify ? "  verify: true" : "",
+          "}",
+        ].join("\n")
+      : "",
   ].join("\n");
   writeFileSync(join(dir, "nats.conf"), conf + "\n");
   const argv = [bin, "-c", join(dir, "nats.conf")];
@@ -120,5 +133,5 @@ export async function startNatsServer(options: Partial<NatsServerOptions> = {}):
     }
     removeDir();
   };
-  return { url: `nats://127.0.0.1:${port}`, port, dir, pid: proc.pid, exited: proc.exited, stop, [Symbol.asyncDispose]: stop };
+  return { url: `${opts.tls ? "tls" : "nats"}://127.0.0.1:${port}`, port, dir, pid: proc.pid, exited: proc.exited, stop, [Symbol.asyncDispose]: stop };
 }

@@ -1,5 +1,6 @@
 // NatsBus: the Bus over a real NATS server (@nats-io/transport-node), with every endpoint
 // registered through @nats-io/services so `$SRV.PING|INFO|STATS` discovery works.
+import { existsSync } from "node:fs";
 import { busTraffic } from "./metrics.ts";
 import { Svcm, type Service, type ServiceMsg } from "@nats-io/services";
 import { connect, type NatsConnection, type Subscription as NatsSub } from "@nats-io/transport-node";
@@ -21,7 +22,44 @@ export interface NatsBusOptions {
   connectBackoffMsMax: number;
   /** what to do when the server cannot be reached (default: how to start one) */
   hint?: string;
+  /** TLS: the CA that signed the server's certificate, and this client's certificate and key
+   *  (for a server that verifies its clients); any of them, or a tls:// URL, requires TLS */
+  tls?: NatsTls;
 }
+
+export interface NatsTls {
+  caFile?: string;
+  certFile?: string;
+  keyFile?: string;
+}
+
+/** The TLS options of a connection: none for a nats:// URL without files, else TLS required. */
+export function tlsOf(url: string, tls: NatsTls | undefined): NatsTls | undefined {
+  const files = Object.fromEntries(Object.entries(tls ?? {}).filter(([, v]) => typeof v === "string" && v !== ""));
+  if (Object.keys(files).length === 0 && !url.startsWith("tls://")) return undefined;
+  for (const [k, f] of Object.entries(files)) {
+    if (!existsSync(f as string)) throw new NatsAccessError(`the TLS ${k.replace("File", "")} file ${f} does not exist`);
+  }
+  return files;
+}
+
+/** The TLS files named by MT_TLS_CA, MT_TLS_CERT and MT_TLS_KEY (the SDK's and the CLI's default). */
+export const tlsFromEnv = (env: Record<string, string | undefined> = process.env): NatsTls => ({
+  ...(env.MT_TLS_CA ? { caFile: env.MT_TLS_CA } : {}),
+  ...(env.MT_TLS_CERT ? { certFile: env.MT_TLS_CERT } : {}),
+  ...(env.MT_TLS_KEY ? { keyFile: env.MT_TLS_KEY } : {}),
+});
+
+/** TLS sessions in a row the server closes silently before a connection counts as refused. */
+const tlsTimeoutsMax = 3;
+
+/** The server refused this client (TLS or authorization): retrying cannot help. */
+export class NatsAccessError extends Error {
+  override readonly name = "NatsAccessError";
+}
+
+/** Whether a connection error is the server refusing this client rather than not answering. */
+const refused = (why: string) => /certificate|self[- ]signed|\bssl\b|\btls\b|handshake|authori[sz]ation|permissions? violation|user credentials/i.test(why);
 
 export const natsInstallHint = "apt-get install -y nats-server && nats-server -p 4222 (or: docker run -p 4222:4222 nats)";
 
@@ -39,11 +77,18 @@ export class NatsUnreachableError extends Error {
 export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnection> {
   const started = Date.now();
   let pauseMs = 100;
+  const tls = tlsOf(opts.url, opts.tls);
+  // a server that verifies client certificates closes the session of a client without one it
+  // trusts after the handshake: the client sees only timeouts. Over TLS, a few in a row from a
+  // server that accepts the connection are that refusal (a server still starting refuses the
+  // connection instead).
+  let tlsTimeouts = 0;
   for (let attempt = 1; ; attempt++) {
     try {
       return await connect({
         servers: opts.url,
         name: opts.name,
+        ...(tls === undefined ? {} : { tls }),
         // after the first connection, the client reconnects on its own, forever: a service
         // outlives a restart of its server
         maxReconnectAttempts: -1,
@@ -53,6 +98,21 @@ export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnec
     } catch (e) {
       const elapsedMs = Date.now() - started;
       const why = e instanceof Error ? e.message : String(e);
+      if (refused(why)) {
+        const advice = /certificate|self[- ]signed|ssl|tls|handshake/i.test(why)
+          ? tls === undefined
+            ? "the server requires TLS: use a tls:// URL with the CA that signed its certificate (MT_TLS_CA, --tls-ca)"
+            : "check that the CA (MT_TLS_CA) signed the server's certificate, and that this client's certificate and key (MT_TLS_CERT, MT_TLS_KEY) are the ones the server trusts"
+          : "this client's credentials do not allow it";
+        throw new NatsAccessError(`NATS at ${opts.url} refused this client: ${why}; ${advice}`, { cause: e });
+      }
+      tlsTimeouts = tls !== undefined && /timeout/i.test(why) ? tlsTimeouts + 1 : 0;
+      if (tlsTimeouts >= tlsTimeoutsMax) {
+        const advice = tls?.certFile
+          ? `it verifies client certificates and did not take this client's (${tls.certFile}): is it signed by the CA the server trusts?`
+          : "it verifies client certificates and this client presents none: set MT_TLS_CERT and MT_TLS_KEY (--tls-cert, --tls-key)";
+        throw new NatsAccessError(`NATS at ${opts.url} refused this client: it closed the TLS session ${tlsTimeouts} times in a row; ${advice}`, { cause: e });
+      }
       if (elapsedMs + pauseMs > opts.connectRetryMsMax) {
         throw new NatsUnreachableError(
           `cannot reach NATS at ${opts.url} after ${attempt} attempts over ${elapsedMs} ms (${why}); ${opts.hint ?? `start a server: ${natsInstallHint}`}`,

@@ -25,6 +25,11 @@ export const baseConfigSchema = z.object({
    *  the log; -1: none), on metricsHost */
   metricsPort: z.number().int().min(-1).max(65535),
   metricsHost: z.string().min(1),
+  /** TLS to NATS: the CA that signed the server's certificate, and this service's certificate
+   *  and key (when the server verifies clients); empty: none (a tls:// URL still requires TLS) */
+  tlsCa: z.string(),
+  tlsCert: z.string(),
+  tlsKey: z.string(),
 });
 
 export const baseConfigDefaults = {
@@ -34,6 +39,9 @@ export const baseConfigDefaults = {
   connectRetryMsMax: 300_000,
   metricsPort: 0,
   metricsHost: "0.0.0.0",
+  tlsCa: "",
+  tlsCert: "",
+  tlsKey: "",
 };
 
 export interface ServiceContext<C> {
@@ -75,6 +83,7 @@ export async function runService<C extends BaseConfig>(def: ServiceDefinition<C>
       log,
       connectRetryMsMax: config.connectRetryMsMax,
       connectBackoffMsMax: 5_000,
+      tls: { caFile: config.tlsCa, certFile: config.tlsCert, keyFile: config.tlsKey },
     });
     const running = await def.start({ config, log, bus });
     log.info(`${def.name} ready on ${config.natsUrl}`);
