@@ -16,7 +16,7 @@
 // need no backward of their own.
 import type { Allocation, Backend, DType, Ptr } from "../ffi/backend.ts";
 import { dtypeBytes } from "../ffi/backend.ts";
-import { Arena } from "./arena.ts";
+import { Arena, type ArenaMark } from "./arena.ts";
 import { EngineError, ShapeError } from "./errors.ts";
 import { checkPrecision, type Precision } from "./mixed.ts";
 
@@ -603,30 +603,52 @@ export class Context {
     const dropoutCalls = this.#dropoutCalls;
     const out = this.empty(x.shape, x.dtype);
     const mark = this.arena.mark();
-    const y = this.noGrad(() => fn(x));
+    this.#keepOnly(
+      x,
+      this.noGrad(() => fn(x)),
+      out,
+      mark,
+    );
+    this.record("recompute", [x, ...params], out, () => {
+      const replay = this.#replay(x, params, dropoutCalls);
+      try {
+        this.backwardFrom(fn(x), out.grad!);
+      } finally {
+        replay.end();
+      }
+    });
+    return out;
+  }
+
+  /** recompute's forward: `out` takes fn's result y, and what fn allocated after `mark` is freed. */
+  #keepOnly(x: Tensor, y: Tensor, out: Tensor, mark: ArenaMark): void {
     if (!sameShape(y.shape, x.shape) || y.dtype !== x.dtype) {
       throw new ShapeError("recompute", [x.shape, y.shape], "the recomputed function must keep its input's shape and dtype");
     }
     this.backend.copy(out.ptr, y.ptr, y.bytes);
     this.arena.release(mark);
-    this.record("recompute", [x, ...params], out, () => {
-      // the buffers backward adds into are made before the mark, so they outlive the release
-      if (x.requiresGrad) x.ensureGrad();
-      for (const t of params) if (t.requiresGrad) t.ensureGrad();
-      const again = this.arena.mark();
-      const outer = this.#pass.tape;
-      const dropoutCallsNow = this.#dropoutCalls;
-      this.#pass.tape = [];
-      this.#dropoutCalls = dropoutCalls;
-      try {
-        this.backwardFrom(fn(x), out.grad!);
-      } finally {
+  }
+
+  /**
+   * recompute's backward begins: the gradient buffers backward adds into are made first (they
+   * outlive the release), then fn runs again on a tape of its own with forward's dropout masks;
+   * end() puts the pass's tape and dropout counter back and frees the rerun.
+   */
+  #replay(x: Tensor, params: readonly Tensor[], dropoutCalls: bigint): { end(): void } {
+    if (x.requiresGrad) x.ensureGrad();
+    for (const t of params) if (t.requiresGrad) t.ensureGrad();
+    const again = this.arena.mark();
+    const outer = this.#pass.tape;
+    const dropoutCallsNow = this.#dropoutCalls;
+    this.#pass.tape = [];
+    this.#dropoutCalls = dropoutCalls;
+    return {
+      end: () => {
         this.#pass.tape = outer;
         this.#dropoutCalls = dropoutCallsNow;
         this.arena.release(again);
-      }
-    });
-    return out;
+      },
+    };
   }
 
   /** recompute() of an fn that waits (a tensor-parallel block, whose forward all-reduces). The
@@ -643,27 +665,13 @@ export class Context {
     } finally {
       this.gradEnabled = true;
     }
-    if (!sameShape(y.shape, x.shape) || y.dtype !== x.dtype) {
-      throw new ShapeError("recompute", [x.shape, y.shape], "the recomputed function must keep its input's shape and dtype");
-    }
-    this.backend.copy(out.ptr, y.ptr, y.bytes);
-    this.arena.release(mark);
+    this.#keepOnly(x, y, out, mark);
     this.record("recompute", [x, ...params], out, async () => {
-      if (x.requiresGrad) x.ensureGrad();
-      for (const t of params) if (t.requiresGrad) t.ensureGrad();
-      const again = this.arena.mark();
-      const outer = this.#pass.tape;
-      const dropoutCallsNow = this.#dropoutCalls;
-      this.#pass.tape = [];
-      this.#dropoutCalls = dropoutCalls;
+      const replay = this.#replay(x, params, dropoutCalls);
       try {
-        const y2 = await fn(x);
-        this.#dropoutCalls = dropoutCallsNow;
-        await this.backwardFromAsync(y2, out.grad!);
+        await this.backwardFromAsync(await fn(x), out.grad!);
       } finally {
-        this.#pass.tape = outer;
-        this.#dropoutCalls = dropoutCallsNow;
-        this.arena.release(again);
+        replay.end();
       }
     });
     return out;

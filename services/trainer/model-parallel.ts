@@ -48,7 +48,7 @@ import { dataRanks, type JobConfig } from "../runtime/job.ts";
 import { buildLayout, type Layout } from "../runtime/layout.ts";
 import { modelConfigOf } from "../runtime/model.ts";
 import { cutPartition, type ReplicaMeta } from "../runtime/replica-parts.ts";
-import { checkReplicaPart, type ReplicaStepResult } from "./replica.ts";
+import { ReplicaStaging, type ReplicaStepResult } from "./replica.ts";
 
 /** Bits of the parameter hash per float (exact as an f32 integer, never a NaN). */
 const hashBitsPerFloat = 21;
@@ -67,14 +67,6 @@ export interface ModelParallelOptions {
   progressTimeoutMs?: number;
 }
 
-interface Staged {
-  step: number;
-  generation: number;
-  parts: number;
-  optimizerSteps: number;
-  got: Map<number, ShardState>;
-}
-
 export class ModelParallelReplica {
   readonly layout: Layout;
   readonly mp: ModelLayout;
@@ -91,7 +83,7 @@ export class ModelParallelReplica {
   /** this rank's elements in the whole model's slab: all of them (restores), and those it serves */
   readonly #all: SlabRun[];
   readonly #owned: SlabRun[];
-  #staged: Staged | null = null;
+  readonly #staging: ReplicaStaging;
   /** the most bytes of activations this rank's passes held at once (after a forward) */
   #peakHeld = 0;
   #exported: { step: number; parts: ShardState[] } | null = null;
@@ -110,6 +102,7 @@ export class ModelParallelReplica {
       );
     }
     this.layout = buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, 1);
+    this.#staging = new ReplicaStaging(cfg.job, this.layout, () => this.optimizer.stateSlabs().map((x) => x.name));
     const opt = cfg.optimizer;
     let optimizer: Optimizer | null = null;
     this.#rank = modelParallelRank({
@@ -279,46 +272,19 @@ export class ModelParallelReplica {
 
   /** Takes one part of a restore's whole replica, checked; nothing changes until apply(). */
   stage(s: ShardState): void {
-    checkReplicaPart(
-      s,
-      this.#o.cfg.job,
-      this.layout,
-      this.optimizer.stateSlabs().map((x) => x.name),
-    );
-    const parts = s.parts!;
-    const g = s.generation!;
-    if (this.#staged === null || this.#staged.generation !== g)
-      this.#staged = { step: s.step, generation: g, parts, optimizerSteps: s.optimizerSteps, got: new Map() };
-    const st = this.#staged;
-    if (st.step !== s.step || st.parts !== parts)
-      throw new BadRequestError(`replica part of step ${s.step} (${parts} parts) in a load of step ${st.step} (${st.parts} parts)`);
-    st.got.set(s.shard, s);
+    this.#staging.stage(s);
   }
 
   get staged(): { step: number; generation: number } | null {
-    const st = this.#staged;
-    if (st === null || st.got.size !== st.parts) return null;
-    const ids = [...st.got.values()].flatMap((p) => p.chunks.map((c) => c.id));
-    if (ids.length !== this.layout.chunks.length || new Set(ids).size !== ids.length) return null;
-    return { step: st.step, generation: st.generation };
+    return this.#staging.staged;
   }
 
   /** Applies the staged restore: this rank's share of the parameters and optimizer state, and the generation. */
   apply(): { step: number; generation: number } {
-    const done = this.staged;
-    if (done === null) throw new EngineError("no complete replica is staged");
-    const st = this.#staged!;
     const { backend, plan } = this.#o;
-    const values = new Float32Array(plan.slabNumel);
     const slabs = this.optimizer.stateSlabs();
-    const states = slabs.map(() => new Float32Array(plan.slabNumel));
-    for (const part of st.got.values()) {
-      for (const c of part.chunks) {
-        const info = this.layout.chunks[c.id]!;
-        values.set(c.params, info.offset);
-        c.state.forEach((v, i) => states[i]!.set(v.data, info.offset));
-      }
-    }
+    const st = this.#staging.take(plan.slabNumel);
+    const { values, states } = st;
     const store = this.model.store;
     const mine = new Float32Array(store.slabNumel);
     const mineStates = slabs.map(() => new Float32Array(store.slabNumel));
@@ -330,10 +296,9 @@ export class ModelParallelReplica {
     slabs.forEach((s, i) => backend.upload(s.allocation.ptr, mineStates[i]!));
     this.optimizer.setStepCount(st.optimizerSteps);
     store.zeroGrad();
-    this.#staged = null;
     this.#exported = null;
-    this.reconnect(done.generation);
-    return done;
+    this.reconnect(st.generation);
+    return { step: st.step, generation: st.generation };
   }
 
   /** New rings under a new generation: operations in flight fail, stale pieces are refused. */

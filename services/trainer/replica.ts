@@ -119,15 +119,6 @@ export interface ReplicaOptions {
   progressTimeoutMs?: number;
 }
 
-interface Staged {
-  step: number;
-  generation: number;
-  parts: number;
-  optimizerSteps: number;
-  lossScale: number;
-  got: Map<number, ShardState>;
-}
-
 export class Replica {
   readonly optimizer: Optimizer;
   readonly scaler: LossScaler | null;
@@ -166,7 +157,7 @@ export class Replica {
   #hosts: readonly string[] | null = null;
   #buckets: Bucket[] | null = null;
   #bucketOf = new Map<string, Bucket>();
-  #staged: Staged | null = null;
+  readonly #staging: ReplicaStaging;
   /** rank 0: the encoded parts of the replica at a step, kept while the checkpoint service reads them */
   #exported: { step: number; parts: ShardState[] } | null = null;
 
@@ -213,6 +204,7 @@ export class Replica {
           );
     this.scaler = ctx.precision === "f16" ? new LossScaler() : null;
     this.layout = buildLayout(cfg.job, store.slabNumel, store.decayRange.numel, cfg.chunkBytes, 1);
+    this.#staging = new ReplicaStaging(cfg.job, this.layout, () => this.optimizer.stateSlabs().map((x) => x.name));
   }
 
   /** What this rank holds for the model, read from its allocations (and the arena's high-water mark). */
@@ -930,57 +922,23 @@ export class Replica {
     );
   }
 
-  /**
-   * Takes one part of a snapshot's replica (a restore). Everything is checked before it is kept;
-   * nothing changes until every part of one restore is here and apply() runs.
-   */
+  /** Takes one part of a snapshot's replica (a restore), checked; nothing changes until apply(). */
   stage(s: ShardState): void {
-    checkReplicaPart(
-      s,
-      this.#o.cfg.job,
-      this.layout,
-      this.optimizer.stateSlabs().map((x) => x.name),
-    );
-    const parts = s.parts!;
-    const g = s.generation!;
-    const cur = this.#staged;
-    // a part of another load starts over: the checkpoint service loads every part of a restore
-    // before it announces it, one restore at a time, so the newest parts are the ones to keep
-    // (refusing older generations instead would let one part with a huge one block every restore)
-    if (cur === null || cur.generation !== g)
-      this.#staged = { step: s.step, generation: g, parts, optimizerSteps: s.optimizerSteps, lossScale: s.lossScale ?? 0, got: new Map() };
-    const st = this.#staged!;
-    if (st.step !== s.step || st.parts !== parts)
-      throw new BadRequestError(`replica part of step ${s.step} (${parts} parts) in a load of step ${st.step} (${st.parts} parts)`);
-    st.got.set(s.shard, s);
+    this.#staging.stage(s);
   }
 
   /** The restore staged completely (every part, every chunk once), or null. */
   get staged(): { step: number; generation: number } | null {
-    const st = this.#staged;
-    if (st === null || st.got.size !== st.parts) return null;
-    const ids = [...st.got.values()].flatMap((p) => p.chunks.map((c) => c.id));
-    if (ids.length !== this.layout.chunks.length || new Set(ids).size !== ids.length) return null;
-    return { step: st.step, generation: st.generation };
+    return this.#staging.staged;
   }
 
   /** Applies the staged restore: parameters, optimizer state, loss scale, and the communicator's generation. */
   apply(): { step: number; generation: number } {
-    const done = this.staged;
-    if (done === null) throw new EngineError("no complete replica is staged");
-    const st = this.#staged!;
     const { model, backend } = this.#o;
     const store = model.store;
-    const values = new Float32Array(store.slabNumel);
     const slabs = this.optimizer.stateSlabs();
-    const states = slabs.map(() => new Float32Array(store.slabNumel));
-    for (const part of st.got.values()) {
-      for (const c of part.chunks) {
-        const info = this.layout.chunks[c.id]!;
-        values.set(c.params, info.offset);
-        c.state.forEach((v, i) => states[i]!.set(v.data, info.offset));
-      }
-    }
+    const st = this.#staging.take(store.slabNumel);
+    const { values, states } = st;
     if (this.#ownedParams !== null) {
       // stage 3: this rank keeps its partition of the parameters (any gathered copy is stale)
       for (const b of this.#buckets ?? []) this.#release(b);
@@ -1001,10 +959,73 @@ export class Replica {
     store.zeroGrad();
     // the residuals belong to the steps the restore abandoned
     for (const b of this.#buckets ?? []) b.feedback?.reset();
-    this.#staged = null;
     this.#exported = null;
-    this.reconnect(done.generation);
-    return done;
+    this.reconnect(st.generation);
+    return { step: st.step, generation: st.generation };
+  }
+}
+
+/**
+ * The parts of a restore's replica as they arrive (each checked with checkReplicaPart), until
+ * every part of one load is here: then take() assembles the replica's values and state vectors
+ * in the slab's layout. Parts of another load (another communicator generation) start over: the
+ * checkpoint service loads every part of a restore before it announces it, one restore at a
+ * time, so the newest parts are the ones to keep (refusing older generations instead would let
+ * one part with a huge one block every restore).
+ */
+export class ReplicaStaging {
+  #staged: {
+    step: number;
+    generation: number;
+    parts: number;
+    optimizerSteps: number;
+    lossScale: number;
+    got: Map<number, ShardState>;
+  } | null = null;
+
+  constructor(
+    readonly job: string,
+    readonly layout: Layout,
+    readonly stateNames: () => string[],
+  ) {}
+
+  stage(s: ShardState): void {
+    checkReplicaPart(s, this.job, this.layout, this.stateNames());
+    const parts = s.parts!;
+    const g = s.generation!;
+    if (this.#staged === null || this.#staged.generation !== g)
+      this.#staged = { step: s.step, generation: g, parts, optimizerSteps: s.optimizerSteps, lossScale: s.lossScale ?? 0, got: new Map() };
+    const st = this.#staged;
+    if (st.step !== s.step || st.parts !== parts)
+      throw new BadRequestError(`replica part of step ${s.step} (${parts} parts) in a load of step ${st.step} (${st.parts} parts)`);
+    st.got.set(s.shard, s);
+  }
+
+  /** The restore staged completely (every part, every chunk once), or null. */
+  get staged(): { step: number; generation: number } | null {
+    const st = this.#staged;
+    if (st === null || st.got.size !== st.parts) return null;
+    const ids = [...st.got.values()].flatMap((p) => p.chunks.map((c) => c.id));
+    if (ids.length !== this.layout.chunks.length || new Set(ids).size !== ids.length) return null;
+    return { step: st.step, generation: st.generation };
+  }
+
+  /** The complete restore's values and state vectors (slab of `slabNumel`), and its counters; the staging empties. */
+  take(slabNumel: number): { step: number; generation: number; optimizerSteps: number; lossScale: number; values: Float32Array; states: Float32Array[] } {
+    const done = this.staged;
+    if (done === null) throw new EngineError("no complete replica is staged");
+    const st = this.#staged!;
+    const values = new Float32Array(slabNumel);
+    const states = this.stateNames().map(() => new Float32Array(slabNumel));
+    for (const part of st.got.values()) {
+      for (const c of part.chunks) {
+        const info = this.layout.chunks[c.id]!;
+        values.set(c.params, info.offset);
+        c.state.forEach((v, i) => states[i]!.set(v.data, info.offset));
+      }
+    }
+    this.#staged = null;
+    return { ...done, optimizerSteps: st.optimizerSteps, lossScale: st.lossScale, values, states };
   }
 }
 
