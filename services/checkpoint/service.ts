@@ -573,16 +573,11 @@ export class CheckpointService {
     );
   }
 
-  /**
-   * Whether a shard holds nothing yet: no update applied (loaded or trained). Pushes that wait
-   * for the rest of their step do not count: a trainer restarted with the shard may push to it
-   * before its restore is served (when a save ahead of it stalls), and the restore, which rewinds
-   * every trainer, drops them.
-   */
+  /** Whether a shard holds nothing yet: no update applied, no trainer's step pushed. */
   async #holdsNothing(cfg: JobConfig, shard: number): Promise<boolean> {
     const req = encodeJobRequest({ job: cfg.job, step: 0, tag: "" });
     const s = decodeShardStats(await this.bus.request(subjects.psStats(cfg.job, shard), req, stateTimeoutMs), 1 << 20);
-    return s.updates === 0;
+    return s.updates === 0 && s.clocks.every((c) => c === 0);
   }
 
   /**
