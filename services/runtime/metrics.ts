@@ -94,14 +94,24 @@ export interface MetricsServer {
   stop(): Promise<void>;
 }
 
-/** Serves the registry at /metrics on `port` (0: any free port) of `host`. */
-export function serveMetrics(port: number, host = "0.0.0.0"): MetricsServer {
+/** Why the process is not ready to serve (null: ready); read on every GET /readyz. */
+export type Readiness = () => string | null;
+
+/** Serves the registry at /metrics on `port` (0: any free port) of `host`, and the health routes
+ *  an orchestrator probes (deploy/k8s/): /healthz answers 200 while the process's event loop
+ *  does (liveness), /readyz 200 when `ready` says so, else 503 with the reason (readiness). */
+export function serveMetrics(port: number, host = "0.0.0.0", ready: Readiness = () => null): MetricsServer {
   const server = Bun.serve({
     port,
     hostname: host,
     async fetch(req) {
       const path = new URL(req.url).pathname;
-      if (path !== "/metrics") return new Response("meshtrain serves /metrics here\n", { status: 404 });
+      if (path === "/healthz") return new Response("ok\n");
+      if (path === "/readyz") {
+        const why = ready();
+        return why === null ? new Response("ready\n") : new Response(`not ready: ${why}\n`, { status: 503 });
+      }
+      if (path !== "/metrics") return new Response("meshtrain serves /metrics, /healthz and /readyz here\n", { status: 404 });
       return new Response(await scrape(), { headers: { "content-type": registry.contentType } });
     },
   });

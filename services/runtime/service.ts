@@ -66,6 +66,31 @@ export interface ServiceDefinition<C extends BaseConfig> {
   start(ctx: ServiceContext<C>): Promise<{ stop(): Promise<void> }>;
 }
 
+/** The process's readiness for /readyz (an orchestrator routes work to it, or waits): connected to
+ *  NATS and started; not ready while the client reconnects after a drop. */
+class Health {
+  started = false;
+  #connection: string | null;
+
+  constructor(natsUrl: string) {
+    this.#connection = `connecting to NATS at ${natsUrl}`;
+  }
+
+  notReady(): string | null {
+    return this.#connection ?? (this.started ? null : "starting");
+  }
+
+  follow(nc: NatsBus["nc"]): void {
+    this.#connection = null;
+    void (async () => {
+      for await (const s of nc.status()) {
+        if (s.type === "disconnect") this.#connection = `disconnected from NATS at ${s.server}; reconnecting`;
+        else if (s.type === "reconnect") this.#connection = null;
+      }
+    })().catch(() => {}); // the status stream ends with the connection, and the process with it
+  }
+}
+
 /** Runs a service process until SIGTERM/SIGINT; exits 1 with one clear line on a start-up error. */
 export async function runService<C extends BaseConfig>(def: ServiceDefinition<C>, argv = process.argv.slice(2)): Promise<void> {
   let log = createLogger({ service: def.name });
@@ -73,7 +98,8 @@ export async function runService<C extends BaseConfig>(def: ServiceDefinition<C>
     const config = loadConfig(def.schema, { argv, env: process.env }, def.defaults) as C;
     log = createLogger({ service: def.name, ...def.logFields?.(config) }, config.logLevel);
     log.info({ config }, `${def.name} starting`);
-    const metrics = config.metricsPort >= 0 ? serveMetrics(config.metricsPort, config.metricsHost) : null;
+    const health = new Health(config.natsUrl);
+    const metrics = config.metricsPort >= 0 ? serveMetrics(config.metricsPort, config.metricsHost, () => health.notReady()) : null;
     if (metrics !== null) log.info({ metrics: metrics.url }, `${def.name} serves Prometheus metrics at ${metrics.url}`);
     const metadata = { ...(def.metadata?.(config) ?? {}), ...(metrics === null ? {} : { metrics: metrics.url }) };
     const bus = await NatsBus.connect({
@@ -85,7 +111,9 @@ export async function runService<C extends BaseConfig>(def: ServiceDefinition<C>
       connectBackoffMsMax: 5_000,
       tls: { caFile: config.tlsCa, certFile: config.tlsCert, keyFile: config.tlsKey },
     });
+    health.follow(bus.nc);
     const running = await def.start({ config, log, bus });
+    health.started = true;
     log.info(`${def.name} ready on ${config.natsUrl}`);
     let stopping = false;
     const shutdown = async (signal: string) => {
