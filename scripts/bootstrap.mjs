@@ -1,8 +1,9 @@
 #!/usr/bin/env node
 // Set-up that the two README commands run first. Plain Node (>= 20), no dependencies, so it
 // works on a fresh Debian machine before `npm ci`:
-//   1. Debian packages: OpenBLAS (OpenMP build), C and C++ compilers, nats-server and flatc. Installed with apt-get when
-//      running as root; otherwise the exact command is printed and set-up goes on.
+//   1. Debian packages: OpenBLAS (OpenMP build), C and C++ compilers, nats-server, flatc and
+//      chromium (the tests' browser). Installed with apt-get when running as root; otherwise the
+//      exact command is printed and set-up goes on.
 //   2. npm packages (Bun among them): `npm ci` when node_modules is missing or older than
 //      package-lock.json.
 //   3. The C kernel library and the NCCL shim, compiled with the system C compiler (skipped with
@@ -50,6 +51,8 @@ const needs = [
   // the mesh: a local nats-server for the launcher and the tests, flatc for `bun run schemas`
   { what: "nats-server", pkg: "nats-server", ok: () => which("nats-server") || Boolean(process.env.MESHTRAIN_NATS_SERVER) },
   { what: "the FlatBuffers compiler", pkg: "flatbuffers-compiler", ok: () => which("flatc") },
+  // the tests' browser: playwright-core drives it to check the live dashboard's page
+  { what: "chromium (the tests' browser)", pkg: "chromium", ok: () => which("chromium") || which("chromium-browser") },
 ];
 
 const missing = needs.filter((n) => !n.ok());
