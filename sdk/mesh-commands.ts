@@ -15,6 +15,7 @@ import { defaultRunDir, runMesh } from "./local/run-mesh.ts";
 import { stamp } from "./format.ts";
 import { cliName, float, int, shownPath, userPath } from "./options.ts";
 import { configSummary, jobsTable, outcomeLines, statusLines } from "./report.ts";
+import { Dashboard } from "./dashboard/server.ts";
 import { StopRequests } from "./signals.ts";
 import { JobFailedError, watchJob } from "./watch.ts";
 import { NatsUnreachableError } from "../services/runtime/nats.ts";
@@ -81,8 +82,16 @@ export function addMeshCommands(program: Command): void {
   )
     .option("--dir <dir>", "folder for the jobs' snapshots, models and logs (<dir>/jobs/<job>/)", defaultRunDir())
     .option("--timeout-min <m>", "give up after this many minutes", float(0, Infinity, { exclusiveMin: true }), 60)
-    .action(async (opts: JobFlags & { dir: string; timeoutMin: number }, cmd: Command) => {
-      process.exitCode = await runMesh({ flags: opts, given: givenOptions(cmd), dir: userPath(opts.dir), timeoutMin: opts.timeoutMin });
+    .option("--dashboard-port <n>", "port of the job's live web page on 127.0.0.1 (0: a free one)", int(0, 65535), 0)
+    .option("--no-dashboard", "no live web page of the job")
+    .action(async (opts: JobFlags & { dir: string; timeoutMin: number; dashboard: boolean; dashboardPort: number }, cmd: Command) => {
+      process.exitCode = await runMesh({
+        flags: opts,
+        given: givenOptions(cmd),
+        dir: userPath(opts.dir),
+        timeoutMin: opts.timeoutMin,
+        dashboardPort: opts.dashboard ? opts.dashboardPort : null,
+      });
     });
 
   const mesh = program.command("mesh").description("run the mesh's services on this machine");
@@ -169,6 +178,21 @@ export function addMeshCommands(program: Command): void {
     },
   );
 
+  natsOption(
+    program
+      .command("dashboard")
+      .description(
+        "serve a live web page of a job (loss and evaluation curves, samples/s, each rank's step split, shard clocks, health, snapshots) until Ctrl-C; without a job, a page listing the mesh's jobs",
+      )
+      .argument("[job]"),
+  )
+    .option("--port <n>", "HTTP port (0: a free one)", int(0, 65535), 0)
+    .option("--host <addr>", "address to listen on (0.0.0.0: every interface; whoever reaches it sees the mesh's jobs)", "127.0.0.1")
+    .action(async (job: string | undefined, opts: { natsUrl?: string; port: number; host: string }) => {
+      await using client = await connect(opts.natsUrl);
+      await serveDashboard(client, job, opts);
+    });
+
   natsOption(program.command("metrics").description("list every service's Prometheus /metrics endpoint (from service discovery)")).action(
     async (opts: { natsUrl?: string }) => {
       await using client = await connect(opts.natsUrl);
@@ -214,6 +238,16 @@ export function addMeshCommands(program: Command): void {
     const m = await client.restore(job, id ?? "");
     console.log(`restored ${job} to ${m.id} (step ${m.step}); its trainers resume there`);
   });
+}
+
+/** `dashboard`: serves the pages until Ctrl-C; a job that does not exist is refused before. */
+async function serveDashboard(client: MeshClient, job: string | undefined, o: { port: number; host: string }): Promise<void> {
+  await using dash = Dashboard.start({ client, port: o.port, host: o.host });
+  if (job !== undefined) await dash.follow(job);
+  console.log(`meshtrain dashboard of ${job === undefined ? "the jobs" : `job ${job}`} on ${client.url}: ${job === undefined ? dash.url : dash.jobUrl(job)}`);
+  console.log("stop it: Ctrl-C");
+  using stop = new StopRequests();
+  await new Promise<void>((resolve) => stop.first.signal.addEventListener("abort", () => resolve(), { once: true }));
 }
 
 /** `mesh up`: runs until Ctrl-C, leaving a note so that client commands on this machine find it. */

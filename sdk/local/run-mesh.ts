@@ -15,6 +15,7 @@ import { type JobFlags, jobConfigOf, resolveConfig } from "../job-flags.ts";
 import { configSummary, outcomeLines } from "../report.ts";
 import { cliName, shownPath } from "../options.ts";
 import { StopRequests } from "../signals.ts";
+import { Dashboard } from "../dashboard/server.ts";
 import { JobFailedError, watchJob } from "../watch.ts";
 
 export interface MeshRunOptions {
@@ -25,6 +26,8 @@ export interface MeshRunOptions {
   dir: string;
   /** stop waiting after this long */
   timeoutMin: number;
+  /** the port of the job's live web page on 127.0.0.1 (0: a free one); null: none */
+  dashboardPort?: number | null;
 }
 
 export const defaultRunDir = () => join("runs", "mesh");
@@ -67,6 +70,7 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
   let print = (line: string) => console.log(line);
   using stop = new StopRequests((s) => print(`${s}: stopping job ${cfg.job}: a snapshot first, then the mesh (again to stop at once)`));
   let client: MeshClient | null = null;
+  let dashboard: Dashboard | null = null;
   const mesh = await LocalMesh.start({
     jobsDir,
     logDir,
@@ -80,6 +84,7 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
   let submitted = false;
   try {
     client = await MeshClient.connect(mesh.url);
+    dashboard = await startDashboard(client, cfg.job, o.dashboardPort ?? 0);
     // the launcher started every rank the job needs: wait for them to register
     await client.submit(cfg, { membersWaitMs, signal: stop.first.signal });
     submitted = true;
@@ -109,9 +114,19 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
     throw e;
   } finally {
     print = (line) => console.log(line);
+    await dashboard?.stop();
     await client?.close();
     await mesh.stop();
   }
+}
+
+/** The job's live page, following the job from before its submission (so it has every event); its URL is printed. */
+async function startDashboard(client: MeshClient, job: string, port: number | null): Promise<Dashboard | null> {
+  if (port === null) return null;
+  const d = Dashboard.start({ client, port });
+  await d.follow(job, { known: false });
+  console.log(`  dashboard  ${d.jobUrl(job)} (live while the job runs; --no-dashboard for none)`);
+  return d;
 }
 
 /** After a stop request: a snapshot of the job at its next step, unless a second signal comes first. */
