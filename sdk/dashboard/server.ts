@@ -50,6 +50,8 @@ interface Feed {
   viewedMs: number;
   statusMs: number;
   polling: boolean;
+  /** a status was read (the job exists) */
+  statusRead: boolean;
   tickMs: number;
   sentPanels: string;
 }
@@ -109,7 +111,17 @@ export class Dashboard implements AsyncDisposable {
     this.#makeRoom();
     const view = new JobView(job, this.client.url, st?.config ?? null);
     if (st) view.status(st);
-    const feed: Feed = { view, subs: [], pages: new Set(), viewedMs: Date.now(), statusMs: st ? Date.now() : 0, polling: false, tickMs: 0, sentPanels: "" };
+    const feed: Feed = {
+      view,
+      subs: [],
+      pages: new Set(),
+      viewedMs: Date.now(),
+      statusMs: st ? Date.now() : 0,
+      polling: false,
+      statusRead: st !== null,
+      tickMs: 0,
+      sentPanels: "",
+    };
     feed.subs.push(
       this.client.bus.subscribe(subjects.allEvents(job), (data) => {
         try {
@@ -176,7 +188,10 @@ export class Dashboard implements AsyncDisposable {
     feed.viewedMs = Date.now();
     if (what === "")
       return new Response(Bun.file(join(here, "page.html")), { headers: { "content-type": "text/html; charset=utf-8", "cache-control": "no-cache" } });
-    if (what === "/state.json") return json(this.#state(feed));
+    if (what === "/state.json") {
+      if (Date.now() - feed.statusMs >= statusPollMs && !feed.polling) await this.#poll(feed);
+      return json(this.#state(feed));
+    }
     if (what === "/events") return this.#stream(feed, req, server);
     return text(`no page ${what} for a job; see /jobs/${job}`, 404);
   }
@@ -234,7 +249,8 @@ export class Dashboard implements AsyncDisposable {
         feed.tickMs = now;
         feed.view.tick(now);
       }
-      const wanted = feed.pages.size > 0 || feed.statusMs === 0;
+      // with no page open, only until the job's status was read once (meshtrain run follows it before submitting)
+      const wanted = feed.pages.size > 0 || !feed.statusRead;
       if (wanted && !feed.polling && now - feed.statusMs >= statusPollMs && !(feed.view.ended && feed.statusMs > 0)) void this.#poll(feed);
       const curves = feed.view.appendsSince();
       const panels = JSON.stringify(feed.view.panels(now));
@@ -260,6 +276,7 @@ export class Dashboard implements AsyncDisposable {
     feed.polling = true;
     try {
       feed.view.status(await this.client.status(feed.view.job));
+      feed.statusRead = true;
     } catch {
       // not submitted yet (meshtrain run follows first), or the mesh is busy: the next poll tries again
     } finally {

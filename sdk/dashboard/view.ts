@@ -301,7 +301,7 @@ export class JobView {
           ? `${rec.evalSplit || "test"} at step ${rec.evalStep}: loss ${rec.loss.toFixed(4)}, accuracy ${(100 * rec.accuracy).toFixed(2)}%`
           : "",
       config: this.config ? configSummary(this.config) : [],
-      health: [...this.#procs.entries()].map(([who, p]) => this.#health(who, p, nowMs)),
+      health: [...this.#procs.entries()].sort(([a], [b]) => processOrder(a) - processOrder(b)).map(([who, p]) => this.#health(who, p, nowMs)),
       split: [...this.#splits.entries()].sort(([a], [b]) => a - b).map(([rank, s]) => splitRow(rank, s)),
       shards: (this.#status?.shards ?? []).map(shardRow),
       snapshots: (this.#status?.checkpoints ?? []).slice(-snapshotsShownMax).reverse().map(snapshotRow),
@@ -330,6 +330,12 @@ export class JobView {
 export function expectedProcesses(cfg: JobConfig): string[] {
   const shards = usesShards(cfg) ? Array.from({ length: cfg.shards }, (_, k) => `shard ${k}`) : [];
   return [...Array.from({ length: cfg.trainers }, (_, r) => `trainer ${r}`), ...shards, "data-loader"];
+}
+
+/** Trainers by rank, then shards, then the data-loader (heartbeats arrive in any order). */
+function processOrder(who: string): number {
+  const n = Number(/\d+$/.exec(who)?.[0] ?? 0);
+  return who.startsWith("trainer") ? n : who.startsWith("shard") ? 1_000 + n : 2_000;
 }
 
 function splitRow(rank: number, s: { step: number; loss: number; rows: number[][] }): SplitRow {
