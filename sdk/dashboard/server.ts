@@ -14,7 +14,7 @@ import { join } from "node:path";
 import type { Server } from "bun";
 import { decodeEvent, decodeHeartbeat, EventKind, JobState } from "../../schemas/messages.ts";
 import type { Subscription } from "../../services/runtime/bus.ts";
-import { BadRequestError, CapacityError, UnknownJobError } from "../../services/runtime/errors.ts";
+import { BadRequestError, CapacityError, NoRespondersError, UnknownJobError } from "../../services/runtime/errors.ts";
 import { jobNamePattern, subjects } from "../../services/runtime/job.ts";
 import { stateName } from "../../services/runtime/jobs.ts";
 import type { JobStatus, MeshClient } from "../client.ts";
@@ -106,7 +106,7 @@ export class Dashboard implements AsyncDisposable {
   async follow(job: string, o: { known?: boolean } = {}): Promise<void> {
     if (this.#feeds.has(job)) return;
     let st: JobStatus | null = null;
-    if (o.known ?? true) st = await this.client.status(job); // UnknownJobError names the mesh
+    if (o.known ?? true) st = await this.#status(job);
     if (this.#feeds.has(job)) return;
     this.#makeRoom();
     const view = new JobView(job, this.client.url, st?.config ?? null);
@@ -145,6 +145,17 @@ export class Dashboard implements AsyncDisposable {
     this.#feeds.set(job, feed);
   }
 
+  /** The job's status; UnknownJobError (naming the mesh) when it has neither a record nor snapshots. */
+  async #status(job: string): Promise<JobStatus> {
+    try {
+      return await this.client.status(job);
+    } catch (e) {
+      // no record, and no checkpoint service to look for snapshots in
+      if (e instanceof NoRespondersError) throw new UnknownJobError(`no job ${job} on ${this.client.url} (meshtrain status lists the jobs)`);
+      throw e;
+    }
+  }
+
   /** Drops the least recently viewed job nobody is looking at; CapacityError when every one has a page open. */
   #makeRoom(): void {
     if (this.#feeds.size < jobViewsMax) return;
@@ -181,7 +192,7 @@ export class Dashboard implements AsyncDisposable {
   }
 
   async #jobRoute(job: string, what: string, req: Request, server: Server<undefined>): Promise<Response> {
-    if (what === "/status.json") return json(statusJson(await this.client.status(job)));
+    if (what === "/status.json") return json(statusJson(await this.#status(job)));
     if (what === "/snapshots.json") return json({ job, snapshots: await this.client.checkpoints(job) });
     await this.follow(job);
     const feed = this.#feeds.get(job)!;
