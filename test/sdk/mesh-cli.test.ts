@@ -99,6 +99,8 @@ describe("meshtrain run", () => {
     const lines = r.out.trim().split("\n");
     expect(lines[0]).toBe("meshtrain run: job three, on a local mesh of 3 trainers, 3 parameter-server shards, a data-loader and a checkpoint service");
     expect(r.out).toContain(`data       MNIST from ${join(cwd, "mnist")}`);
+    // the job's live page, among the opening lines (test/e2e/dashboard.test.ts opens one in a browser)
+    expect(r.out).toMatch(/^ {2}dashboard {2}http:\/\/127\.0\.0\.1:\d+\/jobs\/three /m);
     const accuracy = Number(/^test accuracy: ([\d.]+)%/m.exec(r.out)![1]);
     expect(accuracy).toBeGreaterThan(80);
     expect(lines.slice(-4)).toEqual([
