@@ -209,7 +209,7 @@ async function benchModel(
         trainers: cfg.trainers,
         shards: usesShards(cfg) ? cfg.shards : 0,
       });
-      await using client = await MeshClient.connect(m.url);
+      await using client = await MeshClient.connect(m.url, m.auth());
       await client.submit(cfg, { membersWaitMs: 60_000 });
       meshRuns.push({ cfg, r: await watchJob(client, cfg.job, { quiet: true }) });
     } finally {
@@ -340,7 +340,7 @@ async function layoutBench(layouts: Layout3[], steps: number, micro: number, sch
     const dir = mkdtempSync(join(tmpdir(), "mt-bench-layouts-"));
     try {
       await using m = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers, shards: 0 });
-      await using client = await MeshClient.connect(m.url);
+      await using client = await MeshClient.connect(m.url, m.auth());
       const job = `${cfg.job}-${Date.now()}`;
       await client.submit({ ...cfg, job }, { membersWaitMs: 60_000 });
       let status: ReturnType<MeshClient["status"]> | null = null;
@@ -429,7 +429,7 @@ async function snapshotBench(
             shards: usesShards(cfg) ? cfg.shards : 0,
             env: { MT_SYNC_SNAPSHOTS: String(!background) },
           });
-          await using client = await MeshClient.connect(m.url);
+          await using client = await MeshClient.connect(m.url, m.auth());
           const job = `${cfg.job}-${Date.now()}`;
           await client.submit({ ...cfg, job }, { membersWaitMs: 60_000 });
           let stall = 0,

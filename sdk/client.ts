@@ -25,7 +25,7 @@ import {
   type TrainerStats,
   SyncPolicy,
 } from "../schemas/messages.ts";
-import { type NatsTls, tlsFromEnv } from "../services/runtime/nats.ts";
+import { type NatsTls, nkeyFromEnv, tlsFromEnv } from "../services/runtime/nats.ts";
 import { awaitMembers, meshMembers, type MeshMembers, type MetricsEndpoint, metricsEndpoints } from "../services/runtime/discovery.ts";
 import { BadRequestError, CapacityError, DeadlineError, JobStateError, NoRespondersError, UnknownJobError } from "../services/runtime/errors.ts";
 import {
@@ -132,6 +132,16 @@ export function resumedWorld(cfg: JobConfig, prev: PreviousRun): JobConfig {
   return parseJobConfig({ ...cfg, world: changeWorld(was, prev.snapshot.step, cfg.trainers) });
 }
 
+/** How MeshClient.connect reaches the mesh. */
+export interface MeshConnectOptions {
+  /** how long to keep trying to reach the server (default 3 s) */
+  connectRetryMsMax?: number;
+  /** default: MT_TLS_CA, MT_TLS_CERT, MT_TLS_KEY */
+  tls?: NatsTls;
+  /** the NATS user's nkey seed file (default: MT_NATS_NKEY; none: anonymous) */
+  nkeyFile?: string;
+}
+
 export class MeshClient implements AsyncDisposable {
   private constructor(
     readonly bus: NatsBus,
@@ -141,9 +151,18 @@ export class MeshClient implements AsyncDisposable {
   ) {}
 
   /** `tls`: the CA of a tls:// server (and a client certificate and key when it verifies
-   *  clients); by default MT_TLS_CA, MT_TLS_CERT and MT_TLS_KEY. */
-  static async connect(url: string, connectRetryMsMax = 3_000, tls: NatsTls = tlsFromEnv()): Promise<MeshClient> {
-    const bus = await NatsBus.connect({ url, name: "meshtrain-sdk", connectRetryMsMax, connectBackoffMsMax: 1000, tls });
+   *  clients); by default MT_TLS_CA, MT_TLS_CERT and MT_TLS_KEY. `nkeyFile`: the seed of the NATS
+   *  user to connect as (a mesh with roles: services/runtime/roles.ts); by default MT_NATS_NKEY. */
+  static async connect(url: string, o: MeshConnectOptions = {}): Promise<MeshClient> {
+    const nkeyFile = o.nkeyFile ?? nkeyFromEnv();
+    const bus = await NatsBus.connect({
+      url,
+      name: "meshtrain-sdk",
+      connectRetryMsMax: o.connectRetryMsMax ?? 3_000,
+      connectBackoffMsMax: 1000,
+      tls: o.tls ?? tlsFromEnv(),
+      ...(nkeyFile === undefined ? {} : { nkeyFile }),
+    });
     try {
       const ledger = await JobLedger.open(bus.nc, bus);
       return new MeshClient(bus, ledger.store, ledger, url);

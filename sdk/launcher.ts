@@ -19,6 +19,7 @@ import { parse } from "yaml";
 import { z } from "zod";
 import { jobNamePattern } from "../services/runtime/job.ts";
 import { type NatsServer, startNatsServer } from "../services/runtime/nats-server.ts";
+import { type Credentials, makeCredentials, type RoleName } from "../services/runtime/roles.ts";
 
 export const composePath = join(import.meta.dir, "..", "deploy", "docker-compose.yml");
 const root = join(import.meta.dir, "..");
@@ -157,6 +158,11 @@ export interface MeshOptions {
   onGiveUp?: (service: string, lastError: string, log: string) => void;
   /** restart policy (default restartDefaults) */
   restart?: Partial<RestartPolicy>;
+  /** NATS users per role (services/runtime/roles.ts), each service connecting as its own; false:
+   *  an open server anyone may use (default true) */
+  auth?: boolean;
+  /** where the users' nkey seeds and auth.conf go (default: <NATS folder>/creds); kept seeds are reused */
+  credsDir?: string;
 }
 
 interface Running {
@@ -186,6 +192,8 @@ export class LocalMesh implements AsyncDisposable {
     readonly services: ServiceSpec[],
     /** the JetStream store when the launcher made it (removed at stop) */
     readonly tempNatsDir: string | null,
+    /** the users' credentials, when the mesh runs with roles */
+    readonly credentials: Credentials | null,
   ) {
     this.#nats = nats;
   }
@@ -200,13 +208,23 @@ export class LocalMesh implements AsyncDisposable {
     mkdirSync(opts.jobsDir, { recursive: true });
     // the store outlives a NATS restart: a given folder, or one this launch makes and removes
     const tempNatsDir = opts.natsStoreDir === undefined ? mkdtempSync(join(tmpdir(), "mt-nats-")) : null;
+    const natsDir = opts.natsStoreDir ?? tempNatsDir!;
+    const services = scaleTopology(topology, opts);
+    const credentials =
+      (opts.auth ?? true)
+        ? makeCredentials(opts.credsDir ?? join(natsDir, "creds"), {
+            trainers: Math.max(1, services.filter((s) => s.env.MT_RANK !== undefined).length),
+            shards: services.filter((s) => s.env.MT_SHARD !== undefined).length,
+          })
+        : null;
     const nats = await startNatsServer({
       ...(opts.port === undefined ? {} : { port: opts.port }),
-      dir: opts.natsStoreDir ?? tempNatsDir!,
+      dir: natsDir,
       wrap: tiedToLauncher,
       logFile: join(opts.logDir, "nats-server.log"),
+      ...(credentials === null ? {} : { authorization: credentials.authorization }),
     });
-    const mesh = new LocalMesh(nats, opts, scaleTopology(topology, opts), tempNatsDir);
+    const mesh = new LocalMesh(nats, opts, services, tempNatsDir, credentials);
     mesh.#watchNats();
     for (const spec of mesh.services) mesh.#spawn(spec);
     return mesh;
@@ -225,7 +243,13 @@ export class LocalMesh implements AsyncDisposable {
       );
       for (let attempt = 1; !this.#stopping; attempt++) {
         try {
-          this.#nats = await startNatsServer({ port: nats.port, dir: nats.dir, wrap: tiedToLauncher, logFile: join(this.opts.logDir, "nats-server.log") });
+          this.#nats = await startNatsServer({
+            port: nats.port,
+            dir: nats.dir,
+            wrap: tiedToLauncher,
+            logFile: join(this.opts.logDir, "nats-server.log"),
+            ...(this.credentials === null ? {} : { authorization: this.credentials.authorization }),
+          });
           this.opts.onEvent?.(`nats-server is back on port ${nats.port}`);
           this.#watchNats();
           return;
@@ -239,6 +263,20 @@ export class LocalMesh implements AsyncDisposable {
 
   get url(): string {
     return this.nats.url;
+  }
+
+  /** How a client connects as `user` (default admin: the launcher's owner): its seed file, or nothing on an open mesh. */
+  auth(user: RoleName = "admin"): { nkeyFile?: string } {
+    return this.credentials === null ? {} : { nkeyFile: this.credentials.seedFile(user) };
+  }
+
+  /** The NATS user a service of the topology connects as (null: none of the mesh's roles; it connects anonymously, and a mesh with roles refuses it). */
+  static userOf(spec: ServiceSpec): RoleName | null {
+    if (spec.env.MT_RANK !== undefined) return `trainer-${Number(spec.env.MT_RANK)}`;
+    if (spec.env.MT_SHARD !== undefined) return `ps-${Number(spec.env.MT_SHARD)}`;
+    const kind = spec.name.replace(/-?\d+$/, "");
+    if (kind === "data-loader" || kind === "checkpoint") return kind;
+    return null;
   }
 
   /** Process ids of everything the mesh runs now: NATS and every service. */
@@ -262,6 +300,7 @@ export class LocalMesh implements AsyncDisposable {
       OMP_NUM_THREADS: this.#threads(spec),
       MT_NATS_URL: this.nats.url,
       MT_DIR: this.opts.jobsDir,
+      ...(this.credentials === null || LocalMesh.userOf(spec) === null ? {} : { MT_NATS_NKEY: this.credentials.seedFile(LocalMesh.userOf(spec)!) }),
       ...this.opts.env,
       ...this.opts.serviceEnv?.[spec.name],
       // per-service identity from the topology wins over the overrides

@@ -8,7 +8,8 @@ import { z } from "zod";
 
 export const defaultNatsUrl = "nats://127.0.0.1:4222";
 
-const noteSchema = z.object({ url: z.string(), pid: z.number().int(), dir: z.string() });
+/** creds: the folder of the mesh's users' nkey seeds (a mesh with roles) */
+const noteSchema = z.object({ url: z.string(), pid: z.number().int(), dir: z.string(), creds: z.string().optional() });
 export type LocalMeshNote = z.infer<typeof noteSchema>;
 
 /** The note's path: per user, in the runtime folder when there is one. */
@@ -55,6 +56,17 @@ export function resolveNatsUrl(flag: string | undefined): { url: string; from: s
   const local = findLocalMesh();
   if (local) return { url: local.url, from: `the local mesh of pid ${local.pid} (meshtrain mesh up --dir ${local.dir})` };
   return { url: defaultNatsUrl, from: "the default" };
+}
+
+/**
+ * The nkey seed file a client command connects with: --nats-nkey, else $MT_NATS_NKEY, else, for
+ * the mesh `mesh up` runs here, its own user for `role` (client; admin for restore and resize).
+ */
+export function resolveNkeyFile(flag: string | undefined, url: string, role: "client" | "admin"): string | undefined {
+  if (flag) return flag;
+  if (process.env.MT_NATS_NKEY) return process.env.MT_NATS_NKEY;
+  const local = findLocalMesh();
+  return local?.creds && local.url === url ? join(local.creds, `${role}.nk`) : undefined;
 }
 
 /** What to do when a client command cannot reach NATS. */

@@ -10,7 +10,7 @@ import { jobConfigFromJson, jobDefaults } from "../services/runtime/job.ts";
 import { MeshClient } from "./client.ts";
 import { givenOptions, type JobFlags, jobConfigOf, jobOptions, resolveConfig } from "./job-flags.ts";
 import { type MeshOptions, LocalMesh, membersWaitMs } from "./launcher.ts";
-import { announceLocalMesh, resolveNatsUrl, unreachableHint } from "./local-mesh.ts";
+import { announceLocalMesh, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "./local-mesh.ts";
 import { defaultRunDir, runMesh } from "./local/run-mesh.ts";
 import { stamp } from "./format.ts";
 import { cliName, float, int, shownPath, userPath } from "./options.ts";
@@ -29,19 +29,25 @@ const natsOption = (cmd: Command) =>
     .option("--tls-ca <file>", "TLS: the CA that signed the NATS server's certificate (default: $MT_TLS_CA)")
     .option("--tls-cert <file>", "TLS: this client's certificate, for a server that verifies clients (default: $MT_TLS_CERT)")
     .option("--tls-key <file>", "TLS: the key of --tls-cert (default: $MT_TLS_KEY)")
+    .option(
+      "--nats-nkey <file>",
+      "the nkey seed file of the NATS user to connect as (default: $MT_NATS_NKEY, else the local mesh's client user; admin for restore and resize)",
+    )
     .hook("preAction", (c) => {
       // the SDK reads the TLS files from MT_TLS_* (MeshClient.connect's default)
-      const o = c.opts() as { tlsCa?: string; tlsCert?: string; tlsKey?: string };
+      const o = c.opts() as { tlsCa?: string; tlsCert?: string; tlsKey?: string; natsNkey?: string };
+      if (o.natsNkey) process.env.MT_NATS_NKEY = userPath(o.natsNkey);
       if (o.tlsCa) process.env.MT_TLS_CA = userPath(o.tlsCa);
       if (o.tlsCert) process.env.MT_TLS_CERT = userPath(o.tlsCert);
       if (o.tlsKey) process.env.MT_TLS_KEY = userPath(o.tlsKey);
     });
 
-/** Connects to the mesh the options name, with a hint that says how to start one. */
-async function connect(flag: string | undefined): Promise<MeshClient> {
+/** Connects to the mesh the options name as `role` (on the local mesh), with a hint that says how to start one. */
+async function connect(flag: string | undefined, role: "client" | "admin" = "client"): Promise<MeshClient> {
   const { url, from } = resolveNatsUrl(flag);
+  const nkeyFile = resolveNkeyFile(undefined, url, role);
   try {
-    return await MeshClient.connect(url);
+    return await MeshClient.connect(url, nkeyFile === undefined ? {} : { nkeyFile });
   } catch (e) {
     if (e instanceof NatsUnreachableError) throw new NatsUnreachableError(`cannot reach the mesh at ${url} (from ${from}): ${unreachableHint}`, { cause: e });
     throw e;
@@ -222,7 +228,7 @@ export function addMeshCommands(program: Command): void {
       .option("--shards <n>", "parameter-server shards (parameter-server mode)", int(1, 64)),
   ).action(async (job: string, opts: { natsUrl?: string; trainers?: number; shards?: number }) => {
     if (opts.trainers === undefined && opts.shards === undefined) throw new BadRequestError("resize needs --trainers or --shards (or both)");
-    await using client = await connect(opts.natsUrl);
+    await using client = await connect(opts.natsUrl, "admin");
     const m = await client.resize(job, { trainers: opts.trainers, shards: opts.shards });
     const r = await client.record(job);
     const cfg = jobConfigFromJson(r.configJson);
@@ -234,7 +240,7 @@ export function addMeshCommands(program: Command): void {
   natsOption(
     program.command("restore").description("roll a running job back to a snapshot (default: the newest that verifies)").argument("<job>").argument("[id]"),
   ).action(async (job: string, id: string | undefined, opts: { natsUrl?: string }) => {
-    await using client = await connect(opts.natsUrl);
+    await using client = await connect(opts.natsUrl, "admin");
     const m = await client.restore(job, id ?? "");
     console.log(`restored ${job} to ${m.id} (step ${m.step}); its trainers resume there`);
   });
@@ -260,6 +266,7 @@ async function meshUp(o: { dir: string; port: number; trainers: number; shards: 
     shards: o.shards,
     port: o.port,
     natsStoreDir: join(o.dir, "nats"),
+    credsDir: join(o.dir, "creds"),
     onEvent: (line) => console.log(`launcher: ${line}`),
   };
   using stop = new StopRequests((s) => console.log(`\n${s}: stopping the mesh (again to stop at once)`));
@@ -272,14 +279,19 @@ async function meshUp(o: { dir: string; port: number; trainers: number; shards: 
   let forget = () => {};
   try {
     // up means every service has registered: a job submitted now finds them all
-    await using client = await MeshClient.connect(m.url);
+    await using client = await MeshClient.connect(m.url, m.auth());
     failJobs = (reason) =>
       void client.failRunning(reason).catch((e: unknown) => console.log(`launcher: cannot fail the running jobs: ${(e as Error).message}`));
     if (!(await client.waitForMembers({ job: "(any)", trainers: o.trainers, shards: o.shards }, membersWaitMs, stop.first.signal))) return;
-    forget = announceLocalMesh({ url: m.url, pid: process.pid, dir: o.dir });
+    forget = announceLocalMesh({ url: m.url, pid: process.pid, dir: o.dir, ...(m.credentials ? { creds: m.credentials.dir } : {}) });
     console.log(`mesh up: NATS at ${m.url}; ${m.services.map((s) => s.name).join(", ")}`);
     console.log(`  jobs' snapshots, models and logs: ${shownPath(opts.jobsDir)}/<job>/; the services' logs: ${shownPath(opts.logDir)}`);
     console.log(`  client commands on this machine find it; elsewhere: export MT_NATS_URL=${m.url.replace("127.0.0.1", "<this host>")}`);
+    if (m.credentials) {
+      console.log(
+        `  NATS users per role, nkey seeds in ${shownPath(m.credentials.dir)}/ (owner-only): a client elsewhere needs export MT_NATS_NKEY=<copy of client.nk> (admin.nk to restore or resize)`,
+      );
+    }
     console.log(`submit a job: ${cliName()} submit --epochs 1 | stop the mesh: Ctrl-C`);
     if (!stop.first.signal.aborted) await new Promise<void>((resolve) => stop.first.signal.addEventListener("abort", () => resolve(), { once: true }));
   } catch (e) {

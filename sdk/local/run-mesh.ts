@@ -83,7 +83,9 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
   stop.second.signal.addEventListener("abort", () => void mesh.stop(true), { once: true });
   let submitted = false;
   try {
-    client = await MeshClient.connect(mesh.url);
+    // the job's own client: the client role (it submits, follows, snapshots and, when a service
+    // keeps crashing, fails the job; restoring and resizing are the admin's)
+    client = await MeshClient.connect(mesh.url, mesh.auth("client"));
     dashboard = await startDashboard(client, cfg.job, o.dashboardPort ?? 0);
     // the launcher started every rank the job needs: wait for them to register
     await client.submit(cfg, { membersWaitMs, signal: stop.first.signal });

@@ -63,7 +63,7 @@ import {
   usesShards,
 } from "../runtime/job.ts";
 import { changeWorld, worldResumeProblem } from "../runtime/world.ts";
-import { type JobControl, resizingReasonPrefix } from "../runtime/jobs.ts";
+import { boundText, type JobControl, resizingReasonPrefix } from "../runtime/jobs.ts";
 import type { Logger } from "../runtime/log.ts";
 import { buildLayout } from "../runtime/layout.ts";
 import { exportModelFile } from "../runtime/model.ts";
@@ -156,6 +156,16 @@ export class CheckpointService {
       });
     on("save", (e, tag, step) => this.#serial(e, () => this.#save(e, step, tag)));
     on("restore", (e, tag) => this.#serial(e, () => this.#restore(e, tag)));
+    // the services' own asks (a shard or rank that opened the job, or lost its state): the newest
+    // good snapshot only; rewinding to a chosen one is an operator's restore (admin's permission)
+    on("recover", (e, tag) => {
+      if (tag.startsWith("step-")) {
+        throw new BadRequestError(
+          `a recovery restores job ${e.cfg.job}'s newest good snapshot; restoring ${boundText(tag)} is an operator's restore (mt.<job>.ckpt.restore)`,
+        );
+      }
+      return this.#serial(e, () => this.#restore(e, tag));
+    });
     on("resize", (e, tag) => this.#resize(e, tag));
     // list answers for ended jobs too: their snapshots stay on disk
     this.bus.serve({

@@ -20,7 +20,7 @@ import type { Bus } from "../runtime/bus.ts";
 import { LimitExceededError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
 import { cutTag, partOfTag } from "../runtime/replica-parts.ts";
 import { HeartbeatPublisher } from "../runtime/liveness.ts";
-import { configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects, usesShards } from "../runtime/job.ts";
+import { configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects, trainerOfRequest, usesShards } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
 import { initialParameters } from "../runtime/model.ts";
 import { checkPlanLayout, planLayout, planOfSpec } from "../runtime/plan.ts";
@@ -66,10 +66,13 @@ export class ParameterServer {
 
   serve(): void {
     const k = this.shardIndex;
+    // pushes and pulls carry the trainer's rank as their last token (subjects.psPush)
+    const perTrainer = new Set(["push", "pull"]);
     const on = (name: string, handler: (subject: string, data: Uint8Array) => Promise<Uint8Array> | Uint8Array) =>
-      this.bus.serve({ name, subject: `mt.*.ps.${k}.${name}`, handler: (data, subject) => handler(subject, data) });
+      this.bus.serve({ name, subject: `mt.*.ps.${k}.${name}${perTrainer.has(name) ? ".*" : ""}`, handler: (data, subject) => handler(subject, data) });
     on("push", (subject, data) => {
       const m = decodePushRequest(data, this.payloadBytesMax);
+      trainerOfRequest(subject, m.trainer);
       const e = this.#entry(subject, m.job);
       const r = e.shard.push(m);
       e.pushes++;
@@ -79,6 +82,7 @@ export class ParameterServer {
     });
     on("pull", async (subject, data) => {
       const m = decodePullRequest(data, this.payloadBytesMax);
+      trainerOfRequest(subject, m.trainer);
       const e = this.#entry(subject, m.job);
       e.pulls++;
       const reply = await e.shard.pull(m.trainer, m.step, m.ids, m.dtype);
@@ -227,7 +231,7 @@ export class ParameterServer {
    */
   #restoreIfResumed(job: string, attempt = 1): void {
     const req = encodeJobRequest({ job, step: 0, tag: shardOpenedTag(this.shardIndex) });
-    this.bus.request(subjects.ckptRestore(job), req, 120_000).then(
+    this.bus.request(subjects.ckptRecover(job), req, 120_000).then(
       () => this.log?.warn({ job }, "job restored from its last snapshot after this shard opened it"),
       (e: unknown) => {
         if (e instanceof NotReadyError) return; // no snapshot: a new job

@@ -338,6 +338,14 @@ export function configOfSpec(spec: JobSpec): JobConfig {
  * The job a request is for: the job token of `mt.<job>.…`, which must be the job the message
  * names (a message sent on another job's subject is refused, not served for the wrong job).
  */
+/** The trainer rank a push or pull subject names (its last token); BadRequestError when the message names another. */
+export function trainerOfRequest(subject: string, messageTrainer: number): number {
+  const token = subject.slice(subject.lastIndexOf(".") + 1);
+  const rank = /^\d{1,3}$/.test(token) ? Number(token) : Number.NaN;
+  if (rank !== messageTrainer) throw new BadRequestError(`message of trainer ${messageTrainer} sent on trainer ${token}'s subject ${subject}`);
+  return rank;
+}
+
 export function jobOfRequest(subject: string, messageJob: string): string {
   const job = subject.split(".")[1] ?? "";
   if (messageJob !== job) throw new BadRequestError(`message for job "${messageJob}" sent on a subject of job "${job}"`);
@@ -427,8 +435,11 @@ export const subjects = {
   /** the plan of a job about to be submitted: a JobSpec without plan in, its DataPlan out */
   planJob: "mt.ctl.plan",
   dataCursor: (job: string) => `mt.${job}.data.cursor`,
-  psPush: (job: string, shard: number) => `mt.${job}.ps.${shard}.push`,
-  psPull: (job: string, shard: number) => `mt.${job}.ps.${shard}.pull`,
+  /** trainer `trainer`'s pushes and pulls: the rank is a token of the subject, so that NATS
+   *  permissions let a trainer's user send only its own (services/runtime/roles.ts), and the
+   *  shard refuses a message whose rank differs from its subject's */
+  psPush: (job: string, shard: number, trainer: number) => `mt.${job}.ps.${shard}.push.${trainer}`,
+  psPull: (job: string, shard: number, trainer: number) => `mt.${job}.ps.${shard}.pull.${trainer}`,
   psStats: (job: string, shard: number) => `mt.${job}.ps.${shard}.stats`,
   trainerStats: (job: string, rank: number) => `mt.${job}.trainer.${rank}.stats`,
   psState: (job: string, shard: number) => `mt.${job}.ps.${shard}.state`,
@@ -445,7 +456,11 @@ export const subjects = {
   coll: (job: string, rank: number) => `mt.${job}.coll.${rank}`,
   ckptSave: (job: string) => `mt.${job}.ckpt.save`,
   ckptList: (job: string) => `mt.${job}.ckpt.list`,
+  /** an operator's restore (admin only): the newest good snapshot, or the one the tag names */
   ckptRestore: (job: string) => `mt.${job}.ckpt.restore`,
+  /** a service's ask to be restored after it (re)opened the job or lost its state: the newest
+   *  good snapshot only, never one a tag names (services may recover a job, not rewind it) */
+  ckptRecover: (job: string) => `mt.${job}.ckpt.recover`,
   /** a running job's trainers or shards changed at a step boundary (tag "trainers <n> shards <m>") */
   ckptResize: (job: string) => `mt.${job}.ckpt.resize`,
   events: (job: string, kind: string) => `mt.${job}.events.${kind}`,

@@ -41,7 +41,37 @@ export interface NatsServerOptions {
   /** TLS: the server's certificate and key, and the CA its clients must present certificates of
    *  (verify: a client without one is refused); the URL is then tls:// */
   tls?: { certFile: string; keyFile: string; caFile?: string; verify?: boolean };
+  /** one server of a cluster (deploy/nats-cluster/ has the same for a real deployment) */
+  cluster?: NatsClusterOptions;
+  /** the HTTP monitoring port (/varz, /jsz, /connz) on 127.0.0.1; default: none */
+  monitorPort?: number;
+  /** the users and their permissions: an `authorization { ... }` block (services/runtime/roles.ts
+   *  natsAuthorization); default: none, anyone may connect and do anything */
+  authorization?: string;
 }
+
+/** A cluster member: its name in the cluster, where it listens for routes, the routes to the others. */
+export interface NatsClusterOptions {
+  /** the cluster's name (the same on every member) */
+  name: string;
+  /** this server's name: JetStream's peers and leaders are named by it */
+  serverName: string;
+  /** the port this server takes routes on */
+  port: number;
+  /** the other members' route URLs, nats-route://host:port */
+  routes: string[];
+}
+
+/** The config lines of a cluster member (server_name sits outside the cluster block). */
+const clusterConf = (c: NatsClusterOptions): string =>
+  [
+    `server_name: "${c.serverName}"`,
+    "cluster {",
+    `  name: "${c.name}"`,
+    `  listen: "127.0.0.1:${c.port}"`,
+    `  routes: [${c.routes.map((r) => `"${r}"`).join(", ")}]`,
+    "}",
+  ].join("\n");
 
 export const natsServerDefaults: NatsServerOptions = { maxPayloadBytes: 8 << 20, jetstream: true, startTimeoutMs: 10_000 };
 
@@ -98,6 +128,9 @@ export async function startNatsServer(options: Partial<NatsServerOptions> = {}):
     // the mesh's largest messages are max_payload; give the write path room for a few
     `max_pending: ${Math.max(64 << 20, opts.maxPayloadBytes * 8)}`,
     opts.jetstream ? `jetstream { store_dir: "${join(dir, "js")}" }` : "",
+    opts.cluster ? clusterConf(opts.cluster) : "",
+    opts.monitorPort === undefined ? "" : `http: "127.0.0.1:${opts.monitorPort}"`,
+    opts.authorization ?? "",
     opts.tls
       ? [
           "tls {",

@@ -3,11 +3,12 @@
 import { existsSync } from "node:fs";
 import { busTraffic } from "./metrics.ts";
 import { Svcm, type Service, type ServiceMsg } from "@nats-io/services";
-import { connect, type NatsConnection, type Subscription as NatsSub } from "@nats-io/transport-node";
+import { connect, type NatsConnection, nkeyAuthenticator, type Subscription as NatsSub } from "@nats-io/transport-node";
 import { headers as natsHeaders, type MsgHdrs } from "@nats-io/transport-node";
 import { answer, type Bus, type EndpointSpec, type Handler, type Subscription, unwrapReply } from "./bus.ts";
 import { DeadlineError, MeshError, NoRespondersError } from "./errors.ts";
 import type { Logger } from "./log.ts";
+import { inboxPrefixOf, readSeed } from "./roles.ts";
 
 export interface NatsBusOptions {
   url: string;
@@ -25,7 +26,12 @@ export interface NatsBusOptions {
   /** TLS: the CA that signed the server's certificate, and this client's certificate and key
    *  (for a server that verifies its clients); any of them, or a tls:// URL, requires TLS */
   tls?: NatsTls;
+  /** the nkey seed file of the user to connect as (services/runtime/roles.ts); none: anonymous */
+  nkeyFile?: string;
 }
+
+/** The nkey seed file named by MT_NATS_NKEY (the SDK's and the CLI's default). */
+export const nkeyFromEnv = (env: Record<string, string | undefined> = process.env): string | undefined => env.MT_NATS_NKEY || undefined;
 
 export interface NatsTls {
   caFile?: string;
@@ -58,8 +64,25 @@ export class NatsAccessError extends Error {
   override readonly name = "NatsAccessError";
 }
 
+/** The user of a seed file (NatsAccessError when the file is missing or holds no seed). */
+function userOf(nkeyFile: string | undefined): { seed: Uint8Array; publicKey: string } | undefined {
+  if (nkeyFile === undefined || nkeyFile === "") return undefined;
+  try {
+    return readSeed(nkeyFile);
+  } catch (e) {
+    throw new NatsAccessError((e as Error).message, { cause: e });
+  }
+}
+
 /** Whether a connection error is the server refusing this client rather than not answering. */
 const refused = (why: string) => /certificate|self[- ]signed|\bssl\b|\btls\b|handshake|authori[sz]ation|permissions? violation|user credentials/i.test(why);
+
+/** The servers of a NATS URL: one, or several comma-separated (the members of a cluster). */
+export const natsServers = (url: string): string[] =>
+  url
+    .split(",")
+    .map((u) => u.trim())
+    .filter((u) => u !== "");
 
 export const natsInstallHint = "apt-get install -y nats-server && nats-server -p 4222 (or: docker run -p 4222:4222 nats)";
 
@@ -83,12 +106,18 @@ export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnec
   // server that accepts the connection are that refusal (a server still starting refuses the
   // connection instead).
   let tlsTimeouts = 0;
+  const user = userOf(opts.nkeyFile);
   for (let attempt = 1; ; attempt++) {
     try {
       return await connect({
-        servers: opts.url,
+        servers: natsServers(opts.url),
+        // in the order given: the first is this process's home server (a deployment spreads its
+        // services over a cluster by listing a different one first); the rest, and the cluster's
+        // members the servers announce, are where it fails over to
+        noRandomize: true,
         name: opts.name,
         ...(tls === undefined ? {} : { tls }),
+        ...(user === undefined ? {} : { authenticator: nkeyAuthenticator(user.seed), inboxPrefix: inboxPrefixOf(user.publicKey) }),
         // after the first connection, the client reconnects on its own, forever: a service
         // outlives a restart of its server
         maxReconnectAttempts: -1,
@@ -103,7 +132,9 @@ export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnec
           ? tls === undefined
             ? "the server requires TLS: use a tls:// URL with the CA that signed its certificate (MT_TLS_CA, --tls-ca)"
             : "check that the CA (MT_TLS_CA) signed the server's certificate, and that this client's certificate and key (MT_TLS_CERT, MT_TLS_KEY) are the ones the server trusts"
-          : "this client's credentials do not allow it";
+          : opts.nkeyFile
+            ? `the server does not know the user of ${opts.nkeyFile} (credentials of another mesh?)`
+            : "the server requires credentials: give the nkey seed file of a user (MT_NATS_NKEY, --nats-nkey)";
         throw new NatsAccessError(`NATS at ${opts.url} refused this client: ${why}; ${advice}`, { cause: e });
       }
       tlsTimeouts = tls !== undefined && /timeout/i.test(why) ? tlsTimeouts + 1 : 0;
@@ -129,6 +160,14 @@ export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnec
 }
 
 const droppedText = "the connection to NATS dropped while waiting for the answer";
+const leftPrefix = "a server of the NATS cluster";
+
+/** Why in-flight requests are lost when the cluster's servers (connect_urls) lost one since `before`; null: none left. */
+function leftText(before: ReadonlySet<string>, nc: NatsConnection): string | null {
+  const now = new Set(nc.info?.connect_urls ?? []);
+  const left = [...before].filter((u) => !now.has(u));
+  return left.length === 0 || now.size === 0 ? null : `${leftPrefix} (${left.join(", ")}) left while waiting for the answer`;
+}
 
 export class NatsBus implements Bus {
   #service: Service | undefined;
@@ -143,11 +182,22 @@ export class NatsBus implements Bus {
   ) {
     // an answer to a request sent before a disconnect never comes (the server that would route
     // it is gone): fail those requests now, so that callers retry once the client has
-    // reconnected instead of waiting out their whole timeout
+    // reconnected instead of waiting out their whole timeout. The same when another server of
+    // the cluster leaves (its address drops out of the INFO this server sends): a request whose
+    // answerer was connected there, or whose answer was passing through it, is lost too.
+    let clusterMembers = new Set(nc.info?.connect_urls ?? []);
     void (async () => {
       for await (const s of nc.status()) {
-        if (s.type !== "disconnect") continue;
-        for (const drop of this.#inflight) drop(new DeadlineError(droppedText));
+        // a publish or subscription this user's role does not allow (a request's own refusal
+        // reaches its caller as NatsAccessError): say so, it is a deployment's mistake
+        if (s.type === "error" && /permissions? violation/i.test(s.error.message))
+          opts.log?.error({ err: s.error.message }, "NATS refused an operation of this process's role");
+        if (s.type !== "disconnect" && s.type !== "update") continue;
+        const why = s.type === "disconnect" ? droppedText : leftText(clusterMembers, nc);
+        // after a disconnect, the next server's INFO starts afresh (what was lost is failed already)
+        clusterMembers = new Set(s.type === "disconnect" ? [] : (nc.info?.connect_urls ?? []));
+        if (why === null) continue;
+        for (const drop of this.#inflight) drop(new DeadlineError(why));
       }
     })().catch(() => {});
   }
@@ -180,7 +230,9 @@ export class NatsBus implements Bus {
       busTraffic("in", subject, msg.data.byteLength);
       return unwrapReply(msg.data);
     } catch (e) {
-      if (e instanceof DeadlineError && e.message.startsWith(droppedText)) throw new DeadlineError(`${droppedText} on ${subject}; retry`, { cause: e });
+      if (e instanceof DeadlineError && (e.message.startsWith(droppedText) || e.message.startsWith(leftPrefix))) {
+        throw new DeadlineError(`${e.message} on ${subject}; retry`, { cause: e });
+      }
       throw translate(e, subject, timeoutMs);
     } finally {
       this.#inflight.delete(drop);
@@ -301,5 +353,8 @@ function translate(e: unknown, subject: string, timeoutMs: number): unknown {
   const text = e instanceof Error ? e.message : "";
   if (names.includes("TimeoutError") || /timeout/i.test(text)) return new DeadlineError(`no reply on ${subject} within ${timeoutMs} ms`, { cause: e });
   if (names.includes("NoRespondersError") || /no responders/i.test(text)) return new NoRespondersError(`no service answers ${subject}`, { cause: e });
+  if (names.includes("PermissionViolationError") || /permissions? violation/i.test(text)) {
+    return new NatsAccessError(`permission denied: this client's NATS user may not send ${subject} (its role does not allow it)`, { cause: e });
+  }
   return e;
 }

@@ -11,7 +11,13 @@ export const serviceVersion = "0.1.0";
 
 /** Keys every service accepts. */
 export const baseConfigSchema = z.object({
-  natsUrl: z.string().regex(/^(nats|tls|ws|wss):\/\/[^\s]+$/, "a NATS URL looks like nats://host:4222"),
+  /** one server, or a cluster's: comma-separated, the home server first (nats.ts natsServers) */
+  natsUrl: z
+    .string()
+    .regex(
+      /^(nats|tls|ws|wss):\/\/[^\s,]+(,(nats|tls|ws|wss):\/\/[^\s,]+)*$/,
+      "a NATS URL looks like nats://host:4222 (a cluster's: nats://a:4222,nats://b:4222)",
+    ),
   logLevel: z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"]),
   /** largest message sent or accepted; must not exceed the server's max_payload */
   payloadBytesMax: z
@@ -30,6 +36,8 @@ export const baseConfigSchema = z.object({
   tlsCa: z.string(),
   tlsCert: z.string(),
   tlsKey: z.string(),
+  /** the nkey seed file of this service's NATS user (services/runtime/roles.ts); empty: anonymous */
+  natsNkey: z.string(),
 });
 
 export const baseConfigDefaults = {
@@ -42,6 +50,7 @@ export const baseConfigDefaults = {
   tlsCa: "",
   tlsCert: "",
   tlsKey: "",
+  natsNkey: "",
 };
 
 export interface ServiceContext<C> {
@@ -110,6 +119,7 @@ export async function runService<C extends BaseConfig>(def: ServiceDefinition<C>
       connectRetryMsMax: config.connectRetryMsMax,
       connectBackoffMsMax: 5_000,
       tls: { caFile: config.tlsCa, certFile: config.tlsCert, keyFile: config.tlsKey },
+      ...(config.natsNkey === "" ? {} : { nkeyFile: config.natsNkey }),
     });
     health.follow(bus.nc);
     const running = await def.start({ config, log, bus });

@@ -318,12 +318,12 @@ export class TrainerRun {
     if (this.#replica) {
       try {
         const req = encodeJobRequest({ job: cfg.job, step: 0, tag: trainerOpenedTag(rank) });
-        const m = decodeManifest(await bus.request(subjects.ckptRestore(cfg.job), req, checkpointTimeoutMs), 1 << 22);
+        const m = decodeManifest(await bus.request(subjects.ckptRecover(cfg.job), req, checkpointTimeoutMs), 1 << 22);
         // the first ask of each rank is answered with the restore that loaded every rank (the
         // first rank's); if that loaded an earlier process of this rank, this one asks for its own
         if (this.#replica.staged?.step !== m.step && this.#restoreTo === null) {
           const again = encodeJobRequest({ job: cfg.job, step: 0, tag: `trainer ${rank} holds no replica of ${m.id}` });
-          return decodeManifest(await bus.request(subjects.ckptRestore(cfg.job), again, checkpointTimeoutMs), 1 << 22).step;
+          return decodeManifest(await bus.request(subjects.ckptRecover(cfg.job), again, checkpointTimeoutMs), 1 << 22).step;
         }
         return m.step; // every rank takes the restore at its next step boundary (the Restore event)
       } catch (e) {
@@ -593,7 +593,7 @@ export class TrainerRun {
     log?.warn({ step, err: cause.message }, "a collective failed; rewinding every rank to the newest snapshot");
     try {
       const req = encodeJobRequest({ job: cfg.job, step, tag: `trainer ${rank}: a collective of step ${step} failed` });
-      await bus.request(subjects.ckptRestore(cfg.job), req, checkpointTimeoutMs);
+      await bus.request(subjects.ckptRecover(cfg.job), req, checkpointTimeoutMs);
     } catch (e) {
       if (this.#restoreTo !== null) return; // another rank's restore came meanwhile
       throw new Error(`${cause.message}; and the ranks cannot rewind to a snapshot: ${(e as Error).message}`, { cause });

@@ -54,7 +54,7 @@ export class PsClient {
       this.#groups.flatMap((groups, shard) =>
         groups.map(async (ids) => {
           const req = encodePullRequest({ job, trainer: this.trainer, step, ids: Uint32Array.from(ids), dtype: this.#pullDType });
-          const bytes = await this.bus.request(subjects.psPull(job, shard), req, pullTimeoutMs);
+          const bytes = await this.bus.request(subjects.psPull(job, shard, this.trainer), req, pullTimeoutMs);
           this.wireBytes += req.byteLength + bytes.byteLength;
           const reply = decodePullReply(bytes, this.payloadBytesMax);
           if (reply.chunks.length !== ids.length) throw new BadRequestError(`shard ${shard} answered ${reply.chunks.length} chunks for ${ids.length}`);
@@ -92,7 +92,7 @@ export class PsClient {
             return ef ? encodeChunk(ef, id, x, c.offset) : f32Chunk(id, x);
           });
           const req = encodePushRequest({ job, trainer: this.trainer, step, chunks });
-          const bytes = await this.bus.request(subjects.psPush(job, shard), req, requestTimeoutMs);
+          const bytes = await this.bus.request(subjects.psPush(job, shard, this.trainer), req, requestTimeoutMs);
           this.wireBytes += req.byteLength + bytes.byteLength;
           return decodePushReply(bytes, this.payloadBytesMax);
         }),

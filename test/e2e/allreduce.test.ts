@@ -39,7 +39,7 @@ const startMesh = (prefix: string, o: { onEvent?: (line: string) => void; traine
 describe("all-reduce mode on the mesh", () => {
   test("a short run with no parameter-server shard learns; the step split shows the all-reduce; its final snapshot of the replica is exported", async () => {
     await using mesh = await startMesh("mt-ar-");
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "ar", checkpointEvery: 100, gradClip: 5, accumSteps: 2, scaleLr: true, lr: 0.05 });
     const total = planHere(cfg).totalSteps;
     const seen: Event[] = [];
@@ -66,7 +66,7 @@ describe("all-reduce mode on the mesh", () => {
 
   test("4 ranks labelled as 2 hosts x 2: the all-reduce is hierarchical, the replicas stay identical, the job learns", async () => {
     await using mesh = await startMesh("mt-ar-hosts-", { trainers: 4, trainerHosts: ["a", "a", "b", "b"] });
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "ar-hosts", trainers: 4, maxSteps: 60, replicaCheckEvery: 20, checkpointEvery: 0 });
     const seen: Event[] = [];
     await client.submit(cfg, { membersWaitMs: 60_000 });
@@ -85,7 +85,7 @@ describe("all-reduce mode on the mesh", () => {
 
   test("ZeRO stage 2 on the mesh: the job learns, each trainer logs its bytes per parameter, and a snapshot (each rank's partition in its own files) resumes at stage 1", async () => {
     await using mesh = await startMesh("mt-ar-zero-");
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const adamw = { kind: "adamw" as const, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
     const cfg = config({ job: "ar-zero", zero: 2, maxSteps: 100, checkpointEvery: 20, optimizer: adamw, lr: 2e-3 });
     await client.submit(cfg, { membersWaitMs: 60_000 });
@@ -134,7 +134,7 @@ describe("all-reduce mode on the mesh", () => {
 
   test("ZeRO 3 on the mesh: a snapshot of 4 trainers resumes on 2 (stage 3) and on 3 (stage 1) with the same global batch and continues on the 4-trainer stage-2 run's loss trajectory", async () => {
     await using mesh = await startMesh("mt-ar-regroup-", { trainers: 4 });
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const adamw = { kind: "adamw" as const, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
     const base = {
       zero: 2 as 0 | 1 | 2 | 3,
@@ -200,7 +200,7 @@ describe("all-reduce mode on the mesh", () => {
   test("SIGKILL of a trainer mid-run: every rank rewinds to the newest snapshot of the replica and the job finishes, every step once", async () => {
     const launcherLines: string[] = [];
     await using mesh = await startMesh("mt-ar-chaos-", { onEvent: (l) => launcherLines.push(l) });
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "ar-chaos", epochs: 2, checkpointEvery: 40 });
     const total = planHere(cfg).totalSteps;
     const seen: Event[] = [];

@@ -40,7 +40,7 @@ beforeAll(async () => {
     trainers: 0,
     env: { MT_PAYLOAD_BYTES_MAX: String(payloadBytesMax) },
   });
-  client = await MeshClient.connect(mesh.url);
+  client = await MeshClient.connect(mesh.url, mesh.auth());
   await waitFor("the checkpoint service", async () => (await client.checkpoints(job).catch((e: unknown) => e)) instanceof UnknownJobError);
   await client.submit(parseJobConfig({ ...jobDefaults, job, model: { kind: "mlp", widths: [784, 32, 10], dropout: 0 }, chunkBytes: 16 << 10 }), {
     checkMembers: false,
@@ -102,6 +102,14 @@ const cases: [string, string, Uint8Array, Cls, string][] = [
   ["ckpt.list: oversized", list, huge, WireFormatError, "exceeds"],
   ["ckpt.restore: a snapshot that does not exist", restore, encodeJobRequest({ job, step: 0, tag: "step-000000777" }), NotReadyError, "step-000000777"],
   ["ckpt.restore: wrong file_identifier", restore, br(), WireFormatError, "MTJR"],
+  [
+    "ckpt.recover: a service's ask naming a snapshot (rewinding is an operator's restore)",
+    subjects.ckptRecover(job),
+    encodeJobRequest({ job, step: 0, tag: "step-000000000" }),
+    BadRequestError,
+    "operator's restore",
+  ],
+  ["ckpt.recover: garbage", subjects.ckptRecover(job), garbage, WireFormatError, ""],
 ];
 
 describe("bad input on every loader and checkpoint subject gets an error reply; the service keeps serving", () => {

@@ -50,7 +50,7 @@ test("twelve SIGKILLs of every kind of process, some within 2 s of each other: t
   const dir = tempDir("mt-chaos-all-");
   const lines: string[] = [];
   await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), onEvent: (l) => lines.push(l) });
-  await using client = await MeshClient.connect(mesh.url);
+  await using client = await MeshClient.connect(mesh.url, mesh.auth());
   const config = (job: string): JobConfig =>
     parseJobConfig({
       ...jobDefaults,

@@ -70,7 +70,7 @@ beforeAll(async () => {
   dir = tempDir("mt-fuzz-");
   // every step sleeps 40 ms in the trainers, so that the job is still training when the fuzz ends
   mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), env: { MT_STEP_DELAY_MS: "40" } });
-  client = await MeshClient.connect(mesh.url);
+  client = await MeshClient.connect(mesh.url, mesh.auth());
 }, 120_000);
 
 afterAll(async () => {
@@ -139,6 +139,16 @@ function commonTargets(cfg: JobConfig, total: number): Target[] {
       seeds: [jr({ tag: "step-000000777" }), jr({ tag: "step-999999999" })],
       ...jobRequest,
       legitimate: (m) => !/^step-/.test(m.tag) || (/^step-\d+$/.test(m.tag) && Number(m.tag.slice(5)) <= total),
+      taken: () => true,
+      timeoutMs: 60_000,
+    } satisfies Target<ReturnType<typeof decodeJobRequest>>,
+    {
+      // the services' recovery asks, naming snapshots (refused: a recovery takes the newest only)
+      name: "ckpt.recover",
+      subject: subjects.ckptRecover(job),
+      seeds: [jr({ tag: "step-000000777" }), jr({ tag: "step-000000001" })],
+      ...jobRequest,
+      legitimate: (m) => !/^step-/.test(m.tag),
       taken: () => true,
       timeoutMs: 60_000,
     } satisfies Target<ReturnType<typeof decodeJobRequest>>,
@@ -226,10 +236,11 @@ test(`parameter-server mode: ${messages} mutated messages over every request sub
         }));
         return [
           {
-            // pushes as trainers the job does not have: every one refused (a push as one of its
-            // trainers is theirs to make; credentials decide who may, not validation)
+            // pushes on the subject of a trainer the job does not have: every one refused (the
+            // shard takes a push only on its trainer's own subject, which NATS permissions keep
+            // to that trainer's user)
             name: `ps.${k}.push`,
-            subject: subjects.psPush(job, k),
+            subject: subjects.psPush(job, k, 2),
             seeds: [2, 0x7ffffff0].map((trainer) => ({ job, trainer, step: 5, chunks })),
             encode: encodePushRequest,
             decode: (d) => decodePushRequest(d, 8 << 20),
@@ -240,7 +251,7 @@ test(`parameter-server mode: ${messages} mutated messages over every request sub
           {
             // a pull of a step ahead waits until the job gets there (or ends): a long timeout
             name: `ps.${k}.pull`,
-            subject: subjects.psPull(job, k),
+            subject: subjects.psPull(job, k, 0),
             seeds: [0, 1].map((trainer) => ({ job, trainer, step: 1, ids })),
             encode: encodePullRequest,
             decode: (d) => decodePullRequest(d, 1 << 20),

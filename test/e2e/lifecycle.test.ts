@@ -43,7 +43,7 @@ const stepsPerEpoch = 20;
 beforeAll(async () => {
   dir = tempDir("mt-life-");
   mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), jobLogs: true, trainers: 3, shards: 3, env: { MT_JOBS_MAX: "2" } });
-  client = await MeshClient.connect(mesh.url);
+  client = await MeshClient.connect(mesh.url, mesh.auth());
   await client.waitForMembers({ job: "any", trainers: 3, shards: 3 }, 60_000);
 }, 90_000);
 

@@ -39,7 +39,7 @@ const startMesh = (
 describe("mesh", () => {
   test("a short BSP run on the local mesh learns, its events reach the SDK, and its final snapshot is exported as a model file", async () => {
     await using mesh = await startMesh("mt-e2e-");
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     // 2 micro-batches of 64 per step (gradient accumulation on the trainers), bf16 autocast
     // GEMMs on the trainers (the chaos test below runs f32)
     // gradClip: the shards agree on the global norm of each step's averaged gradient (ps.<k>.norm)
@@ -85,7 +85,7 @@ describe("mesh", () => {
   test("SIGKILL of a parameter-server shard and a trainer mid-run: the job restores from its last snapshot and finishes; no sample is repeated or skipped", async () => {
     const launcherLines: string[] = [];
     await using mesh = await startMesh("mt-chaos-", { onEvent: (l) => launcherLines.push(l) });
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "chaos", epochs: 2, checkpointEvery: 40 });
     const total = planHere(cfg).totalSteps;
     const seen: Event[] = [];
@@ -125,7 +125,7 @@ describe("mesh", () => {
 
   test("a trainer stopped with SIGSTOP is reported by a Stalled event naming it, its step and phase; after SIGCONT it is back and the job finishes", async () => {
     await using mesh = await startMesh("mt-stall-");
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "stall", epochs: 1, checkpointEvery: 0 });
     const stalled: Event[] = [];
     let stoppedAt = -1;
@@ -158,7 +158,7 @@ describe("mesh", () => {
   test("nats-server SIGKILLed mid-run: the launcher restarts it on its port with its store, the services reconnect, and every step is applied once", async () => {
     const launcherLines: string[] = [];
     await using mesh = await startMesh("mt-natskill-", { onEvent: (l) => launcherLines.push(l) });
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "natskill", epochs: 1, checkpointEvery: 50 });
     const total = planHere(cfg).totalSteps;
     let killed = false;
@@ -187,7 +187,7 @@ describe("mesh", () => {
 
   test("a snapshot of 2 shards resumes on 3 (its chunks resharded by the hash ring): the steps after the snapshot repeat the first run's losses", async () => {
     await using mesh = await startMesh("mt-reshard-", { shards: 3 });
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "reshard", shards: 2, maxSteps: 60, checkpointEvery: 20, evalEvery: 0 });
     const first = new Map<string, number>();
     let cancelled = false;
@@ -222,7 +222,7 @@ describe("mesh", () => {
 
   test("a trainer made slow (a test-only delay in its compute) gets a straggler event naming it and its step split", async () => {
     await using mesh = await startMesh("mt-straggler-", { serviceEnv: { "trainer-1": { MT_STEP_DELAY_MS: "40" } } });
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "straggler", maxSteps: 80, checkpointEvery: 0, evalEvery: 0 });
     const stragglers: Event[] = [];
     await client.submit(cfg, { membersWaitMs: 60_000 });
@@ -238,7 +238,7 @@ describe("mesh", () => {
 
   test("a shard killed in a job with no snapshot to restore it from: the job fails at once, saying so, instead of waiting on it", async () => {
     await using mesh = await startMesh("mt-nosnap-");
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "nosnap", epochs: 2, checkpointEvery: 0 });
     let killedAt = -1;
     await client.submit(cfg, { membersWaitMs: 60_000 });
@@ -260,7 +260,7 @@ describe("mesh", () => {
 
   test("compressed pushes and pulls: bf16 moves half the bytes of f32, int8 pushes a quarter; both learn", async () => {
     await using mesh = await startMesh("mt-e2e-compress-");
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const perStep: Record<string, number> = {};
     for (const compress of ["none", "bf16", "int8"]) {
       const cfg = config({ job: `e2e-compress-${compress}`, maxSteps: 60, checkpointEvery: 0, evalEvery: 0, compress });

@@ -43,7 +43,7 @@ describe("Prometheus metrics", () => {
   test("every service serves /metrics, found by service discovery; a scrape while a job trains and after it shows its steps, data, shards, snapshots and traffic", async () => {
     const dir = tempDir("mt-metrics-");
     await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 2, shards: 2 });
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = parseJobConfig({
       ...jobDefaults,
       job: "metrics",

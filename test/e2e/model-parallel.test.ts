@@ -50,7 +50,7 @@ describe("model-parallel jobs on the mesh", () => {
   test("1 trainer, 1x2x2 (pipeline x tensor) and 2x2x1 (data x pipeline) on 4 trainers: the same losses step by step and the same validation; a stage killed mid-run restores and finishes alike; a snapshot resumes in another layout", async () => {
     const dir = tempDir("mt-mp-");
     await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 4, shards: 0 });
-    await using client = await MeshClient.connect(mesh.url);
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const run = async (cfg: JobConfig, onEvent?: (e: Event) => void) => {
       const seen: Event[] = [];
       await client.submit(cfg, { membersWaitMs: 60_000 });

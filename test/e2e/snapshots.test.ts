@@ -28,7 +28,7 @@ test("rank 0 waits only for a snapshot's cut, not its write; a checkpoint servic
     serviceEnv: { checkpoint: { MT_WRITE_DELAY_MS: String(writeDelayMs) } },
     onEvent: (l) => lines.push(l),
   });
-  await using client = await MeshClient.connect(mesh.url);
+  await using client = await MeshClient.connect(mesh.url, mesh.auth());
   const cfg = parseJobConfig({
     ...jobDefaults,
     job: "snapshots",

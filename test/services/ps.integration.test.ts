@@ -94,7 +94,7 @@ async function pullVector(trainer: number, step: number): Promise<Float32Array> 
   await Promise.all(
     [0, 1].map(async (k) => {
       const reply = await bus.request(
-        subjects.psPull(cfg.job, k),
+        subjects.psPull(cfg.job, k, trainer),
         encodePullRequest({ job: cfg.job, trainer, step, ids: Uint32Array.from(layout.byShard[k]!) }),
         timeout,
       );
@@ -111,18 +111,18 @@ test("both shards answer $SRV.PING and $SRV.STATS as parameter-server instances"
   expect(found.sort()).toEqual(["0", "1"]);
   const endpoints: string[] = [];
   for await (const s of await client.stats("parameter-server")) endpoints.push(...(s.endpoints ?? []).map((e) => e.subject));
-  expect(endpoints).toContain("mt.*.ps.0.push");
-  expect(endpoints).toContain("mt.*.ps.1.pull");
+  expect(endpoints).toContain("mt.*.ps.0.push.*");
+  expect(endpoints).toContain("mt.*.ps.1.pull.*");
 });
 
 test("a BSP step across two shard processes: both pushes averaged into one update, pulls wait for it", async () => {
   expect(await pullVector(0, 0)).toEqual(init.values);
   const g0 = init.values.map((_, i) => Math.sin(i)),
     g1 = init.values.map((_, i) => Math.cos(i));
-  for (const k of [0, 1]) decodePushReply(await bus.request(subjects.psPush(cfg.job, k), pushFor(k, 0, 0, g0), timeout), 1024);
+  for (const k of [0, 1]) decodePushReply(await bus.request(subjects.psPush(cfg.job, k, 0), pushFor(k, 0, 0, g0), timeout), 1024);
   const waiting = pullVector(1, 1); // waits for trainer 1's push
   for (const k of [0, 1]) {
-    const r = decodePushReply(await bus.request(subjects.psPush(cfg.job, k), pushFor(k, 1, 0, g1), timeout), 1024);
+    const r = decodePushReply(await bus.request(subjects.psPush(cfg.job, k, 1), pushFor(k, 1, 0, g1), timeout), 1024);
     expect(r.updates).toBe(layout.byShard[k]!.length);
   }
   const after = await waiting;
@@ -131,7 +131,7 @@ test("a BSP step across two shard processes: both pushes averaged into one updat
   for (let i = 0; i < after.length; i++) maxErr = Math.max(maxErr, Math.abs(after[i]! - expected[i]!));
   expect(maxErr).toBeLessThan(1e-6);
   // a retried push (same trainer, step, chunks) is applied once
-  const dup = decodePushReply(await bus.request(subjects.psPush(cfg.job, 0), pushFor(0, 1, 0, g1), timeout), 1024);
+  const dup = decodePushReply(await bus.request(subjects.psPush(cfg.job, 0, 1), pushFor(0, 1, 0, g1), timeout), 1024);
   expect(dup).toEqual({ accepted: 0, duplicates: layout.byShard[0]!.length, updates: 0 });
   expect(await pullVector(0, 1)).toEqual(after);
 });
@@ -145,42 +145,62 @@ describe("bad input on every subject gets an error reply, and the shard keeps se
   })();
   const garbage = crypto.getRandomValues(new Uint8Array(300));
   const cases: [string, string, Uint8Array, abstract new (...a: never[]) => Error, string][] = [
-    ["push: truncated bytes", subjects.psPush(job, 0), pushFor(0, 0, 1, init.values).subarray(0, 20), WireFormatError, ""],
-    ["push: garbage", subjects.psPush(job, 0), garbage, WireFormatError, "file identifier"],
+    ["push: truncated bytes", subjects.psPush(job, 0, 0), pushFor(0, 0, 1, init.values).subarray(0, 20), WireFormatError, ""],
+    ["push: garbage", subjects.psPush(job, 0, 0), garbage, WireFormatError, "file identifier"],
     [
       "push: a pull request (wrong file_identifier)",
-      subjects.psPush(job, 0),
+      subjects.psPush(job, 0, 0),
       encodePullRequest({ job, trainer: 0, step: 0, ids: new Uint32Array(1) }),
       WireFormatError,
       'expected "MTPS"',
     ],
     [
       "push: oversized",
-      subjects.psPush(job, 0),
+      subjects.psPush(job, 0, 0),
       encodePushRequest({ job, trainer: 0, step: 1, chunks: [f32Chunk(0, new Float32Array(300_000))] }),
       WireFormatError,
       "exceeds the limit",
     ],
     [
       "push: wrong shape",
-      subjects.psPush(job, 0),
+      subjects.psPush(job, 0, 0),
       encodePushRequest({ job, trainer: 0, step: 1, chunks: [f32Chunk(layout.byShard[0]![0]!, new Float32Array(5))] }),
       BadRequestError,
       "5 elements",
     ],
-    ["push: unknown job", subjects.psPush("nojob", 0), encodePushRequest({ job: "nojob", trainer: 0, step: 0, chunks: [] }), UnknownJobError, "nojob"],
-    ["push: job differs from subject", subjects.psPush(job, 0), encodePushRequest({ job: "other", trainer: 0, step: 0, chunks: [] }), BadRequestError, "other"],
-    ["pull: wrong version", subjects.psPull(job, 1), stale, WireFormatError, "schema version 2"],
+    ["push: unknown job", subjects.psPush("nojob", 0, 0), encodePushRequest({ job: "nojob", trainer: 0, step: 0, chunks: [] }), UnknownJobError, "nojob"],
+    [
+      "push: job differs from subject",
+      subjects.psPush(job, 0, 0),
+      encodePushRequest({ job: "other", trainer: 0, step: 0, chunks: [] }),
+      BadRequestError,
+      "other",
+    ],
+    [
+      "push: a trainer's message on another trainer's subject",
+      subjects.psPush(job, 0, 1),
+      encodePushRequest({ job, trainer: 0, step: 0, chunks: [] }),
+      BadRequestError,
+      "trainer 0 sent on trainer 1's subject",
+    ],
+    [
+      "pull: a trainer's message on another trainer's subject",
+      subjects.psPull(job, 1, 0),
+      encodePullRequest({ job, trainer: 1, step: 0, ids: new Uint32Array(0) }),
+      BadRequestError,
+      "trainer 1 sent on trainer 0's subject",
+    ],
+    ["pull: wrong version", subjects.psPull(job, 1, 0), stale, WireFormatError, "schema version 2"],
     [
       "pull: chunk of the other shard",
-      subjects.psPull(job, 1),
+      subjects.psPull(job, 1, 0),
       encodePullRequest({ job, trainer: 0, step: 0, ids: Uint32Array.of(layout.byShard[0]![0]!) }),
       BadRequestError,
       "not owned",
     ],
     [
       "pull: trainer outside the job",
-      subjects.psPull(job, 1),
+      subjects.psPull(job, 1, 9),
       encodePullRequest({ job, trainer: 9, step: 0, ids: new Uint32Array(0) }),
       BadRequestError,
       "trainer 9",

@@ -98,7 +98,7 @@ describe("TLS to NATS", () => {
   });
 
   test("the SDK connects with MT_TLS_* files and reads the mesh's job store", async () => {
-    await using c = await MeshClient.connect(server.url, 5_000, client);
+    await using c = await MeshClient.connect(server.url, { connectRetryMsMax: 5_000, tls: client });
     expect(await c.list()).toEqual([]);
   });
 
@@ -109,7 +109,7 @@ describe("TLS to NATS", () => {
       MT_TLS_CERT: client.certFile!,
       MT_TLS_KEY: client.keyFile!,
     });
-    await using c = await MeshClient.connect(server.url, 5_000, client);
+    await using c = await MeshClient.connect(server.url, { connectRetryMsMax: 5_000, tls: client });
     await waitFor("the data-loader to register over TLS", async () => (await c.members()).dataLoaders === 1, 20_000);
     expect(svc.proc.exitCode, svc.log()).toBeNull();
   });

@@ -1,0 +1,209 @@
+// Who may do what on a mesh's NATS: one nkey user per role, each with subject permissions.
+//
+//   admin          everything (the operator, and the launcher itself)
+//   client         submit, watch, save a snapshot of and cancel jobs; read their status; never
+//                  restore or resize, load a shard, push or pull, or talk to the collective
+//   data-loader    serves mt.*.data.* and the plan of a job to be submitted
+//   checkpoint     serves mt.*.ckpt.*; reads and loads shards and replicas
+//   ps-<k>         serves shard k's subjects only
+//   trainer-<r>    pushes and pulls as rank r only (the rank is the subjects' last token, and the
+//                  shard checks it against the message); answers only rank r's subjects
+//
+// Every user gets its own reply inbox, _INBOX.<its public key>, and may subscribe to no other:
+// no one reads another's answers. Services answer requests through allow_responses.
+//
+// Credentials: `makeCredentials(dir, topology)` writes <dir>/<user>.nk (the user's nkey seed,
+// mode 0600, the folder 0700) and <dir>/auth.conf, the server's `authorization` block with each
+// user's public key. Seeds that exist are kept, so a mesh's credentials survive its restarts.
+import { chmodSync, existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { createUser, fromSeed } from "@nats-io/nkeys";
+import { jobsBucket, recordsBucket } from "./jobs.ts";
+import { ncclIdsBucket } from "./nccl-id.ts";
+
+/** The ranks and shards a mesh's credentials cover (a user per rank and per shard). */
+export interface RoleTopology {
+  trainers: number;
+  shards: number;
+}
+
+/** Trainer ranks and shards one set of credentials may name (the services' own bounds). */
+export const roleTrainersMax = 64;
+export const roleShardsMax = 64;
+
+export type RoleName = "admin" | "client" | "data-loader" | "checkpoint" | `ps-${number}` | `trainer-${number}`;
+
+export interface Permissions {
+  publish: string[];
+  subscribe: string[];
+  /** may answer the requests it receives, whatever their reply subjects */
+  allowResponses: boolean;
+}
+
+export class CredentialsError extends Error {
+  override readonly name = "CredentialsError";
+}
+
+/** Every user of a mesh of this size. */
+export function roleUsers(t: RoleTopology): RoleName[] {
+  if (!(Number.isInteger(t.trainers) && t.trainers >= 1 && t.trainers <= roleTrainersMax)) {
+    throw new CredentialsError(`trainers must be 1..${roleTrainersMax}, not ${t.trainers}`);
+  }
+  if (!(Number.isInteger(t.shards) && t.shards >= 0 && t.shards <= roleShardsMax))
+    throw new CredentialsError(`shards must be 0..${roleShardsMax}, not ${t.shards}`);
+  return [
+    "admin",
+    "client",
+    "data-loader",
+    "checkpoint",
+    ...Array.from({ length: t.shards }, (_, k) => `ps-${k}` as const),
+    ...Array.from({ length: t.trainers }, (_, r) => `trainer-${r}` as const),
+  ];
+}
+
+/** The reply inbox prefix of a user: only that user may subscribe under it. */
+export const inboxPrefixOf = (publicKey: string): string => `_INBOX.${publicKey}`;
+
+/** The JetStream API and KV subjects that open, read and watch the mesh's buckets; `write` adds puts and deletes. */
+function bucketSubjects(buckets: readonly string[], write: boolean): string[] {
+  return buckets.flatMap((b) => [
+    `$JS.API.STREAM.INFO.KV_${b}`,
+    `$JS.API.STREAM.CREATE.KV_${b}`,
+    `$JS.API.CONSUMER.CREATE.KV_${b}`,
+    `$JS.API.CONSUMER.CREATE.KV_${b}.>`,
+    `$JS.API.CONSUMER.DELETE.KV_${b}.>`,
+    `$JS.API.CONSUMER.INFO.KV_${b}.>`,
+    `$JS.API.DIRECT.GET.KV_${b}`,
+    `$JS.API.DIRECT.GET.KV_${b}.>`,
+    `$JS.API.STREAM.MSG.GET.KV_${b}`,
+    ...(write ? [`$KV.${b}.>`] : []),
+  ]);
+}
+
+const jsCommon = ["$JS.API.INFO", "$JS.FC.>", "$JS.ACK.>"];
+const discovery = "$SRV.>";
+const everyService = ["mt.*.events.*", "mt.*.hb.*"];
+const jobBuckets = [jobsBucket, recordsBucket];
+
+/** What one user may publish and subscribe to (its inbox excepted: see natsAuthorization). */
+export function permissionsOf(user: RoleName): Permissions {
+  const service = (publish: string[], subscribe: string[]): Permissions => ({
+    publish: [...publish, ...everyService, discovery, ...jsCommon, ...bucketSubjects(jobBuckets, true)],
+    subscribe: [...subscribe, ...everyService, discovery],
+    allowResponses: true,
+  });
+  if (user === "admin") return { publish: [">"], subscribe: [">"], allowResponses: true };
+  if (user === "client") {
+    return {
+      publish: [
+        "mt.ctl.plan",
+        "mt.*.ckpt.list",
+        "mt.*.ctl.checkpoint",
+        "mt.*.trainer.*.stats",
+        "mt.*.ps.*.stats",
+        "mt.*.data.stats",
+        discovery,
+        ...jsCommon,
+        ...bucketSubjects(jobBuckets, true),
+      ],
+      // heartbeats: a watcher names a stalled rank and what it was doing
+      subscribe: ["mt.*.events.>", "mt.*.hb.*"],
+      allowResponses: false,
+    };
+  }
+  if (user === "data-loader") return service([], ["mt.*.data.>", "mt.ctl.plan"]);
+  if (user === "checkpoint") {
+    return service(
+      [
+        "mt.*.ps.*.state",
+        "mt.*.ps.*.load",
+        "mt.*.ps.*.stats",
+        "mt.*.replica.>",
+        "mt.*.ctl.checkpoint",
+        "mt.ctl.plan",
+        "mt.*.data.stats",
+        "mt.*.trainer.*.stats",
+      ],
+      ["mt.*.ckpt.>"],
+    );
+  }
+  const ps = /^ps-(\d+)$/.exec(user);
+  if (ps) return service(["mt.*.ps.*.norm", "mt.*.ckpt.recover"], [`mt.*.ps.${ps[1]}.>`]);
+  const trainer = /^trainer-(\d+)$/.exec(user);
+  if (trainer) {
+    const r = trainer[1]!;
+    return service(
+      [
+        "mt.*.data.next",
+        "mt.*.data.plan",
+        `mt.*.ps.*.push.${r}`,
+        `mt.*.ps.*.pull.${r}`,
+        "mt.*.ps.*.stats",
+        "mt.*.ckpt.save",
+        "mt.*.ckpt.recover",
+        "mt.*.ckpt.list",
+        "mt.*.coll.*",
+        ...bucketSubjects([ncclIdsBucket], true),
+      ],
+      [`mt.*.coll.${r}`, `mt.*.trainer.${r}.stats`, "mt.*.replica.state", `mt.*.replica.${r}.>`, "mt.*.ctl.checkpoint"],
+    );
+  }
+  throw new CredentialsError(`no role ${user}`);
+}
+
+const quoteList = (xs: readonly string[]) => `[${xs.map((x) => JSON.stringify(x)).join(", ")}]`;
+
+/** The nats-server `authorization` block for these users (name -> public nkey). */
+export function natsAuthorization(users: ReadonlyMap<RoleName, string>): string {
+  const lines = ["authorization {", "  users: ["];
+  for (const [name, publicKey] of users) {
+    const p = permissionsOf(name);
+    lines.push(`    # ${name}`);
+    lines.push(`    { nkey: ${JSON.stringify(publicKey)}, permissions: {`);
+    lines.push(`        publish: { allow: ${quoteList(p.publish)} }`);
+    lines.push(`        subscribe: { allow: ${quoteList([...p.subscribe, `${inboxPrefixOf(publicKey)}.>`])} }`);
+    if (p.allowResponses) lines.push("        allow_responses: true");
+    lines.push("    } }");
+  }
+  lines.push("  ]", "}");
+  return lines.join("\n");
+}
+
+export interface Credentials {
+  dir: string;
+  /** the server's authorization block (also in <dir>/auth.conf) */
+  authorization: string;
+  /** the seed file of a user */
+  seedFile(user: RoleName): string;
+}
+
+/** The seed file of `user` in `dir`. */
+export const seedFileOf = (dir: string, user: RoleName): string => join(dir, `${user}.nk`);
+
+/** Writes (or completes) a mesh's credentials: a seed per user, kept if it exists, and auth.conf. */
+export function makeCredentials(dir: string, topology: RoleTopology): Credentials {
+  mkdirSync(dir, { recursive: true, mode: 0o700 });
+  chmodSync(dir, 0o700);
+  const users = new Map<RoleName, string>();
+  for (const user of roleUsers(topology)) {
+    const file = seedFileOf(dir, user);
+    if (!existsSync(file)) writeFileSync(file, `${new TextDecoder().decode(createUser().getSeed())}\n`, { mode: 0o600 });
+    chmodSync(file, 0o600);
+    users.set(user, readSeed(file).publicKey);
+  }
+  const authorization = natsAuthorization(users);
+  writeFileSync(join(dir, "auth.conf"), `${authorization}\n`, { mode: 0o600 });
+  return { dir, authorization, seedFile: (user) => seedFileOf(dir, user) };
+}
+
+/** A seed file's seed and public key; CredentialsError naming the file when it is not one. */
+export function readSeed(file: string): { seed: Uint8Array; publicKey: string } {
+  if (!existsSync(file)) throw new CredentialsError(`the nkey seed file ${file} does not exist`);
+  const text = readFileSync(file, "utf8").trim();
+  try {
+    const seed = new TextEncoder().encode(text);
+    return { seed, publicKey: fromSeed(seed).getPublicKey() };
+  } catch (e) {
+    throw new CredentialsError(`${file} holds no user nkey seed (a line starting SU...): ${(e as Error).message}`);
+  }
+}

@@ -1,0 +1,224 @@
+// NATS roles on a real nats-server: the credentials `makeCredentials` writes (owner-only files),
+// an anonymous or unknown client refused at connect, each role refused what it may not do with a
+// clear error on its side, and whole jobs on a local mesh whose every service runs as its own
+// role, with a server log free of permission violations.
+import { afterAll, describe, expect, test } from "bun:test";
+import { readFileSync, statSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { createUser } from "@nats-io/nkeys";
+import { JobState } from "../../schemas/messages.ts";
+import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job.ts";
+import { NatsAccessError, NatsBus } from "../../services/runtime/nats.ts";
+import { startNatsServer } from "../../services/runtime/nats-server.ts";
+import { CredentialsError, makeCredentials, permissionsOf, roleUsers, type RoleName } from "../../services/runtime/roles.ts";
+import { NoRespondersError } from "../../services/runtime/errors.ts";
+import { encodeJobRequest } from "../../schemas/messages.ts";
+import { MeshClient } from "../../sdk/client.ts";
+import { LocalMesh } from "../../sdk/launcher.ts";
+import { watchJob } from "../../sdk/watch.ts";
+import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
+
+afterAll(removeTempDirs);
+
+const mode = (path: string) => statSync(path).mode & 0o777;
+
+describe("credentials", () => {
+  test("one seed per role, rank and shard, owner-only; a second run keeps the seeds; auth.conf names every user", () => {
+    const dir = join(tempDir("mt-creds-"), "creds");
+    const a = makeCredentials(dir, { trainers: 2, shards: 1 });
+    expect(roleUsers({ trainers: 2, shards: 1 })).toEqual(["admin", "client", "data-loader", "checkpoint", "ps-0", "trainer-0", "trainer-1"]);
+    expect(mode(dir)).toBe(0o700);
+    for (const user of roleUsers({ trainers: 2, shards: 1 })) {
+      expect(mode(a.seedFile(user))).toBe(0o600);
+      expect(readFileSync(a.seedFile(user), "utf8")).toStartWith("SU");
+    }
+    expect(mode(join(dir, "auth.conf"))).toBe(0o600);
+    expect(a.authorization.match(/nkey: "U[A-Z0-9]{55}"/g)?.length).toBe(7);
+    const seed = readFileSync(a.seedFile("trainer-1"), "utf8");
+    const b = makeCredentials(dir, { trainers: 3, shards: 1 });
+    expect(readFileSync(b.seedFile("trainer-1"), "utf8")).toBe(seed);
+    expect(b.authorization.match(/nkey: /g)?.length).toBe(8);
+  });
+
+  test("sizes out of bounds and unknown roles are refused by name", () => {
+    expect(() => roleUsers({ trainers: 0, shards: 1 })).toThrow(CredentialsError);
+    expect(() => roleUsers({ trainers: 1, shards: 65 })).toThrow("shards must be 0..64");
+    expect(() => permissionsOf("ps-x" as RoleName)).toThrow("no role ps-x");
+  });
+
+  test("a trainer's pushes and pulls name its own rank; only admin may restore, resize or answer everything", () => {
+    const t1 = permissionsOf("trainer-1");
+    expect(t1.publish).toContain("mt.*.ps.*.push.1");
+    expect(t1.publish.some((s) => /push\.(0|\*|>)$/.test(s))).toBe(false);
+    expect(t1.subscribe).toContain("mt.*.coll.1");
+    for (const user of ["client", "trainer-0", "ps-0", "data-loader", "checkpoint"] as const) {
+      const p = permissionsOf(user).publish;
+      expect(p.some((s) => /ckpt\.(restore|resize|>)$/.test(s) || s === ">")).toBe(false);
+    }
+  });
+});
+
+describe("a nats-server with the roles", async () => {
+  const dir = tempDir("mt-roles-");
+  const creds = makeCredentials(join(dir, "creds"), { trainers: 2, shards: 2 });
+  const server = await startNatsServer({ authorization: creds.authorization });
+  afterAll(() => server.stop());
+  const as = (user: RoleName | string) =>
+    NatsBus.connect({
+      url: server.url,
+      name: `test-${user}`,
+      connectRetryMsMax: 5_000,
+      connectBackoffMsMax: 200,
+      nkeyFile: user.includes("/") ? user : creds.seedFile(user as RoleName),
+    });
+  const job = "j";
+  const req = encodeJobRequest({ job, step: 0, tag: "" });
+  /** what a request as `bus` gets: "refused", "allowed" (no one serves it here), or the error */
+  const outcome = async (bus: NatsBus, subject: string): Promise<string> => {
+    try {
+      await bus.request(subject, req, 2_000);
+      return "answered";
+    } catch (e) {
+      if (e instanceof NatsAccessError) {
+        expect(e.message).toContain(`may not send ${subject}`);
+        return "refused";
+      }
+      if (e instanceof NoRespondersError) return "allowed";
+      return `${(e as Error).name}: ${(e as Error).message}`;
+    }
+  };
+
+  test("an anonymous client is refused at connect, within seconds, saying credentials are needed", async () => {
+    const started = Date.now();
+    const err = await NatsBus.connect({ url: server.url, name: "anon", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(NatsAccessError);
+    expect((err as Error).message).toContain("requires credentials");
+    expect(Date.now() - started).toBeLessThan(5_000);
+  });
+
+  test("a user the server does not know, and a file that is no seed, are refused with their file named", async () => {
+    const stranger = join(dir, "stranger.nk");
+    writeFileSync(stranger, new TextDecoder().decode(createUser().getSeed()), { mode: 0o600 });
+    const err = await as(stranger).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(NatsAccessError);
+    expect((err as Error).message).toContain(`does not know the user of ${stranger}`);
+    const junk = join(dir, "junk.nk");
+    writeFileSync(junk, "not a seed\n");
+    expect(await as(junk).catch((e: unknown) => e)).toBeInstanceOf(NatsAccessError);
+    expect(((await as(join(dir, "missing.nk")).catch((e: unknown) => e)) as Error).message).toContain("does not exist");
+  });
+
+  test("a trainer pushes and pulls only as its own rank, and cannot load a shard or restore a job", async () => {
+    const t1 = await as("trainer-1");
+    try {
+      expect(await outcome(t1, subjects.psPush(job, 0, 1))).toBe("allowed");
+      expect(await outcome(t1, subjects.psPull(job, 1, 1))).toBe("allowed");
+      expect(await outcome(t1, subjects.coll(job, 0))).toBe("allowed");
+      expect(await outcome(t1, subjects.ckptRecover(job))).toBe("allowed");
+      expect(await outcome(t1, subjects.psPush(job, 0, 0))).toBe("refused");
+      expect(await outcome(t1, subjects.psPull(job, 1, 0))).toBe("refused");
+      expect(await outcome(t1, subjects.psLoad(job, 0))).toBe("refused");
+      expect(await outcome(t1, subjects.psState(job, 0))).toBe("refused");
+      expect(await outcome(t1, subjects.ckptRestore(job))).toBe("refused");
+      expect(await outcome(t1, subjects.ckptResize(job))).toBe("refused");
+      expect(await outcome(t1, subjects.replicaLoad(job, 0))).toBe("refused");
+    } finally {
+      await t1.close();
+    }
+  });
+
+  test("a client submits, watches and snapshots, and cannot restore, resize, load, push or join the collective", async () => {
+    const c = await as("client");
+    try {
+      expect(await outcome(c, subjects.ckptList(job))).toBe("allowed");
+      expect(await outcome(c, subjects.planJob)).toBe("allowed");
+      for (const s of [
+        subjects.ckptRestore(job),
+        subjects.ckptResize(job),
+        subjects.ckptRecover(job),
+        subjects.ckptSave(job),
+        subjects.psLoad(job, 0),
+        subjects.psPush(job, 0, 0),
+        subjects.psPull(job, 0, 0),
+        subjects.coll(job, 1),
+        subjects.replicaState(job),
+        subjects.dataNext(job),
+      ]) {
+        expect([s, await outcome(c, s)]).toEqual([s, "refused"]);
+      }
+    } finally {
+      await c.close();
+    }
+    // the SDK as the client role: the job store (JetStream KV) is open to it
+    await using sdk = await MeshClient.connect(server.url, { nkeyFile: creds.seedFile("client") });
+    expect(await sdk.list()).toEqual([]);
+  });
+
+  test("no one but admin subscribes to another's subjects: a trainer to another rank's collective, anyone to the shared inboxes", async () => {
+    const t1 = await as("trainer-1");
+    try {
+      for (const subject of [subjects.coll(job, 0), "_INBOX.>", subjects.psPush(job, 0, 0)]) {
+        const refused = new Promise<string>((resolve) => {
+          t1.nc.subscribe(subject, {
+            callback: (err) => {
+              if (err) resolve(err.message);
+            },
+          });
+          setTimeout(() => resolve("no refusal"), 3_000);
+        });
+        expect(await refused).toContain("Permissions Violation for Subscription");
+      }
+    } finally {
+      await t1.close();
+    }
+  });
+
+  test("admin may restore (here: allowed, and no one serves it)", async () => {
+    const admin = await as("admin");
+    try {
+      expect(await outcome(admin, subjects.ckptRestore(job))).toBe("allowed");
+      expect(await outcome(admin, subjects.psLoad(job, 1))).toBe("allowed");
+    } finally {
+      await admin.close();
+    }
+  });
+});
+
+const config = (over: Partial<JobConfig>): JobConfig =>
+  parseJobConfig({ ...jobDefaults, model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 }, warmupSteps: 5, chunkBytes: 16 << 10, evalEvery: 0, ...over });
+
+test("a local mesh runs with the roles by default: BSP and all-reduce jobs submitted by the client role finish, and the server logged no violation", async () => {
+  const dir = tempDir("mt-roles-mesh-");
+  await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs") });
+  expect(mesh.credentials).not.toBeNull();
+  await using client = await MeshClient.connect(mesh.url, mesh.auth("client"));
+  const refusals: Promise<unknown>[] = [];
+  for (const cfg of [
+    config({ job: "roles-bsp", maxSteps: 30, checkpointEvery: 10 }),
+    config({ job: "roles-ar", sync: "allreduce", maxSteps: 30, checkpointEvery: 10 }),
+  ]) {
+    await client.submit(cfg, { membersWaitMs: 60_000 });
+    let asked = false;
+    const r = await watchJob(client, cfg.job, {
+      quiet: true,
+      onEvent: (e) => {
+        if (!asked && e.step >= 12) {
+          asked = true;
+          void client.saveCheckpoint(cfg.job).catch(() => {});
+          // the client cannot rewind a running job: the SDK says why
+          refusals.push(client.restore(cfg.job).catch((err: unknown) => err));
+        }
+      },
+    });
+    expect([cfg.job, r.record.state]).toEqual([cfg.job, JobState.Done]);
+  }
+  for (const err of await Promise.all(refusals)) {
+    expect(err).toBeInstanceOf(NatsAccessError);
+    expect((err as Error).message).toContain("may not send mt.roles-");
+  }
+  const log = readFileSync(join(dir, "logs", "nats-server.log"), "utf8");
+  // the only ones: the client's restores above, refused
+  expect(log.split("\n").filter((l) => /Violation/.test(l) && !/Publish Violation .* Subject "mt\.roles-(bsp|ar)\.ckpt\.restore"/.test(l))).toEqual([]);
+  // an anonymous client cannot even connect
+  expect(await MeshClient.connect(mesh.url, { connectRetryMsMax: 2_000 }).catch((e: unknown) => e)).toBeInstanceOf(NatsAccessError);
+}, 120_000);
