@@ -181,7 +181,7 @@ export class Dashboard implements AsyncDisposable {
       if (path === "/") return await this.#jobList();
       const m = /^\/jobs\/([^/]+)(\/[a-z.]+)?$/.exec(path);
       if (m === null) return text(`no page ${path}; the jobs are listed at /`, 404);
-      const job = decodeURIComponent(m[1]!);
+      const job = m[1]!; // a job name has nothing to percent-decode: anything encoded is not one
       if (!jobNamePattern.test(job)) return text(`${JSON.stringify(job)} is not a job name: a job name is 1-64 letters, digits, _ or -`, 400);
       return await this.#jobRoute(job, m[2] ?? "", req, server);
     } catch (e) {
@@ -263,7 +263,10 @@ export class Dashboard implements AsyncDisposable {
       // with no page open, only until the job's status was read once (meshtrain run follows it before submitting)
       const wanted = feed.pages.size > 0 || !feed.statusRead;
       if (wanted && !feed.polling && now - feed.statusMs >= statusPollMs && !(feed.view.ended && feed.statusMs > 0)) void this.#poll(feed);
+      // a page that connected since the last flush has these points already (in its whole
+      // state): added again, each cuts the curve back to itself first, which changes nothing
       const curves = feed.view.appendsSince();
+      if (feed.pages.size === 0) continue;
       const panels = JSON.stringify(feed.view.panels(now));
       const changed = panels !== feed.sentPanels;
       if (!changed && curves.loss.length + curves.evals.length + curves.rate.length === 0) continue;
