@@ -11,6 +11,7 @@ import { MeshClient } from "./client.ts";
 import { givenOptions, type JobFlags, jobConfigOf, jobOptions, resolveConfig } from "./job-flags.ts";
 import { type MeshOptions, LocalMesh, membersWaitMs } from "./launcher.ts";
 import { announceLocalMesh, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "./local-mesh.ts";
+import { makeCredentials, roleShardsMax, roleTrainersMax, roleUsers } from "../services/runtime/roles.ts";
 import { defaultRunDir, runMesh } from "./local/run-mesh.ts";
 import { stamp } from "./format.ts";
 import { cliName, float, int, shownPath, userPath } from "./options.ts";
@@ -110,8 +111,28 @@ export function addMeshCommands(program: Command): void {
     .option("--port <n>", "NATS port", int(1, 65535), 4222)
     .option("--trainers <n>", "trainer ranks to run (a job may use fewer)", int(1, 64), d.trainers)
     .option("--shards <n>", "parameter-server shards to run (a job may use fewer)", int(1, 64), d.shards)
-    .action(async (opts: { dir: string; port: number; trainers: number; shards: number }) => {
+    .option("--no-auth", "run NATS without users: anyone who reaches its port may do anything (default: a user per role, credentials in <dir>/creds)")
+    .action(async (opts: { dir: string; port: number; trainers: number; shards: number; auth: boolean }) => {
       await meshUp({ ...opts, dir: userPath(opts.dir) });
+    });
+
+  program
+    .command("creds")
+    .description(
+      "write a mesh's NATS credentials: an nkey seed per role, rank and shard (owner-only files; seeds already there are kept) and auth.conf, the users' permissions for nats-server (include it in its config; deploy/k8s makes Secrets of them)",
+    )
+    .requiredOption("--dir <dir>", "the folder to write them to (created with mode 0700)")
+    .option("--trainers <n>", "trainer ranks: one user each (trainer-<r>)", int(1, roleTrainersMax), d.trainers)
+    .option("--shards <n>", "parameter-server shards: one user each (ps-<k>)", int(0, roleShardsMax), d.shards)
+    .action((opts: { dir: string; trainers: number; shards: number }) => {
+      const c = makeCredentials(userPath(opts.dir), { trainers: opts.trainers, shards: opts.shards });
+      const users = roleUsers(opts);
+      console.log(
+        `wrote ${users.length} users' nkey seeds to ${shownPath(c.dir)}/ (${users.join(", ")}) and their permissions to ${shownPath(join(c.dir, "auth.conf"))}`,
+      );
+      console.log(
+        `  nats-server: include ${shownPath(join(c.dir, "auth.conf"))} in its config; a service: MT_NATS_NKEY=<its user's .nk>; the CLI: --nats-nkey ${shownPath(join(c.dir, "client.nk"))}`,
+      );
     });
 
   natsOption(jobOptions(program.command("submit").description("submit a job to a running mesh and follow it to the end")))
@@ -257,7 +278,7 @@ async function serveDashboard(client: MeshClient, job: string | undefined, o: { 
 }
 
 /** `mesh up`: runs until Ctrl-C, leaving a note so that client commands on this machine find it. */
-async function meshUp(o: { dir: string; port: number; trainers: number; shards: number }): Promise<void> {
+async function meshUp(o: { dir: string; port: number; trainers: number; shards: number; auth: boolean }): Promise<void> {
   const opts: MeshOptions = {
     jobsDir: join(o.dir, "jobs"),
     logDir: join(o.dir, "logs", `mesh-${stamp()}`),
@@ -266,6 +287,7 @@ async function meshUp(o: { dir: string; port: number; trainers: number; shards: 
     shards: o.shards,
     port: o.port,
     natsStoreDir: join(o.dir, "nats"),
+    auth: o.auth,
     credsDir: join(o.dir, "creds"),
     onEvent: (line) => console.log(`launcher: ${line}`),
   };

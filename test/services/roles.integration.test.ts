@@ -4,7 +4,7 @@
 // role, with a server log free of permission violations.
 import { afterAll, describe, expect, test } from "bun:test";
 import { readFileSync, statSync, writeFileSync } from "node:fs";
-import { join } from "node:path";
+import { join, relative } from "node:path";
 import { createUser } from "@nats-io/nkeys";
 import { JobState } from "../../schemas/messages.ts";
 import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job.ts";
@@ -38,6 +38,32 @@ describe("credentials", () => {
     const b = makeCredentials(dir, { trainers: 3, shards: 1 });
     expect(readFileSync(b.seedFile("trainer-1"), "utf8")).toBe(seed);
     expect(b.authorization.match(/nkey: /g)?.length).toBe(8);
+  });
+
+  test("meshtrain creds writes them for a deployment (deploy/k8s makes Secrets of them); a nats-server that includes its auth.conf takes its users", async () => {
+    const dir = join(tempDir("mt-creds-cli-"), "k8s-creds");
+    const run = Bun.spawnSync([
+      process.execPath,
+      join(import.meta.dir, "..", "..", "sdk", "cli.ts"),
+      "creds",
+      "--dir",
+      dir,
+      "--trainers",
+      "2",
+      "--shards",
+      "1",
+    ]);
+    expect(run.exitCode).toBe(0);
+    expect(run.stdout.toString()).toContain("wrote 7 users' nkey seeds");
+    expect(mode(join(dir, "trainer-1.nk"))).toBe(0o600);
+    // nats-server resolves an include from its config's folder
+    const natsDir = tempDir("mt-creds-nats-");
+    await using server = await startNatsServer({ dir: natsDir, authorization: `include "${relative(natsDir, join(dir, "auth.conf"))}"` });
+    const bus = await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200, nkeyFile: join(dir, "trainer-1.nk") });
+    await bus.close();
+    const bad = Bun.spawnSync([process.execPath, join(import.meta.dir, "..", "..", "sdk", "cli.ts"), "creds", "--dir", dir, "--shards", "99"]);
+    expect(bad.exitCode).toBe(1);
+    expect(bad.stderr.toString()).toContain("--shards");
   });
 
   test("sizes out of bounds and unknown roles are refused by name", () => {
