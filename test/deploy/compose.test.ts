@@ -68,6 +68,7 @@ async function findEngine(): Promise<Engine | string> {
   if ((await run(["docker", "info"])).code === 0) return { compose, daemon: null };
   if (process.getuid?.() !== 0) return "no Docker daemon answers, and starting one needs root";
   if (Bun.which("dockerd") === null) return "no Docker daemon answers and dockerd is not installed (apt-get install docker.io)";
+  console.log("no Docker daemon answers: starting dockerd --iptables=false for this test");
   return startDaemon(compose);
 }
 
@@ -147,11 +148,16 @@ async function buildImages(compose: string[], project: string): Promise<Record<s
   const ca = extraCa();
   const image = `${imageRepo}:${await inputsHash([vars.MT_BASE_IMAGE!, ca])}`;
   const env = { ...vars, MT_IMAGE: image, MT_EXTRA_CA_CERT: ca };
-  if ((await run(["docker", "image", "inspect", image])).code === 0) return env;
+  if ((await run(["docker", "image", "inspect", image])).code === 0) {
+    console.log(`images: ${vars.MT_BASE_IMAGE}, ${vars.MT_NATS_IMAGE} and ${image} reused`);
+    return env;
+  }
+  const t0 = performance.now();
   // the compose file's own build section (host network, build arguments); every service shares the image
   await mustRun([...compose, "-p", project, "-f", composeFile, "build", "data-loader"], { ...process.env, ...env });
   const tags = (await mustRun(["docker", "image", "ls", imageRepo, "--format", "{{.Repository}}:{{.Tag}}"])).split("\n");
   for (const old of tags.filter((t) => t !== "" && t !== image)) await run(["docker", "rmi", old]);
+  console.log(`images: ${image} built in ${((performance.now() - t0) / 1000).toFixed(0)} s on ${vars.MT_BASE_IMAGE}`);
   return env;
 }
 
