@@ -115,11 +115,18 @@ interface Proc {
   heardMs: number;
   restarts: number;
   restartedMs: number;
+  /** where it was before it opened the job again */
+  restartNote: string;
   stalled: string | null;
   straggler: string | null;
   /** heard again after a silence */
   backNote: string;
 }
+
+/** The checkpoint service's Log event after a resize reopened the job (services/checkpoint/service.ts). */
+const resizedPrefix = "resized from step ";
+/** Processes reopen the job within this long of the resize's Log event (before or after it). */
+const resizeReopenMs = 30_000;
 
 const whoPattern = /^(trainer \d+|shard \d+|data-loader)\b/;
 
@@ -137,6 +144,7 @@ export class JobView {
   readonly #samples: { ms: number; count: number }[] = [];
   #status: JobStatus | null = null;
   #restores = 0;
+  #resizedMs = Number.NEGATIVE_INFINITY;
   #stepsSeen = 0;
   #totalSteps = 0;
 
@@ -176,6 +184,7 @@ export class JobView {
       case EventKind.Failed:
         return this.#say(e.timeMs, "bad", `failed: ${e.text}`);
       case EventKind.Log:
+        if (e.text.startsWith(resizedPrefix)) this.#resized(nowMs);
         return this.#say(e.timeMs, "ok", e.text);
       case EventKind.Ended:
         return this.#say(e.timeMs, "idle", `ended: ${e.text}`);
@@ -213,15 +222,26 @@ export class JobView {
     this.#say(e.timeMs, over ? "ok" : "warn", `straggler: ${e.text}`);
   }
 
-  /** Takes a heartbeat: who is alive, and who opened the job again (a restart). */
+  /** A resize reopened the job on every process: their reopening around it is no restart. */
+  #resized(nowMs: number): void {
+    this.#resizedMs = nowMs;
+    for (const p of this.#procs.values()) {
+      if (p.restarts === 0 || nowMs - p.restartedMs > resizeReopenMs) continue;
+      p.restarts--;
+      p.restartedMs = 0;
+    }
+  }
+
+  /** Takes a heartbeat: who is alive, and who opened the job again (a restart, unless a resize reopened it). */
   heartbeat(hb: Heartbeat, nowMs: number): void {
     const p = this.#proc(hb.who);
     if (p === undefined) return;
     const was = p.hb;
-    if (was !== null && hb.phase === "starting" && was.phase !== "starting") {
+    if (was !== null && hb.phase === "starting" && was.phase !== "starting" && nowMs - this.#resizedMs > resizeReopenMs) {
       p.restarts++;
       p.restartedMs = nowMs;
-      this.#say(nowMs, "warn", `${hb.who} opened the job again (a restart, or a resize); it was at step ${was.step}, ${was.phase}`);
+      p.restartNote = `it was at step ${was.step}, ${was.phase}`;
+      this.#say(nowMs, "bad", `${hb.who} opened the job again (restarted); it was at step ${was.step}, ${was.phase}`);
     }
     const silentMs = nowMs - p.heardMs;
     if (was !== null && silentMs >= silentAfterMs && !this.ended) {
@@ -276,7 +296,7 @@ export class JobView {
   #proc(who: string): Proc | undefined {
     let p = this.#procs.get(who);
     if (p === undefined && this.#procs.size < processesMax) {
-      p = { hb: null, heardMs: 0, restarts: 0, restartedMs: 0, stalled: null, straggler: null, backNote: "" };
+      p = { hb: null, heardMs: 0, restarts: 0, restartedMs: 0, restartNote: "", stalled: null, straggler: null, backNote: "" };
       this.#procs.set(who, p);
     }
     return p;
@@ -318,9 +338,10 @@ export class JobView {
     if (p.stalled !== null) return { ...base, level: "bad", state: "stalled", note: p.stalled };
     if (p.hb !== null && nowMs - p.heardMs >= silentAfterMs)
       return { ...base, level: "bad", state: "silent", note: `no heartbeat for ${silentS} s (stopped, wedged or dead)` };
-    if (p.straggler !== null) return { ...base, level: "warn", state: "straggler", note: p.straggler };
+    // a process that died a moment ago (or reopened the job in a resize) is not trusted yet
     if (p.restarts > 0 && nowMs - p.restartedMs < restartShownMs)
-      return { ...base, level: "warn", state: "restarted", note: `opened the job again ${Math.floor((nowMs - p.restartedMs) / 1000)} s ago` };
+      return { ...base, level: "bad", state: "restarted", note: `opened the job again ${Math.floor((nowMs - p.restartedMs) / 1000)} s ago; ${p.restartNote}` };
+    if (p.straggler !== null) return { ...base, level: "warn", state: "straggler", note: p.straggler };
     if (p.hb === null) return { ...base, level: "warn", state: "waiting", note: "not heard yet" };
     return { ...base, level: "ok", state: "ok", note: p.backNote };
   }

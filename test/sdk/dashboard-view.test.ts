@@ -66,7 +66,12 @@ describe("dashboard view", () => {
     // a new process opens the job: a restart, heard again after its silence
     v.heartbeat(hb("trainer 1", 0, "starting"), 12_000);
     v.event(ev(EventKind.Stalled, { text: "trainer 1 is back after 11 s of silence (step 0, starting)" }), 12_000);
-    expect(row(v, "trainer 1", 12_000)).toMatchObject({ level: "warn", state: "restarted", restarts: 1 });
+    expect(row(v, "trainer 1", 12_000)).toMatchObject({
+      level: "bad",
+      state: "restarted",
+      restarts: 1,
+      note: "opened the job again 0 s ago; it was at step 3, compute",
+    });
     v.heartbeat(hb("trainer 1", 1, "compute"), 12_000 + restartShownMs);
     expect(row(v, "trainer 1", 12_000 + restartShownMs)).toMatchObject({ level: "ok", restarts: 1 });
     v.event(ev(EventKind.Straggler, { text: "trainer 1 is a straggler: its own time per step is 2.0x the other ranks'" }), 72_500);
@@ -75,7 +80,7 @@ describe("dashboard view", () => {
     expect(row(v, "trainer 1", 73_000).state).toBe("ok");
     expect(v.panels(73_000).log.map((l) => `${l.level}: ${l.text.split(" ").slice(0, 6).join(" ")}`)).toEqual([
       "bad: stalled: trainer 1 has sent no",
-      "warn: trainer 1 opened the job again",
+      "bad: trainer 1 opened the job again",
       "warn: trainer 1 is heard again after",
       "warn: back: trainer 1 is back after",
       "warn: trainer 1 is heard again after",
@@ -85,6 +90,16 @@ describe("dashboard view", () => {
     v.status(status(JobState.Done));
     expect(v.panels(200_000).health.every((h) => h.level === "idle")).toBe(true);
     expect(v.panels(200_000).shards).toEqual([{ shard: 0, clocks: [7, 5], staleness: 2, updates: 5, waiting: 0, error: "" }]);
+  });
+
+  test("a resize reopens the job on every process: no restart, whether their heartbeats come before or after the resize's Log event", () => {
+    const v = new JobView("v", "nats://x", cfg, 0);
+    for (const who of ["trainer 0", "trainer 1"]) v.heartbeat(hb(who, 40, "compute"), 1_000);
+    v.heartbeat(hb("trainer 0", 0, "starting"), 3_000);
+    expect(row(v, "trainer 0", 3_000)).toMatchObject({ state: "restarted", restarts: 1 });
+    v.event(ev(EventKind.Log, { text: "resized from step 40 (step-000000040): trainers 2 -> 3, shards 1 -> 1; 700 steps in all" }), 3_500);
+    v.heartbeat(hb("trainer 1", 0, "starting"), 4_000);
+    for (const who of ["trainer 0", "trainer 1"]) expect(row(v, who, 4_000)).toMatchObject({ level: "ok", restarts: 0 });
   });
 
   test("a job followed before it has a record learns its processes from its first status", () => {
