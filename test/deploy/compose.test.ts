@@ -103,11 +103,15 @@ async function baseImagesMissing(): Promise<string | null> {
 const engine = await findEngine();
 const missing = typeof engine === "string" ? engine : await baseImagesMissing();
 
-afterAll(async () => {
-  if (typeof engine === "string" || engine.daemon === null) return;
-  engine.daemon.kill("SIGTERM");
-  await engine.daemon.exited;
-});
+// dockerd stops its containerd and the shims first: a few seconds, more on a loaded machine
+afterAll(
+  async () => {
+    if (typeof engine === "string" || engine.daemon === null) return;
+    engine.daemon.kill("SIGTERM");
+    await engine.daemon.exited;
+  },
+  { timeout: daemonStartMs },
+);
 
 /**
  * The certificate authorities of a proxy the npm registry's traffic goes through: the PEM file
@@ -184,8 +188,16 @@ test.skipIf(skip("a Docker engine", missing))(
     const tag = process.pid.toString(36);
     const long = jobConfig(`compose-long-${tag}`, 200);
     const short = jobConfig(`compose-short-${tag}`, 10);
+    // where the time goes, printed at the end (no bound is checked)
+    const phases: string[] = [];
+    let t = performance.now();
+    const phase = (name: string) => {
+      phases.push(`${name} ${((performance.now() - t) / 1000).toFixed(1)} s`);
+      t = performance.now();
+    };
     try {
       await dc("up", "-d", "--no-build");
+      phase("up");
       const trainer = (await dc("ps", "-q", "trainer-1")).trim();
       const pid = Number((await mustRun(["docker", "inspect", "-f", "{{.State.Pid}}", trainer])).trim());
       let killedAt = -1;
@@ -193,6 +205,7 @@ test.skipIf(skip("a Docker engine", missing))(
       {
         await using client = await MeshClient.connect(url, { connectRetryMsMax: 60_000 });
         await client.submit(long, { membersWaitMs });
+        phase("services registered");
         const r = await watchJob(client, long.job, {
           quiet: true,
           onEvent: (e) => {
@@ -206,15 +219,19 @@ test.skipIf(skip("a Docker engine", missing))(
         expect(r.record.state).toBe(JobState.Done);
         expect(Number(r.record.totalSteps)).toBe(200);
         snapshots = (await client.checkpoints(long.job)).map((m) => m.id);
+        phase("job with a trainer killed");
       }
       expect(Number((await mustRun(["docker", "inspect", "-f", "{{.RestartCount}}", trainer])).trim())).toBeGreaterThanOrEqual(1);
 
       await dc("down");
+      phase("down");
       await dc("up", "-d", "--no-build");
       {
         await using client = await MeshClient.connect(url, { connectRetryMsMax: 60_000 });
         await client.submit(short, { membersWaitMs });
+        phase("up, services registered");
         const r = await watchJob(client, short.job, { quiet: true });
+        phase("short job");
         expect(r.record.state).toBe(JobState.Done);
         const end = (await client.checkpoints(short.job)).find((m) => Number(m.step) === 10);
         expect(end?.modelPath).toMatch(/model\.mtm$/);
@@ -227,6 +244,8 @@ test.skipIf(skip("a Docker engine", missing))(
       }
     } finally {
       await run([...compose, "-p", project, "-f", composeFile, "down", "-v", "--remove-orphans"], env);
+      phase("down -v");
+      console.log(`phases: ${phases.join(", ")}`);
     }
   },
   testTimeoutMs,
