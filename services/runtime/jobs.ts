@@ -42,6 +42,32 @@ const casAttemptsMax = 20;
 /** A paused job's record says why in its reason, starting with this (watchers wait through it). */
 export const resizingReasonPrefix = "resizing: ";
 
+/** How long a job-store operation waits out JetStream's elections: when a server of a cluster is
+ *  lost, the survivors elect new leaders of the meta group and of its streams within seconds. */
+export const jobStoreLeaderWaitMsMax = 30_000;
+
+/** A KV operation that failed without being applied: nobody leads the stream (or JetStream) now. */
+const leaderless = (e: unknown): boolean =>
+  e instanceof Error && (e.name === "JetStreamNotEnabled" || /temporarily unavailable|no responders/i.test(e.message));
+
+/**
+ * Runs a KV operation, again while JetStream elects a leader (for up to jobStoreLeaderWaitMsMax).
+ * `read`: also after a timeout (a read repeated does no harm; a write that timed out may have
+ * been applied, and is not repeated).
+ */
+async function untilLed<T>(op: () => Promise<T>, read = false): Promise<T> {
+  const started = Date.now();
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await op();
+    } catch (e) {
+      const again = leaderless(e) || (read && e instanceof Error && /timeout/i.test(`${e.name} ${e.message}`));
+      if (!again || Date.now() - started > jobStoreLeaderWaitMsMax) throw e;
+      await Bun.sleep(Math.min(100 * attempt, 1000));
+    }
+  }
+}
+
 export type JobChange = { job: string; spec: JobSpec | null };
 
 export const isEnded = (r: JobRecord): boolean => r.state !== JobState.Running;
@@ -76,10 +102,12 @@ export class JobStore {
     readonly records: KV,
   ) {}
 
-  static async open(nc: NatsConnection): Promise<JobStore> {
+  /** Opens (creates) both buckets; `replicas`: on how many servers of a cluster they are kept
+   *  (default MT_KV_REPLICAS, else 1: kv-bucket.ts says how an existing bucket is treated) */
+  static async open(nc: NatsConnection, o: { replicas?: number } = {}): Promise<JobStore> {
     try {
-      const specs = await openBucket(nc, jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax });
-      const records = await openBucket(nc, recordsBucket, { history: 1, maxValueSize: jobRecordBytesMax });
+      const specs = await openBucket(nc, jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax, ...o });
+      const records = await openBucket(nc, recordsBucket, { history: 1, maxValueSize: jobRecordBytesMax, ...o });
       return new JobStore(specs, records);
     } catch (e) {
       if ((e as Error).name !== "JetStreamNotEnabled") throw e;
@@ -92,7 +120,7 @@ export class JobStore {
   }
 
   async putSpec(spec: JobSpec): Promise<void> {
-    await this.specs.put(spec.job, encodeJobSpec(spec));
+    await untilLed(() => this.specs.put(spec.job, encodeJobSpec(spec)));
   }
 
   /**
@@ -101,14 +129,14 @@ export class JobStore {
    * put between the read and the delete.
    */
   async deleteSpec(job: string, attempt = 0): Promise<void> {
-    const e = await this.specs.get(job);
+    const e = await untilLed(() => this.specs.get(job), true);
     if (!e || e.operation !== "PUT") return;
     if (attempt > 0) {
       const spec = decodeJobSpec(e.value, jobSpecBytesMax);
       if ((spec.attempt ?? 0) > 0 && spec.attempt !== attempt) return;
     }
     try {
-      await this.specs.delete(job, { previousSeq: e.revision });
+      await untilLed(() => this.specs.delete(job, { previousSeq: e.revision }));
     } catch (err) {
       // another writer got there first (a resubmission put a new spec): that spec is not ours
       if (!/wrong last sequence/i.test((err as Error).message)) throw err;
@@ -116,19 +144,19 @@ export class JobStore {
   }
 
   async spec(job: string): Promise<JobSpec | null> {
-    const e = await this.specs.get(job);
+    const e = await untilLed(() => this.specs.get(job), true);
     return e && e.operation === "PUT" ? decodeJobSpec(e.value, jobSpecBytesMax) : null;
   }
 
   async record(job: string): Promise<{ record: JobRecord; revision: number } | null> {
-    const e = await this.records.get(job);
+    const e = await untilLed(() => this.records.get(job), true);
     return e && e.operation === "PUT" ? { record: decodeJobRecord(e.value, jobRecordBytesMax), revision: e.revision } : null;
   }
 
   /** Every job's record, oldest submission first. One that does not decode is left out. */
   async allRecords(): Promise<JobRecord[]> {
     const keys: string[] = [];
-    for await (const k of await this.records.keys()) keys.push(k);
+    for await (const k of await untilLed(() => this.records.keys(), true)) keys.push(k);
     const out: JobRecord[] = [];
     for (const k of keys) {
       try {
@@ -144,7 +172,7 @@ export class JobStore {
   /** Writes a record that must not exist yet; false when one does. */
   async createRecord(r: JobRecord): Promise<boolean> {
     try {
-      await this.records.create(r.job, encodeJobRecord(r));
+      await untilLed(() => this.records.create(r.job, encodeJobRecord(r)));
       return true;
     } catch (e) {
       if (/exist|wrong last sequence/i.test((e as Error).message)) return false;
@@ -164,7 +192,7 @@ export class JobStore {
       const next = change(cur.record);
       if (next === null) return null;
       try {
-        await this.records.update(job, encodeJobRecord(next), cur.revision);
+        await untilLed(() => this.records.update(job, encodeJobRecord(next), cur.revision));
         return next;
       } catch (e) {
         if (!/wrong last sequence/i.test((e as Error).message)) throw e;
@@ -178,7 +206,7 @@ export class JobStore {
    * does not decode is logged and skipped (it cannot be run; the SDK validates before putting).
    */
   async watch(onChange: (c: JobChange) => void, log?: Logger): Promise<{ stop(): void }> {
-    const it = await this.specs.watch(); // by default: the last value of every key, then changes
+    const it = await untilLed(() => this.specs.watch(), true); // by default: the last value of every key, then changes
     void (async () => {
       for await (const e of it) {
         if (e.operation !== "PUT") {
