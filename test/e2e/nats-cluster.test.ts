@@ -14,7 +14,7 @@ import { MeshClient } from "../../sdk/client.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { CheckpointStore } from "../../services/checkpoint/store.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
-import { ConfigError } from "../../services/runtime/errors.ts";
+import { ConfigError, DeadlineError } from "../../services/runtime/errors.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
 import { JobStore, jobsBucket, recordsBucket } from "../../services/runtime/jobs.ts";
 import { kvReplicasFromEnv, openBucket } from "../../services/runtime/kv-bucket.ts";
@@ -199,6 +199,42 @@ describe("a three-server NATS cluster", () => {
       await admin.close();
     }
   }, 120_000);
+
+  test("a request whose answerer sits behind a server that dies fails at once (not at its timeout) saying so; the caller's retry is answered", async () => {
+    await using members = await startCluster();
+    const victim = members[0]!;
+    const a = members[1]!;
+    const connect = (home: Member, name: string) =>
+      NatsBus.connect({ url: urlsFrom(members, home), name, connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
+    const answerer = await connect(victim, "test-answerer");
+    const caller = await connect(a, "test-caller");
+    try {
+      // answers only once it has reconnected: the first request's answer is lost with the server
+      let received = () => {};
+      const arrived = new Promise<void>((resolve) => (received = resolve));
+      answerer.handle("t.slow", async (data) => {
+        received();
+        await waitFor("the answerer to fail over", () => answerer.nc.getServer() !== `127.0.0.1:${victim.server.port}`, 60_000);
+        return data;
+      });
+      await answerer.nc.flush();
+      const first = caller.request("t.slow", new Uint8Array([1]), 60_000).catch((e: unknown) => e);
+      await arrived;
+      process.kill(victim.server.pid, "SIGKILL");
+      const e = await first;
+      expect(e).toBeInstanceOf(DeadlineError);
+      expect((e as Error).message).toMatch(/^a server of the NATS cluster \(127\.0\.0\.1:\d+\) left while waiting for the answer on t\.slow; retry$/);
+      let answer: Uint8Array | null = null;
+      await waitFor("the retried request to be answered", async () => {
+        answer = await caller.request("t.slow", new Uint8Array([2]), 5_000);
+        return true;
+      });
+      expect([...answer!]).toEqual([2]);
+    } finally {
+      await caller.close();
+      await answerer.close();
+    }
+  }, 60_000);
 
   test("MT_KV_REPLICAS: a bucket made with fewer replicas is raised to it, never lowered; a value outside 1..5 is refused", async () => {
     await using members = await startCluster();
