@@ -17,7 +17,7 @@ import {
   type JobSpec,
 } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
-import { LimitExceededError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
+import { DeadlineError, LimitExceededError, NoRespondersError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
 import { cutTag, partOfTag } from "../runtime/replica-parts.ts";
 import { HeartbeatPublisher } from "../runtime/liveness.ts";
 import { configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects, trainerOfRequest, usesShards } from "../runtime/job.ts";
@@ -38,6 +38,10 @@ interface JobEntry {
   pulls: number;
   /** this shard's heartbeat for the job (its step: the slowest trainer's clock) */
   hb: HeartbeatPublisher;
+  /** its ask to be restored is unanswered: it takes no push or pull meanwhile, so that a
+   *  restarted trainer's push cannot make the fresh shard look trained (the checkpoint service
+   *  restores only a shard that holds nothing) */
+  recovering: boolean;
 }
 
 export class ParameterServer {
@@ -73,7 +77,7 @@ export class ParameterServer {
     on("push", (subject, data) => {
       const m = decodePushRequest(data, this.payloadBytesMax);
       trainerOfRequest(subject, m.trainer);
-      const e = this.#entry(subject, m.job);
+      const e = this.#serving(subject, m.job);
       const r = e.shard.push(m);
       e.pushes++;
       e.duplicates += r.duplicates;
@@ -83,7 +87,7 @@ export class ParameterServer {
     on("pull", async (subject, data) => {
       const m = decodePullRequest(data, this.payloadBytesMax);
       trainerOfRequest(subject, m.trainer);
-      const e = this.#entry(subject, m.job);
+      const e = this.#serving(subject, m.job);
       e.pulls++;
       const reply = await e.shard.pull(m.trainer, m.step, m.ids, m.dtype);
       if (reply.byteLength > this.payloadBytesMax) {
@@ -170,6 +174,13 @@ export class ParameterServer {
     return Math.sqrt(sum);
   }
 
+  /** The job's entry for a push or pull: NotReadyError while the shard waits for its restore. */
+  #serving(subject: string, messageJob: string): JobEntry {
+    const e = this.#entry(subject, messageJob);
+    if (e.recovering) throw new NotReadyError(`shard ${this.shardIndex} waits for job "${messageJob}" to be restored (it opened the job again)`);
+    return e;
+  }
+
   #entry(subject: string, messageJob: string): JobEntry {
     const job = jobOfRequest(subject, messageJob);
     const e = this.#jobs.get(job);
@@ -216,7 +227,7 @@ export class ParameterServer {
       shard.onNormFailure = (step, e) => this.log?.error({ job: cfg.job, step, err: e.message }, "the shards did not agree on the gradient norm");
       const hb = new HeartbeatPublisher(this.bus, cfg.job, `shard ${this.shardIndex}`);
       hb.at(0, "serving");
-      this.#jobs.set(cfg.job, { shard, pushes: 0, duplicates: 0, pulls: 0, hb });
+      this.#jobs.set(cfg.job, { shard, pushes: 0, duplicates: 0, pulls: 0, hb, recovering: true });
       this.log?.info({ job: cfg.job, chunks: shard.ids.length, elements: shard.elements, sync: cfg.sync, totalSteps }, "job opened");
       this.#restoreIfResumed(cfg.job);
     } finally {
@@ -230,17 +241,26 @@ export class ParameterServer {
    * asks the checkpoint service to restore the whole job. A new job has no snapshot yet.
    */
   #restoreIfResumed(job: string, attempt = 1): void {
+    const entry = this.#jobs.get(job);
+    const answered = () => {
+      if (entry) entry.recovering = false;
+    };
     const req = encodeJobRequest({ job, step: 0, tag: shardOpenedTag(this.shardIndex) });
     this.bus.request(subjects.ckptRecover(job), req, 120_000).then(
-      () => this.log?.warn({ job }, "job restored from its last snapshot after this shard opened it"),
+      () => {
+        answered();
+        this.log?.warn({ job }, "job restored from its last snapshot after this shard opened it");
+      },
       (e: unknown) => {
-        if (e instanceof NotReadyError) return; // no snapshot: a new job
+        if (e instanceof NotReadyError) return answered(); // no snapshot (a new job), or nothing to restore
         // every service opens the job when its spec appears, in no set order: the checkpoint
-        // service may not have yet (a resumed job must still be restored once it has)
-        if (e instanceof UnknownJobError && attempt < restoreAsksMax && this.#jobs.has(job)) {
+        // service may not have yet, or it is restarting (a resumed job must still be restored once it has)
+        const later = e instanceof UnknownJobError || e instanceof NoRespondersError || e instanceof DeadlineError;
+        if (later && attempt < restoreAsksMax && this.#jobs.get(job) === entry) {
           setTimeout(() => this.#restoreIfResumed(job, attempt + 1), Math.min(100 * attempt, 1000));
           return;
         }
+        answered();
         this.log?.warn({ job, err: (e as Error).message }, "no restore after opening the job");
       },
     );

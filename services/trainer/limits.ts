@@ -18,6 +18,12 @@ export const loaderCredits = 4;
 export const batchLookAhead = 2;
 /** Consecutive failed attempts of one step before the trainer gives up on the job. */
 export const stepAttemptsMax = 20;
+/** How long a step waits on services that answer NotReady (a shard that waits for its restore
+ *  after a restart, which waits for a snapshot being written) before attempts count again: a
+ *  restore's own time bound (the checkpoint service's), with room. */
+export const notReadyWaitMsMax = 180_000;
+/** The pause between those tries. */
+export const notReadyPauseMs = 100;
 /** How long a trainer waits for every shard to open a new job (a large model's shards
  *  initialize its parameters first) before it reports the job failed. */
 export const jobStartWaitMsMax = 300_000;

@@ -83,6 +83,8 @@ import {
   membersWaitMsMax,
   requestTimeoutMs,
   stepAttemptsMax,
+  notReadyWaitMsMax,
+  notReadyPauseMs,
 } from "./limits.ts";
 import { PsClient } from "./ps-client.ts";
 import { parseCompression } from "../../engine/parallel/compress.ts";
@@ -549,6 +551,7 @@ export class TrainerRun {
 
   /** Runs a step (retrying it on failures); returns the next step to run. */
   async #step(step: number): Promise<number> {
+    let waitingSinceMs: number | null = null;
     for (let attempt = 1; ; attempt++) {
       if (this.#stopped) return step;
       if (this.#restoreTo !== null) {
@@ -576,6 +579,16 @@ export class TrainerRun {
         if (this.#replica && e instanceof CollectiveError && !(e instanceof CollectiveClosedError) && this.#restoreTo === null) {
           await this.#rewind(step, e);
           continue;
+        }
+        // a shard waiting for its restore (or opening the job) answers NotReady: wait for it, not
+        // counting attempts, for up to notReadyWaitMsMax
+        if (e instanceof NotReadyError && !this.#replica) {
+          waitingSinceMs ??= Date.now();
+          if (Date.now() - waitingSinceMs < notReadyWaitMsMax) {
+            attempt--;
+            await Bun.sleep(notReadyPauseMs);
+            continue;
+          }
         }
         if (attempt >= stepAttemptsMax) throw e;
         this.#o.log?.warn({ step, attempt, err: (e as Error).message }, "step failed; retrying");

@@ -123,6 +123,43 @@ describe("mesh", () => {
     }
   }, 300_000);
 
+  test("a shard and a trainer SIGKILLed while a slow snapshot is written: the restarted shard takes no push until it is restored, and the job finishes with every step applied once", async () => {
+    // the snapshot's write takes 4 s: the restarted shard's ask to be restored waits behind it,
+    // while the restarted trainer (whose step comes from the fresh shard's clock: 0) pushes. A
+    // shard that took that push would look trained, the restore would pass it by, and the other
+    // trainer would wait forever on its step
+    const launcherLines: string[] = [];
+    await using mesh = await startMesh("mt-slowsave-", { onEvent: (l) => launcherLines.push(l), serviceEnv: { checkpoint: { MT_WRITE_DELAY_MS: "4000" } } });
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
+    const cfg = config({ job: "slowsave", epochs: 1, checkpointEvery: 40, evalEvery: 0 });
+    const total = planHere(cfg).totalSteps;
+    let killedAt = -1;
+    const restores: Event[] = [];
+    await client.submit(cfg, { membersWaitMs: 60_000 });
+    const r = await watchJob(client, cfg.job, {
+      quiet: true,
+      signal: AbortSignal.timeout(150_000),
+      onEvent: (e) => {
+        if (e.kind === EventKind.Restore) restores.push(e);
+        if (killedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step === 80 && e.snapshotMs > 0) {
+          killedAt = e.step;
+          mesh.kill("parameter-server-1", "SIGKILL");
+          mesh.kill("trainer-1", "SIGKILL");
+        }
+      },
+    });
+    expect(killedAt).toBe(80);
+    expect(r.record.state).toBe(JobState.Done);
+    // step 80's snapshot, or step 40's when the kill cut the shard's part of 80 short
+    expect(restores.length).toBe(1);
+    expect([40, 80]).toContain(restores[0]!.step);
+    const snap = new CheckpointStore(join(r.record.snapshotDir, "..")).read(cfg.job, r.record.snapshot);
+    const versions = [...snap.files.entries()]
+      .filter(([n]) => n.startsWith("ps-"))
+      .flatMap(([, b]) => decodeShardState(b, 1 << 30).chunks.map((c) => c.version));
+    expect(new Set(versions)).toEqual(new Set([total]));
+  }, 180_000);
+
   test("a trainer stopped with SIGSTOP is reported by a Stalled event naming it, its step and phase; after SIGCONT it is back and the job finishes", async () => {
     await using mesh = await startMesh("mt-stall-");
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
