@@ -26,7 +26,7 @@ export interface MeshRunOptions {
   dir: string;
   /** stop waiting after this long */
   timeoutMin: number;
-  /** the port of the job's live web page on 127.0.0.1 (0: a free one); null: none */
+  /** the port of the job's live web page on 127.0.0.1 (0, and by default: a free one); null: no page */
   dashboardPort?: number | null;
 }
 
@@ -86,7 +86,7 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
     // the job's own client: the client role (it submits, follows, snapshots and, when a service
     // keeps crashing, fails the job; restoring and resizing are the admin's)
     client = await MeshClient.connect(mesh.url, mesh.auth("client"));
-    dashboard = await startDashboard(client, cfg.job, o.dashboardPort ?? 0);
+    dashboard = await startDashboard(client, cfg.job, o.dashboardPort === undefined ? 0 : o.dashboardPort);
     // the launcher started every rank the job needs: wait for them to register
     await client.submit(cfg, { membersWaitMs, signal: stop.first.signal });
     submitted = true;

@@ -138,9 +138,10 @@ describe("meshtrain run", () => {
     ]);
     expect(processesMentioning(cwd)).toEqual([]);
     // fixed (the package's data): the same name runs, with the settings it was started with and the new folder
-    const again = cli(cwd, ["run", "--job", "nodata", "--dir", "out", "--data-dir", ""]);
+    const again = cli(cwd, ["run", "--job", "nodata", "--dir", "out", "--data-dir", "", "--no-dashboard"]);
     expect(again.code).toBe(0);
     expect(again.out.split("\n")[0]).toStartWith("meshtrain run: job nodata, started again with its settings (it has no snapshot)");
+    expect(again.out).not.toContain("dashboard  http"); // --no-dashboard
     expect(again.out).toContain("model      MLP 784-32-10");
     expect(again.out).toMatch(/^test accuracy: /m);
   }, 90_000);
