@@ -165,6 +165,18 @@ async function buildImages(compose: string[], project: string): Promise<Record<s
   return env;
 }
 
+/** `down -v`, then whatever of the project's is still there (two runs here kept their volumes). */
+async function removeProject(compose: string[], project: string, env: Record<string, string | undefined>): Promise<void> {
+  const down = await run([...compose, "-p", project, "-f", composeFile, "down", "-v", "--remove-orphans"], env);
+  if (down.code !== 0) console.log(`down -v exited with ${down.code}: ${lastLine(down.err)}`);
+  const label = `label=com.docker.compose.project=${project}`;
+  const containers = (await run(["docker", "ps", "-aq", "--filter", label])).out.split("\n").filter((c) => c !== "");
+  if (containers.length > 0) await run(["docker", "rm", "-f", "-v", ...containers]);
+  const volumes = (await run(["docker", "volume", "ls", "-q", "--filter", label])).out.split("\n").filter((v) => v !== "");
+  const rm = volumes.length > 0 ? await run(["docker", "volume", "rm", ...volumes]) : null;
+  if (rm !== null && rm.code !== 0) console.log(`docker volume rm ${volumes.join(" ")}: ${lastLine(rm.err)}`);
+}
+
 /** A free port on loopback for NATS's published port. */
 function freePort(): number {
   const server = Bun.listen({ hostname: "127.0.0.1", port: 0, socket: { data() {} } });
@@ -243,7 +255,7 @@ test.skipIf(skip("a Docker engine", missing))(
         expect(logs).not.toContain(`"job":"${long.job}"`);
       }
     } finally {
-      await run([...compose, "-p", project, "-f", composeFile, "down", "-v", "--remove-orphans"], env);
+      await removeProject(compose, project, env);
       phase("down -v");
       console.log(`phases: ${phases.join(", ")}`);
     }
