@@ -255,6 +255,9 @@ export class ParameterServer {
         if (e instanceof NotReadyError) return answered(); // no snapshot (a new job), or nothing to restore
         // every service opens the job when its spec appears, in no set order: the checkpoint
         // service may not have yet, or it is restarting (a resumed job must still be restored once it has)
+        // no checkpoint service at all (a mesh without one, or it is restarting): nothing can
+        // restore this shard now, so it serves meanwhile, and asks again
+        if (e instanceof NoRespondersError) answered();
         const later = e instanceof UnknownJobError || e instanceof NoRespondersError || e instanceof DeadlineError;
         if (later && attempt < restoreAsksMax && this.#jobs.get(job) === entry) {
           setTimeout(() => this.#restoreIfResumed(job, attempt + 1), Math.min(100 * attempt, 1000));

@@ -199,6 +199,45 @@ describe("a nats-server with the roles", async () => {
     }
   });
 
+  test.each([
+    [
+      "ps-0",
+      [subjects.psNorm(job, 1), subjects.ckptRecover(job)],
+      [subjects.psPush(job, 1, 0), subjects.psLoad(job, 1), subjects.ckptRestore(job), subjects.dataNext(job), subjects.coll(job, 0)],
+    ],
+    ["data-loader", [], [subjects.psPush(job, 0, 0), subjects.psPull(job, 0, 0), subjects.ckptRestore(job), subjects.ckptSave(job), subjects.coll(job, 0)]],
+    [
+      "checkpoint",
+      [subjects.psState(job, 0), subjects.psLoad(job, 1), subjects.replicaLoad(job, 1), subjects.planJob],
+      [subjects.psPush(job, 0, 0), subjects.psPull(job, 0, 0), subjects.coll(job, 0), subjects.dataNext(job)],
+    ],
+  ] as const)("%s sends what its service needs and is refused the rest", async (user, allowed, refused) => {
+    const bus = await as(user);
+    try {
+      for (const s of allowed) expect([s, await outcome(bus, s)]).toEqual([s, "allowed"]);
+      for (const s of refused) expect([s, await outcome(bus, s)]).toEqual([s, "refused"]);
+    } finally {
+      await bus.close();
+    }
+  });
+
+  test("a shard serves only its own subjects: ps-0 may not take shard 1's pushes", async () => {
+    const ps0 = await as("ps-0");
+    try {
+      const refused = new Promise<string>((resolve) => {
+        ps0.nc.subscribe("mt.*.ps.1.>", {
+          callback: (err) => {
+            if (err) resolve(err.message);
+          },
+        });
+        setTimeout(() => resolve("no refusal"), 3_000);
+      });
+      expect(await refused).toContain("Permissions Violation for Subscription");
+    } finally {
+      await ps0.close();
+    }
+  });
+
   test("admin may restore (here: allowed, and no one serves it)", async () => {
     const admin = await as("admin");
     try {
