@@ -6,7 +6,7 @@ import { type Event, EventKind, type JobRecord, JobState } from "../schemas/mess
 import { DeadlineError, JobStateError } from "../services/runtime/errors.ts";
 import { EvalTally } from "../services/runtime/evals.ts";
 import { dataRanks, jobConfigFromJson } from "../services/runtime/job.ts";
-import { isEnded, resizingReasonPrefix, stateName } from "../services/runtime/jobs.ts";
+import { isEnded, jobStoreLeaderWaitMsMax, resizingReasonPrefix, stateName } from "../services/runtime/jobs.ts";
 import type { MeshClient } from "./client.ts";
 import { Progress, RateMeter } from "./progress.ts";
 
@@ -67,6 +67,8 @@ export async function watchJob(client: MeshClient, job: string, o: WatchOptions 
     let pending: Promise<IteratorResult<Event>> | null = null;
     let lastPoll = performance.now();
     let specMissing = 0;
+    /** when the job's services last said something: a job that ran moments ago and lost its spec is ending */
+    let lastEventMs = -Infinity;
     while (!isEnded(record)) {
       pending ??= it.next();
       const tick = Bun.sleep(recordPollMs).then(() => "tick" as const);
@@ -77,6 +79,7 @@ export async function watchJob(client: MeshClient, job: string, o: WatchOptions 
           if (o.signal?.aborted) throw new DeadlineError(`stopped following job ${job}: ${String(o.signal.reason ?? "aborted")}`);
           break;
         }
+        lastEventMs = performance.now();
         o.onEvent?.(r.value);
         if (w.handle(r.value, record.totalSteps) === "ended") record = await client.record(job);
         if (record.totalSteps === 0 && r.value.kind === EventKind.Step) record = await client.record(job);
@@ -89,7 +92,9 @@ export async function watchJob(client: MeshClient, job: string, o: WatchOptions 
         // (a resize takes the spec away for a moment, and says so in the record)
         const paused = record.reason.startsWith(resizingReasonPrefix);
         specMissing = !isEnded(record) && !paused && (await client.jobs.spec(job)) === null ? specMissing + 1 : 0;
-        if (specMissing >= 2) {
+        // a job that ends deletes its spec, then writes its record: on a NATS cluster electing a
+        // new leader for the records, that write can wait up to jobStoreLeaderWaitMsMax
+        if (specMissing >= 2 && performance.now() - lastEventMs > jobStoreLeaderWaitMsMax) {
           throw new JobStateError(
             `job ${job} is recorded as running, but no service runs it (its submission was cut off before the mesh got it); ` +
               `submit it again to resume it: meshtrain submit --job ${job}`,

@@ -47,22 +47,23 @@ export const resizingReasonPrefix = "resizing: ";
 export const jobStoreLeaderWaitMsMax = 30_000;
 
 /** A KV operation that failed without being applied: nobody leads the stream (or JetStream) now. */
-const leaderless = (e: unknown): boolean =>
+const notApplied = (e: unknown): boolean =>
   e instanceof Error && (e.name === "JetStreamNotEnabled" || /temporarily unavailable|no responders/i.test(e.message));
+const timedOut = (e: unknown): boolean => e instanceof Error && /timeout/i.test(`${e.name} ${e.message}`);
+/** A read repeated does no harm; a write that timed out may have been applied, and is not repeated. */
+const readAgain = (e: unknown): boolean => notApplied(e) || timedOut(e);
+/** A cluster whose JetStream has no meta leader yet (just started, or electing) times out; a
+ *  server without JetStream at all answers at once (no responders), and is not waited for. */
+const openAgain = (e: unknown): boolean => timedOut(e) || (e instanceof Error && /temporarily unavailable/i.test(e.message));
 
-/**
- * Runs a KV operation, again while JetStream elects a leader (for up to jobStoreLeaderWaitMsMax).
- * `read`: also after a timeout (a read repeated does no harm; a write that timed out may have
- * been applied, and is not repeated).
- */
-async function untilLed<T>(op: () => Promise<T>, read = false): Promise<T> {
+/** Runs a KV operation, again while `again` says the failure is JetStream electing a leader (for up to jobStoreLeaderWaitMsMax). */
+async function untilLed<T>(op: () => Promise<T>, again: (e: unknown) => boolean = notApplied): Promise<T> {
   const started = Date.now();
   for (let attempt = 1; ; attempt++) {
     try {
       return await op();
     } catch (e) {
-      const again = leaderless(e) || (read && e instanceof Error && /timeout/i.test(`${e.name} ${e.message}`));
-      if (!again || Date.now() - started > jobStoreLeaderWaitMsMax) throw e;
+      if (!again(e) || Date.now() - started > jobStoreLeaderWaitMsMax) throw e;
       await Bun.sleep(Math.min(100 * attempt, 1000));
     }
   }
@@ -106,8 +107,8 @@ export class JobStore {
    *  (default MT_KV_REPLICAS, else 1: kv-bucket.ts says how an existing bucket is treated) */
   static async open(nc: NatsConnection, o: { replicas?: number } = {}): Promise<JobStore> {
     try {
-      const specs = await openBucket(nc, jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax, ...o });
-      const records = await openBucket(nc, recordsBucket, { history: 1, maxValueSize: jobRecordBytesMax, ...o });
+      const specs = await untilLed(() => openBucket(nc, jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax, ...o }), openAgain);
+      const records = await untilLed(() => openBucket(nc, recordsBucket, { history: 1, maxValueSize: jobRecordBytesMax, ...o }), openAgain);
       return new JobStore(specs, records);
     } catch (e) {
       if ((e as Error).name !== "JetStreamNotEnabled") throw e;
@@ -129,7 +130,7 @@ export class JobStore {
    * put between the read and the delete.
    */
   async deleteSpec(job: string, attempt = 0): Promise<void> {
-    const e = await untilLed(() => this.specs.get(job), true);
+    const e = await untilLed(() => this.specs.get(job), readAgain);
     if (!e || e.operation !== "PUT") return;
     if (attempt > 0) {
       const spec = decodeJobSpec(e.value, jobSpecBytesMax);
@@ -144,19 +145,19 @@ export class JobStore {
   }
 
   async spec(job: string): Promise<JobSpec | null> {
-    const e = await untilLed(() => this.specs.get(job), true);
+    const e = await untilLed(() => this.specs.get(job), readAgain);
     return e && e.operation === "PUT" ? decodeJobSpec(e.value, jobSpecBytesMax) : null;
   }
 
   async record(job: string): Promise<{ record: JobRecord; revision: number } | null> {
-    const e = await untilLed(() => this.records.get(job), true);
+    const e = await untilLed(() => this.records.get(job), readAgain);
     return e && e.operation === "PUT" ? { record: decodeJobRecord(e.value, jobRecordBytesMax), revision: e.revision } : null;
   }
 
   /** Every job's record, oldest submission first. One that does not decode is left out. */
   async allRecords(): Promise<JobRecord[]> {
     const keys: string[] = [];
-    for await (const k of await untilLed(() => this.records.keys(), true)) keys.push(k);
+    for await (const k of await untilLed(() => this.records.keys(), readAgain)) keys.push(k);
     const out: JobRecord[] = [];
     for (const k of keys) {
       try {
@@ -206,7 +207,7 @@ export class JobStore {
    * does not decode is logged and skipped (it cannot be run; the SDK validates before putting).
    */
   async watch(onChange: (c: JobChange) => void, log?: Logger): Promise<{ stop(): void }> {
-    const it = await untilLed(() => this.specs.watch(), true); // by default: the last value of every key, then changes
+    const it = await untilLed(() => this.specs.watch(), readAgain); // by default: the last value of every key, then changes
     void (async () => {
       for await (const e of it) {
         if (e.operation !== "PUT") {

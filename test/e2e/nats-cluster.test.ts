@@ -217,7 +217,10 @@ describe("a three-server NATS cluster", () => {
         await waitFor("the answerer to fail over", () => answerer.nc.getServer() !== `127.0.0.1:${victim.server.port}`, 60_000);
         return data;
       });
+      answerer.handle("t.ping", (data) => data);
       await answerer.nc.flush();
+      // the answerer's interest has crossed the route to the caller's server (sent in order after t.slow's)
+      await waitFor("the caller to reach the answerer", async () => (await caller.request("t.ping", new Uint8Array([0]), 1_000)).length === 1);
       const first = caller.request("t.slow", new Uint8Array([1]), 60_000).catch((e: unknown) => e);
       await arrived;
       process.kill(victim.server.pid, "SIGKILL");
@@ -236,11 +239,12 @@ describe("a three-server NATS cluster", () => {
     }
   }, 60_000);
 
-  test("MT_KV_REPLICAS: a bucket made with fewer replicas is raised to it, never lowered; a value outside 1..5 is refused", async () => {
+  test("MT_KV_REPLICAS: the job store opens on a fresh cluster; a bucket made with fewer replicas is raised to it, never lowered; a value outside 1..5 is refused", async () => {
     await using members = await startCluster();
-    await metaLeader(members);
     const bus = await NatsBus.connect({ url: urlsFrom(members, members[0]!), name: "test-replicas", connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
     try {
+      // at once on a fresh cluster: opening the job store waits out JetStream's first election
+      await JobStore.open(bus.nc, { replicas: 3 });
       const jsm = await jetstreamManager(bus.nc);
       const replicas = async () => (await jsm.streams.info(streamOf("mt-raise"))).config.num_replicas;
       await openBucket(bus.nc, "mt-raise", { replicas: 1 });
