@@ -3,7 +3,7 @@
 // snapshots, then cancel it; then run a second job to its end and read its outcome. Without
 // --nats-url it starts a local mesh of its own (every service a process, an embedded NATS).
 //
-//   bun examples/sdk.ts [--nats-url nats://127.0.0.1:4222]
+//   bun examples/sdk.ts [--nats-url nats://127.0.0.1:4222]   (with MT_NATS_NKEY=<client.nk> on a mesh with roles)
 import { mkdtempSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -14,7 +14,8 @@ const { values } = parseArgs({ options: { "nats-url": { type: "string" } } });
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-sdk-example-"));
 await using mesh =
   values["nats-url"] === undefined ? await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 2, shards: 2 }) : null;
-await using client = await MeshClient.connect(values["nats-url"] ?? mesh!.url);
+// a mesh with roles (the local one): connect as its client user (elsewhere: MT_NATS_NKEY)
+await using client = await MeshClient.connect(values["nats-url"] ?? mesh!.url, mesh ? mesh.auth("client") : {});
 
 // 1. submit, follow the events, save a snapshot mid-run, cancel
 const first = jobConfig("mlp", { job: `sdk-example-${Date.now()}`, maxSteps: 400, checkpointEvery: 0 });

@@ -1,7 +1,7 @@
 // The meshtrain client SDK over NATS: submit a job, stream its events, its record (state, newest
 // evaluation, where its model went), cancel, and checkpoints. The CLI is built on it; so can
 // anyone's scripts.
-//   const mesh = await MeshClient.connect("nats://127.0.0.1:4222");
+//   const mesh = await MeshClient.connect("nats://127.0.0.1:4222", { nkeyFile: "runs/mesh/creds/client.nk" });
 //   await mesh.submit(config);
 //   for await (const e of mesh.events(config.job)) console.log(e);
 import { hostname, userInfo } from "node:os";

@@ -443,8 +443,8 @@ describe("ParameterServer over a MemoryBus", () => {
     await ps.openJob(spec);
     const one = encodePullRequest({ job: "t", trainer: 0, step: 0, ids: Uint32Array.of(0) });
     const all = encodePullRequest({ job: "t", trainer: 0, step: 0, ids: Uint32Array.from({ length: 12 }, (_, i) => i) });
-    await expect(bus.request("mt.t.ps.0.pull", all, 1000)).rejects.toBeInstanceOf(LimitExceededError);
-    expect(decodePullReply(await bus.request("mt.t.ps.0.pull", one, 1000), 16_000).chunks[0]!.count).toBe(1024);
+    await expect(bus.request("mt.t.ps.0.pull.0", all, 1000)).rejects.toBeInstanceOf(LimitExceededError);
+    expect(decodePullReply(await bus.request("mt.t.ps.0.pull.0", one, 1000), 16_000).chunks[0]!.count).toBe(1024);
     ps.stop();
     await bus.close();
   });
