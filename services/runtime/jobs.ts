@@ -8,7 +8,7 @@
 // wins (compare-and-set on the key's revision); it then deletes the spec, so every service
 // closes the job, and publishes the Ended event. A service that restarts opens only the specs of
 // running jobs: an ended job is never reopened.
-import type { KV } from "@nats-io/kv";
+import type { KV, KvEntry } from "@nats-io/kv";
 import { openBucket } from "./kv-bucket.ts";
 import type { NatsConnection } from "@nats-io/transport-node";
 import {
@@ -71,6 +71,9 @@ async function untilLed<T>(op: () => Promise<T>, again: (e: unknown) => boolean 
 
 export type JobChange = { job: string; spec: JobSpec | null };
 
+/** What a service logs once it follows the job specs again after a cluster change (tests wait for it). */
+export const jobSpecsFollowedAgain = "following the job specs again";
+
 export const isEnded = (r: JobRecord): boolean => r.state !== JobState.Running;
 export const stateName = (s: JobState): string => JobState[s]!.toLowerCase();
 export const boundText = (text: string): string => (text.length > reasonCharsMax ? `${text.slice(0, reasonCharsMax - 1)}…` : text);
@@ -101,6 +104,7 @@ export class JobStore {
   private constructor(
     readonly specs: KV,
     readonly records: KV,
+    readonly nc: NatsConnection,
   ) {}
 
   /** Opens (creates) both buckets; `replicas`: on how many servers of a cluster they are kept
@@ -109,7 +113,7 @@ export class JobStore {
     try {
       const specs = await untilLed(() => openBucket(nc, jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax, ...o }), openAgain);
       const records = await untilLed(() => openBucket(nc, recordsBucket, { history: 1, maxValueSize: jobRecordBytesMax, ...o }), openAgain);
-      return new JobStore(specs, records);
+      return new JobStore(specs, records, nc);
     } catch (e) {
       if ((e as Error).name !== "JetStreamNotEnabled") throw e;
       throw new JetStreamUnavailableError(
@@ -205,23 +209,86 @@ export class JobStore {
   /**
    * Calls onChange for every job spec present now and every later put or delete. A spec that
    * does not decode is logged and skipped (it cannot be run; the SDK validates before putting).
+   *
+   * The watch is a consumer on one server of a cluster (nats.js makes it R1): when that server
+   * dies, nats.js notices only after two missed 30 s heartbeats. So the watch starts again, from
+   * the revision after the last one delivered, as soon as a server leaves the cluster or the
+   * connection moves to another one; a revision delivered twice (the old watch's last ones) is
+   * skipped.
    */
   async watch(onChange: (c: JobChange) => void, log?: Logger): Promise<{ stop(): void }> {
-    const it = await untilLed(() => this.specs.watch(), readAgain); // by default: the last value of every key, then changes
-    void (async () => {
-      for await (const e of it) {
-        if (e.operation !== "PUT") {
-          onChange({ job: e.key, spec: null });
-          continue;
-        }
-        try {
-          onChange({ job: e.key, spec: decodeJobSpec(e.value, jobSpecBytesMax) });
-        } catch (err) {
-          log?.error({ job: e.key, err: (err as Error).message }, "job spec in the KV bucket does not decode; ignored");
-        }
+    let last = 0; // the revision (stream sequence) of the last change delivered
+    const deliver = (e: KvEntry) => {
+      if (e.revision <= last) return;
+      last = e.revision;
+      if (e.operation !== "PUT") return onChange({ job: e.key, spec: null });
+      try {
+        onChange({ job: e.key, spec: decodeJobSpec(e.value, jobSpecBytesMax) });
+      } catch (err) {
+        log?.error({ job: e.key, err: (err as Error).message }, "job spec in the KV bucket does not decode; ignored");
       }
-    })();
-    return { stop: () => it.stop() };
+    };
+    const start = async (): Promise<{ stop(): void } & AsyncIterable<KvEntry>> => {
+      // first the last value of every key, then changes; again: every change after the last delivered
+      const w = await untilLed(() => this.specs.watch(last === 0 ? {} : { resumeFromRevision: last + 1 }), readAgain);
+      void (async () => {
+        for await (const e of w) deliver(e);
+      })();
+      return w;
+    };
+    let watcher = await start();
+    let stopped = false;
+    // the new watch runs before the old one stops (the old one's consumer may well be alive)
+    const restart = async (why: string) => {
+      const from = last + 1;
+      const next = await start();
+      const old = watcher;
+      watcher = next;
+      old.stop();
+      log?.info({ why, fromRevision: from }, jobSpecsFollowedAgain);
+    };
+    void followAgain(this.nc, () => stopped, restart, log);
+    return {
+      stop: () => {
+        stopped = true;
+        watcher.stop();
+      },
+    };
+  }
+}
+
+/** Calls restart after each cluster change (clusterChanges), one at a time: changes during a restart make one more. */
+async function followAgain(nc: NatsConnection, stopped: () => boolean, restart: (why: string) => Promise<void>, log?: Logger): Promise<void> {
+  let why: string | null = null;
+  let running: Promise<void> | null = null;
+  const drain = async () => {
+    while (why !== null && !stopped()) {
+      const now: string = why;
+      why = null;
+      await restart(now).catch((err: unknown) => {
+        log?.error({ err: (err as Error).message }, "cannot follow the job specs again; the old watch goes on");
+      });
+    }
+    running = null;
+  };
+  for await (const moved of clusterChanges(nc)) {
+    if (stopped()) return;
+    why = moved;
+    running ??= drain();
+  }
+}
+
+/** Each time the connection moves to another server, or a server leaves the cluster (its address drops out of the INFO). */
+async function* clusterChanges(nc: NatsConnection): AsyncGenerator<string> {
+  const members = () => new Set(nc.info?.connect_urls ?? []);
+  let before = members();
+  for await (const s of nc.status()) {
+    if (s.type === "reconnect") yield `reconnected to ${s.server}`;
+    if (s.type !== "update" && s.type !== "reconnect") continue;
+    const now = members();
+    const left = [...before].filter((u) => !now.has(u));
+    before = now;
+    if (s.type === "update" && left.length > 0 && now.size > 0) yield `${left.join(", ")} left the NATS cluster`;
   }
 }
 

@@ -16,7 +16,7 @@ import { CheckpointStore } from "../../services/checkpoint/store.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
 import { ConfigError, DeadlineError } from "../../services/runtime/errors.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
-import { JobStore, jobsBucket, recordsBucket } from "../../services/runtime/jobs.ts";
+import { JobStore, jobSpecsFollowedAgain, jobsBucket, recordsBucket } from "../../services/runtime/jobs.ts";
 import { kvReplicasFromEnv, openBucket } from "../../services/runtime/kv-bucket.ts";
 import { NatsBus } from "../../services/runtime/nats.ts";
 import { freePort, type NatsServer, startNatsServer } from "../../services/runtime/nats-server.ts";
@@ -190,6 +190,15 @@ describe("a three-server NATS cluster", () => {
         .flatMap(([, bytes]) => decodeShardState(bytes, 1 << 30).chunks.map((c) => c.version));
       expect(versions.length).toBeGreaterThan(0);
       expect(new Set(versions)).toEqual(new Set([total]));
+
+      // every service follows the job specs again (a watch whose consumer sat on the victim is
+      // started anew: JetStream places new consumers again once it has given up the victim, which
+      // takes 2.9's servers some 20 s), and a next job runs
+      for (const svc of services) await waitFor("every service to follow the job specs again", () => svc.log().includes(jobSpecsFollowedAgain), 60_000);
+      const next = config({ job: "natscluster-after", maxSteps: 10, checkpointEvery: 5, evalEvery: 0 });
+      await client.submit(next, { membersWaitMs: 60_000 });
+      const after = await watchJob(client, next.job, { quiet: true, signal: AbortSignal.timeout(watchMsMax) });
+      expect({ state: after.record.state, reason: after.record.reason }).toEqual({ state: JobState.Done, reason: "" });
     } catch (e) {
       // what each service last said: the one that stalled or died is the lead
       for (const s of services) console.log(`--- ${s.proc.pid}\n${s.log().trim().split("\n").slice(-15).join("\n")}`);
