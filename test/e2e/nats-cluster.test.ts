@@ -270,6 +270,23 @@ describe("a three-server NATS cluster", () => {
     for (const bad of ["0", "6", "2.5", "three"]) expect(() => kvReplicasFromEnv({ MT_KV_REPLICAS: bad })).toThrow(ConfigError);
   }, 60_000);
 
+  test("the CLI takes the cluster's URLs in --nats-url: with the first server dead it reaches the job store through the next", async () => {
+    await using members = await startCluster();
+    const leader = await metaLeader(members);
+    const bus = await NatsBus.connect({ url: urlsFrom(members, members[0]!), name: "test-store", connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
+    await JobStore.open(bus.nc, { replicas: 3 }).finally(() => bus.close());
+    // not the JetStream leader: this is about connecting, not about elections
+    const dead = members.find((m) => m.name !== leader)!;
+    process.kill(dead.server.pid, "SIGKILL");
+    await dead.server.exited;
+    const cli = Bun.spawnSync([process.execPath, join(import.meta.dir, "..", "..", "sdk", "cli.ts"), "status", "--nats-url", urlsFrom(members, dead)], {
+      stdout: "pipe",
+      stderr: "pipe",
+      env: { ...process.env, MT_KV_REPLICAS: "3", MT_NATS_NKEY: "" },
+    });
+    expect(cli.exitCode, cli.stderr.toString()).toBe(0);
+  }, 60_000);
+
   test("replicas 3 on a single server is refused with a ConfigError that names MT_KV_REPLICAS", async () => {
     await using server = await startNatsServer();
     const bus = await NatsBus.connect({ url: server.url, name: "test-single", connectRetryMsMax: 5_000, connectBackoffMsMax: 500 });
