@@ -5,7 +5,9 @@
 // services are connected to, is SIGKILLed mid-run and not restarted. Its services fail over to
 // the other two, the streams elect new leaders among the survivors, and the job finishes Done
 // with every step applied exactly once (each chunk's version in the final snapshot counts the
-// updates applied to it: one per step under BSP).
+// updates applied to it: one per step under BSP); every service then follows the job store again
+// and a second job runs. Beside it: a request lost with a server fails at once, the buckets'
+// replicas (MT_KV_REPLICAS), and the CLI given the cluster's URLs.
 import { afterAll, describe, expect, test } from "bun:test";
 import { type JetStreamManager, jetstreamManager } from "@nats-io/jetstream";
 import { join } from "node:path";
