@@ -10,6 +10,7 @@
 // Every rank makes every rank's input from (seed, rank), so each can check its result alone.
 // "raw" moves the same bytes a ring all-reduce puts on each link (2(N-1)/N of the buffer) to
 // the next rank as plain NATS requests of the same size and window: the baseline.
+import { type PlanRun, runPlanProcesses } from "./plan-processes.ts";
 import { writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { HierarchicalCollective } from "../engine/parallel/hierarchical.ts";
@@ -227,43 +228,10 @@ function rawLink(bus: NatsBus, plan: RankPlan) {
   };
 }
 
-export interface RanksRun {
-  /** per rank, one result per operation it finished */
-  results: RankResult[][];
-  codes: number[];
-  stderr: string[];
-}
+export type RanksRun = PlanRun<RankResult>;
 
-/** Runs one process per plan (plans[r].rank === r) to the end; processes left are killed. */
-export async function runRankProcesses(dir: string, plans: RankPlan[], env: Record<string, string> = {}): Promise<RanksRun> {
-  const procs = plans.map((plan) => {
-    const file = join(dir, `${plan.job}-${plan.rank}.json`);
-    writeFileSync(file, JSON.stringify(plan));
-    return Bun.spawn([process.execPath, join(import.meta.dir, "collective-rank.ts"), file], {
-      cwd: join(import.meta.dir, ".."),
-      stdout: "pipe",
-      stderr: "pipe",
-      env: { ...process.env, ...env },
-    });
-  });
-  try {
-    const outs = await Promise.all(
-      procs.map(async (p) => ({ out: await new Response(p.stdout).text(), err: await new Response(p.stderr).text(), code: await p.exited })),
-    );
-    return {
-      results: outs.map((o) =>
-        o.out
-          .trim()
-          .split("\n")
-          .filter((l) => l !== "")
-          .map((l) => JSON.parse(l) as RankResult),
-      ),
-      codes: outs.map((o) => o.code),
-      stderr: outs.map((o) => o.err),
-    };
-  } finally {
-    for (const p of procs) if (p.exitCode === null) p.kill("SIGKILL");
-  }
-}
+/** Runs one rank process per plan (plans[r].rank === r) to the end; processes left are killed. */
+export const runRankProcesses = (dir: string, plans: RankPlan[], env: Record<string, string> = {}): Promise<RanksRun> =>
+  runPlanProcesses<RankResult>(import.meta.path, dir, plans, env);
 
 if (import.meta.main) await main();

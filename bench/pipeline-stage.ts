@@ -8,6 +8,7 @@
 // the single process's trajectory.
 //
 //   bun bench/pipeline-stage.ts <plan.json>
+import { type PlanRun, runPlanProcesses } from "./plan-processes.ts";
 import { writeFileSync } from "node:fs";
 import { type GptConfig, GptModel } from "../engine/models/gpt.ts";
 import { AdamW } from "../engine/optim/adamw.ts";
@@ -156,37 +157,9 @@ async function main(): Promise<void> {
   await bus.close();
 }
 
-export interface StagesRun {
-  results: StageStepResult[][];
-  codes: number[];
-  stderr: string[];
-}
+export type StagesRun = PlanRun<StageStepResult>;
 
-/** Runs one process per rank of `plans` and collects their lines. */
-export async function runStageProcesses(dir: string, plans: StagePlan[]): Promise<StagesRun> {
-  const procs = plans.map((plan) => {
-    const file = `${dir}/${plan.job}-rank-${plan.rank}.json`;
-    writeFileSync(file, JSON.stringify(plan));
-    return Bun.spawn([process.execPath, import.meta.path, file], { cwd: `${import.meta.dir}/..`, stdout: "pipe", stderr: "pipe" });
-  });
-  try {
-    const outs = await Promise.all(
-      procs.map(async (p) => ({ out: await new Response(p.stdout).text(), err: await new Response(p.stderr).text(), code: await p.exited })),
-    );
-    return {
-      results: outs.map((o) =>
-        o.out
-          .trim()
-          .split("\n")
-          .filter((l) => l.startsWith("{"))
-          .map((l) => JSON.parse(l) as StageStepResult),
-      ),
-      codes: outs.map((o) => o.code),
-      stderr: outs.map((o) => o.err),
-    };
-  } finally {
-    for (const p of procs) if (p.exitCode === null) p.kill("SIGKILL");
-  }
-}
+/** Runs one stage process per plan to the end; processes left are killed. */
+export const runStageProcesses = (dir: string, plans: StagePlan[]): Promise<StagesRun> => runPlanProcesses<StageStepResult>(import.meta.path, dir, plans);
 
 if (import.meta.main) await main();
