@@ -11,6 +11,7 @@
 // rank (`replica.<r>.load`) under a new communicator generation before the Restore event.
 // A job opened under a name whose snapshots were taken with other settings is refused (it would
 // overwrite them, and resuming from them would be wrong): the job fails with the differences.
+import { mkdirSync } from "node:fs";
 import {
   decodeDataPlan,
   decodeJobRequest,
@@ -296,6 +297,8 @@ export class CheckpointService {
     let modelPath = "";
     if (why === "final") {
       modelPath = join(this.store.jobDir(cfg.job), modelFileName);
+      // a job that never took a snapshot before its final one has no folder yet
+      mkdirSync(this.store.jobDir(cfg.job), { recursive: true });
       // under ZeRO the ranks' partitions, assembled into the replica's chunks
       const replica =
         partitionRanks(cfg) > 0 && !usesShards(cfg)

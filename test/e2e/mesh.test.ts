@@ -2,6 +2,7 @@
 // real nats-server and every service as a process; the SDK submits a job and streams its
 // events. Then the chaos test: SIGKILL a parameter-server shard and a trainer mid-run.
 import { afterAll, describe, expect, test } from "bun:test";
+import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { decodeShardState, type Event, EventKind, JobState } from "../../schemas/messages.ts";
@@ -182,6 +183,9 @@ describe("mesh", () => {
     });
     expect(stoppedAt).toBeGreaterThan(0);
     expect(r.record.state).toBe(JobState.Done);
+    // no snapshot before the final one (checkpointEvery 0): the final one still makes the job's folder and model file
+    expect(r.record.reason).toBe("");
+    expect(existsSync(r.record.modelPath)).toBe(true);
     expect(stalled[0]!.text).toMatch(/^trainer 1 has sent no heartbeat for \d+ s \(stopped, wedged or dead\); it was at step \d+, \w+/);
     // what it said last, at most half a second before it stopped (heartbeats go out at phase
     // changes, at most every 0.5 s, and every 2 s)
