@@ -300,7 +300,8 @@ export class LocalMesh implements AsyncDisposable {
       OMP_NUM_THREADS: this.#threads(spec),
       MT_NATS_URL: this.nats.url,
       MT_DIR: this.opts.jobsDir,
-      ...(this.credentials === null || LocalMesh.userOf(spec) === null ? {} : { MT_NATS_NKEY: this.credentials.seedFile(LocalMesh.userOf(spec)!) }),
+      // its role's seed; none on an open mesh (the compose file's container paths do not apply here)
+      MT_NATS_NKEY: this.credentials === null || LocalMesh.userOf(spec) === null ? "" : this.credentials.seedFile(LocalMesh.userOf(spec)!),
       ...this.opts.env,
       ...this.opts.serviceEnv?.[spec.name],
       // per-service identity from the topology wins over the overrides

@@ -18,6 +18,8 @@ import { EventKind, JobState } from "../../schemas/messages.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { makeCredentials } from "../../services/runtime/roles.ts";
+import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 import { skip } from "../helpers/skip.ts";
 
 const root = join(import.meta.dir, "..", "..");
@@ -102,6 +104,8 @@ async function baseImagesMissing(): Promise<string | null> {
 
 const engine = await findEngine();
 const missing = typeof engine === "string" ? engine : await baseImagesMissing();
+
+afterAll(removeTempDirs);
 
 // dockerd stops its containerd and the shims first: a few seconds, more on a loaded machine
 afterAll(
@@ -194,7 +198,10 @@ test.skipIf(skip("a Docker engine", missing))(
     const { compose } = engine as Engine;
     const project = `mt-compose-test-${process.pid}`;
     const port = freePort();
-    const env = { ...process.env, ...(await buildImages(compose, project)), MT_NATS_PORT: String(port) };
+    // the mesh's NATS users (the services' seeds are mounted from here; this host connects as the client)
+    const creds = makeCredentials(join(tempDir("mt-compose-creds-"), "creds"), { trainers: 2, shards: 2 });
+    const env = { ...process.env, ...(await buildImages(compose, project)), MT_NATS_PORT: String(port), MT_CREDS_DIR: creds.dir };
+    const asClient = { connectRetryMsMax: 60_000, nkeyFile: creds.seedFile("client") };
     const dc = (...args: string[]) => mustRun([...compose, "-p", project, "-f", composeFile, ...args], env);
     const url = `nats://127.0.0.1:${port}`;
     const tag = process.pid.toString(36);
@@ -215,7 +222,7 @@ test.skipIf(skip("a Docker engine", missing))(
       let killedAt = -1;
       let snapshots: string[] = [];
       {
-        await using client = await MeshClient.connect(url, { connectRetryMsMax: 60_000 });
+        await using client = await MeshClient.connect(url, asClient);
         await client.submit(long, { membersWaitMs });
         phase("services registered");
         const r = await watchJob(client, long.job, {
@@ -239,7 +246,7 @@ test.skipIf(skip("a Docker engine", missing))(
       phase("down");
       await dc("up", "-d", "--no-build");
       {
-        await using client = await MeshClient.connect(url, { connectRetryMsMax: 60_000 });
+        await using client = await MeshClient.connect(url, asClient);
         await client.submit(short, { membersWaitMs });
         phase("up, services registered");
         const r = await watchJob(client, short.job, { quiet: true });

@@ -3,8 +3,8 @@
 // service of the base compose file at all three (a different home server first, so the services
 // are spread), with MT_KV_REPLICAS=3. The cluster's behaviour itself (a server lost mid-job) is
 // test/e2e/nats-cluster.test.ts, on servers the same settings are generated for.
-import { describe, expect, test } from "bun:test";
-import { readFileSync } from "node:fs";
+import { afterAll, describe, expect, test } from "bun:test";
+import { copyFileSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { parse } from "yaml";
 import { composePath, readTopology } from "../../sdk/launcher.ts";
@@ -12,13 +12,21 @@ import { kvReplicasFromEnv } from "../../services/runtime/kv-bucket.ts";
 import { natsServers } from "../../services/runtime/nats.ts";
 import { natsServerBinary } from "../../services/runtime/nats-server.ts";
 import { baseConfigSchema } from "../../services/runtime/service.ts";
+import { makeCredentials } from "../../services/runtime/roles.ts";
+import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
+
+afterAll(removeTempDirs);
 
 const dir = join(import.meta.dir, "..", "..", "deploy", "nats-cluster");
 const names = ["nats-0", "nats-1", "nats-2"];
 
 describe("deploy/nats-cluster", () => {
-  test.each(names)("%s.conf is valid to nats-server -t and names its server", (name) => {
-    const file = join(dir, `${name}.conf`);
+  test.each(names)("%s.conf is valid to nats-server -t (with the users `meshtrain creds` writes) and names its server", (name) => {
+    // the configs as the compose overlay mounts them: next to the users' auth.conf
+    const mounted = tempDir("mt-nats-cluster-conf-");
+    for (const f of [`${name}.conf`, "cluster.conf"]) copyFileSync(join(dir, f), join(mounted, f));
+    copyFileSync(join(makeCredentials(join(mounted, "creds"), { trainers: 2, shards: 2 }).dir, "auth.conf"), join(mounted, "auth.conf"));
+    const file = join(mounted, `${name}.conf`);
     const check = Bun.spawnSync([natsServerBinary(), "-c", file, "-t"], { stdout: "pipe", stderr: "pipe" });
     expect(check.exitCode, `${check.stdout}${check.stderr}`).toBe(0);
     expect(readFileSync(file, "utf8")).toMatch(new RegExp(`^server_name: ${name}$`, "m"));

@@ -98,10 +98,13 @@ describe("Prometheus metrics", () => {
     expect(values(ckpt, "mt_checkpoint_bytes_total", job)[0]).toBeGreaterThan(100_000);
     expect(values(ckpt, "mt_checkpoint_fsync_seconds")[0]).toBeGreaterThan(0); // the histogram's count
     // `meshtrain metrics` lists them, one service a line
-    const cli = Bun.spawnSync([process.execPath, join(import.meta.dir, "..", "..", "sdk", "cli.ts"), "metrics", "--nats-url", mesh.url], {
-      stdout: "pipe",
-      stderr: "pipe",
-    });
+    const cli = Bun.spawnSync(
+      [process.execPath, join(import.meta.dir, "..", "..", "sdk", "cli.ts"), "metrics", "--nats-url", mesh.url, "--nats-nkey", mesh.auth("client").nkeyFile!],
+      {
+        stdout: "pipe",
+        stderr: "pipe",
+      },
+    );
     expect(cli.exitCode).toBe(0);
     const lines = cli.stdout.toString().trim().split("\n");
     expect(lines.map((l) => l.split(/\s{2,}/)[0]!.trim())).toEqual([...end.keys()]);
