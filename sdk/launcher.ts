@@ -294,6 +294,7 @@ export class LocalMesh implements AsyncDisposable {
   }
 
   #env(spec: ServiceSpec): Record<string, string> {
+    const user = LocalMesh.userOf(spec);
     return {
       ...(process.env as Record<string, string>),
       ...spec.env,
@@ -301,7 +302,7 @@ export class LocalMesh implements AsyncDisposable {
       MT_NATS_URL: this.nats.url,
       MT_DIR: this.opts.jobsDir,
       // its role's seed; none on an open mesh (the compose file's container paths do not apply here)
-      MT_NATS_NKEY: this.credentials === null || LocalMesh.userOf(spec) === null ? "" : this.credentials.seedFile(LocalMesh.userOf(spec)!),
+      MT_NATS_NKEY: this.credentials === null || user === null ? "" : this.credentials.seedFile(user),
       ...this.opts.env,
       ...this.opts.serviceEnv?.[spec.name],
       // per-service identity from the topology wins over the overrides

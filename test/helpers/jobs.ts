@@ -7,7 +7,9 @@ import { MlpModel } from "../../engine/models/mlp.ts";
 import { Context } from "../../engine/tensor.ts";
 import { evaluate } from "../../engine/train.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
-import { type Event, EventKind, type JobSpec } from "../../schemas/messages.ts";
+import { join } from "node:path";
+import { decodeShardState, type Event, EventKind, type JobRecord, type JobSpec } from "../../schemas/messages.ts";
+import { CheckpointStore } from "../../services/checkpoint/store.ts";
 import { specOfConfig } from "../../sdk/client.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
 import type { JobConfig } from "../../services/runtime/job.ts";
@@ -41,4 +43,17 @@ export function effectiveSteps(events: readonly Event[], trainers: number): numb
     if (e.kind === EventKind.Step) steps[e.rank]!.push(e.step);
   }
   return steps;
+}
+
+/**
+ * The parameter-server chunks' versions in a job's final snapshot, by shard file (ps-<k>): under
+ * BSP each step updates every chunk once, so every version counts the steps applied.
+ */
+export function finalChunkVersions(record: Pick<JobRecord, "job" | "snapshot" | "snapshotDir">): Map<string, number[]> {
+  const snap = new CheckpointStore(join(record.snapshotDir, "..")).read(record.job, record.snapshot);
+  return new Map(
+    [...snap.files.entries()]
+      .filter(([name]) => name.startsWith("ps-"))
+      .map(([name, bytes]) => [name, decodeShardState(bytes, 1 << 30).chunks.map((c) => c.version)]),
+  );
 }

@@ -22,6 +22,17 @@ afterAll(removeTempDirs);
 
 const mode = (path: string) => statSync(path).mode & 0o777;
 
+/** What the server says of a subscription by `bus` to `subject` within 3 s ("no refusal" if nothing). */
+const subscriptionError = (bus: NatsBus, subject: string): Promise<string> =>
+  new Promise<string>((resolve) => {
+    bus.nc.subscribe(subject, {
+      callback: (err) => {
+        if (err) resolve(err.message);
+      },
+    });
+    setTimeout(() => resolve("no refusal"), 3_000);
+  });
+
 describe("credentials", () => {
   test("one seed per role, rank and shard, owner-only; a second run keeps the seeds; auth.conf names every user", () => {
     const dir = join(tempDir("mt-creds-"), "creds");
@@ -184,15 +195,7 @@ describe("a nats-server with the roles", async () => {
     const t1 = await as("trainer-1");
     try {
       for (const subject of [subjects.coll(job, 0), "_INBOX.>", subjects.psPush(job, 0, 0)]) {
-        const refused = new Promise<string>((resolve) => {
-          t1.nc.subscribe(subject, {
-            callback: (err) => {
-              if (err) resolve(err.message);
-            },
-          });
-          setTimeout(() => resolve("no refusal"), 3_000);
-        });
-        expect(await refused).toContain("Permissions Violation for Subscription");
+        expect(await subscriptionError(t1, subject)).toContain("Permissions Violation for Subscription");
       }
     } finally {
       await t1.close();
@@ -224,15 +227,7 @@ describe("a nats-server with the roles", async () => {
   test("a shard serves only its own subjects: ps-0 may not take shard 1's pushes", async () => {
     const ps0 = await as("ps-0");
     try {
-      const refused = new Promise<string>((resolve) => {
-        ps0.nc.subscribe("mt.*.ps.1.>", {
-          callback: (err) => {
-            if (err) resolve(err.message);
-          },
-        });
-        setTimeout(() => resolve("no refusal"), 3_000);
-      });
-      expect(await refused).toContain("Permissions Violation for Subscription");
+      expect(await subscriptionError(ps0, "mt.*.ps.1.>")).toContain("Permissions Violation for Subscription");
     } finally {
       await ps0.close();
     }
