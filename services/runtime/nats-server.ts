@@ -109,16 +109,31 @@ async function drain(stream: ReadableStream<Uint8Array>, logFile: string | undef
   out?.end();
 }
 
+/** How many ports a server given none tries: another process can take a free port before it binds. */
+const portTriesMax = 3;
+
 export async function startNatsServer(options: Partial<NatsServerOptions> = {}): Promise<NatsServer> {
   const opts = { ...natsServerDefaults, ...options };
-  const bin = natsServerBinary();
   if (opts.port !== undefined && (await canConnect(opts.port))) {
     throw new NatsServerError(`port ${opts.port} is taken (another meshtrain mesh, or another NATS server, listens there); pick another with --port`);
   }
+  if (opts.port !== undefined) return await startOn(opts, opts.port);
+  for (let attempt = 1; ; attempt++) {
+    const port = await freePort();
+    try {
+      return await startOn(opts, port);
+    } catch (e) {
+      const lostPort = e instanceof NatsServerError && e.message.includes(`${port}`) && /address already in use/.test(e.message);
+      if (!lostPort || attempt === portTriesMax) throw e;
+    }
+  }
+}
+
+async function startOn(opts: NatsServerOptions, port: number): Promise<NatsServer> {
+  const bin = natsServerBinary();
   const keep = opts.dir !== undefined;
   const dir = opts.dir ?? mkdtempSync(join(tmpdir(), "mt-nats-"));
   mkdirSync(dir, { recursive: true });
-  const port = opts.port ?? (await freePort());
   const removeDir = () => {
     if (!keep) rmSync(dir, { recursive: true, force: true });
   };

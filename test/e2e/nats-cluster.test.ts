@@ -46,17 +46,28 @@ async function monitor<T>(m: Member, path: string): Promise<T> {
 
 /** Three servers of cluster "mt" on loopback, each routed to the other two, each with its own store. */
 async function startCluster(): Promise<Member[] & AsyncDisposable> {
-  const routePorts = await Promise.all(Array.from({ length: clusterSize }, freePort));
-  const monitorPorts = await Promise.all(Array.from({ length: clusterSize }, freePort));
-  const members = await Promise.all(
-    routePorts.map(async (port, i) => {
-      const name = `nats-${i}`;
-      const routes = routePorts.filter((_, j) => j !== i).map((p) => `nats-route://127.0.0.1:${p}`);
-      const server = await startNatsServer({ cluster: { name: "mt", serverName: name, port, routes }, monitorPort: monitorPorts[i]! });
-      return { name, server, monitorPort: monitorPorts[i]! };
-    }),
-  );
-  return Object.assign(members, { [Symbol.asyncDispose]: async () => void (await Promise.all(members.map((m) => m.server.stop()))) });
+  // the route and monitor ports are free when picked, but another process may take one before
+  // its server binds it: start all three again on new ports then
+  for (let attempt = 1; ; attempt++) {
+    const ports = await Promise.all(Array.from({ length: 2 * clusterSize }, freePort));
+    const routePorts = ports.slice(0, clusterSize);
+    const monitorPorts = ports.slice(clusterSize);
+    const started = await Promise.allSettled(
+      routePorts.map(async (port, i) => {
+        const name = `nats-${i}`;
+        const routes = routePorts.filter((_, j) => j !== i).map((p) => `nats-route://127.0.0.1:${p}`);
+        const server = await startNatsServer({ cluster: { name: "mt", serverName: name, port, routes }, monitorPort: monitorPorts[i]! });
+        return { name, server, monitorPort: monitorPorts[i]! };
+      }),
+    );
+    const members = started.flatMap((r) => (r.status === "fulfilled" ? [r.value] : []));
+    const stopAll = async () => void (await Promise.all(members.map((m) => m.server.stop())));
+    const failed = started.find((r) => r.status === "rejected");
+    if (failed === undefined) return Object.assign(members, { [Symbol.asyncDispose]: stopAll });
+    await stopAll();
+    const portLost = /address already in use/.test(String(failed.reason));
+    if (!portLost || attempt === 3) throw failed.reason;
+  }
 }
 
 /** The JetStream meta leader, once every member agrees on one in a group of clusterSize. */
@@ -217,19 +228,21 @@ describe("a three-server NATS cluster", () => {
     const answerer = await connect(victim, "test-answerer");
     const caller = await connect(a, "test-caller");
     try {
-      // answers only once it has reconnected: the first request's answer is lost with the server
+      // answers only once the caller has given up on the first request: an answer sent from the
+      // answerer's next server could otherwise beat the news of the lost server to the caller
       let received = () => {};
       const arrived = new Promise<void>((resolve) => (received = resolve));
+      let first: Promise<unknown> = Promise.resolve();
       answerer.handle("t.slow", async (data) => {
         received();
-        await waitFor("the answerer to fail over", () => answerer.nc.getServer() !== `127.0.0.1:${victim.server.port}`, 60_000);
+        await first;
         return data;
       });
       answerer.handle("t.ping", (data) => data);
       await answerer.nc.flush();
       // the answerer's interest has crossed the route to the caller's server (sent in order after t.slow's)
       await waitFor("the caller to reach the answerer", async () => (await caller.request("t.ping", new Uint8Array([0]), 1_000)).length === 1);
-      const first = caller.request("t.slow", new Uint8Array([1]), 60_000).catch((e: unknown) => e);
+      first = caller.request("t.slow", new Uint8Array([1]), 60_000).catch((e: unknown) => e);
       await arrived;
       process.kill(victim.server.pid, "SIGKILL");
       const e = await first;
