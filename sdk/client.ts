@@ -29,10 +29,12 @@ import { type NatsTls, nkeyFromEnv, tlsFromEnv } from "../services/runtime/nats.
 import { awaitMembers, meshMembers, type MeshMembers, type MetricsEndpoint, metricsEndpoints } from "../services/runtime/discovery.ts";
 import { BadRequestError, CapacityError, DeadlineError, JobStateError, NoRespondersError, UnknownJobError } from "../services/runtime/errors.ts";
 import {
+  defaultOwner,
   type JobConfig,
   jobConfigFromJson,
-  jobNamePattern,
+  ownerProblem,
   parseJobConfig,
+  qualifyJob,
   specOfConfig,
   subjects,
   syncPolicy,
@@ -42,6 +44,7 @@ import {
 import { changeWorld } from "../services/runtime/world.ts";
 import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../services/runtime/jobs.ts";
 import { NatsBus } from "../services/runtime/nats.ts";
+import { ownerOfSeedFile } from "../services/runtime/roles.ts";
 import { percent, when } from "./format.ts";
 
 export { specOfConfig, syncPolicy };
@@ -81,10 +84,6 @@ export interface PreviousRun {
   orphaned: boolean;
 }
 
-/** Refuses what cannot be a job name before it becomes a subject or a KV key ("a b", "*", "x.y"). */
-function checkName(job: string): void {
-  if (!jobNamePattern.test(job)) throw new BadRequestError(`${JSON.stringify(job)} is not a job name: a job name is 1-64 letters, digits, _ or -`);
-}
 
 /** One line on how a job ended, for errors that refuse to touch it again. */
 export function endedLine(r: JobRecord): string {
@@ -140,6 +139,20 @@ export interface MeshConnectOptions {
   tls?: NatsTls;
   /** the NATS user's nkey seed file (default: MT_NATS_NKEY; none: anonymous) */
   nkeyFile?: string;
+  /**
+   * whose jobs a name without an owner means (a job is <owner>.<name>); default: MT_OWNER, else
+   * the owner of a client-<owner>.nk seed file, else "default". On a mesh with roles a client
+   * user acts on its owner's jobs only (services/runtime/roles.ts).
+   */
+  owner?: string;
+}
+
+/** The owner a client acts for: given, MT_OWNER, its seed file's (client-<owner>.nk), else the default. */
+export function ownerFor(given: string | undefined, nkeyFile: string | undefined): string {
+  const owner = given ?? (process.env.MT_OWNER || undefined) ?? (nkeyFile === undefined ? null : ownerOfSeedFile(nkeyFile)) ?? defaultOwner;
+  const problem = ownerProblem(owner);
+  if (problem !== null) throw new BadRequestError(problem);
+  return owner;
 }
 
 export class MeshClient implements AsyncDisposable {
@@ -148,13 +161,21 @@ export class MeshClient implements AsyncDisposable {
     readonly jobs: JobStore,
     readonly ledger: JobLedger,
     readonly url: string,
+    /** whose jobs a bare name means */
+    readonly owner: string,
   ) {}
+
+  /** A job's full identity: `name` with this client's owner, unless it names its own (<owner>.<name>). */
+  job(name: string): string {
+    return qualifyJob(name, this.owner);
+  }
 
   /** `tls`: the CA of a tls:// server (and a client certificate and key when it verifies
    *  clients); by default MT_TLS_CA, MT_TLS_CERT and MT_TLS_KEY. `nkeyFile`: the seed of the NATS
    *  user to connect as (a mesh with roles: services/runtime/roles.ts); by default MT_NATS_NKEY. */
   static async connect(url: string, o: MeshConnectOptions = {}): Promise<MeshClient> {
     const nkeyFile = o.nkeyFile ?? nkeyFromEnv();
+    const owner = ownerFor(o.owner, nkeyFile);
     const bus = await NatsBus.connect({
       url,
       name: "meshtrain-sdk",
@@ -165,7 +186,7 @@ export class MeshClient implements AsyncDisposable {
     });
     try {
       const ledger = await JobLedger.open(bus.nc, bus);
-      return new MeshClient(bus, ledger.store, ledger, url);
+      return new MeshClient(bus, ledger.store, ledger, url, owner);
     } catch (e) {
       await bus.close();
       throw e;
@@ -194,8 +215,8 @@ export class MeshClient implements AsyncDisposable {
    * The earlier run of a job name, if there was one: its record on this mesh, else its newest
    * snapshot on the checkpoint service's disk (a local `meshtrain run` starts a new mesh each time).
    */
-  async previous(job: string): Promise<PreviousRun | null> {
-    checkName(job);
+  async previous(name: string): Promise<PreviousRun | null> {
+    const job = this.job(name);
     const rec = await this.jobs.record(job);
     let snaps: Manifest[] = [];
     try {
@@ -223,7 +244,7 @@ export class MeshClient implements AsyncDisposable {
    * finished job is refused.
    */
   async submit(config: JobConfig, o: { membersWaitMs?: number; checkMembers?: boolean; signal?: AbortSignal } = {}): Promise<JobRecord> {
-    let cfg = parseJobConfig(config);
+    let cfg = parseJobConfig({ ...config, job: this.job(config.job) });
     if ((o.checkMembers ?? true) && !(await this.waitForMembers(cfg, o.membersWaitMs ?? submitMembersWaitMs, o.signal))) {
       throw new DeadlineError(`the submission of job ${cfg.job} was stopped (${String(o.signal?.reason ?? "aborted")})`);
     }
@@ -251,7 +272,7 @@ export class MeshClient implements AsyncDisposable {
    * submission's.
    */
   async plan(config: JobConfig, o: { waitMs?: number } = {}): Promise<DataPlan> {
-    const cfg = parseJobConfig(config);
+    const cfg = parseJobConfig({ ...config, job: this.job(config.job) });
     const spec = encodeJobSpec(specOfConfig(cfg));
     const started = Date.now();
     for (;;) {
@@ -269,7 +290,8 @@ export class MeshClient implements AsyncDisposable {
   }
 
   /** Stops a running job: every service closes it (trainers after their current step). */
-  async cancel(job: string): Promise<JobRecord> {
+  async cancel(name: string): Promise<JobRecord> {
+    const job = this.job(name);
     const r = await this.record(job);
     if (isEnded(r)) throw new JobStateError(`${endedLine(r)}; nothing to cancel`);
     let who = "a client";
@@ -284,8 +306,8 @@ export class MeshClient implements AsyncDisposable {
   }
 
   /** A job's record; UnknownJobError when this mesh has none. */
-  async record(job: string): Promise<JobRecord> {
-    checkName(job);
+  async record(name: string): Promise<JobRecord> {
+    const job = this.job(name);
     const r = await this.jobs.record(job);
     if (!r) throw new UnknownJobError(`no job ${job} on ${this.url} (meshtrain status lists the jobs)`);
     return r.record;
@@ -294,7 +316,7 @@ export class MeshClient implements AsyncDisposable {
   /** Fails every running job with `reason` (a service the launcher gave up on); the records written. */
   async failRunning(reason: string): Promise<JobRecord[]> {
     const failed: JobRecord[] = [];
-    for (const r of await this.list()) {
+    for (const r of await this.list({ every: true })) {
       if (isEnded(r)) continue;
       const written = await this.ledger.end(r.job, { state: JobState.Failed, reason }, r.attempts);
       if (written !== null) failed.push(written);
@@ -302,20 +324,22 @@ export class MeshClient implements AsyncDisposable {
     return failed;
   }
 
-  /** Every job this mesh has a record of, oldest first. */
-  async list(): Promise<JobRecord[]> {
-    return await this.jobs.allRecords();
+  /** The jobs of this client's owner that this mesh has a record of, oldest first; `every`: every
+   *  owner's (on a mesh with roles, the admin user's to see). */
+  async list(o: { every?: boolean } = {}): Promise<JobRecord[]> {
+    return await this.jobs.allRecords(o.every ? undefined : this.owner);
   }
 
   /**
    * The job's events as an async iterator, from now on. Subscribe before submitting to see
    * every event. Ends when the iterator is returned (break) or `signal` aborts.
    */
-  events(job: string, signal?: AbortSignal): AsyncIterableIterator<Event> & { dropped: number } {
-    checkName(job);
+  events(name: string, signal?: AbortSignal): AsyncIterableIterator<Event> & { dropped: number } {
+    const job = this.job(name);
     const queue: Event[] = [];
     let wake: (() => void) | null = null;
     let ended = false;
+    let refused: Error | null = null;
     const it = {
       dropped: 0,
       [Symbol.asyncIterator]() {
@@ -323,6 +347,7 @@ export class MeshClient implements AsyncDisposable {
       },
       async next(): Promise<IteratorResult<Event>> {
         while (queue.length === 0 && !ended) await new Promise<void>((r) => (wake = r));
+        if (refused !== null) throw refused;
         const value = queue.shift();
         return value === undefined ? { done: true, value: undefined } : { done: false, value };
       },
@@ -342,6 +367,10 @@ export class MeshClient implements AsyncDisposable {
         it.dropped++;
       }
       wake?.();
+    }, (e) => {
+      // another owner's job (roles.ts): the server refused the subscription
+      refused = e;
+      end();
     });
     const end = () => {
       ended = true;
@@ -355,8 +384,8 @@ export class MeshClient implements AsyncDisposable {
   }
 
   /** The job's record, config, shard clocks (while it runs) and snapshots. */
-  async status(job: string): Promise<JobStatus> {
-    checkName(job);
+  async status(name: string): Promise<JobStatus> {
+    const job = this.job(name);
     const rec = await this.jobs.record(job);
     let checkpoints: Manifest[] = [];
     try {
@@ -406,8 +435,8 @@ export class MeshClient implements AsyncDisposable {
   }
 
   /** The job's snapshots (also of a job that ended: they stay on the checkpoint service's disk). */
-  async checkpoints(job: string): Promise<Manifest[]> {
-    checkName(job);
+  async checkpoints(name: string): Promise<Manifest[]> {
+    const job = this.job(name);
     return decodeCheckpointList(await this.bus.request(subjects.ckptList(job), encodeJobRequest({ job, step: 0, tag: "" }), 10_000), 64 << 20).items;
   }
 
@@ -426,7 +455,8 @@ export class MeshClient implements AsyncDisposable {
    * parameter servers are consistent). Resolves with the Checkpoint event, or rejects after
    * timeoutMs (the job is not training).
    */
-  async saveCheckpoint(job: string, timeoutMs = 60_000): Promise<Event> {
+  async saveCheckpoint(name: string, timeoutMs = 60_000): Promise<Event> {
+    const job = this.job(name);
     await this.#running(job, "a snapshot");
     const events = this.events(job, AbortSignal.timeout(timeoutMs));
     try {
@@ -445,7 +475,8 @@ export class MeshClient implements AsyncDisposable {
    * Rolls a running job back to a snapshot (the newest good one when id is empty). A job that
    * ended is not rolled back: resubmitting it resumes from its newest snapshot.
    */
-  async restore(job: string, id = ""): Promise<Manifest> {
+  async restore(name: string, id = ""): Promise<Manifest> {
+    const job = this.job(name);
     await this.#running(job, "restore");
     return decodeManifest(await this.bus.request(subjects.ckptRestore(job), encodeJobRequest({ job, step: 0, tag: id }), 120_000), 1 << 22);
   }
@@ -457,7 +488,8 @@ export class MeshClient implements AsyncDisposable {
    * shards take its chunks as the new hash ring says). Checks first that the mesh runs every rank
    * and shard the new sizes need. Resolves with the manifest resumed from.
    */
-  async resize(job: string, to: { trainers?: number; shards?: number }, o: { membersWaitMs?: number } = {}): Promise<Manifest> {
+  async resize(name: string, to: { trainers?: number; shards?: number }, o: { membersWaitMs?: number } = {}): Promise<Manifest> {
+    const job = this.job(name);
     const rec = await this.#running(job, "resize");
     const cfg = jobConfigFromJson(rec.configJson);
     const trainers = to.trainers ?? cfg.trainers,

@@ -17,9 +17,9 @@ import { join } from "node:path";
 import type { Subprocess } from "bun";
 import { parse } from "yaml";
 import { z } from "zod";
-import { jobNamePattern } from "../services/runtime/job.ts";
+import { jobIdPattern } from "../services/runtime/job.ts";
 import { type NatsServer, startNatsServer } from "../services/runtime/nats-server.ts";
-import { type Credentials, makeCredentials, type RoleName } from "../services/runtime/roles.ts";
+import { type Credentials, clientUser, makeCredentials, type RoleName } from "../services/runtime/roles.ts";
 
 export const composePath = join(import.meta.dir, "..", "deploy", "docker-compose.yml");
 const root = join(import.meta.dir, "..");
@@ -163,6 +163,8 @@ export interface MeshOptions {
   auth?: boolean;
   /** where the users' nkey seeds and auth.conf go (default: <NATS folder>/creds); kept seeds are reused */
   credsDir?: string;
+  /** the owners of jobs that get a client user each (default: the default owner) */
+  clients?: readonly string[];
 }
 
 interface Running {
@@ -215,6 +217,7 @@ export class LocalMesh implements AsyncDisposable {
         ? makeCredentials(opts.credsDir ?? join(natsDir, "creds"), {
             trainers: Math.max(1, services.filter((s) => s.env.MT_RANK !== undefined).length),
             shards: services.filter((s) => s.env.MT_SHARD !== undefined).length,
+            ...(opts.clients === undefined ? {} : { clients: opts.clients }),
           })
         : null;
     const nats = await startNatsServer({
@@ -265,9 +268,10 @@ export class LocalMesh implements AsyncDisposable {
     return this.nats.url;
   }
 
-  /** How a client connects as `user` (default admin: the launcher's owner): its seed file, or nothing on an open mesh. */
-  auth(user: RoleName = "admin"): { nkeyFile?: string } {
-    return this.credentials === null ? {} : { nkeyFile: this.credentials.seedFile(user) };
+  /** How a client connects as `user` (default admin: the launcher's owner; "client": the mesh's
+   *  one client user, client-default): its seed file, or nothing on an open mesh. */
+  auth(user: RoleName | "client" = "admin"): { nkeyFile?: string } {
+    return this.credentials === null ? {} : { nkeyFile: this.credentials.seedFile(user === "client" ? clientUser() : user) };
   }
 
   /** The NATS user a service of the topology connects as (null: none of the mesh's roles; it connects anonymously, and a mesh with roles refuses it). */
@@ -348,8 +352,8 @@ export class LocalMesh implements AsyncDisposable {
       }
       if (!this.opts.jobLogs) continue;
       for (const line of lines) {
-        const job = /"job":"([^"]{1,64})"/.exec(line)?.[1];
-        if (!job || !jobNamePattern.test(job)) continue;
+        const job = /"job":"([^"]{1,97})"/.exec(line)?.[1];
+        if (!job || !jobIdPattern.test(job)) continue;
         const dir = join(this.opts.jobsDir, job, "logs");
         mkdirSync(dir, { recursive: true });
         this.#file(join(dir, `${name}.log`)).write(`${line}\n`);

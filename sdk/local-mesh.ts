@@ -5,6 +5,7 @@ import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from "node
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { z } from "zod";
+import { clientUser } from "../services/runtime/roles.ts";
 
 export const defaultNatsUrl = "nats://127.0.0.1:4222";
 
@@ -66,7 +67,7 @@ export function resolveNkeyFile(flag: string | undefined, url: string, role: "cl
   if (flag) return flag;
   if (process.env.MT_NATS_NKEY) return process.env.MT_NATS_NKEY;
   const local = findLocalMesh();
-  return local?.creds && local.url === url ? join(local.creds, `${role}.nk`) : undefined;
+  return local?.creds && local.url === url ? join(local.creds, `${role === "client" ? clientUser(process.env.MT_OWNER || undefined) : role}.nk`) : undefined;
 }
 
 /** What to do when a client command cannot reach NATS. */

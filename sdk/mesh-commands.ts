@@ -6,15 +6,15 @@ import { existsSync } from "node:fs";
 import { join } from "node:path";
 import type { Command } from "commander";
 import { JobState } from "../schemas/messages.ts";
-import { jobConfigFromJson, jobDefaults } from "../services/runtime/job.ts";
+import { defaultOwner, jobConfigFromJson, jobDefaults, ownerProblem, parseJobConfig } from "../services/runtime/job.ts";
 import { MeshClient } from "./client.ts";
 import { givenOptions, type JobFlags, jobConfigOf, jobOptions, resolveConfig } from "./job-flags.ts";
 import { type MeshOptions, LocalMesh, membersWaitMs } from "./launcher.ts";
 import { announceLocalMesh, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "./local-mesh.ts";
-import { makeCredentials, roleShardsMax, roleTrainersMax, roleUsers } from "../services/runtime/roles.ts";
+import { clientUser, makeCredentials, roleShardsMax, roleTrainersMax, roleUsers } from "../services/runtime/roles.ts";
 import { defaultRunDir, runMesh } from "./local/run-mesh.ts";
 import { stamp } from "./format.ts";
-import { cliName, float, int, shownPath, userPath } from "./options.ts";
+import { cliName, float, int, ownerList, shownPath, userPath } from "./options.ts";
 import { configSummary, jobsTable, outcomeLines, statusLines } from "./report.ts";
 import { Dashboard } from "./dashboard/server.ts";
 import { StopRequests } from "./signals.ts";
@@ -34,9 +34,18 @@ const natsOption = (cmd: Command) =>
       "--nats-nkey <file>",
       "the nkey seed file of the NATS user to connect as (default: $MT_NATS_NKEY, else the local mesh's client user; admin for restore and resize)",
     )
+    .option(
+      "--owner <name>",
+      "whose jobs a job name without an owner means (a job is <owner>.<name>; default: $MT_OWNER, else the owner of a client-<owner>.nk seed, else default)",
+    )
     .hook("preAction", (c) => {
       // the SDK reads the TLS files from MT_TLS_* (MeshClient.connect's default)
-      const o = c.opts() as { tlsCa?: string; tlsCert?: string; tlsKey?: string; natsNkey?: string };
+      const o = c.opts() as { tlsCa?: string; tlsCert?: string; tlsKey?: string; natsNkey?: string; owner?: string };
+      if (o.owner !== undefined) {
+        const problem = ownerProblem(o.owner);
+        if (problem !== null) throw new BadRequestError(`--owner: ${problem}`);
+        process.env.MT_OWNER = o.owner;
+      }
       if (o.natsNkey) process.env.MT_NATS_NKEY = userPath(o.natsNkey);
       if (o.tlsCa) process.env.MT_TLS_CA = userPath(o.tlsCa);
       if (o.tlsCert) process.env.MT_TLS_CERT = userPath(o.tlsCert);
@@ -112,7 +121,10 @@ export function addMeshCommands(program: Command): void {
     .option("--trainers <n>", "trainer ranks to run (a job may use fewer)", int(1, 64), d.trainers)
     .option("--shards <n>", "parameter-server shards to run (a job may use fewer)", int(1, 64), d.shards)
     .option("--no-auth", "run NATS without users: anyone who reaches its port may do anything (default: a user per role, credentials in <dir>/creds)")
-    .action(async (opts: { dir: string; port: number; trainers: number; shards: number; auth: boolean }) => {
+    .option("--clients <owners>", "the owners of jobs, comma-separated: one client user each (client-<owner>.nk), who acts on that owner's jobs only", ownerList, [
+      defaultOwner,
+    ])
+    .action(async (opts: { dir: string; port: number; trainers: number; shards: number; auth: boolean; clients: string[] }) => {
       await meshUp({ ...opts, dir: userPath(opts.dir) });
     });
 
@@ -124,14 +136,17 @@ export function addMeshCommands(program: Command): void {
     .requiredOption("--dir <dir>", "the folder to write them to (created with mode 0700)")
     .option("--trainers <n>", "trainer ranks: one user each (trainer-<r>)", int(1, roleTrainersMax), d.trainers)
     .option("--shards <n>", "parameter-server shards: one user each (ps-<k>)", int(0, roleShardsMax), d.shards)
-    .action((opts: { dir: string; trainers: number; shards: number }) => {
-      const c = makeCredentials(userPath(opts.dir), { trainers: opts.trainers, shards: opts.shards });
+    .option("--clients <owners>", "the owners of jobs, comma-separated: one client user each (client-<owner>), who acts on that owner's jobs only", ownerList, [
+      defaultOwner,
+    ])
+    .action((opts: { dir: string; trainers: number; shards: number; clients: string[] }) => {
+      const c = makeCredentials(userPath(opts.dir), { trainers: opts.trainers, shards: opts.shards, clients: opts.clients });
       const users = roleUsers(opts);
       console.log(
         `wrote ${users.length} users' nkey seeds to ${shownPath(c.dir)}/ (${users.join(", ")}) and their permissions to ${shownPath(join(c.dir, "auth.conf"))}`,
       );
       console.log(
-        `  nats-server: include ${shownPath(join(c.dir, "auth.conf"))} in its config; a service: MT_NATS_NKEY=<its user's .nk>; the CLI: --nats-nkey ${shownPath(join(c.dir, "client.nk"))}`,
+        `  nats-server: include ${shownPath(join(c.dir, "auth.conf"))} in its config; a service: MT_NATS_NKEY=<its user's .nk>; the CLI: --nats-nkey ${shownPath(c.seedFile(clientUser(opts.clients[0])))}`,
       );
     });
 
@@ -139,7 +154,8 @@ export function addMeshCommands(program: Command): void {
     .option("--detach", "return once the job is submitted")
     .action(async (opts: JobFlags & { natsUrl?: string; detach?: boolean }, cmd: Command) => {
       await using client = await connect(opts.natsUrl);
-      const asked = jobConfigOf(opts);
+      const flagged = jobConfigOf(opts);
+      const asked = parseJobConfig({ ...flagged, job: client.job(flagged.job) });
       const prev = opts.job ? await client.previous(asked.job) : null;
       const cfg = resolveConfig(asked, givenOptions(cmd), prev);
       await client.submit(cfg);
@@ -162,14 +178,16 @@ export function addMeshCommands(program: Command): void {
   natsOption(
     program
       .command("status")
-      .description("a job's state, newest accuracy, progress, snapshots and model; without a job, every job of the mesh")
+      .description("a job's state, newest accuracy, progress, snapshots and model; without a job, the owner's jobs on the mesh")
       .argument("[job]"),
   )
     .option("--json", "print JSON")
-    .action(async (job: string | undefined, opts: { natsUrl?: string; json?: boolean }) => {
-      await using client = await connect(opts.natsUrl);
+    .option("--all", "without a job: every owner's jobs (on a mesh with roles, as its admin user)")
+    .action(async (job: string | undefined, opts: { natsUrl?: string; json?: boolean; all?: boolean }) => {
+      if (job !== undefined && opts.all) throw new BadRequestError("--all lists every owner's jobs: give no job with it");
+      await using client = await connect(opts.natsUrl, opts.all ? "admin" : "client");
       if (!job) {
-        const records = await client.list();
+        const records = await client.list({ every: opts.all ?? false });
         console.log(
           opts.json ? JSON.stringify({ jobs: records.map((r) => ({ ...r, state: JobState[r.state].toLowerCase() })) }, null, 2) : jobsTable(records).join("\n"),
         );
@@ -188,7 +206,7 @@ export function addMeshCommands(program: Command): void {
   ).action(async (job: string, opts: { natsUrl?: string }) => {
     await using client = await connect(opts.natsUrl);
     const r = await client.cancel(job);
-    console.log(`cancelled job ${job} (${r.reason}); resume it later: ${cliName()} submit --job ${job}`);
+    console.log(`cancelled job ${r.job} (${r.reason}); resume it later: ${cliName()} submit --job ${r.job}`);
   });
 
   natsOption(program.command("checkpoints").description("list a job's snapshots (also of a job that ended)").argument("<job>")).action(
@@ -278,7 +296,7 @@ async function serveDashboard(client: MeshClient, job: string | undefined, o: { 
 }
 
 /** `mesh up`: runs until Ctrl-C, leaving a note so that client commands on this machine find it. */
-async function meshUp(o: { dir: string; port: number; trainers: number; shards: number; auth: boolean }): Promise<void> {
+async function meshUp(o: { dir: string; port: number; trainers: number; shards: number; auth: boolean; clients: string[] }): Promise<void> {
   const opts: MeshOptions = {
     jobsDir: join(o.dir, "jobs"),
     logDir: join(o.dir, "logs", `mesh-${stamp()}`),
@@ -289,6 +307,7 @@ async function meshUp(o: { dir: string; port: number; trainers: number; shards: 
     natsStoreDir: join(o.dir, "nats"),
     auth: o.auth,
     credsDir: join(o.dir, "creds"),
+    clients: o.clients,
     onEvent: (line) => console.log(`launcher: ${line}`),
   };
   using stop = new StopRequests((s) => console.log(`\n${s}: stopping the mesh (again to stop at once)`));
@@ -311,7 +330,7 @@ async function meshUp(o: { dir: string; port: number; trainers: number; shards: 
     console.log(`  client commands on this machine find it; elsewhere: export MT_NATS_URL=${m.url.replace("127.0.0.1", "<this host>")}`);
     if (m.credentials) {
       console.log(
-        `  NATS users per role, nkey seeds in ${shownPath(m.credentials.dir)}/ (owner-only): a client elsewhere needs export MT_NATS_NKEY=<copy of client.nk> (admin.nk to restore or resize)`,
+        `  NATS users per role, nkey seeds in ${shownPath(m.credentials.dir)}/ (owner-only): a client elsewhere needs export MT_NATS_NKEY=<copy of client-<owner>.nk> (${o.clients.map((c) => `client-${c}.nk`).join(", ")}: each acts on its owner's jobs only; admin.nk on every owner's, and to restore or resize)`,
       );
     }
     console.log(`submit a job: ${cliName()} submit --epochs 1 | stop the mesh: Ctrl-C`);

@@ -3,6 +3,7 @@
 // And the paths the user types: resolved against their folder, shown back as they would type them.
 import { dirname, isAbsolute, relative, resolve, sep } from "node:path";
 import { InvalidArgumentError } from "commander";
+import { ownerProblem } from "../services/runtime/job.ts";
 
 /**
  * The folder the user ran the command in. `npm run meshtrain -- ...` runs with the package root
@@ -67,6 +68,17 @@ export function intList(raw: string): number[] {
     throw new InvalidArgumentError("expected at least two comma-separated positive integers, e.g. 784,800,10");
   }
   return values;
+}
+
+/** "alice,bob" -> ["alice", "bob"]: owners of jobs (services/runtime/job.ts), each once */
+export function ownerList(raw: string): string[] {
+  const owners = raw.split(",").map((s) => s.trim());
+  for (const o of owners) {
+    const problem = ownerProblem(o);
+    if (problem !== null) throw new InvalidArgumentError(problem);
+  }
+  if (new Set(owners).size !== owners.length) throw new InvalidArgumentError("each owner once");
+  return owners;
 }
 
 export function choice<T extends string>(...allowed: T[]) {

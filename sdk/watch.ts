@@ -55,7 +55,8 @@ export interface WatchOptions {
 const recordPollMs = 2_000;
 
 /** Follows a job to its end. Resolves with the outcome of a job that is done; throws JobFailedError for a failed or cancelled one. */
-export async function watchJob(client: MeshClient, job: string, o: WatchOptions = {}): Promise<JobOutcome> {
+export async function watchJob(client: MeshClient, name: string, o: WatchOptions = {}): Promise<JobOutcome> {
+  const job = client.job(name);
   const t0 = performance.now();
   const events = client.events(job, o.signal);
   let record = await client.record(job);

@@ -14,8 +14,8 @@ import { join } from "node:path";
 import type { Server } from "bun";
 import { decodeEvent, decodeHeartbeat, EventKind, JobState } from "../../schemas/messages.ts";
 import type { Subscription } from "../../services/runtime/bus.ts";
-import { BadRequestError, CapacityError, NoRespondersError, UnknownJobError } from "../../services/runtime/errors.ts";
-import { jobNamePattern, subjects } from "../../services/runtime/job.ts";
+import { BadRequestError, CapacityError, NatsAccessError, NoRespondersError, UnknownJobError } from "../../services/runtime/errors.ts";
+import { subjects } from "../../services/runtime/job.ts";
 import { stateName } from "../../services/runtime/jobs.ts";
 import type { JobStatus, MeshClient } from "../client.ts";
 import { clientQueuedMax, dashboardClientsMax, flushMs, jobViewsMax, messageBytesMax, statusPollMs } from "./limits.ts";
@@ -95,7 +95,7 @@ export class Dashboard implements AsyncDisposable {
   }
 
   jobUrl(job: string): string {
-    return `${this.url}/jobs/${job}`;
+    return `${this.url}/jobs/${this.client.job(job)}`;
   }
 
   /**
@@ -103,7 +103,8 @@ export class Dashboard implements AsyncDisposable {
    * must exist already (a record or snapshots on this mesh; else UnknownJobError); `meshtrain
    * run` follows its job before submitting it.
    */
-  async follow(job: string, o: { known?: boolean } = {}): Promise<void> {
+  async follow(name: string, o: { known?: boolean } = {}): Promise<void> {
+    const job = this.client.job(name);
     if (this.#feeds.has(job)) return;
     let st: JobStatus | null = null;
     if (o.known ?? true) st = await this.#status(job);
@@ -181,12 +182,19 @@ export class Dashboard implements AsyncDisposable {
       if (path === "/") return await this.#jobList();
       const m = /^\/jobs\/([^/]+)(\/[a-z.]+)?$/.exec(path);
       if (m === null) return text(`no page ${path}; the jobs are listed at /`, 404);
-      const job = m[1]!; // a job name has nothing to percent-decode: anything encoded is not one
-      if (!jobNamePattern.test(job)) return text(`${JSON.stringify(job)} is not a job name: a job name is 1-64 letters, digits, _ or -`, 400);
+      // a job name has nothing to percent-decode: anything encoded is not one
+      let job: string;
+      try {
+        job = this.client.job(m[1]!);
+      } catch (e) {
+        return text((e as Error).message, 400);
+      }
       return await this.#jobRoute(job, m[2] ?? "", req, server);
     } catch (e) {
       if (e instanceof UnknownJobError) return text(e.message, 404);
       if (e instanceof CapacityError) return text(e.message, 503);
+      // another owner's job: this dashboard's client user may not read it
+      if (e instanceof NatsAccessError) return text(e.message, 403);
       return text(`the dashboard could not answer: ${(e as Error).message}`, 502);
     }
   }

@@ -8,7 +8,7 @@ import { join } from "node:path";
 import { JobState } from "../../schemas/messages.ts";
 import { CheckpointStore } from "../../services/checkpoint/store.ts";
 import { DeadlineError } from "../../services/runtime/errors.ts";
-import { jobConfigFromJson, usesShards } from "../../services/runtime/job.ts";
+import { defaultOwner, jobConfigFromJson, parseJobConfig, qualifyJob, usesShards } from "../../services/runtime/job.ts";
 import { checkResume, MeshClient, type PreviousRun } from "../client.ts";
 import { LocalMesh, membersWaitMs } from "../launcher.ts";
 import { type JobFlags, jobConfigOf, resolveConfig } from "../job-flags.ts";
@@ -48,7 +48,9 @@ function previousOnDisk(jobsDir: string, job: string): PreviousRun | null {
 /** Runs the job to its end; resolves with the process's exit code. */
 export async function runMesh(o: MeshRunOptions): Promise<number> {
   const jobsDir = join(o.dir, "jobs");
-  const asked = jobConfigOf(o.flags);
+  // the local mesh's one client user owns the job (its name without an owner is the default's)
+  const flagged = jobConfigOf(o.flags);
+  const asked = parseJobConfig({ ...flagged, job: qualifyJob(flagged.job, defaultOwner) });
   const prev = o.flags.job ? previousOnDisk(jobsDir, asked.job) : null;
   const cfg = resolveConfig(asked, o.given, prev);
   if (prev) checkResume(cfg, prev, shownPath(jobsDir));
@@ -85,7 +87,7 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
   try {
     // the job's own client: the client role (it submits, follows, snapshots and, when a service
     // keeps crashing, fails the job; restoring and resizing are the admin's)
-    client = await MeshClient.connect(mesh.url, mesh.auth("client"));
+    client = await MeshClient.connect(mesh.url, { ...mesh.auth("client"), owner: defaultOwner });
     dashboard = await startDashboard(client, cfg.job, o.dashboardPort === undefined ? 0 : o.dashboardPort);
     // the launcher started every rank the job needs: wait for them to register
     await client.submit(cfg, { membersWaitMs, signal: stop.first.signal });

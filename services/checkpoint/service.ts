@@ -53,7 +53,8 @@ import {
   partitionRanks,
   type JobConfig,
   jobConfigFromJson,
-  jobNamePattern,
+  anyJob,
+  jobIdPattern,
   jobOfRequest,
   parseJobConfig,
   shardOfOpenedTag,
@@ -146,7 +147,7 @@ export class CheckpointService {
     const on = (name: string, handler: (e: JobEntry, tag: string, step: number) => Promise<Uint8Array> | Uint8Array) =>
       this.bus.serve({
         name,
-        subject: `mt.*.ckpt.${name}`,
+        subject: anyJob(`ckpt.${name}`),
         handler: (data, subject) => {
           const m = decodeJobRequest(data, this.payloadBytesMax);
           const job = jobOfRequest(subject, m.job);
@@ -171,10 +172,10 @@ export class CheckpointService {
     // list answers for ended jobs too: their snapshots stay on disk
     this.bus.serve({
       name: "list",
-      subject: "mt.*.ckpt.list",
+      subject: anyJob("ckpt.list"),
       handler: (data, subject) => {
         const job = jobOfRequest(subject, decodeJobRequest(data, this.payloadBytesMax).job);
-        const items = jobNamePattern.test(job) ? this.store.list(job) : [];
+        const items = jobIdPattern.test(job) ? this.store.list(job) : [];
         if (items.length === 0 && !this.#jobs.has(job)) {
           throw new UnknownJobError(`no job "${job}" here: it is not running and has no snapshots in ${this.store.root}`);
         }

@@ -7,7 +7,7 @@
 import { decodeBatchRequest, decodeJobRequest, decodeJobSpec, encodeDataPlan, encodeLoaderStats, type JobSpec } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/bus.ts";
 import { ConfigError, LimitExceededError, MeshError, UnknownJobError } from "../runtime/errors.ts";
-import { configOfSpec, type JobConfig, jobOfRequest, subjects } from "../runtime/job.ts";
+import { anyJob, configOfSpec, type JobConfig, jobOfRequest, subjects } from "../runtime/job.ts";
 import { jobSpecBytesMax } from "../runtime/jobs.ts";
 import { planOfSpec } from "../runtime/plan.ts";
 import type { JobControl } from "../runtime/jobs.ts";
@@ -56,7 +56,7 @@ export class DataLoader {
   serve(): void {
     this.bus.serve({
       name: "next",
-      subject: "mt.*.data.next",
+      subject: anyJob("data.next"),
       handler: (data, subject) => {
         const m = decodeBatchRequest(data, this.payloadBytesMax);
         const job = this.#job(subject, m.job);
@@ -69,7 +69,7 @@ export class DataLoader {
     });
     this.bus.serve({
       name: "plan",
-      subject: "mt.*.data.plan",
+      subject: anyJob("data.plan"),
       handler: (data, subject) => {
         const m = decodeJobRequest(data, this.payloadBytesMax);
         return encodeDataPlan(this.#job(subject, m.job).plan);
@@ -93,7 +93,7 @@ export class DataLoader {
     });
     this.bus.serve({
       name: "stats",
-      subject: "mt.*.data.stats",
+      subject: anyJob("data.stats"),
       handler: (data, subject) => {
         const m = decodeJobRequest(data, this.payloadBytesMax);
         const j = this.#job(subject, m.job);

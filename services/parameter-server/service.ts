@@ -20,7 +20,7 @@ import type { Bus } from "../runtime/bus.ts";
 import { DeadlineError, LimitExceededError, NoRespondersError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
 import { cutTag, partOfTag } from "../runtime/replica-parts.ts";
 import { HeartbeatPublisher } from "../runtime/liveness.ts";
-import { configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects, trainerOfRequest, usesShards } from "../runtime/job.ts";
+import { anyJob, configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects, trainerOfRequest, usesShards } from "../runtime/job.ts";
 import type { Logger } from "../runtime/log.ts";
 import { initialParameters } from "../runtime/model.ts";
 import { checkPlanLayout, planLayout, planOfSpec } from "../runtime/plan.ts";
@@ -73,7 +73,7 @@ export class ParameterServer {
     // pushes and pulls carry the trainer's rank as their last token (subjects.psPush)
     const perTrainer = new Set(["push", "pull"]);
     const on = (name: string, handler: (subject: string, data: Uint8Array) => Promise<Uint8Array> | Uint8Array) =>
-      this.bus.serve({ name, subject: `mt.*.ps.${k}.${name}${perTrainer.has(name) ? ".*" : ""}`, handler: (data, subject) => handler(subject, data) });
+      this.bus.serve({ name, subject: anyJob(`ps.${k}.${name}${perTrainer.has(name) ? ".*" : ""}`), handler: (data, subject) => handler(subject, data) });
     on("push", (subject, data) => {
       const m = decodePushRequest(data, this.payloadBytesMax);
       trainerOfRequest(subject, m.trainer);

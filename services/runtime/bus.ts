@@ -23,7 +23,8 @@ export interface Subscription {
 export interface Bus {
   request(subject: string, data: Uint8Array, timeoutMs: number): Promise<Uint8Array>;
   publish(subject: string, data: Uint8Array): void;
-  subscribe(subject: string, onMessage: (data: Uint8Array, subject: string) => void): Subscription;
+  /** `onError`: the server refused the subscription (the user's role does not allow it) */
+  subscribe(subject: string, onMessage: (data: Uint8Array, subject: string) => void, onError?: (e: Error) => void): Subscription;
   serve(endpoint: EndpointSpec): void;
   /**
    * Answers requests on `subject` until unsubscribed, outside $SRV discovery: per-job hot-path

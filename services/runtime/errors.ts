@@ -80,3 +80,17 @@ export function rebuildError(reply: ErrorReply): Error {
   const Cls = classes[reply.code];
   return Cls ? new Cls(message) : new MeshError(reply.code, message);
 }
+
+/** The server refused this client (TLS or authorization, or an operation its NATS user's role
+ *  does not allow): retrying cannot help. */
+export class NatsAccessError extends Error {
+  override readonly name = "NatsAccessError";
+}
+
+/** `e` as NatsAccessError saying the client may not `what`, when the server refused it by the
+ *  user's permissions; else `e` itself. */
+export function refusedAs(e: unknown, what: string): unknown {
+  const chain = [e, (e as { cause?: unknown } | undefined)?.cause];
+  const denied = chain.some((x) => x instanceof Error && (x.name === "PermissionViolationError" || /permissions? violation/i.test(x.message)));
+  return denied ? new NatsAccessError(`permission denied: this client's NATS user may not ${what} (its role does not allow it)`, { cause: e }) : e;
+}

@@ -35,11 +35,45 @@ export const partitionRanks = (cfg: JobConfig): number => (cfg.zero > 0 ? cfg.tr
 
 const int = (min: number, max = Number.MAX_SAFE_INTEGER) => z.number().int().min(min).max(max);
 
+/**
+ * A job's identity on the mesh is `<owner>.<name>`: two subject tokens, so that NATS permissions
+ * can give a client user the jobs of its owner only (mt.<owner>.*.…, roles.ts). The name a user
+ * gives may leave the owner out; the SDK adds its own (qualifyJob).
+ */
+export const jobOwnerPattern = /^[A-Za-z0-9_-]{1,32}$/;
 export const jobNamePattern = /^[A-Za-z0-9_-]{1,64}$/;
+/** A job's full identity, `<owner>.<name>`. */
+export const jobIdPattern = /^[A-Za-z0-9_-]{1,32}\.[A-Za-z0-9_-]{1,64}$/;
+/** What a job may be called: a name, or a name with its owner. */
+const jobNameOrIdPattern = /^([A-Za-z0-9_-]{1,32}\.)?[A-Za-z0-9_-]{1,64}$/;
+export const jobNameRule = "a job is <name> or <owner>.<name>: the name 1-64 letters, digits, _ or -; the owner 1-32 of them";
+/** The owner of a client that names none (an open mesh's, and the local mesh's one client). */
+export const defaultOwner = "default";
+/** Owners that would read as the mesh's own subjects (mt.ctl.…). */
+const reservedOwners = new Set(["ctl"]);
+
+/** Why `owner` cannot own jobs; null when it can. */
+export function ownerProblem(owner: string): string | null {
+  if (!jobOwnerPattern.test(owner)) return `${JSON.stringify(owner)} is not an owner: 1-32 letters, digits, _ or -`;
+  if (reservedOwners.has(owner)) return `the owner ${JSON.stringify(owner)} is reserved (mt.${owner}.… are the mesh's own subjects)`;
+  return null;
+}
+
+/** A job's full identity: `job` as it is when it names its owner, else `<owner>.<job>`. */
+export function qualifyJob(job: string, owner: string): string {
+  if (!jobNameOrIdPattern.test(job)) throw new BadRequestError(`${JSON.stringify(job)} is not a job name: ${jobNameRule}`);
+  const id = job.includes(".") ? job : `${owner}.${job}`;
+  const problem = ownerProblem(ownerOfJob(id));
+  if (problem !== null) throw new BadRequestError(problem);
+  return id;
+}
+
+/** The owner of a full job identity. */
+export const ownerOfJob = (id: string): string => id.slice(0, id.indexOf("."));
 
 export const jobConfigSchema = z.object({
-  /** subject token: letters, digits, _ and - */
-  job: z.string().regex(jobNamePattern, "a job name is 1-64 letters, digits, _ or -"),
+  /** `<owner>.<name>` (two subject tokens), or a name the SDK qualifies with its owner */
+  job: z.string().regex(jobNameOrIdPattern, jobNameRule),
   model: z.discriminatedUnion("kind", [
     z.object({
       kind: z.literal("mlp"),
@@ -329,15 +363,14 @@ export const jobConfigFromJson = (text: string): JobConfig => {
 
 /** The validated config of a job spec from the bucket; its name must be the spec's. */
 export function configOfSpec(spec: JobSpec): JobConfig {
+  if (!jobIdPattern.test(spec.job)) throw new BadRequestError(`job spec ${JSON.stringify(spec.job)} names no owner: a job on the mesh is <owner>.<name>`);
+  const problem = ownerProblem(ownerOfJob(spec.job));
+  if (problem !== null) throw new BadRequestError(`job spec ${JSON.stringify(spec.job)}: ${problem}`);
   const cfg = jobConfigFromJson(spec.configJson);
   if (cfg.job !== spec.job) throw new BadRequestError(`job spec "${spec.job}" carries the config of "${cfg.job}"`);
   return cfg;
 }
 
-/**
- * The job a request is for: the job token of `mt.<job>.…`, which must be the job the message
- * names (a message sent on another job's subject is refused, not served for the wrong job).
- */
 /** The trainer rank a push or pull subject names (its last token); BadRequestError when the message names another. */
 export function trainerOfRequest(subject: string, messageTrainer: number): number {
   const token = subject.slice(subject.lastIndexOf(".") + 1);
@@ -346,8 +379,12 @@ export function trainerOfRequest(subject: string, messageTrainer: number): numbe
   return rank;
 }
 
+/**
+ * The job a request is for: the job tokens of `mt.<owner>.<name>.…`, which must be the job the
+ * message names (a message sent on another job's subject is refused, not served for the wrong job).
+ */
 export function jobOfRequest(subject: string, messageJob: string): string {
-  const job = subject.split(".")[1] ?? "";
+  const job = subject.split(".").slice(1, 3).join(".");
   if (messageJob !== job) throw new BadRequestError(`message for job "${messageJob}" sent on a subject of job "${job}"`);
   return job;
 }
@@ -470,10 +507,10 @@ export const subjects = {
   /** published by the SDK: trainer rank 0 takes a snapshot at its next step boundary */
   checkpointNow: (job: string) => `mt.${job}.ctl.checkpoint`,
   allEvents: (job: string) => `mt.${job}.events.>`,
-  jobsSubmit: "mt.ctl.jobs.submit",
-  jobsCancel: "mt.ctl.jobs.cancel",
-  jobsStatus: "mt.ctl.jobs.status",
 };
+
+/** A subject of every job (`mt.<owner>.<name>.<rest>`), as services subscribe to it. */
+export const anyJob = (rest: string): string => `mt.*.*.${rest}`;
 
 /** The wire's sync policy of each mode. */
 export const syncPolicy = { bsp: SyncPolicy.BSP, asp: SyncPolicy.ASP, ssp: SyncPolicy.SSP, allreduce: SyncPolicy.AllReduce } as const;

@@ -24,7 +24,7 @@ import {
   JobState,
 } from "../../schemas/messages.ts";
 import type { Bus } from "./bus.ts";
-import { JetStreamUnavailableError } from "./errors.ts";
+import { JetStreamUnavailableError, refusedAs } from "./errors.ts";
 import { subjects } from "./job.ts";
 import type { Logger } from "./log.ts";
 
@@ -56,13 +56,19 @@ const readAgain = (e: unknown): boolean => notApplied(e) || timedOut(e);
  *  server without JetStream at all answers at once (no responders), and is not waited for. */
 const openAgain = (e: unknown): boolean => timedOut(e) || (e instanceof Error && /temporarily unavailable/i.test(e.message));
 
-/** Runs a KV operation, again while `again` says the failure is JetStream electing a leader (for up to jobStoreLeaderWaitMsMax). */
-async function untilLed<T>(op: () => Promise<T>, again: (e: unknown) => boolean = notApplied): Promise<T> {
+/**
+ * Runs a KV operation, again while `again` says the failure is JetStream electing a leader (for
+ * up to jobStoreLeaderWaitMsMax). `what` names it when the NATS user may not do it (a client user
+ * reaches its own owner's jobs only: roles.ts).
+ */
+async function untilLed<T>(op: () => Promise<T>, again: (e: unknown) => boolean = notApplied, what = "use the job store"): Promise<T> {
   const started = Date.now();
   for (let attempt = 1; ; attempt++) {
     try {
       return await op();
     } catch (e) {
+      const refused = refusedAs(e, what);
+      if (refused !== e) throw refused;
       if (!again(e) || Date.now() - started > jobStoreLeaderWaitMsMax) throw e;
       await Bun.sleep(Math.min(100 * attempt, 1000));
     }
@@ -125,7 +131,7 @@ export class JobStore {
   }
 
   async putSpec(spec: JobSpec): Promise<void> {
-    await untilLed(() => this.specs.put(spec.job, encodeJobSpec(spec)));
+    await untilLed(() => this.specs.put(spec.job, encodeJobSpec(spec)), notApplied, `write the spec of job ${spec.job}`);
   }
 
   /**
@@ -134,14 +140,14 @@ export class JobStore {
    * put between the read and the delete.
    */
   async deleteSpec(job: string, attempt = 0): Promise<void> {
-    const e = await untilLed(() => this.specs.get(job), readAgain);
+    const e = await untilLed(() => this.specs.get(job), readAgain, `read the spec of job ${job}`);
     if (!e || e.operation !== "PUT") return;
     if (attempt > 0) {
       const spec = decodeJobSpec(e.value, jobSpecBytesMax);
       if ((spec.attempt ?? 0) > 0 && spec.attempt !== attempt) return;
     }
     try {
-      await untilLed(() => this.specs.delete(job, { previousSeq: e.revision }));
+      await untilLed(() => this.specs.delete(job, { previousSeq: e.revision }), notApplied, `delete the spec of job ${job}`);
     } catch (err) {
       // another writer got there first (a resubmission put a new spec): that spec is not ours
       if (!/wrong last sequence/i.test((err as Error).message)) throw err;
@@ -149,19 +155,21 @@ export class JobStore {
   }
 
   async spec(job: string): Promise<JobSpec | null> {
-    const e = await untilLed(() => this.specs.get(job), readAgain);
+    const e = await untilLed(() => this.specs.get(job), readAgain, `read the spec of job ${job}`);
     return e && e.operation === "PUT" ? decodeJobSpec(e.value, jobSpecBytesMax) : null;
   }
 
   async record(job: string): Promise<{ record: JobRecord; revision: number } | null> {
-    const e = await untilLed(() => this.records.get(job), readAgain);
+    const e = await untilLed(() => this.records.get(job), readAgain, `read the record of job ${job}`);
     return e && e.operation === "PUT" ? { record: decodeJobRecord(e.value, jobRecordBytesMax), revision: e.revision } : null;
   }
 
-  /** Every job's record, oldest submission first. One that does not decode is left out. */
-  async allRecords(): Promise<JobRecord[]> {
+  /** Every job's record (of one owner's jobs when `owner` is given), oldest submission first.
+   *  One that does not decode is left out. */
+  async allRecords(owner?: string): Promise<JobRecord[]> {
     const keys: string[] = [];
-    for await (const k of await untilLed(() => this.records.keys(), readAgain)) keys.push(k);
+    const whose = owner === undefined ? "every owner's jobs" : `the jobs of ${owner}`;
+    for await (const k of await untilLed(() => this.records.keys(owner === undefined ? ">" : `${owner}.*`), readAgain, `list ${whose}`)) keys.push(k);
     const out: JobRecord[] = [];
     for (const k of keys) {
       try {
@@ -177,7 +185,7 @@ export class JobStore {
   /** Writes a record that must not exist yet; false when one does. */
   async createRecord(r: JobRecord): Promise<boolean> {
     try {
-      await untilLed(() => this.records.create(r.job, encodeJobRecord(r)));
+      await untilLed(() => this.records.create(r.job, encodeJobRecord(r)), notApplied, `write the record of job ${r.job}`);
       return true;
     } catch (e) {
       if (/exist|wrong last sequence/i.test((e as Error).message)) return false;
@@ -197,7 +205,7 @@ export class JobStore {
       const next = change(cur.record);
       if (next === null) return null;
       try {
-        await untilLed(() => this.records.update(job, encodeJobRecord(next), cur.revision));
+        await untilLed(() => this.records.update(job, encodeJobRecord(next), cur.revision), notApplied, `write the record of job ${job}`);
         return next;
       } catch (e) {
         if (!/wrong last sequence/i.test((e as Error).message)) throw e;

@@ -57,8 +57,8 @@ export function subjectKind(subject: string): string {
   const t = subject.split(".");
   if (t[0] === "$SRV" || t[0] === "_INBOX" || t[0] === "$JS" || t[0] === "$KV") return t[0].toLowerCase().replace("$", "");
   if (t[0] !== "mt") return "other";
-  // mt.ctl.<what> has no job token
-  const rest = t[1] === "ctl" ? t.slice(1) : t.slice(2);
+  // mt.ctl.<what> has no job tokens; a job's subjects are mt.<owner>.<name>.<what>
+  const rest = t[1] === "ctl" ? t.slice(1) : t.slice(3);
   return rest.filter((x) => !/^\d+$/.test(x)).join(".") || "mt";
 }
 

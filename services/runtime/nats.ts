@@ -6,7 +6,9 @@ import { Svcm, type Service, type ServiceMsg } from "@nats-io/services";
 import { connect, type NatsConnection, nkeyAuthenticator, type Subscription as NatsSub } from "@nats-io/transport-node";
 import { headers as natsHeaders, type MsgHdrs } from "@nats-io/transport-node";
 import { answer, type Bus, type EndpointSpec, type Handler, type Subscription, unwrapReply } from "./bus.ts";
-import { DeadlineError, MeshError, NoRespondersError } from "./errors.ts";
+import { DeadlineError, MeshError, NatsAccessError, NoRespondersError, refusedAs } from "./errors.ts";
+
+export { NatsAccessError };
 import type { Logger } from "./log.ts";
 import { inboxPrefixOf, readSeed } from "./roles.ts";
 
@@ -59,10 +61,6 @@ export const tlsFromEnv = (env: Record<string, string | undefined> = process.env
 /** TLS sessions in a row the server closes silently before a connection counts as refused. */
 const tlsTimeoutsMax = 3;
 
-/** The server refused this client (TLS or authorization): retrying cannot help. */
-export class NatsAccessError extends Error {
-  override readonly name = "NatsAccessError";
-}
 
 /** The user of a seed file (NatsAccessError when the file is missing or holds no seed). */
 function userOf(nkeyFile: string | undefined): { seed: Uint8Array; publicKey: string } | undefined {
@@ -244,10 +242,13 @@ export class NatsBus implements Bus {
     this.nc.publish(subject, data);
   }
 
-  subscribe(subject: string, onMessage: (data: Uint8Array, subject: string) => void): Subscription {
+  subscribe(subject: string, onMessage: (data: Uint8Array, subject: string) => void, onError?: (e: Error) => void): Subscription {
     const sub = this.nc.subscribe(subject, {
       callback: (err, msg) => {
-        if (err !== null) return;
+        if (err !== null) {
+          onError?.(refusedAs(err, `subscribe to ${subject}`) as Error);
+          return;
+        }
         busTraffic("in", msg.subject, msg.data.byteLength);
         onMessage(msg.data, msg.subject);
       },

@@ -22,7 +22,7 @@ import { openBucket } from "./kv-bucket.ts";
 import type { NatsConnection } from "@nats-io/transport-node";
 import { WireFormatError } from "../../schemas/codec.ts";
 import { BadRequestError, DeadlineError, JetStreamUnavailableError } from "./errors.ts";
-import { jobNamePattern } from "./job.ts";
+import { jobIdPattern, jobNamePattern } from "./job.ts";
 
 // ---- limits (the runtime has no limits.ts yet; these belong to this module) --------------------
 
@@ -61,7 +61,7 @@ export interface NcclIdKey {
 }
 
 function kvKey(key: NcclIdKey): string {
-  if (!jobNamePattern.test(key.job)) throw new BadRequestError(`NCCL id key: job ${JSON.stringify(key.job)} is not a job name (1-64 letters, digits, _ or -)`);
+  if (!jobIdPattern.test(key.job)) throw new BadRequestError(`NCCL id key: job ${JSON.stringify(key.job)} is not a job's identity (<owner>.<name>)`);
   if (!jobNamePattern.test(key.group)) throw new BadRequestError(`NCCL id key: group ${JSON.stringify(key.group)} must be 1-64 letters, digits, _ or -`);
   if (!Number.isSafeInteger(key.generation) || key.generation < 0 || key.generation > generationMax) {
     throw new BadRequestError(`NCCL id key: generation ${key.generation} must be a non-negative integer`);

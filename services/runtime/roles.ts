@@ -1,10 +1,12 @@
 // Who may do what on a mesh's NATS: one nkey user per role, each with subject permissions.
 //
-//   admin          everything (the operator, and the launcher itself)
-//   client         submit, watch, save a snapshot of and cancel jobs; read their status; never
-//                  restore or resize, load a shard, push or pull, or talk to the collective
-//   data-loader    serves mt.*.data.* and the plan of a job to be submitted
-//   checkpoint     serves mt.*.ckpt.*; reads and loads shards and replicas
+//   admin          everything, every owner's jobs (the operator, and the launcher itself)
+//   client-<owner> submit, watch, save a snapshot of and cancel the jobs of <owner> only (a job
+//                  is <owner>.<name>: its subjects mt.<owner>.<name>.…, its keys in the job
+//                  store <owner>.<name>); read their status; never restore or resize, load a
+//                  shard, push or pull, or talk to the collective
+//   data-loader    serves mt.*.*.data.* and the plan of a job to be submitted
+//   checkpoint     serves mt.*.*.ckpt.*; reads and loads shards and replicas
 //   ps-<k>         serves shard k's subjects only
 //   trainer-<r>    pushes and pulls as rank r only (the rank is the subjects' last token, and the
 //                  shard checks it against the message); answers only rank r's subjects
@@ -16,8 +18,9 @@
 // mode 0600, the folder 0700) and <dir>/auth.conf, the server's `authorization` block with each
 // user's public key. Seeds that exist are kept, so a mesh's credentials survive its restarts.
 import { chmodSync, existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
-import { join } from "node:path";
 import { createUser, fromSeed } from "@nats-io/nkeys";
+import { basename, join } from "node:path";
+import { defaultOwner, ownerProblem } from "./job.ts";
 import { jobsBucket, recordsBucket } from "./jobs.ts";
 import { ncclIdsBucket } from "./nccl-id.ts";
 
@@ -25,13 +28,24 @@ import { ncclIdsBucket } from "./nccl-id.ts";
 export interface RoleTopology {
   trainers: number;
   shards: number;
+  /** the owners that get a client user each (default: [defaultOwner]) */
+  clients?: readonly string[];
 }
 
 /** Trainer ranks and shards one set of credentials may name (the services' own bounds). */
 export const roleTrainersMax = 64;
 export const roleShardsMax = 64;
 
-export type RoleName = "admin" | "client" | "data-loader" | "checkpoint" | `ps-${number}` | `trainer-${number}`;
+export type RoleName = "admin" | `client-${string}` | "data-loader" | "checkpoint" | `ps-${number}` | `trainer-${number}`;
+
+/** The client user of an owner's jobs. */
+export const clientUser = (owner: string = defaultOwner): `client-${string}` => `client-${owner}`;
+
+/** The owner whose client user a seed file is for (<dir>/client-<owner>.nk); null for another user's. */
+export function ownerOfSeedFile(file: string): string | null {
+  const m = /^client-(.+)\.nk$/.exec(basename(file));
+  return m && ownerProblem(m[1]!) === null ? m[1]! : null;
+}
 
 export interface Permissions {
   publish: string[];
@@ -51,9 +65,16 @@ export function roleUsers(t: RoleTopology): RoleName[] {
   }
   if (!(Number.isInteger(t.shards) && t.shards >= 0 && t.shards <= roleShardsMax))
     throw new CredentialsError(`shards must be 0..${roleShardsMax}, not ${t.shards}`);
+  const clients = t.clients ?? [defaultOwner];
+  if (clients.length === 0) throw new CredentialsError("a mesh needs at least one client owner");
+  for (const owner of clients) {
+    const problem = ownerProblem(owner);
+    if (problem !== null) throw new CredentialsError(`client ${problem}`);
+  }
+  if (new Set(clients).size !== clients.length) throw new CredentialsError(`client owners must differ: ${clients.join(", ")}`);
   return [
     "admin",
-    "client",
+    ...clients.map((owner) => clientUser(owner)),
     "data-loader",
     "checkpoint",
     ...Array.from({ length: t.shards }, (_, k) => `ps-${k}` as const),
@@ -80,9 +101,27 @@ function bucketSubjects(buckets: readonly string[], write: boolean): string[] {
   ]);
 }
 
+/**
+ * What a client user may do in the job store: open the buckets, and read, watch and write the
+ * keys of its own owner only. Reads name the key in the API subject (a direct get's last_by_subj,
+ * a consumer's one filter subject), so the server's permissions see it; the forms that carry the
+ * key in the payload (STREAM.MSG.GET, a bare DIRECT.GET or CONSUMER.CREATE) are left out.
+ */
+function ownedBucketSubjects(buckets: readonly string[], owner: string): string[] {
+  return buckets.flatMap((b) => [
+    `$JS.API.STREAM.INFO.KV_${b}`,
+    `$JS.API.STREAM.CREATE.KV_${b}`,
+    `$JS.API.CONSUMER.CREATE.KV_${b}.*.$KV.${b}.${owner}.>`,
+    `$JS.API.CONSUMER.DELETE.KV_${b}.>`,
+    `$JS.API.CONSUMER.INFO.KV_${b}.>`,
+    `$JS.API.DIRECT.GET.KV_${b}.$KV.${b}.${owner}.>`,
+    `$KV.${b}.${owner}.>`,
+  ]);
+}
+
 const jsCommon = ["$JS.API.INFO", "$JS.FC.>", "$JS.ACK.>"];
 const discovery = "$SRV.>";
-const everyService = ["mt.*.events.*", "mt.*.hb.*"];
+const everyService = ["mt.*.*.events.*", "mt.*.*.hb.*"];
 const jobBuckets = [jobsBucket, recordsBucket];
 
 /** What one user may publish and subscribe to (its inbox excepted: see natsAuthorization). */
@@ -93,59 +132,64 @@ export function permissionsOf(user: RoleName): Permissions {
     allowResponses: true,
   });
   if (user === "admin") return { publish: [">"], subscribe: [">"], allowResponses: true };
-  if (user === "client") {
+  const client = /^client-(.+)$/.exec(user);
+  if (client) {
+    const owner = client[1]!;
+    const problem = ownerProblem(owner);
+    if (problem !== null) throw new CredentialsError(`no role ${user}: ${problem}`);
+    const own = `mt.${owner}.*`;
     return {
       publish: [
         "mt.ctl.plan",
-        "mt.*.ckpt.list",
-        "mt.*.ctl.checkpoint",
-        "mt.*.trainer.*.stats",
-        "mt.*.ps.*.stats",
-        "mt.*.data.stats",
+        `${own}.ckpt.list`,
+        `${own}.ctl.checkpoint`,
+        `${own}.trainer.*.stats`,
+        `${own}.ps.*.stats`,
+        `${own}.data.stats`,
         discovery,
         ...jsCommon,
-        ...bucketSubjects(jobBuckets, true),
+        ...ownedBucketSubjects(jobBuckets, owner),
       ],
       // heartbeats: a watcher names a stalled rank and what it was doing
-      subscribe: ["mt.*.events.>", "mt.*.hb.*"],
+      subscribe: [`${own}.events.>`, `${own}.hb.*`],
       allowResponses: false,
     };
   }
-  if (user === "data-loader") return service([], ["mt.*.data.>", "mt.ctl.plan"]);
+  if (user === "data-loader") return service([], ["mt.*.*.data.>", "mt.ctl.plan"]);
   if (user === "checkpoint") {
     return service(
       [
-        "mt.*.ps.*.state",
-        "mt.*.ps.*.load",
-        "mt.*.ps.*.stats",
-        "mt.*.replica.>",
-        "mt.*.ctl.checkpoint",
+        "mt.*.*.ps.*.state",
+        "mt.*.*.ps.*.load",
+        "mt.*.*.ps.*.stats",
+        "mt.*.*.replica.>",
+        "mt.*.*.ctl.checkpoint",
         "mt.ctl.plan",
-        "mt.*.data.stats",
-        "mt.*.trainer.*.stats",
+        "mt.*.*.data.stats",
+        "mt.*.*.trainer.*.stats",
       ],
-      ["mt.*.ckpt.>"],
+      ["mt.*.*.ckpt.>"],
     );
   }
   const ps = /^ps-(\d+)$/.exec(user);
-  if (ps) return service(["mt.*.ps.*.norm", "mt.*.ckpt.recover"], [`mt.*.ps.${ps[1]}.>`]);
+  if (ps) return service(["mt.*.*.ps.*.norm", "mt.*.*.ckpt.recover"], [`mt.*.*.ps.${ps[1]}.>`]);
   const trainer = /^trainer-(\d+)$/.exec(user);
   if (trainer) {
     const r = trainer[1]!;
     return service(
       [
-        "mt.*.data.next",
-        "mt.*.data.plan",
-        `mt.*.ps.*.push.${r}`,
-        `mt.*.ps.*.pull.${r}`,
-        "mt.*.ps.*.stats",
-        "mt.*.ckpt.save",
-        "mt.*.ckpt.recover",
-        "mt.*.ckpt.list",
-        "mt.*.coll.*",
+        "mt.*.*.data.next",
+        "mt.*.*.data.plan",
+        `mt.*.*.ps.*.push.${r}`,
+        `mt.*.*.ps.*.pull.${r}`,
+        "mt.*.*.ps.*.stats",
+        "mt.*.*.ckpt.save",
+        "mt.*.*.ckpt.recover",
+        "mt.*.*.ckpt.list",
+        "mt.*.*.coll.*",
         ...bucketSubjects([ncclIdsBucket], true),
       ],
-      [`mt.*.coll.${r}`, `mt.*.trainer.${r}.stats`, "mt.*.replica.state", `mt.*.replica.${r}.>`, "mt.*.ctl.checkpoint"],
+      [`mt.*.*.coll.${r}`, `mt.*.*.trainer.${r}.stats`, "mt.*.*.replica.state", `mt.*.*.replica.${r}.>`, "mt.*.*.ctl.checkpoint"],
     );
   }
   throw new CredentialsError(`no role ${user}`);

@@ -18,7 +18,7 @@ import { EventKind, JobState } from "../../schemas/messages.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
-import { makeCredentials } from "../../services/runtime/roles.ts";
+import { clientUser, makeCredentials } from "../../services/runtime/roles.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 import { skip } from "../helpers/skip.ts";
 
@@ -201,7 +201,7 @@ test.skipIf(skip("a Docker engine", missing))(
     // the mesh's NATS users (the services' seeds are mounted from here; this host connects as the client)
     const creds = makeCredentials(join(tempDir("mt-compose-creds-"), "creds"), { trainers: 2, shards: 2 });
     const env = { ...process.env, ...(await buildImages(compose, project)), MT_NATS_PORT: String(port), MT_CREDS_DIR: creds.dir };
-    const asClient = { connectRetryMsMax: 60_000, nkeyFile: creds.seedFile("client") };
+    const asClient = { connectRetryMsMax: 60_000, nkeyFile: creds.seedFile(clientUser()) };
     const dc = (...args: string[]) => mustRun([...compose, "-p", project, "-f", composeFile, ...args], env);
     const url = `nats://127.0.0.1:${port}`;
     const tag = process.pid.toString(36);

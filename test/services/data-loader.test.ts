@@ -21,7 +21,7 @@ import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../
 
 const mnist = loadMnist();
 const images: Dataset = { kind: "mnist", data: mnist };
-const cfg = (over: object) => parseJobConfig({ ...jobDefaults, job: "dl", ...over });
+const cfg = (over: object) => parseJobConfig({ ...jobDefaults, job: "t.dl", ...over });
 
 describe("distributed sampling", () => {
   test.each([
@@ -158,8 +158,8 @@ describe("loader over a MemoryBus", () => {
   const c = cfg({ trainers: 2, batchSize: 64 });
   const opened = loader.openJob(specOf(c));
   beforeAll(() => opened);
-  const ask = async (m: { rank?: number; split?: Split; step?: number; credits?: number; job?: string }, subject = "mt.dl.data.next") =>
-    decodeBatch(await bus.request(subject, encodeBatchRequest({ job: "dl", rank: 0, split: Split.Train, credits: 2, step: 0, ...m }), 1000), 8 << 20);
+  const ask = async (m: { rank?: number; split?: Split; step?: number; credits?: number; job?: string }, subject = "mt.t.dl.data.next") =>
+    decodeBatch(await bus.request(subject, encodeBatchRequest({ job: "t.dl", rank: 0, split: Split.Train, credits: 2, step: 0, ...m }), 1000), 8 << 20);
 
   test("batches are normalized pixels and labels of the named samples; the next ones are prefetched", async () => {
     const b = await ask({ step: 0 });
@@ -170,7 +170,7 @@ describe("loader over a MemoryBus", () => {
     expect(b.x[5 * 784 + 400]).toBeCloseTo((mnist.train.images[id * 784 + 400]! / 255 - 0.1307) / 0.3081, 5);
     await Bun.sleep(10); // let the background prefetch run (it yields between batches)
     await ask({ step: 1 });
-    const stats = decodeLoaderStats(await bus.request("mt.dl.data.stats", encodeJobRequest({ job: "dl", step: 0, tag: "" }), 1000), 1 << 16);
+    const stats = decodeLoaderStats(await bus.request("mt.t.dl.data.stats", encodeJobRequest({ job: "t.dl", step: 0, tag: "" }), 1000), 1 << 16);
     expect(stats.prefetchHits).toBe(1);
     expect(stats.batches).toBe(2);
   });
@@ -188,17 +188,17 @@ describe("loader over a MemoryBus", () => {
   });
 
   test("bad requests: unknown job, rank outside the job, no validation split, garbage", async () => {
-    await expect(ask({ job: "zz" }, "mt.zz.data.next")).rejects.toBeInstanceOf(UnknownJobError);
+    await expect(ask({ job: "t.zz" }, "mt.t.zz.data.next")).rejects.toBeInstanceOf(UnknownJobError);
     await expect(ask({ rank: 2 })).rejects.toThrow(BadRequestError);
     await expect(ask({ split: Split.Val })).rejects.toThrow("no validation split");
-    await expect(bus.request("mt.dl.data.next", Uint8Array.of(1, 2, 3), 1000)).rejects.toBeInstanceOf(WireFormatError);
+    await expect(bus.request("mt.t.dl.data.next", Uint8Array.of(1, 2, 3), 1000)).rejects.toBeInstanceOf(WireFormatError);
     expect((await ask({ step: 3 })).rows).toBe(64); // still serving
   });
 
   test("data.plan: the sample counts and the step count the trainers and shards schedule over", async () => {
-    const plan = decodeDataPlan(await bus.request("mt.dl.data.plan", encodeJobRequest({ job: "dl", step: 0, tag: "" }), 1000), 1 << 16);
+    const plan = decodeDataPlan(await bus.request("mt.t.dl.data.plan", encodeJobRequest({ job: "t.dl", step: 0, tag: "" }), 1000), 1 << 16);
     expect(plan).toMatchObject({
-      job: "dl",
+      job: "t.dl",
       trainSamples: 60_000,
       valSamples: 0,
       testSamples: 10_000,
@@ -207,26 +207,28 @@ describe("loader over a MemoryBus", () => {
       vocabSize: 0,
     });
     expect(plan.slabNumel).toBeGreaterThanOrEqual(784 * 800 + 800 + 800 * 10 + 10);
-    await expect(bus.request("mt.nope.data.plan", encodeJobRequest({ job: "nope", step: 0, tag: "" }), 1000)).rejects.toBeInstanceOf(UnknownJobError);
+    await expect(bus.request("mt.t.nope.data.plan", encodeJobRequest({ job: "t.nope", step: 0, tag: "" }), 1000)).rejects.toBeInstanceOf(UnknownJobError);
   });
 });
 
 describe("the loader's jobs: a limit, shared data sets, freed when their jobs close, unreadable data refused", () => {
   // the plan of the default data (a job whose folder cannot be read is refused on opening)
-  const spec = (job: string, over: Partial<JobConfig> = {}) =>
-    specOf(cfg({ ...over, job, trainers: 1 }), { plan: { ...specOf(cfg({ job, trainers: 1 })).plan!, job } });
+  const spec = (name: string, over: Partial<JobConfig> = {}) => {
+    const job = `t.${name}`;
+    return specOf(cfg({ ...over, job, trainers: 1 }), { plan: { ...specOf(cfg({ job, trainers: 1 })).plan!, job } });
+  };
 
   test("jobs reading one folder share one copy; the last to close frees it; one job over the limit is refused with the reason", async () => {
     const loader = new DataLoader(new MemoryBus(), { payloadBytesMax: 8 << 20, jobsMax: 2 });
     await loader.openJob(spec("a"));
     await loader.openJob(spec("b"));
     expect(loader.datasets).toBe(1);
-    await expect(loader.openJob(spec("c"))).rejects.toThrow("the data-loader serves 2 jobs already (a, b)");
-    loader.closeJob("a");
-    expect([loader.jobs, loader.datasets]).toEqual([["b"], 1]);
+    await expect(loader.openJob(spec("c"))).rejects.toThrow("the data-loader serves 2 jobs already (t.a, t.b)");
+    loader.closeJob("t.a");
+    expect([loader.jobs, loader.datasets]).toEqual([["t.b"], 1]);
     await loader.openJob(spec("c"));
-    loader.closeJob("b");
-    loader.closeJob("c");
+    loader.closeJob("t.b");
+    loader.closeJob("t.c");
     expect([loader.jobs, loader.datasets]).toEqual([[], 0]);
   });
 
@@ -294,7 +296,7 @@ describe("token windows (the gpt's data)", () => {
   const gcfg = (over: object = {}) =>
     parseJobConfig({
       ...gptJobDefaults,
-      job: "tw",
+      job: "t.tw",
       dataDir: file,
       trainers: 3,
       batchSize: 5,

@@ -17,7 +17,7 @@ import { specOf } from "../helpers/jobs.ts";
 const be = cpu();
 
 function job(over: Partial<JobConfig>): JobConfig {
-  return parseJobConfig({ ...jobDefaults, job: "t", chunkBytes: 4096, schedule: "constant", warmupSteps: 0, ...over });
+  return parseJobConfig({ ...jobDefaults, job: "t.t", chunkBytes: 4096, schedule: "constant", warmupSteps: 0, ...over });
 }
 
 function makeShard(cfg: JobConfig, total = 2500, decay = 1500) {
@@ -29,7 +29,7 @@ function makeShard(cfg: JobConfig, total = 2500, decay = 1500) {
 
 /** One trainer's full push of gradient vector g (all chunks of the shard) for a step. */
 function pushAll(layout: ReturnType<typeof buildLayout>, trainer: number, step: number, g: Float32Array): PushRequest {
-  return { job: "t", trainer, step, chunks: layout.chunks.map((c) => f32Chunk(c.id, g.slice(c.offset, c.offset + c.count))) };
+  return { job: "t.t", trainer, step, chunks: layout.chunks.map((c) => f32Chunk(c.id, g.slice(c.offset, c.offset + c.count))) };
 }
 
 async function pullAll(shard: ParameterShard, ids: Uint32Array, trainer: number, step: number, total: number): Promise<Float32Array> {
@@ -169,7 +169,7 @@ describe("BSP with global-norm clipping", () => {
     const p = Float64Array.from(initial);
     const push = (k: number, trainer: number, step: number, g: Float32Array) =>
       shards[k]!.push({
-        job: "t",
+        job: "t.t",
         trainer,
         step,
         chunks: layout.byShard[k]!.map((id) => f32Chunk(id, g.slice(layout.chunks[id]!.offset, layout.chunks[id]!.offset + layout.chunks[id]!.count))),
@@ -290,10 +290,10 @@ describe("bad pushes are rejected before anything changes", () => {
   const cfg = job({ trainers: 2, sync: "bsp" });
 
   test.each([
-    ["an unknown chunk", (l: ReturnType<typeof buildLayout>) => ({ job: "t", trainer: 0, step: 0, chunks: [f32Chunk(999, new Float32Array(4))] }), "not owned"],
+    ["an unknown chunk", (l: ReturnType<typeof buildLayout>) => ({ job: "t.t", trainer: 0, step: 0, chunks: [f32Chunk(999, new Float32Array(4))] }), "not owned"],
     [
       "a wrong element count",
-      (l: ReturnType<typeof buildLayout>) => ({ job: "t", trainer: 0, step: 0, chunks: [f32Chunk(l.chunks[0]!.id, new Float32Array(7))] }),
+      (l: ReturnType<typeof buildLayout>) => ({ job: "t.t", trainer: 0, step: 0, chunks: [f32Chunk(l.chunks[0]!.id, new Float32Array(7))] }),
       "7 elements",
     ],
     ["a trainer outside the job", (l: ReturnType<typeof buildLayout>) => ({ ...pushAll(l, 5, 0, new Float32Array(2500)) }), "trainer 5"],
@@ -347,7 +347,7 @@ describe("snapshots", () => {
     const cfg = job({ trainers: 1, sync: "bsp" });
     const { shard, initial, ids } = makeShard(cfg);
     const s = shard.exportState();
-    expectThrown(() => shard.importState({ ...s, job: "other" }), BadRequestError, "other");
+    expectThrown(() => shard.importState({ ...s, job: "t.other" }), BadRequestError, "other");
     expectThrown(() => shard.importState({ ...s, chunks: s.chunks.slice(1) }), BadRequestError, "owns");
     const noState = { ...s, chunks: s.chunks.map((c) => ({ ...c, state: [] })) };
     expectThrown(() => shard.importState(noState), BadRequestError, "momentum");
@@ -441,10 +441,10 @@ describe("ParameterServer over a MemoryBus", () => {
     const spec = specOf(cfg);
     await expect(ps.openJob({ ...spec, plan: undefined })).rejects.toThrow("carries no plan");
     await ps.openJob(spec);
-    const one = encodePullRequest({ job: "t", trainer: 0, step: 0, ids: Uint32Array.of(0) });
-    const all = encodePullRequest({ job: "t", trainer: 0, step: 0, ids: Uint32Array.from({ length: 12 }, (_, i) => i) });
-    await expect(bus.request("mt.t.ps.0.pull.0", all, 1000)).rejects.toBeInstanceOf(LimitExceededError);
-    expect(decodePullReply(await bus.request("mt.t.ps.0.pull.0", one, 1000), 16_000).chunks[0]!.count).toBe(1024);
+    const one = encodePullRequest({ job: "t.t", trainer: 0, step: 0, ids: Uint32Array.of(0) });
+    const all = encodePullRequest({ job: "t.t", trainer: 0, step: 0, ids: Uint32Array.from({ length: 12 }, (_, i) => i) });
+    await expect(bus.request("mt.t.t.ps.0.pull.0", all, 1000)).rejects.toBeInstanceOf(LimitExceededError);
+    expect(decodePullReply(await bus.request("mt.t.t.ps.0.pull.0", one, 1000), 16_000).chunks[0]!.count).toBe(1024);
     ps.stop();
     await bus.close();
   });
@@ -454,7 +454,7 @@ describe("compressed pushes and pulls", () => {
   const codecPush = (cfg: JobConfig, layout: ReturnType<typeof buildLayout>, trainer: number, step: number, g: Float32Array) => {
     const ef = new ErrorFeedback(chunkCodec(parseCompression(cfg.compress), layout.chunkElems), g.length);
     const x = g.slice();
-    return { job: "t", trainer, step, chunks: layout.chunks.map((c) => encodeChunk(ef, c.id, x.subarray(c.offset, c.offset + c.count), c.offset)) };
+    return { job: "t.t", trainer, step, chunks: layout.chunks.map((c) => encodeChunk(ef, c.id, x.subarray(c.offset, c.offset + c.count), c.offset)) };
   };
 
   for (const compress of ["bf16", "fp16", "int8", "topk:0.1"]) {
@@ -539,7 +539,7 @@ describe("compressed pushes and pulls", () => {
       const data = new Uint8Array(8 * idx.length);
       new Uint32Array(data.buffer, 0, idx.length).set(idx);
       new Float32Array(data.buffer, 4 * idx.length, idx.length).set(values);
-      return { job: "t", trainer: 0, step: 0, chunks: [{ id: c.id, version: 0, dtype: DType.TopK, scale: 1, count: c.count, data, nnz }] };
+      return { job: "t.t", trainer: 0, step: 0, chunks: [{ id: c.id, version: 0, dtype: DType.TopK, scale: 1, count: c.count, data, nnz }] };
     };
     test.each([
       ["top-k indices out of range", (l: ReturnType<typeof buildLayout>) => topk(l, [1, 5000], [1, 2]), "below 1024"],
@@ -551,7 +551,7 @@ describe("compressed pushes and pulls", () => {
         (l: ReturnType<typeof buildLayout>) => {
           const c = l.chunks[0]!;
           return {
-            job: "t",
+            job: "t.t",
             trainer: 0,
             step: 0,
             chunks: [{ id: c.id, version: 0, dtype: DType.I8, scale: 1, count: c.count, data: new Uint8Array(c.count) }],
@@ -573,7 +573,7 @@ describe("compressed pushes and pulls", () => {
         const { shard, layout, initial, ids } = makeShard(c8);
         const c = layout.chunks[0]!;
         const m = {
-          job: "t",
+          job: "t.t",
           trainer: 0,
           step: 0,
           chunks: [{ id: c.id, version: 0, dtype: DType.I8, scale, count: c.count, data: new Uint8Array(c.count).fill(3) }],

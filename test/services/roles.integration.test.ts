@@ -8,10 +8,12 @@ import { join, relative } from "node:path";
 import { createUser } from "@nats-io/nkeys";
 import { JobState } from "../../schemas/messages.ts";
 import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job.ts";
+import { recordsBucket, runningRecord } from "../../services/runtime/jobs.ts";
+import { jetstreamManager } from "@nats-io/jetstream";
 import { NatsAccessError, NatsBus } from "../../services/runtime/nats.ts";
 import { startNatsServer } from "../../services/runtime/nats-server.ts";
-import { CredentialsError, makeCredentials, permissionsOf, roleUsers, type RoleName } from "../../services/runtime/roles.ts";
-import { NoRespondersError } from "../../services/runtime/errors.ts";
+import { clientUser, CredentialsError, makeCredentials, permissionsOf, roleUsers, type RoleName } from "../../services/runtime/roles.ts";
+import { NoRespondersError, refusedAs } from "../../services/runtime/errors.ts";
 import { encodeJobRequest } from "../../schemas/messages.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
@@ -37,7 +39,7 @@ describe("credentials", () => {
   test("one seed per role, rank and shard, owner-only; a second run keeps the seeds; auth.conf names every user", () => {
     const dir = join(tempDir("mt-creds-"), "creds");
     const a = makeCredentials(dir, { trainers: 2, shards: 1 });
-    expect(roleUsers({ trainers: 2, shards: 1 })).toEqual(["admin", "client", "data-loader", "checkpoint", "ps-0", "trainer-0", "trainer-1"]);
+    expect(roleUsers({ trainers: 2, shards: 1 })).toEqual(["admin", "client-default", "data-loader", "checkpoint", "ps-0", "trainer-0", "trainer-1"]);
     expect(mode(dir)).toBe(0o700);
     for (const user of roleUsers({ trainers: 2, shards: 1 })) {
       expect(mode(a.seedFile(user))).toBe(0o600);
@@ -85,10 +87,10 @@ describe("credentials", () => {
 
   test("a trainer's pushes and pulls name its own rank; only admin may restore, resize or answer everything", () => {
     const t1 = permissionsOf("trainer-1");
-    expect(t1.publish).toContain("mt.*.ps.*.push.1");
+    expect(t1.publish).toContain("mt.*.*.ps.*.push.1");
     expect(t1.publish.some((s) => /push\.(0|\*|>)$/.test(s))).toBe(false);
-    expect(t1.subscribe).toContain("mt.*.coll.1");
-    for (const user of ["client", "trainer-0", "ps-0", "data-loader", "checkpoint"] as const) {
+    expect(t1.subscribe).toContain("mt.*.*.coll.1");
+    for (const user of ["client-default", "trainer-0", "ps-0", "data-loader", "checkpoint"] as const) {
       const p = permissionsOf(user).publish;
       expect(p.some((s) => /ckpt\.(restore|resize|>)$/.test(s) || s === ">")).toBe(false);
     }
@@ -97,7 +99,7 @@ describe("credentials", () => {
 
 describe("a nats-server with the roles", async () => {
   const dir = tempDir("mt-roles-");
-  const creds = makeCredentials(join(dir, "creds"), { trainers: 2, shards: 2 });
+  const creds = makeCredentials(join(dir, "creds"), { trainers: 2, shards: 2, clients: ["default", "alice", "bob"] });
   const server = await startNatsServer({ authorization: creds.authorization });
   afterAll(() => server.stop());
   const as = (user: RoleName | string) =>
@@ -108,7 +110,7 @@ describe("a nats-server with the roles", async () => {
       connectBackoffMsMax: 200,
       nkeyFile: user.includes("/") ? user : creds.seedFile(user as RoleName),
     });
-  const job = "j";
+  const job = "default.j";
   const req = encodeJobRequest({ job, step: 0, tag: "" });
   /** what a request as `bus` gets: "refused", "allowed" (no one serves it here), or the error */
   const outcome = async (bus: NatsBus, subject: string): Promise<string> => {
@@ -165,7 +167,7 @@ describe("a nats-server with the roles", async () => {
   });
 
   test("a client submits, watches and snapshots, and cannot restore, resize, load, push or join the collective", async () => {
-    const c = await as("client");
+    const c = await as(clientUser());
     try {
       expect(await outcome(c, subjects.ckptList(job))).toBe("allowed");
       expect(await outcome(c, subjects.planJob)).toBe("allowed");
@@ -187,7 +189,7 @@ describe("a nats-server with the roles", async () => {
       await c.close();
     }
     // the SDK as the client role: the job store (JetStream KV) is open to it
-    await using sdk = await MeshClient.connect(server.url, { nkeyFile: creds.seedFile("client") });
+    await using sdk = await MeshClient.connect(server.url, { nkeyFile: creds.seedFile(clientUser()) });
     expect(await sdk.list()).toEqual([]);
   });
 
@@ -227,10 +229,61 @@ describe("a nats-server with the roles", async () => {
   test("a shard serves only its own subjects: ps-0 may not take shard 1's pushes", async () => {
     const ps0 = await as("ps-0");
     try {
-      expect(await subscriptionError(ps0, "mt.*.ps.1.>")).toContain("Permissions Violation for Subscription");
+      expect(await subscriptionError(ps0, "mt.*.*.ps.1.>")).toContain("Permissions Violation for Subscription");
     } finally {
       await ps0.close();
     }
+  });
+
+  test("a client acts on its owner's jobs only: another owner's record cannot be written, read, cancelled, listed or watched; admin sees every owner's", async () => {
+    await using alice = await MeshClient.connect(server.url, { nkeyFile: creds.seedFile(clientUser("alice")) });
+    await using bob = await MeshClient.connect(server.url, { nkeyFile: creds.seedFile(clientUser("bob")) });
+    await using admin = await MeshClient.connect(server.url, { nkeyFile: creds.seedFile("admin") });
+    // the owner comes from the seed file's name; a bare name is the owner's job
+    expect([alice.owner, bob.owner, admin.owner]).toEqual(["alice", "bob", "default"]);
+    expect(alice.job("mnist")).toBe("alice.mnist");
+    expect(await alice.jobs.createRecord(runningRecord("alice.mnist", "{}", 1))).toBe(true);
+    expect(await bob.jobs.createRecord(runningRecord("bob.gpt", "{}", 1))).toBe(true);
+    expect((await alice.record("mnist")).job).toBe("alice.mnist");
+    const refused = async (what: string, op: () => Promise<unknown>) => {
+      const e = await op().then(
+        () => null,
+        (err: unknown) => err,
+      );
+      expect([what, (e as Error | null)?.name]).toEqual([what, "NatsAccessError"]);
+      expect((e as Error).message).toMatch(/permission denied/);
+    };
+    await refused("write another owner's record", () => alice.jobs.createRecord(runningRecord("bob.mnist", "{}", 1)));
+    await refused("overwrite another owner's spec", () => alice.jobs.putSpec({ job: "bob.gpt", trainers: 1, shards: 1, sync: 0, staleness: 0, configJson: "{}" }));
+    await refused("read another owner's record", () => alice.record("bob.gpt"));
+    await refused("cancel another owner's job", () => alice.cancel("bob.gpt"));
+    await refused("list every owner's jobs", () => alice.list({ every: true }));
+    await refused("ask for another owner's snapshots", () => alice.checkpoints("bob.gpt"));
+    await refused("watch another owner's events", async () => {
+      for await (const _ of alice.events("bob.gpt", AbortSignal.timeout(5_000))) break;
+    });
+    // nor through JetStream's API by hand: a consumer of every key, a get that names the key in its payload
+    const jsm = await jetstreamManager(alice.bus.nc);
+    await refused("consume every owner's records", async () => {
+      try {
+        await jsm.consumers.add(`KV_${recordsBucket}`, { name: "sneak", filter_subject: `$KV.${recordsBucket}.>` });
+      } catch (e) {
+        throw refusedAs(e, "consume every owner's records");
+      }
+    });
+    await refused("get another owner's record by sequence", async () => {
+      try {
+        await jsm.streams.getMessage(`KV_${recordsBucket}`, { last_by_subj: `$KV.${recordsBucket}.bob.gpt` });
+      } catch (e) {
+        throw refusedAs(e, "get another owner's record");
+      }
+    });
+    expect((await alice.list()).map((r) => r.job)).toEqual(["alice.mnist"]);
+    expect((await bob.list()).map((r) => r.job)).toEqual(["bob.gpt"]);
+    expect((await bob.record("gpt")).state).toBe(JobState.Running);
+    // admin reads and cancels anyone's
+    expect((await admin.list({ every: true })).map((r) => r.job).sort()).toEqual(["alice.mnist", "bob.gpt"]);
+    expect((await admin.cancel("bob.gpt")).state).toBe(JobState.Cancelled);
   });
 
   test("admin may restore (here: allowed, and no one serves it)", async () => {
@@ -251,7 +304,7 @@ test("a local mesh runs with the roles by default: BSP and all-reduce jobs submi
   const dir = tempDir("mt-roles-mesh-");
   await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs") });
   expect(mesh.credentials).not.toBeNull();
-  await using client = await MeshClient.connect(mesh.url, mesh.auth("client"));
+  await using client = await MeshClient.connect(mesh.url, mesh.auth(clientUser()));
   const refusals: Promise<unknown>[] = [];
   for (const cfg of [
     config({ job: "roles-bsp", maxSteps: 30, checkpointEvery: 10 }),
@@ -274,11 +327,11 @@ test("a local mesh runs with the roles by default: BSP and all-reduce jobs submi
   }
   for (const err of await Promise.all(refusals)) {
     expect(err).toBeInstanceOf(NatsAccessError);
-    expect((err as Error).message).toContain("may not send mt.roles-");
+    expect((err as Error).message).toContain("may not send mt.default.roles-");
   }
   const log = readFileSync(join(dir, "logs", "nats-server.log"), "utf8");
   // the only ones: the client's restores above, refused
-  expect(log.split("\n").filter((l) => /Violation/.test(l) && !/Publish Violation .* Subject "mt\.roles-(bsp|ar)\.ckpt\.restore"/.test(l))).toEqual([]);
+  expect(log.split("\n").filter((l) => /Violation/.test(l) && !/Publish Violation .* Subject "mt\.default\.roles-(bsp|ar)\.ckpt\.restore"/.test(l))).toEqual([]);
   // an anonymous client cannot even connect
   expect(await MeshClient.connect(mesh.url, { connectRetryMsMax: 2_000 }).catch((e: unknown) => e)).toBeInstanceOf(NatsAccessError);
 }, 120_000);
