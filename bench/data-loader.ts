@@ -38,7 +38,7 @@ export async function runDataLoaderBench(argv: string[]): Promise<DataLoaderBenc
   });
   const batches = positiveInt("batches", v.batches),
     batchSize = positiveInt("batch-size", v["batch-size"]);
-  const cfg = parseJobConfig({ ...jobDefaults, job: "bench-dl", trainers: 2, batchSize });
+  const cfg = parseJobConfig({ ...jobDefaults, job: "bench.dl", trainers: 2, batchSize });
   await using server = await startNatsServer();
   const loader = Bun.spawn([process.execPath, "services/data-loader/main.ts", "--nats-url", server.url], {
     cwd: root,

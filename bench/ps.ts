@@ -53,7 +53,7 @@ function jobFor(mb: number, shards: number, compress: string): JobConfig {
   const hidden = Math.round((mb * (1 << 20)) / 4 / (784 + 10 + 1));
   return parseJobConfig({
     ...jobDefaults,
-    job: `bench-${mb}mb-${shards}-${compress.replace(/[^a-z0-9]/g, "")}`,
+    job: `bench.${mb}mb-${shards}-${compress.replace(/[^a-z0-9]/g, "")}`,
     compress,
     model: { kind: "mlp", widths: [784, hidden, 10], dropout: 0 },
     trainers: 1,

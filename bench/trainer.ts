@@ -140,10 +140,10 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
   for (const kind of models) {
     const base =
       kind === "mlp"
-        ? parseJobConfig({ ...jobDefaults, job: "bench-trainer", epochs: positiveInt("epochs", v.epochs), checkpointEvery: 0 })
+        ? parseJobConfig({ ...jobDefaults, job: "bench.trainer", epochs: positiveInt("epochs", v.epochs), checkpointEvery: 0 })
         : parseJobConfig({
             ...gptJobDefaults,
-            job: "bench-trainer",
+            job: "bench.trainer",
             epochs: 1,
             maxSteps: positiveInt("gpt-steps", v["gpt-steps"]),
             checkpointEvery: 0,
@@ -194,7 +194,7 @@ async function benchModel(
   for (const { sync, collTransport, compress } of runs) {
     const cfg = parseJobConfig({
       ...base,
-      job: `bench-trainer-${base.model.kind}-${sync}-${Date.now()}`,
+      job: `bench.trainer-${base.model.kind}-${sync}-${Date.now()}`,
       sync,
       staleness: sync === "ssp" ? 2 : 0,
       bucketMb,
@@ -324,7 +324,7 @@ async function layoutBench(layouts: Layout3[], steps: number, micro: number, sch
       throw new ConfigError(`--layouts ${l.data}x..: ${l.data} copies x ${micro} micro-batches do not divide ${globalBatch} windows`);
     const cfg = parseJobConfig({
       ...gptJobDefaults,
-      job: "bench-layouts",
+      job: "bench.layouts",
       sync: "allreduce",
       trainers,
       pipelineStages: l.stages,
@@ -415,8 +415,8 @@ async function snapshotBench(
     for (const sync of syncs) {
       const cfg =
         kind === "mlp"
-          ? parseJobConfig({ ...jobDefaults, job: "bench-snapshots", epochs, checkpointEvery: every, sync, staleness: sync === "ssp" ? 2 : 0 })
-          : parseJobConfig({ ...gptJobDefaults, job: "bench-snapshots", epochs: 1, maxSteps: gptSteps, checkpointEvery: every, evalEvery: 0, sync });
+          ? parseJobConfig({ ...jobDefaults, job: "bench.snapshots", epochs, checkpointEvery: every, sync, staleness: sync === "ssp" ? 2 : 0 })
+          : parseJobConfig({ ...gptJobDefaults, job: "bench.snapshots", epochs: 1, maxSteps: gptSteps, checkpointEvery: every, evalEvery: 0, sync });
       const name = cfg.model.kind === "mlp" ? `mlp ${cfg.model.widths.join("-")}` : `gpt L${cfg.model.nLayer} C${cfg.model.nEmbd} T${cfg.model.blockSize}`;
       const pair: SnapshotBenchResult[] = [];
       for (const background of [false, true]) {

@@ -84,7 +84,6 @@ export interface PreviousRun {
   orphaned: boolean;
 }
 
-
 /** One line on how a job ended, for errors that refuse to touch it again. */
 export function endedLine(r: JobRecord): string {
   const figures = r.accuracy >= 0 ? `, ${r.evalSplit || "test"} accuracy ${percent(r.accuracy)}` : "";
@@ -356,22 +355,26 @@ export class MeshClient implements AsyncDisposable {
         return { done: true, value: undefined };
       },
     };
-    const sub = this.bus.subscribe(subjects.allEvents(job), (data) => {
-      try {
-        queue.push(decodeEvent(data, 1 << 20));
-      } catch {
-        return; // a malformed event is not the client's to fail on
-      }
-      if (queue.length > eventQueueMax) {
-        queue.shift();
-        it.dropped++;
-      }
-      wake?.();
-    }, (e) => {
-      // another owner's job (roles.ts): the server refused the subscription
-      refused = e;
-      end();
-    });
+    const sub = this.bus.subscribe(
+      subjects.allEvents(job),
+      (data) => {
+        try {
+          queue.push(decodeEvent(data, 1 << 20));
+        } catch {
+          return; // a malformed event is not the client's to fail on
+        }
+        if (queue.length > eventQueueMax) {
+          queue.shift();
+          it.dropped++;
+        }
+        wake?.();
+      },
+      (e) => {
+        // another owner's job (roles.ts): the server refused the subscription
+        refused = e;
+        end();
+      },
+    );
     const end = () => {
       ended = true;
       sub.unsubscribe();

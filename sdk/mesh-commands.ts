@@ -121,9 +121,12 @@ export function addMeshCommands(program: Command): void {
     .option("--trainers <n>", "trainer ranks to run (a job may use fewer)", int(1, 64), d.trainers)
     .option("--shards <n>", "parameter-server shards to run (a job may use fewer)", int(1, 64), d.shards)
     .option("--no-auth", "run NATS without users: anyone who reaches its port may do anything (default: a user per role, credentials in <dir>/creds)")
-    .option("--clients <owners>", "the owners of jobs, comma-separated: one client user each (client-<owner>.nk), who acts on that owner's jobs only", ownerList, [
-      defaultOwner,
-    ])
+    .option(
+      "--clients <owners>",
+      "the owners of jobs, comma-separated: one client user each (client-<owner>.nk), who acts on that owner's jobs only",
+      ownerList,
+      [defaultOwner],
+    )
     .action(async (opts: { dir: string; port: number; trainers: number; shards: number; auth: boolean; clients: string[] }) => {
       await meshUp({ ...opts, dir: userPath(opts.dir) });
     });

@@ -61,7 +61,6 @@ export const tlsFromEnv = (env: Record<string, string | undefined> = process.env
 /** TLS sessions in a row the server closes silently before a connection counts as refused. */
 const tlsTimeoutsMax = 3;
 
-
 /** The user of a seed file (NatsAccessError when the file is missing or holds no seed). */
 function userOf(nkeyFile: string | undefined): { seed: Uint8Array; publicKey: string } | undefined {
   if (nkeyFile === undefined || nkeyFile === "") return undefined;

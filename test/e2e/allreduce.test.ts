@@ -40,7 +40,7 @@ describe("all-reduce mode on the mesh", () => {
   test("a short run with no parameter-server shard learns; the step split shows the all-reduce; its final snapshot of the replica is exported", async () => {
     await using mesh = await startMesh("mt-ar-");
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "ar", checkpointEvery: 100, gradClip: 5, accumSteps: 2, scaleLr: true, lr: 0.05 });
+    const cfg = config({ job: "default.ar", checkpointEvery: 100, gradClip: 5, accumSteps: 2, scaleLr: true, lr: 0.05 });
     const total = planHere(cfg).totalSteps;
     const seen: Event[] = [];
     await client.submit(cfg, { membersWaitMs: 60_000 });
@@ -67,7 +67,7 @@ describe("all-reduce mode on the mesh", () => {
   test("4 ranks labelled as 2 hosts x 2: the all-reduce is hierarchical, the replicas stay identical, the job learns", async () => {
     await using mesh = await startMesh("mt-ar-hosts-", { trainers: 4, trainerHosts: ["a", "a", "b", "b"] });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "ar-hosts", trainers: 4, maxSteps: 60, replicaCheckEvery: 20, checkpointEvery: 0 });
+    const cfg = config({ job: "default.ar-hosts", trainers: 4, maxSteps: 60, replicaCheckEvery: 20, checkpointEvery: 0 });
     const seen: Event[] = [];
     await client.submit(cfg, { membersWaitMs: 60_000 });
     const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
@@ -87,7 +87,7 @@ describe("all-reduce mode on the mesh", () => {
     await using mesh = await startMesh("mt-ar-zero-");
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const adamw = { kind: "adamw" as const, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
-    const cfg = config({ job: "ar-zero", zero: 2, maxSteps: 100, checkpointEvery: 20, optimizer: adamw, lr: 2e-3 });
+    const cfg = config({ job: "default.ar-zero", zero: 2, maxSteps: 100, checkpointEvery: 20, optimizer: adamw, lr: 2e-3 });
     await client.submit(cfg, { membersWaitMs: 60_000 });
     let cancelled: Promise<unknown> | null = null;
     let status: Promise<JobStatus> | null = null;
@@ -161,7 +161,7 @@ describe("all-reduce mode on the mesh", () => {
       return new Map([...at].map(([k, a]) => [k, a.sum / a.n]));
     };
     const reference: Event[] = [];
-    const ref = config({ job: "ar-regroup-ref", ...base });
+    const ref = config({ job: "default.ar-regroup-ref", ...base });
     await client.submit(ref, { membersWaitMs: 60_000 });
     await watchJob(client, ref.job, { quiet: true, onEvent: (e) => reference.push(e) });
     const refLoss = globalLoss(reference);
@@ -171,7 +171,7 @@ describe("all-reduce mode on the mesh", () => {
       [2, 96, 3],
       [3, 64, 1],
     ] as const) {
-      const cfg = config({ job: `ar-regroup-${trainers}`, ...base, zero: 3 });
+      const cfg = config({ job: `default.ar-regroup-${trainers}`, ...base, zero: 3 });
       await client.submit(cfg, { membersWaitMs: 60_000 });
       let cancelled: Promise<unknown> | null = null;
       await watchJob(client, cfg.job, {
@@ -201,7 +201,7 @@ describe("all-reduce mode on the mesh", () => {
     const launcherLines: string[] = [];
     await using mesh = await startMesh("mt-ar-chaos-", { onEvent: (l) => launcherLines.push(l) });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "ar-chaos", epochs: 2, checkpointEvery: 40 });
+    const cfg = config({ job: "default.ar-chaos", epochs: 2, checkpointEvery: 40 });
     const total = planHere(cfg).totalSteps;
     const seen: Event[] = [];
     let killedAt = -1;

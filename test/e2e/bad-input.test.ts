@@ -24,7 +24,7 @@ import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 
-const job = "badinput";
+const job = "default.badinput";
 const payloadBytesMax = 1 << 20;
 let mesh: LocalMesh;
 let client: MeshClient;
@@ -85,8 +85,8 @@ const cases: [string, string, Uint8Array, Cls, string][] = [
   ["data.next: no validation split", next, br({ split: Split.Val }), BadRequestError, "validation"],
   [
     "data.next: unknown job",
-    subjects.dataNext("nobody"),
-    encodeBatchRequest({ job: "nobody", rank: 0, split: Split.Train, credits: 1, step: 0 }),
+    subjects.dataNext("default.nobody"),
+    encodeBatchRequest({ job: "default.nobody", rank: 0, split: Split.Train, credits: 1, step: 0 }),
     UnknownJobError,
     "nobody",
   ],
@@ -94,7 +94,7 @@ const cases: [string, string, Uint8Array, Cls, string][] = [
   ["data.stats: job differs from subject", dstats, jr("other"), BadRequestError, "other"],
   ["ckpt.save: garbage", save, garbage, WireFormatError, ""],
   ["ckpt.save: wrong version", save, wrongVersion, WireFormatError, "schema version"],
-  ["ckpt.save: unknown job", subjects.ckptSave("ghost"), jr("ghost"), UnknownJobError, "ghost"],
+  ["ckpt.save: unknown job", subjects.ckptSave("default.ghost"), jr("default.ghost"), UnknownJobError, "ghost"],
   ["ckpt.save: a step past the job's end", save, encodeJobRequest({ job, step: 2 ** 53 - 1, tag: "" }), BadRequestError, "runs steps 0 to"],
   ["ckpt.save: a step the state is not at (BSP)", save, encodeJobRequest({ job, step: 3, tag: "" }), BadRequestError, "the state is at step 0"],
   ["ckpt.restore: a 100 KB tag", restore, encodeJobRequest({ job, step: 0, tag: "x".repeat(100_000) }), WireFormatError, "tag of 100000 characters"],

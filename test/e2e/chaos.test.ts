@@ -54,7 +54,7 @@ test("twelve SIGKILLs of every kind of process, some within 2 s of each other: t
   const config = (job: string): JobConfig =>
     parseJobConfig({
       ...jobDefaults,
-      job,
+      job: `default.${job}`,
       model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
       epochs: 3,
       warmupSteps: 20,

@@ -50,7 +50,7 @@ describe("dashboard", () => {
       await using client = await MeshClient.connect(mesh.url, auth);
       const cfg = parseJobConfig({
         ...jobDefaults,
-        job: "dash",
+        job: "default.dash",
         shards: 1,
         model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
         maxSteps: 5_000,

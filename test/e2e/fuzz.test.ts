@@ -44,7 +44,7 @@ const fuzzSeed = Number(process.env.MT_FUZZ_SEED ?? 20261123);
 const config = (job: string, over: Partial<JobConfig>): JobConfig =>
   parseJobConfig({
     ...jobDefaults,
-    job,
+    job: `default.${job}`,
     model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
     epochs: 2,
     warmupSteps: 20,
@@ -102,7 +102,7 @@ function commonTargets(cfg: JobConfig, total: number): Target[] {
       // a job about to be submitted: its plan (the data-loader reads its data set)
       name: "ctl.plan",
       subject: subjects.planJob,
-      seeds: [{ ...spec, job: "fuzz-other", configJson: JSON.stringify({ ...JSON.parse(spec.configJson), job: "fuzz-other" }) }],
+      seeds: [{ ...spec, job: "default.fuzz-other", configJson: JSON.stringify({ ...JSON.parse(spec.configJson), job: "default.fuzz-other" }) }],
       encode: encodeJobSpec,
       decode: (d) => decodeJobSpec(d, 1 << 20),
       timeoutMs: 30_000,

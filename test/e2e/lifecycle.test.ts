@@ -27,7 +27,7 @@ let dir: string;
 const small = (job: string, over: Partial<JobConfig> = {}): JobConfig =>
   parseJobConfig({
     ...jobDefaults,
-    job,
+    job: `default.${job}`,
     model: { kind: "mlp", widths: [784, 32, 10], dropout: 0 },
     trainers: 3,
     shards: 3,
@@ -44,7 +44,7 @@ beforeAll(async () => {
   dir = tempDir("mt-life-");
   mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), jobLogs: true, trainers: 3, shards: 3, env: { MT_JOBS_MAX: "2" } });
   client = await MeshClient.connect(mesh.url, mesh.auth());
-  await client.waitForMembers({ job: "any", trainers: 3, shards: 3 }, 60_000);
+  await client.waitForMembers({ job: "default.any", trainers: 3, shards: 3 }, 60_000);
 }, 90_000);
 
 afterAll(async () => {
@@ -76,23 +76,23 @@ describe("jobs on one long-running mesh", () => {
     expect(record.accuracy).toBeGreaterThan(0.8);
     expect(new Set(events.filter((e) => e.kind === EventKind.Step).map((e) => e.rank))).toEqual(new Set([0, 1, 2]));
     expect(events.filter((e) => e.kind === EventKind.Ended)).toHaveLength(1);
-    expect(record.snapshotDir).toBe(join(dir, "jobs", "three"));
+    expect(record.snapshotDir).toBe(join(dir, "jobs", "default.three"));
     expect(readModelFile(record.modelPath).header.step).toBe(stepsPerEpoch);
     for (const s of ["data-loader", "parameter-server-2", "trainer-2", "checkpoint"])
       expect(existsSync(join(record.snapshotDir, "logs", `${s}.log`))).toBe(true);
     // closed everywhere (each service hears of the deleted spec on its own): no service answers for it any more
     const closed = (subject: string) =>
-      client.bus.request(subject, encodeJobRequest({ job: "three", step: 0, tag: "" }), 5000).then(
+      client.bus.request(subject, encodeJobRequest({ job: "default.three", step: 0, tag: "" }), 5000).then(
         () => false,
         (e: unknown) => e instanceof UnknownJobError,
       );
     await waitFor(
       "the loader and the shards to close the job",
-      async () => (await closed(subjects.dataPlan("three"))) && (await closed(subjects.psStats("three", 2))),
+      async () => (await closed(subjects.dataPlan("default.three"))) && (await closed(subjects.psStats("default.three", 2))),
       10_000,
     );
     // a finished job is not run again under its name
-    await expect(client.submit(small("three"))).rejects.toThrow("job three done at");
+    await expect(client.submit(small("three"))).rejects.toThrow("job default.three done at");
   }, 120_000);
 
   test("a job that needs more ranks than the mesh runs is refused at once, naming them; nothing is stored", async () => {
@@ -100,8 +100,8 @@ describe("jobs on one long-running mesh", () => {
     expect(e).toBeInstanceOf(CapacityError);
     expect((e as Error).message).toContain("needs trainer rank 3, parameter-server shards 3-4");
     expect((e as Error).message).toContain("meshtrain mesh up --trainers 4 --shards 5");
-    expect((await client.list()).map((r) => r.job)).not.toContain("too-big");
-    expect(await client.jobs.spec("too-big")).toBeNull();
+    expect((await client.list()).map((r) => r.job)).not.toContain("default.too-big");
+    expect(await client.jobs.spec("default.too-big")).toBeNull();
   });
 
   test.each([
@@ -229,7 +229,7 @@ describe("jobs on one long-running mesh", () => {
     await waitFor(
       "the services to be back",
       async () => {
-        await client.waitForMembers({ job: "any", trainers: 3, shards: 3 }, 0);
+        await client.waitForMembers({ job: "default.any", trainers: 3, shards: 3 }, 0);
         return true;
       },
       60_000,
@@ -242,7 +242,7 @@ describe("jobs on one long-running mesh", () => {
     // opens it, and it is removed
     const ended = await client.record("seq-4");
     await client.jobs.putSpec({
-      job: "seq-4",
+      job: "default.seq-4",
       trainers: 3,
       shards: 3,
       sync: SyncPolicy.BSP,
@@ -251,8 +251,8 @@ describe("jobs on one long-running mesh", () => {
       attempt: ended.attempts,
       plan: await client.plan(jobConfigFromJson(ended.configJson)),
     });
-    await waitFor("the stale spec to be removed", async () => (await client.jobs.spec("seq-4")) === null, 10_000);
-    for (const job of ["three", "seq-4"]) {
+    await waitFor("the stale spec to be removed", async () => (await client.jobs.spec("default.seq-4")) === null, 10_000);
+    for (const job of ["default.three", "default.seq-4"]) {
       await expect(client.bus.request(subjects.dataPlan(job), encodeJobRequest({ job, step: 0, tag: "" }), 5000)).rejects.toBeInstanceOf(UnknownJobError);
       expect((await client.record(job)).state).toBe(JobState.Done);
     }

@@ -43,7 +43,7 @@ describe("mesh", () => {
     // 2 micro-batches of 64 per step (gradient accumulation on the trainers), bf16 autocast
     // GEMMs on the trainers (the chaos test below runs f32)
     // gradClip: the shards agree on the global norm of each step's averaged gradient (ps.<k>.norm)
-    const cfg = config({ job: "e2e", checkpointEvery: 100, evalEvery: 100, accumSteps: 2, precision: "bf16", gradClip: 1 });
+    const cfg = config({ job: "default.e2e", checkpointEvery: 100, evalEvery: 100, accumSteps: 2, precision: "bf16", gradClip: 1 });
     const total = planHere(cfg).totalSteps;
     const seen: Event[] = [];
     let asked: Promise<Event> | null = null;
@@ -86,7 +86,7 @@ describe("mesh", () => {
     const launcherLines: string[] = [];
     await using mesh = await startMesh("mt-chaos-", { onEvent: (l) => launcherLines.push(l) });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "chaos", epochs: 2, checkpointEvery: 40 });
+    const cfg = config({ job: "default.chaos", epochs: 2, checkpointEvery: 40 });
     const total = planHere(cfg).totalSteps;
     const seen: Event[] = [];
     let killedAt = -1;
@@ -131,7 +131,7 @@ describe("mesh", () => {
     const launcherLines: string[] = [];
     await using mesh = await startMesh("mt-slowsave-", { onEvent: (l) => launcherLines.push(l), serviceEnv: { checkpoint: { MT_WRITE_DELAY_MS: "4000" } } });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "slowsave", epochs: 1, checkpointEvery: 40, evalEvery: 0 });
+    const cfg = config({ job: "default.slowsave", epochs: 1, checkpointEvery: 40, evalEvery: 0 });
     const total = planHere(cfg).totalSteps;
     let killedAt = -1;
     const restores: Event[] = [];
@@ -159,7 +159,7 @@ describe("mesh", () => {
   test("a trainer stopped with SIGSTOP is reported by a Stalled event naming it, its step and phase; after SIGCONT it is back and the job finishes", async () => {
     await using mesh = await startMesh("mt-stall-");
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "stall", epochs: 1, checkpointEvery: 0 });
+    const cfg = config({ job: "default.stall", epochs: 1, checkpointEvery: 0 });
     const stalled: Event[] = [];
     let stoppedAt = -1;
     await client.submit(cfg, { membersWaitMs: 60_000 });
@@ -195,7 +195,7 @@ describe("mesh", () => {
     const launcherLines: string[] = [];
     await using mesh = await startMesh("mt-natskill-", { onEvent: (l) => launcherLines.push(l) });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "natskill", epochs: 1, checkpointEvery: 50 });
+    const cfg = config({ job: "default.natskill", epochs: 1, checkpointEvery: 50 });
     const total = planHere(cfg).totalSteps;
     let killed = false;
     await client.submit(cfg, { membersWaitMs: 60_000 });
@@ -220,7 +220,7 @@ describe("mesh", () => {
   test("a snapshot of 2 shards resumes on 3 (its chunks resharded by the hash ring): the steps after the snapshot repeat the first run's losses", async () => {
     await using mesh = await startMesh("mt-reshard-", { shards: 3 });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "reshard", shards: 2, maxSteps: 60, checkpointEvery: 20, evalEvery: 0 });
+    const cfg = config({ job: "default.reshard", shards: 2, maxSteps: 60, checkpointEvery: 20, evalEvery: 0 });
     const first = new Map<string, number>();
     let cancelled = false;
     await client.submit(cfg, { membersWaitMs: 60_000 });
@@ -255,7 +255,7 @@ describe("mesh", () => {
   test("a trainer made slow (a test-only delay in its compute) gets a straggler event naming it and its step split", async () => {
     await using mesh = await startMesh("mt-straggler-", { serviceEnv: { "trainer-1": { MT_STEP_DELAY_MS: "40" } } });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "straggler", maxSteps: 80, checkpointEvery: 0, evalEvery: 0 });
+    const cfg = config({ job: "default.straggler", maxSteps: 80, checkpointEvery: 0, evalEvery: 0 });
     const stragglers: Event[] = [];
     await client.submit(cfg, { membersWaitMs: 60_000 });
     const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => e.kind === EventKind.Straggler && stragglers.push(e) });
@@ -271,7 +271,7 @@ describe("mesh", () => {
   test("a shard killed in a job with no snapshot to restore it from: the job fails at once, saying so, instead of waiting on it", async () => {
     await using mesh = await startMesh("mt-nosnap-");
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "nosnap", epochs: 2, checkpointEvery: 0 });
+    const cfg = config({ job: "default.nosnap", epochs: 2, checkpointEvery: 0 });
     let killedAt = -1;
     await client.submit(cfg, { membersWaitMs: 60_000 });
     const failed = await watchJob(client, cfg.job, {
@@ -295,7 +295,7 @@ describe("mesh", () => {
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const perStep: Record<string, number> = {};
     for (const compress of ["none", "bf16", "int8"]) {
-      const cfg = config({ job: `e2e-compress-${compress}`, maxSteps: 60, checkpointEvery: 0, evalEvery: 0, compress });
+      const cfg = config({ job: `default.e2e-compress-${compress}`, maxSteps: 60, checkpointEvery: 0, evalEvery: 0, compress });
       await client.submit(cfg, { membersWaitMs: 60_000 });
       const r = await watchJob(client, cfg.job, { quiet: true });
       expect(r.record.state).toBe(JobState.Done);

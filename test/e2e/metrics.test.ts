@@ -46,7 +46,7 @@ describe("Prometheus metrics", () => {
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = parseJobConfig({
       ...jobDefaults,
-      job: "metrics",
+      job: "default.metrics",
       model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
       maxSteps: 150,
       checkpointEvery: 50,
@@ -64,7 +64,7 @@ describe("Prometheus metrics", () => {
     const mid = await during!;
     const end = await scrapeAll(client);
     expect([...end.keys()]).toEqual(["checkpoint", "data-loader", "parameter-server 0", "parameter-server 1", "trainer 0", "trainer 1"]);
-    const job = { job: "metrics" };
+    const job = { job: "default.metrics" };
     for (const [service, families] of end) {
       // the process and runtime, and the bus both ways
       expect(values(families, "process_resident_memory_bytes")[0]).toBeGreaterThan(10 << 20);

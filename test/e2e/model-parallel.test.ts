@@ -65,18 +65,18 @@ describe("model-parallel jobs on the mesh", () => {
       return { record: r.record, seen, losses: losses(seen) };
     };
     // the global batch: 16 windows a step in 4 micro-batches, on one copy or two of 8
-    const plain = await run(config({ job: "mp-plain", trainers: 1 }));
-    const pt = await run(config({ job: "mp-pt", trainers: 4, pipelineStages: 2, tensorParallel: 2 }));
-    const dp = await run(config({ job: "mp-dp", trainers: 4, pipelineStages: 2, batchSize: 8, accumSteps: 2, pipeSchedule: "gpipe" }));
+    const plain = await run(config({ job: "default.mp-plain", trainers: 1 }));
+    const pt = await run(config({ job: "default.mp-pt", trainers: 4, pipelineStages: 2, tensorParallel: 2 }));
+    const dp = await run(config({ job: "default.mp-dp", trainers: 4, pipelineStages: 2, batchSize: 8, accumSteps: 2, pipeSchedule: "gpipe" }));
     let killed = false;
-    const chaos = await run(config({ job: "mp-kill", trainers: 4, pipelineStages: 2, tensorParallel: 2 }), (e) => {
+    const chaos = await run(config({ job: "default.mp-kill", trainers: 4, pipelineStages: 2, tensorParallel: 2 }), (e) => {
       if (!killed && e.kind === EventKind.Step && e.step >= 15) {
         killed = true;
         mesh.kill("trainer-2"); // stage 1, tensor rank 0: the rank that speaks for the copy
       }
     });
     // a snapshot of 1x2x2 resumed as 1x4x1: the whole model's layout restores into any cut
-    const relayout = config({ job: "mp-relayout", trainers: 4, pipelineStages: 2, tensorParallel: 2 });
+    const relayout = config({ job: "default.mp-relayout", trainers: 4, pipelineStages: 2, tensorParallel: 2 });
     await client.submit(relayout, { membersWaitMs: 60_000 });
     let cancelled: Promise<unknown> | null = null;
     const firstPart: Event[] = [];

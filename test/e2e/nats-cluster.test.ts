@@ -170,7 +170,7 @@ describe("a three-server NATS cluster", () => {
     ];
     try {
       await using client = await MeshClient.connect(urlsFrom(members, a), { connectRetryMsMax: 10_000 });
-      const cfg = config({ job: "natscluster", maxSteps: 120, checkpointEvery: 50, evalEvery: 0 });
+      const cfg = config({ job: "default.natscluster", maxSteps: 120, checkpointEvery: 50, evalEvery: 0 });
       const total = planHere(cfg).totalSteps;
       await client.submit(cfg, { membersWaitMs: 60_000 });
       expect(await connectionNames(victim)).toEqual(["parameter-server", "trainer"]);
@@ -205,7 +205,7 @@ describe("a three-server NATS cluster", () => {
       // started anew: JetStream places new consumers again once it has given up the victim, which
       // takes 2.9's servers some 20 s), and a next job runs
       for (const svc of services) await waitFor("every service to follow the job specs again", () => svc.log().includes(jobSpecsFollowedAgain), 60_000);
-      const next = config({ job: "natscluster-after", maxSteps: 10, checkpointEvery: 5, evalEvery: 0 });
+      const next = config({ job: "default.natscluster-after", maxSteps: 10, checkpointEvery: 5, evalEvery: 0 });
       await client.submit(next, { membersWaitMs: 60_000 });
       const after = await watchJob(client, next.job, { quiet: true, signal: AbortSignal.timeout(watchMsMax) });
       expect({ state: after.record.state, reason: after.record.reason }).toEqual({ state: JobState.Done, reason: "" });

@@ -31,7 +31,7 @@ test("rank 0 waits only for a snapshot's cut, not its write; a checkpoint servic
   await using client = await MeshClient.connect(mesh.url, mesh.auth());
   const cfg = parseJobConfig({
     ...jobDefaults,
-    job: "snapshots",
+    job: "default.snapshots",
     model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
     epochs: 2,
     warmupSteps: 20,

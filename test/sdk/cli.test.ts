@@ -22,7 +22,7 @@ describe("bad input gets one clear error and a non-zero exit", () => {
   test.each([
     [["run", "--widths", "784,100,3"], "model.widths must start with 784"],
     [["run", "--batch-size", "100", "--accum", "3"], "batchSize (100) must be a multiple of accumSteps (3)"],
-    [["run", "--job", "no spaces"], "job: a job name is 1-64 letters"],
+    [["run", "--job", "no spaces"], "job: a job is <name> or <owner>.<name>"],
     [["submit", "--sync", "sometimes"], "Allowed choices are bsp, asp, ssp"],
     [
       ["run", "--precision", "f16"],

@@ -97,22 +97,22 @@ describe("meshtrain run", () => {
     expect(r.err).toBe("");
     expect(r.code).toBe(0);
     const lines = r.out.trim().split("\n");
-    expect(lines[0]).toBe("meshtrain run: job three, on a local mesh of 3 trainers, 3 parameter-server shards, a data-loader and a checkpoint service");
+    expect(lines[0]).toBe("meshtrain run: job default.three, on a local mesh of 3 trainers, 3 parameter-server shards, a data-loader and a checkpoint service");
     expect(r.out).toContain(`data       MNIST from ${join(cwd, "mnist")}`);
     // the job's live page, among the opening lines (test/e2e/dashboard.test.ts opens one in a browser)
-    expect(r.out).toMatch(/^ {2}dashboard {2}http:\/\/127\.0\.0\.1:\d+\/jobs\/three /m);
+    expect(r.out).toMatch(/^ {2}dashboard {2}http:\/\/127\.0\.0\.1:\d+\/jobs\/default.three /m);
     const accuracy = Number(/^test accuracy: ([\d.]+)%/m.exec(r.out)![1]);
     expect(accuracy).toBeGreaterThan(80);
     expect(lines.slice(-4)).toEqual([
-      "model:     out/jobs/three/model.mtm",
-      "snapshots: out/jobs/three (step-000000020 is the final one)",
-      "logs:      out/jobs/three/logs",
-      "next:      npx meshtrain eval --model out/jobs/three/model.mtm",
+      "model:     out/jobs/default.three/model.mtm",
+      "snapshots: out/jobs/default.three (step-000000020 is the final one)",
+      "logs:      out/jobs/default.three/logs",
+      "next:      npx meshtrain eval --model out/jobs/default.three/model.mtm",
     ]);
     for (const f of ["model.mtm", "step-000000020", "logs/trainer-2.log", "logs/parameter-server-2.log", "logs/job.json"])
-      expect(existsSync(join(cwd, "out/jobs/three", f))).toBe(true);
+      expect(existsSync(join(cwd, "out/jobs/default.three", f))).toBe(true);
     // a clean run logs no warnings or errors (normal states, such as no snapshot yet, are not warnings)
-    const logs = join(cwd, "out/jobs/three/logs");
+    const logs = join(cwd, "out/jobs/default.three/logs");
     const warnings = readdirSync(logs)
       .filter((f) => f.endsWith(".log") && f !== "nats-server.log")
       .flatMap((f) =>
@@ -123,7 +123,7 @@ describe("meshtrain run", () => {
       );
     expect(warnings).toEqual([]);
     // the exported model is the one the trainers evaluated
-    const ev = cli(cwd, ["eval", "--model", "out/jobs/three/model.mtm"]);
+    const ev = cli(cwd, ["eval", "--model", "out/jobs/default.three/model.mtm"]);
     expect(ev.code).toBe(0);
     expect(Number(/test accuracy: ([\d.]+)%/.exec(ev.out)![1])).toBe(accuracy);
   }, 120_000);
@@ -134,13 +134,13 @@ describe("meshtrain run", () => {
     expect(r.code).toBe(1);
     // the job's plan is made when it is submitted: the data-loader's refusal is the submission's
     expect(r.err.trim().split("\n")).toEqual([
-      "meshtrain: ConfigError: the data-loader cannot plan job nodata: /nonexistent/train-images-idx3-ubyte: file not found (from mt.ctl.plan)",
+      "meshtrain: ConfigError: the data-loader cannot plan job default.nodata: /nonexistent/train-images-idx3-ubyte: file not found (from mt.ctl.plan)",
     ]);
     expect(processesMentioning(cwd)).toEqual([]);
     // fixed (the package's data): the same name runs, with the settings it was started with and the new folder
     const again = cli(cwd, ["run", "--job", "nodata", "--dir", "out", "--data-dir", "", "--no-dashboard"]);
     expect(again.code).toBe(0);
-    expect(again.out.split("\n")[0]).toStartWith("meshtrain run: job nodata, started again with its settings (it has no snapshot)");
+    expect(again.out.split("\n")[0]).toStartWith("meshtrain run: job default.nodata, started again with its settings (it has no snapshot)");
     expect(again.out).not.toContain("dashboard  http"); // --no-dashboard
     expect(again.out).toContain("model      MLP 784-32-10");
     expect(again.out).toMatch(/^test accuracy: /m);
@@ -156,19 +156,19 @@ describe("meshtrain run", () => {
     await waitFor("training to start", () => /^step \d+\/\d+/m.test(run.out()), 60_000);
     run.proc.kill("SIGINT");
     expect(await run.done).toBe(130);
-    expect(run.out()).toContain("SIGINT: stopping job stopme: a snapshot first, then the mesh");
+    expect(run.out()).toContain("SIGINT: stopping job default.stopme: a snapshot first, then the mesh");
     expect(run.out()).toMatch(/snapshot taken: saved step-\d+/);
-    expect(run.out()).toContain("Resume with: npx meshtrain run --job stopme --dir out");
+    expect(run.out()).toContain("Resume with: npx meshtrain run --job default.stopme --dir out");
     expect(processesMentioning(cwd)).toEqual([]); // no nats-server, no service
     expect(readdirSync(tmp)).toEqual([]); // no mt-nats-* folder
     const resumed = cli(cwd, ["run", "--job", "stopme", "--dir", "out"]);
     expect(resumed.code, resumed.err + resumed.out).toBe(0);
-    expect(resumed.out.split("\n")[0]).toMatch(/^meshtrain run: job stopme, resumed from step-\d+,/);
+    expect(resumed.out.split("\n")[0]).toMatch(/^meshtrain run: job default.stopme, resumed from step-\d+,/);
     expect(resumed.out).toContain("training   2 epochs, 2 trainers × 64 samples per step"); // the stopped run's settings
     expect(resumed.out).toMatch(/^test accuracy: /m);
     const again = cli(cwd, ["run", "--job", "stopme", "--dir", "out"]);
     expect(again.code).toBe(1);
-    expect(again.err).toContain("job stopme finished (final snapshot step-000000938");
+    expect(again.err).toContain("job default.stopme finished (final snapshot step-000000938");
   }, 180_000);
 });
 
@@ -186,28 +186,33 @@ describe("meshtrain mesh up and the client commands", () => {
 
     const s = c("submit", ...quick, "--job", "j1");
     expect(s.err).toBe("");
-    expect(s.out).toContain(`submitted job j1 to the mesh at nats://127.0.0.1:${port}`);
+    expect(s.out).toContain(`submitted job default.j1 to the mesh at nats://127.0.0.1:${port}`);
     expect(s.out).toMatch(/^test accuracy: [\d.]+%/m);
-    expect(s.out).toContain("model:     m/jobs/j1/model.mtm");
-    expect(s.out).toContain("logs:      m/jobs/j1/logs");
+    expect(s.out).toContain("model:     m/jobs/default.j1/model.mtm");
+    expect(s.out).toContain("logs:      m/jobs/default.j1/logs");
 
     const table = c("status");
     expect(table.out.split("\n")[0]).toMatch(/^job\s+state\s+accuracy\s+steps/);
-    expect(table.out).toMatch(/^j1\s+done\s+\d+\.\d+%\s+30\s/m);
+    expect(table.out).toMatch(/^default\.j1\s+done\s+\d+\.\d+%\s+30\s/m);
+    expect(c("status", "--all").out).toMatch(/^default\.j1\s+done/m);
     expect(c("status", "j1").out).toMatch(/^state      done; submitted /m);
     const watched = c("watch", "j1");
     expect([watched.code, /^test accuracy: /m.test(watched.out)]).toEqual([0, true]);
     expect(c("checkpoints", "j1").out).toMatch(/^step-000000030  step 30 .* model .*model\.mtm$/m);
 
     const fails: [string[], string][] = [
-      [["cancel", "nosuch"], "meshtrain: UnknownJobError: no job nosuch"],
+      [["cancel", "nosuch"], "meshtrain: UnknownJobError: no job default.nosuch"],
       [["status", "a b"], 'meshtrain: BadRequestError: "a b" is not a job name'],
       [["watch", "j>"], "is not a job name"],
       [["cancel", "*"], "is not a job name"],
-      [["save", "nosuch"], "meshtrain: UnknownJobError: no job nosuch"],
-      [["status", "nosuch"], "meshtrain: UnknownJobError: no job nosuch"],
-      [["watch", "nosuch"], "meshtrain: UnknownJobError: no job nosuch"],
-      [["cancel", "j1"], "meshtrain: JobStateError: job j1 done at"],
+      [["save", "nosuch"], "meshtrain: UnknownJobError: no job default.nosuch"],
+      [["status", "nosuch"], "meshtrain: UnknownJobError: no job default.nosuch"],
+      [["watch", "nosuch"], "meshtrain: UnknownJobError: no job default.nosuch"],
+      [["cancel", "j1"], "meshtrain: JobStateError: job default.j1 done at"],
+      // another owner's job: the local mesh's client user is client-default
+      [["cancel", "bob.x"], "meshtrain: NatsAccessError: permission denied: this client's NATS user may not read the record of job bob.x"],
+      [["status", "--owner", "ctl"], 'meshtrain: BadRequestError: --owner: the owner "ctl" is reserved'],
+      [["status", "j1", "--all"], "--all lists every owner's jobs: give no job with it"],
       [["restore", "j1"], "restore needs a running job"],
       [["submit", ...quick, "--job", "j1"], "give the new run another --job name"],
       [["submit", ...quick, "--trainers", "3"], "meshtrain mesh up --trainers 3 --shards 2"],
@@ -220,14 +225,14 @@ describe("meshtrain mesh up and the client commands", () => {
     }
 
     const detached = c("submit", ...quick, "--epochs", "50", "--job", "j2", "--detach");
-    expect(detached.out).toContain("follow it: npx meshtrain watch j2");
+    expect(detached.out).toContain("follow it: npx meshtrain watch default.j2");
     const cancelled = c("cancel", "j2");
-    expect(cancelled.out).toMatch(/^cancelled job j2 \(cancelled by .+\); resume it later: npx meshtrain submit --job j2$/m);
+    expect(cancelled.out).toMatch(/^cancelled job default.j2 \(cancelled by .+\); resume it later: npx meshtrain submit --job default.j2$/m);
     expect(c("status", "j2").out).toMatch(/^state      cancelled;/m);
     const w = c("watch", "j2");
     expect([w.code, w.err.trim()]).toEqual([
       1,
-      expect.stringMatching(/^meshtrain: JobFailedError: job j2 cancelled: cancelled by .+ \(logs: m\/jobs\/j2\/logs\)$/),
+      expect.stringMatching(/^meshtrain: JobFailedError: job default.j2 cancelled: cancelled by .+ \(logs: m\/jobs\/default.j2\/logs\)$/),
     ]);
 
     up.proc.kill("SIGINT");

@@ -9,7 +9,7 @@ test("the SDK's entry point exports the client, the watcher, the local mesh, con
   for (const name of ["MeshClient", "watchJob", "LocalMesh", "jobConfig", "parseJobConfig", "EventKind", "JobState", "ConfigError", "UnknownJobError"]) {
     expect(sdk).toHaveProperty(name);
   }
-  expect(sdk.jobConfig("gpt", { job: "x", maxSteps: 5 }).model.kind).toBe("gpt");
+  expect(sdk.jobConfig("gpt", { job: "default.x", maxSteps: 5 }).model.kind).toBe("gpt");
   expect(() => sdk.jobConfig("mlp", { job: "no spaces" })).toThrow(sdk.ConfigError);
 });
 

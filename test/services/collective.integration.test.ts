@@ -158,18 +158,27 @@ describe("the collective subject refuses hostile pieces", () => {
   test("shared-memory pieces: no such file, a slot or count out of bounds, a rank that takes none", async () => {
     const bus = await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 });
     await using _closer = { [Symbol.asyncDispose]: () => bus.close() };
-    const options = { job: "hostile-shm", rank: 0, size: 2, generation: 3, pieceBytesMax: 64, windowPieces: 2, sendTimeoutMs: 2_000, peerLostMs: 2_000 };
+    const options = {
+      job: "default.hostile-shm",
+      rank: 0,
+      size: 2,
+      generation: 3,
+      pieceBytesMax: 64,
+      windowPieces: 2,
+      sendTimeoutMs: 2_000,
+      peerLostMs: 2_000,
+    };
     const t = new BusTransport(bus, { ...options, sharedMemory: true });
     const got: number[][] = [];
     t.listen((p) => {
       got.push([...new Float32Array(p.data.slice().buffer)]);
       return { kind: "taken" };
     });
-    const out = ShmOutbox.create("hostile-shm", 3, 1, 0, 2, 64)!;
+    const out = ShmOutbox.create("default.hostile-shm", 3, 1, 0, 2, 64)!;
     expect(out).not.toBeNull();
     out.write(1, Float32Array.of(1.5, -2));
     const good = {
-      job: "hostile-shm",
+      job: "default.hostile-shm",
       generation: 3,
       group: "#all-reduce",
       from: 1,
@@ -183,7 +192,7 @@ describe("the collective subject refuses hostile pieces", () => {
       reason: "",
     };
     const two = new Float32Array(2);
-    const send = (m: Uint8Array) => bus.request(subjects.coll("hostile-shm", 0), m, 2_000);
+    const send = (m: Uint8Array) => bus.request(subjects.coll("default.hostile-shm", 0), m, 2_000);
     await expectRejected(() => send(encodeCollPiece(good, two, { nonce: out.nonce + 1, slot: 1 })), BadRequestError, shmRefusedPrefix);
     await expectRejected(() => send(encodeCollPiece(good, two, { nonce: out.nonce, slot: 2 })), BadRequestError, "slot 2 of 2");
     await expectRejected(() => send(encodeCollPiece(good, new Float32Array(17), { nonce: out.nonce, slot: 1 })), BadRequestError, "exceeds");
@@ -193,10 +202,10 @@ describe("the collective subject refuses hostile pieces", () => {
     out.unlink();
     t.close();
     // a rank without shared memory refuses such pieces, naming why, so the sender goes inline
-    const inline = new BusTransport(bus, { ...options, job: "hostile-inline", sharedMemory: false });
+    const inline = new BusTransport(bus, { ...options, job: "default.hostile-inline", sharedMemory: false });
     inline.listen(() => ({ kind: "taken" }));
-    const m = encodeCollPiece({ ...good, job: "hostile-inline" }, two, { nonce: 5, slot: 0 });
-    await expectRejected(() => bus.request(subjects.coll("hostile-inline", 0), m, 2_000), BadRequestError, shmRefusedPrefix);
+    const m = encodeCollPiece({ ...good, job: "default.hostile-inline" }, two, { nonce: 5, slot: 0 });
+    await expectRejected(() => bus.request(subjects.coll("default.hostile-inline", 0), m, 2_000), BadRequestError, shmRefusedPrefix);
     inline.close();
   });
 
@@ -204,7 +213,7 @@ describe("the collective subject refuses hostile pieces", () => {
     const bus = await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 });
     await using _closer = { [Symbol.asyncDispose]: () => bus.close() };
     const t = new BusTransport(bus, {
-      job: "hostile",
+      job: "default.hostile",
       rank: 0,
       size: 2,
       generation: 3,
@@ -220,7 +229,7 @@ describe("the collective subject refuses hostile pieces", () => {
       return { kind: "taken" };
     });
     const good = {
-      job: "hostile",
+      job: "default.hostile",
       generation: 3,
       group: "#all-reduce",
       from: 1,
@@ -233,8 +242,8 @@ describe("the collective subject refuses hostile pieces", () => {
       offset: 0,
       reason: "",
     };
-    const send = (m: Uint8Array) => bus.request(subjects.coll("hostile", 0), m, 2_000);
-    await expectRejected(() => send(encodeCollPiece({ ...good, job: "other" }, new Float32Array(2))), BadRequestError, "job");
+    const send = (m: Uint8Array) => bus.request(subjects.coll("default.hostile", 0), m, 2_000);
+    await expectRejected(() => send(encodeCollPiece({ ...good, job: "default.other" }, new Float32Array(2))), BadRequestError, "job");
     await expectRejected(() => send(encodeCollPiece({ ...good, generation: 2 }, new Float32Array(2))), BadRequestError, "generation 2");
     await expectRejected(() => send(encodeCollPiece({ ...good, to: 1 }, new Float32Array(2))), BadRequestError, "for rank 1");
     await expectRejected(() => send(encodeCollPiece({ ...good, from: 0 }, new Float32Array(2))), BadRequestError, "not a peer");

@@ -290,7 +290,11 @@ describe("bad pushes are rejected before anything changes", () => {
   const cfg = job({ trainers: 2, sync: "bsp" });
 
   test.each([
-    ["an unknown chunk", (l: ReturnType<typeof buildLayout>) => ({ job: "t.t", trainer: 0, step: 0, chunks: [f32Chunk(999, new Float32Array(4))] }), "not owned"],
+    [
+      "an unknown chunk",
+      (l: ReturnType<typeof buildLayout>) => ({ job: "t.t", trainer: 0, step: 0, chunks: [f32Chunk(999, new Float32Array(4))] }),
+      "not owned",
+    ],
     [
       "a wrong element count",
       (l: ReturnType<typeof buildLayout>) => ({ job: "t.t", trainer: 0, step: 0, chunks: [f32Chunk(l.chunks[0]!.id, new Float32Array(7))] }),

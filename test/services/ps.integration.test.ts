@@ -32,7 +32,7 @@ import { clientBus, type ServiceProcess, spawnService, startNatsServer, waitFor 
 
 const cfg: JobConfig = {
   ...jobDefaults,
-  job: "psjob",
+  job: "default.psjob",
   model: { kind: "mlp", widths: [784, 16, 10], dropout: 0 },
   trainers: 2,
   shards: 2,
@@ -111,8 +111,8 @@ test("both shards answer $SRV.PING and $SRV.STATS as parameter-server instances"
   expect(found.sort()).toEqual(["0", "1"]);
   const endpoints: string[] = [];
   for await (const s of await client.stats("parameter-server")) endpoints.push(...(s.endpoints ?? []).map((e) => e.subject));
-  expect(endpoints).toContain("mt.*.ps.0.push.*");
-  expect(endpoints).toContain("mt.*.ps.1.pull.*");
+  expect(endpoints).toContain("mt.*.*.ps.0.push.*");
+  expect(endpoints).toContain("mt.*.*.ps.1.pull.*");
 });
 
 test("a BSP step across two shard processes: both pushes averaged into one update, pulls wait for it", async () => {
@@ -168,11 +168,17 @@ describe("bad input on every subject gets an error reply, and the shard keeps se
       BadRequestError,
       "5 elements",
     ],
-    ["push: unknown job", subjects.psPush("nojob", 0, 0), encodePushRequest({ job: "nojob", trainer: 0, step: 0, chunks: [] }), UnknownJobError, "nojob"],
+    [
+      "push: unknown job",
+      subjects.psPush("default.nojob", 0, 0),
+      encodePushRequest({ job: "default.nojob", trainer: 0, step: 0, chunks: [] }),
+      UnknownJobError,
+      "nojob",
+    ],
     [
       "push: job differs from subject",
       subjects.psPush(job, 0, 0),
-      encodePushRequest({ job: "other", trainer: 0, step: 0, chunks: [] }),
+      encodePushRequest({ job: "default.other", trainer: 0, step: 0, chunks: [] }),
       BadRequestError,
       "other",
     ],
@@ -206,7 +212,7 @@ describe("bad input on every subject gets an error reply, and the shard keeps se
       "trainer 9",
     ],
     ["stats: garbage", subjects.psStats(job, 0), garbage, WireFormatError, ""],
-    ["stats: unknown job", subjects.psStats("ghost", 1), encodeJobRequest({ job: "ghost", step: 0, tag: "" }), UnknownJobError, "ghost"],
+    ["stats: unknown job", subjects.psStats("default.ghost", 1), encodeJobRequest({ job: "default.ghost", step: 0, tag: "" }), UnknownJobError, "ghost"],
     ["state: truncated", subjects.psState(job, 0), new Uint8Array(3), WireFormatError, "shorter"],
     [
       "load: snapshot of the wrong shard",

@@ -254,7 +254,9 @@ describe("a nats-server with the roles", async () => {
       expect((e as Error).message).toMatch(/permission denied/);
     };
     await refused("write another owner's record", () => alice.jobs.createRecord(runningRecord("bob.mnist", "{}", 1)));
-    await refused("overwrite another owner's spec", () => alice.jobs.putSpec({ job: "bob.gpt", trainers: 1, shards: 1, sync: 0, staleness: 0, configJson: "{}" }));
+    await refused("overwrite another owner's spec", () =>
+      alice.jobs.putSpec({ job: "bob.gpt", trainers: 1, shards: 1, sync: 0, staleness: 0, configJson: "{}" }),
+    );
     await refused("read another owner's record", () => alice.record("bob.gpt"));
     await refused("cancel another owner's job", () => alice.cancel("bob.gpt"));
     await refused("list every owner's jobs", () => alice.list({ every: true }));
@@ -331,7 +333,9 @@ test("a local mesh runs with the roles by default: BSP and all-reduce jobs submi
   }
   const log = readFileSync(join(dir, "logs", "nats-server.log"), "utf8");
   // the only ones: the client's restores above, refused
-  expect(log.split("\n").filter((l) => /Violation/.test(l) && !/Publish Violation .* Subject "mt\.default\.roles-(bsp|ar)\.ckpt\.restore"/.test(l))).toEqual([]);
+  expect(log.split("\n").filter((l) => /Violation/.test(l) && !/Publish Violation .* Subject "mt\.default\.roles-(bsp|ar)\.ckpt\.restore"/.test(l))).toEqual(
+    [],
+  );
   // an anonymous client cannot even connect
   expect(await MeshClient.connect(mesh.url, { connectRetryMsMax: 2_000 }).catch((e: unknown) => e)).toBeInstanceOf(NatsAccessError);
 }, 120_000);
