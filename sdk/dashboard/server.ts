@@ -10,6 +10,7 @@
 //   GET /jobs/<job>/state.json     what the page is drawn from (curves and tables)
 //   GET /jobs/<job>/status.json    record, config, shard clocks, trainers, snapshots (fresh)
 //   GET /jobs/<job>/snapshots.json the job's snapshots (fresh)
+import { hostname } from "node:os";
 import { join } from "node:path";
 import type { Server } from "bun";
 import { decodeEvent, decodeHeartbeat, EventKind, JobState } from "../../schemas/messages.ts";
@@ -88,9 +89,10 @@ export class Dashboard implements AsyncDisposable {
     }
   }
 
-  /** http://host:port */
+  /** http://host:port (listening on every interface: this machine's name, which others can reach) */
   get url(): string {
-    const host = this.server.hostname ?? "127.0.0.1";
+    const bound = this.server.hostname ?? "127.0.0.1";
+    const host = bound === "0.0.0.0" || bound === "::" ? hostname() : bound;
     return `http://${host.includes(":") ? `[${host}]` : host}:${this.server.port}`;
   }
 

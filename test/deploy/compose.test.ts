@@ -205,8 +205,8 @@ test.skipIf(skip("a Docker engine", missing))(
     const dc = (...args: string[]) => mustRun([...compose, "-p", project, "-f", composeFile, ...args], env);
     const url = `nats://127.0.0.1:${port}`;
     const tag = process.pid.toString(36);
-    const long = jobConfig(`compose-long-${tag}`, 200);
-    const short = jobConfig(`compose-short-${tag}`, 10);
+    const long = jobConfig(`default.compose-long-${tag}`, 200);
+    const short = jobConfig(`default.compose-short-${tag}`, 10);
     // where the time goes, printed at the end (no bound is checked)
     const phases: string[] = [];
     let t = performance.now();

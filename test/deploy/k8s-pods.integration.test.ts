@@ -7,7 +7,7 @@
 // loopback (MT_NATS_URL, MT_KV_REPLICAS=1), a free port for the metrics (MT_METRICS_PORT: tests
 // never bind fixed ports), and mounts under a temporary folder.
 import { afterAll, describe, expect, test } from "bun:test";
-import { cpSync, mkdirSync, readFileSync } from "node:fs";
+import { cpSync, mkdirSync, readdirSync, readFileSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { parse as parseYaml } from "yaml";
 import { freePort } from "../../services/runtime/nats-server.ts";
@@ -59,6 +59,23 @@ function mountAll(o: K8sObject, c: any, creds: string, rootDir: string): void {
   }
 }
 
+/**
+ * Runs the pod's init containers as the kubelet would, before its services: their `sh -c` command
+ * with $(VAR)s expanded and each mount's path moved under the pod's folder.
+ */
+function runInitContainers(o: K8sObject, pod: Pod, creds: string, rootDir: string): void {
+  for (const c of podTemplate(o)!.spec.initContainers ?? []) {
+    if (c.command?.[0] !== "sh" || c.command[1] !== "-c") throw new Error(`this test runs only sh -c init containers, not ${c.name}'s ${c.command}`);
+    mountAll(o, c, creds, rootDir);
+    let script = expand(c.command[2], podEnv(c, pod));
+    // one pass, the longest path first (one mount's path may begin another's)
+    const paths = (c.volumeMounts ?? []).map((m: { mountPath: string }) => m.mountPath as string).sort((x: string, y: string) => y.length - x.length);
+    script = script.replace(new RegExp(paths.map((p: string) => p.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")).join("|"), "g"), (p) => join(rootDir, p));
+    const run = Bun.spawnSync(["sh", "-c", script], { stdout: "pipe", stderr: "pipe" });
+    if (run.exitCode !== 0) throw new Error(`init container ${c.name} of ${pod.name} failed: ${run.stderr.toString()}`);
+  }
+}
+
 const replicasOf = (name: string) => objects.find((o) => o.kind === "StatefulSet" && o.metadata.name === name)!.spec.replicas as number;
 
 describe("deploy/k8s pods without Kubernetes", () => {
@@ -71,6 +88,7 @@ describe("deploy/k8s pods without Kubernetes", () => {
       for (const o of objects.filter((x) => podTemplate(x) !== null)) {
         const ordinal = o.kind === "StatefulSet" ? o.spec.replicas - 1 : 0;
         const pod = { name: o.kind === "StatefulSet" ? `${o.metadata.name}-${ordinal}` : `${o.metadata.name}-7d9f8-x2x4q`, ordinal, node: "node-a" };
+        if (String(podTemplate(o)!.spec.containers[0]?.command?.[1]).startsWith("services/")) runInitContainers(o, pod, creds.dir, join(dir, pod.name));
         for (const c of podTemplate(o)!.spec.containers) {
           if (!String(c.command?.[1]).startsWith("services/")) continue; // NATS's own pods: the config test covers them
           const rootDir = join(dir, pod.name);
@@ -91,6 +109,10 @@ describe("deploy/k8s pods without Kubernetes", () => {
         }
         expect(s.proc.proc.exitCode).toBeNull();
       }
+      // a rank's and a shard's pod holds its own seed only (the init container copied it there)
+      expect(readdirSync(join(dir, "trainer-1", "var/run/meshtrain/nkey"))).toEqual(["trainer-1.nk"]);
+      expect(readdirSync(join(dir, "parameter-server-1", "var/run/meshtrain/nkey"))).toEqual(["ps-1.nk"]);
+      expect(statSync(join(dir, "trainer-1", "var/run/meshtrain/nkey", "trainer-1.nk")).mode & 0o777).toBe(0o400);
       // the ordinal became the rank and the shard (the processes log them with every line)
       expect(started.find((s) => s.where === "trainer-1")!.proc.log()).toContain('"rank":1');
       expect(started.find((s) => s.where === "parameter-server-1")!.proc.log()).toContain('"shard":1');

@@ -94,10 +94,26 @@ function nkeyProblems(where: string, o: K8sObject, c: any, podSpec: any, secrets
   const ordinals = o.kind === "StatefulSet" ? Array.from({ length: o.spec.replicas ?? 1 }, (_, i) => String(i)) : ["-"];
   const files = ordinals.map((i) => expand(template, Object.fromEntries(ordinalVars.map((v) => [v, i]))));
   const mount = (c.volumeMounts ?? []).find((m: { mountPath: string }) => m.mountPath === dirname(files[0]!));
-  const volume = (podSpec.volumes ?? []).find((v: { name: string }) => v.name === mount?.name);
+  const volumeNamed = (name: string | undefined) => (podSpec.volumes ?? []).find((v: { name: string }) => v.name === name);
+  let volume = volumeNamed(mount?.name);
+  const problems: string[] = [];
+  if (volume?.emptyDir !== undefined) {
+    // the pod's own seed, copied there by an init container from the Secret of every ordinal's,
+    // which the service's container itself must not mount
+    const init = (podSpec.initContainers ?? []).find((i: any) => (i.volumeMounts ?? []).some((m: { name: string }) => m.name === volume.name));
+    const from = (init?.volumeMounts ?? []).find((m: { name: string }) => volumeNamed(m.name)?.secret !== undefined);
+    if (init === undefined || from === undefined) return [`${where}: MT_NATS_NKEY's folder is an emptyDir that no init container fills from a Secret`];
+    const source = `${from.mountPath}/${basename(template)}`;
+    const initOrdinals = (init.env ?? []).filter((e: any) => e.valueFrom?.fieldRef?.fieldPath === podIndex).map((e: { name: string }) => e.name);
+    if (!(init.command ?? []).join(" ").includes(source) || ordinalVars.some((v) => !initOrdinals.includes(v))) {
+      problems.push(`${where}: init container ${init.name} does not copy ${source} with the pod's ordinal in ${ordinalVars.join(", ")}`);
+    }
+    if ((c.volumeMounts ?? []).some((m: { name: string }) => m.name === from.name))
+      problems.push(`${where}: the container mounts every ordinal's seeds itself`);
+    volume = volumeNamed(from.name);
+  }
   const keys = secrets.get(volume?.secret?.secretName);
   if (keys === undefined) return [`${where}: no Secret is mounted at ${dirname(files[0]!)}, the folder of MT_NATS_NKEY`];
-  const problems: string[] = [];
   if (volume.secret.defaultMode !== 0o400) problems.push(`${where}: the seeds' mode is ${volume.secret.defaultMode?.toString(8)}, not 400`);
   const want = [...new Set(files.map((f) => basename(f)))].sort();
   if (JSON.stringify(want) !== JSON.stringify([...keys].sort())) {
@@ -211,6 +227,17 @@ describe("deploy/k8s manifests", () => {
       ["a variable", (o) => o.spec.template.spec.containers[0].env.push({ name: "MT_RANKS", value: "2" }), /trainer reads no MT_RANKS/],
       ["the replicas", (o) => (o.spec.replicas = 3), /read trainer-0.nk, trainer-1.nk, trainer-2.nk; Secret nkeys-trainer holds trainer-0.nk, trainer-1.nk/],
       ["a probe's port", (o) => (o.spec.template.spec.containers[0].readinessProbe.httpGet.port = "metric"), /readinessProbe probes port metric/],
+      [
+        "the seed the init container copies",
+        (o) => (o.spec.template.spec.initContainers[0].command[2] = o.spec.template.spec.initContainers[0].command[2].replaceAll("$(MT_RANK)", "0")),
+        /init container own-nkey does not copy \/var\/run\/meshtrain\/nkeys\/trainer-\$\(MT_RANK\)\.nk/,
+      ],
+      [
+        "every seed mounted in the trainer",
+        (o) => o.spec.template.spec.containers[0].volumeMounts.push({ name: "nkeys", mountPath: "/seeds", readOnly: true }),
+        /the container mounts every ordinal's seeds itself/,
+      ],
+      ["an undefined variable in a command", (o) => delete o.spec.template.spec.initContainers[0].env, /its command refers to \$\(MT_RANK\)/],
     ];
     for (const [what, mutate, problem] of cases) {
       const o = trainer();

@@ -149,7 +149,9 @@ export function podProblems(objs: readonly K8sObject[], secrets: ReadonlyMap<str
       if (v.configMap && !named(objs, "ConfigMap", v.configMap.name)) problems.push(`${where}: volume ${v.name}: no ConfigMap ${v.configMap.name}`);
       if (v.secret && !secrets.has(v.secret.secretName)) problems.push(`${where}: volume ${v.name}: no Secret ${v.secret.secretName}`);
     }
-    for (const c of pod.spec.containers ?? []) problems.push(...containerProblems(`${where} container ${c.name}`, c, objs, volumes));
+    for (const c of [...(pod.spec.initContainers ?? []), ...(pod.spec.containers ?? [])]) {
+      problems.push(...containerProblems(`${where} container ${c.name}`, c, objs, volumes));
+    }
     const promPort = o.spec?.template?.metadata?.annotations?.["prometheus.io/port"];
     const ports = (pod.spec.containers ?? []).flatMap((c: Any) => (c.ports ?? []).map((p: Any) => String(p.containerPort)));
     if (promPort !== undefined && !ports.includes(promPort)) problems.push(`${where}: prometheus.io/port ${promPort} is no container port`);
@@ -171,6 +173,12 @@ function containerProblems(where: string, c: Any, objs: readonly K8sObject[], vo
       if (!defined.has(ref!)) problems.push(`${where}: ${e.name} refers to $(${ref}), which is not defined before it`);
     }
     defined.add(e.name);
+  }
+  // the kubelet expands $(VAR) in the command and its arguments too
+  for (const arg of [...(c.command ?? []), ...(c.args ?? [])]) {
+    for (const [, ref] of String(arg).matchAll(/\$\(([A-Za-z_][A-Za-z0-9_]*)\)/g)) {
+      if (!defined.has(ref!)) problems.push(`${where}: its command refers to $(${ref}), which its environment does not define`);
+    }
   }
   const portNames = new Set((c.ports ?? []).map((p: Any) => p.name));
   for (const kind of ["startupProbe", "livenessProbe", "readinessProbe"]) {

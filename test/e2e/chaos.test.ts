@@ -11,7 +11,7 @@ import { Rng } from "../../engine/rng.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { JobData } from "../../services/data-loader/loader.ts";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { defaultOwner, type JobConfig, jobDefaults, parseJobConfig, qualifyJob } from "../../services/runtime/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";
@@ -54,7 +54,7 @@ test("twelve SIGKILLs of every kind of process, some within 2 s of each other: t
   const config = (job: string): JobConfig =>
     parseJobConfig({
       ...jobDefaults,
-      job: `default.${job}`,
+      job: qualifyJob(job, defaultOwner),
       model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
       epochs: 3,
       warmupSteps: 20,

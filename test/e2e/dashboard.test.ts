@@ -5,11 +5,13 @@
 // .test-results/dashboard.png.
 import { afterAll, describe, expect, test } from "bun:test";
 import { existsSync, mkdirSync } from "node:fs";
+import { hostname } from "node:os";
 import { join } from "node:path";
 import { type Browser, chromium } from "playwright-core";
 import { EventKind } from "../../schemas/messages.ts";
 import { jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
+import { Dashboard } from "../../sdk/dashboard/server.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { removeTempDirs, root, tempDir } from "../helpers/mesh.ts";
 import { skip } from "../helpers/skip.ts";
@@ -68,15 +70,24 @@ describe("dashboard", () => {
         stderr: "pipe",
       });
       expect(nope.exitCode).toBe(1);
-      expect(nope.stderr.toString()).toContain("no job nope");
+      expect(nope.stderr.toString()).toContain("no job default.nope");
+
+      {
+        // listening on every interface, it names this machine (0.0.0.0 is no address to open)
+        await using wide = Dashboard.start({ client, port: 0, host: "0.0.0.0" });
+        expect(wide.url).toStartWith(`http://${hostname()}:`);
+      }
 
       const asClient = mesh.auth("client").nkeyFile; // the dashboard needs no more than the client role
       const { proc, url } = await startDashboardCli([cfg.job, "--nats-url", mesh.url, "--port", "0"], asClient ? { MT_NATS_NKEY: asClient } : {});
       let browser: Browser | null = null;
       try {
-        expect(url).toEndWith("/jobs/dash");
-        expect((await fetch(url.replace("/dash", "/nope"))).status).toBe(404);
-        expect(await (await fetch(new URL("/", url))).text()).toContain('href="/jobs/dash"');
+        expect(url).toEndWith("/jobs/default.dash");
+        expect((await fetch(url.replace("/default.dash", "/nope"))).status).toBe(404);
+        // another owner's job: this dashboard's client user may not read it
+        const other = await fetch(url.replace("/default.dash", "/bob.dash"));
+        expect([other.status, await other.text()]).toEqual([403, expect.stringContaining("permission denied")]);
+        expect(await (await fetch(new URL("/", url))).text()).toContain('href="/jobs/default.dash"');
         const status = (await (await fetch(`${url}/status.json`)).json()) as { record: { state: string }; shards: { clocks: number[] }[] };
         expect(status.record.state).toBe("running");
         expect(status.shards[0]!.clocks).toHaveLength(2);

@@ -30,7 +30,7 @@ import {
   Split,
   withChecksum,
 } from "../../schemas/messages.ts";
-import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job.ts";
+import { defaultOwner, type JobConfig, jobDefaults, parseJobConfig, subjects, qualifyJob } from "../../services/runtime/job.ts";
 import { specOfConfig, MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";
@@ -44,7 +44,7 @@ const fuzzSeed = Number(process.env.MT_FUZZ_SEED ?? 20261123);
 const config = (job: string, over: Partial<JobConfig>): JobConfig =>
   parseJobConfig({
     ...jobDefaults,
-    job: `default.${job}`,
+    job: qualifyJob(job, defaultOwner),
     model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
     epochs: 2,
     warmupSteps: 20,

@@ -11,7 +11,7 @@ import { defaultMnistDir } from "../../engine/data/mnist.ts";
 import { readModelFile } from "../../engine/modelfile.ts";
 import { encodeJobRequest, type Event, EventKind, JobState, SyncPolicy } from "../../schemas/messages.ts";
 import { CapacityError, ConfigError, JobStateError, UnknownJobError } from "../../services/runtime/errors.ts";
-import { type JobConfig, jobConfigFromJson, jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job.ts";
+import { defaultOwner, type JobConfig, jobConfigFromJson, jobDefaults, parseJobConfig, subjects, qualifyJob } from "../../services/runtime/job.ts";
 import { runningRecord } from "../../services/runtime/jobs.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
@@ -27,7 +27,7 @@ let dir: string;
 const small = (job: string, over: Partial<JobConfig> = {}): JobConfig =>
   parseJobConfig({
     ...jobDefaults,
-    job: `default.${job}`,
+    job: qualifyJob(job, defaultOwner),
     model: { kind: "mlp", widths: [784, 32, 10], dropout: 0 },
     trainers: 3,
     shards: 3,
@@ -121,7 +121,7 @@ describe("jobs on one long-running mesh", () => {
   ])(
     "data the loader cannot read (%s): the submission is refused with the loader's reason; a spec written past it fails the job at once",
     async (_, dataDir, fragment) => {
-      const job = `bad-data-${Date.now()}`;
+      const job = `default.bad-data-${Date.now()}`;
       const cfg = small(job, { dataDir: dataDir() });
       // the plan is made at submission, by the data-loader: its refusal is the submission's, and no job is left behind
       await expectRejected(() => client.submit(cfg), ConfigError, `the data-loader cannot plan job ${job}`, fragment);
@@ -162,14 +162,14 @@ describe("jobs on one long-running mesh", () => {
     expect(snaps.length).toBeGreaterThan(0);
     const newest = snaps.at(-1)!.step;
 
-    await expectRejected(() => client.cancel(cfg.job), JobStateError, "job resumable cancelled at", "nothing to cancel");
-    await expectRejected(() => client.cancel("nosuch"), UnknownJobError, "no job nosuch");
-    await expectRejected(() => client.saveCheckpoint("nosuch"), UnknownJobError, "no job nosuch");
+    await expectRejected(() => client.cancel(cfg.job), JobStateError, "job default.resumable cancelled at", "nothing to cancel");
+    await expectRejected(() => client.cancel("nosuch"), UnknownJobError, "no job default.nosuch");
+    await expectRejected(() => client.saveCheckpoint("nosuch"), UnknownJobError, "no job default.nosuch");
     await expectRejected(() => client.saveCheckpoint(cfg.job), JobStateError, "needs a running job");
     await expectRejected(() => client.restore(cfg.job), JobStateError, "restore needs a running job");
     await expectRejected(() => client.checkpoints("nosuch"), UnknownJobError, "no snapshots");
-    await expectRejected(() => client.status("nosuch"), UnknownJobError, "no job nosuch");
-    await expectRejected(() => watchJob(client, cfg.job, { quiet: true }), JobFailedError, "job resumable cancelled");
+    await expectRejected(() => client.status("nosuch"), UnknownJobError, "no job default.nosuch");
+    await expectRejected(() => watchJob(client, cfg.job, { quiet: true }), JobFailedError, "job default.resumable cancelled");
 
     await expectRejected(() => client.submit({ ...cfg, lr: 0.2 }), JobStateError, "ran before with other settings (lr: 0.1 -> 0.2)");
     // past the SDK's check (a script that writes the spec itself): the checkpoint service refuses
@@ -187,7 +187,7 @@ describe("jobs on one long-running mesh", () => {
     });
     const refused = await follow(cfg.job);
     expect(refused.record.state).toBe(JobState.Failed);
-    expect(refused.record.reason).toContain("checkpoint cannot open job resumable: job resumable has snapshots taken with other settings");
+    expect(refused.record.reason).toContain("checkpoint cannot open job default.resumable: job default.resumable has snapshots taken with other settings");
     expect(refused.record.reason).toContain("lr: 0.1 -> 0.2");
     expect(await client.checkpoints(cfg.job)).toEqual(snaps); // untouched
     const rec = await client.submit(cfg);

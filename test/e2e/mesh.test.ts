@@ -287,7 +287,7 @@ describe("mesh", () => {
     expect(failed).toBeInstanceOf(JobFailedError);
     const record = (failed as JobFailedError).record!;
     expect(record.state).toBe(JobState.Failed);
-    expect(record.reason).toContain("shard 1 restarted and lost its state, and job nosnap has no snapshot to restore it from (checkpointEvery is 0)");
+    expect(record.reason).toContain("shard 1 restarted and lost its state, and job default.nosnap has no snapshot to restore it from (checkpointEvery is 0)");
   }, 120_000);
 
   test("compressed pushes and pulls: bf16 moves half the bytes of f32, int8 pushes a quarter; both learn", async () => {
