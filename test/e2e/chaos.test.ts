@@ -44,12 +44,22 @@ function schedule(rng: Rng, totalSteps: number): Fault[] {
   return picks.map((target, i) => (close.has(i) ? { target, afterMs: 300 + rng.int(1500) } : { target, atStep: steps[i]! }));
 }
 
+/** At most 50 steps/s: the 703-step job lasts 14 s or more, where a chain of faults takes under 8 s. */
+const stepDelayMs = 20;
+
 const describeFault = (f: Fault) => `${f.target} ${f.atStep !== undefined ? `at step ${f.atStep}` : `${f.afterMs} ms after the one before`}`;
 
 test("twelve SIGKILLs of every kind of process, some within 2 s of each other: the job finishes within 0.3% of the fault-free accuracy, every step applied once, every sample once per epoch", async () => {
   const dir = tempDir("mt-chaos-all-");
   const lines: string[] = [];
-  await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), onEvent: (l) => lines.push(l) });
+  // every step takes at least stepDelayMs: the job must outlast its faults (a fault that waits for
+  // its target's restart, then the ones timed after it, take seconds), however fast the machine
+  await using mesh = await LocalMesh.start({
+    jobsDir: join(dir, "jobs"),
+    logDir: join(dir, "logs"),
+    env: { MT_STEP_DELAY_MS: String(stepDelayMs) },
+    onEvent: (l) => lines.push(l),
+  });
   await using client = await MeshClient.connect(mesh.url, mesh.auth());
   const config = (job: string): JobConfig =>
     parseJobConfig({
