@@ -31,6 +31,8 @@ const handler = async (data: Uint8Array) => {
 };
 serving.handle("t.handle", handler);
 serving.serve({ name: "served", subject: "t.serve", handler });
+// the subscriptions reach the server before the first request (another connection sends it)
+await serving.nc.flush();
 
 for (const subject of ["t.handle", "t.serve"]) {
   test(`${subject}: an answer over max_payload is a LimitExceededError naming the sizes; the next request is answered`, async () => {
