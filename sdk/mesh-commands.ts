@@ -4,7 +4,7 @@
 // cause (and the log to read).
 import { existsSync } from "node:fs";
 import { join } from "node:path";
-import type { Command } from "commander";
+import { type Command, Option } from "commander";
 import { JobState } from "../schemas/messages.ts";
 import { defaultOwner, jobConfigFromJson, jobDefaults, ownerProblem, parseJobConfig } from "../services/runtime/job.ts";
 import { MeshClient } from "./client.ts";
@@ -23,6 +23,12 @@ import { NatsUnreachableError } from "../services/runtime/nats.ts";
 import { BadRequestError, CapacityError } from "../services/runtime/errors.ts";
 
 const d = jobDefaults;
+
+/** `--clients`, of `creds` and `mesh up`: a client user per owner of jobs (services/runtime/roles.ts). */
+const clientsOption = () =>
+  new Option("--clients <owners>", "the owners of jobs, comma-separated: one client user each (client-<owner>.nk), who acts on that owner's jobs only")
+    .argParser(ownerList)
+    .default([defaultOwner]);
 
 const natsOption = (cmd: Command) =>
   cmd
@@ -121,12 +127,7 @@ export function addMeshCommands(program: Command): void {
     .option("--trainers <n>", "trainer ranks to run (a job may use fewer)", int(1, 64), d.trainers)
     .option("--shards <n>", "parameter-server shards to run (a job may use fewer)", int(1, 64), d.shards)
     .option("--no-auth", "run NATS without users: anyone who reaches its port may do anything (default: a user per role, credentials in <dir>/creds)")
-    .option(
-      "--clients <owners>",
-      "the owners of jobs, comma-separated: one client user each (client-<owner>.nk), who acts on that owner's jobs only",
-      ownerList,
-      [defaultOwner],
-    )
+    .addOption(clientsOption())
     .action(async (opts: { dir: string; port: number; trainers: number; shards: number; auth: boolean; clients: string[] }) => {
       await meshUp({ ...opts, dir: userPath(opts.dir) });
     });
@@ -139,9 +140,7 @@ export function addMeshCommands(program: Command): void {
     .requiredOption("--dir <dir>", "the folder to write them to (created with mode 0700)")
     .option("--trainers <n>", "trainer ranks: one user each (trainer-<r>)", int(1, roleTrainersMax), d.trainers)
     .option("--shards <n>", "parameter-server shards: one user each (ps-<k>)", int(0, roleShardsMax), d.shards)
-    .option("--clients <owners>", "the owners of jobs, comma-separated: one client user each (client-<owner>), who acts on that owner's jobs only", ownerList, [
-      defaultOwner,
-    ])
+    .addOption(clientsOption())
     .action((opts: { dir: string; trainers: number; shards: number; clients: string[] }) => {
       const c = makeCredentials(userPath(opts.dir), { trainers: opts.trainers, shards: opts.shards, clients: opts.clients });
       const users = roleUsers(opts);

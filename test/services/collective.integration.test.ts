@@ -155,19 +155,37 @@ describe("ring with its values through shared memory, one process per rank", () 
 });
 
 describe("the collective subject refuses hostile pieces", () => {
+  /** Rank 0 of a 2-rank communicator of `job`, generation 3, with small pieces and short waits. */
+  const rankZero = (job: string) => ({
+    job,
+    rank: 0,
+    size: 2,
+    generation: 3,
+    pieceBytesMax: 64,
+    windowPieces: 2,
+    sendTimeoutMs: 2_000,
+    peerLostMs: 2_000,
+  });
+  /** A well-formed piece of `job` from rank 1 to rank 0: the tests change one thing of it. */
+  const pieceFromOne = (job: string) => ({
+    job,
+    generation: 3,
+    group: "#all-reduce",
+    from: 1,
+    to: 0,
+    step: 0,
+    bucket: 0,
+    phase: CollPhase.ReduceScatter,
+    hop: 0,
+    piece: 0,
+    offset: 0,
+    reason: "",
+  });
+
   test("shared-memory pieces: no such file, a slot or count out of bounds, a rank that takes none", async () => {
     const bus = await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 });
     await using _closer = { [Symbol.asyncDispose]: () => bus.close() };
-    const options = {
-      job: "default.hostile-shm",
-      rank: 0,
-      size: 2,
-      generation: 3,
-      pieceBytesMax: 64,
-      windowPieces: 2,
-      sendTimeoutMs: 2_000,
-      peerLostMs: 2_000,
-    };
+    const options = rankZero("default.hostile-shm");
     const t = new BusTransport(bus, { ...options, sharedMemory: true });
     const got: number[][] = [];
     t.listen((p) => {
@@ -177,20 +195,7 @@ describe("the collective subject refuses hostile pieces", () => {
     const out = ShmOutbox.create("default.hostile-shm", 3, 1, 0, 2, 64)!;
     expect(out).not.toBeNull();
     out.write(1, Float32Array.of(1.5, -2));
-    const good = {
-      job: "default.hostile-shm",
-      generation: 3,
-      group: "#all-reduce",
-      from: 1,
-      to: 0,
-      step: 0,
-      bucket: 0,
-      phase: CollPhase.ReduceScatter,
-      hop: 0,
-      piece: 0,
-      offset: 0,
-      reason: "",
-    };
+    const good = pieceFromOne("default.hostile-shm");
     const two = new Float32Array(2);
     const send = (m: Uint8Array) => bus.request(subjects.coll("default.hostile-shm", 0), m, 2_000);
     await expectRejected(() => send(encodeCollPiece(good, two, { nonce: out.nonce + 1, slot: 1 })), BadRequestError, shmRefusedPrefix);
@@ -212,36 +217,13 @@ describe("the collective subject refuses hostile pieces", () => {
   test("wrong job, generation, addressee, sender, length: error replies; the rank keeps working", async () => {
     const bus = await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 });
     await using _closer = { [Symbol.asyncDispose]: () => bus.close() };
-    const t = new BusTransport(bus, {
-      job: "default.hostile",
-      rank: 0,
-      size: 2,
-      generation: 3,
-      pieceBytesMax: 64,
-      windowPieces: 2,
-      sendTimeoutMs: 2_000,
-      peerLostMs: 2_000,
-      sharedMemory: false,
-    });
+    const t = new BusTransport(bus, { ...rankZero("default.hostile"), sharedMemory: false });
     const taken: number[] = [];
     t.listen((p) => {
       taken.push(p.piece);
       return { kind: "taken" };
     });
-    const good = {
-      job: "default.hostile",
-      generation: 3,
-      group: "#all-reduce",
-      from: 1,
-      to: 0,
-      step: 0,
-      bucket: 0,
-      phase: CollPhase.ReduceScatter,
-      hop: 0,
-      piece: 0,
-      offset: 0,
-      reason: "",
-    };
+    const good = pieceFromOne("default.hostile");
     const send = (m: Uint8Array) => bus.request(subjects.coll("default.hostile", 0), m, 2_000);
     await expectRejected(() => send(encodeCollPiece({ ...good, job: "default.other" }, new Float32Array(2))), BadRequestError, "job");
     await expectRejected(() => send(encodeCollPiece({ ...good, generation: 2 }, new Float32Array(2))), BadRequestError, "generation 2");
