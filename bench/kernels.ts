@@ -29,23 +29,29 @@ interface Case {
   run: () => void;
 }
 
+/** Whole-number shapes of every case for n elements (n a multiple of 2^18): rows of GPT-2's
+ *  width, cross-entropy rows of a 1024 vocabulary, a (B,T,12,64) transpose. */
+export function kernelShapes(n: number) {
+  if (!Number.isSafeInteger(n) || n <= 0 || n % (1 << 18) !== 0) throw new ConfigError(`--elems must be a positive multiple of ${1 << 18}, got ${n}`);
+  const C = 768; // a GPT-2 width: rows of a few KB
+  const N = Math.floor(n / C);
+  const V = 1024; // cross-entropy / embedding vocabulary
+  const T = 256; // the transpose's sequence length
+  const B = Math.floor(N / T);
+  return { C, N, NC: N * C, V, NV: n / V, T, B, BTC: B * T * C };
+}
+
 function cases(be: Backend, n: number, buf: (elems: number) => Ptr, ints: (count: number, limit: number) => Ptr): Case[] {
   const [x, y, z, w] = [buf(n), buf(n), buf(n), buf(n)];
   const half = buf(n / 2);
-  const C = 768; // a GPT-2 width: rows of a few KB
-  const N = Math.floor(n / C);
-  const NC = N * C;
+  const { C, N, NC, V, NV, T, B, BTC } = kernelShapes(n);
   const vec = buf(C);
   const vec2 = buf(C);
   const rowStats = buf(N);
   const rowStats2 = buf(N);
-  const V = 1024; // cross-entropy / embedding vocabulary
-  const NV = n / V;
   const targets = ints(NV, V);
   const table = buf(V * C);
   const ids = ints(N, V);
-  const T = 256; // attention: (BH, T, T); also the transpose's sequence length (N*C is a multiple of T*C)
-  const BH = n / (T * T);
   const lossScalar = buf(1);
   be.fill(lossScalar, 1, 1);
   const f = 4;
@@ -58,19 +64,27 @@ function cases(be: Backend, n: number, buf: (elems: number) => Ptr, ints: (count
     { name: "reluBackward", bytes: 4 * n * f, run: () => be.reluBackward(z, x, y, n) },
     { name: "geluForward", bytes: 2 * n * f, run: () => be.geluForward(y, x, n) },
     { name: "geluBackward", bytes: 4 * n * f, run: () => be.geluBackward(z, x, y, n) },
+    { name: "biasGeluForward (N,768)", bytes: 3 * NC * f, run: () => be.biasGeluForward(y, z, vec, N, C) },
     { name: "dropoutForward", bytes: 2 * n * f, run: () => be.dropoutForward(y, x, n, 0.1, 7n) },
     { name: "layerNormForward (N,768)", bytes: 2 * NC * f, run: () => be.layerNormForward(y, rowStats, rowStats2, x, vec, vec2, N, C, 1e-5) },
+    {
+      name: "residualLayerNormForward (N,768)",
+      bytes: 4 * NC * f,
+      run: () => be.residualLayerNormForward(z, y, rowStats, rowStats2, x, w, vec, vec2, N, C, 1e-5),
+    },
     { name: "layerNormBackward (N,768)", bytes: 4 * NC * f, run: () => be.layerNormBackward(z, vec, vec2, y, x, vec, rowStats, rowStats2, N, C) },
-    { name: "crossEntropyForward (N,1024)", bytes: 2 * n * f, run: () => be.crossEntropyForward(lossScalar, rowStats, y, x, targets, NV, V) },
-    { name: "crossEntropyBackward (N,1024)", bytes: 3 * n * f, run: () => be.crossEntropyBackward(z, y, targets, lossScalar, NV, V) },
-    { name: "causalSoftmaxForward (BH,256,256)", bytes: 2 * n * f, run: () => be.causalSoftmaxForward(y, x, BH, T, 0.125) },
-    { name: "causalSoftmaxBackward (BH,256,256)", bytes: 4 * n * f, run: () => be.causalSoftmaxBackward(z, y, x, BH, T, 0.125) },
+    { name: "crossEntropyForward (N,1024)", bytes: n * f, run: () => be.crossEntropyForward(lossScalar, rowStats, rowStats2, x, targets, NV, V) },
+    {
+      name: "crossEntropyBackward (N,1024) in place",
+      bytes: 2 * n * f,
+      run: () => be.crossEntropyBackward(z, z, rowStats2, targets, lossScalar, NV, V, false),
+    },
     { name: "embeddingForward (N,768)", bytes: 2 * NC * f, run: () => be.embeddingForward(y, ids, table, N, C, V) },
     { name: "embeddingBackward (N,768)", bytes: 3 * NC * f, run: () => be.embeddingBackward(table, ids, x, N, C) },
     {
       name: "transpose (B,T,12,64)->(B,12,T,64)",
-      bytes: 2 * NC * f,
-      run: () => be.stridedCopy(y, [12 * T * 64, T * 64, 64, 1], x, [T * C, 64, C, 1], [NC / (T * C), 12, T, 64], false),
+      bytes: 2 * BTC * f,
+      run: () => be.stridedCopy(y, [12 * T * 64, T * 64, 64, 1], x, [T * C, 64, C, 1], [B, 12, T, 64], false),
     },
     { name: "sgdStep (momentum)", bytes: 5 * n * f, run: () => be.sgdStep(x, y, z, n, 1e-3, 0.9, 0, 0, false, false) },
     { name: "adamwStep", bytes: 7 * n * f, run: () => be.adamwStep(x, y, z, w, 0, n, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.5, 0.5) },
@@ -90,8 +104,8 @@ export function runKernelBench(argv: string[]): KernelBenchResult[] {
   });
   const device = values.device as DeviceChoice;
   if (!deviceChoices.includes(device)) throw new ConfigError(`--device must be one of ${deviceChoices.join(", ")}, got ${values.device}`);
-  // a multiple of 2^18 keeps every derived shape whole: (n/256/256, 256, 256), (n/1024, 1024), ...
   const n = positiveInt("elems", values.elems, 1 << 18);
+  kernelShapes(n);
   const reps = positiveInt("reps", values.reps);
   const { backend: be, why } = openBackend(device);
   const rng = new Rng(1);

@@ -16,8 +16,8 @@
 // need no backward of their own.
 import type { Allocation, Backend, DType, Ptr } from "../ffi/backend.ts";
 import { dtypeBytes } from "../ffi/backend.ts";
-import { Arena, type ArenaMark } from "./arena.ts";
-import { EngineError, ShapeError } from "./errors.ts";
+import { Arena, type ArenaBlock, type ArenaMark } from "./arena.ts";
+import { EngineError, ShapeError, StaleTensorError } from "./errors.ts";
 import { checkPrecision, type Precision } from "./mixed.ts";
 
 export type Shape = readonly number[];
@@ -67,6 +67,8 @@ export interface TapeNode {
   /** adds the op's input gradients; a tensor-parallel op's may wait for a collective (then only
    *  the async runners, backwardAsync and backwardFromAsync, can run the tape) */
   readonly backward: () => void | Promise<void>;
+  /** the arena tensors backward reads: each keeps its memory until this node has run */
+  readonly saved: readonly Tensor[];
 }
 
 export class Tensor {
@@ -91,6 +93,9 @@ export class Tensor {
    */
   readonly valueRange: ValueRange | null;
   #grad: Tensor | null = null;
+  /** a base tensor's arena memory (null for views and persistent tensors) */
+  readonly #block: ArenaBlock | null;
+  #dropped = false;
 
   constructor(
     ctx: Context,
@@ -103,7 +108,9 @@ export class Tensor {
     viewOf: Tensor | null = null,
     viewOffset = 0,
     valueRange: ValueRange | null = null,
+    block: ArenaBlock | null = null,
   ) {
+    this.#block = block;
     this.ctx = ctx;
     this.shape = shape;
     this.dtype = dtype;
@@ -126,6 +133,9 @@ export class Tensor {
    */
   get ptr(): Ptr {
     if (this.viewOf !== null) return this.viewOf.ptr + this.viewOffset * dtypeBytes[this.dtype];
+    // a freed tensor's memory may hold another tensor by now: reading it is a bug (an op that
+    // did not declare what its backward reads, or a caller that read what it dropped)
+    if (this.#block?.freed === true) throw new StaleTensorError("read", this.shape);
     if (this.#ptr === unbound)
       throw new EngineError(`parameter ${this.name ?? "(unnamed)"} is not gathered on this rank (ZeRO stage 3 binds it only while a pass reads it)`);
     return this.#ptr;
@@ -151,8 +161,50 @@ export class Tensor {
   }
 
   get isStale(): boolean {
-    // a tensor of an earlier pass, or of another pass in flight (a pipeline stage's micro-batch)
-    return this.home !== null && (this.generation !== this.home.generation || this.home !== this.ctx.arena);
+    // a tensor of an earlier pass, or of another pass in flight (a pipeline stage's micro-batch),
+    // or one whose memory was freed
+    if (this.viewOf !== null && this.viewOf.#block?.freed === true) return true;
+    return this.home !== null && (this.generation !== this.home.generation || this.home !== this.ctx.arena || this.#block?.freed === true);
+  }
+
+  /** The arena memory this tensor reads (its base's for a view), or null for persistent memory. */
+  get block(): ArenaBlock | null {
+    return this.viewOf === null ? this.#block : this.viewOf.#block;
+  }
+
+  /**
+   * The caller will not read this tensor again: its memory is reused as soon as no recorded
+   * backward still needs it (at once in a pass without gradients). Drop the tensors an op gave
+   * you, not views of them (a view's drop does nothing; its base's owner drops the base).
+   * Dropping twice does nothing.
+   */
+  drop(): void {
+    const block = this.#block;
+    if (block === null || this.#dropped) return;
+    this.#dropped = true;
+    unhold(block);
+  }
+
+  /**
+   * Makes this tensor's memory its gradient buffer, if nothing will read its values again: it is
+   * a base tensor with no gradient yet, its owner has dropped it, and only the running node's
+   * saved reference holds it. The caller's backward then overwrites it with the gradient (the
+   * loss's logits). Returns whether it did; if not, ensureGrad() makes a buffer as usual.
+   */
+  gradInPlace(): boolean {
+    const block = this.#block;
+    if (block === null || this.viewOf !== null || this.#grad !== null || !this.#dropped || block.holds !== 1 || block.freed) return false;
+    block.holds++;
+    this.#grad = new Tensor(this.ctx, this.shape, this.dtype, block.ptr, this.home, this.generation, false, null, 0, null, block);
+    return true;
+  }
+
+  /** Frees the gradient buffer once the op that made this tensor has run its backward (nothing
+   *  reads an activation's gradient after that). */
+  freeGrad(): void {
+    if (this.viewOf !== null || this.#grad === null || this.#grad.#block === null) return;
+    this.#grad.drop();
+    this.#grad = null;
   }
 
   /** The gradient buffer, or null if no gradient has reached this tensor. */
@@ -239,6 +291,17 @@ export class Tensor {
     if (this.numel !== 1) throw new ShapeError("item", [this.shape], "item() needs exactly one element");
     return this.toArray()[0]!;
   }
+}
+
+/** One holder fewer: frees the block when none is left. */
+function unhold(block: ArenaBlock): void {
+  if (block.freed) return;
+  if (--block.holds <= 0) block.arena.free(block);
+}
+
+/** Drops each of the tensors (an op's scratch once its kernels have run). */
+export function dropAll(...tensors: readonly Tensor[]): void {
+  for (const t of tensors) t.drop();
 }
 
 function resolveReshape(from: Shape, to: Shape): Shape {
@@ -380,19 +443,20 @@ export class Context {
     return this.#arenaTensor(shape, dtype, null);
   }
 
-  #arenaTensor(shape: Shape, dtype: DType, valueRange: ValueRange | null): Tensor {
+  #arenaTensor(shape: Shape, dtype: DType, valueRange: ValueRange | null, zeroed = false): Tensor {
     const bytes = numelOf(shape) * dtypeBytes[dtype];
-    const ptr = this.arena.alloc(bytes);
+    const arena = this.arena;
+    if (this.poison && arena.onFree === null) arena.onFree = (b) => this.backend.fill(b.ptr, b.bytes / 4, NaN);
+    const block = arena.allocBlock(bytes);
     // arena blocks are 64-byte aligned, so rounding up to whole f32s stays inside the block
-    if (this.poison) this.backend.fill(ptr, Math.ceil(bytes / 4), poisonValue[dtype]);
-    return new Tensor(this, shape, dtype, ptr, this.arena, this.arena.generation, false, null, 0, valueRange);
+    if (zeroed) this.backend.zero(block.ptr, block.bytes);
+    else if (this.poison) this.backend.fill(block.ptr, Math.ceil(bytes / 4), poisonValue[dtype]);
+    return new Tensor(this, shape, dtype, block.ptr, arena, arena.generation, false, null, 0, valueRange, block);
   }
 
   zeros(shape: Shape, dtype: DType = "f32"): Tensor {
     checkShape("zeros", shape);
-    const bytes = numelOf(shape) * dtypeBytes[dtype];
-    const arena = this.arena;
-    return new Tensor(this, shape, dtype, arena.allocZeroed(bytes), arena, arena.generation);
+    return this.#arenaTensor(shape, dtype, null, true);
   }
 
   /** An arena tensor holding a copy of host data. */
@@ -451,12 +515,44 @@ export class Context {
     return BigInt.asUintN(64, this.#dropoutSeed * 0x9e3779b97f4a7c15n + this.#dropoutCalls * 0xbf58476d1ce4e5b9n);
   }
 
-  /** Record an op on the tape if gradients are wanted; sets output.requiresGrad. */
-  record(op: string, inputs: readonly Tensor[], output: Tensor, backward: () => void | Promise<void>): void {
-    if (!this.gradEnabled) return;
-    if (!inputs.some((t) => t.requiresGrad)) return;
+  /**
+   * Record an op on the tape if gradients are wanted; sets output.requiresGrad. `saved`: the
+   * tensors its backward reads (default: its inputs); each keeps its memory until the node has
+   * run, even when its owner drops it first. An op drops its own scratch after recording, so
+   * that what backward does not read is freed at once. Returns whether it recorded.
+   */
+  record(op: string, inputs: readonly Tensor[], output: Tensor, backward: () => void | Promise<void>, saved: readonly Tensor[] = inputs): boolean {
+    if (!this.gradEnabled) return false;
+    if (!inputs.some((t) => t.requiresGrad)) return false;
     output.requiresGrad = true;
-    this.#pass.tape.push({ op, inputs, output, backward });
+    for (const t of saved) {
+      const block = t.block;
+      if (block !== null && !block.freed) block.holds++;
+    }
+    this.#pass.tape.push({ op, inputs, output, backward, saved });
+    return true;
+  }
+
+  /** A node is done (run, or skipped for want of a gradient): what it saved may be freed, and so
+   *  may its output's gradient, which only its own backward reads. */
+  #finishNode(node: TapeNode): void {
+    for (const t of node.saved) {
+      const block = t.block;
+      if (block !== null) unhold(block);
+    }
+    node.output.freeGrad();
+  }
+
+  /** Empties the tape, letting go of what its nodes still hold (a tape cut short by an error). */
+  #clearTape(from: number): void {
+    const tape = this.#pass.tape;
+    for (let i = from; i >= 0; i--) {
+      for (const t of tape[i]!.saved) {
+        const block = t.block;
+        if (block !== null) unhold(block);
+      }
+    }
+    tape.length = 0;
   }
 
   /** Run reverse-mode autodiff from a scalar loss. dloss seeds d(loss) (a loss scale). */
@@ -495,31 +591,40 @@ export class Context {
   }
 
   #runTape(): void {
-    for (let i = this.#pass.tape.length - 1; i >= 0; i--) this.#runNode(i);
-    this.#pass.tape.length = 0;
+    let pending = this.#pass.tape.length - 1;
+    try {
+      for (; pending >= 0; pending--) this.#runNode(pending);
+    } finally {
+      this.#clearTape(pending);
+    }
   }
 
   async #runTapeAsync(): Promise<void> {
     const tape = this.#pass.tape;
+    let pending = tape.length - 1;
     try {
-      for (let i = tape.length - 1; i >= 0; i--) {
-        const node = tape[i]!;
+      for (; pending >= 0; pending--) {
+        const node = tape[pending]!;
         if (node.output.grad !== null) await node.backward();
+        this.#finishNode(node);
       }
     } finally {
-      tape.length = 0;
+      this.#clearTape(pending);
     }
   }
 
+  /** Runs node i's backward, then finishes it. */
   #runNode(i: number): void {
     const node = this.#pass.tape[i]!;
     // an output no later op used (and that is not the loss) has no gradient: skip it
-    if (node.output.grad === null) return;
-    const r = node.backward();
-    if (r instanceof Promise) {
-      r.catch(() => {});
-      throw new EngineError(`backward: op ${node.op} waits for a collective (tensor parallelism); run the tape with backwardAsync`);
+    if (node.output.grad !== null) {
+      const r = node.backward();
+      if (r instanceof Promise) {
+        r.catch(() => {});
+        throw new EngineError(`backward: op ${node.op} waits for a collective (tensor parallelism); run the tape with backwardAsync`);
+      }
     }
+    this.#finishNode(node);
   }
 
   /** Tape index -> the parameters whose gradient is complete once that node's backward has run
@@ -554,14 +659,17 @@ export class Context {
   *backwardSteps(loss: Tensor, dloss = 1): Generator<Tensor[], void, void> {
     const readyAt = this.#gradReadyAt();
     this.#seedLoss(loss, dloss);
+    // the first node not finished yet (a consumer may stop the generator between nodes)
+    let pending = this.#pass.tape.length - 1;
     try {
-      for (let i = this.#pass.tape.length - 1; i >= 0; i--) {
+      for (let i = pending; i >= 0; i--) {
         this.#runNode(i);
+        pending = i - 1;
         const ready = readyAt.get(i);
         if (ready) yield ready;
       }
     } finally {
-      this.#pass.tape.length = 0;
+      this.#clearTape(pending);
     }
   }
 
@@ -574,19 +682,22 @@ export class Context {
   *backwardEvents(loss: Tensor, dloss = 1): Generator<{ need: Tensor[] } | { ready: Tensor[] }, void, void> {
     const readyAt = this.#gradReadyAt();
     this.#seedLoss(loss, dloss);
+    let pending = this.#pass.tape.length - 1;
     try {
-      for (let i = this.#pass.tape.length - 1; i >= 0; i--) {
+      for (let i = pending; i >= 0; i--) {
         const node = this.#pass.tape[i]!;
         if (node.output.grad !== null) {
           const need = [...new Set(node.inputs.map((t) => t.viewOf ?? t).filter((t) => t.generation === persistentGeneration && t.name !== undefined))];
           if (need.length > 0) yield { need };
           node.backward();
         }
+        this.#finishNode(node);
+        pending = i - 1;
         const ready = readyAt.get(i);
         if (ready) yield { ready };
       }
     } finally {
-      this.#pass.tape.length = 0;
+      this.#clearTape(pending);
     }
   }
 

@@ -158,8 +158,14 @@ export interface EvalResult {
   count: number;
 }
 
+export interface EvaluateOptions {
+  /** count argmax hits (reads every logit back to the host); off: accuracy is NaN. Default on. */
+  accuracy?: boolean;
+}
+
 /** Mean loss and argmax accuracy over batches, without recording gradients or dropout. */
-export function evaluate(ctx: Context, model: Model, batches: Iterable<HostBatch>): EvalResult {
+export function evaluate(ctx: Context, model: Model, batches: Iterable<HostBatch>, options: EvaluateOptions = {}): EvalResult {
+  const withAccuracy = options.accuracy ?? true;
   const wasTraining = ctx.training;
   ctx.training = false;
   let lossSum = 0;
@@ -175,13 +181,13 @@ export function evaluate(ctx: Context, model: Model, batches: Iterable<HostBatch
       });
       const rows = b.targets.length;
       lossSum += loss.item() * rows;
-      correct += countCorrect(logits.toFloat32(), b.targets);
+      if (withAccuracy) correct += countCorrect(logits.toFloat32(), b.targets);
       count += rows;
     }
   } finally {
     ctx.training = wasTraining;
   }
-  return { loss: lossSum / Math.max(count, 1), accuracy: correct / Math.max(count, 1), count };
+  return { loss: lossSum / Math.max(count, 1), accuracy: withAccuracy ? correct / Math.max(count, 1) : Number.NaN, count };
 }
 
 export function countCorrect(logits: Float32Array, targets: Int32Array): number {

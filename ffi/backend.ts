@@ -28,6 +28,9 @@ export interface Allocation {
 
 export type BinaryOp = "add" | "mul";
 
+/** What a buffer's elements are, where a kernel reads either width (attention's qkv under autocast). */
+export type ElemType = "f32" | "bf16" | "f16";
+
 /**
  * What the multiply of a GEMM reads. Accumulation and C are always f32.
  *   f32   4-byte floats, full-precision multiplies

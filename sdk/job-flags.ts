@@ -157,6 +157,12 @@ export function jobOptions(cmd: Command): Command {
       new Option("--eval-every <steps|epoch>", "steps between evaluations, or every epoch (0: only at the end)").argParser(evalEvery).default(d.evalEvery),
     )
     .option(
+      "--eval-batches <n>",
+      "batches an evaluation reads at most, over every trainer (a gpt's: the micro-batch's windows; 0: the whole split)",
+      int(0),
+      d.evalBatches,
+    )
+    .option(
       "--val-fraction <x>",
       `share of the training set (gpt: the end of the text) held out for validation; mlp: else evaluations use the test set ${both(d.valFraction, g.valFraction)}`,
       float(0, 0.5),
@@ -223,6 +229,7 @@ export interface JobFlags {
   checkpointEvery?: number;
   keepLast: number;
   evalEvery: JobConfig["evalEvery"];
+  evalBatches: number;
   valFraction?: number;
   seed: number;
   dataDir?: string;
@@ -309,6 +316,7 @@ export function jobConfigOf(f: JobFlags): JobConfig {
     maxSteps: f.maxSteps,
     valFraction: f.valFraction ?? (dataset === "tokens" ? 0 : def.valFraction),
     evalEvery: f.evalEvery,
+    evalBatches: f.evalBatches,
     precision: f.precision,
     recompute: f.recompute ?? false,
     seed: f.seed,
@@ -360,6 +368,7 @@ const flagPaths: Record<Exclude<keyof JobFlags, "job">, string[]> = {
   checkpointEvery: ["checkpointEvery"],
   keepLast: ["keepLast"],
   evalEvery: ["evalEvery"],
+  evalBatches: ["evalBatches"],
   valFraction: ["valFraction"],
   precision: ["precision"],
   recompute: ["recompute"],

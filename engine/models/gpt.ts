@@ -154,13 +154,20 @@ export class GptModel implements Model {
     const T = idx.shape[1]!;
     const tok = this.wte!.forward(idx); // (B,T,C)
     const pos = this.wpe!.weight.tensor.narrowRows(0, T); // (T,C), broadcast over B
-    return dropout(add(tok, pos), this.config.dropout);
+    const sum = add(tok, pos);
+    tok.drop();
+    const out = dropout(sum, this.config.dropout);
+    if (out !== sum) sum.drop();
+    return out;
   }
 
   /** The last stage: the final norm and the tied head, (B,T,C) -> logits (B,T,V). */
   #head(x: Tensor): Tensor {
+    const h = this.lnF!.forward(x);
     // weight tying: the output projection is the token embedding
-    return matmul(this.lnF!.forward(x), this.wte!.weight.tensor, { transB: true });
+    const logits = matmul(h, this.wte!.weight.tensor, { transB: true });
+    h.drop();
+    return logits;
   }
 
   /**
@@ -195,11 +202,16 @@ export class GptModel implements Model {
     }
     for (const [i, block] of this.blocks.entries()) {
       yield namesUnder(names, `h.${this.blockRange.from + i}`);
-      x = this.recompute ? this.#ctx.recompute(x, block.parameters(), (h) => block.forward(h)) : block.forward(x);
+      const y = this.recompute ? this.#ctx.recompute(x, block.parameters(), (h) => block.forward(h)) : block.forward(x);
+      // the stage's input is its caller's; what this loop made, it drops once read
+      if (x !== input) x.drop();
+      x = y;
     }
     if (!this.last) return x;
     yield [...namesUnder(names, "ln_f"), ...namesUnder(names, "wte")];
-    return this.#head(x); // (B,T,V)
+    const logits = this.#head(x); // (B,T,V)
+    if (x !== input) x.drop();
+    return logits;
   }
 
   loss(idx: Tensor, targets: Tensor): Tensor {
@@ -209,7 +221,10 @@ export class GptModel implements Model {
   *lossSteps(idx: Tensor, targets: Tensor): Generator<readonly string[], Tensor, void> {
     if (!this.last) throw new ConfigError(`gpt stage ${this.part.stage} of ${this.part.stages} has no loss: the last stage computes it`);
     const logits = yield* this.forwardSteps(idx);
-    return softmaxCrossEntropy(logits, targets);
+    const loss = softmaxCrossEntropy(logits, targets);
+    // the loss's backward then writes the logits' gradient over them (one (B,T,V) array, not two)
+    logits.drop();
+    return loss;
   }
 
   gemmShapes(batch: number): GemmShape[] {

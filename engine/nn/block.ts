@@ -10,8 +10,9 @@ import { qkvRows, shareOf, type TensorParallel, type TensorRank } from "../paral
 import { causalSelfAttention } from "../ops/attention.ts";
 import { dropout } from "../ops/dropout.ts";
 import { gelu } from "../ops/gelu.ts";
+import { residualLayerNorm } from "../ops/layernorm.ts";
 import type { ParamBuilder } from "../params.ts";
-import type { Tensor } from "../tensor.ts";
+import { dropAll, type Tensor } from "../tensor.ts";
 import { LayerNorm } from "./layernorm.ts";
 import { Linear } from "./linear.ts";
 
@@ -103,12 +104,32 @@ export class Block {
     return add(x, dropout(biasAdd(mlpOut, this.fcProj.bias!.tensor), p));
   }
 
+  /**
+   * x (B,T,C) -> the block's output. Every tensor made here is dropped once read for the last
+   * time (Tensor.drop): without gradients (evaluation, sampling) it is freed at once, so a pass
+   * holds about one block's activations; with them it lives while backward needs it. The
+   * attention's residual add and ln_2 are one op, and so are c_fc's bias and GELU.
+   */
   forward(x: Tensor): Tensor {
     if (this.tensor.size > 1) throw new ConfigError("a tensor-parallel block runs with forwardAsync (its outputs are summed over the ranks)");
     const p = this.config.dropout;
-    const a = causalSelfAttention(this.attn.forward(this.ln1.forward(x)), this.config.nHead);
-    x = add(x, dropout(this.attnProj.forward(a), p));
-    const h = gelu(this.fc.forward(this.ln2.forward(x)));
-    return add(x, dropout(this.fcProj.forward(h), p));
+    const h1 = this.ln1.forward(x);
+    const qkv = this.attn.forward(h1);
+    h1.drop();
+    const a = causalSelfAttention(qkv, this.config.nHead);
+    qkv.drop();
+    const proj = this.attnProj.forward(a);
+    a.drop();
+    const branch = dropout(proj, p);
+    const { sum: x2, out: h2 } = residualLayerNorm(x, branch, this.ln2.weight.tensor, this.ln2.bias.tensor, this.ln2.eps);
+    dropAll(proj, branch);
+    const hidden = this.fc.forward(h2, "gelu");
+    h2.drop();
+    const mlp = this.fcProj.forward(hidden);
+    hidden.drop();
+    const branch2 = dropout(mlp, p);
+    const out = add(x2, branch2);
+    dropAll(x2, mlp, branch2);
+    return out;
   }
 }

@@ -1,6 +1,5 @@
 // Linear: out (...,out) = inp (...,in) @ weight^T + bias; weight (out,in) as in PyTorch.
-import { biasAdd } from "../ops/bias.ts";
-import { matmul } from "../ops/matmul.ts";
+import { type Activation, linear } from "../ops/linear.ts";
 import type { Init, Param, ParamBuilder, SliceOf } from "../params.ts";
 import type { Tensor } from "../tensor.ts";
 
@@ -30,8 +29,8 @@ export class Linear {
     this.bias = options.bias === false ? null : pb.add(`${name}.bias`, [outFeatures], options.biasInit ?? { kind: "uniform", bound }, false, options.biasSlice);
   }
 
-  forward(x: Tensor): Tensor {
-    const y = matmul(x, this.weight.tensor, { transB: true });
-    return this.bias === null ? y : biasAdd(y, this.bias.tensor);
+  /** x (...,in) -> act(x W^T + b) (...,out), one op (engine/ops/linear.ts) */
+  forward(x: Tensor, activation: Activation = "none"): Tensor {
+    return linear(x, this.weight.tensor, this.bias?.tensor ?? null, activation);
   }
 }

@@ -16,7 +16,7 @@ export function add(a: Tensor, b: Tensor): Tensor {
       const dout = out.grad!.ptr;
       if (a.requiresGrad) be.axpy(a.ensureGrad().ptr, dout, out.numel, 1);
       if (b.requiresGrad) be.axpy(b.ensureGrad().ptr, dout, out.numel, 1);
-    });
+    }, []);
     return out;
   }
   const plan = broadcastPlan("add", a.shape, b.shape);
@@ -41,7 +41,7 @@ export function add(a: Tensor, b: Tensor): Tensor {
       if (a.requiresGrad) be.reduceBroadcast(da + ao! * 4, dout + o! * 4, dims, as!);
       if (b.requiresGrad) be.reduceBroadcast(db + bo! * 4, dout + o! * 4, dims, bs!);
     }
-  });
+  }, []);
   return out;
 }
 

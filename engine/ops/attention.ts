@@ -1,93 +1,56 @@
-// causalSelfAttention: multi-head causal attention over a fused qkv projection.
+// causalSelfAttention: multi-head causal attention over a fused qkv projection, flash-attention
+// style (Backend.attentionForward / attentionBackward).
 //
 //   qkv (B,T,3C): channels [q | k | v], each C = H*D, head h at channels [h*D, (h+1)*D)
-//   out (B,T,C)
+//   out (B,T,C) = for each head, softmax(q k^T / sqrt(D), causal) v, heads side by side
+//   lse (B,H,T) each query row's log-sum-exp, saved for backward
 //
-//   q, k, v (B*H,T,D)   split out of qkv by strided copies (no separate permute pass)
-//   preatt  (B*H,T,T) = q k^T                  batched GEMM
-//   att     (B*H,T,T) = causal softmax(preatt / sqrt(D)), zero above the diagonal
-//   y       (B*H,T,D) = att v                  batched GEMM
-//   out     (B,T,C)   = y with heads merged back
+// The kernels walk tiles of K and V with an online softmax and never form the (T,T) score
+// matrix: forward keeps out and lse, backward recomputes the scores tile by tile. Memory per
+// layer grows with T, not T^2. Under autocast (Context.precision bf16 or f16, engine/mixed.ts)
+// the products read a 2-byte copy of qkv, and the probabilities and gradients are rounded to it
+// before each product, as tensor cores read them; the softmax and every sum stay f32, and out,
+// lse and the gradient are f32. tf32 and f32 read qkv itself.
 //
-// The batched GEMMs read what the context's precision says (engine/mixed.ts), as matmul's do:
-// tf32 passes the f32 buffers, bf16/f16 make one 2-byte copy of each operand (q, k, v and att
-// in the forward, dy and dpreatt in the backward) and accumulate in f32. Softmax stays f32.
-import type { Dims4, GemmInput, Ptr } from "../../ffi/backend.ts";
+// The written-out form (scores, causal softmax, probabilities times v) is the float64 reference
+// below, which the parity tests compare against.
 import { ShapeError } from "../errors.ts";
 import { autocastDType } from "../mixed.ts";
 import { castCopy } from "./cast.ts";
-import type { Context, Tensor } from "../tensor.ts";
+import type { Tensor } from "../tensor.ts";
 import { checkDType, checkInputs } from "./check.ts";
-
-/** What the batched GEMMs read under the context's current precision, and how an f32 operand
- *  becomes that (itself, or a 2-byte arena copy). */
-function gemmOperands(ctx: Context): { input: GemmInput; operand: (t: Tensor) => Ptr } {
-  const half = autocastDType(ctx.precision);
-  if (half !== null) return { input: half, operand: (t) => castCopy(t, half).ptr };
-  return { input: ctx.precision === "tf32" ? "tf32" : "f32", operand: (t) => t.ptr };
-}
 
 export function causalSelfAttention(qkv: Tensor, nHead: number): Tensor {
   const ctx = checkInputs("causalSelfAttention", [qkv]);
   checkDType("causalSelfAttention", qkv, "f32");
-  if (qkv.shape.length !== 3 || qkv.shape[2]! % 3 !== 0 || (qkv.shape[2]! / 3) % nHead !== 0) {
+  if (qkv.shape.length !== 3 || qkv.shape[2]! % 3 !== 0 || !Number.isInteger(nHead) || nHead < 1 || (qkv.shape[2]! / 3) % nHead !== 0) {
     throw new ShapeError("causalSelfAttention", [qkv.shape], `qkv must be (B,T,3C) with C divisible by nHead=${nHead}`);
   }
   const [B, T, C3] = qkv.shape as [number, number, number];
   const C = C3 / 3;
   const H = nHead;
-  const D = C / H;
-  const BH = B * H;
-  const scale = 1 / Math.sqrt(D);
+  const scale = 1 / Math.sqrt(C / H);
   const be = ctx.backend;
-  const f = 4; // bytes per f32
-
-  const dims: Dims4 = [B, H, T, D];
-  const headMajor: Dims4 = [H * T * D, T * D, D, 1]; // (B,H,T,D) contiguous
-  const inQkv: Dims4 = [T * C3, D, C3, 1]; // (B,H,T,D) read out of (B,T,3C)
-  const inOut: Dims4 = [T * C, D, C, 1]; // (B,H,T,D) read out of (B,T,C)
-
-  const q = ctx.empty([BH, T, D]);
-  const k = ctx.empty([BH, T, D]);
-  const v = ctx.empty([BH, T, D]);
-  be.stridedCopy(q.ptr, headMajor, qkv.ptr, inQkv, dims, false);
-  be.stridedCopy(k.ptr, headMajor, qkv.ptr + C * f, inQkv, dims, false);
-  be.stridedCopy(v.ptr, headMajor, qkv.ptr + 2 * C * f, inQkv, dims, false);
-  const { input, operand } = gemmOperands(ctx);
-  const [qg, kg, vg] = [operand(q), operand(k), operand(v)];
-  const preatt = ctx.empty([BH, T, T]);
-  be.gemmEx(input, false, true, T, T, D, 1, qg, D, T * D, kg, D, T * D, 0, preatt.ptr, T, T * T, BH);
-  const att = ctx.empty([BH, T, T]);
-  be.causalSoftmaxForward(att.ptr, preatt.ptr, BH, T, scale);
-  const attg = operand(att);
-  const y = ctx.empty([BH, T, D]);
-  be.gemmEx(input, false, false, T, D, T, 1, attg, T, T * T, vg, D, T * D, 0, y.ptr, D, T * D, BH);
+  const half = autocastDType(ctx.precision); // fixed for this op's backward too
+  const elem = half ?? "f32";
+  // what the products read: qkv, or its 2-byte autocast copy
+  const input = half === null ? qkv : castCopy(qkv, half);
   const out = ctx.empty([B, T, C]);
-  be.stridedCopy(out.ptr, inOut, y.ptr, headMajor, dims, false);
-
-  ctx.record("causalSelfAttention", [qkv], out, () => {
-    const dy = ctx.empty([BH, T, D]);
-    be.stridedCopy(dy.ptr, headMajor, out.grad!.ptr, inOut, dims, false);
-    const dyg = operand(dy);
-    // forward was: y = att v  =>  datt = dy v^T, dv = att^T dy
-    const datt = ctx.empty([BH, T, T]);
-    be.gemmEx(input, false, true, T, T, D, 1, dyg, D, T * D, vg, D, T * D, 0, datt.ptr, T, T * T, BH);
-    const dv = ctx.empty([BH, T, D]);
-    be.gemmEx(input, true, false, T, D, T, 1, attg, T, T * T, dyg, D, T * D, 0, dv.ptr, D, T * D, BH);
-    // forward was: att = causal softmax(scale preatt)
-    const dpreatt = ctx.zeros([BH, T, T]);
-    be.causalSoftmaxBackward(dpreatt.ptr, att.ptr, datt.ptr, BH, T, scale);
-    const dpreattg = operand(dpreatt);
-    // forward was: preatt = q k^T  =>  dq = dpreatt k, dk = dpreatt^T q
-    const dq = ctx.empty([BH, T, D]);
-    be.gemmEx(input, false, false, T, D, T, 1, dpreattg, T, T * T, kg, D, T * D, 0, dq.ptr, D, T * D, BH);
-    const dk = ctx.empty([BH, T, D]);
-    be.gemmEx(input, true, false, T, D, T, 1, dpreattg, T, T * T, qg, D, T * D, 0, dk.ptr, D, T * D, BH);
-    const dqkv = qkv.ensureGrad().ptr;
-    be.stridedCopy(dqkv, inQkv, dq.ptr, headMajor, dims, true);
-    be.stridedCopy(dqkv + C * f, inQkv, dk.ptr, headMajor, dims, true);
-    be.stridedCopy(dqkv + 2 * C * f, inQkv, dv.ptr, headMajor, dims, true);
-  });
+  const lse = ctx.empty([B, H, T]);
+  be.attentionForward(out.ptr, lse.ptr, input.ptr, B, T, C, H, scale, elem);
+  ctx.record(
+    "causalSelfAttention",
+    [qkv],
+    out,
+    () => {
+      const delta = ctx.empty([B, H, T]);
+      be.attentionBackward(qkv.ensureGrad().ptr, delta.ptr, out.grad!.ptr, out.ptr, lse.ptr, input.ptr, B, T, C, H, scale, elem);
+      delta.drop();
+    },
+    [input, out, lse],
+  );
+  lse.drop();
+  if (input !== qkv) input.drop();
   return out;
 }
 

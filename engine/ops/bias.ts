@@ -19,7 +19,7 @@ export function biasAdd(inp: Tensor, bias: Tensor): Tensor {
     const dout = out.grad!.ptr;
     if (inp.requiresGrad) be.axpy(inp.ensureGrad().ptr, dout, out.numel, 1);
     if (bias.requiresGrad) be.biasBackward(bias.ensureGrad().ptr, dout, N, C);
-  });
+  }, []);
   return out;
 }
 

@@ -1,6 +1,10 @@
 // softmaxCrossEntropy: loss = mean_n -log softmax(logits[n])[targets[n]], fused and stable.
 //   logits (...,V) f32, targets (...) i32 with the same leading dims; N = numel(targets).
-// The forward keeps probs (N,V) for the backward: dlogits = (probs - onehot) * dloss / N.
+// The forward keeps only each row's log-sum-exp lse (N), not the probabilities (N,V):
+// dlogits = (exp(logits - lse) - onehot) * dloss / N is computed from the logits in backward.
+// When nothing but this op reads the logits any more (their owner dropped them, as a model's
+// loss does), the gradient is written over them: one (N,V) array in all, where a vocabulary of
+// 50,257 makes it the largest of the pass.
 import { IndexRangeError, ShapeError } from "../errors.ts";
 import type { Tensor } from "../tensor.ts";
 import { checkDType, checkInputs, lastDim } from "./check.ts";
@@ -18,13 +22,22 @@ export function softmaxCrossEntropy(logits: Tensor, targets: Tensor): Tensor {
   const be = ctx.backend;
   const loss = ctx.empty([1]);
   const losses = ctx.empty([N]);
-  const probs = ctx.empty([N, V]);
+  const lse = ctx.empty([N]);
   // targets known on the host to be in range need no count (on a GPU: no wait in the forward pass)
-  const invalid = be.crossEntropyForward(loss.ptr, losses.ptr, probs.ptr, logits.ptr, targets.ptr, N, V, targets.knownInRange(V));
+  const invalid = be.crossEntropyForward(loss.ptr, losses.ptr, lse.ptr, logits.ptr, targets.ptr, N, V, targets.knownInRange(V));
+  losses.drop();
   if (invalid > 0) throw new IndexRangeError("softmaxCrossEntropy", invalid, V, targets.shape);
-  ctx.record("softmaxCrossEntropy", [logits], loss, () => {
-    be.crossEntropyBackward(logits.ensureGrad().ptr, probs.ptr, targets.ptr, loss.grad!.ptr, N, V);
-  });
+  ctx.record(
+    "softmaxCrossEntropy",
+    [logits],
+    loss,
+    () => {
+      const inPlace = logits.gradInPlace();
+      be.crossEntropyBackward(logits.ensureGrad().ptr, logits.ptr, lse.ptr, targets.ptr, loss.grad!.ptr, N, V, !inPlace);
+    },
+    [logits, targets, lse],
+  );
+  lse.drop();
   return loss;
 }
 

@@ -16,7 +16,7 @@ export function dropout(inp: Tensor, p: number): Tensor {
   be.dropoutForward(out.ptr, inp.ptr, inp.numel, p, seed);
   ctx.record("dropout", [inp], out, () => {
     be.dropoutBackward(inp.ensureGrad().ptr, out.grad!.ptr, inp.numel, p, seed);
-  });
+  }, []);
   return out;
 }
 

@@ -18,7 +18,7 @@ export function embedding(table: Tensor, ids: Tensor): Tensor {
   ctx.record("embedding", [table], out, () => {
     // forward was: out[n,:] = table[ids[n],:]  =>  dtable[ids[n],:] += dout[n,:]
     be.embeddingBackward(table.ensureGrad().ptr, ids.ptr, out.grad!.ptr, N, C);
-  });
+  }, [ids]);
   return out;
 }
 

@@ -1,7 +1,7 @@
 // layerNorm over the last dim C:
 //   out (N,C) = (inp - mean) * rstd * weight + bias, mean/rstd (N) saved for the backward.
 import { ShapeError } from "../errors.ts";
-import type { Tensor } from "../tensor.ts";
+import { dropAll, sameShape, type Tensor } from "../tensor.ts";
 import { checkDType, checkInputs, lastDim } from "./check.ts";
 
 export const layerNormEps = 1e-5;
@@ -19,14 +19,71 @@ export function layerNorm(inp: Tensor, weight: Tensor, bias: Tensor, eps = layer
   const mean = ctx.empty([N]);
   const rstd = ctx.empty([N]);
   be.layerNormForward(out.ptr, mean.ptr, rstd.ptr, inp.ptr, weight.ptr, bias.ptr, N, C, eps);
-  ctx.record("layerNorm", [inp, weight, bias], out, () => {
-    // the kernel writes all three gradients; ones that are not wanted go to scratch
-    const dinp = inp.requiresGrad ? inp.ensureGrad().ptr : ctx.empty(inp.shape).ptr;
-    const dweight = weight.requiresGrad ? weight.ensureGrad().ptr : ctx.zeros([C]).ptr;
-    const dbias = bias.requiresGrad ? bias.ensureGrad().ptr : ctx.zeros([C]).ptr;
-    be.layerNormBackward(dinp, dweight, dbias, out.grad!.ptr, inp.ptr, weight.ptr, mean.ptr, rstd.ptr, N, C);
-  });
+  recordLayerNorm(inp, weight, bias, out, mean, rstd);
   return out;
+}
+
+/**
+ * sum = x + d and out = layerNorm(sum): a residual add and the LayerNorm that reads it, in one
+ * pass over memory (Backend.residualLayerNormForward). Backward is the two ops' own: an add node
+ * and a LayerNorm node, so the sum's gradient gathers from both of its readers as usual.
+ */
+export function residualLayerNorm(x: Tensor, d: Tensor, weight: Tensor, bias: Tensor, eps = layerNormEps): { sum: Tensor; out: Tensor } {
+  const ctx = checkInputs("residualLayerNorm", [x, d, weight, bias]);
+  for (const t of [x, d, weight, bias]) checkDType("residualLayerNorm", t, "f32");
+  const C = lastDim(x.shape);
+  if (!sameShape(x.shape, d.shape) || weight.shape.length !== 1 || bias.shape.length !== 1 || weight.shape[0] !== C || bias.shape[0] !== C) {
+    throw new ShapeError("residualLayerNorm", [x.shape, d.shape, weight.shape], "x and d must have one shape, weight and bias (C) with C = its last dim");
+  }
+  const N = x.numel / C;
+  const sum = ctx.empty(x.shape);
+  const out = ctx.empty(x.shape);
+  const mean = ctx.empty([N]);
+  const rstd = ctx.empty([N]);
+  ctx.backend.residualLayerNormForward(sum.ptr, out.ptr, mean.ptr, rstd.ptr, x.ptr, d.ptr, weight.ptr, bias.ptr, N, C, eps);
+  ctx.record(
+    "add",
+    [x, d],
+    sum,
+    () => {
+      // forward was: sum = x + d
+      const dsum = sum.grad!.ptr;
+      if (x.requiresGrad) ctx.backend.axpy(x.ensureGrad().ptr, dsum, sum.numel, 1);
+      if (d.requiresGrad) ctx.backend.axpy(d.ensureGrad().ptr, dsum, sum.numel, 1);
+    },
+    [],
+  );
+  recordLayerNorm(sum, weight, bias, out, mean, rstd);
+  return { sum, out };
+}
+
+/** LayerNorm's tape node: backward reads inp, weight, mean and rstd (mean and rstd are the op's
+ *  own, dropped here: they live while the node needs them). */
+function recordLayerNorm(inp: Tensor, weight: Tensor, bias: Tensor, out: Tensor, mean: Tensor, rstd: Tensor): void {
+  const ctx = inp.ctx;
+  const be = ctx.backend;
+  const C = lastDim(inp.shape);
+  const N = inp.numel / C;
+  ctx.record(
+    "layerNorm",
+    [inp, weight, bias],
+    out,
+    () => {
+      // the kernel writes all three gradients; ones that are not wanted go to scratch
+      const scratch: Tensor[] = [];
+      const into = (t: Tensor, zeroed: boolean) => {
+        if (t.requiresGrad) return t.ensureGrad().ptr;
+        const s = zeroed ? ctx.zeros(t.shape) : ctx.empty(t.shape);
+        scratch.push(s);
+        return s.ptr;
+      };
+      const [dinp, dweight, dbias] = [into(inp, false), into(weight, true), into(bias, true)];
+      be.layerNormBackward(dinp, dweight, dbias, out.grad!.ptr, inp.ptr, weight.ptr, mean.ptr, rstd.ptr, N, C);
+      dropAll(...scratch);
+    },
+    [inp, weight, mean, rstd],
+  );
+  dropAll(mean, rstd);
 }
 
 // ---- float64 reference --------------------------------------------------------------------

@@ -52,7 +52,7 @@ function plan(a: Tensor, b: Tensor, transA: boolean, transB: boolean): Plan {
 }
 
 /** C = op(A) op(B) + beta C over `batch` contiguous matrices whose A and B hold `input` elements. */
-function gemm(
+export function gemm(
   be: Backend,
   input: GemmInput,
   batch: number,
@@ -78,7 +78,7 @@ function gemm(
 }
 
 /** What a GEMM of this precision reads of t: t itself, or a 2-byte autocast copy. */
-const gemmOperand = (t: Tensor, half: "bf16" | "f16" | null): Tensor => (half === null ? t : castCopy(t, half));
+export const gemmOperand = (t: Tensor, half: "bf16" | "f16" | null): Tensor => (half === null ? t : castCopy(t, half));
 
 export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tensor {
   const ctx = checkInputs("matmul", [a, b]);
@@ -95,8 +95,11 @@ export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tenso
   const b16 = gemmOperand(b, half);
   const out = ctx.empty(outShape);
   gemm(be, input, batch, tA, tB, M, N, K, a16.ptr, b16.ptr, 0, out.ptr);
+  // backward reads b16 for a's gradient and a16 for b's
+  const saved = [...(a.requiresGrad ? [b16] : []), ...(b.requiresGrad ? [a16] : [])];
   ctx.record("matmul", [a, b], out, () => {
-    const dout = gemmOperand(out.grad!, half).ptr; // (M,N), cast once for both gradients
+    const dout16 = gemmOperand(out.grad!, half); // (M,N), cast once for both gradients
+    const dout = dout16.ptr;
     if (a.requiresGrad) {
       const da = a.ensureGrad().ptr;
       // forward was: out = op(a) op(b)  =>  d op(a) = dout op(b)^T
@@ -111,7 +114,11 @@ export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tenso
         gemm(be, input, batch, !tA, false, K, N, M, a16.ptr, dout, 1, db); // db (K,N)
       else gemm(be, input, batch, true, tA, N, K, M, dout, a16.ptr, 1, db); // db (N,K) = dout^T op(a)
     }
-  });
+    if (dout16 !== out.grad) dout16.drop();
+  }, saved);
+  // the autocast copies are this op's own: kept only while backward needs them
+  if (a16 !== a) a16.drop();
+  if (b16 !== b) b16.drop();
   return out;
 }
 

@@ -14,7 +14,8 @@ export function mul(a: Tensor, b: Tensor): Tensor {
     ctx.record("mul", [a, b], out, () => {
       // forward was: out = a * b  =>  da += dout * b, db += dout * a
       const dout = out.grad!.ptr;
-      const tmp = ctx.empty(out.shape).ptr;
+      const scratch = ctx.empty(out.shape);
+      const tmp = scratch.ptr;
       if (a.requiresGrad) {
         be.mul(tmp, dout, b.ptr, out.numel);
         be.axpy(a.ensureGrad().ptr, tmp, out.numel, 1);
@@ -23,6 +24,7 @@ export function mul(a: Tensor, b: Tensor): Tensor {
         be.mul(tmp, dout, a.ptr, out.numel);
         be.axpy(b.ensureGrad().ptr, tmp, out.numel, 1);
       }
+      scratch.drop();
     });
     return out;
   }
@@ -38,7 +40,8 @@ export function mul(a: Tensor, b: Tensor): Tensor {
   ctx.record("mul", [a, b], out, () => {
     // forward was: out[i] = a[i·as] * b[i·bs]  =>  da[i·as] += dout[i] * b[i·bs]
     const dout = out.grad!.ptr;
-    const tmp = ctx.empty(out.shape).ptr;
+    const scratch = ctx.empty(out.shape);
+    const tmp = scratch.ptr;
     const da = a.requiresGrad ? a.ensureGrad().ptr : 0;
     const db = b.requiresGrad ? b.ensureGrad().ptr : 0;
     // dout and tmp are contiguous in the out layout (strides[0])
@@ -56,6 +59,7 @@ export function mul(a: Tensor, b: Tensor): Tensor {
         be.reduceBroadcast(db + bo! * 4, tmp + o! * 4, dims, bs!);
       }
     }
+    scratch.drop();
   });
   return out;
 }

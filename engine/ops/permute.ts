@@ -37,7 +37,7 @@ export function permute(x: Tensor, perm: readonly number[]): Tensor {
     } of blocks) {
       be.stridedCopy(dx + i! * 4, inS!, dout + o! * 4, outS!, dims, true);
     }
-  });
+  }, []);
   return out;
 }
 

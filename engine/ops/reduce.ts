@@ -13,7 +13,7 @@ function reduceAll(op: "sum" | "mean", x: Tensor): Tensor {
   ctx.record(op, [x], out, () => {
     // forward was: out = scale * sum(x)  =>  dx[i] += scale * dout
     be.addScalarFrom(x.ensureGrad().ptr, out.grad!.ptr, scale, x.numel);
-  });
+  }, []);
   return out;
 }
 

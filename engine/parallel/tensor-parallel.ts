@@ -86,7 +86,8 @@ export class TensorParallel implements TensorRank {
       const sum = await this.#allReduce(out.grad!, key);
       const g = ctx.fromArray(sum, x.shape);
       ctx.backend.axpy(x.ensureGrad().ptr, g.ptr, x.numel, 1);
-    });
+      g.drop();
+    }, []);
     return out;
   }
 
@@ -99,7 +100,7 @@ export class TensorParallel implements TensorRank {
     const out = ctx.fromArray(sum, x.shape);
     ctx.record("tp.reduce", [x], out, () => {
       ctx.backend.axpy(x.ensureGrad().ptr, out.grad!.ptr, x.numel, 1);
-    });
+    }, []);
     return out;
   }
 }

@@ -280,6 +280,22 @@ void mt_gelu_forward_f32(float* out, const float* inp, int64_t n) {
     out[i] = 0.5f * x * (1.0f + fast_tanhf(GELU_SCALE * (x + cube)));
   }
 }
+// pre (N,C) += bias (C), in place; out (N,C) = gelu(pre): a layer's bias and its GELU in one
+// pass over memory (the same bits as mt_bias_add_f32 then mt_gelu_forward_f32)
+void mt_bias_gelu_forward_f32(float* out, float* pre, const float* bias, int64_t N, int64_t C) {
+#pragma omp parallel for schedule(static) if (N * C >= PAR_MIN / 8)
+  for (int64_t n = 0; n < N; n++) {
+    float* p = pre + n * C;
+    float* o = out + n * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; c++) {
+      const float x = p[c] + bias[c];
+      const float cube = 0.044715f * x * x * x;
+      p[c] = x;
+      o[c] = 0.5f * x * (1.0f + fast_tanhf(GELU_SCALE * (x + cube)));
+    }
+  }
+}
 // forward was: out = 0.5 x (1 + tanh(s (x + 0.044715 x^3)))
 void mt_gelu_backward_f32(float* dinp, const float* inp, const float* dout, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN / 8)
@@ -316,34 +332,30 @@ void mt_dropout_backward_f32(float* dinp, const float* dout, int64_t n, float p,
 // softmax cross-entropy, fused and numerically stable
 // ---------------------------------------------------------------------------------------------
 
-// loss (1) = mean over rows; losses (N); probs, logits (N,V); targets (N) int32.
-// Returns the number of targets outside [0,V) (their rows get loss 0 and probs of the row);
-// the caller turns a nonzero count into an error.
-int64_t mt_crossentropy_forward_f32(float* loss, float* losses, float* probs, const float* logits,
+// loss (1) = mean over rows; losses, lse (N); logits (N,V); targets (N) int32.
+// lse[n] = log sum_v exp(logits[n,v]): all that backward needs besides the logits, so no second
+// (N,V) array is kept. Returns the number of targets outside [0,V) (their rows get loss 0); the
+// caller turns a nonzero count into an error.
+int64_t mt_crossentropy_forward_f32(float* loss, float* losses, float* lse, const float* logits,
                                     const int32_t* targets, int64_t N, int64_t V) {
   int64_t invalid = 0;
 #pragma omp parallel for schedule(static) reduction(+ : invalid) if (N * V >= PAR_MIN / 4)
   for (int64_t n = 0; n < N; n++) {
     const float* x = logits + n * V;
-    float* p = probs + n * V;
     float maxv = -INFINITY;
 #pragma omp simd reduction(max : maxv)
     for (int64_t v = 0; v < V; v++) maxv = x[v] > maxv ? x[v] : maxv;
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t v = 0; v < V; v++) {
-      p[v] = fast_expf(x[v] - maxv);
-      sum += p[v];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t v = 0; v < V; v++) p[v] *= inv;
+    for (int64_t v = 0; v < V; v++) sum += fast_expf(x[v] - maxv);
+    lse[n] = logf(sum) + maxv;
     const int32_t t = targets[n];
     if (t < 0 || t >= V) {
       invalid++;
       losses[n] = 0.0f;
     } else {
       // -log p[t] computed as logsumexp - x[t], which stays finite when p[t] underflows
-      losses[n] = logf(sum) + maxv - x[t];
+      losses[n] = lse[n] - x[t];
     }
   }
   double acc = 0.0;
@@ -351,17 +363,27 @@ int64_t mt_crossentropy_forward_f32(float* loss, float* losses, float* probs, co
   loss[0] = (float)(acc / (double)N);
   return invalid;
 }
-// forward was: loss = mean_n(-log softmax(logits[n])[targets[n]])
-// dlogits (N,V) += (probs - onehot(targets)) * dloss[0] / N
-void mt_crossentropy_backward_f32(float* dlogits, const float* probs, const int32_t* targets,
-                                  const float* dloss, int64_t N, int64_t V) {
+// forward was: loss = mean_n(lse[n] - logits[n, targets[n]])
+// dlogits (N,V) (+)= (exp(logits - lse) - onehot(targets)) * dloss[0] / N. With accumulate 0 it
+// overwrites dlogits, which may then be the logits themselves (each element is read before it
+// is written): the engine gives the logits' memory to their gradient when nothing else reads them.
+void mt_crossentropy_backward_f32(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+                                  const float* dloss, int64_t N, int64_t V, int32_t accumulate) {
   const float g = dloss[0] / (float)N;
 #pragma omp parallel for schedule(static) if (N * V >= PAR_MIN)
   for (int64_t n = 0; n < N; n++) {
-    const float* p = probs + n * V;
+    const float* x = logits + n * V;
     float* d = dlogits + n * V;
+    const float l = lse[n];
     const int32_t t = targets[n];
-    for (int64_t v = 0; v < V; v++) d[v] += (p[v] - (v == t ? 1.0f : 0.0f)) * g;
+    if (accumulate) {
+#pragma omp simd
+      for (int64_t v = 0; v < V; v++) d[v] += fast_expf(x[v] - l) * g;
+    } else {
+#pragma omp simd
+      for (int64_t v = 0; v < V; v++) d[v] = fast_expf(x[v] - l) * g;
+    }
+    if (t >= 0 && t < V) d[t] -= g;
   }
 }
 
@@ -370,29 +392,45 @@ void mt_crossentropy_backward_f32(float* dlogits, const float* probs, const int3
 // ---------------------------------------------------------------------------------------------
 
 // out, inp (N,C); mean, rstd (N); weight, bias (C)
+// one row of layernorm: o (C) from x (C); its mean and rstd
+static inline void layernorm_row(float* o, float* mean, float* rstd, const float* x, const float* weight,
+                                 const float* bias, int64_t C, float eps) {
+  // omp simd: let the compiler vectorize the sums (a fixed reassociation per build, so
+  // results stay deterministic)
+  float m = 0.0f;
+#pragma omp simd reduction(+ : m)
+  for (int64_t c = 0; c < C; c++) m += x[c];
+  m /= (float)C;
+  float var = 0.0f;
+#pragma omp simd reduction(+ : var)
+  for (int64_t c = 0; c < C; c++) {
+    const float d = x[c] - m;
+    var += d * d;
+  }
+  var /= (float)C;
+  const float s = 1.0f / sqrtf(var + eps);
+  for (int64_t c = 0; c < C; c++) o[c] = (x[c] - m) * s * weight[c] + bias[c];
+  *mean = m;
+  *rstd = s;
+}
+
 void mt_layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp,
                               const float* weight, const float* bias, int64_t N, int64_t C, float eps) {
 #pragma omp parallel for schedule(static) if (N * C >= PAR_MIN)
+  for (int64_t n = 0; n < N; n++) layernorm_row(out + n * C, mean + n, rstd + n, inp + n * C, weight, bias, C, eps);
+}
+
+// sum (N,C) = x + d, and out = layernorm(sum) as above: a residual add and the LayerNorm that
+// reads it in one pass over memory (the same bits as the two kernels one after the other).
+void mt_residual_layernorm_forward_f32(float* sum, float* out, float* mean, float* rstd, const float* x,
+                                       const float* d, const float* weight, const float* bias, int64_t N,
+                                       int64_t C, float eps) {
+#pragma omp parallel for schedule(static) if (N * C >= PAR_MIN)
   for (int64_t n = 0; n < N; n++) {
-    const float* x = inp + n * C;
-    // omp simd: let the compiler vectorize the sums (a fixed reassociation per build, so
-    // results stay deterministic)
-    float m = 0.0f;
-#pragma omp simd reduction(+ : m)
-    for (int64_t c = 0; c < C; c++) m += x[c];
-    m /= (float)C;
-    float var = 0.0f;
-#pragma omp simd reduction(+ : var)
-    for (int64_t c = 0; c < C; c++) {
-      const float d = x[c] - m;
-      var += d * d;
-    }
-    var /= (float)C;
-    const float s = 1.0f / sqrtf(var + eps);
-    float* o = out + n * C;
-    for (int64_t c = 0; c < C; c++) o[c] = (x[c] - m) * s * weight[c] + bias[c];
-    mean[n] = m;
-    rstd[n] = s;
+    float* sr = sum + n * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; c++) sr[c] = x[n * C + c] + d[n * C + c];
+    layernorm_row(out + n * C, mean + n, rstd + n, sr, weight, bias, C, eps);
   }
 }
 
@@ -482,44 +520,218 @@ void mt_embedding_backward_f32(float* dtable, const int32_t* ids, const float* d
 }
 
 // ---------------------------------------------------------------------------------------------
-// attention pieces
+// causal self-attention, fused (flash-attention style): tiles of K/V with an online softmax, so
+// no (T,T) matrix exists; forward saves each row's log-sum-exp and backward recomputes the
+// scores tile by tile from it.
+//
+// qkv (B,T,3C) of `elem` (0 f32, 1 bf16, 2 f16): channels [q | k | v], head h at [h*D, (h+1)*D)
+// of each, D = C/H. out (B,T,C) f32; lse (B,H,T) f32 = log sum_{j<=i} exp(scale q_i.k_j).
+// Under autocast (elem 1 or 2) the products read 2-byte values, as tensor cores do: q, k, v as
+// given, and the probabilities P, dout and dS rounded to elem before their GEMM; sums stay f32.
+//
+// Threads take (b, h, query tile) tasks in forward and (b, h) in backward; a task owns its
+// outputs, so there are no races, and every task's arithmetic is the same on any thread (a
+// dynamic schedule balances the causal triangle without changing a bit).
 // ---------------------------------------------------------------------------------------------
 
-// out, inp (BH,T,T): out[b,i,j] = softmax_{j<=i}(scale * inp[b,i,j]); 0 for j > i
-void mt_causal_softmax_forward_f32(float* out, const float* inp, int64_t BH, int64_t T, float scale) {
-#pragma omp parallel for schedule(static) if (BH * T * T >= PAR_MIN / 4)
-  for (int64_t r = 0; r < BH * T; r++) {
-    const int64_t i = r % T;
-    const float* x = inp + r * T;
-    float* o = out + r * T;
-    float maxv = -INFINITY;
-#pragma omp simd reduction(max : maxv)
-    for (int64_t j = 0; j <= i; j++) maxv = scale * x[j] > maxv ? scale * x[j] : maxv;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j <= i; j++) {
-      o[j] = fast_expf(scale * x[j] - maxv);
-      sum += o[j];
+#define ATT_BR 64  // query rows per tile
+#define ATT_BC 64  // key rows per tile
+
+static inline float att_round(float x, int32_t elem) {
+  if (elem == 1) return mt_bits_f32((uint32_t)mt_f32_to_bf16_bits(x) << 16);
+  if (elem == 2) return mt_f16_bits_to_f32(mt_f32_to_f16_bits(x));
+  return x;
+}
+static inline float att_load(const void* base, int64_t i, int32_t elem) {
+  if (elem == 1) return mt_bits_f32((uint32_t)((const uint16_t*)base)[i] << 16);
+  if (elem == 2) return mt_f16_bits_to_f32(((const uint16_t*)base)[i]);
+  return ((const float*)base)[i];
+}
+// dst (rows,D) f32 = rows [row0, row0+rows) of one head's part of qkv (stride 3C per row)
+static void att_tile(float* dst, const void* qkv, int64_t row0, int64_t rows, int64_t C3,
+                     int64_t col, int64_t D, int32_t elem) {
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t at = (row0 + r) * C3 + col;
+    if (elem == 0) {
+      memcpy(dst + r * D, (const float*)qkv + at, (size_t)D * sizeof(float));
+    } else {
+      for (int64_t d = 0; d < D; d++) dst[r * D + d] = att_load(qkv, at + d, elem);
     }
-    const float inv = 1.0f / sum;
-    for (int64_t j = 0; j <= i; j++) o[j] *= inv;
-    for (int64_t j = i + 1; j < T; j++) o[j] = 0.0f;
   }
 }
-// forward was: out[j] = exp(scale x[j]) / sum_k<=i exp(scale x[k])
-// dinp[j] += scale * out[j] * (dout[j] - sum_k<=i out[k] dout[k])
-void mt_causal_softmax_backward_f32(float* dinp, const float* out, const float* dout, int64_t BH,
-                                    int64_t T, float scale) {
-#pragma omp parallel for schedule(static) if (BH * T * T >= PAR_MIN / 4)
-  for (int64_t r = 0; r < BH * T; r++) {
-    const int64_t i = r % T;
-    const float* y = out + r * T;
-    const float* g = dout + r * T;
-    float* d = dinp + r * T;
-    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t j = 0; j <= i; j++) dot += y[j] * g[j];
-    for (int64_t j = 0; j <= i; j++) d[j] += scale * y[j] * (g[j] - dot);
+
+void mt_attention_forward_f32(float* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t C,
+                              int64_t H, float scale, int32_t elem) {
+  const int64_t D = C / H, C3 = 3 * C, tiles = (T + ATT_BR - 1) / ATT_BR;
+#pragma omp parallel if (B * H * T * T * D >= PAR_MIN * 64)
+  {
+    float* q = malloc(sizeof(float) * (size_t)(ATT_BR * D));
+    float* k = malloc(sizeof(float) * (size_t)(ATT_BC * D));
+    float* v = malloc(sizeof(float) * (size_t)(ATT_BC * D));
+    float* o = malloc(sizeof(float) * (size_t)(ATT_BR * D));
+    float* s = malloc(sizeof(float) * (size_t)(ATT_BR * ATT_BC));
+    float m[ATT_BR], l[ATT_BR];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * H * tiles; task++) {
+      // the longest (last) query tiles first: they finish together with the short ones
+      const int64_t tile = tiles - 1 - task % tiles, bh = task / tiles, b = bh / H, h = bh % H;
+      const int64_t i0 = tile * ATT_BR, br = T - i0 < ATT_BR ? T - i0 : ATT_BR;
+      const void* base = (const char*)qkv + (size_t)(b * T * C3) * (elem == 0 ? 4 : 2);
+      att_tile(q, base, i0, br, C3, h * D, D, elem);
+      for (int64_t r = 0; r < br; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+      }
+      memset(o, 0, sizeof(float) * (size_t)(br * D));
+      for (int64_t j0 = 0; j0 < i0 + br; j0 += ATT_BC) {
+        const int64_t bc = i0 + br - j0 < ATT_BC ? i0 + br - j0 : ATT_BC;
+        att_tile(k, base, j0, bc, C3, C + h * D, D, elem);
+        att_tile(v, base, j0, bc, C3, 2 * C + h * D, D, elem);
+        // s (br,bc) = scale q k^T
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)br, (int)bc, (int)D, scale, q, (int)D, k,
+                    (int)D, 0.0f, s, ATT_BC);
+        for (int64_t r = 0; r < br; r++) {
+          float* row = s + r * ATT_BC;
+          const int64_t valid = i0 + r - j0 + 1 < bc ? i0 + r - j0 + 1 : bc;  // keys j <= i
+          if (valid <= 0) {
+            memset(row, 0, sizeof(float) * (size_t)bc);
+            continue;
+          }
+          float mx = -INFINITY;
+          for (int64_t c = 0; c < valid; c++) mx = row[c] > mx ? row[c] : mx;
+          const float mnew = mx > m[r] ? mx : m[r];
+          const float alpha = m[r] == -INFINITY ? 0.0f : fast_expf(m[r] - mnew);
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t c = 0; c < valid; c++) {
+            const float e = fast_expf(row[c] - mnew);
+            sum += e;
+            row[c] = e;
+          }
+          for (int64_t c = 0; c < valid; c++) row[c] = att_round(row[c], elem);
+          for (int64_t c = valid; c < bc; c++) row[c] = 0.0f;
+          l[r] = l[r] * alpha + sum;
+          m[r] = mnew;
+          if (alpha != 1.0f)
+            for (int64_t d = 0; d < D; d++) o[r * D + d] *= alpha;
+        }
+        // o (br,D) += p v
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)br, (int)D, (int)bc, 1.0f, s, ATT_BC, v,
+                    (int)D, 1.0f, o, (int)D);
+      }
+      for (int64_t r = 0; r < br; r++) {
+        const float inv = 1.0f / l[r];
+        float* dst = out + (b * T + i0 + r) * C + h * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+        lse[bh * T + i0 + r] = m[r] + logf(l[r]);
+      }
+    }
+    free(q);
+    free(k);
+    free(v);
+    free(o);
+    free(s);
+  }
+}
+
+// forward was: out_i = sum_j p_ij v_j, p_ij = exp(scale q_i.k_j - lse_i) for j <= i
+// dv_j += sum_i p_ij dout_i;  dp_ij = dout_i.v_j;  ds_ij = p_ij (dp_ij - dout_i.out_i)
+// dq_i += scale sum_j ds_ij k_j;  dk_j += scale sum_i ds_ij q_i
+// dqkv (B,T,3C) f32 accumulates; delta (B,H,T) scratch (dout_i.out_i); dout, out (B,T,C) f32;
+// lse (B,H,T); qkv as in forward.
+void mt_attention_backward_f32(float* dqkv, float* delta, const float* dout, const float* out, const float* lse,
+                               const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H, float scale,
+                               int32_t elem) {
+  const int64_t D = C / H, C3 = 3 * C;
+#pragma omp parallel if (B * H * T * T * D >= PAR_MIN * 64)
+  {
+    float* q = malloc(sizeof(float) * (size_t)(ATT_BR * D));
+    float* g = malloc(sizeof(float) * (size_t)(ATT_BR * D));
+    float* k = malloc(sizeof(float) * (size_t)(ATT_BC * D));
+    float* v = malloc(sizeof(float) * (size_t)(ATT_BC * D));
+    float* dk = malloc(sizeof(float) * (size_t)(ATT_BC * D));
+    float* dv = malloc(sizeof(float) * (size_t)(ATT_BC * D));
+    float* p = malloc(sizeof(float) * (size_t)(ATT_BR * ATT_BC));
+    float* pr = malloc(sizeof(float) * (size_t)(ATT_BR * ATT_BC));
+    float* dp = malloc(sizeof(float) * (size_t)(ATT_BR * ATT_BC));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+      const int64_t b = bh / H, h = bh % H;
+      const void* base = (const char*)qkv + (size_t)(b * T * C3) * (elem == 0 ? 4 : 2);
+      const float* lrow = lse + bh * T;
+      float* rowdot = delta + bh * T;
+      for (int64_t i = 0; i < T; i++) {
+        const float* gi = dout + (b * T + i) * C + h * D;
+        const float* oi = out + (b * T + i) * C + h * D;
+        float acc = 0.0f;
+        for (int64_t d = 0; d < D; d++) acc += gi[d] * oi[d];
+        rowdot[i] = acc;
+      }
+      float* dbase = dqkv + b * T * C3;
+      for (int64_t j0 = 0; j0 < T; j0 += ATT_BC) {
+        const int64_t bc = T - j0 < ATT_BC ? T - j0 : ATT_BC;
+        att_tile(k, base, j0, bc, C3, C + h * D, D, elem);
+        att_tile(v, base, j0, bc, C3, 2 * C + h * D, D, elem);
+        memset(dk, 0, sizeof(float) * (size_t)(bc * D));
+        memset(dv, 0, sizeof(float) * (size_t)(bc * D));
+        for (int64_t i0 = (j0 / ATT_BR) * ATT_BR; i0 < T; i0 += ATT_BR) {
+          const int64_t br = T - i0 < ATT_BR ? T - i0 : ATT_BR;
+          att_tile(q, base, i0, br, C3, h * D, D, elem);
+          for (int64_t r = 0; r < br; r++) {
+            const float* gi = dout + (b * T + i0 + r) * C + h * D;
+            for (int64_t d = 0; d < D; d++) g[r * D + d] = att_round(gi[d], elem);
+          }
+          // p (br,bc) = exp(scale q k^T - lse), 0 above the diagonal
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)br, (int)bc, (int)D, scale, q, (int)D, k,
+                      (int)D, 0.0f, p, ATT_BC);
+          for (int64_t r = 0; r < br; r++) {
+            float* row = p + r * ATT_BC;
+            const int64_t valid = i0 + r - j0 + 1 < bc ? i0 + r - j0 + 1 : bc;
+            const float lr = lrow[i0 + r];
+            for (int64_t c = 0; c < bc; c++) {
+              row[c] = c < valid ? fast_expf(row[c] - lr) : 0.0f;
+              pr[r * ATT_BC + c] = att_round(row[c], elem);
+            }
+          }
+          // dv (bc,D) += p^T dout
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)bc, (int)D, (int)br, 1.0f, pr, ATT_BC, g,
+                      (int)D, 1.0f, dv, (int)D);
+          // dp (br,bc) = dout v^T
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)br, (int)bc, (int)D, 1.0f, g, (int)D, v,
+                      (int)D, 0.0f, dp, ATT_BC);
+          for (int64_t r = 0; r < br; r++) {
+            const float di = rowdot[i0 + r];
+            for (int64_t c = 0; c < bc; c++) {
+              const int64_t at = r * ATT_BC + c;
+              dp[at] = att_round(p[at] * (dp[at] - di), elem);
+            }
+          }
+          // dq (br,D) += scale ds k, straight into dqkv's q rows of this head
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)br, (int)D, (int)bc, scale, dp, ATT_BC, k,
+                      (int)D, 1.0f, dbase + i0 * C3 + h * D, (int)C3);
+          // dk (bc,D) += scale ds^T q
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)bc, (int)D, (int)br, scale, dp, ATT_BC, q,
+                      (int)D, 1.0f, dk, (int)D);
+        }
+        for (int64_t c = 0; c < bc; c++) {
+          float* dkr = dbase + (j0 + c) * C3 + C + h * D;
+          float* dvr = dbase + (j0 + c) * C3 + 2 * C + h * D;
+          for (int64_t d = 0; d < D; d++) {
+            dkr[d] += dk[c * D + d];
+            dvr[d] += dv[c * D + d];
+          }
+        }
+      }
+    }
+    free(q);
+    free(g);
+    free(k);
+    free(v);
+    free(dk);
+    free(dv);
+    free(p);
+    free(pr);
+    free(dp);
   }
 }
 

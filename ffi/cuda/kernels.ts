@@ -23,8 +23,8 @@
 // that counts).
 //
 // Dimension letters as in ffi/cpu/kernels.c: N rows, C channels, V vocab, BH batch*heads, T time.
-import type { Backend, BinaryOp, Dims4, Ptr } from "../backend.ts";
-import type { OpName, ops } from "../ops.ts";
+import type { Backend, BinaryOp, Dims4, ElemType, Ptr } from "../backend.ts";
+import { elemCodes, type OpName, type ops } from "../ops.ts";
 
 export type ParamType = "ptr" | "i64" | "u64" | "i32" | "f32";
 
@@ -39,6 +39,8 @@ const unary = ["ptr", "ptr", "i64"] as const; // out, inp, n
 const binary = ["ptr", "ptr", "ptr", "i64"] as const; // out, a, b, n
 // kept dims, their inp strides and out strides; reduced dims and their inp strides
 const reduceBcastParams = ["ptr", "ptr", ...i64x4, ...i64x4, ...i64x4, ...i64x4, ...i64x4] as const;
+// dqkv, delta, dout, lse, qkv; B, T, C, H; scale; elem
+const attentionBackwardParams = ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "f32", "i32"] as const;
 
 export const kernelSpecs = {
   // elementwise.cu
@@ -58,16 +60,21 @@ export const kernelSpecs = {
   mt_relu_backward_f32: { module: "layers", params: binary },
   mt_gelu_forward_f32: { module: "layers", params: unary },
   mt_gelu_backward_f32: { module: "layers", params: binary },
+  mt_bias_gelu_forward_f32: { module: "layers", params: ["ptr", "ptr", "ptr", "i64", "i64"] },
   mt_dropout_forward_f32: { module: "layers", params: ["ptr", "ptr", "i64", "f32", "u64"] },
   mt_dropout_backward_f32: { module: "layers", params: ["ptr", "ptr", "i64", "f32", "u64"] },
   // crossentropy.cu
   mt_crossentropy_forward_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
   mt_crossentropy_loss_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
-  mt_crossentropy_backward_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
+  mt_crossentropy_backward_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "i32"] },
   // layernorm.cu
   mt_layernorm_forward_f32: {
     module: "layernorm",
     params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "f32"],
+  },
+  mt_residual_layernorm_forward_f32: {
+    module: "layernorm",
+    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "f32"],
   },
   mt_layernorm_backward_f32: { module: "layernorm", params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
   mt_layernorm_backward_params_f32: { module: "layernorm", params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
@@ -76,8 +83,10 @@ export const kernelSpecs = {
   mt_embedding_count_invalid_i32: { module: "embedding", params: ["ptr", "ptr", "i64", "i64"] },
   mt_embedding_backward_f32: { module: "embedding", params: ["ptr", "ptr", "ptr", "i64", "i64"] },
   // attention.cu
-  mt_causal_softmax_forward_f32: { module: "attention", params: ["ptr", "ptr", "i64", "i64", "f32"] },
-  mt_causal_softmax_backward_f32: { module: "attention", params: ["ptr", "ptr", "ptr", "i64", "i64", "f32"] },
+  mt_attention_forward_f32: { module: "attention", params: ["ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "f32", "i32"] },
+  mt_attention_delta_f32: { module: "attention", params: ["ptr", "ptr", "ptr", "i64", "i64", "i64", "i64"] },
+  mt_attention_backward_kv_f32: { module: "attention", params: attentionBackwardParams },
+  mt_attention_backward_q_f32: { module: "attention", params: attentionBackwardParams },
   mt_strided_copy_f32: { module: "attention", params: ["ptr", "ptr", ...i64x4, ...i64x4, ...i64x4, "i32"] },
   // reduce.cu
   mt_sum_f32: { module: "reduce", params: unary },
@@ -154,6 +163,11 @@ const blockRowThreadsMax = 512;
 // dim): 32 consecutive columns (one coalesced 128-byte read per row) by up to 32 row slices.
 // The .cu files size their shared partials for these (BIAS_Y_MAX etc.).
 const columnRowSlicesMax = 32;
+// Attention tiles (kernels/attention.cu): 32 rows of one head per block, 4 threads a row; the
+// kernels assume exactly this block, and size their shared tiles for head sizes up to 128.
+export const attentionThreads = 128;
+export const attentionRows = 32;
+export const attentionHeadSizeMax = 128;
 // Single-block passes (sum, second passes, counts): a full 1024-thread block, since one SM
 // does all the work.
 const singleBlockThreads = 1024;
@@ -231,6 +245,21 @@ function blockRows(kernel: KernelName, rows: number, length: number, args: reado
 function columns(kernel: KernelName, N: number, C: number, args: readonly (number | bigint)[]): Launch {
   const slices = Math.max(1, Math.min(columnRowSlicesMax, N));
   return launch(kernel, blocksFor(C, warpSize), [warpSize, slices, 1], args);
+}
+
+/** The (b, h, 32-row tile) tasks of an attention kernel, 0 for an empty input; a head size the
+ *  kernels' shared tiles cannot hold is refused. */
+function attentionTiles(B: number, T: number, C: number, H: number): number {
+  if (!(Number.isSafeInteger(H) && H >= 1 && C % H === 0)) throw new RangeError(`attention: C=${C} is not a multiple of H=${H}`);
+  if (C / H > attentionHeadSizeMax) {
+    throw new RangeError(`attention: head size ${C / H} is larger than the CUDA kernels' ${attentionHeadSizeMax} (ffi/cuda/kernels/attention.cu ATT_D_MAX)`);
+  }
+  return B * H * Math.ceil(T / attentionRows);
+}
+
+/** A launch over attention tasks (each kernel loops over tasks, so the grid is capped). */
+function attentionLaunch(kernel: KernelName, tasks: number, args: readonly (number | bigint)[]): Launch {
+  return launch(kernel, Math.min(gridBlocksMax, tasks), [attentionThreads, 1, 1], args);
 }
 
 function singleBlock(kernel: KernelName, args: readonly (number | bigint)[]): Launch {
@@ -394,6 +423,9 @@ export const plans = {
   geluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): Launch[] {
     return elementwise("mt_gelu_backward_f32", n, [dinp, inp, dout, n]);
   },
+  biasGeluForward(out: Ptr, pre: Ptr, bias: Ptr, N: number, C: number): Launch[] {
+    return elementwise("mt_bias_gelu_forward_f32", N * C, [out, pre, bias, N, C]);
+  },
   dropoutForward(out: Ptr, inp: Ptr, n: number, p: number, seed: bigint): Launch[] {
     return elementwise("mt_dropout_forward_f32", n, [out, inp, n, p, seed]);
   },
@@ -402,18 +434,22 @@ export const plans = {
   },
   // (no inRange: the loss kernel computes the count with the mean anyway; the backend just
   // does not read it when the targets were checked on the host)
-  crossEntropyForward(scratch: Ptr, loss: Ptr, losses: Ptr, probs: Ptr, logits: Ptr, targets: Ptr, N: number, V: number): Launch[] {
-    const rows = N === 0 ? [] : [blockRows("mt_crossentropy_forward_f32", N, V, [losses, probs, logits, targets, N, V])];
+  crossEntropyForward(scratch: Ptr, loss: Ptr, losses: Ptr, lse: Ptr, logits: Ptr, targets: Ptr, N: number, V: number): Launch[] {
+    const rows = N === 0 ? [] : [blockRows("mt_crossentropy_forward_f32", N, V, [losses, lse, logits, targets, N, V])];
     return [...rows, singleBlock("mt_crossentropy_loss_f32", [loss, scratch, losses, targets, N, V])];
   },
-  crossEntropyBackward(dlogits: Ptr, probs: Ptr, targets: Ptr, dloss: Ptr, N: number, V: number): Launch[] {
+  crossEntropyBackward(dlogits: Ptr, logits: Ptr, lse: Ptr, targets: Ptr, dloss: Ptr, N: number, V: number, accumulate: boolean): Launch[] {
     if (N * V === 0) return [];
-    return [blockRows("mt_crossentropy_backward_f32", N, V, [dlogits, probs, targets, dloss, N, V])];
+    return [blockRows("mt_crossentropy_backward_f32", N, V, [dlogits, logits, lse, targets, dloss, N, V, accumulate ? 1 : 0])];
   },
   layerNormForward(out: Ptr, mean: Ptr, rstd: Ptr, inp: Ptr, weight: Ptr, bias: Ptr, N: number, C: number, eps: number): Launch[] {
     // C = 0 still writes mean and rstd (NaN, as on the CPU)
     if (N === 0) return [];
     return [warpRows("mt_layernorm_forward_f32", N, [out, mean, rstd, inp, weight, bias, N, C, eps])];
+  },
+  residualLayerNormForward(sum: Ptr, out: Ptr, mean: Ptr, rstd: Ptr, x: Ptr, d: Ptr, weight: Ptr, bias: Ptr, N: number, C: number, eps: number): Launch[] {
+    if (N === 0) return [];
+    return [warpRows("mt_residual_layernorm_forward_f32", N, [sum, out, mean, rstd, x, d, weight, bias, N, C, eps])];
   },
   layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr, mean: Ptr, rstd: Ptr, N: number, C: number): Launch[] {
     if (N * C === 0) return [];
@@ -430,13 +466,33 @@ export const plans = {
   embeddingBackward(dtable: Ptr, ids: Ptr, dout: Ptr, N: number, C: number): Launch[] {
     return elementwise("mt_embedding_backward_f32", N * C, [dtable, ids, dout, N, C]);
   },
-  causalSoftmaxForward(out: Ptr, inp: Ptr, BH: number, T: number, scale: number): Launch[] {
-    if (BH * T === 0) return [];
-    return [warpRows("mt_causal_softmax_forward_f32", BH * T, [out, inp, BH, T, scale])];
+  attentionForward(out: Ptr, lse: Ptr, qkv: Ptr, B: number, T: number, C: number, H: number, scale: number, elem: ElemType): Launch[] {
+    const tiles = attentionTiles(B, T, C, H);
+    if (tiles === 0) return [];
+    return [attentionLaunch("mt_attention_forward_f32", tiles, [out, lse, qkv, B, T, C, H, scale, elemCodes[elem]])];
   },
-  causalSoftmaxBackward(dinp: Ptr, out: Ptr, dout: Ptr, BH: number, T: number, scale: number): Launch[] {
-    if (BH * T === 0) return [];
-    return [warpRows("mt_causal_softmax_backward_f32", BH * T, [dinp, out, dout, BH, T, scale])];
+  attentionBackward(
+    dqkv: Ptr,
+    delta: Ptr,
+    dout: Ptr,
+    out: Ptr,
+    lse: Ptr,
+    qkv: Ptr,
+    B: number,
+    T: number,
+    C: number,
+    H: number,
+    scale: number,
+    elem: ElemType,
+  ): Launch[] {
+    const tiles = attentionTiles(B, T, C, H);
+    if (tiles === 0) return [];
+    const args = [dqkv, delta, dout, lse, qkv, B, T, C, H, scale, elemCodes[elem]];
+    return [
+      warpRows("mt_attention_delta_f32", B * H * T, [delta, dout, out, B, T, C, H]),
+      attentionLaunch("mt_attention_backward_kv_f32", tiles, args),
+      attentionLaunch("mt_attention_backward_q_f32", tiles, args),
+    ];
   },
   stridedCopy(out: Ptr, outStrides: Dims4, inp: Ptr, inpStrides: Dims4, dims: Dims4, accumulate: boolean): Launch[] {
     return elementwise("mt_strided_copy_f32", product(dims), [out, inp, ...dims, ...outStrides, ...inpStrides, accumulate ? 1 : 0]);

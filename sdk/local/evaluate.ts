@@ -1,6 +1,6 @@
 // How good a saved model file is: an MLP classifier's accuracy and loss on the MNIST test set,
 // a GPT's validation loss on the split it was validated on while training (the last
-// valFraction of its text, or its tokens' val.bin), read in the same batches as training.
+// valFraction of its text, or its tokens' val.bin), read in batches of its training micro-batch.
 import { join } from "node:path";
 import type { Backend } from "../../ffi/backend.ts";
 import { type DeviceChoice, withBackend } from "../../ffi/select.ts";
@@ -18,7 +18,7 @@ import { Context } from "../../engine/tensor.ts";
 import { evaluate } from "../../engine/train.ts";
 import { shownPath, userPath } from "../options.ts";
 import { mobyDickName } from "../../engine/data/corpus.ts";
-import { gptRunDefaults, valBatchWindows } from "./train-gpt.ts";
+import { gptRunDefaults } from "./train-gpt.ts";
 import { evalBatchSamples } from "./train-mlp.ts";
 
 export interface EvalOptions {
@@ -30,14 +30,25 @@ export interface EvalOptions {
   text?: string;
   /** gpt: folder with val.bin (default: the one its training record names) */
   tokensDir?: string;
-  /** gpt: validation batches of 64 windows to read at most, from the start of the split */
-  batches: number;
+  /** gpt: validation batches to read at most, from the start of the split; 0: all of them */
+  evalBatches: number;
   device: DeviceChoice;
 }
 
-// 32 batches cover the default model's whole Moby Dick split (30 batches of 64 windows of 64
-// characters; 6 s on 2 CPU cores); a larger split is cut there, and the report says so.
-export const evalDefaults = { batches: 32, device: "auto" } as const satisfies Partial<EvalOptions>;
+export const evalDefaults = { evalBatches: 0, device: "auto" } as const satisfies Partial<EvalOptions>;
+
+/** Windows of a validation batch when the model's training record names no batch size. */
+export const evalWindowsDefault = 8;
+
+/** A GPT's validation batch: its training micro-batch, so that evaluating needs no more memory
+ *  than training. `train gpt` records the micro-batch as batchSize; a mesh job records a
+ *  trainer's batchSize, cut into accumSteps micro-batches. */
+export function evalWindows(training: TrainingRecord | null): number {
+  const size = training?.batchSize;
+  if (typeof size !== "number" || !Number.isInteger(size) || size < 1) return evalWindowsDefault;
+  const cuts = training?.accumSteps;
+  return typeof cuts === "number" && Number.isInteger(cuts) && cuts >= 1 && size % cuts === 0 ? size / cuts : size;
+}
 
 export type EvalReport =
   | { kind: "mlp"; accuracy: number; loss: number; samples: number }
@@ -119,17 +130,20 @@ function evalGpt(o: EvalOptions, ctx: Context, loaded: LoadedModelFile): EvalRep
   if (split.tokens.length < config.blockSize + 1) {
     throw new DataFileError(split.file, `its validation split has ${split.tokens.length} tokens; the model's context needs at least ${config.blockSize + 1}`);
   }
-  const batcher = new TokenBatcher(split.tokens, valBatchWindows, config.blockSize, config.vocabSize);
-  const batchesInSplit = Math.ceil(Math.floor((split.tokens.length - 1) / config.blockSize) / valBatchWindows);
-  const batches = Math.min(o.batches, batchesInSplit);
-  const r = evaluate(ctx, model, take(batcher.sequential(), batches));
+  const rows = evalWindows((header.training ?? null) as TrainingRecord | null);
+  const batcher = new TokenBatcher(split.tokens, rows, config.blockSize, config.vocabSize);
+  const batchesInSplit = Math.ceil(Math.floor((split.tokens.length - 1) / config.blockSize) / rows);
+  const batches = o.evalBatches > 0 ? Math.min(o.evalBatches, batchesInSplit) : batchesInSplit;
+  const r = evaluate(ctx, model, take(batcher.sequential(), batches), { accuracy: false });
   const { nLayer, nHead, nEmbd, blockSize, vocabSize } = config;
   console.log(
     `model: ${shownPath(o.model)}: gpt L${nLayer} H${nHead} C${nEmbd} T${blockSize} V${vocabSize}, ` +
       `${model.store.paramCount.toLocaleString("en-US")} parameters, ${stepsNote(loaded)}`,
   );
   const cut =
-    batches < batchesInSplit ? `the first ${batches} of ${batchesInSplit} batches; --batches for more` : `${batches} batch${batches === 1 ? "" : "es"}, all`;
+    batches < batchesInSplit
+      ? `the first ${batches} of ${batchesInSplit} batches of ${rows} windows; --eval-batches 0 for all`
+      : `${batches} batch${batches === 1 ? "" : "es"} of ${rows} windows, all`;
   const units = split.unit === "char" ? "characters" : "tokens";
   console.log(`validation loss: ${r.loss.toFixed(4)} nats/${split.unit} on ${r.count.toLocaleString("en-US")} ${units} of ${split.name} (${cut})`);
   return { kind: "gpt", loss: r.loss, tokens: r.count, batches, batchesInSplit };
@@ -146,6 +160,10 @@ interface TrainingRecord {
   /** a mesh job's config (services/runtime/job.ts): dataset text or tokens, read from dataDir */
   dataset?: unknown;
   dataDir?: unknown;
+  /** windows of a micro-batch (train gpt), or of a trainer's step (the mesh) */
+  batchSize?: unknown;
+  /** the mesh: micro-batches a trainer's step is cut into */
+  accumSteps?: unknown;
 }
 
 interface ValidationSplit {

@@ -42,6 +42,8 @@ export interface GptRunOptions {
   beta2: number;
   gradClip: number;
   evalEvery: number;
+  /** batches (of batchSize windows) a validation pass reads at most; 0: the whole split */
+  evalBatches: number;
   timeLimitMin: number;
   seed: number;
   out: string;
@@ -69,6 +71,7 @@ export const gptRunDefaults: GptRunOptions = {
   beta2: 0.99,
   gradClip: 1,
   evalEvery: 250,
+  evalBatches: 0,
   timeLimitMin: 15,
   seed: 1,
   out: "runs/gpt-moby-dick/model.mtm",
@@ -77,9 +80,6 @@ export const gptRunDefaults: GptRunOptions = {
   precision: "f32",
   recompute: false,
 };
-
-/** Windows per validation batch; `meshtrain eval` reads the same batches. */
-export const valBatchWindows = 64;
 
 export interface GptRunResult {
   valLoss: number;
@@ -93,6 +93,16 @@ function nextCommands(vocab: CharVocab | undefined): string[][] {
   if (vocab === undefined) return [["eval"]];
   const prompt = [..."Call me"].every((c) => vocab.chars.includes(c)) ? ["--prompt", "Call me"] : [];
   return [["sample", ...prompt], ["eval"]];
+}
+
+/** The first `count` items (all of them for 0). */
+export function* firstBatches<T>(items: Iterable<T>, count: number): Generator<T> {
+  let taken = 0;
+  for (const item of items) {
+    if (count > 0 && taken === count) return;
+    taken++;
+    yield item;
+  }
 }
 
 export function runGpt(o: GptRunOptions): GptRunResult {
@@ -115,7 +125,9 @@ function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
   const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: o.beta2, eps: 1e-8, weightDecay: o.weightDecay });
   const trainer = new TrainStep(ctx, model, optimizer, { lr: o.lr, schedule, gradClip: o.gradClip, accumSteps: o.accum });
   const trainBatches = new TokenBatcher(corpus.train, o.batchSize, o.blockSize, corpus.vocabSize);
-  const valBatches = new TokenBatcher(corpus.val, valBatchWindows, o.blockSize, corpus.vocabSize);
+  // validation batches are training micro-batches: a forward pass over them needs less memory
+  // than a training step (`meshtrain eval` reads the same batches)
+  const valBatches = new TokenBatcher(corpus.val, o.batchSize, o.blockSize, corpus.vocabSize);
   const tokensPerStep = o.batchSize * o.accum * o.blockSize;
 
   console.log(
@@ -134,7 +146,7 @@ function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
   let valLoss = Number.NaN;
   let step = 0;
   const validate = () => {
-    valLoss = evaluate(ctx, model, valBatches.sequential()).loss;
+    valLoss = evaluate(ctx, model, firstBatches(valBatches.sequential(), o.evalBatches), { accuracy: false }).loss;
     progress.log(`step ${step}: val loss ${valLoss.toFixed(4)} nats/token (${((performance.now() - t0) / 1000).toFixed(0)} s)`);
   };
   while (step < o.maxSteps && performance.now() < deadline) {

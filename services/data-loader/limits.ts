@@ -10,6 +10,3 @@ export const evalBatchRows = 1000;
 export const jobsMaxDefault = 8;
 /** Request latencies kept for the p50/p99 wait statistics. */
 export const waitSamplesMax = 4096;
-/** Token windows of an evaluation batch (the single process's validation batches are as many):
- *  a GPT's forward over them holds (rows, T, vocab) logits and (rows, heads, T, T) attention. */
-export const evalBatchWindows = 64;

@@ -89,9 +89,11 @@ export class JobData {
   /** Evaluation batch `index` of rank `rank`'s share of the validation or test split. */
   #encodeEval(rank: number, split: Split, index: number): Uint8Array {
     const all = split === Split.Test ? null : this.val;
-    const n = all === null ? this.plan.testSamples : all.length;
     const W = dataRanks(this.cfg),
       rows = this.#source.evalRows;
+    // --eval-batches: the first evalBatches x rows samples of the split, shared as usual
+    const whole = all === null ? this.plan.testSamples : all.length;
+    const n = this.cfg.evalBatches > 0 ? Math.min(whole, this.cfg.evalBatches * rows) : whole;
     const lo = Math.floor((rank * n) / W),
       hi = Math.floor(((rank + 1) * n) / W);
     const start = lo + index * rows;

@@ -15,7 +15,7 @@ import { encodeBatch, Split } from "../../schemas/messages.ts";
 import { BadRequestError } from "../runtime/errors.ts";
 import type { JobConfig } from "../runtime/job.ts";
 import type { DatasetFacts } from "../runtime/plan.ts";
-import { evalBatchRows, evalBatchWindows } from "./limits.ts";
+import { evalBatchRows } from "./limits.ts";
 
 /** What the loader serves a job from. Sample ids index the split they are drawn from. */
 export interface JobSource {
@@ -113,8 +113,9 @@ class TokenSource implements JobSource {
   readonly facts: DatasetFacts;
   readonly train: Uint32Array;
   readonly val: Uint32Array;
-  /** windows per evaluation batch: a GPT's forward holds (rows, T, vocab) logits */
-  readonly evalRows = evalBatchWindows;
+  /** windows per evaluation batch: the trainers' micro-batch, so that an evaluation's forward
+   *  (its (rows, T, vocab) logits above all) needs less memory than a training step */
+  readonly evalRows: number;
   readonly #T: number;
 
   constructor(
@@ -123,6 +124,7 @@ class TokenSource implements JobSource {
   ) {
     if (cfg.model.kind !== "gpt") throw new BadRequestError(`a ${cfg.model.kind} does not train on tokens`);
     const T = (this.#T = cfg.model.blockSize);
+    this.evalRows = cfg.batchSize / cfg.accumSteps;
     // every offset in [0, T) leaves room for this many whole windows (with their next token)
     const trainWindows = Math.floor((corpus.train.length - T) / T);
     const valWindows = Math.floor((corpus.val.length - 1) / T);

@@ -169,6 +169,9 @@ export const jobConfigSchema = z.object({
   /** steps between evaluations (on the validation split, or the test split when none is held
    *  out); "epoch": at the end of every epoch; 0: only at the end */
   evalEvery: z.union([int(0), z.literal("epoch")]),
+  /** evaluation batches an evaluation reads at most, over every rank (0: the whole split); a GPT's
+   *  batch is the trainers' micro-batch of windows, an MLP's 1000 images */
+  evalBatches: int(0).default(0),
   gradClip: z.number().min(0),
   /** gpt, allreduce: pipeline parallelism: the blocks cut into this many stages, each a trainer
    *  process; a step's micro-batches (accumSteps) flow through them (engine/parallel/pipeline.ts) */
@@ -225,6 +228,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   maxSteps: 0,
   valFraction: 0,
   evalEvery: "epoch",
+  evalBatches: 0,
   gradClip: 0,
   precision: "f32",
   pipelineStages: 1,
@@ -398,6 +402,7 @@ export function jobOfRequest(subject: string, messageJob: string): string {
 export const resumableKeys = [
   "dataDir",
   "evalEvery",
+  "evalBatches",
   "checkpointEvery",
   "keepLast",
   "replicaCheckEvery",

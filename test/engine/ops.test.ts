@@ -425,6 +425,12 @@ describe.each(backends)("$name backend", ({ backend }) => {
       [2, 5, 12, 3],
       [2, 8, 16, 2],
       [3, 17, 24, 4],
+      // past one tile, T not a multiple of a tile (64 rows on the CPU, 32 on CUDA), T = 1, one
+      // head, head sizes 32, 64 and 128
+      [1, 1, 32, 1],
+      [1, 100, 64, 1],
+      [1, 97, 64, 2],
+      [1, 70, 256, 2],
     ])("B=%i T=%i C=%i H=%i", (B, T, C, H) => {
       const rng = new Rng(B * T * C * H);
       checkOp(attentionCase(rng, B, T, C, H), rng);

@@ -227,6 +227,7 @@ describe.skipIf(skip("g++", gxx === null ? "g++ not found on PATH (it builds the
       layerTests();
       crossEntropyTests();
       layerNormTests();
+      residualLayerNormTests();
       embeddingTests();
       attentionTests();
       reductionTests();
@@ -433,6 +434,21 @@ function layerTests(): void {
     expectClose("gelu dinp", readF32(De, n), readF32(Dc, n));
   });
 
+  test.each([
+    [1, 1],
+    [37, 70],
+    [5, 1000],
+  ])("biasGeluForward: N %d C %d", (N, C) => {
+    const n = N * C;
+    const [pc, pe] = twin(normals(n, 3)),
+      [bc, bE] = twin(normals(C)),
+      [oc, oe] = outF32(n);
+    be.biasGeluForward(oc, pc, bc, N, C);
+    runPlan("biasGeluForward", plans.biasGeluForward(oe, pe, bE, N, C));
+    expectExact("pre + bias", readF32(pe, n), readF32(pc, n));
+    expectClose("gelu out", readF32(oe, n), readF32(oc, n));
+  });
+
   test.each([1, 777, 3000])("dropout forward and backward: n %d", (n) => {
     const [xc, xe] = twin(normals(n)),
       [gc, ge] = twin(normals(n));
@@ -464,22 +480,29 @@ function crossEntropyTests(): void {
   ])("crossEntropy forward and backward: N %d V %d", (N, V) => {
     const targets = V > 0 ? ints(N, V) : new Int32Array(N);
     if (N > 3) [targets[1], targets[2]] = [-1, V]; // out of range: counted, loss 0
-    const [lc, le] = twin(normals(N * V, 5)),
+    const logits = normals(N * V, 5);
+    const [lc, le] = twin(logits),
       [tc, te] = twin(targets);
-    const [pc, pe] = outF32(N * V),
+    const [ec, ee] = outF32(N),
       [sc, se] = outF32(N),
       [Lc, Le] = outF32(1);
-    const badCpu = be.crossEntropyForward(Lc, sc, pc, lc, tc, N, V);
-    runPlan("crossEntropyForward", plans.crossEntropyForward(poisonedScratch(), Le, se, pe, le, te, N, V));
+    const badCpu = be.crossEntropyForward(Lc, sc, ec, lc, tc, N, V);
+    runPlan("crossEntropyForward", plans.crossEntropyForward(poisonedScratch(), Le, se, ee, le, te, N, V));
     expectExact("invalid target count", [scratchI64()], [badCpu]);
-    expectClose("probs", readF32(pe, N * V), readF32(pc, N * V));
+    expectClose("lse", readF32(ee, N), readF32(ec, N));
     expectClose("losses", readF32(se, N), readF32(sc, N));
     expectClose("loss", readF32(Le, 1), readF32(Lc, 1));
-    const [dc, de] = twin(normals(N * V)),
-      [gc, ge] = twin(new Float32Array([1.5]));
-    be.crossEntropyBackward(dc, pc, tc, gc, N, V);
-    runPlan("crossEntropyBackward", plans.crossEntropyBackward(de, pe, te, ge, N, V));
-    expectClose("dlogits", readF32(de, N * V), readF32(dc, N * V));
+    const [gc, ge] = twin(new Float32Array([1.5]));
+    // both backwards read the CPU forward's lse
+    const lse2 = devAlloc(readF32(ec, N));
+    const [dc, de] = twin(normals(N * V));
+    be.crossEntropyBackward(dc, lc, ec, tc, gc, N, V, true);
+    runPlan("crossEntropyBackward", plans.crossEntropyBackward(de, le, lse2, te, ge, N, V, true));
+    expectClose("dlogits +=", readF32(de, N * V), readF32(dc, N * V));
+    // over the logits themselves
+    be.crossEntropyBackward(lc, lc, ec, tc, gc, N, V, false);
+    runPlan("crossEntropyBackward", plans.crossEntropyBackward(le, le, lse2, te, ge, N, V, false));
+    expectClose("dlogits in place", readF32(le, N * V), readF32(lc, N * V));
   });
 }
 
@@ -517,6 +540,30 @@ function layerNormTests(): void {
   });
 }
 
+function residualLayerNormTests(): void {
+  test.each([
+    [1, 1],
+    [9, 777],
+    [40, 3],
+  ])("residualLayerNormForward: N %d C %d", (N, C) => {
+    const n = N * C;
+    const [xc, xe] = twin(normals(n, 2)),
+      [dc, de] = twin(normals(n)),
+      [wc, we] = twin(normals(C)),
+      [bc, bE] = twin(normals(C));
+    const [sc, se] = outF32(n),
+      [oc, oe] = outF32(n),
+      [mc, me] = outF32(N),
+      [rc, re] = outF32(N);
+    be.residualLayerNormForward(sc, oc, mc, rc, xc, dc, wc, bc, N, C, 1e-5);
+    runPlan("residualLayerNormForward", plans.residualLayerNormForward(se, oe, me, re, xe, de, we, bE, N, C, 1e-5));
+    expectExact("sum", readF32(se, n), readF32(sc, n));
+    expectClose("out", readF32(oe, n), readF32(oc, n));
+    expectClose("mean", readF32(me, N), readF32(mc, N));
+    expectClose("rstd", readF32(re, N), readF32(rc, N));
+  });
+}
+
 function embeddingTests(): void {
   test.each([
     [1, 1, 1],
@@ -543,24 +590,42 @@ function embeddingTests(): void {
 }
 
 function attentionTests(): void {
+  // B, T, C, H, what qkv holds: T past one tile and not a multiple of it, T = 1, one head,
+  // head sizes 8, 32, 64 and 128, and 2-byte inputs
   test.each([
-    [1, 1],
-    [2, 5],
-    [3, 70],
-    [1, 300],
-  ])("causalSoftmax forward and backward: BH %d T %d", (BH, T) => {
-    const n = BH * T * T;
-    const [ic, ie] = twin(normals(n, 3)),
-      [oc, oe] = outF32(n);
-    be.causalSoftmaxForward(oc, ic, BH, T, 0.35);
-    runPlan("causalSoftmaxForward", plans.causalSoftmaxForward(oe, ie, BH, T, 0.35));
-    expectClose("out", readF32(oe, n), readF32(oc, n));
-    const [gc, ge] = twin(normals(n)),
-      [dc, de] = twin(normals(n));
-    const out2 = devAlloc(readF32(oc, n)); // the backward reads the CPU forward's out
-    be.causalSoftmaxBackward(dc, oc, gc, BH, T, 0.35);
-    runPlan("causalSoftmaxBackward", plans.causalSoftmaxBackward(de, out2, ge, BH, T, 0.35));
-    expectClose("dinp", readF32(de, n), readF32(dc, n));
+    [1, 1, 4, 1, "f32"],
+    [2, 37, 24, 3, "f32"],
+    [1, 70, 64, 1, "f32"],
+    [1, 33, 256, 2, "bf16"],
+    [2, 40, 64, 2, "f16"],
+  ] as const)("attention forward and backward: B %d T %d C %d H %d %s", (B, T, C, H, elem) => {
+    const scale = 1 / Math.sqrt(C / H);
+    const nq = B * T * 3 * C,
+      no = B * T * C,
+      nl = B * H * T;
+    let qkv: Float32Array | Uint16Array = normals(nq, 1.5);
+    if (elem !== "f32") {
+      const wide = devAlloc(qkv);
+      const [narrow] = outU16(nq);
+      (elem === "bf16" ? be.castF32ToBF16 : be.castF32ToF16).call(be, narrow, wide, nq);
+      qkv = readU16(narrow, nq);
+    }
+    const [qc, qe] = twin(qkv),
+      [oc, oe] = outF32(no),
+      [lc, le] = outF32(nl);
+    be.attentionForward(oc, lc, qc, B, T, C, H, scale, elem);
+    runPlan("attentionForward", plans.attentionForward(oe, le, qe, B, T, C, H, scale, elem));
+    const tol = elem === "f32" ? 1e-5 : 1e-3;
+    expectClose("out", readF32(oe, no), readF32(oc, no), tol);
+    expectClose("lse", readF32(le, nl), readF32(lc, nl), tol);
+    // both backwards read the CPU forward's out and lse
+    const [o2, l2] = [devAlloc(readF32(oc, no)), devAlloc(readF32(lc, nl))];
+    const [gc, ge] = twin(normals(no)),
+      [dc, de] = twin(normals(nq)),
+      [xc, xe] = outF32(nl);
+    be.attentionBackward(dc, xc, gc, oc, lc, qc, B, T, C, H, scale, elem);
+    runPlan("attentionBackward", plans.attentionBackward(de, xe, ge, o2, l2, qe, B, T, C, H, scale, elem));
+    expectClose("dqkv", readF32(de, nq), readF32(dc, nq), elem === "f32" ? 1e-4 : 1e-2);
   });
 
   // dims, out strides, inp strides

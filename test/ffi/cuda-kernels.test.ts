@@ -11,7 +11,7 @@ import { tmpdir } from "node:os";
 import { dirname, join } from "node:path";
 import type { Dims4 } from "../../ffi/backend.ts";
 import { ensurePtx, findNvcc, kernelSourceModules, nvccInstallHint } from "../../ffi/cuda/build.ts";
-import { kernelModules, kernelSpecs, type KernelName, type Launch, type ParamType, plans, reduceShape, scratchBytes } from "../../ffi/cuda/kernels.ts";
+import { attentionThreads, kernelModules, kernelSpecs, type KernelName, type Launch, type ParamType, plans, reduceShape, scratchBytes } from "../../ffi/cuda/kernels.ts";
 import { type OpDecl, type OpName, ops } from "../../ffi/ops.ts";
 import { NativeLibraryError } from "../../ffi/errors.ts";
 import { skip } from "../helpers/skip.ts";
@@ -147,12 +147,13 @@ describe("PTX", () => {
   );
 
   test.skipIf(skip("nvcc", nvccMissing))(
-    "every kernel is bounded for 1024-thread blocks (.maxntid), the largest a plan uses",
+    "every kernel is bounded for the largest block a plan gives it (.maxntid): 1024, or the attention tiles' 128",
     () => {
       const unbounded: string[] = [];
       for (const path of Object.values(ptx())) {
         for (const [name, entry] of ptxEntries(readFileSync(path, "utf8"))) {
-          if (entry.maxThreads !== 1024) unbounded.push(`${name}: .maxntid ${entry.maxThreads}`);
+          const want = attentionKernels.has(name as KernelName) ? attentionThreads : 1024;
+          if (entry.maxThreads !== want) unbounded.push(`${name}: .maxntid ${entry.maxThreads}`);
         }
       }
       expect(unbounded).toEqual([]);
@@ -266,12 +267,13 @@ const vocab: [number, number][] = [
   [huge, 1],
   [5, 2],
 ];
-const attention: [number, number][] = [
-  [1, 1],
-  [96, 4096],
-  [1, 65_536],
-  [4096, 4096],
-  [48, 65_536],
+// B, T, C, H
+const attention: [number, number, number, number][] = [
+  [1, 1, 1, 1],
+  [8, 1024, 768, 12],
+  [1, 65_536, 128, 1],
+  [64, 4096, 4096, 32],
+  [48, 256, 384, 6],
 ];
 
 const cases: { readonly [M in OpName]: readonly Args[] } = {
@@ -290,14 +292,16 @@ const cases: { readonly [M in OpName]: readonly Args[] } = {
   geluBackward: sizes.map((n) => [p, p, p, n]),
   dropoutForward: sizes.flatMap((n) => seeds.map((s) => [p, p, n, 0.1, s])),
   dropoutBackward: sizes.flatMap((n) => seeds.map((s) => [p, p, n, 0.1, s])),
+  biasGeluForward: rowsByCols.map(([N, C]) => [p, p, p, N, C]),
   crossEntropyForward: vocab.map(([N, V]) => [scratch, p, p, p, p, p, N, V]),
-  crossEntropyBackward: vocab.map(([N, V]) => [p, p, p, p, N, V]),
+  crossEntropyBackward: vocab.flatMap(([N, V]) => [true, false].map((acc) => [p, p, p, p, p, N, V, acc])),
   layerNormForward: rowsByCols.map(([N, C]) => [p, p, p, p, p, p, N, C, 1e-5]),
+  residualLayerNormForward: rowsByCols.map(([N, C]) => [p, p, p, p, p, p, p, p, N, C, 1e-5]),
   layerNormBackward: rowsByCols.map(([N, C]) => [p, p, p, p, p, p, p, p, N, C]),
   embeddingForward: vocab.map(([N, V]) => [scratch, p, p, p, N, 768, V]),
   embeddingBackward: rowsByCols.map(([N, C]) => [p, p, p, N, C]),
-  causalSoftmaxForward: attention.map(([BH, T]) => [p, p, BH, T, 0.125]),
-  causalSoftmaxBackward: attention.map(([BH, T]) => [p, p, p, BH, T, 0.125]),
+  attentionForward: attention.flatMap(([B, T, C, H]) => (["f32", "bf16"] as const).map((e) => [p, p, p, B, T, C, H, 0.125, e])),
+  attentionBackward: attention.flatMap(([B, T, C, H]) => (["f32", "f16"] as const).map((e) => [p, p, p, p, p, p, B, T, C, H, 0.125, e])),
   stridedCopy: dims4.flatMap((d) => [false, true].map((acc) => [p, contiguous(d), p, [d[3], 1, d[0] * d[3], d[0] * d[1] * d[3]], d, acc])),
   sum: sizes.map((n) => [p, p, n]),
   sumSquares: sizes.map((n) => [scratch, p, n]),
@@ -330,14 +334,16 @@ const emptyCases: { readonly [M in OpName]: Args } = {
   geluBackward: [p, p, p, 0],
   dropoutForward: [p, p, 0, 0.5, 1n],
   dropoutBackward: [p, p, 0, 0.5, 1n],
+  biasGeluForward: [p, p, p, 0, 3072],
   crossEntropyForward: [scratch, p, p, p, p, p, 0, 50_257],
-  crossEntropyBackward: [p, p, p, p, 0, 50_257],
+  crossEntropyBackward: [p, p, p, p, p, 0, 50_257, false],
   layerNormForward: [p, p, p, p, p, p, 0, 768, 1e-5],
+  residualLayerNormForward: [p, p, p, p, p, p, p, p, 0, 768, 1e-5],
   layerNormBackward: [p, p, p, p, p, p, p, p, 0, 768],
   embeddingForward: [scratch, p, p, p, 0, 768, 50_257],
   embeddingBackward: [p, p, p, 0, 768],
-  causalSoftmaxForward: [p, p, 0, 1024, 1],
-  causalSoftmaxBackward: [p, p, p, 12, 0, 1],
+  attentionForward: [p, p, p, 0, 1024, 768, 12, 0.125, "f32"],
+  attentionBackward: [p, p, p, p, p, p, 8, 0, 768, 12, 0.125, "bf16"],
   stridedCopy: [p, [0, 0, 1, 1], p, [0, 0, 1, 1], [1, 1, 0, 5], true],
   sum: [p, p, 0],
   sumSquares: [scratch, p, 0],
@@ -365,6 +371,7 @@ const singleBlockKernels = new Set<KernelName>([
   "mt_sum_partials_i64",
 ]);
 const columnKernels = new Set<KernelName>(["mt_bias_backward_f32", "mt_layernorm_backward_params_f32", "mt_reduce_bcast_cols_f32"]);
+const attentionKernels = new Set<KernelName>(["mt_attention_forward_f32", "mt_attention_backward_kv_f32", "mt_attention_backward_q_f32"]);
 
 /** Everything wrong with one launch, as readable strings (empty when it is fine). */
 function launchProblems(l: Launch): string[] {
@@ -396,6 +403,7 @@ function launchProblems(l: Launch): string[] {
   if (!int(l.sharedBytes, 0, 48 * 1024)) problems.push(`sharedBytes ${l.sharedBytes}`);
   if (singleBlockKernels.has(l.kernel) && (gx !== 1 || by !== 1 || bz !== 1)) problems.push("needs one 1D block");
   if (columnKernels.has(l.kernel) && (bx !== 32 || by > 32 || bz !== 1)) problems.push("needs a (32, <=32) block");
+  if (attentionKernels.has(l.kernel) && (bx !== 128 || by !== 1 || bz !== 1)) problems.push("needs a 128-thread 1D block (4 threads per row of 32)");
   return problems.map((s) => `${l.kernel}: ${s}`);
 }
 
@@ -460,6 +468,10 @@ describe("invalid input is refused", () => {
     expect(() => plans.scale(p, 2.5, 1)).toThrow(RangeError);
     expect(() => plans.reluForward(p, p, 2 ** 60)).toThrow(RangeError);
     expect(() => plans.layerNormForward(p, p, p, p, p, p, -3, 768, 1e-5)).toThrow(RangeError);
+  });
+  test("an attention head larger than the kernels' shared tiles", () => {
+    expect(() => plans.attentionForward(p, p, p, 1, 64, 256, 1, 0.0625, "f32")).toThrow("head size 256 is larger than the CUDA kernels' 128");
+    expect(() => plans.attentionBackward(p, p, p, p, p, p, 1, 64, 30, 4, 0.5, "f32")).toThrow("C=30 is not a multiple of H=4");
   });
   test("a pointer that is not an address", () => {
     expect(() => plans.add(1.5, p, p, 10)).toThrow(RangeError);

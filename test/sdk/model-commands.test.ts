@@ -106,19 +106,19 @@ describe("eval", () => {
   );
 
   test(
-    "a gpt: the validation loss training printed, over the same split in the same batches",
+    "a gpt: the validation loss training printed, over the same split in the same batches (its micro-batch of 16 windows)",
     () => {
-      const all = cli("eval", "--model", gptModel, "--batches", "1000");
+      const all = cli("eval", "--model", gptModel);
       expect(all.code).toBe(0);
       const trained = number(/^validation loss: ([\d.]+) nats\/token/m, gptTrain);
       expect(trained).toBeLessThan(Math.log(83)); // it learned something: uniform over 83 characters is 4.42
       expect(number(/^validation loss: ([\d.]+) nats\/char on [\d,]+ characters of Moby Dick/m, all.out)).toBe(trained);
-      expect(all.out).toContain("its last 10% (59 batches, all)");
-      // the default reads a bounded number of batches, and says so
-      const some = cli("eval", "--model", gptModel, "--batches", "2");
+      expect(all.out).toContain("its last 10% (233 batches of 16 windows, all)");
+      // --eval-batches bounds the pass, and the report says so
+      const some = cli("eval", "--model", gptModel, "--eval-batches", "2");
       expect(some.code).toBe(0);
-      expect(some.out).toContain("nats/char on 4,096 characters of Moby Dick");
-      expect(some.out).toContain("its last 10% (the first 2 of 59 batches; --batches for more)");
+      expect(some.out).toContain("nats/char on 1,024 characters of Moby Dick");
+      expect(some.out).toContain("its last 10% (the first 2 of 233 batches of 16 windows; --eval-batches 0 for all)");
       expect(Math.abs(number(/^validation loss: ([\d.]+)/m, some.out) - trained)).toBeLessThan(0.5);
     },
     timeoutMs,
@@ -264,9 +264,9 @@ describe("bad input: a typed error on one line and exit 1", () => {
       expect(failure(cli("eval", "--model", mlpModel, "--data-dir", "nowhere"))).toBe(
         `meshtrain: DataFileError: ${join(dir, "nowhere", "t10k-images-idx3-ubyte")}: file not found`,
       );
-      const zero = cli("eval", "--model", gptModel, "--batches", "0");
-      expect(zero.code).toBe(1);
-      expect(zero.err).toStartWith("error: option '--batches <n>' argument '0' is invalid. expected an integer >= 1\n"); // then the help
+      const negative = cli("eval", "--model", gptModel, "--eval-batches", "-1");
+      expect(negative.code).toBe(1);
+      expect(negative.err).toStartWith("error: option '--eval-batches <n>' argument '-1' is invalid. expected an integer >= 0\n"); // then the help
     },
     timeoutMs,
   );

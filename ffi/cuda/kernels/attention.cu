@@ -1,57 +1,294 @@
-// Attention pieces: the causal softmax over (BH,T,T) score matrices, and the strided copy that
-// splits, merges and permutes heads. BH batch*heads, T time.
+// Causal self-attention, fused (flash-attention style), and the strided copy that permutes.
+//
+// qkv (B,T,3C) of `elem` (0 f32, 1 bf16, 2 f16): channels [q | k | v], head h at [h*D, (h+1)*D)
+// of each, D = C/H <= ATT_D_MAX. out (B,T,C) f32; lse (B,H,T) = log sum_{j<=i} exp(scale q_i.k_j).
+// Tiles of ATT_BC keys stream through shared memory with an online softmax, so no (T,T) matrix
+// exists; backward recomputes the scores from lse. Under autocast (elem 1, 2) the products read
+// 2-byte values as ffi/cpu/kernels.c's do: q, k, v as given; P, dout and dS rounded to elem.
+//
+// A block of ATT_THREADS threads serves one (b, h) and a tile of 32 rows: thread t owns row
+// t / 4 and, of each row of length D or 32, the elements t % 4 + 4k. The 4 threads of a row are
+// adjacent lanes of one warp, so row sums and maxima are two shuffles. Backward is two kernels,
+// dK/dV by key tile and dQ by query tile, so every gradient element is summed by one thread in
+// a fixed order (no atomics: results are bit-identical from run to run). Plain f32 FMAs, not
+// tensor cores: correct everywhere, and the place to speed up (issue 27's GPU figures).
 #include "common.cuh"
+#include "../../numerics.h"
 
-// out, inp (BH,T,T): out[b,i,j] = softmax_{j<=i}(scale * inp[b,i,j]); 0 for j > i.
-// One warp per row (BH*T rows), looping over the row, so any T works.
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_causal_softmax_forward_f32(float* out, const float* inp, int64_t BH, int64_t T, float scale) {
-  const int lane = threadIdx.x % WARP_SIZE;
-  const int64_t rows = BH * T;
-  for (int64_t r = warp_row(); r < rows; r += warp_row_step()) {
-    const int64_t i = r % T;
-    const float* x = inp + r * T;
-    float* o = out + r * T;
-    // __fmul_rn: the product is rounded before the subtraction (no fma contraction), as on the
-    // CPU, so the max element gets exp(0) = 1 exactly
-    float maxv = -INFINITY;
-    for (int64_t j = lane; j <= i; j += WARP_SIZE) maxv = fmaxf(maxv, __fmul_rn(scale, x[j]));
-    maxv = warp_reduce(maxv, MaxOp());
-    float sum = 0.0f;
-    for (int64_t j = lane; j <= i; j += WARP_SIZE) {
-      const float e = expf(__fmul_rn(scale, x[j]) - maxv);
-      o[j] = e;
-      sum += e;
-    }
-    const float inv = 1.0f / warp_reduce(sum, SumOp());
-    for (int64_t j = lane; j <= i; j += WARP_SIZE) o[j] *= inv;  // each lane rereads its own writes
-    for (int64_t j = i + 1 + lane; j < T; j += WARP_SIZE) o[j] = 0.0f;
+#define ATT_BR 32           // query rows per tile
+#define ATT_BC 32           // key rows per tile
+#define ATT_D_MAX 128       // largest head size (ffi/cuda/kernels.ts refuses larger)
+#define ATT_THREADS 128     // 4 threads per row of a 32-row tile
+#define ATT_PER (ATT_D_MAX / 4)  // a thread's share of a row of D
+
+__device__ __forceinline__ float att_load(const void* base, int64_t i, int32_t elem) {
+  if (elem == 1) return mt_bits_f32((uint32_t)((const uint16_t*)base)[i] << 16);
+  if (elem == 2) return mt_f16_bits_to_f32(((const uint16_t*)base)[i]);
+  return ((const float*)base)[i];
+}
+__device__ __forceinline__ float att_round(float x, int32_t elem) {
+  if (elem == 1) return mt_bits_f32((uint32_t)mt_f32_to_bf16_bits(x) << 16);
+  if (elem == 2) return mt_f16_bits_to_f32(mt_f32_to_f16_bits(x));
+  return x;
+}
+// sum (or max) over the 4 adjacent lanes that share a row
+__device__ __forceinline__ float row4_sum(float v) {
+  v += __shfl_xor_sync(FULL_MASK, v, 1);
+  return v + __shfl_xor_sync(FULL_MASK, v, 2);
+}
+__device__ __forceinline__ float row4_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 1));
+  return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
+}
+// dst[r][d] (rows of pitch ATT_D_MAX or ATT_D_MAX + 1) = rows [row0, row0 + rows) of one head's
+// part of qkv (from column col), zero past `rows`; the whole block takes part
+template <int PITCH>
+__device__ __forceinline__ void att_tile(float (*dst)[PITCH], const void* qkv, int64_t row0, int64_t rows,
+                                         int64_t C3, int64_t col, int64_t D, int32_t elem) {
+  for (int64_t e = threadIdx.x; e < 32 * D; e += blockDim.x) {
+    const int64_t r = e / D, d = e % D;
+    dst[r][d] = r < rows ? att_load(qkv, (row0 + r) * C3 + col + d, elem) : 0.0f;
   }
 }
 
-// forward was: out[j] = exp(scale x[j]) / sum_k<=i exp(scale x[k])
-// dinp, out, dout (BH,T,T): dinp[j] += scale * out[j] * (dout[j] - sum_k<=i out[k] dout[k]), j <= i
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+mt_attention_forward_f32(float* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H,
+                         float scale, int32_t elem) {
+  __shared__ float q_s[ATT_BR][ATT_D_MAX];
+  __shared__ float kv_s[ATT_BC][ATT_D_MAX + 1];
+  __shared__ float p_s[ATT_BR][ATT_BC + 1];
+  const int64_t D = C / H, C3 = 3 * C, tiles = (T + ATT_BR - 1) / ATT_BR;
+  const int r = threadIdx.x / 4, g = threadIdx.x % 4;
+  for (int64_t task = blockIdx.x; task < B * H * tiles; task += gridDim.x) {
+    // the longest (last) query tiles first
+    const int64_t tile = tiles - 1 - task % tiles, bh = task / tiles, b = bh / H, h = bh % H;
+    const int64_t i0 = tile * ATT_BR, br = T - i0 < ATT_BR ? T - i0 : ATT_BR, i = i0 + r;
+    att_tile<ATT_D_MAX>(q_s, qkv, b * T + i0, br, C3, h * D, D, elem);
+    float o[ATT_PER];
+#pragma unroll
+    for (int k = 0; k < ATT_PER; k++) o[k] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+    __syncthreads();
+    for (int64_t j0 = 0; j0 < i0 + br; j0 += ATT_BC) {
+      const int64_t bc = i0 + br - j0 < ATT_BC ? i0 + br - j0 : ATT_BC;
+      att_tile<ATT_D_MAX + 1>(kv_s, qkv, b * T + j0, bc, C3, C + h * D, D, elem);
+      __syncthreads();
+      // scores of this thread's keys c = g + 4kk
+      float s[ATT_BC / 4];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int kk = 0; kk < ATT_BC / 4; kk++) {
+        const int c = g + 4 * kk;
+        s[kk] = -INFINITY;
+        if (r < br && c < bc && j0 + c <= i) {
+          float dot = 0.0f;
+          for (int64_t d = 0; d < D; d++) dot += q_s[r][d] * kv_s[c][d];
+          s[kk] = dot * scale;
+          mx = fmaxf(mx, s[kk]);
+        }
+      }
+      mx = row4_max(mx);
+      const float mnew = fmaxf(m, mx);
+      const float alpha = m == -INFINITY ? 0.0f : expf(m - mnew);
+      float sum = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < ATT_BC / 4; kk++) {
+        const float p = s[kk] == -INFINITY ? 0.0f : expf(s[kk] - mnew);
+        sum += p;
+        p_s[r][g + 4 * kk] = att_round(p, elem);
+      }
+      sum = row4_sum(sum);
+      l = l * alpha + sum;
+      m = mnew;
+#pragma unroll
+      for (int k = 0; k < ATT_PER; k++) o[k] *= alpha;
+      __syncthreads();  // every read of K is done
+      att_tile<ATT_D_MAX + 1>(kv_s, qkv, b * T + j0, bc, C3, 2 * C + h * D, D, elem);
+      __syncthreads();
+      for (int64_t c = 0; c < bc; c++) {
+        const float p = p_s[r][c];
+#pragma unroll
+        for (int k = 0; k < ATT_PER; k++)
+          if (g + 4 * k < D) o[k] += p * kv_s[c][g + 4 * k];
+      }
+      __syncthreads();  // every read of V and P is done
+    }
+    if (r < br) {
+      const float inv = 1.0f / l;
+      float* dst = out + (b * T + i) * C + h * D;
+#pragma unroll
+      for (int k = 0; k < ATT_PER; k++)
+        if (g + 4 * k < D) dst[g + 4 * k] = o[k] * inv;
+      if (g == 0) lse[bh * T + i] = m + logf(l);
+    }
+    __syncthreads();  // q_s is read no more
+  }
+}
+
+// delta (B,H,T) = dout_i . out_i per head (backward's row term); one warp per (b, h, i)
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_causal_softmax_backward_f32(float* dinp, const float* out, const float* dout, int64_t BH, int64_t T,
-                               float scale) {
+mt_attention_delta_f32(float* delta, const float* dout, const float* out, int64_t B, int64_t T, int64_t C,
+                       int64_t H) {
   const int lane = threadIdx.x % WARP_SIZE;
-  const int64_t rows = BH * T;
-  for (int64_t r = warp_row(); r < rows; r += warp_row_step()) {
-    const int64_t i = r % T;
-    const float* y = out + r * T;
-    const float* g = dout + r * T;
-    float* d = dinp + r * T;
-    float dot = 0.0f;
-    for (int64_t j = lane; j <= i; j += WARP_SIZE) dot += y[j] * g[j];
-    dot = warp_reduce(dot, SumOp());
-    for (int64_t j = lane; j <= i; j += WARP_SIZE) d[j] += scale * y[j] * (g[j] - dot);
+  const int64_t D = C / H;
+  for (int64_t row = warp_row(); row < B * H * T; row += warp_row_step()) {
+    const int64_t i = row % T, bh = row / T, b = bh / H, h = bh % H;
+    const float* g = dout + (b * T + i) * C + h * D;
+    const float* o = out + (b * T + i) * C + h * D;
+    float acc = 0.0f;
+    for (int64_t d = lane; d < D; d += WARP_SIZE) acc += g[d] * o[d];
+    acc = warp_reduce(acc, SumOp());
+    if (lane == 0) delta[row] = acc;
+  }
+}
+
+// forward was: out_i = sum_j p_ij v_j, p_ij = exp(scale q_i.k_j - lse_i), j <= i
+// dv_j += sum_i p_ij dout_i; dk_j += scale sum_i ds_ij q_i, ds_ij = p_ij (dout_i.v_j - delta_i).
+// A block per (b, h, key tile): thread (c, g) sums key row c's gradient over every query tile.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+mt_attention_backward_kv_f32(float* dqkv, const float* delta, const float* dout, const float* lse,
+                             const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H, float scale,
+                             int32_t elem) {
+  __shared__ float q_s[ATT_BR][ATT_D_MAX];
+  __shared__ float g_s[ATT_BR][ATT_D_MAX];
+  __shared__ float row_s[2][ATT_BR];  // lse, delta of the query tile
+  const int64_t D = C / H, C3 = 3 * C, tiles = (T + ATT_BC - 1) / ATT_BC;
+  const int c = threadIdx.x / 4, g = threadIdx.x % 4;
+  for (int64_t task = blockIdx.x; task < B * H * tiles; task += gridDim.x) {
+    // the first key tiles see the most query tiles: first
+    const int64_t tile = task % tiles, bh = task / tiles, b = bh / H, h = bh % H;
+    const int64_t j0 = tile * ATT_BC, bc = T - j0 < ATT_BC ? T - j0 : ATT_BC, j = j0 + c;
+    float k[ATT_PER], v[ATT_PER], dk[ATT_PER], dv[ATT_PER];
+#pragma unroll
+    for (int kk = 0; kk < ATT_PER; kk++) {
+      const int64_t d = g + 4 * kk;
+      const bool in = c < bc && d < D;
+      k[kk] = in ? att_load(qkv, (b * T + j) * C3 + C + h * D + d, elem) : 0.0f;
+      v[kk] = in ? att_load(qkv, (b * T + j) * C3 + 2 * C + h * D + d, elem) : 0.0f;
+      dk[kk] = 0.0f;
+      dv[kk] = 0.0f;
+    }
+    for (int64_t i0 = j0 - j0 % ATT_BR; i0 < T; i0 += ATT_BR) {
+      const int64_t br = T - i0 < ATT_BR ? T - i0 : ATT_BR;
+      __syncthreads();  // the previous tile's reads of q_s, g_s, row_s are done
+      att_tile<ATT_D_MAX>(q_s, qkv, b * T + i0, br, C3, h * D, D, elem);
+      for (int64_t e = threadIdx.x; e < ATT_BR * D; e += blockDim.x) {
+        const int64_t rr = e / D, d = e % D;
+        g_s[rr][d] = rr < br ? att_round(dout[(b * T + i0 + rr) * C + h * D + d], elem) : 0.0f;
+      }
+      if (threadIdx.x < ATT_BR) {
+        const int64_t rr = threadIdx.x;
+        row_s[0][rr] = rr < br ? lse[bh * T + i0 + rr] : 0.0f;
+        row_s[1][rr] = rr < br ? delta[bh * T + i0 + rr] : 0.0f;
+      }
+      __syncthreads();
+      for (int rr = 0; rr < ATT_BR; rr++) {
+        // s = q_rr . k_c and dp = dout_rr . v_c, each summed over the row's 4 threads
+        float s = 0.0f, dp = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < ATT_PER; kk++) {
+          const int64_t d = g + 4 * kk;
+          if (d < D) {
+            s += q_s[rr][d] * k[kk];
+            dp += g_s[rr][d] * v[kk];
+          }
+        }
+        s = row4_sum(s);
+        dp = row4_sum(dp);
+        const bool valid = rr < br && c < bc && j <= i0 + rr;
+        const float p = valid ? expf(s * scale - row_s[0][rr]) : 0.0f;
+        const float pr = att_round(p, elem);
+        const float ds = att_round(p * (dp - row_s[1][rr]), elem);
+#pragma unroll
+        for (int kk = 0; kk < ATT_PER; kk++) {
+          const int64_t d = g + 4 * kk;
+          if (d < D) {
+            dv[kk] += pr * g_s[rr][d];
+            dk[kk] += ds * q_s[rr][d];
+          }
+        }
+      }
+    }
+    if (c < bc) {
+      float* dkr = dqkv + (b * T + j) * C3 + C + h * D;
+      float* dvr = dqkv + (b * T + j) * C3 + 2 * C + h * D;
+#pragma unroll
+      for (int kk = 0; kk < ATT_PER; kk++) {
+        const int64_t d = g + 4 * kk;
+        if (d < D) {
+          dkr[d] += scale * dk[kk];
+          dvr[d] += dv[kk];
+        }
+      }
+    }
+  }
+}
+
+// dq_i += scale sum_j ds_ij k_j: a block per (b, h, query tile); thread (r, g) sums row r's.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+mt_attention_backward_q_f32(float* dqkv, const float* delta, const float* dout, const float* lse,
+                            const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H, float scale,
+                            int32_t elem) {
+  __shared__ float k_s[ATT_BC][ATT_D_MAX + 1];
+  __shared__ float v_s[ATT_BC][ATT_D_MAX + 1];
+  const int64_t D = C / H, C3 = 3 * C, tiles = (T + ATT_BR - 1) / ATT_BR;
+  const int r = threadIdx.x / 4, g = threadIdx.x % 4;
+  for (int64_t task = blockIdx.x; task < B * H * tiles; task += gridDim.x) {
+    const int64_t tile = tiles - 1 - task % tiles, bh = task / tiles, b = bh / H, h = bh % H;
+    const int64_t i0 = tile * ATT_BR, br = T - i0 < ATT_BR ? T - i0 : ATT_BR, i = i0 + r;
+    float q[ATT_PER], go[ATT_PER], dq[ATT_PER];
+#pragma unroll
+    for (int kk = 0; kk < ATT_PER; kk++) {
+      const int64_t d = g + 4 * kk;
+      const bool in = r < br && d < D;
+      q[kk] = in ? att_load(qkv, (b * T + i) * C3 + h * D + d, elem) : 0.0f;
+      go[kk] = in ? att_round(dout[(b * T + i) * C + h * D + d], elem) : 0.0f;
+      dq[kk] = 0.0f;
+    }
+    const float li = r < br ? lse[bh * T + i] : 0.0f;
+    const float di = r < br ? delta[bh * T + i] : 0.0f;
+    for (int64_t j0 = 0; j0 < i0 + br; j0 += ATT_BC) {
+      const int64_t bc = i0 + br - j0 < ATT_BC ? i0 + br - j0 : ATT_BC;
+      __syncthreads();  // the previous tile's reads are done
+      att_tile<ATT_D_MAX + 1>(k_s, qkv, b * T + j0, bc, C3, C + h * D, D, elem);
+      att_tile<ATT_D_MAX + 1>(v_s, qkv, b * T + j0, bc, C3, 2 * C + h * D, D, elem);
+      __syncthreads();
+      for (int cc = 0; cc < ATT_BC; cc++) {
+        float s = 0.0f, dp = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < ATT_PER; kk++) {
+          const int64_t d = g + 4 * kk;
+          if (d < D) {
+            s += q[kk] * k_s[cc][d];
+            dp += go[kk] * v_s[cc][d];
+          }
+        }
+        s = row4_sum(s);
+        dp = row4_sum(dp);
+        const bool valid = r < br && cc < bc && j0 + cc <= i;
+        const float p = valid ? expf(s * scale - li) : 0.0f;
+        const float ds = att_round(p * (dp - di), elem);
+#pragma unroll
+        for (int kk = 0; kk < ATT_PER; kk++) {
+          const int64_t d = g + 4 * kk;
+          if (d < D) dq[kk] += ds * k_s[cc][d];
+        }
+      }
+    }
+    if (r < br) {
+      float* dqr = dqkv + (b * T + i) * C3 + h * D;
+#pragma unroll
+      for (int kk = 0; kk < ATT_PER; kk++) {
+        const int64_t d = g + 4 * kk;
+        if (d < D) dqr[d] += scale * dq[kk];
+      }
+    }
   }
 }
 
 // out[i·os] (= or +=) inp[i·is] for i over (d0,d1,d2,d3); strides in elements. Permute,
-// transpose, the q/k/v split and merge of attention, and with accumulate their backward. The
-// caller guarantees no two indices write the same out element, so threads never race.
-// Flat grid-stride over the index space.
+// transpose, and with accumulate their backward. The caller guarantees no two indices write the
+// same out element, so threads never race. Flat grid-stride over the index space.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
 mt_strided_copy_f32(float* out, const float* inp,
                     int64_t d0, int64_t d1, int64_t d2, int64_t d3,

@@ -3,31 +3,27 @@
 // block reductions combine in a fixed order, so results are deterministic.
 #include "common.cuh"
 
-// losses (N); probs, logits (N,V); targets (N) int32.
-// probs = softmax(logits) per row; losses[n] = -log probs[n, targets[n]], or 0 for a target
-// outside [0,V) (counted by mt_crossentropy_loss_f32; the caller turns that into an error).
+// losses, lse (N); logits (N,V); targets (N) int32.
+// lse[n] = log sum_v exp(logits[n,v]) (all that backward needs besides the logits);
+// losses[n] = lse[n] - logits[n, targets[n]], or 0 for a target outside [0,V) (counted by
+// mt_crossentropy_loss_f32; the caller turns that into an error).
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_crossentropy_forward_f32(float* losses, float* probs, const float* logits, const int32_t* targets, int64_t N,
+mt_crossentropy_forward_f32(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
                             int64_t V) {
   for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
     const float* x = logits + n * V;
-    float* p = probs + n * V;
     float maxv = -INFINITY;
     for (int64_t v = threadIdx.x; v < V; v += blockDim.x) maxv = fmaxf(maxv, x[v]);
     maxv = block_reduce(maxv, MaxOp());
     float sum = 0.0f;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-      const float e = expf(x[v] - maxv);
-      p[v] = e;
-      sum += e;
-    }
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) sum += expf(x[v] - maxv);
     sum = block_reduce(sum, SumOp());
-    const float inv = 1.0f / sum;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) p[v] *= inv;  // each thread rereads its own writes
     if (threadIdx.x == 0) {
+      const float l = logf(sum) + maxv;
       const int32_t t = targets[n];
+      lse[n] = l;
       // -log p[t] computed as logsumexp - x[t], which stays finite when p[t] underflows
-      losses[n] = (t < 0 || t >= V) ? 0.0f : logf(sum) + maxv - x[t];
+      losses[n] = (t < 0 || t >= V) ? 0.0f : l - x[t];
     }
   }
 }
@@ -53,17 +49,23 @@ mt_crossentropy_loss_f32(float* loss, int64_t* invalid, const float* losses, con
   }
 }
 
-// forward was: loss = mean_n(-log softmax(logits[n])[targets[n]])
-// dlogits, probs (N,V); targets (N) int32; dloss (1):
-// dlogits += (probs - onehot(targets)) * dloss[0] / N
+// forward was: loss = mean_n(lse[n] - logits[n, targets[n]])
+// dlogits, logits (N,V); lse, targets (N); dloss (1):
+// dlogits (+)= (exp(logits - lse) - onehot(targets)) * dloss[0] / N. With accumulate 0 it
+// overwrites, and dlogits may be the logits themselves (each element is read, then written, by
+// one thread).
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_crossentropy_backward_f32(float* dlogits, const float* probs, const int32_t* targets, const float* dloss,
-                             int64_t N, int64_t V) {
+mt_crossentropy_backward_f32(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+                             const float* dloss, int64_t N, int64_t V, int32_t accumulate) {
   const float g = dloss[0] / (float)N;
   for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
-    const float* p = probs + n * V;
+    const float* x = logits + n * V;
     float* d = dlogits + n * V;
+    const float l = lse[n];
     const int64_t t = targets[n];
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) d[v] += (p[v] - (v == t ? 1.0f : 0.0f)) * g;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+      const float grad = (expf(x[v] - l) - (v == t ? 1.0f : 0.0f)) * g;
+      d[v] = accumulate ? d[v] + grad : grad;
+    }
   }
 }

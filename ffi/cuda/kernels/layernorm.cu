@@ -31,6 +31,38 @@ mt_layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp,
   }
 }
 
+// sum = x + d, then out = layernorm(sum) as above, mean and rstd: a residual add and the
+// LayerNorm that reads it in one pass over memory. sum, out, x, d (N,C); mean, rstd (N).
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_residual_layernorm_forward_f32(float* sum, float* out, float* mean, float* rstd, const float* x,
+                                  const float* d, const float* weight, const float* bias, int64_t N, int64_t C,
+                                  float eps) {
+  const int lane = threadIdx.x % WARP_SIZE;
+  for (int64_t n = warp_row(); n < N; n += warp_row_step()) {
+    float* sr = sum + n * C;
+    float m = 0.0f;
+    for (int64_t c = lane; c < C; c += WARP_SIZE) {
+      const float v = x[n * C + c] + d[n * C + c];
+      sr[c] = v;
+      m += v;
+    }
+    m = warp_reduce(m, SumOp()) / (float)C;
+    float var = 0.0f;
+    for (int64_t c = lane; c < C; c += WARP_SIZE) {  // each lane rereads its own writes
+      const float dv = sr[c] - m;
+      var += dv * dv;
+    }
+    var = warp_reduce(var, SumOp()) / (float)C;
+    const float s = 1.0f / sqrtf(var + eps);
+    float* o = out + n * C;
+    for (int64_t c = lane; c < C; c += WARP_SIZE) o[c] = (sr[c] - m) * s * weight[c] + bias[c];
+    if (lane == 0) {
+      mean[n] = m;
+      rstd[n] = s;
+    }
+  }
+}
+
 // forward was: out[n,c] = (inp[n,c] - mean[n]) * rstd[n] * weight[c] + bias[c]
 // dinp, dout, inp (N,C); weight (C); mean, rstd (N). One warp per row:
 // dinp += (dnorm - mean_c(dnorm) - norm * mean_c(dnorm * norm)) * rstd, dnorm = weight * dout.

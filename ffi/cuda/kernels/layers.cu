@@ -65,6 +65,17 @@ mt_gelu_forward_f32(float* out, const float* inp, int64_t n) {
     out[i] = 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + cube)));
   }
 }
+// out, pre (N,C), bias (C): pre += bias in place, out = gelu(pre); the bits of mt_bias_add_f32
+// then mt_gelu_forward_f32, in one pass over memory
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_bias_gelu_forward_f32(float* out, float* pre, const float* bias, int64_t N, int64_t C) {
+  for (int64_t i = thread_index(); i < N * C; i += thread_count()) {
+    const float x = pre[i] + bias[i % C];
+    const float cube = 0.044715f * x * x * x;
+    pre[i] = x;
+    out[i] = 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + cube)));
+  }
+}
 // forward was: out = 0.5 x (1 + tanh(s (x + 0.044715 x^3)))
 // dinp, inp, dout (n): dinp += gelu'(inp) * dout
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)

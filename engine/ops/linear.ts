@@ -1,0 +1,77 @@
+// linear: out (...,O) = act(inp (...,I) @ weight (O,I)^T + bias (O)), act the identity or GELU
+// (tanh form, as GPT-2): a layer as one op, as PyTorch's addmm and llm.c's matmul + bias do.
+//
+// The GEMM writes the output and the bias is added in place (biasAdd), or added and activated
+// in one pass (biasGeluForward), so no pre-bias copy is made and one tape node stands for the
+// layer. With GELU the pre-activation is kept for backward, beside the output; PyTorch keeps the
+// same two.
+//
+// Under autocast (bf16/f16) the GEMMs read 2-byte copies of inp, weight and the output's
+// gradient and accumulate in f32 (engine/mixed.ts), as matmul does.
+import { ShapeError } from "../errors.ts";
+import { autocastDType } from "../mixed.ts";
+import { dropAll, type Tensor } from "../tensor.ts";
+import { checkDType, checkInputs, lastDim } from "./check.ts";
+import { gemm, gemmOperand } from "./matmul.ts";
+
+export type Activation = "none" | "gelu";
+
+export function linear(inp: Tensor, weight: Tensor, bias: Tensor | null, activation: Activation = "none"): Tensor {
+  const ctx = checkInputs("linear", bias === null ? [inp, weight] : [inp, weight, bias]);
+  for (const t of bias === null ? [inp, weight] : [inp, weight, bias]) checkDType("linear", t, "f32");
+  const I = lastDim(inp.shape);
+  if (weight.shape.length !== 2 || weight.shape[1] !== I || inp.shape.length < 1) {
+    throw new ShapeError("linear", [inp.shape, weight.shape], "weight must be (out, in) with in = the input's last dim");
+  }
+  const O = weight.shape[0]!;
+  if (bias !== null && (bias.shape.length !== 1 || bias.shape[0] !== O)) {
+    throw new ShapeError("linear", [weight.shape, bias.shape], "bias must be (out)");
+  }
+  const N = inp.numel / I;
+  const shape = [...inp.shape.slice(0, -1), O];
+  const be = ctx.backend;
+  const input = ctx.precision; // fixed for this op's backward too
+  const half = autocastDType(input);
+  // x16, w16: what the GEMMs read (2-byte copies under autocast), kept for backward
+  const x16 = gemmOperand(inp, half);
+  const w16 = gemmOperand(weight, half);
+  // pre (N,O) = x w^T
+  const pre = ctx.empty(shape);
+  gemm(be, input, 1, false, true, N, O, I, x16.ptr, w16.ptr, 0, pre.ptr);
+  let out = pre;
+  if (activation === "gelu") {
+    out = ctx.empty(shape);
+    if (bias === null) be.geluForward(out.ptr, pre.ptr, out.numel);
+    else be.biasGeluForward(out.ptr, pre.ptr, bias.ptr, N, O);
+  } else if (bias !== null) {
+    be.biasAdd(pre.ptr, pre.ptr, bias.ptr, N, O);
+  }
+  const gelu = activation === "gelu";
+  // backward reads w16 for the input's gradient, x16 for the weight's, pre for GELU's
+  const saved = [...(inp.requiresGrad ? [w16] : []), ...(weight.requiresGrad ? [x16] : []), ...(gelu ? [pre] : [])];
+  ctx.record(
+    "linear",
+    bias === null ? [inp, weight] : [inp, weight, bias],
+    out,
+    () => {
+      const dout = out.grad!;
+      // forward was: out = gelu(pre)  =>  dpre = gelu'(pre) dout
+      const dpre = gelu ? ctx.zeros(shape) : dout;
+      if (gelu) be.geluBackward(dpre.ptr, pre.ptr, dout.ptr, dpre.numel);
+      // forward was: pre = x w^T + b  =>  db = sum over rows of dpre
+      if (bias?.requiresGrad) be.biasBackward(bias.ensureGrad().ptr, dpre.ptr, N, O);
+      const g16 = gemmOperand(dpre, half);
+      // dx (N,I) += dpre w;  dw (O,I) += dpre^T x
+      if (inp.requiresGrad) gemm(be, input, 1, false, false, N, I, O, g16.ptr, w16.ptr, 1, inp.ensureGrad().ptr);
+      if (weight.requiresGrad) gemm(be, input, 1, true, false, O, I, N, g16.ptr, x16.ptr, 1, weight.ensureGrad().ptr);
+      if (g16 !== dpre) g16.drop();
+      if (dpre !== dout) dpre.drop();
+    },
+    saved,
+  );
+  // the op's own tensors: the autocast copies, and the pre-activation under GELU
+  if (x16 !== inp) x16.drop();
+  if (w16 !== weight) w16.drop();
+  if (gelu) pre.drop();
+  return out;
+}
