@@ -8,9 +8,12 @@
 // shapes, each against ours (target: our step time <= 1.1x PyTorch's).
 //
 //   bun run bench engine [--device auto|cpu|cuda] [--precision f32|tf32|bf16|f16] [--steps N] [--json-only]
+//   bun run bench engine --config small|nanogpt-char|gpt2-small [--batch N] [--profile] [--no-torch] [...]
+//     one GPT at nanoGPT's shapes against PyTorch on the same shape (bench/engine-config.ts)
 import { join } from "node:path";
 import { type Backend, type GemmInput, gemmInputBytes } from "../ffi/backend.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
+import { configName, engineConfigs, runConfigBench, torchPython } from "./engine-config.ts";
 import { median, printTable, round } from "./table.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { deviceChoices, type DeviceChoice, openBackend } from "../ffi/select.ts";
@@ -169,18 +172,37 @@ export function benchGpt(be: Backend, steps: number, precision: Precision = "f32
   return result(name, batch, model, stepMs, gemmMs, 0.5, peak);
 }
 
-export function runEngineBench(argv: string[]): EngineBenchResult[] {
+export function runEngineBench(argv: string[]): EngineBenchResult[] | object {
   const values = parseBenchArgs(argv, {
     steps: { type: "string", default: "20" },
     "json-only": { type: "boolean", default: false },
     device: { type: "string", default: "auto" },
     precision: { type: "string", default: "f32" },
+    config: { type: "string" },
+    batch: { type: "string" },
+    profile: { type: "boolean", default: false },
+    "no-torch": { type: "boolean", default: false },
   });
   const steps = positiveInt("steps", values.steps);
   const device = values.device as DeviceChoice;
   if (!deviceChoices.includes(device)) throw new ConfigError(`--device must be one of ${deviceChoices.join(", ")}, got ${values.device}`);
   const precision = checkPrecision(values.precision as Precision);
   const quiet = values["json-only"];
+  if (values.config === undefined && (values.batch !== undefined || values.profile || values["no-torch"])) {
+    throw new ConfigError("--batch, --profile and --no-torch go with --config small|nanogpt-char|gpt2-small");
+  }
+  if (values.config !== undefined) {
+    const config = configName(values.config);
+    const batch = values.batch === undefined ? engineConfigs[config].batch : positiveInt("batch", values.batch);
+    const { backend: be, why } = openBackend(device);
+    try {
+      const out = runConfigBench(be, why, { config, batch, steps, precision, profile: values.profile, torch: !values["no-torch"], quiet });
+      console.log(JSON.stringify({ bench: "engine", device: be.name, ...out }));
+      return out;
+    } finally {
+      be.dispose();
+    }
+  }
   const { backend: be, why } = openBackend(device);
   const gpu = be.name !== "cpu";
   const rows = [benchMlp(be, steps, precision), benchGpt(be, steps, precision), benchGpt(be, steps, precision, true)];
@@ -207,7 +229,7 @@ function compareWithTorch(be: Backend, rows: EngineBenchResult[], precision: Pre
   // distinct shapes only: torch times each once, as our GEMM round does per occurrence
   const shapes = [...new Map(benchedShapes.map((s) => [JSON.stringify(s), s])).values()];
   const script = join(import.meta.dir, "torch_step.py");
-  const p = Bun.spawnSync(["python3", script, "--precision", precision, "--steps", String(steps), "--gemm-shapes", JSON.stringify(shapes)], {
+  const p = Bun.spawnSync([torchPython(), script, "--precision", precision, "--steps", String(steps), "--gemm-shapes", JSON.stringify(shapes)], {
     stdout: "pipe",
     stderr: "pipe",
   });

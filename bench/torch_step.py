@@ -65,24 +65,29 @@ class Gpt(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
 
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def time_steps(step, steps, warmup=5):
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - t) * 1000)
     times.sort()
     return times[len(times) // 2]
 
 
-def autocast(precision):
+def autocast(precision, device="cuda"):
     if precision in ("bf16", "f16"):
-        return torch.autocast("cuda", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
-    return torch.autocast("cuda", enabled=False)
+        return torch.autocast(device, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    return torch.autocast(device, enabled=False)
 
 
 def mlp_step_ms(precision, steps):
@@ -138,6 +143,40 @@ def gpt_step_ms(precision, steps, sdpa):
     return time_steps(step, steps)
 
 
+def config_step(cfg, mode, device, precision, steps):
+    """One GPT training step at a nanoGPT shape (bench engine --config): tokens/s and peak memory.
+    mode: written (attention written out), sdpa, or compile (torch.compile of the SDPA model)."""
+    V, T, B = cfg["vocabSize"], cfg["blockSize"], cfg["batch"]
+    model = Gpt(V, T, cfg["nLayer"], cfg["nHead"], cfg["nEmbd"], mode != "written").to(device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-4, betas=(0.9, 0.999), eps=1e-8)
+    run = torch.compile(model) if mode == "compile" else model
+    idx = torch.randint(0, V, (B, T), device=device)
+    tgt = torch.randint(0, V, (B, T), device=device)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with autocast(precision, device):
+            loss = run(idx, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss.item()
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ms = time_steps(step, steps, warmup=2)
+    out = {"step_ms": ms}
+    if device == "cuda":
+        out["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    else:
+        import resource
+        out["rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return out
+
+
 def gemm_tflops(shapes, precision, reps):
     """torch.matmul on each (M,N,K,transA,transB,batch); returns TFLOP/s per shape and overall."""
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16}.get(precision, torch.float32)
@@ -165,7 +204,26 @@ def main():
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--sdpa", action="store_true")
     p.add_argument("--gemm-shapes", default="[]", help="JSON list of {M,N,K,transA,transB,batch}")
+    p.add_argument("--gpt-config", help="JSON {nLayer,nHead,nEmbd,blockSize,vocabSize,batch}: one GPT at that shape")
+    p.add_argument("--mode", choices=["written", "sdpa", "compile"], default="written")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     args = p.parse_args()
+    if args.gpt_config is not None:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            print(json.dumps({"error": "torch.cuda.is_available() is False"}))
+            return
+        if args.mode != "written" and not hasattr(F, "scaled_dot_product_attention"):
+            print(json.dumps({"error": f"torch {torch.__version__} has no scaled_dot_product_attention"}))
+            return
+        if args.threads > 0:
+            torch.set_num_threads(args.threads)
+        torch.manual_seed(1)
+        tf32 = args.precision == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        out = config_step(json.loads(args.gpt_config), args.mode, args.device, args.precision, args.steps)
+        print(json.dumps({"torch": torch.__version__, "mode": args.mode, **out}))
+        return
     if not torch.cuda.is_available():
         print(json.dumps({"error": "torch.cuda.is_available() is False"}))
         return

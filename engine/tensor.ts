@@ -225,6 +225,31 @@ export class Tensor {
     return this.#grad;
   }
 
+  /**
+   * The gradient buffer for an op whose backward writes every element of it: when there is none
+   * yet it is made without zeroing and `fresh` is true, and the caller must overwrite it (a GEMM
+   * with beta 0, a copy); otherwise the caller adds into it. A view's is its base's (zeroed).
+   */
+  gradForWrite(): { grad: Tensor; fresh: boolean } {
+    if (this.viewOf !== null || this.#grad !== null || this.#block === null) return { grad: this.ensureGrad(), fresh: false };
+    this.#grad = this.ctx.empty(this.shape, this.dtype);
+    return { grad: this.#grad, fresh: true };
+  }
+
+  /**
+   * Takes `src`'s memory as this tensor's gradient, when this tensor has none yet and both are
+   * base arena tensors of one shape: an add's backward passes its output's gradient on without a
+   * copy (src, the output's gradient, is read by nothing after that node). Returns whether it did.
+   */
+  shareGrad(src: Tensor): boolean {
+    const block = src.#block;
+    if (this.viewOf !== null || this.#grad !== null || this.#block === null || src.viewOf !== null || block === null || block.freed) return false;
+    if (!sameShape(src.shape, this.shape) || src.dtype !== this.dtype) return false;
+    block.holds++;
+    this.#grad = new Tensor(this.ctx, this.shape, this.dtype, block.ptr, src.home, src.generation, false, null, 0, null, block);
+    return true;
+  }
+
   /** Bind a persistent gradient buffer (a view into a gradient slab). */
   bindGrad(grad: Tensor): void {
     if (!sameShape(grad.shape, this.shape)) throw new ShapeError("bindGrad", [this.shape, grad.shape], "gradient shape differs");
@@ -632,7 +657,9 @@ export class Context {
   #gradReadyAt(): Map<number, Tensor[]> {
     const firstUse = new Map<Tensor, number>();
     this.#pass.tape.forEach((node, i) => {
-      for (const t of node.inputs) {
+      // a node's backward completes its inputs' gradients last to first (a layer's bias, then
+      // its weight), so they are listed in that order
+      for (const t of [...node.inputs].reverse()) {
         const base = t.viewOf ?? t;
         if (base.generation === persistentGeneration && base.requiresGrad && !firstUse.has(base)) firstUse.set(base, i);
       }

@@ -20,6 +20,7 @@ import { z } from "zod";
 import { jobIdPattern } from "../services/runtime/job.ts";
 import { type NatsServer, startNatsServer } from "../services/runtime/nats-server.ts";
 import { type Credentials, clientUser, makeCredentials, type RoleName } from "../services/runtime/roles.ts";
+import { configExitCode } from "../services/runtime/service.ts";
 
 export const composePath = join(import.meta.dir, "..", "deploy", "docker-compose.yml");
 const root = join(import.meta.dir, "..");
@@ -154,8 +155,10 @@ export interface MeshOptions {
   /** host label per trainer rank (MT_HOST), as if the ranks ran on these machines; default: this machine's name */
   trainerHosts?: string[];
   onEvent?: (line: string) => void;
-  /** a service kept failing and is not restarted again: its name, what it last wrote as an error, its log */
-  onGiveUp?: (service: string, lastError: string, log: string) => void;
+  /** a service kept failing, or could not start for a reason no restart fixes (`cannotStart`: it
+   *  exited with configExitCode), and is not restarted again: its name, what it last wrote as an
+   *  error, its log */
+  onGiveUp?: (service: string, lastError: string, log: string, cannotStart: boolean) => void;
   /** restart policy (default restartDefaults) */
   restart?: Partial<RestartPolicy>;
   /** NATS users per role (services/runtime/roles.ts), each service connecting as its own; false:
@@ -371,6 +374,14 @@ export class LocalMesh implements AsyncDisposable {
       const now = Date.now();
       const why = proc.signalCode ? `signal ${proc.signalCode}` : `exit ${code}`;
       const log = this.logPath(spec.name);
+      if (code === configExitCode && !proc.signalCode) {
+        // an invalid setting, a missing device or library: the next start would fail the same way
+        await pumped;
+        const lastError = this.#lastError.get(spec.name) ?? "(none in its log)";
+        this.opts.onEvent?.(`${spec.name} cannot start: ${lastError}; not restarting: a configuration error (log: ${log})`);
+        this.opts.onGiveUp?.(spec.name, lastError, log, true);
+        return;
+      }
       const pause = restarts.next(now, now - startedMs);
       if (pause === null) {
         await pumped; // its last lines, the crash's among them
@@ -379,7 +390,7 @@ export class LocalMesh implements AsyncDisposable {
         this.opts.onEvent?.(
           `${spec.name} died (${why}) after ${budget} restarts within ${Math.round(windowMs / 60_000)} min; not restarting. Its last error: ${lastError} (log: ${log})`,
         );
-        this.opts.onGiveUp?.(spec.name, lastError, log);
+        this.opts.onGiveUp?.(spec.name, lastError, log, false);
         return;
       }
       this.opts.onEvent?.(`${spec.name} died (${why}); restarting in ${(pause / 1000).toFixed(1)} s (log: ${log})`);

@@ -316,7 +316,8 @@ async function meshUp(o: { dir: string; port: number; trainers: number; shards: 
   let failJobs: (reason: string) => void = () => {};
   const m = await LocalMesh.start({
     ...opts,
-    onGiveUp: (service, lastError, log) => failJobs(`${service} keeps crashing: ${lastError} (log: ${shownPath(log)})`),
+    onGiveUp: (service, lastError, log, cannotStart) =>
+      failJobs(`${service} ${cannotStart ? "cannot start" : "keeps crashing"}: ${lastError} (log: ${shownPath(log)})`),
   });
   stop.second.signal.addEventListener("abort", () => void m.stop(true), { once: true });
   let forget = () => {};

@@ -11,12 +11,7 @@ export function add(a: Tensor, b: Tensor): Tensor {
   if (sameShape(a.shape, b.shape)) {
     const out = ctx.empty(a.shape);
     be.add(out.ptr, a.ptr, b.ptr, out.numel);
-    ctx.record("add", [a, b], out, () => {
-      // forward was: out = a + b
-      const dout = out.grad!.ptr;
-      if (a.requiresGrad) be.axpy(a.ensureGrad().ptr, dout, out.numel, 1);
-      if (b.requiresGrad) be.axpy(b.ensureGrad().ptr, dout, out.numel, 1);
-    }, []);
+    ctx.record("add", [a, b], out, () => addBackward(out, a, b), []);
     return out;
   }
   const plan = broadcastPlan("add", a.shape, b.shape);
@@ -28,21 +23,45 @@ export function add(a: Tensor, b: Tensor): Tensor {
   } of plan.blocks) {
     be.binaryBroadcast("add", out.ptr + o! * 4, a.ptr + ao! * 4, b.ptr + bo! * 4, dims, as!, bs!);
   }
-  ctx.record("add", [a, b], out, () => {
-    // forward was: out[i] = a[i·as] + b[i·bs]  =>  da[i·as] += dout[i]
-    const dout = out.grad!.ptr;
-    const da = a.requiresGrad ? a.ensureGrad().ptr : 0;
-    const db = b.requiresGrad ? b.ensureGrad().ptr : 0;
-    for (const {
-      dims,
-      strides: [, as, bs],
-      offsets: [o, ao, bo],
-    } of plan.blocks) {
-      if (a.requiresGrad) be.reduceBroadcast(da + ao! * 4, dout + o! * 4, dims, as!);
-      if (b.requiresGrad) be.reduceBroadcast(db + bo! * 4, dout + o! * 4, dims, bs!);
-    }
-  }, []);
+  ctx.record(
+    "add",
+    [a, b],
+    out,
+    () => {
+      // forward was: out[i] = a[i·as] + b[i·bs]  =>  da[i·as] += dout[i]
+      const dout = out.grad!.ptr;
+      const da = a.requiresGrad ? a.ensureGrad().ptr : 0;
+      const db = b.requiresGrad ? b.ensureGrad().ptr : 0;
+      for (const {
+        dims,
+        strides: [, as, bs],
+        offsets: [o, ao, bo],
+      } of plan.blocks) {
+        if (a.requiresGrad) be.reduceBroadcast(da + ao! * 4, dout + o! * 4, dims, as!);
+        if (b.requiresGrad) be.reduceBroadcast(db + bo! * 4, dout + o! * 4, dims, bs!);
+      }
+    },
+    [],
+  );
   return out;
+}
+
+/**
+ * forward was: out = a + b  =>  da += dout, db += dout. An operand without a gradient yet takes
+ * dout's memory (b first: a's sharing would let later adds into a's gradient change dout) or a
+ * copy of it, not a zero fill and an add.
+ */
+export function addBackward(out: Tensor, a: Tensor, b: Tensor): void {
+  const be = out.ctx.backend;
+  const dout = out.grad!;
+  const into = (t: Tensor, share: boolean) => {
+    if (!t.requiresGrad || (share && t.shareGrad(dout))) return;
+    const { grad, fresh } = t.gradForWrite();
+    if (fresh) be.copy(grad.ptr, dout.ptr, dout.bytes);
+    else be.axpy(grad.ptr, dout.ptr, out.numel, 1);
+  };
+  into(b, false);
+  into(a, true);
 }
 
 // ---- float64 reference --------------------------------------------------------------------

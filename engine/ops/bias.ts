@@ -14,12 +14,18 @@ export function biasAdd(inp: Tensor, bias: Tensor): Tensor {
   const be = ctx.backend;
   const out = ctx.empty(inp.shape);
   be.biasAdd(out.ptr, inp.ptr, bias.ptr, N, C);
-  ctx.record("biasAdd", [inp, bias], out, () => {
-    // forward was: out[n,c] = inp[n,c] + bias[c]
-    const dout = out.grad!.ptr;
-    if (inp.requiresGrad) be.axpy(inp.ensureGrad().ptr, dout, out.numel, 1);
-    if (bias.requiresGrad) be.biasBackward(bias.ensureGrad().ptr, dout, N, C);
-  }, []);
+  ctx.record(
+    "biasAdd",
+    [inp, bias],
+    out,
+    () => {
+      // forward was: out[n,c] = inp[n,c] + bias[c]
+      const dout = out.grad!.ptr;
+      if (inp.requiresGrad) be.axpy(inp.ensureGrad().ptr, dout, out.numel, 1);
+      if (bias.requiresGrad) be.biasBackward(bias.ensureGrad().ptr, dout, N, C);
+    },
+    [],
+  );
   return out;
 }
 

@@ -14,9 +14,15 @@ export function dropout(inp: Tensor, p: number): Tensor {
   const seed = ctx.nextDropoutSeed();
   const out = ctx.empty(inp.shape);
   be.dropoutForward(out.ptr, inp.ptr, inp.numel, p, seed);
-  ctx.record("dropout", [inp], out, () => {
-    be.dropoutBackward(inp.ensureGrad().ptr, out.grad!.ptr, inp.numel, p, seed);
-  }, []);
+  ctx.record(
+    "dropout",
+    [inp],
+    out,
+    () => {
+      be.dropoutBackward(inp.ensureGrad().ptr, out.grad!.ptr, inp.numel, p, seed);
+    },
+    [],
+  );
   return out;
 }
 

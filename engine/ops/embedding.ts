@@ -15,10 +15,16 @@ export function embedding(table: Tensor, ids: Tensor): Tensor {
   // ids known on the host to be in range need no count (on a GPU: no wait in the forward pass)
   const invalid = be.embeddingForward(out.ptr, ids.ptr, table.ptr, N, C, V, ids.knownInRange(V));
   if (invalid > 0) throw new IndexRangeError("embedding", invalid, V, ids.shape);
-  ctx.record("embedding", [table], out, () => {
-    // forward was: out[n,:] = table[ids[n],:]  =>  dtable[ids[n],:] += dout[n,:]
-    be.embeddingBackward(table.ensureGrad().ptr, ids.ptr, out.grad!.ptr, N, C);
-  }, [ids]);
+  ctx.record(
+    "embedding",
+    [table],
+    out,
+    () => {
+      // forward was: out[n,:] = table[ids[n],:]  =>  dtable[ids[n],:] += dout[n,:]
+      be.embeddingBackward(table.ensureGrad().ptr, ids.ptr, out.grad!.ptr, N, C);
+    },
+    [ids],
+  );
   return out;
 }
 

@@ -2,6 +2,7 @@
 //   out (N,C) = (inp - mean) * rstd * weight + bias, mean/rstd (N) saved for the backward.
 import { ShapeError } from "../errors.ts";
 import { dropAll, sameShape, type Tensor } from "../tensor.ts";
+import { addBackward } from "./add.ts";
 import { checkDType, checkInputs, lastDim } from "./check.ts";
 
 export const layerNormEps = 1e-5;
@@ -41,18 +42,7 @@ export function residualLayerNorm(x: Tensor, d: Tensor, weight: Tensor, bias: Te
   const mean = ctx.empty([N]);
   const rstd = ctx.empty([N]);
   ctx.backend.residualLayerNormForward(sum.ptr, out.ptr, mean.ptr, rstd.ptr, x.ptr, d.ptr, weight.ptr, bias.ptr, N, C, eps);
-  ctx.record(
-    "add",
-    [x, d],
-    sum,
-    () => {
-      // forward was: sum = x + d
-      const dsum = sum.grad!.ptr;
-      if (x.requiresGrad) ctx.backend.axpy(x.ensureGrad().ptr, dsum, sum.numel, 1);
-      if (d.requiresGrad) ctx.backend.axpy(d.ensureGrad().ptr, dsum, sum.numel, 1);
-    },
-    [],
-  );
+  ctx.record("add", [x, d], sum, () => addBackward(sum, x, d), []);
   recordLayerNorm(sum, weight, bias, out, mean, rstd);
   return { sum, out };
 }

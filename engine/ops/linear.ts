@@ -62,7 +62,10 @@ export function linear(inp: Tensor, weight: Tensor, bias: Tensor | null, activat
       if (bias?.requiresGrad) be.biasBackward(bias.ensureGrad().ptr, dpre.ptr, N, O);
       const g16 = gemmOperand(dpre, half);
       // dx (N,I) += dpre w;  dw (O,I) += dpre^T x
-      if (inp.requiresGrad) gemm(be, input, 1, false, false, N, I, O, g16.ptr, w16.ptr, 1, inp.ensureGrad().ptr);
+      if (inp.requiresGrad) {
+        const { grad, fresh } = inp.gradForWrite();
+        gemm(be, input, 1, false, false, N, I, O, g16.ptr, w16.ptr, fresh ? 0 : 1, grad.ptr);
+      }
       if (weight.requiresGrad) gemm(be, input, 1, true, false, O, I, N, g16.ptr, x16.ptr, 1, weight.ensureGrad().ptr);
       if (g16 !== dpre) g16.drop();
       if (dpre !== dout) dpre.drop();

@@ -97,25 +97,33 @@ export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tenso
   gemm(be, input, batch, tA, tB, M, N, K, a16.ptr, b16.ptr, 0, out.ptr);
   // backward reads b16 for a's gradient and a16 for b's
   const saved = [...(a.requiresGrad ? [b16] : []), ...(b.requiresGrad ? [a16] : [])];
-  ctx.record("matmul", [a, b], out, () => {
-    const dout16 = gemmOperand(out.grad!, half); // (M,N), cast once for both gradients
-    const dout = dout16.ptr;
-    if (a.requiresGrad) {
-      const da = a.ensureGrad().ptr;
-      // forward was: out = op(a) op(b)  =>  d op(a) = dout op(b)^T
-      if (!tA)
-        gemm(be, input, batch, false, !tB, M, K, N, dout, b16.ptr, 1, da); // da (M,K)
-      else gemm(be, input, batch, tB, true, K, M, N, b16.ptr, dout, 1, da); // da (K,M) = op(b) dout^T
-    }
-    if (b.requiresGrad) {
-      const db = b.ensureGrad().ptr;
-      // d op(b) = op(a)^T dout
-      if (!tB)
-        gemm(be, input, batch, !tA, false, K, N, M, a16.ptr, dout, 1, db); // db (K,N)
-      else gemm(be, input, batch, true, tA, N, K, M, dout, a16.ptr, 1, db); // db (N,K) = dout^T op(a)
-    }
-    if (dout16 !== out.grad) dout16.drop();
-  }, saved);
+  ctx.record(
+    "matmul",
+    [a, b],
+    out,
+    () => {
+      const dout16 = gemmOperand(out.grad!, half); // (M,N), cast once for both gradients
+      const dout = dout16.ptr;
+      if (a.requiresGrad) {
+        const { grad, fresh } = a.gradForWrite();
+        const [da, beta] = [grad.ptr, fresh ? 0 : 1];
+        // forward was: out = op(a) op(b)  =>  d op(a) = dout op(b)^T
+        if (!tA)
+          gemm(be, input, batch, false, !tB, M, K, N, dout, b16.ptr, beta, da); // da (M,K)
+        else gemm(be, input, batch, tB, true, K, M, N, b16.ptr, dout, beta, da); // da (K,M) = op(b) dout^T
+      }
+      if (b.requiresGrad) {
+        const { grad, fresh } = b.gradForWrite();
+        const [db, beta] = [grad.ptr, fresh ? 0 : 1];
+        // d op(b) = op(a)^T dout
+        if (!tB)
+          gemm(be, input, batch, !tA, false, K, N, M, a16.ptr, dout, beta, db); // db (K,N)
+        else gemm(be, input, batch, true, tA, N, K, M, dout, a16.ptr, beta, db); // db (N,K) = dout^T op(a)
+      }
+      if (dout16 !== out.grad) dout16.drop();
+    },
+    saved,
+  );
   // the autocast copies are this op's own: kept only while backward needs them
   if (a16 !== a) a16.drop();
   if (b16 !== b) b16.drop();

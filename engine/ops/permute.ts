@@ -26,18 +26,24 @@ export function permute(x: Tensor, perm: readonly number[]): Tensor {
   } of blocks) {
     be.stridedCopy(out.ptr + o! * 4, outS!, x.ptr + i! * 4, inS!, dims, false);
   }
-  ctx.record("permute", [x], out, () => {
-    // forward was: out[i·outS] = x[i·inS]  =>  dx[i·inS] += dout[i·outS]
-    const dx = x.ensureGrad().ptr;
-    const dout = out.grad!.ptr;
-    for (const {
-      dims,
-      strides: [outS, inS],
-      offsets: [o, i],
-    } of blocks) {
-      be.stridedCopy(dx + i! * 4, inS!, dout + o! * 4, outS!, dims, true);
-    }
-  }, []);
+  ctx.record(
+    "permute",
+    [x],
+    out,
+    () => {
+      // forward was: out[i·outS] = x[i·inS]  =>  dx[i·inS] += dout[i·outS]
+      const dx = x.ensureGrad().ptr;
+      const dout = out.grad!.ptr;
+      for (const {
+        dims,
+        strides: [outS, inS],
+        offsets: [o, i],
+      } of blocks) {
+        be.stridedCopy(dx + i! * 4, inS!, dout + o! * 4, outS!, dims, true);
+      }
+    },
+    [],
+  );
   return out;
 }
 

@@ -10,10 +10,16 @@ function reduceAll(op: "sum" | "mean", x: Tensor): Tensor {
   be.sum(out.ptr, x.ptr, x.numel);
   const scale = op === "mean" ? 1 / x.numel : 1;
   if (scale !== 1) be.scale(out.ptr, 1, scale);
-  ctx.record(op, [x], out, () => {
-    // forward was: out = scale * sum(x)  =>  dx[i] += scale * dout
-    be.addScalarFrom(x.ensureGrad().ptr, out.grad!.ptr, scale, x.numel);
-  }, []);
+  ctx.record(
+    op,
+    [x],
+    out,
+    () => {
+      // forward was: out = scale * sum(x)  =>  dx[i] += scale * dout
+      be.addScalarFrom(x.ensureGrad().ptr, out.grad!.ptr, scale, x.numel);
+    },
+    [],
+  );
   return out;
 }
 

@@ -81,13 +81,19 @@ export class TensorParallel implements TensorRank {
     const out = ctx.empty(x.shape);
     ctx.backend.copy(out.ptr, x.ptr, x.bytes);
     // the key is taken in forward order; backward runs the ops in reverse, and every rank alike
-    ctx.record("tp.copy", [x], out, async () => {
-      const key = this.#key();
-      const sum = await this.#allReduce(out.grad!, key);
-      const g = ctx.fromArray(sum, x.shape);
-      ctx.backend.axpy(x.ensureGrad().ptr, g.ptr, x.numel, 1);
-      g.drop();
-    }, []);
+    ctx.record(
+      "tp.copy",
+      [x],
+      out,
+      async () => {
+        const key = this.#key();
+        const sum = await this.#allReduce(out.grad!, key);
+        const g = ctx.fromArray(sum, x.shape);
+        ctx.backend.axpy(x.ensureGrad().ptr, g.ptr, x.numel, 1);
+        g.drop();
+      },
+      [],
+    );
     return out;
   }
 
@@ -98,9 +104,15 @@ export class TensorParallel implements TensorRank {
     if (this.size === 1) return x;
     const sum = await this.#allReduce(x, this.#key());
     const out = ctx.fromArray(sum, x.shape);
-    ctx.record("tp.reduce", [x], out, () => {
-      ctx.backend.axpy(x.ensureGrad().ptr, out.grad!.ptr, x.numel, 1);
-    }, []);
+    ctx.record(
+      "tp.reduce",
+      [x],
+      out,
+      () => {
+        ctx.backend.axpy(x.ensureGrad().ptr, out.grad!.ptr, x.numel, 1);
+      },
+      [],
+    );
     return out;
   }
 }

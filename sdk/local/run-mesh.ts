@@ -73,24 +73,30 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
   using stop = new StopRequests((s) => print(`${s}: stopping job ${cfg.job}: a snapshot first, then the mesh (again to stop at once)`));
   let client: MeshClient | null = null;
   let dashboard: Dashboard | null = null;
+  // a service that cannot start before the job is submitted: the submission stops waiting for it
+  const startFailed = new AbortController();
+  let submitted = false;
   const mesh = await LocalMesh.start({
     jobsDir,
     logDir,
     trainers: cfg.trainers,
     shards,
     onEvent: (line) => print(`launcher: ${line}`),
-    // a service that keeps crashing fails the job with its own last error
-    onGiveUp: (service, lastError, log) => void client?.failRunning(`${service} keeps crashing: ${lastError} (log: ${shownPath(log)})`).catch(() => {}),
+    // a service that cannot start, or keeps crashing, fails the job with its own last error
+    onGiveUp: (service, lastError, log, cannotStart) => {
+      const reason = `${service} ${cannotStart ? "cannot start" : "keeps crashing"}: ${lastError} (log: ${shownPath(log)})`;
+      if (!submitted) startFailed.abort(reason);
+      void client?.failRunning(reason).catch(() => {});
+    },
   });
   stop.second.signal.addEventListener("abort", () => void mesh.stop(true), { once: true });
-  let submitted = false;
   try {
     // the job's own client: the client role (it submits, follows, snapshots and, when a service
     // keeps crashing, fails the job; restoring and resizing are the admin's)
     client = await MeshClient.connect(mesh.url, { ...mesh.auth("client"), owner: defaultOwner });
     dashboard = await startDashboard(client, cfg.job, o.dashboardPort === undefined ? 0 : o.dashboardPort);
     // the launcher started every rank the job needs: wait for them to register
-    await client.submit(cfg, { membersWaitMs, signal: stop.first.signal });
+    await client.submit(cfg, { membersWaitMs, signal: AbortSignal.any([stop.first.signal, startFailed.signal]) });
     submitted = true;
     console.log("submitted; the mesh opens the job (data, parameters), then the trainers start");
     const timeout = AbortSignal.timeout(o.timeoutMin * 60_000);
@@ -101,6 +107,7 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
     for (const line of outcomeLines(outcome, { logs: logDir })) console.log(line);
     return 0;
   } catch (e) {
+    if (startFailed.signal.aborted) throw new JobFailedError(`job ${cfg.job} cannot run: ${String(startFailed.signal.reason)}`, null);
     // a stop asked for, unless the job itself failed meanwhile (that is the news)
     if (stop.requested && !(e instanceof JobFailedError)) {
       if (submitted && client && !stop.second.signal.aborted) await stopCleanly(client, cfg.job, stop);

@@ -8,6 +8,7 @@ import { type DeviceChoice, withBackend } from "../../ffi/select.ts";
 import { loadCorpus } from "../../engine/data/corpus.ts";
 import type { CharVocab } from "../../engine/data/text.ts";
 import { TokenBatcher } from "../../engine/data/tokens.ts";
+import { formatBytes, type GptMemory, gptMemory } from "../../engine/memory.ts";
 import { saveModelFile } from "../../engine/modelfile.ts";
 import { type GptConfig, gptDefaults, GptModel } from "../../engine/models/gpt.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
@@ -95,6 +96,20 @@ function nextCommands(vocab: CharVocab | undefined): string[][] {
   return [["sample", ...prompt], ["eval"]];
 }
 
+/** The header's memory line: the analytic count (engine/memory.ts, docs/MEMORY.md). */
+export function memoryLine(m: GptMemory): string {
+  return (
+    `memory: parameters ${formatBytes(m.parameters)} + gradients ${formatBytes(m.gradients)} + AdamW ${formatBytes(m.optimizer)} ` +
+    `+ activations ${formatBytes(m.activationsPeak)} at a pass's peak = ${formatBytes(m.total)} (predicted)`
+  );
+}
+
+/** After the first step: the pass's measured peak against the prediction. */
+export function measuredLine(ctx: Context, m: GptMemory): string {
+  const peak = ctx.arena.passPeakBytes;
+  return `memory: a training pass's peak ${formatBytes(peak)} measured (${(peak / m.activationsPeak).toFixed(3)} x predicted); the arena holds ${formatBytes(ctx.arena.capacityBytes)}`;
+}
+
 /** The first `count` items (all of them for 0). */
 export function* firstBatches<T>(items: Iterable<T>, count: number): Generator<T> {
   let taken = 0;
@@ -138,6 +153,8 @@ function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
     `parameters: ${model.store.paramCount.toLocaleString("en-US")} | tokens/step: ${tokensPerStep} ` +
       `| GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)} | limit: ${o.maxSteps} steps or ${o.timeLimitMin} min`,
   );
+  const predicted = gptMemory(config, { batch: o.batchSize, precision: o.precision, recompute: o.recompute, optimizer: "adamw" });
+  console.log(memoryLine(predicted));
 
   const rng = new Rng(o.seed);
   const progress = new Progress(o.maxSteps, "tokens");
@@ -156,6 +173,7 @@ function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
     });
     const r = trainer.run(micro);
     step++;
+    if (step === 1) progress.log(measuredLine(ctx, predicted));
     rate.add(tokensPerStep);
     if (r.skipped) progress.log(skippedStepNote(step, r.lossScale));
     progress.update(step, { loss: r.loss.toFixed(4), sps: rate.rate.toFixed(0), extra: `lr ${r.lr.toExponential(2)} | ` });

@@ -2,7 +2,11 @@
 // bus registered for $SRV discovery, and a graceful drain on SIGTERM/SIGINT (stop taking
 // requests, finish those in flight, flush, exit 0).
 import { z } from "zod";
+import { DataFileError } from "../../engine/data/errors.ts";
+import { ConfigError as EngineConfigError } from "../../engine/errors.ts";
+import { NativeLibraryError } from "../../ffi/errors.ts";
 import { loadConfig } from "./config.ts";
+import { ConfigError, NatsAccessError } from "./errors.ts";
 import { createLogger, type Logger } from "./log.ts";
 import { serveMetrics } from "./metrics.ts";
 import { NatsBus } from "./nats.ts";
@@ -100,7 +104,28 @@ class Health {
   }
 }
 
-/** Runs a service process until SIGTERM/SIGINT; exits 1 with one clear line on a start-up error. */
+/**
+ * The exit code of a service that cannot start for a reason no restart can fix (sysexits.h's
+ * EX_CONFIG): its configuration is invalid, its device or a native library is missing, a file
+ * it needs cannot be read, or its credentials are refused. The local launcher does not restart
+ * it and fails the running jobs at once with its message.
+ */
+export const configExitCode = 78;
+
+/** Whether a start-up error is one that no restart can fix. */
+export function isConfigurationError(e: unknown): boolean {
+  return (
+    e instanceof ConfigError ||
+    e instanceof EngineConfigError ||
+    e instanceof NativeLibraryError ||
+    e instanceof DataFileError ||
+    e instanceof NatsAccessError ||
+    (e instanceof Error && (e as NodeJS.ErrnoException).code === "ENOENT")
+  );
+}
+
+/** Runs a service process until SIGTERM/SIGINT; exits with one clear line on a start-up error:
+ *  configExitCode when no restart can fix it, else 1. */
 export async function runService<C extends BaseConfig>(def: ServiceDefinition<C>, argv = process.argv.slice(2)): Promise<void> {
   let log = createLogger({ service: def.name });
   try {
@@ -145,8 +170,9 @@ export async function runService<C extends BaseConfig>(def: ServiceDefinition<C>
       }
     });
   } catch (e) {
-    log.fatal({ err: (e as Error).message }, `${def.name} failed to start`);
+    const fatal = isConfigurationError(e);
+    log.fatal({ err: (e as Error).message, configuration: fatal }, `${def.name} failed to start`);
     console.error(`${def.name}: ${(e as Error).message}`);
-    process.exit(1);
+    process.exit(fatal ? configExitCode : 1);
   }
 }

@@ -11,7 +11,17 @@ import { tmpdir } from "node:os";
 import { dirname, join } from "node:path";
 import type { Dims4 } from "../../ffi/backend.ts";
 import { ensurePtx, findNvcc, kernelSourceModules, nvccInstallHint } from "../../ffi/cuda/build.ts";
-import { attentionThreads, kernelModules, kernelSpecs, type KernelName, type Launch, type ParamType, plans, reduceShape, scratchBytes } from "../../ffi/cuda/kernels.ts";
+import {
+  attentionThreads,
+  kernelModules,
+  kernelSpecs,
+  type KernelName,
+  type Launch,
+  type ParamType,
+  plans,
+  reduceShape,
+  scratchBytes,
+} from "../../ffi/cuda/kernels.ts";
 import { type OpDecl, type OpName, ops } from "../../ffi/ops.ts";
 import { NativeLibraryError } from "../../ffi/errors.ts";
 import { skip } from "../helpers/skip.ts";

@@ -90,6 +90,27 @@ describe("bad input gets one clear error and a non-zero exit", () => {
       expect(lines[0]).toStartWith("meshtrain: NativeLibraryError: --device cuda: ");
     },
   );
+  test.skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null))(
+    "MT_DEVICE=cuda meshtrain run without a GPU: the trainers are not restarted, and the run ends at once naming the cause",
+    () => {
+      const started = performance.now();
+      const p = Bun.spawnSync([process.execPath, join(root, "sdk", "cli.ts"), "run", "--no-dashboard", "--epochs", "1", "--dir", join(dir, "no-gpu")], {
+        cwd: root,
+        env: { ...env, MT_DEVICE: "cuda" },
+        stdout: "pipe",
+        stderr: "pipe",
+        timeout: 60_000,
+      });
+      const out = p.stdout.toString();
+      expect(p.exitCode).toBe(1);
+      expect(out).toMatch(/launcher: trainer-[01] cannot start: trainer failed to start: --device cuda: no CUDA driver/);
+      expect(out).toContain("not restarting: a configuration error");
+      expect(out).not.toContain("restarting in");
+      expect(p.stderr.toString()).toMatch(/cannot run: trainer-[01] cannot start: trainer failed to start: --device cuda: no CUDA driver/);
+      // a start-up failure, not minutes of restarts with backoff
+      expect(performance.now() - started).toBeLessThan(30_000);
+    },
+  );
   test.skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null)).each(["engine", "kernels"])(
     "`bun run bench %s --device cuda` without a GPU: one clear line",
     (name) => {

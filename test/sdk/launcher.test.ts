@@ -4,6 +4,7 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
 import { errorOfLine, LocalMesh, restartDefaults, RestartTracker } from "../../sdk/launcher.ts";
+import { configExitCode } from "../../services/runtime/service.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 
 afterAll(removeTempDirs);
@@ -58,4 +59,25 @@ test("a service that keeps crashing is restarted with backoff, then given up on,
   const restarts = events.filter((l) => l.includes("restarting in"));
   expect(restarts.map((l) => /restarting in ([\d.]+) s/.exec(l)![1])).toEqual(["0.0", "0.0", "0.1"]);
   expect(events.at(-1)).toContain("crasher died (exit 3) after 3 restarts within 1 min; not restarting. Its last error: cannot open the data: truncated file");
+});
+
+test("a service that exits with the configuration code is not restarted: given up on at once with its error", async () => {
+  const dir = tempDir("mt-launcher-");
+  const events: string[] = [];
+  const gaveUp: { service: string; lastError: string; cannotStart: boolean }[] = [];
+  const fail = `console.error(JSON.stringify({ level: "fatal", msg: "trainer failed to start", err: "--device cuda: no CUDA driver" })); process.exit(${configExitCode})`;
+  await using _mesh = await LocalMesh.start(
+    {
+      jobsDir: join(dir, "jobs"),
+      logDir: join(dir, "logs"),
+      restart: { baseDelayMs: 20, maxDelayMs: 200, budget: 3, windowMs: 60_000 },
+      onEvent: (line) => events.push(line),
+      onGiveUp: (service, lastError, _log, cannotStart) => gaveUp.push({ service, lastError, cannotStart }),
+    },
+    [{ name: "misconfigured", argv: [process.execPath, "-e", fail], env: {} }],
+  );
+  await waitFor("the launcher to give up on the service", () => gaveUp.length > 0, 30_000);
+  expect(gaveUp).toEqual([{ service: "misconfigured", lastError: "trainer failed to start: --device cuda: no CUDA driver", cannotStart: true }]);
+  expect(events.some((l) => l.includes("restarting in"))).toBe(false);
+  expect(events.at(-1)).toContain("misconfigured cannot start: trainer failed to start: --device cuda: no CUDA driver; not restarting: a configuration error");
 });

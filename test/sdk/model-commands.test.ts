@@ -163,10 +163,10 @@ describe("eval", () => {
       const r = cli("eval", "--model", model);
       expect(r.code).toBe(0);
       const trained = number(/^validation loss: ([\d.]+) nats\/token/m, train.out);
-      expect(number(/^validation loss: ([\d.]+) nats\/token on 992 tokens of tok\/val\.bin \(2 batches, all\)$/m, r.out)).toBe(trained);
+      expect(number(/^validation loss: ([\d.]+) nats\/token on 992 tokens of tok\/val\.bin \(16 batches of 8 windows, all\)$/m, r.out)).toBe(trained);
       mkdirSync(join(dir, "tok2"));
       writeTokenFile(join(dir, "tok2", "val.bin"), tokens(200));
-      expect(cli("eval", "--model", model, "--tokens-dir", "tok2").out).toContain("nats/token on 192 tokens of tok2/val.bin (1 batch, all)");
+      expect(cli("eval", "--model", model, "--tokens-dir", "tok2").out).toContain("nats/token on 192 tokens of tok2/val.bin (3 batches of 8 windows, all)");
       const text = cli("eval", "--model", model, "--text", "a.txt");
       expect(text.code).toBe(1);
       expect(text.err).toBe(

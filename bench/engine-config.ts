@@ -1,0 +1,248 @@
+// `bun run bench engine --config small|nanogpt-char|gpt2-small`: one GPT training step (AdamW,
+// clip 1.0) at nanoGPT's shapes, its tokens/s and its memory (the pass's measured peak beside
+// the analytic count of engine/memory.ts, everything the backend holds, the process's peak RSS),
+// and PyTorch on the same shape in the same run (bench/torch_step.py): on a CPU Debian's
+// PyTorch at the same thread count, attention written out; on a GPU eager with attention written
+// out, eager with SDPA, and torch.compile. Ratios are ours / PyTorch's.
+//
+// --profile adds each op's share of the step, forward, backward and update apart: every backend
+// call is timed (on a GPU with a synchronize before and after, so small kernels look slower than
+// they run in a stream; the shares are what to read).
+import { join } from "node:path";
+import type { Backend } from "../ffi/backend.ts";
+import { CpuBackend } from "../ffi/cpu/backend.ts";
+import { ConfigError } from "../engine/errors.ts";
+import { gptMemory } from "../engine/memory.ts";
+import type { Precision } from "../engine/mixed.ts";
+import { GptModel } from "../engine/models/gpt.ts";
+import { AdamW, adamwDefaults } from "../engine/optim/adamw.ts";
+import { Rng } from "../engine/rng.ts";
+import { Context } from "../engine/tensor.ts";
+import { type HostBatch, TrainStep } from "../engine/train.ts";
+import { median, printTable, round } from "./table.ts";
+
+/** nanoGPT's shapes: its char config (shakespeare_char: 65 characters) and GPT-2 small. */
+export const engineConfigs = {
+  small: { nLayer: 4, nHead: 4, nEmbd: 128, blockSize: 64, vocabSize: 83, batch: 32 },
+  "nanogpt-char": { nLayer: 6, nHead: 6, nEmbd: 384, blockSize: 256, vocabSize: 65, batch: 64 },
+  "gpt2-small": { nLayer: 12, nHead: 12, nEmbd: 768, blockSize: 1024, vocabSize: 50257, batch: 8 },
+} as const;
+export type EngineConfigName = keyof typeof engineConfigs;
+export const engineConfigNames = Object.keys(engineConfigs) as EngineConfigName[];
+
+export interface ConfigBenchRow {
+  impl: string;
+  config: string;
+  batch: number;
+  step_ms: number;
+  tokens_per_s: number;
+  /** the pass's working memory at its peak (ours: the arena), MiB */
+  act_peak_mib: number | string;
+  /** the analytic count of the same (engine/memory.ts) */
+  act_predicted_mib: number | string;
+  /** device memory: everything the backend holds (ours), torch.cuda.max_memory_allocated (PyTorch) */
+  device_mib: number | string;
+  /** the process's peak resident memory */
+  rss_mib: number | string;
+}
+
+const mib = (bytes: number) => round(bytes / 2 ** 20, 1);
+
+/** Every backend call timed under `phase`, while `on`. Calls go to the real backend (bound to
+ *  it: its private fields need the real `this`). */
+class Profiler {
+  on = false;
+  phase = "forward";
+  readonly ms = new Map<string, number>();
+  readonly backend: Backend;
+
+  constructor(inner: Backend) {
+    const self = this;
+    const untimed = new Set(["synchronize", "alloc", "free", "dispose"]);
+    this.backend = new Proxy(inner, {
+      get(target, prop) {
+        const value = Reflect.get(target, prop, target);
+        if (typeof value !== "function") return value;
+        const bound = value.bind(target);
+        if (typeof prop !== "string" || untimed.has(prop)) return bound;
+        return (...args: unknown[]) => {
+          if (!self.on) return bound(...args);
+          target.synchronize();
+          const t = performance.now();
+          const r = bound(...args);
+          target.synchronize();
+          const key = `${self.phase}\u0000${prop}`;
+          self.ms.set(key, (self.ms.get(key) ?? 0) + performance.now() - t);
+          return r;
+        };
+      },
+    });
+  }
+}
+
+/** Phases: forward from newPass, backward inside ctx.backward, update (clip, optimizer) after it. */
+function trackPhases(ctx: Context, profiler: Profiler): void {
+  const newPass = ctx.newPass.bind(ctx);
+  const backward = ctx.backward.bind(ctx);
+  ctx.newPass = () => {
+    profiler.phase = "forward";
+    newPass();
+  };
+  ctx.backward = (loss, dloss) => {
+    profiler.phase = "backward";
+    backward(loss, dloss);
+    profiler.phase = "update";
+  };
+}
+
+export interface ConfigBenchOptions {
+  config: EngineConfigName;
+  batch: number;
+  steps: number;
+  precision: Precision;
+  profile: boolean;
+  torch: boolean;
+  quiet: boolean;
+}
+
+export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions): object {
+  const shape = engineConfigs[o.config];
+  const config = { ...shape, dropout: 0 };
+  const B = o.batch;
+  const T = shape.blockSize;
+  // the profiler's proxy only when asked: it costs a little on every call
+  const profiler = o.profile ? new Profiler(be) : null;
+  const ctx = new Context(profiler?.backend ?? be, { seed: 1, precision: o.precision });
+  if (profiler !== null) trackPhases(ctx, profiler);
+  const model = new GptModel(ctx, config, 1);
+  const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { ...adamwDefaults, weightDecay: 0.1 }), {
+    lr: 1e-4,
+    schedule: { kind: "constant" },
+    gradClip: 1,
+    accumSteps: 1,
+  });
+  const rng = new Rng(3);
+  const batch: HostBatch = {
+    inputs: Int32Array.from({ length: B * T }, () => rng.int(shape.vocabSize)),
+    inputShape: [B, T],
+    targets: Int32Array.from({ length: B * T }, () => rng.int(shape.vocabSize)),
+    targetShape: [B, T],
+  };
+  const timeStep = () => {
+    be.synchronize();
+    const t = performance.now();
+    trainer.run([batch]);
+    be.synchronize();
+    return performance.now() - t;
+  };
+  // the first step allocates (the arena's chunks, the optimizer's state); the second runs as all later ones
+  for (let i = 0; i < 2; i++) timeStep();
+  const stepMs = median(Array.from({ length: o.steps }, timeStep));
+  const predicted = gptMemory(config, { batch: B, precision: o.precision, recompute: false, optimizer: "adamw" });
+  const ours: ConfigBenchRow = {
+    impl: "meshtrain",
+    config: o.config,
+    batch: B,
+    step_ms: round(stepMs, 1),
+    tokens_per_s: Math.round((B * T * 1000) / stepMs),
+    act_peak_mib: mib(ctx.arena.passPeakBytes),
+    act_predicted_mib: mib(predicted.activationsPeak),
+    device_mib: mib(be.stats.liveBytes),
+    rss_mib: mib(process.resourceUsage().maxRSS * 1024),
+  };
+  let profile: { phase: string; op: string; ms_per_step: number; share: number }[] = [];
+  if (profiler !== null) {
+    profiler.on = true;
+    const reps = Math.max(1, Math.min(o.steps, 5));
+    for (let i = 0; i < reps; i++) timeStep();
+    profiler.on = false;
+    const total = [...profiler.ms.values()].reduce((a, b) => a + b, 0);
+    profile = [...profiler.ms.entries()]
+      .map(([key, ms]) => {
+        const [phase, op] = key.split("\u0000") as [string, string];
+        return { phase, op, ms_per_step: round(ms / reps, 2), share: round((100 * ms) / total, 1) };
+      })
+      .sort((a, b) => b.ms_per_step - a.ms_per_step);
+  }
+  ctx.dispose();
+  const torch = o.torch ? torchRows(be, o, B) : [];
+  const rows = [ours, ...torch];
+  if (!o.quiet) {
+    const threads = be instanceof CpuBackend ? `, ${be.threads} threads` : "";
+    const c = shape;
+    console.log(
+      `engine benchmark, ${o.config} (L${c.nLayer} H${c.nHead} C${c.nEmbd} T${c.blockSize} V${c.vocabSize}), batch ${B}, ${o.precision}: ${why}${threads}; ` +
+        `AdamW, clip 1.0; median of ${o.steps} steps after 2`,
+    );
+    printTable(rows, ["impl", "batch", "step_ms", "tokens_per_s", "act_peak_mib", "act_predicted_mib", "device_mib", "rss_mib"]);
+    for (const t of torch) {
+      const mem = typeof t.device_mib === "number" && be.name !== "cpu" ? ` | device memory x${round((ours.device_mib as number) / t.device_mib, 3)}` : "";
+      const rss = typeof t.rss_mib === "number" && be.name === "cpu" ? ` | peak RSS x${round((ours.rss_mib as number) / t.rss_mib, 3)}` : "";
+      console.log(`ours / ${t.impl}: tokens/s x${round(ours.tokens_per_s / t.tokens_per_s, 3)}${mem}${rss}`);
+    }
+    if (o.profile) {
+      console.log(`profile (${be.name === "cpu" ? "each call timed" : "each call timed between synchronizes"}): the step's time by phase and backend op`);
+      printTable(profile, ["phase", "op", "ms_per_step", "share"]);
+    }
+  }
+  return { config: o.config, shape, batch: B, precision: o.precision, results: rows, ...(o.profile ? { profile } : {}) };
+}
+
+/** PyTorch on the same shape: one process per mode, so each peak RSS is its own. */
+function torchRows(be: Backend, o: ConfigBenchOptions, B: number): ConfigBenchRow[] {
+  const gpu = be.name !== "cpu";
+  const modes = gpu ? ["written", "sdpa", "compile"] : ["written"];
+  const shape = engineConfigs[o.config];
+  const threads = be instanceof CpuBackend ? be.threads : 0;
+  const script = join(import.meta.dir, "torch_step.py");
+  const rows: ConfigBenchRow[] = [];
+  for (const mode of modes) {
+    const args = ["--gpt-config", JSON.stringify({ ...shape, batch: B }), "--mode", mode, "--device", gpu ? "cuda" : "cpu"];
+    const p = Bun.spawnSync([torchPython(), script, ...args, "--precision", o.precision, "--steps", String(o.steps), "--threads", String(threads)], {
+      stdout: "pipe",
+      stderr: "pipe",
+      env: { ...process.env, OMP_NUM_THREADS: String(threads || "") },
+    });
+    const line = p.stdout.toString().trim().split("\n").pop() ?? "";
+    let r: { step_ms?: number; peak_mib?: number; rss_mib?: number; torch?: string; error?: string };
+    try {
+      r = JSON.parse(line);
+    } catch {
+      r = { error: p.stderr.toString().trim().split("\n").pop() ?? `exit ${p.exitCode}` };
+    }
+    if (r.error !== undefined || r.step_ms === undefined) {
+      if (!o.quiet) console.log(`PyTorch (${mode}) skipped: ${r.error ?? "no result"}`);
+      continue;
+    }
+    rows.push({
+      impl: `torch ${r.torch ?? ""} ${mode}`.replace(/\s+/g, " "),
+      config: o.config,
+      batch: B,
+      step_ms: round(r.step_ms, 1),
+      tokens_per_s: Math.round((B * shape.blockSize * 1000) / r.step_ms),
+      act_peak_mib: "-",
+      act_predicted_mib: "-",
+      device_mib: r.peak_mib ?? "-",
+      rss_mib: r.rss_mib ?? "-",
+    });
+  }
+  return rows;
+}
+
+/** The Python that has PyTorch: MESHTRAIN_PYTHON, else python3 on PATH if it imports torch (the
+ *  lent GPU machines'), else Debian's /usr/bin/python3 (python3-torch), else python3 (whose
+ *  error the benchmark then reports). */
+export function torchPython(): string {
+  const override = process.env.MESHTRAIN_PYTHON;
+  if (override !== undefined && override !== "") return override;
+  for (const candidate of ["python3", "/usr/bin/python3"]) {
+    const p = Bun.spawnSync([candidate, "-c", "import torch"], { stdout: "ignore", stderr: "ignore" });
+    if (p.exitCode === 0) return candidate;
+  }
+  return "python3";
+}
+
+export function configName(raw: string): EngineConfigName {
+  if (!(engineConfigNames as string[]).includes(raw)) throw new ConfigError(`--config must be one of ${engineConfigNames.join(", ")}, got ${raw}`);
+  return raw as EngineConfigName;
+}
