@@ -18,6 +18,8 @@ export interface GptMemoryOptions {
   precision: Precision;
   recompute: boolean;
   optimizer: OptimizerKind;
+  /** tensor-parallel ranks the blocks' matrices are cut across (default 1) */
+  tensor?: number;
 }
 
 /** Bytes, each a whole number. */
@@ -37,15 +39,25 @@ export interface GptMemory {
 
 export const gptParamCount = (config: GptConfig): number => gptParamSpecs(config).reduce((n, s) => n + s.shape.reduce((a, b) => a * b, 1), 0);
 
-/**
- * The count, term by term (docs/MEMORY.md says where each comes from). Under bf16/f16 autocast
- * the GEMMs' inputs are kept as 2-byte copies (the f32 originals are freed), and each layer's
- * weights are copied to 2 bytes for its pass.
- */
-export function gptMemory(config: GptConfig, o: GptMemoryOptions): GptMemory {
-  const { blockSize: T, nEmbd: C, nHead: H, nLayer: L, vocabSize: V } = config;
+/** The terms of a GPT pass's activations (docs/MEMORY.md derives each). */
+export interface GptActivationTerms {
+  /** what one block keeps for backward, its input included */
+  perLayer: number;
+  /** what the head keeps (the last block's output, ln_f, the logits, the loss's lse) */
+  head: number;
+  /** backward's peak above what forward kept: at the head, and at the last block's c_fc */
+  headExtra: number;
+  mlpExtra: number;
+  /** recomputation's block replay and its c_fc backward, beyond the kept inputs */
+  replay: number;
+  replayInner: number;
+  BTC: number;
+}
+
+export function gptActivationTerms(config: GptConfig, o: GptMemoryOptions): GptActivationTerms {
+  const { blockSize: T, nEmbd: C, nHead: H, vocabSize: V } = config;
   const B = o.batch;
-  const P = gptParamCount(config);
+  const R = o.tensor ?? 1;
   const half = o.precision === "bf16" || o.precision === "f16";
   const BTC = B * T * C,
     BT = B * T,
@@ -53,10 +65,12 @@ export function gptMemory(config: GptConfig, o: GptMemoryOptions): GptMemory {
   // per layer: the block's input x, ln_1's output, qkv, attention's output, the residual sum,
   // ln_2's output, c_fc's pre-activation and its GELU (16 BTC in f32), LayerNorms' mean and rstd
   // and attention's log-sum-exp (4 BT + B H T); under autocast the GEMM inputs as 2-byte copies
-  // (ln_1 out, attention out beside its f32 self, ln_2 out, GELU out; qkv) and the weights too
-  const stats = 4 * (4 * BT + B * H * T);
-  const layerWeights16 = 2 * 12 * C * C;
-  const perLayer = half ? 48 * BTC + stats + layerWeights16 : 64 * BTC + stats;
+  // (ln_1 out, attention out beside its f32 self, ln_2 out, GELU out; qkv) and the weights too.
+  // Cut over R tensor ranks, qkv, attention's output and the MLP's 4C are 1/R on a rank, as are
+  // the weights; x, the LayerNorms' outputs and the residual sum are whole.
+  const stats = 4 * (4 * BT + (B * H * T) / R);
+  const layerWeights16 = (2 * 12 * C * C) / R;
+  const perLayer = half ? (12 + 36 / R) * BTC + stats + layerWeights16 : (16 + 48 / R) * BTC + stats;
   // the head: the last block's output, ln_f's output (its 2-byte copy), its mean and rstd, the
   // logits, the loss's lse (and the tied embedding's 2-byte copy)
   const head = 4 * BTC + (half ? 2 * BTC + 2 * V * C : 4 * BTC) + 4 * (2 * BT) + 4 * BTV + 4 * BT;
@@ -66,19 +80,31 @@ export function gptMemory(config: GptConfig, o: GptMemoryOptions): GptMemory {
   // output, the last block's output and the GELU output are freed
   const headExtra = 4 * BTC + (half ? 2 * BTV : 0);
   const mlpExtra = half ? 34 * BTC - 4 * BTV - 2 * V * C - 8 * C * C : 16 * BTC - 4 * BTV;
+  // recomputation: one block's forward again (its output too) and its c_fc backward
+  const replayInner = half ? 48 * BTC - 8 * BTC - 8 * C * C : 40 * BTC - 16 * BTC;
+  return { perLayer, head, headExtra, mlpExtra, replay: perLayer, replayInner, BTC };
+}
+
+/**
+ * The count, term by term (docs/MEMORY.md says where each comes from). Under bf16/f16 autocast
+ * the GEMMs' inputs are kept as 2-byte copies (the f32 originals are freed), and each layer's
+ * weights are copied to 2 bytes for its pass.
+ */
+export function gptMemory(config: GptConfig, o: GptMemoryOptions): GptMemory {
+  const L = config.nLayer;
+  const P = gptParamCount(config);
+  const t = gptActivationTerms(config, o);
   let saved: number;
   let peak: number;
   if (!o.recompute) {
-    saved = L * perLayer + head;
-    peak = saved + Math.max(headExtra, mlpExtra);
+    saved = L * t.perLayer + t.head;
+    peak = saved + Math.max(t.headExtra, t.mlpExtra);
   } else {
     // each block keeps its input; backward runs one block's forward again and its backward: the
     // block inputs, the last output's and input's gradients, the block's activations (its input
     // is already counted) and its output, and c_fc's backward as above, without the head's frees
-    saved = (L + 1) * 4 * BTC + (head - 4 * BTC);
-    const replay = perLayer;
-    const inner = half ? 48 * BTC - 8 * BTC - 8 * C * C : 40 * BTC - 16 * BTC;
-    peak = Math.max(saved + headExtra, L * 4 * BTC + 8 * BTC + replay + inner);
+    saved = (L + 1) * 4 * t.BTC + (t.head - 4 * t.BTC);
+    peak = Math.max(saved + t.headExtra, L * 4 * t.BTC + 8 * t.BTC + t.replay + t.replayInner);
   }
   const parameters = 4 * P;
   const gradients = 4 * P;
@@ -96,4 +122,111 @@ export function formatBytes(bytes: number): string {
     u++;
   }
   return `${v >= 100 || u === 0 ? v.toFixed(0) : v.toFixed(v >= 10 ? 1 : 2)} ${units[u]}`;
+}
+
+/** An MLP's pass: each hidden layer keeps its pre-activation and its activation (2 b w), the
+ *  input and the logits their own; backward's peak adds a hidden layer's two gradients. */
+export function mlpActivations(widths: readonly number[], batch: number): { saved: number; peak: number } {
+  const hidden = widths.slice(1, -1);
+  const saved = 4 * batch * (widths[0]! + 2 * hidden.reduce((a, w) => a + w, 0) + widths[widths.length - 1]! + 2);
+  return { saved, peak: saved + 8 * batch * Math.max(0, ...hidden) };
+}
+
+/** What one rank of a job holds, in bytes: on its device, and in host memory beside it. */
+export interface RankMemory {
+  parameters: number;
+  gradients: number;
+  optimizer: number;
+  activations: number;
+  /** ZeRO stage 3: parameters gathered at once (a block, the next one prefetched, the embedding) */
+  gathered: number;
+  device: number;
+  /** offload: the f32 master parameters, gradients and optimizer state the host updates */
+  hostOptimizer: number;
+  /** the collective's host buffers (a bucket each, and compression's residuals) */
+  hostBuffers: number;
+  host: number;
+}
+
+export interface RankModelState {
+  /** the rank's parameters (its pipeline stage's, its tensor rank's share) */
+  paramCount: number;
+  /** optimizer state per parameter: AdamW 8, SGD with momentum 4, plain SGD 0 (top-k ages +4) */
+  optimizerBytesPerParam: number;
+  /** "ps": the shards hold the optimizer; "allreduce": every rank holds a replica */
+  mode: "single" | "ps" | "allreduce";
+  /** ranks the ZeRO partition is over (data-parallel copies) */
+  dataRanks: number;
+  zero: 0 | 1 | 2 | 3;
+  offload: boolean;
+  /** a compressed all-reduce keeps an error-feedback residual of the gradient */
+  compressed: boolean;
+  /** activations at the pass's peak (gptMemory, with pipelining's micro-batches in flight) */
+  activations: number;
+  /** stage 3: the bytes gathered at once */
+  gatheredBytes: number;
+}
+
+/**
+ * A rank's model state as the ZeRO paper counts it, and as test/services/zero.test.ts measures
+ * it from the allocations: parameters, gradients and optimizer state 4 + 4 + K bytes a parameter
+ * at stage 0; the optimizer state partitioned over N ranks at stage 1, the gradients too at 2,
+ * the parameters too at 3. Offload keeps parameters and gradients on the device and the master
+ * copy, the gradients and the optimizer state in host memory. In parameter-server mode a
+ * trainer holds parameters and gradients; the shards hold the rest.
+ */
+export function rankMemory(s: RankModelState): RankMemory {
+  const P = s.paramCount;
+  const N = s.mode === "allreduce" ? Math.max(1, s.dataRanks) : 1;
+  const zero = s.mode === "allreduce" ? s.zero : 0;
+  const parameters = 4 * (zero >= 3 ? P / N : P);
+  const gradients = 4 * (zero >= 2 ? P / N : P);
+  const optimizerAll = s.mode === "ps" ? 0 : s.optimizerBytesPerParam * (zero >= 1 ? P / N : P);
+  const optimizer = s.offload ? 0 : optimizerAll;
+  const hostOptimizer = s.offload ? 4 * P + 4 * P + optimizerAll : 0;
+  const hostBuffers = s.mode === "allreduce" && N > 1 ? 4 * P * (s.compressed ? 2 : 1) : 0;
+  const gathered = zero >= 3 ? s.gatheredBytes : 0;
+  const device = parameters + gradients + optimizer + s.activations + gathered;
+  return {
+    parameters: Math.round(parameters),
+    gradients: Math.round(gradients),
+    optimizer: Math.round(optimizer),
+    activations: s.activations,
+    gathered,
+    device: Math.round(device),
+    hostOptimizer,
+    hostBuffers,
+    host: hostOptimizer + hostBuffers,
+  };
+}
+
+/** A parameter-server shard's host memory: its chunks' parameters, optimizer state and (BSP) the
+ *  sum of the step's pushes. */
+export function shardMemory(paramCount: number, shards: number, optimizerBytesPerParam: number): number {
+  return Math.round(((4 + optimizerBytesPerParam + 4) * paramCount) / shards);
+}
+
+/**
+ * Activations of pipeline stage `stage` of `stages` (a tensor rank of `tensor`): its blocks'
+ * saved tensors (its input among them) for each micro-batch in flight (1F1B: up to stages -
+ * stage; GPipe: all of them), with the head's on the last stage and the output it sent on the
+ * others, plus one backward's peak.
+ */
+export function gptStageActivations(
+  config: GptConfig,
+  o: GptMemoryOptions & { stage: number; stages: number; microBatches: number; schedule: "1f1b" | "gpipe" },
+): number {
+  const L = config.nLayer;
+  const layers = Math.floor(L / o.stages) + (o.stage < L % o.stages ? 1 : 0);
+  const t = gptActivationTerms(config, o);
+  const last = o.stage === o.stages - 1;
+  const kept = o.recompute ? (layers + 1) * 4 * t.BTC : layers * t.perLayer;
+  const saved = kept + (last ? t.head - 4 * t.BTC : 4 * t.BTC);
+  const inFlight = o.schedule === "gpipe" ? o.microBatches : Math.min(o.microBatches, o.stages - o.stage);
+  const extra = o.recompute
+    ? 8 * t.BTC + t.replay + t.replayInner - 4 * t.BTC
+    : last
+      ? Math.max(t.headExtra, t.mlpExtra)
+      : Math.max(4 * t.BTC, t.mlpExtra + 8 * t.BTC);
+  return Math.round(inFlight * saved + extra);
 }

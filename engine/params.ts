@@ -140,6 +140,27 @@ export function slabLayoutOf(specs: readonly ParamSpec[]): { entries: ParamEntry
   return { entries, slabNumel: Math.max(offset, alignElems), decayEnd, offset };
 }
 
+/** Values drawn per upload at initialization (16 MiB of host memory). */
+const initChunkElemsMax = 4 << 20;
+
+/** The next values of an init's stream, in order (one draw per element, as a whole-slab draw). */
+function drawInit(view: Float32Array, init: Init, rng: Rng): void {
+  switch (init.kind) {
+    case "normal":
+      for (let i = 0; i < view.length; i++) view[i] = rng.normal() * init.std;
+      break;
+    case "uniform":
+      for (let i = 0; i < view.length; i++) view[i] = (2 * rng.uniform() - 1) * init.bound;
+      break;
+    case "ones":
+      view.fill(1);
+      break;
+    case "zeros":
+      view.fill(0);
+      break;
+  }
+}
+
 export class ParamStore {
   readonly entries: readonly ParamEntry[];
   /** total slab length in elements, padding included */
@@ -280,29 +301,28 @@ export class ParamStore {
 
   /** Deterministic initialization: each parameter draws from Rng(seed, hash(name)). */
   initialize(seed: number): void {
-    const host = new Float32Array(this.slabNumel);
+    // values are drawn into a bounded host buffer and uploaded a piece at a time, so that a model
+    // of hundreds of MB never has a second copy of itself in JavaScript memory (peak RSS)
+    const buffer = new Float32Array(Math.min(this.slabNumel, initChunkElemsMax));
     const specs = new Map(this.#params.map((p) => [p.spec.name, p.spec]));
+    const upload = (offset: number, values: Float32Array) => this.#ctx.backend.upload(this.values.ptr + 4 * offset, values);
     for (const e of this.entries) {
       const { init, sliceOf } = specs.get(e.name)!;
-      // a slice draws the whole parameter's values and keeps its own
-      const view = sliceOf === undefined ? host.subarray(e.offset, e.offset + e.numel) : new Float32Array(numelOf(sliceOf.shape));
       const rng = new Rng((seed * 0x9e3779b1) ^ nameHash(e.name));
-      switch (init.kind) {
-        case "normal":
-          for (let i = 0; i < view.length; i++) view[i] = rng.normal() * init.std;
-          break;
-        case "uniform":
-          for (let i = 0; i < view.length; i++) view[i] = (2 * rng.uniform() - 1) * init.bound;
-          break;
-        case "ones":
-          view.fill(1);
-          break;
-        case "zeros":
-          break;
+      if (init.kind === "zeros") continue; // the slab starts zeroed
+      if (sliceOf !== undefined) {
+        // a slice draws the whole parameter's values and keeps its own
+        const whole = new Float32Array(numelOf(sliceOf.shape));
+        drawInit(whole, init, rng);
+        upload(e.offset, takeSlice(whole, sliceOf));
+        continue;
       }
-      if (sliceOf !== undefined) host.set(takeSlice(view, sliceOf), e.offset);
+      for (let done = 0; done < e.numel; done += buffer.length) {
+        const piece = buffer.subarray(0, Math.min(buffer.length, e.numel - done));
+        drawInit(piece, init, rng);
+        upload(e.offset + done, piece);
+      }
     }
-    this.#ctx.backend.upload(this.values.ptr, host);
   }
 
   /** Zeroes the gradient slab; without one, drops the arena gradients of the last backward. */

@@ -4,8 +4,9 @@
 # and builds the PTX kernels and the NCCL shim, then runs one phase (each fits a 10-minute call):
 #   tests  the CUDA, cuBLAS and NCCL tests and the op parity and mixed-precision suites on the GPU
 #   train  MNIST on the GPU (target >= 98.0% test accuracy), then the GPT for 2000 steps in bf16
-#   bench  the engine benchmark on CUDA against PyTorch eager (f32, then bf16), and every
-#          kernel's GB/s against cuMemcpyDtoD with the host cost of one kernel call
+#   bench  the engine benchmark at nanoGPT's shapes (small, nanogpt-char, gpt2-small) on CUDA
+#          against PyTorch eager and torch.compile, and every kernel's GB/s against
+#          cuMemcpyDtoD with the host cost of one kernel call
 # Logs go to stdout and to $OUT (the device tool's folder) when set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,8 +39,11 @@ case "$phase" in
     run bun sdk/cli.ts train mlp --device cuda --out "$out/mlp.mtm"
     run bun sdk/cli.ts train gpt --device cuda --precision bf16 --max-steps 2000 --out "$out/gpt.mtm" ;;
   bench)
-    run bun bench/index.ts engine --device cuda --precision f32 --steps 50
-    run bun bench/index.ts engine --device cuda --precision bf16 --steps 50
+    # nanoGPT's shapes against PyTorch eager (attention written out, SDPA) and torch.compile
+    run bun bench/index.ts engine --device cuda --config small --precision bf16 --steps 30
+    run bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 --profile
+    run bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 10 --profile
+    run bun bench/index.ts engine --device cuda --config nanogpt-char --precision f32 --steps 20
     run bun bench/index.ts kernels --device cuda --elems 33554432 ;;
   *) echo "usage: scripts/device-check.sh tests|train|bench"; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packs what a lent GPU machine needs but cannot install (it has no network) into .device/
 # (git-ignored), under the device tool's 64 MiB carry limit:
-#   .device/carry.tar.xz  Bun and the npm packages the GPU checks use
+#   .device/carry.tar.xz  Bun and the runtime npm packages (not the dev ones)
 #   .device/lib/          Debian's OpenBLAS (OpenMP build) and its runtime libraries, for the
 #                         CPU backend the parity tests compare against (pip's numpy OpenBLAS
 #                         has other symbol names and cannot stand in)
@@ -17,9 +17,15 @@ done
 for f in .device/lib/*; do
   case "$f" in *.xz) ;; *) [ -e "$f" ] && xz -9 -f "$f" ;; esac
 done
-# typescript and the type packages are for tsc only; the GPU run needs none of them
-tar -cf - --exclude='node_modules/typescript' --exclude='node_modules/@typescript' --exclude='node_modules/bun-types' \
-  --exclude='node_modules/@types' node_modules | xz -9 -T2 > .device/carry.tar.xz
+# the runtime packages only (package.json's dependencies and theirs: Bun, NATS, the data sets);
+# the dev packages (TypeScript, Biome, playwright-core, kubernetes-models) are for checks the GPU
+# phases do not run. A package nested in another's node_modules travels with that one.
+mapfile -t packages < <(npm ls --omit=dev --all --parseable 2>/dev/null | sed "s|^$PWD/||" | grep '^node_modules/' | grep -v '^node_modules/.*/node_modules/' | sort -u)
+if [ "${#packages[@]}" -eq 0 ]; then
+  echo "device-pack: npm ls found no runtime packages; run npm ci first" >&2
+  exit 1
+fi
+tar -cf - node_modules/.bin/bun "${packages[@]}" | xz -9 -T2 > .device/carry.tar.xz
 du -ch .device/carry.tar.xz .device/lib/* | tail -n 1
 bytes=$(du -cb .device | tail -n 1 | cut -f1)
 if [ "$bytes" -gt $((60 * 1024 * 1024)) ]; then

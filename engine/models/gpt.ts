@@ -178,9 +178,15 @@ export class GptModel implements Model {
     this.#checkInput(input);
     let x = this.first ? this.#embed(input) : input;
     for (const block of this.blocks) {
-      x = this.recompute ? await this.#ctx.recomputeAsync(x, block.parameters(), (h) => block.forwardAsync(h, tp)) : await block.forwardAsync(x, tp);
+      const y = this.recompute ? await this.#ctx.recomputeAsync(x, block.parameters(), (h) => block.forwardAsync(h, tp)) : await block.forwardAsync(x, tp);
+      // the stage's input is its caller's; what this loop made, it drops once read
+      if (x !== input) x.drop();
+      x = y;
     }
-    return this.last ? this.#head(x) : x;
+    if (!this.last) return x;
+    const logits = this.#head(x);
+    if (x !== input) x.drop();
+    return logits;
   }
 
   forward(idx: Tensor): Tensor {

@@ -33,7 +33,10 @@ export class MlpModel implements Model {
   }
 
   loss(x: Tensor, y: Tensor): Tensor {
-    return softmaxCrossEntropy(this.forward(x), y);
+    const logits = this.forward(x);
+    const loss = softmaxCrossEntropy(logits, y);
+    logits.drop();
+    return loss;
   }
 
   /** loss() a layer at a time (the same ops in the same order as net.forward). */
@@ -42,9 +45,13 @@ export class MlpModel implements Model {
     let h = x;
     for (let i = 0; i < this.net.layers.length; i++) {
       yield namesUnder(names, `mlp.${i}`);
-      h = this.net.layerForward(i, h);
+      const next = this.net.layerForward(i, h);
+      if (h !== x) h.drop();
+      h = next;
     }
-    return softmaxCrossEntropy(h, y);
+    const loss = softmaxCrossEntropy(h, y);
+    h.drop();
+    return loss;
   }
 
   gemmShapes(batch: number): GemmShape[] {

@@ -5,11 +5,10 @@
 import { ConfigError } from "../errors.ts";
 import { add } from "../ops/add.ts";
 import { biasAdd } from "../ops/bias.ts";
-import { matmul } from "../ops/matmul.ts";
+import { linear } from "../ops/linear.ts";
 import { qkvRows, shareOf, type TensorParallel, type TensorRank } from "../parallel/tensor-parallel.ts";
 import { causalSelfAttention } from "../ops/attention.ts";
 import { dropout } from "../ops/dropout.ts";
-import { gelu } from "../ops/gelu.ts";
 import { residualLayerNorm } from "../ops/layernorm.ts";
 import type { ParamBuilder } from "../params.ts";
 import { dropAll, type Tensor } from "../tensor.ts";
@@ -96,12 +95,38 @@ export class Block {
     }
     const p = this.config.dropout;
     const heads = this.config.nHead / tp.size;
-    const a = causalSelfAttention(this.attn.forward(tp.copy(this.ln1.forward(x))), heads);
-    const attnOut = await tp.reduce(matmul(a, this.attnProj.weight.tensor, { transB: true }));
-    x = add(x, dropout(biasAdd(attnOut, this.attnProj.bias!.tensor), p));
-    const h = gelu(this.fc.forward(tp.copy(this.ln2.forward(x))));
-    const mlpOut = await tp.reduce(matmul(h, this.fcProj.weight.tensor, { transB: true }));
-    return add(x, dropout(biasAdd(mlpOut, this.fcProj.bias!.tensor), p));
+    // as forward(), dropping each tensor once read for the last time; the row-parallel layers'
+    // outputs are summed over the ranks before their bias
+    const h1 = this.ln1.forward(x);
+    const h1c = tp.copy(h1);
+    if (h1c !== h1) h1.drop();
+    const qkv = this.attn.forward(h1c);
+    h1c.drop();
+    const a = causalSelfAttention(qkv, heads);
+    qkv.drop();
+    const part = linear(a, this.attnProj.weight.tensor, null);
+    a.drop();
+    const attnOut = await tp.reduce(part);
+    if (attnOut !== part) part.drop();
+    const proj = biasAdd(attnOut, this.attnProj.bias!.tensor);
+    attnOut.drop();
+    const branch = dropout(proj, p);
+    const { sum: x2, out: h2 } = residualLayerNorm(x, branch, this.ln2.weight.tensor, this.ln2.bias.tensor, this.ln2.eps);
+    dropAll(proj, branch);
+    const h2c = tp.copy(h2);
+    if (h2c !== h2) h2.drop();
+    const hidden = this.fc.forward(h2c, "gelu");
+    h2c.drop();
+    const part2 = linear(hidden, this.fcProj.weight.tensor, null);
+    hidden.drop();
+    const mlpOut = await tp.reduce(part2);
+    if (mlpOut !== part2) part2.drop();
+    const mlp = biasAdd(mlpOut, this.fcProj.bias!.tensor);
+    mlpOut.drop();
+    const branch2 = dropout(mlp, p);
+    const out = add(x2, branch2);
+    dropAll(x2, mlp, branch2);
+    return out;
   }
 
   /**

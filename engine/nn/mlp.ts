@@ -38,17 +38,23 @@ export class MLP {
 
   forward(x: Tensor): Tensor {
     let h = x;
-    for (let i = 0; i < this.layers.length; i++) h = this.layerForward(i, h);
+    for (let i = 0; i < this.layers.length; i++) {
+      const next = this.layerForward(i, h);
+      if (h !== x) h.drop();
+      h = next;
+    }
     return h;
   }
 
-  /** Layer i, and the activation and dropout after it (none after the last). */
+  /** Layer i, and the activation and dropout after it (none after the last); what it made and
+   *  read for the last time is dropped (Tensor.drop). */
   layerForward(i: number, h: Tensor): Tensor {
-    h = this.layers[i]!.forward(h);
-    if (i + 1 < this.layers.length) {
-      h = this.activation === "relu" ? relu(h) : gelu(h);
-      h = dropout(h, this.dropoutP);
-    }
-    return h;
+    const z = this.layers[i]!.forward(h);
+    if (i + 1 === this.layers.length) return z;
+    const a = this.activation === "relu" ? relu(z) : gelu(z);
+    z.drop();
+    const d = dropout(a, this.dropoutP);
+    if (d !== a) a.drop();
+    return d;
   }
 }

@@ -1,6 +1,6 @@
 // CPU backend: OpenBLAS's cblas_sgemm and the kernels of kernels.c, called through bun:ffi.
 //
-// Memory safety: backend memory comes from mt_alloc (posix_memalign), never from a
+// Memory safety: backend memory comes from mt_alloc (posix_memalign, or mmap for large blocks), never from a
 // JavaScript ArrayBuffer, so the garbage collector can never free or move memory that native
 // code holds. The only JavaScript memory native code ever sees is the source or destination
 // of upload/download, and those calls are synchronous: the TypedArray argument stays
@@ -62,7 +62,7 @@ function loadLibraries() {
   });
   const k = dlopen(kernels, {
     mt_alloc: { args: ["i64"], returns: "ptr" },
-    mt_free: { args: ["ptr"], returns: "void" },
+    mt_free: { args: ["ptr", "i64"], returns: "void" },
     mt_copy: { args: ["ptr", "ptr", "i64"], returns: "void" },
     mt_zero: { args: ["ptr", "i64"], returns: "void" },
     mt_fill_f32: { args: ["ptr", "i64", "f32"], returns: "void" },
@@ -155,7 +155,7 @@ export class CpuBackend implements Backend {
     if (bytes === undefined) throw new Error(`free: ${allocation.ptr} is not a live allocation of this backend`);
     this.#live.delete(allocation.ptr);
     this.#liveBytes -= bytes;
-    this.#lib.k.symbols.mt_free(p(allocation.ptr));
+    this.#lib.k.symbols.mt_free(p(allocation.ptr), bytes);
   }
 
   upload(dst: Ptr, src: ArrayBufferView): void {
@@ -336,7 +336,7 @@ export class CpuBackend implements Backend {
   }
 
   dispose(): void {
-    for (const ptr of this.#live.keys()) this.#lib.k.symbols.mt_free(p(ptr));
+    for (const [ptr, bytes] of this.#live) this.#lib.k.symbols.mt_free(p(ptr), bytes);
     this.#live.clear();
     this.#scratch = null;
     this.#liveBytes = 0;

@@ -10,10 +10,12 @@
 //     so results are bit-identical from run to run on the same thread count.
 //   - nothing here allocates memory that outlives a call except mt_alloc.
 #define _POSIX_C_SOURCE 200809L  // posix_memalign under -std=c11
+#define _DEFAULT_SOURCE          // MAP_ANONYMOUS
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include "../numerics.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -90,7 +92,15 @@ static inline float fast_tanhf(float u) { return 1.0f - 2.0f / (fast_expf(2.0f *
 // ---------------------------------------------------------------------------------------------
 
 // Returns 64-byte aligned, zeroed memory (cache line and AVX-512 aligned), or NULL.
+// Zeroed memory, 64-byte aligned. From MT_MMAP_MIN bytes up, fresh anonymous pages: zero without
+// a memset, and resident only once written, so a large slab or arena chunk that is partly used
+// costs only what is used (peak RSS).
+#define MT_MMAP_MIN ((int64_t)1 << 20)
 void* mt_alloc(int64_t bytes) {
+  if (bytes >= MT_MMAP_MIN) {
+    void* m = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return m == MAP_FAILED ? NULL : m;
+  }
   void* p = NULL;
   size_t size = bytes > 0 ? (size_t)bytes : 64;
   size = (size + 63) & ~(size_t)63;
@@ -98,7 +108,11 @@ void* mt_alloc(int64_t bytes) {
   memset(p, 0, size);
   return p;
 }
-void mt_free(void* p) { free(p); }
+// bytes: what mt_alloc was asked for
+void mt_free(void* p, int64_t bytes) {
+  if (bytes >= MT_MMAP_MIN) munmap(p, (size_t)bytes);
+  else free(p);
+}
 // Large non-overlapping copies are split across threads (one core does not saturate memory
 // bandwidth); overlapping ones keep memmove's semantics.
 void mt_copy(void* dst, const void* src, int64_t bytes) {

@@ -104,7 +104,7 @@ export function memoryLine(m: GptMemory): string {
   );
 }
 
-/** After the first step: the pass's measured peak against the prediction. */
+/** After the second step: the pass's measured peak against the prediction, and what the arena holds. */
 export function measuredLine(ctx: Context, m: GptMemory): string {
   const peak = ctx.arena.passPeakBytes;
   return `memory: a training pass's peak ${formatBytes(peak)} measured (${(peak / m.activationsPeak).toFixed(3)} x predicted); the arena holds ${formatBytes(ctx.arena.capacityBytes)}`;
@@ -173,7 +173,8 @@ function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
     });
     const r = trainer.run(micro);
     step++;
-    if (step === 1) progress.log(measuredLine(ctx, predicted));
+    // after the second step: the first pass's chunks are one by then, as large as a pass needs
+    if (step === Math.min(2, o.maxSteps)) progress.log(measuredLine(ctx, predicted));
     rate.add(tokensPerStep);
     if (r.skipped) progress.log(skippedStepNote(step, r.lossScale));
     progress.update(step, { loss: r.loss.toFixed(4), sps: rate.rate.toFixed(0), extra: `lr ${r.lr.toExponential(2)} | ` });
