@@ -125,11 +125,13 @@ export function formatBytes(bytes: number): string {
 }
 
 /** An MLP's pass: each hidden layer keeps its pre-activation and its activation (2 b w), the
- *  input and the logits their own; backward's peak adds a hidden layer's two gradients. */
+ *  input, the logits, the targets and the loss's lse their own; backward's peak adds one hidden
+ *  layer's gradient. Each tensor takes whole 64-byte blocks of the arena. */
 export function mlpActivations(widths: readonly number[], batch: number): { saved: number; peak: number } {
+  const block = (floats: number) => Math.ceil((4 * floats) / 64) * 64;
   const hidden = widths.slice(1, -1);
-  const saved = 4 * batch * (widths[0]! + 2 * hidden.reduce((a, w) => a + w, 0) + widths[widths.length - 1]! + 2);
-  return { saved, peak: saved + 8 * batch * Math.max(0, ...hidden) };
+  const saved = block(batch * widths[0]!) + 2 * hidden.reduce((a, w) => a + block(batch * w), 0) + block(batch * widths[widths.length - 1]!) + 2 * block(batch);
+  return { saved, peak: saved + block(batch * Math.max(0, ...hidden)) };
 }
 
 /** What one rank of a job holds, in bytes: on its device, and in host memory beside it. */
@@ -215,18 +217,18 @@ export function shardMemory(paramCount: number, shards: number, optimizerBytesPe
 export function gptStageActivations(
   config: GptConfig,
   o: GptMemoryOptions & { stage: number; stages: number; microBatches: number; schedule: "1f1b" | "gpipe" },
-): number {
+): { perMicroBatch: number; inFlight: number; extra: number; peak: number } {
   const L = config.nLayer;
   const layers = Math.floor(L / o.stages) + (o.stage < L % o.stages ? 1 : 0);
   const t = gptActivationTerms(config, o);
   const last = o.stage === o.stages - 1;
   const kept = o.recompute ? (layers + 1) * 4 * t.BTC : layers * t.perLayer;
-  const saved = kept + (last ? t.head - 4 * t.BTC : 4 * t.BTC);
+  const perMicroBatch = kept + (last ? t.head - 4 * t.BTC : 4 * t.BTC);
   const inFlight = o.schedule === "gpipe" ? o.microBatches : Math.min(o.microBatches, o.stages - o.stage);
   const extra = o.recompute
     ? 8 * t.BTC + t.replay + t.replayInner - 4 * t.BTC
     : last
       ? Math.max(t.headExtra, t.mlpExtra)
       : Math.max(4 * t.BTC, t.mlpExtra + 8 * t.BTC);
-  return Math.round(inFlight * saved + extra);
+  return { perMicroBatch, inFlight, extra, peak: Math.round(inFlight * perMicroBatch + extra) };
 }

@@ -8,7 +8,7 @@
 //   bytes 12-15 u32 header length H
 //   16..16+H    header, UTF-8 JSON (kind, config, vocab, parameter table, checksum, ...)
 //   then        zero padding to a 64-byte boundary, then the f32 parameter slab
-import { closeSync, fsyncSync, openSync, renameSync, writeFileSync } from "node:fs";
+import { closeSync, fsyncSync, openSync, renameSync, writeSync } from "node:fs";
 import { dirname } from "node:path";
 import { DataFileError } from "./data/errors.ts";
 import { readDataFile } from "./data/files.ts";
@@ -59,19 +59,30 @@ export function saveModelFile(path: string, store: ParamStore, header: Omit<Mode
   };
   const json = new TextEncoder().encode(JSON.stringify(full));
   const dataOffset = Math.ceil((prefixBytes + json.length) / alignBytes) * alignBytes;
-  const bytes = new Uint8Array(dataOffset + slabBytes.length);
-  bytes.set(new TextEncoder().encode(modelFileMagic), 0);
-  const view = new DataView(bytes.buffer);
+  // the header and its padding, then the slab as it was read: no second copy of the model
+  const head = new Uint8Array(dataOffset);
+  head.set(new TextEncoder().encode(modelFileMagic), 0);
+  const view = new DataView(head.buffer);
   view.setUint32(8, modelFileVersion, true);
   view.setUint32(12, json.length, true);
-  bytes.set(json, prefixBytes);
-  bytes.set(slabBytes, dataOffset);
+  head.set(json, prefixBytes);
   // durable replace: write a temp file, fsync it, rename over the target, fsync the directory
   const tmp = `${path}.tmp-${process.pid}`;
-  writeFileSync(tmp, bytes);
+  const fd = openSync(tmp, "w");
+  try {
+    writeAll(fd, head);
+    writeAll(fd, slabBytes);
+  } finally {
+    closeSync(fd);
+  }
   fsyncPath(tmp);
   renameSync(tmp, path);
   fsyncPath(dirname(path));
+}
+
+/** writeSync until every byte is written (it may write fewer than asked). */
+function writeAll(fd: number, bytes: Uint8Array): void {
+  for (let at = 0; at < bytes.length; ) at += writeSync(fd, bytes, at, bytes.length - at);
 }
 
 export interface LoadedModelFile {

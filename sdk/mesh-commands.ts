@@ -6,7 +6,8 @@ import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { type Command, Option } from "commander";
 import { JobState } from "../schemas/messages.ts";
-import { defaultOwner, jobConfigFromJson, jobDefaults, ownerProblem, parseJobConfig } from "../services/runtime/job.ts";
+import { defaultOwner, jobConfigFromJson, jobDefaults, ownerProblem, parseJobConfig, qualifyJob } from "../services/runtime/job.ts";
+import { parseMemorySize, planDevice, planReport } from "./plan.ts";
 import { MeshClient } from "./client.ts";
 import { givenOptions, type JobFlags, jobConfigOf, jobOptions, resolveConfig } from "./job-flags.ts";
 import { type MeshOptions, LocalMesh, membersWaitMs } from "./launcher.ts";
@@ -23,6 +24,12 @@ import { NatsUnreachableError } from "../services/runtime/nats.ts";
 import { BadRequestError, CapacityError } from "../services/runtime/errors.ts";
 
 const d = jobDefaults;
+
+/** --device-memory: the memory a trainer's device has, for plan and run's check. */
+const deviceMemoryOption = () =>
+  new Option("--device-memory <size>", "memory of a trainer's device (80GB, 24GiB, ...; default: the GPU's, or this machine's for CPU trainers)").argParser(
+    parseMemorySize,
+  );
 
 /** `--clients`, of `creds` and `mesh up`: a client user per owner of jobs (services/runtime/roles.ts). */
 const clientsOption = () =>
@@ -106,14 +113,37 @@ export function addMeshCommands(program: Command): void {
     .option("--timeout-min <m>", "give up after this many minutes", float(0, Infinity, { exclusiveMin: true }), 60)
     .option("--dashboard-port <n>", "port of the job's live web page on 127.0.0.1 (0: a free one)", int(0, 65535), 0)
     .option("--no-dashboard", "no live web page of the job")
-    .action(async (opts: JobFlags & { dir: string; timeoutMin: number; dashboard: boolean; dashboardPort: number }, cmd: Command) => {
+    .addOption(deviceMemoryOption())
+    .action(async (opts: JobFlags & { dir: string; timeoutMin: number; dashboard: boolean; dashboardPort: number; deviceMemory?: number }, cmd: Command) => {
       process.exitCode = await runMesh({
         flags: opts,
         given: givenOptions(cmd),
         dir: userPath(opts.dir),
         timeoutMin: opts.timeoutMin,
         dashboardPort: opts.dashboard ? opts.dashboardPort : null,
+        deviceMemory: opts.deviceMemory ?? null,
       });
+    });
+
+  jobOptions(
+    program
+      .command("plan")
+      .description(
+        "predict each trainer's memory (parameters, gradients, optimizer state, activations; by ZeRO stage, offload, pipeline stage and tensor rank) and whether the job fits, before anything starts",
+      ),
+  )
+    .addOption(deviceMemoryOption())
+    .addOption(
+      new Option("--device <name>", "what the trainers compute on: cuda checks a trainer against the GPU's memory, cpu every process against this machine's")
+        .choices(["auto", "cpu", "cuda"])
+        .default(process.env.MT_DEVICE ?? "cpu"),
+    )
+    .action((opts: JobFlags & { deviceMemory?: number; device: "auto" | "cpu" | "cuda" }) => {
+      const flagged = jobConfigOf(opts);
+      const cfg = parseJobConfig({ ...flagged, job: qualifyJob(flagged.job, defaultOwner) });
+      const { plan, lines } = planReport(cfg, planDevice(opts.device, opts.deviceMemory ?? null));
+      for (const line of lines) console.log(line);
+      process.exitCode = plan.fits ? 0 : 3;
     });
 
   const mesh = program.command("mesh").description("run the mesh's services on this machine");

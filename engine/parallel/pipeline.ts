@@ -155,7 +155,10 @@ export class PipelineStage {
           const input = data === null ? ctx.fromArray(b.inputs, b.inputShape) : ctx.fromArray(data, [B, T, C]);
           if (data !== null) input.requiresGrad = true;
           const out = await model.forwardAsync(input, tensor);
-          return { input, output: model.last ? softmaxCrossEntropy(out, ctx.fromArray(b.targets, b.targetShape)) : out };
+          if (!model.last) return { input, output: out };
+          const loss = softmaxCrossEntropy(out, ctx.fromArray(b.targets, b.targetShape));
+          out.drop(); // the loss's backward writes the logits' gradient over them
+          return { input, output: loss };
         });
         held.set(a.micro, { pass, input, output });
         peakInFlight = Math.max(peakInFlight, held.size);

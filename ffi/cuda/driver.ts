@@ -421,6 +421,8 @@ export interface CudaProbe {
   deviceCount: number;
   /** what was found ("NVIDIA H100 80GB HBM3, compute 9.0, driver 13.0") or why not */
   reason: string;
+  /** device 0's memory in bytes (when ok) */
+  totalBytes?: number;
 }
 
 /** Is there a usable CUDA driver and device? Never throws. `load` gives the driver (tests
@@ -435,7 +437,12 @@ export function probeCuda(load: () => Driver = driver): CudaProbe {
     const minor = d.deviceAttribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
     const v = d.driverVersion();
     const plural = count === 1 ? "" : ` (device 0 of ${count})`;
-    return { ok: true, deviceCount: count, reason: `${d.deviceName(dev)}${plural}, compute ${major}.${minor}, driver ${cudaVersionText(v)}` };
+    return {
+      ok: true,
+      deviceCount: count,
+      reason: `${d.deviceName(dev)}${plural}, compute ${major}.${minor}, driver ${cudaVersionText(v)}`,
+      totalBytes: d.deviceTotalBytes(dev),
+    };
   } catch (e) {
     if (e instanceof CudaError && e.code === CUDA_ERROR_NO_DEVICE)
       return { ok: false, deviceCount: 0, reason: "the CUDA driver finds no device (CUDA_ERROR_NO_DEVICE)" };

@@ -7,7 +7,9 @@ import { existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { JobState } from "../../schemas/messages.ts";
 import { CheckpointStore } from "../../services/checkpoint/store.ts";
-import { DeadlineError } from "../../services/runtime/errors.ts";
+import { ConfigError, DeadlineError } from "../../services/runtime/errors.ts";
+import { probeCuda } from "../../ffi/cuda/driver.ts";
+import { planDevice, planReport } from "../plan.ts";
 import { defaultOwner, jobConfigFromJson, parseJobConfig, qualifyJob, usesShards } from "../../services/runtime/job.ts";
 import { checkResume, MeshClient, type PreviousRun } from "../client.ts";
 import { LocalMesh, membersWaitMs } from "../launcher.ts";
@@ -28,6 +30,8 @@ export interface MeshRunOptions {
   timeoutMin: number;
   /** the port of the job's live web page on 127.0.0.1 (0, and by default: a free one); null: no page */
   dashboardPort?: number | null;
+  /** --device-memory: a trainer's device memory for the fit check (default: the GPU's, or this machine's) */
+  deviceMemory?: number | null;
 }
 
 export const defaultRunDir = () => join("runs", "mesh");
@@ -54,6 +58,10 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
   const prev = o.flags.job ? previousOnDisk(jobsDir, asked.job) : null;
   const cfg = resolveConfig(asked, o.given, prev);
   if (prev) checkResume(cfg, prev, shownPath(jobsDir));
+  // a job that cannot fit is refused before any process starts
+  const device = (process.env.MT_DEVICE ?? "cpu") as "auto" | "cpu" | "cuda";
+  const { refusal } = planReport(cfg, planDevice(device === "cuda" && o.deviceMemory == null && !probeCuda().ok ? "cpu" : device, o.deviceMemory ?? null));
+  if (refusal !== null) throw new ConfigError(`job ${cfg.job} does not fit: ${refusal} (meshtrain plan with the same options prints each trainer's share)`);
   const jobDir = join(jobsDir, cfg.job),
     logDir = join(jobDir, "logs");
   mkdirSync(logDir, { recursive: true });

@@ -5,9 +5,11 @@
 // last reader has run; and the arena allocates nothing after the first passes of each shape.
 import { describe, expect, test } from "bun:test";
 import { StaleTensorError } from "../../engine/errors.ts";
-import { gptMemory } from "../../engine/memory.ts";
+import { gptMemory, mlpActivations } from "../../engine/memory.ts";
 import type { Precision } from "../../engine/mixed.ts";
 import { type GptConfig, GptModel } from "../../engine/models/gpt.ts";
+import { MlpModel } from "../../engine/models/mlp.ts";
+import { Sgd, sgdDefaults } from "../../engine/optim/sgd.ts";
 import { add } from "../../engine/ops/add.ts";
 import { gelu } from "../../engine/ops/gelu.ts";
 import { AdamW, adamwDefaults } from "../../engine/optim/adamw.ts";
@@ -166,6 +168,29 @@ describe("memory is reused within a pass", () => {
       counts.push(be.stats.allocCount);
     }
     expect(counts.slice(1)).toEqual([counts[1]!, counts[1]!, counts[1]!]);
+    ctx.dispose();
+  });
+});
+
+describe("an MLP pass's memory against the analytic count", () => {
+  test.each([
+    [[784, 800, 10], 128],
+    [[784, 1024, 1024, 10], 64],
+    [[20, 7, 3], 5],
+  ] as const)("widths %p batch %i: the peak within 10%", (widths, batch) => {
+    const ctx = newContext(1);
+    const model = new MlpModel(ctx, { widths: [...widths], activation: "relu", dropout: 0.1 }, 1);
+    const rng = new Rng(6);
+    const train = new TrainStep(ctx, model, new Sgd(ctx, model.store, sgdDefaults), { lr: 0.01, schedule: { kind: "constant" }, gradClip: 1, accumSteps: 1 });
+    const b: HostBatch = {
+      inputs: Float32Array.from({ length: batch * widths[0] }, () => rng.normal()),
+      inputShape: [batch, widths[0]],
+      targets: Int32Array.from({ length: batch }, () => rng.int(widths[widths.length - 1]!)),
+      targetShape: [batch],
+    };
+    train.run([b]);
+    const want = mlpActivations(widths, batch).peak;
+    expect(Math.abs(ctx.arena.passPeakBytes / want - 1)).toBeLessThan(0.1);
     ctx.dispose();
   });
 });

@@ -2,6 +2,7 @@
 // stages of a GPT against the single process's training, step by step.
 import { describe, expect, test } from "bun:test";
 import { ConfigError } from "../../engine/errors.ts";
+import { gptStageActivations } from "../../engine/memory.ts";
 import { GptModel, gptParamSpecs, stageBlocks } from "../../engine/models/gpt.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
 import { coordsOf, type ModelLayout, modelParallelRank, modelParallelRings, type PipelineStepResult, shareRuns } from "../../engine/parallel/pipeline.ts";
@@ -252,6 +253,38 @@ describe("model-parallel GPT in one process: data x pipeline x tensor", () => {
     const bytes = (r: typeof one) => Math.max(...r.results[0]!.map((x) => x.peakHeldBytes));
     console.log(`stage 0 of 2, ${microTotal} micro-batches: 1F1B holds ${bytes(one)} bytes of activations at most, GPipe ${bytes(all)}`);
     expect(bytes(one)).toBeLessThan(bytes(all));
+  });
+
+  test("each rank's activations held, measured from its open passes, match the plan's count (engine/memory.ts) within 10%", async () => {
+    const few = data.slice(0, 2);
+    const rows: string[] = [];
+    for (const [layout, schedule] of [
+      [{ data: 1, stages: 2, tensor: 1 }, "1f1b"],
+      [{ data: 1, stages: 2, tensor: 1 }, "gpipe"],
+      [{ data: 1, stages: 1, tensor: 2 }, "1f1b"],
+      [{ data: 1, stages: 2, tensor: 2 }, "gpipe"],
+    ] as const) {
+      const run = await layoutRun(layout, schedule, few);
+      run.results.forEach((steps, rank) => {
+        const { s: stage } = coordsOf(layout, rank);
+        const measured = Math.max(...steps.map((x) => x.peakHeldBytes));
+        const p = gptStageActivations(config, {
+          batch: b,
+          precision: "f32",
+          recompute: false,
+          optimizer: "adamw",
+          tensor: layout.tensor,
+          stage,
+          stages: layout.stages,
+          microBatches: microTotal / layout.data,
+          schedule,
+        });
+        const predicted = p.inFlight * p.perMicroBatch;
+        rows.push(`${layout.data}x${layout.stages}x${layout.tensor} ${schedule} rank ${rank}: ${measured} bytes held, predicted ${predicted}`);
+        expect(Math.abs(measured / predicted - 1)).toBeLessThan(0.1);
+      });
+    }
+    console.log(rows.join("\n"));
   });
 
   test("evaluate: every rank of a 1x2x2 copy reports the whole model's loss and accuracy on the same batches", async () => {

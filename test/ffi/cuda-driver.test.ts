@@ -64,10 +64,10 @@ const driver = new Driver(libPath);
 beforeEach(() => fake.fake_reset());
 
 describe("driver binding", () => {
-  test("probe names the device, its compute capability and the driver version", () => {
-    expect(probeCuda(() => driver)).toEqual({ ok: true, deviceCount: 1, reason: "Fake GPU, compute 9.0, driver 13.0" });
+  test("probe names the device, its compute capability, the driver version and the device's memory", () => {
+    expect(probeCuda(() => driver)).toEqual({ ok: true, deviceCount: 1, reason: "Fake GPU, compute 9.0, driver 13.0", totalBytes: 1 << 30 });
     fake.fake_set_device_count(4);
-    expect(probeCuda(() => driver)).toEqual({ ok: true, deviceCount: 4, reason: "Fake GPU (device 0 of 4), compute 9.0, driver 13.0" });
+    expect(probeCuda(() => driver)).toEqual({ ok: true, deviceCount: 4, reason: "Fake GPU (device 0 of 4), compute 9.0, driver 13.0", totalBytes: 1 << 30 });
   });
 
   test("no device: the probe says so instead of throwing", () => {

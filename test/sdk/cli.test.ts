@@ -318,3 +318,71 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
     expect(bench("nope").err).toContain("usage: bun run bench <engine|kernels|ps|checkpoint|data-loader|trainer|allreduce>");
   });
 });
+
+describe("plan: each trainer's memory before anything starts", () => {
+  const gpt2 = ["--model", "gpt", "--sync", "allreduce", "--trainers", "4", "--n-layer", "12", "--n-head", "12", "--n-embd", "768", "--block-size", "1024"];
+  test("a job that fits: the breakdown per trainer, and exit 0", () => {
+    const r = cli("plan", ...gpt2, "--batch-size", "8", "--precision", "bf16", "--device", "cuda", "--device-memory", "80GB");
+    expect(r.code).toBe(0);
+    expect(r.out).toContain("plan: gpt L12 H12 C768 T1024 V83, 4 trainers, allreduce, ZeRO 0, bf16, micro-batch 8");
+    expect(r.out).toMatch(
+      /trainers \(4\): parameters [\d.]+ MiB \+ gradients [\d.]+ MiB \+ optimizer [\d.]+ MiB \+ activations [\d.]+ GiB = [\d.]+ GiB on the device/,
+    );
+    expect(r.out).toMatch(/^fits: the most a trainer holds, [\d.]+ GiB, against 80.0 GiB a GPU \(--device-memory\)$/m);
+  });
+  test("a job that does not fit: which option would make it, and exit 3; ZeRO 3 and a pipeline split the model", () => {
+    const r = cli("plan", ...gpt2, "--batch-size", "64", "--device", "cuda", "--device-memory", "24GB");
+    expect(r.code).toBe(3);
+    expect(r.out).toMatch(/^does not fit: the most a trainer holds, [\d.]+ GiB, against 24.0 GiB a GPU/m);
+    expect(r.out).toMatch(/^--recompute brings it to [\d.]+ GiB, which fits$/m);
+    const z3 = cli("plan", ...gpt2, "--batch-size", "8", "--zero", "3", "--device", "cuda", "--device-memory", "80GB");
+    expect(z3.out).toMatch(/gathered [\d.]+ MiB/);
+    const pp = cli(
+      "plan",
+      ...gpt2,
+      "--batch-size",
+      "8",
+      "--pipeline-stages",
+      "2",
+      "--tensor-parallel",
+      "2",
+      "--accum",
+      "4",
+      "--device",
+      "cuda",
+      "--device-memory",
+      "80GB",
+    );
+    expect(pp.out).toContain("stage 0 (2 trainers)");
+    expect(pp.out).toContain("stage 1 (2 trainers)");
+  });
+  test("a bad --device-memory is refused with the reason", () => {
+    const r = cli("plan", "--device-memory", "lots");
+    expect(r.code).toBe(1);
+    expect(r.err).toContain("--device-memory must be a size such as 80GB, 24GiB or 512MiB");
+  });
+  test("run refuses a job that cannot fit, before any process starts", () => {
+    const started = performance.now();
+    const r = cli(
+      "run",
+      "--model",
+      "gpt",
+      "--n-layer",
+      "48",
+      "--n-embd",
+      "2048",
+      "--n-head",
+      "16",
+      "--block-size",
+      "1024",
+      "--batch-size",
+      "64",
+      "--dir",
+      join(dir, "too-big"),
+    );
+    expect(r.code).toBe(1);
+    expect(r.err).toMatch(/^meshtrain: ConfigError: job default\.gpt-[\w-]+ does not fit: every process together, [\d.]+ GiB, against [\d.]+ GiB/);
+    expect(r.out).not.toContain("launcher:");
+    expect(performance.now() - started).toBeLessThan(20_000);
+  });
+});

@@ -7,6 +7,7 @@ import { describe, expect, test } from "bun:test";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { type BucketEntries, bytesPerParam, type ModelMemory, partitionOf } from "../../engine/parallel/zero.ts";
 import { segment } from "../../engine/parallel/collective.ts";
+import { rankMemory } from "../../engine/memory.ts";
 import { Context } from "../../engine/tensor.ts";
 import type { HostBatch } from "../../engine/train.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
@@ -220,8 +221,21 @@ describe("ZeRO memory, read from the allocations", () => {
         const cfg = gptConfig({ trainers: n, zero, model: { kind: "gpt", blockSize: T, nLayer: 6, nHead: 2, nEmbd: 32, dropout: 0, vocabSize: 0 } });
         const run = await train(cfg, 1, (_s, r) => [windows(r * 2, 2)], 3e-3, 2);
         const expected = zero === 0 ? 16 : zero === 1 ? 8 + 8 / n : zero === 2 ? 4 + 12 / n : 16 / n;
+        // meshtrain plan's count of the same (engine/memory.ts rankMemory)
+        const planned = rankMemory({
+          paramCount: run.memory[0]!.paramCount,
+          optimizerBytesPerParam: 8,
+          mode: "allreduce",
+          dataRanks: n,
+          zero,
+          offload: false,
+          compressed: false,
+          activations: 0,
+          gatheredBytes: 0,
+        });
         for (const m of run.memory) {
           const measured = bytesPerParam(m);
+          expect(Math.abs((m.params + m.grads + m.optimizer) / (planned.parameters + planned.gradients + planned.optimizer) - 1)).toBeLessThan(0.1);
           rows.push(`N=${n} stage ${zero} rank ${run.memory.indexOf(m)}: ${measured.toFixed(3)} B/param (paper ${expected.toFixed(3)})`);
           // the slab pads each parameter to 16 floats and segments differ by one element among ranks
           expect(Math.abs(measured - expected) / expected).toBeLessThan(0.02);
