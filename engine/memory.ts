@@ -182,10 +182,12 @@ export function rankMemory(s: RankModelState): RankMemory {
   const N = s.mode === "allreduce" ? Math.max(1, s.dataRanks) : 1;
   const zero = s.mode === "allreduce" ? s.zero : 0;
   const parameters = 4 * (zero >= 3 ? P / N : P);
-  const gradients = 4 * (zero >= 2 ? P / N : P);
+  // offloaded stages 2 and 3 keep the partition's gradients on the host only
+  const gradients = s.offload && zero >= 2 ? 0 : 4 * (zero >= 2 ? P / N : P);
   const optimizerAll = s.mode === "ps" ? 0 : s.optimizerBytesPerParam * (zero >= 1 ? P / N : P);
   const optimizer = s.offload ? 0 : optimizerAll;
-  const hostOptimizer = s.offload ? 4 * P + 4 * P + optimizerAll : 0;
+  // offload: the host's master copy, gradients and state (under ZeRO, of the rank's partition)
+  const hostOptimizer = s.offload ? ((4 + 4) * P) / (zero >= 1 ? N : 1) + optimizerAll : 0;
   const hostBuffers = s.mode === "allreduce" && N > 1 ? 4 * P * (s.compressed ? 2 : 1) : 0;
   const gathered = zero >= 3 ? s.gatheredBytes : 0;
   const device = parameters + gradients + optimizer + s.activations + gathered;

@@ -140,7 +140,7 @@ const remedies: { flag: string; applies: (c: JobConfig) => boolean; change: (c: 
   { flag: "--zero 1", applies: (c) => c.sync === "allreduce" && c.zero < 1 && dataRanks(c) > 1, change: () => ({ zero: 1 }) },
   { flag: "--zero 2", applies: (c) => c.sync === "allreduce" && c.zero < 2 && dataRanks(c) > 1, change: () => ({ zero: 2 }) },
   { flag: "--zero 3", applies: (c) => c.sync === "allreduce" && c.zero < 3 && dataRanks(c) > 1, change: () => ({ zero: 3 }) },
-  { flag: "--offload optimizer", applies: (c) => c.sync === "allreduce" && c.zero === 0 && c.offload === "none", change: () => ({ offload: "optimizer" }) },
+  { flag: "--offload optimizer", applies: (c) => c.sync === "allreduce" && c.offload === "none", change: () => ({ offload: "optimizer" }) },
   {
     flag: "--accum",
     applies: (c) => c.batchSize / c.accumSteps >= 2 && c.batchSize % (2 * c.accumSteps) === 0,

@@ -311,10 +311,6 @@ export function parseJobConfig(data: unknown): JobConfig {
     throw new ConfigError(
       "invalid job config: offload optimizer moves the trainers' optimizer to host memory, so it needs sync allreduce; in parameter-server mode the optimizer runs on the shards already",
     );
-  if (c.offload !== "none" && c.zero > 0)
-    throw new ConfigError(
-      `invalid job config: offload optimizer with ZeRO (zero ${c.zero}) is not built yet: offload keeps the whole optimizer state in each trainer's host memory`,
-    );
   if (c.sync === "allreduce" && (c.batchPushes !== 1 || c.staleness !== 0)) {
     throw new ConfigError("invalid job config: batchPushes and staleness apply to the parameter server's asp and ssp, not to allreduce");
   }

@@ -32,6 +32,13 @@
 // the parameter store). The buckets already come to the host for the all-reduce; their reduced
 // gradients go into the mirror instead of back to the device, the loss scaler, the clip and the
 // optimizer run there with the CPU kernels, and the updated parameters go back to the device.
+// With ZeRO (stages 1-3) each rank's host holds only its partition: the master copy of its
+// ranges, their reduced gradients and their optimizer state (the plan's packed layout). Each
+// bucket's reduce-scattered segment goes from the bucket's host buffer straight into the host's
+// gradients as soon as it arrives, while backward computes the next buckets; once the norm is
+// known the host updates the partition and its parameters go back to the device (stage 3: into
+// the partition the gathers read), and the all-gather spreads them as without offload. Stages
+// 2 and 3 then keep no gradient partition on the device at all.
 //
 // Checkpoints: rank 0 serves its replica in parts (ShardState messages of the job's chunk
 // layout, each under the message limit) to the checkpoint service; on restore every rank is
@@ -119,6 +126,15 @@ export interface ReplicaOptions {
   progressTimeoutMs?: number;
 }
 
+/** Offload with ZeRO: a rank's partition in host memory (master parameters, reduced gradients,
+ *  packed as the optimizer state; scratch to add a micro-batch's gradients in). */
+interface HostPartition {
+  ctx: Context;
+  params: Allocation;
+  grads: Allocation;
+  scratch: Allocation;
+}
+
 export class Replica {
   readonly optimizer: Optimizer;
   readonly scaler: LossScaler | null;
@@ -129,6 +145,9 @@ export class Replica {
   readonly #o: ReplicaOptions;
   /** offload: the host mirror of the parameter store the optimizer runs on */
   readonly #host: { ctx: Context; store: ParamStore } | null = null;
+  /** offload with ZeRO: the host's partition (master parameters, reduced gradients, packed as the
+   *  optimizer state; scratch to add a micro-batch's gradients in) */
+  readonly #hostPart: HostPartition | null = null;
   /** the bucket codec (compression) */
   readonly codec: Codec;
   /** bytes of values this rank's communicators delivered to peers */
@@ -170,13 +189,16 @@ export class Replica {
     this.zero = cfg.zero;
     this.partition = cfg.zero > 0 ? partitionOf(buckets, cfg.trainers, o.rank) : null;
     let plan: UpdatePlan | undefined;
+    const offload = cfg.offload === "optimizer";
     if (this.partition !== null) {
       const part = this.partition;
+      const widest = Math.max(1, ...part.ranges.flat().map((r) => r.numel));
       if (cfg.zero >= 2) {
         store.releaseGradSlab();
-        this.#ownedGrads = ctx.allocPersistent(Math.max(part.numel, 1) * 4);
-        const widest = Math.max(1, ...part.ranges.flat().map((r) => r.numel));
-        this.#addScratch = ctx.allocPersistent(widest * 4);
+        if (!offload) {
+          this.#ownedGrads = ctx.allocPersistent(Math.max(part.numel, 1) * 4);
+          this.#addScratch = ctx.allocPersistent(widest * 4);
+        }
       }
       if (cfg.zero === 3) {
         // every rank initialized the whole model from the seed; it keeps its partition
@@ -186,13 +208,30 @@ export class Replica {
         store.releaseValueSlab();
       }
       plan = { ranges: part.ranges.flat(), stateNumel: part.numel, grads: this.#ownedGrads, params: this.#ownedParams };
-    }
-    if (cfg.offload === "optimizer") {
+      if (offload) {
+        const hostCtx = new Context(new CpuBackend(), { seed: cfg.seed });
+        const bytes = Math.max(part.numel, 1) * 4;
+        const hp = {
+          ctx: hostCtx,
+          params: hostCtx.allocPersistent(bytes),
+          grads: hostCtx.allocPersistent(bytes),
+          scratch: hostCtx.allocPersistent(widest * 4),
+        };
+        // the master copy of the partition, from the device's (every rank initialized alike)
+        for (const r of part.ranges.flat()) {
+          const v = new Float32Array(r.numel);
+          o.backend.download(this.#ownedParams !== null ? this.#ownedParams.ptr + r.stateOffset * 4 : store.values.ptr + r.paramOffset * 4, v);
+          hostCtx.backend.upload(hp.params.ptr + r.stateOffset * 4, v);
+        }
+        this.#hostPart = hp;
+        plan = { ranges: part.ranges.flat(), stateNumel: part.numel, grads: hp.grads, params: hp.params };
+      }
+    } else if (offload) {
       const hostCtx = new Context(new CpuBackend(), { seed: cfg.seed });
       this.#host = { ctx: hostCtx, store: store.mirror(hostCtx) };
     }
     const opt = cfg.optimizer;
-    const [optCtx, optStore] = this.#host ? [this.#host.ctx, this.#host.store] : [ctx, store];
+    const [optCtx, optStore] = this.#host ? [this.#host.ctx, this.#host.store] : [this.#hostPart?.ctx ?? ctx, store];
     this.optimizer =
       opt.kind === "sgd"
         ? new Sgd(optCtx, optStore, { momentum: opt.momentum, dampening: 0, nesterov: opt.nesterov, weightDecay: opt.weightDecay }, plan)
@@ -217,8 +256,12 @@ export class Replica {
       params: this.#ownedParams?.bytes ?? store.values.bytes,
       paramCount: store.paramCount,
       grads: store.holdsGradSlab ? store.grads.bytes : (this.#ownedGrads?.bytes ?? 0),
-      optimizer: this.#host ? 0 : this.#optimizerBytes,
-      host: this.#host ? this.#host.store.values.bytes + this.#host.store.grads.bytes + this.#optimizerBytes : 0,
+      optimizer: this.#host || this.#hostPart ? 0 : this.#optimizerBytes,
+      host: this.#host
+        ? this.#host.store.values.bytes + this.#host.store.grads.bytes + this.#optimizerBytes
+        : this.#hostPart
+          ? this.#hostPart.params.bytes + this.#hostPart.grads.bytes + this.#optimizerBytes
+          : 0,
       // the host buffers buckets travel through (compression: the residuals and the all-gathered encodings too)
       buckets: (this.#buckets ?? []).reduce((sum, b) => sum + b.buf.byteLength + (b.feedback?.residual.byteLength ?? 0) + (b.gathered?.byteLength ?? 0), 0),
       arenaPeak: ctx.arena.highWaterBytes,
@@ -251,7 +294,7 @@ export class Replica {
 
   /** Where the optimizer's state lives: host memory when offloaded, else the device. */
   get #optBackend(): Backend {
-    return this.#host?.ctx.backend ?? this.#o.backend;
+    return this.#host?.ctx.backend ?? this.#hostPart?.ctx.backend ?? this.#o.backend;
   }
 
   /** Bytes of values this rank has sent to its peers (every collective, every path). */
@@ -320,6 +363,7 @@ export class Replica {
   close(): void {
     this.#collective?.close("the trainer stopped");
     this.#host?.ctx.dispose();
+    this.#hostPart?.ctx.dispose();
   }
 
   /** Fails the operations in flight (a restore abandons the step); the restore's apply() reconnects. */
@@ -597,15 +641,19 @@ export class Replica {
     const tReduced = performance.now();
     if (!Number.isFinite(loss)) throw new NonFiniteLossError(step, loss);
 
-    // overflow and the norm, over every rank's partition
+    // overflow and the norm, over every rank's partition (offload: in host memory, where the
+    // partition's gradients are)
     const ranges = part.ranges.flat();
-    const gradAt = (r: (typeof ranges)[number]) => (stage2 ? this.#ownedGrads!.ptr + r.stateOffset * 4 : store.grads.ptr + r.paramOffset * 4);
+    const hp = this.#hostPart;
+    const gb = hp?.ctx.backend ?? backend;
+    const gradAt = (r: (typeof ranges)[number]) =>
+      hp !== null ? hp.grads.ptr + r.stateOffset * 4 : stage2 ? this.#ownedGrads!.ptr + r.stateOffset * 4 : store.grads.ptr + r.paramOffset * 4;
     const stats = new Float32Array(2);
     let nonFinite = 0,
       sumSq = 0;
     for (const r of ranges) {
-      nonFinite += backend.countNonFinite(gradAt(r), r.numel);
-      sumSq += backend.sumSquares(gradAt(r), r.numel);
+      nonFinite += gb.countNonFinite(gradAt(r), r.numel);
+      sumSq += gb.sumSquares(gradAt(r), r.numel);
     }
     stats[0] = nonFinite;
     stats[1] = nonFinite > 0 ? 0 : sumSq;
@@ -617,8 +665,10 @@ export class Replica {
       gradNorm = Math.sqrt(stats[1]!) / scale;
       let factor = 1 / scale;
       if (cfg.gradClip > 0 && gradNorm > cfg.gradClip) factor *= cfg.gradClip / (gradNorm + 1e-6);
-      if (factor !== 1) for (const r of ranges) backend.scale(gradAt(r), r.numel, factor);
+      if (factor !== 1) for (const r of ranges) gb.scale(gradAt(r), r.numel, factor);
       this.optimizer.step(lr);
+      // offload: the host's updated partition back to the device (stage 3: the packed partition)
+      if (hp !== null) this.#partitionToDevice(hp);
     }
     // every rank's updated partition to every rank (stage 3 gathers them as the next pass needs them)
     if (finite && !stage3) {
@@ -813,8 +863,19 @@ export class Replica {
   /** ZeRO: keeps this rank's segment of a reduce-scattered bucket (adds it in, for a later micro-batch). */
   #keep(b: Bucket, add: boolean): void {
     const { backend, model } = this.#o;
+    const hp = this.#hostPart;
     for (const r of this.partition!.ranges[b.id]!) {
       const src = b.buf.subarray(r.bucketOffset, r.bucketOffset + r.numel);
+      if (hp !== null) {
+        // offload: the segment goes from the bucket's host buffer into the host's gradients
+        const dst = hp.grads.ptr + r.stateOffset * 4;
+        if (this.zero === 1 || !add) hp.ctx.backend.upload(dst, src);
+        else {
+          hp.ctx.backend.upload(hp.scratch.ptr, src);
+          hp.ctx.backend.add(dst, dst, hp.scratch.ptr, r.numel);
+        }
+        continue;
+      }
       if (this.zero === 1) {
         backend.upload(model.store.grads.ptr + r.paramOffset * 4, src);
         continue;
@@ -827,6 +888,20 @@ export class Replica {
       backend.upload(this.#addScratch!.ptr, src);
       backend.add(dst, dst, this.#addScratch!.ptr, r.numel);
     }
+  }
+
+  /** Offload with ZeRO: the host's master partition to the device's parameters (the slab's
+   *  ranges at stages 1-2; the packed partition at stage 3). */
+  #partitionToDevice(hp: HostPartition): void {
+    const { backend, model } = this.#o;
+    const v = new Float32Array(this.partition!.numel);
+    hp.ctx.backend.download(hp.params.ptr, v);
+    if (this.#ownedParams !== null) {
+      backend.upload(this.#ownedParams.ptr, v);
+      return;
+    }
+    for (const r of this.partition!.ranges.flat())
+      backend.upload(model.store.values.ptr + r.paramOffset * 4, v.subarray(r.stateOffset, r.stateOffset + r.numel));
   }
 
   #bucketFor(t: Tensor): Bucket {
@@ -949,9 +1024,12 @@ export class Replica {
     if (this.partition === null) slabs.forEach((s, i) => this.#optBackend.upload(s.allocation.ptr, states[i]!));
     else {
       // ZeRO: this rank keeps its partition's ranges (the snapshot holds the slab's layout, so a
-      // job resumes on any number of ranks and at any stage)
+      // job resumes on any number of ranks and at any stage); offload: in host memory, with the
+      // partition's master copy
+      const hp = this.#hostPart;
       for (const r of this.partition.ranges.flat()) {
-        slabs.forEach((s, i) => backend.upload(s.allocation.ptr + r.stateOffset * 4, states[i]!.subarray(r.paramOffset, r.paramOffset + r.numel)));
+        slabs.forEach((s, i) => this.#optBackend.upload(s.allocation.ptr + r.stateOffset * 4, states[i]!.subarray(r.paramOffset, r.paramOffset + r.numel)));
+        hp?.ctx.backend.upload(hp.params.ptr + r.stateOffset * 4, values.subarray(r.paramOffset, r.paramOffset + r.numel));
       }
     }
     this.optimizer.setStepCount(st.optimizerSteps);

@@ -86,9 +86,9 @@ describe("optimizer offload", () => {
     expect(o.host / o.paramCount).toBeCloseTo(16, 0);
   }, 60_000);
 
-  test("the config refuses offload outside all-reduce mode and with ZeRO, saying why", () => {
+  test("the config refuses offload outside all-reduce mode, saying why, and takes it with ZeRO (test/services/zero.test.ts)", () => {
     expect(() => config({ offload: "optimizer", sync: "bsp" })).toThrow(/needs sync allreduce/);
-    expect(() => config({ offload: "optimizer", zero: 2 })).toThrow(/not built yet/);
+    expect(config({ offload: "optimizer", zero: 2 }).zero).toBe(2);
   });
 
   describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.reason))("on the CUDA backend (emulated on the host)", () => {

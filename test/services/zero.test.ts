@@ -194,6 +194,42 @@ describe("ZeRO stages on the replica", () => {
     }, 120_000);
   }
 
+  test("offload with ZeRO 1, 2 and 3 (GPT, AdamW, clipping, 2 ranks, 2 micro-batches): stage 0's trajectory; the host holds each rank's partition of the master copy, gradients and state, read from the allocations as meshtrain plan counts them", async () => {
+    const n = 2;
+    const data = (s: number, r: number) => [windows((s * n + r) * 4, 2), windows((s * n + r) * 4 + 2, 2)];
+    const base = await train(gptConfig({ trainers: n, zero: 0, accumSteps: 2 }), 30, data, 3e-3, 4);
+    const rows: string[] = [];
+    for (const zero of [1, 2, 3] as const) {
+      const run = await train(gptConfig({ trainers: n, zero, offload: "optimizer", accumSteps: 2 }), 30, data, 3e-3, 4);
+      expectParity(run, base, 1e-4);
+      const planned = rankMemory({
+        paramCount: run.memory[0]!.paramCount,
+        optimizerBytesPerParam: 8,
+        mode: "allreduce",
+        dataRanks: n,
+        zero,
+        offload: true,
+        compressed: false,
+        activations: 0,
+        gatheredBytes: 0,
+      });
+      for (const m of run.memory) {
+        const P = m.paramCount;
+        // the device: stage 1 the parameters and the gradient slab backward fills; stage 2 the
+        // parameters (the partition's gradients are on the host); stage 3 the parameters' partition
+        const device = (m.params + m.grads + m.optimizer) / P;
+        const expected = zero === 1 ? 8 : zero === 2 ? 4 : 4 / n;
+        rows.push(`offload, stage ${zero}: device ${device.toFixed(3)} B/param (expected ${expected}), host ${(m.host / P).toFixed(3)} (expected ${16 / n})`);
+        expect(m.optimizer).toBe(0);
+        expect(Math.abs(device / expected - 1)).toBeLessThan(0.05);
+        expect(Math.abs(m.host / P / (16 / n) - 1)).toBeLessThan(0.05);
+        expect(Math.abs((m.params + m.grads) / (planned.parameters + planned.gradients) - 1)).toBeLessThan(0.1);
+        expect(Math.abs(m.host / planned.hostOptimizer - 1)).toBeLessThan(0.1);
+      }
+    }
+    console.log(rows.join("\n"));
+  }, 120_000);
+
   test("gradient accumulation (2 micro-batches; at stage 2 each is reduced) and a rank without samples", async () => {
     const data = (s: number, r: number) => (s === 3 && r === 1 ? [] : [images((s * 2 + r) * b, b / 2), images((s * 2 + r) * b + b / 2, b / 2)]);
     const cfg = (zero: 0 | 1 | 2 | 3) => mlpConfig({ trainers: 2, zero, accumSteps: 2 });
@@ -255,11 +291,16 @@ describe("ZeRO memory, read from the allocations", () => {
 });
 
 describe("ZeRO checkpoints", () => {
-  test("a snapshot of 4 ranks at stage 3 (each rank's partition of parameters and state, assembled) resumes on 2 ranks at stage 1, on 3 at stage 3 and on 1 at stage 0, on the same trajectory", async () => {
+  test("a snapshot of 4 ranks at stage 3 with the optimizer offloaded (each rank's partition of parameters and state, assembled) resumes on 2 ranks at stage 1, on 3 at stage 3, on 1 at stage 0 and on 2 at stage 2 offloaded, on the same trajectory", async () => {
     const global = 48;
     const data = (n: number) => (s: number, r: number) => [images(s * global + r * (global / n), global / n)];
-    const make = (n: number, zero: 0 | 1 | 2 | 3) => {
-      const cfg = mlpConfig({ trainers: n, zero, optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 } });
+    const make = (n: number, zero: 0 | 1 | 2 | 3, offload = false) => {
+      const cfg = mlpConfig({
+        trainers: n,
+        zero,
+        offload: offload ? "optimizer" : "none",
+        optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 },
+      });
       const bus = new MemoryBus();
       const ranks: { ctx: Context; model: ReturnType<typeof buildModel>; replica: Replica }[] = [];
       for (let rank = 0; rank < n; rank++) {
@@ -294,8 +335,8 @@ describe("ZeRO checkpoints", () => {
       return { ranks, steps, close };
     };
     const reference = make(4, 2);
-    const saved = make(4, 3);
-    const resumed = [make(2, 1), make(3, 3), make(1, 0)];
+    const saved = make(4, 3, true);
+    const resumed = [make(2, 1), make(3, 3), make(1, 0), make(2, 2, true)];
     try {
       const ref = await reference.steps(0, 8);
       await saved.steps(0, 3);
