@@ -25,6 +25,10 @@ const batchOf = (rng: Rng, B: number, T: number, V: number): HostBatch => ({
   targetShape: [B, T],
 });
 
+/** A training step of `model` with AdamW and clipping. */
+const adamwStep = (ctx: Context, model: GptModel) =>
+  new TrainStep(ctx, model, new AdamW(ctx, model.store, adamwDefaults), { lr: 1e-3, schedule: { kind: "constant" }, gradClip: 1, accumSteps: 1 });
+
 /** The arena's peak over one forward and backward, and what forward left for backward. */
 function measure(config: GptConfig, B: number, precision: Precision, recompute: boolean) {
   const ctx = new Context(cpu(), { seed: 1, precision });
@@ -83,12 +87,7 @@ describe("memory is reused within a pass", () => {
     const b = batchOf(new Rng(3), 8, 64, 83);
     evaluate(ctx, model, [b], { accuracy: false });
     const forwardOnly = ctx.arena.passPeakBytes;
-    const train = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamwDefaults), {
-      lr: 1e-3,
-      schedule: { kind: "constant" },
-      gradClip: 1,
-      accumSteps: 1,
-    });
+    const train = adamwStep(ctx, model);
     train.run([b]);
     const training = ctx.arena.passPeakBytes;
     const BTC4 = 8 * 64 * 128 * 4;
@@ -103,12 +102,7 @@ describe("memory is reused within a pass", () => {
       const ctx = newContext(1, { precision });
       const model = new GptModel(ctx, config, 1);
       const rng = new Rng(4);
-      const train = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamwDefaults), {
-        lr: 1e-3,
-        schedule: { kind: "constant" },
-        gradClip: 1,
-        accumSteps: 1,
-      });
+      const train = adamwStep(ctx, model);
       train.run([batchOf(rng, 4, 64, 83)]);
       const training = ctx.arena.passPeakBytes;
       evaluate(ctx, model, [batchOf(rng, 4, 64, 83)], { accuracy: false });
@@ -155,12 +149,7 @@ describe("memory is reused within a pass", () => {
     const ctx = new Context(be, { seed: 1 });
     const model = new GptModel(ctx, config, 1);
     const rng = new Rng(5);
-    const train = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamwDefaults), {
-      lr: 1e-3,
-      schedule: { kind: "constant" },
-      gradClip: 1,
-      accumSteps: 1,
-    });
+    const train = adamwStep(ctx, model);
     const counts: number[] = [];
     for (let i = 0; i < 4; i++) {
       train.run([batchOf(rng, 8, 64, 83)]);

@@ -118,6 +118,20 @@ async function train(
   return run;
 }
 
+/** meshtrain plan's count of a rank's model state (engine/memory.ts rankMemory), AdamW. */
+const plannedState = (paramCount: number, ranks: number, zero: 0 | 1 | 2 | 3, offload: boolean) =>
+  rankMemory({
+    paramCount,
+    optimizerBytesPerParam: 8,
+    mode: "allreduce",
+    dataRanks: ranks,
+    zero,
+    offload,
+    compressed: false,
+    activations: 0,
+    gatheredBytes: 0,
+  });
+
 const relDiff = (a: number, b: number) => Math.abs(a - b) / Math.max(Math.abs(b), 1e-12);
 
 /** The stage's run against stage 0's: losses and norms within summation order, replicas bit-identical. */
@@ -202,17 +216,7 @@ describe("ZeRO stages on the replica", () => {
     for (const zero of [1, 2, 3] as const) {
       const run = await train(gptConfig({ trainers: n, zero, offload: "optimizer", accumSteps: 2 }), 30, data, 3e-3, 4);
       expectParity(run, base, 1e-4);
-      const planned = rankMemory({
-        paramCount: run.memory[0]!.paramCount,
-        optimizerBytesPerParam: 8,
-        mode: "allreduce",
-        dataRanks: n,
-        zero,
-        offload: true,
-        compressed: false,
-        activations: 0,
-        gatheredBytes: 0,
-      });
+      const planned = plannedState(run.memory[0]!.paramCount, n, zero, true);
       for (const m of run.memory) {
         const P = m.paramCount;
         // the device: stage 1 the parameters and the gradient slab backward fills; stage 2 the
@@ -258,17 +262,7 @@ describe("ZeRO memory, read from the allocations", () => {
         const run = await train(cfg, 1, (_s, r) => [windows(r * 2, 2)], 3e-3, 2);
         const expected = zero === 0 ? 16 : zero === 1 ? 8 + 8 / n : zero === 2 ? 4 + 12 / n : 16 / n;
         // meshtrain plan's count of the same (engine/memory.ts rankMemory)
-        const planned = rankMemory({
-          paramCount: run.memory[0]!.paramCount,
-          optimizerBytesPerParam: 8,
-          mode: "allreduce",
-          dataRanks: n,
-          zero,
-          offload: false,
-          compressed: false,
-          activations: 0,
-          gatheredBytes: 0,
-        });
+        const planned = plannedState(run.memory[0]!.paramCount, n, zero, false);
         for (const m of run.memory) {
           const measured = bytesPerParam(m);
           expect(Math.abs((m.params + m.grads + m.optimizer) / (planned.parameters + planned.gradients + planned.optimizer) - 1)).toBeLessThan(0.1);
