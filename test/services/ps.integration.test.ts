@@ -24,6 +24,7 @@ import { PullRequest as PullRequestT } from "../../schemas/wire.ts";
 import { buildLayout } from "../../services/runtime/layout.ts";
 import { BadRequestError, UnknownJobError } from "../../services/runtime/errors.ts";
 import { type JobConfig, jobDefaults, subjects } from "../../services/runtime/job.ts";
+import { configExitCode } from "../../services/runtime/service.ts";
 import { JobStore } from "../../services/runtime/jobs.ts";
 import { initialParameters } from "../../services/runtime/model.ts";
 import { freePort } from "../../services/runtime/nats-server.ts";
@@ -286,7 +287,7 @@ test("an unreachable NATS gives one clear error naming the URL and how to start 
 
 test("invalid configuration is reported with the key and where it came from", async () => {
   const p = spawnService("services/parameter-server/main.ts", ["--shard", "-1"], { MT_NATS_URL: "http://wrong" });
-  expect(await p.exited).toBe(1);
+  expect(await p.exited).toBe(configExitCode); // not restarted: no restart fixes it
   expect(p.log()).toContain("shard (from --shard)");
   expect(p.log()).toContain("natsUrl (from $MT_NATS_URL)");
 }, 30_000);

@@ -1,6 +1,7 @@
 // The trainer service's device key: validated with the rest of its config, before it connects.
 import { expect, test } from "bun:test";
 import { join } from "node:path";
+import { configExitCode } from "../../services/runtime/service.ts";
 
 const main = join(import.meta.dir, "..", "..", "services", "trainer", "main.ts");
 
@@ -13,7 +14,8 @@ test.each([
     stdout: "pipe",
     stderr: "pipe",
   });
-  expect(p.exitCode).toBe(1);
+  // a configuration error: no restart can fix it, so the launcher does not restart it
+  expect(p.exitCode).toBe(configExitCode);
   expect(p.stderr.toString()).toContain(fragment);
   expect(p.stderr.toString()).toContain(`expected one of "auto"|"cpu"|"cuda"`);
 });
