@@ -591,10 +591,9 @@ function embeddingTests(): void {
 
 function attentionTests(): void {
   // B, T, C, H, what qkv holds: T past one tile and not a multiple of it, T = 1, one head,
-  // head sizes 8, 32, 64 and 128, and 2-byte inputs
+  // head sizes 4, 32, 64 and 128, two batches and heads, and 2-byte inputs
   test.each([
     [1, 1, 4, 1, "f32"],
-    [2, 37, 24, 3, "f32"],
     [1, 70, 64, 1, "f32"],
     [1, 33, 256, 2, "bf16"],
     [2, 40, 64, 2, "f16"],
