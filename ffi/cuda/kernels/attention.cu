@@ -51,6 +51,16 @@ __device__ __forceinline__ void att_tile(float (*dst)[PITCH], const void* qkv, i
   }
 }
 
+// A task's (batch, head) and query tile: the longest (last) tiles of the causal triangle first,
+// so they finish together with the short ones.
+struct AttQueryTile {
+  int64_t b, h, bh, i0, rows;
+};
+__device__ __forceinline__ AttQueryTile att_query_tile(int64_t task, int64_t tiles, int64_t H, int64_t T) {
+  const int64_t tile = tiles - 1 - task % tiles, bh = task / tiles, i0 = tile * ATT_BR;
+  return {bh / H, bh % H, bh, i0, T - i0 < ATT_BR ? T - i0 : ATT_BR};
+}
+
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 mt_attention_forward_f32(float* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H,
                          float scale, int32_t elem) {
@@ -60,9 +70,8 @@ mt_attention_forward_f32(float* out, float* lse, const void* qkv, int64_t B, int
   const int64_t D = C / H, C3 = 3 * C, tiles = (T + ATT_BR - 1) / ATT_BR;
   const int r = threadIdx.x / 4, g = threadIdx.x % 4;
   for (int64_t task = blockIdx.x; task < B * H * tiles; task += gridDim.x) {
-    // the longest (last) query tiles first
-    const int64_t tile = tiles - 1 - task % tiles, bh = task / tiles, b = bh / H, h = bh % H;
-    const int64_t i0 = tile * ATT_BR, br = T - i0 < ATT_BR ? T - i0 : ATT_BR, i = i0 + r;
+    const AttQueryTile q = att_query_tile(task, tiles, H, T);
+    const int64_t b = q.b, h = q.h, bh = q.bh, i0 = q.i0, br = q.rows, i = i0 + r;
     att_tile<ATT_D_MAX>(q_s, qkv, b * T + i0, br, C3, h * D, D, elem);
     float o[ATT_PER];
 #pragma unroll
@@ -234,8 +243,8 @@ mt_attention_backward_q_f32(float* dqkv, const float* delta, const float* dout, 
   const int64_t D = C / H, C3 = 3 * C, tiles = (T + ATT_BR - 1) / ATT_BR;
   const int r = threadIdx.x / 4, g = threadIdx.x % 4;
   for (int64_t task = blockIdx.x; task < B * H * tiles; task += gridDim.x) {
-    const int64_t tile = tiles - 1 - task % tiles, bh = task / tiles, b = bh / H, h = bh % H;
-    const int64_t i0 = tile * ATT_BR, br = T - i0 < ATT_BR ? T - i0 : ATT_BR, i = i0 + r;
+    const AttQueryTile t = att_query_tile(task, tiles, H, T);
+    const int64_t b = t.b, h = t.h, bh = t.bh, i0 = t.i0, br = t.rows, i = i0 + r;
     float q[ATT_PER], go[ATT_PER], dq[ATT_PER];
 #pragma unroll
     for (int kk = 0; kk < ATT_PER; kk++) {
