@@ -26,6 +26,8 @@ export interface ModelFileHeader {
   config: object;
   /** character vocabulary of a char-level model */
   vocab?: string[];
+  /** a BPE model's tokenizer (its samples decode with it) */
+  tokenizer?: "gpt2";
   entries: ParamEntry[];
   slabNumel: number;
   /** optimizer steps the weights have seen */

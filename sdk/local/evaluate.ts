@@ -8,6 +8,7 @@ import { DataFileError } from "../../engine/data/errors.ts";
 import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnistTest } from "../../engine/data/mnist.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts";
+import { readManifest, readSplit } from "../../engine/data/shards.ts";
 import { readTokenFile, splitTokens, TokenBatcher } from "../../engine/data/tokens.ts";
 import { ConfigError } from "../../engine/errors.ts";
 import { type LoadedModelFile, loadSlabInto, readModelFile } from "../../engine/modelfile.ts";
@@ -146,6 +147,7 @@ function evalGpt(o: EvalOptions, ctx: Context, loaded: LoadedModelFile): EvalRep
       : `${batches} batch${batches === 1 ? "" : "es"} of ${rows} windows, all`;
   const units = split.unit === "char" ? "characters" : "tokens";
   console.log(`validation loss: ${r.loss.toFixed(4)} nats/${split.unit} on ${r.count.toLocaleString("en-US")} ${units} of ${split.name} (${cut})`);
+  console.log(`perplexity: ${Math.exp(r.loss).toFixed(2)}`);
   return { kind: "gpt", loss: r.loss, tokens: r.count, batches, batchesInSplit };
 }
 
@@ -180,6 +182,13 @@ function validationSplit(o: EvalOptions, vocab: string[] | undefined, training: 
   const mesh = (kind: string) => (training?.dataset === kind ? training.dataDir : undefined);
   const tokensDir = o.tokensDir ?? (o.text === undefined ? recorded(training?.tokensDir ?? mesh("tokens")) : undefined);
   if (tokensDir !== undefined) {
+    // a prepared folder (meshtrain prepare): its val shards
+    const manifest = readManifest(tokensDir);
+    if (manifest !== null) {
+      const tokens = readSplit(tokensDir, manifest, "val");
+      if (tokens.length === 0) throw new DataFileError(tokensDir, "holds no validation tokens (prepared with --val-fraction 0)");
+      return { tokens, unit: vocab === undefined ? "token" : "char", file: tokensDir, name: `${shownPath(tokensDir)} (its val shards)` };
+    }
     const file = join(tokensDir, "val.bin");
     return { tokens: readTokenFile(file), unit: vocab === undefined ? "token" : "char", file, name: shownPath(file) };
   }

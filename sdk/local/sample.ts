@@ -4,6 +4,7 @@ import type { Backend } from "../../ffi/backend.ts";
 import { type DeviceChoice, type DeviceLog, withBackend } from "../../ffi/select.ts";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { CharVocab } from "../../engine/data/text.ts";
+import { gpt2EndOfText, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
 import { loadSlabInto, type ModelFileHeader, readModelFile } from "../../engine/modelfile.ts";
 import { type GptConfig, GptModel } from "../../engine/models/gpt.ts";
 import { Rng } from "../../engine/rng.ts";
@@ -35,21 +36,53 @@ function sample(o: SampleOptions, backend: Backend): string {
   const loaded = readModelFile(o.model);
   const { header } = loaded;
   if (header.kind !== "gpt") throw new DataFileError(o.model, notATextModel(o.model, header));
-  if (header.vocab === undefined) throw new DataFileError(o.model, "has no character vocabulary (trained on token files); cannot decode samples");
-  const vocab = new CharVocab(header.vocab);
+  const tok = tokenizerOf(o.model, header);
   // a prompt character outside the vocabulary is an error before anything is written, not half a sample
-  const prompt = vocab.encode(o.prompt === "" ? (vocab.chars.includes("\n") ? "\n" : vocab.chars[0]!) : o.prompt);
+  const prompt = tok.prompt(o.prompt);
   const write = o.write ?? (() => {});
   const ctx = new Context(backend, { seed: o.seed });
   try {
     const model = new GptModel(ctx, header.config as GptConfig, 0);
     loadSlabInto(o.model, model.store, loaded);
     write(o.prompt);
-    const out = model.generate([...prompt], o.length, new Rng(o.seed), o.temperature, o.topK, (token) => write(vocab.decode([token])));
-    return o.prompt + vocab.decode(out);
+    const stream = tok.stream(write);
+    const out = model.generate(prompt, o.length, new Rng(o.seed), o.temperature, o.topK, stream);
+    return o.prompt + tok.decode(out);
   } finally {
     ctx.dispose();
   }
+}
+
+/** A model's way from text to tokens and back: its characters, or GPT-2's BPE. */
+function tokenizerOf(path: string, header: ModelFileHeader) {
+  if (header.tokenizer === "gpt2") {
+    const t = gpt2Tokenizer();
+    return {
+      // an empty prompt starts a document
+      prompt: (text: string) => (text === "" ? [gpt2EndOfText] : Array.from(t.encode(text))),
+      decode: (ids: ArrayLike<number>) => t.decode(ids),
+      // a token can end inside a character's UTF-8 bytes: the text so far is written once it decodes whole
+      stream: (write: (s: string) => void) => {
+        const ids: number[] = [];
+        let shown = "";
+        return (token: number) => {
+          ids.push(token);
+          const text = t.decode(ids);
+          if (text.endsWith("\uFFFD")) return;
+          write(text.slice(shown.length));
+          shown = text;
+        };
+      },
+    };
+  }
+  if (header.vocab === undefined)
+    throw new DataFileError(path, "has neither a character vocabulary nor a tokenizer (trained on token files); cannot decode samples");
+  const vocab = new CharVocab(header.vocab);
+  return {
+    prompt: (text: string) => [...vocab.encode(text === "" ? (vocab.chars.includes("\n") ? "\n" : vocab.chars[0]!) : text)],
+    decode: (ids: ArrayLike<number>) => vocab.decode(ids),
+    stream: (write: (s: string) => void) => (token: number) => write(vocab.decode([token])),
+  };
 }
 
 function notATextModel(path: string, header: ModelFileHeader): string {

@@ -10,6 +10,7 @@ import type { CharVocab } from "../../engine/data/text.ts";
 import { TokenBatcher } from "../../engine/data/tokens.ts";
 import { formatBytes, type GptMemory, gptMemory } from "../../engine/memory.ts";
 import { saveModelFile } from "../../engine/modelfile.ts";
+import { gpt2EndOfText, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
 import { type GptConfig, gptDefaults, GptModel } from "../../engine/models/gpt.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
 import { checkSchedule, scheduleOf } from "../../engine/optim/schedule.ts";
@@ -185,7 +186,15 @@ function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
   if (step < o.maxSteps) console.log(`stopped at the ${o.timeLimitMin}-minute time limit after ${step} steps`);
 
   mkdirSync(dirname(o.out), { recursive: true });
-  saveModelFile(o.out, model.store, { kind: "gpt", config, vocab: corpus.vocab ? [...corpus.vocab.chars] : undefined, step, training: o });
+  const bpe = corpus.tokenizer === "gpt2";
+  saveModelFile(o.out, model.store, {
+    kind: "gpt",
+    config,
+    vocab: corpus.vocab ? [...corpus.vocab.chars] : undefined,
+    ...(bpe ? { tokenizer: "gpt2" as const } : {}),
+    step,
+    training: o,
+  });
   const seconds = (performance.now() - t0) / 1000;
   console.log(`validation loss: ${valLoss.toFixed(4)} nats/token after ${step} steps in ${seconds.toFixed(1)} s`);
   let sample: string | undefined;
@@ -193,8 +202,13 @@ function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
     const prompt = corpus.vocab.encode(corpus.vocab.chars.includes("\n") ? "\n" : corpus.vocab.chars[0]!);
     sample = corpus.vocab.decode(model.generate([...prompt], o.sampleChars, new Rng(o.seed), 0.8));
     console.log(`sample (temperature 0.8):\n${sample}`);
+  } else if (bpe && o.sampleChars > 0) {
+    // GPT-2 BPE: from <|endoftext|>, a document's start; tokens, about 4 characters each
+    const tok = gpt2Tokenizer();
+    sample = tok.decode(model.generate([gpt2EndOfText], Math.ceil(o.sampleChars / 4), new Rng(o.seed), 0.8));
+    console.log(`sample (temperature 0.8):\n${sample}`);
   }
   ctx.dispose();
-  for (const line of modelLines(o.out, nextCommands(corpus.vocab))) console.log(line);
+  for (const line of modelLines(o.out, bpe ? [["sample", "--prompt", "The"], ["eval"]] : nextCommands(corpus.vocab))) console.log(line);
   return { valLoss, steps: step, seconds, sample };
 }

@@ -80,7 +80,7 @@ class ImageSource implements JobSource {
     const split = trainValSplit(data.train.count, cfg.valFraction, cfg.seed);
     this.train = split.train;
     this.val = split.val;
-    this.facts = { train: this.train.length, val: this.val.length, test: data.test.count, vocabSize: 0, vocab: [] };
+    this.facts = { train: this.train.length, val: this.val.length, test: data.test.count, vocabSize: 0, vocab: [], tokenizer: "" };
     this.#batcher = new ImageBatcher(data.train, cfg.batchSize);
     this.#evalBatcher = new ImageBatcher(data.train, evalBatchRows);
     this.#testBatcher = new ImageBatcher(data.test, evalBatchRows);
@@ -134,7 +134,7 @@ class TokenSource implements JobSource {
     this.train = Uint32Array.from({ length: trainWindows }, (_, i) => i);
     this.val = Uint32Array.from({ length: valWindows }, (_, i) => i);
     const vocab = corpus.vocab ? corpus.vocab.chars.map((c) => c.codePointAt(0)!) : [];
-    this.facts = { train: trainWindows, val: valWindows, test: 0, vocabSize: corpus.vocabSize, vocab };
+    this.facts = { train: trainWindows, val: valWindows, test: 0, vocabSize: corpus.vocabSize, vocab, tokenizer: corpus.tokenizer === "gpt2" ? "gpt2" : "" };
   }
 
   #encode(stream: Uint16Array, offset: number, ids: Uint32Array, epoch: number, index: number, endOfEpoch: boolean): Uint8Array {

@@ -15,7 +15,7 @@ import type { JobConfig } from "./job.ts";
 import { buildLayout } from "./layout.ts";
 
 /** What a plan must say for the model to be built: the vocabulary of token data. */
-export type ModelPlan = Pick<DataPlan, "vocabSize" | "vocab">;
+export type ModelPlan = Pick<DataPlan, "vocabSize" | "vocab"> & { tokenizer?: string };
 
 export function modelConfigOf(cfg: JobConfig, plan: ModelPlan): MlpConfig | GptConfig {
   const m = cfg.model;
@@ -33,10 +33,15 @@ export function buildModel(ctx: Context, cfg: JobConfig, plan: ModelPlan): Model
 }
 
 /** The model file's header fields for a job's model (a GPT's character vocabulary, for sampling). */
-export function modelFileFields(cfg: JobConfig, plan: ModelPlan): { kind: "mlp" | "gpt"; config: object; vocab?: string[] } {
+export function modelFileFields(cfg: JobConfig, plan: ModelPlan): { kind: "mlp" | "gpt"; config: object; vocab?: string[]; tokenizer?: "gpt2" } {
   const config = modelConfigOf(cfg, plan);
   if (cfg.model.kind === "mlp") return { kind: "mlp", config };
-  return { kind: "gpt", config, ...(plan.vocab.length > 0 ? { vocab: plan.vocab.map((c) => String.fromCodePoint(c)) } : {}) };
+  return {
+    kind: "gpt",
+    config,
+    ...(plan.vocab.length > 0 ? { vocab: plan.vocab.map((c) => String.fromCodePoint(c)) } : {}),
+    ...(plan.tokenizer === "gpt2" ? { tokenizer: "gpt2" as const } : {}),
+  };
 }
 
 export interface InitialParameters {

@@ -20,6 +20,8 @@ export interface DatasetFacts {
   /** token data: the vocabulary's size, and its characters when it has them */
   vocabSize: number;
   vocab: number[];
+  /** a prepared folder's tokenizer ("gpt2"), or "" */
+  tokenizer: string;
 }
 
 export const stepsPerEpochOf = (samples: number, W: number, B: number): number => Math.ceil(samples / (W * B));
@@ -41,6 +43,7 @@ export function jobPlan(cfg: JobConfig, facts: DatasetFacts): DataPlan {
     slabNumel: 0,
     decayElems: 0,
     paramCount: 0,
+    tokenizer: facts.tokenizer,
   };
   const init = initialParameters(cfg, partial);
   return { ...partial, slabNumel: init.values.length, decayElems: init.decayElems, paramCount: init.paramCount };

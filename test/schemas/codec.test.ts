@@ -182,8 +182,11 @@ describe("round trips, from unaligned payloads", () => {
       slabNumel: 1024,
       decayElems: 512,
       paramCount: 1000,
+      tokenizer: "",
     };
     expect(decodeDataPlan(unaligned(encodeDataPlan(plan)), limit)).toEqual(plan);
+    expect(decodeDataPlan(encodeDataPlan({ ...plan, vocab: [], tokenizer: "gpt2" }), limit).tokenizer).toBe("gpt2");
+    expect(() => decodeDataPlan(encodeDataPlan({ ...plan, vocab: [], tokenizer: "sentencepiece" }), limit)).toThrow(WireFormatError);
     const planned = { job: "j", trainers: 2, shards: 1, sync: SyncPolicy.AllReduce, staleness: 0, configJson: "{}", attempt: 3, plan };
     expect(decodeJobSpec(unaligned(encodeJobSpec(planned)), limit)).toEqual(planned);
     expect(decodeJobSpec(encodeJobSpec({ ...planned, plan: undefined }), limit).plan).toBeUndefined();

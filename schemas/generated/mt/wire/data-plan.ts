@@ -117,8 +117,19 @@ paramCount():bigint {
   return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
 }
 
+/**
+ * token data prepared with a tokenizer (meshtrain prepare): its name ("gpt2"), which decodes
+ * the model's samples; absent for characters and images
+ */
+tokenizer():string|null
+tokenizer(optionalEncoding:flatbuffers.Encoding):string|Uint8Array|null
+tokenizer(optionalEncoding?:any):string|Uint8Array|null {
+  const offset = this.bb!.__offset(this.bb_pos, 28);
+  return offset ? this.bb!.__string(this.bb_pos + offset, optionalEncoding) : null;
+}
+
 static startDataPlan(builder:flatbuffers.Builder) {
-  builder.startObject(12);
+  builder.startObject(13);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -186,6 +197,10 @@ static addParamCount(builder:flatbuffers.Builder, paramCount:bigint) {
   builder.addFieldInt64(11, paramCount, BigInt('0'));
 }
 
+static addTokenizer(builder:flatbuffers.Builder, tokenizerOffset:flatbuffers.Offset) {
+  builder.addFieldOffset(12, tokenizerOffset, 0);
+}
+
 static endDataPlan(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -199,7 +214,7 @@ static finishSizePrefixedDataPlanBuffer(builder:flatbuffers.Builder, offset:flat
   builder.finish(offset, 'MTDP', true);
 }
 
-static createDataPlan(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, trainSamples:number, valSamples:number, testSamples:number, stepsPerEpoch:bigint, totalSteps:bigint, vocabSize:number, vocabOffset:flatbuffers.Offset, slabNumel:bigint, decayElems:bigint, paramCount:bigint):flatbuffers.Offset {
+static createDataPlan(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, trainSamples:number, valSamples:number, testSamples:number, stepsPerEpoch:bigint, totalSteps:bigint, vocabSize:number, vocabOffset:flatbuffers.Offset, slabNumel:bigint, decayElems:bigint, paramCount:bigint, tokenizerOffset:flatbuffers.Offset):flatbuffers.Offset {
   DataPlan.startDataPlan(builder);
   DataPlan.addSchemaVersion(builder, schemaVersion);
   DataPlan.addJob(builder, jobOffset);
@@ -213,6 +228,7 @@ static createDataPlan(builder:flatbuffers.Builder, schemaVersion:number, jobOffs
   DataPlan.addSlabNumel(builder, slabNumel);
   DataPlan.addDecayElems(builder, decayElems);
   DataPlan.addParamCount(builder, paramCount);
+  DataPlan.addTokenizer(builder, tokenizerOffset);
   return DataPlan.endDataPlan(builder);
 }
 }

@@ -1,0 +1,41 @@
+// Tokenizers for `meshtrain prepare` and for decoding a model's samples: GPT-2's byte-level BPE
+// (js-tiktoken's lite encoder with the gpt2 ranks it ships: nothing is downloaded), and
+// characters (a vocabulary of the corpus's distinct characters, engine/data/text.ts).
+import { Tiktoken } from "js-tiktoken/lite";
+import gpt2Ranks from "js-tiktoken/ranks/gpt2";
+import { CharVocab } from "./text.ts";
+
+export const tokenizerNames = ["gpt2", "char"] as const;
+export type TokenizerName = (typeof tokenizerNames)[number];
+
+export interface Tokenizer {
+  readonly name: TokenizerName;
+  readonly vocabSize: number;
+  /** the id put before every document (GPT-2's <|endoftext|>), or null: documents are joined by a newline */
+  readonly eot: number | null;
+  encode(text: string): number[] | Uint16Array;
+  decode(ids: ArrayLike<number>): string;
+}
+
+/** GPT-2's 50,257 tokens; <|endoftext|> is 50256. Text is encoded as ordinary text: a literal
+ *  "<|endoftext|>" in a document is its characters, never the special token. */
+export const gpt2EndOfText = 50256;
+export const gpt2VocabSize = 50257;
+
+let gpt2: Tiktoken | null = null;
+
+export function gpt2Tokenizer(): Tokenizer {
+  gpt2 ??= new Tiktoken(gpt2Ranks);
+  const enc = gpt2;
+  return {
+    name: "gpt2",
+    vocabSize: gpt2VocabSize,
+    eot: gpt2EndOfText,
+    encode: (text) => enc.encode(text, [], []),
+    decode: (ids) => enc.decode(Array.from(ids)),
+  };
+}
+
+export function charTokenizer(vocab: CharVocab): Tokenizer {
+  return { name: "char", vocabSize: vocab.size, eot: null, encode: (text) => vocab.encode(text), decode: (ids) => vocab.decode(ids) };
+}

@@ -1,0 +1,221 @@
+// `meshtrain prepare`: text to llm.c token shards with a manifest. The same input gives the same
+// bytes, an interrupted prepare run again gives them too, shards are bounded and checksummed,
+// documents are split by a seeded draw, GPT-2's <|endoftext|> comes before each document, and
+// bad input is one clear error naming the file and line.
+import { afterAll, describe, expect, test } from "bun:test";
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { loadCorpus } from "../../engine/data/corpus.ts";
+import { DataFileError } from "../../engine/data/errors.ts";
+import { readManifest, readSplit } from "../../engine/data/shards.ts";
+import { mobyDickPath } from "../../engine/data/text.ts";
+import { gpt2EndOfText, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
+import { llmcMagic, readTokenFile } from "../../engine/data/tokens.ts";
+import { invalidUtf8At, type PrepareOptions, prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
+
+const dir = mkdtempSync(join(tmpdir(), "meshtrain-prepare-"));
+afterAll(() => rmSync(dir, { recursive: true, force: true }));
+
+const root = join(import.meta.dir, "..", "..");
+const opts = (over: Partial<PrepareOptions> & { text: string; out: string }): PrepareOptions => ({ ...prepareDefaults, quiet: true, ...over });
+const files = (d: string) =>
+  readdirSync(d)
+    .sort()
+    .map((f) => [f, readFileSync(join(d, f))] as const);
+
+/** A folder of n small documents. */
+function corpus(name: string, n: number): string {
+  const d = join(dir, name);
+  mkdirSync(d, { recursive: true });
+  for (let i = 0; i < n; i++) writeFileSync(join(d, `doc-${String(i).padStart(3, "0")}.txt`), `Document ${i}. ${"The whale swims on. ".repeat(1 + (i % 7))}\n`);
+  writeFileSync(join(d, "README.md"), "not a document");
+  return d;
+}
+
+describe("prepare", () => {
+  test("a folder: each .txt a document, <|endoftext|> before each, shards bounded and checksummed, the same bytes every time", () => {
+    const src = corpus("docs", 60);
+    const a = join(dir, "a"),
+      b = join(dir, "b");
+    const r = runPrepare(opts({ text: src, out: a, shardTokens: 1024, valFraction: 0.2 }));
+    runPrepare(opts({ text: src, out: b, shardTokens: 1024, valFraction: 0.2 }));
+    expect(files(b)).toEqual(files(a));
+    const m = r.manifest;
+    expect(m.documents.train + m.documents.val).toBe(60);
+    expect(m.documents.val).toBeGreaterThan(3);
+    expect(m.documents.val).toBeLessThan(25);
+    expect(m.shards.filter((s) => s.split === "train").length).toBeGreaterThan(1);
+    for (const s of m.shards) {
+      const bytes = readFileSync(join(a, s.file));
+      expect(new DataView(bytes.buffer, bytes.byteOffset).getInt32(0, true)).toBe(llmcMagic);
+      expect(s.tokens).toBeLessThanOrEqual(1024);
+      expect((Bun.hash.crc32(bytes) >>> 0).toString(16).padStart(8, "0")).toBe(s.crc32);
+    }
+    // the train split decodes to its documents, each after <|endoftext|>
+    const train = readSplit(a, readManifest(a)!, "train");
+    expect(train.length).toBe(m.tokens.train);
+    expect(train[0]).toBe(gpt2EndOfText);
+    const texts = gpt2Tokenizer().decode(train).split("<|endoftext|>").slice(1);
+    expect(texts.length).toBe(m.documents.train);
+    expect(texts[0]).toStartWith("Document ");
+    // a different seed draws another split
+    const c = join(dir, "c");
+    runPrepare(opts({ text: src, out: c, shardTokens: 1024, valFraction: 0.2, seed: 2 }));
+    expect(files(c)).not.toEqual(files(a));
+  });
+
+  test("an interrupted prepare, run again, gives the same result (stale shards and temp files are removed first)", () => {
+    const src = corpus("docs2", 20);
+    const fresh = join(dir, "fresh"),
+      again = join(dir, "again");
+    runPrepare(opts({ text: src, out: fresh, shardTokens: 512, valFraction: 0.3 }));
+    mkdirSync(again);
+    writeFileSync(join(again, "train_000000.bin"), "half a shard");
+    writeFileSync(join(again, "train_000007.bin"), "a shard of a larger run");
+    writeFileSync(join(again, "manifest.json.tmp-123"), "{");
+    runPrepare(opts({ text: src, out: again, shardTokens: 512, valFraction: 0.3 }));
+    expect(files(again)).toEqual(files(fresh));
+  });
+
+  test("a book: documents of consecutive paragraphs; characters: vocab.json and a newline between documents; train gpt's corpus reads it", () => {
+    const out = join(dir, "moby-char");
+    const r = runPrepare(opts({ text: mobyDickPath(), out, tokenizer: "char" }));
+    expect(r.manifest.documents.train).toBeGreaterThan(50);
+    expect(r.manifest.vocabSize).toBe(83);
+    const c = loadCorpus({ tokensDir: out, valFraction: 0 });
+    expect(c.tokenizer).toBe("char");
+    expect(c.vocab!.size).toBe(83);
+    expect(c.train.length + c.val.length).toBe(r.manifest.tokens.train + r.manifest.tokens.val);
+    expect(c.vocab!.decode(c.train.subarray(0, 200))).toStartWith(readFileSync(mobyDickPath(), "utf8").slice(0, 50));
+    expect(() => loadCorpus({ tokensDir: out, vocabSize: 50257, valFraction: 0 })).toThrow(/prepared with a vocabulary of 83/);
+  });
+
+  test("JSON Lines: one document per line, from the named field", () => {
+    const path = join(dir, "docs.jsonl");
+    writeFileSync(path, Array.from({ length: 30 }, (_, i) => JSON.stringify({ id: i, text: `line ${i}: the sea` })).join("\n"));
+    const r = runPrepare(opts({ text: path, jsonl: "text", out: join(dir, "jsonl"), valFraction: 0.2 }));
+    expect(r.manifest.documents.train + r.manifest.documents.val).toBe(30);
+  });
+
+  describe("bad input: one error naming the file and line", () => {
+    const bad = (name: string, content: string | Uint8Array) => {
+      const p = join(dir, name);
+      writeFileSync(p, content);
+      return p;
+    };
+    test.each([
+      ["a missing input", () => opts({ text: join(dir, "nowhere"), out: join(dir, "o1") }), /nowhere: not found/],
+      ["an empty corpus", () => opts({ text: bad("empty.txt", ""), out: join(dir, "o2") }), /holds no document: the corpus is empty/],
+      [
+        "a folder without .txt files",
+        () => opts({ text: (mkdirSync(join(dir, "none"), { recursive: true }), join(dir, "none")), out: join(dir, "o3") }),
+        /holds no \.txt file/,
+      ],
+      [
+        "a JSON line without the field",
+        () => opts({ text: bad("nofield.jsonl", '{"text":"a"}\n{"body":"b"}\n'), jsonl: "text", out: join(dir, "o4") }),
+        /line 2: no string field "text"/,
+      ],
+      ["a line that is not JSON", () => opts({ text: bad("notjson.jsonl", '{"text":"a"}\n{text\n'), jsonl: "text", out: join(dir, "o5") }), /line 2: not JSON/],
+      [
+        "invalid UTF-8",
+        () => opts({ text: bad("latin1.txt", new Uint8Array([0x61, 0x0a, 0x62, 0xe9, 0x63])), out: join(dir, "o6") }),
+        /latin1\.txt: line 2: invalid UTF-8 at byte 3; --invalid-utf8 replace/,
+      ],
+      [
+        "one document, none for validation",
+        () => opts({ text: bad("one.txt", "just one short document"), out: join(dir, "o7") }),
+        /none of its 1 document was drawn for validation/,
+      ],
+    ])("%s", (_, make, message) => {
+      expect(() => runPrepare(make())).toThrow(DataFileError);
+      expect(() => runPrepare(make())).toThrow(message);
+    });
+
+    test("invalid UTF-8 replaced on request, and said where", () => {
+      const p = bad("latin1b.txt", new Uint8Array([...new TextEncoder().encode("a\n".repeat(20)), 0x62, 0xe9, 0x63]));
+      const r = runPrepare(opts({ text: p, out: join(dir, "o8"), valFraction: 0, invalidUtf8: "replace" }));
+      expect(r.notes).toEqual([expect.stringMatching(/latin1b\.txt:21: invalid UTF-8 at byte 41: replaced with U\+FFFD/)]);
+    });
+
+    test("the UTF-8 check: valid text, overlong forms, surrogates, truncation", () => {
+      expect(invalidUtf8At(new TextEncoder().encode("héllo wörld, 鯨, 🐋"))).toBe(-1);
+      expect(invalidUtf8At(new Uint8Array([0x41, 0xc0, 0x80]))).toBe(1); // overlong NUL
+      expect(invalidUtf8At(new Uint8Array([0xed, 0xa0, 0x80]))).toBe(0); // a surrogate
+      expect(invalidUtf8At(new Uint8Array([0x41, 0xe2, 0x82]))).toBe(1); // cut short
+      expect(invalidUtf8At(new Uint8Array([0xf4, 0x90, 0x80, 0x80]))).toBe(0); // past U+10FFFF
+    });
+  });
+
+  test("the CLI: the summary and the next command; tokens of train.bin folders still read as before", () => {
+    const src = corpus("docs3", 40);
+    const p = Bun.spawnSync([process.execPath, join(root, "sdk", "cli.ts"), "prepare", "--text", src, "--out", join(dir, "cli")], {
+      cwd: root,
+      env: { ...process.env, INIT_CWD: root },
+      stdout: "pipe",
+      stderr: "pipe",
+    });
+    expect(p.exitCode).toBe(0);
+    const out = p.stdout.toString();
+    expect(out).toMatch(
+      /^prepared .*cli: 40 documents \(\d+ train, \d+ val\), [\d,]+ train and [\d,]+ val tokens in 2 shards; gpt2, a vocabulary of 50,257; /m,
+    );
+    expect(out).toContain(`next: npx meshtrain train gpt --tokens-dir ${join(dir, "cli")}`);
+    expect(readTokenFile(join(dir, "cli", "train_000000.bin"))[0]).toBe(gpt2EndOfText);
+  });
+});
+
+test("a GPT trains on a prepared GPT-2 folder; sample decodes BPE, streaming; eval reads its val shards and says the perplexity", () => {
+  const src = corpus("docs4", 80);
+  const data = join(dir, "bpe");
+  runPrepare(opts({ text: src, out: data, valFraction: 0.2 }));
+  const cli = (...args: string[]) => {
+    const p = Bun.spawnSync([process.execPath, join(root, "sdk", "cli.ts"), ...args], {
+      cwd: dir,
+      env: { ...process.env, INIT_CWD: dir },
+      stdout: "pipe",
+      stderr: "pipe",
+    });
+    return { code: p.exitCode, out: p.stdout.toString(), err: p.stderr.toString() };
+  };
+  const model = join(dir, "bpe.mtm");
+  const train = cli(
+    "train",
+    "gpt",
+    "--tokens-dir",
+    data,
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "4",
+    "--max-steps",
+    "8",
+    "--eval-every",
+    "8",
+    "--warmup",
+    "2",
+    "--sample-chars",
+    "40",
+    "--out",
+    model,
+  );
+  expect(train.code).toBe(0);
+  expect(train.out).toContain("vocab 50257");
+  expect(train.out).toContain("sample (temperature 0.8):");
+  expect(train.out).toContain("next: npx meshtrain sample --model bpe.mtm --prompt The");
+  const sample = cli("sample", "--model", model, "--prompt", "The whale", "--length", "12");
+  expect(sample.code).toBe(0);
+  expect(sample.out).toStartWith("The whale");
+  expect(sample.out.length).toBeGreaterThan("The whale".length);
+  const ev = cli("eval", "--model", model);
+  expect(ev.code).toBe(0);
+  expect(ev.out).toMatch(/^validation loss: [\d.]+ nats\/token on [\d,]+ tokens of .*bpe \(its val shards\) \(\d+ batch(es)? of 4 windows, all\)$/m);
+  expect(ev.out).toMatch(/^perplexity: [\d.]+$/m);
+}, 120_000);
