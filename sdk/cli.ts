@@ -14,6 +14,7 @@ import { runSample } from "./local/sample.ts";
 import { evalDefaults, runEval } from "./local/evaluate.ts";
 import { choice, cliName, float, int, intList, shownPath, userPath } from "./options.ts";
 import { prepareDefaults, runPrepare } from "./local/prepare.ts";
+import { exportSummary, runExport } from "./local/export.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
 import { MeshError } from "../services/runtime/errors.ts";
 import { WireFormatError } from "../schemas/codec.ts";
@@ -100,10 +101,34 @@ train
     "activation checkpointing: each block keeps only its input and recomputes its activations in backward (less memory, ~1/3 more compute)",
     g.recompute,
   )
+  .option(
+    "--init-from <dir>",
+    "fine-tune: start from a Hugging Face GPT-2 folder (meshtrain export's, or transformers' save_pretrained); its config sets the shape",
+  )
   .addOption(deviceOption(g.device))
   .addOption(precisionOption(g.precision))
+  .action((opts, cmd: Command) => {
+    const given = new Set(Object.keys(opts).filter((k) => cmd.getOptionValueSource(k) === "cli"));
+    runGpt({
+      ...gptRunDefaults,
+      ...opts,
+      text: optionalPath(opts.text),
+      tokensDir: optionalPath(opts.tokensDir),
+      initFrom: optionalPath(opts.initFrom),
+      given,
+      out: userPath(opts.out),
+    });
+  });
+
+program
+  .command("export")
+  .description("write a GPT model file in Hugging Face's GPT-2 layout: model.safetensors, config.json and the tokenizer's files")
+  .requiredOption("--model <file>", "a GPT model file (meshtrain train gpt's, or a mesh job's model.mtm)")
+  .addOption(new Option("--format <format>", "the output format").choices(["safetensors"]).default("safetensors"))
+  .requiredOption("--out <dir>", "the folder to write")
   .action((opts) => {
-    runGpt({ ...gptRunDefaults, ...opts, text: optionalPath(opts.text), tokensDir: optionalPath(opts.tokensDir), out: userPath(opts.out) });
+    const o = { model: userPath(opts.model), format: opts.format as "safetensors", out: userPath(opts.out) };
+    console.log(exportSummary(o, runExport(o)));
   });
 
 program

@@ -1,8 +1,13 @@
 // In-process GPT training on character-level text (Moby Dick by default) or on uint16 token
 // files (llm.c / nanoGPT layouts), with periodic validation, a time limit, and a model file
 // that `meshtrain sample` reads.
-import { mkdirSync } from "node:fs";
-import { dirname } from "node:path";
+import { mkdirSync, readFileSync } from "node:fs";
+import { dirname, join } from "node:path";
+import { DataFileError } from "../../engine/data/errors.ts";
+import { ConfigError } from "../../engine/errors.ts";
+import { fromHfTensors, gptConfigOfHf } from "../../engine/hf-gpt2.ts";
+import { readSafetensors } from "../../engine/safetensors.ts";
+import { shownPath } from "../options.ts";
 import type { Backend } from "../../ffi/backend.ts";
 import { type DeviceChoice, withBackend } from "../../ffi/select.ts";
 import { loadCorpus } from "../../engine/data/corpus.ts";
@@ -56,6 +61,10 @@ export interface GptRunOptions {
   precision: Precision;
   /** activation checkpointing (GptModel.recompute) */
   recompute: boolean;
+  /** fine-tuning: start from a Hugging Face GPT-2 folder (`meshtrain export`'s, or transformers') */
+  initFrom?: string;
+  /** the options the user gave (the CLI's): with initFrom, a shape option that disagrees with the folder's is refused */
+  given?: ReadonlySet<string>;
 }
 
 // The small default: ~0.8M parameters, reaches < 2.0 nats/char validation loss on Moby Dick
@@ -97,6 +106,29 @@ function nextCommands(vocab: CharVocab | undefined): string[][] {
   return [["sample", ...prompt], ["eval"]];
 }
 
+/** --init-from: the folder's shape (config.json); a shape option the user gave that disagrees is refused, naming both. */
+function initShape(o: GptRunOptions, vocabSize: number): Pick<GptConfig, "blockSize" | "nLayer" | "nHead" | "nEmbd"> {
+  const path = join(o.initFrom!, "config.json");
+  let json: Record<string, unknown>;
+  try {
+    json = JSON.parse(readFileSync(path, "utf8"));
+  } catch (e) {
+    throw new DataFileError(path, `cannot be read as JSON: ${(e as Error).message}`, { cause: e });
+  }
+  const hf = gptConfigOfHf(json, path);
+  const flags = { blockSize: "--block-size", nLayer: "--n-layer", nHead: "--n-head", nEmbd: "--n-embd" } as const;
+  for (const [key, flag] of Object.entries(flags) as [keyof typeof flags, string][]) {
+    if (o.given?.has(key) && o[key] !== hf[key])
+      throw new ConfigError(`--init-from ${shownPath(o.initFrom!)}: its model has ${flag.slice(2)} ${hf[key]}; ${flag} ${o[key]} disagrees (leave it out)`);
+  }
+  if (hf.vocabSize !== vocabSize) {
+    throw new ConfigError(
+      `--init-from ${shownPath(o.initFrom!)}: its vocabulary is ${hf.vocabSize} tokens (transformer.wte.weight [${hf.vocabSize}, ${hf.nEmbd}]); the data's is ${vocabSize}`,
+    );
+  }
+  return hf;
+}
+
 /** The header's memory line: the analytic count (engine/memory.ts, docs/MEMORY.md). */
 export function memoryLine(m: GptMemory): string {
   return (
@@ -129,13 +161,29 @@ export function runGpt(o: GptRunOptions): GptRunResult {
   );
 }
 
-function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
+function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
   const t0 = performance.now();
-  const corpus = loadCorpus(o);
+  const corpus = loadCorpus(given);
+  // --init-from: the folder's shape is the run's; what the user gave is kept out of the record
+  const { given: _, ...settings } = given;
+  const o: GptRunOptions = given.initFrom === undefined ? settings : { ...settings, ...initShape(given, corpus.vocabSize) };
   const ctx = new Context(backend, { seed: o.seed, precision: o.precision });
-  const config: GptConfig = { vocabSize: corpus.vocabSize, blockSize: o.blockSize, nLayer: o.nLayer, nHead: o.nHead, nEmbd: o.nEmbd, dropout: o.dropout };
+  const shape = o;
+  const config: GptConfig = {
+    vocabSize: corpus.vocabSize,
+    blockSize: shape.blockSize,
+    nLayer: shape.nLayer,
+    nHead: shape.nHead,
+    nEmbd: shape.nEmbd,
+    dropout: o.dropout,
+  };
   const model = new GptModel(ctx, config, o.seed);
   model.recompute = o.recompute;
+  if (o.initFrom !== undefined) {
+    const values = model.store.readValues();
+    fromHfTensors(model.store.entries, readSafetensors(join(o.initFrom, "model.safetensors")), values);
+    model.store.writeValues(values);
+  }
   const schedule = scheduleOf("cosine", o.warmup, o.maxSteps, o.minLr);
   checkSchedule(schedule, o.lr);
   const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: o.beta2, eps: 1e-8, weightDecay: o.weightDecay });
@@ -167,6 +215,11 @@ function trainGpt(o: GptRunOptions, backend: Backend): GptRunResult {
     valLoss = evaluate(ctx, model, firstBatches(valBatches.sequential(), o.evalBatches), { accuracy: false }).loss;
     progress.log(`step ${step}: val loss ${valLoss.toFixed(4)} nats/token (${((performance.now() - t0) / 1000).toFixed(0)} s)`);
   };
+  // fine-tuning: where the loaded model starts
+  if (o.initFrom !== undefined) {
+    console.log(`initialized from ${shownPath(o.initFrom)} (model.safetensors, config.json)`);
+    validate();
+  }
   while (step < o.maxSteps && performance.now() < deadline) {
     const micro = Array.from({ length: o.accum }, () => {
       const b = trainBatches.random(rng);

@@ -1,0 +1,57 @@
+// `meshtrain export --model FILE --format safetensors --out DIR`: a GPT model file in Hugging
+// Face's GPT-2 layout (engine/hf-gpt2.ts): model.safetensors with GPT2LMHeadModel's tensor names
+// and shapes, config.json, and for a GPT-2 BPE model the tokenizer's files; a character-level
+// model's characters go to meshtrain_chars.json. `train gpt --init-from DIR` reads such a folder.
+import { mkdirSync } from "node:fs";
+import { join } from "node:path";
+import { DataFileError } from "../../engine/data/errors.ts";
+import { writeDurably } from "../../engine/data/shards.ts";
+import { gpt2TokenizerFiles, hfConfig, toHfTensors } from "../../engine/hf-gpt2.ts";
+import { readModelFile } from "../../engine/modelfile.ts";
+import type { GptConfig } from "../../engine/models/gpt.ts";
+import { writeSafetensors } from "../../engine/safetensors.ts";
+import { shownPath } from "../options.ts";
+
+export interface ExportOptions {
+  /** absolute paths */
+  model: string;
+  format: "safetensors";
+  out: string;
+}
+
+const json = (value: unknown) => new TextEncoder().encode(`${JSON.stringify(value, null, 2)}\n`);
+
+/** Writes the folder; returns the files written. */
+export function runExport(o: ExportOptions): string[] {
+  const { header, slab } = readModelFile(o.model);
+  if (header.kind !== "gpt") {
+    throw new DataFileError(o.model, "is an MLP classifier; export writes a GPT in Hugging Face's GPT-2 layout, which an MLP does not have");
+  }
+  const config = header.config as GptConfig;
+  const bpe = header.tokenizer === "gpt2";
+  mkdirSync(o.out, { recursive: true });
+  const files: string[] = [];
+  const put = (name: string, parts: Uint8Array[]) => {
+    writeDurably(join(o.out, name), parts);
+    files.push(name);
+  };
+  writeSafetensors(join(o.out, "model.safetensors"), toHfTensors(header.entries, slab), { format: "pt", producer: "meshtrain", step: String(header.step) });
+  files.push("model.safetensors");
+  put("config.json", [json(hfConfig(config, bpe))]);
+  if (bpe) {
+    const { vocab, merges } = gpt2TokenizerFiles();
+    put("vocab.json", [json(vocab)]);
+    put("merges.txt", [new TextEncoder().encode(`#version: 0.2\n${merges.join("\n")}\n`)]);
+    const special = { bos_token: "<|endoftext|>", eos_token: "<|endoftext|>", unk_token: "<|endoftext|>" };
+    put("special_tokens_map.json", [json(special)]);
+    put("tokenizer_config.json", [json({ tokenizer_class: "GPT2Tokenizer", model_max_length: config.blockSize, add_prefix_space: false, ...special })]);
+  } else if (header.vocab !== undefined) {
+    // no Hugging Face tokenizer spells a character vocabulary: its characters, in id order
+    put("meshtrain_chars.json", [json({ chars: header.vocab })]);
+  }
+  return files;
+}
+
+export function exportSummary(o: ExportOptions, files: readonly string[]): string {
+  return `exported ${shownPath(o.model)} to ${shownPath(o.out)}/: ${files.join(", ")} (transformers: GPT2LMHeadModel.from_pretrained("${shownPath(o.out)}"))`;
+}
