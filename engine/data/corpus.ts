@@ -7,13 +7,15 @@ import { existsSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "./errors.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "./text.ts";
-import { readManifest, readSplit } from "./shards.ts";
+import { readManifest, splits } from "./shards.ts";
+import { MemoryTokens, ShardTokens, type Tokens } from "./token-stream.ts";
 import type { TokenizerName } from "./tokenizer.ts";
 import { readTokenFile, splitTokens } from "./tokens.ts";
 
 export interface Corpus {
-  train: Uint16Array;
-  val: Uint16Array;
+  /** read a window at a time: a prepared folder's shards stay on disk (engine/data/token-stream.ts) */
+  train: Tokens;
+  val: Tokens;
   vocabSize: number;
   /** character data: the vocabulary (token folders may carry one in vocab.json) */
   vocab?: CharVocab;
@@ -53,7 +55,14 @@ export function loadCorpus(o: CorpusSource): Corpus {
       );
     }
     const vocab = manifest.tokenizer === "char" ? readVocab(join(o.tokensDir, "vocab.json")) : undefined;
-    const [train, val] = [readSplit(o.tokensDir, manifest, "train"), readSplit(o.tokensDir, manifest, "val")];
+    // the shards stay on disk: windows are read as batches need them
+    const [train, val] = splits.map(
+      (s) =>
+        new ShardTokens(
+          o.tokensDir!,
+          manifest.shards.filter((x) => x.split === s),
+        ),
+    ) as [ShardTokens, ShardTokens];
     if (val.length === 0) throw new DataFileError(o.tokensDir, "holds no validation tokens (prepared with --val-fraction 0)");
     return { train, val, vocabSize: manifest.vocabSize, vocab, name: o.tokensDir, tokenizer: manifest.tokenizer };
   }
@@ -71,11 +80,11 @@ export function loadCorpus(o: CorpusSource): Corpus {
       const max = tokens.reduce((m, t) => (t > m ? t : m), 0);
       if (max >= vocabSize) throw new DataFileError(join(o.tokensDir, name), `holds token id ${max}, outside the vocabulary of ${vocabSize}`);
     }
-    return { train, val, vocabSize, vocab, name: o.tokensDir };
+    return { train: new MemoryTokens(train), val: new MemoryTokens(val), vocabSize, vocab, name: o.tokensDir };
   }
   const path = o.text ?? mobyDickPath();
   const text = readTextFile(path);
   const vocab = CharVocab.fromText(text);
   const { train, val } = splitTokens(vocab.encode(text), o.valFraction);
-  return { train, val, vocabSize: vocab.size, vocab, name: o.text ?? mobyDickName };
+  return { train: new MemoryTokens(train), val: new MemoryTokens(val), vocabSize: vocab.size, vocab, name: o.text ?? mobyDickName };
 }

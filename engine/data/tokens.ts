@@ -9,6 +9,7 @@ import { Rng } from "../rng.ts";
 import type { HostBatch } from "../train.ts";
 import { DataFileError } from "./errors.ts";
 import { readDataFile } from "./files.ts";
+import { asTokens, type Tokens } from "./token-stream.ts";
 
 export const llmcMagic = 20240520;
 const hostIsLittleEndian = new Uint8Array(new Uint16Array([1]).buffer)[0] === 1;
@@ -79,17 +80,22 @@ export function splitTokens(tokens: Uint16Array, valFraction: number): { train: 
   return { train: tokens.subarray(0, cut), val: tokens.subarray(cut) };
 }
 
-/** Batches of (B,T) windows: inputs tokens[i..i+T), targets tokens[i+1..i+T+1). */
+/** Batches of (B,T) windows: inputs tokens[i..i+T), targets tokens[i+1..i+T+1). The tokens
+ *  are read a window at a time (a prepared folder's from disk: engine/data/token-stream.ts). */
 export class TokenBatcher {
   readonly #inputs: Int32Array;
   readonly #targets: Int32Array;
+  readonly #window: Uint16Array;
+  readonly tokens: Tokens;
 
   constructor(
-    readonly tokens: Uint16Array,
+    tokens: Tokens | Uint16Array,
     readonly batchSize: number,
     readonly blockSize: number,
     readonly vocabSize: number,
   ) {
+    this.tokens = asTokens(tokens);
+    this.#window = new Uint16Array(blockSize + 1);
     if (!Number.isInteger(batchSize) || batchSize < 1) throw new ConfigError(`batch size must be an integer >= 1, got ${batchSize}`);
     if (tokens.length < blockSize + 1) {
       throw new ConfigError(`token stream of ${tokens.length} is too short for windows of ${blockSize} + 1`);
@@ -100,9 +106,11 @@ export class TokenBatcher {
 
   #fill(b: number, start: number): void {
     const T = this.blockSize;
+    const w = this.#window;
+    this.tokens.read(start, T + 1, w);
     for (let t = 0; t < T; t++) {
-      const x = this.tokens[start + t]!;
-      const y = this.tokens[start + t + 1]!;
+      const x = w[t]!;
+      const y = w[t + 1]!;
       if (x >= this.vocabSize || y >= this.vocabSize) {
         throw new DataFileError("<tokens>", `token id ${Math.max(x, y)} at offset ${start + t} is outside the vocabulary of ${this.vocabSize}`);
       }

@@ -8,7 +8,8 @@ import { DataFileError } from "../../engine/data/errors.ts";
 import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnistTest } from "../../engine/data/mnist.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts";
-import { readManifest, readSplit } from "../../engine/data/shards.ts";
+import { readManifest } from "../../engine/data/shards.ts";
+import { ShardTokens, type Tokens } from "../../engine/data/token-stream.ts";
 import { readTokenFile, splitTokens, TokenBatcher } from "../../engine/data/tokens.ts";
 import { ConfigError } from "../../engine/errors.ts";
 import { type LoadedModelFile, loadSlabInto, readModelFile } from "../../engine/modelfile.ts";
@@ -169,7 +170,8 @@ interface TrainingRecord {
 }
 
 interface ValidationSplit {
-  tokens: Uint16Array;
+  /** a prepared folder's val shards are read from disk a window at a time */
+  tokens: Tokens | Uint16Array;
   unit: "char" | "token";
   /** the file it came from, for errors */
   file: string;
@@ -185,7 +187,10 @@ function validationSplit(o: EvalOptions, vocab: string[] | undefined, training: 
     // a prepared folder (meshtrain prepare): its val shards
     const manifest = readManifest(tokensDir);
     if (manifest !== null) {
-      const tokens = readSplit(tokensDir, manifest, "val");
+      const tokens = new ShardTokens(
+        tokensDir,
+        manifest.shards.filter((s) => s.split === "val"),
+      );
       if (tokens.length === 0) throw new DataFileError(tokensDir, "holds no validation tokens (prepared with --val-fraction 0)");
       return { tokens, unit: vocab === undefined ? "token" : "char", file: tokensDir, name: `${shownPath(tokensDir)} (its val shards)` };
     }

@@ -15,6 +15,7 @@ import { encodeBatch, Split } from "../../schemas/messages.ts";
 import { BadRequestError } from "../runtime/errors.ts";
 import type { JobConfig } from "../runtime/job.ts";
 import type { DatasetFacts } from "../runtime/plan.ts";
+import type { Tokens } from "../../engine/data/token-stream.ts";
 import { evalBatchRows } from "./limits.ts";
 
 /** What the loader serves a job from. Sample ids index the split they are drawn from. */
@@ -137,13 +138,11 @@ class TokenSource implements JobSource {
     this.facts = { train: trainWindows, val: valWindows, test: 0, vocabSize: corpus.vocabSize, vocab, tokenizer: corpus.tokenizer === "gpt2" ? "gpt2" : "" };
   }
 
-  #encode(stream: Uint16Array, offset: number, ids: Uint32Array, epoch: number, index: number, endOfEpoch: boolean): Uint8Array {
+  #encode(stream: Tokens, offset: number, ids: Uint32Array, epoch: number, index: number, endOfEpoch: boolean): Uint8Array {
     const T = this.#T;
     const tokens = new Uint16Array(ids.length * (T + 1));
-    for (let r = 0; r < ids.length; r++) {
-      const start = offset + ids[r]! * T;
-      tokens.set(stream.subarray(start, start + T + 1), r * (T + 1));
-    }
+    // each window read on its own: a prepared folder's shards stay on disk
+    for (let r = 0; r < ids.length; r++) stream.read(offset + ids[r]! * T, T + 1, tokens, r * (T + 1));
     return encodeBatch({
       epoch,
       index,

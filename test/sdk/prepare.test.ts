@@ -9,6 +9,7 @@ import { join } from "node:path";
 import { loadCorpus } from "../../engine/data/corpus.ts";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { readManifest, readSplit } from "../../engine/data/shards.ts";
+import { readTokens } from "../../engine/data/token-stream.ts";
 import { mobyDickPath } from "../../engine/data/text.ts";
 import { gpt2EndOfText, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
 import { llmcMagic, readTokenFile } from "../../engine/data/tokens.ts";
@@ -87,7 +88,7 @@ describe("prepare", () => {
     expect(c.tokenizer).toBe("char");
     expect(c.vocab!.size).toBe(83);
     expect(c.train.length + c.val.length).toBe(r.manifest.tokens.train + r.manifest.tokens.val);
-    expect(c.vocab!.decode(c.train.subarray(0, 200))).toStartWith(readFileSync(mobyDickPath(), "utf8").slice(0, 50));
+    expect(c.vocab!.decode(readTokens(c.train, 0, 200))).toStartWith(readFileSync(mobyDickPath(), "utf8").slice(0, 50));
     expect(() => loadCorpus({ tokensDir: out, vocabSize: 50257, valFraction: 0 })).toThrow(/prepared with a vocabulary of 83/);
   });
 

@@ -15,10 +15,12 @@ import { stepsPerEpochOf } from "../../services/runtime/plan.ts";
 import { specOf } from "../helpers/jobs.ts";
 import { WireFormatError } from "../../schemas/codec.ts";
 import { decodeBatch, decodeDataPlan, decodeLoaderStats, encodeBatchRequest, encodeJobRequest, Split, SyncPolicy } from "../../schemas/messages.ts";
+import { readTokens } from "../../engine/data/token-stream.ts";
 import { MemoryBus } from "../../services/runtime/bus.ts";
 import { BadRequestError, ConfigError, UnknownJobError } from "../../services/runtime/errors.ts";
 import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
 
+const window = readTokens;
 const mnist = loadMnist();
 const images: Dataset = { kind: "mnist", data: mnist };
 const cfg = (over: object) => parseJobConfig({ ...jobDefaults, job: "t.dl", ...over });
@@ -340,7 +342,7 @@ describe("token windows (the gpt's data)", () => {
           b.sampleIds.forEach((id, row) => {
             expect(seen.has(id)).toBe(false);
             seen.add(id);
-            expect([...b.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([...corpus.train.subarray(off + id * T, off + id * T + T + 1)]);
+            expect([...b.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([...window(corpus.train, off + id * T, T + 1)]);
           });
         }
       }
@@ -361,9 +363,7 @@ describe("token windows (the gpt's data)", () => {
       for (let i = 0; ; i++) {
         const v = decodeBatch(a.next(r, Split.Val, i, 0), 1 << 24);
         if (v.endOfEpoch) break;
-        v.sampleIds.forEach((id, row) =>
-          expect([...v.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([...corpus.val.subarray(id * T, id * T + T + 1)]),
-        );
+        v.sampleIds.forEach((id, row) => expect([...v.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([...window(corpus.val, id * T, T + 1)]));
         ids.push(...v.sampleIds);
       }
     }

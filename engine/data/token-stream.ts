@@ -1,0 +1,109 @@
+// A split's tokens as a stream that is read, not held: in memory (a text's, a train.bin's), or
+// a prepared folder's shards read from disk in bounded pieces (pread of exactly the window
+// asked for), so a corpus larger than memory trains with a flat resident set. A window may cross
+// from one shard into the next.
+import { closeSync, openSync, readSync } from "node:fs";
+import { join } from "node:path";
+import { DataFileError } from "./errors.ts";
+import type { ShardEntry } from "./shards.ts";
+
+export interface Tokens {
+  readonly length: number;
+  /** tokens [start, start + count) into out[outOffset...] */
+  read(start: number, count: number, out: Uint16Array, outOffset?: number): void;
+}
+
+export class MemoryTokens implements Tokens {
+  constructor(readonly data: Uint16Array) {}
+  get length(): number {
+    return this.data.length;
+  }
+  read(start: number, count: number, out: Uint16Array, outOffset = 0): void {
+    if (start < 0 || start + count > this.data.length) throw new RangeError(`tokens [${start}, ${start + count}) outside [0, ${this.data.length})`);
+    out.set(this.data.subarray(start, start + count), outOffset);
+  }
+}
+
+export const asTokens = (t: Tokens | Uint16Array): Tokens => (t instanceof Uint16Array ? new MemoryTokens(t) : t);
+
+/** tokens [start, start + count) as a new array */
+export function readTokens(t: Tokens, start: number, count: number): Uint16Array {
+  const out = new Uint16Array(count);
+  t.read(start, count, out);
+  return out;
+}
+
+/** llm.c's header: 256 int32 */
+const headerBytes = 1024;
+
+/** A split's shards, read from disk a window at a time (file descriptors opened on first use). */
+export class ShardTokens implements Tokens {
+  readonly length: number;
+  readonly #starts: number[] = [];
+  readonly #fds = new Map<number, number>();
+
+  constructor(
+    readonly dir: string,
+    readonly shards: readonly ShardEntry[],
+  ) {
+    let at = 0;
+    for (const s of shards) {
+      this.#starts.push(at);
+      at += s.tokens;
+    }
+    this.length = at;
+  }
+
+  #fd(i: number): number {
+    let fd = this.#fds.get(i);
+    if (fd === undefined) {
+      const path = join(this.dir, this.shards[i]!.file);
+      try {
+        fd = openSync(path, "r");
+      } catch (e) {
+        throw new DataFileError(path, `cannot be read: ${(e as Error).message}`, { cause: e });
+      }
+      this.#fds.set(i, fd);
+    }
+    return fd;
+  }
+
+  /** The shard holding token `at` (binary search over their first tokens). */
+  #shardOf(at: number): number {
+    let lo = 0,
+      hi = this.shards.length - 1;
+    while (lo < hi) {
+      const mid = (lo + hi + 1) >> 1;
+      if (this.#starts[mid]! <= at) lo = mid;
+      else hi = mid - 1;
+    }
+    return lo;
+  }
+
+  read(start: number, count: number, out: Uint16Array, outOffset = 0): void {
+    if (start < 0 || count < 0 || start + count > this.length) throw new RangeError(`tokens [${start}, ${start + count}) outside [0, ${this.length})`);
+    let at = start,
+      left = count,
+      o = outOffset;
+    while (left > 0) {
+      const i = this.#shardOf(at);
+      const local = at - this.#starts[i]!;
+      const n = Math.min(left, this.shards[i]!.tokens - local);
+      const bytes = new Uint8Array(out.buffer, out.byteOffset + 2 * o, 2 * n);
+      const got = readSync(this.#fd(i), bytes, 0, bytes.length, headerBytes + 2 * local);
+      if (got !== bytes.length)
+        throw new DataFileError(
+          join(this.dir, this.shards[i]!.file),
+          `is shorter than its manifest says (read ${got} of ${bytes.length} bytes at token ${local})`,
+        );
+      at += n;
+      left -= n;
+      o += n;
+    }
+  }
+
+  close(): void {
+    for (const fd of this.#fds.values()) closeSync(fd);
+    this.#fds.clear();
+  }
+}
