@@ -2,7 +2,7 @@
 // a prepared folder's shards read from disk in bounded pieces (pread of exactly the window
 // asked for), so a corpus larger than memory trains with a flat resident set. A window may cross
 // from one shard into the next.
-import { closeSync, openSync, readSync } from "node:fs";
+import { closeSync, fstatSync, openSync, readSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "./errors.ts";
 import type { ShardEntry } from "./shards.ts";
@@ -33,8 +33,10 @@ export function readTokens(t: Tokens, start: number, count: number): Uint16Array
   return out;
 }
 
-/** llm.c's header: 256 int32 */
-const headerBytes = 1024;
+/** llm.c's token file: a header of 256 int32 (magic, version, token count, ...), then uint16 tokens */
+export const llmcMagic = 20240520;
+export const llmcVersionU16 = 1;
+const headerBytes = 256 * 4;
 
 /** A split's shards, read from disk a window at a time (file descriptors opened on first use). */
 export class ShardTokens implements Tokens {
@@ -63,9 +65,26 @@ export class ShardTokens implements Tokens {
       } catch (e) {
         throw new DataFileError(path, `cannot be read: ${(e as Error).message}`, { cause: e });
       }
+      try {
+        this.#checkHeader(fd, path, this.shards[i]!.tokens);
+      } catch (e) {
+        closeSync(fd);
+        throw e;
+      }
       this.#fds.set(i, fd);
     }
     return fd;
+  }
+
+  /** A shard is what its manifest entry says: llm.c's header, version 1, the same token count, that many bytes. */
+  #checkHeader(fd: number, path: string, tokens: number): void {
+    const head = new Int32Array(3);
+    const got = readSync(fd, new Uint8Array(head.buffer), 0, 12, 0);
+    const size = fstatSync(fd).size;
+    if (got < 12 || head[0] !== llmcMagic) throw new DataFileError(path, "is not an llm.c token shard (no magic 20240520 in its header)");
+    if (head[1] !== llmcVersionU16) throw new DataFileError(path, `llm.c token file version ${head[1]} is not supported (only version 1, uint16 tokens)`);
+    if (head[2] !== tokens) throw new DataFileError(path, `holds ${head[2]} tokens, the manifest says ${tokens}`);
+    if (size !== headerBytes + 2 * tokens) throw new DataFileError(path, `is ${size} bytes, its header says ${headerBytes + 2 * tokens}`);
   }
 
   /** The shard holding token `at` (binary search over their first tokens). */

@@ -9,12 +9,11 @@ import { Rng } from "../rng.ts";
 import type { HostBatch } from "../train.ts";
 import { DataFileError } from "./errors.ts";
 import { readDataFile } from "./files.ts";
-import { asTokens, type Tokens } from "./token-stream.ts";
+import { asTokens, llmcMagic, llmcVersionU16, type Tokens } from "./token-stream.ts";
 
-export const llmcMagic = 20240520;
+export { llmcMagic, llmcVersionU16 };
 const hostIsLittleEndian = new Uint8Array(new Uint16Array([1]).buffer)[0] === 1;
 if (!hostIsLittleEndian) throw new Error("meshtrain token files are little-endian; big-endian hosts are not supported");
-export const llmcVersionU16 = 1;
 const headerInts = 256;
 const headerBytes = headerInts * 4;
 

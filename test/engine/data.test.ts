@@ -1,7 +1,7 @@
 // Data readers: the real MNIST and Moby Dick files, token files in both layouts, and every
 // malformed-file case with an error that names the file and the problem.
 import { afterAll, describe, expect, test } from "bun:test";
-import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { DataFileError } from "../../engine/data/errors.ts";
@@ -10,6 +10,8 @@ import { loadMnist, mnistMean, mnistStd, parseIdx, readIdx } from "../../engine/
 import { epochOrder, trainValSplit } from "../../engine/data/sampler.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts";
 import { llmcMagic, readTokenFile, splitTokens, TokenBatcher, writeTokenFile } from "../../engine/data/tokens.ts";
+import { ShardWriter } from "../../engine/data/shards.ts";
+import { MemoryTokens, readTokens, ShardTokens } from "../../engine/data/token-stream.ts";
 import { Rng } from "../../engine/rng.ts";
 import { expectThrown } from "../helpers/errors.ts";
 
@@ -178,6 +180,46 @@ describe("uint16 token files", () => {
     expect(seen).toEqual([0, 8, 6, 4, 2, 0]); // windows start at 0, 8, 16, 24, 32, 40
     expect(() => new TokenBatcher(stream.subarray(0, 8), 1, 8, 10)).toThrow(/too short/);
     expect(() => new TokenBatcher(stream, 1, 8, 5).random(new Rng(1))).toThrow(/outside the vocabulary of 5/);
+  });
+
+  test("shards streamed from disk: any window, across shard boundaries, equals the joined stream; a shard unlike its manifest is named", () => {
+    const d = mkdtempSync(join(dir, "shards-"));
+    const all = Uint16Array.from({ length: 1000 }, (_, i) => (i * 31 + 7) % 50257);
+    const w = new ShardWriter(d, 97); // 10 full shards and one of 30
+    w.push("train", all.subarray(0, 400));
+    w.push("train", Array.from(all.subarray(400)));
+    const shards = w.finish();
+    expect(shards.map((s) => s.tokens)).toEqual([...Array(10).fill(97), 30]);
+    const disk = new ShardTokens(d, shards);
+    const memory = new MemoryTokens(all);
+    expect(disk.length).toBe(1000);
+    for (const [start, count] of [
+      [0, 1000],
+      [0, 97],
+      [96, 2],
+      [97, 97],
+      [90, 300],
+      [969, 31],
+      [999, 1],
+      [500, 0],
+    ] as const)
+      expect(readTokens(disk, start, count)).toEqual(readTokens(memory, start, count));
+    const out = new Uint16Array(10);
+    disk.read(95, 4, out, 3);
+    expect(Array.from(out.subarray(3, 7))).toEqual(Array.from(all.subarray(95, 99)));
+    expect(() => disk.read(990, 11, out)).toThrow(/outside \[0, 1000\)/);
+    // the sequential pass over windows reads the same batches from disk as from memory
+    const a = [...new TokenBatcher(disk, 3, 16, 50257).sequential()].map((b) => Array.from(b.inputs));
+    const b = [...new TokenBatcher(all, 3, 16, 50257).sequential()].map((b) => Array.from(b.inputs));
+    expect(a).toEqual(b);
+    disk.close();
+    // a shard that is not what the manifest says: fewer tokens, cut short, not a shard
+    const lying = new ShardTokens(d, [{ ...shards[0]!, tokens: 98 }]);
+    expectDataError(() => lying.read(0, 1, out), join(d, shards[0]!.file), "holds 97 tokens, the manifest says 98");
+    writeFileSync(join(d, shards[1]!.file), new Uint8Array(1024 + 50));
+    expectDataError(() => new ShardTokens(d, [shards[1]!]).read(0, 1, out), join(d, shards[1]!.file), "not an llm.c token shard");
+    const cut = file("cut-shard.bin", new Uint8Array(readFileSync(join(d, shards[2]!.file)).subarray(0, 1024 + 100)));
+    expectDataError(() => new ShardTokens(dir, [{ ...shards[2]!, file: "cut-shard.bin" }]).read(0, 1, out), cut, "is 1124 bytes, its header says 1218");
   });
 
   test("train/validation split keeps order", () => {
