@@ -7,6 +7,7 @@ import { runKernelBench } from "./kernels.ts";
 import { runPsBench } from "./ps.ts";
 import { runCheckpointBench } from "./checkpoint.ts";
 import { runDataLoaderBench } from "./data-loader.ts";
+import { runStreamBench } from "./stream.ts";
 import { runTrainerBench } from "./trainer.ts";
 
 export const benches = {
@@ -17,6 +18,7 @@ export const benches = {
   "data-loader": runDataLoaderBench,
   trainer: runTrainerBench,
   allreduce: runAllReduceBench,
+  stream: runStreamBench,
 } satisfies Record<string, (argv: string[]) => unknown>;
 
 if (import.meta.main) {

@@ -11,6 +11,8 @@ export interface Tokens {
   readonly length: number;
   /** tokens [start, start + count) into out[outOffset...] */
   read(start: number, count: number, out: Uint16Array, outOffset?: number): void;
+  /** lets go of what it holds open (files); reading again opens them again */
+  close(): void;
 }
 
 export class MemoryTokens implements Tokens {
@@ -22,6 +24,7 @@ export class MemoryTokens implements Tokens {
     if (start < 0 || start + count > this.data.length) throw new RangeError(`tokens [${start}, ${start + count}) outside [0, ${this.data.length})`);
     out.set(this.data.subarray(start, start + count), outOffset);
   }
+  close(): void {}
 }
 
 export const asTokens = (t: Tokens | Uint16Array): Tokens => (t instanceof Uint16Array ? new MemoryTokens(t) : t);

@@ -151,7 +151,7 @@ function bytesOf(o: PrepareOptions): number {
 }
 
 /** Removes what an earlier (or interrupted) prepare left in the folder: shards, temp files, the manifest. */
-function clearFolder(dir: string): void {
+export function clearFolder(dir: string): void {
   for (const f of readdirSync(dir)) {
     if (/^(train|val)_\d{6}\.bin(\.tmp-\d+)?$/.test(f) || /^(manifest|vocab)\.json(\.tmp-\d+)?$/.test(f)) rmSync(join(dir, f));
   }

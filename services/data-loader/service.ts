@@ -172,8 +172,10 @@ export class DataLoader {
     if (d && d.jobs.size === 0) {
       // the last job that read it: free it, now rather than whenever the collector next runs, so
       // a long-running loader's memory stays flat from one job to the next (a data set is tens of
-      // MB; a job closes rarely, and a full collection costs milliseconds)
+      // MB in memory, or a prepared folder's open shard files; a job closes rarely, and a full
+      // collection costs milliseconds)
       this.#datasets.delete(key);
+      if (d.data.kind === "corpus") for (const t of [d.data.data.train, d.data.data.val]) t.close();
       Bun.gc(true);
     }
     this.o.log?.info({ job }, "job closed");
