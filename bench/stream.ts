@@ -7,8 +7,8 @@
 // (after start-up, median, peak) beside the corpus's size; the baseline is the corpus itself,
 // which a process that loaded it would hold whole. Exits 1 when a process's peak reaches half
 // the corpus. (The trainers' memory is the model's: a 50,257-token vocabulary's logits and
-// embedding; it does not grow with the corpus. The data-loader's grows only by the window ids of
-// an epoch's shuffle, 4 bytes per window: 1/32 of the corpus's bytes at 64-token windows.)
+// embedding; it does not grow with the corpus. The data-loader's grows only by the windows' ids
+// and an epoch's shuffle of them, 8 bytes a window: 1/16 of the corpus's bytes at 64 tokens.)
 //
 //   bun run bench stream [--gib 2] [--steps 60] [--trainers 2] [--dir DIR] [--keep] [--json-only]
 import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statfsSync } from "node:fs";
