@@ -288,7 +288,9 @@ export function parseJobConfig(data: unknown): JobConfig {
       throw new ConfigError("invalid job config: dataset text needs valFraction > 0 (the held-out tail of the text is what the gpt is evaluated on)");
     }
     if (c.dataset === "tokens" && c.valFraction !== 0) {
-      throw new ConfigError("invalid job config: dataset tokens is evaluated on its folder's val.bin; valFraction must be 0");
+      throw new ConfigError(
+        "invalid job config: dataset tokens is evaluated on its folder's validation split (val.bin, or a prepared folder's val shards); valFraction must be 0",
+      );
     }
     if (c.dataset === "text" && m.vocabSize !== 0)
       throw new ConfigError("invalid job config: model.vocabSize is for token folders without vocab.json; a text's vocabulary is its characters");

@@ -16,6 +16,8 @@ import { specOf } from "../helpers/jobs.ts";
 import { WireFormatError } from "../../schemas/codec.ts";
 import { decodeBatch, decodeDataPlan, decodeLoaderStats, encodeBatchRequest, encodeJobRequest, Split, SyncPolicy } from "../../schemas/messages.ts";
 import { readTokens } from "../../engine/data/token-stream.ts";
+import { readManifest, readSplit } from "../../engine/data/shards.ts";
+import { prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
 import { MemoryBus } from "../../services/runtime/bus.ts";
 import { BadRequestError, ConfigError, UnknownJobError } from "../../services/runtime/errors.ts";
 import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
@@ -369,6 +371,42 @@ describe("token windows (the gpt's data)", () => {
     }
     expect(ids.sort((x, y) => x - y)).toEqual([...a.val]);
     expect(() => a.next(0, Split.Test, 0, 0)).toThrow("has no test split; ask for Val");
+  });
+
+  test("a prepared folder streamed from its shards (500 tokens each, windows across their edges): every window once per epoch, the same after a resume", () => {
+    const jsonl = join(dir, "docs.jsonl");
+    writeFileSync(
+      jsonl,
+      Array.from(
+        { length: 20 },
+        (_, d) => `${JSON.stringify({ text: Array.from({ length: 300 }, () => alphabet[rng.int(alphabet.length)]).join("") + d })}\n`,
+      ).join(""),
+    );
+    const out = join(dir, "prepared");
+    runPrepare({ ...prepareDefaults, tokenizer: "char", text: jsonl, jsonl: "text", out, valFraction: 0.2, shardTokens: 500, quiet: true });
+    const m = readManifest(out)!;
+    expect(m.shards.filter((x) => x.split === "train").length).toBeGreaterThan(5);
+    const joined = readSplit(out, m, "train");
+    const pcfg = gcfg({ dataset: "tokens", dataDir: out, valFraction: 0 });
+    const j = new JobData(pcfg, readDataset(pcfg));
+    expect(j.train.length).toBe(Math.floor((joined.length - T) / T));
+    for (let epoch = 0; epoch < 2; epoch++) {
+      const seen = new Set<number>();
+      const off = windowOffset(pcfg.seed, epoch, T);
+      for (let s = 0; s < j.stepsPerEpoch; s++)
+        for (let r = 0; r < 3; r++) {
+          const b = decodeBatch(j.next(r, Split.Train, epoch * j.stepsPerEpoch + s, 0), 1 << 24);
+          b.sampleIds.forEach((id, row) => {
+            expect(seen.has(id)).toBe(false);
+            seen.add(id);
+            expect([...b.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([...joined.subarray(off + id * T, off + id * T + T + 1)]);
+          });
+        }
+      expect(seen.size).toBe(j.train.length);
+    }
+    const resumed = new JobData(pcfg, readDataset(pcfg));
+    for (let s = 20; s < 24; s++)
+      for (const r of [0, 1, 2]) expect(decodeBatch(resumed.next(r, Split.Train, s, 2), 1 << 24)).toEqual(decodeBatch(j.next(r, Split.Train, s, 2), 1 << 24));
   });
 
   test("a plan made for other data (the file changed since submission) refuses the job; a text too short for one window is refused", () => {
