@@ -15,20 +15,13 @@ import { readSafetensors, writeSafetensors } from "../../engine/safetensors.ts";
 import { Context } from "../../engine/tensor.ts";
 import { runPrepare, prepareDefaults } from "../../sdk/local/prepare.ts";
 import { skip } from "../helpers/skip.ts";
+import { runCli } from "../helpers/cli.ts";
 
 const root = join(import.meta.dir, "..", "..");
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-export-"));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
-function cli(...args: string[]) {
-  const p = Bun.spawnSync([process.execPath, join(root, "sdk", "cli.ts"), ...args], {
-    cwd: dir,
-    env: { ...process.env, INIT_CWD: dir },
-    stdout: "pipe",
-    stderr: "pipe",
-  });
-  return { code: p.exitCode, out: p.stdout.toString(), err: p.stderr.toString() };
-}
+const cli = (...args: string[]) => runCli(dir, ...args);
 
 /** Debian's python3 with torch (or the one on PATH), else null and why. */
 function torchPython(): { python: string | null; reason: string | null } {

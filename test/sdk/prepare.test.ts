@@ -14,6 +14,7 @@ import { mobyDickPath } from "../../engine/data/text.ts";
 import { gpt2EndOfText, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
 import { llmcMagic, readTokenFile } from "../../engine/data/tokens.ts";
 import { invalidUtf8At, type PrepareOptions, prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
+import { runCli } from "../helpers/cli.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-prepare-"));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
@@ -151,14 +152,8 @@ describe("prepare", () => {
 
   test("the CLI: the summary and the next command; tokens of train.bin folders still read as before", () => {
     const src = corpus("docs3", 40);
-    const p = Bun.spawnSync([process.execPath, join(root, "sdk", "cli.ts"), "prepare", "--text", src, "--out", join(dir, "cli")], {
-      cwd: root,
-      env: { ...process.env, INIT_CWD: root },
-      stdout: "pipe",
-      stderr: "pipe",
-    });
-    expect(p.exitCode).toBe(0);
-    const out = p.stdout.toString();
+    const { code, out } = runCli(root, "prepare", "--text", src, "--out", join(dir, "cli"));
+    expect(code).toBe(0);
     expect(out).toMatch(
       /^prepared .*cli: 40 documents \(\d+ train, \d+ val\), [\d,]+ train and [\d,]+ val tokens in 2 shards; gpt2, a vocabulary of 50,257; /m,
     );
@@ -171,15 +166,7 @@ test("a GPT trains on a prepared GPT-2 folder; sample decodes BPE, streaming; ev
   const src = corpus("docs4", 80);
   const data = join(dir, "bpe");
   runPrepare(opts({ text: src, out: data, valFraction: 0.2 }));
-  const cli = (...args: string[]) => {
-    const p = Bun.spawnSync([process.execPath, join(root, "sdk", "cli.ts"), ...args], {
-      cwd: dir,
-      env: { ...process.env, INIT_CWD: dir },
-      stdout: "pipe",
-      stderr: "pipe",
-    });
-    return { code: p.exitCode, out: p.stdout.toString(), err: p.stderr.toString() };
-  };
+  const cli = (...args: string[]) => runCli(dir, ...args);
   const model = join(dir, "bpe.mtm");
   const train = cli(
     "train",
