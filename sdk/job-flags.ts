@@ -13,9 +13,13 @@ const d = jobDefaults;
 const g = gptJobDefaults;
 const gm = g.model as Extract<JobConfig["model"], { kind: "gpt" }>;
 
+/** this process's tags: a random start, then one more per name (names a process gives never repeat
+ *  among its next 65,536; two processes start at random points) */
+let nextTag = crypto.getRandomValues(new Uint16Array(1))[0]!;
+
 /** <model>-<date>-<time>-<4 hex>: two runs started in the same second still get their own name. */
 export const newJobName = (model: "mlp" | "gpt" = "mlp"): string => {
-  const tag = [...crypto.getRandomValues(new Uint8Array(2))].map((b) => b.toString(16).padStart(2, "0")).join("");
+  const tag = (nextTag++ & 0xffff).toString(16).padStart(4, "0");
   return `${model === "gpt" ? "gpt" : "mnist"}-${stamp()}-${tag}`;
 };
 
