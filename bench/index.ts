@@ -6,6 +6,7 @@ import { runEngineBench } from "./engine.ts";
 import { runKernelBench } from "./kernels.ts";
 import { runPsBench } from "./ps.ts";
 import { runCheckpointBench } from "./checkpoint.ts";
+import { runClientBench } from "./client.ts";
 import { runDataLoaderBench } from "./data-loader.ts";
 import { runStreamBench } from "./stream.ts";
 import { runTrainerBench } from "./trainer.ts";
@@ -19,6 +20,7 @@ export const benches = {
   trainer: runTrainerBench,
   allreduce: runAllReduceBench,
   stream: runStreamBench,
+  client: runClientBench,
 } satisfies Record<string, (argv: string[]) => unknown>;
 
 if (import.meta.main) {

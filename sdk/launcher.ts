@@ -21,6 +21,7 @@ import { jobIdPattern } from "../services/runtime/job.ts";
 import { type NatsServer, startNatsServer } from "../services/runtime/nats-server.ts";
 import { type Credentials, clientUser, makeCredentials, type RoleName } from "../services/runtime/roles.ts";
 import { configExitCode } from "../services/runtime/service.ts";
+import { orAfter } from "../services/runtime/timers.ts";
 
 export const composePath = join(import.meta.dir, "..", "deploy", "docker-compose.yml");
 const root = join(import.meta.dir, "..");
@@ -441,7 +442,7 @@ export class LocalMesh implements AsyncDisposable {
     clearTimeout(deadline);
     // the services' last lines are in the pipes still: copy them before the files close (a pipe
     // that some leftover child of a service holds open is not waited for)
-    await Promise.race([Promise.all([...this.#running.values()].map((r) => r.pumped.catch(() => {}))), Bun.sleep(stopGraceMs)]);
+    await orAfter(Promise.all([...this.#running.values()].map((r) => r.pumped.catch(() => {}))), stopGraceMs, null);
     await Promise.all([...this.#logs.values()].map((s) => new Promise<void>((resolve) => s.end(resolve))));
     await this.#nats.stop();
     if (this.tempNatsDir !== null) rmSync(this.tempNatsDir, { recursive: true, force: true });

@@ -9,6 +9,7 @@ import { dataRanks, jobConfigFromJson } from "../services/runtime/job.ts";
 import { isEnded, jobStoreLeaderWaitMsMax, resizingReasonPrefix, stateName } from "../services/runtime/jobs.ts";
 import type { MeshClient } from "./client.ts";
 import { Progress, RateMeter } from "./progress.ts";
+import { orAfter } from "../services/runtime/timers.ts";
 
 export class JobFailedError extends Error {
   override readonly name = "JobFailedError";
@@ -72,8 +73,7 @@ export async function watchJob(client: MeshClient, name: string, o: WatchOptions
     let lastEventMs = -Infinity;
     while (!isEnded(record)) {
       pending ??= it.next();
-      const tick = Bun.sleep(recordPollMs).then(() => "tick" as const);
-      const r = await Promise.race([pending, tick]);
+      const r = await orAfter(pending, recordPollMs, "tick" as const);
       if (r !== "tick") {
         pending = null;
         if (r.done) {

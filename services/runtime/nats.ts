@@ -11,6 +11,7 @@ import { DeadlineError, MeshError, NatsAccessError, NoRespondersError, refusedAs
 export { NatsAccessError };
 import type { Logger } from "./log.ts";
 import { inboxPrefixOf, readSeed } from "./roles.ts";
+import { orAfter } from "./timers.ts";
 
 export interface NatsBusOptions {
   url: string;
@@ -330,12 +331,12 @@ export class NatsBus implements Bus {
       () => true,
       () => false,
     );
-    if (!(await Promise.race([drained, Bun.sleep(closeDrainMsMax).then(() => false)]))) await this.nc.close().catch(() => {});
+    if (!(await orAfter(drained, closeDrainMsMax, false))) await this.nc.close().catch(() => {});
   }
 }
 
 /** How long close() lets a drain take before it closes the connection outright. */
-const closeDrainMsMax = 10_000;
+export const closeDrainMsMax = 10_000;
 
 /** The status headers of an error reply, as @nats-io/services writes them (one line each). */
 function errorHeaders(error: unknown): MsgHdrs {

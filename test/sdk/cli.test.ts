@@ -315,9 +315,10 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
     expect(bench("allreduce", "--piece-kb", "x").err).toContain("--piece-kb must be a positive integer");
     expect(bench("allreduce", "--transport", "tcp").err).toContain("--transport must be a list of nats, shm");
     expect(bench("trainer", "--coll-transport", "tcp").err).toContain("--coll-transport must be a list of auto, nats");
+    expect(bench("client", "--runs", "0").err).toContain("--runs must be a positive integer, got 0");
     expect(bench("stream", "--gib", "0").err).toContain("--gib must be in (0, 64], got 0");
     expect(bench("stream", "--steps", "0").err).toContain("--steps must be a positive integer, got 0");
-    expect(bench("nope").err).toContain("usage: bun run bench <engine|kernels|ps|checkpoint|data-loader|trainer|allreduce|stream>");
+    expect(bench("nope").err).toContain("usage: bun run bench <engine|kernels|ps|checkpoint|data-loader|trainer|allreduce|stream|client>");
   });
 });
 

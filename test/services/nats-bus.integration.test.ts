@@ -2,7 +2,7 @@
 // with line breaks both reach the caller as typed errors, and the serving side keeps serving.
 import { afterAll, expect, test } from "bun:test";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../../services/runtime/errors.ts";
-import { NatsBus } from "../../services/runtime/nats.ts";
+import { closeDrainMsMax, NatsBus } from "../../services/runtime/nats.ts";
 import { expectRejected } from "../helpers/errors.ts";
 import { clientBus, startNatsServer } from "../helpers/mesh.ts";
 
@@ -59,3 +59,22 @@ test("a request waiting when the server dies fails at once with a DeadlineError 
   await expectRejected(() => waiting, DeadlineError, "the connection to NATS dropped while waiting for the answer on t.never");
   await Promise.allSettled([asker.nc.close(), quiet.nc.close()]);
 }, 20_000); // the request's own timeout is 60 s: only the drop ends it within the test's 20 s
+
+test("a process that asks once and closes its bus exits then: close() leaves no timer behind (a client command took the drain's 10 s bound every time)", async () => {
+  const script = `
+    import { NatsBus } from ${JSON.stringify(`${import.meta.dir}/../../services/runtime/nats.ts`)};
+    const bus = await NatsBus.connect({ url: ${JSON.stringify(server.url)}, name: "test-once", connectRetryMsMax: 5000, connectBackoffMsMax: 500 });
+    console.log(new TextDecoder().decode(await bus.request("t.handle", new TextEncoder().encode("once"), 5000)));
+    await bus.close();
+    console.log("closed");
+  `;
+  const t0 = performance.now();
+  const child = Bun.spawn([process.execPath, "-e", script], { stdout: "pipe", stderr: "pipe" });
+  const killer = setTimeout(() => child.kill("SIGKILL"), 3 * closeDrainMsMax);
+  const [code, out] = await Promise.all([child.exited, new Response(child.stdout).text()]);
+  clearTimeout(killer);
+  const ms = performance.now() - t0;
+  expect([code, out.trim().split("\n")]).toEqual([0, ["ok once", "closed"]]);
+  // a bound, not a speed: the whole process, start-up included, against the drain's wait alone
+  expect(ms).toBeLessThan(closeDrainMsMax);
+}, 40_000);
