@@ -463,7 +463,8 @@ export class MeshClient implements AsyncDisposable {
     await this.#running(job, "a snapshot");
     const events = this.events(job, AbortSignal.timeout(timeoutMs));
     try {
-      this.bus.publish(subjects.checkpointNow(job), new Uint8Array(0));
+      // rank 0 answers at once (no one answers: the job has no running rank 0)
+      await this.bus.request(subjects.checkpointNow(job), new Uint8Array(0), Math.min(timeoutMs, 10_000));
       for await (const e of events) {
         if (e.kind === EventKind.Checkpoint) return e;
         if (e.kind === EventKind.Ended) throw new JobStateError(`job ${job} ended before the snapshot (${e.text})`);

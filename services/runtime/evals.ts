@@ -38,6 +38,11 @@ export class EvalTally {
     return step.size === this.ranks ? this.combined(e.step) : null;
   }
 
+  /** Forgets the evaluations of steps after `step` (a restore to it: they are run again). */
+  forgetAfter(step: number): void {
+    for (const s of [...this.#byStep.keys()]) if (s > step) this.#byStep.delete(s);
+  }
+
   /** The step's result over the ranks heard so far (null: none). */
   combined(stepIndex: number): CombinedEval | null {
     const step = this.#byStep.get(stepIndex);

@@ -474,7 +474,6 @@ export const subjects = {
   dataPlan: (job: string) => `mt.${job}.data.plan`,
   /** the plan of a job about to be submitted: a JobSpec without plan in, its DataPlan out */
   planJob: "mt.ctl.plan",
-  dataCursor: (job: string) => `mt.${job}.data.cursor`,
   /** trainer `trainer`'s pushes and pulls: the rank is a token of the subject, so that NATS
    *  permissions let a trainer's user send only its own (services/runtime/roles.ts), and the
    *  shard refuses a message whose rank differs from its subject's */

@@ -139,6 +139,8 @@ function hostRows(b: Batch, r: number, n: number): HostBatch {
 }
 
 const toHost = (b: Batch): HostBatch => hostRows(b, 0, b.rows);
+/** rank 0's answer to `ctl.checkpoint` */
+const snapshotAskedReply = new TextEncoder().encode("a snapshot at the next step boundary");
 
 /**
  * The step's batch cut into `k` micro-batches (gradient accumulation: each micro-batch's mean
@@ -348,6 +350,7 @@ export class TrainerRun {
     this.#sub = bus.subscribe(subjects.events(cfg.job, "restore"), (data) => {
       const e = decodeEvent(data, 1 << 16);
       this.#restoreTo = e.step;
+      this.#tally?.forgetAfter(e.step); // the steps after it are evaluated again
       this.#generation++;
       this.#restored.resolve();
       this.#restored = Promise.withResolvers<void>();
@@ -357,7 +360,13 @@ export class TrainerRun {
     this.#replicaSubs.push(bus.handle(subjects.trainerStats(cfg.job, rank), (data, subject) => this.#stats(data, subject)));
     this.#hb = new HeartbeatPublisher(bus, cfg.job, `trainer ${rank}`);
     if (rank === 0) {
-      this.#ctl = bus.subscribe(subjects.checkpointNow(cfg.job), () => (this.#snapshotAsked = true));
+      // a request (or a publish: no answer then): a snapshot at the next step boundary; every
+      // request is answered, a malformed one with its error
+      this.#ctl = bus.handle(subjects.checkpointNow(cfg.job), async (data) => {
+        if (data.byteLength !== 0) throw new BadRequestError(`a snapshot request has an empty body, not ${data.byteLength} bytes`);
+        this.#snapshotAsked = true;
+        return snapshotAskedReply;
+      });
       this.#tally = new EvalTally(dataRanks(cfg));
       this.#evalSub = bus.subscribe(subjects.events(cfg.job, "eval"), (data) => this.#onEval(data));
     }
@@ -382,16 +391,19 @@ export class TrainerRun {
             (m.stage === 3 ? "; parameters are gathered per bucket as the passes need them (the peak is in status)" : ""),
         );
       }
-      while (step < this.#total && !this.#stopped) {
+      for (;;) {
+        while (step < this.#total && !this.#stopped) {
+          this.#at = step;
+          step = await this.#step(step);
+        }
         this.#at = step;
-        step = await this.#step(step);
+        if (this.#stopped) return;
+        // a restore during the end (the final evaluation, the final snapshot) takes every rank
+        // back to the restored step, to train the last steps again
+        const back = await this.#end();
+        if (back === null) return;
+        step = back;
       }
-      this.#at = step;
-      if (this.#stopped) return;
-      await this.#evaluate(this.#total);
-      this.#publish({ kind: EventKind.Done, step: this.#total });
-      if (rank === 0) await this.#finish();
-      else await this.#repeatFinal();
     } catch (e) {
       if (this.#stopped) return; // the job was closed (ended or cancelled) under us: not a failure
       const why = `trainer ${rank}: ${(e as Error).message}`;
@@ -489,10 +501,10 @@ export class TrainerRun {
   async #finish(): Promise<void> {
     const { cfg, bus, log, control } = this.#o;
     const final = await this.#finalEval();
-    if (final === null) return; // stopped
+    if (final === null) return; // stopped, or restored
     let snap: Manifest | null = null,
       note = "";
-    for (let attempt = 1; attempt <= finalSaveAttemptsMax && !this.#stopped; attempt++) {
+    for (let attempt = 1; attempt <= finalSaveAttemptsMax && !this.#stopped && this.#restoreTo === null; attempt++) {
       try {
         const req = encodeJobRequest({ job: cfg.job, step: this.#total, tag: "final" });
         snap = decodeManifest(await bus.request(subjects.ckptSave(cfg.job), req, checkpointTimeoutMs), 1 << 22);
@@ -503,7 +515,10 @@ export class TrainerRun {
         await pause(1000 * attempt, this.#stopSignal.signal);
       }
     }
-    if (this.#stopped) return; // the job was closed meanwhile (cancelled): it is not this run's to end
+    // the job was closed meanwhile (cancelled): it is not this run's to end. Restored (the
+    // checkpoint service serves a save and a restore one after the other: a save that was
+    // answered came first): the ranks train the last steps again and end it then
+    if (this.#stopped || this.#restoreTo !== null) return;
     await control?.end(
       cfg.job,
       {
@@ -522,13 +537,13 @@ export class TrainerRun {
     );
   }
 
-  /** Every rank's evaluation of the final step, combined; null when stopped first. */
+  /** Every rank's evaluation of the final step, combined; null when stopped or restored first. */
   async #finalEval(): Promise<CombinedEval | null> {
     const started = Date.now();
     for (;;) {
       const r = this.#tally!.combined(this.#total);
       if (r !== null && r.ranks === dataRanks(this.#o.cfg)) return r;
-      if (this.#stopped) return null;
+      if (this.#stopped || this.#restoreTo !== null) return null;
       if (Date.now() - started > finishWaitMsMax) {
         throw new Error(
           `ranks ${r === null ? "all but this one" : `${r.ranks} of ${dataRanks(this.#o.cfg)}`} reported their final evaluation within ${finishWaitMsMax} ms`,
@@ -538,12 +553,50 @@ export class TrainerRun {
     }
   }
 
-  /** Ranks > 0: repeat the final events until the job ends (rank 0 may have restarted and missed them). */
+  /**
+   * The job's end on this rank: the final evaluation, Done, and on rank 0 the final snapshot and
+   * the job's record (other ranks repeat their final events until the job ends). Returns the
+   * step to train from when a restore came meanwhile, else null (the job is over for this rank).
+   */
+  async #end(): Promise<number | null> {
+    for (let attempt = 1; ; attempt++) {
+      if (this.#restoreTo !== null) return this.#takeRestore();
+      const evaluated = this.#evaluate(this.#total).then(() => "done" as const);
+      evaluated.catch(() => {}); // a restore fails its pull or collectives: expected
+      try {
+        if ((await Promise.race([evaluated, this.#restored.promise.then(() => "restored" as const)])) === "done") break;
+        this.#replica?.interrupt();
+        await evaluated.catch(() => {});
+        return this.#takeRestore();
+      } catch (e) {
+        // a restored shard refuses the final pull before the restore's event arrives: wait for
+        // it, as a step does (and a shard that is not ready yet is waited for the same way)
+        if (this.#stopped) return null;
+        if (attempt >= stepAttemptsMax) throw e;
+        this.#o.log?.warn({ attempt, err: (e as Error).message }, "final evaluation failed; retrying");
+        await pause(Math.min(200 * attempt, 2000), this.#stopSignal.signal);
+      }
+    }
+    if (this.#restoreTo !== null) return this.#takeRestore();
+    this.#publish({ kind: EventKind.Done, step: this.#total });
+    if (this.#o.rank === 0) await this.#finish();
+    else await this.#repeatFinal();
+    return this.#restoreTo !== null && !this.#stopped ? this.#takeRestore() : null;
+  }
+
+  /** The restore announced (its step); all-reduce mode takes the replica it staged. */
+  #takeRestore(): number {
+    const to = this.#restoreTo!;
+    this.#restoreTo = null;
+    return this.#replica ? this.#applyRestore(to) : to;
+  }
+
+  /** Ranks > 0: repeat the final events until the job ends (rank 0 may have restarted and missed them) or is restored. */
   async #repeatFinal(): Promise<void> {
     const started = Date.now();
-    while (!this.#stopped && Date.now() - started < finishWaitMsMax) {
+    while (!this.#stopped && this.#restoreTo === null && Date.now() - started < finishWaitMsMax) {
       await pause(finalRepeatMs, this.#stopSignal.signal);
-      if (this.#stopped || this.#final === null) return;
+      if (this.#stopped || this.#restoreTo !== null || this.#final === null) return;
       this.#publish(this.#final);
       this.#publish({ kind: EventKind.Done, step: this.#total });
     }
@@ -554,11 +607,7 @@ export class TrainerRun {
     let waitingSinceMs: number | null = null;
     for (let attempt = 1; ; attempt++) {
       if (this.#stopped) return step;
-      if (this.#restoreTo !== null) {
-        const to = this.#restoreTo;
-        this.#restoreTo = null;
-        return this.#replica ? this.#applyRestore(to) : to;
-      }
+      if (this.#restoreTo !== null) return this.#takeRestore();
       try {
         const run = (this.#replica ? this.#runReplicaStep(step, this.#generation) : this.#runStep(step, this.#generation)).then(() => "done" as const);
         run.catch(() => {}); // once abandoned by a restore, its failure (StaleStepError) is expected

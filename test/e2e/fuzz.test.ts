@@ -110,6 +110,17 @@ function commonTargets(cfg: JobConfig, total: number): Target[] {
     ...[0, 1].map((r): Target => ({ name: `trainer.${r}.stats`, subject: subjects.trainerStats(job, r), seeds: [jr()], ...jobRequest, timeoutMs: 30_000 })),
     { name: "ckpt.list", subject: subjects.ckptList(job), seeds: [jr()], ...jobRequest, timeoutMs: 30_000 },
     {
+      // rank 0 takes a snapshot at its next step boundary when asked with an empty body (redrawn:
+      // a snapshot does not change the run, but it is the job owner's to ask); a body is refused
+      name: "ctl.checkpoint",
+      subject: subjects.checkpointNow(job),
+      seeds: [new Uint8Array(0), new Uint8Array(8)],
+      encode: (m: Uint8Array) => m,
+      decode: (d: Uint8Array) => d,
+      legitimate: (m) => m.byteLength === 0,
+      timeoutMs: 30_000,
+    } satisfies Target<Uint8Array>,
+    {
       // saves of steps the job does not have: a save of one of its steps is anyone's to ask
       name: "ckpt.save",
       subject: subjects.ckptSave(job),
@@ -175,6 +186,7 @@ async function fuzzRun(cfgOf: (job: string) => JobConfig, targetsOf: (cfg: JobCo
   const watching = watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) }).finally(() => (ended = true));
   await waitFor("the job's step 3", () => seen.some((e) => e.kind === EventKind.Step && e.step >= 3), 60_000);
   const targets = [...commonTargets(cfg, total), ...(await targetsOf(cfg, total))];
+  for (const t of targets) fuzzed.add(subjectPattern(t.subject, cfg.job));
 
   const t0 = performance.now();
   const outcome = await fuzz(client.bus, targets, { messages, seed: fuzzSeed, concurrency: 24 });
@@ -349,6 +361,41 @@ test(`all-reduce mode: ${messages} mutated messages over every request subject w
     },
   );
 }, 600_000);
+
+/** The request subjects the runs above fuzzed, as patterns: the job as <job>, a number as <n>. */
+const fuzzed = new Set<string>();
+const subjectPattern = (subject: string, job: string) =>
+  subject
+    .replace(`mt.${job}.`, "mt.<job>.")
+    .split(".")
+    .map((t) => (/^\d+$/.test(t) ? "<n>" : t))
+    .join(".");
+
+/** docs/ARCHITECTURE.md's subjects that someone answers, as patterns (a row's alternatives each). */
+function documentedRequestSubjects(): string[] {
+  const doc = readFileSync(join(import.meta.dir, "..", "..", "docs", "ARCHITECTURE.md"), "utf8");
+  const table = doc.slice(doc.indexOf("## Subjects"));
+  const out: string[] = [];
+  for (const m of table.matchAll(/^\| `([^`]+)` \| ([^|]+) \|/gm)) {
+    if (m[2]!.trim().startsWith("(published)")) continue;
+    const [first, ...alts] = m[1]!.split("\\|");
+    const base = first!.split(".");
+    out.push(first!);
+    // an alternative replaces as many of the first's last tokens as it has
+    for (const alt of alts) out.push([...base.slice(0, base.length - alt.split(".").length), ...alt.split(".")].join("."));
+  }
+  return out.map((p) => p.replace(/<(?!job>)[a-z]+>/g, "<n>"));
+}
+
+// ZeRO's partitions are served only by a ZeRO job's ranks; the all-reduce job above runs stage 0
+const notFuzzed = new Map([["mt.<job>.replica.<n>.partition", "ZeRO only (this file's all-reduce job runs ZeRO 0)"]]);
+
+test("every subject docs/ARCHITECTURE.md says a service answers was fuzzed above (or is named here with why not)", () => {
+  const documented = documentedRequestSubjects();
+  expect(documented.length).toBeGreaterThan(15);
+  const missing = documented.filter((p) => !fuzzed.has(p) && !notFuzzed.has(p));
+  expect(missing).toEqual([]);
+});
 
 /** Whether a shard would take `m` as its state: a well-formed snapshot of itself (drawn again). */
 function loadable(m: ShardState, seed: ShardState, versionMax: number): boolean {

@@ -205,6 +205,41 @@ describe("jobs on one long-running mesh", () => {
     }
   }, 180_000);
 
+  test.each(["bsp", "allreduce"] as const)(
+    "%s: restores on the last step and during the final evaluation: the ranks train the last steps again, the job ends done, steps run twice give the same losses",
+    async (sync) => {
+      const cfg = small(`end-restore-${sync}`, { sync, epochs: 2 });
+      const total = 2 * stepsPerEpoch;
+      await client.submit(cfg);
+      const restores: Promise<unknown>[] = [];
+      const r = await follow(cfg.job, (e) => {
+        // the first: as rank 0 reports the last step; the second: as the first rank reports its final evaluation after it
+        const at =
+          restores.length === 0
+            ? e.kind === EventKind.Step && e.rank === 0 && e.step === total - 1
+            : restores.length === 1 && e.kind === EventKind.Eval && e.step === total;
+        if (at) restores.push(client.restore(cfg.job));
+      });
+      const manifests = (await Promise.all(restores)) as { step: number }[];
+      expect([r.error?.message ?? null, r.record.state]).toEqual([null, JobState.Done]);
+      expect(manifests.map((m) => m.step)).toEqual([30, 30]);
+      expect(r.events.filter((e) => e.kind === EventKind.Restore).map((e) => e.step)).toEqual([30, 30]);
+      // the steps from the snapshot on ran three times on every rank, with the same loss each time
+      const losses = new Map<string, number[]>();
+      for (const e of r.events) if (e.kind === EventKind.Step) losses.set(`${e.rank}:${e.step}`, [...(losses.get(`${e.rank}:${e.step}`) ?? []), e.loss]);
+      for (const rank of [0, 1, 2]) {
+        for (let step = 30; step < total; step++) {
+          const l = losses.get(`${rank}:${step}`) ?? [];
+          expect([rank, step, l.length >= 2]).toEqual([rank, step, true]);
+          for (const x of l) expect(Math.abs(x - l[0]!)).toBeLessThanOrEqual(1e-6 * Math.max(1, Math.abs(l[0]!)));
+        }
+      }
+      expect(r.record.accuracy).toBeGreaterThan(0.8);
+      expect(r.record.snapshot).not.toBe("");
+    },
+    180_000,
+  );
+
   test("a record left running without a spec (a submission cut off): watch says so; submitting it again runs it", async () => {
     const cfg = small("cut-off");
     await client.jobs.createRecord(runningRecord(cfg.job, JSON.stringify(cfg), 1));
