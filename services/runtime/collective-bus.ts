@@ -119,22 +119,28 @@ export class BusTransport implements PeerTransport {
   listen(receive: (p: Piece) => Receipt): void {
     const { job, rank } = this.#o;
     const identity = this.#identity === null ? new Uint8Array(0) : encoder.encode(this.#identity);
-    const handler = (data: Uint8Array) => {
-      const { piece, inline } = this.#check(data);
+    const handler = (data: Uint8Array, subject: string) => {
+      const { piece, inline } = this.#check(data, subject);
       const receipt = receive(piece);
       if (receipt.kind === "busy") throw new CapacityError(receipt.why);
       if (receipt.kind === "bad") throw new BadRequestError(receipt.why);
       return inline ? identity : new Uint8Array(0);
     };
-    this.#sub = this.bus.handle(subjects.coll(job, rank), handler);
+    this.#sub = this.bus.handle(subjects.collTo(job, rank), handler);
     if (this.#identity !== null) {
-      this.#server = LocalLinkServer.listen(shmSocketPath(job, this.#o.generation, rank), subjects.coll(job, rank), handler, this.messageBytesMax);
+      // a socket on this machine: its peers are this machine's processes (the file is the
+      // user's), and a shared-memory piece's values are read from its sender's own segment
+      this.#server = LocalLinkServer.listen(shmSocketPath(job, this.#o.generation, rank), subjects.collTo(job, rank), handler, this.messageBytesMax);
     }
   }
 
-  #check(data: Uint8Array): { piece: Piece; inline: boolean } {
+  #check(data: Uint8Array, subject: string): { piece: Piece; inline: boolean } {
     const { job, generation, rank, size } = this.#o;
     const m = decodeCollPiece(data, this.messageBytesMax);
+    // over NATS the sender is the subject's last token, which only its trainer's user may publish
+    const sender = subject.slice(subject.lastIndexOf(".") + 1);
+    if (sender !== "*" && sender !== String(m.from))
+      throw new BadRequestError(`piece says it is from rank ${m.from}, but came on the subject of rank ${JSON.stringify(sender.slice(0, 32))}`);
     if (m.job !== job) throw new BadRequestError(`piece for job "${m.job}" sent to job "${job}"`);
     // a newer generation's piece comes from a rank that took a restore this one is about to
     // take: the sender retries until it has; an older one's is from before the restore
@@ -196,7 +202,7 @@ export class BusTransport implements PeerTransport {
 
   async #deliver(header: PieceHeader, values: Float32Array, signal: AbortSignal): Promise<void> {
     const { job, generation, sendTimeoutMs, peerLostMs } = this.#o;
-    const subject = subjects.coll(job, header.to);
+    const subject = subjects.coll(job, header.to, this.rank);
     const started = performance.now();
     // the window bounds a peer's pieces in flight by its slots, so a slot is free
     let link = this.#link(header.to);
@@ -257,7 +263,7 @@ export class BusTransport implements PeerTransport {
       { ...header, job, generation, phase: CollPhase.Abort, reason: reason.replace(/[\r\n]+/g, " ").slice(0, reasonCharsMax) },
       new Float32Array(0),
     );
-    this.bus.publish(subjects.coll(job, header.to), msg);
+    this.bus.publish(subjects.coll(job, header.to, this.rank), msg);
   }
 
   async #acquire(to: number, signal: AbortSignal): Promise<void> {

@@ -491,8 +491,11 @@ export const subjects = {
   replicaPartition: (job: string, rank: number) => `mt.${job}.replica.${rank}.partition`,
   /** all-reduce mode: a snapshot's replica loaded into trainer `rank`, one part per request */
   replicaLoad: (job: string, rank: number) => `mt.${job}.replica.${rank}.load`,
-  /** collective pieces addressed to trainer `rank` (all-reduce mode) */
-  coll: (job: string, rank: number) => `mt.${job}.coll.${rank}`,
+  /** a collective piece to trainer `to` from trainer `from` (all-reduce mode): the sender is a
+   *  subject token, so NATS permissions keep it to that trainer's user (as a push's rank) */
+  coll: (job: string, to: number, from: number) => `mt.${job}.coll.${to}.${from}`,
+  /** every piece addressed to trainer `to` */
+  collTo: (job: string, to: number) => `mt.${job}.coll.${to}.*`,
   ckptSave: (job: string) => `mt.${job}.ckpt.save`,
   ckptList: (job: string) => `mt.${job}.ckpt.list`,
   /** an operator's restore (admin only): the newest good snapshot, or the one the tag names */

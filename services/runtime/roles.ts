@@ -186,10 +186,11 @@ export function permissionsOf(user: RoleName): Permissions {
         "mt.*.*.ckpt.save",
         "mt.*.*.ckpt.recover",
         "mt.*.*.ckpt.list",
-        "mt.*.*.coll.*",
+        // a collective piece to any rank, as this rank only (the sender is the last token)
+        `mt.*.*.coll.*.${r}`,
         ...bucketSubjects([ncclIdsBucket], true),
       ],
-      [`mt.*.*.coll.${r}`, `mt.*.*.trainer.${r}.stats`, "mt.*.*.replica.state", `mt.*.*.replica.${r}.>`, "mt.*.*.ctl.checkpoint"],
+      [`mt.*.*.coll.${r}.*`, `mt.*.*.trainer.${r}.stats`, "mt.*.*.replica.state", `mt.*.*.replica.${r}.>`, "mt.*.*.ctl.checkpoint"],
     );
   }
   throw new CredentialsError(`no role ${user}`);

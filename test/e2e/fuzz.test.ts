@@ -329,11 +329,12 @@ test(`all-reduce mode: ${messages} mutated messages over every request subject w
             timeoutMs: 30_000,
           } satisfies Target<ShardState>,
           {
-            // collective pieces from ranks the job does not have (a piece from one of its ranks is
-            // theirs to send)
+            // collective pieces on the subject of rank r's peer, claiming other senders, or from
+            // ranks the job does not have (a well-formed piece from the peer itself is the peer's
+            // to send: NATS permissions keep that subject to its user)
             name: `coll.${r}`,
-            subject: subjects.coll(job, r),
-            seeds: [2, 0x7ffffff0].map((from) => ({
+            subject: subjects.coll(job, r, 1 - r),
+            seeds: [2, 0x7ffffff0, r].map((from) => ({
               job,
               generation: 0,
               group: "dp",
@@ -353,7 +354,7 @@ test(`all-reduce mode: ${messages} mutated messages over every request subject w
             })),
             encode: (m) => encodeCollPiece(m, new Float32Array(m.data.buffer.slice(m.data.byteOffset, m.data.byteOffset + (m.data.byteLength & ~3)))),
             decode: (d) => decodeCollPiece(d, 8 << 20),
-            legitimate: (m) => m.job === job && m.to === r && m.from < cfg.trainers,
+            legitimate: (m) => m.job === job && m.to === r && m.from === 1 - r,
             timeoutMs: 30_000,
           } satisfies Target<ReturnType<typeof decodeCollPiece>>,
         ]),

@@ -197,7 +197,7 @@ describe("the collective subject refuses hostile pieces", () => {
     out.write(1, Float32Array.of(1.5, -2));
     const good = pieceFromOne("default.hostile-shm");
     const two = new Float32Array(2);
-    const send = (m: Uint8Array) => bus.request(subjects.coll("default.hostile-shm", 0), m, 2_000);
+    const send = (m: Uint8Array) => bus.request(subjects.coll("default.hostile-shm", 0, 1), m, 2_000);
     await expectRejected(() => send(encodeCollPiece(good, two, { nonce: out.nonce + 1, slot: 1 })), BadRequestError, shmRefusedPrefix);
     await expectRejected(() => send(encodeCollPiece(good, two, { nonce: out.nonce, slot: 2 })), BadRequestError, "slot 2 of 2");
     await expectRejected(() => send(encodeCollPiece(good, new Float32Array(17), { nonce: out.nonce, slot: 1 })), BadRequestError, "exceeds");
@@ -210,11 +210,11 @@ describe("the collective subject refuses hostile pieces", () => {
     const inline = new BusTransport(bus, { ...options, job: "default.hostile-inline", sharedMemory: false });
     inline.listen(() => ({ kind: "taken" }));
     const m = encodeCollPiece({ ...good, job: "default.hostile-inline" }, two, { nonce: 5, slot: 0 });
-    await expectRejected(() => bus.request(subjects.coll("default.hostile-inline", 0), m, 2_000), BadRequestError, shmRefusedPrefix);
+    await expectRejected(() => bus.request(subjects.coll("default.hostile-inline", 0, 1), m, 2_000), BadRequestError, shmRefusedPrefix);
     inline.close();
   });
 
-  test("wrong job, generation, addressee, sender, length: error replies; the rank keeps working", async () => {
+  test("wrong job, generation, addressee, sender (also one the subject does not name), length: error replies; the rank keeps working", async () => {
     const bus = await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 });
     await using _closer = { [Symbol.asyncDispose]: () => bus.close() };
     const t = new BusTransport(bus, { ...rankZero("default.hostile"), sharedMemory: false });
@@ -224,12 +224,19 @@ describe("the collective subject refuses hostile pieces", () => {
       return { kind: "taken" };
     });
     const good = pieceFromOne("default.hostile");
-    const send = (m: Uint8Array) => bus.request(subjects.coll("default.hostile", 0), m, 2_000);
+    const send = (m: Uint8Array, from = 1) => bus.request(subjects.coll("default.hostile", 0, from), m, 2_000);
     await expectRejected(() => send(encodeCollPiece({ ...good, job: "default.other" }, new Float32Array(2))), BadRequestError, "job");
     await expectRejected(() => send(encodeCollPiece({ ...good, generation: 2 }, new Float32Array(2))), BadRequestError, "generation 2");
     await expectRejected(() => send(encodeCollPiece({ ...good, to: 1 }, new Float32Array(2))), BadRequestError, "for rank 1");
-    await expectRejected(() => send(encodeCollPiece({ ...good, from: 0 }, new Float32Array(2))), BadRequestError, "not a peer");
-    await expectRejected(() => send(encodeCollPiece({ ...good, from: 7 }, new Float32Array(2))), BadRequestError, "not a peer");
+    await expectRejected(() => send(encodeCollPiece({ ...good, from: 0 }, new Float32Array(2)), 0), BadRequestError, "not a peer");
+    await expectRejected(() => send(encodeCollPiece({ ...good, from: 7 }, new Float32Array(2)), 7), BadRequestError, "not a peer");
+    // a forged sender: rank 1's piece on rank 2's subject, or rank 2's claim on rank 1's
+    await expectRejected(
+      () => send(encodeCollPiece(good, new Float32Array(2)), 2),
+      BadRequestError,
+      'piece says it is from rank 1, but came on the subject of rank "2"',
+    );
+    await expectRejected(() => send(encodeCollPiece({ ...good, from: 2 }, new Float32Array(2)), 1), BadRequestError, "from rank 2");
     await expectRejected(() => send(encodeCollPiece(good, new Float32Array(100))), BadRequestError);
     await expectRejected(() => send(new Uint8Array([1, 2, 3])), Error);
     expect(taken).toEqual([]);

@@ -89,7 +89,10 @@ describe("credentials", () => {
     const t1 = permissionsOf("trainer-1");
     expect(t1.publish).toContain("mt.*.*.ps.*.push.1");
     expect(t1.publish.some((s) => /push\.(0|\*|>)$/.test(s))).toBe(false);
-    expect(t1.subscribe).toContain("mt.*.*.coll.1");
+    expect(t1.subscribe).toContain("mt.*.*.coll.1.*");
+    // collective pieces: to any rank, from its own only
+    expect(t1.publish).toContain("mt.*.*.coll.*.1");
+    expect(t1.publish.some((s) => /coll\.[^.]+\.(0|\*|>)$/.test(s) || /coll\.(\*|>)$/.test(s))).toBe(false);
     for (const user of ["client-default", "trainer-0", "ps-0", "data-loader", "checkpoint"] as const) {
       const p = permissionsOf(user).publish;
       expect(p.some((s) => /ckpt\.(restore|resize|>)$/.test(s) || s === ">")).toBe(false);
@@ -152,7 +155,10 @@ describe("a nats-server with the roles", async () => {
     try {
       expect(await outcome(t1, subjects.psPush(job, 0, 1))).toBe("allowed");
       expect(await outcome(t1, subjects.psPull(job, 1, 1))).toBe("allowed");
-      expect(await outcome(t1, subjects.coll(job, 0))).toBe("allowed");
+      expect(await outcome(t1, subjects.coll(job, 0, 1))).toBe("allowed");
+      // a piece claiming to come from another rank: refused by the server before any rank sees it
+      expect(await outcome(t1, subjects.coll(job, 0, 0))).toBe("refused");
+      expect(await outcome(t1, subjects.coll(job, 2, 0))).toBe("refused");
       expect(await outcome(t1, subjects.ckptRecover(job))).toBe("allowed");
       expect(await outcome(t1, subjects.psPush(job, 0, 0))).toBe("refused");
       expect(await outcome(t1, subjects.psPull(job, 1, 0))).toBe("refused");
@@ -179,7 +185,7 @@ describe("a nats-server with the roles", async () => {
         subjects.psLoad(job, 0),
         subjects.psPush(job, 0, 0),
         subjects.psPull(job, 0, 0),
-        subjects.coll(job, 1),
+        subjects.coll(job, 1, 0),
         subjects.replicaState(job),
         subjects.dataNext(job),
       ]) {
@@ -196,7 +202,7 @@ describe("a nats-server with the roles", async () => {
   test("no one but admin subscribes to another's subjects: a trainer to another rank's collective, anyone to the shared inboxes", async () => {
     const t1 = await as("trainer-1");
     try {
-      for (const subject of [subjects.coll(job, 0), "_INBOX.>", subjects.psPush(job, 0, 0)]) {
+      for (const subject of [subjects.collTo(job, 0), subjects.coll(job, 0, 1), "_INBOX.>", subjects.psPush(job, 0, 0)]) {
         expect(await subscriptionError(t1, subject)).toContain("Permissions Violation for Subscription");
       }
     } finally {
@@ -208,13 +214,13 @@ describe("a nats-server with the roles", async () => {
     [
       "ps-0",
       [subjects.psNorm(job, 1), subjects.ckptRecover(job)],
-      [subjects.psPush(job, 1, 0), subjects.psLoad(job, 1), subjects.ckptRestore(job), subjects.dataNext(job), subjects.coll(job, 0)],
+      [subjects.psPush(job, 1, 0), subjects.psLoad(job, 1), subjects.ckptRestore(job), subjects.dataNext(job), subjects.coll(job, 0, 1)],
     ],
-    ["data-loader", [], [subjects.psPush(job, 0, 0), subjects.psPull(job, 0, 0), subjects.ckptRestore(job), subjects.ckptSave(job), subjects.coll(job, 0)]],
+    ["data-loader", [], [subjects.psPush(job, 0, 0), subjects.psPull(job, 0, 0), subjects.ckptRestore(job), subjects.ckptSave(job), subjects.coll(job, 0, 1)]],
     [
       "checkpoint",
       [subjects.psState(job, 0), subjects.psLoad(job, 1), subjects.replicaLoad(job, 1), subjects.planJob],
-      [subjects.psPush(job, 0, 0), subjects.psPull(job, 0, 0), subjects.coll(job, 0), subjects.dataNext(job)],
+      [subjects.psPush(job, 0, 0), subjects.psPull(job, 0, 0), subjects.coll(job, 0, 1), subjects.dataNext(job)],
     ],
   ] as const)("%s sends what its service needs and is refused the rest", async (user, allowed, refused) => {
     const bus = await as(user);
