@@ -37,13 +37,9 @@ import { worldOf } from "../runtime/world.ts";
 import type { ChunkInfo, Layout } from "../runtime/layout.ts";
 import { jobSchedule } from "../runtime/plan.ts";
 import { pullWaitersMax, pullWaitMsMax } from "./limits.ts";
+import { implausibleStateText, plausibleState } from "../runtime/limits.ts";
 
 const alignElems = 16;
-
-function allFinite(v: Float32Array): boolean {
-  for (let i = 0; i < v.length; i++) if (!Number.isFinite(v[i]!)) return false;
-  return true;
-}
 
 interface ChunkSlot {
   info: ChunkInfo;
@@ -575,7 +571,7 @@ export class ParameterShard {
   /**
    * Takes part `s.part` of `s.parts` of a snapshot of this shard (a whole state is one part).
    * Each part is checked completely as it comes (its checksum, job and shard, its chunks this
-   * shard's, their sizes and state, every value finite, the step within the job); nothing is
+   * shard's, their sizes and state, every value finite and plausible, the step within the job); nothing is
    * applied until the last part is here, and then all at once. Returns the parts still missing
    * (0: the state was applied).
    */
@@ -622,7 +618,7 @@ export class ParameterShard {
       for (const v of [c.params, ...c.state.map((x) => x.data)]) {
         if (v.length !== slot.info.count)
           throw new BadRequestError(`snapshot chunk ${c.id} has a state vector of ${v.length} elements, expected ${slot.info.count}`);
-        if (!allFinite(v)) throw new BadRequestError(`snapshot chunk ${c.id} holds a value that is NaN or infinite`);
+        if (!plausibleState(v)) throw new BadRequestError(`snapshot chunk ${c.id} holds ${implausibleStateText}`);
       }
     }
   }

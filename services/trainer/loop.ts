@@ -233,6 +233,7 @@ export class TrainerRun {
           ctx: this.#ctx,
           model: this.#model,
           payloadBytesMax: o.payloadBytesMax,
+          totalSteps: o.plan.totalSteps,
           ...o.collective,
         }));
     // host copies of pulled parameters and pushed gradients: parameter-server mode only

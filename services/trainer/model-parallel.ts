@@ -102,7 +102,7 @@ export class ModelParallelReplica {
       );
     }
     this.layout = buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, 1);
-    this.#staging = new ReplicaStaging(cfg.job, this.layout, () => this.optimizer.stateSlabs().map((x) => x.name));
+    this.#staging = new ReplicaStaging(cfg.job, this.layout, () => this.optimizer.stateSlabs().map((x) => x.name), plan.totalSteps);
     const opt = cfg.optimizer;
     let optimizer: Optimizer | null = null;
     this.#rank = modelParallelRank({

@@ -68,6 +68,7 @@ import { BadRequestError } from "../runtime/errors.ts";
 import type { JobConfig } from "../runtime/job.ts";
 import { buildLayout, type Layout } from "../runtime/layout.ts";
 import { cutPartition, cutReplica, type ReplicaMeta } from "../runtime/replica-parts.ts";
+import { implausibleStateText, plausibleState } from "../runtime/limits.ts";
 
 /** Bucket ids at and above this name the replica check's operations, not gradient buckets. */
 const checkBucket = 1 << 24;
@@ -121,6 +122,8 @@ export interface ReplicaOptions {
   model: Model;
   /** the largest message (a part of the replica, a collective piece plus its header) */
   payloadBytesMax: number;
+  /** the job's steps (its plan's): a restore's replica is of one of them */
+  totalSteps: number;
   /** collective transport settings over busTransportDefaults (tests shorten the timeouts) */
   transport?: Partial<Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs" | "sharedMemory">>;
   progressTimeoutMs?: number;
@@ -243,7 +246,7 @@ export class Replica {
           );
     this.scaler = ctx.precision === "f16" ? new LossScaler() : null;
     this.layout = buildLayout(cfg.job, store.slabNumel, store.decayRange.numel, cfg.chunkBytes, 1);
-    this.#staging = new ReplicaStaging(cfg.job, this.layout, () => this.optimizer.stateSlabs().map((x) => x.name));
+    this.#staging = new ReplicaStaging(cfg.job, this.layout, () => this.optimizer.stateSlabs().map((x) => x.name), o.totalSteps);
   }
 
   /** What this rank holds for the model, read from its allocations (and the arena's high-water mark). */
@@ -1065,10 +1068,12 @@ export class ReplicaStaging {
     readonly job: string,
     readonly layout: Layout,
     readonly stateNames: () => string[],
+    /** the job's steps: a replica of a later step was not cut from it */
+    readonly totalSteps: number,
   ) {}
 
   stage(s: ShardState): void {
-    checkReplicaPart(s, this.job, this.layout, this.stateNames());
+    checkReplicaPart(s, this.job, this.layout, this.stateNames(), this.totalSteps);
     const parts = s.parts!;
     const g = s.generation!;
     if (this.#staged === null || this.#staged.generation !== g)
@@ -1110,16 +1115,17 @@ export class ReplicaStaging {
 /**
  * Checks one part of a snapshot's replica before anything is kept: its job, checksum, part
  * number, communicator generation, step and loss scale, and every chunk against the job's
- * layout (its length, the optimizer's state vectors `names`, finite values). BadRequestError
+ * layout (its length, the optimizer's state vectors `names`, finite and plausible values). BadRequestError
  * names the first problem.
  */
-export function checkReplicaPart(s: ShardState, job: string, layout: Layout, names: readonly string[]): void {
+export function checkReplicaPart(s: ShardState, job: string, layout: Layout, names: readonly string[], totalSteps: number): void {
   const parts = s.parts ?? 0;
   if (s.job !== job) throw new BadRequestError(`a replica of job ${s.job} loaded into job ${job}`);
   if (s.checksum !== shardStateChecksum(s)) throw new BadRequestError("a replica part whose checksum does not match its contents (changed after it was cut)");
   if (!(parts >= 1) || s.shard >= parts) throw new BadRequestError(`replica part ${s.shard} of ${parts}`);
   if (!((s.generation ?? 0) > 0)) throw new BadRequestError("a replica load names no communicator generation");
-  if (!Number.isSafeInteger(s.step) || s.step < 0) throw new BadRequestError(`replica of step ${s.step}`);
+  if (!Number.isSafeInteger(s.step) || s.step < 0 || s.step > totalSteps)
+    throw new BadRequestError(`replica of step ${s.step}: job ${job} runs steps 0 to ${totalSteps}`);
   if (!(Number.isFinite(s.lossScale ?? 0) && (s.lossScale ?? 0) >= 0)) throw new BadRequestError(`replica with loss scale ${s.lossScale}`);
   const want = names.join(",");
   for (const c of s.chunks) {
@@ -1130,7 +1136,7 @@ export function checkReplicaPart(s: ShardState, job: string, layout: Layout, nam
       throw new BadRequestError(`replica chunk ${c.id} has optimizer state [${c.state.map((v) => v.name).join(",")}], this job needs [${want}]`);
     for (const v of [c.params, ...c.state.map((x) => x.data)]) {
       if (v.length !== info.count) throw new BadRequestError(`replica chunk ${c.id} has a state vector of ${v.length} values, expected ${info.count}`);
-      for (let i = 0; i < v.length; i++) if (!Number.isFinite(v[i]!)) throw new BadRequestError(`replica chunk ${c.id} holds a non-finite value`);
+      if (!plausibleState(v)) throw new BadRequestError(`replica chunk ${c.id} holds ${implausibleStateText}`);
     }
   }
 }

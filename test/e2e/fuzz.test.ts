@@ -35,6 +35,7 @@ import { specOfConfig, MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
+import { plausibleState } from "../../services/runtime/limits.ts";
 import { fuzz, poisonNumbers, type Target } from "../helpers/fuzz.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 
@@ -409,6 +410,6 @@ function loadable(m: ShardState, seed: ShardState, versionMax: number): boolean 
     const s = want.get(c.id);
     if (!s || c.params.length !== s.params.length || !Number.isSafeInteger(c.version) || c.version < 0 || c.version > versionMax) return false;
     if (c.state.map((v) => v.name).join() !== s.state.map((v) => v.name).join()) return false;
-    return [c.params, ...c.state.map((v) => v.data)].every((v) => v.length === s.params.length && v.every(Number.isFinite));
+    return [c.params, ...c.state.map((v) => v.data)].every((v) => v.length === s.params.length && plausibleState(v));
   });
 }

@@ -56,9 +56,13 @@ export const extremeNumbers: readonly number[] = [
   Number.MIN_VALUE,
 ];
 
-/** Numbers that are never valid in a state (every snapshot value is finite, every count small). */
+/** Numbers that are never valid in a state (every snapshot value is finite and within
+ *  stateValueAbsMax, every count small). */
 export const poisonNumbers: readonly number[] = [
   -1,
+  3e38,
+  -3e38,
+  2 ** 65,
   2 ** 31 - 1,
   2 ** 32 - 1,
   2 ** 53 - 1,

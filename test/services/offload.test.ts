@@ -47,7 +47,7 @@ async function train(cfg: JobConfig, steps: number, backend: () => Backend): Pro
   const ranks = Array.from({ length: cfg.trainers }, (_, rank) => {
     const ctx = new Context(backend(), { seed: 7 + rank });
     const model = buildModel(ctx, cfg, plan);
-    const replica = new Replica({ bus, backend: ctx.backend, cfg, rank, ctx, model, payloadBytesMax: 1 << 20, progressTimeoutMs: 30_000 });
+    const replica = new Replica({ bus, backend: ctx.backend, cfg, rank, ctx, model, payloadBytesMax: 1 << 20, totalSteps: 1000, progressTimeoutMs: 30_000 });
     return { ctx, model, replica };
   });
   const run: Run = { losses: [], norms: [], params: [], memory: [] };

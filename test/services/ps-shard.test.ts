@@ -384,6 +384,17 @@ describe("snapshots", () => {
     const nan = structuredClone(parts[0]!);
     nan.chunks[0]!.state[1]!.data[3] = Number.NaN;
     expectThrown(() => b.shard.loadPart(withChecksum(nan)), BadRequestError, "NaN");
+    // finite, but no training run holds it (3e38, the attack's plant): refused, naming the chunk
+    const huge = structuredClone(parts[0]!);
+    huge.chunks[0]!.params[0] = 3e38;
+    expectThrown(
+      () => b.shard.loadPart(withChecksum(huge)),
+      BadRequestError,
+      `snapshot chunk ${huge.chunks[0]!.id} holds a value that is NaN, infinite or beyond ±1.84e+19`,
+    );
+    const edge = structuredClone(parts[0]!);
+    edge.chunks[0]!.state[0]!.data[0] = -(2 ** 64) * 1.0000001;
+    expectThrown(() => b.shard.loadPart(withChecksum(edge)), BadRequestError, "beyond");
     parts.slice(0, -1).forEach((s, i) => expect(b.shard.loadPart(s)).toBe(parts.length - 1 - i));
     // a last part of another moment (its counters differ) does not complete them: it starts over
     const other = withChecksum({ ...parts.at(-1)!, updates: parts.at(-1)!.updates + 1 });

@@ -16,6 +16,7 @@ import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../
 import { buildModel } from "../../services/runtime/model.ts";
 import { Replica, ReplicaDivergedError } from "../../services/trainer/replica.ts";
 import { imagePlan } from "../helpers/jobs.ts";
+import { withChecksum } from "../../schemas/messages.ts";
 
 const mnist = loadMnist();
 const cols = 784;
@@ -62,6 +63,7 @@ function ranks(cfg: JobConfig, bus = new MemoryBus()): Rank[] {
       ctx,
       model,
       payloadBytesMax: 1 << 20,
+      totalSteps: 1000,
       transport: { peerLostMs: 5_000 },
       progressTimeoutMs: 5_000,
     });
@@ -155,7 +157,17 @@ describe("all-reduce replicas", () => {
       return {
         ctx,
         model,
-        replica: new Replica({ bus: sharedBus, backend: ctx.backend, cfg, rank, ctx, model, payloadBytesMax: 1 << 20, progressTimeoutMs: 5_000 }),
+        replica: new Replica({
+          bus: sharedBus,
+          backend: ctx.backend,
+          cfg,
+          rank,
+          ctx,
+          model,
+          payloadBytesMax: 1 << 20,
+          totalSteps: 1000,
+          progressTimeoutMs: 5_000,
+        }),
       };
     });
     const ctx = new Context(new CpuBackend(), { seed: 0 });
@@ -293,6 +305,11 @@ describe("all-reduce replicas", () => {
         { ...parts[0]!, chunks: [{ ...parts[0]!.chunks[0]!, state: parts[0]!.chunks[0]!.state.slice(1) }] },
       ];
       for (const h of hostile) expect(() => target.stage({ ...h, generation: h.generation ?? 5 })).toThrow(BadRequestError);
+      // well-formed (checksums made to match) but no training run's: a value of 3e38, a step past the job's last
+      const huge = structuredClone({ ...parts[0]!, generation: 5 });
+      huge.chunks[0]!.params[1] = 3e38;
+      expect(() => target.stage(withChecksum(huge))).toThrow("holds a value that is NaN, infinite or beyond ±1.84e+19");
+      expect(() => target.stage(withChecksum({ ...parts[0]!, generation: 5, step: 1001 }))).toThrow("replica of step 1001: job");
       expect(target.staged).toBeNull();
       expect(Buffer.from(rest[0]!.model.store.readValues().buffer).equals(Buffer.from(before.buffer))).toBe(true);
       // every part into both ranks of the second pair, then both pairs go on: the same parameters

@@ -88,7 +88,7 @@ async function train(
   const ranks = Array.from({ length: cfg.trainers }, (_, rank) => {
     const ctx = new Context(new CpuBackend(), { seed: 7 + rank, precision: cfg.precision });
     const model = buildModel(ctx, cfg, cfg.model.kind === "gpt" ? gptPlan : imagePlan);
-    const replica = new Replica({ bus, backend: ctx.backend, cfg, rank, ctx, model, payloadBytesMax: 1 << 20, progressTimeoutMs: 10_000 });
+    const replica = new Replica({ bus, backend: ctx.backend, cfg, rank, ctx, model, payloadBytesMax: 1 << 20, totalSteps: 1000, progressTimeoutMs: 10_000 });
     init(replica);
     return { ctx, model, replica };
   });
@@ -308,6 +308,7 @@ describe("ZeRO checkpoints", () => {
           ctx,
           model,
           payloadBytesMax: 256 << 10,
+          totalSteps: 1000,
           progressTimeoutMs: 10_000,
         });
         ranks.push({ ctx, model, replica });
