@@ -156,6 +156,12 @@ export function jobOptions(cmd: Command): Command {
     .option("--warmup <steps>", "linear warmup steps", int(0), d.warmupSteps)
     .option("--chunk-bytes <n>", "parameter chunk size (the unit of sharding and messages)", int(4096), d.chunkBytes)
     .option("--checkpoint-every <steps>", `steps between snapshots (0: only the final one) ${both(d.checkpointEvery, g.checkpointEvery)}`, int(0))
+    .option(
+      "--checkpoint-minutes <m>",
+      "minutes between snapshots, whichever of this and --checkpoint-every comes first; the first after a minute at most (0: by steps only)",
+      float(0, 7 * 24 * 60),
+      d.checkpointMinutes,
+    )
     .option("--keep-last <k>", "snapshots kept besides the best", int(1), d.keepLast)
     .addOption(
       new Option("--eval-every <steps|epoch>", "steps between evaluations, or every epoch (0: only at the end)").argParser(evalEvery).default(d.evalEvery),
@@ -231,6 +237,7 @@ export interface JobFlags {
   warmup: number;
   chunkBytes: number;
   checkpointEvery?: number;
+  checkpointMinutes: number;
   keepLast: number;
   evalEvery: JobConfig["evalEvery"];
   evalBatches: number;
@@ -326,6 +333,7 @@ export function jobConfigOf(f: JobFlags): JobConfig {
     seed: f.seed,
     chunkBytes: f.chunkBytes,
     checkpointEvery: f.checkpointEvery ?? def.checkpointEvery,
+    checkpointMinutes: f.checkpointMinutes,
     keepLast: f.keepLast,
   });
 }
@@ -370,6 +378,7 @@ const flagPaths: Record<Exclude<keyof JobFlags, "job">, string[]> = {
   warmup: ["warmupSteps"],
   chunkBytes: ["chunkBytes"],
   checkpointEvery: ["checkpointEvery"],
+  checkpointMinutes: ["checkpointMinutes"],
   keepLast: ["keepLast"],
   evalEvery: ["evalEvery"],
   evalBatches: ["evalBatches"],

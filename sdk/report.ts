@@ -69,8 +69,19 @@ export function configSummary(c: JobConfig): string[] {
       `${c.accumSteps > 1 ? ` in ${c.accumSteps} micro-batches` : ""}, ${syncText(c)}, ${c.precision}${c.recompute ? ", activations recomputed" : ""}`,
     `optimizer  ${optimizerText(c)} ${usesShards(c) ? `on ${c.shards} parameter-server shard${c.shards > 1 ? "s" : ""}` : "in every trainer's replica"}; ${lr}` +
       `${c.scaleLr ? ` (scaled by ${dataRanks(c)} data-parallel ranks: peak ${peakLr(c)})` : ""}${c.gradClip > 0 ? `; gradients clipped to global norm ${c.gradClip}` : ""}`,
-    `snapshots  ${c.checkpointEvery > 0 ? `every ${c.checkpointEvery} steps and ` : ""}at the end; the last ${c.keepLast} and the best are kept`,
+    `snapshots  ${snapshotsText(c)}; the last ${c.keepLast} and the best are kept`,
   ];
+}
+
+/** When a job's snapshots are taken: by steps, by time (the first within a minute), at the end. */
+function snapshotsText(c: JobConfig): string {
+  const steps = c.checkpointEvery > 0 ? `every ${c.checkpointEvery} steps` : "";
+  const minutes =
+    c.checkpointMinutes > 0
+      ? `every ${c.checkpointMinutes} minute${c.checkpointMinutes === 1 ? "" : "s"}${c.checkpointMinutes > 1 ? " (the first after one)" : ""}`
+      : "";
+  const both = steps && minutes ? `${steps} or ${minutes}, whichever comes first, ` : steps || minutes ? `${steps || minutes} and ` : "";
+  return `${both}at the end`;
 }
 
 /** How a finished job ended, where its files are, and what to run next. */

@@ -193,6 +193,14 @@ export const jobConfigSchema = z.object({
   chunkBytes: int(4096, 8 << 20).refine((n) => n % 64 === 0, "chunkBytes must be a multiple of 64"),
   /** steps between checkpoints (0: none) */
   checkpointEvery: int(0),
+  /** minutes between checkpoints, whichever of this and checkpointEvery comes first (0: by steps
+   *  only); the first comes after a minute at most, so a fault early in a run loses little.
+   *  Configs stored before this field existed read as 10. */
+  checkpointMinutes: z
+    .number()
+    .min(0)
+    .max(7 * 24 * 60)
+    .default(10),
   /** checkpoints kept besides the best one */
   keepLast: int(1, 1000),
 });
@@ -238,6 +246,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   seed: 1,
   chunkBytes: 256 << 10,
   checkpointEvery: 500,
+  checkpointMinutes: 10,
   keepLast: 3,
 };
 
@@ -402,6 +411,7 @@ export const resumableKeys = [
   "evalEvery",
   "evalBatches",
   "checkpointEvery",
+  "checkpointMinutes",
   "keepLast",
   "replicaCheckEvery",
   "collTransport",

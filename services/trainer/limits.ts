@@ -36,3 +36,8 @@ export const finishWaitMsMax = 600_000;
 export const finalRepeatMs = 5_000;
 /** Attempts at the final snapshot before the job ends without it. */
 export const finalSaveAttemptsMax = 3;
+
+/** The first timed snapshot of a run comes this soon at most (checkpointMinutes sets the rest):
+ *  a job's first minutes are when faults from a bad deployment come, and a restore then should
+ *  not send it back to step 0. */
+export const firstTimedSnapshotMs = 60_000;

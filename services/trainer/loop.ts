@@ -85,6 +85,7 @@ import {
   stepAttemptsMax,
   notReadyWaitMsMax,
   notReadyPauseMs,
+  firstTimedSnapshotMs,
 } from "./limits.ts";
 import { PsClient } from "./ps-client.ts";
 import { parseCompression } from "../../engine/parallel/compress.ts";
@@ -190,6 +191,10 @@ export class TrainerRun {
   #ahead: { step: number; promise: Promise<Batch> }[] = [];
   /** a snapshot was asked for (SDK `save`): rank 0 takes it at the next step boundary */
   #snapshotAsked = false;
+  /** rank 0: snapshots this run took after the step it began at, and when the last one was (or the run began) */
+  #snapshots = 0;
+  #startStep = 0;
+  #lastSnapshotMs = performance.now();
   #ctl: Subscription | null = null;
   #replicaSubs: Subscription[] = [];
   /** the step this rank is at (for its stats) */
@@ -318,7 +323,7 @@ export class TrainerRun {
    * shard (0 for a new job). All-reduce mode: the newest snapshot's, loaded into every rank (a
    * resumed job, or a rank that restarted and lost its replica); 0 when the job has none.
    */
-  async #startStep(): Promise<number> {
+  async #findStartStep(): Promise<number> {
     const { cfg, rank, bus } = this.#o;
     if (this.#replica) {
       try {
@@ -373,7 +378,8 @@ export class TrainerRun {
     }
     try {
       await this.#checkMembers();
-      let step = await this.#retry("find the start step (every shard must have opened the job)", () => this.#startStep(), jobStartWaitMsMax);
+      let step = await this.#retry("find the start step (every shard must have opened the job)", () => this.#findStartStep(), jobStartWaitMsMax);
+      this.#startStep = step;
       log?.info({ step, totalSteps: this.#total, precision: cfg.precision }, "training");
       if (this.#replica) {
         const m = this.#replica.memory;
@@ -738,6 +744,15 @@ export class TrainerRun {
     });
   }
 
+  /** Rank 0: whether checkpointMinutes have passed since the last snapshot (the first: a minute
+   *  at most, so that a fault early in a run does not send it back to its start). */
+  #snapshotDue(): boolean {
+    const minutes = this.#o.cfg.checkpointMinutes;
+    if (!(minutes > 0)) return false;
+    const intervalMs = this.#snapshots === 0 ? Math.min(firstTimedSnapshotMs, minutes * 60_000) : minutes * 60_000;
+    return performance.now() - this.#lastSnapshotMs >= intervalMs;
+  }
+
   /**
    * What runs at a step boundary, before the step computes: the scheduled evaluation, and on
    * rank 0 a snapshot (scheduled or asked for) of the state after step-1.
@@ -746,10 +761,13 @@ export class TrainerRun {
     const { cfg, rank } = this.#o;
     if (evaluatesAt(cfg, this.#steps, step)) await this.#evaluate(step);
     const scheduled = cfg.checkpointEvery > 0 && step % cfg.checkpointEvery === 0;
-    if (rank === 0 && (scheduled || this.#snapshotAsked)) {
+    if (rank === 0 && (scheduled || this.#snapshotAsked || this.#snapshotDue())) {
       this.#snapshotAsked = false;
       const t0 = performance.now();
       await this.#checkpoint(step);
+      // (a snapshot of the step the run began at saves no work: the first timed one still comes early)
+      if (step > this.#startStep) this.#snapshots++;
+      this.#lastSnapshotMs = performance.now();
       return performance.now() - t0;
     }
     return 0;

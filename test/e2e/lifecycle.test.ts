@@ -240,6 +240,16 @@ describe("jobs on one long-running mesh", () => {
     180_000,
   );
 
+  test("snapshots by time as well as by steps: with none by steps, a job takes them every checkpointMinutes while it trains", async () => {
+    const cfg = small("timed-snapshots", { epochs: 3, checkpointEvery: 0, checkpointMinutes: 0.005 }); // every 0.3 s
+    await client.submit(cfg);
+    const r = await follow(cfg.job);
+    expect(r.record.state).toBe(JobState.Done);
+    const during = r.events.filter((e) => e.kind === EventKind.Checkpoint && e.step > 0 && e.step < 3 * stepsPerEpoch).map((e) => e.step);
+    expect(during.length).toBeGreaterThanOrEqual(2);
+    expect(new Set(during).size).toBe(during.length);
+  }, 120_000);
+
   test("a record left running without a spec (a submission cut off): watch says so; submitting it again runs it", async () => {
     const cfg = small("cut-off");
     await client.jobs.createRecord(runningRecord(cfg.job, JSON.stringify(cfg), 1));
