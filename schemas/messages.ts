@@ -427,6 +427,8 @@ export interface Event {
   density: number;
   /** Step, rank 0: time the step waited at its boundary for a snapshot */
   snapshotMs: number;
+  /** Restore, all-reduce mode: the communicator generation of the replica load it announces (0: any) */
+  generation: number;
 }
 
 export const emptyEvent = (job: string, kind: EventKind): Event => ({
@@ -450,6 +452,7 @@ export const emptyEvent = (job: string, kind: EventKind): Event => ({
   wireBytes: 0,
   density: -1,
   snapshotMs: 0,
+  generation: 0,
 });
 
 const eventRoot = root("Event", "MTEV", (bb) => EventT.getRootAsEvent(bb));
@@ -483,6 +486,7 @@ export function encodeEvent(m: Event): Uint8Array {
       m.wireBytes,
       m.density,
       m.snapshotMs,
+      big(m.generation),
     ),
     eventRoot.identifier,
   );
@@ -511,6 +515,7 @@ export function decodeEvent(data: Uint8Array, bytesMax: number): Event {
     wireBytes: r.wireBytes(),
     density: r.density(),
     snapshotMs: r.snapshotMs(),
+    generation: num(r.generation()),
   }));
 }
 

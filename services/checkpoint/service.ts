@@ -551,7 +551,10 @@ export class CheckpointService {
     }
     this.log?.warn({ job: cfg.job, id: snap.manifest.id, step: snap.manifest.step, why: tag }, "job restored");
     if (!usesShards(cfg)) e.lastRestore = { manifest: snap.manifest, opened: new Set(rank === null ? [] : [rank]) };
-    this.#event(cfg.job, EventKind.Restore, snap.manifest.step, `restored ${snap.manifest.id} (${tag || "requested"})`);
+    // all-reduce mode: the event names the load it announces, so a rank that sees the next
+    // restore's parts arrive before it took this one knows to wait for that one's event
+    const generation = usesShards(cfg) ? 0 : e.generation;
+    this.#event(cfg.job, EventKind.Restore, snap.manifest.step, `restored ${snap.manifest.id} (${tag || "requested"})`, generation);
     return encodeManifest(snap.manifest);
   }
 
@@ -695,8 +698,8 @@ export class CheckpointService {
     }
   }
 
-  #event(job: string, kind: EventKind, step: number, text: string): void {
-    this.bus.publish(subjects.events(job, EventKind[kind].toLowerCase()), encodeEvent({ ...emptyEvent(job, kind), step, text }));
+  #event(job: string, kind: EventKind, step: number, text: string, generation = 0): void {
+    this.bus.publish(subjects.events(job, EventKind[kind].toLowerCase()), encodeEvent({ ...emptyEvent(job, kind), step, text, generation }));
   }
 
   openJob(spec: JobSpec): void {

@@ -180,6 +180,8 @@ export class TrainerRun {
   /** this rank's final Eval event, repeated until the job ends */
   #final: (Partial<Event> & { kind: EventKind }) | null = null;
   #restoreTo: number | null = null;
+  /** all-reduce mode: the communicator generation of the load the restore announced (0: any) */
+  #restoreGeneration = 0;
   /** bumped by every restore: a step begun before it must not push */
   #generation = 0;
   /** resolves when a restore arrives, so a step blocked on a dead shard is abandoned at once */
@@ -356,6 +358,7 @@ export class TrainerRun {
     this.#sub = bus.subscribe(subjects.events(cfg.job, "restore"), (data) => {
       const e = decodeEvent(data, 1 << 16);
       this.#restoreTo = e.step;
+      this.#restoreGeneration = e.generation;
       this.#tally?.forgetAfter(e.step); // the steps after it are evaluated again
       this.#generation++;
       this.#restored.resolve();
@@ -591,11 +594,32 @@ export class TrainerRun {
     return this.#restoreTo !== null && !this.#stopped ? this.#takeRestore() : null;
   }
 
-  /** The restore announced (its step); all-reduce mode takes the replica it staged. */
-  #takeRestore(): number {
-    const to = this.#restoreTo!;
-    this.#restoreTo = null;
-    return this.#replica ? this.#applyRestore(to) : to;
+  /**
+   * The restore announced (its step); all-reduce mode takes the replica it staged. When the next
+   * restore's parts have come already (an operator's and a recovery's back to back), this one's
+   * load may be gone: the rank waits for that restore's event and takes it instead.
+   */
+  async #takeRestore(): Promise<number> {
+    for (;;) {
+      const to = this.#restoreTo!;
+      const generation = this.#restoreGeneration;
+      this.#restoreTo = null;
+      const replica = this.#replica;
+      if (replica === null) return to;
+      const staged = replica.staged;
+      if (staged !== null && staged.step === to && (generation === 0 || staged.generation === generation)) return this.#applyRestore(to);
+      if (generation > 0 && replica.loadsNewerThan(generation)) {
+        this.#o.log?.warn({ step: to, generation }, "the next restore's load came before this one was taken; waiting for its event");
+        if (this.#restoreTo === null) {
+          const wake = new AbortController();
+          void this.#restored.promise.then(() => wake.abort());
+          await pause(checkpointTimeoutMs, AbortSignal.any([this.#stopSignal.signal, wake.signal]));
+        }
+        if (this.#stopped) return to;
+        if (this.#restoreTo !== null) continue;
+      }
+      throw new Error(`a restore to step ${to} was announced, but this rank holds no complete replica of it`);
+    }
   }
 
   /** Ranks > 0: repeat the final events until the job ends (rank 0 may have restarted and missed them) or is restored. */
@@ -671,10 +695,6 @@ export class TrainerRun {
 
   /** All-reduce mode: takes the restore every rank was loaded with; returns its step. */
   #applyRestore(to: number): number {
-    const staged = this.#replica!.staged;
-    if (staged === null || staged.step !== to) {
-      throw new Error(`a restore to step ${to} was announced, but this rank holds no complete replica of it`);
-    }
     const { generation } = this.#replica!.apply();
     this.#replicaStep = to;
     this.#o.log?.info({ step: to, generation }, "replica restored");

@@ -279,6 +279,11 @@ export class ModelParallelReplica {
     return this.#staging.staged;
   }
 
+  /** Whether a restore's load newer than `generation` has begun here. */
+  loadsNewerThan(generation: number): boolean {
+    return this.#staging.newerThan(generation);
+  }
+
   /** Applies the staged restore: this rank's share of the parameters and optimizer state, and the generation. */
   apply(): { step: number; generation: number } {
     const { backend, plan } = this.#o;

@@ -1010,6 +1010,11 @@ export class Replica {
     return this.#staging.staged;
   }
 
+  /** Whether a restore's load newer than `generation` has begun here. */
+  loadsNewerThan(generation: number): boolean {
+    return this.#staging.newerThan(generation);
+  }
+
   /** Applies the staged restore: parameters, optimizer state, loss scale, and the communicator's generation. */
   apply(): { step: number; generation: number } {
     const { model, backend } = this.#o;
@@ -1049,20 +1054,16 @@ export class Replica {
 /**
  * The parts of a restore's replica as they arrive (each checked with checkReplicaPart), until
  * every part of one load is here: then take() assembles the replica's values and state vectors
- * in the slab's layout. Parts of another load (another communicator generation) start over: the
- * checkpoint service loads every part of a restore before it announces it, one restore at a
+ * in the slab's layout. Parts of another load (another communicator generation) start a new one:
+ * the checkpoint service loads every part of a restore before it announces it, one restore at a
  * time, so the newest parts are the ones to keep (refusing older generations instead would let
- * one part with a huge one block every restore).
+ * one part with a huge one block every restore). The last complete load stays until it is taken
+ * or a newer one completes: a rank may see the next restore's parts before it takes the one
+ * announced, and then takes that one all the same.
  */
 export class ReplicaStaging {
-  #staged: {
-    step: number;
-    generation: number;
-    parts: number;
-    optimizerSteps: number;
-    lossScale: number;
-    got: Map<number, ShardState>;
-  } | null = null;
+  #complete: StagedLoad | null = null;
+  #loading: StagedLoad | null = null;
 
   constructor(
     readonly job: string,
@@ -1076,28 +1077,40 @@ export class ReplicaStaging {
     checkReplicaPart(s, this.job, this.layout, this.stateNames(), this.totalSteps);
     const parts = s.parts!;
     const g = s.generation!;
-    if (this.#staged === null || this.#staged.generation !== g)
-      this.#staged = { step: s.step, generation: g, parts, optimizerSteps: s.optimizerSteps, lossScale: s.lossScale ?? 0, got: new Map() };
-    const st = this.#staged;
+    // a part of the complete load sent again replaces its copy there
+    if (this.#complete?.generation !== g && (this.#loading === null || this.#loading.generation !== g))
+      this.#loading = { step: s.step, generation: g, parts, optimizerSteps: s.optimizerSteps, lossScale: s.lossScale ?? 0, got: new Map() };
+    const st = this.#complete?.generation === g ? this.#complete : this.#loading!;
     if (st.step !== s.step || st.parts !== parts)
       throw new BadRequestError(`replica part of step ${s.step} (${parts} parts) in a load of step ${st.step} (${st.parts} parts)`);
     st.got.set(s.shard, s);
+    if (st === this.#loading && this.#whole(st)) {
+      this.#complete = st;
+      this.#loading = null;
+    }
   }
 
-  /** The restore staged completely (every part, every chunk once), or null. */
-  get staged(): { step: number; generation: number } | null {
-    const st = this.#staged;
-    if (st === null || st.got.size !== st.parts) return null;
+  #whole(st: StagedLoad): boolean {
+    if (st.got.size !== st.parts) return false;
     const ids = [...st.got.values()].flatMap((p) => p.chunks.map((c) => c.id));
-    if (ids.length !== this.layout.chunks.length || new Set(ids).size !== ids.length) return null;
-    return { step: st.step, generation: st.generation };
+    return ids.length === this.layout.chunks.length && new Set(ids).size === ids.length;
+  }
+
+  /** The newest restore staged completely (every part, every chunk once), or null. */
+  get staged(): { step: number; generation: number } | null {
+    const st = this.#complete;
+    return st === null || !this.#whole(st) ? null : { step: st.step, generation: st.generation };
+  }
+
+  /** Whether a load newer than `generation` has begun (or completed) here: its restore is announced next. */
+  newerThan(generation: number): boolean {
+    return (this.#loading?.generation ?? 0) > generation || (this.#complete?.generation ?? 0) > generation;
   }
 
   /** The complete restore's values and state vectors (slab of `slabNumel`), and its counters; the staging empties. */
   take(slabNumel: number): { step: number; generation: number; optimizerSteps: number; lossScale: number; values: Float32Array; states: Float32Array[] } {
-    const done = this.staged;
-    if (done === null) throw new EngineError("no complete replica is staged");
-    const st = this.#staged!;
+    const st = this.#complete;
+    if (st === null || !this.#whole(st)) throw new EngineError("no complete replica is staged");
     const values = new Float32Array(slabNumel);
     const states = this.stateNames().map(() => new Float32Array(slabNumel));
     for (const part of st.got.values()) {
@@ -1107,9 +1120,18 @@ export class ReplicaStaging {
         c.state.forEach((v, i) => states[i]!.set(v.data, info.offset));
       }
     }
-    this.#staged = null;
-    return { ...done, optimizerSteps: st.optimizerSteps, lossScale: st.lossScale, values, states };
+    this.#complete = null;
+    return { step: st.step, generation: st.generation, optimizerSteps: st.optimizerSteps, lossScale: st.lossScale, values, states };
   }
+}
+
+interface StagedLoad {
+  step: number;
+  generation: number;
+  parts: number;
+  optimizerSteps: number;
+  lossScale: number;
+  got: Map<number, ShardState>;
 }
 
 /**

@@ -291,13 +291,21 @@ describe("a three-server NATS cluster", () => {
     const dead = members.find((m) => m.name !== leader)!;
     process.kill(dead.server.pid, "SIGKILL");
     await dead.server.exited;
+    // the dead server may have led a bucket's stream: the survivors elect another leader first
+    // (seconds, more on a loaded machine), so that the CLI's wait below is about connecting
+    const live = await NatsBus.connect({ url: urlsFrom(members, dead), name: "test-settled", connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
+    try {
+      await waitFor("the job store to answer without the dead server", async () => (await (await JobStore.open(live.nc, { replicas: 3 })).allRecords(), true), 90_000);
+    } finally {
+      await live.close();
+    }
     const cli = Bun.spawnSync([process.execPath, join(import.meta.dir, "..", "..", "sdk", "cli.ts"), "status", "--nats-url", urlsFrom(members, dead)], {
       stdout: "pipe",
       stderr: "pipe",
       env: { ...process.env, MT_KV_REPLICAS: "3", MT_NATS_NKEY: "" },
     });
     expect(cli.exitCode, cli.stderr.toString()).toBe(0);
-  }, 60_000);
+  }, 150_000);
 
   test("replicas 3 on a single server is refused with a ConfigError that names MT_KV_REPLICAS", async () => {
     await using server = await startNatsServer();

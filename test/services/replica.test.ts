@@ -319,6 +319,9 @@ describe("all-reduce replicas", () => {
         for (const p of parts.slice(0, -1)) r.replica.stage({ ...p, generation: 5 });
         expect(r.replica.staged).toBeNull(); // not complete yet
         r.replica.stage({ ...parts.at(-1)!, generation: 5 });
+        // the next restore's first part (a restore right after this one) leaves this load whole
+        r.replica.stage({ ...parts[0]!, generation: 6 });
+        expect([r.replica.staged, r.replica.loadsNewerThan(5), r.replica.loadsNewerThan(6)]).toEqual([{ step: 3, generation: 5 }, true, false]);
         expect(r.replica.apply()).toEqual({ step: 3, generation: 5 });
       }
       for (let s = 3; s < 6; s++) {

@@ -157,8 +157,16 @@ snapshotMs():number {
   return offset ? this.bb!.readFloat32(this.bb_pos + offset) : 0.0;
 }
 
+/**
+ * Restore, all-reduce mode: the communicator generation of the load it announces (0: any)
+ */
+generation():bigint {
+  const offset = this.bb!.__offset(this.bb_pos, 46);
+  return offset ? this.bb!.readUint64(this.bb_pos + offset) : BigInt('0');
+}
+
 static startEvent(builder:flatbuffers.Builder) {
-  builder.startObject(21);
+  builder.startObject(22);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -245,6 +253,10 @@ static addSnapshotMs(builder:flatbuffers.Builder, snapshotMs:number) {
   builder.addFieldFloat32(20, snapshotMs, 0.0);
 }
 
+static addGeneration(builder:flatbuffers.Builder, generation:bigint) {
+  builder.addFieldInt64(21, generation, BigInt('0'));
+}
+
 static endEvent(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -258,7 +270,7 @@ static finishSizePrefixedEventBuffer(builder:flatbuffers.Builder, offset:flatbuf
   builder.finish(offset, 'MTEV', true);
 }
 
-static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, kind:EventKind, rank:number, step:bigint, timeMs:number, loss:number, lr:number, accuracy:number, samplesPerS:number, dataWaitMs:number, pullMs:number, computeMs:number, pushMs:number, textOffset:flatbuffers.Offset, count:number, commMs:number, exposedCommMs:number, wireBytes:number, density:number, snapshotMs:number):flatbuffers.Offset {
+static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, kind:EventKind, rank:number, step:bigint, timeMs:number, loss:number, lr:number, accuracy:number, samplesPerS:number, dataWaitMs:number, pullMs:number, computeMs:number, pushMs:number, textOffset:flatbuffers.Offset, count:number, commMs:number, exposedCommMs:number, wireBytes:number, density:number, snapshotMs:number, generation:bigint):flatbuffers.Offset {
   Event.startEvent(builder);
   Event.addSchemaVersion(builder, schemaVersion);
   Event.addJob(builder, jobOffset);
@@ -281,6 +293,7 @@ static createEvent(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:
   Event.addWireBytes(builder, wireBytes);
   Event.addDensity(builder, density);
   Event.addSnapshotMs(builder, snapshotMs);
+  Event.addGeneration(builder, generation);
   return Event.endEvent(builder);
 }
 }
