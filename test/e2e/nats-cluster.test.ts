@@ -295,7 +295,11 @@ describe("a three-server NATS cluster", () => {
     // (seconds, more on a loaded machine), so that the CLI's wait below is about connecting
     const live = await NatsBus.connect({ url: urlsFrom(members, dead), name: "test-settled", connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
     try {
-      await waitFor("the job store to answer without the dead server", async () => (await (await JobStore.open(live.nc, { replicas: 3 })).allRecords(), true), 90_000);
+      await waitFor(
+        "the job store to answer without the dead server",
+        async () => (await (await JobStore.open(live.nc, { replicas: 3 })).allRecords(), true),
+        90_000,
+      );
     } finally {
       await live.close();
     }
