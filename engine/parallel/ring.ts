@@ -35,7 +35,7 @@ import {
   type ReduceOp,
   segment,
 } from "./collective.ts";
-import type { PeerTransport, Phase, Piece, PieceHeader, Receipt } from "./transport.ts";
+import { MemoryTransport, type PeerTransport, type Phase, type Piece, type PieceHeader, type Receipt } from "./transport.ts";
 
 export interface RingOptions {
   /** an operation that neither receives nor delivers a piece for this long fails */
@@ -533,4 +533,11 @@ export class RingCollective implements Collective {
   #check(): void {
     if (this.#closed) throw new CollectiveClosedError("the collective is closed");
   }
+}
+
+/** `n` ranks of one process joined in a ring over MemoryTransport: data parallelism without a
+ *  mesh (the in-process runner, the engine's tests and benches). */
+export function inProcessRings(n: number, options: Partial<RingOptions> = {}, pieceBytesMax = 1 << 20): RingCollective[] {
+  const peers = new Map<number, MemoryTransport>();
+  return Array.from({ length: n }, (_, r) => new RingCollective(new MemoryTransport(r, peers, pieceBytesMax), n, options));
 }
