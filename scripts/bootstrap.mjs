@@ -1,11 +1,13 @@
 #!/usr/bin/env node
 // Set-up that the two README commands run first. Plain Node (>= 20), no dependencies, so it
-// works on a fresh Debian machine before `npm ci`:
-//   1. Debian packages: OpenBLAS (OpenMP build), C and C++ compilers, nats-server, flatc and
-//      chromium (the tests' browser). Installed with apt-get when running as root; otherwise the
+// works on a fresh Debian machine before `npm ci`. `--for run` (npm start) installs what the
+// main job needs; `--for test` (npm test, and the default) adds what only the tests use.
+//   1. Debian packages: OpenBLAS (OpenMP build), a C compiler and nats-server; for the tests also
+//      a C++ compiler, flatc and chromium (the tests' browser). Installed with apt-get when
+//      running as root, one line per step (apt's own output only when it fails); otherwise the
 //      exact command is printed and set-up goes on.
-//   2. npm packages (Bun among them): `npm ci` when node_modules is missing or older than
-//      package-lock.json.
+//   2. npm packages (Bun among them): `npm ci` (`--omit=dev` for run) when node_modules is
+//      missing, older than package-lock.json, or lacks the development packages the tests need.
 //   3. The C kernel library and the NCCL shim, compiled with the system C compiler (skipped with
 //      a message if the compiler or OpenBLAS is still missing), and the CUDA kernels compiled to
 //      PTX where nvcc is present.
@@ -22,6 +24,15 @@ const log = (line) => console.log(`bootstrap: ${line}`);
 const fail = (line) => console.error(`bootstrap: ${line}`);
 
 if (process.env.MESHTRAIN_SKIP_BOOTSTRAP === "1") process.exit(0);
+
+const purposes = ["run", "test"];
+const forAt = process.argv.indexOf("--for");
+const purpose = forAt === -1 ? "test" : process.argv[forAt + 1];
+if (!purposes.includes(purpose)) {
+  fail(`--for takes ${purposes.join(" or ")}, not ${purpose ?? "nothing"}`);
+  process.exit(2);
+}
+const forTests = purpose === "test";
 
 const major = Number(process.versions.node.split(".")[0]);
 if (major < 20) {
@@ -46,16 +57,17 @@ const needs = [
       ].some((p) => existsSync(p)) || Boolean(process.env.MESHTRAIN_OPENBLAS),
   },
   { what: "a C compiler", pkg: "gcc", ok: () => which(process.env.CC || "cc") || which("gcc") || which("clang") },
-  // the tests run the CUDA kernels on a host emulator compiled as C++ (test/ffi/fixtures/cuda-emu)
-  { what: "a C++ compiler", pkg: "g++", ok: () => which("g++") },
-  // the mesh: a local nats-server for the launcher and the tests, flatc for `bun run schemas`
+  // the mesh: a local nats-server for the launcher and the tests
   { what: "nats-server", pkg: "nats-server", ok: () => which("nats-server") || Boolean(process.env.MESHTRAIN_NATS_SERVER) },
-  { what: "the FlatBuffers compiler", pkg: "flatbuffers-compiler", ok: () => which("flatc") },
+  // the tests run the CUDA kernels on a host emulator compiled as C++ (test/ffi/fixtures/cuda-emu)
+  { what: "a C++ compiler", pkg: "g++", tests: true, ok: () => which("g++") },
+  // the tests check that schemas/generated is what flatc makes (`bun run schemas`)
+  { what: "the FlatBuffers compiler", pkg: "flatbuffers-compiler", tests: true, ok: () => which("flatc") },
   // the tests' browser: playwright-core drives it to check the live dashboard's page
-  { what: "chromium (the tests' browser)", pkg: "chromium", ok: () => which("chromium") || which("chromium-browser") },
+  { what: "chromium (the tests' browser)", pkg: "chromium", tests: true, ok: () => which("chromium") || which("chromium-browser") },
 ];
 
-const missing = needs.filter((n) => !n.ok());
+const missing = needs.filter((n) => (forTests || !n.tests) && !n.ok());
 if (missing.length > 0) {
   const pkgs = missing.map((n) => n.pkg);
   const isRoot = typeof process.getuid === "function" && process.getuid() === 0;
@@ -79,14 +91,23 @@ function aptInstall(missing, pkgs) {
   const reason = aptUpdateReason(lists, policy.stdout ?? "", pkgs);
   if (reason !== null) {
     log(`${reason}; running: apt-get update`);
-    const u = spawnSync("apt-get", ["update"], { stdio: "inherit", env });
     // a failed update is reported; the install below then says which packages it cannot find
-    if (u.status !== 0) fail(`apt-get update failed (exit ${u.status})`);
+    quietly("apt-get", ["update"], env);
   }
   const args = ["install", "-y", "-q", "--no-install-recommends", ...pkgs];
   log(`installing ${missing.map((n) => n.what).join(", ")}: apt-get ${args.join(" ")}`);
-  const r = spawnSync("apt-get", args, { stdio: "inherit", env });
-  if (r.status !== 0) fail(`apt-get failed (exit ${r.status}); install by hand: apt-get update && apt-get ${args.join(" ")}`);
+  if (!quietly("apt-get", args, env)) fail(`install by hand: apt-get update && apt-get ${args.join(" ")}`);
+}
+
+/** Runs a command with its output kept back; on failure prints that output (its last 60 lines)
+ *  to stderr. Whether it succeeded. */
+function quietly(cmd, args, env) {
+  const r = spawnSync(cmd, args, { env, encoding: "utf8", stdio: ["ignore", "pipe", "pipe"], maxBuffer: 256 << 20 });
+  if (r.status === 0) return true;
+  const out = `${r.stdout ?? ""}${r.stderr ?? ""}`.trimEnd().split("\n").slice(-60);
+  for (const line of out) fail(`  ${line}`);
+  fail(`${cmd} ${args[0]} failed (${r.error ? r.error.message : `exit ${r.status}`})`);
+  return false;
 }
 
 // ---- npm packages --------------------------------------------------------------------------
@@ -94,16 +115,18 @@ const lock = join(root, "package-lock.json");
 const stamp = join(root, "node_modules", ".meshtrain-lock-mtime");
 const lockStamp = String(statSync(lock).mtimeMs) + ":" + readFileSync(lock).length;
 const bunBinary = join(root, "node_modules", ".bin", "bun");
-const upToDate = existsSync(bunBinary) && existsSync(stamp) && readFileSync(stamp, "utf8") === lockStamp;
+// the stamp: the lock it was installed from, and ":dev" when the development packages are in
+const installed = existsSync(bunBinary) && existsSync(stamp) ? readFileSync(stamp, "utf8") : "";
+const upToDate = installed === `${lockStamp}:dev` || (!forTests && installed === lockStamp);
 if (!upToDate) {
-  const args = ["ci", "--no-audit", "--no-fund"];
-  log(`installing npm packages: npm ${args.join(" ")}`);
+  const args = ["ci", "--no-audit", "--no-fund", ...(forTests ? [] : ["--omit=dev"])];
+  log(`installing npm packages${forTests ? "" : " (the ones the main job needs)"}: npm ${args.join(" ")}`);
   const r = spawnSync("npm", args, { cwd: root, stdio: "inherit" });
   if (r.status !== 0) {
     fail(`npm ci failed (exit ${r.status})`);
     process.exit(1);
   }
-  writeFileSync(stamp, lockStamp);
+  writeFileSync(stamp, forTests ? `${lockStamp}:dev` : lockStamp);
 }
 
 // ---- native kernels ------------------------------------------------------------------------
