@@ -14,6 +14,7 @@
 // scale.
 import { NonFiniteLossError, ConfigError, EngineError, ShapeError } from "./errors.ts";
 import type { Model } from "./models/model.ts";
+import type { ParamStore } from "./params.ts";
 import { clipGradNorm } from "./optim/clip.ts";
 import { type LossScaleConfig, LossScaler } from "./optim/loss-scale.ts";
 import type { Optimizer } from "./optim/optimizer.ts";
@@ -126,28 +127,63 @@ export function lossAndGradients(
   const k = micro.length;
   const dloss = (scaler?.scale ?? 1) / k;
   store.zeroGrad();
-  // The micro-batches' losses are gathered on the device and read once, after the last backward
-  // is queued: on a GPU each read makes the host wait for every pass queued before it, and the
-  // GPU then idles while the host queues the next.
-  const slots = ctx.scalarSlots(k);
+  const losses = new LossSlots(ctx, k);
   micro.forEach((b, i) => {
-    ctx.newPass();
-    const { x, y } = uploadBatch(ctx, b);
-    const l = model.loss(x, y);
+    const l = forwardPass(ctx, model, b);
     ctx.backward(l, dloss);
-    ctx.backend.copy(slots + 4 * i, l.ptr, 4);
+    losses.keep(i, l);
   });
-  const values = new Float32Array(k);
-  ctx.backend.download(slots, values);
-  let loss = 0;
-  for (const value of values) {
-    // stop before the update: the parameters stay as they were at the last good step (the
-    // gradient slab holds what backward made of the bad loss; the next call zeroes it)
-    if (!Number.isFinite(value)) throw new NonFiniteLossError(step, value);
-    loss += value / k;
+  // stop before the update: the parameters stay as they were at the last good step (the
+  // gradient slab holds what backward made of the bad loss; the next call zeroes it)
+  const loss = losses.mean(step, true);
+  return { loss, ...unscaleAndClip(ctx, model.store, scaler, gradClip) };
+}
+
+/** One micro-batch's forward pass, in a new pass of the context's arena: its loss. */
+export function forwardPass(ctx: Context, model: Model, b: HostBatch): Tensor {
+  ctx.newPass();
+  const { x, y } = uploadBatch(ctx, b);
+  return model.loss(x, y);
+}
+
+/**
+ * The micro-batches' losses, kept on the device and read once, after the last backward is
+ * queued: on a GPU each read makes the host wait for every pass queued before it, and the GPU
+ * then idles while the host queues the next.
+ */
+export class LossSlots {
+  readonly #ptr: number;
+
+  constructor(
+    readonly ctx: Context,
+    readonly k: number,
+  ) {
+    this.#ptr = k > 0 ? ctx.scalarSlots(k) : 0;
   }
-  if (scaler !== null && !scaler.unscale(ctx, store)) return { loss, gradNorm: Infinity, finite: false };
-  return { loss, gradNorm: clipGradNorm(ctx, store, gradClip), finite: true };
+
+  /** Keeps micro-batch i's loss. */
+  keep(i: number, loss: Tensor): void {
+    this.ctx.backend.copy(this.#ptr + 4 * i, loss.ptr, 4);
+  }
+
+  /** The mean loss (0 without micro-batches); with `check`, NonFiniteLossError at a non-finite one. */
+  mean(step: number, check: boolean): number {
+    if (this.k === 0) return 0;
+    const values = new Float32Array(this.k);
+    this.ctx.backend.download(this.#ptr, values);
+    let loss = 0;
+    for (const value of values) {
+      if (check && !Number.isFinite(value)) throw new NonFiniteLossError(step, value);
+      loss += value / this.k;
+    }
+    return loss;
+  }
+}
+
+/** The step's summed gradient, unscaled (f16: a skipped step when it overflowed) and clipped by its global norm. */
+export function unscaleAndClip(ctx: Context, store: ParamStore, scaler: LossScaler | null, gradClip: number): { gradNorm: number; finite: boolean } {
+  if (scaler !== null && !scaler.unscale(ctx, store)) return { gradNorm: Infinity, finite: false };
+  return { gradNorm: clipGradNorm(ctx, store, gradClip), finite: true };
 }
 
 export interface EvalResult {

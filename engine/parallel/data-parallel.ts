@@ -43,13 +43,12 @@ import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { EngineError, NonFiniteLossError } from "../errors.ts";
 import type { Model } from "../models/model.ts";
 import { AdamW } from "../optim/adamw.ts";
-import { clipGradNorm } from "../optim/clip.ts";
 import { LossScaler } from "../optim/loss-scale.ts";
 import type { Optimizer, UpdatePlan } from "../optim/optimizer.ts";
 import { Sgd } from "../optim/sgd.ts";
 import type { ParamEntry, ParamStore } from "../params.ts";
 import { Context, type Tensor } from "../tensor.ts";
-import { type HostBatch, uploadBatch } from "../train.ts";
+import { forwardPass, type HostBatch, LossSlots, unscaleAndClip, uploadBatch } from "../train.ts";
 import { BadPieceError, type Collective } from "./collective.ts";
 import { Codec, density, ErrorFeedback, parseCompression } from "./compress.ts";
 import { type ModelMemory, type Partition, partitionOf, type ZeroStage } from "./zero.ts";
@@ -136,6 +135,37 @@ interface HostPartition {
   params: Allocation;
   grads: Allocation;
   scratch: Allocation;
+}
+
+/** A step's collectives in flight: how many, since when, and all of them to await. */
+class InFlight {
+  #pending: Promise<void>[] = [];
+  #running = 0;
+  /** operations started this step */
+  count = 0;
+  /** when the first started (Infinity: none yet) */
+  firstStart = Infinity;
+
+  add(op: Promise<void>): void {
+    this.firstStart = Math.min(this.firstStart, performance.now());
+    this.count++;
+    this.#running++;
+    const tracked = op.finally(() => this.#running--);
+    tracked.catch(() => {}); // awaited by all()
+    this.#pending.push(tracked);
+  }
+
+  /** Whether any is still running (backward then yields to let its pieces move). */
+  get busy(): boolean {
+    return this.#running > 0;
+  }
+
+  /** Waits for every operation added so far; the next ones start a new batch. */
+  async all(): Promise<void> {
+    const pending = this.#pending;
+    this.#pending = [];
+    await Promise.all(pending);
+  }
 }
 
 export class DataParallel {
@@ -333,70 +363,47 @@ export class DataParallel {
    * over all ranks (`totalRows` samples), and the update at `lr`.
    */
   async step(step: number, micro: readonly HostBatch[], rows: number, totalRows: number, lr: number): Promise<DataParallelStepResult> {
+    this.codec.atStep(step, this.#o.warmupSteps);
+    return this.zero > 0 ? this.#stepZero(step, micro, rows, totalRows, lr) : this.#stepReplica(step, micro, rows, totalRows, lr);
+  }
+
+  /** Stage 0: each bucket all-reduced as backward completes it, then the same update on every rank. */
+  async #stepReplica(step: number, micro: readonly HostBatch[], rows: number, totalRows: number, lr: number): Promise<DataParallelStepResult> {
     const { ctx, model } = this.#o;
     const backend = ctx.backend;
     const store = model.store;
-    this.codec.atStep(step, this.#o.warmupSteps);
-    if (this.zero > 0) return this.#stepZero(step, micro, rows, totalRows, lr);
     const buckets = this.#plan();
     const t0 = performance.now();
-    const weight = totalRows > 0 ? rows / totalRows : 0;
     const collective = this.#o.collective();
-    const pending: Promise<void>[] = [];
-    let inFlight = 0;
-    let firstStart = Infinity;
-    const left = new Map(buckets.map((b) => [b, b.entries.length]));
+    const flight = new InFlight();
     const launch = (b: Bucket) => {
       let at = 0;
       for (const e of b.entries) {
         backend.download(store.grads.ptr + e.offset * 4, b.buf.subarray(at, at + e.numel));
         at += e.numel;
       }
-      firstStart = Math.min(firstStart, performance.now());
-      inFlight++;
       const key = { step, bucket: b.id };
-      const op = (b.feedback ? this.#compressedAllReduce(b, key) : collective.allReduce(b.buf, key, "sum")).finally(() => inFlight--);
-      op.catch(() => {}); // awaited below
-      pending.push(op);
+      flight.add(b.feedback ? this.#compressedAllReduce(b, key) : collective.allReduce(b.buf, key, "sum"));
     };
-
     store.zeroGrad();
     this.#dense = { nonzero: 0, total: 0 };
-    let loss = 0;
     const k = micro.length;
     // the rank's share of the global batch is folded into the loss's seed, so the gradients
     // come out of backward already weighted and the buckets' sum is the global mean
-    const dloss = ((this.scaler?.scale ?? 1) * weight) / Math.max(k, 1);
-    if (k > 0) {
-      const slots = ctx.scalarSlots(k);
-      for (let i = 0; i < k; i++) {
-        ctx.newPass();
-        const { x, y } = uploadBatch(ctx, micro[i]!);
-        const l = model.loss(x, y);
-        backend.copy(slots + 4 * i, l.ptr, 4);
-        if (i < k - 1) {
-          ctx.backward(l, dloss);
-          continue;
-        }
-        for (const ready of ctx.backwardSteps(l, dloss)) {
-          for (const t of ready) {
-            const b = this.#bucketFor(t);
-            const n = left.get(b)! - 1;
-            left.set(b, n);
-            if (n === 0) launch(b);
-          }
-          // let the buckets in flight move while backward goes on
-          if (inFlight > 0) await new Promise<void>((r) => setImmediate(r));
-        }
-      }
-      const values = new Float32Array(k);
-      backend.download(slots, values);
-      for (const v of values) loss += v / k;
+    const dloss = ((this.scaler?.scale ?? 1) * (totalRows > 0 ? rows / totalRows : 0)) / Math.max(k, 1);
+    const losses = new LossSlots(ctx, k);
+    const left = new Map(buckets.map((b) => [b, b.entries.length]));
+    for (let i = 0; i < k; i++) {
+      const l = forwardPass(ctx, model, micro[i]!);
+      losses.keep(i, l);
+      if (i < k - 1) ctx.backward(l, dloss);
+      else await this.#backward(l, dloss, step, (b) => this.#oneLess(left, b) && launch(b), flight);
     }
+    const loss = losses.mean(step, false);
     // buckets not launched yet: a rank without samples this step, or gradients no op wrote
     for (const b of buckets) if (left.get(b)! > 0) launch(b);
     const tBackward = performance.now();
-    await Promise.all(pending);
+    await flight.all();
     const tReduced = performance.now();
     // offload: the reduced gradients stay on the host, in the mirror the optimizer runs on
     const [gradCtx, gradStore] = this.#host ? [this.#host.ctx, this.#host.store] : [ctx, store];
@@ -410,11 +417,8 @@ export class DataParallel {
     // a non-finite loss stops the job, but only after the reduction: the peers are not left
     // waiting for this rank's buckets
     if (!Number.isFinite(loss)) throw new NonFiniteLossError(step, loss);
-    let finite = true,
-      gradNorm = Infinity;
-    if (this.scaler !== null) finite = this.scaler.unscale(gradCtx, gradStore);
+    const { finite, gradNorm } = unscaleAndClip(gradCtx, gradStore, this.scaler, this.#o.gradClip);
     if (finite) {
-      gradNorm = clipGradNorm(gradCtx, gradStore, this.#o.gradClip);
       this.optimizer.step(lr);
       // offload: the updated master parameters back to the device
       if (this.#host) store.writeValues(this.#host.store.readValues());
@@ -426,10 +430,39 @@ export class DataParallel {
       gradNorm,
       skipped: !finite,
       computeMs: tBackward - t0 + (t1 - tReduced),
-      commMs: pending.length > 0 ? tReduced - firstStart : 0,
+      commMs: flight.count > 0 ? tReduced - flight.firstStart : 0,
       exposedCommMs: tReduced - tBackward,
       density: this.#density,
     };
+  }
+
+  /** Counts one more of bucket b's gradients as written; whether that was its last. */
+  #oneLess(left: Map<Bucket, number>, b: Bucket): boolean {
+    const n = left.get(b)! - 1;
+    left.set(b, n);
+    return n === 0;
+  }
+
+  /**
+   * Backward from loss `l` (seed `seed`), one tape node at a time: each parameter gradient it
+   * completes goes to `ready` (its bucket), and while buckets are in flight backward yields to
+   * the event loop between nodes, so their pieces move while the next gradients are computed.
+   * Stage 3 gathers the parameters each node reads before it runs.
+   */
+  async #backward(l: Tensor, seed: number, step: number, ready: (b: Bucket) => void, flight: InFlight): Promise<void> {
+    const ctx = this.#o.ctx;
+    if (this.zero === 3) {
+      for (const ev of ctx.backwardEvents(l, seed)) {
+        if ("need" in ev) await this.#gatherFor(ev.need, step);
+        else for (const t of ev.ready) ready(this.#bucketFor(t));
+        if (flight.busy) await new Promise<void>((r) => setImmediate(r));
+      }
+      return;
+    }
+    for (const done of ctx.backwardSteps(l, seed)) {
+      for (const t of done) ready(this.#bucketFor(t));
+      if (flight.busy) await new Promise<void>((r) => setImmediate(r));
+    }
   }
 
   /**
@@ -441,113 +474,109 @@ export class DataParallel {
    * optimizer on the partition, and each bucket's updated parameters all-gathered.
    */
   async #stepZero(step: number, micro: readonly HostBatch[], rows: number, totalRows: number, lr: number): Promise<DataParallelStepResult> {
+    const t0 = performance.now();
+    const flight = new InFlight();
+    const loss = await this.#zeroPasses(step, micro, rows, totalRows, flight);
+    const tBackward = performance.now();
+    await flight.all();
+    if (!Number.isFinite(loss)) throw new NonFiniteLossError(step, loss);
+    const { finite, gradNorm } = await this.#zeroUpdate(step, lr);
+    // every rank's updated partition to every rank (stage 3 gathers them as the next pass needs them)
+    if (finite && this.zero < 3) await this.#gatherUpdated(step);
+    this.#updateScale(finite, step);
+    const t1 = performance.now();
+    return {
+      loss,
+      gradNorm,
+      skipped: !finite,
+      computeMs: tBackward - t0,
+      commMs: t1 - Math.min(flight.firstStart, tBackward),
+      exposedCommMs: t1 - tBackward,
+      density: this.#density,
+    };
+  }
+
+  /**
+   * ZeRO: the micro-batches' passes, each bucket reduce-scattered as backward completes it (stage
+   * 2: every micro-batch's, its gradients living in that pass's arena; the ranks agree on the
+   * rounds, so a rank with fewer micro-batches reduces zeros). Returns the mean loss; the
+   * reductions are in `flight`.
+   */
+  async #zeroPasses(step: number, micro: readonly HostBatch[], rows: number, totalRows: number, flight: InFlight): Promise<number> {
     const { ctx, model } = this.#o;
-    const backend = ctx.backend;
     const store = model.store;
-    const part = this.partition!;
     const buckets = this.#plan();
     const stage2 = this.zero >= 2;
     const stage3 = this.zero === 3;
-    const t0 = performance.now();
-    const weight = totalRows > 0 ? rows / totalRows : 0;
-    const collective = this.#o.collective();
-    let pending: Promise<void>[] = [];
-    let inFlight = 0;
-    let firstStart = Infinity;
-    const launch = (b: Bucket, round: number) => {
-      let at = 0;
-      for (const e of b.entries) {
-        const dst = b.buf.subarray(at, at + e.numel);
-        const grad = stage2 ? store.gradOf(e.name) : null;
-        if (!stage2) backend.download(store.grads.ptr + e.offset * 4, dst);
-        else if (grad === null)
-          dst.fill(0); // no op read it in this micro-batch
-        else backend.download(grad.ptr, dst);
-        at += e.numel;
-      }
-      firstStart = Math.min(firstStart, performance.now());
-      inFlight++;
-      const key = { step, bucket: round * buckets.length + b.id };
-      const op = (b.feedback ? this.#compressedAllReduce(b, key) : collective.reduceScatter(b.buf, key))
-        .then(() => this.#keep(b, round > 0))
-        .finally(() => inFlight--);
-      op.catch(() => {}); // awaited below
-      pending.push(op);
-    };
-
-    let loss = 0;
     const k = micro.length;
-    const dloss = ((this.scaler?.scale ?? 1) * weight) / Math.max(k, 1);
-    // stage 2 reduces every micro-batch (its gradients live in that pass's arena); the ranks
-    // agree on the rounds, so a rank with fewer micro-batches reduces zeros
+    const dloss = ((this.scaler?.scale ?? 1) * (totalRows > 0 ? rows / totalRows : 0)) / Math.max(k, 1);
     const rounds = stage2 ? Math.max(this.#o.accumSteps, k, 1) : 1;
-    const slots = k > 0 ? ctx.scalarSlots(k) : 0;
+    const losses = new LossSlots(ctx, k);
     store.zeroGrad();
     this.#dense = { nonzero: 0, total: 0 };
     for (let i = 0; i < Math.max(k, rounds); i++) {
       const round = stage2 ? i : 0;
       if (stage2) store.zeroGrad(); // drops the last pass's arena gradients
       const left = new Map(buckets.map((b) => [b, b.entries.length]));
+      const complete = (b: Bucket) => {
+        if (!this.#oneLess(left, b)) return;
+        flight.add(this.#reduceScatter(b, step, round));
+        if (stage3) this.#release(b); // no later backward node reads its parameters
+      };
       // stage 3: a rank without a micro-batch this round still takes part in the rounds'
       // parameter gathers: it runs the probe batch with a zero loss seed (zero gradients)
       const batch = i < k ? micro[i]! : stage3 && i < rounds ? this.#o.probe : null;
       if (batch !== null) {
-        const seed = i < k ? dloss : 0;
         ctx.newPass();
         const { x, y } = uploadBatch(ctx, batch);
         const l = stage3 ? await this.#lossGathered(x, y, step) : model.loss(x, y);
-        if (i < k) backend.copy(slots + 4 * i, l.ptr, 4);
+        if (i < k) losses.keep(i, l);
         if (!stage2 && i < k - 1) {
-          ctx.backward(l, seed);
+          ctx.backward(l, dloss); // stage 1 adds the micro-batches up in the slab and reduces once
           continue;
         }
-        const done = (t: Tensor) => {
-          const b = this.#bucketFor(t);
-          const n = left.get(b)! - 1;
-          left.set(b, n);
-          if (n > 0) return;
-          launch(b, round);
-          if (stage3) this.#release(b); // no later backward node reads its parameters
-        };
-        if (stage3) {
-          for (const ev of ctx.backwardEvents(l, seed)) {
-            if ("need" in ev) await this.#gatherFor(ev.need, step);
-            else for (const t of ev.ready) done(t);
-            if (inFlight > 0) await new Promise<void>((r) => setImmediate(r));
-          }
-        } else {
-          for (const ready of ctx.backwardSteps(l, seed)) {
-            for (const t of ready) done(t);
-            if (inFlight > 0) await new Promise<void>((r) => setImmediate(r));
-          }
-        }
+        await this.#backward(l, i < k ? dloss : 0, step, complete, flight);
       }
       if (stage3) await this.releaseAll();
       if (i >= rounds) continue;
-      for (const b of buckets) if (left.get(b)! > 0) launch(b, round);
+      for (const b of buckets) if (left.get(b)! > 0) flight.add(this.#reduceScatter(b, step, round));
       // the buckets' buffers are reused by the next round
-      if (stage2 && i < Math.max(k, rounds) - 1) {
-        await Promise.all(pending);
-        pending = [];
-      }
+      if (stage2 && i < Math.max(k, rounds) - 1) await flight.all();
     }
-    if (k > 0) {
-      const values = new Float32Array(k);
-      backend.download(slots, values);
-      for (const v of values) loss += v / k;
-    }
-    const tBackward = performance.now();
-    await Promise.all(pending);
-    const tReduced = performance.now();
-    if (!Number.isFinite(loss)) throw new NonFiniteLossError(step, loss);
+    return losses.mean(step, false);
+  }
 
-    // overflow and the norm, over every rank's partition (offload: in host memory, where the
-    // partition's gradients are)
-    const ranges = part.ranges.flat();
+  /** ZeRO: bucket b's gradients of this round reduce-scattered; this rank keeps (adds in) its segment. */
+  #reduceScatter(b: Bucket, step: number, round: number): Promise<void> {
+    const backend = this.#o.ctx.backend;
+    const store = this.#o.model.store;
+    const stage2 = this.zero >= 2;
+    let at = 0;
+    for (const e of b.entries) {
+      const dst = b.buf.subarray(at, at + e.numel);
+      const grad = stage2 ? store.gradOf(e.name) : null;
+      if (!stage2) backend.download(store.grads.ptr + e.offset * 4, dst);
+      else if (grad === null)
+        dst.fill(0); // no op read it in this micro-batch
+      else backend.download(grad.ptr, dst);
+      at += e.numel;
+    }
+    const key = { step, bucket: round * this.#buckets!.length + b.id };
+    return (b.feedback ? this.#compressedAllReduce(b, key) : this.#o.collective().reduceScatter(b.buf, key)).then(() => this.#keep(b, round > 0));
+  }
+
+  /**
+   * ZeRO: overflow and the global norm over every rank's partition (one small all-reduce; offload:
+   * in host memory, where the partition's gradients are), then unscale, clip and the optimizer on
+   * this rank's partition.
+   */
+  async #zeroUpdate(step: number, lr: number): Promise<{ finite: boolean; gradNorm: number }> {
+    const store = this.#o.model.store;
+    const ranges = this.partition!.ranges.flat();
     const hp = this.#hostPart;
-    const gb = hp?.ctx.backend ?? backend;
+    const gb = hp?.ctx.backend ?? this.#o.ctx.backend;
     const gradAt = (r: (typeof ranges)[number]) =>
-      hp !== null ? hp.grads.ptr + r.stateOffset * 4 : stage2 ? this.#ownedGrads!.ptr + r.stateOffset * 4 : store.grads.ptr + r.paramOffset * 4;
+      hp !== null ? hp.grads.ptr + r.stateOffset * 4 : this.zero >= 2 ? this.#ownedGrads!.ptr + r.stateOffset * 4 : store.grads.ptr + r.paramOffset * 4;
     const stats = new Float32Array(2);
     let nonFinite = 0,
       sumSq = 0;
@@ -557,45 +586,39 @@ export class DataParallel {
     }
     stats[0] = nonFinite;
     stats[1] = nonFinite > 0 ? 0 : sumSq;
-    await collective.allReduce(stats, { step, bucket: statsBucket }, "sum");
-    const finite = stats[0] === 0;
+    await this.#o.collective().allReduce(stats, { step, bucket: statsBucket }, "sum");
+    if (stats[0] !== 0) return { finite: false, gradNorm: Infinity };
     const scale = this.scaler?.scale ?? 1;
-    let gradNorm = Infinity;
-    if (finite) {
-      gradNorm = Math.sqrt(stats[1]!) / scale;
-      let factor = 1 / scale;
-      if (this.#o.gradClip > 0 && gradNorm > this.#o.gradClip) factor *= this.#o.gradClip / (gradNorm + 1e-6);
-      if (factor !== 1) for (const r of ranges) gb.scale(gradAt(r), r.numel, factor);
-      this.optimizer.step(lr);
-      // offload: the host's updated partition back to the device (stage 3: the packed partition)
-      if (hp !== null) this.#partitionToDevice(hp);
-    }
-    // every rank's updated partition to every rank (stage 3 gathers them as the next pass needs them)
-    if (finite && !stage3) {
-      const gathers = buckets.map((b) => {
-        for (const r of part.ranges[b.id]!) backend.download(store.values.ptr + r.paramOffset * 4, b.buf.subarray(r.bucketOffset, r.bucketOffset + r.numel));
-        return collective.allGather(b.buf, { step, bucket: gatherBucket + b.id });
-      });
-      await Promise.all(gathers);
-      for (const b of buckets) {
-        let at = 0;
-        for (const e of b.entries) {
-          backend.upload(store.values.ptr + e.offset * 4, b.buf.subarray(at, at + e.numel));
-          at += e.numel;
-        }
+    const gradNorm = Math.sqrt(stats[1]!) / scale;
+    const clip = this.#o.gradClip;
+    let factor = 1 / scale;
+    if (clip > 0 && gradNorm > clip) factor *= clip / (gradNorm + 1e-6);
+    if (factor !== 1) for (const r of ranges) gb.scale(gradAt(r), r.numel, factor);
+    this.optimizer.step(lr);
+    // offload: the host's updated partition back to the device (stage 3: the packed partition)
+    if (hp !== null) this.#partitionToDevice(hp);
+    return { finite: true, gradNorm };
+  }
+
+  /** ZeRO stages 1-2: every rank's updated partition all-gathered into every rank's parameters. */
+  async #gatherUpdated(step: number): Promise<void> {
+    const backend = this.#o.ctx.backend;
+    const store = this.#o.model.store;
+    const buckets = this.#buckets!;
+    const collective = this.#o.collective();
+    const gathers = buckets.map((b) => {
+      for (const r of this.partition!.ranges[b.id]!)
+        backend.download(store.values.ptr + r.paramOffset * 4, b.buf.subarray(r.bucketOffset, r.bucketOffset + r.numel));
+      return collective.allGather(b.buf, { step, bucket: gatherBucket + b.id });
+    });
+    await Promise.all(gathers);
+    for (const b of buckets) {
+      let at = 0;
+      for (const e of b.entries) {
+        backend.upload(store.values.ptr + e.offset * 4, b.buf.subarray(at, at + e.numel));
+        at += e.numel;
       }
     }
-    this.#updateScale(finite, step);
-    const t1 = performance.now();
-    return {
-      loss,
-      gradNorm,
-      skipped: !finite,
-      computeMs: tBackward - t0,
-      commMs: t1 - Math.min(firstStart, tBackward),
-      exposedCommMs: t1 - tBackward,
-      density: this.#density,
-    };
   }
 
   /** The buckets holding parameters `names`, in the order the names first come. */

@@ -68,7 +68,10 @@ async function compare(ranks: number, over: Partial<DataParallelOptions>, steps:
   try {
     for (let s = 0; s < steps; s++) {
       const whole = train.run([batch(s * ranks * b, ranks * b)]);
-      const results = await Promise.all(dps.map((dp, r) => dp.step(s, [batch(s * ranks * b + r * b, b)], b, ranks * b, lr)));
+      // rank r's rows, in accumSteps equal micro-batches
+      const k = over.accumSteps ?? 1;
+      const micro = (r: number) => Array.from({ length: k }, (_, j) => batch(s * ranks * b + r * b + (j * b) / k, b / k));
+      const results = await Promise.all(dps.map((dp, r) => dp.step(s, micro(r), b, ranks * b, lr)));
       const loss = results.reduce((sum, x) => sum + x.loss, 0) / ranks;
       worst = Math.max(worst, Math.abs(loss - whole.loss) / Math.abs(whole.loss), Math.abs(results[0]!.gradNorm - whole.gradNorm) / whole.gradNorm);
       for (const x of results) expect(x.gradNorm).toBe(results[0]!.gradNorm);
@@ -93,6 +96,10 @@ describe("data parallelism in one process", () => {
     ["ZeRO 3", { zero: 3 }],
     ["offload", { offload: true }],
     ["ZeRO 2 with offload", { zero: 2, offload: true }],
+    ["ZeRO 0, 2 micro-batches", { accumSteps: 2 }],
+    ["ZeRO 1, 2 micro-batches", { zero: 1, accumSteps: 2 }],
+    ["ZeRO 2, 3 micro-batches", { zero: 2, accumSteps: 3 }],
+    ["ZeRO 3, 2 micro-batches", { zero: 3, accumSteps: 2 }],
   ] as [string, Partial<DataParallelOptions>][])(
     "%s: 3 ranks follow one process with the whole batch for 8 steps (<= 1e-4); the replicas agree bit for bit",
     async (_, over) => {
