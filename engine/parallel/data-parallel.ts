@@ -64,6 +64,28 @@ const paramGatherBucket = 1 << 22;
 /** Bits of the parameter hash per float (exact as an f32 integer, never a NaN). */
 const hashBitsPerFloat = 21;
 
+/**
+ * Whether `n` copies of one model hold the same parameters: copy `me` all-gathers a 63-bit hash of
+ * its `values` (three 21-bit floats, exact in f32, never a NaN) over `collective`, as every other
+ * copy does at the same `step`. Returns the copies whose hash differs from copy 0's, and each
+ * copy's hash as text.
+ */
+export async function compareCopies(
+  collective: Collective,
+  values: Float32Array,
+  me: number,
+  n: number,
+  step: number,
+): Promise<{ differ: number[]; hashOf: (copy: number) => string }> {
+  const h = Bun.hash(new Uint8Array(values.buffer, values.byteOffset, values.byteLength));
+  const buf = new Float32Array(3 * n);
+  const mask = (1n << BigInt(hashBitsPerFloat)) - 1n;
+  for (let i = 0; i < 3; i++) buf[3 * me + i] = Number((BigInt(h) >> BigInt(hashBitsPerFloat * i)) & mask);
+  await collective.allGather(buf, { step, bucket: checkBucket });
+  const hashOf = (c: number) => [0, 1, 2].map((i) => buf[3 * c + i]!.toString(16)).join(".");
+  return { differ: Array.from({ length: n }, (_, c) => c).filter((c) => hashOf(c) !== hashOf(0)), hashOf };
+}
+
 export class ReplicaDivergedError extends Error {
   override readonly name = "ReplicaDivergedError";
 }
@@ -843,15 +865,9 @@ export class DataParallel {
    * parameter slab. A difference throws ReplicaDivergedError naming the ranks (on every rank).
    */
   async checkReplicas(step: number): Promise<void> {
-    const { ranks: n, rank, model } = this.#o;
+    const { ranks, rank, model } = this.#o;
     if (this.zero === 3) return; // each rank holds only its partition of the parameters: no replica to compare
-    const h = Bun.hash(new Uint8Array(model.store.readValues().buffer));
-    const buf = new Float32Array(3 * n);
-    const mask = (1n << BigInt(hashBitsPerFloat)) - 1n;
-    for (let i = 0; i < 3; i++) buf[3 * rank + i] = Number((BigInt(h) >> BigInt(hashBitsPerFloat * i)) & mask);
-    await this.#o.collective().allGather(buf, { step, bucket: checkBucket });
-    const hashOf = (r: number) => [0, 1, 2].map((i) => buf[3 * r + i]!.toString(16)).join(".");
-    const differ = Array.from({ length: n }, (_, r) => r).filter((r) => hashOf(r) !== hashOf(0));
+    const { differ, hashOf } = await compareCopies(this.#o.collective(), model.store.readValues(), rank, ranks, step);
     if (differ.length > 0) {
       throw new ReplicaDivergedError(
         `the replicas diverged by step ${step}: the parameters of rank${differ.length > 1 ? "s" : ""} ${differ.join(", ")} ` +

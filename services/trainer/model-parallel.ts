@@ -26,6 +26,7 @@ import type { Optimizer } from "../../engine/optim/optimizer.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
 import { slabLayoutOf } from "../../engine/params.ts";
 import { CollectiveClosedError } from "../../engine/parallel/collective.ts";
+import { compareCopies } from "../../engine/parallel/data-parallel.ts";
 import {
   coordsOf,
   type LayoutCoords,
@@ -49,11 +50,6 @@ import { buildLayout, type Layout } from "../runtime/layout.ts";
 import { modelConfigOf } from "../runtime/model.ts";
 import { cutPartition, type ReplicaMeta } from "../runtime/replica-parts.ts";
 import { ReplicaStaging, type ReplicaStepResult } from "./replica.ts";
-
-/** Bits of the parameter hash per float (exact as an f32 integer, never a NaN). */
-const hashBitsPerFloat = 21;
-/** The replica check's key (the training steps' keys are below it) */
-const checkBucket = 1 << 24;
 
 export interface ModelParallelOptions {
   bus: Bus;
@@ -221,14 +217,7 @@ export class ModelParallelReplica {
   async checkReplicas(step: number): Promise<void> {
     const data = this.#rank.rings.data;
     if (data === null) return;
-    const h = Bun.hash(new Uint8Array(this.model.store.readValues().buffer));
-    const n = data.size;
-    const buf = new Float32Array(3 * n);
-    const mask = (1n << BigInt(hashBitsPerFloat)) - 1n;
-    for (let i = 0; i < 3; i++) buf[3 * this.coords.d + i] = Number((BigInt(h) >> BigInt(hashBitsPerFloat * i)) & mask);
-    await data.allGather(buf, { step, bucket: checkBucket });
-    const hashOf = (d: number) => [0, 1, 2].map((i) => buf[3 * d + i]!.toString(16)).join(".");
-    const differ = Array.from({ length: n }, (_, d) => d).filter((d) => hashOf(d) !== hashOf(0));
+    const { differ } = await compareCopies(data, this.model.store.readValues(), this.coords.d, data.size, step);
     if (differ.length > 0) {
       const { s, t } = this.coords;
       throw new EngineError(`the copies of stage ${s}, tensor rank ${t} diverged by step ${step}: copies ${differ.join(", ")} differ from copy 0`);
