@@ -18,7 +18,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { ConfigError } from "../engine/errors.ts";
 import { collPieceOverheadBytes } from "../schemas/messages.ts";
-import { startNatsServer } from "../services/runtime/nats-server.ts";
+import { startNatsServer } from "../services/runtime/mesh/nats-server.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { type RankOp, type RankPlan, type RankResult, runRankProcesses } from "./collective-rank.ts";
 import { median, printTable, round } from "./table.ts";

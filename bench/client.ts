@@ -8,8 +8,8 @@
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { freePort } from "../services/runtime/nats-server.ts";
-import { orAfter } from "../services/runtime/timers.ts";
+import { freePort } from "../services/runtime/mesh/nats-server.ts";
+import { orAfter } from "../services/runtime/mesh/timers.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { median, printTable, round } from "./table.ts";
 

@@ -18,8 +18,8 @@ import type { Collective } from "../engine/parallel/collective.ts";
 import { RingCollective } from "../engine/parallel/ring.ts";
 import type { PeerTransport } from "../engine/parallel/transport.ts";
 import { Rng } from "../engine/rng.ts";
-import { BusTransport, busTransportDefaults } from "../services/runtime/collective-bus.ts";
-import { NatsBus } from "../services/runtime/nats.ts";
+import { BusTransport, busTransportDefaults } from "../services/runtime/transport/collective-bus.ts";
+import { NatsBus } from "../services/runtime/mesh/nats.ts";
 
 export interface RankOp {
   op: "allReduce" | "reduceScatter" | "allGather" | "broadcast" | "barrier" | "raw";

@@ -10,11 +10,11 @@ import { Context } from "../engine/tensor.ts";
 import { lossAndGradients } from "../engine/train.ts";
 import { decodeBatch, decodeLoaderStats, encodeBatchRequest, encodeJobRequest, Split, SyncPolicy } from "../schemas/messages.ts";
 import { planHere } from "../services/data-loader/loader.ts";
-import { jobDefaults, parseJobConfig, subjects } from "../services/runtime/job.ts";
-import { JobStore } from "../services/runtime/jobs.ts";
-import { buildModel } from "../services/runtime/model.ts";
-import { NatsBus } from "../services/runtime/nats.ts";
-import { startNatsServer } from "../services/runtime/nats-server.ts";
+import { jobDefaults, parseJobConfig, subjects } from "../services/runtime/job/job.ts";
+import { JobStore } from "../services/runtime/job/jobs.ts";
+import { buildModel } from "../services/runtime/job/model.ts";
+import { NatsBus } from "../services/runtime/mesh/nats.ts";
+import { startNatsServer } from "../services/runtime/mesh/nats-server.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { median, percentile, printTable, round } from "./table.ts";
 

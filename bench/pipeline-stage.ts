@@ -2,7 +2,7 @@
 // One rank of a model-parallel GPT (data x pipeline x tensor, engine/parallel/pipeline.ts) over a
 // real nats-server, as its own process: the stages' activations and gradients, the tensor
 // ranks' all-reduces and the replicas' gradients travel as CollPiece FlatBuffers messages on
-// each rank's subject (mt.<job>.coll.<rank>, services/runtime/collective-bus.ts). Trains `steps`
+// each rank's subject (mt.<job>.coll.<rank>, services/runtime/transport/collective-bus.ts). Trains `steps`
 // steps on synthetic token batches every rank makes alike from the plan's seed, and prints one
 // JSON line per step. test/services/pipeline.integration.test.ts starts one per rank, against
 // the single process's trajectory.
@@ -19,8 +19,8 @@ import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/tensor.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
-import { BusTransport, busTransportDefaults } from "../services/runtime/collective-bus.ts";
-import { NatsBus } from "../services/runtime/nats.ts";
+import { BusTransport, busTransportDefaults } from "../services/runtime/transport/collective-bus.ts";
+import { NatsBus } from "../services/runtime/mesh/nats.ts";
 
 export interface StagePlan {
   url: string;

@@ -16,10 +16,10 @@ import { choice, cliName, float, int, intList, shownPath, userPath } from "./opt
 import { prepareDefaults, runPrepare } from "./local/prepare.ts";
 import { exportSummary, runExport } from "./local/export.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
-import { MeshError } from "../services/runtime/errors.ts";
+import { MeshError } from "../services/runtime/mesh/errors.ts";
 import { WireFormatError } from "../schemas/codec.ts";
-import { NatsAccessError, NatsUnreachableError } from "../services/runtime/nats.ts";
-import { NatsServerError } from "../services/runtime/nats-server.ts";
+import { NatsAccessError, NatsUnreachableError } from "../services/runtime/mesh/nats.ts";
+import { NatsServerError } from "../services/runtime/mesh/nats-server.ts";
 import { JobFailedError } from "./watch.ts";
 
 const program = new Command()

@@ -25,9 +25,9 @@ import {
   type TrainerStats,
   SyncPolicy,
 } from "../schemas/messages.ts";
-import { type NatsTls, nkeyFromEnv, tlsFromEnv } from "../services/runtime/nats.ts";
-import { awaitMembers, meshMembers, type MeshMembers, type MetricsEndpoint, metricsEndpoints } from "../services/runtime/discovery.ts";
-import { BadRequestError, CapacityError, DeadlineError, JobStateError, NoRespondersError, UnknownJobError } from "../services/runtime/errors.ts";
+import { type NatsTls, nkeyFromEnv, tlsFromEnv } from "../services/runtime/mesh/nats.ts";
+import { awaitMembers, meshMembers, type MeshMembers, type MetricsEndpoint, metricsEndpoints } from "../services/runtime/mesh/discovery.ts";
+import { BadRequestError, CapacityError, DeadlineError, JobStateError, NoRespondersError, UnknownJobError } from "../services/runtime/mesh/errors.ts";
 import {
   defaultOwner,
   type JobConfig,
@@ -40,11 +40,11 @@ import {
   syncPolicy,
   trajectoryDiff,
   usesShards,
-} from "../services/runtime/job.ts";
-import { changeWorld } from "../services/runtime/world.ts";
-import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../services/runtime/jobs.ts";
-import { NatsBus } from "../services/runtime/nats.ts";
-import { ownerOfSeedFile } from "../services/runtime/roles.ts";
+} from "../services/runtime/job/job.ts";
+import { changeWorld } from "../services/runtime/job/world.ts";
+import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../services/runtime/job/jobs.ts";
+import { NatsBus } from "../services/runtime/mesh/nats.ts";
+import { ownerOfSeedFile } from "../services/runtime/job/roles.ts";
 import { percent, when } from "./format.ts";
 
 export { specOfConfig, syncPolicy };
@@ -141,7 +141,7 @@ export interface MeshConnectOptions {
   /**
    * whose jobs a name without an owner means (a job is <owner>.<name>); default: MT_OWNER, else
    * the owner of a client-<owner>.nk seed file, else "default". On a mesh with roles a client
-   * user acts on its owner's jobs only (services/runtime/roles.ts).
+   * user acts on its owner's jobs only (services/runtime/job/roles.ts).
    */
   owner?: string;
 }
@@ -171,7 +171,7 @@ export class MeshClient implements AsyncDisposable {
 
   /** `tls`: the CA of a tls:// server (and a client certificate and key when it verifies
    *  clients); by default MT_TLS_CA, MT_TLS_CERT and MT_TLS_KEY. `nkeyFile`: the seed of the NATS
-   *  user to connect as (a mesh with roles: services/runtime/roles.ts); by default MT_NATS_NKEY. */
+   *  user to connect as (a mesh with roles: services/runtime/job/roles.ts); by default MT_NATS_NKEY. */
   static async connect(url: string, o: MeshConnectOptions = {}): Promise<MeshClient> {
     const nkeyFile = o.nkeyFile ?? nkeyFromEnv();
     const owner = ownerFor(o.owner, nkeyFile);

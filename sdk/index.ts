@@ -6,15 +6,15 @@
 //   jobConfig        a validated job config from defaults and overrides (the CLI's options)
 //   LocalMesh        every service as a local process with an embedded NATS server
 // examples/sdk.ts runs each of them against a local mesh.
-import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job.ts";
+import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job/job.ts";
 
 export { MeshClient, type JobStatus, type PreviousRun, EventKind, JobState } from "./client.ts";
 export { watchJob, JobFailedError, type JobOutcome, type WatchOptions } from "./watch.ts";
 export { LocalMesh, type MeshOptions } from "./launcher.ts";
-export type { MetricsEndpoint, MeshMembers } from "../services/runtime/discovery.ts";
+export type { MetricsEndpoint, MeshMembers } from "../services/runtime/mesh/discovery.ts";
 export type { Event, JobRecord, Manifest } from "../schemas/messages.ts";
-export { type JobConfig, parseJobConfig, jobDefaults, gptJobDefaults } from "../services/runtime/job.ts";
-export { MeshError, ConfigError, BadRequestError, UnknownJobError, DeadlineError } from "../services/runtime/errors.ts";
+export { type JobConfig, parseJobConfig, jobDefaults, gptJobDefaults } from "../services/runtime/job/job.ts";
+export { MeshError, ConfigError, BadRequestError, UnknownJobError, DeadlineError } from "../services/runtime/mesh/errors.ts";
 
 /**
  * A job's config: the model kind's defaults (an MLP on MNIST, a character GPT on Moby Dick)

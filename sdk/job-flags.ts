@@ -3,8 +3,8 @@
 // typed laid over it.
 import { type Command, InvalidArgumentError, Option } from "commander";
 import { parseCompression } from "../engine/parallel/compress.ts";
-import { ConfigError } from "../services/runtime/errors.ts";
-import { defaultsOf, gptJobDefaults, type JobConfig, jobDefaults, meshPrecisions, parseJobConfig, syncModes } from "../services/runtime/job.ts";
+import { ConfigError } from "../services/runtime/mesh/errors.ts";
+import { defaultsOf, gptJobDefaults, type JobConfig, jobDefaults, meshPrecisions, parseJobConfig, syncModes } from "../services/runtime/job/job.ts";
 import type { PreviousRun } from "./client.ts";
 import { stamp } from "./format.ts";
 import { float, int, intList, userPath } from "./options.ts";

@@ -17,11 +17,11 @@ import { join } from "node:path";
 import type { Subprocess } from "bun";
 import { parse } from "yaml";
 import { z } from "zod";
-import { jobIdPattern } from "../services/runtime/job.ts";
-import { type NatsServer, startNatsServer } from "../services/runtime/nats-server.ts";
-import { type Credentials, clientUser, makeCredentials, type RoleName } from "../services/runtime/roles.ts";
-import { configExitCode } from "../services/runtime/service.ts";
-import { orAfter } from "../services/runtime/timers.ts";
+import { jobIdPattern } from "../services/runtime/job/job.ts";
+import { type NatsServer, startNatsServer } from "../services/runtime/mesh/nats-server.ts";
+import { type Credentials, clientUser, makeCredentials, type RoleName } from "../services/runtime/job/roles.ts";
+import { configExitCode } from "../services/runtime/mesh/service.ts";
+import { orAfter } from "../services/runtime/mesh/timers.ts";
 
 export const composePath = join(import.meta.dir, "..", "deploy", "docker-compose.yml");
 const root = join(import.meta.dir, "..");
@@ -162,7 +162,7 @@ export interface MeshOptions {
   onGiveUp?: (service: string, lastError: string, log: string, cannotStart: boolean) => void;
   /** restart policy (default restartDefaults) */
   restart?: Partial<RestartPolicy>;
-  /** NATS users per role (services/runtime/roles.ts), each service connecting as its own; false:
+  /** NATS users per role (services/runtime/job/roles.ts), each service connecting as its own; false:
    *  an open server anyone may use (default true) */
   auth?: boolean;
   /** where the users' nkey seeds and auth.conf go (default: <NATS folder>/creds); kept seeds are reused */

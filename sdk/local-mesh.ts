@@ -5,7 +5,7 @@ import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from "node
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { z } from "zod";
-import { clientUser } from "../services/runtime/roles.ts";
+import { clientUser } from "../services/runtime/job/roles.ts";
 
 export const defaultNatsUrl = "nats://127.0.0.1:4222";
 

@@ -6,13 +6,13 @@ import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { type Command, Option } from "commander";
 import { JobState } from "../schemas/messages.ts";
-import { defaultOwner, jobConfigFromJson, jobDefaults, ownerProblem, parseJobConfig, qualifyJob } from "../services/runtime/job.ts";
+import { defaultOwner, jobConfigFromJson, jobDefaults, ownerProblem, parseJobConfig, qualifyJob } from "../services/runtime/job/job.ts";
 import { parseMemorySize, planDevice, planReport } from "./plan.ts";
 import { MeshClient } from "./client.ts";
 import { givenOptions, type JobFlags, jobConfigOf, jobOptions, resolveConfig } from "./job-flags.ts";
 import { type MeshOptions, LocalMesh, membersWaitMs } from "./launcher.ts";
 import { announceLocalMesh, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "./local-mesh.ts";
-import { clientUser, makeCredentials, roleShardsMax, roleTrainersMax, roleUsers } from "../services/runtime/roles.ts";
+import { clientUser, makeCredentials, roleShardsMax, roleTrainersMax, roleUsers } from "../services/runtime/job/roles.ts";
 import { defaultRunDir, runMesh } from "./local/run-mesh.ts";
 import { stamp } from "./format.ts";
 import { cliName, float, int, ownerList, shownPath, userPath } from "./options.ts";
@@ -20,8 +20,8 @@ import { configSummary, jobsTable, outcomeLines, statusLines } from "./report.ts
 import { Dashboard } from "./dashboard/server.ts";
 import { StopRequests } from "./signals.ts";
 import { JobFailedError, watchJob } from "./watch.ts";
-import { NatsUnreachableError } from "../services/runtime/nats.ts";
-import { BadRequestError, CapacityError } from "../services/runtime/errors.ts";
+import { NatsUnreachableError } from "../services/runtime/mesh/nats.ts";
+import { BadRequestError, CapacityError } from "../services/runtime/mesh/errors.ts";
 
 const d = jobDefaults;
 
@@ -31,7 +31,7 @@ const deviceMemoryOption = () =>
     parseMemorySize,
   );
 
-/** `--clients`, of `creds` and `mesh up`: a client user per owner of jobs (services/runtime/roles.ts). */
+/** `--clients`, of `creds` and `mesh up`: a client user per owner of jobs (services/runtime/job/roles.ts). */
 const clientsOption = () =>
   new Option("--clients <owners>", "the owners of jobs, comma-separated: one client user each (client-<owner>.nk), who acts on that owner's jobs only")
     .argParser(ownerList)

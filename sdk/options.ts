@@ -3,7 +3,7 @@
 // And the paths the user types: resolved against their folder, shown back as they would type them.
 import { dirname, isAbsolute, relative, resolve, sep } from "node:path";
 import { InvalidArgumentError } from "commander";
-import { ownerProblem } from "../services/runtime/job.ts";
+import { ownerProblem } from "../services/runtime/job/job.ts";
 
 /**
  * The folder the user ran the command in. `npm run meshtrain -- ...` runs with the package root
@@ -70,7 +70,7 @@ export function intList(raw: string): number[] {
   return values;
 }
 
-/** "alice,bob" -> ["alice", "bob"]: owners of jobs (services/runtime/job.ts), each once */
+/** "alice,bob" -> ["alice", "bob"]: owners of jobs (services/runtime/job/job.ts), each once */
 export function ownerList(raw: string): string[] {
   const owners = raw.split(",").map((s) => s.trim());
   for (const o of owners) {

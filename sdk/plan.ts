@@ -12,8 +12,8 @@ import { formatBytes, gptParamCount, gptStageActivations, mlpActivations, type R
 import type { Precision } from "../engine/mixed.ts";
 import { type GptConfig, gptParamSpecs } from "../engine/models/gpt.ts";
 import { probeCuda } from "../ffi/cuda/driver.ts";
-import { ConfigError } from "../services/runtime/errors.ts";
-import { dataRanks, type JobConfig, parseJobConfig, usesShards } from "../services/runtime/job.ts";
+import { ConfigError } from "../services/runtime/mesh/errors.ts";
+import { dataRanks, type JobConfig, parseJobConfig, usesShards } from "../services/runtime/job/job.ts";
 
 /** What the trainers compute on, and how much memory each has. */
 export interface PlanDevice {

@@ -1,8 +1,8 @@
 // What the mesh commands print: a job's settings in a few readable lines (the full JSON goes
 // to the job's log folder), how a job ended and where its files went, and `status`.
 import { type JobRecord, JobState, type Manifest } from "../schemas/messages.ts";
-import { dataRanks, type JobConfig, modelParallel, peakLr, usesShards } from "../services/runtime/job.ts";
-import { stateName } from "../services/runtime/jobs.ts";
+import { dataRanks, type JobConfig, modelParallel, peakLr, usesShards } from "../services/runtime/job/job.ts";
+import { stateName } from "../services/runtime/job/jobs.ts";
 import type { JobStatus } from "./client.ts";
 import { shownPath } from "./options.ts";
 import { formatSeconds, num, percent, plural, when } from "./format.ts";

@@ -3,13 +3,13 @@
 // ends with its Ended event; in case that event is lost (NATS core delivers at most once) the
 // job's record is read every few seconds too. A job that ended already is answered at once.
 import { type Event, EventKind, type JobRecord, JobState } from "../schemas/messages.ts";
-import { DeadlineError, JobStateError } from "../services/runtime/errors.ts";
-import { EvalTally } from "../services/runtime/evals.ts";
-import { dataRanks, jobConfigFromJson } from "../services/runtime/job.ts";
-import { isEnded, jobStoreLeaderWaitMsMax, resizingReasonPrefix, stateName } from "../services/runtime/jobs.ts";
+import { DeadlineError, JobStateError } from "../services/runtime/mesh/errors.ts";
+import { EvalTally } from "../services/runtime/job/evals.ts";
+import { dataRanks, jobConfigFromJson } from "../services/runtime/job/job.ts";
+import { isEnded, jobStoreLeaderWaitMsMax, resizingReasonPrefix, stateName } from "../services/runtime/job/jobs.ts";
 import type { MeshClient } from "./client.ts";
 import { Progress, RateMeter } from "./progress.ts";
-import { orAfter } from "../services/runtime/timers.ts";
+import { orAfter } from "../services/runtime/mesh/timers.ts";
 
 export class JobFailedError extends Error {
   override readonly name = "JobFailedError";

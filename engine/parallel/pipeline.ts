@@ -289,7 +289,7 @@ export class PipelineStage {
 
 /**
  * A stage's link to its neighbours over the collective layer's rings (engine/parallel/ring.ts),
- * whatever carries their pieces (NATS between processes: services/runtime/collective-bus.ts;
+ * whatever carries their pieces (NATS between processes: services/runtime/transport/collective-bus.ts;
  * memory in tests): the stage and its next one form a ring of two, and a send is a broadcast
  * from one to the other, keyed by the step and the micro-batch. A broadcast's pieces are taken
  * by the receiver's router even before it asks for them (within its early-piece budget), so a

@@ -1,5 +1,5 @@
 // What a ring needs from the wire: deliver one piece to one rank and learn that it was taken,
-// and hear the pieces sent to this rank. services/runtime/collective-bus.ts implements it over
+// and hear the pieces sent to this rank. services/runtime/transport/collective-bus.ts implements it over
 // NATS; MemoryTransport below connects ranks inside one process (unit tests).
 //
 // The transport owns retries and flow control (how many pieces may be in flight to one peer);

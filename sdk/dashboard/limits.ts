@@ -1,6 +1,6 @@
 // Limits of the live dashboard (sdk/dashboard/server.ts): what one process holds for the pages
 // it serves, whatever the job or the number of browsers does.
-import { heartbeatMs } from "../../services/runtime/liveness.ts";
+import { heartbeatMs } from "../../services/runtime/control/liveness.ts";
 
 /** Pages following a job at once (each an open event stream); one more gets 503 and a reason. */
 export const dashboardClientsMax = 32;

@@ -5,9 +5,9 @@
 // at or before the last one cuts the curve back first: a restore replays those steps; a curve
 // past seriesPointsMax drops every other point). page.mjs repeats those two rules.
 import { type Event, EventKind, type Heartbeat, type Manifest } from "../../schemas/messages.ts";
-import { EvalTally } from "../../services/runtime/evals.ts";
-import { type JobConfig, dataRanks, usesShards } from "../../services/runtime/job.ts";
-import { isEnded, stateName } from "../../services/runtime/jobs.ts";
+import { EvalTally } from "../../services/runtime/job/evals.ts";
+import { type JobConfig, dataRanks, usesShards } from "../../services/runtime/job/job.ts";
+import { isEnded, stateName } from "../../services/runtime/job/jobs.ts";
 import type { JobStatus } from "../client.ts";
 import { configSummary } from "../report.ts";
 import { logLinesMax, processesMax, rateWindowMs, restartShownMs, seriesPointsMax, silentAfterMs, snapshotsShownMax, splitWindowSteps } from "./limits.ts";

@@ -160,7 +160,7 @@ interface TrainingRecord {
   text?: unknown;
   tokensDir?: unknown;
   valFraction?: unknown;
-  /** a mesh job's config (services/runtime/job.ts): dataset text or tokens, read from dataDir */
+  /** a mesh job's config (services/runtime/job/job.ts): dataset text or tokens, read from dataDir */
   dataset?: unknown;
   dataDir?: unknown;
   /** windows of a micro-batch (train gpt), or of a trainer's step (the mesh) */

@@ -1,8 +1,8 @@
 #!/usr/bin/env bun
 // checkpoint process: `bun services/checkpoint/main.ts --dir runs/checkpoints --nats-url nats://...`
 import { z } from "zod";
-import { JobLedger } from "../runtime/jobs.ts";
-import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/service.ts";
+import { JobLedger } from "../runtime/job/jobs.ts";
+import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/mesh/service.ts";
 import { CheckpointService } from "./service.ts";
 import { CheckpointStore } from "./store.ts";
 

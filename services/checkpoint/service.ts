@@ -35,7 +35,7 @@ import {
   shardStateChecksum,
 } from "../../schemas/messages.ts";
 import { join } from "node:path";
-import type { Bus, Subscription } from "../runtime/bus.ts";
+import type { Bus, Subscription } from "../runtime/mesh/bus.ts";
 import {
   BadRequestError,
   ConfigError,
@@ -45,8 +45,8 @@ import {
   NoRespondersError,
   NotReadyError,
   UnknownJobError,
-} from "../runtime/errors.ts";
-import { EvalTally } from "../runtime/evals.ts";
+} from "../runtime/mesh/errors.ts";
+import { EvalTally } from "../runtime/job/evals.ts";
 import {
   configOfSpec,
   dataRanks,
@@ -63,17 +63,17 @@ import {
   subjects,
   trajectoryDiff,
   usesShards,
-} from "../runtime/job.ts";
-import { changeWorld, worldResumeProblem } from "../runtime/world.ts";
-import { boundText, type JobControl, resizingReasonPrefix } from "../runtime/jobs.ts";
-import type { Logger } from "../runtime/log.ts";
-import { buildLayout } from "../runtime/layout.ts";
-import { exportModelFile } from "../runtime/model.ts";
-import { cutShardState, cutTag, precutSaveTag, replicaFromPartitions } from "../runtime/replica-parts.ts";
-import { planLayout, planOfSpec } from "../runtime/plan.ts";
+} from "../runtime/job/job.ts";
+import { changeWorld, worldResumeProblem } from "../runtime/job/world.ts";
+import { boundText, type JobControl, resizingReasonPrefix } from "../runtime/job/jobs.ts";
+import type { Logger } from "../runtime/mesh/log.ts";
+import { buildLayout } from "../runtime/job/layout.ts";
+import { exportModelFile } from "../runtime/job/model.ts";
+import { cutShardState, cutTag, precutSaveTag, replicaFromPartitions } from "../runtime/job/replica-parts.ts";
+import { planLayout, planOfSpec } from "../runtime/job/plan.ts";
 import { resizeCloseWaitMs, resizePlanTimeoutMs, resizeSnapshotWaitMs, stateTimeoutMs } from "./limits.ts";
 import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
-import { LivenessMonitor, StragglerDetector } from "../runtime/liveness.ts";
+import { LivenessMonitor, StragglerDetector } from "../runtime/control/liveness.ts";
 
 interface JobEntry {
   cfg: JobConfig;
@@ -465,7 +465,7 @@ export class CheckpointService {
     );
   }
 
-  /** The replica's chunks from the partitions of `ranks` ranks (services/runtime/replica-parts.ts). */
+  /** The replica's chunks from the partitions of `ranks` ranks (services/runtime/job/replica-parts.ts). */
   #assemble(cfg: JobConfig, plan: DataPlan, ranks: number, parts: readonly ShardState[]): ShardState[] {
     return replicaFromPartitions(parts, {
       job: cfg.job,

@@ -6,12 +6,12 @@
 // manifest last, the folder fsynced, then renamed to <id> and the parent fsynced: a crash
 // leaves either the whole snapshot or a .tmp- folder that is ignored and removed.
 // Reading verifies every file's size and CRC32 against the manifest.
-import { m } from "../runtime/metrics.ts";
+import { m } from "../runtime/mesh/metrics.ts";
 import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readdirSync, readFileSync, renameSync, rmSync, writeSync } from "node:fs";
 import { join } from "node:path";
 import { fsyncPath } from "../../engine/modelfile.ts";
 import { decodeManifest, encodeManifest, type Manifest } from "../../schemas/messages.ts";
-import { CorruptDataError, NotReadyError } from "../runtime/errors.ts";
+import { CorruptDataError, NotReadyError } from "../runtime/mesh/errors.ts";
 import { fileBytesMax, formatVersion, manifestBytesMax, snapshotsMax } from "./limits.ts";
 
 export const manifestName = "manifest.mtcm";

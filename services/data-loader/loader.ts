@@ -3,12 +3,12 @@
 // Prefetching: after answering step s of a rank, the loader prepares steps s+1 .. s+credits
 // in the background (bounded by prefetchMax), so the next request is answered at once.
 import { type DataPlan, Split } from "../../schemas/messages.ts";
-import { BadRequestError } from "../runtime/errors.ts";
-import { dataRanks, type JobConfig, stepScheduleOf } from "../runtime/job.ts";
-import { jobPlan, stepsPerEpochOf } from "../runtime/plan.ts";
+import { BadRequestError } from "../runtime/mesh/errors.ts";
+import { dataRanks, type JobConfig, stepScheduleOf } from "../runtime/job/job.ts";
+import { jobPlan, stepsPerEpochOf } from "../runtime/job/plan.ts";
 import { prefetchMax, waitSamplesMax } from "./limits.ts";
 import { epochIds } from "./sampler.ts";
-import type { StepSchedule } from "../runtime/world.ts";
+import type { StepSchedule } from "../runtime/job/world.ts";
 import { type Dataset, type JobSource, jobSource, readDataset } from "./sources.ts";
 
 export class JobData {
@@ -74,7 +74,7 @@ export class JobData {
     return this.#epoch(this.#steps.at(step).epoch).slice(start, start + count);
   }
 
-  /** Each step's epoch, samples and world (services/runtime/world.ts). */
+  /** Each step's epoch, samples and world (services/runtime/job/world.ts). */
   get steps(): StepSchedule {
     return this.#steps;
   }

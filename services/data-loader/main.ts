@@ -1,8 +1,8 @@
 #!/usr/bin/env bun
 // data-loader process: `bun services/data-loader/main.ts --nats-url nats://...`
 import { z } from "zod";
-import { JobLedger } from "../runtime/jobs.ts";
-import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/service.ts";
+import { JobLedger } from "../runtime/job/jobs.ts";
+import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/mesh/service.ts";
 import { jobsMaxDefault } from "./limits.ts";
 import { DataLoader } from "./service.ts";
 

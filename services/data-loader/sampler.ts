@@ -5,7 +5,7 @@
 // Step s of an epoch covers the next W*B positions of the epoch's permutation; rank r takes its
 // share of that range (B each; in the last, shorter step the remainder is split as evenly as
 // possible, so a rank may get fewer, or none, when fewer than W samples remain). W may change
-// between steps (services/runtime/world.ts: StepSchedule): a cursor is still just the step.
+// between steps (services/runtime/job/world.ts: StepSchedule): a cursor is still just the step.
 import { epochOrder } from "../../engine/data/sampler.ts";
 
 /** Sample ids of one epoch in training order (a seeded permutation of `ids`). */

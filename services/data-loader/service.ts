@@ -5,18 +5,18 @@
 // fails the job at once), with the reason. Jobs that read the same data set share one copy of it
 // in memory, freed when the last of them closes.
 import { decodeBatchRequest, decodeJobRequest, decodeJobSpec, encodeDataPlan, encodeLoaderStats, type JobSpec } from "../../schemas/messages.ts";
-import type { Bus } from "../runtime/bus.ts";
-import { ConfigError, LimitExceededError, MeshError, UnknownJobError } from "../runtime/errors.ts";
-import { anyJob, configOfSpec, type JobConfig, jobOfRequest, subjects } from "../runtime/job.ts";
-import { jobSpecBytesMax } from "../runtime/jobs.ts";
-import { planOfSpec } from "../runtime/plan.ts";
-import type { JobControl } from "../runtime/jobs.ts";
-import type { Logger } from "../runtime/log.ts";
-import { m as metrics, onScrape } from "../runtime/metrics.ts";
+import type { Bus } from "../runtime/mesh/bus.ts";
+import { ConfigError, LimitExceededError, MeshError, UnknownJobError } from "../runtime/mesh/errors.ts";
+import { anyJob, configOfSpec, type JobConfig, jobOfRequest, subjects } from "../runtime/job/job.ts";
+import { jobSpecBytesMax } from "../runtime/job/jobs.ts";
+import { planOfSpec } from "../runtime/job/plan.ts";
+import type { JobControl } from "../runtime/job/jobs.ts";
+import type { Logger } from "../runtime/mesh/log.ts";
+import { m as metrics, onScrape } from "../runtime/mesh/metrics.ts";
 import { jobsMaxDefault } from "./limits.ts";
 import { JobData } from "./loader.ts";
 import { type Dataset, datasetKey, readDataset } from "./sources.ts";
-import { HeartbeatPublisher } from "../runtime/liveness.ts";
+import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
 
 export interface DataLoaderOptions {
   payloadBytesMax: number;
@@ -31,7 +31,7 @@ export interface DataLoaderOptions {
 
 export class DataLoader {
   readonly #jobs = new Map<string, JobData>();
-  /** per job: this loader's heartbeat (services/runtime/liveness.ts) */
+  /** per job: this loader's heartbeat (services/runtime/control/liveness.ts) */
   readonly #heartbeats = new Map<string, HeartbeatPublisher>();
   /** loaded data sets by datasetKey, with the jobs that use each */
   readonly #datasets = new Map<string, { data: Dataset; jobs: Set<string> }>();

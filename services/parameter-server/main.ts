@@ -2,8 +2,8 @@
 // parameter-server shard process: `bun services/parameter-server/main.ts --shard 0 --nats-url nats://...`
 import { z } from "zod";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
-import { JobLedger } from "../runtime/jobs.ts";
-import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/service.ts";
+import { JobLedger } from "../runtime/job/jobs.ts";
+import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/mesh/service.ts";
 import { jobsMaxDefault } from "./limits.ts";
 import { ParameterServer } from "./service.ts";
 

@@ -16,19 +16,19 @@ import {
   encodeShardStats,
   type JobSpec,
 } from "../../schemas/messages.ts";
-import type { Bus } from "../runtime/bus.ts";
-import { DeadlineError, LimitExceededError, NoRespondersError, NotReadyError, UnknownJobError } from "../runtime/errors.ts";
-import { cutTag, partOfTag } from "../runtime/replica-parts.ts";
-import { HeartbeatPublisher } from "../runtime/liveness.ts";
-import { anyJob, configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects, trainerOfRequest, usesShards } from "../runtime/job.ts";
-import type { Logger } from "../runtime/log.ts";
-import { initialParameters } from "../runtime/model.ts";
-import { checkPlanLayout, planLayout, planOfSpec } from "../runtime/plan.ts";
+import type { Bus } from "../runtime/mesh/bus.ts";
+import { DeadlineError, LimitExceededError, NoRespondersError, NotReadyError, UnknownJobError } from "../runtime/mesh/errors.ts";
+import { cutTag, partOfTag } from "../runtime/job/replica-parts.ts";
+import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
+import { anyJob, configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects, trainerOfRequest, usesShards } from "../runtime/job/job.ts";
+import type { Logger } from "../runtime/mesh/log.ts";
+import { initialParameters } from "../runtime/job/model.ts";
+import { checkPlanLayout, planLayout, planOfSpec } from "../runtime/job/plan.ts";
 import { jobsMaxDefault, normWaitMs } from "./limits.ts";
 
 /** Asks for a restore while the checkpoint service has not opened the job yet (about 30 s). */
 const restoreAsksMax = 40;
-import { m as metrics, onScrape } from "../runtime/metrics.ts";
+import { m as metrics, onScrape } from "../runtime/mesh/metrics.ts";
 import { ParameterShard } from "./shard.ts";
 
 interface JobEntry {

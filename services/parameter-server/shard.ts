@@ -28,16 +28,16 @@ import {
   shardStateChecksum,
   withChecksum,
 } from "../../schemas/messages.ts";
-import { cutShardState } from "../runtime/replica-parts.ts";
+import { cutShardState } from "../runtime/job/replica-parts.ts";
 import { parseCompression } from "../../engine/parallel/compress.ts";
-import { decodeChunk, fillParams, pushDType } from "../runtime/chunk-codec.ts";
-import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/errors.ts";
-import { type JobConfig, peakLr, shardsClip } from "../runtime/job.ts";
-import { worldOf } from "../runtime/world.ts";
-import type { ChunkInfo, Layout } from "../runtime/layout.ts";
-import { jobSchedule } from "../runtime/plan.ts";
+import { decodeChunk, fillParams, pushDType } from "../runtime/transport/chunk-codec.ts";
+import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/mesh/errors.ts";
+import { type JobConfig, peakLr, shardsClip } from "../runtime/job/job.ts";
+import { worldOf } from "../runtime/job/world.ts";
+import type { ChunkInfo, Layout } from "../runtime/job/layout.ts";
+import { jobSchedule } from "../runtime/job/plan.ts";
 import { pullWaitersMax, pullWaitMsMax } from "./limits.ts";
-import { implausibleStateText, plausibleState } from "../runtime/limits.ts";
+import { implausibleStateText, plausibleState } from "../runtime/job/limits.ts";
 
 const alignElems = 16;
 

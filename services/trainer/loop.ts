@@ -47,12 +47,12 @@ import {
   type Manifest,
   Split,
 } from "../../schemas/messages.ts";
-import type { Bus, Subscription } from "../runtime/bus.ts";
-import { awaitMembers, type MeshMembers } from "../runtime/discovery.ts";
-import { type CombinedEval, EvalTally } from "../runtime/evals.ts";
-import { BadRequestError, NotReadyError } from "../runtime/errors.ts";
-import { cutTag, partOfTag, precutSaveTag } from "../runtime/replica-parts.ts";
-import { HeartbeatPublisher } from "../runtime/liveness.ts";
+import type { Bus, Subscription } from "../runtime/mesh/bus.ts";
+import { awaitMembers, type MeshMembers } from "../runtime/mesh/discovery.ts";
+import { type CombinedEval, EvalTally } from "../runtime/job/evals.ts";
+import { BadRequestError, NotReadyError } from "../runtime/mesh/errors.ts";
+import { cutTag, partOfTag, precutSaveTag } from "../runtime/job/replica-parts.ts";
+import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
 import {
   dataRanks,
   evaluatesAt,
@@ -65,12 +65,12 @@ import {
   subjects,
   trainerOpenedTag,
   usesShards,
-} from "../runtime/job.ts";
-import type { JobControl } from "../runtime/jobs.ts";
-import type { Logger } from "../runtime/log.ts";
-import { pause } from "../runtime/pause.ts";
-import { buildModel } from "../runtime/model.ts";
-import { checkPlanLayout, jobSchedule, planLayout } from "../runtime/plan.ts";
+} from "../runtime/job/job.ts";
+import type { JobControl } from "../runtime/job/jobs.ts";
+import type { Logger } from "../runtime/mesh/log.ts";
+import { pause } from "../runtime/mesh/pause.ts";
+import { buildModel } from "../runtime/job/model.ts";
+import { checkPlanLayout, jobSchedule, planLayout } from "../runtime/job/plan.ts";
 import {
   checkpointTimeoutMs,
   scheduledSnapshotTimeoutMs,
@@ -90,10 +90,10 @@ import {
 import { PsClient } from "./ps-client.ts";
 import { parseCompression } from "../../engine/parallel/compress.ts";
 import { bytesPerParam } from "../../engine/parallel/zero.ts";
-import { m as metrics } from "../runtime/metrics.ts";
+import { m as metrics } from "../runtime/mesh/metrics.ts";
 import { ModelParallelReplica } from "./model-parallel.ts";
 import { Replica, type ReplicaOptions } from "./replica.ts";
-import type { StepSchedule } from "../runtime/world.ts";
+import type { StepSchedule } from "../runtime/job/world.ts";
 
 export interface TrainerOptions {
   bus: Bus;
@@ -168,7 +168,7 @@ export class TrainerRun {
   readonly #grads: Float32Array;
   /** the job's plan, from its spec */
   readonly #plan: DataPlan;
-  /** each step's epoch, samples and world (services/runtime/world.ts) */
+  /** each step's epoch, samples and world (services/runtime/job/world.ts) */
   readonly #steps: StepSchedule;
   readonly #schedule: Schedule;
   #stopped = false;
@@ -187,7 +187,7 @@ export class TrainerRun {
   /** resolves when a restore arrives, so a step blocked on a dead shard is abandoned at once */
   #restored: { promise: Promise<void>; resolve: () => void } = Promise.withResolvers<void>();
   #sub: Subscription | null = null;
-  /** this rank's heartbeat (services/runtime/liveness.ts): step and phase */
+  /** this rank's heartbeat (services/runtime/control/liveness.ts): step and phase */
   #hb: HeartbeatPublisher | null = null;
   /** batch requests sent ahead of the step that needs them, in step order */
   #ahead: { step: number; promise: Promise<Batch> }[] = [];
@@ -300,7 +300,7 @@ export class TrainerRun {
     this.#o.bus.publish(subjects.events(this.#o.cfg.job, kind), encodeEvent({ ...emptyEvent(this.#o.cfg.job, e.kind), rank, ...e }));
   }
 
-  /** This rank's step in its Prometheus metrics (services/runtime/metrics.ts). */
+  /** This rank's step in its Prometheus metrics (services/runtime/mesh/metrics.ts). */
   #metrics(e: Partial<Event>): void {
     const job = this.#o.cfg.job;
     metrics.trainerStep.set({ job }, e.step ?? 0);

@@ -1,12 +1,12 @@
 #!/usr/bin/env bun
 // trainer process of one rank: `bun services/trainer/main.ts --rank 0 --nats-url nats://...`
-import { m as metrics, onScrape } from "../runtime/metrics.ts";
+import { m as metrics, onScrape } from "../runtime/mesh/metrics.ts";
 import { hostname } from "node:os";
 import { z } from "zod";
 import { type DeviceChoice, deviceChoices, openBackend } from "../../ffi/select.ts";
-import { meshMembers } from "../runtime/discovery.ts";
-import { JobLedger } from "../runtime/jobs.ts";
-import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/service.ts";
+import { meshMembers } from "../runtime/mesh/discovery.ts";
+import { JobLedger } from "../runtime/job/jobs.ts";
+import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/mesh/service.ts";
 import { Trainer } from "./service.ts";
 
 const schema = baseConfigSchema.extend({

@@ -7,7 +7,7 @@
 //
 // Every collective (a stage's activations to the next, the tensor ranks' all-reduces, the tied
 // embedding, the replicas' gradients) is a ring of the job's collective transport over NATS
-// (services/runtime/collective-bus.ts), one per group, under the communicator generation that
+// (services/runtime/transport/collective-bus.ts), one per group, under the communicator generation that
 // the newest restore assigned.
 //
 // Snapshots are in the whole model's layout, so they export as a model file and restore into any
@@ -42,13 +42,13 @@ import type { ModelMemory } from "../../engine/parallel/zero.ts";
 import type { Context } from "../../engine/tensor.ts";
 import type { EvalResult, HostBatch } from "../../engine/train.ts";
 import type { DataPlan, ShardState } from "../../schemas/messages.ts";
-import type { Bus } from "../runtime/bus.ts";
-import { BusTransport, busTransportDefaults, type BusTransportOptions } from "../runtime/collective-bus.ts";
-import { BadRequestError, CorruptDataError } from "../runtime/errors.ts";
-import { dataRanks, type JobConfig } from "../runtime/job.ts";
-import { buildLayout, type Layout } from "../runtime/layout.ts";
-import { modelConfigOf } from "../runtime/model.ts";
-import { cutPartition, type ReplicaMeta } from "../runtime/replica-parts.ts";
+import type { Bus } from "../runtime/mesh/bus.ts";
+import { BusTransport, busTransportDefaults, type BusTransportOptions } from "../runtime/transport/collective-bus.ts";
+import { BadRequestError, CorruptDataError } from "../runtime/mesh/errors.ts";
+import { dataRanks, type JobConfig } from "../runtime/job/job.ts";
+import { buildLayout, type Layout } from "../runtime/job/layout.ts";
+import { modelConfigOf } from "../runtime/job/model.ts";
+import { cutPartition, type ReplicaMeta } from "../runtime/job/replica-parts.ts";
 import { ReplicaStaging, type ReplicaStepResult } from "./replica.ts";
 
 export interface ModelParallelOptions {

@@ -2,7 +2,7 @@
 // push the whole gradient vector. Requests go to all shards at once, each split into messages
 // that fit the payload limit.
 //
-// Compression (services/runtime/chunk-codec.ts): each chunk of a push is encoded with error
+// Compression (services/runtime/transport/chunk-codec.ts): each chunk of a push is encoded with error
 // feedback (the residual covers the whole gradient vector). Top-k picks its entries over the
 // whole vector, so a chunk sends as many as it holds of them, none included (an equal 1% of
 // every chunk cost 0.23 nats of GPT validation loss); bf16/fp16 jobs also pull a 16-bit
@@ -11,11 +11,11 @@
 import { packByBytes } from "../../schemas/codec.ts";
 import { Codec, type Compression, ErrorFeedback } from "../../engine/parallel/compress.ts";
 import { DType, decodePullReply, decodePushReply, encodePullRequest, encodePushRequest, f32Chunk, type PushReply } from "../../schemas/messages.ts";
-import { chunkCodec, decodeChunk, encodeChunk, pullDType, topKChunk } from "../runtime/chunk-codec.ts";
-import { BadRequestError } from "../runtime/errors.ts";
-import type { Bus } from "../runtime/bus.ts";
-import { subjects } from "../runtime/job.ts";
-import type { Layout } from "../runtime/layout.ts";
+import { chunkCodec, decodeChunk, encodeChunk, pullDType, topKChunk } from "../runtime/transport/chunk-codec.ts";
+import { BadRequestError } from "../runtime/mesh/errors.ts";
+import type { Bus } from "../runtime/mesh/bus.ts";
+import { subjects } from "../runtime/job/job.ts";
+import type { Layout } from "../runtime/job/layout.ts";
 import { pullTimeoutMs, requestTimeoutMs } from "./limits.ts";
 
 export class PsClient {

@@ -23,13 +23,13 @@ import type { Context } from "../../engine/tensor.ts";
 import { EngineError } from "../../engine/errors.ts";
 import type { HostBatch } from "../../engine/train.ts";
 import { type ShardState, shardStateChecksum } from "../../schemas/messages.ts";
-import type { Bus } from "../runtime/bus.ts";
-import { BusTransport, busTransportDefaults, type BusTransportOptions } from "../runtime/collective-bus.ts";
-import { BadRequestError } from "../runtime/errors.ts";
-import type { JobConfig } from "../runtime/job.ts";
-import { buildLayout, type Layout } from "../runtime/layout.ts";
-import { cutPartition, cutReplica, type ReplicaMeta } from "../runtime/replica-parts.ts";
-import { implausibleStateText, plausibleState } from "../runtime/limits.ts";
+import type { Bus } from "../runtime/mesh/bus.ts";
+import { BusTransport, busTransportDefaults, type BusTransportOptions } from "../runtime/transport/collective-bus.ts";
+import { BadRequestError } from "../runtime/mesh/errors.ts";
+import type { JobConfig } from "../runtime/job/job.ts";
+import { buildLayout, type Layout } from "../runtime/job/layout.ts";
+import { cutPartition, cutReplica, type ReplicaMeta } from "../runtime/job/replica-parts.ts";
+import { implausibleStateText, plausibleState } from "../runtime/job/limits.ts";
 
 export { ReplicaDivergedError } from "../../engine/parallel/data-parallel.ts";
 export type ReplicaStepResult = DataParallelStepResult;
@@ -249,7 +249,7 @@ export class Replica {
    * What this rank serves a snapshot, part `part` of it as it is at `step`: at stage 0 (rank 0)
    * the replica (parameters, optimizer state, step count, loss scale) cut along the job's chunks;
    * under ZeRO (every rank) its own partition, slab ranges with their parameters and state
-   * (services/runtime/replica-parts.ts). Each part fits `partBytesMax`.
+   * (services/runtime/job/replica-parts.ts). Each part fits `partBytesMax`.
    */
   async exportPart(step: number, part: number, partBytesMax: number): Promise<ShardState> {
     if (this.#exported?.step !== step) this.cut(step, partBytesMax);

@@ -2,12 +2,12 @@
 // has that many trainers; a closed job (ended or cancelled) stops its loop after the current step.
 import type { Backend } from "../../ffi/backend.ts";
 import type { JobSpec } from "../../schemas/messages.ts";
-import type { Bus } from "../runtime/bus.ts";
-import type { MeshMembers } from "../runtime/discovery.ts";
-import { planOfSpec } from "../runtime/plan.ts";
-import { configOfSpec } from "../runtime/job.ts";
-import type { JobControl } from "../runtime/jobs.ts";
-import type { Logger } from "../runtime/log.ts";
+import type { Bus } from "../runtime/mesh/bus.ts";
+import type { MeshMembers } from "../runtime/mesh/discovery.ts";
+import { planOfSpec } from "../runtime/job/plan.ts";
+import { configOfSpec } from "../runtime/job/job.ts";
+import type { JobControl } from "../runtime/job/jobs.ts";
+import type { Logger } from "../runtime/mesh/log.ts";
 import { TrainerRun } from "./loop.ts";
 
 export interface TrainerDeps {

@@ -17,8 +17,8 @@ import type { Subprocess } from "bun";
 import { EventKind, JobState } from "../../schemas/messages.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { watchJob } from "../../sdk/watch.ts";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
-import { clientUser, makeCredentials } from "../../services/runtime/roles.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
+import { clientUser, makeCredentials } from "../../services/runtime/job/roles.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 import { skip } from "../helpers/skip.ts";
 

@@ -10,8 +10,8 @@ import { afterAll, describe, expect, test } from "bun:test";
 import { cpSync, mkdirSync, readdirSync, readFileSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { parse as parseYaml } from "yaml";
-import { freePort } from "../../services/runtime/nats-server.ts";
-import { makeCredentials } from "../../services/runtime/roles.ts";
+import { freePort } from "../../services/runtime/mesh/nats-server.ts";
+import { makeCredentials } from "../../services/runtime/job/roles.ts";
 import { removeTempDirs, root, spawnService, startNatsServer, tempDir, waitFor } from "../helpers/mesh.ts";
 import { containerEnv, expand, type K8sObject, parseManifests, podTemplate } from "./k8s.ts";
 

@@ -8,11 +8,11 @@ import { copyFileSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { parse } from "yaml";
 import { composePath, readTopology } from "../../sdk/launcher.ts";
-import { kvReplicasFromEnv } from "../../services/runtime/kv-bucket.ts";
-import { natsServers } from "../../services/runtime/nats.ts";
-import { natsServerBinary } from "../../services/runtime/nats-server.ts";
-import { baseConfigSchema } from "../../services/runtime/service.ts";
-import { makeCredentials } from "../../services/runtime/roles.ts";
+import { kvReplicasFromEnv } from "../../services/runtime/mesh/kv-bucket.ts";
+import { natsServers } from "../../services/runtime/mesh/nats.ts";
+import { natsServerBinary } from "../../services/runtime/mesh/nats-server.ts";
+import { baseConfigSchema } from "../../services/runtime/mesh/service.ts";
+import { makeCredentials } from "../../services/runtime/job/roles.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 
 afterAll(removeTempDirs);

@@ -7,7 +7,7 @@ import { join } from "node:path";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { type JobStatus, MeshClient } from "../../sdk/client.ts";
 import { statusLines } from "../../sdk/report.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";

@@ -18,8 +18,8 @@ import {
   Split,
 } from "../../schemas/messages.ts";
 import { JobRequest as JobRequestT } from "../../schemas/wire.ts";
-import { BadRequestError, CorruptDataError, NotReadyError, UnknownJobError } from "../../services/runtime/errors.ts";
-import { jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job.ts";
+import { BadRequestError, CorruptDataError, NotReadyError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
+import { jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";

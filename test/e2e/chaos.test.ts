@@ -11,7 +11,7 @@ import { Rng } from "../../engine/rng.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { JobData } from "../../services/data-loader/loader.ts";
-import { defaultOwner, type JobConfig, jobDefaults, parseJobConfig, qualifyJob } from "../../services/runtime/job.ts";
+import { defaultOwner, type JobConfig, jobDefaults, parseJobConfig, qualifyJob } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";

@@ -9,7 +9,7 @@ import { hostname } from "node:os";
 import { join } from "node:path";
 import { type Browser, chromium } from "playwright-core";
 import { EventKind } from "../../schemas/messages.ts";
-import { jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { Dashboard } from "../../sdk/dashboard/server.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";

@@ -31,12 +31,12 @@ import {
   Split,
   withChecksum,
 } from "../../schemas/messages.ts";
-import { defaultOwner, type JobConfig, jobDefaults, parseJobConfig, subjects, qualifyJob } from "../../services/runtime/job.ts";
+import { defaultOwner, type JobConfig, jobDefaults, parseJobConfig, subjects, qualifyJob } from "../../services/runtime/job/job.ts";
 import { specOfConfig, MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
-import { plausibleState } from "../../services/runtime/limits.ts";
+import { plausibleState } from "../../services/runtime/job/limits.ts";
 import { fuzz, poisonNumbers, type Target } from "../helpers/fuzz.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 

@@ -7,7 +7,7 @@ import { join } from "node:path";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { JobData, planHere } from "../../services/data-loader/loader.ts";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { JobFailedError, watchJob } from "../../sdk/watch.ts";

@@ -7,7 +7,7 @@ import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
 import parsePrometheus from "parse-prometheus-text-format";
 import { EventKind, JobState } from "../../schemas/messages.ts";
-import { jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";

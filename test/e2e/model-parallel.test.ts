@@ -6,7 +6,7 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
-import { type JobConfig, gptJobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { type JobConfig, gptJobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";

@@ -15,12 +15,12 @@ import { EventKind, JobState } from "../../schemas/messages.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
-import { ConfigError, DeadlineError } from "../../services/runtime/errors.ts";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
-import { JobStore, jobSpecsFollowedAgain, jobsBucket, recordsBucket } from "../../services/runtime/jobs.ts";
-import { kvReplicasFromEnv, openBucket } from "../../services/runtime/kv-bucket.ts";
-import { NatsBus } from "../../services/runtime/nats.ts";
-import { freePort, type NatsServer, startNatsServer } from "../../services/runtime/nats-server.ts";
+import { ConfigError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
+import { JobStore, jobSpecsFollowedAgain, jobsBucket, recordsBucket } from "../../services/runtime/job/jobs.ts";
+import { kvReplicasFromEnv, openBucket } from "../../services/runtime/mesh/kv-bucket.ts";
+import { NatsBus } from "../../services/runtime/mesh/nats.ts";
+import { freePort, type NatsServer, startNatsServer } from "../../services/runtime/mesh/nats-server.ts";
 import { finalChunkVersions } from "../helpers/jobs.ts";
 import { removeTempDirs, type ServiceProcess, spawnService, tempDir, waitFor } from "../helpers/mesh.ts";
 

@@ -7,7 +7,7 @@ import { readdirSync } from "node:fs";
 import { join } from "node:path";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { CheckpointStore } from "../../services/checkpoint/store.ts";
-import { jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";

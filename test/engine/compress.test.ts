@@ -6,7 +6,7 @@ import { describe, expect, test } from "bun:test";
 import { ConfigError } from "../../engine/errors.ts";
 import { Codec, type Compression, CompressionError, density, ErrorFeedback, parseCompression } from "../../engine/parallel/compress.ts";
 import { Rng } from "../../engine/rng.ts";
-import { decodeChunk, topKChunk } from "../../services/runtime/chunk-codec.ts";
+import { decodeChunk, topKChunk } from "../../services/runtime/transport/chunk-codec.ts";
 
 /** Gradient-like values: normal, with a few large outliers and exact zeros. */
 function gradients(rng: Rng, n: number, scale = 1e-3): Float32Array {

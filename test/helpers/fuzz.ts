@@ -8,8 +8,8 @@
 // trainers with finite gradients, a restore of a snapshot that exists) is drawn again: accepting
 // a well-formed message from someone who may send it is what credentials decide, not validation.
 import { Rng } from "../../engine/rng.ts";
-import type { Bus } from "../../services/runtime/bus.ts";
-import { DeadlineError, MeshError, NoRespondersError } from "../../services/runtime/errors.ts";
+import type { Bus } from "../../services/runtime/mesh/bus.ts";
+import { DeadlineError, MeshError, NoRespondersError } from "../../services/runtime/mesh/errors.ts";
 import { WireFormatError } from "../../schemas/codec.ts";
 
 export interface Target<T = unknown> {

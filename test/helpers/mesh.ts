@@ -3,8 +3,8 @@ import { type Subprocess } from "bun";
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { NatsBus } from "../../services/runtime/nats.ts";
-import { startNatsServer } from "../../services/runtime/nats-server.ts";
+import { NatsBus } from "../../services/runtime/mesh/nats.ts";
+import { startNatsServer } from "../../services/runtime/mesh/nats-server.ts";
 
 export const root = join(import.meta.dir, "..", "..");
 export const bunBin = process.execPath;

@@ -4,7 +4,7 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
 import { errorOfLine, LocalMesh, restartDefaults, RestartTracker } from "../../sdk/launcher.ts";
-import { configExitCode } from "../../services/runtime/service.ts";
+import { configExitCode } from "../../services/runtime/mesh/service.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 
 afterAll(removeTempDirs);

@@ -6,7 +6,7 @@ import { afterAll, afterEach, describe, expect, test } from "bun:test";
 import { copyFileSync, existsSync, mkdirSync, readdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { defaultMnistDir } from "../../engine/data/mnist.ts";
-import { freePort } from "../../services/runtime/nats-server.ts";
+import { freePort } from "../../services/runtime/mesh/nats-server.ts";
 import { newJobName } from "../../sdk/job-flags.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 

@@ -5,7 +5,7 @@ import { existsSync, mkdirSync, readdirSync, readFileSync, writeFileSync } from 
 import { join } from "node:path";
 import { encodeManifest } from "../../schemas/messages.ts";
 import { CheckpointStore, manifestName, snapshotId } from "../../services/checkpoint/store.ts";
-import { CorruptDataError, NotReadyError } from "../../services/runtime/errors.ts";
+import { CorruptDataError, NotReadyError } from "../../services/runtime/mesh/errors.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 

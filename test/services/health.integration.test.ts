@@ -3,8 +3,8 @@
 // connected to NATS and started, so a pod whose server went away is taken out of service and
 // put back once the client has reconnected, without a restart.
 import { afterAll, describe, expect, test } from "bun:test";
-import { serveMetrics } from "../../services/runtime/metrics.ts";
-import { freePort } from "../../services/runtime/nats-server.ts";
+import { serveMetrics } from "../../services/runtime/mesh/metrics.ts";
+import { freePort } from "../../services/runtime/mesh/nats-server.ts";
 import { removeTempDirs, spawnService, startNatsServer, tempDir, waitFor } from "../helpers/mesh.ts";
 
 afterAll(removeTempDirs);

@@ -1,11 +1,11 @@
-// Heartbeats and the liveness monitor (services/runtime/liveness.ts) over an in-memory bus with
+// Heartbeats and the liveness monitor (services/runtime/control/liveness.ts) over an in-memory bus with
 // a hand-moved clock: silence past the bound is one Stalled event naming the process and what it
 // was doing; its return is another; hostile heartbeats are ignored.
 import { describe, expect, test } from "bun:test";
 import { decodeEvent, decodeHeartbeat, encodeHeartbeat, type Event, EventKind } from "../../schemas/messages.ts";
-import { MemoryBus } from "../../services/runtime/bus.ts";
-import { subjects } from "../../services/runtime/job.ts";
-import { HeartbeatPublisher, LivenessMonitor, StragglerDetector } from "../../services/runtime/liveness.ts";
+import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
+import { subjects } from "../../services/runtime/job/job.ts";
+import { HeartbeatPublisher, LivenessMonitor, StragglerDetector } from "../../services/runtime/control/liveness.ts";
 
 test("a publisher says its step and phase; the monitor reports silence once, then the return", () => {
   const bus = new MemoryBus();

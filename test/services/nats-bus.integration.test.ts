@@ -1,8 +1,8 @@
 // The NATS bus against a real nats-server: an answer too large for a message and an error text
 // with line breaks both reach the caller as typed errors, and the serving side keeps serving.
 import { afterAll, expect, test } from "bun:test";
-import { BadRequestError, DeadlineError, LimitExceededError } from "../../services/runtime/errors.ts";
-import { closeDrainMsMax, NatsBus } from "../../services/runtime/nats.ts";
+import { BadRequestError, DeadlineError, LimitExceededError } from "../../services/runtime/mesh/errors.ts";
+import { closeDrainMsMax, NatsBus } from "../../services/runtime/mesh/nats.ts";
 import { expectRejected } from "../helpers/errors.ts";
 import { clientBus, startNatsServer } from "../helpers/mesh.ts";
 

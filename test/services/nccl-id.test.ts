@@ -5,8 +5,8 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { Kvm } from "@nats-io/kv";
 import { type WireFormatCode, WireFormatError } from "../../schemas/codec.ts";
 import { ncclUniqueIdBytes } from "../../ffi/nccl/nccl.ts";
-import { BadRequestError, DeadlineError } from "../../services/runtime/errors.ts";
-import { decodeNcclId, encodeNcclId, ncclIdBytes, ncclIdRecordBytes, ncclIdsBucket, NcclIdStore } from "../../services/runtime/nccl-id.ts";
+import { BadRequestError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
+import { decodeNcclId, encodeNcclId, ncclIdBytes, ncclIdRecordBytes, ncclIdsBucket, NcclIdStore } from "../../services/runtime/transport/nccl-id.ts";
 import { clientBus, startNatsServer } from "../helpers/mesh.ts";
 
 const timeoutMs = 10_000;

@@ -1,14 +1,14 @@
 // Parameter-server shard logic without NATS: hashing, layout, sync policies, duplicates,
 // optimizer updates against a float64 reference, snapshots, and bad pushes.
 import { describe, expect, test } from "bun:test";
-import { chunkKey, HashRing } from "../../services/runtime/hashring.ts";
-import { buildLayout } from "../../services/runtime/layout.ts";
+import { chunkKey, HashRing } from "../../services/runtime/job/hashring.ts";
+import { buildLayout } from "../../services/runtime/job/layout.ts";
 import { ParameterShard } from "../../services/parameter-server/shard.ts";
-import { BadRequestError, DeadlineError } from "../../services/runtime/errors.ts";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job.ts";
+import { BadRequestError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { chunkF32, decodePullReply, DType, f32Chunk, type PushRequest, withChecksum } from "../../schemas/messages.ts";
 import { Codec, ErrorFeedback, parseCompression } from "../../engine/parallel/compress.ts";
-import { chunkCodec, decodeChunk, encodeChunk } from "../../services/runtime/chunk-codec.ts";
+import { chunkCodec, decodeChunk, encodeChunk } from "../../services/runtime/transport/chunk-codec.ts";
 import { Rng } from "../../engine/rng.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { cpu, randn, relErr } from "../helpers/numeric.ts";
@@ -445,8 +445,8 @@ describe("snapshots", () => {
 describe("ParameterServer over a MemoryBus", () => {
   test("a pull whose reply would exceed the payload limit is refused with LimitExceededError; smaller pulls work", async () => {
     const { ParameterServer } = await import("../../services/parameter-server/service.ts");
-    const { MemoryBus } = await import("../../services/runtime/bus.ts");
-    const { LimitExceededError } = await import("../../services/runtime/errors.ts");
+    const { MemoryBus } = await import("../../services/runtime/mesh/bus.ts");
+    const { LimitExceededError } = await import("../../services/runtime/mesh/errors.ts");
     const { encodePullRequest, decodePullReply } = await import("../../schemas/messages.ts");
     const cfg = job({ model: { kind: "mlp", widths: [784, 16, 10], dropout: 0 }, trainers: 1, shards: 1 });
     const bus = new MemoryBus();

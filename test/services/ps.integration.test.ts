@@ -21,13 +21,13 @@ import {
   SyncPolicy,
 } from "../../schemas/messages.ts";
 import { PullRequest as PullRequestT } from "../../schemas/wire.ts";
-import { buildLayout } from "../../services/runtime/layout.ts";
-import { BadRequestError, UnknownJobError } from "../../services/runtime/errors.ts";
-import { type JobConfig, jobDefaults, subjects } from "../../services/runtime/job.ts";
-import { configExitCode } from "../../services/runtime/service.ts";
-import { JobStore } from "../../services/runtime/jobs.ts";
-import { initialParameters } from "../../services/runtime/model.ts";
-import { freePort } from "../../services/runtime/nats-server.ts";
+import { buildLayout } from "../../services/runtime/job/layout.ts";
+import { BadRequestError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
+import { type JobConfig, jobDefaults, subjects } from "../../services/runtime/job/job.ts";
+import { configExitCode } from "../../services/runtime/mesh/service.ts";
+import { JobStore } from "../../services/runtime/job/jobs.ts";
+import { initialParameters } from "../../services/runtime/job/model.ts";
+import { freePort } from "../../services/runtime/mesh/nats-server.ts";
 import { imagePlan, specOf } from "../helpers/jobs.ts";
 import { clientBus, type ServiceProcess, spawnService, startNatsServer, waitFor } from "../helpers/mesh.ts";
 

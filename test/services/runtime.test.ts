@@ -6,10 +6,10 @@ import { join } from "node:path";
 import { z } from "zod";
 import { WireFormatError } from "../../schemas/codec.ts";
 import { decodeErrorReply, encodeErrorReply } from "../../schemas/messages.ts";
-import { MemoryBus, subjectMatches } from "../../services/runtime/bus.ts";
-import { loadConfig } from "../../services/runtime/config.ts";
-import { BadRequestError, ConfigError, errorReplyOf, InternalError, MeshError, rebuildError, UnknownJobError } from "../../services/runtime/errors.ts";
-import { gptJobDefaults, jobDefaults, parseJobConfig, peakLr, trajectoryDiff, usesShards } from "../../services/runtime/job.ts";
+import { MemoryBus, subjectMatches } from "../../services/runtime/mesh/bus.ts";
+import { loadConfig } from "../../services/runtime/mesh/config.ts";
+import { BadRequestError, ConfigError, errorReplyOf, InternalError, MeshError, rebuildError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
+import { gptJobDefaults, jobDefaults, parseJobConfig, peakLr, trajectoryDiff, usesShards } from "../../services/runtime/job/job.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 

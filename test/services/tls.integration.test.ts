@@ -7,8 +7,8 @@ import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { MeshClient } from "../../sdk/client.ts";
-import { startNatsServer } from "../../services/runtime/nats-server.ts";
-import { NatsAccessError, NatsBus, type NatsTls } from "../../services/runtime/nats.ts";
+import { startNatsServer } from "../../services/runtime/mesh/nats-server.ts";
+import { NatsAccessError, NatsBus, type NatsTls } from "../../services/runtime/mesh/nats.ts";
 import { spawnService, waitFor } from "../helpers/mesh.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "mt-tls-"));

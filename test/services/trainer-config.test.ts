@@ -1,7 +1,7 @@
 // The trainer service's device key: validated with the rest of its config, before it connects.
 import { expect, test } from "bun:test";
 import { join } from "node:path";
-import { configExitCode } from "../../services/runtime/service.ts";
+import { configExitCode } from "../../services/runtime/mesh/service.ts";
 
 const main = join(import.meta.dir, "..", "..", "services", "trainer", "main.ts");
 

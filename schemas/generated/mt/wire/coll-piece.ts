@@ -136,7 +136,7 @@ reason(optionalEncoding?:any):string|Uint8Array|null {
 
 /**
  * nonzero: `data` is empty and the count float32 are in slot `shm_slot` of the sender's
- * shared-memory file for this receiver, named by this nonce (services/runtime/collective-shm.ts)
+ * shared-memory file for this receiver, named by this nonce (services/runtime/transport/collective-shm.ts)
  */
 shmNonce():number {
   const offset = this.bb!.__offset(this.bb_pos, 34);

@@ -6,7 +6,7 @@ import * as flatbuffers from 'flatbuffers';
 
 /**
  * The reply to any request that failed. `code` names the typed error the caller rebuilds
- * (services/runtime/errors.ts); `subject` is the subject the request was sent to.
+ * (services/runtime/mesh/errors.ts); `subject` is the subject the request was sent to.
  */
 export class ErrorReply {
   bb: flatbuffers.ByteBuffer|null = null;

@@ -51,7 +51,7 @@ state():JobState {
 }
 
 /**
- * the job's resolved configuration (services/runtime/job.ts)
+ * the job's resolved configuration (services/runtime/job/job.ts)
  */
 configJson():string|null
 configJson(optionalEncoding:flatbuffers.Encoding):string|Uint8Array|null

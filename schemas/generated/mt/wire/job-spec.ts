@@ -8,7 +8,7 @@ import { SyncPolicy } from '../../mt/wire/sync-policy';
 
 /**
  * A training job as submitted to the mesh. `config_json` holds the resolved, validated
- * configuration (services/runtime/job.ts); the typed fields repeat what routing needs.
+ * configuration (services/runtime/job/job.ts); the typed fields repeat what routing needs.
  */
 export class JobSpec {
   bb: flatbuffers.ByteBuffer|null = null;

@@ -6,7 +6,6 @@ import { Svcm } from "@nats-io/services";
 import type { NatsConnection } from "@nats-io/transport-node";
 import { CapacityError } from "./errors.ts";
 import { pause } from "./pause.ts";
-import type { JobConfig } from "./job.ts";
 
 export interface MeshMembers {
   trainers: number[];
@@ -87,7 +86,15 @@ export function indexList(ids: readonly number[]): string {
 }
 
 /** What the job needs that the mesh lacks, each as a phrase; empty when it can run. */
-export function missingMembers(cfg: Pick<JobConfig, "trainers" | "shards"> & Partial<Pick<JobConfig, "sync">>, m: MeshMembers): string[] {
+/** What a job needs of the mesh: its ranks and shards (none in all-reduce mode). */
+export interface MeshNeeds {
+  job: string;
+  trainers: number;
+  shards: number;
+  sync?: string;
+}
+
+export function missingMembers(cfg: Omit<MeshNeeds, "job">, m: MeshMembers): string[] {
   const lack = (want: number, have: readonly number[]) => Array.from({ length: want }, (_, i) => i).filter((i) => !have.includes(i));
   // an all-reduce job needs no shard
   const ranks = lack(cfg.trainers, m.trainers),
@@ -101,7 +108,7 @@ export function missingMembers(cfg: Pick<JobConfig, "trainers" | "shards"> & Par
 }
 
 /** One sentence: what the mesh runs and what the job lacks, and how to fix it. */
-export function capacityMessage(cfg: Pick<JobConfig, "job" | "trainers" | "shards"> & Partial<Pick<JobConfig, "sync">>, m: MeshMembers, where: string): string {
+export function capacityMessage(cfg: MeshNeeds, m: MeshMembers, where: string): string {
   return (
     `job ${cfg.job} needs ${missingMembers(cfg, m).join(", ")}, which the mesh at ${where} does not run ` +
     `(it runs trainer ranks ${indexList(m.trainers)}, shards ${indexList(m.shards)}, ${m.dataLoaders} data-loader(s), ${m.checkpoints} checkpoint service(s)); ` +
@@ -118,13 +125,7 @@ const membersPollMs = 250;
  * `signal` aborts first; CapacityError naming what is missing when `waitMs` has passed (0: one
  * look). A busy service can miss one look's window, so callers give a few seconds at least.
  */
-export async function awaitMembers(
-  members: () => Promise<MeshMembers>,
-  cfg: Pick<JobConfig, "job" | "trainers" | "shards"> & Partial<Pick<JobConfig, "sync">>,
-  waitMs: number,
-  where: string,
-  signal?: AbortSignal,
-): Promise<boolean> {
+export async function awaitMembers(members: () => Promise<MeshMembers>, cfg: MeshNeeds, waitMs: number, where: string, signal?: AbortSignal): Promise<boolean> {
   const deadline = Date.now() + waitMs;
   for (;;) {
     if (signal?.aborted) return false;

@@ -18,11 +18,11 @@
 //
 // This module moves bytes only: no bun:ffi, no ffi/nccl (services never call native code).
 import type { KV } from "@nats-io/kv";
-import { openBucket } from "./kv-bucket.ts";
+import { openBucket } from "../mesh/kv-bucket.ts";
 import type { NatsConnection } from "@nats-io/transport-node";
-import { WireFormatError } from "../../schemas/codec.ts";
-import { BadRequestError, DeadlineError, JetStreamUnavailableError } from "./errors.ts";
-import { jobIdPattern, jobNamePattern } from "./job.ts";
+import { WireFormatError } from "../../../schemas/codec.ts";
+import { BadRequestError, DeadlineError, JetStreamUnavailableError } from "../mesh/errors.ts";
+import { jobIdPattern, jobNamePattern } from "../job/job.ts";
 
 // ---- limits (the runtime has no limits.ts yet; these belong to this module) --------------------
 

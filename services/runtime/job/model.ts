@@ -2,15 +2,15 @@
 // parameter server takes only its initial flat parameter vector and the decay boundary, so
 // every process agrees on the layout of the vector without exchanging it. A GPT's size depends
 // on its vocabulary, which the job's plan carries (plan.ts).
-import type { Backend } from "../../ffi/backend.ts";
-import { CpuBackend } from "../../ffi/cpu/backend.ts";
-import { saveModelFile } from "../../engine/modelfile.ts";
-import { type GptConfig, GptModel } from "../../engine/models/gpt.ts";
-import { type MlpConfig, MlpModel } from "../../engine/models/mlp.ts";
-import type { Model } from "../../engine/models/model.ts";
-import { Context } from "../../engine/tensor.ts";
-import type { DataPlan, ShardState } from "../../schemas/messages.ts";
-import { CorruptDataError } from "./errors.ts";
+import type { Backend } from "../../../ffi/backend.ts";
+import { CpuBackend } from "../../../ffi/cpu/backend.ts";
+import { saveModelFile } from "../../../engine/modelfile.ts";
+import { type GptConfig, GptModel } from "../../../engine/models/gpt.ts";
+import { type MlpConfig, MlpModel } from "../../../engine/models/mlp.ts";
+import type { Model } from "../../../engine/models/model.ts";
+import { Context } from "../../../engine/tensor.ts";
+import type { DataPlan, ShardState } from "../../../schemas/messages.ts";
+import { CorruptDataError } from "../mesh/errors.ts";
 import type { JobConfig } from "./job.ts";
 import { buildLayout } from "./layout.ts";
 

@@ -45,7 +45,7 @@ export interface NatsServerOptions {
   cluster?: NatsClusterOptions;
   /** the HTTP monitoring port (/varz, /jsz, /connz) on 127.0.0.1; default: none */
   monitorPort?: number;
-  /** the users and their permissions: an `authorization { ... }` block (services/runtime/roles.ts
+  /** the users and their permissions: an `authorization { ... }` block (services/runtime/job/roles.ts
    *  natsAuthorization); default: none, anyone may connect and do anything */
   authorization?: string;
 }

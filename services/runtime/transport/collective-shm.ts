@@ -55,7 +55,7 @@ export function shmPath(job: string, generation: number, from: number, to: numbe
   return join(shmDir, `meshtrain-${jobHash}-g${generation}-${from}to${to}-${nonce.toString(16)}`);
 }
 
-/** Where rank `rank` of a job's communicator answers its same-machine peers (services/runtime/local-link.ts). */
+/** Where rank `rank` of a job's communicator answers its same-machine peers (services/runtime/transport/local-link.ts). */
 export function shmSocketPath(job: string, generation: number, rank: number): string {
   return join(shmDir, `meshtrain-${Bun.hash(job).toString(16)}-g${generation}-r${rank}.sock`);
 }

@@ -4,9 +4,9 @@
 // (SIGSTOP), wedged in a loop or dead goes quiet. The checkpoint service, a process of its own,
 // runs a LivenessMonitor per job: a sender silent for silentMs gets a Stalled event naming it
 // and what it was last doing, and another when it comes back.
-import { decodeHeartbeat, emptyEvent, encodeEvent, encodeHeartbeat, EventKind, type Heartbeat } from "../../schemas/messages.ts";
-import type { Bus, Subscription } from "./bus.ts";
-import { subjects } from "./job.ts";
+import { decodeHeartbeat, emptyEvent, encodeEvent, encodeHeartbeat, EventKind, type Heartbeat } from "../../../schemas/messages.ts";
+import type { Bus, Subscription } from "../mesh/bus.ts";
+import { subjects } from "../job/job.ts";
 
 /** How often a process says it is alive. */
 export const heartbeatMs = 2_000;

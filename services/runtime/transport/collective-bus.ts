@@ -14,19 +14,19 @@
 // changes nothing.
 //
 // With `sharedMemory`, peers on the same machine exchange the values through /dev/shm and the
-// request carries only the header (services/runtime/collective-shm.ts); every inline piece's
+// request carries only the header (services/runtime/transport/collective-shm.ts); every inline piece's
 // answer says which machine answered, so the sender learns which peers share its memory. Those
-// requests then go straight to the peer over a Unix socket (services/runtime/local-link.ts),
+// requests then go straight to the peer over a Unix socket (services/runtime/transport/local-link.ts),
 // with NATS as the fallback when the socket cannot be reached.
-import { BadPieceError, CollectiveClosedError, PeerLostError } from "../../engine/parallel/collective.ts";
-import type { PeerTransport, Phase, Piece, PieceHeader, Receipt } from "../../engine/parallel/transport.ts";
-import { CollPhase, collPieceOverheadBytes, decodeCollPiece, encodeCollPiece } from "../../schemas/messages.ts";
-import type { Bus, Subscription } from "./bus.ts";
+import { BadPieceError, CollectiveClosedError, PeerLostError } from "../../../engine/parallel/collective.ts";
+import type { PeerTransport, Phase, Piece, PieceHeader, Receipt } from "../../../engine/parallel/transport.ts";
+import { CollPhase, collPieceOverheadBytes, decodeCollPiece, encodeCollPiece } from "../../../schemas/messages.ts";
+import type { Bus, Subscription } from "../mesh/bus.ts";
 import { ShmInbox, ShmOutbox, shmIdentity, shmRefusedPrefix, shmSocketPath } from "./collective-shm.ts";
 import { LocalLinkClient, LocalLinkServer } from "./local-link.ts";
-import { BadRequestError, CapacityError, DeadlineError, NoRespondersError } from "./errors.ts";
-import { subjects } from "./job.ts";
-import { pause } from "./pause.ts";
+import { BadRequestError, CapacityError, DeadlineError, NoRespondersError } from "../mesh/errors.ts";
+import { subjects } from "../job/job.ts";
+import { pause } from "../mesh/pause.ts";
 
 export interface BusTransportOptions {
   job: string;

@@ -22,7 +22,7 @@ import { createUser, fromSeed } from "@nats-io/nkeys";
 import { basename, join } from "node:path";
 import { defaultOwner, ownerProblem } from "./job.ts";
 import { jobsBucket, recordsBucket } from "./jobs.ts";
-import { ncclIdsBucket } from "./nccl-id.ts";
+import { ncclIdsBucket } from "../transport/nccl-id.ts";
 
 /** The ranks and shards a mesh's credentials cover (a user per rank and per shard). */
 export interface RoleTopology {

@@ -11,9 +11,9 @@
 // hostile); the server keeps serving the others.
 import { unlinkSync } from "node:fs";
 import type { Socket } from "bun";
-import { answer, type Handler, unwrapReply } from "./bus.ts";
-import { encodeErrorReply } from "../../schemas/messages.ts";
-import { DeadlineError, errorReplyOf, NoRespondersError } from "./errors.ts";
+import { answer, type Handler, unwrapReply } from "../mesh/bus.ts";
+import { encodeErrorReply } from "../../../schemas/messages.ts";
+import { DeadlineError, errorReplyOf, NoRespondersError } from "../mesh/errors.ts";
 
 const headerBytes = 8;
 

@@ -1,7 +1,7 @@
 // How a job's flat parameter vector (the trainer's ParamStore slab) is cut into chunks and
 // which shard owns each chunk. Every service computes the same layout from the job config and
 // the parameter count; nothing about it is negotiated at run time.
-import { chunkRanges } from "../../schemas/codec.ts";
+import { chunkRanges } from "../../../schemas/codec.ts";
 import { chunkKey, HashRing } from "./hashring.ts";
 
 export interface ChunkInfo {

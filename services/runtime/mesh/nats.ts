@@ -10,7 +10,7 @@ import { DeadlineError, MeshError, NatsAccessError, NoRespondersError, refusedAs
 
 export { NatsAccessError };
 import type { Logger } from "./log.ts";
-import { inboxPrefixOf, readSeed } from "./roles.ts";
+import { inboxPrefixOf, readSeed } from "../job/roles.ts";
 import { orAfter } from "./timers.ts";
 
 export interface NatsBusOptions {
@@ -29,7 +29,7 @@ export interface NatsBusOptions {
   /** TLS: the CA that signed the server's certificate, and this client's certificate and key
    *  (for a server that verifies its clients); any of them, or a tls:// URL, requires TLS */
   tls?: NatsTls;
-  /** the nkey seed file of the user to connect as (services/runtime/roles.ts); none: anonymous */
+  /** the nkey seed file of the user to connect as (services/runtime/job/roles.ts); none: anonymous */
   nkeyFile?: string;
 }
 

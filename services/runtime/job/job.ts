@@ -1,9 +1,9 @@
 // A job's resolved configuration: what `meshtrain submit` sends, what every service of the
 // job reads, and what each checkpoint stores. Validated with zod; defaults in one block.
 import { z } from "zod";
-import { compressionPattern } from "../../engine/parallel/compress.ts";
-import { type JobSpec, SyncPolicy } from "../../schemas/messages.ts";
-import { BadRequestError, ConfigError } from "./errors.ts";
+import { compressionPattern } from "../../../engine/parallel/compress.ts";
+import { type JobSpec, SyncPolicy } from "../../../schemas/messages.ts";
+import { BadRequestError, ConfigError } from "../mesh/errors.ts";
 import { changeWorld, dataRanks, modelRanks, StepSchedule, worldOf, worldProblems } from "./world.ts";
 
 export { dataRanks, modelRanks };
@@ -103,7 +103,7 @@ export const jobConfigSchema = z.object({
   dataDir: z.string(),
   trainers: int(1, 64),
   /** every change of the trainers' number while the job ran, { from: 0, trainers } first and
-   *  `trainers` last (services/runtime/world.ts); empty: it never changed */
+   *  `trainers` last (services/runtime/job/world.ts); empty: it never changed */
   world: z
     .array(z.object({ from: int(0), trainers: int(1, 64) }))
     .max(256)
@@ -358,7 +358,7 @@ export function parseJobConfig(data: unknown): JobConfig {
 export const evaluatesAt = (cfg: JobConfig, schedule: StepSchedule, step: number): boolean =>
   step > 0 && (cfg.evalEvery === "epoch" ? schedule.startsEpoch(step) : cfg.evalEvery > 0 && step % cfg.evalEvery === 0);
 
-/** The steps of a job with its plan's sample count (services/runtime/world.ts). */
+/** The steps of a job with its plan's sample count (services/runtime/job/world.ts). */
 export const stepScheduleOf = (cfg: JobConfig, trainSamples: number): StepSchedule =>
   new StepSchedule(trainSamples, cfg.batchSize, worldOf(cfg), cfg.epochs, cfg.maxSteps);
 
@@ -485,7 +485,7 @@ export const subjects = {
   /** the plan of a job about to be submitted: a JobSpec without plan in, its DataPlan out */
   planJob: "mt.ctl.plan",
   /** trainer `trainer`'s pushes and pulls: the rank is a token of the subject, so that NATS
-   *  permissions let a trainer's user send only its own (services/runtime/roles.ts), and the
+   *  permissions let a trainer's user send only its own (services/runtime/job/roles.ts), and the
    *  shard refuses a message whose rank differs from its subject's */
   psPush: (job: string, shard: number, trainer: number) => `mt.${job}.ps.${shard}.push.${trainer}`,
   psPull: (job: string, shard: number, trainer: number) => `mt.${job}.ps.${shard}.pull.${trainer}`,
@@ -516,7 +516,7 @@ export const subjects = {
   /** a running job's trainers or shards changed at a step boundary (tag "trainers <n> shards <m>") */
   ckptResize: (job: string) => `mt.${job}.ckpt.resize`,
   events: (job: string, kind: string) => `mt.${job}.events.${kind}`,
-  /** a process's heartbeat (services/runtime/liveness.ts); who "trainer 1" -> trainer-1 */
+  /** a process's heartbeat (services/runtime/control/liveness.ts); who "trainer 1" -> trainer-1 */
   heartbeat: (job: string, who: string) => `mt.${job}.hb.${who.replace(/[^A-Za-z0-9_-]+/g, "-")}`,
   heartbeats: (job: string) => `mt.${job}.hb.*`,
   /** published by the SDK: trainer rank 0 takes a snapshot at its next step boundary */

@@ -9,7 +9,7 @@
 // closes the job, and publishes the Ended event. A service that restarts opens only the specs of
 // running jobs: an ended job is never reopened.
 import type { KV, KvEntry } from "@nats-io/kv";
-import { openBucket } from "./kv-bucket.ts";
+import { openBucket } from "../mesh/kv-bucket.ts";
 import type { NatsConnection } from "@nats-io/transport-node";
 import {
   decodeJobRecord,
@@ -22,11 +22,11 @@ import {
   type JobRecord,
   type JobSpec,
   JobState,
-} from "../../schemas/messages.ts";
-import type { Bus } from "./bus.ts";
-import { JetStreamUnavailableError, refusedAs } from "./errors.ts";
+} from "../../../schemas/messages.ts";
+import type { Bus } from "../mesh/bus.ts";
+import { JetStreamUnavailableError, refusedAs } from "../mesh/errors.ts";
 import { subjects } from "./job.ts";
-import type { Logger } from "./log.ts";
+import type { Logger } from "../mesh/log.ts";
 
 export const jobsBucket = "mt-jobs";
 export const recordsBucket = "mt-job-records";

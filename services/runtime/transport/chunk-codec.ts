@@ -5,10 +5,10 @@
 //
 // On the wire (schemas/common.fbs): BF16/F16 count uint16; I8 count int8 and the chunk's one
 // scale; TopK nnz uint32 indices (ascending) then nnz f32 values.
-import { hostKernels } from "../../ffi/cpu/host.ts";
-import { checkIndices, checkScales, Codec, type Compression, CompressionError, type ErrorFeedback } from "../../engine/parallel/compress.ts";
-import { type Chunk, DType } from "../../schemas/messages.ts";
-import { BadRequestError } from "./errors.ts";
+import { hostKernels } from "../../../ffi/cpu/host.ts";
+import { checkIndices, checkScales, Codec, type Compression, CompressionError, type ErrorFeedback } from "../../../engine/parallel/compress.ts";
+import { type Chunk, DType } from "../../../schemas/messages.ts";
+import { BadRequestError } from "../mesh/errors.ts";
 
 /** The chunk dtype a compression pushes. */
 export function pushDType(c: Compression): DType {

@@ -8,9 +8,9 @@
 //     snapshot, so no rank holds another's state; the checkpoint service writes them as they
 //     are and, on restore or to export the model, assembles the replica from all of them
 //     (replicaFromPartitions), whatever the number of ranks and stage it is loaded into.
-import { packByBytes } from "../../schemas/codec.ts";
-import { type ChunkState, type ShardState, shardStateChecksum, withChecksum } from "../../schemas/messages.ts";
-import { BadRequestError, CorruptDataError } from "./errors.ts";
+import { packByBytes } from "../../../schemas/codec.ts";
+import { type ChunkState, type ShardState, shardStateChecksum, withChecksum } from "../../../schemas/messages.ts";
+import { BadRequestError, CorruptDataError } from "../mesh/errors.ts";
 import type { Layout } from "./layout.ts";
 
 /** The tag of a state request that cuts the state (kept for the parts asked next) and answers its head. */

@@ -8,7 +8,7 @@
 // once per epoch. An epoch ends when its permutation is used up; so the job's step count, and
 // where each epoch starts, depend on the world. With one trainer count this is the plain
 // DistributedSampler of services/data-loader/sampler.ts.
-import { BadRequestError } from "./errors.ts";
+import { BadRequestError } from "../mesh/errors.ts";
 
 export interface WorldChange {
   /** the first step the count holds for */

@@ -2,9 +2,9 @@
 // bus registered for $SRV discovery, and a graceful drain on SIGTERM/SIGINT (stop taking
 // requests, finish those in flight, flush, exit 0).
 import { z } from "zod";
-import { DataFileError } from "../../engine/data/errors.ts";
-import { ConfigError as EngineConfigError } from "../../engine/errors.ts";
-import { NativeLibraryError } from "../../ffi/errors.ts";
+import { DataFileError } from "../../../engine/data/errors.ts";
+import { ConfigError as EngineConfigError } from "../../../engine/errors.ts";
+import { NativeLibraryError } from "../../../ffi/errors.ts";
 import { loadConfig } from "./config.ts";
 import { ConfigError, NatsAccessError } from "./errors.ts";
 import { createLogger, type Logger } from "./log.ts";
@@ -40,7 +40,7 @@ export const baseConfigSchema = z.object({
   tlsCa: z.string(),
   tlsCert: z.string(),
   tlsKey: z.string(),
-  /** the nkey seed file of this service's NATS user (services/runtime/roles.ts); empty: anonymous */
+  /** the nkey seed file of this service's NATS user (services/runtime/job/roles.ts); empty: anonymous */
   natsNkey: z.string(),
 });
 

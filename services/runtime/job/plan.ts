@@ -2,9 +2,9 @@
 // submitted and carried in its spec (JobSpec.plan). The data-loader computes it (it alone reads
 // the data: `mt.ctl.plan`); trainers and parameter-server shards read the step count,
 // the vocabulary and the parameter vector's layout from the spec, never from the data files.
-import { scheduleOf, type Schedule } from "../../engine/optim/schedule.ts";
-import type { DataPlan, JobSpec } from "../../schemas/messages.ts";
-import { BadRequestError, CorruptDataError } from "./errors.ts";
+import { scheduleOf, type Schedule } from "../../../engine/optim/schedule.ts";
+import type { DataPlan, JobSpec } from "../../../schemas/messages.ts";
+import { BadRequestError, CorruptDataError } from "../mesh/errors.ts";
 import { dataRanks, type JobConfig, stepScheduleOf } from "./job.ts";
 import { buildLayout, type Layout } from "./layout.ts";
 import { initialParameters } from "./model.ts";
