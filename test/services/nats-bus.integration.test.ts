@@ -62,7 +62,7 @@ test("a request waiting when the server dies fails at once with a DeadlineError 
 
 test("a process that asks once and closes its bus exits then: close() leaves no timer behind (a client command took the drain's 10 s bound every time)", async () => {
   const script = `
-    import { NatsBus } from ${JSON.stringify(`${import.meta.dir}/../../services/runtime/nats.ts`)};
+    import { NatsBus } from ${JSON.stringify(`${import.meta.dir}/../../services/runtime/mesh/nats.ts`)};
     const bus = await NatsBus.connect({ url: ${JSON.stringify(server.url)}, name: "test-once", connectRetryMsMax: 5000, connectBackoffMsMax: 500 });
     console.log(new TextDecoder().decode(await bus.request("t.handle", new TextEncoder().encode("once"), 5000)));
     await bus.close();
