@@ -56,12 +56,17 @@ export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchR
   const pieceBytes = positiveInt("piece-kb", v["piece-kb"]) * 1024,
     windowPieces = positiveInt("window", v.window);
   const transports = String(v.transport).split(",");
-  for (const t of transports) if (t !== "nats" && t !== "shm") throw new ConfigError(`--transport must be a list of nats, shm; got ${String(v.transport)}`);
-  if (rankCounts.some((n) => n < 2 || n > 16)) throw new ConfigError("--ranks: each from 2 to 16 (one rank moves nothing)");
+  for (const t of transports)
+    if (t !== "nats" && t !== "shm")
+      throw new ConfigError(`--transport must be a list of nats, shm; got ${String(v.transport)}`);
+  if (rankCounts.some((n) => n < 2 || n > 16))
+    throw new ConfigError("--ranks: each from 2 to 16 (one rank moves nothing)");
   if (pieceBytes > 16 << 20) throw new ConfigError("--piece-kb: at most 16384");
   if (Math.max(...sizes) > 1024) throw new ConfigError("--sizes-mb: at most 1024");
   const dir = mkdtempSync(join(tmpdir(), "mt-bench-allreduce-"));
-  await using server = await startNatsServer({ maxPayloadBytes: Math.max(1 << 20, pieceBytes + collPieceOverheadBytes + 4096) });
+  await using server = await startNatsServer({
+    maxPayloadBytes: Math.max(1 << 20, pieceBytes + collPieceOverheadBytes + 4096),
+  });
   const rows: AllReduceBenchResult[] = [];
   try {
     for (const transport of transports)
@@ -107,7 +112,17 @@ export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchR
       `all-reduce: ring over NATS, or with its values through shared memory (shm), ${pieceBytes >> 10} KB pieces, ${windowPieces} in flight per link, ` +
         `vs raw NATS moving the same bytes per link; median of ${rounds}`,
     );
-    printTable(rows, ["transport", "ranks", "size_mb", "ring_ms", "ring_busbw_gb_per_s", "raw_ms", "raw_busbw_gb_per_s", "ratio", "target"]);
+    printTable(rows, [
+      "transport",
+      "ranks",
+      "size_mb",
+      "ring_ms",
+      "ring_busbw_gb_per_s",
+      "raw_ms",
+      "raw_busbw_gb_per_s",
+      "ratio",
+      "target",
+    ]);
   }
   console.log(JSON.stringify({ bench: "allreduce", rows }));
   return rows;

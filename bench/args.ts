@@ -15,7 +15,9 @@ export function parseBenchArgs<O extends NonNullable<ParseArgsConfig["options"]>
 export function positiveInt(name: string, raw: unknown, multipleOf = 1): number {
   const v = Number(raw);
   if (!Number.isInteger(v) || v < 1 || v % multipleOf !== 0) {
-    throw new ConfigError(`--${name} must be a positive integer${multipleOf > 1 ? ` and a multiple of ${multipleOf}` : ""}, got ${String(raw)}`);
+    throw new ConfigError(
+      `--${name} must be a positive integer${multipleOf > 1 ? ` and a multiple of ${multipleOf}` : ""}, got ${String(raw)}`,
+    );
   }
   return v;
 }

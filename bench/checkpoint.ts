@@ -56,7 +56,10 @@ export function runCheckpointBench(argv: string[]): CheckpointBenchResult[] {
   try {
     for (const mb of sizes) {
       const half = (mb << 20) / 2;
-      const files = ["ps-0.mtss", "ps-1.mtss"].map((name) => ({ name, bytes: new Uint8Array(half).map((_, i) => (i * 2654435761) >>> 24) }));
+      const files = ["ps-0.mtss", "ps-1.mtss"].map((name) => ({
+        name,
+        bytes: new Uint8Array(half).map((_, i) => (i * 2654435761) >>> 24),
+      }));
       const store = new CheckpointStore(join(root, "store"));
       const save: number[] = [],
         plain: number[] = [],
@@ -66,7 +69,12 @@ export function runCheckpointBench(argv: string[]): CheckpointBenchResult[] {
         const step = mb * 1000 + r;
         // alternate which goes first: the second writer pays for the first one's writeback
         const writePlain = () => plain.push(timed(() => plainWrite(join(root, "plain", String(r)), files)));
-        const writeStore = () => save.push(timed(() => store.save({ job: "bench", step, metric: Number.NaN, configJson: "{}", cursors: [step] }, files)));
+        const writeStore = () =>
+          save.push(
+            timed(() =>
+              store.save({ job: "bench", step, metric: Number.NaN, configJson: "{}", cursors: [step] }, files),
+            ),
+          );
         if (r % 2 === 0) {
           writePlain();
           writeStore();

@@ -26,25 +26,37 @@ const root = join(import.meta.dir, "..");
 const cli = join(root, "sdk", "cli.ts");
 
 export async function runClientBench(argv: string[]): Promise<ClientBenchRow[]> {
-  const v = parseBenchArgs(argv, { runs: { type: "string", default: "5" }, "json-only": { type: "boolean", default: false } });
+  const v = parseBenchArgs(argv, {
+    runs: { type: "string", default: "5" },
+    "json-only": { type: "boolean", default: false },
+  });
   const runs = positiveInt("runs", v.runs);
   const dir = mkdtempSync(join(tmpdir(), "meshtrain-client-"));
   // `mesh up` leaves its address and the client's credentials here for the client commands
   const env = { ...process.env, XDG_RUNTIME_DIR: dir, INIT_CWD: dir, FORCE_COLOR: "0" };
   const run = (args: string[]) => {
     const t0 = performance.now();
-    const p = Bun.spawnSync([process.execPath, cli, ...args], { cwd: dir, env, stdout: "pipe", stderr: "pipe", timeout: 120_000 });
+    const p = Bun.spawnSync([process.execPath, cli, ...args], {
+      cwd: dir,
+      env,
+      stdout: "pipe",
+      stderr: "pipe",
+      timeout: 120_000,
+    });
     return { ms: performance.now() - t0, code: p.exitCode, out: p.stdout.toString(), err: p.stderr.toString() };
   };
   const port = await freePort();
   let said = "";
   let pumped: Promise<void> = Promise.resolve();
-  const up = Bun.spawn([process.execPath, cli, "mesh", "up", "--port", String(port), "--dir", "m", "--trainers", "1", "--shards", "1"], {
-    cwd: dir,
-    env,
-    stdout: "pipe",
-    stderr: "pipe",
-  });
+  const up = Bun.spawn(
+    [process.execPath, cli, "mesh", "up", "--port", String(port), "--dir", "m", "--trainers", "1", "--shards", "1"],
+    {
+      cwd: dir,
+      env,
+      stdout: "pipe",
+      stderr: "pipe",
+    },
+  );
   try {
     // up once it says how to submit (its output is read to the end, so its pipe never fills)
     pumped = (async () => {
@@ -105,7 +117,9 @@ export async function runClientBench(argv: string[]): Promise<ClientBenchRow[]> 
     if (!v["json-only"]) {
       printTable(rows, ["command", "runs", "wall_ms_p50", "wall_ms_max", "ratio"]);
       const worst = rows.slice(1).reduce((a, b) => (b.wall_ms_p50 > a.wall_ms_p50 ? b : a));
-      console.log(`slowest client command: ${worst.command}, ${worst.wall_ms_p50} ms (${round(worst.wall_ms_p50 - base, 0)} ms over the CLI's own start-up)`);
+      console.log(
+        `slowest client command: ${worst.command}, ${worst.wall_ms_p50} ms (${round(worst.wall_ms_p50 - base, 0)} ms over the CLI's own start-up)`,
+      );
     }
     console.log(JSON.stringify({ bench: "client", results: rows }));
     return rows;

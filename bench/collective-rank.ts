@@ -88,12 +88,18 @@ function errorRatio(got: Float32Array, inputs: Float32Array[], from: number, to:
   return worst;
 }
 
-const hashOf = (x: Float32Array, from = 0, to = x.length) => Bun.hash.xxHash64(new Uint8Array(x.buffer, x.byteOffset + from * 4, (to - from) * 4)).toString(16);
+const hashOf = (x: Float32Array, from = 0, to = x.length) =>
+  Bun.hash.xxHash64(new Uint8Array(x.buffer, x.byteOffset + from * 4, (to - from) * 4)).toString(16);
 
 async function main(): Promise<void> {
   const plan = (await Bun.file(process.argv[2]!).json()) as RankPlan;
   const size = plan.hosts.length;
-  const bus = await NatsBus.connect({ url: plan.url, name: `coll-rank-${plan.rank}`, connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
+  const bus = await NatsBus.connect({
+    url: plan.url,
+    name: `coll-rank-${plan.rank}`,
+    connectRetryMsMax: 10_000,
+    connectBackoffMsMax: 500,
+  });
   const transport = new BusTransport(bus, {
     job: plan.job,
     rank: plan.rank,
@@ -122,7 +128,9 @@ async function main(): Promise<void> {
   };
   const options = { progressTimeoutMs: plan.progressTimeoutMs };
   const coll: Collective =
-    new Set(plan.hosts).size > 1 ? new HierarchicalCollective(counting, { hosts: plan.hosts }, options) : new RingCollective(counting, size, options);
+    new Set(plan.hosts).size > 1
+      ? new HierarchicalCollective(counting, { hosts: plan.hosts }, options)
+      : new RingCollective(counting, size, options);
   const raw = rawLink(bus, plan);
   // a piece for a rank that has not subscribed yet is retried (NoResponders) until it has
   for (const op of plan.ops) {
@@ -135,12 +143,26 @@ async function main(): Promise<void> {
   await bus.close();
 }
 
-async function runOp(coll: Collective, raw: ReturnType<typeof rawLink>, plan: RankPlan, op: RankOp): Promise<RankResult> {
+async function runOp(
+  coll: Collective,
+  raw: ReturnType<typeof rawLink>,
+  plan: RankPlan,
+  op: RankOp,
+): Promise<RankResult> {
   const size = plan.hosts.length,
     key = { step: op.step, bucket: op.bucket };
   const inputs = op.check ? Array.from({ length: size }, (_, r) => rankInput(op.seed, r, op.len)) : [];
   const buf = op.check ? inputs[plan.rank]!.slice() : filled(op.len, plan.rank);
-  const out: RankResult = { op: op.op, len: op.len, step: op.step, bucket: op.bucket, ms: 0, hash: "", errorRatio: 0, shmPeers: 0 };
+  const out: RankResult = {
+    op: op.op,
+    len: op.len,
+    step: op.step,
+    bucket: op.bucket,
+    ms: 0,
+    hash: "",
+    errorRatio: 0,
+    shmPeers: 0,
+  };
   let t0 = performance.now();
   try {
     await coll.barrier({ step: op.step, bucket: 0xffff_0000 + (op.bucket & 0xffff) });

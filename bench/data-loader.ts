@@ -8,7 +8,14 @@ import { join } from "node:path";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { Context } from "../engine/tensor.ts";
 import { lossAndGradients } from "../engine/train.ts";
-import { decodeBatch, decodeLoaderStats, encodeBatchRequest, encodeJobRequest, Split, SyncPolicy } from "../schemas/messages.ts";
+import {
+  decodeBatch,
+  decodeLoaderStats,
+  encodeBatchRequest,
+  encodeJobRequest,
+  Split,
+  SyncPolicy,
+} from "../schemas/messages.ts";
 import { planHere } from "../services/data-loader/loader.ts";
 import { jobDefaults, parseJobConfig, subjects } from "../services/runtime/job/job.ts";
 import { JobStore } from "../services/runtime/job/jobs.ts";
@@ -46,7 +53,12 @@ export async function runDataLoaderBench(argv: string[]): Promise<DataLoaderBenc
     stderr: "ignore",
     env: { ...process.env, OMP_NUM_THREADS: "1" },
   });
-  const bus = await NatsBus.connect({ url: server.url, name: "bench-dl", connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
+  const bus = await NatsBus.connect({
+    url: server.url,
+    name: "bench-dl",
+    connectRetryMsMax: 10_000,
+    connectBackoffMsMax: 500,
+  });
   try {
     await (await JobStore.open(bus.nc)).putSpec({
       job: cfg.job,
@@ -69,7 +81,11 @@ export async function runDataLoaderBench(argv: string[]): Promise<DataLoaderBenc
     const ask = async (rank: number, step: number) => {
       const t0 = performance.now();
       const b = decodeBatch(
-        await bus.request(subjects.dataNext(cfg.job), encodeBatchRequest({ job: cfg.job, rank, split: Split.Train, credits: 4, step }), 30_000),
+        await bus.request(
+          subjects.dataNext(cfg.job),
+          encodeBatchRequest({ job: cfg.job, rank, split: Split.Train, credits: 4, step }),
+          30_000,
+        ),
         8 << 20,
       );
       return { b, ms: performance.now() - t0 };
@@ -88,7 +104,12 @@ export async function runDataLoaderBench(argv: string[]): Promise<DataLoaderBenc
     const ctx = new Context(be, { seed: 1 });
     const model = buildModel(ctx, cfg, planHere(cfg));
     const { b: sample } = await ask(0, batches);
-    const host = { inputs: sample.x, inputShape: [sample.rows, sample.cols], targets: sample.y, targetShape: [sample.rows] };
+    const host = {
+      inputs: sample.x,
+      inputShape: [sample.rows, sample.cols],
+      targets: sample.y,
+      targetShape: [sample.rows],
+    };
     const stepMs = median(
       Array.from({ length: 15 }, () => {
         const t = performance.now();
@@ -107,12 +128,21 @@ export async function runDataLoaderBench(argv: string[]): Promise<DataLoaderBenc
       const { b } = await next;
       waits2.push(performance.now() - t);
       next = ask(0, s + 1);
-      lossAndGradients(ctx, model, [{ inputs: b.x, inputShape: [b.rows, b.cols], targets: b.y, targetShape: [b.rows] }], 0, s);
+      lossAndGradients(
+        ctx,
+        model,
+        [{ inputs: b.x, inputShape: [b.rows, b.cols], targets: b.y, targetShape: [b.rows] }],
+        0,
+        s,
+      );
     }
     await next;
     const consumeRate = batches / ((performance.now() - t2) / 1000);
     const trainerRate = 1000 / stepMs;
-    const stats = decodeLoaderStats(await bus.request(`mt.${cfg.job}.data.stats`, encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 5000), 1 << 16);
+    const stats = decodeLoaderStats(
+      await bus.request(`mt.${cfg.job}.data.stats`, encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 5000),
+      1 << 16,
+    );
     ctx.dispose();
     const rows: DataLoaderBenchResult[] = [
       {
@@ -139,7 +169,15 @@ export async function runDataLoaderBench(argv: string[]): Promise<DataLoaderBenc
         `data-loader benchmark: MNIST, batch ${batchSize}, 2 ranks, prefetch credits 4; trainer step ${stepMs.toFixed(2)} ms (784-800-10 forward+backward in this process); ` +
           `loader: ${stats.prefetchHits} prefetch hits, ${stats.prefetchMisses} misses; ratio = batches/s / one trainer's consumption rate`,
       );
-      printTable(rows, ["phase", "batches", "batches_per_s", "wait_ms_p50", "wait_ms_p99", "trainer_batches_per_s", "ratio"]);
+      printTable(rows, [
+        "phase",
+        "batches",
+        "batches_per_s",
+        "wait_ms_p50",
+        "wait_ms_p99",
+        "trainer_batches_per_s",
+        "ratio",
+      ]);
     }
     console.log(JSON.stringify({ bench: "data-loader", results: rows }));
     return rows;

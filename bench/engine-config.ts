@@ -174,18 +174,42 @@ export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions):
       `engine benchmark, ${o.config} (L${c.nLayer} H${c.nHead} C${c.nEmbd} T${c.blockSize} V${c.vocabSize}), batch ${B}, ${o.precision}: ${why}${threads}; ` +
         `AdamW, clip 1.0; median of ${o.steps} steps after 2`,
     );
-    printTable(rows, ["impl", "batch", "step_ms", "tokens_per_s", "act_peak_mib", "act_predicted_mib", "device_mib", "rss_mib"]);
+    printTable(rows, [
+      "impl",
+      "batch",
+      "step_ms",
+      "tokens_per_s",
+      "act_peak_mib",
+      "act_predicted_mib",
+      "device_mib",
+      "rss_mib",
+    ]);
     for (const t of torch) {
-      const mem = typeof t.device_mib === "number" && be.name !== "cpu" ? ` | device memory x${round((ours.device_mib as number) / t.device_mib, 3)}` : "";
-      const rss = typeof t.rss_mib === "number" && be.name === "cpu" ? ` | peak RSS x${round((ours.rss_mib as number) / t.rss_mib, 3)}` : "";
+      const mem =
+        typeof t.device_mib === "number" && be.name !== "cpu"
+          ? ` | device memory x${round((ours.device_mib as number) / t.device_mib, 3)}`
+          : "";
+      const rss =
+        typeof t.rss_mib === "number" && be.name === "cpu"
+          ? ` | peak RSS x${round((ours.rss_mib as number) / t.rss_mib, 3)}`
+          : "";
       console.log(`ours / ${t.impl}: tokens/s x${round(ours.tokens_per_s / t.tokens_per_s, 3)}${mem}${rss}`);
     }
     if (o.profile) {
-      console.log(`profile (${be.name === "cpu" ? "each call timed" : "each call timed between synchronizes"}): the step's time by phase and backend op`);
+      console.log(
+        `profile (${be.name === "cpu" ? "each call timed" : "each call timed between synchronizes"}): the step's time by phase and backend op`,
+      );
       printTable(profile, ["phase", "op", "ms_per_step", "share"]);
     }
   }
-  return { config: o.config, shape, batch: B, precision: o.precision, results: rows, ...(o.profile ? { profile } : {}) };
+  return {
+    config: o.config,
+    shape,
+    batch: B,
+    precision: o.precision,
+    results: rows,
+    ...(o.profile ? { profile } : {}),
+  };
 }
 
 /** PyTorch on the same shape: one process per mode, so each peak RSS is its own. */
@@ -197,12 +221,32 @@ function torchRows(be: Backend, o: ConfigBenchOptions, B: number): ConfigBenchRo
   const script = join(import.meta.dir, "torch_step.py");
   const rows: ConfigBenchRow[] = [];
   for (const mode of modes) {
-    const args = ["--gpt-config", JSON.stringify({ ...shape, batch: B }), "--mode", mode, "--device", gpu ? "cuda" : "cpu"];
-    const p = Bun.spawnSync([torchPython(), script, ...args, "--precision", o.precision, "--steps", String(o.steps), "--threads", String(threads)], {
-      stdout: "pipe",
-      stderr: "pipe",
-      env: { ...process.env, OMP_NUM_THREADS: String(threads || "") },
-    });
+    const args = [
+      "--gpt-config",
+      JSON.stringify({ ...shape, batch: B }),
+      "--mode",
+      mode,
+      "--device",
+      gpu ? "cuda" : "cpu",
+    ];
+    const p = Bun.spawnSync(
+      [
+        torchPython(),
+        script,
+        ...args,
+        "--precision",
+        o.precision,
+        "--steps",
+        String(o.steps),
+        "--threads",
+        String(threads),
+      ],
+      {
+        stdout: "pipe",
+        stderr: "pipe",
+        env: { ...process.env, OMP_NUM_THREADS: String(threads || "") },
+      },
+    );
     const line = p.stdout.toString().trim().split("\n").pop() ?? "";
     let r: { step_ms?: number; peak_mib?: number; rss_mib?: number; torch?: string; error?: string };
     try {
@@ -243,6 +287,7 @@ export function torchPython(): string {
 }
 
 export function configName(raw: string): EngineConfigName {
-  if (!(engineConfigNames as string[]).includes(raw)) throw new ConfigError(`--config must be one of ${engineConfigNames.join(", ")}, got ${raw}`);
+  if (!(engineConfigNames as string[]).includes(raw))
+    throw new ConfigError(`--config must be one of ${engineConfigNames.join(", ")}, got ${raw}`);
   return raw as EngineConfigName;
 }

@@ -46,7 +46,14 @@ export interface EngineBenchResult {
  * once, on scratch buffers of the same shapes), interleaved one of each at a time so both see
  * the same machine conditions; returns the medians in ms.
  */
-function timeInterleaved(be: Backend, trainer: TrainStep, batch: HostBatch, shapes: readonly GemmShape[], reps: number, input: GemmInput) {
+function timeInterleaved(
+  be: Backend,
+  trainer: TrainStep,
+  batch: HostBatch,
+  shapes: readonly GemmShape[],
+  reps: number,
+  input: GemmInput,
+) {
   const buffers = shapes.map((s) => ({
     a: randomMatrix(be, s.M * s.K * s.batch, input, s.M + s.N + s.K),
     b: randomMatrix(be, s.K * s.N * s.batch, input, s.M + s.N + s.K + 1),
@@ -57,7 +64,26 @@ function timeInterleaved(be: Backend, trainer: TrainStep, batch: HostBatch, shap
       const { a, b, c } = buffers[i]!;
       const lda = s.transA ? s.M : s.K;
       const ldb = s.transB ? s.K : s.N;
-      be.gemmEx(input, s.transA, s.transB, s.M, s.N, s.K, 1, a.ptr, lda, s.M * s.K, b.ptr, ldb, s.K * s.N, 0, c.ptr, s.N, s.M * s.N, s.batch);
+      be.gemmEx(
+        input,
+        s.transA,
+        s.transB,
+        s.M,
+        s.N,
+        s.K,
+        1,
+        a.ptr,
+        lda,
+        s.M * s.K,
+        b.ptr,
+        ldb,
+        s.K * s.N,
+        0,
+        c.ptr,
+        s.N,
+        s.M * s.N,
+        s.batch,
+      );
     });
   };
   // a GPU backend queues work: synchronize so each interval covers the work it launched
@@ -105,7 +131,15 @@ const gemmInputOf = (p: Precision): GemmInput => p;
 /** The GEMM shapes of every model benchmarked in this process, for the PyTorch comparison. */
 const benchedShapes: GemmShape[] = [];
 
-function result(name: string, batch: number, model: Model, stepMs: number, gemmMs: number, target: number, peakBytes: number): EngineBenchResult {
+function result(
+  name: string,
+  batch: number,
+  model: Model,
+  stepMs: number,
+  gemmMs: number,
+  target: number,
+  peakBytes: number,
+): EngineBenchResult {
   const flops = gemmFlops(model.gemmShapes(batch));
   benchedShapes.push(...model.gemmShapes(batch));
   return {
@@ -125,7 +159,12 @@ export function benchMlp(be: Backend, steps: number, precision: Precision = "f32
   const batch = 256;
   const ctx = new Context(be, { seed: 1, precision });
   const model = new MlpModel(ctx, { widths: [784, 1024, 1024, 10], activation: "relu", dropout: 0 }, 1);
-  const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, sgdDefaults), { lr: 0.01, schedule: { kind: "constant" }, gradClip: 0, accumSteps: 1 });
+  const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, sgdDefaults), {
+    lr: 0.01,
+    schedule: { kind: "constant" },
+    gradClip: 0,
+    accumSteps: 1,
+  });
   const rng = new Rng(2);
   const hb: HostBatch = {
     inputs: Float32Array.from({ length: batch * 784 }, () => rng.normal()),
@@ -143,7 +182,12 @@ export const gptBenchBatch = 32;
 
 /** recompute: activation checkpointing (each block's activations recomputed in backward); its
  *  GEMM rate counts the step's GEMMs once, so the recomputed forward shows as a lower ratio */
-export function benchGpt(be: Backend, steps: number, precision: Precision = "f32", recompute = false): EngineBenchResult {
+export function benchGpt(
+  be: Backend,
+  steps: number,
+  precision: Precision = "f32",
+  recompute = false,
+): EngineBenchResult {
   const batch = gptBenchBatch;
   const vocabSize = 83; // Moby Dick's character count
   const ctx = new Context(be, { seed: 1, precision });
@@ -185,7 +229,8 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] | object {
   });
   const steps = positiveInt("steps", values.steps);
   const device = values.device as DeviceChoice;
-  if (!deviceChoices.includes(device)) throw new ConfigError(`--device must be one of ${deviceChoices.join(", ")}, got ${values.device}`);
+  if (!deviceChoices.includes(device))
+    throw new ConfigError(`--device must be one of ${deviceChoices.join(", ")}, got ${values.device}`);
   const precision = checkPrecision(values.precision as Precision);
   const quiet = values["json-only"];
   if (values.config === undefined && (values.batch !== undefined || values.profile || values["no-torch"])) {
@@ -196,7 +241,15 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] | object {
     const batch = values.batch === undefined ? engineConfigs[config].batch : positiveInt("batch", values.batch);
     const { backend: be, why } = openBackend(device);
     try {
-      const out = runConfigBench(be, why, { config, batch, steps, precision, profile: values.profile, torch: !values["no-torch"], quiet });
+      const out = runConfigBench(be, why, {
+        config,
+        batch,
+        steps,
+        precision,
+        profile: values.profile,
+        torch: !values["no-torch"],
+        quiet,
+      });
       console.log(JSON.stringify({ bench: "engine", device: be.name, ...out }));
       return out;
     } finally {
@@ -211,7 +264,17 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] | object {
     console.log(
       `engine benchmark: ${why}${threads}, precision ${precision}; medians of ${steps} steps interleaved with ${steps} rounds of their GEMMs; ratio = GEMM time / step time`,
     );
-    printTable(rows, ["model", "batch", "step_ms", "samples_per_s", "achieved_gflops", "sgemm_gflops", "ratio", "target", "peak_act_mib"]);
+    printTable(rows, [
+      "model",
+      "batch",
+      "step_ms",
+      "samples_per_s",
+      "achieved_gflops",
+      "sgemm_gflops",
+      "ratio",
+      "target",
+      "peak_act_mib",
+    ]);
     const [, kept, recomputed] = rows as [EngineBenchResult, EngineBenchResult, EngineBenchResult];
     console.log(
       `activation recomputation: peak pass memory ${kept.peak_act_mib} -> ${recomputed.peak_act_mib} MiB (x${round(recomputed.peak_act_mib / kept.peak_act_mib, 3)}), ` +
@@ -220,25 +283,62 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] | object {
   }
   const torch = gpu ? compareWithTorch(be, rows, precision, steps, quiet) : null;
   be.dispose();
-  console.log(JSON.stringify({ bench: "engine", device: be.name, precision, results: rows, ...(torch === null ? {} : { torch }) }));
+  console.log(
+    JSON.stringify({
+      bench: "engine",
+      device: be.name,
+      precision,
+      results: rows,
+      ...(torch === null ? {} : { torch }),
+    }),
+  );
   return rows;
 }
 
 /** PyTorch eager on the same machine, models, batch and precision (bench/torch_step.py). */
-function compareWithTorch(be: Backend, rows: EngineBenchResult[], precision: Precision, steps: number, quiet: boolean): object | null {
+function compareWithTorch(
+  be: Backend,
+  rows: EngineBenchResult[],
+  precision: Precision,
+  steps: number,
+  quiet: boolean,
+): object | null {
   // distinct shapes only: torch times each once, as our GEMM round does per occurrence
   const shapes = [...new Map(benchedShapes.map((s) => [JSON.stringify(s), s])).values()];
   const script = join(import.meta.dir, "torch_step.py");
-  const p = Bun.spawnSync([torchPython(), script, "--precision", precision, "--steps", String(steps), "--gemm-shapes", JSON.stringify(shapes)], {
-    stdout: "pipe",
-    stderr: "pipe",
-  });
+  const p = Bun.spawnSync(
+    [
+      torchPython(),
+      script,
+      "--precision",
+      precision,
+      "--steps",
+      String(steps),
+      "--gemm-shapes",
+      JSON.stringify(shapes),
+    ],
+    {
+      stdout: "pipe",
+      stderr: "pipe",
+    },
+  );
   const line = p.stdout.toString().trim().split("\n").pop() ?? "";
-  let torch: { mlp_step_ms: number; gpt_step_ms: number; gemm_tflops: number; gemm: { ms: number }[]; device: string; torch: string; error?: string };
+  let torch: {
+    mlp_step_ms: number;
+    gpt_step_ms: number;
+    gemm_tflops: number;
+    gemm: { ms: number }[];
+    device: string;
+    torch: string;
+    error?: string;
+  };
   try {
     torch = JSON.parse(line);
   } catch {
-    if (!quiet) console.log(`PyTorch comparison skipped: ${script} did not run (${p.stderr.toString().trim().split("\n").pop() ?? `exit ${p.exitCode}`})`);
+    if (!quiet)
+      console.log(
+        `PyTorch comparison skipped: ${script} did not run (${p.stderr.toString().trim().split("\n").pop() ?? `exit ${p.exitCode}`})`,
+      );
     return null;
   }
   if (torch.error !== undefined) {
@@ -247,11 +347,25 @@ function compareWithTorch(be: Backend, rows: EngineBenchResult[], precision: Pre
   }
   const [mlp, gpt] = rows as [EngineBenchResult, EngineBenchResult];
   const comparison = [
-    { model: mlp.model, ours_step_ms: mlp.step_ms, torch_step_ms: round(torch.mlp_step_ms, 3), ratio: round(mlp.step_ms / torch.mlp_step_ms, 3), target: 1.1 },
-    { model: gpt.model, ours_step_ms: gpt.step_ms, torch_step_ms: round(torch.gpt_step_ms, 3), ratio: round(gpt.step_ms / torch.gpt_step_ms, 3), target: 1.1 },
+    {
+      model: mlp.model,
+      ours_step_ms: mlp.step_ms,
+      torch_step_ms: round(torch.mlp_step_ms, 3),
+      ratio: round(mlp.step_ms / torch.mlp_step_ms, 3),
+      target: 1.1,
+    },
+    {
+      model: gpt.model,
+      ours_step_ms: gpt.step_ms,
+      torch_step_ms: round(torch.gpt_step_ms, 3),
+      ratio: round(gpt.step_ms / torch.gpt_step_ms, 3),
+      target: 1.1,
+    },
   ];
   if (!quiet) {
-    console.log(`PyTorch ${torch.torch} eager on ${torch.device}, same models, batch and precision (ratio = ours / torch, target <= 1.1):`);
+    console.log(
+      `PyTorch ${torch.torch} eager on ${torch.device}, same models, batch and precision (ratio = ours / torch, target <= 1.1):`,
+    );
     printTable(comparison, ["model", "ours_step_ms", "torch_step_ms", "ratio", "target"]);
   }
   const ours = gemmShapeTimes(be, shapes, gemmInputOf(precision), steps);
@@ -265,7 +379,8 @@ function compareWithTorch(be: Backend, rows: EngineBenchResult[], precision: Pre
       ratio: round(t / o, 3),
     };
   });
-  const total = (ms: number[]) => shapes.reduce((f, s) => f + 2 * s.M * s.N * s.K * s.batch, 0) / ms.reduce((a, b) => a + b, 0) / 1e9;
+  const total = (ms: number[]) =>
+    shapes.reduce((f, s) => f + 2 * s.M * s.N * s.K * s.batch, 0) / ms.reduce((a, b) => a + b, 0) / 1e9;
   const gemmTflops = { ours: round(total(ours), 2), torch: round(torch.gemm_tflops, 2) };
   if (!quiet) {
     console.log("GEMM through our cuBLAS binding against torch.matmul, same shapes (ratio = torch time / ours):");
@@ -283,7 +398,27 @@ function gemmShapeTimes(be: Backend, shapes: readonly GemmShape[], input: GemmIn
     const c = be.alloc(s.M * s.N * s.batch * 4);
     const lda = s.transA ? s.M : s.K;
     const ldb = s.transB ? s.K : s.N;
-    const run = () => be.gemmEx(input, s.transA, s.transB, s.M, s.N, s.K, 1, a.ptr, lda, s.M * s.K, b.ptr, ldb, s.K * s.N, 0, c.ptr, s.N, s.M * s.N, s.batch);
+    const run = () =>
+      be.gemmEx(
+        input,
+        s.transA,
+        s.transB,
+        s.M,
+        s.N,
+        s.K,
+        1,
+        a.ptr,
+        lda,
+        s.M * s.K,
+        b.ptr,
+        ldb,
+        s.K * s.N,
+        0,
+        c.ptr,
+        s.N,
+        s.M * s.N,
+        s.batch,
+      );
     for (let w = 0; w < 3; w++) run();
     const ms: number[] = [];
     for (let r = 0; r < reps; r++) {

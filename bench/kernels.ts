@@ -32,7 +32,8 @@ interface Case {
 /** Whole-number shapes of every case for n elements (n a multiple of 2^18): rows of GPT-2's
  *  width, cross-entropy rows of a 1024 vocabulary, a (B,T,12,64) transpose. */
 export function kernelShapes(n: number) {
-  if (!Number.isSafeInteger(n) || n <= 0 || n % (1 << 18) !== 0) throw new ConfigError(`--elems must be a positive multiple of ${1 << 18}, got ${n}`);
+  if (!Number.isSafeInteger(n) || n <= 0 || n % (1 << 18) !== 0)
+    throw new ConfigError(`--elems must be a positive multiple of ${1 << 18}, got ${n}`);
   const C = 768; // a GPT-2 width: rows of a few KB
   const N = Math.floor(n / C);
   const V = 1024; // cross-entropy / embedding vocabulary
@@ -41,7 +42,12 @@ export function kernelShapes(n: number) {
   return { C, N, NC: N * C, V, NV: n / V, T, B, BTC: B * T * C };
 }
 
-function cases(be: Backend, n: number, buf: (elems: number) => Ptr, ints: (count: number, limit: number) => Ptr): Case[] {
+function cases(
+  be: Backend,
+  n: number,
+  buf: (elems: number) => Ptr,
+  ints: (count: number, limit: number) => Ptr,
+): Case[] {
   const [x, y, z, w] = [buf(n), buf(n), buf(n), buf(n)];
   const half = buf(n / 2);
   const { C, N, NC, V, NV, T, B, BTC } = kernelShapes(n);
@@ -66,14 +72,26 @@ function cases(be: Backend, n: number, buf: (elems: number) => Ptr, ints: (count
     { name: "geluBackward", bytes: 4 * n * f, run: () => be.geluBackward(z, x, y, n) },
     { name: "biasGeluForward (N,768)", bytes: 3 * NC * f, run: () => be.biasGeluForward(y, z, vec, N, C) },
     { name: "dropoutForward", bytes: 2 * n * f, run: () => be.dropoutForward(y, x, n, 0.1, 7n) },
-    { name: "layerNormForward (N,768)", bytes: 2 * NC * f, run: () => be.layerNormForward(y, rowStats, rowStats2, x, vec, vec2, N, C, 1e-5) },
+    {
+      name: "layerNormForward (N,768)",
+      bytes: 2 * NC * f,
+      run: () => be.layerNormForward(y, rowStats, rowStats2, x, vec, vec2, N, C, 1e-5),
+    },
     {
       name: "residualLayerNormForward (N,768)",
       bytes: 4 * NC * f,
       run: () => be.residualLayerNormForward(z, y, rowStats, rowStats2, x, w, vec, vec2, N, C, 1e-5),
     },
-    { name: "layerNormBackward (N,768)", bytes: 4 * NC * f, run: () => be.layerNormBackward(z, vec, vec2, y, x, vec, rowStats, rowStats2, N, C) },
-    { name: "crossEntropyForward (N,1024)", bytes: n * f, run: () => be.crossEntropyForward(lossScalar, rowStats, rowStats2, x, targets, NV, V) },
+    {
+      name: "layerNormBackward (N,768)",
+      bytes: 4 * NC * f,
+      run: () => be.layerNormBackward(z, vec, vec2, y, x, vec, rowStats, rowStats2, N, C),
+    },
+    {
+      name: "crossEntropyForward (N,1024)",
+      bytes: n * f,
+      run: () => be.crossEntropyForward(lossScalar, rowStats, rowStats2, x, targets, NV, V),
+    },
     {
       name: "crossEntropyBackward (N,1024) in place",
       bytes: 2 * n * f,
@@ -87,7 +105,11 @@ function cases(be: Backend, n: number, buf: (elems: number) => Ptr, ints: (count
       run: () => be.stridedCopy(y, [12 * T * 64, T * 64, 64, 1], x, [T * C, 64, C, 1], [B, 12, T, 64], false),
     },
     { name: "sgdStep (momentum)", bytes: 5 * n * f, run: () => be.sgdStep(x, y, z, n, 1e-3, 0.9, 0, 0, false, false) },
-    { name: "adamwStep", bytes: 7 * n * f, run: () => be.adamwStep(x, y, z, w, 0, n, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.5, 0.5) },
+    {
+      name: "adamwStep",
+      bytes: 7 * n * f,
+      run: () => be.adamwStep(x, y, z, w, 0, n, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.5, 0.5),
+    },
     { name: "sumSquares", bytes: n * f, run: () => be.sumSquares(x, n) },
     { name: "castF32ToBF16", bytes: (n / 2) * (4 + 2), run: () => be.castF32ToBF16(half, x, n / 2) },
     { name: "castF32ToF16", bytes: (n / 2) * (4 + 2), run: () => be.castF32ToF16(half, x, n / 2) },
@@ -103,7 +125,8 @@ export function runKernelBench(argv: string[]): KernelBenchResult[] {
     device: { type: "string", default: "auto" },
   });
   const device = values.device as DeviceChoice;
-  if (!deviceChoices.includes(device)) throw new ConfigError(`--device must be one of ${deviceChoices.join(", ")}, got ${values.device}`);
+  if (!deviceChoices.includes(device))
+    throw new ConfigError(`--device must be one of ${deviceChoices.join(", ")}, got ${values.device}`);
   const n = positiveInt("elems", values.elems, 1 << 18);
   kernelShapes(n);
   const reps = positiveInt("reps", values.reps);
@@ -162,9 +185,18 @@ export function runKernelBench(argv: string[]): KernelBenchResult[] {
         "ratio = achieved GB/s / the backend's copy GB/s on the same bytes",
     );
     printTable(rows, ["kernel", "bytes_per_call", "ms", "gb_per_s", "memcpy_gb_per_s", "ratio"]);
-    if (launchUs !== null) console.log(`host cost of one kernel call (add of 1 element, 10000 calls queued): ${round(launchUs, 2)} us`);
+    if (launchUs !== null)
+      console.log(`host cost of one kernel call (add of 1 element, 10000 calls queued): ${round(launchUs, 2)} us`);
   }
-  console.log(JSON.stringify({ bench: "kernels", device: be.name, elems: n, results: rows, ...(launchUs === null ? {} : { launch_us: round(launchUs, 3) }) }));
+  console.log(
+    JSON.stringify({
+      bench: "kernels",
+      device: be.name,
+      elems: n,
+      results: rows,
+      ...(launchUs === null ? {} : { launch_us: round(launchUs, 3) }),
+    }),
+  );
   be.dispose();
   return rows;
 }

@@ -57,7 +57,10 @@ export interface StageStepResult {
 export const stageAdamW = { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 };
 
 /** The step's micro-batches: random token windows from (seed, step), the same in every stage. */
-export function syntheticBatches(plan: Pick<StagePlan, "seed" | "micro" | "microBatch" | "model">, step: number): HostBatch[] {
+export function syntheticBatches(
+  plan: Pick<StagePlan, "seed" | "micro" | "microBatch" | "model">,
+  step: number,
+): HostBatch[] {
   const rng = new Rng(plan.seed * 100_003 + step);
   const { blockSize: T, vocabSize: V } = plan.model;
   const ints = (n: number) => Int32Array.from({ length: n }, () => rng.int(V));
@@ -92,7 +95,11 @@ export function singleProcessRun(plan: Omit<StagePlan, "url" | "job" | "layout" 
       norms.push(r.gradNorm);
     }
     const values = model.store.readValues();
-    return { losses, norms, params: new Map(model.store.entries.map((e) => [e.name, values.slice(e.offset, e.offset + e.numel)])) };
+    return {
+      losses,
+      norms,
+      params: new Map(model.store.entries.map((e) => [e.name, values.slice(e.offset, e.offset + e.numel)])),
+    };
   } finally {
     ctx.dispose();
   }
@@ -102,7 +109,12 @@ async function main(): Promise<void> {
   const plan = (await Bun.file(process.argv[2]!).json()) as StagePlan;
   const { layout } = plan;
   const size = layout.data * layout.stages * layout.tensor;
-  const bus = await NatsBus.connect({ url: plan.url, name: `mp-rank-${plan.rank}`, connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
+  const bus = await NatsBus.connect({
+    url: plan.url,
+    name: `mp-rank-${plan.rank}`,
+    connectRetryMsMax: 10_000,
+    connectBackoffMsMax: 500,
+  });
   const transport = new BusTransport(bus, {
     ...busTransportDefaults,
     job: plan.job,
@@ -113,7 +125,12 @@ async function main(): Promise<void> {
   });
   const router = new PieceRouter(ringDefaults.earlyBytesMax);
   transport.listen((p) => router.receive(p));
-  const rings = modelParallelRings("mp", layout, plan.rank, (name, members) => new RingGroup(name, members, transport, router, ringDefaults));
+  const rings = modelParallelRings(
+    "mp",
+    layout,
+    plan.rank,
+    (name, members) => new RingGroup(name, members, transport, router, ringDefaults),
+  );
   const ctx = new Context(new CpuBackend(), { seed: 1 });
   const { model, stage, coords } = modelParallelRank({
     ctx,
@@ -145,7 +162,9 @@ async function main(): Promise<void> {
   }
   if (plan.paramsFile) {
     const values = model.store.readValues();
-    const params = Object.fromEntries(model.store.entries.map((e) => [e.name, Array.from(values.subarray(e.offset, e.offset + e.numel))]));
+    const params = Object.fromEntries(
+      model.store.entries.map((e) => [e.name, Array.from(values.subarray(e.offset, e.offset + e.numel))]),
+    );
     writeFileSync(plan.paramsFile, JSON.stringify({ coords, slices: Object.fromEntries(model.slices), params }));
   }
   // a rank's last sends are acknowledged before its step returns; the barrier keeps every rank
@@ -160,6 +179,7 @@ async function main(): Promise<void> {
 export type StagesRun = PlanRun<StageStepResult>;
 
 /** Runs one stage process per plan to the end; processes left are killed. */
-export const runStageProcesses = (dir: string, plans: StagePlan[]): Promise<StagesRun> => runPlanProcesses<StageStepResult>(import.meta.path, dir, plans);
+export const runStageProcesses = (dir: string, plans: StagePlan[]): Promise<StagesRun> =>
+  runPlanProcesses<StageStepResult>(import.meta.path, dir, plans);
 
 if (import.meta.main) await main();

@@ -21,11 +21,20 @@ export async function runPlanProcesses<R>(
   const procs = plans.map((plan) => {
     const file = join(dir, `${plan.job}-rank-${plan.rank}.json`);
     writeFileSync(file, JSON.stringify(plan));
-    return Bun.spawn([process.execPath, script, file], { cwd: join(import.meta.dir, ".."), stdout: "pipe", stderr: "pipe", env: { ...process.env, ...env } });
+    return Bun.spawn([process.execPath, script, file], {
+      cwd: join(import.meta.dir, ".."),
+      stdout: "pipe",
+      stderr: "pipe",
+      env: { ...process.env, ...env },
+    });
   });
   try {
     const outs = await Promise.all(
-      procs.map(async (p) => ({ out: await new Response(p.stdout).text(), err: await new Response(p.stderr).text(), code: await p.exited })),
+      procs.map(async (p) => ({
+        out: await new Response(p.stdout).text(),
+        err: await new Response(p.stderr).text(),
+        code: await p.exited,
+      })),
     );
     return {
       results: outs.map((o) =>

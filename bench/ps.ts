@@ -103,12 +103,19 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
   if (Math.max(...shardCounts) > 8) throw new ConfigError("--shards: at most 8");
   await using server = await startNatsServer({ maxPayloadBytes: payloadBytesMax });
   const maxShards = Math.max(...shardCounts);
-  const shards = Array.from({ length: maxShards }, (_, k) => spawn(["services/parameter-server/main.ts", "--nats-url", server.url, "--shard", String(k)]));
+  const shards = Array.from({ length: maxShards }, (_, k) =>
+    spawn(["services/parameter-server/main.ts", "--nats-url", server.url, "--shard", String(k)]),
+  );
   // the shards take each job's step count (its schedule's length) from the data-loader's plan
   const loader = spawn(["services/data-loader/main.ts", "--nats-url", server.url]);
   const echoes = Array.from({ length: maxShards }, (_, k) => spawn(["bench/nats-echo.ts", server.url, String(k)]));
   await Promise.all(echoes.map((p) => waitLine(p, "ready")));
-  const bus = await NatsBus.connect({ url: server.url, name: "bench-ps", connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
+  const bus = await NatsBus.connect({
+    url: server.url,
+    name: "bench-ps",
+    connectRetryMsMax: 10_000,
+    connectBackoffMsMax: 500,
+  });
   const store = await JobStore.open(bus.nc);
   const rows: PsBenchResult[] = [];
   try {
@@ -129,15 +136,41 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
       `parameter-server benchmark: 1 trainer pushes then pulls the whole model (ASP, SGD momentum), ${chunkBytes >> 20} MB chunks, ` +
         `messages up to ${payloadBytesMax >> 20} MB; medians of ${rounds} rounds, interleaved with rounds of raw NATS (the same messages to echo processes)`,
     );
-    printTable(rows, ["model_mb", "shards", "compress", "messages", "ps_ms", "wire_mb", "vs_f32", "ps_gb_per_s", "nats_gb_per_s", "ratio", "target"]);
+    printTable(rows, [
+      "model_mb",
+      "shards",
+      "compress",
+      "messages",
+      "ps_ms",
+      "wire_mb",
+      "vs_f32",
+      "ps_gb_per_s",
+      "nats_gb_per_s",
+      "ratio",
+      "target",
+    ]);
   }
   console.log(JSON.stringify({ bench: "ps", results: rows }));
   return rows;
 }
 
-async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: number, rounds: number): Promise<PsBenchResult> {
+async function benchOne(
+  bus: NatsBus,
+  store: JobStore,
+  cfg: JobConfig,
+  mb: number,
+  rounds: number,
+): Promise<PsBenchResult> {
   const plan = planHere(cfg);
-  await store.putSpec({ job: cfg.job, trainers: 1, shards: cfg.shards, sync: SyncPolicy.ASP, staleness: 0, configJson: JSON.stringify(cfg), plan });
+  await store.putSpec({
+    job: cfg.job,
+    trainers: 1,
+    shards: cfg.shards,
+    sync: SyncPolicy.ASP,
+    staleness: 0,
+    configJson: JSON.stringify(cfg),
+    plan,
+  });
   // the same layout the shards and trainers derive from the model
   const init = initialParameters(cfg, plan);
   const total = init.values.length;
@@ -145,8 +178,12 @@ async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: numbe
   for (let k = 0; k < cfg.shards; k++) {
     for (let i = 0; ; i++) {
       try {
-        const s = decodeShardStats(await bus.request(subjects.psStats(cfg.job, k), encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 2000), 1 << 20);
-        if (s.elements !== layout.byShard[k]!.reduce((a, id) => a + layout.chunks[id]!.count, 0)) throw new Error(`shard ${k} layout differs from the bench's`);
+        const s = decodeShardStats(
+          await bus.request(subjects.psStats(cfg.job, k), encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 2000),
+          1 << 20,
+        );
+        if (s.elements !== layout.byShard[k]!.reduce((a, id) => a + layout.chunks[id]!.count, 0))
+          throw new Error(`shard ${k} layout differs from the bench's`);
         break;
       } catch (e) {
         if (i > 600 || (e as Error).message.includes("layout differs")) throw e;
@@ -159,7 +196,9 @@ async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: numbe
     params = new Float32Array(total);
   // the same messages, raw: per shard, groups as PsClient sends them
   const groups = layout.byShard.map((ids) =>
-    packByBytes(ids, (id) => layout.chunks[id]!.count * 4, payloadBytesMax).map((g) => g.reduce((s, id) => s + layout.chunks[id]!.count * 4, 0)),
+    packByBytes(ids, (id) => layout.chunks[id]!.count * 4, payloadBytesMax).map((g) =>
+      g.reduce((s, id) => s + layout.chunks[id]!.count * 4, 0),
+    ),
   );
   const sizeReq = (bytes: number) => {
     const b = new Uint8Array(64);
@@ -175,8 +214,12 @@ async function benchOne(bus: NatsBus, store: JobStore, cfg: JobConfig, mb: numbe
   };
   const natsRound = async () => {
     const t0 = performance.now();
-    await Promise.all(groups.flatMap((g, k) => g.map((bytes) => bus.request(`bench.${k}.push`, new Uint8Array(bytes + 256), 60_000))));
-    await Promise.all(groups.flatMap((g, k) => g.map((bytes) => bus.request(`bench.${k}.pull`, sizeReq(bytes), 60_000))));
+    await Promise.all(
+      groups.flatMap((g, k) => g.map((bytes) => bus.request(`bench.${k}.push`, new Uint8Array(bytes + 256), 60_000))),
+    );
+    await Promise.all(
+      groups.flatMap((g, k) => g.map((bytes) => bus.request(`bench.${k}.pull`, sizeReq(bytes), 60_000))),
+    );
     return performance.now() - t0;
   };
   // interleaved, alternating which goes first, so both see the same (noisy) machine; round 0 warms up

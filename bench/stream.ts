@@ -61,9 +61,11 @@ function nameOf(pid: number): string {
   try {
     const argv = readFileSync(`/proc/${pid}/cmdline`, "utf8").split("\0");
     const service = argv.map((a) => /services\/([a-z-]+)\/main\.ts$/.exec(a)?.[1]).find((s) => s !== undefined);
-    if (service === undefined) return argv.some((a) => a.endsWith("nats-server")) ? "nats-server" : argv.slice(0, 2).join(" ");
+    if (service === undefined)
+      return argv.some((a) => a.endsWith("nats-server")) ? "nats-server" : argv.slice(0, 2).join(" ");
     const env = readFileSync(`/proc/${pid}/environ`, "utf8").split("\0");
-    const rank = env.find((v) => v.startsWith("MT_RANK="))?.slice(8) ?? env.find((v) => v.startsWith("MT_SHARD="))?.slice(9);
+    const rank =
+      env.find((v) => v.startsWith("MT_RANK="))?.slice(8) ?? env.find((v) => v.startsWith("MT_SHARD="))?.slice(9);
     return rank === undefined ? service : `${service} ${rank}`;
   } catch {
     return `pid ${pid}`;
@@ -97,7 +99,9 @@ export async function runStreamBench(argv: string[]): Promise<StreamBenchRow[]> 
   const trainTokens = Math.ceil((gib * 2 ** 30) / 2);
   const free = statfsSync(dir).bavail * statfsSync(dir).bsize;
   if (free < 2 * trainTokens + 2 ** 28) {
-    throw new ConfigError(`${dir} has ${mb(free)} MB free; a ${gib} GiB corpus needs ${mb(2 * trainTokens + 2 ** 28)} MB (--gib smaller, or --dir elsewhere)`);
+    throw new ConfigError(
+      `${dir} has ${mb(free)} MB free; a ${gib} GiB corpus needs ${mb(2 * trainTokens + 2 ** 28)} MB (--gib smaller, or --dir elsewhere)`,
+    );
   }
   const log = (line: string) => {
     if (!v["json-only"]) console.log(line);
@@ -111,13 +115,53 @@ export async function runStreamBench(argv: string[]): Promise<StreamBenchRow[]> 
         `${mb(corpus.bytes).toLocaleString("en-US")} MB on disk, written in ${round(corpus.seconds, 1)} s`,
     );
     const args = [
-      ...["run", "--model", "gpt", "--tokens", corpusDir, "--sync", "allreduce", "--trainers", String(trainers), "--job", "stream"],
-      ...["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--batch-size", "8", "--max-steps", String(steps)],
-      ...["--eval-every", String(steps), "--eval-batches", "4", "--no-dashboard", "--dir", join(dir, "runs"), "--timeout-min", "20"],
+      ...[
+        "run",
+        "--model",
+        "gpt",
+        "--tokens",
+        corpusDir,
+        "--sync",
+        "allreduce",
+        "--trainers",
+        String(trainers),
+        "--job",
+        "stream",
+      ],
+      ...[
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "64",
+        "--block-size",
+        "64",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        String(steps),
+      ],
+      ...[
+        "--eval-every",
+        String(steps),
+        "--eval-batches",
+        "4",
+        "--no-dashboard",
+        "--dir",
+        join(dir, "runs"),
+        "--timeout-min",
+        "20",
+      ],
     ];
     log(`meshtrain ${args.join(" ")}`);
     const t0 = performance.now();
-    const cli = Bun.spawn([process.execPath, "sdk/cli.ts", ...args], { cwd: root, stdout: "pipe", stderr: "pipe", env: { ...process.env, FORCE_COLOR: "0" } });
+    const cli = Bun.spawn([process.execPath, "sdk/cli.ts", ...args], {
+      cwd: root,
+      stdout: "pipe",
+      stderr: "pipe",
+      env: { ...process.env, FORCE_COLOR: "0" },
+    });
     // a step's line in the CLI's output marks the start of training
     let training = false;
     let output = "";

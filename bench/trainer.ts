@@ -47,7 +47,13 @@ import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/tensor.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";
 import { ConfigError } from "../engine/errors.ts";
-import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig, usesShards } from "../services/runtime/job/job.ts";
+import {
+  gptJobDefaults,
+  type JobConfig,
+  jobDefaults,
+  parseJobConfig,
+  usesShards,
+} from "../services/runtime/job/job.ts";
 import { buildModel } from "../services/runtime/job/model.ts";
 import { MeshClient } from "../sdk/client.ts";
 import { LocalMesh } from "../sdk/launcher.ts";
@@ -85,7 +91,9 @@ const benchSyncs = ["bsp", "asp", "ssp", "allreduce"] as const;
 
 const benchModels = ["mlp", "gpt"] as const;
 
-export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResult[] | SnapshotBenchResult[] | LayoutBenchResult[]> {
+export async function runTrainerBench(
+  argv: string[],
+): Promise<TrainerBenchResult[] | SnapshotBenchResult[] | LayoutBenchResult[]> {
   const v = parseBenchArgs(argv, {
     model: { type: "string", default: "mlp,gpt" },
     epochs: { type: "string", default: "1" },
@@ -107,18 +115,23 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
   for (const c of codecs) parseCompression(c);
   const syncs = String(v.sync).split(",");
   for (const x of syncs)
-    if (!(benchSyncs as readonly string[]).includes(x)) throw new ConfigError(`--sync must be a list of ${benchSyncs.join(", ")}, got ${String(v.sync)}`);
+    if (!(benchSyncs as readonly string[]).includes(x))
+      throw new ConfigError(`--sync must be a list of ${benchSyncs.join(", ")}, got ${String(v.sync)}`);
   const models = String(v.model).split(",");
   for (const x of models)
-    if (!(benchModels as readonly string[]).includes(x)) throw new ConfigError(`--model must be a list of ${benchModels.join(", ")}, got ${String(v.model)}`);
+    if (!(benchModels as readonly string[]).includes(x))
+      throw new ConfigError(`--model must be a list of ${benchModels.join(", ")}, got ${String(v.model)}`);
   const transports = String(v["coll-transport"]).split(",") as JobConfig["collTransport"][];
   for (const x of transports)
-    if (x !== "auto" && x !== "nats") throw new ConfigError(`--coll-transport must be a list of auto, nats; got ${String(v["coll-transport"])}`);
+    if (x !== "auto" && x !== "nats")
+      throw new ConfigError(`--coll-transport must be a list of auto, nats; got ${String(v["coll-transport"])}`);
   const bucketMb = Number(v["bucket-mb"]);
-  if (!(bucketMb > 0 && bucketMb <= 1024)) throw new ConfigError(`--bucket-mb must be a number in (0, 1024], got ${String(v["bucket-mb"])}`);
+  if (!(bucketMb > 0 && bucketMb <= 1024))
+    throw new ConfigError(`--bucket-mb must be a number in (0, 1024], got ${String(v["bucket-mb"])}`);
   if (String(v.layouts) !== "") {
     const schedule = String(v.schedule);
-    if (schedule !== "1f1b" && schedule !== "gpipe") throw new ConfigError(`--schedule must be 1f1b or gpipe, got ${schedule}`);
+    if (schedule !== "1f1b" && schedule !== "gpipe")
+      throw new ConfigError(`--schedule must be 1f1b or gpipe, got ${schedule}`);
     return await layoutBench(
       parseLayouts(String(v.layouts)),
       positiveInt("gpt-steps", v["gpt-steps"]),
@@ -140,7 +153,12 @@ export async function runTrainerBench(argv: string[]): Promise<TrainerBenchResul
   for (const kind of models) {
     const base =
       kind === "mlp"
-        ? parseJobConfig({ ...jobDefaults, job: "bench.trainer", epochs: positiveInt("epochs", v.epochs), checkpointEvery: 0 })
+        ? parseJobConfig({
+            ...jobDefaults,
+            job: "bench.trainer",
+            epochs: positiveInt("epochs", v.epochs),
+            checkpointEvery: 0,
+          })
         : parseJobConfig({
             ...gptJobDefaults,
             job: "bench.trainer",
@@ -189,7 +207,9 @@ async function benchModel(
 ): Promise<TrainerBenchResult[]> {
   const meshRuns: { cfg: JobConfig; r: Awaited<ReturnType<typeof watchJob>> }[] = [];
   const runs = syncs.flatMap((sync) =>
-    (sync === "allreduce" ? transports : ["auto" as const]).flatMap((collTransport) => codecs.map((compress) => ({ sync, collTransport, compress }))),
+    (sync === "allreduce" ? transports : ["auto" as const]).flatMap((collTransport) =>
+      codecs.map((compress) => ({ sync, collTransport, compress })),
+    ),
   );
   for (const { sync, collTransport, compress } of runs) {
     const cfg = parseJobConfig({
@@ -220,8 +240,12 @@ async function benchModel(
   const steps = meshRuns[0]?.r.record.totalSteps ?? 50;
   const { rate: singleRate, done, params } = singleProcessRate(cfg, steps);
   const f32Wire = (c: JobConfig) =>
-    meshRuns.find((m) => m.cfg.sync === c.sync && m.cfg.collTransport === c.collTransport && m.cfg.compress === "none")?.r.wireBytesPerStep ?? 0;
-  const name = cfg.model.kind === "mlp" ? `mlp ${cfg.model.widths.join("-")}` : `gpt L${cfg.model.nLayer} C${cfg.model.nEmbd} T${cfg.model.blockSize}`;
+    meshRuns.find((m) => m.cfg.sync === c.sync && m.cfg.collTransport === c.collTransport && m.cfg.compress === "none")
+      ?.r.wireBytesPerStep ?? 0;
+  const name =
+    cfg.model.kind === "mlp"
+      ? `mlp ${cfg.model.widths.join("-")}`
+      : `gpt L${cfg.model.nLayer} C${cfg.model.nEmbd} T${cfg.model.blockSize}`;
   const rows: TrainerBenchResult[] = meshRuns.map(({ cfg: c, r }) => {
     const s = r.split;
     const stepMs = (1000 * c.batchSize * c.trainers) / r.samplesPerS;
@@ -307,21 +331,31 @@ type Layout3 = { data: number; stages: number; tensor: number };
 function parseLayouts(text: string): Layout3[] {
   return text.split(",").map((l) => {
     const m = /^(\d+)x(\d+)x(\d+)$/.exec(l.trim());
-    if (!m) throw new ConfigError(`--layouts takes DxPxT layouts (data x pipeline x tensor), comma-separated: got "${l}"`);
+    if (!m)
+      throw new ConfigError(`--layouts takes DxPxT layouts (data x pipeline x tensor), comma-separated: got "${l}"`);
     const [data, stages, tensor] = [Number(m[1]), Number(m[2]), Number(m[3])];
-    if (!(data >= 1 && stages >= 1 && tensor >= 1 && data * stages * tensor <= 16)) throw new ConfigError(`--layouts: ${l} needs 1 to 16 trainers`);
+    if (!(data >= 1 && stages >= 1 && tensor >= 1 && data * stages * tensor <= 16))
+      throw new ConfigError(`--layouts: ${l} needs 1 to 16 trainers`);
     return { data, stages, tensor };
   });
 }
 
 /** The GPT in each layout of data x pipeline x tensor parallelism on the mesh, the same global batch and steps. */
-async function layoutBench(layouts: Layout3[], steps: number, micro: number, schedule: "1f1b" | "gpipe", jsonOnly: boolean): Promise<LayoutBenchResult[]> {
+async function layoutBench(
+  layouts: Layout3[],
+  steps: number,
+  micro: number,
+  schedule: "1f1b" | "gpipe",
+  jsonOnly: boolean,
+): Promise<LayoutBenchResult[]> {
   const rows: LayoutBenchResult[] = [];
   const globalBatch = 32;
   for (const l of layouts) {
     const trainers = l.data * l.stages * l.tensor;
     if (globalBatch % (l.data * micro) !== 0)
-      throw new ConfigError(`--layouts ${l.data}x..: ${l.data} copies x ${micro} micro-batches do not divide ${globalBatch} windows`);
+      throw new ConfigError(
+        `--layouts ${l.data}x..: ${l.data} copies x ${micro} micro-batches do not divide ${globalBatch} windows`,
+      );
     const cfg = parseJobConfig({
       ...gptJobDefaults,
       job: "bench.layouts",
@@ -339,7 +373,12 @@ async function layoutBench(layouts: Layout3[], steps: number, micro: number, sch
     });
     const dir = mkdtempSync(join(tmpdir(), "mt-bench-layouts-"));
     try {
-      await using m = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers, shards: 0 });
+      await using m = await LocalMesh.start({
+        jobsDir: join(dir, "jobs"),
+        logDir: join(dir, "logs"),
+        trainers,
+        shards: 0,
+      });
       await using client = await MeshClient.connect(m.url, m.auth());
       const job = `${cfg.job}-${Date.now()}`;
       await client.submit({ ...cfg, job }, { membersWaitMs: 60_000 });
@@ -415,9 +454,27 @@ async function snapshotBench(
     for (const sync of syncs) {
       const cfg =
         kind === "mlp"
-          ? parseJobConfig({ ...jobDefaults, job: "bench.snapshots", epochs, checkpointEvery: every, sync, staleness: sync === "ssp" ? 2 : 0 })
-          : parseJobConfig({ ...gptJobDefaults, job: "bench.snapshots", epochs: 1, maxSteps: gptSteps, checkpointEvery: every, evalEvery: 0, sync });
-      const name = cfg.model.kind === "mlp" ? `mlp ${cfg.model.widths.join("-")}` : `gpt L${cfg.model.nLayer} C${cfg.model.nEmbd} T${cfg.model.blockSize}`;
+          ? parseJobConfig({
+              ...jobDefaults,
+              job: "bench.snapshots",
+              epochs,
+              checkpointEvery: every,
+              sync,
+              staleness: sync === "ssp" ? 2 : 0,
+            })
+          : parseJobConfig({
+              ...gptJobDefaults,
+              job: "bench.snapshots",
+              epochs: 1,
+              maxSteps: gptSteps,
+              checkpointEvery: every,
+              evalEvery: 0,
+              sync,
+            });
+      const name =
+        cfg.model.kind === "mlp"
+          ? `mlp ${cfg.model.widths.join("-")}`
+          : `gpt L${cfg.model.nLayer} C${cfg.model.nEmbd} T${cfg.model.blockSize}`;
       const pair: SnapshotBenchResult[] = [];
       for (const background of [false, true]) {
         const dir = mkdtempSync(join(tmpdir(), "mt-bench-snapshots-"));
@@ -449,7 +506,9 @@ async function snapshotBench(
           pair.push({
             model: name,
             run: `mesh ${sync}`,
-            snapshots: background ? `every ${every} steps, written in the background` : `every ${every} steps, written before the answer`,
+            snapshots: background
+              ? `every ${every} steps, written in the background`
+              : `every ${every} steps, written before the answer`,
             steps: r.record.totalSteps,
             samples_per_s: round(r.samplesPerS, 0),
             step_ms: round(stepMs / Math.max(r.record.totalSteps, 1), 2),
@@ -468,7 +527,17 @@ async function snapshotBench(
     console.log(
       "snapshot stall: rank 0's wait at each snapshot's step boundary (the state staged, or written too), per snapshot and as a share of all its step time; ratio = samples/s against the run whose snapshots are written before the answer",
     );
-    printTable(rows, ["model", "run", "snapshots", "steps", "samples_per_s", "step_ms", "stall_ms", "stall_share", "ratio"]);
+    printTable(rows, [
+      "model",
+      "run",
+      "snapshots",
+      "steps",
+      "samples_per_s",
+      "step_ms",
+      "stall_ms",
+      "stall_share",
+      "ratio",
+    ]);
   }
   console.log(JSON.stringify({ bench: "trainer-snapshots", results: rows }));
   return rows;
@@ -533,9 +602,19 @@ function singleProcessRate(cfg: JobConfig, steps: number): { rate: number; done:
   const o = cfg.optimizer;
   const optimizer: Optimizer =
     o.kind === "sgd"
-      ? new Sgd(ctx, model.store, { momentum: o.momentum, dampening: 0, nesterov: o.nesterov, weightDecay: o.weightDecay })
+      ? new Sgd(ctx, model.store, {
+          momentum: o.momentum,
+          dampening: 0,
+          nesterov: o.nesterov,
+          weightDecay: o.weightDecay,
+        })
       : new AdamW(ctx, model.store, { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weightDecay: o.weightDecay });
-  const trainer = new TrainStep(ctx, model, optimizer, { lr: cfg.lr, schedule: { kind: "constant" }, gradClip: cfg.gradClip, accumSteps: 1 });
+  const trainer = new TrainStep(ctx, model, optimizer, {
+    lr: cfg.lr,
+    schedule: { kind: "constant" },
+    gradClip: cfg.gradClip,
+    accumSteps: 1,
+  });
   trainer.run([batches()]); // warm-up: first-touch allocations, as the mesh's first step is not counted either
   const t0 = performance.now();
   for (let i = 0; i < steps; i++) trainer.run([batches()]);

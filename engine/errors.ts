@@ -39,7 +39,9 @@ export class BackendMismatchError extends EngineError {
     backends: readonly string[],
     shapes: readonly (readonly number[])[],
   ) {
-    super(`${op}: inputs live on different backends/contexts (${backends.join(", ")}; shapes ${shapes.map(fmt).join(", ")})`);
+    super(
+      `${op}: inputs live on different backends/contexts (${backends.join(", ")}; shapes ${shapes.map(fmt).join(", ")})`,
+    );
   }
 }
 

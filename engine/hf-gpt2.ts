@@ -51,10 +51,15 @@ export function fromHfTensors(
   for (const e of entries) {
     const { name, transposed } = hfTensorName(e.name);
     const t = tensors.get(name) ?? tensors.get(name.slice("transformer.".length));
-    if (t === undefined) throw new ConfigError(`the folder's model.safetensors has no tensor ${name}, which this model needs`);
+    if (t === undefined)
+      throw new ConfigError(`the folder's model.safetensors has no tensor ${name}, which this model needs`);
     const want = transposed ? [e.shape[1]!, e.shape[0]!] : [...e.shape];
     if (t.shape.length !== want.length || t.shape.some((d, i) => d !== want[i])) {
-      throw new ShapeError("init-from", [t.shape, want], `tensor ${name} is [${t.shape.join(", ")}]; this model's is [${want.join(", ")}]`);
+      throw new ShapeError(
+        "init-from",
+        [t.shape, want],
+        `tensor ${name} is [${t.shape.join(", ")}]; this model's is [${want.join(", ")}]`,
+      );
     }
     values.set(transposed ? transpose2d(t.data, want[0]!, want[1]!) : t.data, e.offset);
   }
@@ -89,15 +94,26 @@ export function hfConfig(c: GptConfig, bpe: boolean): Record<string, unknown> {
 export function gptConfigOfHf(json: Record<string, unknown>, path: string): Omit<GptConfig, "dropout"> {
   const int = (k: string) => {
     const v = json[k];
-    if (!Number.isInteger(v) || (v as number) <= 0) throw new ConfigError(`${path}: ${k} must be a positive integer, got ${JSON.stringify(v)}`);
+    if (!Number.isInteger(v) || (v as number) <= 0)
+      throw new ConfigError(`${path}: ${k} must be a positive integer, got ${JSON.stringify(v)}`);
     return v as number;
   };
-  if (json.model_type !== "gpt2") throw new ConfigError(`${path}: model_type is ${JSON.stringify(json.model_type)}; a GPT-2 folder says "gpt2"`);
+  if (json.model_type !== "gpt2")
+    throw new ConfigError(`${path}: model_type is ${JSON.stringify(json.model_type)}; a GPT-2 folder says "gpt2"`);
   const act = json.activation_function ?? "gelu_new";
   if (act !== "gelu_new" && act !== "gelu_pytorch_tanh")
-    throw new ConfigError(`${path}: activation_function ${JSON.stringify(act)}; meshtrain's GPT uses GELU's tanh form (gelu_new)`);
-  if (json.n_inner !== undefined && json.n_inner !== null && json.n_inner !== 4 * int("n_embd")) throw new ConfigError(`${path}: n_inner must be 4 n_embd`);
-  return { vocabSize: int("vocab_size"), blockSize: int("n_positions"), nLayer: int("n_layer"), nHead: int("n_head"), nEmbd: int("n_embd") };
+    throw new ConfigError(
+      `${path}: activation_function ${JSON.stringify(act)}; meshtrain's GPT uses GELU's tanh form (gelu_new)`,
+    );
+  if (json.n_inner !== undefined && json.n_inner !== null && json.n_inner !== 4 * int("n_embd"))
+    throw new ConfigError(`${path}: n_inner must be 4 n_embd`);
+  return {
+    vocabSize: int("vocab_size"),
+    blockSize: int("n_positions"),
+    nLayer: int("n_layer"),
+    nHead: int("n_head"),
+    nEmbd: int("n_embd"),
+  };
 }
 
 // ---- GPT-2's tokenizer files ---------------------------------------------------------------

@@ -37,7 +37,8 @@ export interface GptMemory {
   total: number;
 }
 
-export const gptParamCount = (config: GptConfig): number => gptParamSpecs(config).reduce((n, s) => n + s.shape.reduce((a, b) => a * b, 1), 0);
+export const gptParamCount = (config: GptConfig): number =>
+  gptParamSpecs(config).reduce((n, s) => n + s.shape.reduce((a, b) => a * b, 1), 0);
 
 /** The terms of a GPT pass's activations (docs/MEMORY.md derives each). */
 export interface GptActivationTerms {
@@ -109,7 +110,14 @@ export function gptMemory(config: GptConfig, o: GptMemoryOptions): GptMemory {
   const parameters = 4 * P;
   const gradients = 4 * P;
   const optimizer = (o.optimizer === "adamw" ? 8 : 4) * P;
-  return { parameters, gradients, optimizer, activationsSaved: saved, activationsPeak: peak, total: parameters + gradients + optimizer + peak };
+  return {
+    parameters,
+    gradients,
+    optimizer,
+    activationsSaved: saved,
+    activationsPeak: peak,
+    total: parameters + gradients + optimizer + peak,
+  };
 }
 
 /** 1234567890 -> "1.15 GiB" */
@@ -130,7 +138,11 @@ export function formatBytes(bytes: number): string {
 export function mlpActivations(widths: readonly number[], batch: number): { saved: number; peak: number } {
   const block = (floats: number) => Math.ceil((4 * floats) / 64) * 64;
   const hidden = widths.slice(1, -1);
-  const saved = block(batch * widths[0]!) + 2 * hidden.reduce((a, w) => a + block(batch * w), 0) + block(batch * widths[widths.length - 1]!) + 2 * block(batch);
+  const saved =
+    block(batch * widths[0]!) +
+    2 * hidden.reduce((a, w) => a + block(batch * w), 0) +
+    block(batch * widths[widths.length - 1]!) +
+    2 * block(batch);
   return { saved, peak: saved + block(batch * Math.max(0, ...hidden)) };
 }
 

@@ -49,7 +49,11 @@ export function fsyncPath(path: string): void {
   }
 }
 
-export function saveModelFile(path: string, store: ParamStore, header: Omit<ModelFileHeader, "entries" | "slabNumel" | "slabCrc32" | "createdAt">): void {
+export function saveModelFile(
+  path: string,
+  store: ParamStore,
+  header: Omit<ModelFileHeader, "entries" | "slabNumel" | "slabCrc32" | "createdAt">,
+): void {
   const slab = store.readValues();
   const slabBytes = new Uint8Array(slab.buffer);
   const full: ModelFileHeader = {
@@ -111,11 +115,17 @@ export function readModelFile(path: string): LoadedModelFile {
   }
   let header: ModelFileHeader;
   try {
-    header = JSON.parse(new TextDecoder("utf-8", { fatal: true }).decode(bytes.subarray(prefixBytes, prefixBytes + headerLength)));
+    header = JSON.parse(
+      new TextDecoder("utf-8", { fatal: true }).decode(bytes.subarray(prefixBytes, prefixBytes + headerLength)),
+    );
   } catch (e) {
     throw new DataFileError(path, "corrupt header (not valid JSON)", { cause: e });
   }
-  if ((header.kind !== "mlp" && header.kind !== "gpt") || !Number.isInteger(header.slabNumel) || !Array.isArray(header.entries)) {
+  if (
+    (header.kind !== "mlp" && header.kind !== "gpt") ||
+    !Number.isInteger(header.slabNumel) ||
+    !Array.isArray(header.entries)
+  ) {
     throw new DataFileError(path, "corrupt header (missing kind, entries or slabNumel)");
   }
   const dataOffset = Math.ceil((prefixBytes + headerLength) / alignBytes) * alignBytes;

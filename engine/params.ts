@@ -11,7 +11,11 @@ import { ConfigError, EngineError, ShapeError } from "./errors.ts";
 import { Rng } from "./rng.ts";
 import { type Context, numelOf, type Shape, type Tensor } from "./tensor.ts";
 
-export type Init = { kind: "normal"; std: number } | { kind: "uniform"; bound: number } | { kind: "zeros" } | { kind: "ones" };
+export type Init =
+  | { kind: "normal"; std: number }
+  | { kind: "uniform"; bound: number }
+  | { kind: "zeros" }
+  | { kind: "ones" };
 
 /**
  * A parameter that is a slice of a larger one (a tensor-parallel rank's share of a weight): the
@@ -43,7 +47,8 @@ export function putSlice(whole: Float32Array, of: SliceOf, values: Float32Array)
     throw new ShapeError("putSlice", [of.shape, [values.length]], "the values are not the slice's size");
   let o = 0;
   for (const r of rows) {
-    for (let i = r.offset; i < r.offset + r.count; i++, o += c.count) whole.set(values.subarray(o, o + c.count), i * cols + c.offset);
+    for (let i = r.offset; i < r.offset + r.count; i++, o += c.count)
+      whole.set(values.subarray(o, o + c.count), i * cols + c.offset);
   }
 }
 
@@ -59,7 +64,8 @@ export function takeSlice(whole: Float32Array, of: SliceOf): Float32Array {
   const out = new Float32Array(rows.reduce((n, r) => n + r.count, 0) * c.count);
   let o = 0;
   for (const r of rows) {
-    for (let i = r.offset; i < r.offset + r.count; i++, o += c.count) out.set(whole.subarray(i * cols + c.offset, i * cols + c.offset + c.count), o);
+    for (let i = r.offset; i < r.offset + r.count; i++, o += c.count)
+      out.set(whole.subarray(i * cols + c.offset, i * cols + c.offset + c.count), o);
   }
   return out;
 }
@@ -89,8 +95,15 @@ export class ParamBuilder {
       throw new ShapeError("ParamBuilder.add", [shape], `parameter ${name} needs positive integer dims`);
     }
     this.#names.add(name);
-    if (sliceOf !== undefined && takeSlice(new Float32Array(numelOf(sliceOf.shape)), sliceOf).length !== numelOf(shape)) {
-      throw new ShapeError("ParamBuilder.add", [shape, sliceOf.shape], `parameter ${name}: the slice's size is not the parameter's`);
+    if (
+      sliceOf !== undefined &&
+      takeSlice(new Float32Array(numelOf(sliceOf.shape)), sliceOf).length !== numelOf(shape)
+    ) {
+      throw new ShapeError(
+        "ParamBuilder.add",
+        [shape, sliceOf.shape],
+        `parameter ${name}: the slice's size is not the parameter's`,
+      );
     }
     const p = new Param({ name, shape, init, decay, ...(sliceOf === undefined ? {} : { sliceOf }) });
     this.params.push(p);
@@ -126,7 +139,12 @@ function nameHash(name: string): number {
  * a ParamStore of these parameters allocates; also computed without one (the whole model's
  * layout, which a model-parallel rank maps its share into).
  */
-export function slabLayoutOf(specs: readonly ParamSpec[]): { entries: ParamEntry[]; slabNumel: number; decayEnd: number; offset: number } {
+export function slabLayoutOf(specs: readonly ParamSpec[]): {
+  entries: ParamEntry[];
+  slabNumel: number;
+  decayEnd: number;
+  offset: number;
+} {
   const ordered = [...specs.filter((p) => p.decay), ...specs.filter((p) => !p.decay)];
   let offset = 0;
   let decayEnd = 0;
@@ -223,7 +241,10 @@ export class ParamStore {
 
   /** The parameter slab (every parameter's values, at its entry's offset). */
   get values(): Allocation {
-    if (this.#values === null) throw new EngineError("the parameter slab was released: each rank holds its partition, gathered per bucket (ZeRO stage 3)");
+    if (this.#values === null)
+      throw new EngineError(
+        "the parameter slab was released: each rank holds its partition, gathered per bucket (ZeRO stage 3)",
+      );
     return this.#values;
   }
 
@@ -256,12 +277,14 @@ export class ParamStore {
 
   /** The gradient slab (backward accumulates every parameter's gradient into its view). */
   get grads(): Allocation {
-    if (this.#grads === null) throw new EngineError("the gradient slab was released: gradients live in the step's arena (ZeRO stage 2)");
+    if (this.#grads === null)
+      throw new EngineError("the gradient slab was released: gradients live in the step's arena (ZeRO stage 2)");
     return this.#grads;
   }
 
   get gradsTensor(): Tensor {
-    if (this.#gradsTensor === null) throw new EngineError("the gradient slab was released: gradients live in the step's arena (ZeRO stage 2)");
+    if (this.#gradsTensor === null)
+      throw new EngineError("the gradient slab was released: gradients live in the step's arena (ZeRO stage 2)");
     return this.#gradsTensor;
   }
 
@@ -305,7 +328,8 @@ export class ParamStore {
     // of hundreds of MB never has a second copy of itself in JavaScript memory (peak RSS)
     const buffer = new Float32Array(Math.min(this.slabNumel, initChunkElemsMax));
     const specs = new Map(this.#params.map((p) => [p.spec.name, p.spec]));
-    const upload = (offset: number, values: Float32Array) => this.#ctx.backend.upload(this.values.ptr + 4 * offset, values);
+    const upload = (offset: number, values: Float32Array) =>
+      this.#ctx.backend.upload(this.values.ptr + 4 * offset, values);
     for (const e of this.entries) {
       const { init, sliceOf } = specs.get(e.name)!;
       const rng = new Rng((seed * 0x9e3779b1) ^ nameHash(e.name));

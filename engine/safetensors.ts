@@ -13,12 +13,17 @@ export interface NamedTensor {
 }
 
 /** Writes f32 tensors, in the given order, durably. */
-export function writeSafetensors(path: string, tensors: readonly NamedTensor[], metadata: Record<string, string> = {}): void {
+export function writeSafetensors(
+  path: string,
+  tensors: readonly NamedTensor[],
+  metadata: Record<string, string> = {},
+): void {
   const header: Record<string, unknown> = { __metadata__: metadata };
   let offset = 0;
   for (const t of tensors) {
     const n = t.shape.reduce((a, b) => a * b, 1);
-    if (n !== t.data.length) throw new RangeError(`safetensors: ${t.name} has ${t.data.length} values for shape [${t.shape.join(", ")}]`);
+    if (n !== t.data.length)
+      throw new RangeError(`safetensors: ${t.name} has ${t.data.length} values for shape [${t.shape.join(", ")}]`);
     header[t.name] = { dtype: "F32", shape: t.shape, data_offsets: [offset, offset + 4 * n] };
     offset += 4 * n;
   }
@@ -27,7 +32,10 @@ export function writeSafetensors(path: string, tensors: readonly NamedTensor[], 
   const head = new Uint8Array(8 + json.length);
   new DataView(head.buffer).setBigUint64(0, BigInt(json.length), true);
   head.set(new TextEncoder().encode(json), 8);
-  writeDurably(path, [head, ...tensors.map((t) => new Uint8Array(t.data.buffer, t.data.byteOffset, t.data.byteLength))]);
+  writeDurably(path, [
+    head,
+    ...tensors.map((t) => new Uint8Array(t.data.buffer, t.data.byteOffset, t.data.byteLength)),
+  ]);
 }
 
 /** Reads every tensor of a safetensors file as f32 (F32 only: what meshtrain writes and GPT-2's files hold). */
@@ -40,7 +48,8 @@ export function readSafetensors(path: string): Map<string, { shape: number[]; da
   }
   if (bytes.length < 8) throw new DataFileError(path, "is too short for a safetensors header");
   const n = Number(new DataView(bytes.buffer, bytes.byteOffset).getBigUint64(0, true));
-  if (!(n > 1 && 8 + n <= bytes.length)) throw new DataFileError(path, `its header length ${n} does not fit its ${bytes.length} bytes`);
+  if (!(n > 1 && 8 + n <= bytes.length))
+    throw new DataFileError(path, `its header length ${n} does not fit its ${bytes.length} bytes`);
   let header: Record<string, { dtype: string; shape: number[]; data_offsets: [number, number] }>;
   try {
     header = JSON.parse(new TextDecoder().decode(bytes.subarray(8, 8 + n)));

@@ -137,13 +137,16 @@ export class Tensor {
     // did not declare what its backward reads, or a caller that read what it dropped)
     if (this.#block?.freed === true) throw new StaleTensorError("read", this.shape);
     if (this.#ptr === unbound)
-      throw new EngineError(`parameter ${this.name ?? "(unnamed)"} is not gathered on this rank (ZeRO stage 3 binds it only while a pass reads it)`);
+      throw new EngineError(
+        `parameter ${this.name ?? "(unnamed)"} is not gathered on this rank (ZeRO stage 3 binds it only while a pass reads it)`,
+      );
     return this.#ptr;
   }
 
   /** Persistent tensors only: point at other memory, or at none (null). */
   rebind(ptr: Ptr | null): void {
-    if (this.generation !== persistentGeneration || this.viewOf !== null) throw new EngineError("only a persistent tensor that is not a view can be rebound");
+    if (this.generation !== persistentGeneration || this.viewOf !== null)
+      throw new EngineError("only a persistent tensor that is not a view can be rebound");
     this.#ptr = ptr ?? unbound;
   }
 
@@ -164,7 +167,10 @@ export class Tensor {
     // a tensor of an earlier pass, or of another pass in flight (a pipeline stage's micro-batch),
     // or one whose memory was freed
     if (this.viewOf !== null && this.viewOf.#block?.freed === true) return true;
-    return this.home !== null && (this.generation !== this.home.generation || this.home !== this.ctx.arena || this.#block?.freed === true);
+    return (
+      this.home !== null &&
+      (this.generation !== this.home.generation || this.home !== this.ctx.arena || this.#block?.freed === true)
+    );
   }
 
   /** The arena memory this tensor reads (its base's for a view), or null for persistent memory. */
@@ -193,9 +199,29 @@ export class Tensor {
    */
   gradInPlace(): boolean {
     const block = this.#block;
-    if (block === null || this.viewOf !== null || this.#grad !== null || !this.#dropped || block.holds !== 1 || block.freed) return false;
+    if (
+      block === null ||
+      this.viewOf !== null ||
+      this.#grad !== null ||
+      !this.#dropped ||
+      block.holds !== 1 ||
+      block.freed
+    )
+      return false;
     block.holds++;
-    this.#grad = new Tensor(this.ctx, this.shape, this.dtype, block.ptr, this.home, this.generation, false, null, 0, null, block);
+    this.#grad = new Tensor(
+      this.ctx,
+      this.shape,
+      this.dtype,
+      block.ptr,
+      this.home,
+      this.generation,
+      false,
+      null,
+      0,
+      null,
+      block,
+    );
     return true;
   }
 
@@ -231,7 +257,8 @@ export class Tensor {
    * with beta 0, a copy); otherwise the caller adds into it. A view's is its base's (zeroed).
    */
   gradForWrite(): { grad: Tensor; fresh: boolean } {
-    if (this.viewOf !== null || this.#grad !== null || this.#block === null) return { grad: this.ensureGrad(), fresh: false };
+    if (this.viewOf !== null || this.#grad !== null || this.#block === null)
+      return { grad: this.ensureGrad(), fresh: false };
     this.#grad = this.ctx.empty(this.shape, this.dtype);
     return { grad: this.#grad, fresh: true };
   }
@@ -243,16 +270,37 @@ export class Tensor {
    */
   shareGrad(src: Tensor): boolean {
     const block = src.#block;
-    if (this.viewOf !== null || this.#grad !== null || this.#block === null || src.viewOf !== null || block === null || block.freed) return false;
+    if (
+      this.viewOf !== null ||
+      this.#grad !== null ||
+      this.#block === null ||
+      src.viewOf !== null ||
+      block === null ||
+      block.freed
+    )
+      return false;
     if (!sameShape(src.shape, this.shape) || src.dtype !== this.dtype) return false;
     block.holds++;
-    this.#grad = new Tensor(this.ctx, this.shape, this.dtype, block.ptr, src.home, src.generation, false, null, 0, null, block);
+    this.#grad = new Tensor(
+      this.ctx,
+      this.shape,
+      this.dtype,
+      block.ptr,
+      src.home,
+      src.generation,
+      false,
+      null,
+      0,
+      null,
+      block,
+    );
     return true;
   }
 
   /** Bind a persistent gradient buffer (a view into a gradient slab). */
   bindGrad(grad: Tensor): void {
-    if (!sameShape(grad.shape, this.shape)) throw new ShapeError("bindGrad", [this.shape, grad.shape], "gradient shape differs");
+    if (!sameShape(grad.shape, this.shape))
+      throw new ShapeError("bindGrad", [this.shape, grad.shape], "gradient shape differs");
     this.#grad = grad;
   }
 
@@ -262,7 +310,17 @@ export class Tensor {
   }
 
   #viewAt(shape: Shape, offset: number): Tensor {
-    return new Tensor(this.ctx, shape, this.dtype, this.ptr + offset * dtypeBytes[this.dtype], this.home, this.generation, false, this, offset);
+    return new Tensor(
+      this.ctx,
+      shape,
+      this.dtype,
+      this.ptr + offset * dtypeBytes[this.dtype],
+      this.home,
+      this.generation,
+      false,
+      this,
+      offset,
+    );
   }
 
   /** A view with another shape over the same elements (row-major); no copy. */
@@ -301,7 +359,12 @@ export class Tensor {
 
   /** Copy to host memory (a new typed array). */
   toArray(): Float32Array | Int32Array | Uint16Array {
-    const out = this.dtype === "f32" ? new Float32Array(this.numel) : this.dtype === "i32" ? new Int32Array(this.numel) : new Uint16Array(this.numel);
+    const out =
+      this.dtype === "f32"
+        ? new Float32Array(this.numel)
+        : this.dtype === "i32"
+          ? new Int32Array(this.numel)
+          : new Uint16Array(this.numel);
     this.ctx.backend.download(this.ptr, out);
     return out;
   }
@@ -339,7 +402,8 @@ function resolveReshape(from: Shape, to: Shape): Shape {
     shape = to.map((d, i) => (i === inferred ? n / known : d));
   }
   checkShape("reshape", shape);
-  if (numelOf(shape) !== n) throw new ShapeError("reshape", [from, to], `element counts differ (${n} vs ${numelOf(shape)})`);
+  if (numelOf(shape) !== n)
+    throw new ShapeError("reshape", [from, to], `element counts differ (${n} vs ${numelOf(shape)})`);
   return shape;
 }
 
@@ -360,7 +424,12 @@ export interface ContextOptions {
 // 0x7f7f, the largest finite bf16 (3.4e38), because an f32 whose upper half is a bf16 NaN is
 // itself a NaN.
 const f32OfBits = (bits: number) => new Float32Array(new Uint32Array([bits]).buffer)[0]!;
-const poisonValue: Readonly<Record<DType, number>> = { f32: NaN, i32: NaN, f16: f32OfBits(0x7e007e00), bf16: f32OfBits(0x7f7f7f7f) };
+const poisonValue: Readonly<Record<DType, number>> = {
+  f32: NaN,
+  i32: NaN,
+  f16: f32OfBits(0x7e007e00),
+  bf16: f32OfBits(0x7f7f7f7f),
+};
 
 /**
  * The memory and the tape of one forward/backward pass. A context has one of its own, which
@@ -417,7 +486,8 @@ export class Context {
 
   /** Start a new forward/backward pass: recycle the arena and clear the tape. */
   newPass(): void {
-    if (this.#pass !== this.#own) throw new EngineError("newPass: inside another pass (inPass); close that pass instead");
+    if (this.#pass !== this.#own)
+      throw new EngineError("newPass: inside another pass (inPass); close that pass instead");
     this.#own.tape.length = 0;
     this.#own.arena.reset();
   }
@@ -546,7 +616,13 @@ export class Context {
    * run, even when its owner drops it first. An op drops its own scratch after recording, so
    * that what backward does not read is freed at once. Returns whether it recorded.
    */
-  record(op: string, inputs: readonly Tensor[], output: Tensor, backward: () => void | Promise<void>, saved: readonly Tensor[] = inputs): boolean {
+  record(
+    op: string,
+    inputs: readonly Tensor[],
+    output: Tensor,
+    backward: () => void | Promise<void>,
+    saved: readonly Tensor[] = inputs,
+  ): boolean {
     if (!this.gradEnabled) return false;
     if (!inputs.some((t) => t.requiresGrad)) return false;
     output.requiresGrad = true;
@@ -595,8 +671,10 @@ export class Context {
   /** Run reverse-mode autodiff from any output, seeding its gradient with `grad` (same shape):
    *  a pipeline stage's backward, or an op test's upstream gradient. */
   backwardFrom(output: Tensor, grad: Tensor): void {
-    if (!sameShape(output.shape, grad.shape)) throw new ShapeError("backwardFrom", [output.shape, grad.shape], "grad shape differs");
-    if (!output.requiresGrad) throw new EngineError("backwardFrom: output does not depend on any tensor that requires grad");
+    if (!sameShape(output.shape, grad.shape))
+      throw new ShapeError("backwardFrom", [output.shape, grad.shape], "grad shape differs");
+    if (!output.requiresGrad)
+      throw new EngineError("backwardFrom: output does not depend on any tensor that requires grad");
     this.backend.copy(output.ensureGrad().ptr, grad.ptr, grad.bytes);
     this.#runTape();
   }
@@ -609,8 +687,10 @@ export class Context {
 
   /** backwardFrom() for a tape whose ops may wait. */
   async backwardFromAsync(output: Tensor, grad: Tensor): Promise<void> {
-    if (!sameShape(output.shape, grad.shape)) throw new ShapeError("backwardFrom", [output.shape, grad.shape], "grad shape differs");
-    if (!output.requiresGrad) throw new EngineError("backwardFrom: output does not depend on any tensor that requires grad");
+    if (!sameShape(output.shape, grad.shape))
+      throw new ShapeError("backwardFrom", [output.shape, grad.shape], "grad shape differs");
+    if (!output.requiresGrad)
+      throw new EngineError("backwardFrom: output does not depend on any tensor that requires grad");
     this.backend.copy(output.ensureGrad().ptr, grad.ptr, grad.bytes);
     await this.#runTapeAsync();
   }
@@ -646,7 +726,9 @@ export class Context {
       const r = node.backward();
       if (r instanceof Promise) {
         r.catch(() => {});
-        throw new EngineError(`backward: op ${node.op} waits for a collective (tensor parallelism); run the tape with backwardAsync`);
+        throw new EngineError(
+          `backward: op ${node.op} waits for a collective (tensor parallelism); run the tape with backwardAsync`,
+        );
       }
     }
     this.#finishNode(node);
@@ -714,7 +796,13 @@ export class Context {
       for (let i = pending; i >= 0; i--) {
         const node = this.#pass.tape[i]!;
         if (node.output.grad !== null) {
-          const need = [...new Set(node.inputs.map((t) => t.viewOf ?? t).filter((t) => t.generation === persistentGeneration && t.name !== undefined))];
+          const need = [
+            ...new Set(
+              node.inputs
+                .map((t) => t.viewOf ?? t)
+                .filter((t) => t.generation === persistentGeneration && t.name !== undefined),
+            ),
+          ];
           if (need.length > 0) yield { need };
           node.backward();
         }
@@ -761,7 +849,11 @@ export class Context {
   /** recompute's forward: `out` takes fn's result y, and what fn allocated after `mark` is freed. */
   #keepOnly(x: Tensor, y: Tensor, out: Tensor, mark: ArenaMark): void {
     if (!sameShape(y.shape, x.shape) || y.dtype !== x.dtype) {
-      throw new ShapeError("recompute", [x.shape, y.shape], "the recomputed function must keep its input's shape and dtype");
+      throw new ShapeError(
+        "recompute",
+        [x.shape, y.shape],
+        "the recomputed function must keep its input's shape and dtype",
+      );
     }
     this.backend.copy(out.ptr, y.ptr, y.bytes);
     this.arena.release(mark);

@@ -83,7 +83,9 @@ export class TrainStep {
     }
     if (!(config.gradClip >= 0)) throw new ConfigError(`gradClip must be >= 0, got ${config.gradClip}`);
     if (config.lossScale !== undefined && ctx.precision !== "f16") {
-      throw new ConfigError(`lossScale is for precision f16; this context computes in ${ctx.precision}, which needs no loss scaling`);
+      throw new ConfigError(
+        `lossScale is for precision f16; this context computes in ${ctx.precision}, which needs no loss scaling`,
+      );
     }
     this.scaler = ctx.precision === "f16" ? new LossScaler(config.lossScale) : null;
   }
@@ -97,9 +99,18 @@ export class TrainStep {
     const k = this.config.accumSteps;
     if (micro.length !== k) throw new ShapeError("TrainStep.run", [[micro.length]], `expected ${k} micro-batches`);
     if ((this.ctx.precision === "f16") !== (this.scaler !== null)) {
-      throw new EngineError(`TrainStep: the context's precision changed to ${this.ctx.precision} after the TrainStep was built`);
+      throw new EngineError(
+        `TrainStep: the context's precision changed to ${this.ctx.precision} after the TrainStep was built`,
+      );
     }
-    const { loss, gradNorm, finite } = lossAndGradients(this.ctx, this.model, micro, this.config.gradClip, this.step, this.scaler);
+    const { loss, gradNorm, finite } = lossAndGradients(
+      this.ctx,
+      this.model,
+      micro,
+      this.config.gradClip,
+      this.step,
+      this.scaler,
+    );
     const lr = lrAt(this.config.schedule, this.config.lr, this.step);
     if (finite) this.optimizer.step(lr);
     this.scaler?.update(finite, this.step);
@@ -181,7 +192,12 @@ export class LossSlots {
 }
 
 /** The step's summed gradient, unscaled (f16: a skipped step when it overflowed) and clipped by its global norm. */
-export function unscaleAndClip(ctx: Context, store: ParamStore, scaler: LossScaler | null, gradClip: number): { gradNorm: number; finite: boolean } {
+export function unscaleAndClip(
+  ctx: Context,
+  store: ParamStore,
+  scaler: LossScaler | null,
+  gradClip: number,
+): { gradNorm: number; finite: boolean } {
   if (scaler !== null && !scaler.unscale(ctx, store)) return { gradNorm: Infinity, finite: false };
   return { gradNorm: clipGradNorm(ctx, store, gradClip), finite: true };
 }
@@ -200,7 +216,12 @@ export interface EvaluateOptions {
 }
 
 /** Mean loss and argmax accuracy over batches, without recording gradients or dropout. */
-export function evaluate(ctx: Context, model: Model, batches: Iterable<HostBatch>, options: EvaluateOptions = {}): EvalResult {
+export function evaluate(
+  ctx: Context,
+  model: Model,
+  batches: Iterable<HostBatch>,
+  options: EvaluateOptions = {},
+): EvalResult {
   const withAccuracy = options.accuracy ?? true;
   const wasTraining = ctx.training;
   ctx.training = false;
@@ -223,7 +244,11 @@ export function evaluate(ctx: Context, model: Model, batches: Iterable<HostBatch
   } finally {
     ctx.training = wasTraining;
   }
-  return { loss: lossSum / Math.max(count, 1), accuracy: withAccuracy ? correct / Math.max(count, 1) : Number.NaN, count };
+  return {
+    loss: lossSum / Math.max(count, 1),
+    accuracy: withAccuracy ? correct / Math.max(count, 1) : Number.NaN,
+    count,
+  };
 }
 
 export function countCorrect(logits: Float32Array, targets: Int32Array): number {

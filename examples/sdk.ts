@@ -13,7 +13,9 @@ import { EventKind, jobConfig, LocalMesh, MeshClient, watchJob } from "../sdk/in
 const { values } = parseArgs({ options: { "nats-url": { type: "string" } } });
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-sdk-example-"));
 await using mesh =
-  values["nats-url"] === undefined ? await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 2, shards: 2 }) : null;
+  values["nats-url"] === undefined
+    ? await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 2, shards: 2 })
+    : null;
 // a mesh with roles (the local one): connect as its client user (elsewhere: MT_NATS_NKEY)
 await using client = await MeshClient.connect(values["nats-url"] ?? mesh!.url, mesh ? mesh.auth("client") : {});
 
@@ -21,7 +23,8 @@ await using client = await MeshClient.connect(values["nats-url"] ?? mesh!.url, m
 const first = jobConfig("mlp", { job: `sdk-example-${Date.now()}`, maxSteps: 400, checkpointEvery: 0 });
 await client.submit(first);
 for await (const e of client.events(first.job)) {
-  if (e.kind === EventKind.Step && e.rank === 0 && e.step % 50 === 0) console.log(`step ${e.step}: loss ${e.loss.toFixed(4)}`);
+  if (e.kind === EventKind.Step && e.rank === 0 && e.step % 50 === 0)
+    console.log(`step ${e.step}: loss ${e.loss.toFixed(4)}`);
   if (e.kind === EventKind.Step && e.step === 100 && e.rank === 0) {
     const saved = await client.saveCheckpoint(first.job);
     console.log(`snapshot: ${saved.text}`);
@@ -36,4 +39,6 @@ console.log(`cancelled: ${first.job} is ${cancelled.reason || "cancelled"}`);
 const second = jobConfig("mlp", { job: `sdk-example-end-${Date.now()}`, maxSteps: 100, checkpointEvery: 50 });
 await client.submit(second);
 const outcome = await watchJob(client, second.job, { quiet: true });
-console.log(`done: ${second.job} reached ${(outcome.record.accuracy * 100).toFixed(2)}% test accuracy; model ${outcome.record.modelPath}`);
+console.log(
+  `done: ${second.job} reached ${(outcome.record.accuracy * 100).toFixed(2)}% test accuracy; model ${outcome.record.modelPath}`,
+);

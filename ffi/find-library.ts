@@ -81,12 +81,22 @@ export function systemLibraryDirs(env: SearchEnv = process.env): string[] {
   // LD_LIBRARY_PATH first, as the dynamic loader itself does: a user who set it means it.
   const fromEnv = (env.LD_LIBRARY_PATH ?? "").split(":").filter((d) => d !== "");
   const cudaTargets = subdirs("/usr/local/cuda/targets", /./).map((t) => join(t, "lib"));
-  return [...new Set([...fromEnv, `/usr/lib/${multiarch}`, "/usr/local/cuda/lib64", ...cudaTargets, "/usr/lib64", "/usr/lib"])];
+  return [
+    ...new Set([
+      ...fromEnv,
+      `/usr/lib/${multiarch}`,
+      "/usr/local/cuda/lib64",
+      ...cudaTargets,
+      "/usr/lib64",
+      "/usr/lib",
+    ]),
+  ];
 }
 
 /** Every folder searched for `spec`, in order (the override variable aside). */
 export function librarySearchDirs(spec: LibrarySpec, env: SearchEnv = process.env): string[] {
-  const subs = spec.pipSubdir === undefined ? [] : typeof spec.pipSubdir === "string" ? [spec.pipSubdir] : spec.pipSubdir;
+  const subs =
+    spec.pipSubdir === undefined ? [] : typeof spec.pipSubdir === "string" ? [spec.pipSubdir] : spec.pipSubdir;
   const wheelDirs = pythonPackageDirs(env).flatMap((sp) => subs.map((s) => join(sp, "nvidia", s, "lib")));
   return [...systemLibraryDirs(env), ...wheelDirs];
 }
@@ -97,7 +107,9 @@ function fromOverride(spec: LibrarySpec, env: SearchEnv): string | null {
   // A set variable that points nowhere is a configuration error, not "not installed": say so
   // instead of silently searching elsewhere and loading a different copy.
   if (!existsSync(override)) {
-    throw new NativeLibraryError(`${spec.envVar}=${override} does not exist; point it at the ${spec.what} library file or unset it`);
+    throw new NativeLibraryError(
+      `${spec.envVar}=${override} does not exist; point it at the ${spec.what} library file or unset it`,
+    );
   }
   return override;
 }
@@ -123,7 +135,8 @@ export function findLibrary(spec: LibrarySpec, env: SearchEnv = process.env): st
   const found = tryFindLibrary(spec, env);
   if (found !== null) return found;
   const dirs = librarySearchDirs(spec, env);
-  const wheelNote = spec.pipSubdir === undefined ? "" : " (pip wheels: <site-packages>/nvidia/<subdir>/lib under every python found)";
+  const wheelNote =
+    spec.pipSubdir === undefined ? "" : " (pip wheels: <site-packages>/nvidia/<subdir>/lib under every python found)";
   throw new NativeLibraryError(
     `${spec.what} not found: ${spec.envVar} is not set, and none of ${spec.names.join(", ")} is in ` +
       `${dirs.join(", ")}${wheelNote}. Install it with: ${spec.installHint}, or set ${spec.envVar} to the library's path`,

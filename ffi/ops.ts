@@ -70,10 +70,22 @@ export const ops = {
   reluBackward: { args: [p("dinp"), p("inp"), p("dout"), i("n")], result: "void", cpu: "mt_relu_backward_f32" },
   geluForward: { args: [p("out"), p("inp"), i("n")], result: "void", cpu: "mt_gelu_forward_f32" },
   geluBackward: { args: [p("dinp"), p("inp"), p("dout"), i("n")], result: "void", cpu: "mt_gelu_backward_f32" },
-  dropoutForward: { args: [p("out"), p("inp"), i("n"), f("p"), ["seed", "u64"]], result: "void", cpu: "mt_dropout_forward_f32" },
-  dropoutBackward: { args: [p("dinp"), p("dout"), i("n"), f("p"), ["seed", "u64"]], result: "void", cpu: "mt_dropout_backward_f32" },
+  dropoutForward: {
+    args: [p("out"), p("inp"), i("n"), f("p"), ["seed", "u64"]],
+    result: "void",
+    cpu: "mt_dropout_forward_f32",
+  },
+  dropoutBackward: {
+    args: [p("dinp"), p("dout"), i("n"), f("p"), ["seed", "u64"]],
+    result: "void",
+    cpu: "mt_dropout_backward_f32",
+  },
   /** pre += bias in place, out = gelu(pre) (a layer's bias and activation in one pass) */
-  biasGeluForward: { args: [p("out"), p("pre"), p("bias"), i("N"), i("C")], result: "void", cpu: "mt_bias_gelu_forward_f32" },
+  biasGeluForward: {
+    args: [p("out"), p("pre"), p("bias"), i("N"), i("C")],
+    result: "void",
+    cpu: "mt_bias_gelu_forward_f32",
+  },
   /** returns the count of targets outside [0, V); lse (N): each row's log-sum-exp */
   crossEntropyForward: {
     args: [p("loss"), p("losses"), p("lse"), p("logits"), p("targets"), i("N"), i("V")],
@@ -111,7 +123,11 @@ export const ops = {
     inRange: true,
     cpu: "mt_embedding_forward_f32",
   },
-  embeddingBackward: { args: [p("dtable"), p("ids"), p("dout"), i("N"), i("C")], result: "void", cpu: "mt_embedding_backward_f32" },
+  embeddingBackward: {
+    args: [p("dtable"), p("ids"), p("dout"), i("N"), i("C")],
+    result: "void",
+    cpu: "mt_embedding_backward_f32",
+  },
   /** causal self-attention over qkv (B,T,3C) of `elem`, H heads: out (B,T,C), lse (B,H,T) f32;
    *  tiles with an online softmax, no (T,T) matrix */
   attentionForward: {
@@ -122,14 +138,34 @@ export const ops = {
   /** dqkv (B,T,3C) f32 += the gradient, recomputing the scores tile by tile from lse; delta
    *  (B,H,T) is scratch (each row's dout . out) */
   attentionBackward: {
-    args: [p("dqkv"), p("delta"), p("dout"), p("out"), p("lse"), p("qkv"), i("B"), i("T"), i("C"), i("H"), f("scale"), ["elem", "elem"]],
+    args: [
+      p("dqkv"),
+      p("delta"),
+      p("dout"),
+      p("out"),
+      p("lse"),
+      p("qkv"),
+      i("B"),
+      i("T"),
+      i("C"),
+      i("H"),
+      f("scale"),
+      ["elem", "elem"],
+    ],
     result: "void",
     cpu: "mt_attention_backward_f32",
   },
   /** out[i·outStrides] = (or +=) inp[i·inpStrides] over dims: permutes, splits, merges. No two
    *  indices may map to the same out element. */
   stridedCopy: {
-    args: [p("out"), ["outStrides", "dims4"], p("inp"), ["inpStrides", "dims4"], ["dims", "dims4"], ["accumulate", "bool"]],
+    args: [
+      p("out"),
+      ["outStrides", "dims4"],
+      p("inp"),
+      ["inpStrides", "dims4"],
+      ["dims", "dims4"],
+      ["accumulate", "bool"],
+    ],
     result: "void",
     cpu: "mt_strided_copy_f32",
     cpuOrder: ["out", "inp", "dims", "outStrides", "inpStrides", "accumulate"],
@@ -143,7 +179,18 @@ export const ops = {
 
   // ---- optimizer updates (PyTorch semantics; see ffi/cpu/kernels.c) ----
   sgdStep: {
-    args: [p("param"), p("grad"), p("momentumBuf"), i("n"), f("lr"), f("momentum"), f("dampening"), f("weightDecay"), ["nesterov", "bool"], ["first", "bool"]],
+    args: [
+      p("param"),
+      p("grad"),
+      p("momentumBuf"),
+      i("n"),
+      f("lr"),
+      f("momentum"),
+      f("dampening"),
+      f("weightDecay"),
+      ["nesterov", "bool"],
+      ["first", "bool"],
+    ],
     result: "void",
     cpu: "mt_sgd_step_f32",
   },
@@ -192,7 +239,9 @@ type TsOf<T extends ArgType> = T extends "ptr"
             : Dims4;
 
 /** The JavaScript arguments of an op's declaration. */
-type ArgsTs<A extends OpDecl["args"]> = { -readonly [K in keyof A]: A[K] extends readonly [string, infer T extends ArgType] ? TsOf<T> : never };
+type ArgsTs<A extends OpDecl["args"]> = {
+  -readonly [K in keyof A]: A[K] extends readonly [string, infer T extends ArgType] ? TsOf<T> : never;
+};
 export type OpArgs<D extends OpDecl> = ArgsTs<D["args"]>;
 type OpResult<D extends OpDecl> = D["result"] extends "void" ? void : number;
 type OpMethod<D extends OpDecl> = D extends { inRange: true }
@@ -217,7 +266,9 @@ export function cArgTypes(d: OpDecl): ("ptr" | "i64" | "f32" | "u64" | "i32")[] 
 
 /** Whether a declaration's JavaScript arguments go to the C kernel as they are (no conversion, same order). */
 export const passesStraight = (d: OpDecl): boolean =>
-  d.cpuOrder === undefined && d.inRange !== true && d.args.every(([, t]) => t === "ptr" || t === "i64" || t === "f32" || t === "u64");
+  d.cpuOrder === undefined &&
+  d.inRange !== true &&
+  d.args.every(([, t]) => t === "ptr" || t === "i64" || t === "f32" || t === "u64");
 
 /** The C kernel's arguments from the method's (expanded dims, flags as 0/1, in the kernel's order). */
 export function toCArgs(d: OpDecl, args: readonly unknown[]): unknown[] {

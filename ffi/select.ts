@@ -27,13 +27,19 @@ export type DeviceLog = (why: string, detail: string) => void;
  * rank mod (GPU count). Single-process commands use GPU 0.
  */
 export function openBackend(choice: DeviceChoice, log: DeviceLog = () => {}, slot = 0): OpenedBackend {
-  if (choice === "cpu") return opened(new CpuBackend(), "device: cpu (asked for)", "CUDA not probed (--device cpu)", log);
+  if (choice === "cpu")
+    return opened(new CpuBackend(), "device: cpu (asked for)", "CUDA not probed (--device cpu)", log);
   const probe = probeCuda();
   if (choice === "cuda" && !probe.ok) throw new NativeLibraryError(`--device cuda: ${probe.reason}`);
   if (!probe.ok) return opened(new CpuBackend(), "device: cpu (no GPU found)", `no CUDA: ${probe.reason}`, log);
   const ordinal = slot % probe.deviceCount;
   const how = choice === "auto" ? ", picked by auto" : "";
-  return opened(new CudaBackend({ device: ordinal }), `device: cuda:${ordinal}${how} (${probe.reason})`, probe.reason, log);
+  return opened(
+    new CudaBackend({ device: ordinal }),
+    `device: cuda:${ordinal}${how} (${probe.reason})`,
+    probe.reason,
+    log,
+  );
 }
 
 /** Run fn on the chosen backend and dispose of it afterwards, whatever happens. */

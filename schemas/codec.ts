@@ -40,9 +40,17 @@ const headerBytes = 8;
  * `align: false` skips that for messages whose vectors are all bytes (f32Of copies the
  * unaligned ones it is asked to view).
  */
-export function openRoot<T>(data: Uint8Array, type: RootType<T>, bytesMax: number, opts: { align: boolean } = { align: true }): T {
+export function openRoot<T>(
+  data: Uint8Array,
+  type: RootType<T>,
+  bytesMax: number,
+  opts: { align: boolean } = { align: true },
+): T {
   if (data.byteLength < headerBytes) {
-    throw new WireFormatError("truncated", `${type.name}: ${data.byteLength} bytes is shorter than a FlatBuffers header (${headerBytes})`);
+    throw new WireFormatError(
+      "truncated",
+      `${type.name}: ${data.byteLength} bytes is shorter than a FlatBuffers header (${headerBytes})`,
+    );
   }
   if (data.byteLength > bytesMax) {
     throw new WireFormatError("oversized", `${type.name}: ${data.byteLength} bytes exceeds the limit of ${bytesMax}`);
@@ -51,17 +59,26 @@ export function openRoot<T>(data: Uint8Array, type: RootType<T>, bytesMax: numbe
   const bb = new ByteBuffer(opts.align ? alignedBytes(data) : data);
   if (!bb.__has_identifier(type.identifier)) {
     const got = new TextDecoder().decode(data.subarray(4, 8)).replace(/[^\x20-\x7e]/g, "?");
-    throw new WireFormatError("bad_identifier", `${type.name}: file identifier "${got}", expected "${type.identifier}"`);
+    throw new WireFormatError(
+      "bad_identifier",
+      `${type.name}: file identifier "${got}", expected "${type.identifier}"`,
+    );
   }
   const rootOffset = bb.readUint32(0);
   if (rootOffset < headerBytes || rootOffset + 4 > data.byteLength) {
-    throw new WireFormatError("truncated", `${type.name}: root offset ${rootOffset} is outside the ${data.byteLength}-byte buffer`);
+    throw new WireFormatError(
+      "truncated",
+      `${type.name}: root offset ${rootOffset} is outside the ${data.byteLength}-byte buffer`,
+    );
   }
   verifyTable(bb, rootOffset, type.name);
   const root = guarded(type.name, () => type.getRoot(bb));
   const version = guarded(type.name, () => type.version(root));
   if (version !== schemaVersion) {
-    throw new WireFormatError("bad_version", `${type.name}: schema version ${version}, this build speaks ${schemaVersion}`);
+    throw new WireFormatError(
+      "bad_version",
+      `${type.name}: schema version ${version}, this build speaks ${schemaVersion}`,
+    );
   }
   return root;
 }
@@ -80,8 +97,10 @@ export function verifyTable(bb: ByteBuffer, tablePos: number, what: string): voi
   if (!(vtable >= 0 && vtable + 4 <= length)) fail(`vtable at ${vtable} is outside the buffer`);
   const vtableBytes = bb.readUint16(vtable);
   const tableBytes = bb.readUint16(vtable + 2);
-  if (vtableBytes < 4 || vtableBytes % 2 !== 0 || vtable + vtableBytes > length) fail(`vtable of ${vtableBytes} bytes at ${vtable} does not fit`);
-  if (tableBytes < 4 || tablePos + tableBytes > length) fail(`table of ${tableBytes} bytes at ${tablePos} does not fit`);
+  if (vtableBytes < 4 || vtableBytes % 2 !== 0 || vtable + vtableBytes > length)
+    fail(`vtable of ${vtableBytes} bytes at ${vtable} does not fit`);
+  if (tableBytes < 4 || tablePos + tableBytes > length)
+    fail(`table of ${tableBytes} bytes at ${tablePos} does not fit`);
 }
 
 /** Runs a read of generated accessors; a read outside the buffer becomes a WireFormatError. */
@@ -117,7 +136,8 @@ export function bytesOf(v: ArrayBufferView): Uint8Array {
  */
 export function f32Of(what: string, bytes: Uint8Array | null): Float32Array {
   if (bytes === null) return new Float32Array(0);
-  if (bytes.byteLength % 4 !== 0) throw new WireFormatError("malformed", `${what}: ${bytes.byteLength} bytes is not a whole number of float32`);
+  if (bytes.byteLength % 4 !== 0)
+    throw new WireFormatError("malformed", `${what}: ${bytes.byteLength} bytes is not a whole number of float32`);
   if (bytes.byteOffset % 4 === 0) return new Float32Array(bytes.buffer, bytes.byteOffset, bytes.byteLength / 4);
   return new Float32Array(bytes.slice().buffer);
 }
@@ -141,7 +161,13 @@ export function createBytes(b: Builder, bytes: Uint8Array, alignment = 16): numb
  * Reserves an aligned byte vector and lets `fill` write it in place (a backend download straight
  * into the message: no intermediate copy).
  */
-export function createBytesFilled(b: Builder, byteLength: number, fill: (dst: Uint8Array) => void, alignment = 16, elemBytes = 1): number {
+export function createBytesFilled(
+  b: Builder,
+  byteLength: number,
+  fill: (dst: Uint8Array) => void,
+  alignment = 16,
+  elemBytes = 1,
+): number {
   b.startVector(elemBytes, byteLength / elemBytes, alignment);
   const inner = b as unknown as BuilderInternals;
   inner.space -= byteLength;
@@ -164,10 +190,13 @@ export function finishBytes(b: Builder, root: number, identifier: string): Uint8
 
 /** [offset, count) element ranges that cut `total` elements into chunks of `chunkElems`. */
 export function chunkRanges(total: number, chunkElems: number): { offset: number; count: number }[] {
-  if (!(Number.isInteger(total) && total >= 0)) throw new RangeError(`total must be a non-negative integer, got ${total}`);
-  if (!(Number.isInteger(chunkElems) && chunkElems > 0)) throw new RangeError(`chunkElems must be a positive integer, got ${chunkElems}`);
+  if (!(Number.isInteger(total) && total >= 0))
+    throw new RangeError(`total must be a non-negative integer, got ${total}`);
+  if (!(Number.isInteger(chunkElems) && chunkElems > 0))
+    throw new RangeError(`chunkElems must be a positive integer, got ${chunkElems}`);
   const out: { offset: number; count: number }[] = [];
-  for (let offset = 0; offset < total; offset += chunkElems) out.push({ offset, count: Math.min(chunkElems, total - offset) });
+  for (let offset = 0; offset < total; offset += chunkElems)
+    out.push({ offset, count: Math.min(chunkElems, total - offset) });
   return out;
 }
 

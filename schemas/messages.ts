@@ -53,12 +53,23 @@ import {
 export { CollPhase, DType, EventKind, JobState, Split, SyncPolicy };
 
 /** bytes per element (TopK: per entry sent, an index and a value) */
-const dtypeBytes: Record<DType, number> = { [DType.F32]: 4, [DType.F16]: 2, [DType.I8]: 1, [DType.BF16]: 2, [DType.TopK]: 8 };
+const dtypeBytes: Record<DType, number> = {
+  [DType.F32]: 4,
+  [DType.F16]: 2,
+  [DType.I8]: 1,
+  [DType.BF16]: 2,
+  [DType.TopK]: 8,
+};
 
 /** Bytes of a chunk's data: count elements, or nnz entries for TopK. */
-export const chunkDataBytes = (dtype: DType, count: number, nnz = 0): number => (dtype === DType.TopK ? nnz : count) * dtypeBytes[dtype];
+export const chunkDataBytes = (dtype: DType, count: number, nnz = 0): number =>
+  (dtype === DType.TopK ? nnz : count) * dtypeBytes[dtype];
 
-function root<T extends { schemaVersion(): number }>(name: string, identifier: string, getRoot: (bb: ByteBuffer) => T): RootType<T> {
+function root<T extends { schemaVersion(): number }>(
+  name: string,
+  identifier: string,
+  getRoot: (bb: ByteBuffer) => T,
+): RootType<T> {
   return { name, identifier, getRoot, version: (r) => r.schemaVersion() };
 }
 
@@ -110,7 +121,8 @@ export interface ChunkSource {
 function writeChunk(b: Builder, c: Chunk | ChunkSource): number {
   const dtype = c.dtype ?? DType.F32,
     scale = "fill" in c ? 1 : c.scale;
-  if ("fill" in c && dtype !== DType.F32 && dtype !== DType.F16 && dtype !== DType.BF16) throw new RangeError(`a filled chunk is dense, not ${DType[dtype]}`);
+  if ("fill" in c && dtype !== DType.F32 && dtype !== DType.F16 && dtype !== DType.BF16)
+    throw new RangeError(`a filled chunk is dense, not ${DType[dtype]}`);
   const data = "fill" in c ? createBytesFilled(b, c.count * dtypeBytes[dtype], c.fill) : createBytes(b, c.data);
   ChunkT.startChunk(b);
   ChunkT.addId(b, c.id);
@@ -131,18 +143,31 @@ function readChunk(c: ChunkT): Chunk {
   const count = c.count(),
     nnz = c.nnz();
   if (dtype === DType.TopK) {
-    if (nnz > count) throw new WireFormatError("malformed", `chunk ${c.id()}: ${nnz} top-k entries of ${count} elements`);
+    if (nnz > count)
+      throw new WireFormatError("malformed", `chunk ${c.id()}: ${nnz} top-k entries of ${count} elements`);
     if (data.byteLength !== nnz * width)
-      throw new WireFormatError("malformed", `chunk ${c.id()}: ${data.byteLength} data bytes for ${nnz} top-k entries of ${width} bytes`);
-  } else if (nnz !== 0) throw new WireFormatError("malformed", `chunk ${c.id()}: nnz ${nnz} on a dense ${DType[dtype]} chunk`);
+      throw new WireFormatError(
+        "malformed",
+        `chunk ${c.id()}: ${data.byteLength} data bytes for ${nnz} top-k entries of ${width} bytes`,
+      );
+  } else if (nnz !== 0)
+    throw new WireFormatError("malformed", `chunk ${c.id()}: nnz ${nnz} on a dense ${DType[dtype]} chunk`);
   else if (data.byteLength !== count * width) {
-    throw new WireFormatError("malformed", `chunk ${c.id()}: ${data.byteLength} data bytes for ${count} elements of ${width} bytes`);
+    throw new WireFormatError(
+      "malformed",
+      `chunk ${c.id()}: ${data.byteLength} data bytes for ${count} elements of ${width} bytes`,
+    );
   }
   return { id: c.id(), version: num(c.version()), dtype, scale: c.scale(), count, data, nnz };
 }
 
 /** Reads a vector of tables, verifying that each element table lies inside the buffer. */
-function readList<T extends { bb: ByteBuffer | null; bb_pos: number }, R>(length: number, at: (i: number) => T | null, read: (t: T) => R, what: string): R[] {
+function readList<T extends { bb: ByteBuffer | null; bb_pos: number }, R>(
+  length: number,
+  at: (i: number) => T | null,
+  read: (t: T) => R,
+  what: string,
+): R[] {
   const out: R[] = [];
   for (let i = 0; i < length; i++) {
     const t = at(i);
@@ -153,7 +178,11 @@ function readList<T extends { bb: ByteBuffer | null; bb_pos: number }, R>(length
   return out;
 }
 
-function chunkVector(b: Builder, chunks: readonly (Chunk | ChunkSource)[], create: (b: Builder, offsets: number[]) => number): number {
+function chunkVector(
+  b: Builder,
+  chunks: readonly (Chunk | ChunkSource)[],
+  create: (b: Builder, offsets: number[]) => number,
+): number {
   return create(
     b,
     chunks.map((c) => writeChunk(b, c)),
@@ -179,11 +208,16 @@ export function encodeErrorReply(e: ErrorReply): Uint8Array {
 }
 
 /** True when the bytes carry the ErrorReply identifier (checked before decoding a reply). */
-export const isErrorReply = (data: Uint8Array): boolean => data.byteLength >= 8 && data[4] === 0x4d && data[5] === 0x54 && data[6] === 0x45 && data[7] === 0x52; // "MTER"
+export const isErrorReply = (data: Uint8Array): boolean =>
+  data.byteLength >= 8 && data[4] === 0x4d && data[5] === 0x54 && data[6] === 0x45 && data[7] === 0x52; // "MTER"
 
 export function decodeErrorReply(data: Uint8Array, bytesMax: number): ErrorReply {
   const r = openRoot(data, errorRoot, bytesMax);
-  return guarded("ErrorReply", () => ({ code: r.code() ?? "", message: r.message() ?? "", subject: r.subject() ?? "" }));
+  return guarded("ErrorReply", () => ({
+    code: r.code() ?? "",
+    message: r.message() ?? "",
+    subject: r.subject() ?? "",
+  }));
 }
 
 // ---- push ----------------------------------------------------------------------------------
@@ -201,7 +235,11 @@ export function encodePushRequest(m: PushRequest): Uint8Array {
   const b = builder(1024 + m.chunks.reduce((s, c) => s + c.data.byteLength + 64, 0));
   const chunks = chunkVector(b, m.chunks, PushRequestT.createChunksVector);
   const job = str(b, m.job);
-  return finishBytes(b, PushRequestT.createPushRequest(b, schemaVersion, job, m.trainer, big(m.step), chunks), pushRoot.identifier);
+  return finishBytes(
+    b,
+    PushRequestT.createPushRequest(b, schemaVersion, job, m.trainer, big(m.step), chunks),
+    pushRoot.identifier,
+  );
 }
 
 export function decodePushRequest(data: Uint8Array, bytesMax: number): PushRequest {
@@ -224,7 +262,11 @@ const pushReplyRoot = root("PushReply", "MTPR", (bb) => PushReplyT.getRootAsPush
 
 export function encodePushReply(m: PushReply): Uint8Array {
   const b = builder(64);
-  return finishBytes(b, PushReplyT.createPushReply(b, schemaVersion, m.accepted, m.duplicates, m.updates), pushReplyRoot.identifier);
+  return finishBytes(
+    b,
+    PushReplyT.createPushReply(b, schemaVersion, m.accepted, m.duplicates, m.updates),
+    pushReplyRoot.identifier,
+  );
 }
 
 export function decodePushReply(data: Uint8Array, bytesMax: number): PushReply {
@@ -249,7 +291,11 @@ export function encodePullRequest(m: PullRequest): Uint8Array {
   const b = builder(256 + m.ids.byteLength);
   const ids = createI32s(b, m.ids);
   const job = str(b, m.job);
-  return finishBytes(b, PullRequestT.createPullRequest(b, schemaVersion, job, m.trainer, big(m.step), ids, m.dtype ?? DType.F32), pullRoot.identifier);
+  return finishBytes(
+    b,
+    PullRequestT.createPullRequest(b, schemaVersion, job, m.trainer, big(m.step), ids, m.dtype ?? DType.F32),
+    pullRoot.identifier,
+  );
 }
 
 export function decodePullRequest(data: Uint8Array, bytesMax: number): PullRequest {
@@ -272,7 +318,13 @@ const pullReplyRoot = root("PullReply", "MTPY", (bb) => PullReplyT.getRootAsPull
 
 /** A pull reply; chunks given as sources have their bytes filled in place (see ChunkSource). */
 export function encodePullReply(updates: number, chunks: readonly (Chunk | ChunkSource)[]): Uint8Array {
-  const b = builder(1024 + chunks.reduce((s, c) => s + ("fill" in c ? c.count * dtypeBytes[c.dtype ?? DType.F32] : c.data.byteLength) + 64, 0));
+  const b = builder(
+    1024 +
+      chunks.reduce(
+        (s, c) => s + ("fill" in c ? c.count * dtypeBytes[c.dtype ?? DType.F32] : c.data.byteLength) + 64,
+        0,
+      ),
+  );
   const vec = chunkVector(b, chunks, PullReplyT.createChunksVector);
   return finishBytes(b, PullReplyT.createPullReply(b, schemaVersion, big(updates), vec), pullReplyRoot.identifier);
 }
@@ -301,12 +353,22 @@ const batchRequestRoot = root("BatchRequest", "MTBQ", (bb) => BatchRequestT.getR
 export function encodeBatchRequest(m: BatchRequest): Uint8Array {
   const b = builder(128);
   const job = str(b, m.job);
-  return finishBytes(b, BatchRequestT.createBatchRequest(b, schemaVersion, job, m.rank, m.split, m.credits, big(m.step)), batchRequestRoot.identifier);
+  return finishBytes(
+    b,
+    BatchRequestT.createBatchRequest(b, schemaVersion, job, m.rank, m.split, m.credits, big(m.step)),
+    batchRequestRoot.identifier,
+  );
 }
 
 export function decodeBatchRequest(data: Uint8Array, bytesMax: number): BatchRequest {
   const r = openRoot(data, batchRequestRoot, bytesMax);
-  return guarded("BatchRequest", () => ({ job: r.job() ?? "", rank: r.rank(), split: r.split(), credits: r.credits(), step: num(r.step()) }));
+  return guarded("BatchRequest", () => ({
+    job: r.job() ?? "",
+    rank: r.rank(),
+    split: r.split(),
+    credits: r.credits(),
+    step: num(r.step()),
+  }));
 }
 
 export interface Batch {
@@ -342,20 +404,28 @@ export function encodeBatch(m: Batch, pixels?: BatchPixels): Uint8Array {
   const tokens = m.tokens ?? new Uint16Array(0);
   const px = pixels?.pixels ?? new Uint8Array(0),
     pv = pixels?.values ?? new Float32Array(0);
-  const b = builder(2048 + m.x.byteLength + m.y.byteLength + m.sampleIds.byteLength + tokens.byteLength + px.byteLength + pv.byteLength);
+  const b = builder(
+    2048 + m.x.byteLength + m.y.byteLength + m.sampleIds.byteLength + tokens.byteLength + px.byteLength + pv.byteLength,
+  );
   const x = createBytes(b, bytesOf(m.x));
   const y = createI32s(b, m.y);
   const ids = createI32s(b, m.sampleIds);
   const t = createBytesFilled(b, tokens.byteLength, (dst) => dst.set(bytesOf(tokens)), 4, 2);
   const p = createBytes(b, px);
   const v = createBytesFilled(b, pv.byteLength, (dst) => dst.set(bytesOf(pv)), 4, 4);
-  return finishBytes(b, BatchT.createBatch(b, schemaVersion, m.epoch, m.index, ids, m.rows, m.cols, x, y, m.endOfEpoch, t, p, v), batchRoot.identifier);
+  return finishBytes(
+    b,
+    BatchT.createBatch(b, schemaVersion, m.epoch, m.index, ids, m.rows, m.cols, x, y, m.endOfEpoch, t, p, v),
+    batchRoot.identifier,
+  );
 }
 
 /** x of a batch sent as pixels: values[pixel] for each pixel. */
 function pixelsToX(name: string, pixels: Uint8Array, values: Float32Array | null): Float32Array {
-  if (values === null || values.length !== 256) throw new WireFormatError("malformed", `${name}: ${values?.length ?? 0} pixel values, not 256`);
-  for (const v of values) if (!Number.isFinite(v)) throw new WireFormatError("malformed", `${name}: a pixel value is ${v}`);
+  if (values === null || values.length !== 256)
+    throw new WireFormatError("malformed", `${name}: ${values?.length ?? 0} pixel values, not 256`);
+  for (const v of values)
+    if (!Number.isFinite(v)) throw new WireFormatError("malformed", `${name}: a pixel value is ${v}`);
   const x = new Float32Array(pixels.length);
   for (let i = 0; i < pixels.length; i++) x[i] = values[pixels[i]!]!;
   return x;
@@ -378,7 +448,8 @@ export function decodeBatch(data: Uint8Array, bytesMax: number): Batch {
   }));
   const { pixels, pixelValues, ...batch } = m;
   if (pixels !== null && pixels.length > 0) {
-    if (batch.x.length > 0) throw new WireFormatError("malformed", `Batch: both x (${batch.x.length} values) and ${pixels.length} pixels`);
+    if (batch.x.length > 0)
+      throw new WireFormatError("malformed", `Batch: both x (${batch.x.length} values) and ${pixels.length} pixels`);
     batch.x = pixelsToX("Batch", pixels, pixelValues);
   }
   return checkBatch(batch);
@@ -386,7 +457,10 @@ export function decodeBatch(data: Uint8Array, bytesMax: number): Batch {
 
 function checkBatch(m: Batch): Batch {
   const tokens = m.tokens?.length ?? 0;
-  const ok = tokens > 0 ? m.x.length === 0 && m.y.length === 0 && tokens === m.rows * (m.cols + 1) : m.x.length === m.rows * m.cols && m.y.length === m.rows;
+  const ok =
+    tokens > 0
+      ? m.x.length === 0 && m.y.length === 0 && tokens === m.rows * (m.cols + 1)
+      : m.x.length === m.rows * m.cols && m.y.length === m.rows;
   if (!ok || m.sampleIds.length !== m.rows) {
     throw new WireFormatError(
       "malformed",
@@ -396,7 +470,8 @@ function checkBatch(m: Batch): Batch {
   return m;
 }
 
-const tokensField = (t: Uint16Array | null): { tokens?: Uint16Array } => (t !== null && t.length > 0 ? { tokens: t.slice() } : {});
+const tokensField = (t: Uint16Array | null): { tokens?: Uint16Array } =>
+  t !== null && t.length > 0 ? { tokens: t.slice() } : {};
 
 // ---- events --------------------------------------------------------------------------------
 
@@ -613,7 +688,10 @@ export interface ShardState {
  * A load whose checksum differs was changed after it was cut and is refused.
  */
 export function shardStateChecksum(m: ShardState): bigint {
-  let h = Bun.hash.wyhash(JSON.stringify([m.job, m.updates, m.optimizerSteps, m.step, m.lossScale ?? 0, m.slabRanges ?? false]), 0n);
+  let h = Bun.hash.wyhash(
+    JSON.stringify([m.job, m.updates, m.optimizerSteps, m.step, m.lossScale ?? 0, m.slabRanges ?? false]),
+    0n,
+  );
   for (const c of m.chunks) {
     h = Bun.hash.wyhash(`${c.id}:${c.version}:${c.params.length}:${c.state.map((v) => v.name).join(",")}`, h);
     h = Bun.hash.wyhash(bytesOf(c.params), h);
@@ -736,7 +814,20 @@ function writeManifest(b: Builder, m: Manifest): number {
     id = str(b, m.id),
     config = str(b, m.configJson),
     modelPath = str(b, m.modelPath);
-  return ManifestT.createManifest(b, schemaVersion, m.formatVersion, job, id, big(m.step), m.createdMs, m.metric, config, files, cursors, modelPath);
+  return ManifestT.createManifest(
+    b,
+    schemaVersion,
+    m.formatVersion,
+    job,
+    id,
+    big(m.step),
+    m.createdMs,
+    m.metric,
+    config,
+    files,
+    cursors,
+    modelPath,
+  );
 }
 
 export function encodeManifest(m: Manifest): Uint8Array {
@@ -783,12 +874,19 @@ export function encodeCheckpointList(m: CheckpointList): Uint8Array {
     m.items.map((x) => writeManifest(b, x)),
   );
   const job = str(b, m.job);
-  return finishBytes(b, CheckpointListT.createCheckpointList(b, schemaVersion, job, items), checkpointListRoot.identifier);
+  return finishBytes(
+    b,
+    CheckpointListT.createCheckpointList(b, schemaVersion, job, items),
+    checkpointListRoot.identifier,
+  );
 }
 
 export function decodeCheckpointList(data: Uint8Array, bytesMax: number): CheckpointList {
   const r = openRoot(data, checkpointListRoot, bytesMax);
-  return guarded("CheckpointList", () => ({ job: r.job() ?? "", items: readList(r.itemsLength(), (i) => r.items(i), readManifest, "CheckpointList.items") }));
+  return guarded("CheckpointList", () => ({
+    job: r.job() ?? "",
+    items: readList(r.itemsLength(), (i) => r.items(i), readManifest, "CheckpointList.items"),
+  }));
 }
 
 // ---- job requests --------------------------------------------------------------------------
@@ -811,7 +909,11 @@ export function encodeJobRequest(m: JobRequest): Uint8Array {
   const b = builder(128);
   const job = str(b, m.job),
     tag = str(b, m.tag);
-  return finishBytes(b, JobRequestT.createJobRequest(b, schemaVersion, job, big(m.step), tag, m.value ?? 0), jobRequestRoot.identifier);
+  return finishBytes(
+    b,
+    JobRequestT.createJobRequest(b, schemaVersion, job, big(m.step), tag, m.value ?? 0),
+    jobRequestRoot.identifier,
+  );
 }
 
 export function decodeJobRequest(data: Uint8Array, bytesMax: number): JobRequest {
@@ -825,7 +927,10 @@ export function decodeJobRequest(data: Uint8Array, bytesMax: number): JobRequest
       ["tag", tag],
     ] as const)
       if (text.length > jobRequestTextMax)
-        throw new WireFormatError("malformed", `a JobRequest's ${what} of ${text.length} characters (at most ${jobRequestTextMax})`);
+        throw new WireFormatError(
+          "malformed",
+          `a JobRequest's ${what} of ${text.length} characters (at most ${jobRequestTextMax})`,
+        );
     return { job, step: num(r.step()), tag, ...(value !== 0 ? { value } : {}) };
   });
 }
@@ -980,7 +1085,11 @@ export function encodeHeartbeat(m: Heartbeat): Uint8Array {
   const job = str(b, m.job),
     who = str(b, m.who),
     phase = str(b, m.phase);
-  return finishBytes(b, HeartbeatT.createHeartbeat(b, schemaVersion, job, who, big(m.step), phase, m.phaseMs, m.stepMs), heartbeatRoot.identifier);
+  return finishBytes(
+    b,
+    HeartbeatT.createHeartbeat(b, schemaVersion, job, who, big(m.step), phase, m.phaseMs, m.stepMs),
+    heartbeatRoot.identifier,
+  );
 }
 
 export function decodeHeartbeat(data: Uint8Array, bytesMax: number): Heartbeat {
@@ -1313,7 +1422,9 @@ export function decodeCollPiece(data: Uint8Array, bytesMax: number): CollPiece {
   }));
   if (CollPhase[m.phase] === undefined) throw new WireFormatError("malformed", `CollPiece: unknown phase ${m.phase}`);
   if (m.shmNonce !== 0) {
-    if (m.data.byteLength !== 0) throw new WireFormatError("malformed", `CollPiece: ${m.data.byteLength} data bytes in a shared-memory piece`);
-  } else if (m.data.byteLength !== m.count * 4) throw new WireFormatError("malformed", `CollPiece: ${m.data.byteLength} data bytes for ${m.count} float32`);
+    if (m.data.byteLength !== 0)
+      throw new WireFormatError("malformed", `CollPiece: ${m.data.byteLength} data bytes in a shared-memory piece`);
+  } else if (m.data.byteLength !== m.count * 4)
+    throw new WireFormatError("malformed", `CollPiece: ${m.data.byteLength} data bytes for ${m.count} float32`);
   return m;
 }

@@ -58,13 +58,22 @@ const needs = [
   },
   { what: "a C compiler", pkg: "gcc", ok: () => which(process.env.CC || "cc") || which("gcc") || which("clang") },
   // the mesh: a local nats-server for the launcher and the tests
-  { what: "nats-server", pkg: "nats-server", ok: () => which("nats-server") || Boolean(process.env.MESHTRAIN_NATS_SERVER) },
+  {
+    what: "nats-server",
+    pkg: "nats-server",
+    ok: () => which("nats-server") || Boolean(process.env.MESHTRAIN_NATS_SERVER),
+  },
   // the tests run the CUDA kernels on a host emulator compiled as C++ (test/ffi/fixtures/cuda-emu)
   { what: "a C++ compiler", pkg: "g++", tests: true, ok: () => which("g++") },
   // the tests check that schemas/generated is what flatc makes (`bun run schemas`)
   { what: "the FlatBuffers compiler", pkg: "flatbuffers-compiler", tests: true, ok: () => which("flatc") },
   // the tests' browser: playwright-core drives it to check the live dashboard's page
-  { what: "chromium (the tests' browser)", pkg: "chromium", tests: true, ok: () => which("chromium") || which("chromium-browser") },
+  {
+    what: "chromium (the tests' browser)",
+    pkg: "chromium",
+    tests: true,
+    ok: () => which("chromium") || which("chromium-browser"),
+  },
 ];
 
 const missing = needs.filter((n) => (forTests || !n.tests) && !n.ok());
@@ -87,7 +96,11 @@ function aptInstall(missing, pkgs) {
   const listsDir = "/var/lib/apt/lists";
   const lists = existsSync(listsDir) ? readdirSync(listsDir) : [];
   // LC_ALL=C: the "Candidate:" lines are translated in other locales
-  const policy = spawnSync("apt-cache", ["policy", ...pkgs], { encoding: "utf8", stdio: ["ignore", "pipe", "ignore"], env: { ...env, LC_ALL: "C" } });
+  const policy = spawnSync("apt-cache", ["policy", ...pkgs], {
+    encoding: "utf8",
+    stdio: ["ignore", "pipe", "ignore"],
+    env: { ...env, LC_ALL: "C" },
+  });
   const reason = aptUpdateReason(lists, policy.stdout ?? "", pkgs);
   if (reason !== null) {
     log(`${reason}; running: apt-get update`);
@@ -142,7 +155,11 @@ if (needs.slice(0, 2).every((n) => n.ok())) {
   ]) {
     let out;
     try {
-      out = execFileSync(bunBinary, [join(root, script), "--quiet"], { cwd: root, encoding: "utf8", stdio: ["ignore", "pipe", "inherit"] });
+      out = execFileSync(bunBinary, [join(root, script), "--quiet"], {
+        cwd: root,
+        encoding: "utf8",
+        stdio: ["ignore", "pipe", "inherit"],
+      });
     } catch (e) {
       fail(`building ${what} failed: ${e.message}`);
       process.exit(1);

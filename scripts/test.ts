@@ -16,11 +16,21 @@ writeFileSync(skipsFile, "");
 
 // Per-test limit: end-to-end tests train real models for several seconds on 2 cores.
 const timeoutMs = 120_000;
-const proc = Bun.spawnSync([process.execPath, "test", `--timeout=${timeoutMs}`, "--reporter=junit", `--reporter-outfile=${report}`, ...process.argv.slice(2)], {
-  cwd: root,
-  env: { ...process.env, [skipsFileEnv]: skipsFile },
-  stdio: ["inherit", "inherit", "inherit"],
-});
+const proc = Bun.spawnSync(
+  [
+    process.execPath,
+    "test",
+    `--timeout=${timeoutMs}`,
+    "--reporter=junit",
+    `--reporter-outfile=${report}`,
+    ...process.argv.slice(2),
+  ],
+  {
+    cwd: root,
+    env: { ...process.env, [skipsFileEnv]: skipsFile },
+    stdio: ["inherit", "inherit", "inherit"],
+  },
+);
 const code = proc.exitCode ?? 1;
 
 interface Totals {

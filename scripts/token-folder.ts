@@ -12,14 +12,20 @@ import { CharVocab, mobyDickPath, readTextFile } from "../engine/data/text.ts";
 import { splitTokens, writeTokenFile } from "../engine/data/tokens.ts";
 
 const { values } = parseArgs({
-  options: { out: { type: "string" }, vocab: { type: "string", default: "50257" }, "val-fraction": { type: "string", default: "0.1" } },
+  options: {
+    out: { type: "string" },
+    vocab: { type: "string", default: "50257" },
+    "val-fraction": { type: "string", default: "0.1" },
+  },
   strict: true,
 });
 const vocab = Number(values.vocab);
 const valFraction = Number(values["val-fraction"]);
 if (values.out === undefined) throw new Error("--out <dir> is required");
-if (!Number.isInteger(vocab) || vocab < 256 || vocab > 65535) throw new Error(`--vocab must be an integer in [256, 65535], got ${values.vocab}`);
-if (!(valFraction > 0 && valFraction < 0.5)) throw new Error(`--val-fraction must be in (0, 0.5), got ${values["val-fraction"]}`);
+if (!Number.isInteger(vocab) || vocab < 256 || vocab > 65535)
+  throw new Error(`--vocab must be an integer in [256, 65535], got ${values.vocab}`);
+if (!(valFraction > 0 && valFraction < 0.5))
+  throw new Error(`--val-fraction must be in (0, 0.5), got ${values["val-fraction"]}`);
 const text = readTextFile(mobyDickPath());
 const chars = new CharVocab([...new Set(text)].sort());
 const ids = chars.encode(text);

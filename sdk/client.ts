@@ -26,8 +26,21 @@ import {
   SyncPolicy,
 } from "../schemas/messages.ts";
 import { type NatsTls, nkeyFromEnv, tlsFromEnv } from "../services/runtime/mesh/nats.ts";
-import { awaitMembers, meshMembers, type MeshMembers, type MetricsEndpoint, metricsEndpoints } from "../services/runtime/mesh/discovery.ts";
-import { BadRequestError, CapacityError, DeadlineError, JobStateError, NoRespondersError, UnknownJobError } from "../services/runtime/mesh/errors.ts";
+import {
+  awaitMembers,
+  meshMembers,
+  type MeshMembers,
+  type MetricsEndpoint,
+  metricsEndpoints,
+} from "../services/runtime/mesh/discovery.ts";
+import {
+  BadRequestError,
+  CapacityError,
+  DeadlineError,
+  JobStateError,
+  NoRespondersError,
+  UnknownJobError,
+} from "../services/runtime/mesh/errors.ts";
 import {
   defaultOwner,
   type JobConfig,
@@ -99,10 +112,14 @@ export function endedLine(r: JobRecord): string {
 export function checkResume(cfg: JobConfig, prev: PreviousRun, where: string): void {
   const r = prev.record;
   if (r?.state === JobState.Running && !prev.orphaned) {
-    throw new JobStateError(`job ${cfg.job} is running on ${where}; follow it with: meshtrain watch ${cfg.job} (or stop it: meshtrain cancel ${cfg.job})`);
+    throw new JobStateError(
+      `job ${cfg.job} is running on ${where}; follow it with: meshtrain watch ${cfg.job} (or stop it: meshtrain cancel ${cfg.job})`,
+    );
   }
   if (r?.state === JobState.Done || (r === null && prev.snapshot?.modelPath)) {
-    const line = r ? endedLine(r) : `job ${cfg.job} finished (final snapshot ${prev.snapshot!.id}, model ${prev.snapshot!.modelPath})`;
+    const line = r
+      ? endedLine(r)
+      : `job ${cfg.job} finished (final snapshot ${prev.snapshot!.id}, model ${prev.snapshot!.modelPath})`;
     throw new JobStateError(`${line}; give the new run another --job name`);
   }
   // without a snapshot there is nothing to resume from: the job starts over, with any settings
@@ -125,7 +142,10 @@ export function resumedWorld(cfg: JobConfig, prev: PreviousRun): JobConfig {
   const was = prev.config;
   if (prev.snapshot === null || cfg.world.length > 0) return cfg;
   if (cfg.trainers === was.trainers) return parseJobConfig({ ...cfg, world: was.world });
-  const regrouped = was.sync === "allreduce" && cfg.sync === "allreduce" && was.trainers * was.batchSize === cfg.trainers * cfg.batchSize;
+  const regrouped =
+    was.sync === "allreduce" &&
+    cfg.sync === "allreduce" &&
+    was.trainers * was.batchSize === cfg.trainers * cfg.batchSize;
   if (regrouped || cfg.batchSize !== was.batchSize) return cfg;
   return parseJobConfig({ ...cfg, world: changeWorld(was, prev.snapshot.step, cfg.trainers) });
 }
@@ -148,7 +168,11 @@ export interface MeshConnectOptions {
 
 /** The owner a client acts for: given, MT_OWNER, its seed file's (client-<owner>.nk), else the default. */
 export function ownerFor(given: string | undefined, nkeyFile: string | undefined): string {
-  const owner = given ?? (process.env.MT_OWNER || undefined) ?? (nkeyFile === undefined ? null : ownerOfSeedFile(nkeyFile)) ?? defaultOwner;
+  const owner =
+    given ??
+    (process.env.MT_OWNER || undefined) ??
+    (nkeyFile === undefined ? null : ownerOfSeedFile(nkeyFile)) ??
+    defaultOwner;
   const problem = ownerProblem(owner);
   if (problem !== null) throw new BadRequestError(problem);
   return owner;
@@ -206,7 +230,11 @@ export class MeshClient implements AsyncDisposable {
    * Resolves true once the mesh runs every rank, shard and service the job needs (false when
    * `signal` aborts first); CapacityError naming what is missing after `waitMs`.
    */
-  async waitForMembers(cfg: Pick<JobConfig, "job" | "trainers" | "shards">, waitMs: number, signal?: AbortSignal): Promise<boolean> {
+  async waitForMembers(
+    cfg: Pick<JobConfig, "job" | "trainers" | "shards">,
+    waitMs: number,
+    signal?: AbortSignal,
+  ): Promise<boolean> {
     return await awaitMembers(() => this.members(), cfg, waitMs, this.url, signal);
   }
 
@@ -231,8 +259,11 @@ export class MeshClient implements AsyncDisposable {
     const snapshot = snaps.at(-1) ?? null;
     const orphaned = rec !== null && rec.record.state === JobState.Running && (await this.jobs.spec(job)) === null;
     // a job resumes from its snapshots: their settings are the ones it keeps
-    if (snapshot) return { config: jobConfigFromJson(snapshot.configJson), record: rec?.record ?? null, snapshot, orphaned };
-    return rec ? { config: jobConfigFromJson(rec.record.configJson), record: rec.record, snapshot: null, orphaned } : null;
+    if (snapshot)
+      return { config: jobConfigFromJson(snapshot.configJson), record: rec?.record ?? null, snapshot, orphaned };
+    return rec
+      ? { config: jobConfigFromJson(rec.record.configJson), record: rec.record, snapshot: null, orphaned }
+      : null;
   }
 
   /**
@@ -242,10 +273,18 @@ export class MeshClient implements AsyncDisposable {
    * from its snapshots, if that run failed or was cancelled and the settings agree; a running or
    * finished job is refused.
    */
-  async submit(config: JobConfig, o: { membersWaitMs?: number; checkMembers?: boolean; signal?: AbortSignal } = {}): Promise<JobRecord> {
+  async submit(
+    config: JobConfig,
+    o: { membersWaitMs?: number; checkMembers?: boolean; signal?: AbortSignal } = {},
+  ): Promise<JobRecord> {
     let cfg = parseJobConfig({ ...config, job: this.job(config.job) });
-    if ((o.checkMembers ?? true) && !(await this.waitForMembers(cfg, o.membersWaitMs ?? submitMembersWaitMs, o.signal))) {
-      throw new DeadlineError(`the submission of job ${cfg.job} was stopped (${String(o.signal?.reason ?? "aborted")})`);
+    if (
+      (o.checkMembers ?? true) &&
+      !(await this.waitForMembers(cfg, o.membersWaitMs ?? submitMembersWaitMs, o.signal))
+    ) {
+      throw new DeadlineError(
+        `the submission of job ${cfg.job} was stopped (${String(o.signal?.reason ?? "aborted")})`,
+      );
     }
     const prev = await this.previous(cfg.job);
     if (prev) {
@@ -256,11 +295,16 @@ export class MeshClient implements AsyncDisposable {
     const attempts = (prev?.record?.attempts ?? 0) + 1;
     const rec = runningRecord(cfg.job, JSON.stringify(cfg), attempts);
     const written = prev?.record
-      ? await this.jobs.updateRecord(cfg.job, (r) => (r.state === prev.record!.state && r.attempts === prev.record!.attempts ? rec : null))
+      ? await this.jobs.updateRecord(cfg.job, (r) =>
+          r.state === prev.record!.state && r.attempts === prev.record!.attempts ? rec : null,
+        )
       : (await this.jobs.createRecord(rec))
         ? rec
         : null;
-    if (written === null) throw new JobStateError(`job ${cfg.job} was submitted or changed by someone else just now; see meshtrain status ${cfg.job}`);
+    if (written === null)
+      throw new JobStateError(
+        `job ${cfg.job} was submitted or changed by someone else just now; see meshtrain status ${cfg.job}`,
+      );
     await this.jobs.putSpec(specOfConfig(cfg, { attempt: written.attempts, plan }));
     return written;
   }
@@ -281,7 +325,9 @@ export class MeshClient implements AsyncDisposable {
         if (!(e instanceof NoRespondersError)) throw e;
         // a mesh that is starting: its data-loader registers within seconds
         if (Date.now() - started > (o.waitMs ?? submitMembersWaitMs)) {
-          throw new CapacityError(`no data-loader answers on ${this.url} to plan job ${cfg.job}; is the mesh up? (meshtrain status)`);
+          throw new CapacityError(
+            `no data-loader answers on ${this.url} to plan job ${cfg.job}; is the mesh up? (meshtrain status)`,
+          );
         }
         await Bun.sleep(200);
       }
@@ -299,7 +345,11 @@ export class MeshClient implements AsyncDisposable {
     } catch {
       // no user name (a container without one): "a client" says enough
     }
-    const written = await this.ledger.end(job, { state: JobState.Cancelled, reason: `cancelled by ${who}` }, r.attempts);
+    const written = await this.ledger.end(
+      job,
+      { state: JobState.Cancelled, reason: `cancelled by ${who}` },
+      r.attempts,
+    );
     if (written === null) throw new JobStateError(`${endedLine(await this.record(job))} before it could be cancelled`);
     return written;
   }
@@ -399,7 +449,10 @@ export class MeshClient implements AsyncDisposable {
     }
     if (rec === null) {
       const newest = checkpoints.at(-1);
-      if (!newest) throw new UnknownJobError(`no job ${job} on ${this.url}: no record and no snapshots (meshtrain status lists the jobs)`);
+      if (!newest)
+        throw new UnknownJobError(
+          `no job ${job} on ${this.url}: no record and no snapshots (meshtrain status lists the jobs)`,
+        );
       return { job, record: null, config: jobConfigFromJson(newest.configJson), shards: [], trainers: [], checkpoints };
     }
     const config = jobConfigFromJson(rec.record.configJson);
@@ -416,7 +469,10 @@ export class MeshClient implements AsyncDisposable {
     return await Promise.all(
       Array.from({ length: trainers }, async (_, rank) => {
         try {
-          return decodeTrainerStats(await this.bus.request(subjects.trainerStats(job, rank), req, statsTimeoutMs), 1 << 20);
+          return decodeTrainerStats(
+            await this.bus.request(subjects.trainerStats(job, rank), req, statsTimeoutMs),
+            1 << 20,
+          );
         } catch (e) {
           return { rank, error: (e as Error).message };
         }
@@ -440,14 +496,20 @@ export class MeshClient implements AsyncDisposable {
   /** The job's snapshots (also of a job that ended: they stay on the checkpoint service's disk). */
   async checkpoints(name: string): Promise<Manifest[]> {
     const job = this.job(name);
-    return decodeCheckpointList(await this.bus.request(subjects.ckptList(job), encodeJobRequest({ job, step: 0, tag: "" }), 10_000), 64 << 20).items;
+    return decodeCheckpointList(
+      await this.bus.request(subjects.ckptList(job), encodeJobRequest({ job, step: 0, tag: "" }), 10_000),
+      64 << 20,
+    ).items;
   }
 
   /** Refuses with JobStateError unless the job runs now. */
   async #running(job: string, what: string): Promise<JobRecord> {
     const r = await this.record(job);
     if (isEnded(r)) {
-      const resume = r.state === JobState.Done ? "" : `; to resume it from its newest snapshot, submit it again: meshtrain submit --job ${job}`;
+      const resume =
+        r.state === JobState.Done
+          ? ""
+          : `; to resume it from its newest snapshot, submit it again: meshtrain submit --job ${job}`;
       throw new JobStateError(`${endedLine(r)}; ${what} needs a running job${resume}`);
     }
     return r;
@@ -469,7 +531,9 @@ export class MeshClient implements AsyncDisposable {
         if (e.kind === EventKind.Checkpoint) return e;
         if (e.kind === EventKind.Ended) throw new JobStateError(`job ${job} ended before the snapshot (${e.text})`);
       }
-      throw new DeadlineError(`no snapshot of ${job} within ${timeoutMs} ms; is it training? (meshtrain status ${job})`);
+      throw new DeadlineError(
+        `no snapshot of ${job} within ${timeoutMs} ms; is it training? (meshtrain status ${job})`,
+      );
     } finally {
       await events.return?.();
     }
@@ -482,7 +546,10 @@ export class MeshClient implements AsyncDisposable {
   async restore(name: string, id = ""): Promise<Manifest> {
     const job = this.job(name);
     await this.#running(job, "restore");
-    return decodeManifest(await this.bus.request(subjects.ckptRestore(job), encodeJobRequest({ job, step: 0, tag: id }), 120_000), 1 << 22);
+    return decodeManifest(
+      await this.bus.request(subjects.ckptRestore(job), encodeJobRequest({ job, step: 0, tag: id }), 120_000),
+      1 << 22,
+    );
   }
 
   /**
@@ -492,7 +559,11 @@ export class MeshClient implements AsyncDisposable {
    * shards take its chunks as the new hash ring says). Checks first that the mesh runs every rank
    * and shard the new sizes need. Resolves with the manifest resumed from.
    */
-  async resize(name: string, to: { trainers?: number; shards?: number }, o: { membersWaitMs?: number } = {}): Promise<Manifest> {
+  async resize(
+    name: string,
+    to: { trainers?: number; shards?: number },
+    o: { membersWaitMs?: number } = {},
+  ): Promise<Manifest> {
     const job = this.job(name);
     const rec = await this.#running(job, "resize");
     const cfg = jobConfigFromJson(rec.configJson);
@@ -500,7 +571,12 @@ export class MeshClient implements AsyncDisposable {
       shards = to.shards ?? cfg.shards;
     if (!usesShards(cfg) && to.shards !== undefined && to.shards !== cfg.shards)
       throw new BadRequestError(`job ${job} runs in all-reduce mode: it has no parameter-server shards to resize`);
-    await awaitMembers(() => this.members(), { job, trainers, shards, sync: cfg.sync }, o.membersWaitMs ?? submitMembersWaitMs, this.url);
+    await awaitMembers(
+      () => this.members(),
+      { job, trainers, shards, sync: cfg.sync },
+      o.membersWaitMs ?? submitMembersWaitMs,
+      this.url,
+    );
     const req = encodeJobRequest({ job, step: 0, tag: `trainers ${trainers} shards ${shards}` });
     return decodeManifest(await this.bus.request(subjects.ckptResize(job), req, resizeTimeoutMs), 1 << 22);
   }

@@ -5,7 +5,8 @@ export const percent = (x: number): string => `${(100 * x).toFixed(2)}%`;
 /** "2026-11-23 13:45:01" (UTC); "-" for 0 (not yet). */
 export const when = (ms: number): string => (ms > 0 ? new Date(ms).toISOString().replace("T", " ").slice(0, 19) : "-");
 /** "20261123-134501" (UTC): for names of jobs and log folders. */
-export const stamp = (ms = Date.now()): string => new Date(ms).toISOString().replace(/[-:]/g, "").replace("T", "-").slice(0, 15);
+export const stamp = (ms = Date.now()): string =>
+  new Date(ms).toISOString().replace(/[-:]/g, "").replace("T", "-").slice(0, 15);
 
 /** "1h05m", "4m10s", "35s". */
 export function formatSeconds(s: number): string {

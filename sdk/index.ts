@@ -14,7 +14,13 @@ export { LocalMesh, type MeshOptions } from "./launcher.ts";
 export type { MetricsEndpoint, MeshMembers } from "../services/runtime/mesh/discovery.ts";
 export type { Event, JobRecord, Manifest } from "../schemas/messages.ts";
 export { type JobConfig, parseJobConfig, jobDefaults, gptJobDefaults } from "../services/runtime/job/job.ts";
-export { MeshError, ConfigError, BadRequestError, UnknownJobError, DeadlineError } from "../services/runtime/mesh/errors.ts";
+export {
+  MeshError,
+  ConfigError,
+  BadRequestError,
+  UnknownJobError,
+  DeadlineError,
+} from "../services/runtime/mesh/errors.ts";
 
 /**
  * A job's config: the model kind's defaults (an MLP on MNIST, a character GPT on Moby Dick)

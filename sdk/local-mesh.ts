@@ -55,7 +55,8 @@ export function resolveNatsUrl(flag: string | undefined): { url: string; from: s
   if (flag) return { url: flag, from: "--nats-url" };
   if (process.env.MT_NATS_URL) return { url: process.env.MT_NATS_URL, from: "$MT_NATS_URL" };
   const local = findLocalMesh();
-  if (local) return { url: local.url, from: `the local mesh of pid ${local.pid} (meshtrain mesh up --dir ${local.dir})` };
+  if (local)
+    return { url: local.url, from: `the local mesh of pid ${local.pid} (meshtrain mesh up --dir ${local.dir})` };
   return { url: defaultNatsUrl, from: "the default" };
 }
 
@@ -67,7 +68,9 @@ export function resolveNkeyFile(flag: string | undefined, url: string, role: "cl
   if (flag) return flag;
   if (process.env.MT_NATS_NKEY) return process.env.MT_NATS_NKEY;
   const local = findLocalMesh();
-  return local?.creds && local.url === url ? join(local.creds, `${role === "client" ? clientUser(process.env.MT_OWNER || undefined) : role}.nk`) : undefined;
+  return local?.creds && local.url === url
+    ? join(local.creds, `${role === "client" ? clientUser(process.env.MT_OWNER || undefined) : role}.nk`)
+    : undefined;
 }
 
 /** What to do when a client command cannot reach NATS. */

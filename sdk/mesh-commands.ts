@@ -6,13 +6,26 @@ import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { type Command, Option } from "commander";
 import { JobState } from "../schemas/messages.ts";
-import { defaultOwner, jobConfigFromJson, jobDefaults, ownerProblem, parseJobConfig, qualifyJob } from "../services/runtime/job/job.ts";
+import {
+  defaultOwner,
+  jobConfigFromJson,
+  jobDefaults,
+  ownerProblem,
+  parseJobConfig,
+  qualifyJob,
+} from "../services/runtime/job/job.ts";
 import { parseMemorySize, planDevice, planReport } from "./plan.ts";
 import { MeshClient } from "./client.ts";
 import { givenOptions, type JobFlags, jobConfigOf, jobOptions, resolveConfig } from "./job-flags.ts";
 import { type MeshOptions, LocalMesh, membersWaitMs } from "./launcher.ts";
 import { announceLocalMesh, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "./local-mesh.ts";
-import { clientUser, makeCredentials, roleShardsMax, roleTrainersMax, roleUsers } from "../services/runtime/job/roles.ts";
+import {
+  clientUser,
+  makeCredentials,
+  roleShardsMax,
+  roleTrainersMax,
+  roleUsers,
+} from "../services/runtime/job/roles.ts";
 import { defaultRunDir, runMesh } from "./local/run-mesh.ts";
 import { stamp } from "./format.ts";
 import { cliName, float, int, ownerList, shownPath, userPath } from "./options.ts";
@@ -27,21 +40,31 @@ const d = jobDefaults;
 
 /** --device-memory: the memory a trainer's device has, for plan and run's check. */
 const deviceMemoryOption = () =>
-  new Option("--device-memory <size>", "memory of a trainer's device (80GB, 24GiB, ...; default: the GPU's, or this machine's for CPU trainers)").argParser(
-    parseMemorySize,
-  );
+  new Option(
+    "--device-memory <size>",
+    "memory of a trainer's device (80GB, 24GiB, ...; default: the GPU's, or this machine's for CPU trainers)",
+  ).argParser(parseMemorySize);
 
 /** `--clients`, of `creds` and `mesh up`: a client user per owner of jobs (services/runtime/job/roles.ts). */
 const clientsOption = () =>
-  new Option("--clients <owners>", "the owners of jobs, comma-separated: one client user each (client-<owner>.nk), who acts on that owner's jobs only")
+  new Option(
+    "--clients <owners>",
+    "the owners of jobs, comma-separated: one client user each (client-<owner>.nk), who acts on that owner's jobs only",
+  )
     .argParser(ownerList)
     .default([defaultOwner]);
 
 const natsOption = (cmd: Command) =>
   cmd
-    .option("--nats-url <url>", "the mesh's NATS server (default: $MT_NATS_URL, else the mesh `meshtrain mesh up` runs here, else nats://127.0.0.1:4222)")
+    .option(
+      "--nats-url <url>",
+      "the mesh's NATS server (default: $MT_NATS_URL, else the mesh `meshtrain mesh up` runs here, else nats://127.0.0.1:4222)",
+    )
     .option("--tls-ca <file>", "TLS: the CA that signed the NATS server's certificate (default: $MT_TLS_CA)")
-    .option("--tls-cert <file>", "TLS: this client's certificate, for a server that verifies clients (default: $MT_TLS_CERT)")
+    .option(
+      "--tls-cert <file>",
+      "TLS: this client's certificate, for a server that verifies clients (default: $MT_TLS_CERT)",
+    )
     .option("--tls-key <file>", "TLS: the key of --tls-cert (default: $MT_TLS_KEY)")
     .option(
       "--nats-nkey <file>",
@@ -72,13 +95,17 @@ async function connect(flag: string | undefined, role: "client" | "admin" = "cli
   try {
     return await MeshClient.connect(url, nkeyFile === undefined ? {} : { nkeyFile });
   } catch (e) {
-    if (e instanceof NatsUnreachableError) throw new NatsUnreachableError(`cannot reach the mesh at ${url} (from ${from}): ${unreachableHint}`, { cause: e });
+    if (e instanceof NatsUnreachableError)
+      throw new NatsUnreachableError(`cannot reach the mesh at ${url} (from ${from}): ${unreachableHint}`, {
+        cause: e,
+      });
     throw e;
   }
 }
 
 /** The local logs of a job, when a mesh on this machine wrote them there. */
-const localLogs = (snapshotDir: string): string | null => (snapshotDir && existsSync(join(snapshotDir, "logs")) ? join(snapshotDir, "logs") : null);
+const localLogs = (snapshotDir: string): string | null =>
+  snapshotDir && existsSync(join(snapshotDir, "logs")) ? join(snapshotDir, "logs") : null;
 
 /**
  * Follows a job the client submitted or asked to watch, printing its end. Ctrl-C stops following
@@ -86,7 +113,9 @@ const localLogs = (snapshotDir: string): string | null => (snapshotDir && exists
  */
 async function follow(client: MeshClient, job: string): Promise<void> {
   using stop = new StopRequests(() =>
-    console.log(`\nstopped following job ${job}; it goes on training. Follow it again: ${cliName()} watch ${job}; stop it: ${cliName()} cancel ${job}`),
+    console.log(
+      `\nstopped following job ${job}; it goes on training. Follow it again: ${cliName()} watch ${job}; stop it: ${cliName()} cancel ${job}`,
+    ),
   );
   try {
     const o = await watchJob(client, job, { signal: stop.first.signal });
@@ -114,16 +143,27 @@ export function addMeshCommands(program: Command): void {
     .option("--dashboard-port <n>", "port of the job's live web page on 127.0.0.1 (0: a free one)", int(0, 65535), 0)
     .option("--no-dashboard", "no live web page of the job")
     .addOption(deviceMemoryOption())
-    .action(async (opts: JobFlags & { dir: string; timeoutMin: number; dashboard: boolean; dashboardPort: number; deviceMemory?: number }, cmd: Command) => {
-      process.exitCode = await runMesh({
-        flags: opts,
-        given: givenOptions(cmd),
-        dir: userPath(opts.dir),
-        timeoutMin: opts.timeoutMin,
-        dashboardPort: opts.dashboard ? opts.dashboardPort : null,
-        deviceMemory: opts.deviceMemory ?? null,
-      });
-    });
+    .action(
+      async (
+        opts: JobFlags & {
+          dir: string;
+          timeoutMin: number;
+          dashboard: boolean;
+          dashboardPort: number;
+          deviceMemory?: number;
+        },
+        cmd: Command,
+      ) => {
+        process.exitCode = await runMesh({
+          flags: opts,
+          given: givenOptions(cmd),
+          dir: userPath(opts.dir),
+          timeoutMin: opts.timeoutMin,
+          dashboardPort: opts.dashboard ? opts.dashboardPort : null,
+          deviceMemory: opts.deviceMemory ?? null,
+        });
+      },
+    );
 
   jobOptions(
     program
@@ -134,7 +174,10 @@ export function addMeshCommands(program: Command): void {
   )
     .addOption(deviceMemoryOption())
     .addOption(
-      new Option("--device <name>", "what the trainers compute on: cuda checks a trainer against the GPU's memory, cpu every process against this machine's")
+      new Option(
+        "--device <name>",
+        "what the trainers compute on: cuda checks a trainer against the GPU's memory, cpu every process against this machine's",
+      )
         .choices(["auto", "cpu", "cuda"])
         .default(process.env.MT_DEVICE ?? "cpu"),
     )
@@ -152,15 +195,31 @@ export function addMeshCommands(program: Command): void {
     .description(
       "start a local mesh (nats-server and the services of deploy/docker-compose.yml as processes) until Ctrl-C; submit jobs to it from other shells",
     )
-    .option("--dir <dir>", "folder for the jobs' snapshots, models and logs, and the mesh's NATS store", defaultRunDir())
+    .option(
+      "--dir <dir>",
+      "folder for the jobs' snapshots, models and logs, and the mesh's NATS store",
+      defaultRunDir(),
+    )
     .option("--port <n>", "NATS port", int(1, 65535), 4222)
     .option("--trainers <n>", "trainer ranks to run (a job may use fewer)", int(1, 64), d.trainers)
     .option("--shards <n>", "parameter-server shards to run (a job may use fewer)", int(1, 64), d.shards)
-    .option("--no-auth", "run NATS without users: anyone who reaches its port may do anything (default: a user per role, credentials in <dir>/creds)")
+    .option(
+      "--no-auth",
+      "run NATS without users: anyone who reaches its port may do anything (default: a user per role, credentials in <dir>/creds)",
+    )
     .addOption(clientsOption())
-    .action(async (opts: { dir: string; port: number; trainers: number; shards: number; auth: boolean; clients: string[] }) => {
-      await meshUp({ ...opts, dir: userPath(opts.dir) });
-    });
+    .action(
+      async (opts: {
+        dir: string;
+        port: number;
+        trainers: number;
+        shards: number;
+        auth: boolean;
+        clients: string[];
+      }) => {
+        await meshUp({ ...opts, dir: userPath(opts.dir) });
+      },
+    );
 
   program
     .command("creds")
@@ -172,7 +231,11 @@ export function addMeshCommands(program: Command): void {
     .option("--shards <n>", "parameter-server shards: one user each (ps-<k>)", int(0, roleShardsMax), d.shards)
     .addOption(clientsOption())
     .action((opts: { dir: string; trainers: number; shards: number; clients: string[] }) => {
-      const c = makeCredentials(userPath(opts.dir), { trainers: opts.trainers, shards: opts.shards, clients: opts.clients });
+      const c = makeCredentials(userPath(opts.dir), {
+        trainers: opts.trainers,
+        shards: opts.shards,
+        clients: opts.clients,
+      });
       const users = roleUsers(opts);
       console.log(
         `wrote ${users.length} users' nkey seeds to ${shownPath(c.dir)}/ (${users.join(", ")}) and their permissions to ${shownPath(join(c.dir, "auth.conf"))}`,
@@ -182,7 +245,9 @@ export function addMeshCommands(program: Command): void {
       );
     });
 
-  natsOption(jobOptions(program.command("submit").description("submit a job to a running mesh and follow it to the end")))
+  natsOption(
+    jobOptions(program.command("submit").description("submit a job to a running mesh and follow it to the end")),
+  )
     .option("--detach", "return once the job is submitted")
     .action(async (opts: JobFlags & { natsUrl?: string; detach?: boolean }, cmd: Command) => {
       await using client = await connect(opts.natsUrl);
@@ -194,66 +259,83 @@ export function addMeshCommands(program: Command): void {
       console.log(`${prev ? "resumed" : "submitted"} job ${cfg.job} to the mesh at ${client.url}`);
       for (const line of configSummary(cfg)) console.log(`  ${line}`);
       if (opts.detach) {
-        console.log(`follow it: ${cliName()} watch ${cfg.job} | its state: ${cliName()} status ${cfg.job} | stop it: ${cliName()} cancel ${cfg.job}`);
+        console.log(
+          `follow it: ${cliName()} watch ${cfg.job} | its state: ${cliName()} status ${cfg.job} | stop it: ${cliName()} cancel ${cfg.job}`,
+        );
         return;
       }
       await follow(client, cfg.job);
     });
 
-  natsOption(program.command("watch").description("follow a job to its end (a job that ended is reported at once)").argument("<job>")).action(
-    async (job: string, opts: { natsUrl?: string }) => {
-      await using client = await connect(opts.natsUrl);
-      await follow(client, job);
-    },
-  );
+  natsOption(
+    program
+      .command("watch")
+      .description("follow a job to its end (a job that ended is reported at once)")
+      .argument("<job>"),
+  ).action(async (job: string, opts: { natsUrl?: string }) => {
+    await using client = await connect(opts.natsUrl);
+    await follow(client, job);
+  });
 
   natsOption(
     program
       .command("status")
-      .description("a job's state, newest accuracy, progress, snapshots and model; without a job, the owner's jobs on the mesh")
+      .description(
+        "a job's state, newest accuracy, progress, snapshots and model; without a job, the owner's jobs on the mesh",
+      )
       .argument("[job]"),
   )
     .option("--json", "print JSON")
     .option("--all", "without a job: every owner's jobs (on a mesh with roles, as its admin user)")
     .action(async (job: string | undefined, opts: { natsUrl?: string; json?: boolean; all?: boolean }) => {
-      if (job !== undefined && opts.all) throw new BadRequestError("--all lists every owner's jobs: give no job with it");
+      if (job !== undefined && opts.all)
+        throw new BadRequestError("--all lists every owner's jobs: give no job with it");
       await using client = await connect(opts.natsUrl, opts.all ? "admin" : "client");
       if (!job) {
         const records = await client.list({ every: opts.all ?? false });
         console.log(
-          opts.json ? JSON.stringify({ jobs: records.map((r) => ({ ...r, state: JobState[r.state].toLowerCase() })) }, null, 2) : jobsTable(records).join("\n"),
+          opts.json
+            ? JSON.stringify({ jobs: records.map((r) => ({ ...r, state: JobState[r.state].toLowerCase() })) }, null, 2)
+            : jobsTable(records).join("\n"),
         );
         return;
       }
       const st = await client.status(job);
       console.log(
         opts.json
-          ? JSON.stringify({ ...st, record: st.record && { ...st.record, state: JobState[st.record.state].toLowerCase() } }, null, 2)
+          ? JSON.stringify(
+              { ...st, record: st.record && { ...st.record, state: JobState[st.record.state].toLowerCase() } },
+              null,
+              2,
+            )
           : statusLines(st).join("\n"),
       );
     });
 
   natsOption(
-    program.command("cancel").description("stop a running job (its snapshots stay; giving its name to run or submit resumes it)").argument("<job>"),
+    program
+      .command("cancel")
+      .description("stop a running job (its snapshots stay; giving its name to run or submit resumes it)")
+      .argument("<job>"),
   ).action(async (job: string, opts: { natsUrl?: string }) => {
     await using client = await connect(opts.natsUrl);
     const r = await client.cancel(job);
     console.log(`cancelled job ${r.job} (${r.reason}); resume it later: ${cliName()} submit --job ${r.job}`);
   });
 
-  natsOption(program.command("checkpoints").description("list a job's snapshots (also of a job that ended)").argument("<job>")).action(
-    async (job: string, opts: { natsUrl?: string }) => {
-      await using client = await connect(opts.natsUrl);
-      const items = await client.checkpoints(job);
-      if (items.length === 0) console.log(`job ${job} has no snapshots yet`);
-      for (const m of items) {
-        console.log(
-          `${m.id}  step ${m.step}  metric ${Number.isFinite(m.metric) ? m.metric.toFixed(4) : "-"}  ${m.files.reduce((s, f) => s + f.bytes, 0)} bytes  ` +
-            `${new Date(m.createdMs).toISOString()}${m.modelPath ? `  model ${m.modelPath}` : ""}`,
-        );
-      }
-    },
-  );
+  natsOption(
+    program.command("checkpoints").description("list a job's snapshots (also of a job that ended)").argument("<job>"),
+  ).action(async (job: string, opts: { natsUrl?: string }) => {
+    await using client = await connect(opts.natsUrl);
+    const items = await client.checkpoints(job);
+    if (items.length === 0) console.log(`job ${job} has no snapshots yet`);
+    for (const m of items) {
+      console.log(
+        `${m.id}  step ${m.step}  metric ${Number.isFinite(m.metric) ? m.metric.toFixed(4) : "-"}  ${m.files.reduce((s, f) => s + f.bytes, 0)} bytes  ` +
+          `${new Date(m.createdMs).toISOString()}${m.modelPath ? `  model ${m.modelPath}` : ""}`,
+      );
+    }
+  });
 
   natsOption(
     program
@@ -264,29 +346,36 @@ export function addMeshCommands(program: Command): void {
       .argument("[job]"),
   )
     .option("--port <n>", "HTTP port (0: a free one)", int(0, 65535), 0)
-    .option("--host <addr>", "address to listen on (0.0.0.0: every interface; whoever reaches it sees the mesh's jobs)", "127.0.0.1")
+    .option(
+      "--host <addr>",
+      "address to listen on (0.0.0.0: every interface; whoever reaches it sees the mesh's jobs)",
+      "127.0.0.1",
+    )
     .action(async (job: string | undefined, opts: { natsUrl?: string; port: number; host: string }) => {
       await using client = await connect(opts.natsUrl);
       await serveDashboard(client, job, opts);
     });
 
-  natsOption(program.command("metrics").description("list every service's Prometheus /metrics endpoint (from service discovery)")).action(
-    async (opts: { natsUrl?: string }) => {
-      await using client = await connect(opts.natsUrl);
-      const endpoints = await client.metricsEndpoints();
-      if (endpoints.length === 0) console.log("no service of this mesh serves metrics (they run with MT_METRICS_PORT=-1)");
-      const width = Math.max(0, ...endpoints.map((e) => e.service.length));
-      for (const e of endpoints) console.log(`${e.service.padEnd(width)}  ${e.url}`);
-    },
-  );
+  natsOption(
+    program
+      .command("metrics")
+      .description("list every service's Prometheus /metrics endpoint (from service discovery)"),
+  ).action(async (opts: { natsUrl?: string }) => {
+    await using client = await connect(opts.natsUrl);
+    const endpoints = await client.metricsEndpoints();
+    if (endpoints.length === 0)
+      console.log("no service of this mesh serves metrics (they run with MT_METRICS_PORT=-1)");
+    const width = Math.max(0, ...endpoints.map((e) => e.service.length));
+    for (const e of endpoints) console.log(`${e.service.padEnd(width)}  ${e.url}`);
+  });
 
-  natsOption(program.command("save").description("take a snapshot of a running job at its next step").argument("<job>")).action(
-    async (job: string, opts: { natsUrl?: string }) => {
-      await using client = await connect(opts.natsUrl);
-      const e = await client.saveCheckpoint(job);
-      console.log(`${job}: ${e.text}`);
-    },
-  );
+  natsOption(
+    program.command("save").description("take a snapshot of a running job at its next step").argument("<job>"),
+  ).action(async (job: string, opts: { natsUrl?: string }) => {
+    await using client = await connect(opts.natsUrl);
+    const e = await client.saveCheckpoint(job);
+    console.log(`${job}: ${e.text}`);
+  });
 
   natsOption(
     program
@@ -298,7 +387,8 @@ export function addMeshCommands(program: Command): void {
       .option("--trainers <n>", "trainer ranks from the next snapshot on (the mesh must run them)", int(1, 64))
       .option("--shards <n>", "parameter-server shards (parameter-server mode)", int(1, 64)),
   ).action(async (job: string, opts: { natsUrl?: string; trainers?: number; shards?: number }) => {
-    if (opts.trainers === undefined && opts.shards === undefined) throw new BadRequestError("resize needs --trainers or --shards (or both)");
+    if (opts.trainers === undefined && opts.shards === undefined)
+      throw new BadRequestError("resize needs --trainers or --shards (or both)");
     await using client = await connect(opts.natsUrl, "admin");
     const m = await client.resize(job, { trainers: opts.trainers, shards: opts.shards });
     const r = await client.record(job);
@@ -309,7 +399,11 @@ export function addMeshCommands(program: Command): void {
   });
 
   natsOption(
-    program.command("restore").description("roll a running job back to a snapshot (default: the newest that verifies)").argument("<job>").argument("[id]"),
+    program
+      .command("restore")
+      .description("roll a running job back to a snapshot (default: the newest that verifies)")
+      .argument("<job>")
+      .argument("[id]"),
   ).action(async (job: string, id: string | undefined, opts: { natsUrl?: string }) => {
     await using client = await connect(opts.natsUrl, "admin");
     const m = await client.restore(job, id ?? "");
@@ -318,17 +412,30 @@ export function addMeshCommands(program: Command): void {
 }
 
 /** `dashboard`: serves the pages until Ctrl-C; a job that does not exist is refused before. */
-async function serveDashboard(client: MeshClient, job: string | undefined, o: { port: number; host: string }): Promise<void> {
+async function serveDashboard(
+  client: MeshClient,
+  job: string | undefined,
+  o: { port: number; host: string },
+): Promise<void> {
   await using dash = Dashboard.start({ client, port: o.port, host: o.host });
   if (job !== undefined) await dash.follow(job);
-  console.log(`meshtrain dashboard of ${job === undefined ? "the jobs" : `job ${job}`} on ${client.url}: ${job === undefined ? dash.url : dash.jobUrl(job)}`);
+  console.log(
+    `meshtrain dashboard of ${job === undefined ? "the jobs" : `job ${job}`} on ${client.url}: ${job === undefined ? dash.url : dash.jobUrl(job)}`,
+  );
   console.log("stop it: Ctrl-C");
   using stop = new StopRequests();
   await new Promise<void>((resolve) => stop.first.signal.addEventListener("abort", () => resolve(), { once: true }));
 }
 
 /** `mesh up`: runs until Ctrl-C, leaving a note so that client commands on this machine find it. */
-async function meshUp(o: { dir: string; port: number; trainers: number; shards: number; auth: boolean; clients: string[] }): Promise<void> {
+async function meshUp(o: {
+  dir: string;
+  port: number;
+  trainers: number;
+  shards: number;
+  auth: boolean;
+  clients: string[];
+}): Promise<void> {
   const opts: MeshOptions = {
     jobsDir: join(o.dir, "jobs"),
     logDir: join(o.dir, "logs", `mesh-${stamp()}`),
@@ -355,22 +462,45 @@ async function meshUp(o: { dir: string; port: number; trainers: number; shards: 
     // up means every service has registered: a job submitted now finds them all
     await using client = await MeshClient.connect(m.url, m.auth());
     failJobs = (reason) =>
-      void client.failRunning(reason).catch((e: unknown) => console.log(`launcher: cannot fail the running jobs: ${(e as Error).message}`));
-    if (!(await client.waitForMembers({ job: "(any)", trainers: o.trainers, shards: o.shards }, membersWaitMs, stop.first.signal))) return;
-    forget = announceLocalMesh({ url: m.url, pid: process.pid, dir: o.dir, ...(m.credentials ? { creds: m.credentials.dir } : {}) });
+      void client
+        .failRunning(reason)
+        .catch((e: unknown) => console.log(`launcher: cannot fail the running jobs: ${(e as Error).message}`));
+    if (
+      !(await client.waitForMembers(
+        { job: "(any)", trainers: o.trainers, shards: o.shards },
+        membersWaitMs,
+        stop.first.signal,
+      ))
+    )
+      return;
+    forget = announceLocalMesh({
+      url: m.url,
+      pid: process.pid,
+      dir: o.dir,
+      ...(m.credentials ? { creds: m.credentials.dir } : {}),
+    });
     console.log(`mesh up: NATS at ${m.url}; ${m.services.map((s) => s.name).join(", ")}`);
-    console.log(`  jobs' snapshots, models and logs: ${shownPath(opts.jobsDir)}/<job>/; the services' logs: ${shownPath(opts.logDir)}`);
-    console.log(`  client commands on this machine find it; elsewhere: export MT_NATS_URL=${m.url.replace("127.0.0.1", "<this host>")}`);
+    console.log(
+      `  jobs' snapshots, models and logs: ${shownPath(opts.jobsDir)}/<job>/; the services' logs: ${shownPath(opts.logDir)}`,
+    );
+    console.log(
+      `  client commands on this machine find it; elsewhere: export MT_NATS_URL=${m.url.replace("127.0.0.1", "<this host>")}`,
+    );
     if (m.credentials) {
       console.log(
         `  NATS users per role, nkey seeds in ${shownPath(m.credentials.dir)}/ (owner-only): a client elsewhere needs export MT_NATS_NKEY=<copy of client-<owner>.nk> (${o.clients.map((c) => `client-${c}.nk`).join(", ")}: each acts on its owner's jobs only; admin.nk on every owner's, and to restore or resize)`,
       );
     }
     console.log(`submit a job: ${cliName()} submit --epochs 1 | stop the mesh: Ctrl-C`);
-    if (!stop.first.signal.aborted) await new Promise<void>((resolve) => stop.first.signal.addEventListener("abort", () => resolve(), { once: true }));
+    if (!stop.first.signal.aborted)
+      await new Promise<void>((resolve) =>
+        stop.first.signal.addEventListener("abort", () => resolve(), { once: true }),
+      );
   } catch (e) {
     if (e instanceof CapacityError)
-      throw new CapacityError(`the mesh's services did not all start within ${membersWaitMs / 1000} s (logs: ${shownPath(opts.logDir)}): ${e.message}`);
+      throw new CapacityError(
+        `the mesh's services did not all start within ${membersWaitMs / 1000} s (logs: ${shownPath(opts.logDir)}): ${e.message}`,
+      );
     throw e;
   } finally {
     forget();

@@ -44,7 +44,9 @@ export function float(min = -Infinity, max = Infinity, { exclusiveMin = false } 
     const v = Number(raw);
     const low = exclusiveMin ? v > min : v >= min;
     if (raw.trim() === "" || !Number.isFinite(v) || !low || v > max) {
-      throw new InvalidArgumentError(`expected a number ${exclusiveMin ? ">" : ">="} ${min}${max < Infinity ? ` and <= ${max}` : ""}`);
+      throw new InvalidArgumentError(
+        `expected a number ${exclusiveMin ? ">" : ">="} ${min}${max < Infinity ? ` and <= ${max}` : ""}`,
+      );
     }
     return v;
   };
@@ -54,7 +56,9 @@ export function int(min = 0, max = Number.MAX_SAFE_INTEGER) {
   return (raw: string): number => {
     const v = Number(raw);
     if (!/^-?\d+$/.test(raw.trim()) || !Number.isSafeInteger(v) || v < min || v > max) {
-      throw new InvalidArgumentError(`expected an integer >= ${min}${max < Number.MAX_SAFE_INTEGER ? ` and <= ${max}` : ""}`);
+      throw new InvalidArgumentError(
+        `expected an integer >= ${min}${max < Number.MAX_SAFE_INTEGER ? ` and <= ${max}` : ""}`,
+      );
     }
     return v;
   };

@@ -8,7 +8,15 @@ import { totalmem } from "node:os";
 import { join } from "node:path";
 import { readManifest } from "../engine/data/shards.ts";
 import { mobyDickPath, readTextFile } from "../engine/data/text.ts";
-import { formatBytes, gptParamCount, gptStageActivations, mlpActivations, type RankMemory, rankMemory, shardMemory } from "../engine/memory.ts";
+import {
+  formatBytes,
+  gptParamCount,
+  gptStageActivations,
+  mlpActivations,
+  type RankMemory,
+  rankMemory,
+  shardMemory,
+} from "../engine/memory.ts";
 import type { Precision } from "../engine/mixed.ts";
 import { type GptConfig, gptParamSpecs } from "../engine/models/gpt.ts";
 import { probeCuda } from "../ffi/cuda/driver.ts";
@@ -46,11 +54,13 @@ export interface JobPlan {
 /** "80GB", "24 GiB", "512MiB", "1e9": bytes (GB and GiB both 2^30: a device's memory is quoted so). */
 export function parseMemorySize(raw: string): number {
   const m = /^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)?\s*$/i.exec(raw);
-  if (m === null) throw new ConfigError(`--device-memory must be a size such as 80GB, 24GiB or 512MiB, got ${JSON.stringify(raw)}`);
+  if (m === null)
+    throw new ConfigError(`--device-memory must be a size such as 80GB, 24GiB or 512MiB, got ${JSON.stringify(raw)}`);
   const unit = (m[2] ?? "b").toLowerCase()[0]!;
   const scale = { b: 1, k: 2 ** 10, m: 2 ** 20, g: 2 ** 30, t: 2 ** 40 }[unit as "b" | "k" | "m" | "g" | "t"];
   const bytes = Math.round(Number(m[1]) * scale);
-  if (!(bytes > 0) || !Number.isSafeInteger(bytes)) throw new ConfigError(`--device-memory must be a positive size, got ${JSON.stringify(raw)}`);
+  if (!(bytes > 0) || !Number.isSafeInteger(bytes))
+    throw new ConfigError(`--device-memory must be a positive size, got ${JSON.stringify(raw)}`);
   return bytes;
 }
 
@@ -59,7 +69,9 @@ export function planDevice(kind: "cpu" | "cuda" | "auto", deviceMemory: number |
   const probe = kind === "cpu" ? null : probeCuda();
   const gpu = probe?.ok === true;
   if (kind === "cuda" && !gpu && deviceMemory === null) {
-    throw new ConfigError(`--device cuda: ${probe?.reason ?? "no GPU"}; pass --device-memory to plan for a GPU that is not here`);
+    throw new ConfigError(
+      `--device cuda: ${probe?.reason ?? "no GPU"}; pass --device-memory to plan for a GPU that is not here`,
+    );
   }
   const resolved = kind === "auto" ? (gpu ? "cuda" : "cpu") : kind;
   if (deviceMemory !== null) return { kind: resolved, bytes: deviceMemory, source: "--device-memory" };
@@ -77,7 +89,9 @@ export function planVocabSize(cfg: JobConfig): number {
     const vocab = join(cfg.dataDir, "vocab.json");
     if (!existsSync(vocab)) throw new ConfigError(`${cfg.dataDir} has no vocab.json: pass --vocab-size`);
     const parsed = JSON.parse(readFileSync(vocab, "utf8")) as unknown;
-    const size = Array.isArray(parsed) ? parsed.length : (parsed as { size?: unknown; chars?: unknown[] }).chars?.length;
+    const size = Array.isArray(parsed)
+      ? parsed.length
+      : (parsed as { size?: unknown; chars?: unknown[] }).chars?.length;
     if (typeof size !== "number" || size <= 0) throw new ConfigError(`${vocab} names no vocabulary size`);
     return size;
   }
@@ -85,7 +99,8 @@ export function planVocabSize(cfg: JobConfig): number {
 }
 
 const optimizerBytesPerParam = (cfg: JobConfig): number =>
-  (cfg.optimizer.kind === "adamw" ? 8 : cfg.optimizer.momentum > 0 ? 4 : 0) + (cfg.compress.startsWith("topk") && cfg.optimizer.kind === "adamw" ? 4 : 0);
+  (cfg.optimizer.kind === "adamw" ? 8 : cfg.optimizer.momentum > 0 ? 4 : 0) +
+  (cfg.compress.startsWith("topk") && cfg.optimizer.kind === "adamw" ? 4 : 0);
 
 /** Every trainer's memory, grouped where ranks hold the same (the data-parallel copies of a stage and tensor rank). */
 function trainerPlans(cfg: JobConfig, V: number): RankPlan[] {
@@ -109,7 +124,14 @@ function trainerPlans(cfg: JobConfig, V: number): RankPlan[] {
     const r = rankMemory({ ...base, paramCount: paramCountOf(cfg, V), activations: act.peak, gatheredBytes: 0 });
     return [{ ...r, who: D === 1 ? "trainer 0" : `trainers 0-${D - 1}`, ranks: D }];
   }
-  const config: GptConfig = { vocabSize: V, blockSize: m.blockSize, nLayer: m.nLayer, nHead: m.nHead, nEmbd: m.nEmbd, dropout: m.dropout };
+  const config: GptConfig = {
+    vocabSize: V,
+    blockSize: m.blockSize,
+    nLayer: m.nLayer,
+    nHead: m.nHead,
+    nEmbd: m.nEmbd,
+    dropout: m.dropout,
+  };
   const out: RankPlan[] = [];
   for (let s = 0; s < S; s++) {
     const part = { stage: s, stages: S, ...(R > 1 ? { tensor: { rank: 0, size: R } } : {}) };
@@ -130,20 +152,49 @@ function trainerPlans(cfg: JobConfig, V: number): RankPlan[] {
     const gatheredBytes = 4 * (2 * (12 * C * C + 13 * C) + V * C);
     const r = rankMemory({ ...base, paramCount: P, activations, gatheredBytes });
     const ranks = D * R;
-    const who = S === 1 ? (ranks === 1 ? "trainer 0" : `trainers (${ranks})`) : `stage ${s} (${ranks} trainer${ranks > 1 ? "s" : ""})`;
+    const who =
+      S === 1
+        ? ranks === 1
+          ? "trainer 0"
+          : `trainers (${ranks})`
+        : `stage ${s} (${ranks} trainer${ranks > 1 ? "s" : ""})`;
     out.push({ ...r, who, ranks });
   }
   return out;
 }
 
 /** Which one option would make a job fit, tried in the order a user would (cheapest first). */
-const remedies: { flag: string; applies: (c: JobConfig) => boolean; change: (c: JobConfig) => Partial<JobConfig> | null }[] = [
+const remedies: {
+  flag: string;
+  applies: (c: JobConfig) => boolean;
+  change: (c: JobConfig) => Partial<JobConfig> | null;
+}[] = [
   { flag: "--recompute", applies: (c) => c.model.kind === "gpt" && !c.recompute, change: () => ({ recompute: true }) },
-  { flag: "--precision bf16", applies: (c) => c.precision === "f32" || c.precision === "tf32", change: () => ({ precision: "bf16" }) },
-  { flag: "--zero 1", applies: (c) => c.sync === "allreduce" && c.zero < 1 && dataRanks(c) > 1, change: () => ({ zero: 1 }) },
-  { flag: "--zero 2", applies: (c) => c.sync === "allreduce" && c.zero < 2 && dataRanks(c) > 1, change: () => ({ zero: 2 }) },
-  { flag: "--zero 3", applies: (c) => c.sync === "allreduce" && c.zero < 3 && dataRanks(c) > 1, change: () => ({ zero: 3 }) },
-  { flag: "--offload optimizer", applies: (c) => c.sync === "allreduce" && c.offload === "none", change: () => ({ offload: "optimizer" }) },
+  {
+    flag: "--precision bf16",
+    applies: (c) => c.precision === "f32" || c.precision === "tf32",
+    change: () => ({ precision: "bf16" }),
+  },
+  {
+    flag: "--zero 1",
+    applies: (c) => c.sync === "allreduce" && c.zero < 1 && dataRanks(c) > 1,
+    change: () => ({ zero: 1 }),
+  },
+  {
+    flag: "--zero 2",
+    applies: (c) => c.sync === "allreduce" && c.zero < 2 && dataRanks(c) > 1,
+    change: () => ({ zero: 2 }),
+  },
+  {
+    flag: "--zero 3",
+    applies: (c) => c.sync === "allreduce" && c.zero < 3 && dataRanks(c) > 1,
+    change: () => ({ zero: 3 }),
+  },
+  {
+    flag: "--offload optimizer",
+    applies: (c) => c.sync === "allreduce" && c.offload === "none",
+    change: () => ({ offload: "optimizer" }),
+  },
   {
     flag: "--accum",
     applies: (c) => c.batchSize / c.accumSteps >= 2 && c.batchSize % (2 * c.accumSteps) === 0,
@@ -155,14 +206,25 @@ const remedies: { flag: string; applies: (c: JobConfig) => boolean; change: (c: 
 function paramCountOf(cfg: JobConfig, V: number): number {
   const m = cfg.model;
   if (m.kind === "mlp") return m.widths.slice(1).reduce((n, w, i) => n + (m.widths[i]! + 1) * w, 0);
-  return gptParamCount({ vocabSize: V, blockSize: m.blockSize, nLayer: m.nLayer, nHead: m.nHead, nEmbd: m.nEmbd, dropout: m.dropout });
+  return gptParamCount({
+    vocabSize: V,
+    blockSize: m.blockSize,
+    nLayer: m.nLayer,
+    nHead: m.nHead,
+    nEmbd: m.nEmbd,
+    dropout: m.dropout,
+  });
 }
 
 export function planJob(cfg: JobConfig, device: PlanDevice, V = planVocabSize(cfg)): JobPlan {
   const trainers = trainerPlans(cfg, V);
-  const shards = usesShards(cfg) ? { count: cfg.shards, bytes: shardMemory(paramCountOf(cfg, V), cfg.shards, optimizerBytesPerParam(cfg)) } : null;
+  const shards = usesShards(cfg)
+    ? { count: cfg.shards, bytes: shardMemory(paramCountOf(cfg, V), cfg.shards, optimizerBytesPerParam(cfg)) }
+    : null;
   const worstDevice = Math.max(...trainers.map((t) => t.device + (device.kind === "cpu" ? t.host : 0)));
-  const allProcesses = trainers.reduce((n, t) => n + t.ranks * (t.device + t.host), 0) + (shards === null ? 0 : shards.count * shards.bytes);
+  const allProcesses =
+    trainers.reduce((n, t) => n + t.ranks * (t.device + t.host), 0) +
+    (shards === null ? 0 : shards.count * shards.bytes);
   const fits = device.kind === "cuda" ? worstDevice <= device.bytes : allProcesses <= device.bytes;
   const plan: JobPlan = { trainers, shards, worstDevice, allProcesses, fits, device, lines: [] };
   plan.lines = planLines(cfg, plan, V);
@@ -182,7 +244,11 @@ export function suggestion(cfg: JobConfig, device: PlanDevice, V: number): { fla
       continue;
     }
     const p = planJob(next, device, V);
-    if (p.fits) return { flag: r.flag === "--accum" ? `--accum ${next.accumSteps}` : r.flag, bytes: device.kind === "cuda" ? p.worstDevice : p.allProcesses };
+    if (p.fits)
+      return {
+        flag: r.flag === "--accum" ? `--accum ${next.accumSteps}` : r.flag,
+        bytes: device.kind === "cuda" ? p.worstDevice : p.allProcesses,
+      };
   }
   return null;
 }
@@ -191,17 +257,22 @@ function planLines(cfg: JobConfig, p: JobPlan, V: number): string[] {
   const f = formatBytes;
   const lines: string[] = [];
   const m = cfg.model;
-  const shape = m.kind === "gpt" ? `gpt L${m.nLayer} H${m.nHead} C${m.nEmbd} T${m.blockSize} V${V}` : `mlp ${m.widths.join("-")}`;
+  const shape =
+    m.kind === "gpt" ? `gpt L${m.nLayer} H${m.nHead} C${m.nEmbd} T${m.blockSize} V${V}` : `mlp ${m.widths.join("-")}`;
   const modes = [
     usesShards(cfg)
       ? `${cfg.sync} on ${cfg.shards} shard${cfg.shards > 1 ? "s" : ""}`
       : `allreduce, ZeRO ${cfg.zero}${cfg.offload === "optimizer" ? ", optimizer offloaded" : ""}`,
-    ...(cfg.pipelineStages > 1 ? [`${cfg.pipelineStages} pipeline stages (${cfg.pipeSchedule}, ${cfg.accumSteps} micro-batches)`] : []),
+    ...(cfg.pipelineStages > 1
+      ? [`${cfg.pipelineStages} pipeline stages (${cfg.pipeSchedule}, ${cfg.accumSteps} micro-batches)`]
+      : []),
     ...(cfg.tensorParallel > 1 ? [`tensor parallel over ${cfg.tensorParallel}`] : []),
     cfg.precision,
     ...(cfg.recompute ? ["recompute"] : []),
   ];
-  lines.push(`plan: ${shape}, ${cfg.trainers} trainer${cfg.trainers > 1 ? "s" : ""}, ${modes.join(", ")}, micro-batch ${cfg.batchSize / cfg.accumSteps}`);
+  lines.push(
+    `plan: ${shape}, ${cfg.trainers} trainer${cfg.trainers > 1 ? "s" : ""}, ${modes.join(", ")}, micro-batch ${cfg.batchSize / cfg.accumSteps}`,
+  );
   for (const t of p.trainers) {
     const parts = [
       `parameters ${f(t.parameters)}`,
@@ -216,7 +287,8 @@ function planLines(cfg: JobConfig, p: JobPlan, V: number): string[] {
         : "";
     lines.push(`  ${t.who}: ${parts.join(" + ")} = ${f(t.device)} on the device${host}`);
   }
-  if (p.shards !== null) lines.push(`  shards: ${f(p.shards.bytes)} each (parameters, optimizer state, the step's summed pushes)`);
+  if (p.shards !== null)
+    lines.push(`  shards: ${f(p.shards.bytes)} each (parameters, optimizer state, the step's summed pushes)`);
   const dev = p.device;
   const against =
     dev.kind === "cuda"
@@ -228,7 +300,10 @@ function planLines(cfg: JobConfig, p: JobPlan, V: number): string[] {
 
 /** The plan's lines; when the job does not fit, the verdict and the option that would make it
  *  fit (or that none does alone) as one line too. */
-export function planReport(cfg: JobConfig, device: PlanDevice): { plan: JobPlan; lines: string[]; refusal: string | null } {
+export function planReport(
+  cfg: JobConfig,
+  device: PlanDevice,
+): { plan: JobPlan; lines: string[]; refusal: string | null } {
   const V = planVocabSize(cfg);
   const plan = planJob(cfg, device, V);
   const lines = [...plan.lines];

@@ -9,7 +9,8 @@ import { formatSeconds, num, percent, plural, when } from "./format.ts";
 import type { JobOutcome } from "./watch.ts";
 
 /** Weights and biases of an MLP of these widths. */
-export const mlpParameters = (widths: readonly number[]): number => widths.slice(1).reduce((s, w, i) => s + w * widths[i]! + w, 0);
+export const mlpParameters = (widths: readonly number[]): number =>
+  widths.slice(1).reduce((s, w, i) => s + w * widths[i]! + w, 0);
 
 function optimizerText(c: JobConfig): string {
   const o = c.optimizer;
@@ -40,8 +41,10 @@ export function modelKindOf(configJson: string): "mlp" | "gpt" {
 
 /** The job's settings in a few lines, each "label  text". */
 export function configSummary(c: JobConfig): string[] {
-  const lr = c.schedule === "constant" ? `lr ${c.lr}` : `lr ${c.lr}, ${c.schedule} schedule, ${c.warmupSteps} warmup steps`;
-  const evals = c.evalEvery === "epoch" ? "every epoch" : c.evalEvery === 0 ? "at the end" : `every ${c.evalEvery} steps`;
+  const lr =
+    c.schedule === "constant" ? `lr ${c.lr}` : `lr ${c.lr}, ${c.schedule} schedule, ${c.warmupSteps} warmup steps`;
+  const evals =
+    c.evalEvery === "epoch" ? "every epoch" : c.evalEvery === 0 ? "at the end" : `every ${c.evalEvery} steps`;
   const m = c.model;
   const split =
     c.dataset === "tokens"
@@ -80,7 +83,12 @@ function snapshotsText(c: JobConfig): string {
     c.checkpointMinutes > 0
       ? `every ${c.checkpointMinutes} minute${c.checkpointMinutes === 1 ? "" : "s"}${c.checkpointMinutes > 1 ? " (the first after one)" : ""}`
       : "";
-  const both = steps && minutes ? `${steps} or ${minutes}, whichever comes first, ` : steps || minutes ? `${steps || minutes} and ` : "";
+  const both =
+    steps && minutes
+      ? `${steps} or ${minutes}, whichever comes first, `
+      : steps || minutes
+        ? `${steps || minutes} and `
+        : "";
   return `${both}at the end`;
 }
 
@@ -94,7 +102,9 @@ export function outcomeLines(o: JobOutcome, files: { logs: string | null }): str
       : `${split} accuracy: ${percent(r.accuracy)} (loss ${r.loss.toFixed(4)}, ${num(r.evaluated)} ${split} samples)`;
   const lines = [
     `${quality} after ${r.totalSteps} steps` +
-      (o.watched ? ` in ${o.seconds.toFixed(1)} s | ${plural(o.checkpoints, "snapshot")}, ${plural(o.restores, "restore")}` : ""),
+      (o.watched
+        ? ` in ${o.seconds.toFixed(1)} s | ${plural(o.checkpoints, "snapshot")}, ${plural(o.restores, "restore")}`
+        : ""),
   ];
   if (o.watched && o.samplesPerS > 0) {
     const t = o.split;
@@ -118,7 +128,8 @@ export function outcomeLines(o: JobOutcome, files: { logs: string | null }): str
 function whereLines(r: JobRecord, logs: string | null): string[] {
   const out: string[] = [];
   if (r.modelPath) out.push(`model:     ${shownPath(r.modelPath)}`);
-  if (r.snapshotDir) out.push(`snapshots: ${shownPath(r.snapshotDir)}${r.snapshot ? ` (${r.snapshot} is the final one)` : ""}`);
+  if (r.snapshotDir)
+    out.push(`snapshots: ${shownPath(r.snapshotDir)}${r.snapshot ? ` (${r.snapshot} is the final one)` : ""}`);
   if (logs) out.push(`logs:      ${shownPath(logs)}`);
   return out;
 }
@@ -131,7 +142,9 @@ function stepOf(s: JobStatus): string {
 }
 
 function accuracyOf(r: JobRecord): string {
-  return r.accuracy >= 0 ? `${percent(r.accuracy)} on ${r.evalSplit || "test"} at step ${r.evalStep} (${num(r.evaluated)} samples)` : "- (no evaluation yet)";
+  return r.accuracy >= 0
+    ? `${percent(r.accuracy)} on ${r.evalSplit || "test"} at step ${r.evalStep} (${num(r.evaluated)} samples)`
+    : "- (no evaluation yet)";
 }
 
 /** `meshtrain status <job>`: one line per fact. */
@@ -139,10 +152,14 @@ export function statusLines(s: JobStatus): string[] {
   const r = s.record;
   const lines = [`job        ${s.job}`];
   if (r === null) {
-    lines.push("state      unknown here: this mesh has no record of it (it ran on another mesh); its snapshots are below");
+    lines.push(
+      "state      unknown here: this mesh has no record of it (it ran on another mesh); its snapshots are below",
+    );
   } else {
     const attempt = r.attempts > 1 ? `, attempt ${r.attempts}` : "";
-    lines.push(`state      ${stateName(r.state)}${attempt}; submitted ${when(r.submittedMs)}${r.endedMs > 0 ? `, ended ${when(r.endedMs)}` : ""}`);
+    lines.push(
+      `state      ${stateName(r.state)}${attempt}; submitted ${when(r.submittedMs)}${r.endedMs > 0 ? `, ended ${when(r.endedMs)}` : ""}`,
+    );
     if (r.state === JobState.Running) lines.push(`step       ${stepOf(s)}`);
     lines.push(`accuracy   ${accuracyOf(r)}`);
     if (r.reason) lines.push(`${r.state === JobState.Done ? "note" : "reason"}     ${r.reason}`);
@@ -166,7 +183,10 @@ export function statusLines(s: JobStatus): string[] {
       continue;
     }
     const held = t.paramBytes + t.gradBytes + t.optimizerBytes;
-    const zero = s.config.sync === "allreduce" ? `ZeRO stage ${t.zeroStage} of ${t.ranks} ranks` : "parameter server (optimizer on the shards)";
+    const zero =
+      s.config.sync === "allreduce"
+        ? `ZeRO stage ${t.zeroStage} of ${t.ranks} ranks`
+        : "parameter server (optimizer on the shards)";
     lines.push(
       `trainer ${t.rank}  step ${t.step}; ${zero}: ${(held / Math.max(t.paramCount, 1)).toFixed(2)} bytes per parameter ` +
         `(parameters ${mb(t.paramBytes)}, gradients ${mb(t.gradBytes)}, optimizer ${mb(t.optimizerBytes)}), ` +

@@ -28,7 +28,14 @@ export interface JobOutcome {
   restores: number;
   checkpoints: number;
   /** mean over all ranks' steps seen, milliseconds */
-  split: { dataWaitMs: number; pullMs: number; computeMs: number; pushMs: number; commMs: number; exposedCommMs: number };
+  split: {
+    dataWaitMs: number;
+    pullMs: number;
+    computeMs: number;
+    pushMs: number;
+    commMs: number;
+    exposedCommMs: number;
+  };
   /** mean per trainer step: gradient and parameter bytes on the bus, and (top-k) the summed gradient's density (-1: none) */
   wireBytesPerStep: number;
   density: number;
@@ -77,7 +84,8 @@ export async function watchJob(client: MeshClient, name: string, o: WatchOptions
       if (r !== "tick") {
         pending = null;
         if (r.done) {
-          if (o.signal?.aborted) throw new DeadlineError(`stopped following job ${job}: ${String(o.signal.reason ?? "aborted")}`);
+          if (o.signal?.aborted)
+            throw new DeadlineError(`stopped following job ${job}: ${String(o.signal.reason ?? "aborted")}`);
           break;
         }
         lastEventMs = performance.now();
@@ -110,7 +118,10 @@ export async function watchJob(client: MeshClient, name: string, o: WatchOptions
   }
   const outcome = w.outcome(record, (performance.now() - t0) / 1000);
   if (record.state !== JobState.Done) {
-    throw new JobFailedError(`job ${job} ${stateName(record.state)}${record.reason ? `: ${record.reason}` : ""}`, record);
+    throw new JobFailedError(
+      `job ${job} ${stateName(record.state)}${record.reason ? `: ${record.reason}` : ""}`,
+      record,
+    );
   }
   return outcome;
 }
@@ -167,8 +178,14 @@ class Watcher {
       case EventKind.Eval: {
         const r = this.#tally.add(e);
         if (r) {
-          this.#accuracy = this.unit === "tokens" ? `${r.split} loss ${r.loss.toFixed(3)} | ` : `${r.split} acc ${(100 * r.accuracy).toFixed(2)}% | `;
-          const epoch = totalSteps > 0 && r.step < totalSteps ? ` (epoch ${Math.round((r.step * this.epochs) / totalSteps)}/${this.epochs})` : "";
+          this.#accuracy =
+            this.unit === "tokens"
+              ? `${r.split} loss ${r.loss.toFixed(3)} | `
+              : `${r.split} acc ${(100 * r.accuracy).toFixed(2)}% | `;
+          const epoch =
+            totalSteps > 0 && r.step < totalSteps
+              ? ` (epoch ${Math.round((r.step * this.epochs) / totalSteps)}/${this.epochs})`
+              : "";
           this.say(
             `step ${r.step}${epoch}: ${r.split} loss ${r.loss.toFixed(4)}, accuracy ${(100 * r.accuracy).toFixed(2)}% (${r.evaluated} ${this.unit} over ${r.ranks} trainers)`,
           );
@@ -255,7 +272,8 @@ class Watcher {
       },
       wireBytesPerStep: this.#wireBytes / n,
       density: this.#density.n > 0 ? this.#density.sum / this.#density.n : -1,
-      samplesPerS: this.#lastStepMs > this.#firstStepMs ? this.#samples / ((this.#lastStepMs - this.#firstStepMs) / 1000) : 0,
+      samplesPerS:
+        this.#lastStepMs > this.#firstStepMs ? this.#samples / ((this.#lastStepMs - this.#firstStepMs) / 1000) : 0,
     };
   }
 }

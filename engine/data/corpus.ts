@@ -63,7 +63,8 @@ export function loadCorpus(o: CorpusSource): Corpus {
           manifest.shards.filter((x) => x.split === s),
         ),
     ) as [ShardTokens, ShardTokens];
-    if (val.length === 0) throw new DataFileError(o.tokensDir, "holds no validation tokens (prepared with --val-fraction 0)");
+    if (val.length === 0)
+      throw new DataFileError(o.tokensDir, "holds no validation tokens (prepared with --val-fraction 0)");
     return { train, val, vocabSize: manifest.vocabSize, vocab, name: o.tokensDir, tokenizer: manifest.tokenizer };
   }
   if (o.tokensDir !== undefined) {
@@ -78,7 +79,11 @@ export function loadCorpus(o: CorpusSource): Corpus {
       ["val.bin", val],
     ] as const) {
       const max = tokens.reduce((m, t) => (t > m ? t : m), 0);
-      if (max >= vocabSize) throw new DataFileError(join(o.tokensDir, name), `holds token id ${max}, outside the vocabulary of ${vocabSize}`);
+      if (max >= vocabSize)
+        throw new DataFileError(
+          join(o.tokensDir, name),
+          `holds token id ${max}, outside the vocabulary of ${vocabSize}`,
+        );
     }
     return { train: new MemoryTokens(train), val: new MemoryTokens(val), vocabSize, vocab, name: o.tokensDir };
   }
@@ -86,5 +91,11 @@ export function loadCorpus(o: CorpusSource): Corpus {
   const text = readTextFile(path);
   const vocab = CharVocab.fromText(text);
   const { train, val } = splitTokens(vocab.encode(text), o.valFraction);
-  return { train: new MemoryTokens(train), val: new MemoryTokens(val), vocabSize: vocab.size, vocab, name: o.text ?? mobyDickName };
+  return {
+    train: new MemoryTokens(train),
+    val: new MemoryTokens(val),
+    vocabSize: vocab.size,
+    vocab,
+    name: o.text ?? mobyDickName,
+  };
 }

@@ -11,7 +11,9 @@ export function readDataFile(path: string): Uint8Array {
   } catch (e) {
     if (e instanceof DataFileError) throw e;
     const code = (e as NodeJS.ErrnoException).code;
-    throw new DataFileError(path, code === "ENOENT" ? "file not found" : `cannot read (${code ?? String(e)})`, { cause: e });
+    throw new DataFileError(path, code === "ENOENT" ? "file not found" : `cannot read (${code ?? String(e)})`, {
+      cause: e,
+    });
   }
   if (size === 0) throw new DataFileError(path, "file is empty");
   try {

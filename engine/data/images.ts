@@ -19,7 +19,8 @@ export class ImageBatcher {
     readonly batchSize: number,
     ids?: Uint32Array,
   ) {
-    if (!Number.isInteger(batchSize) || batchSize < 1) throw new ConfigError(`batch size must be an integer >= 1, got ${batchSize}`);
+    if (!Number.isInteger(batchSize) || batchSize < 1)
+      throw new ConfigError(`batch size must be an integer >= 1, got ${batchSize}`);
     this.features = split.rows * split.cols;
     this.#inputs = new Float32Array(batchSize * this.features);
     this.#targets = new Int32Array(batchSize);

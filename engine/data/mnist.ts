@@ -13,9 +13,13 @@ export interface IdxArray {
 
 export function parseIdx(path: string, bytes: Uint8Array): IdxArray {
   if (bytes.length < 4) throw new DataFileError(path, `too short for an idx header (${bytes.length} bytes)`);
-  if (bytes[0] !== 0 || bytes[1] !== 0) throw new DataFileError(path, "not an idx file (the magic number must start with two zero bytes)");
+  if (bytes[0] !== 0 || bytes[1] !== 0)
+    throw new DataFileError(path, "not an idx file (the magic number must start with two zero bytes)");
   if (bytes[2] !== 0x08) {
-    throw new DataFileError(path, `unsupported idx element type 0x${bytes[2]!.toString(16)} (only 0x08, unsigned byte)`);
+    throw new DataFileError(
+      path,
+      `unsupported idx element type 0x${bytes[2]!.toString(16)} (only 0x08, unsigned byte)`,
+    );
   }
   const ndims = bytes[3]!;
   if (ndims < 1 || ndims > 4) throw new DataFileError(path, `idx dimension count ${ndims} outside 1..4`);
@@ -66,8 +70,10 @@ function readSplit(dir: string, images: string, labels: string): MnistSplit {
   const lblPath = join(dir, labels);
   const img = readIdx(imgPath);
   const lbl = readIdx(lblPath);
-  if (img.dims.length !== 3) throw new DataFileError(imgPath, `expected images of dims (count, rows, cols), got [${img.dims.join(", ")}]`);
-  if (lbl.dims.length !== 1) throw new DataFileError(lblPath, `expected labels of dims (count), got [${lbl.dims.join(", ")}]`);
+  if (img.dims.length !== 3)
+    throw new DataFileError(imgPath, `expected images of dims (count, rows, cols), got [${img.dims.join(", ")}]`);
+  if (lbl.dims.length !== 1)
+    throw new DataFileError(lblPath, `expected labels of dims (count), got [${lbl.dims.join(", ")}]`);
   if (img.dims[0] !== lbl.dims[0]) {
     throw new DataFileError(lblPath, `${lbl.dims[0]} labels for ${img.dims[0]} images in ${imgPath}`);
   }

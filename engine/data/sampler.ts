@@ -14,8 +14,13 @@ export function epochOrder(count: number, seed: number, epoch: number, shuffle =
  * A seeded split of sample ids 0..count-1 into train and validation sets (each sorted).
  * The same (count, valFraction, seed) always gives the same split.
  */
-export function trainValSplit(count: number, valFraction: number, seed: number): { train: Uint32Array; val: Uint32Array } {
-  if (!(valFraction >= 0 && valFraction < 1)) throw new ConfigError(`valFraction must be in [0, 1), got ${valFraction}`);
+export function trainValSplit(
+  count: number,
+  valFraction: number,
+  seed: number,
+): { train: Uint32Array; val: Uint32Array } {
+  if (!(valFraction >= 0 && valFraction < 1))
+    throw new ConfigError(`valFraction must be in [0, 1), got ${valFraction}`);
   const valCount = Math.round(count * valFraction);
   const order = epochOrder(count, seed ^ 0x5eed, 0, true);
   const val = order.slice(0, valCount).sort();

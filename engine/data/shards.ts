@@ -70,7 +70,10 @@ export class ShardWriter {
     readonly dir: string,
     readonly shardTokens: number,
   ) {
-    this.#buffers = { train: { data: new Uint16Array(shardTokens), used: 0, next: 0 }, val: { data: new Uint16Array(shardTokens), used: 0, next: 0 } };
+    this.#buffers = {
+      train: { data: new Uint16Array(shardTokens), used: 0, next: 0 },
+      val: { data: new Uint16Array(shardTokens), used: 0, next: 0 },
+    };
   }
 
   push(split: SplitName, ids: ArrayLike<number>): void {
@@ -121,7 +124,10 @@ export function readManifest(dir: string): Manifest | null {
   }
   const r = manifestSchema.safeParse(raw);
   if (!r.success)
-    throw new DataFileError(path, `is not a meshtrain token manifest: ${r.error.issues.map((i) => `${i.path.join(".")}: ${i.message}`).join("; ")}`);
+    throw new DataFileError(
+      path,
+      `is not a meshtrain token manifest: ${r.error.issues.map((i) => `${i.path.join(".")}: ${i.message}`).join("; ")}`,
+    );
   return r.data;
 }
 
@@ -132,7 +138,8 @@ export function readSplit(dir: string, m: Manifest, split: SplitName): Uint16Arr
   let at = 0;
   for (const s of shards) {
     const tokens = readTokenFile(join(dir, s.file));
-    if (tokens.length !== s.tokens) throw new DataFileError(join(dir, s.file), `holds ${tokens.length} tokens, the manifest says ${s.tokens}`);
+    if (tokens.length !== s.tokens)
+      throw new DataFileError(join(dir, s.file), `holds ${tokens.length} tokens, the manifest says ${s.tokens}`);
     out.set(tokens, at);
     at += tokens.length;
   }

@@ -23,7 +23,8 @@ export class CharVocab {
 
   constructor(chars: readonly string[]) {
     if (chars.length === 0) throw new DataFileError("<vocab>", "a vocabulary needs at least one character");
-    if (chars.length > 65535) throw new DataFileError("<vocab>", `${chars.length} distinct characters do not fit uint16 ids`);
+    if (chars.length > 65535)
+      throw new DataFileError("<vocab>", `${chars.length} distinct characters do not fit uint16 ids`);
     this.chars = chars;
     this.#ids = new Map(chars.map((c, i) => [c, i]));
     if (this.#ids.size !== chars.length) throw new DataFileError("<vocab>", "duplicate characters in vocabulary");

@@ -21,7 +21,8 @@ export class MemoryTokens implements Tokens {
     return this.data.length;
   }
   read(start: number, count: number, out: Uint16Array, outOffset = 0): void {
-    if (start < 0 || start + count > this.data.length) throw new RangeError(`tokens [${start}, ${start + count}) outside [0, ${this.data.length})`);
+    if (start < 0 || start + count > this.data.length)
+      throw new RangeError(`tokens [${start}, ${start + count}) outside [0, ${this.data.length})`);
     out.set(this.data.subarray(start, start + count), outOffset);
   }
   close(): void {}
@@ -84,10 +85,16 @@ export class ShardTokens implements Tokens {
     const head = new Int32Array(3);
     const got = readSync(fd, new Uint8Array(head.buffer), 0, 12, 0);
     const size = fstatSync(fd).size;
-    if (got < 12 || head[0] !== llmcMagic) throw new DataFileError(path, "is not an llm.c token shard (no magic 20240520 in its header)");
-    if (head[1] !== llmcVersionU16) throw new DataFileError(path, `llm.c token file version ${head[1]} is not supported (only version 1, uint16 tokens)`);
+    if (got < 12 || head[0] !== llmcMagic)
+      throw new DataFileError(path, "is not an llm.c token shard (no magic 20240520 in its header)");
+    if (head[1] !== llmcVersionU16)
+      throw new DataFileError(
+        path,
+        `llm.c token file version ${head[1]} is not supported (only version 1, uint16 tokens)`,
+      );
     if (head[2] !== tokens) throw new DataFileError(path, `holds ${head[2]} tokens, the manifest says ${tokens}`);
-    if (size !== headerBytes + 2 * tokens) throw new DataFileError(path, `is ${size} bytes, its header says ${headerBytes + 2 * tokens}`);
+    if (size !== headerBytes + 2 * tokens)
+      throw new DataFileError(path, `is ${size} bytes, its header says ${headerBytes + 2 * tokens}`);
   }
 
   /** The shard holding token `at` (binary search over their first tokens). */
@@ -103,7 +110,8 @@ export class ShardTokens implements Tokens {
   }
 
   read(start: number, count: number, out: Uint16Array, outOffset = 0): void {
-    if (start < 0 || count < 0 || start + count > this.length) throw new RangeError(`tokens [${start}, ${start + count}) outside [0, ${this.length})`);
+    if (start < 0 || count < 0 || start + count > this.length)
+      throw new RangeError(`tokens [${start}, ${start + count}) outside [0, ${this.length})`);
     let at = start,
       left = count,
       o = outOffset;

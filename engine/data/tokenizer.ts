@@ -37,5 +37,11 @@ export function gpt2Tokenizer(): Tokenizer {
 }
 
 export function charTokenizer(vocab: CharVocab): Tokenizer {
-  return { name: "char", vocabSize: vocab.size, eot: null, encode: (text) => vocab.encode(text), decode: (ids) => vocab.decode(ids) };
+  return {
+    name: "char",
+    vocabSize: vocab.size,
+    eot: null,
+    encode: (text) => vocab.encode(text),
+    decode: (ids) => vocab.decode(ids),
+  };
 }

@@ -22,10 +22,14 @@ export function parseTokens(path: string, bytes: Uint8Array): Uint16Array {
   const looksLlmc = bytes.length >= 4 && view.getInt32(0, true) === llmcMagic;
   let body: Uint8Array;
   if (looksLlmc) {
-    if (bytes.length < headerBytes) throw new DataFileError(path, `truncated llm.c header (${bytes.length} of ${headerBytes} bytes)`);
+    if (bytes.length < headerBytes)
+      throw new DataFileError(path, `truncated llm.c header (${bytes.length} of ${headerBytes} bytes)`);
     const version = view.getInt32(4, true);
     if (version !== llmcVersionU16) {
-      throw new DataFileError(path, `llm.c token file version ${version} is not supported (only version ${llmcVersionU16}, uint16 tokens)`);
+      throw new DataFileError(
+        path,
+        `llm.c token file version ${version} is not supported (only version ${llmcVersionU16}, uint16 tokens)`,
+      );
     }
     const count = view.getInt32(8, true);
     const expected = headerBytes + 2 * count;
@@ -34,7 +38,8 @@ export function parseTokens(path: string, bytes: Uint8Array): Uint16Array {
     }
     body = bytes.subarray(headerBytes);
   } else {
-    if (bytes.length % 2 !== 0) throw new DataFileError(path, `raw uint16 token file has an odd byte count (${bytes.length})`);
+    if (bytes.length % 2 !== 0)
+      throw new DataFileError(path, `raw uint16 token file has an odd byte count (${bytes.length})`);
     body = bytes;
   }
   // copy into an aligned buffer (the body may start at an odd offset in a shared buffer);
@@ -95,7 +100,8 @@ export class TokenBatcher {
   ) {
     this.tokens = asTokens(tokens);
     this.#window = new Uint16Array(blockSize + 1);
-    if (!Number.isInteger(batchSize) || batchSize < 1) throw new ConfigError(`batch size must be an integer >= 1, got ${batchSize}`);
+    if (!Number.isInteger(batchSize) || batchSize < 1)
+      throw new ConfigError(`batch size must be an integer >= 1, got ${batchSize}`);
     if (tokens.length < blockSize + 1) {
       throw new ConfigError(`token stream of ${tokens.length} is too short for windows of ${blockSize} + 1`);
     }
@@ -111,7 +117,10 @@ export class TokenBatcher {
       const x = w[t]!;
       const y = w[t + 1]!;
       if (x >= this.vocabSize || y >= this.vocabSize) {
-        throw new DataFileError("<tokens>", `token id ${Math.max(x, y)} at offset ${start + t} is outside the vocabulary of ${this.vocabSize}`);
+        throw new DataFileError(
+          "<tokens>",
+          `token id ${Math.max(x, y)} at offset ${start + t} is outside the vocabulary of ${this.vocabSize}`,
+        );
       }
       this.#inputs[b * T + t] = x;
       this.#targets[b * T + t] = y;

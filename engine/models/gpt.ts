@@ -58,7 +58,8 @@ export function stageBlocks(nLayer: number, part: GptPart): { from: number; to: 
   if (!Number.isInteger(stages) || stages < 1 || stages > nLayer) {
     throw new ConfigError(`a gpt of ${nLayer} layers cuts into 1 to ${nLayer} pipeline stages, not ${stages}`);
   }
-  if (!Number.isInteger(stage) || stage < 0 || stage >= stages) throw new ConfigError(`stage ${stage} is not one of ${stages}`);
+  if (!Number.isInteger(stage) || stage < 0 || stage >= stages)
+    throw new ConfigError(`stage ${stage} is not one of ${stages}`);
   const base = Math.floor(nLayer / stages),
     extra = nLayer % stages;
   const from = stage * base + Math.min(stage, extra);
@@ -125,7 +126,9 @@ export class GptModel implements Model {
     this.wpe = m.wpe;
     this.blocks = m.blocks;
     this.lnF = m.lnF;
-    this.slices = new Map(pb.params.flatMap((p) => (p.spec.sliceOf === undefined ? [] : [[p.spec.name, p.spec.sliceOf] as const])));
+    this.slices = new Map(
+      pb.params.flatMap((p) => (p.spec.sliceOf === undefined ? [] : [[p.spec.name, p.spec.sliceOf] as const])),
+    );
     this.store = ParamStore.build(ctx, pb, seed);
   }
 
@@ -144,7 +147,9 @@ export class GptModel implements Model {
       ? input.shape.length !== 2 || input.shape[1]! > blockSize
       : input.shape.length !== 3 || input.shape[1]! > blockSize || input.shape[2] !== C || input.dtype !== "f32";
     if (bad) {
-      const want = this.first ? "idx must be (B,T)" : `stage ${this.part.stage}'s input must be f32 activations (B,T,${C})`;
+      const want = this.first
+        ? "idx must be (B,T)"
+        : `stage ${this.part.stage}'s input must be f32 activations (B,T,${C})`;
       throw new ShapeError("gpt.forward", [input.shape], `${want} with T <= blockSize ${blockSize}`);
     }
   }
@@ -178,7 +183,9 @@ export class GptModel implements Model {
     this.#checkInput(input);
     let x = this.first ? this.#embed(input) : input;
     for (const block of this.blocks) {
-      const y = this.recompute ? await this.#ctx.recomputeAsync(x, block.parameters(), (h) => block.forwardAsync(h, tp)) : await block.forwardAsync(x, tp);
+      const y = this.recompute
+        ? await this.#ctx.recomputeAsync(x, block.parameters(), (h) => block.forwardAsync(h, tp))
+        : await block.forwardAsync(x, tp);
       // the stage's input is its caller's; what this loop made, it drops once read
       if (x !== input) x.drop();
       x = y;
@@ -225,7 +232,10 @@ export class GptModel implements Model {
   }
 
   *lossSteps(idx: Tensor, targets: Tensor): Generator<readonly string[], Tensor, void> {
-    if (!this.last) throw new ConfigError(`gpt stage ${this.part.stage} of ${this.part.stages} has no loss: the last stage computes it`);
+    if (!this.last)
+      throw new ConfigError(
+        `gpt stage ${this.part.stage} of ${this.part.stages} has no loss: the last stage computes it`,
+      );
     const logits = yield* this.forwardSteps(idx);
     const loss = softmaxCrossEntropy(logits, targets);
     // the loss's backward then writes the logits' gradient over them (one (B,T,V) array, not two)
@@ -267,8 +277,16 @@ export class GptModel implements Model {
    * softmax of the last position's logits / temperature, restricted to the topK most likely.
    * `onToken` gets each new token as soon as it is sampled (a caller streams the text).
    */
-  generate(prompt: readonly number[], count: number, rng: Rng, temperature = 1, topK = 0, onToken: (token: number) => void = () => {}): number[] {
-    if (!this.whole) throw new ConfigError("generate: a pipeline stage holds part of the model; sample from the whole model's file");
+  generate(
+    prompt: readonly number[],
+    count: number,
+    rng: Rng,
+    temperature = 1,
+    topK = 0,
+    onToken: (token: number) => void = () => {},
+  ): number[] {
+    if (!this.whole)
+      throw new ConfigError("generate: a pipeline stage holds part of the model; sample from the whole model's file");
     if (prompt.length === 0) throw new ConfigError("generate: the prompt needs at least one token");
     if (!(temperature > 0)) throw new ConfigError(`generate: temperature must be > 0, got ${temperature}`);
     const ctx = this.#ctx;

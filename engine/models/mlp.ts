@@ -22,7 +22,8 @@ export class MlpModel implements Model {
     readonly config: MlpConfig,
     seed: number,
   ) {
-    if (!(config.dropout >= 0 && config.dropout < 1)) throw new ConfigError(`mlp dropout must be in [0, 1), got ${config.dropout}`);
+    if (!(config.dropout >= 0 && config.dropout < 1))
+      throw new ConfigError(`mlp dropout must be in [0, 1), got ${config.dropout}`);
     const pb = new ParamBuilder();
     this.net = new MLP(pb, "mlp", config.widths, config.activation, config.dropout);
     this.store = ParamStore.build(ctx, pb, seed);

@@ -41,6 +41,8 @@ export function drive<T>(steps: Generator<readonly string[], T, void>): T {
 }
 
 /** The parameter names of a store under `prefix` (a module's: "h.0", "wte"). */
-export const namesUnder = (names: readonly string[], prefix: string): string[] => names.filter((n) => n === prefix || n.startsWith(`${prefix}.`));
+export const namesUnder = (names: readonly string[], prefix: string): string[] =>
+  names.filter((n) => n === prefix || n.startsWith(`${prefix}.`));
 
-export const gemmFlops = (shapes: readonly GemmShape[]): number => shapes.reduce((sum, s) => sum + 2 * s.M * s.N * s.K * s.batch, 0);
+export const gemmFlops = (shapes: readonly GemmShape[]): number =>
+  shapes.reduce((sum, s) => sum + 2 * s.M * s.N * s.K * s.batch, 0);

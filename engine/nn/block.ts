@@ -41,7 +41,8 @@ export class Block {
   ) {
     const C = config.nEmbd;
     const T = tensor.size;
-    if (config.nHead % T !== 0) throw new ConfigError(`tensor parallelism over ${T} ranks needs nHead (${config.nHead}) divisible by ${T}`);
+    if (config.nHead % T !== 0)
+      throw new ConfigError(`tensor parallelism over ${T} ranks needs nHead (${config.nHead}) divisible by ${T}`);
     this.tensor = tensor;
     const split = T > 1;
     const std = 0.02;
@@ -68,7 +69,9 @@ export class Block {
     this.fc = new Linear(pb, `${name}.mlp.c_fc`, C, hidden.count, {
       weightInit: { kind: "normal", std },
       biasInit: zeros,
-      ...(split ? { weightSlice: { shape: [4 * C, C], rows: [hidden] }, biasSlice: { shape: [4 * C], rows: [hidden] } } : {}),
+      ...(split
+        ? { weightSlice: { shape: [4 * C, C], rows: [hidden] }, biasSlice: { shape: [4 * C], rows: [hidden] } }
+        : {}),
     });
     this.fcProj = new Linear(pb, `${name}.mlp.c_proj`, hidden.count, C, {
       weightInit: { kind: "normal", std: projStd },
@@ -91,7 +94,9 @@ export class Block {
    */
   async forwardAsync(x: Tensor, tp: TensorParallel): Promise<Tensor> {
     if (tp.size !== this.tensor.size || tp.rank !== this.tensor.rank) {
-      throw new ConfigError(`block built for tensor rank ${this.tensor.rank} of ${this.tensor.size}, run on rank ${tp.rank} of ${tp.size}`);
+      throw new ConfigError(
+        `block built for tensor rank ${this.tensor.rank} of ${this.tensor.size}, run on rank ${tp.rank} of ${tp.size}`,
+      );
     }
     const p = this.config.dropout;
     const heads = this.config.nHead / tp.size;
@@ -111,7 +116,13 @@ export class Block {
     const proj = biasAdd(attnOut, this.attnProj.bias!.tensor);
     attnOut.drop();
     const branch = dropout(proj, p);
-    const { sum: x2, out: h2 } = residualLayerNorm(x, branch, this.ln2.weight.tensor, this.ln2.bias.tensor, this.ln2.eps);
+    const { sum: x2, out: h2 } = residualLayerNorm(
+      x,
+      branch,
+      this.ln2.weight.tensor,
+      this.ln2.bias.tensor,
+      this.ln2.eps,
+    );
     dropAll(proj, branch);
     const h2c = tp.copy(h2);
     if (h2c !== h2) h2.drop();
@@ -136,7 +147,8 @@ export class Block {
    * attention's residual add and ln_2 are one op, and so are c_fc's bias and GELU.
    */
   forward(x: Tensor): Tensor {
-    if (this.tensor.size > 1) throw new ConfigError("a tensor-parallel block runs with forwardAsync (its outputs are summed over the ranks)");
+    if (this.tensor.size > 1)
+      throw new ConfigError("a tensor-parallel block runs with forwardAsync (its outputs are summed over the ranks)");
     const p = this.config.dropout;
     const h1 = this.ln1.forward(x);
     const qkv = this.attn.forward(h1);
@@ -146,7 +158,13 @@ export class Block {
     const proj = this.attnProj.forward(a);
     a.drop();
     const branch = dropout(proj, p);
-    const { sum: x2, out: h2 } = residualLayerNorm(x, branch, this.ln2.weight.tensor, this.ln2.bias.tensor, this.ln2.eps);
+    const { sum: x2, out: h2 } = residualLayerNorm(
+      x,
+      branch,
+      this.ln2.weight.tensor,
+      this.ln2.bias.tensor,
+      this.ln2.eps,
+    );
     dropAll(proj, branch);
     const hidden = this.fc.forward(h2, "gelu");
     h2.drop();

@@ -25,8 +25,23 @@ export class Linear {
   ) {
     // default: PyTorch's nn.Linear init, U(-1/sqrt(in), 1/sqrt(in))
     const bound = 1 / Math.sqrt(inFeatures);
-    this.weight = pb.add(`${name}.weight`, [outFeatures, inFeatures], options.weightInit ?? { kind: "uniform", bound }, true, options.weightSlice);
-    this.bias = options.bias === false ? null : pb.add(`${name}.bias`, [outFeatures], options.biasInit ?? { kind: "uniform", bound }, false, options.biasSlice);
+    this.weight = pb.add(
+      `${name}.weight`,
+      [outFeatures, inFeatures],
+      options.weightInit ?? { kind: "uniform", bound },
+      true,
+      options.weightSlice,
+    );
+    this.bias =
+      options.bias === false
+        ? null
+        : pb.add(
+            `${name}.bias`,
+            [outFeatures],
+            options.biasInit ?? { kind: "uniform", bound },
+            false,
+            options.biasSlice,
+          );
   }
 
   /** x (...,in) -> act(x W^T + b) (...,out), one op (engine/ops/linear.ts) */

@@ -23,7 +23,13 @@ import { checkDType, checkInputs } from "./check.ts";
 export function causalSelfAttention(qkv: Tensor, nHead: number): Tensor {
   const ctx = checkInputs("causalSelfAttention", [qkv]);
   checkDType("causalSelfAttention", qkv, "f32");
-  if (qkv.shape.length !== 3 || qkv.shape[2]! % 3 !== 0 || !Number.isInteger(nHead) || nHead < 1 || (qkv.shape[2]! / 3) % nHead !== 0) {
+  if (
+    qkv.shape.length !== 3 ||
+    qkv.shape[2]! % 3 !== 0 ||
+    !Number.isInteger(nHead) ||
+    nHead < 1 ||
+    (qkv.shape[2]! / 3) % nHead !== 0
+  ) {
     throw new ShapeError("causalSelfAttention", [qkv.shape], `qkv must be (B,T,3C) with C divisible by nHead=${nHead}`);
   }
   const [B, T, C3] = qkv.shape as [number, number, number];
@@ -44,7 +50,20 @@ export function causalSelfAttention(qkv: Tensor, nHead: number): Tensor {
     out,
     () => {
       const delta = ctx.empty([B, H, T]);
-      be.attentionBackward(qkv.ensureGrad().ptr, delta.ptr, out.grad!.ptr, out.ptr, lse.ptr, input.ptr, B, T, C, H, scale, elem);
+      be.attentionBackward(
+        qkv.ensureGrad().ptr,
+        delta.ptr,
+        out.grad!.ptr,
+        out.ptr,
+        lse.ptr,
+        input.ptr,
+        B,
+        T,
+        C,
+        H,
+        scale,
+        elem,
+      );
       delta.drop();
     },
     [input, out, lse],
@@ -62,7 +81,8 @@ export function causalSelfAttentionReference(qkv: Float64Array, B: number, T: nu
   const scale = 1 / Math.sqrt(D);
   const out = new Float64Array(B * T * C);
   const att = new Float64Array(B * H * T * T);
-  const at = (b: number, t: number, part: number, h: number, d: number) => qkv[(b * T + t) * 3 * C + part * C + h * D + d]!;
+  const at = (b: number, t: number, part: number, h: number, d: number) =>
+    qkv[(b * T + t) * 3 * C + part * C + h * D + d]!;
   for (let b = 0; b < B; b++) {
     for (let h = 0; h < H; h++) {
       for (let i = 0; i < T; i++) {
@@ -88,7 +108,14 @@ export function causalSelfAttentionReference(qkv: Float64Array, B: number, T: nu
   return { out, att };
 }
 
-export function causalSelfAttentionBackwardReference(qkv: Float64Array, dout: Float64Array, B: number, T: number, C: number, H: number): Float64Array {
+export function causalSelfAttentionBackwardReference(
+  qkv: Float64Array,
+  dout: Float64Array,
+  B: number,
+  T: number,
+  C: number,
+  H: number,
+): Float64Array {
   const D = C / H;
   const scale = 1 / Math.sqrt(D);
   const { att } = causalSelfAttentionReference(qkv, B, T, C, H);

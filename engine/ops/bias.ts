@@ -9,7 +9,8 @@ export function biasAdd(inp: Tensor, bias: Tensor): Tensor {
   checkDType("biasAdd", bias, "f32");
   checkRank("biasAdd", bias, [1], [inp.shape, bias.shape]);
   const C = bias.shape[0]!;
-  if (lastDim(inp.shape) !== C) throw new ShapeError("biasAdd", [inp.shape, bias.shape], "last dim of inp must equal bias length");
+  if (lastDim(inp.shape) !== C)
+    throw new ShapeError("biasAdd", [inp.shape, bias.shape], "last dim of inp must equal bias length");
   const N = inp.numel / C;
   const be = ctx.backend;
   const out = ctx.empty(inp.shape);

@@ -45,7 +45,10 @@ export function contiguousStrides(shape: Shape): number[] {
 }
 
 /** Merge adjacent dims that are contiguous in every stride set; drop size-1 dims. */
-export function collapseDims(dims: readonly number[], strideSets: readonly (readonly number[])[]): { dims: number[]; strides: number[][] } {
+export function collapseDims(
+  dims: readonly number[],
+  strideSets: readonly (readonly number[])[],
+): { dims: number[]; strides: number[][] } {
   const d = [...dims];
   const s = strideSets.map((x) => [...x]);
   // drop size-1 dims first (their strides do not matter), so they never block a merge

@@ -17,14 +17,27 @@ export function softmaxCrossEntropy(logits: Tensor, targets: Tensor): Tensor {
   const N = logits.numel / V;
   const lead = logits.shape.slice(0, -1);
   if (logits.shape.length < 2 || targets.shape.length !== lead.length || lead.some((d, i) => d !== targets.shape[i])) {
-    throw new ShapeError("softmaxCrossEntropy", [logits.shape, targets.shape], "targets must have the leading dims of logits");
+    throw new ShapeError(
+      "softmaxCrossEntropy",
+      [logits.shape, targets.shape],
+      "targets must have the leading dims of logits",
+    );
   }
   const be = ctx.backend;
   const loss = ctx.empty([1]);
   const losses = ctx.empty([N]);
   const lse = ctx.empty([N]);
   // targets known on the host to be in range need no count (on a GPU: no wait in the forward pass)
-  const invalid = be.crossEntropyForward(loss.ptr, losses.ptr, lse.ptr, logits.ptr, targets.ptr, N, V, targets.knownInRange(V));
+  const invalid = be.crossEntropyForward(
+    loss.ptr,
+    losses.ptr,
+    lse.ptr,
+    logits.ptr,
+    targets.ptr,
+    N,
+    V,
+    targets.knownInRange(V),
+  );
   losses.drop();
   if (invalid > 0) throw new IndexRangeError("softmaxCrossEntropy", invalid, V, targets.shape);
   ctx.record(
@@ -33,7 +46,16 @@ export function softmaxCrossEntropy(logits: Tensor, targets: Tensor): Tensor {
     loss,
     () => {
       const inPlace = logits.gradInPlace();
-      be.crossEntropyBackward(logits.ensureGrad().ptr, logits.ptr, lse.ptr, targets.ptr, loss.grad!.ptr, N, V, !inPlace);
+      be.crossEntropyBackward(
+        logits.ensureGrad().ptr,
+        logits.ptr,
+        lse.ptr,
+        targets.ptr,
+        loss.grad!.ptr,
+        N,
+        V,
+        !inPlace,
+      );
     },
     [logits, targets, lse],
   );
@@ -58,7 +80,13 @@ export function softmaxCrossEntropyReference(logits: Float64Array, targets: Int3
 }
 
 // forward was: loss = (1/N) sum_n (logsumexp(x_n) - x_n[t_n])  =>  dx_n[v] = (p_n[v] - [v == t_n]) / N
-export function softmaxCrossEntropyBackwardReference(probs: Float64Array, targets: Int32Array, N: number, V: number, dloss = 1): Float64Array {
+export function softmaxCrossEntropyBackwardReference(
+  probs: Float64Array,
+  targets: Int32Array,
+  N: number,
+  V: number,
+  dloss = 1,
+): Float64Array {
   const d = new Float64Array(N * V);
   for (let n = 0; n < N; n++) {
     for (let v = 0; v < V; v++) d[n * V + v] = ((probs[n * V + v]! - (v === targets[n] ? 1 : 0)) * dloss) / N;

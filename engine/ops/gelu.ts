@@ -18,7 +18,8 @@ export function gelu(inp: Tensor): Tensor {
 
 const s = Math.sqrt(2 / Math.PI);
 
-export const geluReference = (x: Float64Array): Float64Array => x.map((v) => 0.5 * v * (1 + Math.tanh(s * (v + 0.044715 * v * v * v))));
+export const geluReference = (x: Float64Array): Float64Array =>
+  x.map((v) => 0.5 * v * (1 + Math.tanh(s * (v + 0.044715 * v * v * v))));
 
 // forward was: out = 0.5 x (1 + t), t = tanh(u), u = s (x + 0.044715 x^3)
 // dout/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) s (1 + 3 0.044715 x^2)

@@ -12,7 +12,11 @@ export function layerNorm(inp: Tensor, weight: Tensor, bias: Tensor, eps = layer
   for (const t of [inp, weight, bias]) checkDType("layerNorm", t, "f32");
   const C = lastDim(inp.shape);
   if (weight.shape.length !== 1 || bias.shape.length !== 1 || weight.shape[0] !== C || bias.shape[0] !== C) {
-    throw new ShapeError("layerNorm", [inp.shape, weight.shape, bias.shape], "weight and bias must be (C) with C = last dim of inp");
+    throw new ShapeError(
+      "layerNorm",
+      [inp.shape, weight.shape, bias.shape],
+      "weight and bias must be (C) with C = last dim of inp",
+    );
   }
   const N = inp.numel / C;
   const be = ctx.backend;
@@ -29,19 +33,47 @@ export function layerNorm(inp: Tensor, weight: Tensor, bias: Tensor, eps = layer
  * pass over memory (Backend.residualLayerNormForward). Backward is the two ops' own: an add node
  * and a LayerNorm node, so the sum's gradient gathers from both of its readers as usual.
  */
-export function residualLayerNorm(x: Tensor, d: Tensor, weight: Tensor, bias: Tensor, eps = layerNormEps): { sum: Tensor; out: Tensor } {
+export function residualLayerNorm(
+  x: Tensor,
+  d: Tensor,
+  weight: Tensor,
+  bias: Tensor,
+  eps = layerNormEps,
+): { sum: Tensor; out: Tensor } {
   const ctx = checkInputs("residualLayerNorm", [x, d, weight, bias]);
   for (const t of [x, d, weight, bias]) checkDType("residualLayerNorm", t, "f32");
   const C = lastDim(x.shape);
-  if (!sameShape(x.shape, d.shape) || weight.shape.length !== 1 || bias.shape.length !== 1 || weight.shape[0] !== C || bias.shape[0] !== C) {
-    throw new ShapeError("residualLayerNorm", [x.shape, d.shape, weight.shape], "x and d must have one shape, weight and bias (C) with C = its last dim");
+  if (
+    !sameShape(x.shape, d.shape) ||
+    weight.shape.length !== 1 ||
+    bias.shape.length !== 1 ||
+    weight.shape[0] !== C ||
+    bias.shape[0] !== C
+  ) {
+    throw new ShapeError(
+      "residualLayerNorm",
+      [x.shape, d.shape, weight.shape],
+      "x and d must have one shape, weight and bias (C) with C = its last dim",
+    );
   }
   const N = x.numel / C;
   const sum = ctx.empty(x.shape);
   const out = ctx.empty(x.shape);
   const mean = ctx.empty([N]);
   const rstd = ctx.empty([N]);
-  ctx.backend.residualLayerNormForward(sum.ptr, out.ptr, mean.ptr, rstd.ptr, x.ptr, d.ptr, weight.ptr, bias.ptr, N, C, eps);
+  ctx.backend.residualLayerNormForward(
+    sum.ptr,
+    out.ptr,
+    mean.ptr,
+    rstd.ptr,
+    x.ptr,
+    d.ptr,
+    weight.ptr,
+    bias.ptr,
+    N,
+    C,
+    eps,
+  );
   ctx.record("add", [x, d], sum, () => addBackward(sum, x, d), []);
   recordLayerNorm(sum, weight, bias, out, mean, rstd);
   return { sum, out };
@@ -78,7 +110,14 @@ function recordLayerNorm(inp: Tensor, weight: Tensor, bias: Tensor, out: Tensor,
 
 // ---- float64 reference --------------------------------------------------------------------
 
-export function layerNormReference(inp: Float64Array, weight: Float64Array, bias: Float64Array, N: number, C: number, eps = layerNormEps) {
+export function layerNormReference(
+  inp: Float64Array,
+  weight: Float64Array,
+  bias: Float64Array,
+  N: number,
+  C: number,
+  eps = layerNormEps,
+) {
   const out = new Float64Array(N * C);
   const mean = new Float64Array(N);
   const rstd = new Float64Array(N);
@@ -99,7 +138,14 @@ export function layerNormReference(inp: Float64Array, weight: Float64Array, bias
 
 // forward was: out = norm * weight + bias, norm = (x - mean) * rstd
 // dnorm = dout * weight; dx = rstd (dnorm - mean(dnorm) - norm mean(dnorm norm))
-export function layerNormBackwardReference(inp: Float64Array, weight: Float64Array, dout: Float64Array, N: number, C: number, eps = layerNormEps) {
+export function layerNormBackwardReference(
+  inp: Float64Array,
+  weight: Float64Array,
+  dout: Float64Array,
+  N: number,
+  C: number,
+  eps = layerNormEps,
+) {
   const { mean, rstd } = layerNormReference(inp, weight, new Float64Array(C), N, C, eps);
   const dinp = new Float64Array(N * C);
   const dweight = new Float64Array(C);

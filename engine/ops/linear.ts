@@ -21,7 +21,11 @@ export function linear(inp: Tensor, weight: Tensor, bias: Tensor | null, activat
   for (const t of bias === null ? [inp, weight] : [inp, weight, bias]) checkDType("linear", t, "f32");
   const I = lastDim(inp.shape);
   if (weight.shape.length !== 2 || weight.shape[1] !== I || inp.shape.length < 1) {
-    throw new ShapeError("linear", [inp.shape, weight.shape], "weight must be (out, in) with in = the input's last dim");
+    throw new ShapeError(
+      "linear",
+      [inp.shape, weight.shape],
+      "weight must be (out, in) with in = the input's last dim",
+    );
   }
   const O = weight.shape[0]!;
   if (bias !== null && (bias.shape.length !== 1 || bias.shape[0] !== O)) {

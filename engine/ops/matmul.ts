@@ -133,7 +133,15 @@ export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tenso
 // ---- float64 reference --------------------------------------------------------------------
 
 /** out (M,N) = op(a) op(b); a, b stored row-major as the flags say. */
-export function matmulReference(a: Float64Array, b: Float64Array, M: number, N: number, K: number, transA = false, transB = false): Float64Array {
+export function matmulReference(
+  a: Float64Array,
+  b: Float64Array,
+  M: number,
+  N: number,
+  K: number,
+  transA = false,
+  transB = false,
+): Float64Array {
   const out = new Float64Array(M * N);
   for (let i = 0; i < M; i++) {
     for (let j = 0; j < N; j++) {

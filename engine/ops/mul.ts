@@ -75,7 +75,13 @@ export function mulReference(a: Float64Array, aShape: number[], b: Float64Array,
   return { out, outShape: plan.outShape };
 }
 
-export function mulBackwardReference(a: Float64Array, aShape: number[], b: Float64Array, bShape: number[], dout: Float64Array) {
+export function mulBackwardReference(
+  a: Float64Array,
+  aShape: number[],
+  b: Float64Array,
+  bShape: number[],
+  dout: Float64Array,
+) {
   const plan = broadcastPlan("mul", aShape, bShape);
   const ai = broadcastIndexReference(plan.outShape, plan.aFull);
   const bi = broadcastIndexReference(plan.outShape, plan.bFull);

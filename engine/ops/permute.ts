@@ -50,7 +50,8 @@ export function permute(x: Tensor, perm: readonly number[]): Tensor {
 /** Swap two dims (a copy). */
 export function transpose(x: Tensor, dim0: number, dim1: number): Tensor {
   const perm = x.shape.map((_, i) => i);
-  if (!(dim0 in perm) || !(dim1 in perm)) throw new ShapeError("transpose", [x.shape], `dims ${dim0}, ${dim1} out of range`);
+  if (!(dim0 in perm) || !(dim1 in perm))
+    throw new ShapeError("transpose", [x.shape], `dims ${dim0}, ${dim1} out of range`);
   perm[dim0] = dim1;
   perm[dim1] = dim0;
   return permute(x, perm);
@@ -77,7 +78,11 @@ export function permuteReference(x: Float64Array, shape: readonly number[], perm
 }
 
 /** The backward of a permute is the inverse permute. */
-export function permuteBackwardReference(dout: Float64Array, shape: readonly number[], perm: readonly number[]): Float64Array {
+export function permuteBackwardReference(
+  dout: Float64Array,
+  shape: readonly number[],
+  perm: readonly number[],
+): Float64Array {
   const inverse = new Array<number>(perm.length);
   perm.forEach((d, k) => (inverse[d] = k));
   return permuteReference(

@@ -31,4 +31,5 @@ export const mean = (x: Tensor): Tensor => reduceAll("mean", x);
 export const sumReference = (x: Float64Array): number => x.reduce((a, b) => a + b, 0);
 export const meanReference = (x: Float64Array): number => sumReference(x) / x.length;
 // forward was: out = sum(x) (or mean)  =>  dx[i] = dout (or dout / n)
-export const sumBackwardReference = (n: number, dout: number, mean = false): Float64Array => new Float64Array(n).fill(mean ? dout / n : dout);
+export const sumBackwardReference = (n: number, dout: number, mean = false): Float64Array =>
+  new Float64Array(n).fill(mean ? dout / n : dout);

@@ -20,4 +20,5 @@ export function relu(inp: Tensor): Tensor {
 export const reluReference = (x: Float64Array): Float64Array => x.map((v) => (v < 0 ? 0 : v));
 
 // forward was: out = max(x, 0)  =>  dx = dout where x > 0
-export const reluBackwardReference = (x: Float64Array, dout: Float64Array): Float64Array => x.map((v, i) => (v > 0 ? dout[i]! : 0));
+export const reluBackwardReference = (x: Float64Array, dout: Float64Array): Float64Array =>
+  x.map((v, i) => (v > 0 ? dout[i]! : 0));

@@ -81,7 +81,11 @@ export class AdamW implements Optimizer {
   }
 
   stateSlabs() {
-    return [{ name: "m", allocation: this.#m }, { name: "v", allocation: this.#v }, ...(this.#age ? [{ name: "age", allocation: this.#age }] : [])];
+    return [
+      { name: "m", allocation: this.#m },
+      { name: "v", allocation: this.#v },
+      ...(this.#age ? [{ name: "age", allocation: this.#age }] : []),
+    ];
   }
 
   setStepCount(n: number): void {

@@ -39,12 +39,15 @@ export const lossScaleDefaults: Readonly<LossScaleConfig> = {
 };
 
 export function checkLossScaleConfig(c: LossScaleConfig): void {
-  if (!(c.initScale > 0) || !Number.isFinite(c.initScale)) throw new ConfigError(`lossScale.initScale must be a finite number > 0, got ${c.initScale}`);
+  if (!(c.initScale > 0) || !Number.isFinite(c.initScale))
+    throw new ConfigError(`lossScale.initScale must be a finite number > 0, got ${c.initScale}`);
   if (!(c.growthFactor > 1) || !Number.isFinite(c.growthFactor))
     throw new ConfigError(`lossScale.growthFactor must be a finite number > 1, got ${c.growthFactor}`);
-  if (!(c.backoffFactor > 0 && c.backoffFactor < 1)) throw new ConfigError(`lossScale.backoffFactor must be in (0, 1), got ${c.backoffFactor}`);
+  if (!(c.backoffFactor > 0 && c.backoffFactor < 1))
+    throw new ConfigError(`lossScale.backoffFactor must be in (0, 1), got ${c.backoffFactor}`);
   for (const key of ["growthInterval", "skipsInARowMax"] as const) {
-    if (!Number.isSafeInteger(c[key]) || c[key] < 1) throw new ConfigError(`lossScale.${key} must be an integer >= 1, got ${c[key]}`);
+    if (!Number.isSafeInteger(c[key]) || c[key] < 1)
+      throw new ConfigError(`lossScale.${key} must be an integer >= 1, got ${c[key]}`);
   }
 }
 
@@ -84,7 +87,8 @@ export class LossScaler {
 
   /** Resumes at a checkpoint's scale (the count of good steps starts over). */
   restoreScale(scale: number): void {
-    if (!(scale > 0) || !Number.isFinite(scale)) throw new ConfigError(`a loss scale must be a finite number > 0, got ${scale}`);
+    if (!(scale > 0) || !Number.isFinite(scale))
+      throw new ConfigError(`a loss scale must be a finite number > 0, got ${scale}`);
     this.#scale = scale;
     this.#goodSteps = 0;
     this.#skipsInARow = 0;

@@ -40,8 +40,18 @@ export interface UpdatePlan {
 /** The whole slab: state slabs of the slab's layout, gradients in the store's slab. */
 export function wholeSlabPlan(store: ParamStore): UpdatePlan {
   const ranges = [
-    { paramOffset: store.decayRange.offset, stateOffset: store.decayRange.offset, numel: store.decayRange.numel, decay: true },
-    { paramOffset: store.noDecayRange.offset, stateOffset: store.noDecayRange.offset, numel: store.noDecayRange.numel, decay: false },
+    {
+      paramOffset: store.decayRange.offset,
+      stateOffset: store.decayRange.offset,
+      numel: store.decayRange.numel,
+      decay: true,
+    },
+    {
+      paramOffset: store.noDecayRange.offset,
+      stateOffset: store.noDecayRange.offset,
+      numel: store.noDecayRange.numel,
+      decay: false,
+    },
   ].filter((r) => r.numel > 0);
   return { ranges, stateNumel: store.slabNumel, grads: null };
 }

@@ -22,7 +22,8 @@ export function scheduleOf(kind: Schedule["kind"], warmupSteps: number, totalSte
 export function checkSchedule(s: Schedule, lr: number): void {
   if (!(lr > 0) || !Number.isFinite(lr)) throw new ConfigError(`learning rate must be a positive number, got ${lr}`);
   if (s.kind === "constant") return;
-  if (!Number.isInteger(s.warmupSteps) || s.warmupSteps < 0) throw new ConfigError(`warmupSteps must be an integer >= 0, got ${s.warmupSteps}`);
+  if (!Number.isInteger(s.warmupSteps) || s.warmupSteps < 0)
+    throw new ConfigError(`warmupSteps must be an integer >= 0, got ${s.warmupSteps}`);
   if (!Number.isInteger(s.totalSteps) || s.totalSteps <= s.warmupSteps) {
     throw new ConfigError(`totalSteps (${s.totalSteps}) must be an integer > warmupSteps (${s.warmupSteps})`);
   }
@@ -41,6 +42,7 @@ export function lrAt(s: Schedule, lr: number, step: number): number {
 
 /** Linear scaling rule: a learning rate tuned at baseBatch, used at globalBatch. */
 export function scaleLrForBatch(lr: number, baseBatch: number, globalBatch: number): number {
-  if (!(baseBatch > 0) || !(globalBatch > 0)) throw new ConfigError(`batch sizes must be > 0 (${baseBatch}, ${globalBatch})`);
+  if (!(baseBatch > 0) || !(globalBatch > 0))
+    throw new ConfigError(`batch sizes must be > 0 (${baseBatch}, ${globalBatch})`);
   return (lr * globalBatch) / baseBatch;
 }

@@ -49,7 +49,18 @@ export class Sgd implements Optimizer {
     const { momentum, dampening, nesterov, weightDecay } = this.config;
     const first = this.#steps === 0;
     for (const g of updateGroups(this.store, this.plan, weightDecay)) {
-      be.sgdStep(g.param, g.grad, this.#momentum.ptr + g.stateOffsetBytes, g.numel, lr, momentum, dampening, g.weightDecay, nesterov, first);
+      be.sgdStep(
+        g.param,
+        g.grad,
+        this.#momentum.ptr + g.stateOffsetBytes,
+        g.numel,
+        lr,
+        momentum,
+        dampening,
+        g.weightDecay,
+        nesterov,
+        first,
+      );
     }
     this.#steps++;
   }

@@ -101,7 +101,15 @@ export class CollectiveClosedError extends CollectiveError {
 
 /** Programmer errors in how a collective is called: the same on every rank, asserted. */
 export function checkKey(key: OpKey): void {
-  if (!Number.isSafeInteger(key.step) || key.step < 0 || !Number.isInteger(key.bucket) || key.bucket < 0 || key.bucket > 0xffff_ffff) {
-    throw new RangeError(`collective key needs a step >= 0 and a bucket in [0, 2^32), got step ${key.step} bucket ${key.bucket}`);
+  if (
+    !Number.isSafeInteger(key.step) ||
+    key.step < 0 ||
+    !Number.isInteger(key.bucket) ||
+    key.bucket < 0 ||
+    key.bucket > 0xffff_ffff
+  ) {
+    throw new RangeError(
+      `collective key needs a step >= 0 and a bucket in [0, 2^32), got step ${key.step} bucket ${key.bucket}`,
+    );
   }
 }

@@ -29,7 +29,12 @@
 import { hostKernels } from "../../ffi/cpu/host.ts";
 import { ConfigError } from "../errors.ts";
 
-export type Compression = { kind: "none" } | { kind: "bf16" } | { kind: "fp16" } | { kind: "int8" } | { kind: "topk"; fraction: number };
+export type Compression =
+  | { kind: "none" }
+  | { kind: "bf16" }
+  | { kind: "fp16" }
+  | { kind: "int8" }
+  | { kind: "topk"; fraction: number };
 
 /** int8 in all-reduce buckets: one scale per this many values (0.2% more bytes; a layer's
  *  gradients and the next one's rarely share a scale) */
@@ -40,10 +45,13 @@ export const compressionPattern = /^(none|bf16|fp16|int8|topk:\d*\.?\d+(e-?\d+)?
 
 export function parseCompression(text: string): Compression {
   if (!compressionPattern.test(text))
-    throw new ConfigError(`compression must be none, bf16, fp16, int8 or topk:<fraction in (0, 1]> (topk:0.01 sends 1%), got "${text}"`);
+    throw new ConfigError(
+      `compression must be none, bf16, fp16, int8 or topk:<fraction in (0, 1]> (topk:0.01 sends 1%), got "${text}"`,
+    );
   if (!text.startsWith("topk:")) return { kind: text as "none" | "bf16" | "fp16" | "int8" };
   const fraction = Number(text.slice(5));
-  if (!(fraction > 0 && fraction <= 1)) throw new ConfigError(`topk's fraction must be in (0, 1], got ${text.slice(5)}`);
+  if (!(fraction > 0 && fraction <= 1))
+    throw new ConfigError(`topk's fraction must be in (0, 1], got ${text.slice(5)}`);
   return { kind: "topk", fraction };
 }
 
@@ -225,14 +233,19 @@ export class Codec {
 
 /** int8 scales are 0, a positive finite number, or NaN (the sender's block overflowed). */
 export function checkScales(scales: Float32Array): void {
-  for (const s of scales) if (s < 0 || s === Infinity) throw new CompressionError(`an int8 scale of ${s}: scales are finite and >= 0 (NaN marks an overflow)`);
+  for (const s of scales)
+    if (s < 0 || s === Infinity)
+      throw new CompressionError(`an int8 scale of ${s}: scales are finite and >= 0 (NaN marks an overflow)`);
 }
 
 /** Top-k indices: strictly ascending, each below n. */
 export function checkIndices(idx: Uint32Array, n: number): void {
   let last = -1;
   for (const i of idx) {
-    if (i <= last || i >= n) throw new CompressionError(`top-k indices must ascend strictly below ${n}; got ${i} after ${last < 0 ? "the start" : last}`);
+    if (i <= last || i >= n)
+      throw new CompressionError(
+        `top-k indices must ascend strictly below ${n}; got ${i} after ${last < 0 ? "the start" : last}`,
+      );
     last = i;
   }
 }
@@ -288,7 +301,8 @@ export class ErrorFeedback {
   #compensate(x: Float32Array, at: number): Float32Array {
     if (!this.codec.lossy) return x;
     const r = this.residual;
-    if (at < 0 || at + x.length > r.length) throw new RangeError(`error feedback over [${at}, ${at + x.length}) of ${r.length} values`);
+    if (at < 0 || at + x.length > r.length)
+      throw new RangeError(`error feedback over [${at}, ${at + x.length}) of ${r.length} values`);
     const part = r.subarray(at, at + x.length);
     this.#k.addInto(x, new Uint8Array(part.buffer, part.byteOffset, part.byteLength));
     return x;

@@ -248,7 +248,8 @@ export class DataParallel {
       if (o.zero === 3) {
         // every rank initialized the whole model from the seed; it keeps its partition
         const owned = ctx.allocPersistent(Math.max(part.numel, 1) * 4);
-        for (const r of part.ranges.flat()) backend.copy(owned.ptr + r.stateOffset * 4, store.values.ptr + r.paramOffset * 4, r.numel * 4);
+        for (const r of part.ranges.flat())
+          backend.copy(owned.ptr + r.stateOffset * 4, store.values.ptr + r.paramOffset * 4, r.numel * 4);
         this.#ownedParams = owned;
         store.releaseValueSlab();
       }
@@ -265,7 +266,12 @@ export class DataParallel {
         // the master copy of the partition, from the device's (every rank initialized alike)
         for (const r of part.ranges.flat()) {
           const v = new Float32Array(r.numel);
-          backend.download(this.#ownedParams !== null ? this.#ownedParams.ptr + r.stateOffset * 4 : store.values.ptr + r.paramOffset * 4, v);
+          backend.download(
+            this.#ownedParams !== null
+              ? this.#ownedParams.ptr + r.stateOffset * 4
+              : store.values.ptr + r.paramOffset * 4,
+            v,
+          );
           hostCtx.backend.upload(hp.params.ptr + r.stateOffset * 4, v);
         }
         this.#hostPart = hp;
@@ -279,11 +285,22 @@ export class DataParallel {
     const [optCtx, optStore] = this.#host ? [this.#host.ctx, this.#host.store] : [this.#hostPart?.ctx ?? ctx, store];
     this.optimizer =
       opt.kind === "sgd"
-        ? new Sgd(optCtx, optStore, { momentum: opt.momentum, dampening: 0, nesterov: opt.nesterov, weightDecay: opt.weightDecay }, plan)
+        ? new Sgd(
+            optCtx,
+            optStore,
+            { momentum: opt.momentum, dampening: 0, nesterov: opt.nesterov, weightDecay: opt.weightDecay },
+            plan,
+          )
         : new AdamW(
             optCtx,
             optStore,
-            { beta1: opt.beta1, beta2: opt.beta2, eps: opt.eps, weightDecay: opt.weightDecay, sparse: this.codec.kind === "topk" },
+            {
+              beta1: opt.beta1,
+              beta2: opt.beta2,
+              eps: opt.eps,
+              weightDecay: opt.weightDecay,
+              sparse: this.codec.kind === "topk",
+            },
             plan,
           );
     this.scaler = ctx.precision === "f16" ? new LossScaler() : null;
@@ -306,7 +323,10 @@ export class DataParallel {
           ? this.#hostPart.params.bytes + this.#hostPart.grads.bytes + this.#optimizerBytes
           : 0,
       // the host buffers buckets travel through (compression: the residuals and the all-gathered encodings too)
-      buckets: (this.#buckets ?? []).reduce((sum, b) => sum + b.buf.byteLength + (b.feedback?.residual.byteLength ?? 0) + (b.gathered?.byteLength ?? 0), 0),
+      buckets: (this.#buckets ?? []).reduce(
+        (sum, b) => sum + b.buf.byteLength + (b.feedback?.residual.byteLength ?? 0) + (b.gathered?.byteLength ?? 0),
+        0,
+      ),
       arenaPeak: ctx.arena.highWaterBytes,
       gatheredPeak: this.#gatheredPeak,
     };
@@ -384,13 +404,27 @@ export class DataParallel {
    * One step: forward/backward over `micro` (this rank's `rows` samples), the averaged gradient
    * over all ranks (`totalRows` samples), and the update at `lr`.
    */
-  async step(step: number, micro: readonly HostBatch[], rows: number, totalRows: number, lr: number): Promise<DataParallelStepResult> {
+  async step(
+    step: number,
+    micro: readonly HostBatch[],
+    rows: number,
+    totalRows: number,
+    lr: number,
+  ): Promise<DataParallelStepResult> {
     this.codec.atStep(step, this.#o.warmupSteps);
-    return this.zero > 0 ? this.#stepZero(step, micro, rows, totalRows, lr) : this.#stepReplica(step, micro, rows, totalRows, lr);
+    return this.zero > 0
+      ? this.#stepZero(step, micro, rows, totalRows, lr)
+      : this.#stepReplica(step, micro, rows, totalRows, lr);
   }
 
   /** Stage 0: each bucket all-reduced as backward completes it, then the same update on every rank. */
-  async #stepReplica(step: number, micro: readonly HostBatch[], rows: number, totalRows: number, lr: number): Promise<DataParallelStepResult> {
+  async #stepReplica(
+    step: number,
+    micro: readonly HostBatch[],
+    rows: number,
+    totalRows: number,
+    lr: number,
+  ): Promise<DataParallelStepResult> {
     const { ctx, model } = this.#o;
     const backend = ctx.backend;
     const store = model.store;
@@ -495,7 +529,13 @@ export class DataParallel {
    * Then: overflow and the global norm from every rank's partition (one small all-reduce), the
    * optimizer on the partition, and each bucket's updated parameters all-gathered.
    */
-  async #stepZero(step: number, micro: readonly HostBatch[], rows: number, totalRows: number, lr: number): Promise<DataParallelStepResult> {
+  async #stepZero(
+    step: number,
+    micro: readonly HostBatch[],
+    rows: number,
+    totalRows: number,
+    lr: number,
+  ): Promise<DataParallelStepResult> {
     const t0 = performance.now();
     const flight = new InFlight();
     const loss = await this.#zeroPasses(step, micro, rows, totalRows, flight);
@@ -524,7 +564,13 @@ export class DataParallel {
    * rounds, so a rank with fewer micro-batches reduces zeros). Returns the mean loss; the
    * reductions are in `flight`.
    */
-  async #zeroPasses(step: number, micro: readonly HostBatch[], rows: number, totalRows: number, flight: InFlight): Promise<number> {
+  async #zeroPasses(
+    step: number,
+    micro: readonly HostBatch[],
+    rows: number,
+    totalRows: number,
+    flight: InFlight,
+  ): Promise<number> {
     const { ctx, model } = this.#o;
     const store = model.store;
     const buckets = this.#plan();
@@ -584,7 +630,9 @@ export class DataParallel {
       at += e.numel;
     }
     const key = { step, bucket: round * this.#buckets!.length + b.id };
-    return (b.feedback ? this.#compressedAllReduce(b, key) : this.#o.collective().reduceScatter(b.buf, key)).then(() => this.#keep(b, round > 0));
+    return (b.feedback ? this.#compressedAllReduce(b, key) : this.#o.collective().reduceScatter(b.buf, key)).then(() =>
+      this.#keep(b, round > 0),
+    );
   }
 
   /**
@@ -598,7 +646,11 @@ export class DataParallel {
     const hp = this.#hostPart;
     const gb = hp?.ctx.backend ?? this.#o.ctx.backend;
     const gradAt = (r: (typeof ranges)[number]) =>
-      hp !== null ? hp.grads.ptr + r.stateOffset * 4 : this.zero >= 2 ? this.#ownedGrads!.ptr + r.stateOffset * 4 : store.grads.ptr + r.paramOffset * 4;
+      hp !== null
+        ? hp.grads.ptr + r.stateOffset * 4
+        : this.zero >= 2
+          ? this.#ownedGrads!.ptr + r.stateOffset * 4
+          : store.grads.ptr + r.paramOffset * 4;
     const stats = new Float32Array(2);
     let nonFinite = 0,
       sumSq = 0;
@@ -630,7 +682,10 @@ export class DataParallel {
     const collective = this.#o.collective();
     const gathers = buckets.map((b) => {
       for (const r of this.partition!.ranges[b.id]!)
-        backend.download(store.values.ptr + r.paramOffset * 4, b.buf.subarray(r.bucketOffset, r.bucketOffset + r.numel));
+        backend.download(
+          store.values.ptr + r.paramOffset * 4,
+          b.buf.subarray(r.bucketOffset, r.bucketOffset + r.numel),
+        );
       return collective.allGather(b.buf, { step, bucket: gatherBucket + b.id });
     });
     await Promise.all(gathers);
@@ -666,7 +721,8 @@ export class DataParallel {
       if (r.done) return r.value;
       const need = this.#bucketIds(r.value);
       const next = this.#forwardPlan[part + 1] ?? [];
-      for (const id of [...this.#gathered.keys()]) if (!need.includes(id) && !next.includes(id)) this.#release(buckets[id]!);
+      for (const id of [...this.#gathered.keys()])
+        if (!need.includes(id) && !next.includes(id)) this.#release(buckets[id]!);
       const ready = need.map((id) => this.#gather(buckets[id]!, step));
       for (const id of next) if (!need.includes(id)) this.#gather(buckets[id]!, step).catch(() => {}); // awaited when its part comes
       await Promise.all(ready);
@@ -699,7 +755,10 @@ export class DataParallel {
     const backend = ctx.backend;
     const buf = new Float32Array(b.numel);
     for (const r of this.partition!.ranges[b.id]!)
-      backend.download(this.#ownedParams!.ptr + r.stateOffset * 4, buf.subarray(r.bucketOffset, r.bucketOffset + r.numel));
+      backend.download(
+        this.#ownedParams!.ptr + r.stateOffset * 4,
+        buf.subarray(r.bucketOffset, r.bucketOffset + r.numel),
+      );
     const op = this.#o
       .collective()
       .allGather(buf, key)
@@ -754,7 +813,8 @@ export class DataParallel {
     if (this.zero !== 3) return store.readValues();
     await this.gatherAll(step);
     const out = new Float32Array(store.slabNumel);
-    for (const e of store.entries) this.#o.ctx.backend.download(store.param(e.name).ptr, out.subarray(e.offset, e.offset + e.numel));
+    for (const e of store.entries)
+      this.#o.ctx.backend.download(store.param(e.name).ptr, out.subarray(e.offset, e.offset + e.numel));
     await this.releaseAll();
     return out;
   }
@@ -785,7 +845,10 @@ export class DataParallel {
       try {
         codec.decode(slotOf(r), b.buf, true);
       } catch (e) {
-        throw new BadPieceError(`rank ${r}'s ${codec.kind} encoding of bucket ${b.id} at step ${key.step}: ${(e as Error).message}`, { cause: e });
+        throw new BadPieceError(
+          `rank ${r}'s ${codec.kind} encoding of bucket ${b.id} at step ${key.step}: ${(e as Error).message}`,
+          { cause: e },
+        );
       }
     }
     if (codec.kind === "topk") {
@@ -856,7 +919,9 @@ export class DataParallel {
   #bucketFor(t: Tensor): Bucket {
     const b = t.name === undefined ? undefined : this.#bucketOf.get(t.name);
     if (b === undefined)
-      throw new EngineError(`parameter ${t.name ?? "(unnamed)"} is in no gradient bucket: the tape differs from the one the buckets were cut from`);
+      throw new EngineError(
+        `parameter ${t.name ?? "(unnamed)"} is in no gradient bucket: the tape differs from the one the buckets were cut from`,
+      );
     return b;
   }
 
@@ -928,7 +993,10 @@ export class DataParallel {
       // stage 3: this rank keeps its partition of the parameters (any gathered copy is stale)
       for (const b of this.#buckets ?? []) this.#release(b);
       for (const r of this.partition!.ranges.flat())
-        backend.upload(this.#ownedParams.ptr + r.stateOffset * 4, values.subarray(r.paramOffset, r.paramOffset + r.numel));
+        backend.upload(
+          this.#ownedParams.ptr + r.stateOffset * 4,
+          values.subarray(r.paramOffset, r.paramOffset + r.numel),
+        );
     } else store.writeValues(values);
     this.#host?.store.writeValues(values);
     if (this.partition === null) slabs.forEach((s, i) => this.#optBackend.upload(s.allocation.ptr, states[i]!));
@@ -936,8 +1004,16 @@ export class DataParallel {
       // offload: in host memory, with the partition's master copy
       const hp = this.#hostPart;
       for (const r of this.partition.ranges.flat()) {
-        slabs.forEach((s, i) => this.#optBackend.upload(s.allocation.ptr + r.stateOffset * 4, states[i]!.subarray(r.paramOffset, r.paramOffset + r.numel)));
-        hp?.ctx.backend.upload(hp.params.ptr + r.stateOffset * 4, values.subarray(r.paramOffset, r.paramOffset + r.numel));
+        slabs.forEach((s, i) =>
+          this.#optBackend.upload(
+            s.allocation.ptr + r.stateOffset * 4,
+            states[i]!.subarray(r.paramOffset, r.paramOffset + r.numel),
+          ),
+        );
+        hp?.ctx.backend.upload(
+          hp.params.ptr + r.stateOffset * 4,
+          values.subarray(r.paramOffset, r.paramOffset + r.numel),
+        );
       }
     }
     this.optimizer.setStepCount(st.optimizerSteps);

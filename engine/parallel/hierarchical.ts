@@ -9,7 +9,14 @@
 // (correct, and no sum is done twice; ZeRO's reduce-scatter on one host takes the flat ring).
 // allGather and broadcast move no sums, so they use the flat ring, ordered host by host so
 // that only one link per host pair in the ring crosses between hosts.
-import { type Collective, CollectiveClosedError, type OpKey, type Range, type ReduceOp, segment } from "./collective.ts";
+import {
+  type Collective,
+  CollectiveClosedError,
+  type OpKey,
+  type Range,
+  type ReduceOp,
+  segment,
+} from "./collective.ts";
 import { PieceRouter, RingGroup, type RingOptions, ringDefaults, scaleInPlace } from "./ring.ts";
 import type { PeerTransport } from "./transport.ts";
 
@@ -19,7 +26,11 @@ export interface Topology {
 }
 
 /** The rings of a topology: ranks grouped by host (labels in order of first appearance). */
-export function topologyRings(hosts: readonly string[]): { order: number[]; byHost: Map<string, number[]>; leaders: number[] } {
+export function topologyRings(hosts: readonly string[]): {
+  order: number[];
+  byHost: Map<string, number[]>;
+  leaders: number[];
+} {
   const byHost = new Map<string, number[]>();
   hosts.forEach((h, rank) => byHost.set(h, [...(byHost.get(h) ?? []), rank]));
   const order = [...byHost.values()].flat();
@@ -44,12 +55,15 @@ export class HierarchicalCollective implements Collective {
     const o = { ...ringDefaults, ...options };
     const { order, byHost, leaders } = topologyRings(topology.hosts);
     const host = topology.hosts[transport.rank];
-    if (host === undefined) throw new RangeError(`rank ${transport.rank} has no host label (${topology.hosts.length} labels)`);
+    if (host === undefined)
+      throw new RangeError(`rank ${transport.rank} has no host label (${topology.hosts.length} labels)`);
     this.router = new PieceRouter(o.earlyBytesMax);
     transport.listen((p) => this.router.receive(p));
     this.flat = new RingGroup("", order, transport, this.router, o);
     this.local = new RingGroup(`host:${host}`, byHost.get(host)!, transport, this.router, o);
-    this.leaders = leaders.includes(transport.rank) ? new RingGroup("leaders", leaders, transport, this.router, o) : null;
+    this.leaders = leaders.includes(transport.rank)
+      ? new RingGroup("leaders", leaders, transport, this.router, o)
+      : null;
   }
 
   get rank(): number {

@@ -9,7 +9,15 @@
 // gives the same blocks as the ring's.
 import type { Ptr } from "../../ffi/backend.ts";
 import type { NcclComm, NcclStream } from "../../ffi/nccl/nccl.ts";
-import { checkKey, type Collective, CollectiveClosedError, type OpKey, type Range, type ReduceOp, segment } from "./collective.ts";
+import {
+  checkKey,
+  type Collective,
+  CollectiveClosedError,
+  type OpKey,
+  type Range,
+  type ReduceOp,
+  segment,
+} from "./collective.ts";
 
 /** count f32 elements of device memory at ptr */
 export interface DeviceBuffer {
@@ -88,7 +96,9 @@ export class NcclCollective implements Collective<DeviceBuffer> {
 
   #block(buf: DeviceBuffer, what: string): number {
     if (buf.count % this.size !== 0)
-      throw new RangeError(`${what} over NCCL: ${buf.count} elements is not a multiple of the ${this.size} ranks (pad the buffer)`);
+      throw new RangeError(
+        `${what} over NCCL: ${buf.count} elements is not a multiple of the ${this.size} ranks (pad the buffer)`,
+      );
     return buf.count / this.size;
   }
 }

@@ -97,12 +97,18 @@ export class PipelineStage {
     const T = model.part.tensor?.size ?? 1;
     const want = model.part.stages * T;
     if (o.modelGroup.size !== want)
-      throw new EngineError(`pipeline: the model group has ${o.modelGroup.size} ranks; ${model.part.stages} stages x ${T} tensor ranks are ${want}`);
+      throw new EngineError(
+        `pipeline: the model group has ${o.modelGroup.size} ranks; ${model.part.stages} stages x ${T} tensor ranks are ${want}`,
+      );
     if (o.tensor.size !== T || o.tensor.rank !== (model.part.tensor?.rank ?? 0)) {
-      throw new EngineError(`pipeline: the tensor group is rank ${o.tensor.rank} of ${o.tensor.size}, the model's ${model.part.tensor?.rank ?? 0} of ${T}`);
+      throw new EngineError(
+        `pipeline: the tensor group is rank ${o.tensor.rank} of ${o.tensor.size}, the model's ${model.part.tensor?.rank ?? 0} of ${T}`,
+      );
     }
     if ((o.tie === null) !== (model.part.stages === 1 || !(model.first || model.last))) {
-      throw new EngineError("pipeline: the first and the last stage of a pipeline (and only they) need the tied embedding's group");
+      throw new EngineError(
+        "pipeline: the first and the last stage of a pipeline (and only they) need the tied embedding's group",
+      );
     }
     this.#o = o;
     // a split matrix counts on every tensor rank; a replicated parameter on rank 0 only; wte on
@@ -196,9 +202,20 @@ export class PipelineStage {
     const { gradNorm, loss, globalLoss } = await this.#agree(step, losses, weight);
     if (!Number.isFinite(globalLoss)) throw new NonFiniteLossError(step, globalLoss);
     const clip = this.#o.gradClip;
-    if (clip > 0 && gradNorm > clip) ctx.backend.scale(model.store.grads.ptr, model.store.slabNumel, clip / (gradNorm + 1e-6));
+    if (clip > 0 && gradNorm > clip)
+      ctx.backend.scale(model.store.grads.ptr, model.store.slabNumel, clip / (gradNorm + 1e-6));
     this.#o.optimizer.step(lr);
-    return { loss, globalLoss, gradNorm, lr, stepMs: performance.now() - t0, idleMs, tensorMs: tensor.waitMs - tensorWait0, peakInFlight, peakHeldBytes };
+    return {
+      loss,
+      globalLoss,
+      gradNorm,
+      lr,
+      stepMs: performance.now() - t0,
+      idleMs,
+      tensorMs: tensor.waitMs - tensorWait0,
+      peakInFlight,
+      peakHeldBytes,
+    };
   }
 
   /**
@@ -250,7 +267,11 @@ export class PipelineStage {
 
   /** The gradients summed over the replicas and the tied embedding's copies, then the global
    *  norm and the mean loss. */
-  async #agree(step: number, losses: Float32Array, weight: number): Promise<{ gradNorm: number; loss: number; globalLoss: number }> {
+  async #agree(
+    step: number,
+    losses: Float32Array,
+    weight: number,
+  ): Promise<{ gradNorm: number; loss: number; globalLoss: number }> {
     const { ctx, model, tie, data, tensor } = this.#o;
     const be = ctx.backend;
     const store = model.store;
@@ -273,7 +294,10 @@ export class PipelineStage {
     for (const r of this.#normRanges) sumSquares += be.sumSquares(grads + r.offset * 4, r.numel);
     // the loss: the last stage's tensor rank 0 speaks for its copy
     const speaks = model.last && tensor.rank === 0;
-    const stats = new Float32Array([sumSquares, speaks && losses.length > 0 ? losses.reduce((a, b) => a + b, 0) / losses.length : 0]);
+    const stats = new Float32Array([
+      sumSquares,
+      speaks && losses.length > 0 ? losses.reduce((a, b) => a + b, 0) / losses.length : 0,
+    ]);
     await this.#o.modelGroup.allReduce(stats, { step, bucket: statsBucket });
     const loss = stats[1]!;
     let globalLoss = loss;
@@ -302,13 +326,15 @@ export function ringStageLink(toPrevious: RingGroup | null, toNext: RingGroup | 
   };
   // in each pair's ring the earlier stage is position 0
   return {
-    sendActivations: (step, micro, data) => need(toNext, "next stage").broadcast(data, 0, { step, bucket: micro }, "activations"),
+    sendActivations: (step, micro, data) =>
+      need(toNext, "next stage").broadcast(data, 0, { step, bucket: micro }, "activations"),
     receiveActivations: async (step, micro, elems) => {
       const buf = new Float32Array(elems);
       await need(toPrevious, "previous stage").broadcast(buf, 0, { step, bucket: micro }, "activations");
       return buf;
     },
-    sendGradients: (step, micro, data) => need(toPrevious, "previous stage").broadcast(data, 1, { step, bucket: micro }, "gradients"),
+    sendGradients: (step, micro, data) =>
+      need(toPrevious, "previous stage").broadcast(data, 1, { step, bucket: micro }, "gradients"),
     receiveGradients: async (step, micro, elems) => {
       const buf = new Float32Array(elems);
       await need(toNext, "next stage").broadcast(buf, 1, { step, bucket: micro }, "gradients");
@@ -370,12 +396,18 @@ export interface LayoutCoords {
 
 /** Ranks are numbered tensor rank fastest, then stage, then replica: a stage's tensor ranks are
  *  neighbours (on one machine first), and so are a replica's stages. */
-export const rankOf = (layout: ModelLayout, c: LayoutCoords): number => (c.d * layout.stages + c.s) * layout.tensor + c.t;
+export const rankOf = (layout: ModelLayout, c: LayoutCoords): number =>
+  (c.d * layout.stages + c.s) * layout.tensor + c.t;
 
 export function coordsOf(layout: ModelLayout, rank: number): LayoutCoords {
   const size = layout.data * layout.stages * layout.tensor;
-  if (!Number.isInteger(rank) || rank < 0 || rank >= size) throw new EngineError(`rank ${rank} is not one of the layout's ${size}`);
-  return { t: rank % layout.tensor, s: Math.floor(rank / layout.tensor) % layout.stages, d: Math.floor(rank / (layout.tensor * layout.stages)) };
+  if (!Number.isInteger(rank) || rank < 0 || rank >= size)
+    throw new EngineError(`rank ${rank} is not one of the layout's ${size}`);
+  return {
+    t: rank % layout.tensor,
+    s: Math.floor(rank / layout.tensor) % layout.stages,
+    d: Math.floor(rank / (layout.tensor * layout.stages)),
+  };
 }
 
 export interface ModelParallelRings {
@@ -413,7 +445,9 @@ export function modelParallelRings(
     coords: c,
     link,
     modelGroup: new RingGroupCollective(ring(`${name}:model:${d}`, modelRanks)),
-    tie: ends ? new RingGroupCollective(ring(`${name}:tie:${d}:${t}`, [at({ s: 0 }), at({ s: layout.stages - 1 })])) : null,
+    tie: ends
+      ? new RingGroupCollective(ring(`${name}:tie:${d}:${t}`, [at({ s: 0 }), at({ s: layout.stages - 1 })]))
+      : null,
     tensor: new RingGroupCollective(
       ring(
         `${name}:tp:${d}:${s}`,
@@ -458,7 +492,13 @@ export function modelParallelRank(o: {
   model?: GptModel;
 }): ModelParallelRank {
   const { s, t } = o.rings.coords;
-  const model = o.model ?? new GptModel(o.ctx, o.config, o.seed, { stage: s, stages: o.layout.stages, tensor: { rank: t, size: o.layout.tensor } });
+  const model =
+    o.model ??
+    new GptModel(o.ctx, o.config, o.seed, {
+      stage: s,
+      stages: o.layout.stages,
+      tensor: { rank: t, size: o.layout.tensor },
+    });
   model.recompute = o.recompute ?? false;
   const tensor = new TensorParallel(o.rings.tensor);
   const stage = new PipelineStage({
@@ -498,7 +538,8 @@ export function shareRuns(model: GptModel, wholeEntries: readonly ParamEntry[], 
     const w = whole.get(e.name);
     if (w === undefined) throw new EngineError(`the whole model has no parameter ${e.name}`);
     const of = model.slices.get(e.name);
-    if (which === "owned" && ((of === undefined && tensorRank !== 0) || (e.name === "wte.weight" && !model.first))) continue;
+    if (which === "owned" && ((of === undefined && tensorRank !== 0) || (e.name === "wte.weight" && !model.first)))
+      continue;
     if (of === undefined) {
       runs.push({ whole: w.offset, local: e.offset, count: e.numel });
       continue;
@@ -512,7 +553,8 @@ export function shareRuns(model: GptModel, wholeEntries: readonly ParamEntry[], 
         runs.push({ whole: w.offset + r.offset * cols, local, count: r.count * cols });
         local += r.count * cols;
       } else {
-        for (let i = r.offset; i < r.offset + r.count; i++, local += c.count) runs.push({ whole: w.offset + i * cols + c.offset, local, count: c.count });
+        for (let i = r.offset; i < r.offset + r.count; i++, local += c.count)
+          runs.push({ whole: w.offset + i * cols + c.offset, local, count: c.count });
       }
     }
   }

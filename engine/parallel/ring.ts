@@ -35,7 +35,14 @@ import {
   type ReduceOp,
   segment,
 } from "./collective.ts";
-import { MemoryTransport, type PeerTransport, type Phase, type Piece, type PieceHeader, type Receipt } from "./transport.ts";
+import {
+  MemoryTransport,
+  type PeerTransport,
+  type Phase,
+  type Piece,
+  type PieceHeader,
+  type Receipt,
+} from "./transport.ts";
 
 export interface RingOptions {
   /** an operation that neither receives nor delivers a piece for this long fails */
@@ -77,7 +84,10 @@ export class PieceRouter {
     if (this.#finished.has(id)) return { kind: "duplicate" };
     const bytes = p.data.byteLength + earlyPieceOverheadBytes;
     if (this.#earlyBytes + bytes > this.earlyBytesMax) {
-      return { kind: "busy", why: `rank ${p.to} holds ${this.#earlyBytes} bytes of pieces for operations it has not started` };
+      return {
+        kind: "busy",
+        why: `rank ${p.to} holds ${this.#earlyBytes} bytes of pieces for operations it has not started`,
+      };
     }
     this.#earlyBytes += bytes;
     const held = this.#early.get(id) ?? [];
@@ -88,7 +98,8 @@ export class PieceRouter {
 
   /** Starts routing to `op`. */
   open(op: RingOp): void {
-    if (this.#ops.has(op.id)) throw new Error(`collective ${op.id} is already running: every operation needs its own key`);
+    if (this.#ops.has(op.id))
+      throw new Error(`collective ${op.id} is already running: every operation needs its own key`);
     this.#finished.delete(op.id);
     this.#ops.set(op.id, op);
   }
@@ -255,7 +266,8 @@ export class RingGroup {
   ) {
     this.pos = ranks.indexOf(transport.rank);
     if (this.pos < 0) throw new RangeError(`rank ${transport.rank} is not in ring "${name}" (${ranks.join(",")})`);
-    if (new Set(ranks).size !== ranks.length) throw new RangeError(`ring "${name}" lists a rank twice (${ranks.join(",")})`);
+    if (new Set(ranks).size !== ranks.length)
+      throw new RangeError(`ring "${name}" lists a rank twice (${ranks.join(",")})`);
     this.pieceElems = Math.floor(transport.pieceBytesMax / 4);
     if (this.pieceElems < 1) throw new RangeError(`pieceBytesMax ${transport.pieceBytesMax} holds no float32`);
     this.#add = options.add ?? hostKernels().addInto;
@@ -287,7 +299,18 @@ export class RingGroup {
     for (const to of this.ranks) {
       if (to === this.transport.rank) continue;
       this.transport.abort(
-        { group, from: this.transport.rank, to, step: key.step, bucket: key.bucket, phase: "abort", hop: 0, piece: 0, offset: 0, count: 0 },
+        {
+          group,
+          from: this.transport.rank,
+          to,
+          step: key.step,
+          bucket: key.bucket,
+          phase: "abort",
+          hop: 0,
+          piece: 0,
+          offset: 0,
+          count: 0,
+        },
         reason,
       );
     }
@@ -296,15 +319,30 @@ export class RingGroup {
   /** Pieces of a range: [offset, count) cut into pieceElems. */
   #pieces(r: Range): Range[] {
     const out: Range[] = [];
-    for (let o = 0; o < r.count; o += this.pieceElems) out.push({ offset: r.offset + o, count: Math.min(this.pieceElems, r.count - o) });
+    for (let o = 0; o < r.count; o += this.pieceElems)
+      out.push({ offset: r.offset + o, count: Math.min(this.pieceElems, r.count - o) });
     return out;
   }
 
-  #run(kind: string, key: OpKey, receives: number, handle: (op: RingOp, p: Piece) => void, start: (op: RingOp) => void): Promise<void> {
+  #run(
+    kind: string,
+    key: OpKey,
+    receives: number,
+    handle: (op: RingOp, p: Piece) => void,
+    start: (op: RingOp) => void,
+  ): Promise<void> {
     checkKey(key);
     const group = `${this.name}#${kind}`;
     const what = `${kind} of step ${key.step} bucket ${key.bucket} in ring "${this.name || "all"}" at rank ${this.transport.rank}`;
-    const op: RingOp = new RingOp(group, key, what, receives, this, (p) => handle(op, p), this.options.progressTimeoutMs);
+    const op: RingOp = new RingOp(
+      group,
+      key,
+      what,
+      receives,
+      this,
+      (p) => handle(op, p),
+      this.options.progressTimeoutMs,
+    );
     try {
       this.router.open(op);
     } catch (e) {
@@ -333,13 +371,18 @@ export class RingGroup {
 
   /** Checks a received piece against the one expected; returns the expected range. */
   #expect(p: Piece, from: number, phase: Phase, hopMax: number, pieces: Range[]): Range {
-    if (p.from !== from) throw new BadPieceError(`${p.phase} piece from rank ${p.from}; this rank hears ${phase} pieces from rank ${from}`);
+    if (p.from !== from)
+      throw new BadPieceError(
+        `${p.phase} piece from rank ${p.from}; this rank hears ${phase} pieces from rank ${from}`,
+      );
     if (p.phase !== phase) throw new BadPieceError(`unexpected phase ${p.phase}`);
     if (!(p.hop <= hopMax)) throw new BadPieceError(`hop ${p.hop} beyond the last (${hopMax})`);
     const r = pieces[p.piece];
     if (r === undefined) throw new BadPieceError(`piece ${p.piece} of ${pieces.length}`);
     if (p.offset !== r.offset || p.count !== r.count) {
-      throw new BadPieceError(`piece ${p.piece} covers [${p.offset}, +${p.count}), expected [${r.offset}, +${r.count})`);
+      throw new BadPieceError(
+        `piece ${p.piece} covers [${p.offset}, +${p.count}), expected [${r.offset}, +${r.count})`,
+      );
     }
     return r;
   }
@@ -356,7 +399,8 @@ export class RingGroup {
     const next = this.ranks[mod(p + 1, N)]!,
       prev = this.ranks[mod(p - 1, N)]!;
     let receives = 0;
-    for (let h = 0; h <= N - 2; h++) receives += (rs ? segs[mod(p - h - 2, N)]!.length : 0) + (ag ? segs[mod(p - h - 1, N)]!.length : 0);
+    for (let h = 0; h <= N - 2; h++)
+      receives += (rs ? segs[mod(p - h - 2, N)]!.length : 0) + (ag ? segs[mod(p - h - 1, N)]!.length : 0);
     const send = (op: RingOp, phase: Phase, hop: number, s: number, j: number) => {
       const r = segs[s]![j]!;
       op.send(this.#header(kind, key, next, phase, hop, j, r), buf.subarray(r.offset, r.offset + r.count));
@@ -432,7 +476,8 @@ export class RingGroup {
       receives,
       (_op, piece) => {
         const entry = numbered[piece.piece];
-        if (entry === undefined || entry.seg === rootPos) throw new BadPieceError(`gather piece ${piece.piece} of ${numbered.length}`);
+        if (entry === undefined || entry.seg === rootPos)
+          throw new BadPieceError(`gather piece ${piece.piece} of ${numbered.length}`);
         const r = this.#expect(
           piece,
           this.ranks[entry.seg]!,
@@ -445,7 +490,8 @@ export class RingGroup {
       (op) => {
         if (isRoot) return;
         numbered.forEach(({ seg, r }, j) => {
-          if (seg === this.pos) op.send(this.#header(kind, key, root, "gather", 0, j, r), buf.subarray(r.offset, r.offset + r.count));
+          if (seg === this.pos)
+            op.send(this.#header(kind, key, root, "gather", 0, j, r), buf.subarray(r.offset, r.offset + r.count));
         });
       },
     );
@@ -537,7 +583,14 @@ export class RingCollective implements Collective {
 
 /** `n` ranks of one process joined in a ring over MemoryTransport: data parallelism without a
  *  mesh (the in-process runner, the engine's tests and benches). */
-export function inProcessRings(n: number, options: Partial<RingOptions> = {}, pieceBytesMax = 1 << 20): RingCollective[] {
+export function inProcessRings(
+  n: number,
+  options: Partial<RingOptions> = {},
+  pieceBytesMax = 1 << 20,
+): RingCollective[] {
   const peers = new Map<number, MemoryTransport>();
-  return Array.from({ length: n }, (_, r) => new RingCollective(new MemoryTransport(r, peers, pieceBytesMax), n, options));
+  return Array.from(
+    { length: n },
+    (_, r) => new RingCollective(new MemoryTransport(r, peers, pieceBytesMax), n, options),
+  );
 }

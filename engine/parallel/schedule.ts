@@ -24,14 +24,17 @@ export interface PipeAction {
 }
 
 export function checkPipeline(stages: number, micro: number): void {
-  if (!Number.isInteger(stages) || stages < 1) throw new ConfigError(`pipeline stages must be an integer >= 1, got ${stages}`);
-  if (!Number.isInteger(micro) || micro < 1) throw new ConfigError(`micro-batches must be an integer >= 1, got ${micro}`);
+  if (!Number.isInteger(stages) || stages < 1)
+    throw new ConfigError(`pipeline stages must be an integer >= 1, got ${stages}`);
+  if (!Number.isInteger(micro) || micro < 1)
+    throw new ConfigError(`micro-batches must be an integer >= 1, got ${micro}`);
 }
 
 /** The passes stage `stage` of `stages` runs in one step of `micro` micro-batches, in order. */
 export function stageActions(schedule: PipeSchedule, stages: number, micro: number, stage: number): PipeAction[] {
   checkPipeline(stages, micro);
-  if (!Number.isInteger(stage) || stage < 0 || stage >= stages) throw new ConfigError(`stage ${stage} is not one of the pipeline's ${stages}`);
+  if (!Number.isInteger(stage) || stage < 0 || stage >= stages)
+    throw new ConfigError(`stage ${stage} is not one of the pipeline's ${stages}`);
   const fwd = (m: number): PipeAction => ({ kind: "forward", micro: m });
   const bwd = (m: number): PipeAction => ({ kind: "backward", micro: m });
   const out: PipeAction[] = [];
@@ -76,7 +79,13 @@ export interface SimulatedPipeline {
  * start and the idle share of each stage. With equal times (backward = forward) the bubble is
  * the theory's; the tests check both schedules against it, and against deadlock.
  */
-export function simulatePipeline(schedule: PipeSchedule, stages: number, micro: number, forwardTime = 1, backwardTime = 1): SimulatedPipeline {
+export function simulatePipeline(
+  schedule: PipeSchedule,
+  stages: number,
+  micro: number,
+  forwardTime = 1,
+  backwardTime = 1,
+): SimulatedPipeline {
   const plans = Array.from({ length: stages }, (_, s) => stageActions(schedule, stages, micro, s));
   const fwdDone = Array.from({ length: stages }, () => new Array<number>(micro).fill(-1));
   const bwdDone = Array.from({ length: stages }, () => new Array<number>(micro).fill(-1));
@@ -89,7 +98,14 @@ export function simulatePipeline(schedule: PipeSchedule, stages: number, micro: 
       const a = plans[s]![next[s]!];
       if (a === undefined) continue;
       // the input of this pass: the previous stage's forward, or the next stage's backward
-      const ready = a.kind === "forward" ? (s === 0 ? 0 : fwdDone[s - 1]![a.micro]!) : s === stages - 1 ? fwdDone[s]![a.micro]! : bwdDone[s + 1]![a.micro]!;
+      const ready =
+        a.kind === "forward"
+          ? s === 0
+            ? 0
+            : fwdDone[s - 1]![a.micro]!
+          : s === stages - 1
+            ? fwdDone[s]![a.micro]!
+            : bwdDone[s + 1]![a.micro]!;
       if (ready < 0) continue;
       const cost = a.kind === "forward" ? forwardTime : backwardTime;
       const end = Math.max(clock[s]!, ready) + cost;
@@ -100,7 +116,8 @@ export function simulatePipeline(schedule: PipeSchedule, stages: number, micro: 
       progress = true;
     }
   }
-  if (next.some((n, s) => n < plans[s]!.length)) throw new ConfigError(`the ${schedule} schedule deadlocks with ${stages} stages and ${micro} micro-batches`);
+  if (next.some((n, s) => n < plans[s]!.length))
+    throw new ConfigError(`the ${schedule} schedule deadlocks with ${stages} stages and ${micro} micro-batches`);
   const makespan = Math.max(...clock);
   return { bubble: busy.map((b) => 1 - b / makespan), makespan };
 }

@@ -35,7 +35,11 @@ export interface Piece extends PieceHeader {
  * What the receiver made of a piece. "busy": this rank cannot hold it yet (its early-piece
  * budget is full); the sender retries. "bad": it can never be taken; the sender fails.
  */
-export type Receipt = { kind: "taken" } | { kind: "duplicate" } | { kind: "busy"; why: string } | { kind: "bad"; why: string };
+export type Receipt =
+  | { kind: "taken" }
+  | { kind: "duplicate" }
+  | { kind: "busy"; why: string }
+  | { kind: "bad"; why: string };
 
 export interface PeerTransport {
   /** this process's global rank */

@@ -60,7 +60,14 @@ export function partitionOf(buckets: readonly BucketEntries[], size: number, ran
       const from = Math.max(seg.offset, at),
         to = Math.min(seg.offset + seg.count, at + e.numel);
       if (to > from) {
-        mine.push({ bucket: id, bucketOffset: from, paramOffset: e.offset + (from - at), stateOffset: packed, numel: to - from, decay: e.decay });
+        mine.push({
+          bucket: id,
+          bucketOffset: from,
+          paramOffset: e.offset + (from - at),
+          stateOffset: packed,
+          numel: to - from,
+          decay: e.decay,
+        });
         packed += to - from;
       }
       at += e.numel;

@@ -44,10 +44,14 @@ function checkGemmArgs(
 ): void {
   const ints = [M, N, K, lda, ldb, ldc, batch, ...strides];
   if (ints.some((v) => !Number.isSafeInteger(v) || v < 0) || M * N * K === 0 || batch < 1) {
-    throw new RangeError(`gemmEx: invalid sizes M=${M} N=${N} K=${K} batch=${batch} ld=${lda},${ldb},${ldc} strides=${strides.join(",")}`);
+    throw new RangeError(
+      `gemmEx: invalid sizes M=${M} N=${N} K=${K} batch=${batch} ld=${lda},${ldb},${ldc} strides=${strides.join(",")}`,
+    );
   }
   if (lda < (transA ? M : K) || ldb < (transB ? K : N) || ldc < N) {
-    throw new RangeError(`gemmEx: a leading dimension is shorter than its row (lda=${lda} ldb=${ldb} ldc=${ldc}, M=${M} N=${N} K=${K})`);
+    throw new RangeError(
+      `gemmEx: a leading dimension is shorter than its row (lda=${lda} ldb=${ldb} ldc=${ldc}, M=${M} N=${N} K=${K})`,
+    );
   }
 }
 
@@ -68,7 +72,25 @@ function loadLibraries() {
     mt_fill_f32: { args: ["ptr", "i64", "f32"], returns: "void" },
     mt_num_threads: { args: [], returns: "i32" },
     mt_sgemm_strided_batched: {
-      args: ["i32", "i32", "i64", "i64", "i64", "f32", "ptr", "i64", "i64", "ptr", "i64", "i64", "f32", "ptr", "i64", "i64", "i64"],
+      args: [
+        "i32",
+        "i32",
+        "i64",
+        "i64",
+        "i64",
+        "f32",
+        "ptr",
+        "i64",
+        "i64",
+        "ptr",
+        "i64",
+        "i64",
+        "f32",
+        "ptr",
+        "i64",
+        "i64",
+        "i64",
+      ],
       returns: "void",
     },
   });
@@ -293,7 +315,25 @@ export class CpuBackend implements Backend {
     const scratch = this.#scratchFor(offsetB + nB * 4);
     this.#widen(input, scratch, A, nA);
     this.#widen(input, scratch + offsetB, B, nB);
-    this.#sgemm(transA, transB, M, N, K, alpha, scratch, lda, strideA, scratch + offsetB, ldb, strideB, beta, C, ldc, strideC, batch);
+    this.#sgemm(
+      transA,
+      transB,
+      M,
+      N,
+      K,
+      alpha,
+      scratch,
+      lda,
+      strideA,
+      scratch + offsetB,
+      ldb,
+      strideB,
+      beta,
+      C,
+      ldc,
+      strideC,
+      batch,
+    );
   }
 
   /** One GEMM goes straight to cblas_sgemm: through the batched kernel's (inactive) OpenMP
@@ -318,7 +358,26 @@ export class CpuBackend implements Backend {
     batch: number,
   ): void {
     if (batch === 1) this.gemm(transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-    else this.gemmStridedBatched(transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
+    else
+      this.gemmStridedBatched(
+        transA,
+        transB,
+        M,
+        N,
+        K,
+        alpha,
+        A,
+        lda,
+        strideA,
+        B,
+        ldb,
+        strideB,
+        beta,
+        C,
+        ldc,
+        strideC,
+        batch,
+      );
   }
 
   #widen(input: "bf16" | "f16", out: Ptr, inp: Ptr, n: number): void {

@@ -39,7 +39,9 @@ export function findOpenBLAS(): string {
   }
   const found = openblasCandidates.find((p) => existsSync(p));
   if (found === undefined) {
-    throw new NativeLibraryError(`OpenBLAS not found (looked in ${openblasCandidates.join(", ")}); install it with: ${openblasInstallHint}`);
+    throw new NativeLibraryError(
+      `OpenBLAS not found (looked in ${openblasCandidates.join(", ")}); install it with: ${openblasInstallHint}`,
+    );
   }
   return found;
 }
@@ -51,7 +53,9 @@ export function findCompiler(): string {
   for (const c of candidates) {
     if (Bun.which(c) !== null) return c;
   }
-  throw new NativeLibraryError(`no C compiler found (tried ${candidates.join(", ")}); install one with: ${compilerInstallHint}`);
+  throw new NativeLibraryError(
+    `no C compiler found (tried ${candidates.join(", ")}); install one with: ${compilerInstallHint}`,
+  );
 }
 
 function compileFlags(): string[] {
@@ -67,7 +71,10 @@ function compileFlags(): string[] {
  * Path of the compiled kernel library, compiling it first if it is missing or stale. `log` gets
  * the compile command when it compiles; `warn` gets the compiler's warnings.
  */
-export function ensureKernelLibrary(log: (line: string) => void = () => {}, warn: (text: string) => void = log): { kernels: string; openblas: string } {
+export function ensureKernelLibrary(
+  log: (line: string) => void = () => {},
+  warn: (text: string) => void = log,
+): { kernels: string; openblas: string } {
   const openblas = findOpenBLAS();
   // kernels.c and the header it shares with the CUDA kernels
   const source = Buffer.concat([readFileSync(kernelSourcePath), readFileSync(numericsHeaderPath)]);
@@ -84,7 +91,9 @@ export function ensureKernelLibrary(log: (line: string) => void = () => {}, warn
   log(`building CPU kernels: ${args.join(" ")}`);
   const result = Bun.spawnSync(args, { stdout: "pipe", stderr: "pipe" });
   if (result.exitCode !== 0) {
-    throw new NativeLibraryError(`compiling ${kernelSourcePath} failed (exit ${result.exitCode}):\n${result.stderr.toString()}`);
+    throw new NativeLibraryError(
+      `compiling ${kernelSourcePath} failed (exit ${result.exitCode}):\n${result.stderr.toString()}`,
+    );
   }
   const warnings = result.stderr.toString().trim();
   if (warnings !== "") warn(warnings);

@@ -50,7 +50,8 @@ function load(): HostKernels {
   };
   return {
     addInto(dst, src) {
-      if (src.byteLength !== dst.length * 4) throw new RangeError(`addInto: ${src.byteLength} source bytes for ${dst.length} float32`);
+      if (src.byteLength !== dst.length * 4)
+        throw new RangeError(`addInto: ${src.byteLength} source bytes for ${dst.length} float32`);
       if (dst.length === 0) return;
       k.mt_add_unaligned_f32(addressOf(dst), addressOf(src), dst.length);
     },
@@ -83,12 +84,14 @@ function load(): HostKernels {
     topK(idx, val, x, scratch) {
       same("topK", idx, val);
       const kk = idx.length;
-      if (kk < 1 || kk > x.length || scratch.length < x.length) throw new RangeError(`topK: k = ${kk} of ${x.length} values (scratch ${scratch.length})`);
+      if (kk < 1 || kk > x.length || scratch.length < x.length)
+        throw new RangeError(`topK: k = ${kk} of ${x.length} values (scratch ${scratch.length})`);
       k.mt_topk_f32(addressOf(idx), addressOf(val), addressOf(x), x.length, kk, addressOf(scratch));
     },
     scatterAdd(out, idx, val) {
       same("scatterAdd", idx, val);
-      for (let i = 0; i < idx.length; i++) if (idx[i]! >= out.length) throw new RangeError(`scatterAdd: index ${idx[i]} outside ${out.length} values`);
+      for (let i = 0; i < idx.length; i++)
+        if (idx[i]! >= out.length) throw new RangeError(`scatterAdd: index ${idx[i]} outside ${out.length} values`);
       if (idx.length > 0) k.mt_scatter_add_f32(addressOf(out), addressOf(idx), addressOf(val), idx.length);
     },
     residual(r, x, sent) {

@@ -107,7 +107,8 @@ export class CudaBackend implements Backend {
     this.#result = new DataView(host, resultOffset, 8);
     // the pointer array never changes: slot i always points at argument value i
     const pointers = new DataView(host, argPointersOffset, 8 * kernelArgsMax);
-    for (let i = 0; i < kernelArgsMax; i++) pointers.setBigUint64(8 * i, BigInt(this.#host + argValuesOffset + 8 * i), true);
+    for (let i = 0; i < kernelArgsMax; i++)
+      pointers.setBigUint64(8 * i, BigInt(this.#host + argValuesOffset + 8 * i), true);
     this.#scratch = this.#allocator.alloc(scratchBytes).ptr;
     for (const [module, path] of Object.entries(ensurePtx())) {
       this.#modules.set(module, d.moduleLoadPtx(readFileSync(path, "utf8"), module));
@@ -257,7 +258,26 @@ export class CudaBackend implements Backend {
     strideC: number,
     batch: number,
   ): void {
-    this.#cublas().gemm("f32", transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
+    this.#cublas().gemm(
+      "f32",
+      transA,
+      transB,
+      M,
+      N,
+      K,
+      alpha,
+      A,
+      lda,
+      strideA,
+      B,
+      ldb,
+      strideB,
+      beta,
+      C,
+      ldc,
+      strideC,
+      batch,
+    );
   }
 
   gemmEx(
@@ -280,7 +300,26 @@ export class CudaBackend implements Backend {
     strideC: number,
     batch: number,
   ): void {
-    this.#cublas().gemm(input, transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
+    this.#cublas().gemm(
+      input,
+      transA,
+      transB,
+      M,
+      N,
+      K,
+      alpha,
+      A,
+      lda,
+      strideA,
+      B,
+      ldb,
+      strideB,
+      beta,
+      C,
+      ldc,
+      strideC,
+      batch,
+    );
   }
 
   // ---- kernels ----------------------------------------------------------------------------
@@ -330,7 +369,8 @@ export class CudaBackend implements Backend {
   #launch(l: Launch): void {
     const params = kernelSpecs[l.kernel].params;
     // a wrong argument list is a programmer error in kernels.ts, never an operating error
-    if (l.args.length !== params.length) throw new Error(`${l.kernel}: ${l.args.length} arguments for ${params.length} parameters`);
+    if (l.args.length !== params.length)
+      throw new Error(`${l.kernel}: ${l.args.length} arguments for ${params.length} parameters`);
     const v = this.#args;
     for (let i = 0; i < params.length; i++) {
       const a = l.args[i]!;
@@ -348,7 +388,15 @@ export class CudaBackend implements Backend {
           v.setBigInt64(8 * i, BigInt(a), true); // ptr, i64
       }
     }
-    this.#d.launch(this.#function(l.kernel), l.kernel, l.grid, l.block, l.sharedBytes, this.#stream, this.#host + argPointersOffset);
+    this.#d.launch(
+      this.#function(l.kernel),
+      l.kernel,
+      l.grid,
+      l.block,
+      l.sharedBytes,
+      this.#stream,
+      this.#host + argPointersOffset,
+    );
   }
 
   #function(kernel: KernelName): bigint {

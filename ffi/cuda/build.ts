@@ -17,7 +17,8 @@ export const kernelSourceDir = join(here, "kernels");
 const buildDir = join(here, "build");
 
 export const nvccInstallHint =
-  "install the CUDA toolkit (nvcc 12 or newer, https://developer.nvidia.com/cuda-downloads) " + "or set MESHTRAIN_NVCC to an nvcc binary";
+  "install the CUDA toolkit (nvcc 12 or newer, https://developer.nvidia.com/cuda-downloads) " +
+  "or set MESHTRAIN_NVCC to an nvcc binary";
 
 const defaultNvccPaths = ["/usr/local/cuda/bin/nvcc"];
 
@@ -88,7 +89,13 @@ function readStamp(path: string): Stamp | null {
   }
 }
 
-function compile(nvcc: string, module: string, ptxPath: string, log: (line: string) => void, warn: (text: string) => void): void {
+function compile(
+  nvcc: string,
+  module: string,
+  ptxPath: string,
+  log: (line: string) => void,
+  warn: (text: string) => void,
+): void {
   mkdirSync(buildDir, { recursive: true });
   // Build to a temporary name and rename: a concurrent loader never sees a half-written file.
   const tmp = `${ptxPath}.${process.pid}.tmp`;
@@ -110,7 +117,10 @@ function compile(nvcc: string, module: string, ptxPath: string, log: (line: stri
  * Without nvcc, PTX built earlier from the same sources and flags is used as it is. `log` gets
  * one compile command per module it compiles; `warn` gets nvcc's warnings.
  */
-export function ensurePtx(log: (line: string) => void = () => {}, warn: (text: string) => void = log): Record<string, string> {
+export function ensurePtx(
+  log: (line: string) => void = () => {},
+  warn: (text: string) => void = log,
+): Record<string, string> {
   const nvcc = findNvcc();
   const flags = nvccFlags.join(" ");
   const paths: Record<string, string> = {};
@@ -157,6 +167,9 @@ if (import.meta.main) {
     };
     const paths = ensurePtx(progress, (text) => console.error(text));
     if (!quiet) for (const [module, path] of Object.entries(paths)) console.log(`CUDA kernels ${module}: ${path}`);
-    else if (builtCount > 0) console.log(`built the CUDA kernels: ${builtCount} of ${Object.keys(paths).length} modules to PTX in ${buildDir}`);
+    else if (builtCount > 0)
+      console.log(
+        `built the CUDA kernels: ${builtCount} of ${Object.keys(paths).length} modules to PTX in ${buildDir}`,
+      );
   }
 }

@@ -55,7 +55,27 @@ const symbols = {
   cublasGetStatusName: { args: ["i32"], returns: "ptr" },
   cublasGemmEx: {
     // handle, transa, transb, m, n, k, alpha*, A, Atype, lda, B, Btype, ldb, beta*, C, Ctype, ldc, computeType, algo
-    args: ["u64", "i32", "i32", "i32", "i32", "i32", "u64", "u64", "i32", "i32", "u64", "i32", "i32", "u64", "u64", "i32", "i32", "i32", "i32"],
+    args: [
+      "u64",
+      "i32",
+      "i32",
+      "i32",
+      "i32",
+      "i32",
+      "u64",
+      "u64",
+      "i32",
+      "i32",
+      "u64",
+      "i32",
+      "i32",
+      "u64",
+      "u64",
+      "i32",
+      "i32",
+      "i32",
+      "i32",
+    ],
     returns: "i32",
   },
   cublasGemmStridedBatchedEx: {
@@ -92,7 +112,8 @@ const symbols = {
 /** Every cuBLAS symbol the binding uses (tests check them against a real libcublas). */
 export const cublasSymbolNames = Object.keys(symbols);
 
-export const cublasInstallHint = "install cuBLAS (pip install nvidia-cublas, or the CUDA toolkit), or set MESHTRAIN_CUBLAS to libcublas.so";
+export const cublasInstallHint =
+  "install cuBLAS (pip install nvidia-cublas, or the CUDA toolkit), or set MESHTRAIN_CUBLAS to libcublas.so";
 
 export function findCublas(): string | null {
   return tryFindLibrary({
@@ -234,11 +255,27 @@ export class Cublas {
       ["ldc", ldc],
       ["batch", batch],
     ] as const) {
-      if (!Number.isInteger(v) || v < 0 || v > int32Max) throw new RangeError(`gemm: ${name} = ${v} is outside cuBLAS's int range`);
+      if (!Number.isInteger(v) || v < 0 || v > int32Max)
+        throw new RangeError(`gemm: ${name} = ${v} is outside cuBLAS's int range`);
     }
     // cuBLAS wants every leading dimension >= 1, even where K = 0 leaves an operand empty
     // (C = beta C then); our row-major callers pass ld = K for such operands
-    const g = rowMajorGemm(transA, transB, M, N, K, A, Math.max(1, lda), strideA, B, Math.max(1, ldb), strideB, C, ldc, strideC);
+    const g = rowMajorGemm(
+      transA,
+      transB,
+      M,
+      N,
+      K,
+      A,
+      Math.max(1, lda),
+      strideA,
+      B,
+      Math.max(1, ldb),
+      strideB,
+      C,
+      ldc,
+      strideC,
+    );
     const { dtype, compute } = inputTypes[input];
     this.#scalars[0] = alpha;
     this.#scalars[1] = beta;

@@ -54,7 +54,8 @@ export function ptxRejectedHint(code: number, ptx: string, driverVersion: () => 
   }
   // 222 says the ISA is too new; 218 is any JIT failure, of which that is only the usual cause
   const fix =
-    "update the NVIDIA driver, or rebuild the kernels with an nvcc no newer than the driver " + "(MESHTRAIN_NVCC=/path/to/nvcc bun ffi/cuda/build.ts)";
+    "update the NVIDIA driver, or rebuild the kernels with an nvcc no newer than the driver " +
+    "(MESHTRAIN_NVCC=/path/to/nvcc bun ffi/cuda/build.ts)";
   return (
     `the PTX is ISA ${isa} for ${target} and this driver supports ${driver}; ` +
     (code === CUDA_ERROR_UNSUPPORTED_PTX_VERSION ? fix : `if the nvcc that wrote it is newer than the driver, ${fix}`)
@@ -138,7 +139,8 @@ const symbols = {
 
 type DriverLib = ReturnType<typeof dlopen<typeof symbols>>;
 
-export const driverInstallHint = "install the NVIDIA driver (it provides libcuda.so.1), or set MESHTRAIN_LIBCUDA to its path";
+export const driverInstallHint =
+  "install the NVIDIA driver (it provides libcuda.so.1), or set MESHTRAIN_LIBCUDA to its path";
 
 const libcudaCandidates = [
   "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
@@ -171,7 +173,10 @@ export class Driver {
     try {
       this.lib = dlopen(path, symbols);
     } catch (e) {
-      throw new NativeLibraryError(`cannot load the CUDA driver library ${path}: ${(e as Error).message}; ${driverInstallHint}`, { cause: e });
+      throw new NativeLibraryError(
+        `cannot load the CUDA driver library ${path}: ${(e as Error).message}; ${driverInstallHint}`,
+        { cause: e },
+      );
     }
   }
 
@@ -223,7 +228,10 @@ export class Driver {
   }
 
   deviceAttribute(device: number, attribute: number): number {
-    this.check("cuDeviceGetAttribute", this.lib.symbols.cuDeviceGetAttribute(addressOf(this.#out32), attribute, device));
+    this.check(
+      "cuDeviceGetAttribute",
+      this.lib.symbols.cuDeviceGetAttribute(addressOf(this.#out32), attribute, device),
+    );
     return this.#out32[0]!;
   }
 
@@ -335,15 +343,24 @@ export class Driver {
   }
 
   copyHtoDAsync(dst: Ptr, srcHost: Ptr, bytes: number, stream: bigint): void {
-    this.check("cuMemcpyHtoDAsync_v2", this.lib.symbols.cuMemcpyHtoDAsync_v2(BigInt(dst), BigInt(srcHost), BigInt(bytes), stream));
+    this.check(
+      "cuMemcpyHtoDAsync_v2",
+      this.lib.symbols.cuMemcpyHtoDAsync_v2(BigInt(dst), BigInt(srcHost), BigInt(bytes), stream),
+    );
   }
 
   copyDtoHAsync(dstHost: Ptr, src: Ptr, bytes: number, stream: bigint): void {
-    this.check("cuMemcpyDtoHAsync_v2", this.lib.symbols.cuMemcpyDtoHAsync_v2(BigInt(dstHost), BigInt(src), BigInt(bytes), stream));
+    this.check(
+      "cuMemcpyDtoHAsync_v2",
+      this.lib.symbols.cuMemcpyDtoHAsync_v2(BigInt(dstHost), BigInt(src), BigInt(bytes), stream),
+    );
   }
 
   copyDtoDAsync(dst: Ptr, src: Ptr, bytes: number, stream: bigint): void {
-    this.check("cuMemcpyDtoDAsync_v2", this.lib.symbols.cuMemcpyDtoDAsync_v2(BigInt(dst), BigInt(src), BigInt(bytes), stream));
+    this.check(
+      "cuMemcpyDtoDAsync_v2",
+      this.lib.symbols.cuMemcpyDtoDAsync_v2(BigInt(dst), BigInt(src), BigInt(bytes), stream),
+    );
   }
 
   memsetD8Async(dst: Ptr, value: number, count: number, stream: bigint): void {
@@ -359,7 +376,9 @@ export class Driver {
     const image = Buffer.from(`${ptx}\0`, "utf8");
     const code = this.lib.symbols.cuModuleLoadData(addressOf(this.#out64), addressOf(image));
     if (code !== CUDA_SUCCESS) {
-      const detail = [this.errorString(code), ptxRejectedHint(code, ptx, () => this.driverVersion())].filter((s) => s !== "");
+      const detail = [this.errorString(code), ptxRejectedHint(code, ptx, () => this.driverVersion())].filter(
+        (s) => s !== "",
+      );
       throw new CudaError(`cuModuleLoadData(${name}.ptx)`, code, this.errorName(code), detail.join("; "));
     }
     return this.#out64[0]!;
@@ -367,7 +386,10 @@ export class Driver {
 
   moduleFunction(module: bigint, name: string): bigint {
     const cname = Buffer.from(`${name}\0`, "utf8");
-    this.check(`cuModuleGetFunction(${name})`, this.lib.symbols.cuModuleGetFunction(addressOf(this.#out64), module, addressOf(cname)));
+    this.check(
+      `cuModuleGetFunction(${name})`,
+      this.lib.symbols.cuModuleGetFunction(addressOf(this.#out64), module, addressOf(cname)),
+    );
     return this.#out64[0]!;
   }
 
@@ -385,7 +407,19 @@ export class Driver {
     stream: bigint,
     kernelParams: Ptr,
   ): void {
-    const code = this.lib.symbols.cuLaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], sharedBytes, stream, BigInt(kernelParams), 0n);
+    const code = this.lib.symbols.cuLaunchKernel(
+      fn,
+      grid[0],
+      grid[1],
+      grid[2],
+      block[0],
+      block[1],
+      block[2],
+      sharedBytes,
+      stream,
+      BigInt(kernelParams),
+      0n,
+    );
     if (code !== CUDA_SUCCESS) this.check(`cuLaunchKernel(${name})`, code);
   }
 }
@@ -446,7 +480,8 @@ export function probeCuda(load: () => Driver = driver): CudaProbe {
   } catch (e) {
     if (e instanceof CudaError && e.code === CUDA_ERROR_NO_DEVICE)
       return { ok: false, deviceCount: 0, reason: "the CUDA driver finds no device (CUDA_ERROR_NO_DEVICE)" };
-    if (e instanceof NativeLibraryError) return { ok: false, deviceCount: 0, reason: `no CUDA driver (libcuda.so.1 not loadable: ${driverInstallHint})` };
+    if (e instanceof NativeLibraryError)
+      return { ok: false, deviceCount: 0, reason: `no CUDA driver (libcuda.so.1 not loadable: ${driverInstallHint})` };
     return { ok: false, deviceCount: 0, reason: (e as Error).message };
   }
 }

@@ -66,7 +66,10 @@ export const kernelSpecs = {
   // crossentropy.cu
   mt_crossentropy_forward_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
   mt_crossentropy_loss_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
-  mt_crossentropy_backward_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "i32"] },
+  mt_crossentropy_backward_f32: {
+    module: "crossentropy",
+    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "i32"],
+  },
   // layernorm.cu
   mt_layernorm_forward_f32: {
     module: "layernorm",
@@ -77,13 +80,19 @@ export const kernelSpecs = {
     params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "f32"],
   },
   mt_layernorm_backward_f32: { module: "layernorm", params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
-  mt_layernorm_backward_params_f32: { module: "layernorm", params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
+  mt_layernorm_backward_params_f32: {
+    module: "layernorm",
+    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"],
+  },
   // embedding.cu
   mt_embedding_forward_f32: { module: "embedding", params: ["ptr", "ptr", "ptr", "i64", "i64", "i64"] },
   mt_embedding_count_invalid_i32: { module: "embedding", params: ["ptr", "ptr", "i64", "i64"] },
   mt_embedding_backward_f32: { module: "embedding", params: ["ptr", "ptr", "ptr", "i64", "i64"] },
   // attention.cu
-  mt_attention_forward_f32: { module: "attention", params: ["ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "f32", "i32"] },
+  mt_attention_forward_f32: {
+    module: "attention",
+    params: ["ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "f32", "i32"],
+  },
   mt_attention_delta_f32: { module: "attention", params: ["ptr", "ptr", "ptr", "i64", "i64", "i64", "i64"] },
   mt_attention_backward_kv_f32: { module: "attention", params: attentionBackwardParams },
   mt_attention_backward_q_f32: { module: "attention", params: attentionBackwardParams },
@@ -206,7 +215,12 @@ function checkArg(kernel: KernelName, index: number, type: ParamType, arg: numbe
 
 /** A launch, with its arguments and shape checked against the spec and the CUDA limits
  *  (a failure is a programmer error in a plan or its caller). */
-function launch(kernel: KernelName, grid: number, block: readonly [number, number, number], args: readonly (number | bigint)[]): Launch {
+function launch(
+  kernel: KernelName,
+  grid: number,
+  block: readonly [number, number, number],
+  args: readonly (number | bigint)[],
+): Launch {
   const params = kernelSpecs[kernel].params;
   if (args.length !== params.length) {
     throw new RangeError(`${kernel}: ${args.length} arguments for ${params.length} parameters`);
@@ -250,9 +264,12 @@ function columns(kernel: KernelName, N: number, C: number, args: readonly (numbe
 /** The (b, h, 32-row tile) tasks of an attention kernel, 0 for an empty input; a head size the
  *  kernels' shared tiles cannot hold is refused. */
 function attentionTiles(B: number, T: number, C: number, H: number): number {
-  if (!(Number.isSafeInteger(H) && H >= 1 && C % H === 0)) throw new RangeError(`attention: C=${C} is not a multiple of H=${H}`);
+  if (!(Number.isSafeInteger(H) && H >= 1 && C % H === 0))
+    throw new RangeError(`attention: C=${C} is not a multiple of H=${H}`);
   if (C / H > attentionHeadSizeMax) {
-    throw new RangeError(`attention: head size ${C / H} is larger than the CUDA kernels' ${attentionHeadSizeMax} (ffi/cuda/kernels/attention.cu ATT_D_MAX)`);
+    throw new RangeError(
+      `attention: head size ${C / H} is larger than the CUDA kernels' ${attentionHeadSizeMax} (ffi/cuda/kernels/attention.cu ATT_D_MAX)`,
+    );
   }
   return B * H * Math.ceil(T / attentionRows);
 }
@@ -294,7 +311,8 @@ export function reduceShape(dims: Dims4, outStrides: Dims4): ReduceShape {
     if (dims[k] === 1) continue;
     const axis = { size: dims[k]!, inStride: inStrides[k]!, outStride: outStrides[k]!, kept: outStrides[k] !== 0 };
     const last = axes[axes.length - 1];
-    const nests = last !== undefined && last.kept === axis.kept && (!axis.kept || last.outStride === axis.size * axis.outStride);
+    const nests =
+      last !== undefined && last.kept === axis.kept && (!axis.kept || last.outStride === axis.size * axis.outStride);
     if (last !== undefined && nests) {
       last.size *= axis.size;
       last.inStride = axis.inStride;
@@ -346,7 +364,8 @@ function reduceBroadcastPlan(out: Ptr, inp: Ptr, dims: Dims4, outStrides: Dims4)
   const nRed = reduced.dims.reduce((a, b) => a * b, 1);
   if (innerReduced) {
     // a group of threads per out element: a whole block when there is a lot to sum, else a warp
-    const block: [number, number, number] = nRed >= rowsBlockGroupMin ? [singleBlockThreads, 1, 1] : [warpSize, elementwiseThreads / warpSize, 1];
+    const block: [number, number, number] =
+      nRed >= rowsBlockGroupMin ? [singleBlockThreads, 1, 1] : [warpSize, elementwiseThreads / warpSize, 1];
     return [launch("mt_reduce_bcast_rows_f32", blocksFor(nOut, block[1]), block, args)];
   }
   return [columns("mt_reduce_bcast_cols_f32", nRed, nOut, args)];
@@ -364,7 +383,10 @@ function twoPass(partialKernel: KernelName, finalKernel: KernelName, scratch: Pt
   const partials = scratch + scratchPartialsOffset;
   if (n === 0) return [singleBlock(finalKernel, [scratch, partials, 0])];
   const count = partialCount(n);
-  return [launch(partialKernel, count, [elementwiseThreads, 1, 1], [partials, x, n]), singleBlock(finalKernel, [scratch, partials, count])];
+  return [
+    launch(partialKernel, count, [elementwiseThreads, 1, 1], [partials, x, n]),
+    singleBlock(finalKernel, [scratch, partials, count]),
+  ];
 }
 
 // ---- plans --------------------------------------------------------------------------------------
@@ -397,7 +419,15 @@ export const plans = {
     return elementwise("mt_add_scalar_ptr_f32", n, [dinp, dout, scale, n]);
   },
   binaryBroadcast(op: BinaryOp, out: Ptr, a: Ptr, b: Ptr, dims: Dims4, aStrides: Dims4, bStrides: Dims4): Launch[] {
-    return elementwise("mt_binary_bcast_f32", product(dims), [op === "add" ? 0 : 1, out, a, b, ...dims, ...aStrides, ...bStrides]);
+    return elementwise("mt_binary_bcast_f32", product(dims), [
+      op === "add" ? 0 : 1,
+      out,
+      a,
+      b,
+      ...dims,
+      ...aStrides,
+      ...bStrides,
+    ]);
   },
   reduceBroadcast(out: Ptr, inp: Ptr, dims: Dims4, outStrides: Dims4): Launch[] {
     return reduceBroadcastPlan(out, inp, dims, outStrides);
@@ -434,31 +464,93 @@ export const plans = {
   },
   // (no inRange: the loss kernel computes the count with the mean anyway; the backend just
   // does not read it when the targets were checked on the host)
-  crossEntropyForward(scratch: Ptr, loss: Ptr, losses: Ptr, lse: Ptr, logits: Ptr, targets: Ptr, N: number, V: number): Launch[] {
+  crossEntropyForward(
+    scratch: Ptr,
+    loss: Ptr,
+    losses: Ptr,
+    lse: Ptr,
+    logits: Ptr,
+    targets: Ptr,
+    N: number,
+    V: number,
+  ): Launch[] {
     const rows = N === 0 ? [] : [blockRows("mt_crossentropy_forward_f32", N, V, [losses, lse, logits, targets, N, V])];
     return [...rows, singleBlock("mt_crossentropy_loss_f32", [loss, scratch, losses, targets, N, V])];
   },
-  crossEntropyBackward(dlogits: Ptr, logits: Ptr, lse: Ptr, targets: Ptr, dloss: Ptr, N: number, V: number, accumulate: boolean): Launch[] {
+  crossEntropyBackward(
+    dlogits: Ptr,
+    logits: Ptr,
+    lse: Ptr,
+    targets: Ptr,
+    dloss: Ptr,
+    N: number,
+    V: number,
+    accumulate: boolean,
+  ): Launch[] {
     if (N * V === 0) return [];
-    return [blockRows("mt_crossentropy_backward_f32", N, V, [dlogits, logits, lse, targets, dloss, N, V, accumulate ? 1 : 0])];
+    return [
+      blockRows("mt_crossentropy_backward_f32", N, V, [dlogits, logits, lse, targets, dloss, N, V, accumulate ? 1 : 0]),
+    ];
   },
-  layerNormForward(out: Ptr, mean: Ptr, rstd: Ptr, inp: Ptr, weight: Ptr, bias: Ptr, N: number, C: number, eps: number): Launch[] {
+  layerNormForward(
+    out: Ptr,
+    mean: Ptr,
+    rstd: Ptr,
+    inp: Ptr,
+    weight: Ptr,
+    bias: Ptr,
+    N: number,
+    C: number,
+    eps: number,
+  ): Launch[] {
     // C = 0 still writes mean and rstd (NaN, as on the CPU)
     if (N === 0) return [];
     return [warpRows("mt_layernorm_forward_f32", N, [out, mean, rstd, inp, weight, bias, N, C, eps])];
   },
-  residualLayerNormForward(sum: Ptr, out: Ptr, mean: Ptr, rstd: Ptr, x: Ptr, d: Ptr, weight: Ptr, bias: Ptr, N: number, C: number, eps: number): Launch[] {
+  residualLayerNormForward(
+    sum: Ptr,
+    out: Ptr,
+    mean: Ptr,
+    rstd: Ptr,
+    x: Ptr,
+    d: Ptr,
+    weight: Ptr,
+    bias: Ptr,
+    N: number,
+    C: number,
+    eps: number,
+  ): Launch[] {
     if (N === 0) return [];
     return [warpRows("mt_residual_layernorm_forward_f32", N, [sum, out, mean, rstd, x, d, weight, bias, N, C, eps])];
   },
-  layerNormBackward(dinp: Ptr, dweight: Ptr, dbias: Ptr, dout: Ptr, inp: Ptr, weight: Ptr, mean: Ptr, rstd: Ptr, N: number, C: number): Launch[] {
+  layerNormBackward(
+    dinp: Ptr,
+    dweight: Ptr,
+    dbias: Ptr,
+    dout: Ptr,
+    inp: Ptr,
+    weight: Ptr,
+    mean: Ptr,
+    rstd: Ptr,
+    N: number,
+    C: number,
+  ): Launch[] {
     if (N * C === 0) return [];
     return [
       warpRows("mt_layernorm_backward_f32", N, [dinp, dout, inp, weight, mean, rstd, N, C]),
       columns("mt_layernorm_backward_params_f32", N, C, [dweight, dbias, dout, inp, mean, rstd, N, C]),
     ];
   },
-  embeddingForward(scratch: Ptr, out: Ptr, ids: Ptr, table: Ptr, N: number, C: number, V: number, inRange = false): Launch[] {
+  embeddingForward(
+    scratch: Ptr,
+    out: Ptr,
+    ids: Ptr,
+    table: Ptr,
+    N: number,
+    C: number,
+    V: number,
+    inRange = false,
+  ): Launch[] {
     const rows = N * C === 0 ? [] : [warpRows("mt_embedding_forward_f32", N, [out, ids, table, N, C, V])];
     // ids checked on the host: no count to compute
     return inRange ? rows : [...rows, singleBlock("mt_embedding_count_invalid_i32", [scratch, ids, N, V])];
@@ -466,7 +558,17 @@ export const plans = {
   embeddingBackward(dtable: Ptr, ids: Ptr, dout: Ptr, N: number, C: number): Launch[] {
     return elementwise("mt_embedding_backward_f32", N * C, [dtable, ids, dout, N, C]);
   },
-  attentionForward(out: Ptr, lse: Ptr, qkv: Ptr, B: number, T: number, C: number, H: number, scale: number, elem: ElemType): Launch[] {
+  attentionForward(
+    out: Ptr,
+    lse: Ptr,
+    qkv: Ptr,
+    B: number,
+    T: number,
+    C: number,
+    H: number,
+    scale: number,
+    elem: ElemType,
+  ): Launch[] {
     const tiles = attentionTiles(B, T, C, H);
     if (tiles === 0) return [];
     return [attentionLaunch("mt_attention_forward_f32", tiles, [out, lse, qkv, B, T, C, H, scale, elemCodes[elem]])];
@@ -495,7 +597,14 @@ export const plans = {
     ];
   },
   stridedCopy(out: Ptr, outStrides: Dims4, inp: Ptr, inpStrides: Dims4, dims: Dims4, accumulate: boolean): Launch[] {
-    return elementwise("mt_strided_copy_f32", product(dims), [out, inp, ...dims, ...outStrides, ...inpStrides, accumulate ? 1 : 0]);
+    return elementwise("mt_strided_copy_f32", product(dims), [
+      out,
+      inp,
+      ...dims,
+      ...outStrides,
+      ...inpStrides,
+      accumulate ? 1 : 0,
+    ]);
   },
 
   // ---- reductions ----
@@ -523,7 +632,18 @@ export const plans = {
     nesterov: boolean,
     first: boolean,
   ): Launch[] {
-    return elementwise("mt_sgd_step_f32", n, [param, grad, momentumBuf, n, lr, momentum, dampening, weightDecay, nesterov ? 1 : 0, first ? 1 : 0]);
+    return elementwise("mt_sgd_step_f32", n, [
+      param,
+      grad,
+      momentumBuf,
+      n,
+      lr,
+      momentum,
+      dampening,
+      weightDecay,
+      nesterov ? 1 : 0,
+      first ? 1 : 0,
+    ]);
   },
   adamwStep(
     param: Ptr,
@@ -540,7 +660,21 @@ export const plans = {
     biasCorrection1: number,
     biasCorrection2: number,
   ): Launch[] {
-    return elementwise("mt_adamw_step_f32", n, [param, grad, m, v, age, n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2]);
+    return elementwise("mt_adamw_step_f32", n, [
+      param,
+      grad,
+      m,
+      v,
+      age,
+      n,
+      lr,
+      beta1,
+      beta2,
+      eps,
+      weightDecay,
+      biasCorrection1,
+      biasCorrection2,
+    ]);
   },
 
   // ---- casts ----

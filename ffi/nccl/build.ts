@@ -40,7 +40,9 @@ export function ensureNcclShim(log: (line: string) => void = () => {}): string {
   const result = Bun.spawnSync(args, { stdout: "pipe", stderr: "pipe" });
   if (result.exitCode !== 0) {
     rmSync(tmp, { force: true });
-    throw new NativeLibraryError(`compiling ${shimSourcePath} failed (exit ${result.exitCode}):\n${result.stderr.toString()}`);
+    throw new NativeLibraryError(
+      `compiling ${shimSourcePath} failed (exit ${result.exitCode}):\n${result.stderr.toString()}`,
+    );
   }
   renameSync(tmp, shimLibraryPath);
   writeFileSync(stampPath, stamp);

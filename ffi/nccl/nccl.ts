@@ -251,14 +251,19 @@ export class NcclLibrary {
     this.handle = handle;
     const has = (name: string) => s.mt_nccl_has_symbol(handle, cstr(name)) === 1;
     const missing = Object.keys(requiredSymbols).filter((k) => !has(k));
-    if (missing.length > 0) throw new NativeLibraryError(`${path} lacks ${missing.join(", ")}: not a usable NCCL (meshtrain needs 2.10 or newer)`);
+    if (missing.length > 0)
+      throw new NativeLibraryError(
+        `${path} lacks ${missing.join(", ")}: not a usable NCCL (meshtrain needs 2.10 or newer)`,
+      );
     this.n = openNcclSymbols(path, (Object.keys(optionalSymbols) as OptionalName[]).filter(has));
     this.nonBlockingInit = has("ncclCommInitRankConfig");
     const v = new Int32Array(1);
     this.check("ncclGetVersion", this.n.ncclGetVersion(v), null);
     this.version = decodeNcclVersion(v[0]!);
     if (this.version.code < ncclVersionMin) {
-      throw new NativeLibraryError(`${path} is NCCL ${versionText(this.version)}; meshtrain needs 2.10 or newer. Install a newer one: ${ncclInstallHint}`);
+      throw new NativeLibraryError(
+        `${path} is NCCL ${versionText(this.version)}; meshtrain needs 2.10 or newer. Install a newer one: ${ncclInstallHint}`,
+      );
     }
   }
 
@@ -349,7 +354,8 @@ async function pollUntil(probe: () => boolean, timeoutMs: number): Promise<PollR
 }
 
 function checkTimeout(timeoutMs: number): void {
-  if (!(timeoutMs > 0) || !Number.isFinite(timeoutMs)) throw new RangeError(`timeoutMs must be a positive number of milliseconds, got ${timeoutMs}`);
+  if (!(timeoutMs > 0) || !Number.isFinite(timeoutMs))
+    throw new RangeError(`timeoutMs must be a positive number of milliseconds, got ${timeoutMs}`);
 }
 
 // ---- communicators --------------------------------------------------------------------------
@@ -393,7 +399,8 @@ export class NcclComm {
     if (!Number.isInteger(nranks) || nranks < 1 || !Number.isInteger(rank) || rank < 0 || rank >= nranks) {
       throw new RangeError(`NcclComm.init: rank ${rank} of ${nranks} is not a valid rank`);
     }
-    if (id.byteLength !== ncclUniqueIdBytes) throw new RangeError(`NcclComm.init: an ncclUniqueId is ${ncclUniqueIdBytes} bytes, got ${id.byteLength}`);
+    if (id.byteLength !== ncclUniqueIdBytes)
+      throw new RangeError(`NcclComm.init: an ncclUniqueId is ${ncclUniqueIdBytes} bytes, got ${id.byteLength}`);
     checkTimeout(options.timeoutMs);
     const lib = options.library ?? ncclLibrary();
     return lib.nonBlockingInit
@@ -401,7 +408,13 @@ export class NcclComm {
       : await NcclComm.#initOnThread(lib, nranks, rank, id, options.timeoutMs);
   }
 
-  static async #initNonBlocking(lib: NcclLibrary, nranks: number, rank: number, id: Uint8Array, timeoutMs: number): Promise<NcclComm> {
+  static async #initNonBlocking(
+    lib: NcclLibrary,
+    nranks: number,
+    rank: number,
+    id: Uint8Array,
+    timeoutMs: number,
+  ): Promise<NcclComm> {
     const call = "ncclCommInitRankConfig";
     const result = new Int32Array(1);
     const slot = asPointer(shim().mt_nccl_init_rank_config(lib.handle, nranks, id, rank, 0 /* blocking */, result));
@@ -425,7 +438,13 @@ export class NcclComm {
     return new NcclComm(lib, comm!, slot, nranks, rank);
   }
 
-  static async #initOnThread(lib: NcclLibrary, nranks: number, rank: number, id: Uint8Array, timeoutMs: number): Promise<NcclComm> {
+  static async #initOnThread(
+    lib: NcclLibrary,
+    nranks: number,
+    rank: number,
+    id: Uint8Array,
+    timeoutMs: number,
+  ): Promise<NcclComm> {
     const call = "ncclCommInitRank";
     const result = new Int32Array(1);
     const job = asPointer(shim().mt_nccl_init_start_legacy(lib.handle, nranks, id, rank, result));
@@ -456,13 +475,21 @@ export class NcclComm {
   /** all-reduce `count` elements: recv = op over ranks of send (in place when send == recv). */
   allReduce(send: Ptr, recv: Ptr, count: number, dtype: NcclDType, op: NcclRedOp, stream: NcclStream): void {
     const comm = this.#enter("ncclAllReduce", count);
-    this.#leave("ncclAllReduce", this.#lib.n.ncclAllReduce(send, recv, count, dtypeOf(dtype), opOf(op), comm, stream), comm);
+    this.#leave(
+      "ncclAllReduce",
+      this.#lib.n.ncclAllReduce(send, recv, count, dtypeOf(dtype), opOf(op), comm, stream),
+      comm,
+    );
   }
 
   /** reduce-scatter: send holds nranks * recvCount elements; rank r receives block r of the reduction. */
   reduceScatter(send: Ptr, recv: Ptr, recvCount: number, dtype: NcclDType, op: NcclRedOp, stream: NcclStream): void {
     const comm = this.#enter("ncclReduceScatter", recvCount);
-    this.#leave("ncclReduceScatter", this.#lib.n.ncclReduceScatter(send, recv, recvCount, dtypeOf(dtype), opOf(op), comm, stream), comm);
+    this.#leave(
+      "ncclReduceScatter",
+      this.#lib.n.ncclReduceScatter(send, recv, recvCount, dtypeOf(dtype), opOf(op), comm, stream),
+      comm,
+    );
   }
 
   /** all-gather: each rank sends sendCount elements; recv holds nranks * sendCount, rank order. */
@@ -473,9 +500,14 @@ export class NcclComm {
 
   /** broadcast `count` elements from root's send into every rank's recv. */
   broadcast(send: Ptr, recv: Ptr, count: number, dtype: NcclDType, root: number, stream: NcclStream): void {
-    if (!Number.isInteger(root) || root < 0 || root >= this.nranks) throw new RangeError(`broadcast: root ${root} is not a rank of ${this.nranks}`);
+    if (!Number.isInteger(root) || root < 0 || root >= this.nranks)
+      throw new RangeError(`broadcast: root ${root} is not a rank of ${this.nranks}`);
     const comm = this.#enter("ncclBroadcast", count);
-    this.#leave("ncclBroadcast", this.#lib.n.ncclBroadcast(send, recv, count, dtypeOf(dtype), root, comm, stream), comm);
+    this.#leave(
+      "ncclBroadcast",
+      this.#lib.n.ncclBroadcast(send, recv, count, dtypeOf(dtype), root, comm, stream),
+      comm,
+    );
   }
 
   /** Checks a collective's count and the communicator's state; joins an open group. */
@@ -498,7 +530,10 @@ export class NcclComm {
   /** The live, settled handle; throws (programmer error) on a destroyed or pending communicator. */
   #ready(call: string): Pointer {
     if (this.#comm === null) throw new Error(`${call}: the communicator was destroyed or aborted`);
-    if (this.#pending) throw new Error(`${call}: the communicator is in progress; await settled() first (NCCL forbids any call until then)`);
+    if (this.#pending)
+      throw new Error(
+        `${call}: the communicator is in progress; await settled() first (NCCL forbids any call until then)`,
+      );
     return this.#comm;
   }
 
@@ -630,7 +665,11 @@ function initError(lib: NcclLibrary, call: string, code: number, comm: Pointer |
   const e = lib.error(call, code, comm);
   if (code !== ncclInvalidUsage) return e;
   // The usual cause: two ranks on one GPU (NCCL: "Duplicate GPU detected").
-  return new NcclError(call, code, `${e.detail} (each rank needs its own GPU: a one-GPU machine can only run a one-rank communicator)`);
+  return new NcclError(
+    call,
+    code,
+    `${e.detail} (each rank needs its own GPU: a one-GPU machine can only run a one-rank communicator)`,
+  );
 }
 
 function timeoutError(call: string, nranks: number, rank: number, timeoutMs: number): NcclError {

@@ -31,5 +31,6 @@ export const rateWindowMs = 5_000;
 /** An event or a heartbeat larger than this is not one (they are a few hundred bytes). */
 export const messageBytesMax = 1 << 16;
 
-if (silentAfterMs <= heartbeatMs) throw new Error("silentAfterMs must exceed heartbeatMs: a live process would flicker as silent");
+if (silentAfterMs <= heartbeatMs)
+  throw new Error("silentAfterMs must exceed heartbeatMs: a live process would flicker as silent");
 if (flushMs >= statusPollMs) throw new Error("flushMs must be below statusPollMs");

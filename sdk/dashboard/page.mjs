@@ -29,18 +29,29 @@ class Series {
       for (const c of this.cols) c.length = keep;
     }
     this.cols.forEach((c, i) => c.push(row[i] ?? null));
-    if (xs.length > seriesPointsMax) this.cols = this.cols.map((c) => c.filter((_, j) => j % 2 === 0 || j === c.length - 1));
+    if (xs.length > seriesPointsMax)
+      this.cols = this.cols.map((c) => c.filter((_, j) => j % 2 === 0 || j === c.length - 1));
   }
 }
 
 const curves = { loss: new Series(3), evals: new Series(3), rate: new Series(2) };
 
-const axis = (label, side = 3) => ({ label, side, stroke: "#59636e", grid: { stroke: "#eef1f4" }, ticks: { stroke: "#d1d9e0" } });
+const axis = (label, side = 3) => ({
+  label,
+  side,
+  stroke: "#59636e",
+  grid: { stroke: "#eef1f4" },
+  ticks: { stroke: "#d1d9e0" },
+});
 const chartSpecs = {
   loss: {
     scales: { x: { time: false }, lr: { auto: true } },
     axes: [axis("step", 2), axis("loss"), { ...axis("lr", 1), scale: "lr", grid: { show: false } }],
-    series: [{ label: "step" }, { label: "loss", stroke: "#0969da", width: 1.5 }, { label: "lr", stroke: "#bf8700", width: 1, scale: "lr", dash: [4, 3] }],
+    series: [
+      { label: "step" },
+      { label: "loss", stroke: "#0969da", width: 1.5 },
+      { label: "lr", stroke: "#bf8700", width: 1, scale: "lr", dash: [4, 3] },
+    ],
   },
   evals: {
     scales: { x: { time: false }, acc: { range: [0, 1] } },
@@ -69,7 +80,11 @@ const charts = {};
 function makeCharts() {
   for (const [name, spec] of Object.entries(chartSpecs)) {
     const el = $(name);
-    charts[name] = new uPlot({ width: el.clientWidth, height: 220, ...spec, legend: { live: true } }, curves[name].cols, el);
+    charts[name] = new uPlot(
+      { width: el.clientWidth, height: 220, ...spec, legend: { live: true } },
+      curves[name].cols,
+      el,
+    );
   }
 }
 function sizeCharts() {
@@ -85,7 +100,13 @@ function draw() {
     for (const [name, chart] of Object.entries(charts)) {
       // the evaluation chart shows accuracy only for classifiers (a GPT's is -1)
       const cols =
-        name === "evals" ? [curves.evals.cols[0], curves.evals.cols[1], curves.evals.cols[2].map((a) => (a !== null && a >= 0 ? a : null))] : curves[name].cols;
+        name === "evals"
+          ? [
+              curves.evals.cols[0],
+              curves.evals.cols[1],
+              curves.evals.cols[2].map((a) => (a !== null && a >= 0 ? a : null)),
+            ]
+          : curves[name].cols;
       chart.setData(cols);
       $(name).dataset.points = String(curves[name].length);
     }
@@ -93,7 +114,10 @@ function draw() {
 }
 
 function table(el, head, rows, empty) {
-  el.innerHTML = rows.length === 0 ? `<tr><td class="empty">${esc(empty)}</td></tr>` : `<tr>${head.map((h) => `<th>${h}</th>`).join("")}</tr>${rows.join("")}`;
+  el.innerHTML =
+    rows.length === 0
+      ? `<tr><td class="empty">${esc(empty)}</td></tr>`
+      : `<tr>${head.map((h) => `<th>${h}</th>`).join("")}</tr>${rows.join("")}`;
 }
 
 const splitParts = [
@@ -103,7 +127,9 @@ const splitParts = [
   ["pushMs", "push", "#bf8700"],
   ["exposedCommMs", "exposed comm", "#cf222e"],
 ];
-$("split-legend").innerHTML = splitParts.map(([, name, color]) => `<span><i style="background:${color}"></i>${name}</span>`).join("");
+$("split-legend").innerHTML = splitParts
+  .map(([, name, color]) => `<span><i style="background:${color}"></i>${name}</span>`)
+  .join("");
 
 function renderHealth(p) {
   const rows = p.health.map(
@@ -126,7 +152,10 @@ function renderSplit(p) {
   const widest = Math.max(1e-9, ...p.split.map(total));
   const rows = p.split.map((r) => {
     const bars = splitParts
-      .map(([k, name, color]) => `<span title="${name} ${fix(r[k], 1)} ms" style="width:${(100 * (r[k] || 0)) / widest}%;background:${color}"></span>`)
+      .map(
+        ([k, name, color]) =>
+          `<span title="${name} ${fix(r[k], 1)} ms" style="width:${(100 * (r[k] || 0)) / widest}%;background:${color}"></span>`,
+      )
       .join("");
     return `<tr data-rank="${r.rank}"><td>rank ${r.rank}</td><td class="num">${r.step}</td><td class="num">${fix(total(r), 1)}</td><td style="width:55%"><div class="bar">${bars}</div></td><td class="muted nowrap">${splitParts.map(([k]) => fix(r[k], 1)).join(" · ")}</td></tr>`;
   });
@@ -139,7 +168,12 @@ function renderShards(p) {
       ? `<tr><td>shard ${s.shard}</td><td colspan="4" class="muted">${esc(s.error)}</td></tr>`
       : `<tr data-shard="${s.shard}"><td>shard ${s.shard}</td><td>${s.clocks.join(" · ")}</td><td class="num">${s.staleness}</td><td class="num">${s.updates}</td><td class="num">${s.waiting}</td></tr>`,
   );
-  table($("shards"), ["", "clocks per trainer", "staleness", "updates", "waiting"], rows, "no shard clocks (all-reduce job, or it is not running)");
+  table(
+    $("shards"),
+    ["", "clocks per trainer", "staleness", "updates", "waiting"],
+    rows,
+    "no shard clocks (all-reduce job, or it is not running)",
+  );
 }
 
 function renderSnapshots(p) {
@@ -156,9 +190,11 @@ function renderPanels(p) {
   const state = $("state");
   state.textContent = p.state;
   state.className = `badge ${p.state === "running" ? "ok" : p.state === "failed" ? "bad" : p.state === "cancelled" ? "warn" : "idle"}`;
-  $("steps").textContent = p.steps.total > 0 ? `step ${p.steps.seen} of ${p.steps.total}` : p.steps.seen > 0 ? `step ${p.steps.seen}` : "";
+  $("steps").textContent =
+    p.steps.total > 0 ? `step ${p.steps.seen} of ${p.steps.total}` : p.steps.seen > 0 ? `step ${p.steps.seen}` : "";
   $("evaluation").textContent = p.evaluation;
-  $("mesh").textContent = `mesh ${p.mesh}; events since ${new Date(p.sinceMs).toLocaleTimeString()}${p.reason ? ` · ${p.reason}` : ""}`;
+  $("mesh").textContent =
+    `mesh ${p.mesh}; events since ${new Date(p.sinceMs).toLocaleTimeString()}${p.reason ? ` · ${p.reason}` : ""}`;
   $("config").textContent = p.config.join("\n");
   renderHealth(p);
   renderSplit(p);

@@ -15,7 +15,13 @@ import { join } from "node:path";
 import type { Server } from "bun";
 import { decodeEvent, decodeHeartbeat, EventKind, JobState } from "../../schemas/messages.ts";
 import type { Subscription } from "../../services/runtime/mesh/bus.ts";
-import { BadRequestError, CapacityError, NatsAccessError, NoRespondersError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
+import {
+  BadRequestError,
+  CapacityError,
+  NatsAccessError,
+  NoRespondersError,
+  UnknownJobError,
+} from "../../services/runtime/mesh/errors.ts";
 import { subjects } from "../../services/runtime/job/job.ts";
 import { stateName } from "../../services/runtime/job/jobs.ts";
 import type { JobStatus, MeshClient } from "../client.ts";
@@ -59,8 +65,12 @@ interface Feed {
 
 const encoder = new TextEncoder();
 const json = (body: unknown, status = 200) =>
-  new Response(JSON.stringify(body), { status, headers: { "content-type": "application/json; charset=utf-8", "cache-control": "no-store" } });
-const text = (body: string, status: number) => new Response(`${body}\n`, { status, headers: { "content-type": "text/plain; charset=utf-8" } });
+  new Response(JSON.stringify(body), {
+    status,
+    headers: { "content-type": "application/json; charset=utf-8", "cache-control": "no-store" },
+  });
+const text = (body: string, status: number) =>
+  new Response(`${body}\n`, { status, headers: { "content-type": "text/plain; charset=utf-8" } });
 
 export class Dashboard implements AsyncDisposable {
   readonly #feeds = new Map<string, Feed>();
@@ -72,7 +82,11 @@ export class Dashboard implements AsyncDisposable {
     readonly client: MeshClient,
     o: DashboardOptions,
   ) {
-    this.server = Bun.serve({ hostname: o.host ?? "127.0.0.1", port: o.port ?? 0, fetch: (req, server) => this.#route(req, server) });
+    this.server = Bun.serve({
+      hostname: o.host ?? "127.0.0.1",
+      port: o.port ?? 0,
+      fetch: (req, server) => this.#route(req, server),
+    });
     this.#timer = setInterval(() => this.#flush(), flushMs);
     this.#timer.unref(); // the server keeps the process alive while it serves, not this
   }
@@ -84,7 +98,9 @@ export class Dashboard implements AsyncDisposable {
     } catch (e) {
       const code = (e as NodeJS.ErrnoException).code;
       if (code === "EADDRINUSE" || code === "EADDRNOTAVAIL" || code === "EACCES")
-        throw new BadRequestError(`the dashboard cannot listen on ${o.host ?? "127.0.0.1"}:${o.port ?? 0} (${code}); pick another port or host`);
+        throw new BadRequestError(
+          `the dashboard cannot listen on ${o.host ?? "127.0.0.1"}:${o.port ?? 0} (${code}); pick another port or host`,
+        );
       throw e;
     }
   }
@@ -154,7 +170,8 @@ export class Dashboard implements AsyncDisposable {
       return await this.client.status(job);
     } catch (e) {
       // no record, and no checkpoint service to look for snapshots in
-      if (e instanceof NoRespondersError) throw new UnknownJobError(`no job ${job} on ${this.client.url} (meshtrain status lists the jobs)`);
+      if (e instanceof NoRespondersError)
+        throw new UnknownJobError(`no job ${job} on ${this.client.url} (meshtrain status lists the jobs)`);
       throw e;
     }
   }
@@ -162,8 +179,11 @@ export class Dashboard implements AsyncDisposable {
   /** Drops the least recently viewed job nobody is looking at; CapacityError when every one has a page open. */
   #makeRoom(): void {
     if (this.#feeds.size < jobViewsMax) return;
-    const idle = [...this.#feeds.entries()].filter(([, f]) => f.pages.size === 0).sort(([, a], [, b]) => a.viewedMs - b.viewedMs)[0];
-    if (idle === undefined) throw new CapacityError(`this dashboard follows ${jobViewsMax} jobs, each open in a page; close one first`);
+    const idle = [...this.#feeds.entries()]
+      .filter(([, f]) => f.pages.size === 0)
+      .sort(([, a], [, b]) => a.viewedMs - b.viewedMs)[0];
+    if (idle === undefined)
+      throw new CapacityError(`this dashboard follows ${jobViewsMax} jobs, each open in a page; close one first`);
     this.#unfollow(idle[0]);
   }
 
@@ -180,7 +200,10 @@ export class Dashboard implements AsyncDisposable {
     const path = new URL(req.url).pathname;
     try {
       const asset = assets[path];
-      if (asset) return new Response(Bun.file(asset.path), { headers: { "content-type": asset.type, "cache-control": "no-cache" } });
+      if (asset)
+        return new Response(Bun.file(asset.path), {
+          headers: { "content-type": asset.type, "cache-control": "no-cache" },
+        });
       if (path === "/") return await this.#jobList();
       const m = /^\/jobs\/([^/]+)(\/[a-z.]+)?$/.exec(path);
       if (m === null) return text(`no page ${path}; the jobs are listed at /`, 404);
@@ -208,7 +231,9 @@ export class Dashboard implements AsyncDisposable {
     const feed = this.#feeds.get(job)!;
     feed.viewedMs = Date.now();
     if (what === "")
-      return new Response(Bun.file(join(here, "page.html")), { headers: { "content-type": "text/html; charset=utf-8", "cache-control": "no-cache" } });
+      return new Response(Bun.file(join(here, "page.html")), {
+        headers: { "content-type": "text/html; charset=utf-8", "cache-control": "no-cache" },
+      });
     if (what === "/state.json") {
       if (Date.now() - feed.statusMs >= statusPollMs && !feed.polling) await this.#poll(feed);
       return json(this.#state(feed));
@@ -222,7 +247,10 @@ export class Dashboard implements AsyncDisposable {
       (r) =>
         `<tr><td><a href="/jobs/${r.job}">${r.job}</a></td><td>${stateName(r.state)}</td><td>${new Date(r.submittedMs).toISOString()}</td><td>${escapeHtml(r.reason)}</td></tr>`,
     );
-    const body = rows.length > 0 ? `<table><tr><th>job</th><th>state</th><th>submitted</th><th></th></tr>${rows.join("")}</table>` : "<p>no jobs yet</p>";
+    const body =
+      rows.length > 0
+        ? `<table><tr><th>job</th><th>state</th><th>submitted</th><th></th></tr>${rows.join("")}</table>`
+        : "<p>no jobs yet</p>";
     return new Response(
       `<!doctype html><meta charset="utf-8"><title>meshtrain jobs</title><style>body{font:14px system-ui,sans-serif;margin:2em}td,th{padding:4px 12px;text-align:left}</style><h1>meshtrain jobs on ${escapeHtml(this.client.url)}</h1>${body}`,
       { headers: { "content-type": "text/html; charset=utf-8" } },
@@ -235,7 +263,8 @@ export class Dashboard implements AsyncDisposable {
 
   /** A page's event stream: the whole state first, then what changes (#flush). */
   #stream(feed: Feed, req: Request, server: Server<undefined>): Response {
-    if (this.#pages >= dashboardClientsMax) return text(`${dashboardClientsMax} pages are open on this dashboard; close one`, 503);
+    if (this.#pages >= dashboardClientsMax)
+      return text(`${dashboardClientsMax} pages are open on this dashboard; close one`, 503);
     server.timeout(req, 0); // a stream stays open: no idle timeout
     let page: Page | null = null;
     const stream = new ReadableStream<Uint8Array>({
@@ -250,7 +279,9 @@ export class Dashboard implements AsyncDisposable {
         if (page && feed.pages.delete(page)) this.#pages--;
       },
     });
-    return new Response(stream, { headers: { "content-type": "text/event-stream", "cache-control": "no-store", "x-accel-buffering": "no" } });
+    return new Response(stream, {
+      headers: { "content-type": "text/event-stream", "cache-control": "no-store", "x-accel-buffering": "no" },
+    });
   }
 
   #close(feed: Feed, page: Page): void {
@@ -272,7 +303,8 @@ export class Dashboard implements AsyncDisposable {
       }
       // with no page open, only until the job's status was read once (meshtrain run follows it before submitting)
       const wanted = feed.pages.size > 0 || !feed.statusRead;
-      if (wanted && !feed.polling && now - feed.statusMs >= statusPollMs && !(feed.view.ended && feed.statusMs > 0)) void this.#poll(feed);
+      if (wanted && !feed.polling && now - feed.statusMs >= statusPollMs && !(feed.view.ended && feed.statusMs > 0))
+        void this.#poll(feed);
       // a page that connected since the last flush has these points already (in its whole
       // state): added again, each cuts the curve back to itself first, which changes nothing
       const curves = feed.view.appendsSince();
@@ -281,7 +313,9 @@ export class Dashboard implements AsyncDisposable {
       const changed = panels !== feed.sentPanels;
       if (!changed && curves.loss.length + curves.evals.length + curves.rate.length === 0) continue;
       feed.sentPanels = panels;
-      const msg = encoder.encode(`event: update\ndata: {"curves":${JSON.stringify(curves)}${changed ? `,"panels":${panels}` : ""}}\n\n`);
+      const msg = encoder.encode(
+        `event: update\ndata: {"curves":${JSON.stringify(curves)}${changed ? `,"panels":${panels}` : ""}}\n\n`,
+      );
       for (const p of feed.pages) this.#send(feed, p, msg);
     }
   }

@@ -10,7 +10,16 @@ import { type JobConfig, dataRanks, usesShards } from "../../services/runtime/jo
 import { isEnded, stateName } from "../../services/runtime/job/jobs.ts";
 import type { JobStatus } from "../client.ts";
 import { configSummary } from "../report.ts";
-import { logLinesMax, processesMax, rateWindowMs, restartShownMs, seriesPointsMax, silentAfterMs, snapshotsShownMax, splitWindowSteps } from "./limits.ts";
+import {
+  logLinesMax,
+  processesMax,
+  rateWindowMs,
+  restartShownMs,
+  seriesPointsMax,
+  silentAfterMs,
+  snapshotsShownMax,
+  splitWindowSteps,
+} from "./limits.ts";
 
 /** Columns of points, the first one x (ascending). */
 export class Series {
@@ -237,7 +246,12 @@ export class JobView {
     const p = this.#proc(hb.who);
     if (p === undefined) return;
     const was = p.hb;
-    if (was !== null && hb.phase === "starting" && was.phase !== "starting" && nowMs - this.#resizedMs > resizeReopenMs) {
+    if (
+      was !== null &&
+      hb.phase === "starting" &&
+      was.phase !== "starting" &&
+      nowMs - this.#resizedMs > resizeReopenMs
+    ) {
       p.restarts++;
       p.restartedMs = nowMs;
       p.restartNote = `it was at step ${was.step}, ${was.phase}`;
@@ -296,7 +310,16 @@ export class JobView {
   #proc(who: string): Proc | undefined {
     let p = this.#procs.get(who);
     if (p === undefined && this.#procs.size < processesMax) {
-      p = { hb: null, heardMs: 0, restarts: 0, restartedMs: 0, restartNote: "", stalled: null, straggler: null, backNote: "" };
+      p = {
+        hb: null,
+        heardMs: 0,
+        restarts: 0,
+        restartedMs: 0,
+        restartNote: "",
+        stalled: null,
+        straggler: null,
+        backNote: "",
+      };
       this.#procs.set(who, p);
     }
     return p;
@@ -321,7 +344,9 @@ export class JobView {
           ? `${rec.evalSplit || "test"} at step ${rec.evalStep}: loss ${rec.loss.toFixed(4)}, accuracy ${(100 * rec.accuracy).toFixed(2)}%`
           : "",
       config: this.config ? configSummary(this.config) : [],
-      health: [...this.#procs.entries()].sort(([a], [b]) => processOrder(a) - processOrder(b)).map(([who, p]) => this.#health(who, p, nowMs)),
+      health: [...this.#procs.entries()]
+        .sort(([a], [b]) => processOrder(a) - processOrder(b))
+        .map(([who, p]) => this.#health(who, p, nowMs)),
       split: [...this.#splits.entries()].sort(([a], [b]) => a - b).map(([rank, s]) => splitRow(rank, s)),
       shards: (this.#status?.shards ?? []).map(shardRow),
       snapshots: (this.#status?.checkpoints ?? []).slice(-snapshotsShownMax).reverse().map(snapshotRow),
@@ -337,10 +362,20 @@ export class JobView {
     if (this.ended) return { ...base, level: "idle", state: "ended", note: "the job ended" };
     if (p.stalled !== null) return { ...base, level: "bad", state: "stalled", note: p.stalled };
     if (p.hb !== null && nowMs - p.heardMs >= silentAfterMs)
-      return { ...base, level: "bad", state: "silent", note: `no heartbeat for ${silentS} s (stopped, wedged or dead)` };
+      return {
+        ...base,
+        level: "bad",
+        state: "silent",
+        note: `no heartbeat for ${silentS} s (stopped, wedged or dead)`,
+      };
     // a process that died a moment ago (or reopened the job in a resize) is not trusted yet
     if (p.restarts > 0 && nowMs - p.restartedMs < restartShownMs)
-      return { ...base, level: "bad", state: "restarted", note: `opened the job again ${Math.floor((nowMs - p.restartedMs) / 1000)} s ago; ${p.restartNote}` };
+      return {
+        ...base,
+        level: "bad",
+        state: "restarted",
+        note: `opened the job again ${Math.floor((nowMs - p.restartedMs) / 1000)} s ago; ${p.restartNote}`,
+      };
     if (p.straggler !== null) return { ...base, level: "warn", state: "straggler", note: p.straggler };
     if (p.hb === null) return { ...base, level: "warn", state: "waiting", note: "not heard yet" };
     return { ...base, level: "ok", state: "ok", note: p.backNote };
@@ -381,5 +416,12 @@ function shardRow(s: JobStatus["shards"][number]): ShardRow {
 }
 
 function snapshotRow(m: Manifest): Panels["snapshots"][number] {
-  return { id: m.id, step: m.step, metric: m.metric, bytes: m.files.reduce((a, f) => a + f.bytes, 0), createdMs: m.createdMs, model: m.modelPath };
+  return {
+    id: m.id,
+    step: m.step,
+    metric: m.metric,
+    bytes: m.files.reduce((a, f) => a + f.bytes, 0),
+    createdMs: m.createdMs,
+    model: m.modelPath,
+  };
 }

@@ -69,10 +69,14 @@ function checkDataOptions(o: EvalOptions, kind: "mlp" | "gpt"): void {
   const misplaced = kind === "mlp" ? [o.text && "--text", o.tokensDir && "--tokens-dir"] : [o.dataDir && "--data-dir"];
   const wrong = misplaced.filter(Boolean);
   if (wrong.length > 0) {
-    const what = kind === "mlp" ? "an MLP classifier, which takes --data-dir (MNIST idx files)" : "a GPT, which takes --text or --tokens-dir";
+    const what =
+      kind === "mlp"
+        ? "an MLP classifier, which takes --data-dir (MNIST idx files)"
+        : "a GPT, which takes --text or --tokens-dir";
     throw new ConfigError(`${wrong.join(" and ")} cannot be used on ${shownPath(o.model)}: it is ${what}`);
   }
-  if (o.text !== undefined && o.tokensDir !== undefined) throw new ConfigError("--text and --tokens-dir exclude each other: pass one");
+  if (o.text !== undefined && o.tokensDir !== undefined)
+    throw new ConfigError("--text and --tokens-dir exclude each other: pass one");
 }
 
 function evalModel(o: EvalOptions, backend: Backend): EvalReport {
@@ -94,7 +98,9 @@ function buildModel<M extends Model>(path: string, loaded: LoadedModelFile, buil
     model = build();
   } catch (e) {
     if (!(e instanceof ConfigError)) throw e;
-    throw new DataFileError(path, `its ${loaded.header.kind} config does not build a model: ${e.message}`, { cause: e });
+    throw new DataFileError(path, `its ${loaded.header.kind} config does not build a model: ${e.message}`, {
+      cause: e,
+    });
   }
   loadSlabInto(path, model.store, loaded);
   return model;
@@ -106,14 +112,22 @@ function evalMlp(o: EvalOptions, ctx: Context, loaded: LoadedModelFile): EvalRep
   const pixels = test.rows * test.cols;
   const widths = Array.isArray(config.widths) ? config.widths : [];
   if (widths[0] !== pixels || widths[widths.length - 1] !== 10) {
-    throw new DataFileError(o.model, `an mlp of widths [${widths.join(", ")}] does not classify MNIST (${pixels} pixels in, 10 classes out)`);
+    throw new DataFileError(
+      o.model,
+      `an mlp of widths [${widths.join(", ")}] does not classify MNIST (${pixels} pixels in, 10 classes out)`,
+    );
   }
   if (config.activation !== "relu" && config.activation !== "gelu") {
-    throw new DataFileError(o.model, `corrupt header: mlp activation ${JSON.stringify(config.activation)} (relu or gelu)`);
+    throw new DataFileError(
+      o.model,
+      `corrupt header: mlp activation ${JSON.stringify(config.activation)} (relu or gelu)`,
+    );
   }
   const model = buildModel(o.model, loaded, () => new MlpModel(ctx, config, 0));
   const r = evaluate(ctx, model, new ImageBatcher(test, evalBatchSamples).epoch(0, 0, false, false));
-  console.log(`model: ${shownPath(o.model)}: mlp ${widths.join("-")}, ${model.store.paramCount.toLocaleString("en-US")} parameters, ${stepsNote(loaded)}`);
+  console.log(
+    `model: ${shownPath(o.model)}: mlp ${widths.join("-")}, ${model.store.paramCount.toLocaleString("en-US")} parameters, ${stepsNote(loaded)}`,
+  );
   console.log(
     `test accuracy: ${(r.accuracy * 100).toFixed(2)}% (error ${((1 - r.accuracy) * 100).toFixed(2)}%) on ${r.count.toLocaleString("en-US")} MNIST test samples`,
   );
@@ -126,11 +140,17 @@ function evalGpt(o: EvalOptions, ctx: Context, loaded: LoadedModelFile): EvalRep
   const config = header.config as GptConfig;
   const model = buildModel(o.model, loaded, () => new GptModel(ctx, config, 0));
   if (header.vocab !== undefined && header.vocab.length !== config.vocabSize) {
-    throw new DataFileError(o.model, `corrupt header: a vocabulary of ${header.vocab.length} characters for vocabSize ${config.vocabSize}`);
+    throw new DataFileError(
+      o.model,
+      `corrupt header: a vocabulary of ${header.vocab.length} characters for vocabSize ${config.vocabSize}`,
+    );
   }
   const split = validationSplit(o, header.vocab, (header.training ?? null) as TrainingRecord | null);
   if (split.tokens.length < config.blockSize + 1) {
-    throw new DataFileError(split.file, `its validation split has ${split.tokens.length} tokens; the model's context needs at least ${config.blockSize + 1}`);
+    throw new DataFileError(
+      split.file,
+      `its validation split has ${split.tokens.length} tokens; the model's context needs at least ${config.blockSize + 1}`,
+    );
   }
   const rows = evalWindows((header.training ?? null) as TrainingRecord | null);
   const batcher = new TokenBatcher(split.tokens, rows, config.blockSize, config.vocabSize);
@@ -147,7 +167,9 @@ function evalGpt(o: EvalOptions, ctx: Context, loaded: LoadedModelFile): EvalRep
       ? `the first ${batches} of ${batchesInSplit} batches of ${rows} windows; --eval-batches 0 for all`
       : `${batches} batch${batches === 1 ? "" : "es"} of ${rows} windows, all`;
   const units = split.unit === "char" ? "characters" : "tokens";
-  console.log(`validation loss: ${r.loss.toFixed(4)} nats/${split.unit} on ${r.count.toLocaleString("en-US")} ${units} of ${split.name} (${cut})`);
+  console.log(
+    `validation loss: ${r.loss.toFixed(4)} nats/${split.unit} on ${r.count.toLocaleString("en-US")} ${units} of ${split.name} (${cut})`,
+  );
   console.log(`perplexity: ${Math.exp(r.loss).toFixed(2)}`);
   return { kind: "gpt", loss: r.loss, tokens: r.count, batches, batchesInSplit };
 }
@@ -179,7 +201,11 @@ interface ValidationSplit {
 }
 
 /** The validation tokens: --tokens-dir or --text, else what the training record names. */
-function validationSplit(o: EvalOptions, vocab: string[] | undefined, training: TrainingRecord | null): ValidationSplit {
+function validationSplit(
+  o: EvalOptions,
+  vocab: string[] | undefined,
+  training: TrainingRecord | null,
+): ValidationSplit {
   const recorded = (v: unknown) => (typeof v === "string" && v !== "" ? userPath(v) : undefined);
   const mesh = (kind: string) => (training?.dataset === kind ? training.dataDir : undefined);
   const tokensDir = o.tokensDir ?? (o.text === undefined ? recorded(training?.tokensDir ?? mesh("tokens")) : undefined);
@@ -191,17 +217,27 @@ function validationSplit(o: EvalOptions, vocab: string[] | undefined, training: 
         tokensDir,
         manifest.shards.filter((s) => s.split === "val"),
       );
-      if (tokens.length === 0) throw new DataFileError(tokensDir, "holds no validation tokens (prepared with --val-fraction 0)");
-      return { tokens, unit: vocab === undefined ? "token" : "char", file: tokensDir, name: `${shownPath(tokensDir)} (its val shards)` };
+      if (tokens.length === 0)
+        throw new DataFileError(tokensDir, "holds no validation tokens (prepared with --val-fraction 0)");
+      return {
+        tokens,
+        unit: vocab === undefined ? "token" : "char",
+        file: tokensDir,
+        name: `${shownPath(tokensDir)} (its val shards)`,
+      };
     }
     const file = join(tokensDir, "val.bin");
     return { tokens: readTokenFile(file), unit: vocab === undefined ? "token" : "char", file, name: shownPath(file) };
   }
   if (vocab === undefined) {
-    throw new ConfigError(`${shownPath(o.model)} was trained on token files and has no character vocabulary: pass --tokens-dir <dir> (with val.bin)`);
+    throw new ConfigError(
+      `${shownPath(o.model)} was trained on token files and has no character vocabulary: pass --tokens-dir <dir> (with val.bin)`,
+    );
   }
   if (o.text === undefined && training === null) {
-    throw new ConfigError(`${shownPath(o.model)} has no training record naming its text: pass --text <file> or --tokens-dir <dir>`);
+    throw new ConfigError(
+      `${shownPath(o.model)} has no training record naming its text: pass --text <file> or --tokens-dir <dir>`,
+    );
   }
   const file = o.text ?? recorded(training?.text ?? mesh("text")) ?? mobyDickPath();
   const valFraction = typeof training?.valFraction === "number" ? training.valFraction : gptRunDefaults.valFraction;

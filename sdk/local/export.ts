@@ -25,7 +25,10 @@ const json = (value: unknown) => new TextEncoder().encode(`${JSON.stringify(valu
 export function runExport(o: ExportOptions): string[] {
   const { header, slab } = readModelFile(o.model);
   if (header.kind !== "gpt") {
-    throw new DataFileError(o.model, "is an MLP classifier; export writes a GPT in Hugging Face's GPT-2 layout, which an MLP does not have");
+    throw new DataFileError(
+      o.model,
+      "is an MLP classifier; export writes a GPT in Hugging Face's GPT-2 layout, which an MLP does not have",
+    );
   }
   const config = header.config as GptConfig;
   const bpe = header.tokenizer === "gpt2";
@@ -35,7 +38,11 @@ export function runExport(o: ExportOptions): string[] {
     writeDurably(join(o.out, name), parts);
     files.push(name);
   };
-  writeSafetensors(join(o.out, "model.safetensors"), toHfTensors(header.entries, slab), { format: "pt", producer: "meshtrain", step: String(header.step) });
+  writeSafetensors(join(o.out, "model.safetensors"), toHfTensors(header.entries, slab), {
+    format: "pt",
+    producer: "meshtrain",
+    step: String(header.step),
+  });
   files.push("model.safetensors");
   put("config.json", [json(hfConfig(config, bpe))]);
   if (bpe) {
@@ -44,7 +51,14 @@ export function runExport(o: ExportOptions): string[] {
     put("merges.txt", [new TextEncoder().encode(`#version: 0.2\n${merges.join("\n")}\n`)]);
     const special = { bos_token: "<|endoftext|>", eos_token: "<|endoftext|>", unk_token: "<|endoftext|>" };
     put("special_tokens_map.json", [json(special)]);
-    put("tokenizer_config.json", [json({ tokenizer_class: "GPT2Tokenizer", model_max_length: config.blockSize, add_prefix_space: false, ...special })]);
+    put("tokenizer_config.json", [
+      json({
+        tokenizer_class: "GPT2Tokenizer",
+        model_max_length: config.blockSize,
+        add_prefix_space: false,
+        ...special,
+      }),
+    ]);
   } else if (header.vocab !== undefined) {
     // no Hugging Face tokenizer spells a character vocabulary: its characters, in id order
     put("meshtrain_chars.json", [json({ chars: header.vocab })]);

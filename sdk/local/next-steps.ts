@@ -8,7 +8,8 @@ export function modelLines(modelPath: string, commands: readonly (readonly strin
   return [
     `model: ${model}`,
     ...commands.map(
-      ([name, ...extra]) => `next: ${[name!, "--model", model, ...extra].map(shellWord).reduce((line, w) => `${line} ${w}`, cliName("npx meshtrain"))}`,
+      ([name, ...extra]) =>
+        `next: ${[name!, "--model", model, ...extra].map(shellWord).reduce((line, w) => `${line} ${w}`, cliName("npx meshtrain"))}`,
     ),
   ];
 }

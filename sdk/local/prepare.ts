@@ -8,7 +8,15 @@ import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, statSync } fr
 import { basename, join } from "node:path";
 import cliProgress from "cli-progress";
 import { DataFileError } from "../../engine/data/errors.ts";
-import { manifestFormat, manifestName, manifestVersion, type Manifest, ShardWriter, type SplitName, writeDurably } from "../../engine/data/shards.ts";
+import {
+  manifestFormat,
+  manifestName,
+  manifestVersion,
+  type Manifest,
+  ShardWriter,
+  type SplitName,
+  writeDurably,
+} from "../../engine/data/shards.ts";
 import { CharVocab } from "../../engine/data/text.ts";
 import { charTokenizer, gpt2Tokenizer, type Tokenizer, type TokenizerName } from "../../engine/data/tokenizer.ts";
 import { ConfigError } from "../../engine/errors.ts";
@@ -35,7 +43,14 @@ export interface PrepareOptions {
   quiet?: boolean;
 }
 
-export const prepareDefaults = { tokenizer: "gpt2", valFraction: 0.1, seed: 1, shardTokens: 100_000_000, ext: ".txt", invalidUtf8: "refuse" } as const;
+export const prepareDefaults = {
+  tokenizer: "gpt2",
+  valFraction: 0.1,
+  seed: 1,
+  shardTokens: 100_000_000,
+  ext: ".txt",
+  invalidUtf8: "refuse",
+} as const;
 
 /** A plain text file is cut at blank lines into documents of at least this many characters (a
  *  book gives many, so it can be split by document). */
@@ -80,7 +95,10 @@ function readUtf8(path: string, o: PrepareOptions, notes: string[]): string {
   if (bad >= 0) {
     const where = `${shownPath(path)}:${lineOf(bytes, bad)}: invalid UTF-8 at byte ${bad}`;
     if (o.invalidUtf8 === "refuse")
-      throw new DataFileError(path, `line ${lineOf(bytes, bad)}: invalid UTF-8 at byte ${bad}; --invalid-utf8 replace replaces such bytes with U+FFFD`);
+      throw new DataFileError(
+        path,
+        `line ${lineOf(bytes, bad)}: invalid UTF-8 at byte ${bad}; --invalid-utf8 replace replaces such bytes with U+FFFD`,
+      );
     notes.push(`${where}: replaced with U+FFFD (--invalid-utf8 replace)`);
   }
   return new TextDecoder("utf-8").decode(bytes);
@@ -105,7 +123,8 @@ function paragraphsOf(text: string, file: string): Document[] {
 export function* documents(o: PrepareOptions, notes: string[]): Generator<Document> {
   if (!existsSync(o.text)) throw new DataFileError(o.text, "not found");
   if (statSync(o.text).isDirectory()) {
-    if (o.jsonl !== undefined) throw new ConfigError(`--jsonl reads one JSON Lines file; ${shownPath(o.text)} is a folder`);
+    if (o.jsonl !== undefined)
+      throw new ConfigError(`--jsonl reads one JSON Lines file; ${shownPath(o.text)} is a folder`);
     const files = readdirSync(o.text)
       .filter((f) => f.endsWith(o.ext))
       .sort();
@@ -133,7 +152,8 @@ export function* documents(o: PrepareOptions, notes: string[]): Generator<Docume
       throw new DataFileError(o.text, `line ${i + 1}: not JSON (${(e as Error).message})`);
     }
     const doc = typeof value === "object" && value !== null ? (value as Record<string, unknown>)[o.jsonl] : undefined;
-    if (typeof doc !== "string") throw new DataFileError(o.text, `line ${i + 1}: no string field ${JSON.stringify(o.jsonl)}`);
+    if (typeof doc !== "string")
+      throw new DataFileError(o.text, `line ${i + 1}: no string field ${JSON.stringify(o.jsonl)}`);
     yield { text: doc, where };
   }
 }
@@ -153,7 +173,8 @@ function bytesOf(o: PrepareOptions): number {
 /** Removes what an earlier (or interrupted) prepare left in the folder: shards, temp files, the manifest. */
 export function clearFolder(dir: string): void {
   for (const f of readdirSync(dir)) {
-    if (/^(train|val)_\d{6}\.bin(\.tmp-\d+)?$/.test(f) || /^(manifest|vocab)\.json(\.tmp-\d+)?$/.test(f)) rmSync(join(dir, f));
+    if (/^(train|val)_\d{6}\.bin(\.tmp-\d+)?$/.test(f) || /^(manifest|vocab)\.json(\.tmp-\d+)?$/.test(f))
+      rmSync(join(dir, f));
   }
 }
 
@@ -164,8 +185,10 @@ export interface PrepareResult {
 }
 
 export function runPrepare(o: PrepareOptions): PrepareResult {
-  if (!(o.valFraction >= 0 && o.valFraction <= 0.5)) throw new ConfigError(`--val-fraction must be in [0, 0.5], got ${o.valFraction}`);
-  if (!Number.isSafeInteger(o.shardTokens) || o.shardTokens < 1) throw new ConfigError(`--shard-tokens must be a positive integer, got ${o.shardTokens}`);
+  if (!(o.valFraction >= 0 && o.valFraction <= 0.5))
+    throw new ConfigError(`--val-fraction must be in [0, 0.5], got ${o.valFraction}`);
+  if (!Number.isSafeInteger(o.shardTokens) || o.shardTokens < 1)
+    throw new ConfigError(`--shard-tokens must be a positive integer, got ${o.shardTokens}`);
   const t0 = performance.now();
   const notes: string[] = [];
   const totalBytes = bytesOf(o);
@@ -221,7 +244,8 @@ export function runPrepare(o: PrepareOptions): PrepareResult {
   }
   bar?.stop();
   if (i === 0) throw new DataFileError(o.text, "holds no document: the corpus is empty");
-  if (writer.tokens.train === 0) throw new DataFileError(o.text, `every one of its ${i} documents went to validation; lower --val-fraction`);
+  if (writer.tokens.train === 0)
+    throw new DataFileError(o.text, `every one of its ${i} documents went to validation; lower --val-fraction`);
   if (o.valFraction > 0 && docs.val === 0) {
     throw new DataFileError(
       o.text,
@@ -229,7 +253,8 @@ export function runPrepare(o: PrepareOptions): PrepareResult {
     );
   }
   const shards = writer.finish();
-  if (vocab !== null) writeDurably(join(o.out, "vocab.json"), [new TextEncoder().encode(`${JSON.stringify({ chars: vocab.chars })}\n`)]);
+  if (vocab !== null)
+    writeDurably(join(o.out, "vocab.json"), [new TextEncoder().encode(`${JSON.stringify({ chars: vocab.chars })}\n`)]);
   const manifest: Manifest = {
     format: manifestFormat,
     version: manifestVersion,

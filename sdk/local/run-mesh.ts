@@ -10,7 +10,13 @@ import { CheckpointStore } from "../../services/checkpoint/store.ts";
 import { ConfigError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
 import { probeCuda } from "../../ffi/cuda/driver.ts";
 import { planDevice, planReport } from "../plan.ts";
-import { defaultOwner, jobConfigFromJson, parseJobConfig, qualifyJob, usesShards } from "../../services/runtime/job/job.ts";
+import {
+  defaultOwner,
+  jobConfigFromJson,
+  parseJobConfig,
+  qualifyJob,
+  usesShards,
+} from "../../services/runtime/job/job.ts";
 import { checkResume, MeshClient, type PreviousRun } from "../client.ts";
 import { LocalMesh, membersWaitMs } from "../launcher.ts";
 import { type JobFlags, jobConfigOf, resolveConfig } from "../job-flags.ts";
@@ -46,7 +52,9 @@ function previousOnDisk(jobsDir: string, job: string): PreviousRun | null {
   const snapshot = new CheckpointStore(jobsDir).list(job).at(-1) ?? null;
   if (snapshot) return { config: jobConfigFromJson(snapshot.configJson), record: null, snapshot, orphaned: false };
   const started = join(jobsDir, job, "logs", "job.json");
-  return existsSync(started) ? { config: jobConfigFromJson(readFileSync(started, "utf8")), record: null, snapshot: null, orphaned: false } : null;
+  return existsSync(started)
+    ? { config: jobConfigFromJson(readFileSync(started, "utf8")), record: null, snapshot: null, orphaned: false }
+    : null;
 }
 
 /** Runs the job to its end; resolves with the process's exit code. */
@@ -60,15 +68,26 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
   if (prev) checkResume(cfg, prev, shownPath(jobsDir));
   // a job that cannot fit is refused before any process starts
   const device = (process.env.MT_DEVICE ?? "cpu") as "auto" | "cpu" | "cuda";
-  const { refusal } = planReport(cfg, planDevice(device === "cuda" && o.deviceMemory == null && !probeCuda().ok ? "cpu" : device, o.deviceMemory ?? null));
-  if (refusal !== null) throw new ConfigError(`job ${cfg.job} does not fit: ${refusal} (meshtrain plan with the same options prints each trainer's share)`);
+  const { refusal } = planReport(
+    cfg,
+    planDevice(device === "cuda" && o.deviceMemory == null && !probeCuda().ok ? "cpu" : device, o.deviceMemory ?? null),
+  );
+  if (refusal !== null)
+    throw new ConfigError(
+      `job ${cfg.job} does not fit: ${refusal} (meshtrain plan with the same options prints each trainer's share)`,
+    );
   const jobDir = join(jobsDir, cfg.job),
     logDir = join(jobDir, "logs");
   mkdirSync(logDir, { recursive: true });
   writeFileSync(join(logDir, "job.json"), `${JSON.stringify(cfg, null, 2)}\n`);
 
   const resumeLine = `${cliName()} run --job ${cfg.job}${o.dir === join(process.env.INIT_CWD ?? process.cwd(), defaultRunDir()) ? "" : ` --dir ${shownPath(o.dir)}`}`;
-  const from = prev === null ? "" : prev.snapshot ? `, resumed from ${prev.snapshot.id}` : ", started again with its settings (it has no snapshot)";
+  const from =
+    prev === null
+      ? ""
+      : prev.snapshot
+        ? `, resumed from ${prev.snapshot.id}`
+        : ", started again with its settings (it has no snapshot)";
   const shards = usesShards(cfg) ? cfg.shards : 0;
   console.log(
     `meshtrain run: job ${cfg.job}${from}, on a local mesh of ${cfg.trainers} trainer` +
@@ -78,7 +97,9 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
   console.log(`  files      ${shownPath(jobDir)}/ (snapshots, model.mtm, logs/; the full config: logs/job.json)`);
 
   let print = (line: string) => console.log(line);
-  using stop = new StopRequests((s) => print(`${s}: stopping job ${cfg.job}: a snapshot first, then the mesh (again to stop at once)`));
+  using stop = new StopRequests((s) =>
+    print(`${s}: stopping job ${cfg.job}: a snapshot first, then the mesh (again to stop at once)`),
+  );
   let client: MeshClient | null = null;
   let dashboard: Dashboard | null = null;
   // a service that cannot start before the job is submitted: the submission stops waiting for it
@@ -115,11 +136,14 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
     for (const line of outcomeLines(outcome, { logs: logDir })) console.log(line);
     return 0;
   } catch (e) {
-    if (startFailed.signal.aborted) throw new JobFailedError(`job ${cfg.job} cannot run: ${String(startFailed.signal.reason)}`, null);
+    if (startFailed.signal.aborted)
+      throw new JobFailedError(`job ${cfg.job} cannot run: ${String(startFailed.signal.reason)}`, null);
     // a stop asked for, unless the job itself failed meanwhile (that is the news)
     if (stop.requested && !(e instanceof JobFailedError)) {
       if (submitted && client && !stop.second.signal.aborted) await stopCleanly(client, cfg.job, stop);
-      console.log(`stopped; files in ${shownPath(jobDir)}. ${submitted ? "Resume" : "Start it again"} with: ${resumeLine}`);
+      console.log(
+        `stopped; files in ${shownPath(jobDir)}. ${submitted ? "Resume" : "Start it again"} with: ${resumeLine}`,
+      );
       return 130;
     }
     if (e instanceof DeadlineError)
@@ -153,10 +177,14 @@ async function stopCleanly(client: MeshClient, job: string, stop: StopRequests):
   try {
     const snap = client.saveCheckpoint(job, stopSnapshotMs);
     snap.catch(() => {}); // reported below, or dropped when a second signal wins
-    const second = new Promise<null>((resolve) => stop.second.signal.addEventListener("abort", () => resolve(null), { once: true }));
+    const second = new Promise<null>((resolve) =>
+      stop.second.signal.addEventListener("abort", () => resolve(null), { once: true }),
+    );
     const e = await Promise.race([snap, second]);
     console.log(e ? `snapshot taken: ${e.text}` : "stopping at once; the newest snapshot is the last scheduled one");
   } catch (err) {
-    console.log(`no snapshot on the way out (${(err as Error).message}); the newest snapshot is the last scheduled one`);
+    console.log(
+      `no snapshot on the way out (${(err as Error).message}); the newest snapshot is the last scheduled one`,
+    );
   }
 }

@@ -76,10 +76,15 @@ function tokenizerOf(path: string, header: ModelFileHeader) {
     };
   }
   if (header.vocab === undefined)
-    throw new DataFileError(path, "has neither a character vocabulary nor a tokenizer (trained on token files); cannot decode samples");
+    throw new DataFileError(
+      path,
+      "has neither a character vocabulary nor a tokenizer (trained on token files); cannot decode samples",
+    );
   const vocab = new CharVocab(header.vocab);
   return {
-    prompt: (text: string) => [...vocab.encode(text === "" ? (vocab.chars.includes("\n") ? "\n" : vocab.chars[0]!) : text)],
+    prompt: (text: string) => [
+      ...vocab.encode(text === "" ? (vocab.chars.includes("\n") ? "\n" : vocab.chars[0]!) : text),
+    ],
     decode: (ids: ArrayLike<number>) => vocab.decode(ids),
     stream: (write: (s: string) => void) => (token: number) => write(vocab.decode([token])),
   };
@@ -89,6 +94,7 @@ function notATextModel(path: string, header: ModelFileHeader): string {
   const widths = (header.config as { widths?: unknown }).widths;
   const shape = Array.isArray(widths) ? ` (${widths.join("-")})` : "";
   return (
-    `is an MLP classifier${shape}, not a text model; sample needs a gpt model. ` + `To see how good it is: meshtrain eval --model ${shellWord(shownPath(path))}`
+    `is an MLP classifier${shape}, not a text model; sample needs a gpt model. ` +
+    `To see how good it is: meshtrain eval --model ${shellWord(shownPath(path))}`
   );
 }

@@ -119,7 +119,9 @@ function initShape(o: GptRunOptions, vocabSize: number): Pick<GptConfig, "blockS
   const flags = { blockSize: "--block-size", nLayer: "--n-layer", nHead: "--n-head", nEmbd: "--n-embd" } as const;
   for (const [key, flag] of Object.entries(flags) as [keyof typeof flags, string][]) {
     if (o.given?.has(key) && o[key] !== hf[key])
-      throw new ConfigError(`--init-from ${shownPath(o.initFrom!)}: its model has ${flag.slice(2)} ${hf[key]}; ${flag} ${o[key]} disagrees (leave it out)`);
+      throw new ConfigError(
+        `--init-from ${shownPath(o.initFrom!)}: its model has ${flag.slice(2)} ${hf[key]}; ${flag} ${o[key]} disagrees (leave it out)`,
+      );
   }
   if (hf.vocabSize !== vocabSize) {
     throw new ConfigError(
@@ -166,7 +168,8 @@ function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
   const corpus = loadCorpus(given);
   // --init-from: the folder's shape is the run's; what the user gave is kept out of the record
   const { given: _, ...settings } = given;
-  const o: GptRunOptions = given.initFrom === undefined ? settings : { ...settings, ...initShape(given, corpus.vocabSize) };
+  const o: GptRunOptions =
+    given.initFrom === undefined ? settings : { ...settings, ...initShape(given, corpus.vocabSize) };
   const ctx = new Context(backend, { seed: o.seed, precision: o.precision });
   const shape = o;
   const config: GptConfig = {
@@ -187,7 +190,12 @@ function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
   const schedule = scheduleOf("cosine", o.warmup, o.maxSteps, o.minLr);
   checkSchedule(schedule, o.lr);
   const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: o.beta2, eps: 1e-8, weightDecay: o.weightDecay });
-  const trainer = new TrainStep(ctx, model, optimizer, { lr: o.lr, schedule, gradClip: o.gradClip, accumSteps: o.accum });
+  const trainer = new TrainStep(ctx, model, optimizer, {
+    lr: o.lr,
+    schedule,
+    gradClip: o.gradClip,
+    accumSteps: o.accum,
+  });
   const trainBatches = new TokenBatcher(corpus.train, o.batchSize, o.blockSize, corpus.vocabSize);
   // validation batches are training micro-batches: a forward pass over them needs less memory
   // than a training step (`meshtrain eval` reads the same batches)
@@ -202,7 +210,12 @@ function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
     `parameters: ${model.store.paramCount.toLocaleString("en-US")} | tokens/step: ${tokensPerStep} ` +
       `| GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)} | limit: ${o.maxSteps} steps or ${o.timeLimitMin} min`,
   );
-  const predicted = gptMemory(config, { batch: o.batchSize, precision: o.precision, recompute: o.recompute, optimizer: "adamw" });
+  const predicted = gptMemory(config, {
+    batch: o.batchSize,
+    precision: o.precision,
+    recompute: o.recompute,
+    optimizer: "adamw",
+  });
   console.log(memoryLine(predicted));
 
   const rng = new Rng(o.seed);
@@ -213,7 +226,9 @@ function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
   let step = 0;
   const validate = () => {
     valLoss = evaluate(ctx, model, firstBatches(valBatches.sequential(), o.evalBatches), { accuracy: false }).loss;
-    progress.log(`step ${step}: val loss ${valLoss.toFixed(4)} nats/token (${((performance.now() - t0) / 1000).toFixed(0)} s)`);
+    progress.log(
+      `step ${step}: val loss ${valLoss.toFixed(4)} nats/token (${((performance.now() - t0) / 1000).toFixed(0)} s)`,
+    );
   };
   // fine-tuning: where the loaded model starts
   if (o.initFrom !== undefined) {
@@ -231,7 +246,11 @@ function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
     if (step === Math.min(2, o.maxSteps)) progress.log(measuredLine(ctx, predicted));
     rate.add(tokensPerStep);
     if (r.skipped) progress.log(skippedStepNote(step, r.lossScale));
-    progress.update(step, { loss: r.loss.toFixed(4), sps: rate.rate.toFixed(0), extra: `lr ${r.lr.toExponential(2)} | ` });
+    progress.update(step, {
+      loss: r.loss.toFixed(4),
+      sps: rate.rate.toFixed(0),
+      extra: `lr ${r.lr.toExponential(2)} | `,
+    });
     if (step % o.evalEvery === 0) validate();
   }
   if (step % o.evalEvery !== 0) validate();
@@ -262,6 +281,7 @@ function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
     console.log(`sample (temperature 0.8):\n${sample}`);
   }
   ctx.dispose();
-  for (const line of modelLines(o.out, bpe ? [["sample", "--prompt", "The"], ["eval"]] : nextCommands(corpus.vocab))) console.log(line);
+  for (const line of modelLines(o.out, bpe ? [["sample", "--prompt", "The"], ["eval"]] : nextCommands(corpus.vocab)))
+    console.log(line);
   return { valLoss, steps: step, seconds, sample };
 }

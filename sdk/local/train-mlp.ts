@@ -79,7 +79,12 @@ export interface MlpRunResult {
 
 export function makeOptimizer(ctx: Context, model: MlpModel, o: MlpRunOptions): Optimizer {
   return o.optimizer === "sgd"
-    ? new Sgd(ctx, model.store, { momentum: o.momentum, dampening: 0, nesterov: o.nesterov, weightDecay: o.weightDecay })
+    ? new Sgd(ctx, model.store, {
+        momentum: o.momentum,
+        dampening: 0,
+        nesterov: o.nesterov,
+        weightDecay: o.weightDecay,
+      })
     : new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: o.weightDecay });
 }
 
@@ -96,7 +101,9 @@ function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
   const data = loadMnist(o.dataDir);
   const features = data.train.rows * data.train.cols;
   if (o.widths[0] !== features || o.widths[o.widths.length - 1] !== 10) {
-    throw new ConfigError(`--widths must start with ${features} (pixels) and end with 10 (classes), got ${o.widths.join(",")}`);
+    throw new ConfigError(
+      `--widths must start with ${features} (pixels) and end with 10 (classes), got ${o.widths.join(",")}`,
+    );
   }
   const ctx = new Context(backend, { seed: o.seed, precision: o.precision });
   const config: MlpConfig = { widths: o.widths, activation: "relu", dropout: o.dropout };
@@ -108,7 +115,12 @@ function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
   const totalSteps = stepsPerEpoch * o.epochs;
   const schedule = scheduleOf(o.schedule, o.warmup, totalSteps, 0);
   checkSchedule(schedule, o.lr);
-  const trainer = new TrainStep(ctx, model, makeOptimizer(ctx, model, o), { lr: o.lr, schedule, gradClip: o.gradClip, accumSteps: o.accum });
+  const trainer = new TrainStep(ctx, model, makeOptimizer(ctx, model, o), {
+    lr: o.lr,
+    schedule,
+    gradClip: o.gradClip,
+    accumSteps: o.accum,
+  });
 
   console.log(
     `meshtrain: mlp ${o.widths.join("-")} on MNIST (${split.train.length} train / ${split.val.length} validation / ${data.test.count} test), ${backend.name} backend, ${precisionNote(o.precision)}`,
@@ -127,12 +139,19 @@ function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
   for (let epoch = 0; epoch < o.epochs; epoch++) {
     const batches = micro.epoch(o.seed, epoch, true, true);
     for (let s = 0; s < stepsPerEpoch; s++) {
-      const group = o.accum === 1 ? [batches.next().value!] : Array.from({ length: o.accum }, () => cloneBatch(batches.next().value!));
+      const group =
+        o.accum === 1
+          ? [batches.next().value!]
+          : Array.from({ length: o.accum }, () => cloneBatch(batches.next().value!));
       const r = trainer.run(group);
       step++;
       rate.add(o.batchSize * o.accum);
       if (r.skipped) progress.log(skippedStepNote(step, r.lossScale));
-      progress.update(step, { loss: r.loss.toFixed(4), sps: rate.rate.toFixed(0), extra: `epoch ${epoch + 1}/${o.epochs} | ` });
+      progress.update(step, {
+        loss: r.loss.toFixed(4),
+        sps: rate.rate.toFixed(0),
+        extra: `epoch ${epoch + 1}/${o.epochs} | `,
+      });
     }
     const ev = evaluate(ctx, model, testBatches.epoch(0, 0, false, false));
     last = { loss: ev.loss, accuracy: ev.accuracy };
@@ -143,7 +162,9 @@ function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
             const v = evaluate(ctx, model, valBatches.epoch(0, 0, false, false));
             return `validation loss ${v.loss.toFixed(4)}, validation accuracy ${(v.accuracy * 100).toFixed(2)}%; `;
           })();
-    progress.log(`epoch ${epoch + 1}/${o.epochs}: ${val}test loss ${ev.loss.toFixed(4)}, test accuracy ${(ev.accuracy * 100).toFixed(2)}%`);
+    progress.log(
+      `epoch ${epoch + 1}/${o.epochs}: ${val}test loss ${ev.loss.toFixed(4)}, test accuracy ${(ev.accuracy * 100).toFixed(2)}%`,
+    );
   }
   progress.stop();
   mkdirSync(dirname(o.out), { recursive: true });

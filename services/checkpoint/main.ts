@@ -24,7 +24,15 @@ await runService<Config>({
   defaults: { ...baseConfigDefaults, dir: "runs/checkpoints", syncSnapshots: false, writeDelayMs: 0 },
   async start({ config, log, bus }) {
     const ledger = await JobLedger.open(bus.nc, bus, log);
-    const svc = new CheckpointService(bus, new CheckpointStore(config.dir), log, config.payloadBytesMax, ledger, config.syncSnapshots, config.writeDelayMs);
+    const svc = new CheckpointService(
+      bus,
+      new CheckpointStore(config.dir),
+      log,
+      config.payloadBytesMax,
+      ledger,
+      config.syncSnapshots,
+      config.writeDelayMs,
+    );
     svc.serve();
     const watch = await ledger.follow("checkpoint", svc);
     return {

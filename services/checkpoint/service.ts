@@ -177,7 +177,9 @@ export class CheckpointService {
         const job = jobOfRequest(subject, decodeJobRequest(data, this.payloadBytesMax).job);
         const items = jobIdPattern.test(job) ? this.store.list(job) : [];
         if (items.length === 0 && !this.#jobs.has(job)) {
-          throw new UnknownJobError(`no job "${job}" here: it is not running and has no snapshots in ${this.store.root}`);
+          throw new UnknownJobError(
+            `no job "${job}" here: it is not running and has no snapshots in ${this.store.root}`,
+          );
         }
         return encodeCheckpointList({ job, items });
       },
@@ -201,7 +203,10 @@ export class CheckpointService {
   async #save(e: JobEntry, asked: number, why: string): Promise<Uint8Array> {
     const { cfg, plan } = e;
     const t0 = performance.now();
-    if (e.resizing) throw new NotReadyError(`job ${cfg.job} is being resized: its ranks stop now, and resume from the snapshot taken for it`);
+    if (e.resizing)
+      throw new NotReadyError(
+        `job ${cfg.job} is being resized: its ranks stop now, and resume from the snapshot taken for it`,
+      );
     if (!Number.isSafeInteger(asked) || asked < 0 || asked > plan.totalSteps)
       throw new BadRequestError(`a save for step ${asked}: job ${cfg.job} runs steps 0 to ${plan.totalSteps}`);
     // one snapshot in memory at a time: a save waits for the write before it (which a save
@@ -233,8 +238,16 @@ export class CheckpointService {
       try {
         await this.#fetchAndWrite(e, asked, why, performance.now(), stagedMs);
       } catch (err) {
-        this.log?.error({ job: cfg.job, id: staged.id, err: (err as Error).message }, "snapshot not written; the ones before it stay");
-        this.#event(cfg.job, EventKind.Log, step, `snapshot ${staged.id} could not be written (${(err as Error).message}); the ones before it stay`);
+        this.log?.error(
+          { job: cfg.job, id: staged.id, err: (err as Error).message },
+          "snapshot not written; the ones before it stay",
+        );
+        this.#event(
+          cfg.job,
+          EventKind.Log,
+          step,
+          `snapshot ${staged.id} could not be written (${(err as Error).message}); the ones before it stay`,
+        );
       } finally {
         e.staged.delete(step);
       }
@@ -251,22 +264,30 @@ export class CheckpointService {
     const req = encodeJobRequest({ job: cfg.job, step: asked, tag: cutTag });
     if (!usesShards(cfg)) {
       const ranks = partitionRanks(cfg);
-      const sources = ranks > 0 ? Array.from({ length: ranks }, (_, r) => subjects.replicaPartition(cfg.job, r)) : [subjects.replicaState(cfg.job)];
+      const sources =
+        ranks > 0
+          ? Array.from({ length: ranks }, (_, r) => subjects.replicaPartition(cfg.job, r))
+          : [subjects.replicaState(cfg.job)];
       await Promise.all(sources.map((subject) => this.bus.request(subject, req, stateTimeoutMs)));
       return asked;
     }
     const owners = planLayout(cfg, plan).byShard.map((ids) => ids.length > 0);
     const heads = await Promise.all(
       Array.from({ length: cfg.shards }, async (_, k) => {
-        const h = decodeShardState(await this.bus.request(subjects.psState(cfg.job, k), req, stateTimeoutMs), this.payloadBytesMax);
-        if (h.job !== cfg.job || h.shard !== k) throw new BadRequestError(`shard ${k} answered the cut of job ${h.job}'s shard ${h.shard}`);
+        const h = decodeShardState(
+          await this.bus.request(subjects.psState(cfg.job, k), req, stateTimeoutMs),
+          this.payloadBytesMax,
+        );
+        if (h.job !== cfg.job || h.shard !== k)
+          throw new BadRequestError(`shard ${k} answered the cut of job ${h.job}'s shard ${h.shard}`);
         return h;
       }),
     );
     const holding = heads.filter((_, k) => owners[k]);
     const step = holding.length === 0 ? asked : Math.min(...holding.map((h) => h.step));
     const off = holding.find((h) => h.step !== asked);
-    if (cfg.sync === "bsp" && off !== undefined) throw new BadRequestError(`a save for step ${asked}, but the state is at step ${off.step}`);
+    if (cfg.sync === "bsp" && off !== undefined)
+      throw new BadRequestError(`a save for step ${asked}, but the state is at step ${off.step}`);
     return step;
   }
 
@@ -285,7 +306,8 @@ export class CheckpointService {
     const step = holding.length === 0 ? asked : Math.min(...holding.map((s) => s.state.step));
     const loose = usesShards(cfg) && cfg.sync !== "bsp";
     const off = holding.find((s) => s.state.step !== asked);
-    if (!loose && off !== undefined) throw new BadRequestError(`a save for step ${asked}, but the state is at step ${off.state.step}`);
+    if (!loose && off !== undefined)
+      throw new BadRequestError(`a save for step ${asked}, but the state is at step ${off.state.step}`);
     // a step's snapshot is written once: a save of a step already saved (a retried request, or
     // a run going over that step again after a restore) answers with it
     const existing = (stagedMs > 0 ? null : e.staged.get(step)) ?? this.#goodSnapshot(cfg.job, step);
@@ -332,7 +354,17 @@ export class CheckpointService {
     const writeMs = performance.now() - w0;
     const waited = stagedMs > 0 ? `; the ranks waited ${stagedMs.toFixed(0)} ms for its cut` : "";
     this.log?.info(
-      { job: cfg.job, id: manifest.id, step, bytes, ms: Math.round(performance.now() - t0), stagedMs: Math.round(stagedMs), removed, why, modelPath },
+      {
+        job: cfg.job,
+        id: manifest.id,
+        step,
+        bytes,
+        ms: Math.round(performance.now() - t0),
+        stagedMs: Math.round(stagedMs),
+        removed,
+        why,
+        modelPath,
+      },
       "snapshot saved",
     );
     this.#event(
@@ -357,13 +389,27 @@ export class CheckpointService {
   }
 
   /** Parameter-server mode: shard k's state at `step`, part by part, each verified before it is written. */
-  async #shardParts(cfg: JobConfig, k: number, step: number): Promise<{ name: string; bytes: Uint8Array; state: ShardState }[]> {
+  async #shardParts(
+    cfg: JobConfig,
+    k: number,
+    step: number,
+  ): Promise<{ name: string; bytes: Uint8Array; state: ShardState }[]> {
     const out: { name: string; bytes: Uint8Array; state: ShardState }[] = [];
     for (let p = 0, parts = 1; p < parts; p++) {
-      const bytes = await this.bus.request(subjects.psState(cfg.job, k), encodeJobRequest({ job: cfg.job, step, tag: `part ${p}` }), stateTimeoutMs);
+      const bytes = await this.bus.request(
+        subjects.psState(cfg.job, k),
+        encodeJobRequest({ job: cfg.job, step, tag: `part ${p}` }),
+        stateTimeoutMs,
+      );
       const s = decodeShardState(bytes, 1 << 30);
       if (p === 0) parts = Math.max(1, s.parts ?? 0);
-      if (s.shard !== k || s.job !== cfg.job || (s.part ?? 0) !== p || Math.max(1, s.parts ?? 0) !== parts || s.checksum !== shardStateChecksum(s))
+      if (
+        s.shard !== k ||
+        s.job !== cfg.job ||
+        (s.part ?? 0) !== p ||
+        Math.max(1, s.parts ?? 0) !== parts ||
+        s.checksum !== shardStateChecksum(s)
+      )
         throw new BadRequestError(
           `shard ${k} answered part ${s.part ?? 0} of ${s.parts ?? 0} of ${s.job} shard ${s.shard} for part ${p} of ${parts}, or a part whose checksum does not match`,
         );
@@ -382,11 +428,23 @@ export class CheckpointService {
   async #replicaParts(cfg: JobConfig, step: number): Promise<{ name: string; bytes: Uint8Array; state: ShardState }[]> {
     const out: { name: string; bytes: Uint8Array; state: ShardState }[] = [];
     for (let p = 0, parts = 1; p < parts; p++) {
-      const bytes = await this.bus.request(subjects.replicaState(cfg.job), encodeJobRequest({ job: cfg.job, step, tag: `part ${p}` }), stateTimeoutMs);
+      const bytes = await this.bus.request(
+        subjects.replicaState(cfg.job),
+        encodeJobRequest({ job: cfg.job, step, tag: `part ${p}` }),
+        stateTimeoutMs,
+      );
       const s = decodeShardState(bytes, this.payloadBytesMax);
       if (p === 0) parts = s.parts ?? 0;
-      if (s.job !== cfg.job || s.shard !== p || s.parts !== parts || s.step !== step || !(parts >= 1 && parts <= replicaPartsMax)) {
-        throw new BadRequestError(`trainer 0 answered part ${s.shard} of ${s.parts} of job ${s.job}'s replica at step ${s.step} for part ${p} at step ${step}`);
+      if (
+        s.job !== cfg.job ||
+        s.shard !== p ||
+        s.parts !== parts ||
+        s.step !== step ||
+        !(parts >= 1 && parts <= replicaPartsMax)
+      ) {
+        throw new BadRequestError(
+          `trainer 0 answered part ${s.shard} of ${s.parts} of job ${s.job}'s replica at step ${s.step} for part ${p} at step ${step}`,
+        );
       }
       out.push({ name: replicaFile(p), bytes, state: s });
     }
@@ -397,7 +455,10 @@ export class CheckpointService {
    * ZeRO: every rank's partition at `step`, part by part, each verified: no rank sends another's
    * state, and no rank holds the whole replica to save it.
    */
-  async #partitionParts(cfg: JobConfig, step: number): Promise<{ name: string; bytes: Uint8Array; state: ShardState }[]> {
+  async #partitionParts(
+    cfg: JobConfig,
+    step: number,
+  ): Promise<{ name: string; bytes: Uint8Array; state: ShardState }[]> {
     const perRank = await Promise.all(
       Array.from({ length: partitionRanks(cfg) }, async (_, r) => {
         const out: { name: string; bytes: Uint8Array; state: ShardState }[] = [];
@@ -437,7 +498,9 @@ export class CheckpointService {
   #reshard(e: JobEntry, manifest: Manifest, files: Map<string, Uint8Array>): ShardState[][] {
     const { cfg, plan } = e;
     const layout = buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, cfg.shards);
-    const states = [...files.entries()].filter(([name]) => shardFilePattern.test(name)).map(([name, bytes]) => ({ name, s: decodeShardState(bytes, 1 << 30) }));
+    const states = [...files.entries()]
+      .filter(([name]) => shardFilePattern.test(name))
+      .map(([name, bytes]) => ({ name, s: decodeShardState(bytes, 1 << 30) }));
     if (states.length === 0) throw new CorruptDataError(`snapshot ${manifest.id} has no parameter-server state`);
     const chunks = new Map<number, ChunkState>();
     let updates = 0;
@@ -445,7 +508,8 @@ export class CheckpointService {
     for (const { name, s } of states) {
       if (s.checksum !== shardStateChecksum(s) || s.job !== cfg.job)
         throw new CorruptDataError(`snapshot ${manifest.id}: ${name} does not match its checksum or job`);
-      if (s.step !== step) throw new CorruptDataError(`snapshot ${manifest.id}: ${name} is of step ${s.step}, the others of ${step}`);
+      if (s.step !== step)
+        throw new CorruptDataError(`snapshot ${manifest.id}: ${name} is of step ${s.step}, the others of ${step}`);
       updates = Math.max(updates, s.updates);
       for (const c of s.chunks) {
         if (chunks.has(c.id) || !layout.chunks[c.id])
@@ -454,7 +518,9 @@ export class CheckpointService {
       }
     }
     if (chunks.size !== layout.chunks.length)
-      throw new CorruptDataError(`snapshot ${manifest.id} holds ${chunks.size} of the job's ${layout.chunks.length} chunks`);
+      throw new CorruptDataError(
+        `snapshot ${manifest.id} holds ${chunks.size} of the job's ${layout.chunks.length} chunks`,
+      );
     const head = { job: cfg.job, updates, optimizerSteps: step, step };
     return layout.byShard.map((ids, k) =>
       cutShardState(
@@ -499,7 +565,9 @@ export class CheckpointService {
       throw new NotReadyError(`job ${cfg.job} is new: shard ${opened} starts from the seed's initialization`);
     }
     if (opened !== null && opened < cfg.shards && !(await this.#holdsNothing(cfg, opened))) {
-      throw new NotReadyError(`shard ${opened} of job ${cfg.job} holds state already (an earlier restore loaded it, or it trained): nothing to restore`);
+      throw new NotReadyError(
+        `shard ${opened} of job ${cfg.job} holds state already (an earlier restore loaded it, or it trained): nothing to restore`,
+      );
     }
     const last = e.lastRestore;
     if (rank !== null && e.fresh && last === null && !e.firstAsks.has(`trainer ${rank}`)) {
@@ -543,7 +611,8 @@ export class CheckpointService {
       await Promise.all(
         loads.map(async (parts, k) => {
           // the shard checks each part and applies them together, after the last
-          for (const part of parts) await this.bus.request(subjects.psLoad(cfg.job, k), encodeShardState(part), stateTimeoutMs);
+          for (const part of parts)
+            await this.bus.request(subjects.psLoad(cfg.job, k), encodeShardState(part), stateTimeoutMs);
         }),
       );
     } else {
@@ -554,7 +623,13 @@ export class CheckpointService {
     // all-reduce mode: the event names the load it announces, so a rank that sees the next
     // restore's parts arrive before it took this one knows to wait for that one's event
     const generation = usesShards(cfg) ? 0 : e.generation;
-    this.#event(cfg.job, EventKind.Restore, snap.manifest.step, `restored ${snap.manifest.id} (${tag || "requested"})`, generation);
+    this.#event(
+      cfg.job,
+      EventKind.Restore,
+      snap.manifest.step,
+      `restored ${snap.manifest.id} (${tag || "requested"})`,
+      generation,
+    );
     return encodeManifest(snap.manifest);
   }
 
@@ -568,7 +643,8 @@ export class CheckpointService {
     const generation = Math.max(e.generation + 1, Date.now());
     e.generation = generation;
     let states: ShardState[] = [];
-    for (let p = 0; files.has(replicaFile(p)); p++) states.push(decodeShardState(files.get(replicaFile(p))!, this.payloadBytesMax));
+    for (let p = 0; files.has(replicaFile(p)); p++)
+      states.push(decodeShardState(files.get(replicaFile(p))!, this.payloadBytesMax));
     const partitions = [...files.keys()].filter((name) => partitionFilePattern.test(name));
     if (states.length === 0 && partitions.length > 0) {
       // a ZeRO snapshot: the ranks' partitions, resharded into the replica every rank loads
@@ -582,7 +658,8 @@ export class CheckpointService {
       );
     }
     const parts = states.map((s) => encodeShardState({ ...s, generation }));
-    if (parts.length === 0) throw new BadRequestError(`snapshot ${id} holds no replica (it was taken by a parameter-server job)`);
+    if (parts.length === 0)
+      throw new BadRequestError(`snapshot ${id} holds no replica (it was taken by a parameter-server job)`);
     await Promise.all(
       Array.from({ length: cfg.trainers }, async (_, r) => {
         for (const bytes of parts) await this.bus.request(subjects.replicaLoad(cfg.job, r), bytes, stateTimeoutMs);
@@ -610,13 +687,19 @@ export class CheckpointService {
     const job = cfg.job;
     const pause = this.control?.pause?.bind(this.control),
       resume = this.control?.resume?.bind(this.control);
-    if (!pause || !resume) throw new NotReadyError(`this checkpoint service keeps no job records, so it cannot resize job ${job}`);
+    if (!pause || !resume)
+      throw new NotReadyError(`this checkpoint service keeps no job records, so it cannot resize job ${job}`);
     const m = /^trainers (\d{1,2}) shards (\d{1,2})$/.exec(tag);
-    if (m === null) throw new BadRequestError(`a resize names its sizes as "trainers <n> shards <m>", not ${JSON.stringify(tag.slice(0, 64))}`);
+    if (m === null)
+      throw new BadRequestError(
+        `a resize names its sizes as "trainers <n> shards <m>", not ${JSON.stringify(tag.slice(0, 64))}`,
+      );
     const trainers = Number(m[1]),
       shards = Number(m[2]);
-    if (trainers === cfg.trainers && shards === cfg.shards) throw new BadRequestError(`job ${job} runs ${trainers} trainers and ${shards} shards already`);
-    if (!usesShards(cfg) && shards !== cfg.shards) throw new BadRequestError(`job ${job} runs in all-reduce mode: it has no shards to resize`);
+    if (trainers === cfg.trainers && shards === cfg.shards)
+      throw new BadRequestError(`job ${job} runs ${trainers} trainers and ${shards} shards already`);
+    if (!usesShards(cfg) && shards !== cfg.shards)
+      throw new BadRequestError(`job ${job} runs in all-reduce mode: it has no shards to resize`);
     // the new settings must make a job (refused now, before anything stops)
     parseJobConfig({ ...cfg, trainers, shards, world: changeWorld(cfg, Number.MAX_SAFE_INTEGER, trainers) });
     if (e.resizeAsked) throw new JobStateError(`job ${job} is being resized already`);
@@ -628,13 +711,15 @@ export class CheckpointService {
       this.bus.publish(subjects.checkpointNow(job), new Uint8Array(0));
       const waitUntil = Date.now() + resizeSnapshotWaitMs;
       while (newest() <= before && Date.now() < waitUntil && this.#jobs.get(job) === e) await Bun.sleep(100);
-      if (this.#jobs.get(job) !== e) throw new JobStateError(`job ${job} ended or was reopened while it was being resized`);
+      if (this.#jobs.get(job) !== e)
+        throw new JobStateError(`job ${job} ended or was reopened while it was being resized`);
       // no save after this one: the ranks stop
       await this.#serial(e, async () => {
         e.resizing = true;
       });
       const why = `${resizingReasonPrefix}trainers ${cfg.trainers} -> ${trainers}, shards ${cfg.shards} -> ${shards}`;
-      if (!(await pause(job, e.attempt, why))) throw new JobStateError(`job ${job} is not running as submission ${e.attempt}; nothing resized`);
+      if (!(await pause(job, e.attempt, why)))
+        throw new JobStateError(`job ${job} is not running as submission ${e.attempt}; nothing resized`);
       try {
         await this.#waitClosed(cfg);
         await e.writing; // the snapshot asked for is on disk
@@ -650,8 +735,16 @@ export class CheckpointService {
             }
           },
         );
-        const next = parseJobConfig({ ...cfg, trainers, shards, world: changeWorld(cfg, snap.manifest.step, trainers) });
-        const plan = decodeDataPlan(await this.bus.request(subjects.planJob, encodeJobSpec(specOfConfig(next)), resizePlanTimeoutMs), 1 << 20);
+        const next = parseJobConfig({
+          ...cfg,
+          trainers,
+          shards,
+          world: changeWorld(cfg, snap.manifest.step, trainers),
+        });
+        const plan = decodeDataPlan(
+          await this.bus.request(subjects.planJob, encodeJobSpec(specOfConfig(next)), resizePlanTimeoutMs),
+          1 << 20,
+        );
         const written = await resume(specOfConfig(next, { attempt: e.attempt + 1, plan }), plan.totalSteps);
         if (written === null) throw new JobStateError(`job ${job} ended while it was being resized`);
         const text = `resized from step ${snap.manifest.step} (${snap.manifest.id}): trainers ${cfg.trainers} -> ${trainers}, shards ${cfg.shards} -> ${shards}; ${plan.totalSteps} steps in all`;
@@ -661,9 +754,11 @@ export class CheckpointService {
       } catch (err) {
         // the job goes on as it was: its own spec again (as the next attempt, so that every service opens it anew)
         this.log?.error({ job, err: (err as Error).message }, "resize failed; the job goes on with its sizes");
-        await resume(specOfConfig(cfg, { attempt: e.attempt + 1, plan: e.plan }), e.plan.totalSteps).catch((again: unknown) => {
-          this.log?.error({ job, err: (again as Error).message }, "cannot reopen the job after a failed resize");
-        });
+        await resume(specOfConfig(cfg, { attempt: e.attempt + 1, plan: e.plan }), e.plan.totalSteps).catch(
+          (again: unknown) => {
+            this.log?.error({ job, err: (again as Error).message }, "cannot reopen the job after a failed resize");
+          },
+        );
         throw err;
       }
     } finally {
@@ -687,19 +782,29 @@ export class CheckpointService {
     const who = [
       [`mt.${job}.data.stats`, "the data-loader"],
       ...Array.from({ length: cfg.trainers }, (_, r) => [subjects.trainerStats(job, r), `trainer ${r}`]),
-      ...(usesShards(cfg) ? Array.from({ length: cfg.shards }, (_, k) => [subjects.psStats(job, k), `shard ${k}`]) : []),
+      ...(usesShards(cfg)
+        ? Array.from({ length: cfg.shards }, (_, k) => [subjects.psStats(job, k), `shard ${k}`])
+        : []),
     ] as const;
     const until = Date.now() + resizeCloseWaitMs;
     for (;;) {
-      const open = (await Promise.all(who.map(async ([subject, name]) => ((await closed(subject)) ? null : name)))).filter((x) => x !== null);
+      const open = (
+        await Promise.all(who.map(async ([subject, name]) => ((await closed(subject)) ? null : name)))
+      ).filter((x) => x !== null);
       if (open.length === 0) return;
-      if (Date.now() > until) throw new DeadlineError(`${open.join(", ")} still run job ${job} ${resizeCloseWaitMs} ms after it was paused for a resize`);
+      if (Date.now() > until)
+        throw new DeadlineError(
+          `${open.join(", ")} still run job ${job} ${resizeCloseWaitMs} ms after it was paused for a resize`,
+        );
       await Bun.sleep(200);
     }
   }
 
   #event(job: string, kind: EventKind, step: number, text: string, generation = 0): void {
-    this.bus.publish(subjects.events(job, EventKind[kind].toLowerCase()), encodeEvent({ ...emptyEvent(job, kind), step, text, generation }));
+    this.bus.publish(
+      subjects.events(job, EventKind[kind].toLowerCase()),
+      encodeEvent({ ...emptyEvent(job, kind), step, text, generation }),
+    );
   }
 
   openJob(spec: JobSpec): void {
@@ -756,7 +861,9 @@ export class CheckpointService {
 
   /** Every rank's step times, for stragglers (StragglerDetector). */
   #followSteps(cfg: JobConfig): Subscription {
-    const detector = new StragglerDetector(dataRanks(cfg), (step, text) => this.#event(cfg.job, EventKind.Straggler, step, text));
+    const detector = new StragglerDetector(dataRanks(cfg), (step, text) =>
+      this.#event(cfg.job, EventKind.Straggler, step, text),
+    );
     return this.bus.subscribe(subjects.events(cfg.job, "step"), (data) => {
       try {
         detector.add(decodeEvent(data, 1 << 16));

@@ -7,7 +7,18 @@
 // leaves either the whole snapshot or a .tmp- folder that is ignored and removed.
 // Reading verifies every file's size and CRC32 against the manifest.
 import { m } from "../runtime/mesh/metrics.ts";
-import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readdirSync, readFileSync, renameSync, rmSync, writeSync } from "node:fs";
+import {
+  closeSync,
+  existsSync,
+  fsyncSync,
+  mkdirSync,
+  openSync,
+  readdirSync,
+  readFileSync,
+  renameSync,
+  rmSync,
+  writeSync,
+} from "node:fs";
 import { join } from "node:path";
 import { fsyncPath } from "../../engine/modelfile.ts";
 import { decodeManifest, encodeManifest, type Manifest } from "../../schemas/messages.ts";
@@ -50,7 +61,9 @@ export interface SnapshotFile {
 }
 
 /** What a snapshot's manifest says besides its files (and what prepare fills in). */
-export type SnapshotMeta = Omit<Manifest, "files" | "formatVersion" | "id" | "createdMs" | "modelPath"> & { modelPath?: string };
+export type SnapshotMeta = Omit<Manifest, "files" | "formatVersion" | "id" | "createdMs" | "modelPath"> & {
+  modelPath?: string;
+};
 
 export class CheckpointStore {
   constructor(readonly root: string) {
@@ -71,7 +84,8 @@ export class CheckpointStore {
 
   /** The manifest a snapshot of `files` will have (sizes and CRC32s), before anything is written. */
   prepare(m: SnapshotMeta, files: readonly SnapshotFile[]): Manifest {
-    for (const f of files) if (f.name.includes("/") || f.name === manifestName) throw new Error(`bad snapshot file name ${f.name}`);
+    for (const f of files)
+      if (f.name.includes("/") || f.name === manifestName) throw new Error(`bad snapshot file name ${f.name}`);
     return {
       ...m,
       modelPath: m.modelPath ?? "",
@@ -94,7 +108,10 @@ export class CheckpointStore {
     const tmp = join(dir, `.tmp-${id}-${process.pid}`);
     rmSync(tmp, { recursive: true, force: true });
     mkdirSync(tmp);
-    writeAllDurable([...files.map((f) => ({ path: join(tmp, f.name), bytes: f.bytes })), { path: join(tmp, manifestName), bytes: encodeManifest(manifest) }]);
+    writeAllDurable([
+      ...files.map((f) => ({ path: join(tmp, f.name), bytes: f.bytes })),
+      { path: join(tmp, manifestName), bytes: encodeManifest(manifest) },
+    ]);
     const end = m.checkpointFsync.startTimer();
     fsyncPath(tmp);
     end();
@@ -145,7 +162,8 @@ export class CheckpointStore {
         `snapshot ${id} of ${job} has checkpoint format ${m.formatVersion}; this build reads ${formatVersion} (restore it with a matching meshtrain)`,
       );
     }
-    if (m.id !== id || m.job !== job) throw new CorruptDataError(`snapshot folder ${id} of ${job} holds the manifest of ${m.job}/${m.id}`);
+    if (m.id !== id || m.job !== job)
+      throw new CorruptDataError(`snapshot folder ${id} of ${job} holds the manifest of ${m.job}/${m.id}`);
     return m;
   }
 
@@ -154,17 +172,23 @@ export class CheckpointStore {
     const manifest = this.#manifest(job, id);
     const files = new Map<string, Uint8Array>();
     for (const f of manifest.files) {
-      if (f.bytes > fileBytesMax) throw new CorruptDataError(`snapshot ${id}: ${f.name} claims ${f.bytes} bytes, over the ${fileBytesMax} limit`);
+      if (f.bytes > fileBytesMax)
+        throw new CorruptDataError(`snapshot ${id}: ${f.name} claims ${f.bytes} bytes, over the ${fileBytesMax} limit`);
       let bytes: Uint8Array;
       try {
         bytes = readFileSync(join(this.jobDir(job), id, f.name));
       } catch (e) {
         throw new CorruptDataError(`snapshot ${id}: ${f.name} is missing (${(e as Error).message})`);
       }
-      if (bytes.byteLength !== f.bytes) throw new CorruptDataError(`snapshot ${id}: ${f.name} has ${bytes.byteLength} bytes, the manifest says ${f.bytes}`);
+      if (bytes.byteLength !== f.bytes)
+        throw new CorruptDataError(
+          `snapshot ${id}: ${f.name} has ${bytes.byteLength} bytes, the manifest says ${f.bytes}`,
+        );
       const crc = Bun.hash.crc32(bytes);
       if (crc !== f.crc32)
-        throw new CorruptDataError(`snapshot ${id}: ${f.name} fails its checksum (crc32 ${crc.toString(16)}, manifest ${f.crc32.toString(16)})`);
+        throw new CorruptDataError(
+          `snapshot ${id}: ${f.name} fails its checksum (crc32 ${crc.toString(16)}, manifest ${f.crc32.toString(16)})`,
+        );
       files.set(f.name, bytes);
     }
     return { manifest, files };
@@ -183,7 +207,8 @@ export class CheckpointStore {
   ): { manifest: Manifest; files: Map<string, Uint8Array> } {
     const all = this.list(job, onCorrupt);
     const candidates = (id ? all.filter((m) => m.id === id) : all).reverse();
-    if (candidates.length === 0) throw new NotReadyError(id ? `job ${job} has no snapshot ${id}` : `job ${job} has no snapshot yet`);
+    if (candidates.length === 0)
+      throw new NotReadyError(id ? `job ${job} has no snapshot ${id}` : `job ${job} has no snapshot yet`);
     const passed: string[] = [];
     for (const m of candidates) {
       const why = unusable(m);
@@ -198,7 +223,8 @@ export class CheckpointStore {
         onCorrupt(m.id, e.message);
       }
     }
-    if (passed.length === candidates.length) throw new NotReadyError(`no snapshot of job ${job} can resume it now (${passed.slice(0, 3).join("; ")})`);
+    if (passed.length === candidates.length)
+      throw new NotReadyError(`no snapshot of job ${job} can resume it now (${passed.slice(0, 3).join("; ")})`);
     throw new CorruptDataError(
       `every snapshot of job ${job} failed verification${passed.length > 0 ? ` or cannot resume it now (${passed.slice(0, 3).join("; ")})` : ""}`,
     );
@@ -224,6 +250,7 @@ export class CheckpointStore {
   sweep(job: string): void {
     const dir = this.jobDir(job);
     if (!existsSync(dir)) return;
-    for (const name of readdirSync(dir)) if (name.startsWith(".tmp-")) rmSync(join(dir, name), { recursive: true, force: true });
+    for (const name of readdirSync(dir))
+      if (name.startsWith(".tmp-")) rmSync(join(dir, name), { recursive: true, force: true });
   }
 }

@@ -43,7 +43,13 @@ export class JobData {
     this.plan = plan ?? jobPlan(cfg, this.#source.facts);
     const f = this.#source.facts,
       p = this.plan;
-    if (p.trainSamples !== f.train || p.valSamples !== f.val || p.testSamples !== f.test || p.vocabSize !== f.vocabSize || p.vocab.join() !== f.vocab.join()) {
+    if (
+      p.trainSamples !== f.train ||
+      p.valSamples !== f.val ||
+      p.testSamples !== f.test ||
+      p.vocabSize !== f.vocabSize ||
+      p.vocab.join() !== f.vocab.join()
+    ) {
       throw new BadRequestError(
         `job ${cfg.job} was planned for ${p.trainSamples} training, ${p.valSamples} validation and ${p.testSamples} test samples` +
           `${p.vocabSize ? ` of a ${p.vocabSize}-token vocabulary` : ""}, but its data set now has ${f.train}, ${f.val} and ${f.test}` +
@@ -51,8 +57,13 @@ export class JobData {
       );
     }
     this.#steps = stepScheduleOf(cfg, f.train);
-    if (p.stepsPerEpoch !== stepsPerEpochOf(f.train, dataRanks(cfg), cfg.batchSize) || p.totalSteps !== this.#steps.totalSteps)
-      throw new BadRequestError(`job ${cfg.job}'s plan has ${p.stepsPerEpoch} steps per epoch and ${p.totalSteps} in all, its config other counts`);
+    if (
+      p.stepsPerEpoch !== stepsPerEpochOf(f.train, dataRanks(cfg), cfg.batchSize) ||
+      p.totalSteps !== this.#steps.totalSteps
+    )
+      throw new BadRequestError(
+        `job ${cfg.job}'s plan has ${p.stepsPerEpoch} steps per epoch and ${p.totalSteps} in all, its config other counts`,
+      );
     this.stepsPerEpoch = p.stepsPerEpoch;
     this.totalSteps = p.totalSteps;
     this.#ready = Array.from({ length: dataRanks(cfg) }, () => new Map());
@@ -63,7 +74,8 @@ export class JobData {
   }
 
   #epoch(epoch: number): Uint32Array {
-    if (this.#epochCache?.epoch !== epoch) this.#epochCache = { epoch, ids: epochIds(this.train, this.cfg.seed, epoch) };
+    if (this.#epochCache?.epoch !== epoch)
+      this.#epochCache = { epoch, ids: epochIds(this.train, this.cfg.seed, epoch) };
     return this.#epochCache.ids;
   }
 
@@ -98,19 +110,22 @@ export class JobData {
       hi = Math.floor(((rank + 1) * n) / W);
     const start = lo + index * rows;
     const count = Math.max(0, Math.min(rows, hi - start));
-    const ids = all === null ? Uint32Array.from({ length: count }, (_, i) => start + i) : all.slice(start, start + count);
+    const ids =
+      all === null ? Uint32Array.from({ length: count }, (_, i) => start + i) : all.slice(start, start + count);
     return this.#source.evalBatch(split, ids, index);
   }
 
   /** The reply to a batch request; prepares the following ones for the rank. */
   next(rank: number, split: Split, step: number, credits: number): Uint8Array {
     const ranks = dataRanks(this.cfg);
-    if (!(rank < ranks)) throw new BadRequestError(`rank ${rank} is not in job ${this.cfg.job} (ranks 0..${ranks - 1})`);
+    if (!(rank < ranks))
+      throw new BadRequestError(`rank ${rank} is not in job ${this.cfg.job} (ranks 0..${ranks - 1})`);
     const started = performance.now();
     if (split !== Split.Train) {
       if (split === Split.Val && this.val.length === 0)
         throw new BadRequestError(`job ${this.cfg.job} holds out no validation split (valFraction 0); ask for Test`);
-      if (split === Split.Test && this.plan.testSamples === 0) throw new BadRequestError(`job ${this.cfg.job}'s data set has no test split; ask for Val`);
+      if (split === Split.Test && this.plan.testSamples === 0)
+        throw new BadRequestError(`job ${this.cfg.job}'s data set has no test split; ask for Val`);
       if (split !== Split.Val && split !== Split.Test) throw new BadRequestError(`unknown split ${split}`);
       return this.#encodeEval(rank, split, step);
     }

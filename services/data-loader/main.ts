@@ -19,7 +19,12 @@ await runService<Config>({
   defaults: { ...baseConfigDefaults, jobsMax: jobsMaxDefault },
   async start({ config, log, bus }) {
     const ledger = await JobLedger.open(bus.nc, bus, log);
-    const loader = new DataLoader(bus, { payloadBytesMax: config.payloadBytesMax, jobsMax: config.jobsMax, log, control: ledger });
+    const loader = new DataLoader(bus, {
+      payloadBytesMax: config.payloadBytesMax,
+      jobsMax: config.jobsMax,
+      log,
+      control: ledger,
+    });
     loader.serve();
     const watch = await ledger.follow("data-loader", loader);
     return {

@@ -4,7 +4,14 @@
 // the only service that reads a job's data: a data set it cannot read refuses the submission (or
 // fails the job at once), with the reason. Jobs that read the same data set share one copy of it
 // in memory, freed when the last of them closes.
-import { decodeBatchRequest, decodeJobRequest, decodeJobSpec, encodeDataPlan, encodeLoaderStats, type JobSpec } from "../../schemas/messages.ts";
+import {
+  decodeBatchRequest,
+  decodeJobRequest,
+  decodeJobSpec,
+  encodeDataPlan,
+  encodeLoaderStats,
+  type JobSpec,
+} from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
 import { ConfigError, LimitExceededError, MeshError, UnknownJobError } from "../runtime/mesh/errors.ts";
 import { anyJob, configOfSpec, type JobConfig, jobOfRequest, subjects } from "../runtime/job/job.ts";
@@ -63,7 +70,9 @@ export class DataLoader {
         const reply = job.next(m.rank, m.split, m.step, m.credits);
         metrics.loaderBatches.inc({ job: m.job });
         if (reply.byteLength > this.payloadBytesMax)
-          throw new LimitExceededError(`a batch of ${reply.byteLength} bytes exceeds the ${this.payloadBytesMax}-byte limit; lower batchSize`);
+          throw new LimitExceededError(
+            `a batch of ${reply.byteLength} bytes exceeds the ${this.payloadBytesMax}-byte limit; lower batchSize`,
+          );
         return reply;
       },
     });

@@ -81,7 +81,14 @@ class ImageSource implements JobSource {
     const split = trainValSplit(data.train.count, cfg.valFraction, cfg.seed);
     this.train = split.train;
     this.val = split.val;
-    this.facts = { train: this.train.length, val: this.val.length, test: data.test.count, vocabSize: 0, vocab: [], tokenizer: "" };
+    this.facts = {
+      train: this.train.length,
+      val: this.val.length,
+      test: data.test.count,
+      vocabSize: 0,
+      vocab: [],
+      tokenizer: "",
+    };
     this.#batcher = new ImageBatcher(data.train, cfg.batchSize);
     this.#evalBatcher = new ImageBatcher(data.train, evalBatchRows);
     this.#testBatcher = new ImageBatcher(data.test, evalBatchRows);
@@ -100,7 +107,16 @@ class ImageSource implements JobSource {
   #encode(batcher: ImageBatcher, ids: Uint32Array, epoch: number, index: number, endOfEpoch: boolean): Uint8Array {
     const { pixels, targets } = batcher.pixelBatch(ids, 0);
     return encodeBatch(
-      { epoch, index, sampleIds: ids, rows: ids.length, cols: batcher.features, x: new Float32Array(0), y: targets, endOfEpoch },
+      {
+        epoch,
+        index,
+        sampleIds: ids,
+        rows: ids.length,
+        cols: batcher.features,
+        x: new Float32Array(0),
+        y: targets,
+        endOfEpoch,
+      },
       { pixels, values: batcher.pixelValues },
     );
   }
@@ -130,15 +146,33 @@ class TokenSource implements JobSource {
     const trainWindows = Math.floor((corpus.train.length - T) / T);
     const valWindows = Math.floor((corpus.val.length - 1) / T);
     if (trainWindows < 1)
-      throw new DataFileError(corpus.name, `${corpus.train.length} training tokens hold no window of ${T} + 1 at every offset (need ${2 * T})`);
-    if (valWindows < 1) throw new DataFileError(corpus.name, `${corpus.val.length} validation tokens hold no window of ${T} + 1`);
+      throw new DataFileError(
+        corpus.name,
+        `${corpus.train.length} training tokens hold no window of ${T} + 1 at every offset (need ${2 * T})`,
+      );
+    if (valWindows < 1)
+      throw new DataFileError(corpus.name, `${corpus.val.length} validation tokens hold no window of ${T} + 1`);
     this.train = Uint32Array.from({ length: trainWindows }, (_, i) => i);
     this.val = Uint32Array.from({ length: valWindows }, (_, i) => i);
     const vocab = corpus.vocab ? corpus.vocab.chars.map((c) => c.codePointAt(0)!) : [];
-    this.facts = { train: trainWindows, val: valWindows, test: 0, vocabSize: corpus.vocabSize, vocab, tokenizer: corpus.tokenizer === "gpt2" ? "gpt2" : "" };
+    this.facts = {
+      train: trainWindows,
+      val: valWindows,
+      test: 0,
+      vocabSize: corpus.vocabSize,
+      vocab,
+      tokenizer: corpus.tokenizer === "gpt2" ? "gpt2" : "",
+    };
   }
 
-  #encode(stream: Tokens, offset: number, ids: Uint32Array, epoch: number, index: number, endOfEpoch: boolean): Uint8Array {
+  #encode(
+    stream: Tokens,
+    offset: number,
+    ids: Uint32Array,
+    epoch: number,
+    index: number,
+    endOfEpoch: boolean,
+  ): Uint8Array {
     const T = this.#T;
     const tokens = new Uint16Array(ids.length * (T + 1));
     // each window read on its own: a prepared folder's shards stay on disk
@@ -161,7 +195,8 @@ class TokenSource implements JobSource {
   }
 
   evalBatch(split: Split, ids: Uint32Array, index: number): Uint8Array {
-    if (split === Split.Test) throw new BadRequestError(`job ${this.cfg.job} trains on tokens, which have no test split; ask for Val`);
+    if (split === Split.Test)
+      throw new BadRequestError(`job ${this.cfg.job} trains on tokens, which have no test split; ask for Val`);
     return this.#encode(this.corpus.val, 0, ids, 0, index, ids.length === 0);
   }
 }

@@ -17,10 +17,25 @@ import {
   type JobSpec,
 } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
-import { DeadlineError, LimitExceededError, NoRespondersError, NotReadyError, UnknownJobError } from "../runtime/mesh/errors.ts";
+import {
+  DeadlineError,
+  LimitExceededError,
+  NoRespondersError,
+  NotReadyError,
+  UnknownJobError,
+} from "../runtime/mesh/errors.ts";
 import { cutTag, partOfTag } from "../runtime/job/replica-parts.ts";
 import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
-import { anyJob, configOfSpec, type JobConfig, jobOfRequest, shardOpenedTag, subjects, trainerOfRequest, usesShards } from "../runtime/job/job.ts";
+import {
+  anyJob,
+  configOfSpec,
+  type JobConfig,
+  jobOfRequest,
+  shardOpenedTag,
+  subjects,
+  trainerOfRequest,
+  usesShards,
+} from "../runtime/job/job.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { initialParameters } from "../runtime/job/model.ts";
 import { checkPlanLayout, planLayout, planOfSpec } from "../runtime/job/plan.ts";
@@ -73,7 +88,11 @@ export class ParameterServer {
     // pushes and pulls carry the trainer's rank as their last token (subjects.psPush)
     const perTrainer = new Set(["push", "pull"]);
     const on = (name: string, handler: (subject: string, data: Uint8Array) => Promise<Uint8Array> | Uint8Array) =>
-      this.bus.serve({ name, subject: anyJob(`ps.${k}.${name}${perTrainer.has(name) ? ".*" : ""}`), handler: (data, subject) => handler(subject, data) });
+      this.bus.serve({
+        name,
+        subject: anyJob(`ps.${k}.${name}${perTrainer.has(name) ? ".*" : ""}`),
+        handler: (data, subject) => handler(subject, data),
+      });
     on("push", (subject, data) => {
       const m = decodePushRequest(data, this.payloadBytesMax);
       trainerOfRequest(subject, m.trainer);
@@ -132,7 +151,8 @@ export class ParameterServer {
       // snapshots are as large as the shard's parameters and state: allow 64 MB
       const s = decodeShardState(data, Math.max(this.payloadBytesMax, 64 << 20));
       const missing = this.#entry(subject, s.job).shard.loadPart(s);
-      if (missing === 0) this.log?.info({ job: s.job, step: s.step, parts: Math.max(1, s.parts ?? 0) }, "shard state loaded");
+      if (missing === 0)
+        this.log?.info({ job: s.job, step: s.step, parts: Math.max(1, s.parts ?? 0) }, "shard state loaded");
       // waiting: the parts still to come (0: the state is applied)
       return encodeShardStats({
         job: s.job,
@@ -161,7 +181,9 @@ export class ParameterServer {
         if (k === this.shardIndex) return own;
         for (let attempt = 1; ; attempt++) {
           try {
-            return decodeJobRequest(await this.bus.request(subjects.psNorm(cfg.job, k), req, normWaitMs), 1 << 16).value ?? 0;
+            return (
+              decodeJobRequest(await this.bus.request(subjects.psNorm(cfg.job, k), req, normWaitMs), 1 << 16).value ?? 0
+            );
           } catch (e) {
             if (Date.now() - started > normWaitMs || !this.#jobs.has(cfg.job)) throw e;
             await Bun.sleep(Math.min(100 * attempt, 2000));
@@ -177,7 +199,10 @@ export class ParameterServer {
   /** The job's entry for a push or pull: NotReadyError while the shard waits for its restore. */
   #serving(subject: string, messageJob: string): JobEntry {
     const e = this.#entry(subject, messageJob);
-    if (e.recovering) throw new NotReadyError(`shard ${this.shardIndex} waits for job "${messageJob}" to be restored (it opened the job again)`);
+    if (e.recovering)
+      throw new NotReadyError(
+        `shard ${this.shardIndex} waits for job "${messageJob}" to be restored (it opened the job again)`,
+      );
     return e;
   }
 
@@ -185,8 +210,11 @@ export class ParameterServer {
     const job = jobOfRequest(subject, messageJob);
     const e = this.#jobs.get(job);
     if (e) return e;
-    if (this.#opening.has(job)) throw new NotReadyError(`shard ${this.shardIndex} is opening job "${job}" (waiting for the data-loader's plan)`);
-    throw new UnknownJobError(`shard ${this.shardIndex} runs no job "${job}" (running: ${[...this.#jobs.keys()].join(", ") || "none"})`);
+    if (this.#opening.has(job))
+      throw new NotReadyError(`shard ${this.shardIndex} is opening job "${job}" (waiting for the data-loader's plan)`);
+    throw new UnknownJobError(
+      `shard ${this.shardIndex} runs no job "${job}" (running: ${[...this.#jobs.keys()].join(", ") || "none"})`,
+    );
   }
 
   get jobs(): string[] {
@@ -222,13 +250,19 @@ export class ParameterServer {
         shard: this.shardIndex,
         totalSteps,
         initial: init.values,
-        ...(owners.length > 1 ? { agreeNorm: (step: number, own: number) => this.#agreeNorm(cfg, owners, step, own) } : {}),
+        ...(owners.length > 1
+          ? { agreeNorm: (step: number, own: number) => this.#agreeNorm(cfg, owners, step, own) }
+          : {}),
       });
-      shard.onNormFailure = (step, e) => this.log?.error({ job: cfg.job, step, err: e.message }, "the shards did not agree on the gradient norm");
+      shard.onNormFailure = (step, e) =>
+        this.log?.error({ job: cfg.job, step, err: e.message }, "the shards did not agree on the gradient norm");
       const hb = new HeartbeatPublisher(this.bus, cfg.job, `shard ${this.shardIndex}`);
       hb.at(0, "serving");
       this.#jobs.set(cfg.job, { shard, pushes: 0, duplicates: 0, pulls: 0, hb, recovering: true });
-      this.log?.info({ job: cfg.job, chunks: shard.ids.length, elements: shard.elements, sync: cfg.sync, totalSteps }, "job opened");
+      this.log?.info(
+        { job: cfg.job, chunks: shard.ids.length, elements: shard.elements, sync: cfg.sync, totalSteps },
+        "job opened",
+      );
       this.#restoreIfResumed(cfg.job);
     } finally {
       if (this.#opening.get(cfg.job) === abort) this.#opening.delete(cfg.job);

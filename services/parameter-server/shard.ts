@@ -133,14 +133,20 @@ export class ParameterShard {
     this.#grads = this.#be.alloc(bytes);
     this.#be.zero(this.#grads.ptr, bytes);
     // top-k pushes skip coordinates: AdamW keeps each one's age (engine/optim/adamw.ts)
-    const names = o.config.optimizer.kind === "sgd" ? ["momentum"] : ["m", "v", ...(parseCompression(o.config.compress).kind === "topk" ? ["age"] : [])];
+    const names =
+      o.config.optimizer.kind === "sgd"
+        ? ["momentum"]
+        : ["m", "v", ...(parseCompression(o.config.compress).kind === "topk" ? ["age"] : [])];
     this.#state = names.map((name) => {
       const alloc = this.#be.alloc(bytes);
       this.#be.zero(alloc.ptr, bytes);
       return { name, alloc };
     });
     for (const slot of this.#slots.values()) {
-      this.#be.upload(this.#ptr(this.#params, slot), o.initial.subarray(slot.info.offset, slot.info.offset + slot.info.count));
+      this.#be.upload(
+        this.#ptr(this.#params, slot),
+        o.initial.subarray(slot.info.offset, slot.info.offset + slot.info.count),
+      );
     }
     this.#clock = new Float64Array(W);
     this.#received = Array.from({ length: W }, () => new Map());
@@ -155,15 +161,18 @@ export class ParameterShard {
    */
   partialNorm(step: number, waitMs: number): Promise<number> {
     this.flush();
-    if (!shardsClip(this.#cfg)) throw new BadRequestError(`job ${this.job} does not clip on the shards (BSP with gradClip > 0 does)`);
+    if (!shardsClip(this.#cfg))
+      throw new BadRequestError(`job ${this.job} does not clip on the shards (BSP with gradClip > 0 does)`);
     this.#checkStep(step, "the norm of");
     const known = this.#partials.get(step);
     if (known !== undefined) return Promise.resolve(known);
     const version = Math.min(...[...this.#slots.values()].map((x) => x.version));
-    if (step < version - 2) throw new BadRequestError(`shard ${this.shard} is at step ${version}; the norm of step ${step} is forgotten`);
+    if (step < version - 2)
+      throw new BadRequestError(`shard ${this.shard} is at step ${version}; the norm of step ${step} is forgotten`);
     let waiting = 0;
     for (const l of this.#partialWaiters.values()) waiting += l.length;
-    if (waiting >= pullWaitersMax) throw new LimitExceededError(`${pullWaitersMax} norm requests are waiting on shard ${this.shard} already`);
+    if (waiting >= pullWaitersMax)
+      throw new LimitExceededError(`${pullWaitersMax} norm requests are waiting on shard ${this.shard} already`);
     return new Promise<number>((resolve, reject) => {
       const list = this.#partialWaiters.get(step) ?? [];
       const w = {
@@ -271,7 +280,9 @@ export class ParameterShard {
     for (const f of fresh) this.#stage(staging + f.at * 4, f.chunk);
     if (staged > 0 && this.#be.countNonFinite(staging, staged) > 0) {
       const bad = fresh.find((f) => this.#be.countNonFinite(staging + f.at * 4, f.chunk.count) > 0)!;
-      throw new BadRequestError(`chunk ${bad.chunk.id} from trainer ${m.trainer} step ${m.step}: the gradient holds NaN or Inf`);
+      throw new BadRequestError(
+        `chunk ${bad.chunk.id} from trainer ${m.trainer} step ${m.step}: the gradient holds NaN or Inf`,
+      );
     }
     const need = this.#cfg.sync === "bsp" ? this.#cfg.trainers : this.#cfg.batchPushes;
     let updates = 0;
@@ -314,9 +325,12 @@ export class ParameterShard {
     const slot = this.#slot(c.id);
     if (c.dtype !== DType.F32 && c.dtype !== this.#pushDType) {
       const also = this.#pushDType === DType.F32 ? "" : ` or ${DType[this.#pushDType]}`;
-      throw new BadRequestError(`chunk ${c.id}: dtype ${DType[c.dtype] ?? c.dtype} is not accepted by this job (compress ${this.#cfg.compress}: F32${also})`);
+      throw new BadRequestError(
+        `chunk ${c.id}: dtype ${DType[c.dtype] ?? c.dtype} is not accepted by this job (compress ${this.#cfg.compress}: F32${also})`,
+      );
     }
-    if (c.count !== slot.info.count) throw new BadRequestError(`chunk ${c.id} has ${c.count} elements, the layout says ${slot.info.count}`);
+    if (c.count !== slot.info.count)
+      throw new BadRequestError(`chunk ${c.id} has ${c.count} elements, the layout says ${slot.info.count}`);
     // under BSP a trainer pulls step s (which waits for the update of s-1) before it pushes s
     if (this.#cfg.sync === "bsp" && slot.lastStep[m.trainer]! < m.step && m.step !== slot.version) {
       throw new BadRequestError(`push for step ${m.step} of chunk ${c.id}, which is at step ${slot.version} (BSP)`);
@@ -412,7 +426,21 @@ export class ParameterShard {
         const t = slot.version + 1;
         const s1 = this.#ptr(this.#state[1]!.alloc, slot);
         const age = this.#state[2] ? this.#ptr(this.#state[2].alloc, slot) + off : 0;
-        be.adamwStep(p + off, g + off, s0 + off, s1 + off, age, seg.n, lr, o.beta1, o.beta2, o.eps, seg.wd, 1 - o.beta1 ** t, 1 - o.beta2 ** t);
+        be.adamwStep(
+          p + off,
+          g + off,
+          s0 + off,
+          s1 + off,
+          age,
+          seg.n,
+          lr,
+          o.beta1,
+          o.beta2,
+          o.eps,
+          seg.wd,
+          1 - o.beta1 ** t,
+          1 - o.beta2 ** t,
+        );
       }
     }
   }
@@ -462,11 +490,14 @@ export class ParameterShard {
     this.#checkTrainer(trainer);
     this.#checkStep(step, "a pull of");
     if (dtype !== DType.F32 && dtype !== DType.F16 && dtype !== DType.BF16)
-      throw new BadRequestError(`parameters are pulled as F32, F16 or BF16 (a lossy copy), not ${DType[dtype] ?? dtype}`);
+      throw new BadRequestError(
+        `parameters are pulled as F32, F16 or BF16 (a lossy copy), not ${DType[dtype] ?? dtype}`,
+      );
     for (const id of ids) this.#slot(id);
     if (new Set(ids).size !== ids.length) throw new BadRequestError("a pull names a chunk twice");
     if (this.#ready(step, ids)) return Promise.resolve(this.#snapshot(ids, dtype));
-    if (this.#waiters.size >= pullWaitersMax) throw new LimitExceededError(`${pullWaitersMax} pulls are waiting on shard ${this.shard} already`);
+    if (this.#waiters.size >= pullWaitersMax)
+      throw new LimitExceededError(`${pullWaitersMax} pulls are waiting on shard ${this.shard} already`);
     return new Promise((resolve, reject) => {
       const w: Waiter = {
         trainer,
@@ -526,10 +557,22 @@ export class ParameterShard {
         this.#be.download(this.#ptr(a, slot), v);
         return v;
       };
-      return { id: slot.info.id, version: slot.version, params: read(this.#params), state: this.#state.map((s) => ({ name: s.name, data: read(s.alloc) })) };
+      return {
+        id: slot.info.id,
+        version: slot.version,
+        params: read(this.#params),
+        state: this.#state.map((s) => ({ name: s.name, data: read(s.alloc) })),
+      };
     });
     const step = Math.min(...this.clocks);
-    return withChecksum({ job: this.job, shard: this.shard, updates: this.#updates, optimizerSteps: step, step, chunks });
+    return withChecksum({
+      job: this.job,
+      shard: this.shard,
+      updates: this.#updates,
+      optimizerSteps: step,
+      step,
+      chunks,
+    });
   }
 
   /** A snapshot's parts: asked at `step`, cut from the state at part 0's ask */
@@ -558,9 +601,14 @@ export class ParameterShard {
     if (part === 0 && this.#exported?.step !== step) this.cut(step, partBytesMax);
     const ex = this.#exported;
     if (ex === null || ex.step !== step)
-      throw new BadRequestError(`part ${part} of shard ${this.shard}'s state at step ${step}: cut it first (ask for part 0)`);
+      throw new BadRequestError(
+        `part ${part} of shard ${this.shard}'s state at step ${step}: cut it first (ask for part 0)`,
+      );
     const s = ex.parts[part];
-    if (s === undefined) throw new BadRequestError(`shard ${this.shard}'s state at step ${step} has parts 0 to ${ex.parts.length - 1}, not ${part}`);
+    if (s === undefined)
+      throw new BadRequestError(
+        `shard ${this.shard}'s state at step ${step} has parts 0 to ${ex.parts.length - 1}, not ${part}`,
+      );
     if (part === ex.parts.length - 1) this.#exported = null;
     return s;
   }
@@ -579,7 +627,9 @@ export class ParameterShard {
     const parts = Math.max(1, s.parts ?? 0),
       part = s.part ?? 0;
     if (s.checksum === undefined || s.checksum === 0n || s.checksum !== shardStateChecksum(s))
-      throw new BadRequestError(`shard ${this.shard}: a load whose checksum does not match its contents (changed after it was cut)`);
+      throw new BadRequestError(
+        `shard ${this.shard}: a load whose checksum does not match its contents (changed after it was cut)`,
+      );
     if (!(part < parts)) throw new BadRequestError(`a load's part ${part} of ${parts}`);
     this.#checkState(s);
     const cur = this.#loading;
@@ -602,22 +652,35 @@ export class ParameterShard {
       throw new BadRequestError(`snapshot of ${s.job} shard ${s.shard} loaded into ${this.job} shard ${this.shard}`);
     if (!Number.isSafeInteger(s.step) || s.step < 0 || s.step > this.#totalSteps)
       throw new BadRequestError(`snapshot of step ${s.step}: job ${this.job} runs steps 0 to ${this.#totalSteps}`);
-    if (!Number.isSafeInteger(s.updates) || s.updates < 0) throw new BadRequestError(`snapshot with ${s.updates} updates`);
+    if (!Number.isSafeInteger(s.updates) || s.updates < 0)
+      throw new BadRequestError(`snapshot with ${s.updates} updates`);
     const names = this.#state.map((v) => v.name).join(",");
     const seen = new Set<number>();
     for (const c of s.chunks) {
       const slot = this.#slots.get(c.id);
-      if (slot === undefined) throw new BadRequestError(`snapshot chunk ${c.id}: shard ${this.shard} owns ${this.ids.join(",")}`);
+      if (slot === undefined)
+        throw new BadRequestError(`snapshot chunk ${c.id}: shard ${this.shard} owns ${this.ids.join(",")}`);
       if (seen.has(c.id)) throw new BadRequestError(`snapshot chunk ${c.id} appears twice`);
       seen.add(c.id);
-      if (!Number.isSafeInteger(c.version) || c.version < 0 || c.version > this.#totalSteps * Math.max(...worldOf(this.#cfg).map((w) => w.trainers)))
+      if (
+        !Number.isSafeInteger(c.version) ||
+        c.version < 0 ||
+        c.version > this.#totalSteps * Math.max(...worldOf(this.#cfg).map((w) => w.trainers))
+      )
         throw new BadRequestError(`snapshot chunk ${c.id} at version ${c.version}`);
-      if (c.params.length !== slot.info.count) throw new BadRequestError(`snapshot chunk ${c.id} has ${c.params.length} elements, expected ${slot.info.count}`);
+      if (c.params.length !== slot.info.count)
+        throw new BadRequestError(
+          `snapshot chunk ${c.id} has ${c.params.length} elements, expected ${slot.info.count}`,
+        );
       if (c.state.map((v) => v.name).join(",") !== names)
-        throw new BadRequestError(`snapshot chunk ${c.id} has optimizer state [${c.state.map((v) => v.name).join(",")}], this job needs [${names}]`);
+        throw new BadRequestError(
+          `snapshot chunk ${c.id} has optimizer state [${c.state.map((v) => v.name).join(",")}], this job needs [${names}]`,
+        );
       for (const v of [c.params, ...c.state.map((x) => x.data)]) {
         if (v.length !== slot.info.count)
-          throw new BadRequestError(`snapshot chunk ${c.id} has a state vector of ${v.length} elements, expected ${slot.info.count}`);
+          throw new BadRequestError(
+            `snapshot chunk ${c.id} has a state vector of ${v.length} elements, expected ${slot.info.count}`,
+          );
         if (!plausibleState(v)) throw new BadRequestError(`snapshot chunk ${c.id} holds ${implausibleStateText}`);
       }
     }
@@ -633,7 +696,9 @@ export class ParameterShard {
     this.#checkState(s);
     const ids = s.chunks.map((c) => c.id).sort((a, b) => a - b);
     if (ids.join(",") !== [...this.ids].sort((a, b) => a - b).join(","))
-      throw new BadRequestError(`snapshot holds chunks ${ids.join(",")}, shard ${this.shard} owns ${this.ids.join(",")}`);
+      throw new BadRequestError(
+        `snapshot holds chunks ${ids.join(",")}, shard ${this.shard} owns ${this.ids.join(",")}`,
+      );
     for (const w of this.#waiters) {
       clearTimeout(w.timer);
       w.reject(new DeadlineError(`shard ${this.shard} was restored to step ${step}; pull again`));
@@ -665,8 +730,15 @@ export class ParameterShard {
       w.reject(new DeadlineError(`shard ${this.shard} of job ${this.job} stopped`));
     }
     this.#waiters.clear();
-    for (const l of this.#partialWaiters.values()) for (const w of l) w.fail(new DeadlineError(`shard ${this.shard} of job ${this.job} stopped`));
+    for (const l of this.#partialWaiters.values())
+      for (const w of l) w.fail(new DeadlineError(`shard ${this.shard} of job ${this.job} stopped`));
     this.#partialWaiters.clear();
-    for (const a of [this.#params, this.#grads, ...(this.#staging ? [this.#staging] : []), ...this.#state.map((s) => s.alloc)]) this.#be.free(a);
+    for (const a of [
+      this.#params,
+      this.#grads,
+      ...(this.#staging ? [this.#staging] : []),
+      ...this.#state.map((s) => s.alloc),
+    ])
+      this.#be.free(a);
   }
 }

@@ -126,7 +126,12 @@ export class StaleStepError extends Error {
  *  (inputs a window's first T tokens, targets its last T). */
 function hostRows(b: Batch, r: number, n: number): HostBatch {
   if (b.tokens === undefined || b.tokens.length === 0) {
-    return { inputs: b.x.subarray(r * b.cols, (r + n) * b.cols), inputShape: [n, b.cols], targets: b.y.subarray(r, r + n), targetShape: [n] };
+    return {
+      inputs: b.x.subarray(r * b.cols, (r + n) * b.cols),
+      inputShape: [n, b.cols],
+      targets: b.y.subarray(r, r + n),
+      targetShape: [n],
+    };
   }
   const T = b.cols;
   const inputs = new Int32Array(n * T),
@@ -228,7 +233,9 @@ export class TrainerRun {
     const store = this.#model.store;
     if (mp === null) checkPlanLayout(o.plan, store.slabNumel, store.decayRange.numel);
     const layout = planLayout(o.cfg, o.plan);
-    this.#ps = usesShards(o.cfg) ? new PsClient(o.bus, layout, o.rank, o.payloadBytesMax, parseCompression(o.cfg.compress), o.cfg.warmupSteps) : null;
+    this.#ps = usesShards(o.cfg)
+      ? new PsClient(o.bus, layout, o.rank, o.payloadBytesMax, parseCompression(o.cfg.compress), o.cfg.warmupSteps)
+      : null;
     this.#replica = usesShards(o.cfg)
       ? null
       : (mp ??
@@ -295,9 +302,13 @@ export class TrainerRun {
     let rank: number | null = this.#o.rank;
     // Step and Eval events are a data-parallel rank's: in a model-parallel job one rank of each
     // copy of the model speaks for it, as its copy
-    if ((e.kind === EventKind.Step || e.kind === EventKind.Eval) && this.#replica !== null) rank = this.#replica.eventRank;
+    if ((e.kind === EventKind.Step || e.kind === EventKind.Eval) && this.#replica !== null)
+      rank = this.#replica.eventRank;
     if (rank === null) return;
-    this.#o.bus.publish(subjects.events(this.#o.cfg.job, kind), encodeEvent({ ...emptyEvent(this.#o.cfg.job, e.kind), rank, ...e }));
+    this.#o.bus.publish(
+      subjects.events(this.#o.cfg.job, kind),
+      encodeEvent({ ...emptyEvent(this.#o.cfg.job, e.kind), rank, ...e }),
+    );
   }
 
   /** This rank's step in its Prometheus metrics (services/runtime/mesh/metrics.ts). */
@@ -307,7 +318,14 @@ export class TrainerRun {
     metrics.trainerSteps.inc({ job });
     metrics.trainerLoss.set({ job }, e.loss ?? 0);
     metrics.trainerRate.set({ job }, e.samplesPerS ?? 0);
-    const phases = { data_wait: e.dataWaitMs, pull: e.pullMs, compute: e.computeMs, push: e.pushMs, comm: e.commMs, exposed_comm: e.exposedCommMs };
+    const phases = {
+      data_wait: e.dataWaitMs,
+      pull: e.pullMs,
+      compute: e.computeMs,
+      push: e.pushMs,
+      comm: e.commMs,
+      exposed_comm: e.exposedCommMs,
+    };
     for (const [phase, ms] of Object.entries(phases)) metrics.trainerPhase.set({ job, phase }, (ms ?? 0) / 1000);
     const wire = this.#replica?.wireBytes ?? 0;
     if (wire > this.#wireSeen) metrics.collectiveBytes.inc({ job }, wire - this.#wireSeen);
@@ -335,7 +353,8 @@ export class TrainerRun {
         // first rank's); if that loaded an earlier process of this rank, this one asks for its own
         if (this.#replica.staged?.step !== m.step && this.#restoreTo === null) {
           const again = encodeJobRequest({ job: cfg.job, step: 0, tag: `trainer ${rank} holds no replica of ${m.id}` });
-          return decodeManifest(await bus.request(subjects.ckptRecover(cfg.job), again, checkpointTimeoutMs), 1 << 22).step;
+          return decodeManifest(await bus.request(subjects.ckptRecover(cfg.job), again, checkpointTimeoutMs), 1 << 22)
+            .step;
         }
         return m.step; // every rank takes the restore at its next step boundary (the Restore event)
       } catch (e) {
@@ -345,7 +364,11 @@ export class TrainerRun {
     }
     let step = Number.POSITIVE_INFINITY;
     for (let k = 0; k < cfg.shards; k++) {
-      const reply = await bus.request(subjects.psStats(cfg.job, k), encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), requestTimeoutMs);
+      const reply = await bus.request(
+        subjects.psStats(cfg.job, k),
+        encodeJobRequest({ job: cfg.job, step: 0, tag: "" }),
+        requestTimeoutMs,
+      );
       const stats = decodeShardStats(reply, 1 << 20);
       // a shard that owns no chunk sees no pushes: its clocks say nothing
       if (stats.chunks > 0) step = Math.min(step, stats.clocks[rank] ?? 0);
@@ -366,13 +389,16 @@ export class TrainerRun {
       log?.warn({ step: e.step, why: e.text }, "job restored from a checkpoint; resuming there");
     });
     if (this.#replica) this.#serveReplica();
-    this.#replicaSubs.push(bus.handle(subjects.trainerStats(cfg.job, rank), (data, subject) => this.#stats(data, subject)));
+    this.#replicaSubs.push(
+      bus.handle(subjects.trainerStats(cfg.job, rank), (data, subject) => this.#stats(data, subject)),
+    );
     this.#hb = new HeartbeatPublisher(bus, cfg.job, `trainer ${rank}`);
     if (rank === 0) {
       // a request (or a publish: no answer then): a snapshot at the next step boundary; every
       // request is answered, a malformed one with its error
       this.#ctl = bus.handle(subjects.checkpointNow(cfg.job), async (data) => {
-        if (data.byteLength !== 0) throw new BadRequestError(`a snapshot request has an empty body, not ${data.byteLength} bytes`);
+        if (data.byteLength !== 0)
+          throw new BadRequestError(`a snapshot request has an empty body, not ${data.byteLength} bytes`);
         this.#snapshotAsked = true;
         return snapshotAskedReply;
       });
@@ -381,7 +407,11 @@ export class TrainerRun {
     }
     try {
       await this.#checkMembers();
-      let step = await this.#retry("find the start step (every shard must have opened the job)", () => this.#findStartStep(), jobStartWaitMsMax);
+      let step = await this.#retry(
+        "find the start step (every shard must have opened the job)",
+        () => this.#findStartStep(),
+        jobStartWaitMsMax,
+      );
       this.#startStep = step;
       log?.info({ step, totalSteps: this.#total, precision: cfg.precision }, "training");
       if (this.#replica) {
@@ -397,8 +427,12 @@ export class TrainerRun {
             bytesPerParam: bytesPerParam(m),
           },
           `model state on this rank: ${bytesPerParam(m).toFixed(2)} bytes per parameter (ZeRO stage ${m.stage}, ${cfg.trainers} ranks)` +
-            (m.host > 0 ? `; the optimizer is offloaded: ${(m.host / m.paramCount).toFixed(2)} bytes per parameter in host memory` : "") +
-            (m.stage === 3 ? "; parameters are gathered per bucket as the passes need them (the peak is in status)" : ""),
+            (m.host > 0
+              ? `; the optimizer is offloaded: ${(m.host / m.paramCount).toFixed(2)} bytes per parameter in host memory`
+              : "") +
+            (m.stage === 3
+              ? "; parameters are gathered per bucket as the passes need them (the peak is in status)"
+              : ""),
         );
       }
       for (;;) {
@@ -419,9 +453,11 @@ export class TrainerRun {
       const why = `trainer ${rank}: ${(e as Error).message}`;
       log?.error({ err: (e as Error).message }, "training failed");
       this.#publish({ kind: EventKind.Failed, text: why });
-      await this.#o.control?.end(cfg.job, { state: JobState.Failed, reason: why }, this.#o.attempt).catch((err: unknown) => {
-        log?.error({ err: (err as Error).message }, "cannot record the job's failure");
-      });
+      await this.#o.control
+        ?.end(cfg.job, { state: JobState.Failed, reason: why }, this.#o.attempt)
+        .catch((err: unknown) => {
+          log?.error({ err: (err as Error).message }, "cannot record the job's failure");
+        });
       throw e;
     } finally {
       this.#hb?.stop();
@@ -447,7 +483,11 @@ export class TrainerRun {
     );
     // a snapshot reads rank 0's replica (stage 0), or every rank's partition (ZeRO), for the step the rank is at
     const subject =
-      replica.serves === "whole" ? subjects.replicaState(cfg.job) : replica.serves === "partition" ? subjects.replicaPartition(cfg.job, rank) : null;
+      replica.serves === "whole"
+        ? subjects.replicaState(cfg.job)
+        : replica.serves === "partition"
+          ? subjects.replicaPartition(cfg.job, rank)
+          : null;
     if (subject === null) return;
     this.#replicaSubs.push(
       bus.handle(subject, (data, subject) => {
@@ -455,8 +495,15 @@ export class TrainerRun {
         jobOfRequest(subject, m.job);
         // "cut" copies the replica of this step for the parts asked next (the rank goes on meanwhile)
         if (m.tag === cutTag || !replica.hasCut(m.step)) {
-          if (m.step !== this.#replicaStep) throw new NotReadyError(`trainer ${rank}'s replica is at step ${this.#replicaStep}, not ${m.step}`);
-          if (m.tag === cutTag) return encodeJobRequest({ job: cfg.job, step: m.step, tag: cutTag, value: replica.cut(m.step, payloadBytesMax) });
+          if (m.step !== this.#replicaStep)
+            throw new NotReadyError(`trainer ${rank}'s replica is at step ${this.#replicaStep}, not ${m.step}`);
+          if (m.tag === cutTag)
+            return encodeJobRequest({
+              job: cfg.job,
+              step: m.step,
+              tag: cutTag,
+              value: replica.cut(m.step, payloadBytesMax),
+            });
         }
         return replica.exportPart(m.step, partOfTag(m.tag), payloadBytesMax).then(encodeShardState);
       }),
@@ -541,7 +588,9 @@ export class TrainerRun {
         snapshot: snap?.id ?? "",
         modelPath: snap?.modelPath ?? "",
         ...(snap?.modelPath ? { snapshotDir: dirname(snap.modelPath) } : {}),
-        reason: snap ? "" : `trained, but the final snapshot failed (${note}); the parameters stay on the shards only until the job closes`,
+        reason: snap
+          ? ""
+          : `trained, but the final snapshot failed (${note}); the parameters stay on the shards only until the job closes`,
       },
       this.#o.attempt,
     );
@@ -607,9 +656,13 @@ export class TrainerRun {
       const replica = this.#replica;
       if (replica === null) return to;
       const staged = replica.staged;
-      if (staged !== null && staged.step === to && (generation === 0 || staged.generation === generation)) return this.#applyRestore(to);
+      if (staged !== null && staged.step === to && (generation === 0 || staged.generation === generation))
+        return this.#applyRestore(to);
       if (generation > 0 && replica.loadsNewerThan(generation)) {
-        this.#o.log?.warn({ step: to, generation }, "the next restore's load came before this one was taken; waiting for its event");
+        this.#o.log?.warn(
+          { step: to, generation },
+          "the next restore's load came before this one was taken; waiting for its event",
+        );
         if (this.#restoreTo === null) {
           const wake = new AbortController();
           void this.#restored.promise.then(() => wake.abort());
@@ -640,7 +693,9 @@ export class TrainerRun {
       if (this.#stopped) return step;
       if (this.#restoreTo !== null) return this.#takeRestore();
       try {
-        const run = (this.#replica ? this.#runReplicaStep(step, this.#generation) : this.#runStep(step, this.#generation)).then(() => "done" as const);
+        const run = (
+          this.#replica ? this.#runReplicaStep(step, this.#generation) : this.#runStep(step, this.#generation)
+        ).then(() => "done" as const);
         run.catch(() => {}); // once abandoned by a restore, its failure (StaleStepError) is expected
         const outcome = await Promise.race([run, this.#restored.promise.then(() => "restored" as const)]);
         if (outcome === "restored") {
@@ -656,7 +711,12 @@ export class TrainerRun {
         return step + 1;
       } catch (e) {
         if (this.#stopped) return step;
-        if (this.#replica && e instanceof CollectiveError && !(e instanceof CollectiveClosedError) && this.#restoreTo === null) {
+        if (
+          this.#replica &&
+          e instanceof CollectiveError &&
+          !(e instanceof CollectiveClosedError) &&
+          this.#restoreTo === null
+        ) {
           await this.#rewind(step, e);
           continue;
         }
@@ -689,7 +749,9 @@ export class TrainerRun {
       await bus.request(subjects.ckptRecover(cfg.job), req, checkpointTimeoutMs);
     } catch (e) {
       if (this.#restoreTo !== null) return; // another rank's restore came meanwhile
-      throw new Error(`${cause.message}; and the ranks cannot rewind to a snapshot: ${(e as Error).message}`, { cause });
+      throw new Error(`${cause.message}; and the ranks cannot rewind to a snapshot: ${(e as Error).message}`, {
+        cause,
+      });
     }
   }
 
@@ -708,7 +770,8 @@ export class TrainerRun {
       try {
         return await fn();
       } catch (e) {
-        if (Date.now() - started > waitMsMax || this.#stopped) throw new Error(`cannot ${what} within ${waitMsMax} ms: ${(e as Error).message}`, { cause: e });
+        if (Date.now() - started > waitMsMax || this.#stopped)
+          throw new Error(`cannot ${what} within ${waitMsMax} ms: ${(e as Error).message}`, { cause: e });
         await Bun.sleep(Math.min(100 * attempt, 2000));
       }
     }
@@ -736,7 +799,13 @@ export class TrainerRun {
     if (batch.rows > 0) {
       // no loss scaler (parameter-server mode refuses f16): the gradients are f32 and always
       // pushed. BSP with clipping: the shards clip the averaged gradient by its global norm
-      loss = lossAndGradients(this.#ctx, this.#model, microBatches(batch, cfg.accumSteps), shardsClip(cfg) ? 0 : cfg.gradClip, step).loss;
+      loss = lossAndGradients(
+        this.#ctx,
+        this.#model,
+        microBatches(batch, cfg.accumSteps),
+        shardsClip(cfg) ? 0 : cfg.gradClip,
+        step,
+      ).loss;
       backend.download(this.#model.store.grads.ptr, this.#grads);
     } else {
       this.#grads.fill(0); // this rank got no samples in the epoch's last, short step
@@ -815,7 +884,8 @@ export class TrainerRun {
     const delayMs = performance.now() - delayed;
     const r = await replica.step(step, micro, batch.rows, total, lr);
     this.#checkGeneration(step, generation);
-    if (cfg.replicaCheckEvery > 0 && ((step + 1) % cfg.replicaCheckEvery === 0 || step + 1 === this.#total)) await replica.checkReplicas(step);
+    if (cfg.replicaCheckEvery > 0 && ((step + 1) % cfg.replicaCheckEvery === 0 || step + 1 === this.#total))
+      await replica.checkReplicas(step);
     this.#replicaStep = step + 1;
     const t3 = performance.now();
     this.#hb?.stepTook(t3 - t0);
@@ -847,15 +917,24 @@ export class TrainerRun {
   async #batch(step: number): Promise<Batch> {
     const { cfg, rank, bus } = this.#o;
     const fetch = (s: number) => {
-      const req = encodeBatchRequest({ job: cfg.job, rank: this.#dataRank, split: Split.Train, credits: loaderCredits, step: s });
-      const promise = bus.request(subjects.dataNext(cfg.job), req, requestTimeoutMs).then((r) => decodeBatch(r, this.#o.payloadBytesMax));
+      const req = encodeBatchRequest({
+        job: cfg.job,
+        rank: this.#dataRank,
+        split: Split.Train,
+        credits: loaderCredits,
+        step: s,
+      });
+      const promise = bus
+        .request(subjects.dataNext(cfg.job), req, requestTimeoutMs)
+        .then((r) => decodeBatch(r, this.#o.payloadBytesMax));
       promise.catch(() => {}); // a failed look-ahead is retried as the step's own request
       return { step: s, promise };
     };
     // look-aheads for other steps are stale (a restore moved the step)
     if (this.#ahead[0]?.step !== step) this.#ahead = [];
     const ahead = this.#ahead.shift() ?? null;
-    for (let s = (this.#ahead.at(-1)?.step ?? step) + 1; this.#ahead.length < batchLookAhead && s < this.#total; s++) this.#ahead.push(fetch(s));
+    for (let s = (this.#ahead.at(-1)?.step ?? step) + 1; this.#ahead.length < batchLookAhead && s < this.#total; s++)
+      this.#ahead.push(fetch(s));
     try {
       return await (ahead ?? fetch(step)).promise;
     } catch (e) {
@@ -871,7 +950,8 @@ export class TrainerRun {
 
   /** Host buffer for pulled parameters, one per restore generation (an abandoned pull keeps writing the old one). */
   #paramsFor(generation: number): Float32Array {
-    if (this.#params.generation !== generation) this.#params = { generation, data: new Float32Array(this.#params.data.length) };
+    if (this.#params.generation !== generation)
+      this.#params = { generation, data: new Float32Array(this.#params.data.length) };
     return this.#params.data;
   }
 
@@ -887,7 +967,11 @@ export class TrainerRun {
     try {
       if (precut) replica.cut(step, payloadBytesMax);
       const tag = precut ? precutSaveTag : "schedule";
-      await bus.request(subjects.ckptSave(cfg.job), encodeJobRequest({ job: cfg.job, step, tag }), scheduledSnapshotTimeoutMs);
+      await bus.request(
+        subjects.ckptSave(cfg.job),
+        encodeJobRequest({ job: cfg.job, step, tag }),
+        scheduledSnapshotTimeoutMs,
+      );
     } catch (e) {
       failed(e);
     }
@@ -903,20 +987,34 @@ export class TrainerRun {
       backend.upload(this.#model.store.values.ptr, params);
     }
     // the validation split during training; at the end the test split, where the data set has one
-    const split = this.#plan.valSamples > 0 && (step < this.#total || this.#plan.testSamples === 0) ? Split.Val : Split.Test;
+    const split =
+      this.#plan.valSamples > 0 && (step < this.#total || this.#plan.testSamples === 0) ? Split.Val : Split.Test;
     const batches: HostBatch[] = [];
     for (let i = 0; ; i++) {
       const req = encodeBatchRequest({ job: cfg.job, rank: this.#dataRank, split, credits: 0, step: i });
-      const b = decodeBatch(await bus.request(subjects.dataNext(cfg.job), req, requestTimeoutMs), this.#o.payloadBytesMax);
+      const b = decodeBatch(
+        await bus.request(subjects.dataNext(cfg.job), req, requestTimeoutMs),
+        this.#o.payloadBytesMax,
+      );
       if (b.endOfEpoch) break;
       batches.push(toHost(b));
     }
     // ZeRO stage 3: every rank gathers the whole model for the evaluation (they all evaluate at this boundary)
     await this.#replica?.gatherAll(step);
     // a model-parallel copy evaluates through its stages together
-    const r = this.#replica instanceof ModelParallelReplica ? await this.#replica.evaluate(step, batches) : evaluate(this.#ctx, this.#model, batches);
+    const r =
+      this.#replica instanceof ModelParallelReplica
+        ? await this.#replica.evaluate(step, batches)
+        : evaluate(this.#ctx, this.#model, batches);
     await this.#replica?.releaseAll();
-    const e = { kind: EventKind.Eval, step, loss: r.loss, accuracy: r.accuracy, count: r.count, text: Split[split].toLowerCase() };
+    const e = {
+      kind: EventKind.Eval,
+      step,
+      loss: r.loss,
+      accuracy: r.accuracy,
+      count: r.count,
+      text: Split[split].toLowerCase(),
+    };
     if (step >= this.#total) this.#final = e;
     this.#publish(e);
   }

@@ -50,7 +50,11 @@ await runService<Config>({
   metadata: (c) => ({ rank: String(c.rank), host: c.host }),
   logFields: (c) => ({ rank: c.rank }),
   async start({ config, log, bus }) {
-    const { backend } = openBackend(config.device, (why, detail) => log.info({ device: config.device, detail }, why), config.rank);
+    const { backend } = openBackend(
+      config.device,
+      (why, detail) => log.info({ device: config.device, detail }, why),
+      config.rank,
+    );
     onScrape(() => metrics.deviceMemory.set({ device: backend.name }, backend.stats.liveBytes));
     const ledger = await JobLedger.open(bus.nc, bus, log);
     const trainer = new Trainer({

@@ -59,7 +59,9 @@ export interface ModelParallelOptions {
   ctx: Context;
   plan: DataPlan;
   payloadBytesMax: number;
-  transport?: Partial<Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs" | "sharedMemory">>;
+  transport?: Partial<
+    Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs" | "sharedMemory">
+  >;
   progressTimeoutMs?: number;
 }
 
@@ -98,7 +100,12 @@ export class ModelParallelReplica {
       );
     }
     this.layout = buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, 1);
-    this.#staging = new ReplicaStaging(cfg.job, this.layout, () => this.optimizer.stateSlabs().map((x) => x.name), plan.totalSteps);
+    this.#staging = new ReplicaStaging(
+      cfg.job,
+      this.layout,
+      () => this.optimizer.stateSlabs().map((x) => x.name),
+      plan.totalSteps,
+    );
     const opt = cfg.optimizer;
     let optimizer: Optimizer | null = null;
     this.#rank = modelParallelRank({
@@ -106,8 +113,18 @@ export class ModelParallelReplica {
       optimizer: (m) =>
         (optimizer =
           opt.kind === "sgd"
-            ? new Sgd(o.ctx, m.store, { momentum: opt.momentum, dampening: 0, nesterov: opt.nesterov, weightDecay: opt.weightDecay })
-            : new AdamW(o.ctx, m.store, { beta1: opt.beta1, beta2: opt.beta2, eps: opt.eps, weightDecay: opt.weightDecay })),
+            ? new Sgd(o.ctx, m.store, {
+                momentum: opt.momentum,
+                dampening: 0,
+                nesterov: opt.nesterov,
+                weightDecay: opt.weightDecay,
+              })
+            : new AdamW(o.ctx, m.store, {
+                beta1: opt.beta1,
+                beta2: opt.beta2,
+                eps: opt.eps,
+                weightDecay: opt.weightDecay,
+              })),
     });
     this.optimizer = optimizer!;
     this.#all = shareRuns(this.model, whole.entries, "all");
@@ -131,9 +148,26 @@ export class ModelParallelReplica {
     const router = new PieceRouter(ringDefaults.earlyBytesMax);
     transport.listen((p) => router.receive(p));
     this.#wire = { transport, router };
-    const options = { ...ringDefaults, ...(this.#o.progressTimeoutMs ? { progressTimeoutMs: this.#o.progressTimeoutMs } : {}) };
-    const rings = modelParallelRings("mp", this.mp, rank, (name, members) => new RingGroup(name, members, transport, router, options));
-    return { ctx, config: this.#config, seed: cfg.seed, layout: this.mp, rings, schedule: cfg.pipeSchedule, gradClip: cfg.gradClip, recompute: cfg.recompute };
+    const options = {
+      ...ringDefaults,
+      ...(this.#o.progressTimeoutMs ? { progressTimeoutMs: this.#o.progressTimeoutMs } : {}),
+    };
+    const rings = modelParallelRings(
+      "mp",
+      this.mp,
+      rank,
+      (name, members) => new RingGroup(name, members, transport, router, options),
+    );
+    return {
+      ctx,
+      config: this.#config,
+      seed: cfg.seed,
+      layout: this.mp,
+      rings,
+      schedule: cfg.pipeSchedule,
+      gradClip: cfg.gradClip,
+      recompute: cfg.recompute,
+    };
   }
 
   get model(): ModelParallelRank["model"] {
@@ -193,7 +227,13 @@ export class ModelParallelReplica {
    * One step of this rank: its share of the copy's micro-batches (`micro`: the copy's batch,
    * `rows` of the step's `total`), reduced with the other copies by their rows.
    */
-  async step(step: number, micro: readonly HostBatch[], rows: number, total: number, lr: number): Promise<ReplicaStepResult> {
+  async step(
+    step: number,
+    micro: readonly HostBatch[],
+    rows: number,
+    total: number,
+    lr: number,
+  ): Promise<ReplicaStepResult> {
     const r = await this.#rank.stage.step(step, micro, lr, total > 0 ? rows / total : 0);
     this.#peakHeld = Math.max(this.#peakHeld, r.peakHeldBytes);
     return {
@@ -220,13 +260,18 @@ export class ModelParallelReplica {
     const { differ } = await compareCopies(data, this.model.store.readValues(), this.coords.d, data.size, step);
     if (differ.length > 0) {
       const { s, t } = this.coords;
-      throw new EngineError(`the copies of stage ${s}, tensor rank ${t} diverged by step ${step}: copies ${differ.join(", ")} differ from copy 0`);
+      throw new EngineError(
+        `the copies of stage ${s}, tensor rank ${t} diverged by step ${step}: copies ${differ.join(", ")} differ from copy 0`,
+      );
     }
   }
 
   /** Cuts this rank's share (copy 0) for the snapshot of `step`; returns its number of parts. */
   cut(step: number, partBytesMax: number): number {
-    if (this.serves !== "partition") throw new BadRequestError(`trainer ${this.#o.rank} is in copy ${this.coords.d} of the model; copy 0 serves snapshots`);
+    if (this.serves !== "partition")
+      throw new BadRequestError(
+        `trainer ${this.#o.rank} is in copy ${this.coords.d} of the model; copy 0 serves snapshots`,
+      );
     const store = this.model.store;
     const values = store.readValues();
     const slabs = this.optimizer.stateSlabs();
@@ -235,13 +280,22 @@ export class ModelParallelReplica {
       this.#o.backend.download(s.allocation.ptr, v);
       return v;
     });
-    const meta: ReplicaMeta & { rank: number } = { job: this.#o.cfg.job, step, optimizerSteps: this.optimizer.stepCount, lossScale: 0, rank: this.#o.rank };
+    const meta: ReplicaMeta & { rank: number } = {
+      job: this.#o.cfg.job,
+      step,
+      optimizerSteps: this.optimizer.stepCount,
+      lossScale: 0,
+      rank: this.#o.rank,
+    };
     const ranges = this.#owned.map((r) => ({ offset: r.whole, count: r.count, packed: r.local }));
     const parts = cutPartition(
       meta,
       ranges,
       slabs.map((s) => s.name),
-      (_offset, count, packed) => ({ params: values.slice(packed, packed + count), state: states.map((v) => v.slice(packed, packed + count)) }),
+      (_offset, count, packed) => ({
+        params: values.slice(packed, packed + count),
+        state: states.map((v) => v.slice(packed, packed + count)),
+      }),
       partBytesMax,
     );
     this.#exported = { step, parts };
@@ -255,7 +309,8 @@ export class ModelParallelReplica {
   async exportPart(step: number, part: number, partBytesMax: number): Promise<ShardState> {
     if (this.#exported?.step !== step) this.cut(step, partBytesMax);
     const parts = this.#exported!.parts;
-    if (!Number.isInteger(part) || part < 0 || part >= parts.length) throw new BadRequestError(`the share has parts 0 to ${parts.length - 1}, not ${part}`);
+    if (!Number.isInteger(part) || part < 0 || part >= parts.length)
+      throw new BadRequestError(`the share has parts 0 to ${parts.length - 1}, not ${part}`);
     return parts[part]!;
   }
 

@@ -10,7 +10,15 @@
 // received (requests and replies as encoded), what the bench reports per step.
 import { packByBytes } from "../../schemas/codec.ts";
 import { Codec, type Compression, ErrorFeedback } from "../../engine/parallel/compress.ts";
-import { DType, decodePullReply, decodePushReply, encodePullRequest, encodePushRequest, f32Chunk, type PushReply } from "../../schemas/messages.ts";
+import {
+  DType,
+  decodePullReply,
+  decodePushReply,
+  encodePullRequest,
+  encodePushRequest,
+  f32Chunk,
+  type PushReply,
+} from "../../schemas/messages.ts";
 import { chunkCodec, decodeChunk, encodeChunk, pullDType, topKChunk } from "../runtime/transport/chunk-codec.ts";
 import { BadRequestError } from "../runtime/mesh/errors.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
@@ -53,16 +61,26 @@ export class PsClient {
     await Promise.all(
       this.#groups.flatMap((groups, shard) =>
         groups.map(async (ids) => {
-          const req = encodePullRequest({ job, trainer: this.trainer, step, ids: Uint32Array.from(ids), dtype: this.#pullDType });
+          const req = encodePullRequest({
+            job,
+            trainer: this.trainer,
+            step,
+            ids: Uint32Array.from(ids),
+            dtype: this.#pullDType,
+          });
           const bytes = await this.bus.request(subjects.psPull(job, shard, this.trainer), req, pullTimeoutMs);
           this.wireBytes += req.byteLength + bytes.byteLength;
           const reply = decodePullReply(bytes, this.payloadBytesMax);
-          if (reply.chunks.length !== ids.length) throw new BadRequestError(`shard ${shard} answered ${reply.chunks.length} chunks for ${ids.length}`);
+          if (reply.chunks.length !== ids.length)
+            throw new BadRequestError(`shard ${shard} answered ${reply.chunks.length} chunks for ${ids.length}`);
           for (const c of reply.chunks) {
             const info = this.layout.chunks[c.id];
-            if (!info || info.shard !== shard || c.count !== info.count) throw new BadRequestError(`shard ${shard} answered an unexpected chunk ${c.id}`);
+            if (!info || info.shard !== shard || c.count !== info.count)
+              throw new BadRequestError(`shard ${shard} answered an unexpected chunk ${c.id}`);
             if (c.dtype !== this.#pullDType)
-              throw new BadRequestError(`shard ${shard} answered chunk ${c.id} as ${DType[c.dtype]}, not ${DType[this.#pullDType]}`);
+              throw new BadRequestError(
+                `shard ${shard} answered chunk ${c.id} as ${DType[c.dtype]}, not ${DType[this.#pullDType]}`,
+              );
             if (c.dtype === DType.F32)
               outBytes.set(c.data, info.offset * 4); // bytes: one copy, whatever the payload's alignment
             else decodeChunk(c, out.subarray(info.offset, info.offset + info.count));
@@ -98,10 +116,17 @@ export class PsClient {
         }),
       ),
     );
-    return replies.reduce((a, r) => ({ accepted: a.accepted + r.accepted, duplicates: a.duplicates + r.duplicates, updates: a.updates + r.updates }), {
-      accepted: 0,
-      duplicates: 0,
-      updates: 0,
-    });
+    return replies.reduce(
+      (a, r) => ({
+        accepted: a.accepted + r.accepted,
+        duplicates: a.duplicates + r.duplicates,
+        updates: a.updates + r.updates,
+      }),
+      {
+        accepted: 0,
+        duplicates: 0,
+        updates: 0,
+      },
+    );
   }
 }

@@ -46,7 +46,9 @@ export interface ReplicaOptions {
   /** the job's steps (its plan's): a restore's replica is of one of them */
   totalSteps: number;
   /** collective transport settings over busTransportDefaults (tests shorten the timeouts) */
-  transport?: Partial<Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs" | "sharedMemory">>;
+  transport?: Partial<
+    Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs" | "sharedMemory">
+  >;
   progressTimeoutMs?: number;
 }
 
@@ -87,7 +89,12 @@ export class Replica {
       probe: probeBatch(cfg),
     });
     this.layout = buildLayout(cfg.job, model.store.slabNumel, model.store.decayRange.numel, cfg.chunkBytes, 1);
-    this.#staging = new ReplicaStaging(cfg.job, this.layout, () => this.optimizer.stateSlabs().map((x) => x.name), o.totalSteps);
+    this.#staging = new ReplicaStaging(
+      cfg.job,
+      this.layout,
+      () => this.optimizer.stateSlabs().map((x) => x.name),
+      o.totalSteps,
+    );
   }
 
   get optimizer(): Optimizer {
@@ -210,7 +217,13 @@ export class Replica {
    * One step: forward/backward over `micro` (this rank's `rows` samples), the averaged gradient
    * over all ranks (`totalRows` samples), and the update at `lr`.
    */
-  step(step: number, micro: readonly HostBatch[], rows: number, totalRows: number, lr: number): Promise<ReplicaStepResult> {
+  step(
+    step: number,
+    micro: readonly HostBatch[],
+    rows: number,
+    totalRows: number,
+    lr: number,
+  ): Promise<ReplicaStepResult> {
     return this.dp.step(step, micro, rows, totalRows, lr);
   }
 
@@ -236,7 +249,11 @@ export class Replica {
 
   /** Cuts the replica (or this rank's partition) for the snapshot of `step`: copies kept for its parts; returns their number. */
   cut(step: number, partBytesMax: number): number {
-    this.#exported = { step, parts: this.partition === null ? this.#replicaParts(step, partBytesMax) : this.#partitionParts(step, partBytesMax) };
+    this.#exported = {
+      step,
+      parts:
+        this.partition === null ? this.#replicaParts(step, partBytesMax) : this.#partitionParts(step, partBytesMax),
+    };
     return this.#exported.parts.length;
   }
 
@@ -254,7 +271,8 @@ export class Replica {
   async exportPart(step: number, part: number, partBytesMax: number): Promise<ShardState> {
     if (this.#exported?.step !== step) this.cut(step, partBytesMax);
     const parts = this.#exported!.parts;
-    if (!Number.isInteger(part) || part < 0 || part >= parts.length) throw new BadRequestError(`the replica has parts 0 to ${parts.length - 1}, not ${part}`);
+    if (!Number.isInteger(part) || part < 0 || part >= parts.length)
+      throw new BadRequestError(`the replica has parts 0 to ${parts.length - 1}, not ${part}`);
     return parts[part]!;
   }
 
@@ -263,12 +281,22 @@ export class Replica {
   }
 
   #replicaParts(step: number, partBytesMax: number): ShardState[] {
-    return cutReplica(this.#meta(step), this.layout, this.#o.model.store.readValues(), this.dp.readOptimizerState(), partBytesMax);
+    return cutReplica(
+      this.#meta(step),
+      this.layout,
+      this.#o.model.store.readValues(),
+      this.dp.readOptimizerState(),
+      partBytesMax,
+    );
   }
 
   /** ZeRO: this rank's ranges of the slab, their parameters (its own at stage 3, the replicated slab's below) and its packed state. */
   #partitionParts(step: number, partBytesMax: number): ShardState[] {
-    const ranges = this.partition!.ranges.flat().map((r) => ({ offset: r.paramOffset, count: r.numel, packed: r.stateOffset }));
+    const ranges = this.partition!.ranges.flat().map((r) => ({
+      offset: r.paramOffset,
+      count: r.numel,
+      packed: r.stateOffset,
+    }));
     return cutPartition(
       { ...this.#meta(step), rank: this.#o.rank },
       ranges,
@@ -331,10 +359,19 @@ export class ReplicaStaging {
     const g = s.generation!;
     // a part of the complete load sent again replaces its copy there
     if (this.#complete?.generation !== g && (this.#loading === null || this.#loading.generation !== g))
-      this.#loading = { step: s.step, generation: g, parts, optimizerSteps: s.optimizerSteps, lossScale: s.lossScale ?? 0, got: new Map() };
+      this.#loading = {
+        step: s.step,
+        generation: g,
+        parts,
+        optimizerSteps: s.optimizerSteps,
+        lossScale: s.lossScale ?? 0,
+        got: new Map(),
+      };
     const st = this.#complete?.generation === g ? this.#complete : this.#loading!;
     if (st.step !== s.step || st.parts !== parts)
-      throw new BadRequestError(`replica part of step ${s.step} (${parts} parts) in a load of step ${st.step} (${st.parts} parts)`);
+      throw new BadRequestError(
+        `replica part of step ${s.step} (${parts} parts) in a load of step ${st.step} (${st.parts} parts)`,
+      );
     st.got.set(s.shard, s);
     if (st === this.#loading && this.#whole(st)) {
       this.#complete = st;
@@ -360,7 +397,14 @@ export class ReplicaStaging {
   }
 
   /** The complete restore's values and state vectors (slab of `slabNumel`), and its counters; the staging empties. */
-  take(slabNumel: number): { step: number; generation: number; optimizerSteps: number; lossScale: number; values: Float32Array; states: Float32Array[] } {
+  take(slabNumel: number): {
+    step: number;
+    generation: number;
+    optimizerSteps: number;
+    lossScale: number;
+    values: Float32Array;
+    states: Float32Array[];
+  } {
     const st = this.#complete;
     if (st === null || !this.#whole(st)) throw new EngineError("no complete replica is staged");
     const values = new Float32Array(slabNumel);
@@ -373,7 +417,14 @@ export class ReplicaStaging {
       }
     }
     this.#complete = null;
-    return { step: st.step, generation: st.generation, optimizerSteps: st.optimizerSteps, lossScale: st.lossScale, values, states };
+    return {
+      step: st.step,
+      generation: st.generation,
+      optimizerSteps: st.optimizerSteps,
+      lossScale: st.lossScale,
+      values,
+      states,
+    };
   }
 }
 
@@ -392,24 +443,38 @@ interface StagedLoad {
  * layout (its length, the optimizer's state vectors `names`, finite and plausible values). BadRequestError
  * names the first problem.
  */
-export function checkReplicaPart(s: ShardState, job: string, layout: Layout, names: readonly string[], totalSteps: number): void {
+export function checkReplicaPart(
+  s: ShardState,
+  job: string,
+  layout: Layout,
+  names: readonly string[],
+  totalSteps: number,
+): void {
   const parts = s.parts ?? 0;
   if (s.job !== job) throw new BadRequestError(`a replica of job ${s.job} loaded into job ${job}`);
-  if (s.checksum !== shardStateChecksum(s)) throw new BadRequestError("a replica part whose checksum does not match its contents (changed after it was cut)");
+  if (s.checksum !== shardStateChecksum(s))
+    throw new BadRequestError("a replica part whose checksum does not match its contents (changed after it was cut)");
   if (!(parts >= 1) || s.shard >= parts) throw new BadRequestError(`replica part ${s.shard} of ${parts}`);
   if (!((s.generation ?? 0) > 0)) throw new BadRequestError("a replica load names no communicator generation");
   if (!Number.isSafeInteger(s.step) || s.step < 0 || s.step > totalSteps)
     throw new BadRequestError(`replica of step ${s.step}: job ${job} runs steps 0 to ${totalSteps}`);
-  if (!(Number.isFinite(s.lossScale ?? 0) && (s.lossScale ?? 0) >= 0)) throw new BadRequestError(`replica with loss scale ${s.lossScale}`);
+  if (!(Number.isFinite(s.lossScale ?? 0) && (s.lossScale ?? 0) >= 0))
+    throw new BadRequestError(`replica with loss scale ${s.lossScale}`);
   const want = names.join(",");
   for (const c of s.chunks) {
     const info = layout.chunks[c.id];
     if (!info) throw new BadRequestError(`replica chunk ${c.id}: the job has chunks 0 to ${layout.chunks.length - 1}`);
-    if (c.params.length !== info.count) throw new BadRequestError(`replica chunk ${c.id} has ${c.params.length} values, expected ${info.count}`);
+    if (c.params.length !== info.count)
+      throw new BadRequestError(`replica chunk ${c.id} has ${c.params.length} values, expected ${info.count}`);
     if (c.state.map((v) => v.name).join(",") !== want)
-      throw new BadRequestError(`replica chunk ${c.id} has optimizer state [${c.state.map((v) => v.name).join(",")}], this job needs [${want}]`);
+      throw new BadRequestError(
+        `replica chunk ${c.id} has optimizer state [${c.state.map((v) => v.name).join(",")}], this job needs [${want}]`,
+      );
     for (const v of [c.params, ...c.state.map((x) => x.data)]) {
-      if (v.length !== info.count) throw new BadRequestError(`replica chunk ${c.id} has a state vector of ${v.length} values, expected ${info.count}`);
+      if (v.length !== info.count)
+        throw new BadRequestError(
+          `replica chunk ${c.id} has a state vector of ${v.length} values, expected ${info.count}`,
+        );
       if (!plausibleState(v)) throw new BadRequestError(`replica chunk ${c.id} holds ${implausibleStateText}`);
     }
   }

@@ -39,7 +39,13 @@ export class Trainer {
       this.#pending.set(cfg.job, spec);
       return;
     }
-    const run = new TrainerRun({ ...this.deps, cfg, plan: planOfSpec(spec), attempt: spec.attempt ?? 0, ...(log ? { log: log.child({ job: cfg.job }) } : {}) });
+    const run = new TrainerRun({
+      ...this.deps,
+      cfg,
+      plan: planOfSpec(spec),
+      attempt: spec.attempt ?? 0,
+      ...(log ? { log: log.child({ job: cfg.job }) } : {}),
+    });
     const done = run
       .run()
       .catch(() => {

@@ -49,7 +49,10 @@ async function run(argv: string[], env: Record<string, string | undefined> = pro
 
 async function mustRun(argv: string[], env?: Record<string, string | undefined>): Promise<string> {
   const r = await run(argv, env);
-  if (r.code !== 0) throw new Error(`${argv.join(" ")} exited with ${r.code}: ${(r.err || r.out).trim().split("\n").slice(-5).join(" | ")}`);
+  if (r.code !== 0)
+    throw new Error(
+      `${argv.join(" ")} exited with ${r.code}: ${(r.err || r.out).trim().split("\n").slice(-5).join(" | ")}`,
+    );
   return r.out;
 }
 
@@ -65,11 +68,18 @@ interface Engine {
 /** A Docker daemon that answers, starting one as root where none does; a string says why not. */
 async function findEngine(): Promise<Engine | string> {
   if (Bun.which("docker") === null) return "no docker client (apt-get install docker.io docker-compose)";
-  const compose = (await run(["docker", "compose", "version"])).code === 0 ? ["docker", "compose"] : Bun.which("docker-compose") ? ["docker-compose"] : null;
-  if (compose === null) return "neither `docker compose` nor `docker-compose` is installed (apt-get install docker-compose)";
+  const compose =
+    (await run(["docker", "compose", "version"])).code === 0
+      ? ["docker", "compose"]
+      : Bun.which("docker-compose")
+        ? ["docker-compose"]
+        : null;
+  if (compose === null)
+    return "neither `docker compose` nor `docker-compose` is installed (apt-get install docker-compose)";
   if ((await run(["docker", "info"])).code === 0) return { compose, daemon: null };
   if (process.getuid?.() !== 0) return "no Docker daemon answers, and starting one needs root";
-  if (Bun.which("dockerd") === null) return "no Docker daemon answers and dockerd is not installed (apt-get install docker.io)";
+  if (Bun.which("dockerd") === null)
+    return "no Docker daemon answers and dockerd is not installed (apt-get install docker.io)";
   console.log("no Docker daemon answers: starting dockerd --iptables=false for this test");
   return startDaemon(compose);
 }
@@ -98,7 +108,9 @@ async function startDaemon(compose: string[]): Promise<Engine | string> {
 async function baseImagesMissing(): Promise<string | null> {
   if (Bun.which("debootstrap") !== null) return null;
   const tags = (await mustRun(["sh", imagesScript, "--tags"])).match(/=(\S+)/g) ?? [];
-  for (const t of tags) if ((await run(["docker", "image", "inspect", t.slice(1)])).code !== 0) return "debootstrap is missing (apt-get install debootstrap)";
+  for (const t of tags)
+    if ((await run(["docker", "image", "inspect", t.slice(1)])).code !== 0)
+      return "debootstrap is missing (apt-get install debootstrap)";
   return null;
 }
 
@@ -140,7 +152,9 @@ function extraCa(): string {
 async function inputsHash(args: readonly string[]): Promise<string> {
   const h = createHash("sha256");
   for (const a of args) h.update(a).update("\0");
-  const files = (await mustRun(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"])).split("\0").filter((f) => f !== "");
+  const files = (await mustRun(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]))
+    .split("\0")
+    .filter((f) => f !== "");
   for (const f of files.sort()) {
     const path = join(root, f);
     if (!existsSync(path) || !statSync(path).isFile()) continue; // deleted, or a submodule
@@ -163,20 +177,28 @@ async function buildImages(compose: string[], project: string): Promise<Record<s
   const t0 = performance.now();
   // the compose file's own build section (host network, build arguments); every service shares the image
   await mustRun([...compose, "-p", project, "-f", composeFile, "build", "data-loader"], { ...process.env, ...env });
-  const tags = (await mustRun(["docker", "image", "ls", imageRepo, "--format", "{{.Repository}}:{{.Tag}}"])).split("\n");
+  const tags = (await mustRun(["docker", "image", "ls", imageRepo, "--format", "{{.Repository}}:{{.Tag}}"])).split(
+    "\n",
+  );
   for (const old of tags.filter((t) => t !== "" && t !== image)) await run(["docker", "rmi", old]);
   console.log(`images: ${image} built in ${((performance.now() - t0) / 1000).toFixed(0)} s on ${vars.MT_BASE_IMAGE}`);
   return env;
 }
 
 /** `down -v`, then whatever of the project's is still there (two runs here kept their volumes). */
-async function removeProject(compose: string[], project: string, env: Record<string, string | undefined>): Promise<void> {
+async function removeProject(
+  compose: string[],
+  project: string,
+  env: Record<string, string | undefined>,
+): Promise<void> {
   const down = await run([...compose, "-p", project, "-f", composeFile, "down", "-v", "--remove-orphans"], env);
   if (down.code !== 0) console.log(`down -v exited with ${down.code}: ${lastLine(down.err)}`);
   const label = `label=com.docker.compose.project=${project}`;
   const containers = (await run(["docker", "ps", "-aq", "--filter", label])).out.split("\n").filter((c) => c !== "");
   if (containers.length > 0) await run(["docker", "rm", "-f", "-v", ...containers]);
-  const volumes = (await run(["docker", "volume", "ls", "-q", "--filter", label])).out.split("\n").filter((v) => v !== "");
+  const volumes = (await run(["docker", "volume", "ls", "-q", "--filter", label])).out
+    .split("\n")
+    .filter((v) => v !== "");
   const rm = volumes.length > 0 ? await run(["docker", "volume", "rm", ...volumes]) : null;
   if (rm !== null && rm.code !== 0) console.log(`docker volume rm ${volumes.join(" ")}: ${lastLine(rm.err)}`);
 }
@@ -190,7 +212,14 @@ function freePort(): number {
 }
 
 const jobConfig = (job: string, maxSteps: number): JobConfig =>
-  parseJobConfig({ ...jobDefaults, job, model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 }, maxSteps, warmupSteps: 5, checkpointEvery: 50 });
+  parseJobConfig({
+    ...jobDefaults,
+    job,
+    model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
+    maxSteps,
+    warmupSteps: 5,
+    checkpointEvery: 50,
+  });
 
 test.skipIf(skip("a Docker engine", missing))(
   "the compose mesh built offline: a job from this host finishes though a trainer container is killed; after down/up the finished job stays finished and a short job keeps its end snapshot",
@@ -200,7 +229,12 @@ test.skipIf(skip("a Docker engine", missing))(
     const port = freePort();
     // the mesh's NATS users (the services' seeds are mounted from here; this host connects as the client)
     const creds = makeCredentials(join(tempDir("mt-compose-creds-"), "creds"), { trainers: 2, shards: 2 });
-    const env = { ...process.env, ...(await buildImages(compose, project)), MT_NATS_PORT: String(port), MT_CREDS_DIR: creds.dir };
+    const env = {
+      ...process.env,
+      ...(await buildImages(compose, project)),
+      MT_NATS_PORT: String(port),
+      MT_CREDS_DIR: creds.dir,
+    };
     const asClient = { connectRetryMsMax: 60_000, nkeyFile: creds.seedFile(clientUser()) };
     const dc = (...args: string[]) => mustRun([...compose, "-p", project, "-f", composeFile, ...args], env);
     const url = `nats://127.0.0.1:${port}`;
@@ -240,7 +274,9 @@ test.skipIf(skip("a Docker engine", missing))(
         snapshots = (await client.checkpoints(long.job)).map((m) => m.id);
         phase("job with a trainer killed");
       }
-      expect(Number((await mustRun(["docker", "inspect", "-f", "{{.RestartCount}}", trainer])).trim())).toBeGreaterThanOrEqual(1);
+      expect(
+        Number((await mustRun(["docker", "inspect", "-f", "{{.RestartCount}}", trainer])).trim()),
+      ).toBeGreaterThanOrEqual(1);
 
       await dc("down");
       phase("down");

@@ -43,7 +43,8 @@ function fieldValue(path: string, pod: Pod): string {
 function podEnv(c: any, pod: Pod): Record<string, string> {
   const env: Record<string, string> = {};
   for (const [k, v] of containerEnv({ envFrom: c.envFrom }, objects)) env[k] = v!;
-  for (const e of c.env ?? []) env[e.name] = e.valueFrom?.fieldRef ? fieldValue(e.valueFrom.fieldRef.fieldPath, pod) : expand(e.value, env);
+  for (const e of c.env ?? [])
+    env[e.name] = e.valueFrom?.fieldRef ? fieldValue(e.valueFrom.fieldRef.fieldPath, pod) : expand(e.value, env);
   return env;
 }
 
@@ -55,7 +56,8 @@ function mountAll(o: K8sObject, c: any, creds: string, rootDir: string): void {
     mkdirSync(dir, { recursive: true });
     const volume = podTemplate(o)!.spec.volumes?.find((v: { name: string }) => v.name === m.name);
     const generator = kustomization.secretGenerator.find((g) => g.name === volume?.secret?.secretName);
-    for (const f of generator?.files ?? []) cpSync(join(creds, f.replace(/^creds\//, "")), join(dir, f.replace(/^creds\//, "")));
+    for (const f of generator?.files ?? [])
+      cpSync(join(creds, f.replace(/^creds\//, "")), join(dir, f.replace(/^creds\//, "")));
   }
 }
 
@@ -65,47 +67,90 @@ function mountAll(o: K8sObject, c: any, creds: string, rootDir: string): void {
  */
 function runInitContainers(o: K8sObject, pod: Pod, creds: string, rootDir: string): void {
   for (const c of podTemplate(o)!.spec.initContainers ?? []) {
-    if (c.command?.[0] !== "sh" || c.command[1] !== "-c") throw new Error(`this test runs only sh -c init containers, not ${c.name}'s ${c.command}`);
+    if (c.command?.[0] !== "sh" || c.command[1] !== "-c")
+      throw new Error(`this test runs only sh -c init containers, not ${c.name}'s ${c.command}`);
     mountAll(o, c, creds, rootDir);
     let script = expand(c.command[2], podEnv(c, pod));
     // one pass, the longest path first (one mount's path may begin another's)
-    const paths = (c.volumeMounts ?? []).map((m: { mountPath: string }) => m.mountPath as string).sort((x: string, y: string) => y.length - x.length);
-    script = script.replace(new RegExp(paths.map((p: string) => p.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")).join("|"), "g"), (p) => join(rootDir, p));
+    const paths = (c.volumeMounts ?? [])
+      .map((m: { mountPath: string }) => m.mountPath as string)
+      .sort((x: string, y: string) => y.length - x.length);
+    script = script.replace(
+      new RegExp(paths.map((p: string) => p.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")).join("|"), "g"),
+      (p) => join(rootDir, p),
+    );
     const run = Bun.spawnSync(["sh", "-c", script], { stdout: "pipe", stderr: "pipe" });
     if (run.exitCode !== 0) throw new Error(`init container ${c.name} of ${pod.name} failed: ${run.stderr.toString()}`);
   }
 }
 
-const replicasOf = (name: string) => objects.find((o) => o.kind === "StatefulSet" && o.metadata.name === name)!.spec.replicas as number;
+const replicasOf = (name: string) =>
+  objects.find((o) => o.kind === "StatefulSet" && o.metadata.name === name)!.spec.replicas as number;
 
 describe("deploy/k8s pods without Kubernetes", () => {
   test("every meshtrain container, started as its pod spec says (the last ordinal of each StatefulSet), is ready on its probes' paths with its own NATS user", async () => {
     const dir = tempDir("mt-k8s-pods-");
-    const creds = makeCredentials(join(dir, "creds"), { trainers: replicasOf("trainer"), shards: replicasOf("parameter-server") });
+    const creds = makeCredentials(join(dir, "creds"), {
+      trainers: replicasOf("trainer"),
+      shards: replicasOf("parameter-server"),
+    });
     await using nats = await startNatsServer({ authorization: creds.authorization });
-    const started: { where: string; probes: string[]; port: number; proc: ReturnType<typeof spawnService>; ordinal: number }[] = [];
+    const started: {
+      where: string;
+      probes: string[];
+      port: number;
+      proc: ReturnType<typeof spawnService>;
+      ordinal: number;
+    }[] = [];
     try {
       for (const o of objects.filter((x) => podTemplate(x) !== null)) {
         const ordinal = o.kind === "StatefulSet" ? o.spec.replicas - 1 : 0;
-        const pod = { name: o.kind === "StatefulSet" ? `${o.metadata.name}-${ordinal}` : `${o.metadata.name}-7d9f8-x2x4q`, ordinal, node: "node-a" };
-        if (String(podTemplate(o)!.spec.containers[0]?.command?.[1]).startsWith("services/")) runInitContainers(o, pod, creds.dir, join(dir, pod.name));
+        const pod = {
+          name: o.kind === "StatefulSet" ? `${o.metadata.name}-${ordinal}` : `${o.metadata.name}-7d9f8-x2x4q`,
+          ordinal,
+          node: "node-a",
+        };
+        if (String(podTemplate(o)!.spec.containers[0]?.command?.[1]).startsWith("services/"))
+          runInitContainers(o, pod, creds.dir, join(dir, pod.name));
         for (const c of podTemplate(o)!.spec.containers) {
           if (!String(c.command?.[1]).startsWith("services/")) continue; // NATS's own pods: the config test covers them
           const rootDir = join(dir, pod.name);
           mountAll(o, c, creds.dir, rootDir);
           const env = podEnv(c, pod);
           for (const [k, v] of Object.entries(env))
-            if (c.volumeMounts?.some((m: { mountPath: string }) => v.startsWith(m.mountPath))) env[k] = join(rootDir, v);
+            if (c.volumeMounts?.some((m: { mountPath: string }) => v.startsWith(m.mountPath)))
+              env[k] = join(rootDir, v);
           const port = await freePort();
-          Object.assign(env, { MT_NATS_URL: nats.url, MT_KV_REPLICAS: "1", MT_METRICS_PORT: String(port), MT_METRICS_HOST: "127.0.0.1", MT_LOG_LEVEL: "info" });
+          Object.assign(env, {
+            MT_NATS_URL: nats.url,
+            MT_KV_REPLICAS: "1",
+            MT_METRICS_PORT: String(port),
+            MT_METRICS_HOST: "127.0.0.1",
+            MT_LOG_LEVEL: "info",
+          });
           const probes = ["startupProbe", "livenessProbe", "readinessProbe"].map((p) => c[p].httpGet.path as string);
-          started.push({ where: pod.name, probes, port, ordinal, proc: spawnService(c.command[1], c.command.slice(2), env) });
+          started.push({
+            where: pod.name,
+            probes,
+            port,
+            ordinal,
+            proc: spawnService(c.command[1], c.command.slice(2), env),
+          });
         }
       }
-      expect(started.map((s) => s.where).sort()).toEqual(["checkpoint-0", "data-loader-7d9f8-x2x4q", "parameter-server-1", "trainer-1"]);
+      expect(started.map((s) => s.where).sort()).toEqual([
+        "checkpoint-0",
+        "data-loader-7d9f8-x2x4q",
+        "parameter-server-1",
+        "trainer-1",
+      ]);
       for (const s of started) {
         for (const path of s.probes) {
-          await waitFor(`${s.where} to answer 200 on ${path}`, async () => (await fetch(`http://127.0.0.1:${s.port}${path}`)).status === 200, 60_000);
+          await waitFor(
+            `${s.where} to answer 200 on ${path}`,
+            async () => (await fetch(`http://127.0.0.1:${s.port}${path}`)).status === 200,
+            60_000,
+          );
         }
         expect(s.proc.proc.exitCode).toBeNull();
       }

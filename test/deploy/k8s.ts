@@ -70,12 +70,25 @@ export function unknownFields(objs: readonly K8sObject[], workDir: string, repoR
     `export const o${i}: T${i} = ${JSON.stringify(o)};`,
   ]);
   writeFileSync(join(workDir, "objects.ts"), `${lines.join("\n")}\n`);
-  const options = { strict: true, noEmit: true, skipLibCheck: true, module: "Preserve", moduleResolution: "bundler", target: "ESNext", types: [] };
+  const options = {
+    strict: true,
+    noEmit: true,
+    skipLibCheck: true,
+    module: "Preserve",
+    moduleResolution: "bundler",
+    target: "ESNext",
+    types: [],
+  };
   writeFileSync(join(workDir, "tsconfig.json"), JSON.stringify({ compilerOptions: options, files: ["objects.ts"] }));
-  const tsc = Bun.spawnSync([join(repoRoot, "node_modules", ".bin", "tsc"), "-p", workDir], { stdout: "pipe", stderr: "pipe" });
+  const tsc = Bun.spawnSync([join(repoRoot, "node_modules", ".bin", "tsc"), "-p", workDir], {
+    stdout: "pipe",
+    stderr: "pipe",
+  });
   const out = `${tsc.stdout.toString()}${tsc.stderr.toString()}`.trim();
   if (tsc.exitCode === 0) return [];
-  return out === "" ? [`tsc exited ${tsc.exitCode}`] : out.split("\n").map((l) => l.replace(/^objects\.ts\(\d+,\d+\): /, ""));
+  return out === ""
+    ? [`tsc exited ${tsc.exitCode}`]
+    : out.split("\n").map((l) => l.replace(/^objects\.ts\(\d+,\d+\): /, ""));
 }
 
 // any: pod specs are plain parsed YAML here
@@ -88,9 +101,12 @@ export function podTemplate(o: K8sObject): { labels: Record<string, string>; spe
 }
 
 const matches = (selector: Record<string, string> | undefined, labels: Record<string, string>) =>
-  selector !== undefined && Object.keys(selector).length > 0 && Object.entries(selector).every(([k, v]) => labels[k] === v);
+  selector !== undefined &&
+  Object.keys(selector).length > 0 &&
+  Object.entries(selector).every(([k, v]) => labels[k] === v);
 
-const named = (objs: readonly K8sObject[], kind: string, name: string) => objs.find((o) => o.kind === kind && o.metadata.name === name);
+const named = (objs: readonly K8sObject[], kind: string, name: string) =>
+  objs.find((o) => o.kind === kind && o.metadata.name === name);
 
 /** Selectors: each workload's matches its own pods; each Service's and PodDisruptionBudget's some workload's. */
 export function selectorProblems(objs: readonly K8sObject[]): string[] {
@@ -101,7 +117,12 @@ export function selectorProblems(objs: readonly K8sObject[]): string[] {
       problems.push(`${p.owner.kind}/${p.owner.metadata.name}: selector does not match its pod labels`);
   }
   for (const o of objs) {
-    const selector = o.kind === "Service" ? o.spec?.selector : o.kind === "PodDisruptionBudget" ? o.spec?.selector?.matchLabels : undefined;
+    const selector =
+      o.kind === "Service"
+        ? o.spec?.selector
+        : o.kind === "PodDisruptionBudget"
+          ? o.spec?.selector?.matchLabels
+          : undefined;
     if (selector === undefined) continue;
     const target = pods.filter((p) => matches(selector, p.labels));
     if (target.length === 0) problems.push(`${o.kind}/${o.metadata.name}: selector matches no pods`);
@@ -125,7 +146,9 @@ export function selectorProblems(objs: readonly K8sObject[]): string[] {
 
 /** A Service's named target ports are ports of the pods it selects. */
 function servicePortProblems(svc: K8sObject, podSpecs: Any[]): string[] {
-  const portNames = new Set(podSpecs.flatMap((s) => (s.containers ?? []).flatMap((c: Any) => (c.ports ?? []).map((p: Any) => p.name))));
+  const portNames = new Set(
+    podSpecs.flatMap((s) => (s.containers ?? []).flatMap((c: Any) => (c.ports ?? []).map((p: Any) => p.name))),
+  );
   return (svc.spec?.ports ?? [])
     .filter((p: Any) => typeof p.targetPort === "string" && !portNames.has(p.targetPort))
     .map((p: Any) => `Service/${svc.metadata.name}: targetPort ${p.targetPort} is no port of its pods`);
@@ -146,26 +169,33 @@ export function podProblems(objs: readonly K8sObject[], secrets: ReadonlyMap<str
     const volumes = new Set<string>([...(o.spec?.volumeClaimTemplates ?? []).map((v: Any) => v.metadata.name)]);
     for (const v of pod.spec.volumes ?? []) {
       volumes.add(v.name);
-      if (v.configMap && !named(objs, "ConfigMap", v.configMap.name)) problems.push(`${where}: volume ${v.name}: no ConfigMap ${v.configMap.name}`);
-      if (v.secret && !secrets.has(v.secret.secretName)) problems.push(`${where}: volume ${v.name}: no Secret ${v.secret.secretName}`);
+      if (v.configMap && !named(objs, "ConfigMap", v.configMap.name))
+        problems.push(`${where}: volume ${v.name}: no ConfigMap ${v.configMap.name}`);
+      if (v.secret && !secrets.has(v.secret.secretName))
+        problems.push(`${where}: volume ${v.name}: no Secret ${v.secret.secretName}`);
     }
     for (const c of [...(pod.spec.initContainers ?? []), ...(pod.spec.containers ?? [])]) {
       problems.push(...containerProblems(`${where} container ${c.name}`, c, objs, volumes));
     }
     const promPort = o.spec?.template?.metadata?.annotations?.["prometheus.io/port"];
-    const ports = (pod.spec.containers ?? []).flatMap((c: Any) => (c.ports ?? []).map((p: Any) => String(p.containerPort)));
-    if (promPort !== undefined && !ports.includes(promPort)) problems.push(`${where}: prometheus.io/port ${promPort} is no container port`);
+    const ports = (pod.spec.containers ?? []).flatMap((c: Any) =>
+      (c.ports ?? []).map((p: Any) => String(p.containerPort)),
+    );
+    if (promPort !== undefined && !ports.includes(promPort))
+      problems.push(`${where}: prometheus.io/port ${promPort} is no container port`);
   }
   return problems;
 }
 
 function containerProblems(where: string, c: Any, objs: readonly K8sObject[], volumes: ReadonlySet<string>): string[] {
   const problems: string[] = [];
-  for (const m of c.volumeMounts ?? []) if (!volumes.has(m.name)) problems.push(`${where}: mounts ${m.name}, which is no volume`);
+  for (const m of c.volumeMounts ?? [])
+    if (!volumes.has(m.name)) problems.push(`${where}: mounts ${m.name}, which is no volume`);
   const defined = new Set<string>();
   for (const e of c.envFrom ?? []) {
     const cm = e.configMapRef ? named(objs, "ConfigMap", e.configMapRef.name) : undefined;
-    if (e.configMapRef && cm === undefined) problems.push(`${where}: envFrom names no ConfigMap ${e.configMapRef.name}`);
+    if (e.configMapRef && cm === undefined)
+      problems.push(`${where}: envFrom names no ConfigMap ${e.configMapRef.name}`);
     for (const k of Object.keys(cm?.data ?? {})) defined.add(k);
   }
   for (const e of c.env ?? []) {
@@ -177,13 +207,15 @@ function containerProblems(where: string, c: Any, objs: readonly K8sObject[], vo
   // the kubelet expands $(VAR) in the command and its arguments too
   for (const arg of [...(c.command ?? []), ...(c.args ?? [])]) {
     for (const [, ref] of String(arg).matchAll(/\$\(([A-Za-z_][A-Za-z0-9_]*)\)/g)) {
-      if (!defined.has(ref!)) problems.push(`${where}: its command refers to $(${ref}), which its environment does not define`);
+      if (!defined.has(ref!))
+        problems.push(`${where}: its command refers to $(${ref}), which its environment does not define`);
     }
   }
   const portNames = new Set((c.ports ?? []).map((p: Any) => p.name));
   for (const kind of ["startupProbe", "livenessProbe", "readinessProbe"]) {
     const port = c[kind]?.httpGet?.port;
-    if (typeof port === "string" && !portNames.has(port)) problems.push(`${where}: ${kind} probes port ${port}, which it does not have`);
+    if (typeof port === "string" && !portNames.has(port))
+      problems.push(`${where}: ${kind} probes port ${port}, which it does not have`);
   }
   return problems;
 }
@@ -199,4 +231,5 @@ export function containerEnv(c: Any, objs: readonly K8sObject[]): Map<string, st
 }
 
 /** `text` with each $(NAME) replaced by vars' NAME. */
-export const expand = (text: string, vars: Record<string, string>) => text.replace(/\$\(([A-Za-z_][A-Za-z0-9_]*)\)/g, (all, n: string) => vars[n] ?? all);
+export const expand = (text: string, vars: Record<string, string>) =>
+  text.replace(/\$\(([A-Za-z_][A-Za-z0-9_]*)\)/g, (all, n: string) => vars[n] ?? all);

@@ -21,16 +21,22 @@ const dir = join(import.meta.dir, "..", "..", "deploy", "nats-cluster");
 const names = ["nats-0", "nats-1", "nats-2"];
 
 describe("deploy/nats-cluster", () => {
-  test.each(names)("%s.conf is valid to nats-server -t (with the users `meshtrain creds` writes) and names its server", (name) => {
-    // the configs as the compose overlay mounts them: next to the users' auth.conf
-    const mounted = tempDir("mt-nats-cluster-conf-");
-    for (const f of [`${name}.conf`, "cluster.conf"]) copyFileSync(join(dir, f), join(mounted, f));
-    copyFileSync(join(makeCredentials(join(mounted, "creds"), { trainers: 2, shards: 2 }).dir, "auth.conf"), join(mounted, "auth.conf"));
-    const file = join(mounted, `${name}.conf`);
-    const check = Bun.spawnSync([natsServerBinary(), "-c", file, "-t"], { stdout: "pipe", stderr: "pipe" });
-    expect(check.exitCode, `${check.stdout}${check.stderr}`).toBe(0);
-    expect(readFileSync(file, "utf8")).toMatch(new RegExp(`^server_name: ${name}$`, "m"));
-  });
+  test.each(names)(
+    "%s.conf is valid to nats-server -t (with the users `meshtrain creds` writes) and names its server",
+    (name) => {
+      // the configs as the compose overlay mounts them: next to the users' auth.conf
+      const mounted = tempDir("mt-nats-cluster-conf-");
+      for (const f of [`${name}.conf`, "cluster.conf"]) copyFileSync(join(dir, f), join(mounted, f));
+      copyFileSync(
+        join(makeCredentials(join(mounted, "creds"), { trainers: 2, shards: 2 }).dir, "auth.conf"),
+        join(mounted, "auth.conf"),
+      );
+      const file = join(mounted, `${name}.conf`);
+      const check = Bun.spawnSync([natsServerBinary(), "-c", file, "-t"], { stdout: "pipe", stderr: "pipe" });
+      expect(check.exitCode, `${check.stdout}${check.stderr}`).toBe(0);
+      expect(readFileSync(file, "utf8")).toMatch(new RegExp(`^server_name: ${name}$`, "m"));
+    },
+  );
 
   test("the shared config routes to every member, and keeps JetStream", () => {
     const text = readFileSync(join(dir, "cluster.conf"), "utf8");
@@ -60,7 +66,11 @@ describe("deploy/nats-cluster", () => {
   });
 
   test("a list of URLs: comma-separated, spaces around them ignored; a service refuses one that is not a NATS URL", () => {
-    expect(natsServers("nats://a:4222, nats://b:4222,nats://c:4222")).toEqual(["nats://a:4222", "nats://b:4222", "nats://c:4222"]);
+    expect(natsServers("nats://a:4222, nats://b:4222,nats://c:4222")).toEqual([
+      "nats://a:4222",
+      "nats://b:4222",
+      "nats://c:4222",
+    ]);
     expect(baseConfigSchema.shape.natsUrl.safeParse("nats://a:4222,http://b:4222").success).toBe(false);
     expect(baseConfigSchema.shape.natsUrl.safeParse("nats://a:4222,").success).toBe(false);
   });

@@ -31,7 +31,10 @@ const config = (over: Partial<JobConfig>): JobConfig =>
     ...over,
   });
 
-const startMesh = (prefix: string, o: { onEvent?: (line: string) => void; trainers?: number; trainerHosts?: string[] } = {}) => {
+const startMesh = (
+  prefix: string,
+  o: { onEvent?: (line: string) => void; trainers?: number; trainerHosts?: string[] } = {},
+) => {
   const dir = tempDir(prefix);
   return LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 2, shards: 0, ...o });
 };
@@ -40,7 +43,14 @@ describe("all-reduce mode on the mesh", () => {
   test("a short run with no parameter-server shard learns; the step split shows the all-reduce; its final snapshot of the replica is exported", async () => {
     await using mesh = await startMesh("mt-ar-");
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "default.ar", checkpointEvery: 100, gradClip: 5, accumSteps: 2, scaleLr: true, lr: 0.05 });
+    const cfg = config({
+      job: "default.ar",
+      checkpointEvery: 100,
+      gradClip: 5,
+      accumSteps: 2,
+      scaleLr: true,
+      lr: 0.05,
+    });
     const total = planHere(cfg).totalSteps;
     const seen: Event[] = [];
     await client.submit(cfg, { membersWaitMs: 60_000 });
@@ -52,7 +62,9 @@ describe("all-reduce mode on the mesh", () => {
     for (const rank of [0, 1]) expect(steps[rank]).toEqual(Array.from({ length: total }, (_, i) => i));
     const stepEvents = seen.filter((e) => e.kind === EventKind.Step);
     expect(stepEvents.every((e) => e.pullMs === 0 && e.pushMs === 0)).toBe(true);
-    expect(stepEvents.filter((e) => !(e.commMs > 0 && e.exposedCommMs >= 0 && e.exposedCommMs <= e.commMs))).toEqual([]);
+    expect(stepEvents.filter((e) => !(e.commMs > 0 && e.exposedCommMs >= 0 && e.exposedCommMs <= e.commMs))).toEqual(
+      [],
+    );
     // --scale-lr: the schedule peaks at lr x 2 trainers
     expect(Math.max(...stepEvents.map((e) => e.lr))).toBeCloseTo(0.1, 6);
     expect(seen.some((e) => e.kind === EventKind.Failed)).toBe(false);
@@ -67,7 +79,13 @@ describe("all-reduce mode on the mesh", () => {
   test("4 ranks labelled as 2 hosts x 2: the all-reduce is hierarchical, the replicas stay identical, the job learns", async () => {
     await using mesh = await startMesh("mt-ar-hosts-", { trainers: 4, trainerHosts: ["a", "a", "b", "b"] });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "default.ar-hosts", trainers: 4, maxSteps: 60, replicaCheckEvery: 20, checkpointEvery: 0 });
+    const cfg = config({
+      job: "default.ar-hosts",
+      trainers: 4,
+      maxSteps: 60,
+      replicaCheckEvery: 20,
+      checkpointEvery: 0,
+    });
     const seen: Event[] = [];
     await client.submit(cfg, { membersWaitMs: 60_000 });
     const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
@@ -87,7 +105,14 @@ describe("all-reduce mode on the mesh", () => {
     await using mesh = await startMesh("mt-ar-zero-");
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const adamw = { kind: "adamw" as const, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
-    const cfg = config({ job: "default.ar-zero", zero: 2, maxSteps: 100, checkpointEvery: 20, optimizer: adamw, lr: 2e-3 });
+    const cfg = config({
+      job: "default.ar-zero",
+      zero: 2,
+      maxSteps: 100,
+      checkpointEvery: 20,
+      optimizer: adamw,
+      lr: 2e-3,
+    });
     await client.submit(cfg, { membersWaitMs: 60_000 });
     let cancelled: Promise<unknown> | null = null;
     let status: Promise<JobStatus> | null = null;
@@ -111,7 +136,9 @@ describe("all-reduce mode on the mesh", () => {
       expect(t.arenaPeakBytes).toBeGreaterThan(0);
       expect(t.wireBytes).toBeGreaterThan(0);
     }
-    expect(statusLines(st).join("\n")).toMatch(/trainer 1  step \d+; ZeRO stage 2 of 2 ranks: 10\.0\d bytes per parameter/);
+    expect(statusLines(st).join("\n")).toMatch(
+      /trainer 1  step \d+; ZeRO stage 2 of 2 ranks: 10\.0\d bytes per parameter/,
+    );
     for (const rank of [0, 1]) {
       const log = readFileSync(join(mesh.opts.logDir, `trainer-${rank}.log`), "utf8");
       // AdamW in f32 on 2 ranks at stage 2: 4 + 12/2 = 10 bytes per parameter
@@ -189,10 +216,13 @@ describe("all-reduce mode on the mesh", () => {
       const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
       expect(r.record.state).toBe(JobState.Done);
       expect(seen.filter((e) => e.kind === EventKind.Restore).map((e) => e.step)).toEqual([newest]);
-      expect(new Set(seen.filter((e) => e.kind === EventKind.Step).map((e) => e.rank))).toEqual(new Set(Array.from({ length: trainers }, (_, i) => i)));
+      expect(new Set(seen.filter((e) => e.kind === EventKind.Step).map((e) => e.rank))).toEqual(
+        new Set(Array.from({ length: trainers }, (_, i) => i)),
+      );
       const loss = globalLoss(seen);
       let worst = 0;
-      for (let s = newest; s < 60; s++) worst = Math.max(worst, Math.abs(loss.get(s)! - refLoss.get(s)!) / refLoss.get(s)!);
+      for (let s = newest; s < 60; s++)
+        worst = Math.max(worst, Math.abs(loss.get(s)! - refLoss.get(s)!) / refLoss.get(s)!);
       expect(worst).toBeLessThan(2e-4);
     }
   }, 300_000);

@@ -18,7 +18,12 @@ import {
   Split,
 } from "../../schemas/messages.ts";
 import { JobRequest as JobRequestT } from "../../schemas/wire.ts";
-import { BadRequestError, CorruptDataError, NotReadyError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
+import {
+  BadRequestError,
+  CorruptDataError,
+  NotReadyError,
+  UnknownJobError,
+} from "../../services/runtime/mesh/errors.ts";
 import { jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
@@ -41,10 +46,21 @@ beforeAll(async () => {
     env: { MT_PAYLOAD_BYTES_MAX: String(payloadBytesMax) },
   });
   client = await MeshClient.connect(mesh.url, mesh.auth());
-  await waitFor("the checkpoint service", async () => (await client.checkpoints(job).catch((e: unknown) => e)) instanceof UnknownJobError);
-  await client.submit(parseJobConfig({ ...jobDefaults, job, model: { kind: "mlp", widths: [784, 32, 10], dropout: 0 }, chunkBytes: 16 << 10 }), {
-    checkMembers: false,
-  });
+  await waitFor(
+    "the checkpoint service",
+    async () => (await client.checkpoints(job).catch((e: unknown) => e)) instanceof UnknownJobError,
+  );
+  await client.submit(
+    parseJobConfig({
+      ...jobDefaults,
+      job,
+      model: { kind: "mlp", widths: [784, 32, 10], dropout: 0 },
+      chunkBytes: 16 << 10,
+    }),
+    {
+      checkMembers: false,
+    },
+  );
   await waitFor("the loader and checkpoint service to open the job", async () => {
     await client.bus.request(subjects.ckptList(job), encodeJobRequest({ job, step: 0, tag: "" }), 1000);
     await client.bus.request(`mt.${job}.data.stats`, encodeJobRequest({ job, step: 0, tag: "" }), 1000);
@@ -68,7 +84,8 @@ const garbage = crypto.getRandomValues(new Uint8Array(512));
 const huge = new Uint8Array(payloadBytesMax + 1000);
 huge.set(encodeJobRequest({ job, step: 0, tag: "" }));
 const jr = (j = job) => encodeJobRequest({ job: j, step: 0, tag: "" });
-const br = (over: object = {}) => encodeBatchRequest({ job, rank: 0, split: Split.Train, credits: 2, step: 0, ...over });
+const br = (over: object = {}) =>
+  encodeBatchRequest({ job, rank: 0, split: Split.Train, credits: 2, step: 0, ...over });
 
 type Cls = abstract new (...a: never[]) => Error;
 const next = subjects.dataNext(job),
@@ -79,7 +96,13 @@ const save = subjects.ckptSave(job),
 const cases: [string, string, Uint8Array, Cls, string][] = [
   ["data.next: truncated", next, br().subarray(0, 6), WireFormatError, "shorter"],
   ["data.next: garbage", next, garbage, WireFormatError, "identifier"],
-  ["data.next: wrong file_identifier", next, encodePullRequest({ job, trainer: 0, step: 0, ids: new Uint32Array(1) }), WireFormatError, "MTBQ"],
+  [
+    "data.next: wrong file_identifier",
+    next,
+    encodePullRequest({ job, trainer: 0, step: 0, ids: new Uint32Array(1) }),
+    WireFormatError,
+    "MTBQ",
+  ],
   ["data.next: oversized", next, huge, WireFormatError, "exceeds the limit"],
   ["data.next: rank outside the job", next, br({ rank: 9 }), BadRequestError, "rank 9"],
   ["data.next: no validation split", next, br({ split: Split.Val }), BadRequestError, "validation"],
@@ -95,12 +118,36 @@ const cases: [string, string, Uint8Array, Cls, string][] = [
   ["ckpt.save: garbage", save, garbage, WireFormatError, ""],
   ["ckpt.save: wrong version", save, wrongVersion, WireFormatError, "schema version"],
   ["ckpt.save: unknown job", subjects.ckptSave("default.ghost"), jr("default.ghost"), UnknownJobError, "ghost"],
-  ["ckpt.save: a step past the job's end", save, encodeJobRequest({ job, step: 2 ** 53 - 1, tag: "" }), BadRequestError, "runs steps 0 to"],
-  ["ckpt.save: a step the state is not at (BSP)", save, encodeJobRequest({ job, step: 3, tag: "" }), BadRequestError, "the state is at step 0"],
-  ["ckpt.restore: a 100 KB tag", restore, encodeJobRequest({ job, step: 0, tag: "x".repeat(100_000) }), WireFormatError, "tag of 100000 characters"],
+  [
+    "ckpt.save: a step past the job's end",
+    save,
+    encodeJobRequest({ job, step: 2 ** 53 - 1, tag: "" }),
+    BadRequestError,
+    "runs steps 0 to",
+  ],
+  [
+    "ckpt.save: a step the state is not at (BSP)",
+    save,
+    encodeJobRequest({ job, step: 3, tag: "" }),
+    BadRequestError,
+    "the state is at step 0",
+  ],
+  [
+    "ckpt.restore: a 100 KB tag",
+    restore,
+    encodeJobRequest({ job, step: 0, tag: "x".repeat(100_000) }),
+    WireFormatError,
+    "tag of 100000 characters",
+  ],
   ["ckpt.list: truncated", list, jr().subarray(0, 9), WireFormatError, ""],
   ["ckpt.list: oversized", list, huge, WireFormatError, "exceeds"],
-  ["ckpt.restore: a snapshot that does not exist", restore, encodeJobRequest({ job, step: 0, tag: "step-000000777" }), NotReadyError, "step-000000777"],
+  [
+    "ckpt.restore: a snapshot that does not exist",
+    restore,
+    encodeJobRequest({ job, step: 0, tag: "step-000000777" }),
+    NotReadyError,
+    "step-000000777",
+  ],
   ["ckpt.restore: wrong file_identifier", restore, br(), WireFormatError, "MTJR"],
   [
     "ckpt.recover: a service's ask naming a snapshot (rewinding is an operator's restore)",
@@ -132,17 +179,26 @@ describe("bad input on every loader and checkpoint subject gets an error reply; 
   });
 
   test("after all that, a save and a restore of the job work", async () => {
-    const m = decodeManifest(await client.bus.request(save, encodeJobRequest({ job, step: 0, tag: "test" }), 30_000), 1 << 20);
+    const m = decodeManifest(
+      await client.bus.request(save, encodeJobRequest({ job, step: 0, tag: "test" }), 30_000),
+      1 << 20,
+    );
     expect(m.files.map((f) => f.name)).toEqual(["ps-0-0.mtss", "ps-1-0.mtss"]);
     // a step's snapshot is written once: saving it again answers with the one there
-    const again = decodeManifest(await client.bus.request(save, encodeJobRequest({ job, step: 0, tag: "again" }), 30_000), 1 << 20);
+    const again = decodeManifest(
+      await client.bus.request(save, encodeJobRequest({ job, step: 0, tag: "again" }), 30_000),
+      1 << 20,
+    );
     expect([again.id, again.createdMs]).toEqual([m.id, m.createdMs]);
     const r = decodeManifest(await client.bus.request(restore, jr(), 30_000), 1 << 20);
     expect(r.id).toBe(m.id);
   });
 
   test("a flipped byte in a snapshot file is detected on restore and reported; the service keeps serving", async () => {
-    const m = decodeManifest(await client.bus.request(save, encodeJobRequest({ job, step: 0, tag: "test" }), 30_000), 1 << 20);
+    const m = decodeManifest(
+      await client.bus.request(save, encodeJobRequest({ job, step: 0, tag: "test" }), 30_000),
+      1 << 20,
+    );
     const path = join(dir, "checkpoints", job, m.id, "ps-1-0.mtss");
     const bytes = readFileSync(path);
     bytes[Math.floor(bytes.length / 2)]! ^= 0x10;
@@ -164,6 +220,8 @@ describe("bad input on every loader and checkpoint subject gets an error reply; 
     expect(reports[0]).toContain(`${m.id}: ps-1-0.mtss fails its checksum`);
     await events.return?.();
     await collect;
-    expect(decodeCheckpointList(await client.bus.request(list, jr(), 10_000), 1 << 20).items.map((x) => x.id)).toEqual([m.id]);
+    expect(decodeCheckpointList(await client.bus.request(list, jr(), 10_000), 1 << 20).items.map((x) => x.id)).toEqual([
+      m.id,
+    ]);
   });
 });

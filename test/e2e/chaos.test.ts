@@ -11,7 +11,13 @@ import { Rng } from "../../engine/rng.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { JobData } from "../../services/data-loader/loader.ts";
-import { defaultOwner, type JobConfig, jobDefaults, parseJobConfig, qualifyJob } from "../../services/runtime/job/job.ts";
+import {
+  defaultOwner,
+  type JobConfig,
+  jobDefaults,
+  parseJobConfig,
+  qualifyJob,
+} from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";
@@ -21,7 +27,15 @@ import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 afterAll(removeTempDirs);
 
 const seed = Number(process.env.MT_CHAOS_SEED ?? 1123);
-const targets = ["trainer-0", "trainer-1", "parameter-server-0", "parameter-server-1", "data-loader", "checkpoint", "nats-server"] as const;
+const targets = [
+  "trainer-0",
+  "trainer-1",
+  "parameter-server-0",
+  "parameter-server-1",
+  "data-loader",
+  "checkpoint",
+  "nats-server",
+] as const;
 
 interface Fault {
   target: (typeof targets)[number];
@@ -40,14 +54,19 @@ function schedule(rng: Rng, totalSteps: number): Fault[] {
   }
   const close = new Set<number>();
   while (close.size < 4) close.add(1 + rng.int(picks.length - 1));
-  const steps = Array.from({ length: picks.length }, () => 20 + rng.int(Math.floor(totalSteps * 0.75))).sort((a, b) => a - b);
-  return picks.map((target, i) => (close.has(i) ? { target, afterMs: 300 + rng.int(1500) } : { target, atStep: steps[i]! }));
+  const steps = Array.from({ length: picks.length }, () => 20 + rng.int(Math.floor(totalSteps * 0.75))).sort(
+    (a, b) => a - b,
+  );
+  return picks.map((target, i) =>
+    close.has(i) ? { target, afterMs: 300 + rng.int(1500) } : { target, atStep: steps[i]! },
+  );
 }
 
 /** At most 50 steps/s: the 703-step job lasts 14 s or more, where a chain of faults takes under 8 s. */
 const stepDelayMs = 20;
 
-const describeFault = (f: Fault) => `${f.target} ${f.atStep !== undefined ? `at step ${f.atStep}` : `${f.afterMs} ms after the one before`}`;
+const describeFault = (f: Fault) =>
+  `${f.target} ${f.atStep !== undefined ? `at step ${f.atStep}` : `${f.afterMs} ms after the one before`}`;
 
 test("twelve SIGKILLs of every kind of process, some within 2 s of each other: the job finishes within 0.3% of the fault-free accuracy, every step applied once, every sample once per epoch", async () => {
   const dir = tempDir("mt-chaos-all-");
@@ -112,7 +131,8 @@ test("twelve SIGKILLs of every kind of process, some within 2 s of each other: t
     onEvent: (e) => {
       seen.push(e);
       const f = faults[next];
-      if (timer === null && f?.atStep !== undefined && e.kind === EventKind.Step && e.rank === 0 && e.step >= f.atStep) void fire();
+      if (timer === null && f?.atStep !== undefined && e.kind === EventKind.Step && e.rank === 0 && e.step >= f.atStep)
+        void fire();
     },
   });
   if (timer !== null) clearTimeout(timer);
@@ -132,7 +152,8 @@ test("twelve SIGKILLs of every kind of process, some within 2 s of each other: t
   for (let epoch = 0; epoch < cfg.epochs; epoch++) {
     const ids: number[] = [];
     const end = data.steps.epochStarts[epoch + 1] ?? data.totalSteps;
-    for (let s = data.steps.epochStarts[epoch]!; s < end; s++) for (const rank of [0, 1]) ids.push(...data.trainIds(rank, s));
+    for (let s = data.steps.epochStarts[epoch]!; s < end; s++)
+      for (const rank of [0, 1]) ids.push(...data.trainIds(rank, s));
     expect(ids.sort((a, b) => a - b)).toEqual([...data.train]);
   }
 }, 900_000);

@@ -18,13 +18,19 @@ import { skip } from "../helpers/skip.ts";
 
 afterAll(removeTempDirs);
 
-const chromiumPath = ["/usr/bin/chromium", "/usr/bin/chromium-browser"].find((p) => existsSync(p)) ?? Bun.which("chromium");
-const noChromium = chromiumPath ? null : "no chromium here (apt-get install chromium; node scripts/bootstrap.mjs installs it when run as root)";
+const chromiumPath =
+  ["/usr/bin/chromium", "/usr/bin/chromium-browser"].find((p) => existsSync(p)) ?? Bun.which("chromium");
+const noChromium = chromiumPath
+  ? null
+  : "no chromium here (apt-get install chromium; node scripts/bootstrap.mjs installs it when run as root)";
 const cli = join(root, "sdk", "cli.ts");
 const screenshot = join(root, ".test-results", "dashboard.png");
 
 /** `meshtrain dashboard` as a user runs it, and the URL it prints. */
-async function startDashboardCli(args: string[], env: Record<string, string>): Promise<{ proc: Bun.Subprocess<"ignore", "pipe", "pipe">; url: string }> {
+async function startDashboardCli(
+  args: string[],
+  env: Record<string, string>,
+): Promise<{ proc: Bun.Subprocess<"ignore", "pipe", "pipe">; url: string }> {
   const proc = Bun.spawn([process.execPath, cli, "dashboard", ...args], {
     cwd: root,
     stdin: "ignore",
@@ -47,7 +53,12 @@ describe("dashboard", () => {
     "the page of a running job loads in chromium, its loss curve grows as the job trains, and a SIGKILLed trainer shows as unhealthy",
     async () => {
       const dir = tempDir("mt-dashboard-");
-      await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 2, shards: 1 });
+      await using mesh = await LocalMesh.start({
+        jobsDir: join(dir, "jobs"),
+        logDir: join(dir, "logs"),
+        trainers: 2,
+        shards: 1,
+      });
       const auth = mesh.auth();
       await using client = await MeshClient.connect(mesh.url, auth);
       const cfg = parseJobConfig({
@@ -79,7 +90,10 @@ describe("dashboard", () => {
       }
 
       const asClient = mesh.auth("client").nkeyFile; // the dashboard needs no more than the client role
-      const { proc, url } = await startDashboardCli([cfg.job, "--nats-url", mesh.url, "--port", "0"], asClient ? { MT_NATS_NKEY: asClient } : {});
+      const { proc, url } = await startDashboardCli(
+        [cfg.job, "--nats-url", mesh.url, "--port", "0"],
+        asClient ? { MT_NATS_NKEY: asClient } : {},
+      );
       let browser: Browser | null = null;
       try {
         expect(url).toEndWith("/jobs/default.dash");
@@ -88,7 +102,10 @@ describe("dashboard", () => {
         const other = await fetch(url.replace("/default.dash", "/bob.dash"));
         expect([other.status, await other.text()]).toEqual([403, expect.stringContaining("permission denied")]);
         expect(await (await fetch(new URL("/", url))).text()).toContain('href="/jobs/default.dash"');
-        const status = (await (await fetch(`${url}/status.json`)).json()) as { record: { state: string }; shards: { clocks: number[] }[] };
+        const status = (await (await fetch(`${url}/status.json`)).json()) as {
+          record: { state: string };
+          shards: { clocks: number[] }[];
+        };
         expect(status.record.state).toBe("running");
         expect(status.shards[0]!.clocks).toHaveLength(2);
 
@@ -114,7 +131,9 @@ describe("dashboard", () => {
         // the launcher restarts it (as it does on a user's machine): the page says it went quiet or restarted
         mesh.kill("trainer-1", "SIGKILL");
         await page.waitForSelector('tr[data-who="trainer 1"][data-level="bad"]', { timeout: 30_000 });
-        expect(["silent", "stalled", "restarted"]).toContain((await page.getAttribute('tr[data-who="trainer 1"]', "data-state"))!);
+        expect(["silent", "stalled", "restarted"]).toContain(
+          (await page.getAttribute('tr[data-who="trainer 1"]', "data-state"))!,
+        );
         expect(await page.textContent("#health-summary")).toContain("unhealthy");
         expect(await page.getAttribute('tr[data-who="trainer 0"]', "data-level")).not.toBe("bad");
         mkdirSync(join(root, ".test-results"), { recursive: true });

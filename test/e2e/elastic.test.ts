@@ -9,7 +9,13 @@ import { loadMnist } from "../../engine/data/mnist.ts";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { JobData, planHere } from "../../services/data-loader/loader.ts";
 import { buildLayout } from "../../services/runtime/job/layout.ts";
-import { type JobConfig, jobConfigFromJson, jobDefaults, parseJobConfig, peakLr } from "../../services/runtime/job/job.ts";
+import {
+  type JobConfig,
+  jobConfigFromJson,
+  jobDefaults,
+  parseJobConfig,
+  peakLr,
+} from "../../services/runtime/job/job.ts";
 import { jobSchedule } from "../../services/runtime/job/plan.ts";
 import { lrAt } from "../../engine/optim/schedule.ts";
 import { MeshClient } from "../../sdk/client.ts";
@@ -49,11 +55,13 @@ function expectEverySampleOncePerEpoch(cfg: JobConfig, seen: readonly Event[]): 
   const W = Math.max(...cfg.world.map((c) => c.trainers));
   const steps = effectiveSteps(seen, W);
   const sched = data.steps;
-  for (let s = 0; s < data.totalSteps; s++) for (let r = 0; r < W; r++) expect(steps[r]!.includes(s)).toBe(r < sched.trainersAt(s)); // every step once, by its ranks only
+  for (let s = 0; s < data.totalSteps; s++)
+    for (let r = 0; r < W; r++) expect(steps[r]!.includes(s)).toBe(r < sched.trainersAt(s)); // every step once, by its ranks only
   for (let epoch = 0; epoch < cfg.epochs; epoch++) {
     const ids: number[] = [];
     const end = sched.epochStarts[epoch + 1] ?? data.totalSteps;
-    for (let s = sched.epochStarts[epoch]!; s < end; s++) for (let r = 0; r < sched.trainersAt(s); r++) ids.push(...data.trainIds(r, s));
+    for (let s = sched.epochStarts[epoch]!; s < end; s++)
+      for (let r = 0; r < sched.trainersAt(s); r++) ids.push(...data.trainIds(r, s));
     expect(ids.sort((a, b) => a - b)).toEqual([...data.train]);
   }
 }
@@ -61,7 +69,12 @@ function expectEverySampleOncePerEpoch(cfg: JobConfig, seen: readonly Event[]): 
 describe("elastic world size", () => {
   test("parameter-server mode (BSP): trainers 2 -> 3 at one step and 3 -> 2 at another while shards go 2 -> 3; every sample once per epoch, every step applied once", async () => {
     const dir = tempDir("mt-elastic-ps-");
-    await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 3, shards: 3 });
+    await using mesh = await LocalMesh.start({
+      jobsDir: join(dir, "jobs"),
+      logDir: join(dir, "logs"),
+      trainers: 3,
+      shards: 3,
+    });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "default.elastic-ps", trainers: 2, shards: 2 });
     const seen: Event[] = [];
@@ -117,7 +130,9 @@ describe("elastic world size", () => {
       after = buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, 3);
     const moved = after.byShard[2]!.length / after.chunks.length;
     expect(after.byShard.slice(0, 2).every((ids, k) => ids.every((id) => before.byShard[k]!.includes(id)))).toBe(true);
-    console.log(`shards 2 -> 3: ${after.byShard[2]!.length} of ${after.chunks.length} chunks moved (${(moved * 100).toFixed(0)}%)`);
+    console.log(
+      `shards 2 -> 3: ${after.byShard[2]!.length} of ${after.chunks.length} chunks moved (${(moved * 100).toFixed(0)}%)`,
+    );
     // under BSP each step updates every chunk once: the final snapshot's versions count the steps applied
     const byShard = finalChunkVersions(r.record);
     expect([...byShard.keys()].map((n) => n.split("-")[1]).sort()).toEqual(["0", "1", "2"]);

@@ -31,7 +31,14 @@ import {
   Split,
   withChecksum,
 } from "../../schemas/messages.ts";
-import { defaultOwner, type JobConfig, jobDefaults, parseJobConfig, subjects, qualifyJob } from "../../services/runtime/job/job.ts";
+import {
+  defaultOwner,
+  type JobConfig,
+  jobDefaults,
+  parseJobConfig,
+  subjects,
+  qualifyJob,
+} from "../../services/runtime/job/job.ts";
 import { specOfConfig, MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";
@@ -71,7 +78,11 @@ let client: MeshClient;
 beforeAll(async () => {
   dir = tempDir("mt-fuzz-");
   // every step sleeps 40 ms in the trainers, so that the job is still training when the fuzz ends
-  mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), env: { MT_STEP_DELAY_MS: "40" } });
+  mesh = await LocalMesh.start({
+    jobsDir: join(dir, "jobs"),
+    logDir: join(dir, "logs"),
+    env: { MT_STEP_DELAY_MS: "40" },
+  });
   client = await MeshClient.connect(mesh.url, mesh.auth());
 }, 120_000);
 
@@ -93,7 +104,9 @@ function commonTargets(cfg: JobConfig, total: number): Target[] {
     {
       name: "data.next",
       subject: subjects.dataNext(job),
-      seeds: [0, 1].flatMap((rank) => [Split.Train, Split.Test].map((split) => ({ job, rank, split, credits: 2, step: 5 }))),
+      seeds: [0, 1].flatMap((rank) =>
+        [Split.Train, Split.Test].map((split) => ({ job, rank, split, credits: 2, step: 5 })),
+      ),
       encode: encodeBatchRequest,
       decode: (d) => decodeBatchRequest(d, 1 << 20),
       timeoutMs: 30_000,
@@ -104,12 +117,26 @@ function commonTargets(cfg: JobConfig, total: number): Target[] {
       // a job about to be submitted: its plan (the data-loader reads its data set)
       name: "ctl.plan",
       subject: subjects.planJob,
-      seeds: [{ ...spec, job: "default.fuzz-other", configJson: JSON.stringify({ ...JSON.parse(spec.configJson), job: "default.fuzz-other" }) }],
+      seeds: [
+        {
+          ...spec,
+          job: "default.fuzz-other",
+          configJson: JSON.stringify({ ...JSON.parse(spec.configJson), job: "default.fuzz-other" }),
+        },
+      ],
       encode: encodeJobSpec,
       decode: (d) => decodeJobSpec(d, 1 << 20),
       timeoutMs: 30_000,
     } satisfies Target<ReturnType<typeof decodeJobSpec>>,
-    ...[0, 1].map((r): Target => ({ name: `trainer.${r}.stats`, subject: subjects.trainerStats(job, r), seeds: [jr()], ...jobRequest, timeoutMs: 30_000 })),
+    ...[0, 1].map(
+      (r): Target => ({
+        name: `trainer.${r}.stats`,
+        subject: subjects.trainerStats(job, r),
+        seeds: [jr()],
+        ...jobRequest,
+        timeoutMs: 30_000,
+      }),
+    ),
     { name: "ckpt.list", subject: subjects.ckptList(job), seeds: [jr()], ...jobRequest, timeoutMs: 30_000 },
     {
       // rank 0 takes a snapshot at its next step boundary when asked with an empty body (redrawn:
@@ -136,11 +163,22 @@ function commonTargets(cfg: JobConfig, total: number): Target[] {
       // resizes to sizes no job has (a resize to sizes a job may have is an operator's to ask)
       name: "ckpt.resize",
       subject: subjects.ckptResize(job),
-      seeds: [jr({ tag: "trainers 99 shards 99" }), jr({ tag: "trainers 0 shards 2" }), jr({ tag: "trainers 2 shards 2" })],
+      seeds: [
+        jr({ tag: "trainers 99 shards 99" }),
+        jr({ tag: "trainers 0 shards 2" }),
+        jr({ tag: "trainers 2 shards 2" }),
+      ],
       ...jobRequest,
       legitimate: (m) => {
         const t = /^trainers (\d{1,2}) shards (\d{1,2})$/.exec(m.tag);
-        return t !== null && Number(t[1]) >= 1 && Number(t[1]) <= 64 && Number(t[2]) >= 1 && Number(t[2]) <= 64 && !(t[1] === "2" && t[2] === "2");
+        return (
+          t !== null &&
+          Number(t[1]) >= 1 &&
+          Number(t[1]) <= 64 &&
+          Number(t[2]) >= 1 &&
+          Number(t[2]) <= 64 &&
+          !(t[1] === "2" && t[2] === "2")
+        );
       },
       taken: () => true,
       timeoutMs: 60_000,
@@ -172,7 +210,10 @@ function commonTargets(cfg: JobConfig, total: number): Target[] {
  * Runs `name`-ref without the fuzz and `name` under it (the fuzz starts at its step 3, with the
  * targets `targetsOf` makes then), and checks that nothing the fuzz sent changed the run.
  */
-async function fuzzRun(cfgOf: (job: string) => JobConfig, targetsOf: (cfg: JobConfig, total: number) => Promise<Target[]>): Promise<void> {
+async function fuzzRun(
+  cfgOf: (job: string) => JobConfig,
+  targetsOf: (cfg: JobConfig, total: number) => Promise<Target[]>,
+): Promise<void> {
   const ref = cfgOf(`${cfgOf("x").sync}-ref`);
   const refEvents: Event[] = [];
   await client.submit(ref, { membersWaitMs: 60_000 });
@@ -193,7 +234,8 @@ async function fuzzRun(cfgOf: (job: string) => JobConfig, targetsOf: (cfg: JobCo
     quiet: true,
     onEvent: (e) => {
       seen.push(e);
-      if (fuzzDone && endRestore === null && e.kind === EventKind.Step && e.rank === 0 && e.step === total - 1) endRestore = client.restore(cfg.job);
+      if (fuzzDone && endRestore === null && e.kind === EventKind.Step && e.rank === 0 && e.step === total - 1)
+        endRestore = client.restore(cfg.job);
     },
   }).finally(() => (ended = true));
   await waitFor("the job's step 3", () => seen.some((e) => e.kind === EventKind.Step && e.step >= 3), 60_000);
@@ -239,7 +281,11 @@ async function fuzzRun(cfgOf: (job: string) => JobConfig, targetsOf: (cfg: JobCo
   for (const e of seen) {
     if (e.kind !== EventKind.Step) continue;
     const loss = want.get(`${e.rank}:${e.step}`)!;
-    expect([e.rank, e.step, Math.abs(e.loss - loss) <= 1e-6 * Math.max(1, Math.abs(loss))]).toEqual([e.rank, e.step, true]);
+    expect([e.rank, e.step, Math.abs(e.loss - loss) <= 1e-6 * Math.max(1, Math.abs(loss))]).toEqual([
+      e.rank,
+      e.step,
+      true,
+    ]);
   }
   expect(r.record.accuracy).toBe(refOutcome.record.accuracy);
 }
@@ -249,11 +295,20 @@ test(`parameter-server mode: ${messages} mutated messages over every request sub
     (job) => config(job, { sync: "bsp" }),
     async (cfg, total) => {
       const job = cfg.job;
-      const jr = (over: Partial<{ job: string; step: number; tag: string }> = {}) => ({ job, step: 0, tag: "", ...over });
+      const jr = (over: Partial<{ job: string; step: number; tag: string }> = {}) => ({
+        job,
+        step: 0,
+        tag: "",
+        ...over,
+      });
       // seeds: the shards' real state, taken from the job now
       const states: ShardState[] = [];
       for (const k of [0, 1]) {
-        const bytes = await client.bus.request(subjects.psState(job, k), encodeJobRequest({ job, step: 3, tag: "part 0" }), 30_000);
+        const bytes = await client.bus.request(
+          subjects.psState(job, k),
+          encodeJobRequest({ job, step: 3, tag: "part 0" }),
+          30_000,
+        );
         states.push(decodeShardState(bytes, 64 << 20));
       }
       return [0, 1].flatMap((k): Target[] => {
@@ -290,8 +345,20 @@ test(`parameter-server mode: ${messages} mutated messages over every request sub
             timeoutMs: 240_000,
           } satisfies Target<ReturnType<typeof decodePullRequest>>,
           { name: `ps.${k}.stats`, subject: subjects.psStats(job, k), seeds: [jr()], ...jobRequest, timeoutMs: 30_000 },
-          { name: `ps.${k}.state`, subject: subjects.psState(job, k), seeds: [jr({ step: 3, tag: "part 0" })], ...jobRequest, timeoutMs: 30_000 },
-          { name: `ps.${k}.norm`, subject: subjects.psNorm(job, k), seeds: [jr({ step: 1 })], ...jobRequest, timeoutMs: 240_000 },
+          {
+            name: `ps.${k}.state`,
+            subject: subjects.psState(job, k),
+            seeds: [jr({ step: 3, tag: "part 0" })],
+            ...jobRequest,
+            timeoutMs: 30_000,
+          },
+          {
+            name: `ps.${k}.norm`,
+            subject: subjects.psNorm(job, k),
+            seeds: [jr({ step: 1 })],
+            ...jobRequest,
+            timeoutMs: 240_000,
+          },
           {
             // the shard's own state: every mutation must be refused (a byte changed after the cut,
             // or a field set to a value no state has, with the checksum made to match)
@@ -372,7 +439,11 @@ test(`all-reduce mode: ${messages} mutated messages over every request subject w
               shmNonce: 0,
               shmSlot: 0,
             })),
-            encode: (m) => encodeCollPiece(m, new Float32Array(m.data.buffer.slice(m.data.byteOffset, m.data.byteOffset + (m.data.byteLength & ~3)))),
+            encode: (m) =>
+              encodeCollPiece(
+                m,
+                new Float32Array(m.data.buffer.slice(m.data.byteOffset, m.data.byteOffset + (m.data.byteLength & ~3))),
+              ),
             decode: (d) => decodeCollPiece(d, 8 << 20),
             legitimate: (m) => m.job === job && m.to === r && m.from === 1 - r,
             timeoutMs: 30_000,
@@ -403,7 +474,8 @@ function documentedRequestSubjects(): string[] {
     const base = first!.split(".");
     out.push(first!);
     // an alternative replaces as many of the first's last tokens as it has
-    for (const alt of alts) out.push([...base.slice(0, base.length - alt.split(".").length), ...alt.split(".")].join("."));
+    for (const alt of alts)
+      out.push([...base.slice(0, base.length - alt.split(".").length), ...alt.split(".")].join("."));
   }
   return out.map((p) => p.replace(/<(?!job>)[a-z]+>/g, "<n>"));
 }
@@ -424,10 +496,18 @@ function loadable(m: ShardState, seed: ShardState, versionMax: number): boolean 
   if ((m.parts ?? 0) > 1 || (m.part ?? 0) !== 0) return false;
   if (!Number.isSafeInteger(m.step) || m.step < 0 || !Number.isSafeInteger(m.updates) || m.updates < 0) return false;
   const want = new Map(seed.chunks.map((c) => [c.id, c]));
-  if (m.chunks.length !== seed.chunks.length || new Set(m.chunks.map((c) => c.id)).size !== m.chunks.length) return false;
+  if (m.chunks.length !== seed.chunks.length || new Set(m.chunks.map((c) => c.id)).size !== m.chunks.length)
+    return false;
   return m.chunks.every((c) => {
     const s = want.get(c.id);
-    if (!s || c.params.length !== s.params.length || !Number.isSafeInteger(c.version) || c.version < 0 || c.version > versionMax) return false;
+    if (
+      !s ||
+      c.params.length !== s.params.length ||
+      !Number.isSafeInteger(c.version) ||
+      c.version < 0 ||
+      c.version > versionMax
+    )
+      return false;
     if (c.state.map((v) => v.name).join() !== s.state.map((v) => v.name).join()) return false;
     return [c.params, ...c.state.map((v) => v.data)].every((v) => v.length === s.params.length && plausibleState(v));
   });

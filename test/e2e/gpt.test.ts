@@ -39,11 +39,21 @@ describe("gpt on the mesh", () => {
     "%s: it learns Moby Dick's characters; the exported model evaluates to the loss the trainers reported",
     async (sync, shards) => {
       const dir = tempDir("mt-gpt-");
-      await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 2, shards });
+      await using mesh = await LocalMesh.start({
+        jobsDir: join(dir, "jobs"),
+        logDir: join(dir, "logs"),
+        trainers: 2,
+        shards,
+      });
       await using client = await MeshClient.connect(mesh.url, mesh.auth());
       const cfg = config({ job: `default.gpt-${sync}`, sync, shards: Math.max(shards, 1) });
       const plan = await client.plan(cfg, { waitMs: 60_000 });
-      expect([plan.vocabSize, plan.vocab.length, plan.testSamples, plan.totalSteps]).toEqual([plan.vocab.length, plan.vocab.length, 0, 40]);
+      expect([plan.vocabSize, plan.vocab.length, plan.testSamples, plan.totalSteps]).toEqual([
+        plan.vocab.length,
+        plan.vocab.length,
+        0,
+        40,
+      ]);
       const seen: Event[] = [];
       await client.submit(cfg, { membersWaitMs: 60_000 });
       const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });

@@ -11,7 +11,15 @@ import { defaultMnistDir } from "../../engine/data/mnist.ts";
 import { readModelFile } from "../../engine/modelfile.ts";
 import { encodeJobRequest, type Event, EventKind, JobState, SyncPolicy } from "../../schemas/messages.ts";
 import { CapacityError, ConfigError, JobStateError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
-import { defaultOwner, type JobConfig, jobConfigFromJson, jobDefaults, parseJobConfig, subjects, qualifyJob } from "../../services/runtime/job/job.ts";
+import {
+  defaultOwner,
+  type JobConfig,
+  jobConfigFromJson,
+  jobDefaults,
+  parseJobConfig,
+  subjects,
+  qualifyJob,
+} from "../../services/runtime/job/job.ts";
 import { runningRecord } from "../../services/runtime/job/jobs.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
@@ -42,7 +50,14 @@ const stepsPerEpoch = 20;
 
 beforeAll(async () => {
   dir = tempDir("mt-life-");
-  mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), jobLogs: true, trainers: 3, shards: 3, env: { MT_JOBS_MAX: "2" } });
+  mesh = await LocalMesh.start({
+    jobsDir: join(dir, "jobs"),
+    logDir: join(dir, "logs"),
+    jobLogs: true,
+    trainers: 3,
+    shards: 3,
+    env: { MT_JOBS_MAX: "2" },
+  });
   client = await MeshClient.connect(mesh.url, mesh.auth());
   await client.waitForMembers({ job: "default.any", trainers: 3, shards: 3 }, 60_000);
 }, 90_000);
@@ -72,7 +87,12 @@ describe("jobs on one long-running mesh", () => {
     await client.submit(small("three"));
     const { record, events } = await follow("three");
     expect(record.state).toBe(JobState.Done);
-    expect([record.totalSteps, record.evalStep, record.evaluated, record.attempts]).toEqual([stepsPerEpoch, stepsPerEpoch, 10_000, 1]);
+    expect([record.totalSteps, record.evalStep, record.evaluated, record.attempts]).toEqual([
+      stepsPerEpoch,
+      stepsPerEpoch,
+      10_000,
+      1,
+    ]);
     expect(record.accuracy).toBeGreaterThan(0.8);
     expect(new Set(events.filter((e) => e.kind === EventKind.Step).map((e) => e.rank))).toEqual(new Set([0, 1, 2]));
     expect(events.filter((e) => e.kind === EventKind.Ended)).toHaveLength(1);
@@ -88,7 +108,8 @@ describe("jobs on one long-running mesh", () => {
       );
     await waitFor(
       "the loader and the shards to close the job",
-      async () => (await closed(subjects.dataPlan("default.three"))) && (await closed(subjects.psStats("default.three", 2))),
+      async () =>
+        (await closed(subjects.dataPlan("default.three"))) && (await closed(subjects.psStats("default.three", 2))),
       10_000,
     );
     // a finished job is not run again under its name
@@ -105,12 +126,21 @@ describe("jobs on one long-running mesh", () => {
   });
 
   test.each([
-    ["a folder that does not exist", () => "/nonexistent-mnist", "/nonexistent-mnist/train-images-idx3-ubyte: file not found"],
+    [
+      "a folder that does not exist",
+      () => "/nonexistent-mnist",
+      "/nonexistent-mnist/train-images-idx3-ubyte: file not found",
+    ],
     [
       "a truncated idx file",
       () => {
         const d = tempDir("mt-trunc-");
-        for (const f of ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"])
+        for (const f of [
+          "train-images-idx3-ubyte",
+          "train-labels-idx1-ubyte",
+          "t10k-images-idx3-ubyte",
+          "t10k-labels-idx1-ubyte",
+        ])
           copyFileSync(join(defaultMnistDir(), f), join(d, f));
         truncateSync(join(d, "train-images-idx3-ubyte"), 5000);
         return d;
@@ -162,20 +192,37 @@ describe("jobs on one long-running mesh", () => {
     expect(snaps.length).toBeGreaterThan(0);
     const newest = snaps.at(-1)!.step;
 
-    await expectRejected(() => client.cancel(cfg.job), JobStateError, "job default.resumable cancelled at", "nothing to cancel");
+    await expectRejected(
+      () => client.cancel(cfg.job),
+      JobStateError,
+      "job default.resumable cancelled at",
+      "nothing to cancel",
+    );
     await expectRejected(() => client.cancel("nosuch"), UnknownJobError, "no job default.nosuch");
     await expectRejected(() => client.saveCheckpoint("nosuch"), UnknownJobError, "no job default.nosuch");
     await expectRejected(() => client.saveCheckpoint(cfg.job), JobStateError, "needs a running job");
     await expectRejected(() => client.restore(cfg.job), JobStateError, "restore needs a running job");
     await expectRejected(() => client.checkpoints("nosuch"), UnknownJobError, "no snapshots");
     await expectRejected(() => client.status("nosuch"), UnknownJobError, "no job default.nosuch");
-    await expectRejected(() => watchJob(client, cfg.job, { quiet: true }), JobFailedError, "job default.resumable cancelled");
+    await expectRejected(
+      () => watchJob(client, cfg.job, { quiet: true }),
+      JobFailedError,
+      "job default.resumable cancelled",
+    );
 
-    await expectRejected(() => client.submit({ ...cfg, lr: 0.2 }), JobStateError, "ran before with other settings (lr: 0.1 -> 0.2)");
+    await expectRejected(
+      () => client.submit({ ...cfg, lr: 0.2 }),
+      JobStateError,
+      "ran before with other settings (lr: 0.1 -> 0.2)",
+    );
     // past the SDK's check (a script that writes the spec itself): the checkpoint service refuses
     // to open it over the snapshots, so the job fails with the differences
     const other = { ...cfg, lr: 0.2 };
-    await client.jobs.updateRecord(cfg.job, (r) => ({ ...r, state: JobState.Running, configJson: JSON.stringify(other) }));
+    await client.jobs.updateRecord(cfg.job, (r) => ({
+      ...r,
+      state: JobState.Running,
+      configJson: JSON.stringify(other),
+    }));
     await client.jobs.putSpec({
       job: cfg.job,
       trainers: 3,
@@ -187,7 +234,9 @@ describe("jobs on one long-running mesh", () => {
     });
     const refused = await follow(cfg.job);
     expect(refused.record.state).toBe(JobState.Failed);
-    expect(refused.record.reason).toContain("checkpoint cannot open job default.resumable: job default.resumable has snapshots taken with other settings");
+    expect(refused.record.reason).toContain(
+      "checkpoint cannot open job default.resumable: job default.resumable has snapshots taken with other settings",
+    );
     expect(refused.record.reason).toContain("lr: 0.1 -> 0.2");
     expect(await client.checkpoints(cfg.job)).toEqual(snaps); // untouched
     const rec = await client.submit(cfg);
@@ -201,7 +250,9 @@ describe("jobs on one long-running mesh", () => {
     // every step of the second run from the snapshot on, on every rank, exactly once after the restore
     const after = second.events.slice(second.events.indexOf(restore)).filter((e) => e.kind === EventKind.Step);
     for (const rank of [0, 1, 2]) {
-      expect(after.filter((e) => e.rank === rank).map((e) => e.step)).toEqual(Array.from({ length: 2 * stepsPerEpoch - newest }, (_, i) => newest + i));
+      expect(after.filter((e) => e.rank === rank).map((e) => e.step)).toEqual(
+        Array.from({ length: 2 * stepsPerEpoch - newest }, (_, i) => newest + i),
+      );
     }
   }, 180_000);
 
@@ -226,7 +277,9 @@ describe("jobs on one long-running mesh", () => {
       expect(r.events.filter((e) => e.kind === EventKind.Restore).map((e) => e.step)).toEqual([30, 30]);
       // the steps from the snapshot on ran three times on every rank, with the same loss each time
       const losses = new Map<string, number[]>();
-      for (const e of r.events) if (e.kind === EventKind.Step) losses.set(`${e.rank}:${e.step}`, [...(losses.get(`${e.rank}:${e.step}`) ?? []), e.loss]);
+      for (const e of r.events)
+        if (e.kind === EventKind.Step)
+          losses.set(`${e.rank}:${e.step}`, [...(losses.get(`${e.rank}:${e.step}`) ?? []), e.loss]);
       for (const rank of [0, 1, 2]) {
         for (let step = 30; step < total; step++) {
           const l = losses.get(`${rank}:${step}`) ?? [];
@@ -245,7 +298,9 @@ describe("jobs on one long-running mesh", () => {
     await client.submit(cfg);
     const r = await follow(cfg.job);
     expect(r.record.state).toBe(JobState.Done);
-    const during = r.events.filter((e) => e.kind === EventKind.Checkpoint && e.step > 0 && e.step < 3 * stepsPerEpoch).map((e) => e.step);
+    const during = r.events
+      .filter((e) => e.kind === EventKind.Checkpoint && e.step > 0 && e.step < 3 * stepsPerEpoch)
+      .map((e) => e.step);
     expect(during.length).toBeGreaterThanOrEqual(2);
     expect(new Set(during).size).toBe(during.length);
   }, 120_000);
@@ -253,7 +308,11 @@ describe("jobs on one long-running mesh", () => {
   test("a record left running without a spec (a submission cut off): watch says so; submitting it again runs it", async () => {
     const cfg = small("cut-off");
     await client.jobs.createRecord(runningRecord(cfg.job, JSON.stringify(cfg), 1));
-    await expectRejected(() => watchJob(client, cfg.job, { quiet: true }), JobStateError, "is recorded as running, but no service runs it");
+    await expectRejected(
+      () => watchJob(client, cfg.job, { quiet: true }),
+      JobStateError,
+      "is recorded as running, but no service runs it",
+    );
     const rec = await client.submit(cfg);
     expect(rec.attempts).toBe(2);
     expect((await follow(cfg.job)).record.state).toBe(JobState.Done);
@@ -298,9 +357,15 @@ describe("jobs on one long-running mesh", () => {
       attempt: ended.attempts,
       plan: await client.plan(jobConfigFromJson(ended.configJson)),
     });
-    await waitFor("the stale spec to be removed", async () => (await client.jobs.spec("default.seq-4")) === null, 10_000);
+    await waitFor(
+      "the stale spec to be removed",
+      async () => (await client.jobs.spec("default.seq-4")) === null,
+      10_000,
+    );
     for (const job of ["default.three", "default.seq-4"]) {
-      await expect(client.bus.request(subjects.dataPlan(job), encodeJobRequest({ job, step: 0, tag: "" }), 5000)).rejects.toBeInstanceOf(UnknownJobError);
+      await expect(
+        client.bus.request(subjects.dataPlan(job), encodeJobRequest({ job, step: 0, tag: "" }), 5000),
+      ).rejects.toBeInstanceOf(UnknownJobError);
       expect((await client.record(job)).state).toBe(JobState.Done);
     }
   }, 240_000);

@@ -30,7 +30,12 @@ const config = (over: Partial<JobConfig>): JobConfig =>
 /** A local mesh in a fresh folder, sized for `trainers` and `shards`. */
 const startMesh = (
   prefix: string,
-  o: { trainers?: number; shards?: number; onEvent?: (line: string) => void; serviceEnv?: Record<string, Record<string, string>> } = {},
+  o: {
+    trainers?: number;
+    shards?: number;
+    onEvent?: (line: string) => void;
+    serviceEnv?: Record<string, Record<string, string>>;
+  } = {},
 ) => {
   const dir = tempDir(prefix);
   return LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), ...o });
@@ -43,7 +48,14 @@ describe("mesh", () => {
     // 2 micro-batches of 64 per step (gradient accumulation on the trainers), bf16 autocast
     // GEMMs on the trainers (the chaos test below runs f32)
     // gradClip: the shards agree on the global norm of each step's averaged gradient (ps.<k>.norm)
-    const cfg = config({ job: "default.e2e", checkpointEvery: 100, evalEvery: 100, accumSteps: 2, precision: "bf16", gradClip: 1 });
+    const cfg = config({
+      job: "default.e2e",
+      checkpointEvery: 100,
+      evalEvery: 100,
+      accumSteps: 2,
+      precision: "bf16",
+      gradClip: 1,
+    });
     const total = planHere(cfg).totalSteps;
     const seen: Event[] = [];
     let asked: Promise<Event> | null = null;
@@ -129,7 +141,10 @@ describe("mesh", () => {
     // shard that took that push would look trained, the restore would pass it by, and the other
     // trainer would wait forever on its step
     const launcherLines: string[] = [];
-    await using mesh = await startMesh("mt-slowsave-", { onEvent: (l) => launcherLines.push(l), serviceEnv: { checkpoint: { MT_WRITE_DELAY_MS: "4000" } } });
+    await using mesh = await startMesh("mt-slowsave-", {
+      onEvent: (l) => launcherLines.push(l),
+      serviceEnv: { checkpoint: { MT_WRITE_DELAY_MS: "4000" } },
+    });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "default.slowsave", epochs: 1, checkpointEvery: 40, evalEvery: 0 });
     const total = planHere(cfg).totalSteps;
@@ -181,7 +196,9 @@ describe("mesh", () => {
     // no snapshot before the final one (checkpointEvery 0): the final one still makes the job's folder and model file
     expect(r.record.reason).toBe("");
     expect(existsSync(r.record.modelPath)).toBe(true);
-    expect(stalled[0]!.text).toMatch(/^trainer 1 has sent no heartbeat for \d+ s \(stopped, wedged or dead\); it was at step \d+, \w+/);
+    expect(stalled[0]!.text).toMatch(
+      /^trainer 1 has sent no heartbeat for \d+ s \(stopped, wedged or dead\); it was at step \d+, \w+/,
+    );
     // what it said last, at most half a second before it stopped (heartbeats go out at phase
     // changes, at most every 0.5 s, and every 2 s)
     expect(stalled[0]!.step, stalled[0]!.text).toBeGreaterThan(0);
@@ -258,7 +275,10 @@ describe("mesh", () => {
     const cfg = config({ job: "default.straggler", maxSteps: 80, checkpointEvery: 0, evalEvery: 0 });
     const stragglers: Event[] = [];
     await client.submit(cfg, { membersWaitMs: 60_000 });
-    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => e.kind === EventKind.Straggler && stragglers.push(e) });
+    const r = await watchJob(client, cfg.job, {
+      quiet: true,
+      onEvent: (e) => e.kind === EventKind.Straggler && stragglers.push(e),
+    });
     expect(r.record.state).toBe(JobState.Done);
     expect(stragglers.length).toBeGreaterThanOrEqual(1);
     expect(stragglers[0]!.text).toMatch(
@@ -287,7 +307,9 @@ describe("mesh", () => {
     expect(failed).toBeInstanceOf(JobFailedError);
     const record = (failed as JobFailedError).record!;
     expect(record.state).toBe(JobState.Failed);
-    expect(record.reason).toContain("shard 1 restarted and lost its state, and job default.nosnap has no snapshot to restore it from (checkpointEvery is 0)");
+    expect(record.reason).toContain(
+      "shard 1 restarted and lost its state, and job default.nosnap has no snapshot to restore it from (checkpointEvery is 0)",
+    );
   }, 120_000);
 
   test("compressed pushes and pulls: bf16 moves half the bytes of f32, int8 pushes a quarter; both learn", async () => {
@@ -295,7 +317,13 @@ describe("mesh", () => {
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const perStep: Record<string, number> = {};
     for (const compress of ["none", "bf16", "int8"]) {
-      const cfg = config({ job: `default.e2e-compress-${compress}`, maxSteps: 60, checkpointEvery: 0, evalEvery: 0, compress });
+      const cfg = config({
+        job: `default.e2e-compress-${compress}`,
+        maxSteps: 60,
+        checkpointEvery: 0,
+        evalEvery: 0,
+        compress,
+      });
       await client.submit(cfg, { membersWaitMs: 60_000 });
       const r = await watchJob(client, cfg.job, { quiet: true });
       expect(r.record.state).toBe(JobState.Done);

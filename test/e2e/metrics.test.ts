@@ -18,7 +18,13 @@ afterAll(removeTempDirs);
 interface Family {
   name: string;
   type: string;
-  metrics: { value?: string; labels?: Record<string, string>; buckets?: Record<string, string>; count?: string; sum?: string }[];
+  metrics: {
+    value?: string;
+    labels?: Record<string, string>;
+    buckets?: Record<string, string>;
+    count?: string;
+    sum?: string;
+  }[];
 }
 
 async function scrapeAll(client: MeshClient): Promise<Map<string, Family[]>> {
@@ -36,13 +42,20 @@ async function scrapeAll(client: MeshClient): Promise<Map<string, Family[]>> {
 function values(families: Family[] | undefined, name: string, labels: Record<string, string> = {}): number[] {
   const f = families?.find((x) => x.name === name);
   if (f === undefined) return [];
-  return f.metrics.filter((m) => Object.entries(labels).every(([k, v]) => m.labels?.[k] === v)).map((m) => Number(m.value ?? m.count));
+  return f.metrics
+    .filter((m) => Object.entries(labels).every(([k, v]) => m.labels?.[k] === v))
+    .map((m) => Number(m.value ?? m.count));
 }
 
 describe("Prometheus metrics", () => {
   test("every service serves /metrics, found by service discovery; a scrape while a job trains and after it shows its steps, data, shards, snapshots and traffic", async () => {
     const dir = tempDir("mt-metrics-");
-    await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 2, shards: 2 });
+    await using mesh = await LocalMesh.start({
+      jobsDir: join(dir, "jobs"),
+      logDir: join(dir, "logs"),
+      trainers: 2,
+      shards: 2,
+    });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = parseJobConfig({
       ...jobDefaults,
@@ -63,13 +76,22 @@ describe("Prometheus metrics", () => {
     expect(r.record.state).toBe(JobState.Done);
     const mid = await during!;
     const end = await scrapeAll(client);
-    expect([...end.keys()]).toEqual(["checkpoint", "data-loader", "parameter-server 0", "parameter-server 1", "trainer 0", "trainer 1"]);
+    expect([...end.keys()]).toEqual([
+      "checkpoint",
+      "data-loader",
+      "parameter-server 0",
+      "parameter-server 1",
+      "trainer 0",
+      "trainer 1",
+    ]);
     const job = { job: "default.metrics" };
     for (const [service, families] of end) {
       // the process and runtime, and the bus both ways
       expect(values(families, "process_resident_memory_bytes")[0]).toBeGreaterThan(10 << 20);
       expect(values(families, "mt_bus_bytes_total", { direction: "in" }).reduce((a, b) => a + b, 0)).toBeGreaterThan(0);
-      expect(values(families, "mt_bus_bytes_total", { direction: "out" }).reduce((a, b) => a + b, 0)).toBeGreaterThan(0);
+      expect(values(families, "mt_bus_bytes_total", { direction: "out" }).reduce((a, b) => a + b, 0)).toBeGreaterThan(
+        0,
+      );
       if (service.startsWith("trainer")) {
         expect(values(families, "mt_trainer_step", job)).toEqual([149]);
         expect(values(families, "mt_trainer_steps_total", job)[0]).toBeGreaterThanOrEqual(150);
@@ -77,7 +99,9 @@ describe("Prometheus metrics", () => {
         expect(values(families, "mt_trainer_loss", job)[0]).toBeLessThan(2.5);
         expect(values(families, "mt_trainer_samples_per_second", job)[0]).toBeGreaterThan(0);
         // a trainer pushes to the shards: its pushes' bytes under their kind
-        expect(values(families, "mt_bus_bytes_total", { direction: "out", kind: "ps.push" })[0]).toBeGreaterThan(1 << 20);
+        expect(values(families, "mt_bus_bytes_total", { direction: "out", kind: "ps.push" })[0]).toBeGreaterThan(
+          1 << 20,
+        );
         // the backend's memory while the job ran (its context is freed with the job)
         expect(values(mid.get(service), "mt_device_memory_bytes", { device: "cpu" })[0]).toBeGreaterThan(0);
       }
@@ -88,10 +112,14 @@ describe("Prometheus metrics", () => {
     expect(values(loader, "mt_loader_wait_seconds", { ...job, quantile: "0.99" })[0]).toBeGreaterThanOrEqual(0);
     for (const k of [0, 1]) {
       const shard = mid.get(`parameter-server ${k}`);
-      const clocks = [0, 1].map((t) => values(shard, "mt_shard_clock", { ...job, shard: String(k), trainer: String(t) })[0]!);
+      const clocks = [0, 1].map(
+        (t) => values(shard, "mt_shard_clock", { ...job, shard: String(k), trainer: String(t) })[0]!,
+      );
       expect(Math.min(...clocks)).toBeGreaterThanOrEqual(20);
       expect(values(shard, "mt_shard_staleness", { ...job, shard: String(k) })[0]).toBeLessThanOrEqual(1); // BSP
-      expect(values(end.get(`parameter-server ${k}`), "mt_bus_bytes_total", { direction: "in", kind: "ps.push" })[0]).toBeGreaterThan(0);
+      expect(
+        values(end.get(`parameter-server ${k}`), "mt_bus_bytes_total", { direction: "in", kind: "ps.push" })[0],
+      ).toBeGreaterThan(0);
     }
     const ckpt = end.get("checkpoint");
     expect(values(ckpt, "mt_checkpoint_snapshots_total", job)[0]).toBeGreaterThanOrEqual(3); // steps 50, 100 and the final
@@ -99,7 +127,15 @@ describe("Prometheus metrics", () => {
     expect(values(ckpt, "mt_checkpoint_fsync_seconds")[0]).toBeGreaterThan(0); // the histogram's count
     // `meshtrain metrics` lists them, one service a line
     const cli = Bun.spawnSync(
-      [process.execPath, join(import.meta.dir, "..", "..", "sdk", "cli.ts"), "metrics", "--nats-url", mesh.url, "--nats-nkey", mesh.auth("client").nkeyFile!],
+      [
+        process.execPath,
+        join(import.meta.dir, "..", "..", "sdk", "cli.ts"),
+        "metrics",
+        "--nats-url",
+        mesh.url,
+        "--nats-nkey",
+        mesh.auth("client").nkeyFile!,
+      ],
       {
         stdout: "pipe",
         stderr: "pipe",

@@ -49,7 +49,12 @@ const relDiff = (a: number, b: number) => Math.abs(a - b) / Math.max(Math.abs(b)
 describe("model-parallel jobs on the mesh", () => {
   test("1 trainer, 1x2x2 (pipeline x tensor) and 2x2x1 (data x pipeline) on 4 trainers: the same losses step by step and the same validation; a stage killed mid-run restores and finishes alike; a snapshot resumes in another layout", async () => {
     const dir = tempDir("mt-mp-");
-    await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 4, shards: 0 });
+    await using mesh = await LocalMesh.start({
+      jobsDir: join(dir, "jobs"),
+      logDir: join(dir, "logs"),
+      trainers: 4,
+      shards: 0,
+    });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const run = async (cfg: JobConfig, onEvent?: (e: Event) => void) => {
       const seen: Event[] = [];
@@ -67,14 +72,26 @@ describe("model-parallel jobs on the mesh", () => {
     // the global batch: 16 windows a step in 4 micro-batches, on one copy or two of 8
     const plain = await run(config({ job: "default.mp-plain", trainers: 1 }));
     const pt = await run(config({ job: "default.mp-pt", trainers: 4, pipelineStages: 2, tensorParallel: 2 }));
-    const dp = await run(config({ job: "default.mp-dp", trainers: 4, pipelineStages: 2, batchSize: 8, accumSteps: 2, pipeSchedule: "gpipe" }));
+    const dp = await run(
+      config({
+        job: "default.mp-dp",
+        trainers: 4,
+        pipelineStages: 2,
+        batchSize: 8,
+        accumSteps: 2,
+        pipeSchedule: "gpipe",
+      }),
+    );
     let killed = false;
-    const chaos = await run(config({ job: "default.mp-kill", trainers: 4, pipelineStages: 2, tensorParallel: 2 }), (e) => {
-      if (!killed && e.kind === EventKind.Step && e.step >= 15) {
-        killed = true;
-        mesh.kill("trainer-2"); // stage 1, tensor rank 0: the rank that speaks for the copy
-      }
-    });
+    const chaos = await run(
+      config({ job: "default.mp-kill", trainers: 4, pipelineStages: 2, tensorParallel: 2 }),
+      (e) => {
+        if (!killed && e.kind === EventKind.Step && e.step >= 15) {
+          killed = true;
+          mesh.kill("trainer-2"); // stage 1, tensor rank 0: the rank that speaks for the copy
+        }
+      },
+    );
     // a snapshot of 1x2x2 resumed as 1x4x1: the whole model's layout restores into any cut
     const relayout = config({ job: "default.mp-relayout", trainers: 4, pipelineStages: 2, tensorParallel: 2 });
     await client.submit(relayout, { membersWaitMs: 60_000 });
@@ -84,7 +101,8 @@ describe("model-parallel jobs on the mesh", () => {
       quiet: true,
       onEvent: (e) => {
         firstPart.push(e);
-        if (cancelled === null && e.kind === EventKind.Checkpoint && e.step >= 20) cancelled = client.cancel(relayout.job);
+        if (cancelled === null && e.kind === EventKind.Checkpoint && e.step >= 20)
+          cancelled = client.cancel(relayout.job);
       },
     }).catch(() => {});
     await cancelled;
@@ -112,7 +130,8 @@ describe("model-parallel jobs on the mesh", () => {
     }
     expect(plain.losses.at(-1)!).toBeLessThan(plain.losses[0]! - 0.5);
     // one rank of each copy speaks for it: Step events of rank 0 (one copy) or 0 and 1 (two), once a step
-    const speakers = (r: { seen: Event[] }) => r.seen.filter((e) => e.kind === EventKind.Step).map((e) => `${e.rank}@${e.step}`);
+    const speakers = (r: { seen: Event[] }) =>
+      r.seen.filter((e) => e.kind === EventKind.Step).map((e) => `${e.rank}@${e.step}`);
     expect(speakers(pt)).toEqual(Array.from({ length: 40 }, (_, s) => `0@${s}`));
     expect(new Set(speakers(dp)).size).toBe(80);
     expect(new Set(dp.seen.filter((e) => e.kind === EventKind.Step).map((e) => e.rank))).toEqual(new Set([0, 1]));

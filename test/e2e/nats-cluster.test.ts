@@ -56,7 +56,10 @@ async function startCluster(): Promise<Member[] & AsyncDisposable> {
       routePorts.map(async (port, i) => {
         const name = `nats-${i}`;
         const routes = routePorts.filter((_, j) => j !== i).map((p) => `nats-route://127.0.0.1:${p}`);
-        const server = await startNatsServer({ cluster: { name: "mt", serverName: name, port, routes }, monitorPort: monitorPorts[i]! });
+        const server = await startNatsServer({
+          cluster: { name: "mt", serverName: name, port, routes },
+          monitorPort: monitorPorts[i]!,
+        });
         return { name, server, monitorPort: monitorPorts[i]! };
       }),
     );
@@ -78,7 +81,10 @@ async function metaLeader(members: readonly Member[]): Promise<string> {
     async () => {
       const seen = await Promise.all(members.map((m) => monitor<Jsz>(m, "/jsz")));
       leader = seen[0]!.meta_cluster?.leader ?? "";
-      return leader !== "" && seen.every((j) => j.meta_cluster?.leader === leader && j.meta_cluster.cluster_size === clusterSize);
+      return (
+        leader !== "" &&
+        seen.every((j) => j.meta_cluster?.leader === leader && j.meta_cluster.cluster_size === clusterSize)
+      );
     },
     30_000,
   );
@@ -88,12 +94,19 @@ async function metaLeader(members: readonly Member[]): Promise<string> {
 const streamOf = (bucket: string) => `KV_${bucket}`;
 
 /** A stream's leader and followers, once it has a leader and its followers are current. */
-async function placement(jsm: JetStreamManager, stream: string): Promise<{ leader: string; replicas: number; peers: string[] }> {
+async function placement(
+  jsm: JetStreamManager,
+  stream: string,
+): Promise<{ leader: string; replicas: number; peers: string[] }> {
   let out = { leader: "", replicas: 0, peers: [] as string[] };
   await waitFor(`stream ${stream} to have a leader and current followers`, async () => {
     const si = await jsm.streams.info(stream);
     const followers = si.cluster?.replicas ?? [];
-    out = { leader: si.cluster?.leader ?? "", replicas: si.config.num_replicas, peers: [si.cluster?.leader ?? "", ...followers.map((r) => r.name)].sort() };
+    out = {
+      leader: si.cluster?.leader ?? "",
+      replicas: si.config.num_replicas,
+      peers: [si.cluster?.leader ?? "", ...followers.map((r) => r.name)].sort(),
+    };
     return out.leader !== "" && followers.every((r) => r.current);
   });
   return out;
@@ -123,7 +136,8 @@ async function connectionNames(m: Member): Promise<string[]> {
 }
 
 /** A URL list with `home` first, then the other members (where a client fails over to). */
-const urlsFrom = (members: readonly Member[], home: Member) => [home, ...members.filter((m) => m !== home)].map((m) => m.server.url).join(",");
+const urlsFrom = (members: readonly Member[], home: Member) =>
+  [home, ...members.filter((m) => m !== home)].map((m) => m.server.url).join(",");
 
 /** How long the job may take, kill included (it takes seconds when all is well). */
 const watchMsMax = 80_000;
@@ -147,19 +161,35 @@ describe("a three-server NATS cluster", () => {
     const [a, b] = members.filter((m) => m !== victim) as [Member, Member];
 
     // the job store, made here with 3 replicas before anything else opens it
-    const admin = await NatsBus.connect({ url: urlsFrom(members, a), name: "test-admin", connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
+    const admin = await NatsBus.connect({
+      url: urlsFrom(members, a),
+      name: "test-admin",
+      connectRetryMsMax: 10_000,
+      connectBackoffMsMax: 500,
+    });
     await JobStore.open(admin.nc, { replicas: 3 });
     const jsm = await jetstreamManager(admin.nc);
     for (const bucket of [jobsBucket, recordsBucket]) {
       const p = await placement(jsm, streamOf(bucket));
-      expect({ bucket, replicas: p.replicas, peers: p.peers }).toEqual({ bucket, replicas: 3, peers: members.map((m) => m.name).sort() });
+      expect({ bucket, replicas: p.replicas, peers: p.peers }).toEqual({
+        bucket,
+        replicas: 3,
+        peers: members.map((m) => m.name).sort(),
+      });
     }
     const ledRecords = await leadStream(admin, jsm, streamOf(recordsBucket), victimName);
-    console.log(`victim ${victimName}: JetStream meta leader${ledRecords ? ", leader of the job records' stream" : ""}`);
+    console.log(
+      `victim ${victimName}: JetStream meta leader${ledRecords ? ", leader of the job records' stream" : ""}`,
+    );
 
     // trainer 0 and shard 0 on the victim; the rest on the other two; MT_KV_REPLICAS as a deployment sets it
     const dir = tempDir("mt-natscluster-");
-    const env = (home: Member) => ({ MT_NATS_URL: urlsFrom(members, home), MT_KV_REPLICAS: "3", MT_METRICS_PORT: "-1", OMP_NUM_THREADS: "1" });
+    const env = (home: Member) => ({
+      MT_NATS_URL: urlsFrom(members, home),
+      MT_KV_REPLICAS: "3",
+      MT_METRICS_PORT: "-1",
+      OMP_NUM_THREADS: "1",
+    });
     const services: ServiceProcess[] = [
       spawnService("services/trainer/main.ts", [], { ...env(victim), MT_RANK: "0" }),
       spawnService("services/parameter-server/main.ts", [], { ...env(victim), MT_SHARD: "0" }),
@@ -193,8 +223,17 @@ describe("a three-server NATS cluster", () => {
 
       // the victim's services failed over to the survivors (none of them died), where all six are now
       expect(services.map((s) => s.proc.exitCode)).toEqual(services.map(() => null));
-      const survivors = [...(await connectionNames(a)), ...(await connectionNames(b))].filter((n) => !n.startsWith("test-") && n !== "meshtrain-sdk");
-      expect(survivors.sort()).toEqual(["checkpoint", "data-loader", "parameter-server", "parameter-server", "trainer", "trainer"]);
+      const survivors = [...(await connectionNames(a)), ...(await connectionNames(b))].filter(
+        (n) => !n.startsWith("test-") && n !== "meshtrain-sdk",
+      );
+      expect(survivors.sort()).toEqual([
+        "checkpoint",
+        "data-loader",
+        "parameter-server",
+        "parameter-server",
+        "trainer",
+        "trainer",
+      ]);
 
       // under BSP each step updates every chunk once: the final snapshot's versions count the steps applied
       const versions = [...finalChunkVersions(r.record).values()].flat();
@@ -204,7 +243,12 @@ describe("a three-server NATS cluster", () => {
       // every service follows the job specs again (a watch whose consumer sat on the victim is
       // started anew: JetStream places new consumers again once it has given up the victim, which
       // takes 2.9's servers some 20 s), and a next job runs
-      for (const svc of services) await waitFor("every service to follow the job specs again", () => svc.log().includes(jobSpecsFollowedAgain), 60_000);
+      for (const svc of services)
+        await waitFor(
+          "every service to follow the job specs again",
+          () => svc.log().includes(jobSpecsFollowedAgain),
+          60_000,
+        );
       const next = config({ job: "default.natscluster-after", maxSteps: 10, checkpointEvery: 5, evalEvery: 0 });
       await client.submit(next, { membersWaitMs: 60_000 });
       const after = await watchJob(client, next.job, { quiet: true, signal: AbortSignal.timeout(watchMsMax) });
@@ -241,13 +285,18 @@ describe("a three-server NATS cluster", () => {
       answerer.handle("t.ping", (data) => data);
       await answerer.nc.flush();
       // the answerer's interest has crossed the route to the caller's server (sent in order after t.slow's)
-      await waitFor("the caller to reach the answerer", async () => (await caller.request("t.ping", new Uint8Array([0]), 1_000)).length === 1);
+      await waitFor(
+        "the caller to reach the answerer",
+        async () => (await caller.request("t.ping", new Uint8Array([0]), 1_000)).length === 1,
+      );
       first = caller.request("t.slow", new Uint8Array([1]), 60_000).catch((e: unknown) => e);
       await arrived;
       process.kill(victim.server.pid, "SIGKILL");
       const e = await first;
       expect(e).toBeInstanceOf(DeadlineError);
-      expect((e as Error).message).toMatch(/^a server of the NATS cluster \(127\.0\.0\.1:\d+\) left while waiting for the answer on t\.slow; retry$/);
+      expect((e as Error).message).toMatch(
+        /^a server of the NATS cluster \(127\.0\.0\.1:\d+\) left while waiting for the answer on t\.slow; retry$/,
+      );
       let answer: Uint8Array | null = null;
       await waitFor("the retried request to be answered", async () => {
         answer = await caller.request("t.slow", new Uint8Array([2]), 5_000);
@@ -262,7 +311,12 @@ describe("a three-server NATS cluster", () => {
 
   test("MT_KV_REPLICAS: the job store opens on a fresh cluster; a bucket made with fewer replicas is raised to it, never lowered; a value outside 1..5 is refused", async () => {
     await using members = await startCluster();
-    const bus = await NatsBus.connect({ url: urlsFrom(members, members[0]!), name: "test-replicas", connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
+    const bus = await NatsBus.connect({
+      url: urlsFrom(members, members[0]!),
+      name: "test-replicas",
+      connectRetryMsMax: 10_000,
+      connectBackoffMsMax: 500,
+    });
     try {
       // at once on a fresh cluster: opening the job store waits out JetStream's first election
       await JobStore.open(bus.nc, { replicas: 3 });
@@ -279,13 +333,19 @@ describe("a three-server NATS cluster", () => {
     }
     expect(kvReplicasFromEnv({})).toBe(1);
     expect(kvReplicasFromEnv({ MT_KV_REPLICAS: "3" })).toBe(3);
-    for (const bad of ["0", "6", "2.5", "three"]) expect(() => kvReplicasFromEnv({ MT_KV_REPLICAS: bad })).toThrow(ConfigError);
+    for (const bad of ["0", "6", "2.5", "three"])
+      expect(() => kvReplicasFromEnv({ MT_KV_REPLICAS: bad })).toThrow(ConfigError);
   }, 60_000);
 
   test("the CLI takes the cluster's URLs in --nats-url: with the first server dead it reaches the job store through the next", async () => {
     await using members = await startCluster();
     const leader = await metaLeader(members);
-    const bus = await NatsBus.connect({ url: urlsFrom(members, members[0]!), name: "test-store", connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
+    const bus = await NatsBus.connect({
+      url: urlsFrom(members, members[0]!),
+      name: "test-store",
+      connectRetryMsMax: 10_000,
+      connectBackoffMsMax: 500,
+    });
     await JobStore.open(bus.nc, { replicas: 3 }).finally(() => bus.close());
     // not the JetStream leader: this is about connecting, not about elections
     const dead = members.find((m) => m.name !== leader)!;
@@ -293,7 +353,12 @@ describe("a three-server NATS cluster", () => {
     await dead.server.exited;
     // the dead server may have led a bucket's stream: the survivors elect another leader first
     // (seconds, more on a loaded machine), so that the CLI's wait below is about connecting
-    const live = await NatsBus.connect({ url: urlsFrom(members, dead), name: "test-settled", connectRetryMsMax: 10_000, connectBackoffMsMax: 500 });
+    const live = await NatsBus.connect({
+      url: urlsFrom(members, dead),
+      name: "test-settled",
+      connectRetryMsMax: 10_000,
+      connectBackoffMsMax: 500,
+    });
     try {
       await waitFor(
         "the job store to answer without the dead server",
@@ -303,21 +368,37 @@ describe("a three-server NATS cluster", () => {
     } finally {
       await live.close();
     }
-    const cli = Bun.spawnSync([process.execPath, join(import.meta.dir, "..", "..", "sdk", "cli.ts"), "status", "--nats-url", urlsFrom(members, dead)], {
-      stdout: "pipe",
-      stderr: "pipe",
-      env: { ...process.env, MT_KV_REPLICAS: "3", MT_NATS_NKEY: "" },
-    });
+    const cli = Bun.spawnSync(
+      [
+        process.execPath,
+        join(import.meta.dir, "..", "..", "sdk", "cli.ts"),
+        "status",
+        "--nats-url",
+        urlsFrom(members, dead),
+      ],
+      {
+        stdout: "pipe",
+        stderr: "pipe",
+        env: { ...process.env, MT_KV_REPLICAS: "3", MT_NATS_NKEY: "" },
+      },
+    );
     expect(cli.exitCode, cli.stderr.toString()).toBe(0);
   }, 150_000);
 
   test("replicas 3 on a single server is refused with a ConfigError that names MT_KV_REPLICAS", async () => {
     await using server = await startNatsServer();
-    const bus = await NatsBus.connect({ url: server.url, name: "test-single", connectRetryMsMax: 5_000, connectBackoffMsMax: 500 });
+    const bus = await NatsBus.connect({
+      url: server.url,
+      name: "test-single",
+      connectRetryMsMax: 5_000,
+      connectBackoffMsMax: 500,
+    });
     try {
       const e = await JobStore.open(bus.nc, { replicas: 3 }).catch((err: unknown) => err);
       expect(e).toBeInstanceOf(ConfigError);
-      expect((e as Error).message).toMatch(/mt-jobs cannot have 3 replicas here .*MT_KV_REPLICAS must not exceed the JetStream servers/);
+      expect((e as Error).message).toMatch(
+        /mt-jobs cannot have 3 replicas here .*MT_KV_REPLICAS must not exceed the JetStream servers/,
+      );
     } finally {
       await bus.close();
     }

@@ -56,8 +56,12 @@ test("rank 0 waits only for a snapshot's cut, not its write; a checkpoint servic
   expect(killedAt).toBe(200);
   expect(lines.some((l) => l.includes("checkpoint died (signal SIGKILL); restarting"))).toBe(true);
   // rank 0's waits at its snapshot boundaries: each far shorter than a write
-  const waits = seen.filter((e) => e.kind === EventKind.Step && e.rank === 0 && e.snapshotMs > 0).map((e) => e.snapshotMs);
-  console.log(`rank 0 waited ${waits.map((w) => w.toFixed(0)).join(", ")} ms at its snapshots (each write takes over ${writeDelayMs} ms)`);
+  const waits = seen
+    .filter((e) => e.kind === EventKind.Step && e.rank === 0 && e.snapshotMs > 0)
+    .map((e) => e.snapshotMs);
+  console.log(
+    `rank 0 waited ${waits.map((w) => w.toFixed(0)).join(", ")} ms at its snapshots (each write takes over ${writeDelayMs} ms)`,
+  );
   expect(waits.length).toBeGreaterThanOrEqual(3);
   for (const w of waits) expect(w).toBeLessThan(writeDelayMs / 2);
   // the snapshot cut at step 200 never reached the disk; no half-written one is listed, every one listed verifies

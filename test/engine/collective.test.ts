@@ -3,7 +3,13 @@
 // duplicates, early pieces, hostile pieces, and failing peers. The same algorithms over a real
 // nats-server and real processes: test/services/collective.integration.test.ts.
 import { describe, expect, test } from "bun:test";
-import { CollectiveAbortedError, CollectiveClosedError, CollectiveTimeoutError, type Collective, segment } from "../../engine/parallel/collective.ts";
+import {
+  CollectiveAbortedError,
+  CollectiveClosedError,
+  CollectiveTimeoutError,
+  type Collective,
+  segment,
+} from "../../engine/parallel/collective.ts";
 import { HierarchicalCollective, topologyRings } from "../../engine/parallel/hierarchical.ts";
 import { RingCollective } from "../../engine/parallel/ring.ts";
 import { MemoryTransport, type PieceHeader } from "../../engine/parallel/transport.ts";
@@ -12,9 +18,16 @@ import { expectRejected } from "../helpers/errors.ts";
 
 type Hook = (h: PieceHeader) => "deliver" | "drop" | "twice";
 
-function mesh(n: number, pieceBytes: number, opts: { hosts?: string[]; hook?: Hook; timeoutMs?: number; earlyBytesMax?: number } = {}): Collective[] {
+function mesh(
+  n: number,
+  pieceBytes: number,
+  opts: { hosts?: string[]; hook?: Hook; timeoutMs?: number; earlyBytesMax?: number } = {},
+): Collective[] {
   const peers = new Map<number, MemoryTransport>();
-  const ring = { progressTimeoutMs: opts.timeoutMs ?? 5_000, ...(opts.earlyBytesMax ? { earlyBytesMax: opts.earlyBytesMax } : {}) };
+  const ring = {
+    progressTimeoutMs: opts.timeoutMs ?? 5_000,
+    ...(opts.earlyBytesMax ? { earlyBytesMax: opts.earlyBytesMax } : {}),
+  };
   return Array.from({ length: n }, (_, r) => {
     const t = new MemoryTransport(r, peers, pieceBytes, opts.hook ? { beforeDeliver: opts.hook } : {});
     return opts.hosts ? new HierarchicalCollective(t, { hosts: opts.hosts }, ring) : new RingCollective(t, n, ring);
@@ -40,9 +53,14 @@ function reference(xs: Float32Array[]): { sum: Float64Array; bound: Float64Array
   return { sum, bound: abs.map((a) => a * eps * xs.length + 1e-30) };
 }
 
-function expectNear(got: Float32Array, ref: { sum: Float64Array; bound: Float64Array }, range = { offset: 0, count: got.length }): void {
+function expectNear(
+  got: Float32Array,
+  ref: { sum: Float64Array; bound: Float64Array },
+  range = { offset: 0, count: got.length },
+): void {
   for (let i = range.offset; i < range.offset + range.count; i++) {
-    if (!(Math.abs(got[i]! - ref.sum[i]!) <= ref.bound[i]!)) throw new Error(`element ${i}: ${got[i]} vs float64 ${ref.sum[i]} (bound ${ref.bound[i]})`);
+    if (!(Math.abs(got[i]! - ref.sum[i]!) <= ref.bound[i]!))
+      throw new Error(`element ${i}: ${got[i]} vs float64 ${ref.sum[i]} (bound ${ref.bound[i]})`);
   }
 }
 
@@ -111,14 +129,23 @@ describe("ring: the wire misbehaves", () => {
       await Bun.sleep(30);
       await colls[0]!.allReduce(bufs[0]!, { step: 7, bucket: 0 });
     })();
-    await Promise.all([late, colls[1]!.allReduce(bufs[1]!, { step: 7, bucket: 0 }), colls[2]!.allReduce(bufs[2]!, { step: 7, bucket: 0 })]);
+    await Promise.all([
+      late,
+      colls[1]!.allReduce(bufs[1]!, { step: 7, bucket: 0 }),
+      colls[2]!.allReduce(bufs[2]!, { step: 7, bucket: 0 }),
+    ]);
     for (const b of bufs) expectNear(b, ref);
     // buckets of one step overlap: all three started before any finished
     const ys = inputs(3, 3_000, 3).map((x) => x.slice());
     const zs = inputs(3, 2_000, 4).map((x) => x.slice());
     const refY = reference(ys.map((y) => y.slice())),
       refZ = reference(zs.map((z) => z.slice()));
-    await Promise.all(colls.flatMap((c, r) => [c.allReduce(ys[r]!, { step: 8, bucket: 0 }), c.allReduce(zs[r]!, { step: 8, bucket: 1 })]));
+    await Promise.all(
+      colls.flatMap((c, r) => [
+        c.allReduce(ys[r]!, { step: 8, bucket: 0 }),
+        c.allReduce(zs[r]!, { step: 8, bucket: 1 }),
+      ]),
+    );
     for (const y of ys) expectNear(y, refY);
     for (const z of zs) expectNear(z, refZ);
   });
@@ -165,9 +192,21 @@ describe("ring: the wire misbehaves", () => {
     const ref = reference(bufs.map((b) => b.slice()));
     // rank 1 waits for rank 0's pieces; rank 0 starts once the forged ones were refused
     const waiting = colls[1]!.allReduce(bufs[1]!, { step: 0, bucket: 0 });
-    const header = { group: "#all-reduce", to: 1, step: 0, bucket: 0, phase: "reduce-scatter" as const, hop: 0, piece: 0 };
-    await expect(forger.send({ ...header, from: 0, offset: 3, count: 4 }, new Float32Array(4), new AbortController().signal)).rejects.toThrow(/expected \[/);
-    await expect(forger.send({ ...header, from: 9, offset: 0, count: 100 }, new Float32Array(100), new AbortController().signal)).rejects.toThrow(/rank 9/);
+    const header = {
+      group: "#all-reduce",
+      to: 1,
+      step: 0,
+      bucket: 0,
+      phase: "reduce-scatter" as const,
+      hop: 0,
+      piece: 0,
+    };
+    await expect(
+      forger.send({ ...header, from: 0, offset: 3, count: 4 }, new Float32Array(4), new AbortController().signal),
+    ).rejects.toThrow(/expected \[/);
+    await expect(
+      forger.send({ ...header, from: 9, offset: 0, count: 100 }, new Float32Array(100), new AbortController().signal),
+    ).rejects.toThrow(/rank 9/);
     await Promise.all([waiting, colls[0]!.allReduce(bufs[0]!, { step: 0, bucket: 0 })]);
     for (const b of bufs) expectNear(b, ref);
   });
@@ -191,7 +230,8 @@ describe("ring: a peer fails", () => {
     // the first to time out tells the other, which may hear that before its own deadline
     const reasons = results.map((r) => (r.status === "rejected" ? r.reason : null));
     expect(reasons.some((e) => e instanceof CollectiveTimeoutError)).toBe(true);
-    for (const e of reasons) expect(e instanceof CollectiveTimeoutError || e instanceof CollectiveAbortedError).toBe(true);
+    for (const e of reasons)
+      expect(e instanceof CollectiveTimeoutError || e instanceof CollectiveAbortedError).toBe(true);
     // the timeout names the rank it waits for: rank 0 hears from rank 2 (which never joined), rank 1 from rank 0
     const timedOut = reasons.filter((e) => e instanceof CollectiveTimeoutError).map((e) => (e as Error).message);
     expect(timedOut.every((m) => /waiting for rank \d|rank \d is gone or stuck/.test(m))).toBe(true);

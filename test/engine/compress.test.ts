@@ -4,7 +4,14 @@
 // step after step).
 import { describe, expect, test } from "bun:test";
 import { ConfigError } from "../../engine/errors.ts";
-import { Codec, type Compression, CompressionError, density, ErrorFeedback, parseCompression } from "../../engine/parallel/compress.ts";
+import {
+  Codec,
+  type Compression,
+  CompressionError,
+  density,
+  ErrorFeedback,
+  parseCompression,
+} from "../../engine/parallel/compress.ts";
 import { Rng } from "../../engine/rng.ts";
 import { decodeChunk, topKChunk } from "../../services/runtime/transport/chunk-codec.ts";
 
@@ -36,7 +43,19 @@ describe("parseCompression", () => {
     expect(parseCompression("topk:1e-3")).toEqual({ kind: "topk", fraction: 0.001 });
   });
   test("refuses anything else, naming the forms", () => {
-    for (const bad of ["", "f16", "int4", "topk", "topk:", "topk:0", "topk:1.5", "topk:-0.1", "topk:abc", "BF16", "bf16 "]) {
+    for (const bad of [
+      "",
+      "f16",
+      "int4",
+      "topk",
+      "topk:",
+      "topk:0",
+      "topk:1.5",
+      "topk:-0.1",
+      "topk:abc",
+      "BF16",
+      "bf16 ",
+    ]) {
       expect(() => parseCompression(bad)).toThrow(ConfigError);
     }
     expect(() => parseCompression("topk:2")).toThrow(/\(0, 1\]/);
@@ -175,7 +194,12 @@ describe("hostile slots", () => {
 });
 
 describe("error feedback", () => {
-  const codecs: Compression[] = [{ kind: "bf16" }, { kind: "fp16" }, { kind: "int8" }, { kind: "topk", fraction: 0.01 }];
+  const codecs: Compression[] = [
+    { kind: "bf16" },
+    { kind: "fp16" },
+    { kind: "int8" },
+    { kind: "topk", fraction: 0.01 },
+  ];
   for (const c of codecs) {
     test(`${c.kind}: sent + residual = gradient + previous residual, exactly in float64, for 30 steps`, () => {
       const n = 5003;

@@ -28,7 +28,12 @@ function batch(from: number, n: number): HostBatch {
   return { inputs, inputShape: [n, widths[0]!], targets, targetShape: [n] };
 }
 
-const probe: HostBatch = { inputs: new Float32Array(widths[0]!), inputShape: [1, widths[0]!], targets: new Int32Array(1), targetShape: [1] };
+const probe: HostBatch = {
+  inputs: new Float32Array(widths[0]!),
+  inputShape: [1, widths[0]!],
+  targets: new Int32Array(1),
+  targetShape: [1],
+};
 
 function model(ctx: Context): MlpModel {
   return new MlpModel(ctx, { widths, activation: "relu", dropout: 0 }, 3);
@@ -36,7 +41,11 @@ function model(ctx: Context): MlpModel {
 
 /** `steps` steps of `ranks` data-parallel ranks (rank r takes rows [r*b, (r+1)*b) of each step's batch) against one process
  *  with the whole batch: the worst relative difference in loss and norm, or absolute in the final parameters. */
-async function compare(ranks: number, over: Partial<DataParallelOptions>, steps: number): Promise<{ worst: number; identical: boolean }> {
+async function compare(
+  ranks: number,
+  over: Partial<DataParallelOptions>,
+  steps: number,
+): Promise<{ worst: number; identical: boolean }> {
   const b = 6;
   const rings = inProcessRings(ranks, { progressTimeoutMs: 5_000 }, 256);
   const ctxs = rings.map(() => new Context(new CpuBackend(), { seed: 0 }));
@@ -63,17 +72,27 @@ async function compare(ranks: number, over: Partial<DataParallelOptions>, steps:
   );
   const ctx = new Context(new CpuBackend(), { seed: 0 });
   const single = model(ctx);
-  const train = new TrainStep(ctx, single, new AdamW(ctx, single.store, adamw), { lr, schedule: { kind: "constant" }, gradClip: 1, accumSteps: 1 });
+  const train = new TrainStep(ctx, single, new AdamW(ctx, single.store, adamw), {
+    lr,
+    schedule: { kind: "constant" },
+    gradClip: 1,
+    accumSteps: 1,
+  });
   let worst = 0;
   try {
     for (let s = 0; s < steps; s++) {
       const whole = train.run([batch(s * ranks * b, ranks * b)]);
       // rank r's rows, in accumSteps equal micro-batches
       const k = over.accumSteps ?? 1;
-      const micro = (r: number) => Array.from({ length: k }, (_, j) => batch(s * ranks * b + r * b + (j * b) / k, b / k));
+      const micro = (r: number) =>
+        Array.from({ length: k }, (_, j) => batch(s * ranks * b + r * b + (j * b) / k, b / k));
       const results = await Promise.all(dps.map((dp, r) => dp.step(s, micro(r), b, ranks * b, lr)));
       const loss = results.reduce((sum, x) => sum + x.loss, 0) / ranks;
-      worst = Math.max(worst, Math.abs(loss - whole.loss) / Math.abs(whole.loss), Math.abs(results[0]!.gradNorm - whole.gradNorm) / whole.gradNorm);
+      worst = Math.max(
+        worst,
+        Math.abs(loss - whole.loss) / Math.abs(whole.loss),
+        Math.abs(results[0]!.gradNorm - whole.gradNorm) / whole.gradNorm,
+      );
       for (const x of results) expect(x.gradNorm).toBe(results[0]!.gradNorm);
     }
     const values = await Promise.all(dps.map((dp) => dp.readValues(steps)));

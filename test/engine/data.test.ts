@@ -81,7 +81,8 @@ describe("MNIST", () => {
     const pixel = (x: number) => Math.round((x * mnistStd + mnistMean) * 255) | 0; // | 0: no -0
     const seen: number[] = [];
     for (const batch of new ImageBatcher(synthetic, 7, small.val).epoch(1, 0, true, false)) {
-      for (let r = 0; r < batch.targets.length; r++) seen.push(pixel(batch.inputs[2 * r]!) + 256 * pixel(batch.inputs[2 * r + 1]!));
+      for (let r = 0; r < batch.targets.length; r++)
+        seen.push(pixel(batch.inputs[2 * r]!) + 256 * pixel(batch.inputs[2 * r + 1]!));
     }
     expect(seen.length).toBe(60);
     expect([...seen].sort((a, b) => a - b)).toEqual([...small.val]);
@@ -94,7 +95,11 @@ describe("MNIST", () => {
     expectDataError(() => readIdx(empty), empty, "file is empty");
     expectDataError(() => parseIdx("x", Uint8Array.of(1, 2, 3, 4)), "x", "not an idx file");
     expectDataError(() => parseIdx("x", idx(0x0d, [2], [0, 0])), "x", "unsupported idx element type 0xd");
-    expectDataError(() => parseIdx("x", idx(0x08, [2, 2], [1, 2, 3])), "x", "truncated: dims [2, 2] need 4 data bytes, file has 3");
+    expectDataError(
+      () => parseIdx("x", idx(0x08, [2, 2], [1, 2, 3])),
+      "x",
+      "truncated: dims [2, 2] need 4 data bytes, file has 3",
+    );
     expectDataError(() => parseIdx("x", idx(0x08, [2], [1, 2, 3])), "x", "trailing bytes");
     expectDataError(() => parseIdx("x", Uint8Array.of(0, 0, 8, 2, 0, 0)), "x", "truncated idx header");
     expectDataError(() => parseIdx("x", idx(0x08, [0], [])), "x", "dimension 0 is zero");
@@ -217,9 +222,17 @@ describe("uint16 token files", () => {
     const lying = new ShardTokens(d, [{ ...shards[0]!, tokens: 98 }]);
     expectDataError(() => lying.read(0, 1, out), join(d, shards[0]!.file), "holds 97 tokens, the manifest says 98");
     writeFileSync(join(d, shards[1]!.file), new Uint8Array(1024 + 50));
-    expectDataError(() => new ShardTokens(d, [shards[1]!]).read(0, 1, out), join(d, shards[1]!.file), "not an llm.c token shard");
+    expectDataError(
+      () => new ShardTokens(d, [shards[1]!]).read(0, 1, out),
+      join(d, shards[1]!.file),
+      "not an llm.c token shard",
+    );
     const cut = file("cut-shard.bin", new Uint8Array(readFileSync(join(d, shards[2]!.file)).subarray(0, 1024 + 100)));
-    expectDataError(() => new ShardTokens(dir, [{ ...shards[2]!, file: "cut-shard.bin" }]).read(0, 1, out), cut, "is 1124 bytes, its header says 1218");
+    expectDataError(
+      () => new ShardTokens(dir, [{ ...shards[2]!, file: "cut-shard.bin" }]).read(0, 1, out),
+      cut,
+      "is 1124 bytes, its header says 1218",
+    );
   });
 
   test("train/validation split keeps order", () => {

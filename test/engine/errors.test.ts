@@ -1,17 +1,37 @@
 // Wrong shapes, dtypes, contexts and indices give typed errors that name the op and the
 // shapes; a NaN/Inf loss stops training with a clear message and leaves the weights intact.
 import { describe, expect, test } from "bun:test";
-import { BackendMismatchError, DTypeError, IndexRangeError, NonFiniteLossError, ShapeError, StaleTensorError } from "../../engine/errors.ts";
+import {
+  BackendMismatchError,
+  DTypeError,
+  IndexRangeError,
+  NonFiniteLossError,
+  ShapeError,
+  StaleTensorError,
+} from "../../engine/errors.ts";
 import { MlpModel } from "../../engine/models/mlp.ts";
-import { add, biasAdd, causalSelfAttention, embedding, layerNorm, matmul, mul, permute, relu, softmaxCrossEntropy } from "../../engine/ops/index.ts";
+import {
+  add,
+  biasAdd,
+  causalSelfAttention,
+  embedding,
+  layerNorm,
+  matmul,
+  mul,
+  permute,
+  relu,
+  softmaxCrossEntropy,
+} from "../../engine/ops/index.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
 import { TrainStep } from "../../engine/train.ts";
 import { GptModel } from "../../engine/models/gpt.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { newContext } from "../helpers/numeric.ts";
 
-const f = (ctx: ReturnType<typeof newContext>, shape: number[]) => ctx.fromArray(new Float32Array(shape.reduce((a, b) => a * b, 1)), shape);
-const ids = (ctx: ReturnType<typeof newContext>, values: number[], shape = [values.length]) => ctx.fromArray(Int32Array.from(values), shape);
+const f = (ctx: ReturnType<typeof newContext>, shape: number[]) =>
+  ctx.fromArray(new Float32Array(shape.reduce((a, b) => a * b, 1)), shape);
+const ids = (ctx: ReturnType<typeof newContext>, values: number[], shape = [values.length]) =>
+  ctx.fromArray(Int32Array.from(values), shape);
 
 const expectError = (...args: Parameters<typeof expectThrown>): void => {
   expectThrown(...args);
@@ -19,24 +39,51 @@ const expectError = (...args: Parameters<typeof expectThrown>): void => {
 
 describe("shape errors name the op and the shapes", () => {
   const ctx = newContext();
-  test("matmul inner dims", () => expectError(() => matmul(f(ctx, [2, 3]), f(ctx, [4, 5])), ShapeError, "matmul", "[2, 3]", "[4, 5]", "inner dims"));
-  test("matmul batch dims", () => expectError(() => matmul(f(ctx, [2, 3, 4]), f(ctx, [3, 4, 5])), ShapeError, "matmul", "batch dims"));
+  test("matmul inner dims", () =>
+    expectError(() => matmul(f(ctx, [2, 3]), f(ctx, [4, 5])), ShapeError, "matmul", "[2, 3]", "[4, 5]", "inner dims"));
+  test("matmul batch dims", () =>
+    expectError(() => matmul(f(ctx, [2, 3, 4]), f(ctx, [3, 4, 5])), ShapeError, "matmul", "batch dims"));
   test("matmul 1-D operand", () => expectError(() => matmul(f(ctx, [3]), f(ctx, [3, 2])), ShapeError, "matmul"));
-  test("add cannot broadcast", () => expectError(() => add(f(ctx, [2, 3]), f(ctx, [4])), ShapeError, "add", "[2, 3]", "[4]"));
-  test("mul cannot broadcast", () => expectError(() => mul(f(ctx, [5, 2]), f(ctx, [3, 2])), ShapeError, "mul", "[5, 2]", "[3, 2]"));
-  test("biasAdd length", () => expectError(() => biasAdd(f(ctx, [2, 3]), f(ctx, [4])), ShapeError, "biasAdd", "[2, 3]", "[4]"));
-  test("layerNorm weight", () => expectError(() => layerNorm(f(ctx, [2, 3]), f(ctx, [4]), f(ctx, [3])), ShapeError, "layerNorm", "[2, 3]", "[4]"));
+  test("add cannot broadcast", () =>
+    expectError(() => add(f(ctx, [2, 3]), f(ctx, [4])), ShapeError, "add", "[2, 3]", "[4]"));
+  test("mul cannot broadcast", () =>
+    expectError(() => mul(f(ctx, [5, 2]), f(ctx, [3, 2])), ShapeError, "mul", "[5, 2]", "[3, 2]"));
+  test("biasAdd length", () =>
+    expectError(() => biasAdd(f(ctx, [2, 3]), f(ctx, [4])), ShapeError, "biasAdd", "[2, 3]", "[4]"));
+  test("layerNorm weight", () =>
+    expectError(() => layerNorm(f(ctx, [2, 3]), f(ctx, [4]), f(ctx, [3])), ShapeError, "layerNorm", "[2, 3]", "[4]"));
   test("cross-entropy targets", () =>
-    expectError(() => softmaxCrossEntropy(f(ctx, [4, 10]), ids(ctx, [1, 2, 3])), ShapeError, "softmaxCrossEntropy", "[4, 10]", "[3]"));
-  test("embedding table rank", () => expectError(() => embedding(f(ctx, [10]), ids(ctx, [1])), ShapeError, "embedding", "[10]"));
-  test("attention heads", () => expectError(() => causalSelfAttention(f(ctx, [1, 4, 12]), 3), ShapeError, "causalSelfAttention", "[1, 4, 12]", "nHead=3"));
+    expectError(
+      () => softmaxCrossEntropy(f(ctx, [4, 10]), ids(ctx, [1, 2, 3])),
+      ShapeError,
+      "softmaxCrossEntropy",
+      "[4, 10]",
+      "[3]",
+    ));
+  test("embedding table rank", () =>
+    expectError(() => embedding(f(ctx, [10]), ids(ctx, [1])), ShapeError, "embedding", "[10]"));
+  test("attention heads", () =>
+    expectError(
+      () => causalSelfAttention(f(ctx, [1, 4, 12]), 3),
+      ShapeError,
+      "causalSelfAttention",
+      "[1, 4, 12]",
+      "nHead=3",
+    ));
   test("permute perm", () => expectError(() => permute(f(ctx, [2, 3]), [0, 0]), ShapeError, "permute", "[2, 3]"));
-  test("reshape element count", () => expectError(() => f(ctx, [2, 3]).reshape([4, 2]), ShapeError, "reshape", "[2, 3]", "[4, 2]"));
+  test("reshape element count", () =>
+    expectError(() => f(ctx, [2, 3]).reshape([4, 2]), ShapeError, "reshape", "[2, 3]", "[4, 2]"));
   test("narrowRows range", () => expectError(() => f(ctx, [2, 3]).narrowRows(1, 2), ShapeError, "narrowRows"));
   test("gpt context longer than blockSize", () => {
     const gctx = newContext();
     const model = new GptModel(gctx, { vocabSize: 5, blockSize: 4, nLayer: 1, nHead: 1, nEmbd: 4, dropout: 0 }, 1);
-    expectError(() => model.forward(ids(gctx, [0, 1, 2, 3, 4], [1, 5])), ShapeError, "gpt.forward", "[1, 5]", "blockSize 4");
+    expectError(
+      () => model.forward(ids(gctx, [0, 1, 2, 3, 4], [1, 5])),
+      ShapeError,
+      "gpt.forward",
+      "[1, 5]",
+      "blockSize 4",
+    );
   });
   test("zero or fractional dims", () => {
     expectError(() => ctx.empty([2, 0]), ShapeError, "[2, 0]");
@@ -63,8 +110,18 @@ describe("dtype, context and index errors", () => {
   });
   test("class ids and token ids out of range", () => {
     const ctx = newContext();
-    expectError(() => softmaxCrossEntropy(f(ctx, [2, 3]), ids(ctx, [0, 3])), IndexRangeError, "softmaxCrossEntropy", "1 index value(s) outside [0, 3)");
-    expectError(() => embedding(f(ctx, [4, 2]), ids(ctx, [-1, 2, 9])), IndexRangeError, "embedding", "2 index value(s) outside [0, 4)");
+    expectError(
+      () => softmaxCrossEntropy(f(ctx, [2, 3]), ids(ctx, [0, 3])),
+      IndexRangeError,
+      "softmaxCrossEntropy",
+      "1 index value(s) outside [0, 3)",
+    );
+    expectError(
+      () => embedding(f(ctx, [4, 2]), ids(ctx, [-1, 2, 9])),
+      IndexRangeError,
+      "embedding",
+      "2 index value(s) outside [0, 4)",
+    );
   });
   test("backward from a non-scalar or a constant", () => {
     const ctx = newContext();
@@ -78,13 +135,23 @@ describe("a non-finite loss stops training", () => {
   test("NaN input: NonFiniteLossError with the step, weights untouched", () => {
     const ctx = newContext();
     const model = new MlpModel(ctx, { widths: [4, 8, 3], activation: "relu", dropout: 0 }, 1);
-    const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }), {
-      lr: 0.1,
-      schedule: { kind: "constant" },
-      gradClip: 0,
-      accumSteps: 1,
-    });
-    const good = { inputs: Float32Array.of(1, 2, 3, 4), inputShape: [1, 4], targets: Int32Array.of(1), targetShape: [1] };
+    const trainer = new TrainStep(
+      ctx,
+      model,
+      new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }),
+      {
+        lr: 0.1,
+        schedule: { kind: "constant" },
+        gradClip: 0,
+        accumSteps: 1,
+      },
+    );
+    const good = {
+      inputs: Float32Array.of(1, 2, 3, 4),
+      inputShape: [1, 4],
+      targets: Int32Array.of(1),
+      targetShape: [1],
+    };
     trainer.run([good]);
     const before = model.store.readValues();
     const bad = { ...good, inputs: Float32Array.of(1, NaN, 3, 4) };
@@ -96,12 +163,17 @@ describe("a non-finite loss stops training", () => {
   test("a learning rate that diverges ends in the same clear error", () => {
     const ctx = newContext();
     const model = new MlpModel(ctx, { widths: [4, 8, 3], activation: "relu", dropout: 0 }, 1);
-    const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }), {
-      lr: 1e30,
-      schedule: { kind: "constant" },
-      gradClip: 0,
-      accumSteps: 1,
-    });
+    const trainer = new TrainStep(
+      ctx,
+      model,
+      new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }),
+      {
+        lr: 1e30,
+        schedule: { kind: "constant" },
+        gradClip: 0,
+        accumSteps: 1,
+      },
+    );
     const b = { inputs: Float32Array.of(1, 2, 3, 4), inputShape: [1, 4], targets: Int32Array.of(1), targetShape: [1] };
     expect(() => {
       for (let i = 0; i < 20; i++) trainer.run([b]);

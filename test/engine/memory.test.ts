@@ -27,7 +27,12 @@ const batchOf = (rng: Rng, B: number, T: number, V: number): HostBatch => ({
 
 /** A training step of `model` with AdamW and clipping. */
 const adamwStep = (ctx: Context, model: GptModel) =>
-  new TrainStep(ctx, model, new AdamW(ctx, model.store, adamwDefaults), { lr: 1e-3, schedule: { kind: "constant" }, gradClip: 1, accumSteps: 1 });
+  new TrainStep(ctx, model, new AdamW(ctx, model.store, adamwDefaults), {
+    lr: 1e-3,
+    schedule: { kind: "constant" },
+    gradClip: 1,
+    accumSteps: 1,
+  });
 
 /** The arena's peak over one forward and backward, and what forward left for backward. */
 function measure(config: GptConfig, B: number, precision: Precision, recompute: boolean) {
@@ -170,7 +175,12 @@ describe("an MLP pass's memory against the analytic count", () => {
     const ctx = newContext(1);
     const model = new MlpModel(ctx, { widths: [...widths], activation: "relu", dropout: 0.1 }, 1);
     const rng = new Rng(6);
-    const train = new TrainStep(ctx, model, new Sgd(ctx, model.store, sgdDefaults), { lr: 0.01, schedule: { kind: "constant" }, gradClip: 1, accumSteps: 1 });
+    const train = new TrainStep(ctx, model, new Sgd(ctx, model.store, sgdDefaults), {
+      lr: 0.01,
+      schedule: { kind: "constant" },
+      gradClip: 1,
+      accumSteps: 1,
+    });
     const b: HostBatch = {
       inputs: Float32Array.from({ length: batch * widths[0] }, () => rng.normal()),
       inputShape: [batch, widths[0]],

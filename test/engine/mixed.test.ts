@@ -41,35 +41,46 @@ describe.each(backends)("autocast matmul on %s", (_name, backend) => {
   ] as const;
 
   describe.each(["bf16", "f16"] as const)("%s", (half) => {
-    test.each(cases)("%s: forward and backward match float64 on the rounded inputs", (_n, aShape, bShape, M, N, K, batch, tA, tB) => {
-      const rng = new Rng(3);
-      const a = randn(rng, M * K * batch),
-        b = randn(rng, K * N * batch),
-        dout = randn(rng, M * N * batch);
-      const ctx = poisoned(backend(), half);
-      const ta = leaf(ctx, a, [...aShape]),
-        tb = leaf(ctx, b, [...bShape]);
-      const out = matmul(ta, tb, { transA: tA, transB: tB });
-      ctx.backwardFrom(out, ctx.fromArray(Float32Array.from(dout), [...out.shape]));
-      const [ah, bh, dh] = [rounded(a, half), rounded(b, half), rounded(dout, half)];
-      const want = { out: [] as number[], da: [] as number[], db: [] as number[] };
-      // with a 2-D b (Linear) a's leading dims fold into M: one GEMM, batch 1
-      for (let i = 0; i < batch; i++) {
-        const [sa, sb, so] = [M * K, K * N, M * N].map((n) => (x: Float64Array) => x.subarray(i * n, (i + 1) * n));
-        want.out.push(...matmulReference(sa!(ah), sb!(bh), M, N, K, tA, tB));
-        const g = matmulBackwardReference(sa!(ah), sb!(bh), so!(dh), M, N, K, tA, tB);
-        want.da.push(...g.da);
-        want.db.push(...g.db);
-      }
-      expect(relErr(out.toFloat32(), want.out)).toBeLessThan(1e-5);
-      expect(relErr(grad64(ta), want.da)).toBeLessThan(1e-5);
-      expect(relErr(grad64(tb), want.db)).toBeLessThan(1e-5);
-      // and close to the unrounded f32 result: 8 (bf16) or 11 (f16) significant bits per input
-      const exact = [...Array(batch).keys()].flatMap((i) => [
-        ...matmulReference(a.subarray(i * M * K, (i + 1) * M * K), b.subarray(i * K * N, (i + 1) * K * N), M, N, K, tA, tB),
-      ]);
-      expect(relErr(out.toFloat32(), exact)).toBeLessThan(half === "bf16" ? 1e-2 : 2e-3);
-    });
+    test.each(cases)(
+      "%s: forward and backward match float64 on the rounded inputs",
+      (_n, aShape, bShape, M, N, K, batch, tA, tB) => {
+        const rng = new Rng(3);
+        const a = randn(rng, M * K * batch),
+          b = randn(rng, K * N * batch),
+          dout = randn(rng, M * N * batch);
+        const ctx = poisoned(backend(), half);
+        const ta = leaf(ctx, a, [...aShape]),
+          tb = leaf(ctx, b, [...bShape]);
+        const out = matmul(ta, tb, { transA: tA, transB: tB });
+        ctx.backwardFrom(out, ctx.fromArray(Float32Array.from(dout), [...out.shape]));
+        const [ah, bh, dh] = [rounded(a, half), rounded(b, half), rounded(dout, half)];
+        const want = { out: [] as number[], da: [] as number[], db: [] as number[] };
+        // with a 2-D b (Linear) a's leading dims fold into M: one GEMM, batch 1
+        for (let i = 0; i < batch; i++) {
+          const [sa, sb, so] = [M * K, K * N, M * N].map((n) => (x: Float64Array) => x.subarray(i * n, (i + 1) * n));
+          want.out.push(...matmulReference(sa!(ah), sb!(bh), M, N, K, tA, tB));
+          const g = matmulBackwardReference(sa!(ah), sb!(bh), so!(dh), M, N, K, tA, tB);
+          want.da.push(...g.da);
+          want.db.push(...g.db);
+        }
+        expect(relErr(out.toFloat32(), want.out)).toBeLessThan(1e-5);
+        expect(relErr(grad64(ta), want.da)).toBeLessThan(1e-5);
+        expect(relErr(grad64(tb), want.db)).toBeLessThan(1e-5);
+        // and close to the unrounded f32 result: 8 (bf16) or 11 (f16) significant bits per input
+        const exact = [...Array(batch).keys()].flatMap((i) => [
+          ...matmulReference(
+            a.subarray(i * M * K, (i + 1) * M * K),
+            b.subarray(i * K * N, (i + 1) * K * N),
+            M,
+            N,
+            K,
+            tA,
+            tB,
+          ),
+        ]);
+        expect(relErr(out.toFloat32(), exact)).toBeLessThan(half === "bf16" ? 1e-2 : 2e-3);
+      },
+    );
   });
 
   test("gradients accumulate into existing ones (beta = 1)", () => {
@@ -80,7 +91,14 @@ describe.each(backends)("autocast matmul on %s", (_name, backend) => {
     const x = leaf(ctx, a, [6, 9], false);
     const ones = ctx.fromArray(new Float32Array(24).fill(1), [6, 4]);
     ctx.backwardFrom(add(matmul(x, w), matmul(x, w)), ones); // the same weight used twice: both contributions add up
-    const once = matmulBackwardReference(rounded(a, "bf16"), rounded(b, "bf16"), new Float64Array(24).fill(1), 6, 4, 9).db;
+    const once = matmulBackwardReference(
+      rounded(a, "bf16"),
+      rounded(b, "bf16"),
+      new Float64Array(24).fill(1),
+      6,
+      4,
+      9,
+    ).db;
     expect(
       relErr(
         grad64(w),
@@ -141,7 +159,13 @@ function mlpTrainer(precision: Precision, extra: Partial<StepConfig> = {}, be: B
   const ctx = poisoned(be, precision, 1);
   const model = new MlpModel(ctx, { widths: [20, 32, 5], activation: "relu", dropout: 0 }, 3);
   const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 });
-  const trainer = new TrainStep(ctx, model, optimizer, { lr: 1e-2, schedule: { kind: "constant" }, gradClip: 1, accumSteps: 1, ...extra });
+  const trainer = new TrainStep(ctx, model, optimizer, {
+    lr: 1e-2,
+    schedule: { kind: "constant" },
+    gradClip: 1,
+    accumSteps: 1,
+    ...extra,
+  });
   return { ctx, model, optimizer, trainer };
 }
 
@@ -158,7 +182,13 @@ describe("LossScaler (torch.cuda.amp.GradScaler rules)", () => {
   test("defaults are PyTorch's", () => {
     const s = new LossScaler();
     expect(s.scale).toBe(65536);
-    expect(s.config).toEqual({ initScale: 65536, growthFactor: 2, backoffFactor: 0.5, growthInterval: 2000, skipsInARowMax: 64 });
+    expect(s.config).toEqual({
+      initScale: 65536,
+      growthFactor: 2,
+      backoffFactor: 0.5,
+      growthInterval: 2000,
+      skipsInARowMax: 64,
+    });
     expect(lossScaleDefaults.initScale).toBe(2 ** 16);
   });
 
@@ -211,7 +241,11 @@ describe.each(backends)("f16 training steps with loss scaling on %s", (_name, ba
   test("an overflowing step is skipped: parameters, optimizer state and step count bit-identical, scale halved", () => {
     // scale 1 for a good first step (so the AdamW state is not zero), then 2^30: d(logits)
     // times 2^30 is far beyond f16's 65504, so the f16 copy of dout is inf
-    const { ctx, model, optimizer, trainer } = mlpTrainer("f16", { lossScale: { initScale: 1, growthFactor: 2 ** 30, growthInterval: 1 } }, backend());
+    const { ctx, model, optimizer, trainer } = mlpTrainer(
+      "f16",
+      { lossScale: { initScale: 1, growthFactor: 2 ** 30, growthInterval: 1 } },
+      backend(),
+    );
     const rng = new Rng(1);
     const first = trainer.run([mlpBatch(rng, 16)]);
     expect(first).toMatchObject({ step: 1, skipped: false, lossScale: 2 ** 30 });
@@ -275,7 +309,11 @@ describe.each(realBackends)("training in reduced precision reaches f32's loss on
     const { ctx, model, trainer } = mlpTrainer(precision, {}, backend());
     const rng = new Rng(7);
     const results = Array.from({ length: 40 }, () => trainer.run([mlpBatch(rng, 32)]));
-    return { ...evaluate(ctx, model, evalSet), skipped: results.filter((r) => r.skipped).length, first: results[0]!.loss };
+    return {
+      ...evaluate(ctx, model, evalSet),
+      skipped: results.filter((r) => r.skipped).length,
+      first: results[0]!.loss,
+    };
   };
   let f32Result: ReturnType<typeof train> | undefined;
 
@@ -288,29 +326,37 @@ describe.each(realBackends)("training in reduced precision reaches f32's loss on
     expect(r.skipped).toBe(0); // 2^16 times these gradients fits in f16
   });
 
-  test.each(["bf16", "f16"] as const)("gpt (attention, LayerNorm, tied head), 20 steps in %s, poisoned", (precision) => {
-    const run = (p: Precision) => {
-      const ctx = poisoned(backend(), p, 1);
-      const model = new GptModel(ctx, { vocabSize: 11, blockSize: 8, nLayer: 1, nHead: 2, nEmbd: 16, dropout: 0 }, 2);
-      const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }), {
-        lr: 1e-2,
-        schedule: { kind: "constant" },
-        gradClip: 1,
-        accumSteps: 1,
-      });
-      const rng = new Rng(4);
-      // a learnable sequence: each token is the previous one plus 1 (mod 11)
-      const batch = (): HostBatch => {
-        const starts = randInts(rng, 4, 11);
-        const inputs = Int32Array.from({ length: 32 }, (_, i) => (starts[i >> 3]! + (i & 7)) % 11);
-        return { inputs, inputShape: [4, 8], targets: inputs.map((t) => (t + 1) % 11), targetShape: [4, 8] };
+  test.each(["bf16", "f16"] as const)(
+    "gpt (attention, LayerNorm, tied head), 20 steps in %s, poisoned",
+    (precision) => {
+      const run = (p: Precision) => {
+        const ctx = poisoned(backend(), p, 1);
+        const model = new GptModel(ctx, { vocabSize: 11, blockSize: 8, nLayer: 1, nHead: 2, nEmbd: 16, dropout: 0 }, 2);
+        const trainer = new TrainStep(
+          ctx,
+          model,
+          new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }),
+          {
+            lr: 1e-2,
+            schedule: { kind: "constant" },
+            gradClip: 1,
+            accumSteps: 1,
+          },
+        );
+        const rng = new Rng(4);
+        // a learnable sequence: each token is the previous one plus 1 (mod 11)
+        const batch = (): HostBatch => {
+          const starts = randInts(rng, 4, 11);
+          const inputs = Int32Array.from({ length: 32 }, (_, i) => (starts[i >> 3]! + (i & 7)) % 11);
+          return { inputs, inputShape: [4, 8], targets: inputs.map((t) => (t + 1) % 11), targetShape: [4, 8] };
+        };
+        const losses = Array.from({ length: 20 }, () => trainer.run([batch()]).loss);
+        return f64(losses);
       };
-      const losses = Array.from({ length: 20 }, () => trainer.run([batch()]).loss);
-      return f64(losses);
-    };
-    const ref = run("f32");
-    const got = run(precision);
-    expect(ref[19]!).toBeLessThan(0.7 * ref[0]!);
-    expect(Math.abs(got[19]! - ref[19]!)).toBeLessThan(0.05 * ref[19]!);
-  });
+      const ref = run("f32");
+      const got = run(precision);
+      expect(ref[19]!).toBeLessThan(0.7 * ref[0]!);
+      expect(Math.abs(got[19]! - ref[19]!)).toBeLessThan(0.05 * ref[19]!);
+    },
+  );
 });

@@ -24,7 +24,9 @@ describe("mlp", () => {
   });
   test("bad widths are refused", () => {
     expect(() => new MlpModel(newContext(), { widths: [784], activation: "relu", dropout: 0 }, 1)).toThrow(ConfigError);
-    expect(() => new MlpModel(newContext(), { widths: [4, 0, 2], activation: "relu", dropout: 0 }, 1)).toThrow(ConfigError);
+    expect(() => new MlpModel(newContext(), { widths: [4, 0, 2], activation: "relu", dropout: 0 }, 1)).toThrow(
+      ConfigError,
+    );
   });
 });
 

@@ -41,7 +41,20 @@ import { meanReference, sumBackwardReference, sumReference } from "../../engine/
 import { reluBackwardReference, reluReference } from "../../engine/ops/relu.ts";
 import { Rng } from "../../engine/rng.ts";
 import type { Tensor } from "../../engine/tensor.ts";
-import { cpu, dot, f32, f64, finiteDiff, grad64, leaf, newContext, randInts, randn, relErr, useBackend } from "../helpers/numeric.ts";
+import {
+  cpu,
+  dot,
+  f32,
+  f64,
+  finiteDiff,
+  grad64,
+  leaf,
+  newContext,
+  randInts,
+  randn,
+  relErr,
+  useBackend,
+} from "../helpers/numeric.ts";
 import type { Backend } from "../../ffi/backend.ts";
 import { Context } from "../../engine/tensor.ts";
 import type { Precision } from "../../engine/mixed.ts";
@@ -131,7 +144,8 @@ function broadcastCase(rng: Rng, op: "add" | "mul", as: number[], bs: number[]):
     inputs: [input(rng, as), input(rng, bs)],
     run: ([a, b]) => (op === "add" ? add : mul)(a!, b!),
     ref: ([a, b]) => (op === "add" ? addReference : mulReference)(a!, as, b!, bs).out,
-    refGrad: ([a, b], d) => Object.values(op === "add" ? addBackwardReference(as, bs, d) : mulBackwardReference(a!, as, b!, bs, d)),
+    refGrad: ([a, b], d) =>
+      Object.values(op === "add" ? addBackwardReference(as, bs, d) : mulBackwardReference(a!, as, b!, bs, d)),
   };
 }
 
@@ -155,7 +169,9 @@ function crossEntropyCase(rng: Rng, shape: number[], scale = 3): OpCase {
     ints: [{ data: targets, shape: shape.slice(0, -1) }],
     run: ([x], [t]) => softmaxCrossEntropy(x!, t!),
     ref: ([x]) => Float64Array.of(softmaxCrossEntropyReference(x!, targets, N, V).loss),
-    refGrad: ([x], d) => [softmaxCrossEntropyBackwardReference(softmaxCrossEntropyReference(x!, targets, N, V).probs, targets, N, V, d[0])],
+    refGrad: ([x], d) => [
+      softmaxCrossEntropyBackwardReference(softmaxCrossEntropyReference(x!, targets, N, V).probs, targets, N, V, d[0]),
+    ],
   };
 }
 
@@ -193,7 +209,10 @@ function attentionCase(rng: Rng, B: number, T: number, C: number, H: number): Op
 }
 
 function unaryCase(rng: Rng, op: "relu" | "gelu", shape: number[]): OpCase {
-  const [f, ref, refGrad] = op === "relu" ? ([relu, reluReference, reluBackwardReference] as const) : ([gelu, geluReference, geluBackwardReference] as const);
+  const [f, ref, refGrad] =
+    op === "relu"
+      ? ([relu, reluReference, reluBackwardReference] as const)
+      : ([gelu, geluReference, geluBackwardReference] as const);
   return {
     inputs: [input(rng, shape, true, 2)],
     run: ([x]) => f(x!),
@@ -253,9 +272,16 @@ describe.each(backends)("$name backend", ({ backend }) => {
         {
           inputs: [input(rng, tA ? [Bt, K, M] : [Bt, M, K]), input(rng, tB ? [Bt, N, K] : [Bt, K, N])],
           run: ([a, b]) => matmul(a!, b!, { transA: tA, transB: tB }),
-          ref: ([a, b]) => concat(Array.from({ length: Bt }, (_, i) => matmulReference(part(a!, i, M * K), part(b!, i, K * N), M, N, K, tA, tB))),
+          ref: ([a, b]) =>
+            concat(
+              Array.from({ length: Bt }, (_, i) =>
+                matmulReference(part(a!, i, M * K), part(b!, i, K * N), M, N, K, tA, tB),
+              ),
+            ),
           refGrad: ([a, b], d) => {
-            const g = Array.from({ length: Bt }, (_, i) => matmulBackwardReference(part(a!, i, M * K), part(b!, i, K * N), part(d, i, M * N), M, N, K, tA, tB));
+            const g = Array.from({ length: Bt }, (_, i) =>
+              matmulBackwardReference(part(a!, i, M * K), part(b!, i, K * N), part(d, i, M * N), M, N, K, tA, tB),
+            );
             return [concat(g.map((x) => x.da)), concat(g.map((x) => x.db))];
           },
         },
@@ -407,15 +433,26 @@ describe.each(backends)("$name backend", ({ backend }) => {
         return t;
       };
       const known = ctx.fromArray(Int32Array.of(3, 0, 2, 1), [2, 2]);
-      expect([known.valueRange, known.knownInRange(4), known.knownInRange(3)]).toEqual([{ min: 0, max: 3 }, true, false]);
+      expect([known.valueRange, known.knownInRange(4), known.knownInRange(3)]).toEqual([
+        { min: 0, max: 3 },
+        true,
+        false,
+      ]);
       expect(known.narrowRows(1, 1).valueRange).toEqual({ min: 0, max: 3 }); // a view stays within its base's range
       const unknown = deviceIds([3, 0]);
       expect([unknown.valueRange, unknown.knownInRange(4)]).toEqual([null, false]);
       expect([...embedding(table, unknown).toFloat32()]).toEqual([9, 10, 11, 0, 1, 2]);
       expectThrown(() => embedding(table, deviceIds([1, 4, -2])), IndexRangeError, "2 index value(s) outside [0, 4)");
       const logits = ctx.fromArray(Float32Array.of(1, 2, 3, 3, 2, 1), [2, 3]);
-      expect(softmaxCrossEntropy(logits, deviceIds([2, 0])).item()).toBeCloseTo(Math.log(Math.exp(1) + Math.exp(2) + Math.exp(3)) - 3, 6);
-      expectThrown(() => softmaxCrossEntropy(logits, deviceIds([0, 3])), IndexRangeError, "1 index value(s) outside [0, 3)");
+      expect(softmaxCrossEntropy(logits, deviceIds([2, 0])).item()).toBeCloseTo(
+        Math.log(Math.exp(1) + Math.exp(2) + Math.exp(3)) - 3,
+        6,
+      );
+      expectThrown(
+        () => softmaxCrossEntropy(logits, deviceIds([0, 3])),
+        IndexRangeError,
+        "1 index value(s) outside [0, 3)",
+      );
     });
   });
 

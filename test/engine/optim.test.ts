@@ -103,7 +103,12 @@ describe("SGD (torch.optim.SGD rules)", () => {
       expectClose(values().w, w);
     });
     const plain = tinyStore(newContext());
-    const sgd = new Sgd(plain.store.valuesTensor.ctx, plain.store, { momentum: 0, dampening: 0, nesterov: false, weightDecay: 0 });
+    const sgd = new Sgd(plain.store.valuesTensor.ctx, plain.store, {
+      momentum: 0,
+      dampening: 0,
+      nesterov: false,
+      weightDecay: 0,
+    });
     plain.setGrads([1, 2, 3], [4, 5]);
     sgd.step(0.5);
     expectClose(plain.values().w, [0.5, -3, 1.5]);
@@ -113,9 +118,15 @@ describe("SGD (torch.optim.SGD rules)", () => {
   test("invalid settings are refused", () => {
     const ctx = newContext();
     const { store } = tinyStore(ctx);
-    expect(() => new Sgd(ctx, store, { momentum: 1.5, dampening: 0, nesterov: false, weightDecay: 0 })).toThrow(ConfigError);
-    expect(() => new Sgd(ctx, store, { momentum: 0, dampening: 0, nesterov: true, weightDecay: 0 })).toThrow(/nesterov/);
-    expect(() => new Sgd(ctx, store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: -1 })).toThrow(ConfigError);
+    expect(() => new Sgd(ctx, store, { momentum: 1.5, dampening: 0, nesterov: false, weightDecay: 0 })).toThrow(
+      ConfigError,
+    );
+    expect(() => new Sgd(ctx, store, { momentum: 0, dampening: 0, nesterov: true, weightDecay: 0 })).toThrow(
+      /nesterov/,
+    );
+    expect(() => new Sgd(ctx, store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: -1 })).toThrow(
+      ConfigError,
+    );
   });
 });
 
@@ -215,7 +226,9 @@ describe("AdamW for sparse (top-k) gradients: a gradient after tau steps counts 
     });
     const age = new Float32Array(store.slabNumel);
     ctx.backend.download(opt.stateSlabs()[2]!.allocation.ptr, age);
-    expect([age[store.entry("w").offset + 2], age[store.entry("w").offset + 1], age[store.entry("b").offset]]).toEqual([4, 1, 0]);
+    expect([age[store.entry("w").offset + 2], age[store.entry("w").offset + 1], age[store.entry("b").offset]]).toEqual([
+      4, 1, 0,
+    ]);
   });
 
   test("a burst of tau steps' gradient moves the parameter as tau dense steps of its mean would (plain AdamW: about sqrt(tau) of them)", () => {
@@ -245,7 +258,12 @@ describe("AdamW for sparse (top-k) gradients: a gradient after tau steps counts 
 describe("learning-rate schedules", () => {
   test("scheduleOf: constant ignores the rest; warmup is cut to leave a step after it", () => {
     expect(scheduleOf("constant", 100, 10, 0)).toEqual({ kind: "constant" });
-    expect(scheduleOf("cosine", 100, 1000, 0.01)).toEqual({ kind: "cosine", warmupSteps: 100, totalSteps: 1000, minLr: 0.01 });
+    expect(scheduleOf("cosine", 100, 1000, 0.01)).toEqual({
+      kind: "cosine",
+      warmupSteps: 100,
+      totalSteps: 1000,
+      minLr: 0.01,
+    });
     expect(scheduleOf("linear", 100, 50, 0)).toEqual({ kind: "linear", warmupSteps: 49, totalSteps: 50, minLr: 0 });
     expect(scheduleOf("cosine", 5, 0, 0)).toEqual({ kind: "cosine", warmupSteps: 0, totalSteps: 0, minLr: 0 });
   });
@@ -315,12 +333,17 @@ describe("gradient accumulation", () => {
     const run = (k: number) => {
       const ctx = newContext(1);
       const model = new MlpModel(ctx, { widths: [20, 16, 5], activation: "relu", dropout: 0 }, 3);
-      const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }), {
-        lr: 0.1,
-        schedule: { kind: "constant" },
-        gradClip: 0,
-        accumSteps: k,
-      });
+      const trainer = new TrainStep(
+        ctx,
+        model,
+        new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }),
+        {
+          lr: 0.1,
+          schedule: { kind: "constant" },
+          gradClip: 0,
+          accumSteps: k,
+        },
+      );
       const micro = Array.from({ length: k }, (_, i) => slice(big, i * (32 / k), 32 / k, 20, 1));
       const r = trainer.run(micro);
       return { grads: model.store.readGrads(), values: model.store.readValues(), loss: r.loss };
@@ -335,16 +358,26 @@ describe("gradient accumulation", () => {
   test("gpt: 2 micro-batches of 3 sequences give the gradient of one batch of 6 (<= 1e-5)", () => {
     const rng = new Rng(6);
     const [B, T, V] = [6, 8, 11];
-    const big: HostBatch = { inputs: randInts(rng, B * T, V), inputShape: [B, T], targets: randInts(rng, B * T, V), targetShape: [B, T] };
+    const big: HostBatch = {
+      inputs: randInts(rng, B * T, V),
+      inputShape: [B, T],
+      targets: randInts(rng, B * T, V),
+      targetShape: [B, T],
+    };
     const run = (k: number) => {
       const ctx = newContext(1);
       const model = new GptModel(ctx, { vocabSize: V, blockSize: T, nLayer: 2, nHead: 2, nEmbd: 16, dropout: 0 }, 4);
-      const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }), {
-        lr: 1e-3,
-        schedule: { kind: "constant" },
-        gradClip: 0,
-        accumSteps: k,
-      });
+      const trainer = new TrainStep(
+        ctx,
+        model,
+        new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }),
+        {
+          lr: 1e-3,
+          schedule: { kind: "constant" },
+          gradClip: 0,
+          accumSteps: k,
+        },
+      );
       trainer.run(Array.from({ length: k }, (_, i) => slice(big, i * (B / k), B / k, T, T)));
       return model.store.readGrads();
     };
@@ -357,12 +390,17 @@ describe("reproducibility and the step path", () => {
     const ctx = newContext(seed);
     const model = new MlpModel(ctx, { widths: [20, 32, 5], activation: "relu", dropout: 0.3 }, seed);
     const init = model.store.readValues();
-    const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 }), {
-      lr: 1e-2,
-      schedule: { kind: "constant" },
-      gradClip: 1,
-      accumSteps: 1,
-    });
+    const trainer = new TrainStep(
+      ctx,
+      model,
+      new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 }),
+      {
+        lr: 1e-2,
+        schedule: { kind: "constant" },
+        gradClip: 1,
+        accumSteps: 1,
+      },
+    );
     const rng = new Rng(9);
     const losses = Array.from({ length: steps }, () => trainer.run([mlpBatch(rng, 16)]).loss);
     return { init, losses, values: model.store.readValues() };
@@ -381,29 +419,42 @@ describe("reproducibility and the step path", () => {
   });
 
   // f16 and bf16 include the CPU backend's gemmEx scratch and the loss scaler
-  test.each(["f32", "f16", "bf16"] as const)("no backend allocation on the step path after the first step (%s)", async (precision) => {
-    const { CpuBackend } = await import("../../ffi/cpu/backend.ts");
-    const { Context } = await import("../../engine/tensor.ts");
-    const be = new CpuBackend();
-    const ctx = new Context(be, { seed: 1, precision });
-    const model = new GptModel(ctx, { vocabSize: 13, blockSize: 8, nLayer: 2, nHead: 2, nEmbd: 16, dropout: 0.1 }, 1);
-    const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }), {
-      lr: 1e-3,
-      schedule: { kind: "constant" },
-      gradClip: 1,
-      accumSteps: 2,
-    });
-    const rng = new Rng(2);
-    const batch = (): HostBatch => ({ inputs: randInts(rng, 32, 13), inputShape: [4, 8], targets: randInts(rng, 32, 13), targetShape: [4, 8] });
-    trainer.run([batch(), batch()]);
-    trainer.run([batch(), batch()]);
-    const after = be.stats.allocCount;
-    for (let i = 0; i < 5; i++) trainer.run([batch(), batch()]);
-    expect(be.stats.allocCount).toBe(after);
-    ctx.dispose();
-    // all that stays is the backend's own gemmEx scratch (widened 2-byte operands), in 64 KiB grains
-    if (precision === "f32") expect(be.stats.liveBytes).toBe(0);
-    else expect([be.stats.liveBytes > 0, be.stats.liveBytes % 65536]).toEqual([true, 0]);
-    be.dispose();
-  });
+  test.each(["f32", "f16", "bf16"] as const)(
+    "no backend allocation on the step path after the first step (%s)",
+    async (precision) => {
+      const { CpuBackend } = await import("../../ffi/cpu/backend.ts");
+      const { Context } = await import("../../engine/tensor.ts");
+      const be = new CpuBackend();
+      const ctx = new Context(be, { seed: 1, precision });
+      const model = new GptModel(ctx, { vocabSize: 13, blockSize: 8, nLayer: 2, nHead: 2, nEmbd: 16, dropout: 0.1 }, 1);
+      const trainer = new TrainStep(
+        ctx,
+        model,
+        new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }),
+        {
+          lr: 1e-3,
+          schedule: { kind: "constant" },
+          gradClip: 1,
+          accumSteps: 2,
+        },
+      );
+      const rng = new Rng(2);
+      const batch = (): HostBatch => ({
+        inputs: randInts(rng, 32, 13),
+        inputShape: [4, 8],
+        targets: randInts(rng, 32, 13),
+        targetShape: [4, 8],
+      });
+      trainer.run([batch(), batch()]);
+      trainer.run([batch(), batch()]);
+      const after = be.stats.allocCount;
+      for (let i = 0; i < 5; i++) trainer.run([batch(), batch()]);
+      expect(be.stats.allocCount).toBe(after);
+      ctx.dispose();
+      // all that stays is the backend's own gemmEx scratch (widened 2-byte operands), in 64 KiB grains
+      if (precision === "f32") expect(be.stats.liveBytes).toBe(0);
+      else expect([be.stats.liveBytes > 0, be.stats.liveBytes % 65536]).toEqual([true, 0]);
+      be.dispose();
+    },
+  );
 });

@@ -5,9 +5,22 @@ import { ConfigError } from "../../engine/errors.ts";
 import { gptStageActivations } from "../../engine/memory.ts";
 import { GptModel, gptParamSpecs, stageBlocks } from "../../engine/models/gpt.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
-import { coordsOf, type ModelLayout, modelParallelRank, modelParallelRings, type PipelineStepResult, shareRuns } from "../../engine/parallel/pipeline.ts";
+import {
+  coordsOf,
+  type ModelLayout,
+  modelParallelRank,
+  modelParallelRings,
+  type PipelineStepResult,
+  shareRuns,
+} from "../../engine/parallel/pipeline.ts";
 import { PieceRouter, RingGroup, ringDefaults } from "../../engine/parallel/ring.ts";
-import { peakInFlight, type PipeSchedule, simulatePipeline, stageActions, theoreticalBubble } from "../../engine/parallel/schedule.ts";
+import {
+  peakInFlight,
+  type PipeSchedule,
+  simulatePipeline,
+  stageActions,
+  theoreticalBubble,
+} from "../../engine/parallel/schedule.ts";
 import { MemoryTransport } from "../../engine/parallel/transport.ts";
 import { putSlice, type SliceOf, slabLayoutOf } from "../../engine/params.ts";
 import { Rng } from "../../engine/rng.ts";
@@ -22,7 +35,14 @@ describe("pipeline schedules", () => {
         .join(" ");
     expect(show(0)).toBe("f0 f1 f2 f3 b0 f4 b1 f5 b2 b3 b4 b5");
     expect(show(3)).toBe("f0 b0 f1 b1 f2 b2 f3 b3 f4 b4 f5 b5");
-    expect(stageActions("gpipe", 4, 3, 1).map((a) => `${a.kind[0]}${a.micro}`)).toEqual(["f0", "f1", "f2", "b0", "b1", "b2"]);
+    expect(stageActions("gpipe", 4, 3, 1).map((a) => `${a.kind[0]}${a.micro}`)).toEqual([
+      "f0",
+      "f1",
+      "f2",
+      "b0",
+      "b1",
+      "b2",
+    ]);
     // fewer micro-batches than stages: the warm-up is cut to M
     expect(stageActions("1f1b", 4, 2, 0).map((a) => `${a.kind[0]}${a.micro}`)).toEqual(["f0", "f1", "b0", "b1"]);
   });
@@ -91,7 +111,12 @@ const adamw = { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 };
 function singleProcess(data: HostBatch[][]): { losses: number[]; norms: number[]; params: Map<string, Float32Array> } {
   const ctx = newContext(1);
   const model = new GptModel(ctx, config, 7);
-  const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamw), { lr, schedule: { kind: "constant" }, gradClip, accumSteps: microTotal });
+  const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamw), {
+    lr,
+    schedule: { kind: "constant" },
+    gradClip,
+    accumSteps: microTotal,
+  });
   const losses: number[] = [],
     norms: number[] = [];
   for (const micro of data) {
@@ -106,7 +131,13 @@ function singleProcess(data: HostBatch[][]): { losses: number[]; norms: number[]
 }
 
 /** Every rank of the layout in this process, over a transport in memory (the mesh's rings over NATS). */
-async function layoutRun(layout: ModelLayout, schedule: PipeSchedule, data: HostBatch[][], recompute = false, model = config) {
+async function layoutRun(
+  layout: ModelLayout,
+  schedule: PipeSchedule,
+  data: HostBatch[][],
+  recompute = false,
+  model = config,
+) {
   const peers = new Map<number, MemoryTransport>();
   const size = layout.data * layout.stages * layout.tensor;
   const ranks = Array.from({ length: size }, (_, rank) => {
@@ -116,7 +147,12 @@ async function layoutRun(layout: ModelLayout, schedule: PipeSchedule, data: Host
     const transport = new MemoryTransport(rank, peers, 16 << 10);
     const router = new PieceRouter(ringDefaults.earlyBytesMax);
     transport.listen((p) => router.receive(p));
-    const rings = modelParallelRings("job", layout, rank, (name, members) => new RingGroup(name, members, transport, router, ringDefaults));
+    const rings = modelParallelRings(
+      "job",
+      layout,
+      rank,
+      (name, members) => new RingGroup(name, members, transport, router, ringDefaults),
+    );
     const r = modelParallelRank({
       ctx,
       config: model,
@@ -133,7 +169,11 @@ async function layoutRun(layout: ModelLayout, schedule: PipeSchedule, data: Host
   const perReplica = microTotal / layout.data;
   const results: PipelineStepResult[][] = ranks.map(() => []);
   for (const [step, micro] of data.entries()) {
-    const r = await Promise.all(ranks.map((x) => x.stage.step(step, micro.slice(x.coords.d * perReplica, (x.coords.d + 1) * perReplica), lr, 1 / layout.data)));
+    const r = await Promise.all(
+      ranks.map((x) =>
+        x.stage.step(step, micro.slice(x.coords.d * perReplica, (x.coords.d + 1) * perReplica), lr, 1 / layout.data),
+      ),
+    );
     r.forEach((x, i) => results[i]!.push(x));
   }
   // each parameter's copies (replicas; wte's two ends), tensor shares put back together by name
@@ -224,7 +264,10 @@ describe("model-parallel GPT in one process: data x pipeline x tensor", () => {
   }
 
   test("dropout under tensor parallelism: a stage's tensor ranks drop the same elements, so their replicated parameters stay equal", async () => {
-    const run = await layoutRun({ data: 1, stages: 2, tensor: 2 }, "1f1b", data.slice(0, 5), false, { ...config, dropout: 0.2 });
+    const run = await layoutRun({ data: 1, stages: 2, tensor: 2 }, "1f1b", data.slice(0, 5), false, {
+      ...config,
+      dropout: 0.2,
+    });
     // layoutRun compares every replicated parameter across the tensor ranks; the losses are finite and agree
     for (const r of run.results) expect(r.map((x) => x.globalLoss)).toEqual(run.results[0]!.map((x) => x.globalLoss));
     expect(run.results[0]!.every((x) => Number.isFinite(x.globalLoss))).toBe(true);
@@ -235,7 +278,8 @@ describe("model-parallel GPT in one process: data x pipeline x tensor", () => {
     const ctx = newContext(1);
     const whole = new GptModel(ctx, config, 7);
     const split = new GptModel(ctx, config, 7, { stage: 0, stages: 1, tensor: { rank: 1, size: 4 } });
-    const bytes = (m: GptModel, names: (n: string) => boolean) => m.store.entries.filter((e) => names(e.name)).reduce((n, e) => n + e.numel * 4, 0);
+    const bytes = (m: GptModel, names: (n: string) => boolean) =>
+      m.store.entries.filter((e) => names(e.name)).reduce((n, e) => n + e.numel * 4, 0);
     const isSplit = (n: string) => split.splitNames.has(n);
     console.log(
       `tensor parallel over 4: split matrices ${bytes(whole, isSplit)} bytes whole, ${bytes(split, isSplit)} on a rank; replicated ${bytes(split, (n) => !isSplit(n))} bytes on every rank`,
@@ -251,7 +295,9 @@ describe("model-parallel GPT in one process: data x pipeline x tensor", () => {
     const layout = { data: 1, stages: 2, tensor: 1 };
     const [one, all] = [await layoutRun(layout, "1f1b", few), await layoutRun(layout, "gpipe", few)];
     const bytes = (r: typeof one) => Math.max(...r.results[0]!.map((x) => x.peakHeldBytes));
-    console.log(`stage 0 of 2, ${microTotal} micro-batches: 1F1B holds ${bytes(one)} bytes of activations at most, GPipe ${bytes(all)}`);
+    console.log(
+      `stage 0 of 2, ${microTotal} micro-batches: 1F1B holds ${bytes(one)} bytes of activations at most, GPipe ${bytes(all)}`,
+    );
     expect(bytes(one)).toBeLessThan(bytes(all));
   });
 
@@ -280,7 +326,9 @@ describe("model-parallel GPT in one process: data x pipeline x tensor", () => {
           schedule,
         });
         const predicted = p.inFlight * p.perMicroBatch;
-        rows.push(`${layout.data}x${layout.stages}x${layout.tensor} ${schedule} rank ${rank}: ${measured} bytes held, predicted ${predicted}`);
+        rows.push(
+          `${layout.data}x${layout.stages}x${layout.tensor} ${schedule} rank ${rank}: ${measured} bytes held, predicted ${predicted}`,
+        );
         expect(Math.abs(measured / predicted - 1)).toBeLessThan(0.1);
       });
     }
@@ -295,9 +343,23 @@ describe("model-parallel GPT in one process: data x pipeline x tensor", () => {
       const transport = new MemoryTransport(rank, peers, 16 << 10);
       const router = new PieceRouter(ringDefaults.earlyBytesMax);
       transport.listen((p) => router.receive(p));
-      const rings = modelParallelRings("job", layout, rank, (name, members) => new RingGroup(name, members, transport, router, ringDefaults));
+      const rings = modelParallelRings(
+        "job",
+        layout,
+        rank,
+        (name, members) => new RingGroup(name, members, transport, router, ringDefaults),
+      );
       return {
-        ...modelParallelRank({ ctx, config, seed: 7, layout, rings, optimizer: (m) => new AdamW(ctx, m.store, adamw), schedule: "1f1b", gradClip }),
+        ...modelParallelRank({
+          ctx,
+          config,
+          seed: 7,
+          layout,
+          rings,
+          optimizer: (m) => new AdamW(ctx, m.store, adamw),
+          schedule: "1f1b",
+          gradClip,
+        }),
         ctx,
         transport,
       };
@@ -330,8 +392,10 @@ describe("model-parallel GPT in one process: data x pipeline x tensor", () => {
       const { s, t } = coordsOf(layout, rank);
       const m = new GptModel(ctx, config, 7, { stage: s, stages: 2, tensor: { rank: t, size: 2 } });
       const mine = m.store.readValues();
-      for (const r of shareRuns(m, entries, "all")) expect(mine.subarray(r.local, r.local + r.count)).toEqual(wholeValues.subarray(r.whole, r.whole + r.count));
-      for (const r of shareRuns(m, entries, "owned")) for (let i = r.whole; i < r.whole + r.count; i++) covered[i]! += 1;
+      for (const r of shareRuns(m, entries, "all"))
+        expect(mine.subarray(r.local, r.local + r.count)).toEqual(wholeValues.subarray(r.whole, r.whole + r.count));
+      for (const r of shareRuns(m, entries, "owned"))
+        for (let i = r.whole; i < r.whole + r.count; i++) covered[i]! += 1;
     }
     const coveredCount = covered.reduce((n, c) => n + c, 0);
     expect(Math.max(...covered)).toBe(1);
@@ -341,7 +405,9 @@ describe("model-parallel GPT in one process: data x pipeline x tensor", () => {
 
   test("a tensor-parallel block refuses the synchronous forward, and nHead must divide among the ranks", () => {
     const ctx = newContext(1);
-    expect(() => new GptModel(ctx, { ...config, nHead: 2 }, 7, { stage: 0, stages: 1, tensor: { rank: 0, size: 4 } })).toThrow(ConfigError);
+    expect(
+      () => new GptModel(ctx, { ...config, nHead: 2 }, 7, { stage: 0, stages: 1, tensor: { rank: 0, size: 4 } }),
+    ).toThrow(ConfigError);
     const m = new GptModel(ctx, config, 7, { stage: 0, stages: 1, tensor: { rank: 0, size: 2 } });
     ctx.newPass();
     expect(() => m.forward(ctx.fromArray(new Int32Array(16), [1, 16]))).toThrow(ConfigError);

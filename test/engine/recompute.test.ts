@@ -73,7 +73,9 @@ describe("activation recomputation", () => {
     const perBlockKept = peakOf(3, false) - peakOf(2, false);
     const perBlockRecomputed = peakOf(3, true) - peakOf(2, true);
     const input = 4 * 16 * 32 * 4; // (B,T,C) f32: the block's kept input
-    console.log(`bytes one more block adds to the peak: kept ${perBlockKept}, recomputed ${perBlockRecomputed} (its input: ${input})`);
+    console.log(
+      `bytes one more block adds to the peak: kept ${perBlockKept}, recomputed ${perBlockRecomputed} (its input: ${input})`,
+    );
     // the output copy and its gradient are the input of the next: the input and its gradient, aligned
     expect(perBlockRecomputed).toBeLessThanOrEqual(2 * input + 128);
     expect(perBlockKept).toBeGreaterThan(8 * perBlockRecomputed);

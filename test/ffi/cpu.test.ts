@@ -201,7 +201,14 @@ describe("gemmEx", () => {
   }
 
   /** C[b] = alpha op(A[b]) op(B[b]) + beta C[b] in float64, straight from the definition. */
-  function reference(s: Shape, A: Float64Array, B: Float64Array, C: Float64Array, alpha: number, beta: number): Float64Array {
+  function reference(
+    s: Shape,
+    A: Float64Array,
+    B: Float64Array,
+    C: Float64Array,
+    alpha: number,
+    beta: number,
+  ): Float64Array {
     const out = Float64Array.from(C);
     for (let b = 0; b < s.batch; b++) {
       for (let i = 0; i < s.M; i++) {
@@ -235,11 +242,33 @@ describe("gemmEx", () => {
     strideC: number;
   }
   /** Odd sizes, leading dimensions padded by `pad` and matrices `gap` elements apart beyond that. */
-  function shape(M: number, N: number, K: number, tA: boolean, tB: boolean, batch: number, pad: number, gap: number): Shape {
+  function shape(
+    M: number,
+    N: number,
+    K: number,
+    tA: boolean,
+    tB: boolean,
+    batch: number,
+    pad: number,
+    gap: number,
+  ): Shape {
     const lda = (tA ? M : K) + pad,
       ldb = (tB ? K : N) + pad,
       ldc = N + pad;
-    return { M, N, K, tA, tB, batch, lda, ldb, ldc, strideA: (tA ? K : M) * lda + gap, strideB: (tB ? N : K) * ldb + gap, strideC: M * ldc + gap };
+    return {
+      M,
+      N,
+      K,
+      tA,
+      tB,
+      batch,
+      lda,
+      ldb,
+      ldc,
+      strideA: (tA ? K : M) * lda + gap,
+      strideB: (tB ? N : K) * ldb + gap,
+      strideC: M * ldc + gap,
+    };
   }
 
   const cases: [Input, boolean, boolean, number, number][] = [];
@@ -253,30 +282,53 @@ describe("gemmEx", () => {
       cases.push([input, tA, tB, 1, 0], [input, tA, tB, 3, 0], [input, tA, tB, 3, 5]);
     }
   }
-  test.each(cases)("%s transA=%p transB=%p batch %d, padding %d: float64 reference on the rounded inputs", (input, tA, tB, batch, pad) => {
-    const be = cpu();
-    const s = shape(7, 5, 13, tA, tB, batch, pad, pad * 3);
-    const rng = new Rng(batch * 10 + pad + (tA ? 100 : 0) + (tB ? 200 : 0));
-    const rand = (n: number) => Float32Array.from({ length: n }, () => rng.normal());
-    const nA = (batch - 1) * s.strideA + (tA ? s.K : s.M) * s.lda;
-    const nB = (batch - 1) * s.strideB + (tB ? s.N : s.K) * s.ldb;
-    const nC = (batch - 1) * s.strideC + s.M * s.ldc;
-    const A = operand(be, input, rand(nA));
-    const B = operand(be, input, rand(nB));
-    const c0 = rand(nC);
-    const C = be.alloc(nC * 4);
-    be.upload(C.ptr, c0);
-    be.gemmEx(input, tA, tB, s.M, s.N, s.K, 0.75, A.a.ptr, s.lda, s.strideA, B.a.ptr, s.ldb, s.strideB, 0.5, C.ptr, s.ldc, s.strideC, batch);
-    const got = new Float32Array(nC);
-    be.download(C.ptr, got);
-    const want = reference(s, A.values, B.values, Float64Array.from(c0), 0.75, 0.5);
-    expect(relErr(got, want)).toBeLessThan(1e-5);
-    // padding and gaps of C are not written
-    const written = new Set<number>();
-    for (let b = 0; b < batch; b++) for (let i = 0; i < s.M; i++) for (let j = 0; j < s.N; j++) written.add(b * s.strideC + i * s.ldc + j);
-    for (let i = 0; i < nC; i++) if (!written.has(i)) expect(got[i]).toBe(c0[i]!);
-    for (const a of [A.a, B.a, C, ...A.extra, ...B.extra]) be.free(a);
-  });
+  test.each(cases)(
+    "%s transA=%p transB=%p batch %d, padding %d: float64 reference on the rounded inputs",
+    (input, tA, tB, batch, pad) => {
+      const be = cpu();
+      const s = shape(7, 5, 13, tA, tB, batch, pad, pad * 3);
+      const rng = new Rng(batch * 10 + pad + (tA ? 100 : 0) + (tB ? 200 : 0));
+      const rand = (n: number) => Float32Array.from({ length: n }, () => rng.normal());
+      const nA = (batch - 1) * s.strideA + (tA ? s.K : s.M) * s.lda;
+      const nB = (batch - 1) * s.strideB + (tB ? s.N : s.K) * s.ldb;
+      const nC = (batch - 1) * s.strideC + s.M * s.ldc;
+      const A = operand(be, input, rand(nA));
+      const B = operand(be, input, rand(nB));
+      const c0 = rand(nC);
+      const C = be.alloc(nC * 4);
+      be.upload(C.ptr, c0);
+      be.gemmEx(
+        input,
+        tA,
+        tB,
+        s.M,
+        s.N,
+        s.K,
+        0.75,
+        A.a.ptr,
+        s.lda,
+        s.strideA,
+        B.a.ptr,
+        s.ldb,
+        s.strideB,
+        0.5,
+        C.ptr,
+        s.ldc,
+        s.strideC,
+        batch,
+      );
+      const got = new Float32Array(nC);
+      be.download(C.ptr, got);
+      const want = reference(s, A.values, B.values, Float64Array.from(c0), 0.75, 0.5);
+      expect(relErr(got, want)).toBeLessThan(1e-5);
+      // padding and gaps of C are not written
+      const written = new Set<number>();
+      for (let b = 0; b < batch; b++)
+        for (let i = 0; i < s.M; i++) for (let j = 0; j < s.N; j++) written.add(b * s.strideC + i * s.ldc + j);
+      for (let i = 0; i < nC; i++) if (!written.has(i)) expect(got[i]).toBe(c0[i]!);
+      for (const a of [A.a, B.a, C, ...A.extra, ...B.extra]) be.free(a);
+    },
+  );
 
   test("2-byte inputs: scratch is allocated once, grown only for a larger GEMM, freed by dispose", () => {
     const be = new CpuBackend();
@@ -300,8 +352,12 @@ describe("gemmEx", () => {
 
   test("bad arguments are refused before any native call", () => {
     const be = cpu();
-    expect(() => be.gemmEx("bf16", false, false, 4, 4, 4, 1, 0, 3, 0, 0, 4, 0, 0, 0, 4, 0, 1)).toThrow(/leading dimension/);
+    expect(() => be.gemmEx("bf16", false, false, 4, 4, 4, 1, 0, 3, 0, 0, 4, 0, 0, 0, 4, 0, 1)).toThrow(
+      /leading dimension/,
+    );
     expect(() => be.gemmEx("bf16", false, false, 0, 4, 4, 1, 0, 4, 0, 0, 4, 0, 0, 0, 4, 0, 1)).toThrow(RangeError);
-    expect(() => be.gemmEx("f8" as never, false, false, 4, 4, 4, 1, 0, 4, 0, 0, 4, 0, 0, 0, 4, 0, 1)).toThrow(/unknown input type/);
+    expect(() => be.gemmEx("f8" as never, false, false, 4, 4, 4, 1, 0, 4, 0, 0, 4, 0, 0, 0, 4, 0, 1)).toThrow(
+      /unknown input type/,
+    );
   });
 });

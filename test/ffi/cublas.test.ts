@@ -4,7 +4,14 @@
 import { describe, expect, test } from "bun:test";
 import { matmulReference } from "../../engine/ops/matmul.ts";
 import { Rng } from "../../engine/rng.ts";
-import { CUBLAS_OP_T, cublasStatusName, cublasSymbolNames, findCublas, loadCublas, rowMajorGemm } from "../../ffi/cuda/cublas.ts";
+import {
+  CUBLAS_OP_T,
+  cublasStatusName,
+  cublasSymbolNames,
+  findCublas,
+  loadCublas,
+  rowMajorGemm,
+} from "../../ffi/cuda/cublas.ts";
 import { probeCuda } from "../../ffi/cuda/driver.ts";
 import { relErr } from "../helpers/numeric.ts";
 import { skip } from "../helpers/skip.ts";
@@ -93,29 +100,33 @@ describe("rowMajorGemm", () => {
 });
 
 const cublasPath = findCublas();
-const cublasMissing = cublasPath === null ? "no libcublas on this machine (pip install nvidia-cublas, or set MESHTRAIN_CUBLAS)" : null;
+const cublasMissing =
+  cublasPath === null ? "no libcublas on this machine (pip install nvidia-cublas, or set MESHTRAIN_CUBLAS)" : null;
 
 describe("libcublas", () => {
   test.skipIf(skip("libcublas", cublasMissing))("every symbol the binding declares resolves", () => {
     const lib = loadCublas(cublasPath);
-    expect(cublasSymbolNames.every((name) => typeof (lib.symbols as Record<string, unknown>)[name] === "function")).toBe(true);
+    expect(
+      cublasSymbolNames.every((name) => typeof (lib.symbols as Record<string, unknown>)[name] === "function"),
+    ).toBe(true);
     expect(cublasStatusName(lib, 13)).toBe("CUBLAS_STATUS_EXECUTION_FAILED");
   });
 
-  test.skipIf(skip("libcublas", cublasMissing) || skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null))(
-    "without a GPU, creating a handle is a typed CublasError, not a crash",
-    async () => {
-      const { Cublas, CublasError } = await import("../../ffi/cuda/cublas.ts");
-      const lib = loadCublas(cublasPath);
-      const scalars = new Float32Array(2);
-      let error: unknown;
-      try {
-        new Cublas(lib, 0n, scalars, 0);
-      } catch (e) {
-        error = e;
-      }
-      expect(error).toBeInstanceOf(CublasError);
-      expect((error as InstanceType<typeof CublasError>).message).toMatch(/^cublasCreate_v2 failed: CUBLAS_STATUS_\w+ \(\d+\)$/);
-    },
-  );
+  test.skipIf(
+    skip("libcublas", cublasMissing) || skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null),
+  )("without a GPU, creating a handle is a typed CublasError, not a crash", async () => {
+    const { Cublas, CublasError } = await import("../../ffi/cuda/cublas.ts");
+    const lib = loadCublas(cublasPath);
+    const scalars = new Float32Array(2);
+    let error: unknown;
+    try {
+      new Cublas(lib, 0n, scalars, 0);
+    } catch (e) {
+      error = e;
+    }
+    expect(error).toBeInstanceOf(CublasError);
+    expect((error as InstanceType<typeof CublasError>).message).toMatch(
+      /^cublasCreate_v2 failed: CUBLAS_STATUS_\w+ \(\d+\)$/,
+    );
+  });
 });

@@ -60,7 +60,14 @@ describe("CachingAllocator", () => {
     const y = a.alloc(900);
     expect(y.ptr).toBe(x.ptr);
     expect(dev.allocs).toBe(1);
-    expect(a.stats).toEqual({ rawAllocCount: 1, rawFreeCount: 0, liveBytes: 1024, cachedBytes: 0, peakReservedBytes: 1024, cacheHits: 1 });
+    expect(a.stats).toEqual({
+      rawAllocCount: 1,
+      rawFreeCount: 0,
+      liveBytes: 1024,
+      cachedBytes: 0,
+      peakReservedBytes: 1024,
+      cacheHits: 1,
+    });
   });
 
   test("takes the smallest cached block that fits, never one more than 25% larger", () => {

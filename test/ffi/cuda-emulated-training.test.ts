@@ -83,7 +83,10 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
       const build = (ctx: Context) => {
         const model = new MlpModel(ctx, { widths: [20, 16, 3], activation: "relu", dropout: 0 }, 3);
         const opt = new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: true, weightDecay: 1e-3 });
-        return { model, step: new TrainStep(ctx, model, opt, { lr: 0.1, schedule: { kind: "constant" }, gradClip: 0, accumSteps: 1 }) };
+        return {
+          model,
+          step: new TrainStep(ctx, model, opt, { lr: 0.1, schedule: { kind: "constant" }, gradClip: 0, accumSteps: 1 }),
+        };
       };
       const batches = mlpBatches(8);
       expectSameRun(train(gpu(), build, batches), train(cpu(), build, batches));
@@ -94,7 +97,15 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
       const build = (ctx: Context) => {
         const model = new GptModel(ctx, { vocabSize: V, blockSize: T, nLayer: 1, nHead: 2, nEmbd: 8, dropout: 0 }, 4);
         const opt = new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 });
-        return { model, step: new TrainStep(ctx, model, opt, { lr: 3e-3, schedule: { kind: "constant" }, gradClip: 0.5, accumSteps: 1 }) };
+        return {
+          model,
+          step: new TrainStep(ctx, model, opt, {
+            lr: 3e-3,
+            schedule: { kind: "constant" },
+            gradClip: 0.5,
+            accumSteps: 1,
+          }),
+        };
       };
       const batches = gptBatches(5, V, T);
       expectSameRun(train(gpu(), build, batches), train(cpu(), build, batches));
@@ -113,7 +124,12 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
         const ctx = new Context(gpu(), { seed: 5 });
         const model = new GptModel(ctx, { vocabSize: V, blockSize: T, nLayer: 1, nHead: 2, nEmbd: 8, dropout: 0.1 }, 4);
         const opt = new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 });
-        const step = new TrainStep(ctx, model, opt, { lr: 3e-3, schedule: { kind: "constant" }, gradClip: 0.5, accumSteps: k });
+        const step = new TrainStep(ctx, model, opt, {
+          lr: 3e-3,
+          schedule: { kind: "constant" },
+          gradClip: 0.5,
+          accumSteps: k,
+        });
         const batches = gptBatches(3 * k, V, T);
         step.run(batches.slice(0, k));
         step.run(batches.slice(k, 2 * k));

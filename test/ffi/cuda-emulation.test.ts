@@ -39,7 +39,15 @@ const gxx = Bun.which("g++");
 type Method = keyof typeof plans;
 
 interface Emulator {
-  launch(name: Uint8Array, grid: number, bx: number, by: number, bz: number, slots: BigUint64Array, gridCap: number): number;
+  launch(
+    name: Uint8Array,
+    grid: number,
+    bx: number,
+    by: number,
+    bz: number,
+    slots: BigUint64Array,
+    gridCap: number,
+  ): number;
 }
 
 function openEmulator(path: string): Emulator {
@@ -47,7 +55,8 @@ function openEmulator(path: string): Emulator {
     emu_launch: { args: ["ptr", "u32", "u32", "u32", "u32", "ptr", "u32"], returns: "i32" },
   });
   return {
-    launch: (name, grid, bx, by, bz, slots, gridCap) => lib.symbols.emu_launch(ptr(name), grid, bx, by, bz, ptr(slots), gridCap),
+    launch: (name, grid, bx, by, bz, slots, gridCap) =>
+      lib.symbols.emu_launch(ptr(name), grid, bx, by, bz, ptr(slots), gridCap),
   };
 }
 
@@ -88,7 +97,15 @@ function runPlan(method: Method, launches: Launch[]): void {
   for (const l of launches) {
     expect(l.grid[1] * l.grid[2]).toBe(1); // the emulator runs 1D grids, as the plans make
     const cap = uncappedKernels.has(l.kernel) ? 0 : gridCap;
-    const rc = emulator!.launch(Buffer.from(`${l.kernel}\0`), l.grid[0], l.block[0], l.block[1], l.block[2], encodeArgs(l), cap);
+    const rc = emulator!.launch(
+      Buffer.from(`${l.kernel}\0`),
+      l.grid[0],
+      l.block[0],
+      l.block[1],
+      l.block[2],
+      encodeArgs(l),
+      cap,
+    );
     if (rc !== 0) throw new Error(`emu_launch ${l.kernel} grid ${l.grid[0]} block ${l.block.join("x")}: rc ${rc}`);
     kernelsRun.add(l.kernel);
   }
@@ -761,7 +778,10 @@ function castTests(): void {
       256.5,
       257.5,
     ];
-    const random = Array.from({ length: 3000 }, () => (rng.uniform() - 0.5) * 10 ** Math.floor(rng.uniform() * 20 - 10));
+    const random = Array.from(
+      { length: 3000 },
+      () => (rng.uniform() - 0.5) * 10 ** Math.floor(rng.uniform() * 20 - 10),
+    );
     const x = Float32Array.from([...specials, ...random]);
     const n = x.length;
     const [xc, xe] = twin(x);

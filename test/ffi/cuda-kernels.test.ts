@@ -173,13 +173,18 @@ describe("PTX", () => {
 
   // What the driver's JIT does at load time: assemble the PTX for the GPUs we run on.
   const ptxas = nvcc === null ? null : join(dirname(nvcc), "ptxas");
-  test.skipIf(skip("nvcc", nvccMissing) || skip("ptxas", ptxas !== null && !existsSync(ptxas) ? `${ptxas} not found` : null))(
+  test.skipIf(
+    skip("nvcc", nvccMissing) || skip("ptxas", ptxas !== null && !existsSync(ptxas) ? `${ptxas} not found` : null),
+  )(
     "the PTX assembles for sm_80 and sm_90 (ptxas)",
     () => {
       const failures: string[] = [];
       for (const [module, path] of Object.entries(ptx())) {
         for (const arch of ["sm_80", "sm_90"]) {
-          const result = Bun.spawnSync([ptxas!, `-arch=${arch}`, "-o", "/dev/null", path], { stdout: "pipe", stderr: "pipe" });
+          const result = Bun.spawnSync([ptxas!, `-arch=${arch}`, "-o", "/dev/null", path], {
+            stdout: "pipe",
+            stderr: "pipe",
+          });
           if (result.exitCode !== 0) failures.push(`${module} ${arch}: ${result.stderr.toString()}`);
         }
       }
@@ -292,7 +297,9 @@ const cases: { readonly [M in OpName]: readonly Args[] } = {
   axpy: sizes.map((n) => [p, p, n, -0.5]),
   scale: sizes.map((n) => [p, n, 2]),
   addScalarFrom: sizes.map((n) => [p, p, 0.25, n]),
-  binaryBroadcast: dims4.flatMap((d) => (["add", "mul"] as const).map((op) => [op, p, p, p, d, broadcastOn(d, [false, true, false, true]), contiguous(d)])),
+  binaryBroadcast: dims4.flatMap((d) =>
+    (["add", "mul"] as const).map((op) => [op, p, p, p, d, broadcastOn(d, [false, true, false, true]), contiguous(d)]),
+  ),
   reduceBroadcast: dims4.flatMap((d) => keepPatterns.map((keep) => [p, p, d, broadcastOn(d, keep)])),
   biasAdd: rowsByCols.map(([N, C]) => [p, p, p, N, C]),
   biasBackward: rowsByCols.map(([N, C]) => [p, p, N, C]),
@@ -310,9 +317,15 @@ const cases: { readonly [M in OpName]: readonly Args[] } = {
   layerNormBackward: rowsByCols.map(([N, C]) => [p, p, p, p, p, p, p, p, N, C]),
   embeddingForward: vocab.map(([N, V]) => [scratch, p, p, p, N, 768, V]),
   embeddingBackward: rowsByCols.map(([N, C]) => [p, p, p, N, C]),
-  attentionForward: attention.flatMap(([B, T, C, H]) => (["f32", "bf16"] as const).map((e) => [p, p, p, B, T, C, H, 0.125, e])),
-  attentionBackward: attention.flatMap(([B, T, C, H]) => (["f32", "f16"] as const).map((e) => [p, p, p, p, p, p, B, T, C, H, 0.125, e])),
-  stridedCopy: dims4.flatMap((d) => [false, true].map((acc) => [p, contiguous(d), p, [d[3], 1, d[0] * d[3], d[0] * d[1] * d[3]], d, acc])),
+  attentionForward: attention.flatMap(([B, T, C, H]) =>
+    (["f32", "bf16"] as const).map((e) => [p, p, p, B, T, C, H, 0.125, e]),
+  ),
+  attentionBackward: attention.flatMap(([B, T, C, H]) =>
+    (["f32", "f16"] as const).map((e) => [p, p, p, p, p, p, B, T, C, H, 0.125, e]),
+  ),
+  stridedCopy: dims4.flatMap((d) =>
+    [false, true].map((acc) => [p, contiguous(d), p, [d[3], 1, d[0] * d[3], d[0] * d[1] * d[3]], d, acc]),
+  ),
   sum: sizes.map((n) => [p, p, n]),
   sumSquares: sizes.map((n) => [scratch, p, n]),
   countNonFinite: sizes.map((n) => [scratch, p, n]),
@@ -366,7 +379,13 @@ const emptyCases: { readonly [M in OpName]: Args } = {
   castF16ToF32: [p, p, 0],
 };
 /** Plans with a scalar result still write it for an empty input: one single-block launch. */
-const writesScalarWhenEmpty = new Set<OpName>(["sum", "sumSquares", "countNonFinite", "crossEntropyForward", "embeddingForward"]);
+const writesScalarWhenEmpty = new Set<OpName>([
+  "sum",
+  "sumSquares",
+  "countNonFinite",
+  "crossEntropyForward",
+  "embeddingForward",
+]);
 
 function planFor(method: OpName, args: Args): Launch[] {
   return (plans[method] as (...a: readonly unknown[]) => Launch[])(...args);
@@ -380,8 +399,16 @@ const singleBlockKernels = new Set<KernelName>([
   "mt_sum_partials_f64",
   "mt_sum_partials_i64",
 ]);
-const columnKernels = new Set<KernelName>(["mt_bias_backward_f32", "mt_layernorm_backward_params_f32", "mt_reduce_bcast_cols_f32"]);
-const attentionKernels = new Set<KernelName>(["mt_attention_forward_f32", "mt_attention_backward_kv_f32", "mt_attention_backward_q_f32"]);
+const columnKernels = new Set<KernelName>([
+  "mt_bias_backward_f32",
+  "mt_layernorm_backward_params_f32",
+  "mt_reduce_bcast_cols_f32",
+]);
+const attentionKernels = new Set<KernelName>([
+  "mt_attention_forward_f32",
+  "mt_attention_backward_kv_f32",
+  "mt_attention_backward_q_f32",
+]);
 
 /** Everything wrong with one launch, as readable strings (empty when it is fine). */
 function launchProblems(l: Launch): string[] {
@@ -413,7 +440,8 @@ function launchProblems(l: Launch): string[] {
   if (!int(l.sharedBytes, 0, 48 * 1024)) problems.push(`sharedBytes ${l.sharedBytes}`);
   if (singleBlockKernels.has(l.kernel) && (gx !== 1 || by !== 1 || bz !== 1)) problems.push("needs one 1D block");
   if (columnKernels.has(l.kernel) && (bx !== 32 || by > 32 || bz !== 1)) problems.push("needs a (32, <=32) block");
-  if (attentionKernels.has(l.kernel) && (bx !== 128 || by !== 1 || bz !== 1)) problems.push("needs a 128-thread 1D block (4 threads per row of 32)");
+  if (attentionKernels.has(l.kernel) && (bx !== 128 || by !== 1 || bz !== 1))
+    problems.push("needs a 128-thread 1D block (4 threads per row of 32)");
   return problems.map((s) => `${l.kernel}: ${s}`);
 }
 
@@ -450,7 +478,8 @@ describe("launches", () => {
       // anything else a plan puts in scratch stays inside it
       for (const l of launches) {
         for (const a of l.args) {
-          if (typeof a === "number" && a > scratch && a < scratch + 2 ** 32) expect(a).toBeLessThan(scratch + scratchBytes);
+          if (typeof a === "number" && a > scratch && a < scratch + 2 ** 32)
+            expect(a).toBeLessThan(scratch + scratchBytes);
         }
       }
     }
@@ -480,8 +509,12 @@ describe("invalid input is refused", () => {
     expect(() => plans.layerNormForward(p, p, p, p, p, p, -3, 768, 1e-5)).toThrow(RangeError);
   });
   test("an attention head larger than the kernels' shared tiles", () => {
-    expect(() => plans.attentionForward(p, p, p, 1, 64, 256, 1, 0.0625, "f32")).toThrow("head size 256 is larger than the CUDA kernels' 128");
-    expect(() => plans.attentionBackward(p, p, p, p, p, p, 1, 64, 30, 4, 0.5, "f32")).toThrow("C=30 is not a multiple of H=4");
+    expect(() => plans.attentionForward(p, p, p, 1, 64, 256, 1, 0.0625, "f32")).toThrow(
+      "head size 256 is larger than the CUDA kernels' 128",
+    );
+    expect(() => plans.attentionBackward(p, p, p, p, p, p, 1, 64, 30, 4, 0.5, "f32")).toThrow(
+      "C=30 is not a multiple of H=4",
+    );
   });
   test("a pointer that is not an address", () => {
     expect(() => plans.add(1.5, p, p, 10)).toThrow(RangeError);

@@ -38,7 +38,21 @@ afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
 function compileFake(name: string, defines: string[]): string {
   const out = join(dir, name);
-  const r = Bun.spawnSync(["cc", "-O1", "-fPIC", "-shared", "-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread", ...defines, "-o", out, fixture]);
+  const r = Bun.spawnSync([
+    "cc",
+    "-O1",
+    "-fPIC",
+    "-shared",
+    "-std=c11",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-pthread",
+    ...defines,
+    "-o",
+    out,
+    fixture,
+  ]);
   if (r.exitCode !== 0) throw new Error(`compiling the fake NCCL failed:\n${r.stderr.toString()}`);
   return out;
 }
@@ -63,7 +77,17 @@ type Controls = ReturnType<typeof openControls>;
 function initRecord(f: Controls) {
   const id = new Uint8Array(ncclUniqueIdBytes);
   f.fake_init_id(id);
-  const fields = ["nranks", "rank", "configSize", "magic", "version", "blocking", "cgaClusterSizeBytes", "cgaClusterSize", "calls"] as const;
+  const fields = [
+    "nranks",
+    "rank",
+    "configSize",
+    "magic",
+    "version",
+    "blocking",
+    "cgaClusterSizeBytes",
+    "cgaClusterSize",
+    "calls",
+  ] as const;
   return { id, ...readNamed(fields, (out) => f.fake_init_record(out)) };
 }
 
@@ -75,7 +99,9 @@ function collRecord(f: Controls) {
 }
 
 function counts(f: Controls) {
-  return readNamed(["aborts", "destroys", "finalizes", "groupStarts", "groupEnds", "asyncPolls"] as const, (out) => f.fake_counts(out));
+  return readNamed(["aborts", "destroys", "finalizes", "groupStarts", "groupEnds", "asyncPolls"] as const, (out) =>
+    f.fake_counts(out),
+  );
 }
 
 /** The int64 values a fake_ function writes, by name, as numbers (all small). */
@@ -106,7 +132,12 @@ describe("findLibrary", () => {
     const lib = join(dir, "override-libnccl.so.2");
     writeFileSync(lib, "");
     expect(findLibrary(ncclLibrarySpec, env({ MESHTRAIN_NCCL: lib }))).toBe(lib);
-    expectThrown(() => findNccl(env({ MESHTRAIN_NCCL: join(dir, "nope.so") })), NativeLibraryError, "MESHTRAIN_NCCL=", "does not exist");
+    expectThrown(
+      () => findNccl(env({ MESHTRAIN_NCCL: join(dir, "nope.so") })),
+      NativeLibraryError,
+      "MESHTRAIN_NCCL=",
+      "does not exist",
+    );
   });
 
   test("finds a pip wheel's library under a virtualenv's site-packages", () => {
@@ -134,7 +165,9 @@ describe("findLibrary", () => {
     const ld = join(dir, "ld");
     mkdirSync(ld, { recursive: true });
     writeFileSync(join(ld, "libmt-cublas-test.so.13"), "");
-    expect(findLibrary(spec, env({ VIRTUAL_ENV: venv, LD_LIBRARY_PATH: ld }))).toBe(join(ld, "libmt-cublas-test.so.13"));
+    expect(findLibrary(spec, env({ VIRTUAL_ENV: venv, LD_LIBRARY_PATH: ld }))).toBe(
+      join(ld, "libmt-cublas-test.so.13"),
+    );
     expect(librarySearchDirs(spec, env({ LD_LIBRARY_PATH: ld }))[0]).toBe(ld);
   });
 
@@ -268,9 +301,15 @@ describe("NCCL binding against a fake libnccl", () => {
   test("an init that fails at once is NcclError with NCCL's texts", async () => {
     fake.fake_reset();
     fake.fake_fail_next(4);
-    const e = (await NcclComm.init(2, 0, distinctiveId(), { timeoutMs, library: lib }).catch((x: unknown) => x)) as NcclError;
+    const e = (await NcclComm.init(2, 0, distinctiveId(), { timeoutMs, library: lib }).catch(
+      (x: unknown) => x,
+    )) as NcclError;
     expect(e).toBeInstanceOf(NcclError);
-    expect({ code: e.code, codeName: e.codeName, call: e.call }).toEqual({ code: 4, codeName: "ncclInvalidArgument", call: "ncclCommInitRankConfig" });
+    expect({ code: e.code, codeName: e.codeName, call: e.call }).toEqual({
+      code: 4,
+      codeName: "ncclInvalidArgument",
+      call: "ncclCommInitRankConfig",
+    });
     expect(e.message).toContain("invalid argument (fake)");
     expect(e.message).toContain("last error: fake: ncclCommInitRankConfig was told to fail with 4");
   });
@@ -278,12 +317,16 @@ describe("NCCL binding against a fake libnccl", () => {
   test("an init that fails asynchronously is aborted and thrown; invalid usage says one GPU per rank", async () => {
     fake.fake_reset();
     fake.fake_set_init_polls(2, 0, 6);
-    const e = (await NcclComm.init(2, 0, distinctiveId(), { timeoutMs, library: lib }).catch((x: unknown) => x)) as NcclError;
+    const e = (await NcclComm.init(2, 0, distinctiveId(), { timeoutMs, library: lib }).catch(
+      (x: unknown) => x,
+    )) as NcclError;
     expect({ name: e.name, codeName: e.codeName }).toEqual({ name: "NcclError", codeName: "ncclRemoteError" });
     expect(counts(fake).aborts).toBe(1);
     fake.fake_reset();
     fake.fake_fail_next(5);
-    const usage = (await NcclComm.init(2, 1, distinctiveId(), { timeoutMs, library: lib }).catch((x: unknown) => x)) as NcclError;
+    const usage = (await NcclComm.init(2, 1, distinctiveId(), { timeoutMs, library: lib }).catch(
+      (x: unknown) => x,
+    )) as NcclError;
     expect(usage.codeName).toBe("ncclInvalidUsage");
     expect(usage.message).toContain("a one-GPU machine can only run a one-rank communicator");
   });
@@ -373,8 +416,19 @@ describe("NCCL binding against a fake libnccl", () => {
     [6, "ncclRemoteError", "remote process exited"],
   ] as const)("error code %d from a collective is NcclError %s", (code, codeName, text) => {
     fake.fake_fail_next(code);
-    const e = expectThrown(() => comm.allReduce(send, recv, 8, "f32", "sum", stream), NcclError, codeName, text, "ncclAllReduce") as NcclError;
-    expect({ name: e.name, code: e.code, codeName: e.codeName, call: e.call }).toEqual({ name: "NcclError", code, codeName, call: "ncclAllReduce" });
+    const e = expectThrown(
+      () => comm.allReduce(send, recv, 8, "f32", "sum", stream),
+      NcclError,
+      codeName,
+      text,
+      "ncclAllReduce",
+    ) as NcclError;
+    expect({ name: e.name, code: e.code, codeName: e.codeName, call: e.call }).toEqual({
+      name: "NcclError",
+      code,
+      codeName,
+      call: "ncclAllReduce",
+    });
   });
 
   test("a collective answered ncclInProgress leaves the communicator pending until settled", async () => {
@@ -394,7 +448,10 @@ describe("NCCL binding against a fake libnccl", () => {
     fake.fake_set_async_state(6);
     const e = comm.pollAsyncError();
     expect(e).toBeInstanceOf(NcclError);
-    expect({ codeName: e?.codeName, call: e?.call }).toEqual({ codeName: "ncclRemoteError", call: "ncclCommGetAsyncError" });
+    expect({ codeName: e?.codeName, call: e?.call }).toEqual({
+      codeName: "ncclRemoteError",
+      call: "ncclCommGetAsyncError",
+    });
     fake.fake_set_async_state(0);
     expect(comm.pollAsyncError()).toBeNull();
   });
@@ -444,7 +501,10 @@ describe("NCCL < 2.14: the blocking init runs on the shim's thread", () => {
 
   test("the event loop runs while ncclCommInitRank blocks, and the id arrives by value", async () => {
     fake.fake_reset();
-    expect({ version: lib.versionText, nonBlocking: lib.nonBlockingInit }).toEqual({ version: "2.13.4", nonBlocking: false });
+    expect({ version: lib.versionText, nonBlocking: lib.nonBlockingInit }).toEqual({
+      version: "2.13.4",
+      nonBlocking: false,
+    });
     const id = distinctiveId();
     let done = false;
     const init = NcclComm.init(2, 1, id, { timeoutMs, library: lib }).then((c) => {
@@ -464,8 +524,14 @@ describe("NCCL < 2.14: the blocking init runs on the shim's thread", () => {
 
   test("a timeout abandons the thread, which aborts the communicator when NCCL returns", async () => {
     fake.fake_reset();
-    const e = (await NcclComm.init(2, 0, distinctiveId(), { timeoutMs: 20, library: lib }).catch((x: unknown) => x)) as NcclError;
-    expect({ name: e.name, codeName: e.codeName, call: e.call }).toEqual({ name: "NcclError", codeName: "ncclTimeout", call: "ncclCommInitRank" });
+    const e = (await NcclComm.init(2, 0, distinctiveId(), { timeoutMs: 20, library: lib }).catch(
+      (x: unknown) => x,
+    )) as NcclError;
+    expect({ name: e.name, codeName: e.codeName, call: e.call }).toEqual({
+      name: "NcclError",
+      codeName: "ncclTimeout",
+      call: "ncclCommInitRank",
+    });
     fake.fake_release_legacy_init();
     await waitFor("the abandoned init to abort its communicator", () => counts(fake).aborts === 1, timeoutMs);
   });
@@ -485,7 +551,8 @@ export type StreamBackend = Backend & { readonly stream: bigint | Ptr };
  * Throws on the first wrong result.
  */
 export async function runOneRankCollectives(comm: NcclComm, backend: StreamBackend): Promise<void> {
-  if (comm.nranks !== 1) throw new Error(`runOneRankCollectives needs a one-rank communicator, got ${comm.nranks} ranks`);
+  if (comm.nranks !== 1)
+    throw new Error(`runOneRankCollectives needs a one-rank communicator, got ${comm.nranks} ranks`);
   const n = 1000;
   const input = Float32Array.from({ length: n }, (_, i) => i * 0.5 - 7);
   const src = backend.alloc(n * 4);
@@ -600,7 +667,9 @@ describe("NcclCollective: the Collective over a (fake) communicator", () => {
 
   test("all-reduce in place, sum or mean; an empty buffer calls nothing", async () => {
     await coll.allReduce(buf, { step: 1, bucket: 0 });
-    expect(collRecord(fake)).toEqual(call({ send: BigInt(buf.ptr), recv: BigInt(buf.ptr), count: 4000n, dtype: 7n, op: 0n }));
+    expect(collRecord(fake)).toEqual(
+      call({ send: BigInt(buf.ptr), recv: BigInt(buf.ptr), count: 4000n, dtype: 7n, op: 0n }),
+    );
     await coll.allReduce(buf, { step: 1, bucket: 1 }, "avg");
     expect(collRecord(fake).op).toBe(4n);
     await coll.allReduce({ ptr: 0x10, count: 0 }, { step: 1, bucket: 2 });
@@ -610,17 +679,27 @@ describe("NcclCollective: the Collective over a (fake) communicator", () => {
   test("reduce-scatter in place into this rank's block; all-gather from it; segments as the ring's", async () => {
     const mine = await coll.reduceScatter(buf, { step: 2, bucket: 0 });
     expect(mine).toEqual({ offset: 2000, count: 1000 });
-    expect(collRecord(fake)).toEqual(call({ send: BigInt(buf.ptr), recv: BigInt(buf.ptr + 2000 * 4), count: 1000n, dtype: 7n, op: 0n }));
+    expect(collRecord(fake)).toEqual(
+      call({ send: BigInt(buf.ptr), recv: BigInt(buf.ptr + 2000 * 4), count: 1000n, dtype: 7n, op: 0n }),
+    );
     await coll.allGather(buf, { step: 2, bucket: 1 });
-    expect(collRecord(fake)).toEqual(call({ send: BigInt(buf.ptr + 2000 * 4), recv: BigInt(buf.ptr), count: 1000n, dtype: 7n }));
-    await expect(coll.reduceScatter({ ptr: buf.ptr, count: 4001 }, { step: 2, bucket: 2 })).rejects.toThrow(/not a multiple of the 4 ranks/);
+    expect(collRecord(fake)).toEqual(
+      call({ send: BigInt(buf.ptr + 2000 * 4), recv: BigInt(buf.ptr), count: 1000n, dtype: 7n }),
+    );
+    await expect(coll.reduceScatter({ ptr: buf.ptr, count: 4001 }, { step: 2, bucket: 2 })).rejects.toThrow(
+      /not a multiple of the 4 ranks/,
+    );
   });
 
   test("broadcast and barrier", async () => {
     await coll.broadcast(buf, 3, { step: 3, bucket: 0 });
-    expect(collRecord(fake)).toEqual(call({ send: BigInt(buf.ptr), recv: BigInt(buf.ptr), count: 4000n, dtype: 7n, root: 3n }));
+    expect(collRecord(fake)).toEqual(
+      call({ send: BigInt(buf.ptr), recv: BigInt(buf.ptr), count: 4000n, dtype: 7n, root: 3n }),
+    );
     await coll.barrier({ step: 3, bucket: 1 });
-    expect(collRecord(fake)).toEqual(call({ send: 0x7f00_0000_0040n, recv: 0x7f00_0000_0040n, count: 1n, dtype: 7n, op: 0n }));
+    expect(collRecord(fake)).toEqual(
+      call({ send: 0x7f00_0000_0040n, recv: 0x7f00_0000_0040n, count: 1n, dtype: 7n, op: 0n }),
+    );
   });
 
   test("an asynchronous error is thrown by the next operation; close aborts, and later calls are refused", async () => {

@@ -21,7 +21,10 @@ function prototypes(): Map<string, { result: string; args: string[] }> {
       if (t === undefined) throw new Error(`${m[2]}: a parameter of C type "${type}" has no declared type`);
       return t;
     });
-    out.set(m[2]!, { result: { void: "void", int64_t: "i64", double: "f64", int: "i32", "void*": "ptr" }[m[1]!]!, args });
+    out.set(m[2]!, {
+      result: { void: "void", int64_t: "i64", double: "f64", int: "i32", "void*": "ptr" }[m[1]!]!,
+      args,
+    });
   }
   return out;
 }
@@ -37,7 +40,8 @@ describe("op declarations", () => {
         continue;
       }
       const want = cArgTypes(d);
-      if (p.args.join(",") !== want.join(",")) wrong.push(`${name}: ${d.cpu}(${p.args.join(", ")}) is declared (${want.join(", ")})`);
+      if (p.args.join(",") !== want.join(","))
+        wrong.push(`${name}: ${d.cpu}(${p.args.join(", ")}) is declared (${want.join(", ")})`);
       if (p.result !== d.result) wrong.push(`${name}: ${d.cpu} returns ${p.result}, declared ${d.result}`);
     }
     expect(wrong).toEqual([]);
@@ -57,8 +61,12 @@ describe("op declarations", () => {
       expect(passesStraight(ops.stridedCopy as OpDecl)).toBe(false);
       // a converted call: the strided copy's dims, its flag and its parameters' C order
       const d = ops.stridedCopy as OpDecl;
-      expect(toCArgs(d, [1, [2, 3, 4, 5], 6, [7, 8, 9, 10], [11, 12, 13, 14], true])).toEqual([1, 6, 11, 12, 13, 14, 2, 3, 4, 5, 7, 8, 9, 10, 1]);
-      expect(toCArgs(ops.binaryBroadcast as OpDecl, ["mul", 1, 2, 3, [1, 1, 1, 4], [0, 0, 0, 1], [0, 0, 0, 1]]).slice(0, 1)).toEqual([1]);
+      expect(toCArgs(d, [1, [2, 3, 4, 5], 6, [7, 8, 9, 10], [11, 12, 13, 14], true])).toEqual([
+        1, 6, 11, 12, 13, 14, 2, 3, 4, 5, 7, 8, 9, 10, 1,
+      ]);
+      expect(
+        toCArgs(ops.binaryBroadcast as OpDecl, ["mul", 1, 2, 3, [1, 1, 1, 4], [0, 0, 0, 1], [0, 0, 0, 1]]).slice(0, 1),
+      ).toEqual([1]);
       // and it computes: 2 + 3 through the derived add
       const a = be.alloc(12);
       be.upload(a.ptr, new Float32Array([2, 3, 0]));

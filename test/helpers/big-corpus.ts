@@ -42,7 +42,8 @@ export function writeBigCorpus(out: string, trainTokens: number, shardTokens = p
   clearFolder(out);
   const writer = new ShardWriter(out, shardTokens);
   let copies = 0;
-  for (let left = trainTokens; left > 0; left -= train.length, copies++) writer.push("train", train.subarray(0, Math.min(left, train.length)));
+  for (let left = trainTokens; left > 0; left -= train.length, copies++)
+    writer.push("train", train.subarray(0, Math.min(left, train.length)));
   writer.push("val", val);
   const shards = writer.finish();
   const manifest: Manifest = {

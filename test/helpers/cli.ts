@@ -5,6 +5,11 @@ import { join } from "node:path";
 const cliPath = join(import.meta.dir, "..", "..", "sdk", "cli.ts");
 
 export function runCli(dir: string, ...args: string[]): { code: number | null; out: string; err: string } {
-  const p = Bun.spawnSync([process.execPath, cliPath, ...args], { cwd: dir, env: { ...process.env, INIT_CWD: dir }, stdout: "pipe", stderr: "pipe" });
+  const p = Bun.spawnSync([process.execPath, cliPath, ...args], {
+    cwd: dir,
+    env: { ...process.env, INIT_CWD: dir },
+    stdout: "pipe",
+    stderr: "pipe",
+  });
   return { code: p.exitCode, out: p.stdout.toString(), err: p.stderr.toString() };
 }

@@ -38,7 +38,10 @@ function translationUnits(): Map<string, string> {
   const units = new Map<string, string>();
   for (const [module, names] of byModule) {
     const source = join(kernelsDir, `${module}.cu`);
-    units.set(`gen_${module}.cpp`, `#include "emu.h"\n#include ${JSON.stringify(source)}\n${names.map((n) => `EMU_REGISTER(${n})`).join("\n")}\n`);
+    units.set(
+      `gen_${module}.cpp`,
+      `#include "emu.h"\n#include ${JSON.stringify(source)}\n${names.map((n) => `EMU_REGISTER(${n})`).join("\n")}\n`,
+    );
   }
   return units;
 }
@@ -87,19 +90,25 @@ interface Built {
 
 async function build(): Promise<Built> {
   const dir = join(root, ".test-results", "emulated-cuda", sourcesHash());
-  const built: Built = { emulator: join(dir, "libemu.so"), fakeCuda: join(dir, "libfakecuda.so"), fakeCublas: join(dir, "libfakecublas.so") };
+  const built: Built = {
+    emulator: join(dir, "libemu.so"),
+    fakeCuda: join(dir, "libfakecuda.so"),
+    fakeCublas: join(dir, "libfakecublas.so"),
+  };
   if (Object.values(built).every((p) => existsSync(p))) return built;
   // build in a fresh folder and rename, so a concurrent or interrupted build leaves nothing half-written
   const tmp = `${dir}.${process.pid}.tmp`;
   rmSync(tmp, { recursive: true, force: true });
   mkdirSync(tmp, { recursive: true });
-  const cc = (src: string, out: string) => run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-o", join(tmp, out), join(fixtures, src), "-ldl"], tmp);
+  const cc = (src: string, out: string) =>
+    run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-o", join(tmp, out), join(fixtures, src), "-ldl"], tmp);
   await Promise.all([buildEmulator(tmp), cc("fake-cuda.c", "libfakecuda.so"), cc("fake-cublas.c", "libfakecublas.so")]);
   rmSync(dir, { recursive: true, force: true });
   renameSync(tmp, dir);
   // builds of earlier sources are of no further use
   const parent = join(dir, "..");
-  for (const old of readdirSync(parent)) if (join(parent, old) !== dir && !old.endsWith(".tmp")) rmSync(join(parent, old), { recursive: true, force: true });
+  for (const old of readdirSync(parent))
+    if (join(parent, old) !== dir && !old.endsWith(".tmp")) rmSync(join(parent, old), { recursive: true, force: true });
   return built;
 }
 
@@ -128,7 +137,8 @@ export function emulatedCuda(): Promise<EmulatedCuda> {
 }
 
 async function open(): Promise<EmulatedCuda> {
-  if (Bun.which("g++") === null || Bun.which("cc") === null) return { ok: false, reason: "g++ and cc are needed to build it" };
+  if (Bun.which("g++") === null || Bun.which("cc") === null)
+    return { ok: false, reason: "g++ and cc are needed to build it" };
   if (findNvcc() === null && !existsSync(join(root, "ffi", "cuda", "build"))) {
     return { ok: false, reason: "the backend loads PTX at start and there is no nvcc to build it" };
   }
@@ -176,6 +186,10 @@ async function open(): Promise<EmulatedCuda> {
 export async function parityBackends(): Promise<{ name: string; backend: () => Backend }[]> {
   const emulated = cudaSkipReason === null ? null : await emulatedCuda();
   if (emulated?.ok === true) console.log("no GPU here: the CUDA backend runs emulated on the host");
-  if (emulated?.ok === false) console.log(`${cudaSkipReason}; the emulated CUDA backend is skipped too: ${emulated.reason}`);
-  return [...testBackends(), ...(emulated?.ok === true ? [{ name: "cuda (emulated on the host)", backend: emulated.backend }] : [])];
+  if (emulated?.ok === false)
+    console.log(`${cudaSkipReason}; the emulated CUDA backend is skipped too: ${emulated.reason}`);
+  return [
+    ...testBackends(),
+    ...(emulated?.ok === true ? [{ name: "cuda (emulated on the host)", backend: emulated.backend }] : []),
+  ];
 }

@@ -1,7 +1,11 @@
 // Asserting on thrown errors: their class and the fragments their message must contain.
 import { expect } from "bun:test";
 
-export function expectThrown(fn: () => unknown, cls: abstract new (...args: never[]) => Error, ...fragments: string[]): Error {
+export function expectThrown(
+  fn: () => unknown,
+  cls: abstract new (...args: never[]) => Error,
+  ...fragments: string[]
+): Error {
   let error: unknown;
   try {
     fn();
@@ -14,7 +18,11 @@ export function expectThrown(fn: () => unknown, cls: abstract new (...args: neve
 }
 
 /** expectThrown for an async call: its promise must reject with `cls`. */
-export async function expectRejected(fn: () => Promise<unknown>, cls: abstract new (...args: never[]) => Error, ...fragments: string[]): Promise<Error> {
+export async function expectRejected(
+  fn: () => Promise<unknown>,
+  cls: abstract new (...args: never[]) => Error,
+  ...fragments: string[]
+): Promise<Error> {
   let error: unknown;
   try {
     await fn();

@@ -96,7 +96,13 @@ export const hostileTexts: readonly string[] = [
 
 /** Bit patterns written over aligned words: float NaN and infinities, all ones, the sign bit. */
 const words32 = [0x7fc00000, 0x7f800000, 0xff800000, 0xffffffff, 0x80000000, 0x7fffffff, 0, 1];
-const words64 = [0xffffffffffffffffn, 0x7ff8000000000000n, 0x7ff0000000000000n, 0x001fffffffffffffn, 0x8000000000000000n];
+const words64 = [
+  0xffffffffffffffffn,
+  0x7ff8000000000000n,
+  0x7ff0000000000000n,
+  0x001fffffffffffffn,
+  0x8000000000000000n,
+];
 
 /** One byte-level mutation of `b` (a new array). */
 export function mutateBytes(rng: Rng, b: Uint8Array): Uint8Array {
@@ -174,7 +180,14 @@ function leaves(o: unknown, out: Leaf[] = []): Leaf[] {
     const rec = o as Record<string, unknown>;
     const v = rec[key];
     const leaf = { get: () => rec[key], set: (x: unknown) => (rec[key] = x) };
-    if (typeof v === "number" || typeof v === "bigint" || typeof v === "string" || ArrayBuffer.isView(v) || Array.isArray(v)) out.push(leaf);
+    if (
+      typeof v === "number" ||
+      typeof v === "bigint" ||
+      typeof v === "string" ||
+      ArrayBuffer.isView(v) ||
+      Array.isArray(v)
+    )
+      out.push(leaf);
     if (typeof v === "object") leaves(v, out);
   }
   return out;
@@ -202,7 +215,12 @@ export function mutateFields<T>(rng: Rng, m: T, numbers: readonly number[]): T {
     if (v.length > 0 && rng.int(2) === 0) v.splice(rng.int(v.length), 1);
     else if (v.length > 0) v.push(clone(v[rng.int(v.length)]));
   } else if (ArrayBuffer.isView(v)) {
-    const a = v as unknown as { length: number; [i: number]: number; slice(a: number, b?: number): unknown; constructor: new (n: number) => unknown };
+    const a = v as unknown as {
+      length: number;
+      [i: number]: number;
+      slice(a: number, b?: number): unknown;
+      constructor: new (n: number) => unknown;
+    };
     const kind = rng.int(3);
     if (kind === 0) leaf.set(a.slice(0, rng.int(a.length + 1)));
     else if (kind === 1) {
@@ -213,7 +231,8 @@ export function mutateFields<T>(rng: Rng, m: T, numbers: readonly number[]): T {
       const x = pickNumber();
       if (v instanceof Uint8Array) {
         // bytes of a float vector: a float written at an aligned place
-        if (a.length >= 4) new DataView(v.buffer, v.byteOffset, v.byteLength).setFloat32(rng.int(a.length >> 2) * 4, x, true);
+        if (a.length >= 4)
+          new DataView(v.buffer, v.byteOffset, v.byteLength).setFloat32(rng.int(a.length >> 2) * 4, x, true);
       } else a[rng.int(a.length)] = x;
     }
   }
@@ -253,7 +272,16 @@ export interface FuzzOptions {
  */
 export async function fuzz(bus: Bus, targets: readonly Target[], o: FuzzOptions): Promise<Outcome> {
   const rng = new Rng(o.seed);
-  const out: Outcome = { sent: 0, answered: 0, errors: new Map(), unanswered: [], other: [], redrawn: 0, answeredBy: new Map(), taken: new Map() };
+  const out: Outcome = {
+    sent: 0,
+    answered: 0,
+    errors: new Map(),
+    unanswered: [],
+    other: [],
+    redrawn: 0,
+    answeredBy: new Map(),
+    taken: new Map(),
+  };
   const draw = (t: Target): Uint8Array => {
     for (let attempt = 0; ; attempt++) {
       const seed = t.seeds[rng.int(t.seeds.length)]!;

@@ -3,7 +3,12 @@
 import { Rng } from "../../engine/rng.ts";
 import type { HostBatch } from "../../engine/train.ts";
 
-export function tokenWindows(o: { V: number; T: number; seed: number; windows: number }): (from: number, n: number) => HostBatch {
+export function tokenWindows(o: {
+  V: number;
+  T: number;
+  seed: number;
+  windows: number;
+}): (from: number, n: number) => HostBatch {
   const { V, T, windows } = o;
   const rng = new Rng(o.seed);
   const stream = Int32Array.from({ length: (windows + 10) * (T + 1) }, () => rng.int(V));

@@ -1,7 +1,14 @@
 import { describe, expect, test } from "bun:test";
 import { Builder } from "flatbuffers";
 import { staleFiles } from "../../schemas/build.ts";
-import { chunkRanges, createBytes, finishBytes, packByBytes, schemaVersion, WireFormatError } from "../../schemas/codec.ts";
+import {
+  chunkRanges,
+  createBytes,
+  finishBytes,
+  packByBytes,
+  schemaVersion,
+  WireFormatError,
+} from "../../schemas/codec.ts";
 import {
   CollPhase,
   decodeCollPiece,
@@ -65,9 +72,20 @@ describe("round trips, from unaligned payloads", () => {
   test("PushRequest keeps chunk data bit-exact and views it as aligned float32", () => {
     const a = floats(1000),
       b = floats(7, 2);
-    const bytes = encodePushRequest({ job: "j1", trainer: 3, step: 2 ** 40 + 5, chunks: [f32Chunk(4, a), f32Chunk(9, b, 17)] });
+    const bytes = encodePushRequest({
+      job: "j1",
+      trainer: 3,
+      step: 2 ** 40 + 5,
+      chunks: [f32Chunk(4, a), f32Chunk(9, b, 17)],
+    });
     const m = decodePushRequest(unaligned(bytes), limit);
-    expect({ job: m.job, trainer: m.trainer, step: m.step, ids: m.chunks.map((c) => c.id), versions: m.chunks.map((c) => c.version) }).toEqual({
+    expect({
+      job: m.job,
+      trainer: m.trainer,
+      step: m.step,
+      ids: m.chunks.map((c) => c.id),
+      versions: m.chunks.map((c) => c.version),
+    }).toEqual({
       job: "j1",
       trainer: 3,
       step: 2 ** 40 + 5,
@@ -83,19 +101,40 @@ describe("round trips, from unaligned payloads", () => {
   });
 
   test("replies, requests, batches, events, job specs, shard states and manifests", () => {
-    expect(decodePushReply(unaligned(encodePushReply({ accepted: 3, duplicates: 1, updates: 2 })), limit)).toEqual({ accepted: 3, duplicates: 1, updates: 2 });
-    const pull = decodePullRequest(unaligned(encodePullRequest({ job: "j", trainer: 1, step: 9, ids: Uint32Array.of(5, 1, 7) })), limit);
-    expect({ ...pull, ids: [...pull.ids] }).toEqual({ job: "j", trainer: 1, step: 9, ids: [5, 1, 7], dtype: DType.F32 });
-    expect(decodePullRequest(unaligned(encodePullRequest({ job: "j", trainer: 1, step: 9, ids: Uint32Array.of(5), dtype: DType.BF16 })), limit).dtype).toBe(
-      DType.BF16,
+    expect(decodePushReply(unaligned(encodePushReply({ accepted: 3, duplicates: 1, updates: 2 })), limit)).toEqual({
+      accepted: 3,
+      duplicates: 1,
+      updates: 2,
+    });
+    const pull = decodePullRequest(
+      unaligned(encodePullRequest({ job: "j", trainer: 1, step: 9, ids: Uint32Array.of(5, 1, 7) })),
+      limit,
     );
+    expect({ ...pull, ids: [...pull.ids] }).toEqual({
+      job: "j",
+      trainer: 1,
+      step: 9,
+      ids: [5, 1, 7],
+      dtype: DType.F32,
+    });
+    expect(
+      decodePullRequest(
+        unaligned(encodePullRequest({ job: "j", trainer: 1, step: 9, ids: Uint32Array.of(5), dtype: DType.BF16 })),
+        limit,
+      ).dtype,
+    ).toBe(DType.BF16);
     // a sparse top-k chunk: nnz entries of (index, value), nnz <= count; a dense chunk with nnz is malformed
     const sparse = new Uint8Array(16);
     new Uint32Array(sparse.buffer, 0, 2).set([3, 9]);
     new Float32Array(sparse.buffer, 8, 2).set([0.5, -2]);
     const top = decodePushRequest(
       unaligned(
-        encodePushRequest({ job: "j", trainer: 0, step: 1, chunks: [{ id: 2, version: 0, dtype: DType.TopK, scale: 1, count: 10, data: sparse, nnz: 2 }] }),
+        encodePushRequest({
+          job: "j",
+          trainer: 0,
+          step: 1,
+          chunks: [{ id: 2, version: 0, dtype: DType.TopK, scale: 1, count: 10, data: sparse, nnz: 2 }],
+        }),
       ),
       limit,
     ).chunks[0]!;
@@ -115,23 +154,48 @@ describe("round trips, from unaligned payloads", () => {
     const pr = decodePullReply(unaligned(encodePullReply(12, [f32Chunk(1, floats(33), 12)])), limit);
     expect(pr.updates).toBe(12);
     expect(chunkF32(pr.chunks[0]!)).toEqual(floats(33));
-    expect(decodeBatchRequest(unaligned(encodeBatchRequest({ job: "j", rank: 1, split: Split.Val, credits: 4, step: 3 })), limit)).toEqual({
+    expect(
+      decodeBatchRequest(
+        unaligned(encodeBatchRequest({ job: "j", rank: 1, split: Split.Val, credits: 4, step: 3 })),
+        limit,
+      ),
+    ).toEqual({
       job: "j",
       rank: 1,
       split: Split.Val,
       credits: 4,
       step: 3,
     });
-    const batch = { epoch: 2, index: 7, sampleIds: Uint32Array.of(9, 3), rows: 2, cols: 3, x: floats(6), y: Int32Array.of(4, 1), endOfEpoch: false };
+    const batch = {
+      epoch: 2,
+      index: 7,
+      sampleIds: Uint32Array.of(9, 3),
+      rows: 2,
+      cols: 3,
+      x: floats(6),
+      y: Int32Array.of(4, 1),
+      endOfEpoch: false,
+    };
     expect(decodeBatch(unaligned(encodeBatch(batch)), limit)).toEqual(batch);
     // images as 8-bit pixels: x comes back as the values the pixels stand for, bit for bit
     const values = Float32Array.from({ length: 256 }, (_, v) => (v / 255 - 0.1307) / 0.3081);
     const pixels = Uint8Array.of(0, 17, 255, 128, 3, 99);
-    const fromPixels = decodeBatch(unaligned(encodeBatch({ ...batch, x: new Float32Array(0) }, { pixels, values })), limit);
+    const fromPixels = decodeBatch(
+      unaligned(encodeBatch({ ...batch, x: new Float32Array(0) }, { pixels, values })),
+      limit,
+    );
     expect(fromPixels).toEqual({ ...batch, x: Float32Array.from(pixels, (p) => values[p]!) });
     const ev = { ...emptyEvent("j", EventKind.Step), step: 5, loss: 0.5, text: "héllo" };
     expect(decodeEvent(unaligned(encodeEvent(ev)), limit)).toEqual(ev);
-    const spec = { job: "j", trainers: 2, shards: 3, sync: SyncPolicy.SSP, staleness: 2, configJson: '{"a":1}', attempt: 3 };
+    const spec = {
+      job: "j",
+      trainers: 2,
+      shards: 3,
+      sync: SyncPolicy.SSP,
+      staleness: 2,
+      configJson: '{"a":1}',
+      attempt: 3,
+    };
     expect(decodeJobSpec(unaligned(encodeJobSpec(spec)), limit)).toEqual(spec);
     const state = {
       job: "j",
@@ -186,8 +250,19 @@ describe("round trips, from unaligned payloads", () => {
     };
     expect(decodeDataPlan(unaligned(encodeDataPlan(plan)), limit)).toEqual(plan);
     expect(decodeDataPlan(encodeDataPlan({ ...plan, vocab: [], tokenizer: "gpt2" }), limit).tokenizer).toBe("gpt2");
-    expect(() => decodeDataPlan(encodeDataPlan({ ...plan, vocab: [], tokenizer: "sentencepiece" }), limit)).toThrow(WireFormatError);
-    const planned = { job: "j", trainers: 2, shards: 1, sync: SyncPolicy.AllReduce, staleness: 0, configJson: "{}", attempt: 3, plan };
+    expect(() => decodeDataPlan(encodeDataPlan({ ...plan, vocab: [], tokenizer: "sentencepiece" }), limit)).toThrow(
+      WireFormatError,
+    );
+    const planned = {
+      job: "j",
+      trainers: 2,
+      shards: 1,
+      sync: SyncPolicy.AllReduce,
+      staleness: 0,
+      configJson: "{}",
+      attempt: 3,
+      plan,
+    };
     expect(decodeJobSpec(unaligned(encodeJobSpec(planned)), limit)).toEqual(planned);
     expect(decodeJobSpec(encodeJobSpec({ ...planned, plan: undefined }), limit).plan).toBeUndefined();
     // a plan whose vocabulary disagrees with its size, or whose layout cannot be, is refused
@@ -214,7 +289,11 @@ describe("round trips, from unaligned payloads", () => {
     expect(decodeJobRecord(unaligned(encodeJobRecord(rec)), limit)).toEqual(rec);
     const err = encodeErrorReply({ code: "unknown_job", message: "no job x", subject: "mt.x.ps.0.push" });
     expect(isErrorReply(err)).toBe(true);
-    expect(decodeErrorReply(unaligned(err), limit)).toEqual({ code: "unknown_job", message: "no job x", subject: "mt.x.ps.0.push" });
+    expect(decodeErrorReply(unaligned(err), limit)).toEqual({
+      code: "unknown_job",
+      message: "no job x",
+      subject: "mt.x.ps.0.push",
+    });
   });
 });
 
@@ -226,7 +305,11 @@ describe("bad input is a WireFormatError with a code", () => {
     expect(code(() => decodePushRequest(new Uint8Array(0), limit))).toBe("truncated");
     expect(code(() => decodePushRequest(good.subarray(0, 5), limit))).toBe("truncated");
     expect(code(() => decodePushRequest(crypto.getRandomValues(new Uint8Array(500)), limit))).toBe("bad_identifier");
-    expect(code(() => decodePushRequest(encodePullRequest({ job: "j", trainer: 0, step: 0, ids: new Uint32Array(1) }), limit))).toBe("bad_identifier");
+    expect(
+      code(() =>
+        decodePushRequest(encodePullRequest({ job: "j", trainer: 0, step: 0, ids: new Uint32Array(1) }), limit),
+      ),
+    ).toBe("bad_identifier");
     expect(code(() => decodePushRequest(good, 100))).toBe("oversized");
   });
 
@@ -256,18 +339,33 @@ describe("bad input is a WireFormatError with a code", () => {
     const b = new Builder(64);
     const job = b.createString("j");
     const bytes = finishBytes(b, PushRequestT.createPushRequest(b, schemaVersion + 1, job, 0, 0n, 0), "MTPS");
-    expect(expectThrown(() => decodePushRequest(bytes, limit), WireFormatError, "schema version 2", "speaks 1")).toHaveProperty("code", "bad_version");
+    expect(
+      expectThrown(() => decodePushRequest(bytes, limit), WireFormatError, "schema version 2", "speaks 1"),
+    ).toHaveProperty("code", "bad_version");
   });
 
   test("chunk byte count that disagrees with its element count", () => {
     const c = { ...f32Chunk(0, floats(8)), count: 9 };
-    expect(code(() => decodePushRequest(encodePushRequest({ job: "j", trainer: 0, step: 0, chunks: [c] }), limit))).toBe("malformed");
+    expect(
+      code(() => decodePushRequest(encodePushRequest({ job: "j", trainer: 0, step: 0, chunks: [c] }), limit)),
+    ).toBe("malformed");
     const f16 = { ...f32Chunk(0, floats(8)), dtype: DType.F16 }; // 32 bytes, 8 elements of 2 bytes is 16
-    expect(code(() => decodePushRequest(encodePushRequest({ job: "j", trainer: 0, step: 0, chunks: [f16] }), limit))).toBe("malformed");
+    expect(
+      code(() => decodePushRequest(encodePushRequest({ job: "j", trainer: 0, step: 0, chunks: [f16] }), limit)),
+    ).toBe("malformed");
   });
 
   test("a batch whose shapes disagree", () => {
-    const bad = { epoch: 0, index: 0, sampleIds: Uint32Array.of(1, 2), rows: 2, cols: 3, x: floats(5), y: Int32Array.of(1, 2), endOfEpoch: false };
+    const bad = {
+      epoch: 0,
+      index: 0,
+      sampleIds: Uint32Array.of(1, 2),
+      rows: 2,
+      cols: 3,
+      x: floats(5),
+      y: Int32Array.of(1, 2),
+      endOfEpoch: false,
+    };
     expect(code(() => decodeBatch(encodeBatch(bad), limit))).toBe("malformed");
   });
 
@@ -277,7 +375,26 @@ describe("bad input is a WireFormatError with a code", () => {
       group = b.createString("#all-reduce"),
       reason = b.createString("");
     const data = createBytes(b, new Uint8Array(8));
-    const off = CollPieceT.createCollPiece(b, schemaVersion, job, 1n, group, 1, 0, 0n, 0, CollPhase.ReduceScatter, 0, 0, 0n, 2, data, reason, 7, 0);
+    const off = CollPieceT.createCollPiece(
+      b,
+      schemaVersion,
+      job,
+      1n,
+      group,
+      1,
+      0,
+      0n,
+      0,
+      CollPhase.ReduceScatter,
+      0,
+      0,
+      0n,
+      2,
+      data,
+      reason,
+      7,
+      0,
+    );
     expect(code(() => decodeCollPiece(finishBytes(b, off, "MTCP"), limit))).toBe("malformed");
     const ok = decodeCollPiece(
       encodeCollPiece(
@@ -304,7 +421,16 @@ describe("bad input is a WireFormatError with a code", () => {
   });
 
   test("a batch of pixels: too few, non-finite or missing pixel values, pixels beside x, the wrong count", () => {
-    const m = { epoch: 0, index: 0, sampleIds: Uint32Array.of(1, 2), rows: 2, cols: 3, x: new Float32Array(0), y: Int32Array.of(1, 2), endOfEpoch: false };
+    const m = {
+      epoch: 0,
+      index: 0,
+      sampleIds: Uint32Array.of(1, 2),
+      rows: 2,
+      cols: 3,
+      x: new Float32Array(0),
+      y: Int32Array.of(1, 2),
+      endOfEpoch: false,
+    };
     const pixels = Uint8Array.of(0, 1, 2, 3, 4, 255);
     const values = Float32Array.from({ length: 256 }, (_, v) => v / 10);
     const nan = values.slice();

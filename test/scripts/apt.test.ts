@@ -32,7 +32,9 @@ describe("when bootstrap runs apt-get update first", () => {
     expect(hasPackageLists(lists)).toBe(true);
     expect(hasPackageLists(["x_main_binary-amd64_Packages"])).toBe(true);
     expect(hasPackageLists(["x_main_binary-amd64_Packages.xz"])).toBe(true);
-    expect(hasPackageLists(["lock", "partial", "auxfiles", "deb.debian.org_debian_dists_bookworm_InRelease"])).toBe(false);
+    expect(hasPackageLists(["lock", "partial", "auxfiles", "deb.debian.org_debian_dists_bookworm_InRelease"])).toBe(
+      false,
+    );
     expect(hasPackageLists([])).toBe(false);
   });
 
@@ -41,7 +43,10 @@ describe("when bootstrap runs apt-get update first", () => {
     // no lists, nothing installed: apt-cache prints nothing for a name it does not know
     expect(packagesWithoutCandidate("", ["nats-server", "gcc"])).toEqual(["nats-server", "gcc"]);
     const virtualOnly = "libc-dev:\n  Installed: (none)\n  Candidate: (none)\n  Version table:\n";
-    expect(packagesWithoutCandidate(seen + virtualOnly, ["nats-server", "libc-dev", "g++"])).toEqual(["libc-dev", "g++"]);
+    expect(packagesWithoutCandidate(seen + virtualOnly, ["nats-server", "libc-dev", "g++"])).toEqual([
+      "libc-dev",
+      "g++",
+    ]);
   });
 
   test("the reason printed before apt-get update, or null when install can go straight on", () => {

@@ -22,7 +22,9 @@ test("engines ranges: the lowest major each admits", () => {
 });
 
 test(`no installed package asks for a Node later than ${nodeMajor}`, () => {
-  const lock = JSON.parse(readFileSync(join(root, "package-lock.json"), "utf8")) as { packages: Record<string, { engines?: { node?: string } }> };
+  const lock = JSON.parse(readFileSync(join(root, "package-lock.json"), "utf8")) as {
+    packages: Record<string, { engines?: { node?: string } }>;
+  };
   const own = JSON.parse(readFileSync(join(root, "package.json"), "utf8")) as { engines: { node: string } };
   expect(lowestMajor(own.engines.node)).toBe(nodeMajor);
   const later = Object.entries(lock.packages)

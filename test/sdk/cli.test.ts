@@ -14,7 +14,12 @@ afterAll(() => rmSync(dir, { recursive: true, force: true }));
 const env = { ...process.env, INIT_CWD: root, npm_package_json: join(root, "package.json") };
 
 function cli(...args: string[]) {
-  const p = Bun.spawnSync([process.execPath, join(root, "sdk", "cli.ts"), ...args], { cwd: root, env, stdout: "pipe", stderr: "pipe" });
+  const p = Bun.spawnSync([process.execPath, join(root, "sdk", "cli.ts"), ...args], {
+    cwd: root,
+    env,
+    stdout: "pipe",
+    stderr: "pipe",
+  });
   return { code: p.exitCode, out: p.stdout.toString(), err: p.stderr.toString() };
 }
 
@@ -70,9 +75,18 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     expect(r.err).toContain("train-images-idx3-ubyte: file not found");
   });
   test.each([
-    [["train", "mlp", "--device", "tpu"], "error: option '--device <name>' argument 'tpu' is invalid. Allowed choices are auto, cpu, cuda."],
-    [["train", "gpt", "--precision", "f8"], "error: option '--precision <p>' argument 'f8' is invalid. Allowed choices are f32, tf32, bf16, f16."],
-    [["sample", "--device", "gpu"], "error: option '--device <name>' argument 'gpu' is invalid. Allowed choices are auto, cpu, cuda."],
+    [
+      ["train", "mlp", "--device", "tpu"],
+      "error: option '--device <name>' argument 'tpu' is invalid. Allowed choices are auto, cpu, cuda.",
+    ],
+    [
+      ["train", "gpt", "--precision", "f8"],
+      "error: option '--precision <p>' argument 'f8' is invalid. Allowed choices are f32, tf32, bf16, f16.",
+    ],
+    [
+      ["sample", "--device", "gpu"],
+      "error: option '--device <name>' argument 'gpu' is invalid. Allowed choices are auto, cpu, cuda.",
+    ],
     [["sample", "--precision", "bf16"], "error: unknown option '--precision'"],
   ])("device and precision choices %p", (args, message) => {
     const r = cli(...args);
@@ -80,33 +94,48 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     expect(r.err).toContain(message);
   });
   // where CUDA is present, `--device cuda` trains: the end-to-end runs cover that
-  test.skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null)).each(["train mlp", "train gpt", "sample"])(
-    "--device cuda without a GPU: one clear line (%s)",
-    (command) => {
-      const r = cli(...command.split(" "), "--device", "cuda");
-      expect(r.code).toBe(1);
-      const lines = r.err.trim().split("\n");
-      expect(lines).toHaveLength(1);
-      expect(lines[0]).toStartWith("meshtrain: NativeLibraryError: --device cuda: ");
-    },
-  );
+  test
+    .skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null))
+    .each(["train mlp", "train gpt", "sample"])("--device cuda without a GPU: one clear line (%s)", (command) => {
+    const r = cli(...command.split(" "), "--device", "cuda");
+    expect(r.code).toBe(1);
+    const lines = r.err.trim().split("\n");
+    expect(lines).toHaveLength(1);
+    expect(lines[0]).toStartWith("meshtrain: NativeLibraryError: --device cuda: ");
+  });
   test.skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null))(
     "MT_DEVICE=cuda meshtrain run without a GPU: the trainers are not restarted, and the run ends at once naming the cause",
     () => {
       const started = performance.now();
-      const p = Bun.spawnSync([process.execPath, join(root, "sdk", "cli.ts"), "run", "--no-dashboard", "--epochs", "1", "--dir", join(dir, "no-gpu")], {
-        cwd: root,
-        env: { ...env, MT_DEVICE: "cuda" },
-        stdout: "pipe",
-        stderr: "pipe",
-        timeout: 60_000,
-      });
+      const p = Bun.spawnSync(
+        [
+          process.execPath,
+          join(root, "sdk", "cli.ts"),
+          "run",
+          "--no-dashboard",
+          "--epochs",
+          "1",
+          "--dir",
+          join(dir, "no-gpu"),
+        ],
+        {
+          cwd: root,
+          env: { ...env, MT_DEVICE: "cuda" },
+          stdout: "pipe",
+          stderr: "pipe",
+          timeout: 60_000,
+        },
+      );
       const out = p.stdout.toString();
       expect(p.exitCode).toBe(1);
-      expect(out).toMatch(/launcher: trainer-[01] cannot start: trainer failed to start: --device cuda: no CUDA driver/);
+      expect(out).toMatch(
+        /launcher: trainer-[01] cannot start: trainer failed to start: --device cuda: no CUDA driver/,
+      );
       expect(out).toContain("not restarting: a configuration error");
       expect(out).not.toContain("restarting in");
-      expect(p.stderr.toString()).toMatch(/cannot run: trainer-[01] cannot start: trainer failed to start: --device cuda: no CUDA driver/);
+      expect(p.stderr.toString()).toMatch(
+        /cannot run: trainer-[01] cannot start: trainer failed to start: --device cuda: no CUDA driver/,
+      );
       // a start-up failure, not minutes of restarts with backoff
       expect(performance.now() - started).toBeLessThan(30_000);
     },
@@ -114,7 +143,11 @@ describe("bad input gets one clear error and a non-zero exit", () => {
   test.skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null)).each(["engine", "kernels"])(
     "`bun run bench %s --device cuda` without a GPU: one clear line",
     (name) => {
-      const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), name, "--device", "cuda"], { cwd: root, stdout: "pipe", stderr: "pipe" });
+      const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), name, "--device", "cuda"], {
+        cwd: root,
+        stdout: "pipe",
+        stderr: "pipe",
+      });
       expect(p.exitCode).toBe(1);
       const lines = p.stderr.toString().trim().split("\n");
       expect(lines).toHaveLength(1);
@@ -230,14 +263,19 @@ describe("training runs end to end", () => {
 });
 
 test("bench engine prints a table and a last JSON line", () => {
-  const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), "engine", "--steps", "2"], { cwd: root, stdout: "pipe", stderr: "pipe" });
+  const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), "engine", "--steps", "2"], {
+    cwd: root,
+    stdout: "pipe",
+    stderr: "pipe",
+  });
   expect(p.exitCode).toBe(0);
   const lines = p.stdout.toString().trim().split("\n");
   expect(lines[1]).toContain("sgemm_gflops");
   const last = JSON.parse(lines[lines.length - 1]!);
   expect(last.results.map((r: { model: string }) => r.model.split(" ")[0])).toEqual(["mlp", "gpt", "gpt"]);
   for (const r of last.results) {
-    for (const k of ["batch", "step_ms", "samples_per_s", "achieved_gflops", "sgemm_gflops", "ratio", "peak_act_mib"]) expect(r[k]).toBeGreaterThan(0);
+    for (const k of ["batch", "step_ms", "samples_per_s", "achieved_gflops", "sgemm_gflops", "ratio", "peak_act_mib"])
+      expect(r[k]).toBeGreaterThan(0);
   }
   // the third row recomputes the GPT's activations: the same step, less memory
   expect(last.results[2].model).toEndWith(" recompute");
@@ -246,20 +284,29 @@ test("bench engine prints a table and a last JSON line", () => {
 }, 120_000);
 
 test("bench kernels prints a table and a last JSON line", () => {
-  const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), "kernels", "--elems", "262144", "--reps", "2"], {
-    cwd: root,
-    stdout: "pipe",
-    stderr: "pipe",
-  });
+  const p = Bun.spawnSync(
+    [process.execPath, join(root, "bench", "index.ts"), "kernels", "--elems", "262144", "--reps", "2"],
+    {
+      cwd: root,
+      stdout: "pipe",
+      stderr: "pipe",
+    },
+  );
   expect(p.exitCode).toBe(0);
   const lines = p.stdout.toString().trim().split("\n");
   expect(lines[1]).toContain("memcpy_gb_per_s");
   const last = JSON.parse(lines[lines.length - 1]!);
   expect(last.results.length).toBeGreaterThan(20);
   for (const r of last.results) expect(r.gb_per_s).toBeGreaterThan(0);
-  const bad = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), "kernels", "--elems", "1000"], { cwd: root, stdout: "pipe", stderr: "pipe" });
+  const bad = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), "kernels", "--elems", "1000"], {
+    cwd: root,
+    stdout: "pipe",
+    stderr: "pipe",
+  });
   expect(bad.exitCode).not.toBe(0);
-  expect(bad.stderr.toString()).toContain("bench kernels: --elems must be a positive integer and a multiple of 262144, got 1000");
+  expect(bad.stderr.toString()).toContain(
+    "bench kernels: --elems must be a positive integer and a multiple of 262144, got 1000",
+  );
   const bogus = cli("bench", "engine", "--bogus"); // the CLI runs the benchmark program and keeps its exit code
   expect([bogus.code, bogus.err.trim()]).toEqual([2, "bench engine: Unknown option '--bogus'"]);
   // the same through the CLI, options passed on to the benchmark
@@ -270,7 +317,11 @@ test("bench kernels prints a table and a last JSON line", () => {
 
 describe("service benchmarks print a table and a last JSON line (small sizes)", () => {
   const bench = (...args: string[]) => {
-    const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), ...args], { cwd: root, stdout: "pipe", stderr: "pipe" });
+    const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), ...args], {
+      cwd: root,
+      stdout: "pipe",
+      stderr: "pipe",
+    });
     const lines = p.stdout.toString().trim().split("\n");
     const tail = lines[lines.length - 1] ?? "";
     return { code: p.exitCode, lines, last: tail.startsWith("{") ? JSON.parse(tail) : null, err: p.stderr.toString() };
@@ -281,13 +332,15 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
     expect(r.code).toBe(0);
     expect(r.lines[1]).toContain("nats_gb_per_s");
     expect(r.last.results.map((x: { shards: number }) => x.shards)).toEqual([1, 2]);
-    for (const x of r.last.results) for (const k of ["ps_gb_per_s", "nats_gb_per_s", "ratio"]) expect(x[k]).toBeGreaterThan(0);
+    for (const x of r.last.results)
+      for (const k of ["ps_gb_per_s", "nats_gb_per_s", "ratio"]) expect(x[k]).toBeGreaterThan(0);
   }, 120_000);
 
   test("checkpoint: save and restore against a plain write + fsync", () => {
     const r = bench("checkpoint", "--sizes-mb", "2", "--reps", "2");
     expect(r.code).toBe(0);
-    for (const k of ["save_mb_per_s", "plain_write_mb_per_s", "restore_mb_per_s", "save_ratio"]) expect(r.last.results[0][k]).toBeGreaterThan(0);
+    for (const k of ["save_mb_per_s", "plain_write_mb_per_s", "restore_mb_per_s", "save_ratio"])
+      expect(r.last.results[0][k]).toBeGreaterThan(0);
   }, 60_000);
 
   test("data-loader: the loader process against a trainer's step rate", () => {
@@ -304,7 +357,8 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
       ["nats", 2],
       ["shm", 2],
     ]);
-    for (const row of r.last.rows) for (const k of ["ring_busbw_gb_per_s", "raw_busbw_gb_per_s", "ratio"]) expect(row[k]).toBeGreaterThan(0);
+    for (const row of r.last.rows)
+      for (const k of ["ring_busbw_gb_per_s", "raw_busbw_gb_per_s", "ratio"]) expect(row[k]).toBeGreaterThan(0);
   }, 120_000);
 
   test("bad benchmark options are one clear line", () => {
@@ -318,14 +372,42 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
     expect(bench("client", "--runs", "0").err).toContain("--runs must be a positive integer, got 0");
     expect(bench("stream", "--gib", "0").err).toContain("--gib must be in (0, 64], got 0");
     expect(bench("stream", "--steps", "0").err).toContain("--steps must be a positive integer, got 0");
-    expect(bench("nope").err).toContain("usage: bun run bench <engine|kernels|ps|checkpoint|data-loader|trainer|allreduce|stream|client>");
+    expect(bench("nope").err).toContain(
+      "usage: bun run bench <engine|kernels|ps|checkpoint|data-loader|trainer|allreduce|stream|client>",
+    );
   });
 });
 
 describe("plan: each trainer's memory before anything starts", () => {
-  const gpt2 = ["--model", "gpt", "--sync", "allreduce", "--trainers", "4", "--n-layer", "12", "--n-head", "12", "--n-embd", "768", "--block-size", "1024"];
+  const gpt2 = [
+    "--model",
+    "gpt",
+    "--sync",
+    "allreduce",
+    "--trainers",
+    "4",
+    "--n-layer",
+    "12",
+    "--n-head",
+    "12",
+    "--n-embd",
+    "768",
+    "--block-size",
+    "1024",
+  ];
   test("a job that fits: the breakdown per trainer, and exit 0", () => {
-    const r = cli("plan", ...gpt2, "--batch-size", "8", "--precision", "bf16", "--device", "cuda", "--device-memory", "80GB");
+    const r = cli(
+      "plan",
+      ...gpt2,
+      "--batch-size",
+      "8",
+      "--precision",
+      "bf16",
+      "--device",
+      "cuda",
+      "--device-memory",
+      "80GB",
+    );
     expect(r.code).toBe(0);
     expect(r.out).toContain("plan: gpt L12 H12 C768 T1024 V83, 4 trainers, allreduce, ZeRO 0, bf16, micro-batch 8");
     expect(r.out).toMatch(
@@ -384,7 +466,9 @@ describe("plan: each trainer's memory before anything starts", () => {
       join(dir, "too-big"),
     );
     expect(r.code).toBe(1);
-    expect(r.err).toMatch(/^meshtrain: ConfigError: job default\.gpt-[\w-]+ does not fit: every process together, [\d.]+ GiB, against [\d.]+ GiB/);
+    expect(r.err).toMatch(
+      /^meshtrain: ConfigError: job default\.gpt-[\w-]+ does not fit: every process together, [\d.]+ GiB, against [\d.]+ GiB/,
+    );
     expect(r.out).not.toContain("launcher:");
     expect(performance.now() - started).toBeLessThan(20_000);
   });

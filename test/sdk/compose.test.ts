@@ -17,7 +17,9 @@ const read = (file: string) =>
         command?: string[];
         environment?: Record<string, string>;
         build?: { dockerfile: string };
-        deploy?: { resources: { reservations: { devices: { driver: string; count: string; capabilities: string[] }[] } } };
+        deploy?: {
+          resources: { reservations: { devices: { driver: string; count: string; capabilities: string[] }[] } };
+        };
       }
     >;
   };
@@ -32,7 +34,9 @@ test("the GPU override moves exactly the trainers onto the GPU image, with MT_DE
     const s = gpu[name]!;
     expect(s.environment).toEqual({ MT_DEVICE: "cuda" });
     expect(deviceChoices).toContain(s.environment!.MT_DEVICE as never);
-    expect(s.deploy!.resources.reservations.devices).toEqual([{ driver: "nvidia", count: "all", capabilities: ["gpu"] }]);
+    expect(s.deploy!.resources.reservations.devices).toEqual([
+      { driver: "nvidia", count: "all", capabilities: ["gpu"] },
+    ]);
     expect(existsSync(join(deploy, "..", s.build!.dockerfile))).toBe(true);
     // compose merges environment maps key by key: the rank stays the base file's
     const merged = { ...base[name]!.environment, ...s.environment };

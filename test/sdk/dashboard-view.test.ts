@@ -11,13 +11,33 @@ import { expectedProcesses, JobView, Series } from "../../sdk/dashboard/view.ts"
 
 const cfg = parseJobConfig({ ...jobDefaults, job: "v", trainers: 2, shards: 1 });
 const ev = (kind: EventKind, over: Partial<Event>): Event => ({ ...emptyEvent("v", kind), ...over });
-const hb = (who: string, step: number, phase: string): Heartbeat => ({ job: "v", who, step, phase, phaseMs: 0, stepMs: 0 });
+const hb = (who: string, step: number, phase: string): Heartbeat => ({
+  job: "v",
+  who,
+  step,
+  phase,
+  phaseMs: 0,
+  stepMs: 0,
+});
 const row = (v: JobView, who: string, now: number) => v.panels(now).health.find((h) => h.who === who)!;
 const status = (state: JobState): JobStatus => ({
   job: "v",
   record: { ...runningRecord("v", JSON.stringify(cfg), 1), state },
   config: cfg,
-  shards: [{ job: "v", shard: 0, chunks: 1, elements: 10, updates: 5, pushes: 10, duplicates: 0, pulls: 10, waiting: 0, clocks: [7, 5] }],
+  shards: [
+    {
+      job: "v",
+      shard: 0,
+      chunks: 1,
+      elements: 10,
+      updates: 5,
+      pushes: 10,
+      duplicates: 0,
+      pulls: 10,
+      waiting: 0,
+      clocks: [7, 5],
+    },
+  ],
   trainers: [],
   checkpoints: [],
 });
@@ -39,7 +59,8 @@ describe("dashboard view", () => {
 
   test("rank 0's steps make the loss curve, every rank's its split row; evaluations are combined once every rank has reported", () => {
     const v = new JobView("v", "nats://x", cfg, 0);
-    for (const rank of [0, 1]) v.event(ev(EventKind.Step, { rank, step: 0, loss: 2 + rank, lr: 0.1, computeMs: 10 + rank, pullMs: 4 }), 1);
+    for (const rank of [0, 1])
+      v.event(ev(EventKind.Step, { rank, step: 0, loss: 2 + rank, lr: 0.1, computeMs: 10 + rank, pullMs: 4 }), 1);
     v.event(ev(EventKind.Eval, { rank: 0, step: 0, loss: 1, accuracy: 0.5, count: 100, text: "test" }), 2);
     expect(v.appendsSince()).toEqual({ loss: [[0, 2, expect.closeTo(0.1, 6)]], evals: [], rate: [] });
     v.event(ev(EventKind.Eval, { rank: 1, step: 0, loss: 3, accuracy: 1, count: 100, text: "test" }), 3);
@@ -61,7 +82,12 @@ describe("dashboard view", () => {
     v.heartbeat(hb("trainer 1", 3, "compute"), 1_000);
     expect(row(v, "trainer 1", 1_000)).toMatchObject({ level: "ok", step: 3, phase: "compute" });
     expect(row(v, "trainer 1", 1_000 + silentAfterMs)).toMatchObject({ level: "bad", state: "silent" });
-    v.event(ev(EventKind.Stalled, { text: "trainer 1 has sent no heartbeat for 8 s (stopped, wedged or dead); it was at step 3, compute" }), 9_000);
+    v.event(
+      ev(EventKind.Stalled, {
+        text: "trainer 1 has sent no heartbeat for 8 s (stopped, wedged or dead); it was at step 3, compute",
+      }),
+      9_000,
+    );
     expect(row(v, "trainer 1", 9_000)).toMatchObject({ level: "bad", state: "stalled" });
     // a new process opens the job: a restart, heard again after its silence
     v.heartbeat(hb("trainer 1", 0, "starting"), 12_000);
@@ -74,7 +100,10 @@ describe("dashboard view", () => {
     });
     v.heartbeat(hb("trainer 1", 1, "compute"), 12_000 + restartShownMs);
     expect(row(v, "trainer 1", 12_000 + restartShownMs)).toMatchObject({ level: "ok", restarts: 1 });
-    v.event(ev(EventKind.Straggler, { text: "trainer 1 is a straggler: its own time per step is 2.0x the other ranks'" }), 72_500);
+    v.event(
+      ev(EventKind.Straggler, { text: "trainer 1 is a straggler: its own time per step is 2.0x the other ranks'" }),
+      72_500,
+    );
     expect(row(v, "trainer 1", 72_500).state).toBe("straggler");
     v.event(ev(EventKind.Straggler, { text: "trainer 1 is no longer a straggler (1.0x the other ranks')" }), 73_000);
     expect(row(v, "trainer 1", 73_000).state).toBe("ok");
@@ -89,7 +118,9 @@ describe("dashboard view", () => {
     ]);
     v.status(status(JobState.Done));
     expect(v.panels(200_000).health.every((h) => h.level === "idle")).toBe(true);
-    expect(v.panels(200_000).shards).toEqual([{ shard: 0, clocks: [7, 5], staleness: 2, updates: 5, waiting: 0, error: "" }]);
+    expect(v.panels(200_000).shards).toEqual([
+      { shard: 0, clocks: [7, 5], staleness: 2, updates: 5, waiting: 0, error: "" },
+    ]);
   });
 
   test("a resize reopens the job on every process: no restart, whether their heartbeats come before or after the resize's Log event", () => {
@@ -97,9 +128,15 @@ describe("dashboard view", () => {
     for (const who of ["trainer 0", "trainer 1"]) v.heartbeat(hb(who, 40, "compute"), 1_000);
     v.heartbeat(hb("trainer 0", 0, "starting"), 3_000);
     expect(row(v, "trainer 0", 3_000)).toMatchObject({ state: "restarted", restarts: 1 });
-    v.event(ev(EventKind.Log, { text: "resized from step 40 (step-000000040): trainers 2 -> 3, shards 1 -> 1; 700 steps in all" }), 3_500);
+    v.event(
+      ev(EventKind.Log, {
+        text: "resized from step 40 (step-000000040): trainers 2 -> 3, shards 1 -> 1; 700 steps in all",
+      }),
+      3_500,
+    );
     v.heartbeat(hb("trainer 1", 0, "starting"), 4_000);
-    for (const who of ["trainer 0", "trainer 1"]) expect(row(v, who, 4_000)).toMatchObject({ level: "ok", restarts: 0 });
+    for (const who of ["trainer 0", "trainer 1"])
+      expect(row(v, who, 4_000)).toMatchObject({ level: "ok", restarts: 0 });
   });
 
   test("a job followed before it has a record learns its processes from its first status", () => {

@@ -26,7 +26,8 @@ const cli = (...args: string[]) => runCli(dir, ...args);
 /** Debian's python3 with torch (or the one on PATH), else null and why. */
 function torchPython(): { python: string | null; reason: string | null } {
   for (const python of ["python3", "/usr/bin/python3"]) {
-    if (Bun.spawnSync([python, "-c", "import torch"], { stdout: "ignore", stderr: "ignore" }).exitCode === 0) return { python, reason: null };
+    if (Bun.spawnSync([python, "-c", "import torch"], { stdout: "ignore", stderr: "ignore" }).exitCode === 0)
+      return { python, reason: null };
   }
   return { python: null, reason: "no python3 imports torch (apt-get install python3-torch)" };
 }
@@ -40,7 +41,8 @@ let trained = "";
 beforeAll(() => {
   const src = join(dir, "docs");
   mkdirSync(src);
-  for (let i = 0; i < 40; i++) writeFileSync(join(src, `d${i}.txt`), `Document ${i}: ${"Call me Ishmael. Some years ago. ".repeat(2 + (i % 5))}`);
+  for (let i = 0; i < 40; i++)
+    writeFileSync(join(src, `d${i}.txt`), `Document ${i}: ${"Call me Ishmael. Some years ago. ".repeat(2 + (i % 5))}`);
   runPrepare({ ...prepareDefaults, text: src, out: join(dir, "data"), valFraction: 0.2, quiet: true });
   model = join(dir, "gpt.mtm");
   const r = cli(
@@ -70,7 +72,9 @@ describe("export to Hugging Face's GPT-2 layout", () => {
   test("model.safetensors with GPT2LMHeadModel's names, Conv1D weights transposed; config.json; the tokenizer's files", () => {
     const r = cli("export", "--model", "gpt.mtm", "--out", "hf");
     expect(r.code).toBe(0);
-    expect(r.out).toContain("exported gpt.mtm to hf/: model.safetensors, config.json, vocab.json, merges.txt, special_tokens_map.json, tokenizer_config.json");
+    expect(r.out).toContain(
+      "exported gpt.mtm to hf/: model.safetensors, config.json, vocab.json, merges.txt, special_tokens_map.json, tokenizer_config.json",
+    );
     const t = readSafetensors(join(dir, "hf", "model.safetensors"));
     expect(t.get("transformer.wte.weight")!.shape).toEqual([50257, 32]);
     expect(t.get("transformer.wpe.weight")!.shape).toEqual([16, 32]);
@@ -171,7 +175,20 @@ describe("export to Hugging Face's GPT-2 layout", () => {
 
   test("refusals: a shape option that disagrees with the folder, a tensor of the wrong shape (named), an MLP model", () => {
     cli("export", "--model", "gpt.mtm", "--out", "hf4");
-    const shapeFlag = cli("train", "gpt", "--tokens-dir", "data", "--init-from", "hf4", "--n-layer", "3", "--max-steps", "2", "--out", "x.mtm");
+    const shapeFlag = cli(
+      "train",
+      "gpt",
+      "--tokens-dir",
+      "data",
+      "--init-from",
+      "hf4",
+      "--n-layer",
+      "3",
+      "--max-steps",
+      "2",
+      "--out",
+      "x.mtm",
+    );
     expect(shapeFlag.code).toBe(1);
     expect(shapeFlag.err).toContain("--init-from hf4: its model has n-layer 2; --n-layer 3 disagrees (leave it out)");
     // a wrong-shaped tensor is named

@@ -10,7 +10,14 @@ import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 afterAll(removeTempDirs);
 
 describe("RestartTracker", () => {
-  const policy = { ...restartDefaults, baseDelayMs: 500, maxDelayMs: 4_000, budget: 5, windowMs: 60_000, healthyRunMs: 10_000 };
+  const policy = {
+    ...restartDefaults,
+    baseDelayMs: 500,
+    maxDelayMs: 4_000,
+    budget: 5,
+    windowMs: 60_000,
+    healthyRunMs: 10_000,
+  };
 
   test("quick failures in a row double the pause up to the cap; a healthy run starts over", () => {
     const t = new RestartTracker(policy);
@@ -30,10 +37,14 @@ describe("RestartTracker", () => {
 
 describe("errorOfLine", () => {
   test("pino error and fatal lines give their msg and err; crash lines their error; the rest nothing", () => {
-    expect(errorOfLine('{"level":"error","msg":"cannot open job","err":"no such file"}')).toBe("cannot open job: no such file");
+    expect(errorOfLine('{"level":"error","msg":"cannot open job","err":"no such file"}')).toBe(
+      "cannot open job: no such file",
+    );
     expect(errorOfLine('{"level":"fatal","msg":"boom"}')).toBe("boom");
     expect(errorOfLine('{"level":"warn","msg":"slow"}')).toBeNull();
-    expect(errorOfLine("InvalidArgumentError: 'payload' max_payload size exceeded")).toBe("InvalidArgumentError: 'payload' max_payload size exceeded");
+    expect(errorOfLine("InvalidArgumentError: 'payload' max_payload size exceeded")).toBe(
+      "InvalidArgumentError: 'payload' max_payload size exceeded",
+    );
     expect(errorOfLine("      at format (errors.js:48:16)")).toBeNull();
     expect(errorOfLine("{not json")).toBeNull();
   });
@@ -55,10 +66,14 @@ test("a service that keeps crashing is restarted with backoff, then given up on,
     [{ name: "crasher", argv: [process.execPath, "-e", crash], env: {} }],
   );
   await waitFor("the launcher to give up on the crasher", () => gaveUp.length > 0, 30_000);
-  expect(gaveUp).toEqual([{ service: "crasher", lastError: "cannot open the data: truncated file", log: mesh.logPath("crasher") }]);
+  expect(gaveUp).toEqual([
+    { service: "crasher", lastError: "cannot open the data: truncated file", log: mesh.logPath("crasher") },
+  ]);
   const restarts = events.filter((l) => l.includes("restarting in"));
   expect(restarts.map((l) => /restarting in ([\d.]+) s/.exec(l)![1])).toEqual(["0.0", "0.0", "0.1"]);
-  expect(events.at(-1)).toContain("crasher died (exit 3) after 3 restarts within 1 min; not restarting. Its last error: cannot open the data: truncated file");
+  expect(events.at(-1)).toContain(
+    "crasher died (exit 3) after 3 restarts within 1 min; not restarting. Its last error: cannot open the data: truncated file",
+  );
 });
 
 test("a service that exits with the configuration code is not restarted: given up on at once with its error", async () => {
@@ -77,7 +92,15 @@ test("a service that exits with the configuration code is not restarted: given u
     [{ name: "misconfigured", argv: [process.execPath, "-e", fail], env: {} }],
   );
   await waitFor("the launcher to give up on the service", () => gaveUp.length > 0, 30_000);
-  expect(gaveUp).toEqual([{ service: "misconfigured", lastError: "trainer failed to start: --device cuda: no CUDA driver", cannotStart: true }]);
+  expect(gaveUp).toEqual([
+    {
+      service: "misconfigured",
+      lastError: "trainer failed to start: --device cuda: no CUDA driver",
+      cannotStart: true,
+    },
+  ]);
   expect(events.some((l) => l.includes("restarting in"))).toBe(false);
-  expect(events.at(-1)).toContain("misconfigured cannot start: trainer failed to start: --device cuda: no CUDA driver; not restarting: a configuration error");
+  expect(events.at(-1)).toContain(
+    "misconfigured cannot start: trainer failed to start: --device cuda: no CUDA driver; not restarting: a configuration error",
+  );
 });

@@ -36,13 +36,24 @@ function env(cwd: string, extra: Record<string, string> = {}): Record<string, st
 }
 
 function cli(cwd: string, args: string[], extra: Record<string, string> = {}) {
-  const p = Bun.spawnSync([process.execPath, cliPath, ...args], { cwd, env: env(cwd, extra), stdout: "pipe", stderr: "pipe" });
+  const p = Bun.spawnSync([process.execPath, cliPath, ...args], {
+    cwd,
+    env: env(cwd, extra),
+    stdout: "pipe",
+    stderr: "pipe",
+  });
   return { code: p.exitCode, out: p.stdout.toString(), err: p.stderr.toString() };
 }
 
 /** A running CLI process whose stdout is collected as it comes. */
 function start(cwd: string, args: string[], extra: Record<string, string> = {}) {
-  const proc = Bun.spawn([process.execPath, cliPath, ...args], { cwd, env: env(cwd, extra), stdin: "ignore", stdout: "pipe", stderr: "pipe" });
+  const proc = Bun.spawn([process.execPath, cliPath, ...args], {
+    cwd,
+    env: env(cwd, extra),
+    stdin: "ignore",
+    stdout: "pipe",
+    stderr: "pipe",
+  });
   started.add(proc);
   let out = "",
     err = "";
@@ -50,7 +61,9 @@ function start(cwd: string, args: string[], extra: Record<string, string> = {}) 
     const d = new TextDecoder();
     for await (const c of s) add(d.decode(c, { stream: true }));
   };
-  const done = Promise.all([pump(proc.stdout, (t) => (out += t)), pump(proc.stderr, (t) => (err += t))]).then(() => proc.exited);
+  const done = Promise.all([pump(proc.stdout, (t) => (out += t)), pump(proc.stderr, (t) => (err += t))]).then(
+    () => proc.exited,
+  );
   return { proc, out: () => out, err: () => err, done };
 }
 
@@ -91,13 +104,33 @@ describe("meshtrain run", () => {
   test("3 trainers and 3 shards, relative --dir and --data-dir in the user's folder: the header first, then the result, and where everything went", () => {
     const cwd = tempDir("mt-run3-");
     mkdirSync(join(cwd, "mnist"));
-    for (const f of ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"])
+    for (const f of [
+      "train-images-idx3-ubyte",
+      "train-labels-idx1-ubyte",
+      "t10k-images-idx3-ubyte",
+      "t10k-labels-idx1-ubyte",
+    ])
       copyFileSync(join(defaultMnistDir(), f), join(cwd, "mnist", f));
-    const r = cli(cwd, ["run", ...quick, "--trainers", "3", "--shards", "3", "--job", "three", "--dir", "out", "--data-dir", "mnist"]);
+    const r = cli(cwd, [
+      "run",
+      ...quick,
+      "--trainers",
+      "3",
+      "--shards",
+      "3",
+      "--job",
+      "three",
+      "--dir",
+      "out",
+      "--data-dir",
+      "mnist",
+    ]);
     expect(r.err).toBe("");
     expect(r.code).toBe(0);
     const lines = r.out.trim().split("\n");
-    expect(lines[0]).toBe("meshtrain run: job default.three, on a local mesh of 3 trainers, 3 parameter-server shards, a data-loader and a checkpoint service");
+    expect(lines[0]).toBe(
+      "meshtrain run: job default.three, on a local mesh of 3 trainers, 3 parameter-server shards, a data-loader and a checkpoint service",
+    );
     expect(r.out).toContain(`data       MNIST from ${join(cwd, "mnist")}`);
     // the job's live page, among the opening lines (test/e2e/dashboard.test.ts opens one in a browser)
     expect(r.out).toMatch(/^ {2}dashboard {2}http:\/\/127\.0\.0\.1:\d+\/jobs\/default.three /m);
@@ -109,7 +142,13 @@ describe("meshtrain run", () => {
       "logs:      out/jobs/default.three/logs",
       "next:      npx meshtrain eval --model out/jobs/default.three/model.mtm",
     ]);
-    for (const f of ["model.mtm", "step-000000020", "logs/trainer-2.log", "logs/parameter-server-2.log", "logs/job.json"])
+    for (const f of [
+      "model.mtm",
+      "step-000000020",
+      "logs/trainer-2.log",
+      "logs/parameter-server-2.log",
+      "logs/job.json",
+    ])
       expect(existsSync(join(cwd, "out/jobs/default.three", f))).toBe(true);
     // a clean run logs no warnings or errors (normal states, such as no snapshot yet, are not warnings)
     const logs = join(cwd, "out/jobs/default.three/logs");
@@ -140,7 +179,9 @@ describe("meshtrain run", () => {
     // fixed (the package's data): the same name runs, with the settings it was started with and the new folder
     const again = cli(cwd, ["run", "--job", "nodata", "--dir", "out", "--data-dir", "", "--no-dashboard"]);
     expect(again.code).toBe(0);
-    expect(again.out.split("\n")[0]).toStartWith("meshtrain run: job default.nodata, started again with its settings (it has no snapshot)");
+    expect(again.out.split("\n")[0]).toStartWith(
+      "meshtrain run: job default.nodata, started again with its settings (it has no snapshot)",
+    );
     expect(again.out).not.toContain("dashboard  http"); // --no-dashboard
     expect(again.out).toContain("model      MLP 784-32-10");
     expect(again.out).toMatch(/^test accuracy: /m);
@@ -151,7 +192,21 @@ describe("meshtrain run", () => {
     const tmp = join(cwd, "tmp");
     mkdirSync(tmp);
     // 938 steps of a small model: still training when the stop has taken its snapshot (snapshots do not slow it)
-    const args = ["run", "--widths", "784,32,10", "--batch-size", "64", "--epochs", "2", "--checkpoint-every", "50", "--job", "stopme", "--dir", "out"];
+    const args = [
+      "run",
+      "--widths",
+      "784,32,10",
+      "--batch-size",
+      "64",
+      "--epochs",
+      "2",
+      "--checkpoint-every",
+      "50",
+      "--job",
+      "stopme",
+      "--dir",
+      "out",
+    ];
     const run = start(cwd, args, { TMPDIR: tmp });
     await waitFor("training to start", () => /^step \d+\/\d+/m.test(run.out()), 60_000);
     run.proc.kill("SIGINT");
@@ -179,7 +234,11 @@ describe("meshtrain mesh up and the client commands", () => {
     mkdirSync(runtime);
     const port = await freePort();
     const xdg = { XDG_RUNTIME_DIR: runtime };
-    const up = start(cwd, ["mesh", "up", "--port", String(port), "--dir", "m", "--trainers", "2", "--shards", "2"], xdg);
+    const up = start(
+      cwd,
+      ["mesh", "up", "--port", String(port), "--dir", "m", "--trainers", "2", "--shards", "2"],
+      xdg,
+    );
     await waitFor("the mesh to be up", () => up.out().includes("submit a job:"), 60_000);
     expect(up.out()).toContain(`mesh up: NATS at nats://127.0.0.1:${port}`);
     const c = (...args: string[]) => cli(cwd, args, xdg);
@@ -210,7 +269,10 @@ describe("meshtrain mesh up and the client commands", () => {
       [["watch", "nosuch"], "meshtrain: UnknownJobError: no job default.nosuch"],
       [["cancel", "j1"], "meshtrain: JobStateError: job default.j1 done at"],
       // another owner's job: the local mesh's client user is client-default
-      [["cancel", "bob.x"], "meshtrain: NatsAccessError: permission denied: this client's NATS user may not read the record of job bob.x"],
+      [
+        ["cancel", "bob.x"],
+        "meshtrain: NatsAccessError: permission denied: this client's NATS user may not read the record of job bob.x",
+      ],
       [["status", "--owner", "ctl"], 'meshtrain: BadRequestError: --owner: the owner "ctl" is reserved'],
       [["status", "j1", "--all"], "--all lists every owner's jobs: give no job with it"],
       [["restore", "j1"], "restore needs a running job"],
@@ -227,12 +289,16 @@ describe("meshtrain mesh up and the client commands", () => {
     const detached = c("submit", ...quick, "--epochs", "50", "--job", "j2", "--detach");
     expect(detached.out).toContain("follow it: npx meshtrain watch default.j2");
     const cancelled = c("cancel", "j2");
-    expect(cancelled.out).toMatch(/^cancelled job default.j2 \(cancelled by .+\); resume it later: npx meshtrain submit --job default.j2$/m);
+    expect(cancelled.out).toMatch(
+      /^cancelled job default.j2 \(cancelled by .+\); resume it later: npx meshtrain submit --job default.j2$/m,
+    );
     expect(c("status", "j2").out).toMatch(/^state      cancelled;/m);
     const w = c("watch", "j2");
     expect([w.code, w.err.trim()]).toEqual([
       1,
-      expect.stringMatching(/^meshtrain: JobFailedError: job default.j2 cancelled: cancelled by .+ \(logs: m\/jobs\/default.j2\/logs\)$/),
+      expect.stringMatching(
+        /^meshtrain: JobFailedError: job default.j2 cancelled: cancelled by .+ \(logs: m\/jobs\/default.j2\/logs\)$/,
+      ),
     ]);
 
     up.proc.kill("SIGINT");

@@ -21,7 +21,12 @@ function env(initCwd?: string): Record<string, string | undefined> {
 
 /** Runs the CLI from the package root, as `npm run meshtrain` does; the user's folder is `dir`. */
 function cli(...args: string[]) {
-  const p = Bun.spawnSync([process.execPath, cliPath, ...args], { cwd: root, env: env(dir), stdout: "pipe", stderr: "pipe" });
+  const p = Bun.spawnSync([process.execPath, cliPath, ...args], {
+    cwd: root,
+    env: env(dir),
+    stdout: "pipe",
+    stderr: "pipe",
+  });
   return { code: p.exitCode, out: p.stdout.toString(), err: p.stderr.toString() };
 }
 
@@ -163,10 +168,17 @@ describe("eval", () => {
       const r = cli("eval", "--model", model);
       expect(r.code).toBe(0);
       const trained = number(/^validation loss: ([\d.]+) nats\/token/m, train.out);
-      expect(number(/^validation loss: ([\d.]+) nats\/token on 992 tokens of tok\/val\.bin \(16 batches of 8 windows, all\)$/m, r.out)).toBe(trained);
+      expect(
+        number(
+          /^validation loss: ([\d.]+) nats\/token on 992 tokens of tok\/val\.bin \(16 batches of 8 windows, all\)$/m,
+          r.out,
+        ),
+      ).toBe(trained);
       mkdirSync(join(dir, "tok2"));
       writeTokenFile(join(dir, "tok2", "val.bin"), tokens(200));
-      expect(cli("eval", "--model", model, "--tokens-dir", "tok2").out).toContain("nats/token on 192 tokens of tok2/val.bin (3 batches of 8 windows, all)");
+      expect(cli("eval", "--model", model, "--tokens-dir", "tok2").out).toContain(
+        "nats/token on 192 tokens of tok2/val.bin (3 batches of 8 windows, all)",
+      );
       const text = cli("eval", "--model", model, "--text", "a.txt");
       expect(text.code).toBe(1);
       expect(text.err).toBe(
@@ -266,7 +278,9 @@ describe("bad input: a typed error on one line and exit 1", () => {
       );
       const negative = cli("eval", "--model", gptModel, "--eval-batches", "-1");
       expect(negative.code).toBe(1);
-      expect(negative.err).toStartWith("error: option '--eval-batches <n>' argument '-1' is invalid. expected an integer >= 0\n"); // then the help
+      expect(negative.err).toStartWith(
+        "error: option '--eval-batches <n>' argument '-1' is invalid. expected an integer >= 0\n",
+      ); // then the help
     },
     timeoutMs,
   );
@@ -290,12 +304,15 @@ describe("sample", () => {
     "characters arrive on stdout while it is still generating",
     async () => {
       // a million characters would take minutes: the process is stopped once the first arrive
-      await using p = Bun.spawn([process.execPath, cliPath, "sample", "--model", gptModel, "--prompt", "Call me", "--length", "1000000"], {
-        cwd: root,
-        env: env(dir),
-        stdout: "pipe",
-        stderr: "ignore",
-      });
+      await using p = Bun.spawn(
+        [process.execPath, cliPath, "sample", "--model", gptModel, "--prompt", "Call me", "--length", "1000000"],
+        {
+          cwd: root,
+          env: env(dir),
+          stdout: "pipe",
+          stderr: "ignore",
+        },
+      );
       const reader = p.stdout.getReader();
       let text = "";
       const decoder = new TextDecoder();

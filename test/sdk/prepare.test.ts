@@ -20,7 +20,11 @@ const dir = mkdtempSync(join(tmpdir(), "meshtrain-prepare-"));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
 const root = join(import.meta.dir, "..", "..");
-const opts = (over: Partial<PrepareOptions> & { text: string; out: string }): PrepareOptions => ({ ...prepareDefaults, quiet: true, ...over });
+const opts = (over: Partial<PrepareOptions> & { text: string; out: string }): PrepareOptions => ({
+  ...prepareDefaults,
+  quiet: true,
+  ...over,
+});
 const files = (d: string) =>
   readdirSync(d)
     .sort()
@@ -30,7 +34,11 @@ const files = (d: string) =>
 function corpus(name: string, n: number): string {
   const d = join(dir, name);
   mkdirSync(d, { recursive: true });
-  for (let i = 0; i < n; i++) writeFileSync(join(d, `doc-${String(i).padStart(3, "0")}.txt`), `Document ${i}. ${"The whale swims on. ".repeat(1 + (i % 7))}\n`);
+  for (let i = 0; i < n; i++)
+    writeFileSync(
+      join(d, `doc-${String(i).padStart(3, "0")}.txt`),
+      `Document ${i}. ${"The whale swims on. ".repeat(1 + (i % 7))}\n`,
+    );
   writeFileSync(join(d, "README.md"), "not a document");
   return d;
 }
@@ -90,12 +98,17 @@ describe("prepare", () => {
     expect(c.vocab!.size).toBe(83);
     expect(c.train.length + c.val.length).toBe(r.manifest.tokens.train + r.manifest.tokens.val);
     expect(c.vocab!.decode(readTokens(c.train, 0, 200))).toStartWith(readFileSync(mobyDickPath(), "utf8").slice(0, 50));
-    expect(() => loadCorpus({ tokensDir: out, vocabSize: 50257, valFraction: 0 })).toThrow(/prepared with a vocabulary of 83/);
+    expect(() => loadCorpus({ tokensDir: out, vocabSize: 50257, valFraction: 0 })).toThrow(
+      /prepared with a vocabulary of 83/,
+    );
   });
 
   test("JSON Lines: one document per line, from the named field", () => {
     const path = join(dir, "docs.jsonl");
-    writeFileSync(path, Array.from({ length: 30 }, (_, i) => JSON.stringify({ id: i, text: `line ${i}: the sea` })).join("\n"));
+    writeFileSync(
+      path,
+      Array.from({ length: 30 }, (_, i) => JSON.stringify({ id: i, text: `line ${i}: the sea` })).join("\n"),
+    );
     const r = runPrepare(opts({ text: path, jsonl: "text", out: join(dir, "jsonl"), valFraction: 0.2 }));
     expect(r.manifest.documents.train + r.manifest.documents.val).toBe(30);
   });
@@ -108,10 +121,15 @@ describe("prepare", () => {
     };
     test.each([
       ["a missing input", () => opts({ text: join(dir, "nowhere"), out: join(dir, "o1") }), /nowhere: not found/],
-      ["an empty corpus", () => opts({ text: bad("empty.txt", ""), out: join(dir, "o2") }), /holds no document: the corpus is empty/],
+      [
+        "an empty corpus",
+        () => opts({ text: bad("empty.txt", ""), out: join(dir, "o2") }),
+        /holds no document: the corpus is empty/,
+      ],
       [
         "a folder without .txt files",
-        () => opts({ text: (mkdirSync(join(dir, "none"), { recursive: true }), join(dir, "none")), out: join(dir, "o3") }),
+        () =>
+          opts({ text: (mkdirSync(join(dir, "none"), { recursive: true }), join(dir, "none")), out: join(dir, "o3") }),
         /holds no \.txt file/,
       ],
       [
@@ -119,7 +137,11 @@ describe("prepare", () => {
         () => opts({ text: bad("nofield.jsonl", '{"text":"a"}\n{"body":"b"}\n'), jsonl: "text", out: join(dir, "o4") }),
         /line 2: no string field "text"/,
       ],
-      ["a line that is not JSON", () => opts({ text: bad("notjson.jsonl", '{"text":"a"}\n{text\n'), jsonl: "text", out: join(dir, "o5") }), /line 2: not JSON/],
+      [
+        "a line that is not JSON",
+        () => opts({ text: bad("notjson.jsonl", '{"text":"a"}\n{text\n'), jsonl: "text", out: join(dir, "o5") }),
+        /line 2: not JSON/,
+      ],
       [
         "invalid UTF-8",
         () => opts({ text: bad("latin1.txt", new Uint8Array([0x61, 0x0a, 0x62, 0xe9, 0x63])), out: join(dir, "o6") }),
@@ -138,7 +160,9 @@ describe("prepare", () => {
     test("invalid UTF-8 replaced on request, and said where", () => {
       const p = bad("latin1b.txt", new Uint8Array([...new TextEncoder().encode("a\n".repeat(20)), 0x62, 0xe9, 0x63]));
       const r = runPrepare(opts({ text: p, out: join(dir, "o8"), valFraction: 0, invalidUtf8: "replace" }));
-      expect(r.notes).toEqual([expect.stringMatching(/latin1b\.txt:21: invalid UTF-8 at byte 41: replaced with U\+FFFD/)]);
+      expect(r.notes).toEqual([
+        expect.stringMatching(/latin1b\.txt:21: invalid UTF-8 at byte 41: replaced with U\+FFFD/),
+      ]);
     });
 
     test("the UTF-8 check: valid text, overlong forms, surrogates, truncation", () => {
@@ -204,6 +228,8 @@ test("a GPT trains on a prepared GPT-2 folder; sample decodes BPE, streaming; ev
   expect(sample.out.length).toBeGreaterThan("The whale".length);
   const ev = cli("eval", "--model", model);
   expect(ev.code).toBe(0);
-  expect(ev.out).toMatch(/^validation loss: [\d.]+ nats\/token on [\d,]+ tokens of .*bpe \(its val shards\) \(\d+ batch(es)? of 4 windows, all\)$/m);
+  expect(ev.out).toMatch(
+    /^validation loss: [\d.]+ nats\/token on [\d,]+ tokens of .*bpe \(its val shards\) \(\d+ batch(es)? of 4 windows, all\)$/m,
+  );
   expect(ev.out).toMatch(/^perplexity: [\d.]+$/m);
 }, 120_000);

@@ -6,7 +6,17 @@ import { join } from "node:path";
 import * as sdk from "../../sdk/index.ts";
 
 test("the SDK's entry point exports the client, the watcher, the local mesh, configs and errors", () => {
-  for (const name of ["MeshClient", "watchJob", "LocalMesh", "jobConfig", "parseJobConfig", "EventKind", "JobState", "ConfigError", "UnknownJobError"]) {
+  for (const name of [
+    "MeshClient",
+    "watchJob",
+    "LocalMesh",
+    "jobConfig",
+    "parseJobConfig",
+    "EventKind",
+    "JobState",
+    "ConfigError",
+    "UnknownJobError",
+  ]) {
     expect(sdk).toHaveProperty(name);
   }
   expect(sdk.jobConfig("gpt", { job: "default.x", maxSteps: 5 }).model.kind).toBe("gpt");
@@ -15,7 +25,12 @@ test("the SDK's entry point exports the client, the watcher, the local mesh, con
 
 test("examples/sdk.ts runs: events, a snapshot, cancel, and a job to its end", () => {
   const root = join(import.meta.dir, "..", "..");
-  const p = Bun.spawnSync([process.execPath, join(root, "examples", "sdk.ts")], { cwd: root, stdout: "pipe", stderr: "pipe", timeout: 170_000 });
+  const p = Bun.spawnSync([process.execPath, join(root, "examples", "sdk.ts")], {
+    cwd: root,
+    stdout: "pipe",
+    stderr: "pipe",
+    timeout: 170_000,
+  });
   const out = p.stdout.toString();
   expect(p.exitCode, p.stderr.toString()).toBe(0);
   expect(out).toMatch(/^step 0: loss \d+\.\d{4}$/m);

@@ -12,7 +12,9 @@ const services = join(root, "services");
 test("the compute core (engine/, ffi/) imports nothing from services/, sdk/, schemas/ or bench/", () => {
   const upward: string[] = [];
   for (const floor of ["engine", "ffi"]) {
-    for (const file of readdirSync(join(root, floor), { recursive: true, encoding: "utf8" }).filter((f) => f.endsWith(".ts"))) {
+    for (const file of readdirSync(join(root, floor), { recursive: true, encoding: "utf8" }).filter((f) =>
+      f.endsWith(".ts"),
+    )) {
       const path = join(root, floor, file);
       const text = readFileSync(path, "utf8");
       for (const m of text.matchAll(/(?:from|import)\s*\(?\s*"(\.[^"]+)"/g)) {
@@ -28,11 +30,14 @@ const names = ["data-loader", "parameter-server", "trainer", "checkpoint"];
 test("no service imports another service's folder; runtime (mesh/, job/, transport/, control/) imports none", () => {
   const crossings: string[] = [];
   for (const own of [...names, "runtime"]) {
-    for (const file of readdirSync(join(services, own), { recursive: true, encoding: "utf8" }).filter((f) => f.endsWith(".ts"))) {
+    for (const file of readdirSync(join(services, own), { recursive: true, encoding: "utf8" }).filter((f) =>
+      f.endsWith(".ts"),
+    )) {
       const path = join(services, own, file);
       for (const m of readFileSync(path, "utf8").matchAll(/(?:from|import)\s*\(?\s*"(\.[^"]+)"/g)) {
         const [top, folder] = relative(root, join(path, "..", m[1]!)).split("/");
-        if (top === "services" && folder !== own && names.includes(folder!)) crossings.push(`${own}/${file} imports ${m[1]}`);
+        if (top === "services" && folder !== own && names.includes(folder!))
+          crossings.push(`${own}/${file} imports ${m[1]}`);
       }
     }
   }

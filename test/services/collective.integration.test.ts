@@ -8,7 +8,13 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { type RankOp, type RankPlan, type RanksRun, runRankProcesses } from "../../bench/collective-rank.ts";
 import { BusTransport } from "../../services/runtime/transport/collective-bus.ts";
-import { ShmOutbox, shmDir, shmPath, shmRefusedPrefix, shmSocketPath } from "../../services/runtime/transport/collective-shm.ts";
+import {
+  ShmOutbox,
+  shmDir,
+  shmPath,
+  shmRefusedPrefix,
+  shmSocketPath,
+} from "../../services/runtime/transport/collective-shm.ts";
 import { BadRequestError } from "../../services/runtime/mesh/errors.ts";
 import { subjects } from "../../services/runtime/job/job.ts";
 import { NatsBus } from "../../services/runtime/mesh/nats.ts";
@@ -31,7 +37,11 @@ afterAll(async () => {
   rmSync(dir, { recursive: true, force: true });
 });
 
-async function runRanks(hosts: string[], ops: RankOp[], extra: Partial<RankPlan> & { dieRank?: number } = {}): Promise<RanksRun & { job: string }> {
+async function runRanks(
+  hosts: string[],
+  ops: RankOp[],
+  extra: Partial<RankPlan> & { dieRank?: number } = {},
+): Promise<RanksRun & { job: string }> {
   const job = `coll${++jobs}`;
   const { dieRank, dieAfterPieces, ...rest } = extra;
   const run = await runRankProcesses(
@@ -53,7 +63,13 @@ async function runRanks(hosts: string[], ops: RankOp[], extra: Partial<RankPlan>
   return { ...run, job };
 }
 
-const op = (o: Partial<RankOp> & Pick<RankOp, "op" | "len">): RankOp => ({ seed: 1, step: 0, bucket: 0, check: true, ...o });
+const op = (o: Partial<RankOp> & Pick<RankOp, "op" | "len">): RankOp => ({
+  seed: 1,
+  step: 0,
+  bucket: 0,
+  check: true,
+  ...o,
+});
 
 /** Every rank's result of operation i: no error, within rounding of float64, the same bits. */
 function expectAgreed(run: RanksRun, i: number, sameHash = true): void {
@@ -66,23 +82,30 @@ function expectAgreed(run: RanksRun, i: number, sameHash = true): void {
 }
 
 describe("ring over NATS, one process per rank", () => {
-  test.each([1, 2, 3, 4])("%i ranks: all-reduce of 0, 1, 7 and 10 007 elements, reduce-scatter, all-gather, broadcast", async (n) => {
-    const ops = [
-      op({ op: "allReduce", len: 0, step: 1 }),
-      op({ op: "allReduce", len: 1, step: 2 }),
-      op({ op: "allReduce", len: 7, step: 3 }),
-      op({ op: "allReduce", len: 10_007, step: 4, seed: 5 }),
-      op({ op: "reduceScatter", len: 10_007, step: 5 }),
-      op({ op: "allGather", len: 9_999, step: 6 }),
-      op({ op: "broadcast", len: 3_001, step: 7, root: n - 1 }),
-    ];
-    const run = await runRanks(Array(n).fill("h"), ops);
-    expect(run.codes).toEqual(Array(n).fill(0));
-    for (let i = 0; i < ops.length; i++) expectAgreed(run, i, ops[i]!.op !== "reduceScatter");
-  });
+  test.each([1, 2, 3, 4])(
+    "%i ranks: all-reduce of 0, 1, 7 and 10 007 elements, reduce-scatter, all-gather, broadcast",
+    async (n) => {
+      const ops = [
+        op({ op: "allReduce", len: 0, step: 1 }),
+        op({ op: "allReduce", len: 1, step: 2 }),
+        op({ op: "allReduce", len: 7, step: 3 }),
+        op({ op: "allReduce", len: 10_007, step: 4, seed: 5 }),
+        op({ op: "reduceScatter", len: 10_007, step: 5 }),
+        op({ op: "allGather", len: 9_999, step: 6 }),
+        op({ op: "broadcast", len: 3_001, step: 7, root: n - 1 }),
+      ];
+      const run = await runRanks(Array(n).fill("h"), ops);
+      expect(run.codes).toEqual(Array(n).fill(0));
+      for (let i = 0; i < ops.length; i++) expectAgreed(run, i, ops[i]!.op !== "reduceScatter");
+    },
+  );
 
   test("2 hosts x 2 ranks: the hierarchical all-reduce matches float64 and agrees bit for bit", async () => {
-    const ops = [op({ op: "allReduce", len: 20_001, step: 1 }), op({ op: "allReduce", len: 3, step: 2 }), op({ op: "reduceScatter", len: 1_001, step: 3 })];
+    const ops = [
+      op({ op: "allReduce", len: 20_001, step: 1 }),
+      op({ op: "allReduce", len: 3, step: 2 }),
+      op({ op: "reduceScatter", len: 1_001, step: 3 }),
+    ];
     const run = await runRanks(["a", "a", "b", "b"], ops);
     expect(run.codes).toEqual([0, 0, 0, 0]);
     expectAgreed(run, 0);
@@ -110,39 +133,49 @@ describe("ring over NATS, one process per rank", () => {
 });
 
 describe("ring with its values through shared memory, one process per rank", () => {
-  const leftovers = (job: string) => readdirSync(shmDir).filter((f) => f.startsWith(shmPath(job, 1, 0, 1, 1).split("/").pop()!.split("-g")[0]!));
+  const leftovers = (job: string) =>
+    readdirSync(shmDir).filter((f) => f.startsWith(shmPath(job, 1, 0, 1, 1).split("/").pop()!.split("-g")[0]!));
 
-  test.each([2, 3, 4])("%i ranks: every rank switches to shared memory, results match float64 and agree bit for bit, no file is left", async (n) => {
-    const ops = [
-      op({ op: "allReduce", len: 10_007, step: 1, seed: 5 }), // inline: each rank learns its peers share its memory
-      op({ op: "allReduce", len: 1, step: 2 }),
-      op({ op: "allReduce", len: 30_011, step: 3, seed: 7 }),
-      op({ op: "reduceScatter", len: 10_007, step: 4 }),
-      op({ op: "allGather", len: 9_999, step: 5 }),
-      op({ op: "broadcast", len: 3_001, step: 6, root: n - 1 }),
-    ];
-    const run = await runRanks(Array(n).fill("h"), ops, { sharedMemory: true });
-    expect(run.codes).toEqual(Array(n).fill(0));
-    for (let i = 0; i < ops.length; i++) expectAgreed(run, i, ops[i]!.op !== "reduceScatter");
-    // after the first operation every rank sends to its ring neighbour through shared memory
-    for (const r of run.results) expect(r.at(-1)!.shmPeers).toBeGreaterThanOrEqual(1);
-    expect(leftovers(run.job)).toEqual([]);
-  });
+  test.each([2, 3, 4])(
+    "%i ranks: every rank switches to shared memory, results match float64 and agree bit for bit, no file is left",
+    async (n) => {
+      const ops = [
+        op({ op: "allReduce", len: 10_007, step: 1, seed: 5 }), // inline: each rank learns its peers share its memory
+        op({ op: "allReduce", len: 1, step: 2 }),
+        op({ op: "allReduce", len: 30_011, step: 3, seed: 7 }),
+        op({ op: "reduceScatter", len: 10_007, step: 4 }),
+        op({ op: "allGather", len: 9_999, step: 5 }),
+        op({ op: "broadcast", len: 3_001, step: 6, root: n - 1 }),
+      ];
+      const run = await runRanks(Array(n).fill("h"), ops, { sharedMemory: true });
+      expect(run.codes).toEqual(Array(n).fill(0));
+      for (let i = 0; i < ops.length; i++) expectAgreed(run, i, ops[i]!.op !== "reduceScatter");
+      // after the first operation every rank sends to its ring neighbour through shared memory
+      for (const r of run.results) expect(r.at(-1)!.shmPeers).toBeGreaterThanOrEqual(1);
+      expect(leftovers(run.job)).toEqual([]);
+    },
+  );
 
   test("a rank SIGKILLed mid-operation: the others end with a typed error within the timeout, not a hang", async () => {
     const started = performance.now();
-    const run = await runRanks(["h", "h", "h"], [op({ op: "allReduce", len: 3_000, step: 1 }), op({ op: "allReduce", len: 200_000, step: 2, check: false })], {
-      dieRank: 2,
-      dieAfterPieces: 12,
-      progressTimeoutMs: 3_000,
-      peerLostMs: 2_000,
-      sharedMemory: true,
-    });
+    const run = await runRanks(
+      ["h", "h", "h"],
+      [op({ op: "allReduce", len: 3_000, step: 1 }), op({ op: "allReduce", len: 200_000, step: 2, check: false })],
+      {
+        dieRank: 2,
+        dieAfterPieces: 12,
+        progressTimeoutMs: 3_000,
+        peerLostMs: 2_000,
+        sharedMemory: true,
+      },
+    );
     expect(run.codes[2]).not.toBe(0);
     for (const r of [0, 1]) {
       expect(run.codes[r]).toBe(0);
       expect(run.results[r]![0]!.error).toBeUndefined();
-      expect(run.results[r]![1]!.error?.name).toMatch(/^(PeerLostError|CollectiveTimeoutError|CollectiveAbortedError)$/);
+      expect(run.results[r]![1]!.error?.name).toMatch(
+        /^(PeerLostError|CollectiveTimeoutError|CollectiveAbortedError)$/,
+      );
     }
     expect(performance.now() - started).toBeLessThan(60_000);
     // what a SIGKILL leaves: the dead rank's socket (a rank restarted at its place removes it);
@@ -183,7 +216,12 @@ describe("the collective subject refuses hostile pieces", () => {
   });
 
   test("shared-memory pieces: no such file, a slot or count out of bounds, a rank that takes none", async () => {
-    const bus = await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 });
+    const bus = await NatsBus.connect({
+      url: server.url,
+      name: "t",
+      connectRetryMsMax: 5_000,
+      connectBackoffMsMax: 200,
+    });
     await using _closer = { [Symbol.asyncDispose]: () => bus.close() };
     const options = rankZero("default.hostile-shm");
     const t = new BusTransport(bus, { ...options, sharedMemory: true });
@@ -198,9 +236,21 @@ describe("the collective subject refuses hostile pieces", () => {
     const good = pieceFromOne("default.hostile-shm");
     const two = new Float32Array(2);
     const send = (m: Uint8Array) => bus.request(subjects.coll("default.hostile-shm", 0, 1), m, 2_000);
-    await expectRejected(() => send(encodeCollPiece(good, two, { nonce: out.nonce + 1, slot: 1 })), BadRequestError, shmRefusedPrefix);
-    await expectRejected(() => send(encodeCollPiece(good, two, { nonce: out.nonce, slot: 2 })), BadRequestError, "slot 2 of 2");
-    await expectRejected(() => send(encodeCollPiece(good, new Float32Array(17), { nonce: out.nonce, slot: 1 })), BadRequestError, "exceeds");
+    await expectRejected(
+      () => send(encodeCollPiece(good, two, { nonce: out.nonce + 1, slot: 1 })),
+      BadRequestError,
+      shmRefusedPrefix,
+    );
+    await expectRejected(
+      () => send(encodeCollPiece(good, two, { nonce: out.nonce, slot: 2 })),
+      BadRequestError,
+      "slot 2 of 2",
+    );
+    await expectRejected(
+      () => send(encodeCollPiece(good, new Float32Array(17), { nonce: out.nonce, slot: 1 })),
+      BadRequestError,
+      "exceeds",
+    );
     expect(got).toEqual([]);
     await send(encodeCollPiece(good, two, { nonce: out.nonce, slot: 1 }));
     expect(got).toEqual([[1.5, -2]]);
@@ -210,12 +260,21 @@ describe("the collective subject refuses hostile pieces", () => {
     const inline = new BusTransport(bus, { ...options, job: "default.hostile-inline", sharedMemory: false });
     inline.listen(() => ({ kind: "taken" }));
     const m = encodeCollPiece({ ...good, job: "default.hostile-inline" }, two, { nonce: 5, slot: 0 });
-    await expectRejected(() => bus.request(subjects.coll("default.hostile-inline", 0, 1), m, 2_000), BadRequestError, shmRefusedPrefix);
+    await expectRejected(
+      () => bus.request(subjects.coll("default.hostile-inline", 0, 1), m, 2_000),
+      BadRequestError,
+      shmRefusedPrefix,
+    );
     inline.close();
   });
 
   test("wrong job, generation, addressee, sender (also one the subject does not name), length: error replies; the rank keeps working", async () => {
-    const bus = await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 });
+    const bus = await NatsBus.connect({
+      url: server.url,
+      name: "t",
+      connectRetryMsMax: 5_000,
+      connectBackoffMsMax: 200,
+    });
     await using _closer = { [Symbol.asyncDispose]: () => bus.close() };
     const t = new BusTransport(bus, { ...rankZero("default.hostile"), sharedMemory: false });
     const taken: number[] = [];
@@ -225,18 +284,42 @@ describe("the collective subject refuses hostile pieces", () => {
     });
     const good = pieceFromOne("default.hostile");
     const send = (m: Uint8Array, from = 1) => bus.request(subjects.coll("default.hostile", 0, from), m, 2_000);
-    await expectRejected(() => send(encodeCollPiece({ ...good, job: "default.other" }, new Float32Array(2))), BadRequestError, "job");
-    await expectRejected(() => send(encodeCollPiece({ ...good, generation: 2 }, new Float32Array(2))), BadRequestError, "generation 2");
-    await expectRejected(() => send(encodeCollPiece({ ...good, to: 1 }, new Float32Array(2))), BadRequestError, "for rank 1");
-    await expectRejected(() => send(encodeCollPiece({ ...good, from: 0 }, new Float32Array(2)), 0), BadRequestError, "not a peer");
-    await expectRejected(() => send(encodeCollPiece({ ...good, from: 7 }, new Float32Array(2)), 7), BadRequestError, "not a peer");
+    await expectRejected(
+      () => send(encodeCollPiece({ ...good, job: "default.other" }, new Float32Array(2))),
+      BadRequestError,
+      "job",
+    );
+    await expectRejected(
+      () => send(encodeCollPiece({ ...good, generation: 2 }, new Float32Array(2))),
+      BadRequestError,
+      "generation 2",
+    );
+    await expectRejected(
+      () => send(encodeCollPiece({ ...good, to: 1 }, new Float32Array(2))),
+      BadRequestError,
+      "for rank 1",
+    );
+    await expectRejected(
+      () => send(encodeCollPiece({ ...good, from: 0 }, new Float32Array(2)), 0),
+      BadRequestError,
+      "not a peer",
+    );
+    await expectRejected(
+      () => send(encodeCollPiece({ ...good, from: 7 }, new Float32Array(2)), 7),
+      BadRequestError,
+      "not a peer",
+    );
     // a forged sender: rank 1's piece on rank 2's subject, or rank 2's claim on rank 1's
     await expectRejected(
       () => send(encodeCollPiece(good, new Float32Array(2)), 2),
       BadRequestError,
       'piece says it is from rank 1, but came on the subject of rank "2"',
     );
-    await expectRejected(() => send(encodeCollPiece({ ...good, from: 2 }, new Float32Array(2)), 1), BadRequestError, "from rank 2");
+    await expectRejected(
+      () => send(encodeCollPiece({ ...good, from: 2 }, new Float32Array(2)), 1),
+      BadRequestError,
+      "from rank 2",
+    );
     await expectRejected(() => send(encodeCollPiece(good, new Float32Array(100))), BadRequestError);
     await expectRejected(() => send(new Uint8Array([1, 2, 3])), Error);
     expect(taken).toEqual([]);

@@ -14,7 +14,15 @@ import { type Dataset, readDataset, windowOffset } from "../../services/data-loa
 import { stepsPerEpochOf } from "../../services/runtime/job/plan.ts";
 import { specOf } from "../helpers/jobs.ts";
 import { WireFormatError } from "../../schemas/codec.ts";
-import { decodeBatch, decodeDataPlan, decodeLoaderStats, encodeBatchRequest, encodeJobRequest, Split, SyncPolicy } from "../../schemas/messages.ts";
+import {
+  decodeBatch,
+  decodeDataPlan,
+  decodeLoaderStats,
+  encodeBatchRequest,
+  encodeJobRequest,
+  Split,
+  SyncPolicy,
+} from "../../schemas/messages.ts";
 import { readTokens } from "../../engine/data/token-stream.ts";
 import { readManifest, readSplit } from "../../engine/data/shards.ts";
 import { prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
@@ -58,7 +66,14 @@ describe("distributed sampling", () => {
     const sched = new StepSchedule(N, B, world, 3);
     // epoch 0: 5 steps of 32, then steps of 48 (1000 - 160 = 840 = 17.5 x 48: 18 steps), epoch 1 ...
     expect(sched.epochStarts.slice(0, 2)).toEqual([0, 23]);
-    expect(sched.at(22)).toEqual({ epoch: 0, cursor: 160 + 17 * 48, rows: 840 - 17 * 48, trainers: 3, index: 22, last: true });
+    expect(sched.at(22)).toEqual({
+      epoch: 0,
+      cursor: 160 + 17 * 48,
+      rows: 840 - 17 * 48,
+      trainers: 3,
+      index: 22,
+      last: true,
+    });
     expect(sched.at(5).trainers).toBe(3);
     expect(sched.at(39).trainers).toBe(3);
     expect(sched.at(40).trainers).toBe(2);
@@ -150,7 +165,9 @@ describe("distributed sampling", () => {
     const T = 470; // inside epoch 2
     for (let s = T; s < T + 5; s++)
       for (const r of [0, 1]) {
-        expect(decodeBatch(b.next(r, Split.Train, s, 2), 1 << 24)).toEqual(decodeBatch(a.next(r, Split.Train, s, 2), 1 << 24));
+        expect(decodeBatch(b.next(r, Split.Train, s, 2), 1 << 24)).toEqual(
+          decodeBatch(a.next(r, Split.Train, s, 2), 1 << 24),
+        );
       }
   });
 });
@@ -162,8 +179,18 @@ describe("loader over a MemoryBus", () => {
   const c = cfg({ trainers: 2, batchSize: 64 });
   const opened = loader.openJob(specOf(c));
   beforeAll(() => opened);
-  const ask = async (m: { rank?: number; split?: Split; step?: number; credits?: number; job?: string }, subject = "mt.t.dl.data.next") =>
-    decodeBatch(await bus.request(subject, encodeBatchRequest({ job: "t.dl", rank: 0, split: Split.Train, credits: 2, step: 0, ...m }), 1000), 8 << 20);
+  const ask = async (
+    m: { rank?: number; split?: Split; step?: number; credits?: number; job?: string },
+    subject = "mt.t.dl.data.next",
+  ) =>
+    decodeBatch(
+      await bus.request(
+        subject,
+        encodeBatchRequest({ job: "t.dl", rank: 0, split: Split.Train, credits: 2, step: 0, ...m }),
+        1000,
+      ),
+      8 << 20,
+    );
 
   test("batches are normalized pixels and labels of the named samples; the next ones are prefetched", async () => {
     const b = await ask({ step: 0 });
@@ -174,7 +201,10 @@ describe("loader over a MemoryBus", () => {
     expect(b.x[5 * 784 + 400]).toBeCloseTo((mnist.train.images[id * 784 + 400]! / 255 - 0.1307) / 0.3081, 5);
     await Bun.sleep(10); // let the background prefetch run (it yields between batches)
     await ask({ step: 1 });
-    const stats = decodeLoaderStats(await bus.request("mt.t.dl.data.stats", encodeJobRequest({ job: "t.dl", step: 0, tag: "" }), 1000), 1 << 16);
+    const stats = decodeLoaderStats(
+      await bus.request("mt.t.dl.data.stats", encodeJobRequest({ job: "t.dl", step: 0, tag: "" }), 1000),
+      1 << 16,
+    );
     expect(stats.prefetchHits).toBe(1);
     expect(stats.batches).toBe(2);
   });
@@ -195,12 +225,17 @@ describe("loader over a MemoryBus", () => {
     await expect(ask({ job: "t.zz" }, "mt.t.zz.data.next")).rejects.toBeInstanceOf(UnknownJobError);
     await expect(ask({ rank: 2 })).rejects.toThrow(BadRequestError);
     await expect(ask({ split: Split.Val })).rejects.toThrow("no validation split");
-    await expect(bus.request("mt.t.dl.data.next", Uint8Array.of(1, 2, 3), 1000)).rejects.toBeInstanceOf(WireFormatError);
+    await expect(bus.request("mt.t.dl.data.next", Uint8Array.of(1, 2, 3), 1000)).rejects.toBeInstanceOf(
+      WireFormatError,
+    );
     expect((await ask({ step: 3 })).rows).toBe(64); // still serving
   });
 
   test("data.plan: the sample counts and the step count the trainers and shards schedule over", async () => {
-    const plan = decodeDataPlan(await bus.request("mt.t.dl.data.plan", encodeJobRequest({ job: "t.dl", step: 0, tag: "" }), 1000), 1 << 16);
+    const plan = decodeDataPlan(
+      await bus.request("mt.t.dl.data.plan", encodeJobRequest({ job: "t.dl", step: 0, tag: "" }), 1000),
+      1 << 16,
+    );
     expect(plan).toMatchObject({
       job: "t.dl",
       trainSamples: 60_000,
@@ -211,7 +246,9 @@ describe("loader over a MemoryBus", () => {
       vocabSize: 0,
     });
     expect(plan.slabNumel).toBeGreaterThanOrEqual(784 * 800 + 800 + 800 * 10 + 10);
-    await expect(bus.request("mt.t.nope.data.plan", encodeJobRequest({ job: "t.nope", step: 0, tag: "" }), 1000)).rejects.toBeInstanceOf(UnknownJobError);
+    await expect(
+      bus.request("mt.t.nope.data.plan", encodeJobRequest({ job: "t.nope", step: 0, tag: "" }), 1000),
+    ).rejects.toBeInstanceOf(UnknownJobError);
   });
 });
 
@@ -252,9 +289,12 @@ describe("the loader's jobs: a limit, shared data sets, freed when their jobs cl
       ] as const) {
         writeFileSync(join(dir, name), idx([...dims], new Uint8Array(40)));
       }
-      for (const name of ["train-labels-idx1-ubyte", "t10k-labels-idx1-ubyte"]) writeFileSync(join(dir, name), idx([10], new Uint8Array(10)));
+      for (const name of ["train-labels-idx1-ubyte", "t10k-labels-idx1-ubyte"])
+        writeFileSync(join(dir, name), idx([10], new Uint8Array(10)));
       const loader = new DataLoader(new MemoryBus(), { payloadBytesMax: 8 << 20 });
-      await expect(loader.openJob(spec("tiny", { dataDir: dir }))).rejects.toThrow("the model takes 784 inputs, but the images in");
+      await expect(loader.openJob(spec("tiny", { dataDir: dir }))).rejects.toThrow(
+        "the model takes 784 inputs, but the images in",
+      );
       expect([loader.jobs, loader.datasets]).toEqual([[], 0]);
     } finally {
       rmSync(dir, { recursive: true, force: true });
@@ -263,7 +303,9 @@ describe("the loader's jobs: a limit, shared data sets, freed when their jobs cl
 
   test("a folder without the idx files is refused naming the file; nothing is held", async () => {
     const loader = new DataLoader(new MemoryBus(), { payloadBytesMax: 8 << 20 });
-    await expect(loader.openJob(spec("d", { dataDir: "/nonexistent" }))).rejects.toThrow("/nonexistent/train-images-idx3-ubyte: file not found");
+    await expect(loader.openJob(spec("d", { dataDir: "/nonexistent" }))).rejects.toThrow(
+      "/nonexistent/train-images-idx3-ubyte: file not found",
+    );
     expect([loader.jobs, loader.datasets]).toEqual([[], 0]);
   });
 });
@@ -326,7 +368,11 @@ describe("token windows (the gpt's data)", () => {
     expect(planHere(gcfg({ maxSteps: 7 })).totalSteps).toBe(7);
     // the vector the trainers will build: embeddings of the 12 characters and the 64 positions' rows among them
     const init = initialParameters(cfg, plan);
-    expect([plan.slabNumel, plan.decayElems, plan.paramCount]).toEqual([init.values.length, init.decayElems, init.paramCount]);
+    expect([plan.slabNumel, plan.decayElems, plan.paramCount]).toEqual([
+      init.values.length,
+      init.decayElems,
+      init.paramCount,
+    ]);
   });
 
   test("every epoch visits each window once across the ranks, at an offset of its own; rows are T+1 consecutive tokens", () => {
@@ -344,7 +390,9 @@ describe("token windows (the gpt's data)", () => {
           b.sampleIds.forEach((id, row) => {
             expect(seen.has(id)).toBe(false);
             seen.add(id);
-            expect([...b.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([...window(corpus.train, off + id * T, T + 1)]);
+            expect([...b.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([
+              ...window(corpus.train, off + id * T, T + 1),
+            ]);
           });
         }
       }
@@ -359,13 +407,20 @@ describe("token windows (the gpt's data)", () => {
     const a = new JobData(cfg, readDataset(cfg)),
       b = new JobData(cfg, readDataset(cfg));
     for (let s = 30; s < 36; s++)
-      for (const r of [0, 1, 2]) expect(decodeBatch(b.next(r, Split.Train, s, 2), 1 << 24)).toEqual(decodeBatch(a.next(r, Split.Train, s, 2), 1 << 24));
+      for (const r of [0, 1, 2])
+        expect(decodeBatch(b.next(r, Split.Train, s, 2), 1 << 24)).toEqual(
+          decodeBatch(a.next(r, Split.Train, s, 2), 1 << 24),
+        );
     const ids: number[] = [];
     for (const r of [0, 1, 2]) {
       for (let i = 0; ; i++) {
         const v = decodeBatch(a.next(r, Split.Val, i, 0), 1 << 24);
         if (v.endOfEpoch) break;
-        v.sampleIds.forEach((id, row) => expect([...v.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([...window(corpus.val, id * T, T + 1)]));
+        v.sampleIds.forEach((id, row) =>
+          expect([...v.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([
+            ...window(corpus.val, id * T, T + 1),
+          ]),
+        );
         ids.push(...v.sampleIds);
       }
     }
@@ -379,11 +434,21 @@ describe("token windows (the gpt's data)", () => {
       jsonl,
       Array.from(
         { length: 20 },
-        (_, d) => `${JSON.stringify({ text: Array.from({ length: 300 }, () => alphabet[rng.int(alphabet.length)]).join("") + d })}\n`,
+        (_, d) =>
+          `${JSON.stringify({ text: Array.from({ length: 300 }, () => alphabet[rng.int(alphabet.length)]).join("") + d })}\n`,
       ).join(""),
     );
     const out = join(dir, "prepared");
-    runPrepare({ ...prepareDefaults, tokenizer: "char", text: jsonl, jsonl: "text", out, valFraction: 0.2, shardTokens: 500, quiet: true });
+    runPrepare({
+      ...prepareDefaults,
+      tokenizer: "char",
+      text: jsonl,
+      jsonl: "text",
+      out,
+      valFraction: 0.2,
+      shardTokens: 500,
+      quiet: true,
+    });
     const m = readManifest(out)!;
     expect(m.shards.filter((x) => x.split === "train").length).toBeGreaterThan(5);
     const joined = readSplit(out, m, "train");
@@ -399,21 +464,30 @@ describe("token windows (the gpt's data)", () => {
           b.sampleIds.forEach((id, row) => {
             expect(seen.has(id)).toBe(false);
             seen.add(id);
-            expect([...b.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([...joined.subarray(off + id * T, off + id * T + T + 1)]);
+            expect([...b.tokens!.subarray(row * (T + 1), (row + 1) * (T + 1))]).toEqual([
+              ...joined.subarray(off + id * T, off + id * T + T + 1),
+            ]);
           });
         }
       expect(seen.size).toBe(j.train.length);
     }
     const resumed = new JobData(pcfg, readDataset(pcfg));
     for (let s = 20; s < 24; s++)
-      for (const r of [0, 1, 2]) expect(decodeBatch(resumed.next(r, Split.Train, s, 2), 1 << 24)).toEqual(decodeBatch(j.next(r, Split.Train, s, 2), 1 << 24));
+      for (const r of [0, 1, 2])
+        expect(decodeBatch(resumed.next(r, Split.Train, s, 2), 1 << 24)).toEqual(
+          decodeBatch(j.next(r, Split.Train, s, 2), 1 << 24),
+        );
   });
 
   test("a plan made for other data (the file changed since submission) refuses the job; a text too short for one window is refused", () => {
     const cfg = gcfg();
     const plan = planHere(cfg);
-    expect(() => new JobData(cfg, readDataset(cfg), { ...plan, trainSamples: plan.trainSamples + 1 })).toThrow("the data changed since the job was submitted");
-    expect(() => new JobData(cfg, readDataset(cfg), { ...plan, vocab: plan.vocab.slice().reverse() })).toThrow("the data changed");
+    expect(() => new JobData(cfg, readDataset(cfg), { ...plan, trainSamples: plan.trainSamples + 1 })).toThrow(
+      "the data changed since the job was submitted",
+    );
+    expect(() => new JobData(cfg, readDataset(cfg), { ...plan, vocab: plan.vocab.slice().reverse() })).toThrow(
+      "the data changed",
+    );
     const short = join(dir, "short.txt");
     writeFileSync(short, "abcdefghijklmnopqrst");
     expect(() => planHere(gcfg({ dataDir: short }))).toThrow("hold no window");
@@ -422,7 +496,17 @@ describe("token windows (the gpt's data)", () => {
   test("the trainer cuts a token batch into micro-batches of inputs and next-token targets", async () => {
     const { microBatches } = await import("../../services/trainer/loop.ts");
     const tokens = Uint16Array.from({ length: 3 * 5 }, (_, i) => i); // 3 windows of T=4 (+1)
-    const b = { epoch: 0, index: 0, sampleIds: new Uint32Array(3), rows: 3, cols: 4, x: new Float32Array(0), y: new Int32Array(0), endOfEpoch: false, tokens };
+    const b = {
+      epoch: 0,
+      index: 0,
+      sampleIds: new Uint32Array(3),
+      rows: 3,
+      cols: 4,
+      x: new Float32Array(0),
+      y: new Int32Array(0),
+      endOfEpoch: false,
+      tokens,
+    };
     const m = microBatches(b, 2);
     expect(m.map((x) => x.inputShape)).toEqual([
       [2, 4],

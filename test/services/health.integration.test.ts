@@ -47,7 +47,9 @@ describe("health routes", () => {
     try {
       await waitFor("the data-loader to be ready", async () => (await readyz()).status === 200);
       await nats.stop();
-      await waitFor("/readyz to say the connection dropped", async () => (await readyz()).text.includes("disconnected from NATS"));
+      await waitFor("/readyz to say the connection dropped", async () =>
+        (await readyz()).text.includes("disconnected from NATS"),
+      );
       expect((await readyz()).status).toBe(503);
       expect((await get(`${base}/healthz`)).status).toBe(200); // alive: no restart for a dropped server
       nats = await startNatsServer({ port: natsPort, dir });

@@ -26,7 +26,11 @@ test("a publisher says its step and phase; the monitor reports silence once, the
   monitor.check();
   monitor.check(); // once
   expect(events.map((e) => [e.kind, e.step, e.text])).toEqual([
-    [EventKind.Stalled, 57, "trainer 1 has sent no heartbeat for 10 s (stopped, wedged or dead); it was at step 57, pull"],
+    [
+      EventKind.Stalled,
+      57,
+      "trainer 1 has sent no heartbeat for 10 s (stopped, wedged or dead); it was at step 57, pull",
+    ],
   ]);
   expect(monitor.stalled.map((h) => h.who)).toEqual(["trainer 1"]);
   now += 5_000;
@@ -45,8 +49,14 @@ test("heartbeats of another job, oversized names or garbage change nothing", () 
   bus.subscribe(subjects.events("j", "stalled"), (d) => events.push(decodeEvent(d, 1 << 16)));
   const monitor = new LivenessMonitor(bus, "j", 8_000, () => now);
   bus.publish("mt.j.hb.x", crypto.getRandomValues(new Uint8Array(64)));
-  bus.publish("mt.j.hb.y", encodeHeartbeat({ job: "other", who: "trainer 0", step: 1, phase: "pull", phaseMs: 0, stepMs: 0 }));
-  bus.publish("mt.j.hb.z", encodeHeartbeat({ job: "j", who: "x".repeat(100), step: 1, phase: "pull", phaseMs: 0, stepMs: 0 }));
+  bus.publish(
+    "mt.j.hb.y",
+    encodeHeartbeat({ job: "other", who: "trainer 0", step: 1, phase: "pull", phaseMs: 0, stepMs: 0 }),
+  );
+  bus.publish(
+    "mt.j.hb.z",
+    encodeHeartbeat({ job: "j", who: "x".repeat(100), step: 1, phase: "pull", phaseMs: 0, stepMs: 0 }),
+  );
   now += 60_000;
   monitor.check();
   expect(events).toEqual([]);
@@ -54,7 +64,13 @@ test("heartbeats of another job, oversized names or garbage change nothing", () 
 });
 
 describe("StragglerDetector", () => {
-  const step = (rank: number, s: number, compute: number) => ({ rank, step: s, dataWaitMs: 1, computeMs: compute, pushMs: 1 });
+  const step = (rank: number, s: number, compute: number) => ({
+    rank,
+    step: s,
+    dataWaitMs: 1,
+    computeMs: compute,
+    pushMs: 1,
+  });
 
   test("a rank whose own time per step is 1.5x the others' over 20 steps is named once with its split; its recovery too", () => {
     const said: [number, string][] = [];
@@ -89,7 +105,8 @@ describe("StragglerDetector", () => {
     for (let s = 0; s < 40; s++) one.add(step(0, s, 50));
     const even = new StragglerDetector(3, (_, t) => said.push(t));
     for (let s = 0; s < 40; s++) for (const rank of [0, 1, 2]) even.add(step(rank, s, 10 + (s % 3)));
-    for (const bad of [step(7, 0, 1e9), { ...step(1, 0, 1), computeMs: Number.NaN }, { ...step(1, 0, 1), pushMs: -5 }]) even.add(bad);
+    for (const bad of [step(7, 0, 1e9), { ...step(1, 0, 1), computeMs: Number.NaN }, { ...step(1, 0, 1), pushMs: -5 }])
+      even.add(bad);
     expect(said).toEqual([]);
   });
 });

@@ -36,27 +36,49 @@ await serving.nc.flush();
 
 for (const subject of ["t.handle", "t.serve"]) {
   test(`${subject}: an answer over max_payload is a LimitExceededError naming the sizes; the next request is answered`, async () => {
-    await expectRejected(() => client.request(subject, new TextEncoder().encode("big"), 5_000), LimitExceededError, `${maxPayloadBytes + 1} bytes`);
+    await expectRejected(
+      () => client.request(subject, new TextEncoder().encode("big"), 5_000),
+      LimitExceededError,
+      `${maxPayloadBytes + 1} bytes`,
+    );
     expect(new TextDecoder().decode(await client.request(subject, new TextEncoder().encode("x"), 5_000))).toBe("ok x");
   });
 
   test(`${subject}: an error text with CR/LF comes back whole as its type`, async () => {
-    await expectRejected(() => client.request(subject, new TextEncoder().encode("lines"), 5_000), BadRequestError, "is not\nhere");
+    await expectRejected(
+      () => client.request(subject, new TextEncoder().encode("lines"), 5_000),
+      BadRequestError,
+      "is not\nhere",
+    );
     expect(new TextDecoder().decode(await client.request(subject, new TextEncoder().encode("y"), 5_000))).toBe("ok y");
   });
 }
 
 test("a request waiting when the server dies fails at once with a DeadlineError saying so, not at its timeout", async () => {
   const other = await startNatsServer();
-  const quiet = await NatsBus.connect({ url: other.url, name: "test-quiet", connectRetryMsMax: 5_000, connectBackoffMsMax: 500 });
+  const quiet = await NatsBus.connect({
+    url: other.url,
+    name: "test-quiet",
+    connectRetryMsMax: 5_000,
+    connectBackoffMsMax: 500,
+  });
   quiet.subscribe("t.never", () => {}); // takes the request, never answers
-  const asker = await NatsBus.connect({ url: other.url, name: "test-asker", connectRetryMsMax: 5_000, connectBackoffMsMax: 500 });
+  const asker = await NatsBus.connect({
+    url: other.url,
+    name: "test-asker",
+    connectRetryMsMax: 5_000,
+    connectBackoffMsMax: 500,
+  });
   await quiet.nc.flush();
   const waiting = asker.request("t.never", new Uint8Array(1), 60_000);
   waiting.catch(() => {}); // it may fail while the server is still stopping, before it is awaited below
   await Bun.sleep(200);
   await other.stop();
-  await expectRejected(() => waiting, DeadlineError, "the connection to NATS dropped while waiting for the answer on t.never");
+  await expectRejected(
+    () => waiting,
+    DeadlineError,
+    "the connection to NATS dropped while waiting for the answer on t.never",
+  );
   await Promise.allSettled([asker.nc.close(), quiet.nc.close()]);
 }, 20_000); // the request's own timeout is 60 s: only the drop ends it within the test's 20 s
 

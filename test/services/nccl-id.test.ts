@@ -6,7 +6,14 @@ import { Kvm } from "@nats-io/kv";
 import { type WireFormatCode, WireFormatError } from "../../schemas/codec.ts";
 import { ncclUniqueIdBytes } from "../../ffi/nccl/nccl.ts";
 import { BadRequestError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
-import { decodeNcclId, encodeNcclId, ncclIdBytes, ncclIdRecordBytes, ncclIdsBucket, NcclIdStore } from "../../services/runtime/transport/nccl-id.ts";
+import {
+  decodeNcclId,
+  encodeNcclId,
+  ncclIdBytes,
+  ncclIdRecordBytes,
+  ncclIdsBucket,
+  NcclIdStore,
+} from "../../services/runtime/transport/nccl-id.ts";
 import { clientBus, startNatsServer } from "../helpers/mesh.ts";
 
 const timeoutMs = 10_000;
@@ -133,8 +140,12 @@ describe("NCCL id exchange over NATS", () => {
     ]) {
       expect(await rejection(ranks[0]!.publish(key, id, 2))).toBeInstanceOf(BadRequestError);
     }
-    expect(await rejection(ranks[0]!.publish({ job: "t.ok", group: "dp", generation: 0 }, id, 0))).toBeInstanceOf(BadRequestError);
-    expect(await rejection(ranks[1]!.wait({ job: "t.ok", group: "dp", generation: 0 }, 2, 0))).toBeInstanceOf(BadRequestError);
+    expect(await rejection(ranks[0]!.publish({ job: "t.ok", group: "dp", generation: 0 }, id, 0))).toBeInstanceOf(
+      BadRequestError,
+    );
+    expect(await rejection(ranks[1]!.wait({ job: "t.ok", group: "dp", generation: 0 }, 2, 0))).toBeInstanceOf(
+      BadRequestError,
+    );
   });
 
   test("remove purges the id", async () => {

@@ -47,13 +47,25 @@ async function train(cfg: JobConfig, steps: number, backend: () => Backend): Pro
   const ranks = Array.from({ length: cfg.trainers }, (_, rank) => {
     const ctx = new Context(backend(), { seed: 7 + rank });
     const model = buildModel(ctx, cfg, plan);
-    const replica = new Replica({ bus, backend: ctx.backend, cfg, rank, ctx, model, payloadBytesMax: 1 << 20, totalSteps: 1000, progressTimeoutMs: 30_000 });
+    const replica = new Replica({
+      bus,
+      backend: ctx.backend,
+      cfg,
+      rank,
+      ctx,
+      model,
+      payloadBytesMax: 1 << 20,
+      totalSteps: 1000,
+      progressTimeoutMs: 30_000,
+    });
     return { ctx, model, replica };
   });
   const run: Run = { losses: [], norms: [], params: [], memory: [] };
   try {
     for (let s = 0; s < steps; s++) {
-      const results = await Promise.all(ranks.map((r, rank) => r.replica.step(s, [windows((s * 2 + rank) * 2, 2)], 2, 4, 3e-3)));
+      const results = await Promise.all(
+        ranks.map((r, rank) => r.replica.step(s, [windows((s * 2 + rank) * 2, 2)], 2, 4, 3e-3)),
+      );
       run.losses.push(results.reduce((a, x) => a + x.loss, 0) / results.length);
       run.norms.push(results[0]!.gradNorm);
     }
@@ -91,14 +103,18 @@ describe("optimizer offload", () => {
     expect(config({ offload: "optimizer", zero: 2 }).zero).toBe(2);
   });
 
-  describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.reason))("on the CUDA backend (emulated on the host)", () => {
-    test("offloaded AdamW on the CUDA backend follows the CPU run without offload", async () => {
-      const gpu = () => (emulated as { backend: () => Backend }).backend();
-      const base = await train(config({}), 8, () => new CpuBackend());
-      const off = await train(config({ offload: "optimizer" }), 8, gpu);
-      for (let i = 0; i < base.losses.length; i++) expect(Math.abs(off.losses[i]! - base.losses[i]!) / base.losses[i]!).toBeLessThan(1e-4);
-      expect(off.memory[0]!.optimizer).toBe(0);
-      expect(off.memory[0]!.host / off.memory[0]!.paramCount).toBeCloseTo(16, 0);
-    }, 180_000);
-  });
+  describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.reason))(
+    "on the CUDA backend (emulated on the host)",
+    () => {
+      test("offloaded AdamW on the CUDA backend follows the CPU run without offload", async () => {
+        const gpu = () => (emulated as { backend: () => Backend }).backend();
+        const base = await train(config({}), 8, () => new CpuBackend());
+        const off = await train(config({ offload: "optimizer" }), 8, gpu);
+        for (let i = 0; i < base.losses.length; i++)
+          expect(Math.abs(off.losses[i]! - base.losses[i]!) / base.losses[i]!).toBeLessThan(1e-4);
+        expect(off.memory[0]!.optimizer).toBe(0);
+        expect(off.memory[0]!.host / off.memory[0]!.paramCount).toBeCloseTo(16, 0);
+      }, 180_000);
+    },
+  );
 });

@@ -37,7 +37,11 @@ const base = {
 const reference = singleProcessRun(base);
 const relDiff = (a: number, b: number) => Math.abs(a - b) / Math.max(Math.abs(b), 1e-30);
 
-type Dumped = { coords: { d: number; s: number; t: number }; slices: Record<string, SliceOf>; params: Record<string, number[]> };
+type Dumped = {
+  coords: { d: number; s: number; t: number };
+  slices: Record<string, SliceOf>;
+  params: Record<string, number[]>;
+};
 
 describe("model-parallel GPT over NATS, one process per rank", () => {
   for (const [layout, schedule] of [
@@ -107,7 +111,9 @@ describe("model-parallel GPT over NATS, one process per rank", () => {
       // nearly 0 a summation-order difference moves it visibly: still under 5% of one step (lr 2e-3)
       expect(worstParam).toBeLessThan(1e-4);
       expect(losses.at(-1)!).toBeLessThan(losses[0]!);
-      expect(Math.max(...run.results[0]!.map((r) => r.peakInFlight))).toBe(schedule === "1f1b" ? Math.min(layout.stages, M) : M);
+      expect(Math.max(...run.results[0]!.map((r) => r.peakInFlight))).toBe(
+        schedule === "1f1b" ? Math.min(layout.stages, M) : M,
+      );
     });
   }
 });

@@ -17,7 +17,14 @@ import { specOf } from "../helpers/jobs.ts";
 const be = cpu();
 
 function job(over: Partial<JobConfig>): JobConfig {
-  return parseJobConfig({ ...jobDefaults, job: "t.t", chunkBytes: 4096, schedule: "constant", warmupSteps: 0, ...over });
+  return parseJobConfig({
+    ...jobDefaults,
+    job: "t.t",
+    chunkBytes: 4096,
+    schedule: "constant",
+    warmupSteps: 0,
+    ...over,
+  });
 }
 
 function makeShard(cfg: JobConfig, total = 2500, decay = 1500) {
@@ -29,10 +36,21 @@ function makeShard(cfg: JobConfig, total = 2500, decay = 1500) {
 
 /** One trainer's full push of gradient vector g (all chunks of the shard) for a step. */
 function pushAll(layout: ReturnType<typeof buildLayout>, trainer: number, step: number, g: Float32Array): PushRequest {
-  return { job: "t.t", trainer, step, chunks: layout.chunks.map((c) => f32Chunk(c.id, g.slice(c.offset, c.offset + c.count))) };
+  return {
+    job: "t.t",
+    trainer,
+    step,
+    chunks: layout.chunks.map((c) => f32Chunk(c.id, g.slice(c.offset, c.offset + c.count))),
+  };
 }
 
-async function pullAll(shard: ParameterShard, ids: Uint32Array, trainer: number, step: number, total: number): Promise<Float32Array> {
+async function pullAll(
+  shard: ParameterShard,
+  ids: Uint32Array,
+  trainer: number,
+  step: number,
+  total: number,
+): Promise<Float32Array> {
   const r = decodePullReply(await shard.pull(trainer, step, ids), 1 << 30);
   const out = new Float32Array(total);
   let at = 0;
@@ -83,7 +101,12 @@ describe("consistent hashing", () => {
 
 describe("BSP", () => {
   test("the W pushes of a step are averaged into one SGD update (float64 reference, Nesterov, decay on the first 1500)", async () => {
-    const cfg = job({ trainers: 2, sync: "bsp", lr: 0.1, optimizer: { kind: "sgd", momentum: 0.9, nesterov: true, weightDecay: 0.01 } });
+    const cfg = job({
+      trainers: 2,
+      sync: "bsp",
+      lr: 0.1,
+      optimizer: { kind: "sgd", momentum: 0.9, nesterov: true, weightDecay: 0.01 },
+    });
     const { shard, layout, initial, ids } = makeShard(cfg);
     const n = initial.length;
     const p = Float64Array.from(initial),
@@ -91,8 +114,16 @@ describe("BSP", () => {
     for (let step = 0; step < 3; step++) {
       const g0 = Float32Array.from(randn(new Rng(100 + step), n)),
         g1 = Float32Array.from(randn(new Rng(200 + step), n));
-      expect(shard.push(pushAll(layout, 0, step, g0))).toEqual({ accepted: layout.chunks.length, duplicates: 0, updates: 0 });
-      expect(shard.push(pushAll(layout, 1, step, g1))).toEqual({ accepted: layout.chunks.length, duplicates: 0, updates: layout.chunks.length });
+      expect(shard.push(pushAll(layout, 0, step, g0))).toEqual({
+        accepted: layout.chunks.length,
+        duplicates: 0,
+        updates: 0,
+      });
+      expect(shard.push(pushAll(layout, 1, step, g1))).toEqual({
+        accepted: layout.chunks.length,
+        duplicates: 0,
+        updates: layout.chunks.length,
+      });
       for (let i = 0; i < n; i++) {
         const g = (g0[i]! + g1[i]!) / 2 + (i < 1500 ? 0.01 * p[i]! : 0);
         buf[i] = step === 0 ? g : 0.9 * buf[i]! + g;
@@ -129,7 +160,12 @@ describe("BSP", () => {
   });
 
   test("a pull for step s waits until every trainer pushed step s-1; a duplicated push is applied once", async () => {
-    const cfg = job({ trainers: 2, sync: "bsp", optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 }, lr: 1 });
+    const cfg = job({
+      trainers: 2,
+      sync: "bsp",
+      optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 },
+      lr: 1,
+    });
     const { shard, layout, initial, ids } = makeShard(cfg);
     const g = new Float32Array(initial.length).fill(1);
     shard.push(pushAll(layout, 0, 0, g));
@@ -155,7 +191,13 @@ describe("BSP", () => {
 
 describe("BSP with global-norm clipping", () => {
   test("two shards agree on the norm of the averaged gradient and clip by it before they apply (float64 reference)", async () => {
-    const cfg = job({ trainers: 2, sync: "bsp", lr: 0.1, gradClip: 0.5, optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 } });
+    const cfg = job({
+      trainers: 2,
+      sync: "bsp",
+      lr: 0.1,
+      gradClip: 0.5,
+      optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 },
+    });
     const total = 2500;
     const layout = buildLayout(cfg.job, total, 1500, cfg.chunkBytes, 2);
     expect(layout.byShard.every((ids) => ids.length > 0)).toBe(true);
@@ -165,14 +207,27 @@ describe("BSP with global-norm clipping", () => {
       const other = await shards[1 - k]!.partialNorm(step, 5_000);
       return Math.sqrt(k === 0 ? own + other : other + own);
     };
-    for (const k of [0, 1]) shards.push(new ParameterShard({ backend: be, config: cfg, layout, shard: k, totalSteps: 100, initial, agreeNorm: agree(k) }));
+    for (const k of [0, 1])
+      shards.push(
+        new ParameterShard({
+          backend: be,
+          config: cfg,
+          layout,
+          shard: k,
+          totalSteps: 100,
+          initial,
+          agreeNorm: agree(k),
+        }),
+      );
     const p = Float64Array.from(initial);
     const push = (k: number, trainer: number, step: number, g: Float32Array) =>
       shards[k]!.push({
         job: "t.t",
         trainer,
         step,
-        chunks: layout.byShard[k]!.map((id) => f32Chunk(id, g.slice(layout.chunks[id]!.offset, layout.chunks[id]!.offset + layout.chunks[id]!.count))),
+        chunks: layout.byShard[k]!.map((id) =>
+          f32Chunk(id, g.slice(layout.chunks[id]!.offset, layout.chunks[id]!.offset + layout.chunks[id]!.count)),
+        ),
       });
     for (let step = 0; step < 3; step++) {
       const g0 = Float32Array.from(randn(new Rng(100 + step), total, 0.02)),
@@ -228,7 +283,11 @@ describe("BSP with global-norm clipping", () => {
     const { shard, layout } = makeShard(cfg); // 100 steps
     for (const step of [101, 2 ** 40, -1, 0.5, Number.NaN]) {
       expectThrown(() => shard.partialNorm(step, 5_000), BadRequestError, "runs steps 0 to 100");
-      expectThrown(() => shard.pull(0, step, Uint32Array.of(layout.byShard[0]![0]!)), BadRequestError, "runs steps 0 to 100");
+      expectThrown(
+        () => shard.pull(0, step, Uint32Array.of(layout.byShard[0]![0]!)),
+        BadRequestError,
+        "runs steps 0 to 100",
+      );
     }
     const waiting = shard.partialNorm(100, 60_000);
     shard.dispose();
@@ -238,7 +297,12 @@ describe("BSP with global-norm clipping", () => {
 
 describe("ASP and SSP", () => {
   test("ASP applies each push on arrival and never makes a pull wait", async () => {
-    const cfg = job({ trainers: 2, sync: "asp", optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 }, lr: 0.5 });
+    const cfg = job({
+      trainers: 2,
+      sync: "asp",
+      optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 },
+      lr: 0.5,
+    });
     const { shard, layout, initial, ids } = makeShard(cfg);
     const g = new Float32Array(initial.length).fill(1);
     for (let s = 0; s < 3; s++) expect(shard.push(pushAll(layout, 0, s, g)).updates).toBe(layout.chunks.length);
@@ -253,10 +317,18 @@ describe("ASP and SSP", () => {
   });
 
   test("ASP with update batching applies one averaged update per 2 pushes", async () => {
-    const cfg = job({ trainers: 2, sync: "asp", batchPushes: 2, optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 }, lr: 1 });
+    const cfg = job({
+      trainers: 2,
+      sync: "asp",
+      batchPushes: 2,
+      optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 },
+      lr: 1,
+    });
     const { shard, layout, initial, ids } = makeShard(cfg);
     expect(shard.push(pushAll(layout, 0, 0, new Float32Array(initial.length).fill(1))).updates).toBe(0);
-    expect(shard.push(pushAll(layout, 1, 0, new Float32Array(initial.length).fill(3))).updates).toBe(layout.chunks.length);
+    expect(shard.push(pushAll(layout, 1, 0, new Float32Array(initial.length).fill(3))).updates).toBe(
+      layout.chunks.length,
+    );
     expect(
       relErr(
         await pullAll(shard, ids, 0, 1, initial.length),
@@ -292,16 +364,34 @@ describe("bad pushes are rejected before anything changes", () => {
   test.each([
     [
       "an unknown chunk",
-      (l: ReturnType<typeof buildLayout>) => ({ job: "t.t", trainer: 0, step: 0, chunks: [f32Chunk(999, new Float32Array(4))] }),
+      (l: ReturnType<typeof buildLayout>) => ({
+        job: "t.t",
+        trainer: 0,
+        step: 0,
+        chunks: [f32Chunk(999, new Float32Array(4))],
+      }),
       "not owned",
     ],
     [
       "a wrong element count",
-      (l: ReturnType<typeof buildLayout>) => ({ job: "t.t", trainer: 0, step: 0, chunks: [f32Chunk(l.chunks[0]!.id, new Float32Array(7))] }),
+      (l: ReturnType<typeof buildLayout>) => ({
+        job: "t.t",
+        trainer: 0,
+        step: 0,
+        chunks: [f32Chunk(l.chunks[0]!.id, new Float32Array(7))],
+      }),
       "7 elements",
     ],
-    ["a trainer outside the job", (l: ReturnType<typeof buildLayout>) => ({ ...pushAll(l, 5, 0, new Float32Array(2500)) }), "trainer 5"],
-    ["a NaN gradient", (l: ReturnType<typeof buildLayout>) => pushAll(l, 0, 0, new Float32Array(2500).fill(Number.NaN)), "NaN or Inf"],
+    [
+      "a trainer outside the job",
+      (l: ReturnType<typeof buildLayout>) => ({ ...pushAll(l, 5, 0, new Float32Array(2500)) }),
+      "trainer 5",
+    ],
+    [
+      "a NaN gradient",
+      (l: ReturnType<typeof buildLayout>) => pushAll(l, 0, 0, new Float32Array(2500).fill(Number.NaN)),
+      "NaN or Inf",
+    ],
     [
       "one Inf in the last chunk",
       (l: ReturnType<typeof buildLayout>) =>
@@ -332,7 +422,12 @@ describe("bad pushes are rejected before anything changes", () => {
 
 describe("snapshots", () => {
   test("export then import into a fresh shard restores parameters, optimizer state and versions", async () => {
-    const cfg = job({ trainers: 1, sync: "bsp", optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 }, lr: 0.01 });
+    const cfg = job({
+      trainers: 1,
+      sync: "bsp",
+      optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 },
+      lr: 0.01,
+    });
     const a = makeShard(cfg),
       b = makeShard(cfg);
     for (let s = 0; s < 2; s++) a.shard.push(pushAll(a.layout, 0, s, Float32Array.from(randn(new Rng(s), 2500))));
@@ -360,7 +455,12 @@ describe("snapshots", () => {
   });
 
   test("a state larger than a message travels in parts of one moment, and a restore applies them together after the last", async () => {
-    const cfg = job({ trainers: 1, sync: "bsp", optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 }, lr: 0.01 });
+    const cfg = job({
+      trainers: 1,
+      sync: "bsp",
+      optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 },
+      lr: 0.01,
+    });
     const a = makeShard(cfg),
       b = makeShard(cfg);
     a.shard.push(pushAll(a.layout, 0, 0, Float32Array.from(randn(new Rng(3), 2500))));
@@ -414,7 +514,14 @@ describe("snapshots", () => {
     const layout = buildLayout(cfg.job, 100, 50, cfg.chunkBytes, 2);
     const empty = layout.byShard.findIndex((ids) => ids.length === 0);
     expect(empty).toBeGreaterThanOrEqual(0);
-    const shard = new ParameterShard({ backend: be, config: cfg, layout, shard: empty, totalSteps: 10, initial: new Float32Array(100) });
+    const shard = new ParameterShard({
+      backend: be,
+      config: cfg,
+      layout,
+      shard: empty,
+      totalSteps: 10,
+      initial: new Float32Array(100),
+    });
     const s = shard.exportPart(0, 0, 1 << 20);
     expect([s.parts, s.part, s.chunks.length]).toEqual([1, 0, 0]);
     expect(shard.loadPart(s)).toBe(0);
@@ -457,7 +564,12 @@ describe("ParameterServer over a MemoryBus", () => {
     await expect(ps.openJob({ ...spec, plan: undefined })).rejects.toThrow("carries no plan");
     await ps.openJob(spec);
     const one = encodePullRequest({ job: "t.t", trainer: 0, step: 0, ids: Uint32Array.of(0) });
-    const all = encodePullRequest({ job: "t.t", trainer: 0, step: 0, ids: Uint32Array.from({ length: 12 }, (_, i) => i) });
+    const all = encodePullRequest({
+      job: "t.t",
+      trainer: 0,
+      step: 0,
+      ids: Uint32Array.from({ length: 12 }, (_, i) => i),
+    });
     await expect(bus.request("mt.t.t.ps.0.pull.0", all, 1000)).rejects.toBeInstanceOf(LimitExceededError);
     expect(decodePullReply(await bus.request("mt.t.t.ps.0.pull.0", one, 1000), 16_000).chunks[0]!.count).toBe(1024);
     ps.stop();
@@ -466,15 +578,32 @@ describe("ParameterServer over a MemoryBus", () => {
 });
 
 describe("compressed pushes and pulls", () => {
-  const codecPush = (cfg: JobConfig, layout: ReturnType<typeof buildLayout>, trainer: number, step: number, g: Float32Array) => {
+  const codecPush = (
+    cfg: JobConfig,
+    layout: ReturnType<typeof buildLayout>,
+    trainer: number,
+    step: number,
+    g: Float32Array,
+  ) => {
     const ef = new ErrorFeedback(chunkCodec(parseCompression(cfg.compress), layout.chunkElems), g.length);
     const x = g.slice();
-    return { job: "t.t", trainer, step, chunks: layout.chunks.map((c) => encodeChunk(ef, c.id, x.subarray(c.offset, c.offset + c.count), c.offset)) };
+    return {
+      job: "t.t",
+      trainer,
+      step,
+      chunks: layout.chunks.map((c) => encodeChunk(ef, c.id, x.subarray(c.offset, c.offset + c.count), c.offset)),
+    };
   };
 
   for (const compress of ["bf16", "fp16", "int8", "topk:0.1"]) {
     test(`${compress}: the shard applies the decoded gradient (float64 reference of SGD on it), and still takes F32`, async () => {
-      const cfg = job({ trainers: 2, sync: "bsp", lr: 0.1, compress, optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 } });
+      const cfg = job({
+        trainers: 2,
+        sync: "bsp",
+        lr: 0.1,
+        compress,
+        optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 },
+      });
       const { shard, layout, initial, ids } = makeShard(cfg);
       const n = initial.length;
       const g0 = Float32Array.from(randn(new Rng(11), n)),
@@ -482,12 +611,16 @@ describe("compressed pushes and pulls", () => {
       const push0 = codecPush(cfg, layout, 0, 0, g0);
       // what the shard should see: each chunk decoded
       const seen = new Float32Array(n);
-      for (const c of push0.chunks) decodeChunk(c, seen.subarray(layout.chunks[c.id]!.offset, layout.chunks[c.id]!.offset + c.count));
+      for (const c of push0.chunks)
+        decodeChunk(c, seen.subarray(layout.chunks[c.id]!.offset, layout.chunks[c.id]!.offset + c.count));
       shard.push(push0);
       shard.push(pushAll(layout, 1, 0, g1)); // F32 is always accepted
       const p = Float64Array.from(initial, (v, i) => v - 0.1 * ((seen[i]! + g1[i]!) / 2));
       expect(relErr(await pullAll(shard, ids, 0, 1, n), p)).toBeLessThan(1e-6);
-      if (compress === "topk:0.1") expect(seen.filter((v) => v !== 0).length).toBe(layout.chunks.reduce((s, c) => s + Math.ceil(0.1 * c.count), 0));
+      if (compress === "topk:0.1")
+        expect(seen.filter((v) => v !== 0).length).toBe(
+          layout.chunks.reduce((s, c) => s + Math.ceil(0.1 * c.count), 0),
+        );
       shard.dispose();
     });
   }
@@ -554,7 +687,12 @@ describe("compressed pushes and pulls", () => {
       const data = new Uint8Array(8 * idx.length);
       new Uint32Array(data.buffer, 0, idx.length).set(idx);
       new Float32Array(data.buffer, 4 * idx.length, idx.length).set(values);
-      return { job: "t.t", trainer: 0, step: 0, chunks: [{ id: c.id, version: 0, dtype: DType.TopK, scale: 1, count: c.count, data, nnz }] };
+      return {
+        job: "t.t",
+        trainer: 0,
+        step: 0,
+        chunks: [{ id: c.id, version: 0, dtype: DType.TopK, scale: 1, count: c.count, data, nnz }],
+      };
     };
     test.each([
       ["top-k indices out of range", (l: ReturnType<typeof buildLayout>) => topk(l, [1, 5000], [1, 2]), "below 1024"],
@@ -569,7 +707,9 @@ describe("compressed pushes and pulls", () => {
             job: "t.t",
             trainer: 0,
             step: 0,
-            chunks: [{ id: c.id, version: 0, dtype: DType.I8, scale: 1, count: c.count, data: new Uint8Array(c.count) }],
+            chunks: [
+              { id: c.id, version: 0, dtype: DType.I8, scale: 1, count: c.count, data: new Uint8Array(c.count) },
+            ],
           };
         },
         "compress topk:0.1: F32 or TopK",
@@ -591,7 +731,9 @@ describe("compressed pushes and pulls", () => {
           job: "t.t",
           trainer: 0,
           step: 0,
-          chunks: [{ id: c.id, version: 0, dtype: DType.I8, scale, count: c.count, data: new Uint8Array(c.count).fill(3) }],
+          chunks: [
+            { id: c.id, version: 0, dtype: DType.I8, scale, count: c.count, data: new Uint8Array(c.count).fill(3) },
+          ],
         };
         expectThrown(() => shard.push(m), BadRequestError, "scale");
         expect(await pullAll(shard, ids, 0, 0, initial.length)).toEqual(initial);

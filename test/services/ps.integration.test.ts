@@ -57,10 +57,22 @@ let bus: Awaited<ReturnType<typeof clientBus>>;
 beforeAll(async () => {
   server = await startNatsServer();
   shards = [0, 1].map((k) =>
-    spawnService("services/parameter-server/main.ts", ["--nats-url", server.url, "--shard", String(k), "--payload-bytes-max", String(payloadBytesMax)]),
+    spawnService("services/parameter-server/main.ts", [
+      "--nats-url",
+      server.url,
+      "--shard",
+      String(k),
+      "--payload-bytes-max",
+      String(payloadBytesMax),
+    ]),
   );
   // the shards take the job's step count from the data-loader's plan
-  loader = spawnService("services/data-loader/main.ts", ["--nats-url", server.url, "--payload-bytes-max", String(payloadBytesMax)]);
+  loader = spawnService("services/data-loader/main.ts", [
+    "--nats-url",
+    server.url,
+    "--payload-bytes-max",
+    String(payloadBytesMax),
+  ]);
   bus = await clientBus(server.url);
   const store = await JobStore.open(bus.nc);
   await store.putSpec(specOf(cfg));
@@ -68,7 +80,10 @@ beforeAll(async () => {
     await waitFor(
       `shard ${k} to open the job`,
       async () =>
-        decodeShardStats(await bus.request(subjects.psStats(cfg.job, k), encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 1000), 1 << 20).chunks > 0,
+        decodeShardStats(
+          await bus.request(subjects.psStats(cfg.job, k), encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 1000),
+          1 << 20,
+        ).chunks > 0,
     );
   }
 }, 60_000);
@@ -111,7 +126,8 @@ test("both shards answer $SRV.PING and $SRV.STATS as parameter-server instances"
   for await (const p of await client.ping("parameter-server")) found.push(p.metadata?.shard ?? "?");
   expect(found.sort()).toEqual(["0", "1"]);
   const endpoints: string[] = [];
-  for await (const s of await client.stats("parameter-server")) endpoints.push(...(s.endpoints ?? []).map((e) => e.subject));
+  for await (const s of await client.stats("parameter-server"))
+    endpoints.push(...(s.endpoints ?? []).map((e) => e.subject));
   expect(endpoints).toContain("mt.*.*.ps.0.push.*");
   expect(endpoints).toContain("mt.*.*.ps.1.pull.*");
 });
@@ -120,7 +136,8 @@ test("a BSP step across two shard processes: both pushes averaged into one updat
   expect(await pullVector(0, 0)).toEqual(init.values);
   const g0 = init.values.map((_, i) => Math.sin(i)),
     g1 = init.values.map((_, i) => Math.cos(i));
-  for (const k of [0, 1]) decodePushReply(await bus.request(subjects.psPush(cfg.job, k, 0), pushFor(k, 0, 0, g0), timeout), 1024);
+  for (const k of [0, 1])
+    decodePushReply(await bus.request(subjects.psPush(cfg.job, k, 0), pushFor(k, 0, 0, g0), timeout), 1024);
   const waiting = pullVector(1, 1); // waits for trainer 1's push
   for (const k of [0, 1]) {
     const r = decodePushReply(await bus.request(subjects.psPush(cfg.job, k, 1), pushFor(k, 1, 0, g1), timeout), 1024);
@@ -146,7 +163,13 @@ describe("bad input on every subject gets an error reply, and the shard keeps se
   })();
   const garbage = crypto.getRandomValues(new Uint8Array(300));
   const cases: [string, string, Uint8Array, abstract new (...a: never[]) => Error, string][] = [
-    ["push: truncated bytes", subjects.psPush(job, 0, 0), pushFor(0, 0, 1, init.values).subarray(0, 20), WireFormatError, ""],
+    [
+      "push: truncated bytes",
+      subjects.psPush(job, 0, 0),
+      pushFor(0, 0, 1, init.values).subarray(0, 20),
+      WireFormatError,
+      "",
+    ],
     ["push: garbage", subjects.psPush(job, 0, 0), garbage, WireFormatError, "file identifier"],
     [
       "push: a pull request (wrong file_identifier)",
@@ -213,7 +236,13 @@ describe("bad input on every subject gets an error reply, and the shard keeps se
       "trainer 9",
     ],
     ["stats: garbage", subjects.psStats(job, 0), garbage, WireFormatError, ""],
-    ["stats: unknown job", subjects.psStats("default.ghost", 1), encodeJobRequest({ job: "default.ghost", step: 0, tag: "" }), UnknownJobError, "ghost"],
+    [
+      "stats: unknown job",
+      subjects.psStats("default.ghost", 1),
+      encodeJobRequest({ job: "default.ghost", step: 0, tag: "" }),
+      UnknownJobError,
+      "ghost",
+    ],
     ["state: truncated", subjects.psState(job, 0), new Uint8Array(3), WireFormatError, "shorter"],
     [
       "load: snapshot of the wrong shard",
@@ -225,7 +254,10 @@ describe("bad input on every subject gets an error reply, and the shard keeps se
     [
       "load: a state changed after it was cut (checksum)",
       subjects.psLoad(job, 0),
-      encodeShardState({ ...withChecksum({ job, shard: 0, updates: 0, optimizerSteps: 0, step: 0, chunks: [] }), step: 1 }),
+      encodeShardState({
+        ...withChecksum({ job, shard: 0, updates: 0, optimizerSteps: 0, step: 0, chunks: [] }),
+        step: 1,
+      }),
       BadRequestError,
       "checksum",
     ],
@@ -236,9 +268,27 @@ describe("bad input on every subject gets an error reply, and the shard keeps se
       BadRequestError,
       "runs steps 0 to",
     ],
-    ["state: a part not named", subjects.psState(job, 0), encodeJobRequest({ job, step: 0, tag: "" }), BadRequestError, "part <n>"],
-    ["state: a later part before part 0", subjects.psState(job, 0), encodeJobRequest({ job, step: 77, tag: "part 1" }), BadRequestError, "cut it first"],
-    ["load: wrong identifier", subjects.psLoad(job, 0), encodeJobRequest({ job, step: 0, tag: "" }), WireFormatError, "MTSS"],
+    [
+      "state: a part not named",
+      subjects.psState(job, 0),
+      encodeJobRequest({ job, step: 0, tag: "" }),
+      BadRequestError,
+      "part <n>",
+    ],
+    [
+      "state: a later part before part 0",
+      subjects.psState(job, 0),
+      encodeJobRequest({ job, step: 77, tag: "part 1" }),
+      BadRequestError,
+      "cut it first",
+    ],
+    [
+      "load: wrong identifier",
+      subjects.psLoad(job, 0),
+      encodeJobRequest({ job, step: 0, tag: "" }),
+      WireFormatError,
+      "MTSS",
+    ],
   ];
   test.each(cases)("%s", async (_, subject, data, cls, fragment) => {
     let error: unknown;
@@ -250,7 +300,10 @@ describe("bad input on every subject gets an error reply, and the shard keeps se
     expect(error).toBeInstanceOf(cls);
     expect((error as Error).message).toContain(fragment);
     // still serving
-    const stats = decodeShardStats(await bus.request(subjects.psStats(job, 0), encodeJobRequest({ job, step: 0, tag: "" }), timeout), 1 << 20);
+    const stats = decodeShardStats(
+      await bus.request(subjects.psStats(job, 0), encodeJobRequest({ job, step: 0, tag: "" }), timeout),
+      1 << 20,
+    );
     expect(stats.job).toBe(job);
   });
 });
@@ -277,7 +330,14 @@ test("SIGTERM drains and exits 0", async () => {
 
 test("an unreachable NATS gives one clear error naming the URL and how to start a server, then retries", async () => {
   const url = `nats://127.0.0.1:${await freePort()}`;
-  const p = spawnService("services/parameter-server/main.ts", ["--nats-url", url, "--shard", "0", "--connect-retry-ms-max", "1500"]);
+  const p = spawnService("services/parameter-server/main.ts", [
+    "--nats-url",
+    url,
+    "--shard",
+    "0",
+    "--connect-retry-ms-max",
+    "1500",
+  ]);
   expect(await p.exited).toBe(1);
   const log = p.log();
   expect(log.match(/is unreachable; retrying/g)?.length).toBe(1);

@@ -89,8 +89,18 @@ describe("all-reduce replicas", () => {
     const ctx = new Context(new CpuBackend(), { seed: 0 });
     const single = buildModel(ctx, cfg, imagePlan);
     const o = cfg.optimizer.kind === "sgd" ? cfg.optimizer : null;
-    const opt = new Sgd(ctx, single.store, { momentum: o!.momentum, dampening: 0, nesterov: o!.nesterov, weightDecay: o!.weightDecay });
-    const train = new TrainStep(ctx, single, opt, { lr, schedule: { kind: "constant" }, gradClip: cfg.gradClip, accumSteps: 1 });
+    const opt = new Sgd(ctx, single.store, {
+      momentum: o!.momentum,
+      dampening: 0,
+      nesterov: o!.nesterov,
+      weightDecay: o!.weightDecay,
+    });
+    const train = new TrainStep(ctx, single, opt, {
+      lr,
+      schedule: { kind: "constant" },
+      gradClip: cfg.gradClip,
+      accumSteps: 1,
+    });
     let worst = 0,
       clipped = 0;
     try {
@@ -173,12 +183,17 @@ describe("all-reduce replicas", () => {
     const ctx = new Context(new CpuBackend(), { seed: 0 });
     const single = buildModel(ctx, cfg, plan);
     const o = cfg.optimizer.kind === "adamw" ? cfg.optimizer : null;
-    const train = new TrainStep(ctx, single, new AdamW(ctx, single.store, { beta1: o!.beta1, beta2: o!.beta2, eps: o!.eps, weightDecay: o!.weightDecay }), {
-      lr,
-      schedule: { kind: "constant" },
-      gradClip: cfg.gradClip,
-      accumSteps: 1,
-    });
+    const train = new TrainStep(
+      ctx,
+      single,
+      new AdamW(ctx, single.store, { beta1: o!.beta1, beta2: o!.beta2, eps: o!.eps, weightDecay: o!.weightDecay }),
+      {
+        lr,
+        schedule: { kind: "constant" },
+        gradClip: cfg.gradClip,
+        accumSteps: 1,
+      },
+    );
     let worst = 0;
     try {
       for (let s = 0; s < 20; s++) {
@@ -189,7 +204,11 @@ describe("all-reduce replicas", () => {
             return r.replica.step(s, [mine], b, 2 * b, lr);
           }),
         );
-        worst = Math.max(worst, relDiff((results[0]!.loss + results[1]!.loss) / 2, whole.loss), relDiff(results[0]!.gradNorm, whole.gradNorm));
+        worst = Math.max(
+          worst,
+          relDiff((results[0]!.loss + results[1]!.loss) / 2, whole.loss),
+          relDiff(results[0]!.gradNorm, whole.gradNorm),
+        );
       }
       expect(worst).toBeLessThanOrEqual(1e-4);
       const [p0, p1] = rs.map((r) => r.model.store.readValues());
@@ -212,12 +231,25 @@ describe("all-reduce replicas", () => {
     const ctx = new Context(new CpuBackend(), { seed: 0 });
     const single = buildModel(ctx, cfg, imagePlan);
     const o = cfg.optimizer.kind === "sgd" ? cfg.optimizer : null;
-    const opt = new Sgd(ctx, single.store, { momentum: o!.momentum, dampening: 0, nesterov: o!.nesterov, weightDecay: o!.weightDecay });
-    const train = new TrainStep(ctx, single, opt, { lr: 0.1, schedule: { kind: "constant" }, gradClip: 0, accumSteps: 1 });
+    const opt = new Sgd(ctx, single.store, {
+      momentum: o!.momentum,
+      dampening: 0,
+      nesterov: o!.nesterov,
+      weightDecay: o!.weightDecay,
+    });
+    const train = new TrainStep(ctx, single, opt, {
+      lr: 0.1,
+      schedule: { kind: "constant" },
+      gradClip: 0,
+      accumSteps: 1,
+    });
     try {
       const only = batch(0, 3);
       const whole = train.run([only]);
-      const [r0] = await Promise.all([rs[0]!.replica.step(0, [only], 3, 3, 0.1), rs[1]!.replica.step(0, [], 0, 3, 0.1)]);
+      const [r0] = await Promise.all([
+        rs[0]!.replica.step(0, [only], 3, 3, 0.1),
+        rs[1]!.replica.step(0, [], 0, 3, 0.1),
+      ]);
       expect(relDiff(r0!.gradNorm, whole.gradNorm)).toBeLessThan(1e-5);
       const ref = single.store.readValues(),
         p1 = rs[1]!.model.store.readValues();
@@ -290,7 +322,9 @@ describe("all-reduce replicas", () => {
       for (let s = 0; s < 3; s++) await run(rs, s);
       const partBytes = 96 << 10; // 204 KB of parameters x 3 slabs: several parts
       const first = await rs[0]!.replica.exportPart(3, 0, partBytes);
-      const parts = await Promise.all(Array.from({ length: first.parts! }, (_, p) => rs[0]!.replica.exportPart(3, p, partBytes)));
+      const parts = await Promise.all(
+        Array.from({ length: first.parts! }, (_, p) => rs[0]!.replica.exportPart(3, p, partBytes)),
+      );
       expect(parts.length).toBeGreaterThan(3);
       await expect(rs[0]!.replica.exportPart(3, parts.length, partBytes)).rejects.toThrow(BadRequestError);
       const before = rest[0]!.model.store.readValues();
@@ -301,15 +335,23 @@ describe("all-reduce replicas", () => {
         { ...parts[0]!, shard: parts.length },
         { ...parts[0]!, chunks: [{ ...parts[0]!.chunks[0]!, id: 999 }] },
         { ...parts[0]!, chunks: [{ ...parts[0]!.chunks[0]!, params: parts[0]!.chunks[0]!.params.slice(1) }] },
-        { ...parts[0]!, chunks: [{ ...parts[0]!.chunks[0]!, params: parts[0]!.chunks[0]!.params.map((v, i) => (i === 3 ? Number.NaN : v)) }] },
+        {
+          ...parts[0]!,
+          chunks: [
+            { ...parts[0]!.chunks[0]!, params: parts[0]!.chunks[0]!.params.map((v, i) => (i === 3 ? Number.NaN : v)) },
+          ],
+        },
         { ...parts[0]!, chunks: [{ ...parts[0]!.chunks[0]!, state: parts[0]!.chunks[0]!.state.slice(1) }] },
       ];
-      for (const h of hostile) expect(() => target.stage({ ...h, generation: h.generation ?? 5 })).toThrow(BadRequestError);
+      for (const h of hostile)
+        expect(() => target.stage({ ...h, generation: h.generation ?? 5 })).toThrow(BadRequestError);
       // well-formed (checksums made to match) but no training run's: a value of 3e38, a step past the job's last
       const huge = structuredClone({ ...parts[0]!, generation: 5 });
       huge.chunks[0]!.params[1] = 3e38;
       expect(() => target.stage(withChecksum(huge))).toThrow("holds a value that is NaN, infinite or beyond ±1.84e+19");
-      expect(() => target.stage(withChecksum({ ...parts[0]!, generation: 5, step: 1001 }))).toThrow("replica of step 1001: job");
+      expect(() => target.stage(withChecksum({ ...parts[0]!, generation: 5, step: 1001 }))).toThrow(
+        "replica of step 1001: job",
+      );
       expect(target.staged).toBeNull();
       expect(Buffer.from(rest[0]!.model.store.readValues().buffer).equals(Buffer.from(before.buffer))).toBe(true);
       // every part into both ranks of the second pair, then both pairs go on: the same parameters
@@ -321,7 +363,11 @@ describe("all-reduce replicas", () => {
         r.replica.stage({ ...parts.at(-1)!, generation: 5 });
         // the next restore's first part (a restore right after this one) leaves this load whole
         r.replica.stage({ ...parts[0]!, generation: 6 });
-        expect([r.replica.staged, r.replica.loadsNewerThan(5), r.replica.loadsNewerThan(6)]).toEqual([{ step: 3, generation: 5 }, true, false]);
+        expect([r.replica.staged, r.replica.loadsNewerThan(5), r.replica.loadsNewerThan(6)]).toEqual([
+          { step: 3, generation: 5 },
+          true,
+          false,
+        ]);
         expect(r.replica.apply()).toEqual({ step: 3, generation: 5 });
       }
       for (let s = 3; s < 6; s++) {

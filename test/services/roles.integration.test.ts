@@ -12,7 +12,14 @@ import { recordsBucket, runningRecord } from "../../services/runtime/job/jobs.ts
 import { jetstreamManager } from "@nats-io/jetstream";
 import { NatsAccessError, NatsBus } from "../../services/runtime/mesh/nats.ts";
 import { startNatsServer } from "../../services/runtime/mesh/nats-server.ts";
-import { clientUser, CredentialsError, makeCredentials, permissionsOf, roleUsers, type RoleName } from "../../services/runtime/job/roles.ts";
+import {
+  clientUser,
+  CredentialsError,
+  makeCredentials,
+  permissionsOf,
+  roleUsers,
+  type RoleName,
+} from "../../services/runtime/job/roles.ts";
 import { NoRespondersError, refusedAs } from "../../services/runtime/mesh/errors.ts";
 import { encodeJobRequest } from "../../schemas/messages.ts";
 import { MeshClient } from "../../sdk/client.ts";
@@ -39,7 +46,15 @@ describe("credentials", () => {
   test("one seed per role, rank and shard, owner-only; a second run keeps the seeds; auth.conf names every user", () => {
     const dir = join(tempDir("mt-creds-"), "creds");
     const a = makeCredentials(dir, { trainers: 2, shards: 1 });
-    expect(roleUsers({ trainers: 2, shards: 1 })).toEqual(["admin", "client-default", "data-loader", "checkpoint", "ps-0", "trainer-0", "trainer-1"]);
+    expect(roleUsers({ trainers: 2, shards: 1 })).toEqual([
+      "admin",
+      "client-default",
+      "data-loader",
+      "checkpoint",
+      "ps-0",
+      "trainer-0",
+      "trainer-1",
+    ]);
     expect(mode(dir)).toBe(0o700);
     for (const user of roleUsers({ trainers: 2, shards: 1 })) {
       expect(mode(a.seedFile(user))).toBe(0o600);
@@ -71,10 +86,27 @@ describe("credentials", () => {
     expect(mode(join(dir, "trainer-1.nk"))).toBe(0o600);
     // nats-server resolves an include from its config's folder
     const natsDir = tempDir("mt-creds-nats-");
-    await using server = await startNatsServer({ dir: natsDir, authorization: `include "${relative(natsDir, join(dir, "auth.conf"))}"` });
-    const bus = await NatsBus.connect({ url: server.url, name: "t", connectRetryMsMax: 5_000, connectBackoffMsMax: 200, nkeyFile: join(dir, "trainer-1.nk") });
+    await using server = await startNatsServer({
+      dir: natsDir,
+      authorization: `include "${relative(natsDir, join(dir, "auth.conf"))}"`,
+    });
+    const bus = await NatsBus.connect({
+      url: server.url,
+      name: "t",
+      connectRetryMsMax: 5_000,
+      connectBackoffMsMax: 200,
+      nkeyFile: join(dir, "trainer-1.nk"),
+    });
     await bus.close();
-    const bad = Bun.spawnSync([process.execPath, join(import.meta.dir, "..", "..", "sdk", "cli.ts"), "creds", "--dir", dir, "--shards", "99"]);
+    const bad = Bun.spawnSync([
+      process.execPath,
+      join(import.meta.dir, "..", "..", "sdk", "cli.ts"),
+      "creds",
+      "--dir",
+      dir,
+      "--shards",
+      "99",
+    ]);
     expect(bad.exitCode).toBe(1);
     expect(bad.stderr.toString()).toContain("--shards");
   });
@@ -132,7 +164,12 @@ describe("a nats-server with the roles", async () => {
 
   test("an anonymous client is refused at connect, within seconds, saying credentials are needed", async () => {
     const started = Date.now();
-    const err = await NatsBus.connect({ url: server.url, name: "anon", connectRetryMsMax: 5_000, connectBackoffMsMax: 200 }).catch((e: unknown) => e);
+    const err = await NatsBus.connect({
+      url: server.url,
+      name: "anon",
+      connectRetryMsMax: 5_000,
+      connectBackoffMsMax: 200,
+    }).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(NatsAccessError);
     expect((err as Error).message).toContain("requires credentials");
     expect(Date.now() - started).toBeLessThan(5_000);
@@ -202,7 +239,12 @@ describe("a nats-server with the roles", async () => {
   test("no one but admin subscribes to another's subjects: a trainer to another rank's collective, anyone to the shared inboxes", async () => {
     const t1 = await as("trainer-1");
     try {
-      for (const subject of [subjects.collTo(job, 0), subjects.coll(job, 0, 1), "_INBOX.>", subjects.psPush(job, 0, 0)]) {
+      for (const subject of [
+        subjects.collTo(job, 0),
+        subjects.coll(job, 0, 1),
+        "_INBOX.>",
+        subjects.psPush(job, 0, 0),
+      ]) {
         expect(await subscriptionError(t1, subject)).toContain("Permissions Violation for Subscription");
       }
     } finally {
@@ -214,9 +256,25 @@ describe("a nats-server with the roles", async () => {
     [
       "ps-0",
       [subjects.psNorm(job, 1), subjects.ckptRecover(job)],
-      [subjects.psPush(job, 1, 0), subjects.psLoad(job, 1), subjects.ckptRestore(job), subjects.dataNext(job), subjects.coll(job, 0, 1)],
+      [
+        subjects.psPush(job, 1, 0),
+        subjects.psLoad(job, 1),
+        subjects.ckptRestore(job),
+        subjects.dataNext(job),
+        subjects.coll(job, 0, 1),
+      ],
     ],
-    ["data-loader", [], [subjects.psPush(job, 0, 0), subjects.psPull(job, 0, 0), subjects.ckptRestore(job), subjects.ckptSave(job), subjects.coll(job, 0, 1)]],
+    [
+      "data-loader",
+      [],
+      [
+        subjects.psPush(job, 0, 0),
+        subjects.psPull(job, 0, 0),
+        subjects.ckptRestore(job),
+        subjects.ckptSave(job),
+        subjects.coll(job, 0, 1),
+      ],
+    ],
     [
       "checkpoint",
       [subjects.psState(job, 0), subjects.psLoad(job, 1), subjects.replicaLoad(job, 1), subjects.planJob],
@@ -306,7 +364,14 @@ describe("a nats-server with the roles", async () => {
 });
 
 const config = (over: Partial<JobConfig>): JobConfig =>
-  parseJobConfig({ ...jobDefaults, model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 }, warmupSteps: 5, chunkBytes: 16 << 10, evalEvery: 0, ...over });
+  parseJobConfig({
+    ...jobDefaults,
+    model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
+    warmupSteps: 5,
+    chunkBytes: 16 << 10,
+    evalEvery: 0,
+    ...over,
+  });
 
 test("a local mesh runs with the roles by default: BSP and all-reduce jobs submitted by the client role finish, and the server logged no violation", async () => {
   const dir = tempDir("mt-roles-mesh-");
@@ -339,9 +404,16 @@ test("a local mesh runs with the roles by default: BSP and all-reduce jobs submi
   }
   const log = readFileSync(join(dir, "logs", "nats-server.log"), "utf8");
   // the only ones: the client's restores above, refused
-  expect(log.split("\n").filter((l) => /Violation/.test(l) && !/Publish Violation .* Subject "mt\.default\.roles-(bsp|ar)\.ckpt\.restore"/.test(l))).toEqual(
-    [],
-  );
+  expect(
+    log
+      .split("\n")
+      .filter(
+        (l) =>
+          /Violation/.test(l) && !/Publish Violation .* Subject "mt\.default\.roles-(bsp|ar)\.ckpt\.restore"/.test(l),
+      ),
+  ).toEqual([]);
   // an anonymous client cannot even connect
-  expect(await MeshClient.connect(mesh.url, { connectRetryMsMax: 2_000 }).catch((e: unknown) => e)).toBeInstanceOf(NatsAccessError);
+  expect(await MeshClient.connect(mesh.url, { connectRetryMsMax: 2_000 }).catch((e: unknown) => e)).toBeInstanceOf(
+    NatsAccessError,
+  );
 }, 120_000);

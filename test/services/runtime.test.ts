@@ -8,14 +8,34 @@ import { WireFormatError } from "../../schemas/codec.ts";
 import { decodeErrorReply, encodeErrorReply } from "../../schemas/messages.ts";
 import { MemoryBus, subjectMatches } from "../../services/runtime/mesh/bus.ts";
 import { loadConfig } from "../../services/runtime/mesh/config.ts";
-import { BadRequestError, ConfigError, errorReplyOf, InternalError, MeshError, rebuildError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
-import { gptJobDefaults, jobDefaults, parseJobConfig, peakLr, trajectoryDiff, usesShards } from "../../services/runtime/job/job.ts";
+import {
+  BadRequestError,
+  ConfigError,
+  errorReplyOf,
+  InternalError,
+  MeshError,
+  rebuildError,
+  UnknownJobError,
+} from "../../services/runtime/mesh/errors.ts";
+import {
+  gptJobDefaults,
+  jobDefaults,
+  parseJobConfig,
+  peakLr,
+  trajectoryDiff,
+  usesShards,
+} from "../../services/runtime/job/job.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 
 afterAll(removeTempDirs);
 
-const schema = z.object({ natsUrl: z.string(), shard: z.number().int().min(0), verbose: z.boolean(), widths: z.array(z.number()) });
+const schema = z.object({
+  natsUrl: z.string(),
+  shard: z.number().int().min(0),
+  verbose: z.boolean(),
+  widths: z.array(z.number()),
+});
 const base = { natsUrl: "nats://a:1", shard: 0, verbose: false, widths: [1] };
 
 describe("config", () => {
@@ -23,14 +43,25 @@ describe("config", () => {
     const dir = tempDir("mt-cfg-");
     const file = join(dir, "ps.yaml");
     writeFileSync(file, "natsUrl: nats://file:1\nshard: 3\nwidths: [784, 10]\n");
-    expect(loadConfig(schema, { argv: ["--config", file], env: {} }, base)).toEqual({ natsUrl: "nats://file:1", shard: 3, verbose: false, widths: [784, 10] });
+    expect(loadConfig(schema, { argv: ["--config", file], env: {} }, base)).toEqual({
+      natsUrl: "nats://file:1",
+      shard: 3,
+      verbose: false,
+      widths: [784, 10],
+    });
     expect(loadConfig(schema, { argv: ["--config", file], env: { MT_SHARD: "5", MT_VERBOSE: "true" } }, base)).toEqual({
       natsUrl: "nats://file:1",
       shard: 5,
       verbose: true,
       widths: [784, 10],
     });
-    expect(loadConfig(schema, { argv: ["--config", file, "--shard=7", "--nats-url", "nats://flag:2"], env: { MT_SHARD: "5" } }, base)).toEqual({
+    expect(
+      loadConfig(
+        schema,
+        { argv: ["--config", file, "--shard=7", "--nats-url", "nats://flag:2"], env: { MT_SHARD: "5" } },
+        base,
+      ),
+    ).toEqual({
       natsUrl: "nats://flag:2",
       shard: 7,
       verbose: false,
@@ -39,18 +70,38 @@ describe("config", () => {
   });
 
   test("every problem is named with its key and source", () => {
-    const e = expectThrown(() => loadConfig(schema, { argv: ["--shard", "-2"], env: { MT_VERBOSE: "maybe" } }, base), ConfigError);
+    const e = expectThrown(
+      () => loadConfig(schema, { argv: ["--shard", "-2"], env: { MT_VERBOSE: "maybe" } }, base),
+      ConfigError,
+    );
     expect(e.message).toContain("shard (from --shard)");
     expect(e.message).toContain("verbose (from $MT_VERBOSE)");
-    expectThrown(() => loadConfig(schema, { argv: ["--shardz", "1"], env: {} }, base), ConfigError, "unknown flag --shardz", "--shard");
+    expectThrown(
+      () => loadConfig(schema, { argv: ["--shardz", "1"], env: {} }, base),
+      ConfigError,
+      "unknown flag --shardz",
+      "--shard",
+    );
     expectThrown(() => loadConfig(schema, { argv: ["--shard"], env: {} }, base), ConfigError, "needs a value");
     expectThrown(() => loadConfig(schema, { argv: ["stray"], env: {} }, base), ConfigError, "unexpected argument");
-    expectThrown(() => loadConfig(schema, { argv: ["--config", "/nonexistent.yaml"], env: {} }, base), ConfigError, "cannot read");
+    expectThrown(
+      () => loadConfig(schema, { argv: ["--config", "/nonexistent.yaml"], env: {} }, base),
+      ConfigError,
+      "cannot read",
+    );
     const dir = tempDir("mt-cfg-");
     writeFileSync(join(dir, "bad.yaml"), "- a list\n- not a mapping\n");
-    expectThrown(() => loadConfig(schema, { argv: ["--config", join(dir, "bad.yaml")], env: {} }, base), ConfigError, "mapping");
+    expectThrown(
+      () => loadConfig(schema, { argv: ["--config", join(dir, "bad.yaml")], env: {} }, base),
+      ConfigError,
+      "mapping",
+    );
     writeFileSync(join(dir, "extra.yaml"), "shard: 1\ncolour: blue\n");
-    expectThrown(() => loadConfig(schema, { argv: ["--config", join(dir, "extra.yaml")], env: {} }, base), ConfigError, "colour");
+    expectThrown(
+      () => loadConfig(schema, { argv: ["--config", join(dir, "extra.yaml")], env: {} }, base),
+      ConfigError,
+      "colour",
+    );
   });
 });
 
@@ -88,12 +139,12 @@ describe("typed errors cross the wire", () => {
     expect(await bus.request("mt.j.x", Uint8Array.of(1), 100)).toEqual(Uint8Array.of(1));
     await expect(bus.request("mt.j.x", new Uint8Array(0), 100)).rejects.toBeInstanceOf(BadRequestError);
     await expect(bus.request("mt.j.y", Uint8Array.of(1), 100)).rejects.toThrow("no service");
-    expect([subjectMatches("a.*.c", "a.b.c"), subjectMatches("a.>", "a.b.c"), subjectMatches("a.*", "a.b.c"), subjectMatches("a.>", "a")]).toEqual([
-      true,
-      true,
-      false,
-      false,
-    ]);
+    expect([
+      subjectMatches("a.*.c", "a.b.c"),
+      subjectMatches("a.>", "a.b.c"),
+      subjectMatches("a.*", "a.b.c"),
+      subjectMatches("a.>", "a"),
+    ]).toEqual([true, true, false, false]);
   });
 });
 
@@ -112,10 +163,26 @@ describe("job config", () => {
     expect([c.bucketMb, c.scaleLr, c.replicaCheckEvery, peakLr(c)]).toEqual([4, true, 100, jobDefaults.lr * 2]);
     expect(usesShards(c)).toBe(false);
     expect(usesShards(jobDefaults)).toBe(true);
-    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", sync: "allreduce", staleness: 2 }), ConfigError, "not to allreduce");
-    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", sync: "allreduce", batchPushes: 2 }), ConfigError, "not to allreduce");
-    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", scaleLr: true, warmupSteps: 0 }), ConfigError, "scaleLr needs warmupSteps > 0");
-    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", sync: "allreduce", bucketMb: 0 }), ConfigError, "bucketMb");
+    expectThrown(
+      () => parseJobConfig({ ...jobDefaults, job: "j", sync: "allreduce", staleness: 2 }),
+      ConfigError,
+      "not to allreduce",
+    );
+    expectThrown(
+      () => parseJobConfig({ ...jobDefaults, job: "j", sync: "allreduce", batchPushes: 2 }),
+      ConfigError,
+      "not to allreduce",
+    );
+    expectThrown(
+      () => parseJobConfig({ ...jobDefaults, job: "j", scaleLr: true, warmupSteps: 0 }),
+      ConfigError,
+      "scaleLr needs warmupSteps > 0",
+    );
+    expectThrown(
+      () => parseJobConfig({ ...jobDefaults, job: "j", sync: "allreduce", bucketMb: 0 }),
+      ConfigError,
+      "bucketMb",
+    );
     expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", sync: "ring" }), ConfigError, "sync");
     const { scaleLr: _a, bucketMb: _b, replicaCheckEvery: _c, ...older } = { ...jobDefaults, job: "j" };
     expect(parseJobConfig(older)).toEqual(parseJobConfig({ ...jobDefaults, job: "j" }));
@@ -124,27 +191,62 @@ describe("job config", () => {
   test("gpt jobs: its defaults validate; a model and a data set that do not go together are refused, naming why", () => {
     const g = parseJobConfig({ ...gptJobDefaults, job: "g" });
     expect([g.model.kind, g.dataset, g.optimizer.kind, g.maxSteps]).toEqual(["gpt", "text", "adamw", 0]);
-    expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", dataset: "mnist" }), ConfigError, "the gpt trains on dataset text");
-    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "m", dataset: "text" }), ConfigError, "the mlp trains on dataset mnist");
-    expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", model: { ...gptJobDefaults.model, nHead: 3 } }), ConfigError, "divisible by model.nHead");
-    expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", valFraction: 0 }), ConfigError, "dataset text needs valFraction > 0");
-    expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", dataset: "tokens", dataDir: "/d" }), ConfigError, "valFraction must be 0");
+    expectThrown(
+      () => parseJobConfig({ ...gptJobDefaults, job: "g", dataset: "mnist" }),
+      ConfigError,
+      "the gpt trains on dataset text",
+    );
+    expectThrown(
+      () => parseJobConfig({ ...jobDefaults, job: "m", dataset: "text" }),
+      ConfigError,
+      "the mlp trains on dataset mnist",
+    );
+    expectThrown(
+      () => parseJobConfig({ ...gptJobDefaults, job: "g", model: { ...gptJobDefaults.model, nHead: 3 } }),
+      ConfigError,
+      "divisible by model.nHead",
+    );
+    expectThrown(
+      () => parseJobConfig({ ...gptJobDefaults, job: "g", valFraction: 0 }),
+      ConfigError,
+      "dataset text needs valFraction > 0",
+    );
+    expectThrown(
+      () => parseJobConfig({ ...gptJobDefaults, job: "g", dataset: "tokens", dataDir: "/d" }),
+      ConfigError,
+      "valFraction must be 0",
+    );
     expectThrown(
       () => parseJobConfig({ ...gptJobDefaults, job: "g", model: { ...gptJobDefaults.model, vocabSize: 50 } }),
       ConfigError,
       "model.vocabSize is for token folders",
     );
-    expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", model: { ...gptJobDefaults.model, kind: "rnn" } }), ConfigError, "model.kind");
+    expectThrown(
+      () => parseJobConfig({ ...gptJobDefaults, job: "g", model: { ...gptJobDefaults.model, kind: "rnn" } }),
+      ConfigError,
+      "model.kind",
+    );
     expectThrown(() => parseJobConfig({ ...gptJobDefaults, job: "g", maxSteps: -1 }), ConfigError, "maxSteps");
     expect(
-      parseJobConfig({ ...gptJobDefaults, job: "g", dataset: "tokens", dataDir: "/d", valFraction: 0, model: { ...gptJobDefaults.model, vocabSize: 50 } })
-        .model,
+      parseJobConfig({
+        ...gptJobDefaults,
+        job: "g",
+        dataset: "tokens",
+        dataDir: "/d",
+        valFraction: 0,
+        model: { ...gptJobDefaults.model, vocabSize: 50 },
+      }).model,
     ).toMatchObject({ kind: "gpt", vocabSize: 50 });
   });
 
   test("precision: f32, tf32 or bf16; f16 only in all-reduce mode, refused elsewhere with the reason; a config stored without it reads as f32", () => {
-    for (const p of ["f32", "tf32", "bf16"] as const) expect(parseJobConfig({ ...jobDefaults, job: "j", precision: p }).precision).toBe(p);
-    expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", precision: "f16" }), ConfigError, "precision f16 runs in all-reduce mode (--sync allreduce)");
+    for (const p of ["f32", "tf32", "bf16"] as const)
+      expect(parseJobConfig({ ...jobDefaults, job: "j", precision: p }).precision).toBe(p);
+    expectThrown(
+      () => parseJobConfig({ ...jobDefaults, job: "j", precision: "f16" }),
+      ConfigError,
+      "precision f16 runs in all-reduce mode (--sync allreduce)",
+    );
     expect(parseJobConfig({ ...jobDefaults, job: "j", precision: "f16", sync: "allreduce" }).precision).toBe("f16");
     expectThrown(() => parseJobConfig({ ...jobDefaults, job: "j", precision: "fp8" }), ConfigError, "precision:");
     const { precision: _, ...older } = { ...jobDefaults, job: "j" };
@@ -153,7 +255,8 @@ describe("job config", () => {
 });
 
 describe("which config changes a snapshot survives", () => {
-  const ar = (over: object) => parseJobConfig({ ...jobDefaults, job: "j", sync: "allreduce", trainers: 4, batchSize: 48, ...over });
+  const ar = (over: object) =>
+    parseJobConfig({ ...jobDefaults, job: "j", sync: "allreduce", trainers: 4, batchSize: 48, ...over });
   test("all-reduce: another number of trainers with the same global batch; the stage, offload and transport too", () => {
     expect(trajectoryDiff(ar({}), ar({ trainers: 2, batchSize: 96 }))).toEqual([]);
     expect(trajectoryDiff(ar({}), ar({ trainers: 3, batchSize: 64, zero: 3, collTransport: "nats" }))).toEqual([]);
@@ -162,13 +265,19 @@ describe("which config changes a snapshot survives", () => {
   test("parameter-server mode: another number of shards (the snapshot's chunks are resharded); not into all-reduce", () => {
     const ps = (over: object) => parseJobConfig({ ...jobDefaults, job: "j", shards: 2, ...over });
     expect(trajectoryDiff(ps({}), ps({ shards: 3 }))).toEqual([]);
-    expect(trajectoryDiff(ps({}), ps({ shards: 1, sync: "ssp", staleness: 2 }))).toEqual(["staleness: 0 -> 2", 'sync: "bsp" -> "ssp"']);
+    expect(trajectoryDiff(ps({}), ps({ shards: 1, sync: "ssp", staleness: 2 }))).toEqual([
+      "staleness: 0 -> 2",
+      'sync: "bsp" -> "ssp"',
+    ]);
     expect(trajectoryDiff(ps({}), ar({ shards: 2 }))).toContain('sync: "bsp" -> "allreduce"');
   });
   test("another global batch, a parameter-server job's trainers, or another codec change the trajectory, and are named", () => {
     expect(trajectoryDiff(ar({}), ar({ trainers: 2 }))).toEqual(["trainers: 4 -> 2"]);
     const ps = (over: object) => parseJobConfig({ ...jobDefaults, job: "j", trainers: 4, batchSize: 48, ...over });
-    expect(trajectoryDiff(ps({}), ps({ trainers: 2, batchSize: 96 }))).toEqual(["batchSize: 48 -> 96", "trainers: 4 -> 2"]);
+    expect(trajectoryDiff(ps({}), ps({ trainers: 2, batchSize: 96 }))).toEqual([
+      "batchSize: 48 -> 96",
+      "trainers: 4 -> 2",
+    ]);
     expect(trajectoryDiff(ar({}), ar({ compress: "int8" }))).toEqual(['compress: "none" -> "int8"']);
   });
   test("either mode: other trainers from a later step, which the world records; not a rewritten past", () => {

@@ -21,13 +21,38 @@ function openssl(...args: string[]): void {
 
 /** A CA: <name>.pem and <name>.key. */
 function makeCa(name: string): void {
-  openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", `${name}.key`, "-out", `${name}.pem`, "-days", "2", "-subj", `/CN=${name}`);
+  openssl(
+    "req",
+    "-x509",
+    "-newkey",
+    "rsa:2048",
+    "-nodes",
+    "-keyout",
+    `${name}.key`,
+    "-out",
+    `${name}.pem`,
+    "-days",
+    "2",
+    "-subj",
+    `/CN=${name}`,
+  );
 }
 
 /** A certificate of `ca` for 127.0.0.1 and localhost: <name>.pem and <name>.key. */
 function makeCert(name: string, ca: string): void {
   writeFileSync(join(dir, `${name}.ext`), "subjectAltName=IP:127.0.0.1,DNS:localhost\n");
-  openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", `${name}.key`, "-out", `${name}.csr`, "-subj", `/CN=${name}`);
+  openssl(
+    "req",
+    "-newkey",
+    "rsa:2048",
+    "-nodes",
+    "-keyout",
+    `${name}.key`,
+    "-out",
+    `${name}.csr`,
+    "-subj",
+    `/CN=${name}`,
+  );
   openssl(
     "x509",
     "-req",
@@ -56,7 +81,9 @@ beforeAll(async () => {
   makeCert("server", "ca");
   makeCert("client", "ca");
   makeCert("stranger", "other-ca");
-  server = await startNatsServer({ tls: { certFile: file("server.pem"), keyFile: file("server.key"), caFile: file("ca.pem"), verify: true } });
+  server = await startNatsServer({
+    tls: { certFile: file("server.pem"), keyFile: file("server.key"), caFile: file("ca.pem"), verify: true },
+  });
 });
 afterAll(async () => {
   await server?.[Symbol.asyncDispose]();
@@ -64,7 +91,13 @@ afterAll(async () => {
 });
 
 const connect = (tls: NatsTls | undefined, url = server.url) =>
-  NatsBus.connect({ url, name: "tls-test", connectRetryMsMax: 30_000, connectBackoffMsMax: 500, ...(tls === undefined ? {} : { tls }) });
+  NatsBus.connect({
+    url,
+    name: "tls-test",
+    connectRetryMsMax: 30_000,
+    connectBackoffMsMax: 500,
+    ...(tls === undefined ? {} : { tls }),
+  });
 
 /** Refused with NatsAccessError whose message matches `why`, well before the 30 s of retries. */
 async function expectRefused(tls: NatsTls | undefined, why: RegExp, url = server.url): Promise<void> {
@@ -89,7 +122,9 @@ describe("TLS to NATS", () => {
     try {
       a.handle("t.echo", (data) => data);
       await a.nc.flush();
-      expect(new TextDecoder().decode(await b.request("t.echo", new TextEncoder().encode("over tls"), 5_000))).toBe("over tls");
+      expect(new TextDecoder().decode(await b.request("t.echo", new TextEncoder().encode("over tls"), 5_000))).toBe(
+        "over tls",
+      );
       expect(a.nc.info?.tls_required).toBe(true);
     } finally {
       await a.close();
@@ -121,7 +156,17 @@ describe("TLS to NATS", () => {
         stderr: "pipe",
         env: { ...process.env, MT_TLS_CA: "" },
       });
-    const ok = cli("status", "--nats-url", server.url, "--tls-ca", client.caFile!, "--tls-cert", client.certFile!, "--tls-key", client.keyFile!);
+    const ok = cli(
+      "status",
+      "--nats-url",
+      server.url,
+      "--tls-ca",
+      client.caFile!,
+      "--tls-cert",
+      client.certFile!,
+      "--tls-key",
+      client.keyFile!,
+    );
     expect(ok.exitCode, ok.stderr.toString()).toBe(0);
     const refused = cli("status", "--nats-url", server.url);
     expect(refused.exitCode).not.toBe(0);
@@ -131,9 +176,15 @@ describe("TLS to NATS", () => {
 
   test("refused within seconds (not after minutes of retries), saying why: no TLS, another CA, no client certificate, a certificate of another CA, a missing file", async () => {
     await expectRefused(undefined, /requires TLS|tls/i, server.url.replace("tls://", "nats://"));
-    await expectRefused({ caFile: file("other-ca.pem"), certFile: client.certFile!, keyFile: client.keyFile! }, /refused this client.*CA/s);
+    await expectRefused(
+      { caFile: file("other-ca.pem"), certFile: client.certFile!, keyFile: client.keyFile! },
+      /refused this client.*CA/s,
+    );
     await expectRefused({ caFile: client.caFile! }, /refused this client.*presents none: set MT_TLS_CERT/s);
-    await expectRefused({ caFile: client.caFile!, certFile: file("stranger.pem"), keyFile: file("stranger.key") }, /refused this client.*stranger\.pem/s);
+    await expectRefused(
+      { caFile: client.caFile!, certFile: file("stranger.pem"), keyFile: file("stranger.key") },
+      /refused this client.*stranger\.pem/s,
+    );
     await expectRefused({ caFile: file("nope.pem") }, /the TLS ca file .*nope\.pem does not exist/);
   });
 });

@@ -88,14 +88,26 @@ async function train(
   const ranks = Array.from({ length: cfg.trainers }, (_, rank) => {
     const ctx = new Context(new CpuBackend(), { seed: 7 + rank, precision: cfg.precision });
     const model = buildModel(ctx, cfg, cfg.model.kind === "gpt" ? gptPlan : imagePlan);
-    const replica = new Replica({ bus, backend: ctx.backend, cfg, rank, ctx, model, payloadBytesMax: 1 << 20, totalSteps: 1000, progressTimeoutMs: 10_000 });
+    const replica = new Replica({
+      bus,
+      backend: ctx.backend,
+      cfg,
+      rank,
+      ctx,
+      model,
+      payloadBytesMax: 1 << 20,
+      totalSteps: 1000,
+      progressTimeoutMs: 10_000,
+    });
     init(replica);
     return { ctx, model, replica };
   });
   const run: Run = { losses: [], norms: [], skipped: [], params: [], memory: [], wire: [], density: [] };
   try {
     for (let s = 0; s < steps; s++) {
-      const results: ReplicaStepResult[] = await Promise.all(ranks.map((r, rank) => r.replica.step(s, data(s, rank), rows, rows * cfg.trainers, lr)));
+      const results: ReplicaStepResult[] = await Promise.all(
+        ranks.map((r, rank) => r.replica.step(s, data(s, rank), rows, rows * cfg.trainers, lr)),
+      );
       run.losses.push(results.reduce((a, x) => a + x.loss, 0) / results.length);
       // one reduced gradient: every rank sees the same norm and skips the same steps
       for (const x of results) {
@@ -154,7 +166,13 @@ function expectParity(run: Run, base: Run, tol: number, paramTol = 1e-4): void {
 
 describe("ZeRO partition", () => {
   test("every element of every bucket is owned by exactly one rank, in its reduce-scatter segment, packed in order", () => {
-    const entry = (name: string, offset: number, numel: number, decay: boolean) => ({ name, shape: [numel], offset, numel, decay });
+    const entry = (name: string, offset: number, numel: number, decay: boolean) => ({
+      name,
+      shape: [numel],
+      offset,
+      numel,
+      decay,
+    });
     // slab offsets aligned to 16 as the store's; buckets in backward order (not slab order)
     const buckets: BucketEntries[] = [
       { entries: [entry("b2", 816, 10, false), entry("w2", 0, 640, true)], numel: 650 },
@@ -198,13 +216,15 @@ describe("ZeRO stages on the replica", () => {
     test(`MLP (SGD, clipping), ${n} ranks, 50 steps: stages 1, 2 and 3 follow stage 0`, async () => {
       const base = await train(mlpConfig({ trainers: n, zero: 0 }), 50, mlpData(n), 0.05, b);
       expect(base.norms.some((x) => x > 1)).toBe(true); // the clip was exercised
-      for (const zero of [1, 2, 3] as const) expectParity(await train(mlpConfig({ trainers: n, zero }), 50, mlpData(n), 0.05, b), base, 1e-4);
+      for (const zero of [1, 2, 3] as const)
+        expectParity(await train(mlpConfig({ trainers: n, zero }), 50, mlpData(n), 0.05, b), base, 1e-4);
     }, 120_000);
 
     test(`GPT (AdamW, tied embedding, clipping), ${n} ranks, 50 steps: stages 1, 2 and 3 follow stage 0`, async () => {
       const data = (s: number, r: number) => [windows((s * n + r) * 2, 2)];
       const base = await train(gptConfig({ trainers: n, zero: 0 }), 50, data, 3e-3, 2);
-      for (const zero of [1, 2, 3] as const) expectParity(await train(gptConfig({ trainers: n, zero }), 50, data, 3e-3, 2), base, 1e-4);
+      for (const zero of [1, 2, 3] as const)
+        expectParity(await train(gptConfig({ trainers: n, zero }), 50, data, 3e-3, 2), base, 1e-4);
     }, 120_000);
   }
 
@@ -223,7 +243,9 @@ describe("ZeRO stages on the replica", () => {
         // parameters (the partition's gradients are on the host); stage 3 the parameters' partition
         const device = (m.params + m.grads + m.optimizer) / P;
         const expected = zero === 1 ? 8 : zero === 2 ? 4 : 4 / n;
-        rows.push(`offload, stage ${zero}: device ${device.toFixed(3)} B/param (expected ${expected}), host ${(m.host / P).toFixed(3)} (expected ${16 / n})`);
+        rows.push(
+          `offload, stage ${zero}: device ${device.toFixed(3)} B/param (expected ${expected}), host ${(m.host / P).toFixed(3)} (expected ${16 / n})`,
+        );
         expect(m.optimizer).toBe(0);
         expect(Math.abs(device / expected - 1)).toBeLessThan(0.05);
         expect(Math.abs(m.host / P / (16 / n) - 1)).toBeLessThan(0.05);
@@ -235,7 +257,8 @@ describe("ZeRO stages on the replica", () => {
   }, 120_000);
 
   test("gradient accumulation (2 micro-batches; at stage 2 each is reduced) and a rank without samples", async () => {
-    const data = (s: number, r: number) => (s === 3 && r === 1 ? [] : [images((s * 2 + r) * b, b / 2), images((s * 2 + r) * b + b / 2, b / 2)]);
+    const data = (s: number, r: number) =>
+      s === 3 && r === 1 ? [] : [images((s * 2 + r) * b, b / 2), images((s * 2 + r) * b + b / 2, b / 2)];
     const cfg = (zero: 0 | 1 | 2 | 3) => mlpConfig({ trainers: 2, zero, accumSteps: 2 });
     const base = await train(cfg(0), 8, data, 0.05, b);
     for (const zero of [1, 2, 3] as const) expectParity(await train(cfg(zero), 8, data, 0.05, b), base, 1e-4);
@@ -248,7 +271,8 @@ describe("ZeRO stages on the replica", () => {
     const base = await train(cfg(0), 40, mlpData(2), 0.05, b, huge);
     expect(base.skipped.slice(0, 3)).toEqual([true, true, true]);
     expect(base.skipped.at(-1)).toBe(false);
-    for (const zero of [1, 2, 3] as const) expectParity(await train(cfg(zero), 40, mlpData(2), 0.05, b, huge), base, 1e-3);
+    for (const zero of [1, 2, 3] as const)
+      expectParity(await train(cfg(zero), 40, mlpData(2), 0.05, b, huge), base, 1e-3);
   }, 60_000);
 });
 
@@ -258,15 +282,25 @@ describe("ZeRO memory, read from the allocations", () => {
     for (const n of [1, 2, 4]) {
       for (const zero of [0, 1, 2, 3] as const) {
         // 6 blocks: a block and the next one (prefetched) are a third of the model
-        const cfg = gptConfig({ trainers: n, zero, model: { kind: "gpt", blockSize: T, nLayer: 6, nHead: 2, nEmbd: 32, dropout: 0, vocabSize: 0 } });
+        const cfg = gptConfig({
+          trainers: n,
+          zero,
+          model: { kind: "gpt", blockSize: T, nLayer: 6, nHead: 2, nEmbd: 32, dropout: 0, vocabSize: 0 },
+        });
         const run = await train(cfg, 1, (_s, r) => [windows(r * 2, 2)], 3e-3, 2);
         const expected = zero === 0 ? 16 : zero === 1 ? 8 + 8 / n : zero === 2 ? 4 + 12 / n : 16 / n;
         // meshtrain plan's count of the same (engine/memory.ts rankMemory)
         const planned = plannedState(run.memory[0]!.paramCount, n, zero, false);
         for (const m of run.memory) {
           const measured = bytesPerParam(m);
-          expect(Math.abs((m.params + m.grads + m.optimizer) / (planned.parameters + planned.gradients + planned.optimizer) - 1)).toBeLessThan(0.1);
-          rows.push(`N=${n} stage ${zero} rank ${run.memory.indexOf(m)}: ${measured.toFixed(3)} B/param (paper ${expected.toFixed(3)})`);
+          expect(
+            Math.abs(
+              (m.params + m.grads + m.optimizer) / (planned.parameters + planned.gradients + planned.optimizer) - 1,
+            ),
+          ).toBeLessThan(0.1);
+          rows.push(
+            `N=${n} stage ${zero} rank ${run.memory.indexOf(m)}: ${measured.toFixed(3)} B/param (paper ${expected.toFixed(3)})`,
+          );
           // the slab pads each parameter to 16 floats and segments differ by one element among ranks
           expect(Math.abs(measured - expected) / expected).toBeLessThan(0.02);
           if (zero >= 2) expect(m.arenaPeak).toBeGreaterThan(0);
@@ -421,12 +455,24 @@ describe("compressed all-reduce on the replica", () => {
     // last bits, and int8's rounding of the next gradients can turn that into a quantum here and
     // there: the trajectories agree to 2e-3, not to summation order
     for (const zero of [1, 2, 3] as const)
-      expectParity(await train(mlpConfig({ trainers: n, zero, compress: "int8" }), steps, mlpData(n), 0.05, b), base, 2e-3, 2e-3);
+      expectParity(
+        await train(mlpConfig({ trainers: n, zero, compress: "int8" }), steps, mlpData(n), 0.05, b),
+        base,
+        2e-3,
+        2e-3,
+      );
   }, 120_000);
 
   test("f16 with the loss scaler and bf16 compression: overflowing steps are skipped on every rank and the residuals stay finite", async () => {
     const n = 2;
-    const run = await train(mlpConfig({ trainers: n, precision: "f16", compress: "bf16" }), 50, mlpData(n), 0.05, b, (r) => r.scaler!.restoreScale(2 ** 40));
+    const run = await train(
+      mlpConfig({ trainers: n, precision: "f16", compress: "bf16" }),
+      50,
+      mlpData(n),
+      0.05,
+      b,
+      (r) => r.scaler!.restoreScale(2 ** 40),
+    );
     expect(run.skipped.slice(0, 3).every((x) => x)).toBe(true);
     expect(run.skipped.at(-1)).toBe(false);
     for (const p of run.params) expect(p.every((v) => Number.isFinite(v))).toBe(true);

@@ -4,7 +4,14 @@
 // (SIGSTOP), wedged in a loop or dead goes quiet. The checkpoint service, a process of its own,
 // runs a LivenessMonitor per job: a sender silent for silentMs gets a Stalled event naming it
 // and what it was last doing, and another when it comes back.
-import { decodeHeartbeat, emptyEvent, encodeEvent, encodeHeartbeat, EventKind, type Heartbeat } from "../../../schemas/messages.ts";
+import {
+  decodeHeartbeat,
+  emptyEvent,
+  encodeEvent,
+  encodeHeartbeat,
+  EventKind,
+  type Heartbeat,
+} from "../../../schemas/messages.ts";
 import type { Bus, Subscription } from "../mesh/bus.ts";
 import { subjects } from "../job/job.ts";
 
@@ -53,7 +60,14 @@ export class HeartbeatPublisher {
   publish(): void {
     this.#sentMs = Date.now();
     try {
-      const hb: Heartbeat = { job: this.job, who: this.who, step: this.#step, phase: this.#phase, phaseMs: this.#phaseMs, stepMs: this.#stepMs };
+      const hb: Heartbeat = {
+        job: this.job,
+        who: this.who,
+        step: this.#step,
+        phase: this.#phase,
+        phaseMs: this.#phaseMs,
+        stepMs: this.#stepMs,
+      };
       this.bus.publish(subjects.heartbeat(this.job, this.who), encodeHeartbeat(hb));
     } catch {
       // a closed connection: the process is going away
@@ -101,7 +115,11 @@ export class LivenessMonitor {
   heard(hb: Heartbeat): void {
     const was = this.#seen.get(hb.who);
     this.#seen.set(hb.who, { hb, atMs: this.now(), stalled: false });
-    if (was?.stalled) this.#event(hb.step, `${hb.who} is back after ${this.#secs(this.now() - was.atMs)} s of silence (step ${hb.step}, ${hb.phase})`);
+    if (was?.stalled)
+      this.#event(
+        hb.step,
+        `${hb.who} is back after ${this.#secs(this.now() - was.atMs)} s of silence (step ${hb.step}, ${hb.phase})`,
+      );
   }
 
   /** Reports every sender silent for silentMs (once, until it is heard again). */
@@ -111,7 +129,10 @@ export class LivenessMonitor {
       if (s.stalled || now - s.atMs < this.silentMs) continue;
       s.stalled = true;
       const { who, step, phase } = s.hb;
-      this.#event(step, `${who} has sent no heartbeat for ${this.#secs(now - s.atMs)} s (stopped, wedged or dead); it was at step ${step}, ${phase}`);
+      this.#event(
+        step,
+        `${who} has sent no heartbeat for ${this.#secs(now - s.atMs)} s (stopped, wedged or dead); it was at step ${step}, ${phase}`,
+      );
     }
   }
 
@@ -130,7 +151,10 @@ export class LivenessMonitor {
   }
 
   #event(step: number, text: string): void {
-    this.bus.publish(subjects.events(this.job, "stalled"), encodeEvent({ ...emptyEvent(this.job, EventKind.Stalled), step, text }));
+    this.bus.publish(
+      subjects.events(this.job, "stalled"),
+      encodeEvent({ ...emptyEvent(this.job, EventKind.Stalled), step, text }),
+    );
   }
 }
 
@@ -173,7 +197,8 @@ export class StragglerDetector {
   ) {}
 
   add(e: { rank: number; step: number; dataWaitMs: number; computeMs: number; pushMs: number }): void {
-    if (!(e.rank < this.ranks) || ![e.dataWaitMs, e.computeMs, e.pushMs].every((x) => Number.isFinite(x) && x >= 0)) return;
+    if (!(e.rank < this.ranks) || ![e.dataWaitMs, e.computeMs, e.pushMs].every((x) => Number.isFinite(x) && x >= 0))
+      return;
     let r = this.#ranks.get(e.rank);
     if (!r) this.#ranks.set(e.rank, (r = { busy: [], data: [], compute: [], push: [], straggler: false }));
     const push = (xs: number[], x: number) => {
@@ -184,12 +209,18 @@ export class StragglerDetector {
     push(r.data, e.dataWaitMs);
     push(r.compute, e.computeMs);
     push(r.push, e.pushMs);
-    if (this.ranks < 2 || this.#ranks.size < this.ranks || [...this.#ranks.values()].some((x) => x.busy.length < stragglerWindow)) return;
+    if (
+      this.ranks < 2 ||
+      this.#ranks.size < this.ranks ||
+      [...this.#ranks.values()].some((x) => x.busy.length < stragglerWindow)
+    )
+      return;
     const others = [...this.#ranks.entries()].filter(([k]) => k !== e.rank).map(([, x]) => x);
     const theirs = median(others.map((x) => median(x.busy)));
     const mine = median(r.busy);
     const ratio = mine / Math.max(theirs, 1e-3);
-    const split = (x: RankSteps) => `data ${median(x.data).toFixed(1)} ms, compute ${median(x.compute).toFixed(1)} ms, push ${median(x.push).toFixed(1)} ms`;
+    const split = (x: RankSteps) =>
+      `data ${median(x.data).toFixed(1)} ms, compute ${median(x.compute).toFixed(1)} ms, push ${median(x.push).toFixed(1)} ms`;
     if (!r.straggler && ratio >= stragglerRatio) {
       r.straggler = true;
       const them = {

@@ -26,7 +26,8 @@ export class EvalTally {
 
   /** Adds an Eval event; returns the combined result when this event completed its step. */
   add(e: Event): CombinedEval | null {
-    if (!(e.rank < this.ranks) || !(e.count >= 0) || !Number.isFinite(e.accuracy) || !Number.isFinite(e.loss)) return null;
+    if (!(e.rank < this.ranks) || !(e.count >= 0) || !Number.isFinite(e.accuracy) || !Number.isFinite(e.loss))
+      return null;
     let step = this.#byStep.get(e.step);
     if (!step) {
       step = new Map();
@@ -57,13 +58,21 @@ export class EvalTally {
       count += r.count;
       split = r.split;
     }
-    return { step: stepIndex, accuracy: count > 0 ? correct / count : 0, loss: count > 0 ? loss / count : 0, evaluated: count, ranks: step.size, split };
+    return {
+      step: stepIndex,
+      accuracy: count > 0 ? correct / count : 0,
+      loss: count > 0 ? loss / count : 0,
+      evaluated: count,
+      ranks: step.size,
+      split,
+    };
   }
 
   /** The newest step every rank has reported at or before `atMost` (null: none). */
   newestComplete(atMost = Number.POSITIVE_INFINITY): CombinedEval | null {
     let best: number | null = null;
-    for (const [s, m] of this.#byStep) if (m.size === this.ranks && s <= atMost && (best === null || s > best)) best = s;
+    for (const [s, m] of this.#byStep)
+      if (m.size === this.ranks && s <= atMost && (best === null || s > best)) best = s;
     return best === null ? null : this.combined(best);
   }
 }

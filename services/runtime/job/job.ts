@@ -23,15 +23,19 @@ export const usesShards = (cfg: Pick<JobConfig, "sync">): boolean => cfg.sync !=
 /** Whether the shards agree on the global norm of a step's averaged gradient and clip it (BSP
  *  with gradClip); else the trainers clip their own gradient (ASP/SSP: each push is applied as
  *  one update, so its norm is that update's global norm; all-reduce: after the reduction). */
-export const shardsClip = (cfg: Pick<JobConfig, "sync" | "gradClip">): boolean => cfg.sync === "bsp" && cfg.gradClip > 0;
+export const shardsClip = (cfg: Pick<JobConfig, "sync" | "gradClip">): boolean =>
+  cfg.sync === "bsp" && cfg.gradClip > 0;
 /** The learning rate the schedule peaks at: `lr`, times the trainers under linear scaling (--scale-lr). */
-export const peakLr = (cfg: Pick<JobConfig, "lr" | "scaleLr" | "trainers" | "pipelineStages" | "tensorParallel">): number =>
-  cfg.scaleLr ? cfg.lr * dataRanks(cfg) : cfg.lr;
+export const peakLr = (
+  cfg: Pick<JobConfig, "lr" | "scaleLr" | "trainers" | "pipelineStages" | "tensorParallel">,
+): number => (cfg.scaleLr ? cfg.lr * dataRanks(cfg) : cfg.lr);
 /** Whether the trainers cut the model among them (pipeline or tensor parallelism). */
-export const modelParallel = (cfg: Pick<JobConfig, "pipelineStages" | "tensorParallel">): boolean => modelRanks(cfg) > 1;
+export const modelParallel = (cfg: Pick<JobConfig, "pipelineStages" | "tensorParallel">): boolean =>
+  modelRanks(cfg) > 1;
 /** All-reduce mode: the trainer ranks that each serve a part of a snapshot (ZeRO: every rank its
  *  partition; model parallelism: the first copy's ranks their shares); 0: rank 0 serves it whole. */
-export const partitionRanks = (cfg: JobConfig): number => (cfg.zero > 0 ? cfg.trainers : modelParallel(cfg) ? modelRanks(cfg) : 0);
+export const partitionRanks = (cfg: JobConfig): number =>
+  cfg.zero > 0 ? cfg.trainers : modelParallel(cfg) ? modelRanks(cfg) : 0;
 
 const int = (min: number, max = Number.MAX_SAFE_INTEGER) => z.number().int().min(min).max(max);
 
@@ -46,7 +50,8 @@ export const jobNamePattern = /^[A-Za-z0-9_-]{1,64}$/;
 export const jobIdPattern = /^[A-Za-z0-9_-]{1,32}\.[A-Za-z0-9_-]{1,64}$/;
 /** What a job may be called: a name, or a name with its owner. */
 const jobNameOrIdPattern = /^([A-Za-z0-9_-]{1,32}\.)?[A-Za-z0-9_-]{1,64}$/;
-export const jobNameRule = "a job is <name> or <owner>.<name>: the name 1-64 letters, digits, _ or -; the owner 1-32 of them";
+export const jobNameRule =
+  "a job is <name> or <owner>.<name>: the name 1-64 letters, digits, _ or -; the owner 1-32 of them";
 /** The owner of a client that names none (an open mesh's, and the local mesh's one client). */
 export const defaultOwner = "default";
 /** Owners that would read as the mesh's own subjects (mt.ctl.…). */
@@ -55,13 +60,15 @@ const reservedOwners = new Set(["ctl"]);
 /** Why `owner` cannot own jobs; null when it can. */
 export function ownerProblem(owner: string): string | null {
   if (!jobOwnerPattern.test(owner)) return `${JSON.stringify(owner)} is not an owner: 1-32 letters, digits, _ or -`;
-  if (reservedOwners.has(owner)) return `the owner ${JSON.stringify(owner)} is reserved (mt.${owner}.… are the mesh's own subjects)`;
+  if (reservedOwners.has(owner))
+    return `the owner ${JSON.stringify(owner)} is reserved (mt.${owner}.… are the mesh's own subjects)`;
   return null;
 }
 
 /** A job's full identity: `job` as it is when it names its owner, else `<owner>.<job>`. */
 export function qualifyJob(job: string, owner: string): string {
-  if (!jobNameOrIdPattern.test(job)) throw new BadRequestError(`${JSON.stringify(job)} is not a job name: ${jobNameRule}`);
+  if (!jobNameOrIdPattern.test(job))
+    throw new BadRequestError(`${JSON.stringify(job)} is not a job name: ${jobNameRule}`);
   const id = job.includes(".") ? job : `${owner}.${job}`;
   const problem = ownerProblem(ownerOfJob(id));
   if (problem !== null) throw new BadRequestError(problem);
@@ -118,7 +125,12 @@ export const jobConfigSchema = z.object({
   /** ASP/SSP: aggregate this many pushes per chunk before one update (1: every push) */
   batchPushes: int(1, 64),
   optimizer: z.discriminatedUnion("kind", [
-    z.object({ kind: z.literal("sgd"), momentum: z.number().min(0).max(0.999), nesterov: z.boolean(), weightDecay: z.number().min(0) }),
+    z.object({
+      kind: z.literal("sgd"),
+      momentum: z.number().min(0).max(0.999),
+      nesterov: z.boolean(),
+      weightDecay: z.number().min(0),
+    }),
     z.object({
       kind: z.literal("adamw"),
       beta1: z.number().min(0).max(0.9999),
@@ -152,7 +164,10 @@ export const jobConfigSchema = z.object({
   compress: z
     .string()
     .regex(compressionPattern, "must be none, bf16, fp16, int8 or topk:<fraction in (0, 1]>")
-    .refine((s) => !s.startsWith("topk:") || (Number(s.slice(5)) > 0 && Number(s.slice(5)) <= 1), "topk's fraction must be in (0, 1]")
+    .refine(
+      (s) => !s.startsWith("topk:") || (Number(s.slice(5)) > 0 && Number(s.slice(5)) <= 1),
+      "topk's fraction must be in (0, 1]",
+    )
     .default("none"),
   minLr: z.number().min(0),
   schedule: z.enum(["constant", "cosine", "linear"]),
@@ -271,30 +286,46 @@ export const gptJobDefaults: Omit<JobConfig, "job"> = {
   checkpointEvery: 250,
 };
 
-export const defaultsOf = (kind: JobConfig["model"]["kind"]): Omit<JobConfig, "job"> => (kind === "gpt" ? gptJobDefaults : jobDefaults);
+export const defaultsOf = (kind: JobConfig["model"]["kind"]): Omit<JobConfig, "job"> =>
+  kind === "gpt" ? gptJobDefaults : jobDefaults;
 
 export function parseJobConfig(data: unknown): JobConfig {
   const r = jobConfigSchema.safeParse(data);
   if (!r.success) {
-    throw new ConfigError(`invalid job config: ${r.error.issues.map((i) => `${i.path.join(".") || "(job)"}: ${i.message}`).join("; ")}`);
+    throw new ConfigError(
+      `invalid job config: ${r.error.issues.map((i) => `${i.path.join(".") || "(job)"}: ${i.message}`).join("; ")}`,
+    );
   }
   const c = r.data;
   if (c.minLr > c.lr) throw new ConfigError(`invalid job config: minLr (${c.minLr}) exceeds lr (${c.lr})`);
   const m = c.model;
   if (m.kind === "mlp") {
     if (c.recompute)
-      throw new ConfigError("invalid job config: recompute is for the gpt (each transformer block recomputes its activations); the mlp keeps its few");
+      throw new ConfigError(
+        "invalid job config: recompute is for the gpt (each transformer block recomputes its activations); the mlp keeps its few",
+      );
     if (c.dataset !== "mnist")
-      throw new ConfigError(`invalid job config: the mlp trains on dataset mnist, not ${c.dataset} (the gpt trains on text and tokens)`);
+      throw new ConfigError(
+        `invalid job config: the mlp trains on dataset mnist, not ${c.dataset} (the gpt trains on text and tokens)`,
+      );
     if (m.widths[0] !== 784 || m.widths[m.widths.length - 1] !== 10) {
-      throw new ConfigError(`invalid job config: model.widths must start with 784 (MNIST pixels) and end with 10 (classes), got ${m.widths.join(",")}`);
+      throw new ConfigError(
+        `invalid job config: model.widths must start with 784 (MNIST pixels) and end with 10 (classes), got ${m.widths.join(",")}`,
+      );
     }
   } else {
     if (c.dataset === "mnist")
-      throw new ConfigError("invalid job config: the gpt trains on dataset text (a UTF-8 file) or tokens (a folder of uint16 tokens), not mnist");
-    if (m.nEmbd % m.nHead !== 0) throw new ConfigError(`invalid job config: model.nEmbd (${m.nEmbd}) must be divisible by model.nHead (${m.nHead})`);
+      throw new ConfigError(
+        "invalid job config: the gpt trains on dataset text (a UTF-8 file) or tokens (a folder of uint16 tokens), not mnist",
+      );
+    if (m.nEmbd % m.nHead !== 0)
+      throw new ConfigError(
+        `invalid job config: model.nEmbd (${m.nEmbd}) must be divisible by model.nHead (${m.nHead})`,
+      );
     if (c.dataset === "text" && c.valFraction === 0) {
-      throw new ConfigError("invalid job config: dataset text needs valFraction > 0 (the held-out tail of the text is what the gpt is evaluated on)");
+      throw new ConfigError(
+        "invalid job config: dataset text needs valFraction > 0 (the held-out tail of the text is what the gpt is evaluated on)",
+      );
     }
     if (c.dataset === "tokens" && c.valFraction !== 0) {
       throw new ConfigError(
@@ -302,12 +333,16 @@ export function parseJobConfig(data: unknown): JobConfig {
       );
     }
     if (c.dataset === "text" && m.vocabSize !== 0)
-      throw new ConfigError("invalid job config: model.vocabSize is for token folders without vocab.json; a text's vocabulary is its characters");
+      throw new ConfigError(
+        "invalid job config: model.vocabSize is for token folders without vocab.json; a text's vocabulary is its characters",
+      );
   }
   const world = worldProblems(c.world, c.trainers);
   if (world.length > 0) throw new ConfigError(`invalid job config: ${world.join("; ")}`);
   if (c.batchSize % c.accumSteps !== 0)
-    throw new ConfigError(`invalid job config: batchSize (${c.batchSize}) must be a multiple of accumSteps (${c.accumSteps})`);
+    throw new ConfigError(
+      `invalid job config: batchSize (${c.batchSize}) must be a multiple of accumSteps (${c.accumSteps})`,
+    );
   if (c.precision === "f16" && c.sync !== "allreduce") throw new ConfigError(`invalid job config: ${meshF16Refusal}`);
   if (c.scaleLr && c.warmupSteps === 0) {
     throw new ConfigError(
@@ -323,20 +358,31 @@ export function parseJobConfig(data: unknown): JobConfig {
       "invalid job config: offload optimizer moves the trainers' optimizer to host memory, so it needs sync allreduce; in parameter-server mode the optimizer runs on the shards already",
     );
   if (c.sync === "allreduce" && (c.batchPushes !== 1 || c.staleness !== 0)) {
-    throw new ConfigError("invalid job config: batchPushes and staleness apply to the parameter server's asp and ssp, not to allreduce");
+    throw new ConfigError(
+      "invalid job config: batchPushes and staleness apply to the parameter server's asp and ssp, not to allreduce",
+    );
   }
   const mp = modelRanks(c);
   if (mp > 1) {
     const what = `pipeline stages ${c.pipelineStages} x tensor parallel ${c.tensorParallel}`;
-    if (c.model.kind !== "gpt") throw new ConfigError(`invalid job config: ${what} cut a gpt's blocks; the mlp is not cut`);
+    if (c.model.kind !== "gpt")
+      throw new ConfigError(`invalid job config: ${what} cut a gpt's blocks; the mlp is not cut`);
     if (c.sync !== "allreduce")
-      throw new ConfigError(`invalid job config: ${what} needs sync allreduce (the model's ranks exchange activations and reduce gradients among themselves)`);
+      throw new ConfigError(
+        `invalid job config: ${what} needs sync allreduce (the model's ranks exchange activations and reduce gradients among themselves)`,
+      );
     if (c.trainers % mp !== 0)
-      throw new ConfigError(`invalid job config: ${c.trainers} trainers do not divide into copies of ${mp} ranks (${what}); use a multiple of ${mp}`);
+      throw new ConfigError(
+        `invalid job config: ${c.trainers} trainers do not divide into copies of ${mp} ranks (${what}); use a multiple of ${mp}`,
+      );
     if (c.model.nLayer < c.pipelineStages)
-      throw new ConfigError(`invalid job config: ${c.model.nLayer} layers cannot fill ${c.pipelineStages} pipeline stages`);
+      throw new ConfigError(
+        `invalid job config: ${c.model.nLayer} layers cannot fill ${c.pipelineStages} pipeline stages`,
+      );
     if (c.model.nHead % c.tensorParallel !== 0)
-      throw new ConfigError(`invalid job config: tensor parallel ${c.tensorParallel} splits the heads: nHead (${c.model.nHead}) must be a multiple of it`);
+      throw new ConfigError(
+        `invalid job config: tensor parallel ${c.tensorParallel} splits the heads: nHead (${c.model.nHead}) must be a multiple of it`,
+      );
     const not = [
       c.zero > 0 && `zero ${c.zero}`,
       c.compress !== "none" && `compress ${c.compress}`,
@@ -350,13 +396,16 @@ export function parseJobConfig(data: unknown): JobConfig {
       );
   }
   if (c.sync === "bsp" && c.batchPushes !== 1)
-    throw new ConfigError("invalid job config: batchPushes applies to asp and ssp (bsp aggregates the W pushes of a step)");
+    throw new ConfigError(
+      "invalid job config: batchPushes applies to asp and ssp (bsp aggregates the W pushes of a step)",
+    );
   return c;
 }
 
 /** Whether a scheduled evaluation runs before `step`: every evalEvery steps, or where an epoch begins. */
 export const evaluatesAt = (cfg: JobConfig, schedule: StepSchedule, step: number): boolean =>
-  step > 0 && (cfg.evalEvery === "epoch" ? schedule.startsEpoch(step) : cfg.evalEvery > 0 && step % cfg.evalEvery === 0);
+  step > 0 &&
+  (cfg.evalEvery === "epoch" ? schedule.startsEpoch(step) : cfg.evalEvery > 0 && step % cfg.evalEvery === 0);
 
 /** The steps of a job with its plan's sample count (services/runtime/job/world.ts). */
 export const stepScheduleOf = (cfg: JobConfig, trainSamples: number): StepSchedule =>
@@ -374,7 +423,10 @@ export const jobConfigFromJson = (text: string): JobConfig => {
 
 /** The validated config of a job spec from the bucket; its name must be the spec's. */
 export function configOfSpec(spec: JobSpec): JobConfig {
-  if (!jobIdPattern.test(spec.job)) throw new BadRequestError(`job spec ${JSON.stringify(spec.job)} names no owner: a job on the mesh is <owner>.<name>`);
+  if (!jobIdPattern.test(spec.job))
+    throw new BadRequestError(
+      `job spec ${JSON.stringify(spec.job)} names no owner: a job on the mesh is <owner>.<name>`,
+    );
   const problem = ownerProblem(ownerOfJob(spec.job));
   if (problem !== null) throw new BadRequestError(`job spec ${JSON.stringify(spec.job)}: ${problem}`);
   const cfg = jobConfigFromJson(spec.configJson);
@@ -386,7 +438,8 @@ export function configOfSpec(spec: JobSpec): JobConfig {
 export function trainerOfRequest(subject: string, messageTrainer: number): number {
   const token = subject.slice(subject.lastIndexOf(".") + 1);
   const rank = /^\d{1,3}$/.test(token) ? Number(token) : Number.NaN;
-  if (rank !== messageTrainer) throw new BadRequestError(`message of trainer ${messageTrainer} sent on trainer ${token}'s subject ${subject}`);
+  if (rank !== messageTrainer)
+    throw new BadRequestError(`message of trainer ${messageTrainer} sent on trainer ${token}'s subject ${subject}`);
   return rank;
 }
 
@@ -396,7 +449,8 @@ export function trainerOfRequest(subject: string, messageTrainer: number): numbe
  */
 export function jobOfRequest(subject: string, messageJob: string): string {
   const job = subject.split(".").slice(1, 3).join(".");
-  if (messageJob !== job) throw new BadRequestError(`message for job "${messageJob}" sent on a subject of job "${job}"`);
+  if (messageJob !== job)
+    throw new BadRequestError(`message for job "${messageJob}" sent on a subject of job "${job}"`);
   return job;
 }
 
@@ -431,7 +485,14 @@ export const resumableKeys = [
 export function trajectoryDiff(was: JobConfig, now: JobConfig): string[] {
   const out: string[] = [];
   const walk = (a: unknown, b: unknown, path: string) => {
-    if (a !== null && b !== null && typeof a === "object" && typeof b === "object" && !Array.isArray(a) && !Array.isArray(b)) {
+    if (
+      a !== null &&
+      b !== null &&
+      typeof a === "object" &&
+      typeof b === "object" &&
+      !Array.isArray(a) &&
+      !Array.isArray(b)
+    ) {
       for (const k of [...new Set([...Object.keys(a), ...Object.keys(b)])].sort()) {
         walk((a as Record<string, unknown>)[k], (b as Record<string, unknown>)[k], path ? `${path}.${k}` : k);
       }
@@ -442,14 +503,18 @@ export function trajectoryDiff(was: JobConfig, now: JobConfig): string[] {
   };
   // all-reduce mode: the number of trainers may change with the same global batch (a snapshot
   // holds the whole replica, the sampler's steps cut the same samples whatever the ranks)
-  const regrouped = was.sync === "allreduce" && now.sync === "allreduce" && dataRanks(was) * was.batchSize === dataRanks(now) * now.batchSize;
+  const regrouped =
+    was.sync === "allreduce" &&
+    now.sync === "allreduce" &&
+    dataRanks(was) * was.batchSize === dataRanks(now) * now.batchSize;
   // parameter-server mode: the snapshot's chunks are loaded into any number of shards (the
   // checkpoint service reshards them as the job's hash ring says)
   const resharded = usesShards(was) && usesShards(now);
   // either mode: the trainers may change at a step, which the world records (the sampler
   // re-splits the rest of the epoch among the new ranks)
   const last = worldOf(now).at(-1)!;
-  const resized = last.from > 0 && JSON.stringify(changeWorld(was, last.from, last.trainers)) === JSON.stringify(worldOf(now));
+  const resized =
+    last.from > 0 && JSON.stringify(changeWorld(was, last.from, last.trainers)) === JSON.stringify(worldOf(now));
   const skip = new Set<string>([
     "job",
     ...resumableKeys,
@@ -528,7 +593,12 @@ export const subjects = {
 export const anyJob = (rest: string): string => `mt.*.*.${rest}`;
 
 /** The wire's sync policy of each mode. */
-export const syncPolicy = { bsp: SyncPolicy.BSP, asp: SyncPolicy.ASP, ssp: SyncPolicy.SSP, allreduce: SyncPolicy.AllReduce } as const;
+export const syncPolicy = {
+  bsp: SyncPolicy.BSP,
+  asp: SyncPolicy.ASP,
+  ssp: SyncPolicy.SSP,
+  allreduce: SyncPolicy.AllReduce,
+} as const;
 /** The spec of a job: its config, the fields routing needs, and the submission's attempt and plan. */
 export const specOfConfig = (cfg: JobConfig, extra: Pick<JobSpec, "attempt" | "plan"> = {}): JobSpec => ({
   job: cfg.job,

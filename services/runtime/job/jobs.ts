@@ -54,14 +54,19 @@ const timedOut = (e: unknown): boolean => e instanceof Error && /timeout/i.test(
 const readAgain = (e: unknown): boolean => notApplied(e) || timedOut(e);
 /** A cluster whose JetStream has no meta leader yet (just started, or electing) times out; a
  *  server without JetStream at all answers at once (no responders), and is not waited for. */
-const openAgain = (e: unknown): boolean => timedOut(e) || (e instanceof Error && /temporarily unavailable/i.test(e.message));
+const openAgain = (e: unknown): boolean =>
+  timedOut(e) || (e instanceof Error && /temporarily unavailable/i.test(e.message));
 
 /**
  * Runs a KV operation, again while `again` says the failure is JetStream electing a leader (for
  * up to jobStoreLeaderWaitMsMax). `what` names it when the NATS user may not do it (a client user
  * reaches its own owner's jobs only: roles.ts).
  */
-async function untilLed<T>(op: () => Promise<T>, again: (e: unknown) => boolean = notApplied, what = "use the job store"): Promise<T> {
+async function untilLed<T>(
+  op: () => Promise<T>,
+  again: (e: unknown) => boolean = notApplied,
+  what = "use the job store",
+): Promise<T> {
   const started = Date.now();
   for (let attempt = 1; ; attempt++) {
     try {
@@ -82,7 +87,8 @@ export const jobSpecsFollowedAgain = "following the job specs again";
 
 export const isEnded = (r: JobRecord): boolean => r.state !== JobState.Running;
 export const stateName = (s: JobState): string => JobState[s]!.toLowerCase();
-export const boundText = (text: string): string => (text.length > reasonCharsMax ? `${text.slice(0, reasonCharsMax - 1)}…` : text);
+export const boundText = (text: string): string =>
+  text.length > reasonCharsMax ? `${text.slice(0, reasonCharsMax - 1)}…` : text;
 
 /** A fresh record of a job submitted now. */
 export function runningRecord(job: string, configJson: string, attempts: number): JobRecord {
@@ -117,8 +123,14 @@ export class JobStore {
    *  (default MT_KV_REPLICAS, else 1: kv-bucket.ts says how an existing bucket is treated) */
   static async open(nc: NatsConnection, o: { replicas?: number } = {}): Promise<JobStore> {
     try {
-      const specs = await untilLed(() => openBucket(nc, jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax, ...o }), openAgain);
-      const records = await untilLed(() => openBucket(nc, recordsBucket, { history: 1, maxValueSize: jobRecordBytesMax, ...o }), openAgain);
+      const specs = await untilLed(
+        () => openBucket(nc, jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax, ...o }),
+        openAgain,
+      );
+      const records = await untilLed(
+        () => openBucket(nc, recordsBucket, { history: 1, maxValueSize: jobRecordBytesMax, ...o }),
+        openAgain,
+      );
       return new JobStore(specs, records, nc);
     } catch (e) {
       if ((e as Error).name !== "JetStreamNotEnabled") throw e;
@@ -131,7 +143,11 @@ export class JobStore {
   }
 
   async putSpec(spec: JobSpec): Promise<void> {
-    await untilLed(() => this.specs.put(spec.job, encodeJobSpec(spec)), notApplied, `write the spec of job ${spec.job}`);
+    await untilLed(
+      () => this.specs.put(spec.job, encodeJobSpec(spec)),
+      notApplied,
+      `write the spec of job ${spec.job}`,
+    );
   }
 
   /**
@@ -147,7 +163,11 @@ export class JobStore {
       if ((spec.attempt ?? 0) > 0 && spec.attempt !== attempt) return;
     }
     try {
-      await untilLed(() => this.specs.delete(job, { previousSeq: e.revision }), notApplied, `delete the spec of job ${job}`);
+      await untilLed(
+        () => this.specs.delete(job, { previousSeq: e.revision }),
+        notApplied,
+        `delete the spec of job ${job}`,
+      );
     } catch (err) {
       // another writer got there first (a resubmission put a new spec): that spec is not ours
       if (!/wrong last sequence/i.test((err as Error).message)) throw err;
@@ -161,7 +181,9 @@ export class JobStore {
 
   async record(job: string): Promise<{ record: JobRecord; revision: number } | null> {
     const e = await untilLed(() => this.records.get(job), readAgain, `read the record of job ${job}`);
-    return e && e.operation === "PUT" ? { record: decodeJobRecord(e.value, jobRecordBytesMax), revision: e.revision } : null;
+    return e && e.operation === "PUT"
+      ? { record: decodeJobRecord(e.value, jobRecordBytesMax), revision: e.revision }
+      : null;
   }
 
   /** Every job's record (of one owner's jobs when `owner` is given), oldest submission first.
@@ -169,7 +191,12 @@ export class JobStore {
   async allRecords(owner?: string): Promise<JobRecord[]> {
     const keys: string[] = [];
     const whose = owner === undefined ? "every owner's jobs" : `the jobs of ${owner}`;
-    for await (const k of await untilLed(() => this.records.keys(owner === undefined ? ">" : `${owner}.*`), readAgain, `list ${whose}`)) keys.push(k);
+    for await (const k of await untilLed(
+      () => this.records.keys(owner === undefined ? ">" : `${owner}.*`),
+      readAgain,
+      `list ${whose}`,
+    ))
+      keys.push(k);
     const out: JobRecord[] = [];
     for (const k of keys) {
       try {
@@ -185,7 +212,11 @@ export class JobStore {
   /** Writes a record that must not exist yet; false when one does. */
   async createRecord(r: JobRecord): Promise<boolean> {
     try {
-      await untilLed(() => this.records.create(r.job, encodeJobRecord(r)), notApplied, `write the record of job ${r.job}`);
+      await untilLed(
+        () => this.records.create(r.job, encodeJobRecord(r)),
+        notApplied,
+        `write the record of job ${r.job}`,
+      );
       return true;
     } catch (e) {
       if (/exist|wrong last sequence/i.test((e as Error).message)) return false;
@@ -205,7 +236,11 @@ export class JobStore {
       const next = change(cur.record);
       if (next === null) return null;
       try {
-        await untilLed(() => this.records.update(job, encodeJobRecord(next), cur.revision), notApplied, `write the record of job ${job}`);
+        await untilLed(
+          () => this.records.update(job, encodeJobRecord(next), cur.revision),
+          notApplied,
+          `write the record of job ${job}`,
+        );
         return next;
       } catch (e) {
         if (!/wrong last sequence/i.test((e as Error).message)) throw e;
@@ -266,7 +301,12 @@ export class JobStore {
 }
 
 /** Calls restart after each cluster change (clusterChanges), one at a time: changes during a restart make one more. */
-async function followAgain(nc: NatsConnection, stopped: () => boolean, restart: (why: string) => Promise<void>, log?: Logger): Promise<void> {
+async function followAgain(
+  nc: NatsConnection,
+  stopped: () => boolean,
+  restart: (why: string) => Promise<void>,
+  log?: Logger,
+): Promise<void> {
   let why: string | null = null;
   let running: Promise<void> | null = null;
   const drain = async () => {
@@ -322,7 +362,10 @@ export interface JobControl {
    *  record written, or null when it had ended already. */
   end(job: string, ending: JobEnding, attempt?: number): Promise<JobRecord | null>;
   /** Records an evaluation every rank has reported. */
-  noteEval(job: string, e: { step: number; accuracy: number; loss: number; evaluated: number; split: string }): Promise<void>;
+  noteEval(
+    job: string,
+    e: { step: number; accuracy: number; loss: number; evaluated: number; split: string },
+  ): Promise<void>;
   /** Records what a service learnt when it opened the job: the step count the data-loader
    *  planned, the folder the checkpoint service keeps the job's snapshots in. */
   note(job: string, facts: JobFacts): Promise<void>;
@@ -363,20 +406,30 @@ export class JobLedger implements JobControl {
     }
     if (written) {
       const text = `${stateName(written.state)}${reason ? `: ${reason}` : ""}`;
-      this.bus.publish(subjects.events(job, "ended"), encodeEvent({ ...emptyEvent(job, EventKind.Ended), step: written.evalStep, text }));
+      this.bus.publish(
+        subjects.events(job, "ended"),
+        encodeEvent({ ...emptyEvent(job, EventKind.Ended), step: written.evalStep, text }),
+      );
       this.log?.info({ job, state: stateName(written.state), reason }, "job ended");
     }
     return written;
   }
 
-  async noteEval(job: string, e: { step: number; accuracy: number; loss: number; evaluated: number; split: string }): Promise<void> {
+  async noteEval(
+    job: string,
+    e: { step: number; accuracy: number; loss: number; evaluated: number; split: string },
+  ): Promise<void> {
     await this.store.updateRecord(job, (r) =>
-      isEnded(r) || r.evalStep > e.step ? null : { ...r, evalStep: e.step, accuracy: e.accuracy, loss: e.loss, evaluated: e.evaluated, evalSplit: e.split },
+      isEnded(r) || r.evalStep > e.step
+        ? null
+        : { ...r, evalStep: e.step, accuracy: e.accuracy, loss: e.loss, evaluated: e.evaluated, evalSplit: e.split },
     );
   }
 
   async pause(job: string, attempt: number, why: string): Promise<boolean> {
-    const written = await this.store.updateRecord(job, (r) => (isEnded(r) || r.attempts !== attempt ? null : { ...r, reason: boundText(why) }));
+    const written = await this.store.updateRecord(job, (r) =>
+      isEnded(r) || r.attempts !== attempt ? null : { ...r, reason: boundText(why) },
+    );
     if (written === null) return false;
     await this.store.deleteSpec(job, attempt);
     return true;
@@ -385,7 +438,9 @@ export class JobLedger implements JobControl {
   async resume(spec: JobSpec, totalSteps: number): Promise<JobRecord | null> {
     const attempt = spec.attempt ?? 0;
     const written = await this.store.updateRecord(spec.job, (r) =>
-      isEnded(r) || r.attempts !== attempt - 1 ? null : { ...r, configJson: spec.configJson, attempts: attempt, totalSteps, reason: "" },
+      isEnded(r) || r.attempts !== attempt - 1
+        ? null
+        : { ...r, configJson: spec.configJson, attempts: attempt, totalSteps, reason: "" },
     );
     if (written !== null) await this.store.putSpec(spec);
     return written;
@@ -402,7 +457,10 @@ export class JobLedger implements JobControl {
    * cannot be read, a limit is reached), the job fails at once with that reason: nobody waits
    * for a job that cannot run.
    */
-  async follow(service: string, part: { openJob(spec: JobSpec): void | Promise<void>; closeJob(job: string): void }): Promise<{ stop(): void }> {
+  async follow(
+    service: string,
+    part: { openJob(spec: JobSpec): void | Promise<void>; closeJob(job: string): void },
+  ): Promise<{ stop(): void }> {
     // each change of a job's spec gets a number: an open still reading the record when a newer
     // change arrives (the job ended meanwhile) must not open it after it was closed
     const changes = new Map<string, number>();
@@ -419,7 +477,12 @@ export class JobLedger implements JobControl {
     }, this.log);
   }
 
-  async #open(service: string, part: { openJob(spec: JobSpec): void | Promise<void> }, spec: JobSpec, current: () => boolean): Promise<void> {
+  async #open(
+    service: string,
+    part: { openJob(spec: JobSpec): void | Promise<void> },
+    spec: JobSpec,
+    current: () => boolean,
+  ): Promise<void> {
     try {
       const rec = await this.store.record(spec.job);
       if (!current()) return; // deleted or replaced while the record was read

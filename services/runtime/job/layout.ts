@@ -23,7 +23,13 @@ export interface Layout {
   byShard: number[][];
 }
 
-export function buildLayout(job: string, totalElems: number, decayElems: number, chunkBytes: number, shards: number): Layout {
+export function buildLayout(
+  job: string,
+  totalElems: number,
+  decayElems: number,
+  chunkBytes: number,
+  shards: number,
+): Layout {
   const chunkElems = chunkBytes / 4;
   if (!Number.isInteger(chunkElems)) throw new RangeError(`chunkBytes ${chunkBytes} is not a whole number of float32`);
   const ring = new HashRing(Array.from({ length: shards }, (_, i) => i));

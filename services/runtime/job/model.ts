@@ -21,7 +21,14 @@ export function modelConfigOf(cfg: JobConfig, plan: ModelPlan): MlpConfig | GptC
   const m = cfg.model;
   if (m.kind === "mlp") return { widths: m.widths, activation: "relu", dropout: m.dropout };
   if (plan.vocabSize < 1) throw new CorruptDataError(`the plan of gpt job ${cfg.job} has no vocabulary size`);
-  return { vocabSize: plan.vocabSize, blockSize: m.blockSize, nLayer: m.nLayer, nHead: m.nHead, nEmbd: m.nEmbd, dropout: m.dropout };
+  return {
+    vocabSize: plan.vocabSize,
+    blockSize: m.blockSize,
+    nLayer: m.nLayer,
+    nHead: m.nHead,
+    nEmbd: m.nEmbd,
+    dropout: m.dropout,
+  };
 }
 
 export function buildModel(ctx: Context, cfg: JobConfig, plan: ModelPlan): Model {
@@ -33,7 +40,10 @@ export function buildModel(ctx: Context, cfg: JobConfig, plan: ModelPlan): Model
 }
 
 /** The model file's header fields for a job's model (a GPT's character vocabulary, for sampling). */
-export function modelFileFields(cfg: JobConfig, plan: ModelPlan): { kind: "mlp" | "gpt"; config: object; vocab?: string[]; tokenizer?: "gpt2" } {
+export function modelFileFields(
+  cfg: JobConfig,
+  plan: ModelPlan,
+): { kind: "mlp" | "gpt"; config: object; vocab?: string[]; tokenizer?: "gpt2" } {
   const config = modelConfigOf(cfg, plan);
   if (cfg.model.kind === "mlp") return { kind: "mlp", config };
   return {
@@ -52,7 +62,11 @@ export interface InitialParameters {
   paramCount: number;
 }
 
-export function initialParameters(cfg: JobConfig, plan: ModelPlan, backend: Backend = new CpuBackend()): InitialParameters {
+export function initialParameters(
+  cfg: JobConfig,
+  plan: ModelPlan,
+  backend: Backend = new CpuBackend(),
+): InitialParameters {
   const ctx = new Context(backend, { seed: cfg.seed });
   try {
     const model = buildModel(ctx, cfg, plan);
@@ -69,7 +83,13 @@ export function initialParameters(cfg: JobConfig, plan: ModelPlan, backend: Back
  * parameters as the shards hold them: every chunk is put back at its place in the flat vector.
  * Every chunk of the layout must be present exactly once.
  */
-export function exportModelFile(cfg: JobConfig, plan: ModelPlan, states: readonly ShardState[], path: string, step: number): void {
+export function exportModelFile(
+  cfg: JobConfig,
+  plan: ModelPlan,
+  states: readonly ShardState[],
+  path: string,
+  step: number,
+): void {
   const ctx = new Context(new CpuBackend(), { seed: cfg.seed });
   try {
     const model = buildModel(ctx, cfg, plan);
@@ -81,13 +101,16 @@ export function exportModelFile(cfg: JobConfig, plan: ModelPlan, states: readonl
       for (const c of s.chunks) {
         const info = layout.chunks[c.id];
         if (!info || c.params.length !== info.count || seen.has(c.id)) {
-          throw new CorruptDataError(`shard ${s.shard}'s state holds chunk ${c.id} with ${c.params.length} values, which the job's layout does not have`);
+          throw new CorruptDataError(
+            `shard ${s.shard}'s state holds chunk ${c.id} with ${c.params.length} values, which the job's layout does not have`,
+          );
         }
         slab.set(c.params, info.offset);
         seen.add(c.id);
       }
     }
-    if (seen.size !== layout.chunks.length) throw new CorruptDataError(`the shards' states hold ${seen.size} of the job's ${layout.chunks.length} chunks`);
+    if (seen.size !== layout.chunks.length)
+      throw new CorruptDataError(`the shards' states hold ${seen.size} of the job's ${layout.chunks.length} chunks`);
     store.writeValues(slab);
     saveModelFile(path, store, { ...modelFileFields(cfg, plan), step, training: cfg });
   } finally {

@@ -65,7 +65,8 @@ export const jobSchedule = (cfg: JobConfig, plan: Pick<DataPlan, "totalSteps">):
   scheduleOf(cfg.schedule, cfg.warmupSteps, plan.totalSteps, cfg.minLr);
 
 /** The chunk layout of the job's parameter vector, as the plan states its size. */
-export const planLayout = (cfg: JobConfig, plan: DataPlan): Layout => buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, cfg.shards);
+export const planLayout = (cfg: JobConfig, plan: DataPlan): Layout =>
+  buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, cfg.shards);
 
 /** Throws when a model built here does not have the vector the plan was made for. */
 export function checkPlanLayout(plan: DataPlan, slabNumel: number, decayElems: number): void {

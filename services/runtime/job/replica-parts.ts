@@ -23,7 +23,10 @@ export const precutSaveTag = "schedule, cut";
 /** The part a snapshot request names in its tag, "part <n>" (BadRequestError otherwise). */
 export function partOfTag(tag: string): number {
   const m = /^part (\d{1,6})$/.exec(tag);
-  if (!m) throw new BadRequestError(`a state request names its part as "part <n>", not "${tag.slice(0, 64).replace(/[\r\n]+/g, " ")}"`);
+  if (!m)
+    throw new BadRequestError(
+      `a state request names its part as "part <n>", not "${tag.slice(0, 64).replace(/[\r\n]+/g, " ")}"`,
+    );
   return Number(m[1]);
 }
 
@@ -49,7 +52,13 @@ export function cutShardState(
   partBytesMax: number,
 ): ShardState[] {
   const groups =
-    chunks.length === 0 ? [[]] : packByBytes(chunks, (c) => c.params.byteLength * (1 + c.state.length) + 256, Math.max(1, partBytesMax - partOverheadBytes));
+    chunks.length === 0
+      ? [[]]
+      : packByBytes(
+          chunks,
+          (c) => c.params.byteLength * (1 + c.state.length) + 256,
+          Math.max(1, partBytesMax - partOverheadBytes),
+        );
   return groups.map((g, p) => withChecksum({ ...head, parts: groups.length, part: p, chunks: g }));
 }
 
@@ -138,7 +147,12 @@ export function cutPartition(
       rank: meta.rank,
       chunks: pieces.map((x) => {
         const got = read(x.offset, x.count, x.packed);
-        return { id: x.offset, version: meta.optimizerSteps, params: got.params, state: got.state.map((data, i) => ({ name: names[i]!, data })) };
+        return {
+          id: x.offset,
+          version: meta.optimizerSteps,
+          params: got.params,
+          state: got.state.map((data, i) => ({ name: names[i]!, data })),
+        };
       }),
     }),
   );
@@ -162,10 +176,18 @@ export function replicaFromPartitions(
   for (const p of parts) {
     if (!p.slabRanges) throw new CorruptDataError(`part ${p.shard} of job ${p.job} is not a partition`);
     if (p.checksum !== shardStateChecksum(p))
-      throw new CorruptDataError(`rank ${p.rank ?? 0}'s partition part ${p.shard}: its checksum does not match its contents`);
+      throw new CorruptDataError(
+        `rank ${p.rank ?? 0}'s partition part ${p.shard}: its checksum does not match its contents`,
+      );
     if (p.job !== o.job) throw new CorruptDataError(`a partition of job ${p.job} in job ${o.job}`);
-    if (p.step !== first.step || p.optimizerSteps !== first.optimizerSteps || (p.lossScale ?? 0) !== (first.lossScale ?? 0))
-      throw new CorruptDataError(`partition parts of steps ${first.step} and ${p.step} (optimizer steps ${first.optimizerSteps}, ${p.optimizerSteps})`);
+    if (
+      p.step !== first.step ||
+      p.optimizerSteps !== first.optimizerSteps ||
+      (p.lossScale ?? 0) !== (first.lossScale ?? 0)
+    )
+      throw new CorruptDataError(
+        `partition parts of steps ${first.step} and ${p.step} (optimizer steps ${first.optimizerSteps}, ${p.optimizerSteps})`,
+      );
     const rank = p.rank ?? 0;
     if (rank >= o.ranks) throw new CorruptDataError(`a partition of rank ${rank} in a snapshot of ${o.ranks} ranks`);
     const got = seen.get(rank) ?? new Set<number>();
@@ -186,9 +208,12 @@ export function replicaFromPartitions(
   for (const p of parts) {
     for (const c of p.chunks) {
       const n = c.params.length;
-      if (!(c.id + n <= o.slabNumel)) throw new CorruptDataError(`rank ${p.rank}'s range [${c.id}, +${n}) is outside the slab of ${o.slabNumel}`);
+      if (!(c.id + n <= o.slabNumel))
+        throw new CorruptDataError(`rank ${p.rank}'s range [${c.id}, +${n}) is outside the slab of ${o.slabNumel}`);
       if (c.state.map((v) => v.name).join(",") !== names.join(",") || c.state.some((v) => v.data.length !== n))
-        throw new CorruptDataError(`rank ${p.rank}'s range at ${c.id} has state [${c.state.map((v) => v.name).join(",")}], the others [${names.join(",")}]`);
+        throw new CorruptDataError(
+          `rank ${p.rank}'s range at ${c.id} has state [${c.state.map((v) => v.name).join(",")}], the others [${names.join(",")}]`,
+        );
       for (let i = c.id; i < c.id + n; i++) {
         if (covered[i]) throw new CorruptDataError(`element ${i} of the slab is in two ranks' partitions`);
         covered[i] = 1;
@@ -198,7 +223,8 @@ export function replicaFromPartitions(
       total += n;
     }
   }
-  if (total !== o.paramCount) throw new CorruptDataError(`the partitions hold ${total} elements; the model has ${o.paramCount} parameters`);
+  if (total !== o.paramCount)
+    throw new CorruptDataError(`the partitions hold ${total} elements; the model has ${o.paramCount} parameters`);
   const meta = { job: o.job, step: first.step, optimizerSteps: first.optimizerSteps, lossScale: first.lossScale ?? 0 };
   return cutReplica(meta, o.layout, values, states, o.partBytesMax);
 }

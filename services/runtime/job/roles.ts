@@ -36,7 +36,13 @@ export interface RoleTopology {
 export const roleTrainersMax = 64;
 export const roleShardsMax = 64;
 
-export type RoleName = "admin" | `client-${string}` | "data-loader" | "checkpoint" | `ps-${number}` | `trainer-${number}`;
+export type RoleName =
+  | "admin"
+  | `client-${string}`
+  | "data-loader"
+  | "checkpoint"
+  | `ps-${number}`
+  | `trainer-${number}`;
 
 /** The client user of an owner's jobs. */
 export const clientUser = (owner: string = defaultOwner): `client-${string}` => `client-${owner}`;
@@ -71,7 +77,8 @@ export function roleUsers(t: RoleTopology): RoleName[] {
     const problem = ownerProblem(owner);
     if (problem !== null) throw new CredentialsError(`client ${problem}`);
   }
-  if (new Set(clients).size !== clients.length) throw new CredentialsError(`client owners must differ: ${clients.join(", ")}`);
+  if (new Set(clients).size !== clients.length)
+    throw new CredentialsError(`client owners must differ: ${clients.join(", ")}`);
   return [
     "admin",
     ...clients.map((owner) => clientUser(owner)),
@@ -190,7 +197,13 @@ export function permissionsOf(user: RoleName): Permissions {
         `mt.*.*.coll.*.${r}`,
         ...bucketSubjects([ncclIdsBucket], true),
       ],
-      [`mt.*.*.coll.${r}.*`, `mt.*.*.trainer.${r}.stats`, "mt.*.*.replica.state", `mt.*.*.replica.${r}.>`, "mt.*.*.ctl.checkpoint"],
+      [
+        `mt.*.*.coll.${r}.*`,
+        `mt.*.*.trainer.${r}.stats`,
+        "mt.*.*.replica.state",
+        `mt.*.*.replica.${r}.>`,
+        "mt.*.*.ctl.checkpoint",
+      ],
     );
   }
   throw new CredentialsError(`no role ${user}`);
@@ -232,7 +245,8 @@ export function makeCredentials(dir: string, topology: RoleTopology): Credential
   const users = new Map<RoleName, string>();
   for (const user of roleUsers(topology)) {
     const file = seedFileOf(dir, user);
-    if (!existsSync(file)) writeFileSync(file, `${new TextDecoder().decode(createUser().getSeed())}\n`, { mode: 0o600 });
+    if (!existsSync(file))
+      writeFileSync(file, `${new TextDecoder().decode(createUser().getSeed())}\n`, { mode: 0o600 });
     chmodSync(file, 0o600);
     users.set(user, readSeed(file).publicKey);
   }

@@ -24,7 +24,8 @@ export interface ModelCut {
 }
 
 /** The trainers that hold one copy of the model between them: its pipeline stages x tensor ranks. */
-export const modelRanks = (cfg: Omit<ModelCut, "trainers">): number => (cfg.pipelineStages ?? 1) * (cfg.tensorParallel ?? 1);
+export const modelRanks = (cfg: Omit<ModelCut, "trainers">): number =>
+  (cfg.pipelineStages ?? 1) * (cfg.tensorParallel ?? 1);
 
 /** The data-parallel ranks: copies of the model, each training on its share of a step's samples
  *  (every trainer without model parallelism). The sampler and the data-loader split among these. */
@@ -41,13 +42,19 @@ export function worldProblems(world: readonly WorldChange[], trainers: number): 
   if (world.length === 0) return out;
   if (world[0]!.from !== 0) out.push(`the world starts at step ${world[0]!.from}, not 0`);
   for (let i = 1; i < world.length; i++)
-    if (!(world[i]!.from > world[i - 1]!.from)) out.push(`the world's change ${i} at step ${world[i]!.from} is not after step ${world[i - 1]!.from}`);
-  if (world.at(-1)!.trainers !== trainers) out.push(`the world ends with ${world.at(-1)!.trainers} trainers, the job has ${trainers}`);
+    if (!(world[i]!.from > world[i - 1]!.from))
+      out.push(`the world's change ${i} at step ${world[i]!.from} is not after step ${world[i - 1]!.from}`);
+  if (world.at(-1)!.trainers !== trainers)
+    out.push(`the world ends with ${world.at(-1)!.trainers} trainers, the job has ${trainers}`);
   return out;
 }
 
 /** The world with a change to `trainers` at `step` (changes at or after it are replaced). */
-export function changeWorld(cfg: { trainers: number; world?: readonly WorldChange[] }, step: number, trainers: number): WorldChange[] {
+export function changeWorld(
+  cfg: { trainers: number; world?: readonly WorldChange[] },
+  step: number,
+  trainers: number,
+): WorldChange[] {
   const before = worldOf(cfg).filter((c) => c.from < step);
   if (before.at(-1)?.trainers === trainers) return before;
   return [...before, { from: step, trainers }];
@@ -65,7 +72,8 @@ export function worldResumeProblem(
   step: number,
 ): string | null {
   const last = worldOf(now).at(-1)!;
-  if (last.from > step) return `the job runs ${last.trainers} trainers from step ${last.from}, after this snapshot's step ${step}`;
+  if (last.from > step)
+    return `the job runs ${last.trainers} trainers from step ${last.from}, after this snapshot's step ${step}`;
   // what the steps before it took: samples per step (an all-reduce job regrouped onto other
   // trainers with the same global batch took the same ones)
   const before = (c: typeof now) =>
@@ -74,7 +82,8 @@ export function worldResumeProblem(
         .filter((w) => w.from < step)
         .map((w) => [w.from, w.trainers * c.batchSize]),
     );
-  if (before(now) !== before(was)) return `it was taken with trainers ${JSON.stringify(worldOf(was))}, and the job's are ${JSON.stringify(worldOf(now))}`;
+  if (before(now) !== before(was))
+    return `it was taken with trainers ${JSON.stringify(worldOf(was))}, and the job's are ${JSON.stringify(worldOf(now))}`;
   return null;
 }
 
@@ -111,7 +120,8 @@ export class StepSchedule {
     epochs: number,
     maxSteps = 0,
   ) {
-    if (!(samples > 0 && batchSize > 0)) throw new BadRequestError(`a schedule of ${samples} samples in batches of ${batchSize}`);
+    if (!(samples > 0 && batchSize > 0))
+      throw new BadRequestError(`a schedule of ${samples} samples in batches of ${batchSize}`);
     this.#world = world;
     const cursors: number[] = [],
       epochOf: number[] = [];
@@ -148,7 +158,14 @@ export class StepSchedule {
       epoch = this.#epoch[step]!,
       trainers = this.trainersAt(step);
     const rows = Math.min(trainers * this.batchSize, this.samples - cursor);
-    return { epoch, cursor, rows, trainers, index: step - this.epochStarts[epoch]!, last: cursor + rows >= this.samples };
+    return {
+      epoch,
+      cursor,
+      rows,
+      trainers,
+      index: step - this.epochStarts[epoch]!,
+      last: cursor + rows >= this.samples,
+    };
   }
 
   /**

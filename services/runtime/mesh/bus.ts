@@ -24,7 +24,11 @@ export interface Bus {
   request(subject: string, data: Uint8Array, timeoutMs: number): Promise<Uint8Array>;
   publish(subject: string, data: Uint8Array): void;
   /** `onError`: the server refused the subscription (the user's role does not allow it) */
-  subscribe(subject: string, onMessage: (data: Uint8Array, subject: string) => void, onError?: (e: Error) => void): Subscription;
+  subscribe(
+    subject: string,
+    onMessage: (data: Uint8Array, subject: string) => void,
+    onError?: (e: Error) => void,
+  ): Subscription;
   serve(endpoint: EndpointSpec): void;
   /**
    * Answers requests on `subject` until unsubscribed, outside $SRV discovery: per-job hot-path
@@ -87,7 +91,8 @@ export class MemoryBus implements Bus {
   readonly #subs = new Set<{ subject: string; fn: (d: Uint8Array, s: string) => void }>();
 
   async request(subject: string, data: Uint8Array, timeoutMs: number): Promise<Uint8Array> {
-    const ep = this.#endpoints.get(subject) ?? [...this.#endpoints.values()].find((e) => subjectMatches(e.subject, subject));
+    const ep =
+      this.#endpoints.get(subject) ?? [...this.#endpoints.values()].find((e) => subjectMatches(e.subject, subject));
     if (!ep) throw new NoRespondersError(`no service answers ${subject}`);
     let timer: ReturnType<typeof setTimeout> | undefined;
     const deadline = new Promise<never>((_, reject) => {

@@ -58,13 +58,17 @@ export function loadConfig<S extends z.ZodObject>(schema: S, sources: ConfigSour
   return parsed.data as z.infer<S>;
 }
 
-function parseFlags(argv: readonly string[], keys: readonly string[]): { config?: string; values: Record<string, string> } {
+function parseFlags(
+  argv: readonly string[],
+  keys: readonly string[],
+): { config?: string; values: Record<string, string> } {
   const byFlag = new Map(keys.map((k) => [kebab(k), k]));
   const values: Record<string, string> = {};
   let config: string | undefined;
   for (let i = 0; i < argv.length; i++) {
     const arg = argv[i]!;
-    if (!arg.startsWith("--")) throw new ConfigError(`unexpected argument "${arg}"; flags look like --nats-url nats://host:4222`);
+    if (!arg.startsWith("--"))
+      throw new ConfigError(`unexpected argument "${arg}"; flags look like --nats-url nats://host:4222`);
     const eq = arg.indexOf("=");
     const name = arg.slice(2, eq < 0 ? undefined : eq);
     const value = eq < 0 ? argv[++i] : arg.slice(eq + 1);
@@ -74,7 +78,10 @@ function parseFlags(argv: readonly string[], keys: readonly string[]): { config?
       continue;
     }
     const key = byFlag.get(name);
-    if (!key) throw new ConfigError(`unknown flag --${name}; known: --config, ${[...byFlag.keys()].map((f) => `--${f}`).join(", ")}`);
+    if (!key)
+      throw new ConfigError(
+        `unknown flag --${name}; known: --config, ${[...byFlag.keys()].map((f) => `--${f}`).join(", ")}`,
+      );
     values[key] = value;
   }
   return config === undefined ? { values } : { config, values };
@@ -93,6 +100,7 @@ function readConfigFile(path: string): Record<string, unknown> {
   } catch (e) {
     throw new ConfigError(`config file ${path} is not valid YAML/JSON: ${(e as Error).message}`);
   }
-  if (data === null || typeof data !== "object" || Array.isArray(data)) throw new ConfigError(`config file ${path} must hold a mapping of keys to values`);
+  if (data === null || typeof data !== "object" || Array.isArray(data))
+    throw new ConfigError(`config file ${path} must hold a mapping of keys to values`);
   return data as Record<string, unknown>;
 }

@@ -41,7 +41,9 @@ export async function meshMembers(nc: NatsConnection, waitMs = discoveryWaitMs):
     ["trainer", "parameter-server", "data-loader", "checkpoint"].map((n) => infos(nc, n, waitMs)),
   );
   const trainerHosts: Record<number, string> = {};
-  for (const m of trainers!) if (Number.isInteger(Number(m.rank)) && typeof m.host === "string" && m.host !== "") trainerHosts[Number(m.rank)] = m.host;
+  for (const m of trainers!)
+    if (Number.isInteger(Number(m.rank)) && typeof m.host === "string" && m.host !== "")
+      trainerHosts[Number(m.rank)] = m.host;
   return {
     trainers: indices(trainers!, "rank"),
     trainerHosts,
@@ -95,7 +97,8 @@ export interface MeshNeeds {
 }
 
 export function missingMembers(cfg: Omit<MeshNeeds, "job">, m: MeshMembers): string[] {
-  const lack = (want: number, have: readonly number[]) => Array.from({ length: want }, (_, i) => i).filter((i) => !have.includes(i));
+  const lack = (want: number, have: readonly number[]) =>
+    Array.from({ length: want }, (_, i) => i).filter((i) => !have.includes(i));
   // an all-reduce job needs no shard
   const ranks = lack(cfg.trainers, m.trainers),
     shards = lack(cfg.sync === "allreduce" ? 0 : cfg.shards, m.shards);
@@ -125,7 +128,13 @@ const membersPollMs = 250;
  * `signal` aborts first; CapacityError naming what is missing when `waitMs` has passed (0: one
  * look). A busy service can miss one look's window, so callers give a few seconds at least.
  */
-export async function awaitMembers(members: () => Promise<MeshMembers>, cfg: MeshNeeds, waitMs: number, where: string, signal?: AbortSignal): Promise<boolean> {
+export async function awaitMembers(
+  members: () => Promise<MeshMembers>,
+  cfg: MeshNeeds,
+  waitMs: number,
+  where: string,
+  signal?: AbortSignal,
+): Promise<boolean> {
   const deadline = Date.now() + waitMs;
   for (;;) {
     if (signal?.aborted) return false;

@@ -76,7 +76,8 @@ export function errorReplyOf(e: unknown, subject: string): ErrorReply {
 /** The typed error an ErrorReply stands for, on the caller's side. */
 export function rebuildError(reply: ErrorReply): Error {
   const message = `${reply.message} (from ${reply.subject})`;
-  if ((wireCodes as readonly string[]).includes(reply.code)) return new WireFormatError(reply.code as WireFormatCode, message);
+  if ((wireCodes as readonly string[]).includes(reply.code))
+    return new WireFormatError(reply.code as WireFormatCode, message);
   const Cls = classes[reply.code];
   return Cls ? new Cls(message) : new MeshError(reply.code, message);
 }
@@ -91,6 +92,12 @@ export class NatsAccessError extends Error {
  *  user's permissions; else `e` itself. */
 export function refusedAs(e: unknown, what: string): unknown {
   const chain = [e, (e as { cause?: unknown } | undefined)?.cause];
-  const denied = chain.some((x) => x instanceof Error && (x.name === "PermissionViolationError" || /permissions? violation/i.test(x.message)));
-  return denied ? new NatsAccessError(`permission denied: this client's NATS user may not ${what} (its role does not allow it)`, { cause: e }) : e;
+  const denied = chain.some(
+    (x) => x instanceof Error && (x.name === "PermissionViolationError" || /permissions? violation/i.test(x.message)),
+  );
+  return denied
+    ? new NatsAccessError(`permission denied: this client's NATS user may not ${what} (its role does not allow it)`, {
+        cause: e,
+      })
+    : e;
 }

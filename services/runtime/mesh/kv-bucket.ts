@@ -41,14 +41,19 @@ export async function openBucket(nc: NatsConnection, name: string, options: Part
   return kv;
 }
 
-async function createOrOpen(nc: NatsConnection, name: string, options: Partial<KvOptions> & { replicas: number }): Promise<KV> {
+async function createOrOpen(
+  nc: NatsConnection,
+  name: string,
+  options: Partial<KvOptions> & { replicas: number },
+): Promise<KV> {
   const replicas = options.replicas;
   for (let attempt = 1; ; attempt++) {
     try {
       return await new Kvm(nc).create(name, options);
     } catch (e) {
       const why = (e as Error).message;
-      if (replicas > 1 && /replicas|insufficient resources|non-clustered/i.test(why)) throw tooManyReplicas(name, replicas, why, e);
+      if (replicas > 1 && /replicas|insufficient resources|non-clustered/i.test(why))
+        throw tooManyReplicas(name, replicas, why, e);
       if (attempt >= 5 || !/subjects overlap|already in use/i.test(why)) throw e;
       await Bun.sleep(20 * attempt);
     }

@@ -6,7 +6,10 @@ export type { Logger };
 
 export type LogLevel = "fatal" | "error" | "warn" | "info" | "debug" | "trace" | "silent";
 
-export function createLogger(fields: { service: string; job?: string; rank?: number; shard?: number }, level: LogLevel = "info"): Logger {
+export function createLogger(
+  fields: { service: string; job?: string; rank?: number; shard?: number },
+  level: LogLevel = "info",
+): Logger {
   return pino(
     {
       level,

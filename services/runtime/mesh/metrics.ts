@@ -23,23 +23,38 @@ import client from "prom-client";
 export const registry = new client.Registry();
 client.collectDefaultMetrics({ register: registry });
 
-const counter = (name: string, help: string, labelNames: string[]) => new client.Counter({ name, help, labelNames, registers: [registry] });
-const gauge = (name: string, help: string, labelNames: string[]) => new client.Gauge({ name, help, labelNames, registers: [registry] });
+const counter = (name: string, help: string, labelNames: string[]) =>
+  new client.Counter({ name, help, labelNames, registers: [registry] });
+const gauge = (name: string, help: string, labelNames: string[]) =>
+  new client.Gauge({ name, help, labelNames, registers: [registry] });
 
 export const m = {
-  busMessages: counter("mt_bus_messages_total", "NATS messages this process sent (out) or took (in), by subject kind", ["direction", "kind"]),
-  busBytes: counter("mt_bus_bytes_total", "bytes of NATS message payloads this process sent (out) or took (in), by subject kind", ["direction", "kind"]),
+  busMessages: counter("mt_bus_messages_total", "NATS messages this process sent (out) or took (in), by subject kind", [
+    "direction",
+    "kind",
+  ]),
+  busBytes: counter(
+    "mt_bus_bytes_total",
+    "bytes of NATS message payloads this process sent (out) or took (in), by subject kind",
+    ["direction", "kind"],
+  ),
   trainerStep: gauge("mt_trainer_step", "the step this trainer rank finished last", ["job"]),
   trainerSteps: counter("mt_trainer_steps_total", "training steps this trainer rank finished", ["job"]),
   trainerLoss: gauge("mt_trainer_loss", "the training loss of this rank's last step", ["job"]),
   trainerRate: gauge("mt_trainer_samples_per_second", "samples per second of this rank's last step", ["job"]),
   trainerPhase: gauge("mt_trainer_step_seconds", "the last step's time by phase", ["job", "phase"]),
-  collectiveBytes: counter("mt_collective_bytes_total", "bytes of values this rank's collectives delivered to peers", ["job"]),
+  collectiveBytes: counter("mt_collective_bytes_total", "bytes of values this rank's collectives delivered to peers", [
+    "job",
+  ]),
   loaderBatches: counter("mt_loader_batches_total", "batches the data-loader answered", ["job"]),
   loaderQueue: gauge("mt_loader_queue_depth", "batches prepared and waiting, over all ranks", ["job"]),
   loaderWait: gauge("mt_loader_wait_seconds", "time from a batch request to its reply", ["job", "quantile"]),
   shardClock: gauge("mt_shard_clock", "the step each trainer pushed last to this shard", ["job", "shard", "trainer"]),
-  shardStaleness: gauge("mt_shard_staleness", "steps between the fastest and the slowest trainer's clock on this shard", ["job", "shard"]),
+  shardStaleness: gauge(
+    "mt_shard_staleness",
+    "steps between the fastest and the slowest trainer's clock on this shard",
+    ["job", "shard"],
+  ),
   shardUpdates: gauge("mt_shard_updates_total", "updates this shard applied", ["job", "shard"]),
   checkpointBytes: counter("mt_checkpoint_bytes_total", "bytes of snapshot files written", ["job"]),
   checkpointSnapshots: counter("mt_checkpoint_snapshots_total", "snapshots written", ["job"]),
@@ -55,7 +70,8 @@ export const m = {
 /** A subject's kind: its tokens after mt.<job>, without the numbers (ranks, shards). */
 export function subjectKind(subject: string): string {
   const t = subject.split(".");
-  if (t[0] === "$SRV" || t[0] === "_INBOX" || t[0] === "$JS" || t[0] === "$KV") return t[0].toLowerCase().replace("$", "");
+  if (t[0] === "$SRV" || t[0] === "_INBOX" || t[0] === "$JS" || t[0] === "$KV")
+    return t[0].toLowerCase().replace("$", "");
   if (t[0] !== "mt") return "other";
   // mt.ctl.<what> has no job tokens; a job's subjects are mt.<owner>.<name>.<what>
   const rest = t[1] === "ctl" ? t.slice(1) : t.slice(3);
@@ -111,7 +127,8 @@ export function serveMetrics(port: number, host = "0.0.0.0", ready: Readiness = 
         const why = ready();
         return why === null ? new Response("ready\n") : new Response(`not ready: ${why}\n`, { status: 503 });
       }
-      if (path !== "/metrics") return new Response("meshtrain serves /metrics, /healthz and /readyz here\n", { status: 404 });
+      if (path !== "/metrics")
+        return new Response("meshtrain serves /metrics, /healthz and /readyz here\n", { status: 404 });
       return new Response(await scrape(), { headers: { "content-type": registry.contentType } });
     },
   });

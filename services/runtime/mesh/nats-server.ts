@@ -73,7 +73,11 @@ const clusterConf = (c: NatsClusterOptions): string =>
     "}",
   ].join("\n");
 
-export const natsServerDefaults: NatsServerOptions = { maxPayloadBytes: 8 << 20, jetstream: true, startTimeoutMs: 10_000 };
+export const natsServerDefaults: NatsServerOptions = {
+  maxPayloadBytes: 8 << 20,
+  jetstream: true,
+  startTimeoutMs: 10_000,
+};
 
 /** A port nobody listens on right now (bind port 0, read it, close). */
 export async function freePort(): Promise<number> {
@@ -88,7 +92,10 @@ export async function freePort(): Promise<number> {
 }
 
 export function natsServerBinary(): string {
-  const bin = process.env.MESHTRAIN_NATS_SERVER || Bun.which("nats-server") || Bun.which("nats-server", { PATH: "/usr/sbin:/usr/local/sbin:/usr/bin" });
+  const bin =
+    process.env.MESHTRAIN_NATS_SERVER ||
+    Bun.which("nats-server") ||
+    Bun.which("nats-server", { PATH: "/usr/sbin:/usr/local/sbin:/usr/bin" });
   if (!bin) throw new NatsServerError(`nats-server not found; install it with: ${natsServerInstallHint}`);
   return bin;
 }
@@ -115,7 +122,9 @@ const portTriesMax = 3;
 export async function startNatsServer(options: Partial<NatsServerOptions> = {}): Promise<NatsServer> {
   const opts = { ...natsServerDefaults, ...options };
   if (opts.port !== undefined && (await canConnect(opts.port))) {
-    throw new NatsServerError(`port ${opts.port} is taken (another meshtrain mesh, or another NATS server, listens there); pick another with --port`);
+    throw new NatsServerError(
+      `port ${opts.port} is taken (another meshtrain mesh, or another NATS server, listens there); pick another with --port`,
+    );
   }
   if (opts.port !== undefined) return await startOn(opts, opts.port);
   for (let attempt = 1; ; attempt++) {
@@ -123,7 +132,8 @@ export async function startNatsServer(options: Partial<NatsServerOptions> = {}):
     try {
       return await startOn(opts, port);
     } catch (e) {
-      const lostPort = e instanceof NatsServerError && e.message.includes(`${port}`) && /address already in use/.test(e.message);
+      const lostPort =
+        e instanceof NatsServerError && e.message.includes(`${port}`) && /address already in use/.test(e.message);
       if (!lostPort || attempt === portTriesMax) throw e;
     }
   }
@@ -160,14 +170,21 @@ async function startOn(opts: NatsServerOptions, port: number): Promise<NatsServe
   writeFileSync(join(dir, "nats.conf"), conf + "\n");
   const argv = [bin, "-c", join(dir, "nats.conf")];
   // its own session: a terminal's Ctrl-C reaches whoever started it, who stops it in order
-  const proc = Bun.spawn(opts.wrap ? opts.wrap(argv) : argv, { stdin: "ignore", stdout: "ignore", stderr: "pipe", detached: true });
+  const proc = Bun.spawn(opts.wrap ? opts.wrap(argv) : argv, {
+    stdin: "ignore",
+    stdout: "ignore",
+    stderr: "pipe",
+    detached: true,
+  });
   const deadline = Date.now() + opts.startTimeoutMs;
   while (!(await canConnect(port))) {
     if (proc.exitCode !== null || Date.now() > deadline) {
       proc.kill();
       const err = await new Response(proc.stderr).text();
       removeDir();
-      throw new NatsServerError(`nats-server did not start on port ${port}: ${err.trim().split("\n").slice(-3).join(" | ")}`);
+      throw new NatsServerError(
+        `nats-server did not start on port ${port}: ${err.trim().split("\n").slice(-3).join(" | ")}`,
+      );
     }
     await Bun.sleep(20);
   }
@@ -181,5 +198,13 @@ async function startOn(opts: NatsServerOptions, port: number): Promise<NatsServe
     }
     removeDir();
   };
-  return { url: `${opts.tls ? "tls" : "nats"}://127.0.0.1:${port}`, port, dir, pid: proc.pid, exited: proc.exited, stop, [Symbol.asyncDispose]: stop };
+  return {
+    url: `${opts.tls ? "tls" : "nats"}://127.0.0.1:${port}`,
+    port,
+    dir,
+    pid: proc.pid,
+    exited: proc.exited,
+    stop,
+    [Symbol.asyncDispose]: stop,
+  };
 }

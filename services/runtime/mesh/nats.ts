@@ -34,7 +34,8 @@ export interface NatsBusOptions {
 }
 
 /** The nkey seed file named by MT_NATS_NKEY (the SDK's and the CLI's default). */
-export const nkeyFromEnv = (env: Record<string, string | undefined> = process.env): string | undefined => env.MT_NATS_NKEY || undefined;
+export const nkeyFromEnv = (env: Record<string, string | undefined> = process.env): string | undefined =>
+  env.MT_NATS_NKEY || undefined;
 
 export interface NatsTls {
   caFile?: string;
@@ -47,7 +48,8 @@ export function tlsOf(url: string, tls: NatsTls | undefined): NatsTls | undefine
   const files = Object.fromEntries(Object.entries(tls ?? {}).filter(([, v]) => typeof v === "string" && v !== ""));
   if (Object.keys(files).length === 0 && !url.startsWith("tls://")) return undefined;
   for (const [k, f] of Object.entries(files)) {
-    if (!existsSync(f as string)) throw new NatsAccessError(`the TLS ${k.replace("File", "")} file ${f} does not exist`);
+    if (!existsSync(f as string))
+      throw new NatsAccessError(`the TLS ${k.replace("File", "")} file ${f} does not exist`);
   }
   return files;
 }
@@ -73,7 +75,10 @@ function userOf(nkeyFile: string | undefined): { seed: Uint8Array; publicKey: st
 }
 
 /** Whether a connection error is the server refusing this client rather than not answering. */
-const refused = (why: string) => /certificate|self[- ]signed|\bssl\b|\btls\b|handshake|authori[sz]ation|permissions? violation|user credentials/i.test(why);
+const refused = (why: string) =>
+  /certificate|self[- ]signed|\bssl\b|\btls\b|handshake|authori[sz]ation|permissions? violation|user credentials/i.test(
+    why,
+  );
 
 /** The servers of a NATS URL: one, or several comma-separated (the members of a cluster). */
 export const natsServers = (url: string): string[] =>
@@ -82,7 +87,8 @@ export const natsServers = (url: string): string[] =>
     .map((u) => u.trim())
     .filter((u) => u !== "");
 
-export const natsInstallHint = "apt-get install -y nats-server && nats-server -p 4222 (or: docker run -p 4222:4222 nats)";
+export const natsInstallHint =
+  "apt-get install -y nats-server && nats-server -p 4222 (or: docker run -p 4222:4222 nats)";
 
 /** Error codes that answer a question about a job rather than report a problem (logged at debug level). */
 const answerCodes = new Set(["unknown_job", "not_ready", "job_state"]);
@@ -115,7 +121,9 @@ export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnec
         noRandomize: true,
         name: opts.name,
         ...(tls === undefined ? {} : { tls }),
-        ...(user === undefined ? {} : { authenticator: nkeyAuthenticator(user.seed), inboxPrefix: inboxPrefixOf(user.publicKey) }),
+        ...(user === undefined
+          ? {}
+          : { authenticator: nkeyAuthenticator(user.seed), inboxPrefix: inboxPrefixOf(user.publicKey) }),
         // after the first connection, the client reconnects on its own, forever: a service
         // outlives a restart of its server
         maxReconnectAttempts: -1,
@@ -140,7 +148,10 @@ export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnec
         const advice = tls?.certFile
           ? `it verifies client certificates and did not take this client's (${tls.certFile}): is it signed by the CA the server trusts?`
           : "it verifies client certificates and this client presents none: set MT_TLS_CERT and MT_TLS_KEY (--tls-cert, --tls-key)";
-        throw new NatsAccessError(`NATS at ${opts.url} refused this client: it closed the TLS session ${tlsTimeouts} times in a row; ${advice}`, { cause: e });
+        throw new NatsAccessError(
+          `NATS at ${opts.url} refused this client: it closed the TLS session ${tlsTimeouts} times in a row; ${advice}`,
+          { cause: e },
+        );
       }
       if (elapsedMs + pauseMs > opts.connectRetryMsMax) {
         throw new NatsUnreachableError(
@@ -149,7 +160,10 @@ export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnec
         );
       }
       if (attempt === 1)
-        opts.log?.error({ url: opts.url, err: why }, `NATS at ${opts.url} is unreachable; retrying with backoff. Start a server: ${natsInstallHint}`);
+        opts.log?.error(
+          { url: opts.url, err: why },
+          `NATS at ${opts.url} is unreachable; retrying with backoff. Start a server: ${natsInstallHint}`,
+        );
       else opts.log?.debug({ url: opts.url, attempt }, "NATS still unreachable");
       await Bun.sleep(pauseMs);
       pauseMs = Math.min(pauseMs * 2, opts.connectBackoffMsMax);
@@ -164,7 +178,9 @@ const leftPrefix = "a server of the NATS cluster";
 function leftText(before: ReadonlySet<string>, nc: NatsConnection): string | null {
   const now = new Set(nc.info?.connect_urls ?? []);
   const left = [...before].filter((u) => !now.has(u));
-  return left.length === 0 || now.size === 0 ? null : `${leftPrefix} (${left.join(", ")}) left while waiting for the answer`;
+  return left.length === 0 || now.size === 0
+    ? null
+    : `${leftPrefix} (${left.join(", ")}) left while waiting for the answer`;
 }
 
 export class NatsBus implements Bus {
@@ -242,7 +258,11 @@ export class NatsBus implements Bus {
     this.nc.publish(subject, data);
   }
 
-  subscribe(subject: string, onMessage: (data: Uint8Array, subject: string) => void, onError?: (e: Error) => void): Subscription {
+  subscribe(
+    subject: string,
+    onMessage: (data: Uint8Array, subject: string) => void,
+    onError?: (e: Error) => void,
+  ): Subscription {
     const sub = this.nc.subscribe(subject, {
       callback: (err, msg) => {
         if (err !== null) {
@@ -269,7 +289,9 @@ export class NatsBus implements Bus {
         void answer(handler, msg.data, msg.subject, this.#maxPayload).then(({ reply, failed, error }) => {
           if (msg.reply === undefined || msg.reply === "") return; // a publish: nothing to answer
           busTraffic("out", msg.subject, reply.byteLength);
-          this.#send(subject, () => (failed ? msg.respond(reply, { headers: errorHeaders(error) }) : msg.respond(reply)));
+          this.#send(subject, () =>
+            failed ? msg.respond(reply, { headers: errorHeaders(error) }) : msg.respond(reply),
+          );
         });
       },
     });
@@ -296,9 +318,14 @@ export class NatsBus implements Bus {
           if (failed) {
             // "no such job here", "not ready yet" are answers, not trouble: only the log's debug level has them
             const level = error instanceof MeshError && answerCodes.has(error.code) ? "debug" : "warn";
-            log?.[level]({ subject: msg.subject, err: error instanceof Error ? error.message : String(error) }, "request failed");
+            log?.[level](
+              { subject: msg.subject, err: error instanceof Error ? error.message : String(error) },
+              "request failed",
+            );
             // counted in $SRV.STATS num_errors; the body is our ErrorReply
-            this.#send(endpoint.subject, () => msg.respondError(400, headerText(error instanceof Error ? error.message : "error"), reply));
+            this.#send(endpoint.subject, () =>
+              msg.respondError(400, headerText(error instanceof Error ? error.message : "error"), reply),
+            );
           } else {
             this.#send(endpoint.subject, () => msg.respond(reply));
           }
@@ -352,10 +379,15 @@ export const headerText = (text: string): string => text.replace(/[\r\n]+/g, " "
 function translate(e: unknown, subject: string, timeoutMs: number): unknown {
   const names = [e, (e as { cause?: unknown } | undefined)?.cause].map((x) => (x instanceof Error ? x.name : ""));
   const text = e instanceof Error ? e.message : "";
-  if (names.includes("TimeoutError") || /timeout/i.test(text)) return new DeadlineError(`no reply on ${subject} within ${timeoutMs} ms`, { cause: e });
-  if (names.includes("NoRespondersError") || /no responders/i.test(text)) return new NoRespondersError(`no service answers ${subject}`, { cause: e });
+  if (names.includes("TimeoutError") || /timeout/i.test(text))
+    return new DeadlineError(`no reply on ${subject} within ${timeoutMs} ms`, { cause: e });
+  if (names.includes("NoRespondersError") || /no responders/i.test(text))
+    return new NoRespondersError(`no service answers ${subject}`, { cause: e });
   if (names.includes("PermissionViolationError") || /permissions? violation/i.test(text)) {
-    return new NatsAccessError(`permission denied: this client's NATS user may not send ${subject} (its role does not allow it)`, { cause: e });
+    return new NatsAccessError(
+      `permission denied: this client's NATS user may not send ${subject} (its role does not allow it)`,
+      { cause: e },
+    );
   }
   return e;
 }

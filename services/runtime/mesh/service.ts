@@ -126,14 +126,18 @@ export function isConfigurationError(e: unknown): boolean {
 
 /** Runs a service process until SIGTERM/SIGINT; exits with one clear line on a start-up error:
  *  configExitCode when no restart can fix it, else 1. */
-export async function runService<C extends BaseConfig>(def: ServiceDefinition<C>, argv = process.argv.slice(2)): Promise<void> {
+export async function runService<C extends BaseConfig>(
+  def: ServiceDefinition<C>,
+  argv = process.argv.slice(2),
+): Promise<void> {
   let log = createLogger({ service: def.name });
   try {
     const config = loadConfig(def.schema, { argv, env: process.env }, def.defaults) as C;
     log = createLogger({ service: def.name, ...def.logFields?.(config) }, config.logLevel);
     log.info({ config }, `${def.name} starting`);
     const health = new Health(config.natsUrl);
-    const metrics = config.metricsPort >= 0 ? serveMetrics(config.metricsPort, config.metricsHost, () => health.notReady()) : null;
+    const metrics =
+      config.metricsPort >= 0 ? serveMetrics(config.metricsPort, config.metricsHost, () => health.notReady()) : null;
     if (metrics !== null) log.info({ metrics: metrics.url }, `${def.name} serves Prometheus metrics at ${metrics.url}`);
     const metadata = { ...(def.metadata?.(config) ?? {}), ...(metrics === null ? {} : { metrics: metrics.url }) };
     const bus = await NatsBus.connect({

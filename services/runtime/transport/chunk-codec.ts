@@ -6,7 +6,14 @@
 // On the wire (schemas/common.fbs): BF16/F16 count uint16; I8 count int8 and the chunk's one
 // scale; TopK nnz uint32 indices (ascending) then nnz f32 values.
 import { hostKernels } from "../../../ffi/cpu/host.ts";
-import { checkIndices, checkScales, Codec, type Compression, CompressionError, type ErrorFeedback } from "../../../engine/parallel/compress.ts";
+import {
+  checkIndices,
+  checkScales,
+  Codec,
+  type Compression,
+  CompressionError,
+  type ErrorFeedback,
+} from "../../../engine/parallel/compress.ts";
 import { type Chunk, DType } from "../../../schemas/messages.ts";
 import { BadRequestError } from "../mesh/errors.ts";
 
@@ -78,7 +85,12 @@ function lowerBound(idx: Uint32Array, at: number): number {
  * The TopK chunk `id` (elements [at, at + count) of the vector) of a selection over the whole
  * vector (ErrorFeedback.selectTopK): its entries, however many fall in the chunk (0 included).
  */
-export function topKChunk(sel: { idx: Uint32Array; values: Float32Array }, id: number, at: number, count: number): Chunk {
+export function topKChunk(
+  sel: { idx: Uint32Array; values: Float32Array },
+  id: number,
+  at: number,
+  count: number,
+): Chunk {
   const lo = lowerBound(sel.idx, at),
     hi = lowerBound(sel.idx, at + count);
   const nnz = hi - lo;
@@ -91,7 +103,9 @@ export function topKChunk(sel: { idx: Uint32Array; values: Float32Array }, id: n
 
 /** Dense f16/bf16 data as a Uint16Array (copied when the payload is not 2-byte aligned). */
 const u16Of = (data: Uint8Array, n: number): Uint16Array =>
-  data.byteOffset % 2 === 0 ? new Uint16Array(data.buffer, data.byteOffset, n) : new Uint16Array(data.slice().buffer, 0, n);
+  data.byteOffset % 2 === 0
+    ? new Uint16Array(data.buffer, data.byteOffset, n)
+    : new Uint16Array(data.slice().buffer, 0, n);
 
 /**
  * out = the chunk's values as f32 (out.length === chunk.count). A chunk that does not decode

@@ -76,7 +76,10 @@ class Window {
 }
 
 /** How pieces go to one peer: not known yet (inline until its first answer), inline, or shared memory. */
-type Link = { kind: "unknown" } | { kind: "inline" } | { kind: "shm"; out: ShmOutbox; mapped: boolean; direct: LocalLinkClient | null };
+type Link =
+  | { kind: "unknown" }
+  | { kind: "inline" }
+  | { kind: "shm"; out: ShmOutbox; mapped: boolean; direct: LocalLinkClient | null };
 
 const encoder = new TextEncoder();
 const decoder = new TextDecoder();
@@ -130,7 +133,12 @@ export class BusTransport implements PeerTransport {
     if (this.#identity !== null) {
       // a socket on this machine: its peers are this machine's processes (the file is the
       // user's), and a shared-memory piece's values are read from its sender's own segment
-      this.#server = LocalLinkServer.listen(shmSocketPath(job, this.#o.generation, rank), subjects.collTo(job, rank), handler, this.messageBytesMax);
+      this.#server = LocalLinkServer.listen(
+        shmSocketPath(job, this.#o.generation, rank),
+        subjects.collTo(job, rank),
+        handler,
+        this.messageBytesMax,
+      );
     }
   }
 
@@ -140,18 +148,29 @@ export class BusTransport implements PeerTransport {
     // over NATS the sender is the subject's last token, which only its trainer's user may publish
     const sender = subject.slice(subject.lastIndexOf(".") + 1);
     if (sender !== "*" && sender !== String(m.from))
-      throw new BadRequestError(`piece says it is from rank ${m.from}, but came on the subject of rank ${JSON.stringify(sender.slice(0, 32))}`);
+      throw new BadRequestError(
+        `piece says it is from rank ${m.from}, but came on the subject of rank ${JSON.stringify(sender.slice(0, 32))}`,
+      );
     if (m.job !== job) throw new BadRequestError(`piece for job "${m.job}" sent to job "${job}"`);
     // a newer generation's piece comes from a rank that took a restore this one is about to
     // take: the sender retries until it has; an older one's is from before the restore
-    if (m.generation > generation) throw new CapacityError(`rank ${rank} still runs communicator generation ${generation}, the piece is of ${m.generation}`);
-    if (m.generation !== generation) throw new BadRequestError(`piece of communicator generation ${m.generation}; rank ${rank} runs generation ${generation}`);
+    if (m.generation > generation)
+      throw new CapacityError(
+        `rank ${rank} still runs communicator generation ${generation}, the piece is of ${m.generation}`,
+      );
+    if (m.generation !== generation)
+      throw new BadRequestError(
+        `piece of communicator generation ${m.generation}; rank ${rank} runs generation ${generation}`,
+      );
     if (m.to !== rank) throw new BadRequestError(`piece for rank ${m.to} sent to rank ${rank}`);
-    if (!(m.from < size) || m.from === rank) throw new BadRequestError(`piece from rank ${m.from}, not a peer of rank ${rank} among ${size}`);
-    if (m.data.byteLength > this.pieceBytesMax) throw new BadRequestError(`piece of ${m.data.byteLength} bytes exceeds ${this.pieceBytesMax}`);
+    if (!(m.from < size) || m.from === rank)
+      throw new BadRequestError(`piece from rank ${m.from}, not a peer of rank ${rank} among ${size}`);
+    if (m.data.byteLength > this.pieceBytesMax)
+      throw new BadRequestError(`piece of ${m.data.byteLength} bytes exceeds ${this.pieceBytesMax}`);
     if (m.shmNonce === 0) return { piece: { ...m, phase: phaseOf.get(m.phase)! }, inline: true };
     if (this.#inbox === null) throw new BadRequestError(`${shmRefusedPrefix}rank ${rank} takes its pieces inline`);
-    if (m.count * 4 > this.pieceBytesMax) throw new BadRequestError(`piece of ${m.count * 4} bytes exceeds ${this.pieceBytesMax}`);
+    if (m.count * 4 > this.pieceBytesMax)
+      throw new BadRequestError(`piece of ${m.count * 4} bytes exceeds ${this.pieceBytesMax}`);
     let values: Uint8Array;
     try {
       values = this.#inbox.read(m.from, m.shmNonce, m.shmSlot, m.count);
@@ -162,7 +181,8 @@ export class BusTransport implements PeerTransport {
   }
 
   async send(header: PieceHeader, values: Float32Array, signal: AbortSignal): Promise<void> {
-    if (values.byteLength > this.pieceBytesMax) throw new RangeError(`piece of ${values.byteLength} bytes exceeds ${this.pieceBytesMax}`);
+    if (values.byteLength > this.pieceBytesMax)
+      throw new RangeError(`piece of ${values.byteLength} bytes exceeds ${this.pieceBytesMax}`);
     await this.#acquire(header.to, signal);
     try {
       await this.#deliver(header, values, signal);
@@ -223,7 +243,8 @@ export class BusTransport implements PeerTransport {
           const leftMs = peerLostMs - (performance.now() - started);
           const attemptMs = Math.max(100, Math.min(sendTimeoutMs, leftMs));
           const direct = link.kind === "shm" && link.direct?.open ? link.direct : null;
-          const answer = direct !== null ? await direct.request(msg, attemptMs) : await this.bus.request(subject, msg, attemptMs);
+          const answer =
+            direct !== null ? await direct.request(msg, attemptMs) : await this.bus.request(subject, msg, attemptMs);
           if (link.kind === "shm" && slot !== null && !link.mapped) {
             link.mapped = true;
             link.out.unlink();
@@ -231,7 +252,12 @@ export class BusTransport implements PeerTransport {
           if (slot === null) this.#learn(header.to, answer);
           return;
         } catch (e) {
-          if (e instanceof BadRequestError && slot !== null && link.kind === "shm" && e.message.includes(shmRefusedPrefix)) {
+          if (
+            e instanceof BadRequestError &&
+            slot !== null &&
+            link.kind === "shm" &&
+            e.message.includes(shmRefusedPrefix)
+          ) {
             // the peer cannot read this machine's shared memory after all: inline from now on
             link.out.release(slot);
             link.out.unlink();
@@ -241,12 +267,17 @@ export class BusTransport implements PeerTransport {
             attempt = 0;
             continue;
           }
-          if (e instanceof BadRequestError) throw new BadPieceError(`rank ${header.to} refused a piece: ${e.message}`, { cause: e });
+          if (e instanceof BadRequestError)
+            throw new BadPieceError(`rank ${header.to} refused a piece: ${e.message}`, { cause: e });
           const retry = e instanceof CapacityError || e instanceof DeadlineError || e instanceof NoRespondersError;
           const elapsedMs = performance.now() - started;
           if (!retry) throw e;
           if (elapsedMs > peerLostMs)
-            throw new PeerLostError(header.to, `${attempt} attempts over ${Math.round(elapsedMs)} ms: ${(e as Error).message}`, { cause: e });
+            throw new PeerLostError(
+              header.to,
+              `${attempt} attempts over ${Math.round(elapsedMs)} ms: ${(e as Error).message}`,
+              { cause: e },
+            );
           // a busy peer frees room as its operation starts; an absent one may be restarting
           await pause(Math.min(2 ** attempt, e instanceof CapacityError ? 50 : 500), signal);
         }
@@ -260,7 +291,13 @@ export class BusTransport implements PeerTransport {
     if (this.#closed) return;
     const { job, generation } = this.#o;
     const msg = encodeCollPiece(
-      { ...header, job, generation, phase: CollPhase.Abort, reason: reason.replace(/[\r\n]+/g, " ").slice(0, reasonCharsMax) },
+      {
+        ...header,
+        job,
+        generation,
+        phase: CollPhase.Abort,
+        reason: reason.replace(/[\r\n]+/g, " ").slice(0, reasonCharsMax),
+      },
       new Float32Array(0),
     );
     this.bus.publish(subjects.coll(job, header.to, this.rank), msg);

@@ -87,7 +87,14 @@ export class ShmOutbox {
    * fails here, with an error, instead of killing the process on its first piece). Null when
    * that fails: the peer gets its pieces inline.
    */
-  static create(job: string, generation: number, from: number, to: number, slots: number, pieceBytesMax: number): ShmOutbox | null {
+  static create(
+    job: string,
+    generation: number,
+    from: number,
+    to: number,
+    slots: number,
+    pieceBytesMax: number,
+  ): ShmOutbox | null {
     const nonce = 1 + Math.floor(Math.random() * 0xffff_fffe);
     const path = shmPath(job, generation, from, to, nonce);
     const bytes = headerBytes + slots * slotStride(pieceBytesMax);
@@ -101,7 +108,8 @@ export class ShmOutbox {
       header.setUint32(12, slots, true);
       writeSync(fd, new Uint8Array(header.buffer));
       const zeros = new Uint8Array(Math.min(bytes - headerBytes, 4 << 20));
-      for (let left = bytes - headerBytes; left > 0; left -= zeros.length) writeSync(fd, zeros, 0, Math.min(left, zeros.length));
+      for (let left = bytes - headerBytes; left > 0; left -= zeros.length)
+        writeSync(fd, zeros, 0, Math.min(left, zeros.length));
       closeSync(fd);
       fd = -1;
       return new ShmOutbox(path, Bun.mmap(path, { shared: true }), nonce, slots, pieceBytesMax);
@@ -124,7 +132,10 @@ export class ShmOutbox {
   }
 
   write(slot: number, values: Float32Array): void {
-    this.#map.set(new Uint8Array(values.buffer, values.byteOffset, values.byteLength), headerBytes + slot * this.#stride);
+    this.#map.set(
+      new Uint8Array(values.buffer, values.byteOffset, values.byteLength),
+      headerBytes + slot * this.#stride,
+    );
   }
 
   /** The receiver has mapped the file: its name is no longer needed. */
@@ -164,7 +175,8 @@ export class ShmInbox {
       }
       const stride = h.getUint32(8, true),
         slots = h.getUint32(12, true);
-      if (stride % 64 !== 0 || headerBytes + stride * slots > map.byteLength) throw new Error(`${shmRefusedPrefix}${path} has a bad header`);
+      if (stride % 64 !== 0 || headerBytes + stride * slots > map.byteLength)
+        throw new Error(`${shmRefusedPrefix}${path} has a bad header`);
       m = { nonce, map, stride, slots };
       this.#maps.set(from, m); // a newer file of the same sender replaces the older
     }

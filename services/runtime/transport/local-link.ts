@@ -204,7 +204,8 @@ export class LocalLinkClient {
   }
 
   request(data: Uint8Array, timeoutMs: number): Promise<Uint8Array> {
-    if (!this.#open || this.#socket === null) return Promise.reject(new NoRespondersError(`the local link to ${this.path} is closed`));
+    if (!this.#open || this.#socket === null)
+      return Promise.reject(new NoRespondersError(`the local link to ${this.path} is closed`));
     const id = this.#nextId;
     this.#nextId = (this.#nextId % 0xffff_fffe) + 1;
     const { promise, resolve, reject } = Promise.withResolvers<Uint8Array>();

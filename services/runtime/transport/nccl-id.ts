@@ -49,7 +49,8 @@ export const ncclIdWaitMsMax = 30 * 60_000;
 /** Generations count communicator rebuilds within a job; a safe integer keeps keys exact. */
 const generationMax = Number.MAX_SAFE_INTEGER;
 
-if (ncclIdRecordBytes + 256 > ncclIdMessageBytesMax) throw new Error("limits: an NCCL id record and its headers must fit ncclIdMessageBytesMax");
+if (ncclIdRecordBytes + 256 > ncclIdMessageBytesMax)
+  throw new Error("limits: an NCCL id record and its headers must fit ncclIdMessageBytesMax");
 
 /** Which communicator an id belongs to. */
 export interface NcclIdKey {
@@ -61,8 +62,10 @@ export interface NcclIdKey {
 }
 
 function kvKey(key: NcclIdKey): string {
-  if (!jobIdPattern.test(key.job)) throw new BadRequestError(`NCCL id key: job ${JSON.stringify(key.job)} is not a job's identity (<owner>.<name>)`);
-  if (!jobNamePattern.test(key.group)) throw new BadRequestError(`NCCL id key: group ${JSON.stringify(key.group)} must be 1-64 letters, digits, _ or -`);
+  if (!jobIdPattern.test(key.job))
+    throw new BadRequestError(`NCCL id key: job ${JSON.stringify(key.job)} is not a job's identity (<owner>.<name>)`);
+  if (!jobNamePattern.test(key.group))
+    throw new BadRequestError(`NCCL id key: group ${JSON.stringify(key.group)} must be 1-64 letters, digits, _ or -`);
   if (!Number.isSafeInteger(key.generation) || key.generation < 0 || key.generation > generationMax) {
     throw new BadRequestError(`NCCL id key: generation ${key.generation} must be a non-negative integer`);
   }
@@ -70,12 +73,14 @@ function kvKey(key: NcclIdKey): string {
 }
 
 function checkRanks(nranks: number): void {
-  if (!Number.isInteger(nranks) || nranks < 1 || nranks > ncclRanksMax) throw new BadRequestError(`NCCL id: nranks ${nranks} is outside 1..${ncclRanksMax}`);
+  if (!Number.isInteger(nranks) || nranks < 1 || nranks > ncclRanksMax)
+    throw new BadRequestError(`NCCL id: nranks ${nranks} is outside 1..${ncclRanksMax}`);
 }
 
 /** The stored record for `id`; BadRequestError for an id that is not NCCL_UNIQUE_ID_BYTES long. */
 export function encodeNcclId(id: Uint8Array, nranks: number): Uint8Array {
-  if (id.byteLength !== ncclIdBytes) throw new BadRequestError(`an NCCL id is ${ncclIdBytes} bytes, got ${id.byteLength}; refusing to publish it`);
+  if (id.byteLength !== ncclIdBytes)
+    throw new BadRequestError(`an NCCL id is ${ncclIdBytes} bytes, got ${id.byteLength}; refusing to publish it`);
   checkRanks(nranks);
   const out = new Uint8Array(ncclIdRecordBytes);
   out.set(magic, 0);
@@ -87,9 +92,12 @@ export function encodeNcclId(id: Uint8Array, nranks: number): Uint8Array {
 
 /** The id and rank count in a stored record; WireFormatError for a record that is not one. */
 export function decodeNcclId(data: Uint8Array): { id: Uint8Array; nranks: number } {
-  if (data.byteLength < ncclIdRecordBytes) throw new WireFormatError("truncated", `an NCCL id record is ${ncclIdRecordBytes} bytes, got ${data.byteLength}`);
-  if (data.byteLength > ncclIdRecordBytes) throw new WireFormatError("oversized", `an NCCL id record is ${ncclIdRecordBytes} bytes, got ${data.byteLength}`);
-  if (magic.some((b, i) => data[i] !== b)) throw new WireFormatError("bad_identifier", "not an NCCL id record (no MTNI magic)");
+  if (data.byteLength < ncclIdRecordBytes)
+    throw new WireFormatError("truncated", `an NCCL id record is ${ncclIdRecordBytes} bytes, got ${data.byteLength}`);
+  if (data.byteLength > ncclIdRecordBytes)
+    throw new WireFormatError("oversized", `an NCCL id record is ${ncclIdRecordBytes} bytes, got ${data.byteLength}`);
+  if (magic.some((b, i) => data[i] !== b))
+    throw new WireFormatError("bad_identifier", "not an NCCL id record (no MTNI magic)");
   if (data[4] !== ncclIdFormatVersion) {
     throw new WireFormatError(
       "bad_version",
@@ -97,7 +105,8 @@ export function decodeNcclId(data: Uint8Array): { id: Uint8Array; nranks: number
     );
   }
   const nranks = new DataView(data.buffer, data.byteOffset, data.byteLength).getUint32(8, true);
-  if (nranks < 1 || nranks > ncclRanksMax) throw new WireFormatError("malformed", `NCCL id record names ${nranks} ranks (1..${ncclRanksMax})`);
+  if (nranks < 1 || nranks > ncclRanksMax)
+    throw new WireFormatError("malformed", `NCCL id record names ${nranks} ranks (1..${ncclRanksMax})`);
   return { id: data.slice(headerBytes, ncclIdRecordBytes), nranks };
 }
 
@@ -108,7 +117,9 @@ export class NcclIdStore {
 
   static async open(nc: NatsConnection): Promise<NcclIdStore> {
     try {
-      return new NcclIdStore(await openBucket(nc, ncclIdsBucket, { history: 1, maxValueSize: ncclIdMessageBytesMax, ttl: ncclIdTtlMs }));
+      return new NcclIdStore(
+        await openBucket(nc, ncclIdsBucket, { history: 1, maxValueSize: ncclIdMessageBytesMax, ttl: ncclIdTtlMs }),
+      );
     } catch (e) {
       if ((e as Error).name !== "JetStreamNotEnabled") throw e;
       throw new JetStreamUnavailableError(
@@ -133,7 +144,9 @@ export class NcclIdStore {
       const existing = await this.kv.get(k);
       if (existing === null || existing.operation !== "PUT") throw e; // create failed for another reason
       if (sameBytes(existing.value, record)) return;
-      throw new BadRequestError(`${k} already has a different NCCL id (${decodeNcclIdSafe(existing.value)}); a rebuilt communicator needs a new generation`);
+      throw new BadRequestError(
+        `${k} already has a different NCCL id (${decodeNcclIdSafe(existing.value)}); a rebuilt communicator needs a new generation`,
+      );
     }
   }
 
@@ -152,7 +165,10 @@ export class NcclIdStore {
     const watcher = await this.kv.watch({ key: k, ignoreDeletes: true });
     let timer: ReturnType<typeof setTimeout> | undefined;
     const deadline = new Promise<never>((_, reject) => {
-      timer = setTimeout(() => reject(new DeadlineError(`no NCCL id for ${k} within ${timeoutMs} ms (is rank 0 running?)`)), timeoutMs);
+      timer = setTimeout(
+        () => reject(new DeadlineError(`no NCCL id for ${k} within ${timeoutMs} ms (is rank 0 running?)`)),
+        timeoutMs,
+      );
     });
     const first = (async () => {
       for await (const e of watcher) {
@@ -163,7 +179,9 @@ export class NcclIdStore {
     try {
       const record = decodeNcclId(await Promise.race([first, deadline]));
       if (record.nranks !== nranks) {
-        throw new BadRequestError(`${k}: rank 0 set the communicator up for ${record.nranks} ranks, this rank expects ${nranks}`);
+        throw new BadRequestError(
+          `${k}: rank 0 set the communicator up for ${record.nranks} ranks, this rank expects ${nranks}`,
+        );
       }
       return record.id;
     } finally {
