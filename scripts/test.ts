@@ -16,11 +16,23 @@ writeFileSync(skipsFile, "");
 
 // Per-test limit: end-to-end tests train real models for several seconds on 2 cores.
 const timeoutMs = 120_000;
+// Test files run in worker processes side by side: most of an e2e test's time is spent waiting
+// on other processes (a mesh's services, nats-server), so two workers keep two cores busy where
+// one left them idle two thirds of the time. test/timings.json (each file's duration in a past
+// run) makes the slowest files start first. MT_TEST_WORKERS=1 runs them one after another.
+const workers = Number(process.env.MT_TEST_WORKERS ?? 2);
+if (!Number.isInteger(workers) || workers < 1) {
+  console.error(`MT_TEST_WORKERS must be a whole number of workers, 1 or more, not ${process.env.MT_TEST_WORKERS}`);
+  process.exit(2);
+}
+const timings = join(root, "test", "timings.json");
+const parallel = workers > 1 ? [`--parallel=${workers}`, `--timings=${timings}`] : [];
 const proc = Bun.spawnSync(
   [
     process.execPath,
     "test",
     `--timeout=${timeoutMs}`,
+    ...parallel,
     "--reporter=junit",
     `--reporter-outfile=${report}`,
     ...process.argv.slice(2),

@@ -225,16 +225,16 @@ async function fuzzRun(
   const total = planHere(cfg).totalSteps;
   const seen: Event[] = [];
   let ended = false;
-  // after the fuzz, a restore as rank 0 reports the job's last step (an operator's: it lands on
-  // the job's end, which the trainers must take up and finish from)
-  let fuzzDone = false;
+  // a restore as rank 0 reports the job's last step (an operator's: it lands on the job's end,
+  // which the trainers must take up and finish from), while the fuzz still runs or after it: on
+  // a loaded machine the job can reach its last step first
   let endRestore: Promise<unknown> | null = null;
   await client.submit(cfg, { membersWaitMs: 60_000 });
   const watching = watchJob(client, cfg.job, {
     quiet: true,
     onEvent: (e) => {
       seen.push(e);
-      if (fuzzDone && endRestore === null && e.kind === EventKind.Step && e.rank === 0 && e.step === total - 1)
+      if (endRestore === null && e.kind === EventKind.Step && e.rank === 0 && e.step === total - 1)
         endRestore = client.restore(cfg.job);
     },
   }).finally(() => (ended = true));
@@ -244,7 +244,6 @@ async function fuzzRun(
 
   const t0 = performance.now();
   const outcome = await fuzz(client.bus, targets, { messages, seed: fuzzSeed, concurrency: 24 });
-  fuzzDone = true;
   const fuzzSeconds = (performance.now() - t0) / 1000;
   const stepAtFuzzEnd = Math.max(...seen.filter((e) => e.kind === EventKind.Step).map((e) => e.step));
   const endedDuringFuzz = ended;

@@ -103,8 +103,21 @@ async function build(): Promise<Built> {
   const cc = (src: string, out: string) =>
     run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-o", join(tmp, out), join(fixtures, src), "-ldl"], tmp);
   await Promise.all([buildEmulator(tmp), cc("fake-cuda.c", "libfakecuda.so"), cc("fake-cublas.c", "libfakecublas.so")]);
+  // another worker's build of the same sources may have landed first: keep it (a process may
+  // have loaded its libraries already), drop this one
+  if (Object.values(built).every((p) => existsSync(p))) {
+    rmSync(tmp, { recursive: true, force: true });
+    return built;
+  }
   rmSync(dir, { recursive: true, force: true });
-  renameSync(tmp, dir);
+  try {
+    renameSync(tmp, dir);
+  } catch (e) {
+    // renamed by another worker between the check and here
+    rmSync(tmp, { recursive: true, force: true });
+    if (!Object.values(built).every((p) => existsSync(p))) throw e;
+    return built;
+  }
   // builds of earlier sources are of no further use
   const parent = join(dir, "..");
   for (const old of readdirSync(parent))
