@@ -11,7 +11,7 @@
 //   bun run bench engine --config small|nanogpt-char|gpt2-small [--batch N] [--profile] [--no-torch] [...]
 //     one GPT at nanoGPT's shapes against PyTorch on the same shape (bench/engine-config.ts)
 import { join } from "node:path";
-import { type Backend, type GemmInput, gemmInputBytes } from "../ffi/backend.ts";
+import { type Backend, type GemmDesc, type GemmInput, gemmInputBytes, type Ptr } from "../ffi/backend.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { configName, engineConfigs, runConfigBench, torchPython } from "./engine-config.ts";
 import { median, printTable, round } from "./table.ts";
@@ -62,28 +62,7 @@ function timeInterleaved(
   const gemmRound = () => {
     shapes.forEach((s, i) => {
       const { a, b, c } = buffers[i]!;
-      const lda = s.transA ? s.M : s.K;
-      const ldb = s.transB ? s.K : s.N;
-      be.gemmEx(
-        input,
-        s.transA,
-        s.transB,
-        s.M,
-        s.N,
-        s.K,
-        1,
-        a.ptr,
-        lda,
-        s.M * s.K,
-        b.ptr,
-        ldb,
-        s.K * s.N,
-        0,
-        c.ptr,
-        s.N,
-        s.M * s.N,
-        s.batch,
-      );
+      be.gemm(gemmOf(s, input, a.ptr, b.ptr, c.ptr));
     });
   };
   // a GPU backend queues work: synchronize so each interval covers the work it launched
@@ -396,29 +375,7 @@ function gemmShapeTimes(be: Backend, shapes: readonly GemmShape[], input: GemmIn
     const a = randomMatrix(be, s.M * s.K * s.batch, input, 2 * i);
     const b = randomMatrix(be, s.K * s.N * s.batch, input, 2 * i + 1);
     const c = be.alloc(s.M * s.N * s.batch * 4);
-    const lda = s.transA ? s.M : s.K;
-    const ldb = s.transB ? s.K : s.N;
-    const run = () =>
-      be.gemmEx(
-        input,
-        s.transA,
-        s.transB,
-        s.M,
-        s.N,
-        s.K,
-        1,
-        a.ptr,
-        lda,
-        s.M * s.K,
-        b.ptr,
-        ldb,
-        s.K * s.N,
-        0,
-        c.ptr,
-        s.N,
-        s.M * s.N,
-        s.batch,
-      );
+    const run = () => be.gemm(gemmOf(s, input, a.ptr, b.ptr, c.ptr));
     for (let w = 0; w < 3; w++) run();
     const ms: number[] = [];
     for (let r = 0; r < reps; r++) {
@@ -434,3 +391,26 @@ function gemmShapeTimes(be: Backend, shapes: readonly GemmShape[], input: GemmIn
 }
 
 if (import.meta.main) runEngineBench(process.argv.slice(2));
+
+/** The GEMM of a shape (contiguous row-major operands, one after another in a batch) on buffers a, b and c. */
+function gemmOf(s: GemmShape, input: GemmInput, A: Ptr, B: Ptr, C: Ptr): GemmDesc {
+  const { transA, transB, M, N, K, batch } = s;
+  return {
+    input,
+    transA,
+    transB,
+    M,
+    N,
+    K,
+    A,
+    lda: transA ? M : K,
+    strideA: M * K,
+    B,
+    ldb: transB ? K : N,
+    strideB: K * N,
+    C,
+    ldc: N,
+    strideC: M * N,
+    batch,
+  };
+}

@@ -41,6 +41,66 @@ export type ElemType = "f32" | "bf16" | "f16";
 export type GemmInput = "f32" | "tf32" | "bf16" | "f16";
 export const gemmInputBytes: Readonly<Record<GemmInput, number>> = { f32: 4, tf32: 4, bf16: 2, f16: 2 };
 
+/**
+ * One GEMM, row-major: C (M,N) = alpha op(A) op(B) + beta C, where op(A) is (M,K) and op(B) (K,N),
+ * or `batch` of them at the strides (in elements; a batch of 1 ignores them). A and B hold `input`
+ * elements (default f32; bf16/f16: autocast copies); accumulation and C are always f32. Leading
+ * dimensions are in elements. A zero M, N or batch does nothing; K = 0 makes C = beta C.
+ */
+export interface GemmDesc {
+  input?: GemmInput;
+  transA?: boolean;
+  transB?: boolean;
+  M: number;
+  N: number;
+  K: number;
+  /** default 1 */
+  alpha?: number;
+  /** default 0 */
+  beta?: number;
+  A: Ptr;
+  lda: number;
+  strideA?: number;
+  B: Ptr;
+  ldb: number;
+  strideB?: number;
+  C: Ptr;
+  ldc: number;
+  strideC?: number;
+  /** default 1 */
+  batch?: number;
+}
+
+/** A GemmDesc with its defaults filled in, checked: sizes whole and not negative, each leading
+ *  dimension at least its row. RangeError names the problem. */
+export function gemmCall(d: GemmDesc): Required<GemmDesc> {
+  const g: Required<GemmDesc> = {
+    input: "f32",
+    transA: false,
+    transB: false,
+    alpha: 1,
+    beta: 0,
+    strideA: 0,
+    strideB: 0,
+    strideC: 0,
+    batch: 1,
+    ...d,
+  };
+  if (!(g.input in gemmInputBytes)) throw new RangeError(`gemm: unknown input type ${String(g.input)}`);
+  const { M, N, K, lda, ldb, ldc, batch, strideA, strideB, strideC } = g;
+  if ([M, N, K, lda, ldb, ldc, batch, strideA, strideB, strideC].some((v) => !Number.isSafeInteger(v) || v < 0)) {
+    throw new RangeError(
+      `gemm: invalid sizes M=${M} N=${N} K=${K} batch=${batch} ld=${lda},${ldb},${ldc} strides=${strideA},${strideB},${strideC}`,
+    );
+  }
+  if (lda < (g.transA ? M : K) || ldb < (g.transB ? K : N) || ldc < N) {
+    throw new RangeError(
+      `gemm: a leading dimension is shorter than its row (lda=${lda} ldb=${ldb} ldc=${ldc}, M=${M} N=${N} K=${K})`,
+    );
+  }
+  return g;
+}
+
 /** Up to 4 dims, outermost first; unused leading dims are 1. Strides in elements. */
 export type Dims4 = readonly [number, number, number, number];
 
@@ -68,63 +128,8 @@ export interface Backend extends OpMethods {
   fill(dst: Ptr, n: number, value: number): void;
   synchronize(): void;
 
-  // ---- GEMM, row-major: C (M,N) = alpha op(A) op(B) + beta C; op(A) is (M,K), op(B) (K,N) ----
-  gemm(
-    transA: boolean,
-    transB: boolean,
-    M: number,
-    N: number,
-    K: number,
-    alpha: number,
-    A: Ptr,
-    lda: number,
-    B: Ptr,
-    ldb: number,
-    beta: number,
-    C: Ptr,
-    ldc: number,
-  ): void;
-  gemmStridedBatched(
-    transA: boolean,
-    transB: boolean,
-    M: number,
-    N: number,
-    K: number,
-    alpha: number,
-    A: Ptr,
-    lda: number,
-    strideA: number,
-    B: Ptr,
-    ldb: number,
-    strideB: number,
-    beta: number,
-    C: Ptr,
-    ldc: number,
-    strideC: number,
-    batch: number,
-  ): void;
-  /** Strided-batched GEMM whose A and B hold `input` elements (strides and leading dimensions
-   *  in elements); accumulates in f32 and reads/writes C as f32. batch 1 ignores the strides. */
-  gemmEx(
-    input: GemmInput,
-    transA: boolean,
-    transB: boolean,
-    M: number,
-    N: number,
-    K: number,
-    alpha: number,
-    A: Ptr,
-    lda: number,
-    strideA: number,
-    B: Ptr,
-    ldb: number,
-    strideB: number,
-    beta: number,
-    C: Ptr,
-    ldc: number,
-    strideC: number,
-    batch: number,
-  ): void;
+  // ---- GEMM: one call, described (GemmDesc) ----
+  gemm(desc: GemmDesc): void;
 
   // the kernel ops (elementwise, layers, reductions, optimizer updates, casts) are OpMethods,
   // declared once in ffi/ops.ts

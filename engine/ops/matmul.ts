@@ -66,15 +66,25 @@ export function gemm(
   beta: number,
   C: Ptr,
 ): void {
-  const lda = tA ? M : K;
-  const ldb = tB ? K : N;
-  if (input !== "f32") {
-    be.gemmEx(input, tA, tB, M, N, K, 1, A, lda, M * K, B, ldb, K * N, beta, C, N, M * N, batch);
-  } else if (batch === 1) {
-    be.gemm(tA, tB, M, N, K, 1, A, lda, B, ldb, beta, C, N);
-  } else {
-    be.gemmStridedBatched(tA, tB, M, N, K, 1, A, lda, M * K, B, ldb, K * N, beta, C, N, M * N, batch);
-  }
+  be.gemm({
+    input,
+    transA: tA,
+    transB: tB,
+    M,
+    N,
+    K,
+    A,
+    lda: tA ? M : K,
+    strideA: M * K,
+    B,
+    ldb: tB ? K : N,
+    strideB: K * N,
+    beta,
+    C,
+    ldc: N,
+    strideC: M * N,
+    batch,
+  });
 }
 
 /** What a GEMM of this precision reads of t: t itself, or a 2-byte autocast copy. */

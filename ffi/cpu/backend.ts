@@ -6,7 +6,7 @@
 // of upload/download, and those calls are synchronous: the TypedArray argument stays
 // referenced by the caller's frame for the whole call.
 import { dlopen, FFIType, ptr as addressOf, type Pointer } from "bun:ffi";
-import type { Allocation, Backend, BackendStats, GemmInput, Ptr } from "../backend.ts";
+import { type Allocation, type Backend, type BackendStats, type GemmDesc, gemmCall, type Ptr } from "../backend.ts";
 import { OutOfMemoryError } from "../errors.ts";
 import { cArgTypes, type OpDecl, type OpMethods, type OpName, ops, passesStraight, toCArgs } from "../ops.ts";
 import { ensureKernelLibrary } from "./build.ts";
@@ -28,31 +28,6 @@ const alignUp = (n: number, to: number) => Math.ceil(n / to) * to;
 export function gemmOperandElems(rows: number, cols: number, ld: number, stride: number, batch: number): number {
   const one = (rows - 1) * ld + cols;
   return batch === 1 ? one : (batch - 1) * stride + one;
-}
-
-function checkGemmArgs(
-  M: number,
-  N: number,
-  K: number,
-  transA: boolean,
-  transB: boolean,
-  lda: number,
-  ldb: number,
-  ldc: number,
-  strides: readonly number[],
-  batch: number,
-): void {
-  const ints = [M, N, K, lda, ldb, ldc, batch, ...strides];
-  if (ints.some((v) => !Number.isSafeInteger(v) || v < 0) || M * N * K === 0 || batch < 1) {
-    throw new RangeError(
-      `gemmEx: invalid sizes M=${M} N=${N} K=${K} batch=${batch} ld=${lda},${ldb},${ldc} strides=${strides.join(",")}`,
-    );
-  }
-  if (lda < (transA ? M : K) || ldb < (transB ? K : N) || ldc < N) {
-    throw new RangeError(
-      `gemmEx: a leading dimension is shorter than its row (lda=${lda} ldb=${ldb} ldc=${ldc}, M=${M} N=${N} K=${K})`,
-    );
-  }
 }
 
 function loadLibraries() {
@@ -203,58 +178,54 @@ export class CpuBackend implements Backend {
     // CPU kernels are synchronous.
   }
 
-  gemm(
-    transA: boolean,
-    transB: boolean,
-    M: number,
-    N: number,
-    K: number,
-    alpha: number,
-    A: Ptr,
-    lda: number,
-    B: Ptr,
-    ldb: number,
-    beta: number,
-    C: Ptr,
-    ldc: number,
-  ): void {
-    this.#lib.blas.symbols.cblas_sgemm(
-      CblasRowMajor,
-      transA ? CblasTrans : CblasNoTrans,
-      transB ? CblasTrans : CblasNoTrans,
-      M,
-      N,
-      K,
-      alpha,
-      p(A),
-      lda,
-      p(B),
-      ldb,
-      beta,
-      p(C),
-      ldc,
-    );
+  /**
+   * A CPU has no 2-byte or TF32 multiply units that OpenBLAS uses, so:
+   *   f32, tf32  sgemm on the f32 inputs (tf32 thus computes in full f32, which is more precise)
+   *   bf16, f16  widen the whole extent of A and B to f32 in the scratch (exact: every 2-byte
+   *              value is an f32), then sgemm. Products and sums are f32, as on tensor cores.
+   */
+  gemm(desc: GemmDesc): void {
+    const g = gemmCall(desc);
+    if (g.M === 0 || g.N === 0 || g.batch === 0) return;
+    // K = 0 reads neither operand (C = beta C); BLAS wants every leading dimension >= 1
+    if (g.input === "f32" || g.input === "tf32" || g.K === 0) {
+      this.#sgemm({ ...g, lda: Math.max(1, g.lda), ldb: Math.max(1, g.ldb) });
+      return;
+    }
+    const { M, N, K, transA, transB, batch } = g;
+    // A is stored (M,K), or (K,M) with transA; B (K,N), or (N,K) with transB
+    const nA = gemmOperandElems(transA ? K : M, transA ? M : K, g.lda, g.strideA, batch);
+    const nB = gemmOperandElems(transB ? N : K, transB ? K : N, g.ldb, g.strideB, batch);
+    const offsetB = alignUp(nA * 4, alignBytes);
+    const scratch = this.#scratchFor(offsetB + nB * 4);
+    this.#widen(g.input, scratch, g.A, nA);
+    this.#widen(g.input, scratch + offsetB, g.B, nB);
+    this.#sgemm({ ...g, A: scratch, B: scratch + offsetB });
   }
 
-  gemmStridedBatched(
-    transA: boolean,
-    transB: boolean,
-    M: number,
-    N: number,
-    K: number,
-    alpha: number,
-    A: Ptr,
-    lda: number,
-    strideA: number,
-    B: Ptr,
-    ldb: number,
-    strideB: number,
-    beta: number,
-    C: Ptr,
-    ldc: number,
-    strideC: number,
-    batch: number,
-  ): void {
+  /** One GEMM goes straight to cblas_sgemm: through the batched kernel's (inactive) OpenMP
+   *  region OpenBLAS ran it on one thread (measured: 110 against 170 GFLOP/s on 2 cores). */
+  #sgemm(g: Required<GemmDesc>): void {
+    const { transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc } = g;
+    if (g.batch === 1) {
+      this.#lib.blas.symbols.cblas_sgemm(
+        CblasRowMajor,
+        transA ? CblasTrans : CblasNoTrans,
+        transB ? CblasTrans : CblasNoTrans,
+        M,
+        N,
+        K,
+        alpha,
+        p(A),
+        lda,
+        p(B),
+        ldb,
+        beta,
+        p(C),
+        ldc,
+      );
+      return;
+    }
     this.#lib.k.symbols.mt_sgemm_strided_batched(
       transA ? 1 : 0,
       transB ? 1 : 0,
@@ -264,120 +235,16 @@ export class CpuBackend implements Backend {
       alpha,
       p(A),
       lda,
-      strideA,
+      g.strideA,
       p(B),
       ldb,
-      strideB,
+      g.strideB,
       beta,
       p(C),
       ldc,
-      strideC,
-      batch,
+      g.strideC,
+      g.batch,
     );
-  }
-
-  /**
-   * A CPU has no 2-byte or TF32 multiply units that OpenBLAS uses, so:
-   *   f32, tf32  sgemm on the f32 inputs (tf32 thus computes in full f32, which is more precise)
-   *   bf16, f16  widen the whole extent of A and B to f32 in the scratch (exact: every 2-byte
-   *              value is an f32), then sgemm. Products and sums are f32, as on tensor cores.
-   */
-  gemmEx(
-    input: GemmInput,
-    transA: boolean,
-    transB: boolean,
-    M: number,
-    N: number,
-    K: number,
-    alpha: number,
-    A: Ptr,
-    lda: number,
-    strideA: number,
-    B: Ptr,
-    ldb: number,
-    strideB: number,
-    beta: number,
-    C: Ptr,
-    ldc: number,
-    strideC: number,
-    batch: number,
-  ): void {
-    checkGemmArgs(M, N, K, transA, transB, lda, ldb, ldc, [strideA, strideB, strideC], batch);
-    if (input === "f32" || input === "tf32") {
-      this.#sgemm(transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch);
-      return;
-    }
-    if (input !== "bf16" && input !== "f16") throw new RangeError(`gemmEx: unknown input type ${String(input)}`);
-    // A is stored (M,K), or (K,M) with transA; B (K,N), or (N,K) with transB
-    const nA = gemmOperandElems(transA ? K : M, transA ? M : K, lda, strideA, batch);
-    const nB = gemmOperandElems(transB ? N : K, transB ? K : N, ldb, strideB, batch);
-    const offsetB = alignUp(nA * 4, alignBytes);
-    const scratch = this.#scratchFor(offsetB + nB * 4);
-    this.#widen(input, scratch, A, nA);
-    this.#widen(input, scratch + offsetB, B, nB);
-    this.#sgemm(
-      transA,
-      transB,
-      M,
-      N,
-      K,
-      alpha,
-      scratch,
-      lda,
-      strideA,
-      scratch + offsetB,
-      ldb,
-      strideB,
-      beta,
-      C,
-      ldc,
-      strideC,
-      batch,
-    );
-  }
-
-  /** One GEMM goes straight to cblas_sgemm: through the batched kernel's (inactive) OpenMP
-   *  region OpenBLAS ran it on one thread (measured: 110 against 170 GFLOP/s on 2 cores). */
-  #sgemm(
-    transA: boolean,
-    transB: boolean,
-    M: number,
-    N: number,
-    K: number,
-    alpha: number,
-    A: Ptr,
-    lda: number,
-    strideA: number,
-    B: Ptr,
-    ldb: number,
-    strideB: number,
-    beta: number,
-    C: Ptr,
-    ldc: number,
-    strideC: number,
-    batch: number,
-  ): void {
-    if (batch === 1) this.gemm(transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-    else
-      this.gemmStridedBatched(
-        transA,
-        transB,
-        M,
-        N,
-        K,
-        alpha,
-        A,
-        lda,
-        strideA,
-        B,
-        ldb,
-        strideB,
-        beta,
-        C,
-        ldc,
-        strideC,
-        batch,
-      );
   }
 
   #widen(input: "bf16" | "f16", out: Ptr, inp: Ptr, n: number): void {

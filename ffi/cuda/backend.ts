@@ -15,7 +15,7 @@
 // the copy done (two buffers alternate, so a batch upload overlaps the previous step's work).
 // No CUDA thread ever calls into JavaScript: completion is polled (whenIdle) or waited on.
 import { readFileSync } from "node:fs";
-import type { Allocation, Backend, BackendStats, GemmInput, Ptr } from "../backend.ts";
+import { type Allocation, type Backend, type BackendStats, type GemmDesc, gemmCall, type Ptr } from "../backend.ts";
 import { CachingAllocator, type CachingAllocatorStats } from "./allocator.ts";
 import { Cublas, findCublas, loadCublas } from "./cublas.ts";
 import { CU_EVENT_DISABLE_TIMING, driver, type Driver, hostBytes } from "./driver.ts";
@@ -221,105 +221,10 @@ export class CudaBackend implements Backend {
 
   // ---- GEMM (cuBLAS) ----------------------------------------------------------------------
 
-  gemm(
-    transA: boolean,
-    transB: boolean,
-    M: number,
-    N: number,
-    K: number,
-    alpha: number,
-    A: Ptr,
-    lda: number,
-    B: Ptr,
-    ldb: number,
-    beta: number,
-    C: Ptr,
-    ldc: number,
-  ): void {
-    this.#cublas().gemm("f32", transA, transB, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
-  }
-
-  gemmStridedBatched(
-    transA: boolean,
-    transB: boolean,
-    M: number,
-    N: number,
-    K: number,
-    alpha: number,
-    A: Ptr,
-    lda: number,
-    strideA: number,
-    B: Ptr,
-    ldb: number,
-    strideB: number,
-    beta: number,
-    C: Ptr,
-    ldc: number,
-    strideC: number,
-    batch: number,
-  ): void {
-    this.#cublas().gemm(
-      "f32",
-      transA,
-      transB,
-      M,
-      N,
-      K,
-      alpha,
-      A,
-      lda,
-      strideA,
-      B,
-      ldb,
-      strideB,
-      beta,
-      C,
-      ldc,
-      strideC,
-      batch,
-    );
-  }
-
-  gemmEx(
-    input: GemmInput,
-    transA: boolean,
-    transB: boolean,
-    M: number,
-    N: number,
-    K: number,
-    alpha: number,
-    A: Ptr,
-    lda: number,
-    strideA: number,
-    B: Ptr,
-    ldb: number,
-    strideB: number,
-    beta: number,
-    C: Ptr,
-    ldc: number,
-    strideC: number,
-    batch: number,
-  ): void {
-    this.#cublas().gemm(
-      input,
-      transA,
-      transB,
-      M,
-      N,
-      K,
-      alpha,
-      A,
-      lda,
-      strideA,
-      B,
-      ldb,
-      strideB,
-      beta,
-      C,
-      ldc,
-      strideC,
-      batch,
-    );
+  gemm(desc: GemmDesc): void {
+    const g = gemmCall(desc);
+    if (g.M === 0 || g.N === 0 || g.batch === 0) return;
+    this.#cublas().gemm(g);
   }
 
   // ---- kernels ----------------------------------------------------------------------------

@@ -6,7 +6,7 @@
 // column-major: swap the operands (B first), swap M and N, keep each operand's transpose flag
 // and leading dimension. rowMajorGemm() does that mapping; it is pure and tested on the CPU.
 import { dlopen, ptr as addressOf, CString, type Pointer } from "bun:ffi";
-import type { GemmInput, Ptr } from "../backend.ts";
+import type { GemmDesc, GemmInput, Ptr } from "../backend.ts";
 import { NativeLibraryError } from "../errors.ts";
 import { tryFindLibrary } from "../find-library.ts";
 
@@ -225,26 +225,8 @@ export class Cublas {
     return out[0]!;
   }
 
-  gemm(
-    input: GemmInput,
-    transA: boolean,
-    transB: boolean,
-    M: number,
-    N: number,
-    K: number,
-    alpha: number,
-    A: Ptr,
-    lda: number,
-    strideA: number,
-    B: Ptr,
-    ldb: number,
-    strideB: number,
-    beta: number,
-    C: Ptr,
-    ldc: number,
-    strideC: number,
-    batch: number,
-  ): void {
+  gemm(g: Required<GemmDesc>): void {
+    const { input, transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch } = g;
     if (M === 0 || N === 0 || batch === 0) return;
     for (const [name, v] of [
       ["M", M],
@@ -260,7 +242,7 @@ export class Cublas {
     }
     // cuBLAS wants every leading dimension >= 1, even where K = 0 leaves an operand empty
     // (C = beta C then); our row-major callers pass ld = K for such operands
-    const g = rowMajorGemm(
+    const rm = rowMajorGemm(
       transA,
       transB,
       M,
@@ -287,22 +269,22 @@ export class Cublas {
         "cublasGemmEx",
         s.cublasGemmEx(
           this.#handle,
-          g.transa,
-          g.transb,
-          g.m,
-          g.n,
-          g.k,
+          rm.transa,
+          rm.transb,
+          rm.m,
+          rm.n,
+          rm.k,
           alphaPtr,
-          BigInt(g.A),
+          BigInt(rm.A),
           dtype,
-          g.lda,
-          BigInt(g.B),
+          rm.lda,
+          BigInt(rm.B),
           dtype,
-          g.ldb,
+          rm.ldb,
           betaPtr,
-          BigInt(g.C),
+          BigInt(rm.C),
           CUDA_R_32F,
-          g.ldc,
+          rm.ldc,
           compute,
           CUBLAS_GEMM_DEFAULT,
         ),
@@ -312,25 +294,25 @@ export class Cublas {
         "cublasGemmStridedBatchedEx",
         s.cublasGemmStridedBatchedEx(
           this.#handle,
-          g.transa,
-          g.transb,
-          g.m,
-          g.n,
-          g.k,
+          rm.transa,
+          rm.transb,
+          rm.m,
+          rm.n,
+          rm.k,
           alphaPtr,
-          BigInt(g.A),
+          BigInt(rm.A),
           dtype,
-          g.lda,
-          g.strideA,
-          BigInt(g.B),
+          rm.lda,
+          rm.strideA,
+          BigInt(rm.B),
           dtype,
-          g.ldb,
-          g.strideB,
+          rm.ldb,
+          rm.strideB,
           betaPtr,
-          BigInt(g.C),
+          BigInt(rm.C),
           CUDA_R_32F,
-          g.ldc,
-          g.strideC,
+          rm.ldc,
+          rm.strideC,
           batch,
           compute,
           CUBLAS_GEMM_DEFAULT,

@@ -297,26 +297,26 @@ describe("gemmEx", () => {
       const c0 = rand(nC);
       const C = be.alloc(nC * 4);
       be.upload(C.ptr, c0);
-      be.gemmEx(
+      be.gemm({
         input,
-        tA,
-        tB,
-        s.M,
-        s.N,
-        s.K,
-        0.75,
-        A.a.ptr,
-        s.lda,
-        s.strideA,
-        B.a.ptr,
-        s.ldb,
-        s.strideB,
-        0.5,
-        C.ptr,
-        s.ldc,
-        s.strideC,
+        transA: tA,
+        transB: tB,
+        M: s.M,
+        N: s.N,
+        K: s.K,
+        alpha: 0.75,
+        A: A.a.ptr,
+        lda: s.lda,
+        strideA: s.strideA,
+        B: B.a.ptr,
+        ldb: s.ldb,
+        strideB: s.strideB,
+        beta: 0.5,
+        C: C.ptr,
+        ldc: s.ldc,
+        strideC: s.strideC,
         batch,
-      );
+      });
       const got = new Float32Array(nC);
       be.download(C.ptr, got);
       const want = reference(s, A.values, B.values, Float64Array.from(c0), 0.75, 0.5);
@@ -336,7 +336,7 @@ describe("gemmEx", () => {
       const a = be.alloc(M * K * 2),
         b = be.alloc(K * N * 2),
         c = be.alloc(M * N * 4);
-      be.gemmEx("bf16", false, false, M, N, K, 1, a.ptr, K, 0, b.ptr, N, 0, 0, c.ptr, N, 0, 1);
+      be.gemm({ input: "bf16", M, N, K, A: a.ptr, lda: K, B: b.ptr, ldb: N, C: c.ptr, ldc: N });
       for (const x of [a, b, c]) be.free(x);
     };
     run(64, 64, 64);
@@ -350,14 +350,28 @@ describe("gemmEx", () => {
     expect(be.stats.liveBytes).toBe(0);
   });
 
-  test("bad arguments are refused before any native call", () => {
+  test("bad arguments are refused before any native call; an empty product does nothing", () => {
     const be = cpu();
-    expect(() => be.gemmEx("bf16", false, false, 4, 4, 4, 1, 0, 3, 0, 0, 4, 0, 0, 0, 4, 0, 1)).toThrow(
-      /leading dimension/,
-    );
-    expect(() => be.gemmEx("bf16", false, false, 0, 4, 4, 1, 0, 4, 0, 0, 4, 0, 0, 0, 4, 0, 1)).toThrow(RangeError);
-    expect(() => be.gemmEx("f8" as never, false, false, 4, 4, 4, 1, 0, 4, 0, 0, 4, 0, 0, 0, 4, 0, 1)).toThrow(
-      /unknown input type/,
-    );
+    const desc = { input: "bf16" as const, M: 4, N: 4, K: 4, A: 0, lda: 4, B: 0, ldb: 4, C: 0, ldc: 4 };
+    expect(() => be.gemm({ ...desc, lda: 3 })).toThrow(/leading dimension/);
+    expect(() => be.gemm({ ...desc, M: -1 })).toThrow(RangeError);
+    expect(() => be.gemm({ ...desc, K: 2.5 })).toThrow(RangeError);
+    expect(() => be.gemm({ ...desc, batch: 2, strideA: -4 })).toThrow(RangeError);
+    expect(() => be.gemm({ ...desc, input: "f8" as never })).toThrow(/unknown input type/);
+    // M, N or batch zero: nothing is read or written (the pointers here are not memory)
+    for (const empty of [{ M: 0 }, { N: 0, ldb: 0, ldc: 0 }, { batch: 0 }]) be.gemm({ ...desc, ...empty });
+  });
+
+  test("K = 0 makes C = beta C, in every input type", () => {
+    const be = cpu();
+    for (const input of ["f32", "bf16"] as const) {
+      const c = be.alloc(6 * 4);
+      be.upload(c.ptr, Float32Array.from([1, 2, 3, 4, 5, 6]));
+      be.gemm({ input, M: 2, N: 3, K: 0, A: c.ptr, lda: 0, B: c.ptr, ldb: 3, beta: 0.5, C: c.ptr, ldc: 3 });
+      const got = new Float32Array(6);
+      be.download(c.ptr, got);
+      expect([...got]).toEqual([0.5, 1, 1.5, 2, 2.5, 3]);
+      be.free(c);
+    }
   });
 });
