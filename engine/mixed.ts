@@ -3,7 +3,7 @@
 // Context.precision picks the GEMM inputs of matmul (engine/ops/matmul.ts):
 //   f32   plain f32 GEMMs (the default)
 //   tf32  f32 tensors, multiply inputs rounded to TF32 on tensor cores (f32 on a CPU)
-//   bf16  autocast: matmul casts a and b to bf16 arena copies and runs gemmEx; its backward
+//   bf16  autocast: matmul casts a and b to bf16 arena copies and runs a bf16 gemm; its backward
 //         casts dout once and reuses those copies. Accumulation is f32, into f32 outputs and
 //         gradients.
 //   f16   as bf16, with f16 copies. f16's 5-bit exponent flushes small gradients to zero, so

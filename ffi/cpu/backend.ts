@@ -15,7 +15,7 @@ const CblasRowMajor = 101;
 const CblasNoTrans = 111;
 const CblasTrans = 112;
 
-/** gemmEx's scratch grows in steps of this many bytes, so a run of slightly larger GEMMs
+/** The 2-byte GEMM's scratch grows in steps of this many bytes, so a run of slightly larger GEMMs
  *  does not reallocate each time. */
 const scratchGrainBytes = 64 * 1024;
 const alignBytes = 64;
@@ -112,9 +112,9 @@ export class CpuBackend implements Backend {
   #allocBytes = 0;
   #liveBytes = 0;
   #disposed = false;
-  /** gemmEx's f32 copies of 2-byte A and B: owned by the backend, grown on demand, never
+  /** The 2-byte GEMM's f32 copies of A and B: owned by the backend, grown on demand, never
    *  shrunk, freed by dispose(). Once the first training step has seen every GEMM shape, no
-   *  gemmEx call allocates (its growth shows in stats.allocCount like any allocation). */
+   *  2-byte GEMM allocates (its growth shows in stats.allocCount like any allocation). */
   #scratch: Allocation | null = null;
 
   constructor() {

@@ -418,7 +418,7 @@ describe("reproducibility and the step path", () => {
     expect(relErr(train(8, 0).init, train(7, 0).init)).toBeGreaterThan(0.1);
   });
 
-  // f16 and bf16 include the CPU backend's gemmEx scratch and the loss scaler
+  // f16 and bf16 include the CPU backend's GEMM scratch and the loss scaler
   test.each(["f32", "f16", "bf16"] as const)(
     "no backend allocation on the step path after the first step (%s)",
     async (precision) => {
@@ -451,7 +451,7 @@ describe("reproducibility and the step path", () => {
       for (let i = 0; i < 5; i++) trainer.run([batch(), batch()]);
       expect(be.stats.allocCount).toBe(after);
       ctx.dispose();
-      // all that stays is the backend's own gemmEx scratch (widened 2-byte operands), in 64 KiB grains
+      // all that stays is the backend's own GEMM scratch (widened 2-byte operands), in 64 KiB grains
       if (precision === "f32") expect(be.stats.liveBytes).toBe(0);
       else expect([be.stats.liveBytes > 0, be.stats.liveBytes % 65536]).toEqual([true, 0]);
       be.dispose();

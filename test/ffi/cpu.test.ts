@@ -178,7 +178,7 @@ describe("kernels that split work by hand", () => {
   );
 });
 
-describe("gemmEx", () => {
+describe("gemm (every input type)", () => {
   type Input = "f32" | "tf32" | "bf16" | "f16";
   /** The value each 2-byte element holds, decoded in JavaScript (not by the backend's widening). */
   const decode = (input: Input, bits: Uint16Array): Float64Array =>
