@@ -13,9 +13,7 @@
 // overwrite them, and resuming from them would be wrong): the job fails with the differences.
 import { mkdirSync } from "node:fs";
 import {
-  decodeDataPlan,
   decodeJobRequest,
-  encodeJobSpec,
   decodeShardState,
   decodeShardStats,
   encodeCheckpointList,
@@ -40,9 +38,7 @@ import {
   BadRequestError,
   ConfigError,
   CorruptDataError,
-  DeadlineError,
   JobStateError,
-  NoRespondersError,
   NotReadyError,
   UnknownJobError,
 } from "../runtime/mesh/errors.ts";
@@ -56,16 +52,14 @@ import {
   anyJob,
   jobIdPattern,
   jobOfRequest,
-  parseJobConfig,
   shardOfOpenedTag,
-  specOfConfig,
   trainerOfOpenedTag,
   subjects,
   trajectoryDiff,
   usesShards,
 } from "../runtime/job/job.ts";
-import { changeWorld, worldResumeProblem } from "../runtime/job/world.ts";
-import { boundText, type JobControl, resizingReasonPrefix } from "../runtime/job/jobs.ts";
+import { worldResumeProblem } from "../runtime/job/world.ts";
+import { boundText, type JobControl } from "../runtime/job/jobs.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { buildLayout } from "../runtime/job/layout.ts";
 import { exportModelFile } from "../runtime/job/model.ts";
@@ -73,7 +67,8 @@ import { cutShardState, cutTag, precutSaveTag, replicaFromPartitions } from "../
 import { planLayout, planOfSpec } from "../runtime/job/plan.ts";
 import { resizeCloseWaitMs, resizePlanTimeoutMs, resizeSnapshotWaitMs, stateTimeoutMs } from "./limits.ts";
 import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
-import { LivenessMonitor, StragglerDetector } from "../runtime/control/liveness.ts";
+import { JobWatch } from "../runtime/control/watch.ts";
+import { resizeJob } from "../runtime/control/resize.ts";
 
 interface JobEntry {
   cfg: JobConfig;
@@ -103,10 +98,8 @@ interface JobEntry {
   firstAsks: Set<string>;
   /** the shards and ranks that have asked for their restore since the job opened here */
   asked: Set<string>;
-  /** the job's heartbeats: who went quiet (Stalled events) */
-  liveness: LivenessMonitor;
-  /** the ranks' step events, for stragglers */
-  steps: Subscription;
+  /** the control plane's watch: ranks that go quiet (Stalled) or fall behind (Straggler) */
+  watch: JobWatch;
   /** the submission of the job this entry runs (its spec's attempt) */
   attempt: number;
   /** snapshots answered but still being written, by step, and the chain of their writes (one at a time) */
@@ -674,129 +667,52 @@ export class CheckpointService {
     return s.updates === 0 && s.clocks.every((c) => c === 0);
   }
 
-  /**
-   * Changes a running job's trainers or shards (tag "trainers <n> shards <m>"): a snapshot at the
-   * ranks' next step boundary, then every service closes the job (its record stays running), then
-   * it opens again as its next attempt with the new sizes, resuming from that snapshot. The
-   * trainers change from the snapshot's step (the world: the sampler re-splits the rest of the
-   * epoch); the shards take the snapshot's chunks as the new hash ring says. Answers the manifest
-   * resumed from. When anything fails after the job was paused, it goes on as it was.
-   */
+  /** Changes a running job's trainers or shards (the control plane's resizeJob, hosted here: it
+   *  needs the job's snapshots). Answers the manifest resumed from. */
   async #resize(e: JobEntry, tag: string): Promise<Uint8Array> {
     const { cfg } = e;
     const job = cfg.job;
-    const pause = this.control?.pause?.bind(this.control),
-      resume = this.control?.resume?.bind(this.control);
-    if (!pause || !resume)
-      throw new NotReadyError(`this checkpoint service keeps no job records, so it cannot resize job ${job}`);
-    const m = /^trainers (\d{1,2}) shards (\d{1,2})$/.exec(tag);
-    if (m === null)
-      throw new BadRequestError(
-        `a resize names its sizes as "trainers <n> shards <m>", not ${JSON.stringify(tag.slice(0, 64))}`,
-      );
-    const trainers = Number(m[1]),
-      shards = Number(m[2]);
-    if (trainers === cfg.trainers && shards === cfg.shards)
-      throw new BadRequestError(`job ${job} runs ${trainers} trainers and ${shards} shards already`);
-    if (!usesShards(cfg) && shards !== cfg.shards)
-      throw new BadRequestError(`job ${job} runs in all-reduce mode: it has no shards to resize`);
-    // the new settings must make a job (refused now, before anything stops)
-    parseJobConfig({ ...cfg, trainers, shards, world: changeWorld(cfg, Number.MAX_SAFE_INTEGER, trainers) });
     if (e.resizeAsked) throw new JobStateError(`job ${job} is being resized already`);
     e.resizeAsked = true;
     try {
-      // a snapshot at the next step boundary, so that little is trained again
-      const newest = () => this.store.list(job).at(-1)?.step ?? -1;
-      const before = newest();
-      this.bus.publish(subjects.checkpointNow(job), new Uint8Array(0));
-      const waitUntil = Date.now() + resizeSnapshotWaitMs;
-      while (newest() <= before && Date.now() < waitUntil && this.#jobs.get(job) === e) await Bun.sleep(100);
-      if (this.#jobs.get(job) !== e)
-        throw new JobStateError(`job ${job} ended or was reopened while it was being resized`);
-      // no save after this one: the ranks stop
-      await this.#serial(e, async () => {
-        e.resizing = true;
-      });
-      const why = `${resizingReasonPrefix}trainers ${cfg.trainers} -> ${trainers}, shards ${cfg.shards} -> ${shards}`;
-      if (!(await pause(job, e.attempt, why)))
-        throw new JobStateError(`job ${job} is not running as submission ${e.attempt}; nothing resized`);
-      try {
-        await this.#waitClosed(cfg);
-        await e.writing; // the snapshot asked for is on disk
-        const snap = this.store.latestGood(
-          job,
-          "",
-          (bad, why) => this.log?.error({ job, id: bad, why }, "snapshot failed verification; trying the previous one"),
-          (s) => {
-            try {
-              return worldResumeProblem(cfg, jobConfigFromJson(s.configJson), s.step);
-            } catch (err) {
-              return `its settings do not read: ${(err as Error).message}`;
-            }
-          },
-        );
-        const next = parseJobConfig({
-          ...cfg,
-          trainers,
-          shards,
-          world: changeWorld(cfg, snap.manifest.step, trainers),
-        });
-        const plan = decodeDataPlan(
-          await this.bus.request(subjects.planJob, encodeJobSpec(specOfConfig(next)), resizePlanTimeoutMs),
-          1 << 20,
-        );
-        const written = await resume(specOfConfig(next, { attempt: e.attempt + 1, plan }), plan.totalSteps);
-        if (written === null) throw new JobStateError(`job ${job} ended while it was being resized`);
-        const text = `resized from step ${snap.manifest.step} (${snap.manifest.id}): trainers ${cfg.trainers} -> ${trainers}, shards ${cfg.shards} -> ${shards}; ${plan.totalSteps} steps in all`;
-        this.log?.warn({ job, step: snap.manifest.step, trainers, shards }, "job resized");
-        this.#event(job, EventKind.Log, snap.manifest.step, text);
-        return encodeManifest(snap.manifest);
-      } catch (err) {
-        // the job goes on as it was: its own spec again (as the next attempt, so that every service opens it anew)
-        this.log?.error({ job, err: (err as Error).message }, "resize failed; the job goes on with its sizes");
-        await resume(specOfConfig(cfg, { attempt: e.attempt + 1, plan: e.plan }), e.plan.totalSteps).catch(
-          (again: unknown) => {
-            this.log?.error({ job, err: (again as Error).message }, "cannot reopen the job after a failed resize");
-          },
-        );
-        throw err;
-      }
+      const manifest = await resizeJob(
+        cfg,
+        tag,
+        {
+          bus: this.bus,
+          control: this.control,
+          log: this.log,
+          attempt: e.attempt,
+          plan: e.plan,
+          newestStep: () => this.store.list(job).at(-1)?.step ?? -1,
+          current: () => this.#jobs.get(job) === e,
+          stopSaves: () =>
+            this.#serial(e, async () => {
+              e.resizing = true;
+            }),
+          written: () => e.writing,
+          resumable: (c) =>
+            this.store.latestGood(
+              job,
+              "",
+              (bad, why) =>
+                this.log?.error({ job, id: bad, why }, "snapshot failed verification; trying the previous one"),
+              (s) => {
+                try {
+                  return worldResumeProblem(c, jobConfigFromJson(s.configJson), s.step);
+                } catch (err) {
+                  return `its settings do not read: ${(err as Error).message}`;
+                }
+              },
+            ).manifest,
+          note: (step, text) => this.#event(job, EventKind.Log, step, text),
+        },
+        { snapshotWaitMs: resizeSnapshotWaitMs, closeWaitMs: resizeCloseWaitMs, planTimeoutMs: resizePlanTimeoutMs },
+      );
+      return encodeManifest(manifest);
     } finally {
       e.resizing = false;
       e.resizeAsked = false;
-    }
-  }
-
-  /** Waits until every service of the job's sizes has closed it (resizeCloseWaitMs at most). */
-  async #waitClosed(cfg: JobConfig): Promise<void> {
-    const job = cfg.job;
-    const req = encodeJobRequest({ job, step: 0, tag: "" });
-    const closed = async (subject: string): Promise<boolean> => {
-      try {
-        await this.bus.request(subject, req, 2_000);
-        return false;
-      } catch (err) {
-        return err instanceof UnknownJobError || err instanceof NoRespondersError;
-      }
-    };
-    const who = [
-      [`mt.${job}.data.stats`, "the data-loader"],
-      ...Array.from({ length: cfg.trainers }, (_, r) => [subjects.trainerStats(job, r), `trainer ${r}`]),
-      ...(usesShards(cfg)
-        ? Array.from({ length: cfg.shards }, (_, k) => [subjects.psStats(job, k), `shard ${k}`])
-        : []),
-    ] as const;
-    const until = Date.now() + resizeCloseWaitMs;
-    for (;;) {
-      const open = (
-        await Promise.all(who.map(async ([subject, name]) => ((await closed(subject)) ? null : name)))
-      ).filter((x) => x !== null);
-      if (open.length === 0) return;
-      if (Date.now() > until)
-        throw new DeadlineError(
-          `${open.join(", ")} still run job ${job} ${resizeCloseWaitMs} ms after it was paused for a resize`,
-        );
-      await Bun.sleep(200);
     }
   }
 
@@ -833,8 +749,7 @@ export class CheckpointService {
       fresh,
       firstAsks: new Set(),
       asked: new Set(),
-      liveness: new LivenessMonitor(this.bus, cfg.job),
-      steps: this.#followSteps(cfg),
+      watch: new JobWatch(this.bus, cfg, (kind, step, text) => this.#event(cfg.job, kind, step, text)),
       attempt: spec.attempt ?? 0,
       staged: new Map(),
       writing: Promise.resolve(),
@@ -859,20 +774,6 @@ export class CheckpointService {
     }
   }
 
-  /** Every rank's step times, for stragglers (StragglerDetector). */
-  #followSteps(cfg: JobConfig): Subscription {
-    const detector = new StragglerDetector(dataRanks(cfg), (step, text) =>
-      this.#event(cfg.job, EventKind.Straggler, step, text),
-    );
-    return this.bus.subscribe(subjects.events(cfg.job, "step"), (data) => {
-      try {
-        detector.add(decodeEvent(data, 1 << 16));
-      } catch {
-        // not an event: nothing to learn from it
-      }
-    });
-  }
-
   /** Resolves when every snapshot being written is on disk. */
   async flush(): Promise<void> {
     await Promise.all([...this.#jobs.values()].map((e) => e.writing));
@@ -880,8 +781,7 @@ export class CheckpointService {
 
   closeJob(job: string): void {
     this.#jobs.get(job)?.sub.unsubscribe();
-    this.#jobs.get(job)?.steps.unsubscribe();
-    this.#jobs.get(job)?.liveness.close();
+    this.#jobs.get(job)?.watch.close();
     this.#jobs.delete(job);
   }
 }

@@ -1,0 +1,31 @@
+// The control plane's watch over one running job: its ranks' heartbeats (LivenessMonitor: a
+// Stalled event names one that goes quiet, and what it was doing) and their step times
+// (StragglerDetector: a Straggler event names a rank much slower than the others). The
+// checkpoint service hosts one per job it runs, next to the job's snapshots.
+import { decodeEvent, EventKind } from "../../../schemas/messages.ts";
+import type { Bus, Subscription } from "../mesh/bus.ts";
+import { dataRanks, type JobConfig, subjects } from "../job/job.ts";
+import { LivenessMonitor, StragglerDetector } from "./liveness.ts";
+
+export class JobWatch {
+  readonly #liveness: LivenessMonitor;
+  readonly #steps: Subscription;
+
+  /** `event` publishes the job's events (here: Straggler). */
+  constructor(bus: Bus, cfg: JobConfig, event: (kind: EventKind, step: number, text: string) => void) {
+    this.#liveness = new LivenessMonitor(bus, cfg.job);
+    const detector = new StragglerDetector(dataRanks(cfg), (step, text) => event(EventKind.Straggler, step, text));
+    this.#steps = bus.subscribe(subjects.events(cfg.job, "step"), (data) => {
+      try {
+        detector.add(decodeEvent(data, 1 << 16));
+      } catch {
+        // not an event: nothing to learn from it
+      }
+    });
+  }
+
+  close(): void {
+    this.#steps.unsubscribe();
+    this.#liveness.close();
+  }
+}
