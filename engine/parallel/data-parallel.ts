@@ -159,6 +159,15 @@ interface HostPartition {
   scratch: Allocation;
 }
 
+/** Each parameter of bucket b with its part of the bucket's host buffer, in order. */
+function* slices(b: Bucket): Generator<[ParamEntry, Float32Array]> {
+  let at = 0;
+  for (const e of b.entries) {
+    yield [e, b.buf.subarray(at, at + e.numel)];
+    at += e.numel;
+  }
+}
+
 /** A step's collectives in flight: how many, since when, and all of them to await. */
 class InFlight {
   #pending: Promise<void>[] = [];
@@ -433,11 +442,7 @@ export class DataParallel {
     const collective = this.#o.collective();
     const flight = new InFlight();
     const launch = (b: Bucket) => {
-      let at = 0;
-      for (const e of b.entries) {
-        backend.download(store.grads.ptr + e.offset * 4, b.buf.subarray(at, at + e.numel));
-        at += e.numel;
-      }
+      for (const [e, part] of slices(b)) backend.download(store.grads.ptr + e.offset * 4, part);
       const key = { step, bucket: b.id };
       flight.add(b.feedback ? this.#compressedAllReduce(b, key) : collective.allReduce(b.buf, key, "sum"));
     };
@@ -464,11 +469,7 @@ export class DataParallel {
     // offload: the reduced gradients stay on the host, in the mirror the optimizer runs on
     const [gradCtx, gradStore] = this.#host ? [this.#host.ctx, this.#host.store] : [ctx, store];
     for (const b of buckets) {
-      let at = 0;
-      for (const e of b.entries) {
-        gradCtx.backend.upload(gradStore.grads.ptr + e.offset * 4, b.buf.subarray(at, at + e.numel));
-        at += e.numel;
-      }
+      for (const [e, part] of slices(b)) gradCtx.backend.upload(gradStore.grads.ptr + e.offset * 4, part);
     }
     // a non-finite loss stops the job, but only after the reduction: the peers are not left
     // waiting for this rank's buckets
@@ -619,15 +620,12 @@ export class DataParallel {
     const backend = this.#o.ctx.backend;
     const store = this.#o.model.store;
     const stage2 = this.zero >= 2;
-    let at = 0;
-    for (const e of b.entries) {
-      const dst = b.buf.subarray(at, at + e.numel);
+    for (const [e, dst] of slices(b)) {
       const grad = stage2 ? store.gradOf(e.name) : null;
       if (!stage2) backend.download(store.grads.ptr + e.offset * 4, dst);
       else if (grad === null)
         dst.fill(0); // no op read it in this micro-batch
       else backend.download(grad.ptr, dst);
-      at += e.numel;
     }
     const key = { step, bucket: round * this.#buckets!.length + b.id };
     return (b.feedback ? this.#compressedAllReduce(b, key) : this.#o.collective().reduceScatter(b.buf, key)).then(() =>
@@ -689,13 +687,7 @@ export class DataParallel {
       return collective.allGather(b.buf, { step, bucket: gatherBucket + b.id });
     });
     await Promise.all(gathers);
-    for (const b of buckets) {
-      let at = 0;
-      for (const e of b.entries) {
-        backend.upload(store.values.ptr + e.offset * 4, b.buf.subarray(at, at + e.numel));
-        at += e.numel;
-      }
-    }
+    for (const b of buckets) for (const [e, part] of slices(b)) backend.upload(store.values.ptr + e.offset * 4, part);
   }
 
   /** The buckets holding parameters `names`, in the order the names first come. */
@@ -765,11 +757,7 @@ export class DataParallel {
       .then(() => {
         const alloc = ctx.allocPersistent(b.numel * 4);
         backend.upload(alloc.ptr, buf);
-        let at = 0;
-        for (const e of b.entries) {
-          model.store.bind(e.name, alloc.ptr + at * 4);
-          at += e.numel;
-        }
+        for (const [e, part] of slices(b)) model.store.bind(e.name, alloc.ptr + (part.byteOffset - b.buf.byteOffset));
         this.#gathered.set(b.id, alloc);
         this.#gatheredBytes += alloc.bytes;
         // the training passes' peak (an evaluation gathers the whole model, and says so)

@@ -351,7 +351,7 @@ export class TrainerRun {
         const m = decodeManifest(await bus.request(subjects.ckptRecover(cfg.job), req, checkpointTimeoutMs), 1 << 22);
         // the first ask of each rank is answered with the restore that loaded every rank (the
         // first rank's); if that loaded an earlier process of this rank, this one asks for its own
-        if (this.#replica.staged?.step !== m.step && this.#restoreTo === null) {
+        if (this.#replica.staging.staged?.step !== m.step && this.#restoreTo === null) {
           const again = encodeJobRequest({ job: cfg.job, step: 0, tag: `trainer ${rank} holds no replica of ${m.id}` });
           return decodeManifest(await bus.request(subjects.ckptRecover(cfg.job), again, checkpointTimeoutMs), 1 << 22)
             .step;
@@ -477,7 +477,7 @@ export class TrainerRun {
     const replica = this.#replica!;
     this.#replicaSubs.push(
       bus.handle(subjects.replicaLoad(cfg.job, rank), (data) => {
-        replica.stage(decodeShardState(data, payloadBytesMax));
+        replica.staging.stage(decodeShardState(data, payloadBytesMax));
         return new Uint8Array(0);
       }),
     );
@@ -655,10 +655,10 @@ export class TrainerRun {
       this.#restoreTo = null;
       const replica = this.#replica;
       if (replica === null) return to;
-      const staged = replica.staged;
+      const staged = replica.staging.staged;
       if (staged !== null && staged.step === to && (generation === 0 || staged.generation === generation))
         return this.#applyRestore(to);
-      if (generation > 0 && replica.loadsNewerThan(generation)) {
+      if (generation > 0 && replica.staging.newerThan(generation)) {
         this.#o.log?.warn(
           { step: to, generation },
           "the next restore's load came before this one was taken; waiting for its event",

@@ -81,7 +81,8 @@ export class ModelParallelReplica {
   /** this rank's elements in the whole model's slab: all of them (restores), and those it serves */
   readonly #all: SlabRun[];
   readonly #owned: SlabRun[];
-  readonly #staging: ReplicaStaging;
+  /** a restore's parts as they arrive, checked; nothing changes until apply() */
+  readonly staging: ReplicaStaging;
   /** the most bytes of activations this rank's passes held at once (after a forward) */
   #peakHeld = 0;
   #exported: { step: number; parts: ShardState[] } | null = null;
@@ -100,7 +101,7 @@ export class ModelParallelReplica {
       );
     }
     this.layout = buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, 1);
-    this.#staging = new ReplicaStaging(
+    this.staging = new ReplicaStaging(
       cfg.job,
       this.layout,
       () => this.optimizer.stateSlabs().map((x) => x.name),
@@ -314,25 +315,11 @@ export class ModelParallelReplica {
     return parts[part]!;
   }
 
-  /** Takes one part of a restore's whole replica, checked; nothing changes until apply(). */
-  stage(s: ShardState): void {
-    this.#staging.stage(s);
-  }
-
-  get staged(): { step: number; generation: number } | null {
-    return this.#staging.staged;
-  }
-
-  /** Whether a restore's load newer than `generation` has begun here. */
-  loadsNewerThan(generation: number): boolean {
-    return this.#staging.newerThan(generation);
-  }
-
   /** Applies the staged restore: this rank's share of the parameters and optimizer state, and the generation. */
   apply(): { step: number; generation: number } {
     const { backend, plan } = this.#o;
     const slabs = this.optimizer.stateSlabs();
-    const st = this.#staging.take(plan.slabNumel);
+    const st = this.staging.take(plan.slabNumel);
     const { values, states } = st;
     const store = this.model.store;
     const mine = new Float32Array(store.slabNumel);

@@ -64,7 +64,8 @@ export class Replica {
   #collective: Collective | null = null;
   /** host label per rank; null or a single label: the flat ring */
   #hosts: readonly string[] | null = null;
-  readonly #staging: ReplicaStaging;
+  /** a restore's parts as they arrive, checked; nothing changes until apply() */
+  readonly staging: ReplicaStaging;
   /** rank 0: the encoded parts of the replica at a step, kept while the checkpoint service reads them */
   #exported: { step: number; parts: ShardState[] } | null = null;
 
@@ -89,7 +90,7 @@ export class Replica {
       probe: probeBatch(cfg),
     });
     this.layout = buildLayout(cfg.job, model.store.slabNumel, model.store.decayRange.numel, cfg.chunkBytes, 1);
-    this.#staging = new ReplicaStaging(
+    this.staging = new ReplicaStaging(
       cfg.job,
       this.layout,
       () => this.optimizer.stateSlabs().map((x) => x.name),
@@ -306,24 +307,9 @@ export class Replica {
     );
   }
 
-  /** Takes one part of a snapshot's replica (a restore), checked; nothing changes until apply(). */
-  stage(s: ShardState): void {
-    this.#staging.stage(s);
-  }
-
-  /** The restore staged completely (every part, every chunk once), or null. */
-  get staged(): { step: number; generation: number } | null {
-    return this.#staging.staged;
-  }
-
-  /** Whether a restore's load newer than `generation` has begun here. */
-  loadsNewerThan(generation: number): boolean {
-    return this.#staging.newerThan(generation);
-  }
-
   /** Applies the staged restore: parameters, optimizer state, loss scale, and the communicator's generation. */
   apply(): { step: number; generation: number } {
-    const st = this.#staging.take(this.#o.model.store.slabNumel);
+    const st = this.staging.take(this.#o.model.store.slabNumel);
     this.dp.load(st);
     this.#exported = null;
     this.reconnect(st.generation);

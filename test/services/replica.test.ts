@@ -344,26 +344,28 @@ describe("all-reduce replicas", () => {
         { ...parts[0]!, chunks: [{ ...parts[0]!.chunks[0]!, state: parts[0]!.chunks[0]!.state.slice(1) }] },
       ];
       for (const h of hostile)
-        expect(() => target.stage({ ...h, generation: h.generation ?? 5 })).toThrow(BadRequestError);
+        expect(() => target.staging.stage({ ...h, generation: h.generation ?? 5 })).toThrow(BadRequestError);
       // well-formed (checksums made to match) but no training run's: a value of 3e38, a step past the job's last
       const huge = structuredClone({ ...parts[0]!, generation: 5 });
       huge.chunks[0]!.params[1] = 3e38;
-      expect(() => target.stage(withChecksum(huge))).toThrow("holds a value that is NaN, infinite or beyond ±1.84e+19");
-      expect(() => target.stage(withChecksum({ ...parts[0]!, generation: 5, step: 1001 }))).toThrow(
+      expect(() => target.staging.stage(withChecksum(huge))).toThrow(
+        "holds a value that is NaN, infinite or beyond ±1.84e+19",
+      );
+      expect(() => target.staging.stage(withChecksum({ ...parts[0]!, generation: 5, step: 1001 }))).toThrow(
         "replica of step 1001: job",
       );
-      expect(target.staged).toBeNull();
+      expect(target.staging.staged).toBeNull();
       expect(Buffer.from(rest[0]!.model.store.readValues().buffer).equals(Buffer.from(before.buffer))).toBe(true);
       // every part into both ranks of the second pair, then both pairs go on: the same parameters
       for (const r of rest) {
         // a stray part of another load (a generation far ahead) does not block this one
-        r.replica.stage({ ...parts[0]!, generation: 2 ** 53 - 1 });
-        for (const p of parts.slice(0, -1)) r.replica.stage({ ...p, generation: 5 });
-        expect(r.replica.staged).toBeNull(); // not complete yet
-        r.replica.stage({ ...parts.at(-1)!, generation: 5 });
+        r.replica.staging.stage({ ...parts[0]!, generation: 2 ** 53 - 1 });
+        for (const p of parts.slice(0, -1)) r.replica.staging.stage({ ...p, generation: 5 });
+        expect(r.replica.staging.staged).toBeNull(); // not complete yet
+        r.replica.staging.stage({ ...parts.at(-1)!, generation: 5 });
         // the next restore's first part (a restore right after this one) leaves this load whole
-        r.replica.stage({ ...parts[0]!, generation: 6 });
-        expect([r.replica.staged, r.replica.loadsNewerThan(5), r.replica.loadsNewerThan(6)]).toEqual([
+        r.replica.staging.stage({ ...parts[0]!, generation: 6 });
+        expect([r.replica.staging.staged, r.replica.staging.newerThan(5), r.replica.staging.newerThan(6)]).toEqual([
           { step: 3, generation: 5 },
           true,
           false,

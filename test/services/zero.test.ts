@@ -397,7 +397,7 @@ describe("ZeRO checkpoints", () => {
       expect(() => assemble([...partitions.slice(1), { ...partitions[0]!, step: 4 }])).toThrow(/checksum/);
       for (const run of resumed) {
         for (const x of run.ranks) {
-          for (const p of parts) x.replica.stage({ ...p, generation: 5 });
+          for (const p of parts) x.replica.staging.stage({ ...p, generation: 5 });
           expect(x.replica.apply()).toEqual({ step: 3, generation: 5 });
         }
         const after = await run.steps(3, 8);
