@@ -159,6 +159,15 @@ interface HostPartition {
   scratch: Allocation;
 }
 
+/** One step's inputs: this rank's micro-batches (`rows` samples of the step's `totalRows`) and the learning rate. */
+interface StepArgs {
+  step: number;
+  micro: readonly HostBatch[];
+  rows: number;
+  totalRows: number;
+  lr: number;
+}
+
 /** Each parameter of bucket b with its part of the bucket's host buffer, in order. */
 function* slices(b: Bucket): Generator<[ParamEntry, Float32Array]> {
   let at = 0;
@@ -421,19 +430,12 @@ export class DataParallel {
     lr: number,
   ): Promise<DataParallelStepResult> {
     this.codec.atStep(step, this.#o.warmupSteps);
-    return this.zero > 0
-      ? this.#stepZero(step, micro, rows, totalRows, lr)
-      : this.#stepReplica(step, micro, rows, totalRows, lr);
+    const s = { step, micro, rows, totalRows, lr };
+    return this.zero > 0 ? this.#stepZero(s) : this.#stepReplica(s);
   }
 
   /** Stage 0: each bucket all-reduced as backward completes it, then the same update on every rank. */
-  async #stepReplica(
-    step: number,
-    micro: readonly HostBatch[],
-    rows: number,
-    totalRows: number,
-    lr: number,
-  ): Promise<DataParallelStepResult> {
+  async #stepReplica({ step, micro, rows, totalRows, lr }: StepArgs): Promise<DataParallelStepResult> {
     const { ctx, model } = this.#o;
     const backend = ctx.backend;
     const store = model.store;
@@ -530,16 +532,10 @@ export class DataParallel {
    * Then: overflow and the global norm from every rank's partition (one small all-reduce), the
    * optimizer on the partition, and each bucket's updated parameters all-gathered.
    */
-  async #stepZero(
-    step: number,
-    micro: readonly HostBatch[],
-    rows: number,
-    totalRows: number,
-    lr: number,
-  ): Promise<DataParallelStepResult> {
+  async #stepZero({ step, micro, rows, totalRows, lr }: StepArgs): Promise<DataParallelStepResult> {
     const t0 = performance.now();
     const flight = new InFlight();
-    const loss = await this.#zeroPasses(step, micro, rows, totalRows, flight);
+    const loss = await this.#zeroPasses({ step, micro, rows, totalRows, lr }, flight);
     const tBackward = performance.now();
     await flight.all();
     if (!Number.isFinite(loss)) throw new NonFiniteLossError(step, loss);
@@ -565,13 +561,7 @@ export class DataParallel {
    * rounds, so a rank with fewer micro-batches reduces zeros). Returns the mean loss; the
    * reductions are in `flight`.
    */
-  async #zeroPasses(
-    step: number,
-    micro: readonly HostBatch[],
-    rows: number,
-    totalRows: number,
-    flight: InFlight,
-  ): Promise<number> {
+  async #zeroPasses({ step, micro, rows, totalRows }: StepArgs, flight: InFlight): Promise<number> {
     const { ctx, model } = this.#o;
     const store = model.store;
     const buckets = this.#plan();

@@ -48,7 +48,7 @@ import { BadRequestError, CorruptDataError } from "../runtime/mesh/errors.ts";
 import { dataRanks, type JobConfig } from "../runtime/job/job.ts";
 import { buildLayout, type Layout } from "../runtime/job/layout.ts";
 import { modelConfigOf } from "../runtime/job/model.ts";
-import { cutPartition, type ReplicaMeta } from "../runtime/job/replica-parts.ts";
+import { cutPartition, KeptParts, type ReplicaMeta } from "../runtime/job/replica-parts.ts";
 import { ReplicaStaging, type ReplicaStepResult } from "./replica.ts";
 
 export interface ModelParallelOptions {
@@ -85,7 +85,7 @@ export class ModelParallelReplica {
   readonly staging: ReplicaStaging;
   /** the most bytes of activations this rank's passes held at once (after a forward) */
   #peakHeld = 0;
-  #exported: { step: number; parts: ShardState[] } | null = null;
+  readonly #exported = new KeptParts("the share");
 
   constructor(o: ModelParallelOptions) {
     this.#o = o;
@@ -299,20 +299,16 @@ export class ModelParallelReplica {
       }),
       partBytesMax,
     );
-    this.#exported = { step, parts };
-    return parts.length;
+    return this.#exported.keep(step, parts);
   }
 
   hasCut(step: number): boolean {
-    return this.#exported?.step === step;
+    return this.#exported.has(step);
   }
 
   async exportPart(step: number, part: number, partBytesMax: number): Promise<ShardState> {
-    if (this.#exported?.step !== step) this.cut(step, partBytesMax);
-    const parts = this.#exported!.parts;
-    if (!Number.isInteger(part) || part < 0 || part >= parts.length)
-      throw new BadRequestError(`the share has parts 0 to ${parts.length - 1}, not ${part}`);
-    return parts[part]!;
+    if (!this.#exported.has(step)) this.cut(step, partBytesMax);
+    return this.#exported.part(step, part, () => []);
   }
 
   /** Applies the staged restore: this rank's share of the parameters and optimizer state, and the generation. */
@@ -332,7 +328,7 @@ export class ModelParallelReplica {
     slabs.forEach((s, i) => backend.upload(s.allocation.ptr, mineStates[i]!));
     this.optimizer.setStepCount(st.optimizerSteps);
     store.zeroGrad();
-    this.#exported = null;
+    this.#exported.clear();
     this.reconnect(st.generation);
     return { step: st.step, generation: st.generation };
   }

@@ -28,7 +28,7 @@ import { BusTransport, busTransportDefaults, type BusTransportOptions } from "..
 import { BadRequestError } from "../runtime/mesh/errors.ts";
 import type { JobConfig } from "../runtime/job/job.ts";
 import { buildLayout, type Layout } from "../runtime/job/layout.ts";
-import { cutPartition, cutReplica, type ReplicaMeta } from "../runtime/job/replica-parts.ts";
+import { cutPartition, cutReplica, KeptParts, type ReplicaMeta } from "../runtime/job/replica-parts.ts";
 import { implausibleStateText, plausibleState } from "../runtime/job/limits.ts";
 
 export { ReplicaDivergedError } from "../../engine/parallel/data-parallel.ts";
@@ -67,7 +67,7 @@ export class Replica {
   /** a restore's parts as they arrive, checked; nothing changes until apply() */
   readonly staging: ReplicaStaging;
   /** rank 0: the encoded parts of the replica at a step, kept while the checkpoint service reads them */
-  #exported: { step: number; parts: ShardState[] } | null = null;
+  readonly #exported = new KeptParts("the replica");
 
   constructor(o: ReplicaOptions) {
     this.#o = o;
@@ -250,17 +250,12 @@ export class Replica {
 
   /** Cuts the replica (or this rank's partition) for the snapshot of `step`: copies kept for its parts; returns their number. */
   cut(step: number, partBytesMax: number): number {
-    this.#exported = {
-      step,
-      parts:
-        this.partition === null ? this.#replicaParts(step, partBytesMax) : this.#partitionParts(step, partBytesMax),
-    };
-    return this.#exported.parts.length;
+    return this.#exported.keep(step, this.#parts(step, partBytesMax));
   }
 
   /** Whether a cut of `step` is kept. */
   hasCut(step: number): boolean {
-    return this.#exported?.step === step;
+    return this.#exported.has(step);
   }
 
   /**
@@ -270,11 +265,11 @@ export class Replica {
    * (services/runtime/job/replica-parts.ts). Each part fits `partBytesMax`.
    */
   async exportPart(step: number, part: number, partBytesMax: number): Promise<ShardState> {
-    if (this.#exported?.step !== step) this.cut(step, partBytesMax);
-    const parts = this.#exported!.parts;
-    if (!Number.isInteger(part) || part < 0 || part >= parts.length)
-      throw new BadRequestError(`the replica has parts 0 to ${parts.length - 1}, not ${part}`);
-    return parts[part]!;
+    return this.#exported.part(step, part, () => this.#parts(step, partBytesMax));
+  }
+
+  #parts(step: number, partBytesMax: number): ShardState[] {
+    return this.partition === null ? this.#replicaParts(step, partBytesMax) : this.#partitionParts(step, partBytesMax);
   }
 
   #meta(step: number): ReplicaMeta {
@@ -311,7 +306,7 @@ export class Replica {
   apply(): { step: number; generation: number } {
     const st = this.staging.take(this.#o.model.store.slabNumel);
     this.dp.load(st);
-    this.#exported = null;
+    this.#exported.clear();
     this.reconnect(st.generation);
     return { step: st.step, generation: st.generation };
   }

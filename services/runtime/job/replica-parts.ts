@@ -228,3 +228,36 @@ export function replicaFromPartitions(
   const meta = { job: o.job, step: first.step, optimizerSteps: first.optimizerSteps, lossScale: first.lossScale ?? 0 };
   return cutReplica(meta, o.layout, values, states, o.partBytesMax);
 }
+
+/** The parts a rank cut of its state for a snapshot of one step, kept while the checkpoint
+ *  service reads them one by one (the rank trains on meanwhile). */
+export class KeptParts {
+  #kept: { step: number; parts: ShardState[] } | null = null;
+
+  /** `what` names the state in errors: "the replica", "the share" */
+  constructor(readonly what: string) {}
+
+  /** Keeps `parts` as the cut of `step`; returns their number. */
+  keep(step: number, parts: ShardState[]): number {
+    this.#kept = { step, parts };
+    return parts.length;
+  }
+
+  has(step: number): boolean {
+    return this.#kept?.step === step;
+  }
+
+  /** Drops what is kept (a restore made it stale). */
+  clear(): void {
+    this.#kept = null;
+  }
+
+  /** Part `part` of the cut of `step`, cut now with `cut` when none of that step is kept. */
+  part(step: number, part: number, cut: () => ShardState[]): ShardState {
+    if (!this.has(step)) this.keep(step, cut());
+    const parts = this.#kept!.parts;
+    if (!Number.isInteger(part) || part < 0 || part >= parts.length)
+      throw new BadRequestError(`${this.what} has parts 0 to ${parts.length - 1}, not ${part}`);
+    return parts[part]!;
+  }
+}
