@@ -131,6 +131,14 @@ async function follow(client: MeshClient, job: string): Promise<void> {
 }
 
 export function addMeshCommands(program: Command): void {
+  addLocalCommands(program);
+  addMeshUpCommands(program);
+  addJobCommands(program);
+  addSnapshotCommands(program);
+}
+
+/** `run` (a local mesh for one job) and `plan` (each trainer's memory, before anything starts). */
+function addLocalCommands(program: Command): void {
   jobOptions(
     program
       .command("run")
@@ -188,7 +196,10 @@ export function addMeshCommands(program: Command): void {
       for (const line of lines) console.log(line);
       process.exitCode = plan.fits ? 0 : 3;
     });
+}
 
+/** `mesh up` (a mesh that stays up) and `creds` (its NATS users). */
+function addMeshUpCommands(program: Command): void {
   const mesh = program.command("mesh").description("run the mesh's services on this machine");
   mesh
     .command("up")
@@ -244,7 +255,10 @@ export function addMeshCommands(program: Command): void {
         `  nats-server: include ${shownPath(join(c.dir, "auth.conf"))} in its config; a service: MT_NATS_NKEY=<its user's .nk>; the CLI: --nats-nkey ${shownPath(c.seedFile(clientUser(opts.clients[0])))}`,
       );
     });
+}
 
+/** The client commands that submit and follow jobs. */
+function addJobCommands(program: Command): void {
   natsOption(
     jobOptions(program.command("submit").description("submit a job to a running mesh and follow it to the end")),
   )
@@ -311,7 +325,10 @@ export function addMeshCommands(program: Command): void {
           : statusLines(st).join("\n"),
       );
     });
+}
 
+/** The client commands that act on running jobs and their snapshots. */
+function addSnapshotCommands(program: Command): void {
   natsOption(
     program
       .command("cancel")

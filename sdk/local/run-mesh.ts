@@ -11,6 +11,7 @@ import { ConfigError, DeadlineError } from "../../services/runtime/mesh/errors.t
 import { probeCuda } from "../../ffi/cuda/driver.ts";
 import { planDevice, planReport } from "../plan.ts";
 import {
+  type JobConfig,
   defaultOwner,
   jobConfigFromJson,
   parseJobConfig,
@@ -57,8 +58,15 @@ function previousOnDisk(jobsDir: string, job: string): PreviousRun | null {
     : null;
 }
 
-/** Runs the job to its end; resolves with the process's exit code. */
-export async function runMesh(o: MeshRunOptions): Promise<number> {
+/** The job of a run, checked (it fits, it may resume), its folders made and its header printed. */
+function prepareRun(o: MeshRunOptions): {
+  cfg: JobConfig;
+  jobsDir: string;
+  jobDir: string;
+  logDir: string;
+  resumeLine: string;
+  shards: number;
+} {
   const jobsDir = join(o.dir, "jobs");
   // the local mesh's one client user owns the job (its name without an owner is the default's)
   const flagged = jobConfigOf(o.flags);
@@ -96,6 +104,12 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
   for (const line of configSummary(cfg)) console.log(`  ${line}`);
   console.log(`  files      ${shownPath(jobDir)}/ (snapshots, model.mtm, logs/; the full config: logs/job.json)`);
 
+  return { cfg, jobsDir, jobDir, logDir, resumeLine, shards };
+}
+
+/** Runs the job to its end; resolves with the process's exit code. */
+export async function runMesh(o: MeshRunOptions): Promise<number> {
+  const { cfg, jobsDir, jobDir, logDir, resumeLine, shards } = prepareRun(o);
   let print = (line: string) => console.log(line);
   using stop = new StopRequests((s) =>
     print(`${s}: stopping job ${cfg.job}: a snapshot first, then the mesh (again to stop at once)`),

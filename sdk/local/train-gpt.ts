@@ -171,22 +171,7 @@ function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
   const o: GptRunOptions =
     given.initFrom === undefined ? settings : { ...settings, ...initShape(given, corpus.vocabSize) };
   const ctx = new Context(backend, { seed: o.seed, precision: o.precision });
-  const shape = o;
-  const config: GptConfig = {
-    vocabSize: corpus.vocabSize,
-    blockSize: shape.blockSize,
-    nLayer: shape.nLayer,
-    nHead: shape.nHead,
-    nEmbd: shape.nEmbd,
-    dropout: o.dropout,
-  };
-  const model = new GptModel(ctx, config, o.seed);
-  model.recompute = o.recompute;
-  if (o.initFrom !== undefined) {
-    const values = model.store.readValues();
-    fromHfTensors(model.store.entries, readSafetensors(join(o.initFrom, "model.safetensors")), values);
-    model.store.writeValues(values);
-  }
+  const { config, model } = buildGpt(ctx, o, corpus.vocabSize);
   const schedule = scheduleOf("cosine", o.warmup, o.maxSteps, o.minLr);
   checkSchedule(schedule, o.lr);
   const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: o.beta2, eps: 1e-8, weightDecay: o.weightDecay });
@@ -257,6 +242,41 @@ function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
   progress.stop();
   if (step < o.maxSteps) console.log(`stopped at the ${o.timeLimitMin}-minute time limit after ${step} steps`);
 
+  const seconds = (performance.now() - t0) / 1000;
+  const sample = finishGpt(o, corpus, config, model, { step, valLoss, seconds });
+  ctx.dispose();
+  return { valLoss, steps: step, seconds, sample };
+}
+
+/** The run's GPT, from the seed or (--init-from) a Hugging Face folder's tensors. */
+function buildGpt(ctx: Context, o: GptRunOptions, vocabSize: number): { config: GptConfig; model: GptModel } {
+  const config: GptConfig = {
+    vocabSize,
+    blockSize: o.blockSize,
+    nLayer: o.nLayer,
+    nHead: o.nHead,
+    nEmbd: o.nEmbd,
+    dropout: o.dropout,
+  };
+  const model = new GptModel(ctx, config, o.seed);
+  model.recompute = o.recompute;
+  if (o.initFrom !== undefined) {
+    const values = model.store.readValues();
+    fromHfTensors(model.store.entries, readSafetensors(join(o.initFrom, "model.safetensors")), values);
+    model.store.writeValues(values);
+  }
+  return { config, model };
+}
+
+/** The end of a run: the model file, the validation loss, a sample, and the next commands. Returns the sample. */
+function finishGpt(
+  o: GptRunOptions,
+  corpus: ReturnType<typeof loadCorpus>,
+  config: GptConfig,
+  model: GptModel,
+  run: { step: number; valLoss: number; seconds: number },
+): string | undefined {
+  const { step, valLoss, seconds } = run;
   mkdirSync(dirname(o.out), { recursive: true });
   const bpe = corpus.tokenizer === "gpt2";
   saveModelFile(o.out, model.store, {
@@ -267,7 +287,6 @@ function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
     step,
     training: o,
   });
-  const seconds = (performance.now() - t0) / 1000;
   console.log(`validation loss: ${valLoss.toFixed(4)} nats/token after ${step} steps in ${seconds.toFixed(1)} s`);
   let sample: string | undefined;
   if (corpus.vocab !== undefined && o.sampleChars > 0) {
@@ -280,8 +299,7 @@ function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
     sample = tok.decode(model.generate([gpt2EndOfText], Math.ceil(o.sampleChars / 4), new Rng(o.seed), 0.8));
     console.log(`sample (temperature 0.8):\n${sample}`);
   }
-  ctx.dispose();
   for (const line of modelLines(o.out, bpe ? [["sample", "--prompt", "The"], ["eval"]] : nextCommands(corpus.vocab)))
     console.log(line);
-  return { valLoss, steps: step, seconds, sample };
+  return sample;
 }

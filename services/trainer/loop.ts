@@ -1,17 +1,18 @@
-// One trainer rank running one job. In parameter-server mode:
-//   next batch -> pull parameters (as the sync policy allows) -> forward/backward -> clip ->
-//   push gradients, with the step's time split into data wait, pull, compute and push,
-// published as events. Rank 0 asks the checkpoint service for a snapshot every
-// `checkpointEvery` steps, between its pull and its push (under BSP no shard can move past
-// the step until rank 0 pushes, so the snapshot is exactly the state after step-1).
-// In all-reduce mode (replica.ts) the rank holds the parameters and optimizer state itself:
-//   next batch -> forward/backward with the gradient all-reduced bucket by bucket -> clip ->
-//   update, the split into data wait, compute, communication and exposed communication.
-// Rank 0's snapshots are of its replica, taken at a step boundary; a rank that opens the job
-// (new, resumed or restarted) asks for a restore of the newest snapshot, which loads every
-// rank, so all resume at one step with one communicator generation. A collective that fails
-// (a peer died) also rewinds every rank to the newest snapshot instead of retrying the step:
-// a ring operation cannot be retried by one rank alone.
+// One trainer rank running one job: the job's life around its steps. The step itself is the
+// mode's (modes.ts, chosen once when the rank opens the job):
+//   parameter-server mode: next batch -> pull parameters (as the sync policy allows) ->
+//     forward/backward -> clip -> push gradients, the step's time split into data wait, pull,
+//     compute and push;
+//   all-reduce mode (replica.ts over the engine's DataParallel, or a model-parallel share):
+//     next batch -> forward/backward with the gradient all-reduced bucket by bucket -> clip ->
+//     update, the split into data wait, compute, communication and exposed communication.
+// Rank 0 asks the checkpoint service for a snapshot every `checkpointEvery` steps (or
+// `checkpointMinutes`) at a step boundary (under BSP no shard can move past the step until rank
+// 0 pushes, so the snapshot is exactly the state after step-1; in all-reduce mode it is of the
+// replicas). A rank that opens an all-reduce job (new, resumed or restarted) asks for a restore
+// of the newest snapshot, which loads every rank, so all resume at one step with one
+// communicator generation. A collective that fails (a peer died) rewinds every rank to the
+// newest snapshot instead of retrying the step: a ring operation cannot be retried by one rank.
 //
 // The job's life: every rank takes the step count, the vocabulary and the parameter layout from
 // the plan its spec carries (computed at submission; only the data-loader reads the data) and
@@ -22,9 +23,8 @@
 // events until the job has ended, so a restarted rank 0 still hears them.
 import type { Backend } from "../../ffi/backend.ts";
 import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
-import { CollectiveClosedError, CollectiveError } from "../../engine/parallel/collective.ts";
 import { Context } from "../../engine/tensor.ts";
-import { evaluate, type HostBatch, lossAndGradients } from "../../engine/train.ts";
+import type { HostBatch } from "../../engine/train.ts";
 import { dirname } from "node:path";
 import {
   type Batch,
@@ -33,13 +33,10 @@ import {
   decodeEvent,
   decodeJobRequest,
   decodeManifest,
-  decodeShardState,
-  decodeShardStats,
   emptyEvent,
   encodeBatchRequest,
   encodeEvent,
   encodeJobRequest,
-  encodeShardState,
   encodeTrainerStats,
   type Event,
   EventKind,
@@ -50,8 +47,7 @@ import {
 import type { Bus, Subscription } from "../runtime/mesh/bus.ts";
 import { awaitMembers, type MeshMembers } from "../runtime/mesh/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/job/evals.ts";
-import { BadRequestError, NotReadyError } from "../runtime/mesh/errors.ts";
-import { cutTag, partOfTag, precutSaveTag } from "../runtime/job/replica-parts.ts";
+import { BadRequestError } from "../runtime/mesh/errors.ts";
 import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
 import {
   dataRanks,
@@ -60,17 +56,15 @@ import {
   jobOfRequest,
   modelParallel,
   peakLr,
-  shardsClip,
   stepScheduleOf,
   subjects,
-  trainerOpenedTag,
   usesShards,
 } from "../runtime/job/job.ts";
 import type { JobControl } from "../runtime/job/jobs.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { pause } from "../runtime/mesh/pause.ts";
 import { buildModel } from "../runtime/job/model.ts";
-import { checkPlanLayout, jobSchedule, planLayout } from "../runtime/job/plan.ts";
+import { checkPlanLayout, jobSchedule } from "../runtime/job/plan.ts";
 import {
   checkpointTimeoutMs,
   scheduledSnapshotTimeoutMs,
@@ -87,12 +81,12 @@ import {
   notReadyPauseMs,
   firstTimedSnapshotMs,
 } from "./limits.ts";
-import { PsClient } from "./ps-client.ts";
-import { parseCompression } from "../../engine/parallel/compress.ts";
 import { bytesPerParam } from "../../engine/parallel/zero.ts";
 import { m as metrics } from "../runtime/mesh/metrics.ts";
 import { ModelParallelReplica } from "./model-parallel.ts";
-import { Replica, type ReplicaOptions } from "./replica.ts";
+import type { ReplicaOptions } from "./replica.ts";
+import { type StepHost, type TrainerMode, trainerMode } from "./modes.ts";
+import { toHost } from "./batches.ts";
 import type { StepSchedule } from "../runtime/job/world.ts";
 
 export interface TrainerOptions {
@@ -122,55 +116,15 @@ export class StaleStepError extends Error {
   override readonly name = "StaleStepError";
 }
 
-/** Rows [r, r+n) of a batch as the model takes them: images and labels, or token windows
- *  (inputs a window's first T tokens, targets its last T). */
-function hostRows(b: Batch, r: number, n: number): HostBatch {
-  if (b.tokens === undefined || b.tokens.length === 0) {
-    return {
-      inputs: b.x.subarray(r * b.cols, (r + n) * b.cols),
-      inputShape: [n, b.cols],
-      targets: b.y.subarray(r, r + n),
-      targetShape: [n],
-    };
-  }
-  const T = b.cols;
-  const inputs = new Int32Array(n * T),
-    targets = new Int32Array(n * T);
-  for (let i = 0; i < n; i++) {
-    const w = b.tokens.subarray((r + i) * (T + 1), (r + i + 1) * (T + 1));
-    inputs.set(w.subarray(0, T), i * T);
-    targets.set(w.subarray(1), i * T);
-  }
-  return { inputs, inputShape: [n, T], targets, targetShape: [n, T] };
-}
-
-const toHost = (b: Batch): HostBatch => hostRows(b, 0, b.rows);
 /** rank 0's answer to `ctl.checkpoint` */
 const snapshotAskedReply = new TextEncoder().encode("a snapshot at the next step boundary");
-
-/**
- * The step's batch cut into `k` micro-batches (gradient accumulation: each micro-batch's mean
- * loss is back-propagated with weight 1/k). A short last batch is cut into fewer.
- */
-export function microBatches(b: Batch, k: number): HostBatch[] {
-  const size = Math.ceil(b.rows / Math.min(k, b.rows));
-  const out: HostBatch[] = [];
-  for (let r = 0; r < b.rows; r += size) out.push(hostRows(b, r, Math.min(size, b.rows - r)));
-  return out;
-}
 
 export class TrainerRun {
   readonly #o: TrainerOptions;
   readonly #ctx: Context;
   readonly #model: ReturnType<typeof buildModel>;
-  /** parameter-server mode */
-  readonly #ps: PsClient | null;
-  /** all-reduce mode: a replica, or a share of a model-parallel job's model */
-  readonly #replica: Replica | ModelParallelReplica | null;
-  /** all-reduce mode: the step this rank's replica is at (what a snapshot of it is labelled) */
-  #replicaStep = 0;
-  #params: { generation: number; data: Float32Array };
-  readonly #grads: Float32Array;
+  /** the step's strategy of the job's mode (modes.ts): parameter server, or replica */
+  readonly #mode: TrainerMode;
   /** the job's plan, from its spec */
   readonly #plan: DataPlan;
   /** each step's epoch, samples and world (services/runtime/job/world.ts) */
@@ -232,28 +186,36 @@ export class TrainerRun {
     this.#model = mp?.model ?? buildModel(this.#ctx, o.cfg, o.plan);
     const store = this.#model.store;
     if (mp === null) checkPlanLayout(o.plan, store.slabNumel, store.decayRange.numel);
-    const layout = planLayout(o.cfg, o.plan);
-    this.#ps = usesShards(o.cfg)
-      ? new PsClient(o.bus, layout, o.rank, o.payloadBytesMax, parseCompression(o.cfg.compress), o.cfg.warmupSteps)
-      : null;
-    this.#replica = usesShards(o.cfg)
-      ? null
-      : (mp ??
-        new Replica({
-          bus: o.bus,
-          backend: o.backend,
-          cfg: o.cfg,
-          rank: o.rank,
-          ctx: this.#ctx,
-          model: this.#model,
-          payloadBytesMax: o.payloadBytesMax,
-          totalSteps: o.plan.totalSteps,
-          ...o.collective,
-        }));
-    // host copies of pulled parameters and pushed gradients: parameter-server mode only
-    const hostElems = this.#ps ? store.slabNumel : 0;
-    this.#params = { generation: 0, data: new Float32Array(hostElems) };
-    this.#grads = new Float32Array(hostElems);
+    this.#mode = trainerMode(this.#stepHost(), o.plan, mp, o.collective);
+  }
+
+  /** What the mode's step needs of this run. */
+  #stepHost(): StepHost {
+    const o = this.#o;
+    const run = this;
+    return {
+      cfg: o.cfg,
+      rank: o.rank,
+      bus: o.bus,
+      backend: o.backend,
+      ctx: this.#ctx,
+      model: this.#model,
+      payloadBytesMax: o.payloadBytesMax,
+      log: o.log,
+      total: this.#plan.totalSteps,
+      stepDelayMs: o.stepDelayMs ?? 0,
+      get hb() {
+        return run.#hb;
+      },
+      batch: (step) => this.#batch(step),
+      boundary: (step) => this.#boundary(step),
+      checkGeneration: (step, generation) => this.#checkGeneration(step, generation),
+      publish: (e) => this.#publish(e),
+      lr: (step) => lrAt(this.#schedule, peakLr(o.cfg), step),
+      rowsAt: (step) => this.#steps.at(step).rows,
+      restorePending: () => this.#restoreTo !== null,
+      generation: () => this.#generation,
+    };
   }
 
   get #total(): number {
@@ -281,7 +243,7 @@ export class TrainerRun {
     const { members, cfg, log } = this.#o;
     if (!members) return;
     if (!(await awaitMembers(members, cfg, membersWaitMsMax, "its NATS server", this.#stopSignal.signal))) return;
-    if (this.#replica === null) return;
+    if (usesShards(cfg)) return;
     // the collective's topology: every rank reads the same labels from service discovery
     const known = (await members()).trainerHosts ?? {};
     const hosts = Array.from({ length: cfg.trainers }, (_, r) => known[r] ?? "");
@@ -289,11 +251,7 @@ export class TrainerRun {
       log?.warn({ hosts }, "some ranks gave no host label; the all-reduce is the flat ring");
       return;
     }
-    this.#replica.useTopology(hosts);
-    log?.info(
-      { hosts, hostCount: this.#replica.hostCount },
-      this.#replica.hostCount > 1 ? "all-reduce is hierarchical across hosts" : "all-reduce is a ring on one host",
-    );
+    this.#mode.useTopology(hosts);
   }
 
   #publish(e: Partial<Event> & { kind: EventKind }): void {
@@ -302,8 +260,7 @@ export class TrainerRun {
     let rank: number | null = this.#o.rank;
     // Step and Eval events are a data-parallel rank's: in a model-parallel job one rank of each
     // copy of the model speaks for it, as its copy
-    if ((e.kind === EventKind.Step || e.kind === EventKind.Eval) && this.#replica !== null)
-      rank = this.#replica.eventRank;
+    if (e.kind === EventKind.Step || e.kind === EventKind.Eval) rank = this.#mode.eventRank;
     if (rank === null) return;
     this.#o.bus.publish(
       subjects.events(this.#o.cfg.job, kind),
@@ -327,7 +284,7 @@ export class TrainerRun {
       exposed_comm: e.exposedCommMs,
     };
     for (const [phase, ms] of Object.entries(phases)) metrics.trainerPhase.set({ job, phase }, (ms ?? 0) / 1000);
-    const wire = this.#replica?.wireBytes ?? 0;
+    const wire = usesShards(this.#o.cfg) ? 0 : this.#mode.wireBytes;
     if (wire > this.#wireSeen) metrics.collectiveBytes.inc({ job }, wire - this.#wireSeen);
     this.#wireSeen = wire;
   }
@@ -335,45 +292,7 @@ export class TrainerRun {
 
   /** The data-loader's rank this trainer reads (its copy of the model's, in a model-parallel job). */
   get #dataRank(): number {
-    return this.#replica?.dataRank ?? this.#o.rank;
-  }
-
-  /**
-   * The step to start from. Parameter-server mode: what this rank has pushed completely to every
-   * shard (0 for a new job). All-reduce mode: the newest snapshot's, loaded into every rank (a
-   * resumed job, or a rank that restarted and lost its replica); 0 when the job has none.
-   */
-  async #findStartStep(): Promise<number> {
-    const { cfg, rank, bus } = this.#o;
-    if (this.#replica) {
-      try {
-        const req = encodeJobRequest({ job: cfg.job, step: 0, tag: trainerOpenedTag(rank) });
-        const m = decodeManifest(await bus.request(subjects.ckptRecover(cfg.job), req, checkpointTimeoutMs), 1 << 22);
-        // the first ask of each rank is answered with the restore that loaded every rank (the
-        // first rank's); if that loaded an earlier process of this rank, this one asks for its own
-        if (this.#replica.staging.staged?.step !== m.step && this.#restoreTo === null) {
-          const again = encodeJobRequest({ job: cfg.job, step: 0, tag: `trainer ${rank} holds no replica of ${m.id}` });
-          return decodeManifest(await bus.request(subjects.ckptRecover(cfg.job), again, checkpointTimeoutMs), 1 << 22)
-            .step;
-        }
-        return m.step; // every rank takes the restore at its next step boundary (the Restore event)
-      } catch (e) {
-        if (e instanceof NotReadyError) return 0; // no snapshot: a new job, every rank from the seed's initialization
-        throw e;
-      }
-    }
-    let step = Number.POSITIVE_INFINITY;
-    for (let k = 0; k < cfg.shards; k++) {
-      const reply = await bus.request(
-        subjects.psStats(cfg.job, k),
-        encodeJobRequest({ job: cfg.job, step: 0, tag: "" }),
-        requestTimeoutMs,
-      );
-      const stats = decodeShardStats(reply, 1 << 20);
-      // a shard that owns no chunk sees no pushes: its clocks say nothing
-      if (stats.chunks > 0) step = Math.min(step, stats.clocks[rank] ?? 0);
-    }
-    return Number.isFinite(step) ? step : 0;
+    return this.#mode.dataRank;
   }
 
   async run(): Promise<void> {
@@ -388,7 +307,7 @@ export class TrainerRun {
       this.#restored = Promise.withResolvers<void>();
       log?.warn({ step: e.step, why: e.text }, "job restored from a checkpoint; resuming there");
     });
-    if (this.#replica) this.#serveReplica();
+    this.#replicaSubs.push(...this.#mode.serve());
     this.#replicaSubs.push(
       bus.handle(subjects.trainerStats(cfg.job, rank), (data, subject) => this.#stats(data, subject)),
     );
@@ -409,13 +328,13 @@ export class TrainerRun {
       await this.#checkMembers();
       let step = await this.#retry(
         "find the start step (every shard must have opened the job)",
-        () => this.#findStartStep(),
+        () => this.#mode.findStartStep(),
         jobStartWaitMsMax,
       );
       this.#startStep = step;
       log?.info({ step, totalSteps: this.#total, precision: cfg.precision }, "training");
-      if (this.#replica) {
-        const m = this.#replica.memory;
+      const m = this.#mode.memory;
+      if (m !== null) {
         const mb = (b: number) => Math.round(b / 1e4) / 100;
         log?.info(
           {
@@ -462,52 +381,9 @@ export class TrainerRun {
     } finally {
       this.#hb?.stop();
       for (const s of [this.#sub, this.#ctl, this.#evalSub, ...this.#replicaSubs]) s?.unsubscribe();
-      this.#replica?.close();
+      this.#mode.close();
       this.#ctx.dispose();
     }
-  }
-
-  /**
-   * All-reduce mode: every rank takes the parts of a snapshot's replica on restore; rank 0 serves
-   * its replica's parts to the checkpoint service (under ZeRO every rank its partition's), for
-   * the step it is at.
-   */
-  #serveReplica(): void {
-    const { cfg, bus, rank, payloadBytesMax } = this.#o;
-    const replica = this.#replica!;
-    this.#replicaSubs.push(
-      bus.handle(subjects.replicaLoad(cfg.job, rank), (data) => {
-        replica.staging.stage(decodeShardState(data, payloadBytesMax));
-        return new Uint8Array(0);
-      }),
-    );
-    // a snapshot reads rank 0's replica (stage 0), or every rank's partition (ZeRO), for the step the rank is at
-    const subject =
-      replica.serves === "whole"
-        ? subjects.replicaState(cfg.job)
-        : replica.serves === "partition"
-          ? subjects.replicaPartition(cfg.job, rank)
-          : null;
-    if (subject === null) return;
-    this.#replicaSubs.push(
-      bus.handle(subject, (data, subject) => {
-        const m = decodeJobRequest(data, 1 << 16);
-        jobOfRequest(subject, m.job);
-        // "cut" copies the replica of this step for the parts asked next (the rank goes on meanwhile)
-        if (m.tag === cutTag || !replica.hasCut(m.step)) {
-          if (m.step !== this.#replicaStep)
-            throw new NotReadyError(`trainer ${rank}'s replica is at step ${this.#replicaStep}, not ${m.step}`);
-          if (m.tag === cutTag)
-            return encodeJobRequest({
-              job: cfg.job,
-              step: m.step,
-              tag: cutTag,
-              value: replica.cut(m.step, payloadBytesMax),
-            });
-        }
-        return replica.exportPart(m.step, partOfTag(m.tag), payloadBytesMax).then(encodeShardState);
-      }),
-    );
   }
 
   /** `mt.<job>.trainer.<rank>.stats`: the step, and what this rank holds for the model, read from its allocations. */
@@ -516,7 +392,7 @@ export class TrainerRun {
     const m = decodeJobRequest(data, 1 << 16);
     jobOfRequest(subject, m.job);
     const store = this.#model.store;
-    const mem = this.#replica?.memory;
+    const mem = this.#mode.memory ?? undefined;
     return encodeTrainerStats({
       job: cfg.job,
       rank,
@@ -529,7 +405,7 @@ export class TrainerRun {
       optimizerBytes: mem?.optimizer ?? 0,
       bucketBytes: mem?.buckets ?? 0,
       arenaPeakBytes: mem?.arenaPeak ?? this.#ctx.arena.highWaterBytes,
-      wireBytes: this.#replica?.wireBytes ?? this.#ps?.wireBytes ?? 0,
+      wireBytes: this.#mode.wireBytes,
       hostBytes: mem?.host ?? 0,
       gatheredPeakBytes: mem?.gatheredPeak ?? 0,
     });
@@ -624,7 +500,7 @@ export class TrainerRun {
       evaluated.catch(() => {}); // a restore fails its pull or collectives: expected
       try {
         if ((await Promise.race([evaluated, this.#restored.promise.then(() => "restored" as const)])) === "done") break;
-        this.#replica?.interrupt();
+        await this.#mode.abandon(evaluated);
         await evaluated.catch(() => {});
         return this.#takeRestore();
       } catch (e) {
@@ -653,12 +529,9 @@ export class TrainerRun {
       const to = this.#restoreTo!;
       const generation = this.#restoreGeneration;
       this.#restoreTo = null;
-      const replica = this.#replica;
-      if (replica === null) return to;
-      const staged = replica.staging.staged;
-      if (staged !== null && staged.step === to && (generation === 0 || staged.generation === generation))
-        return this.#applyRestore(to);
-      if (generation > 0 && replica.staging.newerThan(generation)) {
+      const state = this.#mode.restoreState(to, generation);
+      if (state === "ready") return this.#mode.applyRestore(to);
+      if (state === "superseded") {
         this.#o.log?.warn(
           { step: to, generation },
           "the next restore's load came before this one was taken; waiting for its event",
@@ -693,36 +566,27 @@ export class TrainerRun {
       if (this.#stopped) return step;
       if (this.#restoreTo !== null) return this.#takeRestore();
       try {
-        const run = (
-          this.#replica ? this.#runReplicaStep(step, this.#generation) : this.#runStep(step, this.#generation)
-        ).then(() => "done" as const);
+        const run = this.#mode.runStep(step, this.#generation).then(() => "done" as const);
         run.catch(() => {}); // once abandoned by a restore, its failure (StaleStepError) is expected
         const outcome = await Promise.race([run, this.#restored.promise.then(() => "restored" as const)]);
         if (outcome === "restored") {
           // parameter-server mode: the abandoned step's push is refused by its generation check.
           // All-reduce mode: its collectives are failed, and it must be over before the restore
           // rewrites the model it computes on
-          if (this.#replica) {
-            this.#replica.interrupt();
-            await run.catch(() => {});
-          }
+          await this.#mode.abandon(run);
           continue;
         }
         return step + 1;
       } catch (e) {
         if (this.#stopped) return step;
-        if (
-          this.#replica &&
-          e instanceof CollectiveError &&
-          !(e instanceof CollectiveClosedError) &&
-          this.#restoreTo === null
-        ) {
-          await this.#rewind(step, e);
+        const failure = this.#mode.failure(e);
+        if (failure === "rewind" && this.#restoreTo === null) {
+          await this.#rewind(step, e as Error);
           continue;
         }
         // a shard waiting for its restore (or opening the job) answers NotReady: wait for it, not
         // counting attempts, for up to notReadyWaitMsMax
-        if (e instanceof NotReadyError && !this.#replica) {
+        if (failure === "wait") {
           waitingSinceMs ??= Date.now();
           if (Date.now() - waitingSinceMs < notReadyWaitMsMax) {
             attempt--;
@@ -755,14 +619,6 @@ export class TrainerRun {
     }
   }
 
-  /** All-reduce mode: takes the restore every rank was loaded with; returns its step. */
-  #applyRestore(to: number): number {
-    const { generation } = this.#replica!.apply();
-    this.#replicaStep = to;
-    this.#o.log?.info({ step: to, generation }, "replica restored");
-    return to;
-  }
-
   /** Retries until it succeeds, the run stops, or `waitMsMax` has passed. */
   async #retry<T>(what: string, fn: () => Promise<T>, waitMsMax: number): Promise<T> {
     const started = Date.now();
@@ -775,62 +631,6 @@ export class TrainerRun {
         await Bun.sleep(Math.min(100 * attempt, 2000));
       }
     }
-  }
-
-  async #runStep(step: number, generation: number): Promise<void> {
-    const { cfg, backend } = this.#o;
-    const hb = this.#hb;
-    const t0 = performance.now();
-    hb?.at(step, "data");
-    const batch = await this.#batch(step);
-    const t1 = performance.now();
-    const wire0 = this.#ps!.wireBytes;
-    const params = this.#paramsFor(generation);
-    hb?.at(step, "pull");
-    await this.#ps!.pull(step, params);
-    this.#checkGeneration(step, generation);
-    backend.upload(this.#model.store.values.ptr, params);
-    const t2 = performance.now();
-    const snapshotMs = await this.#boundary(step);
-    const t3 = performance.now();
-    this.#checkGeneration(step, generation);
-    hb?.at(step, "compute");
-    let loss = 0;
-    if (batch.rows > 0) {
-      // no loss scaler (parameter-server mode refuses f16): the gradients are f32 and always
-      // pushed. BSP with clipping: the shards clip the averaged gradient by its global norm
-      loss = lossAndGradients(
-        this.#ctx,
-        this.#model,
-        microBatches(batch, cfg.accumSteps),
-        shardsClip(cfg) ? 0 : cfg.gradClip,
-        step,
-      ).loss;
-      backend.download(this.#model.store.grads.ptr, this.#grads);
-    } else {
-      this.#grads.fill(0); // this rank got no samples in the epoch's last, short step
-    }
-    if (this.#o.stepDelayMs) await Bun.sleep(this.#o.stepDelayMs);
-    const t4 = performance.now();
-    this.#checkGeneration(step, generation);
-    hb?.at(step, "push");
-    await this.#ps!.push(step, this.#grads);
-    const t5 = performance.now();
-    hb?.stepTook(t5 - t0);
-    this.#publish({
-      kind: EventKind.Step,
-      step,
-      loss,
-      lr: lrAt(this.#schedule, peakLr(cfg), step),
-      samplesPerS: batch.rows / ((t5 - t0) / 1000),
-      dataWaitMs: t1 - t0,
-      pullMs: t2 - t1,
-      computeMs: t4 - t3,
-      pushMs: t5 - t4,
-      count: batch.rows,
-      wireBytes: this.#ps!.wireBytes - wire0,
-      snapshotMs,
-    });
   }
 
   /** Rank 0: whether checkpointMinutes have passed since the last snapshot (the first: a minute
@@ -860,53 +660,6 @@ export class TrainerRun {
       return performance.now() - t0;
     }
     return 0;
-  }
-
-  /** All-reduce mode: a step on this rank's replica (replica.ts). */
-  async #runReplicaStep(step: number, generation: number): Promise<void> {
-    const { cfg } = this.#o;
-    const replica = this.#replica!;
-    this.#replicaStep = step;
-    const t0 = performance.now();
-    this.#hb?.at(step, "data");
-    const batch = await this.#batch(step);
-    const t1 = performance.now();
-    this.#checkGeneration(step, generation);
-    const snapshotMs = await this.#boundary(step);
-    this.#checkGeneration(step, generation);
-    this.#hb?.at(step, "compute and collective");
-    const lr = lrAt(this.#schedule, peakLr(cfg), step);
-    const total = this.#steps.at(step).rows;
-    const micro = batch.rows > 0 ? microBatches(batch, cfg.accumSteps) : [];
-    const wire0 = replica.wireBytes;
-    const delayed = performance.now();
-    if (this.#o.stepDelayMs) await Bun.sleep(this.#o.stepDelayMs);
-    const delayMs = performance.now() - delayed;
-    const r = await replica.step(step, micro, batch.rows, total, lr);
-    this.#checkGeneration(step, generation);
-    if (cfg.replicaCheckEvery > 0 && ((step + 1) % cfg.replicaCheckEvery === 0 || step + 1 === this.#total))
-      await replica.checkReplicas(step);
-    this.#replicaStep = step + 1;
-    const t3 = performance.now();
-    this.#hb?.stepTook(t3 - t0);
-    this.#publish({
-      kind: EventKind.Step,
-      step,
-      loss: r.loss,
-      lr,
-      samplesPerS: batch.rows / ((t3 - t0) / 1000),
-      dataWaitMs: t1 - t0,
-      computeMs: r.computeMs + delayMs,
-      commMs: r.commMs,
-      exposedCommMs: r.exposedCommMs,
-      pullMs: 0,
-      pushMs: 0,
-      count: batch.rows,
-      wireBytes: replica.wireBytes - wire0,
-      density: r.density,
-      snapshotMs,
-      ...(r.skipped ? { text: "f16 gradients overflowed: the update was skipped on every rank" } : {}),
-    });
   }
 
   /**
@@ -948,25 +701,13 @@ export class TrainerRun {
     if (generation !== this.#generation) throw new StaleStepError(`step ${step} began before a restore; abandoned`);
   }
 
-  /** Host buffer for pulled parameters, one per restore generation (an abandoned pull keeps writing the old one). */
-  #paramsFor(generation: number): Float32Array {
-    if (this.#params.generation !== generation)
-      this.#params = { generation, data: new Float32Array(this.#params.data.length) };
-    return this.#params.data;
-  }
-
   async #checkpoint(step: number): Promise<void> {
     this.#hb?.at(step, "checkpoint");
-    const { cfg, bus, log, payloadBytesMax } = this.#o;
+    const { cfg, bus, log } = this.#o;
     // training goes on: a missed snapshot costs recovery time, not correctness
     const failed = (e: unknown) => log?.warn({ step, err: (e as Error).message }, "checkpoint failed");
-    // all-reduce without ZeRO: rank 0 holds the whole state, and cuts it here (no round trip
-    // for it); the checkpoint service reads the cut's parts in the background
-    const replica = this.#replica;
-    const precut = replica !== null && replica.serves === "whole";
     try {
-      if (precut) replica.cut(step, payloadBytesMax);
-      const tag = precut ? precutSaveTag : "schedule";
+      const tag = this.#mode.snapshotTag(step);
       await bus.request(
         subjects.ckptSave(cfg.job),
         encodeJobRequest({ job: cfg.job, step, tag }),
@@ -980,12 +721,8 @@ export class TrainerRun {
   /** Evaluates the current parameters on this rank's share of the held-out split. */
   async #evaluate(step: number): Promise<void> {
     this.#hb?.at(step, "eval");
-    const { cfg, rank, bus, backend } = this.#o;
-    if (step >= this.#total && this.#ps) {
-      const params = this.#paramsFor(this.#generation);
-      await this.#ps.pull(step, params); // the final parameters
-      backend.upload(this.#model.store.values.ptr, params);
-    }
+    const { cfg, bus } = this.#o;
+    await this.#mode.beforeEvaluate(step);
     // the validation split during training; at the end the test split, where the data set has one
     const split =
       this.#plan.valSamples > 0 && (step < this.#total || this.#plan.testSamples === 0) ? Split.Val : Split.Test;
@@ -999,14 +736,8 @@ export class TrainerRun {
       if (b.endOfEpoch) break;
       batches.push(toHost(b));
     }
-    // ZeRO stage 3: every rank gathers the whole model for the evaluation (they all evaluate at this boundary)
-    await this.#replica?.gatherAll(step);
-    // a model-parallel copy evaluates through its stages together
-    const r =
-      this.#replica instanceof ModelParallelReplica
-        ? await this.#replica.evaluate(step, batches)
-        : evaluate(this.#ctx, this.#model, batches);
-    await this.#replica?.releaseAll();
+    // ZeRO stage 3 gathers the whole model; a model-parallel copy evaluates through its stages
+    const r = await this.#mode.evaluate(step, batches);
     const e = {
       kind: EventKind.Eval,
       step,

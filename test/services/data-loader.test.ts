@@ -312,7 +312,7 @@ describe("the loader's jobs: a limit, shared data sets, freed when their jobs cl
 
 describe("trainer micro-batches", () => {
   test("a batch cut into k micro-batches keeps every row once, in order; a short batch into fewer", async () => {
-    const { microBatches } = await import("../../services/trainer/loop.ts");
+    const { microBatches } = await import("../../services/trainer/batches.ts");
     const b = {
       epoch: 0,
       index: 0,
@@ -494,7 +494,7 @@ describe("token windows (the gpt's data)", () => {
   });
 
   test("the trainer cuts a token batch into micro-batches of inputs and next-token targets", async () => {
-    const { microBatches } = await import("../../services/trainer/loop.ts");
+    const { microBatches } = await import("../../services/trainer/batches.ts");
     const tokens = Uint16Array.from({ length: 3 * 5 }, (_, i) => i); // 3 windows of T=4 (+1)
     const b = {
       epoch: 0,

@@ -298,6 +298,14 @@ export function parseJobConfig(data: unknown): JobConfig {
   }
   const c = r.data;
   if (c.minLr > c.lr) throw new ConfigError(`invalid job config: minLr (${c.minLr}) exceeds lr (${c.lr})`);
+  checkModelData(c);
+  checkModes(c);
+  checkModelParallel(c);
+  return c;
+}
+
+/** The model and its data set agree. */
+function checkModelData(c: JobConfig): void {
   const m = c.model;
   if (m.kind === "mlp") {
     if (c.recompute)
@@ -337,6 +345,10 @@ export function parseJobConfig(data: unknown): JobConfig {
         "invalid job config: model.vocabSize is for token folders without vocab.json; a text's vocabulary is its characters",
       );
   }
+}
+
+/** The world, the batch and the settings each sync mode takes. */
+function checkModes(c: JobConfig): void {
   const world = worldProblems(c.world, c.trainers);
   if (world.length > 0) throw new ConfigError(`invalid job config: ${world.join("; ")}`);
   if (c.batchSize % c.accumSteps !== 0)
@@ -362,44 +374,46 @@ export function parseJobConfig(data: unknown): JobConfig {
       "invalid job config: batchPushes and staleness apply to the parameter server's asp and ssp, not to allreduce",
     );
   }
-  const mp = modelRanks(c);
-  if (mp > 1) {
-    const what = `pipeline stages ${c.pipelineStages} x tensor parallel ${c.tensorParallel}`;
-    if (c.model.kind !== "gpt")
-      throw new ConfigError(`invalid job config: ${what} cut a gpt's blocks; the mlp is not cut`);
-    if (c.sync !== "allreduce")
-      throw new ConfigError(
-        `invalid job config: ${what} needs sync allreduce (the model's ranks exchange activations and reduce gradients among themselves)`,
-      );
-    if (c.trainers % mp !== 0)
-      throw new ConfigError(
-        `invalid job config: ${c.trainers} trainers do not divide into copies of ${mp} ranks (${what}); use a multiple of ${mp}`,
-      );
-    if (c.model.nLayer < c.pipelineStages)
-      throw new ConfigError(
-        `invalid job config: ${c.model.nLayer} layers cannot fill ${c.pipelineStages} pipeline stages`,
-      );
-    if (c.model.nHead % c.tensorParallel !== 0)
-      throw new ConfigError(
-        `invalid job config: tensor parallel ${c.tensorParallel} splits the heads: nHead (${c.model.nHead}) must be a multiple of it`,
-      );
-    const not = [
-      c.zero > 0 && `zero ${c.zero}`,
-      c.compress !== "none" && `compress ${c.compress}`,
-      c.offload !== "none" && `offload ${c.offload}`,
-      c.precision === "f16" && "precision f16",
-      c.world.length > 0 && "a changed world (resize)",
-    ].filter(Boolean);
-    if (not.length > 0)
-      throw new ConfigError(
-        `invalid job config: ${not.join(", ")} with ${what} is not built yet (the model-parallel ranks reduce f32 gradients of their own shares); leave it out`,
-      );
-  }
   if (c.sync === "bsp" && c.batchPushes !== 1)
     throw new ConfigError(
       "invalid job config: batchPushes applies to asp and ssp (bsp aggregates the W pushes of a step)",
     );
-  return c;
+}
+
+/** A pipeline or tensor-parallel layout: a gpt, all-reduce, a whole number of copies, and nothing not built with it. */
+function checkModelParallel(c: JobConfig): void {
+  const mp = modelRanks(c);
+  if (mp <= 1) return;
+  const what = `pipeline stages ${c.pipelineStages} x tensor parallel ${c.tensorParallel}`;
+  if (c.model.kind !== "gpt")
+    throw new ConfigError(`invalid job config: ${what} cut a gpt's blocks; the mlp is not cut`);
+  if (c.sync !== "allreduce")
+    throw new ConfigError(
+      `invalid job config: ${what} needs sync allreduce (the model's ranks exchange activations and reduce gradients among themselves)`,
+    );
+  if (c.trainers % mp !== 0)
+    throw new ConfigError(
+      `invalid job config: ${c.trainers} trainers do not divide into copies of ${mp} ranks (${what}); use a multiple of ${mp}`,
+    );
+  if (c.model.nLayer < c.pipelineStages)
+    throw new ConfigError(
+      `invalid job config: ${c.model.nLayer} layers cannot fill ${c.pipelineStages} pipeline stages`,
+    );
+  if (c.model.nHead % c.tensorParallel !== 0)
+    throw new ConfigError(
+      `invalid job config: tensor parallel ${c.tensorParallel} splits the heads: nHead (${c.model.nHead}) must be a multiple of it`,
+    );
+  const not = [
+    c.zero > 0 && `zero ${c.zero}`,
+    c.compress !== "none" && `compress ${c.compress}`,
+    c.offload !== "none" && `offload ${c.offload}`,
+    c.precision === "f16" && "precision f16",
+    c.world.length > 0 && "a changed world (resize)",
+  ].filter(Boolean);
+  if (not.length > 0)
+    throw new ConfigError(
+      `invalid job config: ${not.join(", ")} with ${what} is not built yet (the model-parallel ranks reduce f32 gradients of their own shares); leave it out`,
+    );
 }
 
 /** Whether a scheduled evaluation runs before `step`: every evalEvery steps, or where an epoch begins. */
