@@ -7,7 +7,7 @@
 //   bun run bench kernels [--device auto|cpu|cuda] [--elems N] [--reps N] [--json-only]
 import type { Backend, Ptr } from "../ffi/backend.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
-import { median, printTable, round } from "./table.ts";
+import { median, printTable, round, significant } from "./table.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { deviceChoices, type DeviceChoice, openBackend } from "../ffi/select.ts";
 import { ConfigError } from "../engine/errors.ts";
@@ -172,9 +172,9 @@ export function runKernelBench(argv: string[]): KernelBenchResult[] {
       kernel: c.name,
       bytes_per_call: c.bytes,
       ms: round(ms, 3),
-      gb_per_s: round(gbps, 1),
-      memcpy_gb_per_s: round(copyGbps, 1),
-      ratio: round(gbps / copyGbps, 2),
+      gb_per_s: significant(gbps),
+      memcpy_gb_per_s: significant(copyGbps),
+      ratio: significant(gbps / copyGbps),
     });
   }
   const launchUs = be.name === "cpu" ? null : launchOverheadUs(be, buf(1));

@@ -61,6 +61,9 @@ export interface WatchOptions {
 
 /** How often the job's record is read besides the events. */
 const recordPollMs = 2_000;
+/** The ledger writes a job's record before it publishes its Ended event: a watch that read the
+ *  ended record first still takes the events up to Ended for this long. */
+const endedGraceMs = 1_000;
 
 /** Follows a job to its end. Resolves with the outcome of a job that is done; throws JobFailedError for a failed or cancelled one. */
 export async function watchJob(client: MeshClient, name: string, o: WatchOptions = {}): Promise<JobOutcome> {
@@ -78,6 +81,8 @@ export async function watchJob(client: MeshClient, name: string, o: WatchOptions
     let specMissing = 0;
     /** when the job's services last said something: a job that ran moments ago and lost its spec is ending */
     let lastEventMs = -Infinity;
+    const endedBefore = isEnded(record);
+    let sawEnded = false;
     while (!isEnded(record)) {
       pending ??= it.next();
       const r = await orAfter(pending, recordPollMs, "tick" as const);
@@ -90,7 +95,10 @@ export async function watchJob(client: MeshClient, name: string, o: WatchOptions
         }
         lastEventMs = performance.now();
         o.onEvent?.(r.value);
-        if (w.handle(r.value, record.totalSteps) === "ended") record = await client.record(job);
+        if (w.handle(r.value, record.totalSteps) === "ended") {
+          sawEnded = true;
+          record = await client.record(job);
+        }
         if (record.totalSteps === 0 && r.value.kind === EventKind.Step) record = await client.record(job);
       }
       if (performance.now() - lastPoll >= recordPollMs) {
@@ -112,6 +120,16 @@ export async function watchJob(client: MeshClient, name: string, o: WatchOptions
       }
     }
     if (!isEnded(record)) record = await client.record(job);
+    // the record said so first: the events up to Ended (the final evaluation, Done) still come
+    const graceUntil = performance.now() + endedGraceMs;
+    while (!endedBefore && !sawEnded && !o.signal?.aborted && performance.now() < graceUntil) {
+      pending ??= it.next();
+      const r = await orAfter(pending, Math.max(1, graceUntil - performance.now()), "tick" as const);
+      if (r === "tick" || r.done) break;
+      pending = null;
+      o.onEvent?.(r.value);
+      sawEnded = w.handle(r.value, record.totalSteps) === "ended";
+    }
   } finally {
     w.stop();
     await events.return?.();
