@@ -10,7 +10,8 @@ export function printTable<R extends object>(rows: readonly R[], cols: readonly 
 
 export const round = (x: number, digits: number) => Number(x.toFixed(digits));
 /** `x` to `digits` significant digits: a small positive rate stays positive (a loaded machine's 0.04 GB/s is not 0). */
-export const significant = (x: number, digits = 3) => (Number.isFinite(x) && x !== 0 ? Number(x.toPrecision(digits)) : x);
+export const significant = (x: number, digits = 3) =>
+  Number.isFinite(x) && x !== 0 ? Number(x.toPrecision(digits)) : x;
 export const median = (xs: readonly number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
 export const percentile = (xs: readonly number[], p: number) => {
   const s = [...xs].sort((a, b) => a - b);
