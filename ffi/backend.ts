@@ -86,9 +86,12 @@ export function gemmCall(d: GemmDesc): Required<GemmDesc> {
     batch: 1,
     ...d,
   };
-  if (!(g.input in gemmInputBytes)) throw new RangeError(`gemm: unknown input type ${String(g.input)}`);
+  if (!Object.hasOwn(gemmInputBytes, g.input)) throw new RangeError(`gemm: unknown input type ${String(g.input)}`);
   const { M, N, K, lda, ldb, ldc, batch, strideA, strideB, strideC } = g;
-  if ([M, N, K, lda, ldb, ldc, batch, strideA, strideB, strideC].some((v) => !Number.isSafeInteger(v) || v < 0)) {
+  // every GEMM of a step comes through here: checked without allocating
+  const whole = (v: number) => Number.isSafeInteger(v) && v >= 0;
+  const sizes = whole(M) && whole(N) && whole(K) && whole(lda) && whole(ldb) && whole(ldc) && whole(batch);
+  if (!(sizes && whole(strideA) && whole(strideB) && whole(strideC))) {
     throw new RangeError(
       `gemm: invalid sizes M=${M} N=${N} K=${K} batch=${batch} ld=${lda},${ldb},${ldc} strides=${strideA},${strideB},${strideC}`,
     );

@@ -189,7 +189,7 @@ export class CpuBackend implements Backend {
     if (g.M === 0 || g.N === 0 || g.batch === 0) return;
     // K = 0 reads neither operand (C = beta C); BLAS wants every leading dimension >= 1
     if (g.input === "f32" || g.input === "tf32" || g.K === 0) {
-      this.#sgemm({ ...g, lda: Math.max(1, g.lda), ldb: Math.max(1, g.ldb) });
+      this.#sgemm(g.lda > 0 && g.ldb > 0 ? g : { ...g, lda: Math.max(1, g.lda), ldb: Math.max(1, g.ldb) });
       return;
     }
     const { M, N, K, transA, transB, batch } = g;

@@ -358,6 +358,7 @@ describe("gemm (every input type)", () => {
     expect(() => be.gemm({ ...desc, K: 2.5 })).toThrow(RangeError);
     expect(() => be.gemm({ ...desc, batch: 2, strideA: -4 })).toThrow(RangeError);
     expect(() => be.gemm({ ...desc, input: "f8" as never })).toThrow(/unknown input type/);
+    expect(() => be.gemm({ ...desc, input: "constructor" as never })).toThrow(/unknown input type/);
     // M, N or batch zero: nothing is read or written (the pointers here are not memory)
     for (const empty of [{ M: 0 }, { N: 0, ldb: 0, ldc: 0 }, { batch: 0 }]) be.gemm({ ...desc, ...empty });
   });
