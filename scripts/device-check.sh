@@ -4,6 +4,7 @@
 # and builds the PTX kernels and the NCCL shim, then runs one phase (each fits a 10-minute call):
 #   tests  the CUDA, cuBLAS and NCCL tests and the op parity and mixed-precision suites on the GPU
 #   train  MNIST on the GPU (target >= 98.0% test accuracy), then the GPT for 2000 steps in bf16
+#   gpt    the engine benchmark at GPT-2 small's and nanoGPT's shapes only (bf16, with PyTorch)
 #   bench  the engine benchmark at nanoGPT's shapes (small, nanogpt-char, gpt2-small) on CUDA
 #          against PyTorch eager and torch.compile, and every kernel's GB/s against
 #          cuMemcpyDtoD with the host cost of one kernel call
@@ -38,6 +39,9 @@ case "$phase" in
   train)
     run bun sdk/cli.ts train mlp --device cuda --out "$out/mlp.mtm"
     run bun sdk/cli.ts train gpt --device cuda --precision bf16 --max-steps 2000 --out "$out/gpt.mtm" ;;
+  gpt)
+    run bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 10 --profile
+    run bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 ;;
   bench)
     # nanoGPT's shapes against PyTorch eager (attention written out, SDPA) and torch.compile
     run bun bench/index.ts engine --device cuda --config small --precision bf16 --steps 30
@@ -45,5 +49,5 @@ case "$phase" in
     run bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 10 --profile
     run bun bench/index.ts engine --device cuda --config nanogpt-char --precision f32 --steps 20
     run bun bench/index.ts kernels --device cuda --elems 33554432 ;;
-  *) echo "usage: scripts/device-check.sh tests|train|bench"; exit 2 ;;
+  *) echo "usage: scripts/device-check.sh tests|train|gpt|bench"; exit 2 ;;
 esac

@@ -9,12 +9,16 @@ export function gradNorm(ctx: Context, store: ParamStore): number {
   return Math.sqrt(ctx.backend.sumSquares(store.grads.ptr, store.slabNumel));
 }
 
+/** The factor that clips gradients of global norm `norm` to maxNorm (1: none needed, or maxNorm <= 0 or Infinity). */
+export function clipFactor(norm: number, maxNorm: number): number {
+  return maxNorm > 0 && Number.isFinite(maxNorm) && norm > maxNorm ? maxNorm / (norm + 1e-6) : 1;
+}
+
 /** Returns the norm before clipping. maxNorm <= 0 or Infinity only measures. */
 export function clipGradNorm(ctx: Context, store: ParamStore, maxNorm: number): number {
   if (Number.isNaN(maxNorm)) throw new ConfigError("clipGradNorm: maxNorm is NaN");
   const norm = gradNorm(ctx, store);
-  if (maxNorm > 0 && Number.isFinite(maxNorm) && norm > maxNorm) {
-    ctx.backend.scale(store.grads.ptr, store.slabNumel, maxNorm / (norm + 1e-6));
-  }
+  const factor = clipFactor(norm, maxNorm);
+  if (factor !== 1) ctx.backend.scale(store.grads.ptr, store.slabNumel, factor);
   return norm;
 }

@@ -44,6 +44,7 @@ import { EngineError, NonFiniteLossError } from "../errors.ts";
 import type { Model } from "../models/model.ts";
 import { AdamW } from "../optim/adamw.ts";
 import { LossScaler } from "../optim/loss-scale.ts";
+import { clipFactor } from "../optim/clip.ts";
 import type { Optimizer, UpdatePlan } from "../optim/optimizer.ts";
 import { Sgd } from "../optim/sgd.ts";
 import type { ParamEntry, ParamStore } from "../params.ts";
@@ -652,9 +653,7 @@ export class DataParallel {
     if (stats[0] !== 0) return { finite: false, gradNorm: Infinity };
     const scale = this.scaler?.scale ?? 1;
     const gradNorm = Math.sqrt(stats[1]!) / scale;
-    const clip = this.#o.gradClip;
-    let factor = 1 / scale;
-    if (clip > 0 && gradNorm > clip) factor *= clip / (gradNorm + 1e-6);
+    const factor = (1 / scale) * clipFactor(gradNorm, this.#o.gradClip);
     if (factor !== 1) for (const r of ranges) gb.scale(gradAt(r), r.numel, factor);
     this.optimizer.step(lr);
     // offload: the host's updated partition back to the device (stage 3: the packed partition)

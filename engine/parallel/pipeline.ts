@@ -21,6 +21,7 @@ import { EngineError, NonFiniteLossError } from "../errors.ts";
 import { type GptConfig, GptModel } from "../models/gpt.ts";
 import { TensorParallel } from "./tensor-parallel.ts";
 import { softmaxCrossEntropy } from "../ops/crossentropy.ts";
+import { clipFactor } from "../optim/clip.ts";
 import type { Optimizer } from "../optim/optimizer.ts";
 import type { ParamEntry } from "../params.ts";
 import type { Context, Pass, Tensor } from "../tensor.ts";
@@ -201,9 +202,8 @@ export class PipelineStage {
     await waited(Promise.all(sends));
     const { gradNorm, loss, globalLoss } = await this.#agree(step, losses, weight);
     if (!Number.isFinite(globalLoss)) throw new NonFiniteLossError(step, globalLoss);
-    const clip = this.#o.gradClip;
-    if (clip > 0 && gradNorm > clip)
-      ctx.backend.scale(model.store.grads.ptr, model.store.slabNumel, clip / (gradNorm + 1e-6));
+    const factor = clipFactor(gradNorm, this.#o.gradClip);
+    if (factor !== 1) ctx.backend.scale(model.store.grads.ptr, model.store.slabNumel, factor);
     this.#o.optimizer.step(lr);
     return {
       loss,

@@ -1,6 +1,7 @@
-// One parameter-server shard of one job: fp32 parameters and optimizer state for the chunks
-// the hash ring gives it, the sync policy, versions and duplicate detection. No NATS here:
-// service.ts maps subjects to these methods.
+// One parameter-server shard of one job: the protocol around the chunks the hash ring gives it
+// (the sync policy, versions, clocks, duplicate detection, snapshots); their parameters, optimizer
+// state and arithmetic are the engine's ShardOptimizer (engine/parallel/parameter-server.ts). No
+// NATS here: service.ts maps subjects to these methods.
 //
 // Versions: a chunk's version is the number of optimizer updates applied to it. Clocks: a
 // trainer's clock on this shard is the number of steps it has pushed completely (every chunk
@@ -15,7 +16,7 @@
 // gradClip / (norm + 1e-6) when the norm exceeds gradClip, and applies. (ASP and SSP apply
 // each push as it comes: there the trainer clips its own gradient, whose norm is the global
 // norm of that update.)
-import type { Allocation, Backend } from "../../ffi/backend.ts";
+import type { Backend } from "../../ffi/backend.ts";
 import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
 import {
   DType,
@@ -30,6 +31,7 @@ import {
 } from "../../schemas/messages.ts";
 import { cutShardState } from "../runtime/job/replica-parts.ts";
 import { parseCompression } from "../../engine/parallel/compress.ts";
+import { ShardOptimizer } from "../../engine/parallel/parameter-server.ts";
 import { decodeChunk, fillParams, pushDType } from "../runtime/transport/chunk-codec.ts";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/mesh/errors.ts";
 import { type JobConfig, peakLr, shardsClip } from "../runtime/job/job.ts";
@@ -39,15 +41,11 @@ import { jobSchedule } from "../runtime/job/plan.ts";
 import { pullWaitersMax, pullWaitMsMax } from "./limits.ts";
 import { implausibleStateText, plausibleState } from "../runtime/job/limits.ts";
 
-const alignElems = 16;
-
 interface ChunkSlot {
   info: ChunkInfo;
-  /** element offset of this chunk in the shard's slabs */
-  local: number;
+  /** this chunk's number in the shard's ShardOptimizer */
+  index: number;
   version: number;
-  /** pushes accumulated in the gradient slab since the last update */
-  pending: number;
   /** highest step each trainer pushed for this chunk (-1: none) */
   lastStep: Float64Array;
 }
@@ -82,17 +80,12 @@ export class ParameterShard {
   readonly shard: number;
   readonly ids: readonly number[];
   #updates = 0;
-  readonly #be: Backend;
   readonly #cfg: JobConfig;
   readonly #slots = new Map<number, ChunkSlot>();
-  readonly #params: Allocation;
-  readonly #grads: Allocation;
+  /** the chunks' parameters, optimizer state and arithmetic */
+  readonly #math: ShardOptimizer;
   /** the optimizer math of the last push, until it runs (see flush) */
   #deferred: (() => void) | null = null;
-  /** backend memory a push's gradients are uploaded to and checked in */
-  #staging: Allocation | null = null;
-  #stagingElems = 0;
-  readonly #state: { name: string; alloc: Allocation }[];
   readonly #clock: Float64Array;
   /** per trainer: step -> chunks of this shard received for it */
   readonly #received: Map<number, number>[];
@@ -101,8 +94,6 @@ export class ParameterShard {
   #disposed = false;
   /** the chunk dtype this job's compression pushes (F32 is always accepted) */
   readonly #pushDType: DType;
-  /** host memory a compressed chunk is decoded into */
-  #decoded = new Float32Array(0);
   readonly #agreeNorm: ShardOptions["agreeNorm"];
   /** BSP clipping: chunks whose averaged gradient of the current step waits for the global norm */
   readonly #clipWait = new Set<ChunkSlot>();
@@ -117,37 +108,18 @@ export class ParameterShard {
     this.#totalSteps = o.totalSteps;
     this.job = o.config.job;
     this.shard = o.shard;
-    this.#be = o.backend;
     this.#cfg = o.config;
-    this.#pushDType = pushDType(parseCompression(o.config.compress));
+    const compression = parseCompression(o.config.compress);
+    this.#pushDType = pushDType(compression);
     this.ids = o.layout.byShard[o.shard] ?? [];
     const W = o.config.trainers;
-    let local = 0;
-    for (const id of this.ids) {
-      const info = o.layout.chunks[id]!;
-      this.#slots.set(id, { info, local, version: 0, pending: 0, lastStep: new Float64Array(W).fill(-1) });
-      local += Math.ceil(info.count / alignElems) * alignElems;
-    }
-    const bytes = Math.max(local, alignElems) * 4;
-    this.#params = this.#be.alloc(bytes);
-    this.#grads = this.#be.alloc(bytes);
-    this.#be.zero(this.#grads.ptr, bytes);
-    // top-k pushes skip coordinates: AdamW keeps each one's age (engine/optim/adamw.ts)
-    const names =
-      o.config.optimizer.kind === "sgd"
-        ? ["momentum"]
-        : ["m", "v", ...(parseCompression(o.config.compress).kind === "topk" ? ["age"] : [])];
-    this.#state = names.map((name) => {
-      const alloc = this.#be.alloc(bytes);
-      this.#be.zero(alloc.ptr, bytes);
-      return { name, alloc };
-    });
-    for (const slot of this.#slots.values()) {
-      this.#be.upload(
-        this.#ptr(this.#params, slot),
-        o.initial.subarray(slot.info.offset, slot.info.offset + slot.info.count),
-      );
-    }
+    const infos = this.ids.map((id) => o.layout.chunks[id]!);
+    infos.forEach((info, index) =>
+      this.#slots.set(info.id, { info, index, version: 0, lastStep: new Float64Array(W).fill(-1) }),
+    );
+    this.#math = new ShardOptimizer(o.backend, infos, o.config.optimizer, compression.kind === "topk", (i) =>
+      o.initial.subarray(infos[i]!.offset, infos[i]!.offset + infos[i]!.count),
+    );
     this.#clock = new Float64Array(W);
     this.#received = Array.from({ length: W }, () => new Map());
     const c = o.config;
@@ -237,10 +209,6 @@ export class ParameterShard {
     apply?.();
   }
 
-  #ptr(a: Allocation, slot: ChunkSlot): number {
-    return a.ptr + slot.local * 4;
-  }
-
   #checkTrainer(trainer: number): void {
     if (!(Number.isInteger(trainer) && trainer >= 0 && trainer < this.#cfg.trainers)) {
       throw new BadRequestError(`trainer ${trainer} is not in job ${this.job} (trainers 0..${this.#cfg.trainers - 1})`);
@@ -262,9 +230,8 @@ export class ParameterShard {
     this.flush(); // the staging memory is about to be reused
     this.#checkTrainer(m.trainer);
     const seen = new Set<number>();
-    const fresh: { slot: ChunkSlot; chunk: Chunk; at: number }[] = [];
-    let duplicates = 0,
-      staged = 0;
+    const fresh: { slot: ChunkSlot; chunk: Chunk }[] = [];
+    let duplicates = 0;
     for (const c of m.chunks) {
       const slot = this.#checkChunk(c, m);
       if (seen.has(c.id)) throw new BadRequestError(`chunk ${c.id} appears twice in one push`);
@@ -273,13 +240,11 @@ export class ParameterShard {
         duplicates++; // a retried or duplicated push: applied once already
         continue;
       }
-      fresh.push({ slot, chunk: c, at: staged });
-      staged += Math.ceil(c.count / alignElems) * alignElems;
+      fresh.push({ slot, chunk: c });
     }
-    const staging = this.#stagingFor(staged);
-    for (const f of fresh) this.#stage(staging + f.at * 4, f.chunk);
-    if (staged > 0 && this.#be.countNonFinite(staging, staged) > 0) {
-      const bad = fresh.find((f) => this.#be.countNonFinite(staging + f.at * 4, f.chunk.count) > 0)!;
+    const staged = this.#math.stage(fresh.map((f) => this.#decode(f.chunk)));
+    if (staged.nonFinite >= 0) {
+      const bad = fresh[staged.nonFinite]!;
       throw new BadRequestError(
         `chunk ${bad.chunk.id} from trainer ${m.trainer} step ${m.step}: the gradient holds NaN or Inf`,
       );
@@ -288,10 +253,10 @@ export class ParameterShard {
     let updates = 0;
     for (const f of fresh) {
       f.slot.lastStep[m.trainer] = m.step; // booked now: a retry of this push is a duplicate
-      if (f.slot.pending + 1 >= need) updates++;
+      if (this.#math.pending(f.slot.index) + 1 >= need) updates++;
     }
     this.#deferred = () => {
-      for (const f of fresh) this.#accumulate(f.slot, staging + f.at * 4, m.step);
+      fresh.forEach((f, k) => this.#accumulate(f.slot, staged.at[k]!, m.step));
       if (fresh.length > 0) this.#advanceClock(m.trainer, m.step, fresh.length);
       this.#wake();
     };
@@ -299,26 +264,12 @@ export class ParameterShard {
     return { accepted: fresh.length, duplicates, updates };
   }
 
-  /** Backend memory for `elems` staged gradient elements (grown, never shrunk). */
-  #stagingFor(elems: number): number {
-    if (elems > this.#stagingElems) {
-      if (this.#staging) this.#be.free(this.#staging);
-      this.#staging = this.#be.alloc(Math.max(elems, alignElems) * 4);
-      this.#stagingElems = elems;
-    }
-    return this.#staging?.ptr ?? 0;
-  }
-
-  /** A pushed chunk into staging memory as f32 (compressed ones decoded on the host first). */
-  #stage(at: number, c: Chunk): void {
-    if (c.dtype === DType.F32) {
-      this.#be.upload(at, c.data);
-      return;
-    }
-    if (this.#decoded.length < c.count) this.#decoded = new Float32Array(c.count);
-    const out = this.#decoded.subarray(0, c.count);
+  /** A pushed chunk's gradient as f32 (bytes as they came; a compressed one decoded on the host). */
+  #decode(c: Chunk): Float32Array | Uint8Array {
+    if (c.dtype === DType.F32) return c.data;
+    const out = new Float32Array(c.count);
     decodeChunk(c, out);
-    this.#be.upload(at, out);
+    return out;
   }
 
   #checkChunk(c: Chunk, m: PushRequest): ChunkSlot {
@@ -343,28 +294,20 @@ export class ParameterShard {
    * are in. With one push per update the optimizer reads the staged gradient directly.
    */
   #accumulate(slot: ChunkSlot, grad: number, step: number): void {
-    const be = this.#be;
-    const n = slot.info.count;
     const need = this.#cfg.sync === "bsp" ? this.#cfg.trainers : this.#cfg.batchPushes;
     const lr = () => lrAt(this.#schedule, peakLr(this.#cfg), step);
     const clip = shardsClip(this.#cfg);
     if (need === 1 && !clip) {
-      this.#applyOptimizer(slot, grad, lr());
+      this.#math.apply(slot.index, lr(), slot.version, { staged: grad });
     } else {
-      const sum = this.#ptr(this.#grads, slot);
-      if (slot.pending === 0) be.copy(sum, grad, n * 4);
-      else be.axpy(sum, grad, n, 1);
-      slot.pending++;
-      if (slot.pending < need) return;
-      be.scale(sum, n, 1 / slot.pending);
+      if (!this.#math.accumulate(slot.index, grad, need)) return;
       if (clip) {
         // the update waits for the global norm, agreed once every chunk has its average
         this.#clipWait.add(slot);
         if (this.#clipWait.size === this.#slots.size) this.#clipAndApply(step, lr());
         return;
       }
-      this.#applyOptimizer(slot, sum, lr());
-      slot.pending = 0;
+      this.#math.apply(slot.index, lr(), slot.version, { norm: 0, clip: 0 });
     }
     slot.version++;
     this.#updates++;
@@ -372,9 +315,7 @@ export class ParameterShard {
 
   /** BSP clipping: every chunk holds step `step`'s averaged gradient; agree on the norm, clip, apply. */
   #clipAndApply(step: number, lr: number): void {
-    const be = this.#be;
-    let partial = 0;
-    for (const slot of this.#clipWait) partial += be.sumSquares(this.#ptr(this.#grads, slot), slot.info.count);
+    const partial = this.#math.sumSquares([...this.#clipWait].map((slot) => slot.index));
     this.#partials.set(step, partial);
     for (const k of this.#partials.keys()) if (k < step - 2) this.#partials.delete(k);
     for (const w of this.#partialWaiters.get(step) ?? []) w.wake(partial);
@@ -382,13 +323,8 @@ export class ParameterShard {
     const epoch = this.#epoch;
     const apply = (norm: number) => {
       if (epoch !== this.#epoch || this.#disposed) return; // restored meanwhile: the state this was for is gone
-      const clip = this.#cfg.gradClip;
-      const scale = norm > clip ? clip / (norm + 1e-6) : 1;
       for (const slot of this.#clipWait) {
-        const sum = this.#ptr(this.#grads, slot);
-        if (scale !== 1) be.scale(sum, slot.info.count, scale);
-        this.#applyOptimizer(slot, sum, lr);
-        slot.pending = 0;
+        this.#math.apply(slot.index, lr, slot.version, { norm, clip: this.#cfg.gradClip });
         slot.version++;
         this.#updates++;
       }
@@ -408,42 +344,6 @@ export class ParameterShard {
   lastNorm = Number.NaN;
   /** BSP clipping: told when the shards could not agree on a step's norm */
   onNormFailure: ((step: number, e: Error) => void) | undefined;
-
-  #applyOptimizer(slot: ChunkSlot, g: number, lr: number): void {
-    const be = this.#be;
-    const o = this.#cfg.optimizer;
-    const segments = [
-      { at: 0, n: slot.info.decayCount, wd: o.weightDecay },
-      { at: slot.info.decayCount, n: slot.info.count - slot.info.decayCount, wd: 0 },
-    ].filter((s) => s.n > 0);
-    const p = this.#ptr(this.#params, slot);
-    const s0 = this.#ptr(this.#state[0]!.alloc, slot);
-    for (const seg of segments) {
-      const off = seg.at * 4;
-      if (o.kind === "sgd") {
-        be.sgdStep(p + off, g + off, s0 + off, seg.n, lr, o.momentum, 0, seg.wd, o.nesterov, slot.version === 0);
-      } else {
-        const t = slot.version + 1;
-        const s1 = this.#ptr(this.#state[1]!.alloc, slot);
-        const age = this.#state[2] ? this.#ptr(this.#state[2].alloc, slot) + off : 0;
-        be.adamwStep(
-          p + off,
-          g + off,
-          s0 + off,
-          s1 + off,
-          age,
-          seg.n,
-          lr,
-          o.beta1,
-          o.beta2,
-          o.eps,
-          seg.wd,
-          1 - o.beta1 ** t,
-          1 - o.beta2 ** t,
-        );
-      }
-    }
-  }
 
   #advanceClock(trainer: number, step: number, chunks: number): void {
     const received = this.#received[trainer]!;
@@ -536,11 +436,11 @@ export class ParameterShard {
         const slot = this.#slots.get(id)!;
         const fill =
           dtype === DType.F32
-            ? (dst: Uint8Array) => this.#be.download(this.#ptr(this.#params, slot), dst)
+            ? (dst: Uint8Array) => this.#math.readParams(slot.index, dst)
             : (dst: Uint8Array) => {
                 // a 16-bit copy of the f32 master parameters
                 const v = new Float32Array(slot.info.count);
-                this.#be.download(this.#ptr(this.#params, slot), v);
+                this.#math.readParams(slot.index, v);
                 fillParams(dtype, v, dst);
               };
         return { id, version: slot.version, count: slot.info.count, dtype, fill };
@@ -552,16 +452,14 @@ export class ParameterShard {
   exportState(): ShardState {
     this.flush();
     const chunks: ChunkState[] = [...this.#slots.values()].map((slot) => {
-      const read = (a: Allocation) => {
-        const v = new Float32Array(slot.info.count);
-        this.#be.download(this.#ptr(a, slot), v);
-        return v;
-      };
+      const params = new Float32Array(slot.info.count);
+      this.#math.readParams(slot.index, params);
+      const state = this.#math.readState(slot.index);
       return {
         id: slot.info.id,
         version: slot.version,
-        params: read(this.#params),
-        state: this.#state.map((s) => ({ name: s.name, data: read(s.alloc) })),
+        params,
+        state: this.#math.stateNames.map((name, k) => ({ name, data: state[k]! })),
       };
     });
     const step = Math.min(...this.clocks);
@@ -654,7 +552,7 @@ export class ParameterShard {
       throw new BadRequestError(`snapshot of step ${s.step}: job ${this.job} runs steps 0 to ${this.#totalSteps}`);
     if (!Number.isSafeInteger(s.updates) || s.updates < 0)
       throw new BadRequestError(`snapshot with ${s.updates} updates`);
-    const names = this.#state.map((v) => v.name).join(",");
+    const names = this.#math.stateNames.join(",");
     const seen = new Set<number>();
     for (const c of s.chunks) {
       const slot = this.#slots.get(c.id);
@@ -706,11 +604,12 @@ export class ParameterShard {
     this.#waiters.clear();
     for (const c of s.chunks) {
       const slot = this.#slots.get(c.id)!;
-      this.#be.upload(this.#ptr(this.#params, slot), c.params);
-      c.state.forEach((v, i) => this.#be.upload(this.#ptr(this.#state[i]!.alloc, slot), v.data));
-      this.#be.zero(this.#ptr(this.#grads, slot), slot.info.count * 4);
+      this.#math.load(
+        slot.index,
+        c.params,
+        c.state.map((v) => v.data),
+      );
       slot.version = c.version;
-      slot.pending = 0;
       slot.lastStep.fill(step - 1);
     }
     this.#updates = s.updates;
@@ -733,12 +632,6 @@ export class ParameterShard {
     for (const l of this.#partialWaiters.values())
       for (const w of l) w.fail(new DeadlineError(`shard ${this.shard} of job ${this.job} stopped`));
     this.#partialWaiters.clear();
-    for (const a of [
-      this.#params,
-      this.#grads,
-      ...(this.#staging ? [this.#staging] : []),
-      ...this.#state.map((s) => s.alloc),
-    ])
-      this.#be.free(a);
+    this.#math.dispose();
   }
 }

@@ -2,24 +2,22 @@
 // push the whole gradient vector. Requests go to all shards at once, each split into messages
 // that fit the payload limit.
 //
-// Compression (services/runtime/transport/chunk-codec.ts): each chunk of a push is encoded with error
-// feedback (the residual covers the whole gradient vector). Top-k picks its entries over the
-// whole vector, so a chunk sends as many as it holds of them, none included (an equal 1% of
-// every chunk cost 0.23 nats of GPT validation loss); bf16/fp16 jobs also pull a 16-bit
-// copy of the parameters. `wireBytes` counts the bytes of gradients and parameters sent and
+// Compression: each chunk of a push is encoded with error feedback by the engine's PushEncoder
+// (engine/parallel/parameter-server.ts: the residual covers the whole gradient vector, and top-k
+// picks its entries over all of it); bf16/fp16 jobs also pull a 16-bit copy of the parameters. `wireBytes` counts the bytes of gradients and parameters sent and
 // received (requests and replies as encoded), what the bench reports per step.
 import { packByBytes } from "../../schemas/codec.ts";
-import { Codec, type Compression, ErrorFeedback } from "../../engine/parallel/compress.ts";
+import type { Compression } from "../../engine/parallel/compress.ts";
+import { PushEncoder } from "../../engine/parallel/parameter-server.ts";
 import {
   DType,
   decodePullReply,
   decodePushReply,
   encodePullRequest,
   encodePushRequest,
-  f32Chunk,
   type PushReply,
 } from "../../schemas/messages.ts";
-import { chunkCodec, decodeChunk, encodeChunk, pullDType, topKChunk } from "../runtime/transport/chunk-codec.ts";
+import { decodeChunk, gradientChunk, pullDType } from "../runtime/transport/chunk-codec.ts";
 import { BadRequestError } from "../runtime/mesh/errors.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
 import { subjects } from "../runtime/job/job.ts";
@@ -29,7 +27,7 @@ import { pullTimeoutMs, requestTimeoutMs } from "./limits.ts";
 export class PsClient {
   /** per shard: groups of chunk ids, each group's reply fits one message */
   readonly #groups: number[][][];
-  readonly #feedback: ErrorFeedback | null;
+  readonly #encoder: PushEncoder;
   readonly #pullDType: DType;
   /** bytes of pushes and pulls (requests and replies) so far */
   wireBytes = 0;
@@ -44,13 +42,8 @@ export class PsClient {
     readonly warmupSteps = 0,
   ) {
     this.#groups = layout.byShard.map((ids) => packByBytes(ids, (id) => layout.chunks[id]!.count * 4, payloadBytesMax));
-    const codec: Codec = chunkCodec(compression, layout.chunkElems);
-    this.#feedback = codec.lossy
-      ? new ErrorFeedback(
-          codec,
-          layout.chunks.reduce((n, c) => Math.max(n, c.offset + c.count), 0),
-        )
-      : null;
+    const numel = layout.chunks.reduce((n, c) => Math.max(n, c.offset + c.count), 0);
+    this.#encoder = new PushEncoder(compression, layout.chunkElems, numel, warmupSteps);
     this.#pullDType = pullDType(compression);
   }
 
@@ -96,18 +89,13 @@ export class PsClient {
    */
   async push(step: number, grads: Float32Array): Promise<PushReply> {
     const job = this.layout.job;
-    const ef = this.#feedback;
-    ef?.codec.atStep(step, this.warmupSteps);
-    // top-k picks over the whole gradient, so each chunk sends what it holds of the largest
-    const sel = ef?.codec.kind === "topk" ? ef.selectTopK(grads.subarray(0, ef.residual.length)) : null;
+    this.#encoder.begin(step, grads);
     const replies = await Promise.all(
       this.#groups.flatMap((groups, shard) =>
         groups.map(async (ids) => {
           const chunks = ids.map((id) => {
             const c = this.layout.chunks[id]!;
-            const x = grads.subarray(c.offset, c.offset + c.count);
-            if (sel !== null) return topKChunk(sel, id, c.offset, c.count);
-            return ef ? encodeChunk(ef, id, x, c.offset) : f32Chunk(id, x);
+            return gradientChunk(id, this.#encoder.chunk(c.offset, c.count));
           });
           const req = encodePushRequest({ job, trainer: this.trainer, step, chunks });
           const bytes = await this.bus.request(subjects.psPush(job, shard, this.trainer), req, requestTimeoutMs);
