@@ -8,9 +8,9 @@
 //      exact command is printed and set-up goes on.
 //   2. npm packages (Bun among them): `npm ci` (`--omit=dev` for run) when node_modules is
 //      missing, older than package-lock.json, or lacks the development packages the tests need.
-//   3. The C kernel library and the NCCL shim, compiled with the system C compiler (skipped with
-//      a message if the compiler or OpenBLAS is still missing), and the CUDA kernels compiled to
-//      PTX where nvcc is present.
+//   3. The C kernel library, compiled with the system C compiler (skipped with a message if the
+//      compiler or OpenBLAS is still missing), and the CUDA kernels compiled to PTX where nvcc is
+//      present.
 // Quiet when everything is in place. MESHTRAIN_SKIP_BOOTSTRAP=1 skips it entirely. What it does
 // goes to stdout, each command it runs printed exactly; only failures go to stderr.
 import { execFileSync, spawnSync } from "node:child_process";
@@ -144,13 +144,11 @@ if (!upToDate) {
 
 // ---- native kernels ------------------------------------------------------------------------
 if (needs.slice(0, 2).every((n) => n.ok())) {
-  // the CPU kernels; the NCCL shim (it builds without NCCL installed); the CUDA kernels as PTX
-  // where nvcc is present (ffi/cuda/build.ts skips quietly without it). With --quiet each
+  // the CPU kernels; the CUDA kernels as PTX where nvcc is present (ffi/cuda/build.ts skips quietly without it). With --quiet each
   // prints one line to stdout for what it built and nothing when it is up to date; compiler
   // errors and warnings go to stderr, passed through.
   for (const [what, script] of [
     ["the CPU kernel library", "ffi/cpu/build.ts"],
-    ["the NCCL shim", "ffi/nccl/build.ts"],
     ["the CUDA kernels", "ffi/cuda/build.ts"],
   ]) {
     let out;

@@ -30,12 +30,12 @@ run() { echo "== $*" | tee -a "$out/log.txt"; "$@" 2>&1 | tee -a "$out/log.txt";
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$out/log.txt"
 run bun ffi/cpu/build.ts
 run bun ffi/cuda/build.ts
-run bun ffi/nccl/build.ts
+run bun dev/nccl/build.ts
 case "$phase" in
   tests)
     # the emulator suites need no GPU and only spend its time compiling: left out here
     run bun test --timeout=300000 test/ffi/cuda-gpu.test.ts test/ffi/cublas.test.ts test/ffi/cuda-kernels.test.ts \
-      test/ffi/nccl.test.ts test/engine/ops.test.ts test/engine/mixed.test.ts ;;
+      test/dev/nccl/nccl.test.ts test/engine/ops.test.ts test/engine/mixed.test.ts ;;
   train)
     run bun sdk/cli.ts train mlp --device cuda --out "$out/mlp.mtm"
     run bun sdk/cli.ts train gpt --device cuda --precision bf16 --max-steps 2000 --out "$out/gpt.mtm" ;;

@@ -8,8 +8,9 @@
 //   barrier        returns once every rank of the group has called it
 //
 // Implementations: RingCollective (engine/parallel/ring.ts), a ring over any PeerTransport
-// (NATS on CPUs); HierarchicalCollective (engine/parallel/hierarchical.ts), rings within and
-// across hosts; NcclCollective (engine/parallel/nccl.ts) on GPUs.
+// (NATS, shared memory, in-memory); HierarchicalCollective (engine/parallel/hierarchical.ts),
+// rings within and across hosts. (NcclCollective, over device memory, is set aside in dev/nccl/:
+// no job uses it yet.)
 //
 // Every rank of a group issues the same operations with the same keys in the same order. A key
 // is (step, bucket): it names the operation on the wire, so a retried or duplicated piece is

@@ -1,7 +1,8 @@
 // The floors: the compute core (engine/, ffi/) imports nothing above it (services, the SDK, the
 // schemas, the benches), so data parallelism and the rest run without a mesh. Each service's
 // folder imports only itself, services/runtime, the compute core and the schemas: no service
-// reaches into another's (the job's plan travels in its spec instead).
+// reaches into another's (the job's plan travels in its spec instead). Code set aside in dev/
+// (the NCCL stack) is imported by nothing that ships.
 import { expect, test } from "bun:test";
 import { readdirSync, readFileSync } from "node:fs";
 import { join, relative } from "node:path";
@@ -9,37 +10,48 @@ import { join, relative } from "node:path";
 const root = join(import.meta.dir, "..", "..");
 const services = join(root, "services");
 
-test("the compute core (engine/, ffi/) imports nothing from services/, sdk/, schemas/ or bench/", () => {
-  const upward: string[] = [];
-  for (const floor of ["engine", "ffi"]) {
-    for (const file of readdirSync(join(root, floor), { recursive: true, encoding: "utf8" }).filter((f) =>
-      f.endsWith(".ts"),
-    )) {
-      const path = join(root, floor, file);
-      const text = readFileSync(path, "utf8");
-      for (const m of text.matchAll(/(?:from|import)\s*\(?\s*"(\.[^"]+)"/g)) {
-        const target = relative(root, join(path, "..", m[1]!)).split("/")[0]!;
-        if (["services", "sdk", "schemas", "bench"].includes(target)) upward.push(`${floor}/${file} imports ${m[1]}`);
-      }
-    }
+/** Each relative import of the .ts files under `folder` (from the root): the importing file and
+ *  the imported path's folders from the root. */
+function importsUnder(folder: string): { file: string; spec: string; target: string[] }[] {
+  const found: { file: string; spec: string; target: string[] }[] = [];
+  for (const file of readdirSync(join(root, folder), { recursive: true, encoding: "utf8" })) {
+    if (!file.endsWith(".ts")) continue;
+    const path = join(root, folder, file);
+    for (const m of readFileSync(path, "utf8").matchAll(/(?:from|import)\s*\(?\s*"(\.[^"]+)"/g))
+      found.push({
+        file: `${folder}/${file}`,
+        spec: m[1]!,
+        target: relative(root, join(path, "..", m[1]!)).split("/"),
+      });
   }
+  return found;
+}
+
+test("the compute core (engine/, ffi/) imports nothing from services/, sdk/, schemas/ or bench/", () => {
+  const upward = ["engine", "ffi"]
+    .flatMap(importsUnder)
+    .filter((i) => ["services", "sdk", "schemas", "bench"].includes(i.target[0]!))
+    .map((i) => `${i.file} imports ${i.spec}`);
   expect(upward).toEqual([]);
 });
+
 const names = ["data-loader", "parameter-server", "trainer", "checkpoint"];
 
 test("no service imports another service's folder; runtime (mesh/, job/, transport/, control/) imports none", () => {
-  const crossings: string[] = [];
-  for (const own of [...names, "runtime"]) {
-    for (const file of readdirSync(join(services, own), { recursive: true, encoding: "utf8" }).filter((f) =>
-      f.endsWith(".ts"),
-    )) {
-      const path = join(services, own, file);
-      for (const m of readFileSync(path, "utf8").matchAll(/(?:from|import)\s*\(?\s*"(\.[^"]+)"/g)) {
-        const [top, folder] = relative(root, join(path, "..", m[1]!)).split("/");
-        if (top === "services" && folder !== own && names.includes(folder!))
-          crossings.push(`${own}/${file} imports ${m[1]}`);
-      }
-    }
-  }
+  const crossings = [...names, "runtime"].flatMap((own) =>
+    importsUnder(`services/${own}`)
+      .filter((i) => i.target[0] === "services" && i.target[1] !== own && names.includes(i.target[1]!))
+      .map((i) => `${i.file} imports ${i.spec}`),
+  );
   expect(crossings).toEqual([]);
+});
+
+test("nothing that ships imports dev/ (code set aside, such as the NCCL stack)", () => {
+  const shipped = ["engine", "ffi", "schemas", "services", "sdk", "bench", "scripts"];
+  const into = shipped
+    .flatMap(importsUnder)
+    .filter((i) => i.target[0] === "dev")
+    .map((i) => `${i.file} imports ${i.spec}`);
+  expect(into).toEqual([]);
+  expect(readdirSync(services)).toContain("runtime"); // the walk saw the tree
 });

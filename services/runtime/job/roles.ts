@@ -22,7 +22,6 @@ import { createUser, fromSeed } from "@nats-io/nkeys";
 import { basename, join } from "node:path";
 import { defaultOwner, ownerProblem } from "./job.ts";
 import { jobsBucket, recordsBucket } from "./jobs.ts";
-import { ncclIdsBucket } from "../transport/nccl-id.ts";
 
 /** The ranks and shards a mesh's credentials cover (a user per rank and per shard). */
 export interface RoleTopology {
@@ -195,7 +194,6 @@ export function permissionsOf(user: RoleName): Permissions {
         "mt.*.*.ckpt.list",
         // a collective piece to any rank, as this rank only (the sender is the last token)
         `mt.*.*.coll.*.${r}`,
-        ...bucketSubjects([ncclIdsBucket], true),
       ],
       [
         `mt.*.*.coll.${r}.*`,

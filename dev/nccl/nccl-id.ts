@@ -1,5 +1,5 @@
 // The ncclUniqueId of an NCCL communicator travels from rank 0 to the other ranks through the
-// JetStream KV bucket `mt-nccl-ids`: rank 0 makes the id (ffi/nccl getUniqueId) and publishes
+// JetStream KV bucket `mt-nccl-ids`: rank 0 makes the id (./ffi.ts getUniqueId) and publishes
 // it; every other rank waits for it, then all call NcclComm.init with it.
 //
 // Why KV and not a plain publish: a rank that starts waiting after rank 0 published still
@@ -16,18 +16,19 @@
 //   bytes 8-11  nranks, uint32 little-endian (waiting ranks check they agree with rank 0)
 //   bytes 12-139 the 128 id bytes
 //
-// This module moves bytes only: no bun:ffi, no ffi/nccl (services never call native code).
+// This module moves bytes only: no bun:ffi (it was written to sit in services/, which never call
+// native code).
 import type { KV } from "@nats-io/kv";
-import { openBucket } from "../mesh/kv-bucket.ts";
+import { openBucket } from "../../services/runtime/mesh/kv-bucket.ts";
 import type { NatsConnection } from "@nats-io/transport-node";
-import { WireFormatError } from "../../../schemas/codec.ts";
-import { BadRequestError, DeadlineError, JetStreamUnavailableError } from "../mesh/errors.ts";
-import { jobIdPattern, jobNamePattern } from "../job/job.ts";
+import { WireFormatError } from "../../schemas/codec.ts";
+import { BadRequestError, DeadlineError, JetStreamUnavailableError } from "../../services/runtime/mesh/errors.ts";
+import { jobIdPattern, jobNamePattern } from "../../services/runtime/job/job.ts";
 
 // ---- limits (the runtime has no limits.ts yet; these belong to this module) --------------------
 
 export const ncclIdsBucket = "mt-nccl-ids";
-/** NCCL_UNIQUE_ID_BYTES. Repeated here because services/ may not import ffi/nccl; a test checks
+/** NCCL_UNIQUE_ID_BYTES. Repeated here so that this module loads no native binding; a test checks
  *  it against the binding's constant. */
 export const ncclIdBytes = 128;
 const headerBytes = 12;

@@ -1,14 +1,14 @@
-// Builds ffi/nccl/shim.c (the by-value ncclUniqueId call bun:ffi cannot make) into
-// ffi/nccl/build/libmtnccl.so with the system C compiler. It needs neither nccl.h nor libnccl,
+// Builds dev/nccl/shim.c (the by-value ncclUniqueId call bun:ffi cannot make) into
+// dev/nccl/build/libmtnccl.so with the system C compiler. It needs neither nccl.h nor libnccl,
 // so every machine builds it; NCCL itself is dlopen'ed at run time. Rebuilt only when the
 // source or flags change (a stamp file beside it records them). Run directly
-// (`bun ffi/nccl/build.ts`) at set-up; ffi/nccl/nccl.ts calls ensureNcclShim() too, so a fresh
-// checkout just works.
+// (`bun dev/nccl/build.ts`); dev/nccl/ffi.ts calls ensureNcclShim() too, so a fresh checkout
+// just works.
 import { createHash } from "node:crypto";
 import { existsSync, mkdirSync, readFileSync, renameSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { NativeLibraryError } from "../errors.ts";
-import { findCompiler } from "../cpu/build.ts";
+import { NativeLibraryError } from "../../ffi/errors.ts";
+import { findCompiler } from "../../ffi/cpu/build.ts";
 
 const here = import.meta.dir;
 export const shimSourcePath = join(here, "shim.c");
