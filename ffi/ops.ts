@@ -4,7 +4,8 @@
 //   - the Backend interface's op methods (OpMethods, below: argument and result types);
 //   - the CPU backend's dlopen table and its methods (ffi/cpu/backend.ts);
 //   - the CUDA backend's methods, each running its plan (ffi/cuda/kernels.ts `plans`, whose type
-//     is derived from these too: a missing plan, or one of other arguments, does not compile);
+//     is derived from these too: a missing plan, or one of other arguments, does not compile),
+//     and the parameter types of each CUDA kernel that mirrors an op (kernelSpecs' opKernels);
 //   - the check of kernels.c's prototypes against them (test/ffi/ops.test.ts).
 // Adding an op: its declaration here, its C kernel and its CUDA kernel and plan, its float64
 // reference (engine/ops/*) and its test.

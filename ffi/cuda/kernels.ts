@@ -1,7 +1,8 @@
 // The contract between the CUDA kernels (ffi/cuda/kernels/*.cu, compiled to PTX by build.ts)
 // and the CUDA backend:
 //   - kernelSpecs: every kernel's module and parameter types, in order (the test checks them
-//     against the compiled PTX);
+//     against the compiled PTX); a kernel that mirrors an op of ffi/ops.ts takes its types from
+//     the op's declaration;
 //   - plans: for each non-GEMM Backend method, the launches that implement it, in stream order.
 // The backend loads each module's PTX, looks kernels up by name, and launches what a plan
 // returns with the arguments converted by type:
@@ -24,7 +25,7 @@
 //
 // Dimension letters as in ffi/cpu/kernels.c: N rows, C channels, V vocab, BH batch*heads, T time.
 import type { Backend, BinaryOp, Dims4, ElemType, Ptr } from "../backend.ts";
-import { elemCodes, type OpName, type ops } from "../ops.ts";
+import { type ArgType, elemCodes, type OpDecl, type OpName, ops } from "../ops.ts";
 
 export type ParamType = "ptr" | "i64" | "u64" | "i32" | "f32";
 
@@ -36,87 +37,80 @@ export interface KernelSpec {
 
 const i64x4 = ["i64", "i64", "i64", "i64"] as const;
 const unary = ["ptr", "ptr", "i64"] as const; // out, inp, n
-const binary = ["ptr", "ptr", "ptr", "i64"] as const; // out, a, b, n
 // kept dims, their inp strides and out strides; reduced dims and their inp strides
 const reduceBcastParams = ["ptr", "ptr", ...i64x4, ...i64x4, ...i64x4, ...i64x4, ...i64x4] as const;
 // dqkv, delta, dout, lse, qkv; B, T, C, H; scale; elem
 const attentionBackwardParams = ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "f32", "i32"] as const;
 
+/** How an op's argument (ffi/ops.ts) reaches a kernel: flags, operators and element types as int32. */
+const paramsOfArg: Readonly<Record<ArgType, readonly ParamType[]>> = {
+  ptr: ["ptr"],
+  i64: ["i64"],
+  f32: ["f32"],
+  u64: ["u64"],
+  bool: ["i32"],
+  binop: ["i32"],
+  elem: ["i32"],
+  dims4: i64x4,
+};
+
+/** The parameter types of a kernel that takes its op's arguments in the C kernel's order. */
+export function opParams(decl: OpDecl): ParamType[] {
+  const order = decl.cpuOrder ?? decl.args.map(([name]) => name);
+  return order.flatMap((name) => paramsOfArg[decl.args.find(([n]) => n === name)![1]]);
+}
+
+/**
+ * The kernels of `module` that mirror an op: each is named as the op's CPU kernel and takes the
+ * op's arguments, so its parameter types come from the op's one declaration in ffi/ops.ts.
+ */
+function opKernels<const N extends OpName>(
+  module: string,
+  names: readonly N[],
+): { readonly [K in N as (typeof ops)[K]["cpu"]]: KernelSpec } {
+  return Object.fromEntries(names.map((n) => [ops[n].cpu, { module, params: opParams(ops[n]) }])) as never;
+}
+
+/** Every kernel: those that mirror an op, then the ones a plan adds (partial sums, counts, a
+ *  split backward), whose parameters are spelled out. */
 export const kernelSpecs = {
-  // elementwise.cu
-  mt_add_f32: { module: "elementwise", params: binary },
-  mt_mul_f32: { module: "elementwise", params: binary },
-  mt_axpy_f32: { module: "elementwise", params: ["ptr", "ptr", "i64", "f32"] },
-  mt_scale_f32: { module: "elementwise", params: ["ptr", "i64", "f32"] },
-  mt_add_scalar_ptr_f32: { module: "elementwise", params: ["ptr", "ptr", "f32", "i64"] },
-  // broadcast.cu
-  mt_binary_bcast_f32: { module: "broadcast", params: ["i32", "ptr", "ptr", "ptr", ...i64x4, ...i64x4, ...i64x4] },
+  ...opKernels("elementwise", ["add", "mul", "axpy", "scale", "addScalarFrom"]),
+  ...opKernels("broadcast", ["binaryBroadcast"]),
   mt_reduce_bcast_rows_f32: { module: "broadcast", params: reduceBcastParams },
   mt_reduce_bcast_cols_f32: { module: "broadcast", params: reduceBcastParams },
-  // layers.cu
-  mt_bias_add_f32: { module: "layers", params: ["ptr", "ptr", "ptr", "i64", "i64"] },
-  mt_bias_backward_f32: { module: "layers", params: ["ptr", "ptr", "i64", "i64"] },
-  mt_relu_forward_f32: { module: "layers", params: unary },
-  mt_relu_backward_f32: { module: "layers", params: binary },
-  mt_gelu_forward_f32: { module: "layers", params: unary },
-  mt_gelu_backward_f32: { module: "layers", params: binary },
-  mt_bias_gelu_forward_f32: { module: "layers", params: ["ptr", "ptr", "ptr", "i64", "i64"] },
-  mt_dropout_forward_f32: { module: "layers", params: ["ptr", "ptr", "i64", "f32", "u64"] },
-  mt_dropout_backward_f32: { module: "layers", params: ["ptr", "ptr", "i64", "f32", "u64"] },
-  // crossentropy.cu
+  ...opKernels("layers", [
+    "biasAdd",
+    "biasBackward",
+    "reluForward",
+    "reluBackward",
+    "geluForward",
+    "geluBackward",
+    "biasGeluForward",
+    "dropoutForward",
+    "dropoutBackward",
+  ]),
   mt_crossentropy_forward_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
   mt_crossentropy_loss_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
-  mt_crossentropy_backward_f32: {
-    module: "crossentropy",
-    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "i32"],
-  },
-  // layernorm.cu
-  mt_layernorm_forward_f32: {
-    module: "layernorm",
-    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "f32"],
-  },
-  mt_residual_layernorm_forward_f32: {
-    module: "layernorm",
-    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "f32"],
-  },
+  ...opKernels("crossentropy", ["crossEntropyBackward"]),
+  ...opKernels("layernorm", ["layerNormForward", "residualLayerNormForward"]),
   mt_layernorm_backward_f32: { module: "layernorm", params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
   mt_layernorm_backward_params_f32: {
     module: "layernorm",
     params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"],
   },
-  // embedding.cu
-  mt_embedding_forward_f32: { module: "embedding", params: ["ptr", "ptr", "ptr", "i64", "i64", "i64"] },
+  ...opKernels("embedding", ["embeddingForward", "embeddingBackward"]),
   mt_embedding_count_invalid_i32: { module: "embedding", params: ["ptr", "ptr", "i64", "i64"] },
-  mt_embedding_backward_f32: { module: "embedding", params: ["ptr", "ptr", "ptr", "i64", "i64"] },
-  // attention.cu
-  mt_attention_forward_f32: {
-    module: "attention",
-    params: ["ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "f32", "i32"],
-  },
+  ...opKernels("attention", ["attentionForward", "stridedCopy"]),
   mt_attention_delta_f32: { module: "attention", params: ["ptr", "ptr", "ptr", "i64", "i64", "i64", "i64"] },
   mt_attention_backward_kv_f32: { module: "attention", params: attentionBackwardParams },
   mt_attention_backward_q_f32: { module: "attention", params: attentionBackwardParams },
-  mt_strided_copy_f32: { module: "attention", params: ["ptr", "ptr", ...i64x4, ...i64x4, ...i64x4, "i32"] },
-  // reduce.cu
-  mt_sum_f32: { module: "reduce", params: unary },
+  ...opKernels("reduce", ["sum"]),
   mt_sum_squares_partial_f32: { module: "reduce", params: unary },
   mt_count_nonfinite_partial_f32: { module: "reduce", params: unary },
   mt_sum_partials_f64: { module: "reduce", params: unary },
   mt_sum_partials_i64: { module: "reduce", params: unary },
-  // optim.cu
-  mt_sgd_step_f32: {
-    module: "optim",
-    params: ["ptr", "ptr", "ptr", "i64", "f32", "f32", "f32", "f32", "i32", "i32"],
-  },
-  mt_adamw_step_f32: {
-    module: "optim",
-    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "f32", "f32", "f32", "f32", "f32", "f32", "f32"],
-  },
-  // casts.cu
-  mt_f32_to_bf16: { module: "casts", params: unary },
-  mt_bf16_to_f32: { module: "casts", params: unary },
-  mt_f32_to_f16: { module: "casts", params: unary },
-  mt_f16_to_f32: { module: "casts", params: unary },
+  ...opKernels("optim", ["sgdStep", "adamwStep"]),
+  ...opKernels("casts", ["castF32ToBF16", "castBF16ToF32", "castF32ToF16", "castF16ToF32"]),
 } as const satisfies Record<string, KernelSpec>;
 
 export type KernelName = keyof typeof kernelSpecs;
