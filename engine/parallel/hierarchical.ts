@@ -9,15 +9,8 @@
 // (correct, and no sum is done twice; ZeRO's reduce-scatter on one host takes the flat ring).
 // allGather and broadcast move no sums, so they use the flat ring, ordered host by host so
 // that only one link per host pair in the ring crosses between hosts.
-import {
-  type Collective,
-  CollectiveClosedError,
-  type OpKey,
-  type Range,
-  type ReduceOp,
-  segment,
-} from "./collective.ts";
-import { PieceRouter, RingGroup, type RingOptions, ringDefaults, scaleInPlace } from "./ring.ts";
+import { type Collective, type OpKey, type Range, type ReduceOp, segment } from "./collective.ts";
+import { RingGroup, type RingOptions, RingsOverTransport, ringDefaults, scaleInPlace } from "./ring.ts";
 import type { PeerTransport } from "./transport.ts";
 
 export interface Topology {
@@ -38,27 +31,20 @@ export function topologyRings(hosts: readonly string[]): {
   return { order, byHost, leaders };
 }
 
-export class HierarchicalCollective implements Collective {
-  readonly router: PieceRouter;
+export class HierarchicalCollective extends RingsOverTransport implements Collective {
   /** every rank, host by host */
   readonly flat: RingGroup;
   readonly local: RingGroup;
   /** the leaders' ring; null on ranks that lead no host */
   readonly leaders: RingGroup | null;
-  #closed = false;
 
-  constructor(
-    readonly transport: PeerTransport,
-    topology: Topology,
-    options: Partial<RingOptions> = {},
-  ) {
+  constructor(transport: PeerTransport, topology: Topology, options: Partial<RingOptions> = {}) {
     const o = { ...ringDefaults, ...options };
     const { order, byHost, leaders } = topologyRings(topology.hosts);
     const host = topology.hosts[transport.rank];
     if (host === undefined)
       throw new RangeError(`rank ${transport.rank} has no host label (${topology.hosts.length} labels)`);
-    this.router = new PieceRouter(o.earlyBytesMax);
-    transport.listen((p) => this.router.receive(p));
+    super(transport, o.earlyBytesMax);
     this.flat = new RingGroup("", order, transport, this.router, o);
     this.local = new RingGroup(`host:${host}`, byHost.get(host)!, transport, this.router, o);
     this.leaders = leaders.includes(transport.rank)
@@ -66,15 +52,12 @@ export class HierarchicalCollective implements Collective {
       : null;
   }
 
-  get rank(): number {
-    return this.transport.rank;
-  }
-  get size(): number {
-    return this.flat.size;
+  protected get everyRank(): RingGroup {
+    return this.flat;
   }
 
   async allReduce(buf: Float32Array, key: OpKey, op: ReduceOp = "sum"): Promise<void> {
-    this.#check();
+    this.check();
     await this.local.reduce(buf, 0, key);
     if (this.leaders) await this.leaders.ring(buf, key, "all-reduce", true, true);
     await this.local.broadcast(buf, 0, key);
@@ -86,30 +69,8 @@ export class HierarchicalCollective implements Collective {
     return segment(buf.length, this.size, this.rank);
   }
 
-  /** Segments by global rank, as for the flat ring (the ring's order does not change them). */
-  allGather(buf: Float32Array, key: OpKey): Promise<void> {
-    this.#check();
-    return this.flat.ring(buf, key, "all-gather", false, true);
-  }
-
   broadcast(buf: Float32Array, root: number, key: OpKey): Promise<void> {
-    this.#check();
+    this.check();
     return this.flat.broadcast(buf, this.flat.ranks.indexOf(root), key);
-  }
-
-  barrier(key: OpKey): Promise<void> {
-    this.#check();
-    return this.flat.ring(new Float32Array(this.size), key, "barrier", false, true);
-  }
-
-  close(reason = "the collective was closed"): void {
-    if (this.#closed) return;
-    this.#closed = true;
-    this.router.failAll(new CollectiveClosedError(reason));
-    this.transport.close();
-  }
-
-  #check(): void {
-    if (this.#closed) throw new CollectiveClosedError("the collective is closed");
   }
 }

@@ -512,61 +512,42 @@ export function scaleInPlace(buf: Float32Array, s: number): void {
   for (let i = 0; i < buf.length; i++) buf[i]! *= s;
 }
 
-/** The ring collective over every rank of a transport's job, in rank order. */
-export class RingCollective implements Collective {
+/**
+ * What the collectives built of ring groups over one transport share: the router their pieces
+ * arrive through, the ring of every rank (`everyRank`: all-gather and barrier move no sums, so
+ * they take it whatever the topology), and closing once.
+ */
+export abstract class RingsOverTransport {
   readonly router: PieceRouter;
-  readonly group: RingGroup;
   #closed = false;
 
   constructor(
     readonly transport: PeerTransport,
-    size: number,
-    options: Partial<RingOptions> = {},
+    earlyBytesMax: number,
   ) {
-    const o = { ...ringDefaults, ...options };
-    this.router = new PieceRouter(o.earlyBytesMax);
+    this.router = new PieceRouter(earlyBytesMax);
     transport.listen((p) => this.router.receive(p));
-    this.group = new RingGroup(
-      "",
-      Array.from({ length: size }, (_, i) => i),
-      transport,
-      this.router,
-      o,
-    );
   }
+
+  /** every rank, in the order pieces travel between them */
+  protected abstract get everyRank(): RingGroup;
 
   get rank(): number {
     return this.transport.rank;
   }
   get size(): number {
-    return this.group.size;
+    return this.everyRank.size;
   }
 
-  async allReduce(buf: Float32Array, key: OpKey, op: ReduceOp = "sum"): Promise<void> {
-    this.#check();
-    await this.group.ring(buf, key, "all-reduce", true, true);
-    if (op === "avg") scaleInPlace(buf, 1 / this.size);
-  }
-
-  async reduceScatter(buf: Float32Array, key: OpKey): Promise<Range> {
-    this.#check();
-    await this.group.ring(buf, key, "reduce-scatter", true, false);
-    return segment(buf.length, this.size, this.rank);
-  }
-
+  /** Segments by global rank (the ring's order does not change them). */
   allGather(buf: Float32Array, key: OpKey): Promise<void> {
-    this.#check();
-    return this.group.ring(buf, key, "all-gather", false, true);
-  }
-
-  broadcast(buf: Float32Array, root: number, key: OpKey): Promise<void> {
-    this.#check();
-    return this.group.broadcast(buf, root, key);
+    this.check();
+    return this.everyRank.ring(buf, key, "all-gather", false, true);
   }
 
   barrier(key: OpKey): Promise<void> {
-    this.#check();
-    return this.group.ring(new Float32Array(this.size), key, "barrier", false, true);
+    this.check();
+    return this.everyRank.ring(new Float32Array(this.size), key, "barrier", false, true);
   }
 
   close(reason = "the collective was closed"): void {
@@ -576,8 +557,46 @@ export class RingCollective implements Collective {
     this.transport.close();
   }
 
-  #check(): void {
+  protected check(): void {
     if (this.#closed) throw new CollectiveClosedError("the collective is closed");
+  }
+}
+
+/** The ring collective over every rank of a transport's job, in rank order. */
+export class RingCollective extends RingsOverTransport implements Collective {
+  readonly group: RingGroup;
+
+  constructor(transport: PeerTransport, size: number, options: Partial<RingOptions> = {}) {
+    const o = { ...ringDefaults, ...options };
+    super(transport, o.earlyBytesMax);
+    this.group = new RingGroup(
+      "",
+      Array.from({ length: size }, (_, i) => i),
+      transport,
+      this.router,
+      o,
+    );
+  }
+
+  protected get everyRank(): RingGroup {
+    return this.group;
+  }
+
+  async allReduce(buf: Float32Array, key: OpKey, op: ReduceOp = "sum"): Promise<void> {
+    this.check();
+    await this.group.ring(buf, key, "all-reduce", true, true);
+    if (op === "avg") scaleInPlace(buf, 1 / this.size);
+  }
+
+  async reduceScatter(buf: Float32Array, key: OpKey): Promise<Range> {
+    this.check();
+    await this.group.ring(buf, key, "reduce-scatter", true, false);
+    return segment(buf.length, this.size, this.rank);
+  }
+
+  broadcast(buf: Float32Array, root: number, key: OpKey): Promise<void> {
+    this.check();
+    return this.group.broadcast(buf, root, key);
   }
 }
 
