@@ -1,6 +1,6 @@
 // add: out = a + b with broadcasting. The backward sums dout over a's (b's) broadcast dims.
 import { sameShape, type Tensor } from "../tensor.ts";
-import { broadcastIndexReference, broadcastPlan } from "./broadcast.ts";
+import { broadcastForward, broadcastIndexReference, broadcastPlan } from "./broadcast.ts";
 import { checkDType, checkInputs } from "./check.ts";
 
 export function add(a: Tensor, b: Tensor): Tensor {
@@ -14,15 +14,7 @@ export function add(a: Tensor, b: Tensor): Tensor {
     ctx.record("add", [a, b], out, () => addBackward(out, a, b), []);
     return out;
   }
-  const plan = broadcastPlan("add", a.shape, b.shape);
-  const out = ctx.empty(plan.outShape);
-  for (const {
-    dims,
-    strides: [, as, bs],
-    offsets: [o, ao, bo],
-  } of plan.blocks) {
-    be.binaryBroadcast("add", out.ptr + o! * 4, a.ptr + ao! * 4, b.ptr + bo! * 4, dims, as!, bs!);
-  }
+  const { plan, out } = broadcastForward(ctx, "add", a, b);
   ctx.record(
     "add",
     [a, b],

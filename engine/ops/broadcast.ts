@@ -2,7 +2,8 @@
 // broadcastPlan() turns two shapes into the 4-dim blocks the backend's broadcast kernels take;
 // each block's strides are [out, a, b] and its offsets are element offsets into out, a, b.
 import { ShapeError } from "../errors.ts";
-import type { Shape } from "../tensor.ts";
+import type { BinaryOp } from "../../ffi/backend.ts";
+import type { Context, Shape, Tensor } from "../tensor.ts";
 import { type Block4, blocks4, contiguousStrides } from "./check.ts";
 
 export interface BroadcastPlan {
@@ -40,6 +41,25 @@ export function broadcastPlan(op: string, a: Shape, b: Shape): BroadcastPlan {
   const bFull = broadcastStrides(b, outShape);
   const blocks = blocks4(outShape, [contiguousStrides(outShape), aFull, bFull]);
   return { outShape, blocks, aFull, bFull };
+}
+
+/** out = a op b over the plan of their shapes, block by block (the forward of add and mul). */
+export function broadcastForward(
+  ctx: Context,
+  op: BinaryOp,
+  a: Tensor,
+  b: Tensor,
+): { plan: BroadcastPlan; out: Tensor } {
+  const plan = broadcastPlan(op, a.shape, b.shape);
+  const out = ctx.empty(plan.outShape);
+  for (const {
+    dims,
+    strides: [, as, bs],
+    offsets: [o, ao, bo],
+  } of plan.blocks) {
+    ctx.backend.binaryBroadcast(op, out.ptr + o! * 4, a.ptr + ao! * 4, b.ptr + bo! * 4, dims, as!, bs!);
+  }
+  return { plan, out };
 }
 
 /** For each flat out index, the flat index into an operand with these full strides. */

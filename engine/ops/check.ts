@@ -1,7 +1,7 @@
 // Input checks shared by every op. Wrong shapes, dtypes or contexts are caller errors that a
 // user can make (a misconfigured model, a batch of the wrong size), so they raise typed
 // errors that name the op and the shapes rather than assertions.
-import type { DType, Dims4 } from "../../ffi/backend.ts";
+import type { Backend, DType, Dims4, Ptr } from "../../ffi/backend.ts";
 import { BackendMismatchError, DTypeError, ShapeError, StaleTensorError } from "../errors.ts";
 import type { Context, Shape, Tensor } from "../tensor.ts";
 
@@ -102,4 +102,23 @@ export function blocks4(dims: readonly number[], strideSets: readonly (readonly 
     blocks.push({ ...inner, offsets });
   }
   return blocks;
+}
+
+/**
+ * An elementwise activation of an f32 tensor (relu, gelu): `forward` writes out from inp, and
+ * `backward` adds the gradient into dinp from inp and dout.
+ */
+export function activation(
+  op: string,
+  inp: Tensor,
+  forward: (be: Backend, out: Ptr, inp: Ptr, n: number) => void,
+  backward: (be: Backend, dinp: Ptr, inp: Ptr, dout: Ptr, n: number) => void,
+): Tensor {
+  const ctx = checkInputs(op, [inp]);
+  checkDType(op, inp, "f32");
+  const be = ctx.backend;
+  const out = ctx.empty(inp.shape);
+  forward(be, out.ptr, inp.ptr, inp.numel);
+  ctx.record(op, [inp], out, () => backward(be, inp.ensureGrad().ptr, inp.ptr, out.grad!.ptr, inp.numel));
+  return out;
 }

@@ -1,18 +1,14 @@
 // gelu (tanh form, as GPT-2): out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 import type { Tensor } from "../tensor.ts";
-import { checkDType, checkInputs } from "./check.ts";
+import { activation } from "./check.ts";
 
-export function gelu(inp: Tensor): Tensor {
-  const ctx = checkInputs("gelu", [inp]);
-  checkDType("gelu", inp, "f32");
-  const be = ctx.backend;
-  const out = ctx.empty(inp.shape);
-  be.geluForward(out.ptr, inp.ptr, inp.numel);
-  ctx.record("gelu", [inp], out, () => {
-    be.geluBackward(inp.ensureGrad().ptr, inp.ptr, out.grad!.ptr, inp.numel);
-  });
-  return out;
-}
+export const gelu = (inp: Tensor): Tensor =>
+  activation(
+    "gelu",
+    inp,
+    (be, out, x, n) => be.geluForward(out, x, n),
+    (be, dinp, x, dout, n) => be.geluBackward(dinp, x, dout, n),
+  );
 
 // ---- float64 reference --------------------------------------------------------------------
 

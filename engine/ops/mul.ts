@@ -1,6 +1,6 @@
 // mul: out = a * b with broadcasting. d a = reduce(dout * b) over a's broadcast dims.
 import { sameShape, type Tensor } from "../tensor.ts";
-import { broadcastIndexReference, broadcastPlan } from "./broadcast.ts";
+import { broadcastForward, broadcastIndexReference, broadcastPlan } from "./broadcast.ts";
 import { checkDType, checkInputs } from "./check.ts";
 
 export function mul(a: Tensor, b: Tensor): Tensor {
@@ -28,15 +28,7 @@ export function mul(a: Tensor, b: Tensor): Tensor {
     });
     return out;
   }
-  const plan = broadcastPlan("mul", a.shape, b.shape);
-  const out = ctx.empty(plan.outShape);
-  for (const {
-    dims,
-    strides: [, as, bs],
-    offsets: [o, ao, bo],
-  } of plan.blocks) {
-    be.binaryBroadcast("mul", out.ptr + o! * 4, a.ptr + ao! * 4, b.ptr + bo! * 4, dims, as!, bs!);
-  }
+  const { plan, out } = broadcastForward(ctx, "mul", a, b);
   ctx.record("mul", [a, b], out, () => {
     // forward was: out[i] = a[i·as] * b[i·bs]  =>  da[i·as] += dout[i] * b[i·bs]
     const dout = out.grad!.ptr;

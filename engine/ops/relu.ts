@@ -1,18 +1,14 @@
 // relu: out = max(inp, 0), elementwise.
 import type { Tensor } from "../tensor.ts";
-import { checkDType, checkInputs } from "./check.ts";
+import { activation } from "./check.ts";
 
-export function relu(inp: Tensor): Tensor {
-  const ctx = checkInputs("relu", [inp]);
-  checkDType("relu", inp, "f32");
-  const be = ctx.backend;
-  const out = ctx.empty(inp.shape);
-  be.reluForward(out.ptr, inp.ptr, inp.numel);
-  ctx.record("relu", [inp], out, () => {
-    be.reluBackward(inp.ensureGrad().ptr, inp.ptr, out.grad!.ptr, inp.numel);
-  });
-  return out;
-}
+export const relu = (inp: Tensor): Tensor =>
+  activation(
+    "relu",
+    inp,
+    (be, out, x, n) => be.reluForward(out, x, n),
+    (be, dinp, x, dout, n) => be.reluBackward(dinp, x, dout, n),
+  );
 
 // ---- float64 reference --------------------------------------------------------------------
 
