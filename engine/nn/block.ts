@@ -98,7 +98,6 @@ export class Block {
         `block built for tensor rank ${this.tensor.rank} of ${this.tensor.size}, run on rank ${tp.rank} of ${tp.size}`,
       );
     }
-    const p = this.config.dropout;
     const heads = this.config.nHead / tp.size;
     // as forward(), dropping each tensor once read for the last time; the row-parallel layers'
     // outputs are summed over the ranks before their bias
@@ -115,15 +114,7 @@ export class Block {
     if (attnOut !== part) part.drop();
     const proj = biasAdd(attnOut, this.attnProj.bias!.tensor);
     attnOut.drop();
-    const branch = dropout(proj, p);
-    const { sum: x2, out: h2 } = residualLayerNorm(
-      x,
-      branch,
-      this.ln2.weight.tensor,
-      this.ln2.bias.tensor,
-      this.ln2.eps,
-    );
-    dropAll(proj, branch);
+    const { sum: x2, out: h2 } = this.#attentionResidual(x, proj);
     const h2c = tp.copy(h2);
     if (h2c !== h2) h2.drop();
     const hidden = this.fc.forward(h2c, "gelu");
@@ -134,10 +125,7 @@ export class Block {
     if (mlpOut !== part2) part2.drop();
     const mlp = biasAdd(mlpOut, this.fcProj.bias!.tensor);
     mlpOut.drop();
-    const branch2 = dropout(mlp, p);
-    const out = add(x2, branch2);
-    dropAll(x2, mlp, branch2);
-    return out;
+    return this.#mlpResidual(x2, mlp);
   }
 
   /**
@@ -149,7 +137,6 @@ export class Block {
   forward(x: Tensor): Tensor {
     if (this.tensor.size > 1)
       throw new ConfigError("a tensor-parallel block runs with forwardAsync (its outputs are summed over the ranks)");
-    const p = this.config.dropout;
     const h1 = this.ln1.forward(x);
     const qkv = this.attn.forward(h1);
     h1.drop();
@@ -157,22 +144,27 @@ export class Block {
     qkv.drop();
     const proj = this.attnProj.forward(a);
     a.drop();
-    const branch = dropout(proj, p);
-    const { sum: x2, out: h2 } = residualLayerNorm(
-      x,
-      branch,
-      this.ln2.weight.tensor,
-      this.ln2.bias.tensor,
-      this.ln2.eps,
-    );
-    dropAll(proj, branch);
+    const { sum: x2, out: h2 } = this.#attentionResidual(x, proj);
     const hidden = this.fc.forward(h2, "gelu");
     h2.drop();
     const mlp = this.fcProj.forward(hidden);
     hidden.drop();
-    const branch2 = dropout(mlp, p);
-    const out = add(x2, branch2);
-    dropAll(x2, mlp, branch2);
+    return this.#mlpResidual(x2, mlp);
+  }
+
+  /** x + dropout(proj) and ln_2 of it (one op); proj and the branch are dropped. */
+  #attentionResidual(x: Tensor, proj: Tensor): { sum: Tensor; out: Tensor } {
+    const branch = dropout(proj, this.config.dropout);
+    const r = residualLayerNorm(x, branch, this.ln2.weight.tensor, this.ln2.bias.tensor, this.ln2.eps);
+    dropAll(proj, branch);
+    return r;
+  }
+
+  /** x2 + dropout(mlp), the block's output; x2, mlp and the branch are dropped. */
+  #mlpResidual(x2: Tensor, mlp: Tensor): Tensor {
+    const branch = dropout(mlp, this.config.dropout);
+    const out = add(x2, branch);
+    dropAll(x2, mlp, branch);
     return out;
   }
 }
