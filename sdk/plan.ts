@@ -124,14 +124,7 @@ function trainerPlans(cfg: JobConfig, V: number): RankPlan[] {
     const r = rankMemory({ ...base, paramCount: paramCountOf(cfg, V), activations: act.peak, gatheredBytes: 0 });
     return [{ ...r, who: D === 1 ? "trainer 0" : `trainers 0-${D - 1}`, ranks: D }];
   }
-  const config: GptConfig = {
-    vocabSize: V,
-    blockSize: m.blockSize,
-    nLayer: m.nLayer,
-    nHead: m.nHead,
-    nEmbd: m.nEmbd,
-    dropout: m.dropout,
-  };
+  const config = gptConfigOf(m, V);
   const out: RankPlan[] = [];
   for (let s = 0; s < S; s++) {
     const part = { stage: s, stages: S, ...(R > 1 ? { tensor: { rank: 0, size: R } } : {}) };
@@ -206,14 +199,13 @@ const remedies: {
 function paramCountOf(cfg: JobConfig, V: number): number {
   const m = cfg.model;
   if (m.kind === "mlp") return m.widths.slice(1).reduce((n, w, i) => n + (m.widths[i]! + 1) * w, 0);
-  return gptParamCount({
-    vocabSize: V,
-    blockSize: m.blockSize,
-    nLayer: m.nLayer,
-    nHead: m.nHead,
-    nEmbd: m.nEmbd,
-    dropout: m.dropout,
-  });
+  return gptParamCount(gptConfigOf(m, V));
+}
+
+/** The engine's GptConfig of a job's GPT model with a vocabulary of V. */
+function gptConfigOf(m: Extract<JobConfig["model"], { kind: "gpt" }>, V: number): GptConfig {
+  const { blockSize, nLayer, nHead, nEmbd, dropout } = m;
+  return { vocabSize: V, blockSize, nLayer, nHead, nEmbd, dropout };
 }
 
 export function planJob(cfg: JobConfig, device: PlanDevice, V = planVocabSize(cfg)): JobPlan {

@@ -30,6 +30,8 @@ export function gemmOperandElems(rows: number, cols: number, ld: number, stride:
   return batch === 1 ? one : (batch - 1) * stride + one;
 }
 
+const operand = ["ptr", "i64", "i64"] as const;
+
 function loadLibraries() {
   const { kernels, openblas } = ensureKernelLibrary();
   const blas = dlopen(openblas, {
@@ -46,26 +48,10 @@ function loadLibraries() {
     mt_zero: { args: ["ptr", "i64"], returns: "void" },
     mt_fill_f32: { args: ["ptr", "i64", "f32"], returns: "void" },
     mt_num_threads: { args: [], returns: "i32" },
+    // transA, transB, M, N, K, alpha, A, B, beta, C, batch; each operand its pointer, leading
+    // dimension and batch stride
     mt_sgemm_strided_batched: {
-      args: [
-        "i32",
-        "i32",
-        "i64",
-        "i64",
-        "i64",
-        "f32",
-        "ptr",
-        "i64",
-        "i64",
-        "ptr",
-        "i64",
-        "i64",
-        "f32",
-        "ptr",
-        "i64",
-        "i64",
-        "i64",
-      ],
+      args: ["i32", "i32", "i64", "i64", "i64", "f32", ...operand, ...operand, "f32", ...operand, "i64"],
       returns: "void",
     },
   });

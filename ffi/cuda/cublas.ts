@@ -219,64 +219,33 @@ export class Cublas {
     const { dtype, compute } = inputTypes[input];
     this.#scalars[0] = alpha;
     this.#scalars[1] = beta;
-    const alphaPtr = BigInt(this.#scalarsPtr);
-    const betaPtr = BigInt(this.#scalarsPtr + 4);
+    const alpha_ = BigInt(this.#scalarsPtr);
+    const beta_ = BigInt(this.#scalarsPtr + 4);
     const s = this.#lib.symbols;
+    const h = this.#handle;
+    const { transa: ta, transb: tb, m, n, k, lda: la, ldb: lb, ldc: lc } = rm;
+    const [a, b, c] = [BigInt(rm.A), BigInt(rm.B), BigInt(rm.C)];
+    const [algo, f32] = [CUBLAS_GEMM_DEFAULT, CUDA_R_32F];
     if (batch === 1) {
-      this.#check(
-        "cublasGemmEx",
-        s.cublasGemmEx(
-          this.#handle,
-          rm.transa,
-          rm.transb,
-          rm.m,
-          rm.n,
-          rm.k,
-          alphaPtr,
-          BigInt(rm.A),
-          dtype,
-          rm.lda,
-          BigInt(rm.B),
-          dtype,
-          rm.ldb,
-          betaPtr,
-          BigInt(rm.C),
-          CUDA_R_32F,
-          rm.ldc,
-          compute,
-          CUBLAS_GEMM_DEFAULT,
-        ),
-      );
-    } else {
-      this.#check(
-        "cublasGemmStridedBatchedEx",
-        s.cublasGemmStridedBatchedEx(
-          this.#handle,
-          rm.transa,
-          rm.transb,
-          rm.m,
-          rm.n,
-          rm.k,
-          alphaPtr,
-          BigInt(rm.A),
-          dtype,
-          rm.lda,
-          rm.strideA,
-          BigInt(rm.B),
-          dtype,
-          rm.ldb,
-          rm.strideB,
-          betaPtr,
-          BigInt(rm.C),
-          CUDA_R_32F,
-          rm.ldc,
-          rm.strideC,
-          batch,
-          compute,
-          CUBLAS_GEMM_DEFAULT,
-        ),
-      );
+      // biome-ignore format: one line per operand reads better than one per argument
+      const status = s.cublasGemmEx(h, ta, tb, m, n, k, alpha_,
+        a, dtype, la,
+        b, dtype, lb,
+        beta_, c, f32, lc,
+        compute, algo);
+      this.#check("cublasGemmEx", status);
+      return;
     }
+    const [sa, sb, sc] = [rm.strideA, rm.strideB, rm.strideC];
+    this.#check(
+      "cublasGemmStridedBatchedEx",
+      // biome-ignore format: one line per operand reads better than one per argument
+      s.cublasGemmStridedBatchedEx(h, ta, tb, m, n, k, alpha_,
+        a, dtype, la, sa,
+        b, dtype, lb, sb,
+        beta_, c, f32, lc, sc,
+        batch, compute, algo),
+    );
   }
 
   destroy(): void {

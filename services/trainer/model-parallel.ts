@@ -43,13 +43,13 @@ import type { Context } from "../../engine/tensor.ts";
 import type { EvalResult, HostBatch } from "../../engine/train.ts";
 import type { DataPlan, ShardState } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
-import { BusTransport, busTransportDefaults, type BusTransportOptions } from "../runtime/transport/collective-bus.ts";
+import type { BusTransport } from "../runtime/transport/collective-bus.ts";
 import { BadRequestError, CorruptDataError } from "../runtime/mesh/errors.ts";
 import { dataRanks, type JobConfig } from "../runtime/job/job.ts";
 import { buildLayout, type Layout } from "../runtime/job/layout.ts";
 import { modelConfigOf } from "../runtime/job/model.ts";
 import { cutPartition, KeptParts, type ReplicaMeta } from "../runtime/job/replica-parts.ts";
-import { ReplicaStaging, type ReplicaStepResult } from "./replica.ts";
+import { jobTransport, ReplicaStaging, type ReplicaStepResult, type TransportSettings } from "./replica.ts";
 
 export interface ModelParallelOptions {
   bus: Bus;
@@ -59,9 +59,7 @@ export interface ModelParallelOptions {
   ctx: Context;
   plan: DataPlan;
   payloadBytesMax: number;
-  transport?: Partial<
-    Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs" | "sharedMemory">
-  >;
+  transport?: TransportSettings;
   progressTimeoutMs?: number;
 }
 
@@ -134,18 +132,8 @@ export class ModelParallelReplica {
 
   /** What a rank is built from, with rings over a new transport of generation `generation`. */
   #common(generation: number) {
-    const { bus, cfg, rank, payloadBytesMax, ctx } = this.#o;
-    const t = { ...busTransportDefaults, ...this.#o.transport };
-    const transport = new BusTransport(bus, {
-      ...t,
-      pieceBytesMax: Math.min(t.pieceBytesMax, Math.floor((payloadBytesMax - 4096) / 4) * 4),
-      job: cfg.job,
-      rank,
-      size: cfg.trainers,
-      generation,
-      sharedMemory: this.#o.transport?.sharedMemory ?? cfg.collTransport === "auto",
-      meter: this.#meter,
-    });
+    const { cfg, rank, ctx } = this.#o;
+    const transport = jobTransport(this.#o, generation, this.#meter);
     const router = new PieceRouter(ringDefaults.earlyBytesMax);
     transport.listen((p) => router.receive(p));
     this.#wire = { transport, router };

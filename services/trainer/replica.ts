@@ -46,10 +46,35 @@ export interface ReplicaOptions {
   /** the job's steps (its plan's): a restore's replica is of one of them */
   totalSteps: number;
   /** collective transport settings over busTransportDefaults (tests shorten the timeouts) */
-  transport?: Partial<
-    Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs" | "sharedMemory">
-  >;
+  transport?: TransportSettings;
   progressTimeoutMs?: number;
+}
+
+export type TransportSettings = Partial<
+  Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs" | "sharedMemory">
+>;
+
+/**
+ * Trainer `rank`'s transport for its job's collectives, of communicator generation `generation`:
+ * a piece and its header fit the message limit; peers on this machine get their values through
+ * shared memory unless the job or the settings say NATS. `meter` counts the bytes delivered.
+ */
+export function jobTransport(
+  o: { bus: Bus; cfg: JobConfig; rank: number; payloadBytesMax: number; transport?: TransportSettings },
+  generation: number,
+  meter: { bytes: number },
+): BusTransport {
+  const t = { ...busTransportDefaults, ...o.transport };
+  return new BusTransport(o.bus, {
+    ...t,
+    pieceBytesMax: Math.min(t.pieceBytesMax, Math.floor((o.payloadBytesMax - 4096) / 4) * 4),
+    job: o.cfg.job,
+    rank: o.rank,
+    size: o.cfg.trainers,
+    generation,
+    sharedMemory: o.transport?.sharedMemory ?? o.cfg.collTransport === "auto",
+    meter,
+  });
 }
 
 export class Replica {
@@ -176,20 +201,8 @@ export class Replica {
   }
 
   #connect(generation: number): Collective {
-    const { bus, cfg, rank, payloadBytesMax } = this.#o;
-    const t = { ...busTransportDefaults, ...this.#o.transport };
-    // a piece and its header fit the message limit
-    const pieceBytesMax = Math.min(t.pieceBytesMax, Math.floor((payloadBytesMax - 4096) / 4) * 4);
-    const transport = new BusTransport(bus, {
-      ...t,
-      pieceBytesMax,
-      job: cfg.job,
-      rank,
-      size: cfg.trainers,
-      generation,
-      sharedMemory: this.#o.transport?.sharedMemory ?? cfg.collTransport === "auto",
-      meter: this.#meter,
-    });
+    const cfg = this.#o.cfg;
+    const transport = jobTransport(this.#o, generation, this.#meter);
     const options = this.#o.progressTimeoutMs ? { progressTimeoutMs: this.#o.progressTimeoutMs } : {};
     return this.#hosts !== null && new Set(this.#hosts).size > 1
       ? new HierarchicalCollective(transport, { hosts: this.#hosts }, options)
