@@ -1,12 +1,10 @@
 // add: out = a + b with broadcasting. The backward sums dout over a's (b's) broadcast dims.
 import { sameShape, type Tensor } from "../tensor.ts";
 import { broadcastForward, broadcastIndexReference, broadcastPlan } from "./broadcast.ts";
-import { checkDType, checkInputs } from "./check.ts";
+import { binaryInputs } from "./check.ts";
 
 export function add(a: Tensor, b: Tensor): Tensor {
-  const ctx = checkInputs("add", [a, b]);
-  checkDType("add", a, "f32");
-  checkDType("add", b, "f32");
+  const ctx = binaryInputs("add", a, b);
   const be = ctx.backend;
   if (sameShape(a.shape, b.shape)) {
     const out = ctx.empty(a.shape);

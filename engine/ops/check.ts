@@ -1,7 +1,7 @@
 // Input checks shared by every op. Wrong shapes, dtypes or contexts are caller errors that a
 // user can make (a misconfigured model, a batch of the wrong size), so they raise typed
 // errors that name the op and the shapes rather than assertions.
-import type { Backend, DType, Dims4, Ptr } from "../../ffi/backend.ts";
+import type { DType, Dims4 } from "../../ffi/backend.ts";
 import { BackendMismatchError, DTypeError, ShapeError, StaleTensorError } from "../errors.ts";
 import type { Context, Shape, Tensor } from "../tensor.ts";
 
@@ -104,21 +104,32 @@ export function blocks4(dims: readonly number[], strideSets: readonly (readonly 
   return blocks;
 }
 
+/** The backend's elementwise activation kernels (forward: out, inp, n; backward: dinp, inp, dout, n). */
+type ActivationKernel = "reluForward" | "reluBackward" | "geluForward" | "geluBackward";
+
 /**
- * An elementwise activation of an f32 tensor (relu, gelu): `forward` writes out from inp, and
- * `backward` adds the gradient into dinp from inp and dout.
+ * An elementwise activation of an f32 tensor (relu, gelu) through the backend's kernels:
+ * `forward` writes out from inp, `backward` adds the gradient into dinp from inp and dout.
  */
 export function activation(
   op: string,
   inp: Tensor,
-  forward: (be: Backend, out: Ptr, inp: Ptr, n: number) => void,
-  backward: (be: Backend, dinp: Ptr, inp: Ptr, dout: Ptr, n: number) => void,
+  forward: ActivationKernel & `${string}Forward`,
+  backward: ActivationKernel & `${string}Backward`,
 ): Tensor {
   const ctx = checkInputs(op, [inp]);
   checkDType(op, inp, "f32");
   const be = ctx.backend;
   const out = ctx.empty(inp.shape);
-  forward(be, out.ptr, inp.ptr, inp.numel);
-  ctx.record(op, [inp], out, () => backward(be, inp.ensureGrad().ptr, inp.ptr, out.grad!.ptr, inp.numel));
+  be[forward](out.ptr, inp.ptr, inp.numel);
+  ctx.record(op, [inp], out, () => be[backward](inp.ensureGrad().ptr, inp.ptr, out.grad!.ptr, inp.numel));
   return out;
+}
+
+/** The context of a binary op on two f32 tensors, once both are checked. */
+export function binaryInputs(op: string, a: Tensor, b: Tensor): Context {
+  const ctx = checkInputs(op, [a, b]);
+  checkDType(op, a, "f32");
+  checkDType(op, b, "f32");
+  return ctx;
 }

@@ -2,13 +2,7 @@
 import type { Tensor } from "../tensor.ts";
 import { activation } from "./check.ts";
 
-export const gelu = (inp: Tensor): Tensor =>
-  activation(
-    "gelu",
-    inp,
-    (be, out, x, n) => be.geluForward(out, x, n),
-    (be, dinp, x, dout, n) => be.geluBackward(dinp, x, dout, n),
-  );
+export const gelu = (inp: Tensor): Tensor => activation("gelu", inp, "geluForward", "geluBackward");
 
 // ---- float64 reference --------------------------------------------------------------------
 

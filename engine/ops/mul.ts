@@ -1,12 +1,10 @@
 // mul: out = a * b with broadcasting. d a = reduce(dout * b) over a's broadcast dims.
 import { sameShape, type Tensor } from "../tensor.ts";
 import { broadcastForward, broadcastIndexReference, broadcastPlan } from "./broadcast.ts";
-import { checkDType, checkInputs } from "./check.ts";
+import { binaryInputs } from "./check.ts";
 
 export function mul(a: Tensor, b: Tensor): Tensor {
-  const ctx = checkInputs("mul", [a, b]);
-  checkDType("mul", a, "f32");
-  checkDType("mul", b, "f32");
+  const ctx = binaryInputs("mul", a, b);
   const be = ctx.backend;
   if (sameShape(a.shape, b.shape)) {
     const out = ctx.empty(a.shape);

@@ -2,13 +2,7 @@
 import type { Tensor } from "../tensor.ts";
 import { activation } from "./check.ts";
 
-export const relu = (inp: Tensor): Tensor =>
-  activation(
-    "relu",
-    inp,
-    (be, out, x, n) => be.reluForward(out, x, n),
-    (be, dinp, x, dout, n) => be.reluBackward(dinp, x, dout, n),
-  );
+export const relu = (inp: Tensor): Tensor => activation("relu", inp, "reluForward", "reluBackward");
 
 // ---- float64 reference --------------------------------------------------------------------
 
