@@ -23,10 +23,10 @@ import {
   softmaxCrossEntropy,
 } from "../../engine/ops/index.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
-import { TrainStep } from "../../engine/train.ts";
 import { GptModel } from "../../engine/models/gpt.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { newContext } from "../helpers/numeric.ts";
+import { constantLrStep } from "../helpers/training.ts";
 
 const f = (ctx: ReturnType<typeof newContext>, shape: number[]) =>
   ctx.fromArray(new Float32Array(shape.reduce((a, b) => a * b, 1)), shape);
@@ -132,26 +132,17 @@ describe("dtype, context and index errors", () => {
 });
 
 describe("a non-finite loss stops training", () => {
-  test("NaN input: NonFiniteLossError with the step, weights untouched", () => {
+  /** An MLP 4-8-3 and its trainer: SGD with momentum at the constant learning rate `lr`. */
+  const mlpTrainer = (lr: number) => {
     const ctx = newContext();
     const model = new MlpModel(ctx, { widths: [4, 8, 3], activation: "relu", dropout: 0 }, 1);
-    const trainer = new TrainStep(
-      ctx,
-      model,
-      new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }),
-      {
-        lr: 0.1,
-        schedule: { kind: "constant" },
-        gradClip: 0,
-        accumSteps: 1,
-      },
-    );
-    const good = {
-      inputs: Float32Array.of(1, 2, 3, 4),
-      inputShape: [1, 4],
-      targets: Int32Array.of(1),
-      targetShape: [1],
-    };
+    const sgd = new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 });
+    return { model, trainer: constantLrStep(ctx, model, sgd, { lr, gradClip: 0, accumSteps: 1 }) };
+  };
+  const good = { inputs: Float32Array.of(1, 2, 3, 4), inputShape: [1, 4], targets: Int32Array.of(1), targetShape: [1] };
+
+  test("NaN input: NonFiniteLossError with the step, weights untouched", () => {
+    const { model, trainer } = mlpTrainer(0.1);
     trainer.run([good]);
     const before = model.store.readValues();
     const bad = { ...good, inputs: Float32Array.of(1, NaN, 3, 4) };
@@ -161,22 +152,9 @@ describe("a non-finite loss stops training", () => {
     expect(Number.isFinite(trainer.run([good]).loss)).toBe(true);
   });
   test("a learning rate that diverges ends in the same clear error", () => {
-    const ctx = newContext();
-    const model = new MlpModel(ctx, { widths: [4, 8, 3], activation: "relu", dropout: 0 }, 1);
-    const trainer = new TrainStep(
-      ctx,
-      model,
-      new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }),
-      {
-        lr: 1e30,
-        schedule: { kind: "constant" },
-        gradClip: 0,
-        accumSteps: 1,
-      },
-    );
-    const b = { inputs: Float32Array.of(1, 2, 3, 4), inputShape: [1, 4], targets: Int32Array.of(1), targetShape: [1] };
+    const { trainer } = mlpTrainer(1e30);
     expect(() => {
-      for (let i = 0; i < 20; i++) trainer.run([b]);
+      for (let i = 0; i < 20; i++) trainer.run([good]);
     }).toThrow(NonFiniteLossError);
   });
 });

@@ -15,8 +15,9 @@ import { gelu } from "../../engine/ops/gelu.ts";
 import { AdamW, adamwDefaults } from "../../engine/optim/adamw.ts";
 import { Rng } from "../../engine/rng.ts";
 import { Context } from "../../engine/tensor.ts";
-import { evaluate, type HostBatch, TrainStep } from "../../engine/train.ts";
+import { evaluate, type HostBatch } from "../../engine/train.ts";
 import { cpu, newContext } from "../helpers/numeric.ts";
+import { constantLrStep } from "../helpers/training.ts";
 
 const batchOf = (rng: Rng, B: number, T: number, V: number): HostBatch => ({
   inputs: Int32Array.from({ length: B * T }, () => rng.int(V)),
@@ -27,12 +28,7 @@ const batchOf = (rng: Rng, B: number, T: number, V: number): HostBatch => ({
 
 /** A training step of `model` with AdamW and clipping. */
 const adamwStep = (ctx: Context, model: GptModel) =>
-  new TrainStep(ctx, model, new AdamW(ctx, model.store, adamwDefaults), {
-    lr: 1e-3,
-    schedule: { kind: "constant" },
-    gradClip: 1,
-    accumSteps: 1,
-  });
+  constantLrStep(ctx, model, new AdamW(ctx, model.store, adamwDefaults), { lr: 1e-3, gradClip: 1, accumSteps: 1 });
 
 /** The arena's peak over one forward and backward, and what forward left for backward. */
 function measure(config: GptConfig, B: number, precision: Precision, recompute: boolean) {
@@ -175,9 +171,8 @@ describe("an MLP pass's memory against the analytic count", () => {
     const ctx = newContext(1);
     const model = new MlpModel(ctx, { widths: [...widths], activation: "relu", dropout: 0.1 }, 1);
     const rng = new Rng(6);
-    const train = new TrainStep(ctx, model, new Sgd(ctx, model.store, sgdDefaults), {
+    const train = constantLrStep(ctx, model, new Sgd(ctx, model.store, sgdDefaults), {
       lr: 0.01,
-      schedule: { kind: "constant" },
       gradClip: 1,
       accumSteps: 1,
     });

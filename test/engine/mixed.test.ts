@@ -14,9 +14,10 @@ import { LossScaler, lossScaleDefaults } from "../../engine/optim/loss-scale.ts"
 import type { Optimizer } from "../../engine/optim/optimizer.ts";
 import { Rng } from "../../engine/rng.ts";
 import { Context } from "../../engine/tensor.ts";
-import { evaluate, type HostBatch, lossAndGradients, type StepConfig, TrainStep } from "../../engine/train.ts";
+import { evaluate, type HostBatch, lossAndGradients, type StepConfig } from "../../engine/train.ts";
 import { cpu, f64, grad64, leaf, randInts, randn, relErr } from "../helpers/numeric.ts";
 import { parityBackends } from "../helpers/emulated-cuda.ts";
+import { constantLrStep } from "../helpers/training.ts";
 
 const backends = (await parityBackends()).map((b) => [b.name, b.backend] as const);
 const poisoned = (be: Backend, precision: Precision, seed = 0) => new Context(be, { seed, precision, poison: true });
@@ -155,17 +156,11 @@ function mlpBatch(rng: Rng, n: number): HostBatch {
   return { inputs, inputShape: [n, 20], targets, targetShape: [n] };
 }
 
-function mlpTrainer(precision: Precision, extra: Partial<StepConfig> = {}, be: Backend = cpu()) {
+function mlpTrainer(precision: Precision, extra: Partial<Omit<StepConfig, "schedule">> = {}, be: Backend = cpu()) {
   const ctx = poisoned(be, precision, 1);
   const model = new MlpModel(ctx, { widths: [20, 32, 5], activation: "relu", dropout: 0 }, 3);
   const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 });
-  const trainer = new TrainStep(ctx, model, optimizer, {
-    lr: 1e-2,
-    schedule: { kind: "constant" },
-    gradClip: 1,
-    accumSteps: 1,
-    ...extra,
-  });
+  const trainer = constantLrStep(ctx, model, optimizer, { lr: 1e-2, gradClip: 1, accumSteps: 1, ...extra });
   return { ctx, model, optimizer, trainer };
 }
 
@@ -332,17 +327,8 @@ describe.each(realBackends)("training in reduced precision reaches f32's loss on
       const run = (p: Precision) => {
         const ctx = poisoned(backend(), p, 1);
         const model = new GptModel(ctx, { vocabSize: 11, blockSize: 8, nLayer: 1, nHead: 2, nEmbd: 16, dropout: 0 }, 2);
-        const trainer = new TrainStep(
-          ctx,
-          model,
-          new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }),
-          {
-            lr: 1e-2,
-            schedule: { kind: "constant" },
-            gradClip: 1,
-            accumSteps: 1,
-          },
-        );
+        const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 });
+        const trainer = constantLrStep(ctx, model, optimizer, { lr: 1e-2, gradClip: 1, accumSteps: 1 });
         const rng = new Rng(4);
         // a learnable sequence: each token is the previous one plus 1 (mod 11)
         const batch = (): HostBatch => {

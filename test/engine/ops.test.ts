@@ -53,6 +53,7 @@ import {
   randInts,
   randn,
   relErr,
+  transposePairs,
   useBackend,
 } from "../helpers/numeric.ts";
 import type { Backend } from "../../ffi/backend.ts";
@@ -246,23 +247,13 @@ describe.each(backends)("$name backend", ({ backend }) => {
       [64, 31, 20],
     ];
     describe.each(shapes)("M=%i N=%i K=%i", (M, N, K) => {
-      test.each([
-        [false, false],
-        [false, true],
-        [true, false],
-        [true, true],
-      ])("transA=%p transB=%p", (tA, tB) => {
+      test.each(transposePairs)("transA=%p transB=%p", (tA, tB) => {
         const rng = new Rng(M * 1000 + N * 10 + K);
         checkOp(matmulCase(rng, M, N, K, tA, tB), rng);
       });
     });
 
-    test.each([
-      [false, false],
-      [false, true],
-      [true, false],
-      [true, true],
-    ])("batched (3 x 5x7x6) transA=%p transB=%p", (tA, tB) => {
+    test.each(transposePairs)("batched (3 x 5x7x6) transA=%p transB=%p", (tA, tB) => {
       const [Bt, M, N, K] = [3, 5, 7, 6];
       const rng = new Rng(99);
       // the reference runs per batch element on subarrays
@@ -653,12 +644,7 @@ describe.each(backends)("$name backend", ({ backend }) => {
     ["bf16", 1e-2],
     ["f16", 1e-2],
   ] as const)("matmul in %s", (precision, tol) => {
-    test.each([
-      [false, false],
-      [false, true],
-      [true, false],
-      [true, true],
-    ])("64x48x96 transA=%p transB=%p", (tA, tB) => {
+    test.each(transposePairs)("64x48x96 transA=%p transB=%p", (tA, tB) => {
       const rng = new Rng(41 + (tA ? 1 : 0) + (tB ? 2 : 0));
       const c = matmulCase(rng, 64, 48, 96, tA, tB);
       const dout = f64(f32(randn(rng, 64 * 48)));

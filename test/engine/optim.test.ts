@@ -6,13 +6,14 @@ import { MlpModel } from "../../engine/models/mlp.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
 import { clipGradNorm, gradNorm } from "../../engine/optim/clip.ts";
 import { lrAt, scaleLrForBatch, scheduleOf } from "../../engine/optim/schedule.ts";
-import { Sgd } from "../../engine/optim/sgd.ts";
+import { Sgd, type SgdConfig } from "../../engine/optim/sgd.ts";
 import { ParamBuilder, ParamStore } from "../../engine/params.ts";
 import { Rng } from "../../engine/rng.ts";
 import type { Context } from "../../engine/tensor.ts";
-import { type HostBatch, TrainStep } from "../../engine/train.ts";
+import type { HostBatch } from "../../engine/train.ts";
 import { newContext, randInts, relErr } from "../helpers/numeric.ts";
 import { ConfigError } from "../../engine/errors.ts";
+import { constantLrStep } from "../helpers/training.ts";
 
 /** A store with w (3, decays) and b (2, no decay), values set, and a way to set grads. */
 function tinyStore(ctx: Context) {
@@ -49,58 +50,63 @@ function expectClose(actual: number[], expected: number[], tol = 1e-6) {
   expect(relErr(actual, expected)).toBeLessThanOrEqual(tol);
 }
 
+/**
+ * Three SGD steps over `grads` at `lr` on a fresh tinyStore; after each, the values must be what
+ * `byHand(g, t)` computes by the rule under test (it keeps its own state); b only where it says.
+ */
+function expectSgdSteps(
+  options: SgdConfig,
+  lr: number,
+  byHand: (g: (typeof grads)[number], t: number) => { w: number[]; b?: number[] },
+) {
+  const ctx = newContext();
+  const { store, setGrads, values } = tinyStore(ctx);
+  const opt = new Sgd(ctx, store, options);
+  grads.forEach((g, t) => {
+    setGrads(g.w, g.b);
+    opt.step(lr);
+    const { w, b } = byHand(g, t);
+    expectClose(values().w, w);
+    if (b !== undefined) expectClose(values().b, b);
+  });
+}
+
 describe("SGD (torch.optim.SGD rules)", () => {
   test("momentum 0.9, weight decay 0.1 on w only, three steps", () => {
-    const ctx = newContext();
-    const { store, setGrads, values } = tinyStore(ctx);
-    const opt = new Sgd(ctx, store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0.1 });
     const lr = 0.1;
     // by hand: g' = g + wd p (w only); buf1 = g'; buf_t = 0.9 buf + g'; p -= lr buf
     let w = [1, -2, 3];
     let b = [0.5, -0.5];
     let bufW = [0, 0, 0];
     let bufB = [0, 0];
-    grads.forEach((g, t) => {
-      setGrads(g.w, g.b);
-      opt.step(lr);
+    expectSgdSteps({ momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0.1 }, lr, (g, t) => {
       const gw = g.w.map((x, i) => x + 0.1 * w[i]!);
       bufW = t === 0 ? gw : bufW.map((m, i) => 0.9 * m + gw[i]!);
       bufB = t === 0 ? g.b : bufB.map((m, i) => 0.9 * m + g.b[i]!);
       w = w.map((p, i) => p - lr * bufW[i]!);
       b = b.map((p, i) => p - lr * bufB[i]!);
-      expectClose(values().w, w);
-      expectClose(values().b, b);
+      return { w, b };
     });
   });
 
   test("Nesterov momentum", () => {
-    const ctx = newContext();
-    const { store, setGrads, values } = tinyStore(ctx);
-    const opt = new Sgd(ctx, store, { momentum: 0.5, dampening: 0, nesterov: true, weightDecay: 0 });
     let w = [1, -2, 3];
     let buf = [0, 0, 0];
-    grads.forEach((g, t) => {
-      setGrads(g.w, g.b);
-      opt.step(0.2);
+    expectSgdSteps({ momentum: 0.5, dampening: 0, nesterov: true, weightDecay: 0 }, 0.2, (g, t) => {
       buf = t === 0 ? g.w : buf.map((m, i) => 0.5 * m + g.w[i]!);
       // p -= lr (g + momentum buf)
       w = w.map((p, i) => p - 0.2 * (g.w[i]! + 0.5 * buf[i]!));
-      expectClose(values().w, w);
+      return { w };
     });
   });
 
   test("dampening, and plain SGD without momentum", () => {
-    const ctx = newContext();
-    const { store, setGrads, values } = tinyStore(ctx);
-    const opt = new Sgd(ctx, store, { momentum: 0.9, dampening: 0.3, nesterov: false, weightDecay: 0 });
     let w = [1, -2, 3];
     let buf = [0, 0, 0];
-    grads.forEach((g, t) => {
-      setGrads(g.w, g.b);
-      opt.step(0.1);
+    expectSgdSteps({ momentum: 0.9, dampening: 0.3, nesterov: false, weightDecay: 0 }, 0.1, (g, t) => {
       buf = t === 0 ? g.w : buf.map((m, i) => 0.9 * m + 0.7 * g.w[i]!);
       w = w.map((p, i) => p - 0.1 * buf[i]!);
-      expectClose(values().w, w);
+      return { w };
     });
     const plain = tinyStore(newContext());
     const sgd = new Sgd(plain.store.valuesTensor.ctx, plain.store, {
@@ -333,17 +339,8 @@ describe("gradient accumulation", () => {
     const run = (k: number) => {
       const ctx = newContext(1);
       const model = new MlpModel(ctx, { widths: [20, 16, 5], activation: "relu", dropout: 0 }, 3);
-      const trainer = new TrainStep(
-        ctx,
-        model,
-        new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 }),
-        {
-          lr: 0.1,
-          schedule: { kind: "constant" },
-          gradClip: 0,
-          accumSteps: k,
-        },
-      );
+      const optimizer = new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 });
+      const trainer = constantLrStep(ctx, model, optimizer, { lr: 0.1, gradClip: 0, accumSteps: k });
       const micro = Array.from({ length: k }, (_, i) => slice(big, i * (32 / k), 32 / k, 20, 1));
       const r = trainer.run(micro);
       return { grads: model.store.readGrads(), values: model.store.readValues(), loss: r.loss };
@@ -367,17 +364,8 @@ describe("gradient accumulation", () => {
     const run = (k: number) => {
       const ctx = newContext(1);
       const model = new GptModel(ctx, { vocabSize: V, blockSize: T, nLayer: 2, nHead: 2, nEmbd: 16, dropout: 0 }, 4);
-      const trainer = new TrainStep(
-        ctx,
-        model,
-        new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }),
-        {
-          lr: 1e-3,
-          schedule: { kind: "constant" },
-          gradClip: 0,
-          accumSteps: k,
-        },
-      );
+      const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 });
+      const trainer = constantLrStep(ctx, model, optimizer, { lr: 1e-3, gradClip: 0, accumSteps: k });
       trainer.run(Array.from({ length: k }, (_, i) => slice(big, i * (B / k), B / k, T, T)));
       return model.store.readGrads();
     };
@@ -390,17 +378,8 @@ describe("reproducibility and the step path", () => {
     const ctx = newContext(seed);
     const model = new MlpModel(ctx, { widths: [20, 32, 5], activation: "relu", dropout: 0.3 }, seed);
     const init = model.store.readValues();
-    const trainer = new TrainStep(
-      ctx,
-      model,
-      new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 }),
-      {
-        lr: 1e-2,
-        schedule: { kind: "constant" },
-        gradClip: 1,
-        accumSteps: 1,
-      },
-    );
+    const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 });
+    const trainer = constantLrStep(ctx, model, optimizer, { lr: 1e-2, gradClip: 1, accumSteps: 1 });
     const rng = new Rng(9);
     const losses = Array.from({ length: steps }, () => trainer.run([mlpBatch(rng, 16)]).loss);
     return { init, losses, values: model.store.readValues() };
@@ -427,17 +406,8 @@ describe("reproducibility and the step path", () => {
       const be = new CpuBackend();
       const ctx = new Context(be, { seed: 1, precision });
       const model = new GptModel(ctx, { vocabSize: 13, blockSize: 8, nLayer: 2, nHead: 2, nEmbd: 16, dropout: 0.1 }, 1);
-      const trainer = new TrainStep(
-        ctx,
-        model,
-        new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 }),
-        {
-          lr: 1e-3,
-          schedule: { kind: "constant" },
-          gradClip: 1,
-          accumSteps: 2,
-        },
-      );
+      const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 });
+      const trainer = constantLrStep(ctx, model, optimizer, { lr: 1e-3, gradClip: 1, accumSteps: 2 });
       const rng = new Rng(2);
       const batch = (): HostBatch => ({
         inputs: randInts(rng, 32, 13),

@@ -24,8 +24,9 @@ import {
 import { MemoryTransport } from "../../engine/parallel/transport.ts";
 import { putSlice, type SliceOf, slabLayoutOf } from "../../engine/params.ts";
 import { Rng } from "../../engine/rng.ts";
-import { evaluate, type HostBatch, TrainStep } from "../../engine/train.ts";
+import { evaluate, type HostBatch } from "../../engine/train.ts";
 import { newContext, randInts } from "../helpers/numeric.ts";
+import { constantLrStep } from "../helpers/training.ts";
 
 describe("pipeline schedules", () => {
   test("1F1B: warm-up forwards, then one forward and one backward, then the drain", () => {
@@ -111,9 +112,8 @@ const adamw = { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 };
 function singleProcess(data: HostBatch[][]): { losses: number[]; norms: number[]; params: Map<string, Float32Array> } {
   const ctx = newContext(1);
   const model = new GptModel(ctx, config, 7);
-  const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamw), {
+  const trainer = constantLrStep(ctx, model, new AdamW(ctx, model.store, adamw), {
     lr,
-    schedule: { kind: "constant" },
     gradClip,
     accumSteps: microTotal,
   });
@@ -130,6 +130,23 @@ function singleProcess(data: HostBatch[][]): { losses: number[]; norms: number[]
   return { losses, norms, params };
 }
 
+/**
+ * Rank `rank`'s rings of the layout over a transport in memory (the mesh's run over NATS). 16 KB
+ * pieces: an activation of a micro-batch (3 x 16 x 32 floats) travels in several.
+ */
+function memoryRings(layout: ModelLayout, rank: number, peers: Map<number, MemoryTransport>) {
+  const transport = new MemoryTransport(rank, peers, 16 << 10);
+  const router = new PieceRouter(ringDefaults.earlyBytesMax);
+  transport.listen((p) => router.receive(p));
+  const rings = modelParallelRings(
+    "job",
+    layout,
+    rank,
+    (name, members) => new RingGroup(name, members, transport, router, ringDefaults),
+  );
+  return { transport, rings };
+}
+
 /** Every rank of the layout in this process, over a transport in memory (the mesh's rings over NATS). */
 async function layoutRun(
   layout: ModelLayout,
@@ -143,16 +160,7 @@ async function layoutRun(
   const ranks = Array.from({ length: size }, (_, rank) => {
     // dropout seeds as the mesh's trainers take them: the same among a stage's tensor ranks
     const ctx = newContext(1 + Math.floor(rank / layout.tensor));
-    // 16 KB pieces: an activation of a micro-batch (3 x 16 x 32 floats) travels in several
-    const transport = new MemoryTransport(rank, peers, 16 << 10);
-    const router = new PieceRouter(ringDefaults.earlyBytesMax);
-    transport.listen((p) => router.receive(p));
-    const rings = modelParallelRings(
-      "job",
-      layout,
-      rank,
-      (name, members) => new RingGroup(name, members, transport, router, ringDefaults),
-    );
+    const { transport, rings } = memoryRings(layout, rank, peers);
     const r = modelParallelRank({
       ctx,
       config: model,
@@ -340,15 +348,7 @@ describe("model-parallel GPT in one process: data x pipeline x tensor", () => {
     const peers = new Map<number, MemoryTransport>();
     const ranks = Array.from({ length: 4 }, (_, rank) => {
       const ctx = newContext(1);
-      const transport = new MemoryTransport(rank, peers, 16 << 10);
-      const router = new PieceRouter(ringDefaults.earlyBytesMax);
-      transport.listen((p) => router.receive(p));
-      const rings = modelParallelRings(
-        "job",
-        layout,
-        rank,
-        (name, members) => new RingGroup(name, members, transport, router, ringDefaults),
-      );
+      const { transport, rings } = memoryRings(layout, rank, peers);
       return {
         ...modelParallelRank({
           ctx,

@@ -2,7 +2,7 @@
 import { describe, expect, test } from "bun:test";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { Rng } from "../../engine/rng.ts";
-import { cpu, relErr } from "../helpers/numeric.ts";
+import { castSpecials, cpu, relErr, transposePairs } from "../helpers/numeric.ts";
 
 /** float32 -> bfloat16 bits, round to nearest even, written from the definition. */
 function bf16Reference(x: number): number {
@@ -36,38 +36,10 @@ function roundTrip(be: CpuBackend, input: Float32Array, to: "bf16" | "f16") {
   return { bits, restored };
 }
 
-const specials = [
-  0,
-  -0,
-  1,
-  -1,
-  0.1,
-  65504,
-  65519,
-  65520,
-  1e6,
-  -1e6,
-  6.1e-5,
-  6.0e-5,
-  5.96e-8,
-  2.98e-8,
-  2.99e-8,
-  1e-10,
-  3.4e38,
-  -3.4e38,
-  Infinity,
-  -Infinity,
-  NaN,
-  1.00390625,
-  1.01171875,
-  256.5,
-  257.5,
-];
-
 describe("casts", () => {
   const rng = new Rng(42);
   const random = Array.from({ length: 5000 }, () => rng.normal() * 10 ** (rng.int(20) - 10));
-  const input = Float32Array.from([...specials, ...random]);
+  const input = Float32Array.from([...castSpecials, ...random]);
 
   test("f32 -> f16 -> f32 matches Float16Array bit for bit (round to nearest even)", () => {
     const { bits, restored } = roundTrip(cpu(), input, "f16");
@@ -273,12 +245,7 @@ describe("gemm (every input type)", () => {
 
   const cases: [Input, boolean, boolean, number, number][] = [];
   for (const input of ["f32", "tf32", "bf16", "f16"] as const) {
-    for (const [tA, tB] of [
-      [false, false],
-      [false, true],
-      [true, false],
-      [true, true],
-    ] as const) {
+    for (const [tA, tB] of transposePairs) {
       cases.push([input, tA, tB, 1, 0], [input, tA, tB, 3, 0], [input, tA, tB, 3, 5]);
     }
   }

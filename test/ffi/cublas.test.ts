@@ -13,7 +13,7 @@ import {
   rowMajorGemm,
 } from "../../ffi/cuda/cublas.ts";
 import { probeCuda } from "../../ffi/cuda/driver.ts";
-import { relErr } from "../helpers/numeric.ts";
+import { relErr, transposePairs } from "../helpers/numeric.ts";
 import { skip } from "../helpers/skip.ts";
 
 /**
@@ -56,12 +56,7 @@ describe("rowMajorGemm", () => {
     [13, 17, 4],
   ];
   describe.each(shapes)("M=%i N=%i K=%i", (M, N, K) => {
-    test.each([
-      [false, false],
-      [false, true],
-      [true, false],
-      [true, true],
-    ])("transA=%p transB=%p", (tA, tB) => {
+    test.each(transposePairs)("transA=%p transB=%p", (tA, tB) => {
       const rng = new Rng(M * 100 + N * 10 + K + (tA ? 1 : 0) + (tB ? 2 : 0));
       const a = Float64Array.from({ length: M * K }, () => rng.normal());
       const b = Float64Array.from({ length: K * N }, () => rng.normal());

@@ -13,10 +13,11 @@ import { AdamW } from "../../engine/optim/adamw.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
 import { Rng } from "../../engine/rng.ts";
 import { Context } from "../../engine/tensor.ts";
-import { evaluate, type HostBatch, TrainStep } from "../../engine/train.ts";
+import { evaluate, type HostBatch, type TrainStep } from "../../engine/train.ts";
 import { emulatedCuda, type Timeline } from "../helpers/emulated-cuda.ts";
 import { cpu, relErr } from "../helpers/numeric.ts";
 import { skip } from "../helpers/skip.ts";
+import { constantLrStep } from "../helpers/training.ts";
 
 const emulated = await emulatedCuda();
 
@@ -85,7 +86,7 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
         const opt = new Sgd(ctx, model.store, { momentum: 0.9, dampening: 0, nesterov: true, weightDecay: 1e-3 });
         return {
           model,
-          step: new TrainStep(ctx, model, opt, { lr: 0.1, schedule: { kind: "constant" }, gradClip: 0, accumSteps: 1 }),
+          step: constantLrStep(ctx, model, opt, { lr: 0.1, gradClip: 0, accumSteps: 1 }),
         };
       };
       const batches = mlpBatches(8);
@@ -99,12 +100,7 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
         const opt = new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 });
         return {
           model,
-          step: new TrainStep(ctx, model, opt, {
-            lr: 3e-3,
-            schedule: { kind: "constant" },
-            gradClip: 0.5,
-            accumSteps: 1,
-          }),
+          step: constantLrStep(ctx, model, opt, { lr: 3e-3, gradClip: 0.5, accumSteps: 1 }),
         };
       };
       const batches = gptBatches(5, V, T);
@@ -124,12 +120,7 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
         const ctx = new Context(gpu(), { seed: 5 });
         const model = new GptModel(ctx, { vocabSize: V, blockSize: T, nLayer: 1, nHead: 2, nEmbd: 8, dropout: 0.1 }, 4);
         const opt = new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 });
-        const step = new TrainStep(ctx, model, opt, {
-          lr: 3e-3,
-          schedule: { kind: "constant" },
-          gradClip: 0.5,
-          accumSteps: k,
-        });
+        const step = constantLrStep(ctx, model, opt, { lr: 3e-3, gradClip: 0.5, accumSteps: k });
         const batches = gptBatches(3 * k, V, T);
         step.run(batches.slice(0, k));
         step.run(batches.slice(k, 2 * k));

@@ -25,7 +25,7 @@ import { dlopen, ptr } from "bun:ffi";
 import type { Allocation, BinaryOp, Dims4, Ptr } from "../../ffi/backend.ts";
 import { kernelSpecs, type KernelName, type Launch, plans, scratchBytes } from "../../ffi/cuda/kernels.ts";
 import { Rng } from "../../engine/rng.ts";
-import { cpu, relErr } from "../helpers/numeric.ts";
+import { castSpecials, cpu, relErr } from "../helpers/numeric.ts";
 import { emulatorLibrary } from "../helpers/emulated-cuda.ts";
 import { skip } from "../helpers/skip.ts";
 
@@ -751,38 +751,11 @@ function optimizerTests(): void {
 
 function castTests(): void {
   test("f32 -> bf16 and f16: rounding, overflow, subnormals, specials", () => {
-    const specials = [
-      0,
-      -0,
-      1,
-      -1,
-      0.1,
-      65504,
-      65519,
-      65520,
-      1e6,
-      -1e6,
-      6.1e-5,
-      6.0e-5,
-      5.96e-8,
-      2.98e-8,
-      2.99e-8,
-      1e-10,
-      3.4e38,
-      -3.4e38,
-      Infinity,
-      -Infinity,
-      NaN,
-      1.00390625,
-      1.01171875,
-      256.5,
-      257.5,
-    ];
     const random = Array.from(
       { length: 3000 },
       () => (rng.uniform() - 0.5) * 10 ** Math.floor(rng.uniform() * 20 - 10),
     );
-    const x = Float32Array.from([...specials, ...random]);
+    const x = Float32Array.from([...castSpecials, ...random]);
     const n = x.length;
     const [xc, xe] = twin(x);
     for (const method of ["castF32ToBF16", "castF32ToF16"] as const) {

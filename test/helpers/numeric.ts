@@ -103,3 +103,45 @@ export function grad64(t: Tensor): Float64Array {
   if (g === null) throw new Error("tensor has no gradient");
   return f64(g.toFloat32());
 }
+
+/**
+ * Floats a cast to a 2-byte format must get right: signed zeros, f16's largest value (65504) and
+ * either side of its overflow threshold (65520 ties to Infinity), f16's smallest normal, its
+ * smallest subnormal and either side of half of it, f32's extremes, the infinities, NaN, bf16
+ * ties that round to even (1.00390625, 1.01171875), and values bf16 must round (256.5, 257.5).
+ */
+export const castSpecials: readonly number[] = [
+  0,
+  -0,
+  1,
+  -1,
+  0.1,
+  65504,
+  65519,
+  65520,
+  1e6,
+  -1e6,
+  6.1e-5,
+  6.0e-5,
+  5.96e-8,
+  2.98e-8,
+  2.99e-8,
+  1e-10,
+  3.4e38,
+  -3.4e38,
+  Infinity,
+  -Infinity,
+  NaN,
+  1.00390625,
+  1.01171875,
+  256.5,
+  257.5,
+];
+
+/** Every (transA, transB) a GEMM takes. */
+export const transposePairs: [boolean, boolean][] = [
+  [false, false],
+  [false, true],
+  [true, false],
+  [true, true],
+];

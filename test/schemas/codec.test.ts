@@ -52,6 +52,7 @@ import {
   SyncPolicy,
 } from "../../schemas/messages.ts";
 import { CollPiece as CollPieceT, PushRequest as PushRequestT } from "../../schemas/wire.ts";
+import { pieceFromOne } from "../helpers/coll-piece.ts";
 import { expectThrown } from "../helpers/errors.ts";
 
 const limit = 8 << 20;
@@ -397,24 +398,7 @@ describe("bad input is a WireFormatError with a code", () => {
     );
     expect(code(() => decodeCollPiece(finishBytes(b, off, "MTCP"), limit))).toBe("malformed");
     const ok = decodeCollPiece(
-      encodeCollPiece(
-        {
-          job: "j",
-          generation: 1,
-          group: "#all-reduce",
-          from: 1,
-          to: 0,
-          step: 0,
-          bucket: 0,
-          phase: CollPhase.ReduceScatter,
-          hop: 0,
-          piece: 0,
-          offset: 0,
-          reason: "",
-        },
-        new Float32Array(2),
-        { nonce: 7, slot: 1 },
-      ),
+      encodeCollPiece(pieceFromOne("j", 1), new Float32Array(2), { nonce: 7, slot: 1 }),
       limit,
     );
     expect([ok.count, ok.data.byteLength, ok.shmNonce, ok.shmSlot]).toEqual([2, 0, 7, 1]);

@@ -17,10 +17,10 @@ import {
 } from "../../services/runtime/transport/collective-shm.ts";
 import { BadRequestError } from "../../services/runtime/mesh/errors.ts";
 import { subjects } from "../../services/runtime/job/job.ts";
-import { NatsBus } from "../../services/runtime/mesh/nats.ts";
-import { CollPhase, encodeCollPiece } from "../../schemas/messages.ts";
+import { encodeCollPiece } from "../../schemas/messages.ts";
+import { pieceFromOne } from "../helpers/coll-piece.ts";
 import { expectRejected } from "../helpers/errors.ts";
-import { startNatsServer } from "../helpers/mesh.ts";
+import { clientBus, startNatsServer } from "../helpers/mesh.ts";
 
 // each test starts up to 4 bun processes on 2 cores
 setDefaultTimeout(90_000);
@@ -199,30 +199,9 @@ describe("the collective subject refuses hostile pieces", () => {
     sendTimeoutMs: 2_000,
     peerLostMs: 2_000,
   });
-  /** A well-formed piece of `job` from rank 1 to rank 0: the tests change one thing of it. */
-  const pieceFromOne = (job: string) => ({
-    job,
-    generation: 3,
-    group: "#all-reduce",
-    from: 1,
-    to: 0,
-    step: 0,
-    bucket: 0,
-    phase: CollPhase.ReduceScatter,
-    hop: 0,
-    piece: 0,
-    offset: 0,
-    reason: "",
-  });
 
   test("shared-memory pieces: no such file, a slot or count out of bounds, a rank that takes none", async () => {
-    const bus = await NatsBus.connect({
-      url: server.url,
-      name: "t",
-      connectRetryMsMax: 5_000,
-      connectBackoffMsMax: 200,
-    });
-    await using _closer = { [Symbol.asyncDispose]: () => bus.close() };
+    await using bus = await clientBus(server.url);
     const options = rankZero("default.hostile-shm");
     const t = new BusTransport(bus, { ...options, sharedMemory: true });
     const got: number[][] = [];
@@ -233,7 +212,7 @@ describe("the collective subject refuses hostile pieces", () => {
     const out = ShmOutbox.create("default.hostile-shm", 3, 1, 0, 2, 64)!;
     expect(out).not.toBeNull();
     out.write(1, Float32Array.of(1.5, -2));
-    const good = pieceFromOne("default.hostile-shm");
+    const good = pieceFromOne("default.hostile-shm", 3);
     const two = new Float32Array(2);
     const send = (m: Uint8Array) => bus.request(subjects.coll("default.hostile-shm", 0, 1), m, 2_000);
     await expectRejected(
@@ -269,20 +248,14 @@ describe("the collective subject refuses hostile pieces", () => {
   });
 
   test("wrong job, generation, addressee, sender (also one the subject does not name), length: error replies; the rank keeps working", async () => {
-    const bus = await NatsBus.connect({
-      url: server.url,
-      name: "t",
-      connectRetryMsMax: 5_000,
-      connectBackoffMsMax: 200,
-    });
-    await using _closer = { [Symbol.asyncDispose]: () => bus.close() };
+    await using bus = await clientBus(server.url);
     const t = new BusTransport(bus, { ...rankZero("default.hostile"), sharedMemory: false });
     const taken: number[] = [];
     t.listen((p) => {
       taken.push(p.piece);
       return { kind: "taken" };
     });
-    const good = pieceFromOne("default.hostile");
+    const good = pieceFromOne("default.hostile", 3);
     const send = (m: Uint8Array, from = 1) => bus.request(subjects.coll("default.hostile", 0, from), m, 2_000);
     await expectRejected(
       () => send(encodeCollPiece({ ...good, job: "default.other" }, new Float32Array(2))),

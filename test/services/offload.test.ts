@@ -7,12 +7,9 @@ import { describe, expect, test } from "bun:test";
 import type { Backend } from "../../ffi/backend.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { bytesPerParam, type ModelMemory } from "../../engine/parallel/zero.ts";
-import { Context } from "../../engine/tensor.ts";
-import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
 import { gptJobDefaults, type JobConfig, parseJobConfig } from "../../services/runtime/job/job.ts";
-import { buildModel } from "../../services/runtime/job/model.ts";
-import { Replica } from "../../services/trainer/replica.ts";
 import { emulatedCuda } from "../helpers/emulated-cuda.ts";
+import { closeRanks, replicaRanks } from "../helpers/replicas.ts";
 import { skip } from "../helpers/skip.ts";
 import { tokenWindows } from "../helpers/windows.ts";
 
@@ -43,23 +40,7 @@ interface Run {
 }
 
 async function train(cfg: JobConfig, steps: number, backend: () => Backend): Promise<Run> {
-  const bus = new MemoryBus();
-  const ranks = Array.from({ length: cfg.trainers }, (_, rank) => {
-    const ctx = new Context(backend(), { seed: 7 + rank });
-    const model = buildModel(ctx, cfg, plan);
-    const replica = new Replica({
-      bus,
-      backend: ctx.backend,
-      cfg,
-      rank,
-      ctx,
-      model,
-      payloadBytesMax: 1 << 20,
-      totalSteps: 1000,
-      progressTimeoutMs: 30_000,
-    });
-    return { ctx, model, replica };
-  });
+  const ranks = replicaRanks(cfg, { plan, backend, progressTimeoutMs: 30_000 });
   const run: Run = { losses: [], norms: [], params: [], memory: [] };
   try {
     for (let s = 0; s < steps; s++) {
@@ -72,10 +53,7 @@ async function train(cfg: JobConfig, steps: number, backend: () => Backend): Pro
     run.params = ranks.map((r) => r.model.store.readValues());
     run.memory = ranks.map((r) => r.replica.memory);
   } finally {
-    for (const r of ranks) {
-      r.replica.close();
-      r.ctx.dispose();
-    }
+    closeRanks(ranks);
   }
   return run;
 }

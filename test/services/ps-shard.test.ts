@@ -27,6 +27,9 @@ function job(over: Partial<JobConfig>): JobConfig {
   });
 }
 
+/** SGD without momentum or decay: an update is p - lr g. */
+const plainSgd = { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 } as const;
+
 function makeShard(cfg: JobConfig, total = 2500, decay = 1500) {
   const layout = buildLayout(cfg.job, total, decay, cfg.chunkBytes, 1);
   const initial = Float32Array.from(randn(new Rng(7), total, 0.1));
@@ -59,6 +62,29 @@ async function pullAll(
     at += c.count;
   }
   return out;
+}
+
+/** `got` is `initial` less `delta` in every element (within 1e-6). */
+function expectMovedBy(got: Float32Array, initial: Float32Array, delta: number): void {
+  expect(
+    relErr(
+      got,
+      initial.map((x) => x - delta),
+    ),
+  ).toBeLessThan(1e-6);
+}
+
+/** A push of `make(layout)` to a fresh shard is refused, naming `fragment`, and changes nothing. */
+async function expectPushRefused(
+  cfg: JobConfig,
+  make: (l: ReturnType<typeof buildLayout>) => PushRequest,
+  fragment: string,
+): Promise<void> {
+  const { shard, layout, initial, ids } = makeShard(cfg);
+  expectThrown(() => shard.push(make(layout)), BadRequestError, fragment);
+  expect(await pullAll(shard, ids, 0, 0, initial.length)).toEqual(initial);
+  expect(shard.clocks).toEqual([0, 0]);
+  shard.dispose();
 }
 
 describe("consistent hashing", () => {
@@ -160,12 +186,7 @@ describe("BSP", () => {
   });
 
   test("a pull for step s waits until every trainer pushed step s-1; a duplicated push is applied once", async () => {
-    const cfg = job({
-      trainers: 2,
-      sync: "bsp",
-      optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 },
-      lr: 1,
-    });
+    const cfg = job({ trainers: 2, sync: "bsp", optimizer: plainSgd, lr: 1 });
     const { shard, layout, initial, ids } = makeShard(cfg);
     const g = new Float32Array(initial.length).fill(1);
     shard.push(pushAll(layout, 0, 0, g));
@@ -178,12 +199,7 @@ describe("BSP", () => {
     shard.push(pushAll(layout, 1, 0, g));
     const after = await pending;
     // one update with the mean gradient 1 and lr 1: p - 1 (a double-applied push would give p - 1.5)
-    expect(
-      relErr(
-        after,
-        initial.map((x) => x - 1),
-      ),
-    ).toBeLessThan(1e-6);
+    expectMovedBy(after, initial, 1);
     expect(shard.waiting).toBe(0);
     shard.dispose();
   });
@@ -191,13 +207,7 @@ describe("BSP", () => {
 
 describe("BSP with global-norm clipping", () => {
   test("two shards agree on the norm of the averaged gradient and clip by it before they apply (float64 reference)", async () => {
-    const cfg = job({
-      trainers: 2,
-      sync: "bsp",
-      lr: 0.1,
-      gradClip: 0.5,
-      optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 },
-    });
+    const cfg = job({ trainers: 2, sync: "bsp", lr: 0.1, gradClip: 0.5, optimizer: plainSgd });
     const total = 2500;
     const layout = buildLayout(cfg.job, total, 1500, cfg.chunkBytes, 2);
     expect(layout.byShard.every((ids) => ids.length > 0)).toBe(true);
@@ -297,44 +307,23 @@ describe("BSP with global-norm clipping", () => {
 
 describe("ASP and SSP", () => {
   test("ASP applies each push on arrival and never makes a pull wait", async () => {
-    const cfg = job({
-      trainers: 2,
-      sync: "asp",
-      optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 },
-      lr: 0.5,
-    });
+    const cfg = job({ trainers: 2, sync: "asp", optimizer: plainSgd, lr: 0.5 });
     const { shard, layout, initial, ids } = makeShard(cfg);
     const g = new Float32Array(initial.length).fill(1);
     for (let s = 0; s < 3; s++) expect(shard.push(pushAll(layout, 0, s, g)).updates).toBe(layout.chunks.length);
     const p = await pullAll(shard, ids, 1, 0, initial.length);
-    expect(
-      relErr(
-        p,
-        initial.map((x) => x - 1.5),
-      ),
-    ).toBeLessThan(1e-6);
+    expectMovedBy(p, initial, 1.5);
     shard.dispose();
   });
 
   test("ASP with update batching applies one averaged update per 2 pushes", async () => {
-    const cfg = job({
-      trainers: 2,
-      sync: "asp",
-      batchPushes: 2,
-      optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 },
-      lr: 1,
-    });
+    const cfg = job({ trainers: 2, sync: "asp", batchPushes: 2, optimizer: plainSgd, lr: 1 });
     const { shard, layout, initial, ids } = makeShard(cfg);
     expect(shard.push(pushAll(layout, 0, 0, new Float32Array(initial.length).fill(1))).updates).toBe(0);
     expect(shard.push(pushAll(layout, 1, 0, new Float32Array(initial.length).fill(3))).updates).toBe(
       layout.chunks.length,
     );
-    expect(
-      relErr(
-        await pullAll(shard, ids, 0, 1, initial.length),
-        initial.map((x) => x - 2),
-      ),
-    ).toBeLessThan(1e-6);
+    expectMovedBy(await pullAll(shard, ids, 0, 1, initial.length), initial, 2);
     shard.dispose();
   });
 
@@ -404,13 +393,7 @@ describe("bad pushes are rejected before anything changes", () => {
       "chunk 2 ",
     ],
     ["a step ahead of BSP", (l: ReturnType<typeof buildLayout>) => pushAll(l, 0, 3, new Float32Array(2500)), "step 3"],
-  ])("%s", async (_, make, fragment) => {
-    const { shard, layout, initial, ids } = makeShard(cfg);
-    expectThrown(() => shard.push(make(layout)), BadRequestError, fragment);
-    expect(await pullAll(shard, ids, 0, 0, initial.length)).toEqual(initial);
-    expect(shard.clocks).toEqual([0, 0]);
-    shard.dispose();
-  });
+  ])("%s", (_, make, fragment) => expectPushRefused(cfg, make, fragment));
 
   test("pulls of unknown chunks or with a repeated chunk", () => {
     const { shard } = makeShard(cfg);
@@ -421,15 +404,15 @@ describe("bad pushes are rejected before anything changes", () => {
 });
 
 describe("snapshots", () => {
+  /** Two shards of one AdamW job with one trainer: one trains, the other takes its state. */
+  const adamwShards = () => {
+    const adamw = { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 } as const;
+    const cfg = job({ trainers: 1, sync: "bsp", optimizer: adamw, lr: 0.01 });
+    return [makeShard(cfg), makeShard(cfg)] as const;
+  };
+
   test("export then import into a fresh shard restores parameters, optimizer state and versions", async () => {
-    const cfg = job({
-      trainers: 1,
-      sync: "bsp",
-      optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 },
-      lr: 0.01,
-    });
-    const a = makeShard(cfg),
-      b = makeShard(cfg);
+    const [a, b] = adamwShards();
     for (let s = 0; s < 2; s++) a.shard.push(pushAll(a.layout, 0, s, Float32Array.from(randn(new Rng(s), 2500))));
     const state = a.shard.exportState();
     b.shard.importState(state);
@@ -455,14 +438,7 @@ describe("snapshots", () => {
   });
 
   test("a state larger than a message travels in parts of one moment, and a restore applies them together after the last", async () => {
-    const cfg = job({
-      trainers: 1,
-      sync: "bsp",
-      optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 },
-      lr: 0.01,
-    });
-    const a = makeShard(cfg),
-      b = makeShard(cfg);
+    const [a, b] = adamwShards();
     a.shard.push(pushAll(a.layout, 0, 0, Float32Array.from(randn(new Rng(3), 2500))));
     // 4 KB chunks of 3 vectors: 12 KB each, so an 84 KB limit (less the 64 KB overhead) takes 1 per part
     const limit = (64 + 20) << 10;
@@ -602,7 +578,7 @@ describe("compressed pushes and pulls", () => {
         sync: "bsp",
         lr: 0.1,
         compress,
-        optimizer: { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 },
+        optimizer: plainSgd,
       });
       const { shard, layout, initial, ids } = makeShard(cfg);
       const n = initial.length;
@@ -714,13 +690,7 @@ describe("compressed pushes and pulls", () => {
         },
         "compress topk:0.1: F32 or TopK",
       ],
-    ])("%s", async (_, make, fragment) => {
-      const { shard, layout, initial, ids } = makeShard(cfg);
-      expectThrown(() => shard.push(make(layout)), BadRequestError, fragment);
-      expect(await pullAll(shard, ids, 0, 0, initial.length)).toEqual(initial);
-      expect(shard.clocks).toEqual([0, 0]);
-      shard.dispose();
-    });
+    ])("%s", (_, make, fragment) => expectPushRefused(cfg, make, fragment));
 
     test("an int8 chunk with a negative or infinite scale", async () => {
       const c8 = job({ trainers: 2, sync: "bsp", compress: "int8" });

@@ -5,18 +5,22 @@ import { describe, expect, test } from "bun:test";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import type { Model } from "../../engine/models/model.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
+import type { Optimizer } from "../../engine/optim/optimizer.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
+import type { ParamStore } from "../../engine/params.ts";
 import { Rng } from "../../engine/rng.ts";
 import { Context } from "../../engine/tensor.ts";
-import { type HostBatch, TrainStep } from "../../engine/train.ts";
+import type { HostBatch, StepResult, TrainStep } from "../../engine/train.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
 import { BadRequestError } from "../../services/runtime/mesh/errors.ts";
 import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
-import { buildModel } from "../../services/runtime/job/model.ts";
-import { Replica, ReplicaDivergedError } from "../../services/trainer/replica.ts";
+import { buildModel, type ModelPlan } from "../../services/runtime/job/model.ts";
+import { ReplicaDivergedError, type ReplicaStepResult } from "../../services/trainer/replica.ts";
 import { imagePlan } from "../helpers/jobs.ts";
 import { withChecksum } from "../../schemas/messages.ts";
+import { closeRanks, type ReplicaRank, replicaRanks } from "../helpers/replicas.ts";
+import { constantLrStep } from "../helpers/training.ts";
 
 const mnist = loadMnist();
 const cols = 784;
@@ -43,42 +47,70 @@ function batch(from: number, n: number): HostBatch {
   return { inputs: x, inputShape: [n, cols], targets: y, targetShape: [n] };
 }
 
-interface Rank {
-  ctx: Context;
-  model: Model;
-  replica: Replica;
-}
-
 const sharedBus = new MemoryBus();
 
-function ranks(cfg: JobConfig, bus = new MemoryBus()): Rank[] {
-  return Array.from({ length: cfg.trainers }, (_, rank) => {
-    const ctx = new Context(new CpuBackend(), { seed: 7 + rank, precision: cfg.precision });
-    const model = buildModel(ctx, cfg, imagePlan);
-    const replica = new Replica({
-      bus,
-      backend: ctx.backend,
-      cfg,
-      rank,
-      ctx,
-      model,
-      payloadBytesMax: 1 << 20,
-      totalSteps: 1000,
-      transport: { peerLostMs: 5_000 },
-      progressTimeoutMs: 5_000,
+const ranks = (cfg: JobConfig, bus = new MemoryBus()): ReplicaRank[] =>
+  replicaRanks(cfg, { bus, plan: imagePlan, transport: { peerLostMs: 5_000 }, progressTimeoutMs: 5_000 });
+
+/** The job's optimizer over `store`, as the replicas build it (SGD without dampening). */
+function jobOptimizer(ctx: Context, store: ParamStore, o: JobConfig["optimizer"]): Optimizer {
+  if (o.kind === "sgd") {
+    return new Sgd(ctx, store, {
+      momentum: o.momentum,
+      dampening: 0,
+      nesterov: o.nesterov,
+      weightDecay: o.weightDecay,
     });
-    return { ctx, model, replica };
-  });
+  }
+  return new AdamW(ctx, store, { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weightDecay: o.weightDecay });
 }
 
-const dispose = (rs: Rank[]) => {
-  for (const r of rs) {
-    r.replica.close();
-    r.ctx.dispose();
-  }
-};
+/** One process with the whole batch: the job's model and optimizer at the constant `lr`. */
+function singleProcess(cfg: JobConfig, plan: ModelPlan, lr: number) {
+  const ctx = new Context(new CpuBackend(), { seed: 0 });
+  const single = buildModel(ctx, cfg, plan);
+  const opt = jobOptimizer(ctx, single.store, cfg.optimizer);
+  return { ctx, single, train: constantLrStep(ctx, single, opt, { lr, gradClip: cfg.gradClip, accumSteps: 1 }) };
+}
 
 const relDiff = (a: number, b: number) => Math.abs(a - b) / Math.max(Math.abs(b), 1e-12);
+
+/**
+ * `steps` steps of 2 ranks beside the single process: at step s it takes data(2bs, 2b) whole, rank
+ * r its rows from 2bs + rb. `each` sees every step's results. Returns the worst relative difference
+ * of the ranks' mean loss and of their norm from the single process's.
+ */
+async function stepBeside(
+  rs: ReplicaRank[],
+  train: TrainStep,
+  data: (from: number, n: number) => HostBatch,
+  o: { steps: number; b: number; lr: number },
+  each: (results: ReplicaStepResult[], whole: StepResult) => void = () => {},
+): Promise<number> {
+  const { b, lr } = o;
+  let worst = 0;
+  for (let s = 0; s < o.steps; s++) {
+    const whole = train.run([data(s * 2 * b, 2 * b)]);
+    const results = await Promise.all(
+      rs.map((r, rank) => r.replica.step(s, [data(s * 2 * b + rank * b, b)], b, 2 * b, lr)),
+    );
+    const loss = (results[0]!.loss + results[1]!.loss) / 2;
+    worst = Math.max(worst, relDiff(loss, whole.loss), relDiff(results[0]!.gradNorm, whole.gradNorm));
+    each(results, whole);
+  }
+  return worst;
+}
+
+/** The 2 replicas are bit-identical and within 1e-4 of the single process; their buckets cover it once. */
+function expectReplicasMatch(rs: ReplicaRank[], single: Model): void {
+  const [p0, p1] = rs.map((r) => r.model.store.readValues());
+  expect(Buffer.from(p0!.buffer).equals(Buffer.from(p1!.buffer))).toBe(true);
+  const ref = single.store.readValues();
+  let maxErr = 0;
+  for (let i = 0; i < ref.length; i++) maxErr = Math.max(maxErr, Math.abs(p0![i]! - ref[i]!));
+  expect(maxErr).toBeLessThan(1e-4);
+  expect(rs[0]!.replica.bucketSizes.reduce((a, n) => a + n, 0)).toBe(single.store.paramCount);
+}
 
 describe("all-reduce replicas", () => {
   test("2 ranks x batch b follow one process with batch 2b for 50 steps (<= 1e-4), with global-norm clipping; the replicas stay bit-identical", async () => {
@@ -86,51 +118,21 @@ describe("all-reduce replicas", () => {
     const b = 32,
       lr = 0.05;
     const rs = ranks(cfg);
-    const ctx = new Context(new CpuBackend(), { seed: 0 });
-    const single = buildModel(ctx, cfg, imagePlan);
-    const o = cfg.optimizer.kind === "sgd" ? cfg.optimizer : null;
-    const opt = new Sgd(ctx, single.store, {
-      momentum: o!.momentum,
-      dampening: 0,
-      nesterov: o!.nesterov,
-      weightDecay: o!.weightDecay,
-    });
-    const train = new TrainStep(ctx, single, opt, {
-      lr,
-      schedule: { kind: "constant" },
-      gradClip: cfg.gradClip,
-      accumSteps: 1,
-    });
-    let worst = 0,
-      clipped = 0;
+    const { ctx, single, train } = singleProcess(cfg, imagePlan, lr);
     try {
-      for (let s = 0; s < 50; s++) {
-        const whole = train.run([batch(s * 2 * b, 2 * b)]);
-        const results = await Promise.all(
-          rs.map((r, rank) => {
-            const mine = batch(s * 2 * b + rank * b, b);
-            return r.replica.step(s, [mine], b, 2 * b, lr);
-          }),
-        );
-        const loss = (results[0]!.loss + results[1]!.loss) / 2;
-        worst = Math.max(worst, relDiff(loss, whole.loss), relDiff(results[0]!.gradNorm, whole.gradNorm));
+      let clipped = 0;
+      const worst = await stepBeside(rs, train, batch, { steps: 50, b, lr }, (results, whole) => {
         expect(results[0]!.gradNorm).toBe(results[1]!.gradNorm); // one averaged gradient on every rank
         if (whole.gradNorm > cfg.gradClip) clipped++;
-      }
+      });
       expect(worst).toBeLessThanOrEqual(1e-4);
       expect(clipped).toBeGreaterThan(0); // the clip was exercised
-      const [p0, p1] = rs.map((r) => r.model.store.readValues());
-      expect(Buffer.from(p0!.buffer).equals(Buffer.from(p1!.buffer))).toBe(true);
-      const ref = single.store.readValues();
-      let maxErr = 0;
-      for (let i = 0; i < ref.length; i++) maxErr = Math.max(maxErr, Math.abs(p0![i]! - ref[i]!));
-      expect(maxErr).toBeLessThan(1e-4);
+      expectReplicasMatch(rs, single);
       // several buckets (2 KB: the last layer and its bias, then the first layer), cut in backward order
       expect(rs[0]!.replica.bucketSizes).toEqual([640 + 10, 64 + 784 * 64]);
-      expect(rs[0]!.replica.bucketSizes.reduce((a, n) => a + n, 0)).toBe(single.store.paramCount);
       await Promise.all(rs.map((r) => r.replica.checkReplicas(50)));
     } finally {
-      dispose(rs);
+      closeRanks(rs);
       ctx.dispose();
     }
   }, 60_000);
@@ -161,66 +163,15 @@ describe("all-reduce replicas", () => {
       }
       return { inputs, inputShape: [n, T], targets, targetShape: [n, T] };
     };
-    const rs = Array.from({ length: 2 }, (_, rank) => {
-      const ctx = new Context(new CpuBackend(), { seed: 7 + rank });
-      const model = buildModel(ctx, cfg, plan);
-      return {
-        ctx,
-        model,
-        replica: new Replica({
-          bus: sharedBus,
-          backend: ctx.backend,
-          cfg,
-          rank,
-          ctx,
-          model,
-          payloadBytesMax: 1 << 20,
-          totalSteps: 1000,
-          progressTimeoutMs: 5_000,
-        }),
-      };
-    });
-    const ctx = new Context(new CpuBackend(), { seed: 0 });
-    const single = buildModel(ctx, cfg, plan);
-    const o = cfg.optimizer.kind === "adamw" ? cfg.optimizer : null;
-    const train = new TrainStep(
-      ctx,
-      single,
-      new AdamW(ctx, single.store, { beta1: o!.beta1, beta2: o!.beta2, eps: o!.eps, weightDecay: o!.weightDecay }),
-      {
-        lr,
-        schedule: { kind: "constant" },
-        gradClip: cfg.gradClip,
-        accumSteps: 1,
-      },
-    );
-    let worst = 0;
+    const rs = replicaRanks(cfg, { bus: sharedBus, plan, progressTimeoutMs: 5_000 });
+    expect(cfg.optimizer.kind).toBe("adamw");
+    const { ctx, single, train } = singleProcess(cfg, plan, lr);
     try {
-      for (let s = 0; s < 20; s++) {
-        const whole = train.run([windows(s * 2 * b, 2 * b)]);
-        const results = await Promise.all(
-          rs.map((r, rank) => {
-            const mine = windows(s * 2 * b + rank * b, b);
-            return r.replica.step(s, [mine], b, 2 * b, lr);
-          }),
-        );
-        worst = Math.max(
-          worst,
-          relDiff((results[0]!.loss + results[1]!.loss) / 2, whole.loss),
-          relDiff(results[0]!.gradNorm, whole.gradNorm),
-        );
-      }
-      expect(worst).toBeLessThanOrEqual(1e-4);
-      const [p0, p1] = rs.map((r) => r.model.store.readValues());
-      expect(Buffer.from(p0!.buffer).equals(Buffer.from(p1!.buffer))).toBe(true);
-      const ref = single.store.readValues();
-      let maxErr = 0;
-      for (let i = 0; i < ref.length; i++) maxErr = Math.max(maxErr, Math.abs(p0![i]! - ref[i]!));
-      expect(maxErr).toBeLessThan(1e-4);
+      expect(await stepBeside(rs, train, windows, { steps: 20, b, lr })).toBeLessThanOrEqual(1e-4);
+      expectReplicasMatch(rs, single);
       expect(rs[0]!.replica.bucketSizes.length).toBeGreaterThan(1);
-      expect(rs[0]!.replica.bucketSizes.reduce((a, n) => a + n, 0)).toBe(single.store.paramCount);
     } finally {
-      dispose(rs);
+      closeRanks(rs);
       ctx.dispose();
     }
   }, 60_000);
@@ -228,21 +179,7 @@ describe("all-reduce replicas", () => {
   test("a rank without samples (the epoch's short last step) still reduces, and the step weighs each sample once", async () => {
     const cfg = config({ gradClip: 0 });
     const rs = ranks(cfg);
-    const ctx = new Context(new CpuBackend(), { seed: 0 });
-    const single = buildModel(ctx, cfg, imagePlan);
-    const o = cfg.optimizer.kind === "sgd" ? cfg.optimizer : null;
-    const opt = new Sgd(ctx, single.store, {
-      momentum: o!.momentum,
-      dampening: 0,
-      nesterov: o!.nesterov,
-      weightDecay: o!.weightDecay,
-    });
-    const train = new TrainStep(ctx, single, opt, {
-      lr: 0.1,
-      schedule: { kind: "constant" },
-      gradClip: 0,
-      accumSteps: 1,
-    });
+    const { ctx, single, train } = singleProcess(cfg, imagePlan, 0.1);
     try {
       const only = batch(0, 3);
       const whole = train.run([only]);
@@ -255,7 +192,7 @@ describe("all-reduce replicas", () => {
         p1 = rs[1]!.model.store.readValues();
       for (let i = 0; i < ref.length; i += 97) expect(Math.abs(p1[i]! - ref[i]!)).toBeLessThan(1e-6);
     } finally {
-      dispose(rs);
+      closeRanks(rs);
       ctx.dispose();
     }
   });
@@ -284,7 +221,7 @@ describe("all-reduce replicas", () => {
       // the topology is fixed once the communicator has been used
       expect(() => rs[0]!.replica.useTopology(hosts)).toThrow("before the communicator's first use");
     } finally {
-      dispose(rs);
+      closeRanks(rs);
     }
   }, 30_000);
 
@@ -303,7 +240,7 @@ describe("all-reduce replicas", () => {
         expect(String((o as PromiseRejectedResult).reason.message)).toContain("rank 1");
       }
     } finally {
-      dispose(rs);
+      closeRanks(rs);
     }
   });
 
@@ -312,7 +249,7 @@ describe("all-reduce replicas", () => {
     const rs = ranks(cfg);
     const rest = ranks(cfg, new MemoryBus()); // a second pair that resumes from rank 0's snapshot
     try {
-      const run = async (group: Rank[], s: number) =>
+      const run = async (group: ReplicaRank[], s: number) =>
         Promise.all(
           group.map((r, rank) => {
             const mine = batch(s * 16 + rank * 8, 8);
@@ -381,8 +318,8 @@ describe("all-reduce replicas", () => {
       expect(Buffer.from(a.buffer).equals(Buffer.from(c.buffer))).toBe(true);
       expect(rest[0]!.replica.optimizer.stepCount).toBe(6);
     } finally {
-      dispose(rs);
-      dispose(rest);
+      closeRanks(rs);
+      closeRanks(rest);
     }
   });
 });

@@ -25,6 +25,7 @@ import { encodeJobRequest } from "../../schemas/messages.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";
+import { runCli } from "../helpers/cli.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 
 afterAll(removeTempDirs);
@@ -69,20 +70,11 @@ describe("credentials", () => {
   });
 
   test("meshtrain creds writes them for a deployment (deploy/k8s makes Secrets of them); a nats-server that includes its auth.conf takes its users", async () => {
-    const dir = join(tempDir("mt-creds-cli-"), "k8s-creds");
-    const run = Bun.spawnSync([
-      process.execPath,
-      join(import.meta.dir, "..", "..", "sdk", "cli.ts"),
-      "creds",
-      "--dir",
-      dir,
-      "--trainers",
-      "2",
-      "--shards",
-      "1",
-    ]);
-    expect(run.exitCode).toBe(0);
-    expect(run.stdout.toString()).toContain("wrote 7 users' nkey seeds");
+    const parent = tempDir("mt-creds-cli-");
+    const dir = join(parent, "k8s-creds");
+    const run = runCli(parent, "creds", "--dir", dir, "--trainers", "2", "--shards", "1");
+    expect(run.code).toBe(0);
+    expect(run.out).toContain("wrote 7 users' nkey seeds");
     expect(mode(join(dir, "trainer-1.nk"))).toBe(0o600);
     // nats-server resolves an include from its config's folder
     const natsDir = tempDir("mt-creds-nats-");
@@ -98,17 +90,9 @@ describe("credentials", () => {
       nkeyFile: join(dir, "trainer-1.nk"),
     });
     await bus.close();
-    const bad = Bun.spawnSync([
-      process.execPath,
-      join(import.meta.dir, "..", "..", "sdk", "cli.ts"),
-      "creds",
-      "--dir",
-      dir,
-      "--shards",
-      "99",
-    ]);
-    expect(bad.exitCode).toBe(1);
-    expect(bad.stderr.toString()).toContain("--shards");
+    const bad = runCli(parent, "creds", "--dir", dir, "--shards", "99");
+    expect(bad.code).toBe(1);
+    expect(bad.err).toContain("--shards");
   });
 
   test("sizes out of bounds and unknown roles are refused by name", () => {

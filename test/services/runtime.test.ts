@@ -281,56 +281,20 @@ describe("which config changes a snapshot survives", () => {
     expect(trajectoryDiff(ar({}), ar({ compress: "int8" }))).toEqual(['compress: "none" -> "int8"']);
   });
   test("either mode: other trainers from a later step, which the world records; not a rewritten past", () => {
+    /** A job's world from (from step, trainers) pairs. */
+    const world = (...changes: [from: number, trainers: number][]) =>
+      changes.map(([from, trainers]) => ({ from, trainers }));
     for (const sync of ["bsp", "allreduce"] as const) {
       const c = (over: object) => parseJobConfig({ ...jobDefaults, job: "j", sync, trainers: 2, ...over });
-      const grown = c({
-        trainers: 3,
-        world: [
-          { from: 0, trainers: 2 },
-          { from: 40, trainers: 3 },
-        ],
-      });
+      const grown = c({ trainers: 3, world: world([0, 2], [40, 3]) });
       expect(trajectoryDiff(c({}), grown)).toEqual([]);
       // and back to 2 at step 90
-      expect(
-        trajectoryDiff(
-          grown,
-          c({
-            world: [
-              { from: 0, trainers: 2 },
-              { from: 40, trainers: 3 },
-              { from: 90, trainers: 2 },
-            ],
-          }),
-        ),
-      ).toEqual([]);
+      expect(trajectoryDiff(grown, c({ world: world([0, 2], [40, 3], [90, 2]) }))).toEqual([]);
       // a world that says the job always had 3, or changed at another step than it did
       expect(trajectoryDiff(c({}), c({ trainers: 3 }))).toEqual(["trainers: 2 -> 3"]);
-      expect(
-        trajectoryDiff(
-          grown,
-          c({
-            trainers: 3,
-            world: [
-              { from: 0, trainers: 4 },
-              { from: 40, trainers: 3 },
-            ],
-          }),
-        ).length,
-      ).toBeGreaterThan(0);
+      expect(trajectoryDiff(grown, c({ trainers: 3, world: world([0, 4], [40, 3]) })).length).toBeGreaterThan(0);
       // a change before the last one replaces it (a resume from a snapshot before step 40)
-      expect(
-        trajectoryDiff(
-          grown,
-          c({
-            trainers: 4,
-            world: [
-              { from: 0, trainers: 2 },
-              { from: 30, trainers: 4 },
-            ],
-          }),
-        ),
-      ).toEqual([]);
+      expect(trajectoryDiff(grown, c({ trainers: 4, world: world([0, 2], [30, 4]) }))).toEqual([]);
     }
   });
 });

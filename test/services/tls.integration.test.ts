@@ -19,40 +19,20 @@ function openssl(...args: string[]): void {
   if (p.exitCode !== 0) throw new Error(`openssl ${args.join(" ")}: ${p.stderr.toString()}`);
 }
 
+/** `openssl req` with a new 2048-bit RSA key, <name>.key, for the subject /CN=<name>. */
+function newKeyRequest(name: string, ...args: string[]): void {
+  openssl("req", ...args, "-newkey", "rsa:2048", "-nodes", "-keyout", `${name}.key`, "-subj", `/CN=${name}`);
+}
+
 /** A CA: <name>.pem and <name>.key. */
 function makeCa(name: string): void {
-  openssl(
-    "req",
-    "-x509",
-    "-newkey",
-    "rsa:2048",
-    "-nodes",
-    "-keyout",
-    `${name}.key`,
-    "-out",
-    `${name}.pem`,
-    "-days",
-    "2",
-    "-subj",
-    `/CN=${name}`,
-  );
+  newKeyRequest(name, "-x509", "-out", `${name}.pem`, "-days", "2");
 }
 
 /** A certificate of `ca` for 127.0.0.1 and localhost: <name>.pem and <name>.key. */
 function makeCert(name: string, ca: string): void {
   writeFileSync(join(dir, `${name}.ext`), "subjectAltName=IP:127.0.0.1,DNS:localhost\n");
-  openssl(
-    "req",
-    "-newkey",
-    "rsa:2048",
-    "-nodes",
-    "-keyout",
-    `${name}.key`,
-    "-out",
-    `${name}.csr`,
-    "-subj",
-    `/CN=${name}`,
-  );
+  newKeyRequest(name, "-out", `${name}.csr`);
   openssl(
     "x509",
     "-req",

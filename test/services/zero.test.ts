@@ -8,17 +8,14 @@ import { loadMnist } from "../../engine/data/mnist.ts";
 import { type BucketEntries, bytesPerParam, type ModelMemory, partitionOf } from "../../engine/parallel/zero.ts";
 import { segment } from "../../engine/parallel/collective.ts";
 import { rankMemory } from "../../engine/memory.ts";
-import { Context } from "../../engine/tensor.ts";
 import type { HostBatch } from "../../engine/train.ts";
-import { CpuBackend } from "../../ffi/cpu/backend.ts";
-import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
 import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
-import { buildModel } from "../../services/runtime/job/model.ts";
-import { Replica, type ReplicaStepResult } from "../../services/trainer/replica.ts";
+import type { Replica, ReplicaStepResult } from "../../services/trainer/replica.ts";
 import { replicaFromPartitions } from "../../services/runtime/job/replica-parts.ts";
 import { CorruptDataError } from "../../services/runtime/mesh/errors.ts";
 import { type ShardState, withChecksum } from "../../schemas/messages.ts";
 import { imagePlan } from "../helpers/jobs.ts";
+import { closeRanks, replicaRanks } from "../helpers/replicas.ts";
 import { tokenWindows } from "../helpers/windows.ts";
 
 const mnist = loadMnist();
@@ -84,24 +81,8 @@ async function train(
   rows: number,
   init: (r: Replica) => void = () => {},
 ): Promise<Run> {
-  const bus = new MemoryBus();
-  const ranks = Array.from({ length: cfg.trainers }, (_, rank) => {
-    const ctx = new Context(new CpuBackend(), { seed: 7 + rank, precision: cfg.precision });
-    const model = buildModel(ctx, cfg, cfg.model.kind === "gpt" ? gptPlan : imagePlan);
-    const replica = new Replica({
-      bus,
-      backend: ctx.backend,
-      cfg,
-      rank,
-      ctx,
-      model,
-      payloadBytesMax: 1 << 20,
-      totalSteps: 1000,
-      progressTimeoutMs: 10_000,
-    });
-    init(replica);
-    return { ctx, model, replica };
-  });
+  const ranks = replicaRanks(cfg, { plan: cfg.model.kind === "gpt" ? gptPlan : imagePlan, progressTimeoutMs: 10_000 });
+  for (const r of ranks) init(r.replica);
   const run: Run = { losses: [], norms: [], skipped: [], params: [], memory: [], wire: [], density: [] };
   try {
     for (let s = 0; s < steps; s++) {
@@ -122,10 +103,7 @@ async function train(
     run.memory = ranks.map((r) => r.replica.memory);
     run.wire = ranks.map((r) => r.replica.wireBytes);
   } finally {
-    for (const r of ranks) {
-      r.replica.close();
-      r.ctx.dispose();
-    }
+    closeRanks(ranks);
   }
   return run;
 }
@@ -329,24 +307,7 @@ describe("ZeRO checkpoints", () => {
         offload: offload ? "optimizer" : "none",
         optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 },
       });
-      const bus = new MemoryBus();
-      const ranks: { ctx: Context; model: ReturnType<typeof buildModel>; replica: Replica }[] = [];
-      for (let rank = 0; rank < n; rank++) {
-        const ctx = new Context(new CpuBackend(), { seed: 7 + rank });
-        const model = buildModel(ctx, cfg, imagePlan);
-        const replica = new Replica({
-          bus,
-          backend: ctx.backend,
-          cfg,
-          rank,
-          ctx,
-          model,
-          payloadBytesMax: 256 << 10,
-          totalSteps: 1000,
-          progressTimeoutMs: 10_000,
-        });
-        ranks.push({ ctx, model, replica });
-      }
+      const ranks = replicaRanks(cfg, { plan: imagePlan, payloadBytesMax: 256 << 10, progressTimeoutMs: 10_000 });
       const steps = async (from: number, to: number) => {
         const losses: number[] = [];
         for (let s = from; s < to; s++) {
@@ -355,13 +316,7 @@ describe("ZeRO checkpoints", () => {
         }
         return losses;
       };
-      const close = () => {
-        for (const x of ranks) {
-          x.replica.close();
-          x.ctx.dispose();
-        }
-      };
-      return { ranks, steps, close };
+      return { ranks, steps, close: () => closeRanks(ranks) };
     };
     const reference = make(4, 2);
     const saved = make(4, 3, true);
