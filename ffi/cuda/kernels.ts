@@ -24,7 +24,7 @@
 // that counts).
 //
 // Dimension letters as in ffi/cpu/kernels.c: N rows, C channels, V vocab, BH batch*heads, T time.
-import type { Backend, BinaryOp, Dims4, ElemType, Ptr } from "../backend.ts";
+import type { Backend, Dims4, Ptr } from "../backend.ts";
 import { type ArgType, elemCodes, type OpDecl, type OpName, ops } from "../ops.ts";
 
 export type ParamType = "ptr" | "i64" | "u64" | "i32" | "f32";
@@ -395,24 +395,25 @@ type Plan<M extends OpName> = Backend[M] extends (...args: infer A) => unknown
 
 export type Plans = { readonly [M in OpName]: Plan<M> };
 
+// Each plan takes its op's arguments, typed by the op's declaration through `satisfies Plans`.
 export const plans = {
   // ---- elementwise ----
-  add(out: Ptr, a: Ptr, b: Ptr, n: number): Launch[] {
+  add(out, a, b, n): Launch[] {
     return elementwise("mt_add_f32", n, [out, a, b, n]);
   },
-  mul(out: Ptr, a: Ptr, b: Ptr, n: number): Launch[] {
+  mul(out, a, b, n): Launch[] {
     return elementwise("mt_mul_f32", n, [out, a, b, n]);
   },
-  axpy(y: Ptr, x: Ptr, n: number, alpha: number): Launch[] {
+  axpy(y, x, n, alpha): Launch[] {
     return elementwise("mt_axpy_f32", n, [y, x, n, alpha]);
   },
-  scale(x: Ptr, n: number, s: number): Launch[] {
+  scale(x, n, s): Launch[] {
     return elementwise("mt_scale_f32", n, [x, n, s]);
   },
-  addScalarFrom(dinp: Ptr, dout: Ptr, scale: number, n: number): Launch[] {
+  addScalarFrom(dinp, dout, scale, n): Launch[] {
     return elementwise("mt_add_scalar_ptr_f32", n, [dinp, dout, scale, n]);
   },
-  binaryBroadcast(op: BinaryOp, out: Ptr, a: Ptr, b: Ptr, dims: Dims4, aStrides: Dims4, bStrides: Dims4): Launch[] {
+  binaryBroadcast(op, out, a, b, dims, aStrides, bStrides): Launch[] {
     return elementwise("mt_binary_bcast_f32", product(dims), [
       op === "add" ? 0 : 1,
       out,
@@ -423,164 +424,81 @@ export const plans = {
       ...bStrides,
     ]);
   },
-  reduceBroadcast(out: Ptr, inp: Ptr, dims: Dims4, outStrides: Dims4): Launch[] {
+  reduceBroadcast(out, inp, dims, outStrides): Launch[] {
     return reduceBroadcastPlan(out, inp, dims, outStrides);
   },
 
   // ---- layers ----
-  biasAdd(out: Ptr, inp: Ptr, bias: Ptr, N: number, C: number): Launch[] {
+  biasAdd(out, inp, bias, N, C): Launch[] {
     return elementwise("mt_bias_add_f32", N * C, [out, inp, bias, N, C]);
   },
-  biasBackward(dbias: Ptr, dout: Ptr, N: number, C: number): Launch[] {
+  biasBackward(dbias, dout, N, C): Launch[] {
     if (N * C === 0) return [];
     return [columns("mt_bias_backward_f32", N, C, [dbias, dout, N, C])];
   },
-  reluForward(out: Ptr, inp: Ptr, n: number): Launch[] {
+  reluForward(out, inp, n): Launch[] {
     return elementwise("mt_relu_forward_f32", n, [out, inp, n]);
   },
-  reluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): Launch[] {
+  reluBackward(dinp, inp, dout, n): Launch[] {
     return elementwise("mt_relu_backward_f32", n, [dinp, inp, dout, n]);
   },
-  geluForward(out: Ptr, inp: Ptr, n: number): Launch[] {
+  geluForward(out, inp, n): Launch[] {
     return elementwise("mt_gelu_forward_f32", n, [out, inp, n]);
   },
-  geluBackward(dinp: Ptr, inp: Ptr, dout: Ptr, n: number): Launch[] {
+  geluBackward(dinp, inp, dout, n): Launch[] {
     return elementwise("mt_gelu_backward_f32", n, [dinp, inp, dout, n]);
   },
-  biasGeluForward(out: Ptr, pre: Ptr, bias: Ptr, N: number, C: number): Launch[] {
+  biasGeluForward(out, pre, bias, N, C): Launch[] {
     return elementwise("mt_bias_gelu_forward_f32", N * C, [out, pre, bias, N, C]);
   },
-  dropoutForward(out: Ptr, inp: Ptr, n: number, p: number, seed: bigint): Launch[] {
+  dropoutForward(out, inp, n, p, seed): Launch[] {
     return elementwise("mt_dropout_forward_f32", n, [out, inp, n, p, seed]);
   },
-  dropoutBackward(dinp: Ptr, dout: Ptr, n: number, p: number, seed: bigint): Launch[] {
+  dropoutBackward(dinp, dout, n, p, seed): Launch[] {
     return elementwise("mt_dropout_backward_f32", n, [dinp, dout, n, p, seed]);
   },
   // (no inRange: the loss kernel computes the count with the mean anyway; the backend just
   // does not read it when the targets were checked on the host)
-  crossEntropyForward(
-    scratch: Ptr,
-    loss: Ptr,
-    losses: Ptr,
-    lse: Ptr,
-    logits: Ptr,
-    targets: Ptr,
-    N: number,
-    V: number,
-  ): Launch[] {
+  crossEntropyForward(scratch, loss, losses, lse, logits, targets, N, V): Launch[] {
     const rows = N === 0 ? [] : [blockRows("mt_crossentropy_forward_f32", N, V, [losses, lse, logits, targets, N, V])];
     return [...rows, singleBlock("mt_crossentropy_loss_f32", [loss, scratch, losses, targets, N, V])];
   },
-  crossEntropyBackward(
-    dlogits: Ptr,
-    logits: Ptr,
-    lse: Ptr,
-    targets: Ptr,
-    dloss: Ptr,
-    N: number,
-    V: number,
-    accumulate: boolean,
-  ): Launch[] {
+  crossEntropyBackward(dlogits, logits, lse, targets, dloss, N, V, accumulate): Launch[] {
     if (N * V === 0) return [];
     return [
       blockRows("mt_crossentropy_backward_f32", N, V, [dlogits, logits, lse, targets, dloss, N, V, accumulate ? 1 : 0]),
     ];
   },
-  layerNormForward(
-    out: Ptr,
-    mean: Ptr,
-    rstd: Ptr,
-    inp: Ptr,
-    weight: Ptr,
-    bias: Ptr,
-    N: number,
-    C: number,
-    eps: number,
-  ): Launch[] {
+  layerNormForward(out, mean, rstd, inp, weight, bias, N, C, eps): Launch[] {
     // C = 0 still writes mean and rstd (NaN, as on the CPU)
     if (N === 0) return [];
     return [warpRows("mt_layernorm_forward_f32", N, [out, mean, rstd, inp, weight, bias, N, C, eps])];
   },
-  residualLayerNormForward(
-    sum: Ptr,
-    out: Ptr,
-    mean: Ptr,
-    rstd: Ptr,
-    x: Ptr,
-    d: Ptr,
-    weight: Ptr,
-    bias: Ptr,
-    N: number,
-    C: number,
-    eps: number,
-  ): Launch[] {
+  residualLayerNormForward(sum, out, mean, rstd, x, d, weight, bias, N, C, eps): Launch[] {
     if (N === 0) return [];
     return [warpRows("mt_residual_layernorm_forward_f32", N, [sum, out, mean, rstd, x, d, weight, bias, N, C, eps])];
   },
-  layerNormBackward(
-    dinp: Ptr,
-    dweight: Ptr,
-    dbias: Ptr,
-    dout: Ptr,
-    inp: Ptr,
-    weight: Ptr,
-    mean: Ptr,
-    rstd: Ptr,
-    N: number,
-    C: number,
-  ): Launch[] {
+  layerNormBackward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C): Launch[] {
     if (N * C === 0) return [];
     return [
       warpRows("mt_layernorm_backward_f32", N, [dinp, dout, inp, weight, mean, rstd, N, C]),
       columns("mt_layernorm_backward_params_f32", N, C, [dweight, dbias, dout, inp, mean, rstd, N, C]),
     ];
   },
-  embeddingForward(
-    scratch: Ptr,
-    out: Ptr,
-    ids: Ptr,
-    table: Ptr,
-    N: number,
-    C: number,
-    V: number,
-    inRange = false,
-  ): Launch[] {
+  embeddingForward(scratch, out, ids, table, N, C, V, inRange = false): Launch[] {
     const rows = N * C === 0 ? [] : [warpRows("mt_embedding_forward_f32", N, [out, ids, table, N, C, V])];
     // ids checked on the host: no count to compute
     return inRange ? rows : [...rows, singleBlock("mt_embedding_count_invalid_i32", [scratch, ids, N, V])];
   },
-  embeddingBackward(dtable: Ptr, ids: Ptr, dout: Ptr, N: number, C: number): Launch[] {
+  embeddingBackward(dtable, ids, dout, N, C): Launch[] {
     return elementwise("mt_embedding_backward_f32", N * C, [dtable, ids, dout, N, C]);
   },
-  attentionForward(
-    out: Ptr,
-    lse: Ptr,
-    qkv: Ptr,
-    B: number,
-    T: number,
-    C: number,
-    H: number,
-    scale: number,
-    elem: ElemType,
-  ): Launch[] {
+  attentionForward(out, lse, qkv, B, T, C, H, scale, elem): Launch[] {
     const tiles = attentionTiles(B, T, C, H);
     if (tiles === 0) return [];
     return [attentionLaunch("mt_attention_forward_f32", tiles, [out, lse, qkv, B, T, C, H, scale, elemCodes[elem]])];
   },
-  attentionBackward(
-    dqkv: Ptr,
-    delta: Ptr,
-    dout: Ptr,
-    out: Ptr,
-    lse: Ptr,
-    qkv: Ptr,
-    B: number,
-    T: number,
-    C: number,
-    H: number,
-    scale: number,
-    elem: ElemType,
-  ): Launch[] {
+  attentionBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem): Launch[] {
     const tiles = attentionTiles(B, T, C, H);
     if (tiles === 0) return [];
     const args = [dqkv, delta, dout, lse, qkv, B, T, C, H, scale, elemCodes[elem]];
@@ -590,7 +508,7 @@ export const plans = {
       attentionLaunch("mt_attention_backward_q_f32", tiles, args),
     ];
   },
-  stridedCopy(out: Ptr, outStrides: Dims4, inp: Ptr, inpStrides: Dims4, dims: Dims4, accumulate: boolean): Launch[] {
+  stridedCopy(out, outStrides, inp, inpStrides, dims, accumulate): Launch[] {
     return elementwise("mt_strided_copy_f32", product(dims), [
       out,
       inp,
@@ -602,30 +520,19 @@ export const plans = {
   },
 
   // ---- reductions ----
-  sum(out: Ptr, inp: Ptr, n: number): Launch[] {
+  sum(out, inp, n): Launch[] {
     // one block: no scratch for partials (see reduce.cu); n = 0 still writes out[0] = 0
     return [singleBlock("mt_sum_f32", [out, inp, n])];
   },
-  sumSquares(scratch: Ptr, x: Ptr, n: number): Launch[] {
+  sumSquares(scratch, x, n): Launch[] {
     return twoPass("mt_sum_squares_partial_f32", "mt_sum_partials_f64", scratch, x, n);
   },
-  countNonFinite(scratch: Ptr, x: Ptr, n: number): Launch[] {
+  countNonFinite(scratch, x, n): Launch[] {
     return twoPass("mt_count_nonfinite_partial_f32", "mt_sum_partials_i64", scratch, x, n);
   },
 
   // ---- optimizer updates ----
-  sgdStep(
-    param: Ptr,
-    grad: Ptr,
-    momentumBuf: Ptr,
-    n: number,
-    lr: number,
-    momentum: number,
-    dampening: number,
-    weightDecay: number,
-    nesterov: boolean,
-    first: boolean,
-  ): Launch[] {
+  sgdStep(param, grad, momentumBuf, n, lr, momentum, dampening, weightDecay, nesterov, first): Launch[] {
     return elementwise("mt_sgd_step_f32", n, [
       param,
       grad,
@@ -639,21 +546,7 @@ export const plans = {
       first ? 1 : 0,
     ]);
   },
-  adamwStep(
-    param: Ptr,
-    grad: Ptr,
-    m: Ptr,
-    v: Ptr,
-    age: Ptr,
-    n: number,
-    lr: number,
-    beta1: number,
-    beta2: number,
-    eps: number,
-    weightDecay: number,
-    biasCorrection1: number,
-    biasCorrection2: number,
-  ): Launch[] {
+  adamwStep(param, grad, m, v, age, n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2): Launch[] {
     return elementwise("mt_adamw_step_f32", n, [
       param,
       grad,
@@ -672,16 +565,16 @@ export const plans = {
   },
 
   // ---- casts ----
-  castF32ToBF16(out: Ptr, inp: Ptr, n: number): Launch[] {
+  castF32ToBF16(out, inp, n): Launch[] {
     return elementwise("mt_f32_to_bf16", n, [out, inp, n]);
   },
-  castBF16ToF32(out: Ptr, inp: Ptr, n: number): Launch[] {
+  castBF16ToF32(out, inp, n): Launch[] {
     return elementwise("mt_bf16_to_f32", n, [out, inp, n]);
   },
-  castF32ToF16(out: Ptr, inp: Ptr, n: number): Launch[] {
+  castF32ToF16(out, inp, n): Launch[] {
     return elementwise("mt_f32_to_f16", n, [out, inp, n]);
   },
-  castF16ToF32(out: Ptr, inp: Ptr, n: number): Launch[] {
+  castF16ToF32(out, inp, n): Launch[] {
     return elementwise("mt_f16_to_f32", n, [out, inp, n]);
   },
 } satisfies Plans;
