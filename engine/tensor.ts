@@ -208,21 +208,7 @@ export class Tensor {
       block.freed
     )
       return false;
-    block.holds++;
-    this.#grad = new Tensor(
-      this.ctx,
-      this.shape,
-      this.dtype,
-      block.ptr,
-      this.home,
-      this.generation,
-      false,
-      null,
-      0,
-      null,
-      block,
-    );
-    return true;
+    return this.#gradOver(block, this);
   }
 
   /** Frees the gradient buffer once the op that made this tensor has run its backward (nothing
@@ -280,14 +266,19 @@ export class Tensor {
     )
       return false;
     if (!sameShape(src.shape, this.shape) || src.dtype !== this.dtype) return false;
+    return this.#gradOver(block, src);
+  }
+
+  /** Makes `block` (the memory of `owner`, of this tensor's shape and type) this tensor's gradient too. */
+  #gradOver(block: ArenaBlock, owner: Tensor): true {
     block.holds++;
     this.#grad = new Tensor(
       this.ctx,
       this.shape,
       this.dtype,
       block.ptr,
-      src.home,
-      src.generation,
+      owner.home,
+      owner.generation,
       false,
       null,
       0,

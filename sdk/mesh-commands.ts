@@ -219,18 +219,9 @@ function addMeshUpCommands(program: Command): void {
       "run NATS without users: anyone who reaches its port may do anything (default: a user per role, credentials in <dir>/creds)",
     )
     .addOption(clientsOption())
-    .action(
-      async (opts: {
-        dir: string;
-        port: number;
-        trainers: number;
-        shards: number;
-        auth: boolean;
-        clients: string[];
-      }) => {
-        await meshUp({ ...opts, dir: userPath(opts.dir) });
-      },
-    );
+    .action(async (opts: MeshUpFlags) => {
+      await meshUp({ ...opts, dir: userPath(opts.dir) });
+    });
 
   program
     .command("creds")
@@ -444,15 +435,18 @@ async function serveDashboard(
   await new Promise<void>((resolve) => stop.first.signal.addEventListener("abort", () => resolve(), { once: true }));
 }
 
-/** `mesh up`: runs until Ctrl-C, leaving a note so that client commands on this machine find it. */
-async function meshUp(o: {
+/** `mesh up`'s options. */
+interface MeshUpFlags {
   dir: string;
   port: number;
   trainers: number;
   shards: number;
   auth: boolean;
   clients: string[];
-}): Promise<void> {
+}
+
+/** `mesh up`: runs until Ctrl-C, leaving a note so that client commands on this machine find it. */
+async function meshUp(o: MeshUpFlags): Promise<void> {
   const opts: MeshOptions = {
     jobsDir: join(o.dir, "jobs"),
     logDir: join(o.dir, "logs", `mesh-${stamp()}`),

@@ -21,21 +21,24 @@ export class JobFailedError extends Error {
   }
 }
 
+/** Where a trainer step's time went, in milliseconds (the heartbeats' split). */
+export interface StepSplit {
+  dataWaitMs: number;
+  pullMs: number;
+  computeMs: number;
+  pushMs: number;
+  commMs: number;
+  exposedCommMs: number;
+}
+
 export interface JobOutcome {
   /** the job's record as it ended */
   record: JobRecord;
   seconds: number;
   restores: number;
   checkpoints: number;
-  /** mean over all ranks' steps seen, milliseconds */
-  split: {
-    dataWaitMs: number;
-    pullMs: number;
-    computeMs: number;
-    pushMs: number;
-    commMs: number;
-    exposedCommMs: number;
-  };
+  /** mean over all ranks' steps seen */
+  split: StepSplit;
   /** mean per trainer step: gradient and parameter bytes on the bus, and (top-k) the summed gradient's density (-1: none) */
   wireBytesPerStep: number;
   density: number;

@@ -483,17 +483,25 @@ export class DataParallel {
       // offload: the updated master parameters back to the device
       if (this.#host) store.writeValues(this.#host.store.readValues());
     }
-    this.#updateScale(finite, step);
-    const t1 = performance.now();
-    return {
-      loss,
-      gradNorm,
-      skipped: !finite,
+    return this.#result(step, loss, { finite, gradNorm }, (t1) => ({
       computeMs: tBackward - t0 + (t1 - tReduced),
       commMs: flight.count > 0 ? tReduced - flight.firstStart : 0,
       exposedCommMs: tReduced - tBackward,
-      density: this.#density,
-    };
+    }));
+  }
+
+  /**
+   * The step's result once its update ran (or was skipped: not finite); the loss scale follows.
+   * `times` gets the step's end.
+   */
+  #result(
+    step: number,
+    loss: number,
+    u: { finite: boolean; gradNorm: number },
+    times: (t1: number) => Pick<DataParallelStepResult, "computeMs" | "commMs" | "exposedCommMs">,
+  ): DataParallelStepResult {
+    this.#updateScale(u.finite, step);
+    return { loss, gradNorm: u.gradNorm, skipped: !u.finite, ...times(performance.now()), density: this.#density };
   }
 
   /** Counts one more of bucket b's gradients as written; whether that was its last. */
@@ -543,17 +551,11 @@ export class DataParallel {
     const { finite, gradNorm } = await this.#zeroUpdate(step, lr);
     // every rank's updated partition to every rank (stage 3 gathers them as the next pass needs them)
     if (finite && this.zero < 3) await this.#gatherUpdated(step);
-    this.#updateScale(finite, step);
-    const t1 = performance.now();
-    return {
-      loss,
-      gradNorm,
-      skipped: !finite,
+    return this.#result(step, loss, { finite, gradNorm }, (t1) => ({
       computeMs: tBackward - t0,
       commMs: t1 - Math.min(flight.firstStart, tBackward),
       exposedCommMs: t1 - tBackward,
-      density: this.#density,
-    };
+    }));
   }
 
   /**

@@ -10,6 +10,7 @@ import { type JobConfig, dataRanks, usesShards } from "../../services/runtime/jo
 import { isEnded, stateName } from "../../services/runtime/job/jobs.ts";
 import type { JobStatus } from "../client.ts";
 import { configSummary } from "../report.ts";
+import type { StepSplit } from "../watch.ts";
 import {
   logLinesMax,
   processesMax,
@@ -72,16 +73,10 @@ export interface HealthRow {
 }
 
 /** A trainer rank's step split, averaged over its last splitWindowSteps steps (ms). */
-export interface SplitRow {
+export interface SplitRow extends StepSplit {
   rank: number;
   step: number;
   loss: number;
-  dataWaitMs: number;
-  pullMs: number;
-  computeMs: number;
-  pushMs: number;
-  commMs: number;
-  exposedCommMs: number;
 }
 
 export interface ShardRow {
