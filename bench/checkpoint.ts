@@ -10,7 +10,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { CheckpointStore } from "../services/checkpoint/store.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
-import { median, printTable, round } from "./table.ts";
+import { median, printReport, round } from "./table.ts";
 
 export interface CheckpointBenchResult {
   snapshot_mb: number;
@@ -22,6 +22,17 @@ export interface CheckpointBenchResult {
   target: number;
   plain_read_mb_per_s: number;
 }
+
+const checkpointColumns: readonly (keyof CheckpointBenchResult)[] = [
+  "snapshot_mb",
+  "plain_write_mb_per_s",
+  "save_mb_per_s",
+  "save_ratio",
+  "restore_mb_per_s",
+  "restore_ratio",
+  "target",
+  "plain_read_mb_per_s",
+];
 
 function plainWrite(dir: string, files: { name: string; bytes: Uint8Array }[]): void {
   mkdirSync(dir, { recursive: true });
@@ -102,22 +113,14 @@ export function runCheckpointBench(argv: string[]): CheckpointBenchResult[] {
   } finally {
     rmSync(root, { recursive: true, force: true });
   }
-  if (!v["json-only"]) {
-    console.log(
+  printReport({
+    bench: "checkpoint",
+    header:
       `checkpoint benchmark: 2 files per snapshot in ${String(v.dir)}; median of ${reps}; save = CRC32 + write + fsync + manifest + rename + folder fsync, ` +
-        "restore = read + size and CRC32 checks; ratios against the plain write + fsync of the same bytes; plain read for reference (page cache)",
-    );
-    printTable(rows, [
-      "snapshot_mb",
-      "plain_write_mb_per_s",
-      "save_mb_per_s",
-      "save_ratio",
-      "restore_mb_per_s",
-      "restore_ratio",
-      "target",
-      "plain_read_mb_per_s",
-    ]);
-  }
-  console.log(JSON.stringify({ bench: "checkpoint", results: rows }));
+      "restore = read + size and CRC32 checks; ratios against the plain write + fsync of the same bytes; plain read for reference (page cache)",
+    rows,
+    columns: checkpointColumns,
+    quiet: v["json-only"],
+  });
   return rows;
 }

@@ -7,8 +7,9 @@
 import { join } from "node:path";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { Context } from "../engine/tensor.ts";
-import { lossAndGradients } from "../engine/train.ts";
+import { type HostBatch, lossAndGradients } from "../engine/train.ts";
 import {
+  type Batch,
   decodeBatch,
   decodeLoaderStats,
   encodeBatchRequest,
@@ -17,13 +18,13 @@ import {
   SyncPolicy,
 } from "../schemas/messages.ts";
 import { planHere } from "../services/data-loader/loader.ts";
-import { jobDefaults, parseJobConfig, subjects } from "../services/runtime/job/job.ts";
+import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../services/runtime/job/job.ts";
 import { JobStore } from "../services/runtime/job/jobs.ts";
 import { buildModel } from "../services/runtime/job/model.ts";
 import { NatsBus } from "../services/runtime/mesh/nats.ts";
 import { startNatsServer } from "../services/runtime/mesh/nats-server.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
-import { median, percentile, printTable, round } from "./table.ts";
+import { median, percentile, printReport, round } from "./table.ts";
 
 export interface DataLoaderBenchResult {
   phase: string;
@@ -36,6 +37,22 @@ export interface DataLoaderBenchResult {
 }
 
 const root = join(import.meta.dir, "..");
+
+const dataLoaderColumns: readonly (keyof DataLoaderBenchResult)[] = [
+  "phase",
+  "batches",
+  "batches_per_s",
+  "wait_ms_p50",
+  "wait_ms_p99",
+  "trainer_batches_per_s",
+  "ratio",
+];
+
+/** One batch request, answered: the batch and the ms it took. */
+type Ask = (rank: number, step: number) => Promise<{ b: Batch; ms: number }>;
+
+/** A phase's batches/s and the waits for its batches (ms). */
+type Phase = { rate: number; waits: number[] };
 
 export async function runDataLoaderBench(argv: string[]): Promise<DataLoaderBenchResult[]> {
   const v = parseBenchArgs(argv, {
@@ -60,56 +77,14 @@ export async function runDataLoaderBench(argv: string[]): Promise<DataLoaderBenc
     connectBackoffMsMax: 500,
   });
   try {
-    await (await JobStore.open(bus.nc)).putSpec({
-      job: cfg.job,
-      trainers: 2,
-      shards: 1,
-      sync: SyncPolicy.BSP,
-      staleness: 0,
-      configJson: JSON.stringify(cfg),
-      plan: planHere(cfg),
-    });
-    for (let i = 0; ; i++) {
-      try {
-        await bus.request(`mt.${cfg.job}.data.stats`, encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 1000);
-        break;
-      } catch (e) {
-        if (i > 400) throw e;
-        await Bun.sleep(50);
-      }
-    }
-    const ask = async (rank: number, step: number) => {
-      const t0 = performance.now();
-      const b = decodeBatch(
-        await bus.request(
-          subjects.dataNext(cfg.job),
-          encodeBatchRequest({ job: cfg.job, rank, split: Split.Train, credits: 4, step }),
-          30_000,
-        ),
-        8 << 20,
-      );
-      return { b, ms: performance.now() - t0 };
-    };
-    // phase 1: as fast as the loader answers
-    const waits1: number[] = [];
-    const t1 = performance.now();
-    await Promise.all(
-      [0, 1].map(async (rank) => {
-        for (let s = 0; s < batches; s++) waits1.push((await ask(rank, s)).ms);
-      }),
-    );
-    const loaderRate = (2 * batches) / ((performance.now() - t1) / 1000);
+    await putJobForLoader(bus, cfg);
+    const ask: Ask = (rank, step) => askBatch(bus, cfg, rank, step);
+    const fast = await askFast(ask, batches);
     // the trainer's step time on this machine, in this process, for this batch
-    const be = new CpuBackend();
-    const ctx = new Context(be, { seed: 1 });
+    const ctx = new Context(new CpuBackend(), { seed: 1 });
     const model = buildModel(ctx, cfg, planHere(cfg));
     const { b: sample } = await ask(0, batches);
-    const host = {
-      inputs: sample.x,
-      inputShape: [sample.rows, sample.cols],
-      targets: sample.y,
-      targetShape: [sample.rows],
-    };
+    const host = hostBatch(sample);
     const stepMs = median(
       Array.from({ length: 15 }, () => {
         const t = performance.now();
@@ -117,73 +92,115 @@ export async function runDataLoaderBench(argv: string[]): Promise<DataLoaderBenc
         return performance.now() - t;
       }),
     );
-    // phase 2: one rank computing a real step per batch, as a trainer does: the request for
-    // the next batch goes out before the compute (one rank only: two in this one process would
-    // each wait while the other computes)
-    const waits2: number[] = [];
-    const t2 = performance.now();
-    let next = ask(0, batches + 1);
-    for (let s = batches + 1; s < 2 * batches + 1; s++) {
-      const t = performance.now();
-      const { b } = await next;
-      waits2.push(performance.now() - t);
-      next = ask(0, s + 1);
-      lossAndGradients(
-        ctx,
-        model,
-        [{ inputs: b.x, inputShape: [b.rows, b.cols], targets: b.y, targetShape: [b.rows] }],
-        0,
-        s,
-      );
-    }
-    await next;
-    const consumeRate = batches / ((performance.now() - t2) / 1000);
+    const stepped = await askWithSteps(ask, batches, (b, s) => lossAndGradients(ctx, model, [hostBatch(b)], 0, s));
     const trainerRate = 1000 / stepMs;
     const stats = decodeLoaderStats(
       await bus.request(`mt.${cfg.job}.data.stats`, encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 5000),
       1 << 16,
     );
     ctx.dispose();
-    const rows: DataLoaderBenchResult[] = [
-      {
-        phase: "2 ranks as fast as possible",
-        batches: 2 * batches,
-        batches_per_s: round(loaderRate, 1),
-        wait_ms_p50: round(percentile(waits1, 0.5), 2),
-        wait_ms_p99: round(percentile(waits1, 0.99), 2),
-        trainer_batches_per_s: round(trainerRate, 1),
-        ratio: round(loaderRate / trainerRate, 2),
-      },
-      {
-        phase: "1 rank with a training step",
-        batches,
-        batches_per_s: round(consumeRate, 1),
-        wait_ms_p50: round(percentile(waits2, 0.5), 2),
-        wait_ms_p99: round(percentile(waits2, 0.99), 2),
-        trainer_batches_per_s: round(trainerRate, 1),
-        ratio: round(consumeRate / trainerRate, 2),
-      },
+    const rows = [
+      phaseRow("2 ranks as fast as possible", 2 * batches, fast, trainerRate),
+      phaseRow("1 rank with a training step", batches, stepped, trainerRate),
     ];
-    if (!v["json-only"]) {
-      console.log(
+    printReport({
+      bench: "data-loader",
+      header:
         `data-loader benchmark: MNIST, batch ${batchSize}, 2 ranks, prefetch credits 4; trainer step ${stepMs.toFixed(2)} ms (784-800-10 forward+backward in this process); ` +
-          `loader: ${stats.prefetchHits} prefetch hits, ${stats.prefetchMisses} misses; ratio = batches/s / one trainer's consumption rate`,
-      );
-      printTable(rows, [
-        "phase",
-        "batches",
-        "batches_per_s",
-        "wait_ms_p50",
-        "wait_ms_p99",
-        "trainer_batches_per_s",
-        "ratio",
-      ]);
-    }
-    console.log(JSON.stringify({ bench: "data-loader", results: rows }));
+        `loader: ${stats.prefetchHits} prefetch hits, ${stats.prefetchMisses} misses; ratio = batches/s / one trainer's consumption rate`,
+      rows,
+      columns: dataLoaderColumns,
+      quiet: v["json-only"],
+    });
     return rows;
   } finally {
     await bus.close();
     loader.kill("SIGTERM");
     await loader.exited;
   }
+}
+
+/** Puts the job's spec in the store and waits until the loader answers for it. */
+async function putJobForLoader(bus: NatsBus, cfg: JobConfig): Promise<void> {
+  await (await JobStore.open(bus.nc)).putSpec({
+    job: cfg.job,
+    trainers: 2,
+    shards: 1,
+    sync: SyncPolicy.BSP,
+    staleness: 0,
+    configJson: JSON.stringify(cfg),
+    plan: planHere(cfg),
+  });
+  for (let i = 0; ; i++) {
+    try {
+      await bus.request(`mt.${cfg.job}.data.stats`, encodeJobRequest({ job: cfg.job, step: 0, tag: "" }), 1000);
+      break;
+    } catch (e) {
+      if (i > 400) throw e;
+      await Bun.sleep(50);
+    }
+  }
+}
+
+/** Asks the loader for `rank`'s batch of `step`, timed. */
+async function askBatch(bus: NatsBus, cfg: JobConfig, rank: number, step: number): ReturnType<Ask> {
+  const t0 = performance.now();
+  const b = decodeBatch(
+    await bus.request(
+      subjects.dataNext(cfg.job),
+      encodeBatchRequest({ job: cfg.job, rank, split: Split.Train, credits: 4, step }),
+      30_000,
+    ),
+    8 << 20,
+  );
+  return { b, ms: performance.now() - t0 };
+}
+
+/** Phase 1: two ranks, `batches` each, as fast as the loader answers. */
+async function askFast(ask: Ask, batches: number): Promise<Phase> {
+  const waits: number[] = [];
+  const t1 = performance.now();
+  await Promise.all(
+    [0, 1].map(async (rank) => {
+      for (let s = 0; s < batches; s++) waits.push((await ask(rank, s)).ms);
+    }),
+  );
+  return { rate: (2 * batches) / ((performance.now() - t1) / 1000), waits };
+}
+
+/** Phase 2: one rank computing a real step per batch (`step`), as a trainer does: the request for
+ *  the next batch goes out before the compute (one rank only: two in this one process would each
+ *  wait while the other computes). */
+async function askWithSteps(ask: Ask, batches: number, step: (b: Batch, s: number) => void): Promise<Phase> {
+  const waits: number[] = [];
+  const t2 = performance.now();
+  let next = ask(0, batches + 1);
+  for (let s = batches + 1; s < 2 * batches + 1; s++) {
+    const t = performance.now();
+    const { b } = await next;
+    waits.push(performance.now() - t);
+    next = ask(0, s + 1);
+    step(b, s);
+  }
+  await next;
+  return { rate: batches / ((performance.now() - t2) / 1000), waits };
+}
+
+const hostBatch = (b: Batch): HostBatch => ({
+  inputs: b.x,
+  inputShape: [b.rows, b.cols],
+  targets: b.y,
+  targetShape: [b.rows],
+});
+
+function phaseRow(phase: string, batches: number, p: Phase, trainerRate: number): DataLoaderBenchResult {
+  return {
+    phase,
+    batches,
+    batches_per_s: round(p.rate, 1),
+    wait_ms_p50: round(percentile(p.waits, 0.5), 2),
+    wait_ms_p99: round(percentile(p.waits, 0.99), 2),
+    trainer_batches_per_s: round(trainerRate, 1),
+    ratio: round(p.rate / trainerRate, 2),
+  };
 }

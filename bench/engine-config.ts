@@ -14,7 +14,7 @@ import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { ConfigError } from "../engine/errors.ts";
 import { gptMemory } from "../engine/memory.ts";
 import type { Precision } from "../engine/mixed.ts";
-import { GptModel } from "../engine/models/gpt.ts";
+import { type GptConfig, GptModel } from "../engine/models/gpt.ts";
 import { AdamW, adamwDefaults } from "../engine/optim/adamw.ts";
 import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/tensor.ts";
@@ -105,6 +105,9 @@ export interface ConfigBenchOptions {
   quiet: boolean;
 }
 
+/** A row of --profile's table: an op's time per step in a phase, and its share of all of it (%). */
+type ProfileRow = { phase: string; op: string; ms_per_step: number; share: number };
+
 export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions): object {
   const shape = engineConfigs[o.config];
   const config = { ...shape, dropout: 0 };
@@ -114,27 +117,7 @@ export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions):
   const profiler = o.profile ? new Profiler(be) : null;
   const ctx = new Context(profiler?.backend ?? be, { seed: 1, precision: o.precision });
   if (profiler !== null) trackPhases(ctx, profiler);
-  const model = new GptModel(ctx, config, 1);
-  const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { ...adamwDefaults, weightDecay: 0.1 }), {
-    lr: 1e-4,
-    schedule: { kind: "constant" },
-    gradClip: 1,
-    accumSteps: 1,
-  });
-  const rng = new Rng(3);
-  const batch: HostBatch = {
-    inputs: Int32Array.from({ length: B * T }, () => rng.int(shape.vocabSize)),
-    inputShape: [B, T],
-    targets: Int32Array.from({ length: B * T }, () => rng.int(shape.vocabSize)),
-    targetShape: [B, T],
-  };
-  const timeStep = () => {
-    be.synchronize();
-    const t = performance.now();
-    trainer.run([batch]);
-    be.synchronize();
-    return performance.now() - t;
-  };
+  const timeStep = gptStepTimer(be, ctx, config, B);
   // the first step allocates (the arena's chunks, the optimizer's state); the second runs as all later ones
   for (let i = 0; i < 2; i++) timeStep();
   const stepMs = median(Array.from({ length: o.steps }, timeStep));
@@ -150,58 +133,11 @@ export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions):
     device_mib: mib(be.stats.liveBytes),
     rss_mib: mib(process.resourceUsage().maxRSS * 1024),
   };
-  let profile: { phase: string; op: string; ms_per_step: number; share: number }[] = [];
-  if (profiler !== null) {
-    profiler.on = true;
-    const reps = Math.max(1, Math.min(o.steps, 5));
-    for (let i = 0; i < reps; i++) timeStep();
-    profiler.on = false;
-    const total = [...profiler.ms.values()].reduce((a, b) => a + b, 0);
-    profile = [...profiler.ms.entries()]
-      .map(([key, ms]) => {
-        const [phase, op] = key.split("\u0000") as [string, string];
-        return { phase, op, ms_per_step: round(ms / reps, 2), share: round((100 * ms) / total, 1) };
-      })
-      .sort((a, b) => b.ms_per_step - a.ms_per_step);
-  }
+  const profile = profiler === null ? [] : profileSteps(profiler, timeStep, o.steps);
   ctx.dispose();
   const torch = o.torch ? torchRows(be, o, B) : [];
   const rows = [ours, ...torch];
-  if (!o.quiet) {
-    const threads = be instanceof CpuBackend ? `, ${be.threads} threads` : "";
-    const c = shape;
-    console.log(
-      `engine benchmark, ${o.config} (L${c.nLayer} H${c.nHead} C${c.nEmbd} T${c.blockSize} V${c.vocabSize}), batch ${B}, ${o.precision}: ${why}${threads}; ` +
-        `AdamW, clip 1.0; median of ${o.steps} steps after 2`,
-    );
-    printTable(rows, [
-      "impl",
-      "batch",
-      "step_ms",
-      "tokens_per_s",
-      "act_peak_mib",
-      "act_predicted_mib",
-      "device_mib",
-      "rss_mib",
-    ]);
-    for (const t of torch) {
-      const mem =
-        typeof t.device_mib === "number" && be.name !== "cpu"
-          ? ` | device memory x${round((ours.device_mib as number) / t.device_mib, 3)}`
-          : "";
-      const rss =
-        typeof t.rss_mib === "number" && be.name === "cpu"
-          ? ` | peak RSS x${round((ours.rss_mib as number) / t.rss_mib, 3)}`
-          : "";
-      console.log(`ours / ${t.impl}: tokens/s x${round(ours.tokens_per_s / t.tokens_per_s, 3)}${mem}${rss}`);
-    }
-    if (o.profile) {
-      console.log(
-        `profile (${be.name === "cpu" ? "each call timed" : "each call timed between synchronizes"}): the step's time by phase and backend op`,
-      );
-      printTable(profile, ["phase", "op", "ms_per_step", "share"]);
-    }
-  }
+  if (!o.quiet) printConfigReport(be, why, o, rows, profile);
   return {
     config: o.config,
     shape,
@@ -210,6 +146,92 @@ export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions):
     results: rows,
     ...(o.profile ? { profile } : {}),
   };
+}
+
+/** The GPT of `config` with AdamW (clip 1.0) on one fixed random batch of `B` windows; returns a
+ *  function that times one training step of it (ms, between synchronizes of `be`). */
+function gptStepTimer(be: Backend, ctx: Context, config: GptConfig, B: number): () => number {
+  const T = config.blockSize;
+  const model = new GptModel(ctx, config, 1);
+  const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { ...adamwDefaults, weightDecay: 0.1 }), {
+    lr: 1e-4,
+    schedule: { kind: "constant" },
+    gradClip: 1,
+    accumSteps: 1,
+  });
+  const rng = new Rng(3);
+  const batch: HostBatch = {
+    inputs: Int32Array.from({ length: B * T }, () => rng.int(config.vocabSize)),
+    inputShape: [B, T],
+    targets: Int32Array.from({ length: B * T }, () => rng.int(config.vocabSize)),
+    targetShape: [B, T],
+  };
+  return () => {
+    be.synchronize();
+    const t = performance.now();
+    trainer.run([batch]);
+    be.synchronize();
+    return performance.now() - t;
+  };
+}
+
+/** Up to 5 more steps with every backend call timed: each op's time per step by phase, the largest first. */
+function profileSteps(profiler: Profiler, timeStep: () => number, steps: number): ProfileRow[] {
+  profiler.on = true;
+  const reps = Math.max(1, Math.min(steps, 5));
+  for (let i = 0; i < reps; i++) timeStep();
+  profiler.on = false;
+  const total = [...profiler.ms.values()].reduce((a, b) => a + b, 0);
+  return [...profiler.ms.entries()]
+    .map(([key, ms]) => {
+      const [phase, op] = key.split("\u0000") as [string, string];
+      return { phase, op, ms_per_step: round(ms / reps, 2), share: round((100 * ms) / total, 1) };
+    })
+    .sort((a, b) => b.ms_per_step - a.ms_per_step);
+}
+
+/** The table of ours (first in `rows`) and PyTorch's, ours against each PyTorch, and --profile's table. */
+function printConfigReport(
+  be: Backend,
+  why: string,
+  o: ConfigBenchOptions,
+  rows: ConfigBenchRow[],
+  profile: ProfileRow[],
+): void {
+  const [ours, ...torch] = rows as [ConfigBenchRow, ...ConfigBenchRow[]];
+  const threads = be instanceof CpuBackend ? `, ${be.threads} threads` : "";
+  const c = engineConfigs[o.config];
+  console.log(
+    `engine benchmark, ${o.config} (L${c.nLayer} H${c.nHead} C${c.nEmbd} T${c.blockSize} V${c.vocabSize}), batch ${o.batch}, ${o.precision}: ${why}${threads}; ` +
+      `AdamW, clip 1.0; median of ${o.steps} steps after 2`,
+  );
+  printTable(rows, [
+    "impl",
+    "batch",
+    "step_ms",
+    "tokens_per_s",
+    "act_peak_mib",
+    "act_predicted_mib",
+    "device_mib",
+    "rss_mib",
+  ]);
+  for (const t of torch) {
+    const mem =
+      typeof t.device_mib === "number" && be.name !== "cpu"
+        ? ` | device memory x${round((ours.device_mib as number) / t.device_mib, 3)}`
+        : "";
+    const rss =
+      typeof t.rss_mib === "number" && be.name === "cpu"
+        ? ` | peak RSS x${round((ours.rss_mib as number) / t.rss_mib, 3)}`
+        : "";
+    console.log(`ours / ${t.impl}: tokens/s x${round(ours.tokens_per_s / t.tokens_per_s, 3)}${mem}${rss}`);
+  }
+  if (o.profile) {
+    console.log(
+      `profile (${be.name === "cpu" ? "each call timed" : "each call timed between synchronizes"}): the step's time by phase and backend op`,
+    );
+    printTable(profile, ["phase", "op", "ms_per_step", "share"]);
+  }
 }
 
 /** PyTorch on the same shape: one process per mode, so each peak RSS is its own. */

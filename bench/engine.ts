@@ -274,6 +274,17 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] | object {
   return rows;
 }
 
+/** What bench/torch_step.py prints: PyTorch eager's step times of the two models and its GEMM times. */
+interface TorchStep {
+  mlp_step_ms: number;
+  gpt_step_ms: number;
+  gemm_tflops: number;
+  gemm: { ms: number }[];
+  device: string;
+  torch: string;
+  error?: string;
+}
+
 /** PyTorch eager on the same machine, models, batch and precision (bench/torch_step.py). */
 function compareWithTorch(
   be: Backend,
@@ -284,46 +295,8 @@ function compareWithTorch(
 ): object | null {
   // distinct shapes only: torch times each once, as our GEMM round does per occurrence
   const shapes = [...new Map(benchedShapes.map((s) => [JSON.stringify(s), s])).values()];
-  const script = join(import.meta.dir, "torch_step.py");
-  const p = Bun.spawnSync(
-    [
-      torchPython(),
-      script,
-      "--precision",
-      precision,
-      "--steps",
-      String(steps),
-      "--gemm-shapes",
-      JSON.stringify(shapes),
-    ],
-    {
-      stdout: "pipe",
-      stderr: "pipe",
-    },
-  );
-  const line = p.stdout.toString().trim().split("\n").pop() ?? "";
-  let torch: {
-    mlp_step_ms: number;
-    gpt_step_ms: number;
-    gemm_tflops: number;
-    gemm: { ms: number }[];
-    device: string;
-    torch: string;
-    error?: string;
-  };
-  try {
-    torch = JSON.parse(line);
-  } catch {
-    if (!quiet)
-      console.log(
-        `PyTorch comparison skipped: ${script} did not run (${p.stderr.toString().trim().split("\n").pop() ?? `exit ${p.exitCode}`})`,
-      );
-    return null;
-  }
-  if (torch.error !== undefined) {
-    if (!quiet) console.log(`PyTorch comparison skipped: ${torch.error}`);
-    return null;
-  }
+  const torch = runTorchStep(precision, steps, shapes, quiet);
+  if (torch === null) return null;
   const [mlp, gpt] = rows as [EngineBenchResult, EngineBenchResult];
   const comparison = [
     {
@@ -367,6 +340,43 @@ function compareWithTorch(
     console.log(`all shapes: ours ${gemmTflops.ours} TFLOP/s, torch ${gemmTflops.torch} TFLOP/s`);
   }
   return { ...torch, comparison, gemm, gemm_tflops: gemmTflops };
+}
+
+/** bench/torch_step.py's result, or null (said unless `quiet`) when it did not run or reported an error. */
+function runTorchStep(precision: Precision, steps: number, shapes: GemmShape[], quiet: boolean): TorchStep | null {
+  const script = join(import.meta.dir, "torch_step.py");
+  const p = Bun.spawnSync(
+    [
+      torchPython(),
+      script,
+      "--precision",
+      precision,
+      "--steps",
+      String(steps),
+      "--gemm-shapes",
+      JSON.stringify(shapes),
+    ],
+    {
+      stdout: "pipe",
+      stderr: "pipe",
+    },
+  );
+  const line = p.stdout.toString().trim().split("\n").pop() ?? "";
+  let torch: TorchStep;
+  try {
+    torch = JSON.parse(line);
+  } catch {
+    if (!quiet)
+      console.log(
+        `PyTorch comparison skipped: ${script} did not run (${p.stderr.toString().trim().split("\n").pop() ?? `exit ${p.exitCode}`})`,
+      );
+    return null;
+  }
+  if (torch.error !== undefined) {
+    if (!quiet) console.log(`PyTorch comparison skipped: ${torch.error}`);
+    return null;
+  }
+  return torch;
 }
 
 /** Median ms of each GEMM shape on its own, timed as torch_step.py times torch.matmul. */

@@ -12,7 +12,7 @@ import { join } from "node:path";
 import { packByBytes } from "../schemas/codec.ts";
 import { decodeShardStats, encodeJobRequest, SyncPolicy } from "../schemas/messages.ts";
 import { planHere } from "../services/data-loader/loader.ts";
-import { buildLayout } from "../services/runtime/job/layout.ts";
+import { buildLayout, type Layout } from "../services/runtime/job/layout.ts";
 import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../services/runtime/job/job.ts";
 import { JobStore } from "../services/runtime/job/jobs.ts";
 import { initialParameters } from "../services/runtime/job/model.ts";
@@ -22,7 +22,7 @@ import { PsClient } from "../services/trainer/ps-client.ts";
 import { ConfigError } from "../engine/errors.ts";
 import { parseCompression } from "../engine/parallel/compress.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
-import { median, printTable, round } from "./table.ts";
+import { median, printReport, round } from "./table.ts";
 
 export interface PsBenchResult {
   model_mb: number;
@@ -39,6 +39,20 @@ export interface PsBenchResult {
   /** push + pull time against the uncompressed run of the same size and shards (0: not run) */
   vs_f32: number;
 }
+
+const psColumns: readonly (keyof PsBenchResult)[] = [
+  "model_mb",
+  "shards",
+  "compress",
+  "messages",
+  "ps_ms",
+  "wire_mb",
+  "vs_f32",
+  "ps_gb_per_s",
+  "nats_gb_per_s",
+  "ratio",
+  "target",
+];
 
 const root = join(import.meta.dir, "..");
 const chunkBytes = 1 << 20;
@@ -131,26 +145,15 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
     for (const p of [...shards, loader, ...echoes]) p.kill("SIGTERM");
     await Promise.all([...shards, loader, ...echoes].map((p) => p.exited));
   }
-  if (!v["json-only"]) {
-    console.log(
+  printReport({
+    bench: "ps",
+    header:
       `parameter-server benchmark: 1 trainer pushes then pulls the whole model (ASP, SGD momentum), ${chunkBytes >> 20} MB chunks, ` +
-        `messages up to ${payloadBytesMax >> 20} MB; medians of ${rounds} rounds, interleaved with rounds of raw NATS (the same messages to echo processes)`,
-    );
-    printTable(rows, [
-      "model_mb",
-      "shards",
-      "compress",
-      "messages",
-      "ps_ms",
-      "wire_mb",
-      "vs_f32",
-      "ps_gb_per_s",
-      "nats_gb_per_s",
-      "ratio",
-      "target",
-    ]);
-  }
-  console.log(JSON.stringify({ bench: "ps", results: rows }));
+      `messages up to ${payloadBytesMax >> 20} MB; medians of ${rounds} rounds, interleaved with rounds of raw NATS (the same messages to echo processes)`,
+    rows,
+    columns: psColumns,
+    quiet: v["json-only"],
+  });
   return rows;
 }
 
@@ -161,6 +164,59 @@ async function benchOne(
   mb: number,
   rounds: number,
 ): Promise<PsBenchResult> {
+  const { layout, total } = await putJobForShards(bus, store, cfg);
+  const client = new PsClient(bus, layout, 0, payloadBytesMax, parseCompression(cfg.compress));
+  const grads = new Float32Array(total).fill(1e-6),
+    params = new Float32Array(total);
+  const groups = rawGroups(layout);
+  let step = 0;
+  const psRound = async () => {
+    const t0 = performance.now();
+    await client.push(step, grads);
+    await client.pull(++step, params);
+    return performance.now() - t0;
+  };
+  const natsRound = async () => {
+    const t0 = performance.now();
+    await Promise.all(
+      groups.flatMap((g, k) => g.map((bytes) => bus.request(`bench.${k}.push`, new Uint8Array(bytes + 256), 60_000))),
+    );
+    await Promise.all(
+      groups.flatMap((g, k) => g.map((bytes) => bus.request(`bench.${k}.pull`, sizeRequest(bytes), 60_000))),
+    );
+    return performance.now() - t0;
+  };
+  let wire = 0;
+  const { psMs, natsMs } = await interleaved(rounds, psRound, natsRound, () => {
+    wire = client.wireBytes;
+  });
+  await store.deleteSpec(cfg.job);
+  const bytes = 2 * total * 4;
+  const ps = bytes / median(psMs) / 1e6,
+    nats = bytes / median(natsMs) / 1e6;
+  return {
+    model_mb: mb,
+    shards: cfg.shards,
+    messages: 2 * groups.flat().length,
+    ps_ms: round(median(psMs), 1),
+    ps_gb_per_s: round(ps, 3),
+    nats_gb_per_s: round(nats, 3),
+    ratio: round(ps / nats, 3),
+    target: 0.8,
+    compress: cfg.compress,
+    wire_mb: round((client.wireBytes - wire) / rounds / 1e6, 2),
+    vs_f32: 0,
+  };
+}
+
+/** Puts the job's spec in the store and waits until every shard serves it. Returns the layout the
+ *  shards and trainers derive from the model (checked against each shard's element count) and
+ *  the model's parameter count. */
+async function putJobForShards(
+  bus: NatsBus,
+  store: JobStore,
+  cfg: JobConfig,
+): Promise<{ layout: Layout; total: number }> {
   const plan = planHere(cfg);
   await store.putSpec({
     job: cfg.job,
@@ -191,41 +247,35 @@ async function benchOne(
       }
     }
   }
-  const client = new PsClient(bus, layout, 0, payloadBytesMax, parseCompression(cfg.compress));
-  const grads = new Float32Array(total).fill(1e-6),
-    params = new Float32Array(total);
-  // the same messages, raw: per shard, groups as PsClient sends them
-  const groups = layout.byShard.map((ids) =>
+  return { layout, total };
+}
+
+/** The same messages, raw: per shard, the byte sizes of the groups PsClient sends. */
+function rawGroups(layout: Layout): number[][] {
+  return layout.byShard.map((ids) =>
     packByBytes(ids, (id) => layout.chunks[id]!.count * 4, payloadBytesMax).map((g) =>
       g.reduce((s, id) => s + layout.chunks[id]!.count * 4, 0),
     ),
   );
-  const sizeReq = (bytes: number) => {
-    const b = new Uint8Array(64);
-    new DataView(b.buffer).setUint32(0, bytes + 256, true);
-    return b;
-  };
-  let step = 0;
-  const psRound = async () => {
-    const t0 = performance.now();
-    await client.push(step, grads);
-    await client.pull(++step, params);
-    return performance.now() - t0;
-  };
-  const natsRound = async () => {
-    const t0 = performance.now();
-    await Promise.all(
-      groups.flatMap((g, k) => g.map((bytes) => bus.request(`bench.${k}.push`, new Uint8Array(bytes + 256), 60_000))),
-    );
-    await Promise.all(
-      groups.flatMap((g, k) => g.map((bytes) => bus.request(`bench.${k}.pull`, sizeReq(bytes), 60_000))),
-    );
-    return performance.now() - t0;
-  };
-  // interleaved, alternating which goes first, so both see the same (noisy) machine; round 0 warms up
+}
+
+/** An echo process's pull request: the reply's size in its first 4 bytes. */
+function sizeRequest(bytes: number): Uint8Array {
+  const b = new Uint8Array(64);
+  new DataView(b.buffer).setUint32(0, bytes + 256, true);
+  return b;
+}
+
+/** `rounds` timed rounds of each after one to warm up (then `warmedUp` runs), interleaved and
+ *  alternating which goes first, so both see the same (noisy) machine. */
+async function interleaved(
+  rounds: number,
+  psRound: () => Promise<number>,
+  natsRound: () => Promise<number>,
+  warmedUp: () => void,
+): Promise<{ psMs: number[]; natsMs: number[] }> {
   const psMs: number[] = [],
     natsMs: number[] = [];
-  let wire = 0;
   for (let r = 0; r <= rounds; r++) {
     let p: number, n: number;
     if (r % 2 === 0) {
@@ -235,27 +285,11 @@ async function benchOne(
       n = await natsRound();
       p = await psRound();
     }
-    if (r === 0) wire = client.wireBytes;
+    if (r === 0) warmedUp();
     if (r > 0) {
       psMs.push(p);
       natsMs.push(n);
     }
   }
-  await store.deleteSpec(cfg.job);
-  const bytes = 2 * total * 4;
-  const ps = bytes / median(psMs) / 1e6,
-    nats = bytes / median(natsMs) / 1e6;
-  return {
-    model_mb: mb,
-    shards: cfg.shards,
-    messages: 2 * groups.flat().length,
-    ps_ms: round(median(psMs), 1),
-    ps_gb_per_s: round(ps, 3),
-    nats_gb_per_s: round(nats, 3),
-    ratio: round(ps / nats, 3),
-    target: 0.8,
-    compress: cfg.compress,
-    wire_mb: round((client.wireBytes - wire) / rounds / 1e6, 2),
-    vs_f32: 0,
-  };
+  return { psMs, natsMs };
 }

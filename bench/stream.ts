@@ -81,7 +81,31 @@ const rssBytes = (pid: number): number | null => {
   }
 };
 
-export async function runStreamBench(argv: string[]): Promise<StreamBenchRow[]> {
+const streamColumns: readonly (keyof StreamBenchRow)[] = [
+  "process",
+  "samples",
+  "rss_start_mb",
+  "rss_median_mb",
+  "rss_peak_mb",
+  "corpus_over_peak",
+];
+
+/** One RSS sample of a process: whether training had begun, and the bytes. */
+type RssSample = { at: boolean; rss: number };
+
+/** The options of `bench stream`, checked; `dir` made (a temporary one unless --dir). */
+interface StreamBenchArgs {
+  gib: number;
+  steps: number;
+  trainers: number;
+  dir: string;
+  /** whether `dir` is one this bench made (and removes unless --keep) */
+  tempDir: boolean;
+  keep: boolean;
+  jsonOnly: boolean;
+}
+
+function streamArgs(argv: string[]): StreamBenchArgs {
   const v = parseBenchArgs(argv, {
     gib: { type: "string", default: "2" },
     steps: { type: "string", default: "60" },
@@ -96,15 +120,21 @@ export async function runStreamBench(argv: string[]): Promise<StreamBenchRow[]> 
     trainers = positiveInt("trainers", v.trainers);
   const dir = v.dir === undefined ? mkdtempSync(join(tmpdir(), "meshtrain-stream-")) : resolve(v.dir);
   mkdirSync(dir, { recursive: true });
-  const trainTokens = Math.ceil((gib * 2 ** 30) / 2);
+  return { gib, steps, trainers, dir, tempDir: v.dir === undefined, keep: v.keep, jsonOnly: v["json-only"] };
+}
+
+export async function runStreamBench(argv: string[]): Promise<StreamBenchRow[]> {
+  const a = streamArgs(argv);
+  const { dir, steps, trainers } = a;
+  const trainTokens = Math.ceil((a.gib * 2 ** 30) / 2);
   const free = statfsSync(dir).bavail * statfsSync(dir).bsize;
   if (free < 2 * trainTokens + 2 ** 28) {
     throw new ConfigError(
-      `${dir} has ${mb(free)} MB free; a ${gib} GiB corpus needs ${mb(2 * trainTokens + 2 ** 28)} MB (--gib smaller, or --dir elsewhere)`,
+      `${dir} has ${mb(free)} MB free; a ${a.gib} GiB corpus needs ${mb(2 * trainTokens + 2 ** 28)} MB (--gib smaller, or --dir elsewhere)`,
     );
   }
   const log = (line: string) => {
-    if (!v["json-only"]) console.log(line);
+    if (!a.jsonOnly) console.log(line);
   };
   try {
     const corpusDir = join(dir, "corpus");
@@ -114,110 +144,22 @@ export async function runStreamBench(argv: string[]): Promise<StreamBenchRow[]> 
       `corpus: ${m.tokens.train.toLocaleString("en-US")} train and ${m.tokens.val.toLocaleString("en-US")} val tokens (GPT-2 BPE), ${m.shards.length} shards, ` +
         `${mb(corpus.bytes).toLocaleString("en-US")} MB on disk, written in ${round(corpus.seconds, 1)} s`,
     );
-    const args = [
-      ...[
-        "run",
-        "--model",
-        "gpt",
-        "--tokens",
-        corpusDir,
-        "--sync",
-        "allreduce",
-        "--trainers",
-        String(trainers),
-        "--job",
-        "stream",
-      ],
-      ...[
-        "--n-layer",
-        "2",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "64",
-        "--block-size",
-        "64",
-        "--batch-size",
-        "8",
-        "--max-steps",
-        String(steps),
-      ],
-      ...[
-        "--eval-every",
-        String(steps),
-        "--eval-batches",
-        "4",
-        "--no-dashboard",
-        "--dir",
-        join(dir, "runs"),
-        "--timeout-min",
-        "20",
-      ],
-    ];
+    const args = runArgs(corpusDir, join(dir, "runs"), trainers, steps);
     log(`meshtrain ${args.join(" ")}`);
-    const t0 = performance.now();
-    const cli = Bun.spawn([process.execPath, "sdk/cli.ts", ...args], {
-      cwd: root,
-      stdout: "pipe",
-      stderr: "pipe",
-      env: { ...process.env, FORCE_COLOR: "0" },
-    });
-    // a step's line in the CLI's output marks the start of training
-    let training = false;
-    let output = "";
-    const readOut = (async () => {
-      const decoder = new TextDecoder();
-      for await (const chunk of cli.stdout) {
-        const text = decoder.decode(chunk);
-        output += text;
-        if (/\bstep\s+\d+/.test(output)) training = true;
-      }
-    })();
-    const stderr = new Response(cli.stderr).text();
-    const series = new Map<string, { at: boolean; rss: number }[]>();
-    const sample = () => {
-      for (const [pid, name] of descendants(cli.pid)) {
-        const rss = rssBytes(pid);
-        if (rss === null) continue;
-        const key = `${name} (pid ${pid})`;
-        if (!series.has(key)) series.set(key, []);
-        series.get(key)!.push({ at: training, rss });
-      }
-    };
-    const timer = setInterval(sample, 200);
-    const code = await cli.exited;
-    clearInterval(timer);
-    await readOut;
-    const seconds = (performance.now() - t0) / 1000;
-    const tail = output.trim().split("\n").slice(-8);
-    if (code !== 0) throw new Error(`meshtrain run exited ${code}:\n${output}\n${await stderr}`);
-    log(tail.map((l) => `  | ${l}`).join("\n"));
-    const rows: StreamBenchRow[] = [];
-    for (const [process, s] of series) {
-      const during = s.filter((x) => x.at).map((x) => x.rss);
-      if (during.length === 0) continue; // a helper that ended before training
-      const peak = Math.max(...during);
-      rows.push({
-        process,
-        samples: during.length,
-        rss_start_mb: mb(during[0]!),
-        rss_median_mb: mb(median(during)),
-        rss_peak_mb: mb(peak),
-        corpus_over_peak: round(corpus.bytes / peak, 2),
-      });
-    }
-    rows.sort((a, b) => b.rss_peak_mb - a.rss_peak_mb);
-    if (!v["json-only"]) {
-      printTable(rows, ["process", "samples", "rss_start_mb", "rss_median_mb", "rss_peak_mb", "corpus_over_peak"]);
-      const top = rows[0]!;
-      const loader = rows.find((r) => r.process.startsWith("data-loader"));
-      log(
-        `corpus ${mb(corpus.bytes).toLocaleString("en-US")} MB; the largest process, ${top.process}, peaked at ${top.rss_peak_mb} MB (${top.corpus_over_peak}x smaller)` +
-          (loader === undefined
-            ? ""
-            : `; the data-loader, which reads the corpus, went ${loader.rss_start_mb} -> ${loader.rss_peak_mb} MB while training (${loader.corpus_over_peak}x smaller)`) +
-          `; ${steps} steps of ${trainers} x 8 windows in ${round(seconds, 1)} s with start-up and shut-down`,
-      );
+    const run = await runSampled(args);
+    if (run.code !== 0) throw new Error(`meshtrain run exited ${run.code}:\n${run.output}\n${run.stderr}`);
+    log(
+      run.output
+        .trim()
+        .split("\n")
+        .slice(-8)
+        .map((l) => `  | ${l}`)
+        .join("\n"),
+    );
+    const rows = rssRows(run.series, corpus.bytes);
+    if (!a.jsonOnly) {
+      printTable(rows, streamColumns);
+      log(summary(rows, corpus.bytes, steps, trainers, run.seconds));
     }
     console.log(
       JSON.stringify({
@@ -226,7 +168,7 @@ export async function runStreamBench(argv: string[]): Promise<StreamBenchRow[]> 
         train_tokens: m.tokens.train,
         steps,
         trainers,
-        seconds: round(seconds, 1),
+        seconds: round(run.seconds, 1),
         results: rows,
       }),
     );
@@ -239,7 +181,128 @@ export async function runStreamBench(argv: string[]): Promise<StreamBenchRow[]> 
     }
     return rows;
   } finally {
-    if (!v.keep && v.dir === undefined) rmSync(dir, { recursive: true, force: true });
+    if (!a.keep && a.tempDir) rmSync(dir, { recursive: true, force: true });
     else log(`kept: ${dir}`);
   }
+}
+
+/** `meshtrain run`'s arguments: a small GPT on the corpus, all-reduce, one eval at the end. */
+function runArgs(corpusDir: string, runsDir: string, trainers: number, steps: number): string[] {
+  return [
+    ...[
+      "run",
+      "--model",
+      "gpt",
+      "--tokens",
+      corpusDir,
+      "--sync",
+      "allreduce",
+      "--trainers",
+      String(trainers),
+      "--job",
+      "stream",
+    ],
+    ...[
+      "--n-layer",
+      "2",
+      "--n-head",
+      "2",
+      "--n-embd",
+      "64",
+      "--block-size",
+      "64",
+      "--batch-size",
+      "8",
+      "--max-steps",
+      String(steps),
+    ],
+    ...[
+      "--eval-every",
+      String(steps),
+      "--eval-batches",
+      "4",
+      "--no-dashboard",
+      "--dir",
+      runsDir,
+      "--timeout-min",
+      "20",
+    ],
+  ];
+}
+
+/** `meshtrain <args>` run to its end, every process of its mesh's RSS sampled every 200 ms (by
+ *  process, each sample marked with whether a step's line had been printed yet). */
+async function runSampled(args: string[]) {
+  const t0 = performance.now();
+  const cli = Bun.spawn([process.execPath, "sdk/cli.ts", ...args], {
+    cwd: root,
+    stdout: "pipe",
+    stderr: "pipe",
+    env: { ...process.env, FORCE_COLOR: "0" },
+  });
+  // a step's line in the CLI's output marks the start of training
+  let training = false;
+  let output = "";
+  const readOut = (async () => {
+    const decoder = new TextDecoder();
+    for await (const chunk of cli.stdout) {
+      const text = decoder.decode(chunk);
+      output += text;
+      if (/\bstep\s+\d+/.test(output)) training = true;
+    }
+  })();
+  const stderr = new Response(cli.stderr).text();
+  const series = new Map<string, RssSample[]>();
+  const sample = () => {
+    for (const [pid, name] of descendants(cli.pid)) {
+      const rss = rssBytes(pid);
+      if (rss === null) continue;
+      const key = `${name} (pid ${pid})`;
+      if (!series.has(key)) series.set(key, []);
+      series.get(key)!.push({ at: training, rss });
+    }
+  };
+  const timer = setInterval(sample, 200);
+  const code = await cli.exited;
+  clearInterval(timer);
+  await readOut;
+  const seconds = (performance.now() - t0) / 1000;
+  return { code, output, stderr: code === 0 ? "" : await stderr, seconds, series };
+}
+
+/** Each process's RSS while training (those that ended before it are left out), the largest peak first. */
+function rssRows(series: Map<string, RssSample[]>, corpusBytes: number): StreamBenchRow[] {
+  const rows: StreamBenchRow[] = [];
+  for (const [process, s] of series) {
+    const during = s.filter((x) => x.at).map((x) => x.rss);
+    if (during.length === 0) continue; // a helper that ended before training
+    const peak = Math.max(...during);
+    rows.push({
+      process,
+      samples: during.length,
+      rss_start_mb: mb(during[0]!),
+      rss_median_mb: mb(median(during)),
+      rss_peak_mb: mb(peak),
+      corpus_over_peak: round(corpusBytes / peak, 2),
+    });
+  }
+  return rows.sort((a, b) => b.rss_peak_mb - a.rss_peak_mb);
+}
+
+function summary(
+  rows: StreamBenchRow[],
+  corpusBytes: number,
+  steps: number,
+  trainers: number,
+  seconds: number,
+): string {
+  const top = rows[0]!;
+  const loader = rows.find((r) => r.process.startsWith("data-loader"));
+  return (
+    `corpus ${mb(corpusBytes).toLocaleString("en-US")} MB; the largest process, ${top.process}, peaked at ${top.rss_peak_mb} MB (${top.corpus_over_peak}x smaller)` +
+    (loader === undefined
+      ? ""
+      : `; the data-loader, which reads the corpus, went ${loader.rss_start_mb} -> ${loader.rss_peak_mb} MB while training (${loader.corpus_over_peak}x smaller)`) +
+    `; ${steps} steps of ${trainers} x 8 windows in ${round(seconds, 1)} s with start-up and shut-down`
+  );
 }

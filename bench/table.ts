@@ -8,6 +8,22 @@ export function printTable<R extends object>(rows: readonly R[], cols: readonly 
   for (const row of cells) console.log(line(row));
 }
 
+/** A bench's closing output: unless `quiet`, its header line and the table; then, always, the JSON
+ *  line `{ bench, results: rows }`. */
+export function printReport<R extends object>(report: {
+  bench: string;
+  header: string;
+  rows: readonly R[];
+  columns: readonly (keyof R & string)[];
+  quiet: boolean;
+}): void {
+  if (!report.quiet) {
+    console.log(report.header);
+    printTable(report.rows, report.columns);
+  }
+  console.log(JSON.stringify({ bench: report.bench, results: report.rows }));
+}
+
 export const round = (x: number, digits: number) => Number(x.toFixed(digits));
 /** `x` to `digits` significant digits: a small positive rate stays positive (a loaded machine's 0.04 GB/s is not 0). */
 export const significant = (x: number, digits = 3) =>

@@ -55,12 +55,12 @@ import {
   usesShards,
 } from "../services/runtime/job/job.ts";
 import { buildModel } from "../services/runtime/job/model.ts";
-import { MeshClient } from "../sdk/client.ts";
+import { type JobStatus, MeshClient } from "../sdk/client.ts";
 import { LocalMesh } from "../sdk/launcher.ts";
-import { watchJob } from "../sdk/watch.ts";
+import { type JobOutcome, watchJob } from "../sdk/watch.ts";
 import { EventKind } from "../schemas/messages.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
-import { printTable, round } from "./table.ts";
+import { printReport, round } from "./table.ts";
 import { Codec, type Compression, parseCompression } from "../engine/parallel/compress.ts";
 
 export interface TrainerBenchResult {
@@ -91,9 +91,54 @@ const benchSyncs = ["bsp", "asp", "ssp", "allreduce"] as const;
 
 const benchModels = ["mlp", "gpt"] as const;
 
-export async function runTrainerBench(
-  argv: string[],
-): Promise<TrainerBenchResult[] | SnapshotBenchResult[] | LayoutBenchResult[]> {
+const trainerColumns: readonly (keyof TrainerBenchResult)[] = [
+  "model",
+  "run",
+  "steps",
+  "samples_per_s",
+  "data_wait_ms",
+  "pull_ms",
+  "compute_ms",
+  "push_ms",
+  "comm_ms",
+  "exposed_ms",
+  "exposed_share",
+  "ratio",
+  "compress",
+  "wire_kb",
+  "wire_ratio",
+  "wire_theory",
+  "quality",
+];
+
+/** The options of `bench trainer`, checked. */
+interface TrainerBenchArgs {
+  models: string[];
+  syncs: string[];
+  epochs: number;
+  gptSteps: number;
+  bucketMb: number;
+  transports: JobConfig["collTransport"][];
+  codecs: string[];
+  /** 0: no snapshot bench */
+  snapshotEvery: number;
+  /** null: no layout bench */
+  layouts: Layout3[] | null;
+  microBatches: number;
+  schedule: "1f1b" | "gpipe";
+  jsonOnly: boolean;
+}
+
+/** A comma-separated list of `allowed` values, or a ConfigError naming the option. */
+function listOf(name: string, raw: unknown, allowed: readonly string[]): string[] {
+  const xs = String(raw).split(",");
+  for (const x of xs)
+    if (!allowed.includes(x))
+      throw new ConfigError(`--${name} must be a list of ${allowed.join(", ")}, got ${String(raw)}`);
+  return xs;
+}
+
+function trainerArgs(argv: string[]): TrainerBenchArgs {
   const v = parseBenchArgs(argv, {
     model: { type: "string", default: "mlp,gpt" },
     epochs: { type: "string", default: "1" },
@@ -113,14 +158,8 @@ export async function runTrainerBench(
     throw new ConfigError(`--snapshot-every must be a step count >= 0, got ${String(v["snapshot-every"])}`);
   const codecs = String(v.compress).split(",");
   for (const c of codecs) parseCompression(c);
-  const syncs = String(v.sync).split(",");
-  for (const x of syncs)
-    if (!(benchSyncs as readonly string[]).includes(x))
-      throw new ConfigError(`--sync must be a list of ${benchSyncs.join(", ")}, got ${String(v.sync)}`);
-  const models = String(v.model).split(",");
-  for (const x of models)
-    if (!(benchModels as readonly string[]).includes(x))
-      throw new ConfigError(`--model must be a list of ${benchModels.join(", ")}, got ${String(v.model)}`);
+  const syncs = listOf("sync", v.sync, benchSyncs);
+  const models = listOf("model", v.model, benchModels);
   const transports = String(v["coll-transport"]).split(",") as JobConfig["collTransport"][];
   for (const x of transports)
     if (x !== "auto" && x !== "nats")
@@ -128,75 +167,87 @@ export async function runTrainerBench(
   const bucketMb = Number(v["bucket-mb"]);
   if (!(bucketMb > 0 && bucketMb <= 1024))
     throw new ConfigError(`--bucket-mb must be a number in (0, 1024], got ${String(v["bucket-mb"])}`);
-  if (String(v.layouts) !== "") {
-    const schedule = String(v.schedule);
-    if (schedule !== "1f1b" && schedule !== "gpipe")
-      throw new ConfigError(`--schedule must be 1f1b or gpipe, got ${schedule}`);
-    return await layoutBench(
-      parseLayouts(String(v.layouts)),
-      positiveInt("gpt-steps", v["gpt-steps"]),
-      positiveInt("micro-batches", v["micro-batches"]),
-      schedule,
-      Boolean(v["json-only"]),
-    );
-  }
-  if (snapshotEvery > 0)
-    return await snapshotBench(
-      models,
-      syncs,
-      positiveInt("epochs", v.epochs),
-      positiveInt("gpt-steps", v["gpt-steps"]),
-      snapshotEvery,
-      Boolean(v["json-only"]),
-    );
+  const schedule = String(v.schedule);
+  if (schedule !== "1f1b" && schedule !== "gpipe")
+    throw new ConfigError(`--schedule must be 1f1b or gpipe, got ${schedule}`);
+  return {
+    models,
+    syncs,
+    epochs: positiveInt("epochs", v.epochs),
+    gptSteps: positiveInt("gpt-steps", v["gpt-steps"]),
+    bucketMb,
+    transports,
+    codecs,
+    snapshotEvery,
+    layouts: String(v.layouts) === "" ? null : parseLayouts(String(v.layouts)),
+    microBatches: positiveInt("micro-batches", v["micro-batches"]),
+    schedule,
+    jsonOnly: Boolean(v["json-only"]),
+  };
+}
+
+export async function runTrainerBench(
+  argv: string[],
+): Promise<TrainerBenchResult[] | SnapshotBenchResult[] | LayoutBenchResult[]> {
+  const a = trainerArgs(argv);
+  if (a.layouts !== null) return await layoutBench(a.layouts, a.gptSteps, a.microBatches, a.schedule, a.jsonOnly);
+  if (a.snapshotEvery > 0)
+    return await snapshotBench(a.models, a.syncs, a.epochs, a.gptSteps, a.snapshotEvery, a.jsonOnly);
   const rows: TrainerBenchResult[] = [];
-  for (const kind of models) {
-    const base =
-      kind === "mlp"
-        ? parseJobConfig({
-            ...jobDefaults,
-            job: "bench.trainer",
-            epochs: positiveInt("epochs", v.epochs),
-            checkpointEvery: 0,
-          })
-        : parseJobConfig({
-            ...gptJobDefaults,
-            job: "bench.trainer",
-            epochs: 1,
-            maxSteps: positiveInt("gpt-steps", v["gpt-steps"]),
-            checkpointEvery: 0,
-            evalEvery: 0,
-          });
-    rows.push(...(await benchModel(base, syncs, bucketMb, transports, codecs)));
+  for (const kind of a.models) {
+    const base = modelJob(kind, a.epochs, a.gptSteps, { job: "bench.trainer", checkpointEvery: 0 });
+    rows.push(...(await benchModel(base, a.syncs, a.bucketMb, a.transports, a.codecs)));
   }
-  if (!v["json-only"]) {
-    console.log(
+  printReport({
+    bench: "trainer",
+    header:
       `trainer benchmark: 2 trainers per mesh run, all services on this machine (${navigator.hardwareConcurrency} cores); ` +
-        `mesh times are per trainer step (ms); ratio = samples/s against the single-process trainer on the same model, global batch and steps`,
-    );
-    printTable(rows, [
-      "model",
-      "run",
-      "steps",
-      "samples_per_s",
-      "data_wait_ms",
-      "pull_ms",
-      "compute_ms",
-      "push_ms",
-      "comm_ms",
-      "exposed_ms",
-      "exposed_share",
-      "ratio",
-      "compress",
-      "wire_kb",
-      "wire_ratio",
-      "wire_theory",
-      "quality",
-    ]);
-  }
-  console.log(JSON.stringify({ bench: "trainer", results: rows }));
+      `mesh times are per trainer step (ms); ratio = samples/s against the single-process trainer on the same model, global batch and steps`,
+    rows,
+    columns: trainerColumns,
+    quiet: a.jsonOnly,
+  });
   return rows;
 }
+
+/** A model's job: the MLP on MNIST for `epochs` epochs, or the GPT on Moby Dick for `gptSteps` steps without evals. */
+function modelJob(kind: string, epochs: number, gptSteps: number, over: Record<string, unknown>): JobConfig {
+  return kind === "mlp"
+    ? parseJobConfig({ ...jobDefaults, epochs, ...over })
+    : parseJobConfig({ ...gptJobDefaults, epochs: 1, maxSteps: gptSteps, evalEvery: 0, ...over });
+}
+
+const modelName = (cfg: JobConfig) =>
+  cfg.model.kind === "mlp"
+    ? `mlp ${cfg.model.widths.join("-")}`
+    : `gpt L${cfg.model.nLayer} C${cfg.model.nEmbd} T${cfg.model.blockSize}`;
+
+/** `cfg` submitted as `job` to a local mesh of its trainers (and shards), started in a temporary
+ *  folder named from `mesh.tmpPrefix` and removed after; `watch` follows the job with the mesh's client. */
+async function onLocalMesh<R>(
+  cfg: JobConfig,
+  job: string,
+  mesh: { tmpPrefix: string; env?: Record<string, string> },
+  watch: (client: MeshClient) => Promise<R>,
+): Promise<R> {
+  const dir = mkdtempSync(join(tmpdir(), mesh.tmpPrefix));
+  try {
+    await using m = await LocalMesh.start({
+      jobsDir: join(dir, "jobs"),
+      logDir: join(dir, "logs"),
+      trainers: cfg.trainers,
+      shards: usesShards(cfg) ? cfg.shards : 0,
+      env: mesh.env,
+    });
+    await using client = await MeshClient.connect(m.url, m.auth());
+    await client.submit({ ...cfg, job }, { membersWaitMs: 60_000 });
+    return await watch(client);
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
+}
+
+type MeshRun = { cfg: JobConfig; r: JobOutcome };
 
 async function benchModel(
   base: JobConfig,
@@ -205,7 +256,7 @@ async function benchModel(
   transports: JobConfig["collTransport"][],
   codecs: string[],
 ): Promise<TrainerBenchResult[]> {
-  const meshRuns: { cfg: JobConfig; r: Awaited<ReturnType<typeof watchJob>> }[] = [];
+  const meshRuns: MeshRun[] = [];
   const runs = syncs.flatMap((sync) =>
     (sync === "allreduce" ? transports : ["auto" as const]).flatMap((collTransport) =>
       codecs.map((compress) => ({ sync, collTransport, compress })),
@@ -221,65 +272,22 @@ async function benchModel(
       collTransport,
       compress,
     });
-    const dir = mkdtempSync(join(tmpdir(), "mt-bench-trainer-"));
-    try {
-      await using m = await LocalMesh.start({
-        jobsDir: join(dir, "jobs"),
-        logDir: join(dir, "logs"),
-        trainers: cfg.trainers,
-        shards: usesShards(cfg) ? cfg.shards : 0,
-      });
-      await using client = await MeshClient.connect(m.url, m.auth());
-      await client.submit(cfg, { membersWaitMs: 60_000 });
-      meshRuns.push({ cfg, r: await watchJob(client, cfg.job, { quiet: true }) });
-    } finally {
-      rmSync(dir, { recursive: true, force: true });
-    }
+    const r = await onLocalMesh(cfg, cfg.job, { tmpPrefix: "mt-bench-trainer-" }, (client) =>
+      watchJob(client, cfg.job, { quiet: true }),
+    );
+    meshRuns.push({ cfg, r });
   }
-  const cfg = base;
   const steps = meshRuns[0]?.r.record.totalSteps ?? 50;
-  const { rate: singleRate, done, params } = singleProcessRate(cfg, steps);
-  const f32Wire = (c: JobConfig) =>
-    meshRuns.find((m) => m.cfg.sync === c.sync && m.cfg.collTransport === c.collTransport && m.cfg.compress === "none")
-      ?.r.wireBytesPerStep ?? 0;
-  const name =
-    cfg.model.kind === "mlp"
-      ? `mlp ${cfg.model.widths.join("-")}`
-      : `gpt L${cfg.model.nLayer} C${cfg.model.nEmbd} T${cfg.model.blockSize}`;
-  const rows: TrainerBenchResult[] = meshRuns.map(({ cfg: c, r }) => {
-    const s = r.split;
-    const stepMs = (1000 * c.batchSize * c.trainers) / r.samplesPerS;
-    const where = usesShards(c)
-      ? `${c.trainers} trainers x ${c.shards} shards`
-      : `${c.trainers} trainers, ${c.bucketMb} MB buckets, ${c.collTransport === "auto" ? "shared memory" : "NATS"}`;
-    return {
-      model: name,
-      run: `mesh ${c.sync} ${where}`,
-      steps: r.record.totalSteps,
-      samples_per_s: round(r.samplesPerS, 0),
-      data_wait_ms: round(s.dataWaitMs, 2),
-      pull_ms: round(s.pullMs, 2),
-      compute_ms: round(s.computeMs, 2),
-      push_ms: round(s.pushMs, 2),
-      comm_ms: round(s.commMs, 2),
-      exposed_ms: round(s.exposedCommMs, 2),
-      exposed_share: round(s.exposedCommMs / stepMs, 3),
-      ratio: round(r.samplesPerS / singleRate, 3),
-      compress: c.compress,
-      wire_kb: round(r.wireBytesPerStep / 1024, 1),
-      wire_ratio: f32Wire(c) > 0 ? round(r.wireBytesPerStep / f32Wire(c), 3) : 0,
-      wire_theory: round(wireTheory(c, params, r.record.totalSteps), 3),
-      quality: round(c.model.kind === "gpt" ? r.record.loss : r.record.accuracy, 4),
-    };
-  });
+  const single = singleProcessRate(base, steps);
+  const rows = meshRuns.map((run) => meshRow(run, meshRuns, single.rate, single.params));
   rows.push({
-    model: name,
+    model: modelName(base),
     run: "single process",
-    steps: done,
-    samples_per_s: round(singleRate, 0),
+    steps: single.done,
+    samples_per_s: round(single.rate, 0),
     data_wait_ms: 0,
     pull_ms: 0,
-    compute_ms: round((1000 * cfg.batchSize * cfg.trainers) / singleRate, 2),
+    compute_ms: round((1000 * base.batchSize * base.trainers) / single.rate, 2),
     push_ms: 0,
     comm_ms: 0,
     exposed_ms: 0,
@@ -292,6 +300,43 @@ async function benchModel(
     quality: 0,
   });
   return rows;
+}
+
+/** One mesh run's row: its step's split, its rate against the single process's, its wire bytes
+ *  against the uncompressed run's of the same sync and transport (in `all`) and against theory. */
+function meshRow(
+  { cfg: c, r }: MeshRun,
+  all: readonly MeshRun[],
+  singleRate: number,
+  params: number,
+): TrainerBenchResult {
+  const s = r.split;
+  const stepMs = (1000 * c.batchSize * c.trainers) / r.samplesPerS;
+  const f32Wire =
+    all.find((m) => m.cfg.sync === c.sync && m.cfg.collTransport === c.collTransport && m.cfg.compress === "none")?.r
+      .wireBytesPerStep ?? 0;
+  const where = usesShards(c)
+    ? `${c.trainers} trainers x ${c.shards} shards`
+    : `${c.trainers} trainers, ${c.bucketMb} MB buckets, ${c.collTransport === "auto" ? "shared memory" : "NATS"}`;
+  return {
+    model: modelName(c),
+    run: `mesh ${c.sync} ${where}`,
+    steps: r.record.totalSteps,
+    samples_per_s: round(r.samplesPerS, 0),
+    data_wait_ms: round(s.dataWaitMs, 2),
+    pull_ms: round(s.pullMs, 2),
+    compute_ms: round(s.computeMs, 2),
+    push_ms: round(s.pushMs, 2),
+    comm_ms: round(s.commMs, 2),
+    exposed_ms: round(s.exposedCommMs, 2),
+    exposed_share: round(s.exposedCommMs / stepMs, 3),
+    ratio: round(r.samplesPerS / singleRate, 3),
+    compress: c.compress,
+    wire_kb: round(r.wireBytesPerStep / 1024, 1),
+    wire_ratio: f32Wire > 0 ? round(r.wireBytesPerStep / f32Wire, 3) : 0,
+    wire_theory: round(wireTheory(c, params, r.record.totalSteps), 3),
+    quality: round(c.model.kind === "gpt" ? r.record.loss : r.record.accuracy, 4),
+  };
 }
 
 export interface SnapshotBenchResult {
@@ -340,6 +385,20 @@ function parseLayouts(text: string): Layout3[] {
   });
 }
 
+const layoutColumns: readonly (keyof LayoutBenchResult)[] = [
+  "layout",
+  "trainers",
+  "steps",
+  "samples_per_s",
+  "ratio",
+  "params_kb",
+  "state_kb",
+  "arena_peak_kb",
+  "idle_share",
+  "bubble_theory",
+  "val_loss",
+];
+
 /** The GPT in each layout of data x pipeline x tensor parallelism on the mesh, the same global batch and steps. */
 async function layoutBench(
   layouts: Layout3[],
@@ -371,74 +430,71 @@ async function layoutBench(
       checkpointEvery: 0,
       evalEvery: 0,
     });
-    const dir = mkdtempSync(join(tmpdir(), "mt-bench-layouts-"));
-    try {
-      await using m = await LocalMesh.start({
-        jobsDir: join(dir, "jobs"),
-        logDir: join(dir, "logs"),
-        trainers,
-        shards: 0,
-      });
-      await using client = await MeshClient.connect(m.url, m.auth());
-      const job = `${cfg.job}-${Date.now()}`;
-      await client.submit({ ...cfg, job }, { membersWaitMs: 60_000 });
-      let status: ReturnType<MeshClient["status"]> | null = null;
-      let idle = 0,
-        busy = 0;
-      const r = await watchJob(client, job, {
-        quiet: true,
-        onEvent: (e) => {
-          if (e.kind !== EventKind.Step || e.samplesPerS <= 0) return;
-          if (status === null && e.step >= Math.floor(steps / 2)) status = client.status(job);
-          if (e.step < 2) return; // the first steps include the connections' start
-          idle += e.commMs;
-          busy += (1000 * e.count) / e.samplesPerS;
-        },
-      });
-      const st = status === null ? null : await (status as ReturnType<MeshClient["status"]>).catch(() => null);
-      const ranks = (st?.trainers ?? []).flatMap((t) => ("error" in t ? [] : [t]));
-      const kb = (b: number) => round(b / 1024, 1);
-      rows.push({
-        layout: `${l.data}x${l.stages}x${l.tensor}`,
-        trainers,
-        steps: r.record.totalSteps,
-        samples_per_s: round(r.samplesPerS, 1),
-        ratio: 1,
-        params_kb: kb(Math.max(0, ...ranks.map((t) => t.paramBytes))),
-        state_kb: kb(Math.max(0, ...ranks.map((t) => t.paramBytes + t.gradBytes + t.optimizerBytes))),
-        arena_peak_kb: kb(Math.max(0, ...ranks.map((t) => t.arenaPeakBytes))),
-        idle_share: round(idle / Math.max(busy, 1e-9), 3),
-        bubble_theory: round((l.stages - 1) / (micro + l.stages - 1), 3),
-        val_loss: round(r.record.loss, 4),
-      });
-    } finally {
-      rmSync(dir, { recursive: true, force: true });
-    }
+    const job = `${cfg.job}-${Date.now()}`;
+    const { r, ranks, idleShare } = await onLocalMesh(cfg, job, { tmpPrefix: "mt-bench-layouts-" }, (client) =>
+      watchLayout(client, job, steps),
+    );
+    const kb = (b: number) => round(b / 1024, 1);
+    rows.push({
+      layout: `${l.data}x${l.stages}x${l.tensor}`,
+      trainers,
+      steps: r.record.totalSteps,
+      samples_per_s: round(r.samplesPerS, 1),
+      ratio: 1,
+      params_kb: kb(Math.max(0, ...ranks.map((t) => t.paramBytes))),
+      state_kb: kb(Math.max(0, ...ranks.map((t) => t.paramBytes + t.gradBytes + t.optimizerBytes))),
+      arena_peak_kb: kb(Math.max(0, ...ranks.map((t) => t.arenaPeakBytes))),
+      idle_share: idleShare,
+      bubble_theory: round((l.stages - 1) / (micro + l.stages - 1), 3),
+      val_loss: round(r.record.loss, 4),
+    });
   }
   for (const row of rows) row.ratio = round(row.samples_per_s / rows[0]!.samples_per_s, 3);
-  if (!jsonOnly) {
-    console.log(
+  printReport({
+    bench: "trainer-layouts",
+    header:
       `model-parallel layouts (data x pipeline x tensor) of the GPT on the mesh, ${globalBatch} windows a step in ${micro} micro-batches a copy, ${schedule}, ` +
-        `${steps} steps, all on this machine (${navigator.hardwareConcurrency} cores); per-rank memory is the most any rank holds (from its allocations); ` +
-        "idle = the share of a step the copies' speaking ranks waited for their neighbour stages and in the tensor ranks' all-reduces",
-    );
-    printTable(rows, [
-      "layout",
-      "trainers",
-      "steps",
-      "samples_per_s",
-      "ratio",
-      "params_kb",
-      "state_kb",
-      "arena_peak_kb",
-      "idle_share",
-      "bubble_theory",
-      "val_loss",
-    ]);
-  }
-  console.log(JSON.stringify({ bench: "trainer-layouts", results: rows }));
+      `${steps} steps, all on this machine (${navigator.hardwareConcurrency} cores); per-rank memory is the most any rank holds (from its allocations); ` +
+      "idle = the share of a step the copies' speaking ranks waited for their neighbour stages and in the tensor ranks' all-reduces",
+    rows,
+    columns: layoutColumns,
+    quiet: jsonOnly,
+  });
   return rows;
 }
+
+/** A layout's job watched to its end: its outcome, what its ranks held halfway (from the mesh's
+ *  status), and the share of a step its speaking ranks waited for their neighbours. */
+async function watchLayout(client: MeshClient, job: string, steps: number) {
+  let status: Promise<JobStatus> | null = null;
+  let idle = 0,
+    busy = 0;
+  const r = await watchJob(client, job, {
+    quiet: true,
+    onEvent: (e) => {
+      if (e.kind !== EventKind.Step || e.samplesPerS <= 0) return;
+      if (status === null && e.step >= Math.floor(steps / 2)) status = client.status(job);
+      if (e.step < 2) return; // the first steps include the connections' start
+      idle += e.commMs;
+      busy += (1000 * e.count) / e.samplesPerS;
+    },
+  });
+  const st = status === null ? null : await (status as Promise<JobStatus>).catch(() => null);
+  const ranks = (st?.trainers ?? []).flatMap((t) => ("error" in t ? [] : [t]));
+  return { r, ranks, idleShare: round(idle / Math.max(busy, 1e-9), 3) };
+}
+
+const snapshotColumns: readonly (keyof SnapshotBenchResult)[] = [
+  "model",
+  "run",
+  "snapshots",
+  "steps",
+  "samples_per_s",
+  "step_ms",
+  "stall_ms",
+  "stall_share",
+  "ratio",
+];
 
 /** Snapshot stalls: every model and sync mode with a snapshot every `every` steps, background writes against synchronous ones. */
 async function snapshotBench(
@@ -452,95 +508,67 @@ async function snapshotBench(
   const rows: SnapshotBenchResult[] = [];
   for (const kind of models)
     for (const sync of syncs) {
-      const cfg =
-        kind === "mlp"
-          ? parseJobConfig({
-              ...jobDefaults,
-              job: "bench.snapshots",
-              epochs,
-              checkpointEvery: every,
-              sync,
-              staleness: sync === "ssp" ? 2 : 0,
-            })
-          : parseJobConfig({
-              ...gptJobDefaults,
-              job: "bench.snapshots",
-              epochs: 1,
-              maxSteps: gptSteps,
-              checkpointEvery: every,
-              evalEvery: 0,
-              sync,
-            });
-      const name =
-        cfg.model.kind === "mlp"
-          ? `mlp ${cfg.model.widths.join("-")}`
-          : `gpt L${cfg.model.nLayer} C${cfg.model.nEmbd} T${cfg.model.blockSize}`;
+      const cfg = modelJob(kind, epochs, gptSteps, {
+        job: "bench.snapshots",
+        checkpointEvery: every,
+        sync,
+        // staleness 2 for the MLP's ssp runs; the GPT's keep the default
+        ...(kind === "mlp" ? { staleness: sync === "ssp" ? 2 : 0 } : {}),
+      });
       const pair: SnapshotBenchResult[] = [];
-      for (const background of [false, true]) {
-        const dir = mkdtempSync(join(tmpdir(), "mt-bench-snapshots-"));
-        try {
-          await using m = await LocalMesh.start({
-            jobsDir: join(dir, "jobs"),
-            logDir: join(dir, "logs"),
-            trainers: cfg.trainers,
-            shards: usesShards(cfg) ? cfg.shards : 0,
-            env: { MT_SYNC_SNAPSHOTS: String(!background) },
-          });
-          await using client = await MeshClient.connect(m.url, m.auth());
-          const job = `${cfg.job}-${Date.now()}`;
-          await client.submit({ ...cfg, job }, { membersWaitMs: 60_000 });
-          let stall = 0,
-            stepMs = 0,
-            taken = 0;
-          const r = await watchJob(client, job, {
-            quiet: true,
-            onEvent: (e) => {
-              if (e.kind !== EventKind.Step || e.rank !== 0 || e.samplesPerS <= 0) return;
-              stepMs += (1000 * e.count) / e.samplesPerS;
-              if (e.snapshotMs > 0) {
-                stall += e.snapshotMs;
-                taken++;
-              }
-            },
-          });
-          pair.push({
-            model: name,
-            run: `mesh ${sync}`,
-            snapshots: background
-              ? `every ${every} steps, written in the background`
-              : `every ${every} steps, written before the answer`,
-            steps: r.record.totalSteps,
-            samples_per_s: round(r.samplesPerS, 0),
-            step_ms: round(stepMs / Math.max(r.record.totalSteps, 1), 2),
-            stall_ms: round(stall / Math.max(taken, 1), 2),
-            stall_share: round(stall / Math.max(stepMs, 1e-9), 4),
-            ratio: 1,
-          });
-        } finally {
-          rmSync(dir, { recursive: true, force: true });
-        }
-      }
+      for (const background of [false, true]) pair.push(await snapshotRun(cfg, sync, every, background));
       for (const row of pair) row.ratio = round(row.samples_per_s / pair[0]!.samples_per_s, 3);
       rows.push(...pair);
     }
-  if (!jsonOnly) {
-    console.log(
+  printReport({
+    bench: "trainer-snapshots",
+    header:
       "snapshot stall: rank 0's wait at each snapshot's step boundary (the state staged, or written too), per snapshot and as a share of all its step time; ratio = samples/s against the run whose snapshots are written before the answer",
-    );
-    printTable(rows, [
-      "model",
-      "run",
-      "snapshots",
-      "steps",
-      "samples_per_s",
-      "step_ms",
-      "stall_ms",
-      "stall_share",
-      "ratio",
-    ]);
-  }
-  console.log(JSON.stringify({ bench: "trainer-snapshots", results: rows }));
+    rows,
+    columns: snapshotColumns,
+    quiet: jsonOnly,
+  });
   return rows;
+}
+
+/** One run of `cfg` with snapshots written in the background or before the save is answered, and rank 0's waits for them. */
+async function snapshotRun(
+  cfg: JobConfig,
+  sync: string,
+  every: number,
+  background: boolean,
+): Promise<SnapshotBenchResult> {
+  const job = `${cfg.job}-${Date.now()}`;
+  const env = { MT_SYNC_SNAPSHOTS: String(!background) };
+  return await onLocalMesh(cfg, job, { tmpPrefix: "mt-bench-snapshots-", env }, async (client) => {
+    let stall = 0,
+      stepMs = 0,
+      taken = 0;
+    const r = await watchJob(client, job, {
+      quiet: true,
+      onEvent: (e) => {
+        if (e.kind !== EventKind.Step || e.rank !== 0 || e.samplesPerS <= 0) return;
+        stepMs += (1000 * e.count) / e.samplesPerS;
+        if (e.snapshotMs > 0) {
+          stall += e.snapshotMs;
+          taken++;
+        }
+      },
+    });
+    return {
+      model: modelName(cfg),
+      run: `mesh ${sync}`,
+      snapshots: background
+        ? `every ${every} steps, written in the background`
+        : `every ${every} steps, written before the answer`,
+      steps: r.record.totalSteps,
+      samples_per_s: round(r.samplesPerS, 0),
+      step_ms: round(stepMs / Math.max(r.record.totalSteps, 1), 2),
+      stall_ms: round(stall / Math.max(taken, 1), 2),
+      stall_share: round(stall / Math.max(stepMs, 1e-9), 4),
+      ratio: 1,
+    };
+  });
 }
 
 /**
