@@ -3,7 +3,8 @@
 // works on a fresh Debian machine before `npm ci`. `--for run` (npm start) installs what the
 // main job needs; `--for test` (npm test, and the default) adds what only the tests use.
 //   1. Debian packages: OpenBLAS (OpenMP build), a C compiler and nats-server; for the tests also
-//      a C++ compiler, flatc and chromium (the tests' browser). Installed with apt-get when
+//      a C++ compiler, flatc, chromium (the tests' browser), and docker.io, docker-compose and
+//      debootstrap (the compose test runs the containers). Installed with apt-get when
 //      running as root, one line per step (apt's own output only when it fails); otherwise the
 //      exact command is printed and set-up goes on.
 //   2. npm packages (Bun among them): `npm ci` (`--omit=dev` for run) when node_modules is
@@ -74,7 +75,27 @@ const needs = [
     tests: true,
     ok: () => which("chromium") || which("chromium-browser"),
   },
+  // the compose test runs deploy/docker-compose.yml for real: a Docker engine (the test starts
+  // dockerd itself as root), compose, and debootstrap for the base images (no image registry)
+  { what: "a Docker engine", pkg: "docker.io", tests: true, ok: () => which("dockerd") || dockerAnswers() },
+  {
+    what: "docker-compose",
+    pkg: "docker-compose",
+    tests: true,
+    ok: () => which("docker-compose") || spawnSync("docker", ["compose", "version"], { stdio: "ignore" }).status === 0,
+  },
+  {
+    what: "debootstrap (the compose test's base images)",
+    pkg: "debootstrap",
+    tests: true,
+    ok: () => which("debootstrap"),
+  },
 ];
+
+/** A Docker daemon answers (one this machine does not run itself: a remote or a desktop engine). */
+function dockerAnswers() {
+  return which("docker") && spawnSync("docker", ["info"], { stdio: "ignore", timeout: 10_000 }).status === 0;
+}
 
 const missing = needs.filter((n) => (forTests || !n.tests) && !n.ok());
 if (missing.length > 0) {

@@ -370,6 +370,9 @@ export interface NcclInitOptions {
 /** A CUDA stream handle (CUstream == cudaStream_t): the engine's number or the backend's bigint. */
 export type NcclStream = Ptr | bigint;
 
+/** What a communicator's creation takes: the library, the group's size, this rank, the id, the time allowed. */
+type InitArgs = [lib: NcclLibrary, nranks: number, rank: number, id: Uint8Array, timeoutMs: number];
+
 /** One rank's NCCL communicator. */
 export class NcclComm {
   readonly #lib: NcclLibrary;
@@ -408,13 +411,7 @@ export class NcclComm {
       : await NcclComm.#initOnThread(lib, nranks, rank, id, options.timeoutMs);
   }
 
-  static async #initNonBlocking(
-    lib: NcclLibrary,
-    nranks: number,
-    rank: number,
-    id: Uint8Array,
-    timeoutMs: number,
-  ): Promise<NcclComm> {
+  static async #initNonBlocking(...[lib, nranks, rank, id, timeoutMs]: InitArgs): Promise<NcclComm> {
     const call = "ncclCommInitRankConfig";
     const result = new Int32Array(1);
     const slot = asPointer(shim().mt_nccl_init_rank_config(lib.handle, nranks, id, rank, 0 /* blocking */, result));
@@ -438,13 +435,7 @@ export class NcclComm {
     return new NcclComm(lib, comm!, slot, nranks, rank);
   }
 
-  static async #initOnThread(
-    lib: NcclLibrary,
-    nranks: number,
-    rank: number,
-    id: Uint8Array,
-    timeoutMs: number,
-  ): Promise<NcclComm> {
+  static async #initOnThread(...[lib, nranks, rank, id, timeoutMs]: InitArgs): Promise<NcclComm> {
     const call = "ncclCommInitRank";
     const result = new Int32Array(1);
     const job = asPointer(shim().mt_nccl_init_start_legacy(lib.handle, nranks, id, rank, result));
