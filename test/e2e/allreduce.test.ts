@@ -5,43 +5,38 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
-import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
+import { EventKind, JobState } from "../../schemas/messages.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
+import type { JobConfig } from "../../services/runtime/job/job.ts";
 import { type JobStatus, MeshClient } from "../../sdk/client.ts";
 import { statusLines } from "../../sdk/report.ts";
-import { LocalMesh } from "../../sdk/launcher.ts";
+import type { MeshOptions } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";
-import { effectiveSteps, modelFileAccuracy } from "../helpers/jobs.ts";
-import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
+import { modelFileAccuracy } from "../helpers/jobs.ts";
+import { removeTempDirs } from "../helpers/mesh.ts";
+import {
+  atRank0Step,
+  expectEveryStepOnce,
+  expectRestoredFromSnapshot,
+  mlpJob,
+  runJob,
+  startMesh,
+  stepLosses,
+} from "../helpers/mesh-jobs.ts";
 
 afterAll(removeTempDirs);
 
+// 16 KB chunks and 16 KB buckets: the snapshot is cut into chunks, the gradient into buckets
 const config = (over: Partial<JobConfig>): JobConfig =>
-  parseJobConfig({
-    // 16 KB chunks and 16 KB buckets: the snapshot is cut into chunks, the gradient into buckets
-    ...jobDefaults,
-    sync: "allreduce",
-    model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
-    epochs: 1,
-    warmupSteps: 20,
-    chunkBytes: 16 << 10,
-    bucketMb: 0.016,
-    replicaCheckEvery: 25,
-    ...over,
-  });
+  mlpJob({ sync: "allreduce", bucketMb: 0.016, replicaCheckEvery: 25, ...over });
 
-const startMesh = (
-  prefix: string,
-  o: { onEvent?: (line: string) => void; trainers?: number; trainerHosts?: string[] } = {},
-) => {
-  const dir = tempDir(prefix);
-  return LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 2, shards: 0, ...o });
-};
+/** A mesh of 2 trainers (unless `o` says otherwise) and no parameter-server shard. */
+const startAllReduceMesh = (prefix: string, o: Omit<MeshOptions, "jobsDir" | "logDir"> = {}) =>
+  startMesh(prefix, { trainers: 2, shards: 0, ...o });
 
 describe("all-reduce mode on the mesh", () => {
   test("a short run with no parameter-server shard learns; the step split shows the all-reduce; its final snapshot of the replica is exported", async () => {
-    await using mesh = await startMesh("mt-ar-");
+    await using mesh = await startAllReduceMesh("mt-ar-");
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({
       job: "default.ar",
@@ -51,15 +46,12 @@ describe("all-reduce mode on the mesh", () => {
       scaleLr: true,
       lr: 0.05,
     });
-    const total = planHere(cfg).totalSteps;
-    const seen: Event[] = [];
-    await client.submit(cfg, { membersWaitMs: 60_000 });
-    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
+    const r = await runJob(client, cfg);
+    const seen = r.seen;
     expect(r.record.state).toBe(JobState.Done);
     expect(r.record.accuracy).toBeGreaterThan(0.9);
     expect(r.record.evaluated).toBe(10_000);
-    const steps = effectiveSteps(seen, 2);
-    for (const rank of [0, 1]) expect(steps[rank]).toEqual(Array.from({ length: total }, (_, i) => i));
+    expectEveryStepOnce(seen, 2, planHere(cfg).totalSteps);
     const stepEvents = seen.filter((e) => e.kind === EventKind.Step);
     expect(stepEvents.every((e) => e.pullMs === 0 && e.pushMs === 0)).toBe(true);
     expect(stepEvents.filter((e) => !(e.commMs > 0 && e.exposedCommMs >= 0 && e.exposedCommMs <= e.commMs))).toEqual(
@@ -77,7 +69,7 @@ describe("all-reduce mode on the mesh", () => {
   }, 180_000);
 
   test("4 ranks labelled as 2 hosts x 2: the all-reduce is hierarchical, the replicas stay identical, the job learns", async () => {
-    await using mesh = await startMesh("mt-ar-hosts-", { trainers: 4, trainerHosts: ["a", "a", "b", "b"] });
+    await using mesh = await startAllReduceMesh("mt-ar-hosts-", { trainers: 4, trainerHosts: ["a", "a", "b", "b"] });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({
       job: "default.ar-hosts",
@@ -86,15 +78,12 @@ describe("all-reduce mode on the mesh", () => {
       replicaCheckEvery: 20,
       checkpointEvery: 0,
     });
-    const seen: Event[] = [];
-    await client.submit(cfg, { membersWaitMs: 60_000 });
-    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
+    const r = await runJob(client, cfg);
     expect(r.record.state).toBe(JobState.Done);
     expect(r.record.accuracy).toBeGreaterThan(0.85);
     // every 20 steps the ranks compared their parameters' hashes (a difference fails the job)
-    expect(seen.some((e) => e.kind === EventKind.Failed)).toBe(false);
-    const steps = effectiveSteps(seen, 4);
-    for (const rank of [0, 1, 2, 3]) expect(steps[rank]).toEqual(Array.from({ length: 60 }, (_, i) => i));
+    expect(r.seen.some((e) => e.kind === EventKind.Failed)).toBe(false);
+    expectEveryStepOnce(r.seen, 4, 60);
     for (const rank of [0, 1, 2, 3]) {
       const log = readFileSync(join(mesh.opts.logDir, `trainer-${rank}.log`), "utf8");
       expect(log).toContain("all-reduce is hierarchical across hosts");
@@ -102,7 +91,7 @@ describe("all-reduce mode on the mesh", () => {
   }, 180_000);
 
   test("ZeRO stage 2 on the mesh: the job learns, each trainer logs its bytes per parameter, and a snapshot (each rank's partition in its own files) resumes at stage 1", async () => {
-    await using mesh = await startMesh("mt-ar-zero-");
+    await using mesh = await startAllReduceMesh("mt-ar-zero-");
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const adamw = { kind: "adamw" as const, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
     const cfg = config({
@@ -151,16 +140,14 @@ describe("all-reduce mode on the mesh", () => {
     const ranksSaved = new Set(newestSnap.files.map((f) => /^partition-(\d+)-\d+\.mtss$/.exec(f.name)?.[1]));
     expect([...ranksSaved].sort()).toEqual(["0", "1"]);
     // the same job at stage 1 resumes from that snapshot and finishes
-    await client.submit({ ...cfg, zero: 1 }, { membersWaitMs: 60_000 });
-    const seen: Event[] = [];
-    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
+    const r = await runJob(client, { ...cfg, zero: 1 });
     expect(r.record.state).toBe(JobState.Done);
     expect(r.record.accuracy).toBeGreaterThan(0.85);
-    expect(seen.filter((e) => e.kind === EventKind.Restore).map((e) => e.step)).toEqual([newest]);
+    expect(r.seen.filter((e) => e.kind === EventKind.Restore).map((e) => e.step)).toEqual([newest]);
   }, 180_000);
 
   test("ZeRO 3 on the mesh: a snapshot of 4 trainers resumes on 2 (stage 3) and on 3 (stage 1) with the same global batch and continues on the 4-trainer stage-2 run's loss trajectory", async () => {
-    await using mesh = await startMesh("mt-ar-regroup-", { trainers: 4 });
+    await using mesh = await startAllReduceMesh("mt-ar-regroup-", { trainers: 4 });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const adamw = { kind: "adamw" as const, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
     const base = {
@@ -174,24 +161,7 @@ describe("all-reduce mode on the mesh", () => {
       lr: 2e-3,
       replicaCheckEvery: 20,
     };
-    /** per step: the loss over every rank's samples, after the last restore */
-    const globalLoss = (events: Event[]) => {
-      const at = new Map<number, { sum: number; n: number }>();
-      for (const e of events) {
-        if (e.kind === EventKind.Restore) for (const k of [...at.keys()]) if (k >= e.step) at.delete(k);
-        if (e.kind !== EventKind.Step || e.count === 0) continue;
-        const a = at.get(e.step) ?? { sum: 0, n: 0 };
-        a.sum += e.loss * e.count;
-        a.n += e.count;
-        at.set(e.step, a);
-      }
-      return new Map([...at].map(([k, a]) => [k, a.sum / a.n]));
-    };
-    const reference: Event[] = [];
-    const ref = config({ job: "default.ar-regroup-ref", ...base });
-    await client.submit(ref, { membersWaitMs: 60_000 });
-    await watchJob(client, ref.job, { quiet: true, onEvent: (e) => reference.push(e) });
-    const refLoss = globalLoss(reference);
+    const refLoss = stepLosses((await runJob(client, config({ job: "default.ar-regroup-ref", ...base }))).seen);
     // saved at stage 3 (each rank's parameters and state in its own files), resumed at stage 3 on
     // 2 ranks and at stage 1 on 3
     for (const [trainers, batchSize, zero] of [
@@ -211,15 +181,13 @@ describe("all-reduce mode on the mesh", () => {
       const newest = (await client.checkpoints(cfg.job)).at(-1)!.step;
       expect(newest).toBeGreaterThanOrEqual(20);
       expect(newest).toBeLessThan(60);
-      const seen: Event[] = [];
-      await client.submit({ ...cfg, trainers, batchSize, zero }, { membersWaitMs: 60_000 });
-      const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => seen.push(e) });
-      expect(r.record.state).toBe(JobState.Done);
+      const { record, seen } = await runJob(client, { ...cfg, trainers, batchSize, zero });
+      expect(record.state).toBe(JobState.Done);
       expect(seen.filter((e) => e.kind === EventKind.Restore).map((e) => e.step)).toEqual([newest]);
       expect(new Set(seen.filter((e) => e.kind === EventKind.Step).map((e) => e.rank))).toEqual(
         new Set(Array.from({ length: trainers }, (_, i) => i)),
       );
-      const loss = globalLoss(seen);
+      const loss = stepLosses(seen);
       let worst = 0;
       for (let s = newest; s < 60; s++)
         worst = Math.max(worst, Math.abs(loss.get(s)! - refLoss.get(s)!) / refLoss.get(s)!);
@@ -229,32 +197,16 @@ describe("all-reduce mode on the mesh", () => {
 
   test("SIGKILL of a trainer mid-run: every rank rewinds to the newest snapshot of the replica and the job finishes, every step once", async () => {
     const launcherLines: string[] = [];
-    await using mesh = await startMesh("mt-ar-chaos-", { onEvent: (l) => launcherLines.push(l) });
+    await using mesh = await startAllReduceMesh("mt-ar-chaos-", { onEvent: (l) => launcherLines.push(l) });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "default.ar-chaos", epochs: 2, checkpointEvery: 40 });
-    const total = planHere(cfg).totalSteps;
-    const seen: Event[] = [];
-    let killedAt = -1;
-    await client.submit(cfg, { membersWaitMs: 60_000 });
-    const r = await watchJob(client, cfg.job, {
-      quiet: true,
-      onEvent: (e) => {
-        seen.push(e);
-        if (killedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step >= 150) {
-          killedAt = e.step;
-          mesh.kill("trainer-1", "SIGKILL");
-        }
-      },
-    });
+    const kill = atRank0Step(150, () => mesh.kill("trainer-1", "SIGKILL"));
+    const r = await runJob(client, cfg, kill.onEvent);
     expect(r.record.state).toBe(JobState.Done);
-    expect(killedAt).toBeGreaterThan(0);
+    expect(kill.step).toBeGreaterThan(0);
     expect(launcherLines.some((l) => l.includes("trainer-1 died (signal SIGKILL); restarting"))).toBe(true);
-    const restores = seen.filter((e) => e.kind === EventKind.Restore);
-    expect(restores.length).toBeGreaterThanOrEqual(1);
-    expect(restores[0]!.step % 40).toBe(0);
-    expect(restores[0]!.step).toBeLessThanOrEqual(killedAt + 1);
+    expectRestoredFromSnapshot(r.seen, 40, kill.step);
     expect(r.record.accuracy).toBeGreaterThan(0.93);
-    const steps = effectiveSteps(seen, 2);
-    for (const rank of [0, 1]) expect(steps[rank]).toEqual(Array.from({ length: total }, (_, i) => i));
+    expectEveryStepOnce(r.seen, 2, planHere(cfg).totalSteps);
   }, 300_000);
 });

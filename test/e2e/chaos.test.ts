@@ -6,23 +6,15 @@
 // function of (rank, step), every sample is seen exactly once per epoch. The schedule is printed;
 // MT_CHAOS_SEED replays it.
 import { afterAll, expect, test } from "bun:test";
-import { join } from "node:path";
 import { Rng } from "../../engine/rng.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
-import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
+import { EventKind, JobState } from "../../schemas/messages.ts";
 import { JobData } from "../../services/data-loader/loader.ts";
-import {
-  defaultOwner,
-  type JobConfig,
-  jobDefaults,
-  parseJobConfig,
-  qualifyJob,
-} from "../../services/runtime/job/job.ts";
+import { defaultOwner, type JobConfig, qualifyJob } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
-import { LocalMesh } from "../../sdk/launcher.ts";
-import { watchJob } from "../../sdk/watch.ts";
 import { finalChunkVersions } from "../helpers/jobs.ts";
-import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
+import { removeTempDirs } from "../helpers/mesh.ts";
+import { mlpJob, runJob, startMesh } from "../helpers/mesh-jobs.ts";
 
 afterAll(removeTempDirs);
 
@@ -69,31 +61,18 @@ const describeFault = (f: Fault) =>
   `${f.target} ${f.atStep !== undefined ? `at step ${f.atStep}` : `${f.afterMs} ms after the one before`}`;
 
 test("twelve SIGKILLs of every kind of process, some within 2 s of each other: the job finishes within 0.3% of the fault-free accuracy, every step applied once, every sample once per epoch", async () => {
-  const dir = tempDir("mt-chaos-all-");
   const lines: string[] = [];
   // every step takes at least stepDelayMs: the job must outlast its faults (a fault that waits for
   // its target's restart, then the ones timed after it, take seconds), however fast the machine
-  await using mesh = await LocalMesh.start({
-    jobsDir: join(dir, "jobs"),
-    logDir: join(dir, "logs"),
+  await using mesh = await startMesh("mt-chaos-all-", {
     env: { MT_STEP_DELAY_MS: String(stepDelayMs) },
     onEvent: (l) => lines.push(l),
   });
   await using client = await MeshClient.connect(mesh.url, mesh.auth());
   const config = (job: string): JobConfig =>
-    parseJobConfig({
-      ...jobDefaults,
-      job: qualifyJob(job, defaultOwner),
-      model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
-      epochs: 3,
-      warmupSteps: 20,
-      chunkBytes: 16 << 10,
-      checkpointEvery: 25,
-    });
+    mlpJob({ job: qualifyJob(job, defaultOwner), epochs: 3, checkpointEvery: 25 });
 
-  const ref = config("chaos-ref");
-  await client.submit(ref, { membersWaitMs: 60_000 });
-  const clean = await watchJob(client, ref.job, { quiet: true });
+  const clean = await runJob(client, config("chaos-ref"));
   expect(clean.record.state).toBe(JobState.Done);
 
   const cfg = config("chaos-all");
@@ -124,21 +103,15 @@ test("twelve SIGKILLs of every kind of process, some within 2 s of each other: t
     const after = faults[next];
     if (after?.afterMs !== undefined) timer = setTimeout(() => void fire(), after.afterMs);
   };
-  const seen: Event[] = [];
-  await client.submit(cfg, { membersWaitMs: 60_000 });
-  const r = await watchJob(client, cfg.job, {
-    quiet: true,
-    onEvent: (e) => {
-      seen.push(e);
-      const f = faults[next];
-      if (timer === null && f?.atStep !== undefined && e.kind === EventKind.Step && e.rank === 0 && e.step >= f.atStep)
-        void fire();
-    },
+  const r = await runJob(client, cfg, (e) => {
+    const f = faults[next];
+    if (timer === null && f?.atStep !== undefined && e.kind === EventKind.Step && e.rank === 0 && e.step >= f.atStep)
+      void fire();
   });
   if (timer !== null) clearTimeout(timer);
   console.log(`fired: ${fired.join("; ")}`);
   console.log(
-    `accuracy ${(r.record.accuracy * 100).toFixed(2)}% (fault-free ${(clean.record.accuracy * 100).toFixed(2)}%); ${seen.filter((e) => e.kind === EventKind.Restore).length} restores`,
+    `accuracy ${(r.record.accuracy * 100).toFixed(2)}% (fault-free ${(clean.record.accuracy * 100).toFixed(2)}%); ${r.seen.filter((e) => e.kind === EventKind.Restore).length} restores`,
   );
   expect(r.record.state).toBe(JobState.Done);
   expect(fired.length).toBe(faults.length);

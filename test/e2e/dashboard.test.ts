@@ -12,8 +12,8 @@ import { EventKind } from "../../schemas/messages.ts";
 import { jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { Dashboard } from "../../sdk/dashboard/server.ts";
-import { LocalMesh } from "../../sdk/launcher.ts";
-import { removeTempDirs, root, tempDir } from "../helpers/mesh.ts";
+import { removeTempDirs, root } from "../helpers/mesh.ts";
+import { startMesh } from "../helpers/mesh-jobs.ts";
 import { skip } from "../helpers/skip.ts";
 
 afterAll(removeTempDirs);
@@ -52,13 +52,7 @@ describe("dashboard", () => {
   test.skipIf(skip("chromium", noChromium))(
     "the page of a running job loads in chromium, its loss curve grows as the job trains, and a SIGKILLed trainer shows as unhealthy",
     async () => {
-      const dir = tempDir("mt-dashboard-");
-      await using mesh = await LocalMesh.start({
-        jobsDir: join(dir, "jobs"),
-        logDir: join(dir, "logs"),
-        trainers: 2,
-        shards: 1,
-      });
+      await using mesh = await startMesh("mt-dashboard-", { trainers: 2, shards: 1 });
       const auth = mesh.auth();
       await using client = await MeshClient.connect(mesh.url, auth);
       const cfg = parseJobConfig({

@@ -4,7 +4,6 @@
 // every sample is still seen exactly once per epoch; the shards take the snapshot's chunks as the
 // new hash ring says, and every step is applied exactly once.
 import { afterAll, describe, expect, test } from "bun:test";
-import { join } from "node:path";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { JobData, planHere } from "../../services/data-loader/loader.ts";
@@ -19,10 +18,10 @@ import {
 import { jobSchedule } from "../../services/runtime/job/plan.ts";
 import { lrAt } from "../../engine/optim/schedule.ts";
 import { MeshClient } from "../../sdk/client.ts";
-import { LocalMesh } from "../../sdk/launcher.ts";
 import { JobFailedError, watchJob } from "../../sdk/watch.ts";
 import { effectiveSteps, finalChunkVersions } from "../helpers/jobs.ts";
-import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
+import { removeTempDirs } from "../helpers/mesh.ts";
+import { startMesh } from "../helpers/mesh-jobs.ts";
 
 afterAll(removeTempDirs);
 
@@ -68,13 +67,7 @@ function expectEverySampleOncePerEpoch(cfg: JobConfig, seen: readonly Event[]): 
 
 describe("elastic world size", () => {
   test("parameter-server mode (BSP): trainers 2 -> 3 at one step and 3 -> 2 at another while shards go 2 -> 3; every sample once per epoch, every step applied once", async () => {
-    const dir = tempDir("mt-elastic-ps-");
-    await using mesh = await LocalMesh.start({
-      jobsDir: join(dir, "jobs"),
-      logDir: join(dir, "logs"),
-      trainers: 3,
-      shards: 3,
-    });
+    await using mesh = await startMesh("mt-elastic-ps-", { trainers: 3, shards: 3 });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "default.elastic-ps", trainers: 2, shards: 2 });
     const seen: Event[] = [];
@@ -142,8 +135,7 @@ describe("elastic world size", () => {
   }, 600_000);
 
   test("all-reduce mode: trainers 2 -> 3 live, then the job is stopped and resumed on 2 (its loader cursors translated); every sample once per epoch", async () => {
-    const dir = tempDir("mt-elastic-ar-");
-    await using mesh = await LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), trainers: 3 });
+    await using mesh = await startMesh("mt-elastic-ar-", { trainers: 3 });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "default.elastic-ar", sync: "allreduce", trainers: 2 });
     const seen: Event[] = [];

@@ -3,16 +3,15 @@
 // the text; the final snapshot exported as a gpt model file that `meshtrain eval` reads back to
 // the loss the trainers reported.
 import { afterAll, describe, expect, test } from "bun:test";
-import { join } from "node:path";
 import { readModelFile } from "../../engine/modelfile.ts";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { gptJobDefaults, type JobConfig, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
-import { LocalMesh } from "../../sdk/launcher.ts";
 import { runEval } from "../../sdk/local/evaluate.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { effectiveSteps } from "../helpers/jobs.ts";
-import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
+import { removeTempDirs } from "../helpers/mesh.ts";
+import { startMesh } from "../helpers/mesh-jobs.ts";
 
 afterAll(removeTempDirs);
 
@@ -38,13 +37,7 @@ describe("gpt on the mesh", () => {
   ] as const)(
     "%s: it learns Moby Dick's characters; the exported model evaluates to the loss the trainers reported",
     async (sync, shards) => {
-      const dir = tempDir("mt-gpt-");
-      await using mesh = await LocalMesh.start({
-        jobsDir: join(dir, "jobs"),
-        logDir: join(dir, "logs"),
-        trainers: 2,
-        shards,
-      });
+      await using mesh = await startMesh("mt-gpt-", { trainers: 2, shards });
       await using client = await MeshClient.connect(mesh.url, mesh.auth());
       const cfg = config({ job: `default.gpt-${sync}`, sync, shards: Math.max(shards, 1) });
       const plan = await client.plan(cfg, { waitMs: 60_000 });

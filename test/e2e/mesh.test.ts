@@ -7,39 +7,20 @@ import { join } from "node:path";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { JobData, planHere } from "../../services/data-loader/loader.ts";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
-import { LocalMesh } from "../../sdk/launcher.ts";
 import { JobFailedError, watchJob } from "../../sdk/watch.ts";
-import { effectiveSteps, finalChunkVersions, modelFileAccuracy } from "../helpers/jobs.ts";
-import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
+import { finalChunkVersions, modelFileAccuracy } from "../helpers/jobs.ts";
+import { removeTempDirs } from "../helpers/mesh.ts";
+import {
+  atRank0Step,
+  expectEveryStepOnce,
+  expectRestoredFromSnapshot,
+  mlpJob,
+  runJob,
+  startMesh,
+} from "../helpers/mesh-jobs.ts";
 
 afterAll(removeTempDirs);
-
-const config = (over: Partial<JobConfig>): JobConfig =>
-  parseJobConfig({
-    // 16 KB chunks: the 204 KB model is cut into 13 chunks, so both shards own some
-    ...jobDefaults,
-    model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
-    epochs: 1,
-    warmupSteps: 20,
-    chunkBytes: 16 << 10,
-    ...over,
-  });
-
-/** A local mesh in a fresh folder, sized for `trainers` and `shards`. */
-const startMesh = (
-  prefix: string,
-  o: {
-    trainers?: number;
-    shards?: number;
-    onEvent?: (line: string) => void;
-    serviceEnv?: Record<string, Record<string, string>>;
-  } = {},
-) => {
-  const dir = tempDir(prefix);
-  return LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), ...o });
-};
 
 describe("mesh", () => {
   test("a short BSP run on the local mesh learns, its events reach the SDK, and its final snapshot is exported as a model file", async () => {
@@ -48,7 +29,7 @@ describe("mesh", () => {
     // 2 micro-batches of 64 per step (gradient accumulation on the trainers), bf16 autocast
     // GEMMs on the trainers (the chaos test below runs f32)
     // gradClip: the shards agree on the global norm of each step's averaged gradient (ps.<k>.norm)
-    const cfg = config({
+    const cfg = mlpJob({
       job: "default.e2e",
       checkpointEvery: 100,
       evalEvery: 100,
@@ -57,22 +38,16 @@ describe("mesh", () => {
       gradClip: 1,
     });
     const total = planHere(cfg).totalSteps;
-    const seen: Event[] = [];
     let asked: Promise<Event> | null = null;
-    await client.submit(cfg, { membersWaitMs: 60_000 });
-    const r = await watchJob(client, cfg.job, {
-      quiet: true,
-      onEvent: (e) => {
-        seen.push(e);
-        if (asked === null && e.kind === EventKind.Step && e.step === 30) asked = client.saveCheckpoint(cfg.job);
-      },
+    const r = await runJob(client, cfg, (e) => {
+      if (asked === null && e.kind === EventKind.Step && e.step === 30) asked = client.saveCheckpoint(cfg.job);
     });
+    const seen = r.seen;
     expect(r.record.state).toBe(JobState.Done);
     expect(r.record.accuracy).toBeGreaterThan(0.9); // chance is 0.1
     expect(r.record.evaluated).toBe(10_000);
     expect(r.record.totalSteps).toBe(total);
-    const steps = effectiveSteps(seen, 2);
-    for (const rank of [0, 1]) expect(steps[rank]).toEqual(Array.from({ length: total }, (_, i) => i));
+    expectEveryStepOnce(seen, 2, total);
     expect(seen.filter((e) => e.kind === EventKind.Eval && e.step === 100)).toHaveLength(2); // both ranks evaluated at step 100
     // the scheduled snapshots, the one asked for at step 30 (taken at rank 0's next step), the final one
     const onDemand = await asked!;
@@ -98,34 +73,20 @@ describe("mesh", () => {
     const launcherLines: string[] = [];
     await using mesh = await startMesh("mt-chaos-", { onEvent: (l) => launcherLines.push(l) });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "default.chaos", epochs: 2, checkpointEvery: 40 });
-    const total = planHere(cfg).totalSteps;
-    const seen: Event[] = [];
-    let killedAt = -1;
-    await client.submit(cfg, { membersWaitMs: 60_000 });
-    const r = await watchJob(client, cfg.job, {
-      quiet: true,
-      onEvent: (e) => {
-        seen.push(e);
-        if (killedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step >= 150) {
-          killedAt = e.step;
-          mesh.kill("parameter-server-1", "SIGKILL");
-          mesh.kill("trainer-1", "SIGKILL");
-        }
-      },
+    const cfg = mlpJob({ job: "default.chaos", epochs: 2, checkpointEvery: 40 });
+    const kill = atRank0Step(150, () => {
+      mesh.kill("parameter-server-1", "SIGKILL");
+      mesh.kill("trainer-1", "SIGKILL");
     });
-    expect(killedAt).toBeGreaterThan(0);
+    const r = await runJob(client, cfg, kill.onEvent);
+    expect(kill.step).toBeGreaterThan(0);
     expect(launcherLines.some((l) => l.includes("parameter-server-1 died (signal SIGKILL); restarting"))).toBe(true);
     expect(launcherLines.some((l) => l.includes("trainer-1 died (signal SIGKILL); restarting"))).toBe(true);
-    const restores = seen.filter((e) => e.kind === EventKind.Restore);
-    expect(restores.length).toBeGreaterThanOrEqual(1);
-    expect(restores[0]!.step % 40).toBe(0);
-    expect(restores[0]!.step).toBeLessThanOrEqual(killedAt + 1);
+    expectRestoredFromSnapshot(r.seen, 40, kill.step);
     expect(r.record.accuracy).toBeGreaterThan(0.93);
     // the effective history of every rank is every step exactly once; batches are a pure
     // function of (rank, step), so each epoch visits every training sample exactly once
-    const steps = effectiveSteps(seen, 2);
-    for (const rank of [0, 1]) expect(steps[rank]).toEqual(Array.from({ length: total }, (_, i) => i));
+    const steps = expectEveryStepOnce(r.seen, 2, planHere(cfg).totalSteps);
     const data = new JobData(cfg, { kind: "mnist", data: loadMnist() });
     for (let epoch = 0; epoch < cfg.epochs; epoch++) {
       const ids: number[] = [];
@@ -146,24 +107,26 @@ describe("mesh", () => {
       serviceEnv: { checkpoint: { MT_WRITE_DELAY_MS: "4000" } },
     });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "default.slowsave", epochs: 1, checkpointEvery: 40, evalEvery: 0 });
+    const cfg = mlpJob({ job: "default.slowsave", epochs: 1, checkpointEvery: 40, evalEvery: 0 });
     const total = planHere(cfg).totalSteps;
-    let killedAt = -1;
     const restores: Event[] = [];
+    const kill = atRank0Step(
+      (e) => e.step === 80 && e.snapshotMs > 0,
+      () => {
+        mesh.kill("parameter-server-1", "SIGKILL");
+        mesh.kill("trainer-1", "SIGKILL");
+      },
+    );
     await client.submit(cfg, { membersWaitMs: 60_000 });
     const r = await watchJob(client, cfg.job, {
       quiet: true,
       signal: AbortSignal.timeout(150_000),
       onEvent: (e) => {
         if (e.kind === EventKind.Restore) restores.push(e);
-        if (killedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step === 80 && e.snapshotMs > 0) {
-          killedAt = e.step;
-          mesh.kill("parameter-server-1", "SIGKILL");
-          mesh.kill("trainer-1", "SIGKILL");
-        }
+        kill.onEvent(e);
       },
     });
-    expect(killedAt).toBe(80);
+    expect(kill.step).toBe(80);
     expect(r.record.state).toBe(JobState.Done);
     // step 80's snapshot, or step 40's when the kill cut the shard's part of 80 short
     expect(restores.length).toBe(1);
@@ -174,23 +137,17 @@ describe("mesh", () => {
   test("a trainer stopped with SIGSTOP is reported by a Stalled event naming it, its step and phase; after SIGCONT it is back and the job finishes", async () => {
     await using mesh = await startMesh("mt-stall-");
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "default.stall", epochs: 1, checkpointEvery: 0 });
+    const cfg = mlpJob({ job: "default.stall", epochs: 1, checkpointEvery: 0 });
     const stalled: Event[] = [];
-    let stoppedAt = -1;
-    await client.submit(cfg, { membersWaitMs: 60_000 });
-    const r = await watchJob(client, cfg.job, {
-      quiet: true,
-      onEvent: (e) => {
-        if (stoppedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step >= 100) {
-          stoppedAt = e.step;
-          mesh.kill("trainer-1", "SIGSTOP");
-        }
-        if (e.kind === EventKind.Stalled) {
-          stalled.push(e);
-          if (stalled.length === 1) mesh.kill("trainer-1", "SIGCONT");
-        }
-      },
+    const stop = atRank0Step(100, () => mesh.kill("trainer-1", "SIGSTOP"));
+    const r = await runJob(client, cfg, (e) => {
+      stop.onEvent(e);
+      if (e.kind === EventKind.Stalled) {
+        stalled.push(e);
+        if (stalled.length === 1) mesh.kill("trainer-1", "SIGCONT");
+      }
     });
+    const stoppedAt = stop.step;
     expect(stoppedAt).toBeGreaterThan(0);
     expect(r.record.state).toBe(JobState.Done);
     // no snapshot before the final one (checkpointEvery 0): the final one still makes the job's folder and model file
@@ -212,20 +169,11 @@ describe("mesh", () => {
     const launcherLines: string[] = [];
     await using mesh = await startMesh("mt-natskill-", { onEvent: (l) => launcherLines.push(l) });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "default.natskill", epochs: 1, checkpointEvery: 50 });
+    const cfg = mlpJob({ job: "default.natskill", epochs: 1, checkpointEvery: 50 });
     const total = planHere(cfg).totalSteps;
-    let killed = false;
-    await client.submit(cfg, { membersWaitMs: 60_000 });
-    const r = await watchJob(client, cfg.job, {
-      quiet: true,
-      onEvent: (e) => {
-        if (!killed && e.kind === EventKind.Step && e.rank === 0 && e.step >= 80) {
-          killed = true;
-          process.kill(mesh.nats.pid, "SIGKILL");
-        }
-      },
-    });
-    expect(killed).toBe(true);
+    const kill = atRank0Step(80, () => process.kill(mesh.nats.pid, "SIGKILL"));
+    const r = await runJob(client, cfg, kill.onEvent);
+    expect(kill.step).toBeGreaterThanOrEqual(80);
     expect(launcherLines.some((l) => l.startsWith("nats-server died"))).toBe(true);
     expect(launcherLines.some((l) => l.startsWith("nats-server is back"))).toBe(true);
     expect(r.record.state).toBe(JobState.Done);
@@ -237,7 +185,7 @@ describe("mesh", () => {
   test("a snapshot of 2 shards resumes on 3 (its chunks resharded by the hash ring): the steps after the snapshot repeat the first run's losses", async () => {
     await using mesh = await startMesh("mt-reshard-", { shards: 3 });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "default.reshard", shards: 2, maxSteps: 60, checkpointEvery: 20, evalEvery: 0 });
+    const cfg = mlpJob({ job: "default.reshard", shards: 2, maxSteps: 60, checkpointEvery: 20, evalEvery: 0 });
     const first = new Map<string, number>();
     let cancelled = false;
     await client.submit(cfg, { membersWaitMs: 60_000 });
@@ -254,10 +202,8 @@ describe("mesh", () => {
       },
     }).catch((e: unknown) => e);
     expect(stopped).toBeInstanceOf(JobFailedError);
-    const again: Event[] = [];
-    await client.submit({ ...cfg, shards: 3 }, { membersWaitMs: 60_000 });
-    const r = await watchJob(client, cfg.job, { quiet: true, onEvent: (e) => again.push(e) });
-    expect(r.record.state).toBe(JobState.Done);
+    const { record, seen: again } = await runJob(client, { ...cfg, shards: 3 });
+    expect(record.state).toBe(JobState.Done);
     const restore = again.find((e) => e.kind === EventKind.Restore)!;
     expect(restore.step).toBe(40);
     // the same parameters and optimizer state, and the same batches: the same losses
@@ -272,13 +218,9 @@ describe("mesh", () => {
   test("a trainer made slow (a test-only delay in its compute) gets a straggler event naming it and its step split", async () => {
     await using mesh = await startMesh("mt-straggler-", { serviceEnv: { "trainer-1": { MT_STEP_DELAY_MS: "40" } } });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "default.straggler", maxSteps: 80, checkpointEvery: 0, evalEvery: 0 });
-    const stragglers: Event[] = [];
-    await client.submit(cfg, { membersWaitMs: 60_000 });
-    const r = await watchJob(client, cfg.job, {
-      quiet: true,
-      onEvent: (e) => e.kind === EventKind.Straggler && stragglers.push(e),
-    });
+    const cfg = mlpJob({ job: "default.straggler", maxSteps: 80, checkpointEvery: 0, evalEvery: 0 });
+    const r = await runJob(client, cfg);
+    const stragglers = r.seen.filter((e) => e.kind === EventKind.Straggler);
     expect(r.record.state).toBe(JobState.Done);
     expect(stragglers.length).toBeGreaterThanOrEqual(1);
     expect(stragglers[0]!.text).toMatch(
@@ -291,19 +233,10 @@ describe("mesh", () => {
   test("a shard killed in a job with no snapshot to restore it from: the job fails at once, saying so, instead of waiting on it", async () => {
     await using mesh = await startMesh("mt-nosnap-");
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = config({ job: "default.nosnap", epochs: 2, checkpointEvery: 0 });
-    let killedAt = -1;
-    await client.submit(cfg, { membersWaitMs: 60_000 });
-    const failed = await watchJob(client, cfg.job, {
-      quiet: true,
-      onEvent: (e) => {
-        if (killedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step >= 20) {
-          killedAt = e.step;
-          mesh.kill("parameter-server-1", "SIGKILL");
-        }
-      },
-    }).catch((e: unknown) => e);
-    expect(killedAt).toBeGreaterThan(0);
+    const cfg = mlpJob({ job: "default.nosnap", epochs: 2, checkpointEvery: 0 });
+    const kill = atRank0Step(20, () => mesh.kill("parameter-server-1", "SIGKILL"));
+    const failed = await runJob(client, cfg, kill.onEvent).catch((e: unknown) => e);
+    expect(kill.step).toBeGreaterThan(0);
     expect(failed).toBeInstanceOf(JobFailedError);
     const record = (failed as JobFailedError).record!;
     expect(record.state).toBe(JobState.Failed);
@@ -317,15 +250,14 @@ describe("mesh", () => {
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const perStep: Record<string, number> = {};
     for (const compress of ["none", "bf16", "int8"]) {
-      const cfg = config({
+      const cfg = mlpJob({
         job: `default.e2e-compress-${compress}`,
         maxSteps: 60,
         checkpointEvery: 0,
         evalEvery: 0,
         compress,
       });
-      await client.submit(cfg, { membersWaitMs: 60_000 });
-      const r = await watchJob(client, cfg.job, { quiet: true });
+      const r = await runJob(client, cfg);
       expect(r.record.state).toBe(JobState.Done);
       expect(r.record.accuracy).toBeGreaterThan(0.8);
       perStep[compress] = r.wireBytesPerStep;

@@ -7,11 +7,10 @@ import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
 import parsePrometheus from "parse-prometheus-text-format";
 import { EventKind, JobState } from "../../schemas/messages.ts";
-import { jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
-import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";
-import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
+import { removeTempDirs } from "../helpers/mesh.ts";
+import { mlpJob, startMesh } from "../helpers/mesh-jobs.ts";
 
 afterAll(removeTempDirs);
 
@@ -49,22 +48,10 @@ function values(families: Family[] | undefined, name: string, labels: Record<str
 
 describe("Prometheus metrics", () => {
   test("every service serves /metrics, found by service discovery; a scrape while a job trains and after it shows its steps, data, shards, snapshots and traffic", async () => {
-    const dir = tempDir("mt-metrics-");
-    await using mesh = await LocalMesh.start({
-      jobsDir: join(dir, "jobs"),
-      logDir: join(dir, "logs"),
-      trainers: 2,
-      shards: 2,
-    });
+    await using mesh = await startMesh("mt-metrics-", { trainers: 2, shards: 2 });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = parseJobConfig({
-      ...jobDefaults,
-      job: "default.metrics",
-      model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
-      maxSteps: 150,
-      checkpointEvery: 50,
-      chunkBytes: 16 << 10,
-    }); // small chunks: both shards own some
+    // mlpJob's small chunks: both shards own some
+    const cfg = mlpJob({ job: "default.metrics", maxSteps: 150, checkpointEvery: 50 });
     await client.submit(cfg, { membersWaitMs: 60_000 });
     let during: Promise<Map<string, Family[]>> | null = null;
     const r = await watchJob(client, cfg.job, {

@@ -4,13 +4,12 @@
 // model file that `eval` reads), and a stage SIGKILLed mid-run restores and finishes on the
 // same trajectory.
 import { afterAll, describe, expect, test } from "bun:test";
-import { join } from "node:path";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
 import { type JobConfig, gptJobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
-import { LocalMesh } from "../../sdk/launcher.ts";
 import { watchJob } from "../../sdk/watch.ts";
-import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
+import { removeTempDirs } from "../helpers/mesh.ts";
+import { runJob, startMesh, stepLosses } from "../helpers/mesh-jobs.ts";
 
 afterAll(removeTempDirs);
 
@@ -30,44 +29,21 @@ const config = (over: Partial<JobConfig>): JobConfig =>
     ...over,
   });
 
-/** Each step's loss over every copy's rows, as the run ends (a restore drops what it rewound). */
+/** Each step's loss over every copy's rows, in step order, as the run ends (a restore drops what it rewound). */
 function losses(events: readonly Event[]): number[] {
-  const at = new Map<number, { sum: number; n: number }>();
-  for (const e of events) {
-    if (e.kind === EventKind.Restore) for (const k of [...at.keys()]) if (k >= e.step) at.delete(k);
-    if (e.kind !== EventKind.Step || e.count === 0) continue;
-    const a = at.get(e.step) ?? { sum: 0, n: 0 };
-    a.sum += e.loss * e.count;
-    a.n += e.count;
-    at.set(e.step, a);
-  }
-  return [...at.entries()].sort((a, b) => a[0] - b[0]).map(([, a]) => a.sum / a.n);
+  return [...stepLosses(events)].sort((a, b) => a[0] - b[0]).map(([, loss]) => loss);
 }
 
 const relDiff = (a: number, b: number) => Math.abs(a - b) / Math.max(Math.abs(b), 1e-30);
 
 describe("model-parallel jobs on the mesh", () => {
   test("1 trainer, 1x2x2 (pipeline x tensor) and 2x2x1 (data x pipeline) on 4 trainers: the same losses step by step and the same validation; a stage killed mid-run restores and finishes alike; a snapshot resumes in another layout", async () => {
-    const dir = tempDir("mt-mp-");
-    await using mesh = await LocalMesh.start({
-      jobsDir: join(dir, "jobs"),
-      logDir: join(dir, "logs"),
-      trainers: 4,
-      shards: 0,
-    });
+    await using mesh = await startMesh("mt-mp-", { trainers: 4, shards: 0 });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const run = async (cfg: JobConfig, onEvent?: (e: Event) => void) => {
-      const seen: Event[] = [];
-      await client.submit(cfg, { membersWaitMs: 60_000 });
-      const r = await watchJob(client, cfg.job, {
-        quiet: true,
-        onEvent: (e) => {
-          seen.push(e);
-          onEvent?.(e);
-        },
-      });
-      expect(r.record.state).toBe(JobState.Done);
-      return { record: r.record, seen, losses: losses(seen) };
+      const { record, seen } = await runJob(client, cfg, onEvent);
+      expect(record.state).toBe(JobState.Done);
+      return { record, seen, losses: losses(seen) };
     };
     // the global batch: 16 windows a step in 4 micro-batches, on one copy or two of 8
     const plain = await run(config({ job: "default.mp-plain", trainers: 1 }));

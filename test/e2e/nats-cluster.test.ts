@@ -11,17 +11,17 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { type JetStreamManager, jetstreamManager } from "@nats-io/jetstream";
 import { join } from "node:path";
-import { EventKind, JobState } from "../../schemas/messages.ts";
+import { JobState } from "../../schemas/messages.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
 import { ConfigError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { JobStore, jobSpecsFollowedAgain, jobsBucket, recordsBucket } from "../../services/runtime/job/jobs.ts";
 import { kvReplicasFromEnv, openBucket } from "../../services/runtime/mesh/kv-bucket.ts";
 import { NatsBus } from "../../services/runtime/mesh/nats.ts";
 import { freePort, type NatsServer, startNatsServer } from "../../services/runtime/mesh/nats-server.ts";
 import { finalChunkVersions } from "../helpers/jobs.ts";
+import { atRank0Step, mlpJob } from "../helpers/mesh-jobs.ts";
 import { removeTempDirs, type ServiceProcess, spawnService, tempDir, waitFor } from "../helpers/mesh.ts";
 
 afterAll(removeTempDirs);
@@ -142,17 +142,6 @@ const urlsFrom = (members: readonly Member[], home: Member) =>
 /** How long the job may take, kill included (it takes seconds when all is well). */
 const watchMsMax = 80_000;
 
-const config = (over: Partial<JobConfig>): JobConfig =>
-  parseJobConfig({
-    ...jobDefaults,
-    model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
-    epochs: 1,
-    warmupSteps: 20,
-    // 16 KB chunks: the 204 KB model is cut into 13 chunks, so both shards own some
-    chunkBytes: 16 << 10,
-    ...over,
-  });
-
 describe("a three-server NATS cluster", () => {
   test("the job store is replicated 3 times; the JetStream leader a trainer and a shard are connected to is SIGKILLed mid-run, and the job finishes Done with every step applied once", async () => {
     await using members = await startCluster();
@@ -200,24 +189,19 @@ describe("a three-server NATS cluster", () => {
     ];
     try {
       await using client = await MeshClient.connect(urlsFrom(members, a), { connectRetryMsMax: 10_000 });
-      const cfg = config({ job: "default.natscluster", maxSteps: 120, checkpointEvery: 50, evalEvery: 0 });
+      const cfg = mlpJob({ job: "default.natscluster", maxSteps: 120, checkpointEvery: 50, evalEvery: 0 });
       const total = planHere(cfg).totalSteps;
       await client.submit(cfg, { membersWaitMs: 60_000 });
       expect(await connectionNames(victim)).toEqual(["parameter-server", "trainer"]);
 
-      let killed = false;
+      const kill = atRank0Step(40, () => process.kill(victim.server.pid, "SIGKILL"));
       const r = await watchJob(client, cfg.job, {
         quiet: true,
         // inside the test's own limit: a job that stalls fails here, with the services' logs below
         signal: AbortSignal.timeout(watchMsMax),
-        onEvent: (e) => {
-          if (!killed && e.kind === EventKind.Step && e.rank === 0 && e.step >= 40) {
-            killed = true;
-            process.kill(victim.server.pid, "SIGKILL");
-          }
-        },
+        onEvent: kill.onEvent,
       });
-      expect(killed).toBe(true);
+      expect(kill.step).toBeGreaterThanOrEqual(40);
       expect(await victim.server.exited).not.toBe(0);
       expect(r.record.state, r.record.reason).toBe(JobState.Done);
 
@@ -249,7 +233,7 @@ describe("a three-server NATS cluster", () => {
           () => svc.log().includes(jobSpecsFollowedAgain),
           60_000,
         );
-      const next = config({ job: "default.natscluster-after", maxSteps: 10, checkpointEvery: 5, evalEvery: 0 });
+      const next = mlpJob({ job: "default.natscluster-after", maxSteps: 10, checkpointEvery: 5, evalEvery: 0 });
       await client.submit(next, { membersWaitMs: 60_000 });
       const after = await watchJob(client, next.job, { quiet: true, signal: AbortSignal.timeout(watchMsMax) });
       expect({ state: after.record.state, reason: after.record.reason }).toEqual({ state: JobState.Done, reason: "" });

@@ -5,14 +5,11 @@
 import { afterAll, expect, test } from "bun:test";
 import { readdirSync } from "node:fs";
 import { join } from "node:path";
-import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
+import { EventKind, JobState } from "../../schemas/messages.ts";
 import { CheckpointStore } from "../../services/checkpoint/store.ts";
-import { jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
-import { LocalMesh } from "../../sdk/launcher.ts";
-import { watchJob } from "../../sdk/watch.ts";
-import { effectiveSteps } from "../helpers/jobs.ts";
-import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
+import { removeTempDirs } from "../helpers/mesh.ts";
+import { atRank0Step, expectEveryStepOnce, mlpJob, runJob, startMesh } from "../helpers/mesh-jobs.ts";
 
 afterAll(removeTempDirs);
 
@@ -20,40 +17,22 @@ afterAll(removeTempDirs);
 const writeDelayMs = 600;
 
 test("rank 0 waits only for a snapshot's cut, not its write; a checkpoint service killed mid-write leaves every snapshot good and the job finishes", async () => {
-  const dir = tempDir("mt-snapshots-");
   const lines: string[] = [];
-  await using mesh = await LocalMesh.start({
-    jobsDir: join(dir, "jobs"),
-    logDir: join(dir, "logs"),
+  await using mesh = await startMesh("mt-snapshots-", {
     serviceEnv: { checkpoint: { MT_WRITE_DELAY_MS: String(writeDelayMs) } },
     onEvent: (l) => lines.push(l),
   });
   await using client = await MeshClient.connect(mesh.url, mesh.auth());
-  const cfg = parseJobConfig({
-    ...jobDefaults,
-    job: "default.snapshots",
-    model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
-    epochs: 2,
-    warmupSteps: 20,
-    chunkBytes: 16 << 10,
-    checkpointEvery: 100,
-  });
-  const seen: Event[] = [];
-  let killedAt = -1;
-  await client.submit(cfg, { membersWaitMs: 60_000 });
-  const r = await watchJob(client, cfg.job, {
-    quiet: true,
-    onEvent: (e) => {
-      seen.push(e);
-      // the snapshot of step 200 is being written (for 0.6 s at least): kill the checkpoint service now
-      if (killedAt < 0 && e.kind === EventKind.Step && e.rank === 0 && e.step === 200 && e.snapshotMs > 0) {
-        killedAt = e.step;
-        mesh.kill("checkpoint", "SIGKILL");
-      }
-    },
-  });
+  const cfg = mlpJob({ job: "default.snapshots", epochs: 2, checkpointEvery: 100 });
+  // the snapshot of step 200 is being written (for 0.6 s at least): kill the checkpoint service now
+  const kill = atRank0Step(
+    (e) => e.step === 200 && e.snapshotMs > 0,
+    () => mesh.kill("checkpoint", "SIGKILL"),
+  );
+  const r = await runJob(client, cfg, kill.onEvent);
+  const seen = r.seen;
   expect(r.record.state).toBe(JobState.Done);
-  expect(killedAt).toBe(200);
+  expect(kill.step).toBe(200);
   expect(lines.some((l) => l.includes("checkpoint died (signal SIGKILL); restarting"))).toBe(true);
   // rank 0's waits at its snapshot boundaries: each far shorter than a write
   const waits = seen
@@ -65,12 +44,11 @@ test("rank 0 waits only for a snapshot's cut, not its write; a checkpoint servic
   expect(waits.length).toBeGreaterThanOrEqual(3);
   for (const w of waits) expect(w).toBeLessThan(writeDelayMs / 2);
   // the snapshot cut at step 200 never reached the disk; no half-written one is listed, every one listed verifies
-  const store = new CheckpointStore(join(dir, "jobs"));
+  const store = new CheckpointStore(mesh.opts.jobsDir);
   const listed = store.list(cfg.job);
   expect(listed.map((m) => m.step)).not.toContain(200);
   for (const m of listed) expect(store.read(cfg.job, m.id).manifest.id).toBe(m.id);
-  expect(readdirSync(join(dir, "jobs", cfg.job)).filter((f) => f.startsWith(".tmp-"))).toEqual([]);
+  expect(readdirSync(join(mesh.opts.jobsDir, cfg.job)).filter((f) => f.startsWith(".tmp-"))).toEqual([]);
   // every step once
-  const steps = effectiveSteps(seen, 2);
-  for (const rank of [0, 1]) expect(steps[rank]).toEqual(Array.from({ length: r.record.totalSteps }, (_, i) => i));
+  expectEveryStepOnce(seen, 2, r.record.totalSteps);
 }, 300_000);

@@ -4,6 +4,7 @@ import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { probeCuda } from "../../ffi/cuda/backend.ts";
+import { cliOptions, tinyGptTraining } from "../helpers/cli-options.ts";
 import { skip } from "../helpers/skip.ts";
 
 const root = join(import.meta.dir, "..", "..");
@@ -21,6 +22,25 @@ function cli(...args: string[]) {
     stderr: "pipe",
   });
   return { code: p.exitCode, out: p.stdout.toString(), err: p.stderr.toString() };
+}
+
+/** `bun run bench <args>`: its exit code, output and stdout's lines, the last parsed where it is JSON. */
+function bench(...args: string[]) {
+  const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), ...args], {
+    cwd: root,
+    stdout: "pipe",
+    stderr: "pipe",
+  });
+  const out = p.stdout.toString();
+  const lines = out.trim().split("\n");
+  const tail = lines[lines.length - 1] ?? "";
+  return {
+    code: p.exitCode,
+    out,
+    lines,
+    last: tail.startsWith("{") ? JSON.parse(tail) : null,
+    err: p.stderr.toString(),
+  };
 }
 
 describe("bad input gets one clear error and a non-zero exit", () => {
@@ -143,13 +163,9 @@ describe("bad input gets one clear error and a non-zero exit", () => {
   test.skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null)).each(["engine", "kernels"])(
     "`bun run bench %s --device cuda` without a GPU: one clear line",
     (name) => {
-      const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), name, "--device", "cuda"], {
-        cwd: root,
-        stdout: "pipe",
-        stderr: "pipe",
-      });
-      expect(p.exitCode).toBe(1);
-      const lines = p.stderr.toString().trim().split("\n");
+      const r = bench(name, "--device", "cuda");
+      expect(r.code).toBe(1);
+      const lines = r.err.trim().split("\n");
       expect(lines).toHaveLength(1);
       expect(lines[0]).toStartWith(`bench ${name}: NativeLibraryError: --device cuda: `);
     },
@@ -179,32 +195,7 @@ describe("training runs end to end", () => {
 
   test("gpt on Moby Dick: loss falls well below uniform, then sample continues a prompt", () => {
     const out = join(dir, "gpt.mtm");
-    const r = cli(
-      "train",
-      "gpt",
-      "--max-steps",
-      "60",
-      "--eval-every",
-      "30",
-      "--n-layer",
-      "1",
-      "--n-embd",
-      "32",
-      "--n-head",
-      "2",
-      "--block-size",
-      "32",
-      "--batch-size",
-      "16",
-      "--warmup",
-      "10",
-      "--lr",
-      "5e-3",
-      "--sample-chars",
-      "40",
-      "--out",
-      out,
-    );
+    const r = cli(...tinyGptTraining({ "max-steps": 60, warmup: 10, "sample-chars": 40, out }));
     expect(r.code).toBe(0);
     const val = Number(/validation loss: ([\d.]+)/.exec(r.out)?.[1]);
     expect(val).toBeLessThan(Math.log(83) - 1); // uniform over 83 characters is 4.42 nats
@@ -221,36 +212,7 @@ describe("training runs end to end", () => {
 
   test("gpt in f16 on the CPU: autocast GEMMs with loss scaling train as f32 does", () => {
     const run = (precision: string) => {
-      const r = cli(
-        "train",
-        "gpt",
-        "--max-steps",
-        "30",
-        "--eval-every",
-        "30",
-        "--n-layer",
-        "1",
-        "--n-embd",
-        "32",
-        "--n-head",
-        "2",
-        "--block-size",
-        "32",
-        "--batch-size",
-        "16",
-        "--warmup",
-        "5",
-        "--lr",
-        "5e-3",
-        "--sample-chars",
-        "0",
-        "--device",
-        "cpu",
-        "--precision",
-        precision,
-        "--out",
-        join(dir, `gpt-${precision}.mtm`),
-      );
+      const r = cli(...tinyGptTraining({ device: "cpu", precision, out: join(dir, `gpt-${precision}.mtm`) }));
       expect(r.code).toBe(0);
       expect(r.out.startsWith("device: cpu (asked for)\n")).toBe(true);
       return { out: r.out, val: Number(/validation loss: ([\d.]+)/.exec(r.out)?.[1]) };
@@ -263,15 +225,9 @@ describe("training runs end to end", () => {
 });
 
 test("bench engine prints a table and a last JSON line", () => {
-  const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), "engine", "--steps", "2"], {
-    cwd: root,
-    stdout: "pipe",
-    stderr: "pipe",
-  });
-  expect(p.exitCode).toBe(0);
-  const lines = p.stdout.toString().trim().split("\n");
+  const { code, out, lines, last } = bench("engine", "--steps", "2");
+  expect(code).toBe(0);
   expect(lines[1]).toContain("sgemm_gflops");
-  const last = JSON.parse(lines[lines.length - 1]!);
   expect(last.results.map((r: { model: string }) => r.model.split(" ")[0])).toEqual(["mlp", "gpt", "gpt"]);
   for (const r of last.results) {
     for (const k of ["batch", "step_ms", "samples_per_s", "achieved_gflops", "sgemm_gflops", "ratio", "peak_act_mib"])
@@ -280,33 +236,18 @@ test("bench engine prints a table and a last JSON line", () => {
   // the third row recomputes the GPT's activations: the same step, less memory
   expect(last.results[2].model).toEndWith(" recompute");
   expect(last.results[2].peak_act_mib).toBeLessThan(last.results[1].peak_act_mib);
-  expect(p.stdout.toString()).toContain("activation recomputation: peak pass memory");
+  expect(out).toContain("activation recomputation: peak pass memory");
 }, 120_000);
 
 test("bench kernels prints a table and a last JSON line", () => {
-  const p = Bun.spawnSync(
-    [process.execPath, join(root, "bench", "index.ts"), "kernels", "--elems", "262144", "--reps", "2"],
-    {
-      cwd: root,
-      stdout: "pipe",
-      stderr: "pipe",
-    },
-  );
-  expect(p.exitCode).toBe(0);
-  const lines = p.stdout.toString().trim().split("\n");
+  const { code, lines, last } = bench("kernels", "--elems", "262144", "--reps", "2");
+  expect(code).toBe(0);
   expect(lines[1]).toContain("memcpy_gb_per_s");
-  const last = JSON.parse(lines[lines.length - 1]!);
   expect(last.results.length).toBeGreaterThan(20);
   for (const r of last.results) expect(r.gb_per_s).toBeGreaterThan(0);
-  const bad = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), "kernels", "--elems", "1000"], {
-    cwd: root,
-    stdout: "pipe",
-    stderr: "pipe",
-  });
-  expect(bad.exitCode).not.toBe(0);
-  expect(bad.stderr.toString()).toContain(
-    "bench kernels: --elems must be a positive integer and a multiple of 262144, got 1000",
-  );
+  const bad = bench("kernels", "--elems", "1000");
+  expect(bad.code).not.toBe(0);
+  expect(bad.err).toContain("bench kernels: --elems must be a positive integer and a multiple of 262144, got 1000");
   const bogus = cli("bench", "engine", "--bogus"); // the CLI runs the benchmark program and keeps its exit code
   expect([bogus.code, bogus.err.trim()]).toEqual([2, "bench engine: Unknown option '--bogus'"]);
   // the same through the CLI, options passed on to the benchmark
@@ -316,17 +257,6 @@ test("bench kernels prints a table and a last JSON line", () => {
 }, 120_000);
 
 describe("service benchmarks print a table and a last JSON line (small sizes)", () => {
-  const bench = (...args: string[]) => {
-    const p = Bun.spawnSync([process.execPath, join(root, "bench", "index.ts"), ...args], {
-      cwd: root,
-      stdout: "pipe",
-      stderr: "pipe",
-    });
-    const lines = p.stdout.toString().trim().split("\n");
-    const tail = lines[lines.length - 1] ?? "";
-    return { code: p.exitCode, lines, last: tail.startsWith("{") ? JSON.parse(tail) : null, err: p.stderr.toString() };
-  };
-
   test("ps: parameter-server shard processes against raw NATS on a real nats-server", () => {
     const r = bench("ps", "--sizes-mb", "1", "--shards", "1,2", "--rounds", "2");
     expect(r.code).toBe(0);
@@ -379,34 +309,20 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
 });
 
 describe("plan: each trainer's memory before anything starts", () => {
-  const gpt2 = [
-    "--model",
-    "gpt",
-    "--sync",
-    "allreduce",
-    "--trainers",
-    "4",
-    "--n-layer",
-    "12",
-    "--n-head",
-    "12",
-    "--n-embd",
-    "768",
-    "--block-size",
-    "1024",
-  ];
+  const gpt2 = cliOptions({
+    model: "gpt",
+    sync: "allreduce",
+    trainers: 4,
+    "n-layer": 12,
+    "n-head": 12,
+    "n-embd": 768,
+    "block-size": 1024,
+  });
   test("a job that fits: the breakdown per trainer, and exit 0", () => {
     const r = cli(
       "plan",
       ...gpt2,
-      "--batch-size",
-      "8",
-      "--precision",
-      "bf16",
-      "--device",
-      "cuda",
-      "--device-memory",
-      "80GB",
+      ...cliOptions({ "batch-size": 8, precision: "bf16", device: "cuda", "device-memory": "80GB" }),
     );
     expect(r.code).toBe(0);
     expect(r.out).toContain("plan: gpt L12 H12 C768 T1024 V83, 4 trainers, allreduce, ZeRO 0, bf16, micro-batch 8");
@@ -425,18 +341,14 @@ describe("plan: each trainer's memory before anything starts", () => {
     const pp = cli(
       "plan",
       ...gpt2,
-      "--batch-size",
-      "8",
-      "--pipeline-stages",
-      "2",
-      "--tensor-parallel",
-      "2",
-      "--accum",
-      "4",
-      "--device",
-      "cuda",
-      "--device-memory",
-      "80GB",
+      ...cliOptions({
+        "batch-size": 8,
+        "pipeline-stages": 2,
+        "tensor-parallel": 2,
+        accum: 4,
+        device: "cuda",
+        "device-memory": "80GB",
+      }),
     );
     expect(pp.out).toContain("stage 0 (2 trainers)");
     expect(pp.out).toContain("stage 1 (2 trainers)");
@@ -450,20 +362,15 @@ describe("plan: each trainer's memory before anything starts", () => {
     const started = performance.now();
     const r = cli(
       "run",
-      "--model",
-      "gpt",
-      "--n-layer",
-      "48",
-      "--n-embd",
-      "2048",
-      "--n-head",
-      "16",
-      "--block-size",
-      "1024",
-      "--batch-size",
-      "64",
-      "--dir",
-      join(dir, "too-big"),
+      ...cliOptions({
+        model: "gpt",
+        "n-layer": 48,
+        "n-embd": 2048,
+        "n-head": 16,
+        "block-size": 1024,
+        "batch-size": 64,
+        dir: join(dir, "too-big"),
+      }),
     );
     expect(r.code).toBe(1);
     expect(r.err).toMatch(

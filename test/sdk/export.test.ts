@@ -16,12 +16,16 @@ import { Context } from "../../engine/tensor.ts";
 import { runPrepare, prepareDefaults } from "../../sdk/local/prepare.ts";
 import { skip } from "../helpers/skip.ts";
 import { runCli } from "../helpers/cli.ts";
+import { cliOptions } from "../helpers/cli-options.ts";
 
 const root = join(import.meta.dir, "..", "..");
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-export-"));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
 const cli = (...args: string[]) => runCli(dir, ...args);
+/** `train gpt` on the prepared token files, starting from the Hugging Face folder `hf`. */
+const trainFrom = (hf: string, ...args: string[]) =>
+  cli("train", "gpt", "--tokens-dir", "data", "--init-from", hf, ...args);
 
 /** Debian's python3 with torch (or the one on PATH), else null and why. */
 function torchPython(): { python: string | null; reason: string | null } {
@@ -51,18 +55,7 @@ beforeAll(() => {
     "--tokens-dir",
     "data",
     ...shape,
-    "--batch-size",
-    "4",
-    "--max-steps",
-    "12",
-    "--eval-every",
-    "12",
-    "--warmup",
-    "2",
-    "--sample-chars",
-    "0",
-    "--out",
-    "gpt.mtm",
+    ...cliOptions({ "batch-size": 4, "max-steps": 12, "eval-every": 12, warmup: 2, "sample-chars": 0, out: "gpt.mtm" }),
   );
   expect(r.code).toBe(0);
   trained = r.out;
@@ -148,23 +141,9 @@ describe("export to Hugging Face's GPT-2 layout", () => {
 
   test("train gpt --init-from the folder: the same validation loss before its first step (a round trip), and fine-tuning goes on from there", () => {
     cli("export", "--model", "gpt.mtm", "--out", "hf3");
-    const r = cli(
-      "train",
-      "gpt",
-      "--tokens-dir",
-      "data",
-      "--init-from",
+    const r = trainFrom(
       "hf3",
-      "--batch-size",
-      "4",
-      "--max-steps",
-      "2",
-      "--eval-every",
-      "2",
-      "--sample-chars",
-      "0",
-      "--out",
-      "tuned.mtm",
+      ...cliOptions({ "batch-size": 4, "max-steps": 2, "eval-every": 2, "sample-chars": 0, out: "tuned.mtm" }),
     );
     expect(r.code).toBe(0);
     expect(r.out).toContain("initialized from hf3 (model.safetensors, config.json)");
@@ -175,20 +154,7 @@ describe("export to Hugging Face's GPT-2 layout", () => {
 
   test("refusals: a shape option that disagrees with the folder, a tensor of the wrong shape (named), an MLP model", () => {
     cli("export", "--model", "gpt.mtm", "--out", "hf4");
-    const shapeFlag = cli(
-      "train",
-      "gpt",
-      "--tokens-dir",
-      "data",
-      "--init-from",
-      "hf4",
-      "--n-layer",
-      "3",
-      "--max-steps",
-      "2",
-      "--out",
-      "x.mtm",
-    );
+    const shapeFlag = trainFrom("hf4", "--n-layer", "3", "--max-steps", "2", "--out", "x.mtm");
     expect(shapeFlag.code).toBe(1);
     expect(shapeFlag.err).toContain("--init-from hf4: its model has n-layer 2; --n-layer 3 disagrees (leave it out)");
     // a wrong-shaped tensor is named
@@ -199,7 +165,7 @@ describe("export to Hugging Face's GPT-2 layout", () => {
       data: name === "transformer.h.0.mlp.c_fc.weight" ? v.data.slice(0, 32 * 64) : v.data,
     }));
     writeSafetensors(join(dir, "hf4", "model.safetensors"), named);
-    const bad = cli("train", "gpt", "--tokens-dir", "data", "--init-from", "hf4", "--max-steps", "2", "--out", "x.mtm");
+    const bad = trainFrom("hf4", "--max-steps", "2", "--out", "x.mtm");
     expect(bad.code).toBe(1);
     expect(bad.err).toContain("tensor transformer.h.0.mlp.c_fc.weight is [32, 64]; this model's is [32, 128]");
     const mlp = cli("train", "mlp", "--epochs", "1", "--widths", "784,16,10", "--out", "mlp.mtm");

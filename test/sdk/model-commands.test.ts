@@ -4,6 +4,7 @@ import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { writeTokenFile } from "../../engine/data/tokens.ts";
+import { tinyGptTraining } from "../helpers/cli-options.ts";
 
 const root = join(import.meta.dir, "..", "..");
 const cliPath = join(root, "sdk", "cli.ts");
@@ -46,32 +47,7 @@ beforeAll(() => {
   const mlp = cli("train", "mlp", "--epochs", "1", "--widths", "784,64,10", "--out", "mlp/model.mtm");
   expect(mlp.code).toBe(0);
   mlpTrain = mlp.out;
-  const gpt = cli(
-    "train",
-    "gpt",
-    "--max-steps",
-    "30",
-    "--eval-every",
-    "30",
-    "--n-layer",
-    "1",
-    "--n-embd",
-    "32",
-    "--n-head",
-    "2",
-    "--block-size",
-    "32",
-    "--batch-size",
-    "16",
-    "--warmup",
-    "5",
-    "--lr",
-    "5e-3",
-    "--sample-chars",
-    "0",
-    "--out",
-    "gpt/model.mtm",
-  );
+  const gpt = cli(...tinyGptTraining({ out: "gpt/model.mtm" }));
   expect(gpt.code).toBe(0);
   gptTrain = gpt.out;
 }, 120_000);

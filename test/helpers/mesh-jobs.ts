@@ -1,0 +1,101 @@
+// Helpers of the end-to-end tests on a local mesh: the small MNIST job most of them run, a mesh
+// in a fresh folder, a job watched to its end with its events kept, a fault fired at a step, and
+// the checks of a job's steps that several tests make.
+import { expect } from "bun:test";
+import { join } from "node:path";
+import { type Event, EventKind } from "../../schemas/messages.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
+import type { MeshClient } from "../../sdk/client.ts";
+import { LocalMesh, type MeshOptions } from "../../sdk/launcher.ts";
+import { type JobOutcome, watchJob } from "../../sdk/watch.ts";
+import { effectiveSteps } from "./jobs.ts";
+import { tempDir } from "./mesh.ts";
+
+/**
+ * An MLP job on MNIST (784-64-10, one epoch, a 20-step warmup) with `over` on top. 16 KB chunks:
+ * the 204 KB model is cut into 13 chunks, so both shards own some.
+ */
+export function mlpJob(over: Partial<JobConfig>): JobConfig {
+  return parseJobConfig({
+    ...jobDefaults,
+    model: { kind: "mlp", widths: [784, 64, 10], dropout: 0 },
+    epochs: 1,
+    warmupSteps: 20,
+    chunkBytes: 16 << 10,
+    ...over,
+  });
+}
+
+/** A local mesh whose jobs and logs live in a fresh temporary folder (the file calls afterAll(removeTempDirs)). */
+export function startMesh(prefix: string, opts: Omit<MeshOptions, "jobsDir" | "logDir"> = {}): Promise<LocalMesh> {
+  const dir = tempDir(prefix);
+  return LocalMesh.start({ jobsDir: join(dir, "jobs"), logDir: join(dir, "logs"), ...opts });
+}
+
+/** Submits `cfg` and watches it to its end: its outcome, and every event it sent (each passed to `onEvent` too). */
+export async function runJob(
+  client: MeshClient,
+  cfg: JobConfig,
+  onEvent?: (e: Event) => void,
+): Promise<JobOutcome & { seen: Event[] }> {
+  const seen: Event[] = [];
+  await client.submit(cfg, { membersWaitMs: 60_000 });
+  const outcome = await watchJob(client, cfg.job, {
+    quiet: true,
+    onEvent: (e) => {
+      seen.push(e);
+      onEvent?.(e);
+    },
+  });
+  return { ...outcome, seen };
+}
+
+/**
+ * An onEvent that calls `act` once, at the first Step event of rank 0 from step `at` on (a
+ * number), or the first that `at` accepts (a function); `step` is that event's step (-1 until then).
+ */
+export function atRank0Step(
+  at: number | ((e: Event) => boolean),
+  act: () => void,
+): { step: number; onEvent: (e: Event) => void } {
+  const accepts = typeof at === "number" ? (e: Event) => e.step >= at : at;
+  const trigger = {
+    step: -1,
+    onEvent: (e: Event) => {
+      if (trigger.step >= 0 || e.kind !== EventKind.Step || e.rank !== 0 || !accepts(e)) return;
+      trigger.step = e.step;
+      act();
+    },
+  };
+  return trigger;
+}
+
+/** Each rank's effective history (see effectiveSteps) is every step of the job once, in order; returns it. */
+export function expectEveryStepOnce(seen: readonly Event[], trainers: number, totalSteps: number): number[][] {
+  const steps = effectiveSteps(seen, trainers);
+  const all = Array.from({ length: totalSteps }, (_, i) => i);
+  expect(steps).toEqual(Array.from({ length: trainers }, () => all));
+  return steps;
+}
+
+/** The job rewound at least once, first to a scheduled snapshot (every `checkpointEvery` steps) no newer than the kill at `killedAt`. */
+export function expectRestoredFromSnapshot(seen: readonly Event[], checkpointEvery: number, killedAt: number): void {
+  const restores = seen.filter((e) => e.kind === EventKind.Restore);
+  expect(restores.length).toBeGreaterThanOrEqual(1);
+  expect(restores[0]!.step % checkpointEvery).toBe(0);
+  expect(restores[0]!.step).toBeLessThanOrEqual(killedAt + 1);
+}
+
+/** Each step's loss over every rank's samples (weighted by their count), as the run ends: a restore drops the steps it rewound. */
+export function stepLosses(events: readonly Event[]): Map<number, number> {
+  const at = new Map<number, { sum: number; n: number }>();
+  for (const e of events) {
+    if (e.kind === EventKind.Restore) for (const k of [...at.keys()]) if (k >= e.step) at.delete(k);
+    if (e.kind !== EventKind.Step || e.count === 0) continue;
+    const a = at.get(e.step) ?? { sum: 0, n: 0 };
+    a.sum += e.loss * e.count;
+    a.n += e.count;
+    at.set(e.step, a);
+  }
+  return new Map([...at].map(([k, a]) => [k, a.sum / a.n]));
+}
