@@ -5,7 +5,7 @@
 import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { type Command, Option } from "commander";
-import { JobState } from "../schemas/messages.ts";
+import { type Event, JobState } from "../schemas/messages.ts";
 import {
   defaultOwner,
   jobConfigFromJson,
@@ -111,14 +111,14 @@ const localLogs = (snapshotDir: string): string | null =>
  * Follows a job the client submitted or asked to watch, printing its end. Ctrl-C stops following
  * (the job goes on) and says how to come back to it.
  */
-async function follow(client: MeshClient, job: string): Promise<void> {
+async function follow(client: MeshClient, job: string, events?: AsyncIterableIterator<Event>): Promise<void> {
   using stop = new StopRequests(() =>
     console.log(
       `\nstopped following job ${job}; it goes on training. Follow it again: ${cliName()} watch ${job}; stop it: ${cliName()} cancel ${job}`,
     ),
   );
   try {
-    const o = await watchJob(client, job, { signal: stop.first.signal });
+    const o = await watchJob(client, job, { signal: stop.first.signal, ...(events ? { events } : {}) });
     for (const line of outcomeLines(o, { logs: localLogs(o.record.snapshotDir) })) console.log(line);
   } catch (e) {
     if (stop.requested) process.exit(130);
@@ -260,6 +260,8 @@ function addJobCommands(program: Command): void {
       const asked = parseJobConfig({ ...flagged, job: client.job(flagged.job) });
       const prev = opts.job ? await client.previous(asked.job) : null;
       const cfg = resolveConfig(asked, givenOptions(cmd), prev);
+      // subscribed first: a resumed job's Restore can come before the watch starts
+      const events = opts.detach ? undefined : client.events(cfg.job);
       await client.submit(cfg);
       console.log(`${prev ? "resumed" : "submitted"} job ${cfg.job} to the mesh at ${client.url}`);
       for (const line of configSummary(cfg)) console.log(`  ${line}`);
@@ -269,7 +271,7 @@ function addJobCommands(program: Command): void {
         );
         return;
       }
-      await follow(client, cfg.job);
+      await follow(client, cfg.job, events);
     });
 
   natsOption(

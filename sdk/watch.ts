@@ -60,6 +60,9 @@ export interface WatchOptions {
   onLine?: (print: (line: string) => void) => void;
   /** every event, as it arrives (tests, tools) */
   onEvent?: (e: Event) => void;
+  /** the job's events from a subscription the caller opened before submitting (client.events),
+   *  so that none sent before the watch starts is missed (a restore right after the submit) */
+  events?: AsyncIterableIterator<Event>;
 }
 
 /** How often the job's record is read besides the events. */
@@ -72,7 +75,7 @@ const endedGraceMs = 1_000;
 export async function watchJob(client: MeshClient, name: string, o: WatchOptions = {}): Promise<JobOutcome> {
   const job = client.job(name);
   const t0 = performance.now();
-  const events = client.events(job, o.signal);
+  const events = o.events ?? client.events(job, o.signal);
   let record = await client.record(job);
   const cfg = jobConfigFromJson(record.configJson);
   const w = new Watcher(dataRanks(cfg), cfg.epochs, o, cfg.model.kind === "gpt" ? "tokens" : "samples");

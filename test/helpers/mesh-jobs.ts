@@ -39,9 +39,12 @@ export async function runJob(
   onEvent?: (e: Event) => void,
 ): Promise<JobOutcome & { seen: Event[] }> {
   const seen: Event[] = [];
+  // subscribed before the submit: a resumed job's Restore can come before a watch would start
+  const events = client.events(cfg.job);
   await client.submit(cfg, { membersWaitMs: 60_000 });
   const outcome = await watchJob(client, cfg.job, {
     quiet: true,
+    events,
     onEvent: (e) => {
       seen.push(e);
       onEvent?.(e);
