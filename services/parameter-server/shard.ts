@@ -242,7 +242,7 @@ export class ParameterShard {
       }
       fresh.push({ slot, chunk: c });
     }
-    const staged = this.#math.stage(fresh.map((f) => this.#decode(f.chunk)));
+    const staged = this.#math.stage(this.#decoded(fresh.map((f) => f.chunk)));
     if (staged.nonFinite >= 0) {
       const bad = fresh[staged.nonFinite]!;
       throw new BadRequestError(
@@ -264,12 +264,20 @@ export class ParameterShard {
     return { accepted: fresh.length, duplicates, updates };
   }
 
-  /** A pushed chunk's gradient as f32 (bytes as they came; a compressed one decoded on the host). */
-  #decode(c: Chunk): Float32Array | Uint8Array {
-    if (c.dtype === DType.F32) return c.data;
-    const out = new Float32Array(c.count);
-    decodeChunk(c, out);
-    return out;
+  /** host memory compressed chunks are decoded into (grown, never shrunk) */
+  #decodeBuffer = new Float32Array(0);
+
+  /** A push's gradients as f32: F32 chunks' bytes as they came, compressed ones decoded on the host. */
+  #decoded(chunks: readonly Chunk[]): (Float32Array | Uint8Array)[] {
+    const compressed = chunks.reduce((n, c) => n + (c.dtype === DType.F32 ? 0 : c.count), 0);
+    if (this.#decodeBuffer.length < compressed) this.#decodeBuffer = new Float32Array(compressed);
+    let at = 0;
+    return chunks.map((c) => {
+      if (c.dtype === DType.F32) return c.data;
+      const out = this.#decodeBuffer.subarray(at, (at += c.count));
+      decodeChunk(c, out);
+      return out;
+    });
   }
 
   #checkChunk(c: Chunk, m: PushRequest): ChunkSlot {

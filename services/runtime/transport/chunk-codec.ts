@@ -26,6 +26,8 @@ const dtypeOfKind: Record<Compression["kind"], DType> = {
   topk: DType.TopK,
 };
 
+const kindOfDtype = new Map(Object.entries(dtypeOfKind).map(([k, d]) => [d, k as Compression["kind"]]));
+
 /** The chunk dtype a compression pushes. */
 export const pushDType = (c: Compression): DType => dtypeOfKind[c.kind];
 
@@ -63,7 +65,7 @@ export const topKChunk = (sel: { idx: Uint32Array; values: Float32Array }, id: n
  * check names it).
  */
 export function decodeChunk(c: Chunk, out: Float32Array): void {
-  const kind = (Object.keys(dtypeOfKind) as Compression["kind"][]).find((k) => dtypeOfKind[k] === c.dtype);
+  const kind = kindOfDtype.get(c.dtype);
   if (kind === undefined)
     throw new BadRequestError(`chunk ${c.id}: dtype ${DType[c.dtype] ?? c.dtype} does not decode`);
   if (out.length !== c.count)
