@@ -13,7 +13,7 @@ import type { Backend } from "../ffi/backend.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { ConfigError } from "../engine/errors.ts";
 import { gptMemory } from "../engine/memory.ts";
-import type { Precision } from "../engine/mixed.ts";
+import { autocastDType, type Precision } from "../engine/mixed.ts";
 import { type GptConfig, GptModel } from "../engine/models/gpt.ts";
 import { AdamW, adamwDefaults } from "../engine/optim/adamw.ts";
 import { Rng } from "../engine/rng.ts";
@@ -205,6 +205,7 @@ function printConfigReport(
     `engine benchmark, ${o.config} (L${c.nLayer} H${c.nHead} C${c.nEmbd} T${c.blockSize} V${c.vocabSize}), batch ${o.batch}, ${o.precision}: ${why}${threads}; ` +
       `AdamW, clip 1.0; median of ${o.steps} steps after 2`,
   );
+  console.log(`attention: ${be.describeAttention(autocastDType(o.precision) ?? "f32")}`);
   printTable(rows, [
     "impl",
     "batch",

@@ -8,7 +8,8 @@
 // shapes, each against ours (target: our step time <= 1.1x PyTorch's).
 //
 //   bun run bench engine [--device auto|cpu|cuda] [--precision f32|tf32|bf16|f16] [--steps N] [--json-only]
-//   bun run bench engine --config small|nanogpt-char|gpt2-small [--batch N] [--profile] [--no-torch] [...]
+//   bun run bench engine --config small|nanogpt-char|gpt2-small [--batch N] [--profile] [--no-torch]
+//                        [--attention auto|cudnn|reference] [...]
 //     one GPT at nanoGPT's shapes against PyTorch on the same shape (bench/engine-config.ts)
 import { join } from "node:path";
 import { type Backend, type GemmDesc, type GemmInput, gemmInputBytes, type Ptr } from "../ffi/backend.ts";
@@ -17,6 +18,7 @@ import { configName, engineConfigs, runConfigBench, torchPython } from "./engine
 import { median, printTable, round } from "./table.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { deviceChoices, type DeviceChoice, openBackend } from "../ffi/select.ts";
+import { type AttentionChoice, attentionChoices } from "../ffi/cuda/attention-path.ts";
 import { ConfigError } from "../engine/errors.ts";
 import { checkPrecision, type Precision } from "../engine/mixed.ts";
 import { gptDefaults, GptModel } from "../engine/models/gpt.ts";
@@ -205,7 +207,11 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] | object {
     batch: { type: "string" },
     profile: { type: "boolean", default: false },
     "no-torch": { type: "boolean", default: false },
+    attention: { type: "string", default: "auto" },
   });
+  const attention = values.attention as AttentionChoice;
+  if (!(attentionChoices as readonly string[]).includes(attention))
+    throw new ConfigError(`--attention must be one of ${attentionChoices.join(", ")}, got ${values.attention}`);
   const steps = positiveInt("steps", values.steps);
   const device = values.device as DeviceChoice;
   if (!deviceChoices.includes(device))
@@ -218,7 +224,7 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] | object {
   if (values.config !== undefined) {
     const config = configName(values.config);
     const batch = values.batch === undefined ? engineConfigs[config].batch : positiveInt("batch", values.batch);
-    const { backend: be, why } = openBackend(device);
+    const { backend: be, why } = openBackend(device, undefined, 0, { attention });
     try {
       const out = runConfigBench(be, why, {
         config,

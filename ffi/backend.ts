@@ -134,6 +134,9 @@ export interface Backend extends OpMethods {
   // ---- GEMM: one call, described (GemmDesc) ----
   gemm(desc: GemmDesc): void;
 
+  /** One line on which causal attention runs for inputs of `elem` (for a command's header). */
+  describeAttention(elem: ElemType): string;
+
   // the kernel ops (elementwise, layers, reductions, optimizer updates, casts) are OpMethods,
   // declared once in ffi/ops.ts
 

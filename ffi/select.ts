@@ -5,6 +5,7 @@
 // on a machine without a GPU, `auto` picking the CPU is expected, not something to fix.
 import type { Backend } from "./backend.ts";
 import { CpuBackend } from "./cpu/backend.ts";
+import type { AttentionChoice } from "./cuda/attention-path.ts";
 import { CudaBackend, probeCuda } from "./cuda/backend.ts";
 import { NativeLibraryError } from "./errors.ts";
 
@@ -22,11 +23,22 @@ export interface OpenedBackend {
 /** Gets `why` and `detail` (see OpenedBackend); a CLI prints the first, a service logs both. */
 export type DeviceLog = (why: string, detail: string) => void;
 
+/** Settings that only a GPU backend reads. */
+export interface GpuOptions {
+  /** which causal attention runs (ffi/cuda/attention-path.ts; default auto) */
+  attention?: AttentionChoice;
+}
+
 /**
  * `slot` spreads processes over the GPUs of a host: a trainer passes its rank and gets GPU
  * rank mod (GPU count). Single-process commands use GPU 0.
  */
-export function openBackend(choice: DeviceChoice, log: DeviceLog = () => {}, slot = 0): OpenedBackend {
+export function openBackend(
+  choice: DeviceChoice,
+  log: DeviceLog = () => {},
+  slot = 0,
+  gpu: GpuOptions = {},
+): OpenedBackend {
   if (choice === "cpu")
     return opened(new CpuBackend(), "device: cpu (asked for)", "CUDA not probed (--device cpu)", log);
   const probe = probeCuda();
@@ -35,7 +47,7 @@ export function openBackend(choice: DeviceChoice, log: DeviceLog = () => {}, slo
   const ordinal = slot % probe.deviceCount;
   const how = choice === "auto" ? ", picked by auto" : "";
   return opened(
-    new CudaBackend({ device: ordinal }),
+    new CudaBackend({ device: ordinal, attention: gpu.attention }),
     `device: cuda:${ordinal}${how} (${probe.reason})`,
     probe.reason,
     log,

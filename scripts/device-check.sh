@@ -5,6 +5,9 @@
 #   tests  the CUDA, cuBLAS and NCCL tests and the op parity and mixed-precision suites on the GPU
 #   train  MNIST on the GPU (target >= 98.0% test accuracy), then the GPT for 2000 steps in bf16
 #   gpt    the engine benchmark at GPT-2 small's and nanoGPT's shapes only (bf16, with PyTorch)
+#   attention  cuDNN's fused attention: PyTorch's own cuDNN SDPA logged (the descriptors it
+#          builds), the parity test of ours against the kernels, and GPT-2 small's and nanoGPT's
+#          step with it (no PyTorch rows)
 #   bench  the engine benchmark at nanoGPT's shapes (small, nanogpt-char, gpt2-small) on CUDA
 #          against PyTorch eager and torch.compile, and every kernel's GB/s against
 #          cuMemcpyDtoD with the host cost of one kernel call
@@ -23,9 +26,10 @@ if ! ls /usr/lib/"$arch"/openblas*/libopenblas.so.0 /usr/lib/"$arch"/libopenblas
   export MESHTRAIN_OPENBLAS="$PWD/.device/lib/libopenblas.so.0"
   export LD_LIBRARY_PATH="$PWD/.device/lib:${LD_LIBRARY_PATH:-}"
 fi
-# cuBLAS and NCCL from the pip wheels, where the machine has them there
+# cuBLAS, cuDNN (and the NVRTC its run-time compiled engines need) and NCCL from the pip
+# wheels, where the machine has them there
 site=$(python3 -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))" 2>/dev/null || true)
-[ -n "$site" ] && export LD_LIBRARY_PATH="$site/nvidia/cu13/lib:$site/nvidia/nccl/lib:${LD_LIBRARY_PATH:-}"
+[ -n "$site" ] && export LD_LIBRARY_PATH="$site/nvidia/cu13/lib:$site/nvidia/cudnn/lib:$site/nvidia/nccl/lib:${LD_LIBRARY_PATH:-}"
 run() { echo "== $*" | tee -a "$out/log.txt"; "$@" 2>&1 | tee -a "$out/log.txt"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$out/log.txt"
 run bun ffi/cpu/build.ts
@@ -49,5 +53,13 @@ case "$phase" in
     run bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 10 --profile
     run bun bench/index.ts engine --device cuda --config nanogpt-char --precision f32 --steps 20
     run bun bench/index.ts kernels --device cuda --elems 33554432 ;;
-  *) echo "usage: scripts/device-check.sh tests|train|gpt|bench"; exit 2 ;;
+  attention)
+    CUDNN_FRONTEND_LOG_INFO=1 CUDNN_FRONTEND_LOG_FILE="$out/torch-frontend.log" CUDNN_LOGLEVEL_DBG=3 \
+      CUDNN_LOGDEST_DBG="$out/torch-backend.log" run timeout 120 python3 dev/cudnn/torch_sdpa_log.py 1 128 2 64
+    xz -9 -f "$out"/torch-*.log
+    CUDNN_LOGLEVEL_DBG=2 CUDNN_LOGDEST_DBG="$out/ours-cudnn.log" run timeout 240 bun test --timeout=200000 test/ffi/cudnn-gpu.test.ts
+    run timeout 150 bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 10 --profile --no-torch
+    run timeout 90 bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 --no-torch
+    [ -f "$out/ours-cudnn.log" ] && xz -9 -f "$out/ours-cudnn.log" ;;
+  *) echo "usage: scripts/device-check.sh tests|train|gpt|attention|bench"; exit 2 ;;
 esac

@@ -6,7 +6,15 @@
 // of upload/download, and those calls are synchronous: the TypedArray argument stays
 // referenced by the caller's frame for the whole call.
 import { dlopen, FFIType, ptr as addressOf, type Pointer } from "bun:ffi";
-import { type Allocation, type Backend, type BackendStats, type GemmDesc, gemmCall, type Ptr } from "../backend.ts";
+import {
+  type Allocation,
+  type Backend,
+  type BackendStats,
+  type ElemType,
+  type GemmDesc,
+  gemmCall,
+  type Ptr,
+} from "../backend.ts";
 import { OutOfMemoryError } from "../errors.ts";
 import { cArgTypes, type OpDecl, type OpMethods, type OpName, ops, passesStraight, toCArgs } from "../ops.ts";
 import { ensureKernelLibrary } from "./build.ts";
@@ -170,6 +178,10 @@ export class CpuBackend implements Backend {
    *   bf16, f16  widen the whole extent of A and B to f32 in the scratch (exact: every 2-byte
    *              value is an f32), then sgemm. Products and sums are f32, as on tensor cores.
    */
+  describeAttention(elem: ElemType): string {
+    return `fused C kernels (f32 sums${elem === "f32" ? "" : `, ${elem} products`})`;
+  }
+
   gemm(desc: GemmDesc): void {
     const g = gemmCall(desc);
     if (g.M === 0 || g.N === 0 || g.batch === 0) return;

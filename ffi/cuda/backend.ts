@@ -15,13 +15,22 @@
 // the copy done (two buffers alternate, so a batch upload overlaps the previous step's work).
 // No CUDA thread ever calls into JavaScript: completion is polled (whenIdle) or waited on.
 import { readFileSync } from "node:fs";
-import { type Allocation, type Backend, type BackendStats, type GemmDesc, gemmCall, type Ptr } from "../backend.ts";
+import {
+  type Allocation,
+  type Backend,
+  type BackendStats,
+  type ElemType,
+  type GemmDesc,
+  gemmCall,
+  type Ptr,
+} from "../backend.ts";
 import { CachingAllocator, type CachingAllocatorStats } from "./allocator.ts";
 import { Cublas, findCublas, loadCublas } from "./cublas.ts";
 import { CU_EVENT_DISABLE_TIMING, driver, type Driver, hostBytes } from "./driver.ts";
 import { ensurePtx } from "./build.ts";
 import { type OpDecl, type OpMethods, type OpName, ops } from "../ops.ts";
 import { type KernelName, kernelSpecs, type Launch, plans, scratchBytes } from "./kernels.ts";
+import { type AttentionChoice, AttentionRouter } from "./attention-path.ts";
 
 export { probeCuda } from "./driver.ts";
 
@@ -52,6 +61,10 @@ export interface CudaBackendOptions {
   driver?: Driver;
   /** the cuBLAS library file (default: findCublas()) */
   cublasPath?: string;
+  /** which causal attention runs (ffi/cuda/attention-path.ts; default auto) */
+  attention?: AttentionChoice;
+  /** the cuDNN library file (default: findCudnn()) */
+  cudnnPath?: string;
 }
 
 // the op methods are made from their declarations in the constructor
@@ -78,6 +91,7 @@ export class CudaBackend implements Backend {
   #cublasHandle: Cublas | null = null;
   readonly #scratch: Ptr;
   readonly #staging: Staging[] = [];
+  readonly #attention: AttentionRouter;
   #stagingNext = 0;
   #allocCount = 0;
   #allocBytes = 0;
@@ -117,6 +131,7 @@ export class CudaBackend implements Backend {
     // scratch (which waits for the stream), unless the caller checked its ids on the host
     const self = this as unknown as Record<string, unknown>;
     for (const [name, d] of Object.entries(ops) as [OpName, OpDecl][]) {
+      if (routedOps.has(name)) continue; // methods of the class, below
       const plan = plans[name] as (...args: unknown[]) => Launch[];
       const n = d.args.length;
       self[name] =
@@ -127,6 +142,47 @@ export class CudaBackend implements Backend {
               return d.inRange === true && args[n] === true ? 0 : this.#readResult(d.result as "i64" | "f64");
             };
     }
+    this.#attention = new AttentionRouter(
+      options.attention ?? "auto",
+      {
+        alloc: (bytes) => this.#allocator.alloc(bytes).ptr,
+        free: (p) => this.#allocator.free(p),
+        run: (launches) => this.#run(launches),
+        stream: this.#stream,
+      },
+      options.cudnnPath,
+    );
+  }
+
+  // ---- attention: cuDNN's fused graphs or the kernels (attention-path.ts) -------------------
+
+  attentionForward(out: Ptr, lse: Ptr, qkv: Ptr, B: number, T: number, C: number, H: number, scale: number, elem: ElemType): void {
+    const call = { B, T, C, H, scale, elem };
+    if (B * T > 0 && this.#attention.usesCudnn(call)) this.#attention.forward(out, lse, qkv, call);
+    else this.#run(plans.attentionForward(out, lse, qkv, B, T, C, H, scale, elem));
+  }
+
+  attentionBackward(
+    dqkv: Ptr,
+    delta: Ptr,
+    dout: Ptr,
+    out: Ptr,
+    lse: Ptr,
+    qkv: Ptr,
+    B: number,
+    T: number,
+    C: number,
+    H: number,
+    scale: number,
+    elem: ElemType,
+  ): void {
+    const call = { B, T, C, H, scale, elem };
+    if (B * T > 0 && this.#attention.usesCudnn(call)) this.#attention.backward(dqkv, dout, out, lse, qkv, call);
+    else this.#run(plans.attentionBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem));
+  }
+
+  describeAttention(elem: ElemType): string {
+    return this.#attention.describe(elem);
   }
 
   get stats(): BackendStats {
@@ -234,6 +290,7 @@ export class CudaBackend implements Backend {
     const d = this.#d;
     d.streamSynchronize(this.#stream);
     this.#disposed = true;
+    this.#attention.dispose();
     this.#cublasHandle?.destroy();
     for (const m of this.#modules.values()) d.moduleUnload(m);
     this.#modules.clear();
@@ -338,6 +395,9 @@ export class CudaBackend implements Backend {
     return stage;
   }
 }
+
+/** Ops whose method chooses among implementations instead of running one plan. */
+const routedOps: ReadonlySet<OpName> = new Set(["attentionForward", "attentionBackward"]);
 
 const bitsView = new DataView(new ArrayBuffer(4));
 function f32Bits(value: number): number {

@@ -111,6 +111,7 @@ export const kernelSpecs = {
   mt_sum_partials_i64: { module: "reduce", params: unary },
   ...opKernels("optim", ["sgdStep", "adamwStep"]),
   ...opKernels("casts", ["castF32ToBF16", "castBF16ToF32", "castF32ToF16", "castF16ToF32"]),
+  mt_accumulate_half_f32: { module: "casts", params: ["ptr", "ptr", "i64", "i32"] },
 } as const satisfies Record<string, KernelSpec>;
 
 export type KernelName = keyof typeof kernelSpecs;
@@ -578,3 +579,9 @@ export const plans = {
     return elementwise("mt_f16_to_f32", n, [out, inp, n]);
   },
 } satisfies Plans;
+
+/** out (n) f32 += inp (n) of a 2-byte type: a gradient a library wrote in the input type (cuDNN's
+ *  attention backward) added into an f32 gradient. */
+export function accumulateHalfPlan(out: Ptr, inp: Ptr, n: number, elem: "bf16" | "f16"): Launch[] {
+  return elementwise("mt_accumulate_half_f32", n, [out, inp, n, elemCodes[elem]]);
+}

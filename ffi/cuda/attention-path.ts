@@ -1,0 +1,226 @@
+// Which causal attention runs on CUDA, and cuDNN's fused attention run in meshtrain's layouts.
+//
+//   cudnn      cuDNN's fused flash attention (ffi/cuda/cudnn.ts, graphs in sdpa-graph.ts) on
+//              tensor cores: 2-byte q, k, v (bf16 or f16 autocast), f32 statistics
+//   reference  the f32-FMA kernels of kernels/attention.cu: any GPU, any precision, and the
+//              numbers the others are checked against
+//   auto       cuDNN where it loads and takes the shape under bf16/f16 autocast, else the kernels
+//
+// The engine's attention op (engine/ops/attention.ts) keeps its contract whichever runs: out
+// (B,T,C) f32, lse (B,H,T) f32, and backward adds into an f32 dqkv. cuDNN reads and writes the
+// 2-byte type, so around it: forward writes O in that type and casts it to out; backward casts
+// out and dout back (out's cast is exact: it came from that type), and adds the 2-byte dQ, dK, dV
+// into dqkv. Those buffers come from the backend's caching allocator and go back after the call
+// (stream order makes that safe). A plan is built once per shape and kept.
+import type { ElemType, Ptr } from "../backend.ts";
+import { NativeLibraryError } from "../errors.ts";
+import { Cudnn, CudnnUnsupportedError, type CudnnPlan, findCudnn, loadCudnn } from "./cudnn.ts";
+import { accumulateHalfPlan, type Launch, plans } from "./kernels.ts";
+import {
+  type SdpaShape,
+  sdpaBackwardGraph,
+  sdpaBackwardScratch,
+  sdpaForwardGraph,
+  sdpaUids,
+  sdpaUnsupported,
+} from "./sdpa-graph.ts";
+
+export const attentionChoices = ["auto", "cudnn", "reference"] as const;
+export type AttentionChoice = (typeof attentionChoices)[number];
+
+/** What the router needs of the backend: stream-ordered scratch memory and kernel launches. */
+export interface AttentionDevice {
+  alloc(bytes: number): Ptr;
+  free(ptr: Ptr): void;
+  run(launches: readonly Launch[]): void;
+  stream: bigint;
+}
+
+/** The attention call's arguments (those of Backend.attentionForward / attentionBackward). */
+export interface AttentionCall {
+  B: number;
+  T: number;
+  C: number;
+  H: number;
+  scale: number;
+  elem: ElemType;
+}
+
+export class AttentionRouter {
+  readonly #choice: AttentionChoice;
+  readonly #device: AttentionDevice;
+  readonly #cudnnPath: string | undefined;
+  /** undefined: not loaded yet; a string: why it cannot load (auto falls back) */
+  #cudnn: Cudnn | string | undefined;
+  readonly #plans = new Map<string, CudnnPlan>();
+  /** shapes cuDNN refused, with its reason (auto runs the kernels for them) */
+  readonly #refused = new Map<string, string>();
+
+  constructor(choice: AttentionChoice, device: AttentionDevice, cudnnPath?: string) {
+    if (!(attentionChoices as readonly string[]).includes(choice))
+      throw new RangeError(`attention: unknown choice ${String(choice)} (one of ${attentionChoices.join(", ")})`);
+    this.#choice = choice;
+    this.#device = device;
+    this.#cudnnPath = cudnnPath;
+    // asked for by name: a missing library is an error now, not at the first attention call
+    if (choice === "cudnn") this.#handle();
+  }
+
+  get choice(): AttentionChoice {
+    return this.#choice;
+  }
+
+  /** One line on what runs for inputs of `elem`, for a command's header. */
+  describe(elem: ElemType): string {
+    const reference = "f32-FMA kernels (reference)";
+    if (this.#choice === "reference") return `${reference}, as asked (--attention reference)`;
+    if (elem === "f32") return `${reference}: cuDNN's fused attention needs bf16 or f16 autocast`;
+    const cudnn = this.#handle();
+    if (typeof cudnn === "string") return `${reference}: ${cudnn}`;
+    return `cuDNN ${cudnn.versionText} fused flash attention (${elem} on tensor cores, f32 statistics)`;
+  }
+
+  /** Whether cuDNN runs this call; throws where --attention cudnn cannot be honoured. */
+  usesCudnn(call: AttentionCall): boolean {
+    if (this.#choice === "reference") return false;
+    if (call.elem === "f32") {
+      if (this.#choice === "cudnn")
+        throw new NativeLibraryError("--attention cudnn needs bf16 or f16 autocast (--precision bf16|f16)");
+      return false;
+    }
+    const key = shapeKey(call);
+    const refused = this.#refused.get(key) ?? sdpaUnsupported(shapeOf(call));
+    if (refused !== null) return this.#refuse(key, refused);
+    return typeof this.#handle() !== "string";
+  }
+
+  /** out (B,T,C) f32, lse (B,H,T) f32 from qkv (B,T,3C) of call.elem, through cuDNN. */
+  forward(out: Ptr, lse: Ptr, qkv: Ptr, call: AttentionCall): void {
+    const plan = this.#plan("forward", call);
+    if (plan === null) throw new Error("attention: forward asked of cuDNN for a shape it refused");
+    const n = call.B * call.T * call.C;
+    const d = this.#device;
+    const o = d.alloc(2 * n);
+    const ws = d.alloc(Math.max(plan.workspaceBytes, 1));
+    try {
+      this.#execute(plan, [...operands(qkv, call), [sdpaUids.o, o], [sdpaUids.stats, lse]], ws);
+      d.run(call.elem === "bf16" ? plans.castBF16ToF32(out, o, n) : plans.castF16ToF32(out, o, n));
+    } finally {
+      d.free(ws);
+      d.free(o);
+    }
+  }
+
+  /** dqkv (B,T,3C) f32 += the gradient through cuDNN, from dout, out, lse and qkv. */
+  backward(dqkv: Ptr, dout: Ptr, out: Ptr, lse: Ptr, qkv: Ptr, call: AttentionCall): void {
+    const plan = this.#plan("backward", call);
+    if (plan === null) throw new Error("attention: backward asked of cuDNN for a shape it refused");
+    const elem = call.elem as "bf16" | "f16";
+    const n = call.B * call.T * call.C;
+    const scratch = sdpaBackwardScratch(shapeOf(call));
+    const d = this.#device;
+    const o = d.alloc(2 * n);
+    const dO = d.alloc(2 * n);
+    const grads = d.alloc(2 * 3 * n);
+    const ws = d.alloc(scratch.bytes + plan.workspaceBytes);
+    try {
+      const toHalf = elem === "bf16" ? plans.castF32ToBF16 : plans.castF32ToF16;
+      d.run([...toHalf(o, out, n), ...toHalf(dO, dout, n)]);
+      const [dQ, dK, dV] = operands(grads, call).map(([, p]) => p);
+      this.#execute(
+        plan,
+        [
+          ...operands(qkv, call),
+          [sdpaUids.o, o],
+          [sdpaUids.dO, dO],
+          [sdpaUids.stats, lse],
+          [sdpaUids.dQ, dQ!],
+          [sdpaUids.dK, dK!],
+          [sdpaUids.dV, dV!],
+          [sdpaUids.rowSum, ws + scratch.rowSumOffset],
+          [sdpaUids.dQAccum, ws + scratch.dQAccumOffset],
+        ],
+        ws + scratch.bytes,
+      );
+      d.run(accumulateHalfPlan(dqkv, grads, 3 * n, elem));
+    } finally {
+      d.free(ws);
+      d.free(grads);
+      d.free(dO);
+      d.free(o);
+    }
+  }
+
+  dispose(): void {
+    if (this.#cudnn instanceof Cudnn) this.#cudnn.dispose();
+    this.#plans.clear();
+  }
+
+  // ---- internals ------------------------------------------------------------------------------
+
+  /** The cuDNN handle, loaded at first use; or, under auto, why there is none. */
+  #handle(): Cudnn | string {
+    if (this.#cudnn !== undefined) return this.#cudnn;
+    try {
+      const path = this.#cudnnPath ?? findCudnn();
+      if (path === null) throw new NativeLibraryError("cuDNN not found (set MESHTRAIN_CUDNN, or pip install nvidia-cudnn-cu13)");
+      this.#cudnn = new Cudnn(loadCudnn(path), this.#device.stream);
+    } catch (e) {
+      if (this.#choice === "cudnn") throw e;
+      this.#cudnn = (e as Error).message;
+    }
+    return this.#cudnn;
+  }
+
+  #refuse(key: string, reason: string): false {
+    if (this.#choice === "cudnn") throw new CudnnUnsupportedError(`--attention cudnn: ${reason}`);
+    this.#refused.set(key, reason);
+    return false;
+  }
+
+  #plan(direction: "forward" | "backward", call: AttentionCall): CudnnPlan | null {
+    const key = `${direction}:${shapeKey(call)}`;
+    const kept = this.#plans.get(key);
+    if (kept !== undefined) return kept;
+    const cudnn = this.#handle();
+    if (typeof cudnn === "string") return null;
+    const shape = shapeOf(call);
+    try {
+      const plan = cudnn.plan(direction === "forward" ? sdpaForwardGraph(shape) : sdpaBackwardGraph(shape));
+      this.#plans.set(key, plan);
+      return plan;
+    } catch (e) {
+      if (!(e instanceof CudnnUnsupportedError)) throw e;
+      this.#refuse(shapeKey(call), e.message);
+      return null;
+    }
+  }
+
+  #execute(plan: CudnnPlan, bound: readonly (readonly [number, Ptr])[], workspace: Ptr): void {
+    const cudnn = this.#handle() as Cudnn;
+    cudnn.execute(plan, new Map(bound), workspace);
+  }
+}
+
+/** Q, K, V inside a (B,T,3C) buffer of 2-byte elements, by uid. */
+function operands(qkv: Ptr, call: AttentionCall): [number, Ptr][] {
+  const rowBytes = 2 * call.C;
+  return [
+    [sdpaUids.q, qkv],
+    [sdpaUids.k, qkv + rowBytes],
+    [sdpaUids.v, qkv + 2 * rowBytes],
+  ];
+}
+
+function shapeOf(call: AttentionCall): SdpaShape {
+  return {
+    B: call.B,
+    H: call.H,
+    T: call.T,
+    D: call.C / call.H,
+    dtype: call.elem === "f16" ? "half" : "bf16",
+    scale: call.scale,
+  };
+}
+
+const shapeKey = (c: AttentionCall) => `${c.B},${c.T},${c.C},${c.H},${c.elem},${c.scale}`;

@@ -1,0 +1,180 @@
+// cuDNN's fused attention on a real GPU (ffi/cuda/attention-path.ts): the same calls on a backend
+// that runs cuDNN and on one that runs the f32-FMA reference kernels, on the same 2-byte q, k, v,
+// out and lse against each other and against the float64 definition, and the gradient added into
+// dqkv (which already holds something: backward adds). Shapes: head sizes 64 and 128, T not a
+// multiple of any tile, T = 1. Prints the time of both paths at GPT-2 small's attention.
+// Skips without a GPU or without cuDNN.
+import { afterAll, describe, expect, test } from "bun:test";
+import type { ElemType } from "../../ffi/backend.ts";
+import { CudaBackend, probeCuda } from "../../ffi/cuda/backend.ts";
+import { findCudnn } from "../../ffi/cuda/cudnn.ts";
+import { causalSelfAttentionBackwardReference, causalSelfAttentionReference } from "../../engine/ops/attention.ts";
+import { Rng } from "../../engine/rng.ts";
+import { skip } from "../helpers/skip.ts";
+
+const probe = probeCuda();
+let cudnnMissing: string | null = null;
+try {
+  if (findCudnn() === null) cudnnMissing = "no libcudnn.so.9 here (MESHTRAIN_CUDNN, the loader's folders, pip wheels)";
+} catch (e) {
+  cudnnMissing = (e as Error).message;
+}
+
+let fused: CudaBackend | undefined;
+let reference: CudaBackend | undefined;
+const fusedBackend = () => (fused ??= new CudaBackend({ attention: "cudnn" }));
+const referenceBackend = () => (reference ??= new CudaBackend({ attention: "reference" }));
+afterAll(() => {
+  fused?.dispose();
+  reference?.dispose();
+});
+
+/** The bits of x rounded to the 2-byte type, and their values as numbers. */
+function roundTo(x: Float32Array, elem: "bf16" | "f16"): { bits: Uint16Array; values: Float64Array } {
+  const bits = new Uint16Array(x.length);
+  const values = new Float64Array(x.length);
+  const f = new Float32Array(1);
+  const u = new Uint32Array(f.buffer);
+  for (let i = 0; i < x.length; i++) {
+    if (elem === "bf16") {
+      f[0] = x[i]!;
+      const rounded = (u[0]! + 0x7fff + ((u[0]! >>> 16) & 1)) >>> 16;
+      bits[i] = rounded;
+      u[0] = rounded << 16;
+      values[i] = f[0]!;
+    } else {
+      const h = new Float16Array([x[i]!]);
+      bits[i] = new Uint16Array(h.buffer)[0]!;
+      values[i] = h[0]!;
+    }
+  }
+  return { bits, values };
+}
+
+interface Outputs {
+  out: Float32Array;
+  lse: Float32Array;
+  dqkv: Float32Array;
+}
+
+/** One forward and backward on `be`; dqkv starts at `dqkv0` (backward adds). */
+function attention(
+  be: CudaBackend,
+  qkv16: Uint16Array,
+  dout: Float32Array,
+  dqkv0: Float32Array,
+  s: { B: number; T: number; C: number; H: number },
+  elem: ElemType,
+): Outputs {
+  const { B, T, C, H } = s;
+  const scale = 1 / Math.sqrt(C / H);
+  const qkv = be.alloc(qkv16.byteLength);
+  const out = be.alloc(B * T * C * 4);
+  const lse = be.alloc(B * H * T * 4);
+  const delta = be.alloc(B * H * T * 4);
+  const dO = be.alloc(dout.byteLength);
+  const dqkv = be.alloc(dqkv0.byteLength);
+  be.upload(qkv.ptr, qkv16);
+  be.upload(dO.ptr, dout);
+  be.upload(dqkv.ptr, dqkv0);
+  be.attentionForward(out.ptr, lse.ptr, qkv.ptr, B, T, C, H, scale, elem);
+  be.attentionBackward(dqkv.ptr, delta.ptr, dO.ptr, out.ptr, lse.ptr, qkv.ptr, B, T, C, H, scale, elem);
+  const r = { out: new Float32Array(B * T * C), lse: new Float32Array(B * H * T), dqkv: new Float32Array(dqkv0.length) };
+  be.download(out.ptr, r.out);
+  be.download(lse.ptr, r.lse);
+  be.download(dqkv.ptr, r.dqkv);
+  for (const a of [qkv, out, lse, delta, dO, dqkv]) be.free(a);
+  return r;
+}
+
+/** max |a - b| over max |b|: the error relative to the largest value */
+function relMax(a: ArrayLike<number>, b: ArrayLike<number>): number {
+  let err = 0;
+  let scale = 0;
+  for (let i = 0; i < b.length; i++) {
+    err = Math.max(err, Math.abs(a[i]! - b[i]!));
+    scale = Math.max(scale, Math.abs(b[i]!));
+  }
+  return err / Math.max(scale, 1e-30);
+}
+
+const shapes = [
+  { B: 2, T: 64, H: 2, D: 64 },
+  { B: 1, T: 100, H: 3, D: 64 },
+  { B: 2, T: 1, H: 2, D: 64 },
+  { B: 1, T: 77, H: 2, D: 128 },
+];
+
+describe.skipIf(skip("a GPU", probe.ok ? null : probe.reason) || skip("cuDNN 9", cudnnMissing))(
+  "cuDNN's fused attention on the GPU",
+  () => {
+    describe.each(["bf16", "f16"] as const)("%s", (elem) => {
+      test.each(shapes)("B=$B T=$T H=$H D=$D: out, lse and dqkv against the kernels and float64", (sh) => {
+        const { B, T, H, D } = sh;
+        const C = H * D;
+        const s = { B, T, C, H };
+        const rng = new Rng(B * 1000 + T * 10 + D);
+        const qkv32 = Float32Array.from({ length: B * T * 3 * C }, () => rng.normal());
+        const { bits, values } = roundTo(qkv32, elem);
+        const dout = Float32Array.from({ length: B * T * C }, () => rng.normal());
+        const dqkv0 = Float32Array.from({ length: B * T * 3 * C }, () => rng.normal());
+        const a = attention(fusedBackend(), bits, dout, dqkv0, s, elem);
+        const b = attention(referenceBackend(), bits, dout, dqkv0, s, elem);
+        const want = causalSelfAttentionReference(values, B, T, C, H).out;
+        const dwant = causalSelfAttentionBackwardReference(values, Float64Array.from(dout), B, T, C, H);
+        const dA = a.dqkv.map((v, i) => v - dqkv0[i]!);
+        const dB = b.dqkv.map((v, i) => v - dqkv0[i]!);
+        // both round P (and backward's dS) to the 2-byte type before a product: errors of that size
+        const tol = elem === "bf16" ? 2e-2 : 4e-3;
+        expect(relMax(a.out, want)).toBeLessThan(tol);
+        expect(relMax(b.out, want)).toBeLessThan(tol);
+        expect(relMax(a.lse, b.lse)).toBeLessThan(1e-4);
+        expect(relMax(dA, dwant)).toBeLessThan(2 * tol);
+        expect(relMax(dB, dwant)).toBeLessThan(2 * tol);
+        expect(relMax(dA, dB)).toBeLessThan(2 * tol);
+      });
+    });
+
+    test("GPT-2 small's attention (B=8 T=1024 H=12 D=64, bf16): both paths timed", () => {
+      const [B, T, H, D] = [8, 1024, 12, 64];
+      const C = H * D;
+      const flopFwd = 2 * B * H * T * T * D; // two products over the causal half
+      const report: string[] = [];
+      for (const [name, be] of [
+        ["cuDNN", fusedBackend()],
+        ["reference kernels", referenceBackend()],
+      ] as const) {
+        const qkv = be.alloc(B * T * 3 * C * 2);
+        const out = be.alloc(B * T * C * 4);
+        const lse = be.alloc(B * H * T * 4);
+        const delta = be.alloc(B * H * T * 4);
+        const dO = be.alloc(B * T * C * 4);
+        const dqkv = be.alloc(B * T * 3 * C * 4);
+        const rng = new Rng(5);
+        be.upload(qkv.ptr, roundTo(Float32Array.from({ length: B * T * 3 * C }, () => rng.normal()), "bf16").bits);
+        be.upload(dO.ptr, Float32Array.from({ length: B * T * C }, () => rng.normal()));
+        const scale = 1 / Math.sqrt(D);
+        const time = (fn: () => void) => {
+          fn();
+          be.synchronize();
+          const t = performance.now();
+          for (let i = 0; i < 5; i++) fn();
+          be.synchronize();
+          return (performance.now() - t) / 5;
+        };
+        const fwd = time(() => be.attentionForward(out.ptr, lse.ptr, qkv.ptr, B, T, C, H, scale, "bf16"));
+        const bwd = time(() =>
+          be.attentionBackward(dqkv.ptr, delta.ptr, dO.ptr, out.ptr, lse.ptr, qkv.ptr, B, T, C, H, scale, "bf16"),
+        );
+        report.push(
+          `${name}: forward ${fwd.toFixed(2)} ms (${((flopFwd / fwd) * 1e-9).toFixed(0)} TFLOP/s), ` +
+            `backward ${bwd.toFixed(2)} ms (${((2.5 * flopFwd) / bwd * 1e-9).toFixed(0)} TFLOP/s)`,
+        );
+        for (const x of [qkv, out, lse, delta, dO, dqkv]) be.free(x);
+      }
+      console.log(`attention at GPT-2 small's shape, per layer: ${report.join("; ")}`);
+      console.log(`fused path: ${fusedBackend().describeAttention("bf16")}`);
+      expect(report.length).toBe(2);
+    });
+  },
+);
