@@ -11,6 +11,7 @@
 import { join } from "node:path";
 import type { Backend } from "../ffi/backend.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
+import { CudaBackend } from "../ffi/cuda/backend.ts";
 import { ConfigError } from "../engine/errors.ts";
 import { gptMemory } from "../engine/memory.ts";
 import { autocastDType, type Precision } from "../engine/mixed.ts";
@@ -40,7 +41,8 @@ export interface ConfigBenchRow {
   act_peak_mib: number | string;
   /** the analytic count of the same (engine/memory.ts) */
   act_predicted_mib: number | string;
-  /** device memory: everything the backend holds (ours), torch.cuda.max_memory_allocated (PyTorch) */
+  /** device memory: the most the backend held (ours: on a GPU the caching allocator's peak, cached
+   *  blocks included), torch.cuda.max_memory_allocated (PyTorch) */
   device_mib: number | string;
   /** the process's peak resident memory */
   rss_mib: number | string;
@@ -130,16 +132,24 @@ export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions):
     tokens_per_s: Math.round((B * T * 1000) / stepMs),
     act_peak_mib: mib(ctx.arena.passPeakBytes),
     act_predicted_mib: mib(predicted.activationsPeak),
-    device_mib: mib(be.stats.liveBytes),
+    // on a GPU the caching allocator's peak (what the device held at most, cached blocks and
+    // library scratch included), against PyTorch's max_memory_allocated: conservative for us
+    device_mib: mib(be instanceof CudaBackend ? be.allocatorStats.peakReservedBytes : be.stats.liveBytes),
     rss_mib: mib(process.resourceUsage().maxRSS * 1024),
   };
+  const launches = launchesPerStep(be, timeStep);
   const profile = profiler === null ? [] : profileSteps(profiler, timeStep, o.steps);
   ctx.dispose();
   const torch = o.torch ? torchRows(be, o, B) : [];
   const rows = [ours, ...torch];
   if (!o.quiet) printConfigReport(be, why, o, rows, profile);
+  if (!o.quiet && launches !== null)
+    console.log(
+      `work queued per step: ${launches.kernels} kernel launches, ${launches.gemms} cuBLAS GEMMs, ${launches.cudnn} cuDNN executions`,
+    );
   return {
     config: o.config,
+    ...(launches === null ? {} : { launches_per_step: launches }),
     shape,
     batch: B,
     precision: o.precision,
@@ -173,6 +183,15 @@ function gptStepTimer(be: Backend, ctx: Context, config: GptConfig, B: number): 
     be.synchronize();
     return performance.now() - t;
   };
+}
+
+/** What one more step queues on a CUDA backend (null on the CPU). */
+function launchesPerStep(be: Backend, timeStep: () => number): { kernels: number; gemms: number; cudnn: number } | null {
+  if (!(be instanceof CudaBackend)) return null;
+  const before = be.launchCounts;
+  timeStep();
+  const after = be.launchCounts;
+  return { kernels: after.kernels - before.kernels, gemms: after.gemms - before.gemms, cudnn: after.cudnn - before.cudnn };
 }
 
 /** Up to 5 more steps with every backend call timed: each op's time per step by phase, the largest first. */

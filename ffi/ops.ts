@@ -32,6 +32,8 @@ export interface OpDecl {
   /** takes a last, optional `inRange`: the caller has checked on the host that every id or target
    *  is in range, so the count is not wanted (a GPU backend then returns 0 without waiting) */
   readonly inRange?: true;
+  /** a GPU backend's plan also takes device scratch (for partial sums of a split reduction) */
+  readonly scratch?: true;
   /** the CPU kernel in ffi/cpu/kernels.c */
   readonly cpu: string;
   /** the C kernel's parameters by name, when their order is not the method's */
@@ -66,7 +68,12 @@ export const ops = {
 
   // ---- layers ----
   biasAdd: { args: [p("out"), p("inp"), p("bias"), i("N"), i("C")], result: "void", cpu: "mt_bias_add_f32" },
-  biasBackward: { args: [p("dbias"), p("dout"), i("N"), i("C")], result: "void", cpu: "mt_bias_backward_f32" },
+  biasBackward: {
+    args: [p("dbias"), p("dout"), i("N"), i("C")],
+    result: "void",
+    scratch: true,
+    cpu: "mt_bias_backward_f32",
+  },
   reluForward: { args: [p("out"), p("inp"), i("n")], result: "void", cpu: "mt_relu_forward_f32" },
   reluBackward: { args: [p("dinp"), p("inp"), p("dout"), i("n")], result: "void", cpu: "mt_relu_backward_f32" },
   geluForward: { args: [p("out"), p("inp"), i("n")], result: "void", cpu: "mt_gelu_forward_f32" },
@@ -115,6 +122,7 @@ export const ops = {
   layerNormBackward: {
     args: [p("dinp"), p("dweight"), p("dbias"), p("dout"), p("inp"), p("weight"), p("mean"), p("rstd"), i("N"), i("C")],
     result: "void",
+    scratch: true,
     cpu: "mt_layernorm_backward_f32",
   },
   /** returns the count of ids outside [0, V) (their rows come out zero) */

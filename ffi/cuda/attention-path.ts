@@ -55,6 +55,8 @@ export class AttentionRouter {
   readonly #plans = new Map<string, CudnnPlan>();
   /** shapes cuDNN refused, with its reason (auto runs the kernels for them) */
   readonly #refused = new Map<string, string>();
+  /** cuDNN plans executed */
+  executions = 0;
 
   constructor(choice: AttentionChoice, device: AttentionDevice, cudnnPath?: string) {
     if (!(attentionChoices as readonly string[]).includes(choice))
@@ -199,6 +201,7 @@ export class AttentionRouter {
   #execute(plan: CudnnPlan, bound: readonly (readonly [number, Ptr])[], workspace: Ptr): void {
     const cudnn = this.#handle() as Cudnn;
     cudnn.execute(plan, new Map(bound), workspace);
+    this.executions++;
   }
 }
 

@@ -29,7 +29,7 @@ import { Cublas, findCublas, loadCublas } from "./cublas.ts";
 import { CU_EVENT_DISABLE_TIMING, driver, type Driver, hostBytes } from "./driver.ts";
 import { ensurePtx } from "./build.ts";
 import { type OpDecl, type OpMethods, type OpName, ops } from "../ops.ts";
-import { type KernelName, kernelSpecs, type Launch, plans, scratchBytes } from "./kernels.ts";
+import { type KernelName, kernelSpecs, type Launch, planTakesScratch, plans, scratchBytes } from "./kernels.ts";
 import { type AttentionChoice, AttentionRouter } from "./attention-path.ts";
 
 export { probeCuda } from "./driver.ts";
@@ -94,6 +94,8 @@ export class CudaBackend implements Backend {
   readonly #attention: AttentionRouter;
   #stagingNext = 0;
   #allocCount = 0;
+  #kernelLaunches = 0;
+  #gemmCalls = 0;
   #allocBytes = 0;
   #liveBytes = 0;
   #disposed = false;
@@ -136,7 +138,9 @@ export class CudaBackend implements Backend {
       const n = d.args.length;
       self[name] =
         d.result === "void"
-          ? (...args: unknown[]) => this.#run(plan(...args))
+          ? planTakesScratch(d)
+            ? (...args: unknown[]) => this.#run(plan(this.#scratch, ...args))
+            : (...args: unknown[]) => this.#run(plan(...args))
           : (...args: unknown[]) => {
               this.#run(plan(this.#scratch, ...args));
               return d.inRange === true && args[n] === true ? 0 : this.#readResult(d.result as "i64" | "f64");
@@ -187,6 +191,12 @@ export class CudaBackend implements Backend {
 
   get stats(): BackendStats {
     return { allocCount: this.#allocCount, allocBytes: this.#allocBytes, liveBytes: this.#liveBytes };
+  }
+
+  /** Work queued on the stream since the backend was made: kernel launches, cuBLAS GEMMs and
+   *  cuDNN executions (the bench divides by steps). */
+  get launchCounts(): { kernels: number; gemms: number; cudnn: number } {
+    return { kernels: this.#kernelLaunches, gemms: this.#gemmCalls, cudnn: this.#attention.executions };
   }
 
   get allocatorStats(): CachingAllocatorStats {
@@ -280,6 +290,7 @@ export class CudaBackend implements Backend {
   gemm(desc: GemmDesc): void {
     const g = gemmCall(desc);
     if (g.M === 0 || g.N === 0 || g.batch === 0) return;
+    this.#gemmCalls++;
     this.#cublas().gemm(g);
   }
 
@@ -330,6 +341,7 @@ export class CudaBackend implements Backend {
 
   #launch(l: Launch): void {
     const params = kernelSpecs[l.kernel].params;
+    this.#kernelLaunches++;
     // a wrong argument list is a programmer error in kernels.ts, never an operating error
     if (l.args.length !== params.length)
       throw new Error(`${l.kernel}: ${l.args.length} arguments for ${params.length} parameters`);

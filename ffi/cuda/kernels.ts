@@ -89,11 +89,16 @@ export const kernelSpecs = {
     "dropoutForward",
     "dropoutBackward",
   ]),
+  mt_bias_backward_partial_f32: { module: "layers", params: ["ptr", "ptr", "i64", "i64", "i64"] },
   mt_crossentropy_forward_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
   mt_crossentropy_loss_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
   ...opKernels("crossentropy", ["crossEntropyBackward"]),
   ...opKernels("layernorm", ["layerNormForward", "residualLayerNormForward"]),
   mt_layernorm_backward_f32: { module: "layernorm", params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
+  mt_layernorm_params_partial_f32: {
+    module: "layernorm",
+    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "i64"],
+  },
   mt_layernorm_backward_params_f32: {
     module: "layernorm",
     params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"],
@@ -105,6 +110,7 @@ export const kernelSpecs = {
   mt_attention_backward_kv_f32: { module: "attention", params: attentionBackwardParams },
   mt_attention_backward_q_f32: { module: "attention", params: attentionBackwardParams },
   ...opKernels("reduce", ["sum"]),
+  mt_column_partials_add_f32: { module: "reduce", params: ["ptr", "ptr", "i64", "i64"] },
   mt_sum_squares_partial_f32: { module: "reduce", params: unary },
   mt_count_nonfinite_partial_f32: { module: "reduce", params: unary },
   mt_sum_partials_f64: { module: "reduce", params: unary },
@@ -167,6 +173,13 @@ const blockRowThreadsMax = 512;
 // dim): 32 consecutive columns (one coalesced 128-byte read per row) by up to 32 row slices.
 // The .cu files size their shared partials for these (BIAS_Y_MAX etc.).
 const columnRowSlicesMax = 32;
+// Split column sums (biasBackward, the LayerNorm parameter gradients): enough (chunk, row range)
+// tasks for about 4 blocks of 1024 threads per SM on a 132-SM H100, each range at least
+// splitRowsMin rows (shorter ones cost more in the second pass than they save); their partials
+// live in scratch from columnPartialsOffset, past the scalar plans' partials.
+const splitColumnBlocks = 512;
+const splitRowsMin = 64;
+const columnPartialsOffset = 16 * 1024;
 // Attention tiles (kernels/attention.cu): 32 rows of one head per block, 4 threads a row; the
 // kernels assume exactly this block, and size their shared tiles for head sizes up to 128.
 export const attentionThreads = 128;
@@ -179,7 +192,7 @@ const singleBlockThreads = 1024;
 // has at least this many inputs (>= 32 per thread); below it a warp per element.
 const rowsBlockGroupMin = 32768;
 
-if (partialsMax * 8 + scratchPartialsOffset > scratchBytes) throw new Error("kernels.ts: partials exceed scratch");
+if (partialsMax * 8 + scratchPartialsOffset > columnPartialsOffset) throw new Error("kernels.ts: partials overlap");
 if (gridBlocksMax > gridXMax) throw new Error("kernels.ts: gridBlocksMax exceeds the grid limit");
 if (warpRowThreads % warpSize !== 0 || blockRowThreadsMax % warpSize !== 0) {
   throw new Error("kernels.ts: row kernels need whole warps");
@@ -272,6 +285,32 @@ function attentionTiles(B: number, T: number, C: number, H: number): number {
 /** A launch over attention tasks (each kernel loops over tasks, so the grid is capped). */
 function attentionLaunch(kernel: KernelName, tasks: number, args: readonly (number | bigint)[]): Launch {
   return launch(kernel, Math.min(gridBlocksMax, tasks), [attentionThreads, 1, 1], args);
+}
+
+/**
+ * How a column sum over N rows splits into row ranges so that about splitColumnBlocks blocks run
+ * (C / 32 blocks alone leave most SMs idle: 24 for C = 768); `arrays` sums share the scratch.
+ * null where one pass is enough (or the partials would not fit in scratch). Depends on N and C
+ * alone, so a shape always sums in the same order.
+ */
+function columnSplits(N: number, C: number, arrays: number): { splits: number; rowsPer: number } | null {
+  const chunks = Math.ceil(C / warpSize);
+  const fit = Math.floor((scratchBytes - columnPartialsOffset) / (4 * arrays * C));
+  const wanted = Math.min(Math.ceil(splitColumnBlocks / chunks), Math.ceil(N / splitRowsMin), fit);
+  if (wanted < 2) return null;
+  const rowsPer = Math.ceil(N / wanted);
+  return { splits: Math.ceil(N / rowsPer), rowsPer };
+}
+
+/** A (32 columns) x (row slices) launch over every (column chunk, row split) task. */
+function splitColumns(
+  kernel: KernelName,
+  C: number,
+  split: { splits: number; rowsPer: number },
+  args: readonly (number | bigint)[],
+): Launch {
+  const slices = Math.max(1, Math.min(columnRowSlicesMax, split.rowsPer));
+  return launch(kernel, blocksFor(Math.ceil(C / warpSize) * split.splits, 1), [warpSize, slices, 1], args);
 }
 
 function singleBlock(kernel: KernelName, args: readonly (number | bigint)[]): Launch {
@@ -387,12 +426,15 @@ function twoPass(partialKernel: KernelName, finalKernel: KernelName, scratch: Pt
 // ---- plans --------------------------------------------------------------------------------------
 
 /** Every op (ffi/ops.ts) has a plan taking the method's arguments; one that returns a number to
- *  JavaScript takes `scratch` first. */
+ *  JavaScript, or is declared with `scratch`, takes `scratch` first. */
 type Plan<M extends OpName> = Backend[M] extends (...args: infer A) => unknown
-  ? (typeof ops)[M]["result"] extends "void"
+  ? (typeof ops)[M] extends { result: "void"; scratch?: undefined }
     ? (...args: A) => Launch[]
     : (scratch: Ptr, ...args: A) => Launch[]
   : never;
+
+/** Whether a plan takes scratch first (see Plan). */
+export const planTakesScratch = (d: OpDecl): boolean => d.result !== "void" || d.scratch === true;
 
 export type Plans = { readonly [M in OpName]: Plan<M> };
 
@@ -433,9 +475,15 @@ export const plans = {
   biasAdd(out, inp, bias, N, C): Launch[] {
     return elementwise("mt_bias_add_f32", N * C, [out, inp, bias, N, C]);
   },
-  biasBackward(dbias, dout, N, C): Launch[] {
+  biasBackward(scratch, dbias, dout, N, C): Launch[] {
     if (N * C === 0) return [];
-    return [columns("mt_bias_backward_f32", N, C, [dbias, dout, N, C])];
+    const split = columnSplits(N, C, 1);
+    if (split === null) return [columns("mt_bias_backward_f32", N, C, [dbias, dout, N, C])];
+    const partials = scratch + columnPartialsOffset;
+    return [
+      splitColumns("mt_bias_backward_partial_f32", C, split, [partials, dout, N, C, split.rowsPer]),
+      ...elementwise("mt_column_partials_add_f32", C, [dbias, partials, split.splits, C]),
+    ];
   },
   reluForward(out, inp, n): Launch[] {
     return elementwise("mt_relu_forward_f32", n, [out, inp, n]);
@@ -479,11 +527,19 @@ export const plans = {
     if (N === 0) return [];
     return [warpRows("mt_residual_layernorm_forward_f32", N, [sum, out, mean, rstd, x, d, weight, bias, N, C, eps])];
   },
-  layerNormBackward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C): Launch[] {
+  layerNormBackward(scratch, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C): Launch[] {
     if (N * C === 0) return [];
+    const rows = warpRows("mt_layernorm_backward_f32", N, [dinp, dout, inp, weight, mean, rstd, N, C]);
+    const split = columnSplits(N, C, 2);
+    if (split === null)
+      return [rows, columns("mt_layernorm_backward_params_f32", N, C, [dweight, dbias, dout, inp, mean, rstd, N, C])];
+    const partials = scratch + columnPartialsOffset;
+    const dbiasPartials = partials + 4 * split.splits * C;
     return [
-      warpRows("mt_layernorm_backward_f32", N, [dinp, dout, inp, weight, mean, rstd, N, C]),
-      columns("mt_layernorm_backward_params_f32", N, C, [dweight, dbias, dout, inp, mean, rstd, N, C]),
+      rows,
+      splitColumns("mt_layernorm_params_partial_f32", C, split, [partials, dout, inp, mean, rstd, N, C, split.rowsPer]),
+      ...elementwise("mt_column_partials_add_f32", C, [dweight, partials, split.splits, C]),
+      ...elementwise("mt_column_partials_add_f32", C, [dbias, dbiasPartials, split.splits, C]),
     ];
   },
   embeddingForward(scratch, out, ids, table, N, C, V, inRange = false): Launch[] {

@@ -130,3 +130,42 @@ mt_layernorm_backward_params_f32(float* dweight, float* dbias, const float* dout
     __syncthreads();  // the partials are rewritten by the next chunk
   }
 }
+
+// The same sums split over row ranges too (see mt_bias_backward_partial_f32 in layers.cu): task
+// (chunk, split) writes its rows' sums to partials: dweight's at [split * C + c], dbias's at
+// [(splits + split) * C + c]; mt_column_partials_add_f32 adds the splits in order.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_layernorm_params_partial_f32(float* partials, const float* dout, const float* inp, const float* mean,
+                                const float* rstd, int64_t N, int64_t C, int64_t rows_per) {
+  __shared__ float dw_partial[PARAMS_Y_MAX][WARP_SIZE + 1];
+  __shared__ float db_partial[PARAMS_Y_MAX][WARP_SIZE + 1];
+  const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
+  const int64_t splits = (N + rows_per - 1) / rows_per;
+  for (int64_t task = blockIdx.x; task < chunks * splits; task += gridDim.x) {
+    const int64_t chunk = task % chunks, split = task / chunks;
+    const int64_t c = chunk * WARP_SIZE + threadIdx.x;
+    const int64_t end = (split + 1) * rows_per < N ? (split + 1) * rows_per : N;
+    float dw = 0.0f, db = 0.0f;
+    if (c < C) {
+      for (int64_t n = split * rows_per + threadIdx.y; n < end; n += blockDim.y) {
+        const float g = dout[n * C + c];
+        const float norm = (inp[n * C + c] - mean[n]) * rstd[n];
+        dw += norm * g;
+        db += g;
+      }
+    }
+    dw_partial[threadIdx.y][threadIdx.x] = dw;
+    db_partial[threadIdx.y][threadIdx.x] = db;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+      float dw_total = 0.0f, db_total = 0.0f;
+      for (unsigned y = 0; y < blockDim.y; y++) {
+        dw_total += dw_partial[y][threadIdx.x];
+        db_total += db_partial[y][threadIdx.x];
+      }
+      partials[split * C + c] = dw_total;
+      partials[(splits + split) * C + c] = db_total;
+    }
+    __syncthreads();  // the partials are rewritten by the next task
+  }
+}

@@ -39,6 +39,34 @@ mt_bias_backward_f32(float* dbias, const float* dout, int64_t N, int64_t C) {
   }
 }
 
+// The same sum split over row ranges too, for when C / 32 blocks would leave most SMs idle (C = 768
+// is 24 blocks): task (chunk, split) sums rows [split * rows_per, +rows_per) of 32 channels into
+// partials[split * C + c] (overwritten); mt_column_partials_add_f32 then adds the splits in order.
+// The split count is the plan's, from N and C alone, so the order is fixed. Block (32, Y <= 32).
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_bias_backward_partial_f32(float* partials, const float* dout, int64_t N, int64_t C, int64_t rows_per) {
+  __shared__ float partial[BIAS_Y_MAX][WARP_SIZE + 1];
+  const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
+  const int64_t splits = (N + rows_per - 1) / rows_per;
+  for (int64_t task = blockIdx.x; task < chunks * splits; task += gridDim.x) {
+    const int64_t chunk = task % chunks, split = task / chunks;
+    const int64_t c = chunk * WARP_SIZE + threadIdx.x;
+    const int64_t end = (split + 1) * rows_per < N ? (split + 1) * rows_per : N;
+    float acc = 0.0f;
+    if (c < C) {
+      for (int64_t n = split * rows_per + threadIdx.y; n < end; n += blockDim.y) acc += dout[n * C + c];
+    }
+    partial[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+      float total = 0.0f;
+      for (unsigned y = 0; y < blockDim.y; y++) total += partial[y][threadIdx.x];
+      partials[split * C + c] = total;
+    }
+    __syncthreads();  // partial is rewritten by the next task
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // relu, gelu
 // ---------------------------------------------------------------------------------------------

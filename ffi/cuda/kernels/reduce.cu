@@ -55,3 +55,14 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
 mt_sum_partials_i64(int64_t* result, const int64_t* partials, int64_t count) {
   sum_partials(result, partials, count);
 }
+
+// out (C) += sum over s of partials (splits, C), in split order: the second pass of the split
+// column sums (bias and LayerNorm parameter gradients). A thread per column.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_column_partials_add_f32(float* out, const float* partials, int64_t splits, int64_t C) {
+  for (int64_t c = thread_index(); c < C; c += thread_count()) {
+    float total = 0.0f;
+    for (int64_t s = 0; s < splits; s++) total += partials[s * C + c];
+    out[c] += total;
+  }
+}
