@@ -186,12 +186,19 @@ function gptStepTimer(be: Backend, ctx: Context, config: GptConfig, B: number): 
 }
 
 /** What one more step queues on a CUDA backend (null on the CPU). */
-function launchesPerStep(be: Backend, timeStep: () => number): { kernels: number; gemms: number; cudnn: number } | null {
+function launchesPerStep(
+  be: Backend,
+  timeStep: () => number,
+): { kernels: number; gemms: number; cudnn: number } | null {
   if (!(be instanceof CudaBackend)) return null;
   const before = be.launchCounts;
   timeStep();
   const after = be.launchCounts;
-  return { kernels: after.kernels - before.kernels, gemms: after.gemms - before.gemms, cudnn: after.cudnn - before.cudnn };
+  return {
+    kernels: after.kernels - before.kernels,
+    gemms: after.gemms - before.gemms,
+    cudnn: after.cudnn - before.cudnn,
+  };
 }
 
 /** Up to 5 more steps with every backend call timed: each op's time per step by phase, the largest first. */

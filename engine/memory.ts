@@ -63,33 +63,43 @@ export function gptActivationTerms(config: GptConfig, o: GptMemoryOptions): GptA
   const BTC = B * T * C,
     BT = B * T,
     BTV = B * T * V;
-  // per layer: the block's input x, ln_1's output, qkv, attention's output, the residual sum,
-  // ln_2's output, c_fc's pre-activation and its GELU (16 BTC in f32), LayerNorms' mean and rstd
-  // and attention's log-sum-exp (4 BT + B H T); under autocast the GEMM inputs as 2-byte copies
-  // (ln_1 out, attention out beside its f32 self, ln_2 out, GELU out; qkv) and the weights too.
-  // Cut over R tensor ranks, qkv, attention's output and the MLP's 4C are 1/R on a rank, as are
-  // the weights; x, the LayerNorms' outputs and the residual sum are whole.
+  // per layer in f32: the block's input x, ln_1's output, qkv, attention's output, the residual
+  // sum, ln_2's output, c_fc's pre-activation and its GELU (64 BTC), LayerNorms' mean and rstd and
+  // attention's log-sum-exp (4 BT + B H T). Under autocast (bf16 activations, engine/mixed.ts)
+  // all but x and the residual sum are stored in the 2-byte type: 4 + 2 + 6 + 2 + 4 + 2 + 8 + 8 =
+  // 36 BTC, and each layer's weights are copied to 2 bytes for its pass (24 C^2). Cut over R
+  // tensor ranks (forwardAsync, which keeps the replicated LayerNorm outputs in f32 and copies
+  // them for the GEMMs), qkv, attention's output and the MLP's 4C are 1/R on a rank, as are the
+  // weights; x, the LayerNorms' outputs and the residual sum are whole.
   const stats = 4 * (4 * BT + (B * H * T) / R);
   const layerWeights16 = (2 * 12 * C * C) / R;
-  const perLayer = half ? (12 + 36 / R) * BTC + stats + layerWeights16 : (16 + 48 / R) * BTC + stats;
-  // the head: the last block's output, ln_f's output (its 2-byte copy), its mean and rstd, the
-  // logits, the loss's lse (and the tied embedding's 2-byte copy)
+  const perLayerBTC = !half ? 16 + 48 / R : R === 1 ? 36 : 12 + 32 / R;
+  const perLayer = perLayerBTC * BTC + stats + (half ? layerWeights16 : 0);
+  // the head: the last block's output, ln_f's output (bf16 under autocast, with the tied
+  // embedding's 2-byte copy), its mean and rstd, the logits, the loss's lse
   const head = 4 * BTC + (half ? 2 * BTC + 2 * V * C : 4 * BTC) + 4 * (2 * BT) + 4 * BTV + 4 * BT;
-  // backward's peak above what forward kept: the head's input gradient (and the logits'
-  // gradient's 2-byte copy), or the last block's c_fc backward, which holds the residual's, the
-  // GELU's and ln_2's gradients and the pre-activation's (and its copy) once the logits, ln_f's
-  // output, the last block's output and the GELU output are freed
-  const headExtra = 4 * BTC + (half ? 2 * BTV : 0);
-  const mlpExtra = half ? 34 * BTC - 4 * BTV - 2 * V * C - 8 * C * C : 16 * BTC - 4 * BTV;
-  // recomputation: one block's forward again (its output too) and its c_fc backward
-  const replayInner = half ? 48 * BTC - 8 * BTC - 8 * C * C : 40 * BTC - 16 * BTC;
+  // backward's peak above what forward kept, at one of two places:
+  // - the head: ln_f output's gradient (2 bytes under autocast) and the logits' gradient's 2-byte
+  //   copy for the GEMMs;
+  // - the last block's c_proj backward (f32: c_fc's), once the logits, ln_f's output and its
+  //   statistics, the loss's lse and the last block's output are freed: the residual's gradient
+  //   and the add's copy of it (8), the GELU output's gradient (8; f32 16) and the output
+  //   gradient's 2-byte copy (2)
+  const headExtra = (half ? 2 : 4) * BTC + (half ? 2 * BTV : 0);
+  const mlpExtra = !half
+    ? 16 * BTC - 4 * BTV
+    : R === 1
+      ? 12 * BTC - 4 * BTV - 2 * V * C - 12 * BT
+      : 34 * BTC - 4 * BTV - 2 * V * C - 8 * C * C;
+  // recomputation: one block's forward again (its output too) and its c_proj backward
+  const replayInner = !half ? 40 * BTC - 16 * BTC : R === 1 ? 18 * BTC : 48 * BTC - 8 * BTC - 8 * C * C;
   return { perLayer, head, headExtra, mlpExtra, replay: perLayer, replayInner, BTC };
 }
 
 /**
  * The count, term by term (docs/MEMORY.md says where each comes from). Under bf16/f16 autocast
- * the GEMMs' inputs are kept as 2-byte copies (the f32 originals are freed), and each layer's
- * weights are copied to 2 bytes for its pass.
+ * the activations that only GEMMs and attention read are stored in the 2-byte type, and each
+ * layer's weights are copied to 2 bytes for its pass.
  */
 export function gptMemory(config: GptConfig, o: GptMemoryOptions): GptMemory {
   const L = config.nLayer;

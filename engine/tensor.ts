@@ -17,7 +17,7 @@
 import type { Allocation, Backend, DType, Ptr } from "../ffi/backend.ts";
 import { dtypeBytes } from "../ffi/backend.ts";
 import { Arena, type ArenaBlock, type ArenaMark } from "./arena.ts";
-import { EngineError, ShapeError, StaleTensorError } from "./errors.ts";
+import { DTypeError, EngineError, ShapeError, StaleTensorError } from "./errors.ts";
 import { checkPrecision, type Precision } from "./mixed.ts";
 
 export type Shape = readonly number[];
@@ -360,9 +360,17 @@ export class Tensor {
     return out;
   }
 
+  /** Copy to host memory as float32: an f32 tensor as it is, a 2-byte one widened (exact). */
   toFloat32(): Float32Array {
-    if (this.dtype !== "f32") throw new EngineError(`toFloat32: tensor is ${this.dtype}`);
-    return this.toArray() as Float32Array;
+    if (this.dtype === "f32") return this.toArray() as Float32Array;
+    const bits = this.toArray();
+    if (this.dtype === "bf16") {
+      const wide = new Uint32Array(bits.length);
+      for (let i = 0; i < bits.length; i++) wide[i] = bits[i]! << 16;
+      return new Float32Array(wide.buffer);
+    }
+    if (this.dtype === "f16") return Float32Array.from(new Float16Array((bits as Uint16Array).buffer));
+    throw new EngineError(`toFloat32: tensor is ${this.dtype}`);
   }
 
   /** The value of a one-element tensor. */
@@ -666,8 +674,18 @@ export class Context {
       throw new ShapeError("backwardFrom", [output.shape, grad.shape], "grad shape differs");
     if (!output.requiresGrad)
       throw new EngineError("backwardFrom: output does not depend on any tensor that requires grad");
-    this.backend.copy(output.ensureGrad().ptr, grad.ptr, grad.bytes);
+    this.#seedGrad(output, grad);
     this.#runTape();
+  }
+
+  /** output's gradient = grad, rounded to output's type where that is a 2-byte one (an activation
+   *  under autocast) and grad is f32. */
+  #seedGrad(output: Tensor, grad: Tensor): void {
+    const into = output.ensureGrad();
+    if (grad.dtype === into.dtype) this.backend.copy(into.ptr, grad.ptr, grad.bytes);
+    else if (grad.dtype === "f32" && into.dtype === "bf16") this.backend.castF32ToBF16(into.ptr, grad.ptr, grad.numel);
+    else if (grad.dtype === "f32" && into.dtype === "f16") this.backend.castF32ToF16(into.ptr, grad.ptr, grad.numel);
+    else throw new DTypeError("backwardFrom", into.dtype, grad.dtype, grad.shape);
   }
 
   /** backward() for a tape whose ops may wait (tensor parallelism's collectives). */
@@ -682,7 +700,7 @@ export class Context {
       throw new ShapeError("backwardFrom", [output.shape, grad.shape], "grad shape differs");
     if (!output.requiresGrad)
       throw new EngineError("backwardFrom: output does not depend on any tensor that requires grad");
-    this.backend.copy(output.ensureGrad().ptr, grad.ptr, grad.bytes);
+    this.#seedGrad(output, grad);
     await this.#runTapeAsync();
   }
 

@@ -41,14 +41,21 @@ export type ElemType = "f32" | "bf16" | "f16";
 export type GemmInput = "f32" | "tf32" | "bf16" | "f16";
 export const gemmInputBytes: Readonly<Record<GemmInput, number>> = { f32: 4, tf32: 4, bf16: 2, f16: 2 };
 
+/** What C of a GEMM holds: f32, or (with 2-byte inputs of the same type) bf16 or f16, rounded
+ *  from the f32 accumulation. */
+export type GemmOutput = "f32" | "bf16" | "f16";
+
 /**
  * One GEMM, row-major: C (M,N) = alpha op(A) op(B) + beta C, where op(A) is (M,K) and op(B) (K,N),
  * or `batch` of them at the strides (in elements; a batch of 1 ignores them). A and B hold `input`
- * elements (default f32; bf16/f16: autocast copies); accumulation and C are always f32. Leading
- * dimensions are in elements. A zero M, N or batch does nothing; K = 0 makes C = beta C.
+ * elements (default f32; bf16/f16: autocast copies); accumulation is f32, and C holds `output`
+ * (default f32; a 2-byte output needs inputs of that type). Leading dimensions are in elements.
+ * A zero M, N or batch does nothing; K = 0 makes C = beta C.
  */
 export interface GemmDesc {
   input?: GemmInput;
+  /** default f32 */
+  output?: GemmOutput;
   transA?: boolean;
   transB?: boolean;
   M: number;
@@ -76,6 +83,7 @@ export interface GemmDesc {
 export function gemmCall(d: GemmDesc): Required<GemmDesc> {
   const g: Required<GemmDesc> = {
     input: "f32",
+    output: "f32",
     transA: false,
     transB: false,
     alpha: 1,
@@ -87,6 +95,8 @@ export function gemmCall(d: GemmDesc): Required<GemmDesc> {
     ...d,
   };
   if (!Object.hasOwn(gemmInputBytes, g.input)) throw new RangeError(`gemm: unknown input type ${String(g.input)}`);
+  if (g.output !== "f32" && g.output !== g.input)
+    throw new RangeError(`gemm: a ${String(g.output)} output needs ${String(g.output)} inputs, not ${g.input}`);
   const { M, N, K, lda, ldb, ldc, batch, strideA, strideB, strideC } = g;
   // every GEMM of a step comes through here: checked without allocating
   const whole = (v: number) => Number.isSafeInteger(v) && v >= 0;

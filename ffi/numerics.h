@@ -90,6 +90,24 @@ MT_FN float mt_f16_bits_to_f32(uint16_t h) {
   return mt_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
 }
 
+// ---- elements of a buffer that holds f32 or a 2-byte type ---------------------------------
+// elem: 0 f32, 1 bf16, 2 f16 (ffi/ops.ts elemCodes). A kernel whose activations may be stored in
+// the autocast type reads and writes them through these; its sums stay f32.
+MT_FN float mt_load_elem(const void* base, int64_t i, int32_t elem) {
+  if (elem == 1) return mt_bits_f32((uint32_t)((const uint16_t*)base)[i] << 16);
+  if (elem == 2) return mt_f16_bits_to_f32(((const uint16_t*)base)[i]);
+  return ((const float*)base)[i];
+}
+// rounds to nearest even for the 2-byte types
+MT_FN void mt_store_elem(void* base, int64_t i, float v, int32_t elem) {
+  if (elem == 1)
+    ((uint16_t*)base)[i] = mt_f32_to_bf16_bits(v);
+  else if (elem == 2)
+    ((uint16_t*)base)[i] = mt_f32_to_f16_bits(v);
+  else
+    ((float*)base)[i] = v;
+}
+
 // ---- optimizer updates of one parameter (PyTorch semantics) ---------------------------------
 // SGD: g = grad + wd p; buf = first ? g : momentum buf + (1 - dampening) g;
 // step = nesterov ? g + momentum buf : buf; p -= lr step. momentum == 0 means plain SGD (mom

@@ -43,6 +43,7 @@ export interface OpDecl {
 const p = (name: string) => [name, "ptr"] as const;
 const i = (name: string) => [name, "i64"] as const;
 const f = (name: string) => [name, "f32"] as const;
+const e = ["elem", "elem"] as const;
 
 export const ops = {
   // ---- elementwise (f32) ----
@@ -67,17 +68,25 @@ export const ops = {
   },
 
   // ---- layers ----
-  biasAdd: { args: [p("out"), p("inp"), p("bias"), i("N"), i("C")], result: "void", cpu: "mt_bias_add_f32" },
+  // `elem` says what the activations (and their gradients) hold: f32, or the autocast type
+  // (engine/mixed.ts); biases, LayerNorm's parameters and statistics, and sums are f32.
+  /** out, inp (N,C) of elem; out may be inp */
+  biasAdd: {
+    args: [p("out"), p("inp"), p("bias"), i("N"), i("C"), e],
+    result: "void",
+    cpu: "mt_bias_add_f32",
+  },
+  /** dbias (C) f32 += column sums of dout (N,C) of elem */
   biasBackward: {
-    args: [p("dbias"), p("dout"), i("N"), i("C")],
+    args: [p("dbias"), p("dout"), i("N"), i("C"), e],
     result: "void",
     scratch: true,
     cpu: "mt_bias_backward_f32",
   },
-  reluForward: { args: [p("out"), p("inp"), i("n")], result: "void", cpu: "mt_relu_forward_f32" },
-  reluBackward: { args: [p("dinp"), p("inp"), p("dout"), i("n")], result: "void", cpu: "mt_relu_backward_f32" },
-  geluForward: { args: [p("out"), p("inp"), i("n")], result: "void", cpu: "mt_gelu_forward_f32" },
-  geluBackward: { args: [p("dinp"), p("inp"), p("dout"), i("n")], result: "void", cpu: "mt_gelu_backward_f32" },
+  reluForward: { args: [p("out"), p("inp"), i("n"), e], result: "void", cpu: "mt_relu_forward_f32" },
+  reluBackward: { args: [p("dinp"), p("inp"), p("dout"), i("n"), e], result: "void", cpu: "mt_relu_backward_f32" },
+  geluForward: { args: [p("out"), p("inp"), i("n"), e], result: "void", cpu: "mt_gelu_forward_f32" },
+  geluBackward: { args: [p("dinp"), p("inp"), p("dout"), i("n"), e], result: "void", cpu: "mt_gelu_backward_f32" },
   dropoutForward: {
     args: [p("out"), p("inp"), i("n"), f("p"), ["seed", "u64"]],
     result: "void",
@@ -88,9 +97,9 @@ export const ops = {
     result: "void",
     cpu: "mt_dropout_backward_f32",
   },
-  /** pre += bias in place, out = gelu(pre) (a layer's bias and activation in one pass) */
+  /** pre += bias in place, out = gelu(pre) (a layer's bias and activation in one pass); both of elem */
   biasGeluForward: {
-    args: [p("out"), p("pre"), p("bias"), i("N"), i("C")],
+    args: [p("out"), p("pre"), p("bias"), i("N"), i("C"), e],
     result: "void",
     cpu: "mt_bias_gelu_forward_f32",
   },
@@ -108,19 +117,47 @@ export const ops = {
     result: "void",
     cpu: "mt_crossentropy_backward_f32",
   },
+  /** out (N,C) of elem; inp f32 */
   layerNormForward: {
-    args: [p("out"), p("mean"), p("rstd"), p("inp"), p("weight"), p("bias"), i("N"), i("C"), f("eps")],
+    args: [p("out"), p("mean"), p("rstd"), p("inp"), p("weight"), p("bias"), i("N"), i("C"), f("eps"), e],
     result: "void",
     cpu: "mt_layernorm_forward_f32",
   },
-  /** sum = x + d, out = layerNorm(sum): a residual add and the LayerNorm that reads it, in one pass */
+  /** sum = x + d, out = layerNorm(sum): a residual add and the LayerNorm that reads it, in one pass;
+   *  out of elem, the rest f32 */
   residualLayerNormForward: {
-    args: [p("sum"), p("out"), p("mean"), p("rstd"), p("x"), p("d"), p("weight"), p("bias"), i("N"), i("C"), f("eps")],
+    args: [
+      p("sum"),
+      p("out"),
+      p("mean"),
+      p("rstd"),
+      p("x"),
+      p("d"),
+      p("weight"),
+      p("bias"),
+      i("N"),
+      i("C"),
+      f("eps"),
+      e,
+    ],
     result: "void",
     cpu: "mt_residual_layernorm_forward_f32",
   },
+  /** dout (the out's gradient) of elem; the rest f32 */
   layerNormBackward: {
-    args: [p("dinp"), p("dweight"), p("dbias"), p("dout"), p("inp"), p("weight"), p("mean"), p("rstd"), i("N"), i("C")],
+    args: [
+      p("dinp"),
+      p("dweight"),
+      p("dbias"),
+      p("dout"),
+      p("inp"),
+      p("weight"),
+      p("mean"),
+      p("rstd"),
+      i("N"),
+      i("C"),
+      e,
+    ],
     result: "void",
     scratch: true,
     cpu: "mt_layernorm_backward_f32",
@@ -137,15 +174,15 @@ export const ops = {
     result: "void",
     cpu: "mt_embedding_backward_f32",
   },
-  /** causal self-attention over qkv (B,T,3C) of `elem`, H heads: out (B,T,C), lse (B,H,T) f32;
-   *  tiles with an online softmax, no (T,T) matrix */
+  /** causal self-attention over qkv (B,T,3C) of `elem`, H heads: out (B,T,C) of elem, lse (B,H,T)
+   *  f32; tiles with an online softmax, no (T,T) matrix */
   attentionForward: {
-    args: [p("out"), p("lse"), p("qkv"), i("B"), i("T"), i("C"), i("H"), f("scale"), ["elem", "elem"]],
+    args: [p("out"), p("lse"), p("qkv"), i("B"), i("T"), i("C"), i("H"), f("scale"), e],
     result: "void",
     cpu: "mt_attention_forward_f32",
   },
-  /** dqkv (B,T,3C) f32 += the gradient, recomputing the scores tile by tile from lse; delta
-   *  (B,H,T) is scratch (each row's dout . out) */
+  /** dqkv (B,T,3C) += the gradient (= without accumulate), recomputing the scores tile by tile
+   *  from lse; dqkv, dout and out of elem; delta (B,H,T) is scratch (each row's dout . out) */
   attentionBackward: {
     args: [
       p("dqkv"),
@@ -159,7 +196,8 @@ export const ops = {
       i("C"),
       i("H"),
       f("scale"),
-      ["elem", "elem"],
+      e,
+      ["accumulate", "bool"],
     ],
     result: "void",
     cpu: "mt_attention_backward_f32",

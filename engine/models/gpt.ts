@@ -1,5 +1,6 @@
 // gpt: a GPT-2 style decoder-only transformer (nanoGPT's model), with tied input/output
 // embeddings. idx (B,T) i32 -> logits (B,T,V).
+import { activationDType } from "../mixed.ts";
 import { ConfigError, ShapeError } from "../errors.ts";
 import { Block } from "../nn/block.ts";
 import { Embedding } from "../nn/embedding.ts";
@@ -168,7 +169,8 @@ export class GptModel implements Model {
 
   /** The last stage: the final norm and the tied head, (B,T,C) -> logits (B,T,V). */
   #head(x: Tensor): Tensor {
-    const h = this.lnF!.forward(x);
+    // only the head's GEMM reads the final norm: stored in the autocast type (engine/mixed.ts)
+    const h = this.lnF!.forward(x, activationDType(x.ctx.precision));
     // weight tying: the output projection is the token embedding
     const logits = matmul(h, this.wte!.weight.tensor, { transB: true });
     h.drop();

@@ -2,7 +2,9 @@
 //   x = x + dropout(proj(attn(ln1(x))))
 //   x = x + dropout(fc2(gelu(fc1(ln2(x)))))
 // x (B,T,C); attention over a fused qkv projection (C -> 3C).
+import type { DType } from "../../ffi/backend.ts";
 import { ConfigError } from "../errors.ts";
+import { activationDType } from "../mixed.ts";
 import { add } from "../ops/add.ts";
 import { biasAdd } from "../ops/bias.ts";
 import { linear } from "../ops/linear.ts";
@@ -137,25 +139,28 @@ export class Block {
   forward(x: Tensor): Tensor {
     if (this.tensor.size > 1)
       throw new ConfigError("a tensor-parallel block runs with forwardAsync (its outputs are summed over the ranks)");
-    const h1 = this.ln1.forward(x);
-    const qkv = this.attn.forward(h1);
+    // what only GEMMs and attention read is stored in the autocast type (engine/mixed.ts); the
+    // residual stream and the branches added into it stay f32
+    const act = activationDType(x.ctx.precision);
+    const h1 = this.ln1.forward(x, act);
+    const qkv = this.attn.forward(h1, "none", act);
     h1.drop();
     const a = causalSelfAttention(qkv, this.config.nHead);
     qkv.drop();
     const proj = this.attnProj.forward(a);
     a.drop();
-    const { sum: x2, out: h2 } = this.#attentionResidual(x, proj);
-    const hidden = this.fc.forward(h2, "gelu");
+    const { sum: x2, out: h2 } = this.#attentionResidual(x, proj, act);
+    const hidden = this.fc.forward(h2, "gelu", act);
     h2.drop();
     const mlp = this.fcProj.forward(hidden);
     hidden.drop();
     return this.#mlpResidual(x2, mlp);
   }
 
-  /** x + dropout(proj) and ln_2 of it (one op); proj and the branch are dropped. */
-  #attentionResidual(x: Tensor, proj: Tensor): { sum: Tensor; out: Tensor } {
+  /** x + dropout(proj) and ln_2 of it (one op; its output of `out`); proj and the branch are dropped. */
+  #attentionResidual(x: Tensor, proj: Tensor, out: DType = "f32"): { sum: Tensor; out: Tensor } {
     const branch = dropout(proj, this.config.dropout);
-    const r = residualLayerNorm(x, branch, this.ln2.weight.tensor, this.ln2.bias.tensor, this.ln2.eps);
+    const r = residualLayerNorm(x, branch, this.ln2.weight.tensor, this.ln2.bias.tensor, this.ln2.eps, out);
     dropAll(proj, branch);
     return r;
   }

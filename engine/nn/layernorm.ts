@@ -1,6 +1,7 @@
 // LayerNorm over the last dim, weight 1 and bias 0 at init.
 import { layerNorm, layerNormEps } from "../ops/layernorm.ts";
 import type { Param, ParamBuilder } from "../params.ts";
+import type { DType } from "../../ffi/backend.ts";
 import type { Tensor } from "../tensor.ts";
 
 export class LayerNorm {
@@ -17,7 +18,8 @@ export class LayerNorm {
     this.bias = pb.add(`${name}.bias`, [dim], { kind: "zeros" }, false);
   }
 
-  forward(x: Tensor): Tensor {
-    return layerNorm(x, this.weight.tensor, this.bias.tensor, this.eps);
+  /** `out`: f32, or the autocast type for a norm only GEMMs read (ops/layernorm.ts) */
+  forward(x: Tensor, out: DType = "f32"): Tensor {
+    return layerNorm(x, this.weight.tensor, this.bias.tensor, this.eps, out);
   }
 }

@@ -1,6 +1,7 @@
 // Linear: out (...,out) = inp (...,in) @ weight^T + bias; weight (out,in) as in PyTorch.
 import { type Activation, linear } from "../ops/linear.ts";
 import type { Init, Param, ParamBuilder, SliceOf } from "../params.ts";
+import type { DType } from "../../ffi/backend.ts";
 import type { Tensor } from "../tensor.ts";
 
 export interface LinearOptions {
@@ -44,8 +45,9 @@ export class Linear {
           );
   }
 
-  /** x (...,in) -> act(x W^T + b) (...,out), one op (engine/ops/linear.ts) */
-  forward(x: Tensor, activation: Activation = "none"): Tensor {
-    return linear(x, this.weight.tensor, this.bias?.tensor ?? null, activation);
+  /** x (...,in) -> act(x W^T + b) (...,out), one op (engine/ops/linear.ts); `out`: f32, or the
+   *  autocast type for an output only GEMMs and attention read */
+  forward(x: Tensor, activation: Activation = "none", out: DType = "f32"): Tensor {
+    return linear(x, this.weight.tensor, this.bias?.tensor ?? null, activation, out);
   }
 }

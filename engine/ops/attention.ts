@@ -8,21 +8,24 @@
 // The kernels walk tiles of K and V with an online softmax and never form the (T,T) score
 // matrix: forward keeps out and lse, backward recomputes the scores tile by tile. Memory per
 // layer grows with T, not T^2. Under autocast (Context.precision bf16 or f16, engine/mixed.ts)
-// the products read a 2-byte copy of qkv, and the probabilities and gradients are rounded to it
-// before each product, as tensor cores read them; the softmax and every sum stay f32, and out,
-// lse and the gradient are f32. tf32 and f32 read qkv itself.
+// the products read qkv in the 2-byte type (qkv itself when a linear layer wrote it so, else a
+// copy), and the probabilities and gradients are rounded to it before each product, as tensor
+// cores read them; the softmax and every sum stay f32. out, its gradient and qkv's gradient are
+// of that type too (bf16 activations), lse f32. tf32 and f32 read qkv itself and write f32.
+// On CUDA the backend runs cuDNN's fused attention or its own kernels (ffi/cuda/attention-path.ts).
 //
 // The written-out form (scores, causal softmax, probabilities times v) is the float64 reference
 // below, which the parity tests compare against.
 import { ShapeError } from "../errors.ts";
-import { autocastDType } from "../mixed.ts";
-import { castCopy } from "./cast.ts";
+import { activationDType, autocastDType } from "../mixed.ts";
+import { addInto } from "./cast.ts";
 import type { Tensor } from "../tensor.ts";
-import { checkDType, checkInputs } from "./check.ts";
+import { checkActivationDType, checkInputs } from "./check.ts";
+import { gemmOperand } from "./matmul.ts";
 
 export function causalSelfAttention(qkv: Tensor, nHead: number): Tensor {
   const ctx = checkInputs("causalSelfAttention", [qkv]);
-  checkDType("causalSelfAttention", qkv, "f32");
+  checkActivationDType("causalSelfAttention", qkv);
   if (
     qkv.shape.length !== 3 ||
     qkv.shape[2]! % 3 !== 0 ||
@@ -37,11 +40,10 @@ export function causalSelfAttention(qkv: Tensor, nHead: number): Tensor {
   const H = nHead;
   const scale = 1 / Math.sqrt(C / H);
   const be = ctx.backend;
-  const half = autocastDType(ctx.precision); // fixed for this op's backward too
-  const elem = half ?? "f32";
+  const elem = activationDType(ctx.precision); // fixed for this op's backward too
   // what the products read: qkv, or its 2-byte autocast copy
-  const input = half === null ? qkv : castCopy(qkv, half);
-  const out = ctx.empty([B, T, C]);
+  const input = gemmOperand(qkv, autocastDType(ctx.precision));
+  const out = ctx.empty([B, T, C], elem);
   const lse = ctx.empty([B, H, T]);
   be.attentionForward(out.ptr, lse.ptr, input.ptr, B, T, C, H, scale, elem);
   ctx.record(
@@ -50,8 +52,11 @@ export function causalSelfAttention(qkv: Tensor, nHead: number): Tensor {
     out,
     () => {
       const delta = ctx.empty([B, H, T]);
+      // qkv of elem takes the gradient straight; an f32 qkv (autocast copied) through a buffer
+      const direct = qkv.dtype === elem;
+      const { grad, fresh } = direct ? qkv.gradForWrite() : { grad: ctx.empty(qkv.shape, elem), fresh: true };
       be.attentionBackward(
-        qkv.ensureGrad().ptr,
+        grad.ptr,
         delta.ptr,
         out.grad!.ptr,
         out.ptr,
@@ -63,7 +68,12 @@ export function causalSelfAttention(qkv: Tensor, nHead: number): Tensor {
         H,
         scale,
         elem,
+        !fresh,
       );
+      if (!direct) {
+        addInto(qkv.ensureGrad(), grad);
+        grad.drop();
+      }
       delta.drop();
     },
     [input, out, lse],

@@ -14,7 +14,7 @@ export function biasAdd(inp: Tensor, bias: Tensor): Tensor {
   const N = inp.numel / C;
   const be = ctx.backend;
   const out = ctx.empty(inp.shape);
-  be.biasAdd(out.ptr, inp.ptr, bias.ptr, N, C);
+  be.biasAdd(out.ptr, inp.ptr, bias.ptr, N, C, "f32");
   ctx.record(
     "biasAdd",
     [inp, bias],
@@ -23,7 +23,7 @@ export function biasAdd(inp: Tensor, bias: Tensor): Tensor {
       // forward was: out[n,c] = inp[n,c] + bias[c]
       const dout = out.grad!.ptr;
       if (inp.requiresGrad) be.axpy(inp.ensureGrad().ptr, dout, out.numel, 1);
-      if (bias.requiresGrad) be.biasBackward(bias.ensureGrad().ptr, dout, N, C);
+      if (bias.requiresGrad) be.biasBackward(bias.ensureGrad().ptr, dout, N, C, "f32");
     },
     [],
   );

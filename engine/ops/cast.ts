@@ -9,3 +9,14 @@ export function castCopy(t: Tensor, dtype: Extract<DType, "bf16" | "f16">): Tens
   else t.ctx.backend.castF32ToF16(out.ptr, t.ptr, t.numel);
   return out;
 }
+
+/** dst (f32) += src (a 2-byte type): a gradient computed in the autocast type added into an f32
+ *  one. Not recorded on the tape. */
+export function addInto(dst: Tensor, src: Tensor): void {
+  const be = dst.ctx.backend;
+  const wide = dst.ctx.empty(src.shape);
+  if (src.dtype === "bf16") be.castBF16ToF32(wide.ptr, src.ptr, src.numel);
+  else be.castF16ToF32(wide.ptr, src.ptr, src.numel);
+  be.axpy(dst.ptr, wide.ptr, src.numel, 1);
+  wide.drop();
+}

@@ -1,8 +1,9 @@
 // Input checks shared by every op. Wrong shapes, dtypes or contexts are caller errors that a
 // user can make (a misconfigured model, a batch of the wrong size), so they raise typed
 // errors that name the op and the shapes rather than assertions.
-import type { DType, Dims4 } from "../../ffi/backend.ts";
+import type { DType, Dims4, ElemType } from "../../ffi/backend.ts";
 import { BackendMismatchError, DTypeError, ShapeError, StaleTensorError } from "../errors.ts";
+import { autocastDType } from "../mixed.ts";
 import type { Context, Shape, Tensor } from "../tensor.ts";
 
 /** Same context for all, none stale; returns the shared context. */
@@ -104,11 +105,27 @@ export function blocks4(dims: readonly number[], strideSets: readonly (readonly 
   return blocks;
 }
 
+/** Whether t may be an activation of this context: f32, or its autocast type (engine/mixed.ts). */
+export function checkActivationDType(op: string, t: Tensor): ElemType {
+  const half = autocastDType(t.ctx.precision);
+  if (t.dtype !== "f32" && t.dtype !== half)
+    throw new DTypeError(op, half === null ? "f32" : `f32 or ${half}`, t.dtype, t.shape);
+  return t.dtype as ElemType;
+}
+
+/** A requested output type: f32, or the context's autocast type. */
+export function checkOutDType(op: string, ctx: Context, dtype: DType): ElemType {
+  const half = autocastDType(ctx.precision);
+  if (dtype !== "f32" && dtype !== half) throw new DTypeError(op, half === null ? "f32" : `f32 or ${half}`, dtype, []);
+  return dtype as ElemType;
+}
+
 /** The backend's elementwise activation kernels (forward: out, inp, n; backward: dinp, inp, dout, n). */
 type ActivationKernel = "reluForward" | "reluBackward" | "geluForward" | "geluBackward";
 
 /**
- * An elementwise activation of an f32 tensor (relu, gelu) through the backend's kernels:
+ * An elementwise activation (relu, gelu) of an activation tensor (f32 or the autocast type; out of
+ * the same type) through the backend's kernels:
  * `forward` writes out from inp, `backward` adds the gradient into dinp from inp and dout.
  */
 export function activation(
@@ -118,11 +135,11 @@ export function activation(
   backward: ActivationKernel & `${string}Backward`,
 ): Tensor {
   const ctx = checkInputs(op, [inp]);
-  checkDType(op, inp, "f32");
+  const elem = checkActivationDType(op, inp);
   const be = ctx.backend;
-  const out = ctx.empty(inp.shape);
-  be[forward](out.ptr, inp.ptr, inp.numel);
-  ctx.record(op, [inp], out, () => be[backward](inp.ensureGrad().ptr, inp.ptr, out.grad!.ptr, inp.numel));
+  const out = ctx.empty(inp.shape, elem);
+  be[forward](out.ptr, inp.ptr, inp.numel, elem);
+  ctx.record(op, [inp], out, () => be[backward](inp.ensureGrad().ptr, inp.ptr, out.grad!.ptr, inp.numel, elem));
   return out;
 }
 

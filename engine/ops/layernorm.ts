@@ -1,15 +1,25 @@
 // layerNorm over the last dim C:
 //   out (N,C) = (inp - mean) * rstd * weight + bias, mean/rstd (N) saved for the backward.
+// inp, weight and bias are f32; out is f32 or, for a norm that only a GEMM reads, the autocast
+// type (`outDType`, engine/mixed.ts), and its gradient has out's type.
 import { ShapeError } from "../errors.ts";
 import { dropAll, sameShape, type Tensor } from "../tensor.ts";
 import { addBackward } from "./add.ts";
-import { checkDType, checkInputs, lastDim } from "./check.ts";
+import type { DType, ElemType } from "../../ffi/backend.ts";
+import { checkDType, checkInputs, checkOutDType, lastDim } from "./check.ts";
 
 export const layerNormEps = 1e-5;
 
-export function layerNorm(inp: Tensor, weight: Tensor, bias: Tensor, eps = layerNormEps): Tensor {
+export function layerNorm(
+  inp: Tensor,
+  weight: Tensor,
+  bias: Tensor,
+  eps = layerNormEps,
+  outDType: DType = "f32",
+): Tensor {
   const ctx = checkInputs("layerNorm", [inp, weight, bias]);
   for (const t of [inp, weight, bias]) checkDType("layerNorm", t, "f32");
+  const elem = checkOutDType("layerNorm", ctx, outDType);
   const C = lastDim(inp.shape);
   if (weight.shape.length !== 1 || bias.shape.length !== 1 || weight.shape[0] !== C || bias.shape[0] !== C) {
     throw new ShapeError(
@@ -20,10 +30,10 @@ export function layerNorm(inp: Tensor, weight: Tensor, bias: Tensor, eps = layer
   }
   const N = inp.numel / C;
   const be = ctx.backend;
-  const out = ctx.empty(inp.shape);
+  const out = ctx.empty(inp.shape, elem);
   const mean = ctx.empty([N]);
   const rstd = ctx.empty([N]);
-  be.layerNormForward(out.ptr, mean.ptr, rstd.ptr, inp.ptr, weight.ptr, bias.ptr, N, C, eps);
+  be.layerNormForward(out.ptr, mean.ptr, rstd.ptr, inp.ptr, weight.ptr, bias.ptr, N, C, eps, elem);
   recordLayerNorm(inp, weight, bias, out, mean, rstd);
   return out;
 }
@@ -39,9 +49,11 @@ export function residualLayerNorm(
   weight: Tensor,
   bias: Tensor,
   eps = layerNormEps,
+  outDType: DType = "f32",
 ): { sum: Tensor; out: Tensor } {
   const ctx = checkInputs("residualLayerNorm", [x, d, weight, bias]);
   for (const t of [x, d, weight, bias]) checkDType("residualLayerNorm", t, "f32");
+  const elem = checkOutDType("residualLayerNorm", ctx, outDType);
   const C = lastDim(x.shape);
   if (
     !sameShape(x.shape, d.shape) ||
@@ -58,7 +70,7 @@ export function residualLayerNorm(
   }
   const N = x.numel / C;
   const sum = ctx.empty(x.shape);
-  const out = ctx.empty(x.shape);
+  const out = ctx.empty(x.shape, elem);
   const mean = ctx.empty([N]);
   const rstd = ctx.empty([N]);
   ctx.backend.residualLayerNormForward(
@@ -73,6 +85,7 @@ export function residualLayerNorm(
     N,
     C,
     eps,
+    elem,
   );
   ctx.record("add", [x, d], sum, () => addBackward(sum, x, d), []);
   recordLayerNorm(sum, weight, bias, out, mean, rstd);
@@ -100,7 +113,20 @@ function recordLayerNorm(inp: Tensor, weight: Tensor, bias: Tensor, out: Tensor,
         return s.ptr;
       };
       const [dinp, dweight, dbias] = [into(inp, false), into(weight, true), into(bias, true)];
-      be.layerNormBackward(dinp, dweight, dbias, out.grad!.ptr, inp.ptr, weight.ptr, mean.ptr, rstd.ptr, N, C);
+      const dout = out.grad!.ptr;
+      be.layerNormBackward(
+        dinp,
+        dweight,
+        dbias,
+        dout,
+        inp.ptr,
+        weight.ptr,
+        mean.ptr,
+        rstd.ptr,
+        N,
+        C,
+        out.dtype as ElemType,
+      );
       dropAll(...scratch);
     },
     [inp, weight, mean, rstd],

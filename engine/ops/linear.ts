@@ -7,18 +7,30 @@
 // same two.
 //
 // Under autocast (bf16/f16) the GEMMs read 2-byte copies of inp, weight and the output's
-// gradient and accumulate in f32 (engine/mixed.ts), as matmul does.
+// gradient and accumulate in f32 (engine/mixed.ts), as matmul does. An input already in the
+// autocast type is read as it is (its gradient is written in that type), and `outDType` may ask
+// for the output in that type: the GEMM writes 2-byte C, the bias and GELU kernels read and
+// write it, and the output's gradient (of that type) feeds the GEMMs with no copy.
 import { ShapeError } from "../errors.ts";
 import { autocastDType } from "../mixed.ts";
 import { dropAll, type Tensor } from "../tensor.ts";
-import { checkDType, checkInputs, lastDim } from "./check.ts";
-import { gemm, gemmOperand } from "./matmul.ts";
+import type { DType } from "../../ffi/backend.ts";
+import { checkActivationDType, checkDType, checkInputs, checkOutDType, lastDim } from "./check.ts";
+import { gemm, gemmOperand, gradOutput } from "./matmul.ts";
 
 export type Activation = "none" | "gelu";
 
-export function linear(inp: Tensor, weight: Tensor, bias: Tensor | null, activation: Activation = "none"): Tensor {
+export function linear(
+  inp: Tensor,
+  weight: Tensor,
+  bias: Tensor | null,
+  activation: Activation = "none",
+  outDType: DType = "f32",
+): Tensor {
   const ctx = checkInputs("linear", bias === null ? [inp, weight] : [inp, weight, bias]);
-  for (const t of bias === null ? [inp, weight] : [inp, weight, bias]) checkDType("linear", t, "f32");
+  for (const t of bias === null ? [weight] : [weight, bias]) checkDType("linear", t, "f32");
+  checkActivationDType("linear", inp);
+  const elem = checkOutDType("linear", ctx, outDType);
   const I = lastDim(inp.shape);
   if (weight.shape.length !== 2 || weight.shape[1] !== I || inp.shape.length < 1) {
     throw new ShapeError(
@@ -40,15 +52,15 @@ export function linear(inp: Tensor, weight: Tensor, bias: Tensor | null, activat
   const x16 = gemmOperand(inp, half);
   const w16 = gemmOperand(weight, half);
   // pre (N,O) = x w^T
-  const pre = ctx.empty(shape);
-  gemm(be, input, 1, false, true, N, O, I, x16.ptr, w16.ptr, 0, pre.ptr);
+  const pre = ctx.empty(shape, elem);
+  gemm(be, input, elem, 1, false, true, N, O, I, x16.ptr, w16.ptr, 0, pre.ptr);
   let out = pre;
   if (activation === "gelu") {
-    out = ctx.empty(shape);
-    if (bias === null) be.geluForward(out.ptr, pre.ptr, out.numel);
-    else be.biasGeluForward(out.ptr, pre.ptr, bias.ptr, N, O);
+    out = ctx.empty(shape, elem);
+    if (bias === null) be.geluForward(out.ptr, pre.ptr, out.numel, elem);
+    else be.biasGeluForward(out.ptr, pre.ptr, bias.ptr, N, O, elem);
   } else if (bias !== null) {
-    be.biasAdd(pre.ptr, pre.ptr, bias.ptr, N, O);
+    be.biasAdd(pre.ptr, pre.ptr, bias.ptr, N, O, elem);
   }
   const gelu = activation === "gelu";
   // backward reads w16 for the input's gradient, x16 for the weight's, pre for GELU's
@@ -58,19 +70,20 @@ export function linear(inp: Tensor, weight: Tensor, bias: Tensor | null, activat
     bias === null ? [inp, weight] : [inp, weight, bias],
     out,
     () => {
-      const dout = out.grad!;
+      const dout = out.grad!; // of elem
       // forward was: out = gelu(pre)  =>  dpre = gelu'(pre) dout
-      const dpre = gelu ? ctx.zeros(shape) : dout;
-      if (gelu) be.geluBackward(dpre.ptr, pre.ptr, dout.ptr, dpre.numel);
+      const dpre = gelu ? ctx.zeros(shape, elem) : dout;
+      if (gelu) be.geluBackward(dpre.ptr, pre.ptr, dout.ptr, dpre.numel, elem);
       // forward was: pre = x w^T + b  =>  db = sum over rows of dpre
-      if (bias?.requiresGrad) be.biasBackward(bias.ensureGrad().ptr, dpre.ptr, N, O);
+      if (bias?.requiresGrad) be.biasBackward(bias.ensureGrad().ptr, dpre.ptr, N, O, elem);
       const g16 = gemmOperand(dpre, half);
       // dx (N,I) += dpre w;  dw (O,I) += dpre^T x
       if (inp.requiresGrad) {
         const { grad, fresh } = inp.gradForWrite();
-        gemm(be, input, 1, false, false, N, I, O, g16.ptr, w16.ptr, fresh ? 0 : 1, grad.ptr);
+        gemm(be, input, gradOutput(inp), 1, false, false, N, I, O, g16.ptr, w16.ptr, fresh ? 0 : 1, grad.ptr);
       }
-      if (weight.requiresGrad) gemm(be, input, 1, true, false, O, I, N, g16.ptr, x16.ptr, 1, weight.ensureGrad().ptr);
+      if (weight.requiresGrad)
+        gemm(be, input, "f32", 1, true, false, O, I, N, g16.ptr, x16.ptr, 1, weight.ensureGrad().ptr);
       if (g16 !== dpre) g16.drop();
       if (dpre !== dout) dpre.drop();
     },

@@ -6,13 +6,15 @@
 //   out (..., M, N)
 //
 // Under autocast (Context.precision bf16 or f16) the GEMMs read 2-byte copies of a, b and
-// dout and accumulate in f32 into the f32 out, da and db (engine/mixed.ts).
-import type { Backend, GemmInput, Ptr } from "../../ffi/backend.ts";
+// dout and accumulate in f32 into the f32 out, da and db (engine/mixed.ts). An operand already
+// in the autocast type (a bf16 activation) is read as it is, and its gradient is written in
+// that type.
+import type { Backend, GemmInput, GemmOutput, Ptr } from "../../ffi/backend.ts";
 import { ShapeError } from "../errors.ts";
 import { autocastDType } from "../mixed.ts";
 import { castCopy } from "./cast.ts";
 import { numelOf, type Tensor } from "../tensor.ts";
-import { checkDType, checkInputs } from "./check.ts";
+import { checkActivationDType, checkInputs } from "./check.ts";
 
 export interface MatmulOptions {
   transA?: boolean;
@@ -51,10 +53,12 @@ function plan(a: Tensor, b: Tensor, transA: boolean, transB: boolean): Plan {
   return { batch: numelOf(batchDims), M, N, K, outShape: [...batchDims, M, N] };
 }
 
-/** C = op(A) op(B) + beta C over `batch` contiguous matrices whose A and B hold `input` elements. */
+/** C = op(A) op(B) + beta C over `batch` contiguous matrices whose A and B hold `input` elements
+ *  and C `output` ones. */
 export function gemm(
   be: Backend,
   input: GemmInput,
+  output: GemmOutput,
   batch: number,
   tA: boolean,
   tB: boolean,
@@ -68,6 +72,7 @@ export function gemm(
 ): void {
   be.gemm({
     input,
+    output,
     transA: tA,
     transB: tB,
     M,
@@ -87,13 +92,18 @@ export function gemm(
   });
 }
 
-/** What a GEMM of this precision reads of t: t itself, or a 2-byte autocast copy. */
-export const gemmOperand = (t: Tensor, half: "bf16" | "f16" | null): Tensor => (half === null ? t : castCopy(t, half));
+/** What a GEMM of this precision reads of t: t itself (f32 GEMMs, or t already in the autocast
+ *  type), or a 2-byte autocast copy. */
+export const gemmOperand = (t: Tensor, half: "bf16" | "f16" | null): Tensor =>
+  half === null || t.dtype === half ? t : castCopy(t, half);
+
+/** What a GEMM that writes a tensor's gradient writes: its type (a bf16 activation's is bf16). */
+export const gradOutput = (t: Tensor): GemmOutput => t.dtype as GemmOutput;
 
 export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tensor {
   const ctx = checkInputs("matmul", [a, b]);
-  checkDType("matmul", a, "f32");
-  checkDType("matmul", b, "f32");
+  checkActivationDType("matmul", a);
+  checkActivationDType("matmul", b);
   const tA = options.transA ?? false;
   const tB = options.transB ?? false;
   const { batch, M, N, K, outShape } = plan(a, b, tA, tB);
@@ -104,7 +114,7 @@ export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tenso
   const a16 = gemmOperand(a, half);
   const b16 = gemmOperand(b, half);
   const out = ctx.empty(outShape);
-  gemm(be, input, batch, tA, tB, M, N, K, a16.ptr, b16.ptr, 0, out.ptr);
+  gemm(be, input, "f32", batch, tA, tB, M, N, K, a16.ptr, b16.ptr, 0, out.ptr);
   // backward reads b16 for a's gradient and a16 for b's
   const saved = [...(a.requiresGrad ? [b16] : []), ...(b.requiresGrad ? [a16] : [])];
   ctx.record(
@@ -116,19 +126,19 @@ export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tenso
       const dout = dout16.ptr;
       if (a.requiresGrad) {
         const { grad, fresh } = a.gradForWrite();
-        const [da, beta] = [grad.ptr, fresh ? 0 : 1];
+        const [da, beta, o] = [grad.ptr, fresh ? 0 : 1, gradOutput(a)];
         // forward was: out = op(a) op(b)  =>  d op(a) = dout op(b)^T
         if (!tA)
-          gemm(be, input, batch, false, !tB, M, K, N, dout, b16.ptr, beta, da); // da (M,K)
-        else gemm(be, input, batch, tB, true, K, M, N, b16.ptr, dout, beta, da); // da (K,M) = op(b) dout^T
+          gemm(be, input, o, batch, false, !tB, M, K, N, dout, b16.ptr, beta, da); // da (M,K)
+        else gemm(be, input, o, batch, tB, true, K, M, N, b16.ptr, dout, beta, da); // da (K,M) = op(b) dout^T
       }
       if (b.requiresGrad) {
         const { grad, fresh } = b.gradForWrite();
-        const [db, beta] = [grad.ptr, fresh ? 0 : 1];
+        const [db, beta, o] = [grad.ptr, fresh ? 0 : 1, gradOutput(b)];
         // d op(b) = op(a)^T dout
         if (!tB)
-          gemm(be, input, batch, !tA, false, K, N, M, a16.ptr, dout, beta, db); // db (K,N)
-        else gemm(be, input, batch, true, tA, N, K, M, dout, a16.ptr, beta, db); // db (N,K) = dout^T op(a)
+          gemm(be, input, o, batch, !tA, false, K, N, M, a16.ptr, dout, beta, db); // db (K,N)
+        else gemm(be, input, o, batch, true, tA, N, K, M, dout, a16.ptr, beta, db); // db (N,K) = dout^T op(a)
       }
       if (dout16 !== out.grad) dout16.drop();
     },

@@ -186,19 +186,33 @@ export class CpuBackend implements Backend {
     const g = gemmCall(desc);
     if (g.M === 0 || g.N === 0 || g.batch === 0) return;
     // K = 0 reads neither operand (C = beta C); BLAS wants every leading dimension >= 1
-    if (g.input === "f32" || g.input === "tf32" || g.K === 0) {
-      this.#sgemm(g.lda > 0 && g.ldb > 0 ? g : { ...g, lda: Math.max(1, g.lda), ldb: Math.max(1, g.ldb) });
+    const lds = { lda: Math.max(1, g.lda), ldb: Math.max(1, g.ldb) };
+    if (g.output === "f32" && (g.input === "f32" || g.input === "tf32" || g.K === 0)) {
+      this.#sgemm({ ...g, ...lds });
       return;
     }
     const { M, N, K, transA, transB, batch } = g;
     // A is stored (M,K), or (K,M) with transA; B (K,N), or (N,K) with transB
-    const nA = gemmOperandElems(transA ? K : M, transA ? M : K, g.lda, g.strideA, batch);
-    const nB = gemmOperandElems(transB ? N : K, transB ? K : N, g.ldb, g.strideB, batch);
+    const nA = K === 0 ? 0 : gemmOperandElems(transA ? K : M, transA ? M : K, g.lda, g.strideA, batch);
+    const nB = K === 0 ? 0 : gemmOperandElems(transB ? N : K, transB ? K : N, g.ldb, g.strideB, batch);
+    const wide = g.output === "f32" ? 0 : gemmOperandElems(M, N, g.ldc, g.strideC, batch);
     const offsetB = alignUp(nA * 4, alignBytes);
-    const scratch = this.#scratchFor(offsetB + nB * 4);
-    this.#widen(g.input, scratch, g.A, nA);
-    this.#widen(g.input, scratch + offsetB, g.B, nB);
-    this.#sgemm({ ...g, A: scratch, B: scratch + offsetB });
+    const offsetC = offsetB + alignUp(nB * 4, alignBytes);
+    const scratch = this.#scratchFor(offsetC + wide * 4);
+    if (nA > 0) this.#widen(g.input as "bf16" | "f16", scratch, g.A, nA);
+    if (nB > 0) this.#widen(g.input as "bf16" | "f16", scratch + offsetB, g.B, nB);
+    const [A, B] = nA > 0 ? [scratch, scratch + offsetB] : [g.A, g.B];
+    if (g.output === "f32") {
+      this.#sgemm({ ...g, ...lds, A, B });
+      return;
+    }
+    // a 2-byte C: widened whole (exact; elements between rows come back unchanged), multiplied
+    // into in f32, then rounded back to nearest even
+    const C = scratch + offsetC;
+    this.#widen(g.output, C, g.C, wide);
+    this.#sgemm({ ...g, ...lds, A, B, C });
+    if (g.output === "bf16") this.castF32ToBF16(g.C, C, wide);
+    else this.castF32ToF16(g.C, C, wide);
   }
 
   /** One GEMM goes straight to cblas_sgemm: through the batched kernel's (inactive) OpenMP

@@ -238,20 +238,20 @@ void mt_reduce_bcast_f32(float* out, const float* inp,
 // bias, activations
 // ---------------------------------------------------------------------------------------------
 
-// out, inp (N,C), bias (C)
-void mt_bias_add_f32(float* out, const float* inp, const float* bias, int64_t N, int64_t C) {
+// out, inp (N,C) of elem (0 f32, 1 bf16, 2 f16: ffi/numerics.h mt_load_elem), bias (C) f32;
+// out may be inp
+void mt_bias_add_f32(void* out, const void* inp, const float* bias, int64_t N, int64_t C, int32_t elem) {
 #pragma omp parallel for schedule(static) if (N * C >= PAR_MIN)
   for (int64_t n = 0; n < N; n++) {
-    const float* x = inp + n * C;
-    float* o = out + n * C;
-    for (int64_t c = 0; c < C; c++) o[c] = x[c] + bias[c];
+    for (int64_t c = 0; c < C; c++) mt_store_elem(out, n * C + c, mt_load_elem(inp, n * C + c, elem) + bias[c], elem);
   }
 }
 
 // dbias (C) += sum over rows of dout (N,C). Each thread sums a contiguous range of rows into
 // its own partial vector (streaming whole rows); partials are added in thread order, so the
 // result is deterministic for a fixed thread count.
-void mt_bias_backward_f32(float* dbias, const float* dout, int64_t N, int64_t C) {
+// dout of elem.
+void mt_bias_backward_f32(float* dbias, const void* dout, int64_t N, int64_t C, int32_t elem) {
   const int nt = (N * C >= PAR_MIN && N >= 2) ? max_threads() : 1;
   float* partial = (float*)calloc((size_t)(C * nt), sizeof(float));
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -260,9 +260,8 @@ void mt_bias_backward_f32(float* dbias, const float* dout, int64_t N, int64_t C)
     float* acc = partial + (int64_t)t * C;
     const int64_t n0 = N * t / team, n1 = N * (t + 1) / team;
     for (int64_t n = n0; n < n1; n++) {
-      const float* g = dout + n * C;
 #pragma omp simd
-      for (int64_t c = 0; c < C; c++) acc[c] += g[c];
+      for (int64_t c = 0; c < C; c++) acc[c] += mt_load_elem(dout, n * C + c, elem);
     }
   }
   for (int t = 0; t < nt; t++) {
@@ -272,54 +271,58 @@ void mt_bias_backward_f32(float* dbias, const float* dout, int64_t N, int64_t C)
   free(partial);
 }
 
-// out, inp (n)
-void mt_relu_forward_f32(float* out, const float* inp, int64_t n) {
+// out, inp (n) of elem
+void mt_relu_forward_f32(void* out, const void* inp, int64_t n, int32_t elem) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
   // written so NaN propagates (as torch.relu does): NaN < 0 is false. fmaxf would hide it.
-  for (int64_t i = 0; i < n; i++) out[i] = inp[i] < 0.0f ? 0.0f : inp[i];
+  for (int64_t i = 0; i < n; i++) {
+    const float x = mt_load_elem(inp, i, elem);
+    mt_store_elem(out, i, x < 0.0f ? 0.0f : x, elem);
+  }
 }
-// forward was: out = max(inp, 0)
-void mt_relu_backward_f32(float* dinp, const float* inp, const float* dout, int64_t n) {
+// forward was: out = max(inp, 0). dinp, inp, dout of elem.
+void mt_relu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t n, int32_t elem) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-  for (int64_t i = 0; i < n; i++) dinp[i] += inp[i] > 0.0f ? dout[i] : 0.0f;
+  for (int64_t i = 0; i < n; i++) {
+    const float g = mt_load_elem(inp, i, elem) > 0.0f ? mt_load_elem(dout, i, elem) : 0.0f;
+    mt_store_elem(dinp, i, mt_load_elem(dinp, i, elem) + g, elem);
+  }
 }
 
 #define GELU_SCALE 0.7978845608028654f  // sqrt(2/pi)
-// out, inp (n); tanh approximation, as in GPT-2
-void mt_gelu_forward_f32(float* out, const float* inp, int64_t n) {
+static inline float gelu(float x) {
+  const float cube = 0.044715f * x * x * x;
+  return 0.5f * x * (1.0f + fast_tanhf(GELU_SCALE * (x + cube)));
+}
+// out, inp (n) of elem; tanh approximation, as in GPT-2
+void mt_gelu_forward_f32(void* out, const void* inp, int64_t n, int32_t elem) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN / 8)
-  for (int64_t i = 0; i < n; i++) {
-    const float x = inp[i];
-    const float cube = 0.044715f * x * x * x;
-    out[i] = 0.5f * x * (1.0f + fast_tanhf(GELU_SCALE * (x + cube)));
-  }
+  for (int64_t i = 0; i < n; i++) mt_store_elem(out, i, gelu(mt_load_elem(inp, i, elem)), elem);
 }
 // pre (N,C) += bias (C), in place; out (N,C) = gelu(pre): a layer's bias and its GELU in one
-// pass over memory (the same bits as mt_bias_add_f32 then mt_gelu_forward_f32)
-void mt_bias_gelu_forward_f32(float* out, float* pre, const float* bias, int64_t N, int64_t C) {
+// pass over memory (the same bits as mt_bias_add_f32 then mt_gelu_forward_f32). pre, out of
+// elem: GELU reads pre as stored (rounded), as the two kernels one after the other would.
+void mt_bias_gelu_forward_f32(void* out, void* pre, const float* bias, int64_t N, int64_t C, int32_t elem) {
 #pragma omp parallel for schedule(static) if (N * C >= PAR_MIN / 8)
   for (int64_t n = 0; n < N; n++) {
-    float* p = pre + n * C;
-    float* o = out + n * C;
 #pragma omp simd
     for (int64_t c = 0; c < C; c++) {
-      const float x = p[c] + bias[c];
-      const float cube = 0.044715f * x * x * x;
-      p[c] = x;
-      o[c] = 0.5f * x * (1.0f + fast_tanhf(GELU_SCALE * (x + cube)));
+      const int64_t i = n * C + c;
+      mt_store_elem(pre, i, mt_load_elem(pre, i, elem) + bias[c], elem);
+      mt_store_elem(out, i, gelu(mt_load_elem(pre, i, elem)), elem);
     }
   }
 }
-// forward was: out = 0.5 x (1 + tanh(s (x + 0.044715 x^3)))
-void mt_gelu_backward_f32(float* dinp, const float* inp, const float* dout, int64_t n) {
+// forward was: out = 0.5 x (1 + tanh(s (x + 0.044715 x^3))). dinp, inp, dout of elem.
+void mt_gelu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t n, int32_t elem) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN / 8)
   for (int64_t i = 0; i < n; i++) {
-    const float x = inp[i];
+    const float x = mt_load_elem(inp, i, elem);
     const float cube = 0.044715f * x * x * x;
     const float t = fast_tanhf(GELU_SCALE * (x + cube));
     const float sech2 = 1.0f - t * t;
     const float local = 0.5f * (1.0f + t) + x * 0.5f * sech2 * GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
-    dinp[i] += local * dout[i];
+    mt_store_elem(dinp, i, mt_load_elem(dinp, i, elem) + local * mt_load_elem(dout, i, elem), elem);
   }
 }
 
@@ -405,10 +408,10 @@ void mt_crossentropy_backward_f32(float* dlogits, const float* logits, const flo
 // layernorm (over the last dim C)
 // ---------------------------------------------------------------------------------------------
 
-// out, inp (N,C); mean, rstd (N); weight, bias (C)
-// one row of layernorm: o (C) from x (C); its mean and rstd
-static inline void layernorm_row(float* o, float* mean, float* rstd, const float* x, const float* weight,
-                                 const float* bias, int64_t C, float eps) {
+// out (N,C) of elem, inp (N,C) f32; mean, rstd (N); weight, bias (C)
+// one row of layernorm: row n of out from x (C); its mean and rstd
+static inline void layernorm_row(void* out, int64_t n, float* mean, float* rstd, const float* x,
+                                 const float* weight, const float* bias, int64_t C, float eps, int32_t elem) {
   // omp simd: let the compiler vectorize the sums (a fixed reassociation per build, so
   // results stay deterministic)
   float m = 0.0f;
@@ -423,37 +426,39 @@ static inline void layernorm_row(float* o, float* mean, float* rstd, const float
   }
   var /= (float)C;
   const float s = 1.0f / sqrtf(var + eps);
-  for (int64_t c = 0; c < C; c++) o[c] = (x[c] - m) * s * weight[c] + bias[c];
+  for (int64_t c = 0; c < C; c++) mt_store_elem(out, n * C + c, (x[c] - m) * s * weight[c] + bias[c], elem);
   *mean = m;
   *rstd = s;
 }
 
-void mt_layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp,
-                              const float* weight, const float* bias, int64_t N, int64_t C, float eps) {
+void mt_layernorm_forward_f32(void* out, float* mean, float* rstd, const float* inp, const float* weight,
+                              const float* bias, int64_t N, int64_t C, float eps, int32_t elem) {
 #pragma omp parallel for schedule(static) if (N * C >= PAR_MIN)
-  for (int64_t n = 0; n < N; n++) layernorm_row(out + n * C, mean + n, rstd + n, inp + n * C, weight, bias, C, eps);
+  for (int64_t n = 0; n < N; n++) layernorm_row(out, n, mean + n, rstd + n, inp + n * C, weight, bias, C, eps, elem);
 }
 
-// sum (N,C) = x + d, and out = layernorm(sum) as above: a residual add and the LayerNorm that
-// reads it in one pass over memory (the same bits as the two kernels one after the other).
-void mt_residual_layernorm_forward_f32(float* sum, float* out, float* mean, float* rstd, const float* x,
+// sum (N,C) = x + d (f32), and out (of elem) = layernorm(sum) as above: a residual add and the
+// LayerNorm that reads it in one pass over memory (the same bits as the two kernels one after
+// the other).
+void mt_residual_layernorm_forward_f32(float* sum, void* out, float* mean, float* rstd, const float* x,
                                        const float* d, const float* weight, const float* bias, int64_t N,
-                                       int64_t C, float eps) {
+                                       int64_t C, float eps, int32_t elem) {
 #pragma omp parallel for schedule(static) if (N * C >= PAR_MIN)
   for (int64_t n = 0; n < N; n++) {
     float* sr = sum + n * C;
 #pragma omp simd
     for (int64_t c = 0; c < C; c++) sr[c] = x[n * C + c] + d[n * C + c];
-    layernorm_row(out + n * C, mean + n, rstd + n, sr, weight, bias, C, eps);
+    layernorm_row(out, n, mean + n, rstd + n, sr, weight, bias, C, eps, elem);
   }
 }
 
 // forward was: out[n,c] = (inp[n,c] - mean[n]) * rstd[n] * weight[c] + bias[c]
-// dinp (N,C), dweight/dbias (C) accumulate. dweight/dbias: per-thread partial sums, added
-// in thread order at the end (deterministic for a fixed thread count).
-void mt_layernorm_backward_f32(float* dinp, float* dweight, float* dbias, const float* dout,
+// dinp (N,C), dweight/dbias (C) accumulate; dout (N,C) of elem (out's type), the rest f32.
+// dweight/dbias: per-thread partial sums, added in thread order at the end (deterministic for a
+// fixed thread count).
+void mt_layernorm_backward_f32(float* dinp, float* dweight, float* dbias, const void* dout,
                                const float* inp, const float* weight, const float* mean,
-                               const float* rstd, int64_t N, int64_t C) {
+                               const float* rstd, int64_t N, int64_t C, int32_t elem) {
   const int nt = (N * C >= PAR_MIN) ? max_threads() : 1;
   float* partial = (float*)calloc((size_t)(2 * C * nt), sizeof(float));
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -462,14 +467,13 @@ void mt_layernorm_backward_f32(float* dinp, float* dweight, float* dbias, const 
     float* db = dw + C;
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-      const float* g = dout + n * C;
       const float* x = inp + n * C;
       const float m = mean[n], s = rstd[n];
       float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
 #pragma omp simd reduction(+ : dnorm_mean, dnorm_norm_mean)
       for (int64_t c = 0; c < C; c++) {
         const float norm = (x[c] - m) * s;
-        const float dnorm = weight[c] * g[c];
+        const float dnorm = weight[c] * mt_load_elem(dout, n * C + c, elem);
         dnorm_mean += dnorm;
         dnorm_norm_mean += dnorm * norm;
       }
@@ -479,10 +483,11 @@ void mt_layernorm_backward_f32(float* dinp, float* dweight, float* dbias, const 
       // omp simd: dx, dw, db never alias (the caller passes distinct buffers)
 #pragma omp simd
       for (int64_t c = 0; c < C; c++) {
+        const float g = mt_load_elem(dout, n * C + c, elem);
         const float norm = (x[c] - m) * s;
-        const float dnorm = weight[c] * g[c];
-        db[c] += g[c];
-        dw[c] += norm * g[c];
+        const float dnorm = weight[c] * g;
+        db[c] += g;
+        dw[c] += norm * g;
         dx[c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
       }
     }
@@ -539,9 +544,10 @@ void mt_embedding_backward_f32(float* dtable, const int32_t* ids, const float* d
 // scores tile by tile from it.
 //
 // qkv (B,T,3C) of `elem` (0 f32, 1 bf16, 2 f16): channels [q | k | v], head h at [h*D, (h+1)*D)
-// of each, D = C/H. out (B,T,C) f32; lse (B,H,T) f32 = log sum_{j<=i} exp(scale q_i.k_j).
+// of each, D = C/H. out (B,T,C) of elem; lse (B,H,T) f32 = log sum_{j<=i} exp(scale q_i.k_j).
 // Under autocast (elem 1 or 2) the products read 2-byte values, as tensor cores do: q, k, v as
 // given, and the probabilities P, dout and dS rounded to elem before their GEMM; sums stay f32.
+// Backward's dqkv, dout and out are of elem too.
 //
 // Threads take (b, h, query tile) tasks in forward and (b, h) in backward; a task owns its
 // outputs, so there are no races, and every task's arithmetic is the same on any thread (a
@@ -556,11 +562,6 @@ static inline float att_round(float x, int32_t elem) {
   if (elem == 2) return mt_f16_bits_to_f32(mt_f32_to_f16_bits(x));
   return x;
 }
-static inline float att_load(const void* base, int64_t i, int32_t elem) {
-  if (elem == 1) return mt_bits_f32((uint32_t)((const uint16_t*)base)[i] << 16);
-  if (elem == 2) return mt_f16_bits_to_f32(((const uint16_t*)base)[i]);
-  return ((const float*)base)[i];
-}
 // dst (rows,D) f32 = rows [row0, row0+rows) of one head's part of qkv (stride 3C per row)
 static void att_tile(float* dst, const void* qkv, int64_t row0, int64_t rows, int64_t C3,
                      int64_t col, int64_t D, int32_t elem) {
@@ -569,12 +570,12 @@ static void att_tile(float* dst, const void* qkv, int64_t row0, int64_t rows, in
     if (elem == 0) {
       memcpy(dst + r * D, (const float*)qkv + at, (size_t)D * sizeof(float));
     } else {
-      for (int64_t d = 0; d < D; d++) dst[r * D + d] = att_load(qkv, at + d, elem);
+      for (int64_t d = 0; d < D; d++) dst[r * D + d] = mt_load_elem(qkv, at + d, elem);
     }
   }
 }
 
-void mt_attention_forward_f32(float* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t C,
+void mt_attention_forward_f32(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t C,
                               int64_t H, float scale, int32_t elem) {
   const int64_t D = C / H, C3 = 3 * C, tiles = (T + ATT_BR - 1) / ATT_BR;
 #pragma omp parallel if (B * H * T * T * D >= PAR_MIN * 64)
@@ -635,8 +636,8 @@ void mt_attention_forward_f32(float* out, float* lse, const void* qkv, int64_t B
       }
       for (int64_t r = 0; r < br; r++) {
         const float inv = 1.0f / l[r];
-        float* dst = out + (b * T + i0 + r) * C + h * D;
-        for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+        const int64_t dst = (b * T + i0 + r) * C + h * D;
+        for (int64_t d = 0; d < D; d++) mt_store_elem(out, dst + d, o[r * D + d] * inv, elem);
         lse[bh * T + i0 + r] = m[r] + logf(l[r]);
       }
     }
@@ -651,11 +652,12 @@ void mt_attention_forward_f32(float* out, float* lse, const void* qkv, int64_t B
 // forward was: out_i = sum_j p_ij v_j, p_ij = exp(scale q_i.k_j - lse_i) for j <= i
 // dv_j += sum_i p_ij dout_i;  dp_ij = dout_i.v_j;  ds_ij = p_ij (dp_ij - dout_i.out_i)
 // dq_i += scale sum_j ds_ij k_j;  dk_j += scale sum_i ds_ij q_i
-// dqkv (B,T,3C) f32 accumulates; delta (B,H,T) scratch (dout_i.out_i); dout, out (B,T,C) f32;
-// lse (B,H,T); qkv as in forward.
-void mt_attention_backward_f32(float* dqkv, float* delta, const float* dout, const float* out, const float* lse,
+// dqkv (B,T,3C) of elem: += the gradient with accumulate, = without; delta (B,H,T) scratch
+// (dout_i.out_i); dout, out (B,T,C) of elem; lse (B,H,T) f32; qkv as in forward. Each task sums
+// its head's dq in f32 over every key tile, and dk, dv over every query tile, before storing.
+void mt_attention_backward_f32(void* dqkv, float* delta, const void* dout, const void* out, const float* lse,
                                const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H, float scale,
-                               int32_t elem) {
+                               int32_t elem, int32_t accumulate) {
   const int64_t D = C / H, C3 = 3 * C;
 #pragma omp parallel if (B * H * T * T * D >= PAR_MIN * 64)
   {
@@ -668,6 +670,7 @@ void mt_attention_backward_f32(float* dqkv, float* delta, const float* dout, con
     float* p = malloc(sizeof(float) * (size_t)(ATT_BR * ATT_BC));
     float* pr = malloc(sizeof(float) * (size_t)(ATT_BR * ATT_BC));
     float* dp = malloc(sizeof(float) * (size_t)(ATT_BR * ATT_BC));
+    float* dq = malloc(sizeof(float) * (size_t)(T * D));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < B * H; bh++) {
       const int64_t b = bh / H, h = bh % H;
@@ -675,13 +678,14 @@ void mt_attention_backward_f32(float* dqkv, float* delta, const float* dout, con
       const float* lrow = lse + bh * T;
       float* rowdot = delta + bh * T;
       for (int64_t i = 0; i < T; i++) {
-        const float* gi = dout + (b * T + i) * C + h * D;
-        const float* oi = out + (b * T + i) * C + h * D;
+        const int64_t at = (b * T + i) * C + h * D;
         float acc = 0.0f;
-        for (int64_t d = 0; d < D; d++) acc += gi[d] * oi[d];
+        for (int64_t d = 0; d < D; d++) acc += mt_load_elem(dout, at + d, elem) * mt_load_elem(out, at + d, elem);
         rowdot[i] = acc;
       }
-      float* dbase = dqkv + b * T * C3;
+      memset(dq, 0, sizeof(float) * (size_t)(T * D));
+      // element offset of this batch's rows in dqkv; a head's q, k, v columns at h*D, C + h*D, 2C + h*D
+      const int64_t dbase = b * T * C3;
       for (int64_t j0 = 0; j0 < T; j0 += ATT_BC) {
         const int64_t bc = T - j0 < ATT_BC ? T - j0 : ATT_BC;
         att_tile(k, base, j0, bc, C3, C + h * D, D, elem);
@@ -692,8 +696,8 @@ void mt_attention_backward_f32(float* dqkv, float* delta, const float* dout, con
           const int64_t br = T - i0 < ATT_BR ? T - i0 : ATT_BR;
           att_tile(q, base, i0, br, C3, h * D, D, elem);
           for (int64_t r = 0; r < br; r++) {
-            const float* gi = dout + (b * T + i0 + r) * C + h * D;
-            for (int64_t d = 0; d < D; d++) g[r * D + d] = att_round(gi[d], elem);
+            const int64_t at = (b * T + i0 + r) * C + h * D;
+            for (int64_t d = 0; d < D; d++) g[r * D + d] = mt_load_elem(dout, at + d, elem);
           }
           // p (br,bc) = exp(scale q k^T - lse), 0 above the diagonal
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)br, (int)bc, (int)D, scale, q, (int)D, k,
@@ -720,20 +724,28 @@ void mt_attention_backward_f32(float* dqkv, float* delta, const float* dout, con
               dp[at] = att_round(p[at] * (dp[at] - di), elem);
             }
           }
-          // dq (br,D) += scale ds k, straight into dqkv's q rows of this head
+          // dq (br,D) += scale ds k
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)br, (int)D, (int)bc, scale, dp, ATT_BC, k,
-                      (int)D, 1.0f, dbase + i0 * C3 + h * D, (int)C3);
+                      (int)D, 1.0f, dq + i0 * D, (int)D);
           // dk (bc,D) += scale ds^T q
           cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)bc, (int)D, (int)br, scale, dp, ATT_BC, q,
                       (int)D, 1.0f, dk, (int)D);
         }
         for (int64_t c = 0; c < bc; c++) {
-          float* dkr = dbase + (j0 + c) * C3 + C + h * D;
-          float* dvr = dbase + (j0 + c) * C3 + 2 * C + h * D;
+          const int64_t dkr = dbase + (j0 + c) * C3 + C + h * D, dvr = dkr + C;
           for (int64_t d = 0; d < D; d++) {
-            dkr[d] += dk[c * D + d];
-            dvr[d] += dv[c * D + d];
+            const float k0 = accumulate ? mt_load_elem(dqkv, dkr + d, elem) : 0.0f;
+            const float v0 = accumulate ? mt_load_elem(dqkv, dvr + d, elem) : 0.0f;
+            mt_store_elem(dqkv, dkr + d, k0 + dk[c * D + d], elem);
+            mt_store_elem(dqkv, dvr + d, v0 + dv[c * D + d], elem);
           }
+        }
+      }
+      for (int64_t i = 0; i < T; i++) {
+        const int64_t dqr = dbase + i * C3 + h * D;
+        for (int64_t d = 0; d < D; d++) {
+          const float q0 = accumulate ? mt_load_elem(dqkv, dqr + d, elem) : 0.0f;
+          mt_store_elem(dqkv, dqr + d, q0 + dq[i * D + d], elem);
         }
       }
     }
@@ -746,6 +758,7 @@ void mt_attention_backward_f32(float* dqkv, float* delta, const float* dout, con
     free(p);
     free(pr);
     free(dp);
+    free(dq);
   }
 }
 

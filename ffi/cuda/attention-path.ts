@@ -6,16 +6,17 @@
 //              numbers the others are checked against
 //   auto       cuDNN where it loads and takes the shape under bf16/f16 autocast, else the kernels
 //
-// The engine's attention op (engine/ops/attention.ts) keeps its contract whichever runs: out
-// (B,T,C) f32, lse (B,H,T) f32, and backward adds into an f32 dqkv. cuDNN reads and writes the
-// 2-byte type, so around it: forward writes O in that type and casts it to out; backward casts
-// out and dout back (out's cast is exact: it came from that type), and adds the 2-byte dQ, dK, dV
-// into dqkv. Those buffers come from the backend's caching allocator and go back after the call
-// (stream order makes that safe). A plan is built once per shape and kept.
+// The attention op's contract (ffi/ops.ts) holds whichever runs: qkv, out, dout and dqkv of the
+// autocast type, lse f32; backward writes dqkv, or adds into it with `accumulate`. cuDNN reads
+// and writes those buffers where they are: forward writes O into out and Stats into lse;
+// backward reads O and dO as they are and writes dQ, dK, dV into dqkv, or, to add, into a
+// scratch buffer from the backend's caching allocator that one more kernel adds into dqkv (the
+// buffer goes back after the call: stream order makes that safe). A plan is built once per
+// shape and kept.
 import type { ElemType, Ptr } from "../backend.ts";
 import { NativeLibraryError } from "../errors.ts";
 import { Cudnn, CudnnUnsupportedError, type CudnnPlan, findCudnn, loadCudnn } from "./cudnn.ts";
-import { accumulateHalfPlan, type Launch, plans } from "./kernels.ts";
+import { accumulatePlan, type Launch } from "./kernels.ts";
 import {
   type SdpaShape,
   sdpaBackwardGraph,
@@ -96,45 +97,37 @@ export class AttentionRouter {
     return typeof this.#handle() !== "string";
   }
 
-  /** out (B,T,C) f32, lse (B,H,T) f32 from qkv (B,T,3C) of call.elem, through cuDNN. */
+  /** out (B,T,C) and lse (B,H,T) f32 from qkv (B,T,3C), out and qkv of call.elem, through cuDNN. */
   forward(out: Ptr, lse: Ptr, qkv: Ptr, call: AttentionCall): void {
     const plan = this.#plan("forward", call);
     if (plan === null) throw new Error("attention: forward asked of cuDNN for a shape it refused");
-    const n = call.B * call.T * call.C;
     const d = this.#device;
-    const o = d.alloc(2 * n);
     const ws = d.alloc(Math.max(plan.workspaceBytes, 1));
     try {
-      this.#execute(plan, [...operands(qkv, call), [sdpaUids.o, o], [sdpaUids.stats, lse]], ws);
-      d.run(call.elem === "bf16" ? plans.castBF16ToF32(out, o, n) : plans.castF16ToF32(out, o, n));
+      this.#execute(plan, [...operands(qkv, call), [sdpaUids.o, out], [sdpaUids.stats, lse]], ws);
     } finally {
       d.free(ws);
-      d.free(o);
     }
   }
 
-  /** dqkv (B,T,3C) f32 += the gradient through cuDNN, from dout, out, lse and qkv. */
-  backward(dqkv: Ptr, dout: Ptr, out: Ptr, lse: Ptr, qkv: Ptr, call: AttentionCall): void {
+  /** dqkv (B,T,3C) = (or += with accumulate) the gradient through cuDNN, from dout, out, lse and
+   *  qkv; dqkv, dout, out and qkv of call.elem. */
+  backward(dqkv: Ptr, dout: Ptr, out: Ptr, lse: Ptr, qkv: Ptr, call: AttentionCall, accumulate: boolean): void {
     const plan = this.#plan("backward", call);
     if (plan === null) throw new Error("attention: backward asked of cuDNN for a shape it refused");
-    const elem = call.elem as "bf16" | "f16";
-    const n = call.B * call.T * call.C;
+    const n = 3 * call.B * call.T * call.C;
     const scratch = sdpaBackwardScratch(shapeOf(call));
     const d = this.#device;
-    const o = d.alloc(2 * n);
-    const dO = d.alloc(2 * n);
-    const grads = d.alloc(2 * 3 * n);
+    const grads = accumulate ? d.alloc(2 * n) : dqkv;
     const ws = d.alloc(scratch.bytes + plan.workspaceBytes);
     try {
-      const toHalf = elem === "bf16" ? plans.castF32ToBF16 : plans.castF32ToF16;
-      d.run([...toHalf(o, out, n), ...toHalf(dO, dout, n)]);
       const [dQ, dK, dV] = operands(grads, call).map(([, p]) => p);
       this.#execute(
         plan,
         [
           ...operands(qkv, call),
-          [sdpaUids.o, o],
-          [sdpaUids.dO, dO],
+          [sdpaUids.o, out],
+          [sdpaUids.dO, dout],
           [sdpaUids.stats, lse],
           [sdpaUids.dQ, dQ!],
           [sdpaUids.dK, dK!],
@@ -144,12 +137,10 @@ export class AttentionRouter {
         ],
         ws + scratch.bytes,
       );
-      d.run(accumulateHalfPlan(dqkv, grads, 3 * n, elem));
+      if (accumulate) d.run(accumulatePlan(dqkv, grads, n, call.elem));
     } finally {
       d.free(ws);
-      d.free(grads);
-      d.free(dO);
-      d.free(o);
+      if (grads !== dqkv) d.free(grads);
     }
   }
 
@@ -165,7 +156,8 @@ export class AttentionRouter {
     if (this.#cudnn !== undefined) return this.#cudnn;
     try {
       const path = this.#cudnnPath ?? findCudnn();
-      if (path === null) throw new NativeLibraryError("cuDNN not found (set MESHTRAIN_CUDNN, or pip install nvidia-cudnn-cu13)");
+      if (path === null)
+        throw new NativeLibraryError("cuDNN not found (set MESHTRAIN_CUDNN, or pip install nvidia-cudnn-cu13)");
       this.#cudnn = new Cudnn(loadCudnn(path), this.#device.stream);
     } catch (e) {
       if (this.#choice === "cudnn") throw e;

@@ -160,7 +160,17 @@ export class CudaBackend implements Backend {
 
   // ---- attention: cuDNN's fused graphs or the kernels (attention-path.ts) -------------------
 
-  attentionForward(out: Ptr, lse: Ptr, qkv: Ptr, B: number, T: number, C: number, H: number, scale: number, elem: ElemType): void {
+  attentionForward(
+    out: Ptr,
+    lse: Ptr,
+    qkv: Ptr,
+    B: number,
+    T: number,
+    C: number,
+    H: number,
+    scale: number,
+    elem: ElemType,
+  ): void {
     const call = { B, T, C, H, scale, elem };
     if (B * T > 0 && this.#attention.usesCudnn(call)) this.#attention.forward(out, lse, qkv, call);
     else this.#run(plans.attentionForward(out, lse, qkv, B, T, C, H, scale, elem));
@@ -179,10 +189,12 @@ export class CudaBackend implements Backend {
     H: number,
     scale: number,
     elem: ElemType,
+    accumulate: boolean,
   ): void {
     const call = { B, T, C, H, scale, elem };
-    if (B * T > 0 && this.#attention.usesCudnn(call)) this.#attention.backward(dqkv, dout, out, lse, qkv, call);
-    else this.#run(plans.attentionBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem));
+    if (B * T > 0 && this.#attention.usesCudnn(call))
+      this.#attention.backward(dqkv, dout, out, lse, qkv, call, accumulate);
+    else this.#run(plans.attentionBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem, accumulate));
   }
 
   describeAttention(elem: ElemType): string {

@@ -1,12 +1,12 @@
 // cuBLAS through bun:ffi: cublasGemmEx and cublasGemmStridedBatchedEx with f32, tf32, bf16
-// and f16 inputs, always accumulating and writing C in f32.
+// and f16 inputs, accumulating in f32 and writing C in f32 (or, with 2-byte inputs, in their type).
 //
 // cuBLAS is column-major; meshtrain is row-major. A row-major (M,N) matrix is the same memory
 // as a column-major (N,M) one, so C = op(A) op(B) in row-major is C^T = op(B)^T op(A)^T in
 // column-major: swap the operands (B first), swap M and N, keep each operand's transpose flag
 // and leading dimension. rowMajorGemm() does that mapping; it is pure and tested on the CPU.
 import { dlopen, ptr as addressOf, CString, type Pointer } from "bun:ffi";
-import type { GemmDesc, GemmInput, Ptr } from "../backend.ts";
+import type { GemmDesc, GemmInput, GemmOutput, Ptr } from "../backend.ts";
 import { NativeLibraryError } from "../errors.ts";
 import { tryFindLibrary } from "../find-library.ts";
 
@@ -154,6 +154,8 @@ const inputTypes: Record<GemmInput, { dtype: number; compute: number }> = {
   f16: { dtype: CUDA_R_16F, compute: CUBLAS_COMPUTE_32F },
 };
 
+const outputTypes: Record<GemmOutput, number> = { f32: CUDA_R_32F, bf16: CUDA_R_16BF, f16: CUDA_R_16F };
+
 const int32Max = 2 ** 31 - 1;
 
 /** A cuBLAS handle bound to one stream. alpha and beta live in host memory the caller owns
@@ -184,7 +186,27 @@ export class Cublas {
   }
 
   gemm(g: Required<GemmDesc>): void {
-    const { input, transA, transB, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, batch } = g;
+    const {
+      input,
+      output,
+      transA,
+      transB,
+      M,
+      N,
+      K,
+      alpha,
+      A,
+      lda,
+      strideA,
+      B,
+      ldb,
+      strideB,
+      beta,
+      C,
+      ldc,
+      strideC,
+      batch,
+    } = g;
     if (M === 0 || N === 0 || batch === 0) return;
     for (const [name, v] of [
       ["M", M],
@@ -225,13 +247,13 @@ export class Cublas {
     const h = this.#handle;
     const { transa: ta, transb: tb, m, n, k, lda: la, ldb: lb, ldc: lc } = rm;
     const [a, b, c] = [BigInt(rm.A), BigInt(rm.B), BigInt(rm.C)];
-    const [algo, f32] = [CUBLAS_GEMM_DEFAULT, CUDA_R_32F];
+    const [algo, ctype] = [CUBLAS_GEMM_DEFAULT, outputTypes[output]];
     if (batch === 1) {
       // biome-ignore format: one line per operand reads better than one per argument
       const status = s.cublasGemmEx(h, ta, tb, m, n, k, alpha_,
         a, dtype, la,
         b, dtype, lb,
-        beta_, c, f32, lc,
+        beta_, c, ctype, lc,
         compute, algo);
       this.#check("cublasGemmEx", status);
       return;
@@ -243,7 +265,7 @@ export class Cublas {
       s.cublasGemmStridedBatchedEx(h, ta, tb, m, n, k, alpha_,
         a, dtype, la, sa,
         b, dtype, lb, sb,
-        beta_, c, f32, lc, sc,
+        beta_, c, ctype, lc, sc,
         batch, compute, algo),
     );
   }

@@ -375,11 +375,7 @@ export class Cudnn {
   }
 
   /** The heuristics' configs (mode A) in order; the first that finalizes into a plan. */
-  #bestPlan(
-    opGraph: bigint,
-    graph: SdpaGraph,
-    track: (d: bigint) => bigint,
-  ): { plan: bigint; engineIndex: number } {
+  #bestPlan(opGraph: bigint, graph: SdpaGraph, track: (d: bigint) => bigint): { plan: bigint; engineIndex: number } {
     const heur = track(this.#create("engineHeuristics"));
     this.#set(heur, attrs.heurGraph, attrTypes.descriptor, new BigUint64Array([opGraph]));
     this.#set(heur, attrs.heurMode, attrTypes.heurMode, new Int32Array([CUDNN_HEUR_MODE_A]));
@@ -423,9 +419,27 @@ export class Cudnn {
     const index = new BigInt64Array(1);
     const s = this.#lib.symbols;
     // for logs only: an engine that cannot say its index still runs
-    if (s.cudnnBackendGetAttribute(config, attrs.configEngine, attrTypes.descriptor, 1, addressOf(count), addressOf(engine)) !== 0)
+    if (
+      s.cudnnBackendGetAttribute(
+        config,
+        attrs.configEngine,
+        attrTypes.descriptor,
+        1,
+        addressOf(count),
+        addressOf(engine),
+      ) !== 0
+    )
       return -1;
-    if (s.cudnnBackendGetAttribute(engine[0]!, attrs.engineGlobalIndex, attrTypes.int64, 1, addressOf(count), addressOf(index)) !== 0)
+    if (
+      s.cudnnBackendGetAttribute(
+        engine[0]!,
+        attrs.engineGlobalIndex,
+        attrTypes.int64,
+        1,
+        addressOf(count),
+        addressOf(index),
+      ) !== 0
+    )
       return -1;
     return Number(index[0]);
   }
@@ -435,7 +449,10 @@ export class Cudnn {
   #create(type: keyof typeof descriptorTypes): bigint {
     this.#checkUsable();
     const out = new BigUint64Array(1);
-    this.#check(`cudnnBackendCreateDescriptor(${type})`, this.#lib.symbols.cudnnBackendCreateDescriptor(descriptorTypes[type], addressOf(out)));
+    this.#check(
+      `cudnnBackendCreateDescriptor(${type})`,
+      this.#lib.symbols.cudnnBackendCreateDescriptor(descriptorTypes[type], addressOf(out)),
+    );
     return out[0]!;
   }
 

@@ -24,7 +24,7 @@
 // that counts).
 //
 // Dimension letters as in ffi/cpu/kernels.c: N rows, C channels, V vocab, BH batch*heads, T time.
-import type { Backend, Dims4, Ptr } from "../backend.ts";
+import type { Backend, Dims4, ElemType, Ptr } from "../backend.ts";
 import { type ArgType, elemCodes, type OpDecl, type OpName, ops } from "../ops.ts";
 
 export type ParamType = "ptr" | "i64" | "u64" | "i32" | "f32";
@@ -40,7 +40,21 @@ const unary = ["ptr", "ptr", "i64"] as const; // out, inp, n
 // kept dims, their inp strides and out strides; reduced dims and their inp strides
 const reduceBcastParams = ["ptr", "ptr", ...i64x4, ...i64x4, ...i64x4, ...i64x4, ...i64x4] as const;
 // dqkv, delta, dout, lse, qkv; B, T, C, H; scale; elem
-const attentionBackwardParams = ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "f32", "i32"] as const;
+// ..., elem, accumulate
+const attentionBackwardParams = [
+  "ptr",
+  "ptr",
+  "ptr",
+  "ptr",
+  "ptr",
+  "i64",
+  "i64",
+  "i64",
+  "i64",
+  "f32",
+  "i32",
+  "i32",
+] as const;
 
 /** How an op's argument (ffi/ops.ts) reaches a kernel: flags, operators and element types as int32. */
 const paramsOfArg: Readonly<Record<ArgType, readonly ParamType[]>> = {
@@ -89,24 +103,27 @@ export const kernelSpecs = {
     "dropoutForward",
     "dropoutBackward",
   ]),
-  mt_bias_backward_partial_f32: { module: "layers", params: ["ptr", "ptr", "i64", "i64", "i64"] },
+  mt_bias_backward_partial_f32: { module: "layers", params: ["ptr", "ptr", "i64", "i64", "i64", "i32"] },
   mt_crossentropy_forward_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
   mt_crossentropy_loss_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
   ...opKernels("crossentropy", ["crossEntropyBackward"]),
   ...opKernels("layernorm", ["layerNormForward", "residualLayerNormForward"]),
-  mt_layernorm_backward_f32: { module: "layernorm", params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
+  mt_layernorm_backward_f32: {
+    module: "layernorm",
+    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "i32"],
+  },
   mt_layernorm_params_partial_f32: {
     module: "layernorm",
-    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "i64"],
+    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "i64", "i32"],
   },
   mt_layernorm_backward_params_f32: {
     module: "layernorm",
-    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64"],
+    params: ["ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "i32"],
   },
   ...opKernels("embedding", ["embeddingForward", "embeddingBackward"]),
   mt_embedding_count_invalid_i32: { module: "embedding", params: ["ptr", "ptr", "i64", "i64"] },
   ...opKernels("attention", ["attentionForward", "stridedCopy"]),
-  mt_attention_delta_f32: { module: "attention", params: ["ptr", "ptr", "ptr", "i64", "i64", "i64", "i64"] },
+  mt_attention_delta_f32: { module: "attention", params: ["ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "i32"] },
   mt_attention_backward_kv_f32: { module: "attention", params: attentionBackwardParams },
   mt_attention_backward_q_f32: { module: "attention", params: attentionBackwardParams },
   ...opKernels("reduce", ["sum"]),
@@ -117,7 +134,7 @@ export const kernelSpecs = {
   mt_sum_partials_i64: { module: "reduce", params: unary },
   ...opKernels("optim", ["sgdStep", "adamwStep"]),
   ...opKernels("casts", ["castF32ToBF16", "castBF16ToF32", "castF32ToF16", "castF16ToF32"]),
-  mt_accumulate_half_f32: { module: "casts", params: ["ptr", "ptr", "i64", "i32"] },
+  mt_accumulate_elem: { module: "casts", params: ["ptr", "ptr", "i64", "i32"] },
 } as const satisfies Record<string, KernelSpec>;
 
 export type KernelName = keyof typeof kernelSpecs;
@@ -472,33 +489,33 @@ export const plans = {
   },
 
   // ---- layers ----
-  biasAdd(out, inp, bias, N, C): Launch[] {
-    return elementwise("mt_bias_add_f32", N * C, [out, inp, bias, N, C]);
+  biasAdd(out, inp, bias, N, C, elem): Launch[] {
+    return elementwise("mt_bias_add_f32", N * C, [out, inp, bias, N, C, elemCodes[elem]]);
   },
-  biasBackward(scratch, dbias, dout, N, C): Launch[] {
+  biasBackward(scratch, dbias, dout, N, C, elem): Launch[] {
     if (N * C === 0) return [];
     const split = columnSplits(N, C, 1);
-    if (split === null) return [columns("mt_bias_backward_f32", N, C, [dbias, dout, N, C])];
+    if (split === null) return [columns("mt_bias_backward_f32", N, C, [dbias, dout, N, C, elemCodes[elem]])];
     const partials = scratch + columnPartialsOffset;
     return [
-      splitColumns("mt_bias_backward_partial_f32", C, split, [partials, dout, N, C, split.rowsPer]),
+      splitColumns("mt_bias_backward_partial_f32", C, split, [partials, dout, N, C, split.rowsPer, elemCodes[elem]]),
       ...elementwise("mt_column_partials_add_f32", C, [dbias, partials, split.splits, C]),
     ];
   },
-  reluForward(out, inp, n): Launch[] {
-    return elementwise("mt_relu_forward_f32", n, [out, inp, n]);
+  reluForward(out, inp, n, elem): Launch[] {
+    return elementwise("mt_relu_forward_f32", n, [out, inp, n, elemCodes[elem]]);
   },
-  reluBackward(dinp, inp, dout, n): Launch[] {
-    return elementwise("mt_relu_backward_f32", n, [dinp, inp, dout, n]);
+  reluBackward(dinp, inp, dout, n, elem): Launch[] {
+    return elementwise("mt_relu_backward_f32", n, [dinp, inp, dout, n, elemCodes[elem]]);
   },
-  geluForward(out, inp, n): Launch[] {
-    return elementwise("mt_gelu_forward_f32", n, [out, inp, n]);
+  geluForward(out, inp, n, elem): Launch[] {
+    return elementwise("mt_gelu_forward_f32", n, [out, inp, n, elemCodes[elem]]);
   },
-  geluBackward(dinp, inp, dout, n): Launch[] {
-    return elementwise("mt_gelu_backward_f32", n, [dinp, inp, dout, n]);
+  geluBackward(dinp, inp, dout, n, elem): Launch[] {
+    return elementwise("mt_gelu_backward_f32", n, [dinp, inp, dout, n, elemCodes[elem]]);
   },
-  biasGeluForward(out, pre, bias, N, C): Launch[] {
-    return elementwise("mt_bias_gelu_forward_f32", N * C, [out, pre, bias, N, C]);
+  biasGeluForward(out, pre, bias, N, C, elem): Launch[] {
+    return elementwise("mt_bias_gelu_forward_f32", N * C, [out, pre, bias, N, C, elemCodes[elem]]);
   },
   dropoutForward(out, inp, n, p, seed): Launch[] {
     return elementwise("mt_dropout_forward_f32", n, [out, inp, n, p, seed]);
@@ -518,26 +535,42 @@ export const plans = {
       blockRows("mt_crossentropy_backward_f32", N, V, [dlogits, logits, lse, targets, dloss, N, V, accumulate ? 1 : 0]),
     ];
   },
-  layerNormForward(out, mean, rstd, inp, weight, bias, N, C, eps): Launch[] {
+  layerNormForward(out, mean, rstd, inp, weight, bias, N, C, eps, elem): Launch[] {
     // C = 0 still writes mean and rstd (NaN, as on the CPU)
     if (N === 0) return [];
-    return [warpRows("mt_layernorm_forward_f32", N, [out, mean, rstd, inp, weight, bias, N, C, eps])];
+    const args = [out, mean, rstd, inp, weight, bias, N, C, eps, elemCodes[elem]];
+    return [warpRows("mt_layernorm_forward_f32", N, args)];
   },
-  residualLayerNormForward(sum, out, mean, rstd, x, d, weight, bias, N, C, eps): Launch[] {
+  residualLayerNormForward(sum, out, mean, rstd, x, d, weight, bias, N, C, eps, elem): Launch[] {
     if (N === 0) return [];
-    return [warpRows("mt_residual_layernorm_forward_f32", N, [sum, out, mean, rstd, x, d, weight, bias, N, C, eps])];
+    const args = [sum, out, mean, rstd, x, d, weight, bias, N, C, eps, elemCodes[elem]];
+    return [warpRows("mt_residual_layernorm_forward_f32", N, args)];
   },
-  layerNormBackward(scratch, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C): Launch[] {
+  layerNormBackward(scratch, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, elem): Launch[] {
     if (N * C === 0) return [];
-    const rows = warpRows("mt_layernorm_backward_f32", N, [dinp, dout, inp, weight, mean, rstd, N, C]);
+    const e = elemCodes[elem];
+    const rows = warpRows("mt_layernorm_backward_f32", N, [dinp, dout, inp, weight, mean, rstd, N, C, e]);
     const split = columnSplits(N, C, 2);
     if (split === null)
-      return [rows, columns("mt_layernorm_backward_params_f32", N, C, [dweight, dbias, dout, inp, mean, rstd, N, C])];
+      return [
+        rows,
+        columns("mt_layernorm_backward_params_f32", N, C, [dweight, dbias, dout, inp, mean, rstd, N, C, e]),
+      ];
     const partials = scratch + columnPartialsOffset;
     const dbiasPartials = partials + 4 * split.splits * C;
     return [
       rows,
-      splitColumns("mt_layernorm_params_partial_f32", C, split, [partials, dout, inp, mean, rstd, N, C, split.rowsPer]),
+      splitColumns("mt_layernorm_params_partial_f32", C, split, [
+        partials,
+        dout,
+        inp,
+        mean,
+        rstd,
+        N,
+        C,
+        split.rowsPer,
+        e,
+      ]),
       ...elementwise("mt_column_partials_add_f32", C, [dweight, partials, split.splits, C]),
       ...elementwise("mt_column_partials_add_f32", C, [dbias, dbiasPartials, split.splits, C]),
     ];
@@ -555,12 +588,12 @@ export const plans = {
     if (tiles === 0) return [];
     return [attentionLaunch("mt_attention_forward_f32", tiles, [out, lse, qkv, B, T, C, H, scale, elemCodes[elem]])];
   },
-  attentionBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem): Launch[] {
+  attentionBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem, accumulate): Launch[] {
     const tiles = attentionTiles(B, T, C, H);
     if (tiles === 0) return [];
-    const args = [dqkv, delta, dout, lse, qkv, B, T, C, H, scale, elemCodes[elem]];
+    const args = [dqkv, delta, dout, lse, qkv, B, T, C, H, scale, elemCodes[elem], accumulate ? 1 : 0];
     return [
-      warpRows("mt_attention_delta_f32", B * H * T, [delta, dout, out, B, T, C, H]),
+      warpRows("mt_attention_delta_f32", B * H * T, [delta, dout, out, B, T, C, H, elemCodes[elem]]),
       attentionLaunch("mt_attention_backward_kv_f32", tiles, args),
       attentionLaunch("mt_attention_backward_q_f32", tiles, args),
     ];
@@ -636,8 +669,8 @@ export const plans = {
   },
 } satisfies Plans;
 
-/** out (n) f32 += inp (n) of a 2-byte type: a gradient a library wrote in the input type (cuDNN's
- *  attention backward) added into an f32 gradient. */
-export function accumulateHalfPlan(out: Ptr, inp: Ptr, n: number, elem: "bf16" | "f16"): Launch[] {
-  return elementwise("mt_accumulate_half_f32", n, [out, inp, n, elemCodes[elem]]);
+/** out (n) += inp (n), both of elem, summed in f32: a gradient a library wrote (cuDNN's attention
+ *  backward) added into one that already holds something. */
+export function accumulatePlan(out: Ptr, inp: Ptr, n: number, elem: ElemType): Launch[] {
+  return elementwise("mt_accumulate_elem", n, [out, inp, n, elemCodes[elem]]);
 }

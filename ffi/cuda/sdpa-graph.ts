@@ -250,9 +250,14 @@ export function sdpaBackwardGraph(s: SdpaShape): SdpaGraph {
   });
 
   // sum = rowsum(dO ∘ O): the softmax backward's per-row dot product
-  const dOO = g.pointwise("mul", dO, g.virtual("dO*O", "float", { dims: [B, H, T, D], strides: [H * T * D, T * D, H * D, 1] }), {
-    b: o,
-  });
+  const dOO = g.pointwise(
+    "mul",
+    dO,
+    g.virtual("dO*O", "float", { dims: [B, H, T, D], strides: [H * T * D, T * D, H * D, 1] }),
+    {
+      b: o,
+    },
+  );
   const dOORows = g.reduction("add", dOO, g.virtual("rowsum", "float", l.rows));
   g.pointwise("mul", dOORows, rowSum, { b: one });
 

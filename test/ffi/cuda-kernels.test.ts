@@ -505,14 +505,14 @@ describe("invalid input is refused", () => {
   test("negative, fractional or unsafe sizes", () => {
     expect(() => plans.add(p, p, p, -1)).toThrow(RangeError);
     expect(() => plans.scale(p, 2.5, 1)).toThrow(RangeError);
-    expect(() => plans.reluForward(p, p, 2 ** 60)).toThrow(RangeError);
-    expect(() => plans.layerNormForward(p, p, p, p, p, p, -3, 768, 1e-5)).toThrow(RangeError);
+    expect(() => plans.reluForward(p, p, 2 ** 60, "f32")).toThrow(RangeError);
+    expect(() => plans.layerNormForward(p, p, p, p, p, p, -3, 768, 1e-5, "f32")).toThrow(RangeError);
   });
   test("an attention head larger than the kernels' shared tiles", () => {
     expect(() => plans.attentionForward(p, p, p, 1, 64, 256, 1, 0.0625, "f32")).toThrow(
       "head size 256 is larger than the CUDA kernels' 128",
     );
-    expect(() => plans.attentionBackward(p, p, p, p, p, p, 1, 64, 30, 4, 0.5, "f32")).toThrow(
+    expect(() => plans.attentionBackward(p, p, p, p, p, p, 1, 64, 30, 4, 0.5, "f32", true)).toThrow(
       "C=30 is not a multiple of H=4",
     );
   });

@@ -1,7 +1,8 @@
 // Causal self-attention, fused (flash-attention style), and the strided copy that permutes.
 //
 // qkv (B,T,3C) of `elem` (0 f32, 1 bf16, 2 f16): channels [q | k | v], head h at [h*D, (h+1)*D)
-// of each, D = C/H <= ATT_D_MAX. out (B,T,C) f32; lse (B,H,T) = log sum_{j<=i} exp(scale q_i.k_j).
+// of each, D = C/H <= ATT_D_MAX. out (B,T,C) of elem; lse (B,H,T) f32 = log sum_{j<=i} exp(scale
+// q_i.k_j). Backward's dqkv, dout and out are of elem; dqkv += the gradient, or = without accumulate.
 // Tiles of ATT_BC keys stream through shared memory with an online softmax, so no (T,T) matrix
 // exists; backward recomputes the scores from lse. Under autocast (elem 1, 2) the products read
 // 2-byte values as ffi/cpu/kernels.c's do: q, k, v as given; P, dout and dS rounded to elem.
@@ -21,11 +22,6 @@
 #define ATT_THREADS 128     // 4 threads per row of a 32-row tile
 #define ATT_PER (ATT_D_MAX / 4)  // a thread's share of a row of D
 
-__device__ __forceinline__ float att_load(const void* base, int64_t i, int32_t elem) {
-  if (elem == 1) return mt_bits_f32((uint32_t)((const uint16_t*)base)[i] << 16);
-  if (elem == 2) return mt_f16_bits_to_f32(((const uint16_t*)base)[i]);
-  return ((const float*)base)[i];
-}
 __device__ __forceinline__ float att_round(float x, int32_t elem) {
   if (elem == 1) return mt_bits_f32((uint32_t)mt_f32_to_bf16_bits(x) << 16);
   if (elem == 2) return mt_f16_bits_to_f32(mt_f32_to_f16_bits(x));
@@ -47,7 +43,7 @@ __device__ __forceinline__ void att_tile(float (*dst)[PITCH], const void* qkv, i
                                          int64_t C3, int64_t col, int64_t D, int32_t elem) {
   for (int64_t e = threadIdx.x; e < 32 * D; e += blockDim.x) {
     const int64_t r = e / D, d = e % D;
-    dst[r][d] = r < rows ? att_load(qkv, (row0 + r) * C3 + col + d, elem) : 0.0f;
+    dst[r][d] = r < rows ? mt_load_elem(qkv, (row0 + r) * C3 + col + d, elem) : 0.0f;
   }
 }
 
@@ -62,7 +58,7 @@ __device__ __forceinline__ AttQueryTile att_query_tile(int64_t task, int64_t til
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-mt_attention_forward_f32(float* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H,
+mt_attention_forward_f32(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H,
                          float scale, int32_t elem) {
   __shared__ float q_s[ATT_BR][ATT_D_MAX];
   __shared__ float kv_s[ATT_BC][ATT_D_MAX + 1];
@@ -124,28 +120,28 @@ mt_attention_forward_f32(float* out, float* lse, const void* qkv, int64_t B, int
     }
     if (r < br) {
       const float inv = 1.0f / l;
-      float* dst = out + (b * T + i) * C + h * D;
+      const int64_t dst = (b * T + i) * C + h * D;
 #pragma unroll
       for (int k = 0; k < ATT_PER; k++)
-        if (g + 4 * k < D) dst[g + 4 * k] = o[k] * inv;
+        if (g + 4 * k < D) mt_store_elem(out, dst + g + 4 * k, o[k] * inv, elem);
       if (g == 0) lse[bh * T + i] = m + logf(l);
     }
     __syncthreads();  // q_s is read no more
   }
 }
 
-// delta (B,H,T) = dout_i . out_i per head (backward's row term); one warp per (b, h, i)
+// delta (B,H,T) = dout_i . out_i per head (backward's row term), dout and out of elem; one warp
+// per (b, h, i)
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_attention_delta_f32(float* delta, const float* dout, const float* out, int64_t B, int64_t T, int64_t C,
-                       int64_t H) {
+mt_attention_delta_f32(float* delta, const void* dout, const void* out, int64_t B, int64_t T, int64_t C,
+                       int64_t H, int32_t elem) {
   const int lane = threadIdx.x % WARP_SIZE;
   const int64_t D = C / H;
   for (int64_t row = warp_row(); row < B * H * T; row += warp_row_step()) {
     const int64_t i = row % T, bh = row / T, b = bh / H, h = bh % H;
-    const float* g = dout + (b * T + i) * C + h * D;
-    const float* o = out + (b * T + i) * C + h * D;
+    const int64_t at = (b * T + i) * C + h * D;
     float acc = 0.0f;
-    for (int64_t d = lane; d < D; d += WARP_SIZE) acc += g[d] * o[d];
+    for (int64_t d = lane; d < D; d += WARP_SIZE) acc += mt_load_elem(dout, at + d, elem) * mt_load_elem(out, at + d, elem);
     acc = warp_reduce(acc, SumOp());
     if (lane == 0) delta[row] = acc;
   }
@@ -155,9 +151,9 @@ mt_attention_delta_f32(float* delta, const float* dout, const float* out, int64_
 // dv_j += sum_i p_ij dout_i; dk_j += scale sum_i ds_ij q_i, ds_ij = p_ij (dout_i.v_j - delta_i).
 // A block per (b, h, key tile): thread (c, g) sums key row c's gradient over every query tile.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-mt_attention_backward_kv_f32(float* dqkv, const float* delta, const float* dout, const float* lse,
+mt_attention_backward_kv_f32(void* dqkv, const float* delta, const void* dout, const float* lse,
                              const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H, float scale,
-                             int32_t elem) {
+                             int32_t elem, int32_t accumulate) {
   __shared__ float q_s[ATT_BR][ATT_D_MAX];
   __shared__ float g_s[ATT_BR][ATT_D_MAX];
   __shared__ float row_s[2][ATT_BR];  // lse, delta of the query tile
@@ -172,8 +168,8 @@ mt_attention_backward_kv_f32(float* dqkv, const float* delta, const float* dout,
     for (int kk = 0; kk < ATT_PER; kk++) {
       const int64_t d = g + 4 * kk;
       const bool in = c < bc && d < D;
-      k[kk] = in ? att_load(qkv, (b * T + j) * C3 + C + h * D + d, elem) : 0.0f;
-      v[kk] = in ? att_load(qkv, (b * T + j) * C3 + 2 * C + h * D + d, elem) : 0.0f;
+      k[kk] = in ? mt_load_elem(qkv, (b * T + j) * C3 + C + h * D + d, elem) : 0.0f;
+      v[kk] = in ? mt_load_elem(qkv, (b * T + j) * C3 + 2 * C + h * D + d, elem) : 0.0f;
       dk[kk] = 0.0f;
       dv[kk] = 0.0f;
     }
@@ -183,7 +179,7 @@ mt_attention_backward_kv_f32(float* dqkv, const float* delta, const float* dout,
       att_tile<ATT_D_MAX>(q_s, qkv, b * T + i0, br, C3, h * D, D, elem);
       for (int64_t e = threadIdx.x; e < ATT_BR * D; e += blockDim.x) {
         const int64_t rr = e / D, d = e % D;
-        g_s[rr][d] = rr < br ? att_round(dout[(b * T + i0 + rr) * C + h * D + d], elem) : 0.0f;
+        g_s[rr][d] = rr < br ? mt_load_elem(dout, (b * T + i0 + rr) * C + h * D + d, elem) : 0.0f;
       }
       if (threadIdx.x < ATT_BR) {
         const int64_t rr = threadIdx.x;
@@ -219,14 +215,15 @@ mt_attention_backward_kv_f32(float* dqkv, const float* delta, const float* dout,
       }
     }
     if (c < bc) {
-      float* dkr = dqkv + (b * T + j) * C3 + C + h * D;
-      float* dvr = dqkv + (b * T + j) * C3 + 2 * C + h * D;
+      const int64_t dkr = (b * T + j) * C3 + C + h * D, dvr = dkr + C;
 #pragma unroll
       for (int kk = 0; kk < ATT_PER; kk++) {
         const int64_t d = g + 4 * kk;
         if (d < D) {
-          dkr[d] += scale * dk[kk];
-          dvr[d] += dv[kk];
+          const float k0 = accumulate ? mt_load_elem(dqkv, dkr + d, elem) : 0.0f;
+          const float v0 = accumulate ? mt_load_elem(dqkv, dvr + d, elem) : 0.0f;
+          mt_store_elem(dqkv, dkr + d, k0 + scale * dk[kk], elem);
+          mt_store_elem(dqkv, dvr + d, v0 + dv[kk], elem);
         }
       }
     }
@@ -235,9 +232,9 @@ mt_attention_backward_kv_f32(float* dqkv, const float* delta, const float* dout,
 
 // dq_i += scale sum_j ds_ij k_j: a block per (b, h, query tile); thread (r, g) sums row r's.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-mt_attention_backward_q_f32(float* dqkv, const float* delta, const float* dout, const float* lse,
+mt_attention_backward_q_f32(void* dqkv, const float* delta, const void* dout, const float* lse,
                             const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H, float scale,
-                            int32_t elem) {
+                            int32_t elem, int32_t accumulate) {
   __shared__ float k_s[ATT_BC][ATT_D_MAX + 1];
   __shared__ float v_s[ATT_BC][ATT_D_MAX + 1];
   const int64_t D = C / H, C3 = 3 * C, tiles = (T + ATT_BR - 1) / ATT_BR;
@@ -250,8 +247,8 @@ mt_attention_backward_q_f32(float* dqkv, const float* delta, const float* dout, 
     for (int kk = 0; kk < ATT_PER; kk++) {
       const int64_t d = g + 4 * kk;
       const bool in = r < br && d < D;
-      q[kk] = in ? att_load(qkv, (b * T + i) * C3 + h * D + d, elem) : 0.0f;
-      go[kk] = in ? att_round(dout[(b * T + i) * C + h * D + d], elem) : 0.0f;
+      q[kk] = in ? mt_load_elem(qkv, (b * T + i) * C3 + h * D + d, elem) : 0.0f;
+      go[kk] = in ? mt_load_elem(dout, (b * T + i) * C + h * D + d, elem) : 0.0f;
       dq[kk] = 0.0f;
     }
     const float li = r < br ? lse[bh * T + i] : 0.0f;
@@ -285,11 +282,11 @@ mt_attention_backward_q_f32(float* dqkv, const float* delta, const float* dout, 
       }
     }
     if (r < br) {
-      float* dqr = dqkv + (b * T + i) * C3 + h * D;
+      const int64_t dqr = (b * T + i) * C3 + h * D;
 #pragma unroll
       for (int kk = 0; kk < ATT_PER; kk++) {
         const int64_t d = g + 4 * kk;
-        if (d < D) dqr[d] += scale * dq[kk];
+        if (d < D) mt_store_elem(dqkv, dqr + d, (accumulate ? mt_load_elem(dqkv, dqr + d, elem) : 0.0f) + scale * dq[kk], elem);
       }
     }
   }

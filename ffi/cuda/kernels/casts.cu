@@ -28,10 +28,10 @@ mt_f16_to_f32(float* out, const uint16_t* inp, int64_t n) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) out[i] = mt_f16_bits_to_f32(inp[i]);
 }
 
-// out (n) f32 += inp (n) 2-byte bits (elem 1 bf16, 2 f16): a gradient a library wrote in the
-// input type (cuDNN's attention backward) added into meshtrain's f32 gradient
+// out (n) += inp (n), both of elem (0 f32, 1 bf16, 2 f16), summed in f32: a gradient a library
+// wrote (cuDNN's attention backward) added into one that already holds something
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_accumulate_half_f32(float* out, const uint16_t* inp, int64_t n, int32_t elem) {
+mt_accumulate_elem(void* out, const void* inp, int64_t n, int32_t elem) {
   for (int64_t i = thread_index(); i < n; i += thread_count())
-    out[i] += elem == 1 ? __uint_as_float((uint32_t)inp[i] << 16) : mt_f16_bits_to_f32(inp[i]);
+    mt_store_elem(out, i, mt_load_elem(out, i, elem) + mt_load_elem(inp, i, elem), elem);
 }

@@ -2,13 +2,14 @@
 // Row kernels: one warp per row (blockDim.x a multiple of 32, grid-stride over rows), loops
 // over the row, so any C works; warp shuffles in a fixed pattern keep results deterministic.
 #include "common.cuh"
+#include "../../numerics.h"
 
-// out, inp (N,C); mean, rstd (N); weight, bias (C)
+// out (N,C) of elem (0 f32, 1 bf16, 2 f16), inp (N,C) f32; mean, rstd (N); weight, bias (C)
 // out[n,c] = (inp[n,c] - mean[n]) * rstd[n] * weight[c] + bias[c], with the two-pass mean and
 // (biased) variance of kernels.c: mean first, then the mean of squared deviations.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                         const float* bias, int64_t N, int64_t C, float eps) {
+mt_layernorm_forward_f32(void* out, float* mean, float* rstd, const float* inp, const float* weight,
+                         const float* bias, int64_t N, int64_t C, float eps, int32_t elem) {
   const int lane = threadIdx.x % WARP_SIZE;
   for (int64_t n = warp_row(); n < N; n += warp_row_step()) {
     const float* x = inp + n * C;
@@ -22,8 +23,7 @@ mt_layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp,
     }
     var = warp_reduce(var, SumOp()) / (float)C;
     const float s = 1.0f / sqrtf(var + eps);
-    float* o = out + n * C;
-    for (int64_t c = lane; c < C; c += WARP_SIZE) o[c] = (x[c] - m) * s * weight[c] + bias[c];
+    for (int64_t c = lane; c < C; c += WARP_SIZE) mt_store_elem(out, n * C + c, (x[c] - m) * s * weight[c] + bias[c], elem);
     if (lane == 0) {
       mean[n] = m;
       rstd[n] = s;
@@ -32,11 +32,12 @@ mt_layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp,
 }
 
 // sum = x + d, then out = layernorm(sum) as above, mean and rstd: a residual add and the
-// LayerNorm that reads it in one pass over memory. sum, out, x, d (N,C); mean, rstd (N).
+// LayerNorm that reads it in one pass over memory. sum, x, d (N,C) f32, out (N,C) of elem;
+// mean, rstd (N).
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_residual_layernorm_forward_f32(float* sum, float* out, float* mean, float* rstd, const float* x,
+mt_residual_layernorm_forward_f32(float* sum, void* out, float* mean, float* rstd, const float* x,
                                   const float* d, const float* weight, const float* bias, int64_t N, int64_t C,
-                                  float eps) {
+                                  float eps, int32_t elem) {
   const int lane = threadIdx.x % WARP_SIZE;
   for (int64_t n = warp_row(); n < N; n += warp_row_step()) {
     float* sr = sum + n * C;
@@ -54,8 +55,7 @@ mt_residual_layernorm_forward_f32(float* sum, float* out, float* mean, float* rs
     }
     var = warp_reduce(var, SumOp()) / (float)C;
     const float s = 1.0f / sqrtf(var + eps);
-    float* o = out + n * C;
-    for (int64_t c = lane; c < C; c += WARP_SIZE) o[c] = (sr[c] - m) * s * weight[c] + bias[c];
+    for (int64_t c = lane; c < C; c += WARP_SIZE) mt_store_elem(out, n * C + c, (sr[c] - m) * s * weight[c] + bias[c], elem);
     if (lane == 0) {
       mean[n] = m;
       rstd[n] = s;
@@ -64,21 +64,20 @@ mt_residual_layernorm_forward_f32(float* sum, float* out, float* mean, float* rs
 }
 
 // forward was: out[n,c] = (inp[n,c] - mean[n]) * rstd[n] * weight[c] + bias[c]
-// dinp, dout, inp (N,C); weight (C); mean, rstd (N). One warp per row:
+// dinp, inp (N,C) f32, dout (N,C) of elem; weight (C); mean, rstd (N). One warp per row:
 // dinp += (dnorm - mean_c(dnorm) - norm * mean_c(dnorm * norm)) * rstd, dnorm = weight * dout.
 // dweight and dbias are mt_layernorm_backward_params_f32's.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_layernorm_backward_f32(float* dinp, const float* dout, const float* inp, const float* weight,
-                          const float* mean, const float* rstd, int64_t N, int64_t C) {
+mt_layernorm_backward_f32(float* dinp, const void* dout, const float* inp, const float* weight,
+                          const float* mean, const float* rstd, int64_t N, int64_t C, int32_t elem) {
   const int lane = threadIdx.x % WARP_SIZE;
   for (int64_t n = warp_row(); n < N; n += warp_row_step()) {
-    const float* g = dout + n * C;
     const float* x = inp + n * C;
     const float m = mean[n], s = rstd[n];
     float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
     for (int64_t c = lane; c < C; c += WARP_SIZE) {
       const float norm = (x[c] - m) * s;
-      const float dnorm = weight[c] * g[c];
+      const float dnorm = weight[c] * mt_load_elem(dout, n * C + c, elem);
       dnorm_mean += dnorm;
       dnorm_norm_mean += dnorm * norm;
     }
@@ -87,7 +86,7 @@ mt_layernorm_backward_f32(float* dinp, const float* dout, const float* inp, cons
     float* dx = dinp + n * C;
     for (int64_t c = lane; c < C; c += WARP_SIZE) {
       const float norm = (x[c] - m) * s;
-      const float dnorm = weight[c] * g[c];
+      const float dnorm = weight[c] * mt_load_elem(dout, n * C + c, elem);
       dx[c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
     }
   }
@@ -99,8 +98,8 @@ mt_layernorm_backward_f32(float* dinp, const float* dout, const float* inp, cons
 // partials are added in row order: deterministic, no atomics. Needs blockDim.x == 32, Y <= 32.
 #define PARAMS_Y_MAX 32
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_layernorm_backward_params_f32(float* dweight, float* dbias, const float* dout, const float* inp,
-                                 const float* mean, const float* rstd, int64_t N, int64_t C) {
+mt_layernorm_backward_params_f32(float* dweight, float* dbias, const void* dout, const float* inp,
+                                 const float* mean, const float* rstd, int64_t N, int64_t C, int32_t elem) {
   __shared__ float dw_partial[PARAMS_Y_MAX][WARP_SIZE + 1];  // +1: no bank conflicts on the column sum
   __shared__ float db_partial[PARAMS_Y_MAX][WARP_SIZE + 1];
   const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
@@ -109,7 +108,7 @@ mt_layernorm_backward_params_f32(float* dweight, float* dbias, const float* dout
     float dw = 0.0f, db = 0.0f;
     if (c < C) {
       for (int64_t n = threadIdx.y; n < N; n += blockDim.y) {
-        const float g = dout[n * C + c];
+        const float g = mt_load_elem(dout, n * C + c, elem);
         const float norm = (inp[n * C + c] - mean[n]) * rstd[n];
         dw += norm * g;
         db += g;
@@ -135,8 +134,8 @@ mt_layernorm_backward_params_f32(float* dweight, float* dbias, const float* dout
 // (chunk, split) writes its rows' sums to partials: dweight's at [split * C + c], dbias's at
 // [(splits + split) * C + c]; mt_column_partials_add_f32 adds the splits in order.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_layernorm_params_partial_f32(float* partials, const float* dout, const float* inp, const float* mean,
-                                const float* rstd, int64_t N, int64_t C, int64_t rows_per) {
+mt_layernorm_params_partial_f32(float* partials, const void* dout, const float* inp, const float* mean,
+                                const float* rstd, int64_t N, int64_t C, int64_t rows_per, int32_t elem) {
   __shared__ float dw_partial[PARAMS_Y_MAX][WARP_SIZE + 1];
   __shared__ float db_partial[PARAMS_Y_MAX][WARP_SIZE + 1];
   const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
@@ -148,7 +147,7 @@ mt_layernorm_params_partial_f32(float* partials, const float* dout, const float*
     float dw = 0.0f, db = 0.0f;
     if (c < C) {
       for (int64_t n = split * rows_per + threadIdx.y; n < end; n += blockDim.y) {
-        const float g = dout[n * C + c];
+        const float g = mt_load_elem(dout, n * C + c, elem);
         const float norm = (inp[n * C + c] - mean[n]) * rstd[n];
         dw += norm * g;
         db += g;

@@ -1,4 +1,6 @@
-// Bias, activations and dropout (f32). N rows, C channels; n is an element count.
+// Bias, activations and dropout. N rows, C channels; n is an element count. Activations and their
+// gradients are of `elem` (0 f32, 1 bf16, 2 f16; ffi/numerics.h mt_load_elem / mt_store_elem)
+// where a kernel takes it; biases and sums are f32. Dropout is f32.
 #include "common.cuh"
 #include "../../numerics.h"
 
@@ -6,27 +8,28 @@
 // bias
 // ---------------------------------------------------------------------------------------------
 
-// out, inp (N,C), bias (C): out = inp + bias
+// out, inp (N,C) of elem, bias (C): out = inp + bias (out may be inp)
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_bias_add_f32(float* out, const float* inp, const float* bias, int64_t N, int64_t C) {
+mt_bias_add_f32(void* out, const void* inp, const float* bias, int64_t N, int64_t C, int32_t elem) {
   const int64_t n = N * C;
-  for (int64_t i = thread_index(); i < n; i += thread_count()) out[i] = inp[i] + bias[i % C];
+  for (int64_t i = thread_index(); i < n; i += thread_count())
+    mt_store_elem(out, i, mt_load_elem(inp, i, elem) + bias[i % C], elem);
 }
 
 // forward was: out[n,c] = inp[n,c] + bias[c]
-// dbias (C) += sum over rows of dout (N,C). A block (32, Y) takes 32 consecutive channels; its Y
+// dbias (C) += sum over rows of dout (N,C) of elem. A block (32, Y) takes 32 consecutive channels; its Y
 // rows of threads split the rows of dout and their partials are added in row order, so the
 // result is deterministic without atomics. Needs blockDim.x == 32, blockDim.y <= 32.
 #define BIAS_Y_MAX 32
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_bias_backward_f32(float* dbias, const float* dout, int64_t N, int64_t C) {
+mt_bias_backward_f32(float* dbias, const void* dout, int64_t N, int64_t C, int32_t elem) {
   __shared__ float partial[BIAS_Y_MAX][WARP_SIZE + 1];  // +1: no bank conflicts on the column sum
   const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
   for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
     const int64_t c = chunk * WARP_SIZE + threadIdx.x;
     float acc = 0.0f;
     if (c < C) {
-      for (int64_t n = threadIdx.y; n < N; n += blockDim.y) acc += dout[n * C + c];
+      for (int64_t n = threadIdx.y; n < N; n += blockDim.y) acc += mt_load_elem(dout, n * C + c, elem);
     }
     partial[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
@@ -44,7 +47,8 @@ mt_bias_backward_f32(float* dbias, const float* dout, int64_t N, int64_t C) {
 // partials[split * C + c] (overwritten); mt_column_partials_add_f32 then adds the splits in order.
 // The split count is the plan's, from N and C alone, so the order is fixed. Block (32, Y <= 32).
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_bias_backward_partial_f32(float* partials, const float* dout, int64_t N, int64_t C, int64_t rows_per) {
+mt_bias_backward_partial_f32(float* partials, const void* dout, int64_t N, int64_t C, int64_t rows_per,
+                             int32_t elem) {
   __shared__ float partial[BIAS_Y_MAX][WARP_SIZE + 1];
   const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
   const int64_t splits = (N + rows_per - 1) / rows_per;
@@ -54,7 +58,8 @@ mt_bias_backward_partial_f32(float* partials, const float* dout, int64_t N, int6
     const int64_t end = (split + 1) * rows_per < N ? (split + 1) * rows_per : N;
     float acc = 0.0f;
     if (c < C) {
-      for (int64_t n = split * rows_per + threadIdx.y; n < end; n += blockDim.y) acc += dout[n * C + c];
+      for (int64_t n = split * rows_per + threadIdx.y; n < end; n += blockDim.y)
+        acc += mt_load_elem(dout, n * C + c, elem);
     }
     partial[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
@@ -73,48 +78,52 @@ mt_bias_backward_partial_f32(float* partials, const float* dout, int64_t N, int6
 
 // out, inp (n): out = max(inp, 0), written so NaN propagates (NaN < 0 is false), as torch.relu
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_relu_forward_f32(float* out, const float* inp, int64_t n) {
-  for (int64_t i = thread_index(); i < n; i += thread_count()) out[i] = inp[i] < 0.0f ? 0.0f : inp[i];
+mt_relu_forward_f32(void* out, const void* inp, int64_t n, int32_t elem) {
+  for (int64_t i = thread_index(); i < n; i += thread_count()) {
+    const float x = mt_load_elem(inp, i, elem);
+    mt_store_elem(out, i, x < 0.0f ? 0.0f : x, elem);
+  }
 }
 // forward was: out = max(inp, 0)
 // dinp, inp, dout (n): dinp += inp > 0 ? dout : 0
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_relu_backward_f32(float* dinp, const float* inp, const float* dout, int64_t n) {
-  for (int64_t i = thread_index(); i < n; i += thread_count()) dinp[i] += inp[i] > 0.0f ? dout[i] : 0.0f;
+mt_relu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t n, int32_t elem) {
+  for (int64_t i = thread_index(); i < n; i += thread_count()) {
+    const float g = mt_load_elem(inp, i, elem) > 0.0f ? mt_load_elem(dout, i, elem) : 0.0f;
+    mt_store_elem(dinp, i, mt_load_elem(dinp, i, elem) + g, elem);
+  }
 }
 
 #define GELU_SCALE 0.7978845608028654f  // sqrt(2/pi)
+__device__ __forceinline__ float gelu(float x) {
+  const float cube = 0.044715f * x * x * x;
+  return 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + cube)));
+}
 // out, inp (n); tanh approximation, as in GPT-2: out = 0.5 x (1 + tanh(s (x + 0.044715 x^3)))
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_gelu_forward_f32(float* out, const float* inp, int64_t n) {
-  for (int64_t i = thread_index(); i < n; i += thread_count()) {
-    const float x = inp[i];
-    const float cube = 0.044715f * x * x * x;
-    out[i] = 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + cube)));
-  }
+mt_gelu_forward_f32(void* out, const void* inp, int64_t n, int32_t elem) {
+  for (int64_t i = thread_index(); i < n; i += thread_count()) mt_store_elem(out, i, gelu(mt_load_elem(inp, i, elem)), elem);
 }
-// out, pre (N,C), bias (C): pre += bias in place, out = gelu(pre); the bits of mt_bias_add_f32
-// then mt_gelu_forward_f32, in one pass over memory
+// out, pre (N,C) of elem, bias (C): pre += bias in place, out = gelu(pre); the bits of
+// mt_bias_add_f32 then mt_gelu_forward_f32 (GELU reads pre as stored), in one pass over memory
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_bias_gelu_forward_f32(float* out, float* pre, const float* bias, int64_t N, int64_t C) {
+mt_bias_gelu_forward_f32(void* out, void* pre, const float* bias, int64_t N, int64_t C, int32_t elem) {
   for (int64_t i = thread_index(); i < N * C; i += thread_count()) {
-    const float x = pre[i] + bias[i % C];
-    const float cube = 0.044715f * x * x * x;
-    pre[i] = x;
-    out[i] = 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + cube)));
+    mt_store_elem(pre, i, mt_load_elem(pre, i, elem) + bias[i % C], elem);
+    mt_store_elem(out, i, gelu(mt_load_elem(pre, i, elem)), elem);
   }
 }
 // forward was: out = 0.5 x (1 + tanh(s (x + 0.044715 x^3)))
-// dinp, inp, dout (n): dinp += gelu'(inp) * dout
+// dinp, inp, dout (n) of elem: dinp += gelu'(inp) * dout
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_gelu_backward_f32(float* dinp, const float* inp, const float* dout, int64_t n) {
+mt_gelu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t n, int32_t elem) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
-    const float x = inp[i];
+    const float x = mt_load_elem(inp, i, elem);
     const float cube = 0.044715f * x * x * x;
     const float t = tanhf(GELU_SCALE * (x + cube));
     const float sech2 = 1.0f - t * t;
     const float local = 0.5f * (1.0f + t) + x * 0.5f * sech2 * GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
-    dinp[i] += local * dout[i];
+    mt_store_elem(dinp, i, mt_load_elem(dinp, i, elem) + local * mt_load_elem(dout, i, elem), elem);
   }
 }
 
