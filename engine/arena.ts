@@ -4,7 +4,7 @@
 // dropped it and no recorded backward still needs it), and reset() frees everything at once.
 //
 // No allocation after the first pass. A pass that does not fit grows the arena by another
-// chunk. reset() then replays the pass's allocs and frees (recorded as they happened) against
+// chunk (a quarter of its size, at least). reset() then replays the pass's allocs and frees (recorded as they happened) against
 // one unbounded region, and replaces the chunks by one chunk as large as that replay reached,
 // if the first chunk is smaller. The allocator's choices depend only on the sequence of allocs
 // and frees (best fit among the freed blocks; else the chunk's untouched tail), so the next pass
@@ -176,7 +176,9 @@ export class Arena {
     if (this.#usedBytes + size > arenaBytesMax) throw new OutOfMemoryError("arena", this.#usedBytes + size);
     let at = place(this.#spaces, size);
     if (at === null) {
-      const grow = Math.max(size, chunkBytesMin, this.capacityBytes);
+      // a quarter of what it holds: the first pass reserves at most about 1.25x its peak (doubling
+      // reserved up to 2x, which on a GPU is memory other work cannot have)
+      const grow = Math.max(size, chunkBytesMin, alignUp(this.capacityBytes / 4));
       this.#chunks.push(this.#backend.alloc(grow));
       this.#spaces.push(new ChunkSpace(grow));
       at = { chunk: this.#chunks.length - 1, range: -1 };
@@ -247,6 +249,9 @@ export class Arena {
       // (which other passes of the context fit)
       const bytes = Math.max(replayExtent(this.#events), this.#chunks[0]!.bytes);
       for (const c of this.#chunks) this.#backend.free(c);
+      // a backend that caches freed memory (CUDA) gives the old chunks back before the one that
+      // replaces them is made: it could not reuse them for it, and would hold both
+      this.#backend.emptyCache();
       this.#chunks = [this.#backend.alloc(bytes)];
     }
     this.#spaces = this.#chunks.map((c) => new ChunkSpace(c.bytes));

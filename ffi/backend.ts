@@ -140,6 +140,8 @@ export interface Backend extends OpMethods {
   zero(dst: Ptr, bytes: number): void;
   fill(dst: Ptr, n: number, value: number): void;
   synchronize(): void;
+  /** Give memory the backend keeps for reuse (a GPU's caching allocator) back to the system. */
+  emptyCache(): void;
 
   // ---- GEMM: one call, described (GemmDesc) ----
   gemm(desc: GemmDesc): void;

@@ -172,6 +172,10 @@ export class CpuBackend implements Backend {
     // CPU kernels are synchronous.
   }
 
+  emptyCache(): void {
+    // nothing kept: mt_alloc and mt_free go straight to the C allocator
+  }
+
   /**
    * A CPU has no 2-byte or TF32 multiply units that OpenBLAS uses, so:
    *   f32, tf32  sgemm on the f32 inputs (tf32 thus computes in full f32, which is more precise)
