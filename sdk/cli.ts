@@ -8,6 +8,8 @@ import { EngineError } from "../engine/errors.ts";
 import { NativeLibraryError } from "../ffi/errors.ts";
 import { type DeviceChoice, deviceChoices } from "../ffi/select.ts";
 import { type Precision, precisions } from "../engine/mixed.ts";
+import { CudnnUnsupportedError } from "../ffi/cuda/cudnn.ts";
+import { type AttentionChoice, attentionChoices, attentionHelp } from "../services/runtime/job/attention.ts";
 import { gptRunDefaults, runGpt } from "./local/train-gpt.ts";
 import { mlpRunDefaults, runMlp } from "./local/train-mlp.ts";
 import { runSample } from "./local/sample.ts";
@@ -48,6 +50,8 @@ const precisionOption = (byDefault: Precision) =>
   )
     .choices(precisions)
     .default(byDefault);
+const attentionOption = (byDefault: AttentionChoice) =>
+  new Option("--attention <path>", attentionHelp).choices(attentionChoices).default(byDefault);
 
 const m = mlpRunDefaults;
 train
@@ -144,6 +148,7 @@ train
   )
   .addOption(deviceOption(g.device))
   .addOption(precisionOption(g.precision))
+  .addOption(attentionOption(g.attention))
   .action((opts, cmd: Command) => {
     const given = new Set(Object.keys(opts).filter((k) => cmd.getOptionValueSource(k) === "cli"));
     runGpt({
@@ -333,6 +338,8 @@ try {
     e instanceof DataFileError ||
     e instanceof EngineError ||
     e instanceof NativeLibraryError ||
+    // --attention cudnn on a GPU whose cuDNN has no engine for the run's attention
+    e instanceof CudnnUnsupportedError ||
     e instanceof MeshError ||
     e instanceof WireFormatError ||
     e instanceof NatsUnreachableError ||

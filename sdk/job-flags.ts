@@ -13,6 +13,7 @@ import {
   parseJobConfig,
   syncModes,
 } from "../services/runtime/job/job.ts";
+import { attentionChoices, attentionHelp } from "../services/runtime/job/attention.ts";
 import type { PreviousRun } from "./client.ts";
 import { stamp } from "./format.ts";
 import { float, int, intList, userPath } from "./options.ts";
@@ -245,6 +246,11 @@ export function jobOptions(cmd: Command): Command {
         .choices(meshPrecisions)
         .default(d.precision),
     )
+    .addOption(
+      new Option("--attention <path>", `gpt: the trainers' attention; ${attentionHelp}`)
+        .choices(attentionChoices)
+        .default(d.attention),
+    )
     .option(
       "--recompute",
       "gpt: activation checkpointing: each block keeps only its input and recomputes its activations in backward (less memory, ~1/3 more compute)",
@@ -315,6 +321,7 @@ export interface JobFlags {
   text?: string;
   tokens?: string;
   precision: JobConfig["precision"];
+  attention: JobConfig["attention"];
   recompute?: boolean;
 }
 
@@ -332,6 +339,7 @@ function checkModelFlags(f: JobFlags): void {
           f.text && "--text",
           f.tokens && "--tokens",
           f.recompute && "--recompute",
+          f.attention !== "auto" && "--attention",
         ];
   const wrong = other.filter(Boolean);
   if (wrong.length > 0)
@@ -411,6 +419,7 @@ export function jobConfigOf(f: JobFlags): JobConfig {
     evalEvery: f.evalEvery,
     evalBatches: f.evalBatches,
     precision: f.precision,
+    attention: f.attention,
     recompute: f.recompute ?? false,
     seed: f.seed,
     chunkBytes: f.chunkBytes,
@@ -466,6 +475,7 @@ const flagPaths: Record<Exclude<keyof JobFlags, "job">, string[]> = {
   evalBatches: ["evalBatches"],
   valFraction: ["valFraction"],
   precision: ["precision"],
+  attention: ["attention"],
   recompute: ["recompute"],
   seed: ["seed"],
   dataDir: ["dataDir"],

@@ -34,7 +34,8 @@ import { Dashboard } from "./dashboard/server.ts";
 import { StopRequests } from "./signals.ts";
 import { JobFailedError, watchJob } from "./watch.ts";
 import { NatsUnreachableError } from "../services/runtime/mesh/nats.ts";
-import { BadRequestError, CapacityError } from "../services/runtime/mesh/errors.ts";
+import { BadRequestError, CapacityError, ConfigError } from "../services/runtime/mesh/errors.ts";
+import { attentionDeviceProblem } from "../services/runtime/job/attention.ts";
 
 const d = jobDefaults;
 
@@ -192,6 +193,11 @@ function addLocalCommands(program: Command): void {
     .action((opts: JobFlags & { deviceMemory?: number; device: "auto" | "cpu" | "cuda" }) => {
       const flagged = jobConfigOf(opts);
       const cfg = parseJobConfig({ ...flagged, job: qualifyJob(flagged.job, defaultOwner) });
+      const attention = attentionDeviceProblem(
+        cfg.attention,
+        opts.device === "cpu" ? "--device cpu plans trainers that compute on the CPU" : null,
+      );
+      if (attention !== null) throw new ConfigError(`attention ${cfg.attention} ${attention}`);
       const { plan, lines } = planReport(cfg, planDevice(opts.device, opts.deviceMemory ?? null));
       for (const line of lines) console.log(line);
       process.exitCode = plan.fits ? 0 : 3;
@@ -255,8 +261,10 @@ function addJobCommands(program: Command): void {
   )
     .option("--detach", "return once the job is submitted")
     .action(async (opts: JobFlags & { natsUrl?: string; detach?: boolean }, cmd: Command) => {
-      await using client = await connect(opts.natsUrl);
+      // a config the options cannot make is refused before connecting (the trainers, wherever
+      // they are, refuse what their device cannot run when they open the job)
       const flagged = jobConfigOf(opts);
+      await using client = await connect(opts.natsUrl);
       const asked = parseJobConfig({ ...flagged, job: client.job(flagged.job) });
       const prev = opts.job ? await client.previous(asked.job) : null;
       const cfg = resolveConfig(asked, givenOptions(cmd), prev);

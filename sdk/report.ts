@@ -4,6 +4,8 @@ import { type JobRecord, JobState, type Manifest } from "../schemas/messages.ts"
 import { dataRanks, type JobConfig, modelParallel, peakLr, usesShards } from "../services/runtime/job/job.ts";
 import { stateName } from "../services/runtime/job/jobs.ts";
 import type { JobStatus } from "./client.ts";
+import { autocastDType } from "../engine/mixed.ts";
+import type { DeviceChoice } from "../ffi/select.ts";
 import { shownPath } from "./options.ts";
 import { formatSeconds, num, percent, plural, when } from "./format.ts";
 import type { JobOutcome } from "./watch.ts";
@@ -39,8 +41,29 @@ export function modelKindOf(configJson: string): "mlp" | "gpt" {
   }
 }
 
-/** The job's settings in a few lines, each "label  text". */
-export function configSummary(c: JobConfig): string[] {
+/**
+ * A GPT job's attention, as far as the client knows it: the setting, and what it runs where. Each
+ * trainer logs the line its backend gives (Backend.describeAttention) when it starts the job.
+ * `trainers`: where the trainers compute, where the client knows it (the local mesh's MT_DEVICE).
+ */
+export function attentionText(c: Pick<JobConfig, "attention" | "precision">, trainers?: DeviceChoice): string {
+  if (trainers === "cpu") return `${c.attention}: the C kernels (the trainers compute on the CPU)`;
+  const half = autocastDType(c.precision) !== null;
+  const gpu = {
+    auto: half
+      ? "cuDNN's fused flash attention on GPUs where cuDNN loads and takes the shape, else the f32-FMA kernels"
+      : `the f32-FMA kernels on GPUs (cuDNN's fused attention needs bf16 or f16, not ${c.precision})`,
+    cudnn:
+      "cuDNN's fused flash attention on every trainer's GPU (a trainer that cannot run it fails the job, saying why)",
+    reference: "the f32-FMA kernels on GPUs",
+  }[c.attention];
+  // a CPU trainer runs its C kernels, except under cudnn, which it refuses
+  const cpu = trainers === "cuda" || c.attention === "cudnn" ? "" : "; the C kernels on CPU trainers";
+  return `${c.attention}: ${gpu}${cpu}; each trainer logs which runs`;
+}
+
+/** The job's settings in a few lines, each "label  text"; `trainers`: where they compute, if known. */
+export function configSummary(c: JobConfig, trainers?: DeviceChoice): string[] {
   const lr =
     c.schedule === "constant" ? `lr ${c.lr}` : `lr ${c.lr}, ${c.schedule} schedule, ${c.warmupSteps} warmup steps`;
   const evals =
@@ -70,6 +93,7 @@ export function configSummary(c: JobConfig): string[] {
       `${modelParallel(c) ? ` as ${dataRanks(c)} cop${dataRanks(c) > 1 ? "ies" : "y"} of the model, each ${c.pipelineStages} pipeline stage${c.pipelineStages > 1 ? "s" : ""} (${c.pipeSchedule}) x ${c.tensorParallel} tensor rank${c.tensorParallel > 1 ? "s" : ""},` : ""}` +
       ` × ${c.batchSize} ${samples} per step` +
       `${c.accumSteps > 1 ? ` in ${c.accumSteps} micro-batches` : ""}, ${syncText(c)}, ${c.precision}${c.recompute ? ", activations recomputed" : ""}`,
+    ...(m.kind === "gpt" ? [`attention  ${attentionText(c, trainers)}`] : []),
     `optimizer  ${optimizerText(c)} ${usesShards(c) ? `on ${c.shards} parameter-server shard${c.shards > 1 ? "s" : ""}` : "in every trainer's replica"}; ${lr}` +
       `${c.scaleLr ? ` (scaled by ${dataRanks(c)} data-parallel ranks: peak ${peakLr(c)})` : ""}${c.gradClip > 0 ? `; gradients clipped to global norm ${c.gradClip}` : ""}`,
     `snapshots  ${snapshotsText(c)}; the last ${c.keepLast} and the best are kept`,

@@ -9,6 +9,8 @@ import { JobState } from "../../schemas/messages.ts";
 import { CheckpointStore } from "../../services/checkpoint/store.ts";
 import { ConfigError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
 import { probeCuda } from "../../ffi/cuda/driver.ts";
+import type { DeviceChoice } from "../../ffi/select.ts";
+import { attentionDeviceProblem } from "../../services/runtime/job/attention.ts";
 import { planDevice, planReport } from "../plan.ts";
 import {
   type JobConfig,
@@ -74,8 +76,10 @@ function prepareRun(o: MeshRunOptions): {
   const prev = o.flags.job ? previousOnDisk(jobsDir, asked.job) : null;
   const cfg = resolveConfig(asked, o.given, prev);
   if (prev) checkResume(cfg, prev, shownPath(jobsDir));
-  // a job that cannot fit is refused before any process starts
-  const device = (process.env.MT_DEVICE ?? "cpu") as "auto" | "cpu" | "cuda";
+  // a job that cannot fit, or asks for attention its trainers cannot run, is refused before any process starts
+  const device = (process.env.MT_DEVICE ?? "cpu") as DeviceChoice;
+  const attention = cfg.attention === "cudnn" ? attentionDeviceProblem(cfg.attention, cpuTrainers(device)) : null;
+  if (attention !== null) throw new ConfigError(`job ${cfg.job}: attention ${cfg.attention} ${attention}`);
   const { refusal } = planReport(
     cfg,
     planDevice(device === "cuda" && o.deviceMemory == null && !probeCuda().ok ? "cpu" : device, o.deviceMemory ?? null),
@@ -101,10 +105,21 @@ function prepareRun(o: MeshRunOptions): {
     `meshtrain run: job ${cfg.job}${from}, on a local mesh of ${cfg.trainers} trainer` +
       `${cfg.trainers > 1 ? "s" : ""}, ${shards > 0 ? `${shards} parameter-server shard${shards > 1 ? "s" : ""}, ` : ""}a data-loader and a checkpoint service`,
   );
-  for (const line of configSummary(cfg)) console.log(`  ${line}`);
+  for (const line of configSummary(cfg, device)) console.log(`  ${line}`);
   console.log(`  files      ${shownPath(jobDir)}/ (snapshots, model.mtm, logs/; the full config: logs/job.json)`);
 
   return { cfg, jobsDir, jobDir, logDir, resumeLine, shards };
+}
+
+/** Why the local mesh's trainers compute on the CPU (MT_DEVICE, as the launcher passes it on); null: on GPUs. */
+function cpuTrainers(device: DeviceChoice): string | null {
+  if (device === "cpu")
+    return `the local mesh's trainers compute on the CPU (MT_DEVICE${process.env.MT_DEVICE === undefined ? " unset: cpu" : "=cpu"}; MT_DEVICE=cuda puts them on GPUs)`;
+  if (device === "cuda") return null; // without a GPU the trainers fail to start, saying what is missing
+  const probe = probeCuda();
+  return probe.ok
+    ? null
+    : `MT_DEVICE=auto finds no GPU here (${probe.reason}), so the trainers would compute on the CPU`;
 }
 
 /** Runs the job to its end; resolves with the process's exit code. */

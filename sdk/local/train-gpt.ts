@@ -9,7 +9,12 @@ import { fromHfTensors, gptConfigOfHf } from "../../engine/hf-gpt2.ts";
 import { readSafetensors } from "../../engine/safetensors.ts";
 import { shownPath } from "../options.ts";
 import type { Backend } from "../../ffi/backend.ts";
-import { type DeviceChoice, withBackend } from "../../ffi/select.ts";
+import { type DeviceChoice, openBackend } from "../../ffi/select.ts";
+import {
+  type AttentionChoice,
+  attentionDeviceProblem,
+  attentionProblem,
+} from "../../services/runtime/job/attention.ts";
 import { loadCorpus } from "../../engine/data/corpus.ts";
 import type { CharVocab } from "../../engine/data/text.ts";
 import { TokenBatcher } from "../../engine/data/tokens.ts";
@@ -20,7 +25,7 @@ import { type GptConfig, gptDefaults, GptModel } from "../../engine/models/gpt.t
 import { AdamW } from "../../engine/optim/adamw.ts";
 import { checkSchedule, scheduleOf } from "../../engine/optim/schedule.ts";
 import { Rng } from "../../engine/rng.ts";
-import type { Precision } from "../../engine/mixed.ts";
+import { autocastDType, type Precision } from "../../engine/mixed.ts";
 import { Context } from "../../engine/tensor.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
 import { Progress, RateMeter } from "../progress.ts";
@@ -59,6 +64,8 @@ export interface GptRunOptions {
   device: DeviceChoice;
   /** what the GEMMs read (engine/mixed.ts); parameters stay f32 */
   precision: Precision;
+  /** which causal attention runs on a GPU (services/runtime/job/attention.ts); a CPU runs its C kernels */
+  attention: AttentionChoice;
   /** activation checkpointing (GptModel.recompute) */
   recompute: boolean;
   /** fine-tuning: start from a Hugging Face GPT-2 folder (`meshtrain export`'s, or transformers') */
@@ -89,6 +96,7 @@ export const gptRunDefaults: GptRunOptions = {
   sampleChars: 300,
   device: "auto",
   precision: "f32",
+  attention: "auto",
   recompute: false,
 };
 
@@ -156,11 +164,31 @@ export function* firstBatches<T>(items: Iterable<T>, count: number): Generator<T
 }
 
 export function runGpt(o: GptRunOptions): GptRunResult {
-  return withBackend(
-    o.device,
-    (why) => console.log(why),
-    (backend) => trainGpt(o, backend),
+  // what the asked attention cannot run on is refused before the backend opens (the shape of
+  // an --init-from folder is checked once it is read)
+  refuseAttention(
+    o,
+    attentionProblem(o.attention, o.precision, o.initFrom === undefined ? o : null) ??
+      attentionDeviceProblem(o.attention, o.device === "cpu" ? "--device cpu asks for the CPU" : null),
   );
+  const { backend, detail } = openBackend(o.device, (why) => console.log(why), 0, { attention: o.attention });
+  try {
+    refuseAttention(
+      o,
+      attentionDeviceProblem(
+        o.attention,
+        backend.name === "cpu" ? `--device ${o.device} found no GPU (${detail})` : null,
+      ),
+    );
+    return trainGpt(o, backend);
+  } finally {
+    backend.dispose();
+  }
+}
+
+/** Refuses --attention where it cannot run (services/runtime/job/attention.ts says why). */
+function refuseAttention(o: GptRunOptions, problem: string | null): void {
+  if (problem !== null) throw new ConfigError(`--attention ${o.attention} ${problem}`);
 }
 
 function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
@@ -170,6 +198,8 @@ function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
   const { given: _, ...settings } = given;
   const o: GptRunOptions =
     given.initFrom === undefined ? settings : { ...settings, ...initShape(given, corpus.vocabSize) };
+  // the folder's shape, which the check before the backend opened did not know
+  if (given.initFrom !== undefined) refuseAttention(o, attentionProblem(o.attention, o.precision, o));
   const ctx = new Context(backend, { seed: o.seed, precision: o.precision });
   const { config, model } = buildGpt(ctx, o, corpus.vocabSize);
   const schedule = scheduleOf("cosine", o.warmup, o.maxSteps, o.minLr);
@@ -190,6 +220,8 @@ function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
   console.log(
     `meshtrain: gpt on ${corpus.name}: ${corpus.train.length.toLocaleString("en-US")} train / ${corpus.val.length.toLocaleString("en-US")} val tokens, vocab ${corpus.vocabSize}, ${backend.name} backend, ${precisionNote(o.precision)}`,
   );
+  // autocast hands attention 2-byte q, k and v; else f32
+  console.log(`attention: ${backend.describeAttention(autocastDType(o.precision) ?? "f32")}`);
   console.log(`config: ${JSON.stringify({ model: config, training: o })}`);
   console.log(
     `parameters: ${model.store.paramCount.toLocaleString("en-US")} | tokens/step: ${tokensPerStep} ` +

@@ -24,6 +24,7 @@
 import type { Backend } from "../../ffi/backend.ts";
 import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
 import { Context } from "../../engine/tensor.ts";
+import { autocastDType } from "../../engine/mixed.ts";
 import type { HostBatch } from "../../engine/train.ts";
 import { dirname } from "node:path";
 import {
@@ -332,7 +333,12 @@ export class TrainerRun {
         jobStartWaitMsMax,
       );
       this.#startStep = step;
-      log?.info({ step, totalSteps: this.#total, precision: cfg.precision }, "training");
+      // autocast hands attention 2-byte q, k and v; else f32
+      const attention = this.#o.backend.describeAttention(autocastDType(cfg.precision) ?? "f32");
+      log?.info(
+        { step, totalSteps: this.#total, precision: cfg.precision, attention },
+        `training; attention: ${attention}`,
+      );
       const m = this.#mode.memory;
       if (m !== null) {
         const mb = (b: number) => Math.round(b / 1e4) / 100;

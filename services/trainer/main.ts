@@ -7,6 +7,7 @@ import { type DeviceChoice, deviceChoices, openBackend } from "../../ffi/select.
 import { meshMembers } from "../runtime/mesh/discovery.ts";
 import { JobLedger } from "../runtime/job/jobs.ts";
 import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/mesh/service.ts";
+import { TrainerBackends } from "./backends.ts";
 import { Trainer } from "./service.ts";
 
 const schema = baseConfigSchema.extend({
@@ -50,17 +51,25 @@ await runService<Config>({
   metadata: (c) => ({ rank: String(c.rank), host: c.host }),
   logFields: (c) => ({ rank: c.rank }),
   async start({ config, log, bus }) {
-    const { backend } = openBackend(
-      config.device,
-      (why, detail) => log.info({ device: config.device, detail }, why),
-      config.rank,
-    );
-    onScrape(() => metrics.deviceMemory.set({ device: backend.name }, backend.stats.liveBytes));
+    // the device opens now (a bad one fails the process at start); a job's attention choice may
+    // open one more backend on it when the job opens (backends.ts)
+    const backends = new TrainerBackends({
+      device: config.device,
+      who: `trainer ${config.rank}`,
+      open: (attention) =>
+        openBackend(
+          config.device,
+          (why, detail) => log.info({ device: config.device, attention, detail }, why),
+          config.rank,
+          { attention },
+        ),
+    });
+    onScrape(() => metrics.deviceMemory.set({ device: backends.first.name }, backends.liveBytes));
     const ledger = await JobLedger.open(bus.nc, bus, log);
     const trainer = new Trainer({
       bus,
       rank: config.rank,
-      backend,
+      backendFor: (cfg) => backends.forJob(cfg),
       log,
       payloadBytesMax: config.payloadBytesMax,
       control: ledger,

@@ -1,11 +1,11 @@
 // The trainer process of one rank: runs its part of every job in the `mt-jobs` bucket that
 // has that many trainers; a closed job (ended or cancelled) stops its loop after the current step.
 import type { Backend } from "../../ffi/backend.ts";
-import type { JobSpec } from "../../schemas/messages.ts";
+import { type JobSpec, JobState } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
 import type { MeshMembers } from "../runtime/mesh/discovery.ts";
 import { planOfSpec } from "../runtime/job/plan.ts";
-import { configOfSpec } from "../runtime/job/job.ts";
+import { configOfSpec, type JobConfig } from "../runtime/job/job.ts";
 import type { JobControl } from "../runtime/job/jobs.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { TrainerRun } from "./loop.ts";
@@ -13,7 +13,8 @@ import { TrainerRun } from "./loop.ts";
 export interface TrainerDeps {
   bus: Bus;
   rank: number;
-  backend: Backend;
+  /** the backend that runs a job (its attention choice: backends.ts); a throw fails the job */
+  backendFor: (cfg: JobConfig) => Backend;
   log?: Logger;
   payloadBytesMax: number;
   control?: JobControl;
@@ -39,8 +40,10 @@ export class Trainer {
       this.#pending.set(cfg.job, spec);
       return;
     }
+    const { backendFor: _, ...deps } = this.deps;
     const run = new TrainerRun({
-      ...this.deps,
+      ...deps,
+      backend: this.deps.backendFor(cfg),
       cfg,
       plan: planOfSpec(spec),
       attempt: spec.attempt ?? 0,
@@ -55,9 +58,24 @@ export class Trainer {
         this.#runs.delete(cfg.job);
         const next = this.#pending.get(cfg.job);
         this.#pending.delete(cfg.job);
-        if (next) this.openJob(next);
+        if (next) this.#openPending(next);
       });
     this.#runs.set(cfg.job, { run, done });
+  }
+
+  /** A job reopened while its previous run was stopping: one that cannot open now fails, as
+   *  JobLedger.follow fails a job that cannot open (nothing else would see this throw). */
+  #openPending(spec: JobSpec): void {
+    try {
+      this.openJob(spec);
+    } catch (e) {
+      const { rank, log, control } = this.deps;
+      const why = `trainer ${rank} cannot open job ${spec.job}: ${(e as Error).message}`;
+      log?.error({ job: spec.job, err: (e as Error).message }, "cannot open job; failing it");
+      void control?.end(spec.job, { state: JobState.Failed, reason: why }, spec.attempt).catch((err: unknown) => {
+        log?.error({ job: spec.job, err: (err as Error).message }, "cannot record the job's failure");
+      });
+    }
   }
 
   closeJob(job: string): void {

@@ -3,6 +3,7 @@ import { afterAll, describe, expect, test } from "bun:test";
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { probeCuda } from "../../ffi/cuda/backend.ts";
 import { cliOptions, tinyGptTraining } from "../helpers/cli-options.ts";
 import { skip } from "../helpers/skip.ts";
@@ -13,6 +14,9 @@ afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
 // the user's folder is the package root (an INIT_CWD from the outer `npm test` would move where paths are shown from)
 const env = { ...process.env, INIT_CWD: root, npm_package_json: join(root, "package.json") };
+
+/** `run` writes its jobs under --dir: a folder of the test's for run's command lines. */
+const runDir = (args: readonly string[]): string[] => (args[0] === "run" ? ["--dir", join(dir, "run")] : []);
 
 function cli(...args: string[]) {
   const p = Bun.spawnSync([process.execPath, join(root, "sdk", "cli.ts"), ...args], {
@@ -170,6 +174,59 @@ describe("bad input gets one clear error and a non-zero exit", () => {
       expect(lines[0]).toStartWith(`bench ${name}: NativeLibraryError: --device cuda: `);
     },
   );
+  test("--attention: an unknown path, and cudnn where it cannot run, are refused before anything starts (train gpt, run)", async () => {
+    const started = performance.now();
+    const refused: [string[], string][] = [
+      [
+        ["train", "gpt", "--attention", "fast"],
+        "error: option '--attention <path>' argument 'fast' is invalid. Allowed choices are auto, cudnn, reference.",
+      ],
+      [
+        ["train", "gpt", "--attention", "cudnn", "--device", "cpu"],
+        "meshtrain: ConfigError: --attention cudnn needs bf16 or f16 autocast (--precision bf16 or f16): cuDNN's fused attention reads q, k and v in 2 bytes, and precision f32 keeps them f32",
+      ],
+      [
+        ["train", "gpt", "--attention", "cudnn", "--precision", "bf16", "--device", "cpu"],
+        "meshtrain: ConfigError: --attention cudnn needs a GPU (cuDNN's fused attention runs on one), but --device cpu asks for the CPU",
+      ],
+      [
+        ["run", "--model", "gpt", "--attention", "fast"],
+        "error: option '--attention <path>' argument 'fast' is invalid. Allowed choices are auto, cudnn, reference.",
+      ],
+      [
+        ["run", "--model", "gpt", "--attention", "cudnn", "--precision", "tf32"],
+        "meshtrain: ConfigError: invalid job config: attention cudnn needs bf16 or f16 autocast (--precision bf16 or f16)",
+      ],
+      [
+        ["run", "--model", "gpt", "--attention", "cudnn", "--precision", "bf16"],
+        "needs a GPU (cuDNN's fused attention runs on one), but the local mesh's trainers compute on the CPU (MT_DEVICE=cpu; MT_DEVICE=cuda puts them on GPUs)",
+      ],
+    ];
+    // in parallel: each is a process that refuses at once
+    const results = await Promise.all(
+      refused.map(async ([args]) => {
+        const p = Bun.spawn([process.execPath, join(root, "sdk", "cli.ts"), ...args, ...runDir(args)], {
+          cwd: root,
+          env: { ...env, MT_DEVICE: "cpu" },
+          stdout: "pipe",
+          stderr: "pipe",
+          timeout: 30_000,
+        });
+        const [code, out, err] = await Promise.all([
+          p.exited,
+          new Response(p.stdout).text(),
+          new Response(p.stderr).text(),
+        ]);
+        return { code, out, err };
+      }),
+    );
+    expect(results.map((r) => [r.code, r.err.split("\n")[0]])).toEqual(
+      refused.map(([, message]) => [1, expect.stringContaining(message)]),
+    );
+    // nothing started: no training, no mesh
+    for (const r of results) expect(r.out).not.toMatch(/launcher:|^step /m);
+    expect(performance.now() - started).toBeLessThan(30_000);
+  });
   test("gpt heads that do not divide the width", () => {
     const r = cli("train", "gpt", "--n-embd", "30", "--n-head", "4");
     expect(r.code).toBe(1);
@@ -211,15 +268,21 @@ describe("training runs end to end", () => {
   }, 120_000);
 
   test("gpt in f16 on the CPU: autocast GEMMs with loss scaling train as f32 does", () => {
-    const run = (precision: string) => {
-      const r = cli(...tinyGptTraining({ device: "cpu", precision, out: join(dir, `gpt-${precision}.mtm`) }));
+    const run = (precision: "f16" | "f32", attention: string) => {
+      const r = cli(
+        ...tinyGptTraining({ device: "cpu", precision, attention, out: join(dir, `gpt-${precision}.mtm`) }),
+      );
       expect(r.code).toBe(0);
       expect(r.out.startsWith("device: cpu (asked for)\n")).toBe(true);
+      // the header says which attention runs for the precision's inputs: the CPU's kernels, whatever --attention
+      expect(r.out).toContain(`\nattention: ${cpu.describeAttention(precision)}\n`);
       return { out: r.out, val: Number(/validation loss: ([\d.]+)/.exec(r.out)?.[1]) };
     };
-    const f16 = run("f16");
+    const cpu = new CpuBackend();
+    const f16 = run("f16", "auto");
     expect(f16.out).toContain("cpu backend, f16 autocast GEMMs, f32 master weights, dynamic loss scaling");
-    const f32 = run("f32");
+    const f32 = run("f32", "reference");
+    cpu.dispose();
     expect(Math.abs(f16.val - f32.val)).toBeLessThan(0.05 * f32.val);
   }, 120_000);
 });

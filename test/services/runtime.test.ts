@@ -252,6 +252,36 @@ describe("job config", () => {
     const { precision: _, ...older } = { ...jobDefaults, job: "j" };
     expect(parseJobConfig(older).precision).toBe("f32");
   });
+
+  test("attention: auto by default and in configs stored before it; cudnn needs bf16 or f16 and a head size cuDNN takes; the mlp has none", () => {
+    const gpt = (over: object) => parseJobConfig({ ...gptJobDefaults, job: "g", ...over });
+    expect(gpt({}).attention).toBe("auto");
+    const { attention: _, ...older } = { ...gptJobDefaults, job: "g" };
+    expect(parseJobConfig(older).attention).toBe("auto");
+    expect(gpt({ attention: "reference" }).attention).toBe("reference");
+    expect(gpt({ attention: "cudnn", precision: "bf16" }).attention).toBe("cudnn");
+    expect(gpt({ attention: "cudnn", precision: "f16", sync: "allreduce" }).attention).toBe("cudnn");
+    for (const precision of ["f32", "tf32"])
+      expectThrown(
+        () => gpt({ attention: "cudnn", precision }),
+        ConfigError,
+        "invalid job config: attention cudnn needs bf16 or f16 autocast",
+      );
+    expectThrown(
+      () => gpt({ attention: "cudnn", precision: "bf16", model: { ...gptJobDefaults.model, nEmbd: 1032, nHead: 4 } }),
+      ConfigError,
+      "head size 258: cuDNN's fused attention takes multiples of 8 up to 128",
+    );
+    expectThrown(() => gpt({ attention: "flash" }), ConfigError, "attention:");
+    expectThrown(() => gpt({ attention: 1 }), ConfigError, "attention:");
+    expectThrown(
+      () => parseJobConfig({ ...jobDefaults, job: "m", attention: "reference" }),
+      ConfigError,
+      "attention reference is for the gpt",
+    );
+    // a resumed job may change it: it picks how attention is computed, not the model
+    expect(trajectoryDiff(gpt({ precision: "bf16" }), gpt({ precision: "bf16", attention: "cudnn" }))).toEqual([]);
+  });
 });
 
 describe("which config changes a snapshot survives", () => {

@@ -4,6 +4,7 @@ import { z } from "zod";
 import { compressionPattern } from "../../../engine/parallel/compress.ts";
 import { type JobSpec, SyncPolicy } from "../../../schemas/messages.ts";
 import { BadRequestError, ConfigError } from "../mesh/errors.ts";
+import { attentionChoices, attentionProblem } from "./attention.ts";
 import { changeWorld, dataRanks, modelRanks, StepSchedule, worldOf, worldProblems } from "./world.ts";
 
 export { dataRanks, modelRanks };
@@ -203,6 +204,11 @@ export const jobConfigSchema = z.object({
    *  master weights. Gradients travel as f32 whatever it is. Configs stored before this field
    *  existed read as f32. */
   precision: z.enum(meshPrecisions).default("f32"),
+  /** gpt: which causal attention the trainers run on GPUs (services/runtime/job/attention.ts):
+   *  auto, cudnn (refused unless precision is bf16 or f16) or reference; CPU trainers run their
+   *  C kernels. It picks how attention is computed, not the model, so a resumed job may change
+   *  it. Configs stored before this field existed read as auto. */
+  attention: z.enum(attentionChoices).default("auto"),
   seed: int(0, 2 ** 31 - 1),
   /** parameter chunk size in bytes: the unit of sharding, pushes and pulls */
   chunkBytes: int(4096, 8 << 20).refine((n) => n % 64 === 0, "chunkBytes must be a multiple of 64"),
@@ -254,6 +260,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   evalBatches: 0,
   gradClip: 0,
   precision: "f32",
+  attention: "auto",
   pipelineStages: 1,
   pipeSchedule: "1f1b",
   tensorParallel: 1,
@@ -308,6 +315,10 @@ export function parseJobConfig(data: unknown): JobConfig {
 function checkModelData(c: JobConfig): void {
   const m = c.model;
   if (m.kind === "mlp") {
+    if (c.attention !== "auto")
+      throw new ConfigError(
+        `invalid job config: attention ${c.attention} is for the gpt (its causal attention); the mlp has none`,
+      );
     if (c.recompute)
       throw new ConfigError(
         "invalid job config: recompute is for the gpt (each transformer block recomputes its activations); the mlp keeps its few",
@@ -330,6 +341,8 @@ function checkModelData(c: JobConfig): void {
       throw new ConfigError(
         `invalid job config: model.nEmbd (${m.nEmbd}) must be divisible by model.nHead (${m.nHead})`,
       );
+    const attention = attentionProblem(c.attention, c.precision, m);
+    if (attention !== null) throw new ConfigError(`invalid job config: attention ${c.attention} ${attention}`);
     if (c.dataset === "text" && c.valFraction === 0) {
       throw new ConfigError(
         "invalid job config: dataset text needs valFraction > 0 (the held-out tail of the text is what the gpt is evaluated on)",
@@ -489,6 +502,8 @@ export const resumableKeys = [
   "offload",
   // recomputed activations are the same activations
   "recompute",
+  // which attention computes the model's, not the model: a snapshot runs on either
+  "attention",
   // a snapshot holds the whole model's layout, whatever the ranks' cut of it (summation order aside)
   "pipelineStages",
   "tensorParallel",
