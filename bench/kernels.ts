@@ -90,12 +90,12 @@ function cases(
     {
       name: "crossEntropyForward (N,1024)",
       bytes: n * f,
-      run: () => be.crossEntropyForward(lossScalar, rowStats, rowStats2, x, targets, NV, V),
+      run: () => be.crossEntropyForward(lossScalar, rowStats, rowStats2, x, targets, NV, V, "f32"),
     },
     {
       name: "crossEntropyBackward (N,1024) in place",
       bytes: 2 * n * f,
-      run: () => be.crossEntropyBackward(z, z, rowStats2, targets, lossScalar, NV, V, false),
+      run: () => be.crossEntropyBackward(z, z, rowStats2, targets, lossScalar, NV, V, false, "f32"),
     },
     { name: "embeddingForward (N,768)", bytes: 2 * NC * f, run: () => be.embeddingForward(y, ids, table, N, C, V) },
     { name: "embeddingBackward (N,768)", bytes: 3 * NC * f, run: () => be.embeddingBackward(table, ids, x, N, C) },

@@ -76,21 +76,21 @@ export function gptActivationTerms(config: GptConfig, o: GptMemoryOptions): GptA
   const perLayerBTC = !half ? 16 + 48 / R : R === 1 ? 36 : 12 + 32 / R;
   const perLayer = perLayerBTC * BTC + stats + (half ? layerWeights16 : 0);
   // the head: the last block's output, ln_f's output (bf16 under autocast, with the tied
-  // embedding's 2-byte copy), its mean and rstd, the logits, the loss's lse
-  const head = 4 * BTC + (half ? 2 * BTC + 2 * V * C : 4 * BTC) + 4 * (2 * BT) + 4 * BTV + 4 * BT;
+  // embedding's 2-byte copy), its mean and rstd, the logits (bf16 under autocast), the loss's lse
+  const head = 4 * BTC + (half ? 2 * BTC + 2 * V * C : 4 * BTC) + 4 * (2 * BT) + (half ? 2 : 4) * BTV + 4 * BT;
   // backward's peak above what forward kept, at one of two places:
-  // - the head: ln_f output's gradient (2 bytes under autocast) and the logits' gradient's 2-byte
-  //   copy for the GEMMs;
+  // - the head: ln_f output's gradient (2 bytes under autocast; the logits' gradient is written
+  //   over the logits, in their type);
   // - the last block's c_proj backward (f32: c_fc's), once the logits, ln_f's output and its
   //   statistics, the loss's lse and the last block's output are freed: the residual's gradient
   //   and the add's copy of it (8), the GELU output's gradient (8; f32 16) and the output
   //   gradient's 2-byte copy (2)
-  const headExtra = (half ? 2 : 4) * BTC + (half ? 2 * BTV : 0);
+  const headExtra = (half ? 2 : 4) * BTC;
   const mlpExtra = !half
     ? 16 * BTC - 4 * BTV
     : R === 1
-      ? 12 * BTC - 4 * BTV - 2 * V * C - 12 * BT
-      : 34 * BTC - 4 * BTV - 2 * V * C - 8 * C * C;
+      ? 12 * BTC - 2 * BTV - 2 * V * C - 12 * BT
+      : 34 * BTC - 2 * BTV - 2 * V * C - 8 * C * C;
   // recomputation: one block's forward again (its output too) and its c_proj backward
   const replayInner = !half ? 40 * BTC - 16 * BTC : R === 1 ? 18 * BTC : 48 * BTC - 8 * BTC - 8 * C * C;
   return { perLayer, head, headExtra, mlpExtra, replay: perLayer, replayInner, BTC };

@@ -103,17 +103,17 @@ export const ops = {
     result: "void",
     cpu: "mt_bias_gelu_forward_f32",
   },
-  /** returns the count of targets outside [0, V); lse (N): each row's log-sum-exp */
+  /** returns the count of targets outside [0, V); lse (N): each row's log-sum-exp; logits of elem */
   crossEntropyForward: {
-    args: [p("loss"), p("losses"), p("lse"), p("logits"), p("targets"), i("N"), i("V")],
+    args: [p("loss"), p("losses"), p("lse"), p("logits"), p("targets"), i("N"), i("V"), e],
     result: "i64",
     inRange: true,
     cpu: "mt_crossentropy_forward_f32",
   },
   /** dlogits (+)= softmax - onehot, from the logits and lse; without accumulate it overwrites, and
-   *  dlogits may be the logits themselves */
+   *  dlogits may be the logits themselves; both of elem */
   crossEntropyBackward: {
-    args: [p("dlogits"), p("logits"), p("lse"), p("targets"), p("dloss"), i("N"), i("V"), ["accumulate", "bool"]],
+    args: [p("dlogits"), p("logits"), p("lse"), p("targets"), p("dloss"), i("N"), i("V"), ["accumulate", "bool"], e],
     result: "void",
     cpu: "mt_crossentropy_backward_f32",
   },

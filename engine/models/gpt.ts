@@ -169,10 +169,12 @@ export class GptModel implements Model {
 
   /** The last stage: the final norm and the tied head, (B,T,C) -> logits (B,T,V). */
   #head(x: Tensor): Tensor {
-    // only the head's GEMM reads the final norm: stored in the autocast type (engine/mixed.ts)
-    const h = this.lnF!.forward(x, activationDType(x.ctx.precision));
+    // only the head's GEMM reads the final norm, and only the loss the logits: both in the
+    // autocast type (engine/mixed.ts), which halves the largest tensor of the pass
+    const act = activationDType(x.ctx.precision);
+    const h = this.lnF!.forward(x, act);
     // weight tying: the output projection is the token embedding
-    const logits = matmul(h, this.wte!.weight.tensor, { transB: true });
+    const logits = matmul(h, this.wte!.weight.tensor, { transB: true, out: act });
     h.drop();
     return logits;
   }

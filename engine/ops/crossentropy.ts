@@ -1,5 +1,6 @@
 // softmaxCrossEntropy: loss = mean_n -log softmax(logits[n])[targets[n]], fused and stable.
-//   logits (...,V) f32, targets (...) i32 with the same leading dims; N = numel(targets).
+//   logits (...,V) f32 or, under autocast, the 2-byte type (the head's GEMM writes them so; the
+//   sums are f32 either way), targets (...) i32 with the same leading dims; N = numel(targets).
 // The forward keeps only each row's log-sum-exp lse (N), not the probabilities (N,V):
 // dlogits = (exp(logits - lse) - onehot) * dloss / N is computed from the logits in backward.
 // When nothing but this op reads the logits any more (their owner dropped them, as a model's
@@ -7,11 +8,11 @@
 // 50,257 makes it the largest of the pass.
 import { IndexRangeError, ShapeError } from "../errors.ts";
 import type { Tensor } from "../tensor.ts";
-import { checkDType, checkInputs, lastDim } from "./check.ts";
+import { checkActivationDType, checkDType, checkInputs, lastDim } from "./check.ts";
 
 export function softmaxCrossEntropy(logits: Tensor, targets: Tensor): Tensor {
   const ctx = checkInputs("softmaxCrossEntropy", [logits, targets]);
-  checkDType("softmaxCrossEntropy", logits, "f32");
+  const elem = checkActivationDType("softmaxCrossEntropy", logits);
   checkDType("softmaxCrossEntropy", targets, "i32");
   const V = lastDim(logits.shape);
   const N = logits.numel / V;
@@ -36,6 +37,7 @@ export function softmaxCrossEntropy(logits: Tensor, targets: Tensor): Tensor {
     targets.ptr,
     N,
     V,
+    elem,
     targets.knownInRange(V),
   );
   losses.drop();
@@ -55,6 +57,7 @@ export function softmaxCrossEntropy(logits: Tensor, targets: Tensor): Tensor {
         N,
         V,
         !inPlace,
+        elem,
       );
     },
     [logits, targets, lse],

@@ -9,16 +9,19 @@
 // dout and accumulate in f32 into the f32 out, da and db (engine/mixed.ts). An operand already
 // in the autocast type (a bf16 activation) is read as it is, and its gradient is written in
 // that type.
-import type { Backend, GemmInput, GemmOutput, Ptr } from "../../ffi/backend.ts";
+import type { Backend, DType, GemmInput, GemmOutput, Ptr } from "../../ffi/backend.ts";
 import { ShapeError } from "../errors.ts";
 import { autocastDType } from "../mixed.ts";
 import { castCopy } from "./cast.ts";
 import { numelOf, type Tensor } from "../tensor.ts";
-import { checkActivationDType, checkInputs } from "./check.ts";
+import { checkActivationDType, checkInputs, checkOutDType } from "./check.ts";
 
 export interface MatmulOptions {
   transA?: boolean;
   transB?: boolean;
+  /** the output's type: f32 (default), or the autocast type for an output that an op reading
+   *  2-byte inputs takes (the head's logits, under autocast, for the loss) */
+  out?: DType;
 }
 
 interface Plan {
@@ -108,13 +111,14 @@ export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tenso
   const tB = options.transB ?? false;
   const { batch, M, N, K, outShape } = plan(a, b, tA, tB);
   const be = ctx.backend;
+  const elem = checkOutDType("matmul", ctx, options.out ?? "f32");
   const input: GemmInput = ctx.precision; // fixed for this op's backward too
   const half = autocastDType(input);
   // a16, b16: a and b as the GEMMs read them (2-byte copies under autocast), kept for backward
   const a16 = gemmOperand(a, half);
   const b16 = gemmOperand(b, half);
-  const out = ctx.empty(outShape);
-  gemm(be, input, "f32", batch, tA, tB, M, N, K, a16.ptr, b16.ptr, 0, out.ptr);
+  const out = ctx.empty(outShape, elem);
+  gemm(be, input, elem, batch, tA, tB, M, N, K, a16.ptr, b16.ptr, 0, out.ptr);
   // backward reads b16 for a's gradient and a16 for b's
   const saved = [...(a.requiresGrad ? [b16] : []), ...(b.requiresGrad ? [a16] : [])];
   ctx.record(

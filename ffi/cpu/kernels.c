@@ -349,22 +349,24 @@ void mt_dropout_backward_f32(float* dinp, const float* dout, int64_t n, float p,
 // softmax cross-entropy, fused and numerically stable
 // ---------------------------------------------------------------------------------------------
 
-// loss (1) = mean over rows; losses, lse (N); logits (N,V); targets (N) int32.
+// loss (1) = mean over rows; losses, lse (N); logits (N,V) of elem; targets (N) int32.
 // lse[n] = log sum_v exp(logits[n,v]): all that backward needs besides the logits, so no second
 // (N,V) array is kept. Returns the number of targets outside [0,V) (their rows get loss 0); the
 // caller turns a nonzero count into an error.
-int64_t mt_crossentropy_forward_f32(float* loss, float* losses, float* lse, const float* logits,
-                                    const int32_t* targets, int64_t N, int64_t V) {
+int64_t mt_crossentropy_forward_f32(float* loss, float* losses, float* lse, const void* logits,
+                                    const int32_t* targets, int64_t N, int64_t V, int32_t elem) {
   int64_t invalid = 0;
 #pragma omp parallel for schedule(static) reduction(+ : invalid) if (N * V >= PAR_MIN / 4)
   for (int64_t n = 0; n < N; n++) {
-    const float* x = logits + n * V;
     float maxv = -INFINITY;
 #pragma omp simd reduction(max : maxv)
-    for (int64_t v = 0; v < V; v++) maxv = x[v] > maxv ? x[v] : maxv;
+    for (int64_t v = 0; v < V; v++) {
+      const float x = mt_load_elem(logits, n * V + v, elem);
+      maxv = x > maxv ? x : maxv;
+    }
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t v = 0; v < V; v++) sum += fast_expf(x[v] - maxv);
+    for (int64_t v = 0; v < V; v++) sum += fast_expf(mt_load_elem(logits, n * V + v, elem) - maxv);
     lse[n] = logf(sum) + maxv;
     const int32_t t = targets[n];
     if (t < 0 || t >= V) {
@@ -372,7 +374,7 @@ int64_t mt_crossentropy_forward_f32(float* loss, float* losses, float* lse, cons
       losses[n] = 0.0f;
     } else {
       // -log p[t] computed as logsumexp - x[t], which stays finite when p[t] underflows
-      losses[n] = lse[n] - x[t];
+      losses[n] = lse[n] - mt_load_elem(logits, n * V + t, elem);
     }
   }
   double acc = 0.0;
@@ -381,26 +383,23 @@ int64_t mt_crossentropy_forward_f32(float* loss, float* losses, float* lse, cons
   return invalid;
 }
 // forward was: loss = mean_n(lse[n] - logits[n, targets[n]])
-// dlogits (N,V) (+)= (exp(logits - lse) - onehot(targets)) * dloss[0] / N. With accumulate 0 it
+// dlogits (N,V) (+)= (exp(logits - lse) - onehot(targets)) * dloss[0] / N; dlogits and logits of
+// elem. With accumulate 0 it
 // overwrites dlogits, which may then be the logits themselves (each element is read before it
 // is written): the engine gives the logits' memory to their gradient when nothing else reads them.
-void mt_crossentropy_backward_f32(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
-                                  const float* dloss, int64_t N, int64_t V, int32_t accumulate) {
+void mt_crossentropy_backward_f32(void* dlogits, const void* logits, const float* lse, const int32_t* targets,
+                                  const float* dloss, int64_t N, int64_t V, int32_t accumulate, int32_t elem) {
   const float g = dloss[0] / (float)N;
 #pragma omp parallel for schedule(static) if (N * V >= PAR_MIN)
   for (int64_t n = 0; n < N; n++) {
-    const float* x = logits + n * V;
-    float* d = dlogits + n * V;
     const float l = lse[n];
     const int32_t t = targets[n];
-    if (accumulate) {
 #pragma omp simd
-      for (int64_t v = 0; v < V; v++) d[v] += fast_expf(x[v] - l) * g;
-    } else {
-#pragma omp simd
-      for (int64_t v = 0; v < V; v++) d[v] = fast_expf(x[v] - l) * g;
+    for (int64_t v = 0; v < V; v++) {
+      const int64_t i = n * V + v;
+      const float grad = (fast_expf(mt_load_elem(logits, i, elem) - l) - (v == t ? 1.0f : 0.0f)) * g;
+      mt_store_elem(dlogits, i, accumulate ? mt_load_elem(dlogits, i, elem) + grad : grad, elem);
     }
-    if (t >= 0 && t < V) d[t] -= g;
   }
 }
 

@@ -104,7 +104,7 @@ export const kernelSpecs = {
     "dropoutBackward",
   ]),
   mt_bias_backward_partial_f32: { module: "layers", params: ["ptr", "ptr", "i64", "i64", "i64", "i32"] },
-  mt_crossentropy_forward_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
+  mt_crossentropy_forward_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64", "i32"] },
   mt_crossentropy_loss_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
   ...opKernels("crossentropy", ["crossEntropyBackward"]),
   ...opKernels("layernorm", ["layerNormForward", "residualLayerNormForward"]),
@@ -525,15 +525,15 @@ export const plans = {
   },
   // (no inRange: the loss kernel computes the count with the mean anyway; the backend just
   // does not read it when the targets were checked on the host)
-  crossEntropyForward(scratch, loss, losses, lse, logits, targets, N, V): Launch[] {
-    const rows = N === 0 ? [] : [blockRows("mt_crossentropy_forward_f32", N, V, [losses, lse, logits, targets, N, V])];
+  crossEntropyForward(scratch, loss, losses, lse, logits, targets, N, V, elem): Launch[] {
+    const args = [losses, lse, logits, targets, N, V, elemCodes[elem]];
+    const rows = N === 0 ? [] : [blockRows("mt_crossentropy_forward_f32", N, V, args)];
     return [...rows, singleBlock("mt_crossentropy_loss_f32", [loss, scratch, losses, targets, N, V])];
   },
-  crossEntropyBackward(dlogits, logits, lse, targets, dloss, N, V, accumulate): Launch[] {
+  crossEntropyBackward(dlogits, logits, lse, targets, dloss, N, V, accumulate, elem): Launch[] {
     if (N * V === 0) return [];
-    return [
-      blockRows("mt_crossentropy_backward_f32", N, V, [dlogits, logits, lse, targets, dloss, N, V, accumulate ? 1 : 0]),
-    ];
+    const args = [dlogits, logits, lse, targets, dloss, N, V, accumulate ? 1 : 0, elemCodes[elem]];
+    return [blockRows("mt_crossentropy_backward_f32", N, V, args)];
   },
   layerNormForward(out, mean, rstd, inp, weight, bias, N, C, eps, elem): Launch[] {
     // C = 0 still writes mean and rstd (NaN, as on the CPU)

@@ -238,7 +238,7 @@ describe.skipIf(skip("nvcc", nvcc === null ? "no nvcc to build the PTX kernels (
       ["dropoutForward", [P, Q, 5000, 0.3, 0xfedcba9876543210n]],
       ["dropoutBackward", [P, Q, 5000, 0.3, 0x0123456789abcdefn]],
       ["biasGeluForward", [P, Q, R, 300, 129, "bf16"]],
-      ["crossEntropyBackward", [P, Q, R, S, T, 37, 83, true]],
+      ["crossEntropyBackward", [P, Q, R, S, T, 37, 83, true, "bf16"]],
       ["residualLayerNormForward", [P, Q, R, S, T, U, V, W, 2048, 128, 1e-5, "bf16"]],
       ["layerNormForward", [P, Q, R, S, T, U, 2048, 128, 1e-5, "f32"]],
       ["layerNormBackward", [P, Q, R, S, T, U, V, W, 2048, 128, "bf16"]],
@@ -299,13 +299,13 @@ describe.skipIf(skip("nvcc", nvcc === null ? "no nvcc to build the PTX kernels (
       ["embeddingForward", "i64"],
     ] as const)("%s passes the backend's scratch buffer first and returns the %s left at its start", (method, kind) => {
       const be = backend();
-      const args: Record<typeof method, number[]> = {
+      const args: Record<typeof method, (number | string)[]> = {
         sumSquares: [P, 1000],
         countNonFinite: [P, 1000],
-        crossEntropyForward: [P, Q, R, S, T, 37, 83],
+        crossEntropyForward: [P, Q, R, S, T, 37, 83, "bf16"],
         embeddingForward: [P, Q, R, 50, 16, 83],
       };
-      const call = () => (be[method] as (...a: number[]) => number)(...args[method]);
+      const call = () => (be[method] as (...a: (number | string)[]) => number)(...args[method]);
       fake.fake_reset();
       call();
       // the fake runs no kernel: write the result where the kernels would, then ask again.
@@ -327,7 +327,7 @@ describe.skipIf(skip("nvcc", nvcc === null ? "no nvcc to build the PTX kernels (
       "%s with inRange (ids checked on the host) returns 0 without waiting on the GPU, and counts nothing",
       (method) => {
         const be = backend();
-        const args = method === "crossEntropyForward" ? [P, Q, R, S, T, 37, 83] : [P, Q, R, 50, 16, 83];
+        const args = method === "crossEntropyForward" ? [P, Q, R, S, T, 37, 83, "f32"] : [P, Q, R, 50, 16, 83];
         fake.fake_reset();
         expect((be[method] as (...a: unknown[]) => number)(...args, true)).toBe(0);
         expect(fake.fake_stream_sync_count()).toBe(0);

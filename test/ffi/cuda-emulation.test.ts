@@ -557,31 +557,33 @@ function crossEntropyTests(): void {
     [4, 0],
     [0, 5],
   ])("crossEntropy forward and backward: N %d V %d", (N, V) => {
-    const targets = V > 0 ? ints(N, V) : new Int32Array(N);
-    if (N > 3) [targets[1], targets[2]] = [-1, V]; // out of range: counted, loss 0
-    const logits = normals(N * V, 5);
-    const [lc, le] = twin(logits),
-      [tc, te] = twin(targets);
-    const [ec, ee] = outF32(N),
-      [sc, se] = outF32(N),
-      [Lc, Le] = outF32(1);
-    const badCpu = be.crossEntropyForward(Lc, sc, ec, lc, tc, N, V);
-    runPlan("crossEntropyForward", plans.crossEntropyForward(poisonedScratch(), Le, se, ee, le, te, N, V));
-    expectExact("invalid target count", [scratchI64()], [badCpu]);
-    expectClose("lse", readF32(ee, N), readF32(ec, N));
-    expectClose("losses", readF32(se, N), readF32(sc, N));
-    expectClose("loss", readF32(Le, 1), readF32(Lc, 1));
-    const [gc, ge] = twin(new Float32Array([1.5]));
-    // both backwards read the CPU forward's lse
-    const lse2 = devAlloc(readF32(ec, N));
-    const [dc, de] = twin(normals(N * V));
-    be.crossEntropyBackward(dc, lc, ec, tc, gc, N, V, true);
-    runPlan("crossEntropyBackward", plans.crossEntropyBackward(de, le, lse2, te, ge, N, V, true));
-    expectClose("dlogits +=", readF32(de, N * V), readF32(dc, N * V));
-    // over the logits themselves
-    be.crossEntropyBackward(lc, lc, ec, tc, gc, N, V, false);
-    runPlan("crossEntropyBackward", plans.crossEntropyBackward(le, le, lse2, te, ge, N, V, false));
-    expectClose("dlogits in place", readF32(le, N * V), readF32(lc, N * V));
+    for (const elem of elems) {
+      const targets = V > 0 ? ints(N, V) : new Int32Array(N);
+      if (N > 3) [targets[1], targets[2]] = [-1, V]; // out of range: counted, loss 0
+      const [lc, le] = twinElem(normals(N * V, 5), elem),
+        [tc, te] = twin(targets);
+      const [ec, ee] = outF32(N),
+        [sc, se] = outF32(N),
+        [Lc, Le] = outF32(1);
+      const badCpu = be.crossEntropyForward(Lc, sc, ec, lc, tc, N, V, elem);
+      runPlan("crossEntropyForward", plans.crossEntropyForward(poisonedScratch(), Le, se, ee, le, te, N, V, elem));
+      expectExact("invalid target count", [scratchI64()], [badCpu]);
+      expectClose("lse", readF32(ee, N), readF32(ec, N));
+      expectClose("losses", readF32(se, N), readF32(sc, N));
+      expectClose("loss", readF32(Le, 1), readF32(Lc, 1));
+      const [gc, ge] = twin(new Float32Array([1.5]));
+      // both backwards read the CPU forward's lse
+      const lse2 = devAlloc(readF32(ec, N));
+      const [dc, de] = twinElem(normals(N * V), elem);
+      const tol = elemTol(elem, 1e-5);
+      be.crossEntropyBackward(dc, lc, ec, tc, gc, N, V, true, elem);
+      runPlan("crossEntropyBackward", plans.crossEntropyBackward(de, le, lse2, te, ge, N, V, true, elem));
+      expectClose(`dlogits += (${elem})`, readElem(de, N * V, elem), readElem(dc, N * V, elem), tol);
+      // over the logits themselves
+      be.crossEntropyBackward(lc, lc, ec, tc, gc, N, V, false, elem);
+      runPlan("crossEntropyBackward", plans.crossEntropyBackward(le, le, lse2, te, ge, N, V, false, elem));
+      expectClose(`dlogits in place (${elem})`, readElem(le, N * V, elem), readElem(lc, N * V, elem), tol);
+    }
   });
 }
 

@@ -1,29 +1,56 @@
-// Softmax cross-entropy, fused and numerically stable. N rows, V vocab.
+// Softmax cross-entropy, fused and numerically stable. N rows, V vocab. The logits (and their
+// gradient) are of `elem` (0 f32, 1 bf16, 2 f16: bf16 under autocast, where the head's GEMM writes
+// them so); every sum is f32.
 // Row kernels: one block per row (grid-stride over rows), blockDim.x a multiple of 32; the
 // block reductions combine in a fixed order, so results are deterministic.
 #include "common.cuh"
+#include "../../numerics.h"
 
-// losses, lse (N); logits (N,V); targets (N) int32.
-// lse[n] = log sum_v exp(logits[n,v]) (all that backward needs besides the logits);
-// losses[n] = lse[n] - logits[n, targets[n]], or 0 for a target outside [0,V) (counted by
-// mt_crossentropy_loss_f32; the caller turns that into an error).
+// A running softmax denominator: sum of exp(x - m) over the values seen, m their maximum. Two
+// combine exactly (up to rounding) into the pair over both; -inf means nothing seen yet.
+struct MaxSum {
+  float m, s;
+};
+__device__ __forceinline__ MaxSum max_sum_add(MaxSum a, float x) {
+  if (x > a.m) return {x, a.s * expf(a.m - x) + 1.0f};
+  return {a.m, a.s + expf(x - a.m)};  // NaN x: the sum becomes NaN, as it should
+}
+__device__ __forceinline__ MaxSum max_sum_combine(MaxSum a, MaxSum b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.0f};
+  return {m, (a.m == -INFINITY ? 0.0f : a.s * expf(a.m - m)) + (b.m == -INFINITY ? 0.0f : b.s * expf(b.m - m))};
+}
+// over a 1D block, combined in lane then warp order (deterministic); every thread gets it
+__device__ __forceinline__ MaxSum block_max_sum(MaxSum v) {
+  __shared__ MaxSum warp_partials[32];
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1)
+    v = max_sum_combine(v, {__shfl_xor_sync(FULL_MASK, v.m, offset), __shfl_xor_sync(FULL_MASK, v.s, offset)});
+  __syncthreads();  // readers of a previous call are done
+  if (lane == 0) warp_partials[warp] = v;
+  __syncthreads();
+  MaxSum total = warp_partials[0];
+  for (int w = 1; w < (int)(blockDim.x / WARP_SIZE); w++) total = max_sum_combine(total, warp_partials[w]);
+  return total;
+}
+
+// losses, lse (N); logits (N,V) of elem; targets (N) int32.
+// lse[n] = log sum_v exp(logits[n,v]) (all that backward needs besides the logits), in one pass
+// over the row (an online maximum); losses[n] = lse[n] - logits[n, targets[n]], or 0 for a target
+// outside [0,V) (counted by mt_crossentropy_loss_f32; the caller turns that into an error).
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_crossentropy_forward_f32(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
-                            int64_t V) {
+mt_crossentropy_forward_f32(float* losses, float* lse, const void* logits, const int32_t* targets, int64_t N,
+                            int64_t V, int32_t elem) {
   for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
-    const float* x = logits + n * V;
-    float maxv = -INFINITY;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) maxv = fmaxf(maxv, x[v]);
-    maxv = block_reduce(maxv, MaxOp());
-    float sum = 0.0f;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) sum += expf(x[v] - maxv);
-    sum = block_reduce(sum, SumOp());
+    MaxSum ms = {-INFINITY, 0.0f};
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) ms = max_sum_add(ms, mt_load_elem(logits, n * V + v, elem));
+    ms = block_max_sum(ms);
     if (threadIdx.x == 0) {
-      const float l = logf(sum) + maxv;
+      const float l = logf(ms.s) + ms.m;
       const int32_t t = targets[n];
       lse[n] = l;
       // -log p[t] computed as logsumexp - x[t], which stays finite when p[t] underflows
-      losses[n] = (t < 0 || t >= V) ? 0.0f : l - x[t];
+      losses[n] = (t < 0 || t >= V) ? 0.0f : l - mt_load_elem(logits, n * V + t, elem);
     }
   }
 }
@@ -50,22 +77,21 @@ mt_crossentropy_loss_f32(float* loss, int64_t* invalid, const float* losses, con
 }
 
 // forward was: loss = mean_n(lse[n] - logits[n, targets[n]])
-// dlogits, logits (N,V); lse, targets (N); dloss (1):
+// dlogits, logits (N,V) of elem; lse, targets (N); dloss (1):
 // dlogits (+)= (exp(logits - lse) - onehot(targets)) * dloss[0] / N. With accumulate 0 it
 // overwrites, and dlogits may be the logits themselves (each element is read, then written, by
 // one thread).
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_crossentropy_backward_f32(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
-                             const float* dloss, int64_t N, int64_t V, int32_t accumulate) {
+mt_crossentropy_backward_f32(void* dlogits, const void* logits, const float* lse, const int32_t* targets,
+                             const float* dloss, int64_t N, int64_t V, int32_t accumulate, int32_t elem) {
   const float g = dloss[0] / (float)N;
   for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
-    const float* x = logits + n * V;
-    float* d = dlogits + n * V;
     const float l = lse[n];
     const int64_t t = targets[n];
     for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-      const float grad = (expf(x[v] - l) - (v == t ? 1.0f : 0.0f)) * g;
-      d[v] = accumulate ? d[v] + grad : grad;
+      const int64_t i = n * V + v;
+      const float grad = (expf(mt_load_elem(logits, i, elem) - l) - (v == t ? 1.0f : 0.0f)) * g;
+      mt_store_elem(dlogits, i, accumulate ? mt_load_elem(dlogits, i, elem) + grad : grad, elem);
     }
   }
 }
