@@ -8,7 +8,8 @@
 #   attention  cuDNN's fused attention: PyTorch's own cuDNN SDPA logged (the descriptors it
 #          builds), the parity test of ours against the kernels, and GPT-2 small's and nanoGPT's
 #          step with it (no PyTorch rows)
-#   profile  GPT-2 small's and nanoGPT's step with --profile and the work queued per step (no PyTorch)
+#   profile  GPT-2 small's and nanoGPT's step with --profile and the work queued per step (no PyTorch),
+#          then the kernels' GPU parity suites
 #   bench  the engine benchmark at nanoGPT's shapes (small, nanogpt-char, gpt2-small) on CUDA
 #          against PyTorch eager and torch.compile, and every kernel's GB/s against
 #          cuMemcpyDtoD with the host cost of one kernel call
@@ -64,6 +65,7 @@ case "$phase" in
     [ -f "$out/ours-cudnn.log" ] && xz -9 -f "$out/ours-cudnn.log" ;;
   profile)
     run timeout 120 bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 10 --profile --no-torch
-    run timeout 90 bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 --profile --no-torch ;;
+    run timeout 90 bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 --profile --no-torch
+    run timeout 150 bun test --timeout=120000 test/ffi/cuda-kernels.test.ts test/ffi/cudnn-gpu.test.ts ;;
   *) echo "usage: scripts/device-check.sh tests|train|gpt|attention|profile|bench"; exit 2 ;;
 esac
