@@ -18,6 +18,7 @@ import {
   type KernelName,
   type Launch,
   type ParamType,
+  planTakesScratch,
   plans,
   reduceShape,
   scratchBytes,
@@ -31,19 +32,20 @@ import { skip } from "../helpers/skip.ts";
 /** every op (ffi/ops.ts), and those that return a number to JavaScript (their plans take scratch first) */
 const methods = Object.keys(ops) as OpName[];
 const scalarMethods = new Set<OpName>(methods.filter((m) => ops[m].result !== "void"));
+const elems = ["f32", "bf16", "f16"] as const;
 
 describe("plans cover the Backend", () => {
   test("one plan per op (ffi/ops.ts), no extras", () => {
     expect(Object.keys(plans).sort()).toEqual(Object.keys(ops).sort());
   });
 
-  test("each plan takes the op's declared arguments (plus scratch for a result; inRange optional)", () => {
+  test("each plan takes the op's declared arguments (plus scratch for a result or a split sum; inRange optional)", () => {
     const names = Object.keys(ops) as OpName[];
     const arity = Object.fromEntries(names.map((m) => [m, plans[m].length]));
     const expected = Object.fromEntries(
       names.map((m) => {
         const d = ops[m] as OpDecl;
-        return [m, d.args.length + (d.result === "void" ? 0 : 1)];
+        return [m, d.args.length + (planTakesScratch(d) ? 1 : 0)];
       }),
     );
     expect(arity).toEqual(expected);
@@ -301,27 +303,29 @@ const cases: { readonly [M in OpName]: readonly Args[] } = {
     (["add", "mul"] as const).map((op) => [op, p, p, p, d, broadcastOn(d, [false, true, false, true]), contiguous(d)]),
   ),
   reduceBroadcast: dims4.flatMap((d) => keepPatterns.map((keep) => [p, p, d, broadcastOn(d, keep)])),
-  biasAdd: rowsByCols.map(([N, C]) => [p, p, p, N, C]),
-  biasBackward: rowsByCols.map(([N, C]) => [p, p, N, C]),
-  reluForward: sizes.map((n) => [p, p, n]),
-  reluBackward: sizes.map((n) => [p, p, p, n]),
-  geluForward: sizes.map((n) => [p, p, n]),
-  geluBackward: sizes.map((n) => [p, p, p, n]),
+  biasAdd: rowsByCols.flatMap(([N, C]) => elems.map((e) => [p, p, p, N, C, e])),
+  biasBackward: rowsByCols.flatMap(([N, C]) => elems.map((e) => [scratch, p, p, N, C, e])),
+  reluForward: sizes.map((n, i) => [p, p, n, elems[i % 3]]),
+  reluBackward: sizes.map((n, i) => [p, p, p, n, elems[i % 3]]),
+  geluForward: sizes.map((n, i) => [p, p, n, elems[i % 3]]),
+  geluBackward: sizes.map((n, i) => [p, p, p, n, elems[i % 3]]),
   dropoutForward: sizes.flatMap((n) => seeds.map((s) => [p, p, n, 0.1, s])),
   dropoutBackward: sizes.flatMap((n) => seeds.map((s) => [p, p, n, 0.1, s])),
-  biasGeluForward: rowsByCols.map(([N, C]) => [p, p, p, N, C]),
-  crossEntropyForward: vocab.map(([N, V]) => [scratch, p, p, p, p, p, N, V]),
-  crossEntropyBackward: vocab.flatMap(([N, V]) => [true, false].map((acc) => [p, p, p, p, p, N, V, acc])),
-  layerNormForward: rowsByCols.map(([N, C]) => [p, p, p, p, p, p, N, C, 1e-5]),
-  residualLayerNormForward: rowsByCols.map(([N, C]) => [p, p, p, p, p, p, p, p, N, C, 1e-5]),
-  layerNormBackward: rowsByCols.map(([N, C]) => [p, p, p, p, p, p, p, p, N, C]),
+  biasGeluForward: rowsByCols.map(([N, C], i) => [p, p, p, N, C, elems[i % 3]]),
+  crossEntropyForward: vocab.map(([N, V], i) => [scratch, p, p, p, p, p, N, V, elems[i % 3]]),
+  crossEntropyBackward: vocab.flatMap(([N, V], i) =>
+    [true, false].map((acc) => [p, p, p, p, p, N, V, acc, elems[i % 3]]),
+  ),
+  layerNormForward: rowsByCols.map(([N, C], i) => [p, p, p, p, p, p, N, C, 1e-5, elems[i % 3]]),
+  residualLayerNormForward: rowsByCols.map(([N, C], i) => [p, p, p, p, p, p, p, p, N, C, 1e-5, elems[i % 3]]),
+  layerNormBackward: rowsByCols.flatMap(([N, C]) => elems.map((e) => [scratch, p, p, p, p, p, p, p, p, N, C, e])),
   embeddingForward: vocab.map(([N, V]) => [scratch, p, p, p, N, 768, V]),
   embeddingBackward: rowsByCols.map(([N, C]) => [p, p, p, N, C]),
   attentionForward: attention.flatMap(([B, T, C, H]) =>
     (["f32", "bf16"] as const).map((e) => [p, p, p, B, T, C, H, 0.125, e]),
   ),
   attentionBackward: attention.flatMap(([B, T, C, H]) =>
-    (["f32", "f16"] as const).map((e) => [p, p, p, p, p, p, B, T, C, H, 0.125, e]),
+    (["f32", "f16"] as const).flatMap((e) => [true, false].map((acc) => [p, p, p, p, p, p, B, T, C, H, 0.125, e, acc])),
   ),
   stridedCopy: dims4.flatMap((d) =>
     [false, true].map((acc) => [p, contiguous(d), p, [d[3], 1, d[0] * d[3], d[0] * d[1] * d[3]], d, acc]),
@@ -349,24 +353,24 @@ const emptyCases: { readonly [M in OpName]: Args } = {
   addScalarFrom: [p, p, 1, 0],
   binaryBroadcast: ["add", p, p, p, [2, 0, 3, 4], [0, 0, 4, 1], [12, 12, 4, 1]],
   reduceBroadcast: [p, p, [2, 3, 0, 4], [0, 0, 0, 1]],
-  biasAdd: [p, p, p, 0, 768],
-  biasBackward: [p, p, 8192, 0],
-  reluForward: [p, p, 0],
-  reluBackward: [p, p, p, 0],
-  geluForward: [p, p, 0],
-  geluBackward: [p, p, p, 0],
+  biasAdd: [p, p, p, 0, 768, "bf16"],
+  biasBackward: [scratch, p, p, 8192, 0, "f32"],
+  reluForward: [p, p, 0, "f32"],
+  reluBackward: [p, p, p, 0, "bf16"],
+  geluForward: [p, p, 0, "bf16"],
+  geluBackward: [p, p, p, 0, "f32"],
   dropoutForward: [p, p, 0, 0.5, 1n],
   dropoutBackward: [p, p, 0, 0.5, 1n],
-  biasGeluForward: [p, p, p, 0, 3072],
-  crossEntropyForward: [scratch, p, p, p, p, p, 0, 50_257],
-  crossEntropyBackward: [p, p, p, p, p, 0, 50_257, false],
-  layerNormForward: [p, p, p, p, p, p, 0, 768, 1e-5],
-  residualLayerNormForward: [p, p, p, p, p, p, p, p, 0, 768, 1e-5],
-  layerNormBackward: [p, p, p, p, p, p, p, p, 0, 768],
+  biasGeluForward: [p, p, p, 0, 3072, "bf16"],
+  crossEntropyForward: [scratch, p, p, p, p, p, 0, 50_257, "bf16"],
+  crossEntropyBackward: [p, p, p, p, p, 0, 50_257, false, "bf16"],
+  layerNormForward: [p, p, p, p, p, p, 0, 768, 1e-5, "bf16"],
+  residualLayerNormForward: [p, p, p, p, p, p, p, p, 0, 768, 1e-5, "f32"],
+  layerNormBackward: [scratch, p, p, p, p, p, p, p, p, 0, 768, "bf16"],
   embeddingForward: [scratch, p, p, p, 0, 768, 50_257],
   embeddingBackward: [p, p, p, 0, 768],
   attentionForward: [p, p, p, 0, 1024, 768, 12, 0.125, "f32"],
-  attentionBackward: [p, p, p, p, p, p, 8, 0, 768, 12, 0.125, "bf16"],
+  attentionBackward: [p, p, p, p, p, p, 8, 0, 768, 12, 0.125, "bf16", false],
   stridedCopy: [p, [0, 0, 1, 1], p, [0, 0, 1, 1], [1, 1, 0, 5], true],
   sum: [p, p, 0],
   sumSquares: [scratch, p, 0],
@@ -401,7 +405,9 @@ const singleBlockKernels = new Set<KernelName>([
 ]);
 const columnKernels = new Set<KernelName>([
   "mt_bias_backward_f32",
+  "mt_bias_backward_partial_f32",
   "mt_layernorm_backward_params_f32",
+  "mt_layernorm_params_partial_f32",
   "mt_reduce_bcast_cols_f32",
 ]);
 const attentionKernels = new Set<KernelName>([
@@ -452,6 +458,11 @@ describe("launches", () => {
       const launches = planFor(method, args);
       if (launches.length === 0) problems.push(`no launches for (${args.map(String).join(", ")})`);
       for (const l of launches) problems.push(...launchProblems(l));
+      // what a plan keeps in scratch (results, partial sums) stays inside it
+      for (const l of launches)
+        for (const a of l.args)
+          if (typeof a === "number" && a > scratch && a < scratch + 2 ** 32 && a >= scratch + scratchBytes)
+            problems.push(`${l.kernel}: scratch address ${a - scratch} bytes in, past its ${scratchBytes}`);
     }
     expect(problems).toEqual([]);
   });

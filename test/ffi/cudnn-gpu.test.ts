@@ -1,11 +1,10 @@
 // cuDNN's fused attention on a real GPU (ffi/cuda/attention-path.ts): the same calls on a backend
-// that runs cuDNN and on one that runs the f32-FMA reference kernels, on the same 2-byte q, k, v,
-// out and lse against each other and against the float64 definition, and the gradient added into
-// dqkv (which already holds something: backward adds). Shapes: head sizes 64 and 128, T not a
+// that runs cuDNN and on one that runs the f32-FMA reference kernels, on the same 2-byte q, k, v
+// and dout: out (2-byte) and lse against each other and against the float64 definition, and the
+// gradient written into dqkv, then added into it once more. Shapes: head sizes 64 and 128, T not a
 // multiple of any tile, T = 1. Prints the time of both paths at GPT-2 small's attention.
 // Skips without a GPU or without cuDNN.
 import { afterAll, describe, expect, test } from "bun:test";
-import type { ElemType } from "../../ffi/backend.ts";
 import { CudaBackend, probeCuda } from "../../ffi/cuda/backend.ts";
 import { findCudnn } from "../../ffi/cuda/cudnn.ts";
 import { causalSelfAttentionBackwardReference, causalSelfAttentionReference } from "../../engine/ops/attention.ts";
@@ -52,41 +51,58 @@ function roundTo(x: Float32Array, elem: "bf16" | "f16"): { bits: Uint16Array; va
 }
 
 interface Outputs {
-  out: Float32Array;
+  out: Float64Array;
   lse: Float32Array;
-  dqkv: Float32Array;
+  /** the gradient written (accumulate false), and then added once more (accumulate true) */
+  dqkv: Float64Array;
+  dqkvTwice: Float64Array;
 }
 
-/** One forward and backward on `be`; dqkv starts at `dqkv0` (backward adds). */
+/** 2-byte bits as numbers */
+function widen(bits: Uint16Array, elem: "bf16" | "f16"): Float64Array {
+  if (elem === "f16") return Float64Array.from(new Float16Array(bits.buffer, bits.byteOffset, bits.length));
+  const u = new Uint32Array(bits.length);
+  for (let i = 0; i < bits.length; i++) u[i] = bits[i]! << 16;
+  return Float64Array.from(new Float32Array(u.buffer));
+}
+
+/** One forward and two backwards on `be`: out, dout and dqkv of elem, as the op contract says. */
 function attention(
   be: CudaBackend,
   qkv16: Uint16Array,
-  dout: Float32Array,
-  dqkv0: Float32Array,
+  dout16: Uint16Array,
   s: { B: number; T: number; C: number; H: number },
-  elem: ElemType,
+  elem: "bf16" | "f16",
 ): Outputs {
   const { B, T, C, H } = s;
   const scale = 1 / Math.sqrt(C / H);
   const qkv = be.alloc(qkv16.byteLength);
-  const out = be.alloc(B * T * C * 4);
+  const out = be.alloc(B * T * C * 2);
   const lse = be.alloc(B * H * T * 4);
   const delta = be.alloc(B * H * T * 4);
-  const dO = be.alloc(dout.byteLength);
-  const dqkv = be.alloc(dqkv0.byteLength);
+  const dO = be.alloc(dout16.byteLength);
+  const dqkv = be.alloc(qkv16.byteLength);
   be.upload(qkv.ptr, qkv16);
-  be.upload(dO.ptr, dout);
-  be.upload(dqkv.ptr, dqkv0);
+  be.upload(dO.ptr, dout16);
+  be.upload(dqkv.ptr, new Uint16Array(qkv16.length).fill(0xffff)); // NaN: every element must be written
   be.attentionForward(out.ptr, lse.ptr, qkv.ptr, B, T, C, H, scale, elem);
-  be.attentionBackward(dqkv.ptr, delta.ptr, dO.ptr, out.ptr, lse.ptr, qkv.ptr, B, T, C, H, scale, elem, true);
-  const r = {
-    out: new Float32Array(B * T * C),
-    lse: new Float32Array(B * H * T),
-    dqkv: new Float32Array(dqkv0.length),
+  const backward = (accumulate: boolean) =>
+    be.attentionBackward(dqkv.ptr, delta.ptr, dO.ptr, out.ptr, lse.ptr, qkv.ptr, B, T, C, H, scale, elem, accumulate);
+  const read16 = (a: { ptr: number }, n: number) => {
+    const bits = new Uint16Array(n);
+    be.download(a.ptr, bits);
+    return widen(bits, elem);
   };
-  be.download(out.ptr, r.out);
+  backward(false);
+  const once = read16(dqkv, qkv16.length);
+  backward(true);
+  const r = {
+    out: read16(out, B * T * C),
+    lse: new Float32Array(B * H * T),
+    dqkv: once,
+    dqkvTwice: read16(dqkv, qkv16.length),
+  };
   be.download(lse.ptr, r.lse);
-  be.download(dqkv.ptr, r.dqkv);
   for (const a of [qkv, out, lse, delta, dO, dqkv]) be.free(a);
   return r;
 }
@@ -118,24 +134,40 @@ describe.skipIf(skip("a GPU", probe.ok ? null : probe.reason) || skip("cuDNN 9",
         const C = H * D;
         const s = { B, T, C, H };
         const rng = new Rng(B * 1000 + T * 10 + D);
-        const qkv32 = Float32Array.from({ length: B * T * 3 * C }, () => rng.normal());
-        const { bits, values } = roundTo(qkv32, elem);
-        const dout = Float32Array.from({ length: B * T * C }, () => rng.normal());
-        const dqkv0 = Float32Array.from({ length: B * T * 3 * C }, () => rng.normal());
-        const a = attention(fusedBackend(), bits, dout, dqkv0, s, elem);
-        const b = attention(referenceBackend(), bits, dout, dqkv0, s, elem);
-        const want = causalSelfAttentionReference(values, B, T, C, H).out;
-        const dwant = causalSelfAttentionBackwardReference(values, Float64Array.from(dout), B, T, C, H);
-        const dA = a.dqkv.map((v, i) => v - dqkv0[i]!);
-        const dB = b.dqkv.map((v, i) => v - dqkv0[i]!);
-        // both round P (and backward's dS) to the 2-byte type before a product: errors of that size
+        const qkv = roundTo(
+          Float32Array.from({ length: B * T * 3 * C }, () => rng.normal()),
+          elem,
+        );
+        const dout = roundTo(
+          Float32Array.from({ length: B * T * C }, () => rng.normal()),
+          elem,
+        );
+        const a = attention(fusedBackend(), qkv.bits, dout.bits, s, elem);
+        const b = attention(referenceBackend(), qkv.bits, dout.bits, s, elem);
+        const want = causalSelfAttentionReference(qkv.values, B, T, C, H).out;
+        const dwant = causalSelfAttentionBackwardReference(qkv.values, dout.values, B, T, C, H);
+        // both round P (and backward's dS) to the 2-byte type before a product, and store out and
+        // dqkv in it: errors of that size
         const tol = elem === "bf16" ? 2e-2 : 4e-3;
         expect(relMax(a.out, want)).toBeLessThan(tol);
         expect(relMax(b.out, want)).toBeLessThan(tol);
         expect(relMax(a.lse, b.lse)).toBeLessThan(1e-4);
-        expect(relMax(dA, dwant)).toBeLessThan(2 * tol);
-        expect(relMax(dB, dwant)).toBeLessThan(2 * tol);
-        expect(relMax(dA, dB)).toBeLessThan(2 * tol);
+        expect(relMax(a.dqkv, dwant)).toBeLessThan(2 * tol);
+        expect(relMax(b.dqkv, dwant)).toBeLessThan(2 * tol);
+        expect(relMax(a.dqkv, b.dqkv)).toBeLessThan(2 * tol);
+        // accumulate: the second backward adds the same gradient again
+        expect(
+          relMax(
+            a.dqkvTwice,
+            a.dqkv.map((v) => 2 * v),
+          ),
+        ).toBeLessThan(2 * tol);
+        expect(
+          relMax(
+            b.dqkvTwice,
+            b.dqkv.map((v) => 2 * v),
+          ),
+        ).toBeLessThan(2 * tol);
       });
     });
 
