@@ -21,6 +21,34 @@
 #include <omp.h>
 #endif
 
+// Kernels whose activations may be f32 or a 2-byte type (ffi/numerics.h mt_load_elem) call an
+// always-inlined span or row function through MT_WITH_ELEM, which passes the type as a constant:
+// each copy's loads and stores are then plain, and the f32 one vectorizes as it did before types
+// were added (a loop that branched on the type per element did not, and ran 10x slower). The
+// switch sits inside each parallel loop, around a row or a chunk: OpenMP outlines a parallel
+// region before anything is inlined, so a switch around the region would not specialize it.
+#define MT_WITH_ELEM(elem, ...) \
+  switch (elem) {               \
+    case 0: {                   \
+      enum { E = 0 };           \
+      __VA_ARGS__;              \
+      break;                    \
+    }                           \
+    case 1: {                   \
+      enum { E = 1 };           \
+      __VA_ARGS__;              \
+      break;                    \
+    }                           \
+    default: {                  \
+      enum { E = 2 };           \
+      __VA_ARGS__;              \
+      break;                    \
+    }                           \
+  }
+#define MT_INLINE static inline __attribute__((always_inline))
+// elements a flat elementwise kernel hands to one MT_WITH_ELEM call
+#define MT_SPAN 4096
+
 // Below this many elements a parallel region costs more than it saves (measured: a region
 // costs ~1-2 us on the 2-core build machine; a memory-bound pass moves ~8 bytes/element/ns).
 #define PAR_MIN 32768
@@ -240,13 +268,21 @@ void mt_reduce_bcast_f32(float* out, const float* inp,
 
 // out, inp (N,C) of elem (0 f32, 1 bf16, 2 f16: ffi/numerics.h mt_load_elem), bias (C) f32;
 // out may be inp
+MT_INLINE void bias_add_row(void* out, const void* inp, const float* bias, int64_t at, int64_t C, int32_t elem) {
+  for (int64_t c = 0; c < C; c++) mt_store_elem(out, at + c, mt_load_elem(inp, at + c, elem) + bias[c], elem);
+}
 void mt_bias_add_f32(void* out, const void* inp, const float* bias, int64_t N, int64_t C, int32_t elem) {
 #pragma omp parallel for schedule(static) if (N * C >= PAR_MIN)
   for (int64_t n = 0; n < N; n++) {
-    for (int64_t c = 0; c < C; c++) mt_store_elem(out, n * C + c, mt_load_elem(inp, n * C + c, elem) + bias[c], elem);
+    MT_WITH_ELEM(elem, bias_add_row(out, inp, bias, n * C, C, E));
   }
 }
 
+// acc (C) += row `at` of g (of elem)
+MT_INLINE void add_row(float* acc, const void* g, int64_t at, int64_t C, int32_t elem) {
+#pragma omp simd
+  for (int64_t c = 0; c < C; c++) acc[c] += mt_load_elem(g, at + c, elem);
+}
 // dbias (C) += sum over rows of dout (N,C). Each thread sums a contiguous range of rows into
 // its own partial vector (streaming whole rows); partials are added in thread order, so the
 // result is deterministic for a fixed thread count.
@@ -260,8 +296,7 @@ void mt_bias_backward_f32(float* dbias, const void* dout, int64_t N, int64_t C, 
     float* acc = partial + (int64_t)t * C;
     const int64_t n0 = N * t / team, n1 = N * (t + 1) / team;
     for (int64_t n = n0; n < n1; n++) {
-#pragma omp simd
-      for (int64_t c = 0; c < C; c++) acc[c] += mt_load_elem(dout, n * C + c, elem);
+      MT_WITH_ELEM(elem, add_row(acc, dout, n * C, C, E));
     }
   }
   for (int t = 0; t < nt; t++) {
@@ -271,52 +306,73 @@ void mt_bias_backward_f32(float* dbias, const void* dout, int64_t N, int64_t C, 
   free(partial);
 }
 
-// out, inp (n) of elem
-void mt_relu_forward_f32(void* out, const void* inp, int64_t n, int32_t elem) {
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-  // written so NaN propagates (as torch.relu does): NaN < 0 is false. fmaxf would hide it.
-  for (int64_t i = 0; i < n; i++) {
+// A flat kernel over n elements of elem: span(args..., i0, i1, E) over spans of MT_SPAN, in
+// parallel from `threshold` elements.
+#define MT_SPANS(n, threshold, span, elem, ...)                        \
+  do {                                                                 \
+    const int64_t mt_n = (n);                                          \
+    const int mt_par = mt_n >= (threshold);                            \
+    _Pragma("omp parallel for schedule(static) if (mt_par)")           \
+    for (int64_t i0 = 0; i0 < mt_n; i0 += MT_SPAN) {                   \
+      const int64_t i1 = mt_n - i0 < MT_SPAN ? mt_n : i0 + MT_SPAN;    \
+      MT_WITH_ELEM(elem, span(__VA_ARGS__, i0, i1, E));                \
+    }                                                                  \
+  } while (0)
+
+// out, inp (n) of elem; written so NaN propagates (as torch.relu does): NaN < 0 is false. fmaxf
+// would hide it.
+MT_INLINE void relu_forward_span(void* out, const void* inp, int64_t i0, int64_t i1, int32_t elem) {
+  for (int64_t i = i0; i < i1; i++) {
     const float x = mt_load_elem(inp, i, elem);
     mt_store_elem(out, i, x < 0.0f ? 0.0f : x, elem);
   }
 }
+void mt_relu_forward_f32(void* out, const void* inp, int64_t n, int32_t elem) {
+  MT_SPANS(n, PAR_MIN, relu_forward_span, elem, out, inp);
+}
 // forward was: out = max(inp, 0). dinp, inp, dout of elem.
-void mt_relu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t n, int32_t elem) {
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-  for (int64_t i = 0; i < n; i++) {
+MT_INLINE void relu_backward_span(void* dinp, const void* inp, const void* dout, int64_t i0, int64_t i1, int32_t elem) {
+  for (int64_t i = i0; i < i1; i++) {
     const float g = mt_load_elem(inp, i, elem) > 0.0f ? mt_load_elem(dout, i, elem) : 0.0f;
     mt_store_elem(dinp, i, mt_load_elem(dinp, i, elem) + g, elem);
   }
 }
+void mt_relu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t n, int32_t elem) {
+  MT_SPANS(n, PAR_MIN, relu_backward_span, elem, dinp, inp, dout);
+}
 
 #define GELU_SCALE 0.7978845608028654f  // sqrt(2/pi)
-static inline float gelu(float x) {
+MT_INLINE float gelu(float x) {
   const float cube = 0.044715f * x * x * x;
   return 0.5f * x * (1.0f + fast_tanhf(GELU_SCALE * (x + cube)));
 }
 // out, inp (n) of elem; tanh approximation, as in GPT-2
+MT_INLINE void gelu_forward_span(void* out, const void* inp, int64_t i0, int64_t i1, int32_t elem) {
+  for (int64_t i = i0; i < i1; i++) mt_store_elem(out, i, gelu(mt_load_elem(inp, i, elem)), elem);
+}
 void mt_gelu_forward_f32(void* out, const void* inp, int64_t n, int32_t elem) {
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN / 8)
-  for (int64_t i = 0; i < n; i++) mt_store_elem(out, i, gelu(mt_load_elem(inp, i, elem)), elem);
+  MT_SPANS(n, PAR_MIN / 8, gelu_forward_span, elem, out, inp);
 }
 // pre (N,C) += bias (C), in place; out (N,C) = gelu(pre): a layer's bias and its GELU in one
 // pass over memory (the same bits as mt_bias_add_f32 then mt_gelu_forward_f32). pre, out of
 // elem: GELU reads pre as stored (rounded), as the two kernels one after the other would.
+MT_INLINE void bias_gelu_row(void* out, void* pre, const float* bias, int64_t at, int64_t C, int32_t elem) {
+#pragma omp simd
+  for (int64_t c = 0; c < C; c++) {
+    mt_store_elem(pre, at + c, mt_load_elem(pre, at + c, elem) + bias[c], elem);
+    mt_store_elem(out, at + c, gelu(mt_load_elem(pre, at + c, elem)), elem);
+  }
+}
 void mt_bias_gelu_forward_f32(void* out, void* pre, const float* bias, int64_t N, int64_t C, int32_t elem) {
 #pragma omp parallel for schedule(static) if (N * C >= PAR_MIN / 8)
   for (int64_t n = 0; n < N; n++) {
-#pragma omp simd
-    for (int64_t c = 0; c < C; c++) {
-      const int64_t i = n * C + c;
-      mt_store_elem(pre, i, mt_load_elem(pre, i, elem) + bias[c], elem);
-      mt_store_elem(out, i, gelu(mt_load_elem(pre, i, elem)), elem);
-    }
+    MT_WITH_ELEM(elem, bias_gelu_row(out, pre, bias, n * C, C, E));
   }
 }
 // forward was: out = 0.5 x (1 + tanh(s (x + 0.044715 x^3))). dinp, inp, dout of elem.
-void mt_gelu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t n, int32_t elem) {
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN / 8)
-  for (int64_t i = 0; i < n; i++) {
+MT_INLINE void gelu_backward_span(void* dinp, const void* inp, const void* dout, int64_t i0, int64_t i1,
+                                  int32_t elem) {
+  for (int64_t i = i0; i < i1; i++) {
     const float x = mt_load_elem(inp, i, elem);
     const float cube = 0.044715f * x * x * x;
     const float t = fast_tanhf(GELU_SCALE * (x + cube));
@@ -324,6 +380,9 @@ void mt_gelu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t
     const float local = 0.5f * (1.0f + t) + x * 0.5f * sech2 * GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
     mt_store_elem(dinp, i, mt_load_elem(dinp, i, elem) + local * mt_load_elem(dout, i, elem), elem);
   }
+}
+void mt_gelu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t n, int32_t elem) {
+  MT_SPANS(n, PAR_MIN / 8, gelu_backward_span, elem, dinp, inp, dout);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -353,21 +412,25 @@ void mt_dropout_backward_f32(float* dinp, const float* dout, int64_t n, float p,
 // lse[n] = log sum_v exp(logits[n,v]): all that backward needs besides the logits, so no second
 // (N,V) array is kept. Returns the number of targets outside [0,V) (their rows get loss 0); the
 // caller turns a nonzero count into an error.
+// row `at` of logits: its log-sum-exp
+MT_INLINE float logsumexp_row(const void* logits, int64_t at, int64_t V, int32_t elem) {
+  float maxv = -INFINITY;
+#pragma omp simd reduction(max : maxv)
+  for (int64_t v = 0; v < V; v++) {
+    const float x = mt_load_elem(logits, at + v, elem);
+    maxv = x > maxv ? x : maxv;
+  }
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t v = 0; v < V; v++) sum += fast_expf(mt_load_elem(logits, at + v, elem) - maxv);
+  return logf(sum) + maxv;
+}
 int64_t mt_crossentropy_forward_f32(float* loss, float* losses, float* lse, const void* logits,
                                     const int32_t* targets, int64_t N, int64_t V, int32_t elem) {
   int64_t invalid = 0;
 #pragma omp parallel for schedule(static) reduction(+ : invalid) if (N * V >= PAR_MIN / 4)
   for (int64_t n = 0; n < N; n++) {
-    float maxv = -INFINITY;
-#pragma omp simd reduction(max : maxv)
-    for (int64_t v = 0; v < V; v++) {
-      const float x = mt_load_elem(logits, n * V + v, elem);
-      maxv = x > maxv ? x : maxv;
-    }
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t v = 0; v < V; v++) sum += fast_expf(mt_load_elem(logits, n * V + v, elem) - maxv);
-    lse[n] = logf(sum) + maxv;
+    MT_WITH_ELEM(elem, lse[n] = logsumexp_row(logits, n * V, V, E));
     const int32_t t = targets[n];
     if (t < 0 || t >= V) {
       invalid++;
@@ -384,22 +447,23 @@ int64_t mt_crossentropy_forward_f32(float* loss, float* losses, float* lse, cons
 }
 // forward was: loss = mean_n(lse[n] - logits[n, targets[n]])
 // dlogits (N,V) (+)= (exp(logits - lse) - onehot(targets)) * dloss[0] / N; dlogits and logits of
-// elem. With accumulate 0 it
-// overwrites dlogits, which may then be the logits themselves (each element is read before it
-// is written): the engine gives the logits' memory to their gradient when nothing else reads them.
+// elem. With accumulate 0 it overwrites dlogits, which may then be the logits themselves (each
+// element is read before it is written): the engine gives the logits' memory to their gradient
+// when nothing else reads them.
+MT_INLINE void crossentropy_backward_row(void* dlogits, const void* logits, float l, int32_t t, float g, int64_t at,
+                                         int64_t V, int32_t accumulate, int32_t elem) {
+#pragma omp simd
+  for (int64_t v = 0; v < V; v++) {
+    const float grad = (fast_expf(mt_load_elem(logits, at + v, elem) - l) - (v == t ? 1.0f : 0.0f)) * g;
+    mt_store_elem(dlogits, at + v, accumulate ? mt_load_elem(dlogits, at + v, elem) + grad : grad, elem);
+  }
+}
 void mt_crossentropy_backward_f32(void* dlogits, const void* logits, const float* lse, const int32_t* targets,
                                   const float* dloss, int64_t N, int64_t V, int32_t accumulate, int32_t elem) {
   const float g = dloss[0] / (float)N;
 #pragma omp parallel for schedule(static) if (N * V >= PAR_MIN)
   for (int64_t n = 0; n < N; n++) {
-    const float l = lse[n];
-    const int32_t t = targets[n];
-#pragma omp simd
-    for (int64_t v = 0; v < V; v++) {
-      const int64_t i = n * V + v;
-      const float grad = (fast_expf(mt_load_elem(logits, i, elem) - l) - (v == t ? 1.0f : 0.0f)) * g;
-      mt_store_elem(dlogits, i, accumulate ? mt_load_elem(dlogits, i, elem) + grad : grad, elem);
-    }
+    MT_WITH_ELEM(elem, crossentropy_backward_row(dlogits, logits, lse[n], targets[n], g, n * V, V, accumulate, E));
   }
 }
 
@@ -409,7 +473,7 @@ void mt_crossentropy_backward_f32(void* dlogits, const void* logits, const float
 
 // out (N,C) of elem, inp (N,C) f32; mean, rstd (N); weight, bias (C)
 // one row of layernorm: row n of out from x (C); its mean and rstd
-static inline void layernorm_row(void* out, int64_t n, float* mean, float* rstd, const float* x,
+MT_INLINE void layernorm_row(void* out, int64_t n, float* mean, float* rstd, const float* x,
                                  const float* weight, const float* bias, int64_t C, float eps, int32_t elem) {
   // omp simd: let the compiler vectorize the sums (a fixed reassociation per build, so
   // results stay deterministic)
@@ -433,7 +497,9 @@ static inline void layernorm_row(void* out, int64_t n, float* mean, float* rstd,
 void mt_layernorm_forward_f32(void* out, float* mean, float* rstd, const float* inp, const float* weight,
                               const float* bias, int64_t N, int64_t C, float eps, int32_t elem) {
 #pragma omp parallel for schedule(static) if (N * C >= PAR_MIN)
-  for (int64_t n = 0; n < N; n++) layernorm_row(out, n, mean + n, rstd + n, inp + n * C, weight, bias, C, eps, elem);
+  for (int64_t n = 0; n < N; n++) {
+    MT_WITH_ELEM(elem, layernorm_row(out, n, mean + n, rstd + n, inp + n * C, weight, bias, C, eps, E));
+  }
 }
 
 // sum (N,C) = x + d (f32), and out (of elem) = layernorm(sum) as above: a residual add and the
@@ -447,7 +513,7 @@ void mt_residual_layernorm_forward_f32(float* sum, void* out, float* mean, float
     float* sr = sum + n * C;
 #pragma omp simd
     for (int64_t c = 0; c < C; c++) sr[c] = x[n * C + c] + d[n * C + c];
-    layernorm_row(out, n, mean + n, rstd + n, sr, weight, bias, C, eps, elem);
+    MT_WITH_ELEM(elem, layernorm_row(out, n, mean + n, rstd + n, sr, weight, bias, C, eps, E));
   }
 }
 
@@ -455,6 +521,30 @@ void mt_residual_layernorm_forward_f32(float* sum, void* out, float* mean, float
 // dinp (N,C), dweight/dbias (C) accumulate; dout (N,C) of elem (out's type), the rest f32.
 // dweight/dbias: per-thread partial sums, added in thread order at the end (deterministic for a
 // fixed thread count).
+// one row of the backward: dx (C) += its gradient, dw and db (C) += its parameter gradients
+MT_INLINE void layernorm_backward_row(float* dx, float* dw, float* db, const void* dout, const float* x,
+                                      const float* weight, float m, float s, int64_t at, int64_t C, int32_t elem) {
+  float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+#pragma omp simd reduction(+ : dnorm_mean, dnorm_norm_mean)
+  for (int64_t c = 0; c < C; c++) {
+    const float norm = (x[c] - m) * s;
+    const float dnorm = weight[c] * mt_load_elem(dout, at + c, elem);
+    dnorm_mean += dnorm;
+    dnorm_norm_mean += dnorm * norm;
+  }
+  dnorm_mean /= (float)C;
+  dnorm_norm_mean /= (float)C;
+  // omp simd: dx, dw, db never alias (the caller passes distinct buffers)
+#pragma omp simd
+  for (int64_t c = 0; c < C; c++) {
+    const float g = mt_load_elem(dout, at + c, elem);
+    const float norm = (x[c] - m) * s;
+    const float dnorm = weight[c] * g;
+    db[c] += g;
+    dw[c] += norm * g;
+    dx[c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
+  }
+}
 void mt_layernorm_backward_f32(float* dinp, float* dweight, float* dbias, const void* dout,
                                const float* inp, const float* weight, const float* mean,
                                const float* rstd, int64_t N, int64_t C, int32_t elem) {
@@ -466,29 +556,8 @@ void mt_layernorm_backward_f32(float* dinp, float* dweight, float* dbias, const 
     float* db = dw + C;
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-      const float* x = inp + n * C;
-      const float m = mean[n], s = rstd[n];
-      float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
-#pragma omp simd reduction(+ : dnorm_mean, dnorm_norm_mean)
-      for (int64_t c = 0; c < C; c++) {
-        const float norm = (x[c] - m) * s;
-        const float dnorm = weight[c] * mt_load_elem(dout, n * C + c, elem);
-        dnorm_mean += dnorm;
-        dnorm_norm_mean += dnorm * norm;
-      }
-      dnorm_mean /= (float)C;
-      dnorm_norm_mean /= (float)C;
-      float* dx = dinp + n * C;
-      // omp simd: dx, dw, db never alias (the caller passes distinct buffers)
-#pragma omp simd
-      for (int64_t c = 0; c < C; c++) {
-        const float g = mt_load_elem(dout, n * C + c, elem);
-        const float norm = (x[c] - m) * s;
-        const float dnorm = weight[c] * g;
-        db[c] += g;
-        dw[c] += norm * g;
-        dx[c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
-      }
+      MT_WITH_ELEM(elem, layernorm_backward_row(dinp + n * C, dw, db, dout, inp + n * C, weight, mean[n], rstd[n],
+                                                n * C, C, E));
     }
   }
   for (int t = 0; t < nt; t++) {
