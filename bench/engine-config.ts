@@ -21,6 +21,7 @@ import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/tensor.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";
 import { median, printTable, round } from "./table.ts";
+import { bf16PeakFlops, gptStepFlops, hostIssueMeter, opFlops } from "./step-cost.ts";
 
 /** nanoGPT's shapes: its char config (shakespeare_char: 65 characters) and GPT-2 small. */
 export const engineConfigs = {
@@ -104,20 +105,39 @@ export interface ConfigBenchOptions {
   precision: Precision;
   profile: boolean;
   torch: boolean;
+  /** PyTorch's modes on a GPU (default all three) */
+  torchModes?: readonly TorchMode[];
   quiet: boolean;
 }
 
-/** A row of --profile's table: an op's time per step in a phase, and its share of all of it (%). */
-type ProfileRow = { phase: string; op: string; ms_per_step: number; share: number };
+export const torchModes = ["written", "sdpa", "compile"] as const;
+export type TorchMode = (typeof torchModes)[number];
+
+/** A row of --profile's table: an op's time per step in a phase, its share of all of it (%), and
+ *  for GEMMs and attention the FLOP rate that time gives. */
+type ProfileRow = { phase: string; op: string; ms_per_step: number; share: number; tflops: number | string };
+
+/** What a step costs: its FLOPs, rate and MFU, and the host's time issuing it. */
+interface StepCost {
+  tflop: number;
+  tflops: number;
+  /** against the device's dense bf16 peak; null on a CPU, an unknown GPU, or f32/tf32 */
+  mfu: number | null;
+  peak_tflops: number | null;
+  host_issue_ms: number;
+  host_calls: number;
+}
 
 export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions): object {
   const shape = engineConfigs[o.config];
   const config = { ...shape, dropout: 0 };
   const B = o.batch;
   const T = shape.blockSize;
-  // the profiler's proxy only when asked: it costs a little on every call
-  const profiler = o.profile ? new Profiler(be) : null;
-  const ctx = new Context(profiler?.backend ?? be, { seed: 1, precision: o.precision });
+  // the host's time in each backend call (cheap: two clock reads a call), and the profiler's
+  // synchronizing proxy only when asked
+  const meter = hostIssueMeter(be);
+  const profiler = o.profile ? new Profiler(meter.backend) : null;
+  const ctx = new Context(profiler?.backend ?? meter.backend, { seed: 1, precision: o.precision });
   if (profiler !== null) trackPhases(ctx, profiler);
   const timeStep = gptStepTimer(be, ctx, config, B);
   // the first step allocates (the arena's chunks, the optimizer's state); the second runs as all later ones
@@ -138,18 +158,19 @@ export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions):
     rss_mib: mib(process.resourceUsage().maxRSS * 1024),
   };
   const launches = launchesPerStep(be, timeStep);
-  const profile = profiler === null ? [] : profileSteps(profiler, timeStep, o.steps);
+  meter.read();
+  const hostStepMs = timeStep();
+  const cost = stepCost(be, config, B, o.precision, hostStepMs, meter.read());
+  const profile = profiler === null ? [] : profileSteps(profiler, timeStep, o.steps, config, B);
   ctx.dispose();
   const torch = o.torch ? torchRows(be, o, B) : [];
   const rows = [ours, ...torch];
   if (!o.quiet) printConfigReport(be, why, o, rows, profile);
-  if (!o.quiet && launches !== null)
-    console.log(
-      `work queued per step: ${launches.kernels} kernel launches, ${launches.gemms} cuBLAS GEMMs, ${launches.cudnn} cuDNN executions`,
-    );
+  if (!o.quiet) printStepCost(be, cost, ours.step_ms, launches);
   return {
     config: o.config,
     ...(launches === null ? {} : { launches_per_step: launches }),
+    step_cost: cost,
     shape,
     batch: B,
     precision: o.precision,
@@ -202,7 +223,13 @@ function launchesPerStep(
 }
 
 /** Up to 5 more steps with every backend call timed: each op's time per step by phase, the largest first. */
-function profileSteps(profiler: Profiler, timeStep: () => number, steps: number): ProfileRow[] {
+function profileSteps(
+  profiler: Profiler,
+  timeStep: () => number,
+  steps: number,
+  config: GptConfig,
+  B: number,
+): ProfileRow[] {
   profiler.on = true;
   const reps = Math.max(1, Math.min(steps, 5));
   for (let i = 0; i < reps; i++) timeStep();
@@ -211,9 +238,57 @@ function profileSteps(profiler: Profiler, timeStep: () => number, steps: number)
   return [...profiler.ms.entries()]
     .map(([key, ms]) => {
       const [phase, op] = key.split("\u0000") as [string, string];
-      return { phase, op, ms_per_step: round(ms / reps, 2), share: round((100 * ms) / total, 1) };
+      const perStep = ms / reps;
+      const flops = opFlops(config, B, phase, op);
+      const tflops = flops === null ? "-" : round(flops / perStep / 1e9, 1);
+      return { phase, op, ms_per_step: round(perStep, 2), share: round((100 * ms) / total, 1), tflops };
     })
     .sort((a, b) => b.ms_per_step - a.ms_per_step);
+}
+
+/** The step's FLOPs, rate and MFU, and the host's issuing time (from one step through the meter). */
+function stepCost(
+  be: Backend,
+  config: GptConfig,
+  B: number,
+  precision: Precision,
+  stepMs: number,
+  host: { ms: number; calls: number },
+): StepCost {
+  const flops = gptStepFlops(config, B);
+  const peak = be instanceof CudaBackend && autocastDType(precision) !== null ? bf16PeakFlops(be.deviceName) : null;
+  const rate = flops / (stepMs / 1000);
+  return {
+    tflop: round(flops / 1e12, 3),
+    tflops: round(rate / 1e12, 1),
+    mfu: peak === null ? null : round(rate / peak, 3),
+    peak_tflops: peak === null ? null : peak / 1e12,
+    host_issue_ms: round(host.ms, 2),
+    host_calls: host.calls,
+  };
+}
+
+function printStepCost(
+  be: Backend,
+  c: StepCost,
+  stepMs: number,
+  launches: { kernels: number; gemms: number; cudnn: number } | null,
+): void {
+  const mfu =
+    c.mfu === null
+      ? ""
+      : `, MFU ${round(100 * c.mfu, 1)}% of ${be instanceof CudaBackend ? be.deviceName : "the device"}'s dense bf16 peak (${c.peak_tflops} TFLOP/s)`;
+  console.log(`step: ${c.tflop} TFLOP (nanoGPT's count: 6N + 12LHDT per token), ${c.tflops} TFLOP/s${mfu}`);
+  if (launches !== null)
+    console.log(
+      `work queued per step: ${launches.kernels} kernel launches, ${launches.gemms} cuBLAS GEMMs, ${launches.cudnn} cuDNN executions`,
+    );
+  // on a CPU the calls are the compute itself: nothing to tell apart
+  if (be instanceof CudaBackend)
+    console.log(
+      `host time issuing a step: ${c.host_issue_ms} ms in ${c.host_calls} backend calls (${round((100 * c.host_issue_ms) / stepMs, 1)}% of the ${stepMs} ms step; ` +
+        "the GPU runs the queue meanwhile, so this is what launching costs at most)",
+    );
 }
 
 /** The table of ours (first in `rows`) and PyTorch's, ours against each PyTorch, and --profile's table. */
@@ -257,14 +332,14 @@ function printConfigReport(
     console.log(
       `profile (${be.name === "cpu" ? "each call timed" : "each call timed between synchronizes"}): the step's time by phase and backend op`,
     );
-    printTable(profile, ["phase", "op", "ms_per_step", "share"]);
+    printTable(profile, ["phase", "op", "ms_per_step", "share", "tflops"]);
   }
 }
 
 /** PyTorch on the same shape: one process per mode, so each peak RSS is its own. */
 function torchRows(be: Backend, o: ConfigBenchOptions, B: number): ConfigBenchRow[] {
   const gpu = be.name !== "cpu";
-  const modes = gpu ? ["written", "sdpa", "compile"] : ["written"];
+  const modes = gpu ? (o.torchModes ?? torchModes) : ["written"];
   const shape = engineConfigs[o.config];
   const threads = be instanceof CpuBackend ? be.threads : 0;
   const script = join(import.meta.dir, "torch_step.py");
@@ -293,7 +368,10 @@ function torchRows(be: Backend, o: ConfigBenchOptions, B: number): ConfigBenchRo
       {
         stdout: "pipe",
         stderr: "pipe",
-        env: { ...process.env, OMP_NUM_THREADS: String(threads || "") },
+        // PyTorch's own threads (torch.set_num_threads, from --threads) do the work; OpenMP gets
+        // one, so Debian's OpenMP OpenBLAS does not start a second team on the same cores (with
+        // OMP_NUM_THREADS=2 one loaded period measured GPT-2 small's step at 19.9 s against 7.3 s)
+        env: { ...process.env, OMP_NUM_THREADS: "1" },
       },
     );
     const line = p.stdout.toString().trim().split("\n").pop() ?? "";

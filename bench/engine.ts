@@ -9,12 +9,12 @@
 //
 //   bun run bench engine [--device auto|cpu|cuda] [--precision f32|tf32|bf16|f16] [--steps N] [--json-only]
 //   bun run bench engine --config small|nanogpt-char|gpt2-small [--batch N] [--profile] [--no-torch]
-//                        [--attention auto|cudnn|reference] [...]
+//                        [--attention auto|cudnn|reference] [--torch-modes written,sdpa,compile] [...]
 //     one GPT at nanoGPT's shapes against PyTorch on the same shape (bench/engine-config.ts)
 import { join } from "node:path";
 import { type Backend, type GemmDesc, type GemmInput, gemmInputBytes, type Ptr } from "../ffi/backend.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
-import { configName, engineConfigs, runConfigBench, torchPython } from "./engine-config.ts";
+import { configName, engineConfigs, runConfigBench, type TorchMode, torchModes, torchPython } from "./engine-config.ts";
 import { median, printTable, round } from "./table.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { deviceChoices, type DeviceChoice, openBackend } from "../ffi/select.ts";
@@ -208,6 +208,7 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] | object {
     profile: { type: "boolean", default: false },
     "no-torch": { type: "boolean", default: false },
     attention: { type: "string", default: "auto" },
+    "torch-modes": { type: "string" },
   });
   const attention = values.attention as AttentionChoice;
   if (!(attentionChoices as readonly string[]).includes(attention))
@@ -221,6 +222,12 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] | object {
   if (values.config === undefined && (values.batch !== undefined || values.profile || values["no-torch"])) {
     throw new ConfigError("--batch, --profile and --no-torch go with --config small|nanogpt-char|gpt2-small");
   }
+  const modes = values["torch-modes"]?.split(",");
+  const unknownMode = modes?.find((m) => !(torchModes as readonly string[]).includes(m));
+  if (unknownMode !== undefined)
+    throw new ConfigError(`--torch-modes takes a list of ${torchModes.join(", ")}, got ${unknownMode}`);
+  if (modes !== undefined && (values.config === undefined || values["no-torch"]))
+    throw new ConfigError("--torch-modes goes with --config and without --no-torch");
   if (values.config !== undefined) {
     const config = configName(values.config);
     const batch = values.batch === undefined ? engineConfigs[config].batch : positiveInt("batch", values.batch);
@@ -233,6 +240,7 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] | object {
         precision,
         profile: values.profile,
         torch: !values["no-torch"],
+        ...(modes === undefined ? {} : { torchModes: modes as TorchMode[] }),
         quiet,
       });
       console.log(JSON.stringify({ bench: "engine", device: be.name, ...out }));

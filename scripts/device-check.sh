@@ -10,6 +10,8 @@
 #          step with it (no PyTorch rows)
 #   profile  GPT-2 small's and nanoGPT's step with --profile and the work queued per step (no PyTorch),
 #          then the kernels' GPU parity suites
+#   final  issue 34's checks: the GPU suites, GPT-2 small and nanoGPT beside PyTorch, and 150 steps
+#          of GPT-2 small on BPE text with cuDNN's attention and with the reference kernels
 #   bench  the engine benchmark at nanoGPT's shapes (small, nanogpt-char, gpt2-small) on CUDA
 #          against PyTorch eager and torch.compile, and every kernel's GB/s against
 #          cuMemcpyDtoD with the host cost of one kernel call
@@ -67,5 +69,20 @@ case "$phase" in
     run timeout 120 bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 10 --profile --no-torch
     run timeout 90 bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 --profile --no-torch
     run timeout 150 bun test --timeout=120000 test/ffi/cuda-kernels.test.ts test/ffi/cudnn-gpu.test.ts ;;
-  *) echo "usage: scripts/device-check.sh tests|train|gpt|attention|profile|bench"; exit 2 ;;
+  final)
+    # issue 34's checks in one call: every GPU suite, GPT-2 small and nanoGPT beside PyTorch (SDPA
+    # and torch.compile), and 150 steps of GPT-2 small on BPE text (the State of the Union, prepared
+    # by scripts/device-pack.sh) with cuDNN's attention and with the f32-FMA kernels
+    [ -d /tmp/sotu ] || tar -xJf .device/sotu.tar.xz -C /tmp
+    run timeout 200 bun test --timeout=150000 test/ffi/cuda-gpu.test.ts test/ffi/cublas.test.ts test/ffi/cuda-kernels.test.ts \
+      test/ffi/cudnn-gpu.test.ts test/engine/ops.test.ts test/engine/mixed.test.ts test/dev/nccl/nccl.test.ts
+    run timeout 200 bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 20 --profile --torch-modes sdpa,compile
+    run timeout 120 bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 --torch-modes sdpa,compile
+    for a in auto reference; do
+      run timeout 120 bun sdk/cli.ts train gpt --tokens-dir /tmp/sotu --device cuda --precision bf16 --attention "$a" \
+        --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 --batch-size 8 --max-steps 150 --warmup 15 \
+        --lr 6e-4 --min-lr 6e-5 --eval-every 150 --eval-batches 16 --sample-chars 0 --out "$out/gpt2-sotu-$a.mtm"
+    done
+    rm -f "$out"/*.mtm ;;
+  *) echo "usage: scripts/device-check.sh tests|train|gpt|attention|profile|final|bench"; exit 2 ;;
 esac

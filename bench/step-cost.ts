@@ -1,0 +1,80 @@
+// What a GPT training step costs, for `bench engine --config`: its FLOPs and MFU against the
+// device's dense bf16 peak, the FLOP rate of its GEMMs and attention in --profile's table, and the
+// host's time issuing its work (a GPU runs that work while the host queues more: launch cost only
+// shows where the host is slower than the GPU).
+import type { Backend } from "../ffi/backend.ts";
+import type { GptConfig } from "../engine/models/gpt.ts";
+import { gptParamCount } from "../engine/memory.ts";
+
+/**
+ * FLOPs of one training step, as nanoGPT's estimate_mfu counts them (and PaLM's appendix B):
+ * 6 N per token for the weights' GEMMs forward and backward (N the parameters without the
+ * position embedding) and 12 L H D T per token for attention's two products, computed over the
+ * full (T,T) square. GPT-2 small at b8 T1024: 7.04 TFLOP.
+ */
+export function gptStepFlops(config: GptConfig, batch: number): number {
+  const { nLayer: L, nHead: H, nEmbd: C, blockSize: T } = config;
+  const N = gptParamCount(config) - T * C;
+  return batch * T * (6 * N + 12 * L * H * (C / H) * T);
+}
+
+/** GEMM FLOPs of a step's phase (forward 2 N per token; backward twice that) and attention's
+ *  (forward 4 H D T per token per layer over the square, backward 2.5x), for --profile's rate column. */
+export function opFlops(config: GptConfig, batch: number, phase: string, op: string): number | null {
+  const { nLayer: L, nHead: H, nEmbd: C, blockSize: T } = config;
+  const tokens = batch * T;
+  const N = gptParamCount(config) - T * C;
+  const attentionForward = tokens * L * 4 * H * (C / H) * T;
+  if (op === "gemm") return phase === "forward" ? 2 * N * tokens : phase === "backward" ? 4 * N * tokens : null;
+  if (op === "attentionForward") return attentionForward;
+  if (op === "attentionBackward") return 2.5 * attentionForward;
+  return null;
+}
+
+/** Dense bf16 tensor-core peak of a GPU by its name, in FLOP/s (NVIDIA's datasheets), or null. */
+export function bf16PeakFlops(deviceName: string): number | null {
+  const n = deviceName.toUpperCase();
+  if (n.includes("H100") && n.includes("PCIE")) return 756e12;
+  if (n.includes("H100") || n.includes("H200") || n.includes("GH200")) return 989e12;
+  if (n.includes("A100")) return 312e12;
+  if (n.includes("L40S")) return 362e12;
+  if (n.includes("A10G") || n.includes(" A10")) return 125e12;
+  return null;
+}
+
+/** Backend calls that wait for the device: their host time is the device's, not the host's. */
+const waiting = new Set(["synchronize", "download", "sumSquares", "countNonFinite", "whenIdle"]);
+
+/**
+ * The host's time inside the backend's calls over one step (kernel launches, GEMM and cuDNN
+ * calls: argument marshalling and the driver), without the calls that wait for the device, and
+ * how many calls. Returns a backend to run the step through and a reading of the totals.
+ */
+export function hostIssueMeter(inner: Backend): { backend: Backend; read(): { ms: number; calls: number } } {
+  let ms = 0;
+  let calls = 0;
+  const backend = new Proxy(inner, {
+    get(target, prop) {
+      const value = Reflect.get(target, prop, target);
+      if (typeof value !== "function") return value;
+      const bound = value.bind(target);
+      if (typeof prop !== "string" || waiting.has(prop)) return bound;
+      return (...args: unknown[]) => {
+        const t = performance.now();
+        const r = bound(...args);
+        ms += performance.now() - t;
+        calls++;
+        return r;
+      };
+    },
+  });
+  return {
+    backend,
+    read: () => {
+      const r = { ms, calls };
+      ms = 0;
+      calls = 0;
+      return r;
+    },
+  };
+}
