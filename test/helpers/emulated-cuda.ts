@@ -3,7 +3,9 @@
 // argument marshalling and the row-major swap) over fake-cuda.c, whose cuLaunchKernel runs
 // each kernel of ffi/cuda/kernels/*.cu compiled by g++ against the host CUDA emulator
 // (fixtures/cuda-emu), and fake-cublas.c, whose GEMMs are column-major loops that check their
-// arguments as cuBLAS documents them.
+// arguments as cuBLAS documents them. fake-cudnn.c checks the fused-attention graphs the cuDNN
+// binding builds and computes attention on the host; only backends asked for with
+// cudnnBackend() load it (backend() is made as before, without a cudnnPath).
 //
 // Everything is built once into .test-results/emulated-cuda/<hash of the sources>/ and reused
 // by later runs; the build needs g++ and cc. The PTX the backend loads at start needs nvcc (or
@@ -12,6 +14,7 @@ import { dlopen, ptr } from "bun:ffi";
 import { createHash } from "node:crypto";
 import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
+import type { AttentionChoice } from "../../ffi/cuda/attention-path.ts";
 import { CudaBackend } from "../../ffi/cuda/backend.ts";
 import { findNvcc } from "../../ffi/cuda/build.ts";
 import { Driver } from "../../ffi/cuda/driver.ts";
@@ -76,6 +79,7 @@ function sourcesHash(): string {
     ...readdirSync(emuDir).map((f) => join(emuDir, f)),
     join(fixtures, "fake-cuda.c"),
     join(fixtures, "fake-cublas.c"),
+    join(fixtures, "fake-cudnn.c"),
     join(root, "ffi", "numerics.h"),
   ].sort();
   for (const f of files) h.update(f).update(readFileSync(f));
@@ -86,6 +90,7 @@ interface Built {
   emulator: string;
   fakeCuda: string;
   fakeCublas: string;
+  fakeCudnn: string;
 }
 
 async function build(): Promise<Built> {
@@ -94,15 +99,21 @@ async function build(): Promise<Built> {
     emulator: join(dir, "libemu.so"),
     fakeCuda: join(dir, "libfakecuda.so"),
     fakeCublas: join(dir, "libfakecublas.so"),
+    fakeCudnn: join(dir, "libfakecudnn.so"),
   };
   if (Object.values(built).every((p) => existsSync(p))) return built;
   // build in a fresh folder and rename, so a concurrent or interrupted build leaves nothing half-written
   const tmp = `${dir}.${process.pid}.tmp`;
   rmSync(tmp, { recursive: true, force: true });
   mkdirSync(tmp, { recursive: true });
-  const cc = (src: string, out: string) =>
-    run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-o", join(tmp, out), join(fixtures, src), "-ldl"], tmp);
-  await Promise.all([buildEmulator(tmp), cc("fake-cuda.c", "libfakecuda.so"), cc("fake-cublas.c", "libfakecublas.so")]);
+  const cc = (src: string, out: string, libs = ["-ldl"]) =>
+    run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-o", join(tmp, out), join(fixtures, src), ...libs], tmp);
+  await Promise.all([
+    buildEmulator(tmp),
+    cc("fake-cuda.c", "libfakecuda.so"),
+    cc("fake-cublas.c", "libfakecublas.so"),
+    cc("fake-cudnn.c", "libfakecudnn.so", ["-lm"]),
+  ]);
   // another worker's build of the same sources may have landed first: keep it (a process may
   // have loaded its libraries already), drop this one
   if (Object.values(built).every((p) => existsSync(p))) {
@@ -139,7 +150,15 @@ export interface Timeline {
   streamSyncs(): number[];
 }
 
-export type EmulatedCuda = { ok: true; backend: () => CudaBackend; timeline: Timeline } | { ok: false; reason: string };
+export type EmulatedCuda =
+  | {
+      ok: true;
+      backend: () => CudaBackend;
+      timeline: Timeline;
+      /** a backend over the same fake driver whose cuDNN is fake-cudnn.c, one per choice */
+      cudnnBackend: (attention: AttentionChoice) => CudaBackend;
+    }
+  | { ok: false; reason: string };
 
 let opened: Promise<EmulatedCuda> | undefined;
 
@@ -190,7 +209,86 @@ async function open(): Promise<EmulatedCuda> {
   }
   const driver = new Driver(built.fakeCuda);
   let backend: CudaBackend | undefined;
-  return { ok: true, backend: () => (backend ??= new CudaBackend({ driver, cublasPath: built.fakeCublas })), timeline };
+  const withCudnn = new Map<AttentionChoice, CudaBackend>();
+  const cudnnBackend = (attention: AttentionChoice) => {
+    let be = withCudnn.get(attention);
+    if (be === undefined) {
+      be = new CudaBackend({ driver, cublasPath: built.fakeCublas, attention, cudnnPath: built.fakeCudnn });
+      withCudnn.set(attention, be);
+    }
+    return be;
+  };
+  return {
+    ok: true,
+    backend: () => (backend ??= new CudaBackend({ driver, cublasPath: built.fakeCublas })),
+    timeline,
+    cudnnBackend,
+  };
+}
+
+/** The last operation graph fake-cudnn.c finalized, accepted or not: ops in the caller's order,
+ *  tensors by uid, and the roles its pattern matcher gave them (names as in sdpa-graph.ts). */
+export interface FakeCudnnGraph {
+  status: number;
+  error: string;
+  direction: "forward" | "backward" | null;
+  ops: Record<string, string | number>[];
+  tensors: {
+    uid: number;
+    dtype: string;
+    dims: number[];
+    strides: number[];
+    virtual: boolean;
+    byValue: boolean;
+    alignment: number;
+  }[];
+  roles: Record<string, number>;
+}
+
+/** The last execution: the handle's stream, the plan's engine and workspace, the variant pack's
+ *  uids in its order, and the by-value scalars read (non-finite ones as strings Number() reads). */
+export interface FakeCudnnExecution {
+  direction: "forward" | "backward";
+  stream: number;
+  engine: number;
+  workspaceBytes: number;
+  uids: number[];
+  scalars: Record<string, number | string>;
+}
+
+/** fake-cudnn.c (built with the rest) and its controls for tests. */
+export interface FakeCudnn {
+  path: string;
+  executions(): number;
+  lastGraph(): FakeCudnnGraph;
+  lastExecution(): FakeCudnnExecution;
+  /** how many engine configs the heuristics return, and how many of the first refuse to make a
+   *  plan; (2, 0) unless set */
+  setEngineConfigs(count: number, refusing: number): void;
+}
+
+/** The fake cuDNN library; the build needs g++ and cc, as for the rest. */
+export async function fakeCudnn(): Promise<FakeCudnn> {
+  const path = (await build()).fakeCudnn;
+  const lib = dlopen(path, {
+    fake_cudnn_executions: { args: [], returns: "i64" },
+    fake_cudnn_set_engine_configs: { args: ["i64", "i64"], returns: "void" },
+    fake_cudnn_last_graph_json: { args: ["ptr", "i64"], returns: "i64" },
+    fake_cudnn_last_execution_json: { args: ["ptr", "i64"], returns: "i64" },
+  });
+  const s = lib.symbols;
+  const json = (read: (out: Uint8Array | null, cap: number) => number | bigint) => {
+    const out = new Uint8Array(Number(read(null, 0)) + 1);
+    read(out, out.length);
+    return JSON.parse(Buffer.from(out.subarray(0, out.length - 1)).toString());
+  };
+  return {
+    path,
+    executions: () => Number(s.fake_cudnn_executions()),
+    lastGraph: () => json((o, n) => s.fake_cudnn_last_graph_json(o === null ? null : ptr(o), n)),
+    lastExecution: () => json((o, n) => s.fake_cudnn_last_execution_json(o === null ? null : ptr(o), n)),
+    setEngineConfigs: (count, refusing) => s.fake_cudnn_set_engine_configs(count, refusing),
+  };
 }
 
 /** Every backend a parity suite should run on: the CPU, CUDA where a GPU is present, and
