@@ -97,10 +97,11 @@ export class AttentionRouter {
     return typeof this.#handle() !== "string";
   }
 
-  /** out (B,T,C) and lse (B,H,T) f32 from qkv (B,T,3C), out and qkv of call.elem, through cuDNN. */
-  forward(out: Ptr, lse: Ptr, qkv: Ptr, call: AttentionCall): void {
+  /** out (B,T,C) and lse (B,H,T) f32 from qkv (B,T,3C), out and qkv of call.elem, through cuDNN.
+   *  False when cuDNN refused the shape's graph just now (under auto: the caller runs the kernels). */
+  forward(out: Ptr, lse: Ptr, qkv: Ptr, call: AttentionCall): boolean {
     const plan = this.#plan("forward", call);
-    if (plan === null) throw new Error("attention: forward asked of cuDNN for a shape it refused");
+    if (plan === null) return false;
     const d = this.#device;
     const ws = d.alloc(Math.max(plan.workspaceBytes, 1));
     try {
@@ -108,13 +109,14 @@ export class AttentionRouter {
     } finally {
       d.free(ws);
     }
+    return true;
   }
 
   /** dqkv (B,T,3C) = (or += with accumulate) the gradient through cuDNN, from dout, out, lse and
-   *  qkv; dqkv, dout, out and qkv of call.elem. */
-  backward(dqkv: Ptr, dout: Ptr, out: Ptr, lse: Ptr, qkv: Ptr, call: AttentionCall, accumulate: boolean): void {
+   *  qkv; dqkv, dout, out and qkv of call.elem. False as forward's. */
+  backward(dqkv: Ptr, dout: Ptr, out: Ptr, lse: Ptr, qkv: Ptr, call: AttentionCall, accumulate: boolean): boolean {
     const plan = this.#plan("backward", call);
-    if (plan === null) throw new Error("attention: backward asked of cuDNN for a shape it refused");
+    if (plan === null) return false;
     const n = 3 * call.B * call.T * call.C;
     const scratch = sdpaBackwardScratch(shapeOf(call));
     const d = this.#device;
@@ -142,6 +144,7 @@ export class AttentionRouter {
       d.free(ws);
       if (grads !== dqkv) d.free(grads);
     }
+    return true;
   }
 
   dispose(): void {

@@ -172,8 +172,9 @@ export class CudaBackend implements Backend {
     elem: ElemType,
   ): void {
     const call = { B, T, C, H, scale, elem };
-    if (B * T > 0 && this.#attention.usesCudnn(call)) this.#attention.forward(out, lse, qkv, call);
-    else this.#run(plans.attentionForward(out, lse, qkv, B, T, C, H, scale, elem));
+    // cuDNN, unless it does not take the call (under auto, also when it refuses the shape's graph now)
+    if (B * T > 0 && this.#attention.usesCudnn(call) && this.#attention.forward(out, lse, qkv, call)) return;
+    this.#run(plans.attentionForward(out, lse, qkv, B, T, C, H, scale, elem));
   }
 
   attentionBackward(
@@ -192,9 +193,9 @@ export class CudaBackend implements Backend {
     accumulate: boolean,
   ): void {
     const call = { B, T, C, H, scale, elem };
-    if (B * T > 0 && this.#attention.usesCudnn(call))
-      this.#attention.backward(dqkv, dout, out, lse, qkv, call, accumulate);
-    else this.#run(plans.attentionBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem, accumulate));
+    const a = this.#attention;
+    if (B * T > 0 && a.usesCudnn(call) && a.backward(dqkv, dout, out, lse, qkv, call, accumulate)) return;
+    this.#run(plans.attentionBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem, accumulate));
   }
 
   describeAttention(elem: ElemType): string {

@@ -949,11 +949,9 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
       expect(backend("reference").launchCounts.cudnn).toBe(0);
     });
 
-    // Known bug (ffi/cuda/attention-path.ts): when cuDNN loads but refuses a shape's graph at plan
-    // time (no engine on this GPU), usesCudnn() said yes, #plan records the refusal and returns
-    // null, and forward() then throws instead of the backend running the kernels; only later
-    // calls fall back. Marked failing until the router falls back on the first call too.
-    test.failing(
+    // Regression: when cuDNN loads but refuses a shape's graph at plan time (no engine on this
+    // GPU), the first call threw instead of running the kernels; only later calls fell back.
+    test(
       '"auto" falls back to the kernels on the first call when every engine refuses the graph',
       () => {
         const be = backend("auto");
