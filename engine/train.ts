@@ -19,6 +19,7 @@ import { clipGradNorm } from "./optim/clip.ts";
 import { type LossScaleConfig, LossScaler } from "./optim/loss-scale.ts";
 import type { Optimizer } from "./optim/optimizer.ts";
 import { lrAt, type Schedule } from "./optim/schedule.ts";
+import { countCorrect } from "./ops/accuracy.ts";
 import { softmaxCrossEntropy } from "./ops/crossentropy.ts";
 import type { Context, Tensor } from "./tensor.ts";
 
@@ -211,7 +212,7 @@ export interface EvalResult {
 }
 
 export interface EvaluateOptions {
-  /** count argmax hits (reads every logit back to the host); off: accuracy is NaN. Default on. */
+  /** count argmax hits (on the backend: one number comes back); off: accuracy is NaN. Default on. */
   accuracy?: boolean;
 }
 
@@ -238,7 +239,7 @@ export function evaluate(
       });
       const rows = b.targets.length;
       lossSum += loss.item() * rows;
-      if (withAccuracy) correct += countCorrect(logits.toFloat32(), b.targets);
+      if (withAccuracy) correct += countCorrect(logits, y);
       count += rows;
     }
   } finally {
@@ -249,15 +250,4 @@ export function evaluate(
     accuracy: withAccuracy ? correct / Math.max(count, 1) : Number.NaN,
     count,
   };
-}
-
-export function countCorrect(logits: Float32Array, targets: Int32Array): number {
-  const V = logits.length / targets.length;
-  let correct = 0;
-  for (let n = 0; n < targets.length; n++) {
-    let best = 0;
-    for (let v = 1; v < V; v++) if (logits[n * V + v]! > logits[n * V + best]!) best = v;
-    if (best === targets[n]) correct++;
-  }
-  return correct;
 }

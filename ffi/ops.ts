@@ -118,6 +118,14 @@ export const ops = {
     cpu: "mt_crossentropy_backward_f32",
   },
   /** out (N,C) of elem; inp f32 */
+  /** returns how many rows of logits (N,V) of elem have their largest logit at the target (the
+   *  first largest on ties; NaN logits are passed over, unless a row's first is NaN: then 0 is
+   *  its argmax, as a strict > scan from the start finds) */
+  countCorrect: {
+    args: [p("logits"), p("targets"), i("N"), i("V"), e],
+    result: "i64",
+    cpu: "mt_count_correct_f32",
+  },
   layerNormForward: {
     args: [p("out"), p("mean"), p("rstd"), p("inp"), p("weight"), p("bias"), i("N"), i("C"), f("eps"), e],
     result: "void",

@@ -25,7 +25,8 @@ import { clipFactor } from "../optim/clip.ts";
 import type { Optimizer } from "../optim/optimizer.ts";
 import type { ParamEntry } from "../params.ts";
 import type { Context, Pass, Tensor } from "../tensor.ts";
-import { countCorrect, type EvalResult, type HostBatch } from "../train.ts";
+import type { EvalResult, HostBatch } from "../train.ts";
+import { countCorrect } from "../ops/accuracy.ts";
 import { type Collective, type OpKey, type Range, type ReduceOp, segment } from "./collective.ts";
 import type { RingGroup } from "./ring.ts";
 import { type PipeSchedule, stageActions } from "./schedule.ts";
@@ -244,10 +245,11 @@ export class PipelineStage {
           const out = await model.forwardAsync(input, tensor);
           if (!model.last) sends.push(link.sendActivations(step, evalKeyBase + i, out.toFloat32()));
           else {
-            const loss = softmaxCrossEntropy(out, ctx.fromArray(b.targets, b.targetShape));
+            const targets = ctx.fromArray(b.targets, b.targetShape);
+            const loss = softmaxCrossEntropy(out, targets);
             const rows = b.targets.length;
             lossSum += loss.item() * rows;
-            correct += countCorrect(out.toFloat32(), b.targets);
+            correct += countCorrect(out, targets);
             count += rows;
           }
         } finally {

@@ -467,6 +467,33 @@ void mt_crossentropy_backward_f32(void* dlogits, const void* logits, const float
   }
 }
 
+// The index of row `at`'s largest logit by a strict > scan from v = 0 (so the first of equal
+// maxima, NaN never taking over, and a NaN first element staying)
+MT_INLINE int64_t argmax_row(const void* logits, int64_t at, int64_t V, int32_t elem) {
+  int64_t best = 0;
+  float top = mt_load_elem(logits, at, elem);
+  for (int64_t v = 1; v < V; v++) {
+    const float x = mt_load_elem(logits, at + v, elem);
+    if (x > top) {
+      top = x;
+      best = v;
+    }
+  }
+  return best;
+}
+// rows of logits (N,V) of elem whose argmax is targets[n]: an evaluation's accuracy without the
+// logits leaving the backend
+int64_t mt_count_correct_f32(const void* logits, const int32_t* targets, int64_t N, int64_t V, int32_t elem) {
+  int64_t correct = 0;
+#pragma omp parallel for schedule(static) reduction(+ : correct) if (N * V >= PAR_MIN)
+  for (int64_t n = 0; n < N; n++) {
+    int64_t best = 0;
+    MT_WITH_ELEM(elem, best = argmax_row(logits, n * V, V, E));
+    correct += best == targets[n] ? 1 : 0;
+  }
+  return correct;
+}
+
 // ---------------------------------------------------------------------------------------------
 // layernorm (over the last dim C)
 // ---------------------------------------------------------------------------------------------

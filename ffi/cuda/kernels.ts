@@ -107,6 +107,7 @@ export const kernelSpecs = {
   mt_crossentropy_forward_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64", "i32"] },
   mt_crossentropy_loss_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "ptr", "i64", "i64"] },
   ...opKernels("crossentropy", ["crossEntropyBackward"]),
+  mt_count_correct_partial_f32: { module: "crossentropy", params: ["ptr", "ptr", "ptr", "i64", "i64", "i32"] },
   ...opKernels("layernorm", ["layerNormForward", "residualLayerNormForward"]),
   mt_layernorm_backward_f32: {
     module: "layernorm",
@@ -534,6 +535,22 @@ export const plans = {
     if (N * V === 0) return [];
     const args = [dlogits, logits, lse, targets, dloss, N, V, accumulate ? 1 : 0, elemCodes[elem]];
     return [blockRows("mt_crossentropy_backward_f32", N, V, args)];
+  },
+  // a block per row (grid-stride over at most partialsMax blocks, each writing its count), then
+  // one block sums the counts in order into scratch[0]; N = 0 only writes that 0
+  countCorrect(scratch, logits, targets, N, V, elem): Launch[] {
+    const partials = scratch + scratchPartialsOffset;
+    if (N === 0) return [singleBlock("mt_sum_partials_i64", [scratch, partials, 0])];
+    const blocks = Math.min(partialsMax, N);
+    const rows = blockRows("mt_count_correct_partial_f32", blocks, V, [
+      partials,
+      logits,
+      targets,
+      N,
+      V,
+      elemCodes[elem],
+    ]);
+    return [rows, singleBlock("mt_sum_partials_i64", [scratch, partials, blocks])];
   },
   layerNormForward(out, mean, rstd, inp, weight, bias, N, C, eps, elem): Launch[] {
     // C = 0 still writes mean and rstd (NaN, as on the CPU)

@@ -30,6 +30,7 @@ import { addBackwardReference, addReference } from "../../engine/ops/add.ts";
 import { causalSelfAttentionBackwardReference, causalSelfAttentionReference } from "../../engine/ops/attention.ts";
 import { biasAddBackwardReference, biasAddReference } from "../../engine/ops/bias.ts";
 import { softmaxCrossEntropyBackwardReference, softmaxCrossEntropyReference } from "../../engine/ops/crossentropy.ts";
+import { countCorrect, countCorrectReference } from "../../engine/ops/accuracy.ts";
 import { dropoutBackwardReference, dropoutReference } from "../../engine/ops/dropout.ts";
 import { embeddingBackwardReference, embeddingReference } from "../../engine/ops/embedding.ts";
 import { geluBackwardReference, geluReference } from "../../engine/ops/gelu.ts";
@@ -61,7 +62,7 @@ import { Context } from "../../engine/tensor.ts";
 import type { Precision } from "../../engine/mixed.ts";
 import { parityBackends } from "../helpers/emulated-cuda.ts";
 import { expectThrown } from "../helpers/errors.ts";
-import { IndexRangeError } from "../../engine/errors.ts";
+import { IndexRangeError, ShapeError } from "../../engine/errors.ts";
 
 const tolF32 = 1e-4;
 /** another backend against the CPU backend, same float32 inputs */
@@ -231,6 +232,13 @@ function permuteCase(rng: Rng, shape: number[], perm: number[]): OpCase {
   };
 }
 
+/** the first largest of row n's V values */
+function argmaxOf(x: Float32Array, n: number, V: number): number {
+  let best = 0;
+  for (let v = 1; v < V; v++) if (x[n * V + v]! > x[n * V + best]!) best = v;
+  return best;
+}
+
 // Where there is no GPU, the CUDA backend's own code still runs: over a fake driver whose
 // launches run the .cu kernels on the host emulator (test/helpers/emulated-cuda.ts).
 const backends = await parityBackends();
@@ -373,6 +381,61 @@ describe.each(backends)("$name backend", ({ backend }) => {
       const loss = softmaxCrossEntropy(logits, ctx.fromArray(Int32Array.of(1, 0), [2]));
       // row 0 picks the -1e30 logit: its loss is 2e30, large but finite
       expect(Number.isFinite(loss.item())).toBe(true);
+    });
+  });
+
+  describe("countCorrect", () => {
+    test("the first largest logit per row, NaN passed over unless first, counted on the backend", () => {
+      const ctx = newContext();
+      // rows: a plain max; a tie (the first wins); NaN later (passed over); NaN first (argmax 0);
+      // all -inf (0); one class
+      const V = 4;
+      const logits = Float32Array.of(
+        ...[0.5, 3, -1, 2],
+        ...[7, 1, 7, 0],
+        ...[1, Number.NaN, 5, 2],
+        ...[Number.NaN, 9, 9, 1],
+        ...[-Infinity, -Infinity, -Infinity, -Infinity],
+      );
+      const argmax = [1, 0, 2, 0, 0];
+      for (const shift of [0, 1]) {
+        const targets = Int32Array.from(argmax, (a, n) => (n % 2 === 0 ? a : (a + shift) % V));
+        const want = countCorrectReference(logits, targets);
+        expect(want).toBe(shift === 0 ? 5 : 3);
+        expect(countCorrect(ctx.fromArray(logits, [5, V]), ctx.fromArray(targets, [5]))).toBe(want);
+      }
+    });
+
+    test.each([
+      [1, 2],
+      [33, 83],
+      [9, 50_257],
+    ])("%d rows of %d classes, against the reference", (N, V) => {
+      const rng = new Rng(N + V);
+      const logits = f32(randn(rng, N * V));
+      const targets = Int32Array.from({ length: N }, (_, n) => (n % 3 === 0 ? argmaxOf(logits, n, V) : rng.int(V)));
+      const ctx = newContext();
+      expect(countCorrect(ctx.fromArray(logits, [N, V]), ctx.fromArray(targets, [N]))).toBe(
+        countCorrectReference(logits, targets),
+      );
+    });
+
+    test("bf16 logits (an autocast head's) are counted as stored", () => {
+      const ctx = new Context(newContext().backend, { seed: 1, precision: "bf16" });
+      const [N, V] = [6, 40];
+      const rng = new Rng(9);
+      const wide = ctx.fromArray(f32(randn(rng, N * V)), [N, V]);
+      const narrow = ctx.empty([N, V], "bf16");
+      ctx.backend.castF32ToBF16(narrow.ptr, wide.ptr, N * V);
+      const stored = narrow.toFloat32();
+      const targets = Int32Array.from({ length: N }, (_, n) => argmaxOf(stored, n, V));
+      expect(countCorrect(narrow, ctx.fromArray(targets, [N]))).toBe(N);
+      ctx.dispose();
+    });
+
+    test("targets of other leading dims are refused", () => {
+      const ctx = newContext();
+      expect(() => countCorrect(ctx.zeros([2, 3, 4]), ctx.fromArray(new Int32Array(3), [3]))).toThrow(ShapeError);
     });
   });
 

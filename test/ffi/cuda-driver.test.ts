@@ -297,6 +297,7 @@ describe.skipIf(skip("nvcc", nvcc === null ? "no nvcc to build the PTX kernels (
       ["countNonFinite", "i64"],
       ["crossEntropyForward", "i64"],
       ["embeddingForward", "i64"],
+      ["countCorrect", "i64"],
     ] as const)("%s passes the backend's scratch buffer first and returns the %s left at its start", (method, kind) => {
       const be = backend();
       const args: Record<typeof method, (number | string)[]> = {
@@ -304,6 +305,7 @@ describe.skipIf(skip("nvcc", nvcc === null ? "no nvcc to build the PTX kernels (
         countNonFinite: [P, 1000],
         crossEntropyForward: [P, Q, R, S, T, 37, 83, "bf16"],
         embeddingForward: [P, Q, R, 50, 16, 83],
+        countCorrect: [P, Q, 37, 83, "bf16"],
       };
       const call = () => (be[method] as (...a: (number | string)[]) => number)(...args[method]);
       fake.fake_reset();

@@ -92,7 +92,11 @@ const gridModes = [
   { name: "grid as planned", gridCap: 0 },
   { name: "grid capped at 3 blocks", gridCap: 3 },
 ] as const;
-const uncappedKernels = new Set<KernelName>(["mt_sum_squares_partial_f32", "mt_count_nonfinite_partial_f32"]);
+const uncappedKernels = new Set<KernelName>([
+  "mt_sum_squares_partial_f32",
+  "mt_count_nonfinite_partial_f32",
+  "mt_count_correct_partial_f32",
+]);
 
 let emulator: Emulator | undefined;
 let gridCap = 0;
@@ -298,6 +302,7 @@ describe.skipIf(skip("g++", gxx === null ? "g++ not found on PATH (it builds the
       broadcastTests();
       layerTests();
       crossEntropyTests();
+      countCorrectTests();
       layerNormTests();
       residualLayerNormTests();
       embeddingTests();
@@ -549,15 +554,17 @@ function layerTests(): void {
 }
 
 function crossEntropyTests(): void {
-  test.each([
-    [1, 1],
-    [7, 10],
-    [33, 1000],
-    [3, 5000],
-    [4, 0],
-    [0, 5],
-  ])("crossEntropy forward and backward: N %d V %d", (N, V) => {
-    for (const elem of elems) {
+  test.each(
+    byElem([
+      [1, 1],
+      [7, 10],
+      [33, 1000],
+      [3, 5000],
+      [4, 0],
+      [0, 5],
+    ] as const),
+  )("crossEntropy forward and backward: N %d V %d %s", (N, V, elem) => {
+    {
       const targets = V > 0 ? ints(N, V) : new Int32Array(N);
       if (N > 3) [targets[1], targets[2]] = [-1, V]; // out of range: counted, loss 0
       const [lc, le] = twinElem(normals(N * V, 5), elem),
@@ -583,6 +590,34 @@ function crossEntropyTests(): void {
       be.crossEntropyBackward(lc, lc, ec, tc, gc, N, V, false, elem);
       runPlan("crossEntropyBackward", plans.crossEntropyBackward(le, le, lse2, te, ge, N, V, false, elem));
       expectClose(`dlogits in place (${elem})`, readElem(le, N * V, elem), readElem(lc, N * V, elem), tol);
+    }
+  });
+}
+
+function countCorrectTests(): void {
+  test.each(
+    byElem([
+      [1, 1],
+      [37, 70],
+      [5, 3000], // rows longer than a block's threads
+    ] as const),
+  )("countCorrect: N %d V %d %s", (N, V, elem) => {
+    {
+      const logits = normals(N * V);
+      // ties (the first wins), NaN later in a row (passed over), NaN first (argmax 0)
+      if (V > 3) [logits[1], logits[2], logits[V + 1]] = [logits[0]!, Number.NaN, Number.NaN];
+      if (N > 2 && V > 1) logits[2 * V] = Number.NaN;
+      const [lc, le] = twinElem(logits, elem);
+      const stored = readElem(lc, N * V, elem);
+      const targets = Int32Array.from({ length: N }, (_, n) => {
+        let best = 0;
+        for (let v = 1; v < V; v++) if (stored[n * V + v]! > stored[n * V + best]!) best = v;
+        return n % 2 === 0 ? best : (best + 1) % V; // about half hit
+      });
+      const [tc, te] = twin(targets);
+      const want = be.countCorrect(lc, tc, N, V, elem);
+      runPlan("countCorrect", plans.countCorrect(poisonedScratch(), le, te, N, V, elem));
+      expectExact(`correct (${elem})`, [scratchI64()], [want]);
     }
   });
 }

@@ -316,6 +316,7 @@ const cases: { readonly [M in OpName]: readonly Args[] } = {
   crossEntropyBackward: vocab.flatMap(([N, V], i) =>
     [true, false].map((acc) => [p, p, p, p, p, N, V, acc, elems[i % 3]]),
   ),
+  countCorrect: vocab.map(([N, V], i) => [scratch, p, p, N, V, elems[i % 3]]),
   layerNormForward: rowsByCols.map(([N, C], i) => [p, p, p, p, p, p, N, C, 1e-5, elems[i % 3]]),
   residualLayerNormForward: rowsByCols.map(([N, C], i) => [p, p, p, p, p, p, p, p, N, C, 1e-5, elems[i % 3]]),
   layerNormBackward: rowsByCols.flatMap(([N, C]) => elems.map((e) => [scratch, p, p, p, p, p, p, p, p, N, C, e])),
@@ -364,6 +365,7 @@ const emptyCases: { readonly [M in OpName]: Args } = {
   biasGeluForward: [p, p, p, 0, 3072, "bf16"],
   crossEntropyForward: [scratch, p, p, p, p, p, 0, 50_257, "bf16"],
   crossEntropyBackward: [p, p, p, p, p, 0, 50_257, false, "bf16"],
+  countCorrect: [scratch, p, p, 0, 50_257, "bf16"],
   layerNormForward: [p, p, p, p, p, p, 0, 768, 1e-5, "bf16"],
   residualLayerNormForward: [p, p, p, p, p, p, p, p, 0, 768, 1e-5, "f32"],
   layerNormBackward: [scratch, p, p, p, p, p, p, p, p, 0, 768, "bf16"],
@@ -384,6 +386,7 @@ const emptyCases: { readonly [M in OpName]: Args } = {
 };
 /** Plans with a scalar result still write it for an empty input: one single-block launch. */
 const writesScalarWhenEmpty = new Set<OpName>([
+  "countCorrect",
   "sum",
   "sumSquares",
   "countNonFinite",

@@ -95,3 +95,44 @@ mt_crossentropy_backward_f32(void* dlogits, const void* logits, const float* lse
     }
   }
 }
+
+// The argmax a strict > scan from v = 0 finds: the first of equal maxima; NaN never taken over
+// (a pair with a NaN value loses), except a row's first element, which the caller checks.
+struct ArgMax {
+  float x;
+  int64_t v;
+};
+__device__ __forceinline__ ArgMax arg_max(ArgMax a, ArgMax b) {
+  if (isnan(a.x)) return b;
+  if (isnan(b.x)) return a;
+  return b.x > a.x || (b.x == a.x && b.v < a.v) ? b : a;
+}
+__device__ __forceinline__ ArgMax block_arg_max(ArgMax a) {
+  __shared__ ArgMax warp_partials[32];
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1)
+    a = arg_max(a, {__shfl_xor_sync(FULL_MASK, a.x, offset), __shfl_xor_sync(FULL_MASK, a.v, offset)});
+  __syncthreads();  // readers of a previous call are done
+  if (lane == 0) warp_partials[warp] = a;
+  __syncthreads();
+  ArgMax total = warp_partials[0];
+  for (int w = 1; w < (int)(blockDim.x / WARP_SIZE); w++) total = arg_max(total, warp_partials[w]);
+  return total;
+}
+
+// partials (gridDim.x) int64 = per block, the rows n (grid-stride) of logits (N,V) of elem whose
+// argmax (as mt_count_correct_f32 in ffi/cpu/kernels.c: the first largest, NaN passed over
+// unless first) is targets[n]; mt_sum_partials_i64 adds them. Every block writes its partial.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_count_correct_partial_f32(int64_t* partials, const void* logits, const int32_t* targets, int64_t N, int64_t V,
+                             int32_t elem) {
+  int64_t correct = 0;
+  for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
+    ArgMax best = {NAN, V};
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) best = arg_max(best, {mt_load_elem(logits, n * V + v, elem), v});
+    best = block_arg_max(best);
+    const int64_t argmax = isnan(mt_load_elem(logits, n * V, elem)) || best.v == V ? 0 : best.v;
+    correct += argmax == targets[n] ? 1 : 0;
+  }
+  if (threadIdx.x == 0) partials[blockIdx.x] = correct;
+}
