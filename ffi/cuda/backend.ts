@@ -25,7 +25,7 @@ import {
   type Ptr,
 } from "../backend.ts";
 import { CachingAllocator, type CachingAllocatorStats } from "./allocator.ts";
-import { Cublas, findCublas, loadCublas } from "./cublas.ts";
+import { Cublas, cublasWorkspaceBytes, findCublas, loadCublas } from "./cublas.ts";
 import { CU_EVENT_DISABLE_TIMING, driver, type Driver, hostBytes } from "./driver.ts";
 import { ensurePtx } from "./build.ts";
 import { type OpDecl, type OpMethods, type OpName, ops } from "../ops.ts";
@@ -344,6 +344,8 @@ export class CudaBackend implements Backend {
       this.#stream,
       new Float32Array(hostBytes(this.#host, hostBlockBytes), scalarsOffset, 2),
       this.#host + scalarsOffset,
+      // the handle's own, for the backend's life (every GEMM runs on the one stream)
+      { ptr: this.#allocator.alloc(cublasWorkspaceBytes).ptr, bytes: cublasWorkspaceBytes },
     );
     return this.#cublasHandle;
   }

@@ -158,6 +158,10 @@ const outputTypes: Record<GemmOutput, number> = { f32: CUDA_R_32F, bf16: CUDA_R_
 
 const int32Max = 2 ** 31 - 1;
 
+/** The workspace cuBLAS's documentation recommends for Hopper (cublasSetWorkspace: 32 MiB; 4 MiB
+ *  before it): some of its fastest GEMM kernels need it, and without one set it picks from fewer. */
+export const cublasWorkspaceBytes = 32 << 20;
+
 /** A cuBLAS handle bound to one stream. alpha and beta live in host memory the caller owns
  *  (pinned, so its address is stable): cuBLAS reads them during the call (host pointer mode). */
 export class Cublas {
@@ -166,8 +170,15 @@ export class Cublas {
   readonly #scalars: Float32Array;
   readonly #scalarsPtr: Ptr;
 
-  /** scalars: a Float32Array of 2 over stable host memory at scalarsPtr */
-  constructor(lib: CublasLib, stream: bigint, scalars: Float32Array, scalarsPtr: Ptr) {
+  /** scalars: a Float32Array of 2 over stable host memory at scalarsPtr; workspace: device memory
+   *  of workspaceBytes for the handle's GEMMs (cublasSetWorkspace), used only on its stream */
+  constructor(
+    lib: CublasLib,
+    stream: bigint,
+    scalars: Float32Array,
+    scalarsPtr: Ptr,
+    workspace: { ptr: Ptr; bytes: number } | null = null,
+  ) {
     this.#lib = lib;
     const out = new BigUint64Array(1);
     this.#check("cublasCreate_v2", lib.symbols.cublasCreate_v2(addressOf(out)));
@@ -175,6 +186,10 @@ export class Cublas {
     this.#check("cublasSetStream_v2", lib.symbols.cublasSetStream_v2(this.#handle, stream));
     // default math: f32 GEMMs stay f32; tf32 is asked for per call through its compute type
     this.#check("cublasSetMathMode", lib.symbols.cublasSetMathMode(this.#handle, CUBLAS_DEFAULT_MATH));
+    if (workspace !== null) {
+      const { ptr, bytes } = workspace;
+      this.#check("cublasSetWorkspace_v2", lib.symbols.cublasSetWorkspace_v2(this.#handle, BigInt(ptr), BigInt(bytes)));
+    }
     this.#scalars = scalars;
     this.#scalarsPtr = scalarsPtr;
   }
