@@ -68,7 +68,7 @@ case "$phase" in
   profile)
     run timeout 120 bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 10 --profile --no-torch
     run timeout 90 bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 --profile --no-torch
-    run timeout 150 bun test --timeout=120000 test/ffi/cuda-kernels.test.ts test/ffi/cudnn-gpu.test.ts ;;
+    run timeout 150 bun test --timeout=120000 test/ffi/cuda-kernels.test.ts test/ffi/cudnn-gpu.test.ts test/engine/ops.test.ts ;;
   final)
     # issue 34's checks in one call: every GPU suite, GPT-2 small and nanoGPT beside PyTorch (SDPA
     # and torch.compile), and 150 steps of GPT-2 small on BPE text (the State of the Union, prepared
