@@ -35,6 +35,7 @@ import { NativeLibraryError } from "../../ffi/errors.ts";
 import { causalSelfAttentionBackwardReference, causalSelfAttentionReference } from "../../engine/ops/attention.ts";
 import { Rng } from "../../engine/rng.ts";
 import { emulatedCuda, type FakeCudnn, fakeCudnn } from "../helpers/emulated-cuda.ts";
+import { type HalfElem, relErr, roundTo16, widen16 } from "../helpers/numeric.ts";
 import { skip } from "../helpers/skip.ts";
 
 const toolsMissing =
@@ -50,42 +51,7 @@ const emulatedTimeoutMs = 120_000;
 const hostTimeoutMs = 60_000;
 
 type Dtype = SdpaShape["dtype"];
-const elemOf = (dtype: Dtype): ElemType => (dtype === "half" ? "f16" : "bf16");
-
-// ---- numbers in the 2-byte types ------------------------------------------------------------------
-
-/** The bits of x rounded (to nearest even) to the 2-byte type, and their values. */
-function rounded(x: ArrayLike<number>, dtype: Dtype): { bits: Uint16Array; values: Float64Array } {
-  const bits = new Uint16Array(x.length);
-  const f = new Float32Array(1);
-  const u = new Uint32Array(f.buffer);
-  for (let i = 0; i < x.length; i++) {
-    if (dtype === "bf16") {
-      f[0] = x[i]!;
-      bits[i] = (u[0]! + 0x7fff + ((u[0]! >>> 16) & 1)) >>> 16;
-    } else {
-      bits[i] = new Uint16Array(new Float16Array([x[i]!]).buffer)[0]!;
-    }
-  }
-  return { bits, values: valuesOf(bits, dtype) };
-}
-
-function valuesOf(bits: Uint16Array, dtype: Dtype): Float64Array {
-  if (dtype === "half") return Float64Array.from(new Float16Array(bits.buffer, bits.byteOffset, bits.length));
-  const u = Uint32Array.from(bits, (b) => b << 16);
-  return Float64Array.from(new Float32Array(u.buffer));
-}
-
-/** max |a - b| over max |b|: the error relative to the largest value */
-function relMax(a: ArrayLike<number>, b: ArrayLike<number>): number {
-  let err = 0;
-  let scale = 0;
-  for (let i = 0; i < b.length; i++) {
-    err = Math.max(err, Math.abs(a[i]! - b[i]!));
-    scale = Math.max(scale, Math.abs(b[i]!));
-  }
-  return err / Math.max(scale, 1e-30);
-}
+const elemOf = (dtype: Dtype): HalfElem => (dtype === "half" ? "f16" : "bf16");
 
 /** P (and backward's dS) are rounded to the 2-byte type before the products, as on tensor cores */
 const tolerance = (dtype: Dtype) => (dtype === "bf16" ? 2e-2 : 4e-3);
@@ -116,7 +82,10 @@ function inputs(s: { B: number; T: number; H: number; D: number }, dtype: Dtype)
   const C = s.H * s.D;
   const rng = new Rng(s.B * 1000 + s.T * 10 + s.D + (dtype === "bf16" ? 0 : 7));
   const normal = (n: number) => Array.from({ length: n }, () => rng.normal());
-  return { qkv: rounded(normal(s.B * s.T * 3 * C), dtype), dout: rounded(normal(s.B * s.T * C), dtype) };
+  return {
+    qkv: roundTo16(normal(s.B * s.T * 3 * C), elemOf(dtype)),
+    dout: roundTo16(normal(s.B * s.T * C), elemOf(dtype)),
+  };
 }
 
 // ---- the graphs as data, no library ---------------------------------------------------------------
@@ -405,11 +374,11 @@ describe.skipIf(skip("g++ and cc", toolsMissing))("the binding's graphs against 
         const { B, T, H } = s;
         const tol = tolerance(dtype);
         expect(
-          relMax(valuesOf(u16(b.out), dtype), causalSelfAttentionReference(qkv.values, B, T, C, H).out),
+          relErr(widen16(u16(b.out), elemOf(dtype)), causalSelfAttentionReference(qkv.values, B, T, C, H).out),
         ).toBeLessThan(tol);
-        expect(relMax(f32(b.lse), lseReference(qkv.values, B, T, C, H))).toBeLessThan(1e-5);
+        expect(relErr(f32(b.lse), lseReference(qkv.values, B, T, C, H))).toBeLessThan(1e-5);
         const dwant = causalSelfAttentionBackwardReference(qkv.values, dout.values, B, T, C, H);
-        expect(relMax(valuesOf(u16(b.dqkv), dtype), dwant)).toBeLessThan(2 * tol);
+        expect(relErr(widen16(u16(b.dqkv), elemOf(dtype)), dwant)).toBeLessThan(2 * tol);
       },
       hostTimeoutMs,
     );
@@ -886,7 +855,7 @@ function attentionOn(
   be.download(lse!.ptr, r.lse);
   be.download(dqkv!.ptr, r.dqkv);
   for (const a of [qkv, out, lse, delta, dout, dqkv]) be.free(a!);
-  return { out: valuesOf(r.out, dtype), lse: r.lse, dqkv: valuesOf(r.dqkv, dtype) };
+  return { out: widen16(r.out, elemOf(dtype)), lse: r.lse, dqkv: widen16(r.dqkv, elemOf(dtype)) };
 }
 
 // small: the reference kernels they are compared with run on the host emulator, a host thread
@@ -911,9 +880,9 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
           const { B, T, H, D } = sh;
           const C = H * D;
           const { qkv, dout } = inputs(sh, dtype);
-          const dqkv0 = rounded(
+          const dqkv0 = roundTo16(
             Array.from({ length: B * T * 3 * C }, (_, i) => Math.sin(i)),
-            dtype,
+            elemOf(dtype),
           );
           const tol = tolerance(dtype);
           const want = causalSelfAttentionReference(qkv.values, B, T, C, H).out;
@@ -927,15 +896,15 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
             expect(fake!.lastExecution().stream).toBe(fakeCudaStream);
             const b = attentionOn(backend("reference"), x, sh, dtype, accumulate);
             const added = (r: AttentionResult) => (accumulate ? r.dqkv.map((v, i) => v - dqkv0.values[i]!) : r.dqkv);
-            expect(relMax(a.out, want)).toBeLessThan(tol);
-            expect(relMax(b.out, want)).toBeLessThan(tol);
-            expect(relMax(a.lse, b.lse)).toBeLessThan(1e-4);
-            expect(relMax(a.lse, lseReference(qkv.values, B, T, C, H))).toBeLessThan(1e-5);
+            expect(relErr(a.out, want)).toBeLessThan(tol);
+            expect(relErr(b.out, want)).toBeLessThan(tol);
+            expect(relErr(a.lse, b.lse)).toBeLessThan(1e-4);
+            expect(relErr(a.lse, lseReference(qkv.values, B, T, C, H))).toBeLessThan(1e-5);
             // with accumulate, the 2-byte sum's rounding (of dqkv0's size) adds to the error
             const dtol = (accumulate ? 4 : 2) * tol;
-            expect(relMax(added(a), dwant)).toBeLessThan(dtol);
-            expect(relMax(added(b), dwant)).toBeLessThan(dtol);
-            expect(relMax(a.dqkv, b.dqkv)).toBeLessThan(dtol);
+            expect(relErr(added(a), dwant)).toBeLessThan(dtol);
+            expect(relErr(added(b), dwant)).toBeLessThan(dtol);
+            expect(relErr(a.dqkv, b.dqkv)).toBeLessThan(dtol);
           }
         },
         emulatedTimeoutMs,
@@ -966,7 +935,7 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
           fake!.setEngineConfigs(2, 2);
           const r = attentionOn(be, { qkv: qkv.bits, dout: dout.bits, dqkv0 }, sh, "bf16", false);
           const want = causalSelfAttentionReference(qkv.values, sh.B, sh.T, 2 * sh.D, sh.H).out;
-          expect(relMax(r.out, want)).toBeLessThan(tolerance("bf16"));
+          expect(relErr(r.out, want)).toBeLessThan(tolerance("bf16"));
           expect(be.launchCounts.cudnn).toBe(cudnnBefore);
         } finally {
           fake!.setEngineConfigs(2, 0);

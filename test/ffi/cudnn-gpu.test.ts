@@ -9,6 +9,7 @@ import { CudaBackend, probeCuda } from "../../ffi/cuda/backend.ts";
 import { findCudnn } from "../../ffi/cuda/cudnn.ts";
 import { causalSelfAttentionBackwardReference, causalSelfAttentionReference } from "../../engine/ops/attention.ts";
 import { Rng } from "../../engine/rng.ts";
+import { relErr, roundTo16, widen16 } from "../helpers/numeric.ts";
 import { skip } from "../helpers/skip.ts";
 
 const probe = probeCuda();
@@ -28,42 +29,12 @@ afterAll(() => {
   reference?.dispose();
 });
 
-/** The bits of x rounded to the 2-byte type, and their values as numbers. */
-function roundTo(x: Float32Array, elem: "bf16" | "f16"): { bits: Uint16Array; values: Float64Array } {
-  const bits = new Uint16Array(x.length);
-  const values = new Float64Array(x.length);
-  const f = new Float32Array(1);
-  const u = new Uint32Array(f.buffer);
-  for (let i = 0; i < x.length; i++) {
-    if (elem === "bf16") {
-      f[0] = x[i]!;
-      const rounded = (u[0]! + 0x7fff + ((u[0]! >>> 16) & 1)) >>> 16;
-      bits[i] = rounded;
-      u[0] = rounded << 16;
-      values[i] = f[0]!;
-    } else {
-      const h = new Float16Array([x[i]!]);
-      bits[i] = new Uint16Array(h.buffer)[0]!;
-      values[i] = h[0]!;
-    }
-  }
-  return { bits, values };
-}
-
 interface Outputs {
   out: Float64Array;
   lse: Float32Array;
   /** the gradient written (accumulate false), and then added once more (accumulate true) */
   dqkv: Float64Array;
   dqkvTwice: Float64Array;
-}
-
-/** 2-byte bits as numbers */
-function widen(bits: Uint16Array, elem: "bf16" | "f16"): Float64Array {
-  if (elem === "f16") return Float64Array.from(new Float16Array(bits.buffer, bits.byteOffset, bits.length));
-  const u = new Uint32Array(bits.length);
-  for (let i = 0; i < bits.length; i++) u[i] = bits[i]! << 16;
-  return Float64Array.from(new Float32Array(u.buffer));
 }
 
 /** One forward and two backwards on `be`: out, dout and dqkv of elem, as the op contract says. */
@@ -91,7 +62,7 @@ function attention(
   const read16 = (a: { ptr: number }, n: number) => {
     const bits = new Uint16Array(n);
     be.download(a.ptr, bits);
-    return widen(bits, elem);
+    return widen16(bits, elem);
   };
   backward(false);
   const once = read16(dqkv, qkv16.length);
@@ -105,17 +76,6 @@ function attention(
   be.download(lse.ptr, r.lse);
   for (const a of [qkv, out, lse, delta, dO, dqkv]) be.free(a);
   return r;
-}
-
-/** max |a - b| over max |b|: the error relative to the largest value */
-function relMax(a: ArrayLike<number>, b: ArrayLike<number>): number {
-  let err = 0;
-  let scale = 0;
-  for (let i = 0; i < b.length; i++) {
-    err = Math.max(err, Math.abs(a[i]! - b[i]!));
-    scale = Math.max(scale, Math.abs(b[i]!));
-  }
-  return err / Math.max(scale, 1e-30);
 }
 
 const shapes = [
@@ -134,11 +94,11 @@ describe.skipIf(skip("a GPU", probe.ok ? null : probe.reason) || skip("cuDNN 9",
         const C = H * D;
         const s = { B, T, C, H };
         const rng = new Rng(B * 1000 + T * 10 + D);
-        const qkv = roundTo(
+        const qkv = roundTo16(
           Float32Array.from({ length: B * T * 3 * C }, () => rng.normal()),
           elem,
         );
-        const dout = roundTo(
+        const dout = roundTo16(
           Float32Array.from({ length: B * T * C }, () => rng.normal()),
           elem,
         );
@@ -149,21 +109,21 @@ describe.skipIf(skip("a GPU", probe.ok ? null : probe.reason) || skip("cuDNN 9",
         // both round P (and backward's dS) to the 2-byte type before a product, and store out and
         // dqkv in it: errors of that size
         const tol = elem === "bf16" ? 2e-2 : 4e-3;
-        expect(relMax(a.out, want)).toBeLessThan(tol);
-        expect(relMax(b.out, want)).toBeLessThan(tol);
-        expect(relMax(a.lse, b.lse)).toBeLessThan(1e-4);
-        expect(relMax(a.dqkv, dwant)).toBeLessThan(2 * tol);
-        expect(relMax(b.dqkv, dwant)).toBeLessThan(2 * tol);
-        expect(relMax(a.dqkv, b.dqkv)).toBeLessThan(2 * tol);
+        expect(relErr(a.out, want)).toBeLessThan(tol);
+        expect(relErr(b.out, want)).toBeLessThan(tol);
+        expect(relErr(a.lse, b.lse)).toBeLessThan(1e-4);
+        expect(relErr(a.dqkv, dwant)).toBeLessThan(2 * tol);
+        expect(relErr(b.dqkv, dwant)).toBeLessThan(2 * tol);
+        expect(relErr(a.dqkv, b.dqkv)).toBeLessThan(2 * tol);
         // accumulate: the second backward adds the same gradient again
         expect(
-          relMax(
+          relErr(
             a.dqkvTwice,
             a.dqkv.map((v) => 2 * v),
           ),
         ).toBeLessThan(2 * tol);
         expect(
-          relMax(
+          relErr(
             b.dqkvTwice,
             b.dqkv.map((v) => 2 * v),
           ),
@@ -189,7 +149,7 @@ describe.skipIf(skip("a GPU", probe.ok ? null : probe.reason) || skip("cuDNN 9",
         const rng = new Rng(5);
         be.upload(
           qkv.ptr,
-          roundTo(
+          roundTo16(
             Float32Array.from({ length: B * T * 3 * C }, () => rng.normal()),
             "bf16",
           ).bits,

@@ -68,6 +68,33 @@ export function relErr(a: ArrayLike<number>, b: ArrayLike<number>): number {
   return diff / Math.max(scale, 1e-30);
 }
 
+/** A 2-byte element type of activations under autocast. */
+export type HalfElem = "bf16" | "f16";
+
+/** The bits of x rounded to nearest even in the 2-byte type (bf16 from x's f32 value, as the
+ *  kernels round), and their values as numbers. */
+export function roundTo16(x: ArrayLike<number>, elem: HalfElem): { bits: Uint16Array; values: Float64Array } {
+  const bits = new Uint16Array(x.length);
+  const f = new Float32Array(1);
+  const u = new Uint32Array(f.buffer);
+  for (let i = 0; i < x.length; i++) {
+    if (elem === "bf16") {
+      f[0] = x[i]!;
+      bits[i] = (u[0]! + 0x7fff + ((u[0]! >>> 16) & 1)) >>> 16;
+    } else {
+      bits[i] = new Uint16Array(new Float16Array([x[i]!]).buffer)[0]!;
+    }
+  }
+  return { bits, values: widen16(bits, elem) };
+}
+
+/** 2-byte bits as numbers */
+export function widen16(bits: Uint16Array, elem: HalfElem): Float64Array {
+  if (elem === "f16") return Float64Array.from(new Float16Array(bits.buffer, bits.byteOffset, bits.length));
+  const u = Uint32Array.from(bits, (b) => b << 16);
+  return Float64Array.from(new Float32Array(u.buffer));
+}
+
 /** Central differences of a scalar function at x, one coordinate at a time. */
 export function finiteDiff(f: (x: Float64Array) => number, x: Float64Array, h = 1e-6): Float64Array {
   const g = new Float64Array(x.length);

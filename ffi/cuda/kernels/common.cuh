@@ -48,11 +48,18 @@ struct MaxOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
 
+// v from lane ^ offset of the warp (all lanes must call it). A struct gives an overload of its
+// own, beside the struct, that exchanges each field; the reductions below find it by its type.
+template <class T>
+__device__ __forceinline__ T shfl_xor(T v, int offset) {
+  return __shfl_xor_sync(FULL_MASK, v, offset);
+}
+
 // Butterfly reduction over the 32 lanes of a warp; every lane gets the result. All lanes must
 // call it (full mask).
 template <class T, class Op>
 __device__ __forceinline__ T warp_reduce(T v, Op op) {
-  for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, offset));
+  for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) v = op(v, shfl_xor(v, offset));
   return v;
 }
 

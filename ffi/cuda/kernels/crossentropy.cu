@@ -20,18 +20,11 @@ __device__ __forceinline__ MaxSum max_sum_combine(MaxSum a, MaxSum b) {
   if (m == -INFINITY) return {m, 0.0f};
   return {m, (a.m == -INFINITY ? 0.0f : a.s * expf(a.m - m)) + (b.m == -INFINITY ? 0.0f : b.s * expf(b.m - m))};
 }
-// over a 1D block, combined in lane then warp order (deterministic); every thread gets it
-__device__ __forceinline__ MaxSum block_max_sum(MaxSum v) {
-  __shared__ MaxSum warp_partials[32];
-  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-  for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1)
-    v = max_sum_combine(v, {__shfl_xor_sync(FULL_MASK, v.m, offset), __shfl_xor_sync(FULL_MASK, v.s, offset)});
-  __syncthreads();  // readers of a previous call are done
-  if (lane == 0) warp_partials[warp] = v;
-  __syncthreads();
-  MaxSum total = warp_partials[0];
-  for (int w = 1; w < (int)(blockDim.x / WARP_SIZE); w++) total = max_sum_combine(total, warp_partials[w]);
-  return total;
+struct MaxSumOp {
+  __device__ __forceinline__ MaxSum operator()(MaxSum a, MaxSum b) const { return max_sum_combine(a, b); }
+};
+__device__ __forceinline__ MaxSum shfl_xor(MaxSum v, int offset) {
+  return {shfl_xor(v.m, offset), shfl_xor(v.s, offset)};
 }
 
 // losses, lse (N); logits (N,V) of elem; targets (N) int32.
@@ -44,7 +37,7 @@ mt_crossentropy_forward_f32(float* losses, float* lse, const void* logits, const
   for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
     MaxSum ms = {-INFINITY, 0.0f};
     for (int64_t v = threadIdx.x; v < V; v += blockDim.x) ms = max_sum_add(ms, mt_load_elem(logits, n * V + v, elem));
-    ms = block_max_sum(ms);
+    ms = block_reduce(ms, MaxSumOp());
     if (threadIdx.x == 0) {
       const float l = logf(ms.s) + ms.m;
       const int32_t t = targets[n];
@@ -107,17 +100,11 @@ __device__ __forceinline__ ArgMax arg_max(ArgMax a, ArgMax b) {
   if (isnan(b.x)) return a;
   return b.x > a.x || (b.x == a.x && b.v < a.v) ? b : a;
 }
-__device__ __forceinline__ ArgMax block_arg_max(ArgMax a) {
-  __shared__ ArgMax warp_partials[32];
-  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-  for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1)
-    a = arg_max(a, {__shfl_xor_sync(FULL_MASK, a.x, offset), __shfl_xor_sync(FULL_MASK, a.v, offset)});
-  __syncthreads();  // readers of a previous call are done
-  if (lane == 0) warp_partials[warp] = a;
-  __syncthreads();
-  ArgMax total = warp_partials[0];
-  for (int w = 1; w < (int)(blockDim.x / WARP_SIZE); w++) total = arg_max(total, warp_partials[w]);
-  return total;
+struct ArgMaxOp {
+  __device__ __forceinline__ ArgMax operator()(ArgMax a, ArgMax b) const { return arg_max(a, b); }
+};
+__device__ __forceinline__ ArgMax shfl_xor(ArgMax a, int offset) {
+  return {shfl_xor(a.x, offset), shfl_xor(a.v, offset)};
 }
 
 // partials (gridDim.x) int64 = per block, the rows n (grid-stride) of logits (N,V) of elem whose
@@ -130,7 +117,7 @@ mt_count_correct_partial_f32(int64_t* partials, const void* logits, const int32_
   for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
     ArgMax best = {NAN, V};
     for (int64_t v = threadIdx.x; v < V; v += blockDim.x) best = arg_max(best, {mt_load_elem(logits, n * V + v, elem), v});
-    best = block_arg_max(best);
+    best = block_reduce(best, ArgMaxOp());
     const int64_t argmax = isnan(mt_load_elem(logits, n * V, elem)) || best.v == V ? 0 : best.v;
     correct += argmax == targets[n] ? 1 : 0;
   }

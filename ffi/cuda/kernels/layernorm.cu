@@ -93,50 +93,16 @@ mt_layernorm_backward_f32(float* dinp, const void* dout, const float* inp, const
 }
 
 // forward was: out[n,c] = norm[n,c] * weight[c] + bias[c], norm = (inp - mean) * rstd
-// dweight, dbias (C) += sum over rows of norm * dout, dout; dout, inp (N,C); mean, rstd (N).
-// A block (32, Y) takes 32 consecutive channels; its Y rows of threads split the rows and their
-// partials are added in row order: deterministic, no atomics. Needs blockDim.x == 32, Y <= 32.
+// The column sums of norm * dout and dout, dout (N,C) of elem, inp (N,C), mean, rstd (N), over row
+// ranges: task (chunk, split) is a block (32, Y) over 32 consecutive channels and rows
+// [split * rows_per, +rows_per); its Y rows of threads split the rows and their partials are added
+// in row order: deterministic, no atomics. The sums go to dw[split * C + c] and db[split * C + c],
+// added when `accumulate`. Needs blockDim.x == 32, Y <= 32, rows_per >= 1.
 #define PARAMS_Y_MAX 32
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_layernorm_backward_params_f32(float* dweight, float* dbias, const void* dout, const float* inp,
-                                 const float* mean, const float* rstd, int64_t N, int64_t C, int32_t elem) {
+__device__ __forceinline__ void layernorm_param_sums(float* dw_out, float* db_out, const void* dout, const float* inp,
+                                                     const float* mean, const float* rstd, int64_t N, int64_t C,
+                                                     int64_t rows_per, bool accumulate, int32_t elem) {
   __shared__ float dw_partial[PARAMS_Y_MAX][WARP_SIZE + 1];  // +1: no bank conflicts on the column sum
-  __shared__ float db_partial[PARAMS_Y_MAX][WARP_SIZE + 1];
-  const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
-  for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
-    const int64_t c = chunk * WARP_SIZE + threadIdx.x;
-    float dw = 0.0f, db = 0.0f;
-    if (c < C) {
-      for (int64_t n = threadIdx.y; n < N; n += blockDim.y) {
-        const float g = mt_load_elem(dout, n * C + c, elem);
-        const float norm = (inp[n * C + c] - mean[n]) * rstd[n];
-        dw += norm * g;
-        db += g;
-      }
-    }
-    dw_partial[threadIdx.y][threadIdx.x] = dw;
-    db_partial[threadIdx.y][threadIdx.x] = db;
-    __syncthreads();
-    if (threadIdx.y == 0 && c < C) {
-      float dw_total = 0.0f, db_total = 0.0f;
-      for (unsigned y = 0; y < blockDim.y; y++) {
-        dw_total += dw_partial[y][threadIdx.x];
-        db_total += db_partial[y][threadIdx.x];
-      }
-      dweight[c] += dw_total;
-      dbias[c] += db_total;
-    }
-    __syncthreads();  // the partials are rewritten by the next chunk
-  }
-}
-
-// The same sums split over row ranges too (see mt_bias_backward_partial_f32 in layers.cu): task
-// (chunk, split) writes its rows' sums to partials: dweight's at [split * C + c], dbias's at
-// [(splits + split) * C + c]; mt_column_partials_add_f32 adds the splits in order.
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_layernorm_params_partial_f32(float* partials, const void* dout, const float* inp, const float* mean,
-                                const float* rstd, int64_t N, int64_t C, int64_t rows_per, int32_t elem) {
-  __shared__ float dw_partial[PARAMS_Y_MAX][WARP_SIZE + 1];
   __shared__ float db_partial[PARAMS_Y_MAX][WARP_SIZE + 1];
   const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
   const int64_t splits = (N + rows_per - 1) / rows_per;
@@ -162,9 +128,28 @@ mt_layernorm_params_partial_f32(float* partials, const void* dout, const float* 
         dw_total += dw_partial[y][threadIdx.x];
         db_total += db_partial[y][threadIdx.x];
       }
-      partials[split * C + c] = dw_total;
-      partials[(splits + split) * C + c] = db_total;
+      float* w = dw_out + split * C + c;
+      float* b = db_out + split * C + c;
+      *w = accumulate ? *w + dw_total : dw_total;
+      *b = accumulate ? *b + db_total : db_total;
     }
     __syncthreads();  // the partials are rewritten by the next task
   }
+}
+
+// dweight, dbias (C) += those sums over every row, in one pass: a block per 32 channels
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_layernorm_backward_params_f32(float* dweight, float* dbias, const void* dout, const float* inp,
+                                 const float* mean, const float* rstd, int64_t N, int64_t C, int32_t elem) {
+  layernorm_param_sums(dweight, dbias, dout, inp, mean, rstd, N, C, N > 0 ? N : 1, true, elem);
+}
+
+// The same sums split over row ranges too (as mt_bias_backward_partial_f32 in layers.cu): dweight's
+// at partials[split * C + c], dbias's at [(splits + split) * C + c], overwritten;
+// mt_column_partials_add_f32 adds the splits in order.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_layernorm_params_partial_f32(float* partials, const void* dout, const float* inp, const float* mean,
+                                const float* rstd, int64_t N, int64_t C, int64_t rows_per, int32_t elem) {
+  const int64_t splits = (N + rows_per - 1) / rows_per;
+  layernorm_param_sums(partials, partials + splits * C, dout, inp, mean, rstd, N, C, rows_per, false, elem);
 }

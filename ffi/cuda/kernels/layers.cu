@@ -17,39 +17,15 @@ mt_bias_add_f32(void* out, const void* inp, const float* bias, int64_t N, int64_
 }
 
 // forward was: out[n,c] = inp[n,c] + bias[c]
-// dbias (C) += sum over rows of dout (N,C) of elem. A block (32, Y) takes 32 consecutive channels; its Y
-// rows of threads split the rows of dout and their partials are added in row order, so the
-// result is deterministic without atomics. Needs blockDim.x == 32, blockDim.y <= 32.
+// Column sums of dout (N,C) of elem over row ranges: task (chunk, split) is a block (32, Y) over 32
+// consecutive channels and rows [split * rows_per, +rows_per); its Y rows of threads take every
+// Y-th row and their partials are added in row order, so the result is deterministic without
+// atomics. The sum goes to out[split * C + c], added when `accumulate`. Needs blockDim.x == 32,
+// blockDim.y <= 32, rows_per >= 1.
 #define BIAS_Y_MAX 32
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_bias_backward_f32(float* dbias, const void* dout, int64_t N, int64_t C, int32_t elem) {
+__device__ __forceinline__ void bias_column_sums(float* out, const void* dout, int64_t N, int64_t C,
+                                                 int64_t rows_per, bool accumulate, int32_t elem) {
   __shared__ float partial[BIAS_Y_MAX][WARP_SIZE + 1];  // +1: no bank conflicts on the column sum
-  const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
-  for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
-    const int64_t c = chunk * WARP_SIZE + threadIdx.x;
-    float acc = 0.0f;
-    if (c < C) {
-      for (int64_t n = threadIdx.y; n < N; n += blockDim.y) acc += mt_load_elem(dout, n * C + c, elem);
-    }
-    partial[threadIdx.y][threadIdx.x] = acc;
-    __syncthreads();
-    if (threadIdx.y == 0 && c < C) {
-      float total = 0.0f;
-      for (unsigned y = 0; y < blockDim.y; y++) total += partial[y][threadIdx.x];
-      dbias[c] += total;
-    }
-    __syncthreads();  // partial is rewritten by the next chunk
-  }
-}
-
-// The same sum split over row ranges too, for when C / 32 blocks would leave most SMs idle (C = 768
-// is 24 blocks): task (chunk, split) sums rows [split * rows_per, +rows_per) of 32 channels into
-// partials[split * C + c] (overwritten); mt_column_partials_add_f32 then adds the splits in order.
-// The split count is the plan's, from N and C alone, so the order is fixed. Block (32, Y <= 32).
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_bias_backward_partial_f32(float* partials, const void* dout, int64_t N, int64_t C, int64_t rows_per,
-                             int32_t elem) {
-  __shared__ float partial[BIAS_Y_MAX][WARP_SIZE + 1];
   const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
   const int64_t splits = (N + rows_per - 1) / rows_per;
   for (int64_t task = blockIdx.x; task < chunks * splits; task += gridDim.x) {
@@ -66,10 +42,27 @@ mt_bias_backward_partial_f32(float* partials, const void* dout, int64_t N, int64
     if (threadIdx.y == 0 && c < C) {
       float total = 0.0f;
       for (unsigned y = 0; y < blockDim.y; y++) total += partial[y][threadIdx.x];
-      partials[split * C + c] = total;
+      float* o = out + split * C + c;
+      *o = accumulate ? *o + total : total;
     }
     __syncthreads();  // partial is rewritten by the next task
   }
+}
+
+// dbias (C) += sum over rows of dout (N,C) of elem, in one pass: a block per 32 channels
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_bias_backward_f32(float* dbias, const void* dout, int64_t N, int64_t C, int32_t elem) {
+  bias_column_sums(dbias, dout, N, C, N > 0 ? N : 1, true, elem);
+}
+
+// The same sum split over row ranges too, for when C / 32 blocks would leave most SMs idle (C = 768
+// is 24 blocks): partials[split * C + c] (overwritten) is the sum of rows [split * rows_per,
+// +rows_per); mt_column_partials_add_f32 then adds the splits in order. The split count is the
+// plan's, from N and C alone, so the order is fixed.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_bias_backward_partial_f32(float* partials, const void* dout, int64_t N, int64_t C, int64_t rows_per,
+                             int32_t elem) {
+  bias_column_sums(partials, dout, N, C, rows_per, false, elem);
 }
 
 // ---------------------------------------------------------------------------------------------
