@@ -21,7 +21,7 @@ import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/tensor.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";
 import { median, printTable, round } from "./table.ts";
-import { bf16PeakFlops, gptStepFlops, hostIssueMeter, opFlops } from "./step-cost.ts";
+import { bf16PeakFlops, gptStepFlops, HostIssueMeter, interceptCalls, opFlops } from "./step-cost.ts";
 
 /** nanoGPT's shapes: its char config (shakespeare_char: 65 characters) and GPT-2 small. */
 export const engineConfigs = {
@@ -51,8 +51,7 @@ export interface ConfigBenchRow {
 
 const mib = (bytes: number) => round(bytes / 2 ** 20, 1);
 
-/** Every backend call timed under `phase`, while `on`. Calls go to the real backend (bound to
- *  it: its private fields need the real `this`). */
+/** Every backend call timed under `phase`, while `on`, between synchronizes. */
 class Profiler {
   on = false;
   phase = "forward";
@@ -60,25 +59,15 @@ class Profiler {
   readonly backend: Backend;
 
   constructor(inner: Backend) {
-    const self = this;
-    const untimed = new Set(["synchronize", "alloc", "free", "dispose"]);
-    this.backend = new Proxy(inner, {
-      get(target, prop) {
-        const value = Reflect.get(target, prop, target);
-        if (typeof value !== "function") return value;
-        const bound = value.bind(target);
-        if (typeof prop !== "string" || untimed.has(prop)) return bound;
-        return (...args: unknown[]) => {
-          if (!self.on) return bound(...args);
-          target.synchronize();
-          const t = performance.now();
-          const r = bound(...args);
-          target.synchronize();
-          const key = `${self.phase}\u0000${prop}`;
-          self.ms.set(key, (self.ms.get(key) ?? 0) + performance.now() - t);
-          return r;
-        };
-      },
+    this.backend = interceptCalls(inner, new Set(["synchronize", "alloc", "free", "dispose"]), (name, call, args) => {
+      if (!this.on) return call(...args);
+      inner.synchronize();
+      const t = performance.now();
+      const r = call(...args);
+      inner.synchronize();
+      const key = `${this.phase}\u0000${name}`;
+      this.ms.set(key, (this.ms.get(key) ?? 0) + performance.now() - t);
+      return r;
     });
   }
 }
@@ -133,9 +122,9 @@ export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions):
   const config = { ...shape, dropout: 0 };
   const B = o.batch;
   const T = shape.blockSize;
-  // the host's time in each backend call (cheap: two clock reads a call), and the profiler's
+  // the host's time in each backend call (on for one step of its own), and the profiler's
   // synchronizing proxy only when asked
-  const meter = hostIssueMeter(be);
+  const meter = new HostIssueMeter(be);
   const profiler = o.profile ? new Profiler(meter.backend) : null;
   const ctx = new Context(profiler?.backend ?? meter.backend, { seed: 1, precision: o.precision });
   if (profiler !== null) trackPhases(ctx, profiler);
@@ -158,8 +147,9 @@ export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions):
     rss_mib: mib(process.resourceUsage().maxRSS * 1024),
   };
   const launches = launchesPerStep(be, timeStep);
-  meter.read();
+  meter.on = true;
   const hostStepMs = timeStep();
+  meter.on = false;
   const cost = stepCost(be, config, B, o.precision, hostStepMs, meter.read());
   const profile = profiler === null ? [] : profileSteps(profiler, timeStep, o.steps, config, B);
   ctx.dispose();

@@ -42,39 +42,64 @@ export function bf16PeakFlops(deviceName: string): number | null {
   return null;
 }
 
+/**
+ * A backend whose method calls, all but those named in `direct`, go through `around(name, call,
+ * args)`; `call` is the method bound to the real backend (its private fields need the real
+ * `this`). The wrappers are made once per method, so an interceptor that only checks a flag costs
+ * that check a call.
+ */
+export function interceptCalls(
+  inner: Backend,
+  direct: ReadonlySet<string>,
+  around: (name: string, call: (...args: unknown[]) => unknown, args: unknown[]) => unknown,
+): Backend {
+  const wrappers = new Map<PropertyKey, unknown>();
+  return new Proxy(inner, {
+    get(target, prop) {
+      const known = wrappers.get(prop);
+      if (known !== undefined) return known;
+      const value = Reflect.get(target, prop, target);
+      if (typeof value !== "function") return value;
+      const call = value.bind(target) as (...args: unknown[]) => unknown;
+      const name = String(prop);
+      const wrapper =
+        typeof prop !== "string" || direct.has(name) ? call : (...args: unknown[]) => around(name, call, args);
+      wrappers.set(prop, wrapper);
+      return wrapper;
+    },
+  });
+}
+
 /** Backend calls that wait for the device: their host time is the device's, not the host's. */
 const waiting = new Set(["synchronize", "download", "sumSquares", "countNonFinite", "whenIdle"]);
 
 /**
- * The host's time inside the backend's calls over one step (kernel launches, GEMM and cuDNN
- * calls: argument marshalling and the driver), without the calls that wait for the device, and
- * how many calls. Returns a backend to run the step through and a reading of the totals.
+ * The host's time inside the backend's calls while `on` (kernel launches, GEMM and cuDNN calls:
+ * argument marshalling and the driver), without the calls that wait for the device, and how many
+ * calls. Run a step through `backend` with `on` set, then read() the totals.
  */
-export function hostIssueMeter(inner: Backend): { backend: Backend; read(): { ms: number; calls: number } } {
-  let ms = 0;
-  let calls = 0;
-  const backend = new Proxy(inner, {
-    get(target, prop) {
-      const value = Reflect.get(target, prop, target);
-      if (typeof value !== "function") return value;
-      const bound = value.bind(target);
-      if (typeof prop !== "string" || waiting.has(prop)) return bound;
-      return (...args: unknown[]) => {
-        const t = performance.now();
-        const r = bound(...args);
-        ms += performance.now() - t;
-        calls++;
-        return r;
-      };
-    },
-  });
-  return {
-    backend,
-    read: () => {
-      const r = { ms, calls };
-      ms = 0;
-      calls = 0;
+export class HostIssueMeter {
+  on = false;
+  #ms = 0;
+  #calls = 0;
+  readonly backend: Backend;
+
+  constructor(inner: Backend) {
+    this.backend = interceptCalls(inner, waiting, (_name, call, args) => {
+      if (!this.on) return call(...args);
+      const t = performance.now();
+      const r = call(...args);
+      this.#ms += performance.now() - t;
+      this.#calls++;
       return r;
-    },
-  };
+    });
+  }
+
+  /** the totals since the last read */
+  read(): { ms: number; calls: number } {
+    const r = { ms: this.#ms, calls: this.#calls };
+    this.#ms = 0;
+    this.#calls = 0;
+    return r;
+  }
 }

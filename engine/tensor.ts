@@ -17,8 +17,9 @@
 import type { Allocation, Backend, DType, Ptr } from "../ffi/backend.ts";
 import { dtypeBytes } from "../ffi/backend.ts";
 import { Arena, type ArenaBlock, type ArenaMark } from "./arena.ts";
-import { DTypeError, EngineError, ShapeError, StaleTensorError } from "./errors.ts";
+import { EngineError, ShapeError, StaleTensorError } from "./errors.ts";
 import { checkPrecision, type Precision } from "./mixed.ts";
+import { castInto } from "./ops/cast.ts";
 
 export type Shape = readonly number[];
 
@@ -678,14 +679,12 @@ export class Context {
     this.#runTape();
   }
 
-  /** output's gradient = grad, rounded to output's type where that is a 2-byte one (an activation
-   *  under autocast) and grad is f32. */
+  /** output's gradient = grad, cast to output's type where they differ (an f32 gradient rounded
+   *  into an activation stored in the autocast type, or a 2-byte one widened; ops/cast.ts). */
   #seedGrad(output: Tensor, grad: Tensor): void {
     const into = output.ensureGrad();
     if (grad.dtype === into.dtype) this.backend.copy(into.ptr, grad.ptr, grad.bytes);
-    else if (grad.dtype === "f32" && into.dtype === "bf16") this.backend.castF32ToBF16(into.ptr, grad.ptr, grad.numel);
-    else if (grad.dtype === "f32" && into.dtype === "f16") this.backend.castF32ToF16(into.ptr, grad.ptr, grad.numel);
-    else throw new DTypeError("backwardFrom", into.dtype, grad.dtype, grad.shape);
+    else castInto(into, grad, "backwardFrom");
   }
 
   /** backward() for a tape whose ops may wait (tensor parallelism's collectives). */

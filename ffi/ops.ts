@@ -117,7 +117,6 @@ export const ops = {
     result: "void",
     cpu: "mt_crossentropy_backward_f32",
   },
-  /** out (N,C) of elem; inp f32 */
   /** returns how many rows of logits (N,V) of elem have their largest logit at the target (the
    *  first largest on ties; NaN logits are passed over, unless a row's first is NaN: then 0 is
    *  its argmax, as a strict > scan from the start finds) */

@@ -176,16 +176,16 @@ export class CpuBackend implements Backend {
     // nothing kept: mt_alloc and mt_free go straight to the C allocator
   }
 
+  describeAttention(elem: ElemType): string {
+    return `fused C kernels (f32 sums${elem === "f32" ? "" : `, ${elem} products`})`;
+  }
+
   /**
    * A CPU has no 2-byte or TF32 multiply units that OpenBLAS uses, so:
    *   f32, tf32  sgemm on the f32 inputs (tf32 thus computes in full f32, which is more precise)
    *   bf16, f16  widen the whole extent of A and B to f32 in the scratch (exact: every 2-byte
    *              value is an f32), then sgemm. Products and sums are f32, as on tensor cores.
    */
-  describeAttention(elem: ElemType): string {
-    return `fused C kernels (f32 sums${elem === "f32" ? "" : `, ${elem} products`})`;
-  }
-
   gemm(desc: GemmDesc): void {
     const g = gemmCall(desc);
     if (g.M === 0 || g.N === 0 || g.batch === 0) return;

@@ -98,9 +98,10 @@ export class AttentionRouter {
   }
 
   /** out (B,T,C) and lse (B,H,T) f32 from qkv (B,T,3C), out and qkv of call.elem, through cuDNN.
-   *  False when cuDNN refused the shape's graph just now (under auto: the caller runs the kernels). */
+   *  False when cuDNN does not run it (usesCudnn, an empty input, or a graph it refused just now):
+   *  the caller runs the kernels. */
   forward(out: Ptr, lse: Ptr, qkv: Ptr, call: AttentionCall): boolean {
-    const plan = this.#plan("forward", call);
+    const plan = this.#planFor("forward", call);
     if (plan === null) return false;
     const d = this.#device;
     const ws = d.alloc(Math.max(plan.workspaceBytes, 1));
@@ -115,7 +116,7 @@ export class AttentionRouter {
   /** dqkv (B,T,3C) = (or += with accumulate) the gradient through cuDNN, from dout, out, lse and
    *  qkv; dqkv, dout, out and qkv of call.elem. False as forward's. */
   backward(dqkv: Ptr, dout: Ptr, out: Ptr, lse: Ptr, qkv: Ptr, call: AttentionCall, accumulate: boolean): boolean {
-    const plan = this.#plan("backward", call);
+    const plan = this.#planFor("backward", call);
     if (plan === null) return false;
     const n = 3 * call.B * call.T * call.C;
     const scratch = sdpaBackwardScratch(shapeOf(call));
@@ -175,12 +176,13 @@ export class AttentionRouter {
     return false;
   }
 
-  #plan(direction: "forward" | "backward", call: AttentionCall): CudnnPlan | null {
+  /** The call's plan (built at its shape's first call), or null where the kernels run it. */
+  #planFor(direction: "forward" | "backward", call: AttentionCall): CudnnPlan | null {
+    if (call.B * call.T === 0 || !this.usesCudnn(call)) return null;
     const key = `${direction}:${shapeKey(call)}`;
     const kept = this.#plans.get(key);
     if (kept !== undefined) return kept;
-    const cudnn = this.#handle();
-    if (typeof cudnn === "string") return null;
+    const cudnn = this.#handle() as Cudnn; // usesCudnn: it loaded
     const shape = shapeOf(call);
     try {
       const plan = cudnn.plan(direction === "forward" ? sdpaForwardGraph(shape) : sdpaBackwardGraph(shape));

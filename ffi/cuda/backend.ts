@@ -171,9 +171,8 @@ export class CudaBackend implements Backend {
     scale: number,
     elem: ElemType,
   ): void {
-    const call = { B, T, C, H, scale, elem };
-    // cuDNN, unless it does not take the call (under auto, also when it refuses the shape's graph now)
-    if (B * T > 0 && this.#attention.usesCudnn(call) && this.#attention.forward(out, lse, qkv, call)) return;
+    // cuDNN where the router runs it, else the kernels
+    if (this.#attention.forward(out, lse, qkv, { B, T, C, H, scale, elem })) return;
     this.#run(plans.attentionForward(out, lse, qkv, B, T, C, H, scale, elem));
   }
 
@@ -192,9 +191,7 @@ export class CudaBackend implements Backend {
     elem: ElemType,
     accumulate: boolean,
   ): void {
-    const call = { B, T, C, H, scale, elem };
-    const a = this.#attention;
-    if (B * T > 0 && a.usesCudnn(call) && a.backward(dqkv, dout, out, lse, qkv, call, accumulate)) return;
+    if (this.#attention.backward(dqkv, dout, out, lse, qkv, { B, T, C, H, scale, elem }, accumulate)) return;
     this.#run(plans.attentionBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem, accumulate));
   }
 

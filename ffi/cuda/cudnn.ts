@@ -45,7 +45,6 @@ export class CudnnUnsupportedError extends Error {
 
 const symbols = {
   cudnnGetVersion: { args: [], returns: "u64" },
-  cudnnGetErrorString: { args: ["i32"], returns: "ptr" },
   cudnnGetLastErrorString: { args: ["ptr", "u64"], returns: "void" },
   cudnnCreate: { args: ["ptr"], returns: "i32" },
   cudnnDestroy: { args: ["u64"], returns: "i32" },

@@ -39,22 +39,8 @@ const i64x4 = ["i64", "i64", "i64", "i64"] as const;
 const unary = ["ptr", "ptr", "i64"] as const; // out, inp, n
 // kept dims, their inp strides and out strides; reduced dims and their inp strides
 const reduceBcastParams = ["ptr", "ptr", ...i64x4, ...i64x4, ...i64x4, ...i64x4, ...i64x4] as const;
-// dqkv, delta, dout, lse, qkv; B, T, C, H; scale; elem
-// ..., elem, accumulate
-const attentionBackwardParams = [
-  "ptr",
-  "ptr",
-  "ptr",
-  "ptr",
-  "ptr",
-  "i64",
-  "i64",
-  "i64",
-  "i64",
-  "f32",
-  "i32",
-  "i32",
-] as const;
+// dqkv, delta, dout, lse, qkv; B, T, C, H; scale; elem, accumulate
+const attentionBackwardParams = ["ptr", "ptr", "ptr", "ptr", "ptr", ...i64x4, "f32", "i32", "i32"] as const;
 
 /** How an op's argument (ffi/ops.ts) reaches a kernel: flags, operators and element types as int32. */
 const paramsOfArg: Readonly<Record<ArgType, readonly ParamType[]>> = {

@@ -22,7 +22,7 @@
 //   sum = rowsum(dO ∘ O) · 1;  E = exp(mask(Q K^T · scale) - Stats)       (= P)
 //   dV = E^T dO;  dS = (dO V^T - sum) ∘ E · scale;  dK = dS^T Q;  dQ = dS K  (through an f32 dQ)
 // The two non-virtual f32 intermediates of backward (the row sums and dQ's accumulator) live in
-// workspace the caller provides (sdpaBackwardScratchBytes).
+// workspace the caller provides (sdpaBackwardScratch).
 
 /** cuDNN data types (cudnnDataType_t) */
 export const cudnnDataType = { float: 0, half: 2, int32: 4, bf16: 9, bool: 11 } as const;
@@ -289,8 +289,8 @@ export function sdpaBackwardGraph(s: SdpaShape): SdpaGraph {
   return { direction: "backward", tensors: g.tensors, ops: g.ops };
 }
 
-/** Bytes of the backward's own f32 intermediates (row sums, then dQ's accumulator), each
- *  16-byte aligned, that the caller places in device memory. */
+/** Bytes of the backward's own f32 intermediates (row sums, then dQ's accumulator), each at a
+ *  multiple of 256 bytes, that the caller places in device memory. */
 export function sdpaBackwardScratch(s: SdpaShape): { rowSumOffset: number; dQAccumOffset: number; bytes: number } {
   const align = (n: number) => Math.ceil(n / 256) * 256;
   const rowSumBytes = align(s.B * s.H * s.T * 4);

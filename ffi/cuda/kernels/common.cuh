@@ -42,11 +42,6 @@ struct SumOp {
   template <class T>
   __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
 };
-// fmaxf ignores a NaN operand, as kernels.c's `x > m ? x : m` does, and is symmetric, so every
-// lane of a butterfly ends with the same value. A row with NaN still gives NaN: exp(NaN - max).
-struct MaxOp {
-  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
-};
 
 // v from lane ^ offset of the warp (all lanes must call it). A struct gives an overload of its
 // own, beside the struct, that exchanges each field; the reductions below find it by its type.
