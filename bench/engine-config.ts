@@ -297,6 +297,7 @@ function printConfigReport(
       `AdamW, clip 1.0; median of ${o.steps} steps after 2`,
   );
   console.log(`attention: ${be.describeAttention(autocastDType(o.precision) ?? "f32")}`);
+  if (be instanceof CudaBackend) console.log(`linear layers: ${be.describeEpilogues()}`);
   printTable(rows, [
     "impl",
     "batch",

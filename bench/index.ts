@@ -3,6 +3,7 @@ import { ConfigError } from "../engine/errors.ts";
 import { NativeLibraryError } from "../ffi/errors.ts";
 import { runAllReduceBench } from "./allreduce.ts";
 import { runEngineBench } from "./engine.ts";
+import { runEpilogueBench } from "./epilogues.ts";
 import { runKernelBench } from "./kernels.ts";
 import { runPsBench } from "./ps.ts";
 import { runCheckpointBench } from "./checkpoint.ts";
@@ -14,6 +15,7 @@ import { runTrainerBench } from "./trainer.ts";
 export const benches = {
   engine: runEngineBench,
   kernels: runKernelBench,
+  epilogues: runEpilogueBench,
   ps: runPsBench,
   checkpoint: runCheckpointBench,
   "data-loader": runDataLoaderBench,

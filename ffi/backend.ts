@@ -76,7 +76,27 @@ export interface GemmDesc {
   strideC?: number;
   /** default 1 */
   batch?: number;
+  /** what the same call also does (a linear layer's bias, GELU or bias gradient); none by default */
+  epilogue?: GemmEpilogue | null;
 }
+
+/**
+ * What a GEMM does besides the multiply (batch 1), in the terms of the row-major GemmDesc:
+ *   bias      C (M,N) = alpha op(A) op(B) + bias, bias (N) f32 added to every row (beta 0)
+ *   biasGelu  pre = alpha op(A) op(B) + bias, C = gelu(pre) (GPT-2's tanh form); pre (M,N) has
+ *             C's type and leading dimension (beta 0)
+ *   biasGrad  dbias (M) f32 += the sums of op(A) over K: A stored (K,M), transA, lda = M (the
+ *             output gradient, read by the weight gradient's GEMM)
+ * A backend fuses it into the GEMM where its library can (cuBLASLt) and otherwise runs the
+ * layer kernels after the GEMM (epilogueKernels): the same result to rounding.
+ */
+export type GemmEpilogue =
+  | { kind: "bias"; bias: Ptr }
+  | { kind: "biasGelu"; bias: Ptr; pre: Ptr }
+  | { kind: "biasGrad"; dbias: Ptr };
+
+/** The element type of a GEMM's A and B as the layer kernels name it. */
+export const gemmInputElem = (input: GemmInput): ElemType => (input === "tf32" ? "f32" : input);
 
 /** A GemmDesc with its defaults filled in, checked: sizes whole and not negative, each leading
  *  dimension at least its row. RangeError names the problem. */
@@ -92,6 +112,7 @@ export function gemmCall(d: GemmDesc): Required<GemmDesc> {
     strideB: 0,
     strideC: 0,
     batch: 1,
+    epilogue: null,
     ...d,
   };
   if (!Object.hasOwn(gemmInputBytes, g.input)) throw new RangeError(`gemm: unknown input type ${String(g.input)}`);
@@ -111,7 +132,34 @@ export function gemmCall(d: GemmDesc): Required<GemmDesc> {
       `gemm: a leading dimension is shorter than its row (lda=${lda} ldb=${ldb} ldc=${ldc}, M=${M} N=${N} K=${K})`,
     );
   }
+  const ep = g.epilogue;
+  if (ep != null) {
+    if (g.batch !== 1) throw new RangeError(`gemm: a ${ep.kind} epilogue needs batch 1, not ${g.batch}`);
+    if (ep.kind === "biasGrad") {
+      if (!g.transA || g.lda !== M)
+        throw new RangeError(
+          `gemm: a biasGrad epilogue needs A stored (K,M): transA and lda = M (lda=${g.lda}, M=${M})`,
+        );
+    } else if (g.beta !== 0 || ldc !== N) {
+      throw new RangeError(`gemm: a ${ep.kind} epilogue needs beta 0 and ldc = N (beta=${g.beta} ldc=${ldc} N=${N})`);
+    }
+  }
   return g;
+}
+
+/** The epilogue of g by the layer kernels, after g's GEMM wrote C (for biasGelu: wrote pre). */
+export function epilogueKernels(be: Backend, g: Required<GemmDesc>): void {
+  const ep = g.epilogue;
+  if (ep == null) return;
+  if (ep.kind === "bias") be.biasAdd(g.C, g.C, ep.bias, g.M, g.N, g.output);
+  else if (ep.kind === "biasGelu") be.biasGeluForward(g.C, ep.pre, ep.bias, g.M, g.N, g.output);
+  else be.biasBackward(ep.dbias, g.A, g.K, g.M, gemmInputElem(g.input));
+}
+
+/** g without its epilogue, writing C where the kernels want the GEMM's result (pre, for biasGelu). */
+export function plainGemm(g: Required<GemmDesc>): Required<GemmDesc> {
+  const ep = g.epilogue;
+  return { ...g, epilogue: null, C: ep?.kind === "biasGelu" ? ep.pre : g.C };
 }
 
 /** Up to 4 dims, outermost first; unused leading dims are 1. Strides in elements. */

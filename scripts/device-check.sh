@@ -12,6 +12,9 @@
 #          then the kernels' GPU parity suites
 #   final  issue 34's checks: the GPU suites, GPT-2 small and nanoGPT beside PyTorch, and 150 steps
 #          of GPT-2 small on BPE text with cuDNN's attention and with the reference kernels
+#   epilogues  cuBLASLt's fused bias/GELU/bias-gradient epilogues: their GPU tests and the op and
+#          mixed-precision suites, bench epilogues (fused against GEMM + kernels), GPT-2 small and
+#          nanoGPT beside PyTorch, and GPT-2 small's 150 steps on BPE text
 #   bench  the engine benchmark at nanoGPT's shapes (small, nanogpt-char, gpt2-small) on CUDA
 #          against PyTorch eager and torch.compile, and every kernel's GB/s against
 #          cuMemcpyDtoD with the host cost of one kernel call
@@ -84,5 +87,16 @@ case "$phase" in
         --lr 6e-4 --min-lr 6e-5 --eval-every 150 --eval-batches 16 --sample-chars 0 --out "$out/gpt2-sotu-$a.mtm"
     done
     rm -f "$out"/*.mtm ;;
-  *) echo "usage: scripts/device-check.sh tests|train|gpt|attention|profile|final|bench"; exit 2 ;;
+  epilogues)
+    [ -d /tmp/sotu ] || tar -xJf .device/sotu.tar.xz -C /tmp
+    run timeout 150 bun test --timeout=120000 test/ffi/gemm-epilogue.test.ts test/ffi/cublas.test.ts \
+      test/engine/ops.test.ts test/engine/mixed.test.ts
+    run timeout 60 bun bench/index.ts epilogues
+    run timeout 150 bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 20 --profile --torch-modes sdpa,compile
+    run timeout 90 bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 --torch-modes sdpa,compile
+    run timeout 60 bun sdk/cli.ts train gpt --tokens-dir /tmp/sotu --device cuda --precision bf16 --attention auto \
+      --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 --batch-size 8 --max-steps 150 --warmup 15 \
+      --lr 6e-4 --min-lr 6e-5 --eval-every 150 --eval-batches 16 --sample-chars 0 --out "$out/gpt2-sotu-auto.mtm"
+    rm -f "$out"/*.mtm ;;
+  *) echo "usage: scripts/device-check.sh tests|train|gpt|attention|profile|final|epilogues|bench"; exit 2 ;;
 esac

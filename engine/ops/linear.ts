@@ -1,10 +1,13 @@
 // linear: out (...,O) = act(inp (...,I) @ weight (O,I)^T + bias (O)), act the identity or GELU
 // (tanh form, as GPT-2): a layer as one op, as PyTorch's addmm and llm.c's matmul + bias do.
 //
-// The GEMM writes the output and the bias is added in place (biasAdd), or added and activated
-// in one pass (biasGeluForward), so no pre-bias copy is made and one tape node stands for the
-// layer. With GELU the pre-activation is kept for backward, beside the output; PyTorch keeps the
-// same two.
+// The bias, the GELU and the bias gradient are GEMM epilogues (ffi/backend.ts GemmEpilogue):
+// on CUDA, cuBLASLt adds the bias (and applies GELU, writing the pre-activation beside the
+// output) as the GEMM stores its result, and sums the bias gradient while the weight
+// gradient's GEMM reads the output gradient; elsewhere the layer kernels run after the GEMM
+// (biasAdd, biasGeluForward, biasBackward). No pre-bias copy is made and one tape node stands
+// for the layer. With GELU the pre-activation is kept for backward, beside the output; PyTorch
+// keeps the same two.
 //
 // Under autocast (bf16/f16) the GEMMs read 2-byte copies of inp, weight and the output's
 // gradient and accumulate in f32 (engine/mixed.ts), as matmul does. An input already in the
@@ -14,7 +17,7 @@
 import { ShapeError } from "../errors.ts";
 import { autocastDType } from "../mixed.ts";
 import { dropAll, type Tensor } from "../tensor.ts";
-import type { DType } from "../../ffi/backend.ts";
+import type { DType, GemmEpilogue } from "../../ffi/backend.ts";
 import { checkActivationDType, checkDType, checkInputs, checkOutDType, lastDim } from "./check.ts";
 import { gemm, gemmOperand, gradOutput } from "./matmul.ts";
 
@@ -51,18 +54,17 @@ export function linear(
   // x16, w16: what the GEMMs read (2-byte copies under autocast), kept for backward
   const x16 = gemmOperand(inp, half);
   const w16 = gemmOperand(weight, half);
-  // pre (N,O) = x w^T
-  const pre = ctx.empty(shape, elem);
-  gemm(be, input, elem, 1, false, true, N, O, I, x16.ptr, w16.ptr, 0, pre.ptr);
-  let out = pre;
-  if (activation === "gelu") {
-    out = ctx.empty(shape, elem);
-    if (bias === null) be.geluForward(out.ptr, pre.ptr, out.numel, elem);
-    else be.biasGeluForward(out.ptr, pre.ptr, bias.ptr, N, O, elem);
-  } else if (bias !== null) {
-    be.biasAdd(pre.ptr, pre.ptr, bias.ptr, N, O, elem);
-  }
+  // pre (N,O) = x w^T + b, out = gelu(pre): the bias and GELU are the GEMM's epilogue
   const gelu = activation === "gelu";
+  const pre = ctx.empty(shape, elem);
+  const out = gelu ? ctx.empty(shape, elem) : pre;
+  const xw = (C: Tensor, epilogue: GemmEpilogue | null) =>
+    gemm(be, input, elem, 1, false, true, N, O, I, x16.ptr, w16.ptr, 0, C.ptr, epilogue);
+  if (bias === null) {
+    xw(pre, null);
+    if (gelu) be.geluForward(out.ptr, pre.ptr, out.numel, elem);
+  } else if (gelu) xw(out, { kind: "biasGelu", bias: bias.ptr, pre: pre.ptr });
+  else xw(pre, { kind: "bias", bias: bias.ptr });
   // backward reads w16 for the input's gradient, x16 for the weight's, pre for GELU's
   const saved = [...(inp.requiresGrad ? [w16] : []), ...(weight.requiresGrad ? [x16] : []), ...(gelu ? [pre] : [])];
   ctx.record(
@@ -74,16 +76,20 @@ export function linear(
       // forward was: out = gelu(pre)  =>  dpre = gelu'(pre) dout
       const dpre = gelu ? ctx.zeros(shape, elem) : dout;
       if (gelu) be.geluBackward(dpre.ptr, pre.ptr, dout.ptr, dpre.numel, elem);
-      // forward was: pre = x w^T + b  =>  db = sum over rows of dpre
-      if (bias?.requiresGrad) be.biasBackward(bias.ensureGrad().ptr, dpre.ptr, N, O, elem);
+      // forward was: pre = x w^T + b  =>  db = sum over rows of dpre (the weight gradient's
+      // GEMM takes it as its epilogue, reading dpre as it does; alone here without one)
+      const dbias = bias?.requiresGrad ? bias.ensureGrad() : null;
+      if (dbias !== null && !weight.requiresGrad) be.biasBackward(dbias.ptr, dpre.ptr, N, O, elem);
       const g16 = gemmOperand(dpre, half);
       // dx (N,I) += dpre w;  dw (O,I) += dpre^T x
       if (inp.requiresGrad) {
         const { grad, fresh } = inp.gradForWrite();
         gemm(be, input, gradOutput(inp), 1, false, false, N, I, O, g16.ptr, w16.ptr, fresh ? 0 : 1, grad.ptr);
       }
-      if (weight.requiresGrad)
-        gemm(be, input, "f32", 1, true, false, O, I, N, g16.ptr, x16.ptr, 1, weight.ensureGrad().ptr);
+      if (weight.requiresGrad) {
+        const epilogue: GemmEpilogue | null = dbias === null ? null : { kind: "biasGrad", dbias: dbias.ptr };
+        gemm(be, input, "f32", 1, true, false, O, I, N, g16.ptr, x16.ptr, 1, weight.ensureGrad().ptr, epilogue);
+      }
       if (g16 !== dpre) g16.drop();
       if (dpre !== dout) dpre.drop();
     },

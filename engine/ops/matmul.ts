@@ -9,7 +9,7 @@
 // dout and accumulate in f32 into the f32 out, da and db (engine/mixed.ts). An operand already
 // in the autocast type (a bf16 activation) is read as it is, and its gradient is written in
 // that type.
-import type { Backend, DType, GemmInput, GemmOutput, Ptr } from "../../ffi/backend.ts";
+import type { Backend, DType, GemmEpilogue, GemmInput, GemmOutput, Ptr } from "../../ffi/backend.ts";
 import { ShapeError } from "../errors.ts";
 import { autocastDType } from "../mixed.ts";
 import { castCopy } from "./cast.ts";
@@ -57,7 +57,8 @@ function plan(a: Tensor, b: Tensor, transA: boolean, transB: boolean): Plan {
 }
 
 /** C = op(A) op(B) + beta C over `batch` contiguous matrices whose A and B hold `input` elements
- *  and C `output` ones. */
+ *  and C `output` ones, with an epilogue (a linear layer's bias, GELU or bias gradient) where
+ *  one is given. */
 export function gemm(
   be: Backend,
   input: GemmInput,
@@ -72,6 +73,7 @@ export function gemm(
   B: Ptr,
   beta: number,
   C: Ptr,
+  epilogue: GemmEpilogue | null = null,
 ): void {
   be.gemm({
     input,
@@ -92,6 +94,7 @@ export function gemm(
     ldc: N,
     strideC: M * N,
     batch,
+    epilogue,
   });
 }
 

@@ -12,7 +12,9 @@ import {
   type BackendStats,
   type ElemType,
   type GemmDesc,
+  epilogueKernels,
   gemmCall,
+  plainGemm,
   type Ptr,
 } from "../backend.ts";
 import { OutOfMemoryError } from "../errors.ts";
@@ -188,6 +190,12 @@ export class CpuBackend implements Backend {
    */
   gemm(desc: GemmDesc): void {
     const g = gemmCall(desc);
+    // an epilogue runs as the layer kernels (the same ones the layers call unfused)
+    this.#gemm(plainGemm(g));
+    epilogueKernels(this, g);
+  }
+
+  #gemm(g: Required<GemmDesc>): void {
     if (g.M === 0 || g.N === 0 || g.batch === 0) return;
     // K = 0 reads neither operand (C = beta C); BLAS wants every leading dimension >= 1
     const lds = { lda: Math.max(1, g.lda), ldb: Math.max(1, g.ldb) };

@@ -21,11 +21,22 @@ import {
   type BackendStats,
   type ElemType,
   type GemmDesc,
+  epilogueKernels,
   gemmCall,
+  plainGemm,
   type Ptr,
 } from "../backend.ts";
 import { CachingAllocator, type CachingAllocatorStats } from "./allocator.ts";
-import { Cublas, cublasWorkspaceBytes, findCublas, loadCublas } from "./cublas.ts";
+import {
+  Cublas,
+  cublasWorkspaceBytes,
+  findCublas,
+  inputTypes,
+  loadCublas,
+  outputTypes,
+  rowMajorGemm,
+} from "./cublas.ts";
+import { CublasLt, findCublasLt, loadCublasLt } from "./cublaslt.ts";
 import { CU_EVENT_DISABLE_TIMING, driver, type Driver, hostBytes } from "./driver.ts";
 import { ensurePtx } from "./build.ts";
 import { type OpDecl, type OpMethods, type OpName, ops } from "../ops.ts";
@@ -65,6 +76,11 @@ export interface CudaBackendOptions {
   attention?: AttentionChoice;
   /** the cuDNN library file (default: findCudnn()) */
   cudnnPath?: string;
+  /** the cuBLASLt library file (default: findCublasLt()) */
+  cublasLtPath?: string;
+  /** where a linear layer's bias, GELU and bias gradient run: fused into the GEMM by cuBLASLt
+   *  where it has a kernel for the call (default), or as the layer kernels after it */
+  epilogues?: "cublaslt" | "kernels";
 }
 
 // the op methods are made from their declarations in the constructor
@@ -89,6 +105,13 @@ export class CudaBackend implements Backend {
   readonly #functions = new Map<KernelName, bigint>();
   /** created at the first GEMM: a backend that only moves memory never loads cuBLAS */
   #cublasHandle: Cublas | null = null;
+  readonly #cublasLtPath: string | undefined;
+  readonly #epilogues: "cublaslt" | "kernels";
+  /** made at the first GEMM with an epilogue; a string says why there is none */
+  #lt: CublasLt | string | null = null;
+  /** why cuBLASLt left an epilogue to the kernels, each reason once */
+  readonly #epilogueFallbacks = new Set<string>();
+  #cublasWorkspace: Ptr = 0;
   readonly #scratch: Ptr;
   readonly #staging: Staging[] = [];
   readonly #attention: AttentionRouter;
@@ -103,6 +126,8 @@ export class CudaBackend implements Backend {
   constructor(options: CudaBackendOptions = {}) {
     this.deviceOrdinal = options.device ?? 0;
     this.#cublasPath = options.cublasPath;
+    this.#cublasLtPath = options.cublasLtPath;
+    this.#epilogues = options.epilogues ?? "cublaslt";
     const d = (this.#d = options.driver ?? driver());
     d.init();
     this.#device = d.device(this.deviceOrdinal);
@@ -299,9 +324,49 @@ export class CudaBackend implements Backend {
 
   gemm(desc: GemmDesc): void {
     const g = gemmCall(desc);
-    if (g.M === 0 || g.N === 0 || g.batch === 0) return;
-    this.#gemmCalls++;
-    this.#cublas().gemm(g);
+    if (g.epilogue != null && this.#fusedGemm(g)) return;
+    const plain = plainGemm(g);
+    if (plain.M > 0 && plain.N > 0 && plain.batch > 0) {
+      this.#gemmCalls++;
+      this.#cublas().gemm(plain);
+    }
+    epilogueKernels(this, g);
+  }
+
+  /** How a linear layer's epilogues run: fused by cuBLASLt, or the kernels and why. */
+  describeEpilogues(): string {
+    const lt = this.#lt;
+    if (this.#epilogues === "kernels") return "bias, GELU and bias gradient as kernels after the GEMM, as asked";
+    if (typeof lt === "string") return `bias, GELU and bias gradient as kernels after the GEMM: ${lt}`;
+    const fallbacks = [...this.#epilogueFallbacks];
+    const fused = `bias, GELU and bias gradient fused into the GEMM (cuBLASLt${lt === null ? "" : ` ${lt.version()}`})`;
+    return fallbacks.length === 0 ? fused : `${fused}; as kernels where ${fallbacks.join("; ")}`;
+  }
+
+  /** g's GEMM and epilogue as one cuBLASLt call; false (nothing queued) where it has none. */
+  #fusedGemm(g: Required<GemmDesc>): boolean {
+    const ep = g.epilogue!;
+    if (this.#epilogues === "kernels" || g.M === 0 || g.N === 0 || g.K === 0) return false;
+    const lt = this.#cublasLt();
+    if (lt === null) return false;
+    const { dtype, compute } = inputTypes[g.input];
+    const call = {
+      ...rowMajorGemm(g.transA, g.transB, g.M, g.N, g.K, g.A, g.lda, 0, g.B, g.ldb, 0, g.C, g.ldc, 0),
+      abType: dtype,
+      cType: outputTypes[g.output],
+      compute,
+      alpha: g.alpha,
+      beta: g.beta,
+    };
+    // cuBLASLt writes the bias gradient; the layer adds it into dbias (its gradient accumulates)
+    const sums = ep.kind === "biasGrad" ? this.#allocator.alloc(4 * g.M).ptr : 0;
+    const refused = lt.matmul(call, ep, sums);
+    if (refused === null) {
+      this.#gemmCalls++;
+      if (ep.kind === "biasGrad") this.axpy(ep.dbias, sums, g.M, 1);
+    } else this.#epilogueFallbacks.add(refused);
+    if (sums !== 0) this.#allocator.free(sums);
+    return refused === null;
   }
 
   // ---- kernels ----------------------------------------------------------------------------
@@ -313,6 +378,7 @@ export class CudaBackend implements Backend {
     this.#disposed = true;
     this.#attention.dispose();
     this.#cublasHandle?.destroy();
+    if (this.#lt instanceof CublasLt) this.#lt.destroy();
     for (const m of this.#modules.values()) d.moduleUnload(m);
     this.#modules.clear();
     this.#functions.clear();
@@ -335,14 +401,30 @@ export class CudaBackend implements Backend {
     if (this.#disposed) throw new Error("CudaBackend used after dispose()");
   }
 
+  /** cuBLASLt on the backend's stream and cuBLAS's workspace, or null where it cannot load. */
+  #cublasLt(): CublasLt | null {
+    if (this.#lt === null) {
+      this.#cublas(); // the workspace
+      try {
+        const lib = loadCublasLt(this.#cublasLtPath ?? findCublasLt());
+        this.#lt = new CublasLt(lib, this.#stream, { ptr: this.#cublasWorkspace, bytes: cublasWorkspaceBytes });
+      } catch (e) {
+        this.#lt = (e as Error).message;
+      }
+    }
+    return typeof this.#lt === "string" ? null : this.#lt;
+  }
+
   #cublas(): Cublas {
-    this.#cublasHandle ??= new Cublas(
+    if (this.#cublasHandle !== null) return this.#cublasHandle;
+    this.#cublasWorkspace = this.#allocator.alloc(cublasWorkspaceBytes).ptr;
+    this.#cublasHandle = new Cublas(
       loadCublas(this.#cublasPath ?? findCublas()),
       this.#stream,
       new Float32Array(hostBytes(this.#host, hostBlockBytes), scalarsOffset, 2),
       this.#host + scalarsOffset,
-      // the handle's own, for the backend's life (every GEMM runs on the one stream)
-      { ptr: this.#allocator.alloc(cublasWorkspaceBytes).ptr, bytes: cublasWorkspaceBytes },
+      // the handle's own (and cuBLASLt's), for the backend's life (every GEMM runs on the one stream)
+      { ptr: this.#cublasWorkspace, bytes: cublasWorkspaceBytes },
     );
     return this.#cublasHandle;
   }

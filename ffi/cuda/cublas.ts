@@ -21,7 +21,7 @@ export class CublasError extends Error {
   }
 }
 
-const statusNames: Record<number, string> = {
+export const cublasStatusNames: Readonly<Record<number, string>> = {
   0: "CUBLAS_STATUS_SUCCESS",
   1: "CUBLAS_STATUS_NOT_INITIALIZED",
   3: "CUBLAS_STATUS_ALLOC_FAILED",
@@ -147,14 +147,19 @@ export function rowMajorGemm(
   };
 }
 
-const inputTypes: Record<GemmInput, { dtype: number; compute: number }> = {
+/** cuBLAS's element and compute types for each GEMM input */
+export const inputTypes: Readonly<Record<GemmInput, { dtype: number; compute: number }>> = {
   f32: { dtype: CUDA_R_32F, compute: CUBLAS_COMPUTE_32F },
   tf32: { dtype: CUDA_R_32F, compute: CUBLAS_COMPUTE_32F_FAST_TF32 },
   bf16: { dtype: CUDA_R_16BF, compute: CUBLAS_COMPUTE_32F },
   f16: { dtype: CUDA_R_16F, compute: CUBLAS_COMPUTE_32F },
 };
 
-const outputTypes: Record<GemmOutput, number> = { f32: CUDA_R_32F, bf16: CUDA_R_16BF, f16: CUDA_R_16F };
+export const outputTypes: Readonly<Record<GemmOutput, number>> = {
+  f32: CUDA_R_32F,
+  bf16: CUDA_R_16BF,
+  f16: CUDA_R_16F,
+};
 
 const int32Max = 2 ** 31 - 1;
 
@@ -296,6 +301,6 @@ export class Cublas {
 
 export function cublasStatusName(lib: CublasLib, status: number): string {
   const p = lib.symbols.cublasGetStatusName(status);
-  if (p === null || p === 0) return statusNames[status] ?? `cublasStatus ${status}`;
+  if (p === null || p === 0) return cublasStatusNames[status] ?? `cublasStatus ${status}`;
   return new CString(p as Pointer).toString();
 }

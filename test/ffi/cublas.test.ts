@@ -12,6 +12,7 @@ import {
   loadCublas,
   rowMajorGemm,
 } from "../../ffi/cuda/cublas.ts";
+import { cublasLtSymbolNames, findCublasLt, loadCublasLt } from "../../ffi/cuda/cublaslt.ts";
 import { probeCuda } from "../../ffi/cuda/driver.ts";
 import { relErr, transposePairs } from "../helpers/numeric.ts";
 import { skip } from "../helpers/skip.ts";
@@ -106,6 +107,17 @@ describe("libcublas", () => {
     ).toBe(true);
     expect(cublasStatusName(lib, 13)).toBe("CUBLAS_STATUS_EXECUTION_FAILED");
   });
+
+  const ltPath = findCublasLt();
+  test.skipIf(skip("libcublasLt", ltPath === null ? "no libcublasLt on this machine" : null))(
+    "every cuBLASLt symbol the binding declares resolves",
+    () => {
+      const lib = loadCublasLt(ltPath);
+      for (const name of cublasLtSymbolNames)
+        expect(typeof (lib.symbols as Record<string, unknown>)[name], name).toBe("function");
+      expect(Number(lib.symbols.cublasLtGetVersion())).toBeGreaterThan(0);
+    },
+  );
 
   test.skipIf(
     skip("libcublas", cublasMissing) || skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null),

@@ -3,7 +3,8 @@
 // argument marshalling and the row-major swap) over fake-cuda.c, whose cuLaunchKernel runs
 // each kernel of ffi/cuda/kernels/*.cu compiled by g++ against the host CUDA emulator
 // (fixtures/cuda-emu), and fake-cublas.c, whose GEMMs are column-major loops that check their
-// arguments as cuBLAS documents them. fake-cudnn.c checks the fused-attention graphs the cuDNN
+// arguments as cuBLAS documents them, and fake-cublaslt.c, the same loops with the linear layers'
+// epilogues (bias, GELU, bias gradient) that every emulated backend fuses. fake-cudnn.c checks the fused-attention graphs the cuDNN
 // binding builds and computes attention on the host; only backends asked for with
 // cudnnBackend() load it (backend() is made as before, without a cudnnPath).
 //
@@ -15,7 +16,7 @@ import { createHash } from "node:crypto";
 import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import type { AttentionChoice } from "../../ffi/cuda/attention-path.ts";
-import { CudaBackend } from "../../ffi/cuda/backend.ts";
+import { CudaBackend, type CudaBackendOptions } from "../../ffi/cuda/backend.ts";
 import { findNvcc } from "../../ffi/cuda/build.ts";
 import { Driver } from "../../ffi/cuda/driver.ts";
 import { kernelSpecs } from "../../ffi/cuda/kernels.ts";
@@ -80,6 +81,7 @@ function sourcesHash(): string {
     join(fixtures, "fake-cuda.c"),
     join(fixtures, "fake-cublas.c"),
     join(fixtures, "fake-cudnn.c"),
+    join(fixtures, "fake-cublaslt.c"),
     join(root, "ffi", "numerics.h"),
   ].sort();
   for (const f of files) h.update(f).update(readFileSync(f));
@@ -91,6 +93,7 @@ interface Built {
   fakeCuda: string;
   fakeCublas: string;
   fakeCudnn: string;
+  fakeCublasLt: string;
 }
 
 async function build(): Promise<Built> {
@@ -100,6 +103,7 @@ async function build(): Promise<Built> {
     fakeCuda: join(dir, "libfakecuda.so"),
     fakeCublas: join(dir, "libfakecublas.so"),
     fakeCudnn: join(dir, "libfakecudnn.so"),
+    fakeCublasLt: join(dir, "libfakecublaslt.so"),
   };
   if (Object.values(built).every((p) => existsSync(p))) return built;
   // build in a fresh folder and rename, so a concurrent or interrupted build leaves nothing half-written
@@ -113,6 +117,7 @@ async function build(): Promise<Built> {
     cc("fake-cuda.c", "libfakecuda.so"),
     cc("fake-cublas.c", "libfakecublas.so"),
     cc("fake-cudnn.c", "libfakecudnn.so", ["-lm"]),
+    cc("fake-cublaslt.c", "libfakecublaslt.so", ["-lm"]),
   ]);
   // another worker's build of the same sources may have landed first: keep it (a process may
   // have loaded its libraries already), drop this one
@@ -157,6 +162,9 @@ export type EmulatedCuda =
       timeline: Timeline;
       /** a backend over the same fake driver whose cuDNN is fake-cudnn.c, one per choice */
       cudnnBackend: (attention: AttentionChoice) => CudaBackend;
+      /** a new backend over the same fake driver and fake libraries, with these options (the
+       *  caller disposes of it) */
+      backendWith: (options: Omit<CudaBackendOptions, "driver">) => CudaBackend;
     }
   | { ok: false; reason: string };
 
@@ -208,21 +216,23 @@ async function open(): Promise<EmulatedCuda> {
     return { ok: false, reason: `the fake driver could not load ${built.emulator}` };
   }
   const driver = new Driver(built.fakeCuda);
+  const libraries = { driver, cublasPath: built.fakeCublas, cublasLtPath: built.fakeCublasLt };
   let backend: CudaBackend | undefined;
   const withCudnn = new Map<AttentionChoice, CudaBackend>();
   const cudnnBackend = (attention: AttentionChoice) => {
     let be = withCudnn.get(attention);
     if (be === undefined) {
-      be = new CudaBackend({ driver, cublasPath: built.fakeCublas, attention, cudnnPath: built.fakeCudnn });
+      be = new CudaBackend({ ...libraries, attention, cudnnPath: built.fakeCudnn });
       withCudnn.set(attention, be);
     }
     return be;
   };
   return {
     ok: true,
-    backend: () => (backend ??= new CudaBackend({ driver, cublasPath: built.fakeCublas })),
+    backend: () => (backend ??= new CudaBackend(libraries)),
     timeline,
     cudnnBackend,
+    backendWith: (options) => new CudaBackend({ ...libraries, ...options }),
   };
 }
 
@@ -303,4 +313,27 @@ export async function parityBackends(): Promise<{ name: string; backend: () => B
     ...testBackends(),
     ...(emulated?.ok === true ? [{ name: "cuda (emulated on the host)", backend: emulated.backend }] : []),
   ];
+}
+
+/** fake-cublaslt.c's controls: its matmul count, the last epilogue it ran, and refusal. */
+export interface FakeCublasLt {
+  matmuls(): number;
+  lastEpilogue(): number;
+  /** while on, the heuristic finds no algorithm (as a GPU without a kernel for a call) */
+  refuse(on: boolean): void;
+}
+
+/** The fake cuBLASLt every emulated backend loads (built with the rest). */
+export async function fakeCublasLt(): Promise<FakeCublasLt> {
+  const lib = dlopen((await build()).fakeCublasLt, {
+    fake_cublaslt_matmul_calls: { args: [], returns: "i64" },
+    fake_cublaslt_last_epilogue: { args: [], returns: "i32" },
+    fake_cublaslt_refuse: { args: ["i32"], returns: "void" },
+  });
+  const s = lib.symbols;
+  return {
+    matmuls: () => Number(s.fake_cublaslt_matmul_calls()),
+    lastEpilogue: () => s.fake_cublaslt_last_epilogue(),
+    refuse: (on) => s.fake_cublaslt_refuse(on ? 1 : 0),
+  };
 }
