@@ -360,13 +360,28 @@ export class CudaBackend implements Backend {
     };
     // cuBLASLt writes the bias gradient; the layer adds it into dbias (its gradient accumulates)
     const sums = ep.kind === "biasGrad" ? this.#allocator.alloc(4 * g.M).ptr : 0;
-    const refused = lt.matmul(call, ep, sums);
-    if (refused === null) {
-      this.#gemmCalls++;
-      if (ep.kind === "biasGrad") this.axpy(ep.dbias, sums, g.M, 1);
-    } else this.#epilogueFallbacks.add(refused);
-    if (sums !== 0) this.#allocator.free(sums);
-    return refused === null;
+    const refused = lt.refusal(call, ep, sums);
+    if (refused !== null) {
+      if (sums !== 0) this.#allocator.free(sums);
+      this.#epilogueFallbacks.add(refused);
+      return false;
+    }
+    this.#gemmCalls++;
+    if (ep.kind === "biasGrad") {
+      lt.matmul(call, ep, sums);
+      this.axpy(ep.dbias, sums, g.M, 1);
+      this.#allocator.free(sums);
+    } else if (g.output === "f32") {
+      lt.matmul(call, ep);
+    } else {
+      // a 2-byte output takes its bias in its own type: rounded here, as autocast rounds it
+      const bias = this.#allocator.alloc(2 * g.N).ptr;
+      if (g.output === "bf16") this.castF32ToBF16(bias, ep.bias, g.N);
+      else this.castF32ToF16(bias, ep.bias, g.N);
+      lt.matmul(call, { ...ep, bias });
+      this.#allocator.free(bias);
+    }
+    return true;
   }
 
   // ---- kernels ----------------------------------------------------------------------------

@@ -6,6 +6,8 @@
 //             taken while the weight gradient's GEMM reads the output gradient)
 // Everything else (plain GEMMs, batched ones) stays on cublasGemmEx (cublas.ts).
 //
+// The bias vector has D's type: f32 for an f32 output, and for a 2-byte one a copy the caller
+// rounds to that type (cuBLASLt takes no f32 bias there; PyTorch's autocast rounds the bias too).
 // A plan (matmul descriptor, four layouts, the heuristic's first algorithm) is made once per
 // shape, types and epilogue, and kept; a call only sets its bias and aux pointers and runs.
 // The heuristic may find no algorithm for a combination (cuBLASLt documents which it supports,
@@ -180,20 +182,12 @@ export class CublasLt {
 
   /**
    * Runs the call with its epilogue and returns null, or returns why cuBLASLt cannot (nothing
-   * was queued then): the aux matrix's alignment, or no algorithm for this combination. Bias
-   * and bias-gradient vectors are f32; the aux matrix has C's type and leading dimension.
+   * was queued then): the aux matrix's alignment, or no algorithm for this combination. The bias
+   * has C's type, the bias gradient is f32; the aux matrix has C's type and leading dimension.
    */
   matmul(c: LtCall, epilogue: GemmEpilogue, biasGradOut: Ptr = 0): string | null {
-    if (epilogue.kind === "biasGelu" && (c.ldc % auxLdMultiple !== 0 || epilogue.pre % auxAlignBytes !== 0)) {
-      return `its GELU input needs a leading dimension that is a multiple of ${auxLdMultiple} and ${auxAlignBytes}-byte alignment (ld ${c.ldc})`;
-    }
-    const key = `${epilogue.kind} ${c.abType} ${c.cType} ${c.compute} ${c.transa}${c.transb} ${c.m} ${c.n} ${c.k} ${c.lda} ${c.ldb} ${c.ldc}`;
-    let plan = this.#plans.get(key);
     const vector = epilogue.kind === "biasGrad" ? biasGradOut : epilogue.bias;
-    if (plan === undefined) {
-      plan = this.#plan(c, epilogue, vector);
-      this.#plans.set(key, plan);
-    }
+    const plan = this.#planFor(c, epilogue, vector);
     if (typeof plan === "string") return plan;
     const s = this.#lib.symbols;
     this.#setPointer(plan.desc, desc.biasPointer, vector);
@@ -216,6 +210,28 @@ export class CublasLt {
     return null;
   }
 
+  /** Why cuBLASLt cannot run this call with its epilogue, or null where it can (the plan is
+   *  made now, and kept). */
+  refusal(c: LtCall, epilogue: GemmEpilogue, biasGradOut: Ptr = 0): string | null {
+    const plan = this.#planFor(c, epilogue, epilogue.kind === "biasGrad" ? biasGradOut : epilogue.bias);
+    return typeof plan === "string" ? plan : null;
+  }
+
+  #planFor(c: LtCall, epilogue: GemmEpilogue, vector: Ptr): Plan | string {
+    const shape = `${c.m}x${c.n}x${c.k}`;
+    if (epilogue.kind === "biasGelu" && (c.ldc % auxLdMultiple !== 0 || epilogue.pre % auxAlignBytes !== 0)) {
+      return `${epilogue.kind} at ${shape}: its GELU input needs a leading dimension that is a multiple of ${auxLdMultiple} and ${auxAlignBytes}-byte alignment (ld ${c.ldc})`;
+    }
+    const key = `${epilogue.kind} ${c.abType} ${c.cType} ${c.compute} ${c.transa}${c.transb} ${shape} ${c.lda} ${c.ldb} ${c.ldc}`;
+    let plan = this.#plans.get(key);
+    if (plan === undefined) {
+      plan = this.#plan(c, epilogue, vector);
+      if (typeof plan === "string") plan = `${epilogue.kind} at ${shape} (types ${c.abType}/${c.cType}): ${plan}`;
+      this.#plans.set(key, plan);
+    }
+    return plan;
+  }
+
   destroy(): void {
     for (const plan of this.#plans.values()) if (typeof plan !== "string") this.#destroyPlan(plan);
     this.#plans.clear();
@@ -232,7 +248,8 @@ export class CublasLt {
       this.#setI32(plan.desc, desc.transA, c.transa);
       this.#setI32(plan.desc, desc.transB, c.transb);
       this.#setI32(plan.desc, desc.epilogue, epilogueCodes[epilogue.kind]);
-      this.#setI32(plan.desc, desc.biasDataType, CUDA_R_32F);
+      // the bias has D's type (cuBLASLt takes no f32 bias for a 2-byte D); the bias gradient is f32
+      this.#setI32(plan.desc, desc.biasDataType, epilogue.kind === "biasGrad" ? CUDA_R_32F : c.cType);
       // the heuristic reads the pointers' alignment: set this call's now, each call's later
       this.#setPointer(plan.desc, desc.biasPointer, vector);
       if (epilogue.kind === "biasGelu") {
@@ -272,7 +289,7 @@ export class CublasLt {
       if (status !== 0 || found[0] === 0) {
         this.#destroyPlan(plan);
         const why = status === 0 ? "no algorithm" : (cublasStatusNames[status] ?? `status ${status}`);
-        return `cuBLASLt has no kernel for this GEMM with its epilogue (${why})`;
+        return `cuBLASLt has no kernel for it (${why})`;
       }
       return plan;
     } catch (e) {
