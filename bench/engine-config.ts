@@ -21,7 +21,15 @@ import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/tensor.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";
 import { median, printTable, round } from "./table.ts";
-import { bf16PeakFlops, gptStepFlops, HostIssueMeter, interceptCalls, opFlops } from "./step-cost.ts";
+import {
+  bf16PeakFlops,
+  gptStepFlops,
+  HostIssueMeter,
+  interceptCalls,
+  opBytes,
+  opFlops,
+  peakBandwidth,
+} from "./step-cost.ts";
 
 /** nanoGPT's shapes: its char config (shakespeare_char: 65 characters) and GPT-2 small. */
 export const engineConfigs = {
@@ -56,6 +64,8 @@ class Profiler {
   on = false;
   phase = "forward";
   readonly ms = new Map<string, number>();
+  /** the bytes the calls must move (opBytes), where an op is measured in bytes */
+  readonly bytes = new Map<string, number>();
   readonly backend: Backend;
 
   constructor(inner: Backend) {
@@ -67,6 +77,8 @@ class Profiler {
       inner.synchronize();
       const key = `${this.phase}\u0000${name}`;
       this.ms.set(key, (this.ms.get(key) ?? 0) + performance.now() - t);
+      const b = opBytes(name, args);
+      if (b !== null) this.bytes.set(key, (this.bytes.get(key) ?? 0) + b);
       return r;
     });
   }
@@ -102,9 +114,25 @@ export interface ConfigBenchOptions {
 export const torchModes = ["written", "sdpa", "compile"] as const;
 export type TorchMode = (typeof torchModes)[number];
 
-/** A row of --profile's table: an op's time per step in a phase, its share of all of it (%), and
- *  for GEMMs and attention the FLOP rate that time gives. */
-type ProfileRow = { phase: string; op: string; ms_per_step: number; share: number; tflops: number | string };
+/** A row of --profile's table: an op's time per step in a phase, its share of all of it (%), for
+ *  GEMMs and attention the FLOP rate that time gives, for the rest the bytes per second it moved,
+ *  and either as a share of the device's peak (dense bf16 FLOP/s, memory bandwidth; % ). */
+type ProfileRow = {
+  phase: string;
+  op: string;
+  ms_per_step: number;
+  share: number;
+  tflops: number | string;
+  gb_per_s: number | string;
+  peak_pct: number | string;
+};
+
+/** The device's peaks, where known: dense bf16 FLOP/s and memory bytes/s. */
+function devicePeaks(be: Backend): { flops: number | null; bytes: number | null } {
+  if (!(be instanceof CudaBackend)) return { flops: null, bytes: null };
+  const m = be.memoryInterface;
+  return { flops: bf16PeakFlops(be.deviceName), bytes: peakBandwidth(m.clockKHz, m.busWidthBits) };
+}
 
 /** What a step costs: its FLOPs, rate and MFU, and the host's time issuing it. */
 interface StepCost {
@@ -151,7 +179,7 @@ export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions):
   const hostStepMs = timeStep();
   meter.on = false;
   const cost = stepCost(be, config, B, o.precision, hostStepMs, meter.read());
-  const profile = profiler === null ? [] : profileSteps(profiler, timeStep, o.steps, config, B);
+  const profile = profiler === null ? [] : profileSteps(profiler, timeStep, o.steps, config, B, devicePeaks(be));
   ctx.dispose();
   const torch = o.torch ? torchRows(be, o, B) : [];
   const rows = [ours, ...torch];
@@ -219,6 +247,7 @@ function profileSteps(
   steps: number,
   config: GptConfig,
   B: number,
+  peaks: { flops: number | null; bytes: number | null },
 ): ProfileRow[] {
   profiler.on = true;
   const reps = Math.max(1, Math.min(steps, 5));
@@ -230,8 +259,22 @@ function profileSteps(
       const [phase, op] = key.split("\u0000") as [string, string];
       const perStep = ms / reps;
       const flops = opFlops(config, B, phase, op);
-      const tflops = flops === null ? "-" : round(flops / perStep / 1e9, 1);
-      return { phase, op, ms_per_step: round(perStep, 2), share: round((100 * ms) / total, 1), tflops };
+      const bytes = profiler.bytes.get(key);
+      // per second: FLOPs (or bytes) per step over the ms per step
+      const flopRate = flops === null ? null : flops / (perStep / 1e3);
+      const byteRate = bytes === undefined ? null : bytes / reps / (perStep / 1e3);
+      const pct = (rate: number | null, peak: number | null) =>
+        rate === null || peak === null ? null : round((100 * rate) / peak, 1);
+      const peakPct = pct(flopRate, peaks.flops) ?? pct(byteRate, peaks.bytes);
+      return {
+        phase,
+        op,
+        ms_per_step: round(perStep, 2),
+        share: round((100 * ms) / total, 1),
+        tflops: flopRate === null ? "-" : round(flopRate / 1e12, 1),
+        gb_per_s: byteRate === null ? "-" : round(byteRate / 1e9, 1),
+        peak_pct: peakPct ?? "-",
+      };
     })
     .sort((a, b) => b.ms_per_step - a.ms_per_step);
 }
@@ -323,7 +366,12 @@ function printConfigReport(
     console.log(
       `profile (${be.name === "cpu" ? "each call timed" : "each call timed between synchronizes"}): the step's time by phase and backend op`,
     );
-    printTable(profile, ["phase", "op", "ms_per_step", "share", "tflops"]);
+    printTable(profile, ["phase", "op", "ms_per_step", "share", "tflops", "gb_per_s", "peak_pct"]);
+    const { bytes } = devicePeaks(be);
+    if (be instanceof CudaBackend)
+      console.log(
+        `peak_pct: of the dense bf16 peak for tflops, of the memory bandwidth (${bytes === null ? "unknown here" : `${round(bytes / 1e9, 0)} GB/s, from the driver's memory clock and bus width`}) for gb_per_s`,
+      );
   }
 }
 

@@ -1,6 +1,7 @@
-// GEMM epilogue benchmark (CUDA): a linear layer's GEMM with its bias, bias + GELU, or bias
-// gradient fused by cuBLASLt, against the same GEMM on cublasGemmEx followed by the layer kernels
-// (biasAdd, biasGeluForward, biasBackward), at GPT-2 small's layer shapes under bf16 autocast.
+// GEMM epilogue benchmark (CUDA): a linear layer's GEMM with its bias, bias + GELU, bias
+// gradient, or the GELU's gradient fused by cuBLASLt, against the same GEMM on cublasGemmEx
+// followed by the layer kernels (biasAdd, biasGeluForward, biasBackward, geluBackward), at GPT-2
+// small's layer shapes under bf16 autocast.
 // Two backends in one process, one per way, timed interleaved (one call of each in turn, each
 // from an idle GPU to an idle GPU), medians; the fused backend's line says which calls cuBLASLt
 // actually took. This is the measurement behind the CUDA backend's default (epilogues fused).
@@ -29,17 +30,20 @@ interface Layer {
   O: number;
   out: GemmOutput;
   gelu: boolean;
+  /** its input is a GELU's output: the input gradient's GEMM applies the GELU's gradient */
+  geluInput: boolean;
 }
 
 /** GPT-2's four linear layers of a block at width C: which outputs are bf16 follows the model */
 const layersOf = (C: number): Layer[] => [
-  { name: `qkv ${C}->${3 * C}`, I: C, O: 3 * C, out: "bf16", gelu: false },
-  { name: `attn proj ${C}->${C}`, I: C, O: C, out: "f32", gelu: false },
-  { name: `fc ${C}->${4 * C}`, I: C, O: 4 * C, out: "bf16", gelu: true },
-  { name: `mlp proj ${4 * C}->${C}`, I: 4 * C, O: C, out: "f32", gelu: false },
+  { name: `qkv ${C}->${3 * C}`, I: C, O: 3 * C, out: "bf16", gelu: false, geluInput: false },
+  { name: `attn proj ${C}->${C}`, I: C, O: C, out: "f32", gelu: false, geluInput: false },
+  { name: `fc ${C}->${4 * C}`, I: C, O: 4 * C, out: "bf16", gelu: true, geluInput: false },
+  { name: `mlp proj ${4 * C}->${C}`, I: 4 * C, O: C, out: "f32", gelu: false, geluInput: true },
 ];
 
-/** Buffers of one layer on one backend, and its forward and weight-gradient calls. */
+/** Buffers of one layer on one backend, and its forward and weight-gradient calls (and, after a
+ *  GELU, the input gradient's call with the GELU's gradient). */
 function layerCalls(be: Backend, N: number, l: Layer) {
   const allocations: Allocation[] = [];
   const alloc = (bytes: number) => {
@@ -67,6 +71,8 @@ function layerCalls(be: Backend, N: number, l: Layer) {
   const dpre = random(N * l.O);
   const dw = alloc(l.O * l.I * 4);
   const dbias = alloc(l.O * 4);
+  const dx = alloc(N * l.I * 2);
+  const inputPre = random(N * l.I);
   const forward: GemmEpilogue = l.gelu ? { kind: "biasGelu", bias, pre } : { kind: "bias", bias };
   const fwd = () =>
     be.gemm({
@@ -100,9 +106,26 @@ function layerCalls(be: Backend, N: number, l: Layer) {
       ldc: l.I,
       epilogue: { kind: "biasGrad", dbias },
     });
+  // dx (N,I) = gelu'(inputPre) * (dpre (N,O) W (O,I))
+  const dgrad = () =>
+    be.gemm({
+      input: "bf16",
+      output: "bf16",
+      M: N,
+      N: l.I,
+      K: l.O,
+      A: dpre,
+      lda: l.O,
+      B: w,
+      ldb: l.I,
+      C: dx,
+      ldc: l.I,
+      epilogue: { kind: "dgelu", pre: inputPre },
+    });
   return {
     forward: { kind: forward.kind, run: fwd },
     wgrad: { kind: "biasGrad" as const, run: wgrad },
+    dgrad: l.geluInput ? { kind: "dgelu" as const, run: dgrad } : null,
     free: () => {
       for (const a of allocations) be.free(a);
     },
@@ -129,8 +152,9 @@ export function compareEpilogues(
   for (const l of layersOf(C)) {
     const a = layerCalls(kernels, N, l);
     const b = layerCalls(fused, N, l);
-    for (const which of ["forward", "wgrad"] as const) {
+    for (const which of ["forward", "wgrad", "dgrad"] as const) {
       const [k, f] = [a[which], b[which]];
+      if (k === null || f === null) continue;
       for (let w = 0; w < 3; w++) {
         k.run();
         f.run();

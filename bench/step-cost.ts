@@ -1,5 +1,6 @@
 // What a GPT training step costs, for `bench engine --config`: its FLOPs and MFU against the
-// device's dense bf16 peak, the FLOP rate of its GEMMs and attention in --profile's table, and the
+// device's dense bf16 peak, the FLOP rate of its GEMMs and attention and the GB/s of every other
+// op (against the device's memory bandwidth) in --profile's table, and the
 // host's time issuing its work (a GPU runs that work while the host queues more: launch cost only
 // shows where the host is slower than the GPU).
 import type { Backend } from "../ffi/backend.ts";
@@ -40,6 +41,92 @@ export function bf16PeakFlops(deviceName: string): number | null {
   if (n.includes("L40S")) return 362e12;
   if (n.includes("A10G") || n.includes(" A10")) return 125e12;
   return null;
+}
+
+const elemBytes = (elem: unknown) => (elem === "f32" ? 4 : 2);
+const count = (v: unknown) => Number(v);
+const dimsNumel = (dims: unknown) => (dims as number[]).reduce((a, b) => a * b, 1);
+
+/**
+ * The bytes a backend call must read and write at the least (each operand once), for the GB/s
+ * column of --profile; null for the ops measured in FLOPs (GEMMs, attention), host transfers and
+ * the rest. Arguments are as ffi/ops.ts declares them; `elem` (the last argument of a layer op)
+ * sizes the activations, and sums, statistics and parameters are f32.
+ */
+export function opBytes(op: string, args: readonly unknown[]): number | null {
+  const a = args;
+  switch (op) {
+    case "add":
+    case "mul":
+    case "axpy":
+      return 12 * count(a[op === "axpy" ? 2 : 3]);
+    case "scale":
+      return 8 * count(a[1]);
+    case "sum":
+    case "sumSquares":
+    case "countNonFinite":
+      return 4 * count(a[op === "sum" ? 2 : 1]);
+    case "copy":
+      return 2 * count(a[2]);
+    case "zero":
+      return count(a[1]);
+    case "fill":
+      return 4 * count(a[1]);
+    case "castF32ToBF16":
+    case "castF32ToF16":
+    case "castBF16ToF32":
+    case "castF16ToF32":
+      return 6 * count(a[2]);
+    case "reduceBroadcast":
+      return 4 * dimsNumel(a[2]);
+    case "biasAdd":
+      return 2 * count(a[3]) * count(a[4]) * elemBytes(a[5]);
+    case "biasBackward":
+      return count(a[2]) * count(a[3]) * elemBytes(a[4]);
+    case "biasGeluForward":
+      return 3 * count(a[3]) * count(a[4]) * elemBytes(a[5]);
+    case "reluForward":
+    case "geluForward":
+      return 2 * count(a[2]) * elemBytes(a[3]);
+    case "reluBackward":
+    case "geluBackward":
+      return 3 * count(a[3]) * elemBytes(a[4]);
+    case "dropoutForward":
+    case "dropoutBackward":
+      return 8 * count(a[2]);
+    case "crossEntropyForward":
+    case "countCorrect":
+      return count(a[op === "countCorrect" ? 2 : 5]) * count(a[op === "countCorrect" ? 3 : 6]) * elemBytes(a.at(-1));
+    case "crossEntropyBackward":
+      // logits read, gradient written (and read first where it accumulates)
+      return (a[7] ? 3 : 2) * count(a[5]) * count(a[6]) * elemBytes(a[8]);
+    case "layerNormForward":
+      // inp (f32) read, out (elem) written
+      return count(a[6]) * count(a[7]) * (4 + elemBytes(a[9]));
+    case "residualLayerNormForward":
+      // x and d read, their sum written (f32), out (elem) written
+      return count(a[8]) * count(a[9]) * (12 + elemBytes(a[11]));
+    case "layerNormBackward":
+      // dout (elem) and inp read, dinp read and written
+      return count(a[8]) * count(a[9]) * (elemBytes(a[10]) + 12);
+    case "embeddingForward":
+      return 8 * count(a[3]) * count(a[4]);
+    case "embeddingBackward":
+      return 12 * count(a[3]) * count(a[4]);
+    case "adamwStep":
+      // param, m and v read and written, grad read (and age read and written where kept)
+      return (a[4] ? 36 : 28) * count(a[5]);
+    case "sgdStep":
+      return 20 * count(a[3]);
+    default:
+      return null;
+  }
+}
+
+/** Peak memory bandwidth (bytes/s) of a GPU from its memory clock (kHz) and bus width (bits), as
+ *  cuDeviceGetAttribute reports them (double data rate); null where either is 0 or unknown. */
+export function peakBandwidth(memoryClockKHz: number, busWidthBits: number): number | null {
+  return memoryClockKHz > 0 && busWidthBits > 0 ? 2 * memoryClockKHz * 1e3 * (busWidthBits / 8) : null;
 }
 
 /**

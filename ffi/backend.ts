@@ -87,13 +87,17 @@ export interface GemmDesc {
  *             C's type and leading dimension (beta 0)
  *   biasGrad  dbias (M) f32 += the sums of op(A) over K: A stored (K,M), transA, lda = M (the
  *             output gradient, read by the weight gradient's GEMM)
+ *   dgelu     C = gelu'(pre) * alpha op(A) op(B): the gradient of a GELU layer's pre-activation
+ *             from the next layer's input-gradient GEMM; pre (M,N) has C's type and leading
+ *             dimension (beta 0)
  * A backend fuses it into the GEMM where its library can (cuBLASLt) and otherwise runs the
- * layer kernels after the GEMM (epilogueKernels): the same result to rounding.
+ * layer kernels after the GEMM (gemmThenKernels): the same result to rounding.
  */
 export type GemmEpilogue =
   | { kind: "bias"; bias: Ptr }
   | { kind: "biasGelu"; bias: Ptr; pre: Ptr }
-  | { kind: "biasGrad"; dbias: Ptr };
+  | { kind: "biasGrad"; dbias: Ptr }
+  | { kind: "dgelu"; pre: Ptr };
 
 /** The element type of a GEMM's A and B as the layer kernels name it. */
 export const gemmInputElem = (input: GemmInput): ElemType => (input === "tf32" ? "f32" : input);
@@ -147,19 +151,32 @@ export function gemmCall(d: GemmDesc): Required<GemmDesc> {
   return g;
 }
 
-/** The epilogue of g by the layer kernels, after g's GEMM wrote C (for biasGelu: wrote pre). */
-export function epilogueKernels(be: Backend, g: Required<GemmDesc>): void {
+/**
+ * g's GEMM by `gemm` (which runs a plain one), then its epilogue by the layer kernels: how a
+ * backend without a fused epilogue runs one. biasGelu's GEMM writes pre; dgelu's writes a
+ * scratch buffer, whose product with the GELU's gradient at pre then goes to C (geluBackward
+ * adds into its output: C is zeroed first).
+ */
+export function gemmThenKernels(be: Backend, g: Required<GemmDesc>, gemm: (g: Required<GemmDesc>) => void): void {
   const ep = g.epilogue;
+  const n = g.M * g.N;
+  if (ep?.kind === "dgelu" && n > 0) {
+    const bytes = n * (g.output === "f32" ? 4 : 2);
+    const product = be.alloc(bytes);
+    try {
+      gemm({ ...g, epilogue: null, C: product.ptr });
+      be.zero(g.C, bytes);
+      be.geluBackward(g.C, ep.pre, product.ptr, n, g.output);
+    } finally {
+      be.free(product);
+    }
+    return;
+  }
+  gemm({ ...g, epilogue: null, C: ep?.kind === "biasGelu" ? ep.pre : g.C });
   if (ep == null) return;
   if (ep.kind === "bias") be.biasAdd(g.C, g.C, ep.bias, g.M, g.N, g.output);
   else if (ep.kind === "biasGelu") be.biasGeluForward(g.C, ep.pre, ep.bias, g.M, g.N, g.output);
-  else be.biasBackward(ep.dbias, g.A, g.K, g.M, gemmInputElem(g.input));
-}
-
-/** g without its epilogue, writing C where the kernels want the GEMM's result (pre, for biasGelu). */
-export function plainGemm(g: Required<GemmDesc>): Required<GemmDesc> {
-  const ep = g.epilogue;
-  return { ...g, epilogue: null, C: ep?.kind === "biasGelu" ? ep.pre : g.C };
+  else if (ep.kind === "biasGrad") be.biasBackward(ep.dbias, g.A, g.K, g.M, gemmInputElem(g.input));
 }
 
 /** Up to 4 dims, outermost first; unused leading dims are 1. Strides in elements. */

@@ -12,9 +12,8 @@ import {
   type BackendStats,
   type ElemType,
   type GemmDesc,
-  epilogueKernels,
   gemmCall,
-  plainGemm,
+  gemmThenKernels,
   type Ptr,
 } from "../backend.ts";
 import { OutOfMemoryError } from "../errors.ts";
@@ -191,8 +190,7 @@ export class CpuBackend implements Backend {
   gemm(desc: GemmDesc): void {
     const g = gemmCall(desc);
     // an epilogue runs as the layer kernels (the same ones the layers call unfused)
-    this.#gemm(plainGemm(g));
-    epilogueKernels(this, g);
+    gemmThenKernels(this, g, (plain) => this.#gemm(plain));
   }
 
   #gemm(g: Required<GemmDesc>): void {

@@ -21,9 +21,8 @@ import {
   type BackendStats,
   type ElemType,
   type GemmDesc,
-  epilogueKernels,
   gemmCall,
-  plainGemm,
+  gemmThenKernels,
   type Ptr,
 } from "../backend.ts";
 import { CachingAllocator, type CachingAllocatorStats } from "./allocator.ts";
@@ -44,6 +43,10 @@ import { type KernelName, kernelSpecs, type Launch, planTakesScratch, plans, scr
 import { type AttentionChoice, AttentionRouter } from "./attention-path.ts";
 
 export { probeCuda } from "./driver.ts";
+
+// cuda.h CUdevice_attribute
+const CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE = 36;
+const CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH = 37;
 
 /** Kernel parameters per launch; the widest kernels (reduceBroadcast's) have 22. */
 const kernelArgsMax = 32;
@@ -78,7 +81,7 @@ export interface CudaBackendOptions {
   cudnnPath?: string;
   /** the cuBLASLt library file (default: findCublasLt()) */
   cublasLtPath?: string;
-  /** where a linear layer's bias, GELU and bias gradient run: fused into the GEMM by cuBLASLt
+  /** where a linear layer's bias, GELU and their gradients run: fused into the GEMM by cuBLASLt
    *  where it has a kernel for the call (default), or as the layer kernels after it */
   epilogues?: "cublaslt" | "kernels";
 }
@@ -242,6 +245,22 @@ export class CudaBackend implements Backend {
     return this.#d.deviceName(this.#device);
   }
 
+  /** The device's memory clock (kHz) and bus width (bits), as the driver reports them (0 where
+   *  it does not): their product is the peak memory bandwidth (bench/step-cost.ts). */
+  get memoryInterface(): { clockKHz: number; busWidthBits: number } {
+    const attribute = (a: number) => {
+      try {
+        return this.#d.deviceAttribute(this.#device, a);
+      } catch {
+        return 0; // a driver that no longer reports it
+      }
+    };
+    return {
+      clockKHz: attribute(CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE),
+      busWidthBits: attribute(CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH),
+    };
+  }
+
   /** the stream every operation runs on (for NCCL collectives that must join it) */
   get stream(): bigint {
     return this.#stream;
@@ -325,21 +344,20 @@ export class CudaBackend implements Backend {
   gemm(desc: GemmDesc): void {
     const g = gemmCall(desc);
     if (g.epilogue != null && this.#fusedGemm(g)) return;
-    const plain = plainGemm(g);
-    if (plain.M > 0 && plain.N > 0 && plain.batch > 0) {
+    gemmThenKernels(this, g, (plain) => {
+      if (plain.M === 0 || plain.N === 0 || plain.batch === 0) return;
       this.#gemmCalls++;
       this.#cublas().gemm(plain);
-    }
-    epilogueKernels(this, g);
+    });
   }
 
   /** How a linear layer's epilogues run: fused by cuBLASLt, or the kernels and why. */
   describeEpilogues(): string {
-    const lt = this.#lt;
-    if (this.#epilogues === "kernels") return "bias, GELU and bias gradient as kernels after the GEMM, as asked";
-    if (typeof lt === "string") return `bias, GELU and bias gradient as kernels after the GEMM: ${lt}`;
+    if (this.#epilogues === "kernels") return "bias, GELU, their gradients as kernels after the GEMM, as asked";
+    const lt = this.#cublasLt();
+    if (lt === null) return `bias, GELU, their gradients as kernels after the GEMM: ${this.#lt}`;
     const fallbacks = [...this.#epilogueFallbacks];
-    const fused = `bias, GELU and bias gradient fused into the GEMM (cuBLASLt${lt === null ? "" : ` ${lt.version()}`})`;
+    const fused = `bias, GELU, their gradients fused into the GEMM (cuBLASLt ${lt.version()})`;
     return fallbacks.length === 0 ? fused : `${fused}; as kernels where ${fallbacks.join("; ")}`;
   }
 
@@ -371,7 +389,7 @@ export class CudaBackend implements Backend {
       lt.matmul(call, ep, sums);
       this.axpy(ep.dbias, sums, g.M, 1);
       this.#allocator.free(sums);
-    } else if (g.output === "f32") {
+    } else if (g.output === "f32" || ep.kind === "dgelu") {
       lt.matmul(call, ep);
     } else {
       // a 2-byte output takes its bias in its own type: rounded here, as autocast rounds it

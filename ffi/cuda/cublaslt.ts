@@ -4,6 +4,8 @@
 //             the "aux" output backward reads; cuBLASLt's GELU is GPT-2's tanh form)
 //   biasGrad  dbias += the sums of op(A) over K     (CUBLASLT_EPILOGUE_BGRADB: the bias gradient
 //             taken while the weight gradient's GEMM reads the output gradient)
+//   dgelu     C = gelu'(pre) * (A B)                (CUBLASLT_EPILOGUE_DGELU: the gradient of a GELU
+//             layer's pre-activation, from the next layer's input-gradient GEMM)
 // Everything else (plain GEMMs, batched ones) stays on cublasGemmEx (cublas.ts).
 //
 // The bias vector has D's type: f32 for an f32 output, and for a 2-byte one a copy the caller
@@ -106,7 +108,7 @@ const desc = {
   biasDataType: 26,
 } as const;
 /** cublasLtEpilogue_t */
-export const epilogueCodes = { bias: 4, biasGelu: 164, biasGrad: 512 } as const satisfies Record<
+export const epilogueCodes = { bias: 4, biasGelu: 164, biasGrad: 512, dgelu: 192 } as const satisfies Record<
   GemmEpilogue["kind"],
   number
 >;
@@ -134,6 +136,13 @@ interface Plan {
   /** the heuristic's first result; its first 64 bytes are the algorithm */
   algo: Uint8Array;
 }
+
+/** The epilogue's vector (the bias, or where the bias gradient goes), or null where it has none. */
+const vectorOf = (e: GemmEpilogue, biasGradOut: Ptr): Ptr | null =>
+  e.kind === "biasGrad" ? biasGradOut : e.kind === "dgelu" ? null : e.bias;
+
+/** The epilogue's aux matrix (the GELU's pre-activation), or null. */
+const auxOf = (e: GemmEpilogue): Ptr | null => (e.kind === "biasGelu" || e.kind === "dgelu" ? e.pre : null);
 
 /** A cuBLASLt handle on one stream, sharing the caller's workspace (cuBLAS's: both run on the one
  *  stream, one call at a time). */
@@ -186,12 +195,13 @@ export class CublasLt {
    * has C's type, the bias gradient is f32; the aux matrix has C's type and leading dimension.
    */
   matmul(c: LtCall, epilogue: GemmEpilogue, biasGradOut: Ptr = 0): string | null {
-    const vector = epilogue.kind === "biasGrad" ? biasGradOut : epilogue.bias;
+    const vector = vectorOf(epilogue, biasGradOut);
     const plan = this.#planFor(c, epilogue, vector);
     if (typeof plan === "string") return plan;
     const s = this.#lib.symbols;
-    this.#setPointer(plan.desc, desc.biasPointer, vector);
-    if (epilogue.kind === "biasGelu") this.#setPointer(plan.desc, desc.auxPointer, epilogue.pre);
+    if (vector !== null) this.#setPointer(plan.desc, desc.biasPointer, vector);
+    const aux = auxOf(epilogue);
+    if (aux !== null) this.#setPointer(plan.desc, desc.auxPointer, aux);
     this.#scalars[0] = c.alpha;
     this.#scalars[1] = c.beta;
     const [la, lb, lc] = plan.layouts;
@@ -213,13 +223,14 @@ export class CublasLt {
   /** Why cuBLASLt cannot run this call with its epilogue, or null where it can (the plan is
    *  made now, and kept). */
   refusal(c: LtCall, epilogue: GemmEpilogue, biasGradOut: Ptr = 0): string | null {
-    const plan = this.#planFor(c, epilogue, epilogue.kind === "biasGrad" ? biasGradOut : epilogue.bias);
+    const plan = this.#planFor(c, epilogue, vectorOf(epilogue, biasGradOut));
     return typeof plan === "string" ? plan : null;
   }
 
-  #planFor(c: LtCall, epilogue: GemmEpilogue, vector: Ptr): Plan | string {
+  #planFor(c: LtCall, epilogue: GemmEpilogue, vector: Ptr | null): Plan | string {
     const shape = `${c.m}x${c.n}x${c.k}`;
-    if (epilogue.kind === "biasGelu" && (c.ldc % auxLdMultiple !== 0 || epilogue.pre % auxAlignBytes !== 0)) {
+    const aux = auxOf(epilogue);
+    if (aux !== null && (c.ldc % auxLdMultiple !== 0 || aux % auxAlignBytes !== 0)) {
       return `${epilogue.kind} at ${shape}: its GELU input needs a leading dimension that is a multiple of ${auxLdMultiple} and ${auxAlignBytes}-byte alignment (ld ${c.ldc})`;
     }
     const key = `${epilogue.kind} ${c.abType} ${c.cType} ${c.compute} ${c.transa}${c.transb} ${shape} ${c.lda} ${c.ldb} ${c.ldc}`;
@@ -239,7 +250,7 @@ export class CublasLt {
     this.#check("cublasLtDestroy", this.#lib.symbols.cublasLtDestroy(this.#handle));
   }
 
-  #plan(c: LtCall, epilogue: GemmEpilogue, vector: Ptr): Plan | string {
+  #plan(c: LtCall, epilogue: GemmEpilogue, vector: Ptr | null): Plan | string {
     const s = this.#lib.symbols;
     const out = new BigUint64Array(1);
     this.#check("cublasLtMatmulDescCreate", s.cublasLtMatmulDescCreate(addressOf(out), c.compute, CUDA_R_32F));
@@ -248,12 +259,16 @@ export class CublasLt {
       this.#setI32(plan.desc, desc.transA, c.transa);
       this.#setI32(plan.desc, desc.transB, c.transb);
       this.#setI32(plan.desc, desc.epilogue, epilogueCodes[epilogue.kind]);
-      // the bias has D's type (cuBLASLt takes no f32 bias for a 2-byte D); the bias gradient is f32
-      this.#setI32(plan.desc, desc.biasDataType, epilogue.kind === "biasGrad" ? CUDA_R_32F : c.cType);
-      // the heuristic reads the pointers' alignment: set this call's now, each call's later
-      this.#setPointer(plan.desc, desc.biasPointer, vector);
-      if (epilogue.kind === "biasGelu") {
-        this.#setPointer(plan.desc, desc.auxPointer, epilogue.pre);
+      if (vector !== null) {
+        // the bias has D's type (cuBLASLt takes no f32 bias for a 2-byte D); the bias gradient is f32
+        this.#setI32(plan.desc, desc.biasDataType, epilogue.kind === "biasGrad" ? CUDA_R_32F : c.cType);
+        // the heuristic reads the pointers' alignment: set this call's now, each call's later
+        this.#setPointer(plan.desc, desc.biasPointer, vector);
+      }
+      const aux = auxOf(epilogue);
+      if (aux !== null) {
+        // the pre-activation: written by GELU_AUX_BIAS, read by DGELU; C's type and leading dimension
+        this.#setPointer(plan.desc, desc.auxPointer, aux);
         this.#u64[0] = BigInt(c.ldc);
         this.#setAttr(plan.desc, desc.auxLd, this.#u64, 8);
         this.#setI32(plan.desc, desc.auxDataType, c.cType);

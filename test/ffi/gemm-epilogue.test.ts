@@ -27,7 +27,12 @@ afterAll(() => {
   for (const be of owned) be.dispose();
 });
 
-const gelu = (x: number) => 0.5 * x * (1 + Math.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)));
+const k = 0.7978845608028654; // sqrt(2/pi)
+const gelu = (x: number) => 0.5 * x * (1 + Math.tanh(k * (x + 0.044715 * x ** 3)));
+const geluGrad = (x: number) => {
+  const t = Math.tanh(k * (x + 0.044715 * x ** 3));
+  return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x);
+};
 
 /** Values as a buffer of `elem` holds them (2-byte types rounded to nearest even). */
 function asElem(x: Float64Array, elem: ElemType): Float64Array {
@@ -92,6 +97,9 @@ function runEpilogues(be: Backend, { M, N, K, input }: Case, seed = 1) {
     });
   xw(C.ptr, { kind: "bias", bias: ba.ptr });
   xw(out.ptr, { kind: "biasGelu", bias: ba.ptr, pre: pre.ptr });
+  // the GELU's gradient at pre, times x w^T (as the next layer's input gradient would be)
+  const dg = be.alloc(M * N * bytes);
+  xw(dg.ptr, { kind: "dgelu", pre: pre.ptr });
   // the weight gradient of a layer whose output gradient is x viewed (M rows of N): dW (N,K) +=
   // g^T w with g = the first M*N of x... here g is C's own values (N columns), read as A
   const g = download(be, C.ptr, M * N, elem);
@@ -113,11 +121,13 @@ function runEpilogues(be: Backend, { M, N, K, input }: Case, seed = 1) {
   const got = {
     biased: g,
     gelu: download(be, out.ptr, M * N, elem),
+    dgelu: download(be, dg.ptr, M * N, elem),
     pre: download(be, pre.ptr, M * N, elem),
     dbias: download(be, dbias.ptr, N, "f32"),
     dw: download(be, dw.ptr, N * K, "f32"),
   };
-  for (const a of [xa, wa, ba, C, out, pre, dbias, dw]) be.free(a);
+  const preStored = got.pre;
+  for (const a of [xa, wa, ba, C, out, pre, dbias, dw, dg]) be.free(a);
   // float64: z = x w^T + bias
   const z = new Float64Array(M * N);
   for (let i = 0; i < M; i++)
@@ -133,7 +143,8 @@ function runEpilogues(be: Backend, { M, N, K, input }: Case, seed = 1) {
       dbiasRef[j]! += g[i * N + j]!;
       for (let p = 0; p < K; p++) dwRef[j * K + p]! += g[i * N + j]! * x[i * K + p]!;
     }
-  const want = { biased: z, gelu: z.map(gelu), pre: z, dbias: dbiasRef, dw: dwRef };
+  const dgelu = z.map((v, i) => (v - bias[i % N]!) * geluGrad(preStored[i]!));
+  const want = { biased: z, gelu: z.map(gelu), pre: z, dbias: dbiasRef, dw: dwRef, dgelu };
   return { got, want };
 }
 
@@ -170,10 +181,10 @@ describe("GEMM epilogues on CUDA (emulated): cuBLASLt fuses them", () => {
       const before = fakeLt!.matmuls();
       const { got, want } = runEpilogues(be, c);
       expectClose(got, want, tolerance(c.input));
-      // bias, bias + GELU and the bias gradient: three fused calls, the last BGRADB
-      expect(fakeLt!.matmuls() - before).toBe(3);
+      // bias, bias + GELU, its gradient and the bias gradient: four fused calls, the last BGRADB
+      expect(fakeLt!.matmuls() - before).toBe(4);
       expect(fakeLt!.lastEpilogue()).toBe(512);
-      expect(be.describeEpilogues()).toMatch(/^bias, GELU and bias gradient fused into the GEMM \(cuBLASLt \d+\)$/);
+      expect(be.describeEpilogues()).toMatch(/^bias, GELU, their gradients fused into the GEMM \(cuBLASLt \d+\)$/);
     });
   }
 
@@ -214,7 +225,7 @@ describe("GEMM epilogues on CUDA (emulated): cuBLASLt fuses them", () => {
       expectClose(a.got, a.want, tolerance(c.input));
       before = fakeLt!.matmuls();
       const b = runEpilogues(lt, c);
-      // N = 12: bias and the bias gradient fused, GELU's aux (ld 12) not
+      // N = 12: bias and the bias gradient fused, GELU's and its gradient's aux (ld 12) not
       expect(fakeLt!.matmuls() - before).toBe(2);
       expect(lt.describeEpilogues()).toContain("its GELU input needs a leading dimension that is a multiple of 8");
       expectClose(b.got, b.want, tolerance(c.input));
@@ -240,9 +251,10 @@ test.skipIf(skip("the emulated CUDA backend", emulatedMissing))(
       "fc 8->32 biasGrad",
       "mlp proj 32->8 bias",
       "mlp proj 32->8 biasGrad",
+      "mlp proj 32->8 dgelu",
     ]);
     // 3 warm-ups and 1 timed call per row, all fused
-    expect(fakeLt!.matmuls() - before).toBe(8 * 4);
+    expect(fakeLt!.matmuls() - before).toBe(9 * 4);
     for (const r of rows) expect(r.kernels_ms > 0 && r.fused_ms > 0 && r.speedup > 0).toBe(true);
     expect(fused.describeEpilogues()).not.toContain("as kernels");
   },

@@ -174,6 +174,21 @@ describe("bad input gets one clear error and a non-zero exit", () => {
       expect(lines[0]).toStartWith(`bench ${name}: NativeLibraryError: --device cuda: `);
     },
   );
+  test.skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null))(
+    "`bun run bench epilogues` without a GPU, and with a wrong option: one clear line each",
+    () => {
+      const r = bench("epilogues");
+      expect(r.code).toBe(1);
+      expect(r.err.trim().split("\n")).toEqual([
+        expect.stringMatching(
+          /^bench epilogues: NativeLibraryError: bench epilogues needs a GPU \(on a CPU epilogues are always the kernels\): /,
+        ),
+      ]);
+      const bad = bench("epilogues", "--rows", "0");
+      expect(bad.code).toBe(2);
+      expect(bad.err.trim()).toBe("bench epilogues: --rows must be a positive integer, got 0");
+    },
+  );
   test("--attention: an unknown path, and cudnn where it cannot run, are refused before anything starts (train gpt, run)", async () => {
     const started = performance.now();
     const refused: [string[], string][] = [
@@ -366,7 +381,7 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
     expect(bench("stream", "--gib", "0").err).toContain("--gib must be in (0, 64], got 0");
     expect(bench("stream", "--steps", "0").err).toContain("--steps must be a positive integer, got 0");
     expect(bench("nope").err).toContain(
-      "usage: bun run bench <engine|kernels|ps|checkpoint|data-loader|trainer|allreduce|stream|client>",
+      "usage: bun run bench <engine|kernels|epilogues|ps|checkpoint|data-loader|trainer|allreduce|stream|client>",
     );
   });
 });
