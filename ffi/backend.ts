@@ -153,23 +153,24 @@ export function gemmCall(d: GemmDesc): Required<GemmDesc> {
 
 /**
  * g's GEMM by `gemm` (which runs a plain one), then its epilogue by the layer kernels: how a
- * backend without a fused epilogue runs one. biasGelu's GEMM writes pre; dgelu's writes a
- * scratch buffer, whose product with the GELU's gradient at pre then goes to C (geluBackward
- * adds into its output: C is zeroed first).
+ * backend without a fused epilogue runs one. biasGelu's GEMM writes pre; dgelu's writes
+ * `scratch(bytes)` (the backend's, kept between calls), whose product with the GELU's gradient
+ * at pre then goes to C (geluBackward adds into its output: C is zeroed first).
  */
-export function gemmThenKernels(be: Backend, g: Required<GemmDesc>, gemm: (g: Required<GemmDesc>) => void): void {
+export function gemmThenKernels(
+  be: Backend,
+  g: Required<GemmDesc>,
+  gemm: (g: Required<GemmDesc>) => void,
+  scratch: (bytes: number) => Ptr,
+): void {
   const ep = g.epilogue;
   const n = g.M * g.N;
   if (ep?.kind === "dgelu" && n > 0) {
     const bytes = n * (g.output === "f32" ? 4 : 2);
-    const product = be.alloc(bytes);
-    try {
-      gemm({ ...g, epilogue: null, C: product.ptr });
-      be.zero(g.C, bytes);
-      be.geluBackward(g.C, ep.pre, product.ptr, n, g.output);
-    } finally {
-      be.free(product);
-    }
+    const product = scratch(bytes);
+    gemm({ ...g, epilogue: null, C: product });
+    be.zero(g.C, bytes);
+    be.geluBackward(g.C, ep.pre, product, n, g.output);
     return;
   }
   gemm({ ...g, epilogue: null, C: ep?.kind === "biasGelu" ? ep.pre : g.C });

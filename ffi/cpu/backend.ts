@@ -111,6 +111,7 @@ export class CpuBackend implements Backend {
    *  shrunk, freed by dispose(). Once the first training step has seen every GEMM shape, no
    *  2-byte GEMM allocates (its growth shows in stats.allocCount like any allocation). */
   #scratch: Allocation | null = null;
+  #epilogueScratch: Allocation | null = null;
 
   constructor() {
     libraries ??= loadLibraries();
@@ -190,7 +191,12 @@ export class CpuBackend implements Backend {
   gemm(desc: GemmDesc): void {
     const g = gemmCall(desc);
     // an epilogue runs as the layer kernels (the same ones the layers call unfused)
-    gemmThenKernels(this, g, (plain) => this.#gemm(plain));
+    gemmThenKernels(
+      this,
+      g,
+      (plain) => this.#gemm(plain),
+      (bytes) => this.#epilogueScratchFor(bytes),
+    );
   }
 
   #gemm(g: Required<GemmDesc>): void {
@@ -274,6 +280,16 @@ export class CpuBackend implements Backend {
     else this.castF16ToF32(out, inp, n);
   }
 
+  /** The dgelu epilogue's product (apart from #scratch, which the GEMM itself uses), kept. */
+  #epilogueScratchFor(bytes: number): Ptr {
+    if (this.#epilogueScratch === null || this.#epilogueScratch.bytes < bytes) {
+      if (this.#epilogueScratch !== null) this.free(this.#epilogueScratch);
+      this.#epilogueScratch = null;
+      this.#epilogueScratch = this.alloc(alignUp(bytes, scratchGrainBytes));
+    }
+    return this.#epilogueScratch.ptr;
+  }
+
   #scratchFor(bytes: number): Ptr {
     if (this.#scratch === null || this.#scratch.bytes < bytes) {
       if (this.#scratch !== null) this.free(this.#scratch);
@@ -287,6 +303,7 @@ export class CpuBackend implements Backend {
     for (const [ptr, bytes] of this.#live) this.#lib.k.symbols.mt_free(p(ptr), bytes);
     this.#live.clear();
     this.#scratch = null;
+    this.#epilogueScratch = null;
     this.#liveBytes = 0;
     this.#disposed = true;
   }

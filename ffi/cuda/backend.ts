@@ -344,11 +344,23 @@ export class CudaBackend implements Backend {
   gemm(desc: GemmDesc): void {
     const g = gemmCall(desc);
     if (g.epilogue != null && this.#fusedGemm(g)) return;
-    gemmThenKernels(this, g, (plain) => {
-      if (plain.M === 0 || plain.N === 0 || plain.batch === 0) return;
-      this.#gemmCalls++;
-      this.#cublas().gemm(plain);
-    });
+    // the dgelu epilogue's product: a block of the caching allocator, back to it once queued
+    // work is ordered on the one stream
+    let product: Ptr = 0;
+    gemmThenKernels(
+      this,
+      g,
+      (plain) => {
+        if (plain.M === 0 || plain.N === 0 || plain.batch === 0) return;
+        this.#gemmCalls++;
+        this.#cublas().gemm(plain);
+      },
+      (bytes) => {
+        product = this.#allocator.alloc(bytes).ptr;
+        return product;
+      },
+    );
+    if (product !== 0) this.#allocator.free(product);
   }
 
   /** How a linear layer's epilogues run: fused by cuBLASLt, or the kernels and why. */
