@@ -108,7 +108,7 @@ function cases(
     {
       name: "adamwStep",
       bytes: 7 * n * f,
-      run: () => be.adamwStep(x, y, z, w, 0, n, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.5, 0.5),
+      run: () => be.adamwStep(x, y, z, w, 0, n, n, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.5, 0.5, 1),
     },
     { name: "sumSquares", bytes: n * f, run: () => be.sumSquares(x, n) },
     { name: "castF32ToBF16", bytes: (n / 2) * (4 + 2), run: () => be.castF32ToBF16(half, x, n / 2) },

@@ -1,7 +1,7 @@
 // Parameters, gradients and optimizer state, each in one contiguous slab with a table of named
 // views into it (llm.c style). These slabs are what later layers shard, send and checkpoint:
-// an optimizer step is one kernel call per group, a gradient clip one reduction, a checkpoint
-// one copy.
+// an AdamW step is one kernel call (decayed prefix and the rest), a gradient clip one reduction
+// (its factor read by that call), a checkpoint one copy.
 //
 // Layout: parameters that take weight decay first, then the rest (biases, LayerNorm, ...), so
 // each group is one contiguous range. Every parameter starts on a 64-byte boundary; the

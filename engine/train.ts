@@ -15,7 +15,7 @@
 import { NonFiniteLossError, ConfigError, EngineError, ShapeError } from "./errors.ts";
 import type { Model } from "./models/model.ts";
 import type { ParamStore } from "./params.ts";
-import { clipGradNorm } from "./optim/clip.ts";
+import { clipFactor, clipGradNorm, gradNorm } from "./optim/clip.ts";
 import { type LossScaleConfig, LossScaler } from "./optim/loss-scale.ts";
 import type { Optimizer } from "./optim/optimizer.ts";
 import { lrAt, type Schedule } from "./optim/schedule.ts";
@@ -63,6 +63,8 @@ export interface Gradients {
   gradNorm: number;
   /** false: the gradients overflowed under loss scaling; the slab holds inf/NaN and must not be used */
   finite: boolean;
+  /** what the optimizer multiplies the slab by (the clip's factor, when it was deferred; else 1) */
+  gradScale: number;
 }
 
 export function uploadBatch(ctx: Context, b: HostBatch): { x: Tensor; y: Tensor } {
@@ -104,16 +106,18 @@ export class TrainStep {
         `TrainStep: the context's precision changed to ${this.ctx.precision} after the TrainStep was built`,
       );
     }
-    const { loss, gradNorm, finite } = lossAndGradients(
+    // the clip's factor goes into the optimizer's pass (no pass scales the slab first)
+    const { loss, gradNorm, finite, gradScale } = lossAndGradients(
       this.ctx,
       this.model,
       micro,
       this.config.gradClip,
       this.step,
       this.scaler,
+      true,
     );
     const lr = lrAt(this.config.schedule, this.config.lr, this.step);
-    if (finite) this.optimizer.step(lr);
+    if (finite) this.optimizer.step(lr, gradScale);
     this.scaler?.update(finite, this.step);
     return { step: this.step, loss, gradNorm, lr, skipped: !finite, lossScale: this.scaler?.scale ?? 1 };
   }
@@ -134,6 +138,7 @@ export function lossAndGradients(
   gradClip: number,
   step: number,
   scaler: LossScaler | null = null,
+  deferClip = false,
 ): Gradients {
   const store = model.store;
   const k = micro.length;
@@ -148,7 +153,7 @@ export function lossAndGradients(
   // stop before the update: the parameters stay as they were at the last good step (the
   // gradient slab holds what backward made of the bad loss; the next call zeroes it)
   const loss = losses.mean(step, true);
-  return { loss, ...unscaleAndClip(ctx, model.store, scaler, gradClip) };
+  return { loss, ...unscaleAndClip(ctx, model.store, scaler, gradClip, deferClip) };
 }
 
 /** One micro-batch's forward pass, in a new pass of the context's arena: its loss. */
@@ -192,15 +197,21 @@ export class LossSlots {
   }
 }
 
-/** The step's summed gradient, unscaled (f16: a skipped step when it overflowed) and clipped by its global norm. */
+/** The step's summed gradient, unscaled (f16: a skipped step when it overflowed) and clipped by
+ *  its global norm; with `defer` the clip is left to the optimizer (gradScale, its factor: AdamW
+ *  reads the gradients times it in its one pass), else applied to the slab (gradScale 1). */
 export function unscaleAndClip(
   ctx: Context,
   store: ParamStore,
   scaler: LossScaler | null,
   gradClip: number,
-): { gradNorm: number; finite: boolean } {
-  if (scaler !== null && !scaler.unscale(ctx, store)) return { gradNorm: Infinity, finite: false };
-  return { gradNorm: clipGradNorm(ctx, store, gradClip), finite: true };
+  defer = false,
+): { gradNorm: number; finite: boolean; gradScale: number } {
+  if (scaler !== null && !scaler.unscale(ctx, store)) return { gradNorm: Infinity, finite: false, gradScale: 1 };
+  if (!defer) return { gradNorm: clipGradNorm(ctx, store, gradClip), finite: true, gradScale: 1 };
+  if (Number.isNaN(gradClip)) throw new ConfigError("clipGradNorm: maxNorm is NaN");
+  const norm = gradNorm(ctx, store);
+  return { gradNorm: norm, finite: true, gradScale: clipFactor(norm, gradClip) };
 }
 
 export interface EvalResult {

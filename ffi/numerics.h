@@ -123,8 +123,9 @@ MT_FN void mt_sgd_update(float* param, const float* grad, float* mom, int64_t i,
   param[i] -= lr * g;
 }
 
-// AdamW with decoupled weight decay: decay = 1 - lr wd, inv_bc1 = 1 / (1 - beta1^t),
-// inv_sqrt_bc2 = 1 / sqrt(1 - beta2^t), computed once per step by the caller.
+// AdamW with decoupled weight decay: decay = 1 - lr wd (1 for a parameter without decay),
+// inv_bc1 = 1 / (1 - beta1^t), inv_sqrt_bc2 = 1 / sqrt(1 - beta2^t), computed once per step by
+// the caller; the gradient is read times gscale (the global-norm clip's factor, folded in).
 //
 // age (may be null): for a gradient that skips coordinates, as top-k compression's does (a
 // coordinate left at 0 has its gradient waiting in the senders' error-feedback residuals). age[i]
@@ -134,8 +135,9 @@ MT_FN void mt_sgd_update(float* param, const float* grad, float* mom, int64_t i,
 // (Plain AdamW would move such a coordinate by about sqrt(tau) steps in tau: it normalizes the
 // burst by its own size.) With a gradient every step (tau = 1) this is AdamW, bit for bit.
 MT_FN void mt_adamw_update(float* param, const float* grad, float* m, float* v, float* age, int64_t i, float lr,
-                           float beta1, float beta2, float eps, float decay, float inv_bc1, float inv_sqrt_bc2) {
-  float g = grad[i], b1 = beta1, b2 = beta2, steps = 1.0f;
+                           float beta1, float beta2, float eps, float decay, float inv_bc1, float inv_sqrt_bc2,
+                           float gscale) {
+  float g = grad[i] * gscale, b1 = beta1, b2 = beta2, steps = 1.0f;
   if (age != 0) {
     if (g == 0.0f) {
       age[i] += 1.0f;

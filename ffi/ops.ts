@@ -248,7 +248,9 @@ export const ops = {
     result: "void",
     cpu: "mt_sgd_step_f32",
   },
-  /** `age`: 0, or the steps since each coordinate last had a gradient (sparse gradients: ffi/numerics.h) */
+  /** `age`: 0, or the steps since each coordinate last had a gradient (sparse gradients:
+   *  ffi/numerics.h); weight decay on the first decayEnd of the n; the gradient read times
+   *  gradScale (the global-norm clip's factor, so no pass scales the gradients first) */
   adamwStep: {
     args: [
       p("param"),
@@ -257,6 +259,7 @@ export const ops = {
       p("v"),
       p("age"),
       i("n"),
+      i("decayEnd"),
       f("lr"),
       f("beta1"),
       f("beta2"),
@@ -264,6 +267,7 @@ export const ops = {
       f("weightDecay"),
       f("biasCorrection1"),
       f("biasCorrection2"),
+      f("gradScale"),
     ],
     result: "void",
     cpu: "mt_adamw_step_f32",

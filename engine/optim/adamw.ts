@@ -53,13 +53,14 @@ export class AdamW implements Optimizer {
     return this.#steps;
   }
 
-  step(lr: number): void {
+  /** One launch over the whole slab (its decayed prefix and the rest), the clip's factor folded in. */
+  step(lr: number, gradScale = 1): void {
     const be = this.ctx.backend;
     const { beta1, beta2, eps, weightDecay } = this.config;
     const t = this.#steps + 1;
     const bc1 = 1 - beta1 ** t;
     const bc2 = 1 - beta2 ** t;
-    for (const g of updateGroups(this.store, this.plan, weightDecay)) {
+    for (const g of updateGroups(this.store, this.plan, weightDecay, true)) {
       const o = g.stateOffsetBytes;
       be.adamwStep(
         g.param,
@@ -68,13 +69,15 @@ export class AdamW implements Optimizer {
         this.#v.ptr + o,
         this.#age ? this.#age.ptr + o : 0,
         g.numel,
+        g.decayNumel,
         lr,
         beta1,
         beta2,
         eps,
-        g.weightDecay,
+        weightDecay,
         bc1,
         bc2,
+        gradScale,
       );
     }
     this.#steps = t;

@@ -1,6 +1,6 @@
 // An optimizer updates parameters from their gradients, keeping its state in slabs. What it
 // updates is an UpdatePlan: by default the whole parameter slab (state slabs of the same layout,
-// one kernel call per parameter group, decay / no decay); under ZeRO (engine/parallel/zero.ts)
+// decay then no decay: AdamW's one kernel call, SGD's two); under ZeRO (engine/parallel/zero.ts)
 // the ranges of the slab this rank owns, with state slabs holding only those ranges, packed.
 import type { Allocation, Ptr } from "../../ffi/backend.ts";
 import type { ParamStore } from "../params.ts";
@@ -10,7 +10,9 @@ export interface Optimizer {
   readonly name: "sgd" | "adamw";
   /** steps taken so far */
   readonly stepCount: number;
-  step(lr: number): void;
+  /** One update; the gradients are read times gradScale (a global-norm clip's factor: AdamW
+   *  folds it into its pass, SGD scales the gradients first). */
+  step(lr: number, gradScale?: number): void;
   /** named state slabs, each plan.stateNumel floats (for checkpoints) */
   stateSlabs(): { name: string; allocation: Allocation }[];
   /** restore the step counter (after loading state slabs) */
@@ -60,17 +62,42 @@ export function allocStateSlab(ctx: Context, plan: UpdatePlan): Allocation {
   return ctx.allocPersistent(Math.max(plan.stateNumel, 1) * 4);
 }
 
-/** The kernel calls of a step: pointers to parameters and gradients, state byte offset, weight decay. */
-export function updateGroups(
-  store: ParamStore,
-  plan: UpdatePlan,
-  weightDecay: number,
-): { param: Ptr; grad: Ptr; stateOffsetBytes: number; numel: number; weightDecay: number }[] {
-  return plan.ranges.map((r) => ({
-    param: plan.params ? plan.params.ptr + r.stateOffset * 4 : store.values.ptr + r.paramOffset * 4,
-    grad: plan.grads === null ? store.grads.ptr + r.paramOffset * 4 : plan.grads.ptr + r.stateOffset * 4,
-    stateOffsetBytes: r.stateOffset * 4,
-    numel: r.numel,
-    weightDecay: r.decay ? weightDecay : 0,
-  }));
+/** One kernel call of a step: where its parameters, gradients and state are, and which of its
+ *  elements (the first decayNumel) take weight decay. */
+export interface UpdateGroup {
+  param: Ptr;
+  grad: Ptr;
+  stateOffsetBytes: number;
+  numel: number;
+  weightDecay: number;
+  decayNumel: number;
+}
+
+/** The kernel calls of a step, one per range; with `merge`, a decayed range directly followed by
+ *  one without decay (in parameters, state and gradients: the whole slab's two) is one call. */
+export function updateGroups(store: ParamStore, plan: UpdatePlan, weightDecay: number, merge = false): UpdateGroup[] {
+  const groups: UpdateGroup[] = [];
+  let last: UpdateRange | null = null;
+  for (const r of plan.ranges) {
+    const prev = groups.at(-1);
+    const follows =
+      last !== null &&
+      last.paramOffset + last.numel === r.paramOffset &&
+      last.stateOffset + last.numel === r.stateOffset;
+    if (merge && prev !== undefined && last?.decay === true && !r.decay && prev.decayNumel === prev.numel && follows) {
+      prev.numel += r.numel;
+      last = r;
+      continue;
+    }
+    groups.push({
+      param: plan.params ? plan.params.ptr + r.stateOffset * 4 : store.values.ptr + r.paramOffset * 4,
+      grad: plan.grads === null ? store.grads.ptr + r.paramOffset * 4 : plan.grads.ptr + r.stateOffset * 4,
+      stateOffsetBytes: r.stateOffset * 4,
+      numel: r.numel,
+      weightDecay: r.decay ? weightDecay : 0,
+      decayNumel: r.decay ? r.numel : 0,
+    });
+    last = r;
+  }
+  return groups;
 }

@@ -44,11 +44,12 @@ export class Sgd implements Optimizer {
     return this.#steps;
   }
 
-  step(lr: number): void {
+  step(lr: number, gradScale = 1): void {
     const be = this.ctx.backend;
     const { momentum, dampening, nesterov, weightDecay } = this.config;
     const first = this.#steps === 0;
     for (const g of updateGroups(this.store, this.plan, weightDecay)) {
+      if (gradScale !== 1) be.scale(g.grad, g.numel, gradScale);
       be.sgdStep(
         g.param,
         g.grad,

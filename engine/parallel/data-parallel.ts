@@ -477,9 +477,9 @@ export class DataParallel {
     // a non-finite loss stops the job, but only after the reduction: the peers are not left
     // waiting for this rank's buckets
     if (!Number.isFinite(loss)) throw new NonFiniteLossError(step, loss);
-    const { finite, gradNorm } = unscaleAndClip(gradCtx, gradStore, this.scaler, this.#o.gradClip);
+    const { finite, gradNorm, gradScale } = unscaleAndClip(gradCtx, gradStore, this.scaler, this.#o.gradClip, true);
     if (finite) {
-      this.optimizer.step(lr);
+      this.optimizer.step(lr, gradScale);
       // offload: the updated master parameters back to the device
       if (this.#host) store.writeValues(this.#host.store.readValues());
     }
@@ -655,9 +655,8 @@ export class DataParallel {
     if (stats[0] !== 0) return { finite: false, gradNorm: Infinity };
     const scale = this.scaler?.scale ?? 1;
     const gradNorm = Math.sqrt(stats[1]!) / scale;
-    const factor = (1 / scale) * clipFactor(gradNorm, this.#o.gradClip);
-    if (factor !== 1) for (const r of ranges) gb.scale(gradAt(r), r.numel, factor);
-    this.optimizer.step(lr);
+    // unscaling and the clip in one factor, which the optimizer reads the gradients times
+    this.optimizer.step(lr, (1 / scale) * clipFactor(gradNorm, this.#o.gradClip));
     // offload: the host's updated partition back to the device (stage 3: the packed partition)
     if (hp !== null) this.#partitionToDevice(hp);
     return { finite: true, gradNorm };

@@ -331,7 +331,25 @@ export class ShardOptimizer {
       const t = version + 1;
       const ageAt = age === undefined ? 0 : age + off;
       const [bc1, bc2] = [1 - o.beta1 ** t, 1 - o.beta2 ** t];
-      be.adamwStep(p + off, g + off, s0! + off, s1! + off, ageAt, seg.n, lr, o.beta1, o.beta2, o.eps, seg.wd, bc1, bc2);
+      const decayEnd = seg.wd === 0 ? 0 : seg.n;
+      const [b1, b2] = [o.beta1, o.beta2];
+      be.adamwStep(
+        p + off,
+        g + off,
+        s0! + off,
+        s1! + off,
+        ageAt,
+        seg.n,
+        decayEnd,
+        lr,
+        b1,
+        b2,
+        o.eps,
+        seg.wd,
+        bc1,
+        bc2,
+        1,
+      );
     }
   }
 

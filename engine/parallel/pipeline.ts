@@ -203,9 +203,8 @@ export class PipelineStage {
     await waited(Promise.all(sends));
     const { gradNorm, loss, globalLoss } = await this.#agree(step, losses, weight);
     if (!Number.isFinite(globalLoss)) throw new NonFiniteLossError(step, globalLoss);
-    const factor = clipFactor(gradNorm, this.#o.gradClip);
-    if (factor !== 1) ctx.backend.scale(model.store.grads.ptr, model.store.slabNumel, factor);
-    this.#o.optimizer.step(lr);
+    // the clip's factor goes into the optimizer's pass
+    this.#o.optimizer.step(lr, clipFactor(gradNorm, this.#o.gradClip));
     return {
       loss,
       globalLoss,

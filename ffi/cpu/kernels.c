@@ -957,14 +957,18 @@ void mt_sgd_step_f32(float* param, const float* grad, float* mom, int64_t n, flo
   for (int64_t i = 0; i < n; i++) mt_sgd_update(param, grad, mom, i, lr, momentum, dampening, weight_decay, nesterov, first);
 }
 
-// param, grad, m, v (n), age (n, or null: see mt_adamw_update). Decoupled weight decay:
-// p *= 1 - lr wd; then the Adam step with bias corrections bc1 = 1 - beta1^t, bc2 = 1 - beta2^t.
-void mt_adamw_step_f32(float* param, const float* grad, float* m, float* v, float* age, int64_t n, float lr,
-                       float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2) {
+// param, grad, m, v (n), age (n, or null: see mt_adamw_update). Decoupled weight decay on the
+// first decay_end elements: p *= 1 - lr wd; then the Adam step with bias corrections
+// bc1 = 1 - beta1^t, bc2 = 1 - beta2^t, on the gradient times grad_scale (the clip's factor).
+void mt_adamw_step_f32(float* param, const float* grad, float* m, float* v, float* age, int64_t n, int64_t decay_end,
+                       float lr, float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2,
+                       float grad_scale) {
   const float decay = 1.0f - lr * weight_decay;
   const float inv_bc1 = 1.0f / bc1, inv_sqrt_bc2 = 1.0f / sqrtf(bc2);
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-  for (int64_t i = 0; i < n; i++) mt_adamw_update(param, grad, m, v, age, i, lr, beta1, beta2, eps, decay, inv_bc1, inv_sqrt_bc2);
+  for (int64_t i = 0; i < n; i++)
+    mt_adamw_update(param, grad, m, v, age, i, lr, beta1, beta2, eps, i < decay_end ? decay : 1.0f, inv_bc1,
+                    inv_sqrt_bc2, grad_scale);
 }
 
 // ---------------------------------------------------------------------------------------------

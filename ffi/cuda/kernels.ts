@@ -639,7 +639,23 @@ export const plans = {
       first ? 1 : 0,
     ]);
   },
-  adamwStep(param, grad, m, v, age, n, lr, beta1, beta2, eps, weightDecay, biasCorrection1, biasCorrection2): Launch[] {
+  adamwStep(
+    param,
+    grad,
+    m,
+    v,
+    age,
+    n,
+    decayEnd,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weightDecay,
+    biasCorrection1,
+    biasCorrection2,
+    gradScale,
+  ): Launch[] {
     return elementwise("mt_adamw_step_f32", n, [
       param,
       grad,
@@ -647,6 +663,7 @@ export const plans = {
       v,
       age,
       n,
+      decayEnd,
       lr,
       beta1,
       beta2,
@@ -654,6 +671,7 @@ export const plans = {
       weightDecay,
       biasCorrection1,
       biasCorrection2,
+      gradScale,
     ]);
   },
 

@@ -167,6 +167,38 @@ describe("AdamW (torch.optim.AdamW rules)", () => {
     });
     expect(opt.stepCount).toBe(3);
   });
+
+  test("the whole slab (w decayed, b not) is one launch, and a clip factor folded in equals the gradients scaled first", () => {
+    const launches: number[] = [];
+    let decayed = 0;
+    const run = (fold: boolean) => {
+      const ctx = newContext();
+      const { store, setGrads, values } = tinyStore(ctx);
+      const adamwStep = ctx.backend.adamwStep.bind(ctx.backend);
+      ctx.backend.adamwStep = (...args: Parameters<typeof adamwStep>) => {
+        launches.push(args[6]); // decayEnd
+        adamwStep(...args);
+      };
+      decayed = store.decayRange.numel;
+      const opt = new AdamW(ctx, store, { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.1 });
+      for (const [i, g] of grads.entries()) {
+        setGrads(g.w, g.b);
+        const factor = 0.25 * (i + 1);
+        if (fold) opt.step(0.01, factor);
+        else {
+          ctx.backend.scale(store.grads.ptr, store.slabNumel, factor);
+          opt.step(0.01);
+        }
+      }
+      ctx.backend.adamwStep = adamwStep;
+      return [...values().w, ...values().b];
+    };
+    const folded = run(true);
+    // one launch a step, weight decay on the decayed prefix (w, padded), none on the rest (b)
+    expect(launches).toEqual([decayed, decayed, decayed]);
+    expect(decayed).toBeGreaterThanOrEqual(3);
+    expect(run(false)).toEqual(folded);
+  });
 });
 
 describe("AdamW for sparse (top-k) gradients: a gradient after tau steps counts as tau steps of its mean", () => {

@@ -248,7 +248,7 @@ describe.skipIf(skip("nvcc", nvcc === null ? "no nvcc to build the PTX kernels (
       ["stridedCopy", [P, d4(24, 12, 4, 1), Q, d4(1, 2, 6, 24), d4(2, 3, 4, 5), true]],
       ["sum", [P, Q, 100000]],
       ["sgdStep", [P, Q, R, 4096, 0.05, 0.9, 0, 5e-4, true, false]],
-      ["adamwStep", [P, Q, R, S, 0, 4096, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.1, 0.001]],
+      ["adamwStep", [P, Q, R, S, 0, 4096, 2048, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.1, 0.001, 0.5]],
       ["castF32ToBF16", [P, Q, 4097]],
       ["castBF16ToF32", [P, Q, 4097]],
       ["castF32ToF16", [P, Q, 4097]],

@@ -834,8 +834,8 @@ function optimizerTests(): void {
       [mc, me] = twin(normals(n, 0.1));
     const [vc, ve] = twin(Float32Array.from(normals(n, 0.1), Math.abs));
     const [bc1, bc2] = [1 - 0.9 ** 3, 1 - 0.999 ** 3];
-    be.adamwStep(pc, gc, mc, vc, 0, n, 1e-3, 0.9, 0.999, 1e-8, 0.1, bc1, bc2);
-    runPlan("adamwStep", plans.adamwStep(pe, ge, me, ve, 0, n, 1e-3, 0.9, 0.999, 1e-8, 0.1, bc1, bc2));
+    be.adamwStep(pc, gc, mc, vc, 0, n, n >> 1, 1e-3, 0.9, 0.999, 1e-8, 0.1, bc1, bc2, 0.75);
+    runPlan("adamwStep", plans.adamwStep(pe, ge, me, ve, 0, n, n >> 1, 1e-3, 0.9, 0.999, 1e-8, 0.1, bc1, bc2, 0.75));
     expectClose("adamw param", readF32(pe, n), readF32(pc, n));
     expectClose("adamw m", readF32(me, n), readF32(mc, n));
     expectClose("adamw v", readF32(ve, n), readF32(vc, n));
@@ -843,8 +843,8 @@ function optimizerTests(): void {
     const sparseGrad = normals(n).map((x, i) => (i % 3 === 0 ? 0 : x));
     const [sgc, sge] = twin(sparseGrad),
       [ac, ae] = twin(Float32Array.from({ length: n }, (_, i) => i % 5));
-    be.adamwStep(pc, sgc, mc, vc, ac, n, 1e-3, 0.9, 0.999, 1e-8, 0.1, bc1, bc2);
-    runPlan("adamwStep", plans.adamwStep(pe, sge, me, ve, ae, n, 1e-3, 0.9, 0.999, 1e-8, 0.1, bc1, bc2));
+    be.adamwStep(pc, sgc, mc, vc, ac, n, n, 1e-3, 0.9, 0.999, 1e-8, 0.1, bc1, bc2, 1);
+    runPlan("adamwStep", plans.adamwStep(pe, sge, me, ve, ae, n, n, 1e-3, 0.9, 0.999, 1e-8, 0.1, bc1, bc2, 1));
     for (const [what, e, c] of [
       ["param", pe, pc],
       ["m", me, mc],
