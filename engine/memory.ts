@@ -33,7 +33,9 @@ export interface GptMemory {
   activationsSaved: number;
   /** the most a training pass holds at once (forward's saved tensors plus backward's peak) */
   activationsPeak: number;
-  /** parameters + gradients + optimizer + activationsPeak */
+  /** under autocast, the parameters' 2-byte copy the GEMMs read (cast once a step; engine/params.ts) */
+  weightCopies: number;
+  /** parameters + gradients + optimizer + weightCopies + activationsPeak */
   total: number;
 }
 
@@ -67,17 +69,16 @@ export function gptActivationTerms(config: GptConfig, o: GptMemoryOptions): GptA
   // sum, ln_2's output, c_fc's pre-activation and its GELU (64 BTC), LayerNorms' mean and rstd and
   // attention's log-sum-exp (4 BT + B H T). Under autocast (bf16 activations, engine/mixed.ts)
   // all but x and the residual sum are stored in the 2-byte type: 4 + 2 + 6 + 2 + 4 + 2 + 8 + 8 =
-  // 36 BTC, and each layer's weights are copied to 2 bytes for its pass (24 C^2). Cut over R
+  // 36 BTC (the weights' 2-byte copy is outside the pass: gptMemory's weightCopies). Cut over R
   // tensor ranks (forwardAsync, which keeps the replicated LayerNorm outputs in f32 and copies
-  // them for the GEMMs), qkv, attention's output and the MLP's 4C are 1/R on a rank, as are the
-  // weights; x, the LayerNorms' outputs and the residual sum are whole.
+  // them for the GEMMs), qkv, attention's output and the MLP's 4C are 1/R on a rank; x, the
+  // LayerNorms' outputs and the residual sum are whole.
   const stats = 4 * (4 * BT + (B * H * T) / R);
-  const layerWeights16 = (2 * 12 * C * C) / R;
   const perLayerBTC = !half ? 16 + 48 / R : R === 1 ? 36 : 12 + 32 / R;
-  const perLayer = perLayerBTC * BTC + stats + (half ? layerWeights16 : 0);
-  // the head: the last block's output, ln_f's output (bf16 under autocast, with the tied
-  // embedding's 2-byte copy), its mean and rstd, the logits (bf16 under autocast), the loss's lse
-  const head = 4 * BTC + (half ? 2 * BTC + 2 * V * C : 4 * BTC) + 4 * (2 * BT) + (half ? 2 : 4) * BTV + 4 * BT;
+  const perLayer = perLayerBTC * BTC + stats;
+  // the head: the last block's output, ln_f's output (bf16 under autocast), its mean and rstd,
+  // the logits (bf16 under autocast), the loss's lse
+  const head = 4 * BTC + (half ? 2 * BTC : 4 * BTC) + 4 * (2 * BT) + (half ? 2 : 4) * BTV + 4 * BT;
   // backward's peak above what forward kept, at one of two places:
   // - the head: ln_f output's gradient (2 bytes under autocast; the logits' gradient is written
   //   over the logits, in their type);
@@ -86,20 +87,16 @@ export function gptActivationTerms(config: GptConfig, o: GptMemoryOptions): GptA
   //   and the add's copy of it (8), the GELU output's gradient (8; f32 16) and the output
   //   gradient's 2-byte copy (2)
   const headExtra = (half ? 2 : 4) * BTC;
-  const mlpExtra = !half
-    ? 16 * BTC - 4 * BTV
-    : R === 1
-      ? 12 * BTC - 2 * BTV - 2 * V * C - 12 * BT
-      : 34 * BTC - 2 * BTV - 2 * V * C - 8 * C * C;
+  const mlpExtra = !half ? 16 * BTC - 4 * BTV : R === 1 ? 12 * BTC - 2 * BTV - 12 * BT : 34 * BTC - 2 * BTV;
   // recomputation: one block's forward again (its output too) and its c_proj backward
-  const replayInner = !half ? 40 * BTC - 16 * BTC : R === 1 ? 18 * BTC : 48 * BTC - 8 * BTC - 8 * C * C;
+  const replayInner = !half ? 40 * BTC - 16 * BTC : R === 1 ? 18 * BTC : 48 * BTC - 8 * BTC;
   return { perLayer, head, headExtra, mlpExtra, replay: perLayer, replayInner, BTC };
 }
 
 /**
  * The count, term by term (docs/MEMORY.md says where each comes from). Under bf16/f16 autocast
- * the activations that only GEMMs and attention read are stored in the 2-byte type, and each
- * layer's weights are copied to 2 bytes for its pass.
+ * the activations that only GEMMs and attention read are stored in the 2-byte type, and the
+ * parameters have a 2-byte copy beside them (cast once a step), outside the pass's memory.
  */
 export function gptMemory(config: GptConfig, o: GptMemoryOptions): GptMemory {
   const L = config.nLayer;
@@ -120,13 +117,15 @@ export function gptMemory(config: GptConfig, o: GptMemoryOptions): GptMemory {
   const parameters = 4 * P;
   const gradients = 4 * P;
   const optimizer = (o.optimizer === "adamw" ? 8 : 4) * P;
+  const weightCopies = o.precision === "bf16" || o.precision === "f16" ? 2 * P : 0;
   return {
     parameters,
     gradients,
     optimizer,
     activationsSaved: saved,
     activationsPeak: peak,
-    total: parameters + gradients + optimizer + peak,
+    weightCopies,
+    total: parameters + gradients + optimizer + weightCopies + peak,
   };
 }
 
@@ -164,6 +163,8 @@ export interface RankMemory {
   activations: number;
   /** ZeRO stage 3: parameters gathered at once (a block, the next one prefetched, the embedding) */
   gathered: number;
+  /** under autocast, the parameters' 2-byte copy the GEMMs read (cast once a step) */
+  weightCopies: number;
   device: number;
   /** offload: the f32 master parameters, gradients and optimizer state the host updates */
   hostOptimizer: number;
@@ -189,6 +190,8 @@ export interface RankModelState {
   activations: number;
   /** stage 3: the bytes gathered at once */
   gatheredBytes: number;
+  /** the 2-byte weight copy per parameter: 2 under bf16/f16 autocast, else 0 (default 0) */
+  weightCopyBytesPerParam?: number;
 }
 
 /**
@@ -212,13 +215,16 @@ export function rankMemory(s: RankModelState): RankMemory {
   const hostOptimizer = s.offload ? ((4 + 4) * P) / (zero >= 1 ? N : 1) + optimizerAll : 0;
   const hostBuffers = s.mode === "allreduce" && N > 1 ? 4 * P * (s.compressed ? 2 : 1) : 0;
   const gathered = zero >= 3 ? s.gatheredBytes : 0;
-  const device = parameters + gradients + optimizer + s.activations + gathered;
+  // stage 3 binds the parameters to gathered buffers: their copies are made per op, in the pass
+  const weightCopies = zero >= 3 ? 0 : (s.weightCopyBytesPerParam ?? 0) * P;
+  const device = parameters + gradients + optimizer + s.activations + gathered + weightCopies;
   return {
     parameters: Math.round(parameters),
     gradients: Math.round(gradients),
     optimizer: Math.round(optimizer),
     activations: s.activations,
     gathered,
+    weightCopies,
     device: Math.round(device),
     hostOptimizer,
     hostBuffers,

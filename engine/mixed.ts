@@ -4,8 +4,9 @@
 //   f32   plain f32 GEMMs (the default)
 //   tf32  f32 tensors, multiply inputs rounded to TF32 on tensor cores (f32 on a CPU)
 //   bf16  autocast: matmul casts a and b to bf16 arena copies and runs a bf16 gemm; its backward
-//         casts dout once and reuses those copies. Accumulation is f32, into f32 outputs and
-//         gradients.
+//         casts dout once and reuses those copies. A parameter's copy is a view into its store's
+//         bf16 copy of the whole slab, cast once per optimizer step (engine/params.ts
+//         weightCopy). Accumulation is f32, into f32 outputs and gradients.
 //   f16   as bf16, with f16 copies. f16's 5-bit exponent flushes small gradients to zero, so
 //         a training step with f16 scales the loss (engine/optim/loss-scale.ts).
 // Attention's batched GEMMs (engine/ops/attention.ts) follow the same rule. Parameters stay f32

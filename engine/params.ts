@@ -179,6 +179,19 @@ function drawInit(view: Float32Array, init: Init, rng: Rng): void {
   }
 }
 
+/** A store's parameter tensors bound to its slab -> the store and their entry (weightCopy). */
+const slabParams = new WeakMap<Tensor, { store: ParamStore; entry: ParamEntry }>();
+
+/**
+ * The 2-byte copy of parameter t that autocast GEMMs read (engine/mixed.ts), as a view into its
+ * store's copy of the whole slab; null for a tensor that is not a parameter bound to its store's
+ * slab (ZeRO stage 3 binds parameters to gathered buffers: their copies are made per op).
+ */
+export function weightCopy(t: Tensor, dtype: "bf16" | "f16"): Tensor | null {
+  const at = slabParams.get(t);
+  return at === undefined ? null : at.store.weightCopy(at.entry, t, dtype);
+}
+
 export class ParamStore {
   readonly entries: readonly ParamEntry[];
   /** total slab length in elements, padding included */
@@ -195,6 +208,8 @@ export class ParamStore {
   readonly #byName = new Map<string, ParamEntry>();
   readonly #paramByName = new Map<string, Param>();
   readonly #params: readonly Param[];
+  /** the 2-byte copy of the slab autocast GEMMs read, cast at the context's weightCopySerial */
+  #copy: { dtype: "bf16" | "f16"; allocation: Allocation; serial: number; views: Map<string, Tensor> } | null = null;
 
   /** bind: point the Params at this store's views (false: a mirror, whose Params stay where they are) */
   private constructor(ctx: Context, params: readonly Param[], bind = true) {
@@ -218,6 +233,7 @@ export class ParamStore {
       t.name = e.name;
       t.bindGrad(ctx.persistentTensor(e.shape, "f32", this.#grads.ptr + e.offset * 4, false));
       if (bind) byName.get(e.name)!.bind(t);
+      slabParams.set(t, { store: this, entry: e });
     }
   }
 
@@ -230,6 +246,42 @@ export class ParamStore {
     const m = new ParamStore(ctx, this.#params, false);
     m.writeValues(this.readValues());
     return m;
+  }
+
+  /**
+   * Entry e's view in the 2-byte copy of the whole slab, which one cast makes when the context's
+   * weightCopySerial has moved since the last (Context.newPass moves it, except between the
+   * micro-batches of one step: once per optimizer step, and whatever wrote the parameters between
+   * steps is seen). null where t no longer points into this store's slab.
+   */
+  weightCopy(e: ParamEntry, t: Tensor, dtype: "bf16" | "f16"): Tensor | null {
+    const ctx = this.#ctx;
+    const values = this.#values;
+    if (values === null || t.ctx !== ctx || t.ptr !== values.ptr + e.offset * 4) return null;
+    let copy = this.#copy;
+    if (copy === null) {
+      copy = { dtype, allocation: ctx.allocPersistent(this.slabNumel * 2), serial: -1, views: new Map() };
+      this.#copy = copy;
+    } else if (copy.dtype !== dtype) {
+      // a context whose precision changed: the same bytes, the other type
+      Object.assign(copy, { dtype, serial: -1, views: new Map() });
+    }
+    if (copy.serial !== ctx.weightCopySerial) {
+      const cast = dtype === "bf16" ? ctx.backend.castF32ToBF16 : ctx.backend.castF32ToF16;
+      cast.call(ctx.backend, copy.allocation.ptr, values.ptr, this.slabNumel);
+      copy.serial = ctx.weightCopySerial;
+    }
+    let view = copy.views.get(e.name);
+    if (view === undefined) {
+      view = ctx.persistentTensor(e.shape, dtype, copy.allocation.ptr + e.offset * 2, false);
+      copy.views.set(e.name, view);
+    }
+    return view;
+  }
+
+  /** Bytes of the 2-byte weight copy (0 until autocast first reads it). */
+  get weightCopyBytes(): number {
+    return this.#copy?.allocation.bytes ?? 0;
   }
 
   /** Allocate the slabs, bind every Param to its view, and initialize from seed. */

@@ -490,11 +490,21 @@ export class Context {
       throw new EngineError("newPass: inside another pass (inPass); close that pass instead");
     this.#own.tape.length = 0;
     this.#own.arena.reset();
+    if (!this.keepWeightCopies) this.weightCopySerial++;
   }
+
+  /**
+   * The parameters' 2-byte copies (engine/params.ts weightCopy) are cast again in a pass whose
+   * serial differs from the one they were cast at: every new pass moves it, unless
+   * keepWeightCopies says that no parameter was written since (a step's later micro-batches).
+   */
+  weightCopySerial = 0;
+  keepWeightCopies = false;
 
   /** A pass of its own memory and tape, beside the context's (a pipeline stage's micro-batch):
    *  ops run in it inside inPass(), and its memory lives until closePass(). */
   openPass(): Pass {
+    if (!this.keepWeightCopies) this.weightCopySerial++;
     const pass = this.#idle.pop() ?? new Pass(this.backend);
     this.#open.add(pass);
     return pass;

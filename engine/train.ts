@@ -145,11 +145,17 @@ export function lossAndGradients(
   const dloss = (scaler?.scale ?? 1) / k;
   store.zeroGrad();
   const losses = new LossSlots(ctx, k);
-  micro.forEach((b, i) => {
-    const l = forwardPass(ctx, model, b);
-    ctx.backward(l, dloss);
-    losses.keep(i, l);
-  });
+  try {
+    micro.forEach((b, i) => {
+      // the parameters' 2-byte copies are cast in the first micro-batch's pass and read by the rest
+      ctx.keepWeightCopies = i > 0;
+      const l = forwardPass(ctx, model, b);
+      ctx.backward(l, dloss);
+      losses.keep(i, l);
+    });
+  } finally {
+    ctx.keepWeightCopies = false;
+  }
   // stop before the update: the parameters stay as they were at the last good step (the
   // gradient slab holds what backward made of the bad loss; the next call zeroes it)
   const loss = losses.mean(step, true);

@@ -117,6 +117,8 @@ function trainerPlans(cfg: JobConfig, V: number): RankPlan[] {
     zero: cfg.zero,
     offload: cfg.offload === "optimizer",
     compressed: cfg.compress !== "none",
+    // under autocast the GEMMs read a 2-byte copy of the parameters, cast once a step
+    weightCopyBytesPerParam: precision === "bf16" || precision === "f16" ? 2 : 0,
   } as const;
   const m = cfg.model;
   if (m.kind === "mlp") {
@@ -271,6 +273,7 @@ function planLines(cfg: JobConfig, p: JobPlan, V: number): string[] {
       `gradients ${f(t.gradients)}`,
       `optimizer ${f(t.optimizer)}`,
       `activations ${f(t.activations)}`,
+      ...(t.weightCopies > 0 ? [`weight copies ${f(t.weightCopies)}`] : []),
       ...(t.gathered > 0 ? [`gathered ${f(t.gathered)}`] : []),
     ];
     const host =

@@ -13,6 +13,7 @@ import type { Backend, DType, GemmEpilogue, GemmInput, GemmOutput, Ptr } from ".
 import { ShapeError } from "../errors.ts";
 import { autocastDType } from "../mixed.ts";
 import { castCopy } from "./cast.ts";
+import { weightCopy } from "../params.ts";
 import { numelOf, type Tensor } from "../tensor.ts";
 import { checkActivationDType, checkInputs, checkOutDType } from "./check.ts";
 
@@ -99,9 +100,10 @@ export function gemm(
 }
 
 /** What a GEMM of this precision reads of t: t itself (f32 GEMMs, or t already in the autocast
- *  type), or a 2-byte autocast copy. */
+ *  type), a parameter's view into its store's 2-byte copy (cast once per step, engine/params.ts
+ *  weightCopy), or a 2-byte autocast copy made now. */
 export const gemmOperand = (t: Tensor, half: "bf16" | "f16" | null): Tensor =>
-  half === null || t.dtype === half ? t : castCopy(t, half);
+  half === null || t.dtype === half ? t : (weightCopy(t, half) ?? castCopy(t, half));
 
 /** What a GEMM that writes a tensor's gradient writes: its type (a bf16 activation's is bf16). */
 export const gradOutput = (t: Tensor): GemmOutput => t.dtype as GemmOutput;

@@ -143,6 +143,7 @@ function initShape(o: GptRunOptions, vocabSize: number): Pick<GptConfig, "blockS
 export function memoryLine(m: GptMemory): string {
   return (
     `memory: parameters ${formatBytes(m.parameters)} + gradients ${formatBytes(m.gradients)} + AdamW ${formatBytes(m.optimizer)} ` +
+    (m.weightCopies > 0 ? `+ their 2-byte copy ${formatBytes(m.weightCopies)} ` : "") +
     `+ activations ${formatBytes(m.activationsPeak)} at a pass's peak = ${formatBytes(m.total)} (predicted)`
   );
 }

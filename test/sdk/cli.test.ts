@@ -405,7 +405,7 @@ describe("plan: each trainer's memory before anything starts", () => {
     expect(r.code).toBe(0);
     expect(r.out).toContain("plan: gpt L12 H12 C768 T1024 V83, 4 trainers, allreduce, ZeRO 0, bf16, micro-batch 8");
     expect(r.out).toMatch(
-      /trainers \(4\): parameters [\d.]+ MiB \+ gradients [\d.]+ MiB \+ optimizer [\d.]+ MiB \+ activations [\d.]+ GiB = [\d.]+ GiB on the device/,
+      /trainers \(4\): parameters [\d.]+ MiB \+ gradients [\d.]+ MiB \+ optimizer [\d.]+ MiB \+ activations [\d.]+ GiB \+ weight copies [\d.]+ MiB = [\d.]+ GiB on the device/,
     );
     expect(r.out).toMatch(/^fits: the most a trainer holds, [\d.]+ GiB, against 80.0 GiB a GPU \(--device-memory\)$/m);
   });
