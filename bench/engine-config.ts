@@ -19,7 +19,7 @@ import { type GptConfig, GptModel } from "../engine/models/gpt.ts";
 import { AdamW, adamwDefaults } from "../engine/optim/adamw.ts";
 import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/tensor.ts";
-import { type HostBatch, TrainStep } from "../engine/train.ts";
+import { forwardPass, type HostBatch, TrainStep } from "../engine/train.ts";
 import { median, printTable, round } from "./table.ts";
 import {
   bf16PeakFlops,
@@ -143,6 +143,8 @@ interface StepCost {
   peak_tflops: number | null;
   host_issue_ms: number;
   host_calls: number;
+  /** GPU only: forward+backward from an idle GPU against queued behind a hold (launchExposure) */
+  launch_exposed?: { ms: number; share_pct: number; forward_backward_ms: number; gpu_only_ms: number };
 }
 
 export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions): object {
@@ -156,7 +158,7 @@ export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions):
   const profiler = o.profile ? new Profiler(meter.backend) : null;
   const ctx = new Context(profiler?.backend ?? meter.backend, { seed: 1, precision: o.precision });
   if (profiler !== null) trackPhases(ctx, profiler);
-  const timeStep = gptStepTimer(be, ctx, config, B);
+  const { timeStep, forwardBackward } = gptStepTimer(be, ctx, config, B);
   // the first step allocates (the arena's chunks, the optimizer's state); the second runs as all later ones
   for (let i = 0; i < 2; i++) timeStep();
   const stepMs = median(Array.from({ length: o.steps }, timeStep));
@@ -179,6 +181,15 @@ export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions):
   const hostStepMs = timeStep();
   meter.on = false;
   const cost = stepCost(be, config, B, o.precision, hostStepMs, meter.read());
+  if (be instanceof CudaBackend) {
+    const e = launchExposure(be, forwardBackward);
+    cost.launch_exposed = {
+      ms: round(e.exposedMs, 2),
+      share_pct: round((100 * e.exposedMs) / stepMs, 1),
+      forward_backward_ms: round(e.wallMs, 2),
+      gpu_only_ms: round(e.gpuMs, 2),
+    };
+  }
   const profile = profiler === null ? [] : profileSteps(profiler, timeStep, o.steps, config, B, devicePeaks(be));
   ctx.dispose();
   const torch = o.torch ? torchRows(be, o, B) : [];
@@ -199,7 +210,12 @@ export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions):
 
 /** The GPT of `config` with AdamW (clip 1.0) on one fixed random batch of `B` windows; returns a
  *  function that times one training step of it (ms, between synchronizes of `be`). */
-function gptStepTimer(be: Backend, ctx: Context, config: GptConfig, B: number): () => number {
+function gptStepTimer(
+  be: Backend,
+  ctx: Context,
+  config: GptConfig,
+  B: number,
+): { timeStep: () => number; forwardBackward: () => void } {
   const T = config.blockSize;
   const model = new GptModel(ctx, config, 1);
   const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { ...adamwDefaults, weightDecay: 0.1 }), {
@@ -215,13 +231,45 @@ function gptStepTimer(be: Backend, ctx: Context, config: GptConfig, B: number): 
     targets: Int32Array.from({ length: B * T }, () => rng.int(config.vocabSize)),
     targetShape: [B, T],
   };
-  return () => {
+  return {
+    timeStep: () => {
+      be.synchronize();
+      const t = performance.now();
+      trainer.run([batch]);
+      be.synchronize();
+      return performance.now() - t;
+    },
+    // a step's forward and backward alone (no read-back inside: they queue without waiting)
+    forwardBackward: () => ctx.backward(forwardPass(ctx, model, batch)),
+  };
+}
+
+/**
+ * What launching costs the step on a GPU: its forward and backward timed from an idle GPU (the
+ * host queues while the GPU runs, and the GPU waits wherever the host falls behind), against the
+ * GPU's own time for the same work queued behind a hold (CudaBackend.timeQueued: the host has
+ * queued it all before the GPU starts, so nothing waits on the host). The difference is the
+ * launch cost the step exposes there; the update after (two launches past a read-back) adds
+ * at most the host's time issuing them.
+ */
+export function launchExposure(be: CudaBackend, forwardBackward: () => void, reps = 3) {
+  const wall: number[] = [];
+  const gpu: number[] = [];
+  let host = 0;
+  for (let i = 0; i < reps; i++) {
     be.synchronize();
     const t = performance.now();
-    trainer.run([batch]);
+    forwardBackward();
     be.synchronize();
-    return performance.now() - t;
-  };
+    const w = performance.now() - t;
+    wall.push(w);
+    // hold long enough for the host to queue it all (it took at most w above)
+    const q = be.timeQueued(Math.max(20, 3 * w), forwardBackward);
+    gpu.push(q.gpuMs);
+    host = Math.max(host, q.hostMs);
+  }
+  const [wallMs, gpuMs] = [median(wall), median(gpu)];
+  return { wallMs, gpuMs, exposedMs: Math.max(0, wallMs - gpuMs), hostMs: host };
 }
 
 /** What one more step queues on a CUDA backend (null on the CPU). */
@@ -322,6 +370,13 @@ function printStepCost(
       `host time issuing a step: ${c.host_issue_ms} ms in ${c.host_calls} backend calls (${round((100 * c.host_issue_ms) / stepMs, 1)}% of the ${stepMs} ms step; ` +
         "the GPU runs the queue meanwhile, so this is what launching costs at most)",
     );
+  if (c.launch_exposed !== undefined) {
+    const e = c.launch_exposed;
+    console.log(
+      `launch cost exposed: ${e.ms} ms, ${e.share_pct}% of the step (forward+backward ${e.forward_backward_ms} ms from an idle GPU, ` +
+        `${e.gpu_only_ms} ms with all of it queued before the GPU starts)`,
+    );
+  }
 }
 
 /** The table of ours (first in `rows`) and PyTorch's, ours against each PyTorch, and --profile's table. */

@@ -261,6 +261,36 @@ export class CudaBackend implements Backend {
     };
   }
 
+  /**
+   * Queues a kernel that keeps the stream busy for `ms` (one thread watching the GPU's timer):
+   * what is queued behind it runs back to back, with no wait on the host. Returns timing events
+   * recorded after the hold and after the work `queue` adds; elapsedMs of the pair is the GPU's
+   * own time for that work. The host must finish queuing within the hold (hostMs says how long it took).
+   */
+  timeQueued(ms: number, queue: () => void): { gpuMs: number; hostMs: number } {
+    const d = this.#d;
+    const [start, end] = [d.eventCreate(0), d.eventCreate(0)];
+    try {
+      this.#launch({
+        kernel: "mt_hold_ns",
+        grid: [1, 1, 1],
+        block: [32, 1, 1],
+        sharedBytes: 0,
+        args: [Math.round(ms * 1e6)],
+      });
+      d.eventRecord(start, this.#stream);
+      const t = performance.now();
+      queue();
+      const hostMs = performance.now() - t;
+      d.eventRecord(end, this.#stream);
+      d.eventSynchronize(end);
+      return { gpuMs: d.eventElapsedMs(start, end), hostMs };
+    } finally {
+      d.eventDestroy(start);
+      d.eventDestroy(end);
+    }
+  }
+
   /** the stream every operation runs on (for NCCL collectives that must join it) */
   get stream(): bigint {
     return this.#stream;

@@ -119,6 +119,7 @@ export const kernelSpecs = {
   mt_count_nonfinite_partial_f32: { module: "reduce", params: unary },
   mt_sum_partials_f64: { module: "reduce", params: unary },
   mt_sum_partials_i64: { module: "reduce", params: unary },
+  mt_hold_ns: { module: "reduce", params: ["i64"] },
   ...opKernels("optim", ["sgdStep", "adamwStep"]),
   ...opKernels("casts", ["castF32ToBF16", "castBF16ToF32", "castF32ToF16", "castF16ToF32"]),
   mt_accumulate_elem: { module: "casts", params: ["ptr", "ptr", "i64", "i32"] },

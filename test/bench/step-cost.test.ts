@@ -61,3 +61,34 @@ test("a profiled GPT step on the CPU: every op has a finite rate, or is one meas
   // no device peaks on a CPU
   expect(out.profile.every((r) => r.peak_pct === "-")).toBe(true);
 });
+
+test("launchExposure (emulated CUDA): the work runs once from an idle GPU and once queued behind a hold, timed by events", async () => {
+  const { emulatedCuda } = await import("../helpers/emulated-cuda.ts");
+  const { launchExposure } = await import("../../bench/engine-config.ts");
+  const emulated = await emulatedCuda();
+  if (!emulated.ok) {
+    console.log(`skipped: ${emulated.reason}`);
+    return;
+  }
+  const be = emulated.backendWith({});
+  const x = be.alloc(4 * 1024);
+  let calls = 0;
+  emulated.timeline.reset();
+  const e = launchExposure(
+    be,
+    () => {
+      calls++;
+      for (let i = 0; i < 4; i++) be.add(x.ptr, x.ptr, x.ptr, 1024);
+    },
+    2,
+  );
+  expect(calls).toBe(4);
+  // each rep: the hold, then the work behind it (fake-cuda.c's events report 1.5 ms apart)
+  const launches = emulated.timeline.launches();
+  expect(launches.filter((k) => k === "mt_hold_ns")).toHaveLength(2);
+  expect(launches.filter((k) => k === "mt_add_f32")).toHaveLength(16);
+  expect(e.gpuMs).toBe(1.5);
+  expect(Number.isFinite(e.wallMs) && e.wallMs >= 0 && e.exposedMs >= 0 && e.hostMs >= 0).toBe(true);
+  be.free(x);
+  be.dispose();
+});

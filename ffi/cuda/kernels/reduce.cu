@@ -66,3 +66,20 @@ mt_column_partials_add_f32(float* out, const float* partials, int64_t splits, in
     out[c] += total;
   }
 }
+
+// Keeps the stream busy for ns nanoseconds of the GPU's global timer (one thread spins), so that
+// work queued behind it runs back to back however slowly the host queued it: bench engine's
+// measure of what kernel launches cost a step. The host emulator has no such timer: it returns.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX) mt_hold_ns(int64_t ns) {
+#ifdef __CUDACC__
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while ((int64_t)(now - start) < ns);
+#else
+  (void)ns;
+#endif
+}
