@@ -9,7 +9,7 @@
 //
 //   bun run bench engine [--device auto|cpu|cuda] [--precision f32|tf32|bf16|f16] [--steps N] [--json-only]
 //   bun run bench engine --config small|nanogpt-char|gpt2-small [--batch N] [--profile] [--no-torch]
-//                        [--attention auto|cudnn|reference] [--torch-modes written,sdpa,compile] [...]
+//                        [--attention auto|cudnn|kernel|reference] [--torch-modes written,sdpa,compile] [...]
 //     one GPT at nanoGPT's shapes against PyTorch on the same shape (bench/engine-config.ts)
 import { join } from "node:path";
 import { type Backend, type GemmDesc, type GemmInput, gemmInputBytes, type Ptr } from "../ffi/backend.ts";

@@ -10,8 +10,9 @@
 #          step with it (no PyTorch rows)
 #   profile  GPT-2 small's and nanoGPT's step with --profile and the work queued per step (no PyTorch),
 #          then the kernels' GPU parity suites
-#   final  issue 34's checks: the GPU suites, GPT-2 small and nanoGPT beside PyTorch, and 150 steps
-#          of GPT-2 small on BPE text with cuDNN's attention and with the reference kernels
+#   final  issue 34's checks: the GPU suites, bench epilogues, GPT-2 small and nanoGPT beside PyTorch
+#          and with --attention kernel, and 150 steps of GPT-2 small on BPE text with cuDNN's
+#          attention, our tensor-core kernels and the reference kernels
 #   epilogues  cuBLASLt's fused bias/GELU/bias-gradient epilogues: their GPU tests and the op and
 #          mixed-precision suites, bench epilogues (fused against GEMM + kernels), GPT-2 small and
 #          nanoGPT beside PyTorch, and GPT-2 small's 150 steps on BPE text
@@ -46,7 +47,7 @@ case "$phase" in
   tests)
     # the emulator suites need no GPU and only spend its time compiling: left out here
     run bun test --timeout=300000 test/ffi/cuda-gpu.test.ts test/ffi/cublas.test.ts test/ffi/cuda-kernels.test.ts \
-      test/dev/nccl/nccl.test.ts test/engine/ops.test.ts test/engine/mixed.test.ts ;;
+      test/dev/nccl/nccl.test.ts test/engine/ops.test.ts test/engine/mixed.test.ts test/ffi/flash.test.ts test/ffi/gemm-epilogue.test.ts ;;
   train)
     run bun sdk/cli.ts train mlp --device cuda --out "$out/mlp.mtm"
     run bun sdk/cli.ts train gpt --device cuda --precision bf16 --max-steps 2000 --out "$out/gpt.mtm" ;;
@@ -78,10 +79,15 @@ case "$phase" in
     # by scripts/device-pack.sh) with cuDNN's attention and with the f32-FMA kernels
     [ -d /tmp/sotu ] || tar -xJf .device/sotu.tar.xz -C /tmp
     run timeout 200 bun test --timeout=150000 test/ffi/cuda-gpu.test.ts test/ffi/cublas.test.ts test/ffi/cuda-kernels.test.ts \
-      test/ffi/cudnn-gpu.test.ts test/engine/ops.test.ts test/engine/mixed.test.ts test/dev/nccl/nccl.test.ts
+      test/ffi/cudnn-gpu.test.ts test/engine/ops.test.ts test/engine/mixed.test.ts test/dev/nccl/nccl.test.ts \
+      test/ffi/flash.test.ts test/ffi/gemm-epilogue.test.ts
+    run timeout 60 bun bench/index.ts epilogues
     run timeout 200 bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 20 --profile --torch-modes sdpa,compile
     run timeout 120 bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 --torch-modes sdpa,compile
-    for a in auto reference; do
+    # our tensor-core attention beside cuDNN's (no PyTorch rows)
+    run timeout 120 bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 10 --attention kernel --no-torch
+    run timeout 90 bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 --attention kernel --no-torch
+    for a in auto kernel reference; do
       run timeout 120 bun sdk/cli.ts train gpt --tokens-dir /tmp/sotu --device cuda --precision bf16 --attention "$a" \
         --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 --batch-size 8 --max-steps 150 --warmup 15 \
         --lr 6e-4 --min-lr 6e-5 --eval-every 150 --eval-batches 16 --sample-chars 0 --out "$out/gpt2-sotu-$a.mtm"

@@ -55,10 +55,12 @@ export function attentionText(c: Pick<JobConfig, "attention" | "precision">, tra
       : `the f32-FMA kernels on GPUs (cuDNN's fused attention needs bf16 or f16, not ${c.precision})`,
     cudnn:
       "cuDNN's fused flash attention on every trainer's GPU (a trainer that cannot run it fails the job, saying why)",
+    kernel: "our tensor-core kernels on every trainer's GPU (a trainer that cannot run them fails the job, saying why)",
     reference: "the f32-FMA kernels on GPUs",
   }[c.attention];
-  // a CPU trainer runs its C kernels, except under cudnn, which it refuses
-  const cpu = trainers === "cuda" || c.attention === "cudnn" ? "" : "; the C kernels on CPU trainers";
+  // a CPU trainer runs its C kernels, except under cudnn and kernel, which it refuses
+  const onGpuOnly = c.attention === "cudnn" || c.attention === "kernel";
+  const cpu = trainers === "cuda" || onGpuOnly ? "" : "; the C kernels on CPU trainers";
   return `${c.attention}: ${gpu}${cpu}; each trainer logs which runs`;
 }
 

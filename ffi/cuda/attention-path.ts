@@ -2,9 +2,13 @@
 //
 //   cudnn      cuDNN's fused flash attention (ffi/cuda/cudnn.ts, graphs in sdpa-graph.ts) on
 //              tensor cores: 2-byte q, k, v (bf16 or f16 autocast), f32 statistics
+//   kernel     our tensor-core kernels (kernels/flash.cu: FlashAttention-2's tiling on mma.sync):
+//              2-byte q, k, v, head sizes 64 and 128; for where cuDNN is missing. Checked in CI
+//              on the host emulator only so far: auto does not pick it until a GPU has run it
 //   reference  the f32-FMA kernels of kernels/attention.cu: any GPU, any precision, and the
 //              numbers the others are checked against
-//   auto       cuDNN where it loads and takes the shape under bf16/f16 autocast, else the kernels
+//   auto       cuDNN where it loads and takes the shape under bf16/f16 autocast, else the
+//              reference kernels
 //
 // The attention op's contract (ffi/ops.ts) holds whichever runs: qkv, out, dout and dqkv of the
 // autocast type, lse f32; backward writes dqkv, or adds into it with `accumulate`. cuDNN reads
@@ -16,7 +20,7 @@
 import type { ElemType, Ptr } from "../backend.ts";
 import { NativeLibraryError } from "../errors.ts";
 import { Cudnn, CudnnUnsupportedError, type CudnnPlan, findCudnn, loadCudnn } from "./cudnn.ts";
-import { accumulatePlan, type Launch } from "./kernels.ts";
+import { accumulatePlan, flashUnsupported, type Launch } from "./kernels.ts";
 import {
   type SdpaShape,
   sdpaBackwardGraph,
@@ -26,7 +30,12 @@ import {
   sdpaUnsupported,
 } from "./sdpa-graph.ts";
 
-export const attentionChoices = ["auto", "cudnn", "reference"] as const;
+export const attentionChoices = ["auto", "cudnn", "kernel", "reference"] as const;
+
+/** --attention kernel asked of inputs the tensor-core kernels do not take. */
+export class KernelUnsupportedError extends Error {
+  override readonly name = "KernelUnsupportedError";
+}
 export type AttentionChoice = (typeof attentionChoices)[number];
 
 /** What the router needs of the backend: stream-ordered scratch memory and kernel launches. */
@@ -77,15 +86,29 @@ export class AttentionRouter {
   describe(elem: ElemType): string {
     const reference = "f32-FMA kernels (reference)";
     if (this.#choice === "reference") return `${reference}, as asked (--attention reference)`;
+    if (this.#choice === "kernel") {
+      return elem === "f32"
+        ? `${reference}: --attention kernel cannot run: it needs bf16 or f16 autocast`
+        : `tensor-core kernels (FlashAttention-2 tiling on mma.sync, ${elem}), as asked (--attention kernel)`;
+    }
     if (elem === "f32") return `${reference}: cuDNN's fused attention needs bf16 or f16 autocast`;
     const cudnn = this.#handle();
     if (typeof cudnn === "string") return `${reference}: ${cudnn}`;
     return `cuDNN ${cudnn.versionText} fused flash attention (${elem} on tensor cores, f32 statistics)`;
   }
 
+  /** Whether the tensor-core kernels run this call (--attention kernel); throws
+   *  KernelUnsupportedError where they cannot. */
+  usesKernel(call: AttentionCall): boolean {
+    if (this.#choice !== "kernel") return false;
+    const why = flashUnsupported(call.C, call.H, call.elem);
+    if (why !== null) throw new KernelUnsupportedError(`--attention kernel: ${why}`);
+    return true;
+  }
+
   /** Whether cuDNN runs this call; throws where --attention cudnn cannot be honoured. */
   usesCudnn(call: AttentionCall): boolean {
-    if (this.#choice === "reference") return false;
+    if (this.#choice === "reference" || this.#choice === "kernel") return false;
     if (call.elem === "f32") {
       if (this.#choice === "cudnn")
         throw new NativeLibraryError("--attention cudnn needs bf16 or f16 autocast (--precision bf16|f16)");

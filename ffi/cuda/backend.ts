@@ -39,7 +39,16 @@ import { CublasLt, findCublasLt, loadCublasLt } from "./cublaslt.ts";
 import { CU_EVENT_DISABLE_TIMING, driver, type Driver, hostBytes } from "./driver.ts";
 import { ensurePtx } from "./build.ts";
 import { type OpDecl, type OpMethods, type OpName, ops } from "../ops.ts";
-import { type KernelName, kernelSpecs, type Launch, planTakesScratch, plans, scratchBytes } from "./kernels.ts";
+import {
+  flashBackward,
+  flashForward,
+  type KernelName,
+  kernelSpecs,
+  type Launch,
+  planTakesScratch,
+  plans,
+  scratchBytes,
+} from "./kernels.ts";
 import { type AttentionChoice, AttentionRouter } from "./attention-path.ts";
 
 export { probeCuda } from "./driver.ts";
@@ -200,8 +209,10 @@ export class CudaBackend implements Backend {
     elem: ElemType,
   ): void {
     // cuDNN where the router runs it, else the kernels
-    if (this.#attention.forward(out, lse, qkv, { B, T, C, H, scale, elem })) return;
-    this.#run(plans.attentionForward(out, lse, qkv, B, T, C, H, scale, elem));
+    const call = { B, T, C, H, scale, elem };
+    if (this.#attention.forward(out, lse, qkv, call)) return;
+    if (this.#attention.usesKernel(call)) this.#run(flashForward(out, lse, qkv, B, T, C, H, scale, elem));
+    else this.#run(plans.attentionForward(out, lse, qkv, B, T, C, H, scale, elem));
   }
 
   attentionBackward(
@@ -219,8 +230,12 @@ export class CudaBackend implements Backend {
     elem: ElemType,
     accumulate: boolean,
   ): void {
-    if (this.#attention.backward(dqkv, dout, out, lse, qkv, { B, T, C, H, scale, elem }, accumulate)) return;
-    this.#run(plans.attentionBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem, accumulate));
+    const call = { B, T, C, H, scale, elem };
+    if (this.#attention.backward(dqkv, dout, out, lse, qkv, call, accumulate)) return;
+    const launches = this.#attention.usesKernel(call)
+      ? flashBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem, accumulate)
+      : plans.attentionBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem, accumulate);
+    this.#run(launches);
   }
 
   describeAttention(elem: ElemType): string {

@@ -41,6 +41,7 @@ const unary = ["ptr", "ptr", "i64"] as const; // out, inp, n
 const reduceBcastParams = ["ptr", "ptr", ...i64x4, ...i64x4, ...i64x4, ...i64x4, ...i64x4] as const;
 // dqkv, delta, dout, lse, qkv; B, T, C, H; scale; elem, accumulate
 const attentionBackwardParams = ["ptr", "ptr", "ptr", "ptr", "ptr", ...i64x4, "f32", "i32", "i32"] as const;
+const flashForwardParams = ["ptr", "ptr", "ptr", ...i64x4, "f32", "i32"] as const;
 
 /** How an op's argument (ffi/ops.ts) reaches a kernel: flags, operators and element types as int32. */
 const paramsOfArg: Readonly<Record<ArgType, readonly ParamType[]>> = {
@@ -113,6 +114,13 @@ export const kernelSpecs = {
   mt_attention_delta_f32: { module: "attention", params: ["ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "i32"] },
   mt_attention_backward_kv_f32: { module: "attention", params: attentionBackwardParams },
   mt_attention_backward_q_f32: { module: "attention", params: attentionBackwardParams },
+  // tensor-core attention (flash.cu), per head size
+  mt_flash_forward_d64: { module: "flash", params: flashForwardParams },
+  mt_flash_forward_d128: { module: "flash", params: flashForwardParams },
+  mt_flash_backward_q_d64: { module: "flash", params: attentionBackwardParams },
+  mt_flash_backward_q_d128: { module: "flash", params: attentionBackwardParams },
+  mt_flash_backward_kv_d64: { module: "flash", params: attentionBackwardParams },
+  mt_flash_backward_kv_d128: { module: "flash", params: attentionBackwardParams },
   ...opKernels("reduce", ["sum"]),
   mt_column_partials_add_f32: { module: "reduce", params: ["ptr", "ptr", "i64", "i64"] },
   mt_sum_squares_partial_f32: { module: "reduce", params: unary },
@@ -290,6 +298,72 @@ function attentionTiles(B: number, T: number, C: number, H: number): number {
 /** A launch over attention tasks (each kernel loops over tasks, so the grid is capped). */
 function attentionLaunch(kernel: KernelName, tasks: number, args: readonly (number | bigint)[]): Launch {
   return launch(kernel, Math.min(gridBlocksMax, tasks), [attentionThreads, 1, 1], args);
+}
+
+/** Head sizes the tensor-core attention of flash.cu is built for. */
+export const flashHeadSizes: readonly number[] = [64, 128];
+const flashRows = 64;
+const flashThreads = 128;
+
+/** Why flash.cu cannot run causal attention on these inputs, or null where it can. */
+export function flashUnsupported(C: number, H: number, elem: ElemType): string | null {
+  if (elem === "f32") return "it runs on 2-byte inputs (bf16 or f16 autocast), and these are f32";
+  if (!(Number.isSafeInteger(H) && H >= 1 && C % H === 0)) return `C=${C} is not a multiple of H=${H}`;
+  if (!flashHeadSizes.includes(C / H))
+    return `it is built for head sizes ${flashHeadSizes.join(" and ")}, not ${C / H}`;
+  return null;
+}
+
+function flashLaunch(kernel: KernelName, B: number, T: number, H: number, args: readonly (number | bigint)[]): Launch {
+  return launch(kernel, Math.min(gridBlocksMax, B * H * Math.ceil(T / flashRows)), [flashThreads, 1, 1], args);
+}
+
+/** Causal attention forward on tensor cores (flash.cu): out and lse from qkv, as attentionForward. */
+export function flashForward(
+  out: Ptr,
+  lse: Ptr,
+  qkv: Ptr,
+  B: number,
+  T: number,
+  C: number,
+  H: number,
+  scale: number,
+  elem: ElemType,
+): Launch[] {
+  const why = flashUnsupported(C, H, elem);
+  if (why !== null) throw new RangeError(`tensor-core attention: ${why}`);
+  if (B * T === 0) return [];
+  const kernel = `mt_flash_forward_d${C / H}` as KernelName;
+  return [flashLaunch(kernel, B, T, H, [out, lse, qkv, B, T, C, H, scale, elemCodes[elem]])];
+}
+
+/** Its backward: the delta pre-pass (attention.cu's), then dk and dv per key tile and dq per query
+ *  tile, each adding into dqkv where `accumulate`. */
+export function flashBackward(
+  dqkv: Ptr,
+  delta: Ptr,
+  dout: Ptr,
+  out: Ptr,
+  lse: Ptr,
+  qkv: Ptr,
+  B: number,
+  T: number,
+  C: number,
+  H: number,
+  scale: number,
+  elem: ElemType,
+  accumulate: boolean,
+): Launch[] {
+  const why = flashUnsupported(C, H, elem);
+  if (why !== null) throw new RangeError(`tensor-core attention: ${why}`);
+  if (B * T === 0) return [];
+  const D = C / H;
+  const args = [dqkv, delta, dout, lse, qkv, B, T, C, H, scale, elemCodes[elem], accumulate ? 1 : 0];
+  return [
+    warpRows("mt_attention_delta_f32", B * H * T, [delta, dout, out, B, T, C, H, elemCodes[elem]]),
+    flashLaunch(`mt_flash_backward_kv_d${D}` as KernelName, B, T, H, args),
+    flashLaunch(`mt_flash_backward_q_d${D}` as KernelName, B, T, H, args),
+  ];
 }
 
 /**

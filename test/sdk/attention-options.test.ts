@@ -31,8 +31,10 @@ describe("the mesh's --attention", () => {
   test("auto unless given; each choice reaches the job config", () => {
     expect(config(...gpt).attention).toBe("auto");
     expect(config("--job", "m").attention).toBe("auto");
+    // a head size of 64, which every choice takes
+    const head64 = ["--n-embd", "128", "--n-head", "2"];
     for (const choice of attentionChoices)
-      expect(config(...gpt, "--precision", "bf16", "--attention", choice).attention).toBe(choice);
+      expect(config(...gpt, ...head64, "--precision", "bf16", "--attention", choice).attention).toBe(choice);
     expect(config(...gpt, "--precision", "f16", "--sync", "allreduce", "--attention", "cudnn").attention).toBe("cudnn");
     expect(config(...gpt, "--attention", "reference").attention).toBe("reference");
   });
@@ -41,7 +43,7 @@ describe("the mesh's --attention", () => {
     expectThrown(
       () => parse(...gpt, "--attention", value),
       CommanderError,
-      `argument '${value}' is invalid. Allowed choices are auto, cudnn, reference.`,
+      `argument '${value}' is invalid. Allowed choices are auto, cudnn, kernel, reference.`,
     );
   });
 
@@ -63,6 +65,22 @@ describe("the mesh's --attention", () => {
     );
     // the kernels take it
     expect(config(...gpt, ...shape.slice(0, -1), "reference").attention).toBe("reference");
+  });
+
+  test("kernel at f32, and for a head size the tensor-core kernels are not built for, is refused with the reason", () => {
+    expectThrown(
+      () => config(...gpt, "--precision", "f32", "--attention", "kernel"),
+      ConfigError,
+      "invalid job config: attention kernel needs bf16 or f16 autocast (--precision bf16 or f16)",
+    );
+    expectThrown(
+      () => config(...gpt, "--n-embd", "40", "--n-head", "2", "--precision", "bf16", "--attention", "kernel"),
+      ConfigError,
+      "it is built for head sizes 64 and 128, not 20",
+    );
+    expect(
+      config(...gpt, "--n-embd", "128", "--n-head", "2", "--precision", "bf16", "--attention", "kernel").attention,
+    ).toBe("kernel");
   });
 
   test("the mlp has no attention: the option is refused for it", () => {

@@ -194,7 +194,7 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     const refused: [string[], string][] = [
       [
         ["train", "gpt", "--attention", "fast"],
-        "error: option '--attention <path>' argument 'fast' is invalid. Allowed choices are auto, cudnn, reference.",
+        "error: option '--attention <path>' argument 'fast' is invalid. Allowed choices are auto, cudnn, kernel, reference.",
       ],
       [
         ["train", "gpt", "--attention", "cudnn", "--device", "cpu"],
@@ -206,7 +206,7 @@ describe("bad input gets one clear error and a non-zero exit", () => {
       ],
       [
         ["run", "--model", "gpt", "--attention", "fast"],
-        "error: option '--attention <path>' argument 'fast' is invalid. Allowed choices are auto, cudnn, reference.",
+        "error: option '--attention <path>' argument 'fast' is invalid. Allowed choices are auto, cudnn, kernel, reference.",
       ],
       [
         ["run", "--model", "gpt", "--attention", "cudnn", "--precision", "tf32"],
