@@ -22,6 +22,8 @@ import {
   plans,
   reduceShape,
   scratchBytes,
+  flashBackward,
+  flashForward,
 } from "../../ffi/cuda/kernels.ts";
 import { type OpDecl, type OpName, ops } from "../../ffi/ops.ts";
 import { NativeLibraryError } from "../../ffi/errors.ts";
@@ -417,6 +419,12 @@ const attentionKernels = new Set<KernelName>([
   "mt_attention_forward_f32",
   "mt_attention_backward_kv_f32",
   "mt_attention_backward_q_f32",
+  "mt_flash_forward_d64",
+  "mt_flash_forward_d128",
+  "mt_flash_backward_q_d64",
+  "mt_flash_backward_q_d128",
+  "mt_flash_backward_kv_d64",
+  "mt_flash_backward_kv_d128",
 ]);
 
 /** Everything wrong with one launch, as readable strings (empty when it is fine). */
@@ -455,6 +463,31 @@ function launchProblems(l: Launch): string[] {
 }
 
 describe("launches", () => {
+  test("the tensor-core attention's launches (flash.cu): known kernels, typed args, 128-thread blocks", () => {
+    const problems: string[] = [];
+    for (const [B, T, C, H] of [
+      [1, 1, 128, 2],
+      [8, 1024, 768, 12],
+      [3, 70, 256, 2],
+    ] as const) {
+      for (const elem of ["bf16", "f16"] as const) {
+        const launches = [
+          ...flashForward(p, p, p, B, T, C, H, 0.125, elem),
+          ...flashBackward(p, p, p, p, p, p, B, T, C, H, 0.125, elem, true),
+        ];
+        expect(launches.map((l): string => l.kernel)).toEqual([
+          `mt_flash_forward_d${C / H}`,
+          "mt_attention_delta_f32",
+          `mt_flash_backward_kv_d${C / H}`,
+          `mt_flash_backward_q_d${C / H}`,
+        ]);
+        for (const l of launches) problems.push(...launchProblems(l));
+      }
+    }
+    expect(problems).toEqual([]);
+    expect(flashForward(p, p, p, 0, 8, 128, 2, 1, "bf16")).toEqual([]);
+  });
+
   test.each([...methods])("%s: known kernels, typed args, legal launch shapes", (method) => {
     const problems: string[] = [];
     for (const args of cases[method]) {
