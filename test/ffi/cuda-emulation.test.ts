@@ -25,6 +25,8 @@ import { dlopen, ptr } from "bun:ffi";
 import type { Allocation, BinaryOp, Dims4, Ptr } from "../../ffi/backend.ts";
 import {
   accumulatePlan,
+  flashBackward,
+  flashForward,
   kernelSpecs,
   type KernelName,
   type Launch,
@@ -748,6 +750,39 @@ function attentionTests(): void {
       const what = `dqkv ${accumulate ? "+=" : "="} (${bytes}-byte)`;
       expectClose(what, readElem(de, nq, elem), readElem(dc, nq, elem), elemTol(elem, elem === "f32" ? 1e-4 : 1e-2));
     }
+  });
+
+  // the tensor-core kernels (flash.cu, --attention kernel) against the CPU's attention: their
+  // products run on the emulator's mma.sync, P and dS rounded to the 2-byte type
+  test.each([
+    [1, 70, 64, 1, "bf16"],
+    [2, 33, 256, 2, "f16"],
+  ] as const)("tensor-core attention forward and backward: B %d T %d C %d H %d %s", (B, T, C, H, elem) => {
+    const scale = 1 / Math.sqrt(C / H);
+    const nq = B * T * 3 * C,
+      no = B * T * C,
+      nl = B * H * T;
+    const [qc, qe] = twinElem(normals(nq), elem),
+      [oc, oe] = outElem(no, elem),
+      [lc, le] = outF32(nl);
+    be.attentionForward(oc, lc, qc, B, T, C, H, scale, elem);
+    runLaunches(flashForward(oe, le, qe, B, T, C, H, scale, elem));
+    const tol = elem === "bf16" ? 2e-2 : 4e-3;
+    expectClose("out", readElem(oe, no, elem), readElem(oc, no, elem), tol);
+    expectClose("lse", readF32(le, nl), readF32(lc, nl), 1e-3);
+    const dout = asElem(normals(no), elem);
+    for (const accumulate of [true, false]) {
+      const [gc, ge] = twin(dout),
+        [dc, de] = accumulate ? twinElem(normals(nq), elem) : outElem(nq, elem),
+        [xc, xe] = outF32(nl);
+      be.attentionBackward(dc, xc, gc, oc, lc, qc, B, T, C, H, scale, elem, accumulate);
+      runLaunches(flashBackward(de, xe, ge, oe, le, qe, B, T, C, H, scale, elem, accumulate));
+      expectClose(`dqkv ${accumulate ? "+=" : "="}`, readElem(de, nq, elem), readElem(dc, nq, elem), 2 * tol);
+    }
+  });
+
+  test("the hold kernel returns at once on the emulator (bench engine's launch-cost measure)", () => {
+    runLaunches([{ kernel: "mt_hold_ns", grid: [1, 1, 1], block: [32, 1, 1], sharedBytes: 0, args: [1_000_000] }]);
   });
 
   // dims, out strides, inp strides
