@@ -12,6 +12,7 @@ import { Rng } from "../engine/rng.ts";
 import { CudaBackend, probeCuda } from "../ffi/cuda/backend.ts";
 import { NativeLibraryError } from "../ffi/errors.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
+import { timed } from "./kernels.ts";
 import { median, printTable, round, significant } from "./table.ts";
 
 export interface EpilogueBenchResult {
@@ -130,14 +131,6 @@ function layerCalls(be: Backend, N: number, l: Layer) {
       for (const a of allocations) be.free(a);
     },
   };
-}
-
-function timed(be: Backend, fn: () => void): number {
-  be.synchronize();
-  const t = performance.now();
-  fn();
-  be.synchronize();
-  return performance.now() - t;
 }
 
 /** Each layer's forward and weight-gradient call on both backends, timed interleaved. */

@@ -202,7 +202,7 @@ export function runKernelBench(argv: string[]): KernelBenchResult[] {
 }
 
 /** ms of fn, from an idle device to an idle device (a GPU backend queues work) */
-function timed(be: Backend, fn: () => void): number {
+export function timed(be: Backend, fn: () => void): number {
   be.synchronize();
   const t = performance.now();
   fn();

@@ -714,40 +714,9 @@ export const plans = {
       first ? 1 : 0,
     ]);
   },
-  adamwStep(
-    param,
-    grad,
-    m,
-    v,
-    age,
-    n,
-    decayEnd,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weightDecay,
-    biasCorrection1,
-    biasCorrection2,
-    gradScale,
-  ): Launch[] {
-    return elementwise("mt_adamw_step_f32", n, [
-      param,
-      grad,
-      m,
-      v,
-      age,
-      n,
-      decayEnd,
-      lr,
-      beta1,
-      beta2,
-      eps,
-      weightDecay,
-      biasCorrection1,
-      biasCorrection2,
-      gradScale,
-    ]);
+  adamwStep(param, grad, m, v, age, n, decayEnd, lr, beta1, beta2, eps, weightDecay, bc1, bc2, gradScale): Launch[] {
+    const args = [param, grad, m, v, age, n, decayEnd, lr, beta1, beta2, eps, weightDecay, bc1, bc2, gradScale];
+    return elementwise("mt_adamw_step_f32", n, args);
   },
 
   // ---- casts ----

@@ -35,6 +35,7 @@ import { NativeLibraryError } from "../../ffi/errors.ts";
 import { causalSelfAttentionBackwardReference, causalSelfAttentionReference } from "../../engine/ops/attention.ts";
 import { Rng } from "../../engine/rng.ts";
 import { emulatedCuda, type FakeCudnn, fakeCudnn } from "../helpers/emulated-cuda.ts";
+import { type AttentionResult, attentionOn } from "../helpers/attention.ts";
 import { type HalfElem, relErr, roundTo16, widen16 } from "../helpers/numeric.ts";
 import { skip } from "../helpers/skip.ts";
 
@@ -797,67 +798,6 @@ describe.skipIf(skip("g++ and cc", toolsMissing))("the router over the fake cuDN
   });
 });
 
-interface AttentionResult {
-  out: Float64Array;
-  lse: Float32Array;
-  dqkv: Float64Array;
-}
-
-/**
- * One forward and backward on `be`, every activation in the 2-byte type (the op's contract in
- * ffi/ops.ts: qkv, out, dout and dqkv of elem, lse f32). Backward writes dqkv, or adds into
- * dqkv0 with `accumulate`.
- */
-function attentionOn(
-  be: CudaBackend,
-  x: { qkv: Uint16Array; dout: Uint16Array; dqkv0: Uint16Array },
-  s: { B: number; T: number; H: number; D: number },
-  dtype: Dtype,
-  accumulate: boolean,
-): AttentionResult {
-  const { B, T, H, D } = s;
-  const C = H * D;
-  const elem = elemOf(dtype);
-  const scale = 1 / Math.sqrt(D);
-  const [qkv, out, lse, delta, dout, dqkv] = [
-    x.qkv.byteLength,
-    B * T * C * 2,
-    B * H * T * 4,
-    B * H * T * 4,
-    x.dout.byteLength,
-    x.dqkv0.byteLength,
-  ].map((n) => be.alloc(n));
-  be.upload(qkv!.ptr, x.qkv);
-  be.upload(dout!.ptr, x.dout);
-  be.upload(dqkv!.ptr, x.dqkv0);
-  be.attentionForward(out!.ptr, lse!.ptr, qkv!.ptr, B, T, C, H, scale, elem);
-  be.attentionBackward(
-    dqkv!.ptr,
-    delta!.ptr,
-    dout!.ptr,
-    out!.ptr,
-    lse!.ptr,
-    qkv!.ptr,
-    B,
-    T,
-    C,
-    H,
-    scale,
-    elem,
-    accumulate,
-  );
-  const r = {
-    out: new Uint16Array(B * T * C),
-    lse: new Float32Array(B * H * T),
-    dqkv: new Uint16Array(x.dqkv0.length),
-  };
-  be.download(out!.ptr, r.out);
-  be.download(lse!.ptr, r.lse);
-  be.download(dqkv!.ptr, r.dqkv);
-  for (const a of [qkv, out, lse, delta, dout, dqkv]) be.free(a!);
-  return { out: widen16(r.out, elemOf(dtype)), lse: r.lse, dqkv: widen16(r.dqkv, elemOf(dtype)) };
-}
-
 // small: the reference kernels they are compared with run on the host emulator, a host thread
 // per CUDA thread (T = 77 and 100 took 2-6 s each and loaded every core); the graph tests above
 // cover T 77, 100 and 256 through the fake alone
@@ -891,10 +831,10 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
             const x = { qkv: qkv.bits, dout: dout.bits, dqkv0: dqkv0.bits };
             const fused = backend("cudnn");
             const before = { ...fused.launchCounts };
-            const a = attentionOn(fused, x, sh, dtype, accumulate);
+            const a = attentionOn(fused, x, sh, elemOf(dtype), accumulate);
             expect(fused.launchCounts.cudnn - before.cudnn).toBe(2);
             expect(fake!.lastExecution().stream).toBe(fakeCudaStream);
-            const b = attentionOn(backend("reference"), x, sh, dtype, accumulate);
+            const b = attentionOn(backend("reference"), x, sh, elemOf(dtype), accumulate);
             const added = (r: AttentionResult) => (accumulate ? r.dqkv.map((v, i) => v - dqkv0.values[i]!) : r.dqkv);
             expect(relErr(a.out, want)).toBeLessThan(tol);
             expect(relErr(b.out, want)).toBeLessThan(tol);

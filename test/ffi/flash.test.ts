@@ -13,6 +13,7 @@ import { CudaBackend } from "../../ffi/cuda/backend.ts";
 import { flashBackward, flashForward, flashUnsupported } from "../../ffi/cuda/kernels.ts";
 import { causalSelfAttentionBackwardReference, causalSelfAttentionReference } from "../../engine/ops/attention.ts";
 import { Rng } from "../../engine/rng.ts";
+import { attentionOn } from "../helpers/attention.ts";
 import { emulatedCuda } from "../helpers/emulated-cuda.ts";
 import { cudaSkipReason, type HalfElem, relErr, roundTo16, widen16 } from "../helpers/numeric.ts";
 import { skip } from "../helpers/skip.ts";
@@ -28,54 +29,6 @@ interface Shape {
   T: number;
   H: number;
   D: number;
-}
-
-/** One forward and one backward on `be` (every activation 2-byte, lse f32), as the op runs them. */
-function attentionOn(
-  be: CudaBackend,
-  s: Shape,
-  elem: HalfElem,
-  qkvBits: Uint16Array,
-  doutBits: Uint16Array,
-  dqkv0: Uint16Array,
-  accumulate: boolean,
-) {
-  const { B, T, H, D } = s;
-  const C = H * D;
-  const scale = 1 / Math.sqrt(D);
-  const [qkv, out, lse, delta, dout, dqkv] = [
-    qkvBits.byteLength,
-    B * T * C * 2,
-    B * H * T * 4,
-    B * H * T * 4,
-    doutBits.byteLength,
-    dqkv0.byteLength,
-  ].map((n) => be.alloc(n));
-  be.upload(qkv!.ptr, qkvBits);
-  be.upload(dout!.ptr, doutBits);
-  be.upload(dqkv!.ptr, dqkv0);
-  be.attentionForward(out!.ptr, lse!.ptr, qkv!.ptr, B, T, C, H, scale, elem);
-  be.attentionBackward(
-    dqkv!.ptr,
-    delta!.ptr,
-    dout!.ptr,
-    out!.ptr,
-    lse!.ptr,
-    qkv!.ptr,
-    B,
-    T,
-    C,
-    H,
-    scale,
-    elem,
-    accumulate,
-  );
-  const r = { out: new Uint16Array(B * T * C), lse: new Float32Array(B * H * T), dqkv: new Uint16Array(dqkv0.length) };
-  be.download(out!.ptr, r.out);
-  be.download(lse!.ptr, r.lse);
-  be.download(dqkv!.ptr, r.dqkv);
-  for (const a of [qkv, out, lse, delta, dout, dqkv]) be.free(a!);
-  return { out: widen16(r.out, elem), lse: Float64Array.from(r.lse), dqkv: widen16(r.dqkv, elem) };
 }
 
 /** lse (B,H,T) in float64 */
@@ -118,7 +71,7 @@ function checkAgainstFloat64(be: CudaBackend, s: Shape, elem: HalfElem): void {
   const lseWant = lseReference(qkv.values, s);
   const tol = tolerance(elem);
   for (const accumulate of [false, true]) {
-    const a = attentionOn(be, s, elem, qkv.bits, dout.bits, dqkv0.bits, accumulate);
+    const a = attentionOn(be, { qkv: qkv.bits, dout: dout.bits, dqkv0: dqkv0.bits }, s, elem, accumulate);
     const added = (d: Float64Array) => (accumulate ? d.map((v, i) => v - dqkv0.values[i]!) : d);
     expect(relErr(a.out, want)).toBeLessThan(tol);
     expect(relErr(a.lse, lseWant)).toBeLessThan(1e-3);
