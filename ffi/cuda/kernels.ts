@@ -314,6 +314,13 @@ export function flashUnsupported(C: number, H: number, elem: ElemType): string |
   return null;
 }
 
+/** The head size flash.cu runs these inputs at (0: nothing to run); a RangeError where it cannot. */
+function flashHeadSize(B: number, T: number, C: number, H: number, elem: ElemType): number {
+  const why = flashUnsupported(C, H, elem);
+  if (why !== null) throw new RangeError(`tensor-core attention: ${why}`);
+  return B * T === 0 ? 0 : C / H;
+}
+
 function flashLaunch(kernel: KernelName, B: number, T: number, H: number, args: readonly (number | bigint)[]): Launch {
   return launch(kernel, Math.min(gridBlocksMax, B * H * Math.ceil(T / flashRows)), [flashThreads, 1, 1], args);
 }
@@ -330,11 +337,11 @@ export function flashForward(
   scale: number,
   elem: ElemType,
 ): Launch[] {
-  const why = flashUnsupported(C, H, elem);
-  if (why !== null) throw new RangeError(`tensor-core attention: ${why}`);
-  if (B * T === 0) return [];
-  const kernel = `mt_flash_forward_d${C / H}` as KernelName;
-  return [flashLaunch(kernel, B, T, H, [out, lse, qkv, B, T, C, H, scale, elemCodes[elem]])];
+  const D = flashHeadSize(B, T, C, H, elem);
+  if (D === 0) return [];
+  return [
+    flashLaunch(`mt_flash_forward_d${D}` as KernelName, B, T, H, [out, lse, qkv, B, T, C, H, scale, elemCodes[elem]]),
+  ];
 }
 
 /** Its backward: the delta pre-pass (attention.cu's), then dk and dv per key tile and dq per query
@@ -354,10 +361,8 @@ export function flashBackward(
   elem: ElemType,
   accumulate: boolean,
 ): Launch[] {
-  const why = flashUnsupported(C, H, elem);
-  if (why !== null) throw new RangeError(`tensor-core attention: ${why}`);
-  if (B * T === 0) return [];
-  const D = C / H;
+  const D = flashHeadSize(B, T, C, H, elem);
+  if (D === 0) return [];
   const args = [dqkv, delta, dout, lse, qkv, B, T, C, H, scale, elemCodes[elem], accumulate ? 1 : 0];
   return [
     warpRows("mt_attention_delta_f32", B * H * T, [delta, dout, out, B, T, C, H, elemCodes[elem]]),
