@@ -19,6 +19,7 @@ import { median, printTable, round } from "./table.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { deviceChoices, type DeviceChoice, openBackend } from "../ffi/select.ts";
 import { type AttentionChoice, attentionChoices } from "../ffi/cuda/attention-path.ts";
+import { attentionDeviceProblem, attentionProblem } from "../services/runtime/job/attention.ts";
 import { ConfigError } from "../engine/errors.ts";
 import { checkPrecision, type Precision } from "../engine/mixed.ts";
 import { gptDefaults, GptModel } from "../engine/models/gpt.ts";
@@ -228,10 +229,21 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] | object {
     throw new ConfigError(`--torch-modes takes a list of ${torchModes.join(", ")}, got ${unknownMode}`);
   if (modes !== undefined && (values.config === undefined || values["no-torch"]))
     throw new ConfigError("--torch-modes goes with --config and without --no-torch");
+  if (values.config === undefined && attention !== "auto")
+    throw new ConfigError("--attention goes with --config (the other benchmarks' models run their attention as is)");
   if (values.config !== undefined) {
     const config = configName(values.config);
     const batch = values.batch === undefined ? engineConfigs[config].batch : positiveInt("batch", values.batch);
+    // a choice that cannot run here is refused with the reason, as train gpt refuses it
+    const c = engineConfigs[config];
+    const problem = attentionProblem(attention, precision, { nEmbd: c.nEmbd, nHead: c.nHead, blockSize: c.blockSize });
+    if (problem !== null) throw new ConfigError(`--attention ${attention} ${problem}`);
     const { backend: be, why } = openBackend(device, undefined, 0, { attention });
+    const onCpu = attentionDeviceProblem(attention, be.name === "cpu" ? `the benchmark runs on the CPU (${why})` : null);
+    if (onCpu !== null) {
+      be.dispose();
+      throw new ConfigError(`--attention ${attention} ${onCpu}`);
+    }
     try {
       const out = runConfigBench(be, why, {
         config,

@@ -383,6 +383,14 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
     expect(bench("nope").err).toContain(
       "usage: bun run bench <engine|kernels|epilogues|ps|checkpoint|data-loader|trainer|allreduce|stream|client>",
     );
+    // an attention that cannot run is refused before anything runs, as train gpt refuses it
+    expect(bench("engine", "--config", "small", "--attention", "kernel", "--precision", "bf16").err).toContain(
+      "--attention kernel cannot run this GPT: it is built for head sizes 64 and 128, not 32",
+    );
+    expect(bench("engine", "--config", "nanogpt-char", "--attention", "cudnn").err).toContain(
+      "--attention cudnn needs bf16 or f16 autocast",
+    );
+    expect(bench("engine", "--attention", "reference").err).toContain("--attention goes with --config");
   });
 });
 
