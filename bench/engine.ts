@@ -239,7 +239,10 @@ export function runEngineBench(argv: string[]): EngineBenchResult[] | object {
     const problem = attentionProblem(attention, precision, { nEmbd: c.nEmbd, nHead: c.nHead, blockSize: c.blockSize });
     if (problem !== null) throw new ConfigError(`--attention ${attention} ${problem}`);
     const { backend: be, why } = openBackend(device, undefined, 0, { attention });
-    const onCpu = attentionDeviceProblem(attention, be.name === "cpu" ? `the benchmark runs on the CPU (${why})` : null);
+    const onCpu = attentionDeviceProblem(
+      attention,
+      be.name === "cpu" ? `the benchmark runs on the CPU (${why})` : null,
+    );
     if (onCpu !== null) {
       be.dispose();
       throw new ConfigError(`--attention ${attention} ${onCpu}`);
