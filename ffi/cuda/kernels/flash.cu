@@ -65,7 +65,20 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi, int32_t elem) {
   return (uint32_t)to16(lo, elem) | ((uint32_t)to16(hi, elem) << 16);
 }
 __device__ __forceinline__ uint32_t pack16(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
+// two adjacent 2-byte elements as one 32-bit word (4-byte aligned: even element offsets); the
+// host emulator copies bytes instead, as C++'s aliasing rules want of a compiler that optimizes
+// on them
+#ifdef __CUDACC__
 __device__ __forceinline__ uint32_t load32(const uint16_t* p) { return *(const uint32_t*)p; }
+__device__ __forceinline__ void store32(uint16_t* p, uint32_t v) { *(uint32_t*)p = v; }
+#else
+inline uint32_t load32(const uint16_t* p) {
+  uint32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+inline void store32(uint16_t* p, uint32_t v) { memcpy(p, &v, 4); }
+#endif
 
 // The A fragments of 16 rows (row0 + g, row0 + g + 8) of a (rows, stride) 2-byte matrix at
 // `base`, over D columns; rows at or past `rows` are zero.
@@ -93,7 +106,7 @@ __device__ __forceinline__ void stage_rows(uint16_t (*s)[D + FL_PAD], const uint
   for (int idx = threadIdx.x; idx < FL_ROWS * D / 2; idx += FL_THREADS) {
     const int r = idx / (D / 2), c = (idx % (D / 2)) * 2;
     const int64_t row = row0 + r;
-    *(uint32_t*)&s[r][c] = row < rows ? load32(base + row * stride + c) : 0u;
+    store32(&s[r][c], row < rows ? load32(base + row * stride + c) : 0u);
   }
 }
 
@@ -164,7 +177,7 @@ __device__ __forceinline__ void store_rows(uint16_t* base, int64_t stride, int64
         lo += from16(p[0], elem);
         hi += from16(p[1], elem);
       }
-      *(uint32_t*)p = pack2(lo, hi, elem);
+      store32(p, pack2(lo, hi, elem));
     }
   }
 }
