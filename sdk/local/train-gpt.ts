@@ -9,6 +9,7 @@ import { fromHfTensors, gptConfigOfHf } from "../../engine/hf-gpt2.ts";
 import { readSafetensors } from "../../engine/safetensors.ts";
 import { shownPath } from "../options.ts";
 import type { Backend } from "../../ffi/backend.ts";
+import { CudaBackend } from "../../ffi/cuda/backend.ts";
 import { type DeviceChoice, openBackend } from "../../ffi/select.ts";
 import {
   type AttentionChoice,
@@ -223,6 +224,8 @@ function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
   );
   // autocast hands attention 2-byte q, k and v; else f32
   console.log(`attention: ${backend.describeAttention(autocastDType(o.precision) ?? "f32")}`);
+  // on a GPU: whether cuBLASLt fuses the linear layers' bias, GELU and their gradients
+  if (backend instanceof CudaBackend) console.log(`linear layers: ${backend.describeEpilogues()}`);
   console.log(`config: ${JSON.stringify({ model: config, training: o })}`);
   console.log(
     `parameters: ${model.store.paramCount.toLocaleString("en-US")} | tokens/step: ${tokensPerStep} ` +

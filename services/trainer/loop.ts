@@ -22,6 +22,7 @@
 // (exported as a model file) and ends the job as done. The other ranks repeat their final
 // events until the job has ended, so a restarted rank 0 still hears them.
 import type { Backend } from "../../ffi/backend.ts";
+import { CudaBackend } from "../../ffi/cuda/backend.ts";
 import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
 import { Context } from "../../engine/tensor.ts";
 import { autocastDType } from "../../engine/mixed.ts";
@@ -335,9 +336,12 @@ export class TrainerRun {
       this.#startStep = step;
       // autocast hands attention 2-byte q, k and v; else f32
       const attention = this.#o.backend.describeAttention(autocastDType(cfg.precision) ?? "f32");
+      // on a GPU: whether cuBLASLt fuses the linear layers' bias, GELU and their gradients
+      const be = this.#o.backend;
+      const linear = be instanceof CudaBackend ? be.describeEpilogues() : undefined;
       log?.info(
-        { step, totalSteps: this.#total, precision: cfg.precision, attention },
-        `training; attention: ${attention}`,
+        { step, totalSteps: this.#total, precision: cfg.precision, attention, ...(linear ? { linear } : {}) },
+        `training; attention: ${attention}${linear ? `; linear layers: ${linear}` : ""}`,
       );
       const m = this.#mode.memory;
       if (m !== null) {
