@@ -74,7 +74,9 @@ function layerCalls(be: Backend, N: number, l: Layer) {
   const dbias = alloc(l.O * 4);
   const dx = alloc(N * l.I * 2);
   const inputPre = random(N * l.I);
-  const forward: GemmEpilogue = l.gelu ? { kind: "biasGelu", bias, pre } : { kind: "bias", bias };
+  // a bf16 output's bias also in bf16, as a linear layer passes its parameter's weight copy
+  const biasCopy = l.out === "f32" ? undefined : random(l.O);
+  const forward: GemmEpilogue = l.gelu ? { kind: "biasGelu", bias, pre, biasCopy } : { kind: "bias", bias, biasCopy };
   const fwd = () =>
     be.gemm({
       input: "bf16",

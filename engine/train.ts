@@ -15,7 +15,7 @@
 import { NonFiniteLossError, ConfigError, EngineError, ShapeError } from "./errors.ts";
 import type { Model } from "./models/model.ts";
 import type { ParamStore } from "./params.ts";
-import { clipFactor, clipGradNorm, gradNorm } from "./optim/clip.ts";
+import { clipGradNorm, measureClip } from "./optim/clip.ts";
 import { type LossScaleConfig, LossScaler } from "./optim/loss-scale.ts";
 import type { Optimizer } from "./optim/optimizer.ts";
 import { lrAt, type Schedule } from "./optim/schedule.ts";
@@ -215,9 +215,8 @@ export function unscaleAndClip(
 ): { gradNorm: number; finite: boolean; gradScale: number } {
   if (scaler !== null && !scaler.unscale(ctx, store)) return { gradNorm: Infinity, finite: false, gradScale: 1 };
   if (!defer) return { gradNorm: clipGradNorm(ctx, store, gradClip), finite: true, gradScale: 1 };
-  if (Number.isNaN(gradClip)) throw new ConfigError("clipGradNorm: maxNorm is NaN");
-  const norm = gradNorm(ctx, store);
-  return { gradNorm: norm, finite: true, gradScale: clipFactor(norm, gradClip) };
+  const { norm, factor } = measureClip(ctx, store, gradClip);
+  return { gradNorm: norm, finite: true, gradScale: factor };
 }
 
 export interface EvalResult {

@@ -91,11 +91,14 @@ export interface GemmDesc {
  *             from the next layer's input-gradient GEMM; pre (M,N) has C's type and leading
  *             dimension (beta 0)
  * A backend fuses it into the GEMM where its library can (cuBLASLt) and otherwise runs the
- * layer kernels after the GEMM (gemmThenKernels): the same result to rounding.
+ * layer kernels after the GEMM (gemmThenKernels): the same result to rounding. `biasCopy`: the
+ * bias already rounded to a 2-byte C's type (the parameter's weight copy, engine/params.ts),
+ * where the caller has one; a fused epilogue adds that (cuBLASLt takes a 2-byte C's bias in its
+ * type) instead of rounding the bias itself.
  */
 export type GemmEpilogue =
-  | { kind: "bias"; bias: Ptr }
-  | { kind: "biasGelu"; bias: Ptr; pre: Ptr }
+  | { kind: "bias"; bias: Ptr; biasCopy?: Ptr }
+  | { kind: "biasGelu"; bias: Ptr; pre: Ptr; biasCopy?: Ptr }
   | { kind: "biasGrad"; dbias: Ptr }
   | { kind: "dgelu"; pre: Ptr };
 

@@ -24,6 +24,7 @@ import { autocastDType } from "../mixed.ts";
 import { type Context, dropAll, type Tensor } from "../tensor.ts";
 import type { DType, GemmEpilogue } from "../../ffi/backend.ts";
 import { checkActivationDType, checkDType, checkInputs, checkOutDType, lastDim } from "./check.ts";
+import { weightCopy } from "../params.ts";
 import { gemm, gemmOperand, gradOutput } from "./matmul.ts";
 
 export type Activation = "none" | "gelu";
@@ -74,11 +75,13 @@ export function linear(
   const out = gelu ? ctx.empty(shape, elem) : pre;
   const xw = (C: Tensor, epilogue: GemmEpilogue | null) =>
     gemm(be, input, elem, 1, false, true, N, O, I, x16.ptr, w16.ptr, 0, C.ptr, epilogue);
+  // a 2-byte output's bias in its type, where the bias is a parameter: its weight copy
+  const biasCopy = bias !== null && half !== null && elem === half ? weightCopy(bias, half)?.ptr : undefined;
   if (bias === null) {
     xw(pre, null);
     if (gelu) be.geluForward(out.ptr, pre.ptr, out.numel, elem);
-  } else if (gelu) xw(out, { kind: "biasGelu", bias: bias.ptr, pre: pre.ptr });
-  else xw(pre, { kind: "bias", bias: bias.ptr });
+  } else if (gelu) xw(out, { kind: "biasGelu", bias: bias.ptr, pre: pre.ptr, biasCopy });
+  else xw(pre, { kind: "bias", bias: bias.ptr, biasCopy });
   // backward reads w16 for the input's gradient, x16 for the weight's, pre for GELU's
   const saved = [...(inp.requiresGrad ? [w16] : []), ...(weight.requiresGrad ? [x16] : []), ...(gelu ? [pre] : [])];
   ctx.record(

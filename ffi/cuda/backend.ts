@@ -435,25 +435,28 @@ export class CudaBackend implements Backend {
     };
     // cuBLASLt writes the bias gradient; the layer adds it into dbias (its gradient accumulates)
     const sums = ep.kind === "biasGrad" ? this.#allocator.alloc(4 * g.M).ptr : 0;
-    const refused = lt.refusal(call, ep, sums);
-    if (refused !== null) {
+    const plan = lt.plan(call, ep, sums);
+    if (typeof plan === "string") {
       if (sums !== 0) this.#allocator.free(sums);
-      this.#epilogueFallbacks.add(refused);
+      this.#epilogueFallbacks.add(plan);
       return false;
     }
     this.#gemmCalls++;
     if (ep.kind === "biasGrad") {
-      lt.matmul(call, ep, sums);
+      lt.run(plan, call, ep, sums);
       this.axpy(ep.dbias, sums, g.M, 1);
       this.#allocator.free(sums);
     } else if (g.output === "f32" || ep.kind === "dgelu") {
-      lt.matmul(call, ep);
+      lt.run(plan, call, ep);
+    } else if (ep.biasCopy !== undefined) {
+      // a 2-byte output takes its bias in its own type: the caller's copy
+      lt.run(plan, call, { ...ep, bias: ep.biasCopy });
     } else {
-      // a 2-byte output takes its bias in its own type: rounded here, as autocast rounds it
+      // ... or rounded here, as autocast rounds it
       const bias = this.#allocator.alloc(2 * g.N).ptr;
       if (g.output === "bf16") this.castF32ToBF16(bias, ep.bias, g.N);
       else this.castF32ToF16(bias, ep.bias, g.N);
-      lt.matmul(call, { ...ep, bias });
+      lt.run(plan, call, { ...ep, bias });
       this.#allocator.free(bias);
     }
     return true;

@@ -130,7 +130,8 @@ export interface LtCall extends CublasGemmArgs {
   beta: number;
 }
 
-interface Plan {
+/** A call's matmul descriptor, layouts and algorithm (CublasLt.plan). */
+export interface LtPlan {
   desc: bigint;
   layouts: [bigint, bigint, bigint];
   /** the heuristic's first result; its first 64 bytes are the algorithm */
@@ -153,7 +154,7 @@ export class CublasLt {
   readonly #workspace: { ptr: Ptr; bytes: number };
   readonly #preference: bigint;
   /** by shape, types and epilogue: a plan, or why cuBLASLt has none */
-  readonly #plans = new Map<string, Plan | string>();
+  readonly #plans = new Map<string, LtPlan | string>();
   readonly #scalars = new Float32Array(2);
   readonly #u64 = new BigUint64Array(1);
   readonly #i32 = new Int32Array(1);
@@ -190,14 +191,30 @@ export class CublasLt {
   }
 
   /**
-   * Runs the call with its epilogue and returns null, or returns why cuBLASLt cannot (nothing
-   * was queued then): the aux matrix's alignment, or no algorithm for this combination. The bias
-   * has C's type, the bias gradient is f32; the aux matrix has C's type and leading dimension.
+   * The plan that runs the call with its epilogue (made at its shape's first call, and kept), or
+   * why cuBLASLt cannot: the aux matrix's alignment, or no algorithm for this combination. The
+   * bias has C's type, the bias gradient is f32; the aux matrix has C's type and leading
+   * dimension. `biasGradOut`: where a biasGrad epilogue writes (its alignment counts).
    */
-  matmul(c: LtCall, epilogue: GemmEpilogue, biasGradOut: Ptr = 0): string | null {
+  plan(c: LtCall, epilogue: GemmEpilogue, biasGradOut: Ptr = 0): LtPlan | string {
+    const shape = `${c.m}x${c.n}x${c.k}`;
+    const aux = auxOf(epilogue);
+    if (aux !== null && (c.ldc % auxLdMultiple !== 0 || aux % auxAlignBytes !== 0)) {
+      return `${epilogue.kind} at ${shape}: its GELU input needs a leading dimension that is a multiple of ${auxLdMultiple} and ${auxAlignBytes}-byte alignment (ld ${c.ldc})`;
+    }
+    const key = `${epilogue.kind} ${c.abType} ${c.cType} ${c.compute} ${c.transa}${c.transb} ${shape} ${c.lda} ${c.ldb} ${c.ldc}`;
+    let plan = this.#plans.get(key);
+    if (plan === undefined) {
+      plan = this.#plan(c, epilogue, vectorOf(epilogue, biasGradOut));
+      if (typeof plan === "string") plan = `${epilogue.kind} at ${shape} (types ${c.abType}/${c.cType}): ${plan}`;
+      this.#plans.set(key, plan);
+    }
+    return plan;
+  }
+
+  /** Queues the call on its plan (plan() of the same call): its pointers, this time's. */
+  run(plan: LtPlan, c: LtCall, epilogue: GemmEpilogue, biasGradOut: Ptr = 0): void {
     const vector = vectorOf(epilogue, biasGradOut);
-    const plan = this.#planFor(c, epilogue, vector);
-    if (typeof plan === "string") return plan;
     const s = this.#lib.symbols;
     if (vector !== null) this.#setPointer(plan.desc, desc.biasPointer, vector);
     const aux = auxOf(epilogue);
@@ -217,30 +234,6 @@ export class CublasLt {
         C, lc,
         addressOf(plan.algo), BigInt(this.#workspace.ptr), BigInt(this.#workspace.bytes), this.#stream),
     );
-    return null;
-  }
-
-  /** Why cuBLASLt cannot run this call with its epilogue, or null where it can (the plan is
-   *  made now, and kept). */
-  refusal(c: LtCall, epilogue: GemmEpilogue, biasGradOut: Ptr = 0): string | null {
-    const plan = this.#planFor(c, epilogue, vectorOf(epilogue, biasGradOut));
-    return typeof plan === "string" ? plan : null;
-  }
-
-  #planFor(c: LtCall, epilogue: GemmEpilogue, vector: Ptr | null): Plan | string {
-    const shape = `${c.m}x${c.n}x${c.k}`;
-    const aux = auxOf(epilogue);
-    if (aux !== null && (c.ldc % auxLdMultiple !== 0 || aux % auxAlignBytes !== 0)) {
-      return `${epilogue.kind} at ${shape}: its GELU input needs a leading dimension that is a multiple of ${auxLdMultiple} and ${auxAlignBytes}-byte alignment (ld ${c.ldc})`;
-    }
-    const key = `${epilogue.kind} ${c.abType} ${c.cType} ${c.compute} ${c.transa}${c.transb} ${shape} ${c.lda} ${c.ldb} ${c.ldc}`;
-    let plan = this.#plans.get(key);
-    if (plan === undefined) {
-      plan = this.#plan(c, epilogue, vector);
-      if (typeof plan === "string") plan = `${epilogue.kind} at ${shape} (types ${c.abType}/${c.cType}): ${plan}`;
-      this.#plans.set(key, plan);
-    }
-    return plan;
   }
 
   destroy(): void {
@@ -250,11 +243,11 @@ export class CublasLt {
     this.#check("cublasLtDestroy", this.#lib.symbols.cublasLtDestroy(this.#handle));
   }
 
-  #plan(c: LtCall, epilogue: GemmEpilogue, vector: Ptr | null): Plan | string {
+  #plan(c: LtCall, epilogue: GemmEpilogue, vector: Ptr | null): LtPlan | string {
     const s = this.#lib.symbols;
     const out = new BigUint64Array(1);
     this.#check("cublasLtMatmulDescCreate", s.cublasLtMatmulDescCreate(addressOf(out), c.compute, CUDA_R_32F));
-    const plan: Plan = { desc: out[0]!, layouts: [0n, 0n, 0n], algo: new Uint8Array(heuristicResultBytes) };
+    const plan: LtPlan = { desc: out[0]!, layouts: [0n, 0n, 0n], algo: new Uint8Array(heuristicResultBytes) };
     try {
       this.#setI32(plan.desc, desc.transA, c.transa);
       this.#setI32(plan.desc, desc.transB, c.transb);
@@ -313,7 +306,7 @@ export class CublasLt {
     }
   }
 
-  #destroyPlan(plan: Plan): void {
+  #destroyPlan(plan: LtPlan): void {
     const s = this.#lib.symbols;
     for (const l of plan.layouts) if (l !== 0n) s.cublasLtMatrixLayoutDestroy(l);
     s.cublasLtMatmulDescDestroy(plan.desc);

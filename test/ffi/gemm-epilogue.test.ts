@@ -234,6 +234,51 @@ describe("GEMM epilogues on CUDA (emulated): cuBLASLt fuses them", () => {
 });
 
 test.skipIf(skip("the emulated CUDA backend", emulatedMissing))(
+  "a bf16 output's bias: the caller's bf16 copy is read as it is; without one the backend rounds the f32 bias (one cast)",
+  () => {
+    if (!emulated.ok) return;
+    const be = emulated.backendWith({});
+    owned.push(be);
+    const [M, N, K] = [4, 16, 8];
+    const rng = new Rng(9);
+    const x = upload(be, asElem(randn(rng, M * K), "bf16"), "bf16");
+    const w = upload(be, asElem(randn(rng, N * K), "bf16"), "bf16");
+    const biasValues = randn(rng, N);
+    const bias = upload(be, biasValues, "f32");
+    const biasCopy = upload(be, biasValues, "bf16");
+    const run = (epilogue: GemmEpilogue) => {
+      const c = be.alloc(M * N * 2);
+      const kernels = be.launchCounts.kernels;
+      be.gemm({
+        input: "bf16",
+        output: "bf16",
+        transB: true,
+        M,
+        N,
+        K,
+        A: x.ptr,
+        lda: K,
+        B: w.ptr,
+        ldb: K,
+        C: c.ptr,
+        ldc: N,
+        epilogue,
+      });
+      const launched = be.launchCounts.kernels - kernels;
+      const out = download(be, c.ptr, M * N, "bf16");
+      be.free(c);
+      return { out, launched };
+    };
+    const rounded = run({ kind: "bias", bias: bias.ptr });
+    const copied = run({ kind: "bias", bias: bias.ptr, biasCopy: biasCopy.ptr });
+    expect(rounded.launched).toBe(1);
+    expect(copied.launched).toBe(0);
+    expect(copied.out).toEqual(rounded.out);
+    for (const a of [x, w, bias, biasCopy]) be.free(a);
+  },
+);
+
+test.skipIf(skip("the emulated CUDA backend", emulatedMissing))(
   "bench epilogues' comparison runs every layer's forward and weight gradient both ways (tiny shapes)",
   () => {
     if (!emulated.ok) return;
