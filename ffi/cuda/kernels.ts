@@ -321,6 +321,12 @@ function flashHeadSize(B: number, T: number, C: number, H: number, elem: ElemTyp
   return B * T === 0 ? 0 : C / H;
 }
 
+/** flash.cu stages q, k, v and dout with 16-byte copies */
+function checkFlashAlignment(ptrs: Record<string, Ptr>): void {
+  for (const [name, p] of Object.entries(ptrs))
+    if (p % 16 !== 0) throw new RangeError(`tensor-core attention: ${name} at ${p} is not 16-byte aligned`);
+}
+
 function flashLaunch(kernel: KernelName, B: number, T: number, H: number, args: readonly (number | bigint)[]): Launch {
   return launch(kernel, Math.min(gridBlocksMax, B * H * Math.ceil(T / flashRows)), [flashThreads, 1, 1], args);
 }
@@ -339,6 +345,7 @@ export function flashForward(
 ): Launch[] {
   const D = flashHeadSize(B, T, C, H, elem);
   if (D === 0) return [];
+  checkFlashAlignment({ qkv });
   return [
     flashLaunch(`mt_flash_forward_d${D}` as KernelName, B, T, H, [out, lse, qkv, B, T, C, H, scale, elemCodes[elem]]),
   ];
@@ -363,6 +370,7 @@ export function flashBackward(
 ): Launch[] {
   const D = flashHeadSize(B, T, C, H, elem);
   if (D === 0) return [];
+  checkFlashAlignment({ qkv, dout });
   const args = [dqkv, delta, dout, lse, qkv, B, T, C, H, scale, elemCodes[elem], accumulate ? 1 : 0];
   return [
     warpRows("mt_attention_delta_f32", B * H * T, [delta, dout, out, B, T, C, H, elemCodes[elem]]),

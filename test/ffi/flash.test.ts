@@ -112,6 +112,9 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
       expect(flashUnsupported(96, 1, "bf16")).toMatch(/built for head sizes 64 and 128, not 96/);
       expect(() => flashForward(0, 0, 0, 1, 8, 96, 1, 1, "bf16")).toThrow(RangeError);
       expect(() => flashBackward(0, 0, 0, 0, 0, 0, 1, 8, 64, 1, 1, "f32", false)).toThrow(/2-byte inputs/);
+      // tiles are staged with 16-byte copies
+      expect(() => flashForward(0, 0, 8, 1, 8, 64, 1, 1, "bf16")).toThrow(/qkv at 8 is not 16-byte aligned/);
+      expect(() => flashBackward(0, 0, 4, 0, 0, 0, 1, 8, 64, 1, 1, "bf16", false)).toThrow(/dout at 4 is not/);
       const noDevice = { alloc: () => 0, free: () => {}, run: () => {}, stream: 0n };
       const router = new AttentionRouter("kernel", noDevice);
       const call = (C: number, elem: ElemType) => ({ B: 1, T: 8, C, H: 1, scale: 1, elem });

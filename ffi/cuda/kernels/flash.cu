@@ -9,8 +9,11 @@
 // (test/ffi/fixtures/cuda-emu) computes the same fragments, so the tiling and indexing below run
 // in every CI against the float64 reference. A block is 4 warps; each warp owns 16 rows of a
 // 64-row tile (queries forward and for dq, keys for dk and dv) and walks the other side's
-// 64-row tiles, which the block stages in shared memory (rows padded by 8 elements against bank
-// conflicts). Tiles wholly above the diagonal are skipped; the diagonal tile is masked. The
+// 64-row tiles, which the block stages in shared memory with 16-byte copies. A staged tile's
+// 16-byte chunks are swizzled (chunk c of row r sits at chunk c ^ (r % 8)), so the 8 rows that one
+// ldmatrix phase reads fall in 8 different bank groups, with no padding; the B operands come out
+// of shared memory by ldmatrix.x4 (.trans for V-like operands, whose rows are the product's k).
+// Tiles wholly above the diagonal are skipped; the diagonal tile is masked. The
 // score tile's accumulator fragments are reused as the next product's A operand (rounded to the
 // 2-byte type), as FlashAttention-2 does: P V, dS K, P^T dO and dS^T Q never touch shared memory.
 //
@@ -24,7 +27,6 @@
 
 #define FL_ROWS 64     // rows of a tile (4 warps x 16)
 #define FL_THREADS 128
-#define FL_PAD 8       // shared-memory row padding, in elements
 // fixed-count loops over fragments unrolled, so their arrays stay in registers
 #ifdef __CUDACC__
 #define FL_UNROLL _Pragma("unroll")
@@ -34,6 +36,7 @@
 
 #ifndef __CUDACC__
 void emu_mma_16816(float* d, const uint32_t* a, const uint32_t* b, int32_t elem);
+void emu_ldmatrix_x4(uint32_t* r, const uint16_t* row, int32_t trans);
 #endif
 
 // d (16x8, f32) += a (16x16) b (16x8), both of `elem`
@@ -55,6 +58,37 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 #endif
 }
 
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lanes 8m..8m+7 give the addresses of matrix
+// m's 8 rows (16 bytes each); r[m] is lane l's part of matrix m: row l/4, columns 2(l%4) and +1,
+// or with `trans` column l/4 of rows 2(l%4) and +1 (the lower index in the low half).
+template <bool trans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* row) {
+#ifdef __CUDACC__
+  const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
+  if (trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+#else
+  emu_ldmatrix_x4(r, row, trans ? 1 : 0);
+#endif
+}
+
+// A staged tile: FL_ROWS rows of D 2-byte elements, 16-byte chunks swizzled by row: chunk c of
+// row r sits at chunk swizzle(c, r % 8).
+__device__ __forceinline__ int swizzle(int chunk, int x) { return (chunk & ~7) | ((chunk & 7) ^ x); }
+template <int D>
+struct Tile {
+  uint16_t e[FL_ROWS * D];
+  // the first element of chunk `chunk` (8 elements) of row r
+  __device__ __forceinline__ uint16_t* at(int r, int chunk) { return e + r * D + swizzle(chunk, r & 7) * 8; }
+};
+
 __device__ __forceinline__ uint16_t to16(float v, int32_t elem) {
   return elem == 1 ? mt_f32_to_bf16_bits(v) : mt_f32_to_f16_bits(v);
 }
@@ -64,7 +98,6 @@ __device__ __forceinline__ float from16(uint16_t v, int32_t elem) {
 __device__ __forceinline__ uint32_t pack2(float lo, float hi, int32_t elem) {
   return (uint32_t)to16(lo, elem) | ((uint32_t)to16(hi, elem) << 16);
 }
-__device__ __forceinline__ uint32_t pack16(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
 // two adjacent 2-byte elements as one 32-bit word (4-byte aligned: even element offsets); the
 // host emulator copies bytes instead, as C++'s aliasing rules want of a compiler that optimizes
 // on them
@@ -79,6 +112,15 @@ inline uint32_t load32(const uint16_t* p) {
 }
 inline void store32(uint16_t* p, uint32_t v) { memcpy(p, &v, 4); }
 #endif
+// 8 adjacent 2-byte elements (16-byte aligned) from global memory into shared memory, or zeros
+__device__ __forceinline__ void copy16(uint16_t* dst, const uint16_t* src, bool zero) {
+#ifdef __CUDACC__
+  *(uint4*)dst = zero ? make_uint4(0, 0, 0, 0) : *(const uint4*)src;
+#else
+  if (zero) memset(dst, 0, 16);
+  else memcpy(dst, src, 16);
+#endif
+}
 
 // The A fragments of 16 rows (row0 + g, row0 + g + 8) of a (rows, stride) 2-byte matrix at
 // `base`, over D columns; rows at or past `rows` are zero.
@@ -98,52 +140,60 @@ __device__ __forceinline__ void load_a_rows(uint32_t (&f)[D / 16][4], const uint
   }
 }
 
-// A tile of 64 rows of a (rows, stride) matrix at `base` (D columns) into shared memory; rows at
-// or past `rows` are zero. Every thread of the block takes part.
+// A tile of 64 rows of a (rows, stride) matrix at `base` (D columns, 16-byte aligned rows) into
+// shared memory; rows at or past `rows` are zero. Every thread of the block takes part.
 template <int D>
-__device__ __forceinline__ void stage_rows(uint16_t (*s)[D + FL_PAD], const uint16_t* base, int64_t stride,
-                                           int64_t row0, int64_t rows) {
-  for (int idx = threadIdx.x; idx < FL_ROWS * D / 2; idx += FL_THREADS) {
-    const int r = idx / (D / 2), c = (idx % (D / 2)) * 2;
+__device__ __forceinline__ void stage_rows(Tile<D>& s, const uint16_t* base, int64_t stride, int64_t row0,
+                                           int64_t rows) {
+  for (int idx = threadIdx.x; idx < FL_ROWS * D / 8; idx += FL_THREADS) {
+    const int r = idx / (D / 8), c = idx % (D / 8);
     const int64_t row = row0 + r;
-    store32(&s[r][c], row < rows ? load32(base + row * stride + c) : 0u);
+    copy16(s.at(r, c), base + row * stride + c * 8, row >= rows);
   }
 }
 
 // s (16 x 64: 8 tiles of 8 columns) = the warp's A rows (D wide) times the staged rows' transpose:
-// s[j] column n is staged row j*8 + n.
+// s[j] column n is staged row j*8 + n. The B fragments of two k-steps come from one ldmatrix.x4:
+// lane l addresses row j*8 + l%8, chunk 2kc + l/8.
 template <int D>
-__device__ __forceinline__ void scores(float (&s)[8][4], const uint32_t (&a)[D / 16][4],
-                                       const uint16_t (*rows)[D + FL_PAD], int lane, int32_t elem) {
-  const int g = lane / 4, t = lane % 4;
+__device__ __forceinline__ void scores(float (&s)[8][4], const uint32_t (&a)[D / 16][4], const Tile<D>& rows, int lane,
+                                       int32_t elem) {
+  const uint16_t* base = rows.e + (lane % 8) * D;
+  const int x = (lane / 8) ^ (lane % 8);
   FL_UNROLL
   for (int j = 0; j < 8; j++) {
     s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
     FL_UNROLL
-    for (int kc = 0; kc < D / 16; kc++) {
-      const uint32_t b[2] = {load32(&rows[j * 8 + g][kc * 16 + 2 * t]), load32(&rows[j * 8 + g][kc * 16 + 2 * t + 8])};
-      mma16816(s[j], a[kc], b, elem);
+    for (int kc = 0; kc < D / 16; kc += 2) {
+      uint32_t b[4];  // chunk 2kc + l/8 = 2kc ^ l/8 (kc even) of a row r with r % 8 = l % 8
+      ldmatrix_x4<false>(b, base + j * 8 * D + swizzle(2 * kc, x) * 8);
+      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      mma16816(s[j], a[kc], b0, elem);
+      mma16816(s[j], a[kc + 1], b1, elem);
     }
   }
 }
 
 // acc (16 x D) += p (16 x 64, accumulator fragments, rounded to elem) times the 64 staged rows
-// (64 x D): p's columns index the staged rows.
+// (64 x D): p's columns index the staged rows. The B fragments of two 8-column slices come from
+// one ldmatrix.x4.trans: lane l addresses row kk*16 + l%8 + 8((l/8)%2), chunk dn + l/16.
 template <int D>
-__device__ __forceinline__ void accumulate_pv(float (&acc)[D / 8][4], const float (&p)[8][4],
-                                              const uint16_t (*rows)[D + FL_PAD], int lane, int32_t elem) {
-  const int g = lane / 4, t = lane % 4;
+__device__ __forceinline__ void accumulate_pv(float (&acc)[D / 8][4], const float (&p)[8][4], const Tile<D>& rows,
+                                              int lane, int32_t elem) {
+  const uint16_t* base = rows.e + (lane % 8 + 8 * ((lane / 8) % 2)) * D;
+  const int x = (lane / 16) ^ (lane % 8);
   FL_UNROLL
   for (int kk = 0; kk < 4; kk++) {
     const uint32_t a[4] = {pack2(p[2 * kk][0], p[2 * kk][1], elem), pack2(p[2 * kk][2], p[2 * kk][3], elem),
                            pack2(p[2 * kk + 1][0], p[2 * kk + 1][1], elem),
                            pack2(p[2 * kk + 1][2], p[2 * kk + 1][3], elem)};
-    const int r = kk * 16 + 2 * t;
     FL_UNROLL
-    for (int dn = 0; dn < D / 8; dn++) {
-      const int c = dn * 8 + g;
-      const uint32_t b[2] = {pack16(rows[r][c], rows[r + 1][c]), pack16(rows[r + 8][c], rows[r + 9][c])};
-      mma16816(acc[dn], a, b, elem);
+    for (int dn = 0; dn < D / 8; dn += 2) {
+      uint32_t b[4];  // chunk dn + l/16 = dn ^ l/16 (dn even) of a row r with r % 8 = l % 8
+      ldmatrix_x4<true>(b, base + kk * 16 * D + swizzle(dn, x) * 8);
+      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      mma16816(acc[dn], a, b0, elem);
+      mma16816(acc[dn + 1], a, b1, elem);
     }
   }
 }
@@ -187,8 +237,8 @@ __device__ __forceinline__ void store_rows(uint16_t* base, int64_t stride, int64
 template <int D>
 __device__ void flash_forward(uint16_t* out, float* lse, const uint16_t* qkv, int64_t B, int64_t T, int64_t C,
                               int64_t H, float scale, int32_t elem) {
-  __shared__ uint16_t k_s[FL_ROWS][D + FL_PAD];
-  __shared__ uint16_t v_s[FL_ROWS][D + FL_PAD];
+  __shared__ Tile<D> k_s;
+  __shared__ Tile<D> v_s;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
   const int64_t tiles = (T + FL_ROWS - 1) / FL_ROWS, C3 = 3 * C;
   for (int64_t work = blockIdx.x; work < B * H * tiles; work += gridDim.x) {
@@ -261,8 +311,8 @@ template <int D>
 __device__ void flash_backward_q(uint16_t* dqkv, const float* delta, const uint16_t* dout, const float* lse,
                                  const uint16_t* qkv, int64_t B, int64_t T, int64_t C, int64_t H, float scale,
                                  int32_t elem, int accumulate) {
-  __shared__ uint16_t k_s[FL_ROWS][D + FL_PAD];
-  __shared__ uint16_t v_s[FL_ROWS][D + FL_PAD];
+  __shared__ Tile<D> k_s;
+  __shared__ Tile<D> v_s;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
   const int64_t tiles = (T + FL_ROWS - 1) / FL_ROWS, C3 = 3 * C;
   for (int64_t work = blockIdx.x; work < B * H * tiles; work += gridDim.x) {
@@ -312,8 +362,8 @@ template <int D>
 __device__ void flash_backward_kv(uint16_t* dqkv, const float* delta, const uint16_t* dout, const float* lse,
                                   const uint16_t* qkv, int64_t B, int64_t T, int64_t C, int64_t H, float scale,
                                   int32_t elem, int accumulate) {
-  __shared__ uint16_t q_s[FL_ROWS][D + FL_PAD];
-  __shared__ uint16_t g_s[FL_ROWS][D + FL_PAD];
+  __shared__ Tile<D> q_s;
+  __shared__ Tile<D> g_s;
   __shared__ float row_s[2][FL_ROWS];  // lse, delta of the query tile
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
   const int64_t tiles = (T + FL_ROWS - 1) / FL_ROWS, C3 = 3 * C;
