@@ -42,12 +42,12 @@ run() { echo "== $*" | tee -a "$out/log.txt"; "$@" 2>&1 | tee -a "$out/log.txt";
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$out/log.txt"
 run bun ffi/cpu/build.ts
 run bun ffi/cuda/build.ts
-run bun dev/nccl/build.ts
+run bun ffi/cuda/nccl-build.ts
 case "$phase" in
   tests)
     # the emulator suites need no GPU and only spend its time compiling: left out here
     run bun test --timeout=300000 test/ffi/cuda-gpu.test.ts test/ffi/cublas.test.ts test/ffi/cuda-kernels.test.ts \
-      test/dev/nccl/nccl.test.ts test/engine/ops.test.ts test/engine/mixed.test.ts test/ffi/flash.test.ts test/ffi/gemm-epilogue.test.ts ;;
+      test/ffi/nccl.test.ts test/engine/ops.test.ts test/engine/mixed.test.ts test/ffi/flash.test.ts test/ffi/gemm-epilogue.test.ts ;;
   train)
     run bun sdk/cli.ts train mlp --device cuda --out "$out/mlp.mtm"
     run bun sdk/cli.ts train gpt --device cuda --precision bf16 --max-steps 2000 --out "$out/gpt.mtm" ;;
@@ -79,7 +79,7 @@ case "$phase" in
     # by scripts/device-pack.sh) with cuDNN's attention and with the f32-FMA kernels
     [ -d /tmp/sotu ] || tar -xJf .device/sotu.tar.xz -C /tmp
     run timeout 200 bun test --timeout=150000 test/ffi/cuda-gpu.test.ts test/ffi/cublas.test.ts test/ffi/cuda-kernels.test.ts \
-      test/ffi/cudnn-gpu.test.ts test/engine/ops.test.ts test/engine/mixed.test.ts test/dev/nccl/nccl.test.ts \
+      test/ffi/cudnn-gpu.test.ts test/engine/ops.test.ts test/engine/mixed.test.ts test/ffi/nccl.test.ts \
       test/ffi/flash.test.ts test/ffi/gemm-epilogue.test.ts
     run timeout 60 bun bench/index.ts epilogues
     run timeout 200 bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 20 --profile --torch-modes sdpa,compile

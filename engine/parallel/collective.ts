@@ -9,8 +9,8 @@
 //
 // Implementations: RingCollective (engine/parallel/ring.ts), a ring over any PeerTransport
 // (NATS, shared memory, in-memory); HierarchicalCollective (engine/parallel/hierarchical.ts),
-// rings within and across hosts. (NcclCollective, over device memory, is set aside in dev/nccl/:
-// no job uses it yet.)
+// rings within and across hosts; NcclCollective (engine/parallel/nccl-collective.ts), NCCL over f32
+// device memory on the CUDA backend's stream.
 //
 // Every rank of a group issues the same operations with the same keys in the same order. A key
 // is (step, bucket): it names the operation on the wire, so a retried or duplicated piece is

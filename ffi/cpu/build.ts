@@ -46,7 +46,7 @@ export function findOpenBLAS(): string {
   return found;
 }
 
-/** The system C compiler: $CC, else cc, gcc or clang. Shared with dev/nccl/build.ts. */
+/** The system C compiler: $CC, else cc, gcc or clang. Shared with ffi/cuda/nccl-build.ts. */
 export function findCompiler(): string {
   const override = process.env.CC;
   const candidates = override !== undefined && override !== "" ? [override] : ["cc", "gcc", "clang"];

@@ -2,7 +2,7 @@
 // schemas, the benches), so data parallelism and the rest run without a mesh. Each service's
 // folder imports only itself, services/runtime, the compute core and the schemas: no service
 // reaches into another's (the job's plan travels in its spec instead). Code set aside in dev/
-// (the NCCL stack) is imported by nothing that ships.
+// (a PyTorch script for cuDNN logs) is imported by nothing that ships.
 import { expect, test } from "bun:test";
 import { readdirSync, readFileSync } from "node:fs";
 import { join, relative } from "node:path";
@@ -46,7 +46,7 @@ test("no service imports another service's folder; runtime (mesh/, job/, transpo
   expect(crossings).toEqual([]);
 });
 
-test("nothing that ships imports dev/ (code set aside, such as the NCCL stack)", () => {
+test("nothing that ships imports dev/ (code set aside, such as a PyTorch script for cuDNN logs)", () => {
   const shipped = ["engine", "ffi", "schemas", "services", "sdk", "bench", "scripts"];
   const into = shipped
     .flatMap(importsUnder)

@@ -8,7 +8,7 @@
 // multiples of the group size (a ZeRO partition pads its buckets to one); segment() then
 // gives the same blocks as the ring's.
 import type { Ptr } from "../../ffi/backend.ts";
-import type { NcclComm, NcclStream } from "./ffi.ts";
+import type { NcclComm, NcclStream } from "../../ffi/cuda/nccl.ts";
 import {
   checkKey,
   type Collective,
@@ -17,7 +17,7 @@ import {
   type Range,
   type ReduceOp,
   segment,
-} from "../../engine/parallel/collective.ts";
+} from "./collective.ts";
 
 /** count f32 elements of device memory at ptr */
 export interface DeviceBuffer {

@@ -7,10 +7,10 @@ import { dlopen } from "bun:ffi";
 import { existsSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import type { Backend, Ptr } from "../../../ffi/backend.ts";
-import { NativeLibraryError } from "../../../ffi/errors.ts";
-import { findLibrary, librarySearchDirs, tryFindLibrary } from "../../../ffi/find-library.ts";
-import { ensureNcclShim } from "../../../dev/nccl/build.ts";
+import type { Backend, Ptr } from "../../ffi/backend.ts";
+import { NativeLibraryError } from "../../ffi/errors.ts";
+import { findLibrary, librarySearchDirs, tryFindLibrary } from "../../ffi/find-library.ts";
+import { ensureNcclShim } from "../../ffi/cuda/nccl-build.ts";
 import {
   findNccl,
   getUniqueId,
@@ -25,12 +25,12 @@ import {
   ncclUniqueIdBytes,
   ncclVersion,
   shimConfigLayout,
-} from "../../../dev/nccl/ffi.ts";
-import { CollectiveClosedError } from "../../../engine/parallel/collective.ts";
-import { NcclCollective } from "../../../dev/nccl/collective.ts";
-import { expectThrown } from "../../helpers/errors.ts";
-import { skip } from "../../helpers/skip.ts";
-import { waitFor } from "../../helpers/mesh.ts";
+} from "../../ffi/cuda/nccl.ts";
+import { CollectiveClosedError } from "../../engine/parallel/collective.ts";
+import { NcclCollective } from "../../engine/parallel/nccl-collective.ts";
+import { expectThrown } from "../helpers/errors.ts";
+import { skip } from "../helpers/skip.ts";
+import { waitFor } from "../helpers/mesh.ts";
 
 const fixture = join(import.meta.dir, "fixtures", "fake-nccl.c");
 const dir = mkdtempSync(join(tmpdir(), "mt-nccl-test-"));
@@ -196,7 +196,7 @@ describe("findLibrary", () => {
   );
 
   test("importing the binding loads no native library", () => {
-    const script = `await import(${JSON.stringify(join(import.meta.dir, "..", "..", "..", "dev", "nccl", "ffi.ts"))});
+    const script = `await import(${JSON.stringify(join(import.meta.dir, "..", "..", "ffi", "cuda", "nccl.ts"))});
       const maps = require("node:fs").readFileSync("/proc/self/maps", "utf8");
       console.log(/libmtnccl|libnccl/.test(maps) ? "loaded" : "clean");`;
     const r = Bun.spawnSync([process.execPath, "-e", script], { stdout: "pipe", stderr: "pipe" });
@@ -622,7 +622,7 @@ describe("real NCCL", () => {
   test.skipIf(skip("libnccl", ncclMissing) || skip("a GPU", gpuMissing))(
     "one-rank communicator on a real GPU",
     async () => {
-      const cuda = await import("../../../ffi/cuda/backend.ts");
+      const cuda = await import("../../ffi/cuda/backend.ts");
       const probe = cuda.probeCuda();
       if (!probe.ok) throw new Error(`a GPU device node exists but CUDA is not usable: ${probe.reason}`);
       const backend = new cuda.CudaBackend({ device: 0 }); // makes the device's primary context current

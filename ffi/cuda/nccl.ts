@@ -1,11 +1,11 @@
 // NCCL through bun:ffi: communicators, all-reduce, reduce-scatter, all-gather, broadcast and
-// group calls, meant for the all-reduce training mode on GPUs (set aside in dev/: README.md).
+// group calls, for the all-reduce training mode on GPUs.
 //
 // What goes where:
 //   - Every NCCL function that takes only pointers and integers is called directly through
 //     bun:ffi's dlopen of libnccl.
 //   - Communicator creation takes the 128-byte ncclUniqueId BY VALUE, which bun:ffi cannot
-//     pass; it goes through dev/nccl/shim.c (built on first use by ./build.ts).
+//     pass; it goes through ffi/cuda/nccl-shim.c (built on first use by ./nccl-build.ts).
 //
 // Threads and the event loop:
 //   - Communicators are created non-blocking (ncclConfig_t.blocking = 0, NCCL >= 2.14): the
@@ -33,10 +33,10 @@
 // takes its device from cudaGetDevice; the CUDA backend makes the device's primary context
 // current when it is created).
 import { CString, dlopen, type Library, type Pointer } from "bun:ffi";
-import type { Ptr } from "../../ffi/backend.ts";
-import { NativeLibraryError } from "../../ffi/errors.ts";
-import { findLibrary, type LibrarySpec, type SearchEnv } from "../../ffi/find-library.ts";
-import { ensureNcclShim } from "./build.ts";
+import type { Ptr } from "../backend.ts";
+import { NativeLibraryError } from "../errors.ts";
+import { findLibrary, type LibrarySpec, type SearchEnv } from "../find-library.ts";
+import { ensureNcclShim } from "./nccl-build.ts";
 
 // ---- limits ---------------------------------------------------------------------------------
 // (ffi/ has no limits.ts; these are this binding's limits, kept with it.)

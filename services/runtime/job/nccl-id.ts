@@ -19,11 +19,11 @@
 // This module moves bytes only: no bun:ffi (it was written to sit in services/, which never call
 // native code).
 import type { KV } from "@nats-io/kv";
-import { openBucket } from "../../services/runtime/mesh/kv-bucket.ts";
+import { openBucket } from "../mesh/kv-bucket.ts";
 import type { NatsConnection } from "@nats-io/transport-node";
-import { WireFormatError } from "../../schemas/codec.ts";
-import { BadRequestError, DeadlineError, JetStreamUnavailableError } from "../../services/runtime/mesh/errors.ts";
-import { jobIdPattern, jobNamePattern } from "../../services/runtime/job/job.ts";
+import { WireFormatError } from "../../../schemas/codec.ts";
+import { BadRequestError, DeadlineError, JetStreamUnavailableError } from "../mesh/errors.ts";
+import { jobIdPattern, jobNamePattern } from "./job.ts";
 
 // ---- limits (the runtime has no limits.ts yet; these belong to this module) --------------------
 

@@ -3,9 +3,9 @@
 // wrong sizes, a rank-count mismatch, a reused generation and a timeout are typed errors.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { Kvm } from "@nats-io/kv";
-import { type WireFormatCode, WireFormatError } from "../../../schemas/codec.ts";
-import { ncclUniqueIdBytes } from "../../../dev/nccl/ffi.ts";
-import { BadRequestError, DeadlineError } from "../../../services/runtime/mesh/errors.ts";
+import { type WireFormatCode, WireFormatError } from "../../schemas/codec.ts";
+import { ncclUniqueIdBytes } from "../../ffi/cuda/nccl.ts";
+import { BadRequestError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
 import {
   decodeNcclId,
   encodeNcclId,
@@ -13,8 +13,8 @@ import {
   ncclIdRecordBytes,
   ncclIdsBucket,
   NcclIdStore,
-} from "../../../dev/nccl/nccl-id.ts";
-import { clientBus, startNatsServer } from "../../helpers/mesh.ts";
+} from "../../services/runtime/job/nccl-id.ts";
+import { clientBus, startNatsServer } from "../helpers/mesh.ts";
 
 const timeoutMs = 10_000;
 

@@ -1,17 +1,17 @@
-// Builds dev/nccl/shim.c (the by-value ncclUniqueId call bun:ffi cannot make) into
-// dev/nccl/build/libmtnccl.so with the system C compiler. It needs neither nccl.h nor libnccl,
+// Builds ffi/cuda/nccl-shim.c (the by-value ncclUniqueId call bun:ffi cannot make) into
+// ffi/cuda/build/libmtnccl.so with the system C compiler. It needs neither nccl.h nor libnccl,
 // so every machine builds it; NCCL itself is dlopen'ed at run time. Rebuilt only when the
 // source or flags change (a stamp file beside it records them). Run directly
-// (`bun dev/nccl/build.ts`); dev/nccl/ffi.ts calls ensureNcclShim() too, so a fresh checkout
+// (`bun ffi/cuda/nccl-build.ts`); ffi/cuda/nccl.ts calls ensureNcclShim() too, so a fresh checkout
 // just works.
 import { createHash } from "node:crypto";
 import { existsSync, mkdirSync, readFileSync, renameSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { NativeLibraryError } from "../../ffi/errors.ts";
-import { findCompiler } from "../../ffi/cpu/build.ts";
+import { NativeLibraryError } from "../errors.ts";
+import { findCompiler } from "../cpu/build.ts";
 
 const here = import.meta.dir;
-export const shimSourcePath = join(here, "shim.c");
+export const shimSourcePath = join(here, "nccl-shim.c");
 const buildDir = join(here, "build");
 export const shimLibraryPath = join(buildDir, "libmtnccl.so");
 const stampPath = join(buildDir, "libmtnccl.stamp");
