@@ -77,6 +77,7 @@ export type NcclRedOp = "sum" | "prod" | "max" | "min" | "avg";
 export const ncclRedOps: Readonly<Record<NcclRedOp, number>> = { sum: 0, prod: 1, max: 2, min: 3, avg: 4 /* 2.10+ */ };
 
 const ncclSuccess = 0;
+const ncclSystemError = 2;
 const ncclInvalidUsage = 5;
 const ncclInProgress = 7;
 const ncclTimeout = 8;
@@ -539,9 +540,16 @@ export class NcclComm {
     const comm = this.#comm!;
     let state = ncclInProgress;
     const poll = await pollUntil(() => {
+      if (this.#comm !== comm) return true; // aborted (by a liveness watch, say) while waiting
       state = this.#lib.asyncState(comm);
       return state !== ncclInProgress;
     }, timeoutMs);
+    if (this.#comm !== comm)
+      throw new NcclError(
+        "ncclCommGetAsyncError",
+        ncclSystemError,
+        `rank ${this.rank} of ${this.nranks}: the communicator was aborted while its work was pending`,
+      );
     if (!poll.done) {
       this.abort();
       throw timeoutError("ncclCommGetAsyncError", this.nranks, this.rank, timeoutMs);

@@ -82,6 +82,7 @@ function sourcesHash(): string {
     join(fixtures, "fake-cublas.c"),
     join(fixtures, "fake-cudnn.c"),
     join(fixtures, "fake-cublaslt.c"),
+    join(fixtures, "emulated-nccl.c"),
     join(root, "ffi", "numerics.h"),
   ].sort();
   for (const f of files) h.update(f).update(readFileSync(f));
@@ -94,6 +95,7 @@ interface Built {
   fakeCublas: string;
   fakeCudnn: string;
   fakeCublasLt: string;
+  emulatedNccl: string;
 }
 
 async function build(): Promise<Built> {
@@ -104,6 +106,7 @@ async function build(): Promise<Built> {
     fakeCublas: join(dir, "libfakecublas.so"),
     fakeCudnn: join(dir, "libfakecudnn.so"),
     fakeCublasLt: join(dir, "libfakecublaslt.so"),
+    emulatedNccl: join(dir, "libemulatednccl.so"),
   };
   if (Object.values(built).every((p) => existsSync(p))) return built;
   // build in a fresh folder and rename, so a concurrent or interrupted build leaves nothing half-written
@@ -118,6 +121,7 @@ async function build(): Promise<Built> {
     cc("fake-cublas.c", "libfakecublas.so"),
     cc("fake-cudnn.c", "libfakecudnn.so", ["-lm"]),
     cc("fake-cublaslt.c", "libfakecublaslt.so", ["-lm"]),
+    cc("emulated-nccl.c", "libemulatednccl.so", ["-lm", "-pthread"]),
   ]);
   // another worker's build of the same sources may have landed first: keep it (a process may
   // have loaded its libraries already), drop this one
@@ -144,6 +148,12 @@ async function build(): Promise<Built> {
 /** The emulator library (libemu.so), built once into .test-results like the rest. */
 export async function emulatorLibrary(): Promise<string> {
   return (await build()).emulator;
+}
+
+/** emulated-nccl.c: an NCCL whose ranks are processes on this machine, summing their (emulated
+ *  device) buffers through shared memory; built once into .test-results like the rest. */
+export async function emulatedNcclLibrary(): Promise<string> {
+  return (await build()).emulatedNccl;
 }
 
 /** What the fake driver under the emulated backend recorded: kernel launches, and the launch
