@@ -21,6 +21,12 @@
 // ranks; folded into the loss's seed) before the sum, so a short last step weighs each sample
 // once, as a single process with the whole batch would.
 //
+// On GPUs with NCCL (`deviceCollective`, engine/parallel/nccl-collective.ts), stage 0's buckets
+// stay in device memory: each bucket has a device buffer its gradients are copied into (on the
+// backend's stream, so the all-reduce NCCL queues there runs after them), it is all-reduced in
+// place, and copied back into the gradient slab; the f16 check, the norm and the update then
+// read device memory as in one process. No gradient crosses to the host.
+//
 // Compression (`compress`, compress.ts): a bucket is encoded with error feedback (a residual per
 // bucket), every rank's encoding is all-gathered, and each rank sums the decoded contributions in
 // rank order (the same bits on every rank). ZeRO keeps its partition of that sum. With top-k the
@@ -51,6 +57,7 @@ import type { ParamEntry, ParamStore } from "../params.ts";
 import { Context, type Tensor } from "../tensor.ts";
 import { forwardPass, type HostBatch, LossSlots, unscaleAndClip, uploadBatch } from "../train.ts";
 import { BadPieceError, type Collective } from "./collective.ts";
+import type { DeviceBuffer } from "./nccl-collective.ts";
 import { Codec, density, ErrorFeedback, parseCompression } from "./compress.ts";
 import { type ModelMemory, type Partition, partitionOf, type ZeroStage } from "./zero.ts";
 
@@ -104,6 +111,9 @@ export interface DataParallelOptions {
   ranks: number;
   /** the communicator of the current generation (the caller builds and replaces it) */
   collective: () => Collective;
+  /** the current generation's communicator over device memory (NCCL): stage 0's buckets then
+   *  stay on the device. Not with ZeRO, offload or compression (refused with the reason). */
+  deviceCollective?: () => Collective<DeviceBuffer>;
   zero: ZeroStage;
   /** the optimizer's state and update in host memory (ZeRO-Offload) */
   offload: boolean;
@@ -129,6 +139,8 @@ interface Bucket {
   /** elements over its entries */
   numel: number;
   buf: Float32Array;
+  /** deviceCollective: the bucket's device buffer, all-reduced in place (buf is then empty) */
+  dev: Allocation | null;
   /** compression: the bucket's error feedback, and every rank's encoding of it (all-gathered) */
   feedback: ErrorFeedback | null;
   gathered: Float32Array | null;
@@ -249,6 +261,20 @@ export class DataParallel {
     const backend = ctx.backend;
     const store = model.store;
     this.codec = new Codec(parseCompression(o.compress));
+    if (o.deviceCollective !== undefined) {
+      const why =
+        o.zero > 0
+          ? `ZeRO stage ${o.zero}`
+          : o.offload
+            ? "offload (the optimizer runs on the host)"
+            : this.codec.kind !== "none"
+              ? `compression (${o.compress})`
+              : null;
+      if (why !== null)
+        throw new EngineError(
+          `data parallelism on device buffers (NCCL) runs at ZeRO stage 0 without offload or compression, not with ${why}: use the host path`,
+        );
+    }
     const buckets = this.#plan();
     this.zero = o.zero;
     this.partition = o.zero > 0 ? partitionOf(buckets, o.ranks, o.rank) : null;
@@ -343,7 +369,12 @@ export class DataParallel {
           : 0,
       // the host buffers buckets travel through (compression: the residuals and the all-gathered encodings too)
       buckets: (this.#buckets ?? []).reduce(
-        (sum, b) => sum + b.buf.byteLength + (b.feedback?.residual.byteLength ?? 0) + (b.gathered?.byteLength ?? 0),
+        (sum, b) =>
+          sum +
+          b.buf.byteLength +
+          (b.dev?.bytes ?? 0) +
+          (b.feedback?.residual.byteLength ?? 0) +
+          (b.gathered?.byteLength ?? 0),
         0,
       ),
       arenaPeak: ctx.arena.highWaterBytes,
@@ -389,13 +420,15 @@ export class DataParallel {
     let cur: ParamEntry[] = [],
       n = 0;
     const codec = this.codec;
+    const onDevice = this.#o.deviceCollective !== undefined;
     const close = () => {
       const lossy = codec.lossy;
       buckets.push({
         id: buckets.length,
         entries: cur,
         numel: n,
-        buf: new Float32Array(n),
+        buf: new Float32Array(onDevice ? 0 : n),
+        dev: onDevice ? ctx.allocPersistent(Math.max(n, 1) * 4) : null,
         feedback: lossy ? new ErrorFeedback(codec, n) : null,
         gathered: lossy ? new Float32Array((this.#o.ranks * codec.slotBytes(n)) / 4) : null,
       });
@@ -444,9 +477,16 @@ export class DataParallel {
     const t0 = performance.now();
     const collective = this.#o.collective();
     const flight = new InFlight();
+    const onDevice = this.#o.deviceCollective?.();
     const launch = (b: Bucket) => {
-      for (const [e, part] of slices(b)) backend.download(store.grads.ptr + e.offset * 4, part);
       const key = { step, bucket: b.id };
+      if (onDevice !== undefined && b.dev !== null) {
+        // device to device on the backend's stream; NCCL's all-reduce is queued after the copies
+        this.#bucketCopies(b, "in");
+        flight.add(onDevice.allReduce({ ptr: b.dev.ptr, count: b.numel }, key, "sum"));
+        return;
+      }
+      for (const [e, part] of slices(b)) backend.download(store.grads.ptr + e.offset * 4, part);
       flight.add(b.feedback ? this.#compressedAllReduce(b, key) : collective.allReduce(b.buf, key, "sum"));
     };
     store.zeroGrad();
@@ -472,7 +512,8 @@ export class DataParallel {
     // offload: the reduced gradients stay on the host, in the mirror the optimizer runs on
     const [gradCtx, gradStore] = this.#host ? [this.#host.ctx, this.#host.store] : [ctx, store];
     for (const b of buckets) {
-      for (const [e, part] of slices(b)) gradCtx.backend.upload(gradStore.grads.ptr + e.offset * 4, part);
+      if (b.dev !== null) this.#bucketCopies(b, "out");
+      else for (const [e, part] of slices(b)) gradCtx.backend.upload(gradStore.grads.ptr + e.offset * 4, part);
     }
     // a non-finite loss stops the job, but only after the reduction: the peers are not left
     // waiting for this rank's buckets
@@ -502,6 +543,20 @@ export class DataParallel {
   ): DataParallelStepResult {
     this.#updateScale(u.finite, step);
     return { loss, gradNorm: u.gradNorm, skipped: !u.finite, ...times(performance.now()), density: this.#density };
+  }
+
+  /** Device buckets: the gradients of b's parameters into its device buffer ("in"), or the
+   *  reduced buffer back into the gradient slab ("out"); device-to-device copies. */
+  #bucketCopies(b: Bucket, way: "in" | "out"): void {
+    const backend = this.#o.ctx.backend;
+    const grads = this.#o.model.store.grads.ptr;
+    let at = 0;
+    for (const e of b.entries) {
+      const [slab, buf] = [grads + e.offset * 4, b.dev!.ptr + at * 4];
+      if (way === "in") backend.copy(buf, slab, e.numel * 4);
+      else backend.copy(slab, buf, e.numel * 4);
+      at += e.numel;
+    }
   }
 
   /** Counts one more of bucket b's gradients as written; whether that was its last. */

@@ -7,7 +7,7 @@
 // NCCL's reduce-scatter and all-gather cut a buffer into equal blocks, so their counts must be
 // multiples of the group size (a ZeRO partition pads its buckets to one); segment() then
 // gives the same blocks as the ring's.
-import type { Ptr } from "../../ffi/backend.ts";
+import type { Allocation, Backend, Ptr } from "../../ffi/backend.ts";
 import type { NcclComm, NcclStream } from "../../ffi/cuda/nccl.ts";
 import {
   checkKey,
@@ -27,6 +27,8 @@ export interface DeviceBuffer {
 
 export class NcclCollective implements Collective<DeviceBuffer> {
   #closed = false;
+  /** the last operation started: the next one runs after it has settled */
+  #tail: Promise<void> = Promise.resolve();
 
   /** `scratch`: one f32 of device memory, for barrier(). */
   constructor(
@@ -44,37 +46,36 @@ export class NcclCollective implements Collective<DeviceBuffer> {
   }
 
   async allReduce(buf: DeviceBuffer, key: OpKey, op: ReduceOp = "sum"): Promise<void> {
-    this.#enter(key);
-    if (buf.count === 0) return;
-    this.comm.allReduce(buf.ptr, buf.ptr, buf.count, "f32", op, this.stream);
-    await this.comm.settled(this.settleTimeoutMs);
+    this.#start(key);
+    return this.#inTurn(() => {
+      if (buf.count > 0) this.comm.allReduce(buf.ptr, buf.ptr, buf.count, "f32", op, this.stream);
+    });
   }
 
   async reduceScatter(buf: DeviceBuffer, key: OpKey): Promise<Range> {
-    this.#enter(key);
+    this.#start(key);
     const block = this.#block(buf, "reduceScatter");
     const mine = segment(buf.count, this.size, this.rank);
-    if (block > 0) {
-      // in place: rank r's block of the input is where its result goes (NCCL's in-place rule)
-      this.comm.reduceScatter(buf.ptr, buf.ptr + mine.offset * 4, block, "f32", "sum", this.stream);
-      await this.comm.settled(this.settleTimeoutMs);
-    }
+    // in place: rank r's block of the input is where its result goes (NCCL's in-place rule)
+    await this.#inTurn(() => {
+      if (block > 0) this.comm.reduceScatter(buf.ptr, buf.ptr + mine.offset * 4, block, "f32", "sum", this.stream);
+    });
     return mine;
   }
 
   async allGather(buf: DeviceBuffer, key: OpKey): Promise<void> {
-    this.#enter(key);
+    this.#start(key);
     const block = this.#block(buf, "allGather");
-    if (block === 0) return;
-    this.comm.allGather(buf.ptr + this.rank * block * 4, buf.ptr, block, "f32", this.stream);
-    await this.comm.settled(this.settleTimeoutMs);
+    return this.#inTurn(() => {
+      if (block > 0) this.comm.allGather(buf.ptr + this.rank * block * 4, buf.ptr, block, "f32", this.stream);
+    });
   }
 
   async broadcast(buf: DeviceBuffer, root: number, key: OpKey): Promise<void> {
-    this.#enter(key);
-    if (buf.count === 0) return;
-    this.comm.broadcast(buf.ptr, buf.ptr, buf.count, "f32", root, this.stream);
-    await this.comm.settled(this.settleTimeoutMs);
+    this.#start(key);
+    return this.#inTurn(() => {
+      if (buf.count > 0) this.comm.broadcast(buf.ptr, buf.ptr, buf.count, "f32", root, this.stream);
+    });
   }
 
   barrier(key: OpKey): Promise<void> {
@@ -87,11 +88,28 @@ export class NcclCollective implements Collective<DeviceBuffer> {
     this.comm.abort();
   }
 
-  #enter(key: OpKey): void {
+  #start(key: OpKey): void {
     checkKey(key);
     if (this.#closed) throw new CollectiveClosedError("the collective is closed");
-    const failed = this.comm.pollAsyncError();
-    if (failed !== null) throw failed; // a peer or link failed since the last operation
+  }
+
+  /**
+   * Runs `call` (one NCCL call) once the operations before it have settled, then waits for its
+   * own: NCCL forbids any call on a communicator left in progress, so the operations a caller
+   * starts without awaiting (a bucket's all-reduce while backward goes on) queue here in call
+   * order. Real NCCL settles at once (the work is queued on the stream); the emulated one, and
+   * a communicator still connecting, take their time.
+   */
+  #inTurn(call: () => void): Promise<void> {
+    const run = this.#tail.then(async () => {
+      if (this.#closed) throw new CollectiveClosedError("the collective is closed");
+      const failed = this.comm.pollAsyncError();
+      if (failed !== null) throw failed; // a peer or link failed since the last operation
+      call();
+      await this.comm.settled(this.settleTimeoutMs);
+    });
+    this.#tail = run.catch(() => {});
+    return run;
   }
 
   #block(buf: DeviceBuffer, what: string): number {
@@ -100,5 +118,74 @@ export class NcclCollective implements Collective<DeviceBuffer> {
         `${what} over NCCL: ${buf.count} elements is not a multiple of the ${this.size} ranks (pad the buffer)`,
       );
     return buf.count / this.size;
+  }
+}
+
+/**
+ * A Collective over host arrays, staged through device memory and a device collective: for the
+ * few small host-side operations of a job whose ranks talk NCCL (the replica check), so that
+ * such a job needs no second communicator. Each call uploads the array, runs the device
+ * operation and downloads the result; one operation at a time (they share one scratch buffer).
+ */
+export class StagedCollective implements Collective<Float32Array> {
+  #scratch: Allocation | null = null;
+
+  constructor(
+    readonly device: Collective<DeviceBuffer>,
+    readonly backend: Backend,
+  ) {}
+
+  get rank(): number {
+    return this.device.rank;
+  }
+  get size(): number {
+    return this.device.size;
+  }
+
+  allReduce(buf: Float32Array, key: OpKey, op: ReduceOp = "sum"): Promise<void> {
+    return this.#staged(buf, (d) => this.device.allReduce(d, key, op));
+  }
+  reduceScatter(buf: Float32Array, key: OpKey): Promise<Range> {
+    return this.#staged(buf, (d) => this.device.reduceScatter(d, key));
+  }
+  allGather(buf: Float32Array, key: OpKey): Promise<void> {
+    return this.#staged(buf, (d) => this.device.allGather(d, key));
+  }
+  broadcast(buf: Float32Array, root: number, key: OpKey): Promise<void> {
+    return this.#staged(buf, (d) => this.device.broadcast(d, root, key));
+  }
+  barrier(key: OpKey): Promise<void> {
+    return this.device.barrier(key);
+  }
+
+  close(reason?: string): void {
+    this.device.close(reason);
+    if (this.#scratch !== null) this.backend.free(this.#scratch);
+    this.#scratch = null;
+  }
+
+  #busy = false;
+
+  async #staged<T>(buf: Float32Array, run: (d: DeviceBuffer) => Promise<T>): Promise<T> {
+    if (this.#busy) throw new Error("StagedCollective runs one operation at a time");
+    this.#busy = true;
+    try {
+      return await this.#stagedOnce(buf, run);
+    } finally {
+      this.#busy = false;
+    }
+  }
+
+  async #stagedOnce<T>(buf: Float32Array, run: (d: DeviceBuffer) => Promise<T>): Promise<T> {
+    const bytes = Math.max(buf.byteLength, 4);
+    if (this.#scratch === null || this.#scratch.bytes < bytes) {
+      if (this.#scratch !== null) this.backend.free(this.#scratch);
+      this.#scratch = this.backend.alloc(bytes);
+    }
+    const ptr = this.#scratch.ptr;
+    this.backend.upload(ptr, buf);
+    const result = await run({ ptr, count: buf.length });
+    this.backend.download(ptr, buf);
+    return result;
   }
 }

@@ -1,0 +1,163 @@
+// Data parallelism on device buffers (DataParallel with a deviceCollective): ranks as processes,
+// each with the CUDA backend emulated on the host and the emulated NCCL (summing the ranks'
+// emulated device buffers through shared memory), so a "multi-GPU" job runs here. At 2 and 4
+// ranks, with and without gradient accumulation, the ranks' mean loss follows one process that
+// trains on the whole batch on the CPU backend (within 1e-5), the replicas end bit-identical (the
+// replica check runs through NCCL too), and the buckets stay on the device. The refusals of what
+// does not run on device buffers yet are checked in one process.
+import { describe, expect, test } from "bun:test";
+import { join } from "node:path";
+import { MlpModel } from "../../engine/models/mlp.ts";
+import { AdamW } from "../../engine/optim/adamw.ts";
+import { DataParallel } from "../../engine/parallel/data-parallel.ts";
+import { inProcessRings } from "../../engine/parallel/ring.ts";
+import { Context } from "../../engine/tensor.ts";
+import { TrainStep } from "../../engine/train.ts";
+import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { NcclLibrary } from "../../ffi/cuda/nccl.ts";
+import { emulatedCuda, emulatedNcclLibrary } from "../helpers/emulated-cuda.ts";
+import { skip } from "../helpers/skip.ts";
+import { adamw, batch, lr, probe, rowsPerRank, widths } from "./fixtures/dp-batches.ts";
+
+const emulated = await emulatedCuda();
+const rankScript = join(import.meta.dir, "fixtures", "dp-nccl-rank.ts");
+const steps = 6;
+
+interface StepLine {
+  step: number;
+  loss: number;
+  gradNorm: number;
+}
+interface EndLine {
+  digest: string;
+  values: number[];
+  buckets: number;
+  bucketNumel: number;
+  paramCount: number;
+  bucketBytes: number;
+}
+
+async function runJob(ranks: number, accumSteps: number): Promise<{ steps: StepLine[][]; ends: EndLine[] }> {
+  const lib = await emulatedNcclLibrary();
+  const id = Buffer.from(NcclLibrary.open(lib).getUniqueId()).toString("hex");
+  const procs = Array.from({ length: ranks }, (_, r) =>
+    Bun.spawn([process.execPath, rankScript, lib, id, String(ranks), String(r), String(accumSteps), String(steps)], {
+      stdout: "pipe",
+      stderr: "pipe",
+    }),
+  );
+  const timer = setTimeout(() => {
+    for (const p of procs) p.kill(9);
+  }, 120_000);
+  try {
+    const outs = await Promise.all(
+      procs.map(async (p) => {
+        const [out, err, code] = await Promise.all([
+          new Response(p.stdout).text(),
+          new Response(p.stderr).text(),
+          p.exited,
+        ]);
+        if (code !== 0) throw new Error(`a rank exited with ${code}:\n${out}\n${err}`);
+        return out
+          .trim()
+          .split("\n")
+          .filter((l) => l.startsWith("{"))
+          .map((l) => JSON.parse(l));
+      }),
+    );
+    return { steps: outs.map((o) => o.slice(0, -1) as StepLine[]), ends: outs.map((o) => o.at(-1) as EndLine) };
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+/** One process with the whole batch on the CPU backend: losses, norms and final parameters. */
+function reference(ranks: number): { losses: number[]; norms: number[]; values: Float32Array } {
+  const ctx = new Context(new CpuBackend(), { seed: 0 });
+  try {
+    const model = new MlpModel(ctx, { widths, activation: "relu", dropout: 0 }, 3);
+    const train = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamw), {
+      lr,
+      schedule: { kind: "constant" },
+      gradClip: 1,
+      accumSteps: 1,
+    });
+    const losses: number[] = [],
+      norms: number[] = [];
+    for (let s = 0; s < steps; s++) {
+      const r = train.run([batch(s * ranks * rowsPerRank, ranks * rowsPerRank)]);
+      losses.push(r.loss);
+      norms.push(r.gradNorm);
+    }
+    return { losses, norms, values: model.store.readValues() };
+  } finally {
+    ctx.dispose();
+  }
+}
+
+const skipReason = emulated.ok ? null : `the emulated CUDA backend cannot be built here: ${emulated.reason}`;
+
+describe.skipIf(skip("the emulated CUDA backend", skipReason))("data parallelism on device buffers over NCCL", () => {
+  test.each([
+    [2, 1],
+    [4, 1],
+    [2, 3],
+    [4, 2],
+  ])(
+    "%d ranks, %d micro-batches: the loss follows one process with the whole batch (1e-5), replicas bit-identical",
+    async (ranks, accum) => {
+      const job = await runJob(ranks, accum);
+      const ref = reference(ranks);
+      for (let s = 0; s < steps; s++) {
+        const loss = job.steps.reduce((sum, lines) => sum + lines[s]!.loss, 0) / ranks;
+        expect(Math.abs(loss - ref.losses[s]!) / Math.abs(ref.losses[s]!)).toBeLessThanOrEqual(1e-5);
+        for (const lines of job.steps) expect(lines[s]!.gradNorm).toBe(job.steps[0]![s]!.gradNorm);
+        expect(Math.abs(job.steps[0]![s]!.gradNorm - ref.norms[s]!) / ref.norms[s]!).toBeLessThanOrEqual(1e-5);
+      }
+      expect(new Set(job.ends.map((e) => e.digest)).size).toBe(1);
+      let worst = 0;
+      job.ends[0]!.values.forEach((v, i) => {
+        worst = Math.max(worst, Math.abs(v - ref.values[i]!));
+      });
+      expect(worst).toBeLessThanOrEqual(1e-5);
+      // the buckets are device buffers holding every parameter's gradient once, and no host copy
+      const end = job.ends[0]!;
+      expect(end.buckets).toBeGreaterThan(1);
+      expect(end.bucketNumel).toBe(end.paramCount);
+      expect(end.bucketBytes).toBe(end.paramCount * 4);
+    },
+  );
+
+  test("what does not run on device buffers yet is refused with the reason", () => {
+    const [ring] = inProcessRings(1, { progressTimeoutMs: 1000 }, 16);
+    const ctx = new Context(new CpuBackend(), { seed: 0 });
+    const base = {
+      ctx,
+      model: new MlpModel(ctx, { widths, activation: "relu" as const, dropout: 0 }, 3),
+      rank: 0,
+      ranks: 1,
+      collective: () => ring!,
+      deviceCollective: () => {
+        throw new Error("not called");
+      },
+      zero: 0 as const,
+      offload: false,
+      bucketMb: 0.001,
+      compress: "none",
+      optimizer: adamw,
+      gradClip: 1,
+      warmupSteps: 0,
+      accumSteps: 1,
+      seed: 3,
+      probe,
+    };
+    try {
+      expect(() => new DataParallel({ ...base, zero: 2 })).toThrow(/runs at ZeRO stage 0 .* not with ZeRO stage 2/);
+      expect(() => new DataParallel({ ...base, offload: true })).toThrow(/not with offload/);
+      expect(() => new DataParallel({ ...base, compress: "fp16" })).toThrow(/not with compression \(fp16\)/);
+    } finally {
+      ring!.close("done");
+      ctx.dispose();
+    }
+  });
+});
