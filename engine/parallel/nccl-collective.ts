@@ -170,22 +170,18 @@ export class StagedCollective implements Collective<Float32Array> {
     if (this.#busy) throw new Error("StagedCollective runs one operation at a time");
     this.#busy = true;
     try {
-      return await this.#stagedOnce(buf, run);
+      const bytes = Math.max(buf.byteLength, 4);
+      if (this.#scratch === null || this.#scratch.bytes < bytes) {
+        if (this.#scratch !== null) this.backend.free(this.#scratch);
+        this.#scratch = this.backend.alloc(bytes);
+      }
+      const ptr = this.#scratch.ptr;
+      this.backend.upload(ptr, buf);
+      const result = await run({ ptr, count: buf.length });
+      this.backend.download(ptr, buf);
+      return result;
     } finally {
       this.#busy = false;
     }
-  }
-
-  async #stagedOnce<T>(buf: Float32Array, run: (d: DeviceBuffer) => Promise<T>): Promise<T> {
-    const bytes = Math.max(buf.byteLength, 4);
-    if (this.#scratch === null || this.#scratch.bytes < bytes) {
-      if (this.#scratch !== null) this.backend.free(this.#scratch);
-      this.#scratch = this.backend.alloc(bytes);
-    }
-    const ptr = this.#scratch.ptr;
-    this.backend.upload(ptr, buf);
-    const result = await run({ ptr, count: buf.length });
-    this.backend.download(ptr, buf);
-    return result;
   }
 }

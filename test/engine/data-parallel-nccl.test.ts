@@ -7,7 +7,6 @@
 // does not run on device buffers yet are checked in one process.
 import { describe, expect, test } from "bun:test";
 import { join } from "node:path";
-import { MlpModel } from "../../engine/models/mlp.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
 import { DataParallel } from "../../engine/parallel/data-parallel.ts";
 import { inProcessRings } from "../../engine/parallel/ring.ts";
@@ -17,7 +16,7 @@ import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { NcclLibrary } from "../../ffi/cuda/nccl.ts";
 import { emulatedCuda, emulatedNcclLibrary } from "../helpers/emulated-cuda.ts";
 import { skip } from "../helpers/skip.ts";
-import { adamw, batch, lr, probe, rowsPerRank, widths } from "./fixtures/dp-batches.ts";
+import { adamw, batch, dpOptions, lr, model, rowsPerRank } from "./fixtures/dp-batches.ts";
 
 const emulated = await emulatedCuda();
 const rankScript = join(import.meta.dir, "fixtures", "dp-nccl-rank.ts");
@@ -75,8 +74,8 @@ async function runJob(ranks: number, accumSteps: number): Promise<{ steps: StepL
 function reference(ranks: number): { losses: number[]; norms: number[]; values: Float32Array } {
   const ctx = new Context(new CpuBackend(), { seed: 0 });
   try {
-    const model = new MlpModel(ctx, { widths, activation: "relu", dropout: 0 }, 3);
-    const train = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamw), {
+    const single = model(ctx);
+    const train = new TrainStep(ctx, single, new AdamW(ctx, single.store, adamw), {
       lr,
       schedule: { kind: "constant" },
       gradClip: 1,
@@ -89,7 +88,7 @@ function reference(ranks: number): { losses: number[]; norms: number[]; values: 
       losses.push(r.loss);
       norms.push(r.gradNorm);
     }
-    return { losses, norms, values: model.store.readValues() };
+    return { losses, norms, values: single.store.readValues() };
   } finally {
     ctx.dispose();
   }
@@ -131,26 +130,11 @@ describe.skipIf(skip("the emulated CUDA backend", skipReason))("data parallelism
   test("what does not run on device buffers yet is refused with the reason", () => {
     const [ring] = inProcessRings(1, { progressTimeoutMs: 1000 }, 16);
     const ctx = new Context(new CpuBackend(), { seed: 0 });
-    const base = {
-      ctx,
-      model: new MlpModel(ctx, { widths, activation: "relu" as const, dropout: 0 }, 3),
-      rank: 0,
-      ranks: 1,
-      collective: () => ring!,
+    const base = dpOptions(ctx, 0, 1, ring!, {
       deviceCollective: () => {
         throw new Error("not called");
       },
-      zero: 0 as const,
-      offload: false,
-      bucketMb: 0.001,
-      compress: "none",
-      optimizer: adamw,
-      gradClip: 1,
-      warmupSteps: 0,
-      accumSteps: 1,
-      seed: 3,
-      probe,
-    };
+    });
     try {
       expect(() => new DataParallel({ ...base, zero: 2 })).toThrow(/runs at ZeRO stage 0 .* not with ZeRO stage 2/);
       expect(() => new DataParallel({ ...base, offload: true })).toThrow(/not with offload/);

@@ -5,39 +5,11 @@
 import { describe, expect, test } from "bun:test";
 import { type DataParallelOptions, DataParallel } from "../../engine/parallel/data-parallel.ts";
 import { inProcessRings } from "../../engine/parallel/ring.ts";
-import { MlpModel } from "../../engine/models/mlp.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
-import { Rng } from "../../engine/rng.ts";
 import { Context } from "../../engine/tensor.ts";
-import { type HostBatch, TrainStep } from "../../engine/train.ts";
+import { TrainStep } from "../../engine/train.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
-
-const widths = [20, 32, 16, 5];
-const adamw = { kind: "adamw" as const, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
-const lr = 3e-3;
-
-/** `n` rows of a fixed random classification set, from row `from`. */
-function batch(from: number, n: number): HostBatch {
-  const cols = widths[0]!;
-  const inputs = new Float32Array(n * cols);
-  for (let i = 0; i < n; i++) {
-    const rng = new Rng(1000 + from + i); // each row its own: the ranks' slices make up the whole batch
-    for (let c = 0; c < cols; c++) inputs[i * cols + c] = rng.normal();
-  }
-  const targets = Int32Array.from({ length: n }, (_, i) => (from + i) % widths.at(-1)!);
-  return { inputs, inputShape: [n, widths[0]!], targets, targetShape: [n] };
-}
-
-const probe: HostBatch = {
-  inputs: new Float32Array(widths[0]!),
-  inputShape: [1, widths[0]!],
-  targets: new Int32Array(1),
-  targetShape: [1],
-};
-
-function model(ctx: Context): MlpModel {
-  return new MlpModel(ctx, { widths, activation: "relu", dropout: 0 }, 3);
-}
+import { adamw, batch, dpOptions, lr, model } from "./fixtures/dp-batches.ts";
 
 /** `steps` steps of `ranks` data-parallel ranks (rank r takes rows [r*b, (r+1)*b) of each step's batch) against one process
  *  with the whole batch: the worst relative difference in loss and norm, or absolute in the final parameters. */
@@ -49,27 +21,7 @@ async function compare(
   const b = 6;
   const rings = inProcessRings(ranks, { progressTimeoutMs: 5_000 }, 256);
   const ctxs = rings.map(() => new Context(new CpuBackend(), { seed: 0 }));
-  const dps = rings.map(
-    (ring, rank) =>
-      new DataParallel({
-        ctx: ctxs[rank]!,
-        model: model(ctxs[rank]!),
-        rank,
-        ranks,
-        collective: () => ring,
-        zero: 0,
-        offload: false,
-        bucketMb: 0.001,
-        compress: "none",
-        optimizer: adamw,
-        gradClip: 1,
-        warmupSteps: 0,
-        accumSteps: 1,
-        seed: 3,
-        probe,
-        ...over,
-      }),
-  );
+  const dps = rings.map((ring, rank) => new DataParallel(dpOptions(ctxs[rank]!, rank, ranks, ring, over)));
   const ctx = new Context(new CpuBackend(), { seed: 0 });
   const single = model(ctx);
   const train = new TrainStep(ctx, single, new AdamW(ctx, single.store, adamw), {
