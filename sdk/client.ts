@@ -52,9 +52,11 @@ import {
   subjects,
   syncPolicy,
   trajectoryDiff,
+  modelParallel,
   usesShards,
 } from "../services/runtime/job/job.ts";
 import { changeWorld } from "../services/runtime/job/world.ts";
+import { type CollectivePlan, collectivePlan } from "../services/runtime/job/collective-plan.ts";
 import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../services/runtime/job/jobs.ts";
 import { NatsBus } from "../services/runtime/mesh/nats.ts";
 import { ownerOfSeedFile } from "../services/runtime/job/roles.ts";
@@ -219,6 +221,20 @@ export class MeshClient implements AsyncDisposable {
   /** Who is on the mesh now ($SRV discovery). */
   async members(): Promise<MeshMembers> {
     return await meshMembers(this.bus.nc);
+  }
+
+  /**
+   * What will carry an all-reduce job's gradients (NCCL or the ring, and why), from where the
+   * mesh's trainers say they run: the trainers decide the same from the same announcement.
+   * Null for a job of another mode.
+   */
+  async collectivePlan(cfg: JobConfig): Promise<CollectivePlan | null> {
+    if (usesShards(cfg) || modelParallel(cfg)) return null;
+    const seen = await this.members();
+    return collectivePlan(
+      cfg,
+      Array.from({ length: cfg.trainers }, (_, r) => seen.trainerPlaces?.[r]),
+    );
   }
 
   /** Every service's Prometheus /metrics endpoint (from service discovery). */

@@ -333,7 +333,10 @@ export class LocalMesh implements AsyncDisposable {
       ...(spec.env.MT_SHARD ? { MT_SHARD: spec.env.MT_SHARD } : {}),
       ...(spec.env.MT_RANK ? { MT_RANK: spec.env.MT_RANK } : {}),
       ...(spec.env.MT_RANK && this.opts.trainerHosts?.[Number(spec.env.MT_RANK)]
-        ? { MT_HOST: this.opts.trainerHosts[Number(spec.env.MT_RANK)]! }
+        ? {
+            MT_HOST: this.opts.trainerHosts[Number(spec.env.MT_RANK)]!,
+            MT_LOCAL_RANK: String(localRank(this.opts.trainerHosts, Number(spec.env.MT_RANK))),
+          }
         : {}),
     };
   }
@@ -478,4 +481,9 @@ export class LocalMesh implements AsyncDisposable {
   [Symbol.asyncDispose](): Promise<void> {
     return this.stop();
   }
+}
+
+/** A rank's index among the ranks its host label names (it picks the GPU there). */
+function localRank(hosts: readonly string[], rank: number): number {
+  return hosts.slice(0, rank).filter((h) => h === hosts[rank]).length;
 }

@@ -273,6 +273,8 @@ function addJobCommands(program: Command): void {
       await client.submit(cfg);
       console.log(`${prev ? "resumed" : "submitted"} job ${cfg.job} to the mesh at ${client.url}`);
       for (const line of configSummary(cfg)) console.log(`  ${line}`);
+      const plan = await client.collectivePlan(cfg);
+      if (plan !== null) console.log(`  collective ${plan.text}`);
       if (opts.detach) {
         console.log(
           `follow it: ${cliName()} watch ${cfg.job} | its state: ${cliName()} status ${cfg.job} | stop it: ${cliName()} cancel ${cfg.job}`,

@@ -90,6 +90,12 @@ export class CollectiveAbortedError extends CollectiveError {
   }
 }
 
+/** The library under the collective failed the operation (NCCL: a peer gone, a link down, a
+ *  timeout); the communicator is unusable and every rank must rebuild it. */
+export class CollectiveTransportError extends CollectiveError {
+  override readonly name = "CollectiveTransportError";
+}
+
 /** A piece that does not fit the operation it names (a bug or a hostile sender). */
 export class BadPieceError extends CollectiveError {
   override readonly name = "BadPieceError";

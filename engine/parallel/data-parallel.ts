@@ -112,8 +112,11 @@ export interface DataParallelOptions {
   /** the communicator of the current generation (the caller builds and replaces it) */
   collective: () => Collective;
   /** the current generation's communicator over device memory (NCCL): stage 0's buckets then
-   *  stay on the device. Not with ZeRO, offload or compression (refused with the reason). */
-  deviceCollective?: () => Collective<DeviceBuffer>;
+   *  stay on the device. Not with ZeRO, offload or compression (refused with the reason). It
+   *  returns null where the job's ranks turned out not to reach each other over NCCL (ranks that
+   *  share a GPU): the buckets then take the host path, through `collective`. Asked at each step:
+   *  the buckets' memory (device buffers or host arrays) is made at the first step it is asked. */
+  deviceCollective?: () => Collective<DeviceBuffer> | null;
   zero: ZeroStage;
   /** the optimizer's state and update in host memory (ZeRO-Offload) */
   offload: boolean;
@@ -138,8 +141,10 @@ interface Bucket {
   entries: ParamEntry[];
   /** elements over its entries */
   numel: number;
+  /** the host array the bucket is reduced in (empty while the bucket takes the device path) */
   buf: Float32Array;
-  /** deviceCollective: the bucket's device buffer, all-reduced in place (buf is then empty) */
+  /** deviceCollective: the bucket's device buffer, all-reduced in place (null until the first
+   *  step on the device path) */
   dev: Allocation | null;
   /** compression: the bucket's error feedback, and every rank's encoding of it (all-gathered) */
   feedback: ErrorFeedback | null;
@@ -427,8 +432,9 @@ export class DataParallel {
         id: buckets.length,
         entries: cur,
         numel: n,
+        // with a device collective, which path the buckets take is known at the first step
         buf: new Float32Array(onDevice ? 0 : n),
-        dev: onDevice ? ctx.allocPersistent(Math.max(n, 1) * 4) : null,
+        dev: null,
         feedback: lossy ? new ErrorFeedback(codec, n) : null,
         gathered: lossy ? new Float32Array((this.#o.ranks * codec.slotBytes(n)) / 4) : null,
       });
@@ -477,10 +483,11 @@ export class DataParallel {
     const t0 = performance.now();
     const collective = this.#o.collective();
     const flight = new InFlight();
-    const onDevice = this.#o.deviceCollective?.();
+    const onDevice = this.#o.deviceCollective?.() ?? null;
+    this.#bucketMemory(buckets, onDevice !== null);
     const launch = (b: Bucket) => {
       const key = { step, bucket: b.id };
-      if (onDevice !== undefined && b.dev !== null) {
+      if (onDevice !== null && b.dev !== null) {
         // device to device on the backend's stream; NCCL's all-reduce is queued after the copies
         this.#bucketCopies(b, "in");
         flight.add(onDevice.allReduce({ ptr: b.dev.ptr, count: b.numel }, key, "sum"));
@@ -512,7 +519,7 @@ export class DataParallel {
     // offload: the reduced gradients stay on the host, in the mirror the optimizer runs on
     const [gradCtx, gradStore] = this.#host ? [this.#host.ctx, this.#host.store] : [ctx, store];
     for (const b of buckets) {
-      if (b.dev !== null) this.#bucketCopies(b, "out");
+      if (onDevice !== null) this.#bucketCopies(b, "out");
       else for (const [e, part] of slices(b)) gradCtx.backend.upload(gradStore.grads.ptr + e.offset * 4, part);
     }
     // a non-finite loss stops the job, but only after the reduction: the peers are not left
@@ -543,6 +550,15 @@ export class DataParallel {
   ): DataParallelStepResult {
     this.#updateScale(u.finite, step);
     return { loss, gradNorm: u.gradNorm, skipped: !u.finite, ...times(performance.now()), density: this.#density };
+  }
+
+  /** Stage 0 with a device collective: each bucket's device buffer, or its host array where this
+   *  generation's communicator is on the host path, made once (the first step) and kept. */
+  #bucketMemory(buckets: readonly Bucket[], onDevice: boolean): void {
+    for (const b of buckets) {
+      if (onDevice) b.dev ??= this.#o.ctx.allocPersistent(Math.max(b.numel, 1) * 4);
+      else if (b.buf.length !== b.numel) b.buf = new Float32Array(b.numel);
+    }
   }
 
   /** Device buckets: the gradients of b's parameters into its device buffer ("in"), or the

@@ -9,10 +9,13 @@
 // gives the same blocks as the ring's.
 import type { Allocation, Backend, Ptr } from "../../ffi/backend.ts";
 import type { NcclComm, NcclStream } from "../../ffi/cuda/nccl.ts";
+import { NcclError } from "../../ffi/cuda/nccl.ts";
 import {
   checkKey,
   type Collective,
+  CollectiveAbortedError,
   CollectiveClosedError,
+  CollectiveTransportError,
   type OpKey,
   type Range,
   type ReduceOp,
@@ -27,6 +30,8 @@ export interface DeviceBuffer {
 
 export class NcclCollective implements Collective<DeviceBuffer> {
   #closed = false;
+  /** set by abort(): what every operation pending or later fails with */
+  #aborted: CollectiveAbortedError | null = null;
   /** the last operation started: the next one runs after it has settled */
   #tail: Promise<void> = Promise.resolve();
 
@@ -88,9 +93,30 @@ export class NcclCollective implements Collective<DeviceBuffer> {
     this.comm.abort();
   }
 
+  /**
+   * Aborts the communicator because `peer` is gone or stalled (a liveness watch saw it): the
+   * operations pending here fail with CollectiveAbortedError naming it, so the step fails as a
+   * collective failure (every rank rewinds) instead of waiting on NCCL, which never gives up on
+   * a dead peer by itself.
+   */
+  abort(peer: number, reason: string): void {
+    if (this.#closed || this.#aborted !== null) return;
+    this.#aborted = new CollectiveAbortedError(peer, reason);
+    this.comm.abort();
+  }
+
   #start(key: OpKey): void {
     checkKey(key);
     if (this.#closed) throw new CollectiveClosedError("the collective is closed");
+    if (this.#aborted !== null) throw this.#aborted;
+  }
+
+  /** What an operation that failed with `e` throws: closed and aborted say so, NCCL's errors are transport failures. */
+  #failure(e: unknown): unknown {
+    if (this.#closed) return new CollectiveClosedError("the collective is closed", { cause: e });
+    if (this.#aborted !== null) return this.#aborted;
+    if (e instanceof NcclError) return new CollectiveTransportError(e.message, { cause: e });
+    return e;
   }
 
   /**
@@ -102,11 +128,16 @@ export class NcclCollective implements Collective<DeviceBuffer> {
    */
   #inTurn(call: () => void): Promise<void> {
     const run = this.#tail.then(async () => {
-      if (this.#closed) throw new CollectiveClosedError("the collective is closed");
-      const failed = this.comm.pollAsyncError();
-      if (failed !== null) throw failed; // a peer or link failed since the last operation
-      call();
-      await this.comm.settled(this.settleTimeoutMs);
+      try {
+        if (this.#closed) throw new CollectiveClosedError("the collective is closed");
+        if (this.#aborted !== null) throw this.#aborted;
+        const failed = this.comm.pollAsyncError();
+        if (failed !== null) throw failed; // a peer or link failed since the last operation
+        call();
+        await this.comm.settled(this.settleTimeoutMs);
+      } catch (e) {
+        throw this.#failure(e);
+      }
     });
     this.#tail = run.catch(() => {});
     return run;
@@ -123,12 +154,14 @@ export class NcclCollective implements Collective<DeviceBuffer> {
 
 /**
  * A Collective over host arrays, staged through device memory and a device collective: for the
- * few small host-side operations of a job whose ranks talk NCCL (the replica check), so that
- * such a job needs no second communicator. Each call uploads the array, runs the device
- * operation and downloads the result; one operation at a time (they share one scratch buffer).
+ * host-side operations of a job whose ranks talk NCCL (the replica check; ZeRO's partitions and
+ * offload, which keep their buckets in host memory), so that such a job needs no second
+ * communicator. Each call uploads the array into device memory of its own, runs the device
+ * operation (queued behind the ones before it: NcclCollective keeps call order) and downloads
+ * the result.
  */
 export class StagedCollective implements Collective<Float32Array> {
-  #scratch: Allocation | null = null;
+  #closed = false;
 
   constructor(
     readonly device: Collective<DeviceBuffer>,
@@ -159,29 +192,22 @@ export class StagedCollective implements Collective<Float32Array> {
   }
 
   close(reason?: string): void {
+    this.#closed = true;
     this.device.close(reason);
-    if (this.#scratch !== null) this.backend.free(this.#scratch);
-    this.#scratch = null;
   }
 
-  #busy = false;
-
   async #staged<T>(buf: Float32Array, run: (d: DeviceBuffer) => Promise<T>): Promise<T> {
-    if (this.#busy) throw new Error("StagedCollective runs one operation at a time");
-    this.#busy = true;
+    if (this.#closed) throw new CollectiveClosedError("the collective is closed");
+    // the backend's allocator reuses freed blocks (a GPU's caching allocator): no cudaMalloc per call
+    const scratch: Allocation = this.backend.alloc(Math.max(buf.byteLength, 4));
     try {
-      const bytes = Math.max(buf.byteLength, 4);
-      if (this.#scratch === null || this.#scratch.bytes < bytes) {
-        if (this.#scratch !== null) this.backend.free(this.#scratch);
-        this.#scratch = this.backend.alloc(bytes);
-      }
-      const ptr = this.#scratch.ptr;
-      this.backend.upload(ptr, buf);
-      const result = await run({ ptr, count: buf.length });
-      this.backend.download(ptr, buf);
+      this.backend.upload(scratch.ptr, buf);
+      const result = await run({ ptr: scratch.ptr, count: buf.length });
+      this.backend.download(scratch.ptr, buf);
       return result;
     } finally {
-      this.#busy = false;
+      // after a failure the collective was aborted: nothing on the device reads the scratch any more
+      this.backend.free(scratch);
     }
   }
 }

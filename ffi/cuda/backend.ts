@@ -260,6 +260,11 @@ export class CudaBackend implements Backend {
     return this.#d.deviceName(this.#device);
   }
 
+  /** The GPU's UUID ("GPU-…"): ranks on one host compare them to tell whether they share a GPU. */
+  get deviceUuid(): string {
+    return this.#d.deviceUuid(this.#device);
+  }
+
   /** The device's memory clock (kHz) and bus width (bits), as the driver reports them (0 where
    *  it does not): their product is the peak memory bandwidth (bench/step-cost.ts). */
   get memoryInterface(): { clockKHz: number; busWidthBits: number } {

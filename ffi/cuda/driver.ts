@@ -102,6 +102,7 @@ const symbols = {
   cuDeviceGet: { args: ["ptr", "i32"], returns: "i32" },
   cuDeviceGetName: { args: ["ptr", "i32", "i32"], returns: "i32" },
   cuDeviceGetAttribute: { args: ["ptr", "i32", "i32"], returns: "i32" },
+  cuDeviceGetUuid: { args: ["ptr", "i32"], returns: "i32" },
   cuDeviceTotalMem_v2: { args: ["ptr", "i32"], returns: "i32" },
   cuDevicePrimaryCtxRetain: { args: ["ptr", "i32"], returns: "i32" },
   cuDevicePrimaryCtxRelease_v2: { args: ["i32"], returns: "i32" },
@@ -225,6 +226,15 @@ export class Driver {
     this.check("cuDeviceGetName", this.lib.symbols.cuDeviceGetName(addressOf(buf), buf.length, device));
     const end = buf.indexOf(0);
     return new TextDecoder().decode(buf.subarray(0, end < 0 ? buf.length : end));
+  }
+
+  /** The GPU's UUID as nvidia-smi prints it ("GPU-" and 32 hex digits in 8-4-4-4-12 groups):
+   *  the same GPU under any CUDA_VISIBLE_DEVICES numbering, so ranks can tell whether they share one. */
+  deviceUuid(device: number): string {
+    const out = new Uint8Array(16);
+    this.check("cuDeviceGetUuid", this.lib.symbols.cuDeviceGetUuid(addressOf(out), device));
+    const hex = Buffer.from(out).toString("hex");
+    return `GPU-${hex.slice(0, 8)}-${hex.slice(8, 12)}-${hex.slice(12, 16)}-${hex.slice(16, 20)}-${hex.slice(20)}`;
   }
 
   deviceAttribute(device: number, attribute: number): number {

@@ -156,6 +156,8 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
     // the launcher started every rank the job needs: wait for them to register
     await client.submit(cfg, { membersWaitMs, signal: AbortSignal.any([stop.first.signal, startFailed.signal]) });
     submitted = true;
+    const plan = await client.collectivePlan(cfg);
+    if (plan !== null) console.log(`  collective ${plan.text}`);
     console.log("submitted; the mesh opens the job (data, parameters), then the trainers start");
     const timeout = AbortSignal.timeout(o.timeoutMin * 60_000);
     const outcome = await watchJob(client, cfg.job, {

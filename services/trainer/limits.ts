@@ -41,3 +41,11 @@ export const finalSaveAttemptsMax = 3;
  *  a job's first minutes are when faults from a bad deployment come, and a restore then should
  *  not send it back to step 0. */
 export const firstTimedSnapshotMs = 60_000;
+
+/** How long an NCCL communicator's ranks may take to find each other (rank 0's id through the job
+ *  store, then ncclCommInitRank): a rank the launcher restarts after a fault loads the model and
+ *  its snapshot first. The liveness watch aborts a wait on a rank that is gone before then. */
+export const ncclConnectTimeoutMs = 300_000;
+/** How long one NCCL operation may stay in progress: a bucket of a large model on a slow link
+ *  takes seconds; a peer that stopped is named by the liveness watch within 10 s, which aborts. */
+export const ncclSettleTimeoutMs = 120_000;

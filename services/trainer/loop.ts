@@ -86,6 +86,7 @@ import {
 import { bytesPerParam } from "../../engine/parallel/zero.ts";
 import { m as metrics } from "../runtime/mesh/metrics.ts";
 import { ModelParallelReplica } from "./model-parallel.ts";
+import type { NcclIdExchange } from "../runtime/job/nccl-id.ts";
 import type { ReplicaOptions } from "./replica.ts";
 import { type StepHost, type TrainerMode, trainerMode } from "./modes.ts";
 import { toHost } from "./batches.ts";
@@ -108,6 +109,8 @@ export interface TrainerOptions {
   members?: () => Promise<MeshMembers>;
   /** all-reduce mode: collective settings over the defaults (tests shorten the timeouts) */
   collective?: Pick<ReplicaOptions, "transport" | "progressTimeoutMs">;
+  /** all-reduce mode on GPUs: where NCCL communicators exchange their ids (the job store) */
+  ncclIds?: NcclIdExchange;
   /** test-only (MT_STEP_DELAY_MS): sleep this long in every step's compute, to make a straggler */
   stepDelayMs?: number;
 }
@@ -188,7 +191,11 @@ export class TrainerRun {
     this.#model = mp?.model ?? buildModel(this.#ctx, o.cfg, o.plan);
     const store = this.#model.store;
     if (mp === null) checkPlanLayout(o.plan, store.slabNumel, store.decayRange.numel);
-    this.#mode = trainerMode(this.#stepHost(), o.plan, mp, o.collective);
+    this.#mode = trainerMode(this.#stepHost(), o.plan, mp, {
+      ...o.collective,
+      ...(o.ncclIds ? { ncclIds: o.ncclIds } : {}),
+      attempt: o.attempt ?? 0,
+    });
   }
 
   /** What the mode's step needs of this run. */
@@ -247,13 +254,15 @@ export class TrainerRun {
     if (!(await awaitMembers(members, cfg, membersWaitMsMax, "its NATS server", this.#stopSignal.signal))) return;
     if (usesShards(cfg)) return;
     // the collective's topology: every rank reads the same labels from service discovery
-    const known = (await members()).trainerHosts ?? {};
+    const seen = await members();
+    const known = seen.trainerHosts ?? {};
     const hosts = Array.from({ length: cfg.trainers }, (_, r) => known[r] ?? "");
     if (hosts.some((h) => h === "")) {
       log?.warn({ hosts }, "some ranks gave no host label; the all-reduce is the flat ring");
       return;
     }
-    this.#mode.useTopology(hosts);
+    const places = Array.from({ length: cfg.trainers }, (_, r) => seen.trainerPlaces?.[r]);
+    this.#mode.useTopology(hosts, places);
   }
 
   #publish(e: Partial<Event> & { kind: EventKind }): void {

@@ -6,8 +6,14 @@ import { z } from "zod";
 import { type DeviceChoice, deviceChoices, openBackend } from "../../ffi/select.ts";
 import { meshMembers } from "../runtime/mesh/discovery.ts";
 import { JobLedger } from "../runtime/job/jobs.ts";
+import { ncclIdExchange } from "../runtime/job/nccl-id.ts";
 import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/mesh/service.ts";
 import { TrainerBackends } from "./backends.ts";
+import type { Backend } from "../../ffi/backend.ts";
+import { CudaBackend } from "../../ffi/cuda/backend.ts";
+import { ncclInstallHint, ncclLibrarySpec } from "../../ffi/cuda/nccl.ts";
+import { tryFindLibrary } from "../../ffi/find-library.ts";
+import type { Logger } from "../runtime/mesh/log.ts";
 import { Trainer } from "./service.ts";
 
 const schema = baseConfigSchema.extend({
@@ -15,6 +21,9 @@ const schema = baseConfigSchema.extend({
   rank: z.number().int().min(0).max(63),
   /** compute device (MT_DEVICE / --device): auto picks CUDA when a driver and a GPU are present */
   device: z.enum(deviceChoices),
+  /** this rank's index among the ranks of its machine (MT_LOCAL_RANK / --local-rank): it picks
+   *  the GPU (local rank mod the GPUs visible); default the rank (one machine) */
+  localRank: z.number().int().min(0).max(63).optional(),
   /** the machine this rank runs on (MT_HOST / --host), for the collective's topology: ranks with
    *  one label reduce among themselves first; default the machine's name */
   host: z
@@ -26,13 +35,40 @@ const schema = baseConfigSchema.extend({
    *  make this rank a straggler on purpose; 0 in any real run */
   stepDelayMs: z.number().int().min(0).max(60_000),
 });
-type Config = BaseConfig & { rank: number; device: DeviceChoice; host: string; stepDelayMs: number };
+type Config = BaseConfig & {
+  rank: number;
+  localRank?: number;
+  device: DeviceChoice;
+  host: string;
+  stepDelayMs: number;
+};
 
 // Default cpu, not auto: a host runs several trainer ranks (the local mesh and the compose
 // file start one process per rank), and auto would put every one of them on GPU 0, each with
 // its own CUDA context, for a model whose step is dominated by pushing and pulling the
 // parameter slab. A GPU host opts in with MT_DEVICE=auto or cuda.
 const deviceDefault: DeviceChoice = "cpu";
+
+/** opened by prepare(), before start() */
+let backends: TrainerBackends | null = null;
+function openedBackends(): TrainerBackends {
+  if (backends === null) throw new Error("the trainer's backends are opened in prepare(), before start()");
+  return backends;
+}
+
+/** What this trainer announces of its device: "cuda" with its GPU's UUID and whether NCCL is
+ *  found, or "cpu". */
+function placeMetadata(backend: Backend, log: Logger): Record<string, string> {
+  if (!(backend instanceof CudaBackend)) return { device: backend.name };
+  let nccl: string | null = null;
+  try {
+    nccl = tryFindLibrary(ncclLibrarySpec);
+  } catch (e) {
+    log.warn({ err: (e as Error).message }, "NCCL cannot be loaded; all-reduce jobs take the ring");
+  }
+  if (nccl === null) log.info(`no NCCL library found (${ncclInstallHint}); all-reduce jobs take the ring`);
+  return { device: "cuda", gpu: backend.deviceUuid, nccl: nccl === null ? "no" : "yes" };
+}
 
 await runService<Config>({
   name: "trainer",
@@ -50,20 +86,25 @@ await runService<Config>({
   },
   metadata: (c) => ({ rank: String(c.rank), host: c.host }),
   logFields: (c) => ({ rank: c.rank }),
-  async start({ config, log, bus }) {
-    // the device opens now (a bad one fails the process at start); a job's attention choice may
-    // open one more backend on it when the job opens (backends.ts)
-    const backends = new TrainerBackends({
+  // the device opens before the process registers (a bad one fails it at start), so that its
+  // $SRV metadata says where it computes: the all-reduce's plan (collective-plan.ts) reads it
+  prepare({ config, log }) {
+    backends = new TrainerBackends({
       device: config.device,
       who: `trainer ${config.rank}`,
       open: (attention) =>
         openBackend(
           config.device,
           (why, detail) => log.info({ device: config.device, attention, detail }, why),
-          config.rank,
+          config.localRank ?? config.rank,
           { attention },
         ),
     });
+    return placeMetadata(backends.first, log);
+  },
+  async start({ config, log, bus }) {
+    // a job's attention choice may open one more backend on the device when the job opens (backends.ts)
+    const backends = openedBackends();
     onScrape(() => metrics.deviceMemory.set({ device: backends.first.name }, backends.liveBytes));
     const ledger = await JobLedger.open(bus.nc, bus, log);
     const trainer = new Trainer({
@@ -74,6 +115,7 @@ await runService<Config>({
       payloadBytesMax: config.payloadBytesMax,
       control: ledger,
       members: () => meshMembers(bus.nc),
+      ncclIds: ncclIdExchange(bus.nc),
       stepDelayMs: config.stepDelayMs,
     });
     const watch = await ledger.follow(`trainer ${config.rank}`, trainer);

@@ -16,6 +16,7 @@ import { type EvalResult, evaluate, type HostBatch, lossAndGradients } from "../
 import {
   type Batch,
   type DataPlan,
+  decodeEvent,
   decodeJobRequest,
   decodeManifest,
   decodeShardState,
@@ -28,7 +29,8 @@ import {
 import type { Bus, Subscription } from "../runtime/mesh/bus.ts";
 import { NotReadyError } from "../runtime/mesh/errors.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
-import type { HeartbeatPublisher } from "../runtime/control/liveness.ts";
+import { type HeartbeatPublisher, stalledTrainer } from "../runtime/control/liveness.ts";
+import type { TrainerPlace } from "../runtime/job/collective-plan.ts";
 import {
   type JobConfig,
   jobOfRequest,
@@ -91,8 +93,9 @@ export interface TrainerMode {
   readonly memory: ModelMemory | null;
   /** the subjects the mode answers (a replica's loads and snapshot parts) */
   serve(): Subscription[];
-  /** the ranks' host labels (all-reduce: more than one host makes the collective hierarchical) */
-  useTopology(hosts: readonly string[]): void;
+  /** the ranks' host labels (all-reduce: more than one host makes the collective hierarchical)
+   *  and, where they announced them, their devices (all-reduce: NCCL where collective-plan.ts says) */
+  useTopology(hosts: readonly string[], places?: readonly (TrainerPlace | undefined)[]): void;
   /** the step to start from */
   findStartStep(): Promise<number>;
   /** one step, its Step event published */
@@ -120,7 +123,7 @@ export function trainerMode(
   host: StepHost,
   plan: DataPlan,
   mp: ModelParallelReplica | null,
-  collective: Pick<ReplicaOptions, "transport" | "progressTimeoutMs"> | undefined,
+  collective: Pick<ReplicaOptions, "transport" | "progressTimeoutMs" | "ncclIds" | "attempt"> | undefined,
 ): TrainerMode {
   if (usesShards(host.cfg)) return new ParameterServerMode(host, plan);
   const replica =
@@ -312,13 +315,19 @@ class ReplicaMode implements TrainerMode {
     return this.#replica.memory;
   }
 
-  useTopology(hosts: readonly string[]): void {
+  useTopology(hosts: readonly string[], places?: readonly (TrainerPlace | undefined)[]): void {
     const { log } = this.#h;
-    this.#replica.useTopology(hosts);
-    const many = this.#replica.hostCount > 1;
+    const replica = this.#replica;
+    replica.useTopology(hosts, places);
+    const plan = replica instanceof Replica ? replica.plan : null;
+    const many = replica.hostCount > 1;
     log?.info(
-      { hosts, hostCount: this.#replica.hostCount },
-      many ? "all-reduce is hierarchical across hosts" : "all-reduce is a ring on one host",
+      { hosts, hostCount: replica.hostCount, collective: plan?.carrier ?? "ring" },
+      plan !== null
+        ? `all-reduce: ${plan.text}`
+        : many
+          ? "all-reduce is hierarchical across hosts"
+          : "all-reduce is a ring on one host",
     );
   }
 
@@ -335,6 +344,21 @@ class ReplicaMode implements TrainerMode {
         return new Uint8Array(0);
       }),
     ];
+    // the liveness watch (the checkpoint service's) names a trainer that went quiet: an NCCL
+    // communicator waiting on it is aborted, so the step fails and every rank rewinds
+    if (replica instanceof Replica)
+      subs.push(
+        bus.subscribe(subjects.events(cfg.job, "stalled"), (data) => {
+          let text: string;
+          try {
+            text = decodeEvent(data, 1 << 16).text;
+          } catch {
+            return; // not an event: nothing to act on
+          }
+          const peer = stalledTrainer(text);
+          if (peer !== null) replica.peerStalled(peer, text);
+        }),
+      );
     const subject =
       replica.serves === "whole"
         ? subjects.replicaState(cfg.job)

@@ -1,9 +1,12 @@
 // A trainer rank's replica in all-reduce mode (`sync: "allreduce"`): the service's side of
 // engine/parallel/data-parallel.ts, which does the step (buckets, ZeRO, compression, offload).
 // This file wires it to the mesh:
-//   - the communicator: a ring over NATS (BusTransport, shared memory between processes of one
-//     machine), hierarchical when the ranks' host labels (useTopology, from service discovery)
-//     name more than one machine; rebuilt under a new generation by a restore (reconnect);
+//   - the communicator: NCCL where every rank has its own GPU of one host and NCCL loads
+//     (services/runtime/job/collective-plan.ts decides from what the ranks announce in service
+//     discovery; nccl-group.ts connects it through the job store), else a ring over NATS
+//     (BusTransport, shared memory between processes of one machine), hierarchical when the
+//     ranks' host labels name more than one machine; rebuilt under a new generation by a
+//     restore (reconnect);
 //   - checkpoints: rank 0 serves its replica in parts (ShardState messages of the job's chunk
 //     layout, each under the message limit) to the checkpoint service, or under ZeRO every rank
 //     its partition; on restore every rank is loaded the same parts (ReplicaStaging) and applies
@@ -19,6 +22,11 @@ import { HierarchicalCollective } from "../../engine/parallel/hierarchical.ts";
 import type { Codec } from "../../engine/parallel/compress.ts";
 import { RingCollective } from "../../engine/parallel/ring.ts";
 import type { ModelMemory, Partition, ZeroStage } from "../../engine/parallel/zero.ts";
+import { type DeviceBuffer, StagedCollective } from "../../engine/parallel/nccl-collective.ts";
+import { CudaBackend } from "../../ffi/cuda/backend.ts";
+import { type CollectivePlan, collectivePlan, type TrainerPlace } from "../runtime/job/collective-plan.ts";
+import type { NcclIdExchange } from "../runtime/job/nccl-id.ts";
+import { NcclGroup } from "./nccl-group.ts";
 import type { Context } from "../../engine/tensor.ts";
 import { EngineError } from "../../engine/errors.ts";
 import type { HostBatch } from "../../engine/train.ts";
@@ -48,6 +56,10 @@ export interface ReplicaOptions {
   /** collective transport settings over busTransportDefaults (tests shorten the timeouts) */
   transport?: TransportSettings;
   progressTimeoutMs?: number;
+  /** where NCCL communicators find their ids (the job store); absent: the ring always */
+  ncclIds?: NcclIdExchange;
+  /** the job's submission (its spec's attempt): a resubmitted job's communicators get keys of their own */
+  attempt?: number;
 }
 
 export type TransportSettings = Partial<
@@ -89,6 +101,10 @@ export class Replica {
   #collective: Collective | null = null;
   /** host label per rank; null or a single label: the flat ring */
   #hosts: readonly string[] | null = null;
+  /** which collective carries the job (useTopology); null: the ring */
+  #plan: CollectivePlan | null = null;
+  /** the NCCL communicator of the current generation, where the plan says NCCL */
+  #nccl: NcclGroup | null = null;
   /** a restore's parts as they arrive, checked; nothing changes until apply() */
   readonly staging: ReplicaStaging;
   /** rank 0: the encoded parts of the replica at a step, kept while the checkpoint service reads them */
@@ -103,6 +119,10 @@ export class Replica {
       rank: o.rank,
       ranks: cfg.trainers,
       collective: () => this.#comm,
+      // on a GPU whose job may take NCCL at stage 0 the buckets are device buffers once the plan says NCCL
+      ...(this.#ncclCandidate && cfg.zero === 0 && cfg.offload !== "optimizer" && cfg.compress === "none"
+        ? { deviceCollective: () => this.#deviceComm }
+        : {}),
       zero: cfg.zero,
       offload: cfg.offload === "optimizer",
       bucketMb: cfg.bucketMb,
@@ -177,6 +197,16 @@ export class Replica {
     return new Set(this.#hosts ?? [""]).size;
   }
 
+  /** Which collective carries the job (after useTopology; null before, or without places). */
+  get plan(): CollectivePlan | null {
+    return this.#plan;
+  }
+
+  /** Whether this rank could take NCCL: on a GPU, with the job store to exchange ids through. */
+  get #ncclCandidate(): boolean {
+    return this.#o.backend instanceof CudaBackend && this.#o.ncclIds !== undefined;
+  }
+
   /**
    * Takes the ranks' host labels (every rank must pass the same ones before its first step):
    * more than one host makes the all-reduce hierarchical.
@@ -186,12 +216,18 @@ export class Replica {
    * communicator as early, would never reach the new one, and the step would hang. A topology
    * given after the communicator was built is a programmer's error.
    */
-  useTopology(hosts: readonly string[]): void {
+  useTopology(hosts: readonly string[], places?: readonly (TrainerPlace | undefined)[]): void {
     const n = this.#o.cfg.trainers;
     if (hosts.length !== n || hosts.some((h) => h === ""))
       throw new RangeError(`a topology needs a host label for each of the ${n} ranks, got ${hosts.join(",")}`);
     if (this.#collective !== null) throw new Error("the topology must be given before the communicator's first use");
     this.#hosts = [...hosts];
+    if (places !== undefined) {
+      this.#plan = collectivePlan(this.#o.cfg, places);
+      // a trainer that cannot run NCCL itself (no job store here) must not be planned onto it
+      if (this.#plan.carrier === "nccl" && !this.#ncclCandidate)
+        throw new Error("the collective plan says NCCL for a rank that cannot set it up");
+    }
   }
 
   /** The communicator of the current generation (built at first use). */
@@ -200,8 +236,31 @@ export class Replica {
     return this.#collective;
   }
 
+  /** The current generation's NCCL communicator where the buckets are device buffers, else null (the host path). */
+  get #deviceComm(): Collective<DeviceBuffer> | null {
+    if (this.#plan?.deviceBuckets !== true) return null;
+    void this.#comm; // builds the generation's communicator
+    return this.#nccl;
+  }
+
+  /** A peer went quiet (the liveness watch named it): an NCCL communicator would wait on it forever, so it is aborted here. */
+  peerStalled(peer: number, why: string): void {
+    if (peer !== this.#o.rank) this.#nccl?.abortFor(peer, why);
+  }
+
   #connect(generation: number): Collective {
     const cfg = this.#o.cfg;
+    if (this.#plan?.carrier === "nccl") {
+      this.#nccl = new NcclGroup({
+        backend: this.#o.backend as CudaBackend,
+        ids: this.#o.ncclIds!,
+        key: { job: cfg.job, group: `dp-${this.#o.attempt ?? 0}`, generation },
+        rank: this.#o.rank,
+        ranks: cfg.trainers,
+      });
+      // host arrays (the replica check; ZeRO's and offload's buckets) through the same communicator
+      return new StagedCollective(this.#nccl, this.#o.backend);
+    }
     const transport = jobTransport(this.#o, generation, this.#meter);
     const options = this.#o.progressTimeoutMs ? { progressTimeoutMs: this.#o.progressTimeoutMs } : {};
     return this.#hosts !== null && new Set(this.#hosts).size > 1
@@ -212,6 +271,8 @@ export class Replica {
   /** Rebuilds the communicator under a new generation: operations in flight fail, stale pieces are refused. */
   reconnect(generation: number): void {
     this.#collective?.close(`communicator generation ${this.#generation} replaced by ${generation}`);
+    this.#nccl?.dispose();
+    this.#nccl = null;
     this.dp.communicatorReplaced();
     this.#generation = generation;
     this.#collective = this.#connect(generation);
@@ -219,6 +280,7 @@ export class Replica {
 
   close(): void {
     this.#collective?.close("the trainer stopped");
+    this.#nccl?.dispose();
     this.dp.dispose();
   }
 

@@ -7,6 +7,7 @@ import type { MeshMembers } from "../runtime/mesh/discovery.ts";
 import { planOfSpec } from "../runtime/job/plan.ts";
 import { configOfSpec, type JobConfig } from "../runtime/job/job.ts";
 import type { JobControl } from "../runtime/job/jobs.ts";
+import type { NcclIdExchange } from "../runtime/job/nccl-id.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { TrainerRun } from "./loop.ts";
 
@@ -19,6 +20,8 @@ export interface TrainerDeps {
   payloadBytesMax: number;
   control?: JobControl;
   members?: () => Promise<MeshMembers>;
+  /** all-reduce jobs on GPUs: where NCCL communicators exchange their ids (the job store) */
+  ncclIds?: NcclIdExchange;
   /** test-only: sleep this long in every step's compute (a straggler on purpose) */
   stepDelayMs?: number;
 }

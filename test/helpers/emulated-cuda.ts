@@ -89,7 +89,7 @@ function sourcesHash(): string {
   return h.digest("hex").slice(0, 16);
 }
 
-interface Built {
+export interface Built {
   emulator: string;
   fakeCuda: string;
   fakeCublas: string;
@@ -143,6 +143,11 @@ async function build(): Promise<Built> {
   for (const old of readdirSync(parent))
     if (join(parent, old) !== dir && !old.endsWith(".tmp")) rmSync(join(parent, old), { recursive: true, force: true });
   return built;
+}
+
+/** Every fake library (built once into .test-results), for scripts/emulated-gpus.ts. */
+export function emulatedLibraries(): Promise<Readonly<Built>> {
+  return build();
 }
 
 /** The emulator library (libemu.so), built once into .test-results like the rest. */

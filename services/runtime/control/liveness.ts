@@ -86,6 +86,14 @@ interface Seen {
   stalled: boolean;
 }
 
+const stalledWords = "has sent no heartbeat for";
+
+/** The trainer rank a Stalled event says went quiet (not one that came back), or null. */
+export function stalledTrainer(text: string): number | null {
+  const m = /^trainer (\d+) has sent no heartbeat for /.exec(text);
+  return m === null ? null : Number(m[1]);
+}
+
 /** Follows a job's heartbeats and reports who went quiet (and who came back) as Stalled events. */
 export class LivenessMonitor {
   readonly #seen = new Map<string, Seen>();
@@ -131,7 +139,7 @@ export class LivenessMonitor {
       const { who, step, phase } = s.hb;
       this.#event(
         step,
-        `${who} has sent no heartbeat for ${this.#secs(now - s.atMs)} s (stopped, wedged or dead); it was at step ${step}, ${phase}`,
+        `${who} ${stalledWords} ${this.#secs(now - s.atMs)} s (stopped, wedged or dead); it was at step ${step}, ${phase}`,
       );
     }
   }

@@ -113,6 +113,9 @@ export function decodeNcclId(data: Uint8Array): { id: Uint8Array; nranks: number
 
 const sameBytes = (a: Uint8Array, b: Uint8Array) => a.byteLength === b.byteLength && a.every((v, i) => v === b[i]);
 
+/** What the ranks of a communicator need of the store: rank 0 publishes, the others wait. */
+export type NcclIdExchange = Pick<NcclIdStore, "publish" | "wait">;
+
 export class NcclIdStore {
   private constructor(readonly kv: KV) {}
 
@@ -205,4 +208,18 @@ function decodeNcclIdSafe(data: Uint8Array): string {
   } catch (e) {
     return (e as Error).message;
   }
+}
+
+/** An exchange over the mesh's `mt-nccl-ids` bucket, opened at its first use (a job on the ring never opens it). */
+export function ncclIdExchange(nc: NatsConnection): NcclIdExchange {
+  let store: Promise<NcclIdStore> | null = null;
+  const open = () => {
+    store ??= NcclIdStore.open(nc);
+    store.catch(() => (store = null)); // the next communicator tries again
+    return store;
+  };
+  return {
+    publish: async (key, id, nranks) => (await open()).publish(key, id, nranks),
+    wait: async (key, nranks, timeoutMs) => (await open()).wait(key, nranks, timeoutMs),
+  };
 }

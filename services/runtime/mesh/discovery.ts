@@ -6,11 +6,14 @@ import { Svcm } from "@nats-io/services";
 import type { NatsConnection } from "@nats-io/transport-node";
 import { CapacityError } from "./errors.ts";
 import { pause } from "./pause.ts";
+import type { TrainerPlace } from "../job/collective-plan.ts";
 
 export interface MeshMembers {
   trainers: number[];
   /** host label of each trainer rank that gave one (the collective's topology) */
   trainerHosts?: Record<number, string>;
+  /** where each trainer rank that said so runs: host, device, GPU, NCCL (the collective's plan) */
+  trainerPlaces?: Record<number, TrainerPlace>;
   shards: number[];
   dataLoaders: number;
   checkpoints: number;
@@ -41,12 +44,18 @@ export async function meshMembers(nc: NatsConnection, waitMs = discoveryWaitMs):
     ["trainer", "parameter-server", "data-loader", "checkpoint"].map((n) => infos(nc, n, waitMs)),
   );
   const trainerHosts: Record<number, string> = {};
-  for (const m of trainers!)
-    if (Number.isInteger(Number(m.rank)) && typeof m.host === "string" && m.host !== "")
-      trainerHosts[Number(m.rank)] = m.host;
+  const trainerPlaces: Record<number, TrainerPlace> = {};
+  for (const m of trainers!) {
+    if (!(Number.isInteger(Number(m.rank)) && typeof m.host === "string" && m.host !== "")) continue;
+    trainerHosts[Number(m.rank)] = m.host;
+    // a trainer of an earlier version says nothing of its device: the plan treats it as unknown
+    if (typeof m.device === "string")
+      trainerPlaces[Number(m.rank)] = { host: m.host, device: m.device, gpu: m.gpu ?? "", nccl: m.nccl === "yes" };
+  }
   return {
     trainers: indices(trainers!, "rank"),
     trainerHosts,
+    trainerPlaces,
     shards: indices(shards!, "shard"),
     dataLoaders: loaders!.length,
     checkpoints: checkpoints!.length,

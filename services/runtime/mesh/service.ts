@@ -73,6 +73,10 @@ export interface ServiceDefinition<C extends BaseConfig> {
   defaults: Partial<C>;
   /** extra $SRV metadata (shard index, rank) */
   metadata?: (config: C) => Record<string, string>;
+  /** runs before the process connects (a trainer opens its device here, so that its $SRV
+   *  metadata can say which): a throw fails the start as start's would; what it returns joins
+   *  the metadata */
+  prepare?: (ctx: { config: C; log: Logger }) => Record<string, string>;
   logFields?: (config: C) => { shard?: number; rank?: number; job?: string };
   /** starts serving; the returned stop() runs before the bus drains (it must not free what
    *  in-flight requests use: memory is released when the process exits) */
@@ -139,7 +143,12 @@ export async function runService<C extends BaseConfig>(
     const metrics =
       config.metricsPort >= 0 ? serveMetrics(config.metricsPort, config.metricsHost, () => health.notReady()) : null;
     if (metrics !== null) log.info({ metrics: metrics.url }, `${def.name} serves Prometheus metrics at ${metrics.url}`);
-    const metadata = { ...(def.metadata?.(config) ?? {}), ...(metrics === null ? {} : { metrics: metrics.url }) };
+    const prepared = def.prepare?.({ config, log }) ?? {};
+    const metadata = {
+      ...(def.metadata?.(config) ?? {}),
+      ...prepared,
+      ...(metrics === null ? {} : { metrics: metrics.url }),
+    };
     const bus = await NatsBus.connect({
       url: config.natsUrl,
       name: def.name,

@@ -1,0 +1,106 @@
+// Which collective carries an all-reduce job's gradients, decided from where its ranks run: the
+// trainers announce their host label, device, GPU and whether NCCL loads in their $SRV metadata
+// (services/runtime/mesh/discovery.ts), and every rank and the client read the same announcement
+// and reach the same decision here. Pure: no native code, no bus.
+//
+// NCCL carries a job when every rank computes on its own GPU of one host and NCCL loads on each:
+// stage 0's buckets then stay in device memory; ZeRO's partitions and offload keep their buckets
+// in host memory and reach NCCL through device staging. Otherwise the ring (over shared memory on
+// one machine, NATS between machines; hierarchical when the labels name several hosts), and the
+// plan says why not NCCL:
+//   - a rank on the CPU, or one whose NCCL does not load;
+//   - ranks that share a GPU (NCCL refuses two ranks of a communicator on one device);
+//   - compression: it exists to shrink the bytes on the ring; NCCL within a host moves f32;
+//   - ranks on several hosts: NCCL within each host under the ring between hosts is not built.
+import type { JobConfig } from "./job.ts";
+
+/** Where one trainer rank runs, as it announces it. */
+export interface TrainerPlace {
+  /** the machine's label (MT_HOST) */
+  host: string;
+  /** "cuda" or "cpu": the backend the trainer opened */
+  device: string;
+  /** the GPU's UUID ("GPU-…"); "" on the CPU */
+  gpu: string;
+  /** whether the trainer found an NCCL library to load */
+  nccl: boolean;
+}
+
+export interface CollectivePlan {
+  /** "nccl": one NCCL communicator over all ranks; "ring": the ring (hierarchical over hosts > 1) */
+  carrier: "nccl" | "ring";
+  /** NCCL at stage 0 without offload: the buckets are device buffers, no host copy on the step */
+  deviceBuckets: boolean;
+  /** machines the ranks' labels name (1 where a rank gave none) */
+  hosts: number;
+  /** why the ring and not NCCL, where the ranks are on GPUs or could be ("" otherwise) */
+  why: string;
+  /** one line for a header or a log: what carries each level, and why */
+  text: string;
+}
+
+/** The collective of an all-reduce job whose ranks announced `places` (a rank missing: undefined). */
+export function collectivePlan(
+  cfg: Pick<JobConfig, "trainers" | "zero" | "offload" | "compress" | "collTransport">,
+  places: readonly (TrainerPlace | undefined)[],
+): CollectivePlan {
+  const labels = places.map((p) => p?.host ?? "");
+  const hosts = labels.some((h) => h === "") ? 1 : new Set(labels).size;
+  const why = notNcclBecause(cfg, places, hosts);
+  if (why === null) {
+    const deviceBuckets = cfg.zero === 0 && cfg.offload !== "optimizer";
+    const buckets = deviceBuckets
+      ? "buckets in device memory, no host copy"
+      : `${cfg.zero > 0 ? `ZeRO stage ${cfg.zero}` : "offload"} keeps its buckets in host memory, staged through each GPU for NCCL`;
+    return {
+      carrier: "nccl",
+      deviceBuckets,
+      hosts,
+      why: "",
+      text: `NCCL among the ${cfg.trainers} GPUs of one host (${buckets})`,
+    };
+  }
+  const ring =
+    hosts > 1
+      ? `the ring, hierarchical: within each of ${hosts} hosts, then among one leader per host (${transportText(cfg)})`
+      : `the ring on one host (${transportText(cfg)})`;
+  return { carrier: "ring", deviceBuckets: false, hosts, why, text: why === "" ? ring : `${ring}; not NCCL: ${why}` };
+}
+
+function transportText(cfg: Pick<JobConfig, "collTransport">): string {
+  return cfg.collTransport === "auto" ? "shared memory within a machine, NATS between machines" : "NATS";
+}
+
+/** Why NCCL cannot carry the job ("" where no rank is on a GPU: nothing to explain), or null. */
+function notNcclBecause(
+  cfg: Pick<JobConfig, "trainers" | "compress">,
+  places: readonly (TrainerPlace | undefined)[],
+  hosts: number,
+): string | null {
+  const missing = places.findIndex((p) => p === undefined);
+  if (missing >= 0) return `rank ${missing} did not say where it runs`;
+  const all = places as readonly TrainerPlace[];
+  if (all.every((p) => p.device !== "cuda")) return "";
+  const cpu = all.findIndex((p) => p.device !== "cuda");
+  if (cpu >= 0) return `rank ${cpu} computes on the CPU`;
+  const noNccl = all.findIndex((p) => !p.nccl);
+  if (noNccl >= 0) return `rank ${noNccl} (host ${all[noNccl]!.host}) finds no NCCL library`;
+  const shared = sharedGpu(all);
+  if (shared !== null)
+    return `ranks ${shared.ranks.join(" and ")} share GPU ${shared.gpu} on host ${shared.host} (NCCL refuses two ranks on one GPU; give each rank its own GPU)`;
+  if (cfg.compress !== "none")
+    return `--compress ${cfg.compress} shrinks what the ring sends; NCCL within a host moves f32 (drop --compress for NCCL)`;
+  if (hosts > 1) return "NCCL within each host under the ring between hosts is not built yet";
+  return null;
+}
+
+function sharedGpu(places: readonly TrainerPlace[]): { ranks: number[]; gpu: string; host: string } | null {
+  const seen = new Map<string, number>();
+  for (const [rank, p] of places.entries()) {
+    const key = `${p.host}\u0000${p.gpu}`;
+    const first = seen.get(key);
+    if (first !== undefined) return { ranks: [first, rank], gpu: p.gpu, host: p.host };
+    seen.set(key, rank);
+  }
+  return null;
+}
