@@ -8,8 +8,12 @@
 // Transports (--transport): "nats", every byte through NATS; "shm", the values through shared
 // memory between the rank processes and only the pieces' headers through NATS (what a job's
 // ranks on one machine use, --coll-transport auto). Raw NATS is the baseline of both.
+// "nccl": NCCL's all-reduce of a device buffer among rank processes on GPUs of this machine
+// (bench/nccl-rank.ts; rank r on GPU r mod count, so it needs as many GPUs as ranks, or
+// scripts/emulated-gpus.sh); its baseline is each GPU copying the bytes a ring puts on a link,
+// device to device, in the same run (the ratio says how near the link gets to local memory).
 //
-//   bun run bench allreduce [--ranks 2,4] [--sizes-mb 1,4,16,64] [--transport nats,shm] [--rounds 5] [--piece-kb 1024] [--window 4] [--json-only]
+//   bun run bench allreduce [--ranks 2,4] [--sizes-mb 1,4,16,64] [--transport nats,shm,nccl] [--rounds 5] [--piece-kb 1024] [--window 4] [--json-only]
 //
 // Each operation starts after a barrier; its time is the slowest rank's, and a row reports the
 // median over rounds.
@@ -22,6 +26,9 @@ import { startNatsServer } from "../services/runtime/mesh/nats-server.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { type RankOp, type RankPlan, type RankResult, runRankProcesses } from "./collective-rank.ts";
 import { median, printTable, round } from "./table.ts";
+import { probeCuda } from "../ffi/cuda/backend.ts";
+import { ncclLibrary } from "../ffi/cuda/nccl.ts";
+import { type NcclRankPlan, runNcclRankProcesses } from "./nccl-rank.ts";
 
 export interface AllReduceBenchResult {
   transport: string;
@@ -57,8 +64,8 @@ export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchR
     windowPieces = positiveInt("window", v.window);
   const transports = String(v.transport).split(",");
   for (const t of transports)
-    if (t !== "nats" && t !== "shm")
-      throw new ConfigError(`--transport must be a list of nats, shm; got ${String(v.transport)}`);
+    if (t !== "nats" && t !== "shm" && t !== "nccl")
+      throw new ConfigError(`--transport must be a list of nats, shm, nccl; got ${String(v.transport)}`);
   if (rankCounts.some((n) => n < 2 || n > 16))
     throw new ConfigError("--ranks: each from 2 to 16 (one rank moves nothing)");
   if (pieceBytes > 16 << 20) throw new ConfigError("--piece-kb: at most 16384");
@@ -71,6 +78,10 @@ export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchR
   try {
     for (const transport of transports)
       for (const n of rankCounts) {
+        if (transport === "nccl") {
+          rows.push(...(await ncclRows(dir, n, sizes, rounds)));
+          continue;
+        }
         const ops: RankOp[] = [];
         let step = 0;
         for (const mb of sizes) {
@@ -112,6 +123,10 @@ export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchR
       `all-reduce: ring over NATS, or with its values through shared memory (shm), ${pieceBytes >> 10} KB pieces, ${windowPieces} in flight per link, ` +
         `vs raw NATS moving the same bytes per link; median of ${rounds}`,
     );
+    if (transports.includes("nccl"))
+      console.log(
+        "nccl rows: ring_* is NCCL's all-reduce of a device buffer, raw_* each GPU copying the bytes a ring puts on a link (device to device)",
+      );
     printTable(rows, [
       "transport",
       "ranks",
@@ -126,6 +141,54 @@ export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchR
   }
   console.log(JSON.stringify({ bench: "allreduce", rows }));
   return rows;
+}
+
+/** --transport nccl: one process per rank on its own GPU, an id made here; rows as the ring's. */
+async function ncclRows(dir: string, n: number, sizes: number[], rounds: number): Promise<AllReduceBenchResult[]> {
+  const probe = probeCuda();
+  if (!probe.ok) throw new ConfigError(`--transport nccl needs GPUs: ${probe.reason}`);
+  if (probe.deviceCount < n)
+    throw new ConfigError(
+      `--transport nccl with ${n} ranks needs ${n} GPUs (NCCL refuses two ranks on one GPU); this machine shows ${probe.deviceCount}`,
+    );
+  const idHex = Buffer.from(ncclLibrary().getUniqueId()).toString("hex");
+  const lens = sizes.map((mb) => (mb << 20) / 4);
+  const plans = Array.from(
+    { length: n },
+    (_, rank): NcclRankPlan => ({ job: `bench-nccl-${n}`, rank, ranks: n, idHex, lens, rounds }),
+  );
+  const run = await runNcclRankProcesses(dir, plans);
+  const perRank = run.results.map((lines, rank) => {
+    const wrong = lines.find((l) => l.op === "allReduce" && !l.correct);
+    if (run.codes[rank] !== 0 || lines.length !== 2 * lens.length * rounds || wrong)
+      throw new Error(
+        `NCCL rank ${rank} of ${n} failed (exit ${run.codes[rank]}): ${wrong ? `a wrong sum at ${wrong.len} elements` : run.stderr[rank]!.trim().split("\n").slice(-3).join(" | ")}`,
+      );
+    return lines;
+  });
+  return sizes.map((mb, k) => {
+    const slowest = (op: string) =>
+      median(
+        Array.from({ length: rounds }, (_, r) => {
+          const i = 2 * (k * rounds + r) + (op === "allReduce" ? 0 : 1);
+          return Math.max(...perRank.map((lines) => lines[i]!.ms));
+        }),
+      );
+    const ncclMs = slowest("allReduce"),
+      copyMs = slowest("copy");
+    const bus = (ms: number) => (((mb << 20) / (ms / 1000) / 1e9) * (2 * (n - 1))) / n;
+    return {
+      transport: "nccl",
+      ranks: n,
+      size_mb: mb,
+      ring_ms: round(ncclMs, 2),
+      ring_busbw_gb_per_s: round(bus(ncclMs), 3),
+      raw_ms: round(copyMs, 2),
+      raw_busbw_gb_per_s: round(bus(copyMs), 3),
+      ratio: round(copyMs / ncclMs, 2),
+      target: 0,
+    };
+  });
 }
 
 async function runRanks(

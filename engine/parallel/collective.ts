@@ -45,6 +45,12 @@ export interface Collective<B = Float32Array> {
   barrier(key: OpKey): Promise<void>;
   /** Fails the operations in flight (with `reason`) and releases the transport. */
   close(reason?: string): void;
+  /**
+   * Collectives over device memory that run on a stream of their own (NCCL beside the compute
+   * stream): makes the compute stream wait, on the GPU, for every operation settled so far.
+   * Call it before compute work (or a download) reads their results. Absent: nothing to wait for.
+   */
+  join?(): void;
 }
 
 /**

@@ -515,6 +515,8 @@ export class DataParallel {
     for (const b of buckets) if (left.get(b)! > 0) launch(b);
     const tBackward = performance.now();
     await flight.all();
+    // NCCL on a stream of its own: the copies back and the update wait for it on the GPU
+    onDevice?.join?.();
     const tReduced = performance.now();
     // offload: the reduced gradients stay on the host, in the mirror the optimizer runs on
     const [gradCtx, gradStore] = this.#host ? [this.#host.ctx, this.#host.store] : [ctx, store];

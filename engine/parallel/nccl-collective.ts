@@ -13,7 +13,7 @@ import { NcclError } from "../../ffi/cuda/nccl.ts";
 import {
   checkKey,
   type Collective,
-  CollectiveAbortedError,
+  PeerLostError,
   CollectiveClosedError,
   CollectiveTransportError,
   type OpKey,
@@ -21,6 +21,14 @@ import {
   type ReduceOp,
   segment,
 } from "./collective.ts";
+
+/** How a side stream is ordered against the compute stream (ffi/cuda/backend.ts SideStream). */
+export interface StreamOrder {
+  /** work queued on the side stream from now on runs after the compute work queued so far */
+  afterCompute(): void;
+  /** compute work queued from now on runs after the side stream's work queued so far */
+  joinCompute(): void;
+}
 
 /** count f32 elements of device memory at ptr */
 export interface DeviceBuffer {
@@ -31,17 +39,27 @@ export interface DeviceBuffer {
 export class NcclCollective implements Collective<DeviceBuffer> {
   #closed = false;
   /** set by abort(): what every operation pending or later fails with */
-  #aborted: CollectiveAbortedError | null = null;
+  #aborted: PeerLostError | null = null;
   /** the last operation started: the next one runs after it has settled */
   #tail: Promise<void> = Promise.resolve();
 
-  /** `scratch`: one f32 of device memory, for barrier(). */
+  /**
+   * `scratch`: one f32 of device memory, for barrier(). `order`: where `stream` is not the
+   * compute stream, the events between them (ffi/cuda/backend.ts SideStream): each operation
+   * waits for the compute work queued before it, and join() makes compute wait for the
+   * operations. Without it, `stream` is the compute stream and the order is the stream's.
+   */
   constructor(
     readonly comm: NcclComm,
     readonly stream: NcclStream,
     readonly scratch: DeviceBuffer,
     readonly settleTimeoutMs = 60_000,
+    readonly order: StreamOrder | null = null,
   ) {}
+
+  join(): void {
+    this.order?.joinCompute();
+  }
 
   get rank(): number {
     return this.comm.rank;
@@ -95,13 +113,13 @@ export class NcclCollective implements Collective<DeviceBuffer> {
 
   /**
    * Aborts the communicator because `peer` is gone or stalled (a liveness watch saw it): the
-   * operations pending here fail with CollectiveAbortedError naming it, so the step fails as a
+   * operations pending here fail with PeerLostError naming it, so the step fails as a
    * collective failure (every rank rewinds) instead of waiting on NCCL, which never gives up on
    * a dead peer by itself.
    */
   abort(peer: number, reason: string): void {
     if (this.#closed || this.#aborted !== null) return;
-    this.#aborted = new CollectiveAbortedError(peer, reason);
+    this.#aborted = new PeerLostError(peer, reason);
     this.comm.abort();
   }
 
@@ -133,6 +151,7 @@ export class NcclCollective implements Collective<DeviceBuffer> {
         if (this.#aborted !== null) throw this.#aborted;
         const failed = this.comm.pollAsyncError();
         if (failed !== null) throw failed; // a peer or link failed since the last operation
+        this.order?.afterCompute();
         call();
         await this.comm.settled(this.settleTimeoutMs);
       } catch (e) {
@@ -179,10 +198,10 @@ export class StagedCollective implements Collective<Float32Array> {
     return this.#staged(buf, (d) => this.device.allReduce(d, key, op));
   }
   reduceScatter(buf: Float32Array, key: OpKey): Promise<Range> {
-    return this.#staged(buf, (d) => this.device.reduceScatter(d, key));
+    return this.#blocked(buf, "reduceScatter", (d) => this.device.reduceScatter(d, key));
   }
-  allGather(buf: Float32Array, key: OpKey): Promise<void> {
-    return this.#staged(buf, (d) => this.device.allGather(d, key));
+  async allGather(buf: Float32Array, key: OpKey): Promise<void> {
+    await this.#blocked(buf, "allGather", (d) => this.device.allGather(d, key));
   }
   broadcast(buf: Float32Array, root: number, key: OpKey): Promise<void> {
     return this.#staged(buf, (d) => this.device.broadcast(d, root, key));
@@ -196,6 +215,36 @@ export class StagedCollective implements Collective<Float32Array> {
     this.device.close(reason);
   }
 
+  /**
+   * Reduce-scatter and all-gather: NCCL cuts the buffer into equal blocks, the ring's segments
+   * (segment()) differ by one element where the length is not a multiple of the ranks. Rank j's
+   * segment goes to block j of a padded device buffer (zeros after it), and comes back from
+   * there, so the result is the ring's: this rank's segment reduced, or every segment gathered.
+   */
+  async #blocked(buf: Float32Array, op: "reduceScatter" | "allGather", run: (d: DeviceBuffer) => Promise<unknown>) {
+    if (this.#closed) throw new CollectiveClosedError("the collective is closed");
+    const { size, rank } = this;
+    const n = buf.length;
+    const block = Math.ceil(n / size);
+    const scratch: Allocation = this.backend.alloc(Math.max(block * size * 4, 4));
+    try {
+      this.backend.zero(scratch.ptr, block * size * 4);
+      const segments = Array.from({ length: size }, (_, j) => segment(n, size, j));
+      for (const [j, sg] of segments.entries())
+        if (sg.count > 0)
+          this.backend.upload(scratch.ptr + j * block * 4, buf.subarray(sg.offset, sg.offset + sg.count));
+      await run({ ptr: scratch.ptr, count: block * size });
+      this.device.join?.();
+      for (const [j, sg] of segments.entries()) {
+        if (sg.count === 0 || (op === "reduceScatter" && j !== rank)) continue;
+        this.backend.download(scratch.ptr + j * block * 4, buf.subarray(sg.offset, sg.offset + sg.count));
+      }
+      return segments[rank]!;
+    } finally {
+      this.backend.free(scratch);
+    }
+  }
+
   async #staged<T>(buf: Float32Array, run: (d: DeviceBuffer) => Promise<T>): Promise<T> {
     if (this.#closed) throw new CollectiveClosedError("the collective is closed");
     // the backend's allocator reuses freed blocks (a GPU's caching allocator): no cudaMalloc per call
@@ -203,6 +252,7 @@ export class StagedCollective implements Collective<Float32Array> {
     try {
       this.backend.upload(scratch.ptr, buf);
       const result = await run({ ptr: scratch.ptr, count: buf.length });
+      this.device.join?.();
       this.backend.download(scratch.ptr, buf);
       return result;
     } finally {

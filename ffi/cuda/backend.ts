@@ -126,6 +126,7 @@ export class CudaBackend implements Backend {
   #cublasWorkspace: Ptr = 0;
   readonly #scratch: Ptr;
   readonly #staging: Staging[] = [];
+  readonly #sideStreams: SideStream[] = [];
   readonly #attention: AttentionRouter;
   #stagingNext = 0;
   #allocCount = 0;
@@ -316,6 +317,15 @@ export class CudaBackend implements Backend {
     return this.#stream;
   }
 
+  /** A stream beside the compute stream, for work that overlaps it (NCCL's collectives while
+   *  backward goes on), ordered against it by events on the GPU. Destroyed with the backend. */
+  sideStream(): SideStream {
+    this.#checkUsable();
+    const side = new SideStream(this.#d, this.#stream);
+    this.#sideStreams.push(side);
+    return side;
+  }
+
   // ---- memory -----------------------------------------------------------------------------
 
   alloc(bytes: number): Allocation {
@@ -488,6 +498,8 @@ export class CudaBackend implements Backend {
       d.memFreeHost(s.ptr);
     }
     this.#staging.length = 0;
+    for (const side of this.#sideStreams) side.destroy();
+    this.#sideStreams.length = 0;
     d.memFreeHost(this.#host);
     d.streamDestroy(this.#stream);
     d.primaryContextRelease(this.#device);
@@ -607,4 +619,48 @@ const bitsView = new DataView(new ArrayBuffer(4));
 function f32Bits(value: number): number {
   bitsView.setFloat32(0, value, true);
   return bitsView.getUint32(0, true);
+}
+
+/**
+ * A second stream and the two events that order it against the compute stream without the host
+ * waiting: afterCompute() before queuing work that reads what compute wrote (a bucket's
+ * gradients), joinCompute() before compute reads what the side stream wrote (the reduced bucket).
+ */
+export class SideStream {
+  readonly stream: bigint;
+  readonly #d: Driver;
+  readonly #main: bigint;
+  readonly #toSide: bigint;
+  readonly #toMain: bigint;
+  #destroyed = false;
+
+  constructor(d: Driver, main: bigint) {
+    this.#d = d;
+    this.#main = main;
+    this.stream = d.streamCreate();
+    this.#toSide = d.eventCreate();
+    this.#toMain = d.eventCreate();
+  }
+
+  /** Work queued on the side stream from now on runs after everything queued on compute so far. */
+  afterCompute(): void {
+    this.#d.eventRecord(this.#toSide, this.#main);
+    this.#d.streamWaitEvent(this.stream, this.#toSide);
+  }
+
+  /** Work queued on compute from now on runs after everything queued on the side stream so far. */
+  joinCompute(): void {
+    this.#d.eventRecord(this.#toMain, this.stream);
+    this.#d.streamWaitEvent(this.#main, this.#toMain);
+  }
+
+  /** @internal the backend's dispose(): waits for the side stream, then frees it */
+  destroy(): void {
+    if (this.#destroyed) return;
+    this.#destroyed = true;
+    this.#d.streamSynchronize(this.stream);
+    this.#d.eventDestroy(this.#toSide);
+    this.#d.eventDestroy(this.#toMain);
+    this.#d.streamDestroy(this.stream);
+  }
 }

@@ -7,15 +7,15 @@
 //
 // Faults: NCCL waits forever on a dead peer. The trainer's liveness watch calls abortFor() when a
 // peer goes quiet: the communicator is aborted (ncclCommAbort), and every operation pending or
-// later fails with CollectiveAbortedError naming the peer (a collective failure: every rank rewinds
+// later fails with PeerLostError naming the peer (a collective failure: every rank rewinds
 // to the newest snapshot, at a new generation). close() is the restore's own abandon: its
 // operations fail with CollectiveClosedError.
-import type { CudaBackend } from "../../ffi/cuda/backend.ts";
+import type { CudaBackend, SideStream } from "../../ffi/cuda/backend.ts";
 import { NcclComm, type NcclLibrary, ncclLibrary } from "../../ffi/cuda/nccl.ts";
 import type { Allocation } from "../../ffi/backend.ts";
 import {
   type Collective,
-  CollectiveAbortedError,
+  PeerLostError,
   CollectiveClosedError,
   CollectiveTransportError,
   type OpKey,
@@ -33,6 +33,8 @@ export interface NcclGroupOptions {
   key: NcclIdKey;
   rank: number;
   ranks: number;
+  /** the stream NCCL runs on beside the compute stream (null: the compute stream itself) */
+  side: SideStream | null;
   /** the NCCL to load (default: the one findNccl finds) */
   library?: NcclLibrary;
   connectTimeoutMs?: number;
@@ -86,6 +88,11 @@ export class NcclGroup implements Collective<DeviceBuffer> {
     return (await this.#ready).barrier(key);
   }
 
+  /** Compute waits for the operations settled so far (they run on the side stream). */
+  join(): void {
+    this.#collective?.join();
+  }
+
   /** The job abandons this generation (a restore, the end): everything pending fails, closed. */
   close(reason = "the communicator was closed"): void {
     if (this.#failed !== null && this.#collective === null) return;
@@ -96,7 +103,7 @@ export class NcclGroup implements Collective<DeviceBuffer> {
   /** A peer is gone or stalled (the liveness watch): the communicator is aborted on this rank. */
   abortFor(peer: number, reason: string): void {
     if (this.#failed !== null) return;
-    const e = new CollectiveAbortedError(peer, reason);
+    const e = new PeerLostError(peer, reason);
     this.#fail(e);
     this.#collective?.abort(peer, reason);
   }
@@ -134,9 +141,10 @@ export class NcclGroup implements Collective<DeviceBuffer> {
     this.#scratch = o.backend.alloc(4);
     this.#collective = new NcclCollective(
       comm,
-      o.backend.stream,
+      o.side?.stream ?? o.backend.stream,
       { ptr: this.#scratch.ptr, count: 1 },
       o.settleTimeoutMs ?? ncclSettleTimeoutMs,
+      o.side,
     );
     return this.#collective;
   }

@@ -18,12 +18,13 @@ import type { Optimizer } from "../../engine/optim/optimizer.ts";
 import type { LossScaler } from "../../engine/optim/loss-scale.ts";
 import type { Collective } from "../../engine/parallel/collective.ts";
 import { DataParallel, type DataParallelStepResult } from "../../engine/parallel/data-parallel.ts";
-import { HierarchicalCollective } from "../../engine/parallel/hierarchical.ts";
+import { HierarchicalCollective, topologyRings } from "../../engine/parallel/hierarchical.ts";
+import { NcclHierarchical } from "../../engine/parallel/nccl-hierarchical.ts";
 import type { Codec } from "../../engine/parallel/compress.ts";
 import { RingCollective } from "../../engine/parallel/ring.ts";
 import type { ModelMemory, Partition, ZeroStage } from "../../engine/parallel/zero.ts";
 import { type DeviceBuffer, StagedCollective } from "../../engine/parallel/nccl-collective.ts";
-import { CudaBackend } from "../../ffi/cuda/backend.ts";
+import { CudaBackend, type SideStream } from "../../ffi/cuda/backend.ts";
 import { type CollectivePlan, collectivePlan, type TrainerPlace } from "../runtime/job/collective-plan.ts";
 import type { NcclIdExchange } from "../runtime/job/nccl-id.ts";
 import { NcclGroup } from "./nccl-group.ts";
@@ -103,8 +104,12 @@ export class Replica {
   #hosts: readonly string[] | null = null;
   /** which collective carries the job (useTopology); null: the ring */
   #plan: CollectivePlan | null = null;
-  /** the NCCL communicator of the current generation, where the plan says NCCL */
+  /** the NCCL communicator of the current generation (the host's, in a hierarchy), where the plan says NCCL */
   #nccl: NcclGroup | null = null;
+  /** the collective over device buffers built on it (the hierarchy's, over several hosts) */
+  #device: Collective<DeviceBuffer> | null = null;
+  /** the stream NCCL runs on beside the compute stream, made with the first communicator and kept */
+  #sideStream: SideStream | null = null;
   /** a restore's parts as they arrive, checked; nothing changes until apply() */
   readonly staging: ReplicaStaging;
   /** rank 0: the encoded parts of the replica at a step, kept while the checkpoint service reads them */
@@ -202,6 +207,11 @@ export class Replica {
     return this.#plan;
   }
 
+  get #side(): SideStream {
+    this.#sideStream ??= (this.#o.backend as CudaBackend).sideStream();
+    return this.#sideStream;
+  }
+
   /** Whether this rank could take NCCL: on a GPU, with the job store to exchange ids through. */
   get #ncclCandidate(): boolean {
     return this.#o.backend instanceof CudaBackend && this.#o.ncclIds !== undefined;
@@ -225,7 +235,7 @@ export class Replica {
     if (places !== undefined) {
       this.#plan = collectivePlan(this.#o.cfg, places);
       // a trainer that cannot run NCCL itself (no job store here) must not be planned onto it
-      if (this.#plan.carrier === "nccl" && !this.#ncclCandidate)
+      if (this.#plan.carrier !== "ring" && !this.#ncclCandidate)
         throw new Error("the collective plan says NCCL for a rank that cannot set it up");
     }
   }
@@ -240,7 +250,7 @@ export class Replica {
   get #deviceComm(): Collective<DeviceBuffer> | null {
     if (this.#plan?.deviceBuckets !== true) return null;
     void this.#comm; // builds the generation's communicator
-    return this.#nccl;
+    return this.#device;
   }
 
   /** A peer went quiet (the liveness watch named it): an NCCL communicator would wait on it forever, so it is aborted here. */
@@ -250,16 +260,11 @@ export class Replica {
 
   #connect(generation: number): Collective {
     const cfg = this.#o.cfg;
-    if (this.#plan?.carrier === "nccl") {
-      this.#nccl = new NcclGroup({
-        backend: this.#o.backend as CudaBackend,
-        ids: this.#o.ncclIds!,
-        key: { job: cfg.job, group: `dp-${this.#o.attempt ?? 0}`, generation },
-        rank: this.#o.rank,
-        ranks: cfg.trainers,
-      });
+    const carrier = this.#plan?.carrier ?? "ring";
+    if (carrier !== "ring") {
+      this.#device = this.#ncclCollective(carrier, generation);
       // host arrays (the replica check; ZeRO's and offload's buckets) through the same communicator
-      return new StagedCollective(this.#nccl, this.#o.backend);
+      return new StagedCollective(this.#device, this.#o.backend);
     }
     const transport = jobTransport(this.#o, generation, this.#meter);
     const options = this.#o.progressTimeoutMs ? { progressTimeoutMs: this.#o.progressTimeoutMs } : {};
@@ -268,11 +273,46 @@ export class Replica {
       : new RingCollective(transport, cfg.trainers, options);
   }
 
+  /**
+   * The generation's collective over device buffers: one NCCL communicator over every rank, or
+   * (several hosts) one per host whose leader is its first rank, under the ring among the
+   * leaders over the job's transport. The communicator's key names its leader, its group (the
+   * job's submission, and the host) and the generation.
+   */
+  #ncclCollective(carrier: "nccl" | "nccl-ring", generation: number): Collective<DeviceBuffer> {
+    const { cfg, rank } = this.#o;
+    const group = `dp-${this.#o.attempt ?? 0}`;
+    const nccl = (ranks: readonly number[], name: string) =>
+      new NcclGroup({
+        backend: this.#o.backend as CudaBackend,
+        side: this.#side,
+        ids: this.#o.ncclIds!,
+        key: { job: cfg.job, leader: ranks[0]!, group: name, generation },
+        rank: ranks.indexOf(rank),
+        ranks: ranks.length,
+      });
+    if (carrier === "nccl") {
+      this.#nccl = nccl(
+        Array.from({ length: cfg.trainers }, (_, r) => r),
+        group,
+      );
+      return this.#nccl;
+    }
+    const hosts = this.#hosts!;
+    const { byHost } = topologyRings(hosts);
+    const index = [...byHost.keys()].indexOf(hosts[rank]!);
+    this.#nccl = nccl(byHost.get(hosts[rank]!)!, `${group}-h${index}`);
+    const options = this.#o.progressTimeoutMs ? { progressTimeoutMs: this.#o.progressTimeoutMs } : {};
+    const between = new HierarchicalCollective(jobTransport(this.#o, generation, this.#meter), { hosts }, options);
+    return new NcclHierarchical(this.#nccl, between, this.#o.backend);
+  }
+
   /** Rebuilds the communicator under a new generation: operations in flight fail, stale pieces are refused. */
   reconnect(generation: number): void {
     this.#collective?.close(`communicator generation ${this.#generation} replaced by ${generation}`);
     this.#nccl?.dispose();
     this.#nccl = null;
+    this.#device = null;
     this.dp.communicatorReplaced();
     this.#generation = generation;
     this.#collective = this.#connect(generation);

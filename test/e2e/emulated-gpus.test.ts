@@ -47,7 +47,7 @@ function gpuEnv(gpus: number): Record<string, string> {
 }
 
 const rowsPerRank = 16;
-const steps = 6;
+const steps = 4;
 const job = (over: Partial<JobConfig>): JobConfig =>
   mlpJob({
     sync: "allreduce",
@@ -55,6 +55,8 @@ const job = (over: Partial<JobConfig>): JobConfig =>
     batchSize: rowsPerRank,
     maxSteps: steps,
     evalEvery: 0,
+    // one batch of the test set at the end: the emulator runs each CUDA thread on a host thread
+    evalBatches: 1,
     valFraction: 0,
     bucketMb: 0.008,
     replicaCheckEvery: 3,
@@ -69,8 +71,12 @@ const relDiff = (a: Map<number, number>, b: Map<number, number>, n: number) => {
   return worst;
 };
 
-function trainerLog(jobsDir: string, jobId: string, rank: number): string {
-  return readFileSync(join(jobsDir, jobId, "logs", `trainer-${rank}.log`), "utf8");
+/** Trainer `rank`'s log lines about job `jobId` (the mesh's service log, one file per service). */
+function trainerLog(logDir: string, jobId: string, rank: number): string {
+  return readFileSync(join(logDir, `trainer-${rank}.log`), "utf8")
+    .split("\n")
+    .filter((l) => l.includes(`"job":"${jobId}"`))
+    .join("\n");
 }
 
 describe("all-reduce over NCCL on emulated GPUs", () => {
@@ -87,12 +93,13 @@ describe("all-reduce over NCCL on emulated GPUs", () => {
       expect(r.record.state).toBe(JobState.Done);
       reference.set(ranks, stepLosses(r.seen));
     }
+    // each stage once, each rank count and accumulation twice (test/engine/data-parallel-nccl.test.ts
+    // runs stage 0 at both rank counts, with and without accumulation, in the engine alone)
     const cases: [number, 0 | 1 | 2 | 3, number][] = [
       [2, 0, 2],
-      [4, 0, 1],
-      [2, 1, 1],
-      [4, 2, 2],
-      [4, 3, 1],
+      [4, 1, 1],
+      [2, 2, 4],
+      [4, 3, 2],
     ];
     for (const [ranks, zero, accumSteps] of cases) {
       const cfg = job({ job: `default.emu-${ranks}-z${zero}-a${accumSteps}`, trainers: ranks, zero, accumSteps });
@@ -107,22 +114,103 @@ describe("all-reduce over NCCL on emulated GPUs", () => {
         `${ranks} ranks, ZeRO ${zero}, ${accumSteps} micro-batches: loss within ${diff.toExponential(2)} of one process`,
       );
       expect(diff).toBeLessThan(1e-5);
-      expect(trainerLog(mesh.opts.jobsDir, cfg.job, 0)).toContain(
+      expect(trainerLog(mesh.opts.logDir, cfg.job, 0)).toContain(
         `all-reduce: NCCL among the ${ranks} GPUs of one host`,
       );
     }
   }, 600_000);
+
+  test("4 ranks labelled 2 hosts x 2: NCCL within each host, the ring between the leaders; the loss follows one process within 1e-5", async () => {
+    if (skip) return;
+    await using mesh = await startMesh("mt-emu-hosts-", {
+      trainers: 4,
+      shards: 0,
+      env: gpuEnv(2),
+      trainerHosts: ["a", "a", "b", "b"],
+    });
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
+    const ref = await runJob(client, job({ job: "default.emu-hosts-ref", trainers: 1, batchSize: 4 * rowsPerRank }));
+    const cfg = job({ job: "default.emu-hosts", trainers: 4, accumSteps: 2 });
+    expect(await client.waitForMembers(cfg, 60_000)).toBe(true);
+    const plan = await client.collectivePlan(cfg);
+    expect(plan?.carrier).toBe("nccl-ring");
+    const r = await runJob(client, cfg);
+    expect(r.record.state).toBe(JobState.Done);
+    expectEveryStepOnce(r.seen, 4, steps);
+    const diff = relDiff(stepLosses(r.seen), stepLosses(ref.seen), steps);
+    console.log(`4 ranks on 2 hosts: loss within ${diff.toExponential(2)} of one process`);
+    expect(diff).toBeLessThan(1e-5);
+    expect(trainerLog(mesh.opts.logDir, cfg.job, 2)).toContain("all-reduce: NCCL among the GPUs of each of 2 hosts");
+  }, 300_000);
 
   test("ranks that share a GPU take the ring: the plan and the trainers say why", async () => {
     if (skip) return;
     await using mesh = await startMesh("mt-emu-shared-", { trainers: 2, shards: 0, env: gpuEnv(1) });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = job({ job: "default.emu-shared", trainers: 2, maxSteps: 3 });
+    expect(await client.waitForMembers(cfg, 60_000)).toBe(true);
     const plan = await client.collectivePlan(cfg);
     expect(plan?.carrier).toBe("ring");
     expect(plan?.text).toContain("not NCCL: ranks 0 and 1 share GPU GPU-");
     const r = await runJob(client, cfg);
     expect(r.record.state).toBe(JobState.Done);
-    expect(trainerLog(mesh.opts.jobsDir, cfg.job, 1)).toContain("not NCCL: ranks 0 and 1 share GPU");
+    expect(trainerLog(mesh.opts.logDir, cfg.job, 1)).toContain("not NCCL: ranks 0 and 1 share GPU");
+  }, 300_000);
+
+  test("a trainer SIGKILLed mid-step: the survivors' communicator is aborted, every rank restores at a new generation and the job finishes, every step once", async () => {
+    if (skip) return;
+    const launcherLines: string[] = [];
+    await using mesh = await startMesh("mt-emu-kill-", {
+      trainers: 2,
+      shards: 0,
+      env: gpuEnv(8),
+      onEvent: (l) => launcherLines.push(l),
+    });
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
+    const cfg = job({ job: "default.emu-kill", trainers: 2, maxSteps: 16, checkpointEvery: 4 });
+    const kill = atRank0Step(8, () => mesh.kill("trainer-1", "SIGKILL"));
+    const r = await runJob(client, cfg, kill.onEvent);
+    expect(r.record.state).toBe(JobState.Done);
+    expect(kill.step).toBeGreaterThan(0);
+    expect(launcherLines.some((l) => l.includes("trainer-1 died (signal SIGKILL); restarting"))).toBe(true);
+    const restores = r.seen.filter((e) => e.kind === EventKind.Restore);
+    expect(restores.length).toBeGreaterThanOrEqual(1);
+    expect(restores[0]!.step % 4).toBe(0);
+    expectEveryStepOnce(r.seen, 2, planHere(cfg).totalSteps);
+    // the restore rebuilt the communicator: a new generation's NCCL group on each rank
+    expect(trainerLog(mesh.opts.logDir, cfg.job, 0)).toContain("replica restored");
+  }, 300_000);
+
+  test("a trainer SIGSTOPped: it is named within 10 s, the survivors abort their communicator, and after SIGCONT the job restores and finishes", async () => {
+    if (skip) return;
+    await using mesh = await startMesh("mt-emu-stop-", { trainers: 2, shards: 0, env: gpuEnv(8) });
+    await using client = await MeshClient.connect(mesh.url, mesh.auth());
+    const cfg = job({ job: "default.emu-stop", trainers: 2, maxSteps: 16, checkpointEvery: 4 });
+    let stoppedMs = 0;
+    let namedAfterMs = -1;
+    const stop = atRank0Step(8, () => {
+      stoppedMs = performance.now();
+      mesh.kill("trainer-1", "SIGSTOP");
+    });
+    const log0 = () => trainerLog(mesh.opts.logDir, cfg.job, 0);
+    let resumed: Promise<void> | null = null;
+    const r = await runJob(client, cfg, (e) => {
+      stop.onEvent(e);
+      if (e.kind === EventKind.Stalled && e.text.startsWith("trainer 1 has sent no heartbeat") && resumed === null) {
+        namedAfterMs = performance.now() - stoppedMs;
+        // once rank 0 has given its NCCL operation up (aborted, not waiting forever), trainer 1 goes on
+        resumed = (async () => {
+          for (let i = 0; i < 600 && !log0().includes("rank 1 is unreachable"); i++) await Bun.sleep(50);
+          mesh.kill("trainer-1", "SIGCONT");
+        })();
+      }
+    });
+    await resumed;
+    expect(r.record.state).toBe(JobState.Done);
+    expect(namedAfterMs).toBeGreaterThan(0);
+    expect(namedAfterMs).toBeLessThan(10_000);
+    expect(log0()).toContain("rank 1 is unreachable: trainer 1 has sent no heartbeat");
+    expect(r.seen.some((e) => e.kind === EventKind.Restore)).toBe(true);
+    expectEveryStepOnce(r.seen, 2, planHere(cfg).totalSteps);
   }, 300_000);
 });

@@ -83,7 +83,7 @@ describe("NCCL id exchange over NATS", () => {
   });
 
   test("ranks that wait before and after rank 0 publishes get identical bytes", async () => {
-    const key = { job: "t.ncclj", group: "dp", generation: 0 };
+    const key = { job: "t.ncclj", leader: 0, group: "dp", generation: 0 };
     const id = idOf(7);
     const early = ranks[1]!.wait(key, 3, timeoutMs); // waiting before the id exists
     await ranks[0]!.publish(key, id, 3);
@@ -93,7 +93,7 @@ describe("NCCL id exchange over NATS", () => {
   });
 
   test("each generation has its own id; a reused generation with another id is refused", async () => {
-    const gen0 = { job: "t.ncclgen", group: "dp", generation: 0 };
+    const gen0 = { job: "t.ncclgen", leader: 0, group: "dp", generation: 0 };
     const gen1 = { ...gen0, generation: 1 };
     await ranks[0]!.publish(gen0, idOf(1), 2);
     await ranks[0]!.publish(gen0, idOf(1), 2); // a retry of the same publish is fine
@@ -104,19 +104,19 @@ describe("NCCL id exchange over NATS", () => {
   });
 
   test("a wrong-size id is refused on the sending side and on the receiving side", async () => {
-    const key = { job: "t.ncclsize", group: "dp", generation: 0 };
+    const key = { job: "t.ncclsize", leader: 0, group: "dp", generation: 0 };
     expect(await rejection(ranks[0]!.publish(key, new Uint8Array(127), 2))).toBeInstanceOf(BadRequestError);
     expect(await rejection(ranks[0]!.publish(key, new Uint8Array(129), 2))).toBeInstanceOf(BadRequestError);
     // a value written around publish (an older or foreign writer) is checked when read
     const kv = await new Kvm(buses[0]!.nc).open(ncclIdsBucket);
-    await kv.put("t.ncclsize.dp.0", new Uint8Array(ncclIdBytes)); // the bare id, no record header
+    await kv.put("t.ncclsize.r0.dp.0", new Uint8Array(ncclIdBytes)); // the bare id, no record header
     const e = await rejection(ranks[1]!.wait(key, 2, timeoutMs));
     expect(e).toBeInstanceOf(WireFormatError);
     expect((e as WireFormatError).code).toBe("truncated");
   });
 
   test("a rank expecting a different number of ranks is told so", async () => {
-    const key = { job: "t.ncclnranks", group: "dp", generation: 0 };
+    const key = { job: "t.ncclnranks", leader: 0, group: "dp", generation: 0 };
     await ranks[0]!.publish(key, idOf(5), 4);
     const e = await rejection(ranks[1]!.wait(key, 2, timeoutMs));
     expect(e).toBeInstanceOf(BadRequestError);
@@ -124,32 +124,34 @@ describe("NCCL id exchange over NATS", () => {
   });
 
   test("waiting for an id nobody publishes is a DeadlineError", async () => {
-    const e = await rejection(ranks[1]!.wait({ job: "t.nccltimeout", group: "dp", generation: 0 }, 2, 50));
+    const e = await rejection(ranks[1]!.wait({ job: "t.nccltimeout", leader: 0, group: "dp", generation: 0 }, 2, 50));
     expect(e).toBeInstanceOf(DeadlineError);
-    expect(e.message).toContain("nccltimeout.dp.0");
+    expect(e.message).toContain("nccltimeout.r0.dp.0");
   });
 
   test("bad keys and limits are BadRequestError", async () => {
     const id = idOf(0);
     for (const key of [
-      { job: "bad job", group: "dp", generation: 0 },
-      { job: "no-owner", group: "dp", generation: 0 },
-      { job: "t.ok", group: "a.b", generation: 0 },
-      { job: "t.ok", group: "dp", generation: -1 },
-      { job: "t.ok", group: "dp", generation: 0.5 },
+      { job: "bad job", leader: 0, group: "dp", generation: 0 },
+      { job: "no-owner", leader: 0, group: "dp", generation: 0 },
+      { job: "t.ok", leader: 0, group: "a.b", generation: 0 },
+      { job: "t.ok", leader: 0, group: "dp", generation: -1 },
+      { job: "t.ok", leader: 0, group: "dp", generation: 0.5 },
+      { job: "t.ok", leader: -1, group: "dp", generation: 0 },
+      { job: "t.ok", leader: 1.5, group: "dp", generation: 0 },
     ]) {
       expect(await rejection(ranks[0]!.publish(key, id, 2))).toBeInstanceOf(BadRequestError);
     }
-    expect(await rejection(ranks[0]!.publish({ job: "t.ok", group: "dp", generation: 0 }, id, 0))).toBeInstanceOf(
-      BadRequestError,
-    );
-    expect(await rejection(ranks[1]!.wait({ job: "t.ok", group: "dp", generation: 0 }, 2, 0))).toBeInstanceOf(
-      BadRequestError,
-    );
+    expect(
+      await rejection(ranks[0]!.publish({ job: "t.ok", leader: 0, group: "dp", generation: 0 }, id, 0)),
+    ).toBeInstanceOf(BadRequestError);
+    expect(
+      await rejection(ranks[1]!.wait({ job: "t.ok", leader: 0, group: "dp", generation: 0 }, 2, 0)),
+    ).toBeInstanceOf(BadRequestError);
   });
 
   test("remove purges the id", async () => {
-    const key = { job: "t.ncclremove", group: "dp", generation: 0 };
+    const key = { job: "t.ncclremove", leader: 0, group: "dp", generation: 0 };
     await ranks[0]!.publish(key, idOf(9), 2);
     await ranks[0]!.remove(key);
     expect(await rejection(ranks[1]!.wait(key, 2, 50))).toBeInstanceOf(DeadlineError);

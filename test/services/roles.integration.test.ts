@@ -21,6 +21,7 @@ import {
   type RoleName,
 } from "../../services/runtime/job/roles.ts";
 import { NoRespondersError, refusedAs } from "../../services/runtime/mesh/errors.ts";
+import { ncclIdBytes, NcclIdStore } from "../../services/runtime/job/nccl-id.ts";
 import { encodeJobRequest } from "../../schemas/messages.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
@@ -189,6 +190,27 @@ describe("a nats-server with the roles", async () => {
       expect(await outcome(t1, subjects.ckptResize(job))).toBe("refused");
       expect(await outcome(t1, subjects.replicaLoad(job, 0))).toBe("refused");
     } finally {
+      await t1.close();
+    }
+  });
+
+  test("NCCL ids: every trainer reads them, and writes only those of the communicators it leads", async () => {
+    const [t0, t1] = [await as("trainer-0"), await as("trainer-1")];
+    try {
+      const [s0, s1] = [await NcclIdStore.open(t0.nc), await NcclIdStore.open(t1.nc)];
+      const id = new Uint8Array(ncclIdBytes).fill(7);
+      const key = { job, leader: 0, group: "dp-1", generation: 3 };
+      await s0.publish(key, id, 2);
+      expect(await s1.wait(key, 2, 5_000)).toEqual(id);
+      // trainer-1 leads a communicator of its own (a host's, in a hierarchy), not rank 0's
+      await s1.publish({ ...key, leader: 1 }, id, 2);
+      const refused = await s1.publish({ ...key, generation: 4 }, id, 2).then(
+        () => "published",
+        (e: Error) => e.message,
+      );
+      expect(refused).not.toBe("published");
+    } finally {
+      await t0.close();
       await t1.close();
     }
   });

@@ -3,15 +3,16 @@
 // (services/runtime/mesh/discovery.ts), and every rank and the client read the same announcement
 // and reach the same decision here. Pure: no native code, no bus.
 //
-// NCCL carries a job when every rank computes on its own GPU of one host and NCCL loads on each:
-// stage 0's buckets then stay in device memory; ZeRO's partitions and offload keep their buckets
-// in host memory and reach NCCL through device staging. Otherwise the ring (over shared memory on
-// one machine, NATS between machines; hierarchical when the labels name several hosts), and the
-// plan says why not NCCL:
+// NCCL carries a job when every rank computes on a GPU of its own and NCCL loads on each: on one
+// host one communicator over all ranks; on several (by their labels) NCCL within each host, the
+// ring among one leader per host, NCCL again to spread the result. Stage 0's buckets then stay
+// in device memory; ZeRO's partitions and offload keep their buckets in host memory and reach
+// NCCL through device staging. Otherwise the ring (over shared memory on one machine, NATS
+// between machines; hierarchical when the labels name several hosts), and the plan says why
+// not NCCL:
 //   - a rank on the CPU, or one whose NCCL does not load;
 //   - ranks that share a GPU (NCCL refuses two ranks of a communicator on one device);
-//   - compression: it exists to shrink the bytes on the ring; NCCL within a host moves f32;
-//   - ranks on several hosts: NCCL within each host under the ring between hosts is not built.
+//   - compression: it exists to shrink the bytes on the ring, and applies to all of them.
 import type { JobConfig } from "./job.ts";
 
 /** Where one trainer rank runs, as it announces it. */
@@ -27,8 +28,10 @@ export interface TrainerPlace {
 }
 
 export interface CollectivePlan {
-  /** "nccl": one NCCL communicator over all ranks; "ring": the ring (hierarchical over hosts > 1) */
-  carrier: "nccl" | "ring";
+  /** "nccl": one NCCL communicator over all ranks; "nccl-ring": NCCL within each host, the ring
+   *  among one leader per host, NCCL to spread the result; "ring": the ring (hierarchical over
+   *  hosts > 1) */
+  carrier: "nccl" | "nccl-ring" | "ring";
   /** NCCL at stage 0 without offload: the buckets are device buffers, no host copy on the step */
   deviceBuckets: boolean;
   /** machines the ranks' labels name (1 where a rank gave none) */
@@ -52,12 +55,20 @@ export function collectivePlan(
     const buckets = deviceBuckets
       ? "buckets in device memory, no host copy"
       : `${cfg.zero > 0 ? `ZeRO stage ${cfg.zero}` : "offload"} keeps its buckets in host memory, staged through each GPU for NCCL`;
+    if (hosts > 1)
+      return {
+        carrier: "nccl-ring",
+        deviceBuckets,
+        hosts,
+        why: "",
+        text: `NCCL among the GPUs of each of ${hosts} hosts, the ring between one leader per host (${transportText(cfg)}), NCCL again to spread the result (${buckets})`,
+      };
     return {
       carrier: "nccl",
       deviceBuckets,
       hosts,
       why: "",
-      text: `NCCL among the ${cfg.trainers} GPUs of one host (${buckets})`,
+      text: `NCCL ${cfg.trainers === 1 ? "on the one GPU" : `among the ${cfg.trainers} GPUs of one host`} (${buckets})`,
     };
   }
   const ring =
@@ -90,7 +101,6 @@ function notNcclBecause(
     return `ranks ${shared.ranks.join(" and ")} share GPU ${shared.gpu} on host ${shared.host} (NCCL refuses two ranks on one GPU; give each rank its own GPU)`;
   if (cfg.compress !== "none")
     return `--compress ${cfg.compress} shrinks what the ring sends; NCCL within a host moves f32 (drop --compress for NCCL)`;
-  if (hosts > 1) return "NCCL within each host under the ring between hosts is not built yet";
   return null;
 }
 

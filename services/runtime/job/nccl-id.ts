@@ -1,6 +1,7 @@
 // The ncclUniqueId of an NCCL communicator travels from rank 0 to the other ranks through the
 // JetStream KV bucket `mt-nccl-ids`: rank 0 makes the id (./ffi.ts getUniqueId) and publishes
-// it; every other rank waits for it, then all call NcclComm.init with it.
+// it; every other rank waits for it, then all call NcclComm.init with it. The key is
+// <owner>.<name>.r<leader>.<group>.<generation>.
 //
 // Why KV and not a plain publish: a rank that starts waiting after rank 0 published still
 // finds the id (a watch delivers the stored value first, then updates), and a rank that
@@ -56,6 +57,9 @@ if (ncclIdRecordBytes + 256 > ncclIdMessageBytesMax)
 /** Which communicator an id belongs to. */
 export interface NcclIdKey {
   job: string;
+  /** the global trainer rank that makes and publishes the id (the communicator's rank 0): a
+   *  key token of its own, so that the trainer role writes only the ids it leads (roles.ts) */
+  leader: number;
   /** the communicator within the job: "dp" for the data-parallel all-reduce, say */
   group: string;
   /** bumped each time the group's communicator is rebuilt */
@@ -70,8 +74,13 @@ function kvKey(key: NcclIdKey): string {
   if (!Number.isSafeInteger(key.generation) || key.generation < 0 || key.generation > generationMax) {
     throw new BadRequestError(`NCCL id key: generation ${key.generation} must be a non-negative integer`);
   }
-  return `${key.job}.${key.group}.${key.generation}`;
+  if (!Number.isInteger(key.leader) || key.leader < 0 || key.leader >= ncclRanksMax)
+    throw new BadRequestError(`NCCL id key: leader ${key.leader} is not a trainer rank`);
+  return `${key.job}.${ncclLeaderToken(key.leader)}.${key.group}.${key.generation}`;
 }
+
+/** The key token naming a communicator's leader: "r<rank>". */
+export const ncclLeaderToken = (rank: number): string => `r${rank}`;
 
 function checkRanks(nranks: number): void {
   if (!Number.isInteger(nranks) || nranks < 1 || nranks > ncclRanksMax)

@@ -10,8 +10,8 @@
 //   ps-<k>         serves shard k's subjects only
 //   trainer-<r>    pushes and pulls as rank r only (the rank is the subjects' last token, and the
 //                  shard checks it against the message); answers only rank r's subjects;
-//                  reads the NCCL ids of the mt-nccl-ids bucket, and trainer-0 (rank 0 of a
-//                  job's communicator) writes them
+//                  reads the NCCL ids of the mt-nccl-ids bucket and writes those of the
+//                  communicators it leads (their keys' r<rank> token)
 //
 // Every user gets its own reply inbox, _INBOX.<its public key>, and may subscribe to no other:
 // no one reads another's answers. Services answer requests through allow_responses.
@@ -24,7 +24,7 @@ import { createUser, fromSeed } from "@nats-io/nkeys";
 import { basename, join } from "node:path";
 import { defaultOwner, ownerProblem } from "./job.ts";
 import { jobsBucket, recordsBucket } from "./jobs.ts";
-import { ncclIdsBucket } from "./nccl-id.ts";
+import { ncclIdsBucket, ncclLeaderToken } from "./nccl-id.ts";
 
 /** The ranks and shards a mesh's credentials cover (a user per rank and per shard). */
 export interface RoleTopology {
@@ -185,8 +185,12 @@ export function permissionsOf(user: RoleName): Permissions {
   const trainer = /^trainer-(\d+)$/.exec(user);
   if (trainer) {
     const r = trainer[1]!;
-    // NCCL ids (nccl-id.ts): rank 0 of a communicator writes its id, the other ranks read it
-    const ncclIds = bucketSubjects([ncclIdsBucket], r === "0");
+    // NCCL ids (nccl-id.ts): every rank reads them; a rank writes only the ids of the
+    // communicators it leads (the key's r<rank> token)
+    const ncclIds = [
+      ...bucketSubjects([ncclIdsBucket], false),
+      `$KV.${ncclIdsBucket}.*.*.${ncclLeaderToken(Number(r))}.>`,
+    ];
     return service(
       [
         ...ncclIds,

@@ -1,0 +1,111 @@
+// Collectives over device buffers for ranks on GPUs of several hosts: NCCL among the GPUs of each
+// host, the ring between hosts (one leader per host, over the job's NATS transport), and NCCL
+// again to spread the result:
+//   1. all-reduce within the host (NCCL): every rank of the host holds the host's sum;
+//   2. the leaders (each host's first rank) copy it to host memory and all-reduce it around the
+//      leaders' ring (HierarchicalCollective's), then copy it back;
+//   3. broadcast within the host from the leader (NCCL).
+// Every rank ends bit-identical: the leaders' ring is, and the broadcast copies. The links between
+// hosts carry each byte once per direction of the leaders' ring, as on the host path.
+//
+// The other operations are built on that all-reduce, adding zeros (exact): reduce-scatter keeps
+// the rank's block of the whole sum; all-gather zeroes every block but the rank's own first;
+// broadcast zeroes the buffer on every rank but the root. Operations run one after another, each
+// to its end: the three stages of two operations must not interleave differently on different
+// ranks (NCCL matches a communicator's calls by their order).
+import type { Backend } from "../../ffi/backend.ts";
+import { type Collective, type OpKey, type Range, type ReduceOp, segment } from "./collective.ts";
+import type { HierarchicalCollective } from "./hierarchical.ts";
+import type { DeviceBuffer } from "./nccl-collective.ts";
+
+export class NcclHierarchical implements Collective<DeviceBuffer> {
+  #tail: Promise<void> = Promise.resolve();
+
+  constructor(
+    /** NCCL among the ranks of this rank's host (its rank 0 is the host's leader) */
+    readonly local: Collective<DeviceBuffer>,
+    /** the job's ranks over NATS, grouped by host: its leaders' ring carries stage 2 */
+    readonly between: HierarchicalCollective,
+    readonly backend: Backend,
+  ) {}
+
+  get rank(): number {
+    return this.between.rank;
+  }
+  get size(): number {
+    return this.between.size;
+  }
+
+  allReduce(buf: DeviceBuffer, key: OpKey, op: ReduceOp = "sum"): Promise<void> {
+    return this.#inTurn(() => this.#allReduce(buf, key, op));
+  }
+
+  reduceScatter(buf: DeviceBuffer, key: OpKey): Promise<Range> {
+    const block = this.#block(buf, "reduceScatter");
+    return this.#inTurn(async () => {
+      await this.#allReduce(buf, key, "sum");
+      return { offset: this.rank * block, count: block };
+    });
+  }
+
+  allGather(buf: DeviceBuffer, key: OpKey): Promise<void> {
+    const block = this.#block(buf, "allGather");
+    return this.#inTurn(async () => {
+      const mine = this.rank * block;
+      this.backend.zero(buf.ptr, mine * 4);
+      this.backend.zero(buf.ptr + (mine + block) * 4, (buf.count - mine - block) * 4);
+      await this.#allReduce(buf, key, "sum");
+    });
+  }
+
+  broadcast(buf: DeviceBuffer, root: number, key: OpKey): Promise<void> {
+    return this.#inTurn(async () => {
+      if (this.rank !== root) this.backend.zero(buf.ptr, buf.count * 4);
+      await this.#allReduce(buf, key, "sum");
+    });
+  }
+
+  barrier(key: OpKey): Promise<void> {
+    return this.#inTurn(() => this.between.barrier(key));
+  }
+
+  join(): void {
+    this.local.join?.();
+  }
+
+  close(reason?: string): void {
+    this.local.close(reason);
+    this.between.close(reason);
+  }
+
+  async #allReduce(buf: DeviceBuffer, key: OpKey, op: ReduceOp): Promise<void> {
+    await this.local.allReduce(buf, key, "sum");
+    const leaders = this.between.leaders;
+    if (leaders !== null && buf.count > 0) {
+      const host = new Float32Array(buf.count);
+      this.local.join?.();
+      this.backend.download(buf.ptr, host); // waits for the host's all-reduce
+      await leaders.ring(host, key, "all-reduce", true, true);
+      if (op === "avg") for (let i = 0; i < host.length; i++) host[i]! /= this.size;
+      this.backend.upload(buf.ptr, host);
+    }
+    await this.local.broadcast(buf, 0, key);
+  }
+
+  #inTurn<T>(run: () => Promise<T>): Promise<T> {
+    const done = this.#tail.then(run);
+    this.#tail = done.then(
+      () => {},
+      () => {},
+    );
+    return done;
+  }
+
+  #block(buf: DeviceBuffer, what: string): number {
+    if (buf.count % this.size !== 0)
+      throw new RangeError(
+        `${what} over NCCL: ${buf.count} elements is not a multiple of the ${this.size} ranks (pad the buffer)`,
+      );
+    return segment(buf.count, this.size, this.rank).count;
+  }
+}
