@@ -86,7 +86,7 @@ describe("all-reduce mode on the mesh", () => {
     expectEveryStepOnce(r.seen, 4, 60);
     for (const rank of [0, 1, 2, 3]) {
       const log = readFileSync(join(mesh.opts.logDir, `trainer-${rank}.log`), "utf8");
-      expect(log).toContain("all-reduce is hierarchical across hosts");
+      expect(log).toContain("all-reduce: the ring, hierarchical: within each of 2 hosts");
     }
   }, 180_000);
 

@@ -26,7 +26,7 @@ import {
   ncclVersion,
   shimConfigLayout,
 } from "../../ffi/cuda/nccl.ts";
-import { CollectiveClosedError } from "../../engine/parallel/collective.ts";
+import { CollectiveClosedError, CollectiveTransportError } from "../../engine/parallel/collective.ts";
 import { NcclCollective } from "../../engine/parallel/nccl-collective.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { skip } from "../helpers/skip.ts";
@@ -702,9 +702,15 @@ describe("NcclCollective: the Collective over a (fake) communicator", () => {
     );
   });
 
-  test("an asynchronous error is thrown by the next operation; close aborts, and later calls are refused", async () => {
+  test("an asynchronous error is thrown by the next operation (a transport failure: every rank rewinds); close aborts, and later calls are refused", async () => {
     fake.fake_set_async_state(3);
-    await expect(coll.allReduce(buf, { step: 4, bucket: 0 })).rejects.toBeInstanceOf(NcclError);
+    const e = await coll.allReduce(buf, { step: 4, bucket: 0 }).then(
+      () => null,
+      (err: Error) => err,
+    );
+    expect(e).toBeInstanceOf(CollectiveTransportError);
+    expect(e?.cause).toBeInstanceOf(NcclError);
+    expect(e?.message).toContain("ncclInternalError");
     fake.fake_set_async_state(0);
     coll.close();
     expect(counts(fake).aborts).toBeGreaterThanOrEqual(1);
