@@ -62,6 +62,42 @@ export function segment(n: number, size: number, i: number): Range {
   return { offset, count: Math.floor(((i + 1) * n) / size) - offset };
 }
 
+/**
+ * n elements cut among `size` ranks in NCCL's layout: NCCL's reduce-scatter and all-gather cut a
+ * buffer into equal blocks, while segment()'s differ by one element. Segment j goes to block j
+ * of a padded buffer (block = ceil(n/size) elements; the padding after a shorter segment stays
+ * zero), so a ring's segments and NCCL's blocks hold the same elements.
+ */
+export interface BlockLayout {
+  /** elements per block */
+  block: number;
+  /** elements of the padded buffer: block · size */
+  padded: number;
+  /** [at, at+count) of the unpadded order in pieces that each lie in one segment, with each
+   *  piece's place in the padded buffer */
+  spans(at: number, count: number): { at: number; device: number; count: number }[];
+}
+
+export function blockLayout(n: number, size: number): BlockLayout {
+  const block = Math.ceil(n / size);
+  const segments = Array.from({ length: size }, (_, j) => segment(n, size, j));
+  return {
+    block,
+    padded: block * size,
+    spans(at, count) {
+      if (!(at >= 0 && count >= 0 && at + count <= n))
+        throw new RangeError(`elements [${at}, ${at + count}) are outside the ${n} of the layout`);
+      const out: { at: number; device: number; count: number }[] = [];
+      for (const [j, sg] of segments.entries()) {
+        const from = Math.max(at, sg.offset),
+          to = Math.min(at + count, sg.offset + sg.count);
+        if (to > from) out.push({ at: from, device: j * block + (from - sg.offset), count: to - from });
+      }
+      return out;
+    },
+  };
+}
+
 // ---- errors ---------------------------------------------------------------------------------
 
 export class CollectiveError extends Error {

@@ -44,7 +44,7 @@
 // host updates the partition and its parameters go back to the device (stage 3: into the
 // partition the gathers read), and the all-gather spreads them as without offload. Stages 2 and
 // 3 then keep no gradient partition on the device at all.
-import type { Allocation, Backend } from "../../ffi/backend.ts";
+import type { Allocation, Backend, Ptr } from "../../ffi/backend.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { EngineError, NonFiniteLossError } from "../errors.ts";
 import type { Model } from "../models/model.ts";
@@ -56,7 +56,7 @@ import { Sgd } from "../optim/sgd.ts";
 import type { ParamEntry, ParamStore } from "../params.ts";
 import { Context, type Tensor } from "../tensor.ts";
 import { forwardPass, type HostBatch, LossSlots, unscaleAndClip, uploadBatch } from "../train.ts";
-import { BadPieceError, type Collective } from "./collective.ts";
+import { BadPieceError, type BlockLayout, blockLayout, type Collective, type OpKey } from "./collective.ts";
 import type { DeviceBuffer } from "./nccl-collective.ts";
 import { Codec, density, ErrorFeedback, parseCompression } from "./compress.ts";
 import { type ModelMemory, type Partition, partitionOf, type ZeroStage } from "./zero.ts";
@@ -267,17 +267,14 @@ export class DataParallel {
     const store = model.store;
     this.codec = new Codec(parseCompression(o.compress));
     if (o.deviceCollective !== undefined) {
-      const why =
-        o.zero > 0
-          ? `ZeRO stage ${o.zero}`
-          : o.offload
-            ? "offload (the optimizer runs on the host)"
-            : this.codec.kind !== "none"
-              ? `compression (${o.compress})`
-              : null;
+      const why = o.offload
+        ? "offload (the optimizer runs on the host)"
+        : this.codec.kind !== "none"
+          ? `compression (${o.compress})`
+          : null;
       if (why !== null)
         throw new EngineError(
-          `data parallelism on device buffers (NCCL) runs at ZeRO stage 0 without offload or compression, not with ${why}: use the host path`,
+          `data parallelism on device buffers (NCCL) runs without offload or compression, not with ${why}: use the host path`,
         );
     }
     const buckets = this.#plan();
@@ -554,12 +551,33 @@ export class DataParallel {
     return { loss, gradNorm: u.gradNorm, skipped: !u.finite, ...times(performance.now()), density: this.#density };
   }
 
-  /** Stage 0 with a device collective: each bucket's device buffer, or its host array where this
-   *  generation's communicator is on the host path, made once (the first step) and kept. */
+  /** With a device collective: each bucket's device buffer (under ZeRO in NCCL's block layout,
+   *  blockLayout()), or its host array where this generation's communicator is on the host path,
+   *  made once (the first step) and kept. */
   #bucketMemory(buckets: readonly Bucket[], onDevice: boolean): void {
     for (const b of buckets) {
-      if (onDevice) b.dev ??= this.#o.ctx.allocPersistent(Math.max(b.numel, 1) * 4);
+      const elems = this.zero > 0 ? this.#blocks(b).padded : b.numel;
+      if (onDevice) b.dev ??= this.#o.ctx.allocPersistent(Math.max(elems, 1) * 4);
       else if (b.buf.length !== b.numel) b.buf = new Float32Array(b.numel);
+    }
+  }
+
+  /** Bucket b in NCCL's block layout over the ranks (blockLayout()). */
+  #blocks(b: Bucket): BlockLayout {
+    return blockLayout(b.numel, this.#o.ranks);
+  }
+
+  /**
+   * ZeRO on device buffers: `count` elements of bucket b from bucket offset `at` copied between
+   * the bucket's device buffer `dev` (block layout) and `ptr` ("in": ptr to dev; "out": dev to
+   * ptr), a copy per segment they span.
+   */
+  #blockCopies(b: Bucket, dev: Ptr, at: number, count: number, ptr: Ptr, way: "in" | "out"): void {
+    const backend = this.#o.ctx.backend;
+    for (const span of this.#blocks(b).spans(at, count)) {
+      const [d, h] = [dev + span.device * 4, ptr + (span.at - at) * 4];
+      if (way === "in") backend.copy(d, h, span.count * 4);
+      else backend.copy(h, d, span.count * 4);
     }
   }
 
@@ -616,6 +634,7 @@ export class DataParallel {
    */
   async #stepZero({ step, micro, rows, totalRows, lr }: StepArgs): Promise<DataParallelStepResult> {
     const t0 = performance.now();
+    if (this.#o.deviceCollective !== undefined) this.#bucketMemory(this.#plan(), this.#deviceColl !== null);
     const flight = new InFlight();
     const loss = await this.#zeroPasses({ step, micro, rows, totalRows, lr }, flight);
     const tBackward = performance.now();
@@ -681,11 +700,34 @@ export class DataParallel {
     return losses.mean(step, false);
   }
 
+  /** The device collective of the current generation, or null (the host path). */
+  get #deviceColl(): Collective<DeviceBuffer> | null {
+    return this.#o.deviceCollective?.() ?? null;
+  }
+
   /** ZeRO: bucket b's gradients of this round reduce-scattered; this rank keeps (adds in) its segment. */
   #reduceScatter(b: Bucket, step: number, round: number): Promise<void> {
     const backend = this.#o.ctx.backend;
     const store = this.#o.model.store;
     const stage2 = this.zero >= 2;
+    const key = { step, bucket: round * this.#buckets!.length + b.id };
+    const dc = this.#deviceColl;
+    if (dc !== null && b.dev !== null) {
+      // the gradients into the bucket's device buffer in block layout; none crosses to the host
+      let at = 0;
+      for (const e of b.entries) {
+        const grad = stage2 ? (store.gradOf(e.name)?.ptr ?? null) : store.grads.ptr + e.offset * 4;
+        if (grad === null)
+          for (const sp of this.#blocks(b).spans(at, e.numel)) backend.zero(b.dev.ptr + sp.device * 4, sp.count * 4);
+        else this.#blockCopies(b, b.dev.ptr, at, e.numel, grad, "in");
+        at += e.numel;
+      }
+      const ptr = b.dev.ptr;
+      return dc.reduceScatter({ ptr, count: this.#blocks(b).padded }, key).then(() => {
+        dc.join?.(); // the keep's copies read what NCCL wrote
+        this.#keepDevice(b, ptr, round > 0);
+      });
+    }
     for (const [e, dst] of slices(b)) {
       const grad = stage2 ? store.gradOf(e.name) : null;
       if (!stage2) backend.download(store.grads.ptr + e.offset * 4, dst);
@@ -693,7 +735,6 @@ export class DataParallel {
         dst.fill(0); // no op read it in this micro-batch
       else backend.download(grad.ptr, dst);
     }
-    const key = { step, bucket: round * this.#buckets!.length + b.id };
     return (b.feedback ? this.#compressedAllReduce(b, key) : this.#o.collective().reduceScatter(b.buf, key)).then(() =>
       this.#keep(b, round > 0),
     );
@@ -740,6 +781,28 @@ export class DataParallel {
     const backend = this.#o.ctx.backend;
     const store = this.#o.model.store;
     const buckets = this.#buckets!;
+    const dc = this.#deviceColl;
+    if (dc !== null) {
+      await Promise.all(
+        buckets.map((b) => {
+          for (const r of this.partition!.ranges[b.id]!)
+            this.#blockCopies(b, b.dev!.ptr, r.bucketOffset, r.numel, store.values.ptr + r.paramOffset * 4, "in");
+          return dc.allGather(
+            { ptr: b.dev!.ptr, count: this.#blocks(b).padded },
+            { step, bucket: gatherBucket + b.id },
+          );
+        }),
+      );
+      dc.join?.();
+      for (const b of buckets) {
+        let at = 0;
+        for (const e of b.entries) {
+          this.#blockCopies(b, b.dev!.ptr, at, e.numel, store.values.ptr + e.offset * 4, "out");
+          at += e.numel;
+        }
+      }
+      return;
+    }
     const collective = this.#o.collective();
     const gathers = buckets.map((b) => {
       for (const r of this.partition!.ranges[b.id]!)
@@ -808,19 +871,15 @@ export class DataParallel {
     const key = { step, bucket: paramGatherBucket + this.#gatherSeq.n++ };
     const { ctx, model } = this.#o;
     const backend = ctx.backend;
-    const buf = new Float32Array(b.numel);
-    for (const r of this.partition!.ranges[b.id]!)
-      backend.download(
-        this.#ownedParams!.ptr + r.stateOffset * 4,
-        buf.subarray(r.bucketOffset, r.bucketOffset + r.numel),
-      );
-    const op = this.#o
-      .collective()
-      .allGather(buf, key)
-      .then(() => {
-        const alloc = ctx.allocPersistent(b.numel * 4);
-        backend.upload(alloc.ptr, buf);
-        for (const [e, part] of slices(b)) model.store.bind(e.name, alloc.ptr + (part.byteOffset - b.buf.byteOffset));
+    const dc = this.#deviceColl;
+    const gathered = dc !== null ? this.#gatherOnDevice(dc, b, key) : this.#gatherOnHost(b, key);
+    const op = gathered
+      .then((alloc) => {
+        let at = 0;
+        for (const e of b.entries) {
+          model.store.bind(e.name, alloc.ptr + at * 4);
+          at += e.numel;
+        }
         this.#gathered.set(b.id, alloc);
         this.#gatheredBytes += alloc.bytes;
         // the training passes' peak (an evaluation gathers the whole model, and says so)
@@ -829,6 +888,41 @@ export class DataParallel {
       .finally(() => this.#gathering.delete(b.id));
     this.#gathering.set(b.id, op);
     return op;
+  }
+
+  /** Stage 3 on the host path: this rank's segment through a host array, all-gathered, uploaded. */
+  async #gatherOnHost(b: Bucket, key: OpKey): Promise<Allocation> {
+    const { ctx } = this.#o;
+    const backend = ctx.backend;
+    const buf = new Float32Array(b.numel);
+    for (const r of this.partition!.ranges[b.id]!)
+      backend.download(
+        this.#ownedParams!.ptr + r.stateOffset * 4,
+        buf.subarray(r.bucketOffset, r.bucketOffset + r.numel),
+      );
+    await this.#o.collective().allGather(buf, key);
+    const alloc = ctx.allocPersistent(b.numel * 4);
+    backend.upload(alloc.ptr, buf);
+    return alloc;
+  }
+
+  /** Stage 3 on device buffers: this rank's block all-gathered in a block-layout buffer, then
+   *  copied out into the bucket's order (the parameters are bound to it); no host copy. */
+  async #gatherOnDevice(dc: Collective<DeviceBuffer>, b: Bucket, key: OpKey): Promise<Allocation> {
+    const ctx = this.#o.ctx;
+    const layout = this.#blocks(b);
+    const blocks = ctx.allocPersistent(Math.max(layout.padded, 1) * 4);
+    try {
+      for (const r of this.partition!.ranges[b.id]!)
+        this.#blockCopies(b, blocks.ptr, r.bucketOffset, r.numel, this.#ownedParams!.ptr + r.stateOffset * 4, "in");
+      await dc.allGather({ ptr: blocks.ptr, count: layout.padded }, key);
+      dc.join?.();
+      const alloc = ctx.allocPersistent(b.numel * 4);
+      this.#blockCopies(b, blocks.ptr, 0, b.numel, alloc.ptr, "out");
+      return alloc;
+    } finally {
+      ctx.freePersistent(blocks);
+    }
   }
 
   /** ZeRO stage 3: unbinds bucket b's parameters and frees their buffer. */
@@ -949,6 +1043,23 @@ export class DataParallel {
       }
       backend.upload(this.#addScratch!.ptr, src);
       backend.add(dst, dst, this.#addScratch!.ptr, r.numel);
+    }
+  }
+
+  /** ZeRO on device buffers: #keep from the bucket's device buffer (this rank's block). */
+  #keepDevice(b: Bucket, dev: Ptr, add: boolean): void {
+    const { ctx, model } = this.#o;
+    const backend = ctx.backend;
+    const mine = this.#blocks(b);
+    for (const r of this.partition!.ranges[b.id]!) {
+      const [sp] = mine.spans(r.bucketOffset, r.numel); // within this rank's segment: one span
+      const src = dev + sp!.device * 4;
+      if (this.zero === 1) backend.copy(model.store.grads.ptr + r.paramOffset * 4, src, r.numel * 4);
+      else {
+        const dst = this.#ownedGrads!.ptr + r.stateOffset * 4;
+        if (add) backend.add(dst, dst, src, r.numel);
+        else backend.copy(dst, src, r.numel * 4);
+      }
     }
   }
 

@@ -124,8 +124,8 @@ export class Replica {
       rank: o.rank,
       ranks: cfg.trainers,
       collective: () => this.#comm,
-      // on a GPU whose job may take NCCL at stage 0 the buckets are device buffers once the plan says NCCL
-      ...(this.#ncclCandidate && cfg.zero === 0 && cfg.offload !== "optimizer" && cfg.compress === "none"
+      // on a GPU whose job may take NCCL the buckets are device buffers once the plan says NCCL
+      ...(this.#ncclCandidate && cfg.offload !== "optimizer" && cfg.compress === "none"
         ? { deviceCollective: () => this.#deviceComm }
         : {}),
       zero: cfg.zero,

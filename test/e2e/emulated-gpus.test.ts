@@ -105,7 +105,7 @@ describe("all-reduce over NCCL on emulated GPUs", () => {
       const cfg = job({ job: `default.emu-${ranks}-z${zero}-a${accumSteps}`, trainers: ranks, zero, accumSteps });
       const plan = await client.collectivePlan(cfg);
       expect(plan?.carrier).toBe("nccl");
-      expect(plan?.deviceBuckets).toBe(zero === 0);
+      expect(plan?.deviceBuckets).toBe(true);
       const r = await runJob(client, cfg);
       expect(r.record.state).toBe(JobState.Done);
       expectEveryStepOnce(r.seen, ranks, steps);

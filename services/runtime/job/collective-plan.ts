@@ -5,8 +5,8 @@
 //
 // NCCL carries a job when every rank computes on a GPU of its own and NCCL loads on each: on one
 // host one communicator over all ranks; on several (by their labels) NCCL within each host, the
-// ring among one leader per host, NCCL again to spread the result. Stage 0's buckets then stay
-// in device memory; ZeRO's partitions and offload keep their buckets in host memory and reach
+// ring among one leader per host, NCCL again to spread the result. The buckets and ZeRO's
+// partitions then stay in device memory; offload keeps its buckets in host memory and reaches
 // NCCL through device staging. Otherwise the ring (over shared memory on one machine, NATS
 // between machines; hierarchical when the labels name several hosts), and the plan says why
 // not NCCL:
@@ -51,10 +51,10 @@ export function collectivePlan(
   const hosts = labels.some((h) => h === "") ? 1 : new Set(labels).size;
   const why = notNcclBecause(cfg, places, hosts);
   if (why === null) {
-    const deviceBuckets = cfg.zero === 0 && cfg.offload !== "optimizer";
+    const deviceBuckets = cfg.offload !== "optimizer";
     const buckets = deviceBuckets
-      ? "buckets in device memory, no host copy"
-      : `${cfg.zero > 0 ? `ZeRO stage ${cfg.zero}` : "offload"} keeps its buckets in host memory, staged through each GPU for NCCL`;
+      ? `buckets in device memory${cfg.zero > 0 ? `, ZeRO stage ${cfg.zero}'s partitions too` : ""}, no host copy`
+      : "offload keeps the buckets in host memory, staged through each GPU for NCCL";
     if (hosts > 1)
       return {
         carrier: "nccl-ring",
