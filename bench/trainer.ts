@@ -29,13 +29,19 @@
 // theoretical bubble. On this machine's 2 cores more trainers share the same cores: the rows
 // show what each layout costs and saves per rank, not a speed-up.
 //
+// --device cuda (and --trainers, --precision) runs the mesh's trainers and the single process on
+// GPUs: with one GPU per trainer an all-reduce job takes NCCL, so `--trainers 1 --sync allreduce`
+// measures one rank on device buffers against the engine alone.
+//
 //   bun run bench trainer [--model mlp,gpt] [--epochs 1] [--gpt-steps 60] [--sync bsp,allreduce] [--coll-transport auto,nats] [--bucket-mb 25]
+//                         [--device cpu|cuda|auto] [--trainers 2] [--precision f32|tf32|bf16|f16]
 //                         [--compress none,bf16,int8,topk:0.01] [--snapshot-every 20] [--layouts 1x1x1,1x2x1,1x1x2,2x2x1,1x2x2]
 //                         [--micro-batches 4] [--schedule 1f1b] [--json-only]
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
+import { type DeviceChoice, deviceChoices, openBackend } from "../ffi/select.ts";
 import { loadCorpus } from "../engine/data/corpus.ts";
 import { ImageBatcher } from "../engine/data/images.ts";
 import { loadMnist } from "../engine/data/mnist.ts";
@@ -126,6 +132,10 @@ interface TrainerBenchArgs {
   layouts: Layout3[] | null;
   microBatches: number;
   schedule: "1f1b" | "gpipe";
+  /** where the trainers and the single process compute (the mesh's MT_DEVICE) */
+  device: DeviceChoice;
+  trainers: number;
+  precision: JobConfig["precision"];
   jsonOnly: boolean;
 }
 
@@ -151,8 +161,15 @@ function trainerArgs(argv: string[]): TrainerBenchArgs {
     layouts: { type: "string", default: "" },
     "micro-batches": { type: "string", default: "4" },
     schedule: { type: "string", default: "1f1b" },
+    device: { type: "string", default: "cpu" },
+    trainers: { type: "string", default: "2" },
+    precision: { type: "string", default: "f32" },
     "json-only": { type: "boolean", default: false },
   });
+  const [device] = listOf("device", v.device, deviceChoices) as [DeviceChoice];
+  const [precision] = listOf("precision", v.precision, ["f32", "tf32", "bf16", "f16"]) as [JobConfig["precision"]];
+  const trainers = positiveInt("trainers", v.trainers);
+  if (trainers > 16) throw new ConfigError(`--trainers: at most 16, got ${trainers}`);
   const snapshotEvery = Number(v["snapshot-every"]);
   if (!(Number.isInteger(snapshotEvery) && snapshotEvery >= 0))
     throw new ConfigError(`--snapshot-every must be a step count >= 0, got ${String(v["snapshot-every"])}`);
@@ -182,6 +199,9 @@ function trainerArgs(argv: string[]): TrainerBenchArgs {
     layouts: String(v.layouts) === "" ? null : parseLayouts(String(v.layouts)),
     microBatches: positiveInt("micro-batches", v["micro-batches"]),
     schedule,
+    device,
+    trainers,
+    precision,
     jsonOnly: Boolean(v["json-only"]),
   };
 }
@@ -195,13 +215,18 @@ export async function runTrainerBench(
     return await snapshotBench(a.models, a.syncs, a.epochs, a.gptSteps, a.snapshotEvery, a.jsonOnly);
   const rows: TrainerBenchResult[] = [];
   for (const kind of a.models) {
-    const base = modelJob(kind, a.epochs, a.gptSteps, { job: "bench.trainer", checkpointEvery: 0 });
-    rows.push(...(await benchModel(base, a.syncs, a.bucketMb, a.transports, a.codecs)));
+    const base = modelJob(kind, a.epochs, a.gptSteps, {
+      job: "bench.trainer",
+      checkpointEvery: 0,
+      trainers: a.trainers,
+      precision: a.precision,
+    });
+    rows.push(...(await benchModel(base, a.syncs, a.bucketMb, a.transports, a.codecs, a.device)));
   }
   printReport({
     bench: "trainer",
     header:
-      `trainer benchmark: 2 trainers per mesh run, all services on this machine (${navigator.hardwareConcurrency} cores); ` +
+      `trainer benchmark: ${a.trainers} trainer${a.trainers > 1 ? "s" : ""} per mesh run on ${a.device} (MT_DEVICE), all services on this machine (${navigator.hardwareConcurrency} cores); ` +
       `mesh times are per trainer step (ms); ratio = samples/s against the single-process trainer on the same model, global batch and steps`,
     rows,
     columns: trainerColumns,
@@ -255,6 +280,7 @@ async function benchModel(
   bucketMb: number,
   transports: JobConfig["collTransport"][],
   codecs: string[],
+  device: DeviceChoice,
 ): Promise<TrainerBenchResult[]> {
   const meshRuns: MeshRun[] = [];
   const runs = syncs.flatMap((sync) =>
@@ -272,13 +298,16 @@ async function benchModel(
       collTransport,
       compress,
     });
-    const r = await onLocalMesh(cfg, cfg.job, { tmpPrefix: "mt-bench-trainer-" }, (client) =>
-      watchJob(client, cfg.job, { quiet: true }),
+    const r = await onLocalMesh(
+      cfg,
+      cfg.job,
+      { tmpPrefix: "mt-bench-trainer-", env: { MT_DEVICE: device } },
+      (client) => watchJob(client, cfg.job, { quiet: true }),
     );
     meshRuns.push({ cfg, r });
   }
   const steps = meshRuns[0]?.r.record.totalSteps ?? 50;
-  const single = singleProcessRate(base, steps);
+  const single = singleProcessRate(base, steps, device);
   const rows = meshRuns.map((run) => meshRow(run, meshRuns, single.rate, single.params));
   rows.push({
     model: modelName(base),
@@ -605,9 +634,14 @@ function wireAt(c: JobConfig, comp: Compression, n: number, step: number): numbe
 }
 
 /** Samples/s of the single-process trainer: the same model and optimizer at the mesh's global batch, `steps` steps. */
-function singleProcessRate(cfg: JobConfig, steps: number): { rate: number; done: number; params: number } {
+function singleProcessRate(
+  cfg: JobConfig,
+  steps: number,
+  device: DeviceChoice = "cpu",
+): { rate: number; done: number; params: number } {
   const global = cfg.batchSize * cfg.trainers;
-  const ctx = new Context(new CpuBackend(), { seed: cfg.seed });
+  const backend = device === "cpu" ? new CpuBackend() : openBackend(device).backend;
+  const ctx = new Context(backend, { seed: cfg.seed, precision: cfg.precision });
   let batches: () => HostBatch;
   let plan = { vocabSize: 0, vocab: [] as number[] };
   if (cfg.model.kind === "mlp") {
@@ -646,8 +680,10 @@ function singleProcessRate(cfg: JobConfig, steps: number): { rate: number; done:
   trainer.run([batches()]); // warm-up: first-touch allocations, as the mesh's first step is not counted either
   const t0 = performance.now();
   for (let i = 0; i < steps; i++) trainer.run([batches()]);
+  backend.synchronize(); // a GPU's queued work is part of the time
   const rate = (steps * global) / ((performance.now() - t0) / 1000);
   const params = model.store.paramCount;
   ctx.dispose();
+  backend.dispose();
   return { rate, done: steps, params };
 }

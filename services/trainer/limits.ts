@@ -49,3 +49,5 @@ export const ncclConnectTimeoutMs = 300_000;
 /** How long one NCCL operation may stay in progress: a bucket of a large model on a slow link
  *  takes seconds; a peer that stopped is named by the liveness watch within 10 s, which aborts. */
 export const ncclSettleTimeoutMs = 120_000;
+/** The longest pause between tries at the job store while a communicator's ranks exchange their id. */
+export const ncclIdRetryPauseMsMax = 2_000;

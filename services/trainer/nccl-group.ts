@@ -24,7 +24,9 @@ import {
 } from "../../engine/parallel/collective.ts";
 import { type DeviceBuffer, NcclCollective } from "../../engine/parallel/nccl-collective.ts";
 import type { NcclIdExchange, NcclIdKey } from "../runtime/job/nccl-id.ts";
-import { ncclConnectTimeoutMs, ncclSettleTimeoutMs } from "./limits.ts";
+import { ncclConnectTimeoutMs, ncclIdRetryPauseMsMax, ncclSettleTimeoutMs } from "./limits.ts";
+import { BadRequestError } from "../runtime/mesh/errors.ts";
+import { WireFormatError } from "../../schemas/codec.ts";
 
 export interface NcclGroupOptions {
   backend: CudaBackend;
@@ -119,12 +121,14 @@ export class NcclGroup implements Collective<DeviceBuffer> {
     let comm: NcclComm;
     try {
       const library = o.library ?? ncclLibrary();
+      const deadline = performance.now() + connectTimeoutMs;
       let id: Uint8Array;
       if (o.rank === 0) {
-        id = library.getUniqueId();
-        await o.ids.publish(o.key, id, o.ranks);
+        const made = library.getUniqueId();
+        await this.#retried("publish its id", deadline, () => o.ids.publish(o.key, made, o.ranks));
+        id = made;
       } else {
-        id = await o.ids.wait(o.key, o.ranks, connectTimeoutMs);
+        id = await this.#retried("read rank 0's id", deadline, (left) => o.ids.wait(o.key, o.ranks, left));
       }
       comm = await NcclComm.init(o.ranks, o.rank, id, { timeoutMs: connectTimeoutMs, library });
     } catch (e) {
@@ -147,6 +151,28 @@ export class NcclGroup implements Collective<DeviceBuffer> {
       o.side,
     );
     return this.#collective;
+  }
+
+  /**
+   * Runs a job-store call until it succeeds or `deadline` passes: the server may be busy or
+   * between leaders (a JetStream request times out). A refusal no retry fixes (BadRequestError:
+   * another id under this key, a rank count that differs) and a close or abort end it at once.
+   */
+  async #retried<T>(what: string, deadline: number, call: (leftMs: number) => Promise<T>): Promise<T> {
+    for (let attempt = 1; ; attempt++) {
+      const leftMs = Math.floor(deadline - performance.now());
+      try {
+        return await call(Math.max(leftMs, 1));
+      } catch (e) {
+        if (this.#failed !== null || e instanceof BadRequestError || e instanceof WireFormatError) throw e;
+        if (deadline - performance.now() < ncclIdRetryPauseMsMax)
+          throw new Error(
+            `cannot ${what} within ${this.#o.connectTimeoutMs ?? ncclConnectTimeoutMs} ms: ${(e as Error).message}`,
+            { cause: e },
+          );
+        await Bun.sleep(Math.min(100 * attempt, ncclIdRetryPauseMsMax));
+      }
+    }
   }
 
   /** Frees the scratch word (after close(): the communicator is gone). */
