@@ -16,6 +16,9 @@
 #   epilogues  cuBLASLt's fused bias/GELU/bias-gradient epilogues: their GPU tests and the op and
 #          mixed-precision suites, bench epilogues (fused against GEMM + kernels), GPT-2 small and
 #          nanoGPT beside PyTorch, and GPT-2 small's 150 steps on BPE text
+#   nccl   issue 35's checks: the NCCL tests, a one-rank all-reduce job on the real libnccl end to
+#          end (its header must say NCCL), and bench trainer: one rank on device buffers against
+#          the engine alone (target >= 0.9x), the MLP and a bf16 GPT
 #   bench  the engine benchmark at nanoGPT's shapes (small, nanogpt-char, gpt2-small) on CUDA
 #          against PyTorch eager and torch.compile, and every kernel's GB/s against
 #          cuMemcpyDtoD with the host cost of one kernel call
@@ -93,6 +96,14 @@ case "$phase" in
         --lr 6e-4 --min-lr 6e-5 --eval-every 150 --eval-batches 16 --sample-chars 0 --out "$out/gpt2-sotu-$a.mtm"
     done
     rm -f "$out"/*.mtm ;;
+  nccl)
+    run timeout 120 bun test --timeout=100000 test/ffi/nccl.test.ts test/ffi/cuda-gpu.test.ts
+    run timeout 240 env MT_DEVICE=cuda bun sdk/cli.ts run --sync allreduce --trainers 1 --max-steps 300 \
+      --dir "$out/nccl-run" --no-dashboard --eval-batches 4
+    grep -h '"collective":"nccl"' "$out"/nccl-run/jobs/*/logs/trainer-0.log | head -1 | tee -a "$out/log.txt"
+    run timeout 240 bun bench/index.ts trainer --device cuda --trainers 1 --sync allreduce --model mlp,gpt \
+      --epochs 1 --gpt-steps 100 --precision bf16
+    rm -rf "$out/nccl-run" ;;
   epilogues)
     [ -d /tmp/sotu ] || tar -xJf .device/sotu.tar.xz -C /tmp
     run timeout 150 bun test --timeout=120000 test/ffi/gemm-epilogue.test.ts test/ffi/cublas.test.ts \
