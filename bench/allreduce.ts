@@ -99,20 +99,17 @@ export async function runAllReduceBench(argv: string[]): Promise<AllReduceBenchR
               .map((o, i) => ({ o, i }))
               .filter(({ o }) => o.op === kind && o.len === len)
               .map(({ i }) => Math.max(...results.map((rs) => rs[i]!.ms)));
-          const ringMs = median(slowest("allReduce")),
-            rawMs = median(slowest("raw"));
-          const bus = (ms: number) => (((mb << 20) / (ms / 1000) / 1e9) * (2 * (n - 1))) / n;
-          rows.push({
-            transport,
-            ranks: n,
-            size_mb: mb,
-            ring_ms: round(ringMs, 1),
-            ring_busbw_gb_per_s: round(bus(ringMs), 3),
-            raw_ms: round(rawMs, 1),
-            raw_busbw_gb_per_s: round(bus(rawMs), 3),
-            ratio: round(rawMs / ringMs, 2),
-            target: transport === "nats" ? 0.8 : 0,
-          });
+          rows.push(
+            benchRow(
+              transport,
+              n,
+              mb,
+              median(slowest("allReduce")),
+              median(slowest("raw")),
+              1,
+              transport === "nats" ? 0.8 : 0,
+            ),
+          );
         }
       }
   } finally {
@@ -174,21 +171,33 @@ async function ncclRows(dir: string, n: number, sizes: number[], rounds: number)
           return Math.max(...perRank.map((lines) => lines[i]!.ms));
         }),
       );
-    const ncclMs = slowest("allReduce"),
-      copyMs = slowest("copy");
-    const bus = (ms: number) => (((mb << 20) / (ms / 1000) / 1e9) * (2 * (n - 1))) / n;
-    return {
-      transport: "nccl",
-      ranks: n,
-      size_mb: mb,
-      ring_ms: round(ncclMs, 2),
-      ring_busbw_gb_per_s: round(bus(ncclMs), 3),
-      raw_ms: round(copyMs, 2),
-      raw_busbw_gb_per_s: round(bus(copyMs), 3),
-      ratio: round(copyMs / ncclMs, 2),
-      target: 0,
-    };
+    return benchRow("nccl", n, mb, slowest("allReduce"), slowest("copy"), 2, 0);
   });
+}
+
+/** A row: the collective's and the baseline's times (ms, rounded to `digits`) for `mb` MB among
+ *  `n` ranks, as bus bandwidth (nccl-tests' busbw: algbw · 2(n-1)/n), and their ratio. */
+function benchRow(
+  transport: string,
+  n: number,
+  mb: number,
+  ringMs: number,
+  rawMs: number,
+  digits: number,
+  target: number,
+): AllReduceBenchResult {
+  const bus = (ms: number) => (((mb << 20) / (ms / 1000) / 1e9) * (2 * (n - 1))) / n;
+  return {
+    transport,
+    ranks: n,
+    size_mb: mb,
+    ring_ms: round(ringMs, digits),
+    ring_busbw_gb_per_s: round(bus(ringMs), 3),
+    raw_ms: round(rawMs, digits),
+    raw_busbw_gb_per_s: round(bus(rawMs), 3),
+    ratio: round(rawMs / ringMs, 2),
+    target,
+  };
 }
 
 async function runRanks(

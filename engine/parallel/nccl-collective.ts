@@ -30,6 +30,17 @@ export interface StreamOrder {
   joinCompute(): void;
 }
 
+/** The elements of each rank's block of `buf` (NCCL's reduce-scatter and all-gather cut it into
+ *  equal blocks); RangeError where the count is not a multiple of the ranks (pad the buffer:
+ *  collective.ts blockLayout). */
+export function equalBlock(buf: DeviceBuffer, ranks: number, what: string): number {
+  if (buf.count % ranks !== 0)
+    throw new RangeError(
+      `${what} over NCCL: ${buf.count} elements is not a multiple of the ${ranks} ranks (pad the buffer)`,
+    );
+  return buf.count / ranks;
+}
+
 /** count f32 elements of device memory at ptr */
 export interface DeviceBuffer {
   ptr: Ptr;
@@ -77,7 +88,7 @@ export class NcclCollective implements Collective<DeviceBuffer> {
 
   async reduceScatter(buf: DeviceBuffer, key: OpKey): Promise<Range> {
     this.#start(key);
-    const block = this.#block(buf, "reduceScatter");
+    const block = equalBlock(buf, this.size, "reduceScatter");
     const mine = segment(buf.count, this.size, this.rank);
     // in place: rank r's block of the input is where its result goes (NCCL's in-place rule)
     await this.#inTurn(() => {
@@ -88,7 +99,7 @@ export class NcclCollective implements Collective<DeviceBuffer> {
 
   async allGather(buf: DeviceBuffer, key: OpKey): Promise<void> {
     this.#start(key);
-    const block = this.#block(buf, "allGather");
+    const block = equalBlock(buf, this.size, "allGather");
     return this.#inTurn(() => {
       if (block > 0) this.comm.allGather(buf.ptr + this.rank * block * 4, buf.ptr, block, "f32", this.stream);
     });
@@ -160,14 +171,6 @@ export class NcclCollective implements Collective<DeviceBuffer> {
     });
     this.#tail = run.catch(() => {});
     return run;
-  }
-
-  #block(buf: DeviceBuffer, what: string): number {
-    if (buf.count % this.size !== 0)
-      throw new RangeError(
-        `${what} over NCCL: ${buf.count} elements is not a multiple of the ${this.size} ranks (pad the buffer)`,
-      );
-    return buf.count / this.size;
   }
 }
 

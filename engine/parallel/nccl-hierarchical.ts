@@ -14,9 +14,9 @@
 // to its end: the three stages of two operations must not interleave differently on different
 // ranks (NCCL matches a communicator's calls by their order).
 import type { Backend } from "../../ffi/backend.ts";
-import { type Collective, type OpKey, type Range, type ReduceOp, segment } from "./collective.ts";
+import type { Collective, OpKey, Range, ReduceOp } from "./collective.ts";
 import type { HierarchicalCollective } from "./hierarchical.ts";
-import type { DeviceBuffer } from "./nccl-collective.ts";
+import { type DeviceBuffer, equalBlock } from "./nccl-collective.ts";
 
 export class NcclHierarchical implements Collective<DeviceBuffer> {
   #tail: Promise<void> = Promise.resolve();
@@ -41,7 +41,7 @@ export class NcclHierarchical implements Collective<DeviceBuffer> {
   }
 
   reduceScatter(buf: DeviceBuffer, key: OpKey): Promise<Range> {
-    const block = this.#block(buf, "reduceScatter");
+    const block = equalBlock(buf, this.size, "reduceScatter");
     return this.#inTurn(async () => {
       await this.#allReduce(buf, key, "sum");
       return { offset: this.rank * block, count: block };
@@ -49,7 +49,7 @@ export class NcclHierarchical implements Collective<DeviceBuffer> {
   }
 
   allGather(buf: DeviceBuffer, key: OpKey): Promise<void> {
-    const block = this.#block(buf, "allGather");
+    const block = equalBlock(buf, this.size, "allGather");
     return this.#inTurn(async () => {
       const mine = this.rank * block;
       this.backend.zero(buf.ptr, mine * 4);
@@ -99,13 +99,5 @@ export class NcclHierarchical implements Collective<DeviceBuffer> {
       () => {},
     );
     return done;
-  }
-
-  #block(buf: DeviceBuffer, what: string): number {
-    if (buf.count % this.size !== 0)
-      throw new RangeError(
-        `${what} over NCCL: ${buf.count} elements is not a multiple of the ${this.size} ranks (pad the buffer)`,
-      );
-    return segment(buf.count, this.size, this.rank).count;
   }
 }

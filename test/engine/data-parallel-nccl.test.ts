@@ -108,6 +108,25 @@ function reference(ranks: number): { losses: number[]; norms: number[]; values: 
   }
 }
 
+/** The ranks' mean loss and the global norm follow one process with the whole batch within 1e-5
+ *  at every step, every rank sees the same norm, and the replicas end bit-identical and within
+ *  1e-5 of the process's parameters. */
+function expectFollowsOneProcess(job: { steps: StepLine[][]; ends: EndLine[] }, ranks: number): void {
+  const ref = reference(ranks);
+  for (let s = 0; s < steps; s++) {
+    const loss = job.steps.reduce((sum, lines) => sum + lines[s]!.loss, 0) / ranks;
+    expect(Math.abs(loss - ref.losses[s]!) / Math.abs(ref.losses[s]!)).toBeLessThanOrEqual(1e-5);
+    for (const lines of job.steps) expect(lines[s]!.gradNorm).toBe(job.steps[0]![s]!.gradNorm);
+    expect(Math.abs(job.steps[0]![s]!.gradNorm - ref.norms[s]!) / ref.norms[s]!).toBeLessThanOrEqual(1e-5);
+  }
+  expect(new Set(job.ends.map((e) => e.digest)).size).toBe(1);
+  let worst = 0;
+  job.ends[0]!.values.forEach((v, i) => {
+    worst = Math.max(worst, Math.abs(v - ref.values[i]!));
+  });
+  expect(worst).toBeLessThanOrEqual(1e-5);
+}
+
 const skipReason = emulated.ok ? null : `the emulated CUDA backend cannot be built here: ${emulated.reason}`;
 
 describe.skipIf(skip("the emulated CUDA backend", skipReason))("data parallelism on device buffers over NCCL", () => {
@@ -120,19 +139,7 @@ describe.skipIf(skip("the emulated CUDA backend", skipReason))("data parallelism
     "%d ranks, %d micro-batches: the loss follows one process with the whole batch (1e-5), replicas bit-identical",
     async (ranks, accum) => {
       const job = await runJob(ranks, accum);
-      const ref = reference(ranks);
-      for (let s = 0; s < steps; s++) {
-        const loss = job.steps.reduce((sum, lines) => sum + lines[s]!.loss, 0) / ranks;
-        expect(Math.abs(loss - ref.losses[s]!) / Math.abs(ref.losses[s]!)).toBeLessThanOrEqual(1e-5);
-        for (const lines of job.steps) expect(lines[s]!.gradNorm).toBe(job.steps[0]![s]!.gradNorm);
-        expect(Math.abs(job.steps[0]![s]!.gradNorm - ref.norms[s]!) / ref.norms[s]!).toBeLessThanOrEqual(1e-5);
-      }
-      expect(new Set(job.ends.map((e) => e.digest)).size).toBe(1);
-      let worst = 0;
-      job.ends[0]!.values.forEach((v, i) => {
-        worst = Math.max(worst, Math.abs(v - ref.values[i]!));
-      });
-      expect(worst).toBeLessThanOrEqual(1e-5);
+      expectFollowsOneProcess(job, ranks);
       // the buckets are device buffers holding every parameter's gradient once, and no host copy
       const end = job.ends[0]!;
       expect(end.buckets).toBeGreaterThan(1);
@@ -149,18 +156,7 @@ describe.skipIf(skip("the emulated CUDA backend", skipReason))("data parallelism
     "%d ranks, %d micro-batches, ZeRO stage %d on device buffers: the loss follows one process (1e-5), replicas bit-identical",
     async (ranks, accum, zero) => {
       const job = await runJob(ranks, accum, zero);
-      const ref = reference(ranks);
-      for (let s = 0; s < steps; s++) {
-        const loss = job.steps.reduce((sum, lines) => sum + lines[s]!.loss, 0) / ranks;
-        expect(Math.abs(loss - ref.losses[s]!) / Math.abs(ref.losses[s]!)).toBeLessThanOrEqual(1e-5);
-        expect(Math.abs(job.steps[0]![s]!.gradNorm - ref.norms[s]!) / ref.norms[s]!).toBeLessThanOrEqual(1e-5);
-      }
-      expect(new Set(job.ends.map((e) => e.digest)).size).toBe(1);
-      let worst = 0;
-      job.ends[0]!.values.forEach((v, i) => {
-        worst = Math.max(worst, Math.abs(v - ref.values[i]!));
-      });
-      expect(worst).toBeLessThanOrEqual(1e-5);
+      expectFollowsOneProcess(job, ranks);
       // each bucket's device buffer in NCCL's block layout: at most ranks - 1 elements of padding a bucket
       const end = job.ends[0]!;
       expect(end.bucketBytes).toBeGreaterThanOrEqual(end.paramCount * 4);
