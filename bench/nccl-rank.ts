@@ -42,7 +42,9 @@ async function main(): Promise<void> {
   const coll = new NcclCollective(comm, backend.stream, { ptr: scratch.ptr, count: 1 });
   const largest = Math.max(...plan.lens);
   const buf = backend.alloc(largest * 4);
-  const copy = backend.alloc(largest * 4);
+  // the baseline copies 2(N-1)/N of a buffer: up to twice its bytes
+  const copyFrom = backend.alloc(2 * largest * 4),
+    copyTo = backend.alloc(2 * largest * 4);
   let step = 0;
   for (const len of plan.lens) {
     for (let r = 0; r < plan.rounds; r++) {
@@ -60,7 +62,7 @@ async function main(): Promise<void> {
       // the baseline: this GPU copying what the ring sends on each link
       const bytes = Math.floor((len * 4 * 2 * (plan.ranks - 1)) / plan.ranks / 4) * 4;
       t0 = performance.now();
-      backend.copy(copy.ptr, buf.ptr, Math.max(bytes, 4));
+      backend.copy(copyTo.ptr, copyFrom.ptr, Math.max(bytes, 4));
       backend.synchronize();
       write({ op: "copy", len, ms: performance.now() - t0, correct: true });
     }
