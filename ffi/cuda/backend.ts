@@ -326,6 +326,14 @@ export class CudaBackend implements Backend {
     return side;
   }
 
+  /** Waits for a side stream's work and frees it (a job's end; the backend serves the next). */
+  closeSideStream(side: SideStream): void {
+    const i = this.#sideStreams.indexOf(side);
+    if (i < 0) return;
+    this.#sideStreams.splice(i, 1);
+    side.destroy();
+  }
+
   // ---- memory -----------------------------------------------------------------------------
 
   alloc(bytes: number): Allocation {

@@ -321,6 +321,8 @@ export class Replica {
   close(): void {
     this.#collective?.close("the trainer stopped");
     this.#nccl?.dispose();
+    if (this.#sideStream !== null) (this.#o.backend as CudaBackend).closeSideStream(this.#sideStream);
+    this.#sideStream = null;
     this.dp.dispose();
   }
 
