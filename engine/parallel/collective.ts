@@ -47,10 +47,12 @@ export interface Collective<B = Float32Array> {
   close(reason?: string): void;
   /**
    * Collectives over device memory that run on a stream of their own (NCCL beside the compute
-   * stream): makes the compute stream wait, on the GPU, for every operation settled so far.
-   * Call it before compute work (or a download) reads their results. Absent: nothing to wait for.
+   * stream): makes the compute stream wait, on the GPU, for every operation settled so far, and
+   * resolves once they have finished (polled: the event loop stays free for an abort, where a
+   * synchronize on a stream waiting for a dead peer would block it for good). Await it before
+   * compute work or a download reads their results. Absent: nothing to wait for.
    */
-  join?(): void;
+  join?(): Promise<void>;
 }
 
 /**

@@ -513,7 +513,7 @@ export class DataParallel {
     const tBackward = performance.now();
     await flight.all();
     // NCCL on a stream of its own: the copies back and the update wait for it on the GPU
-    onDevice?.join?.();
+    await onDevice?.join?.();
     const tReduced = performance.now();
     // offload: the reduced gradients stay on the host, in the mirror the optimizer runs on
     const [gradCtx, gradStore] = this.#host ? [this.#host.ctx, this.#host.store] : [ctx, store];
@@ -551,14 +551,14 @@ export class DataParallel {
     return { loss, gradNorm: u.gradNorm, skipped: !u.finite, ...times(performance.now()), density: this.#density };
   }
 
-  /** With a device collective: each bucket's device buffer (under ZeRO in NCCL's block layout,
-   *  blockLayout()), or its host array where this generation's communicator is on the host path,
-   *  made once (the first step) and kept. */
+  /** With a device collective: each bucket's device buffer (stage 0), or its host array where
+   *  this generation's communicator is on the host path, made once (the first step) and kept. */
   #bucketMemory(buckets: readonly Bucket[], onDevice: boolean): void {
     for (const b of buckets) {
-      const elems = this.zero > 0 ? this.#blocks(b).padded : b.numel;
-      if (onDevice) b.dev ??= this.#o.ctx.allocPersistent(Math.max(elems, 1) * 4);
-      else if (b.buf.length !== b.numel) b.buf = new Float32Array(b.numel);
+      // ZeRO's reductions on the device take their buffers from the allocator, one at a time
+      if (onDevice) {
+        if (this.zero === 0) b.dev ??= this.#o.ctx.allocPersistent(Math.max(b.numel, 1) * 4);
+      } else if (b.buf.length !== b.numel) b.buf = new Float32Array(b.numel);
     }
   }
 
@@ -712,22 +712,7 @@ export class DataParallel {
     const stage2 = this.zero >= 2;
     const key = { step, bucket: round * this.#buckets!.length + b.id };
     const dc = this.#deviceColl;
-    if (dc !== null && b.dev !== null) {
-      // the gradients into the bucket's device buffer in block layout; none crosses to the host
-      let at = 0;
-      for (const e of b.entries) {
-        const grad = stage2 ? (store.gradOf(e.name)?.ptr ?? null) : store.grads.ptr + e.offset * 4;
-        if (grad === null)
-          for (const sp of this.#blocks(b).spans(at, e.numel)) backend.zero(b.dev.ptr + sp.device * 4, sp.count * 4);
-        else this.#blockCopies(b, b.dev.ptr, at, e.numel, grad, "in");
-        at += e.numel;
-      }
-      const ptr = b.dev.ptr;
-      return dc.reduceScatter({ ptr, count: this.#blocks(b).padded }, key).then(() => {
-        dc.join?.(); // the keep's copies read what NCCL wrote
-        this.#keepDevice(b, ptr, round > 0);
-      });
-    }
+    if (dc !== null) return this.#reduceScatterOnDevice(dc, b, key, round > 0);
     for (const [e, dst] of slices(b)) {
       const grad = stage2 ? store.gradOf(e.name) : null;
       if (!stage2) backend.download(store.grads.ptr + e.offset * 4, dst);
@@ -783,24 +768,28 @@ export class DataParallel {
     const buckets = this.#buckets!;
     const dc = this.#deviceColl;
     if (dc !== null) {
+      // each bucket in a buffer of NCCL's block layout for this gather only (not given back after
+      // a failure: see #reduceScatterOnDevice)
+      const bufs = buckets.map((b) => backend.alloc(Math.max(this.#blocks(b).padded, 1) * 4));
       await Promise.all(
-        buckets.map((b) => {
+        buckets.map((b, i) => {
           for (const r of this.partition!.ranges[b.id]!)
-            this.#blockCopies(b, b.dev!.ptr, r.bucketOffset, r.numel, store.values.ptr + r.paramOffset * 4, "in");
+            this.#blockCopies(b, bufs[i]!.ptr, r.bucketOffset, r.numel, store.values.ptr + r.paramOffset * 4, "in");
           return dc.allGather(
-            { ptr: b.dev!.ptr, count: this.#blocks(b).padded },
+            { ptr: bufs[i]!.ptr, count: this.#blocks(b).padded },
             { step, bucket: gatherBucket + b.id },
           );
         }),
       );
-      dc.join?.();
-      for (const b of buckets) {
+      await dc.join?.();
+      buckets.forEach((b, i) => {
         let at = 0;
         for (const e of b.entries) {
-          this.#blockCopies(b, b.dev!.ptr, at, e.numel, store.values.ptr + e.offset * 4, "out");
+          this.#blockCopies(b, bufs[i]!.ptr, at, e.numel, store.values.ptr + e.offset * 4, "out");
           at += e.numel;
         }
-      }
+        backend.free(bufs[i]!);
+      });
       return;
     }
     const collective = this.#o.collective();
@@ -911,18 +900,16 @@ export class DataParallel {
   async #gatherOnDevice(dc: Collective<DeviceBuffer>, b: Bucket, key: OpKey): Promise<Allocation> {
     const ctx = this.#o.ctx;
     const layout = this.#blocks(b);
-    const blocks = ctx.allocPersistent(Math.max(layout.padded, 1) * 4);
-    try {
-      for (const r of this.partition!.ranges[b.id]!)
-        this.#blockCopies(b, blocks.ptr, r.bucketOffset, r.numel, this.#ownedParams!.ptr + r.stateOffset * 4, "in");
-      await dc.allGather({ ptr: blocks.ptr, count: layout.padded }, key);
-      dc.join?.();
-      const alloc = ctx.allocPersistent(b.numel * 4);
-      this.#blockCopies(b, blocks.ptr, 0, b.numel, alloc.ptr, "out");
-      return alloc;
-    } finally {
-      ctx.freePersistent(blocks);
-    }
+    // not given back after a failure (see #reduceScatterOnDevice)
+    const blocks = ctx.backend.alloc(Math.max(layout.padded, 1) * 4);
+    for (const r of this.partition!.ranges[b.id]!)
+      this.#blockCopies(b, blocks.ptr, r.bucketOffset, r.numel, this.#ownedParams!.ptr + r.stateOffset * 4, "in");
+    await dc.allGather({ ptr: blocks.ptr, count: layout.padded }, key);
+    await dc.join?.();
+    const alloc = ctx.allocPersistent(b.numel * 4);
+    this.#blockCopies(b, blocks.ptr, 0, b.numel, alloc.ptr, "out");
+    ctx.backend.free(blocks);
+    return alloc;
   }
 
   /** ZeRO stage 3: unbinds bucket b's parameters and frees their buffer. */
@@ -1044,6 +1031,31 @@ export class DataParallel {
       backend.upload(this.#addScratch!.ptr, src);
       backend.add(dst, dst, this.#addScratch!.ptr, r.numel);
     }
+  }
+
+  /**
+   * ZeRO on device buffers: bucket b's gradients copied into a buffer in NCCL's block layout
+   * (the allocator's, for this reduction only: ZeRO 2 and 3 keep no gradient buffer of the whole
+   * model; zeroed, so the padding adds nothing), reduce-scattered, and this rank's block kept.
+   * None crosses to the host. After a failure the buffer is not given back: an NCCL kernel the
+   * abort has not yet stopped may still write it.
+   */
+  async #reduceScatterOnDevice(dc: Collective<DeviceBuffer>, b: Bucket, key: OpKey, add: boolean): Promise<void> {
+    const backend = this.#o.ctx.backend;
+    const store = this.#o.model.store;
+    const layout = this.#blocks(b);
+    const dev = backend.alloc(Math.max(layout.padded, 1) * 4);
+    let at = 0;
+    for (const e of b.entries) {
+      const grad = this.zero >= 2 ? (store.gradOf(e.name)?.ptr ?? null) : store.grads.ptr + e.offset * 4;
+      // a parameter no op read in this micro-batch: its zeros are already there
+      if (grad !== null) this.#blockCopies(b, dev.ptr, at, e.numel, grad, "in");
+      at += e.numel;
+    }
+    await dc.reduceScatter({ ptr: dev.ptr, count: layout.padded }, key);
+    await dc.join?.(); // the keep's copies read what NCCL wrote
+    this.#keepDevice(b, dev.ptr, add);
+    backend.free(dev);
   }
 
   /** ZeRO on device buffers: #keep from the bucket's device buffer (this rank's block). */

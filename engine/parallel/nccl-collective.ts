@@ -28,7 +28,12 @@ export interface StreamOrder {
   afterCompute(): void;
   /** compute work queued from now on runs after the side stream's work queued so far */
   joinCompute(): void;
+  /** whether the side stream's work up to the last joinCompute() has finished (never blocks) */
+  drained(): boolean;
 }
+
+/** join() polls on the next turns of the event loop this many times before pausing 1 ms at a time. */
+const joinSpinPolls = 200;
 
 /** The elements of each rank's block of `buf` (NCCL's reduce-scatter and all-gather cut it into
  *  equal blocks); RangeError where the count is not a multiple of the ranks (pad the buffer:
@@ -68,8 +73,19 @@ export class NcclCollective implements Collective<DeviceBuffer> {
     readonly order: StreamOrder | null = null,
   ) {}
 
-  join(): void {
-    this.order?.joinCompute();
+  async join(): Promise<void> {
+    const order = this.order;
+    if (order === null) return;
+    order.joinCompute();
+    for (let polls = 0; !order.drained(); polls++) {
+      if (this.#closed) throw new CollectiveClosedError("the collective is closed");
+      if (this.#aborted !== null) throw this.#aborted;
+      const failed = this.comm.pollAsyncError();
+      if (failed !== null) throw this.#failure(failed);
+      // the next turns of the event loop at first (an all-reduce takes microseconds to
+      // milliseconds), then a millisecond at a time
+      await (polls < joinSpinPolls ? new Promise<void>((r) => setImmediate(r)) : Bun.sleep(1));
+    }
   }
 
   get rank(): number {
@@ -229,38 +245,33 @@ export class StagedCollective implements Collective<Float32Array> {
     const { size, rank } = this;
     const n = buf.length;
     const block = Math.ceil(n / size);
+    // not given back after a failure (see #staged)
     const scratch: Allocation = this.backend.alloc(Math.max(block * size * 4, 4));
-    try {
-      this.backend.zero(scratch.ptr, block * size * 4);
-      const segments = Array.from({ length: size }, (_, j) => segment(n, size, j));
-      for (const [j, sg] of segments.entries())
-        if (sg.count > 0)
-          this.backend.upload(scratch.ptr + j * block * 4, buf.subarray(sg.offset, sg.offset + sg.count));
-      await run({ ptr: scratch.ptr, count: block * size });
-      this.device.join?.();
-      for (const [j, sg] of segments.entries()) {
-        if (sg.count === 0 || (op === "reduceScatter" && j !== rank)) continue;
-        this.backend.download(scratch.ptr + j * block * 4, buf.subarray(sg.offset, sg.offset + sg.count));
-      }
-      return segments[rank]!;
-    } finally {
-      this.backend.free(scratch);
+    this.backend.zero(scratch.ptr, block * size * 4);
+    const segments = Array.from({ length: size }, (_, j) => segment(n, size, j));
+    for (const [j, sg] of segments.entries())
+      if (sg.count > 0) this.backend.upload(scratch.ptr + j * block * 4, buf.subarray(sg.offset, sg.offset + sg.count));
+    await run({ ptr: scratch.ptr, count: block * size });
+    await this.device.join?.();
+    for (const [j, sg] of segments.entries()) {
+      if (sg.count === 0 || (op === "reduceScatter" && j !== rank)) continue;
+      this.backend.download(scratch.ptr + j * block * 4, buf.subarray(sg.offset, sg.offset + sg.count));
     }
+    this.backend.free(scratch);
+    return segments[rank]!;
   }
 
   async #staged<T>(buf: Float32Array, run: (d: DeviceBuffer) => Promise<T>): Promise<T> {
     if (this.#closed) throw new CollectiveClosedError("the collective is closed");
-    // the backend's allocator reuses freed blocks (a GPU's caching allocator): no cudaMalloc per call
+    // The backend's allocator reuses freed blocks (a GPU's caching allocator): no cudaMalloc per
+    // call. After a failure the scratch is not given back: an NCCL kernel the abort has not yet
+    // stopped may still write it, and the allocator would hand it out again.
     const scratch: Allocation = this.backend.alloc(Math.max(buf.byteLength, 4));
-    try {
-      this.backend.upload(scratch.ptr, buf);
-      const result = await run({ ptr: scratch.ptr, count: buf.length });
-      this.device.join?.();
-      this.backend.download(scratch.ptr, buf);
-      return result;
-    } finally {
-      // after a failure the collective was aborted: nothing on the device reads the scratch any more
-      this.backend.free(scratch);
-    }
+    this.backend.upload(scratch.ptr, buf);
+    const result = await run({ ptr: scratch.ptr, count: buf.length });
+    await this.device.join?.();
+    this.backend.download(scratch.ptr, buf);
+    this.backend.free(scratch);
+    return result;
   }
 }

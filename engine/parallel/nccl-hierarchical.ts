@@ -20,6 +20,8 @@ import { type DeviceBuffer, equalBlock } from "./nccl-collective.ts";
 
 export class NcclHierarchical implements Collective<DeviceBuffer> {
   #tail: Promise<void> = Promise.resolve();
+  /** the failure of an operation: every later one fails with it */
+  #failed: Error | null = null;
 
   constructor(
     /** NCCL among the ranks of this rank's host (its rank 0 is the host's leader) */
@@ -69,8 +71,8 @@ export class NcclHierarchical implements Collective<DeviceBuffer> {
     return this.#inTurn(() => this.between.barrier(key));
   }
 
-  join(): void {
-    this.local.join?.();
+  async join(): Promise<void> {
+    await this.local.join?.();
   }
 
   close(reason?: string): void {
@@ -79,21 +81,33 @@ export class NcclHierarchical implements Collective<DeviceBuffer> {
   }
 
   async #allReduce(buf: DeviceBuffer, key: OpKey, op: ReduceOp): Promise<void> {
-    await this.local.allReduce(buf, key, "sum");
-    const leaders = this.between.leaders;
-    if (leaders !== null && buf.count > 0) {
-      const host = new Float32Array(buf.count);
-      this.local.join?.();
-      this.backend.download(buf.ptr, host); // waits for the host's all-reduce
-      await leaders.ring(host, key, "all-reduce", true, true);
-      if (op === "avg") for (let i = 0; i < host.length; i++) host[i]! /= this.size;
-      this.backend.upload(buf.ptr, host);
+    try {
+      await this.local.allReduce(buf, key, "sum");
+      const leaders = this.between.leaders;
+      if (leaders !== null && buf.count > 0) {
+        const host = new Float32Array(buf.count);
+        await this.local.join?.();
+        this.backend.download(buf.ptr, host);
+        await leaders.ring(host, key, "all-reduce", true, true);
+        if (op === "avg") for (let i = 0; i < host.length; i++) host[i]! /= this.size;
+        this.backend.upload(buf.ptr, host);
+      }
+      await this.local.broadcast(buf, 0, key);
+    } catch (e) {
+      // This rank's calls on the host's communicator no longer match its peers' (a leader whose
+      // ring failed never calls the broadcast they wait in): it fails every later operation and
+      // aborts the communicator; the job restores at a new generation.
+      this.#failed ??= e as Error;
+      this.local.close((e as Error).message);
+      throw e;
     }
-    await this.local.broadcast(buf, 0, key);
   }
 
   #inTurn<T>(run: () => Promise<T>): Promise<T> {
-    const done = this.#tail.then(run);
+    const done = this.#tail.then(() => {
+      if (this.#failed !== null) throw this.#failed;
+      return run();
+    });
     this.#tail = done.then(
       () => {},
       () => {},

@@ -662,6 +662,12 @@ export class SideStream {
     this.#d.streamWaitEvent(this.#main, this.#toMain);
   }
 
+  /** Whether the side stream's work up to the last joinCompute() has finished (never blocks: a
+   *  caller polls it and keeps its event loop free, where a synchronize would block it). */
+  drained(): boolean {
+    return this.#d.eventDone(this.#toMain);
+  }
+
   /** @internal the backend's dispose(): waits for the side stream, then frees it */
   destroy(): void {
     if (this.#destroyed) return;

@@ -90,9 +90,9 @@ export class NcclGroup implements Collective<DeviceBuffer> {
     return (await this.#ready).barrier(key);
   }
 
-  /** Compute waits for the operations settled so far (they run on the side stream). */
-  join(): void {
-    this.#collective?.join();
+  /** Compute waits for the operations settled so far (they run on the side stream); resolves when they are done. */
+  async join(): Promise<void> {
+    await this.#collective?.join();
   }
 
   /** The job abandons this generation (a restore, the end): everything pending fails, closed. */
@@ -130,7 +130,9 @@ export class NcclGroup implements Collective<DeviceBuffer> {
       } else {
         id = await this.#retried("read rank 0's id", deadline, (left) => o.ids.wait(o.key, o.ranks, left));
       }
-      comm = await NcclComm.init(o.ranks, o.rank, id, { timeoutMs: connectTimeoutMs, library });
+      if (this.#failed !== null) throw this.#failed; // closed or aborted while the id was exchanged
+      const leftMs = Math.max(Math.floor(deadline - performance.now()), 1);
+      comm = await NcclComm.init(o.ranks, o.rank, id, { timeoutMs: leftMs, library });
     } catch (e) {
       if (this.#failed !== null) throw this.#failed;
       throw new CollectiveTransportError(
