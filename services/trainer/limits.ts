@@ -51,3 +51,5 @@ export const ncclConnectTimeoutMs = 300_000;
 export const ncclSettleTimeoutMs = 120_000;
 /** The longest pause between tries at the job store while a communicator's ranks exchange their id. */
 export const ncclIdRetryPauseMsMax = 2_000;
+/** The pause before asking service discovery again for ranks a reply missed (where each rank runs). */
+export const placesRetryMs = 500;

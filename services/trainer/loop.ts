@@ -77,6 +77,7 @@ import {
   batchLookAhead,
   loaderCredits,
   membersWaitMsMax,
+  placesRetryMs,
   requestTimeoutMs,
   stepAttemptsMax,
   notReadyWaitMsMax,
@@ -253,8 +254,19 @@ export class TrainerRun {
     if (!members) return;
     if (!(await awaitMembers(members, cfg, membersWaitMsMax, "its NATS server", this.#stopSignal.signal))) return;
     if (usesShards(cfg)) return;
-    // the collective's topology: every rank reads the same labels from service discovery
-    const seen = await members();
+    // The collective's topology and carrier: every rank reads the same announcements from service
+    // discovery and must decide alike (a rank planning the ring while the others plan NCCL would
+    // leave both waiting), so a reply that misses a rank (a discovery round under load) is asked again.
+    const started = Date.now();
+    let seen = await members();
+    const complete = (m: MeshMembers) =>
+      Array.from({ length: cfg.trainers }, (_, r) => r).every(
+        (r) => m.trainerHosts?.[r] !== undefined && m.trainerPlaces?.[r] !== undefined,
+      );
+    while (!complete(seen) && Date.now() - started < membersWaitMsMax && !this.#stopped) {
+      await pause(placesRetryMs, this.#stopSignal.signal);
+      seen = await members();
+    }
     const known = seen.trainerHosts ?? {};
     const hosts = Array.from({ length: cfg.trainers }, (_, r) => known[r] ?? "");
     if (hosts.some((h) => h === "")) {
