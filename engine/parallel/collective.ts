@@ -32,11 +32,29 @@ export interface Range {
 
 export type ReduceOp = "sum" | "avg";
 
+/** Ranks exchanging host arrays: a hierarchy's leaders (one rank per host), or every rank. */
+export interface HostGroup {
+  /** this rank's index in the group, 0..size-1 */
+  readonly rank: number;
+  readonly size: number;
+  /** In place: segment r of every member's buffer is member r's segment r. */
+  allGather(buf: Float32Array, key: OpKey): Promise<void>;
+}
+
+/** Sums `x` over `group` in place, as the caller encodes it (engine/parallel/data-parallel.ts:
+ *  a bucket's compression with its error feedback). */
+export type GroupSum = (x: Float32Array, group: HostGroup, key: OpKey) => Promise<void>;
+
 export interface Collective<B = Float32Array> {
   /** this rank's index in the group, 0..size-1 */
   readonly rank: number;
   readonly size: number;
-  allReduce(buf: B, key: OpKey, op?: ReduceOp): Promise<void>;
+  /**
+   * `between`: how the sum crosses between hosts where it does not go as f32 (a compressed
+   * exchange with error feedback among a hierarchy's leaders). Collectives with no links between
+   * hosts of their own ignore it.
+   */
+  allReduce(buf: B, key: OpKey, op?: ReduceOp, between?: GroupSum): Promise<void>;
   /** In place: returns segment(buf length, size, rank), which then holds the sum over ranks. */
   reduceScatter(buf: B, key: OpKey): Promise<Range>;
   /** In place: segment r of every rank's buffer is rank r's segment r. */

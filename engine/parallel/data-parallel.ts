@@ -56,7 +56,15 @@ import { Sgd } from "../optim/sgd.ts";
 import type { ParamEntry, ParamStore } from "../params.ts";
 import { Context, type Tensor } from "../tensor.ts";
 import { forwardPass, type HostBatch, LossSlots, unscaleAndClip, uploadBatch } from "../train.ts";
-import { BadPieceError, type BlockLayout, blockLayout, type Collective, type OpKey } from "./collective.ts";
+import {
+  BadPieceError,
+  type BlockLayout,
+  blockLayout,
+  type Collective,
+  type GroupSum,
+  type HostGroup,
+  type OpKey,
+} from "./collective.ts";
 import type { DeviceBuffer } from "./nccl-collective.ts";
 import { Codec, density, ErrorFeedback, parseCompression } from "./compress.ts";
 import { type ModelMemory, type Partition, partitionOf, type ZeroStage } from "./zero.ts";
@@ -269,12 +277,12 @@ export class DataParallel {
     if (o.deviceCollective !== undefined) {
       const why = o.offload
         ? "offload (the optimizer runs on the host)"
-        : this.codec.kind !== "none"
-          ? `compression (${o.compress})`
+        : this.codec.kind !== "none" && o.zero > 0
+          ? `compression (${o.compress}) with ZeRO stage ${o.zero}`
           : null;
       if (why !== null)
         throw new EngineError(
-          `data parallelism on device buffers (NCCL) runs without offload or compression, not with ${why}: use the host path`,
+          `data parallelism on device buffers (NCCL) runs without offload, and compresses only at ZeRO stage 0; not with ${why}: use the host path`,
         );
     }
     const buckets = this.#plan();
@@ -487,7 +495,10 @@ export class DataParallel {
       if (onDevice !== null && b.dev !== null) {
         // device to device on the backend's stream; NCCL's all-reduce is queued after the copies
         this.#bucketCopies(b, "in");
-        flight.add(onDevice.allReduce({ ptr: b.dev.ptr, count: b.numel }, key, "sum"));
+        // compression: where the sum crosses hosts (a hierarchy's leaders), encoded with this
+        // bucket's error feedback; NCCL within a host moves f32
+        const between = b.feedback ? this.#groupSum(b) : undefined;
+        flight.add(onDevice.allReduce({ ptr: b.dev.ptr, count: b.numel }, key, "sum", between));
         return;
       }
       for (const [e, part] of slices(b)) backend.download(store.grads.ptr + e.offset * 4, part);
@@ -963,19 +974,39 @@ export class DataParallel {
    * is encoded into its slot, every rank's slot is all-gathered, and the decoded slots are
    * added up in rank order (every rank computes the same sum, bit for bit).
    */
-  async #compressedAllReduce(b: Bucket, key: { step: number; bucket: number }): Promise<void> {
+  #compressedAllReduce(b: Bucket, key: { step: number; bucket: number }): Promise<void> {
+    const collective = this.#o.collective();
+    const every: HostGroup = {
+      rank: this.#o.rank,
+      size: this.#o.ranks,
+      allGather: (x, k) => collective.allGather(x, k),
+    };
+    return this.#compressedSum(b, b.buf, every, key);
+  }
+
+  /** Bucket b's compressed sum, for a device collective to run where the sum crosses hosts. */
+  #groupSum(b: Bucket): GroupSum {
+    return (x, group, key) => this.#compressedSum(b, x, group, key);
+  }
+
+  /**
+   * `x` (bucket b's values on this member) summed over `group` in place: this member's encoding
+   * (with the bucket's error feedback) all-gathered, and every member's decoded and added in
+   * member order, so every member ends with the same sum.
+   */
+  async #compressedSum(b: Bucket, x: Float32Array, group: HostGroup, key: OpKey): Promise<void> {
     const codec = this.codec;
     const width = codec.slotBytes(b.numel);
     // top-k's slots follow its warm-up (the same width on every rank at a step)
-    if (b.gathered!.byteLength !== this.#o.ranks * width) b.gathered = new Float32Array((this.#o.ranks * width) / 4);
+    if (b.gathered!.byteLength !== group.size * width) b.gathered = new Float32Array((group.size * width) / 4);
     const all = b.gathered!;
     const slotOf = (r: number) => new Uint8Array(all.buffer, all.byteOffset + r * width, width);
-    b.feedback!.encode(b.buf, slotOf(this.#o.rank));
-    await this.#o.collective().allGather(all, key);
-    b.buf.fill(0);
-    for (let r = 0; r < this.#o.ranks; r++) {
+    b.feedback!.encode(x, slotOf(group.rank));
+    await group.allGather(all, key);
+    x.fill(0);
+    for (let r = 0; r < group.size; r++) {
       try {
-        codec.decode(slotOf(r), b.buf, true);
+        codec.decode(slotOf(r), x, true);
       } catch (e) {
         throw new BadPieceError(
           `rank ${r}'s ${codec.kind} encoding of bucket ${b.id} at step ${key.step}: ${(e as Error).message}`,
@@ -984,7 +1015,7 @@ export class DataParallel {
       }
     }
     if (codec.kind === "topk") {
-      this.#dense.nonzero += density(b.buf) * b.numel;
+      this.#dense.nonzero += density(x) * b.numel;
       this.#dense.total += b.numel;
     }
   }

@@ -14,8 +14,9 @@
 // to its end: the three stages of two operations must not interleave differently on different
 // ranks (NCCL matches a communicator's calls by their order).
 import type { Backend } from "../../ffi/backend.ts";
-import type { Collective, OpKey, Range, ReduceOp } from "./collective.ts";
+import type { Collective, GroupSum, HostGroup, OpKey, Range, ReduceOp } from "./collective.ts";
 import type { HierarchicalCollective } from "./hierarchical.ts";
+import type { RingGroup } from "./ring.ts";
 import { type DeviceBuffer, equalBlock } from "./nccl-collective.ts";
 
 export class NcclHierarchical implements Collective<DeviceBuffer> {
@@ -38,8 +39,8 @@ export class NcclHierarchical implements Collective<DeviceBuffer> {
     return this.between.size;
   }
 
-  allReduce(buf: DeviceBuffer, key: OpKey, op: ReduceOp = "sum"): Promise<void> {
-    return this.#inTurn(() => this.#allReduce(buf, key, op));
+  allReduce(buf: DeviceBuffer, key: OpKey, op: ReduceOp = "sum", between?: GroupSum): Promise<void> {
+    return this.#inTurn(() => this.#allReduce(buf, key, op, between));
   }
 
   reduceScatter(buf: DeviceBuffer, key: OpKey): Promise<Range> {
@@ -80,7 +81,7 @@ export class NcclHierarchical implements Collective<DeviceBuffer> {
     this.between.close(reason);
   }
 
-  async #allReduce(buf: DeviceBuffer, key: OpKey, op: ReduceOp): Promise<void> {
+  async #allReduce(buf: DeviceBuffer, key: OpKey, op: ReduceOp, between?: GroupSum): Promise<void> {
     try {
       await this.local.allReduce(buf, key, "sum");
       const leaders = this.between.leaders;
@@ -88,7 +89,9 @@ export class NcclHierarchical implements Collective<DeviceBuffer> {
         const host = new Float32Array(buf.count);
         await this.local.join?.();
         this.backend.download(buf.ptr, host);
-        await leaders.ring(host, key, "all-reduce", true, true);
+        // f32 around the leaders' ring, or as the caller encodes it (compression between hosts)
+        if (between === undefined) await leaders.ring(host, key, "all-reduce", true, true);
+        else await between(host, this.#leaderGroup(leaders), key);
         if (op === "avg") for (let i = 0; i < host.length; i++) host[i]! /= this.size;
         this.backend.upload(buf.ptr, host);
       }
@@ -101,6 +104,15 @@ export class NcclHierarchical implements Collective<DeviceBuffer> {
       this.local.close((e as Error).message);
       throw e;
     }
+  }
+
+  /** The leaders as a HostGroup: member j is the leader j-th in rank order, as the ring's segments are. */
+  #leaderGroup(leaders: RingGroup): HostGroup {
+    return {
+      rank: [...leaders.ranks].sort((a, b) => a - b).indexOf(this.rank),
+      size: leaders.ranks.length,
+      allGather: (x, key) => leaders.ring(x, key, "all-gather", false, true),
+    };
   }
 
   #inTurn<T>(run: () => Promise<T>): Promise<T> {

@@ -125,7 +125,7 @@ export class Replica {
       ranks: cfg.trainers,
       collective: () => this.#comm,
       // on a GPU whose job may take NCCL the buckets are device buffers once the plan says NCCL
-      ...(this.#ncclCandidate && cfg.offload !== "optimizer" && cfg.compress === "none"
+      ...(this.#ncclCandidate && cfg.offload !== "optimizer" && (cfg.compress === "none" || cfg.zero === 0)
         ? { deviceCollective: () => this.#deviceComm }
         : {}),
       zero: cfg.zero,

@@ -36,11 +36,11 @@ describe("the collective plan of an all-reduce job", () => {
   });
 
   test("each reason for the ring is named", () => {
-    const cases: [TrainerPlace[], Partial<typeof cfg>, string][] = [
+    const cases: [TrainerPlace[], Partial<Omit<typeof cfg, "zero">> & { zero?: 0 | 1 | 2 | 3 }, string][] = [
       [[gpu(0), gpu(1), gpu(1), gpu(3)], {}, "ranks 1 and 2 share GPU GPU-00000001 on host h1"],
       [[gpu(0), cpu(), gpu(2), gpu(3)], {}, "rank 1 computes on the CPU"],
       [[gpu(0), gpu(1), gpu(2, "h1", false), gpu(3)], {}, "rank 2 (host h1) finds no NCCL library"],
-      [four, { compress: "bf16" }, "--compress bf16 shrinks what the ring sends"],
+      [four, { compress: "bf16", zero: 2 }, "--compress bf16 with ZeRO stage 2 runs on the ring"],
     ];
     for (const [places, over, why] of cases) {
       const p = collectivePlan({ ...cfg, ...over }, places);
@@ -55,10 +55,13 @@ describe("the collective plan of an all-reduce job", () => {
     const p = collectivePlan(cfg, [gpu(0, "a"), gpu(1, "a"), gpu(0, "b"), gpu(1, "b")]);
     expect(p).toMatchObject({ carrier: "nccl-ring", deviceBuckets: true, hosts: 2, why: "" });
     expect(p.text).toStartWith("NCCL among the GPUs of each of 2 hosts, the ring between one leader per host");
-    // compression crosses hosts on the ring: the whole job takes it
-    expect(
-      collectivePlan({ ...cfg, compress: "int8" }, [gpu(0, "a"), gpu(1, "a"), gpu(0, "b"), gpu(1, "b")]).text,
-    ).toContain("the ring, hierarchical");
+    // compression where bytes cross hosts: the leaders' ring; within a host NCCL moves f32
+    const c = collectivePlan({ ...cfg, compress: "int8" }, [gpu(0, "a"), gpu(1, "a"), gpu(0, "b"), gpu(1, "b")]);
+    expect(c.carrier).toBe("nccl-ring");
+    expect(c.text).toContain("--compress int8 between hosts");
+    const one = collectivePlan({ ...cfg, compress: "int8" }, four);
+    expect(one.carrier).toBe("nccl");
+    expect(one.text).toContain("--compress int8 unused: no byte crosses hosts");
   });
 
   test("a rank that said nothing: the ring, naming it; ranks all on CPUs: the ring with nothing to explain", () => {

@@ -12,7 +12,8 @@
 // not NCCL:
 //   - a rank on the CPU, or one whose NCCL does not load;
 //   - ranks that share a GPU (NCCL refuses two ranks of a communicator on one device);
-//   - compression: it exists to shrink the bytes on the ring, and applies to all of them.
+//   - compression with ZeRO or offload (over NCCL it runs at stage 0 only).
+// Compression applies where bytes cross hosts: on the leaders' ring; within a host NCCL moves f32.
 import type { JobConfig } from "./job.ts";
 
 /** Where one trainer rank runs, as it announces it. */
@@ -49,12 +50,19 @@ export function collectivePlan(
 ): CollectivePlan {
   const labels = places.map((p) => p?.host ?? "");
   const hosts = labels.some((h) => h === "") ? 1 : new Set(labels).size;
-  const why = notNcclBecause(cfg, places, hosts);
+  const why = notNcclBecause(cfg, places);
   if (why === null) {
     const deviceBuckets = cfg.offload !== "optimizer";
-    const buckets = deviceBuckets
-      ? `buckets in device memory${cfg.zero > 0 ? `, ZeRO stage ${cfg.zero}'s partitions too` : ""}, no host copy`
-      : "offload keeps the buckets in host memory, staged through each GPU for NCCL";
+    const compress =
+      cfg.compress === "none"
+        ? ""
+        : hosts > 1
+          ? `; --compress ${cfg.compress} between hosts`
+          : `; --compress ${cfg.compress} unused: no byte crosses hosts`;
+    const buckets =
+      (deviceBuckets
+        ? `buckets in device memory${cfg.zero > 0 ? `, ZeRO stage ${cfg.zero}'s partitions too` : ""}, no host copy`
+        : "offload keeps the buckets in host memory, staged through each GPU for NCCL") + compress;
     if (hosts > 1)
       return {
         carrier: "nccl-ring",
@@ -84,9 +92,8 @@ function transportText(cfg: Pick<JobConfig, "collTransport">): string {
 
 /** Why NCCL cannot carry the job ("" where no rank is on a GPU: nothing to explain), or null. */
 function notNcclBecause(
-  cfg: Pick<JobConfig, "trainers" | "compress">,
+  cfg: Pick<JobConfig, "trainers" | "compress" | "zero" | "offload">,
   places: readonly (TrainerPlace | undefined)[],
-  hosts: number,
 ): string | null {
   const missing = places.findIndex((p) => p === undefined);
   if (missing >= 0) return `rank ${missing} did not say where it runs`;
@@ -99,8 +106,9 @@ function notNcclBecause(
   const shared = sharedGpu(all);
   if (shared !== null)
     return `ranks ${shared.ranks.join(" and ")} share GPU ${shared.gpu} on host ${shared.host} (NCCL refuses two ranks on one GPU; give each rank its own GPU)`;
-  if (cfg.compress !== "none")
-    return `--compress ${cfg.compress} shrinks what the ring sends; NCCL within a host moves f32 (drop --compress for NCCL)`;
+  // compression applies where bytes cross hosts (the leaders' ring), at stage 0 of the device path
+  if (cfg.compress !== "none" && (cfg.zero > 0 || cfg.offload === "optimizer"))
+    return `--compress ${cfg.compress} with ${cfg.zero > 0 ? `ZeRO stage ${cfg.zero}` : "offload"} runs on the ring (over NCCL it compresses at stage 0 without offload)`;
   return null;
 }
 
