@@ -573,10 +573,17 @@ export class DataParallel {
     }
   }
 
-  /** Bucket b in NCCL's block layout over the ranks (blockLayout()). */
+  /** Bucket b in NCCL's block layout over the ranks (blockLayout()), made once per bucket: every
+   *  step's copies in and out read it. */
   #blocks(b: Bucket): BlockLayout {
-    return blockLayout(b.numel, this.#o.ranks);
+    let layout = this.#layouts.get(b.id);
+    if (layout === undefined) {
+      layout = blockLayout(b.numel, this.#o.ranks);
+      this.#layouts.set(b.id, layout);
+    }
+    return layout;
   }
+  readonly #layouts = new Map<number, BlockLayout>();
 
   /**
    * ZeRO on device buffers: `count` elements of bucket b from bucket offset `at` copied between

@@ -21,6 +21,8 @@ import { type DeviceBuffer, equalBlock } from "./nccl-collective.ts";
 
 export class NcclHierarchical implements Collective<DeviceBuffer> {
   #tail: Promise<void> = Promise.resolve();
+  /** a leader's copy of the host's sum, for the ring between hosts */
+  #host = new Float32Array(0);
   /** the failure of an operation: every later one fails with it */
   #failed: Error | null = null;
 
@@ -86,7 +88,9 @@ export class NcclHierarchical implements Collective<DeviceBuffer> {
       await this.local.allReduce(buf, key, "sum");
       const leaders = this.between.leaders;
       if (leaders !== null && buf.count > 0) {
-        const host = new Float32Array(buf.count);
+        // operations run one at a time: one host array serves them all, grown to the largest
+        if (this.#host.length < buf.count) this.#host = new Float32Array(buf.count);
+        const host = this.#host.subarray(0, buf.count);
         await this.local.join?.();
         this.backend.download(buf.ptr, host);
         // f32 around the leaders' ring, or as the caller encodes it (compression between hosts)

@@ -8,16 +8,14 @@
 // does not run on device buffers yet are checked in one process.
 import { describe, expect, test } from "bun:test";
 import { join } from "node:path";
-import { AdamW } from "../../engine/optim/adamw.ts";
 import { DataParallel } from "../../engine/parallel/data-parallel.ts";
 import { inProcessRings } from "../../engine/parallel/ring.ts";
 import { Context } from "../../engine/tensor.ts";
-import { TrainStep } from "../../engine/train.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { NcclLibrary } from "../../ffi/cuda/nccl.ts";
 import { emulatedCuda, emulatedNcclLibrary } from "../helpers/emulated-cuda.ts";
 import { skip } from "../helpers/skip.ts";
-import { adamw, batch, dpOptions, lr, model, rowsPerRank } from "./fixtures/dp-batches.ts";
+import { batch, dpOptions, rowsPerRank, singleProcess } from "./fixtures/dp-batches.ts";
 
 const emulated = await emulatedCuda();
 const rankScript = join(import.meta.dir, "fixtures", "dp-nccl-rank.ts");
@@ -88,13 +86,7 @@ async function runJob(ranks: number, accumSteps: number, zero = 0): Promise<{ st
 function reference(ranks: number): { losses: number[]; norms: number[]; values: Float32Array } {
   const ctx = new Context(new CpuBackend(), { seed: 0 });
   try {
-    const single = model(ctx);
-    const train = new TrainStep(ctx, single, new AdamW(ctx, single.store, adamw), {
-      lr,
-      schedule: { kind: "constant" },
-      gradClip: 1,
-      accumSteps: 1,
-    });
+    const { model: single, train } = singleProcess(ctx);
     const losses: number[] = [],
       norms: number[] = [];
     for (let s = 0; s < steps; s++) {

@@ -5,11 +5,9 @@
 import { describe, expect, test } from "bun:test";
 import { type DataParallelOptions, DataParallel } from "../../engine/parallel/data-parallel.ts";
 import { inProcessRings } from "../../engine/parallel/ring.ts";
-import { AdamW } from "../../engine/optim/adamw.ts";
 import { Context } from "../../engine/tensor.ts";
-import { TrainStep } from "../../engine/train.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
-import { adamw, batch, dpOptions, lr, model } from "./fixtures/dp-batches.ts";
+import { batch, dpOptions, lr, singleProcess } from "./fixtures/dp-batches.ts";
 
 /** `steps` steps of `ranks` data-parallel ranks (rank r takes rows [r*b, (r+1)*b) of each step's batch) against one process
  *  with the whole batch: the worst relative difference in loss and norm, or absolute in the final parameters. */
@@ -23,13 +21,7 @@ async function compare(
   const ctxs = rings.map(() => new Context(new CpuBackend(), { seed: 0 }));
   const dps = rings.map((ring, rank) => new DataParallel(dpOptions(ctxs[rank]!, rank, ranks, ring, over)));
   const ctx = new Context(new CpuBackend(), { seed: 0 });
-  const single = model(ctx);
-  const train = new TrainStep(ctx, single, new AdamW(ctx, single.store, adamw), {
-    lr,
-    schedule: { kind: "constant" },
-    gradClip: 1,
-    accumSteps: 1,
-  });
+  const { model: single, train } = singleProcess(ctx);
   let worst = 0;
   try {
     for (let s = 0; s < steps; s++) {
