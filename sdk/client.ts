@@ -58,7 +58,7 @@ import {
 import { changeWorld } from "../services/runtime/job/world.ts";
 import { type CollectivePlan, collectivePlan } from "../services/runtime/job/collective-plan.ts";
 import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../services/runtime/job/jobs.ts";
-import { NatsBus } from "../services/runtime/mesh/nats.ts";
+import { NatsBus, natsServers } from "../services/runtime/mesh/nats.ts";
 import { ownerOfSeedFile } from "../services/runtime/job/roles.ts";
 import { percent, when } from "./format.ts";
 
@@ -154,7 +154,8 @@ export function resumedWorld(cfg: JobConfig, prev: PreviousRun): JobConfig {
 
 /** How MeshClient.connect reaches the mesh. */
 export interface MeshConnectOptions {
-  /** how long to keep trying to reach the server (default 3 s) */
+  /** how long to keep trying to reach the server (default 3 s for each server the URL lists: a
+   *  cluster's survivors may each take their connect timeout while it elects new leaders) */
   connectRetryMsMax?: number;
   /** default: MT_TLS_CA, MT_TLS_CERT, MT_TLS_KEY */
   tls?: NatsTls;
@@ -204,7 +205,7 @@ export class MeshClient implements AsyncDisposable {
     const bus = await NatsBus.connect({
       url,
       name: "meshtrain-sdk",
-      connectRetryMsMax: o.connectRetryMsMax ?? 3_000,
+      connectRetryMsMax: o.connectRetryMsMax ?? 3_000 * natsServers(url).length,
       connectBackoffMsMax: 1000,
       tls: o.tls ?? tlsFromEnv(),
       ...(nkeyFile === undefined ? {} : { nkeyFile }),

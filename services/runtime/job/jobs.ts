@@ -189,14 +189,18 @@ export class JobStore {
   /** Every job's record (of one owner's jobs when `owner` is given), oldest submission first.
    *  One that does not decode is left out. */
   async allRecords(owner?: string): Promise<JobRecord[]> {
-    const keys: string[] = [];
     const whose = owner === undefined ? "every owner's jobs" : `the jobs of ${owner}`;
-    for await (const k of await untilLed(
-      () => this.records.keys(owner === undefined ? ">" : `${owner}.*`),
+    // the whole listing is repeated, not only its start: a stream electing a leader can fail
+    // the keys' consumer after it began
+    const keys = await untilLed(
+      async () => {
+        const found: string[] = [];
+        for await (const k of await this.records.keys(owner === undefined ? ">" : `${owner}.*`)) found.push(k);
+        return found;
+      },
       readAgain,
       `list ${whose}`,
-    ))
-      keys.push(k);
+    );
     const out: JobRecord[] = [];
     for (const k of keys) {
       try {
