@@ -54,6 +54,24 @@ export function openBackend(
   );
 }
 
+/**
+ * A DeviceLog that keeps its line until `flush()`: a command says which device runs once it has
+ * read its inputs, so that an input error (a missing model, an empty folder) is the only line it
+ * prints. Nothing is printed when flush is never called.
+ */
+export function heldDeviceLine(print: DeviceLog): { log: DeviceLog; flush: () => void } {
+  let held: [string, string] | null = null;
+  return {
+    log: (why, detail) => {
+      held = [why, detail];
+    },
+    flush: () => {
+      if (held !== null) print(...held);
+      held = null;
+    },
+  };
+}
+
 /** Run fn on the chosen backend and dispose of it afterwards, whatever happens. */
 export function withBackend<T>(choice: DeviceChoice, log: DeviceLog | undefined, fn: (backend: Backend) => T): T {
   const { backend } = openBackend(choice, log);

@@ -324,8 +324,9 @@ function helpHint(argv: readonly string[]): string {
   return `(every option: meshtrain ${[...words, "--help"].join(" ")})`;
 }
 const hint = helpHint(process.argv.slice(2));
+// one error, one line: commander's error (with its "Did you mean") and the hint
 const withHint = (c: Command): void => {
-  c.showHelpAfterError(hint);
+  c.configureOutput({ outputError: (text, write) => write(`${text.trim().replace(/\s*\n\s*/g, " ")} ${hint}\n`) });
   c.commands.forEach(withHint);
 };
 withHint(program);

@@ -3,7 +3,7 @@
 // tensor ranks, recomputation, precision), from the analytic counts of engine/memory.ts; whether
 // that fits the device, and which one option to change when it does not. `meshtrain run` asks
 // the same question first and refuses a job that cannot fit, before any process starts.
-import { existsSync, readFileSync } from "node:fs";
+import { existsSync, readFileSync, statSync } from "node:fs";
 import { totalmem } from "node:os";
 import { join } from "node:path";
 import { readManifest } from "../engine/data/shards.ts";
@@ -79,13 +79,29 @@ export function planDevice(kind: "cpu" | "cuda" | "auto", deviceMemory: number |
   return { kind: "cpu", bytes: totalmem(), source: "this machine's memory, shared by every process of the job" };
 }
 
+/** Why `dir` is not a token folder (no such folder, or a split file missing), or null. */
+export function tokenFolderProblem(dir: string): string | null {
+  if (!existsSync(dir)) return "no such folder";
+  if (!statSync(dir).isDirectory()) return "is not a folder";
+  const missing = ["train.bin", "val.bin"].filter((f) => !existsSync(join(dir, f)));
+  return missing.length === 0
+    ? null
+    : `has no ${missing.join(" or ")} (a token folder holds train.bin and val.bin of uint16 tokens, or what meshtrain prepare writes)`;
+}
+
 /** A GPT job's vocabulary as the data-loader will find it: the text's characters, a token folder's vocab.json or model.vocabSize. */
 export function planVocabSize(cfg: JobConfig): number {
   if (cfg.model.kind !== "gpt") return 0;
+  // a token folder is checked before anything starts, and before --vocab-size is advised: it
+  // would not help a folder without tokens
+  const manifest = cfg.dataset === "tokens" ? readManifest(cfg.dataDir) : null;
+  if (cfg.dataset === "tokens" && manifest === null) {
+    const problem = tokenFolderProblem(cfg.dataDir);
+    if (problem !== null) throw new ConfigError(`--tokens ${cfg.dataDir}: ${problem}`);
+  }
   if (cfg.model.vocabSize > 0) return cfg.model.vocabSize;
+  if (manifest !== null) return manifest.vocabSize;
   if (cfg.dataset === "tokens") {
-    const manifest = readManifest(cfg.dataDir);
-    if (manifest !== null) return manifest.vocabSize;
     const vocab = join(cfg.dataDir, "vocab.json");
     if (!existsSync(vocab)) throw new ConfigError(`${cfg.dataDir} has no vocab.json: pass --vocab-size`);
     const parsed = JSON.parse(readFileSync(vocab, "utf8")) as unknown;

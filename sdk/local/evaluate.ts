@@ -3,7 +3,7 @@
 // valFraction of its text, or its tokens' val.bin), read in batches of its training micro-batch.
 import { join } from "node:path";
 import type { Backend } from "../../ffi/backend.ts";
-import { type DeviceChoice, withBackend } from "../../ffi/select.ts";
+import { type DeviceChoice, heldDeviceLine, withBackend } from "../../ffi/select.ts";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnistTest } from "../../engine/data/mnist.ts";
@@ -56,13 +56,11 @@ export type EvalReport =
   | { kind: "mlp"; accuracy: number; loss: number; samples: number }
   | { kind: "gpt"; loss: number; tokens: number; batches: number; batchesInSplit: number };
 
-/** Prints the device line first, as the training commands do, then the report. */
+/** Prints the device line first, as the training commands do, then the report; a model or data
+ *  that cannot be read is the one line of an error, without the device line. */
 export function runEval(o: EvalOptions): EvalReport {
-  return withBackend(
-    o.device,
-    (why) => console.log(why),
-    (backend) => evalModel(o, backend),
-  );
+  const device = heldDeviceLine((why) => console.log(why));
+  return withBackend(o.device, device.log, (backend) => evalModel(o, backend, device.flush));
 }
 
 function checkDataOptions(o: EvalOptions, kind: "mlp" | "gpt"): void {
@@ -79,13 +77,14 @@ function checkDataOptions(o: EvalOptions, kind: "mlp" | "gpt"): void {
     throw new ConfigError("--text and --tokens-dir exclude each other: pass one");
 }
 
-function evalModel(o: EvalOptions, backend: Backend): EvalReport {
+/** `inputsRead` prints the device line once the model and its data are read. */
+function evalModel(o: EvalOptions, backend: Backend, inputsRead: () => void): EvalReport {
   const loaded = readModelFile(o.model);
   const kind = loaded.header.kind;
   checkDataOptions(o, kind);
   const ctx = new Context(backend, { seed: 0 });
   try {
-    return kind === "mlp" ? evalMlp(o, ctx, loaded) : evalGpt(o, ctx, loaded);
+    return kind === "mlp" ? evalMlp(o, ctx, loaded, inputsRead) : evalGpt(o, ctx, loaded, inputsRead);
   } finally {
     ctx.dispose();
   }
@@ -106,7 +105,7 @@ function buildModel<M extends Model>(path: string, loaded: LoadedModelFile, buil
   return model;
 }
 
-function evalMlp(o: EvalOptions, ctx: Context, loaded: LoadedModelFile): EvalReport {
+function evalMlp(o: EvalOptions, ctx: Context, loaded: LoadedModelFile, inputsRead: () => void): EvalReport {
   const config = loaded.header.config as MlpConfig;
   const test = loadMnistTest(o.dataDir);
   const pixels = test.rows * test.cols;
@@ -124,6 +123,7 @@ function evalMlp(o: EvalOptions, ctx: Context, loaded: LoadedModelFile): EvalRep
     );
   }
   const model = buildModel(o.model, loaded, () => new MlpModel(ctx, config, 0));
+  inputsRead();
   const r = evaluate(ctx, model, new ImageBatcher(test, evalBatchSamples).epoch(0, 0, false, false));
   console.log(
     `model: ${shownPath(o.model)}: mlp ${widths.join("-")}, ${model.store.paramCount.toLocaleString("en-US")} parameters, ${stepsNote(loaded)}`,
@@ -135,7 +135,7 @@ function evalMlp(o: EvalOptions, ctx: Context, loaded: LoadedModelFile): EvalRep
   return { kind: "mlp", accuracy: r.accuracy, loss: r.loss, samples: r.count };
 }
 
-function evalGpt(o: EvalOptions, ctx: Context, loaded: LoadedModelFile): EvalReport {
+function evalGpt(o: EvalOptions, ctx: Context, loaded: LoadedModelFile, inputsRead: () => void): EvalReport {
   const { header } = loaded;
   const config = header.config as GptConfig;
   const model = buildModel(o.model, loaded, () => new GptModel(ctx, config, 0));
@@ -156,6 +156,7 @@ function evalGpt(o: EvalOptions, ctx: Context, loaded: LoadedModelFile): EvalRep
   const batcher = new TokenBatcher(split.tokens, rows, config.blockSize, config.vocabSize);
   const batchesInSplit = Math.ceil(Math.floor((split.tokens.length - 1) / config.blockSize) / rows);
   const batches = o.evalBatches > 0 ? Math.min(o.evalBatches, batchesInSplit) : batchesInSplit;
+  inputsRead();
   const r = evaluate(ctx, model, take(batcher.sequential(), batches), { accuracy: false });
   const { nLayer, nHead, nEmbd, blockSize, vocabSize } = config;
   console.log(

@@ -1,7 +1,7 @@
 // Sample text from a trained character-level GPT model file, streaming each character as it
 // is sampled.
 import type { Backend } from "../../ffi/backend.ts";
-import { type DeviceChoice, type DeviceLog, withBackend } from "../../ffi/select.ts";
+import { type DeviceChoice, type DeviceLog, heldDeviceLine, withBackend } from "../../ffi/select.ts";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { CharVocab } from "../../engine/data/text.ts";
 import { gpt2EndOfText, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
@@ -29,10 +29,12 @@ export interface SampleOptions {
 
 /** Returns the prompt and its continuation (what `write` got, in one string). */
 export function runSample(o: SampleOptions): string {
-  return withBackend(o.device, o.log, (backend) => sample(o, backend));
+  const device = heldDeviceLine(o.log ?? (() => {}));
+  return withBackend(o.device, device.log, (backend) => sample(o, backend, device.flush));
 }
 
-function sample(o: SampleOptions, backend: Backend): string {
+/** `inputsRead` gives the device line to o.log once the model and the prompt are read. */
+function sample(o: SampleOptions, backend: Backend, inputsRead: () => void): string {
   const loaded = readModelFile(o.model);
   const { header } = loaded;
   if (header.kind !== "gpt") throw new DataFileError(o.model, notATextModel(o.model, header));
@@ -44,6 +46,7 @@ function sample(o: SampleOptions, backend: Backend): string {
   try {
     const model = new GptModel(ctx, header.config as GptConfig, 0);
     loadSlabInto(o.model, model.store, loaded);
+    inputsRead();
     write(o.prompt);
     const stream = tok.stream(write);
     const out = model.generate(prompt, o.length, new Rng(o.seed), o.temperature, o.topK, stream);

@@ -1,7 +1,7 @@
 // In-process GPT training on character-level text (Moby Dick by default) or on uint16 token
 // files (llm.c / nanoGPT layouts), with periodic validation, a time limit, and a model file
 // that `meshtrain sample` reads.
-import { mkdirSync, readFileSync } from "node:fs";
+import { existsSync, mkdirSync, readFileSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { ConfigError } from "../../engine/errors.ts";
@@ -10,7 +10,7 @@ import { readSafetensors } from "../../engine/safetensors.ts";
 import { shownPath } from "../options.ts";
 import type { Backend } from "../../ffi/backend.ts";
 import { CudaBackend } from "../../ffi/cuda/backend.ts";
-import { type DeviceChoice, openBackend } from "../../ffi/select.ts";
+import { type DeviceChoice, heldDeviceLine, openBackend } from "../../ffi/select.ts";
 import {
   type AttentionChoice,
   attentionDeviceProblem,
@@ -118,6 +118,11 @@ function nextCommands(vocab: CharVocab | undefined): string[][] {
 /** --init-from: the folder's shape (config.json); a shape option the user gave that disagrees is refused, naming both. */
 function initShape(o: GptRunOptions, vocabSize: number): Pick<GptConfig, "blockSize" | "nLayer" | "nHead" | "nEmbd"> {
   const path = join(o.initFrom!, "config.json");
+  if (!existsSync(path))
+    throw new DataFileError(
+      o.initFrom!,
+      "has no config.json: --init-from takes a Hugging Face GPT-2 folder (what meshtrain export writes)",
+    );
   let json: Record<string, unknown>;
   try {
     json = JSON.parse(readFileSync(path, "utf8"));
@@ -173,7 +178,8 @@ export function runGpt(o: GptRunOptions): GptRunResult {
     attentionProblem(o.attention, o.precision, o.initFrom === undefined ? o : null) ??
       attentionDeviceProblem(o.attention, o.device === "cpu" ? "--device cpu asks for the CPU" : null),
   );
-  const { backend, detail } = openBackend(o.device, (why) => console.log(why), 0, { attention: o.attention });
+  const device = heldDeviceLine((why) => console.log(why));
+  const { backend, detail } = openBackend(o.device, device.log, 0, { attention: o.attention });
   try {
     refuseAttention(
       o,
@@ -182,7 +188,7 @@ export function runGpt(o: GptRunOptions): GptRunResult {
         backend.name === "cpu" ? `--device ${o.device} found no GPU (${detail})` : null,
       ),
     );
-    return trainGpt(o, backend);
+    return trainGpt(o, backend, device.flush);
   } finally {
     backend.dispose();
   }
@@ -193,7 +199,8 @@ function refuseAttention(o: GptRunOptions, problem: string | null): void {
   if (problem !== null) throw new ConfigError(`--attention ${o.attention} ${problem}`);
 }
 
-function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
+/** `inputsRead` prints the device line once the corpus and the model are read. */
+function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void): GptRunResult {
   const t0 = performance.now();
   const corpus = loadCorpus(given);
   // --init-from: the folder's shape is the run's; what the user gave is kept out of the record
@@ -219,6 +226,7 @@ function trainGpt(given: GptRunOptions, backend: Backend): GptRunResult {
   const valBatches = new TokenBatcher(corpus.val, o.batchSize, o.blockSize, corpus.vocabSize);
   const tokensPerStep = o.batchSize * o.accum * o.blockSize;
 
+  inputsRead();
   console.log(
     `meshtrain: gpt on ${corpus.name}: ${corpus.train.length.toLocaleString("en-US")} train / ${corpus.val.length.toLocaleString("en-US")} val tokens, vocab ${corpus.vocabSize}, ${backend.name} backend, ${precisionNote(o.precision)}`,
   );

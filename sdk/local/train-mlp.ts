@@ -2,7 +2,7 @@
 import { mkdirSync } from "node:fs";
 import { dirname } from "node:path";
 import type { Backend } from "../../ffi/backend.ts";
-import { type DeviceChoice, withBackend } from "../../ffi/select.ts";
+import { type DeviceChoice, heldDeviceLine, withBackend } from "../../ffi/select.ts";
 import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { trainValSplit } from "../../engine/data/sampler.ts";
@@ -89,14 +89,12 @@ export function makeOptimizer(ctx: Context, model: MlpModel, o: MlpRunOptions): 
 }
 
 export function runMlp(o: MlpRunOptions): MlpRunResult {
-  return withBackend(
-    o.device,
-    (why) => console.log(why),
-    (backend) => trainMlp(o, backend),
-  );
+  const device = heldDeviceLine((why) => console.log(why));
+  return withBackend(o.device, device.log, (backend) => trainMlp(o, backend, device.flush));
 }
 
-function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
+/** `inputsRead` prints the device line once the data and the options are checked. */
+function trainMlp(o: MlpRunOptions, backend: Backend, inputsRead: () => void): MlpRunResult {
   const t0 = performance.now();
   const data = loadMnist(o.dataDir);
   const features = data.train.rows * data.train.cols;
@@ -122,6 +120,7 @@ function trainMlp(o: MlpRunOptions, backend: Backend): MlpRunResult {
     accumSteps: o.accum,
   });
 
+  inputsRead();
   console.log(
     `meshtrain: mlp ${o.widths.join("-")} on MNIST (${split.train.length} train / ${split.val.length} validation / ${data.test.count} test), ${backend.name} backend, ${precisionNote(o.precision)}`,
   );

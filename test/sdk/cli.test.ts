@@ -1,6 +1,6 @@
 // The meshtrain CLI as a user runs it: real processes, real data files.
 import { afterAll, describe, expect, test } from "bun:test";
-import { mkdtempSync, rmSync } from "node:fs";
+import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
@@ -92,6 +92,39 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     const r = cli("sample", "--model", join(dir, "absent.mtm"));
     expect(r.code).toBe(1);
     expect(r.err).toContain(`meshtrain: DataFileError: ${join(dir, "absent.mtm")}: file not found`);
+  });
+  test("one error, one line: an option error carries its help hint on the same line; an input error prints no device line before it", () => {
+    const empty = join(dir, "empty-folder");
+    mkdirSync(empty, { recursive: true });
+    const truncated = join(dir, "truncated.mtm");
+    writeFileSync(truncated, "MTM1 and nothing else");
+    for (const [args, fragment] of [
+      [["train", "gpt", "--steps", "3"], "error: unknown option '--steps' (every option: meshtrain train gpt --help)"],
+      [["run", "--trainers", "0"], "(every option: meshtrain run --help)"],
+      [["train", "gpt", "--init-from", empty], `${empty}: has no config.json`],
+      [["train", "mlp", "--data-dir", join(dir, "nowhere")], "train-images-idx3-ubyte: file not found"],
+      [["eval", "--model", truncated], `DataFileError: ${truncated}`],
+      [["sample", "--model", truncated], `DataFileError: ${truncated}`],
+    ] as const) {
+      const r = cli(...args);
+      expect(r.code, args.join(" ")).not.toBe(0);
+      expect(r.out, args.join(" ")).toBe("");
+      expect(r.err, args.join(" ")).toContain(fragment);
+      expect(r.err.trimEnd().split("\n"), args.join(" ")).toHaveLength(1);
+    }
+  });
+  test("a token folder is checked before --vocab-size is advised and before the mesh starts", () => {
+    const empty = join(dir, "no-tokens");
+    mkdirSync(empty, { recursive: true });
+    const absent = cli("run", "--model", "gpt", "--tokens", join(dir, "nonexistent"));
+    expect(absent.code).toBe(1);
+    expect(absent.err.trim()).toBe(`meshtrain: ConfigError: --tokens ${join(dir, "nonexistent")}: no such folder`);
+    for (const extra of [[], ["--vocab-size", "50"]]) {
+      const r = cli("run", "--model", "gpt", "--tokens", empty, ...extra);
+      expect(r.code).toBe(1);
+      expect(r.err).toContain(`--tokens ${empty}: has no train.bin or val.bin`);
+      expect(r.out).not.toContain("nats"); // nothing started
+    }
   });
   test("a missing MNIST folder", () => {
     const r = cli("train", "mlp", "--data-dir", join(dir, "nowhere"));

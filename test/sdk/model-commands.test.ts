@@ -255,7 +255,7 @@ describe("bad input: a typed error on one line and exit 1", () => {
       const negative = cli("eval", "--model", gptModel, "--eval-batches", "-1");
       expect(negative.code).toBe(1);
       expect(negative.err).toStartWith(
-        "error: option '--eval-batches <n>' argument '-1' is invalid. expected an integer >= 0\n",
+        "error: option '--eval-batches <n>' argument '-1' is invalid. expected an integer >= 0 (every option: meshtrain eval --help)\n",
       ); // then the help
     },
     timeoutMs,
