@@ -23,6 +23,7 @@ import { WireFormatError } from "../schemas/codec.ts";
 import { NatsAccessError, NatsUnreachableError } from "../services/runtime/mesh/nats.ts";
 import { NatsServerError } from "../services/runtime/mesh/nats-server.ts";
 import { JobFailedError } from "./watch.ts";
+import { printable } from "./format.ts";
 
 const program = new Command()
   .name("meshtrain")
@@ -348,7 +349,8 @@ try {
     e instanceof JobFailedError ||
     e instanceof NatsServerError
   ) {
-    console.error(`meshtrain: ${e.name}: ${e.message}`);
+    // a message may quote what came over the bus (a job's failure, a service's error reply)
+    console.error(`meshtrain: ${e.name}: ${printable(e.message)}`);
     process.exit(1);
   }
   throw e;

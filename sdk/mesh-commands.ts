@@ -27,7 +27,7 @@ import {
   roleUsers,
 } from "../services/runtime/job/roles.ts";
 import { defaultRunDir, runMesh } from "./local/run-mesh.ts";
-import { stamp } from "./format.ts";
+import { printable, stamp } from "./format.ts";
 import { cliName, float, int, ownerList, shownPath, userPath } from "./options.ts";
 import { configSummary, jobsTable, outcomeLines, statusLines } from "./report.ts";
 import { Dashboard } from "./dashboard/server.ts";
@@ -340,7 +340,7 @@ function addSnapshotCommands(program: Command): void {
   ).action(async (job: string, opts: { natsUrl?: string }) => {
     await using client = await connect(opts.natsUrl);
     const r = await client.cancel(job);
-    console.log(`cancelled job ${r.job} (${r.reason}); resume it later: ${cliName()} submit --job ${r.job}`);
+    console.log(`cancelled job ${r.job} (${printable(r.reason)}); resume it later: ${cliName()} submit --job ${r.job}`);
   });
 
   natsOption(
@@ -351,8 +351,8 @@ function addSnapshotCommands(program: Command): void {
     if (items.length === 0) console.log(`job ${job} has no snapshots yet`);
     for (const m of items) {
       console.log(
-        `${m.id}  step ${m.step}  metric ${Number.isFinite(m.metric) ? m.metric.toFixed(4) : "-"}  ${m.files.reduce((s, f) => s + f.bytes, 0)} bytes  ` +
-          `${new Date(m.createdMs).toISOString()}${m.modelPath ? `  model ${m.modelPath}` : ""}`,
+        `${printable(m.id)}  step ${m.step}  metric ${Number.isFinite(m.metric) ? m.metric.toFixed(4) : "-"}  ${m.files.reduce((s, f) => s + f.bytes, 0)} bytes  ` +
+          `${new Date(m.createdMs).toISOString()}${m.modelPath ? `  model ${printable(m.modelPath)}` : ""}`,
       );
     }
   });
@@ -394,7 +394,7 @@ function addSnapshotCommands(program: Command): void {
   ).action(async (job: string, opts: { natsUrl?: string }) => {
     await using client = await connect(opts.natsUrl);
     const e = await client.saveCheckpoint(job);
-    console.log(`${job}: ${e.text}`);
+    console.log(`${job}: ${printable(e.text)}`);
   });
 
   natsOption(
@@ -414,7 +414,7 @@ function addSnapshotCommands(program: Command): void {
     const r = await client.record(job);
     const cfg = jobConfigFromJson(r.configJson);
     console.log(
-      `resized ${job} from ${m.id} (step ${m.step}): ${cfg.trainers} trainers${cfg.sync === "allreduce" ? "" : `, ${cfg.shards} shards`}; ${r.totalSteps} steps in all; follow it: ${cliName()} watch ${job}`,
+      `resized ${job} from ${printable(m.id)} (step ${m.step}): ${cfg.trainers} trainers${cfg.sync === "allreduce" ? "" : `, ${cfg.shards} shards`}; ${r.totalSteps} steps in all; follow it: ${cliName()} watch ${job}`,
     );
   });
 
@@ -427,7 +427,7 @@ function addSnapshotCommands(program: Command): void {
   ).action(async (job: string, id: string | undefined, opts: { natsUrl?: string }) => {
     await using client = await connect(opts.natsUrl, "admin");
     const m = await client.restore(job, id ?? "");
-    console.log(`restored ${job} to ${m.id} (step ${m.step}); its trainers resume there`);
+    console.log(`restored ${job} to ${printable(m.id)} (step ${m.step}); its trainers resume there`);
   });
 }
 

@@ -7,7 +7,7 @@ import type { JobStatus } from "./client.ts";
 import { autocastDType } from "../engine/mixed.ts";
 import type { DeviceChoice } from "../ffi/select.ts";
 import { shownPath } from "./options.ts";
-import { formatSeconds, num, percent, plural, when } from "./format.ts";
+import { formatSeconds, num, percent, plural, printable, when } from "./format.ts";
 import type { JobOutcome } from "./watch.ts";
 
 /** Weights and biases of an MLP of these widths. */
@@ -147,7 +147,8 @@ export function outcomeLines(o: JobOutcome, files: { logs: string | null }): str
   if (r.reason) lines.push(`note:      ${r.reason}`);
   lines.push(...whereLines(r, files.logs));
   if (r.modelPath) lines.push(`next:      npx meshtrain eval --model ${shownPath(r.modelPath)}`);
-  return lines;
+  // a record's texts came over the bus: each line stays one line
+  return lines.map(printable);
 }
 
 /** model / snapshots / logs lines of a job's record. */
@@ -221,14 +222,15 @@ export function statusLines(s: JobStatus): string[] {
         (t.zeroStage === 3 ? `; gathered parameters peak ${mb(t.gatheredPeakBytes)}` : ""),
     );
   }
-  return lines;
+  // the record, the snapshots' ids and the services' errors came over the bus
+  return lines.map(printable);
 }
 
 /** `meshtrain status`: a table of every job this mesh has a record of. */
 export function jobsTable(records: readonly JobRecord[]): string[] {
   if (records.length === 0) return ["no jobs on this mesh yet; start one with: meshtrain submit"];
   const rows = records.map((r) => [
-    r.job,
+    printable(r.job),
     stateName(r.state),
     r.accuracy >= 0 ? percent(r.accuracy) : "-",
     r.totalSteps > 0 ? String(r.totalSteps) : "-",

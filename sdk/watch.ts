@@ -10,6 +10,7 @@ import { isEnded, jobStoreLeaderWaitMsMax, resizingReasonPrefix, stateName } fro
 import type { MeshClient } from "./client.ts";
 import { Progress, RateMeter } from "./progress.ts";
 import { orAfter } from "../services/runtime/mesh/timers.ts";
+import { printable } from "./format.ts";
 
 export class JobFailedError extends Error {
   override readonly name = "JobFailedError";
@@ -151,7 +152,7 @@ export async function watchJob(client: MeshClient, name: string, o: WatchOptions
 }
 
 /** The state of one watch: figures gathered from the events, and the display. */
-class Watcher {
+export class Watcher {
   readonly #rate = new RateMeter(40);
   #tally: EvalTally;
   readonly #split = { dataWaitMs: 0, pullMs: 0, computeMs: 0, pushMs: 0, commMs: 0, exposedCommMs: 0 };
@@ -186,8 +187,11 @@ class Watcher {
     this.#tally = new EvalTally(trainers);
   }
 
-  say(line: string): void {
+  /** Prints a line of the job's: its texts came over the bus, so a control character in them
+   *  (a CR/LF in a restore's tag) is shown escaped, never acted on. */
+  say(text: string): void {
     if (this.o.quiet) return;
+    const line = printable(text);
     if (this.#progress) this.#progress.log(line);
     else console.log(line);
   }

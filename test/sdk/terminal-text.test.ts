@@ -1,0 +1,110 @@
+// What the CLI prints from a message stays on its line: a CR/LF, an ESC or a bidirectional
+// override in an event's text, a record's reason or a snapshot's id is shown escaped, never acted
+// on (a forged restore tag used to print "restored: ... (a⏎b⏎FAKE LOG LINE)" as three lines).
+import { afterAll, afterEach, describe, expect, spyOn, test } from "bun:test";
+import { type Event, EventKind, JobState, type Manifest } from "../../schemas/messages.ts";
+import { runningRecord } from "../../services/runtime/job/jobs.ts";
+import { printable } from "../../sdk/format.ts";
+import { jobsTable, outcomeLines, statusLines } from "../../sdk/report.ts";
+import { Command } from "commander";
+import { type JobFlags, jobConfigOf, jobOptions } from "../../sdk/job-flags.ts";
+import { Watcher } from "../../sdk/watch.ts";
+
+const forged = "a\nb\r\nFAKE LOG LINE\x1b[2K\u202eevil\u2028more";
+/** No character a terminal acts on (the escapes printable writes are plain text). */
+const oneLine = /^[^\u0000-\u001f\u007f-\u009f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]*$/;
+
+function event(kind: EventKind, text: string): Event {
+  return {
+    job: "default.j",
+    kind,
+    rank: 0,
+    step: 6,
+    timeMs: Date.now(),
+    loss: 0,
+    lr: 0,
+    accuracy: -1,
+    samplesPerS: 0,
+    dataWaitMs: 0,
+    pullMs: 0,
+    computeMs: 0,
+    pushMs: 0,
+    text,
+    count: 0,
+    commMs: 0,
+    exposedCommMs: 0,
+    wireBytes: 0,
+  } as Event;
+}
+
+let printed: string[] = [];
+const spy = spyOn(console, "log").mockImplementation((...args: unknown[]) => {
+  printed.push(args.map(String).join(" "));
+});
+afterEach(() => {
+  printed = [];
+});
+
+describe("text from the mesh, printed", () => {
+  test("printable: each control character, separator and override becomes its escape; other text is kept", () => {
+    expect(printable(forged)).toBe("a\\nb\\r\\nFAKE LOG LINE\\x1b[2K\\u202eevil\\u2028more");
+    expect(printable("plain text, é ü 中文 — kept")).toBe("plain text, é ü 中文 — kept");
+    expect(printable("\t\x00\x7f\x9b")).toBe("\\t\\x00\\x7f\\x9b");
+  });
+
+  test("a watch prints each event's text on one line: restore, log, failed, stalled, straggler", () => {
+    const w = new Watcher(1, 1, {}, "samples");
+    for (const kind of [EventKind.Restore, EventKind.Log, EventKind.Failed, EventKind.Stalled, EventKind.Straggler])
+      w.handle(event(kind, `restored step-000000006 (${forged})`), 10);
+    expect(printed).toHaveLength(5);
+    for (const line of printed) {
+      expect(line).toMatch(oneLine);
+      expect(line).toContain("(a\\nb\\r\\nFAKE LOG LINE\\x1b[2K\\u202eevil\\u2028more)");
+    }
+    expect(printed[0]).toBe(
+      "restored: restored step-000000006 (a\\nb\\r\\nFAKE LOG LINE\\x1b[2K\\u202eevil\\u2028more); resuming at step 6",
+    );
+  });
+
+  test("status, outcome and the jobs table: a record's reason and a snapshot's id stay on their line", () => {
+    const cmd = jobOptions(new Command("run")).exitOverride();
+    cmd.parse(["--job", "default.j"], { from: "user" });
+    const config = jobConfigOf(cmd.opts() as JobFlags);
+    const record = {
+      ...runningRecord("default.j", JSON.stringify(config), 1),
+      state: JobState.Failed,
+      reason: forged,
+      snapshot: `step-1${forged}`,
+      snapshotDir: "/tmp/snaps",
+    };
+    const manifest = {
+      id: `step-000000006${forged}`,
+      step: 6,
+      createdMs: 0,
+      metric: 0,
+      files: [],
+    } as unknown as Manifest;
+    const lines = [
+      ...statusLines({ job: "default.j", record, config, shards: [], trainers: [], checkpoints: [manifest] }),
+      ...outcomeLines(
+        {
+          record,
+          watched: false,
+          seconds: 0,
+          checkpoints: 0,
+          restores: 0,
+          samplesPerS: 0,
+          wireBytesPerStep: 0,
+          density: -1,
+        } as unknown as Parameters<typeof outcomeLines>[0],
+        { logs: null },
+      ),
+      ...jobsTable([{ ...record, job: `default.j${forged}` }]),
+    ];
+    for (const line of lines) expect(line).toMatch(oneLine);
+    expect(lines.join("\n")).toContain("reason     a\\nb\\r\\nFAKE LOG LINE");
+    expect(lines.join("\n")).toContain("note:      a\\nb\\r\\nFAKE LOG LINE");
+  });
+});
+
+afterAll(() => spy.mockRestore());
