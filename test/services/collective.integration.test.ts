@@ -15,7 +15,10 @@ import {
   shmRefusedPrefix,
   shmSocketPath,
 } from "../../services/runtime/transport/collective-shm.ts";
+import pino from "pino";
 import { BadRequestError } from "../../services/runtime/mesh/errors.ts";
+import { NatsBus } from "../../services/runtime/mesh/nats.ts";
+import { refusalBurst } from "../../services/runtime/mesh/refusal-log.ts";
 import { subjects } from "../../services/runtime/job/job.ts";
 import { encodeCollPiece } from "../../schemas/messages.ts";
 import { pieceFromOne } from "../helpers/coll-piece.ts";
@@ -247,9 +250,18 @@ describe("the collective subject refuses hostile pieces", () => {
     inline.close();
   });
 
-  test("wrong job, generation, addressee, sender (also one the subject does not name), length: error replies; the rank keeps working", async () => {
+  test("wrong job, generation, addressee, sender (also one the subject does not name), length: error replies, logged rate-limited with the subject and the reason; the rank keeps working", async () => {
     await using bus = await clientBus(server.url);
-    const t = new BusTransport(bus, { ...rankZero("default.hostile"), sharedMemory: false });
+    const logged: Record<string, unknown>[] = [];
+    const log = pino({ level: "debug" }, { write: (line: string) => void logged.push(JSON.parse(line)) });
+    const rankBus = await NatsBus.connect({
+      url: server.url,
+      name: "test-rank",
+      log,
+      connectRetryMsMax: 5_000,
+      connectBackoffMsMax: 500,
+    });
+    const t = new BusTransport(rankBus, { ...rankZero("default.hostile"), sharedMemory: false });
     const taken: number[] = [];
     t.listen((p) => {
       taken.push(p.piece);
@@ -298,6 +310,21 @@ describe("the collective subject refuses hostile pieces", () => {
     expect(taken).toEqual([]);
     await send(encodeCollPiece({ ...good, piece: 9 }, new Float32Array(2)));
     expect(taken).toEqual([9]);
+    // 9 refusals: the first refusalBurst logged one by one, naming the sender's subject and why
+    const refused = logged.filter((l) => l.msg === "request refused");
+    expect(refused).toHaveLength(refusalBurst);
+    expect(refused[0]).toMatchObject({ level: 40, subject: subjects.coll("default.hostile", 0, 1) });
+    expect(String(refused[0]!.err)).toContain('piece for job "default.other"');
+    expect(refused.map((l) => l.subject)).toContain(subjects.coll("default.hostile", 0, 7));
     t.close();
+    await rankBus.close();
+    // the rest counted, and said in one line when the bus closes (or the window ends)
+    const summary = logged.filter((l) => l.refused !== undefined);
+    expect(summary).toHaveLength(1);
+    expect(summary[0]).toMatchObject({
+      level: 40,
+      refused: 9 - refusalBurst,
+      handler: subjects.collTo("default.hostile", 0),
+    });
   });
 });

@@ -10,6 +10,7 @@ import { DeadlineError, MeshError, NatsAccessError, NoRespondersError, refusedAs
 
 export { NatsAccessError };
 import type { Logger } from "./log.ts";
+import { RefusalLog } from "./refusal-log.ts";
 import { inboxPrefixOf, readSeed } from "../job/roles.ts";
 import { orAfter } from "./timers.ts";
 
@@ -91,8 +92,6 @@ export const natsInstallHint =
   "apt-get install -y nats-server && nats-server -p 4222 (or: docker run -p 4222:4222 nats)";
 
 /** Error codes that answer a question about a job rather than report a problem (logged at debug level). */
-const answerCodes = new Set(["unknown_job", "not_ready", "job_state"]);
-
 export class NatsUnreachableError extends Error {
   override readonly name = "NatsUnreachableError";
 }
@@ -186,6 +185,12 @@ function leftText(before: ReadonlySet<string>, nc: NatsConnection): string | nul
 export class NatsBus implements Bus {
   #service: Service | undefined;
   readonly #subs: NatsSub[] = [];
+  /** every handler's refusals, logged rate-limited with the subject and the reason */
+  #refusals: RefusalLog | null = null;
+  get #refused(): RefusalLog {
+    this.#refusals ??= new RefusalLog(this.opts.log);
+    return this.#refusals;
+  }
 
   /** requests waiting for an answer: each fails at once when the connection drops */
   readonly #inflight = new Set<(e: Error) => void>();
@@ -287,6 +292,7 @@ export class NatsBus implements Bus {
         }
         busTraffic("in", msg.subject, msg.data.byteLength);
         void answer(handler, msg.data, msg.subject, this.#maxPayload).then(({ reply, failed, error }) => {
+          if (failed) this.#refused.note(subject, msg.subject, error);
           if (msg.reply === undefined || msg.reply === "") return; // a publish: nothing to answer
           busTraffic("out", msg.subject, reply.byteLength);
           this.#send(subject, () =>
@@ -316,12 +322,9 @@ export class NatsBus implements Bus {
         void answer(endpoint.handler, msg.data, msg.subject, this.#maxPayload).then(({ reply, failed, error }) => {
           busTraffic("out", msg.subject, reply.byteLength);
           if (failed) {
-            // "no such job here", "not ready yet" are answers, not trouble: only the log's debug level has them
-            const level = error instanceof MeshError && answerCodes.has(error.code) ? "debug" : "warn";
-            log?.[level](
-              { subject: msg.subject, err: error instanceof Error ? error.message : String(error) },
-              "request failed",
-            );
+            // "no such job here", "not ready yet" are answers, not trouble: only the log's debug
+            // level has them; the rest are logged rate-limited
+            this.#refused.note(endpoint.subject, msg.subject, error);
             // counted in $SRV.STATS num_errors; the body is our ErrorReply
             this.#send(endpoint.subject, () =>
               msg.respondError(400, headerText(error instanceof Error ? error.message : "error"), reply),
@@ -351,6 +354,7 @@ export class NatsBus implements Bus {
   /** Drains: stops taking requests, finishes the ones in flight, flushes, closes. */
   async close(): Promise<void> {
     if (this.nc.isClosed()) return;
+    this.#refusals?.close();
     await this.#service?.stop();
     for (const s of this.#subs) s.unsubscribe();
     // a drain that cannot finish (a server gone for good) ends in a plain close
