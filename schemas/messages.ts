@@ -895,7 +895,8 @@ export interface JobRequest {
   job: string;
   step: number;
   tag: string;
-  /** ps.<k>.norm's reply: a shard's sum of squares (absent: 0) */
+  /** ps.<k>.norm's reply: a shard's sum of squares; a trainer's ckpt.recover after a failed
+   *  collective: the communicator generation that failed (absent: 0) */
   value?: number;
 }
 

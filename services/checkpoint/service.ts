@@ -52,7 +52,11 @@ import {
   anyJob,
   jobIdPattern,
   jobOfRequest,
+  recoverAskerOf,
   shardOfOpenedTag,
+  shardOpenedTag,
+  trainerOfFailedTag,
+  trainerOfLacksTag,
   trainerOfOpenedTag,
   subjects,
   trajectoryDiff,
@@ -87,6 +91,9 @@ interface JobEntry {
    * is a restarted process, whose replica is gone, and gets a new restore for every rank)
    */
   lastRestore: { manifest: Manifest; opened: Set<number> } | null;
+  /** trainer ranks answered with the last restore when they opened the job: each may ask once
+   *  more (trainerLacksTag) when it holds none of it */
+  mayRestoreAgain: Set<number>;
   /**
    * The job had no snapshot when it was opened (a new job), and the trainer ranks and shards
    * that have asked since ("trainer 1", "shard 0"). A first ask in a new job starts the asker
@@ -153,13 +160,17 @@ export class CheckpointService {
     on("restore", (e, tag) => this.#serial(e, () => this.#restore(e, tag)));
     // the services' own asks (a shard or rank that opened the job, or lost its state): the newest
     // good snapshot only; rewinding to a chosen one is an operator's restore (admin's permission)
-    on("recover", (e, tag) => {
-      if (tag.startsWith("step-")) {
-        throw new BadRequestError(
-          `a recovery restores job ${e.cfg.job}'s newest good snapshot; restoring ${boundText(tag)} is an operator's restore (mt.<job>.ckpt.restore)`,
-        );
-      }
-      return this.#serial(e, () => this.#restore(e, tag));
+    this.bus.serve({
+      name: "recover",
+      subject: anyJob("ckpt.recover.*"),
+      handler: (data, subject) => {
+        const m = decodeJobRequest(data, this.payloadBytesMax);
+        const job = jobOfRequest(subject, m.job);
+        const e = this.#jobs.get(job);
+        if (!e) throw new UnknownJobError(`the checkpoint service runs no job "${job}" (it is not running)`);
+        const asker = this.#recoverAsker(e, subject, m.tag);
+        return this.#serial(e, () => this.#recover(e, asker, m.tag, m.value ?? 0));
+      },
     });
     on("resize", (e, tag) => this.#resize(e, tag));
     // list answers for ended jobs too: their snapshots stay on disk
@@ -541,6 +552,73 @@ export class CheckpointService {
     return e.evals.newestComplete(step)?.accuracy ?? Number.NaN;
   }
 
+  /**
+   * Who asks a recovery: the process its subject names (NATS permissions keep that token to its
+   * user), one of the job's, asking for what such a process loses. A shard asks when it opens the
+   * job; a trainer of an all-reduce job when it opens the job, when it came back without the
+   * restore that loaded the others, or when a collective failed. The tag says which, and names
+   * the asker itself.
+   */
+  #recoverAsker(e: JobEntry, subject: string, tag: string): { kind: "trainer" | "shard"; index: number } {
+    const { cfg } = e;
+    if (tag.startsWith("step-"))
+      throw new BadRequestError(
+        `a recovery restores job ${cfg.job}'s newest good snapshot; restoring ${boundText(tag)} is an operator's restore (mt.<job>.ckpt.restore)`,
+      );
+    const asker = recoverAskerOf(subject);
+    if (asker === null)
+      throw new BadRequestError(
+        `a recovery is asked on mt.<job>.ckpt.recover.trainer-<rank> or .shard-<k>, not ${subject}`,
+      );
+    const who = `${asker.kind} ${asker.index}`;
+    if (asker.kind === "shard") {
+      if (!usesShards(cfg) || asker.index >= cfg.shards) throw new BadRequestError(`job ${cfg.job} has no ${who}`);
+      if (shardOfOpenedTag(tag) !== asker.index)
+        throw new BadRequestError(`${who} recovers when it opens the job (tag "${shardOpenedTag(asker.index)}")`);
+      return asker;
+    }
+    if (asker.index >= cfg.trainers) throw new BadRequestError(`job ${cfg.job} has no ${who}`);
+    if (usesShards(cfg))
+      throw new BadRequestError(`${who} of a parameter-server job holds no state to recover: the shards hold it`);
+    const named = trainerOfOpenedTag(tag) ?? trainerOfLacksTag(tag) ?? trainerOfFailedTag(tag);
+    if (named !== asker.index)
+      throw new BadRequestError(
+        `a recovery on ${who}'s subject must be about ${who} (its tag names ${named === null ? "no trainer" : `trainer ${named}`})`,
+      );
+    return asker;
+  }
+
+  /**
+   * A recovery: a new restore, unless the restore it asks for was done already. A trainer whose
+   * collective failed names the communicator generation that failed: a restore since (another
+   * rank asked first) gave every rank a later one, and answers it. A restarted trainer's second
+   * ask (it holds none of the restore that loaded the others) restores once per time it opened
+   * the job.
+   */
+  async #recover(
+    e: JobEntry,
+    asker: { kind: "trainer" | "shard"; index: number },
+    tag: string,
+    generation: number,
+  ): Promise<Uint8Array> {
+    const last = e.lastRestore;
+    if (asker.kind === "trainer" && trainerOfFailedTag(tag) !== null) {
+      if (!Number.isSafeInteger(generation) || generation < 0 || generation > Date.now())
+        throw new BadRequestError(`a recovery names communicator generation ${generation}, which no rank runs`);
+      if (last !== null && generation < e.generation) {
+        this.log?.debug(
+          { job: e.cfg.job, tag, generation, restored: e.generation },
+          "recovery answered by the last restore",
+        );
+        return encodeManifest(last.manifest);
+      }
+    }
+    if (asker.kind === "trainer" && trainerOfLacksTag(tag) !== null && last !== null) {
+      if (!e.mayRestoreAgain.delete(asker.index)) return encodeManifest(last.manifest);
+    }
+    return await this.#restore(e, tag);
+  }
+
   async #restore(e: JobEntry, tag: string): Promise<Uint8Array> {
     const { cfg } = e;
     await e.writing; // the newest snapshot is on disk
@@ -569,6 +647,8 @@ export class CheckpointService {
     }
     if (rank !== null && last !== null && !last.opened.has(rank)) {
       last.opened.add(rank);
+      // a process of this rank that came back after the restore may find it holds none of it
+      e.mayRestoreAgain.add(rank);
       return encodeManifest(last.manifest);
     }
     const id = tag.startsWith("step-") ? tag : "";
@@ -746,6 +826,7 @@ export class CheckpointService {
       busy: Promise.resolve(),
       generation: 0,
       lastRestore: null,
+      mayRestoreAgain: new Set(),
       fresh,
       firstAsks: new Set(),
       asked: new Set(),

@@ -35,6 +35,7 @@ import {
   subjects,
   trainerOfRequest,
   usesShards,
+  recoverAsker,
 } from "../runtime/job/job.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { initialParameters } from "../runtime/job/model.ts";
@@ -280,7 +281,7 @@ export class ParameterServer {
       if (entry) entry.recovering = false;
     };
     const req = encodeJobRequest({ job, step: 0, tag: shardOpenedTag(this.shardIndex) });
-    this.bus.request(subjects.ckptRecover(job), req, 120_000).then(
+    this.bus.request(subjects.ckptRecover(job, recoverAsker.shard(this.shardIndex)), req, 120_000).then(
       () => {
         answered();
         this.log?.warn({ job }, "job restored from its last snapshot after this shard opened it");

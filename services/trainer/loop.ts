@@ -61,6 +61,8 @@ import {
   stepScheduleOf,
   subjects,
   usesShards,
+  recoverAsker,
+  trainerFailedTag,
 } from "../runtime/job/job.ts";
 import type { JobControl } from "../runtime/job/jobs.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
@@ -640,8 +642,15 @@ export class TrainerRun {
     const { cfg, bus, rank, log } = this.#o;
     log?.warn({ step, err: cause.message }, "a collective failed; rewinding every rank to the newest snapshot");
     try {
-      const req = encodeJobRequest({ job: cfg.job, step, tag: `trainer ${rank}: a collective of step ${step} failed` });
-      await bus.request(subjects.ckptRecover(cfg.job), req, checkpointTimeoutMs);
+      // the value is the communicator generation that failed: a restore already past it (another
+      // rank asked first) answers without restoring again
+      const req = encodeJobRequest({
+        job: cfg.job,
+        step,
+        tag: trainerFailedTag(rank, step),
+        value: this.#mode.commGeneration,
+      });
+      await bus.request(subjects.ckptRecover(cfg.job, recoverAsker.trainer(rank)), req, checkpointTimeoutMs);
     } catch (e) {
       if (this.#restoreTo !== null) return; // another rank's restore came meanwhile
       throw new Error(`${cause.message}; and the ranks cannot rewind to a snapshot: ${(e as Error).message}`, {

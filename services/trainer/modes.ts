@@ -38,6 +38,8 @@ import {
   subjects,
   trainerOpenedTag,
   usesShards,
+  recoverAsker,
+  trainerLacksTag,
 } from "../runtime/job/job.ts";
 import type { buildModel } from "../runtime/job/model.ts";
 import { planLayout } from "../runtime/job/plan.ts";
@@ -89,6 +91,9 @@ export interface TrainerMode {
   readonly dataRank: number;
   /** bytes of gradients and parameters this rank has put on the bus */
   readonly wireBytes: number;
+  /** all-reduce mode: the communicator generation the rank runs (0 before its first restore, and
+   *  in parameter-server mode) */
+  readonly commGeneration: number;
   /** what the rank holds for the model, read from its allocations (null: the shards hold it) */
   readonly memory: ModelMemory | null;
   /** the subjects the mode answers (a replica's loads and snapshot parts) */
@@ -144,6 +149,7 @@ export function trainerMode(
 
 /** Parameter-server mode: pull, compute, push. */
 class ParameterServerMode implements TrainerMode {
+  readonly commGeneration = 0;
   readonly #h: StepHost;
   readonly #ps: PsClient;
   /** host copies of pulled parameters (one per restore generation) and pushed gradients */
@@ -297,6 +303,10 @@ class ReplicaMode implements TrainerMode {
   /** the step this rank's replica is at (what a snapshot of it is labelled) */
   #at = 0;
 
+  get commGeneration(): number {
+    return this.#replica.generation;
+  }
+
   constructor(host: StepHost, replica: Replica | ModelParallelReplica) {
     this.#h = host;
     this.#replica = replica;
@@ -392,14 +402,14 @@ class ReplicaMode implements TrainerMode {
   async findStartStep(): Promise<number> {
     const { cfg, rank, bus } = this.#h;
     try {
+      const subject = subjects.ckptRecover(cfg.job, recoverAsker.trainer(rank));
       const req = encodeJobRequest({ job: cfg.job, step: 0, tag: trainerOpenedTag(rank) });
-      const m = decodeManifest(await bus.request(subjects.ckptRecover(cfg.job), req, checkpointTimeoutMs), 1 << 22);
+      const m = decodeManifest(await bus.request(subject, req, checkpointTimeoutMs), 1 << 22);
       // the first ask of each rank is answered with the restore that loaded every rank (the
       // first rank's); if that loaded an earlier process of this rank, this one asks for its own
       if (this.#replica.staging.staged?.step !== m.step && !this.#h.restorePending()) {
-        const again = encodeJobRequest({ job: cfg.job, step: 0, tag: `trainer ${rank} holds no replica of ${m.id}` });
-        return decodeManifest(await bus.request(subjects.ckptRecover(cfg.job), again, checkpointTimeoutMs), 1 << 22)
-          .step;
+        const again = encodeJobRequest({ job: cfg.job, step: 0, tag: trainerLacksTag(rank, m.id) });
+        return decodeManifest(await bus.request(subject, again, checkpointTimeoutMs), 1 << 22).step;
       }
       return m.step; // every rank takes the restore at its next step boundary (the Restore event)
     } catch (e) {

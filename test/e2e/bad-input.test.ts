@@ -24,7 +24,7 @@ import {
   NotReadyError,
   UnknownJobError,
 } from "../../services/runtime/mesh/errors.ts";
-import { jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job/job.ts";
+import { jobDefaults, parseJobConfig, recoverAsker, subjects } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
@@ -151,12 +151,33 @@ const cases: [string, string, Uint8Array, Cls, string][] = [
   ["ckpt.restore: wrong file_identifier", restore, br(), WireFormatError, "MTJR"],
   [
     "ckpt.recover: a service's ask naming a snapshot (rewinding is an operator's restore)",
-    subjects.ckptRecover(job),
+    subjects.ckptRecover(job, recoverAsker.trainer(0)),
     encodeJobRequest({ job, step: 0, tag: "step-000000000" }),
     BadRequestError,
     "operator's restore",
   ],
-  ["ckpt.recover: garbage", subjects.ckptRecover(job), garbage, WireFormatError, ""],
+  ["ckpt.recover: garbage", subjects.ckptRecover(job, recoverAsker.trainer(0)), garbage, WireFormatError, ""],
+  [
+    "ckpt.recover: a trainer of a parameter-server job (the shards hold the state)",
+    subjects.ckptRecover(job, recoverAsker.trainer(1)),
+    encodeJobRequest({ job, step: 0, tag: "trainer 1 opened the job" }),
+    BadRequestError,
+    "holds no state to recover",
+  ],
+  [
+    "ckpt.recover: a shard whose tag names another shard",
+    subjects.ckptRecover(job, recoverAsker.shard(0)),
+    encodeJobRequest({ job, step: 0, tag: "shard 1 opened the job" }),
+    BadRequestError,
+    "shard 0 recovers when it opens the job",
+  ],
+  [
+    "ckpt.recover: an asker the subject does not name",
+    `${subjects.ckptRecover(job, "x")}`,
+    encodeJobRequest({ job, step: 0, tag: "trainer 0 opened the job" }),
+    BadRequestError,
+    "ckpt.recover.trainer-<rank>",
+  ],
 ];
 
 describe("bad input on every loader and checkpoint subject gets an error reply; the service keeps serving", () => {

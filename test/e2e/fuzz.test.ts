@@ -11,6 +11,7 @@ import {
   decodeCollPiece,
   decodeJobRequest,
   decodeJobSpec,
+  decodeManifest,
   decodePullRequest,
   decodePushReply,
   decodePushRequest,
@@ -38,6 +39,12 @@ import {
   parseJobConfig,
   subjects,
   qualifyJob,
+  recoverAsker,
+  shardOpenedTag,
+  trainerFailedTag,
+  trainerOfFailedTag,
+  trainerOfLacksTag,
+  trainerOfOpenedTag,
 } from "../../services/runtime/job/job.ts";
 import { specOfConfig, MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/launcher.ts";
@@ -196,10 +203,19 @@ function commonTargets(cfg: JobConfig, total: number): Target[] {
     {
       // the services' recovery asks, naming snapshots (refused: a recovery takes the newest only)
       name: "ckpt.recover",
-      subject: subjects.ckptRecover(job),
-      seeds: [jr({ tag: "step-000000777" }), jr({ tag: "step-000000001" })],
+      // the asker is the subject's last token: a shard in parameter-server mode, a trainer in
+      // all-reduce mode; what is legitimate is that asker's own ask (drawn again)
+      subject: subjects.ckptRecover(job, cfg.sync === "allreduce" ? recoverAsker.trainer(0) : recoverAsker.shard(0)),
+      seeds: [
+        jr({ tag: "step-000000777" }),
+        jr({ tag: "step-000000001" }),
+        jr({ tag: cfg.sync === "allreduce" ? trainerFailedTag(1, 3) : shardOpenedTag(1) }),
+      ],
       ...jobRequest,
-      legitimate: (m) => !/^step-/.test(m.tag),
+      legitimate: (m) =>
+        cfg.sync === "allreduce"
+          ? (trainerOfOpenedTag(m.tag) ?? trainerOfLacksTag(m.tag) ?? trainerOfFailedTag(m.tag)) === 0
+          : m.tag === shardOpenedTag(0),
       taken: () => true,
       timeoutMs: 60_000,
     } satisfies Target<ReturnType<typeof decodeJobRequest>>,
@@ -229,6 +245,14 @@ async function fuzzRun(
   // which the trainers must take up and finish from), while the fuzz still runs or after it: on
   // a loaded machine the job can reach its last step first
   let endRestore: Promise<unknown> | null = null;
+  // recoveries replayed once that restore is announced, asking for the loss it covered: each is
+  // answered (the restore's manifest, or the refusal of an asker that loses nothing), none
+  // restores again (the Restore events below stay the operator's one)
+  let replays: Promise<PromiseSettledResult<number>[]> | null = null;
+  const replay = (asker: string, tag: string) =>
+    client.bus
+      .request(subjects.ckptRecover(cfg.job, asker), encodeJobRequest({ job: cfg.job, step: 0, tag, value: 0 }), 30_000)
+      .then((bytes) => decodeManifest(bytes, 1 << 22).step);
   await client.submit(cfg, { membersWaitMs: 60_000 });
   const watching = watchJob(client, cfg.job, {
     quiet: true,
@@ -236,6 +260,15 @@ async function fuzzRun(
       seen.push(e);
       if (endRestore === null && e.kind === EventKind.Step && e.rank === 0 && e.step === total - 1)
         endRestore = client.restore(cfg.job);
+      if (replays === null && e.kind === EventKind.Restore)
+        replays = Promise.allSettled(
+          cfg.sync === "allreduce"
+            ? [0, 1, 0].map((r) => replay(recoverAsker.trainer(r), trainerFailedTag(r, e.step)))
+            : [
+                replay(recoverAsker.shard(0), shardOpenedTag(0)),
+                replay(recoverAsker.trainer(0), trainerFailedTag(0, 1)),
+              ],
+        );
     },
   }).finally(() => (ended = true));
   await waitFor("the job's step 3", () => seen.some((e) => e.kind === EventKind.Step && e.step >= 3), 60_000);
@@ -249,6 +282,7 @@ async function fuzzRun(
   const endedDuringFuzz = ended;
   const r = await watching;
   const restoredTo = ((await endRestore) as { step: number } | null)?.step;
+  const replayed = await (replays as Promise<PromiseSettledResult<number>[]> | null);
 
   const errors = [...outcome.errors].sort(([a], [b]) => a.localeCompare(b));
   console.log(
@@ -272,6 +306,15 @@ async function fuzzRun(
   expect(Object.fromEntries(outcome.taken)).toEqual({});
   expect(restoredTo).toBeGreaterThan(0);
   expect(seen.filter((e) => e.kind === EventKind.Restore).map((e) => e.step)).toEqual([restoredTo!]);
+  const outcomes = replayed!.map((x) =>
+    x.status === "fulfilled" ? `step ${x.value}` : `${(x.reason as Error).name}: ${(x.reason as Error).message}`,
+  );
+  console.log(`  recoveries replayed after the restore: ${outcomes.join(" | ")}`);
+  if (cfg.sync === "allreduce") expect(outcomes).toEqual(Array(3).fill(`step ${restoredTo}`));
+  else {
+    expect(outcomes[0]).toContain("holds state already");
+    expect(outcomes[1]).toContain("holds no state to recover");
+  }
   // the job finished with the very run of the fault-free job: the same loss at every step (the
   // steps after the restore ran twice, with the same losses)
   expect(r.record.state).toBe(JobState.Done);
@@ -459,7 +502,7 @@ const subjectPattern = (subject: string, job: string) =>
   subject
     .replace(`mt.${job}.`, "mt.<job>.")
     .split(".")
-    .map((t) => (/^\d+$/.test(t) ? "<n>" : t))
+    .map((t) => t.replace(/^([a-z]+-)?\d+$/, "$1<n>"))
     .join(".");
 
 /** docs/ARCHITECTURE.md's subjects that someone answers, as patterns (a row's alternatives each). */

@@ -7,7 +7,7 @@ import { readFileSync, statSync, writeFileSync } from "node:fs";
 import { join, relative } from "node:path";
 import { createUser } from "@nats-io/nkeys";
 import { JobState } from "../../schemas/messages.ts";
-import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../../services/runtime/job/job.ts";
+import { type JobConfig, jobDefaults, parseJobConfig, recoverAsker, subjects } from "../../services/runtime/job/job.ts";
 import { recordsBucket, runningRecord } from "../../services/runtime/job/jobs.ts";
 import { jetstreamManager } from "@nats-io/jetstream";
 import { NatsAccessError, NatsBus } from "../../services/runtime/mesh/nats.ts";
@@ -181,7 +181,10 @@ describe("a nats-server with the roles", async () => {
       // a piece claiming to come from another rank: refused by the server before any rank sees it
       expect(await outcome(t1, subjects.coll(job, 0, 0))).toBe("refused");
       expect(await outcome(t1, subjects.coll(job, 2, 0))).toBe("refused");
-      expect(await outcome(t1, subjects.ckptRecover(job))).toBe("allowed");
+      // a recovery only as itself: the asker is the subject's last token
+      expect(await outcome(t1, subjects.ckptRecover(job, recoverAsker.trainer(1)))).toBe("allowed");
+      expect(await outcome(t1, subjects.ckptRecover(job, recoverAsker.trainer(0)))).toBe("refused");
+      expect(await outcome(t1, subjects.ckptRecover(job, recoverAsker.shard(1)))).toBe("refused");
       expect(await outcome(t1, subjects.psPush(job, 0, 0))).toBe("refused");
       expect(await outcome(t1, subjects.psPull(job, 1, 0))).toBe("refused");
       expect(await outcome(t1, subjects.psLoad(job, 0))).toBe("refused");
@@ -223,7 +226,7 @@ describe("a nats-server with the roles", async () => {
       for (const s of [
         subjects.ckptRestore(job),
         subjects.ckptResize(job),
-        subjects.ckptRecover(job),
+        subjects.ckptRecover(job, recoverAsker.trainer(0)),
         subjects.ckptSave(job),
         subjects.psLoad(job, 0),
         subjects.psPush(job, 0, 0),
@@ -261,8 +264,10 @@ describe("a nats-server with the roles", async () => {
   test.each([
     [
       "ps-0",
-      [subjects.psNorm(job, 1), subjects.ckptRecover(job)],
+      [subjects.psNorm(job, 1), subjects.ckptRecover(job, recoverAsker.shard(0))],
       [
+        subjects.ckptRecover(job, recoverAsker.shard(1)),
+        subjects.ckptRecover(job, recoverAsker.trainer(0)),
         subjects.psPush(job, 1, 0),
         subjects.psLoad(job, 1),
         subjects.ckptRestore(job),

@@ -571,6 +571,33 @@ export const trainerOfOpenedTag = (tag: string): number | null => {
   return m ? Number(m[1]) : null;
 };
 
+/** Who asks for a recovery, as the last token of its ckpt.recover subject. */
+export const recoverAsker = {
+  trainer: (rank: number): string => `trainer-${rank}`,
+  shard: (shard: number): string => `shard-${shard}`,
+};
+/** The asker a ckpt.recover subject names, or null when its last token names none. */
+export function recoverAskerOf(subject: string): { kind: "trainer" | "shard"; index: number } | null {
+  const m = /\.(trainer|shard)-(\d{1,4})$/.exec(subject);
+  return m ? { kind: m[1] as "trainer" | "shard", index: Number(m[2]) } : null;
+}
+
+/** The tag of a restarted trainer rank's second ask: the restore it was given loaded the ranks
+ *  before it came back, so it holds none of it (modes.ts findStartStep). */
+export const trainerLacksTag = (rank: number, id: string): string => `trainer ${rank} holds no replica of ${id}`;
+export const trainerOfLacksTag = (tag: string): number | null => {
+  const m = /^trainer (\d{1,4}) holds no replica of /.exec(tag);
+  return m ? Number(m[1]) : null;
+};
+
+/** The tag of a trainer's recovery after a collective of `step` failed (the loop's rewind). */
+export const trainerFailedTag = (rank: number, step: number): string =>
+  `trainer ${rank}: a collective of step ${step} failed`;
+export const trainerOfFailedTag = (tag: string): number | null => {
+  const m = /^trainer (\d{1,4}): a collective of step \d+ failed$/.exec(tag);
+  return m ? Number(m[1]) : null;
+};
+
 /** Subjects of one job (ARCHITECTURE.md). */
 export const subjects = {
   dataNext: (job: string) => `mt.${job}.data.next`,
@@ -605,8 +632,9 @@ export const subjects = {
   /** an operator's restore (admin only): the newest good snapshot, or the one the tag names */
   ckptRestore: (job: string) => `mt.${job}.ckpt.restore`,
   /** a service's ask to be restored after it (re)opened the job or lost its state: the newest
-   *  good snapshot only, never one a tag names (services may recover a job, not rewind it) */
-  ckptRecover: (job: string) => `mt.${job}.ckpt.recover`,
+   *  good snapshot only, never one a tag names (services may recover a job, not rewind it). The
+   *  asker (recoverAsker) is the last token, which NATS permissions keep to its own user */
+  ckptRecover: (job: string, asker: string) => `mt.${job}.ckpt.recover.${asker}`,
   /** a running job's trainers or shards changed at a step boundary (tag "trainers <n> shards <m>") */
   ckptResize: (job: string) => `mt.${job}.ckpt.resize`,
   events: (job: string, kind: string) => `mt.${job}.events.${kind}`,

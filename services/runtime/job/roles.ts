@@ -22,7 +22,7 @@
 import { chmodSync, existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
 import { createUser, fromSeed } from "@nats-io/nkeys";
 import { basename, join } from "node:path";
-import { defaultOwner, ownerProblem } from "./job.ts";
+import { defaultOwner, ownerProblem, recoverAsker } from "./job.ts";
 import { jobsBucket, recordsBucket } from "./jobs.ts";
 import { ncclIdsBucket, ncclLeaderToken } from "./nccl-id.ts";
 
@@ -181,7 +181,12 @@ export function permissionsOf(user: RoleName): Permissions {
     );
   }
   const ps = /^ps-(\d+)$/.exec(user);
-  if (ps) return service(["mt.*.*.ps.*.norm", "mt.*.*.ckpt.recover"], [`mt.*.*.ps.${ps[1]}.>`]);
+  // a recovery is asked by the process that lost its state, as itself (the subject's last token)
+  if (ps)
+    return service(
+      ["mt.*.*.ps.*.norm", `mt.*.*.ckpt.recover.${recoverAsker.shard(Number(ps[1]))}`],
+      [`mt.*.*.ps.${ps[1]}.>`],
+    );
   const trainer = /^trainer-(\d+)$/.exec(user);
   if (trainer) {
     const r = trainer[1]!;
@@ -200,7 +205,7 @@ export function permissionsOf(user: RoleName): Permissions {
         `mt.*.*.ps.*.pull.${r}`,
         "mt.*.*.ps.*.stats",
         "mt.*.*.ckpt.save",
-        "mt.*.*.ckpt.recover",
+        `mt.*.*.ckpt.recover.${recoverAsker.trainer(Number(r))}`,
         "mt.*.*.ckpt.list",
         // a collective piece to any rank, as this rank only (the sender is the last token)
         `mt.*.*.coll.*.${r}`,
