@@ -16,7 +16,7 @@ import {
   shmSocketPath,
 } from "../../services/runtime/transport/collective-shm.ts";
 import pino from "pino";
-import { BadRequestError } from "../../services/runtime/mesh/errors.ts";
+import { BadRequestError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
 import { NatsBus } from "../../services/runtime/mesh/nats.ts";
 import { refusalBurst } from "../../services/runtime/mesh/refusal-log.ts";
 import { subjects } from "../../services/runtime/job/job.ts";
@@ -248,6 +248,48 @@ describe("the collective subject refuses hostile pieces", () => {
       shmRefusedPrefix,
     );
     inline.close();
+  });
+
+  test("a storm of pieces while the rank replaces its transport again and again (restores): every request is answered at once", async () => {
+    await using bus = await clientBus(server.url);
+    await using rankBus = await clientBus(server.url);
+    const job = "default.storm";
+    let t = new BusTransport(rankBus, { ...rankZero(job), sharedMemory: false });
+    t.listen(() => ({ kind: "taken" }));
+    let stop = false;
+    // a new generation every few ms, as back-to-back restores give: the old transport closes, a
+    // new one listens
+    const churn = (async () => {
+      for (let g = 4; !stop; g++) {
+        await Bun.sleep(3);
+        t.close();
+        t = new BusTransport(rankBus, { ...rankZero(job), generation: g, sharedMemory: false });
+        t.listen(() => ({ kind: "taken" }));
+      }
+    })();
+    const good = pieceFromOne(job, 3);
+    let unanswered = 0;
+    let answered = 0;
+    const sender = async () => {
+      for (let i = 0; i < 100; i++) {
+        try {
+          await bus.request(
+            subjects.coll(job, 0, 1),
+            encodeCollPiece({ ...good, piece: i }, new Float32Array(2)),
+            2_000,
+          );
+          answered++;
+        } catch (e) {
+          if (e instanceof DeadlineError) unanswered++;
+          else answered++;
+        }
+      }
+    };
+    await Promise.all(Array.from({ length: 16 }, sender));
+    stop = true;
+    await churn;
+    t.close();
+    expect({ answered, unanswered }).toEqual({ answered: 1600, unanswered: 0 });
   });
 
   test("wrong job, generation, addressee, sender (also one the subject does not name), length: error replies, logged rate-limited with the subject and the reason; the rank keeps working", async () => {

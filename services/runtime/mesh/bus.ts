@@ -18,6 +18,12 @@ export interface EndpointSpec {
 
 export interface Subscription {
   unsubscribe(): void;
+  /**
+   * Stops taking new messages but still handles (and answers) those already routed here, then
+   * unsubscribes: the handler may run after this returns, and must answer as a closed one would.
+   * Where a bus cannot tell the two apart, the same as unsubscribe.
+   */
+  drain?(): void;
 }
 
 export interface Bus {

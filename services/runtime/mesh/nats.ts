@@ -302,7 +302,15 @@ export class NatsBus implements Bus {
       },
     });
     this.#subs.push(sub);
-    return { unsubscribe: () => sub.unsubscribe() };
+    return {
+      unsubscribe: () => sub.unsubscribe(),
+      // the requests the server routed here before it took the unsubscribe are still answered;
+      // it answers those that come after with "no responders" at once
+      drain: () => {
+        if (sub.isClosed() || sub.isDraining() || this.nc.isClosed()) return;
+        sub.drain().catch(() => sub.unsubscribe());
+      },
+    };
   }
 
   serve(endpoint: EndpointSpec): void {

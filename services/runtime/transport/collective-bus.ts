@@ -123,6 +123,12 @@ export class BusTransport implements PeerTransport {
     const { job, rank } = this.#o;
     const identity = this.#identity === null ? new Uint8Array(0) : encoder.encode(this.#identity);
     const handler = (data: Uint8Array, subject: string) => {
+      // a piece routed here before close (drained, below): its sender retries, and finds the
+      // communicator that replaced this one, or is replaced itself
+      if (this.#closed)
+        throw new CapacityError(
+          `rank ${rank}'s communicator generation ${this.#o.generation} is closed (a restore replaces it); retry`,
+        );
       const { piece, inline } = this.#check(data, subject);
       const receipt = receive(piece);
       if (receipt.kind === "busy") throw new CapacityError(receipt.why);
@@ -327,7 +333,10 @@ export class BusTransport implements PeerTransport {
 
   close(): void {
     this.#closed = true;
-    this.#sub?.unsubscribe();
+    // drained, not dropped: every piece in flight to this rank gets its answer now, instead of
+    // waiting out its sender's timeout (a rank replaces its transport at every restore)
+    if (this.#sub?.drain) this.#sub.drain();
+    else this.#sub?.unsubscribe();
     this.#sub = null;
     this.#server?.close();
     this.#server = null;
