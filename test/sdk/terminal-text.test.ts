@@ -2,7 +2,7 @@
 // override in an event's text, a record's reason or a snapshot's id is shown escaped, never acted
 // on (a forged restore tag used to print "restored: ... (a⏎b⏎FAKE LOG LINE)" as three lines).
 import { afterAll, afterEach, describe, expect, spyOn, test } from "bun:test";
-import { type Event, EventKind, JobState, type Manifest } from "../../schemas/messages.ts";
+import { type Event, EventKind, emptyEvent, JobState, type Manifest } from "../../schemas/messages.ts";
 import { runningRecord } from "../../services/runtime/job/jobs.ts";
 import { printable } from "../../sdk/format.ts";
 import { jobsTable, outcomeLines, statusLines } from "../../sdk/report.ts";
@@ -15,26 +15,7 @@ const forged = "a\nb\r\nFAKE LOG LINE\x1b[2K\u202eevil\u2028more";
 const oneLine = /^[^\u0000-\u001f\u007f-\u009f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]*$/;
 
 function event(kind: EventKind, text: string): Event {
-  return {
-    job: "default.j",
-    kind,
-    rank: 0,
-    step: 6,
-    timeMs: Date.now(),
-    loss: 0,
-    lr: 0,
-    accuracy: -1,
-    samplesPerS: 0,
-    dataWaitMs: 0,
-    pullMs: 0,
-    computeMs: 0,
-    pushMs: 0,
-    text,
-    count: 0,
-    commMs: 0,
-    exposedCommMs: 0,
-    wireBytes: 0,
-  } as Event;
+  return { ...emptyEvent("default.j", kind), step: 6, text };
 }
 
 let printed: string[] = [];

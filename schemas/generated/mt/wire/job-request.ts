@@ -59,7 +59,8 @@ tag(optionalEncoding?:any):string|Uint8Array|null {
 
 /**
  * a number the request or its reply carries: a shard's sum of squares of its part of a
- * step's averaged gradient (`ps.<k>.norm`, BSP clipping)
+ * step's averaged gradient (`ps.<k>.norm`, BSP clipping); a trainer's `ckpt.recover.<asker>`
+ * after a failed collective: the communicator generation that failed
  */
 value():number {
   const offset = this.bb!.__offset(this.bb_pos, 12);
