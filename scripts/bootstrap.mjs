@@ -84,6 +84,9 @@ const needs = [
     tests: true,
     ok: () => which("docker-compose") || spawnSync("docker", ["compose", "version"], { stdio: "ignore" }).status === 0,
   },
+  // the test bed of hosts (testbed/hosts.ts): network namespaces, shaped links, dropped packets
+  { what: "iproute2 (ip, tc)", pkg: "iproute2", tests: true, ok: () => which("ip") && which("tc") },
+  { what: "iptables", pkg: "iptables", tests: true, ok: () => which("iptables") || existsSync("/usr/sbin/iptables") },
   {
     what: "debootstrap (the compose test's base images)",
     pkg: "debootstrap",

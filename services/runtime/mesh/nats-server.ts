@@ -31,6 +31,9 @@ export interface NatsServerOptions {
   startTimeoutMs: number;
   /** a port to listen on (refused when taken); default: a free one */
   port?: number;
+  /** the address it listens on, for clients, routes and monitoring (default 127.0.0.1; a host
+   *  of the test bed gives its own, testbed/hosts.ts) */
+  host?: string;
   /** the folder for the config and the JetStream store, kept at stop; default: a temporary one, removed */
   dir?: string;
   /** rewrites the server's argv (the launcher ties its life to the launcher's) */
@@ -43,7 +46,7 @@ export interface NatsServerOptions {
   tls?: { certFile: string; keyFile: string; caFile?: string; verify?: boolean };
   /** one server of a cluster (deploy/nats-cluster/ has the same for a real deployment) */
   cluster?: NatsClusterOptions;
-  /** the HTTP monitoring port (/varz, /jsz, /connz) on 127.0.0.1; default: none */
+  /** the HTTP monitoring port (/varz, /jsz, /connz) on its host (127.0.0.1 unless given); default: none */
   monitorPort?: number;
   /** the users and their permissions: an `authorization { ... }` block (services/runtime/job/roles.ts
    *  natsAuthorization); default: none, anyone may connect and do anything */
@@ -63,12 +66,12 @@ export interface NatsClusterOptions {
 }
 
 /** The config lines of a cluster member (server_name sits outside the cluster block). */
-const clusterConf = (c: NatsClusterOptions): string =>
+const clusterConf = (c: NatsClusterOptions, host: string): string =>
   [
     `server_name: "${c.serverName}"`,
     "cluster {",
     `  name: "${c.name}"`,
-    `  listen: "127.0.0.1:${c.port}"`,
+    `  listen: "${host}:${c.port}"`,
     `  routes: [${c.routes.map((r) => `"${r}"`).join(", ")}]`,
     "}",
   ].join("\n");
@@ -100,9 +103,9 @@ export function natsServerBinary(): string {
   return bin;
 }
 
-async function canConnect(port: number): Promise<boolean> {
+async function canConnect(host: string | undefined, port: number): Promise<boolean> {
   try {
-    const socket = await Bun.connect({ hostname: "127.0.0.1", port, socket: { data() {} } });
+    const socket = await Bun.connect({ hostname: host ?? "127.0.0.1", port, socket: { data() {} } });
     socket.end();
     return true;
   } catch {
@@ -121,7 +124,7 @@ const portTriesMax = 3;
 
 export async function startNatsServer(options: Partial<NatsServerOptions> = {}): Promise<NatsServer> {
   const opts = { ...natsServerDefaults, ...options };
-  if (opts.port !== undefined && (await canConnect(opts.port))) {
+  if (opts.port !== undefined && (await canConnect(opts.host, opts.port))) {
     throw new NatsServerError(
       `port ${opts.port} is taken (another meshtrain mesh, or another NATS server, listens there); pick another with --port`,
     );
@@ -142,19 +145,20 @@ export async function startNatsServer(options: Partial<NatsServerOptions> = {}):
 async function startOn(opts: NatsServerOptions, port: number): Promise<NatsServer> {
   const bin = natsServerBinary();
   const keep = opts.dir !== undefined;
+  const host = opts.host ?? "127.0.0.1";
   const dir = opts.dir ?? mkdtempSync(join(tmpdir(), "mt-nats-"));
   mkdirSync(dir, { recursive: true });
   const removeDir = () => {
     if (!keep) rmSync(dir, { recursive: true, force: true });
   };
   const conf = [
-    `listen: "127.0.0.1:${port}"`,
+    `listen: "${host}:${port}"`,
     `max_payload: ${opts.maxPayloadBytes}`,
     // the mesh's largest messages are max_payload; give the write path room for a few
     `max_pending: ${Math.max(64 << 20, opts.maxPayloadBytes * 8)}`,
     opts.jetstream ? `jetstream { store_dir: "${join(dir, "js")}" }` : "",
-    opts.cluster ? clusterConf(opts.cluster) : "",
-    opts.monitorPort === undefined ? "" : `http: "127.0.0.1:${opts.monitorPort}"`,
+    opts.cluster ? clusterConf(opts.cluster, host) : "",
+    opts.monitorPort === undefined ? "" : `http: "${host}:${opts.monitorPort}"`,
     opts.authorization ?? "",
     opts.tls
       ? [
@@ -177,7 +181,7 @@ async function startOn(opts: NatsServerOptions, port: number): Promise<NatsServe
     detached: true,
   });
   const deadline = Date.now() + opts.startTimeoutMs;
-  while (!(await canConnect(port))) {
+  while (!(await canConnect(host, port))) {
     if (proc.exitCode !== null || Date.now() > deadline) {
       proc.kill();
       const err = await new Response(proc.stderr).text();
@@ -199,7 +203,7 @@ async function startOn(opts: NatsServerOptions, port: number): Promise<NatsServe
     removeDir();
   };
   return {
-    url: `${opts.tls ? "tls" : "nats"}://127.0.0.1:${port}`,
+    url: `${opts.tls ? "tls" : "nats"}://${host}:${port}`,
     port,
     dir,
     pid: proc.pid,

@@ -1,0 +1,140 @@
+// The mesh spread over the hosts of a bed (testbed/hosts.ts), as a deployment would spread it
+// over machines: a NATS cluster of three servers on three hosts (JetStream's job store kept on
+// all three), the data-loader and the checkpoint service on one host, the parameter-server
+// shards on others, and the trainers two per host, each with its host's label (MT_HOST) and its
+// slot on it (MT_LOCAL_RANK). Every service connects to its host's NATS server first (or, on a
+// host without one, to the next host's), with the others as its failover. An open mesh (no NATS
+// users): what crosses hosts is the subject here, not access.
+import { createWriteStream, mkdirSync, mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { readTopology, scaleTopology } from "../sdk/launcher.ts";
+import { type NatsServer, startNatsServer } from "../services/runtime/mesh/nats-server.ts";
+import type { HostBed } from "./hosts.ts";
+
+export interface HostMeshOptions {
+  /** hosts of the NATS cluster's servers (three: a majority survives one host lost) */
+  natsHosts: readonly number[];
+  /** the host of the data-loader and the checkpoint service */
+  serviceHost: number;
+  /** the host of each parameter-server shard (none: an all-reduce mesh) */
+  shardHosts: readonly number[];
+  /** the hosts of the trainers, `trainersPerHost` on each, ranks in order */
+  trainerHosts: readonly number[];
+  trainersPerHost: number;
+  /** MT_* settings for every service */
+  env?: Record<string, string>;
+  /** where each service's log goes (one file per service); default: a temporary folder */
+  logDir?: string;
+}
+
+export interface MeshProcess {
+  name: string;
+  host: number;
+  proc: Bun.Subprocess;
+  log: string;
+}
+
+/** The label a trainer of host i reports (MT_HOST). */
+export const hostLabel = (i: number): string => `host-${i}`;
+
+export class HostMesh implements AsyncDisposable {
+  private constructor(
+    readonly bed: HostBed,
+    readonly nats: { host: number; server: NatsServer }[],
+    readonly processes: MeshProcess[],
+    readonly jobsDir: string,
+    readonly logDir: string,
+    readonly tempDir: string,
+  ) {}
+
+  /** The cluster's client URLs, host `first`'s server first (a client's home server). */
+  urls(first?: number): string {
+    const ordered = [...this.nats].sort((a, b) => Number(b.host === first) - Number(a.host === first));
+    return ordered.map((n) => n.server.url).join(",");
+  }
+
+  static async start(bed: HostBed, o: HostMeshOptions): Promise<HostMesh> {
+    const tempDir = mkdtempSync(join(tmpdir(), "mt-hostmesh-"));
+    const logDir = o.logDir ?? join(tempDir, "logs");
+    const jobsDir = join(tempDir, "jobs");
+    mkdirSync(logDir, { recursive: true });
+    mkdirSync(jobsDir, { recursive: true });
+    // every host has its own ports: the cluster's usual ones do
+    const nats = await Promise.all(
+      o.natsHosts.map(async (h, i) => ({
+        host: h,
+        server: await startNatsServer({
+          host: bed.address(h),
+          port: 4222,
+          monitorPort: 8222,
+          dir: join(tempDir, `nats-${i}`),
+          logFile: join(logDir, `nats-${i}.log`),
+          wrap: (argv) => bed.argv(h, argv),
+          cluster: {
+            name: "mt",
+            serverName: `nats-${i}`,
+            port: 6222,
+            routes: o.natsHosts.filter((x) => x !== h).map((x) => `nats-route://${bed.address(x)}:6222`),
+          },
+        }),
+      })),
+    );
+    const mesh = new HostMesh(bed, nats, [], jobsDir, logDir, tempDir);
+    const trainers = o.trainerHosts.length * o.trainersPerHost;
+    const specs = scaleTopology(readTopology(), { trainers, shards: o.shardHosts.length });
+    for (const spec of specs) {
+      const rank = spec.env.MT_RANK === undefined ? null : Number(spec.env.MT_RANK);
+      const shard = spec.env.MT_SHARD === undefined ? null : Number(spec.env.MT_SHARD);
+      const host =
+        rank !== null
+          ? o.trainerHosts[Math.floor(rank / o.trainersPerHost)]!
+          : shard !== null
+            ? o.shardHosts[shard]!
+            : o.serviceHost;
+      // a host without a NATS server uses the next host's that has one
+      const home = o.natsHosts.includes(host) ? host : (o.natsHosts.find((h) => h > host) ?? o.natsHosts[0]!);
+      const env: Record<string, string> = {
+        ...(process.env as Record<string, string>),
+        ...spec.env,
+        MT_NATS_URL: mesh.urls(home),
+        MT_NATS_NKEY: "",
+        MT_DIR: jobsDir,
+        MT_KV_REPLICAS: String(Math.min(3, o.natsHosts.length)),
+        MT_METRICS_PORT: "-1",
+        OMP_NUM_THREADS: "1",
+        ...o.env,
+        ...(rank === null ? {} : { MT_HOST: hostLabel(host), MT_LOCAL_RANK: String(rank % o.trainersPerHost) }),
+      };
+      const log = join(logDir, `${spec.name}.log`);
+      const out = createWriteStream(log, { flags: "a" });
+      const proc = bed.spawn(host, spec.argv, { env, stdin: "ignore", stdout: "pipe", stderr: "pipe" });
+      for (const stream of [proc.stdout, proc.stderr] as ReadableStream<Uint8Array>[])
+        void (async () => {
+          for await (const chunk of stream) out.write(chunk);
+        })();
+      mesh.processes.push({ name: spec.name, host, proc, log });
+    }
+    return mesh;
+  }
+
+  /** Process ids of the services of host i (NATS included). */
+  pidsOn(host: number): number[] {
+    return [
+      ...this.nats.filter((n) => n.host === host).map((n) => n.server.pid),
+      ...this.processes.filter((p) => p.host === host && p.proc.exitCode === null).map((p) => p.proc.pid),
+    ];
+  }
+
+  async [Symbol.asyncDispose](): Promise<void> {
+    const procs = this.processes.map((p) => p.proc).filter((p) => p.exitCode === null);
+    for (const p of procs) p.kill("SIGTERM");
+    const killer = setTimeout(() => {
+      for (const p of procs) p.kill("SIGKILL");
+    }, 10_000);
+    await Promise.all(procs.map((p) => p.exited));
+    clearTimeout(killer);
+    await Promise.all(this.nats.map((n) => n.server.stop()));
+    rmSync(this.tempDir, { recursive: true, force: true });
+  }
+}
