@@ -100,6 +100,10 @@ export class NatsUnreachableError extends Error {
  * Connects, retrying with exponential backoff. The first failure is logged once with the URL and
  * how to start a server; later attempts log at debug level.
  */
+/** How often a connection pings its server, and how many unanswered pings drop it. */
+export const pingIntervalMs = 5_000;
+export const maxPingsOut = 3;
+
 export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnection> {
   const started = Date.now();
   let pauseMs = 100;
@@ -128,6 +132,11 @@ export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnec
         maxReconnectAttempts: -1,
         reconnectTimeWait: 250,
         timeout: 2000,
+        // a server cut off by a partition closes nothing: its connection just goes silent. A
+        // ping every 5 s, and 3 unanswered, find it within 20 s and move to another server
+        // (nats.js's defaults, 2 min and 2, take 4 min)
+        pingInterval: pingIntervalMs,
+        maxPingOut: maxPingsOut,
       });
     } catch (e) {
       const elapsedMs = Date.now() - started;

@@ -1,0 +1,45 @@
+// The mesh across hosts of the test bed (testbed/mesh.ts), links shaped to 1 Gbit/s: a NATS
+// cluster of three servers on hosts 0, 1 and 3, the data-loader and the checkpoint service on
+// host 0, a shard on each of hosts 1 and 2, two trainers on each of hosts 1 and 2 (host 2's
+// services have host 3's server as their home). Every trainer reports its host, and a BSP job
+// finishes Done at the accuracy it has on one host. Skips where namespaces cannot be made.
+import { afterAll, describe, expect, test } from "bun:test";
+import { JobState } from "../../schemas/messages.ts";
+import { MeshClient } from "../../sdk/client.ts";
+import { HostBed, testBedProblem } from "../../testbed/hosts.ts";
+import { HostMesh, hostLabel } from "../../testbed/mesh.ts";
+import { mlpJob, runJob } from "../helpers/mesh-jobs.ts";
+import { removeTempDirs, waitFor } from "../helpers/mesh.ts";
+import { skip } from "../helpers/skip.ts";
+
+afterAll(removeTempDirs);
+
+describe.skipIf(skip("network namespaces", testBedProblem()))("the mesh across hosts", () => {
+  test("a BSP job across 4 hosts on a NATS cluster of three: each trainer reports its host, the job finishes Done", async () => {
+    await using bed = await HostBed.create({ hosts: 4, rateMbit: 1000 });
+    await using mesh = await HostMesh.start(bed, {
+      natsHosts: [0, 1, 3],
+      serviceHost: 0,
+      shardHosts: [1, 2],
+      trainerHosts: [1, 2],
+      trainersPerHost: 2,
+    });
+    await using client = await MeshClient.connect(mesh.urls(0), { connectRetryMsMax: 30_000 });
+    await waitFor(
+      "the four trainers on the mesh",
+      async () => Object.keys((await client.members()).trainerHosts ?? {}).length === 4,
+      60_000,
+    );
+    expect((await client.members()).trainerHosts).toEqual({
+      0: hostLabel(1),
+      1: hostLabel(1),
+      2: hostLabel(2),
+      3: hostLabel(2),
+    });
+    const r = await runJob(client, mlpJob({ job: "default.hosts", trainers: 4, shards: 2, checkpointEvery: 40 }));
+    expect(r.record.state).toBe(JobState.Done);
+    expect(r.record.accuracy).toBeGreaterThan(0.9);
+    // nothing ran on host 3 but its NATS server
+    expect(mesh.pidsOn(3)).toEqual([mesh.nats.find((n) => n.host === 3)!.server.pid]);
+  }, 300_000);
+});
