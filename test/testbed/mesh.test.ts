@@ -2,9 +2,11 @@
 // cluster of three servers on hosts 0, 1 and 3, the data-loader and the checkpoint service on
 // host 0, a shard on each of hosts 1 and 2, two trainers on each of hosts 1 and 2 (host 2's
 // services have host 3's server as their home). Every trainer reports its host, and a BSP job
-// finishes Done at the accuracy it has on one host. Skips where namespaces cannot be made.
+// finishes Done at the accuracy it has on one host. A slow host (its link shaped to 20 Mbit/s):
+// the straggler detector names its trainers, and an SSP job finishes Done. Skips where
+// namespaces cannot be made.
 import { afterAll, describe, expect, test } from "bun:test";
-import { JobState } from "../../schemas/messages.ts";
+import { EventKind, JobState } from "../../schemas/messages.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { HostBed, testBedProblem } from "../../testbed/hosts.ts";
 import { HostMesh, hostLabel } from "../../testbed/mesh.ts";
@@ -41,5 +43,44 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("the mesh across h
     expect(r.record.accuracy).toBeGreaterThan(0.9);
     // nothing ran on host 3 but its NATS server
     expect(mesh.pidsOn(3)).toEqual([mesh.nats.find((n) => n.host === 3)!.server.pid]);
+  }, 300_000);
+
+  test("a slow host (its link at 20 Mbit/s, the others at 1 Gbit/s): the straggler detector names its trainers, and an SSP job finishes Done", async () => {
+    await using bed = await HostBed.create({ hosts: 4, rateMbit: 1000 });
+    await using mesh = await HostMesh.start(bed, {
+      natsHosts: [0, 1, 3],
+      serviceHost: 0,
+      shardHosts: [1, 2],
+      trainerHosts: [1, 2],
+      trainersPerHost: 2,
+    });
+    await using client = await MeshClient.connect(mesh.urls(0), { connectRetryMsMax: 30_000 });
+    await waitFor(
+      "the four trainers on the mesh",
+      async () => Object.keys((await client.members()).trainerHosts ?? {}).length === 4,
+      60_000,
+    );
+    bed.shape(2, { rateMbit: 20 });
+    const r = await runJob(
+      client,
+      mlpJob({
+        job: "default.hosts-slow",
+        trainers: 4,
+        shards: 2,
+        sync: "ssp",
+        staleness: 4,
+        checkpointEvery: 0,
+        maxSteps: 60,
+      }),
+    );
+    const named = r.seen
+      .filter((e) => e.kind === EventKind.Straggler && / is a straggler/.test(e.text))
+      .map((e) => Number(/^trainer (\d+)/.exec(e.text)?.[1]));
+    console.log(`stragglers named: ${named.map((k) => `trainer ${k} (${hostLabel(k < 2 ? 1 : 2)})`).join(", ")}`);
+    expect(r.record.state).toBe(JobState.Done);
+    expect(r.record.accuracy).toBeGreaterThan(0.9);
+    // the slow host's trainers (2 and 3), and no other
+    expect(named.length).toBeGreaterThan(0);
+    expect(named.every((k) => k === 2 || k === 3)).toBe(true);
   }, 300_000);
 });
