@@ -4,6 +4,7 @@ import { NativeLibraryError } from "../ffi/errors.ts";
 import { runAllReduceBench } from "./allreduce.ts";
 import { runEngineBench } from "./engine.ts";
 import { runEpilogueBench } from "./epilogues.ts";
+import { runHostsBench } from "./hosts.ts";
 import { runKernelBench } from "./kernels.ts";
 import { runPsBench } from "./ps.ts";
 import { runCheckpointBench } from "./checkpoint.ts";
@@ -23,6 +24,7 @@ export const benches = {
   allreduce: runAllReduceBench,
   stream: runStreamBench,
   client: runClientBench,
+  hosts: runHostsBench,
 } satisfies Record<string, (argv: string[]) => unknown>;
 
 if (import.meta.main) {

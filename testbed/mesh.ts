@@ -22,6 +22,9 @@ export interface HostMeshOptions {
   /** the hosts of the trainers, `trainersPerHost` on each, ranks in order */
   trainerHosts: readonly number[];
   trainersPerHost: number;
+  /** the host label each trainer reports: its own host's (default), or host 0's for every
+   *  trainer ("one"), which makes an all-reduce flat: a ring over every rank, host or not */
+  labels?: "host" | "one";
   /** MT_* settings for every service */
   env?: Record<string, string>;
   /** where each service's log goes (one file per service); default: a temporary folder */
@@ -104,7 +107,11 @@ export class HostMesh implements AsyncDisposable {
         MT_METRICS_PORT: "-1",
         OMP_NUM_THREADS: "1",
         ...o.env,
-        ...(rank === null ? {} : { MT_HOST: hostLabel(host), MT_LOCAL_RANK: String(rank % o.trainersPerHost) }),
+        ...(rank === null
+          ? {}
+          : o.labels === "one"
+            ? { MT_HOST: hostLabel(0), MT_LOCAL_RANK: String(rank) }
+            : { MT_HOST: hostLabel(host), MT_LOCAL_RANK: String(rank % o.trainersPerHost) }),
       };
       const log = join(logDir, `${spec.name}.log`);
       const out = createWriteStream(log, { flags: "a" });

@@ -1,0 +1,235 @@
+// `bun run bench hosts`: the mesh across hosts joined by real links (testbed/hosts.ts: network
+// namespaces on this machine, each link shaped with tc), against PyTorch DDP (gloo) on the same
+// hosts, links and model in the same run. For each link rate it makes a bed of --hosts hosts,
+// --per-host trainers on each, and runs an MLP job of --steps steps per setting:
+//   - all-reduce, flat (one ring over every rank) and hierarchical (a ring per host, then the
+//     hosts' leaders), without compression and with bf16, int8 and top-k;
+//   - the parameter server, BSP and SSP (shards on hosts 0 and 1);
+//   - ZeRO-2;
+//   - DDP: bench/ddp_step.py, one rank per trainer slot, on Debian's python3-torch.
+// It prints a table, samples/s and the step split into compute and exposed communication, each
+// setting's speed against DDP's and against f32 at the same rate, then one JSON line. Needs
+// root (namespaces); the model is an MLP wide enough that its gradients load the links.
+import { join } from "node:path";
+import { ConfigError } from "../engine/errors.ts";
+import { MeshClient } from "../sdk/client.ts";
+import { watchJob } from "../sdk/watch.ts";
+import { defaultOwner, type JobConfig, jobDefaults, parseJobConfig, qualifyJob } from "../services/runtime/job/job.ts";
+import { HostBed, testBedProblem } from "../testbed/hosts.ts";
+import { HostMesh } from "../testbed/mesh.ts";
+import { parseBenchArgs, positiveInt } from "./args.ts";
+import { torchPython } from "./engine-config.ts";
+import { printReport, round } from "./table.ts";
+
+interface Row {
+  rate: string;
+  setting: string;
+  samples_per_s: number;
+  step_ms: number;
+  compute_ms: number;
+  exposed_comm_ms: number;
+  mb_per_step: number;
+  vs_ddp: number | string;
+  vs_f32: number | string;
+}
+
+interface Setting {
+  name: string;
+  cfg: Partial<JobConfig>;
+  /** every trainer labelled one host: the all-reduce is one flat ring */
+  flat?: boolean;
+}
+
+const settings: Setting[] = [
+  { name: "all-reduce flat", cfg: { sync: "allreduce" }, flat: true },
+  { name: "all-reduce hierarchical", cfg: { sync: "allreduce" } },
+  { name: "hierarchical bf16", cfg: { sync: "allreduce", compress: "bf16" } },
+  { name: "hierarchical int8", cfg: { sync: "allreduce", compress: "int8" } },
+  { name: "hierarchical top-k 1%", cfg: { sync: "allreduce", compress: "topk:0.01" } },
+  { name: "ZeRO-2", cfg: { sync: "allreduce", zero: 2 } },
+  { name: "parameter server BSP", cfg: { sync: "bsp" } },
+  { name: "parameter server SSP", cfg: { sync: "ssp", staleness: 4 } },
+];
+
+export async function runHostsBench(argv: string[]): Promise<void> {
+  const a = parseBenchArgs(argv, {
+    hosts: { type: "string", default: "4" },
+    "per-host": { type: "string", default: "2" },
+    rates: { type: "string", default: "1000,10000" },
+    steps: { type: "string", default: "30" },
+    batch: { type: "string", default: "64" },
+    widths: { type: "string", default: "784,1024,1024,10" },
+    only: { type: "string", default: "" },
+    quiet: { type: "boolean", default: false },
+  });
+  const problem = testBedProblem();
+  if (problem !== null) throw new ConfigError(`the hosts bench makes network namespaces: ${problem}`);
+  const hosts = positiveInt("hosts", a.hosts);
+  if (hosts < 2) throw new ConfigError(`--hosts must be at least 2 (the links are what is measured), got ${hosts}`);
+  const perHost = positiveInt("per-host", a["per-host"]);
+  const steps = positiveInt("steps", a.steps);
+  const batch = positiveInt("batch", a.batch);
+  const rates = String(a.rates)
+    .split(",")
+    .map((r) => positiveInt("rates", r));
+  const widths = String(a.widths)
+    .split(",")
+    .map((w) => positiveInt("widths", w));
+  if (widths[0] !== 784 || widths.at(-1) !== 10)
+    throw new ConfigError(`--widths must start with 784 and end with 10 (MNIST), got ${a.widths}`);
+  const picked = a.only === "" ? settings : settings.filter((s) => s.name.includes(String(a.only)));
+  const trainers = hosts * perHost;
+  const rows: Row[] = [];
+  for (const rate of rates) {
+    const rateText = rate >= 1000 ? `${rate / 1000} Gbit/s` : `${rate} Mbit/s`;
+    await using bed = await HostBed.create({ hosts, rateMbit: rate });
+    const ddp = await runDdp(bed, { perHost, steps, batch, widths });
+    const measured: Row[] = [];
+    for (const s of picked) {
+      const r = await runSetting(bed, s, { hosts, perHost, trainers, steps, batch, widths });
+      measured.push({ rate: rateText, setting: s.name, ...r, vs_ddp: 0, vs_f32: "" });
+      if (!a.quiet) console.log(`${rateText} ${s.name}: ${r.samples_per_s} samples/s`);
+    }
+    const f32 = measured.find((m) => m.setting === "all-reduce hierarchical")?.samples_per_s;
+    for (const m of measured) {
+      m.vs_ddp = ddp === null ? "no DDP" : round(m.samples_per_s / ddp.samples_per_s, 2);
+      m.vs_f32 = m.setting.startsWith("hierarchical ") && f32 ? round(m.samples_per_s / f32, 2) : "";
+    }
+    rows.push(
+      ...measured,
+      ddp === null
+        ? {
+            ...emptyRow(rateText, "PyTorch DDP (gloo)"),
+            vs_ddp: "python3 has no torch (apt-get install -y python3-torch)",
+          }
+        : { rate: rateText, setting: "PyTorch DDP (gloo)", ...ddp, mb_per_step: Number.NaN, vs_ddp: 1, vs_f32: "" },
+    );
+  }
+  printReport({
+    bench: "hosts",
+    header: `the mesh on ${hosts} hosts x ${perHost} trainers (network namespaces, tc-shaped links), MLP ${widths.join("-")}, batch ${batch} per trainer, ${steps} steps; PyTorch DDP on the same hosts and links`,
+    rows,
+    columns: [
+      "rate",
+      "setting",
+      "samples_per_s",
+      "step_ms",
+      "compute_ms",
+      "exposed_comm_ms",
+      "mb_per_step",
+      "vs_ddp",
+      "vs_f32",
+    ],
+    quiet: a.quiet ?? false,
+  });
+}
+
+const emptyRow = (rate: string, setting: string): Row => ({
+  rate,
+  setting,
+  samples_per_s: Number.NaN,
+  step_ms: Number.NaN,
+  compute_ms: Number.NaN,
+  exposed_comm_ms: Number.NaN,
+  mb_per_step: Number.NaN,
+  vs_ddp: "",
+  vs_f32: "",
+});
+
+async function runSetting(
+  bed: HostBed,
+  s: Setting,
+  o: { hosts: number; perHost: number; trainers: number; steps: number; batch: number; widths: number[] },
+): Promise<Omit<Row, "rate" | "setting" | "vs_ddp" | "vs_f32">> {
+  const all = Array.from({ length: o.hosts }, (_, i) => i);
+  await using mesh = await HostMesh.start(bed, {
+    natsHosts: all.slice(0, Math.min(3, o.hosts)),
+    serviceHost: 0,
+    shardHosts: all.slice(0, Math.min(2, o.hosts)),
+    trainerHosts: all,
+    trainersPerHost: o.perHost,
+    labels: s.flat ? "one" : "host",
+  });
+  await using client = await MeshClient.connect(mesh.urls(0), { connectRetryMsMax: 30_000 });
+  const cfg = parseJobConfig({
+    ...jobDefaults,
+    job: qualifyJob(`hosts-${s.name.replace(/[^a-z0-9]+/gi, "-")}`, defaultOwner),
+    model: { kind: "mlp", widths: o.widths, dropout: 0 },
+    trainers: o.trainers,
+    shards: 2,
+    batchSize: o.batch,
+    epochs: 1,
+    maxSteps: o.steps,
+    warmupSteps: 5,
+    checkpointEvery: 0,
+    ...s.cfg,
+  });
+  await client.submit(cfg, { membersWaitMs: 120_000 });
+  const r = await watchJob(client, cfg.job, { quiet: true });
+  const t = r.split;
+  // all-reduce: the collective's exposed wait; parameter server: the pull (it waits for the others' pushes)
+  const exposed = t.commMs > 0 ? t.exposedCommMs : t.pullMs + t.pushMs;
+  const stepMs = (o.batch * o.trainers * 1000) / Math.max(r.samplesPerS, 1e-9);
+  return {
+    samples_per_s: round(r.samplesPerS, 0),
+    step_ms: round(stepMs, 1),
+    compute_ms: round(t.computeMs, 1),
+    exposed_comm_ms: round(exposed, 1),
+    mb_per_step: round(r.wireBytesPerStep / 1e6, 2),
+  };
+}
+
+/** How long DDP's ranks may take in all. */
+const ddpTimeoutMs = 600_000;
+
+/** PyTorch DDP over the same hosts: perHost ranks on each, rank 0's host the master. */
+async function runDdp(
+  bed: HostBed,
+  o: { perHost: number; steps: number; batch: number; widths: number[] },
+): Promise<{ samples_per_s: number; step_ms: number; compute_ms: number; exposed_comm_ms: number } | null> {
+  const python = torchPython();
+  if (Bun.spawnSync([python, "-c", "import torch.distributed"], { stderr: "ignore" }).exitCode !== 0) return null;
+  const world = bed.hosts.length * o.perHost;
+  const master = `${bed.address(0)}:29500`;
+  const script = join(import.meta.dir, "ddp_step.py");
+  const procs = bed.hosts.flatMap((h) =>
+    Array.from({ length: o.perHost }, (_, k) => {
+      const rank = h.index * o.perHost + k;
+      const argv = [python, script, "--rank", String(rank), "--world", String(world), "--master", master];
+      argv.push("--widths", o.widths.join(","), "--batch", String(o.batch), "--steps", String(o.steps));
+      // gloo finds its address from the host name (127.0.0.1 here): the host's own interface
+      const env = { ...process.env, OMP_NUM_THREADS: "1", GLOO_SOCKET_IFNAME: h.inner };
+      return bed.spawn(h.index, argv, { stdout: "pipe", stderr: "pipe", env });
+    }),
+  );
+  const killAll = () => {
+    for (const p of procs) p.kill("SIGKILL");
+  };
+  const timer = setTimeout(killAll, ddpTimeoutMs);
+  // a rank that fails leaves the others waiting for it: they go too
+  for (const p of procs) void p.exited.then((code) => code !== 0 && killAll());
+  const outs = await Promise.all(
+    procs.map(async (p) => [
+      await new Response(p.stdout as ReadableStream<Uint8Array>).text(),
+      await new Response(p.stderr as ReadableStream<Uint8Array>).text(),
+    ]),
+  );
+  await Promise.all(procs.map((p) => p.exited));
+  clearTimeout(timer);
+  if (procs.some((p) => p.exitCode !== 0)) {
+    // the rank that failed on its own, not one killed for it
+    const first = Math.max(
+      0,
+      procs.findIndex((p) => p.exitCode !== 0 && p.signalCode === null),
+    );
+    throw new Error(`DDP rank ${first} failed: ${outs[first]![1]!.trim().split("\n").slice(-3).join(" | ")}`);
+  }
+
+  const r = JSON.parse(outs[0]![0]!.trim().split("\n").at(-1)!) as Record<string, number>;
+  return {
+    samples_per_s: round(r.samples_per_s!, 0),
+    step_ms: round(r.step_ms!, 1),
+    compute_ms: round(r.compute_ms!, 1),
+    exposed_comm_ms: round(r.exposed_comm_ms!, 1),
+  };
+}
