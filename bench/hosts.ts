@@ -86,12 +86,20 @@ export async function runHostsBench(argv: string[]): Promise<void> {
     const ddp = await runDdp(bed, { perHost, steps, batch, widths });
     const measured: Row[] = [];
     for (const s of picked) {
-      const r = await runSetting(bed, s, { hosts, perHost, trainers, steps, batch, widths });
-      measured.push({ rate: rateText, setting: s.name, ...r, vs_ddp: 0, vs_f32: "" });
-      if (!a.quiet) console.log(`${rateText} ${s.name}: ${r.samples_per_s} samples/s`);
+      try {
+        const r = await runSetting(bed, s, { hosts, perHost, trainers, steps, batch, widths });
+        measured.push({ rate: rateText, setting: s.name, ...r, vs_ddp: 0, vs_f32: "" });
+        if (!a.quiet) console.log(`${rateText} ${s.name}: ${r.samples_per_s} samples/s`);
+      } catch (e) {
+        // one setting that fails (its job failed) is a row saying why; the others still run
+        const why = (e as Error).message.split("\n")[0]!.slice(0, 160);
+        if (!a.quiet) console.log(`${rateText} ${s.name}: failed: ${why}`);
+        measured.push({ ...emptyRow(rateText, s.name), vs_f32: `failed: ${why}` });
+      }
     }
     const f32 = measured.find((m) => m.setting === "all-reduce hierarchical")?.samples_per_s;
     for (const m of measured) {
+      if (Number.isNaN(m.samples_per_s)) continue;
       m.vs_ddp = ddp === null ? "no DDP" : round(m.samples_per_s / ddp.samples_per_s, 2);
       m.vs_f32 = m.setting.startsWith("hierarchical ") && f32 ? round(m.samples_per_s / f32, 2) : "";
     }
@@ -151,6 +159,7 @@ async function runSetting(
     labels: s.flat ? "one" : "host",
   });
   await using client = await MeshClient.connect(mesh.urls(0), { connectRetryMsMax: 30_000 });
+  await mesh.untilUp(client, 120_000);
   const cfg = parseJobConfig({
     ...jobDefaults,
     job: qualifyJob(`hosts-${s.name.replace(/[^a-z0-9]+/gi, "-")}`, defaultOwner),
@@ -161,6 +170,9 @@ async function runSetting(
     epochs: 1,
     maxSteps: o.steps,
     warmupSteps: 5,
+    // the same for every setting, and stable also under SSP's stale gradients
+    lr: 0.01,
+    gradClip: 1,
     checkpointEvery: 0,
     ...s.cfg,
   });

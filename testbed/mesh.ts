@@ -10,6 +10,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { readTopology, scaleTopology } from "../sdk/launcher.ts";
 import { type NatsServer, startNatsServer } from "../services/runtime/mesh/nats-server.ts";
+import type { MeshClient } from "../sdk/client.ts";
 import type { HostBed } from "./hosts.ts";
 
 export interface HostMeshOptions {
@@ -123,6 +124,28 @@ export class HostMesh implements AsyncDisposable {
       mesh.processes.push({ name: spec.name, host, proc, log });
     }
     return mesh;
+  }
+
+  /** Waits until every service of the mesh has registered (discovery sees it), or fails after
+   *  `timeoutMs` naming what is missing. */
+  async untilUp(client: MeshClient, timeoutMs = 60_000): Promise<void> {
+    const trainers = this.processes.filter((p) => p.name.startsWith("trainer")).length;
+    const shards = this.processes.filter((p) => p.name.startsWith("parameter-server")).length;
+    const deadline = Date.now() + timeoutMs;
+    let seen = "nothing yet";
+    for (;;) {
+      try {
+        const m = await client.members();
+        if (m.trainers.length === trainers && m.shards.length === shards && m.dataLoaders > 0 && m.checkpoints > 0)
+          return;
+        seen = `${m.trainers.length}/${trainers} trainers, ${m.shards.length}/${shards} shards, ${m.dataLoaders} data-loaders, ${m.checkpoints} checkpoint services`;
+      } catch (e) {
+        seen = (e as Error).message;
+      }
+      if (Date.now() > deadline)
+        throw new Error(`the mesh across hosts is not up after ${timeoutMs} ms: ${seen} (logs: ${this.logDir})`);
+      await Bun.sleep(200);
+    }
   }
 
   /** Process ids of the services of host i (NATS included). */

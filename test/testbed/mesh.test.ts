@@ -11,7 +11,7 @@ import { MeshClient } from "../../sdk/client.ts";
 import { HostBed, testBedProblem } from "../../testbed/hosts.ts";
 import { HostMesh, hostLabel } from "../../testbed/mesh.ts";
 import { mlpJob, runJob } from "../helpers/mesh-jobs.ts";
-import { removeTempDirs, waitFor } from "../helpers/mesh.ts";
+import { removeTempDirs } from "../helpers/mesh.ts";
 import { skip } from "../helpers/skip.ts";
 
 afterAll(removeTempDirs);
@@ -27,11 +27,7 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("the mesh across h
       trainersPerHost: 2,
     });
     await using client = await MeshClient.connect(mesh.urls(0), { connectRetryMsMax: 30_000 });
-    await waitFor(
-      "the four trainers on the mesh",
-      async () => Object.keys((await client.members()).trainerHosts ?? {}).length === 4,
-      60_000,
-    );
+    await mesh.untilUp(client);
     expect((await client.members()).trainerHosts).toEqual({
       0: hostLabel(1),
       1: hostLabel(1),
@@ -55,11 +51,7 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("the mesh across h
       trainersPerHost: 2,
     });
     await using client = await MeshClient.connect(mesh.urls(0), { connectRetryMsMax: 30_000 });
-    await waitFor(
-      "the four trainers on the mesh",
-      async () => Object.keys((await client.members()).trainerHosts ?? {}).length === 4,
-      60_000,
-    );
+    await mesh.untilUp(client);
     bed.shape(2, { rateMbit: 20 });
     const r = await runJob(
       client,
