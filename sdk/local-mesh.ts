@@ -19,7 +19,8 @@ export function localMeshNotePath(): string {
   return join(process.env.XDG_RUNTIME_DIR || tmpdir(), `meshtrain-${uid}`, "mesh.json");
 }
 
-const alive = (pid: number): boolean => {
+/** Whether a process of that id runs (one of another user's counts). */
+export const alive = (pid: number): boolean => {
   try {
     process.kill(pid, 0);
     return true;

@@ -19,6 +19,7 @@
 // without removing it is removed by the next one made.
 import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
+import { alive } from "../sdk/local-mesh.ts";
 
 export class TestBedError extends Error {
   override readonly name = "TestBedError";
@@ -98,15 +99,6 @@ function must(argv: string[]): string {
   if (r.code !== 0) throw new TestBedError(`${argv.join(" ")}: ${r.err || `exit ${r.code}`}`);
   return r.out;
 }
-
-const alive = (pid: number): boolean => {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch (e) {
-    return (e as NodeJS.ErrnoException).code === "EPERM";
-  }
-};
 
 /** Removes a bed's namespaces and links by its prefix (what is already gone is skipped). */
 function removeByPrefix(prefix: string): void {

@@ -413,8 +413,11 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
     expect(bench("client", "--runs", "0").err).toContain("--runs must be a positive integer, got 0");
     expect(bench("stream", "--gib", "0").err).toContain("--gib must be in (0, 64], got 0");
     expect(bench("stream", "--steps", "0").err).toContain("--steps must be a positive integer, got 0");
+    expect(bench("hosts", "--hosts", "1").err).toMatch(
+      /--hosts must be at least 2 \(the links are what is measured\), got 1|the hosts bench makes network namespaces: /,
+    );
     expect(bench("nope").err).toContain(
-      "usage: bun run bench <engine|kernels|epilogues|ps|checkpoint|data-loader|trainer|allreduce|stream|client>",
+      "usage: bun run bench <engine|kernels|epilogues|ps|checkpoint|data-loader|trainer|allreduce|stream|client|hosts>",
     );
     // an attention that cannot run is refused before anything runs, as train gpt refuses it
     expect(bench("engine", "--config", "small", "--attention", "kernel", "--precision", "bf16").err).toContain(
