@@ -11,6 +11,8 @@ import { join } from "node:path";
 import { readTopology, scaleTopology } from "../sdk/launcher.ts";
 import { type NatsServer, startNatsServer } from "../services/runtime/mesh/nats-server.ts";
 import type { MeshClient } from "../sdk/client.ts";
+import { subjects } from "../services/runtime/job/job.ts";
+import { NoRespondersError } from "../services/runtime/mesh/errors.ts";
 import type { HostBed } from "./hosts.ts";
 
 export interface HostMeshOptions {
@@ -136,9 +138,19 @@ export class HostMesh implements AsyncDisposable {
     for (;;) {
       try {
         const m = await client.members();
-        if (m.trainers.length === trainers && m.shards.length === shards && m.dataLoaders > 0 && m.checkpoints > 0)
-          return;
         seen = `${m.trainers.length}/${trainers} trainers, ${m.shards.length}/${shards} shards, ${m.dataLoaders} data-loaders, ${m.checkpoints} checkpoint services`;
+        // registered is not yet serving: the data-loader and the checkpoint service add their
+        // endpoints once the job store opens (JetStream's first election on a fresh cluster);
+        // a request that is answered, even with an error, is served
+        if (m.trainers.length === trainers && m.shards.length === shards && m.dataLoaders > 0 && m.checkpoints > 0) {
+          const served = async (subject: string) =>
+            await client.bus.request(subject, new Uint8Array(1), 5_000).then(
+              () => true,
+              (e: unknown) => !(e instanceof NoRespondersError),
+            );
+          if ((await served(subjects.planJob)) && (await served(subjects.ckptList("default.untilup")))) return;
+          seen += ", the data-loader's or the checkpoint service's endpoints not yet served";
+        }
       } catch (e) {
         seen = (e as Error).message;
       }
