@@ -135,6 +135,16 @@ function freeSubnet(): string {
   throw new TestBedError("no free 10.x.y.0/24 subnet for the hosts");
 }
 
+/** SIGTERM to each, SIGKILL to those still running after `graceMs`; resolves once all exited. */
+export async function stopProcesses(procs: readonly Bun.Subprocess[], graceMs: number): Promise<void> {
+  for (const p of procs) p.kill("SIGTERM");
+  const killer = setTimeout(() => {
+    for (const p of procs) p.kill("SIGKILL");
+  }, graceMs);
+  await Promise.all(procs.map((p) => p.exited));
+  clearTimeout(killer);
+}
+
 export class HostBed implements AsyncDisposable {
   readonly hosts: Host[];
   /** the bridge's address: this process reaches every host through it */
@@ -218,7 +228,7 @@ export class HostBed implements AsyncDisposable {
 
   /** Runs a command inside host i to its end. */
   run(i: number, argv: readonly string[]): Ran {
-    return sh(this.argv(i, argv).slice(0) as string[]);
+    return sh(this.argv(i, argv));
   }
 
   /** Starts a command inside host i; the bed kills it when it is removed. */
@@ -306,13 +316,7 @@ export class HostBed implements AsyncDisposable {
 
   /** Kills what the bed started, then removes its hosts, links and bridge. */
   async [Symbol.asyncDispose](): Promise<void> {
-    const procs = [...this.#procs];
-    for (const p of procs) p.kill("SIGTERM");
-    const killer = setTimeout(() => {
-      for (const p of procs) p.kill("SIGKILL");
-    }, 5_000);
-    await Promise.all(procs.map((p) => p.exited));
-    clearTimeout(killer);
+    await stopProcesses([...this.#procs], 5_000);
     this.#remove();
   }
 }

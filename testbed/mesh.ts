@@ -13,7 +13,7 @@ import { type NatsServer, startNatsServer } from "../services/runtime/mesh/nats-
 import type { MeshClient } from "../sdk/client.ts";
 import { subjects } from "../services/runtime/job/job.ts";
 import { NoRespondersError } from "../services/runtime/mesh/errors.ts";
-import type { HostBed } from "./hosts.ts";
+import { type HostBed, stopProcesses } from "./hosts.ts";
 
 export interface HostMeshOptions {
   /** hosts of the NATS cluster's servers (three: a majority survives one host lost) */
@@ -169,13 +169,10 @@ export class HostMesh implements AsyncDisposable {
   }
 
   async [Symbol.asyncDispose](): Promise<void> {
-    const procs = this.processes.map((p) => p.proc).filter((p) => p.exitCode === null);
-    for (const p of procs) p.kill("SIGTERM");
-    const killer = setTimeout(() => {
-      for (const p of procs) p.kill("SIGKILL");
-    }, 10_000);
-    await Promise.all(procs.map((p) => p.exited));
-    clearTimeout(killer);
+    await stopProcesses(
+      this.processes.map((p) => p.proc).filter((p) => p.exitCode === null),
+      10_000,
+    );
     await Promise.all(this.nats.map((n) => n.server.stop()));
     rmSync(this.tempDir, { recursive: true, force: true });
   }

@@ -14,6 +14,7 @@
 import { mkdirSync } from "node:fs";
 import {
   decodeJobRequest,
+  type JobRequest,
   decodeShardState,
   decodeShardStats,
   encodeCheckpointList,
@@ -144,35 +145,35 @@ export class CheckpointService {
   ) {}
 
   serve(): void {
-    const on = (name: string, handler: (e: JobEntry, tag: string, step: number) => Promise<Uint8Array> | Uint8Array) =>
+    const on = (
+      name: string,
+      handler: (e: JobEntry, m: JobRequest, subject: string) => Promise<Uint8Array> | Uint8Array,
+      subject = anyJob(`ckpt.${name}`),
+    ) =>
       this.bus.serve({
         name,
-        subject: anyJob(`ckpt.${name}`),
+        subject,
         handler: (data, subject) => {
           const m = decodeJobRequest(data, this.payloadBytesMax);
           const job = jobOfRequest(subject, m.job);
           const e = this.#jobs.get(job);
           if (!e) throw new UnknownJobError(`the checkpoint service runs no job "${job}" (it is not running)`);
-          return handler(e, m.tag, m.step);
+          return handler(e, m, subject);
         },
       });
-    on("save", (e, tag, step) => this.#serial(e, () => this.#save(e, step, tag)));
-    on("restore", (e, tag) => this.#serial(e, () => this.#restore(e, tag)));
+    on("save", (e, m) => this.#serial(e, () => this.#save(e, m.step, m.tag)));
+    on("restore", (e, m) => this.#serial(e, () => this.#restore(e, m.tag)));
     // the services' own asks (a shard or rank that opened the job, or lost its state): the newest
     // good snapshot only; rewinding to a chosen one is an operator's restore (admin's permission)
-    this.bus.serve({
-      name: "recover",
-      subject: anyJob("ckpt.recover.*"),
-      handler: (data, subject) => {
-        const m = decodeJobRequest(data, this.payloadBytesMax);
-        const job = jobOfRequest(subject, m.job);
-        const e = this.#jobs.get(job);
-        if (!e) throw new UnknownJobError(`the checkpoint service runs no job "${job}" (it is not running)`);
+    on(
+      "recover",
+      (e, m, subject) => {
         const asker = this.#recoverAsker(e, subject, m.tag);
         return this.#serial(e, () => this.#recover(e, asker, m.tag, m.value ?? 0));
       },
-    });
-    on("resize", (e, tag) => this.#resize(e, tag));
+      anyJob("ckpt.recover.*"),
+    );
+    on("resize", (e, m) => this.#resize(e, m.tag));
     // list answers for ended jobs too: their snapshots stay on disk
     this.bus.serve({
       name: "list",

@@ -195,11 +195,7 @@ export class NatsBus implements Bus {
   #service: Service | undefined;
   readonly #subs: NatsSub[] = [];
   /** every handler's refusals, logged rate-limited with the subject and the reason */
-  #refusals: RefusalLog | null = null;
-  get #refused(): RefusalLog {
-    this.#refusals ??= new RefusalLog(this.opts.log);
-    return this.#refusals;
-  }
+  readonly #refused: RefusalLog;
 
   /** requests waiting for an answer: each fails at once when the connection drops */
   readonly #inflight = new Set<(e: Error) => void>();
@@ -208,6 +204,7 @@ export class NatsBus implements Bus {
     readonly nc: NatsConnection,
     readonly opts: NatsBusOptions,
   ) {
+    this.#refused = new RefusalLog(opts.log);
     // an answer to a request sent before a disconnect never comes (the server that would route
     // it is gone): fail those requests now, so that callers retry once the client has
     // reconnected instead of waiting out their whole timeout. The same when another server of
@@ -371,7 +368,7 @@ export class NatsBus implements Bus {
   /** Drains: stops taking requests, finishes the ones in flight, flushes, closes. */
   async close(): Promise<void> {
     if (this.nc.isClosed()) return;
-    this.#refusals?.close();
+    this.#refused.close();
     await this.#service?.stop();
     for (const s of this.#subs) s.unsubscribe();
     // a drain that cannot finish (a server gone for good) ends in a plain close
