@@ -1077,6 +1077,8 @@ export interface Heartbeat {
   phaseMs: number;
   /** a trainer: its last step's time (ms) */
   stepMs: number;
+  /** the machine it runs on (empty: not said) */
+  host: string;
 }
 
 const heartbeatRoot = root("Heartbeat", "MTHB", (bb) => HeartbeatT.getRootAsHeartbeat(bb));
@@ -1085,10 +1087,11 @@ export function encodeHeartbeat(m: Heartbeat): Uint8Array {
   const b = builder(128);
   const job = str(b, m.job),
     who = str(b, m.who),
-    phase = str(b, m.phase);
+    phase = str(b, m.phase),
+    host = str(b, m.host);
   return finishBytes(
     b,
-    HeartbeatT.createHeartbeat(b, schemaVersion, job, who, big(m.step), phase, m.phaseMs, m.stepMs),
+    HeartbeatT.createHeartbeat(b, schemaVersion, job, who, big(m.step), phase, m.phaseMs, m.stepMs, host),
     heartbeatRoot.identifier,
   );
 }
@@ -1102,6 +1105,7 @@ export function decodeHeartbeat(data: Uint8Array, bytesMax: number): Heartbeat {
     phase: r.phase() ?? "",
     phaseMs: r.phaseMs(),
     stepMs: r.stepMs(),
+    host: r.host() ?? "",
   }));
 }
 

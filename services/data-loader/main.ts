@@ -24,6 +24,7 @@ await runService<Config>({
       jobsMax: config.jobsMax,
       log,
       control: ledger,
+      host: config.host,
     });
     loader.serve();
     const watch = await ledger.follow("data-loader", loader);

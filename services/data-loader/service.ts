@@ -34,6 +34,8 @@ export interface DataLoaderOptions {
   control?: JobControl;
   /** a data set to serve every job instead of reading each job's (tests) */
   dataset?: Dataset;
+  /** the machine it runs on, said in its heartbeats (MT_HOST) */
+  host?: string;
 }
 
 export class DataLoader {
@@ -156,7 +158,7 @@ export class DataLoader {
       data.jobs.add(cfg.job);
     }
     this.#jobs.set(cfg.job, j);
-    this.#heartbeats.set(cfg.job, new HeartbeatPublisher(this.bus, cfg.job, "data-loader"));
+    this.#heartbeats.set(cfg.job, new HeartbeatPublisher(this.bus, cfg.job, "data-loader", this.o.host ?? ""));
     this.#heartbeats.get(cfg.job)!.at(0, "serving");
     this.o.log?.info({ ...j.plan }, "job opened");
     await this.o.control?.note(cfg.job, { totalSteps: j.totalSteps });

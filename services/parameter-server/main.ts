@@ -24,7 +24,15 @@ await runService<Config>({
   logFields: (c) => ({ shard: c.shard }),
   async start({ config, log, bus }) {
     const backend = new CpuBackend();
-    const ps = new ParameterServer(bus, config.shard, backend, log, config.payloadBytesMax, config.jobsMax);
+    const ps = new ParameterServer(
+      bus,
+      config.shard,
+      backend,
+      log,
+      config.payloadBytesMax,
+      config.jobsMax,
+      config.host,
+    );
     ps.serve();
     const ledger = await JobLedger.open(bus.nc, bus, log);
     const watch = await ledger.follow(`parameter-server ${config.shard}`, ps);

@@ -72,6 +72,8 @@ export class ParameterServer {
     readonly log: Logger | undefined,
     readonly payloadBytesMax: number,
     readonly jobsMax = jobsMaxDefault,
+    /** the machine it runs on, said in its heartbeats (MT_HOST) */
+    readonly host = "",
   ) {
     onScrape(() => {
       const shard = String(shardIndex);
@@ -257,7 +259,7 @@ export class ParameterServer {
       });
       shard.onNormFailure = (step, e) =>
         this.log?.error({ job: cfg.job, step, err: e.message }, "the shards did not agree on the gradient norm");
-      const hb = new HeartbeatPublisher(this.bus, cfg.job, `shard ${this.shardIndex}`);
+      const hb = new HeartbeatPublisher(this.bus, cfg.job, `shard ${this.shardIndex}`, this.host);
       hb.at(0, "serving");
       this.#jobs.set(cfg.job, { shard, pushes: 0, duplicates: 0, pulls: 0, hb, recovering: true });
       this.log?.info(

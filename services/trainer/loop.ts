@@ -116,6 +116,8 @@ export interface TrainerOptions {
   ncclIds?: NcclIdExchange;
   /** test-only (MT_STEP_DELAY_MS): sleep this long in every step's compute, to make a straggler */
   stepDelayMs?: number;
+  /** the machine it runs on, said in its heartbeats (MT_HOST) */
+  host?: string;
 }
 
 /** The restore tag of a trainer rank that opens an all-reduce job. */
@@ -336,7 +338,7 @@ export class TrainerRun {
     this.#replicaSubs.push(
       bus.handle(subjects.trainerStats(cfg.job, rank), (data, subject) => this.#stats(data, subject)),
     );
-    this.#hb = new HeartbeatPublisher(bus, cfg.job, `trainer ${rank}`);
+    this.#hb = new HeartbeatPublisher(bus, cfg.job, `trainer ${rank}`, this.#o.host ?? "");
     if (rank === 0) {
       // a request (or a publish: no answer then): a snapshot at the next step boundary; every
       // request is answered, a malformed one with its error

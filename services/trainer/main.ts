@@ -1,7 +1,6 @@
 #!/usr/bin/env bun
 // trainer process of one rank: `bun services/trainer/main.ts --rank 0 --nats-url nats://...`
 import { m as metrics, onScrape } from "../runtime/mesh/metrics.ts";
-import { hostname } from "node:os";
 import { z } from "zod";
 import { type DeviceChoice, deviceChoices, openBackend } from "../../ffi/select.ts";
 import { meshMembers } from "../runtime/mesh/discovery.ts";
@@ -24,13 +23,6 @@ const schema = baseConfigSchema.extend({
   /** this rank's index among the ranks of its machine (MT_LOCAL_RANK / --local-rank): it picks
    *  the GPU (local rank mod the GPUs visible); default the rank (one machine) */
   localRank: z.number().int().min(0).max(63).optional(),
-  /** the machine this rank runs on (MT_HOST / --host), for the collective's topology: ranks with
-   *  one label reduce among themselves first; default the machine's name */
-  host: z
-    .string()
-    .min(1)
-    .max(64)
-    .regex(/^[A-Za-z0-9._-]+$/, "a host label is letters, digits, '.', '_' or '-'"),
   /** test-only (MT_STEP_DELAY_MS / --step-delay-ms): sleep this long in every step's compute, to
    *  make this rank a straggler on purpose; 0 in any real run */
   stepDelayMs: z.number().int().min(0).max(60_000),
@@ -39,7 +31,6 @@ type Config = BaseConfig & {
   rank: number;
   localRank?: number;
   device: DeviceChoice;
-  host: string;
   stepDelayMs: number;
 };
 
@@ -79,10 +70,6 @@ await runService<Config>({
     rank: 0,
     stepDelayMs: 0,
     device: deviceDefault,
-    host:
-      hostname()
-        .replace(/[^A-Za-z0-9._-]/g, "-")
-        .slice(0, 64) || "host",
   },
   metadata: (c) => ({ rank: String(c.rank), host: c.host }),
   logFields: (c) => ({ rank: c.rank }),
@@ -117,6 +104,7 @@ await runService<Config>({
       members: () => meshMembers(bus.nc),
       ncclIds: ncclIdExchange(bus.nc),
       stepDelayMs: config.stepDelayMs,
+      host: config.host,
     });
     const watch = await ledger.follow(`trainer ${config.rank}`, trainer);
     return {

@@ -24,6 +24,8 @@ export interface TrainerDeps {
   ncclIds?: NcclIdExchange;
   /** test-only: sleep this long in every step's compute (a straggler on purpose) */
   stepDelayMs?: number;
+  /** the machine it runs on, said in its heartbeats (MT_HOST) */
+  host?: string;
 }
 
 export class Trainer {

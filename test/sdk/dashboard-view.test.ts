@@ -18,6 +18,7 @@ const hb = (who: string, step: number, phase: string): Heartbeat => ({
   phase,
   phaseMs: 0,
   stepMs: 0,
+  host: "",
 });
 const row = (v: JobView, who: string, now: number) => v.panels(now).health.find((h) => h.who === who)!;
 const status = (state: JobState): JobStatus => ({

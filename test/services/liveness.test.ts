@@ -5,7 +5,13 @@ import { describe, expect, test } from "bun:test";
 import { decodeEvent, decodeHeartbeat, encodeHeartbeat, type Event, EventKind } from "../../schemas/messages.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
 import { subjects } from "../../services/runtime/job/job.ts";
-import { HeartbeatPublisher, LivenessMonitor, StragglerDetector } from "../../services/runtime/control/liveness.ts";
+import {
+  HeartbeatPublisher,
+  LivenessMonitor,
+  StragglerDetector,
+  stalledHost,
+  stalledTrainer,
+} from "../../services/runtime/control/liveness.ts";
 
 test("a publisher says its step and phase; the monitor reports silence once, then the return", () => {
   const bus = new MemoryBus();
@@ -15,7 +21,7 @@ test("a publisher says its step and phase; the monitor reports silence once, the
   const seen: string[] = [];
   bus.subscribe(subjects.heartbeats("j"), (d, subject) => seen.push(`${subject} ${decodeHeartbeat(d, 4096).phase}`));
   const monitor = new LivenessMonitor(bus, "j", 8_000, () => now);
-  const hb = new HeartbeatPublisher(bus, "j", "trainer 1", 60_000);
+  const hb = new HeartbeatPublisher(bus, "j", "trainer 1", "host-a", 60_000);
   hb.at(57, "pull");
   hb.publish();
   expect(seen).toEqual(["mt.j.hb.trainer-1 starting", "mt.j.hb.trainer-1 pull"]);
@@ -42,6 +48,71 @@ test("a publisher says its step and phase; the monitor reports silence once, the
   monitor.close();
 });
 
+test("a host whose every sender went quiet while others speak is named once with its ranks, and again when it is heard", () => {
+  const bus = new MemoryBus();
+  let now = 0;
+  const events: string[] = [];
+  bus.subscribe(subjects.events("j", "stalled"), (d) => events.push(decodeEvent(d, 1 << 16).text));
+  const monitor = new LivenessMonitor(bus, "j", 8_000, () => now);
+  const senders = [
+    new HeartbeatPublisher(bus, "j", "trainer 0", "host-1", 60_000),
+    new HeartbeatPublisher(bus, "j", "trainer 10", "host-2", 60_000),
+    new HeartbeatPublisher(bus, "j", "trainer 2", "host-2", 60_000),
+    new HeartbeatPublisher(bus, "j", "shard 1", "host-2", 60_000),
+  ];
+  const [t0, t10, t2, s1] = senders as [HeartbeatPublisher, HeartbeatPublisher, HeartbeatPublisher, HeartbeatPublisher];
+  // host-2's senders go quiet one after another; host-1's keeps speaking
+  now = 3_000;
+  t2.publish();
+  s1.publish();
+  t0.publish();
+  now = 8_500;
+  t0.publish();
+  monitor.check();
+  // trainer 10 alone is silent: a rank, not yet its host
+  expect(events).toEqual([
+    "trainer 10 has sent no heartbeat for 9 s (stopped, wedged or dead); it was at step 0, starting",
+  ]);
+  now = 11_000;
+  t0.publish();
+  monitor.check();
+  monitor.check(); // once
+  expect(events.slice(1)).toEqual([
+    "trainer 2 has sent no heartbeat for 8 s (stopped, wedged or dead); it was at step 0, starting",
+    "shard 1 has sent no heartbeat for 8 s (stopped, wedged or dead); it was at step 0, starting",
+    "host host-2 is cut off or down: shard 1, trainer 2, trainer 10 silent for 8 s",
+  ]);
+  expect(stalledHost(events.at(-1)!)).toBe("host-2");
+  expect(stalledTrainer(events.at(-1)!)).toBeNull();
+  expect(monitor.quietHosts).toEqual(["host-2"]);
+  now = 20_000;
+  t2.at(5, "pull");
+  t2.publish();
+  expect(events.slice(-2)).toEqual([
+    "trainer 2 is back after 17 s of silence (step 5, pull)",
+    "host host-2 is heard again (trainer 2 first, at step 5)",
+  ]);
+  expect(stalledHost(events.at(-1)!)).toBeNull();
+  expect(monitor.quietHosts).toEqual([]);
+  for (const p of senders) p.stop();
+  monitor.close();
+});
+
+test("when every sender is silent, no host is named: it is the watcher that is cut off", () => {
+  const bus = new MemoryBus();
+  let now = 0;
+  const events: string[] = [];
+  bus.subscribe(subjects.events("j", "stalled"), (d) => events.push(decodeEvent(d, 1 << 16).text));
+  const monitor = new LivenessMonitor(bus, "j", 8_000, () => now);
+  const senders = ["host-1", "host-2"].map((h, i) => new HeartbeatPublisher(bus, "j", `trainer ${i}`, h, 60_000));
+  now = 9_000;
+  monitor.check();
+  expect(events.filter((t) => t.startsWith("host "))).toEqual([]);
+  expect(events).toHaveLength(2);
+  for (const p of senders) p.stop();
+  monitor.close();
+});
+
 test("heartbeats of another job, oversized names or garbage change nothing", () => {
   const bus = new MemoryBus();
   let now = 0;
@@ -51,11 +122,11 @@ test("heartbeats of another job, oversized names or garbage change nothing", () 
   bus.publish("mt.j.hb.x", crypto.getRandomValues(new Uint8Array(64)));
   bus.publish(
     "mt.j.hb.y",
-    encodeHeartbeat({ job: "other", who: "trainer 0", step: 1, phase: "pull", phaseMs: 0, stepMs: 0 }),
+    encodeHeartbeat({ job: "other", who: "trainer 0", step: 1, phase: "pull", phaseMs: 0, stepMs: 0, host: "" }),
   );
   bus.publish(
     "mt.j.hb.z",
-    encodeHeartbeat({ job: "j", who: "x".repeat(100), step: 1, phase: "pull", phaseMs: 0, stepMs: 0 }),
+    encodeHeartbeat({ job: "j", who: "x".repeat(100), step: 1, phase: "pull", phaseMs: 0, stepMs: 0, host: "" }),
   );
   now += 60_000;
   monitor.check();

@@ -3,7 +3,10 @@
 // heartbeats come from a timer on the process's event loop, so a process that is stopped
 // (SIGSTOP), wedged in a loop or dead goes quiet. The checkpoint service, a process of its own,
 // runs a LivenessMonitor per job: a sender silent for silentMs gets a Stalled event naming it
-// and what it was last doing, and another when it comes back.
+// and what it was last doing, and another when it comes back. Each heartbeat says its sender's
+// machine (MT_HOST): when every sender of one machine went quiet while others still speak, one
+// more Stalled event names the machine and its ranks (a host cut off, or down), and another
+// when it is heard again.
 import {
   decodeHeartbeat,
   emptyEvent,
@@ -36,6 +39,8 @@ export class HeartbeatPublisher {
     readonly job: string,
     /** "trainer 1", "shard 0", "data-loader" */
     readonly who: string,
+    /** the machine it runs on (MT_HOST; empty: not said) */
+    readonly host = "",
     everyMs = heartbeatMs,
   ) {
     this.#timer = setInterval(() => this.publish(), everyMs);
@@ -67,6 +72,7 @@ export class HeartbeatPublisher {
         phase: this.#phase,
         phaseMs: this.#phaseMs,
         stepMs: this.#stepMs,
+        host: this.host,
       };
       this.bus.publish(subjects.heartbeat(this.job, this.who), encodeHeartbeat(hb));
     } catch {
@@ -87,6 +93,12 @@ interface Seen {
 }
 
 const stalledWords = "has sent no heartbeat for";
+const hostWords = "is cut off or down:";
+
+/** The host a Stalled event says went quiet as a whole (not one that came back), or null. */
+export function stalledHost(text: string): string | null {
+  return /^host (\S+) is cut off or down: /.exec(text)?.[1] ?? null;
+}
 
 /** The trainer rank a Stalled event says went quiet (not one that came back), or null. */
 export function stalledTrainer(text: string): number | null {
@@ -94,9 +106,14 @@ export function stalledTrainer(text: string): number | null {
   return m === null ? null : Number(m[1]);
 }
 
+/** "shard 1" before "trainer 10" after "trainer 2": by kind, then by number. */
+const byRank = (a: string, b: string): number => a.localeCompare(b, "en", { numeric: true });
+
 /** Follows a job's heartbeats and reports who went quiet (and who came back) as Stalled events. */
 export class LivenessMonitor {
   readonly #seen = new Map<string, Seen>();
+  /** the hosts reported silent as a whole, until one of their senders is heard again */
+  readonly #quietHosts = new Set<string>();
   readonly #sub: Subscription;
   readonly #timer: ReturnType<typeof setInterval>;
 
@@ -116,7 +133,7 @@ export class LivenessMonitor {
       if (hb.job !== job || hb.who.length > 64) return;
       this.heard(hb);
     });
-    this.#timer = setInterval(() => this.check(), 1_000);
+    this.#timer = setInterval(() => this.check(), 500);
     this.#timer.unref();
   }
 
@@ -128,6 +145,8 @@ export class LivenessMonitor {
         hb.step,
         `${hb.who} is back after ${this.#secs(this.now() - was.atMs)} s of silence (step ${hb.step}, ${hb.phase})`,
       );
+    if (this.#quietHosts.delete(hb.host))
+      this.#event(hb.step, `host ${hb.host} is heard again (${hb.who} first, at step ${hb.step})`);
   }
 
   /** Reports every sender silent for silentMs (once, until it is heard again). */
@@ -142,6 +161,26 @@ export class LivenessMonitor {
         `${who} ${stalledWords} ${this.#secs(now - s.atMs)} s (stopped, wedged or dead); it was at step ${step}, ${phase}`,
       );
     }
+    this.#checkHosts(now);
+  }
+
+  /** A host whose every sender is silent, while a sender elsewhere is not, is named once. */
+  #checkHosts(now: number): void {
+    const byHost = new Map<string, Seen[]>();
+    for (const s of this.#seen.values())
+      if (s.hb.host !== "") byHost.set(s.hb.host, [...(byHost.get(s.hb.host) ?? []), s]);
+    // when nothing is heard from anywhere, it is this watcher that is cut off
+    if (byHost.size < 2 || [...this.#seen.values()].every((s) => s.stalled)) return;
+    for (const [host, senders] of byHost) {
+      if (this.#quietHosts.has(host) || !senders.every((s) => s.stalled)) continue;
+      this.#quietHosts.add(host);
+      const last = Math.max(...senders.map((s) => s.atMs));
+      const who = senders.map((s) => s.hb.who).sort(byRank);
+      this.#event(
+        Math.min(...senders.map((s) => s.hb.step)),
+        `host ${host} ${hostWords} ${who.join(", ")} silent for ${this.#secs(now - last)} s`,
+      );
+    }
   }
 
   /** Who is quiet now, with what they were last doing. */
@@ -152,6 +191,11 @@ export class LivenessMonitor {
   close(): void {
     clearInterval(this.#timer);
     this.#sub.unsubscribe();
+  }
+
+  /** The hosts whose every sender is silent now. */
+  get quietHosts(): string[] {
+    return [...this.#quietHosts];
   }
 
   #secs(ms: number): string {

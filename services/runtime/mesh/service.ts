@@ -1,6 +1,7 @@
 // What every service process shares: config (file < env < flags), a pino logger, the NATS
 // bus registered for $SRV discovery, and a graceful drain on SIGTERM/SIGINT (stop taking
 // requests, finish those in flight, flush, exit 0).
+import { hostname } from "node:os";
 import { z } from "zod";
 import { DataFileError } from "../../../engine/data/errors.ts";
 import { ConfigError as EngineConfigError } from "../../../engine/errors.ts";
@@ -42,6 +43,15 @@ export const baseConfigSchema = z.object({
   tlsKey: z.string(),
   /** the nkey seed file of this service's NATS user (services/runtime/job/roles.ts); empty: anonymous */
   natsNkey: z.string(),
+  /** the machine this process runs on (MT_HOST / --host; default the machine's name): its
+   *  heartbeats say it, so that the job's watch names a host whose every process went quiet at
+   *  once (cut off, or down); a trainer's also groups the all-reduce (ranks with one label
+   *  reduce among themselves first) */
+  host: z
+    .string()
+    .min(1)
+    .max(64)
+    .regex(/^[A-Za-z0-9._-]+$/, "a host label is letters, digits, '.', '_' or '-'"),
 });
 
 export const baseConfigDefaults = {
@@ -55,6 +65,10 @@ export const baseConfigDefaults = {
   tlsCert: "",
   tlsKey: "",
   natsNkey: "",
+  host:
+    hostname()
+      .replace(/[^A-Za-z0-9._-]/g, "-")
+      .slice(0, 64) || "host",
 };
 
 export interface ServiceContext<C> {

@@ -87,8 +87,19 @@ stepMs():number {
   return offset ? this.bb!.readFloat32(this.bb_pos + offset) : 0.0;
 }
 
+/**
+ * the machine it runs on (MT_HOST; a trainer's is its host label): a watcher names a host
+ * whose every process went quiet at once (cut off, or down)
+ */
+host():string|null
+host(optionalEncoding:flatbuffers.Encoding):string|Uint8Array|null
+host(optionalEncoding?:any):string|Uint8Array|null {
+  const offset = this.bb!.__offset(this.bb_pos, 18);
+  return offset ? this.bb!.__string(this.bb_pos + offset, optionalEncoding) : null;
+}
+
 static startHeartbeat(builder:flatbuffers.Builder) {
-  builder.startObject(7);
+  builder.startObject(8);
 }
 
 static addSchemaVersion(builder:flatbuffers.Builder, schemaVersion:number) {
@@ -119,6 +130,10 @@ static addStepMs(builder:flatbuffers.Builder, stepMs:number) {
   builder.addFieldFloat32(6, stepMs, 0.0);
 }
 
+static addHost(builder:flatbuffers.Builder, hostOffset:flatbuffers.Offset) {
+  builder.addFieldOffset(7, hostOffset, 0);
+}
+
 static endHeartbeat(builder:flatbuffers.Builder):flatbuffers.Offset {
   const offset = builder.endObject();
   return offset;
@@ -132,7 +147,7 @@ static finishSizePrefixedHeartbeatBuffer(builder:flatbuffers.Builder, offset:fla
   builder.finish(offset, 'MTHB', true);
 }
 
-static createHeartbeat(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, whoOffset:flatbuffers.Offset, step:bigint, phaseOffset:flatbuffers.Offset, phaseMs:number, stepMs:number):flatbuffers.Offset {
+static createHeartbeat(builder:flatbuffers.Builder, schemaVersion:number, jobOffset:flatbuffers.Offset, whoOffset:flatbuffers.Offset, step:bigint, phaseOffset:flatbuffers.Offset, phaseMs:number, stepMs:number, hostOffset:flatbuffers.Offset):flatbuffers.Offset {
   Heartbeat.startHeartbeat(builder);
   Heartbeat.addSchemaVersion(builder, schemaVersion);
   Heartbeat.addJob(builder, jobOffset);
@@ -141,6 +156,7 @@ static createHeartbeat(builder:flatbuffers.Builder, schemaVersion:number, jobOff
   Heartbeat.addPhase(builder, phaseOffset);
   Heartbeat.addPhaseMs(builder, phaseMs);
   Heartbeat.addStepMs(builder, stepMs);
+  Heartbeat.addHost(builder, hostOffset);
   return Heartbeat.endHeartbeat(builder);
 }
 }
