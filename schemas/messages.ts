@@ -34,6 +34,7 @@ import {
   SyncPolicy,
   TrainerStats as TrainerStatsT,
   Heartbeat as HeartbeatT,
+  Reconnected as ReconnectedT,
 } from "./wire.ts";
 import {
   bytesOf,
@@ -1106,6 +1107,35 @@ export function decodeHeartbeat(data: Uint8Array, bytesMax: number): Heartbeat {
     phaseMs: r.phaseMs(),
     stepMs: r.stepMs(),
     host: r.host() ?? "",
+  }));
+}
+
+// ---- reconnected ----------------------------------------------------------------------------
+
+export interface Reconnected {
+  /** the process's connection name */
+  who: string;
+  /** the subjects it answers requests on (NATS wildcards) */
+  subjects: string[];
+}
+
+const reconnectedRoot = root("Reconnected", "MTRC", (bb) => ReconnectedT.getRootAsReconnected(bb));
+
+export function encodeReconnected(m: Reconnected): Uint8Array {
+  const b = builder(64 + m.who.length * 3 + m.subjects.reduce((n, x) => n + 8 + x.length * 3, 0));
+  const who = str(b, m.who);
+  const subjects = ReconnectedT.createSubjectsVector(
+    b,
+    m.subjects.map((x) => str(b, x)),
+  );
+  return finishBytes(b, ReconnectedT.createReconnected(b, schemaVersion, who, subjects), reconnectedRoot.identifier);
+}
+
+export function decodeReconnected(data: Uint8Array, bytesMax: number): Reconnected {
+  const r = openRoot(data, reconnectedRoot, bytesMax);
+  return guarded("Reconnected", () => ({
+    who: r.who() ?? "",
+    subjects: Array.from({ length: r.subjectsLength() }, (_, i) => r.subjects(i) ?? ""),
   }));
 }
 

@@ -25,6 +25,7 @@ export { PullReply } from "./generated/mt/wire/pull-reply.ts";
 export { PullRequest } from "./generated/mt/wire/pull-request.ts";
 export { PushReply } from "./generated/mt/wire/push-reply.ts";
 export { PushRequest } from "./generated/mt/wire/push-request.ts";
+export { Reconnected } from "./generated/mt/wire/reconnected.ts";
 export { ShardState } from "./generated/mt/wire/shard-state.ts";
 export { ShardStats } from "./generated/mt/wire/shard-stats.ts";
 export { Split } from "./generated/mt/wire/split.ts";

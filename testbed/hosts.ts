@@ -34,6 +34,14 @@ export interface LinkShape {
 
 export interface HostBedOptions extends LinkShape {
   hosts: number;
+  /**
+   * Each host's net.ipv4.tcp_retries2: how many times its TCP resends data a peer does not
+   * acknowledge before the connection fails (default 4: about 6 s; Linux's own, 15, is about
+   * 15 min). A peer cut off by a partition closes nothing; a busy connection to it (a NATS
+   * route, a client's) fails once its data goes unacknowledged this long, which is how a
+   * deployment finds partitions soon, and how the hosts here are set up.
+   */
+  tcpRetries?: number;
 }
 
 export interface Host {
@@ -45,6 +53,8 @@ export interface Host {
   inner: string;
   outer: string;
 }
+
+const tcpRetriesDefault = 4;
 
 /** Where each bed writes its owner's pid, so that a later bed removes one whose process died. */
 const registry = "/run/meshtrain-testbed";
@@ -175,6 +185,8 @@ export class HostBed implements AsyncDisposable {
     if (problem !== null) throw new TestBedError(problem);
     if (!Number.isInteger(o.hosts) || o.hosts < 1 || o.hosts > 200)
       throw new TestBedError(`a bed has 1 to 200 hosts, not ${o.hosts}`);
+    if (o.tcpRetries !== undefined && !(Number.isInteger(o.tcpRetries) && o.tcpRetries >= 1 && o.tcpRetries <= 15))
+      throw new TestBedError(`tcpRetries is a whole number in [1, 15], not ${o.tcpRetries}`);
     sweepOrphans();
     const prefix = `mt${Math.random().toString(36).slice(2, 6).padEnd(4, "0")}`;
     mkdirSync(registry, { recursive: true });
@@ -182,7 +194,7 @@ export class HostBed implements AsyncDisposable {
     const bed = new HostBed(prefix, freeSubnet(), o.hosts);
     process.once("exit", bed.#onExit);
     try {
-      bed.#build();
+      bed.#build(o.tcpRetries ?? tcpRetriesDefault);
       for (const h of bed.hosts) if (o.rateMbit !== undefined || o.loss !== undefined) bed.shape(h.index, o);
     } catch (e) {
       bed.#remove();
@@ -191,7 +203,7 @@ export class HostBed implements AsyncDisposable {
     return bed;
   }
 
-  #build(): void {
+  #build(tcpRetries: number): void {
     const br = `${this.prefix}br`;
     must(["ip", "link", "add", br, "type", "bridge"]);
     must(["ip", "addr", "add", `${this.gateway}/24`, "dev", br]);
@@ -205,6 +217,8 @@ export class HostBed implements AsyncDisposable {
       must(["ip", "-n", h.ns, "addr", "add", `${h.address}/24`, "dev", h.inner]);
       must(["ip", "-n", h.ns, "link", "set", h.inner, "up"]);
       must(["ip", "-n", h.ns, "link", "set", "lo", "up"]);
+      // (procps's sysctl is not on a slim Debian; /proc/sys/net is the namespace's own)
+      must(["ip", "netns", "exec", h.ns, "sh", "-c", `echo ${tcpRetries} > /proc/sys/net/ipv4/tcp_retries2`]);
       // the host's own chain, where loss rules go (emptied to heal)
       must(["ip", "netns", "exec", h.ns, "iptables", "-N", "MTLINK"]);
       must(["ip", "netns", "exec", h.ns, "iptables", "-I", "INPUT", "-i", h.inner, "-j", "MTLINK"]);

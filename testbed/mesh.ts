@@ -28,6 +28,10 @@ export interface HostMeshOptions {
   /** the host label each trainer reports: its own host's (default), or host 0's for every
    *  trainer ("one"), which makes an all-reduce flat: a ring over every rank, host or not */
   labels?: "host" | "one";
+  /** the NATS servers' pings of their routes and clients (nats-server.ts NatsClusterOptions.ping;
+   *  default nats-server's): a busy route to a member cut off fails sooner, by the hosts' TCP
+   *  (testbed/hosts.ts tcpRetries); pings find a quiet one */
+  natsPing?: { intervalS: number; max: number };
   /** MT_* settings for every service */
   env?: Record<string, string>;
   /** where each service's log goes (one file per service); default: a temporary folder */
@@ -82,6 +86,7 @@ export class HostMesh implements AsyncDisposable {
             serverName: `nats-${i}`,
             port: 6222,
             routes: o.natsHosts.filter((x) => x !== h).map((x) => `nats-route://${bed.address(x)}:6222`),
+            ...(o.natsPing === undefined ? {} : { ping: o.natsPing }),
           },
         }),
       })),
@@ -110,6 +115,8 @@ export class HostMesh implements AsyncDisposable {
         MT_METRICS_PORT: "-1",
         OMP_NUM_THREADS: "1",
         ...o.env,
+        // heartbeats say it: the job's watch names a host whose every process went quiet
+        MT_HOST: hostLabel(host),
         ...(rank === null
           ? {}
           : o.labels === "one"

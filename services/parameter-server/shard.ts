@@ -61,6 +61,8 @@ interface Waiter {
   timer: ReturnType<typeof setTimeout>;
 }
 
+const sameIds = (a: Uint32Array, b: Uint32Array): boolean => a.length === b.length && a.every((x, i) => x === b[i]);
+
 export interface ShardOptions {
   backend: Backend;
   config: JobConfig;
@@ -404,6 +406,23 @@ export class ParameterShard {
     for (const id of ids) this.#slot(id);
     if (new Set(ids).size !== ids.length) throw new BadRequestError("a pull names a chunk twice");
     if (this.#ready(step, ids)) return Promise.resolve(this.#snapshot(ids, dtype));
+    // the same pull asked again (its first ask may have been lost on the way): one waiter
+    // answers both, and counts once against the limit
+    const same = [...this.#waiters].find(
+      (w) => w.trainer === trainer && w.step === step && w.dtype === dtype && sameIds(w.ids, ids),
+    );
+    if (same !== undefined)
+      return new Promise((resolve, reject) => {
+        const [first, failed] = [same.resolve, same.reject];
+        same.resolve = (r) => {
+          first(r);
+          resolve(r);
+        };
+        same.reject = (e) => {
+          failed(e);
+          reject(e);
+        };
+      });
     if (this.#waiters.size >= pullWaitersMax)
       throw new LimitExceededError(`${pullWaitersMax} pulls are waiting on shard ${this.shard} already`);
     return new Promise((resolve, reject) => {
@@ -417,7 +436,7 @@ export class ParameterShard {
         ready: () => this.#ready(step, ids),
         timer: setTimeout(() => {
           this.#waiters.delete(w);
-          reject(
+          w.reject(
             new DeadlineError(
               `pull for step ${step} by trainer ${trainer} waited ${pullWaitMsMax} ms ${this.waitingFor(step)}; trainer clocks on shard ${this.shard}: ${this.#clock.join(",")}`,
             ),

@@ -3,6 +3,10 @@
 /** A pull may wait for the slowest trainer (BSP/SSP): as long as the shard lets it wait
  *  (parameter-server pullWaitMsMax) plus a margin for the transfer. */
 export const pullTimeoutMs = 130_000;
+/** A pull and a batch request are asked again this often while unanswered (bus.ts RequestOptions):
+ *  one lost on a route to a NATS server cut off costs this, not the whole timeout. Both are
+ *  idempotent; a shard keeps the waiting pulls of one trainer until they are answered together. */
+export const reaskMs = 10_000;
 /** Push, batch and checkpoint requests. */
 export const requestTimeoutMs = 30_000;
 /** A checkpoint save reads every shard and writes with fsync: allow for a large model. */

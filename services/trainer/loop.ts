@@ -80,6 +80,7 @@ import {
   loaderCredits,
   membersWaitMsMax,
   placesRetryMs,
+  reaskMs,
   requestTimeoutMs,
   stepAttemptsMax,
   notReadyWaitMsMax,
@@ -720,7 +721,7 @@ export class TrainerRun {
         step: s,
       });
       const promise = bus
-        .request(subjects.dataNext(cfg.job), req, requestTimeoutMs)
+        .request(subjects.dataNext(cfg.job), req, requestTimeoutMs, { reaskMs })
         .then((r) => decodeBatch(r, this.#o.payloadBytesMax));
       promise.catch(() => {}); // a failed look-ahead is retried as the step's own request
       return { step: s, promise };
@@ -772,7 +773,7 @@ export class TrainerRun {
     for (let i = 0; ; i++) {
       const req = encodeBatchRequest({ job: cfg.job, rank: this.#dataRank, split, credits: 0, step: i });
       const b = decodeBatch(
-        await bus.request(subjects.dataNext(cfg.job), req, requestTimeoutMs),
+        await bus.request(subjects.dataNext(cfg.job), req, requestTimeoutMs, { reaskMs }),
         this.#o.payloadBytesMax,
       );
       if (b.endOfEpoch) break;

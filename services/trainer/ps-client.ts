@@ -22,7 +22,7 @@ import { BadRequestError } from "../runtime/mesh/errors.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
 import { subjects } from "../runtime/job/job.ts";
 import type { Layout } from "../runtime/job/layout.ts";
-import { pullTimeoutMs, requestTimeoutMs } from "./limits.ts";
+import { pullTimeoutMs, reaskMs, requestTimeoutMs } from "./limits.ts";
 
 export class PsClient {
   /** per shard: groups of chunk ids, each group's reply fits one message */
@@ -61,7 +61,9 @@ export class PsClient {
             ids: Uint32Array.from(ids),
             dtype: this.#pullDType,
           });
-          const bytes = await this.bus.request(subjects.psPull(job, shard, this.trainer), req, pullTimeoutMs);
+          const bytes = await this.bus.request(subjects.psPull(job, shard, this.trainer), req, pullTimeoutMs, {
+            reaskMs,
+          });
           this.wireBytes += req.byteLength + bytes.byteLength;
           const reply = decodePullReply(bytes, this.payloadBytesMax);
           if (reply.chunks.length !== ids.length)

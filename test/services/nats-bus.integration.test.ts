@@ -3,6 +3,8 @@
 import { afterAll, expect, test } from "bun:test";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../../services/runtime/mesh/errors.ts";
 import { closeDrainMsMax, NatsBus } from "../../services/runtime/mesh/nats.ts";
+import { reconnectedSubject, subjectMatches } from "../../services/runtime/mesh/bus.ts";
+import { encodeReconnected } from "../../schemas/messages.ts";
 import { expectRejected } from "../helpers/errors.ts";
 import { clientBus, startNatsServer } from "../helpers/mesh.ts";
 
@@ -81,6 +83,74 @@ test("a request waiting when the server dies fails at once with a DeadlineError 
   );
   await Promise.allSettled([asker.nc.close(), quiet.nc.close()]);
 }, 20_000); // the request's own timeout is 60 s: only the drop ends it within the test's 20 s
+
+test("a request waiting on a process that says it reconnected is failed at once (asked again), not at its timeout; a notice of other subjects, an oversized one, or garbage changes nothing", async () => {
+  const quiet = await NatsBus.connect({
+    url: server.url,
+    name: "test-quiet-2",
+    connectRetryMsMax: 5_000,
+    connectBackoffMsMax: 500,
+  });
+  quiet.handle("t.quiet.*", () => new Promise<Uint8Array>(() => {})); // takes the request, never answers
+  await quiet.nc.flush();
+  const t0 = performance.now();
+  const waiting = client.request("t.quiet.1", new Uint8Array(1), 60_000);
+  waiting.catch(() => {});
+  let settled = false;
+  void waiting.then(
+    () => (settled = true),
+    () => (settled = true),
+  );
+  await Bun.sleep(100);
+  const notice = (who: string, subjects: string[]) => encodeReconnected({ who, subjects });
+  client.nc.publish(reconnectedSubject, notice("parameter-server-9 x", ["t.other.>", "mt.*.*.ps.9.>"]));
+  client.nc.publish(reconnectedSubject, crypto.getRandomValues(new Uint8Array(40)));
+  client.nc.publish(
+    reconnectedSubject,
+    notice(
+      "x",
+      Array.from({ length: 300 }, () => "t.quiet.*"),
+    ),
+  );
+  await client.nc.flush();
+  await Bun.sleep(200);
+  expect(settled).toBe(false);
+  // the process that answers t.quiet.* says its connection came back
+  serving.nc.publish(reconnectedSubject, notice("test-quiet-2 abcd", ["t.quiet.*"]));
+  await expectRejected(
+    () => waiting,
+    DeadlineError,
+    "a process that answers t.quiet.1 (test-quiet-2 abcd) reconnected to NATS while waiting for the answer on t.quiet.1; retry",
+  );
+  expect(performance.now() - t0).toBeLessThan(30_000);
+  expect(subjectMatches("mt.*.*.ps.1.>", "mt.a.b.ps.1.pull.3")).toBe(true);
+  expect(subjectMatches("mt.*.*.ps.1.>", "mt.a.b.ps.1")).toBe(false);
+  expect(subjectMatches("mt.*.*.data.next", "mt.a.b.data.next")).toBe(true);
+  expect(subjectMatches("mt.*.*.data.next", "mt.a.b.data.next.x")).toBe(false);
+  await quiet.close();
+}, 20_000);
+
+test("a request asked again every reaskMs: the first answer wins (a lost first ask costs reaskMs, not the timeout); with no answer at all it times out once, at its timeout", async () => {
+  let asked = 0;
+  serving.handle("t.reask", () => {
+    asked++;
+    // the first ask is lost (as one routed to a server cut off); the second is answered
+    return asked === 1 ? new Promise<Uint8Array>(() => {}) : new TextEncoder().encode(`answer ${asked}`);
+  });
+  serving.handle("t.reask.never", () => new Promise<Uint8Array>(() => {}));
+  await serving.nc.flush();
+  const t0 = performance.now();
+  const got = await client.request("t.reask", new Uint8Array(1), 10_000, { reaskMs: 300 });
+  expect(new TextDecoder().decode(got)).toBe("answer 2");
+  expect(performance.now() - t0).toBeLessThan(5_000);
+  const t1 = performance.now();
+  await expectRejected(
+    () => client.request("t.reask.never", new Uint8Array(1), 1_000, { reaskMs: 300 }),
+    DeadlineError,
+    "no reply on t.reask.never within 1000 ms",
+  );
+  expect(performance.now() - t1).toBeGreaterThan(900);
+}, 20_000);
 
 test("a process that asks once and closes its bus exits then: close() leaves no timer behind (a client command took the drain's 10 s bound every time)", async () => {
   const script = `

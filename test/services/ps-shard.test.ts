@@ -203,6 +203,24 @@ describe("BSP", () => {
     expect(shard.waiting).toBe(0);
     shard.dispose();
   });
+
+  test("the same pull asked again while it waits (its first ask lost on the way) is one waiter, and both asks get the parameters", async () => {
+    const cfg = job({ trainers: 2, sync: "bsp", optimizer: plainSgd, lr: 1 });
+    const { shard, layout, initial, ids } = makeShard(cfg);
+    const g = new Float32Array(initial.length).fill(1);
+    shard.push(pushAll(layout, 0, 0, g));
+    const asks = [0, 1, 2].map(() => pullAll(shard, ids, 0, 1, initial.length));
+    await Bun.sleep(0);
+    expect(shard.waiting).toBe(1);
+    // another trainer's pull of the step is a waiter of its own
+    const other = pullAll(shard, ids, 1, 1, initial.length);
+    await Bun.sleep(0);
+    expect(shard.waiting).toBe(2);
+    shard.push(pushAll(layout, 1, 0, g));
+    for (const v of [...(await Promise.all(asks)), await other]) expectMovedBy(v, initial, 1);
+    expect(shard.waiting).toBe(0);
+    shard.dispose();
+  });
 });
 
 describe("BSP with global-norm clipping", () => {

@@ -25,6 +25,7 @@ import { basename, join } from "node:path";
 import { defaultOwner, ownerProblem, recoverAsker } from "./job.ts";
 import { jobsBucket, recordsBucket } from "./jobs.ts";
 import { ncclIdsBucket, ncclLeaderToken } from "./nccl-id.ts";
+import { reconnectedSubject } from "../mesh/bus.ts";
 
 /** The ranks and shards a mesh's credentials cover (a user per rank and per shard). */
 export interface RoleTopology {
@@ -130,7 +131,8 @@ function ownedBucketSubjects(buckets: readonly string[], owner: string): string[
 
 const jsCommon = ["$JS.API.INFO", "$JS.FC.>", "$JS.ACK.>"];
 const discovery = "$SRV.>";
-const everyService = ["mt.*.*.events.*", "mt.*.*.hb.*"];
+// a process that reconnected says so: the requests waiting on it are asked again (bus.ts)
+const everyService = ["mt.*.*.events.*", "mt.*.*.hb.*", reconnectedSubject];
 const jobBuckets = [jobsBucket, recordsBucket];
 
 /** What one user may publish and subscribe to (its inbox excepted: see natsAuthorization). */
@@ -160,7 +162,7 @@ export function permissionsOf(user: RoleName): Permissions {
         ...ownedBucketSubjects(jobBuckets, owner),
       ],
       // heartbeats: a watcher names a stalled rank and what it was doing
-      subscribe: [`${own}.events.>`, `${own}.hb.*`],
+      subscribe: [`${own}.events.>`, `${own}.hb.*`, reconnectedSubject],
       allowResponses: false,
     };
   }

@@ -5,6 +5,15 @@ import { decodeErrorReply, encodeErrorReply, isErrorReply } from "../../../schem
 import { DeadlineError, errorReplyOf, LimitExceededError, NoRespondersError, rebuildError } from "./errors.ts";
 
 /** Handles one request; what it returns is the reply. A throw becomes an ErrorReply. */
+/**
+ * Where a process whose connection to NATS dropped and came back says so (a Reconnected,
+ * schemas/reconnected.fbs): a request it was to answer while it was away is lost (its server,
+ * still holding the old connection, delivered it there). Every other process fails its requests
+ * still waiting on one of the subjects it answers, and their callers ask again at once instead of
+ * after their timeouts.
+ */
+export const reconnectedSubject = "mt.ctl.reconnected";
+
 export type Handler = (data: Uint8Array, subject: string) => Promise<Uint8Array> | Uint8Array;
 
 export interface EndpointSpec {
@@ -26,8 +35,17 @@ export interface Subscription {
   drain?(): void;
 }
 
+export interface RequestOptions {
+  /**
+   * Ask again every reaskMs while no answer came (the first answer wins): for an idempotent
+   * request whose answerer may have been reached through a route that is gone (a NATS server cut
+   * off, still holding its clients' subscriptions in the others' view), or whose answer was.
+   */
+  reaskMs?: number;
+}
+
 export interface Bus {
-  request(subject: string, data: Uint8Array, timeoutMs: number): Promise<Uint8Array>;
+  request(subject: string, data: Uint8Array, timeoutMs: number, o?: RequestOptions): Promise<Uint8Array>;
   publish(subject: string, data: Uint8Array): void;
   /** `onError`: the server refused the subscription (the user's role does not allow it) */
   subscribe(

@@ -41,21 +41,31 @@ export async function openBucket(nc: NatsConnection, name: string, options: Part
   return kv;
 }
 
+/** How long a bucket's creation waits for a cluster still forming to know enough peers for its replicas. */
+const clusterFormingMsMax = 30_000;
+
 async function createOrOpen(
   nc: NatsConnection,
   name: string,
   options: Partial<KvOptions> & { replicas: number },
 ): Promise<KV> {
   const replicas = options.replicas;
+  const started = Date.now();
+  let races = 0;
   for (let attempt = 1; ; attempt++) {
     try {
       return await new Kvm(nc).create(name, options);
     } catch (e) {
       const why = (e as Error).message;
-      if (replicas > 1 && /replicas|insufficient resources|non-clustered/i.test(why))
+      // a cluster still forming knows fewer peers than it will: asked again until it has them
+      if (replicas > 1 && /no suitable peers/i.test(why) && Date.now() - started < clusterFormingMsMax) {
+        await Bun.sleep(Math.min(100 * attempt, 1000));
+        continue;
+      }
+      if (replicas > 1 && /replicas|insufficient resources|non-clustered|no suitable peers/i.test(why))
         throw tooManyReplicas(name, replicas, why, e);
-      if (attempt >= 5 || !/subjects overlap|already in use/i.test(why)) throw e;
-      await Bun.sleep(20 * attempt);
+      if (++races >= 5 || !/subjects overlap|already in use/i.test(why)) throw e;
+      await Bun.sleep(20 * races);
     }
   }
 }

@@ -4,8 +4,19 @@ import { existsSync } from "node:fs";
 import { busTraffic } from "./metrics.ts";
 import { Svcm, type Service, type ServiceMsg } from "@nats-io/services";
 import { connect, type NatsConnection, nkeyAuthenticator, type Subscription as NatsSub } from "@nats-io/transport-node";
-import { headers as natsHeaders, type MsgHdrs } from "@nats-io/transport-node";
-import { answer, type Bus, type EndpointSpec, type Handler, type Subscription, unwrapReply } from "./bus.ts";
+import { type Msg, headers as natsHeaders, type MsgHdrs } from "@nats-io/transport-node";
+import {
+  answer,
+  type Bus,
+  type EndpointSpec,
+  type Handler,
+  reconnectedSubject,
+  type RequestOptions,
+  subjectMatches,
+  type Subscription,
+  unwrapReply,
+} from "./bus.ts";
+import { decodeReconnected, encodeReconnected, type Reconnected } from "../../../schemas/messages.ts";
 import { DeadlineError, MeshError, NatsAccessError, NoRespondersError, refusedAs } from "./errors.ts";
 
 export { NatsAccessError };
@@ -181,6 +192,12 @@ export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnec
 
 const droppedText = "the connection to NATS dropped while waiting for the answer";
 const leftPrefix = "a server of the NATS cluster";
+const reconnectedText = "the connection to NATS came back: what was asked while it was away may be lost";
+const peerBackPrefix = "a process that answers";
+
+/** What a Reconnected notice may name: beyond it, a notice is ignored. */
+const noticeSubjectsMax = 256;
+const noticeBytesMax = 64 << 10;
 
 /** Why in-flight requests are lost when the cluster's servers (connect_urls) lost one since `before`; null: none left. */
 function leftText(before: ReadonlySet<string>, nc: NatsConnection): string | null {
@@ -197,14 +214,20 @@ export class NatsBus implements Bus {
   /** every handler's refusals, logged rate-limited with the subject and the reason */
   readonly #refused: RefusalLog;
 
-  /** requests waiting for an answer: each fails at once when the connection drops */
-  readonly #inflight = new Set<(e: Error) => void>();
+  /** requests waiting for an answer, by their subject: each fails at once when the connection
+   *  drops, or when the process that answers it says its connection came back */
+  readonly #inflight = new Map<(e: Error) => void, string>();
+  /** the subjects this process answers requests on (handle, serve) */
+  readonly #answers = new Set<string>();
+  /** this bus among the others, in its Reconnected notices: its own are not for it */
+  readonly #who: string;
 
   private constructor(
     readonly nc: NatsConnection,
     readonly opts: NatsBusOptions,
   ) {
     this.#refused = new RefusalLog(opts.log);
+    this.#who = `${opts.name ?? "client"} ${crypto.randomUUID().slice(0, 8)}`;
     // an answer to a request sent before a disconnect never comes (the server that would route
     // it is gone): fail those requests now, so that callers retry once the client has
     // reconnected instead of waiting out their whole timeout. The same when another server of
@@ -217,14 +240,58 @@ export class NatsBus implements Bus {
         // reaches its caller as NatsAccessError): say so, it is a deployment's mistake
         if (s.type === "error" && /permissions? violation/i.test(s.error.message))
           opts.log?.error({ err: s.error.message }, "NATS refused an operation of this process's role");
+        if (s.type === "reconnect") {
+          // what was asked while away went out on the new connection, or nowhere: asked again;
+          // the others hear that what they asked of this process may be lost
+          for (const drop of this.#inflight.keys()) drop(new DeadlineError(reconnectedText));
+          this.#sayReconnected();
+          continue;
+        }
         if (s.type !== "disconnect" && s.type !== "update") continue;
         const why = s.type === "disconnect" ? droppedText : leftText(clusterMembers, nc);
         // after a disconnect, the next server's INFO starts afresh (what was lost is failed already)
         clusterMembers = new Set(s.type === "disconnect" ? [] : (nc.info?.connect_urls ?? []));
         if (why === null) continue;
-        for (const drop of this.#inflight) drop(new DeadlineError(why));
+        for (const drop of this.#inflight.keys()) drop(new DeadlineError(why));
       }
     })().catch(() => {});
+    nc.subscribe(reconnectedSubject, {
+      callback: (err, msg) => {
+        if (err === null) this.#peerReconnected(msg.data);
+      },
+    });
+  }
+
+  #sayReconnected(): void {
+    if (this.#answers.size === 0) return; // a client: nobody waits on it
+    const subjects = [...this.#answers].slice(0, noticeSubjectsMax);
+    try {
+      this.nc.publish(reconnectedSubject, encodeReconnected({ who: this.#who, subjects }));
+    } catch (e) {
+      this.opts.log?.warn({ err: (e as Error).message }, "could not say that this process reconnected");
+    }
+  }
+
+  /** Another process's connection came back: the requests waiting on what it answers are asked again. */
+  #peerReconnected(data: Uint8Array): void {
+    let notice: Reconnected;
+    try {
+      notice = decodeReconnected(data, noticeBytesMax);
+    } catch {
+      return; // not a notice: nothing to act on
+    }
+    if (notice.who === this.#who || notice.subjects.length > noticeSubjectsMax) return;
+    const who = notice.who.slice(0, 64);
+    let asked = 0;
+    for (const [drop, subject] of this.#inflight)
+      if (notice.subjects.some((p) => p.length <= 256 && subjectMatches(p, subject))) {
+        drop(
+          new DeadlineError(`${peerBackPrefix} ${subject} (${who}) reconnected to NATS while waiting for the answer`),
+        );
+        asked++;
+      }
+    if (asked > 0)
+      this.opts.log?.info({ who, asked }, "a process reconnected: the requests waiting on it are asked again");
   }
 
   static async connect(opts: NatsBusOptions): Promise<NatsBus> {
@@ -243,25 +310,62 @@ export class NatsBus implements Bus {
     return bus;
   }
 
-  async request(subject: string, data: Uint8Array, timeoutMs: number): Promise<Uint8Array> {
+  async request(subject: string, data: Uint8Array, timeoutMs: number, o: RequestOptions = {}): Promise<Uint8Array> {
     let drop: (e: Error) => void = () => {};
     const dropped = new Promise<never>((_, reject) => (drop = reject));
-    this.#inflight.add(drop);
+    this.#inflight.set(drop, subject);
     try {
-      busTraffic("out", subject, data.byteLength);
-      const pending = this.nc.request(subject, data, { timeout: timeoutMs });
+      const pending = this.#ask(subject, data, timeoutMs, o.reaskMs ?? timeoutMs);
       pending.catch(() => {}); // when the drop wins, its own failure comes later
       const msg = await Promise.race([pending, dropped]);
       busTraffic("in", subject, msg.data.byteLength);
       return unwrapReply(msg.data);
     } catch (e) {
-      if (e instanceof DeadlineError && (e.message.startsWith(droppedText) || e.message.startsWith(leftPrefix))) {
+      if (
+        e instanceof DeadlineError &&
+        [droppedText, leftPrefix, reconnectedText, peerBackPrefix].some((p) => e.message.startsWith(p))
+      ) {
         throw new DeadlineError(`${e.message} on ${subject}; retry`, { cause: e });
       }
       throw translate(e, subject, timeoutMs);
     } finally {
       this.#inflight.delete(drop);
     }
+  }
+
+  /**
+   * The request, asked again every `reaskMs` until one answer comes or `timeoutMs` is out: the
+   * first answer wins (an error answer too), the others are dropped. A timeout ends it only when
+   * every ask timed out; no responders ends it at once.
+   */
+  #ask(subject: string, data: Uint8Array, timeoutMs: number, reaskMs: number): Promise<Msg> {
+    const deadline = Date.now() + timeoutMs;
+    return new Promise<Msg>((resolve, reject) => {
+      let open = 0,
+        done = false;
+      let timer: ReturnType<typeof setTimeout> | undefined;
+      const end = (settle: () => void) => {
+        if (done) return;
+        done = true;
+        clearTimeout(timer);
+        settle();
+      };
+      const ask = () => {
+        const left = deadline - Date.now();
+        open++;
+        busTraffic("out", subject, data.byteLength);
+        this.nc.request(subject, data, { timeout: Math.max(1, left) }).then(
+          (msg) => end(() => resolve(msg)),
+          (e: unknown) => {
+            open--;
+            if (open > 0 && isTimeout(e)) return; // a later ask may still be answered
+            end(() => reject(e));
+          },
+        );
+        if (left > reaskMs && !done) timer = setTimeout(ask, reaskMs);
+      };
+      ask();
+    });
   }
 
   publish(subject: string, data: Uint8Array): void {
@@ -290,6 +394,7 @@ export class NatsBus implements Bus {
 
   handle(subject: string, handler: Handler): Subscription {
     const log = this.opts.log;
+    this.#answers.add(subject);
     const sub = this.nc.subscribe(subject, {
       callback: (err, msg) => {
         if (err !== null) {
@@ -309,7 +414,10 @@ export class NatsBus implements Bus {
     });
     this.#subs.push(sub);
     return {
-      unsubscribe: () => sub.unsubscribe(),
+      unsubscribe: () => {
+        this.#answers.delete(subject);
+        sub.unsubscribe();
+      },
       // the requests the server routed here before it took the unsubscribe are still answered;
       // it answers those that come after with "no responders" at once
       drain: () => {
@@ -322,6 +430,7 @@ export class NatsBus implements Bus {
   serve(endpoint: EndpointSpec): void {
     if (!this.#service) throw new Error("this bus was connected without a service identity; it cannot serve");
     const log = this.opts.log;
+    this.#answers.add(endpoint.subject);
     this.#service.addEndpoint(endpoint.name, {
       subject: endpoint.subject,
       ...(endpoint.queue === undefined ? {} : { queue: endpoint.queue }),
@@ -394,11 +503,17 @@ function errorHeaders(error: unknown): MsgHdrs {
 /** Text for a NATS header: one line (the protocol refuses CR/LF there), bounded. */
 export const headerText = (text: string): string => text.replace(/[\r\n]+/g, " ").slice(0, 200);
 
+const errorNames = (e: unknown): string[] =>
+  [e, (e as { cause?: unknown } | undefined)?.cause].map((x) => (x instanceof Error ? x.name : ""));
+
+/** Whether a request failed for want of an answer in time (nats.js's own error). */
+const isTimeout = (e: unknown): boolean =>
+  errorNames(e).includes("TimeoutError") || (e instanceof Error && /timeout/i.test(e.message));
+
 function translate(e: unknown, subject: string, timeoutMs: number): unknown {
-  const names = [e, (e as { cause?: unknown } | undefined)?.cause].map((x) => (x instanceof Error ? x.name : ""));
+  const names = errorNames(e);
   const text = e instanceof Error ? e.message : "";
-  if (names.includes("TimeoutError") || /timeout/i.test(text))
-    return new DeadlineError(`no reply on ${subject} within ${timeoutMs} ms`, { cause: e });
+  if (isTimeout(e)) return new DeadlineError(`no reply on ${subject} within ${timeoutMs} ms`, { cause: e });
   if (names.includes("NoRespondersError") || /no responders/i.test(text))
     return new NoRespondersError(`no service answers ${subject}`, { cause: e });
   if (names.includes("PermissionViolationError") || /permissions? violation/i.test(text)) {
