@@ -39,7 +39,9 @@ import {
   BadRequestError,
   ConfigError,
   CorruptDataError,
+  DeadlineError,
   JobStateError,
+  NoRespondersError,
   NotReadyError,
   UnknownJobError,
 } from "../runtime/mesh/errors.ts";
@@ -128,6 +130,9 @@ const partitionFile = (r: number, p: number) => `partition-${r}-${p}.mtss`;
 const partitionFilePattern = /^partition-\d{1,4}-\d{1,6}\.mtss$/;
 /** Parts a replica may be cut into (a 64 GB model in 8 MB messages). */
 const replicaPartsMax = 8192;
+
+/** The pause before a load is asked again of a shard or rank that is away. */
+const awayPauseMs = 250;
 
 export class CheckpointService {
   readonly #jobs = new Map<string, JobEntry>();
@@ -685,8 +690,7 @@ export class CheckpointService {
       await Promise.all(
         loads.map(async (parts, k) => {
           // the shard checks each part and applies them together, after the last
-          for (const part of parts)
-            await this.bus.request(subjects.psLoad(cfg.job, k), encodeShardState(part), stateTimeoutMs);
+          for (const part of parts) await this.#load(subjects.psLoad(cfg.job, k), encodeShardState(part));
         }),
       );
     } else {
@@ -736,9 +740,28 @@ export class CheckpointService {
       throw new BadRequestError(`snapshot ${id} holds no replica (it was taken by a parameter-server job)`);
     await Promise.all(
       Array.from({ length: cfg.trainers }, async (_, r) => {
-        for (const bytes of parts) await this.bus.request(subjects.replicaLoad(cfg.job, r), bytes, stateTimeoutMs);
+        for (const bytes of parts) await this.#load(subjects.replicaLoad(cfg.job, r), bytes);
       }),
     );
+  }
+
+  /**
+   * Loads a part of a snapshot into a shard or a rank. One that is away now (its host cut off,
+   * its connection to NATS coming back, its process restarting) is asked again until it takes
+   * it, within stateTimeoutMs.
+   */
+  async #load(subject: string, bytes: Uint8Array): Promise<void> {
+    const deadline = Date.now() + stateTimeoutMs;
+    for (;;) {
+      try {
+        await this.bus.request(subject, bytes, Math.max(1, deadline - Date.now()));
+        return;
+      } catch (e) {
+        const away = e instanceof NoRespondersError || (e instanceof DeadlineError && e.message.endsWith("; retry"));
+        if (!away || Date.now() + awayPauseMs >= deadline) throw e;
+        await Bun.sleep(awayPauseMs);
+      }
+    }
   }
 
   /** Whether a shard holds nothing yet: no update applied, no trainer's step pushed. */
