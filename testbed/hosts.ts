@@ -36,7 +36,7 @@ export interface HostBedOptions extends LinkShape {
   hosts: number;
   /**
    * Each host's net.ipv4.tcp_retries2: how many times its TCP resends data a peer does not
-   * acknowledge before the connection fails (default 4: about 6 s; Linux's own, 15, is about
+   * acknowledge before the connection fails (default 2: about 1.4 s; Linux's own, 15, is about
    * 15 min). A peer cut off by a partition closes nothing; a busy connection to it (a NATS
    * route, a client's) fails once its data goes unacknowledged this long, which is how a
    * deployment finds partitions soon, and how the hosts here are set up.
@@ -54,7 +54,7 @@ export interface Host {
   outer: string;
 }
 
-const tcpRetriesDefault = 4;
+const tcpRetriesDefault = 2;
 
 /** Where each bed writes its owner's pid, so that a later bed removes one whose process died. */
 const registry = "/run/meshtrain-testbed";

@@ -7,40 +7,14 @@
 // namespaces cannot be made.
 import { afterAll, describe, expect, test } from "bun:test";
 import { EventKind, JobState } from "../../schemas/messages.ts";
-import { MeshClient } from "../../sdk/client.ts";
-import { HostBed, testBedProblem } from "../../testbed/hosts.ts";
-import { HostMesh, hostLabel } from "../../testbed/mesh.ts";
+import { testBedProblem } from "../../testbed/hosts.ts";
+import { hostLabel } from "../../testbed/mesh.ts";
+import { fourHosts } from "../helpers/hosts.ts";
 import { mlpJob, runJob } from "../helpers/mesh-jobs.ts";
 import { removeTempDirs } from "../helpers/mesh.ts";
 import { skip } from "../helpers/skip.ts";
 
 afterAll(removeTempDirs);
-
-/** The layout above, up: the bed, the mesh on it, and a client through host 0's server. */
-async function fourHosts() {
-  const bed = await HostBed.create({ hosts: 4, rateMbit: 1000 });
-  const mesh = await HostMesh.start(bed, {
-    natsHosts: [0, 1, 3],
-    serviceHost: 0,
-    shardHosts: [1, 2],
-    trainerHosts: [1, 2],
-    trainersPerHost: 2,
-  }).catch(async (e) => {
-    await bed[Symbol.asyncDispose]();
-    throw e;
-  });
-  const client = await MeshClient.connect(mesh.urls(0), { connectRetryMsMax: 30_000 });
-  const down = async () => {
-    await client.close();
-    await mesh[Symbol.asyncDispose]();
-    await bed[Symbol.asyncDispose]();
-  };
-  await mesh.untilUp(client).catch(async (e) => {
-    await down();
-    throw e;
-  });
-  return { bed, mesh, client, [Symbol.asyncDispose]: down };
-}
 
 describe.skipIf(skip("network namespaces", testBedProblem()))("the mesh across hosts", () => {
   test("a BSP job across 4 hosts on a NATS cluster of three: each trainer reports its host, the job finishes Done", async () => {

@@ -46,6 +46,9 @@ export interface RequestOptions {
 
 export interface Bus {
   request(subject: string, data: Uint8Array, timeoutMs: number, o?: RequestOptions): Promise<Uint8Array>;
+  /** A bus on a NATS cluster: calls `fn` with the client URLs of servers that left the cluster
+   *  (cut off or down); returns the way to stop. */
+  onServersLeft?(fn: (urls: string[]) => void): () => void;
   publish(subject: string, data: Uint8Array): void;
   /** `onError`: the server refused the subscription (the user's role does not allow it) */
   subscribe(

@@ -72,7 +72,7 @@ export interface NatsClusterOptions {
    * and delays a ping while the connection carries traffic: 1 s and 2 find a quiet member cut
    * off within about 6 s, and drop a client whose event loop is blocked for about 3 s (a
    * trainer's step computes on it). A busy route fails sooner by its host's TCP: with
-   * net.ipv4.tcp_retries2 = 4, once its data goes unacknowledged for about 6 s.
+   * net.ipv4.tcp_retries2 = 2, once its data goes unacknowledged for about 1.4 s.
    */
   ping?: { intervalS: number; max: number };
 }

@@ -194,18 +194,17 @@ const droppedText = "the connection to NATS dropped while waiting for the answer
 const leftPrefix = "a server of the NATS cluster";
 const reconnectedText = "the connection to NATS came back: what was asked while it was away may be lost";
 const peerBackPrefix = "a process that answers";
+/** How often a bus reads the cluster's servers from the INFO its server sent last. */
+const clusterCheckMs = 500;
 
 /** What a Reconnected notice may name: beyond it, a notice is ignored. */
 const noticeSubjectsMax = 256;
 const noticeBytesMax = 64 << 10;
 
-/** Why in-flight requests are lost when the cluster's servers (connect_urls) lost one since `before`; null: none left. */
-function leftText(before: ReadonlySet<string>, nc: NatsConnection): string | null {
+/** The cluster's servers (connect_urls) that left since `before` (none when the INFO names none at all). */
+function serversLeft(before: ReadonlySet<string>, nc: NatsConnection): string[] {
   const now = new Set(nc.info?.connect_urls ?? []);
-  const left = [...before].filter((u) => !now.has(u));
-  return left.length === 0 || now.size === 0
-    ? null
-    : `${leftPrefix} (${left.join(", ")}) left while waiting for the answer`;
+  return now.size === 0 ? [] : [...before].filter((u) => !now.has(u));
 }
 
 export class NatsBus implements Bus {
@@ -219,6 +218,11 @@ export class NatsBus implements Bus {
   readonly #inflight = new Map<(e: Error) => void, string>();
   /** the subjects this process answers requests on (handle, serve) */
   readonly #answers = new Set<string>();
+  /** the cluster's servers as the last INFO named them (connect_urls) */
+  #clusterMembers = new Set<string>();
+  readonly #clusterTimer: ReturnType<typeof setInterval>;
+  /** who hears of servers that left the cluster (onServersLeft) */
+  readonly #serversLeft = new Set<(urls: string[]) => void>();
   /** this bus among the others, in its Reconnected notices: its own are not for it */
   readonly #who: string;
 
@@ -233,7 +237,7 @@ export class NatsBus implements Bus {
     // reconnected instead of waiting out their whole timeout. The same when another server of
     // the cluster leaves (its address drops out of the INFO this server sends): a request whose
     // answerer was connected there, or whose answer was passing through it, is lost too.
-    let clusterMembers = new Set(nc.info?.connect_urls ?? []);
+    this.#clusterMembers = new Set(nc.info?.connect_urls ?? []);
     void (async () => {
       for await (const s of nc.status()) {
         // a publish or subscription this user's role does not allow (a request's own refusal
@@ -247,19 +251,44 @@ export class NatsBus implements Bus {
           this.#sayReconnected();
           continue;
         }
-        if (s.type !== "disconnect" && s.type !== "update") continue;
-        const why = s.type === "disconnect" ? droppedText : leftText(clusterMembers, nc);
-        // after a disconnect, the next server's INFO starts afresh (what was lost is failed already)
-        clusterMembers = new Set(s.type === "disconnect" ? [] : (nc.info?.connect_urls ?? []));
-        if (why === null) continue;
-        for (const drop of this.#inflight.keys()) drop(new DeadlineError(why));
+        if (s.type === "update") this.#checkCluster();
+        if (s.type !== "disconnect") continue;
+        // the next server's INFO starts afresh (what was lost is failed now)
+        this.#clusterMembers = new Set();
+        for (const drop of this.#inflight.keys()) drop(new DeadlineError(droppedText));
       }
     })().catch(() => {});
+    // nats.js says "update" only when its list of servers changes, and it keeps the servers it
+    // was given: one of those leaving shows only in the INFO the server sends, read here
+    this.#clusterTimer = setInterval(() => this.#checkCluster(), clusterCheckMs);
+    this.#clusterTimer.unref();
     nc.subscribe(reconnectedSubject, {
       callback: (err, msg) => {
         if (err === null) this.#peerReconnected(msg.data);
       },
     });
+  }
+
+  /** A server of the cluster left (its address dropped out of the INFO this server sends): a
+   *  request whose answerer was connected there, or whose answer was passing through it, is
+   *  lost; those waiting are failed, and who follows departures hears of it. */
+  #checkCluster(): void {
+    if (this.nc.isClosed() || this.nc.info === undefined) return;
+    const left = serversLeft(this.#clusterMembers, this.nc);
+    this.#clusterMembers = new Set(this.nc.info.connect_urls ?? []);
+    if (left.length === 0) return;
+    this.opts.log?.warn({ left }, "a server of the NATS cluster left it");
+    for (const said of this.#serversLeft) said(left);
+    const why = `${leftPrefix} (${left.join(", ")}) left while waiting for the answer`;
+    for (const drop of this.#inflight.keys()) drop(new DeadlineError(why));
+  }
+
+  /** Calls `fn` with the client URLs of the cluster's servers that left it (its routes to
+   *  them closed: cut off or down), as the server this bus is connected to says; returns the
+   *  way to stop. */
+  onServersLeft(fn: (urls: string[]) => void): () => void {
+    this.#serversLeft.add(fn);
+    return () => this.#serversLeft.delete(fn);
   }
 
   #sayReconnected(): void {
@@ -476,6 +505,7 @@ export class NatsBus implements Bus {
 
   /** Drains: stops taking requests, finishes the ones in flight, flushes, closes. */
   async close(): Promise<void> {
+    clearInterval(this.#clusterTimer);
     if (this.nc.isClosed()) return;
     this.#refused.close();
     await this.#service?.stop();
