@@ -45,6 +45,9 @@ export interface MeshProcess {
   log: string;
 }
 
+/** Each NATS server's monitoring port, on its host's address. */
+const monitorPort = 8222;
+
 /** The label a trainer of host i reports (MT_HOST). */
 export const hostLabel = (i: number): string => `host-${i}`;
 
@@ -77,7 +80,7 @@ export class HostMesh implements AsyncDisposable {
         server: await startNatsServer({
           host: bed.address(h),
           port: 4222,
-          monitorPort: 8222,
+          monitorPort,
           dir: join(tempDir, `nats-${i}`),
           logFile: join(logDir, `nats-${i}.log`),
           wrap: (argv) => bed.argv(h, argv),
@@ -164,6 +167,42 @@ export class HostMesh implements AsyncDisposable {
       if (Date.now() > deadline)
         throw new Error(`the mesh across hosts is not up after ${timeoutMs} ms: ${seen} (logs: ${this.logDir})`);
       await Bun.sleep(200);
+    }
+  }
+
+  /**
+   * Waits until every NATS server of the mesh routes to every other one and JetStream has a
+   * meta leader again (after a partition healed: the routes form anew, the server that was cut
+   * off catches up), or fails after `timeoutMs` saying what is missing. Reads each server's
+   * monitoring endpoint (/routez, /jsz).
+   */
+  async untilClustered(timeoutMs = 60_000): Promise<void> {
+    const deadline = Date.now() + timeoutMs;
+    const want = this.nats.length - 1;
+    let seen = "nothing yet";
+    for (;;) {
+      const states = await Promise.all(
+        this.nats.map(async (n) => {
+          const at = `http://${this.bed.address(n.host)}:${monitorPort}`;
+          try {
+            const get = async (path: string) =>
+              (await (await fetch(`${at}${path}`, { signal: AbortSignal.timeout(2_000) })).json()) as Record<
+                string,
+                unknown
+              >;
+            const routes = new Set(((await get("/routez")).routes as { remote_id: string }[]).map((r) => r.remote_id));
+            const leader = ((await get("/jsz")).meta_cluster as { leader?: string } | undefined)?.leader ?? "";
+            return { host: n.host, routes: routes.size, leader };
+          } catch (e) {
+            return { host: n.host, routes: -1, leader: "", err: (e as Error).message };
+          }
+        }),
+      );
+      if (states.every((s) => s.routes === want && s.leader !== "")) return;
+      seen = states.map((s) => `host ${s.host}: ${s.routes} routes, leader ${s.leader || "none"}`).join("; ");
+      if (Date.now() > deadline)
+        throw new Error(`the NATS cluster is not whole after ${timeoutMs} ms: ${seen} (logs: ${this.logDir})`);
+      await Bun.sleep(250);
     }
   }
 

@@ -18,6 +18,7 @@ import type { JobConfig } from "../../services/runtime/job/job.ts";
 import { type HostBed, testBedProblem } from "../../testbed/hosts.ts";
 import { hostLabel } from "../../testbed/mesh.ts";
 import { fourHosts } from "../helpers/hosts.ts";
+import { finalChunkVersions } from "../helpers/jobs.ts";
 import { expectEveryStepOnce, mlpJob, runJob } from "../helpers/mesh-jobs.ts";
 import { removeTempDirs } from "../helpers/mesh.ts";
 import { skip } from "../helpers/skip.ts";
@@ -62,6 +63,14 @@ function cutOff(bed: HostBed, host: number, atStep: number, forMs: number, named
   };
 }
 
+/** A BSP job applied every step once: each chunk's version in the final snapshot counts the
+ *  steps applied (its events are telemetry, and one sent as a link went down can be lost). */
+function expectEveryStepApplied(record: Parameters<typeof finalChunkVersions>[0] & { totalSteps: number }): void {
+  const versions = finalChunkVersions(record);
+  expect(versions.size).toBe(2);
+  for (const v of versions.values()) expect(new Set(v)).toEqual(new Set([record.totalSteps]));
+}
+
 const hostNamed = (host: number) => (e: Event) =>
   e.kind === EventKind.Stalled && e.text.startsWith(`host ${hostLabel(host)} is cut off or down: `);
 
@@ -98,10 +107,12 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("faults across hos
       expect(r.record.state).toBe(JobState.Done);
       expect(bed.linked(3)).toBe(false); // it ended without the server
       expect(cut.said[0]!.afterMs).toBeLessThan(10_000);
-      expectEveryStepOnce(r.seen, 4, r.record.totalSteps);
+      expectEveryStepApplied(r.record);
       expect(Math.abs(r.record.accuracy - faultFree)).toBeLessThanOrEqual(0.003);
     } finally {
       cut.heal();
+      // the next tests start on a whole cluster again
+      await mesh.untilClustered();
     }
   }, 120_000);
 
@@ -115,7 +126,7 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("faults across hos
     expect(cut.said.length).toBeGreaterThan(0);
     expect(cut.said[0]!.afterMs).toBeLessThan(10_000);
     expect(cut.said[0]!.text).toMatch(/: shard 1, trainer 2, trainer 3 silent for \d+ s$/);
-    expectEveryStepOnce(r.seen, 4, r.record.totalSteps);
+    expectEveryStepApplied(r.record);
     console.log(`accuracy ${r.record.accuracy} (fault-free ${faultFree})`);
     expect(Math.abs(r.record.accuracy - faultFree)).toBeLessThanOrEqual(0.003);
   }, 120_000);
@@ -126,7 +137,7 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("faults across hos
     try {
       const r = await runJob(client, job("hosts-lossy"));
       expect(r.record.state).toBe(JobState.Done);
-      expectEveryStepOnce(r.seen, 4, r.record.totalSteps);
+      expectEveryStepApplied(r.record);
       console.log(`accuracy with 1% loss ${r.record.accuracy} (fault-free ${faultFree})`);
       expect(Math.abs(r.record.accuracy - faultFree)).toBeLessThanOrEqual(0.003);
     } finally {
