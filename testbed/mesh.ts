@@ -41,6 +41,8 @@ export interface HostMeshOptions {
 export interface MeshProcess {
   name: string;
   host: number;
+  argv: readonly string[];
+  env: Record<string, string>;
   proc: Bun.Subprocess;
   log: string;
 }
@@ -127,15 +129,34 @@ export class HostMesh implements AsyncDisposable {
             : { MT_HOST: hostLabel(host), MT_LOCAL_RANK: String(rank % o.trainersPerHost) }),
       };
       const log = join(logDir, `${spec.name}.log`);
-      const out = createWriteStream(log, { flags: "a" });
-      const proc = bed.spawn(host, spec.argv, { env, stdin: "ignore", stdout: "pipe", stderr: "pipe" });
-      for (const stream of [proc.stdout, proc.stderr] as ReadableStream<Uint8Array>[])
-        void (async () => {
-          for await (const chunk of stream) out.write(chunk);
-        })();
-      mesh.processes.push({ name: spec.name, host, proc, log });
+      const p: MeshProcess = { name: spec.name, host, argv: spec.argv, env, log, proc: undefined as never };
+      mesh.#spawn(p);
+      mesh.processes.push(p);
     }
     return mesh;
+  }
+
+  /** Starts a service's process on its host, its output appended to its log. */
+  #spawn(p: MeshProcess): void {
+    const out = createWriteStream(p.log, { flags: "a" });
+    p.proc = this.bed.spawn(p.host, p.argv, { env: p.env, stdin: "ignore", stdout: "pipe", stderr: "pipe" });
+    for (const stream of [p.proc.stdout, p.proc.stderr] as ReadableStream<Uint8Array>[])
+      void (async () => {
+        for await (const chunk of stream) out.write(chunk);
+      })();
+  }
+
+  /**
+   * Kills a service ("trainer-2", "parameter-server-1") with SIGKILL and starts it again on its
+   * host, as an orchestrator restarts a crashed one; resolves once the new process runs.
+   */
+  async restart(name: string): Promise<void> {
+    const p = this.processes.find((x) => x.name === name);
+    if (p === undefined)
+      throw new Error(`no service ${name} in this mesh (${this.processes.map((x) => x.name).join(", ")})`);
+    p.proc.kill("SIGKILL");
+    await p.proc.exited;
+    this.#spawn(p);
   }
 
   /** Waits until every service of the mesh has registered (discovery sees it), or fails after

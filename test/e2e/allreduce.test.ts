@@ -34,6 +34,19 @@ const config = (over: Partial<JobConfig>): JobConfig =>
 const startAllReduceMesh = (prefix: string, o: Omit<MeshOptions, "jobsDir" | "logDir"> = {}) =>
   startMesh(prefix, { trainers: 2, shards: 0, ...o });
 
+/** Waits until no rank has sent a Step event of the job for `quietMs` (at most `maxMs`). */
+async function untilQuiet(client: MeshClient, job: string, quietMs: number, maxMs: number): Promise<void> {
+  const events = client.events(job, AbortSignal.timeout(maxMs));
+  let last = performance.now();
+  const heard = (async () => {
+    for await (const e of events) if (e.kind === EventKind.Step) last = performance.now();
+  })().catch(() => {});
+  const started = performance.now();
+  while (performance.now() - last < quietMs && performance.now() - started < maxMs) await Bun.sleep(100);
+  await events.return?.();
+  await heard;
+}
+
 describe("all-reduce mode on the mesh", () => {
   test("a short run with no parameter-server shard learns; the step split shows the all-reduce; its final snapshot of the replica is exported", async () => {
     await using mesh = await startAllReduceMesh("mt-ar-");
@@ -178,6 +191,9 @@ describe("all-reduce mode on the mesh", () => {
         },
       }).catch(() => {});
       await cancelled;
+      // the cancelled run's ranks stop at their next step boundary: the resumed run's events
+      // are its own only once they did (a late Step of the old run would count as the new one's)
+      await untilQuiet(client, cfg.job, 1_500, 30_000);
       const newest = (await client.checkpoints(cfg.job)).at(-1)!.step;
       expect(newest).toBeGreaterThanOrEqual(20);
       expect(newest).toBeLessThan(60);
