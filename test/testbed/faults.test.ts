@@ -116,9 +116,9 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("faults across hos
     }
   }, 120_000);
 
-  test("a host of trainers and a shard cut off for 20 s (BSP): named with its ranks within 10 s; once it is back the job carries on, every step once, at the fault-free accuracy", async () => {
+  test("a host of trainers and a shard cut off for 12 s (BSP): named with its ranks within 10 s; once it is back the job carries on, every step once, at the fault-free accuracy", async () => {
     const { bed, client } = up;
-    const cut = cutOff(bed, 2, 40, 20_000, hostNamed(2));
+    const cut = cutOff(bed, 2, 40, 12_000, hostNamed(2));
     const r = await runJob(client, job("hosts-cut"), (e) => cut.onEvent(e));
     cut.heal();
     console.log(`named: ${cut.said[0]?.text} (after ${cut.said[0]?.afterMs.toFixed(0)} ms)`);
