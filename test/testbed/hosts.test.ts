@@ -56,7 +56,8 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("a bed of hosts on
     expect(new Set(bed.hosts.map((h) => h.address)).size).toBe(3);
     for (const h of bed.hosts) expect(bed.run(h.index, ["ip", "-4", "-br", "addr"]).out).toContain(h.address);
     // unacknowledged data fails a connection within seconds, not Linux's 15 min (a partition is found)
-    for (const h of bed.hosts) expect(bed.run(h.index, ["cat", "/proc/sys/net/ipv4/tcp_retries2"]).out.trim()).toBe("2");
+    for (const h of bed.hosts)
+      expect(bed.run(h.index, ["cat", "/proc/sys/net/ipv4/tcp_retries2"]).out.trim()).toBe("2");
     const server = echoServer(bed, 1);
     expect(await firstLine(server)).toBe("up");
     // from another host
