@@ -9,14 +9,26 @@
 //   - DDP: bench/ddp_step.py, one rank per trainer slot, on Debian's python3-torch.
 // It prints a table, samples/s and the step split into compute and exposed communication, each
 // setting's speed against DDP's and against f32 at the same rate, then one JSON line. Needs
-// root (namespaces); the model is an MLP wide enough that its gradients load the links.
+// root (namespaces). The model is an MLP wide enough that its gradients load the links, or with
+// --model gpt a GPT with GPT-2's vocabulary (--gpt L,H,C,T: 6 layers, 6 heads, 384 wide, 128
+// tokens, about 30M parameters) on the State of the Union prepared with GPT-2's BPE.
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { ConfigError } from "../engine/errors.ts";
 import { MeshClient } from "../sdk/client.ts";
 import { watchJob } from "../sdk/watch.ts";
-import { defaultOwner, type JobConfig, jobDefaults, parseJobConfig, qualifyJob } from "../services/runtime/job/job.ts";
+import {
+  defaultOwner,
+  gptJobDefaults,
+  type JobConfig,
+  jobDefaults,
+  parseJobConfig,
+  qualifyJob,
+} from "../services/runtime/job/job.ts";
 import { HostBed, testBedProblem } from "../testbed/hosts.ts";
 import { HostMesh } from "../testbed/mesh.ts";
+import { prepareDefaults, runPrepare } from "../sdk/local/prepare.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { torchPython } from "./engine-config.ts";
 import { printReport, round } from "./table.ts";
@@ -57,8 +69,10 @@ export async function runHostsBench(argv: string[]): Promise<void> {
     "per-host": { type: "string", default: "2" },
     rates: { type: "string", default: "1000,10000" },
     steps: { type: "string", default: "30" },
-    batch: { type: "string", default: "64" },
+    batch: { type: "string", default: "" },
+    model: { type: "string", default: "mlp" },
     widths: { type: "string", default: "784,1024,1024,10" },
+    gpt: { type: "string", default: "6,6,384,128" },
     only: { type: "string", default: "" },
     quiet: { type: "boolean", default: false },
   });
@@ -68,7 +82,8 @@ export async function runHostsBench(argv: string[]): Promise<void> {
   if (hosts < 2) throw new ConfigError(`--hosts must be at least 2 (the links are what is measured), got ${hosts}`);
   const perHost = positiveInt("per-host", a["per-host"]);
   const steps = positiveInt("steps", a.steps);
-  const batch = positiveInt("batch", a.batch);
+  if (a.model !== "mlp" && a.model !== "gpt") throw new ConfigError(`--model is mlp or gpt, not ${a.model}`);
+  const batch = positiveInt("batch", a.batch === "" ? (a.model === "gpt" ? "4" : "64") : a.batch);
   const rates = String(a.rates)
     .split(",")
     .map((r) => positiveInt("rates", r));
@@ -77,17 +92,63 @@ export async function runHostsBench(argv: string[]): Promise<void> {
     .map((w) => positiveInt("widths", w));
   if (widths[0] !== 784 || widths.at(-1) !== 10)
     throw new ConfigError(`--widths must start with 784 and end with 10 (MNIST), got ${a.widths}`);
+  const shape = String(a.gpt)
+    .split(",")
+    .map((v) => positiveInt("gpt", v));
+  if (shape.length !== 4 || shape[2]! % shape[1]! !== 0)
+    throw new ConfigError(`--gpt is L,H,C,T (layers, heads, width, context; C a multiple of H), got ${a.gpt}`);
+  const [nLayer, nHead, nEmbd, blockSize] = shape as [number, number, number, number];
+  // the GPT trains on real GPT-2 tokens: the State of the Union, prepared once for the run
+  const tokens = a.model === "gpt" ? mkdtempSync(join(tmpdir(), "mt-bench-hosts-")) : "";
+  if (tokens !== "") {
+    const sotu = join(import.meta.dir, "..", "node_modules", "@stdlib", "datasets-sotu", "data");
+    runPrepare({ ...prepareDefaults, text: sotu, out: tokens, quiet: true });
+  }
+  const model: ModelChoice =
+    tokens === ""
+      ? { kind: "mlp", widths, what: `MLP ${widths.join("-")}` }
+      : {
+          kind: "gpt",
+          shape: { nLayer, nHead, nEmbd, blockSize },
+          tokens,
+          what: `GPT L${nLayer} H${nHead} C${nEmbd} T${blockSize} V${gpt2Vocab} (GPT-2's vocabulary)`,
+        };
+  try {
+    await benchRates({ only: String(a.only), quiet: a.quiet === true }, model, { hosts, perHost, steps, batch, rates });
+  } finally {
+    if (tokens !== "") rmSync(tokens, { recursive: true, force: true });
+  }
+}
+
+/** GPT-2's vocabulary, as `prepare` writes it (the model's is padded from the data's vocab.json). */
+const gpt2Vocab = 50257;
+
+type ModelChoice =
+  | { kind: "mlp"; widths: number[]; what: string }
+  | {
+      kind: "gpt";
+      shape: { nLayer: number; nHead: number; nEmbd: number; blockSize: number };
+      tokens: string;
+      what: string;
+    };
+
+async function benchRates(
+  a: { only: string; quiet: boolean },
+  model: ModelChoice,
+  o: { hosts: number; perHost: number; steps: number; batch: number; rates: number[] },
+): Promise<void> {
+  const { hosts, perHost, steps, batch, rates } = o;
   const picked = a.only === "" ? settings : settings.filter((s) => s.name.includes(String(a.only)));
   const trainers = hosts * perHost;
   const rows: Row[] = [];
   for (const rate of rates) {
     const rateText = rate >= 1000 ? `${rate / 1000} Gbit/s` : `${rate} Mbit/s`;
     await using bed = await HostBed.create({ hosts, rateMbit: rate });
-    const ddp = await runDdp(bed, { perHost, steps, batch, widths });
+    const ddp = await runDdp(bed, { perHost, steps, batch, model });
     const measured: Row[] = [];
     for (const s of picked) {
       try {
-        const r = await runSetting(bed, s, { hosts, perHost, trainers, steps, batch, widths });
+        const r = await runSetting(bed, s, { hosts, perHost, trainers, steps, batch, model });
         measured.push({ rate: rateText, setting: s.name, ...r, vs_ddp: 0, vs_f32: "" });
         if (!a.quiet) console.log(`${rateText} ${s.name}: ${r.samples_per_s} samples/s`);
       } catch (e) {
@@ -115,7 +176,7 @@ export async function runHostsBench(argv: string[]): Promise<void> {
   }
   printReport({
     bench: "hosts",
-    header: `the mesh on ${hosts} hosts x ${perHost} trainers (network namespaces, tc-shaped links), MLP ${widths.join("-")}, batch ${batch} per trainer, ${steps} steps; PyTorch DDP on the same hosts and links`,
+    header: `the mesh on ${hosts} hosts x ${perHost} trainers (network namespaces, tc-shaped links), ${model.what}, batch ${batch} per trainer, ${steps} steps; PyTorch DDP on the same hosts and links`,
     rows,
     columns: [
       "rate",
@@ -128,7 +189,7 @@ export async function runHostsBench(argv: string[]): Promise<void> {
       "vs_ddp",
       "vs_f32",
     ],
-    quiet: a.quiet ?? false,
+    quiet: a.quiet,
   });
 }
 
@@ -147,7 +208,7 @@ const emptyRow = (rate: string, setting: string): Row => ({
 async function runSetting(
   bed: HostBed,
   s: Setting,
-  o: { hosts: number; perHost: number; trainers: number; steps: number; batch: number; widths: number[] },
+  o: { hosts: number; perHost: number; trainers: number; steps: number; batch: number; model: ModelChoice },
 ): Promise<Omit<Row, "rate" | "setting" | "vs_ddp" | "vs_f32">> {
   const all = Array.from({ length: o.hosts }, (_, i) => i);
   await using mesh = await HostMesh.start(bed, {
@@ -160,10 +221,22 @@ async function runSetting(
   });
   await using client = await MeshClient.connect(mesh.urls(0), { connectRetryMsMax: 30_000 });
   await mesh.untilUp(client, 120_000);
+  const m = o.model;
   const cfg = parseJobConfig({
-    ...jobDefaults,
+    ...(m.kind === "mlp"
+      ? { ...jobDefaults, model: { kind: "mlp", widths: m.widths, dropout: 0 }, lr: 0.01 }
+      : {
+          ...gptJobDefaults,
+          model: { kind: "gpt", ...m.shape, dropout: 0, vocabSize: 0 },
+          dataset: "tokens",
+          dataDir: m.tokens,
+          valFraction: 0,
+          lr: 3e-4,
+          minLr: 3e-5,
+          // one batch of the validation split at the end: the bench times the steps
+          evalBatches: 1,
+        }),
     job: qualifyJob(`hosts-${s.name.replace(/[^a-z0-9]+/gi, "-")}`, defaultOwner),
-    model: { kind: "mlp", widths: o.widths, dropout: 0 },
     trainers: o.trainers,
     shards: 2,
     batchSize: o.batch,
@@ -171,7 +244,6 @@ async function runSetting(
     maxSteps: o.steps,
     warmupSteps: 5,
     // the same for every setting, and stable also under SSP's stale gradients
-    lr: 0.01,
     gradClip: 1,
     checkpointEvery: 0,
     ...s.cfg,
@@ -197,7 +269,7 @@ const ddpTimeoutMs = 600_000;
 /** PyTorch DDP over the same hosts: perHost ranks on each, rank 0's host the master. */
 async function runDdp(
   bed: HostBed,
-  o: { perHost: number; steps: number; batch: number; widths: number[] },
+  o: { perHost: number; steps: number; batch: number; model: ModelChoice },
 ): Promise<{ samples_per_s: number; step_ms: number; compute_ms: number; exposed_comm_ms: number } | null> {
   const python = torchPython();
   if (Bun.spawnSync([python, "-c", "import torch.distributed"], { stderr: "ignore" }).exitCode !== 0) return null;
@@ -208,7 +280,13 @@ async function runDdp(
     Array.from({ length: o.perHost }, (_, k) => {
       const rank = h.index * o.perHost + k;
       const argv = [python, script, "--rank", String(rank), "--world", String(world), "--master", master];
-      argv.push("--widths", o.widths.join(","), "--batch", String(o.batch), "--steps", String(o.steps));
+      const m = o.model;
+      argv.push("--batch", String(o.batch), "--steps", String(o.steps));
+      if (m.kind === "mlp") argv.push("--widths", m.widths.join(","));
+      else {
+        const { nLayer, nHead, nEmbd, blockSize } = m.shape;
+        argv.push("--gpt", [nLayer, nHead, nEmbd, blockSize, gpt2Vocab].join(","), "--warmup", "1");
+      }
       // gloo finds its address from the host name (127.0.0.1 here): the host's own interface
       const env = { ...process.env, OMP_NUM_THREADS: "1", GLOO_SOCKET_IFNAME: h.inner };
       return bed.spawn(h.index, argv, { stdout: "pipe", stderr: "pipe", env });
