@@ -255,13 +255,16 @@ async function runSetting(
   const exposed = t.commMs > 0 ? t.exposedCommMs : t.pullMs + t.pushMs;
   const stepMs = (o.batch * o.trainers * 1000) / Math.max(r.samplesPerS, 1e-9);
   return {
-    samples_per_s: round(r.samplesPerS, 0),
+    samples_per_s: sig(r.samplesPerS),
     step_ms: round(stepMs, 1),
     compute_ms: round(t.computeMs, 1),
     exposed_comm_ms: round(exposed, 1),
     mb_per_step: round(r.wireBytesPerStep / 1e6, 2),
   };
 }
+
+/** samples/s to 3 significant figures at most (a GPT's few samples/s keep their decimals). */
+const sig = (x: number): number => round(x, Math.max(0, 2 - Math.floor(Math.log10(Math.max(x, 1e-9)))));
 
 /** How long DDP's ranks may take in all. */
 const ddpTimeoutMs = 600_000;
@@ -317,7 +320,7 @@ async function runDdp(
 
   const r = JSON.parse(outs[0]![0]!.trim().split("\n").at(-1)!) as Record<string, number>;
   return {
-    samples_per_s: round(r.samples_per_s!, 0),
+    samples_per_s: sig(r.samples_per_s!),
     step_ms: round(r.step_ms!, 1),
     compute_ms: round(r.compute_ms!, 1),
     exposed_comm_ms: round(r.exposed_comm_ms!, 1),

@@ -30,8 +30,10 @@ async function infos(nc: NatsConnection, name: string, waitMs: number): Promise<
     const it = await svcm.client({ strategy: "timer", maxWait: waitMs }).info(name);
     for await (const info of it) out.push(info.metadata ?? {});
   } catch (e) {
-    // nobody answers: none of these runs (the server says so at once, before the timer)
-    if (!/no responders/i.test(`${(e as Error).name} ${(e as Error).message}`)) throw e;
+    // nobody answers: none of these runs (the server says so at once, before the timer), or
+    // those that run did not answer within the window (a machine under load, a link cut off):
+    // the same to the caller, who asks again while it waits for them
+    if (!/no responders|timeout/i.test(`${(e as Error).name} ${(e as Error).message}`)) throw e;
   }
   return out;
 }
