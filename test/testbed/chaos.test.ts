@@ -20,7 +20,7 @@ import { skip } from "../helpers/skip.ts";
 
 afterAll(removeTempDirs);
 
-const seed = Number(process.env.MT_CHAOS_SEED ?? 36);
+const seed = Number(process.env.MT_CHAOS_SEED ?? 41);
 
 type Mesh = Awaited<ReturnType<typeof fourHosts>>;
 
