@@ -38,10 +38,10 @@ import type { Bus, Subscription } from "../runtime/mesh/bus.ts";
 import {
   BadRequestError,
   ConfigError,
+  askAgainLater,
+  awayPauseMs,
   CorruptDataError,
-  DeadlineError,
   JobStateError,
-  NoRespondersError,
   NotReadyError,
   UnknownJobError,
 } from "../runtime/mesh/errors.ts";
@@ -130,9 +130,6 @@ const partitionFile = (r: number, p: number) => `partition-${r}-${p}.mtss`;
 const partitionFilePattern = /^partition-\d{1,4}-\d{1,6}\.mtss$/;
 /** Parts a replica may be cut into (a 64 GB model in 8 MB messages). */
 const replicaPartsMax = 8192;
-
-/** The pause before a load is asked again of a shard or rank that is away. */
-const awayPauseMs = 250;
 
 export class CheckpointService {
   readonly #jobs = new Map<string, JobEntry>();
@@ -757,8 +754,7 @@ export class CheckpointService {
         await this.bus.request(subject, bytes, Math.max(1, deadline - Date.now()));
         return;
       } catch (e) {
-        const away = e instanceof NoRespondersError || (e instanceof DeadlineError && e.message.endsWith("; retry"));
-        if (!away || Date.now() + awayPauseMs >= deadline) throw e;
+        if (!askAgainLater(e) || Date.now() + awayPauseMs >= deadline) throw e;
         await Bun.sleep(awayPauseMs);
       }
     }

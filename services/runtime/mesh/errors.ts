@@ -101,3 +101,15 @@ export function refusedAs(e: unknown, what: string): unknown {
       })
     : e;
 }
+
+/**
+ * Whether a request failed because the one that answers it is away for now (no one answers its
+ * subject: a process restarting, or one whose host is cut off), or because what was asked was
+ * lost (the connection dropped or came back, a server left: the DeadlineErrors whose text ends
+ * "; retry"). Asked again after awayPauseMs, within its caller's bound.
+ */
+export const askAgainLater = (e: unknown): boolean =>
+  e instanceof NoRespondersError || (e instanceof DeadlineError && e.message.endsWith("; retry"));
+
+/** The pause before a request is asked again of one that is away. */
+export const awayPauseMs = 250;
