@@ -34,12 +34,10 @@ import {
   shardStateChecksum,
 } from "../../schemas/messages.ts";
 import { join } from "node:path";
-import type { Bus, Subscription } from "../runtime/mesh/bus.ts";
+import { type Bus, requestWhileAway, type Subscription } from "../runtime/mesh/bus.ts";
 import {
   BadRequestError,
   ConfigError,
-  askAgainLater,
-  awayPauseMs,
   CorruptDataError,
   JobStateError,
   NotReadyError,
@@ -687,7 +685,8 @@ export class CheckpointService {
       await Promise.all(
         loads.map(async (parts, k) => {
           // the shard checks each part and applies them together, after the last
-          for (const part of parts) await this.#load(subjects.psLoad(cfg.job, k), encodeShardState(part));
+          for (const part of parts)
+            await requestWhileAway(this.bus, subjects.psLoad(cfg.job, k), encodeShardState(part), stateTimeoutMs);
         }),
       );
     } else {
@@ -737,27 +736,10 @@ export class CheckpointService {
       throw new BadRequestError(`snapshot ${id} holds no replica (it was taken by a parameter-server job)`);
     await Promise.all(
       Array.from({ length: cfg.trainers }, async (_, r) => {
-        for (const bytes of parts) await this.#load(subjects.replicaLoad(cfg.job, r), bytes);
+        for (const bytes of parts)
+          await requestWhileAway(this.bus, subjects.replicaLoad(cfg.job, r), bytes, stateTimeoutMs);
       }),
     );
-  }
-
-  /**
-   * Loads a part of a snapshot into a shard or a rank. One that is away now (its host cut off,
-   * its connection to NATS coming back, its process restarting) is asked again until it takes
-   * it, within stateTimeoutMs.
-   */
-  async #load(subject: string, bytes: Uint8Array): Promise<void> {
-    const deadline = Date.now() + stateTimeoutMs;
-    for (;;) {
-      try {
-        await this.bus.request(subject, bytes, Math.max(1, deadline - Date.now()));
-        return;
-      } catch (e) {
-        if (!askAgainLater(e) || Date.now() + awayPauseMs >= deadline) throw e;
-        await Bun.sleep(awayPauseMs);
-      }
-    }
   }
 
   /** Whether a shard holds nothing yet: no update applied, no trainer's step pushed. */

@@ -46,10 +46,10 @@ import {
   type Manifest,
   Split,
 } from "../../schemas/messages.ts";
-import type { Bus, Subscription } from "../runtime/mesh/bus.ts";
+import { type Bus, requestWhileAway, type Subscription } from "../runtime/mesh/bus.ts";
 import { awaitMembers, type MeshMembers } from "../runtime/mesh/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/job/evals.ts";
-import { askAgainLater, awayPauseMs, BadRequestError } from "../runtime/mesh/errors.ts";
+import { BadRequestError } from "../runtime/mesh/errors.ts";
 import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
 import {
   dataRanks,
@@ -653,23 +653,14 @@ export class TrainerRun {
         tag: trainerFailedTag(rank, step),
         value: this.#mode.commGeneration,
       });
-      // asked again while this rank is away (its host cut off, its connection coming back),
-      // within the checkpoint timeout
-      const deadline = Date.now() + checkpointTimeoutMs;
-      for (;;) {
-        try {
-          await bus.request(
-            subjects.ckptRecover(cfg.job, recoverAsker.trainer(rank)),
-            req,
-            Math.max(1, deadline - Date.now()),
-          );
-          return;
-        } catch (e) {
-          if (this.#restoreTo !== null || this.#stopped || !askAgainLater(e) || Date.now() + awayPauseMs >= deadline)
-            throw e;
-          await Bun.sleep(awayPauseMs);
-        }
-      }
+      // asked again while this rank is away (its host cut off, its connection coming back)
+      await requestWhileAway(
+        bus,
+        subjects.ckptRecover(cfg.job, recoverAsker.trainer(rank)),
+        req,
+        checkpointTimeoutMs,
+        () => this.#restoreTo !== null || this.#stopped,
+      );
     } catch (e) {
       if (this.#restoreTo !== null) return; // another rank's restore came meanwhile
       throw new Error(`${cause.message}; and the ranks cannot rewind to a snapshot: ${(e as Error).message}`, {

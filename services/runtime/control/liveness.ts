@@ -166,9 +166,10 @@ export class LivenessMonitor {
 
   /** A host whose every sender is silent, while a sender elsewhere is not, is named once. */
   #checkHosts(now: number): void {
-    const byHost = new Map<string, Seen[]>();
-    for (const s of this.#seen.values())
-      if (s.hb.host !== "") byHost.set(s.hb.host, [...(byHost.get(s.hb.host) ?? []), s]);
+    const byHost = Map.groupBy(
+      [...this.#seen.values()].filter((s) => s.hb.host !== ""),
+      (s) => s.hb.host,
+    );
     // when nothing is heard from anywhere, it is this watcher that is cut off
     if (byHost.size < 2 || [...this.#seen.values()].every((s) => s.stalled)) return;
     for (const [host, senders] of byHost) {

@@ -49,10 +49,10 @@ export const jobStoreLeaderWaitMsMax = 30_000;
 /** A KV operation that failed without being applied: nobody leads the stream (or JetStream) now. */
 const notApplied = (e: unknown): boolean =>
   e instanceof Error && (e.name === "JetStreamNotEnabled" || /temporarily unavailable|no responders/i.test(e.message));
-const timedOutError = (e: unknown): boolean => e instanceof Error && /timeout/i.test(`${e.name} ${e.message}`);
+const timedOut = (e: unknown): boolean => e instanceof Error && /timeout/i.test(`${e.name} ${e.message}`);
 /** A read repeated does no harm; a write that timed out may have been applied, and is repeated
  *  only where repeating it changes nothing (a put of the same value, a create checked after). */
-const readAgain = (e: unknown): boolean => notApplied(e) || timedOutError(e);
+const readAgain = (e: unknown): boolean => notApplied(e) || timedOut(e);
 /** How long a read of a key this process wrote waits for a replica that answers from before the write. */
 const staleReadWaitMsMax = 5_000;
 /** Keys whose last write a process remembers (the oldest are forgotten). */
@@ -61,7 +61,7 @@ const writtenKeysMax = 4096;
 /** A cluster whose JetStream has no meta leader yet (just started, or electing) times out; a
  *  server without JetStream at all answers at once (no responders), and is not waited for. */
 const openAgain = (e: unknown): boolean =>
-  timedOutError(e) || (e instanceof Error && /temporarily unavailable/i.test(e.message));
+  timedOut(e) || (e instanceof Error && /temporarily unavailable/i.test(e.message));
 
 /**
  * Runs a KV operation, again while `again` says the failure is JetStream electing a leader (for
@@ -254,17 +254,9 @@ export class JobStore {
   /** Writes a record that must not exist yet; false when one does. */
   async createRecord(r: JobRecord): Promise<boolean> {
     const bytes = encodeJobRecord(r);
-    let timedOut = false;
     try {
       const revision = await untilLed(
-        async () => {
-          try {
-            return await this.records.create(r.job, bytes);
-          } catch (e) {
-            timedOut ||= timedOutError(e);
-            throw e;
-          }
-        },
+        () => this.records.create(r.job, bytes),
         readAgain,
         `write the record of job ${r.job}`,
       );
@@ -272,9 +264,9 @@ export class JobStore {
       return true;
     } catch (e) {
       if (!/exist|wrong last sequence/i.test((e as Error).message)) throw e;
-      // after a create that timed out (a stream electing its leader), the record found may be
-      // that create's own, applied after all
-      const found = timedOut ? await this.record(r.job) : null;
+      // the record found may be this create's own: one that timed out (a stream electing its
+      // leader) and was applied after all, then asked again
+      const found = await this.record(r.job);
       return found !== null && Buffer.from(encodeJobRecord(found.record)).equals(Buffer.from(bytes));
     }
   }

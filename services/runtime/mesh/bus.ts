@@ -2,9 +2,15 @@
 // server; MemoryBus below is for unit tests only. A request answered with an ErrorReply is
 // thrown on the caller's side as the typed error it names (errors.ts).
 import { decodeErrorReply, encodeErrorReply, isErrorReply } from "../../../schemas/messages.ts";
-import { DeadlineError, errorReplyOf, LimitExceededError, NoRespondersError, rebuildError } from "./errors.ts";
+import {
+  DeadlineError,
+  errorReplyOf,
+  LimitExceededError,
+  NoRespondersError,
+  rebuildError,
+  RequestLostError,
+} from "./errors.ts";
 
-/** Handles one request; what it returns is the reply. A throw becomes an ErrorReply. */
 /**
  * Where a process whose connection to NATS dropped and came back says so (a Reconnected,
  * schemas/reconnected.fbs): a request it was to answer while it was away is lost (its server,
@@ -14,6 +20,7 @@ import { DeadlineError, errorReplyOf, LimitExceededError, NoRespondersError, reb
  */
 export const reconnectedSubject = "mt.ctl.reconnected";
 
+/** Handles one request; what it returns is the reply. A throw becomes an ErrorReply. */
 export type Handler = (data: Uint8Array, subject: string) => Promise<Uint8Array> | Uint8Array;
 
 export interface EndpointSpec {
@@ -110,6 +117,33 @@ export function subjectMatches(pattern: string, subject: string): boolean {
     if (i >= s.length || (p[i] !== "*" && p[i] !== s[i])) return false;
   }
   return p.length === s.length;
+}
+
+/** The pause before a request is asked again of one that is away. */
+const awayPauseMs = 250;
+
+/**
+ * A request to one that may be away for now: no one answers its subject (a process restarting,
+ * one whose host is cut off), or what was asked was lost (RequestLostError). Asked again after a
+ * pause until it is answered, `timeoutMs` is out, or `stop()` says to give up.
+ */
+export async function requestWhileAway(
+  bus: Bus,
+  subject: string,
+  data: Uint8Array,
+  timeoutMs: number,
+  stop: () => boolean = () => false,
+): Promise<Uint8Array> {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    try {
+      return await bus.request(subject, data, Math.max(1, deadline - Date.now()));
+    } catch (e) {
+      const away = e instanceof NoRespondersError || e instanceof RequestLostError;
+      if (!away || stop() || Date.now() + awayPauseMs >= deadline) throw e;
+      await Bun.sleep(awayPauseMs);
+    }
+  }
 }
 
 /** In-process bus for unit tests: same semantics, no server, messages copied like a wire. */

@@ -34,6 +34,10 @@ export class LimitExceededError extends define("LimitExceededError", "limit_exce
 export class NotReadyError extends define("NotReadyError", "not_ready") {}
 /** A request waited longer than its deadline. */
 export class DeadlineError extends define("DeadlineError", "deadline") {}
+/** A request whose answer will not come (the connection dropped or came back, a server of the
+ *  cluster left, the process that answers it reconnected): asking again is the way on. A bus's
+ *  own (it never crosses the wire; across it, a DeadlineError). */
+export class RequestLostError extends DeadlineError {}
 /** Nobody serves the subject (the service is down or not started yet). */
 export class NoRespondersError extends define("NoRespondersError", "no_responders") {}
 /** A checkpoint or data file failed its checks. */
@@ -101,15 +105,3 @@ export function refusedAs(e: unknown, what: string): unknown {
       })
     : e;
 }
-
-/**
- * Whether a request failed because the one that answers it is away for now (no one answers its
- * subject: a process restarting, or one whose host is cut off), or because what was asked was
- * lost (the connection dropped or came back, a server left: the DeadlineErrors whose text ends
- * "; retry"). Asked again after awayPauseMs, within its caller's bound.
- */
-export const askAgainLater = (e: unknown): boolean =>
-  e instanceof NoRespondersError || (e instanceof DeadlineError && e.message.endsWith("; retry"));
-
-/** The pause before a request is asked again of one that is away. */
-export const awayPauseMs = 250;

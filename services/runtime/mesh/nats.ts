@@ -17,7 +17,7 @@ import {
   unwrapReply,
 } from "./bus.ts";
 import { decodeReconnected, encodeReconnected, type Reconnected } from "../../../schemas/messages.ts";
-import { DeadlineError, MeshError, NatsAccessError, NoRespondersError, refusedAs } from "./errors.ts";
+import { DeadlineError, MeshError, NatsAccessError, NoRespondersError, refusedAs, RequestLostError } from "./errors.ts";
 
 export { NatsAccessError };
 import type { Logger } from "./log.ts";
@@ -191,9 +191,7 @@ export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnec
 }
 
 const droppedText = "the connection to NATS dropped while waiting for the answer";
-const leftPrefix = "a server of the NATS cluster";
 const reconnectedText = "the connection to NATS came back: what was asked while it was away may be lost";
-const peerBackPrefix = "a process that answers";
 /** How often a bus reads the cluster's servers from the INFO its server sent last. */
 const clusterCheckMs = 500;
 
@@ -247,7 +245,7 @@ export class NatsBus implements Bus {
         if (s.type === "reconnect") {
           // what was asked while away went out on the new connection, or nowhere: asked again;
           // the others hear that what they asked of this process may be lost
-          for (const drop of this.#inflight.keys()) drop(new DeadlineError(reconnectedText));
+          for (const drop of this.#inflight.keys()) drop(new RequestLostError(reconnectedText));
           this.#sayReconnected();
           continue;
         }
@@ -255,7 +253,7 @@ export class NatsBus implements Bus {
         if (s.type !== "disconnect") continue;
         // the next server's INFO starts afresh (what was lost is failed now)
         this.#clusterMembers = new Set();
-        for (const drop of this.#inflight.keys()) drop(new DeadlineError(droppedText));
+        for (const drop of this.#inflight.keys()) drop(new RequestLostError(droppedText));
       }
     })().catch(() => {});
     // nats.js says "update" only when its list of servers changes, and it keeps the servers it
@@ -279,8 +277,8 @@ export class NatsBus implements Bus {
     if (left.length === 0) return;
     this.opts.log?.warn({ left }, "a server of the NATS cluster left it");
     for (const said of this.#serversLeft) said(left);
-    const why = `${leftPrefix} (${left.join(", ")}) left while waiting for the answer`;
-    for (const drop of this.#inflight.keys()) drop(new DeadlineError(why));
+    const why = `a server of the NATS cluster (${left.join(", ")}) left while waiting for the answer`;
+    for (const drop of this.#inflight.keys()) drop(new RequestLostError(why));
   }
 
   /** Calls `fn` with the client URLs of the cluster's servers that left it (its routes to
@@ -315,7 +313,9 @@ export class NatsBus implements Bus {
     for (const [drop, subject] of this.#inflight)
       if (notice.subjects.some((p) => p.length <= 256 && subjectMatches(p, subject))) {
         drop(
-          new DeadlineError(`${peerBackPrefix} ${subject} (${who}) reconnected to NATS while waiting for the answer`),
+          new RequestLostError(
+            `a process that answers ${subject} (${who}) reconnected to NATS while waiting for the answer`,
+          ),
         );
         asked++;
       }
@@ -350,12 +350,7 @@ export class NatsBus implements Bus {
       busTraffic("in", subject, msg.data.byteLength);
       return unwrapReply(msg.data);
     } catch (e) {
-      if (
-        e instanceof DeadlineError &&
-        [droppedText, leftPrefix, reconnectedText, peerBackPrefix].some((p) => e.message.startsWith(p))
-      ) {
-        throw new DeadlineError(`${e.message} on ${subject}; retry`, { cause: e });
-      }
+      if (e instanceof RequestLostError) throw new RequestLostError(`${e.message} on ${subject}; retry`, { cause: e });
       throw translate(e, subject, timeoutMs);
     } finally {
       this.#inflight.delete(drop);
