@@ -41,6 +41,25 @@ export interface HostGroup {
   allGather(buf: Float32Array, key: OpKey): Promise<void>;
 }
 
+/**
+ * How an encoded all-reduce (encodedAllReduce) cuts its values down on the wire: a codec's slot
+ * sizes and its error feedback (engine/parallel/compress.ts). Every range a rank sends, its own
+ * values or a partial sum, goes through encode, so what the rounding left out stays in the rank's
+ * residual for its next step: nothing is lost, only delayed.
+ */
+export interface WireCoder {
+  /** bytes of the encoding of n values (a multiple of 4) */
+  slotBytes(n: number): number;
+  /** Encodes x (elements [at, at + x.length) of the buffer) into slot with error feedback: the
+   *  residual of that range is added into x first, and what the encoding leaves out replaces it. */
+  encode(x: Float32Array, slot: Uint8Array, at: number): void;
+  /** out = decode(slot) (add: out += it); throws on a slot that does not decode */
+  decode(slot: Uint8Array, out: Float32Array, add: boolean): void;
+  /** a scratch array of at least `words` float32 the operation encodes into, kept by the caller
+   *  (it is read until the operation settles) */
+  scratch(words: number): Float32Array;
+}
+
 /** Sums `x` over `group` in place, as the caller encodes it (engine/parallel/data-parallel.ts:
  *  a bucket's compression with its error feedback). */
 export type GroupSum = (x: Float32Array, group: HostGroup, key: OpKey) => Promise<void>;
@@ -55,6 +74,13 @@ export interface Collective<B = Float32Array> {
    * hosts of their own ignore it.
    */
   allReduce(buf: B, key: OpKey, op?: ReduceOp, between?: GroupSum): Promise<void>;
+  /**
+   * The sum over ranks of buf in place, every hop's range encoded by `coder` (a ring whose
+   * reduce-scatter re-encodes each partial sum and whose all-gather copies the owner's encoding:
+   * 2(N-1)/N of the encoded bytes per link, and the same bits on every rank). Absent: the caller
+   * all-gathers every rank's encoding instead.
+   */
+  encodedAllReduce?(buf: B, key: OpKey, coder: WireCoder): Promise<void>;
   /** In place: returns segment(buf length, size, rank), which then holds the sum over ranks. */
   reduceScatter(buf: B, key: OpKey): Promise<Range>;
   /** In place: segment r of every rank's buffer is rank r's segment r. */

@@ -20,12 +20,15 @@
 // and sent + residual' equals x exactly (each codec's rounding leaves an f32-exact remainder:
 // see the codecs above), which test/engine/compress.test.ts checks in float64 step after step.
 //
-// In all-reduce mode a compressed bucket is not reduced hop by hop (each hop would round the
-// partial sums again, outside the error feedback): every rank all-gathers every rank's encoded
-// bucket (fixed width per codec, so the ring's segments are the ranks' slots) and sums the
-// decoded contributions in rank order, so every rank ends with the same bits. Each link then
-// carries (N-1)·bytes(encoded) against the f32 ring's 2(N-1)/N·4n: bf16/fp16 pays off for
-// N < 4, int8 for N < 8, top-k at 1% for any N up to 100.
+// In all-reduce mode bf16, fp16 and int8 buckets go round the ring encoded (ring.ts's
+// encodedRing): at each reduce-scatter hop a rank adds its values to the partial sum it received
+// and encodes the new partial sum through its error feedback, so each hop's rounding stays in that
+// rank's residual and comes back at its next step; a segment's owner encodes the whole sum once,
+// and that encoding is all-gathered. Each link carries 2(N-1)/N·bytes(encoded), against the f32
+// ring's 2(N-1)/N·4n: half with bf16 and fp16, about a quarter with int8. Top-k is all-gathered
+// instead (a partial sum of sparse vectors fills in): every rank's encoded bucket goes to every
+// rank, which sums the decoded contributions in rank order, (N-1)·bytes(encoded) per link, which
+// pays off at 1% for any N up to 100. Either way every rank ends with the same bits.
 import { hostKernels } from "../../ffi/cpu/host.ts";
 import { ConfigError } from "../errors.ts";
 

@@ -28,9 +28,12 @@
 // read device memory as in one process. No gradient crosses to the host.
 //
 // Compression (`compress`, compress.ts): a bucket is encoded with error feedback (a residual per
-// bucket), every rank's encoding is all-gathered, and each rank sums the decoded contributions in
-// rank order (the same bits on every rank). ZeRO keeps its partition of that sum. With top-k the
-// density of the summed bucket is reported.
+// bucket). bf16, fp16 and int8 go round the ring encoded (the collective's encodedAllReduce: each
+// partial sum re-encoded, its rounding kept in the residual of the rank that encoded it, so each
+// link carries 2(N-1)/N of the encoded bytes). Top-k, whose partial sums would fill in, and
+// collectives without an encoded ring, all-gather every rank's encoding, and each rank sums the
+// decoded contributions in rank order. Either way every rank ends with the same bits. ZeRO keeps
+// its partition of that sum. With top-k the density of the summed bucket is reported.
 //
 // Offload (`offload`, ZeRO-Offload's CPU optimizer): the optimizer's state, the update and an f32
 // master copy of the parameters live in host memory (a CPU-backend mirror of the parameter
@@ -154,7 +157,8 @@ interface Bucket {
   /** deviceCollective: the bucket's device buffer, all-reduced in place (null until the first
    *  step on the device path) */
   dev: Allocation | null;
-  /** compression: the bucket's error feedback, and every rank's encoding of it (all-gathered) */
+  /** compression: the bucket's error feedback, and the encodings it travels as (the encoded
+   *  ring's scratch, or every rank's encoding all-gathered) */
   feedback: ErrorFeedback | null;
   gathered: Float32Array | null;
 }
@@ -441,7 +445,7 @@ export class DataParallel {
         buf: new Float32Array(onDevice ? 0 : n),
         dev: null,
         feedback: lossy ? new ErrorFeedback(codec, n) : null,
-        gathered: lossy ? new Float32Array((this.#o.ranks * codec.slotBytes(n)) / 4) : null,
+        gathered: null, // sized by the path the bucket takes, at its first step
       });
       cur = [];
       n = 0;
@@ -977,12 +981,26 @@ export class DataParallel {
   }
 
   /**
-   * A compressed bucket's sum over the ranks into b.buf: this rank's gradient plus its residual
-   * is encoded into its slot, every rank's slot is all-gathered, and the decoded slots are
-   * added up in rank order (every rank computes the same sum, bit for bit).
+   * A compressed bucket's sum over the ranks into b.buf: round the ring encoded (bf16, fp16,
+   * int8), or this rank's gradient plus its residual encoded into its slot, every rank's slot
+   * all-gathered, and the decoded slots added up in rank order (top-k). Every rank computes the
+   * same sum, bit for bit.
    */
   #compressedAllReduce(b: Bucket, key: { step: number; bucket: number }): Promise<void> {
     const collective = this.#o.collective();
+    const codec = this.codec;
+    if (codec.kind !== "topk" && collective.encodedAllReduce !== undefined) {
+      const feedback = b.feedback!;
+      return collective.encodedAllReduce(b.buf, key, {
+        slotBytes: (n) => codec.slotBytes(n),
+        encode: (x, slot, at) => feedback.encode(x, slot, at),
+        decode: (slot, out, add) => codec.decode(slot, out, add),
+        scratch: (words) => {
+          if (b.gathered === null || b.gathered.length < words) b.gathered = new Float32Array(words);
+          return b.gathered;
+        },
+      });
+    }
     const every: HostGroup = {
       rank: this.#o.rank,
       size: this.#o.ranks,
@@ -1005,7 +1023,7 @@ export class DataParallel {
     const codec = this.codec;
     const width = codec.slotBytes(b.numel);
     // top-k's slots follow its warm-up (the same width on every rank at a step)
-    if (b.gathered!.byteLength !== group.size * width) b.gathered = new Float32Array((group.size * width) / 4);
+    if (b.gathered?.byteLength !== group.size * width) b.gathered = new Float32Array((group.size * width) / 4);
     const all = b.gathered!;
     const slotOf = (r: number) => new Uint8Array(all.buffer, all.byteOffset + r * width, width);
     b.feedback!.encode(x, slotOf(group.rank));

@@ -3,13 +3,14 @@
 //   1. reduce within each host to its leader (a ring reduce-scatter, then a gather),
 //   2. all-reduce among the leaders, one per host (a ring across hosts),
 //   3. broadcast within each host from its leader.
-// Every rank ends bit-identical: the leaders' ring is, and the broadcast copies.
+// Every rank ends bit-identical: the leaders' ring is, and the broadcast copies. An encoded
+// all-reduce (compression) encodes the leaders' ring only, with the leaders' error feedback.
 //
 // reduceScatter is the hierarchical all-reduce followed by keeping the rank's own segment
 // (correct, and no sum is done twice; ZeRO's reduce-scatter on one host takes the flat ring).
 // allGather and broadcast move no sums, so they use the flat ring, ordered host by host so
 // that only one link per host pair in the ring crosses between hosts.
-import { type Collective, type OpKey, type Range, type ReduceOp, segment } from "./collective.ts";
+import { type Collective, type OpKey, type Range, type ReduceOp, segment, type WireCoder } from "./collective.ts";
 import { RingGroup, type RingOptions, RingsOverTransport, ringDefaults, scaleInPlace } from "./ring.ts";
 import type { PeerTransport } from "./transport.ts";
 
@@ -62,6 +63,14 @@ export class HierarchicalCollective extends RingsOverTransport implements Collec
     if (this.leaders) await this.leaders.ring(buf, key, "all-reduce", true, true);
     await this.local.broadcast(buf, 0, key);
     if (op === "avg") scaleInPlace(buf, 1 / this.size);
+  }
+
+  /** Within each host in f32, as allReduce; the leaders' ring across hosts encoded. */
+  async encodedAllReduce(buf: Float32Array, key: OpKey, coder: WireCoder): Promise<void> {
+    this.check();
+    await this.local.reduce(buf, 0, key);
+    if (this.leaders) await this.leaders.encodedRing(buf, key, coder);
+    await this.local.broadcast(buf, 0, key);
   }
 
   async reduceScatter(buf: Float32Array, key: OpKey): Promise<Range> {

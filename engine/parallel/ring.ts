@@ -34,6 +34,7 @@ import {
   type Range,
   type ReduceOp,
   segment,
+  type WireCoder,
 } from "./collective.ts";
 import {
   MemoryTransport,
@@ -432,6 +433,93 @@ export class RingGroup {
     );
   }
 
+  /**
+   * All-reduce with every piece encoded by `coder` (the schedule of ring(), on encodings): at a
+   * reduce-scatter hop a rank decodes the partial sum it received, adds its own values, and
+   * encodes the new partial sum (its error feedback keeps the rounding); the owner of a segment
+   * adds its values to the last partial sum, encodes the whole sum once, and takes its decoding
+   * as the result; the all-gather copies that encoding round the ring. Each of a rank's values is
+   * encoded once per operation, each link carries 2(N-1)/N of the encoded bytes, and every rank
+   * decodes the same bytes to the same sum. On the wire a piece's count is the 4-byte words of
+   * its encoding.
+   */
+  encodedRing(buf: Float32Array, key: OpKey, coder: WireCoder, kind = "encoded-all-reduce"): Promise<void> {
+    const N = this.size,
+      p = this.pos;
+    if (buf.length === 0) return Promise.resolve();
+    const segs = this.#segments(buf.length);
+    // each piece's encoding has a fixed place in the reduce-scatter's half of the scratch and in
+    // the all-gather's: each is written and sent once per operation
+    const wire = segs.map((pieces) => pieces.map((r) => ({ offset: r.offset, count: coder.slotBytes(r.count) / 4 })));
+    const at: number[][] = [];
+    let words = 0;
+    for (const pieces of wire) at.push(pieces.map((w) => ((words += w.count), words - w.count)));
+    const scratch = coder.scratch(2 * words);
+    const slot = (half: 0 | 1, s: number, j: number) =>
+      new Uint8Array(scratch.buffer, scratch.byteOffset + (half * words + at[s]![j]!) * 4, wire[s]![j]!.count * 4);
+    const values = (s: number, j: number) => {
+      const r = segs[s]![j]!;
+      return buf.subarray(r.offset, r.offset + r.count);
+    };
+    const decode = (from: Uint8Array, s: number, j: number, add: boolean) => {
+      try {
+        coder.decode(from, values(s, j), add);
+      } catch (e) {
+        throw new BadPieceError(`piece ${j} of segment ${s} does not decode: ${(e as Error).message}`, { cause: e });
+      }
+    };
+    // the owner's sum of segment s, piece j, encoded once; its decoding is the result everywhere
+    const own = (s: number, j: number) => {
+      const x = values(s, j),
+        out = slot(1, s, j);
+      coder.encode(x, out, segs[s]![j]!.offset);
+      decode(out, s, j, false);
+      return out;
+    };
+    if (N === 1) {
+      segs[0]!.forEach((_, j) => own(0, j));
+      return Promise.resolve();
+    }
+    const next = this.ranks[mod(p + 1, N)]!,
+      prev = this.ranks[mod(p - 1, N)]!;
+    let receives = 0;
+    for (let h = 0; h <= N - 2; h++) receives += segs[mod(p - h - 2, N)]!.length + segs[mod(p - h - 1, N)]!.length;
+    const send = (op: RingOp, phase: Phase, hop: number, s: number, j: number, data: Uint8Array) =>
+      op.send(
+        this.#header(kind, key, next, phase, hop, j, wire[s]![j]!),
+        new Float32Array(data.buffer, data.byteOffset, data.byteLength / 4),
+      );
+    return this.#run(
+      kind,
+      key,
+      receives,
+      (op, piece) => {
+        const rs = piece.phase === "reduce-scatter";
+        const s = mod(p - piece.hop - (rs ? 2 : 1), N);
+        this.#expect(piece, prev, rs ? "reduce-scatter" : "all-gather", N - 2, wire[s]!);
+        const j = piece.piece;
+        // the received bytes are valid during the call only, and at any alignment
+        const into = slot(rs ? 0 : 1, s, j);
+        into.set(piece.data);
+        decode(into, s, j, rs);
+        if (!rs) {
+          if (piece.hop < N - 2) send(op, "all-gather", piece.hop + 1, s, j, into);
+        } else if (piece.hop < N - 2) {
+          coder.encode(values(s, j), into, segs[s]![j]!.offset);
+          send(op, "reduce-scatter", piece.hop + 1, s, j, into);
+        } else send(op, "all-gather", 0, s, j, own(s, j)); // s === p: summed over every rank
+      },
+      (op) => {
+        const first = mod(p - 1, N);
+        segs[first]!.forEach((_, j) => {
+          const out = slot(0, first, j);
+          coder.encode(values(first, j), out, segs[first]![j]!.offset);
+          send(op, "reduce-scatter", 0, first, j, out);
+        });
+      },
+    );
+  }
+
   /** The root's buffer to every rank, piece by piece along the ring from the root. */
   broadcast(buf: Float32Array, rootPos: number, key: OpKey, kind = "broadcast"): Promise<void> {
     const N = this.size,
@@ -586,6 +674,11 @@ export class RingCollective extends RingsOverTransport implements Collective {
     this.check();
     await this.group.ring(buf, key, "all-reduce", true, true);
     if (op === "avg") scaleInPlace(buf, 1 / this.size);
+  }
+
+  encodedAllReduce(buf: Float32Array, key: OpKey, coder: WireCoder): Promise<void> {
+    this.check();
+    return this.group.encodedRing(buf, key, coder);
   }
 
   async reduceScatter(buf: Float32Array, key: OpKey): Promise<Range> {

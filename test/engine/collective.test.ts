@@ -1,6 +1,8 @@
 // Ring and hierarchical collectives over the in-memory transport: every operation against a
 // float64 reference for 1-4 ranks and awkward sizes, bit-identical results, retries and
-// duplicates, early pieces, hostile pieces, and failing peers. The same algorithms over a real
+// duplicates, early pieces, hostile pieces, and failing peers. The encoded ring (compression):
+// bit-identical sums, every value kept across steps by the error feedback (float64), and the
+// bytes it saves. The same algorithms over a real
 // nats-server and real processes: test/services/collective.integration.test.ts.
 import { describe, expect, test } from "bun:test";
 import {
@@ -9,7 +11,9 @@ import {
   CollectiveTimeoutError,
   type Collective,
   segment,
+  type WireCoder,
 } from "../../engine/parallel/collective.ts";
+import { Codec, ErrorFeedback, parseCompression } from "../../engine/parallel/compress.ts";
 import { HierarchicalCollective, topologyRings } from "../../engine/parallel/hierarchical.ts";
 import { RingCollective } from "../../engine/parallel/ring.ts";
 import { MemoryTransport, type PieceHeader } from "../../engine/parallel/transport.ts";
@@ -316,5 +320,152 @@ describe("hierarchical", () => {
     await Promise.all(h.map((c, r) => c.allReduce(bufs[r]!, { step: 0, bucket: 0 })));
     // two leaders: each sends half the buffer twice (reduce-scatter and all-gather of 2 ranks)
     expect(crossing).toBe(2 * len);
+  });
+});
+
+/** One rank's coder: a codec and its error feedback over a buffer of n values. */
+function coderOf(kind: string, n: number): WireCoder & { feedback: ErrorFeedback } {
+  const codec = new Codec(parseCompression(kind));
+  const feedback = new ErrorFeedback(codec, n);
+  let scratch = new Float32Array(0);
+  return {
+    feedback,
+    slotBytes: (m) => codec.slotBytes(m),
+    encode: (x, slot, at) => feedback.encode(x, slot, at),
+    decode: (slot, out, add) => codec.decode(slot, out, add),
+    scratch: (words) => {
+      if (scratch.length < words) scratch = new Float32Array(words);
+      return scratch;
+    },
+  };
+}
+
+describe("encoded ring (compression)", () => {
+  describe.each(["bf16", "fp16", "int8"])("%s", (kind) => {
+    test.each([1, 2, 3, 5])(
+      "%i ranks: the same bits on every rank, near the float64 sum, and over 4 steps nothing lost (sums + residuals = gradients, float64)",
+      async (n) => {
+        for (const len of [0, 7, 5_000]) {
+          const colls = mesh(n, 64 * 4);
+          const coders = colls.map(() => coderOf(kind, len));
+          const total = new Float64Array(len),
+            given = new Float64Array(len),
+            abs = new Float64Array(len);
+          for (let step = 0; step < 4; step++) {
+            const xs = inputs(n, len, 100 * step + n + len);
+            const ref = reference(xs);
+            for (const x of xs) for (let i = 0; i < len; i++) (given[i]! += x[i]!), (abs[i]! += Math.abs(x[i]!));
+            const bufs = xs.map((x) => x.slice());
+            await Promise.all(colls.map((c, r) => c.encodedAllReduce!(bufs[r]!, { step, bucket: 0 }, coders[r]!)));
+            expect(new Set(bufs.map(bitsOf)).size).toBe(1);
+            for (let i = 0; i < len; i++) total[i]! += bufs[0]![i]!;
+            // each value and partial sum rounded once per hop: bf16 keeps 8 bits, fp16 11, int8
+            // 7 against its block's largest
+            let err = 0,
+              mag = 0;
+            for (let i = 0; i < len; i++) (err += (bufs[0]![i]! - ref.sum[i]!) ** 2), (mag += ref.sum[i]! ** 2);
+            if (len > 0) expect(Math.sqrt(err / mag)).toBeLessThan(kind === "int8" ? 0.05 : 0.01);
+          }
+          // what the sums did not carry is in the ranks' residuals: only f32 additions are lost
+          for (let i = 0; i < len; i++) {
+            let kept = total[i]!;
+            for (const c of coders) kept += c.feedback.residual[i]!;
+            const bound = abs[i]! * 2 ** -23 * 4 * (n + 1) + 1e-30;
+            if (!(Math.abs(kept - given[i]!) <= bound))
+              throw new Error(`element ${i}: sums + residuals ${kept}, gradients ${given[i]} (bound ${bound})`);
+          }
+        }
+      },
+    );
+  });
+
+  test("bytes on the wire: bf16 half the f32 ring's, int8 about a quarter", async () => {
+    const n = 4,
+      len = 8_192;
+    const words = async (kind: string | null) => {
+      let sent = 0;
+      const colls = mesh(n, 1024 * 4, {
+        hook: (hd) => {
+          sent += hd.count;
+          return "deliver";
+        },
+      });
+      const bufs = inputs(n, len, 3);
+      await Promise.all(
+        colls.map((c, r) =>
+          kind === null
+            ? c.allReduce(bufs[r]!, { step: 0, bucket: 0 })
+            : c.encodedAllReduce!(bufs[r]!, { step: 0, bucket: 0 }, coderOf(kind, len)),
+        ),
+      );
+      return sent;
+    };
+    const f32 = await words(null);
+    expect(f32).toBe(2 * (n - 1) * len);
+    expect(await words("bf16")).toBe(f32 / 2);
+    const int8 = await words("int8");
+    expect(int8 / f32).toBeGreaterThan(0.25);
+    expect(int8 / f32).toBeLessThan(0.26);
+  });
+
+  test("hierarchical: f32 within hosts, encoded between the leaders (half the f32 bytes between hosts), the same bits everywhere", async () => {
+    const hosts = ["a", "a", "b", "b"];
+    let crossing = 0;
+    const hook = (hd: PieceHeader) => {
+      if (hosts[hd.from] !== hosts[hd.to]) crossing += hd.count;
+      return "deliver" as const;
+    };
+    const len = 8_000;
+    const h = mesh(4, 256, { hosts, hook });
+    const xs = inputs(4, len, 2);
+    const ref = reference(xs);
+    const bufs = xs.map((x) => x.slice());
+    await Promise.all(h.map((c, r) => c.encodedAllReduce!(bufs[r]!, { step: 0, bucket: 0 }, coderOf("bf16", len))));
+    expect(new Set(bufs.map(bitsOf)).size).toBe(1);
+    let err = 0;
+    for (let i = 0; i < len; i++) err = Math.max(err, Math.abs(bufs[0]![i]! - ref.sum[i]!) / (ref.bound[i]! * 2 ** 23));
+    expect(err).toBeLessThan(2 ** -7);
+    expect(crossing).toBe(len); // the f32 hierarchy's 2 * len, halved
+  });
+
+  test("a piece that does not decode (a negative int8 scale) or has the wrong size is refused, and the operation goes on", async () => {
+    const peers = new Map<number, MemoryTransport>();
+    const ts = [0, 1].map((r) => new MemoryTransport(r, peers, 4096));
+    const colls = ts.map((t) => new RingCollective(t, 2, { progressTimeoutMs: 5_000 }));
+    const forger = new MemoryTransport(7, peers, 4096);
+    const len = 1_000;
+    const bufs = inputs(2, len, 4);
+    const ref = reference(bufs);
+    const coders = [coderOf("int8", len), coderOf("int8", len)];
+    const waiting = colls[1]!.encodedAllReduce!(bufs[1]!.slice(), { step: 0, bucket: 0 }, coders[1]!);
+    // rank 1 receives segment 1 (elements 500..999) from rank 0 at hop 0: one scale, 500 int8
+    const words = coders[0]!.slotBytes(500) / 4;
+    const header = {
+      group: "#encoded-all-reduce",
+      from: 0,
+      to: 1,
+      step: 0,
+      bucket: 0,
+      phase: "reduce-scatter" as const,
+      hop: 0,
+      piece: 0,
+      offset: 500,
+    };
+    const bad = new Float32Array(words);
+    bad[0] = -1;
+    const never = new AbortController().signal;
+    await expect(forger.send({ ...header, count: words }, bad, never)).rejects.toThrow(
+      /does not decode: an int8 scale of -1/,
+    );
+    await expect(forger.send({ ...header, count: 500 }, new Float32Array(500), never)).rejects.toThrow(
+      /expected \[500, \+126\)/,
+    );
+    const mine = bufs.map((b) => b.slice());
+    const [, got] = await Promise.all([
+      colls[0]!.encodedAllReduce!(mine[0]!, { step: 0, bucket: 0 }, coders[0]!),
+      waiting.then(() => null),
+    ]);
+    expect(got).toBeNull();
+    for (let i = 0; i < len; i++) expect(Math.abs(mine[0]![i]! - ref.sum[i]!)).toBeLessThan(0.2);
   });
 });
