@@ -10,11 +10,12 @@
 // Every rank makes every rank's input from (seed, rank), so each can check its result alone.
 // "raw" moves the same bytes a ring all-reduce puts on each link (2(N-1)/N of the buffer) to
 // the next rank as plain NATS requests of the same size and window: the baseline.
-import { type PlanRun, runPlanProcesses } from "./plan-processes.ts";
+import { type PlanRun, type PlanSpawn, runPlanProcesses } from "./plan-processes.ts";
 import { writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { HierarchicalCollective } from "../engine/parallel/hierarchical.ts";
-import type { Collective } from "../engine/parallel/collective.ts";
+import type { Collective, WireCoder } from "../engine/parallel/collective.ts";
+import { Codec, ErrorFeedback, parseCompression } from "../engine/parallel/compress.ts";
 import { RingCollective } from "../engine/parallel/ring.ts";
 import type { PeerTransport } from "../engine/parallel/transport.ts";
 import { Rng } from "../engine/rng.ts";
@@ -31,6 +32,8 @@ export interface RankOp {
   root?: number;
   /** check the result against float64 (off for large benchmark buffers) */
   check: boolean;
+  /** allReduce: encoded round the ring (the collective's encodedAllReduce, with error feedback) */
+  compress?: "bf16" | "fp16" | "int8";
 }
 
 export interface RankPlan {
@@ -62,6 +65,12 @@ export interface RankResult {
   errorRatio: number;
   /** peers this rank sent to through shared memory by the operation's end */
   shmPeers: number;
+  /** bytes of pieces this rank sent in the operation */
+  wireBytes: number;
+  /** ... of them, those in the message (through NATS, not shared memory: to other hosts) */
+  inlineBytes: number;
+  /** ms this rank spent encoding and decoding (an encoded all-reduce) */
+  codecMs: number;
   error?: { name: string; message: string };
 }
 
@@ -94,6 +103,7 @@ const hashOf = (x: Float32Array, from = 0, to = x.length) =>
 async function main(): Promise<void> {
   const plan = (await Bun.file(process.argv[2]!).json()) as RankPlan;
   const size = plan.hosts.length;
+  const meter = { bytes: 0, inlineBytes: 0 };
   const bus = await NatsBus.connect({
     url: plan.url,
     name: `coll-rank-${plan.rank}`,
@@ -110,6 +120,7 @@ async function main(): Promise<void> {
     sendTimeoutMs: busTransportDefaults.sendTimeoutMs,
     peerLostMs: plan.peerLostMs,
     sharedMemory: plan.sharedMemory ?? false,
+    meter,
   });
   let arrived = 0;
   const dieAfter = plan.dieAfterPieces ?? Infinity;
@@ -134,7 +145,12 @@ async function main(): Promise<void> {
   const raw = rawLink(bus, plan);
   // a piece for a rank that has not subscribed yet is retried (NoResponders) until it has
   for (const op of plan.ops) {
+    const before = { ...meter };
+    codecMs = 0;
     const result = await runOp(coll, raw, plan, op);
+    result.wireBytes = meter.bytes - before.bytes;
+    result.inlineBytes = meter.inlineBytes - before.inlineBytes;
+    result.codecMs = codecMs;
     result.shmPeers = transport.sharedMemoryPeers.length;
     process.stdout.write(JSON.stringify(result) + "\n");
   }
@@ -162,13 +178,17 @@ async function runOp(
     hash: "",
     errorRatio: 0,
     shmPeers: 0,
+    wireBytes: 0,
+    inlineBytes: 0,
+    codecMs: 0,
   };
   let t0 = performance.now();
   try {
     await coll.barrier({ step: op.step, bucket: 0xffff_0000 + (op.bucket & 0xffff) });
     t0 = performance.now();
     if (op.op === "allReduce") {
-      await coll.allReduce(buf, key);
+      if (op.compress === undefined) await coll.allReduce(buf, key);
+      else await coll.encodedAllReduce!(buf, key, coderOf(op.compress, op.len));
       out.ms = performance.now() - t0;
       out.hash = hashOf(buf);
       if (op.check) out.errorRatio = errorRatio(buf, inputs, 0, op.len);
@@ -207,6 +227,29 @@ async function runOp(
     out.error = { name: (e as Error).name, message: (e as Error).message };
   }
   return out;
+}
+
+/** ms spent in the codec during the operation that runs */
+let codecMs = 0;
+
+function timed<A extends unknown[]>(f: (...a: A) => void): (...a: A) => void {
+  return (...a) => {
+    const t0 = performance.now();
+    f(...a);
+    codecMs += performance.now() - t0;
+  };
+}
+
+/** A codec with its error feedback over `len` values (a fresh residual: one operation), timed. */
+function coderOf(kind: "bf16" | "fp16" | "int8", len: number): WireCoder {
+  const codec = new Codec(parseCompression(kind));
+  const feedback = new ErrorFeedback(codec, len);
+  return {
+    slotBytes: (n) => codec.slotBytes(n),
+    encode: timed((x: Float32Array, slot: Uint8Array, at: number) => feedback.encode(x, slot, at)),
+    decode: timed((slot: Uint8Array, out: Float32Array, add: boolean) => codec.decode(slot, out, add)),
+    scratch: (words) => new Float32Array(words),
+  };
 }
 
 function filled(len: number, rank: number): Float32Array {
@@ -253,7 +296,11 @@ function rawLink(bus: NatsBus, plan: RankPlan) {
 export type RanksRun = PlanRun<RankResult>;
 
 /** Runs one rank process per plan (plans[r].rank === r) to the end; processes left are killed. */
-export const runRankProcesses = (dir: string, plans: RankPlan[], env: Record<string, string> = {}): Promise<RanksRun> =>
-  runPlanProcesses<RankResult>(import.meta.path, dir, plans, env);
+export const runRankProcesses = (
+  dir: string,
+  plans: RankPlan[],
+  env: Record<string, string> = {},
+  spawn?: PlanSpawn,
+): Promise<RanksRun> => runPlanProcesses<RankResult>(import.meta.path, dir, plans, env, spawn);
 
 if (import.meta.main) await main();

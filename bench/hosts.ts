@@ -8,7 +8,11 @@
 //   - ZeRO-2;
 //   - DDP: bench/ddp_step.py, one rank per trainer slot, on Debian's python3-torch.
 // It prints a table, samples/s and the step split into compute and exposed communication, each
-// setting's speed against DDP's and against f32 at the same rate, then one JSON line. Needs
+// setting's speed against DDP's and against f32 at the same rate, then one JSON line. Before the
+// jobs (--collective on; off: not; only: no jobs) it times the all-reduce alone of as many values as the model has
+// parameters, flat and hierarchical, as f32, bf16 and int8, among rank processes on the same
+// hosts: what each encoding saves on the links, against its bytes, with no compute to hide or
+// bound it (a second table and JSON line). Needs
 // root (namespaces). The model is an MLP wide enough that its gradients load the links, or with
 // --model gpt a GPT with GPT-2's vocabulary (--gpt L,H,C,T: 6 layers, 6 heads, 384 wide, 128
 // tokens, about 30M parameters) on the State of the Union prepared with GPT-2's BPE.
@@ -27,11 +31,13 @@ import {
   qualifyJob,
 } from "../services/runtime/job/job.ts";
 import { HostBed, testBedProblem } from "../testbed/hosts.ts";
-import { HostMesh } from "../testbed/mesh.ts";
+import { HostMesh, hostLabel } from "../testbed/mesh.ts";
+import { busTransportDefaults } from "../services/runtime/transport/collective-bus.ts";
+import { type RankOp, type RankPlan, type RankResult, runRankProcesses } from "./collective-rank.ts";
 import { prepareDefaults, runPrepare } from "../sdk/local/prepare.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { torchPython } from "./engine-config.ts";
-import { printReport, round } from "./table.ts";
+import { median, printReport, round } from "./table.ts";
 
 interface Row {
   rate: string;
@@ -74,8 +80,12 @@ export async function runHostsBench(argv: string[]): Promise<void> {
     widths: { type: "string", default: "784,1024,1024,10" },
     gpt: { type: "string", default: "6,6,384,128" },
     only: { type: "string", default: "" },
+    // the all-reduce alone of the model's gradients, no training: what the links cost
+    collective: { type: "string", default: "on" },
     quiet: { type: "boolean", default: false },
   });
+  if (!["on", "off", "only"].includes(String(a.collective)))
+    throw new ConfigError(`--collective is on, off or only (no jobs), not ${a.collective}`);
   const problem = testBedProblem();
   if (problem !== null) throw new ConfigError(`the hosts bench makes network namespaces: ${problem}`);
   const hosts = positiveInt("hosts", a.hosts);
@@ -114,7 +124,17 @@ export async function runHostsBench(argv: string[]): Promise<void> {
           what: `GPT L${nLayer} H${nHead} C${nEmbd} T${blockSize} V${gpt2Vocab} (GPT-2's vocabulary)`,
         };
   try {
-    await benchRates({ only: String(a.only), quiet: a.quiet === true }, model, { hosts, perHost, steps, batch, rates });
+    await benchRates(
+      { only: String(a.only), quiet: a.quiet === true, collective: a.collective as "on" | "off" | "only" },
+      model,
+      {
+        hosts,
+        perHost,
+        steps,
+        batch,
+        rates,
+      },
+    );
   } finally {
     if (tokens !== "") rmSync(tokens, { recursive: true, force: true });
   }
@@ -133,17 +153,27 @@ type ModelChoice =
     };
 
 async function benchRates(
-  a: { only: string; quiet: boolean },
+  a: { only: string; quiet: boolean; collective: "on" | "off" | "only" },
   model: ModelChoice,
   o: { hosts: number; perHost: number; steps: number; batch: number; rates: number[] },
 ): Promise<void> {
   const { hosts, perHost, steps, batch, rates } = o;
-  const picked = a.only === "" ? settings : settings.filter((s) => s.name.includes(String(a.only)));
+  const picked =
+    a.collective === "only" ? [] : a.only === "" ? settings : settings.filter((s) => s.name.includes(String(a.only)));
   const trainers = hosts * perHost;
   const rows: Row[] = [];
+  const collRows: CollRow[] = [];
+  const values = gradientValues(model);
   for (const rate of rates) {
     const rateText = rate >= 1000 ? `${rate / 1000} Gbit/s` : `${rate} Mbit/s`;
     await using bed = await HostBed.create({ hosts, rateMbit: rate });
+    if (a.collective !== "off") {
+      for (const r of await runCollectives(bed, { hosts, perHost, values, rounds: 3 })) {
+        collRows.push({ rate: rateText, ...r });
+        if (!a.quiet) console.log(`${rateText} all-reduce ${r.all_reduce}: ${r.ms} ms`);
+      }
+    }
+    if (a.collective === "only") continue;
     const ddp = await runDdp(bed, { perHost, steps, batch, model });
     const measured: Row[] = [];
     for (const s of picked) {
@@ -174,23 +204,151 @@ async function benchRates(
         : { rate: rateText, setting: "PyTorch DDP (gloo)", ...ddp, mb_per_step: Number.NaN, vs_ddp: 1, vs_f32: "" },
     );
   }
-  printReport({
-    bench: "hosts",
-    header: `the mesh on ${hosts} hosts x ${perHost} trainers (network namespaces, tc-shaped links), ${model.what}, batch ${batch} per trainer, ${steps} steps; PyTorch DDP on the same hosts and links`,
-    rows,
-    columns: [
-      "rate",
-      "setting",
-      "samples_per_s",
-      "step_ms",
-      "compute_ms",
-      "exposed_comm_ms",
-      "mb_per_step",
-      "vs_ddp",
-      "vs_f32",
-    ],
-    quiet: a.quiet,
+  if (rows.length > 0)
+    printReport({
+      bench: "hosts",
+      header: `the mesh on ${hosts} hosts x ${perHost} trainers (network namespaces, tc-shaped links), ${model.what}, batch ${batch} per trainer, ${steps} steps; PyTorch DDP on the same hosts and links`,
+      rows,
+      columns: [
+        "rate",
+        "setting",
+        "samples_per_s",
+        "step_ms",
+        "compute_ms",
+        "exposed_comm_ms",
+        "mb_per_step",
+        "vs_ddp",
+        "vs_f32",
+      ],
+      quiet: a.quiet,
+    });
+  if (collRows.length > 0)
+    printReport({
+      bench: "hosts-collective",
+      header: `the all-reduce alone of ${values.toLocaleString("en-US")} f32 values (the model's gradients) among the same ${hosts} x ${perHost} ranks, median of 3: its speed-up over f32 on the same ring, against the bytes it saves`,
+      rows: collRows,
+      columns: ["rate", "all_reduce", "ms", "codec_ms", "mb_between_hosts", "vs_f32", "bytes_saved"],
+      quiet: a.quiet,
+    });
+}
+
+interface CollRow {
+  rate: string;
+  /** the ring (flat or hierarchical) and the encoding */
+  all_reduce: string;
+  ms: number;
+  /** ms a rank spent encoding and decoding, on average */
+  codec_ms: number;
+  /** bytes of pieces a rank sent to other hosts, on average */
+  mb_between_hosts: number;
+  /** f32's time on the same ring over this one's */
+  vs_f32: number | string;
+  /** f32's bytes on the same ring over this one's */
+  bytes_saved: number | string;
+}
+
+/** The model's parameters, as many values as its gradients: the MLP's exactly; the GPT's as
+ *  GPT-2 lays them out (token and position embeddings, tied head, blocks of 12C^2 + 13C, final norm). */
+function gradientValues(m: ModelChoice): number {
+  if (m.kind === "mlp") return m.widths.slice(1).reduce((n, w, i) => n + (m.widths[i]! + 1) * w, 0);
+  const { nLayer, nEmbd: c, blockSize } = m.shape;
+  return gpt2Vocab * c + blockSize * c + nLayer * (12 * c * c + 13 * c) + 2 * c;
+}
+
+/**
+ * The all-reduce of `values` f32 among the bed's ranks (bench/collective-rank.ts, one process per
+ * rank on its host, over a NATS cluster on the first three hosts), flat and hierarchical, as f32,
+ * bf16 and int8 (encoded round the ring): what the links cost without the compute around them.
+ */
+async function runCollectives(
+  bed: HostBed,
+  o: { hosts: number; perHost: number; values: number; rounds: number },
+): Promise<Omit<CollRow, "rate">[]> {
+  const all = Array.from({ length: o.hosts }, (_, i) => i);
+  await using mesh = await HostMesh.start(bed, {
+    natsHosts: all.slice(0, Math.min(3, o.hosts)),
+    serviceHost: 0,
+    shardHosts: [],
+    trainerHosts: [],
+    trainersPerHost: o.perHost,
+    services: false,
   });
+  const world = o.hosts * o.perHost;
+  const hostOf = (rank: number) => Math.floor(rank / o.perHost);
+  const encodings = [undefined, "bf16", "int8"] as const;
+  const dir = mkdtempSync(join(tmpdir(), "mt-bench-hosts-coll-"));
+  const rows: Omit<CollRow, "rate">[] = [];
+  try {
+    for (const ring of ["flat", "hierarchical"] as const) {
+      const labels = Array.from({ length: world }, (_, r) => hostLabel(ring === "flat" ? 0 : hostOf(r)));
+      const ops: RankOp[] = encodings.flatMap((compress, c) =>
+        Array.from({ length: o.rounds }, (_, k) => ({
+          op: "allReduce" as const,
+          len: o.values,
+          seed: 1,
+          step: k,
+          bucket: c,
+          check: false,
+          ...(compress === undefined ? {} : { compress }),
+        })),
+      );
+      const plans: RankPlan[] = Array.from({ length: world }, (_, rank) => ({
+        url: mesh.homeUrls(hostOf(rank)),
+        job: `hosts-coll-${ring}`,
+        rank,
+        hosts: labels,
+        pieceBytes: busTransportDefaults.pieceBytesMax,
+        windowPieces: busTransportDefaults.windowPieces,
+        progressTimeoutMs: 120_000,
+        peerLostMs: 120_000,
+        // as a job's ranks (--coll-transport auto): ranks of one host share memory
+        sharedMemory: true,
+        ops,
+      }));
+      const run = await runRankProcesses(dir, plans, { OMP_NUM_THREADS: "1" }, (rank, argv, options) =>
+        bed.spawn(hostOf(rank), argv, options),
+      );
+      const failed = run.results.flat().find((r) => r.error !== undefined);
+      if (failed !== undefined || run.codes.some((c) => c !== 0) || run.results.some((r) => r.length !== ops.length))
+        throw new Error(
+          `the ${ring} all-reduce across hosts failed: ${
+            failed?.error?.message ??
+            run.stderr
+              .find((e) => e.trim() !== "")
+              ?.trim()
+              .split("\n")
+              .slice(-3)
+              .join(" | ") ??
+            "a rank ended early"
+          }`,
+        );
+      const f32 = { ms: 0, bytes: 0 };
+      encodings.forEach((compress, c) => {
+        // an operation takes as long as its slowest rank; the median round
+        const rounds = Array.from({ length: o.rounds }, (_, k) => c * o.rounds + k);
+        const ms = median(rounds.map((i) => Math.max(...run.results.map((rs) => rs[i]!.ms))));
+        const mean = (f: (r: RankResult) => number) =>
+          median(rounds.map((i) => run.results.reduce((n, rs) => n + f(rs[i]!), 0) / world));
+        // what left each host: the pieces through NATS (ranks of one host share memory)
+        const bytes = mean((r) => r.inlineBytes);
+        if (compress === undefined) Object.assign(f32, { ms, bytes });
+        rows.push({
+          all_reduce: `${ring} ${compress ?? "f32"}`,
+          ms: round(ms, 0),
+          codec_ms: round(
+            mean((r) => r.codecMs),
+            0,
+          ),
+          mb_between_hosts: round(bytes / 1e6, 2),
+          vs_f32: compress === undefined ? "" : round(f32.ms / ms, 2),
+          bytes_saved: compress === undefined ? "" : round(f32.bytes / bytes, 2),
+        });
+      });
+    }
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
+  return rows;
 }
 
 const emptyRow = (rate: string, setting: string): Row => ({

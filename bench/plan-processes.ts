@@ -11,17 +11,25 @@ export interface PlanRun<R> {
   stderr: string[];
 }
 
+/** Starts a plan's process (default: on this host; the hosts bench starts each in its host). */
+export type PlanSpawn = (
+  rank: number,
+  argv: string[],
+  options: { cwd: string; stdout: "pipe"; stderr: "pipe"; env: Record<string, string | undefined> },
+) => Bun.Subprocess<"ignore", "pipe", "pipe">;
+
 /** Runs `script` once per plan (plans[r].rank === r) to the end; processes left are killed. */
 export async function runPlanProcesses<R>(
   script: string,
   dir: string,
   plans: readonly { job: string; rank: number }[],
   env: Record<string, string> = {},
+  spawn: PlanSpawn = (_rank, argv, options) => Bun.spawn(argv, options),
 ): Promise<PlanRun<R>> {
   const procs = plans.map((plan) => {
     const file = join(dir, `${plan.job}-rank-${plan.rank}.json`);
     writeFileSync(file, JSON.stringify(plan));
-    return Bun.spawn([process.execPath, script, file], {
+    return spawn(plan.rank, [process.execPath, script, file], {
       cwd: join(import.meta.dir, ".."),
       stdout: "pipe",
       stderr: "pipe",

@@ -13,6 +13,8 @@
 // match on what the host receives, and on what the others receive from it. A cut takes the
 // bridge's end of the pair down: the host's packets go nowhere and nobody's reach it, while its
 // sockets stay open (a partition, not a crash). This kernel has no netem: latency is not shaped.
+// Each host has its own /dev/shm, so processes of two hosts cannot share memory, as they could
+// not on two machines (the collective's pieces go over the links, not through shared memory).
 //
 // Needs root, iproute2 and iptables; testBedProblem() says why a bed cannot be made (tests skip
 // with it). Names carry a random prefix, so two beds never collide; a bed whose process died
@@ -56,6 +58,15 @@ export interface Host {
 
 const tcpRetriesDefault = 2;
 
+/**
+ * Hosts share nothing but their links: each one's /dev/shm is a folder of the machine's, bound
+ * over /dev/shm in the mount namespace `ip netns exec` makes for each command (so processes of
+ * one host share it, and what they find there, the collective's shared memory included, tells
+ * them apart from another host's). Run as `sh -c bindShm <folder> <argv...>`.
+ */
+const shmRoot = "/dev/shm";
+const bindShm = 'mount --bind "$0" /dev/shm && exec "$@"';
+
 /** Where each bed writes its owner's pid, so that a later bed removes one whose process died. */
 const registry = "/run/meshtrain-testbed";
 const sbin = { PATH: `${process.env.PATH ?? ""}:/usr/sbin:/sbin:/usr/bin:/bin` };
@@ -82,7 +93,14 @@ function findProblem(): string | null {
   const probe = `mtprobe${process.pid.toString(36)}`;
   const made = sh(["ip", "netns", "add", probe]);
   if (made.code !== 0) return `cannot make a network namespace here: ${made.err || `ip exited ${made.code}`}`;
+  // each host's /dev/shm is a folder of its own, bound over it in the host's mount namespace
+  const dir = join(shmRoot, probe);
+  mkdirSync(dir, { recursive: true });
+  const bound = sh(["ip", "netns", "exec", probe, "sh", "-c", bindShm, dir, "true"]);
+  rmSync(dir, { recursive: true, force: true });
   sh(["ip", "netns", "del", probe]);
+  if (bound.code !== 0)
+    return `cannot give a host its own /dev/shm (mount --bind in its mount namespace): ${bound.err || `exit ${bound.code}`}`;
   return null;
 }
 
@@ -123,6 +141,8 @@ function removeByPrefix(prefix: string): void {
     if (name.startsWith(prefix) && name !== `${prefix}br`) sh(["ip", "link", "del", name]);
   }
   sh(["ip", "link", "del", `${prefix}br`]);
+  for (const name of readdirSync(shmRoot))
+    if (name.startsWith(`${prefix}-`)) rmSync(join(shmRoot, name), { recursive: true, force: true });
   rmSync(join(registry, prefix), { force: true });
 }
 
@@ -209,6 +229,7 @@ export class HostBed implements AsyncDisposable {
     must(["ip", "addr", "add", `${this.gateway}/24`, "dev", br]);
     must(["ip", "link", "set", br, "up"]);
     for (const h of this.hosts) {
+      mkdirSync(join(shmRoot, h.ns), { mode: 0o1777 });
       must(["ip", "netns", "add", h.ns]);
       must(["ip", "link", "add", h.inner, "type", "veth", "peer", "name", h.outer]);
       must(["ip", "link", "set", h.inner, "netns", h.ns]);
@@ -235,9 +256,10 @@ export class HostBed implements AsyncDisposable {
     return this.#host(i).address;
   }
 
-  /** argv run inside host i (as `ip netns exec`). */
+  /** argv run inside host i (as `ip netns exec`, with the host's own /dev/shm). */
   argv(i: number, argv: readonly string[]): string[] {
-    return [tool("ip")!, "netns", "exec", this.#host(i).ns, ...argv];
+    const ns = this.#host(i).ns;
+    return [tool("ip")!, "netns", "exec", ns, tool("sh")!, "-c", bindShm, join(shmRoot, ns), ...argv];
   }
 
   /** Runs a command inside host i to its end. */

@@ -32,6 +32,8 @@ export interface HostMeshOptions {
    *  default nats-server's): a busy route to a member cut off fails sooner, by the hosts' TCP
    *  (testbed/hosts.ts tcpRetries); pings find a quiet one */
   natsPing?: { intervalS: number; max: number };
+  /** false: the NATS cluster alone (a bench that runs processes of its own on the hosts) */
+  services?: boolean;
   /** MT_* settings for every service */
   env?: Record<string, string>;
   /** where each service's log goes (one file per service); default: a temporary folder */
@@ -69,6 +71,13 @@ export class HostMesh implements AsyncDisposable {
     return ordered.map((n) => n.server.url).join(",");
   }
 
+  /** The cluster's client URLs for a process on `host`: its own server first, or, on a host
+   *  without one, the next host's that has one. */
+  homeUrls(host: number): string {
+    const hosts = this.nats.map((n) => n.host);
+    return this.urls(hosts.includes(host) ? host : (hosts.find((h) => h > host) ?? hosts[0]!));
+  }
+
   static async start(bed: HostBed, o: HostMeshOptions): Promise<HostMesh> {
     const tempDir = mkdtempSync(join(tmpdir(), "mt-hostmesh-"));
     const logDir = o.logDir ?? join(tempDir, "logs");
@@ -98,7 +107,7 @@ export class HostMesh implements AsyncDisposable {
     );
     const mesh = new HostMesh(bed, nats, [], jobsDir, logDir, tempDir);
     const trainers = o.trainerHosts.length * o.trainersPerHost;
-    const specs = scaleTopology(readTopology(), { trainers, shards: o.shardHosts.length });
+    const specs = o.services === false ? [] : scaleTopology(readTopology(), { trainers, shards: o.shardHosts.length });
     for (const spec of specs) {
       const rank = spec.env.MT_RANK === undefined ? null : Number(spec.env.MT_RANK);
       const shard = spec.env.MT_SHARD === undefined ? null : Number(spec.env.MT_SHARD);
@@ -108,12 +117,10 @@ export class HostMesh implements AsyncDisposable {
           : shard !== null
             ? o.shardHosts[shard]!
             : o.serviceHost;
-      // a host without a NATS server uses the next host's that has one
-      const home = o.natsHosts.includes(host) ? host : (o.natsHosts.find((h) => h > host) ?? o.natsHosts[0]!);
       const env: Record<string, string> = {
         ...(process.env as Record<string, string>),
         ...spec.env,
-        MT_NATS_URL: mesh.urls(home),
+        MT_NATS_URL: mesh.homeUrls(host),
         MT_NATS_NKEY: "",
         MT_DIR: jobsDir,
         MT_KV_REPLICAS: String(Math.min(3, o.natsHosts.length)),

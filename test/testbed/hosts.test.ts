@@ -1,10 +1,11 @@
 // The test bed of hosts (testbed/hosts.ts) on this machine: network namespaces with their own
 // addresses on a bridge. Hosts reach each other and this process; a link is shaped as asked; a
-// cut host's connections stay open and silent, and carry on once its link is back; removing the
+// cut host's connections stay open and silent, and carry on once its link is back; each host has
+// its own /dev/shm; removing the
 // bed leaves nothing behind, also a bed whose process died. Skips where namespaces cannot be
 // made (not root, no iproute2 or iptables), saying why.
 import { describe, expect, test } from "bun:test";
-import { existsSync } from "node:fs";
+import { existsSync, readdirSync } from "node:fs";
 import { HostBed, TestBedError, testBedProblem } from "../../testbed/hosts.ts";
 import { skip } from "../helpers/skip.ts";
 
@@ -71,6 +72,28 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("a bed of hosts on
     c.socket.end();
   });
 
+  test("hosts share no memory: each has its own /dev/shm, shared by its processes (the collective's shared memory stays within a host)", async () => {
+    await using bed = await HostBed.create({ hosts: 2 });
+    const idOf = (i: number) => {
+      const r = bed.run(i, [
+        process.execPath,
+        "-e",
+        `import { shmIdentity } from ${JSON.stringify(`${import.meta.dir}/../../services/runtime/transport/collective-shm.ts`)}; console.log(shmIdentity())`,
+      ]);
+      expect(r.code).toBe(0);
+      return r.out.trim();
+    };
+    const [a, b, again] = [idOf(0), idOf(1), idOf(0)];
+    expect(a).toMatch(/^shm:/);
+    expect(a).not.toBe(b);
+    expect(again).toBe(a);
+    // a file one process of host 0 leaves there is seen by the next, not by host 1
+    expect(bed.run(0, ["sh", "-c", "echo mt > /dev/shm/mt-probe"]).code).toBe(0);
+    expect(bed.run(0, ["cat", "/dev/shm/mt-probe"]).out.trim()).toBe("mt");
+    expect(bed.run(1, ["cat", "/dev/shm/mt-probe"]).code).not.toBe(0);
+    expect(existsSync("/dev/shm/mt-probe")).toBe(false);
+  });
+
   test("a link's rate and loss are set on both its ends, changed, and taken off; a rate, loss or host out of range is refused", async () => {
     await using bed = await HostBed.create({ hosts: 2, rateMbit: 1000 });
     const h = bed.hosts[1]!;
@@ -124,6 +147,7 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("a bed of hosts on
     expect(ip("netns", "list")).not.toContain(prefix);
     expect(ip("-br", "link")).not.toContain(prefix);
     expect(existsSync(`/run/meshtrain-testbed/${prefix}`)).toBe(false);
+    expect(readdirSync("/dev/shm").filter((n) => n.startsWith(prefix))).toEqual([]);
 
     // a process that made a bed and died without removing it
     const orphan = Bun.spawnSync(

@@ -44,8 +44,10 @@ export interface BusTransportOptions {
   peerLostMs: number;
   /** values through shared memory to the peers on this machine (they are found out, not configured) */
   sharedMemory: boolean;
-  /** counts the bytes of values this transport delivered (whatever the path), for the wire statistics */
-  meter?: { bytes: number };
+  /** counts the bytes of values this transport delivered (whatever the path), for the wire
+   *  statistics; `inlineBytes`, where present, those that went in the message (through NATS, not
+   *  shared memory: between hosts) */
+  meter?: { bytes: number; inlineBytes?: number };
 }
 
 export const busTransportDefaults = {
@@ -191,8 +193,12 @@ export class BusTransport implements PeerTransport {
       throw new RangeError(`piece of ${values.byteLength} bytes exceeds ${this.pieceBytesMax}`);
     await this.#acquire(header.to, signal);
     try {
-      await this.#deliver(header, values, signal);
-      if (this.#o.meter) this.#o.meter.bytes += values.byteLength;
+      const inline = await this.#deliver(header, values, signal);
+      const meter = this.#o.meter;
+      if (meter) {
+        meter.bytes += values.byteLength;
+        if (inline && meter.inlineBytes !== undefined) meter.inlineBytes += values.byteLength;
+      }
     } finally {
       this.#release(header.to);
     }
@@ -226,7 +232,8 @@ export class BusTransport implements PeerTransport {
     });
   }
 
-  async #deliver(header: PieceHeader, values: Float32Array, signal: AbortSignal): Promise<void> {
+  /** Resolves once the peer took the piece: true if its values went in the message (inline). */
+  async #deliver(header: PieceHeader, values: Float32Array, signal: AbortSignal): Promise<boolean> {
     const { job, generation, sendTimeoutMs, peerLostMs } = this.#o;
     const subject = subjects.coll(job, header.to, this.rank);
     const started = performance.now();
@@ -256,7 +263,7 @@ export class BusTransport implements PeerTransport {
             link.out.unlink();
           }
           if (slot === null) this.#learn(header.to, answer);
-          return;
+          return slot === null;
         } catch (e) {
           if (
             e instanceof BadRequestError &&
