@@ -51,6 +51,8 @@ export interface RankPlan {
   dieAfterPieces?: number;
   /** values through shared memory between these processes (one machine) */
   sharedMemory?: boolean;
+  /** this rank's address for pieces over TCP from other machines (the collective's direct links) */
+  netAddress?: string;
 }
 
 export interface RankResult {
@@ -65,6 +67,8 @@ export interface RankResult {
   errorRatio: number;
   /** peers this rank sent to through shared memory by the operation's end */
   shmPeers: number;
+  /** peers this rank sends to over a direct TCP link by the operation's end */
+  netPeers: number;
   /** bytes of pieces this rank sent in the operation */
   wireBytes: number;
   /** ... of them, those in the message (through NATS, not shared memory: to other hosts) */
@@ -120,6 +124,7 @@ async function main(): Promise<void> {
     sendTimeoutMs: busTransportDefaults.sendTimeoutMs,
     peerLostMs: plan.peerLostMs,
     sharedMemory: plan.sharedMemory ?? false,
+    netAddress: plan.netAddress ?? null,
     meter,
   });
   let arrived = 0;
@@ -152,6 +157,7 @@ async function main(): Promise<void> {
     result.inlineBytes = meter.inlineBytes - before.inlineBytes;
     result.codecMs = codecMs;
     result.shmPeers = transport.sharedMemoryPeers.length;
+    result.netPeers = transport.netPeers.length;
     process.stdout.write(JSON.stringify(result) + "\n");
   }
   coll.close("plan done");
@@ -178,6 +184,7 @@ async function runOp(
     hash: "",
     errorRatio: 0,
     shmPeers: 0,
+    netPeers: 0,
     wireBytes: 0,
     inlineBytes: 0,
     codecMs: 0,

@@ -301,8 +301,10 @@ async function runCollectives(
         windowPieces: busTransportDefaults.windowPieces,
         progressTimeoutMs: 120_000,
         peerLostMs: 120_000,
-        // as a job's ranks (--coll-transport auto): ranks of one host share memory
+        // as a job's ranks (--coll-transport auto): ranks of one host share memory, and the
+        // hosts' ranks send straight over TCP
         sharedMemory: true,
+        netAddress: bed.address(hostOf(rank)),
         ops,
       }));
       const run = await runRankProcesses(dir, plans, { OMP_NUM_THREADS: "1" }, (rank, argv, options) =>

@@ -80,7 +80,7 @@ export function jobOptions(cmd: Command): Command {
     .addOption(
       new Option(
         "--coll-transport <kind>",
-        "allreduce: auto: ranks on one machine exchange gradients through shared memory (NATS carries the pieces' headers), NATS between machines; nats: every byte through NATS",
+        "allreduce: auto: ranks on one machine exchange gradients through shared memory, ranks on others straight over TCP (NATS introduces them); nats: every byte through NATS",
       )
         .choices(["auto", "nats"])
         .default(d.collTransport),

@@ -24,7 +24,7 @@ function optimizerText(c: JobConfig): string {
 function syncText(c: JobConfig): string {
   if (c.sync === "allreduce")
     return (
-      `all-reduce (NCCL where each trainer has a GPU of its own on one host, else a ring over ${c.collTransport === "auto" ? "shared memory on one machine, NATS between machines" : "NATS"}; ${c.bucketMb} MB buckets overlapped with backward` +
+      `all-reduce (NCCL where each trainer has a GPU of its own on one host, else a ring over ${c.collTransport === "auto" ? "shared memory on one machine, TCP between machines" : "NATS"}; ${c.bucketMb} MB buckets overlapped with backward` +
       `${c.zero > 0 ? `; ZeRO stage ${c.zero}: ${c.zero === 1 ? "optimizer state" : "optimizer state and gradients"} partitioned among the trainers` : ""})`
     );
   if (c.sync === "bsp") return "BSP (every step waits for all trainers)";

@@ -14,6 +14,7 @@ import { ncclInstallHint, ncclLibrarySpec } from "../../ffi/cuda/nccl.ts";
 import { tryFindLibrary } from "../../ffi/find-library.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { Trainer } from "./service.ts";
+import { netAddressOf } from "../runtime/transport/collective-bus.ts";
 
 const schema = baseConfigSchema.extend({
   /** this process's trainer rank; jobs with `trainers` <= rank leave it idle */
@@ -26,9 +27,14 @@ const schema = baseConfigSchema.extend({
   /** test-only (MT_STEP_DELAY_MS / --step-delay-ms): sleep this long in every step's compute, to
    *  make this rank a straggler on purpose; 0 in any real run */
   stepDelayMs: z.number().int().min(0).max(60_000),
+  /** where this rank takes collective pieces over TCP from other machines (MT_COLL_ADDRESS /
+   *  --coll-address): "auto" (this machine's first address that is not loopback), "none" (its
+   *  peers send through NATS), or an address of this machine */
+  collAddress: z.string().regex(/^(auto|none|[0-9A-Za-z.:%-]{1,64})$/, "auto, none or an address of this machine"),
 });
 type Config = BaseConfig & {
   rank: number;
+  collAddress: string;
   localRank?: number;
   device: DeviceChoice;
   stepDelayMs: number;
@@ -70,6 +76,7 @@ await runService<Config>({
     rank: 0,
     stepDelayMs: 0,
     device: deviceDefault,
+    collAddress: "auto",
   },
   metadata: (c) => ({ rank: String(c.rank), host: c.host }),
   logFields: (c) => ({ rank: c.rank }),
@@ -105,6 +112,7 @@ await runService<Config>({
       ncclIds: ncclIdExchange(bus.nc),
       stepDelayMs: config.stepDelayMs,
       host: config.host,
+      collective: { transport: { netAddress: netAddressOf(config.collAddress) } },
     });
     const watch = await ledger.follow(`trainer ${config.rank}`, trainer);
     return {

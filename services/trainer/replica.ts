@@ -64,13 +64,17 @@ export interface ReplicaOptions {
 }
 
 export type TransportSettings = Partial<
-  Pick<BusTransportOptions, "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs" | "sharedMemory">
+  Pick<
+    BusTransportOptions,
+    "pieceBytesMax" | "windowPieces" | "sendTimeoutMs" | "peerLostMs" | "sharedMemory" | "netAddress"
+  >
 >;
 
 /**
  * Trainer `rank`'s transport for its job's collectives, of communicator generation `generation`:
  * a piece and its header fit the message limit; peers on this machine get their values through
- * shared memory unless the job or the settings say NATS. `meter` counts the bytes delivered.
+ * shared memory, and peers on others send over TCP to the settings' address, unless the job says
+ * NATS (`collTransport: nats`). `meter` counts the bytes delivered.
  */
 export function jobTransport(
   o: { bus: Bus; cfg: JobConfig; rank: number; payloadBytesMax: number; transport?: TransportSettings },
@@ -86,6 +90,7 @@ export function jobTransport(
     size: o.cfg.trainers,
     generation,
     sharedMemory: o.transport?.sharedMemory ?? o.cfg.collTransport === "auto",
+    netAddress: o.cfg.collTransport === "auto" ? (o.transport?.netAddress ?? null) : null,
     meter,
   });
 }

@@ -10,6 +10,7 @@ import type { JobControl } from "../runtime/job/jobs.ts";
 import type { NcclIdExchange } from "../runtime/job/nccl-id.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { TrainerRun } from "./loop.ts";
+import type { ReplicaOptions } from "./replica.ts";
 
 export interface TrainerDeps {
   bus: Bus;
@@ -26,6 +27,8 @@ export interface TrainerDeps {
   stepDelayMs?: number;
   /** the machine it runs on, said in its heartbeats (MT_HOST) */
   host?: string;
+  /** all-reduce jobs: the collective's transport settings (the address of its TCP links) */
+  collective?: Pick<ReplicaOptions, "transport">;
 }
 
 export class Trainer {

@@ -68,7 +68,7 @@ describe("the collective plan of an all-reduce job", () => {
     expect(collectivePlan(cfg, [gpu(0), undefined, gpu(2), gpu(3)]).why).toBe("rank 1 did not say where it runs");
     const p = collectivePlan(cfg, [cpu(), cpu(), cpu(), cpu()]);
     expect(p).toMatchObject({ carrier: "ring", why: "" });
-    expect(p.text).toBe("the ring on one host (shared memory within a machine, NATS between machines)");
+    expect(p.text).toBe("the ring on one host (shared memory within a machine, TCP between machines)");
   });
 
   test("one rank on its GPU: NCCL on the one GPU", () => {

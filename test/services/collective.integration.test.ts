@@ -1,13 +1,15 @@
 // The ring and hierarchical collectives over a real nats-server, one process per rank
 // (bench/collective-rank.ts): results against a float64 sum and bit-identical on every rank for
 // 1-4 ranks and awkward sizes; ranks labelled as 2 hosts x 2; a rank SIGKILLed mid-operation
-// gives the others a typed error within the timeout; hostile pieces on the subject are refused.
+// gives the others a typed error within the timeout; the same over shared memory and over direct
+// TCP links; hostile pieces on the subject, and hostile connections to the TCP link, are refused.
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { mkdtempSync, readdirSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { type RankOp, type RankPlan, type RanksRun, runRankProcesses } from "../../bench/collective-rank.ts";
 import { BusTransport } from "../../services/runtime/transport/collective-bus.ts";
+import { DirectLinkClient } from "../../services/runtime/transport/direct-link.ts";
 import {
   ShmOutbox,
   shmDir,
@@ -190,6 +192,47 @@ describe("ring with its values through shared memory, one process per rank", () 
   });
 });
 
+describe("ring over direct TCP links (ranks on other machines), one process per rank", () => {
+  test.each([2, 3, 4])(
+    "%i ranks: after the first pieces over NATS every rank sends over TCP; results match float64 and agree bit for bit",
+    async (n) => {
+      const ops = [
+        op({ op: "allReduce", len: 10_007, step: 1, seed: 5 }), // each rank learns its peers' links
+        op({ op: "allReduce", len: 30_011, step: 2, seed: 7 }),
+        op({ op: "reduceScatter", len: 10_007, step: 3 }),
+        op({ op: "allGather", len: 9_999, step: 4 }),
+        op({ op: "allReduce", len: 3_001, step: 5, check: false, compress: "bf16" }),
+      ];
+      const run = await runRanks(Array(n).fill("h"), ops, { netAddress: "127.0.0.1" });
+      expect(run.codes).toEqual(Array(n).fill(0));
+      for (let i = 0; i < ops.length - 1; i++) expectAgreed(run, i, ops[i]!.op !== "reduceScatter");
+      expect(new Set(run.results.map((r) => r.at(-1)!.hash)).size).toBe(1);
+      for (const r of run.results) {
+        expect(r.at(-1)!.shmPeers).toBe(0);
+        expect(r.at(-1)!.netPeers).toBeGreaterThanOrEqual(1);
+      }
+    },
+  );
+
+  test("a rank SIGKILLed mid-operation: the others end with a typed error within the timeout, not a hang", async () => {
+    const started = performance.now();
+    const run = await runRanks(
+      ["h", "h", "h"],
+      [op({ op: "allReduce", len: 3_000, step: 1 }), op({ op: "allReduce", len: 200_000, step: 2, check: false })],
+      { dieRank: 2, dieAfterPieces: 12, progressTimeoutMs: 3_000, peerLostMs: 2_000, netAddress: "127.0.0.1" },
+    );
+    expect(run.codes[2]).not.toBe(0);
+    for (const r of [0, 1]) {
+      expect(run.codes[r]).toBe(0);
+      expect(run.results[r]![0]!.error).toBeUndefined();
+      expect(run.results[r]![1]!.error?.name).toMatch(
+        /^(PeerLostError|CollectiveTimeoutError|CollectiveAbortedError)$/,
+      );
+    }
+    expect(performance.now() - started).toBeLessThan(60_000);
+  });
+});
+
 describe("the collective subject refuses hostile pieces", () => {
   /** Rank 0 of a 2-rank communicator of `job`, generation 3, with small pieces and short waits. */
   const rankZero = (job: string) => ({
@@ -368,5 +411,84 @@ describe("the collective subject refuses hostile pieces", () => {
       refused: 9 - refusalBurst,
       handler: subjects.collTo("default.hostile", 0),
     });
+  });
+
+  test("the TCP link: a connection whose hello has no secret, a wrong one, another rank's, or a piece first is refused and closed; an oversized frame closes it; the sender it proves is the only one it may speak for", async () => {
+    const job = "default.hostile-net";
+    await using bus = await clientBus(server.url);
+    const t = new BusTransport(bus, { ...rankZero(job), size: 3, sharedMemory: false, netAddress: "127.0.0.1" });
+    const taken: number[] = [];
+    t.listen((p) => {
+      taken.push(p.piece);
+      return { kind: "taken" };
+    });
+    expect(t.netPort).toBeGreaterThan(0);
+    const good = pieceFromOne(job, 3);
+    // rank 1's first piece over NATS (its own subject): the answer offers it the link, with its secret
+    const answer = new TextDecoder().decode(
+      await bus.request(subjects.coll(job, 0, 1), encodeCollPiece(good, new Float32Array(2)), 2_000),
+    );
+    const offer = /^tcp 127\.0\.0\.1 (\d+) ([0-9a-f]{32})$/m.exec(answer);
+    expect(offer?.[1]).toBe(String(t.netPort));
+    const secret = offer![2]!;
+    const frameMax = t.messageBytesMax;
+    const hello = (text: string) =>
+      DirectLinkClient.tcp("127.0.0.1", t.netPort, new TextEncoder().encode(text), frameMax, 2_000);
+    expect(await hello("")).toBeNull();
+    expect(await hello(`1:${"0".repeat(32)}`)).toBeNull();
+    expect(await hello(`2:${secret}`)).toBeNull(); // rank 2 has no secret yet, and this is rank 1's
+    expect(await hello(`1:${secret}x`)).toBeNull();
+    // a piece where the hello should be
+    const raw = async (bytes: Uint8Array) => {
+      const got: Uint8Array[] = [];
+      const closed = Promise.withResolvers<void>();
+      const s = await Bun.connect({
+        hostname: "127.0.0.1",
+        port: t.netPort,
+        socket: { data: (_s, d) => void got.push(d), close: () => closed.resolve(), error: () => closed.resolve() },
+      });
+      s.write(bytes);
+      await Promise.race([closed.promise, Bun.sleep(5_000)]);
+      return { closed: s.readyState !== 1, got: Buffer.concat(got) };
+    };
+    const frameOf = (id: number, payload: Uint8Array, len = payload.byteLength) => {
+      const f = new Uint8Array(8 + payload.byteLength);
+      new DataView(f.buffer).setUint32(0, len, true);
+      new DataView(f.buffer).setUint32(4, id, true);
+      f.set(payload, 8);
+      return f;
+    };
+    const first = await raw(frameOf(1, encodeCollPiece({ ...good, piece: 5 }, new Float32Array(2))));
+    expect(first.closed).toBe(true);
+    expect(first.got.toString()).toContain("hello was refused");
+    // a frame longer than any message: closed without an answer
+    const huge = await raw(frameOf(1, new Uint8Array(8), frameMax + 1));
+    expect(huge).toEqual({ closed: true, got: Buffer.alloc(0) });
+    expect(taken).toEqual([0]);
+    // rank 1's link: its pieces are taken; a piece in it that says it is from rank 2 is refused
+    const link = await hello(`1:${secret}`);
+    expect(link).not.toBeNull();
+    await link!.request(encodeCollPiece({ ...good, piece: 6 }, new Float32Array(2)), 2_000);
+    await expectRejected(
+      () => link!.request(encodeCollPiece({ ...good, from: 2, piece: 7 }, new Float32Array(2)), 2_000),
+      BadRequestError,
+      'piece says it is from rank 2, but came on the subject of rank "1"',
+    );
+    expect(taken).toEqual([0, 6]);
+    link!.close();
+    // a new communicator generation: new secrets, the old one no longer opens a link
+    t.close();
+    const next = new BusTransport(bus, {
+      ...rankZero(job),
+      generation: 4,
+      size: 3,
+      sharedMemory: false,
+      netAddress: "127.0.0.1",
+    });
+    next.listen(() => ({ kind: "taken" }));
+    expect(
+      await DirectLinkClient.tcp("127.0.0.1", next.netPort, new TextEncoder().encode(`1:${secret}`), frameMax, 2_000),
+    ).toBeNull();
+    next.close();
   });
 });

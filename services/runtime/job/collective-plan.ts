@@ -87,7 +87,7 @@ export function collectivePlan(
 }
 
 function transportText(cfg: Pick<JobConfig, "collTransport">): string {
-  return cfg.collTransport === "auto" ? "shared memory within a machine, NATS between machines" : "NATS";
+  return cfg.collTransport === "auto" ? "shared memory within a machine, TCP between machines" : "NATS";
 }
 
 /** Why NCCL cannot carry the job ("" where no rank is on a GPU: nothing to explain), or null. */

@@ -149,7 +149,7 @@ export const jobConfigSchema = z.object({
   /** allreduce: steps between comparisons of the ranks' parameter hashes (0: never) */
   replicaCheckEvery: int(0).default(100),
   /** allreduce: what carries the collective's values between ranks on one machine: "auto",
-   *  shared memory (NATS carries only the pieces' headers; NATS between machines); "nats", NATS */
+   *  shared memory (NATS carries only the pieces' headers), ranks on others over TCP; "nats", NATS */
   collTransport: z.enum(["auto", "nats"]).default("auto"),
   /** allreduce: ZeRO stage. 0: every rank holds everything; 1: the optimizer state is
    *  partitioned among the ranks; 2: the gradients too; 3: the parameters too, gathered per

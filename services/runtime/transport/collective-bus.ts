@@ -16,14 +16,23 @@
 // With `sharedMemory`, peers on the same machine exchange the values through /dev/shm and the
 // request carries only the header (services/runtime/transport/collective-shm.ts); every inline piece's
 // answer says which machine answered, so the sender learns which peers share its memory. Those
-// requests then go straight to the peer over a Unix socket (services/runtime/transport/local-link.ts),
+// requests then go straight to the peer over a Unix socket (services/runtime/transport/direct-link.ts),
 // with NATS as the fallback when the socket cannot be reached.
+//
+// With `netAddress`, a rank also takes pieces over TCP on that address, and an inline piece's
+// answer gives the sender the port and a secret of its own (random, per sender, per communicator
+// generation; the answer comes over NATS, where only the sender's user may ask on its subject).
+// A peer on another machine then sends its pieces, values and all, straight over TCP, one hop
+// where NATS takes three: the connection's hello is the sender's rank and its secret, and its
+// pieces are checked as if they came on that rank's subject. NATS remains the fallback while the
+// connection is being made, and whenever it fails.
+import { networkInterfaces } from "node:os";
 import { BadPieceError, CollectiveClosedError, PeerLostError } from "../../../engine/parallel/collective.ts";
 import type { PeerTransport, Phase, Piece, PieceHeader, Receipt } from "../../../engine/parallel/transport.ts";
 import { CollPhase, collPieceOverheadBytes, decodeCollPiece, encodeCollPiece } from "../../../schemas/messages.ts";
 import type { Bus, Subscription } from "../mesh/bus.ts";
 import { ShmInbox, ShmOutbox, shmIdentity, shmRefusedPrefix, shmSocketPath } from "./collective-shm.ts";
-import { LocalLinkClient, LocalLinkServer } from "./local-link.ts";
+import { DirectLinkClient, DirectLinkServer } from "./direct-link.ts";
 import { BadRequestError, CapacityError, DeadlineError, NoRespondersError } from "../mesh/errors.ts";
 import { subjects } from "../job/job.ts";
 import { pause } from "../mesh/pause.ts";
@@ -44,6 +53,9 @@ export interface BusTransportOptions {
   peerLostMs: number;
   /** values through shared memory to the peers on this machine (they are found out, not configured) */
   sharedMemory: boolean;
+  /** the address this rank takes pieces on over TCP from other machines (a port is picked);
+   *  absent or null: its peers send through NATS */
+  netAddress?: string | null;
   /** counts the bytes of values this transport delivered (whatever the path), for the wire
    *  statistics; `inlineBytes`, where present, those that went in the message (through NATS, not
    *  shared memory: between hosts) */
@@ -77,11 +89,31 @@ class Window {
   readonly waiters: (() => void)[] = [];
 }
 
-/** How pieces go to one peer: not known yet (inline until its first answer), inline, or shared memory. */
+/**
+ * How pieces go to one peer: not known yet (inline until its first answer), inline, shared
+ * memory (headers over a Unix socket), or over TCP (values and all); NATS while a direct
+ * connection is not there.
+ */
 type Link =
   | { kind: "unknown" }
   | { kind: "inline" }
-  | { kind: "shm"; out: ShmOutbox; mapped: boolean; direct: LocalLinkClient | null };
+  | { kind: "shm"; out: ShmOutbox; mapped: boolean; direct: DirectLinkClient | null }
+  | { kind: "net"; direct: DirectLinkClient | null };
+
+/** An answer's line offering a TCP link: "tcp <host> <port> <secret>". */
+const netOffer = /^tcp ([0-9A-Za-z.:%-]{1,64}) (\d{1,5}) ([0-9a-f]{32})$/;
+
+/**
+ * The address a rank's TCP links listen on, from its setting: "none" none; "auto" this machine's
+ * first IPv4 address that is not loopback (none found: none); else the address given.
+ */
+export function netAddressOf(setting: string): string | null {
+  if (setting === "none") return null;
+  if (setting !== "auto") return setting;
+  for (const addrs of Object.values(networkInterfaces()))
+    for (const a of addrs ?? []) if (a.family === "IPv4" && !a.internal) return a.address;
+  return null;
+}
 
 const encoder = new TextEncoder();
 const decoder = new TextDecoder();
@@ -95,7 +127,10 @@ export class BusTransport implements PeerTransport {
   readonly #identity: string | null;
   readonly #inbox: ShmInbox | null;
   #sub: Subscription | null = null;
-  #server: LocalLinkServer | null = null;
+  #server: DirectLinkServer | null = null;
+  #net: DirectLinkServer | null = null;
+  /** the secret each sender proves itself with on a TCP link to this rank */
+  readonly #secrets = new Map<number, string>();
   #closed = false;
 
   constructor(
@@ -116,6 +151,16 @@ export class BusTransport implements PeerTransport {
     return [...this.#links].filter(([, l]) => l.kind === "shm").map(([peer]) => peer);
   }
 
+  /** Peers whose pieces go over a TCP link now. */
+  get netPeers(): number[] {
+    return [...this.#links].filter(([, l]) => l.kind === "net" && l.direct?.open).map(([peer]) => peer);
+  }
+
+  /** The TCP port this rank takes pieces on (0: none). */
+  get netPort(): number {
+    return this.#net?.port ?? 0;
+  }
+
   /** Bytes of the largest message this transport sends or takes. */
   get messageBytesMax(): number {
     return this.pieceBytesMax + collPieceOverheadBytes + reasonCharsMax * 3;
@@ -123,7 +168,6 @@ export class BusTransport implements PeerTransport {
 
   listen(receive: (p: Piece) => Receipt): void {
     const { job, rank } = this.#o;
-    const identity = this.#identity === null ? new Uint8Array(0) : encoder.encode(this.#identity);
     const handler = (data: Uint8Array, subject: string) => {
       // a piece routed here before close (drained, below): its sender retries, and finds the
       // communicator that replaced this one, or is replaced itself
@@ -135,19 +179,46 @@ export class BusTransport implements PeerTransport {
       const receipt = receive(piece);
       if (receipt.kind === "busy") throw new CapacityError(receipt.why);
       if (receipt.kind === "bad") throw new BadRequestError(receipt.why);
-      return inline ? identity : new Uint8Array(0);
+      return inline ? this.#answer(piece.from) : new Uint8Array(0);
     };
     this.#sub = this.bus.handle(subjects.collTo(job, rank), handler);
     if (this.#identity !== null) {
       // a socket on this machine: its peers are this machine's processes (the file is the
       // user's), and a shared-memory piece's values are read from its sender's own segment
-      this.#server = LocalLinkServer.listen(
+      this.#server = DirectLinkServer.unix(
         shmSocketPath(job, this.#o.generation, rank),
         subjects.collTo(job, rank),
         handler,
         this.messageBytesMax,
       );
     }
+    const address = this.#o.netAddress ?? null;
+    if (address !== null) {
+      // the hello: "<rank>:<secret>", the secret this rank gave that sender
+      const hello = (bytes: Uint8Array): string | null => {
+        const m = /^(\d{1,6}):([0-9a-f]{32})$/.exec(decoder.decode(bytes.subarray(0, 64)));
+        const from = Number(m?.[1]);
+        return m !== null && this.#secrets.get(from) === m[2] ? subjects.coll(job, rank, from) : null;
+      };
+      this.#net = DirectLinkServer.tcp(address, hello, handler, this.messageBytesMax);
+    }
+  }
+
+  /**
+   * An inline piece's answer: this machine's identity (shared memory), and the TCP link `from`
+   * may use, with its secret, one line each.
+   */
+  #answer(from: number): Uint8Array {
+    const lines: string[] = [];
+    if (this.#identity !== null) lines.push(this.#identity);
+    const net = this.#net;
+    if (net !== null) {
+      let secret = this.#secrets.get(from);
+      if (secret === undefined)
+        this.#secrets.set(from, (secret = Buffer.from(crypto.getRandomValues(new Uint8Array(16))).toString("hex")));
+      lines.push(`tcp ${this.#o.netAddress} ${net.port} ${secret}`);
+    }
+    return lines.length === 0 ? new Uint8Array(0) : encoder.encode(lines.join("\n"));
   }
 
   #check(data: Uint8Array, subject: string): { piece: Piece; inline: boolean } {
@@ -207,26 +278,48 @@ export class BusTransport implements PeerTransport {
   #link(peer: number): Link {
     const l = this.#links.get(peer);
     if (l !== undefined) return l;
-    const fresh: Link = { kind: this.#identity === null ? "inline" : "unknown" };
+    // a peer's first answer says whether it shares this machine's memory or offers a TCP link
+    const fresh: Link = { kind: this.#identity === null && this.#o.netAddress == null ? "inline" : "unknown" };
     this.#links.set(peer, fresh);
     return fresh;
   }
 
-  /** After an inline piece's answer: a peer that answered from this machine gets shared memory. */
+  /**
+   * After an inline piece's answer: a peer that answered from this machine gets shared memory, one
+   * that offers a TCP link gets its pieces over it (once connected), any other stays inline.
+   */
   #learn(peer: number, answer: Uint8Array): void {
     if (this.#link(peer).kind !== "unknown") return;
     const { job, generation, rank, windowPieces } = this.#o;
+    const lines = answer.byteLength > 0 && answer.byteLength < 1024 ? decoder.decode(answer).split("\n") : [];
     const out =
-      answer.byteLength > 0 && decoder.decode(answer) === this.#identity
+      this.#identity !== null && lines.includes(this.#identity)
         ? ShmOutbox.create(job, generation, rank, peer, windowPieces, this.pieceBytesMax)
         : null;
+    const offer = out === null ? lines.map((l) => netOffer.exec(l)).find((m) => m != null) : undefined;
+    if (out === null && offer != null && this.#o.netAddress != null) {
+      const [, host, port, secret] = offer;
+      const link: Link = { kind: "net", direct: null };
+      this.#links.set(peer, link);
+      void DirectLinkClient.tcp(
+        host!,
+        Number(port),
+        encoder.encode(`${rank}:${secret}`),
+        this.messageBytesMax,
+        this.#o.sendTimeoutMs,
+      ).then((c) => {
+        if (this.#closed || this.#links.get(peer) !== link) c?.close();
+        else link.direct = c;
+      });
+      return;
+    }
     if (out === null) {
       this.#links.set(peer, { kind: "inline" });
       return;
     }
     const link: Link = { kind: "shm", out, mapped: false, direct: null };
     this.#links.set(peer, link);
-    void LocalLinkClient.connect(shmSocketPath(job, generation, peer), this.messageBytesMax).then((c) => {
+    void DirectLinkClient.unix(shmSocketPath(job, generation, peer), this.messageBytesMax).then((c) => {
       if (this.#closed || this.#links.get(peer) !== link) c?.close();
       else link.direct = c;
     });
@@ -255,7 +348,7 @@ export class BusTransport implements PeerTransport {
           // is declared lost on time
           const leftMs = peerLostMs - (performance.now() - started);
           const attemptMs = Math.max(100, Math.min(sendTimeoutMs, leftMs));
-          const direct = link.kind === "shm" && link.direct?.open ? link.direct : null;
+          const direct = (link.kind === "shm" || link.kind === "net") && link.direct?.open ? link.direct : null;
           const answer =
             direct !== null ? await direct.request(msg, attemptMs) : await this.bus.request(subject, msg, attemptMs);
           if (link.kind === "shm" && slot !== null && !link.mapped) {
@@ -347,10 +440,11 @@ export class BusTransport implements PeerTransport {
     this.#sub = null;
     this.#server?.close();
     this.#server = null;
+    this.#net?.close();
+    this.#net = null;
     for (const l of this.#links.values()) {
-      if (l.kind !== "shm") continue;
-      l.out.unlink();
-      l.direct?.close();
+      if (l.kind === "shm") l.out.unlink();
+      if (l.kind === "shm" || l.kind === "net") l.direct?.close();
     }
     for (const w of this.#windows.values()) for (const wake of w.waiters.splice(0)) wake();
   }
