@@ -1,10 +1,18 @@
 // Collectives across hosts: ranks carry a host label, and the links between hosts are the slow
-// ones. All-reduce is done in three stages so that those links carry each byte once:
+// ones. With the same number of ranks L on every host, all-reduce is NCCL's two-dimensional
+// ring:
+//   1. a reduce-scatter within each host: local rank k holds segment k of the host's sum,
+//   2. an all-reduce of segment k across the hosts, among the local ranks k (L rings at once),
+//   3. an all-gather within each host.
+// Each host's link then carries 2(H-1)/H of the buffer each way, against the flat ring's
+// 2(N-1)/N from each of its ranks that borders another host, and every rank works at every
+// stage. With uneven hosts it is done in three stages through one leader per host:
 //   1. reduce within each host to its leader (a ring reduce-scatter, then a gather),
 //   2. all-reduce among the leaders, one per host (a ring across hosts),
 //   3. broadcast within each host from its leader.
-// Every rank ends bit-identical: the leaders' ring is, and the broadcast copies. An encoded
-// all-reduce (compression) encodes the leaders' ring only, with the leaders' error feedback.
+// Every rank ends bit-identical: each segment's ring across hosts is, and the stages within a
+// host copy. An encoded all-reduce (compression) encodes the rings across hosts only, with the
+// error feedback of the ranks that run them.
 //
 // reduceScatter is the hierarchical all-reduce followed by keeping the rank's own segment
 // (correct, and no sum is done twice; ZeRO's reduce-scatter on one host takes the flat ring).
@@ -36,7 +44,10 @@ export class HierarchicalCollective extends RingsOverTransport implements Collec
   /** every rank, host by host */
   readonly flat: RingGroup;
   readonly local: RingGroup;
-  /** the leaders' ring; null on ranks that lead no host */
+  /** every host has as many ranks: the ring across hosts of this rank's local index (null: the
+   *  leaders' scheme) */
+  readonly across: RingGroup | null;
+  /** the leaders' ring; null on ranks that lead no host, and with `across` */
   readonly leaders: RingGroup | null;
 
   constructor(transport: PeerTransport, topology: Topology, options: Partial<RingOptions> = {}) {
@@ -47,10 +58,31 @@ export class HierarchicalCollective extends RingsOverTransport implements Collec
       throw new RangeError(`rank ${transport.rank} has no host label (${topology.hosts.length} labels)`);
     super(transport, o.earlyBytesMax);
     this.flat = new RingGroup("", order, transport, this.router, o);
-    this.local = new RingGroup(`host:${host}`, byHost.get(host)!, transport, this.router, o);
-    this.leaders = leaders.includes(transport.rank)
-      ? new RingGroup("leaders", leaders, transport, this.router, o)
+    const mine = byHost.get(host)!;
+    this.local = new RingGroup(`host:${host}`, mine, transport, this.router, o);
+    const even = [...byHost.values()].every((ranks) => ranks.length === mine.length);
+    const k = mine.indexOf(transport.rank);
+    this.across = even
+      ? new RingGroup(
+          `across:${k}`,
+          [...byHost.values()].map((ranks) => ranks[k]!),
+          transport,
+          this.router,
+          o,
+        )
       : null;
+    this.leaders =
+      !even && leaders.includes(transport.rank) ? new RingGroup("leaders", leaders, transport, this.router, o) : null;
+  }
+
+  /** Within the host, reduce-scatter; `cross` on this rank's segment across hosts; within the host, all-gather. */
+  async #twoD(buf: Float32Array, key: OpKey, cross: (part: Float32Array, at: number) => Promise<void>): Promise<void> {
+    const local = this.local;
+    await local.ring(buf, key, "host-reduce-scatter", true, false);
+    // the segment local position p owns (ring() sums segment p at position p of the host's ring)
+    const own = segment(buf.length, local.size, local.ownSegment);
+    await cross(buf.subarray(own.offset, own.offset + own.count), own.offset);
+    await local.ring(buf, key, "host-all-gather", false, true);
   }
 
   protected get everyRank(): RingGroup {
@@ -59,18 +91,30 @@ export class HierarchicalCollective extends RingsOverTransport implements Collec
 
   async allReduce(buf: Float32Array, key: OpKey, op: ReduceOp = "sum"): Promise<void> {
     this.check();
-    await this.local.reduce(buf, 0, key);
-    if (this.leaders) await this.leaders.ring(buf, key, "all-reduce", true, true);
-    await this.local.broadcast(buf, 0, key);
+    const across = this.across;
+    if (across !== null) await this.#twoD(buf, key, (part) => across.ring(part, key, "all-reduce", true, true));
+    else {
+      await this.local.reduce(buf, 0, key);
+      if (this.leaders) await this.leaders.ring(buf, key, "all-reduce", true, true);
+      await this.local.broadcast(buf, 0, key);
+    }
     if (op === "avg") scaleInPlace(buf, 1 / this.size);
   }
 
-  /** Within each host in f32, as allReduce; the leaders' ring across hosts encoded. */
+  /** Within each host in f32, as allReduce; the rings across hosts encoded. */
   async encodedAllReduce(buf: Float32Array, key: OpKey, coder: WireCoder): Promise<void> {
     this.check();
-    await this.local.reduce(buf, 0, key);
-    if (this.leaders) await this.leaders.encodedRing(buf, key, coder);
-    await this.local.broadcast(buf, 0, key);
+    const across = this.across;
+    if (across !== null)
+      // the segment's values are elements [at, ...) of the buffer the coder's residual follows
+      await this.#twoD(buf, key, (part, at) =>
+        across.encodedRing(part, key, { ...coder, encode: (x, slot, i) => coder.encode(x, slot, i + at) }),
+      );
+    else {
+      await this.local.reduce(buf, 0, key);
+      if (this.leaders) await this.leaders.encodedRing(buf, key, coder);
+      await this.local.broadcast(buf, 0, key);
+    }
   }
 
   async reduceScatter(buf: Float32Array, key: OpKey): Promise<Range> {

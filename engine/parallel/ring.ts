@@ -276,6 +276,11 @@ export class RingGroup {
     this.#segOf = ranks.map((r) => sorted.indexOf(r));
   }
 
+  /** The segment this rank's reduce-scatter leaves summed (its rank's place in rank order). */
+  get ownSegment(): number {
+    return this.#segOf[this.pos]!;
+  }
+
   /** The rank this one receives ring pieces from. */
   get upstream(): number {
     return this.ranks[mod(this.pos - 1, this.ranks.length)]!;

@@ -307,6 +307,30 @@ describe("hierarchical", () => {
     },
   );
 
+  test("hosts of as many ranks each take the two-dimensional ring (every rank carries its segment across hosts); uneven hosts, one leader each", async () => {
+    const senders = async (hosts: string[]) => {
+      const across = new Set<number>();
+      const h = mesh(hosts.length, 256, {
+        hosts,
+        hook: (hd) => {
+          if (hosts[hd.from] !== hosts[hd.to]) across.add(hd.from);
+          return "deliver";
+        },
+      });
+      const xs = inputs(hosts.length, 3_000, 9);
+      const ref = reference(xs);
+      await Promise.all(h.map((c, r) => c.allReduce(xs[r]!, { step: 0, bucket: 0 })));
+      for (const b of xs) expectNear(b, ref);
+      expect(new Set(xs.map(bitsOf)).size).toBe(1);
+      return { twoD: h.map((c) => (c as HierarchicalCollective).across !== null), across: [...across].sort() };
+    };
+    expect(await senders(["a", "a", "b", "b", "c", "c"])).toEqual({
+      twoD: Array(6).fill(true),
+      across: [0, 1, 2, 3, 4, 5],
+    });
+    expect(await senders(["x", "y", "y", "z"])).toEqual({ twoD: Array(4).fill(false), across: [0, 1, 3] });
+  });
+
   test("bytes between hosts: each host sends and receives 2(H-1)/H of the buffer, not the flat ring's share per rank", async () => {
     const hosts = ["a", "a", "b", "b"];
     let crossing = 0;
@@ -408,25 +432,57 @@ describe("encoded ring (compression)", () => {
     expect(int8 / f32).toBeLessThan(0.26);
   });
 
-  test("hierarchical: f32 within hosts, encoded between the leaders (half the f32 bytes between hosts), the same bits everywhere", async () => {
-    const hosts = ["a", "a", "b", "b"];
-    let crossing = 0;
-    const hook = (hd: PieceHeader) => {
-      if (hosts[hd.from] !== hosts[hd.to]) crossing += hd.count;
-      return "deliver" as const;
-    };
-    const len = 8_000;
-    const h = mesh(4, 256, { hosts, hook });
-    const xs = inputs(4, len, 2);
-    const ref = reference(xs);
-    const bufs = xs.map((x) => x.slice());
-    await Promise.all(h.map((c, r) => c.encodedAllReduce!(bufs[r]!, { step: 0, bucket: 0 }, coderOf("bf16", len))));
-    expect(new Set(bufs.map(bitsOf)).size).toBe(1);
-    let err = 0;
-    for (let i = 0; i < len; i++) err = Math.max(err, Math.abs(bufs[0]![i]! - ref.sum[i]!) / (ref.bound[i]! * 2 ** 23));
-    expect(err).toBeLessThan(2 ** -7);
-    expect(crossing).toBe(len); // the f32 hierarchy's 2 * len, halved
-  });
+  test.each([[["a", "a", "b", "b"]], [["x", "y", "y", "z"]]])(
+    "hierarchical, hosts %j: f32 within hosts, encoded across them (half the f32 bytes between hosts), the same bits everywhere, and over 3 steps nothing lost",
+    async (hosts) => {
+      let crossing = 0;
+      const hook = (hd: PieceHeader) => {
+        if (hosts[hd.from] !== hosts[hd.to]) crossing += hd.count;
+        return "deliver" as const;
+      };
+      const len = 8_000;
+      const h = mesh(4, 256, { hosts, hook });
+      const coders = h.map(() => coderOf("bf16", len));
+      const total = new Float64Array(len),
+        given = new Float64Array(len),
+        abs = new Float64Array(len);
+      let f32 = 0;
+      for (let step = 0; step < 3; step++) {
+        const xs = inputs(4, len, 2 + step);
+        const ref = reference(xs);
+        for (const x of xs) for (let i = 0; i < len; i++) (given[i]! += x[i]!), (abs[i]! += Math.abs(x[i]!));
+        const bufs = xs.map((x) => x.slice());
+        crossing = 0;
+        await Promise.all(h.map((c, r) => c.encodedAllReduce!(bufs[r]!, { step, bucket: 0 }, coders[r]!)));
+        expect(new Set(bufs.map(bitsOf)).size).toBe(1);
+        let err = 0;
+        for (let i = 0; i < len; i++) {
+          err = Math.max(err, Math.abs(bufs[0]![i]! - ref.sum[i]!) / (ref.bound[i]! * 2 ** 23));
+          total[i]! += bufs[0]![i]!;
+        }
+        // bf16's 8 bits, at each hop and of the residuals carried from the step before
+        expect(err).toBeLessThan(2 ** -6);
+        if (step === 0) {
+          const plain = mesh(4, 256, {
+            hosts,
+            hook: (hd) => {
+              if (hosts[hd.from] !== hosts[hd.to]) f32 += hd.count;
+              return "deliver";
+            },
+          });
+          await Promise.all(plain.map((c, r) => c.allReduce(xs[r]!.slice(), { step, bucket: 0 })));
+        }
+        // half, and at most a word of padding per piece of an odd count
+        expect(crossing).toBeGreaterThanOrEqual(f32 / 2);
+        expect(crossing).toBeLessThanOrEqual(f32 / 2 + 16);
+      }
+      for (let i = 0; i < len; i++) {
+        let kept = total[i]!;
+        for (const c of coders) kept += c.feedback.residual[i]!;
+        expect(Math.abs(kept - given[i]!)).toBeLessThanOrEqual(abs[i]! * 2 ** -23 * 4 * 5 + 1e-30);
+      }
+    },
+  );
 
   test("a piece that does not decode (a negative int8 scale) or has the wrong size is refused, and the operation goes on", async () => {
     const peers = new Map<number, MemoryTransport>();
