@@ -25,7 +25,7 @@ type Hook = (h: PieceHeader) => "deliver" | "drop" | "twice";
 function mesh(
   n: number,
   pieceBytes: number,
-  opts: { hosts?: string[]; hook?: Hook; timeoutMs?: number; earlyBytesMax?: number } = {},
+  opts: { hosts?: string[]; hook?: Hook; timeoutMs?: number; earlyBytesMax?: number; chunkElems?: number } = {},
 ): Collective[] {
   const peers = new Map<number, MemoryTransport>();
   const ring = {
@@ -34,7 +34,9 @@ function mesh(
   };
   return Array.from({ length: n }, (_, r) => {
     const t = new MemoryTransport(r, peers, pieceBytes, opts.hook ? { beforeDeliver: opts.hook } : {});
-    return opts.hosts ? new HierarchicalCollective(t, { hosts: opts.hosts }, ring) : new RingCollective(t, n, ring);
+    return opts.hosts
+      ? new HierarchicalCollective(t, { hosts: opts.hosts }, { ...ring, chunkElems: opts.chunkElems ?? 1 << 20 })
+      : new RingCollective(t, n, ring);
   });
 }
 
@@ -287,7 +289,8 @@ describe("hierarchical", () => {
       for (const len of [0, 1, 5, 9_999]) {
         const xs = inputs(4, len, len);
         const ref = reference(xs);
-        const h = mesh(4, 128, { hosts });
+        // chunks of 1,000: a buffer of 9,999 goes through the two-dimensional ring in 10 at once
+        const h = mesh(4, 128, { hosts, chunkElems: 1_000 });
         const bufs = xs.map((x) => x.slice());
         await Promise.all(h.map((c, r) => c.allReduce(bufs[r]!, { step: 0, bucket: 0 })));
         for (const b of bufs) expectNear(b, ref);
@@ -441,7 +444,7 @@ describe("encoded ring (compression)", () => {
         return "deliver" as const;
       };
       const len = 8_000;
-      const h = mesh(4, 256, { hosts, hook });
+      const h = mesh(4, 256, { hosts, hook, chunkElems: 3_000 });
       const coders = h.map(() => coderOf("bf16", len));
       const total = new Float64Array(len),
         given = new Float64Array(len),

@@ -81,7 +81,7 @@ export function collectivePlan(
   }
   const ring =
     hosts > 1
-      ? `the ring, hierarchical: within each of ${hosts} hosts, then among one leader per host (${transportText(cfg)})`
+      ? `the ring, hierarchical: within each of ${hosts} hosts, then across them, one ring per local index (one leader per host where hosts have unequal ranks) (${transportText(cfg)})`
       : `the ring on one host (${transportText(cfg)})`;
   return { carrier: "ring", deviceBuckets: false, hosts, why, text: why === "" ? ring : `${ring}; not NCCL: ${why}` };
 }
