@@ -51,7 +51,8 @@ export class HierarchicalCollective extends RingsOverTransport implements Collec
   /** every host has as many ranks: the ring across hosts of this rank's local index (null: the
    *  leaders' scheme) */
   readonly across: RingGroup | null;
-  /** the leaders' ring; null on ranks that lead no host, and with `across` */
+  /** the leaders' ring (null on ranks that lead no host): the host path's where hosts are
+   *  uneven, and NCCL's hierarchy's between hosts (nccl-hierarchical.ts) */
   readonly leaders: RingGroup | null;
   readonly #scratches = new Map<string, Float32Array>();
 
@@ -86,8 +87,9 @@ export class HierarchicalCollective extends RingsOverTransport implements Collec
           o,
         )
       : null;
-    this.leaders =
-      !even && leaders.includes(transport.rank) ? new RingGroup("leaders", leaders, transport, this.router, o) : null;
+    this.leaders = leaders.includes(transport.rank)
+      ? new RingGroup("leaders", leaders, transport, this.router, o)
+      : null;
   }
 
   /**
