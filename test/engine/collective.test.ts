@@ -70,6 +70,17 @@ function expectNear(
   }
 }
 
+/** The header of rank 1's first reduce-scatter piece of step 0, bucket 0 in `group`. */
+const firstPieceToOne = (group: string) => ({
+  group,
+  to: 1,
+  step: 0,
+  bucket: 0,
+  phase: "reduce-scatter" as const,
+  hop: 0,
+  piece: 0,
+});
+
 const bitsOf = (x: Float32Array) => Buffer.from(x.buffer, x.byteOffset, x.byteLength).toString("base64");
 
 describe.each([1, 2, 3, 4])("ring of %i ranks", (n) => {
@@ -198,15 +209,7 @@ describe("ring: the wire misbehaves", () => {
     const ref = reference(bufs.map((b) => b.slice()));
     // rank 1 waits for rank 0's pieces; rank 0 starts once the forged ones were refused
     const waiting = colls[1]!.allReduce(bufs[1]!, { step: 0, bucket: 0 });
-    const header = {
-      group: "#all-reduce",
-      to: 1,
-      step: 0,
-      bucket: 0,
-      phase: "reduce-scatter" as const,
-      hop: 0,
-      piece: 0,
-    };
+    const header = firstPieceToOne("#all-reduce");
     await expect(
       forger.send({ ...header, from: 0, offset: 3, count: 4 }, new Float32Array(4), new AbortController().signal),
     ).rejects.toThrow(/expected \[/);
@@ -499,17 +502,7 @@ describe("encoded ring (compression)", () => {
     const waiting = colls[1]!.encodedAllReduce!(bufs[1]!.slice(), { step: 0, bucket: 0 }, coders[1]!);
     // rank 1 receives segment 1 (elements 500..999) from rank 0 at hop 0: one scale, 500 int8
     const words = coders[0]!.slotBytes(500) / 4;
-    const header = {
-      group: "#encoded-all-reduce",
-      from: 0,
-      to: 1,
-      step: 0,
-      bucket: 0,
-      phase: "reduce-scatter" as const,
-      hop: 0,
-      piece: 0,
-      offset: 500,
-    };
+    const header = { ...firstPieceToOne("#encoded-all-reduce"), from: 0, offset: 500 };
     const bad = new Float32Array(words);
     bad[0] = -1;
     const never = new AbortController().signal;
