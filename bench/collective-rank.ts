@@ -249,14 +249,8 @@ function timed<A extends unknown[]>(f: (...a: A) => void): (...a: A) => void {
 
 /** A codec with its error feedback over `len` values (a fresh residual: one operation), timed. */
 function coderOf(kind: "bf16" | "fp16" | "int8", len: number): WireCoder {
-  const codec = new Codec(parseCompression(kind));
-  const feedback = new ErrorFeedback(codec, len);
-  return {
-    slotBytes: (n) => codec.slotBytes(n),
-    encode: timed((x: Float32Array, slot: Uint8Array, at: number) => feedback.encode(x, slot, at)),
-    decode: timed((slot: Uint8Array, out: Float32Array, add: boolean) => codec.decode(slot, out, add)),
-    scratch: (words) => new Float32Array(words),
-  };
+  const coder = new ErrorFeedback(new Codec(parseCompression(kind)), len).wireCoder((words) => new Float32Array(words));
+  return { ...coder, encode: timed(coder.encode), decode: timed(coder.decode) };
 }
 
 function filled(len: number, rank: number): Float32Array {

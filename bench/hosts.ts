@@ -35,6 +35,7 @@ import { HostMesh, hostLabel } from "../testbed/mesh.ts";
 import { busTransportDefaults } from "../services/runtime/transport/collective-bus.ts";
 import { type RankOp, type RankPlan, type RankResult, runRankProcesses } from "./collective-rank.ts";
 import { prepareDefaults, runPrepare } from "../sdk/local/prepare.ts";
+import { paramCountOf } from "../sdk/plan.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { torchPython } from "./engine-config.ts";
 import { median, printReport, round } from "./table.ts";
@@ -165,7 +166,8 @@ async function benchRates(
   const trainers = hosts * perHost;
   const rows: Row[] = [];
   const collRows: CollRow[] = [];
-  const values = gradientValues(model);
+  // as many values as the model's gradients
+  const values = paramCountOf(jobModel(model), gpt2Vocab);
   for (const rate of rates) {
     const rateText = rate >= 1000 ? `${rate / 1000} Gbit/s` : `${rate} Mbit/s`;
     await using bed = await HostBed.create({ hosts, rateMbit: rate });
@@ -249,12 +251,11 @@ interface CollRow {
   bytes_saved: number | string;
 }
 
-/** The model's parameters, as many values as its gradients: the MLP's exactly; the GPT's as
- *  GPT-2 lays them out (token and position embeddings, tied head, blocks of 12C^2 + 13C, final norm). */
-function gradientValues(m: ModelChoice): number {
-  if (m.kind === "mlp") return m.widths.slice(1).reduce((n, w, i) => n + (m.widths[i]! + 1) * w, 0);
-  const { nLayer, nEmbd: c, blockSize } = m.shape;
-  return gpt2Vocab * c + blockSize * c + nLayer * (12 * c * c + 13 * c) + 2 * c;
+/** The job's model of a bench's choice. */
+function jobModel(m: ModelChoice): JobConfig["model"] {
+  return m.kind === "mlp"
+    ? { kind: "mlp", widths: m.widths, dropout: 0 }
+    : { kind: "gpt", ...m.shape, dropout: 0, vocabSize: 0 };
 }
 
 /**
@@ -386,10 +387,10 @@ async function runSetting(
   const m = o.model;
   const cfg = parseJobConfig({
     ...(m.kind === "mlp"
-      ? { ...jobDefaults, model: { kind: "mlp", widths: m.widths, dropout: 0 }, lr: 0.01 }
+      ? { ...jobDefaults, model: jobModel(m), lr: 0.01 }
       : {
           ...gptJobDefaults,
-          model: { kind: "gpt", ...m.shape, dropout: 0, vocabSize: 0 },
+          model: jobModel(m),
           dataset: "tokens",
           dataDir: m.tokens,
           valFraction: 0,

@@ -139,7 +139,7 @@ function trainerPlans(cfg: JobConfig, V: number): RankPlan[] {
   const m = cfg.model;
   if (m.kind === "mlp") {
     const act = mlpActivations(m.widths, microBatch);
-    const r = rankMemory({ ...base, paramCount: paramCountOf(cfg, V), activations: act.peak, gatheredBytes: 0 });
+    const r = rankMemory({ ...base, paramCount: paramCountOf(cfg.model, V), activations: act.peak, gatheredBytes: 0 });
     return [{ ...r, who: D === 1 ? "trainer 0" : `trainers 0-${D - 1}`, ranks: D }];
   }
   const config = gptConfigOf(m, V);
@@ -213,9 +213,8 @@ const remedies: {
   },
 ];
 
-/** The whole model's parameters. */
-function paramCountOf(cfg: JobConfig, V: number): number {
-  const m = cfg.model;
+/** A job's whole model's parameters, with a vocabulary of V (a GPT). */
+export function paramCountOf(m: JobConfig["model"], V: number): number {
   if (m.kind === "mlp") return m.widths.slice(1).reduce((n, w, i) => n + (m.widths[i]! + 1) * w, 0);
   return gptParamCount(gptConfigOf(m, V));
 }
@@ -229,7 +228,7 @@ function gptConfigOf(m: Extract<JobConfig["model"], { kind: "gpt" }>, V: number)
 export function planJob(cfg: JobConfig, device: PlanDevice, V = planVocabSize(cfg)): JobPlan {
   const trainers = trainerPlans(cfg, V);
   const shards = usesShards(cfg)
-    ? { count: cfg.shards, bytes: shardMemory(paramCountOf(cfg, V), cfg.shards, optimizerBytesPerParam(cfg)) }
+    ? { count: cfg.shards, bytes: shardMemory(paramCountOf(cfg.model, V), cfg.shards, optimizerBytesPerParam(cfg)) }
     : null;
   const worstDevice = Math.max(...trainers.map((t) => t.device + (device.kind === "cpu" ? t.host : 0)));
   const allProcesses =

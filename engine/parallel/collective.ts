@@ -43,7 +43,7 @@ export interface HostGroup {
 
 /**
  * How an encoded all-reduce (encodedAllReduce) cuts its values down on the wire: a codec's slot
- * sizes and its error feedback (engine/parallel/compress.ts). Every range a rank sends, its own
+ * sizes and its error feedback (engine/parallel/compress.ts, ErrorFeedback.wireCoder). Every range a rank sends, its own
  * values or a partial sum, goes through encode, so what the rounding left out stays in the rank's
  * residual for its next step: nothing is lost, only delayed.
  */
@@ -51,7 +51,8 @@ export interface WireCoder {
   /** bytes of the encoding of n values (a multiple of 4) */
   slotBytes(n: number): number;
   /** Encodes x (elements [at, at + x.length) of the buffer) into slot with error feedback: the
-   *  residual of that range is added into x first, and what the encoding leaves out replaces it. */
+   *  residual of that range is added into x first, and what the encoding leaves out replaces it.
+   *  x is left holding what slot decodes to. */
   encode(x: Float32Array, slot: Uint8Array, at: number): void;
   /** out = decode(slot) (add: out += it); throws on a slot that does not decode */
   decode(slot: Uint8Array, out: Float32Array, add: boolean): void;

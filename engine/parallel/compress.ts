@@ -31,6 +31,7 @@
 // pays off at 1% for any N up to 100. Either way every rank ends with the same bits.
 import { hostKernels } from "../../ffi/cpu/host.ts";
 import { ConfigError } from "../errors.ts";
+import type { WireCoder } from "./collective.ts";
 
 export type Compression =
   | { kind: "none" }
@@ -272,10 +273,10 @@ export class ErrorFeedback {
 
   /**
    * Adds the residual of elements [at, at + x.length) into x (in place), encodes x into `slot`,
-   * and keeps x - decode(slot) as the new residual. A value that is not finite (an overflow the
+   * and keeps x - decode(slot) as the new residual (`becomeSent`: x then holds decode(slot)). A value that is not finite (an overflow the
    * loss scaler will skip) leaves a residual of 0 there, not a poisoned one.
    */
-  encode(x: Float32Array, slot: Uint8Array, at = 0): void {
+  encode(x: Float32Array, slot: Uint8Array, at = 0, becomeSent = false): void {
     const codec = this.codec;
     codec.encode(this.#compensate(x, at), slot);
     if (!codec.lossy) return;
@@ -284,6 +285,22 @@ export class ErrorFeedback {
     const sent = this.#sent.subarray(0, n);
     codec.decode(slot, sent, false);
     this.#k.residual(this.residual.subarray(at, at + n), x, sent);
+    if (becomeSent) x.set(sent);
+  }
+
+  /**
+   * What an encoded all-reduce sends with (collective.ts's WireCoder): each range encoded through
+   * this error feedback, and left holding what its encoding decodes to; `scratch` is where the
+   * operation's encodings go.
+   */
+  wireCoder(scratch: (words: number) => Float32Array): WireCoder {
+    const codec = this.codec;
+    return {
+      slotBytes: (n) => codec.slotBytes(n),
+      encode: (x, slot, at) => this.encode(x, slot, at, true),
+      decode: (slot, out, add) => codec.decode(slot, out, add),
+      scratch,
+    };
   }
 
   /**

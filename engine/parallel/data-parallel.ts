@@ -990,16 +990,11 @@ export class DataParallel {
     const collective = this.#o.collective();
     const codec = this.codec;
     if (codec.kind !== "topk" && collective.encodedAllReduce !== undefined) {
-      const feedback = b.feedback!;
-      return collective.encodedAllReduce(b.buf, key, {
-        slotBytes: (n) => codec.slotBytes(n),
-        encode: (x, slot, at) => feedback.encode(x, slot, at),
-        decode: (slot, out, add) => codec.decode(slot, out, add),
-        scratch: (words) => {
-          if (b.gathered === null || b.gathered.length < words) b.gathered = new Float32Array(words);
-          return b.gathered;
-        },
+      const coder = b.feedback!.wireCoder((words) => {
+        if (b.gathered === null || b.gathered.length < words) b.gathered = new Float32Array(words);
+        return b.gathered;
       });
+      return collective.encodedAllReduce(b.buf, key, coder);
     }
     const every: HostGroup = {
       rank: this.#o.rank,

@@ -54,7 +54,6 @@ export class HierarchicalCollective extends RingsOverTransport implements Collec
   /** the leaders' ring (null on ranks that lead no host): the host path's where hosts are
    *  uneven, and NCCL's hierarchy's between hosts (nccl-hierarchical.ts) */
   readonly leaders: RingGroup | null;
-  readonly #scratches = new Map<string, Float32Array>();
 
   /** elements per chunk of the two-dimensional ring */
   readonly chunkElems: number;
@@ -93,30 +92,44 @@ export class HierarchicalCollective extends RingsOverTransport implements Collec
   }
 
   /**
-   * Within the host, reduce-scatter; `cross` on this rank's segment across hosts; within the
-   * host, all-gather. The buffer is cut into chunks of chunkElems that go through the three
-   * stages each on its own, all at once, so the stages within a host overlap the links' (one
-   * chunk crosses hosts while the next is reduced within the host). `cross` gets the chunk's
-   * index, and the place of the segment's values in the buffer.
+   * The stages of the hierarchy, with `cross` for the sum across hosts: on each chunk's segment
+   * of this rank, over the ring of its local index (two-dimensional), or on the whole buffer over
+   * the leaders' ring (leaders only). `cross` gets the ring, the values, the chunk's index and
+   * the place of the values in the buffer. The two-dimensional ring cuts the buffer into chunks
+   * of chunkElems that go through the three stages each on its own, all at once, so the stages
+   * within a host overlap the links' (one chunk crosses hosts while the next is reduced within
+   * the host).
    */
-  async #twoD(
+  async #stages(
     buf: Float32Array,
     key: OpKey,
-    cross: (part: Float32Array, chunk: number, at: number) => Promise<void>,
+    cross: (ring: RingGroup, part: Float32Array, chunk: number, at: number) => Promise<void>,
   ): Promise<void> {
-    const local = this.local;
-    const chunks = Math.max(1, Math.ceil(buf.length / this.chunkElems));
+    const { local, across, leaders } = this;
+    if (across === null) {
+      await local.reduce(buf, 0, key);
+      if (leaders !== null) await cross(leaders, buf, 0, 0);
+      await local.broadcast(buf, 0, key);
+      return;
+    }
     await Promise.all(
-      Array.from({ length: chunks }, async (_, c) => {
-        const from = segment(buf.length, chunks, c);
-        const part = buf.subarray(from.offset, from.offset + from.count);
+      this.#chunks(buf.length).map(async ({ chunk, own }, c) => {
+        const part = buf.subarray(chunk.offset, chunk.offset + chunk.count);
         await local.ring(part, key, `host-reduce-scatter/${c}`, true, false);
-        // the segment local position p owns (ring() sums segment p at position p of the host's ring)
-        const own = segment(part.length, local.size, local.ownSegment);
-        await cross(part.subarray(own.offset, own.offset + own.count), c, from.offset + own.offset);
+        await cross(across, part.subarray(own.offset, own.offset + own.count), c, chunk.offset + own.offset);
         await local.ring(part, key, `host-all-gather/${c}`, false, true);
       }),
     );
+  }
+
+  /** The two-dimensional ring's chunks of n values, each with the segment of it this rank owns
+   *  after the reduce-scatter within its host (ring() sums segment p at position p). */
+  #chunks(n: number): { chunk: Range; own: Range }[] {
+    const count = Math.max(1, Math.ceil(n / this.chunkElems));
+    return Array.from({ length: count }, (_, c) => {
+      const chunk = segment(n, count, c);
+      return { chunk, own: segment(chunk.count, this.local.size, this.local.ownSegment) };
+    });
   }
 
   protected get everyRank(): RingGroup {
@@ -125,48 +138,32 @@ export class HierarchicalCollective extends RingsOverTransport implements Collec
 
   async allReduce(buf: Float32Array, key: OpKey, op: ReduceOp = "sum"): Promise<void> {
     this.check();
-    const across = this.across;
-    if (across !== null) await this.#twoD(buf, key, (part, c) => across.ring(part, key, `all-reduce/${c}`, true, true));
-    else {
-      await this.local.reduce(buf, 0, key);
-      if (this.leaders) await this.leaders.ring(buf, key, "all-reduce", true, true);
-      await this.local.broadcast(buf, 0, key);
-    }
+    await this.#stages(buf, key, (ring, part, c) => ring.ring(part, key, `all-reduce/${c}`, true, true));
     if (op === "avg") scaleInPlace(buf, 1 / this.size);
-  }
-
-  /** An encoded chunk's scratch, kept per (bucket, chunk): a bucket's chunks are the same every step. */
-  #scratch(bucket: number, chunk: number, words: number): Float32Array {
-    const id = `${bucket}|${chunk}`;
-    let s = this.#scratches.get(id);
-    if (s === undefined || s.length < words) this.#scratches.set(id, (s = new Float32Array(words)));
-    return s;
   }
 
   /** Within each host in f32, as allReduce; the rings across hosts encoded. */
   async encodedAllReduce(buf: Float32Array, key: OpKey, coder: WireCoder): Promise<void> {
     this.check();
+    // the chunks run at once: each encodes into its own part of the caller's scratch
     const across = this.across;
+    const from = [0];
     if (across !== null)
-      // the segment's values are elements [at, ...) of the buffer the coder's residual follows
-      await this.#twoD(buf, key, (part, c, at) =>
-        across.encodedRing(
-          part,
-          key,
-          {
-            ...coder,
-            encode: (x, slot, i) => coder.encode(x, slot, i + at),
-            // the chunks run at once: each encodes into a scratch of its own
-            scratch: (words) => this.#scratch(key.bucket, c, words),
-          },
-          `encoded-all-reduce/${c}`,
-        ),
-      );
-    else {
-      await this.local.reduce(buf, 0, key);
-      if (this.leaders) await this.leaders.encodedRing(buf, key, coder);
-      await this.local.broadcast(buf, 0, key);
-    }
+      for (const { own } of this.#chunks(buf.length)) from.push(from.at(-1)! + across.encodedWords(own.count, coder));
+    const scratch = across === null ? null : coder.scratch(from.at(-1)!);
+    await this.#stages(buf, key, (ring, part, c, at) =>
+      ring.encodedRing(
+        part,
+        key,
+        {
+          ...coder,
+          // the values are elements [at, ...) of the buffer the coder's residual follows
+          encode: (x, slot, i) => coder.encode(x, slot, i + at),
+          scratch: (n) => (scratch === null ? coder.scratch(n) : scratch.subarray(from[c]!, from[c]! + n)),
+        },
+        `encoded-all-reduce/${c}`,
+      ),
+    );
   }
 
   async reduceScatter(buf: Float32Array, key: OpKey): Promise<Range> {

@@ -452,13 +452,7 @@ export class RingGroup {
     const N = this.size,
       p = this.pos;
     if (buf.length === 0) return Promise.resolve();
-    const segs = this.#segments(buf.length);
-    // each piece's encoding has a fixed place in the reduce-scatter's half of the scratch and in
-    // the all-gather's: each is written and sent once per operation
-    const wire = segs.map((pieces) => pieces.map((r) => ({ offset: r.offset, count: coder.slotBytes(r.count) / 4 })));
-    const at: number[][] = [];
-    let words = 0;
-    for (const pieces of wire) at.push(pieces.map((w) => ((words += w.count), words - w.count)));
+    const { segs, wire, at, words } = this.#encodedLayout(buf.length, coder);
     const scratch = coder.scratch(2 * words);
     const slot = (half: 0 | 1, s: number, j: number) =>
       new Uint8Array(scratch.buffer, scratch.byteOffset + (half * words + at[s]![j]!) * 4, wire[s]![j]!.count * 4);
@@ -473,12 +467,11 @@ export class RingGroup {
         throw new BadPieceError(`piece ${j} of segment ${s} does not decode: ${(e as Error).message}`, { cause: e });
       }
     };
-    // the owner's sum of segment s, piece j, encoded once; its decoding is the result everywhere
+    // the owner's sum of segment s, piece j, encoded once; its decoding (what encode leaves in
+    // the values) is the result everywhere
     const own = (s: number, j: number) => {
-      const x = values(s, j),
-        out = slot(1, s, j);
-      coder.encode(x, out, segs[s]![j]!.offset);
-      decode(out, s, j, false);
+      const out = slot(1, s, j);
+      coder.encode(values(s, j), out, segs[s]![j]!.offset);
       return out;
     };
     if (N === 1) {
@@ -523,6 +516,25 @@ export class RingGroup {
         });
       },
     );
+  }
+
+  /** The float32 words of scratch encodedRing takes for n values. */
+  encodedWords(n: number, coder: WireCoder): number {
+    return n === 0 ? 0 : 2 * this.#encodedLayout(n, coder).words;
+  }
+
+  /**
+   * n values' pieces (as ring() cuts them) and their encodings: each piece's encoding has a fixed
+   * place (`at`, in words) in the reduce-scatter's half of the scratch and in the all-gather's,
+   * each `words` long; on the wire a piece's count is its encoding's words.
+   */
+  #encodedLayout(n: number, coder: WireCoder): { segs: Range[][]; wire: Range[][]; at: number[][]; words: number } {
+    const segs = this.#segments(n);
+    const wire = segs.map((pieces) => pieces.map((r) => ({ offset: r.offset, count: coder.slotBytes(r.count) / 4 })));
+    const at: number[][] = [];
+    let words = 0;
+    for (const pieces of wire) at.push(pieces.map((w) => ((words += w.count), words - w.count)));
+    return { segs, wire, at, words };
   }
 
   /** The root's buffer to every rank, piece by piece along the ring from the root. */

@@ -355,19 +355,13 @@ describe("hierarchical", () => {
 
 /** One rank's coder: a codec and its error feedback over a buffer of n values. */
 function coderOf(kind: string, n: number): WireCoder & { feedback: ErrorFeedback } {
-  const codec = new Codec(parseCompression(kind));
-  const feedback = new ErrorFeedback(codec, n);
+  const feedback = new ErrorFeedback(new Codec(parseCompression(kind)), n);
   let scratch = new Float32Array(0);
-  return {
-    feedback,
-    slotBytes: (m) => codec.slotBytes(m),
-    encode: (x, slot, at) => feedback.encode(x, slot, at),
-    decode: (slot, out, add) => codec.decode(slot, out, add),
-    scratch: (words) => {
-      if (scratch.length < words) scratch = new Float32Array(words);
-      return scratch;
-    },
-  };
+  const coder = feedback.wireCoder((words) => {
+    if (scratch.length < words) scratch = new Float32Array(words);
+    return scratch;
+  });
+  return { ...coder, feedback };
 }
 
 describe("encoded ring (compression)", () => {

@@ -340,6 +340,9 @@ describe("the collective subject refuses hostile pieces", () => {
       taken.push(p.piece);
       return { kind: "taken" };
     });
+    // the subscription reaches the server before the other connection's first request (a round
+    // trip on the rank's own connection): without it, that request could find no responders
+    await rankBus.nc.flush();
     const good = pieceFromOne("default.hostile", 3);
     const send = (m: Uint8Array, from = 1) => bus.request(subjects.coll("default.hostile", 0, from), m, 2_000);
     await expectRejected(

@@ -131,6 +131,8 @@ export class BusTransport implements PeerTransport {
   #net: DirectLinkServer | null = null;
   /** the secret each sender proves itself with on a TCP link to this rank */
   readonly #secrets = new Map<number, string>();
+  /** the answer each sender's inline pieces get (made once: it is sent with every one) */
+  readonly #answers = new Map<number, Uint8Array>();
   #closed = false;
 
   constructor(
@@ -209,16 +211,19 @@ export class BusTransport implements PeerTransport {
    * may use, with its secret, one line each.
    */
   #answer(from: number): Uint8Array {
+    const made = this.#answers.get(from);
+    if (made !== undefined) return made;
     const lines: string[] = [];
     if (this.#identity !== null) lines.push(this.#identity);
     const net = this.#net;
     if (net !== null) {
-      let secret = this.#secrets.get(from);
-      if (secret === undefined)
-        this.#secrets.set(from, (secret = Buffer.from(crypto.getRandomValues(new Uint8Array(16))).toString("hex")));
+      const secret = Buffer.from(crypto.getRandomValues(new Uint8Array(16))).toString("hex");
+      this.#secrets.set(from, secret);
       lines.push(`tcp ${this.#o.netAddress} ${net.port} ${secret}`);
     }
-    return lines.length === 0 ? new Uint8Array(0) : encoder.encode(lines.join("\n"));
+    const answer = encoder.encode(lines.join("\n"));
+    this.#answers.set(from, answer);
+    return answer;
   }
 
   #check(data: Uint8Array, subject: string): { piece: Piece; inline: boolean } {

@@ -25,14 +25,14 @@ import { BadRequestError, DeadlineError, errorReplyOf, NoRespondersError } from 
 const headerBytes = 8;
 
 /**
- * Cuts a byte stream into frames; `onFrame` gets (id, payload), the payload valid during the call.
- * The bytes go into one buffer that grows to the largest frame: each byte is copied in once (a
- * megabyte frame comes in many chunks), and frames are read where they lie.
+ * Cuts a byte stream into frames; `onFrame` gets (id, payload), the payload its own (kept by
+ * whoever takes it). Each frame's bytes are copied once, from the chunks they come in (a
+ * megabyte frame comes in many), into an array of the frame's length.
  */
 class FrameReader {
-  #buf = new Uint8Array(64 << 10);
-  #start = 0;
-  #end = 0;
+  readonly #head = new Uint8Array(headerBytes);
+  #headHave = 0;
+  #frame: { id: number; bytes: Uint8Array; have: number } | null = null;
 
   constructor(
     readonly frameBytesMax: number,
@@ -41,34 +41,29 @@ class FrameReader {
 
   /** false: a frame is over the limit (the connection should close) */
   push(chunk: Uint8Array): boolean {
-    this.#reserve(chunk.byteLength);
-    this.#buf.set(chunk, this.#end);
-    this.#end += chunk.byteLength;
-    while (this.#end - this.#start >= headerBytes) {
-      const dv = new DataView(this.#buf.buffer, this.#buf.byteOffset + this.#start, headerBytes);
-      const len = dv.getUint32(0, true),
-        id = dv.getUint32(4, true);
-      if (len > this.frameBytesMax) return false;
-      if (this.#end - this.#start < headerBytes + len) break;
-      const at = this.#start + headerBytes;
-      this.#start = at + len;
-      this.onFrame(id, this.#buf.subarray(at, at + len));
+    let i = 0;
+    for (;;) {
+      if (this.#frame === null) {
+        const n = Math.min(headerBytes - this.#headHave, chunk.byteLength - i);
+        this.#head.set(chunk.subarray(i, i + n), this.#headHave);
+        this.#headHave += n;
+        i += n;
+        if (this.#headHave < headerBytes) return true;
+        this.#headHave = 0;
+        const dv = new DataView(this.#head.buffer);
+        const len = dv.getUint32(0, true);
+        if (len > this.frameBytesMax) return false;
+        this.#frame = { id: dv.getUint32(4, true), bytes: new Uint8Array(len), have: 0 };
+      }
+      const f = this.#frame;
+      const n = Math.min(f.bytes.byteLength - f.have, chunk.byteLength - i);
+      f.bytes.set(chunk.subarray(i, i + n), f.have);
+      f.have += n;
+      i += n;
+      if (f.have < f.bytes.byteLength) return true;
+      this.#frame = null;
+      this.onFrame(f.id, f.bytes);
     }
-    if (this.#start === this.#end) this.#start = this.#end = 0;
-    return true;
-  }
-
-  /** Room for n more bytes: the unread ones moved to the front, or a larger buffer. */
-  #reserve(n: number): void {
-    if (this.#end + n <= this.#buf.byteLength) return;
-    const live = this.#buf.subarray(this.#start, this.#end);
-    const size = live.byteLength + n;
-    const to = size <= this.#buf.byteLength ? this.#buf : new Uint8Array(Math.max(size, 2 * this.#buf.byteLength));
-    if (to === this.#buf) to.copyWithin(0, this.#start, this.#end);
-    else to.set(live);
-    this.#buf = to;
-    this.#end = live.byteLength;
-    this.#start = 0;
   }
 }
 
@@ -200,7 +195,7 @@ function serving(handler: Handler, frameBytesMax: number, name: string | Hello) 
           const as = conn.name;
           let result: Uint8Array | Promise<Uint8Array>;
           try {
-            result = handler(payload.slice(), as);
+            result = handler(payload, as);
           } catch (e) {
             reply(encodeErrorReply(errorReplyOf(e, as)));
             return;
@@ -273,7 +268,7 @@ export class DirectLinkClient {
     frameBytesMax: number,
   ): Promise<DirectLinkClient | null> {
     const c = new DirectLinkClient(path);
-    const reader = new FrameReader(frameBytesMax, (id, payload) => c.#settle(id, payload.slice()));
+    const reader = new FrameReader(frameBytesMax, (id, payload) => c.#settle(id, payload));
     try {
       const socket = {
         data(s: Socket<undefined>, chunk: Uint8Array) {
