@@ -25,8 +25,9 @@ import {
   trajectoryDiff,
   usesShards,
 } from "../../services/runtime/job/job.ts";
+import { followAgain } from "../../services/runtime/job/jobs.ts";
 import { expectThrown } from "../helpers/errors.ts";
-import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
+import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 
 afterAll(removeTempDirs);
 
@@ -326,5 +327,94 @@ describe("which config changes a snapshot survives", () => {
       // a change before the last one replaces it (a resume from a snapshot before step 40)
       expect(trajectoryDiff(grown, c({ trainers: 4, world: world([0, 2], [30, 4]) }))).toEqual([]);
     }
+  });
+});
+
+describe("following the job specs again after a cluster change", () => {
+  /** Cluster changes pushed by the test, ended by end(). */
+  function changeFeed() {
+    const queued: string[] = [];
+    let wake: (() => void) | null = null;
+    let ended = false;
+    const changes: AsyncIterable<string> = {
+      async *[Symbol.asyncIterator]() {
+        for (;;) {
+          while (queued.length > 0) yield queued.shift()!;
+          if (ended) return;
+          await new Promise<void>((r) => (wake = r));
+        }
+      },
+    };
+    const poke = () => {
+      wake?.();
+      wake = null;
+    };
+    return {
+      changes,
+      push: (why: string) => (queued.push(why), poke()),
+      end: () => ((ended = true), poke()),
+    };
+  }
+
+  test("a restart that fails is tried again, with growing pauses, until one succeeds; changes meanwhile make no extra restarts", async () => {
+    const feed = changeFeed();
+    const tries: { why: string; at: number }[] = [];
+    const warnings: unknown[] = [];
+    const log = { warn: (o: unknown) => warnings.push(o), info: () => {}, error: () => {} } as never;
+    const t0 = Date.now();
+    const running = followAgain(
+      feed.changes,
+      () => false,
+      async (why) => {
+        tries.push({ why, at: Date.now() - t0 });
+        if (tries.length === 1) feed.push("reconnected to nats://a"); // arrives during the first pause
+        if (tries.length <= 3) throw new Error("consumer create: temporarily unavailable");
+      },
+      log,
+      { first: 20, max: 40 },
+    );
+    feed.push("nats-2 left the NATS cluster");
+    await waitFor("the fourth try", () => tries.length >= 4, 5_000);
+    // the change during the first pause is the next try's reason, not an extra try
+    expect(tries.map((t) => t.why)).toEqual([
+      "nats-2 left the NATS cluster",
+      "reconnected to nats://a",
+      "reconnected to nats://a",
+      "reconnected to nats://a",
+    ]);
+    const gaps = tries.slice(1).map((t, i) => t.at - tries[i]!.at);
+    expect(gaps[0]).toBeGreaterThanOrEqual(18); // 20, 40, 40 ms (timers may fire a little early)
+    expect(gaps[1]).toBeGreaterThanOrEqual(38);
+    expect(gaps[2]).toBeGreaterThanOrEqual(38);
+    expect(warnings).toHaveLength(3);
+    // after a success, the next change restarts once, at once
+    feed.push("reconnected to nats://b");
+    await waitFor("the fifth try", () => tries.length >= 5, 5_000);
+    await Bun.sleep(100);
+    expect(tries.map((t) => t.why).slice(4)).toEqual(["reconnected to nats://b"]);
+    feed.end();
+    await running;
+  });
+
+  test("once the watch is stopped, a failing restart is not tried again", async () => {
+    const feed = changeFeed();
+    let stopped = false;
+    let tries = 0;
+    const log = { warn: () => (stopped = true), info: () => {}, error: () => {} } as never;
+    const running = followAgain(
+      feed.changes,
+      () => stopped,
+      async () => {
+        tries++;
+        throw new Error("no responders");
+      },
+      log,
+      { first: 10, max: 10 },
+    );
+    feed.push("reconnected to nats://b");
+    await Bun.sleep(200);
+    expect(tries).toBe(1);
+    feed.end();
+    await running;
   });
 });

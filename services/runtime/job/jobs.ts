@@ -338,7 +338,7 @@ export class JobStore {
       old.stop();
       log?.info({ why, fromRevision: from }, jobSpecsFollowedAgain);
     };
-    void followAgain(this.nc, () => stopped, restart, log);
+    void followAgain(clusterChanges(this.nc), () => stopped, restart, log);
     return {
       stop: () => {
         stopped = true;
@@ -348,26 +348,46 @@ export class JobStore {
   }
 }
 
-/** Calls restart after each cluster change (clusterChanges), one at a time: changes during a restart make one more. */
-async function followAgain(
-  nc: NatsConnection,
+/** The pauses between tries to follow the job specs again: the first, and the longest. */
+const followAgainPauseMs = { first: 1000, max: 10_000 } as const;
+
+/**
+ * Calls restart after each cluster change (clusterChanges), one at a time: changes during a
+ * restart make one more. A restart that fails is tried again, with growing pauses, until one
+ * succeeds: the old watch's consumer may have died with its server, and a service that goes on
+ * with it never hears of another job.
+ */
+export async function followAgain(
+  changes: AsyncIterable<string>,
   stopped: () => boolean,
   restart: (why: string) => Promise<void>,
   log?: Logger,
+  pause: { first: number; max: number } = followAgainPauseMs,
 ): Promise<void> {
   let why: string | null = null;
   let running: Promise<void> | null = null;
   const drain = async () => {
+    let failures = 0;
     while (why !== null && !stopped()) {
       const now: string = why;
       why = null;
-      await restart(now).catch((err: unknown) => {
-        log?.error({ err: (err as Error).message }, "cannot follow the job specs again; the old watch goes on");
-      });
+      try {
+        await restart(now);
+        failures = 0;
+      } catch (err) {
+        failures++;
+        const pauseMs = Math.min(pause.first * 2 ** (failures - 1), pause.max);
+        log?.warn(
+          { err: (err as Error).message, failures, pauseMs },
+          "cannot follow the job specs again yet; trying again",
+        );
+        await Bun.sleep(pauseMs);
+        why ??= now;
+      }
     }
     running = null;
   };
-  for await (const moved of clusterChanges(nc)) {
+  for await (const moved of changes) {
     if (stopped()) return;
     why = moved;
     running ??= drain();
