@@ -221,6 +221,12 @@ export function jobOptions(cmd: Command): Command {
       d.checkpointMinutes,
     )
     .option("--keep-last <k>", "snapshots kept besides the best", int(1), d.keepLast)
+    .option(
+      "--shrink-after <seconds>",
+      "a host silent this long (cut off or down) is left behind: the job resizes from its newest snapshot to the other hosts' trainers and shards (0: it waits for the host)",
+      float(0, 3600),
+      d.shrinkAfterS,
+    )
     .addOption(
       new Option("--eval-every <steps|epoch>", "steps between evaluations, or every epoch (0: only at the end)")
         .argParser(evalEvery)
@@ -313,6 +319,7 @@ export interface JobFlags {
   checkpointEvery?: number;
   checkpointMinutes: number;
   keepLast: number;
+  shrinkAfter: number;
   evalEvery: JobConfig["evalEvery"];
   evalBatches: number;
   valFraction?: number;
@@ -426,6 +433,7 @@ export function jobConfigOf(f: JobFlags): JobConfig {
     checkpointEvery: f.checkpointEvery ?? def.checkpointEvery,
     checkpointMinutes: f.checkpointMinutes,
     keepLast: f.keepLast,
+    shrinkAfterS: f.shrinkAfter,
   });
 }
 
@@ -471,6 +479,7 @@ const flagPaths: Record<Exclude<keyof JobFlags, "job">, string[]> = {
   checkpointEvery: ["checkpointEvery"],
   checkpointMinutes: ["checkpointMinutes"],
   keepLast: ["keepLast"],
+  shrinkAfter: ["shrinkAfterS"],
   evalEvery: ["evalEvery"],
   evalBatches: ["evalBatches"],
   valFraction: ["valFraction"],

@@ -72,8 +72,8 @@ import { cutShardState, cutTag, precutSaveTag, replicaFromPartitions } from "../
 import { planLayout, planOfSpec } from "../runtime/job/plan.ts";
 import { resizeCloseWaitMs, resizePlanTimeoutMs, resizeSnapshotWaitMs, stateTimeoutMs } from "./limits.ts";
 import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
-import { JobWatch } from "../runtime/control/watch.ts";
-import { resizeJob } from "../runtime/control/resize.ts";
+import { JobWatch, type LostHost } from "../runtime/control/watch.ts";
+import { type LeftBehind, resizeJob, shrinkWithout } from "../runtime/control/resize.ts";
 
 interface JobEntry {
   cfg: JobConfig;
@@ -117,6 +117,9 @@ interface JobEntry {
   resizeAsked: boolean;
   /** the resize has paused the job: saves are refused (the ranks that ask are about to stop) */
   resizing: boolean;
+  /** aborted when the job goes on without a lost host: the snapshot being taken gives up its
+   *  requests at once (the lost ranks' parts will not come) */
+  saves: AbortController;
 }
 
 /** part p of shard k's state (a snapshot before parts: ps-<k>.mtss, one part) */
@@ -273,16 +276,13 @@ export class CheckpointService {
         ranks > 0
           ? Array.from({ length: ranks }, (_, r) => subjects.replicaPartition(cfg.job, r))
           : [subjects.replicaState(cfg.job)];
-      await Promise.all(sources.map((subject) => this.bus.request(subject, req, stateTimeoutMs)));
+      await Promise.all(sources.map((subject) => this.#askState(cfg, subject, req)));
       return asked;
     }
     const owners = planLayout(cfg, plan).byShard.map((ids) => ids.length > 0);
     const heads = await Promise.all(
       Array.from({ length: cfg.shards }, async (_, k) => {
-        const h = decodeShardState(
-          await this.bus.request(subjects.psState(cfg.job, k), req, stateTimeoutMs),
-          this.payloadBytesMax,
-        );
+        const h = decodeShardState(await this.#askState(cfg, subjects.psState(cfg.job, k), req), this.payloadBytesMax);
         if (h.job !== cfg.job || h.shard !== k)
           throw new BadRequestError(`shard ${k} answered the cut of job ${h.job}'s shard ${h.shard}`);
         return h;
@@ -393,6 +393,19 @@ export class CheckpointService {
     }
   }
 
+  /** A request for a snapshot's state, given up at once when the job goes on without a lost host. */
+  #askState(cfg: JobConfig, subject: string, req: Uint8Array): Promise<Uint8Array> {
+    const asked = this.bus.request(subject, req, stateTimeoutMs);
+    const signal = this.#jobs.get(cfg.job)?.saves.signal;
+    if (signal === undefined) return asked;
+    return new Promise((resolve, reject) => {
+      const stop = () => reject(signal.reason);
+      if (signal.aborted) return stop();
+      signal.addEventListener("abort", stop, { once: true });
+      asked.then(resolve, reject).finally(() => signal.removeEventListener("abort", stop));
+    });
+  }
+
   /** Parameter-server mode: shard k's state at `step`, part by part, each verified before it is written. */
   async #shardParts(
     cfg: JobConfig,
@@ -401,10 +414,10 @@ export class CheckpointService {
   ): Promise<{ name: string; bytes: Uint8Array; state: ShardState }[]> {
     const out: { name: string; bytes: Uint8Array; state: ShardState }[] = [];
     for (let p = 0, parts = 1; p < parts; p++) {
-      const bytes = await this.bus.request(
+      const bytes = await this.#askState(
+        cfg,
         subjects.psState(cfg.job, k),
         encodeJobRequest({ job: cfg.job, step, tag: `part ${p}` }),
-        stateTimeoutMs,
       );
       const s = decodeShardState(bytes, 1 << 30);
       if (p === 0) parts = Math.max(1, s.parts ?? 0);
@@ -433,10 +446,10 @@ export class CheckpointService {
   async #replicaParts(cfg: JobConfig, step: number): Promise<{ name: string; bytes: Uint8Array; state: ShardState }[]> {
     const out: { name: string; bytes: Uint8Array; state: ShardState }[] = [];
     for (let p = 0, parts = 1; p < parts; p++) {
-      const bytes = await this.bus.request(
+      const bytes = await this.#askState(
+        cfg,
         subjects.replicaState(cfg.job),
         encodeJobRequest({ job: cfg.job, step, tag: `part ${p}` }),
-        stateTimeoutMs,
       );
       const s = decodeShardState(bytes, this.payloadBytesMax);
       if (p === 0) parts = s.parts ?? 0;
@@ -469,7 +482,7 @@ export class CheckpointService {
         const out: { name: string; bytes: Uint8Array; state: ShardState }[] = [];
         for (let p = 0, parts = 1; p < parts; p++) {
           const req = encodeJobRequest({ job: cfg.job, step, tag: `part ${p}` });
-          const bytes = await this.bus.request(subjects.replicaPartition(cfg.job, r), req, stateTimeoutMs);
+          const bytes = await this.#askState(cfg, subjects.replicaPartition(cfg.job, r), req);
           const s = decodeShardState(bytes, this.payloadBytesMax);
           if (p === 0) parts = s.parts ?? 0;
           if (
@@ -751,7 +764,7 @@ export class CheckpointService {
 
   /** Changes a running job's trainers or shards (the control plane's resizeJob, hosted here: it
    *  needs the job's snapshots). Answers the manifest resumed from. */
-  async #resize(e: JobEntry, tag: string): Promise<Uint8Array> {
+  async #resize(e: JobEntry, tag: string, lost?: LeftBehind): Promise<Uint8Array> {
     const { cfg } = e;
     const job = cfg.job;
     if (e.resizeAsked) throw new JobStateError(`job ${job} is being resized already`);
@@ -790,11 +803,42 @@ export class CheckpointService {
           note: (step, text) => this.#event(job, EventKind.Log, step, text),
         },
         { snapshotWaitMs: resizeSnapshotWaitMs, closeWaitMs: resizeCloseWaitMs, planTimeoutMs: resizePlanTimeoutMs },
+        lost,
       );
       return encodeManifest(manifest);
     } finally {
       e.resizing = false;
       e.resizeAsked = false;
+    }
+  }
+
+  /** A host of job `cfg` silent as a whole for its shrinkAfterS: the job goes on without its
+   *  ranks (a resize from the newest snapshot), or the events say why it cannot. */
+  async #goOnWithout(cfg: JobConfig, h: LostHost): Promise<void> {
+    const e = this.#jobs.get(cfg.job);
+    if (e === undefined || e.cfg !== cfg) return; // the job was closed or reopened since
+    const secs = (h.silentMs / 1000).toFixed(0);
+    const plan = shrinkWithout(cfg, h.host, h.who);
+    if ("refused" in plan) {
+      this.log?.warn({ job: cfg.job, host: h.host, why: plan.refused }, "cannot go on without a lost host");
+      this.#event(cfg.job, EventKind.Stalled, 0, `host ${h.host} silent for ${secs} s: ${plan.refused}`);
+      return;
+    }
+    this.#event(
+      cfg.job,
+      EventKind.Log,
+      0,
+      `host ${h.host} silent for ${secs} s: the job goes on without ${h.who.join(", ")} (${plan.tag})`,
+    );
+    // the snapshot being taken waits for the lost ranks' parts: it gives up now
+    e.saves.abort(new NotReadyError(`the job goes on without host ${h.host}; this snapshot is given up`));
+    try {
+      await this.#resize(e, plan.tag, plan.lost);
+    } catch (err) {
+      this.log?.error({ job: cfg.job, host: h.host, err: (err as Error).message }, "cannot go on without a lost host");
+      this.#event(cfg.job, EventKind.Log, 0, `the job cannot go on without host ${h.host}: ${(err as Error).message}`);
+    } finally {
+      e.saves = new AbortController(); // where the job goes on as it was (a resize reopens it as a new entry)
     }
   }
 
@@ -832,12 +876,20 @@ export class CheckpointService {
       fresh,
       firstAsks: new Set(),
       asked: new Set(),
-      watch: new JobWatch(this.bus, cfg, (kind, step, text) => this.#event(cfg.job, kind, step, text)),
+      watch: new JobWatch(
+        this.bus,
+        cfg,
+        (kind, step, text) => this.#event(cfg.job, kind, step, text),
+        cfg.shrinkAfterS > 0
+          ? { afterMs: cfg.shrinkAfterS * 1000, hostLost: (h) => void this.#goOnWithout(cfg, h) }
+          : undefined,
+      ),
       attempt: spec.attempt ?? 0,
       staged: new Map(),
       writing: Promise.resolve(),
       resizeAsked: false,
       resizing: false,
+      saves: new AbortController(),
     });
     void this.control?.note(cfg.job, { snapshotDir: this.store.jobDir(cfg.job) }).catch((err: unknown) => {
       this.log?.warn({ job: cfg.job, err: (err as Error).message }, "cannot record the job's folder in its record");

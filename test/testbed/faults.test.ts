@@ -14,13 +14,14 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
-import type { JobConfig } from "../../services/runtime/job/job.ts";
+import { type JobConfig, jobConfigFromJson } from "../../services/runtime/job/job.ts";
+import { jobSpecsFollowedAgain } from "../../services/runtime/job/jobs.ts";
 import { type HostBed, testBedProblem } from "../../testbed/hosts.ts";
-import { hostLabel } from "../../testbed/mesh.ts";
+import { type HostMesh, hostLabel } from "../../testbed/mesh.ts";
 import { fourHosts } from "../helpers/hosts.ts";
 import { finalChunkVersions } from "../helpers/jobs.ts";
 import { expectEveryStepOnce, mlpJob, runJob } from "../helpers/mesh-jobs.ts";
-import { removeTempDirs } from "../helpers/mesh.ts";
+import { removeTempDirs, waitFor } from "../helpers/mesh.ts";
 import { skip } from "../helpers/skip.ts";
 
 afterAll(removeTempDirs);
@@ -76,12 +77,27 @@ function expectEveryStepApplied(record: Parameters<typeof finalChunkVersions>[0]
   for (const v of versions.values()) expect(new Set(v)).toEqual(new Set([record.totalSteps]));
 }
 
+/** How often each named process has said it follows the job specs again (it does once its connection is back). */
+const followedAgain = (mesh: HostMesh, names: readonly string[]): number[] =>
+  names.map((name) => readFileSync(join(mesh.logDir, `${name}.log`), "utf8").split(jobSpecsFollowedAgain).length - 1);
+
+/** Back from a cut, the named processes follow the job specs again (`before`: followedAgain before the cut). */
+async function backInService(mesh: HostMesh, names: readonly string[], before: number[]): Promise<void> {
+  const t0 = performance.now();
+  await waitFor("the processes of the host that was cut off to follow the job specs again", () =>
+    followedAgain(mesh, names).every((n, i) => n > before[i]!),
+  );
+  console.log(`back, its processes follow the job specs again after ${((performance.now() - t0) / 1000).toFixed(1)} s`);
+}
+
 const hostNamed = (host: number) => (e: Event) =>
   e.kind === EventKind.Stalled && e.text.startsWith(`host ${hostLabel(host)} is cut off or down: `);
 
 describe.skipIf(skip("network namespaces", testBedProblem()))("faults across hosts", () => {
   let up: Awaited<ReturnType<typeof fourHosts>>;
   let faultFree = Number.NaN;
+  /** the all-reduce job's fault-free accuracy, measured by the all-reduce cut test */
+  let allReduceFree = Number.NaN;
 
   beforeAll(async () => {
     up = await fourHosts();
@@ -137,6 +153,38 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("faults across hos
     expect(Math.abs(r.record.accuracy - faultFree)).toBeLessThanOrEqual(0.003);
   }, 120_000);
 
+  test("a host of trainers and a shard cut off for good, the job set to shrink after 10 s: it goes on without them from its newest snapshot, every step once, at the fault-free accuracy; back, they stay out of it", async () => {
+    const { bed, client, mesh } = up;
+    const cut = cutOff(bed, 2, 40, Number.POSITIVE_INFINITY, hostNamed(2));
+    const seen: string[] = [];
+    const followed = followedAgain(mesh, ["trainer-2", "trainer-3", "parameter-server-1"]);
+    const t0 = performance.now();
+    const r = await runJob(client, job("hosts-shrink", { shrinkAfterS: 10 }), (e) => {
+      cut.onEvent(e);
+      if (e.kind === EventKind.Log || e.kind === EventKind.Stalled) seen.push(e.text);
+    });
+    try {
+      expect(cut.done, "a step event from step 40 on reached the test before the job ended").toBe(true);
+      expect(r.record.state, r.record.reason).toBe(JobState.Done);
+      expect(bed.linked(2)).toBe(false); // it ended without the host
+      const goesOn = seen.find((t) => t.startsWith(`host ${hostLabel(2)} silent for `));
+      console.log(`${goesOn}\n${seen.find((t) => t.startsWith("resized from step"))}`);
+      console.log(`the job took ${((performance.now() - t0) / 1000).toFixed(1)} s`);
+      expect(goesOn).toMatch(/: the job goes on without shard 1, trainer 2, trainer 3 \(trainers 2 shards 1\)$/);
+      const final = jobConfigFromJson(r.record.configJson);
+      expect([final.trainers, final.shards]).toEqual([2, 1]);
+      // under BSP each step updates every chunk once, and shard 0 holds every chunk now
+      const versions = finalChunkVersions(r.record);
+      expect([...versions.keys()].length).toBe(1);
+      expect(new Set([...versions.values()].flat())).toEqual(new Set([r.record.totalSteps]));
+      console.log(`accuracy ${r.record.accuracy} over ${r.record.totalSteps} steps (fault-free ${faultFree})`);
+      expect(Math.abs(r.record.accuracy - faultFree)).toBeLessThanOrEqual(0.003);
+    } finally {
+      cut.heal();
+    }
+    await backInService(mesh, ["trainer-2", "trainer-3", "parameter-server-1"], followed);
+  }, 150_000);
+
   test("1% of a host's packets dropped: the job ends Done at the fault-free accuracy", async () => {
     const { bed, client } = up;
     bed.shape(2, { rateMbit: 1000, loss: 0.01 });
@@ -170,5 +218,35 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("faults across hos
     expect(readFileSync(join(mesh.logDir, "trainer-2.log"), "utf8")).toContain("job restored from a checkpoint");
     console.log(`accuracy ${r.record.accuracy} (fault-free ${free.record.accuracy})`);
     expect(Math.abs(r.record.accuracy - free.record.accuracy)).toBeLessThanOrEqual(0.003);
+    allReduceFree = free.record.accuracy;
+  }, 150_000);
+
+  test("all-reduce: a host of trainers cut off for good, the job set to shrink after 10 s: it goes on with the other host's two, each a batch twice as large, at the fault-free accuracy", async () => {
+    const { bed, client, mesh } = up;
+    const cut = cutOff(bed, 2, 40, Number.POSITIVE_INFINITY, hostNamed(2));
+    const followed = followedAgain(mesh, ["trainer-2", "trainer-3"]);
+    const seen: string[] = [];
+    const cfg = job("hosts-ar-shrink", { sync: "allreduce", shards: 1, shrinkAfterS: 10 });
+    const r = await runJob(client, cfg, (e) => {
+      cut.onEvent(e);
+      if (e.kind === EventKind.Log) seen.push(e.text);
+    });
+    try {
+      expect(cut.done, "a step event from step 40 on reached the test before the job ended").toBe(true);
+      expect(r.record.state, r.record.reason).toBe(JobState.Done);
+      expect(seen.find((t) => t.startsWith(`host ${hostLabel(2)} silent for `))).toMatch(
+        /: the job goes on without trainer 2, trainer 3 \(trainers 2 shards 1\)$/,
+      );
+      const resized = seen.find((t) => t.startsWith("resized from step"));
+      console.log(resized);
+      expect(resized).toMatch(/trainers 4 -> 2, shards 1 -> 1, each trainer's batch 128 -> 256/);
+      const final = jobConfigFromJson(r.record.configJson);
+      expect([final.trainers, final.batchSize, final.accumSteps]).toEqual([2, 256, 2]);
+      console.log(`accuracy ${r.record.accuracy} (fault-free ${allReduceFree})`);
+      expect(Math.abs(r.record.accuracy - allReduceFree)).toBeLessThanOrEqual(0.003);
+    } finally {
+      cut.heal();
+    }
+    await backInService(mesh, ["trainer-2", "trainer-3"], followed);
   }, 150_000);
 });

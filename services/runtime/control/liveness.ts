@@ -199,6 +199,19 @@ export class LivenessMonitor {
     return [...this.#quietHosts];
   }
 
+  /** Each host whose every sender is silent now: who they are, and how long since the last was heard. */
+  quietHostsNow(): { host: string; who: string[]; silentMs: number }[] {
+    const now = this.now();
+    return [...this.#quietHosts].map((host) => {
+      const senders = [...this.#seen.values()].filter((s) => s.hb.host === host);
+      return {
+        host,
+        who: senders.map((s) => s.hb.who).sort(byRank),
+        silentMs: now - Math.max(...senders.map((s) => s.atMs)),
+      };
+    });
+  }
+
   #secs(ms: number): string {
     return (ms / 1000).toFixed(0);
   }

@@ -25,7 +25,7 @@ import {
   UnknownJobError,
 } from "../mesh/errors.ts";
 import type { Logger } from "../mesh/log.ts";
-import { type JobConfig, parseJobConfig, specOfConfig, subjects, usesShards } from "../job/job.ts";
+import { dataRanks, type JobConfig, parseJobConfig, specOfConfig, subjects, usesShards } from "../job/job.ts";
 import { type JobControl, resizingReasonPrefix } from "../job/jobs.ts";
 import { changeWorld } from "../job/world.ts";
 
@@ -60,16 +60,25 @@ export interface ResizeHost {
   note(step: number, text: string): void;
 }
 
+/** The ranks a resize leaves behind because their host is lost: they cannot take a snapshot or close the job. */
+export interface LeftBehind {
+  trainers: readonly number[];
+  shards: readonly number[];
+}
+
 /**
  * Resizes job `cfg` to the sizes `tag` names ("trainers <n> shards <m>"); returns the manifest it
  * resumed from. Refusals (bad sizes, a job without records, one being resized) come before
- * anything stops.
+ * anything stops. With `lost`, the resize goes on without those ranks: it asks for no snapshot
+ * (the others wait for the lost ones, so no step ends) and resumes from the newest one, and it
+ * does not wait for the lost ranks to close the job.
  */
 export async function resizeJob(
   cfg: JobConfig,
   tag: string,
   host: ResizeHost,
   limits: ResizeLimits,
+  lost: LeftBehind = { trainers: [], shards: [] },
 ): Promise<Manifest> {
   const job = cfg.job;
   const pause = host.control?.pause?.bind(host.control),
@@ -78,20 +87,30 @@ export async function resizeJob(
     throw new NotReadyError(`this checkpoint service keeps no job records, so it cannot resize job ${job}`);
   const { trainers, shards } = resizeSizes(cfg, tag);
   // a snapshot at the next step boundary, so that little is trained again
-  const before = host.newestStep();
-  host.bus.publish(subjects.checkpointNow(job), new Uint8Array(0));
-  const waitUntil = Date.now() + limits.snapshotWaitMs;
-  while (host.newestStep() <= before && Date.now() < waitUntil && host.current()) await Bun.sleep(100);
+  if (lost.trainers.length + lost.shards.length === 0) {
+    const before = host.newestStep();
+    host.bus.publish(subjects.checkpointNow(job), new Uint8Array(0));
+    const waitUntil = Date.now() + limits.snapshotWaitMs;
+    while (host.newestStep() <= before && Date.now() < waitUntil && host.current()) await Bun.sleep(100);
+  }
   if (!host.current()) throw new JobStateError(`job ${job} ended or was reopened while it was being resized`);
   await host.stopSaves(); // no save after this one: the ranks stop
   const why = `${resizingReasonPrefix}trainers ${cfg.trainers} -> ${trainers}, shards ${cfg.shards} -> ${shards}`;
   if (!(await pause(job, host.attempt, why)))
     throw new JobStateError(`job ${job} is not running as submission ${host.attempt}; nothing resized`);
   try {
-    await waitClosed(host.bus, cfg, limits.closeWaitMs);
+    await waitClosed(host.bus, cfg, limits.closeWaitMs, lost);
     await host.written(); // the snapshot asked for is on disk
     const snap = host.resumable(cfg);
-    const next = parseJobConfig({ ...cfg, trainers, shards, world: changeWorld(cfg, snap.step, trainers) });
+    // going on without lost ranks keeps the trajectory where it can: the same global batch
+    const batch = lost.trainers.length > 0 ? keptBatch(cfg, trainers) : null;
+    const next = parseJobConfig({
+      ...cfg,
+      trainers,
+      shards,
+      ...batch,
+      world: changeWorld(cfg, snap.step, trainers, batch?.batchSize ?? cfg.batchSize),
+    });
     const plan = decodeDataPlan(
       await host.bus.request(subjects.planJob, encodeJobSpec(specOfConfig(next)), limits.planTimeoutMs),
       1 << 20,
@@ -101,7 +120,11 @@ export async function resizeJob(
     host.log?.warn({ job, step: snap.step, trainers, shards }, "job resized");
     host.note(
       snap.step,
-      `resized from step ${snap.step} (${snap.id}): trainers ${cfg.trainers} -> ${trainers}, shards ${cfg.shards} -> ${shards}; ${plan.totalSteps} steps in all`,
+      `resized from step ${snap.step} (${snap.id}): trainers ${cfg.trainers} -> ${trainers}, shards ${cfg.shards} -> ${shards}` +
+        (batch === null
+          ? ""
+          : `, each trainer's batch ${cfg.batchSize} -> ${batch.batchSize} (the global batch kept)`) +
+        `; ${plan.totalSteps} steps in all`,
     );
     return snap;
   } catch (err) {
@@ -114,6 +137,19 @@ export async function resizeJob(
     );
     throw err;
   }
+}
+
+/**
+ * Each trainer's batch (and its micro-batches) that keeps the job's global batch on `trainers`
+ * trainers, the micro-batch unchanged; null where the global batch does not split so.
+ */
+export function keptBatch(cfg: JobConfig, trainers: number): { batchSize: number; accumSteps: number } | null {
+  const global = dataRanks(cfg) * cfg.batchSize;
+  const micro = cfg.batchSize / cfg.accumSteps;
+  if (global % trainers !== 0 || (global / trainers) % micro !== 0) return null;
+  const batchSize = global / trainers;
+  const accumSteps = batchSize / micro;
+  return batchSize <= 1 << 16 && accumSteps <= 1024 ? { batchSize, accumSteps } : null;
 }
 
 /** The sizes a resize's tag names, checked against the job: they must change it and make a job. */
@@ -135,8 +171,8 @@ function resizeSizes(cfg: JobConfig, tag: string): { trainers: number; shards: n
   return { trainers, shards };
 }
 
-/** Waits until every service of the job's sizes has closed it (`waitMs` at most). */
-async function waitClosed(bus: Bus, cfg: JobConfig, waitMs: number): Promise<void> {
+/** Waits until every service of the job's sizes but the lost ones has closed it (`waitMs` at most). */
+async function waitClosed(bus: Bus, cfg: JobConfig, waitMs: number, lost: LeftBehind): Promise<void> {
   const job = cfg.job;
   const req = encodeJobRequest({ job, step: 0, tag: "" });
   const closed = async (subject: string): Promise<boolean> => {
@@ -149,8 +185,12 @@ async function waitClosed(bus: Bus, cfg: JobConfig, waitMs: number): Promise<voi
   };
   const who = [
     [`mt.${job}.data.stats`, "the data-loader"],
-    ...Array.from({ length: cfg.trainers }, (_, r) => [subjects.trainerStats(job, r), `trainer ${r}`]),
-    ...(usesShards(cfg) ? Array.from({ length: cfg.shards }, (_, k) => [subjects.psStats(job, k), `shard ${k}`]) : []),
+    ...Array.from({ length: cfg.trainers }, (_, r) => r)
+      .filter((r) => !lost.trainers.includes(r))
+      .map((r) => [subjects.trainerStats(job, r), `trainer ${r}`] as const),
+    ...(usesShards(cfg) ? Array.from({ length: cfg.shards }, (_, k) => k) : [])
+      .filter((k) => !lost.shards.includes(k))
+      .map((k) => [subjects.psStats(job, k), `shard ${k}`] as const),
   ] as const;
   const until = Date.now() + waitMs;
   for (;;) {
@@ -162,4 +202,53 @@ async function waitClosed(bus: Bus, cfg: JobConfig, waitMs: number): Promise<voi
       throw new DeadlineError(`${open.join(", ")} still run job ${job} ${waitMs} ms after it was paused for a resize`);
     await Bun.sleep(200);
   }
+}
+
+/**
+ * The resize that leaves a lost host's ranks behind ("trainers <n> shards <m>" and who is left),
+ * or why the job cannot go on without it. A rank is its process's identity (its subjects, its
+ * NATS user), so the ranks that remain keep their numbers: only the highest trainers and shards
+ * can be left behind.
+ */
+export function shrinkWithout(
+  cfg: JobConfig,
+  host: string,
+  who: readonly string[],
+): { tag: string; lost: LeftBehind } | { refused: string } {
+  // (a rank the job does not have is no rank of it)
+  const rankOf = (kind: string, of: number) =>
+    who
+      .flatMap((w) => {
+        const m = new RegExp(`^${kind} (\\d+)$`).exec(w);
+        return m === null ? [] : [Number(m[1])];
+      })
+      .filter((r) => r < of)
+      .sort((a, b) => a - b);
+  const trainers = rankOf("trainer", cfg.trainers);
+  const shards = usesShards(cfg) ? rankOf("shard", cfg.shards) : [];
+  const others = who.filter((w) => !/^(trainer|shard) \d+$/.test(w));
+  const waits = "; the job waits for the host";
+  if (others.length > 0) return { refused: `host ${host} runs the ${others.join(" and the ")}${waits}` };
+  if (cfg.pipelineStages > 1 || cfg.tensorParallel > 1)
+    return { refused: `host ${host} holds ranks of a model-parallel job, which is not resized${waits}` };
+  if (trainers.length + shards.length === 0) return { refused: `host ${host} runs none of the job's ranks` };
+  const top = (lost: number[], of: number) => lost.every((r, i) => r === of - lost.length + i);
+  if (!top(trainers, cfg.trainers) || !top(shards, cfg.shards)) {
+    const kept = [
+      ...trainers.filter((r) => r < cfg.trainers - trainers.length).map((r) => `trainer ${r}`),
+      ...shards.filter((k) => k < cfg.shards - shards.length).map((k) => `shard ${k}`),
+    ];
+    return {
+      refused:
+        `host ${host} runs ${kept.join(", ")}: a rank is its process's identity, so only the highest ` +
+        `trainers and shards can be left behind${waits}`,
+    };
+  }
+  if (trainers.length === cfg.trainers) return { refused: `host ${host} runs every trainer of the job${waits}` };
+  if (usesShards(cfg) && shards.length === cfg.shards)
+    return { refused: `host ${host} runs every shard of the job${waits}` };
+  return {
+    tag: `trainers ${cfg.trainers - trainers.length} shards ${cfg.shards - shards.length}`,
+    lost: { trainers, shards },
+  };
 }

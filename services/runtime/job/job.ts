@@ -28,8 +28,15 @@ export const shardsClip = (cfg: Pick<JobConfig, "sync" | "gradClip">): boolean =
   cfg.sync === "bsp" && cfg.gradClip > 0;
 /** The learning rate the schedule peaks at: `lr`, times the trainers under linear scaling (--scale-lr). */
 export const peakLr = (
-  cfg: Pick<JobConfig, "lr" | "scaleLr" | "trainers" | "pipelineStages" | "tensorParallel">,
-): number => (cfg.scaleLr ? cfg.lr * dataRanks(cfg) : cfg.lr);
+  cfg: Pick<JobConfig, "lr" | "scaleLr" | "trainers" | "pipelineStages" | "tensorParallel"> & {
+    batchSize?: number;
+    world?: JobConfig["world"];
+  },
+): number => (cfg.scaleLr ? (cfg.lr * dataRanks(cfg) * (cfg.batchSize ?? 1)) / firstBatch(cfg) : cfg.lr);
+/** Each trainer's batch at the job's start (a world that changed the batch says it; the lr scales
+ *  with the global batch against it). */
+const firstBatch = (cfg: { batchSize?: number; world?: JobConfig["world"] }): number =>
+  cfg.world?.[0]?.batchSize ?? cfg.batchSize ?? 1;
 /** Whether the trainers cut the model among them (pipeline or tensor parallelism). */
 export const modelParallel = (cfg: Pick<JobConfig, "pipelineStages" | "tensorParallel">): boolean =>
   modelRanks(cfg) > 1;
@@ -111,9 +118,10 @@ export const jobConfigSchema = z.object({
   dataDir: z.string(),
   trainers: int(1, 64),
   /** every change of the trainers' number while the job ran, { from: 0, trainers } first and
-   *  `trainers` last (services/runtime/job/world.ts); empty: it never changed */
+   *  `trainers` last, each with its trainers' batch where the batch changed too
+   *  (services/runtime/job/world.ts); empty: it never changed */
   world: z
-    .array(z.object({ from: int(0), trainers: int(1, 64) }))
+    .array(z.object({ from: int(0), trainers: int(1, 64), batchSize: int(1, 1 << 16).optional() }))
     .max(256)
     .default([]),
   shards: int(1, 64),
@@ -224,6 +232,10 @@ export const jobConfigSchema = z.object({
     .default(10),
   /** checkpoints kept besides the best one */
   keepLast: int(1, 1000),
+  /** seconds a host may be silent as a whole (cut off or down) before the job goes on without
+   *  it: resized from its newest snapshot to the trainers and shards of the other hosts (0: the
+   *  job waits for the host, within its requests' bounds). Configs stored before it read as 0. */
+  shrinkAfterS: z.number().min(0).max(3600).default(0),
 });
 
 export type JobConfig = z.infer<typeof jobConfigSchema>;
@@ -270,6 +282,7 @@ export const jobDefaults: Omit<JobConfig, "job"> = {
   checkpointEvery: 500,
   checkpointMinutes: 10,
   keepLast: 3,
+  shrinkAfterS: 0,
 };
 
 /**
@@ -362,7 +375,7 @@ function checkModelData(c: JobConfig): void {
 
 /** The world, the batch and the settings each sync mode takes. */
 function checkModes(c: JobConfig): void {
-  const world = worldProblems(c.world, c.trainers);
+  const world = worldProblems(c.world, c.trainers, c.batchSize);
   if (world.length > 0) throw new ConfigError(`invalid job config: ${world.join("; ")}`);
   if (c.batchSize % c.accumSteps !== 0)
     throw new ConfigError(
@@ -494,6 +507,8 @@ export const resumableKeys = [
   "checkpointEvery",
   "checkpointMinutes",
   "keepLast",
+  // what the job does when a host is lost, not what it computes
+  "shrinkAfterS",
   "replicaCheckEvery",
   "collTransport",
   // a ZeRO snapshot holds the slab's layout, the same at every stage
@@ -543,13 +558,18 @@ export function trajectoryDiff(was: JobConfig, now: JobConfig): string[] {
   // re-splits the rest of the epoch among the new ranks)
   const last = worldOf(now).at(-1)!;
   const resized =
-    last.from > 0 && JSON.stringify(changeWorld(was, last.from, last.trainers)) === JSON.stringify(worldOf(now));
+    last.from > 0 &&
+    JSON.stringify(changeWorld(was, last.from, last.trainers, last.batchSize ?? was.batchSize)) ===
+      JSON.stringify(worldOf(now));
+  // ... and with them each trainer's batch, which the world records too (the micro-batches it is cut into follow)
+  const rebatched = resized && last.batchSize !== undefined;
   const skip = new Set<string>([
     "job",
     ...resumableKeys,
     ...(regrouped ? ["trainers", "batchSize"] : []),
     ...(resharded ? ["shards"] : []),
     ...(resized ? ["trainers", "world"] : []),
+    ...(rebatched ? ["batchSize", "accumSteps"] : []),
   ]);
   const strip = (c: JobConfig) => Object.fromEntries(Object.entries(c).filter(([k]) => !skip.has(k)));
   walk(strip(was), strip(now), "");

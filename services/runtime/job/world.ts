@@ -1,6 +1,9 @@
 // A job's world over time: how many trainers ran each step. A job starts with cfg.trainers; a
 // resize (or a resume on another number of trainers) adds a change at the step it takes effect,
 // so cfg.world lists every change, { from: 0, trainers } first, and cfg.trainers is the last one.
+// A change may also say each trainer's batch from then on (a job that goes on without a lost
+// host keeps its global batch: fewer trainers, each a larger batch); a world whose changes say
+// none runs cfg.batchSize throughout, and one that says it says it in every change.
 //
 // The sampler follows the world: each step takes the next trainers x batchSize positions of the
 // epoch's permutation (fewer in an epoch's last step), so when the world changes mid-epoch the
@@ -14,6 +17,8 @@ export interface WorldChange {
   /** the first step the count holds for */
   from: number;
   trainers: number;
+  /** samples per trainer per step from then on (absent: the job's batchSize) */
+  batchSize?: number;
 }
 
 /** How the trainers hold the model: its pipeline stages x tensor ranks (1 and 1 without model parallelism). */
@@ -36,8 +41,9 @@ export const dataRanks = (cfg: ModelCut): number => cfg.trainers / modelRanks(cf
 export const worldOf = (cfg: ModelCut & { world?: readonly WorldChange[] }): readonly WorldChange[] =>
   cfg.world && cfg.world.length > 0 ? cfg.world : [{ from: 0, trainers: dataRanks(cfg) }];
 
-/** A world's problems (empty: good): it starts at step 0, steps increase, and it ends at `trainers`. */
-export function worldProblems(world: readonly WorldChange[], trainers: number): string[] {
+/** A world's problems (empty: good): it starts at step 0, steps increase, and it ends at
+ *  `trainers`; where its changes say batches, each says one, and the last is `batchSize`. */
+export function worldProblems(world: readonly WorldChange[], trainers: number, batchSize?: number): string[] {
   const out: string[] = [];
   if (world.length === 0) return out;
   if (world[0]!.from !== 0) out.push(`the world starts at step ${world[0]!.from}, not 0`);
@@ -46,19 +52,37 @@ export function worldProblems(world: readonly WorldChange[], trainers: number): 
       out.push(`the world's change ${i} at step ${world[i]!.from} is not after step ${world[i - 1]!.from}`);
   if (world.at(-1)!.trainers !== trainers)
     out.push(`the world ends with ${world.at(-1)!.trainers} trainers, the job has ${trainers}`);
+  const said = world.filter((c) => c.batchSize !== undefined).length;
+  if (said > 0 && said < world.length) out.push("some of the world's changes say their batch, and some do not");
+  const last = world.at(-1)!.batchSize;
+  if (last !== undefined && batchSize !== undefined && last !== batchSize)
+    out.push(`the world ends with batches of ${last}, the job's are ${batchSize}`);
   return out;
 }
 
-/** The world with a change to `trainers` at `step` (changes at or after it are replaced). */
+/**
+ * The world with a change to `trainers` at `step` (changes at or after it are replaced); with
+ * `batchSize` other than the job's, each trainer's batch changes too, and every change says its own.
+ */
 export function changeWorld(
-  cfg: { trainers: number; world?: readonly WorldChange[] },
+  cfg: { trainers: number; batchSize?: number; world?: readonly WorldChange[] },
   step: number,
   trainers: number,
+  batchSize = cfg.batchSize,
 ): WorldChange[] {
-  const before = worldOf(cfg).filter((c) => c.from < step);
-  if (before.at(-1)?.trainers === trainers) return before;
-  return [...before, { from: step, trainers }];
+  const explicit = batchSize !== cfg.batchSize || worldOf(cfg).some((c) => c.batchSize !== undefined);
+  const said = (c: WorldChange): WorldChange =>
+    explicit ? { from: c.from, trainers: c.trainers, batchSize: c.batchSize ?? cfg.batchSize! } : c;
+  const before = worldOf(cfg)
+    .filter((c) => c.from < step)
+    .map(said);
+  const last = before.at(-1);
+  if (last?.trainers === trainers && last.batchSize === (explicit ? batchSize : undefined)) return before;
+  return [...before, explicit ? { from: step, trainers, batchSize: batchSize! } : { from: step, trainers }];
 }
+
+/** Samples per step of a world's change (its trainers' batches). */
+const rowsOf = (c: WorldChange, batchSize: number): number => c.trainers * (c.batchSize ?? batchSize);
 
 /**
  * Why a snapshot of step `step`, taken by a job configured `was`, cannot resume the job as
@@ -80,7 +104,7 @@ export function worldResumeProblem(
     JSON.stringify(
       worldOf(c)
         .filter((w) => w.from < step)
-        .map((w) => [w.from, w.trainers * c.batchSize]),
+        .map((w) => [w.from, rowsOf(w, c.batchSize)]),
     );
   if (before(now) !== before(was))
     return `it was taken with trainers ${JSON.stringify(worldOf(was))}, and the job's are ${JSON.stringify(worldOf(now))}`;
@@ -131,7 +155,7 @@ export class StepSchedule {
       for (let c = 0; c < samples && (maxSteps <= 0 || step < maxSteps); step++) {
         cursors.push(c);
         epochOf.push(e);
-        c += this.trainersAt(step) * batchSize;
+        c += rowsOf(this.#changeAt(step), batchSize);
       }
     }
     this.totalSteps = step;
@@ -141,8 +165,13 @@ export class StepSchedule {
 
   /** The trainers of step `step` (the world's last count for steps past the job's end). */
   trainersAt(step: number): number {
-    let w = this.#world[0]!.trainers;
-    for (const c of this.#world) if (c.from <= step) w = c.trainers;
+    return this.#changeAt(step).trainers;
+  }
+
+  /** The world's change that holds at `step`. */
+  #changeAt(step: number): WorldChange {
+    let w = this.#world[0]!;
+    for (const c of this.#world) if (c.from <= step) w = c;
     return w;
   }
 
@@ -156,8 +185,9 @@ export class StepSchedule {
       throw new BadRequestError(`step ${step}: the job runs steps 0 to ${this.totalSteps - 1}`);
     const cursor = this.#cursor[step]!,
       epoch = this.#epoch[step]!,
-      trainers = this.trainersAt(step);
-    const rows = Math.min(trainers * this.batchSize, this.samples - cursor);
+      change = this.#changeAt(step),
+      trainers = change.trainers;
+    const rows = Math.min(rowsOf(change, this.batchSize), this.samples - cursor);
     return {
       epoch,
       cursor,
