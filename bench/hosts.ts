@@ -15,7 +15,8 @@
 // bound it (a second table and JSON line). Needs
 // root (namespaces). The model is an MLP wide enough that its gradients load the links, or with
 // --model gpt a GPT with GPT-2's vocabulary (--gpt L,H,C,T: 6 layers, 6 heads, 384 wide, 128
-// tokens, about 30M parameters) on the State of the Union prepared with GPT-2's BPE.
+// tokens, about 30M parameters) on the State of the Union prepared with GPT-2's BPE. --only
+// <text> runs the settings whose names contain it; --logs <dir> keeps each setting's service logs.
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -83,6 +84,8 @@ export async function runHostsBench(argv: string[]): Promise<void> {
     widths: { type: "string", default: "784,1024,1024,10" },
     gpt: { type: "string", default: "6,6,384,128" },
     only: { type: "string", default: "" },
+    // keep each setting's service logs (else they go with the run's temporary folder)
+    logs: { type: "string", default: "" },
     // the all-reduce alone of the model's gradients, no training: what the links cost
     collective: { type: "string", default: "on" },
     quiet: { type: "boolean", default: false },
@@ -128,7 +131,12 @@ export async function runHostsBench(argv: string[]): Promise<void> {
         };
   try {
     await benchRates(
-      { only: String(a.only), quiet: a.quiet === true, collective: a.collective as "on" | "off" | "only" },
+      {
+        only: String(a.only),
+        quiet: a.quiet === true,
+        collective: a.collective as "on" | "off" | "only",
+        logs: String(a.logs),
+      },
       model,
       {
         hosts,
@@ -156,7 +164,7 @@ type ModelChoice =
     };
 
 async function benchRates(
-  a: { only: string; quiet: boolean; collective: "on" | "off" | "only" },
+  a: { only: string; quiet: boolean; collective: "on" | "off" | "only"; logs: string },
   model: ModelChoice,
   o: { hosts: number; perHost: number; steps: number; batch: number; rates: number[] },
 ): Promise<void> {
@@ -182,7 +190,10 @@ async function benchRates(
     const measured: Row[] = [];
     for (const s of picked) {
       try {
-        const r = await runSetting(bed, s, { hosts, perHost, trainers, steps, batch, model });
+        const logDir =
+          a.logs === "" ? undefined : join(a.logs, `${rateText}-${s.name}`.replace(/[^A-Za-z0-9.-]+/g, "-"));
+        if (logDir !== undefined && !a.quiet) console.log(`${rateText} ${s.name}: logs in ${logDir}`);
+        const r = await runSetting(bed, s, { hosts, perHost, trainers, steps, batch, model, logDir });
         measured.push({ rate: rateText, setting: s.name, ...r, vs_ddp: 0, vs_f32: "" });
         if (!a.quiet) console.log(`${rateText} ${s.name}: ${r.samples_per_s} samples/s`);
       } catch (e) {
@@ -371,7 +382,15 @@ const emptyRow = (rate: string, setting: string): Row => ({
 async function runSetting(
   bed: HostBed,
   s: Setting,
-  o: { hosts: number; perHost: number; trainers: number; steps: number; batch: number; model: ModelChoice },
+  o: {
+    hosts: number;
+    perHost: number;
+    trainers: number;
+    steps: number;
+    batch: number;
+    model: ModelChoice;
+    logDir?: string;
+  },
 ): Promise<Omit<Row, "rate" | "setting" | "vs_ddp" | "vs_f32">> {
   const all = Array.from({ length: o.hosts }, (_, i) => i);
   await using mesh = await HostMesh.start(bed, {
@@ -381,6 +400,7 @@ async function runSetting(
     trainerHosts: all,
     trainersPerHost: o.perHost,
     labels: s.flat ? "one" : "host",
+    ...(o.logDir === undefined ? {} : { logDir: o.logDir }),
   });
   await using client = await MeshClient.connect(mesh.urls(0), { connectRetryMsMax: 30_000 });
   await mesh.untilUp(client, 120_000);

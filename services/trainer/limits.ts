@@ -7,6 +7,10 @@ export const pullTimeoutMs = 130_000;
  *  one lost on a route to a NATS server cut off costs this, not the whole timeout. Both are
  *  idempotent; a shard keeps the waiting pulls of one trainer until they are answered together. */
 export const reaskMs = 10_000;
+/** Messages of one push or pull a trainer keeps in flight to each shard: a shard's server
+ *  buffers at most trainers x this x max_payload for it (a client whose buffer passes the
+ *  server's max_pending is dropped as a slow consumer: services/runtime/mesh/nats-server.ts). */
+export const psMessagesInFlight = 2;
 /** Push, batch and checkpoint requests. */
 export const requestTimeoutMs = 30_000;
 /** A checkpoint save reads every shard and writes with fsync: allow for a large model. */

@@ -730,3 +730,68 @@ describe("compressed pushes and pulls", () => {
     });
   });
 });
+
+describe("a trainer's pushes and pulls over a MemoryBus", () => {
+  test("a push or pull of many messages keeps at most psMessagesInFlight of them in flight to each shard, and every chunk arrives", async () => {
+    const { ParameterServer } = await import("../../services/parameter-server/service.ts");
+    const { MemoryBus } = await import("../../services/runtime/mesh/bus.ts");
+    const { PsClient } = await import("../../services/trainer/ps-client.ts");
+    const { psMessagesInFlight } = await import("../../services/trainer/limits.ts");
+    const { planLayout } = await import("../../services/runtime/job/plan.ts");
+    // 2 shards, messages of one 4 KiB chunk each: 6 messages a shard
+    const cfg = job({
+      model: { kind: "mlp", widths: [784, 16, 10], dropout: 0 },
+      trainers: 1,
+      shards: 2,
+      sync: "asp",
+      optimizer: plainSgd,
+    });
+    const spec = specOf(cfg);
+    const bus = new MemoryBus();
+    const servers = [0, 1].map((k) => new ParameterServer(bus, k, be, undefined, 8_000));
+    for (const ps of servers) {
+      ps.serve();
+      await ps.openJob(spec);
+    }
+    const inFlight = new Map<string, number>();
+    const most = new Map<string, number>();
+    const request = bus.request.bind(bus);
+    bus.request = async (subject: string, data: Uint8Array, timeoutMs: number) => {
+      if (!subject.startsWith("mt.t.t.ps.")) return await request(subject, data, timeoutMs);
+      const shard = subject.split(".").slice(0, 6).join("."); // mt.t.t.ps.<k>.<push|pull>
+      inFlight.set(shard, (inFlight.get(shard) ?? 0) + 1);
+      most.set(shard, Math.max(most.get(shard) ?? 0, inFlight.get(shard)!));
+      try {
+        await Bun.sleep(1); // the answer takes a while: the next messages would all be sent meanwhile
+        return await request(subject, data, timeoutMs);
+      } finally {
+        inFlight.set(shard, inFlight.get(shard)! - 1);
+      }
+    };
+    const layout = planLayout(cfg, spec.plan!);
+    const client = new PsClient(bus, layout, 0, 8_000);
+    const n = spec.plan!.slabNumel;
+    const before = new Float32Array(n);
+    await client.pull(0, before);
+    const grads = Float32Array.from({ length: n }, (_, i) => (i % 7) - 3);
+    const reply = await client.push(0, grads);
+    expect(reply.accepted).toBe(layout.chunks.length);
+    const after = new Float32Array(n);
+    await client.pull(1, after);
+    // ASP, plain SGD: every value moved by -lr g, so every chunk was pulled and pushed
+    const lr = cfg.lr;
+    let worst = 0;
+    for (let i = 0; i < n; i++) worst = Math.max(worst, Math.abs(after[i]! - (before[i]! - lr * grads[i]!)));
+    expect(worst).toBeLessThan(1e-6);
+    const messages = layout.byShard.map((ids: number[]) => ids.length);
+    expect(Math.min(...messages)).toBeGreaterThan(psMessagesInFlight);
+    expect(Object.fromEntries(most)).toEqual({
+      "mt.t.t.ps.0.pull": psMessagesInFlight,
+      "mt.t.t.ps.0.push": psMessagesInFlight,
+      "mt.t.t.ps.1.pull": psMessagesInFlight,
+      "mt.t.t.ps.1.push": psMessagesInFlight,
+    });
+    for (const ps of servers) ps.stop();
+    await bus.close();
+  });
+});

@@ -89,6 +89,14 @@ const clusterConf = (c: NatsClusterOptions, host: string): string =>
     "}",
   ].join("\n");
 
+/**
+ * A client's outbound buffer on the server (max_pending): past it, the server drops the client
+ * as a slow consumer. A shard takes every trainer's push at once (a trainer keeps at most
+ * psMessagesInFlight messages in flight to each shard), so 32 messages of max_payload: 256 MiB at
+ * 8 MiB (NATS's own default, 64 MiB, dropped a GPT's shards under 8 trainers' pushes).
+ */
+export const maxPendingBytes = (maxPayloadBytes: number): number => Math.max(256 << 20, maxPayloadBytes * 32);
+
 export const natsServerDefaults: NatsServerOptions = {
   maxPayloadBytes: 8 << 20,
   jetstream: true,
@@ -167,8 +175,7 @@ async function startOn(opts: NatsServerOptions, port: number): Promise<NatsServe
   const conf = [
     `listen: "${host}:${port}"`,
     `max_payload: ${opts.maxPayloadBytes}`,
-    // the mesh's largest messages are max_payload; give the write path room for a few
-    `max_pending: ${Math.max(64 << 20, opts.maxPayloadBytes * 8)}`,
+    `max_pending: ${maxPendingBytes(opts.maxPayloadBytes)}`,
     opts.jetstream ? `jetstream { store_dir: "${join(dir, "js")}" }` : "",
     opts.cluster ? clusterConf(opts.cluster, host) : "",
     opts.monitorPort === undefined ? "" : `http: "${host}:${opts.monitorPort}"`,
