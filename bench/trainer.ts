@@ -46,9 +46,7 @@ import { loadCorpus } from "../engine/data/corpus.ts";
 import { ImageBatcher } from "../engine/data/images.ts";
 import { loadMnist } from "../engine/data/mnist.ts";
 import { TokenBatcher } from "../engine/data/tokens.ts";
-import { AdamW } from "../engine/optim/adamw.ts";
-import type { Optimizer } from "../engine/optim/optimizer.ts";
-import { Sgd } from "../engine/optim/sgd.ts";
+import { optimizerOf } from "../engine/optim/choose.ts";
 import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/tensor.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";
@@ -661,16 +659,7 @@ function singleProcessRate(
     batches = () => batcher.random(rng);
   }
   const model = buildModel(ctx, cfg, plan);
-  const o = cfg.optimizer;
-  const optimizer: Optimizer =
-    o.kind === "sgd"
-      ? new Sgd(ctx, model.store, {
-          momentum: o.momentum,
-          dampening: 0,
-          nesterov: o.nesterov,
-          weightDecay: o.weightDecay,
-        })
-      : new AdamW(ctx, model.store, { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weightDecay: o.weightDecay });
+  const optimizer = optimizerOf(ctx, model.store, cfg.optimizer);
   const trainer = new TrainStep(ctx, model, optimizer, {
     lr: cfg.lr,
     schedule: { kind: "constant" },

@@ -51,11 +51,10 @@ import type { Allocation, Backend, Ptr } from "../../ffi/backend.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { EngineError, NonFiniteLossError } from "../errors.ts";
 import type { Model } from "../models/model.ts";
-import { AdamW } from "../optim/adamw.ts";
 import { LossScaler } from "../optim/loss-scale.ts";
 import { clipFactor } from "../optim/clip.ts";
 import type { Optimizer, UpdatePlan } from "../optim/optimizer.ts";
-import { Sgd } from "../optim/sgd.ts";
+import { optimizerOf } from "../optim/choose.ts";
 import type { ParamEntry, ParamStore } from "../params.ts";
 import { Context, type Tensor } from "../tensor.ts";
 import { forwardPass, type HostBatch, LossSlots, unscaleAndClip, uploadBatch } from "../train.ts";
@@ -342,26 +341,7 @@ export class DataParallel {
     }
     const opt = o.optimizer;
     const [optCtx, optStore] = this.#host ? [this.#host.ctx, this.#host.store] : [this.#hostPart?.ctx ?? ctx, store];
-    this.optimizer =
-      opt.kind === "sgd"
-        ? new Sgd(
-            optCtx,
-            optStore,
-            { momentum: opt.momentum, dampening: 0, nesterov: opt.nesterov, weightDecay: opt.weightDecay },
-            plan,
-          )
-        : new AdamW(
-            optCtx,
-            optStore,
-            {
-              beta1: opt.beta1,
-              beta2: opt.beta2,
-              eps: opt.eps,
-              weightDecay: opt.weightDecay,
-              sparse: this.codec.kind === "topk",
-            },
-            plan,
-          );
+    this.optimizer = optimizerOf(optCtx, optStore, opt, { plan, sparse: this.codec.kind === "topk" });
     this.scaler = ctx.precision === "f16" ? new LossScaler() : null;
   }
 

@@ -12,6 +12,7 @@
 // The protocol around it (versions, clocks, pulls that wait, duplicates, the norm agreement
 // between shards, snapshots) is services/parameter-server/shard.ts's; the requests are
 // services/trainer/ps-client.ts's; chunk-codec.ts maps an EncodedGradient onto a Chunk message.
+import type { OptimizerSpec } from "../optim/choose.ts";
 import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { hostKernels } from "../../ffi/cpu/host.ts";
 import { clipFactor } from "../optim/clip.ts";
@@ -170,10 +171,8 @@ export class PushEncoder {
   }
 }
 
-/** The optimizer a shard applies (PyTorch's AdamW and SGD; each chunk counts its own steps). */
-export type ShardOptimizerConfig =
-  | { kind: "adamw"; beta1: number; beta2: number; eps: number; weightDecay: number }
-  | { kind: "sgd"; momentum: number; nesterov: boolean; weightDecay: number };
+/** The optimizer a shard applies (PyTorch's AdamW and SGD, as engine/optim/choose.ts names them; each chunk counts its own steps). */
+export type ShardOptimizerConfig = OptimizerSpec;
 
 /** A chunk a shard owns: its elements, the first decayCount of which take weight decay. */
 export interface ShardChunk {

@@ -8,10 +8,9 @@ import { loadMnist } from "../../engine/data/mnist.ts";
 import { trainValSplit } from "../../engine/data/sampler.ts";
 import { saveModelFile } from "../../engine/modelfile.ts";
 import { type MlpConfig, MlpModel } from "../../engine/models/mlp.ts";
-import { AdamW } from "../../engine/optim/adamw.ts";
 import type { Optimizer } from "../../engine/optim/optimizer.ts";
 import { checkSchedule, scheduleOf } from "../../engine/optim/schedule.ts";
-import { Sgd } from "../../engine/optim/sgd.ts";
+import { optimizerOf } from "../../engine/optim/choose.ts";
 import { ConfigError } from "../../engine/errors.ts";
 import type { Precision } from "../../engine/mixed.ts";
 import { Context } from "../../engine/tensor.ts";
@@ -78,14 +77,13 @@ export interface MlpRunResult {
 }
 
 export function makeOptimizer(ctx: Context, model: MlpModel, o: MlpRunOptions): Optimizer {
-  return o.optimizer === "sgd"
-    ? new Sgd(ctx, model.store, {
-        momentum: o.momentum,
-        dampening: 0,
-        nesterov: o.nesterov,
-        weightDecay: o.weightDecay,
-      })
-    : new AdamW(ctx, model.store, { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: o.weightDecay });
+  return optimizerOf(
+    ctx,
+    model.store,
+    o.optimizer === "sgd"
+      ? { kind: "sgd", momentum: o.momentum, nesterov: o.nesterov, weightDecay: o.weightDecay }
+      : { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: o.weightDecay },
+  );
 }
 
 export function runMlp(o: MlpRunOptions): MlpRunResult {

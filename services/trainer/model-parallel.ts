@@ -21,9 +21,8 @@
 import type { Backend } from "../../ffi/backend.ts";
 import { EngineError } from "../../engine/errors.ts";
 import { type GptConfig, gptParamSpecs } from "../../engine/models/gpt.ts";
-import { AdamW } from "../../engine/optim/adamw.ts";
 import type { Optimizer } from "../../engine/optim/optimizer.ts";
-import { Sgd } from "../../engine/optim/sgd.ts";
+import { optimizerOf } from "../../engine/optim/choose.ts";
 import { slabLayoutOf } from "../../engine/params.ts";
 import { CollectiveClosedError } from "../../engine/parallel/collective.ts";
 import { compareCopies } from "../../engine/parallel/data-parallel.ts";
@@ -109,21 +108,7 @@ export class ModelParallelReplica {
     let optimizer: Optimizer | null = null;
     this.#rank = modelParallelRank({
       ...this.#common(0),
-      optimizer: (m) =>
-        (optimizer =
-          opt.kind === "sgd"
-            ? new Sgd(o.ctx, m.store, {
-                momentum: opt.momentum,
-                dampening: 0,
-                nesterov: opt.nesterov,
-                weightDecay: opt.weightDecay,
-              })
-            : new AdamW(o.ctx, m.store, {
-                beta1: opt.beta1,
-                beta2: opt.beta2,
-                eps: opt.eps,
-                weightDecay: opt.weightDecay,
-              })),
+      optimizer: (m) => (optimizer = optimizerOf(o.ctx, m.store, opt)),
     });
     this.optimizer = optimizer!;
     this.#all = shareRuns(this.model, whole.entries, "all");

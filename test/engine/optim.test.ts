@@ -4,6 +4,8 @@ import { describe, expect, test } from "bun:test";
 import { GptModel } from "../../engine/models/gpt.ts";
 import { MlpModel } from "../../engine/models/mlp.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
+import { optimizerOf } from "../../engine/optim/choose.ts";
+import type { Optimizer } from "../../engine/optim/optimizer.ts";
 import { clipGradNorm, gradNorm } from "../../engine/optim/clip.ts";
 import { lrAt, scaleLrForBatch, scheduleOf } from "../../engine/optim/schedule.ts";
 import { Sgd, type SgdConfig } from "../../engine/optim/sgd.ts";
@@ -133,6 +135,52 @@ describe("SGD (torch.optim.SGD rules)", () => {
     expect(() => new Sgd(ctx, store, { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: -1 })).toThrow(
       ConfigError,
     );
+  });
+});
+
+describe("optimizerOf: the optimizer a spec names", () => {
+  test.each([
+    ["sgd", { kind: "sgd", momentum: 0.9, nesterov: true, weightDecay: 0.1 }, ["momentum"]],
+    ["adamw", { kind: "adamw", beta1: 0.8, beta2: 0.99, eps: 1e-6, weightDecay: 0.1 }, ["m", "v"]],
+  ] as const)("%s: three steps as the class built by hand, the same state", (_, spec, state) => {
+    const run = (make: (ctx: Context, store: ParamStore) => Optimizer) => {
+      const ctx = newContext();
+      const { store, setGrads, values } = tinyStore(ctx);
+      const opt = make(ctx, store);
+      for (const g of grads) {
+        setGrads(g.w, g.b);
+        opt.step(0.1);
+      }
+      return { values: values(), name: opt.name, state: opt.stateSlabs().map((x) => x.name) };
+    };
+    const byHand = run((ctx, store) =>
+      spec.kind === "sgd"
+        ? new Sgd(ctx, store, { momentum: 0.9, dampening: 0, nesterov: true, weightDecay: 0.1 })
+        : new AdamW(ctx, store, { beta1: 0.8, beta2: 0.99, eps: 1e-6, weightDecay: 0.1 }),
+    );
+    const chosen = run((ctx, store) => optimizerOf(ctx, store, spec));
+    expect(chosen).toEqual(byHand);
+    expect(chosen.name).toBe(spec.kind);
+    expect(chosen.state).toEqual([...state]);
+  });
+
+  test("sparse gradients (top-k): AdamW keeps each coordinate's age; SGD has no such state", () => {
+    const ctx = newContext();
+    const { store } = tinyStore(ctx);
+    const adamw = optimizerOf(
+      ctx,
+      store,
+      { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0 },
+      { sparse: true },
+    );
+    expect(adamw.stateSlabs().map((x) => x.name)).toEqual(["m", "v", "age"]);
+    const sgd = optimizerOf(
+      ctx,
+      store,
+      { kind: "sgd", momentum: 0, nesterov: false, weightDecay: 0 },
+      { sparse: true },
+    );
+    expect(sgd.stateSlabs().map((x) => x.name)).toEqual(["momentum"]);
   });
 });
 
