@@ -17,7 +17,6 @@
 // each push as it comes: there the trainer clips its own gradient, whose norm is the global
 // norm of that update.)
 import type { Backend } from "../../ffi/backend.ts";
-import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
 import {
   DType,
   type Chunk,
@@ -34,10 +33,10 @@ import { parseCompression } from "../../engine/parallel/compress.ts";
 import { ShardOptimizer } from "../../engine/parallel/parameter-server.ts";
 import { decodeChunk, fillParams, pushDType } from "../runtime/transport/chunk-codec.ts";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/mesh/errors.ts";
-import { type JobConfig, peakLr, shardsClip } from "../runtime/job/job.ts";
+import { type JobConfig, shardsClip } from "../runtime/job/job.ts";
 import { worldOf } from "../runtime/job/world.ts";
 import type { ChunkInfo, Layout } from "../runtime/job/layout.ts";
-import { jobSchedule } from "../runtime/job/plan.ts";
+import { jobLr } from "../runtime/job/plan.ts";
 import { pullWaitersMax, pullWaitMsMax } from "./limits.ts";
 import { implausibleStateText, plausibleState } from "../runtime/job/limits.ts";
 
@@ -92,7 +91,7 @@ export class ParameterShard {
   /** per trainer: step -> chunks of this shard received for it */
   readonly #received: Map<number, number>[];
   readonly #waiters = new Set<Waiter>();
-  readonly #schedule: Schedule;
+  readonly #lr: (step: number) => number;
   #disposed = false;
   /** the chunk dtype this job's compression pushes (F32 is always accepted) */
   readonly #pushDType: DType;
@@ -125,7 +124,7 @@ export class ParameterShard {
     this.#clock = new Float64Array(W);
     this.#received = Array.from({ length: W }, () => new Map());
     const c = o.config;
-    this.#schedule = jobSchedule(c, o);
+    this.#lr = jobLr(c, o);
     this.#agreeNorm = o.agreeNorm;
   }
 
@@ -305,7 +304,7 @@ export class ParameterShard {
    */
   #accumulate(slot: ChunkSlot, grad: number, step: number): void {
     const need = this.#cfg.sync === "bsp" ? this.#cfg.trainers : this.#cfg.batchPushes;
-    const lr = () => lrAt(this.#schedule, peakLr(this.#cfg), step);
+    const lr = () => this.#lr(step);
     const clip = shardsClip(this.#cfg);
     if (need === 1 && !clip) {
       this.#math.apply(slot.index, lr(), slot.version, { staged: grad });

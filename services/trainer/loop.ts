@@ -23,7 +23,6 @@
 // events until the job has ended, so a restarted rank 0 still hears them.
 import type { Backend } from "../../ffi/backend.ts";
 import { CudaBackend } from "../../ffi/cuda/backend.ts";
-import { lrAt, type Schedule } from "../../engine/optim/schedule.ts";
 import { Context } from "../../engine/tensor.ts";
 import { autocastDType } from "../../engine/mixed.ts";
 import type { HostBatch } from "../../engine/train.ts";
@@ -57,7 +56,6 @@ import {
   type JobConfig,
   jobOfRequest,
   modelParallel,
-  peakLr,
   stepScheduleOf,
   subjects,
   usesShards,
@@ -68,7 +66,7 @@ import type { JobControl } from "../runtime/job/jobs.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { pause } from "../runtime/mesh/pause.ts";
 import { buildModel } from "../runtime/job/model.ts";
-import { checkPlanLayout, jobSchedule } from "../runtime/job/plan.ts";
+import { checkPlanLayout, jobLr } from "../runtime/job/plan.ts";
 import {
   checkpointTimeoutMs,
   scheduledSnapshotTimeoutMs,
@@ -140,7 +138,7 @@ export class TrainerRun {
   readonly #plan: DataPlan;
   /** each step's epoch, samples and world (services/runtime/job/world.ts) */
   readonly #steps: StepSchedule;
-  readonly #schedule: Schedule;
+  readonly #lr: (step: number) => number;
   #stopped = false;
   /** aborted when the run is stopped (the job was closed), to end waits at once */
   readonly #stopSignal = new AbortController();
@@ -180,7 +178,7 @@ export class TrainerRun {
     this.#ctx = new Context(o.backend, { seed: o.cfg.seed * 1000 + dropoutRank, precision: o.cfg.precision });
     this.#plan = o.plan;
     this.#steps = stepScheduleOf(o.cfg, o.plan.trainSamples);
-    this.#schedule = jobSchedule(o.cfg, o.plan);
+    this.#lr = jobLr(o.cfg, o.plan);
     const mp = modelParallel(o.cfg)
       ? new ModelParallelReplica({
           bus: o.bus,
@@ -226,7 +224,7 @@ export class TrainerRun {
       boundary: (step) => this.#boundary(step),
       checkGeneration: (step, generation) => this.#checkGeneration(step, generation),
       publish: (e) => this.#publish(e),
-      lr: (step) => lrAt(this.#schedule, peakLr(o.cfg), step),
+      lr: this.#lr,
       rowsAt: (step) => this.#steps.at(step).rows,
       restorePending: () => this.#restoreTo !== null,
       generation: () => this.#generation,

@@ -2,10 +2,10 @@
 // submitted and carried in its spec (JobSpec.plan). The data-loader computes it (it alone reads
 // the data: `mt.ctl.plan`); trainers and parameter-server shards read the step count,
 // the vocabulary and the parameter vector's layout from the spec, never from the data files.
-import { scheduleOf, type Schedule } from "../../../engine/optim/schedule.ts";
+import { lrAt, scheduleOf, type Schedule } from "../../../engine/optim/schedule.ts";
 import type { DataPlan, JobSpec } from "../../../schemas/messages.ts";
 import { BadRequestError, CorruptDataError } from "../mesh/errors.ts";
-import { dataRanks, type JobConfig, stepScheduleOf } from "./job.ts";
+import { dataRanks, type JobConfig, peakLr, stepScheduleOf } from "./job.ts";
 import { buildLayout, type Layout } from "./layout.ts";
 import { initialParameters } from "./model.ts";
 
@@ -63,6 +63,14 @@ export function planOfSpec(spec: JobSpec): DataPlan {
 /** The learning-rate schedule of a job: its kind over the plan's steps (trainers and shards alike). */
 export const jobSchedule = (cfg: JobConfig, plan: Pick<DataPlan, "totalSteps">): Schedule =>
   scheduleOf(cfg.schedule, cfg.warmupSteps, plan.totalSteps, cfg.minLr);
+
+/** The job's learning rate at each step: its schedule over the plan's steps, peaking at peakLr
+ *  (what the trainers report and, in parameter-server mode, what the shards apply). */
+export function jobLr(cfg: JobConfig, plan: Pick<DataPlan, "totalSteps">): (step: number) => number {
+  const schedule = jobSchedule(cfg, plan);
+  const peak = peakLr(cfg);
+  return (step) => lrAt(schedule, peak, step);
+}
 
 /** The chunk layout of the job's parameter vector, as the plan states its size. */
 export const planLayout = (cfg: JobConfig, plan: DataPlan): Layout =>
