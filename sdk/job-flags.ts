@@ -18,6 +18,14 @@ import type { PreviousRun } from "./client.ts";
 import { stamp } from "./format.ts";
 import { float, int, intList, userPath } from "./options.ts";
 
+const zeroStages = [0, 1, 2, 3] as const;
+/** "0".."3" -> the ZeRO stage (a number the config takes as it is). */
+function zeroStage(raw: string): JobConfig["zero"] {
+  const stage = zeroStages.find((s) => String(s) === raw.trim());
+  if (stage === undefined) throw new InvalidArgumentError(`Allowed choices are ${zeroStages.join(", ")}.`);
+  return stage;
+}
+
 const d = jobDefaults;
 const g = gptJobDefaults;
 const gm = g.model as Extract<JobConfig["model"], { kind: "gpt" }>;
@@ -90,8 +98,8 @@ export function jobOptions(cmd: Command): Command {
         "--zero <stage>",
         "allreduce: ZeRO stage; 0: every trainer holds everything; 1: the optimizer state is partitioned among the trainers; 2: the gradients too; 3: the parameters too (gathered per bucket as forward and backward need them)",
       )
-        .choices(["0", "1", "2", "3"])
-        .default(String(d.zero)),
+        .argParser(zeroStage)
+        .default(d.zero),
     )
     .option(
       "--pipeline-stages <P>",
@@ -288,7 +296,7 @@ export interface JobFlags {
   bucketMb: number;
   replicaCheckEvery: number;
   collTransport: JobConfig["collTransport"];
-  zero: string;
+  zero: JobConfig["zero"];
   compress: string;
   offload: JobConfig["offload"];
   scaleLr: boolean;
@@ -396,7 +404,7 @@ export function jobConfigOf(f: JobFlags): JobConfig {
     bucketMb: f.bucketMb,
     replicaCheckEvery: f.replicaCheckEvery,
     collTransport: f.collTransport,
-    zero: Number(f.zero) as JobConfig["zero"],
+    zero: f.zero,
     compress: f.compress,
     offload: f.offload,
     scaleLr: f.scaleLr,
