@@ -1,6 +1,6 @@
 // `bun run bench engine --config small|nanogpt-char|gpt2-small`: one GPT training step (AdamW,
 // clip 1.0) at nanoGPT's shapes, its tokens/s and its memory (the pass's measured peak beside
-// the analytic count of engine/memory.ts, everything the backend holds, the process's peak RSS),
+// the analytic count of engine/memory-estimate.ts, everything the backend holds, the process's peak RSS),
 // and PyTorch on the same shape in the same run (bench/torch_step.py): on a CPU Debian's
 // PyTorch at the same thread count, attention written out; on a GPU eager with attention written
 // out, eager with SDPA, and torch.compile. Ratios are ours / PyTorch's.
@@ -13,7 +13,7 @@ import type { Backend } from "../ffi/backend.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { CudaBackend } from "../ffi/cuda/backend.ts";
 import { ConfigError } from "../engine/errors.ts";
-import { gptMemory } from "../engine/memory.ts";
+import { gptMemory } from "../engine/memory-estimate.ts";
 import { autocastDType, type Precision } from "../engine/mixed.ts";
 import { type GptConfig, GptModel } from "../engine/models/gpt.ts";
 import { AdamW, adamwDefaults } from "../engine/optim/adamw.ts";
@@ -48,7 +48,7 @@ export interface ConfigBenchRow {
   tokens_per_s: number;
   /** the pass's working memory at its peak (ours: the arena), MiB */
   act_peak_mib: number | string;
-  /** the analytic count of the same (engine/memory.ts) */
+  /** the analytic count of the same (engine/memory-estimate.ts) */
   act_predicted_mib: number | string;
   /** device memory: the most the backend held (ours: on a GPU the caching allocator's peak, cached
    *  blocks included), torch.cuda.max_memory_allocated (PyTorch) */

@@ -14,7 +14,7 @@ import { type GptConfig, GptModel } from "../engine/models/gpt.ts";
 import { AdamW } from "../engine/optim/adamw.ts";
 import { type ModelLayout, modelParallelRank, modelParallelRings } from "../engine/parallel/pipeline.ts";
 import { PieceRouter, RingGroup, ringDefaults } from "../engine/parallel/ring.ts";
-import type { PipeSchedule } from "../engine/parallel/schedule.ts";
+import type { PipeSchedule } from "../engine/parallel/pipeline-order.ts";
 import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/tensor.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";

@@ -5,7 +5,7 @@
 // shows where the host is slower than the GPU).
 import type { Backend } from "../ffi/backend.ts";
 import type { GptConfig } from "../engine/models/gpt.ts";
-import { gptParamCount } from "../engine/memory.ts";
+import { gptParamCount } from "../engine/memory-estimate.ts";
 
 /**
  * FLOPs of one training step, as nanoGPT's estimate_mfu counts them (and PaLM's appendix B):

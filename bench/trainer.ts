@@ -60,7 +60,7 @@ import {
 } from "../services/runtime/job/job.ts";
 import { buildModel } from "../services/runtime/job/model.ts";
 import { type JobStatus, MeshClient } from "../sdk/client.ts";
-import { LocalMesh } from "../sdk/launcher.ts";
+import { LocalMesh } from "../sdk/local-mesh.ts";
 import { type JobOutcome, watchJob } from "../sdk/watch.ts";
 import { EventKind } from "../schemas/messages.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";

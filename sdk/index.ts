@@ -10,7 +10,7 @@ import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../
 
 export { MeshClient, type JobStatus, type PreviousRun, EventKind, JobState } from "./client.ts";
 export { watchJob, JobFailedError, type JobOutcome, type WatchOptions } from "./watch.ts";
-export { LocalMesh, type MeshOptions } from "./launcher.ts";
+export { LocalMesh, type MeshOptions } from "./local-mesh.ts";
 export type { MetricsEndpoint, MeshMembers } from "../services/runtime/mesh/discovery.ts";
 export type { Event, JobRecord, Manifest } from "../schemas/messages.ts";
 export { type JobConfig, parseJobConfig, jobDefaults, gptJobDefaults } from "../services/runtime/job/job.ts";

@@ -1,80 +1,489 @@
-// How client commands find the mesh to talk to: --nats-url, else $MT_NATS_URL, else a mesh that
-// `meshtrain mesh up` runs on this machine (it leaves a note of its URL while it runs), else
-// nats://127.0.0.1:4222 (where `mesh up` listens by default).
-import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+// The local launcher: reads deploy/docker-compose.yml (the single source of the topology) and
+// starts the same services as local processes, next to an embedded nats-server. The compose
+// file's trainer and parameter-server entries are templates: the launcher starts as many ranks
+// and shards as asked for, each with its own MT_RANK or MT_SHARD.
+//
+// Lifetimes: every child runs in its own session (a terminal's Ctrl-C reaches only the launcher,
+// which stops the services, then NATS, in order) and gets SIGTERM from the kernel if the launcher
+// dies without stopping them (util-linux's setpriv --pdeathsig): nothing outlives the launcher.
+// A service that dies is restarted, as `restart: on-failure` does in compose: after a pause that
+// doubles with each quick failure in a row (RestartPolicy), and at most `budget` times within a
+// sliding window; past that the launcher gives up on it and says why, with the last error the
+// service wrote (onGiveUp: the CLI fails the running jobs with it). Each service's output goes to one log file per launch;
+// lines about a job can also be copied into that job's own log folder.
+import { createWriteStream, mkdirSync, mkdtempSync, readFileSync, rmSync, type WriteStream } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import type { Subprocess } from "bun";
+import { parse } from "yaml";
 import { z } from "zod";
-import { clientUser } from "../services/runtime/job/roles.ts";
+import { jobIdPattern } from "../services/runtime/job/job.ts";
+import { type NatsServer, startNatsServer } from "../services/runtime/mesh/nats-server.ts";
+import { type Credentials, clientUser, makeCredentials, type RoleName } from "../services/runtime/job/roles.ts";
+import { configExitCode } from "../services/runtime/mesh/service.ts";
+import { orAfter } from "../services/runtime/mesh/timers.ts";
 
-export const defaultNatsUrl = "nats://127.0.0.1:4222";
+export const composePath = join(import.meta.dir, "..", "deploy", "docker-compose.yml");
+const root = join(import.meta.dir, "..");
 
-/** creds: the folder of the mesh's users' nkey seeds (a mesh with roles) */
-const noteSchema = z.object({ url: z.string(), pid: z.number().int(), dir: z.string(), creds: z.string().optional() });
-export type LocalMeshNote = z.infer<typeof noteSchema>;
-
-/** The note's path: per user, in the runtime folder when there is one. */
-export function localMeshNotePath(): string {
-  const uid = typeof process.getuid === "function" ? process.getuid() : 0;
-  return join(process.env.XDG_RUNTIME_DIR || tmpdir(), `meshtrain-${uid}`, "mesh.json");
+/** When the launcher restarts a service that died, and when it gives up. */
+export interface RestartPolicy {
+  /** pause before the first restart of a failure streak; each quick failure after it doubles it */
+  baseDelayMs: number;
+  maxDelayMs: number;
+  /** restarts allowed within windowMs before the launcher gives up on the service */
+  budget: number;
+  windowMs: number;
+  /** a run this long was healthy: the next failure starts a new streak (the base pause) */
+  healthyRunMs: number;
 }
 
-/** Whether a process of that id runs (one of another user's counts). */
-export const alive = (pid: number): boolean => {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch (e) {
-    return (e as NodeJS.ErrnoException).code === "EPERM";
-  }
+export const restartDefaults: RestartPolicy = {
+  baseDelayMs: 500,
+  maxDelayMs: 30_000,
+  budget: 10,
+  windowMs: 10 * 60_000,
+  healthyRunMs: 60_000,
 };
 
-/** The mesh `mesh up` runs on this machine now, if any (a note left by a dead one is ignored). */
-export function findLocalMesh(): LocalMeshNote | null {
-  const path = localMeshNotePath();
-  if (!existsSync(path)) return null;
-  try {
-    const note = noteSchema.parse(JSON.parse(readFileSync(path, "utf8")));
-    return alive(note.pid) ? note : null;
-  } catch {
-    return null; // a note we cannot read is as good as none
+/** One service's restarts: the pause before the next, or null once the window's budget is spent. */
+export class RestartTracker {
+  readonly #times: number[] = [];
+  #streak = 0;
+
+  constructor(readonly policy: RestartPolicy) {}
+
+  /** restarts within the window, as of the last call */
+  get recent(): number {
+    return this.#times.length;
+  }
+
+  /** A run that lasted `ranMs` ended at `nowMs`: the pause before restarting it, or null (give up). */
+  next(nowMs: number, ranMs: number): number | null {
+    const p = this.policy;
+    while (this.#times.length > 0 && this.#times[0]! <= nowMs - p.windowMs) this.#times.shift();
+    if (this.#times.length >= p.budget) return null;
+    this.#streak = ranMs >= p.healthyRunMs ? 0 : this.#streak + 1;
+    this.#times.push(nowMs);
+    return Math.min(p.maxDelayMs, p.baseDelayMs * 2 ** Math.max(0, this.#streak - 1));
   }
 }
 
-/** Leaves the note (mesh up); returns a function that removes it if it is still ours. */
-export function announceLocalMesh(note: LocalMeshNote): () => void {
-  const path = localMeshNotePath();
-  mkdirSync(join(path, ".."), { recursive: true, mode: 0o700 });
-  writeFileSync(path, JSON.stringify(note), { mode: 0o600 });
-  return () => {
-    if (findLocalMesh()?.pid === note.pid || !existsSync(path)) rmSync(path, { force: true });
-  };
+/** The error a service last reported: a pino line at level error or fatal (its err, else its msg), or a crash's "SomeError: text" line. */
+export function errorOfLine(line: string): string | null {
+  if (line.startsWith("{")) {
+    try {
+      const o = JSON.parse(line) as { level?: unknown; err?: unknown; msg?: unknown };
+      if (o.level !== "error" && o.level !== "fatal" && o.level !== 50 && o.level !== 60) return null;
+      const text = [o.msg, o.err].filter((x) => typeof x === "string" && x !== "").join(": ");
+      return text === "" ? null : text;
+    } catch {
+      return null;
+    }
+  }
+  const m = /^\s*([A-Z]\w*(?:Error|Exception)): (.+)$/.exec(line);
+  return m ? `${m[1]}: ${m[2]}` : null;
+}
+/** How long the services of a fresh mesh get to register (start-up on a loaded machine). */
+export const membersWaitMs = 60_000;
+/** How long services get to drain after SIGTERM before they are killed. */
+export const stopGraceMs = 10_000;
+/** Per-job log files kept open at once (mesh up): the oldest is closed first. */
+const jobLogFilesMax = 64;
+
+const composeSchema = z
+  .object({
+    services: z.record(
+      z.string(),
+      z
+        .object({
+          image: z.string().optional(),
+          command: z.array(z.string()).optional(),
+          environment: z.record(z.string(), z.union([z.string(), z.number(), z.boolean()])).optional(),
+        })
+        .loose(),
+    ),
+  })
+  .loose();
+
+export interface ServiceSpec {
+  name: string;
+  /** argv, `bun` replaced by this Bun */
+  argv: string[];
+  env: Record<string, string>;
 }
 
-/** The NATS URL a client command uses, and where it came from (said when it cannot connect). */
-export function resolveNatsUrl(flag: string | undefined): { url: string; from: string } {
-  if (flag) return { url: flag, from: "--nats-url" };
-  if (process.env.MT_NATS_URL) return { url: process.env.MT_NATS_URL, from: "$MT_NATS_URL" };
-  const local = findLocalMesh();
-  if (local)
-    return { url: local.url, from: `the local mesh of pid ${local.pid} (meshtrain mesh up --dir ${local.dir})` };
-  return { url: defaultNatsUrl, from: "the default" };
+/** The services of the compose file that run meshtrain code (not the NATS server itself). */
+export function readTopology(path = composePath): ServiceSpec[] {
+  const doc = composeSchema.parse(parse(readFileSync(path, "utf8"), { merge: true }));
+  return Object.entries(doc.services)
+    .filter(([, s]) => s.command?.[0] === "bun")
+    .map(([name, s]) => ({
+      name,
+      argv: [process.execPath, ...s.command!.slice(1).map((a) => (a.endsWith(".ts") ? join(root, a) : a))],
+      env: Object.fromEntries(Object.entries(s.environment ?? {}).map(([k, v]) => [k, String(v)])),
+    }));
 }
 
 /**
- * The nkey seed file a client command connects with: --nats-nkey, else $MT_NATS_NKEY, else, for
- * the mesh `mesh up` runs here, its own user for `role` (client; admin for restore and resize).
+ * The topology with `trainers` trainer ranks and `shards` parameter-server shards: the compose
+ * file's entries of each kind are the template (their first one, renamed per index).
  */
-export function resolveNkeyFile(flag: string | undefined, url: string, role: "client" | "admin"): string | undefined {
-  if (flag) return flag;
-  if (process.env.MT_NATS_NKEY) return process.env.MT_NATS_NKEY;
-  const local = findLocalMesh();
-  return local?.creds && local.url === url
-    ? join(local.creds, `${role === "client" ? clientUser(process.env.MT_OWNER || undefined) : role}.nk`)
-    : undefined;
+export function scaleTopology(
+  specs: readonly ServiceSpec[],
+  counts: { trainers?: number; shards?: number },
+): ServiceSpec[] {
+  const scale = (key: "MT_RANK" | "MT_SHARD", n: number | undefined, out: ServiceSpec[]) => {
+    const kind = specs.filter((s) => s.env[key] !== undefined);
+    const template = kind[0];
+    if (n === undefined || template === undefined) return out.push(...kind);
+    const base = template.name.replace(/-?\d+$/, "");
+    for (let i = 0; i < n; i++)
+      out.push({ ...template, name: `${base}-${i}`, env: { ...template.env, [key]: String(i) } });
+  };
+  const out: ServiceSpec[] = specs.filter((s) => s.env.MT_RANK === undefined && s.env.MT_SHARD === undefined);
+  scale("MT_SHARD", counts.shards, out);
+  scale("MT_RANK", counts.trainers, out);
+  return out;
 }
 
-/** What to do when a client command cannot reach NATS. */
-export const unreachableHint =
-  "start a local mesh with: meshtrain mesh up (it stays up until Ctrl-C), " +
-  "or point --nats-url or MT_NATS_URL at a running one (meshtrain run trains one job on a mesh of its own)";
+export interface MeshOptions {
+  /** folder that holds the jobs' folders (snapshots, model, logs): MT_DIR of the checkpoint service */
+  jobsDir: string;
+  /** folder for this launch's service logs (one file per service) */
+  logDir: string;
+  /** also copy every log line about a job into <jobsDir>/<job>/logs/<service>.log */
+  jobLogs?: boolean;
+  trainers?: number;
+  shards?: number;
+  /** NATS port (default: a free one) and JetStream folder (default: a temporary one, removed at stop) */
+  port?: number;
+  natsStoreDir?: string;
+  /** extra MT_* overrides for every service */
+  env?: Record<string, string>;
+  /** extra MT_* overrides per service name (tests: MT_STEP_DELAY_MS for one trainer) */
+  serviceEnv?: Record<string, Record<string, string>>;
+  /** host label per trainer rank (MT_HOST), as if the ranks ran on these machines; default: this machine's name */
+  trainerHosts?: string[];
+  onEvent?: (line: string) => void;
+  /** a service kept failing, or could not start for a reason no restart fixes (`cannotStart`: it
+   *  exited with configExitCode), and is not restarted again: its name, what it last wrote as an
+   *  error, its log */
+  onGiveUp?: (service: string, lastError: string, log: string, cannotStart: boolean) => void;
+  /** restart policy (default restartDefaults) */
+  restart?: Partial<RestartPolicy>;
+  /** NATS users per role (services/runtime/job/roles.ts), each service connecting as its own; false:
+   *  an open server anyone may use (default true) */
+  auth?: boolean;
+  /** where the users' nkey seeds and auth.conf go (default: <NATS folder>/creds); kept seeds are reused */
+  credsDir?: string;
+  /** the owners of jobs that get a client user each (default: the default owner) */
+  clients?: readonly string[];
+}
+
+interface Running {
+  spec: ServiceSpec;
+  proc: Subprocess;
+  restarts: RestartTracker;
+  /** its output copied to the logs, to the last line */
+  pumped: Promise<unknown>;
+}
+
+/** argv that asks the kernel to SIGTERM the child when the launcher dies (Linux; plain argv elsewhere). */
+function tiedToLauncher(argv: string[]): string[] {
+  const setpriv = Bun.which("setpriv");
+  return setpriv ? [setpriv, "--pdeathsig", "TERM", "--", ...argv] : argv;
+}
+
+export class LocalMesh implements AsyncDisposable {
+  readonly #running = new Map<string, Running>();
+  readonly #logs = new Map<string, WriteStream>();
+  #stopping: Promise<void> | null = null;
+
+  #nats: NatsServer;
+
+  private constructor(
+    nats: NatsServer,
+    readonly opts: MeshOptions,
+    readonly services: ServiceSpec[],
+    /** the JetStream store when the launcher made it (removed at stop) */
+    readonly tempNatsDir: string | null,
+    /** the users' credentials, when the mesh runs with roles */
+    readonly credentials: Credentials | null,
+  ) {
+    this.#nats = nats;
+  }
+
+  /** The NATS server now (a restart replaces it, on the same port and store). */
+  get nats(): NatsServer {
+    return this.#nats;
+  }
+
+  static async start(opts: MeshOptions, topology = readTopology()): Promise<LocalMesh> {
+    mkdirSync(opts.logDir, { recursive: true });
+    mkdirSync(opts.jobsDir, { recursive: true });
+    // the store outlives a NATS restart: a given folder, or one this launch makes and removes
+    const tempNatsDir = opts.natsStoreDir === undefined ? mkdtempSync(join(tmpdir(), "mt-nats-")) : null;
+    const natsDir = opts.natsStoreDir ?? tempNatsDir!;
+    const services = scaleTopology(topology, opts);
+    const credentials =
+      (opts.auth ?? true)
+        ? makeCredentials(opts.credsDir ?? join(natsDir, "creds"), {
+            trainers: Math.max(1, services.filter((s) => s.env.MT_RANK !== undefined).length),
+            shards: services.filter((s) => s.env.MT_SHARD !== undefined).length,
+            ...(opts.clients === undefined ? {} : { clients: opts.clients }),
+          })
+        : null;
+    const nats = await startNatsServer({
+      ...(opts.port === undefined ? {} : { port: opts.port }),
+      dir: natsDir,
+      wrap: tiedToLauncher,
+      logFile: join(opts.logDir, "nats-server.log"),
+      ...(credentials === null ? {} : { authorization: credentials.authorization }),
+    });
+    const mesh = new LocalMesh(nats, opts, services, tempNatsDir, credentials);
+    mesh.#watchNats();
+    for (const spec of mesh.services) mesh.#spawn(spec);
+    return mesh;
+  }
+
+  /**
+   * NATS that dies is restarted on the same port with the same JetStream store (the jobs'
+   * specs and records are in it); the services reconnect on their own and retry what failed.
+   */
+  #watchNats(): void {
+    const nats = this.#nats;
+    void nats.exited.then(async (code) => {
+      if (this.#stopping) return;
+      this.opts.onEvent?.(
+        `nats-server died (exit ${code}); restarting it on port ${nats.port} with its store (log: ${join(this.opts.logDir, "nats-server.log")})`,
+      );
+      for (let attempt = 1; !this.#stopping; attempt++) {
+        try {
+          this.#nats = await startNatsServer({
+            port: nats.port,
+            dir: nats.dir,
+            wrap: tiedToLauncher,
+            logFile: join(this.opts.logDir, "nats-server.log"),
+            ...(this.credentials === null ? {} : { authorization: this.credentials.authorization }),
+          });
+          this.opts.onEvent?.(`nats-server is back on port ${nats.port}`);
+          this.#watchNats();
+          return;
+        } catch (e) {
+          this.opts.onEvent?.(`nats-server did not restart (attempt ${attempt}): ${(e as Error).message}`);
+          await Bun.sleep(Math.min(500 * attempt, 5_000));
+        }
+      }
+    });
+  }
+
+  get url(): string {
+    return this.nats.url;
+  }
+
+  /** How a client connects as `user` (default admin: the launcher's owner; "client": the mesh's
+   *  one client user, client-default): its seed file, or nothing on an open mesh. */
+  auth(user: RoleName | "client" = "admin"): { nkeyFile?: string } {
+    return this.credentials === null
+      ? {}
+      : { nkeyFile: this.credentials.seedFile(user === "client" ? clientUser() : user) };
+  }
+
+  /** The NATS user a service of the topology connects as (null: none of the mesh's roles; it connects anonymously, and a mesh with roles refuses it). */
+  static userOf(spec: ServiceSpec): RoleName | null {
+    if (spec.env.MT_RANK !== undefined) return `trainer-${Number(spec.env.MT_RANK)}`;
+    if (spec.env.MT_SHARD !== undefined) return `ps-${Number(spec.env.MT_SHARD)}`;
+    const kind = spec.name.replace(/-?\d+$/, "");
+    if (kind === "data-loader" || kind === "checkpoint") return kind;
+    return null;
+  }
+
+  /** Process ids of everything the mesh runs now: NATS and every service. */
+  get pids(): number[] {
+    return [this.nats.pid, ...[...this.#running.values()].map((r) => r.proc.pid)];
+  }
+
+  /**
+   * OpenMP threads per process on this machine: the trainers split the cores between them
+   * (their compute is the step's critical path); every other service gets one thread.
+   */
+  #threads(spec: ServiceSpec): string {
+    const trainers = this.services.filter((s) => s.env.MT_RANK !== undefined).length;
+    return String(
+      spec.env.MT_RANK !== undefined
+        ? Math.max(1, Math.floor(navigator.hardwareConcurrency / Math.max(trainers, 1)))
+        : 1,
+    );
+  }
+
+  #env(spec: ServiceSpec): Record<string, string> {
+    const user = LocalMesh.userOf(spec);
+    return {
+      ...(process.env as Record<string, string>),
+      ...spec.env,
+      OMP_NUM_THREADS: this.#threads(spec),
+      MT_NATS_URL: this.nats.url,
+      MT_DIR: this.opts.jobsDir,
+      // its role's seed; none on an open mesh (the compose file's container paths do not apply here)
+      MT_NATS_NKEY: this.credentials === null || user === null ? "" : this.credentials.seedFile(user),
+      ...this.opts.env,
+      ...this.opts.serviceEnv?.[spec.name],
+      // per-service identity from the topology wins over the overrides
+      ...(spec.env.MT_SHARD ? { MT_SHARD: spec.env.MT_SHARD } : {}),
+      ...(spec.env.MT_RANK ? { MT_RANK: spec.env.MT_RANK } : {}),
+      ...(spec.env.MT_RANK && this.opts.trainerHosts?.[Number(spec.env.MT_RANK)]
+        ? {
+            MT_HOST: this.opts.trainerHosts[Number(spec.env.MT_RANK)]!,
+            MT_LOCAL_RANK: String(localRank(this.opts.trainerHosts, Number(spec.env.MT_RANK))),
+          }
+        : {}),
+    };
+  }
+
+  #file(path: string): WriteStream {
+    let s = this.#logs.get(path);
+    if (!s) {
+      if (this.#logs.size >= jobLogFilesMax + this.services.length) {
+        const oldest = [...this.#logs.keys()].find((p) => p.startsWith(this.opts.jobsDir));
+        if (oldest) {
+          this.#logs.get(oldest)!.end();
+          this.#logs.delete(oldest);
+        }
+      }
+      s = createWriteStream(path, { flags: "a" });
+      this.#logs.set(path, s);
+    }
+    return s;
+  }
+
+  /** Where a service's log goes. */
+  logPath(name: string): string {
+    return join(this.opts.logDir, `${name}.log`);
+  }
+
+  /** Copies a service's output to its log, and each line about a job to that job's log too. */
+  async #pump(name: string, stream: ReadableStream<Uint8Array>): Promise<void> {
+    const log = this.#file(this.logPath(name));
+    const decoder = new TextDecoder();
+    let rest = "";
+    for await (const chunk of stream) {
+      log.write(chunk);
+      const lines = (rest + decoder.decode(chunk, { stream: true })).split("\n");
+      rest = lines.pop() ?? "";
+      for (const line of lines) {
+        const error = errorOfLine(line);
+        if (error !== null) this.#lastError.set(name, error.slice(0, 500));
+      }
+      if (!this.opts.jobLogs) continue;
+      for (const line of lines) {
+        const job = /"job":"([^"]{1,97})"/.exec(line)?.[1];
+        if (!job || !jobIdPattern.test(job)) continue;
+        const dir = join(this.opts.jobsDir, job, "logs");
+        mkdirSync(dir, { recursive: true });
+        this.#file(join(dir, `${name}.log`)).write(`${line}\n`);
+      }
+    }
+  }
+
+  #spawn(spec: ServiceSpec, restarts = new RestartTracker({ ...restartDefaults, ...this.opts.restart })): void {
+    const startedMs = Date.now();
+    const proc = Bun.spawn(tiedToLauncher(spec.argv), {
+      cwd: root,
+      env: this.#env(spec),
+      stdin: "ignore",
+      stdout: "pipe",
+      stderr: "pipe",
+      detached: true,
+    });
+    const pumped = Promise.all([this.#pump(spec.name, proc.stdout), this.#pump(spec.name, proc.stderr)]);
+    this.#running.set(spec.name, { spec, proc, restarts, pumped });
+    void proc.exited.then(async (code) => {
+      if (this.#stopping) return;
+      const now = Date.now();
+      const why = proc.signalCode ? `signal ${proc.signalCode}` : `exit ${code}`;
+      const log = this.logPath(spec.name);
+      if (code === configExitCode && !proc.signalCode) {
+        // an invalid setting, a missing device or library: the next start would fail the same way
+        await pumped;
+        const lastError = this.#lastError.get(spec.name) ?? "(none in its log)";
+        this.opts.onEvent?.(
+          `${spec.name} cannot start: ${lastError}; not restarting: a configuration error (log: ${log})`,
+        );
+        this.opts.onGiveUp?.(spec.name, lastError, log, true);
+        return;
+      }
+      const pause = restarts.next(now, now - startedMs);
+      if (pause === null) {
+        await pumped; // its last lines, the crash's among them
+        const lastError = this.#lastError.get(spec.name) ?? "(none in its log)";
+        const { budget, windowMs } = restarts.policy;
+        this.opts.onEvent?.(
+          `${spec.name} died (${why}) after ${budget} restarts within ${Math.round(windowMs / 60_000)} min; not restarting. Its last error: ${lastError} (log: ${log})`,
+        );
+        this.opts.onGiveUp?.(spec.name, lastError, log, false);
+        return;
+      }
+      this.opts.onEvent?.(`${spec.name} died (${why}); restarting in ${(pause / 1000).toFixed(1)} s (log: ${log})`);
+      setTimeout(() => {
+        if (!this.#stopping) this.#spawn(spec, restarts);
+      }, pause);
+    });
+  }
+
+  /** per service: the last error it wrote (errorOfLine) */
+  readonly #lastError = new Map<string, string>();
+
+  /** Sends a signal to a service's current process (the chaos tests' SIGKILL). */
+  kill(name: string, signal: NodeJS.Signals = "SIGKILL"): number {
+    const r = this.#running.get(name);
+    if (!r) throw new Error(`no service ${name}; services: ${[...this.#running.keys()].join(", ")}`);
+    r.proc.kill(signal);
+    return r.proc.pid;
+  }
+
+  /** The process id of a service's current process. */
+  pid(name: string): number {
+    const r = this.#running.get(name);
+    if (!r) throw new Error(`no service ${name}; services: ${[...this.#running.keys()].join(", ")}`);
+    return r.proc.pid;
+  }
+
+  /** A service's restarts within the policy's window. */
+  restarts(name: string): number {
+    return this.#running.get(name)?.restarts.recent ?? 0;
+  }
+
+  /**
+   * Stops every service (SIGTERM, then SIGKILL after stopGraceMs), then NATS. Idempotent; `now`
+   * (a second Ctrl-C) kills what still runs at once, also during a stop already under way.
+   */
+  stop(now = false): Promise<void> {
+    if (now) for (const r of this.#running.values()) r.proc.kill("SIGKILL");
+    this.#stopping ??= this.#stop();
+    return this.#stopping;
+  }
+
+  async #stop(): Promise<void> {
+    const procs = [...this.#running.values()].map((r) => r.proc);
+    for (const p of procs) p.kill("SIGTERM");
+    const deadline = setTimeout(() => procs.forEach((p) => p.kill("SIGKILL")), stopGraceMs);
+    await Promise.all(procs.map((p) => p.exited));
+    clearTimeout(deadline);
+    // the services' last lines are in the pipes still: copy them before the files close (a pipe
+    // that some leftover child of a service holds open is not waited for)
+    await orAfter(Promise.all([...this.#running.values()].map((r) => r.pumped.catch(() => {}))), stopGraceMs, null);
+    await Promise.all([...this.#logs.values()].map((s) => new Promise<void>((resolve) => s.end(resolve))));
+    await this.#nats.stop();
+    if (this.tempNatsDir !== null) rmSync(this.tempNatsDir, { recursive: true, force: true });
+  }
+
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.stop();
+  }
+}
+
+/** A rank's index among the ranks its host label names (it picks the GPU there). */
+function localRank(hosts: readonly string[], rank: number): number {
+  return hosts.slice(0, rank).filter((h) => h === hosts[rank]).length;
+}

@@ -17,8 +17,8 @@ import {
 import { parseMemorySize, planDevice, planReport } from "./plan.ts";
 import { MeshClient } from "./client.ts";
 import { givenOptions, type JobFlags, jobConfigOf, jobOptions, resolveConfig } from "./job-flags.ts";
-import { type MeshOptions, LocalMesh, membersWaitMs } from "./launcher.ts";
-import { announceLocalMesh, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "./local-mesh.ts";
+import { type MeshOptions, LocalMesh, membersWaitMs } from "./local-mesh.ts";
+import { announceLocalMesh, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "./mesh-address.ts";
 import {
   clientUser,
   makeCredentials,

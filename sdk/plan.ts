@@ -1,6 +1,6 @@
 // `meshtrain plan <job options>`: each rank's memory before anything starts, for the MLP and the
 // GPT in every mode (parameter server, all-reduce with ZeRO 0-3 and offload, pipeline stages,
-// tensor ranks, recomputation, precision), from the analytic counts of engine/memory.ts; whether
+// tensor ranks, recomputation, precision), from the analytic counts of engine/memory-estimate.ts; whether
 // that fits the device, and which one option to change when it does not. `meshtrain run` asks
 // the same question first and refuses a job that cannot fit, before any process starts.
 import { existsSync, readFileSync, statSync } from "node:fs";
@@ -16,7 +16,7 @@ import {
   type RankMemory,
   rankMemory,
   shardMemory,
-} from "../engine/memory.ts";
+} from "../engine/memory-estimate.ts";
 import type { Precision } from "../engine/mixed.ts";
 import { type GptConfig, gptParamSpecs } from "../engine/models/gpt.ts";
 import { probeCuda } from "../ffi/cuda/driver.ts";

@@ -21,7 +21,7 @@
 // without removing it is removed by the next one made.
 import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { alive } from "../sdk/local-mesh.ts";
+import { alive } from "../sdk/mesh-address.ts";
 
 export class TestBedError extends Error {
   override readonly name = "TestBedError";

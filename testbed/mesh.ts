@@ -8,7 +8,7 @@
 import { createWriteStream, mkdirSync, mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { readTopology, scaleTopology } from "../sdk/launcher.ts";
+import { readTopology, scaleTopology } from "../sdk/local-mesh.ts";
 import { type NatsServer, startNatsServer } from "../services/runtime/mesh/nats-server.ts";
 import type { MeshClient } from "../sdk/client.ts";
 import { subjects } from "../services/runtime/job/job.ts";

@@ -1,6 +1,6 @@
 // Pipeline parallelism: a GPT cut into P stages (GptModel's part), each in its own process (or,
 // in tests, its own context), running a step's M micro-batches in a schedule's order
-// (engine/parallel/schedule.ts). A stage
+// (engine/parallel/pipeline-order.ts). A stage
 //   forward m   takes its input (token ids on the first stage, else the previous stage's
 //               activations), runs its blocks in a pass of its own (Context.openPass), and sends
 //               its output on; the last stage computes the micro-batch's loss instead
@@ -29,7 +29,7 @@ import type { EvalResult, HostBatch } from "../train.ts";
 import { countCorrect } from "../ops/accuracy.ts";
 import { type Collective, type OpKey, type Range, type ReduceOp, segment } from "./collective.ts";
 import type { RingGroup } from "./ring.ts";
-import { type PipeSchedule, stageActions } from "./schedule.ts";
+import { type PipeSchedule, stageActions } from "./pipeline-order.ts";
 
 /** What a stage exchanges with its neighbours: f32 tensors, one per (step, micro-batch). */
 export interface StageLink {

@@ -21,7 +21,7 @@ import {
   usesShards,
 } from "../../services/runtime/job/job.ts";
 import { checkResume, MeshClient, type PreviousRun } from "../client.ts";
-import { LocalMesh, membersWaitMs } from "../launcher.ts";
+import { LocalMesh, membersWaitMs } from "../local-mesh.ts";
 import { type JobFlags, jobConfigOf, resolveConfig } from "../job-flags.ts";
 import { configSummary, outcomeLines } from "../report.ts";
 import { cliName, shownPath } from "../options.ts";

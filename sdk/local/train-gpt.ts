@@ -19,7 +19,7 @@ import {
 import { loadCorpus } from "../../engine/data/corpus.ts";
 import type { CharVocab } from "../../engine/data/text.ts";
 import { TokenBatcher } from "../../engine/data/tokens.ts";
-import { formatBytes, type GptMemory, gptMemory } from "../../engine/memory.ts";
+import { formatBytes, type GptMemory, gptMemory } from "../../engine/memory-estimate.ts";
 import { saveModelFile } from "../../engine/modelfile.ts";
 import { gpt2EndOfText, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
 import { type GptConfig, gptDefaults, GptModel } from "../../engine/models/gpt.ts";
@@ -145,7 +145,7 @@ function initShape(o: GptRunOptions, vocabSize: number): Pick<GptConfig, "blockS
   return hf;
 }
 
-/** The header's memory line: the analytic count (engine/memory.ts, docs/MEMORY.md). */
+/** The header's memory line: the analytic count (engine/memory-estimate.ts, docs/MEMORY.md). */
 export function memoryLine(m: GptMemory): string {
   return (
     `memory: parameters ${formatBytes(m.parameters)} + gradients ${formatBytes(m.gradients)} + AdamW ${formatBytes(m.optimizer)} ` +

@@ -7,7 +7,7 @@ import { afterAll, describe, expect, test } from "bun:test";
 import { copyFileSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { parse } from "yaml";
-import { composePath, readTopology } from "../../sdk/launcher.ts";
+import { composePath, readTopology } from "../../sdk/local-mesh.ts";
 import { kvReplicasFromEnv } from "../../services/runtime/mesh/kv-bucket.ts";
 import { natsServers } from "../../services/runtime/mesh/nats.ts";
 import { natsServerBinary } from "../../services/runtime/mesh/nats-server.ts";

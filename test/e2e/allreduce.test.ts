@@ -10,7 +10,7 @@ import { planHere } from "../../services/data-loader/loader.ts";
 import type { JobConfig } from "../../services/runtime/job/job.ts";
 import { type JobStatus, MeshClient } from "../../sdk/client.ts";
 import { statusLines } from "../../sdk/report.ts";
-import type { MeshOptions } from "../../sdk/launcher.ts";
+import type { MeshOptions } from "../../sdk/local-mesh.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { modelFileAccuracy } from "../helpers/jobs.ts";
 import { removeTempDirs } from "../helpers/mesh.ts";

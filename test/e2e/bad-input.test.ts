@@ -26,7 +26,7 @@ import {
 } from "../../services/runtime/mesh/errors.ts";
 import { jobDefaults, parseJobConfig, recoverAsker, subjects } from "../../services/runtime/job/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
-import { LocalMesh } from "../../sdk/launcher.ts";
+import { LocalMesh } from "../../sdk/local-mesh.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 
 const job = "default.badinput";

@@ -47,7 +47,7 @@ import {
   trainerOfOpenedTag,
 } from "../../services/runtime/job/job.ts";
 import { specOfConfig, MeshClient } from "../../sdk/client.ts";
-import { LocalMesh } from "../../sdk/launcher.ts";
+import { LocalMesh } from "../../sdk/local-mesh.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
 import { plausibleState } from "../../services/runtime/job/limits.ts";

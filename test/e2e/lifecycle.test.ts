@@ -22,7 +22,7 @@ import {
 } from "../../services/runtime/job/job.ts";
 import { runningRecord } from "../../services/runtime/job/jobs.ts";
 import { MeshClient } from "../../sdk/client.ts";
-import { LocalMesh } from "../../sdk/launcher.ts";
+import { LocalMesh } from "../../sdk/local-mesh.ts";
 import { JobFailedError, watchJob } from "../../sdk/watch.ts";
 import { expectRejected } from "../helpers/errors.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";

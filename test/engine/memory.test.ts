@@ -1,11 +1,11 @@
 // A pass's working memory: the measured peak of a GPT training pass matches the analytic count
-// of engine/memory.ts (docs/MEMORY.md) within 10%, in f32 and bf16, with and without
+// of engine/memory-estimate.ts (docs/MEMORY.md) within 10%, in f32 and bf16, with and without
 // recomputation; a forward-only pass holds about one block's activations; an evaluation batch
 // of the training micro-batch needs less than a training step; memory is freed as soon as its
 // last reader has run; and the arena allocates nothing after the first passes of each shape.
 import { describe, expect, test } from "bun:test";
 import { StaleTensorError } from "../../engine/errors.ts";
-import { gptMemory, mlpActivations } from "../../engine/memory.ts";
+import { gptMemory, mlpActivations } from "../../engine/memory-estimate.ts";
 import type { Precision } from "../../engine/mixed.ts";
 import { type GptConfig, GptModel } from "../../engine/models/gpt.ts";
 import { MlpModel } from "../../engine/models/mlp.ts";

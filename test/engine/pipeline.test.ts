@@ -2,7 +2,7 @@
 // stages of a GPT against the single process's training, step by step.
 import { describe, expect, test } from "bun:test";
 import { ConfigError } from "../../engine/errors.ts";
-import { gptStageActivations } from "../../engine/memory.ts";
+import { gptStageActivations } from "../../engine/memory-estimate.ts";
 import { GptModel, gptParamSpecs, stageBlocks } from "../../engine/models/gpt.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
 import {
@@ -20,7 +20,7 @@ import {
   simulatePipeline,
   stageActions,
   theoreticalBubble,
-} from "../../engine/parallel/schedule.ts";
+} from "../../engine/parallel/pipeline-order.ts";
 import { MemoryTransport } from "../../engine/parallel/transport.ts";
 import { putSlice, type SliceOf, slabLayoutOf } from "../../engine/params.ts";
 import { Rng } from "../../engine/rng.ts";
@@ -309,7 +309,7 @@ describe("model-parallel GPT in one process: data x pipeline x tensor", () => {
     expect(bytes(one)).toBeLessThan(bytes(all));
   });
 
-  test("each rank's activations held, measured from its open passes, match the plan's count (engine/memory.ts) within 10%", async () => {
+  test("each rank's activations held, measured from its open passes, match the plan's count (engine/memory-estimate.ts) within 10%", async () => {
     const few = data.slice(0, 2);
     const rows: string[] = [];
     for (const [layout, schedule] of [

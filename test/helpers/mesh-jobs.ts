@@ -6,7 +6,7 @@ import { join } from "node:path";
 import { type Event, EventKind } from "../../schemas/messages.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import type { MeshClient } from "../../sdk/client.ts";
-import { LocalMesh, type MeshOptions } from "../../sdk/launcher.ts";
+import { LocalMesh, type MeshOptions } from "../../sdk/local-mesh.ts";
 import { type JobOutcome, watchJob } from "../../sdk/watch.ts";
 import { effectiveSteps } from "./jobs.ts";
 import { tempDir } from "./mesh.ts";

@@ -6,7 +6,7 @@ import { existsSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { parse } from "yaml";
 import { deviceChoices } from "../../ffi/select.ts";
-import { composePath, readTopology } from "../../sdk/launcher.ts";
+import { composePath, readTopology } from "../../sdk/local-mesh.ts";
 
 const deploy = join(import.meta.dir, "..", "..", "deploy");
 const read = (file: string) =>

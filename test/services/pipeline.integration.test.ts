@@ -8,7 +8,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { runStageProcesses, singleProcessRun, type StagePlan } from "../../bench/pipeline-stage.ts";
 import { putSlice, type SliceOf } from "../../engine/params.ts";
-import { theoreticalBubble } from "../../engine/parallel/schedule.ts";
+import { theoreticalBubble } from "../../engine/parallel/pipeline-order.ts";
 import { startNatsServer } from "../helpers/mesh.ts";
 
 // up to 4 bun processes on 2 cores

@@ -24,7 +24,7 @@ import { NoRespondersError, refusedAs } from "../../services/runtime/mesh/errors
 import { ncclIdBytes, NcclIdStore } from "../../services/runtime/job/nccl-id.ts";
 import { encodeJobRequest } from "../../schemas/messages.ts";
 import { MeshClient } from "../../sdk/client.ts";
-import { LocalMesh } from "../../sdk/launcher.ts";
+import { LocalMesh } from "../../sdk/local-mesh.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { runCli } from "../helpers/cli.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";

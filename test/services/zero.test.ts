@@ -7,7 +7,7 @@ import { describe, expect, test } from "bun:test";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { type BucketEntries, bytesPerParam, type ModelMemory, partitionOf } from "../../engine/parallel/zero.ts";
 import { segment } from "../../engine/parallel/collective.ts";
-import { rankMemory } from "../../engine/memory.ts";
+import { rankMemory } from "../../engine/memory-estimate.ts";
 import type { HostBatch } from "../../engine/train.ts";
 import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import type { Replica, ReplicaStepResult } from "../../services/trainer/replica.ts";
@@ -108,7 +108,7 @@ async function train(
   return run;
 }
 
-/** meshtrain plan's count of a rank's model state (engine/memory.ts rankMemory), AdamW. */
+/** meshtrain plan's count of a rank's model state (engine/memory-estimate.ts rankMemory), AdamW. */
 const plannedState = (paramCount: number, ranks: number, zero: 0 | 1 | 2 | 3, offload: boolean) =>
   rankMemory({
     paramCount,
@@ -267,7 +267,7 @@ describe("ZeRO memory, read from the allocations", () => {
         });
         const run = await train(cfg, 1, (_s, r) => [windows(r * 2, 2)], 3e-3, 2);
         const expected = zero === 0 ? 16 : zero === 1 ? 8 + 8 / n : zero === 2 ? 4 + 12 / n : 16 / n;
-        // meshtrain plan's count of the same (engine/memory.ts rankMemory)
+        // meshtrain plan's count of the same (engine/memory-estimate.ts rankMemory)
         const planned = plannedState(run.memory[0]!.paramCount, n, zero, false);
         for (const m of run.memory) {
           const measured = bytesPerParam(m);

@@ -3,7 +3,7 @@
 // it wrote (against a real crashing process and nats-server).
 import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
-import { errorOfLine, LocalMesh, restartDefaults, RestartTracker } from "../../sdk/launcher.ts";
+import { errorOfLine, LocalMesh, restartDefaults, RestartTracker } from "../../sdk/local-mesh.ts";
 import { configExitCode } from "../../services/runtime/mesh/service.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 

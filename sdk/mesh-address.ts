@@ -1,0 +1,80 @@
+// How client commands find the mesh to talk to: --nats-url, else $MT_NATS_URL, else a mesh that
+// `meshtrain mesh up` runs on this machine (it leaves a note of its URL while it runs), else
+// nats://127.0.0.1:4222 (where `mesh up` listens by default).
+import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { z } from "zod";
+import { clientUser } from "../services/runtime/job/roles.ts";
+
+export const defaultNatsUrl = "nats://127.0.0.1:4222";
+
+/** creds: the folder of the mesh's users' nkey seeds (a mesh with roles) */
+const noteSchema = z.object({ url: z.string(), pid: z.number().int(), dir: z.string(), creds: z.string().optional() });
+export type LocalMeshNote = z.infer<typeof noteSchema>;
+
+/** The note's path: per user, in the runtime folder when there is one. */
+export function localMeshNotePath(): string {
+  const uid = typeof process.getuid === "function" ? process.getuid() : 0;
+  return join(process.env.XDG_RUNTIME_DIR || tmpdir(), `meshtrain-${uid}`, "mesh.json");
+}
+
+/** Whether a process of that id runs (one of another user's counts). */
+export const alive = (pid: number): boolean => {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (e) {
+    return (e as NodeJS.ErrnoException).code === "EPERM";
+  }
+};
+
+/** The mesh `mesh up` runs on this machine now, if any (a note left by a dead one is ignored). */
+export function findLocalMesh(): LocalMeshNote | null {
+  const path = localMeshNotePath();
+  if (!existsSync(path)) return null;
+  try {
+    const note = noteSchema.parse(JSON.parse(readFileSync(path, "utf8")));
+    return alive(note.pid) ? note : null;
+  } catch {
+    return null; // a note we cannot read is as good as none
+  }
+}
+
+/** Leaves the note (mesh up); returns a function that removes it if it is still ours. */
+export function announceLocalMesh(note: LocalMeshNote): () => void {
+  const path = localMeshNotePath();
+  mkdirSync(join(path, ".."), { recursive: true, mode: 0o700 });
+  writeFileSync(path, JSON.stringify(note), { mode: 0o600 });
+  return () => {
+    if (findLocalMesh()?.pid === note.pid || !existsSync(path)) rmSync(path, { force: true });
+  };
+}
+
+/** The NATS URL a client command uses, and where it came from (said when it cannot connect). */
+export function resolveNatsUrl(flag: string | undefined): { url: string; from: string } {
+  if (flag) return { url: flag, from: "--nats-url" };
+  if (process.env.MT_NATS_URL) return { url: process.env.MT_NATS_URL, from: "$MT_NATS_URL" };
+  const local = findLocalMesh();
+  if (local)
+    return { url: local.url, from: `the local mesh of pid ${local.pid} (meshtrain mesh up --dir ${local.dir})` };
+  return { url: defaultNatsUrl, from: "the default" };
+}
+
+/**
+ * The nkey seed file a client command connects with: --nats-nkey, else $MT_NATS_NKEY, else, for
+ * the mesh `mesh up` runs here, its own user for `role` (client; admin for restore and resize).
+ */
+export function resolveNkeyFile(flag: string | undefined, url: string, role: "client" | "admin"): string | undefined {
+  if (flag) return flag;
+  if (process.env.MT_NATS_NKEY) return process.env.MT_NATS_NKEY;
+  const local = findLocalMesh();
+  return local?.creds && local.url === url
+    ? join(local.creds, `${role === "client" ? clientUser(process.env.MT_OWNER || undefined) : role}.nk`)
+    : undefined;
+}
+
+/** What to do when a client command cannot reach NATS. */
+export const unreachableHint =
+  "start a local mesh with: meshtrain mesh up (it stays up until Ctrl-C), " +
+  "or point --nats-url or MT_NATS_URL at a running one (meshtrain run trains one job on a mesh of its own)";
