@@ -5,7 +5,6 @@
 import { closeSync, fstatSync, openSync, readSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "./errors.ts";
-import type { ShardEntry } from "./shards.ts";
 
 export interface Tokens {
   readonly length: number;
@@ -50,7 +49,8 @@ export class ShardTokens implements Tokens {
 
   constructor(
     readonly dir: string,
-    readonly shards: readonly ShardEntry[],
+    /** each shard's file in `dir` and its token count, in order (a manifest's entries: shards.ts) */
+    readonly shards: readonly { file: string; tokens: number }[],
   ) {
     let at = 0;
     for (const s of shards) {
