@@ -7,7 +7,7 @@ import { BadRequestError } from "../runtime/mesh/errors.ts";
 import { dataRanks, type JobConfig, stepScheduleOf } from "../runtime/job/job.ts";
 import { jobPlan, stepsPerEpochOf } from "../runtime/job/plan.ts";
 import { prefetchMax, waitSamplesMax } from "./limits.ts";
-import { epochIds } from "./sampler.ts";
+import { epochIds, rankSlice } from "./sampler.ts";
 import type { StepSchedule } from "../runtime/job/world.ts";
 import { type Dataset, type JobSource, jobSource, readDataset } from "./sources.ts";
 
@@ -82,8 +82,9 @@ export class JobData {
   /** The samples rank `rank` trains on at `step` (empty when the job's steps are done). */
   trainIds(rank: number, step: number): Uint32Array {
     if (step >= this.totalSteps) return new Uint32Array(0);
-    const { start, count } = this.#steps.rankSlice(step, rank);
-    return this.#epoch(this.#steps.at(step).epoch).slice(start, start + count);
+    const place = this.#steps.at(step);
+    const { start, count } = rankSlice(place, rank);
+    return this.#epoch(place.epoch).slice(start, start + count);
   }
 
   /** Each step's epoch, samples and world (services/runtime/job/world.ts). */

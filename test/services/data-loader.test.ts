@@ -6,6 +6,7 @@ import { join } from "node:path";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { DataLoader } from "../../services/data-loader/service.ts";
 import { JobData, planHere } from "../../services/data-loader/loader.ts";
+import { rankSlice } from "../../services/data-loader/sampler.ts";
 import { loadCorpus } from "../../engine/data/corpus.ts";
 import { Rng } from "../../engine/rng.ts";
 import { initialParameters } from "../../services/runtime/job/model.ts";
@@ -47,7 +48,7 @@ describe("distributed sampling", () => {
     const seen = new Uint8Array(N);
     for (let s = 0; s < sched.totalSteps; s++) {
       for (let r = 0; r < W; r++) {
-        const { start, count } = sched.rankSlice(s, r);
+        const { start, count } = rankSlice(sched.at(s), r);
         expect(count).toBeLessThanOrEqual(B);
         for (let i = start; i < start + count; i++) seen[i]!++;
       }
@@ -82,7 +83,7 @@ describe("distributed sampling", () => {
       const end = sched.epochStarts[e + 1] ?? sched.totalSteps;
       for (let s = sched.epochStarts[e]!; s < end; s++)
         for (let r = 0; r < 3; r++) {
-          const { start, count } = sched.rankSlice(s, r);
+          const { start, count } = rankSlice(sched.at(s), r);
           if (r >= sched.at(s).trainers) expect(count).toBe(0);
           for (let i = start; i < start + count; i++) seen[i]!++;
         }

@@ -4,6 +4,7 @@
 import { describe, expect, test } from "bun:test";
 import { type DataPlan, encodeDataPlan, type JobSpec, type Manifest } from "../../schemas/messages.ts";
 import { keptBatch, resizeJob, type ResizeHost, shrinkWithout } from "../../services/runtime/control/resize.ts";
+import { rankSlice } from "../../services/data-loader/sampler.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
 import { BadRequestError, JobStateError, NotReadyError } from "../../services/runtime/mesh/errors.ts";
 import {
@@ -233,7 +234,7 @@ describe("a world whose changes say their batch", () => {
       const [a, b] = [before.at(s), after.at(s)];
       expect([b.cursor, b.rows, b.epoch]).toEqual([a.cursor, a.rows, a.epoch]);
     }
-    expect(after.rankSlice(1, 1)).toEqual({ start: 512 + 244, count: 244 }); // the epoch's last 488, split evenly
+    expect(rankSlice(after.at(1), 1)).toEqual({ start: 512 + 244, count: 244 }); // the epoch's last 488, split evenly
   });
 
   test("a world that says some batches and not others, or ends on another batch than the job's, is refused", () => {

@@ -10,7 +10,8 @@
 // rest of the epoch is re-split among the new ranks and every sample is still seen exactly
 // once per epoch. An epoch ends when its permutation is used up; so the job's step count, and
 // where each epoch starts, depend on the world. With one trainer count this is the plain
-// DistributedSampler of services/data-loader/sampler.ts.
+// DistributedSampler of services/data-loader/sampler.ts, which cuts each step's rows among its
+// ranks (rankSlice).
 import { BadRequestError } from "../mesh/errors.ts";
 
 export interface WorldChange {
@@ -196,18 +197,6 @@ export class StepSchedule {
       index: step - this.epochStarts[epoch]!,
       last: cursor + rows >= this.samples,
     };
-  }
-
-  /**
-   * [start, start+count) positions of the epoch's permutation that rank `rank` takes at `step`:
-   * batchSize each, and in an epoch's last step the remainder split as evenly as possible.
-   */
-  rankSlice(step: number, rank: number): { start: number; count: number } {
-    const p = this.at(step);
-    if (!(rank < p.trainers)) return { start: p.cursor, count: 0 };
-    const q = Math.floor(p.rows / p.trainers),
-      rem = p.rows % p.trainers;
-    return { start: p.cursor + rank * q + Math.min(rank, rem), count: q + (rank < rem ? 1 : 0) };
   }
 
   /** Whether `step` is the first of an epoch after the first (where an epoch's evaluation runs). */
