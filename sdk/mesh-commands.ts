@@ -191,14 +191,21 @@ function addLocalCommands(program: Command): void {
         .default(process.env.MT_DEVICE ?? "cpu"),
     )
     .action((opts: JobFlags & { deviceMemory?: number; device: "auto" | "cpu" | "cuda" }) => {
-      const flagged = jobConfigOf(opts);
+      // a GPT's shape with its vocabulary, before any data: --vocab-size without --tokens plans
+      // that vocabulary (a run takes it from its data)
+      const shapeOnly = opts.model === "gpt" && opts.vocabSize !== undefined && opts.tokens === undefined;
+      const flagged = jobConfigOf(shapeOnly ? { ...opts, vocabSize: undefined } : opts);
       const cfg = parseJobConfig({ ...flagged, job: qualifyJob(flagged.job, defaultOwner) });
       const attention = attentionDeviceProblem(
         cfg.attention,
         opts.device === "cpu" ? "--device cpu plans trainers that compute on the CPU" : null,
       );
       if (attention !== null) throw new ConfigError(`attention ${cfg.attention} ${attention}`);
-      const { plan, lines } = planReport(cfg, planDevice(opts.device, opts.deviceMemory ?? null));
+      const { plan, lines } = planReport(
+        cfg,
+        planDevice(opts.device, opts.deviceMemory ?? null),
+        shapeOnly ? opts.vocabSize : undefined,
+      );
       for (const line of lines) console.log(line);
       process.exitCode = plan.fits ? 0 : 3;
     });

@@ -313,8 +313,9 @@ function planLines(cfg: JobConfig, p: JobPlan, V: number): string[] {
 export function planReport(
   cfg: JobConfig,
   device: PlanDevice,
+  /** the GPT's vocabulary (default: as the job's data will give it) */
+  V = planVocabSize(cfg),
 ): { plan: JobPlan; lines: string[]; refusal: string | null } {
-  const V = planVocabSize(cfg);
   const plan = planJob(cfg, device, V);
   const lines = [...plan.lines];
   if (plan.fits) return { plan, lines, refusal: null };

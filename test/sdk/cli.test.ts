@@ -453,6 +453,21 @@ describe("plan: each trainer's memory before anything starts", () => {
     );
     expect(r.out).toMatch(/^fits: the most a trainer holds, [\d.]+ GiB, against 80.0 GiB a GPU \(--device-memory\)$/m);
   });
+  test("GPT-2's shape with its vocabulary, before its data is prepared: --vocab-size without --tokens plans it; run still asks for the tokens", () => {
+    const r = cli(
+      "plan",
+      ...gpt2,
+      ...cliOptions({ "vocab-size": 50257, "batch-size": 8, device: "cuda", "device-memory": "80GB" }),
+    );
+    expect(r.code).toBe(0);
+    expect(r.out).toContain("plan: gpt L12 H12 C768 T1024 V50257, 4 trainers");
+    // 124M values, as GPT-2 small: f32 parameters of 474 MiB
+    expect(r.out).toMatch(/parameters 47\d MiB/);
+    const run = cli("run", ...gpt2, "--vocab-size", "50257");
+    expect(run.code).not.toBe(0);
+    expect(run.out + run.err).toContain("--vocab-size is for --tokens folders without vocab.json");
+  });
+
   test("a job that does not fit: which option would make it, and exit 3; ZeRO 3 and a pipeline split the model", () => {
     const r = cli("plan", ...gpt2, "--batch-size", "64", "--device", "cuda", "--device-memory", "24GB");
     expect(r.code).toBe(3);
