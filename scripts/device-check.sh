@@ -91,7 +91,7 @@ case "$phase" in
     run timeout 120 bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 10 --attention kernel --no-torch
     run timeout 90 bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 --attention kernel --no-torch
     for a in auto kernel reference; do
-      run timeout 120 bun sdk/cli.ts train gpt --tokens-dir /tmp/sotu --device cuda --precision bf16 --attention "$a" \
+      run timeout 120 bun sdk/cli.ts train gpt --tokens /tmp/sotu --device cuda --precision bf16 --attention "$a" \
         --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 --batch-size 8 --max-steps 150 --warmup 15 \
         --lr 6e-4 --min-lr 6e-5 --eval-every 150 --eval-batches 16 --sample-chars 0 --out "$out/gpt2-sotu-$a.mtm"
     done
@@ -111,7 +111,7 @@ case "$phase" in
     run timeout 60 bun bench/index.ts epilogues
     run timeout 150 bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 20 --profile --torch-modes sdpa,compile
     run timeout 90 bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 --torch-modes sdpa,compile
-    run timeout 60 bun sdk/cli.ts train gpt --tokens-dir /tmp/sotu --device cuda --precision bf16 --attention auto \
+    run timeout 60 bun sdk/cli.ts train gpt --tokens /tmp/sotu --device cuda --precision bf16 --attention auto \
       --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 --batch-size 8 --max-steps 150 --warmup 15 \
       --lr 6e-4 --min-lr 6e-5 --eval-every 150 --eval-batches 16 --sample-chars 0 --out "$out/gpt2-sotu-auto.mtm"
     rm -f "$out"/*.mtm ;;

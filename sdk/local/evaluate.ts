@@ -64,17 +64,17 @@ export function runEval(o: EvalOptions): EvalReport {
 }
 
 function checkDataOptions(o: EvalOptions, kind: "mlp" | "gpt"): void {
-  const misplaced = kind === "mlp" ? [o.text && "--text", o.tokensDir && "--tokens-dir"] : [o.dataDir && "--data-dir"];
+  const misplaced = kind === "mlp" ? [o.text && "--text", o.tokensDir && "--tokens"] : [o.dataDir && "--data-dir"];
   const wrong = misplaced.filter(Boolean);
   if (wrong.length > 0) {
     const what =
       kind === "mlp"
         ? "an MLP classifier, which takes --data-dir (MNIST idx files)"
-        : "a GPT, which takes --text or --tokens-dir";
+        : "a GPT, which takes --text or --tokens";
     throw new ConfigError(`${wrong.join(" and ")} cannot be used on ${shownPath(o.model)}: it is ${what}`);
   }
   if (o.text !== undefined && o.tokensDir !== undefined)
-    throw new ConfigError("--text and --tokens-dir exclude each other: pass one");
+    throw new ConfigError("--text and --tokens exclude each other: pass one");
 }
 
 /** `inputsRead` prints the device line once the model and its data are read. */
@@ -201,7 +201,7 @@ interface ValidationSplit {
   name: string;
 }
 
-/** The validation tokens: --tokens-dir or --text, else what the training record names. */
+/** The validation tokens: --tokens or --text, else what the training record names. */
 function validationSplit(
   o: EvalOptions,
   vocab: string[] | undefined,
@@ -232,12 +232,12 @@ function validationSplit(
   }
   if (vocab === undefined) {
     throw new ConfigError(
-      `${shownPath(o.model)} was trained on token files and has no character vocabulary: pass --tokens-dir <dir> (with val.bin)`,
+      `${shownPath(o.model)} was trained on token files and has no character vocabulary: pass --tokens <dir> (with val.bin)`,
     );
   }
   if (o.text === undefined && training === null) {
     throw new ConfigError(
-      `${shownPath(o.model)} has no training record naming its text: pass --text <file> or --tokens-dir <dir>`,
+      `${shownPath(o.model)} has no training record naming its text: pass --text <file> or --tokens <dir>`,
     );
   }
   const file = o.text ?? recorded(training?.text ?? mesh("text")) ?? mobyDickPath();

@@ -126,6 +126,20 @@ describe("bad input gets one clear error and a non-zero exit", () => {
       expect(r.out).not.toContain("nats"); // nothing started
     }
   });
+  test("the token folder is --tokens in train gpt and eval, as in run; the old --tokens-dir still works, with a note, and not beside --tokens", () => {
+    const folder = join(dir, "no-tokens-here");
+    const help = cli("train", "gpt", "--help").out;
+    expect(help).toContain("--tokens <dir>");
+    expect(help).not.toContain("--tokens-dir");
+    const both = cli("train", "gpt", "--tokens", folder, "--tokens-dir", folder);
+    expect(both.code).toBe(1);
+    expect(both.err.trim()).toBe("meshtrain: ConfigError: --tokens-dir is the old name of --tokens: pass one");
+    for (const flag of ["--tokens", "--tokens-dir"]) {
+      const r = cli("eval", "--model", join(dir, "absent.mtm"), flag, folder);
+      expect(r.code).toBe(1);
+      expect(r.err.includes("note: --tokens-dir is now --tokens")).toBe(flag === "--tokens-dir");
+    }
+  });
   test("a missing MNIST folder", () => {
     const r = cli("train", "mlp", "--data-dir", join(dir, "nowhere"));
     expect(r.code).toBe(1);

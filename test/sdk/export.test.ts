@@ -25,7 +25,7 @@ afterAll(() => rmSync(dir, { recursive: true, force: true }));
 const cli = (...args: string[]) => runCli(dir, ...args);
 /** `train gpt` on the prepared token files, starting from the Hugging Face folder `hf`. */
 const trainFrom = (hf: string, ...args: string[]) =>
-  cli("train", "gpt", "--tokens-dir", "data", "--init-from", hf, ...args);
+  cli("train", "gpt", "--tokens", "data", "--init-from", hf, ...args);
 
 /** Debian's python3 with torch (or the one on PATH), else null and why. */
 function torchPython(): { python: string | null; reason: string | null } {
@@ -52,7 +52,7 @@ beforeAll(() => {
   const r = cli(
     "train",
     "gpt",
-    "--tokens-dir",
+    "--tokens",
     "data",
     ...shape,
     ...cliOptions({ "batch-size": 4, "max-steps": 12, "eval-every": 12, warmup: 2, "sample-chars": 0, out: "gpt.mtm" }),

@@ -106,7 +106,7 @@ describe("eval", () => {
   );
 
   test(
-    "a gpt on token files: the recorded --tokens-dir's val.bin, or another one; a text is refused",
+    "a gpt on token files: the recorded --tokens's val.bin, or another one; a text is refused",
     () => {
       const tokens = (n: number) => Uint16Array.from({ length: n }, (_, i) => (i * 3) % 7);
       mkdirSync(join(dir, "tok"));
@@ -116,7 +116,7 @@ describe("eval", () => {
       const train = cli(
         "train",
         "gpt",
-        "--tokens-dir",
+        "--tokens",
         "tok",
         "--vocab-size",
         "8",
@@ -152,13 +152,13 @@ describe("eval", () => {
       ).toBe(trained);
       mkdirSync(join(dir, "tok2"));
       writeTokenFile(join(dir, "tok2", "val.bin"), tokens(200));
-      expect(cli("eval", "--model", model, "--tokens-dir", "tok2").out).toContain(
+      expect(cli("eval", "--model", model, "--tokens", "tok2").out).toContain(
         "nats/token on 192 tokens of tok2/val.bin (3 batches of 8 windows, all)",
       );
       const text = cli("eval", "--model", model, "--text", "a.txt");
       expect(text.code).toBe(1);
       expect(text.err).toBe(
-        "meshtrain: ConfigError: tok.mtm was trained on token files and has no character vocabulary: pass --tokens-dir <dir> (with val.bin)\n",
+        "meshtrain: ConfigError: tok.mtm was trained on token files and has no character vocabulary: pass --tokens <dir> (with val.bin)\n",
       );
     },
     timeoutMs,
@@ -229,13 +229,13 @@ describe("bad input: a typed error on one line and exit 1", () => {
     "eval: data options for the other kind of model",
     () => {
       expect(failure(cli("eval", "--model", gptModel, "--data-dir", dir))).toBe(
-        "meshtrain: ConfigError: --data-dir cannot be used on gpt/model.mtm: it is a GPT, which takes --text or --tokens-dir",
+        "meshtrain: ConfigError: --data-dir cannot be used on gpt/model.mtm: it is a GPT, which takes --text or --tokens",
       );
-      expect(failure(cli("eval", "--model", mlpModel, "--text", "a.txt", "--tokens-dir", "t"))).toBe(
-        "meshtrain: ConfigError: --text and --tokens-dir cannot be used on mlp/model.mtm: it is an MLP classifier, which takes --data-dir (MNIST idx files)",
+      expect(failure(cli("eval", "--model", mlpModel, "--text", "a.txt", "--tokens", "t"))).toBe(
+        "meshtrain: ConfigError: --text and --tokens cannot be used on mlp/model.mtm: it is an MLP classifier, which takes --data-dir (MNIST idx files)",
       );
-      expect(failure(cli("eval", "--model", gptModel, "--text", "a.txt", "--tokens-dir", "t"))).toBe(
-        "meshtrain: ConfigError: --text and --tokens-dir exclude each other: pass one",
+      expect(failure(cli("eval", "--model", gptModel, "--text", "a.txt", "--tokens", "t"))).toBe(
+        "meshtrain: ConfigError: --text and --tokens exclude each other: pass one",
       );
     },
     timeoutMs,

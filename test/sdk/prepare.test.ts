@@ -181,7 +181,7 @@ describe("prepare", () => {
     expect(out).toMatch(
       /^prepared .*cli: 40 documents \(\d+ train, \d+ val\), [\d,]+ train and [\d,]+ val tokens in 2 shards; gpt2, a vocabulary of 50,257; /m,
     );
-    expect(out).toContain(`next: npx meshtrain train gpt --tokens-dir ${join(dir, "cli")}`);
+    expect(out).toContain(`next: npx meshtrain train gpt --tokens ${join(dir, "cli")}`);
     expect(readTokenFile(join(dir, "cli", "train_000000.bin"))[0]).toBe(gpt2EndOfText);
   });
 });
@@ -195,7 +195,7 @@ test("a GPT trains on a prepared GPT-2 folder; sample decodes BPE, streaming; ev
   const train = cli(
     "train",
     "gpt",
-    "--tokens-dir",
+    "--tokens",
     data,
     "--n-layer",
     "1",
