@@ -32,10 +32,10 @@ import type { Context } from "../../engine/tensor.ts";
 import { EngineError } from "../../engine/errors.ts";
 import type { HostBatch } from "../../engine/train.ts";
 import { type ShardState, shardStateChecksum } from "../../schemas/messages.ts";
-import type { Bus } from "../runtime/mesh/bus.ts";
+import type { Bus, Subscription } from "../runtime/mesh/bus.ts";
 import { BusTransport, busTransportDefaults, type BusTransportOptions } from "../runtime/transport/collective-bus.ts";
-import { BadRequestError } from "../runtime/mesh/errors.ts";
-import type { JobConfig } from "../runtime/job/job.ts";
+import { BadRequestError, CapacityError } from "../runtime/mesh/errors.ts";
+import { type JobConfig, subjects } from "../runtime/job/job.ts";
 import { buildLayout, type Layout } from "../runtime/job/layout.ts";
 import { cutPartition, cutReplica, KeptParts, type ReplicaMeta } from "../runtime/job/replica-parts.ts";
 import { implausibleStateText, plausibleState } from "../runtime/job/limits.ts";
@@ -105,6 +105,8 @@ export class Replica {
   #generation = 0;
   /** built at its first use, once the topology is known (see useTopology) */
   #collective: Collective | null = null;
+  /** between interrupt() and reconnect(): what answers the rank's collective subject */
+  #standIn: Subscription | null = null;
   /** host label per rank; null or a single label: the flat ring */
   #hosts: readonly string[] | null = null;
   /** which collective carries the job (useTopology); null: the ring */
@@ -320,10 +322,15 @@ export class Replica {
     this.#device = null;
     this.dp.communicatorReplaced();
     this.#generation = generation;
+    // the new communicator answers the rank's subject from here (in the same turn of the event loop)
+    this.#standIn?.unsubscribe();
+    this.#standIn = null;
     this.#collective = this.#connect(generation);
   }
 
   close(): void {
+    this.#standIn?.unsubscribe();
+    this.#standIn = null;
     this.#collective?.close("the trainer stopped");
     this.#nccl?.dispose();
     if (this.#sideStream !== null) (this.#o.backend as CudaBackend).closeSideStream(this.#sideStream);
@@ -331,9 +338,17 @@ export class Replica {
     this.dp.dispose();
   }
 
-  /** Fails the operations in flight (a restore abandons the step); the restore's apply() reconnects. */
+  /**
+   * Fails the operations in flight (a restore abandons the step); the restore's apply()
+   * reconnects. Until then the rank's collective subject still answers, telling a sender to
+   * retry, instead of leaving it no responder for as long as the restore takes.
+   */
   interrupt(): void {
     this.#collective?.close("the step was abandoned for a restore");
+    const { cfg, rank, bus } = this.#o;
+    this.#standIn ??= bus.handle(subjects.collTo(cfg.job, rank), () => {
+      throw new CapacityError(`rank ${rank} is between communicator generations (a restore is under way); retry`);
+    });
   }
 
   /**

@@ -13,7 +13,7 @@ import { Context } from "../../engine/tensor.ts";
 import type { HostBatch, StepResult, TrainStep } from "../../engine/train.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
-import { BadRequestError } from "../../services/runtime/mesh/errors.ts";
+import { BadRequestError, CapacityError } from "../../services/runtime/mesh/errors.ts";
 import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
 import { buildModel, type ModelPlan } from "../../services/runtime/job/model.ts";
 import { ReplicaDivergedError, type ReplicaStepResult } from "../../services/trainer/replica.ts";
@@ -320,6 +320,25 @@ describe("all-reduce replicas", () => {
     } finally {
       closeRanks(rs);
       closeRanks(rest);
+    }
+  });
+  test("between a restore's interrupt and its reconnect, the rank's collective subject tells a sender to retry instead of having no responder", async () => {
+    const cfg = config();
+    const bus = new MemoryBus();
+    const rs = ranks(cfg, bus);
+    const piece = new Uint8Array([1, 2, 3]);
+    try {
+      await Promise.all(rs.map((r) => r.replica.checkReplicas(0))); // the communicators are up
+      rs[0]!.replica.interrupt();
+      const between = await bus.request(`mt.${cfg.job}.coll.0.1`, piece, 1_000).catch((e: unknown) => e as Error);
+      expect(between).toBeInstanceOf(CapacityError);
+      expect((between as Error).message).toContain("rank 0 is between communicator generations");
+      rs[0]!.replica.reconnect(1);
+      // the new generation's communicator answers now (a piece that does not decode is refused as such)
+      const after = await bus.request(`mt.${cfg.job}.coll.0.1`, piece, 1_000).catch((e: unknown) => e as Error);
+      expect((after as Error).message).not.toContain("between communicator generations");
+    } finally {
+      closeRanks(rs);
     }
   });
 });
