@@ -1,6 +1,7 @@
 // The options that define a mesh job (`run` and `submit`), their parsing into a JobConfig,
 // and resuming: for a job name that ran before, that run's config with the options the user
 // typed laid over it.
+import { zeroPartitions } from "../engine/parallel/zero.ts";
 import { type Command, InvalidArgumentError, Option } from "commander";
 import { parseCompression } from "../engine/parallel/compress.ts";
 import { ConfigError } from "../services/runtime/mesh/errors.ts";
@@ -96,7 +97,7 @@ export function jobOptions(cmd: Command): Command {
     .addOption(
       new Option(
         "--zero <stage>",
-        "allreduce: ZeRO stage; 0: every trainer holds everything; 1: the optimizer state is partitioned among the trainers; 2: the gradients too; 3: the parameters too (gathered per bucket as forward and backward need them)",
+        `allreduce: ZeRO stage, what is partitioned among the trainers; ${zeroStages.map((s) => `${s}: ${zeroPartitions[s]}`).join("; ")}`,
       )
         .argParser(zeroStage)
         .default(d.zero),

@@ -1,5 +1,6 @@
 // What the mesh commands print: a job's settings in a few readable lines (the full JSON goes
 // to the job's log folder), how a job ended and where its files went, and `status`.
+import { zeroPartitions } from "../engine/parallel/zero.ts";
 import { type JobRecord, JobState, type Manifest } from "../schemas/messages.ts";
 import { dataRanks, type JobConfig, modelParallel, peakLr, usesShards } from "../services/runtime/job/job.ts";
 import { stateName } from "../services/runtime/job/jobs.ts";
@@ -25,7 +26,7 @@ function syncText(c: JobConfig): string {
   if (c.sync === "allreduce")
     return (
       `all-reduce (NCCL where each trainer has a GPU of its own on one host, else a ring over ${c.collTransport === "auto" ? "shared memory on one machine, TCP between machines" : "NATS"}; ${c.bucketMb} MB buckets overlapped with backward` +
-      `${c.zero > 0 ? `; ZeRO stage ${c.zero}: ${c.zero === 1 ? "optimizer state" : "optimizer state and gradients"} partitioned among the trainers` : ""})`
+      `${c.zero > 0 ? `; ZeRO stage ${c.zero}: ${zeroPartitions[c.zero]} partitioned among the trainers` : ""})`
     );
   if (c.sync === "bsp") return "BSP (every step waits for all trainers)";
   const batching = c.batchPushes > 1 ? `, ${c.batchPushes} pushes per update` : "";

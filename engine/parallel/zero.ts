@@ -14,11 +14,22 @@
 //            parameters are all-gathered)
 //   stage 2: the gradients too (reduce-scattered; backward writes into its scratch arena and the
 //            rank keeps only its partition's sums between steps)
+//   stage 3: the parameters too (each rank keeps its partition; a bucket's parameters are
+//            all-gathered as forward and backward need them, and freed after)
+// zeroPartitions says it in one line per stage, for the CLI's help and a job's report.
 import type { UpdateRange } from "../optim/optimizer.ts";
 import type { ParamEntry } from "../params.ts";
 import { type Range, segment } from "./collective.ts";
 
 export type ZeroStage = 0 | 1 | 2 | 3;
+
+/** What each ZeRO stage partitions among the data-parallel ranks (stage 0: nothing). */
+export const zeroPartitions: Readonly<Record<ZeroStage, string>> = {
+  0: "nothing (every rank holds the parameters, the gradients and the optimizer state)",
+  1: "the optimizer state",
+  2: "the optimizer state and the gradients",
+  3: "the optimizer state, the gradients and the parameters (gathered per bucket as forward and backward need them)",
+};
 
 /** A bucket as ZeRO sees it: its parameters in buffer order. */
 export interface BucketEntries {
