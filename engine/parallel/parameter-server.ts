@@ -171,9 +171,6 @@ export class PushEncoder {
   }
 }
 
-/** The optimizer a shard applies (PyTorch's AdamW and SGD, as engine/optim/choose.ts names them; each chunk counts its own steps). */
-export type ShardOptimizerConfig = OptimizerSpec;
-
 /** A chunk a shard owns: its elements, the first decayCount of which take weight decay. */
 export interface ShardChunk {
   count: number;
@@ -193,7 +190,7 @@ export class ShardOptimizer {
   /** the optimizer state's vectors, by name (a snapshot's order) */
   readonly stateNames: readonly string[];
   readonly #be: Backend;
-  readonly #opt: ShardOptimizerConfig;
+  readonly #opt: OptimizerSpec;
   /** element offset of each chunk in the slabs */
   readonly #local: number[] = [];
   readonly #chunks: readonly ShardChunk[];
@@ -209,7 +206,8 @@ export class ShardOptimizer {
   constructor(
     backend: Backend,
     chunks: readonly ShardChunk[],
-    optimizer: ShardOptimizerConfig,
+    /** PyTorch's AdamW or SGD, as engine/optim/choose.ts names them (each chunk counts its own steps) */
+    optimizer: OptimizerSpec,
     /** the pushes skip coordinates (top-k): AdamW keeps each one's age (engine/optim/adamw.ts) */
     sparse: boolean,
     /** chunk i's initial parameters */

@@ -72,7 +72,8 @@ import { cutShardState, cutTag, precutSaveTag, replicaFromPartitions } from "../
 import { planLayout, planOfSpec } from "../runtime/job/plan.ts";
 import { resizeCloseWaitMs, resizePlanTimeoutMs, resizeSnapshotWaitMs, stateTimeoutMs } from "./limits.ts";
 import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
-import { JobWatch, type LostHost } from "../runtime/control/watch.ts";
+import { JobWatch } from "../runtime/control/watch.ts";
+import type { LostHost } from "../runtime/control/liveness.ts";
 import { type LeftBehind, resizeJob, shrinkWithout } from "../runtime/control/resize.ts";
 
 interface JobEntry {
@@ -881,7 +882,7 @@ export class CheckpointService {
         cfg,
         (kind, step, text) => this.#event(cfg.job, kind, step, text),
         cfg.shrinkAfterS > 0
-          ? { afterMs: cfg.shrinkAfterS * 1000, hostLost: (h) => void this.#goOnWithout(cfg, h) }
+          ? { afterMs: cfg.shrinkAfterS * 1000, hand: (h) => void this.#goOnWithout(cfg, h) }
           : undefined,
       ),
       attempt: spec.attempt ?? 0,

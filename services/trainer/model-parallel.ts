@@ -48,7 +48,13 @@ import { dataRanks, type JobConfig } from "../runtime/job/job.ts";
 import { buildLayout, type Layout } from "../runtime/job/layout.ts";
 import { modelConfigOf } from "../runtime/job/model.ts";
 import { cutPartition, KeptParts, type ReplicaMeta } from "../runtime/job/replica-parts.ts";
-import { jobTransport, ReplicaStaging, type ReplicaStepResult, type TransportSettings } from "./replica.ts";
+import {
+  CollectiveStandIn,
+  jobTransport,
+  ReplicaStaging,
+  type ReplicaStepResult,
+  type TransportSettings,
+} from "./replica.ts";
 
 export interface ModelParallelOptions {
   bus: Bus;
@@ -67,6 +73,8 @@ export class ModelParallelReplica {
   readonly mp: ModelLayout;
   readonly coords: LayoutCoords;
   readonly #o: ModelParallelOptions;
+  /** between interrupt() and reconnect(): what answers the rank's collective subject */
+  readonly #standIn: CollectiveStandIn;
   readonly #config: GptConfig;
   /** the model share and its step runner, rebuilt (on the same model) by every reconnect */
   #rank: ModelParallelRank;
@@ -86,6 +94,7 @@ export class ModelParallelReplica {
 
   constructor(o: ModelParallelOptions) {
     this.#o = o;
+    this.#standIn = new CollectiveStandIn(o.bus, o.cfg.job, o.rank);
     const { cfg, plan } = o;
     if (cfg.model.kind !== "gpt") throw new EngineError("model parallelism cuts a gpt");
     this.mp = { data: dataRanks(cfg), stages: cfg.pipelineStages, tensor: cfg.tensorParallel };
@@ -309,16 +318,19 @@ export class ModelParallelReplica {
   /** New rings under a new generation: operations in flight fail, stale pieces are refused. */
   reconnect(generation: number): void {
     this.#disconnect(`communicator generation ${this.#generation} replaced by ${generation}`);
+    this.#standIn.release();
     this.#generation = generation;
     this.#rank = modelParallelRank({ ...this.#common(generation), optimizer: () => this.optimizer, model: this.model });
   }
 
-  /** Fails the operations in flight (a restore abandons the step); apply() reconnects. */
+  /** Fails the operations in flight (a restore abandons the step); apply() reconnects (CollectiveStandIn meanwhile). */
   interrupt(): void {
     this.#disconnect("the step was abandoned for a restore");
+    this.#standIn.hold();
   }
 
   close(): void {
+    this.#standIn.release();
     this.#disconnect("the trainer stopped");
   }
 

@@ -95,6 +95,33 @@ export function jobTransport(
   });
 }
 
+/**
+ * What answers trainer `rank`'s collective subject between a restore's interrupt and its
+ * reconnect: a sender is told to retry (CapacityError) instead of finding no responder for as
+ * long as the restore takes. Released in the same turn of the event loop as the next
+ * generation's transport subscribes.
+ */
+export class CollectiveStandIn {
+  #sub: Subscription | null = null;
+
+  constructor(
+    readonly bus: Bus,
+    readonly job: string,
+    readonly rank: number,
+  ) {}
+
+  hold(): void {
+    this.#sub ??= this.bus.handle(subjects.collTo(this.job, this.rank), () => {
+      throw new CapacityError(`rank ${this.rank} is between communicator generations (a restore is under way); retry`);
+    });
+  }
+
+  release(): void {
+    this.#sub?.unsubscribe();
+    this.#sub = null;
+  }
+}
+
 export class Replica {
   /** the step: buckets, ZeRO, compression, offload (engine/parallel/data-parallel.ts) */
   readonly dp: DataParallel;
@@ -106,7 +133,7 @@ export class Replica {
   /** built at its first use, once the topology is known (see useTopology) */
   #collective: Collective | null = null;
   /** between interrupt() and reconnect(): what answers the rank's collective subject */
-  #standIn: Subscription | null = null;
+  readonly #standIn: CollectiveStandIn;
   /** host label per rank; null or a single label: the flat ring */
   #hosts: readonly string[] | null = null;
   /** which collective carries the job (useTopology); null: the ring */
@@ -124,6 +151,7 @@ export class Replica {
 
   constructor(o: ReplicaOptions) {
     this.#o = o;
+    this.#standIn = new CollectiveStandIn(o.bus, o.cfg.job, o.rank);
     const { ctx, model, cfg } = o;
     this.dp = new DataParallel({
       ctx,
@@ -322,15 +350,12 @@ export class Replica {
     this.#device = null;
     this.dp.communicatorReplaced();
     this.#generation = generation;
-    // the new communicator answers the rank's subject from here (in the same turn of the event loop)
-    this.#standIn?.unsubscribe();
-    this.#standIn = null;
+    this.#standIn.release();
     this.#collective = this.#connect(generation);
   }
 
   close(): void {
-    this.#standIn?.unsubscribe();
-    this.#standIn = null;
+    this.#standIn.release();
     this.#collective?.close("the trainer stopped");
     this.#nccl?.dispose();
     if (this.#sideStream !== null) (this.#o.backend as CudaBackend).closeSideStream(this.#sideStream);
@@ -338,17 +363,10 @@ export class Replica {
     this.dp.dispose();
   }
 
-  /**
-   * Fails the operations in flight (a restore abandons the step); the restore's apply()
-   * reconnects. Until then the rank's collective subject still answers, telling a sender to
-   * retry, instead of leaving it no responder for as long as the restore takes.
-   */
+  /** Fails the operations in flight (a restore abandons the step); the restore's apply() reconnects (CollectiveStandIn meanwhile). */
   interrupt(): void {
     this.#collective?.close("the step was abandoned for a restore");
-    const { cfg, rank, bus } = this.#o;
-    this.#standIn ??= bus.handle(subjects.collTo(cfg.job, rank), () => {
-      throw new CapacityError(`rank ${rank} is between communicator generations (a restore is under way); retry`);
-    });
+    this.#standIn.hold();
   }
 
   /**

@@ -8,6 +8,7 @@ import { subjects } from "../../services/runtime/job/job.ts";
 import {
   HeartbeatPublisher,
   LivenessMonitor,
+  type LostHost,
   StragglerDetector,
   stalledHost,
   stalledTrainer,
@@ -95,6 +96,40 @@ test("a host whose every sender went quiet while others speak is named once with
   expect(stalledHost(events.at(-1)!)).toBeNull();
   expect(monitor.quietHosts).toEqual([]);
   for (const p of senders) p.stop();
+  monitor.close();
+});
+
+test("a host silent for the lost bound is handed over once with its senders, again only after it was heard and went quiet again", () => {
+  const bus = new MemoryBus();
+  let now = 0;
+  const handed: LostHost[] = [];
+  const monitor = new LivenessMonitor(bus, "j", 8_000, () => now, { afterMs: 10_000, hand: (h) => handed.push(h) });
+  const [t0, t2, s1] = [
+    new HeartbeatPublisher(bus, "j", "trainer 0", "host-1", 60_000),
+    new HeartbeatPublisher(bus, "j", "trainer 2", "host-2", 60_000),
+    new HeartbeatPublisher(bus, "j", "shard 1", "host-2", 60_000),
+  ] as const;
+  const at = (ms: number) => {
+    now = ms;
+    t0.publish(); // host-1 keeps speaking
+    monitor.check();
+  };
+  at(9_000); // host-2 named quiet, not yet lost
+  expect(monitor.quietHosts).toEqual(["host-2"]);
+  expect(handed).toEqual([]);
+  at(10_000);
+  at(10_500);
+  expect(handed).toEqual([{ host: "host-2", who: ["shard 1", "trainer 2"], silentMs: 10_000 }]);
+  // heard, then quiet again: handed again
+  now = 11_000;
+  t2.publish();
+  s1.publish();
+  at(21_000);
+  expect(handed.map((h) => [h.host, h.silentMs])).toEqual([
+    ["host-2", 10_000],
+    ["host-2", 10_000],
+  ]);
+  for (const p of [t0, t2, s1]) p.stop();
   monitor.close();
 });
 

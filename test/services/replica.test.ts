@@ -4,10 +4,7 @@
 import { describe, expect, test } from "bun:test";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import type { Model } from "../../engine/models/model.ts";
-import { AdamW } from "../../engine/optim/adamw.ts";
-import type { Optimizer } from "../../engine/optim/optimizer.ts";
-import { Sgd } from "../../engine/optim/sgd.ts";
-import type { ParamStore } from "../../engine/params.ts";
+import { optimizerOf } from "../../engine/optim/choose.ts";
 import { Rng } from "../../engine/rng.ts";
 import { Context } from "../../engine/tensor.ts";
 import type { HostBatch, StepResult, TrainStep } from "../../engine/train.ts";
@@ -52,24 +49,11 @@ const sharedBus = new MemoryBus();
 const ranks = (cfg: JobConfig, bus = new MemoryBus()): ReplicaRank[] =>
   replicaRanks(cfg, { bus, plan: imagePlan, transport: { peerLostMs: 5_000 }, progressTimeoutMs: 5_000 });
 
-/** The job's optimizer over `store`, as the replicas build it (SGD without dampening). */
-function jobOptimizer(ctx: Context, store: ParamStore, o: JobConfig["optimizer"]): Optimizer {
-  if (o.kind === "sgd") {
-    return new Sgd(ctx, store, {
-      momentum: o.momentum,
-      dampening: 0,
-      nesterov: o.nesterov,
-      weightDecay: o.weightDecay,
-    });
-  }
-  return new AdamW(ctx, store, { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weightDecay: o.weightDecay });
-}
-
 /** One process with the whole batch: the job's model and optimizer at the constant `lr`. */
 function singleProcess(cfg: JobConfig, plan: ModelPlan, lr: number) {
   const ctx = new Context(new CpuBackend(), { seed: 0 });
   const single = buildModel(ctx, cfg, plan);
-  const opt = jobOptimizer(ctx, single.store, cfg.optimizer);
+  const opt = optimizerOf(ctx, single.store, cfg.optimizer);
   return { ctx, single, train: constantLrStep(ctx, single, opt, { lr, gradClip: cfg.gradClip, accumSteps: 1 }) };
 }
 

@@ -109,11 +109,22 @@ export function stalledTrainer(text: string): number | null {
 /** "shard 1" before "trainer 10" after "trainer 2": by kind, then by number. */
 const byRank = (a: string, b: string): number => a.localeCompare(b, "en", { numeric: true });
 
-/** Follows a job's heartbeats and reports who went quiet (and who came back) as Stalled events. */
+/** A host silent as a whole: its name, its senders ("trainer 2", "shard 1", "data-loader"). */
+export interface LostHost {
+  host: string;
+  who: string[];
+  silentMs: number;
+}
+
+/**
+ * Follows a job's heartbeats and reports who went quiet (and who came back) as Stalled events.
+ * With `lost`, a host silent as a whole for `afterMs` is also handed to `hand`, once until it is
+ * heard again (the job may go on without it).
+ */
 export class LivenessMonitor {
   readonly #seen = new Map<string, Seen>();
-  /** the hosts reported silent as a whole, until one of their senders is heard again */
-  readonly #quietHosts = new Set<string>();
+  /** the hosts reported silent as a whole, until one of their senders is heard again (true: handed as lost) */
+  readonly #quietHosts = new Map<string, boolean>();
   readonly #sub: Subscription;
   readonly #timer: ReturnType<typeof setInterval>;
 
@@ -122,6 +133,7 @@ export class LivenessMonitor {
     readonly job: string,
     readonly silentMs = stalledAfterMs,
     readonly now: () => number = Date.now,
+    readonly lost?: { afterMs: number; hand: (h: LostHost) => void },
   ) {
     this.#sub = bus.subscribe(subjects.heartbeats(job), (data) => {
       let hb: Heartbeat;
@@ -173,14 +185,21 @@ export class LivenessMonitor {
     // when nothing is heard from anywhere, it is this watcher that is cut off
     if (byHost.size < 2 || [...this.#seen.values()].every((s) => s.stalled)) return;
     for (const [host, senders] of byHost) {
-      if (this.#quietHosts.has(host) || !senders.every((s) => s.stalled)) continue;
-      this.#quietHosts.add(host);
-      const last = Math.max(...senders.map((s) => s.atMs));
+      const handed = this.#quietHosts.get(host);
+      if (handed === true || !senders.every((s) => s.stalled)) continue;
+      const silentMs = now - Math.max(...senders.map((s) => s.atMs));
       const who = senders.map((s) => s.hb.who).sort(byRank);
-      this.#event(
-        Math.min(...senders.map((s) => s.hb.step)),
-        `host ${host} ${hostWords} ${who.join(", ")} silent for ${this.#secs(now - last)} s`,
-      );
+      if (handed === undefined) {
+        this.#quietHosts.set(host, false);
+        this.#event(
+          Math.min(...senders.map((s) => s.hb.step)),
+          `host ${host} ${hostWords} ${who.join(", ")} silent for ${this.#secs(silentMs)} s`,
+        );
+      }
+      if (this.lost !== undefined && silentMs >= this.lost.afterMs) {
+        this.#quietHosts.set(host, true);
+        this.lost.hand({ host, who, silentMs });
+      }
     }
   }
 
@@ -196,20 +215,7 @@ export class LivenessMonitor {
 
   /** The hosts whose every sender is silent now. */
   get quietHosts(): string[] {
-    return [...this.#quietHosts];
-  }
-
-  /** Each host whose every sender is silent now: who they are, and how long since the last was heard. */
-  quietHostsNow(): { host: string; who: string[]; silentMs: number }[] {
-    const now = this.now();
-    return [...this.#quietHosts].map((host) => {
-      const senders = [...this.#seen.values()].filter((s) => s.hb.host === host);
-      return {
-        host,
-        who: senders.map((s) => s.hb.who).sort(byRank),
-        silentMs: now - Math.max(...senders.map((s) => s.atMs)),
-      };
-    });
+    return [...this.#quietHosts.keys()];
   }
 
   #secs(ms: number): string {

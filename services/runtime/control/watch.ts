@@ -2,7 +2,7 @@
 // Stalled event names one that goes quiet, and what it was doing) and their step times
 // (StragglerDetector: a Straggler event names a rank much slower than the others), and the NATS
 // servers that leave the cluster (a Stalled event names each). A host silent as a whole for
-// `lostAfterMs` is handed to `hostLost` once (again only after it was heard and went quiet
+// `lost.afterMs` is handed to `lost.hand` once (again only after it was heard and went quiet
 // again): the job may go on without it (the checkpoint service shrinks it). The checkpoint
 // service hosts one per job it runs, next to the job's snapshots.
 import { decodeEvent, EventKind } from "../../../schemas/messages.ts";
@@ -10,40 +10,19 @@ import type { Bus, Subscription } from "../mesh/bus.ts";
 import { dataRanks, type JobConfig, subjects } from "../job/job.ts";
 import { LivenessMonitor, StragglerDetector } from "./liveness.ts";
 
-/** A host silent as a whole: its name, its senders ("trainer 2", "shard 1", "data-loader"). */
-export interface LostHost {
-  host: string;
-  who: string[];
-  silentMs: number;
-}
-
 export class JobWatch {
   readonly #liveness: LivenessMonitor;
   readonly #steps: Subscription;
   readonly #stopServers: (() => void) | undefined;
-  readonly #lostTimer: ReturnType<typeof setInterval> | undefined;
 
   /** `event` publishes the job's events (here: Straggler). */
   constructor(
     bus: Bus,
     cfg: JobConfig,
     event: (kind: EventKind, step: number, text: string) => void,
-    lost?: { afterMs: number; hostLost: (h: LostHost) => void },
+    lost?: LivenessMonitor["lost"],
   ) {
-    this.#liveness = new LivenessMonitor(bus, cfg.job);
-    if (lost !== undefined) {
-      const handed = new Set<string>();
-      this.#lostTimer = setInterval(() => {
-        const quiet = this.#liveness.quietHostsNow();
-        for (const h of handed) if (!quiet.some((q) => q.host === h)) handed.delete(h);
-        for (const q of quiet) {
-          if (handed.has(q.host) || q.silentMs < lost.afterMs) continue;
-          handed.add(q.host);
-          lost.hostLost(q);
-        }
-      }, 500);
-      this.#lostTimer.unref();
-    }
+    this.#liveness = new LivenessMonitor(bus, cfg.job, undefined, undefined, lost);
     const detector = new StragglerDetector(dataRanks(cfg), (step, text) => event(EventKind.Straggler, step, text));
     // a NATS server cut off or down: the processes connected there go quiet until they move
     // to another (the liveness monitor names them); this names the server
@@ -64,7 +43,6 @@ export class JobWatch {
   }
 
   close(): void {
-    clearInterval(this.#lostTimer);
     this.#stopServers?.();
     this.#steps.unsubscribe();
     this.#liveness.close();
