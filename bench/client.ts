@@ -23,7 +23,7 @@ export interface ClientBenchRow {
 }
 
 const root = join(import.meta.dir, "..");
-const cli = join(root, "sdk", "cli.ts");
+const cli = join(root, "sdk", "cli", "main.ts");
 
 /** One client command, run as a user runs it: a new process. */
 type RunCli = (args: string[]) => { ms: number; code: number | null; out: string; err: string };

@@ -18,7 +18,8 @@ import {
   SyncPolicy,
 } from "../schemas/messages.ts";
 import { planHere } from "../services/data-loader/loader.ts";
-import { type JobConfig, jobDefaults, parseJobConfig, subjects } from "../services/runtime/job/job.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job/config.ts";
+import { subjects } from "../services/runtime/job/subjects.ts";
 import { JobStore } from "../services/runtime/job/jobs.ts";
 import { buildModel } from "../services/runtime/job/model.ts";
 import { NatsBus } from "../services/runtime/mesh/nats.ts";

@@ -23,14 +23,8 @@ import { join } from "node:path";
 import { ConfigError } from "../engine/errors.ts";
 import { MeshClient } from "../sdk/client.ts";
 import { watchJob } from "../sdk/watch.ts";
-import {
-  defaultOwner,
-  gptJobDefaults,
-  type JobConfig,
-  jobDefaults,
-  parseJobConfig,
-  qualifyJob,
-} from "../services/runtime/job/job.ts";
+import { defaultOwner, qualifyJob } from "../services/runtime/job/subjects.ts";
+import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job/config.ts";
 import { HostBed, testBedProblem } from "../testbed/hosts.ts";
 import { HostMesh, hostLabel } from "../testbed/mesh.ts";
 import { busTransportDefaults } from "../services/runtime/transport/collective-bus.ts";

@@ -234,7 +234,7 @@ function runArgs(corpusDir: string, runsDir: string, trainers: number, steps: nu
  *  process, each sample marked with whether a step's line had been printed yet). */
 async function runSampled(args: string[]) {
   const t0 = performance.now();
-  const cli = Bun.spawn([process.execPath, "sdk/cli.ts", ...args], {
+  const cli = Bun.spawn([process.execPath, "sdk/cli/main.ts", ...args], {
     cwd: root,
     stdout: "pipe",
     stderr: "pipe",

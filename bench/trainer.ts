@@ -51,13 +51,7 @@ import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/tensor.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";
 import { ConfigError } from "../engine/errors.ts";
-import {
-  gptJobDefaults,
-  type JobConfig,
-  jobDefaults,
-  parseJobConfig,
-  usesShards,
-} from "../services/runtime/job/job.ts";
+import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig, usesShards } from "../services/runtime/job/config.ts";
 import { buildModel } from "../services/runtime/job/model.ts";
 import { type JobStatus, MeshClient } from "../sdk/client.ts";
 import { LocalMesh } from "../sdk/local-mesh.ts";

@@ -2,10 +2,13 @@
 // weights stored (in, out) where ours are (out, in), config.json, and GPT-2's tokenizer files
 // (vocab.json and merges.txt, derived from the BPE ranks js-tiktoken ships). The head is tied to
 // the token embedding, as GPT-2's is, so lm_head.weight is not stored (transformers ties it).
+import { existsSync, readFileSync } from "node:fs";
+import { join } from "node:path";
 import gpt2Ranks from "js-tiktoken/ranks/gpt2";
+import { DataFileError } from "./data/errors.ts";
 import { ConfigError, ShapeError } from "./errors.ts";
 import type { GptConfig } from "./models/gpt.ts";
-import type { NamedTensor } from "./safetensors.ts";
+import { type NamedTensor, readSafetensors } from "./safetensors.ts";
 
 /** Our parameter name -> theirs, and whether theirs is the transpose (a Conv1D weight). */
 export function hfTensorName(ours: string): { name: string; transposed: boolean } {
@@ -114,6 +117,28 @@ export function gptConfigOfHf(json: Record<string, unknown>, path: string): Omit
     nHead: int("n_head"),
     nEmbd: int("n_embd"),
   };
+}
+
+/** The shape of a Hugging Face GPT-2 folder's model (its config.json): what fine-tuning from it trains. */
+export function hfFolderShape(dir: string): Omit<GptConfig, "dropout"> {
+  const path = join(dir, "config.json");
+  if (!existsSync(path))
+    throw new DataFileError(
+      dir,
+      "has no config.json: a Hugging Face GPT-2 folder (what meshtrain export writes) has one",
+    );
+  let json: Record<string, unknown>;
+  try {
+    json = JSON.parse(readFileSync(path, "utf8"));
+  } catch (e) {
+    throw new DataFileError(path, `cannot be read as JSON: ${(e as Error).message}`, { cause: e });
+  }
+  return gptConfigOfHf(json, path);
+}
+
+/** Fills a model's slab `values` from a Hugging Face GPT-2 folder's model.safetensors. */
+export function loadHfFolder(dir: string, entries: readonly ParamView[], values: Float32Array): void {
+  fromHfTensors(entries, readSafetensors(join(dir, "model.safetensors")), values);
 }
 
 // ---- GPT-2's tokenizer files ---------------------------------------------------------------

@@ -52,8 +52,8 @@ case "$phase" in
     run bun test --timeout=300000 test/ffi/cuda-gpu.test.ts test/ffi/cublas.test.ts test/ffi/cuda-kernels.test.ts \
       test/ffi/nccl.test.ts test/engine/ops.test.ts test/engine/mixed.test.ts test/ffi/flash.test.ts test/ffi/gemm-epilogue.test.ts ;;
   train)
-    run bun sdk/cli.ts train mlp --device cuda --out "$out/mlp.mtm"
-    run bun sdk/cli.ts train gpt --device cuda --precision bf16 --max-steps 2000 --out "$out/gpt.mtm" ;;
+    run bun sdk/cli/main.ts train mlp --device cuda --out "$out/mlp.mtm"
+    run bun sdk/cli/main.ts train gpt --device cuda --precision bf16 --max-steps 2000 --out "$out/gpt.mtm" ;;
   gpt)
     run bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 10 --profile
     run bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 ;;
@@ -91,14 +91,14 @@ case "$phase" in
     run timeout 120 bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 10 --attention kernel --no-torch
     run timeout 90 bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 --attention kernel --no-torch
     for a in auto kernel reference; do
-      run timeout 120 bun sdk/cli.ts train gpt --tokens /tmp/sotu --device cuda --precision bf16 --attention "$a" \
+      run timeout 120 bun sdk/cli/main.ts train gpt --tokens /tmp/sotu --device cuda --precision bf16 --attention "$a" \
         --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 --batch-size 8 --max-steps 150 --warmup 15 \
         --lr 6e-4 --min-lr 6e-5 --eval-every 150 --eval-batches 16 --sample-chars 0 --out "$out/gpt2-sotu-$a.mtm"
     done
     rm -f "$out"/*.mtm ;;
   nccl)
     run timeout 120 bun test --timeout=100000 test/ffi/nccl.test.ts test/ffi/cuda-gpu.test.ts
-    run timeout 240 env MT_DEVICE=cuda bun sdk/cli.ts run --sync allreduce --trainers 1 --max-steps 300 \
+    run timeout 240 env MT_DEVICE=cuda bun sdk/cli/main.ts run --sync allreduce --trainers 1 --max-steps 300 \
       --dir "$out/nccl-run" --no-dashboard --eval-batches 4
     grep -h '"collective":"nccl"' "$out"/nccl-run/jobs/*/logs/trainer-0.log | head -1 | tee -a "$out/log.txt"
     run timeout 240 bun bench/index.ts trainer --device cuda --trainers 1 --sync allreduce --model mlp,gpt \
@@ -111,7 +111,7 @@ case "$phase" in
     run timeout 60 bun bench/index.ts epilogues
     run timeout 150 bun bench/index.ts engine --device cuda --config gpt2-small --precision bf16 --steps 20 --profile --torch-modes sdpa,compile
     run timeout 90 bun bench/index.ts engine --device cuda --config nanogpt-char --precision bf16 --steps 20 --torch-modes sdpa,compile
-    run timeout 60 bun sdk/cli.ts train gpt --tokens /tmp/sotu --device cuda --precision bf16 --attention auto \
+    run timeout 60 bun sdk/cli/main.ts train gpt --tokens /tmp/sotu --device cuda --precision bf16 --attention auto \
       --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 --batch-size 8 --max-steps 150 --warmup 15 \
       --lr 6e-4 --min-lr 6e-5 --eval-every 150 --eval-batches 16 --sample-chars 0 --out "$out/gpt2-sotu-auto.mtm"
     rm -f "$out"/*.mtm ;;

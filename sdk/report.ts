@@ -2,12 +2,12 @@
 // to the job's log folder), how a job ended and where its files went, and `status`.
 import { zeroPartitions } from "../engine/parallel/zero.ts";
 import { type JobRecord, JobState, type Manifest } from "../schemas/messages.ts";
-import { dataRanks, type JobConfig, modelParallel, peakLr, usesShards } from "../services/runtime/job/job.ts";
+import { dataRanks, type JobConfig, modelParallel, peakLr, usesShards } from "../services/runtime/job/config.ts";
 import { stateName } from "../services/runtime/job/jobs.ts";
 import type { JobStatus } from "./client.ts";
 import { autocastDType } from "../engine/mixed.ts";
 import type { DeviceChoice } from "../ffi/select.ts";
-import { shownPath } from "./options.ts";
+import { shownPath } from "./user-paths.ts";
 import { formatSeconds, num, percent, plural, printable, when } from "./format.ts";
 import type { JobOutcome } from "./watch.ts";
 
@@ -90,7 +90,7 @@ export function configSummary(c: JobConfig, trainers?: DeviceChoice): string[] {
         : `uint16 tokens of ${c.dataDir}`;
   const samples = m.kind === "mlp" ? "samples" : `windows of ${m.blockSize}`;
   return [
-    `model      ${model}, seed ${c.seed}`,
+    `model      ${model}, ${c.initFrom !== "" ? `fine-tuned from ${shownPath(c.initFrom)}` : `seed ${c.seed}`}`,
     `data       ${data}, read by the data-loader; ${split} ${evals}`,
     `training   ${c.epochs} epoch${c.epochs > 1 ? "s" : ""}${c.maxSteps > 0 ? ` (at most ${c.maxSteps} steps)` : ""}, ${c.trainers} trainer${c.trainers > 1 ? "s" : ""}` +
       `${modelParallel(c) ? ` as ${dataRanks(c)} cop${dataRanks(c) > 1 ? "ies" : "y"} of the model, each ${c.pipelineStages} pipeline stage${c.pipelineStages > 1 ? "s" : ""} (${c.pipeSchedule}) x ${c.tensorParallel} tensor rank${c.tensorParallel > 1 ? "s" : ""},` : ""}` +

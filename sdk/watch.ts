@@ -5,7 +5,7 @@
 import { type Event, EventKind, type JobRecord, JobState } from "../schemas/messages.ts";
 import { DeadlineError, JobStateError } from "../services/runtime/mesh/errors.ts";
 import { EvalTally } from "../services/runtime/job/evals.ts";
-import { dataRanks, jobConfigFromJson } from "../services/runtime/job/job.ts";
+import { dataRanks, jobConfigFromJson } from "../services/runtime/job/config.ts";
 import { isEnded, jobStoreLeaderWaitMsMax, resizingReasonPrefix, stateName } from "../services/runtime/job/jobs.ts";
 import type { MeshClient } from "./client.ts";
 import { Progress, RateMeter } from "./progress.ts";

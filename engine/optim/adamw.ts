@@ -8,11 +8,18 @@
 // third state, age, counts each coordinate's steps since its last gradient, and a gradient that
 // arrives after tau steps is taken as tau steps of its mean (ffi/numerics.h, mt_adamw_update).
 // With a gradient in every coordinate at every step this is AdamW, bit for bit.
-import type { Allocation } from "../../ffi/backend.ts";
+import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { ConfigError } from "../errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../tensor.ts";
-import { allocStateSlab, type Optimizer, type UpdatePlan, updateGroups, wholeSlabPlan } from "./optimizer.ts";
+import {
+  allocStateSlab,
+  type Optimizer,
+  type UpdatePlan,
+  type UpdateRun,
+  updateGroups,
+  wholeSlabPlan,
+} from "./optimizer.ts";
 
 export interface AdamWConfig {
   beta1: number;
@@ -55,28 +62,16 @@ export class AdamW implements Optimizer {
 
   /** One launch over the whole slab (its decayed prefix and the rest), the clip's factor folded in. */
   step(lr: number, gradScale = 1): void {
-    const be = this.ctx.backend;
-    const { beta1, beta2, eps, weightDecay } = this.config;
     const t = this.#steps + 1;
-    const bc1 = 1 - beta1 ** t;
-    const bc2 = 1 - beta2 ** t;
-    for (const g of updateGroups(this.store, this.plan, weightDecay, true)) {
+    for (const g of updateGroups(this.store, this.plan, this.config.weightDecay, true)) {
       const o = g.stateOffsetBytes;
-      be.adamwStep(
-        g.param,
-        g.grad,
-        this.#m.ptr + o,
-        this.#v.ptr + o,
-        this.#age ? this.#age.ptr + o : 0,
-        g.numel,
-        g.decayNumel,
+      const state = [this.#m.ptr + o, this.#v.ptr + o, ...(this.#age ? [this.#age.ptr + o] : [])];
+      adamwRun(
+        this.ctx.backend,
+        this.config,
+        { param: g.param, grad: g.grad, state, numel: g.numel, decayNumel: g.decayNumel },
         lr,
-        beta1,
-        beta2,
-        eps,
-        weightDecay,
-        bc1,
-        bc2,
+        t,
         gradScale,
       );
     }
@@ -94,4 +89,33 @@ export class AdamW implements Optimizer {
   setStepCount(n: number): void {
     this.#steps = n;
   }
+}
+
+/**
+ * One AdamW step (the t-th; 1: the first, which the bias correction counts) of a run of
+ * parameters whose first `decayNumel` take weight decay; `run.state`: m, v and (sparse) age.
+ * What AdamW steps its slab's groups with, and a parameter-server shard its chunks.
+ */
+export function adamwRun(be: Backend, c: AdamWConfig, run: UpdateRun, lr: number, t: number, gradScale = 1): void {
+  const { beta1, beta2, eps, weightDecay } = c;
+  const [m, v, age] = run.state;
+  const bc1 = 1 - beta1 ** t;
+  const bc2 = 1 - beta2 ** t;
+  be.adamwStep(
+    run.param,
+    run.grad,
+    m!,
+    v!,
+    age ?? 0,
+    run.numel,
+    run.decayNumel,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weightDecay,
+    bc1,
+    bc2,
+    gradScale,
+  );
 }

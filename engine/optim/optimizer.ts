@@ -75,6 +75,16 @@ export interface UpdateGroup {
 
 /** The kernel calls of a step, one per range; with `merge`, a decayed range directly followed by
  *  one without decay (in parameters, state and gradients: the whole slab's two) is one call. */
+/** A run of parameters one optimizer step updates: pointers to its values, its gradient and its
+ *  state vectors (the optimizer's order), its length, and how many of its first elements decay. */
+export interface UpdateRun {
+  param: number;
+  grad: number;
+  state: readonly number[];
+  numel: number;
+  decayNumel: number;
+}
+
 export function updateGroups(store: ParamStore, plan: UpdatePlan, weightDecay: number, merge = false): UpdateGroup[] {
   const groups: UpdateGroup[] = [];
   let last: UpdateRange | null = null;

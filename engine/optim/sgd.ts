@@ -4,11 +4,18 @@
 //   buf = g on the first step, else momentum * buf + (1 - dampening) * g
 //   p -= lr * (nesterov ? g + momentum * buf : buf)
 // Weight decay applies to the parameters that declared decay (matrices), not biases.
-import type { Allocation } from "../../ffi/backend.ts";
+import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { ConfigError } from "../errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../tensor.ts";
-import { allocStateSlab, type Optimizer, type UpdatePlan, updateGroups, wholeSlabPlan } from "./optimizer.ts";
+import {
+  allocStateSlab,
+  type Optimizer,
+  type UpdatePlan,
+  type UpdateRun,
+  updateGroups,
+  wholeSlabPlan,
+} from "./optimizer.ts";
 
 export interface SgdConfig {
   momentum: number;
@@ -46,22 +53,9 @@ export class Sgd implements Optimizer {
 
   step(lr: number, gradScale = 1): void {
     const be = this.ctx.backend;
-    const { momentum, dampening, nesterov, weightDecay } = this.config;
-    const first = this.#steps === 0;
-    for (const g of updateGroups(this.store, this.plan, weightDecay)) {
-      if (gradScale !== 1) be.scale(g.grad, g.numel, gradScale);
-      be.sgdStep(
-        g.param,
-        g.grad,
-        this.#momentum.ptr + g.stateOffsetBytes,
-        g.numel,
-        lr,
-        momentum,
-        dampening,
-        g.weightDecay,
-        nesterov,
-        first,
-      );
+    for (const g of updateGroups(this.store, this.plan, this.config.weightDecay)) {
+      const run = { param: g.param, grad: g.grad, state: [this.#momentum.ptr + g.stateOffsetBytes], numel: g.numel };
+      sgdRun(be, this.config, { ...run, decayNumel: g.decayNumel }, lr, this.#steps + 1, gradScale);
     }
     this.#steps++;
   }
@@ -72,5 +66,33 @@ export class Sgd implements Optimizer {
 
   setStepCount(n: number): void {
     this.#steps = n;
+  }
+}
+
+/**
+ * One SGD step (the t-th; 1: the first) of a run of parameters whose first `decayNumel` take
+ * weight decay: what Sgd steps its slab's groups with, and a parameter-server shard its chunks.
+ */
+export function sgdRun(be: Backend, c: SgdConfig, run: UpdateRun, lr: number, t: number, gradScale = 1): void {
+  if (gradScale !== 1) be.scale(run.grad, run.numel, gradScale);
+  const segments = [
+    { at: 0, n: run.decayNumel, wd: c.weightDecay },
+    { at: run.decayNumel, n: run.numel - run.decayNumel, wd: 0 },
+  ];
+  for (const seg of segments) {
+    if (seg.n === 0) continue;
+    const off = seg.at * 4;
+    be.sgdStep(
+      run.param + off,
+      run.grad + off,
+      run.state[0]! + off,
+      seg.n,
+      lr,
+      c.momentum,
+      c.dampening,
+      seg.wd,
+      c.nesterov,
+      t === 1,
+    );
   }
 }

@@ -12,7 +12,7 @@
 // The protocol around it (versions, clocks, pulls that wait, duplicates, the norm agreement
 // between shards, snapshots) is services/parameter-server/shard.ts's; the requests are
 // services/trainer/ps-client.ts's; chunk-codec.ts maps an EncodedGradient onto a Chunk message.
-import type { OptimizerSpec } from "../optim/choose.ts";
+import { type OptimizerSpec, type UpdateRule, updateRule } from "../optim/choose.ts";
 import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { hostKernels } from "../../ffi/cpu/host.ts";
 import { clipFactor } from "../optim/clip.ts";
@@ -190,7 +190,7 @@ export class ShardOptimizer {
   /** the optimizer state's vectors, by name (a snapshot's order) */
   readonly stateNames: readonly string[];
   readonly #be: Backend;
-  readonly #opt: OptimizerSpec;
+  readonly #rule: UpdateRule;
   /** element offset of each chunk in the slabs */
   readonly #local: number[] = [];
   readonly #chunks: readonly ShardChunk[];
@@ -215,7 +215,7 @@ export class ShardOptimizer {
   ) {
     this.#be = backend;
     this.#chunks = chunks;
-    this.#opt = optimizer;
+    this.#rule = updateRule(optimizer, { sparse });
     let local = 0;
     for (const c of chunks) {
       this.#local.push(local);
@@ -230,7 +230,7 @@ export class ShardOptimizer {
     };
     this.#params = backend.alloc(bytes);
     this.#sums = zeroed();
-    this.stateNames = optimizer.kind === "sgd" ? ["momentum"] : ["m", "v", ...(sparse ? ["age"] : [])];
+    this.stateNames = this.#rule.stateNames;
     this.#state = this.stateNames.map(zeroed);
     chunks.forEach((_, i) => backend.upload(this.#at(this.#params, i), initial(i)));
   }
@@ -310,44 +310,9 @@ export class ShardOptimizer {
   }
 
   #step(i: number, g: number, lr: number, version: number): void {
-    const be = this.#be;
-    const o = this.#opt;
     const c = this.#chunks[i]!;
-    const segments = [
-      { at: 0, n: c.decayCount, wd: o.weightDecay },
-      { at: c.decayCount, n: c.count - c.decayCount, wd: 0 },
-    ].filter((s) => s.n > 0);
-    const p = this.#at(this.#params, i);
-    const [s0, s1, age] = this.#state.map((a) => this.#at(a, i));
-    for (const seg of segments) {
-      const off = seg.at * 4;
-      if (o.kind === "sgd") {
-        be.sgdStep(p + off, g + off, s0! + off, seg.n, lr, o.momentum, 0, seg.wd, o.nesterov, version === 0);
-        continue;
-      }
-      const t = version + 1;
-      const ageAt = age === undefined ? 0 : age + off;
-      const [bc1, bc2] = [1 - o.beta1 ** t, 1 - o.beta2 ** t];
-      const decayEnd = seg.wd === 0 ? 0 : seg.n;
-      const [b1, b2] = [o.beta1, o.beta2];
-      be.adamwStep(
-        p + off,
-        g + off,
-        s0! + off,
-        s1! + off,
-        ageAt,
-        seg.n,
-        decayEnd,
-        lr,
-        b1,
-        b2,
-        o.eps,
-        seg.wd,
-        bc1,
-        bc2,
-        1,
-      );
-    }
+    const run = { param: this.#at(this.#params, i), grad: g, numel: c.count, decayNumel: c.decayCount };
+    this.#rule.step(this.#be, { ...run, state: this.#state.map((a) => this.#at(a, i)) }, lr, version + 1);
   }
 
   /** Chunk i's f32 parameters into `out` (host memory of its count, in bytes or values). */

@@ -22,7 +22,7 @@ import {
   NoRespondersError,
   UnknownJobError,
 } from "../../services/runtime/mesh/errors.ts";
-import { subjects } from "../../services/runtime/job/job.ts";
+import { subjects } from "../../services/runtime/job/subjects.ts";
 import { stateName } from "../../services/runtime/job/jobs.ts";
 import type { JobStatus, MeshClient } from "../client.ts";
 import { clientQueuedMax, dashboardClientsMax, flushMs, jobViewsMax, messageBytesMax, statusPollMs } from "./limits.ts";

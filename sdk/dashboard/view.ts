@@ -6,7 +6,7 @@
 // past seriesPointsMax drops every other point). page.mjs repeats those two rules.
 import { type Event, EventKind, type Heartbeat, type Manifest } from "../../schemas/messages.ts";
 import { EvalTally } from "../../services/runtime/job/evals.ts";
-import { type JobConfig, dataRanks, usesShards } from "../../services/runtime/job/job.ts";
+import { type JobConfig, dataRanks, usesShards } from "../../services/runtime/job/config.ts";
 import { isEnded, stateName } from "../../services/runtime/job/jobs.ts";
 import type { JobStatus } from "../client.ts";
 import { configSummary } from "../report.ts";

@@ -18,7 +18,7 @@ import { type MlpConfig, MlpModel } from "../../engine/models/mlp.ts";
 import type { Model } from "../../engine/models/model.ts";
 import { Context } from "../../engine/tensor.ts";
 import { evaluate } from "../../engine/train.ts";
-import { shownPath, userPath } from "../options.ts";
+import { shownPath, userPath } from "../user-paths.ts";
 import { mobyDickName } from "../../engine/data/corpus.ts";
 import { gptRunDefaults } from "./train-gpt.ts";
 import { evalBatchSamples } from "./train-mlp.ts";

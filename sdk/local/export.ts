@@ -10,7 +10,7 @@ import { gpt2TokenizerFiles, hfConfig, toHfTensors } from "../../engine/hf-gpt2.
 import { readModelFile } from "../../engine/modelfile.ts";
 import type { GptConfig } from "../../engine/models/gpt.ts";
 import { writeSafetensors } from "../../engine/safetensors.ts";
-import { shownPath } from "../options.ts";
+import { shownPath } from "../user-paths.ts";
 
 export interface ExportOptions {
   /** absolute paths */

@@ -21,7 +21,7 @@ import { CharVocab } from "../../engine/data/text.ts";
 import { charTokenizer, gpt2Tokenizer, type Tokenizer, type TokenizerName } from "../../engine/data/tokenizer.ts";
 import { ConfigError } from "../../engine/errors.ts";
 import { Rng } from "../../engine/rng.ts";
-import { shownPath } from "../options.ts";
+import { shownPath } from "../user-paths.ts";
 
 export interface PrepareOptions {
   /** a text file, a folder of them, or (with jsonl) a JSON Lines file; absolute */

@@ -9,7 +9,7 @@ import { loadSlabInto, type ModelFileHeader, readModelFile } from "../../engine/
 import { type GptConfig, GptModel } from "../../engine/models/gpt.ts";
 import { Rng } from "../../engine/rng.ts";
 import { Context } from "../../engine/tensor.ts";
-import { shellWord, shownPath } from "../options.ts";
+import { shellWord, shownPath } from "../user-paths.ts";
 
 export interface SampleOptions {
   /** an absolute path (the CLI resolves what the user typed) */

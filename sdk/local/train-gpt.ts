@@ -1,13 +1,12 @@
 // In-process GPT training on character-level text (Moby Dick by default) or on uint16 token
 // files (llm.c / nanoGPT layouts), with periodic validation, a time limit, and a model file
 // that `meshtrain sample` reads.
-import { existsSync, mkdirSync, readFileSync } from "node:fs";
+import { mkdirSync } from "node:fs";
 import { dirname, join } from "node:path";
-import { DataFileError } from "../../engine/data/errors.ts";
 import { ConfigError } from "../../engine/errors.ts";
-import { fromHfTensors, gptConfigOfHf } from "../../engine/hf-gpt2.ts";
-import { readSafetensors } from "../../engine/safetensors.ts";
-import { shownPath } from "../options.ts";
+import { hfFolderShape, loadHfFolder } from "../../engine/hf-gpt2.ts";
+import { type JobConfig, gptJobDefaults } from "../../services/runtime/job/config.ts";
+import { shownPath } from "../user-paths.ts";
 import type { Backend } from "../../ffi/backend.ts";
 import { CudaBackend } from "../../ffi/cuda/backend.ts";
 import { type DeviceChoice, heldDeviceLine, openBackend } from "../../ffi/select.ts";
@@ -75,30 +74,34 @@ export interface GptRunOptions {
   given?: ReadonlySet<string>;
 }
 
-// The small default: ~0.8M parameters, reaches < 2.0 nats/char validation loss on Moby Dick
+const g = gptJobDefaults;
+const adamw = g.optimizer as Extract<JobConfig["optimizer"], { kind: "adamw" }>;
+
+// The small default (the mesh's gpt job's, services/runtime/job/options.ts): ~0.8M parameters, reaches < 2.0 nats/char validation loss on Moby Dick
 // in a few minutes on two CPU cores.
 export const gptRunDefaults: GptRunOptions = {
-  valFraction: 0.1,
+  valFraction: g.valFraction,
   ...gptDefaults,
-  batchSize: 32,
-  accum: 1,
-  lr: 2e-3,
-  minLr: 2e-4,
-  warmup: 100,
+  batchSize: g.batchSize,
+  accum: g.accumSteps,
+  lr: g.lr,
+  minLr: g.minLr,
+  warmup: g.warmupSteps,
+  // a run of steps (the mesh's: of epochs)
   maxSteps: 2000,
-  weightDecay: 0.1,
-  beta2: 0.99,
-  gradClip: 1,
+  weightDecay: adamw.weightDecay,
+  beta2: adamw.beta2,
+  gradClip: g.gradClip,
   evalEvery: 250,
-  evalBatches: 0,
+  evalBatches: g.evalBatches,
   timeLimitMin: 15,
-  seed: 1,
+  seed: g.seed,
   out: "runs/gpt-moby-dick/model.mtm",
   sampleChars: 300,
   device: "auto",
-  precision: "f32",
-  attention: "auto",
-  recompute: false,
+  precision: g.precision,
+  attention: g.attention,
+  recompute: g.recompute,
 };
 
 export interface GptRunResult {
@@ -115,28 +118,30 @@ function nextCommands(vocab: CharVocab | undefined): string[][] {
   return [["sample", ...prompt], ["eval"]];
 }
 
-/** --init-from: the folder's shape (config.json); a shape option the user gave that disagrees is refused, naming both. */
-function initShape(o: GptRunOptions, vocabSize: number): Pick<GptConfig, "blockSize" | "nLayer" | "nHead" | "nEmbd"> {
-  const path = join(o.initFrom!, "config.json");
-  if (!existsSync(path))
-    throw new DataFileError(
-      o.initFrom!,
-      "has no config.json: --init-from takes a Hugging Face GPT-2 folder (what meshtrain export writes)",
-    );
-  let json: Record<string, unknown>;
-  try {
-    json = JSON.parse(readFileSync(path, "utf8"));
-  } catch (e) {
-    throw new DataFileError(path, `cannot be read as JSON: ${(e as Error).message}`, { cause: e });
-  }
-  const hf = gptConfigOfHf(json, path);
-  const flags = { blockSize: "--block-size", nLayer: "--n-layer", nHead: "--n-head", nEmbd: "--n-embd" } as const;
-  for (const [key, flag] of Object.entries(flags) as [keyof typeof flags, string][]) {
-    if (o.given?.has(key) && o[key] !== hf[key])
+const shapeFlags = { blockSize: "--block-size", nLayer: "--n-layer", nHead: "--n-head", nEmbd: "--n-embd" } as const;
+
+/**
+ * --init-from: a Hugging Face GPT-2 folder's shape (its config.json) is the model's; a shape
+ * option the user gave that disagrees is refused, naming both.
+ */
+export function initFromShape(
+  dir: string,
+  given: Partial<Record<keyof typeof shapeFlags, unknown>>,
+): ReturnType<typeof hfFolderShape> {
+  const hf = hfFolderShape(dir);
+  for (const [key, flag] of Object.entries(shapeFlags) as [keyof typeof shapeFlags, string][]) {
+    if (given[key] !== undefined && given[key] !== hf[key])
       throw new ConfigError(
-        `--init-from ${shownPath(o.initFrom!)}: its model has ${flag.slice(2)} ${hf[key]}; ${flag} ${o[key]} disagrees (leave it out)`,
+        `--init-from ${shownPath(dir)}: its model has ${flag.slice(2)} ${hf[key]}; ${flag} ${given[key]} disagrees (leave it out)`,
       );
   }
+  return hf;
+}
+
+/** --init-from: the folder's shape (config.json), which the shape options the user gave must agree with. */
+function initShape(o: GptRunOptions, vocabSize: number): Pick<GptConfig, "blockSize" | "nLayer" | "nHead" | "nEmbd"> {
+  const given = Object.fromEntries([...(o.given ?? [])].map((k) => [k, o[k as keyof GptRunOptions]]));
+  const hf = initFromShape(o.initFrom!, given);
   if (hf.vocabSize !== vocabSize) {
     throw new ConfigError(
       `--init-from ${shownPath(o.initFrom!)}: its vocabulary is ${hf.vocabSize} tokens (transformer.wte.weight [${hf.vocabSize}, ${hf.nEmbd}]); the data's is ${vocabSize}`,
@@ -306,7 +311,7 @@ function buildGpt(ctx: Context, o: GptRunOptions, vocabSize: number): { config: 
   model.recompute = o.recompute;
   if (o.initFrom !== undefined) {
     const values = model.store.readValues();
-    fromHfTensors(model.store.entries, readSafetensors(join(o.initFrom, "model.safetensors")), values);
+    loadHfFolder(o.initFrom, model.store.entries, values);
     model.store.writeValues(values);
   }
   return { config, model };

@@ -11,6 +11,8 @@ import { type MlpConfig, MlpModel } from "../../engine/models/mlp.ts";
 import type { Optimizer } from "../../engine/optim/optimizer.ts";
 import { checkSchedule, scheduleOf } from "../../engine/optim/schedule.ts";
 import { optimizerOf } from "../../engine/optim/choose.ts";
+import { type JobConfig, jobDefaults } from "../../services/runtime/job/config.ts";
+import { defaultDraft } from "../../services/runtime/job/options.ts";
 import { ConfigError } from "../../engine/errors.ts";
 import type { Precision } from "../../engine/mixed.ts";
 import { Context } from "../../engine/tensor.ts";
@@ -30,6 +32,8 @@ export interface MlpRunOptions {
   momentum: number;
   nesterov: boolean;
   weightDecay: number;
+  /** AdamW's second-moment decay */
+  beta2: number;
   schedule: "constant" | "cosine" | "linear";
   warmup: number;
   gradClip: number;
@@ -45,25 +49,31 @@ export interface MlpRunOptions {
 }
 
 // Defaults: LeCun's 784-800-10 network, trained to >= 98% test accuracy in ~10 epochs.
+const d = jobDefaults;
+const sgd = d.optimizer as Extract<JobConfig["optimizer"], { kind: "sgd" }>;
+const mlp = d.model as Extract<JobConfig["model"], { kind: "mlp" }>;
+
+/** A run's defaults: the mesh's job defaults (services/runtime/job/options.ts), and where the model goes. */
 export const mlpRunDefaults: MlpRunOptions = {
-  widths: [784, 800, 10],
-  dropout: 0.2,
-  epochs: 10,
-  batchSize: 128,
-  accum: 1,
+  widths: mlp.widths,
+  dropout: mlp.dropout,
+  epochs: d.epochs,
+  batchSize: d.batchSize,
+  accum: d.accumSteps,
   optimizer: "sgd",
-  lr: 0.05,
-  momentum: 0.9,
-  nesterov: true,
-  weightDecay: 5e-4,
-  schedule: "cosine",
-  warmup: 200,
-  gradClip: 0,
-  seed: 1,
-  valFraction: 0,
+  lr: d.lr,
+  momentum: sgd.momentum,
+  nesterov: sgd.nesterov,
+  weightDecay: sgd.weightDecay,
+  beta2: defaultDraft("mlp", "adamw").optimizer.beta2 as number,
+  schedule: d.schedule,
+  warmup: d.warmupSteps,
+  gradClip: d.gradClip,
+  seed: d.seed,
+  valFraction: d.valFraction,
   out: "runs/mlp-mnist/model.mtm",
   device: "auto",
-  precision: "f32",
+  precision: d.precision,
 };
 
 /** Samples per evaluation batch; `meshtrain eval` reads the same batches. */
@@ -82,7 +92,7 @@ export function makeOptimizer(ctx: Context, model: MlpModel, o: MlpRunOptions): 
     model.store,
     o.optimizer === "sgd"
       ? { kind: "sgd", momentum: o.momentum, nesterov: o.nesterov, weightDecay: o.weightDecay }
-      : { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: o.weightDecay },
+      : { kind: "adamw", beta1: 0.9, beta2: o.beta2, eps: 1e-8, weightDecay: o.weightDecay },
   );
 }
 

@@ -44,25 +44,9 @@ import {
   UnknownJobError,
 } from "../runtime/mesh/errors.ts";
 import { EvalTally } from "../runtime/job/evals.ts";
-import {
-  configOfSpec,
-  dataRanks,
-  partitionRanks,
-  type JobConfig,
-  jobConfigFromJson,
-  anyJob,
-  jobIdPattern,
-  jobOfRequest,
-  recoverAskerOf,
-  shardOfOpenedTag,
-  shardOpenedTag,
-  trainerOfFailedTag,
-  trainerOfLacksTag,
-  trainerOfOpenedTag,
-  subjects,
-  trajectoryDiff,
-  usesShards,
-} from "../runtime/job/job.ts";
+import { configOfSpec, dataRanks, partitionRanks, type JobConfig, jobConfigFromJson, usesShards } from "../runtime/job/config.ts";
+import { anyJob, jobIdPattern, jobOfRequest, recoverAskerOf, shardOfOpenedTag, shardOpenedTag, trainerOfFailedTag, trainerOfLacksTag, trainerOfOpenedTag, subjects } from "../runtime/job/subjects.ts";
+import { trajectoryDiff } from "../runtime/job/resume.ts";
 import { worldResumeProblem } from "../runtime/job/world.ts";
 import { boundText, type JobControl } from "../runtime/job/jobs.ts";
 import type { Logger } from "../runtime/mesh/log.ts";

@@ -4,7 +4,7 @@
 // in the background (bounded by prefetchMax), so the next request is answered at once.
 import { type DataPlan, Split } from "../../schemas/messages.ts";
 import { BadRequestError } from "../runtime/mesh/errors.ts";
-import { dataRanks, type JobConfig, stepScheduleOf } from "../runtime/job/job.ts";
+import { dataRanks, type JobConfig, stepScheduleOf } from "../runtime/job/config.ts";
 import { jobPlan, stepsPerEpochOf } from "../runtime/job/plan.ts";
 import { prefetchMax, waitSamplesMax } from "./limits.ts";
 import { epochIds, rankSlice } from "./sampler.ts";

@@ -14,7 +14,8 @@ import {
 } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
 import { ConfigError, LimitExceededError, MeshError, UnknownJobError } from "../runtime/mesh/errors.ts";
-import { anyJob, configOfSpec, type JobConfig, jobOfRequest, subjects } from "../runtime/job/job.ts";
+import { anyJob, jobOfRequest, subjects } from "../runtime/job/subjects.ts";
+import { configOfSpec, type JobConfig } from "../runtime/job/config.ts";
 import { jobSpecBytesMax } from "../runtime/job/jobs.ts";
 import { planOfSpec } from "../runtime/job/plan.ts";
 import type { JobControl } from "../runtime/job/jobs.ts";

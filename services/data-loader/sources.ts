@@ -13,7 +13,7 @@ import { trainValSplit } from "../../engine/data/sampler.ts";
 import { Rng } from "../../engine/rng.ts";
 import { encodeBatch, Split } from "../../schemas/messages.ts";
 import { BadRequestError } from "../runtime/mesh/errors.ts";
-import type { JobConfig } from "../runtime/job/job.ts";
+import type { JobConfig } from "../runtime/job/config.ts";
 import type { DatasetFacts } from "../runtime/job/plan.ts";
 import type { Tokens } from "../../engine/data/token-stream.ts";
 import { evalBatchRows } from "./limits.ts";

@@ -26,17 +26,8 @@ import {
 } from "../runtime/mesh/errors.ts";
 import { cutTag, partOfTag } from "../runtime/job/replica-parts.ts";
 import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
-import {
-  anyJob,
-  configOfSpec,
-  type JobConfig,
-  jobOfRequest,
-  shardOpenedTag,
-  subjects,
-  trainerOfRequest,
-  usesShards,
-  recoverAsker,
-} from "../runtime/job/job.ts";
+import { anyJob, jobOfRequest, shardOpenedTag, subjects, trainerOfRequest, recoverAsker } from "../runtime/job/subjects.ts";
+import { configOfSpec, type JobConfig, usesShards } from "../runtime/job/config.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { initialParameters } from "../runtime/job/model.ts";
 import { checkPlanLayout, planLayout, planOfSpec } from "../runtime/job/plan.ts";

@@ -33,10 +33,9 @@ import { parseCompression } from "../../engine/parallel/compress.ts";
 import { ShardOptimizer } from "../../engine/parallel/parameter-server.ts";
 import { decodeChunk, fillParams, pushDType } from "../runtime/transport/chunk-codec.ts";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../runtime/mesh/errors.ts";
-import { type JobConfig, shardsClip } from "../runtime/job/job.ts";
+import { type JobConfig, lrAt, shardsClip } from "../runtime/job/config.ts";
 import { worldOf } from "../runtime/job/world.ts";
 import type { ChunkInfo, Layout } from "../runtime/job/layout.ts";
-import { jobLr } from "../runtime/job/plan.ts";
 import { pullWaitersMax, pullWaitMsMax } from "./limits.ts";
 import { implausibleStateText, plausibleState } from "../runtime/job/limits.ts";
 
@@ -124,7 +123,7 @@ export class ParameterShard {
     this.#clock = new Float64Array(W);
     this.#received = Array.from({ length: W }, () => new Map());
     const c = o.config;
-    this.#lr = jobLr(c, o);
+    this.#lr = (step) => lrAt(c, o, step);
     this.#agreeNorm = o.agreeNorm;
   }
 

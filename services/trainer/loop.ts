@@ -50,23 +50,13 @@ import { awaitMembers, type MeshMembers } from "../runtime/mesh/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/job/evals.ts";
 import { BadRequestError } from "../runtime/mesh/errors.ts";
 import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
-import {
-  dataRanks,
-  evaluatesAt,
-  type JobConfig,
-  jobOfRequest,
-  modelParallel,
-  stepScheduleOf,
-  subjects,
-  usesShards,
-  recoverAsker,
-  trainerFailedTag,
-} from "../runtime/job/job.ts";
+import { dataRanks, evaluatesAt, type JobConfig, lrAt, modelParallel, stepScheduleOf, usesShards } from "../runtime/job/config.ts";
+import { jobOfRequest, subjects, recoverAsker, trainerFailedTag } from "../runtime/job/subjects.ts";
 import type { JobControl } from "../runtime/job/jobs.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { pause } from "../runtime/mesh/pause.ts";
 import { buildModel } from "../runtime/job/model.ts";
-import { checkPlanLayout, jobLr } from "../runtime/job/plan.ts";
+import { checkPlanLayout } from "../runtime/job/plan.ts";
 import {
   checkpointTimeoutMs,
   scheduledSnapshotTimeoutMs,
@@ -178,7 +168,7 @@ export class TrainerRun {
     this.#ctx = new Context(o.backend, { seed: o.cfg.seed * 1000 + dropoutRank, precision: o.cfg.precision });
     this.#plan = o.plan;
     this.#steps = stepScheduleOf(o.cfg, o.plan.trainSamples);
-    this.#lr = jobLr(o.cfg, o.plan);
+    this.#lr = (step) => lrAt(o.cfg, o.plan, step);
     const mp = modelParallel(o.cfg)
       ? new ModelParallelReplica({
           bus: o.bus,

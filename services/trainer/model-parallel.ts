@@ -44,7 +44,7 @@ import type { DataPlan, ShardState } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
 import type { BusTransport } from "../runtime/transport/collective-bus.ts";
 import { BadRequestError, CorruptDataError } from "../runtime/mesh/errors.ts";
-import { dataRanks, type JobConfig } from "../runtime/job/job.ts";
+import { dataRanks, type JobConfig } from "../runtime/job/config.ts";
 import { buildLayout, type Layout } from "../runtime/job/layout.ts";
 import { modelConfigOf } from "../runtime/job/model.ts";
 import { cutPartition, KeptParts, type ReplicaMeta } from "../runtime/job/replica-parts.ts";

@@ -31,16 +31,8 @@ import { NotReadyError } from "../runtime/mesh/errors.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { type HeartbeatPublisher, stalledTrainer } from "../runtime/control/liveness.ts";
 import type { TrainerPlace } from "../runtime/job/collective-plan.ts";
-import {
-  type JobConfig,
-  jobOfRequest,
-  shardsClip,
-  subjects,
-  trainerOpenedTag,
-  usesShards,
-  recoverAsker,
-  trainerLacksTag,
-} from "../runtime/job/job.ts";
+import { type JobConfig, shardsClip, usesShards } from "../runtime/job/config.ts";
+import { jobOfRequest, subjects, trainerOpenedTag, recoverAsker, trainerLacksTag } from "../runtime/job/subjects.ts";
 import type { buildModel } from "../runtime/job/model.ts";
 import { planLayout } from "../runtime/job/plan.ts";
 import { cutTag, partOfTag, precutSaveTag } from "../runtime/job/replica-parts.ts";

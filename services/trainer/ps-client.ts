@@ -21,7 +21,7 @@ import {
 import { decodeChunk, gradientChunk, pullDType } from "../runtime/transport/chunk-codec.ts";
 import { BadRequestError } from "../runtime/mesh/errors.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
-import { subjects } from "../runtime/job/job.ts";
+import { subjects } from "../runtime/job/subjects.ts";
 import type { Layout } from "../runtime/job/layout.ts";
 import { psMessagesInFlight, pullTimeoutMs, reaskMs, requestTimeoutMs } from "./limits.ts";
 

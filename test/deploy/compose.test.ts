@@ -17,7 +17,7 @@ import type { Subprocess } from "bun";
 import { EventKind, JobState } from "../../schemas/messages.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { watchJob } from "../../sdk/watch.ts";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { clientUser, makeCredentials } from "../../services/runtime/job/roles.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 import { skip } from "../helpers/skip.ts";

@@ -9,7 +9,7 @@ import { afterAll, describe, expect, test } from "bun:test";
 import { cpSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
 import { basename, dirname, join } from "node:path";
 import { parse as parseYaml } from "yaml";
-import { jobDefaults } from "../../services/runtime/job/job.ts";
+import { jobDefaults } from "../../services/runtime/job/config.ts";
 import { makeCredentials } from "../../services/runtime/job/roles.ts";
 import { removeTempDirs, root, tempDir } from "../helpers/mesh.ts";
 import { skip } from "../helpers/skip.ts";

@@ -7,7 +7,7 @@ import { join } from "node:path";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { EventKind, JobState } from "../../schemas/messages.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
-import type { JobConfig } from "../../services/runtime/job/job.ts";
+import type { JobConfig } from "../../services/runtime/job/config.ts";
 import { type JobStatus, MeshClient } from "../../sdk/client.ts";
 import { statusLines } from "../../sdk/report.ts";
 import type { MeshOptions } from "../../sdk/local-mesh.ts";

@@ -24,7 +24,8 @@ import {
   NotReadyError,
   UnknownJobError,
 } from "../../services/runtime/mesh/errors.ts";
-import { jobDefaults, parseJobConfig, recoverAsker, subjects } from "../../services/runtime/job/job.ts";
+import { jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
+import { recoverAsker, subjects } from "../../services/runtime/job/subjects.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/local-mesh.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";

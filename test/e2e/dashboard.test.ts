@@ -9,7 +9,7 @@ import { hostname } from "node:os";
 import { join } from "node:path";
 import { type Browser, chromium } from "playwright-core";
 import { EventKind } from "../../schemas/messages.ts";
-import { jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
+import { jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { Dashboard } from "../../sdk/dashboard/server.ts";
 import { removeTempDirs, root } from "../helpers/mesh.ts";
@@ -23,7 +23,7 @@ const chromiumPath =
 const noChromium = chromiumPath
   ? null
   : "no chromium here (apt-get install chromium; node scripts/bootstrap.mjs installs it when run as root)";
-const cli = join(root, "sdk", "cli.ts");
+const cli = join(root, "sdk", "cli", "main.ts");
 const screenshot = join(root, ".test-results", "dashboard.png");
 
 /** `meshtrain dashboard` as a user runs it, and the URL it prints. */

@@ -13,7 +13,7 @@ import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import { EventKind, JobState } from "../../schemas/messages.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
-import type { JobConfig } from "../../services/runtime/job/job.ts";
+import type { JobConfig } from "../../services/runtime/job/config.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { type Built, emulatedLibraries } from "../helpers/emulated-cuda.ts";
 import { removeTempDirs } from "../helpers/mesh.ts";

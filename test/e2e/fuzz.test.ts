@@ -32,20 +32,8 @@ import {
   Split,
   withChecksum,
 } from "../../schemas/messages.ts";
-import {
-  defaultOwner,
-  type JobConfig,
-  jobDefaults,
-  parseJobConfig,
-  subjects,
-  qualifyJob,
-  recoverAsker,
-  shardOpenedTag,
-  trainerFailedTag,
-  trainerOfFailedTag,
-  trainerOfLacksTag,
-  trainerOfOpenedTag,
-} from "../../services/runtime/job/job.ts";
+import { defaultOwner, subjects, qualifyJob, recoverAsker, shardOpenedTag, trainerFailedTag, trainerOfFailedTag, trainerOfLacksTag, trainerOfOpenedTag } from "../../services/runtime/job/subjects.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { specOfConfig, MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/local-mesh.ts";
 import { watchJob } from "../../sdk/watch.ts";

@@ -5,7 +5,7 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { readModelFile } from "../../engine/modelfile.ts";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
-import { gptJobDefaults, type JobConfig, parseJobConfig } from "../../services/runtime/job/job.ts";
+import { gptJobDefaults, type JobConfig, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { runEval } from "../../sdk/local/evaluate.ts";
 import { watchJob } from "../../sdk/watch.ts";

@@ -11,15 +11,8 @@ import { defaultMnistDir } from "../../engine/data/mnist.ts";
 import { readModelFile } from "../../engine/modelfile.ts";
 import { encodeJobRequest, type Event, EventKind, JobState, SyncPolicy } from "../../schemas/messages.ts";
 import { CapacityError, ConfigError, JobStateError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
-import {
-  defaultOwner,
-  type JobConfig,
-  jobConfigFromJson,
-  jobDefaults,
-  parseJobConfig,
-  subjects,
-  qualifyJob,
-} from "../../services/runtime/job/job.ts";
+import { defaultOwner, subjects, qualifyJob } from "../../services/runtime/job/subjects.ts";
+import { type JobConfig, jobConfigFromJson, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { runningRecord } from "../../services/runtime/job/jobs.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/local-mesh.ts";

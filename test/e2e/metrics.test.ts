@@ -116,7 +116,7 @@ describe("Prometheus metrics", () => {
     const cli = Bun.spawnSync(
       [
         process.execPath,
-        join(import.meta.dir, "..", "..", "sdk", "cli.ts"),
+        join(import.meta.dir, "..", "..", "sdk", "cli", "main.ts"),
         "metrics",
         "--nats-url",
         mesh.url,

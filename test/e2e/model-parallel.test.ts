@@ -5,7 +5,7 @@
 // same trajectory.
 import { afterAll, describe, expect, test } from "bun:test";
 import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
-import { type JobConfig, gptJobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
+import { type JobConfig, gptJobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { removeTempDirs } from "../helpers/mesh.ts";

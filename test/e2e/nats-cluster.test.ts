@@ -355,7 +355,7 @@ describe("a three-server NATS cluster", () => {
     const cli = Bun.spawnSync(
       [
         process.execPath,
-        join(import.meta.dir, "..", "..", "sdk", "cli.ts"),
+        join(import.meta.dir, "..", "..", "sdk", "cli", "main.ts"),
         "status",
         "--nats-url",
         urlsFrom(members, dead),

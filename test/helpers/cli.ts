@@ -2,7 +2,7 @@
 // folder its relative paths are resolved against), its exit code and output.
 import { join } from "node:path";
 
-const cliPath = join(import.meta.dir, "..", "..", "sdk", "cli.ts");
+const cliPath = join(import.meta.dir, "..", "..", "sdk", "cli", "main.ts");
 
 export function runCli(dir: string, ...args: string[]): { code: number | null; out: string; err: string } {
   const p = Bun.spawnSync([process.execPath, cliPath, ...args], {

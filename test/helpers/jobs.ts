@@ -12,7 +12,7 @@ import { decodeShardState, type Event, EventKind, type JobRecord, type JobSpec }
 import { CheckpointStore } from "../../services/checkpoint/store.ts";
 import { specOfConfig } from "../../sdk/client.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
-import type { JobConfig } from "../../services/runtime/job/job.ts";
+import type { JobConfig } from "../../services/runtime/job/config.ts";
 
 /** What buildModel needs of an image job's plan (no vocabulary). */
 export const imagePlan = { vocabSize: 0, vocab: [] as number[] };

@@ -4,7 +4,7 @@
 import { expect } from "bun:test";
 import { join } from "node:path";
 import { type Event, EventKind } from "../../schemas/messages.ts";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import type { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh, type MeshOptions } from "../../sdk/local-mesh.ts";
 import { type JobOutcome, watchJob } from "../../sdk/watch.ts";

@@ -5,7 +5,7 @@ import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import type { Model } from "../../engine/models/model.ts";
 import { Context } from "../../engine/tensor.ts";
 import { type Bus, MemoryBus } from "../../services/runtime/mesh/bus.ts";
-import type { JobConfig } from "../../services/runtime/job/job.ts";
+import type { JobConfig } from "../../services/runtime/job/config.ts";
 import { buildModel, type ModelPlan } from "../../services/runtime/job/model.ts";
 import { Replica, type ReplicaOptions } from "../../services/trainer/replica.ts";
 

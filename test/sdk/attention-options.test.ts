@@ -5,13 +5,12 @@ import { describe, expect, test } from "bun:test";
 import { Command, CommanderError } from "commander";
 import { ConfigError as EngineConfigError } from "../../engine/errors.ts";
 import { probeCuda } from "../../ffi/cuda/driver.ts";
-import type { PreviousRun } from "../../sdk/client.ts";
-import { givenOptions, type JobFlags, jobConfigOf, jobOptions, resolveConfig } from "../../sdk/job-flags.ts";
+import { givenOptions, type JobFlags, jobConfigOf, jobOptions } from "../../sdk/cli/job-options.ts";
 import { gptRunDefaults, runGpt } from "../../sdk/local/train-gpt.ts";
 import { attentionText, configSummary } from "../../sdk/report.ts";
 import { attentionChoices } from "../../services/runtime/job/attention.ts";
-import type { JobConfig } from "../../services/runtime/job/job.ts";
-import { trajectoryDiff } from "../../services/runtime/job/job.ts";
+import type { JobConfig } from "../../services/runtime/job/config.ts";
+import { trajectoryDiff } from "../../services/runtime/job/resume.ts";
 import { ConfigError } from "../../services/runtime/mesh/errors.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { skip } from "../helpers/skip.ts";
@@ -88,24 +87,17 @@ describe("the mesh's --attention", () => {
   });
 
   test("a resumed job keeps its attention unless given, and may change it (it does not change the model)", () => {
-    const ran = (c: JobConfig): PreviousRun => ({ config: c, record: null, snapshot: null, orphaned: false });
     const prev = config(...gpt, "--precision", "bf16", "--attention", "cudnn");
-    const again = parse(...gpt);
-    const kept = resolveConfig(jobConfigOf(again.flags), again.given, ran(prev));
+    const kept = jobConfigOf(parse(...gpt).flags, prev);
     expect(kept.attention).toBe("cudnn");
-    const other = parse(...gpt, "--attention", "reference");
-    const changed = resolveConfig(jobConfigOf(other.flags), other.given, ran(prev));
+    const changed = jobConfigOf(parse(...gpt, "--attention", "reference").flags, prev);
     expect(changed.attention).toBe("reference");
     expect(trajectoryDiff(prev, changed)).toEqual([]);
     // the resumed config is validated whole: cudnn laid over an f32 job's is refused, as a new job's would be
     const f32 = config(...gpt);
-    const cudnn = parse(...gpt, "--precision", "bf16", "--attention", "cudnn");
-    cudnn.given.delete("precision"); // only the attention is laid over
-    expectThrown(
-      () => resolveConfig(jobConfigOf(cudnn.flags), cudnn.given, ran(f32)),
-      ConfigError,
-      "attention cudnn needs bf16",
-    );
+    const { precision: _, ...cudnn } = parse(...gpt, "--precision", "bf16", "--attention", "cudnn").flags;
+    // only the attention is laid over
+    expectThrown(() => jobConfigOf(cudnn, f32), ConfigError, "attention cudnn needs bf16");
   });
 
   test("the header: a gpt job's attention line, none for the mlp", () => {

@@ -19,7 +19,7 @@ const env = { ...process.env, INIT_CWD: root, npm_package_json: join(root, "pack
 const runDir = (args: readonly string[]): string[] => (args[0] === "run" ? ["--dir", join(dir, "run")] : []);
 
 function cli(...args: string[]) {
-  const p = Bun.spawnSync([process.execPath, join(root, "sdk", "cli.ts"), ...args], {
+  const p = Bun.spawnSync([process.execPath, join(root, "sdk", "cli", "main.ts"), ...args], {
     cwd: root,
     env,
     stdout: "pipe",
@@ -181,7 +181,7 @@ describe("bad input gets one clear error and a non-zero exit", () => {
       const p = Bun.spawnSync(
         [
           process.execPath,
-          join(root, "sdk", "cli.ts"),
+          join(root, "sdk", "cli", "main.ts"),
           "run",
           "--no-dashboard",
           "--epochs",
@@ -267,7 +267,7 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     // in parallel: each is a process that refuses at once
     const results = await Promise.all(
       refused.map(async ([args]) => {
-        const p = Bun.spawn([process.execPath, join(root, "sdk", "cli.ts"), ...args, ...runDir(args)], {
+        const p = Bun.spawn([process.execPath, join(root, "sdk", "cli", "main.ts"), ...args, ...runDir(args)], {
           cwd: root,
           env: { ...env, MT_DEVICE: "cpu" },
           stdout: "pipe",

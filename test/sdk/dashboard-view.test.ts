@@ -3,7 +3,7 @@
 // combined over ranks, the per-rank step split, and each process's health as time passes.
 import { describe, expect, test } from "bun:test";
 import { emptyEvent, type Event, EventKind, type Heartbeat, JobState } from "../../schemas/messages.ts";
-import { jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
+import { jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { runningRecord } from "../../services/runtime/job/jobs.ts";
 import type { JobStatus } from "../../sdk/client.ts";
 import { restartShownMs, seriesPointsMax, silentAfterMs } from "../../sdk/dashboard/limits.ts";

@@ -152,6 +152,34 @@ describe("export to Hugging Face's GPT-2 layout", () => {
     expect(readModelFile(join(dir, "tuned.mtm")).header.config).toMatchObject({ nLayer: 2, nEmbd: 32, blockSize: 16 });
   }, 60_000);
 
+  test.each([
+    ["all-reduce", ["--sync", "allreduce", "--trainers", "1"]],
+    ["parameter server (BSP)", ["--trainers", "2", "--shards", "2"]],
+  ])(
+    "a mesh job fine-tunes the folder (%s): run --init-from starts from its tensors, with the job's --beta2",
+    (_, mode) => {
+      cli("export", "--model", "gpt.mtm", "--out", "hf-mesh");
+      // a learning rate too small to move the tensors: the job evaluates what it started from
+      const r = cli(
+        "run",
+        "--model",
+        "gpt",
+        "--tokens",
+        "data",
+        "--init-from",
+        "hf-mesh",
+        ...mode,
+        ...cliOptions({ "batch-size": 4, "max-steps": 2, lr: 1e-9, "min-lr": 0, warmup: 0, beta2: 0.95 }),
+        ...["--dir", "mesh-runs", "--no-dashboard"],
+      );
+      expect(r.code, r.err + r.out).toBe(0);
+      expect(r.out).toContain("GPT 2 layers, 2 heads, width 32, context 16, fine-tuned from hf-mesh");
+      expect(r.out).toContain("AdamW (betas 0.9/0.95");
+      expect(Number(/^val loss: ([\d.]+)/m.exec(r.out)?.[1])).toBeCloseTo(valLoss(trained), 3);
+    },
+    60_000,
+  );
+
   test("refusals: a shape option that disagrees with the folder, a tensor of the wrong shape (named), an MLP model", () => {
     cli("export", "--model", "gpt.mtm", "--out", "hf4");
     const shapeFlag = trainFrom("hf4", "--n-layer", "3", "--max-steps", "2", "--out", "x.mtm");

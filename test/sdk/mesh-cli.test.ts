@@ -7,7 +7,7 @@ import { copyFileSync, existsSync, mkdirSync, readdirSync, readFileSync } from "
 import { join } from "node:path";
 import { defaultMnistDir } from "../../engine/data/mnist.ts";
 import { freePort } from "../../services/runtime/mesh/nats-server.ts";
-import { newJobName } from "../../sdk/job-flags.ts";
+import { newJobName } from "../../sdk/cli/job-options.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 
 /** Processes start() began: a failing test must not leave them running. */
@@ -19,7 +19,7 @@ afterEach(() => {
 afterAll(removeTempDirs);
 
 const root = join(import.meta.dir, "..", "..");
-const cliPath = join(root, "sdk", "cli.ts");
+const cliPath = join(root, "sdk", "cli", "main.ts");
 /** A small, quick job: 784-32-10, 1000 samples per trainer and step. */
 const quick = ["--widths", "784,32,10", "--batch-size", "1000", "--epochs", "1", "--warmup", "5"];
 

@@ -7,7 +7,7 @@ import { writeTokenFile } from "../../engine/data/tokens.ts";
 import { tinyGptTraining } from "../helpers/cli-options.ts";
 
 const root = join(import.meta.dir, "..", "..");
-const cliPath = join(root, "sdk", "cli.ts");
+const cliPath = join(root, "sdk", "cli", "main.ts");
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-models-"));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 

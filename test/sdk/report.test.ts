@@ -4,7 +4,7 @@
 import { expect, test } from "bun:test";
 import { zeroPartitions } from "../../engine/parallel/zero.ts";
 import { configSummary } from "../../sdk/report.ts";
-import { jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
+import { jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 
 test.each([1, 2, 3] as const)("ZeRO stage %d: the header names what it partitions", (zero) => {
   const c = parseJobConfig({ ...jobDefaults, job: "default.z", sync: "allreduce", zero });

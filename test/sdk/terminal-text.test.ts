@@ -7,7 +7,7 @@ import { runningRecord } from "../../services/runtime/job/jobs.ts";
 import { printable } from "../../sdk/format.ts";
 import { jobsTable, outcomeLines, statusLines } from "../../sdk/report.ts";
 import { Command } from "commander";
-import { type JobFlags, jobConfigOf, jobOptions } from "../../sdk/job-flags.ts";
+import { type JobFlags, jobConfigOf, jobOptions } from "../../sdk/cli/job-options.ts";
 import { Watcher } from "../../sdk/watch.ts";
 
 const forged = "a\nb\r\nFAKE LOG LINE\x1b[2K\u202eevil\u2028more";

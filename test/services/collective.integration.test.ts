@@ -21,7 +21,7 @@ import pino from "pino";
 import { BadRequestError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
 import { NatsBus } from "../../services/runtime/mesh/nats.ts";
 import { refusalBurst } from "../../services/runtime/mesh/refusal-log.ts";
-import { subjects } from "../../services/runtime/job/job.ts";
+import { subjects } from "../../services/runtime/job/subjects.ts";
 import { encodeCollPiece } from "../../schemas/messages.ts";
 import { pieceFromOne } from "../helpers/coll-piece.ts";
 import { expectRejected } from "../helpers/errors.ts";

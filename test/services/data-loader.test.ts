@@ -29,7 +29,7 @@ import { readManifest, readSplit } from "../../engine/data/shards.ts";
 import { prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
 import { BadRequestError, ConfigError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
-import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
+import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 
 const window = readTokens;
 const mnist = loadMnist();

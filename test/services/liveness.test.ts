@@ -4,7 +4,7 @@
 import { describe, expect, test } from "bun:test";
 import { decodeEvent, decodeHeartbeat, encodeHeartbeat, type Event, EventKind } from "../../schemas/messages.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
-import { subjects } from "../../services/runtime/job/job.ts";
+import { subjects } from "../../services/runtime/job/subjects.ts";
 import {
   HeartbeatPublisher,
   LivenessMonitor,

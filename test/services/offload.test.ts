@@ -7,7 +7,7 @@ import { describe, expect, test } from "bun:test";
 import type { Backend } from "../../ffi/backend.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { bytesPerParam, type ModelMemory } from "../../engine/parallel/zero.ts";
-import { gptJobDefaults, type JobConfig, parseJobConfig } from "../../services/runtime/job/job.ts";
+import { gptJobDefaults, type JobConfig, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { emulatedCuda } from "../helpers/emulated-cuda.ts";
 import { closeRanks, replicaRanks } from "../helpers/replicas.ts";
 import { skip } from "../helpers/skip.ts";

@@ -5,7 +5,7 @@ import { chunkKey, HashRing } from "../../services/runtime/job/hashring.ts";
 import { buildLayout } from "../../services/runtime/job/layout.ts";
 import { ParameterShard } from "../../services/parameter-server/shard.ts";
 import { BadRequestError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
-import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
+import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { chunkF32, decodePullReply, DType, f32Chunk, type PushRequest, withChecksum } from "../../schemas/messages.ts";
 import { Codec, ErrorFeedback, parseCompression } from "../../engine/parallel/compress.ts";
 import { chunkCodec, decodeChunk, encodeChunk } from "../../services/runtime/transport/chunk-codec.ts";

@@ -23,7 +23,8 @@ import {
 import { PullRequest as PullRequestT } from "../../schemas/wire.ts";
 import { buildLayout } from "../../services/runtime/job/layout.ts";
 import { BadRequestError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
-import { type JobConfig, jobDefaults, subjects } from "../../services/runtime/job/job.ts";
+import { type JobConfig, jobDefaults } from "../../services/runtime/job/config.ts";
+import { subjects } from "../../services/runtime/job/subjects.ts";
 import { configExitCode } from "../../services/runtime/mesh/service.ts";
 import { JobStore } from "../../services/runtime/job/jobs.ts";
 import { initialParameters } from "../../services/runtime/job/model.ts";

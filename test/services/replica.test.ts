@@ -11,7 +11,7 @@ import type { HostBatch, StepResult, TrainStep } from "../../engine/train.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
 import { BadRequestError, CapacityError } from "../../services/runtime/mesh/errors.ts";
-import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
+import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { buildModel, type ModelPlan } from "../../services/runtime/job/model.ts";
 import { ReplicaDivergedError, type ReplicaStepResult } from "../../services/trainer/replica.ts";
 import { imagePlan } from "../helpers/jobs.ts";

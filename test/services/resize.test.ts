@@ -7,15 +7,8 @@ import { keptBatch, resizeJob, type ResizeHost, shrinkWithout } from "../../serv
 import { rankSlice } from "../../services/data-loader/sampler.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
 import { BadRequestError, JobStateError, NotReadyError } from "../../services/runtime/mesh/errors.ts";
-import {
-  configOfSpec,
-  gptJobDefaults,
-  type JobConfig,
-  jobDefaults,
-  parseJobConfig,
-  peakLr,
-  trajectoryDiff,
-} from "../../services/runtime/job/job.ts";
+import { configOfSpec, gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig, peakLr } from "../../services/runtime/job/config.ts";
+import { trajectoryDiff } from "../../services/runtime/job/resume.ts";
 import { StepSchedule, worldProblems } from "../../services/runtime/job/world.ts";
 import type { JobControl } from "../../services/runtime/job/jobs.ts";
 import { expectRejected } from "../helpers/errors.ts";

@@ -17,14 +17,8 @@ import {
   rebuildError,
   UnknownJobError,
 } from "../../services/runtime/mesh/errors.ts";
-import {
-  gptJobDefaults,
-  jobDefaults,
-  parseJobConfig,
-  peakLr,
-  trajectoryDiff,
-  usesShards,
-} from "../../services/runtime/job/job.ts";
+import { gptJobDefaults, jobDefaults, parseJobConfig, peakLr, usesShards } from "../../services/runtime/job/config.ts";
+import { trajectoryDiff } from "../../services/runtime/job/resume.ts";
 import { followAgain } from "../../services/runtime/job/jobs.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";

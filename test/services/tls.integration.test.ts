@@ -131,7 +131,7 @@ describe("TLS to NATS", () => {
 
   test("the CLI takes --tls-ca, --tls-cert and --tls-key; without them it is refused in one line", () => {
     const cli = (...args: string[]) =>
-      Bun.spawnSync([process.execPath, join(import.meta.dir, "..", "..", "sdk", "cli.ts"), ...args], {
+      Bun.spawnSync([process.execPath, join(import.meta.dir, "..", "..", "sdk", "cli", "main.ts"), ...args], {
         stdout: "pipe",
         stderr: "pipe",
         env: { ...process.env, MT_TLS_CA: "" },

@@ -6,7 +6,7 @@ import type { Backend } from "../../ffi/backend.ts";
 import { NativeLibraryError } from "../../ffi/errors.ts";
 import { type OpenedBackend, openBackend } from "../../ffi/select.ts";
 import type { AttentionChoice } from "../../services/runtime/job/attention.ts";
-import { gptJobDefaults, parseJobConfig, specOfConfig } from "../../services/runtime/job/job.ts";
+import { gptJobDefaults, parseJobConfig, specOfConfig } from "../../services/runtime/job/config.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
 import { ConfigError } from "../../services/runtime/mesh/errors.ts";
 import { TrainerBackends } from "../../services/trainer/backends.ts";

@@ -9,7 +9,7 @@ import { type BucketEntries, bytesPerParam, type ModelMemory, partitionOf } from
 import { segment } from "../../engine/parallel/collective.ts";
 import { rankMemory } from "../../engine/memory-estimate.ts";
 import type { HostBatch } from "../../engine/train.ts";
-import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/job.ts";
+import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import type { Replica, ReplicaStepResult } from "../../services/trainer/replica.ts";
 import { replicaFromPartitions } from "../../services/runtime/job/replica-parts.ts";
 import { CorruptDataError } from "../../services/runtime/mesh/errors.ts";

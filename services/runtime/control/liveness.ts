@@ -16,7 +16,7 @@ import {
   type Heartbeat,
 } from "../../../schemas/messages.ts";
 import type { Bus, Subscription } from "../mesh/bus.ts";
-import { subjects } from "../job/job.ts";
+import { subjects } from "../job/subjects.ts";
 
 /** How often a process says it is alive. */
 export const heartbeatMs = 2_000;

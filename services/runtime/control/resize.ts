@@ -25,7 +25,8 @@ import {
   UnknownJobError,
 } from "../mesh/errors.ts";
 import type { Logger } from "../mesh/log.ts";
-import { dataRanks, type JobConfig, parseJobConfig, specOfConfig, subjects, usesShards } from "../job/job.ts";
+import { dataRanks, type JobConfig, parseJobConfig, specOfConfig, usesShards } from "../job/config.ts";
+import { subjects } from "../job/subjects.ts";
 import { type JobControl, resizingReasonPrefix } from "../job/jobs.ts";
 import { changeWorld } from "../job/world.ts";
 

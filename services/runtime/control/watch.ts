@@ -7,7 +7,8 @@
 // service hosts one per job it runs, next to the job's snapshots.
 import { decodeEvent, EventKind } from "../../../schemas/messages.ts";
 import type { Bus, Subscription } from "../mesh/bus.ts";
-import { dataRanks, type JobConfig, subjects } from "../job/job.ts";
+import { dataRanks, type JobConfig } from "../job/config.ts";
+import { subjects } from "../job/subjects.ts";
 import { LivenessMonitor, StragglerDetector } from "./liveness.ts";
 
 export class JobWatch {

@@ -14,7 +14,7 @@
 //   - ranks that share a GPU (NCCL refuses two ranks of a communicator on one device);
 //   - compression with ZeRO or offload (over NCCL it runs at stage 0 only).
 // Compression applies where bytes cross hosts: on the leaders' ring; within a host NCCL moves f32.
-import type { JobConfig } from "./job.ts";
+import type { JobConfig } from "./config.ts";
 
 /** Where one trainer rank runs, as it announces it. */
 export interface TrainerPlace {

@@ -25,7 +25,7 @@ import {
 } from "../../../schemas/messages.ts";
 import type { Bus } from "../mesh/bus.ts";
 import { JetStreamUnavailableError, refusedAs } from "../mesh/errors.ts";
-import { subjects } from "./job.ts";
+import { subjects } from "./subjects.ts";
 import type { Logger } from "../mesh/log.ts";
 
 export const jobsBucket = "mt-jobs";

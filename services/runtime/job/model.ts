@@ -4,6 +4,7 @@
 // on its vocabulary, which the job's plan carries (plan.ts).
 import type { Backend } from "../../../ffi/backend.ts";
 import { CpuBackend } from "../../../ffi/cpu/backend.ts";
+import { loadHfFolder } from "../../../engine/hf-gpt2.ts";
 import { saveModelFile } from "../../../engine/modelfile.ts";
 import { type GptConfig, GptModel } from "../../../engine/models/gpt.ts";
 import { type MlpConfig, MlpModel } from "../../../engine/models/mlp.ts";
@@ -11,7 +12,7 @@ import type { Model } from "../../../engine/models/model.ts";
 import { Context } from "../../../engine/tensor.ts";
 import type { DataPlan, ShardState } from "../../../schemas/messages.ts";
 import { CorruptDataError } from "../mesh/errors.ts";
-import type { JobConfig } from "./job.ts";
+import type { JobConfig } from "./config.ts";
 import { buildLayout } from "./layout.ts";
 
 /** What a plan must say for the model to be built: the vocabulary of token data. */
@@ -31,11 +32,19 @@ export function modelConfigOf(cfg: JobConfig, plan: ModelPlan): MlpConfig | GptC
   };
 }
 
-export function buildModel(ctx: Context, cfg: JobConfig, plan: ModelPlan): Model {
+/** The job's model as it starts: from the seed, or (initFrom) a Hugging Face GPT-2 folder's
+ *  tensors. `fresh` false: from the seed whatever the job says (its values are about to be
+ *  replaced, or only its layout is wanted). */
+export function buildModel(ctx: Context, cfg: JobConfig, plan: ModelPlan, fresh = true): Model {
   const config = modelConfigOf(cfg, plan);
   if (cfg.model.kind === "mlp") return new MlpModel(ctx, config as MlpConfig, cfg.seed);
   const gpt = new GptModel(ctx, config as GptConfig, cfg.seed);
   gpt.recompute = cfg.recompute;
+  if (fresh && cfg.initFrom !== "") {
+    const values = gpt.store.readValues();
+    loadHfFolder(cfg.initFrom, gpt.store.entries, values);
+    gpt.store.writeValues(values);
+  }
   return gpt;
 }
 
@@ -66,10 +75,11 @@ export function initialParameters(
   cfg: JobConfig,
   plan: ModelPlan,
   backend: Backend = new CpuBackend(),
+  fresh = true,
 ): InitialParameters {
   const ctx = new Context(backend, { seed: cfg.seed });
   try {
-    const model = buildModel(ctx, cfg, plan);
+    const model = buildModel(ctx, cfg, plan, fresh);
     const values = new Float32Array(model.store.slabNumel);
     backend.download(model.store.values.ptr, values);
     return { values, decayElems: model.store.decayRange.numel, paramCount: model.store.paramCount };
@@ -92,7 +102,7 @@ export function exportModelFile(
 ): void {
   const ctx = new Context(new CpuBackend(), { seed: cfg.seed });
   try {
-    const model = buildModel(ctx, cfg, plan);
+    const model = buildModel(ctx, cfg, plan, false);
     const store = model.store;
     const layout = buildLayout(cfg.job, store.slabNumel, store.decayRange.numel, cfg.chunkBytes, cfg.shards);
     const slab = new Float32Array(store.slabNumel);

@@ -24,7 +24,7 @@ import { openBucket } from "../mesh/kv-bucket.ts";
 import type { NatsConnection } from "@nats-io/transport-node";
 import { WireFormatError } from "../../../schemas/codec.ts";
 import { BadRequestError, DeadlineError, JetStreamUnavailableError } from "../mesh/errors.ts";
-import { jobIdPattern, jobNamePattern } from "./job.ts";
+import { jobIdPattern, jobNamePattern } from "./subjects.ts";
 
 // ---- limits (the runtime has no limits.ts yet; these belong to this module) --------------------
 

@@ -2,10 +2,9 @@
 // submitted and carried in its spec (JobSpec.plan). The data-loader computes it (it alone reads
 // the data: `mt.ctl.plan`); trainers and parameter-server shards read the step count,
 // the vocabulary and the parameter vector's layout from the spec, never from the data files.
-import { lrAt, scheduleOf, type Schedule } from "../../../engine/optim/schedule.ts";
 import type { DataPlan, JobSpec } from "../../../schemas/messages.ts";
 import { BadRequestError, CorruptDataError } from "../mesh/errors.ts";
-import { dataRanks, type JobConfig, peakLr, stepScheduleOf } from "./job.ts";
+import { dataRanks, type JobConfig, stepScheduleOf } from "./config.ts";
 import { buildLayout, type Layout } from "./layout.ts";
 import { initialParameters } from "./model.ts";
 
@@ -45,7 +44,8 @@ export function jobPlan(cfg: JobConfig, facts: DatasetFacts): DataPlan {
     paramCount: 0,
     tokenizer: facts.tokenizer,
   };
-  const init = initialParameters(cfg, partial);
+  // the layout only: a fine-tuned job's tensors are read where it starts, not here
+  const init = initialParameters(cfg, partial, undefined, false);
   return { ...partial, slabNumel: init.values.length, decayElems: init.decayElems, paramCount: init.paramCount };
 }
 
@@ -58,18 +58,6 @@ export function planOfSpec(spec: JobSpec): DataPlan {
     );
   if (plan.job !== spec.job) throw new BadRequestError(`job spec "${spec.job}" carries the plan of "${plan.job}"`);
   return plan;
-}
-
-/** The learning-rate schedule of a job: its kind over the plan's steps (trainers and shards alike). */
-export const jobSchedule = (cfg: JobConfig, plan: Pick<DataPlan, "totalSteps">): Schedule =>
-  scheduleOf(cfg.schedule, cfg.warmupSteps, plan.totalSteps, cfg.minLr);
-
-/** The job's learning rate at each step: its schedule over the plan's steps, peaking at peakLr
- *  (what the trainers report and, in parameter-server mode, what the shards apply). */
-export function jobLr(cfg: JobConfig, plan: Pick<DataPlan, "totalSteps">): (step: number) => number {
-  const schedule = jobSchedule(cfg, plan);
-  const peak = peakLr(cfg);
-  return (step) => lrAt(schedule, peak, step);
 }
 
 /** The chunk layout of the job's parameter vector, as the plan states its size. */

@@ -34,7 +34,7 @@ import type { Bus, Subscription } from "../mesh/bus.ts";
 import { ShmInbox, ShmOutbox, shmIdentity, shmRefusedPrefix, shmSocketPath } from "./collective-shm.ts";
 import { DirectLinkClient, DirectLinkServer } from "./direct-link.ts";
 import { BadRequestError, CapacityError, DeadlineError, NoRespondersError } from "../mesh/errors.ts";
-import { subjects } from "../job/job.ts";
+import { subjects } from "../job/subjects.ts";
 import { pause } from "../mesh/pause.ts";
 
 export interface BusTransportOptions {

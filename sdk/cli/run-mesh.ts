@@ -12,27 +12,20 @@ import { probeCuda } from "../../ffi/cuda/driver.ts";
 import type { DeviceChoice } from "../../ffi/select.ts";
 import { attentionDeviceProblem } from "../../services/runtime/job/attention.ts";
 import { planDevice, planReport } from "../plan.ts";
-import {
-  type JobConfig,
-  defaultOwner,
-  jobConfigFromJson,
-  parseJobConfig,
-  qualifyJob,
-  usesShards,
-} from "../../services/runtime/job/job.ts";
+import { type JobConfig, jobConfigFromJson, parseJobConfig, usesShards } from "../../services/runtime/job/config.ts";
+import { defaultOwner, qualifyJob } from "../../services/runtime/job/subjects.ts";
 import { checkResume, MeshClient, type PreviousRun } from "../client.ts";
 import { LocalMesh, membersWaitMs } from "../local-mesh.ts";
-import { type JobFlags, jobConfigOf, resolveConfig } from "../job-flags.ts";
+import { checkedJobName, type JobFlags, jobConfigOf } from "./job-options.ts";
 import { configSummary, outcomeLines } from "../report.ts";
-import { cliName, shownPath } from "../options.ts";
+import { cliName, shownPath } from "../user-paths.ts";
 import { StopRequests } from "../signals.ts";
 import { Dashboard } from "../dashboard/server.ts";
 import { JobFailedError, watchJob } from "../watch.ts";
 
 export interface MeshRunOptions {
+  /** the job options the user typed */
   flags: JobFlags;
-  /** the options the user typed */
-  given: ReadonlySet<string>;
   /** folder for the jobs' folders (absolute) */
   dir: string;
   /** stop waiting after this long */
@@ -71,10 +64,9 @@ function prepareRun(o: MeshRunOptions): {
 } {
   const jobsDir = join(o.dir, "jobs");
   // the local mesh's one client user owns the job (its name without an owner is the default's)
-  const flagged = jobConfigOf(o.flags);
-  const asked = parseJobConfig({ ...flagged, job: qualifyJob(flagged.job, defaultOwner) });
-  const prev = o.flags.job ? previousOnDisk(jobsDir, asked.job) : null;
-  const cfg = resolveConfig(asked, o.given, prev);
+  const qualify = (job: string) => qualifyJob(job, defaultOwner);
+  const prev = o.flags.job === undefined ? null : previousOnDisk(jobsDir, qualify(checkedJobName(o.flags.job)));
+  const cfg = jobConfigOf(o.flags, prev?.config ?? null, qualify);
   if (prev) checkResume(cfg, prev, shownPath(jobsDir));
   // a job that cannot fit, or asks for attention its trainers cannot run, is refused before any process starts
   const device = (process.env.MT_DEVICE ?? "cpu") as DeviceChoice;

@@ -1,0 +1,325 @@
+// A job's resolved configuration: what `meshtrain submit` sends, what every service of the
+// job reads, and what each checkpoint stores. Its keys, types, ranges and defaults are the rows
+// of the option table (options.ts); this module derives the zod schema and the defaults from
+// them, checks what no single row can (how the options go together), and says what follows from
+// a config: its sync mode's traits, its learning rate at a step, its steps.
+import { z } from "zod";
+import { lrAt as scheduledLr, scheduleOf } from "../../../engine/optim/schedule.ts";
+import { type DataPlan, type JobSpec, SyncPolicy } from "../../../schemas/messages.ts";
+import { BadRequestError, ConfigError } from "../mesh/errors.ts";
+import { attentionProblem } from "./attention.ts";
+import {
+  type AnyJobOption,
+  allJobOptions,
+  defaultDraft,
+  type JobOption,
+  type jobOptionRows,
+  type ModelKind,
+  type OptimizerKind,
+} from "./options.ts";
+import { jobIdPattern, ownerOfJob, ownerProblem } from "./subjects.ts";
+import { dataRanks, modelRanks, StepSchedule, worldOf, worldProblems } from "./world.ts";
+
+export { dataRanks, modelRanks };
+export { meshPrecisions, syncModes } from "./options.ts";
+
+// The config's type, from the rows: the top-level keys, and each model's and optimizer's fields.
+type Row = (typeof jobOptionRows)[number];
+type ValueOf<R> = R extends { type: { read: (raw: string) => infer T } } ? T : never;
+type ModelsOf<R> = R extends JobOption<unknown, string, infer M, readonly OptimizerKind[]> ? M[number] : never;
+type OptimizersOf<R> = R extends JobOption<unknown, string, readonly ModelKind[], infer O> ? O[number] : never;
+type TopLevel = { [R in Row as R["key"] extends `${string}.${string}` ? never : R["key"]]: ValueOf<R> };
+type ModelOf<K extends ModelKind> = { kind: K } & {
+  [R in Row as R["key"] extends `model.${infer F}`
+    ? F extends "kind"
+      ? never
+      : K extends ModelsOf<R>
+        ? F
+        : never
+    : never]: ValueOf<R>;
+};
+type OptimizerOf<K extends OptimizerKind> = { kind: K } & {
+  [R in Row as R["key"] extends `optimizer.${infer F}`
+    ? F extends "kind"
+      ? never
+      : K extends OptimizersOf<R>
+        ? F
+        : never
+    : never]: ValueOf<R>;
+};
+export type JobConfig = TopLevel & {
+  model: ModelOf<"mlp"> | ModelOf<"gpt">;
+  optimizer: OptimizerOf<"sgd"> | OptimizerOf<"adamw">;
+};
+
+/** Each key once: the first row of a key is its type (--text and --tokens set dataDir too). */
+const keyRows = allJobOptions.filter((r, i) => allJobOptions.findIndex((o) => o.key === r.key) === i);
+const field = (r: AnyJobOption): string => r.key.slice(r.key.indexOf(".") + 1);
+const schemaOf = (r: AnyJobOption): z.ZodType =>
+  r.olderConfigs === undefined ? r.type.schema : r.type.schema.default(r.olderConfigs as never);
+
+/** A group's variants (model, optimizer): an object per kind, with the rows its kind has. */
+function variants<K extends string>(group: "model" | "optimizer", kinds: readonly K[]) {
+  const own = keyRows.filter((r) => r.key.startsWith(`${group}.`) && r.key !== `${group}.kind`);
+  const has = (r: AnyJobOption, k: K): boolean =>
+    ((group === "model" ? r.models : r.optimizers) as readonly string[] | undefined)?.includes(k) ?? true;
+  const [first, ...rest] = kinds.map((k) =>
+    z.object({
+      kind: z.literal(k),
+      ...Object.fromEntries(own.filter((r) => has(r, k)).map((r) => [field(r), schemaOf(r)])),
+    }),
+  );
+  return z.discriminatedUnion("kind", [first!, ...rest]);
+}
+
+export const jobConfigSchema = z.object(
+  Object.fromEntries(
+    keyRows.flatMap((r): [string, z.ZodType][] => {
+      if (r.key === "model.kind") return [["model", variants("model", ["mlp", "gpt"] as const)]];
+      if (r.key === "optimizer.kind") return [["optimizer", variants("optimizer", ["sgd", "adamw"] as const)]];
+      return r.key.includes(".") ? [] : [[r.key, schemaOf(r)]];
+    }),
+  ),
+) as unknown as z.ZodType<JobConfig>;
+
+/** The defaults of an MLP job (MNIST, SGD with Nesterov momentum, two trainers). */
+export const jobDefaults = defaultDraft("mlp") as unknown as Omit<JobConfig, "job">;
+
+/**
+ * The defaults of a GPT job: AdamW, cosine to a tenth, clipping at 1, over character-level Moby
+ * Dick, 32 windows of 64 per trainer per step. The windows are the epoch's unit: each is visited
+ * once per epoch (at an offset that changes with the epoch), so three epochs are about 800 steps
+ * of two trainers.
+ */
+export const gptJobDefaults = defaultDraft("gpt") as unknown as Omit<JobConfig, "job">;
+
+export const defaultsOf = (kind: JobConfig["model"]["kind"]): Omit<JobConfig, "job"> =>
+  kind === "gpt" ? gptJobDefaults : jobDefaults;
+
+/** The one check of a config where it enters (the CLI, the SDK, a JobSpec): its rows' types,
+ *  then how they go together. */
+export function parseJobConfig(data: unknown): JobConfig {
+  const r = jobConfigSchema.safeParse(data);
+  if (!r.success) {
+    throw new ConfigError(
+      `invalid job config: ${r.error.issues.map((i) => `${i.path.join(".") || "(job)"}: ${i.message}`).join("; ")}`,
+    );
+  }
+  const c = r.data;
+  if (c.minLr > c.lr) throw new ConfigError(`invalid job config: minLr (${c.minLr}) exceeds lr (${c.lr})`);
+  checkModelData(c);
+  checkModes(c);
+  checkModelParallel(c);
+  return c;
+}
+
+/** f16 runs in all-reduce mode only: its loss scaler skips a step when the gradients overflow,
+ *  and only there does every rank see the same (reduced) gradient, so every rank skips alike.
+ *  In parameter-server mode the trainers and shards would have to agree first. */
+export const meshF16Refusal =
+  "precision f16 runs in all-reduce mode (--sync allreduce) or a single process (meshtrain train): its loss " +
+  "scaler skips steps whose gradients overflow, which a parameter server's trainers and shards do not agree on; use f32, tf32 or bf16";
+
+/** Whether the job trains with parameter-server shards (else: replicas and all-reduce). */
+export const usesShards = (cfg: Pick<JobConfig, "sync">): boolean => cfg.sync !== "allreduce";
+/** Whether the shards agree on the global norm of a step's averaged gradient and clip it (BSP
+ *  with gradClip); else the trainers clip their own gradient (ASP/SSP: each push is applied as
+ *  one update, so its norm is that update's global norm; all-reduce: after the reduction). */
+export const shardsClip = (cfg: Pick<JobConfig, "sync" | "gradClip">): boolean =>
+  cfg.sync === "bsp" && cfg.gradClip > 0;
+/** The learning rate the schedule peaks at: `lr`, times the trainers under linear scaling (--scale-lr). */
+export const peakLr = (
+  cfg: Pick<JobConfig, "lr" | "scaleLr" | "trainers" | "pipelineStages" | "tensorParallel"> & {
+    batchSize?: number;
+    world?: JobConfig["world"];
+  },
+): number => (cfg.scaleLr ? (cfg.lr * dataRanks(cfg) * (cfg.batchSize ?? 1)) / firstBatch(cfg) : cfg.lr);
+/** Each trainer's batch at the job's start (a world that changed the batch says it; the lr scales
+ *  with the global batch against it). */
+const firstBatch = (cfg: { batchSize?: number; world?: JobConfig["world"] }): number =>
+  cfg.world?.[0]?.batchSize ?? cfg.batchSize ?? 1;
+/** Whether the trainers cut the model among them (pipeline or tensor parallelism). */
+export const modelParallel = (cfg: Pick<JobConfig, "pipelineStages" | "tensorParallel">): boolean =>
+  modelRanks(cfg) > 1;
+/** All-reduce mode: the trainer ranks that each serve a part of a snapshot (ZeRO: every rank its
+ *  partition; model parallelism: the first copy's ranks their shares); 0: rank 0 serves it whole. */
+export const partitionRanks = (cfg: JobConfig): number =>
+  cfg.zero > 0 ? cfg.trainers : modelParallel(cfg) ? modelRanks(cfg) : 0;
+
+/** The model and its data set agree. */
+function checkModelData(c: JobConfig): void {
+  const m = c.model;
+  if (m.kind === "mlp") {
+    if (c.attention !== "auto")
+      throw new ConfigError(
+        `invalid job config: attention ${c.attention} is for the gpt (its causal attention); the mlp has none`,
+      );
+    if (c.initFrom !== "")
+      throw new ConfigError(
+        "invalid job config: initFrom is for the gpt (a Hugging Face GPT-2 folder to fine-tune); the mlp starts from its seed",
+      );
+    if (c.recompute)
+      throw new ConfigError(
+        "invalid job config: recompute is for the gpt (each transformer block recomputes its activations); the mlp keeps its few",
+      );
+    if (c.dataset !== "mnist")
+      throw new ConfigError(
+        `invalid job config: the mlp trains on dataset mnist, not ${c.dataset} (the gpt trains on text and tokens)`,
+      );
+    if (m.widths[0] !== 784 || m.widths[m.widths.length - 1] !== 10) {
+      throw new ConfigError(
+        `invalid job config: model.widths must start with 784 (MNIST pixels) and end with 10 (classes), got ${m.widths.join(",")}`,
+      );
+    }
+  } else {
+    if (c.dataset === "mnist")
+      throw new ConfigError(
+        "invalid job config: the gpt trains on dataset text (a UTF-8 file) or tokens (a folder of uint16 tokens), not mnist",
+      );
+    if (m.nEmbd % m.nHead !== 0)
+      throw new ConfigError(
+        `invalid job config: model.nEmbd (${m.nEmbd}) must be divisible by model.nHead (${m.nHead})`,
+      );
+    const attention = attentionProblem(c.attention, c.precision, m);
+    if (attention !== null) throw new ConfigError(`invalid job config: attention ${c.attention} ${attention}`);
+    if (c.dataset === "text" && c.valFraction === 0) {
+      throw new ConfigError(
+        "invalid job config: dataset text needs valFraction > 0 (the held-out tail of the text is what the gpt is evaluated on)",
+      );
+    }
+    if (c.dataset === "tokens" && c.valFraction !== 0) {
+      throw new ConfigError(
+        "invalid job config: dataset tokens is evaluated on its folder's validation split (val.bin, or a prepared folder's val shards); valFraction must be 0",
+      );
+    }
+    if (c.dataset === "text" && m.vocabSize !== 0)
+      throw new ConfigError(
+        "invalid job config: model.vocabSize is for token folders without vocab.json; a text's vocabulary is its characters",
+      );
+  }
+}
+
+/** The world, the batch and the settings each sync mode takes. */
+function checkModes(c: JobConfig): void {
+  const world = worldProblems(c.world, c.trainers, c.batchSize);
+  if (world.length > 0) throw new ConfigError(`invalid job config: ${world.join("; ")}`);
+  if (c.batchSize % c.accumSteps !== 0)
+    throw new ConfigError(
+      `invalid job config: batchSize (${c.batchSize}) must be a multiple of accumSteps (${c.accumSteps})`,
+    );
+  if (c.precision === "f16" && c.sync !== "allreduce") throw new ConfigError(`invalid job config: ${meshF16Refusal}`);
+  if (c.scaleLr && c.warmupSteps === 0) {
+    throw new ConfigError(
+      "invalid job config: scaleLr needs warmupSteps > 0 (a learning rate scaled by the trainers diverges without warmup; Goyal et al. warm up over 5 epochs)",
+    );
+  }
+  if (c.zero > 0 && c.sync !== "allreduce")
+    throw new ConfigError(
+      `invalid job config: ZeRO (zero ${c.zero}) partitions the trainers' replicas, so it needs sync allreduce; the parameter server already holds one copy of the model, cut among its shards`,
+    );
+  if (c.offload !== "none" && c.sync !== "allreduce")
+    throw new ConfigError(
+      "invalid job config: offload optimizer moves the trainers' optimizer to host memory, so it needs sync allreduce; in parameter-server mode the optimizer runs on the shards already",
+    );
+  if (c.sync === "allreduce" && (c.batchPushes !== 1 || c.staleness !== 0)) {
+    throw new ConfigError(
+      "invalid job config: batchPushes and staleness apply to the parameter server's asp and ssp, not to allreduce",
+    );
+  }
+  if (c.sync === "bsp" && c.batchPushes !== 1)
+    throw new ConfigError(
+      "invalid job config: batchPushes applies to asp and ssp (bsp aggregates the W pushes of a step)",
+    );
+}
+
+/** A pipeline or tensor-parallel layout: a gpt, all-reduce, a whole number of copies, and nothing not built with it. */
+function checkModelParallel(c: JobConfig): void {
+  const mp = modelRanks(c);
+  if (mp <= 1) return;
+  const what = `pipeline stages ${c.pipelineStages} x tensor parallel ${c.tensorParallel}`;
+  if (c.model.kind !== "gpt")
+    throw new ConfigError(`invalid job config: ${what} cut a gpt's blocks; the mlp is not cut`);
+  if (c.sync !== "allreduce")
+    throw new ConfigError(
+      `invalid job config: ${what} needs sync allreduce (the model's ranks exchange activations and reduce gradients among themselves)`,
+    );
+  if (c.trainers % mp !== 0)
+    throw new ConfigError(
+      `invalid job config: ${c.trainers} trainers do not divide into copies of ${mp} ranks (${what}); use a multiple of ${mp}`,
+    );
+  if (c.model.nLayer < c.pipelineStages)
+    throw new ConfigError(
+      `invalid job config: ${c.model.nLayer} layers cannot fill ${c.pipelineStages} pipeline stages`,
+    );
+  if (c.model.nHead % c.tensorParallel !== 0)
+    throw new ConfigError(
+      `invalid job config: tensor parallel ${c.tensorParallel} splits the heads: nHead (${c.model.nHead}) must be a multiple of it`,
+    );
+  const not = [
+    c.zero > 0 && `zero ${c.zero}`,
+    c.compress !== "none" && `compress ${c.compress}`,
+    c.offload !== "none" && `offload ${c.offload}`,
+    c.precision === "f16" && "precision f16",
+    c.world.length > 0 && "a changed world (resize)",
+    c.initFrom !== "" && "initFrom (fine-tuning)",
+  ].filter(Boolean);
+  if (not.length > 0)
+    throw new ConfigError(
+      `invalid job config: ${not.join(", ")} with ${what} is not built yet (the model-parallel ranks reduce f32 gradients of their own shares); leave it out`,
+    );
+}
+
+/** Whether a scheduled evaluation runs before `step`: every evalEvery steps, or where an epoch begins. */
+export const evaluatesAt = (cfg: JobConfig, schedule: StepSchedule, step: number): boolean =>
+  step > 0 &&
+  (cfg.evalEvery === "epoch" ? schedule.startsEpoch(step) : cfg.evalEvery > 0 && step % cfg.evalEvery === 0);
+
+/** The steps of a job with its plan's sample count (services/runtime/job/world.ts). */
+export const stepScheduleOf = (cfg: JobConfig, trainSamples: number): StepSchedule =>
+  new StepSchedule(trainSamples, cfg.batchSize, worldOf(cfg), cfg.epochs, cfg.maxSteps);
+
+export const jobConfigFromJson = (text: string): JobConfig => {
+  let data: unknown;
+  try {
+    data = JSON.parse(text);
+  } catch (e) {
+    throw new ConfigError(`job config is not JSON: ${(e as Error).message}`);
+  }
+  return parseJobConfig(data);
+};
+
+/** The validated config of a job spec from the bucket; its name must be the spec's. */
+export function configOfSpec(spec: JobSpec): JobConfig {
+  if (!jobIdPattern.test(spec.job))
+    throw new BadRequestError(
+      `job spec ${JSON.stringify(spec.job)} names no owner: a job on the mesh is <owner>.<name>`,
+    );
+  const problem = ownerProblem(ownerOfJob(spec.job));
+  if (problem !== null) throw new BadRequestError(`job spec ${JSON.stringify(spec.job)}: ${problem}`);
+  const cfg = jobConfigFromJson(spec.configJson);
+  if (cfg.job !== spec.job) throw new BadRequestError(`job spec "${spec.job}" carries the config of "${cfg.job}"`);
+  return cfg;
+}
+
+/** The job's learning rate at `step`: its schedule over the plan's steps, peaking at peakLr (what
+ *  the trainers step with and report, and in parameter-server mode what the shards apply). */
+export const lrAt = (cfg: JobConfig, plan: Pick<DataPlan, "totalSteps">, step: number): number =>
+  scheduledLr(scheduleOf(cfg.schedule, cfg.warmupSteps, plan.totalSteps, cfg.minLr), peakLr(cfg), step);
+
+/** The wire's sync policy of each mode. */
+export const syncPolicy = {
+  bsp: SyncPolicy.BSP,
+  asp: SyncPolicy.ASP,
+  ssp: SyncPolicy.SSP,
+  allreduce: SyncPolicy.AllReduce,
+} as const;
+/** The spec of a job: its config, the fields routing needs, and the submission's attempt and plan. */
+export const specOfConfig = (cfg: JobConfig, extra: Pick<JobSpec, "attempt" | "plan"> = {}): JobSpec => ({
+  job: cfg.job,
+  trainers: cfg.trainers,
+  shards: cfg.shards,
+  sync: syncPolicy[cfg.sync],
+  staleness: cfg.staleness,
+  configJson: JSON.stringify(cfg),
+  ...extra,
+});
