@@ -8,14 +8,8 @@ import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { ConfigError } from "../errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../tensor.ts";
-import {
-  allocStateSlab,
-  type Optimizer,
-  type UpdatePlan,
-  type UpdateRun,
-  updateGroups,
-  wholeSlabPlan,
-} from "./optimizer.ts";
+import type { Optimizer, UpdatePlan, UpdateRun } from "./optimizer.ts";
+import { allocStateSlab, updateGroups, wholeSlabPlan } from "./optimizer.ts";
 
 export interface SgdConfig {
   momentum: number;
