@@ -11,7 +11,7 @@ import { join } from "node:path";
 import { readTopology, scaleTopology } from "../sdk/local-mesh.ts";
 import { type NatsServer, startNatsServer } from "../services/runtime/mesh/nats-server.ts";
 import type { MeshClient } from "../sdk/client.ts";
-import { subjects } from "../services/runtime/job/job.ts";
+import { subjects } from "../services/runtime/job/subjects.ts";
 import { NoRespondersError } from "../services/runtime/mesh/errors.ts";
 import { type HostBed, stopProcesses } from "./hosts.ts";
 
