@@ -16,7 +16,8 @@ import { ConfigError } from "../engine/errors.ts";
 import { gptMemory } from "../engine/memory-estimate.ts";
 import { autocastDType, type Precision } from "../engine/mixed.ts";
 import { type GptConfig, GptModel } from "../engine/models/gpt.ts";
-import { AdamW, adamwDefaults } from "../engine/optim/adamw.ts";
+import { adamwDefaults } from "../engine/optim/adamw.ts";
+import { optimizerOf } from "../engine/optim/choose.ts";
 import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/tensor.ts";
 import { forwardPass, type HostBatch, TrainStep } from "../engine/train.ts";
@@ -218,12 +219,17 @@ function gptStepTimer(
 ): { timeStep: () => number; forwardBackward: () => void } {
   const T = config.blockSize;
   const model = new GptModel(ctx, config, 1);
-  const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, { ...adamwDefaults, weightDecay: 0.1 }), {
-    lr: 1e-4,
-    schedule: { kind: "constant" },
-    gradClip: 1,
-    accumSteps: 1,
-  });
+  const trainer = new TrainStep(
+    ctx,
+    model,
+    optimizerOf(ctx, model.store, { kind: "adamw", ...adamwDefaults, weightDecay: 0.1 }),
+    {
+      lr: 1e-4,
+      schedule: { kind: "constant" },
+      gradClip: 1,
+      accumSteps: 1,
+    },
+  );
   const rng = new Rng(3);
   const batch: HostBatch = {
     inputs: Int32Array.from({ length: B * T }, () => rng.int(config.vocabSize)),

@@ -25,8 +25,9 @@ import { checkPrecision, type Precision } from "../engine/mixed.ts";
 import { gptDefaults, GptModel } from "../engine/models/gpt.ts";
 import { MlpModel } from "../engine/models/mlp.ts";
 import { gemmFlops, type GemmShape, type Model } from "../engine/models/model.ts";
-import { AdamW, adamwDefaults } from "../engine/optim/adamw.ts";
-import { Sgd, sgdDefaults } from "../engine/optim/sgd.ts";
+import { adamwDefaults } from "../engine/optim/adamw.ts";
+import { optimizerOf } from "../engine/optim/choose.ts";
+import { sgdDefaults } from "../engine/optim/sgd.ts";
 import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/tensor.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";
@@ -141,7 +142,7 @@ export function benchMlp(be: Backend, steps: number, precision: Precision = "f32
   const batch = 256;
   const ctx = new Context(be, { seed: 1, precision });
   const model = new MlpModel(ctx, { widths: [784, 1024, 1024, 10], activation: "relu", dropout: 0 }, 1);
-  const trainer = new TrainStep(ctx, model, new Sgd(ctx, model.store, sgdDefaults), {
+  const trainer = new TrainStep(ctx, model, optimizerOf(ctx, model.store, { kind: "sgd", ...sgdDefaults }), {
     lr: 0.01,
     schedule: { kind: "constant" },
     gradClip: 0,
@@ -176,7 +177,7 @@ export function benchGpt(
   const config = { ...gptDefaults, vocabSize };
   const model = new GptModel(ctx, config, 1);
   model.recompute = recompute;
-  const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, adamwDefaults), {
+  const trainer = new TrainStep(ctx, model, optimizerOf(ctx, model.store, { kind: "adamw", ...adamwDefaults }), {
     lr: 1e-3,
     schedule: { kind: "constant" },
     gradClip: 1,

@@ -11,7 +11,7 @@
 import { type PlanRun, runPlanProcesses } from "./plan-processes.ts";
 import { writeFileSync } from "node:fs";
 import { type GptConfig, GptModel } from "../engine/models/gpt.ts";
-import { AdamW } from "../engine/optim/adamw.ts";
+import { type OptimizerSpec, optimizerOf } from "../engine/optim/choose.ts";
 import { type ModelLayout, modelParallelRank, modelParallelRings } from "../engine/parallel/pipeline.ts";
 import { PieceRouter, RingGroup, ringDefaults } from "../engine/parallel/ring.ts";
 import type { PipeSchedule } from "../engine/parallel/pipeline-order.ts";
@@ -54,7 +54,7 @@ export interface StageStepResult {
   paramBytes: number;
 }
 
-export const stageAdamW = { beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 };
+export const stageAdamW: OptimizerSpec = { kind: "adamw", beta1: 0.9, beta2: 0.99, eps: 1e-8, weightDecay: 0.1 };
 
 /** The step's micro-batches: random token windows from (seed, step), the same in every stage. */
 export function syntheticBatches(
@@ -81,7 +81,7 @@ export function singleProcessRun(plan: Omit<StagePlan, "url" | "job" | "layout" 
   const ctx = new Context(new CpuBackend(), { seed: 1 });
   try {
     const model = new GptModel(ctx, plan.model, plan.seed);
-    const trainer = new TrainStep(ctx, model, new AdamW(ctx, model.store, stageAdamW), {
+    const trainer = new TrainStep(ctx, model, optimizerOf(ctx, model.store, stageAdamW), {
       lr: plan.lr,
       schedule: { kind: "constant" },
       gradClip: plan.gradClip,
@@ -138,7 +138,7 @@ async function main(): Promise<void> {
     seed: plan.seed,
     layout,
     rings,
-    optimizer: (m) => new AdamW(ctx, m.store, stageAdamW),
+    optimizer: (m) => optimizerOf(ctx, m.store, stageAdamW),
     schedule: plan.schedule,
     gradClip: plan.gradClip,
     recompute: plan.recompute ?? false,

@@ -22,7 +22,7 @@ import { formatBytes, type GptMemory, gptMemory } from "../../engine/memory-esti
 import { saveModelFile } from "../../engine/modelfile.ts";
 import { gpt2EndOfText, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
 import { type GptConfig, gptDefaults, GptModel } from "../../engine/models/gpt.ts";
-import { AdamW } from "../../engine/optim/adamw.ts";
+import { optimizerOf } from "../../engine/optim/choose.ts";
 import { checkSchedule, scheduleOf } from "../../engine/optim/schedule.ts";
 import { Rng } from "../../engine/rng.ts";
 import { autocastDType, type Precision } from "../../engine/mixed.ts";
@@ -218,7 +218,13 @@ function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void
   const { config, model } = buildGpt(ctx, o, corpus.vocabSize);
   const schedule = scheduleOf("cosine", o.warmup, o.maxSteps, o.minLr);
   checkSchedule(schedule, o.lr);
-  const optimizer = new AdamW(ctx, model.store, { beta1: 0.9, beta2: o.beta2, eps: 1e-8, weightDecay: o.weightDecay });
+  const optimizer = optimizerOf(ctx, model.store, {
+    kind: "adamw",
+    beta1: 0.9,
+    beta2: o.beta2,
+    eps: 1e-8,
+    weightDecay: o.weightDecay,
+  });
   const trainer = new TrainStep(ctx, model, optimizer, {
     lr: o.lr,
     schedule,
