@@ -62,7 +62,7 @@ import { buildModel } from "../services/runtime/job/model.ts";
 import { type JobStatus, MeshClient } from "../sdk/client.ts";
 import { LocalMesh } from "../sdk/local-mesh.ts";
 import { type JobOutcome, watchJob } from "../sdk/watch.ts";
-import { EventKind } from "../schemas/messages.ts";
+import { EventKind } from "../schemas/messages/job.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { printReport, round } from "./table.ts";
 import { Codec, type Compression, parseCompression } from "../engine/parallel/compress.ts";

@@ -4,18 +4,16 @@
 // UnknownJobError reply rather than silence. Opening a job waits for the data-loader's plan
 // (the schedule's step count); requests meanwhile get NotReadyError.
 import type { Backend } from "../../ffi/backend.ts";
+import { decodeDataPlan } from "../../schemas/messages/data-loader.ts";
+import { decodeJobRequest, encodeJobRequest, type JobSpec } from "../../schemas/messages/job.ts";
 import {
-  decodeDataPlan,
-  decodeJobRequest,
   decodePullRequest,
-  encodeJobRequest,
   decodePushRequest,
   decodeShardState,
   encodePushReply,
   encodeShardState,
   encodeShardStats,
-  type JobSpec,
-} from "../../schemas/messages.ts";
+} from "../../schemas/messages/parameter-server.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
 import {
   DeadlineError,

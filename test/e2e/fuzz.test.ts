@@ -6,32 +6,31 @@
 import { afterAll, beforeAll, expect, test } from "bun:test";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
+import { decodeBatchRequest, encodeBatchRequest, Split } from "../../schemas/messages/data-loader.ts";
+import { decodeCollPiece, encodeCollPiece } from "../../schemas/messages/trainer.ts";
 import {
-  decodeBatchRequest,
-  decodeCollPiece,
   decodeJobRequest,
   decodeJobSpec,
-  decodeManifest,
+  encodeJobRequest,
+  encodeJobSpec,
+  type Event,
+  EventKind,
+  JobState,
+} from "../../schemas/messages/job.ts";
+import { decodeManifest } from "../../schemas/messages/checkpoint.ts";
+import {
   decodePullRequest,
   decodePushReply,
   decodePushRequest,
   decodeShardState,
   decodeShardStats,
-  encodeBatchRequest,
-  encodeCollPiece,
-  encodeJobRequest,
-  encodeJobSpec,
   encodePullRequest,
   encodePushRequest,
   encodeShardState,
-  type Event,
-  EventKind,
-  JobState,
   type ShardState,
   shardStateChecksum,
-  Split,
   withChecksum,
-} from "../../schemas/messages.ts";
+} from "../../schemas/messages/parameter-server.ts";
 import {
   defaultOwner,
   type JobConfig,

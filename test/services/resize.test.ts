@@ -2,7 +2,9 @@
 // before anything stops, and a pause that fails leaves the job as it was. A resize on a real
 // mesh, trainers and shards joining and leaving: test/e2e/elastic.test.ts.
 import { describe, expect, test } from "bun:test";
-import { type DataPlan, encodeDataPlan, type JobSpec, type Manifest } from "../../schemas/messages.ts";
+import { type DataPlan, encodeDataPlan } from "../../schemas/messages/data-loader.ts";
+import { type JobSpec } from "../../schemas/messages/job.ts";
+import { type Manifest } from "../../schemas/messages/checkpoint.ts";
 import { keptBatch, resizeJob, type ResizeHost, shrinkWithout } from "../../services/runtime/control/resize.ts";
 import { rankSlice } from "../../services/data-loader/sampler.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";

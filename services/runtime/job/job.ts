@@ -2,7 +2,7 @@
 // job reads, and what each checkpoint stores. Validated with zod; defaults in one block.
 import { z } from "zod";
 import { compressionPattern } from "../../../engine/parallel/compress.ts";
-import { type JobSpec, SyncPolicy } from "../../../schemas/messages.ts";
+import { type JobSpec, SyncPolicy } from "../../../schemas/messages/job.ts";
 import { BadRequestError, ConfigError } from "../mesh/errors.ts";
 import { attentionChoices, attentionProblem } from "./attention.ts";
 import { changeWorld, dataRanks, modelRanks, StepSchedule, worldOf, worldProblems } from "./world.ts";

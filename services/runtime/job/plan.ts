@@ -3,7 +3,8 @@
 // the data: `mt.ctl.plan`); trainers and parameter-server shards read the step count,
 // the vocabulary and the parameter vector's layout from the spec, never from the data files.
 import { lrAt, scheduleOf, type Schedule } from "../../../engine/optim/schedule.ts";
-import type { DataPlan, JobSpec } from "../../../schemas/messages.ts";
+import type { DataPlan } from "../../../schemas/messages/data-loader.ts";
+import type { JobSpec } from "../../../schemas/messages/job.ts";
 import { BadRequestError, CorruptDataError } from "../mesh/errors.ts";
 import { dataRanks, type JobConfig, peakLr, stepScheduleOf } from "./job.ts";
 import { buildLayout, type Layout } from "./layout.ts";
