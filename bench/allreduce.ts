@@ -21,7 +21,7 @@ import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { ConfigError } from "../engine/errors.ts";
-import { collPieceOverheadBytes } from "../schemas/messages.ts";
+import { collPieceOverheadBytes } from "../schemas/messages/trainer.ts";
 import { startNatsServer } from "../services/runtime/mesh/nats-server.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { type RankOp, type RankPlan, type RankResult, runRankProcesses } from "./collective-rank.ts";

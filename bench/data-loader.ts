@@ -13,10 +13,9 @@ import {
   decodeBatch,
   decodeLoaderStats,
   encodeBatchRequest,
-  encodeJobRequest,
   Split,
-  SyncPolicy,
-} from "../schemas/messages.ts";
+} from "../schemas/messages/data-loader.ts";
+import { encodeJobRequest, SyncPolicy } from "../schemas/messages/job.ts";
 import { planHere } from "../services/data-loader/loader.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job/config.ts";
 import { subjects } from "../services/runtime/job/subjects.ts";

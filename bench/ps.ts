@@ -10,7 +10,8 @@
 //   bun run bench ps [--sizes-mb 4,16,64] [--shards 1,2,4] [--rounds 15] [--compress none,bf16,int8,topk:0.01] [--json-only]
 import { join } from "node:path";
 import { packByBytes } from "../schemas/codec.ts";
-import { decodeShardStats, encodeJobRequest, SyncPolicy } from "../schemas/messages.ts";
+import { decodeShardStats } from "../schemas/messages/parameter-server.ts";
+import { encodeJobRequest, SyncPolicy } from "../schemas/messages/job.ts";
 import { planHere } from "../services/data-loader/loader.ts";
 import { buildLayout, type Layout } from "../services/runtime/job/layout.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job/config.ts";

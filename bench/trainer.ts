@@ -51,12 +51,18 @@ import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/tensor.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";
 import { ConfigError } from "../engine/errors.ts";
-import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig, usesShards } from "../services/runtime/job/config.ts";
+import {
+  gptJobDefaults,
+  type JobConfig,
+  jobDefaults,
+  parseJobConfig,
+  usesShards,
+} from "../services/runtime/job/config.ts";
 import { buildModel } from "../services/runtime/job/model.ts";
 import { type JobStatus, MeshClient } from "../sdk/client.ts";
 import { LocalMesh } from "../sdk/local-mesh.ts";
 import { type JobOutcome, watchJob } from "../sdk/watch.ts";
-import { EventKind } from "../schemas/messages.ts";
+import { EventKind } from "../schemas/messages/job.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { printReport, round } from "./table.ts";
 import { Codec, type Compression, parseCompression } from "../engine/parallel/compress.ts";

@@ -5,26 +5,21 @@
 //   await mesh.submit(config);
 //   for await (const e of mesh.events(config.job)) console.log(e);
 import { hostname, userInfo } from "node:os";
+import { type DataPlan, decodeDataPlan } from "../schemas/messages/data-loader.ts";
 import {
-  type DataPlan,
   type JobSpec,
-  decodeCheckpointList,
-  decodeDataPlan,
   decodeEvent,
-  decodeManifest,
   encodeJobSpec,
-  decodeShardStats,
-  decodeTrainerStats,
   encodeJobRequest,
   type Event,
   EventKind,
   type JobRecord,
   JobState,
-  type Manifest,
-  type ShardStats,
-  type TrainerStats,
   SyncPolicy,
-} from "../schemas/messages.ts";
+} from "../schemas/messages/job.ts";
+import { decodeCheckpointList, decodeManifest, type Manifest } from "../schemas/messages/checkpoint.ts";
+import { decodeShardStats, type ShardStats } from "../schemas/messages/parameter-server.ts";
+import { decodeTrainerStats, type TrainerStats } from "../schemas/messages/trainer.ts";
 import { type NatsTls, nkeyFromEnv, tlsFromEnv } from "../services/runtime/mesh/nats.ts";
 import {
   awaitMembers,
@@ -42,7 +37,15 @@ import {
   UnknownJobError,
 } from "../services/runtime/mesh/errors.ts";
 import { defaultOwner, ownerProblem, qualifyJob, subjects } from "../services/runtime/job/subjects.ts";
-import { type JobConfig, jobConfigFromJson, parseJobConfig, specOfConfig, syncPolicy, modelParallel, usesShards } from "../services/runtime/job/config.ts";
+import {
+  type JobConfig,
+  jobConfigFromJson,
+  parseJobConfig,
+  specOfConfig,
+  syncPolicy,
+  modelParallel,
+  usesShards,
+} from "../services/runtime/job/config.ts";
 import { trajectoryDiff } from "../services/runtime/job/resume.ts";
 import { changeWorld } from "../services/runtime/job/world.ts";
 import { type CollectivePlan, collectivePlan } from "../services/runtime/job/collective-plan.ts";

@@ -12,7 +12,8 @@ export { MeshClient, type JobStatus, type PreviousRun, EventKind, JobState } fro
 export { watchJob, JobFailedError, type JobOutcome, type WatchOptions } from "./watch.ts";
 export { LocalMesh, type MeshOptions } from "./local-mesh.ts";
 export type { MetricsEndpoint, MeshMembers } from "../services/runtime/mesh/discovery.ts";
-export type { Event, JobRecord, Manifest } from "../schemas/messages.ts";
+export type { Event, JobRecord } from "../schemas/messages/job.ts";
+export type { Manifest } from "../schemas/messages/checkpoint.ts";
 export { type JobConfig, parseJobConfig, jobDefaults, gptJobDefaults } from "../services/runtime/job/config.ts";
 export {
   MeshError,

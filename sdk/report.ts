@@ -1,7 +1,8 @@
 // What the mesh commands print: a job's settings in a few readable lines (the full JSON goes
 // to the job's log folder), how a job ended and where its files went, and `status`.
 import { zeroPartitions } from "../engine/parallel/zero.ts";
-import { type JobRecord, JobState, type Manifest } from "../schemas/messages.ts";
+import { type JobRecord, JobState } from "../schemas/messages/job.ts";
+import { type Manifest } from "../schemas/messages/checkpoint.ts";
 import { dataRanks, type JobConfig, modelParallel, peakLr, usesShards } from "../services/runtime/job/config.ts";
 import { stateName } from "../services/runtime/job/jobs.ts";
 import type { JobStatus } from "./client.ts";

@@ -2,7 +2,7 @@
 // evaluations combined over ranks, restores and checkpoints printed as they happen. The job
 // ends with its Ended event; in case that event is lost (NATS core delivers at most once) the
 // job's record is read every few seconds too. A job that ended already is answered at once.
-import { type Event, EventKind, type JobRecord, JobState } from "../schemas/messages.ts";
+import { type Event, EventKind, type JobRecord, JobState } from "../schemas/messages/job.ts";
 import { DeadlineError, JobStateError } from "../services/runtime/mesh/errors.ts";
 import { EvalTally } from "../services/runtime/job/evals.ts";
 import { dataRanks, jobConfigFromJson } from "../services/runtime/job/config.ts";

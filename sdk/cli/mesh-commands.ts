@@ -5,7 +5,7 @@
 import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { type Command, Option } from "commander";
-import { type Event, JobState } from "../../schemas/messages.ts";
+import { type Event, JobState } from "../../schemas/messages/job.ts";
 import { defaultOwner, ownerProblem, qualifyJob } from "../../services/runtime/job/subjects.ts";
 import { jobConfigFromJson, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { parseMemorySize, planDevice, planReport } from "../plan.ts";

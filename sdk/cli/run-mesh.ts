@@ -5,7 +5,7 @@
 // Ctrl-C (after a snapshot), with nothing left running or behind.
 import { existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { JobState } from "../../schemas/messages.ts";
+import { JobState } from "../../schemas/messages/job.ts";
 import { CheckpointStore } from "../../services/checkpoint/store.ts";
 import { ConfigError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
 import { probeCuda } from "../../ffi/cuda/driver.ts";

@@ -13,7 +13,8 @@
 import { hostname } from "node:os";
 import { join } from "node:path";
 import type { Server } from "bun";
-import { decodeEvent, decodeHeartbeat, EventKind, JobState } from "../../schemas/messages.ts";
+import { decodeEvent, EventKind, JobState } from "../../schemas/messages/job.ts";
+import { decodeHeartbeat } from "../../schemas/messages/runtime.ts";
 import type { Subscription } from "../../services/runtime/mesh/bus.ts";
 import {
   BadRequestError,

@@ -4,7 +4,9 @@
 // state once, then the points added since (appendsSince), and applies the same rules (a step
 // at or before the last one cuts the curve back first: a restore replays those steps; a curve
 // past seriesPointsMax drops every other point). page.mjs repeats those two rules.
-import { type Event, EventKind, type Heartbeat, type Manifest } from "../../schemas/messages.ts";
+import { type Event, EventKind } from "../../schemas/messages/job.ts";
+import { type Heartbeat } from "../../schemas/messages/runtime.ts";
+import { type Manifest } from "../../schemas/messages/checkpoint.ts";
 import { EvalTally } from "../../services/runtime/job/evals.ts";
 import { type JobConfig, dataRanks, usesShards } from "../../services/runtime/job/config.ts";
 import { isEnded, stateName } from "../../services/runtime/job/jobs.ts";

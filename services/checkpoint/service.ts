@@ -15,24 +15,24 @@ import { mkdirSync } from "node:fs";
 import {
   decodeJobRequest,
   type JobRequest,
-  decodeShardState,
-  decodeShardStats,
-  encodeCheckpointList,
   encodeEvent,
   encodeJobRequest,
-  encodeManifest,
-  encodeShardState,
   emptyEvent,
   EventKind,
   JobState,
   decodeEvent,
-  type DataPlan,
   type JobSpec,
-  type Manifest,
+} from "../../schemas/messages/job.ts";
+import {
+  decodeShardState,
+  decodeShardStats,
+  encodeShardState,
   type ShardState,
   type ChunkState,
   shardStateChecksum,
-} from "../../schemas/messages.ts";
+} from "../../schemas/messages/parameter-server.ts";
+import { encodeCheckpointList, encodeManifest, type Manifest } from "../../schemas/messages/checkpoint.ts";
+import { type DataPlan } from "../../schemas/messages/data-loader.ts";
 import { join } from "node:path";
 import { type Bus, requestWhileAway, type Subscription } from "../runtime/mesh/bus.ts";
 import {
@@ -44,8 +44,26 @@ import {
   UnknownJobError,
 } from "../runtime/mesh/errors.ts";
 import { EvalTally } from "../runtime/job/evals.ts";
-import { configOfSpec, dataRanks, partitionRanks, type JobConfig, jobConfigFromJson, usesShards } from "../runtime/job/config.ts";
-import { anyJob, jobIdPattern, jobOfRequest, recoverAskerOf, shardOfOpenedTag, shardOpenedTag, trainerOfFailedTag, trainerOfLacksTag, trainerOfOpenedTag, subjects } from "../runtime/job/subjects.ts";
+import {
+  configOfSpec,
+  dataRanks,
+  partitionRanks,
+  type JobConfig,
+  jobConfigFromJson,
+  usesShards,
+} from "../runtime/job/config.ts";
+import {
+  anyJob,
+  jobIdPattern,
+  jobOfRequest,
+  recoverAskerOf,
+  shardOfOpenedTag,
+  shardOpenedTag,
+  trainerOfFailedTag,
+  trainerOfLacksTag,
+  trainerOfOpenedTag,
+  subjects,
+} from "../runtime/job/subjects.ts";
 import { trajectoryDiff } from "../runtime/job/resume.ts";
 import { worldResumeProblem } from "../runtime/job/world.ts";
 import { boundText, type JobControl } from "../runtime/job/jobs.ts";

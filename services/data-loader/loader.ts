@@ -2,7 +2,7 @@
 // and batches addressed by (rank, step) per the distributed sampler (sampler.ts).
 // Prefetching: after answering step s of a rank, the loader prepares steps s+1 .. s+credits
 // in the background (bounded by prefetchMax), so the next request is answered at once.
-import { type DataPlan, Split } from "../../schemas/messages.ts";
+import { type DataPlan, Split } from "../../schemas/messages/data-loader.ts";
 import { BadRequestError } from "../runtime/mesh/errors.ts";
 import { dataRanks, type JobConfig, stepScheduleOf } from "../runtime/job/config.ts";
 import { jobPlan, stepsPerEpochOf } from "../runtime/job/plan.ts";

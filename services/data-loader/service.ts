@@ -4,14 +4,8 @@
 // the only service that reads a job's data: a data set it cannot read refuses the submission (or
 // fails the job at once), with the reason. Jobs that read the same data set share one copy of it
 // in memory, freed when the last of them closes.
-import {
-  decodeBatchRequest,
-  decodeJobRequest,
-  decodeJobSpec,
-  encodeDataPlan,
-  encodeLoaderStats,
-  type JobSpec,
-} from "../../schemas/messages.ts";
+import { decodeBatchRequest, encodeDataPlan, encodeLoaderStats } from "../../schemas/messages/data-loader.ts";
+import { decodeJobRequest, decodeJobSpec, type JobSpec } from "../../schemas/messages/job.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
 import { ConfigError, LimitExceededError, MeshError, UnknownJobError } from "../runtime/mesh/errors.ts";
 import { anyJob, jobOfRequest, subjects } from "../runtime/job/subjects.ts";

@@ -11,7 +11,7 @@ import { type Corpus, loadCorpus } from "../../engine/data/corpus.ts";
 import { loadMnist, type Mnist } from "../../engine/data/mnist.ts";
 import { trainValSplit } from "../../engine/data/sampler.ts";
 import { Rng } from "../../engine/rng.ts";
-import { encodeBatch, Split } from "../../schemas/messages.ts";
+import { encodeBatch, Split } from "../../schemas/messages/data-loader.ts";
 import { BadRequestError } from "../runtime/mesh/errors.ts";
 import type { JobConfig } from "../runtime/job/config.ts";
 import type { DatasetFacts } from "../runtime/job/plan.ts";

@@ -4,18 +4,16 @@
 // UnknownJobError reply rather than silence. Opening a job waits for the data-loader's plan
 // (the schedule's step count); requests meanwhile get NotReadyError.
 import type { Backend } from "../../ffi/backend.ts";
+import { decodeDataPlan } from "../../schemas/messages/data-loader.ts";
+import { decodeJobRequest, encodeJobRequest, type JobSpec } from "../../schemas/messages/job.ts";
 import {
-  decodeDataPlan,
-  decodeJobRequest,
   decodePullRequest,
-  encodeJobRequest,
   decodePushRequest,
   decodeShardState,
   encodePushReply,
   encodeShardState,
   encodeShardStats,
-  type JobSpec,
-} from "../../schemas/messages.ts";
+} from "../../schemas/messages/parameter-server.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
 import {
   DeadlineError,
@@ -26,7 +24,14 @@ import {
 } from "../runtime/mesh/errors.ts";
 import { cutTag, partOfTag } from "../runtime/job/replica-parts.ts";
 import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
-import { anyJob, jobOfRequest, shardOpenedTag, subjects, trainerOfRequest, recoverAsker } from "../runtime/job/subjects.ts";
+import {
+  anyJob,
+  jobOfRequest,
+  shardOpenedTag,
+  subjects,
+  trainerOfRequest,
+  recoverAsker,
+} from "../runtime/job/subjects.ts";
 import { configOfSpec, type JobConfig, usesShards } from "../runtime/job/config.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { initialParameters } from "../runtime/job/model.ts";

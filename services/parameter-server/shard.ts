@@ -27,7 +27,7 @@ import {
   type ShardState,
   shardStateChecksum,
   withChecksum,
-} from "../../schemas/messages.ts";
+} from "../../schemas/messages/parameter-server.ts";
 import { cutShardState } from "../runtime/job/replica-parts.ts";
 import { parseCompression } from "../../engine/parallel/compress.ts";
 import { ShardOptimizer } from "../../engine/parallel/parameter-server.ts";

@@ -1,7 +1,7 @@
 // A batch from the data-loader as the model takes it: rows of images and labels, or token
 // windows, whole or cut into micro-batches.
 import type { HostBatch } from "../../engine/train.ts";
-import type { Batch } from "../../schemas/messages.ts";
+import type { Batch } from "../../schemas/messages/data-loader.ts";
 
 /** Rows [r, r+n) of a batch as the model takes them: images and labels, or token windows
  *  (inputs a window's first T tokens, targets its last T). */

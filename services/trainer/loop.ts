@@ -31,26 +31,35 @@ import {
   type Batch,
   type DataPlan,
   decodeBatch,
+  encodeBatchRequest,
+  Split,
+} from "../../schemas/messages/data-loader.ts";
+import {
   decodeEvent,
   decodeJobRequest,
-  decodeManifest,
   emptyEvent,
-  encodeBatchRequest,
   encodeEvent,
   encodeJobRequest,
-  encodeTrainerStats,
   type Event,
   EventKind,
   JobState,
-  type Manifest,
-  Split,
-} from "../../schemas/messages.ts";
+} from "../../schemas/messages/job.ts";
+import { decodeManifest, type Manifest } from "../../schemas/messages/checkpoint.ts";
+import { encodeTrainerStats } from "../../schemas/messages/trainer.ts";
 import { type Bus, requestWhileAway, type Subscription } from "../runtime/mesh/bus.ts";
 import { awaitMembers, type MeshMembers } from "../runtime/mesh/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/job/evals.ts";
 import { BadRequestError } from "../runtime/mesh/errors.ts";
 import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
-import { dataRanks, evaluatesAt, type JobConfig, lrAt, modelParallel, stepScheduleOf, usesShards } from "../runtime/job/config.ts";
+import {
+  dataRanks,
+  evaluatesAt,
+  type JobConfig,
+  lrAt,
+  modelParallel,
+  stepScheduleOf,
+  usesShards,
+} from "../runtime/job/config.ts";
 import { jobOfRequest, subjects, recoverAsker, trainerFailedTag } from "../runtime/job/subjects.ts";
 import type { JobControl } from "../runtime/job/jobs.ts";
 import type { Logger } from "../runtime/mesh/log.ts";

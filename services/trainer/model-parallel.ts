@@ -40,7 +40,8 @@ import { PieceRouter, RingGroup, ringDefaults } from "../../engine/parallel/ring
 import type { ModelMemory } from "../../engine/parallel/zero.ts";
 import type { Context } from "../../engine/tensor.ts";
 import type { EvalResult, HostBatch } from "../../engine/train.ts";
-import type { DataPlan, ShardState } from "../../schemas/messages.ts";
+import type { DataPlan } from "../../schemas/messages/data-loader.ts";
+import type { ShardState } from "../../schemas/messages/parameter-server.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
 import type { BusTransport } from "../runtime/transport/collective-bus.ts";
 import { BadRequestError, CorruptDataError } from "../runtime/mesh/errors.ts";

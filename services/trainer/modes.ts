@@ -13,19 +13,10 @@ import type { ModelMemory } from "../../engine/parallel/zero.ts";
 import { parseCompression } from "../../engine/parallel/compress.ts";
 import type { Context } from "../../engine/tensor.ts";
 import { type EvalResult, evaluate, type HostBatch, lossAndGradients } from "../../engine/train.ts";
-import {
-  type Batch,
-  type DataPlan,
-  decodeEvent,
-  decodeJobRequest,
-  decodeManifest,
-  decodeShardState,
-  decodeShardStats,
-  encodeJobRequest,
-  encodeShardState,
-  type Event,
-  EventKind,
-} from "../../schemas/messages.ts";
+import { type Batch, type DataPlan } from "../../schemas/messages/data-loader.ts";
+import { decodeEvent, decodeJobRequest, encodeJobRequest, type Event, EventKind } from "../../schemas/messages/job.ts";
+import { decodeManifest } from "../../schemas/messages/checkpoint.ts";
+import { decodeShardState, decodeShardStats, encodeShardState } from "../../schemas/messages/parameter-server.ts";
 import type { Bus, Subscription } from "../runtime/mesh/bus.ts";
 import { NotReadyError } from "../runtime/mesh/errors.ts";
 import type { Logger } from "../runtime/mesh/log.ts";

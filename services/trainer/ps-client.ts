@@ -17,7 +17,7 @@ import {
   encodePullRequest,
   encodePushRequest,
   type PushReply,
-} from "../../schemas/messages.ts";
+} from "../../schemas/messages/parameter-server.ts";
 import { decodeChunk, gradientChunk, pullDType } from "../runtime/transport/chunk-codec.ts";
 import { BadRequestError } from "../runtime/mesh/errors.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";

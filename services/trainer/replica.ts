@@ -31,7 +31,7 @@ import { NcclGroup } from "./nccl-group.ts";
 import type { Context } from "../../engine/tensor.ts";
 import { EngineError } from "../../engine/errors.ts";
 import type { HostBatch } from "../../engine/train.ts";
-import { type ShardState, shardStateChecksum } from "../../schemas/messages.ts";
+import { type ShardState, shardStateChecksum } from "../../schemas/messages/parameter-server.ts";
 import type { Bus, Subscription } from "../runtime/mesh/bus.ts";
 import { BusTransport, busTransportDefaults, type BusTransportOptions } from "../runtime/transport/collective-bus.ts";
 import { BadRequestError, CapacityError } from "../runtime/mesh/errors.ts";

@@ -1,7 +1,7 @@
 // The trainer process of one rank: runs its part of every job in the `mt-jobs` bucket that
 // has that many trainers; a closed job (ended or cancelled) stops its loop after the current step.
 import type { Backend } from "../../ffi/backend.ts";
-import { type JobSpec, JobState } from "../../schemas/messages.ts";
+import { type JobSpec, JobState } from "../../schemas/messages/job.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
 import type { MeshMembers } from "../runtime/mesh/discovery.ts";
 import { planOfSpec } from "../runtime/job/plan.ts";

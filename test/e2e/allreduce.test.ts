@@ -5,7 +5,7 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
-import { EventKind, JobState } from "../../schemas/messages.ts";
+import { EventKind, JobState } from "../../schemas/messages/job.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
 import type { JobConfig } from "../../services/runtime/job/config.ts";
 import { type JobStatus, MeshClient } from "../../sdk/client.ts";

@@ -6,17 +6,10 @@ import { readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { Builder } from "flatbuffers";
 import { finishBytes, schemaVersion, WireFormatError } from "../../schemas/codec.ts";
-import {
-  decodeBatch,
-  decodeCheckpointList,
-  decodeLoaderStats,
-  decodeManifest,
-  encodeBatchRequest,
-  encodeJobRequest,
-  encodePullRequest,
-  EventKind,
-  Split,
-} from "../../schemas/messages.ts";
+import { decodeBatch, decodeLoaderStats, encodeBatchRequest, Split } from "../../schemas/messages/data-loader.ts";
+import { decodeCheckpointList, decodeManifest } from "../../schemas/messages/checkpoint.ts";
+import { encodeJobRequest, EventKind } from "../../schemas/messages/job.ts";
+import { encodePullRequest } from "../../schemas/messages/parameter-server.ts";
 import { JobRequest as JobRequestT } from "../../schemas/wire.ts";
 import {
   BadRequestError,

@@ -8,7 +8,7 @@
 import { afterAll, expect, test } from "bun:test";
 import { Rng } from "../../engine/rng.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
-import { EventKind, JobState } from "../../schemas/messages.ts";
+import { EventKind, JobState } from "../../schemas/messages/job.ts";
 import { JobData } from "../../services/data-loader/loader.ts";
 import { defaultOwner, qualifyJob } from "../../services/runtime/job/subjects.ts";
 import { type JobConfig } from "../../services/runtime/job/config.ts";

@@ -8,7 +8,7 @@ import { existsSync, mkdirSync } from "node:fs";
 import { hostname } from "node:os";
 import { join } from "node:path";
 import { type Browser, chromium } from "playwright-core";
-import { EventKind } from "../../schemas/messages.ts";
+import { EventKind } from "../../schemas/messages/job.ts";
 import { jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { Dashboard } from "../../sdk/dashboard/server.ts";

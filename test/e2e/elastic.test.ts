@@ -5,7 +5,7 @@
 // new hash ring says, and every step is applied exactly once.
 import { afterAll, describe, expect, test } from "bun:test";
 import { loadMnist } from "../../engine/data/mnist.ts";
-import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
+import { type Event, EventKind, JobState } from "../../schemas/messages/job.ts";
 import { JobData, planHere } from "../../services/data-loader/loader.ts";
 import { buildLayout } from "../../services/runtime/job/layout.ts";
 import {

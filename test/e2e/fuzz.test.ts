@@ -6,33 +6,42 @@
 import { afterAll, beforeAll, expect, test } from "bun:test";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
+import { decodeBatchRequest, encodeBatchRequest, Split } from "../../schemas/messages/data-loader.ts";
+import { decodeCollPiece, encodeCollPiece } from "../../schemas/messages/trainer.ts";
 import {
-  decodeBatchRequest,
-  decodeCollPiece,
   decodeJobRequest,
   decodeJobSpec,
-  decodeManifest,
+  encodeJobRequest,
+  encodeJobSpec,
+  type Event,
+  EventKind,
+  JobState,
+} from "../../schemas/messages/job.ts";
+import { decodeManifest } from "../../schemas/messages/checkpoint.ts";
+import {
   decodePullRequest,
   decodePushReply,
   decodePushRequest,
   decodeShardState,
   decodeShardStats,
-  encodeBatchRequest,
-  encodeCollPiece,
-  encodeJobRequest,
-  encodeJobSpec,
   encodePullRequest,
   encodePushRequest,
   encodeShardState,
-  type Event,
-  EventKind,
-  JobState,
   type ShardState,
   shardStateChecksum,
-  Split,
   withChecksum,
-} from "../../schemas/messages.ts";
-import { defaultOwner, subjects, qualifyJob, recoverAsker, shardOpenedTag, trainerFailedTag, trainerOfFailedTag, trainerOfLacksTag, trainerOfOpenedTag } from "../../services/runtime/job/subjects.ts";
+} from "../../schemas/messages/parameter-server.ts";
+import {
+  defaultOwner,
+  subjects,
+  qualifyJob,
+  recoverAsker,
+  shardOpenedTag,
+  trainerFailedTag,
+  trainerOfFailedTag,
+  trainerOfLacksTag,
+  trainerOfOpenedTag,
+} from "../../services/runtime/job/subjects.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { specOfConfig, MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/local-mesh.ts";

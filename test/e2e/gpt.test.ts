@@ -4,7 +4,7 @@
 // the loss the trainers reported.
 import { afterAll, describe, expect, test } from "bun:test";
 import { readModelFile } from "../../engine/modelfile.ts";
-import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
+import { type Event, EventKind, JobState } from "../../schemas/messages/job.ts";
 import { gptJobDefaults, type JobConfig, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { runEval } from "../../sdk/local/evaluate.ts";

@@ -9,7 +9,7 @@ import { copyFileSync, existsSync, readFileSync, truncateSync } from "node:fs";
 import { join } from "node:path";
 import { defaultMnistDir } from "../../engine/data/mnist.ts";
 import { readModelFile } from "../../engine/modelfile.ts";
-import { encodeJobRequest, type Event, EventKind, JobState, SyncPolicy } from "../../schemas/messages.ts";
+import { encodeJobRequest, type Event, EventKind, JobState, SyncPolicy } from "../../schemas/messages/job.ts";
 import { CapacityError, ConfigError, JobStateError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
 import { defaultOwner, subjects, qualifyJob } from "../../services/runtime/job/subjects.ts";
 import { type JobConfig, jobConfigFromJson, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";

@@ -5,7 +5,7 @@ import { afterAll, describe, expect, test } from "bun:test";
 import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { loadMnist } from "../../engine/data/mnist.ts";
-import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
+import { type Event, EventKind, JobState } from "../../schemas/messages/job.ts";
 import { JobData, planHere } from "../../services/data-loader/loader.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { JobFailedError, watchJob } from "../../sdk/watch.ts";

@@ -4,7 +4,7 @@
 // model file that `eval` reads), and a stage SIGKILLed mid-run restores and finishes on the
 // same trajectory.
 import { afterAll, describe, expect, test } from "bun:test";
-import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
+import { type Event, EventKind, JobState } from "../../schemas/messages/job.ts";
 import { type JobConfig, gptJobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { watchJob } from "../../sdk/watch.ts";

@@ -11,7 +11,7 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { type JetStreamManager, jetstreamManager } from "@nats-io/jetstream";
 import { join } from "node:path";
-import { JobState } from "../../schemas/messages.ts";
+import { JobState } from "../../schemas/messages/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { planHere } from "../../services/data-loader/loader.ts";

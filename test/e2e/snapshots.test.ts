@@ -5,7 +5,7 @@
 import { afterAll, expect, test } from "bun:test";
 import { readdirSync } from "node:fs";
 import { join } from "node:path";
-import { EventKind, JobState } from "../../schemas/messages.ts";
+import { EventKind, JobState } from "../../schemas/messages/job.ts";
 import { CheckpointStore } from "../../services/checkpoint/store.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { removeTempDirs } from "../helpers/mesh.ts";

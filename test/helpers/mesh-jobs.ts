@@ -3,7 +3,7 @@
 // the checks of a job's steps that several tests make.
 import { expect } from "bun:test";
 import { join } from "node:path";
-import { type Event, EventKind } from "../../schemas/messages.ts";
+import { type Event, EventKind } from "../../schemas/messages/job.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import type { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh, type MeshOptions } from "../../sdk/local-mesh.ts";

@@ -9,35 +9,36 @@ import {
   schemaVersion,
   WireFormatError,
 } from "../../schemas/codec.ts";
+import { CollPhase, decodeCollPiece, encodeCollPiece } from "../../schemas/messages/trainer.ts";
 import {
-  CollPhase,
-  decodeCollPiece,
-  encodeCollPiece,
   decodeDataPlan,
-  decodeJobRecord,
   encodeDataPlan,
-  encodeJobRecord,
-  JobState,
-  chunkF32,
   decodeBatch,
   decodeBatchRequest,
-  decodeErrorReply,
+  encodeBatch,
+  encodeBatchRequest,
+  Split,
+} from "../../schemas/messages/data-loader.ts";
+import {
+  decodeJobRecord,
+  encodeJobRecord,
+  JobState,
   decodeEvent,
   decodeJobSpec,
-  decodeManifest,
+  emptyEvent,
+  encodeEvent,
+  encodeJobSpec,
+  EventKind,
+  SyncPolicy,
+} from "../../schemas/messages/job.ts";
+import {
+  chunkF32,
   decodePullReply,
   decodePullRequest,
   decodePushReply,
   decodePushRequest,
   decodeShardState,
   DType,
-  emptyEvent,
-  encodeBatch,
-  encodeBatchRequest,
-  encodeErrorReply,
-  encodeEvent,
-  encodeJobSpec,
-  encodeManifest,
   encodePullReply,
   encodePullRequest,
   encodePushReply,
@@ -45,12 +46,10 @@ import {
   encodeShardState,
   shardStateChecksum,
   withChecksum,
-  EventKind,
   f32Chunk,
-  isErrorReply,
-  Split,
-  SyncPolicy,
-} from "../../schemas/messages.ts";
+} from "../../schemas/messages/parameter-server.ts";
+import { decodeErrorReply, encodeErrorReply, isErrorReply } from "../../schemas/messages/runtime.ts";
+import { decodeManifest, encodeManifest } from "../../schemas/messages/checkpoint.ts";
 import { CollPiece as CollPieceT, PushRequest as PushRequestT } from "../../schemas/wire.ts";
 import { pieceFromOne } from "../helpers/coll-piece.ts";
 import { expectThrown } from "../helpers/errors.ts";

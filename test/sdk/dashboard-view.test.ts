@@ -2,7 +2,8 @@
 // curves' rules (a restore cuts the loss curve back, a long curve is thinned), the evaluations
 // combined over ranks, the per-rank step split, and each process's health as time passes.
 import { describe, expect, test } from "bun:test";
-import { emptyEvent, type Event, EventKind, type Heartbeat, JobState } from "../../schemas/messages.ts";
+import { emptyEvent, type Event, EventKind, JobState } from "../../schemas/messages/job.ts";
+import { type Heartbeat } from "../../schemas/messages/runtime.ts";
 import { jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { runningRecord } from "../../services/runtime/job/jobs.ts";
 import type { JobStatus } from "../../sdk/client.ts";

@@ -2,7 +2,8 @@
 // override in an event's text, a record's reason or a snapshot's id is shown escaped, never acted
 // on (a forged restore tag used to print "restored: ... (a⏎b⏎FAKE LOG LINE)" as three lines).
 import { afterAll, afterEach, describe, expect, spyOn, test } from "bun:test";
-import { type Event, EventKind, emptyEvent, JobState, type Manifest } from "../../schemas/messages.ts";
+import { type Event, EventKind, emptyEvent, JobState } from "../../schemas/messages/job.ts";
+import { type Manifest } from "../../schemas/messages/checkpoint.ts";
 import { runningRecord } from "../../services/runtime/job/jobs.ts";
 import { printable } from "../../sdk/format.ts";
 import { jobsTable, outcomeLines, statusLines } from "../../sdk/report.ts";

@@ -3,7 +3,7 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { existsSync, mkdirSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { encodeManifest } from "../../schemas/messages.ts";
+import { encodeManifest } from "../../schemas/messages/checkpoint.ts";
 import { CheckpointStore, manifestName, snapshotId } from "../../services/checkpoint/store.ts";
 import { CorruptDataError, NotReadyError } from "../../services/runtime/mesh/errors.ts";
 import { expectThrown } from "../helpers/errors.ts";

@@ -22,7 +22,7 @@ import { BadRequestError, DeadlineError } from "../../services/runtime/mesh/erro
 import { NatsBus } from "../../services/runtime/mesh/nats.ts";
 import { refusalBurst } from "../../services/runtime/mesh/refusal-log.ts";
 import { subjects } from "../../services/runtime/job/subjects.ts";
-import { encodeCollPiece } from "../../schemas/messages.ts";
+import { encodeCollPiece } from "../../schemas/messages/trainer.ts";
 import { pieceFromOne } from "../helpers/coll-piece.ts";
 import { expectRejected } from "../helpers/errors.ts";
 import { clientBus, startNatsServer } from "../helpers/mesh.ts";

@@ -20,10 +20,9 @@ import {
   decodeDataPlan,
   decodeLoaderStats,
   encodeBatchRequest,
-  encodeJobRequest,
   Split,
-  SyncPolicy,
-} from "../../schemas/messages.ts";
+} from "../../schemas/messages/data-loader.ts";
+import { encodeJobRequest, SyncPolicy } from "../../schemas/messages/job.ts";
 import { readTokens } from "../../engine/data/token-stream.ts";
 import { readManifest, readSplit } from "../../engine/data/shards.ts";
 import { prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";

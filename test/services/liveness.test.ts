@@ -2,7 +2,8 @@
 // a hand-moved clock: silence past the bound is one Stalled event naming the process and what it
 // was doing; its return is another; hostile heartbeats are ignored.
 import { describe, expect, test } from "bun:test";
-import { decodeEvent, decodeHeartbeat, encodeHeartbeat, type Event, EventKind } from "../../schemas/messages.ts";
+import { decodeEvent, type Event, EventKind } from "../../schemas/messages/job.ts";
+import { decodeHeartbeat, encodeHeartbeat } from "../../schemas/messages/runtime.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
 import { subjects } from "../../services/runtime/job/subjects.ts";
 import {

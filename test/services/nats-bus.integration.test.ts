@@ -4,7 +4,7 @@ import { afterAll, expect, test } from "bun:test";
 import { BadRequestError, DeadlineError, LimitExceededError } from "../../services/runtime/mesh/errors.ts";
 import { closeDrainMsMax, NatsBus } from "../../services/runtime/mesh/nats.ts";
 import { reconnectedSubject, subjectMatches } from "../../services/runtime/mesh/bus.ts";
-import { encodeReconnected } from "../../schemas/messages.ts";
+import { encodeReconnected } from "../../schemas/messages/runtime.ts";
 import { expectRejected } from "../helpers/errors.ts";
 import { clientBus, startNatsServer } from "../helpers/mesh.ts";
 

@@ -6,7 +6,14 @@ import { buildLayout } from "../../services/runtime/job/layout.ts";
 import { ParameterShard } from "../../services/parameter-server/shard.ts";
 import { BadRequestError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
-import { chunkF32, decodePullReply, DType, f32Chunk, type PushRequest, withChecksum } from "../../schemas/messages.ts";
+import {
+  chunkF32,
+  decodePullReply,
+  DType,
+  f32Chunk,
+  type PushRequest,
+  withChecksum,
+} from "../../schemas/messages/parameter-server.ts";
 import { Codec, ErrorFeedback, parseCompression } from "../../engine/parallel/compress.ts";
 import { chunkCodec, decodeChunk, encodeChunk } from "../../services/runtime/transport/chunk-codec.ts";
 import { Rng } from "../../engine/rng.ts";
@@ -548,7 +555,7 @@ describe("ParameterServer over a MemoryBus", () => {
     const { ParameterServer } = await import("../../services/parameter-server/service.ts");
     const { MemoryBus } = await import("../../services/runtime/mesh/bus.ts");
     const { LimitExceededError } = await import("../../services/runtime/mesh/errors.ts");
-    const { encodePullRequest, decodePullReply } = await import("../../schemas/messages.ts");
+    const { encodePullRequest, decodePullReply } = await import("../../schemas/messages/parameter-server.ts");
     const cfg = job({ model: { kind: "mlp", widths: [784, 16, 10], dropout: 0 }, trainers: 1, shards: 1 });
     const bus = new MemoryBus();
     const ps = new ParameterServer(bus, 0, be, undefined, 16_000);

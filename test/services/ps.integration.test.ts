@@ -11,15 +11,14 @@ import {
   decodePushReply,
   decodeShardState,
   decodeShardStats,
-  encodeJobRequest,
   encodePullRequest,
   encodePushRequest,
   encodeShardState,
   shardStateChecksum,
   withChecksum,
   f32Chunk,
-  SyncPolicy,
-} from "../../schemas/messages.ts";
+} from "../../schemas/messages/parameter-server.ts";
+import { encodeJobRequest, SyncPolicy } from "../../schemas/messages/job.ts";
 import { PullRequest as PullRequestT } from "../../schemas/wire.ts";
 import { buildLayout } from "../../services/runtime/job/layout.ts";
 import { BadRequestError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";

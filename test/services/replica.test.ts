@@ -15,7 +15,7 @@ import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../
 import { buildModel, type ModelPlan } from "../../services/runtime/job/model.ts";
 import { ReplicaDivergedError, type ReplicaStepResult } from "../../services/trainer/replica.ts";
 import { imagePlan } from "../helpers/jobs.ts";
-import { withChecksum } from "../../schemas/messages.ts";
+import { withChecksum } from "../../schemas/messages/parameter-server.ts";
 import { closeRanks, type ReplicaRank, replicaRanks } from "../helpers/replicas.ts";
 import { constantLrStep } from "../helpers/training.ts";
 

@@ -2,12 +2,21 @@
 // before anything stops, and a pause that fails leaves the job as it was. A resize on a real
 // mesh, trainers and shards joining and leaving: test/e2e/elastic.test.ts.
 import { describe, expect, test } from "bun:test";
-import { type DataPlan, encodeDataPlan, type JobSpec, type Manifest } from "../../schemas/messages.ts";
+import { type DataPlan, encodeDataPlan } from "../../schemas/messages/data-loader.ts";
+import { type JobSpec } from "../../schemas/messages/job.ts";
+import { type Manifest } from "../../schemas/messages/checkpoint.ts";
 import { keptBatch, resizeJob, type ResizeHost, shrinkWithout } from "../../services/runtime/control/resize.ts";
 import { rankSlice } from "../../services/data-loader/sampler.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
 import { BadRequestError, JobStateError, NotReadyError } from "../../services/runtime/mesh/errors.ts";
-import { configOfSpec, gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig, peakLr } from "../../services/runtime/job/config.ts";
+import {
+  configOfSpec,
+  gptJobDefaults,
+  type JobConfig,
+  jobDefaults,
+  parseJobConfig,
+  peakLr,
+} from "../../services/runtime/job/config.ts";
 import { trajectoryDiff } from "../../services/runtime/job/resume.ts";
 import { StepSchedule, worldProblems } from "../../services/runtime/job/world.ts";
 import type { JobControl } from "../../services/runtime/job/jobs.ts";

@@ -6,7 +6,7 @@ import { afterAll, describe, expect, test } from "bun:test";
 import { readFileSync, statSync, writeFileSync } from "node:fs";
 import { join, relative } from "node:path";
 import { createUser } from "@nats-io/nkeys";
-import { JobState } from "../../schemas/messages.ts";
+import { JobState } from "../../schemas/messages/job.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { recoverAsker, subjects } from "../../services/runtime/job/subjects.ts";
 import { recordsBucket, runningRecord } from "../../services/runtime/job/jobs.ts";
@@ -23,7 +23,7 @@ import {
 } from "../../services/runtime/job/roles.ts";
 import { NoRespondersError, refusedAs } from "../../services/runtime/mesh/errors.ts";
 import { ncclIdBytes, NcclIdStore } from "../../services/runtime/job/nccl-id.ts";
-import { encodeJobRequest } from "../../schemas/messages.ts";
+import { encodeJobRequest } from "../../schemas/messages/job.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/local-mesh.ts";
 import { watchJob } from "../../sdk/watch.ts";

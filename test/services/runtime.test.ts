@@ -5,7 +5,7 @@ import { writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { z } from "zod";
 import { WireFormatError } from "../../schemas/codec.ts";
-import { decodeErrorReply, encodeErrorReply } from "../../schemas/messages.ts";
+import { decodeErrorReply, encodeErrorReply } from "../../schemas/messages/runtime.ts";
 import { MemoryBus, subjectMatches } from "../../services/runtime/mesh/bus.ts";
 import { loadConfig } from "../../services/runtime/mesh/config.ts";
 import {

@@ -13,7 +13,7 @@ import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../
 import type { Replica, ReplicaStepResult } from "../../services/trainer/replica.ts";
 import { replicaFromPartitions } from "../../services/runtime/job/replica-parts.ts";
 import { CorruptDataError } from "../../services/runtime/mesh/errors.ts";
-import { type ShardState, withChecksum } from "../../schemas/messages.ts";
+import { type ShardState, withChecksum } from "../../schemas/messages/parameter-server.ts";
 import { imagePlan } from "../helpers/jobs.ts";
 import { closeRanks, replicaRanks } from "../helpers/replicas.ts";
 import { tokenWindows } from "../helpers/windows.ts";

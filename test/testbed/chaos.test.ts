@@ -10,7 +10,7 @@
 // namespaces cannot be made.
 import { afterAll, describe, expect, test } from "bun:test";
 import { Rng } from "../../engine/rng.ts";
-import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
+import { type Event, EventKind, JobState } from "../../schemas/messages/job.ts";
 import { testBedProblem } from "../../testbed/hosts.ts";
 import { fourHosts } from "../helpers/hosts.ts";
 import { finalChunkVersions } from "../helpers/jobs.ts";

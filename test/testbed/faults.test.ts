@@ -13,7 +13,7 @@
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { readFileSync } from "node:fs";
 import { join } from "node:path";
-import { type Event, EventKind, JobState } from "../../schemas/messages.ts";
+import { type Event, EventKind, JobState } from "../../schemas/messages/job.ts";
 import { type JobConfig, jobConfigFromJson } from "../../services/runtime/job/config.ts";
 import { jobSpecsFollowedAgain } from "../../services/runtime/job/jobs.ts";
 import { type HostBed, testBedProblem } from "../../testbed/hosts.ts";

@@ -6,7 +6,7 @@
 // the straggler detector names its trainers, and an SSP job finishes Done. Skips where
 // namespaces cannot be made.
 import { afterAll, describe, expect, test } from "bun:test";
-import { EventKind, JobState } from "../../schemas/messages.ts";
+import { EventKind, JobState } from "../../schemas/messages/job.ts";
 import { testBedProblem } from "../../testbed/hosts.ts";
 import { hostLabel } from "../../testbed/mesh.ts";
 import { fourHosts } from "../helpers/hosts.ts";

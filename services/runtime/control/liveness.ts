@@ -7,14 +7,8 @@
 // machine (MT_HOST): when every sender of one machine went quiet while others still speak, one
 // more Stalled event names the machine and its ranks (a host cut off, or down), and another
 // when it is heard again.
-import {
-  decodeHeartbeat,
-  emptyEvent,
-  encodeEvent,
-  encodeHeartbeat,
-  EventKind,
-  type Heartbeat,
-} from "../../../schemas/messages.ts";
+import { decodeHeartbeat, encodeHeartbeat, type Heartbeat } from "../../../schemas/messages/runtime.ts";
+import { emptyEvent, encodeEvent, EventKind } from "../../../schemas/messages/job.ts";
 import type { Bus, Subscription } from "../mesh/bus.ts";
 import { subjects } from "../job/subjects.ts";
 

@@ -8,13 +8,9 @@
 //      the epoch); the shards take the snapshot's chunks as the new hash ring says.
 // When anything fails after the job was paused, it goes on as it was. The checkpoint service
 // hosts it (it holds the snapshots); what it needs of that service is the ResizeHost below.
-import {
-  decodeDataPlan,
-  type DataPlan,
-  encodeJobRequest,
-  encodeJobSpec,
-  type Manifest,
-} from "../../../schemas/messages.ts";
+import { decodeDataPlan, type DataPlan } from "../../../schemas/messages/data-loader.ts";
+import { encodeJobRequest, encodeJobSpec } from "../../../schemas/messages/job.ts";
+import { type Manifest } from "../../../schemas/messages/checkpoint.ts";
 import type { Bus } from "../mesh/bus.ts";
 import {
   BadRequestError,

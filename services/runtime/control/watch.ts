@@ -5,7 +5,7 @@
 // `lost.afterMs` is handed to `lost.hand` once (again only after it was heard and went quiet
 // again): the job may go on without it (the checkpoint service shrinks it). The checkpoint
 // service hosts one per job it runs, next to the job's snapshots.
-import { decodeEvent, EventKind } from "../../../schemas/messages.ts";
+import { decodeEvent, EventKind } from "../../../schemas/messages/job.ts";
 import type { Bus, Subscription } from "../mesh/bus.ts";
 import { dataRanks, type JobConfig } from "../job/config.ts";
 import { subjects } from "../job/subjects.ts";

@@ -5,7 +5,8 @@
 // a config: its sync mode's traits, its learning rate at a step, its steps.
 import { z } from "zod";
 import { lrAt as scheduledLr, scheduleOf } from "../../../engine/optim/schedule.ts";
-import { type DataPlan, type JobSpec, SyncPolicy } from "../../../schemas/messages.ts";
+import { type DataPlan } from "../../../schemas/messages/data-loader.ts";
+import { type JobSpec, SyncPolicy } from "../../../schemas/messages/job.ts";
 import { BadRequestError, ConfigError } from "../mesh/errors.ts";
 import { attentionProblem } from "./attention.ts";
 import {

@@ -2,7 +2,7 @@
 // publishes an Eval event; the combined result weighs each rank's by the samples it evaluated.
 // A rank's result for a step counts once, however often it arrives (ranks that finished repeat
 // their final events until the job ends, so a restarted coordinator still hears them).
-import type { Event } from "../../../schemas/messages.ts";
+import type { Event } from "../../../schemas/messages/job.ts";
 
 export interface CombinedEval {
   step: number;

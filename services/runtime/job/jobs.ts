@@ -22,7 +22,7 @@ import {
   type JobRecord,
   type JobSpec,
   JobState,
-} from "../../../schemas/messages.ts";
+} from "../../../schemas/messages/job.ts";
 import type { Bus } from "../mesh/bus.ts";
 import { JetStreamUnavailableError, refusedAs } from "../mesh/errors.ts";
 import { subjects } from "./subjects.ts";

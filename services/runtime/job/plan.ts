@@ -2,7 +2,8 @@
 // submitted and carried in its spec (JobSpec.plan). The data-loader computes it (it alone reads
 // the data: `mt.ctl.plan`); trainers and parameter-server shards read the step count,
 // the vocabulary and the parameter vector's layout from the spec, never from the data files.
-import type { DataPlan, JobSpec } from "../../../schemas/messages.ts";
+import type { DataPlan } from "../../../schemas/messages/data-loader.ts";
+import type { JobSpec } from "../../../schemas/messages/job.ts";
 import { BadRequestError, CorruptDataError } from "../mesh/errors.ts";
 import { dataRanks, type JobConfig, stepScheduleOf } from "./config.ts";
 import { buildLayout, type Layout } from "./layout.ts";

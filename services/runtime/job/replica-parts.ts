@@ -9,7 +9,12 @@
 //     are and, on restore or to export the model, assembles the replica from all of them
 //     (replicaFromPartitions), whatever the number of ranks and stage it is loaded into.
 import { packByBytes } from "../../../schemas/codec.ts";
-import { type ChunkState, type ShardState, shardStateChecksum, withChecksum } from "../../../schemas/messages.ts";
+import {
+  type ChunkState,
+  type ShardState,
+  shardStateChecksum,
+  withChecksum,
+} from "../../../schemas/messages/parameter-server.ts";
 import { BadRequestError, CorruptDataError } from "../mesh/errors.ts";
 import type { Layout } from "./layout.ts";
 

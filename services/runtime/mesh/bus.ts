@@ -1,7 +1,7 @@
 // The small interface services talk through. NatsBus (nats.ts) implements it over a real
 // server; MemoryBus below is for unit tests only. A request answered with an ErrorReply is
 // thrown on the caller's side as the typed error it names (errors.ts).
-import { decodeErrorReply, encodeErrorReply, isErrorReply } from "../../../schemas/messages.ts";
+import { decodeErrorReply, encodeErrorReply, isErrorReply } from "../../../schemas/messages/runtime.ts";
 import {
   DeadlineError,
   errorReplyOf,

@@ -2,7 +2,7 @@
 // carrying `code`; the caller's bus rebuilds the same class from it (rebuildError), so code on
 // both sides catches `UnknownJobError`, not a string.
 import { WireFormatError, type WireFormatCode } from "../../../schemas/codec.ts";
-import type { ErrorReply } from "../../../schemas/messages.ts";
+import type { ErrorReply } from "../../../schemas/messages/runtime.ts";
 
 /** Every error a service answers with. `code` is stable: it is what crosses the wire. */
 export class MeshError extends Error {

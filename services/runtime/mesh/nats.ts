@@ -16,7 +16,7 @@ import {
   type Subscription,
   unwrapReply,
 } from "./bus.ts";
-import { decodeReconnected, encodeReconnected, type Reconnected } from "../../../schemas/messages.ts";
+import { decodeReconnected, encodeReconnected, type Reconnected } from "../../../schemas/messages/runtime.ts";
 import { DeadlineError, MeshError, NatsAccessError, NoRespondersError, refusedAs, RequestLostError } from "./errors.ts";
 
 export { NatsAccessError };

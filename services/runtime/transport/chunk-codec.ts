@@ -13,7 +13,7 @@ import {
   encodeSlice,
   topKSlice,
 } from "../../../engine/parallel/parameter-server.ts";
-import { type Chunk, DType } from "../../../schemas/messages.ts";
+import { type Chunk, DType } from "../../../schemas/messages/parameter-server.ts";
 import { BadRequestError } from "../mesh/errors.ts";
 
 export { chunkCodec } from "../../../engine/parallel/parameter-server.ts";

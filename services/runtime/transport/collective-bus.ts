@@ -29,7 +29,12 @@
 import { networkInterfaces } from "node:os";
 import { BadPieceError, CollectiveClosedError, PeerLostError } from "../../../engine/parallel/collective.ts";
 import type { PeerTransport, Phase, Piece, PieceHeader, Receipt } from "../../../engine/parallel/transport.ts";
-import { CollPhase, collPieceOverheadBytes, decodeCollPiece, encodeCollPiece } from "../../../schemas/messages.ts";
+import {
+  CollPhase,
+  collPieceOverheadBytes,
+  decodeCollPiece,
+  encodeCollPiece,
+} from "../../../schemas/messages/trainer.ts";
 import type { Bus, Subscription } from "../mesh/bus.ts";
 import { ShmInbox, ShmOutbox, shmIdentity, shmRefusedPrefix, shmSocketPath } from "./collective-shm.ts";
 import { DirectLinkClient, DirectLinkServer } from "./direct-link.ts";

@@ -19,7 +19,7 @@
 import { unlinkSync } from "node:fs";
 import type { Socket } from "bun";
 import { answer, type Handler, unwrapReply } from "../mesh/bus.ts";
-import { encodeErrorReply } from "../../../schemas/messages.ts";
+import { encodeErrorReply } from "../../../schemas/messages/runtime.ts";
 import { BadRequestError, DeadlineError, errorReplyOf, NoRespondersError } from "../mesh/errors.ts";
 
 const headerBytes = 8;
