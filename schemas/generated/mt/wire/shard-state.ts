@@ -121,7 +121,7 @@ part():number {
 }
 
 /**
- * shardStateChecksum (schemas/messages.ts): over the job, step, counters and every chunk, not
+ * shardStateChecksum (schemas/messages/parameter-server.ts): over the job, step, counters and every chunk, not
  * over where the part goes (shard, part, parts, generation, rank); set by whoever cuts the
  * state, checked before a load is applied
  */
