@@ -3,7 +3,8 @@
 //   parameter-server mode: next batch -> pull parameters (as the sync policy allows) ->
 //     forward/backward -> clip -> push gradients, the step's time split into data wait, pull,
 //     compute and push;
-//   all-reduce mode (replica.ts over the engine's DataParallel, or a model-parallel share):
+//   all-reduce mode (the rank's TrainerReplica, trainer-replica.ts: a whole copy over the
+//     engine's DataParallel, or a model-parallel share):
 //     next batch -> forward/backward with the gradient all-reduced bucket by bucket -> clip ->
 //     update, the split into data wait, compute, communication and exposed communication.
 // Rank 0 asks the checkpoint service for a snapshot every `checkpointEvery` steps (or
@@ -55,7 +56,6 @@ import {
   evaluatesAt,
   type JobConfig,
   jobOfRequest,
-  modelParallel,
   stepScheduleOf,
   subjects,
   usesShards,
@@ -65,8 +65,8 @@ import {
 import type { JobControl } from "../runtime/job/jobs.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { pause } from "../runtime/mesh/pause.ts";
-import { buildModel } from "../runtime/job/model.ts";
-import { checkPlanLayout, jobLr } from "../runtime/job/plan.ts";
+import type { buildModel } from "../runtime/job/model.ts";
+import { jobLr } from "../runtime/job/plan.ts";
 import {
   checkpointTimeoutMs,
   scheduledSnapshotTimeoutMs,
@@ -87,10 +87,10 @@ import {
 } from "./limits.ts";
 import { bytesPerParam } from "../../engine/parallel/zero.ts";
 import { m as metrics } from "../runtime/mesh/metrics.ts";
-import { ModelParallelReplica } from "./model-parallel.ts";
 import type { NcclIdExchange } from "../runtime/job/nccl-id.ts";
 import type { ReplicaOptions } from "./replica.ts";
 import { type StepHost, type TrainerMode, trainerMode } from "./modes.ts";
+import { planModel, replicaOf } from "./trainer-replica.ts";
 import { toHost } from "./batches.ts";
 import type { StepSchedule } from "../runtime/job/world.ts";
 
@@ -179,8 +179,11 @@ export class TrainerRun {
     this.#plan = o.plan;
     this.#steps = stepScheduleOf(o.cfg, o.plan.trainSamples);
     this.#lr = jobLr(o.cfg, o.plan);
-    const mp = modelParallel(o.cfg)
-      ? new ModelParallelReplica({
+    // all-reduce mode: the rank's replica holds the model (a share of it where the job cuts it);
+    // parameter-server mode: the whole model, its parameters pulled from the shards
+    const replica = usesShards(o.cfg)
+      ? null
+      : replicaOf({
           bus: o.bus,
           backend: o.backend,
           cfg: o.cfg,
@@ -189,17 +192,11 @@ export class TrainerRun {
           plan: o.plan,
           payloadBytesMax: o.payloadBytesMax,
           ...o.collective,
-        })
-      : null;
-    // a model-parallel rank holds its share only (checked against the plan's whole model)
-    this.#model = mp?.model ?? buildModel(this.#ctx, o.cfg, o.plan);
-    const store = this.#model.store;
-    if (mp === null) checkPlanLayout(o.plan, store.slabNumel, store.decayRange.numel);
-    this.#mode = trainerMode(this.#stepHost(), o.plan, mp, {
-      ...o.collective,
-      ...(o.ncclIds ? { ncclIds: o.ncclIds } : {}),
-      attempt: o.attempt ?? 0,
-    });
+          ...(o.ncclIds ? { ncclIds: o.ncclIds } : {}),
+          attempt: o.attempt ?? 0,
+        });
+    this.#model = replica?.model ?? planModel(this.#ctx, o.cfg, o.plan);
+    this.#mode = trainerMode(this.#stepHost(), o.plan, replica);
   }
 
   /** What the mode's step needs of this run. */

@@ -4,9 +4,10 @@
 //   ParameterServerMode  batch -> pull the parameters -> forward/backward -> push the gradients;
 //                        the shards hold the parameters and the optimizer.
 //   ReplicaMode          batch -> forward/backward with the gradient all-reduced as backward
-//                        goes on -> the same update on every rank (replica.ts over the engine's
-//                        DataParallel), or a share of a pipeline/tensor-parallel model
-//                        (model-parallel.ts); the rank holds the parameters and the optimizer.
+//                        goes on -> the same update on every rank, through the rank's
+//                        TrainerReplica (trainer-replica.ts: a whole copy over the engine's
+//                        DataParallel, or a share of a pipeline/tensor-parallel model); the rank
+//                        holds the parameters and the optimizer.
 import type { Backend } from "../../ffi/backend.ts";
 import { CollectiveClosedError, CollectiveError } from "../../engine/parallel/collective.ts";
 import type { ModelMemory } from "../../engine/parallel/zero.ts";
@@ -37,7 +38,6 @@ import {
   shardsClip,
   subjects,
   trainerOpenedTag,
-  usesShards,
   recoverAsker,
   trainerLacksTag,
 } from "../runtime/job/job.ts";
@@ -46,9 +46,8 @@ import { planLayout } from "../runtime/job/plan.ts";
 import { cutTag, partOfTag, precutSaveTag } from "../runtime/job/replica-parts.ts";
 import { microBatches } from "./batches.ts";
 import { checkpointTimeoutMs, requestTimeoutMs } from "./limits.ts";
-import { ModelParallelReplica } from "./model-parallel.ts";
 import { PsClient } from "./ps-client.ts";
-import { Replica, type ReplicaOptions } from "./replica.ts";
+import type { TrainerReplica } from "./trainer-replica.ts";
 
 /** What a mode's step needs of the run around it. */
 export interface StepHost {
@@ -123,28 +122,9 @@ export interface TrainerMode {
   close(): void;
 }
 
-/** The mode a job's settings ask for. */
-export function trainerMode(
-  host: StepHost,
-  plan: DataPlan,
-  mp: ModelParallelReplica | null,
-  collective: Pick<ReplicaOptions, "transport" | "progressTimeoutMs" | "ncclIds" | "attempt"> | undefined,
-): TrainerMode {
-  if (usesShards(host.cfg)) return new ParameterServerMode(host, plan);
-  const replica =
-    mp ??
-    new Replica({
-      bus: host.bus,
-      backend: host.backend,
-      cfg: host.cfg,
-      rank: host.rank,
-      ctx: host.ctx,
-      model: host.model,
-      payloadBytesMax: host.payloadBytesMax,
-      totalSteps: plan.totalSteps,
-      ...collective,
-    });
-  return new ReplicaMode(host, replica);
+/** The mode of a job: all-reduce with the rank's replica (replicaOf), else parameter server (no replica). */
+export function trainerMode(host: StepHost, plan: DataPlan, replica: TrainerReplica | null): TrainerMode {
+  return replica === null ? new ParameterServerMode(host, plan) : new ReplicaMode(host, replica);
 }
 
 /** Parameter-server mode: pull, compute, push. */
@@ -299,7 +279,7 @@ class ParameterServerMode implements TrainerMode {
 /** All-reduce mode: a replica (or a model-parallel share) trained with its peers. */
 class ReplicaMode implements TrainerMode {
   readonly #h: StepHost;
-  readonly #replica: Replica | ModelParallelReplica;
+  readonly #replica: TrainerReplica;
   /** the step this rank's replica is at (what a snapshot of it is labelled) */
   #at = 0;
 
@@ -307,7 +287,7 @@ class ReplicaMode implements TrainerMode {
     return this.#replica.generation;
   }
 
-  constructor(host: StepHost, replica: Replica | ModelParallelReplica) {
+  constructor(host: StepHost, replica: TrainerReplica) {
     this.#h = host;
     this.#replica = replica;
   }
@@ -329,7 +309,7 @@ class ReplicaMode implements TrainerMode {
     const { log } = this.#h;
     const replica = this.#replica;
     replica.useTopology(hosts, places);
-    const plan = replica instanceof Replica ? replica.plan : null;
+    const plan = replica.plan;
     const many = replica.hostCount > 1;
     log?.info(
       { hosts, hostCount: replica.hostCount, collective: plan?.carrier ?? "ring" },
@@ -356,7 +336,8 @@ class ReplicaMode implements TrainerMode {
     ];
     // the liveness watch (the checkpoint service's) names a trainer that went quiet: an NCCL
     // communicator waiting on it is aborted, so the step fails and every rank rewinds
-    if (replica instanceof Replica)
+    const peerStalled = replica.peerStalled?.bind(replica);
+    if (peerStalled !== undefined)
       subs.push(
         bus.subscribe(subjects.events(cfg.job, "stalled"), (data) => {
           let text: string;
@@ -366,7 +347,7 @@ class ReplicaMode implements TrainerMode {
             return; // not an event: nothing to act on
           }
           const peer = stalledTrainer(text);
-          if (peer !== null) replica.peerStalled(peer, text);
+          if (peer !== null) peerStalled(peer, text);
         }),
       );
     const subject =
@@ -493,15 +474,7 @@ class ReplicaMode implements TrainerMode {
 
   /** ZeRO stage 3 gathers the whole model for it (every rank evaluates at this boundary); a model-parallel copy evaluates through its stages together. */
   async evaluate(step: number, batches: readonly HostBatch[]): Promise<EvalResult> {
-    const h = this.#h;
-    const replica = this.#replica;
-    await replica.gatherAll(step);
-    const r =
-      replica instanceof ModelParallelReplica
-        ? await replica.evaluate(step, batches)
-        : evaluate(h.ctx, h.model, batches);
-    await replica.releaseAll();
-    return r;
+    return this.#replica.evaluate(step, batches);
   }
 
   /** Without ZeRO rank 0 holds the whole state and cuts it here (no round trip for it); the checkpoint service reads the parts in the background. */
