@@ -3,7 +3,8 @@
 //   parameter-server mode: next batch -> pull parameters (as the sync policy allows) ->
 //     forward/backward -> clip -> push gradients, the step's time split into data wait, pull,
 //     compute and push;
-//   all-reduce mode (replica.ts over the engine's DataParallel, or a model-parallel share):
+//   all-reduce mode (the rank's TrainerReplica, trainer-replica.ts: a whole copy over the
+//     engine's DataParallel, or a model-parallel share):
 //     next batch -> forward/backward with the gradient all-reduced bucket by bucket -> clip ->
 //     update, the split into data wait, compute, communication and exposed communication.
 // Rank 0 asks the checkpoint service for a snapshot every `checkpointEvery` steps (or
@@ -51,21 +52,12 @@ import { awaitMembers, type MeshMembers } from "../runtime/mesh/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/job/evals.ts";
 import { BadRequestError } from "../runtime/mesh/errors.ts";
 import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
-import {
-  dataRanks,
-  evaluatesAt,
-  type JobConfig,
-  lrAt,
-  modelParallel,
-  stepScheduleOf,
-  usesShards,
-} from "../runtime/job/config.ts";
+import { dataRanks, evaluatesAt, type JobConfig, lrAt, stepScheduleOf, usesShards } from "../runtime/job/config.ts";
 import { jobOfRequest, subjects, recoverAsker, trainerFailedTag } from "../runtime/job/subjects.ts";
 import type { JobControl } from "../runtime/job/jobs.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { pause } from "../runtime/mesh/pause.ts";
-import { buildModel } from "../runtime/job/model.ts";
-import { checkPlanLayout } from "../runtime/job/plan.ts";
+import type { buildModel } from "../runtime/job/model.ts";
 import {
   checkpointTimeoutMs,
   scheduledSnapshotTimeoutMs,
@@ -86,10 +78,10 @@ import {
 } from "./limits.ts";
 import { bytesPerParam } from "../../engine/parallel/zero.ts";
 import { m as metrics } from "../runtime/mesh/metrics.ts";
-import { ModelParallelReplica } from "./model-parallel.ts";
 import type { NcclIdExchange } from "../runtime/job/nccl-id.ts";
 import type { ReplicaOptions } from "./replica.ts";
 import { type StepHost, type TrainerMode, trainerMode } from "./modes.ts";
+import { planModel, replicaOf } from "./trainer-replica.ts";
 import { toHost } from "./batches.ts";
 import type { StepSchedule } from "../runtime/job/world.ts";
 
@@ -178,8 +170,11 @@ export class TrainerRun {
     this.#plan = o.plan;
     this.#steps = stepScheduleOf(o.cfg, o.plan.trainSamples);
     this.#lr = (step) => lrAt(o.cfg, o.plan, step);
-    const mp = modelParallel(o.cfg)
-      ? new ModelParallelReplica({
+    // all-reduce mode: the rank's replica holds the model (a share of it where the job cuts it);
+    // parameter-server mode: the whole model, its parameters pulled from the shards
+    const replica = usesShards(o.cfg)
+      ? null
+      : replicaOf({
           bus: o.bus,
           backend: o.backend,
           cfg: o.cfg,
@@ -188,17 +183,11 @@ export class TrainerRun {
           plan: o.plan,
           payloadBytesMax: o.payloadBytesMax,
           ...o.collective,
-        })
-      : null;
-    // a model-parallel rank holds its share only (checked against the plan's whole model)
-    this.#model = mp?.model ?? buildModel(this.#ctx, o.cfg, o.plan);
-    const store = this.#model.store;
-    if (mp === null) checkPlanLayout(o.plan, store.slabNumel, store.decayRange.numel);
-    this.#mode = trainerMode(this.#stepHost(), o.plan, mp, {
-      ...o.collective,
-      ...(o.ncclIds ? { ncclIds: o.ncclIds } : {}),
-      attempt: o.attempt ?? 0,
-    });
+          ...(o.ncclIds ? { ncclIds: o.ncclIds } : {}),
+          attempt: o.attempt ?? 0,
+        });
+    this.#model = replica?.model ?? planModel(this.#ctx, o.cfg, o.plan);
+    this.#mode = trainerMode(this.#stepHost(), o.plan, replica);
   }
 
   /** What the mode's step needs of this run. */

@@ -56,6 +56,7 @@ import {
   type ReplicaStepResult,
   type TransportSettings,
 } from "./replica.ts";
+import type { ReplicaServes, TrainerReplica } from "./trainer-replica.ts";
 
 export interface ModelParallelOptions {
   bus: Bus;
@@ -69,7 +70,8 @@ export interface ModelParallelOptions {
   progressTimeoutMs?: number;
 }
 
-export class ModelParallelReplica {
+/** One share of a copy of the model (trainer-replica.ts builds it). */
+export class ModelParallelReplica implements TrainerReplica {
   readonly layout: Layout;
   readonly mp: ModelLayout;
   readonly coords: LayoutCoords;
@@ -159,7 +161,7 @@ export class ModelParallelReplica {
   }
 
   /** What this rank serves a snapshot: its owned elements, if it is in copy 0. */
-  get serves(): "whole" | "partition" | "none" {
+  get serves(): ReplicaServes {
     return this.coords.d === 0 ? "partition" : "none";
   }
 
@@ -200,12 +202,11 @@ export class ModelParallelReplica {
   }
 
   readonly hostCount = 1;
+  /** no collective plan: every group is a ring over the job's transport */
+  readonly plan = null;
 
   /** The topology does not change the rings of a model-parallel job (a flat ring each). */
   useTopology(_hosts: readonly string[]): void {}
-
-  async gatherAll(_step: number): Promise<void> {}
-  async releaseAll(): Promise<void> {}
 
   /**
    * One step of this rank: its share of the copy's micro-batches (`micro`: the copy's batch,

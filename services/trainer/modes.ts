@@ -4,9 +4,10 @@
 //   ParameterServerMode  batch -> pull the parameters -> forward/backward -> push the gradients;
 //                        the shards hold the parameters and the optimizer.
 //   ReplicaMode          batch -> forward/backward with the gradient all-reduced as backward
-//                        goes on -> the same update on every rank (replica.ts over the engine's
-//                        DataParallel), or a share of a pipeline/tensor-parallel model
-//                        (model-parallel.ts); the rank holds the parameters and the optimizer.
+//                        goes on -> the same update on every rank, through the rank's
+//                        TrainerReplica (trainer-replica.ts: a whole copy over the engine's
+//                        DataParallel, or a share of a pipeline/tensor-parallel model); the rank
+//                        holds the parameters and the optimizer.
 import type { Backend } from "../../ffi/backend.ts";
 import { CollectiveClosedError, CollectiveError } from "../../engine/parallel/collective.ts";
 import type { ModelMemory } from "../../engine/parallel/zero.ts";
@@ -22,16 +23,15 @@ import { NotReadyError } from "../runtime/mesh/errors.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { type HeartbeatPublisher, stalledTrainer } from "../runtime/control/liveness.ts";
 import type { TrainerPlace } from "../runtime/job/collective-plan.ts";
-import { type JobConfig, shardsClip, usesShards } from "../runtime/job/config.ts";
+import { type JobConfig, shardsClip } from "../runtime/job/config.ts";
 import { jobOfRequest, subjects, trainerOpenedTag, recoverAsker, trainerLacksTag } from "../runtime/job/subjects.ts";
 import type { buildModel } from "../runtime/job/model.ts";
 import { planLayout } from "../runtime/job/plan.ts";
 import { cutTag, partOfTag, precutSaveTag } from "../runtime/job/replica-parts.ts";
 import { microBatches } from "./batches.ts";
 import { checkpointTimeoutMs, requestTimeoutMs } from "./limits.ts";
-import { ModelParallelReplica } from "./model-parallel.ts";
 import { PsClient } from "./ps-client.ts";
-import { Replica, type ReplicaOptions } from "./replica.ts";
+import type { TrainerReplica } from "./trainer-replica.ts";
 
 /** What a mode's step needs of the run around it. */
 export interface StepHost {
@@ -106,28 +106,9 @@ export interface TrainerMode {
   close(): void;
 }
 
-/** The mode a job's settings ask for. */
-export function trainerMode(
-  host: StepHost,
-  plan: DataPlan,
-  mp: ModelParallelReplica | null,
-  collective: Pick<ReplicaOptions, "transport" | "progressTimeoutMs" | "ncclIds" | "attempt"> | undefined,
-): TrainerMode {
-  if (usesShards(host.cfg)) return new ParameterServerMode(host, plan);
-  const replica =
-    mp ??
-    new Replica({
-      bus: host.bus,
-      backend: host.backend,
-      cfg: host.cfg,
-      rank: host.rank,
-      ctx: host.ctx,
-      model: host.model,
-      payloadBytesMax: host.payloadBytesMax,
-      totalSteps: plan.totalSteps,
-      ...collective,
-    });
-  return new ReplicaMode(host, replica);
+/** The mode of a job: all-reduce with the rank's replica (replicaOf), else parameter server (no replica). */
+export function trainerMode(host: StepHost, plan: DataPlan, replica: TrainerReplica | null): TrainerMode {
+  return replica === null ? new ParameterServerMode(host, plan) : new ReplicaMode(host, replica);
 }
 
 /** Parameter-server mode: pull, compute, push. */
@@ -282,7 +263,7 @@ class ParameterServerMode implements TrainerMode {
 /** All-reduce mode: a replica (or a model-parallel share) trained with its peers. */
 class ReplicaMode implements TrainerMode {
   readonly #h: StepHost;
-  readonly #replica: Replica | ModelParallelReplica;
+  readonly #replica: TrainerReplica;
   /** the step this rank's replica is at (what a snapshot of it is labelled) */
   #at = 0;
 
@@ -290,7 +271,7 @@ class ReplicaMode implements TrainerMode {
     return this.#replica.generation;
   }
 
-  constructor(host: StepHost, replica: Replica | ModelParallelReplica) {
+  constructor(host: StepHost, replica: TrainerReplica) {
     this.#h = host;
     this.#replica = replica;
   }
@@ -312,7 +293,7 @@ class ReplicaMode implements TrainerMode {
     const { log } = this.#h;
     const replica = this.#replica;
     replica.useTopology(hosts, places);
-    const plan = replica instanceof Replica ? replica.plan : null;
+    const plan = replica.plan;
     const many = replica.hostCount > 1;
     log?.info(
       { hosts, hostCount: replica.hostCount, collective: plan?.carrier ?? "ring" },
@@ -339,7 +320,8 @@ class ReplicaMode implements TrainerMode {
     ];
     // the liveness watch (the checkpoint service's) names a trainer that went quiet: an NCCL
     // communicator waiting on it is aborted, so the step fails and every rank rewinds
-    if (replica instanceof Replica)
+    const peerStalled = replica.peerStalled?.bind(replica);
+    if (peerStalled !== undefined)
       subs.push(
         bus.subscribe(subjects.events(cfg.job, "stalled"), (data) => {
           let text: string;
@@ -349,7 +331,7 @@ class ReplicaMode implements TrainerMode {
             return; // not an event: nothing to act on
           }
           const peer = stalledTrainer(text);
-          if (peer !== null) replica.peerStalled(peer, text);
+          if (peer !== null) peerStalled(peer, text);
         }),
       );
     const subject =
@@ -476,15 +458,7 @@ class ReplicaMode implements TrainerMode {
 
   /** ZeRO stage 3 gathers the whole model for it (every rank evaluates at this boundary); a model-parallel copy evaluates through its stages together. */
   async evaluate(step: number, batches: readonly HostBatch[]): Promise<EvalResult> {
-    const h = this.#h;
-    const replica = this.#replica;
-    await replica.gatherAll(step);
-    const r =
-      replica instanceof ModelParallelReplica
-        ? await replica.evaluate(step, batches)
-        : evaluate(h.ctx, h.model, batches);
-    await replica.releaseAll();
-    return r;
+    return this.#replica.evaluate(step, batches);
   }
 
   /** Without ZeRO rank 0 holds the whole state and cuts it here (no round trip for it); the checkpoint service reads the parts in the background. */

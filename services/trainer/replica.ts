@@ -30,7 +30,7 @@ import type { NcclIdExchange } from "../runtime/job/nccl-id.ts";
 import { NcclGroup } from "./nccl-group.ts";
 import type { Context } from "../../engine/tensor.ts";
 import { EngineError } from "../../engine/errors.ts";
-import type { HostBatch } from "../../engine/train.ts";
+import { type EvalResult, evaluate, type HostBatch } from "../../engine/train.ts";
 import { type ShardState, shardStateChecksum } from "../../schemas/messages/parameter-server.ts";
 import type { Bus, Subscription } from "../runtime/mesh/bus.ts";
 import { BusTransport, busTransportDefaults, type BusTransportOptions } from "../runtime/transport/collective-bus.ts";
@@ -40,6 +40,7 @@ import { subjects } from "../runtime/job/subjects.ts";
 import { buildLayout, type Layout } from "../runtime/job/layout.ts";
 import { cutPartition, cutReplica, KeptParts, type ReplicaMeta } from "../runtime/job/replica-parts.ts";
 import { implausibleStateText, plausibleState } from "../runtime/job/limits.ts";
+import type { ReplicaServes, TrainerReplica } from "./trainer-replica.ts";
 
 export { ReplicaDivergedError } from "../../engine/parallel/data-parallel.ts";
 export type ReplicaStepResult = DataParallelStepResult;
@@ -123,7 +124,8 @@ export class CollectiveStandIn {
   }
 }
 
-export class Replica {
+/** A whole copy of the model, its gradient all-reduced with the other ranks' (trainer-replica.ts builds it). */
+export class Replica implements TrainerReplica {
   /** the step: buckets, ZeRO, compression, offload (engine/parallel/data-parallel.ts) */
   readonly dp: DataParallel;
   readonly layout: Layout;
@@ -184,6 +186,9 @@ export class Replica {
     );
   }
 
+  get model(): Model {
+    return this.#o.model;
+  }
   get optimizer(): Optimizer {
     return this.dp.optimizer;
   }
@@ -214,7 +219,7 @@ export class Replica {
   }
 
   /** What this rank serves a snapshot: rank 0 the whole replica, or (ZeRO) every rank its partition. */
-  get serves(): "whole" | "partition" | "none" {
+  get serves(): ReplicaServes {
     return this.partition !== null ? "partition" : this.#o.rank === 0 ? "whole" : "none";
   }
 
@@ -397,6 +402,14 @@ export class Replica {
   /** ZeRO stage 3: waits for the gathers in flight and frees every gathered bucket. */
   releaseAll(): Promise<void> {
     return this.dp.releaseAll();
+  }
+
+  /** The model's evaluation over `batches`; ZeRO stage 3 gathers the whole model for it (every rank at this boundary). */
+  async evaluate(step: number, batches: readonly HostBatch[]): Promise<EvalResult> {
+    await this.gatherAll(step);
+    const r = evaluate(this.#o.ctx, this.#o.model, batches);
+    await this.releaseAll();
+    return r;
   }
 
   /** Compares the ranks' parameters (ReplicaDivergedError naming the ranks that differ). */
