@@ -18,7 +18,7 @@ import { autocastDType, type Precision } from "../engine/mixed.ts";
 import { type GptConfig, GptModel } from "../engine/models/gpt.ts";
 import { AdamW, adamwDefaults } from "../engine/optim/adamw.ts";
 import { Rng } from "../engine/rng.ts";
-import { Context } from "../engine/tensor.ts";
+import { Context } from "../engine/context.ts";
 import { forwardPass, type HostBatch, TrainStep } from "../engine/train.ts";
 import { median, printTable, round } from "./table.ts";
 import {

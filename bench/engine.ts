@@ -28,7 +28,7 @@ import { gemmFlops, type GemmShape, type Model } from "../engine/models/model.ts
 import { AdamW, adamwDefaults } from "../engine/optim/adamw.ts";
 import { Sgd, sgdDefaults } from "../engine/optim/sgd.ts";
 import { Rng } from "../engine/rng.ts";
-import { Context } from "../engine/tensor.ts";
+import { Context } from "../engine/context.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";
 
 export interface EngineBenchResult {

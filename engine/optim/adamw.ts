@@ -11,7 +11,7 @@
 import type { Allocation } from "../../ffi/backend.ts";
 import { ConfigError } from "../errors.ts";
 import type { ParamStore } from "../params.ts";
-import type { Context } from "../tensor.ts";
+import type { Context } from "../context.ts";
 import { allocStateSlab, type Optimizer, type UpdatePlan, updateGroups, wholeSlabPlan } from "./optimizer.ts";
 
 export interface AdamWConfig {

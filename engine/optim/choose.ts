@@ -2,7 +2,7 @@
 // process's options, a parameter-server shard's arithmetic and the benches all name SGD or AdamW
 // this way (PyTorch's: SGD without dampening, AdamW with decoupled weight decay).
 import type { ParamStore } from "../params.ts";
-import type { Context } from "../tensor.ts";
+import type { Context } from "../context.ts";
 import { AdamW } from "./adamw.ts";
 import type { Optimizer, UpdatePlan } from "./optimizer.ts";
 import { Sgd } from "./sgd.ts";

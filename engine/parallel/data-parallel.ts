@@ -56,7 +56,8 @@ import { clipFactor } from "../optim/clip.ts";
 import type { Optimizer, UpdatePlan } from "../optim/optimizer.ts";
 import { optimizerOf } from "../optim/choose.ts";
 import type { ParamEntry, ParamStore } from "../params.ts";
-import { Context, type Tensor } from "../tensor.ts";
+import { type Tensor } from "../tensor.ts";
+import { Context } from "../context.ts";
 import { forwardPass, type HostBatch, LossSlots, unscaleAndClip, uploadBatch } from "../train.ts";
 import {
   BadPieceError,

@@ -27,7 +27,7 @@ import { AdamW } from "../../engine/optim/adamw.ts";
 import { checkSchedule, scheduleOf } from "../../engine/optim/schedule.ts";
 import { Rng } from "../../engine/rng.ts";
 import { autocastDType, type Precision } from "../../engine/mixed.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
 import { Progress, RateMeter } from "../progress.ts";
 import { precisionNote, skippedStepNote } from "./precision.ts";

@@ -13,7 +13,7 @@ import { checkSchedule, scheduleOf } from "../../engine/optim/schedule.ts";
 import { optimizerOf } from "../../engine/optim/choose.ts";
 import { ConfigError } from "../../engine/errors.ts";
 import type { Precision } from "../../engine/mixed.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
 import { Progress, RateMeter } from "../progress.ts";
 import { precisionNote, skippedStepNote } from "./precision.ts";

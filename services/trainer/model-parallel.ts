@@ -38,7 +38,7 @@ import {
 } from "../../engine/parallel/pipeline.ts";
 import { PieceRouter, RingGroup, ringDefaults } from "../../engine/parallel/ring.ts";
 import type { ModelMemory } from "../../engine/parallel/zero.ts";
-import type { Context } from "../../engine/tensor.ts";
+import type { Context } from "../../engine/context.ts";
 import type { EvalResult, HostBatch } from "../../engine/train.ts";
 import type { DataPlan, ShardState } from "../../schemas/messages.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
