@@ -33,7 +33,6 @@ import type { Allocation, Backend, Ptr } from "../../ffi/backend.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { Context } from "../context.ts";
 import { NonFiniteLossError } from "../errors.ts";
-import type { Model } from "../models/model.ts";
 import { clipFactor } from "../optim/clip.ts";
 import type { LossScaler } from "../optim/loss-scale.ts";
 import type { Optimizer, UpdatePlan, UpdateRange } from "../optim/optimizer.ts";
@@ -41,6 +40,7 @@ import type { ParamEntry } from "../params.ts";
 import type { Tensor } from "../tensor.ts";
 import { type HostBatch, LossSlots, uploadBatch } from "../train.ts";
 import { type BlockLayout, blockLayout, type Collective, type OpKey, type Range, segment } from "./collective.ts";
+import type { DataParallelOptions } from "./data-parallel.ts";
 import { backwardByBucket, type Bucket, type GradBuckets, InFlight, oneLess, slices } from "./grad-buckets.ts";
 import type { DeviceBuffer } from "./nccl-collective.ts";
 
@@ -153,26 +153,24 @@ export interface StepArgs {
   lr: number;
 }
 
-/** What a ZeRO rank runs with: the data-parallel replica's settings, buckets and loss scaler. */
-export interface ZeroRankOptions {
-  ctx: Context;
-  model: Model;
-  rank: number;
-  ranks: number;
-  zero: ZeroStage;
-  /** the communicator of the current generation */
-  collective: () => Collective;
-  /** the current generation's communicator over device memory (NCCL), or null: the host path */
-  deviceCollective?: () => Collective<DeviceBuffer> | null;
-  /** the partition's optimizer state and update in host memory (ZeRO-Offload) */
-  offload: boolean;
-  /** the host partition's seed (offload) */
-  seed: number;
-  gradClip: number;
-  /** micro-batches per step (stage 2 reduces each; every rank runs as many rounds) */
-  accumSteps: number;
-  /** stage 3: a rank without a micro-batch in a round runs this batch (with a zero loss seed) */
-  probe: HostBatch;
+/** What a ZeRO rank runs with: the data-parallel replica's settings it reads, its buckets and
+ *  its loss scaler. */
+export interface ZeroRankOptions
+  extends Pick<
+    DataParallelOptions,
+    | "ctx"
+    | "model"
+    | "rank"
+    | "ranks"
+    | "zero"
+    | "collective"
+    | "deviceCollective"
+    | "offload"
+    | "seed"
+    | "gradClip"
+    | "accumSteps"
+    | "probe"
+  > {
   buckets: GradBuckets;
   scaler: LossScaler | null;
   /** the optimizer over the partition's packed plan, built in `ctx` (the host's with offload) */
