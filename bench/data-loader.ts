@@ -6,7 +6,7 @@
 //   bun run bench data-loader [--batches 200] [--batch-size 128] [--json-only]
 import { join } from "node:path";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
-import { Context } from "../engine/tensor.ts";
+import { Context } from "../engine/context.ts";
 import { type HostBatch, lossAndGradients } from "../engine/train.ts";
 import {
   type Batch,

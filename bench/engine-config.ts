@@ -19,7 +19,7 @@ import { type GptConfig, GptModel } from "../engine/models/gpt.ts";
 import { adamwDefaults } from "../engine/optim/adamw.ts";
 import { optimizerOf } from "../engine/optim/choose.ts";
 import { Rng } from "../engine/rng.ts";
-import { Context } from "../engine/tensor.ts";
+import { Context } from "../engine/context.ts";
 import { forwardPass, type HostBatch, TrainStep } from "../engine/train.ts";
 import { median, printTable, round } from "./table.ts";
 import {

@@ -29,7 +29,7 @@ import { adamwDefaults } from "../engine/optim/adamw.ts";
 import { optimizerOf } from "../engine/optim/choose.ts";
 import { sgdDefaults } from "../engine/optim/sgd.ts";
 import { Rng } from "../engine/rng.ts";
-import { Context } from "../engine/tensor.ts";
+import { Context } from "../engine/context.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";
 
 export interface EngineBenchResult {

@@ -16,7 +16,7 @@ import { type ModelLayout, modelParallelRank, modelParallelRings } from "../engi
 import { PieceRouter, RingGroup, ringDefaults } from "../engine/parallel/ring.ts";
 import type { PipeSchedule } from "../engine/parallel/pipeline-order.ts";
 import { Rng } from "../engine/rng.ts";
-import { Context } from "../engine/tensor.ts";
+import { Context } from "../engine/context.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { BusTransport, busTransportDefaults } from "../services/runtime/transport/collective-bus.ts";

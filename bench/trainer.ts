@@ -48,7 +48,7 @@ import { loadMnist } from "../engine/data/mnist.ts";
 import { TokenBatcher } from "../engine/data/tokens.ts";
 import { optimizerOf } from "../engine/optim/choose.ts";
 import { Rng } from "../engine/rng.ts";
-import { Context } from "../engine/tensor.ts";
+import { Context } from "../engine/context.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";
 import { ConfigError } from "../engine/errors.ts";
 import {

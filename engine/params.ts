@@ -9,7 +9,8 @@
 import type { Allocation, Ptr } from "../ffi/backend.ts";
 import { ConfigError, EngineError, ShapeError } from "./errors.ts";
 import { Rng } from "./rng.ts";
-import { type Context, numelOf, type Shape, type Tensor } from "./tensor.ts";
+import { numelOf, type Shape, type Tensor } from "./tensor.ts";
+import { type Context } from "./context.ts";
 
 export type Init =
   | { kind: "normal"; std: number }

@@ -21,7 +21,8 @@ import type { Optimizer } from "./optim/optimizer.ts";
 import { lrAt, type Schedule } from "./optim/schedule.ts";
 import { countCorrect } from "./ops/accuracy.ts";
 import { softmaxCrossEntropy } from "./ops/crossentropy.ts";
-import type { Context, Tensor } from "./tensor.ts";
+import type { Tensor } from "./tensor.ts";
+import type { Context } from "./context.ts";
 
 /** A batch in host memory: f32 features or i32 token ids, and i32 targets. */
 export interface HostBatch {

@@ -12,7 +12,8 @@ import { matmul } from "../ops/matmul.ts";
 import { ParamBuilder, type ParamSpec, ParamStore, type SliceOf } from "../params.ts";
 import type { TensorParallel, TensorRank } from "../parallel/tensor-parallel.ts";
 import type { Rng } from "../rng.ts";
-import type { Context, Tensor } from "../tensor.ts";
+import type { Tensor } from "../tensor.ts";
+import type { Context } from "../context.ts";
 import { drive, gemmFlops, type GemmShape, type Model, namesUnder } from "./model.ts";
 
 export interface GptConfig {

@@ -3,7 +3,8 @@ import { ConfigError } from "../errors.ts";
 import { type Activation, MLP } from "../nn/mlp.ts";
 import { softmaxCrossEntropy } from "../ops/crossentropy.ts";
 import { ParamBuilder, ParamStore } from "../params.ts";
-import type { Context, Tensor } from "../tensor.ts";
+import type { Tensor } from "../tensor.ts";
+import type { Context } from "../context.ts";
 import { gemmFlops, type GemmShape, type Model, namesUnder } from "./model.ts";
 
 export interface MlpConfig {

@@ -3,7 +3,8 @@
 // each block's strides are [out, a, b] and its offsets are element offsets into out, a, b.
 import { ShapeError } from "../errors.ts";
 import type { BinaryOp } from "../../ffi/backend.ts";
-import type { Context, Shape, Tensor } from "../tensor.ts";
+import type { Shape, Tensor } from "../tensor.ts";
+import type { Context } from "../context.ts";
 import { type Block4, blocks4, contiguousStrides } from "./check.ts";
 
 export interface BroadcastPlan {

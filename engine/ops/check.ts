@@ -4,7 +4,8 @@
 import type { DType, Dims4, ElemType } from "../../ffi/backend.ts";
 import { BackendMismatchError, DTypeError, ShapeError, StaleTensorError } from "../errors.ts";
 import { autocastDType } from "../mixed.ts";
-import type { Context, Shape, Tensor } from "../tensor.ts";
+import type { Shape, Tensor } from "../tensor.ts";
+import type { Context } from "../context.ts";
 
 /** Same context for all, none stale; returns the shared context. */
 export function checkInputs(op: string, tensors: readonly Tensor[]): Context {

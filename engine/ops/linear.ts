@@ -21,7 +21,8 @@
 // write it, and the output's gradient (of that type) feeds the GEMMs with no copy.
 import { ShapeError } from "../errors.ts";
 import { autocastDType } from "../mixed.ts";
-import { type Context, dropAll, type Tensor } from "../tensor.ts";
+import { dropAll, type Tensor } from "../tensor.ts";
+import { type Context } from "../context.ts";
 import type { DType, GemmEpilogue } from "../../ffi/backend.ts";
 import { checkActivationDType, checkDType, checkInputs, checkOutDType, lastDim } from "./check.ts";
 import { weightCopy } from "../params.ts";

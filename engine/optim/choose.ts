@@ -3,7 +3,7 @@
 // this way (PyTorch's: SGD without dampening, AdamW with decoupled weight decay).
 import type { Backend } from "../../ffi/backend.ts";
 import type { ParamStore } from "../params.ts";
-import type { Context } from "../tensor.ts";
+import type { Context } from "../context.ts";
 import { AdamW, adamwRun } from "./adamw.ts";
 import type { Optimizer, UpdatePlan, UpdateRun } from "./optimizer.ts";
 import { Sgd, sgdRun } from "./sgd.ts";

@@ -3,7 +3,7 @@
 // gradient slab, and one scale (or none: measureClip leaves the factor to the optimizer).
 import { ConfigError } from "../errors.ts";
 import type { ParamStore } from "../params.ts";
-import type { Context } from "../tensor.ts";
+import type { Context } from "../context.ts";
 
 export function gradNorm(ctx: Context, store: ParamStore): number {
   return Math.sqrt(ctx.backend.sumSquares(store.grads.ptr, store.slabNumel));

@@ -8,7 +8,7 @@
 // Powers of two keep scaling and unscaling exact: they only move the exponent.
 import { ConfigError, GradientOverflowError } from "../errors.ts";
 import type { ParamStore } from "../params.ts";
-import type { Context } from "../tensor.ts";
+import type { Context } from "../context.ts";
 
 const f32Max = 3.4028234663852886e38;
 

@@ -4,7 +4,7 @@
 // the ranges of the slab this rank owns, with state slabs holding only those ranges, packed.
 import type { Allocation, Ptr } from "../../ffi/backend.ts";
 import type { ParamStore } from "../params.ts";
-import type { Context } from "../tensor.ts";
+import type { Context } from "../context.ts";
 
 export interface Optimizer {
   readonly name: "sgd" | "adamw";

@@ -7,7 +7,7 @@
 import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { ConfigError } from "../errors.ts";
 import type { ParamStore } from "../params.ts";
-import type { Context } from "../tensor.ts";
+import type { Context } from "../context.ts";
 import type { Optimizer, UpdatePlan, UpdateRun } from "./optimizer.ts";
 import { allocStateSlab, updateGroups, wholeSlabPlan } from "./optimizer.ts";
 

@@ -16,7 +16,7 @@ import { type LoadedModelFile, loadSlabInto, readModelFile } from "../../engine/
 import { type GptConfig, GptModel } from "../../engine/models/gpt.ts";
 import { type MlpConfig, MlpModel } from "../../engine/models/mlp.ts";
 import type { Model } from "../../engine/models/model.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { evaluate } from "../../engine/train.ts";
 import { shownPath, userPath } from "../user-paths.ts";
 import { mobyDickName } from "../../engine/data/corpus.ts";

@@ -8,7 +8,7 @@ import { gpt2EndOfText, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
 import { loadSlabInto, type ModelFileHeader, readModelFile } from "../../engine/modelfile.ts";
 import { type GptConfig, GptModel } from "../../engine/models/gpt.ts";
 import { Rng } from "../../engine/rng.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { shellWord, shownPath } from "../user-paths.ts";
 
 export interface SampleOptions {

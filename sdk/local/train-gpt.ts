@@ -26,7 +26,7 @@ import { optimizerOf } from "../../engine/optim/choose.ts";
 import { checkSchedule, scheduleOf } from "../../engine/optim/schedule.ts";
 import { Rng } from "../../engine/rng.ts";
 import { autocastDType, type Precision } from "../../engine/mixed.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
 import { Progress, RateMeter } from "../progress.ts";
 import { precisionNote, skippedStepNote } from "./precision.ts";

@@ -15,7 +15,7 @@ import { type JobConfig, jobDefaults } from "../../services/runtime/job/config.t
 import { defaultDraft } from "../../services/runtime/job/options.ts";
 import { ConfigError } from "../../engine/errors.ts";
 import type { Precision } from "../../engine/mixed.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
 import { Progress, RateMeter } from "../progress.ts";
 import { precisionNote, skippedStepNote } from "./precision.ts";

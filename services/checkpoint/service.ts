@@ -9,6 +9,8 @@
 // All-reduce jobs have no shards: a snapshot holds trainer rank 0's replica, read in parts
 // (`replica.state`, files replica-<p>.mtss), and a restore loads every part into every trainer
 // rank (`replica.<r>.load`) under a new communicator generation before the Restore event.
+// What a snapshot's files are, how they are fetched and verified, and how they are cut again
+// for the job's shards or ranks: snapshot-parts.ts.
 // A job opened under a name whose snapshots were taken with other settings is refused (it would
 // overwrite them, and resuming from them would be wrong): the job fails with the differences.
 import { mkdirSync } from "node:fs";
@@ -23,14 +25,7 @@ import {
   decodeEvent,
   type JobSpec,
 } from "../../schemas/messages/job.ts";
-import {
-  decodeShardState,
-  decodeShardStats,
-  encodeShardState,
-  type ShardState,
-  type ChunkState,
-  shardStateChecksum,
-} from "../../schemas/messages/parameter-server.ts";
+import { decodeShardState, decodeShardStats, encodeShardState } from "../../schemas/messages/parameter-server.ts";
 import { encodeCheckpointList, encodeManifest, type Manifest } from "../../schemas/messages/checkpoint.ts";
 import { type DataPlan } from "../../schemas/messages/data-loader.ts";
 import { join } from "node:path";
@@ -68,11 +63,11 @@ import { trajectoryDiff } from "../runtime/job/resume.ts";
 import { worldResumeProblem } from "../runtime/job/world.ts";
 import { boundText, type JobControl } from "../runtime/job/jobs.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
-import { buildLayout } from "../runtime/job/layout.ts";
 import { exportModelFile } from "../runtime/job/model.ts";
-import { cutShardState, cutTag, precutSaveTag, replicaFromPartitions } from "../runtime/job/replica-parts.ts";
+import { cutTag, precutSaveTag } from "../runtime/job/replica-parts.ts";
 import { planLayout, planOfSpec } from "../runtime/job/plan.ts";
 import { resizeCloseWaitMs, resizePlanTimeoutMs, resizeSnapshotWaitMs, stateTimeoutMs } from "./limits.ts";
+import { type AskState, assemble, fetchParts, replicaOfSnapshot, reshard } from "./snapshot-parts.ts";
 import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
 import { JobWatch } from "../runtime/control/watch.ts";
 import type { LostHost } from "../runtime/control/liveness.ts";
@@ -124,16 +119,6 @@ interface JobEntry {
    *  requests at once (the lost ranks' parts will not come) */
   saves: AbortController;
 }
-
-/** part p of shard k's state (a snapshot before parts: ps-<k>.mtss, one part) */
-const shardFile = (k: number, p: number) => `ps-${k}-${p}.mtss`;
-const shardFilePattern = /^ps-(\d{1,4})(?:-(\d{1,6}))?\.mtss$/;
-const replicaFile = (p: number) => `replica-${p}.mtss`;
-/** ZeRO: part p of rank r's partition */
-const partitionFile = (r: number, p: number) => `partition-${r}-${p}.mtss`;
-const partitionFilePattern = /^partition-\d{1,4}-\d{1,6}\.mtss$/;
-/** Parts a replica may be cut into (a 64 GB model in 8 MB messages). */
-const replicaPartsMax = 8192;
 
 export class CheckpointService {
   readonly #jobs = new Map<string, JobEntry>();
@@ -302,11 +287,8 @@ export class CheckpointService {
   /** Fetches the state's parts (from the cut, or cutting it now), checks them and writes the snapshot. */
   async #fetchAndWrite(e: JobEntry, asked: number, why: string, t0: number, stagedMs: number): Promise<Uint8Array> {
     const { cfg, plan } = e;
-    const states = !usesShards(cfg)
-      ? partitionRanks(cfg) > 0
-        ? await this.#partitionParts(cfg, asked)
-        : await this.#replicaParts(cfg, asked)
-      : (await Promise.all(Array.from({ length: cfg.shards }, (_, k) => this.#shardParts(cfg, k, asked)))).flat();
+    const ask: AskState = (subject, req) => this.#askState(cfg, subject, req);
+    const states = await fetchParts(cfg, asked, ask, this.payloadBytesMax);
     // the snapshot's step is the state's, never the request's: under ASP and SSP the step every
     // trainer had pushed; otherwise it must be the step asked for
     // (a shard that owns no chunks gets no pushes, and its clocks say nothing)
@@ -333,11 +315,12 @@ export class CheckpointService {
       // under ZeRO the ranks' partitions, assembled into the replica's chunks
       const replica =
         partitionRanks(cfg) > 0 && !usesShards(cfg)
-          ? this.#assemble(
+          ? assemble(
               cfg,
               plan,
               partitionRanks(cfg),
               states.map((s) => s.state),
+              this.payloadBytesMax,
             )
           : states.map((s) => s.state);
       exportModelFile(cfg, plan, replica, modelPath, step);
@@ -406,161 +389,6 @@ export class CheckpointService {
       if (signal.aborted) return stop();
       signal.addEventListener("abort", stop, { once: true });
       asked.then(resolve, reject).finally(() => signal.removeEventListener("abort", stop));
-    });
-  }
-
-  /** Parameter-server mode: shard k's state at `step`, part by part, each verified before it is written. */
-  async #shardParts(
-    cfg: JobConfig,
-    k: number,
-    step: number,
-  ): Promise<{ name: string; bytes: Uint8Array; state: ShardState }[]> {
-    const out: { name: string; bytes: Uint8Array; state: ShardState }[] = [];
-    for (let p = 0, parts = 1; p < parts; p++) {
-      const bytes = await this.#askState(
-        cfg,
-        subjects.psState(cfg.job, k),
-        encodeJobRequest({ job: cfg.job, step, tag: `part ${p}` }),
-      );
-      const s = decodeShardState(bytes, 1 << 30);
-      if (p === 0) parts = Math.max(1, s.parts ?? 0);
-      if (
-        s.shard !== k ||
-        s.job !== cfg.job ||
-        (s.part ?? 0) !== p ||
-        Math.max(1, s.parts ?? 0) !== parts ||
-        s.checksum !== shardStateChecksum(s)
-      )
-        throw new BadRequestError(
-          `shard ${k} answered part ${s.part ?? 0} of ${s.parts ?? 0} of ${s.job} shard ${s.shard} for part ${p} of ${parts}, or a part whose checksum does not match`,
-        );
-      // every part of one cut: the same moment (another requester's cut in between would differ)
-      const first = out[0]?.state;
-      if (first !== undefined && (s.step !== first.step || s.updates !== first.updates))
-        throw new BadRequestError(
-          `shard ${k}'s part ${p} is of another moment (step ${s.step}, ${s.updates} updates) than part 0 (step ${first.step}, ${first.updates})`,
-        );
-      out.push({ name: shardFile(k, p), bytes, state: s });
-    }
-    return out;
-  }
-
-  /** All-reduce mode: trainer rank 0's replica at `step`, part by part, each verified. */
-  async #replicaParts(cfg: JobConfig, step: number): Promise<{ name: string; bytes: Uint8Array; state: ShardState }[]> {
-    const out: { name: string; bytes: Uint8Array; state: ShardState }[] = [];
-    for (let p = 0, parts = 1; p < parts; p++) {
-      const bytes = await this.#askState(
-        cfg,
-        subjects.replicaState(cfg.job),
-        encodeJobRequest({ job: cfg.job, step, tag: `part ${p}` }),
-      );
-      const s = decodeShardState(bytes, this.payloadBytesMax);
-      if (p === 0) parts = s.parts ?? 0;
-      if (
-        s.job !== cfg.job ||
-        s.shard !== p ||
-        s.parts !== parts ||
-        s.step !== step ||
-        !(parts >= 1 && parts <= replicaPartsMax)
-      ) {
-        throw new BadRequestError(
-          `trainer 0 answered part ${s.shard} of ${s.parts} of job ${s.job}'s replica at step ${s.step} for part ${p} at step ${step}`,
-        );
-      }
-      out.push({ name: replicaFile(p), bytes, state: s });
-    }
-    return out;
-  }
-
-  /**
-   * ZeRO: every rank's partition at `step`, part by part, each verified: no rank sends another's
-   * state, and no rank holds the whole replica to save it.
-   */
-  async #partitionParts(
-    cfg: JobConfig,
-    step: number,
-  ): Promise<{ name: string; bytes: Uint8Array; state: ShardState }[]> {
-    const perRank = await Promise.all(
-      Array.from({ length: partitionRanks(cfg) }, async (_, r) => {
-        const out: { name: string; bytes: Uint8Array; state: ShardState }[] = [];
-        for (let p = 0, parts = 1; p < parts; p++) {
-          const req = encodeJobRequest({ job: cfg.job, step, tag: `part ${p}` });
-          const bytes = await this.#askState(cfg, subjects.replicaPartition(cfg.job, r), req);
-          const s = decodeShardState(bytes, this.payloadBytesMax);
-          if (p === 0) parts = s.parts ?? 0;
-          if (
-            s.job !== cfg.job ||
-            !s.slabRanges ||
-            s.rank !== r ||
-            s.shard !== p ||
-            s.parts !== parts ||
-            s.step !== step ||
-            !(parts >= 1 && parts <= replicaPartsMax)
-          ) {
-            throw new BadRequestError(
-              `trainer ${r} answered part ${s.shard} of ${s.parts} of job ${s.job}'s ${s.slabRanges ? `partition of rank ${s.rank}` : "replica"} at step ${s.step} ` +
-                `for part ${p} of its partition at step ${step}`,
-            );
-          }
-          out.push({ name: partitionFile(r, p), bytes, state: s });
-        }
-        return out;
-      }),
-    );
-    return perRank.flat();
-  }
-
-  /**
-   * Parameter-server mode: a snapshot's chunks, whatever number of shards wrote them, as the
-   * parts each of this job's shards loads (the job's layout says who owns which chunk: the same
-   * chunks, owned as the hash ring over cfg.shards says). Refused with CorruptDataError: a part
-   * whose checksum does not match, states of different steps, a chunk missing or twice.
-   */
-  #reshard(e: JobEntry, manifest: Manifest, files: Map<string, Uint8Array>): ShardState[][] {
-    const { cfg, plan } = e;
-    const layout = buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, cfg.shards);
-    const states = [...files.entries()]
-      .filter(([name]) => shardFilePattern.test(name))
-      .map(([name, bytes]) => ({ name, s: decodeShardState(bytes, 1 << 30) }));
-    if (states.length === 0) throw new CorruptDataError(`snapshot ${manifest.id} has no parameter-server state`);
-    const chunks = new Map<number, ChunkState>();
-    let updates = 0;
-    const step = states[0]!.s.step;
-    for (const { name, s } of states) {
-      if (s.checksum !== shardStateChecksum(s) || s.job !== cfg.job)
-        throw new CorruptDataError(`snapshot ${manifest.id}: ${name} does not match its checksum or job`);
-      if (s.step !== step)
-        throw new CorruptDataError(`snapshot ${manifest.id}: ${name} is of step ${s.step}, the others of ${step}`);
-      updates = Math.max(updates, s.updates);
-      for (const c of s.chunks) {
-        if (chunks.has(c.id) || !layout.chunks[c.id])
-          throw new CorruptDataError(`snapshot ${manifest.id}: chunk ${c.id} is repeated or not in the job's layout`);
-        chunks.set(c.id, c);
-      }
-    }
-    if (chunks.size !== layout.chunks.length)
-      throw new CorruptDataError(
-        `snapshot ${manifest.id} holds ${chunks.size} of the job's ${layout.chunks.length} chunks`,
-      );
-    const head = { job: cfg.job, updates, optimizerSteps: step, step };
-    return layout.byShard.map((ids, k) =>
-      cutShardState(
-        { ...head, shard: k },
-        ids.map((id) => chunks.get(id)!),
-        this.payloadBytesMax,
-      ),
-    );
-  }
-
-  /** The replica's chunks from the partitions of `ranks` ranks (services/runtime/job/replica-parts.ts). */
-  #assemble(cfg: JobConfig, plan: DataPlan, ranks: number, parts: readonly ShardState[]): ShardState[] {
-    return replicaFromPartitions(parts, {
-      job: cfg.job,
-      layout: buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, 1),
-      slabNumel: plan.slabNumel,
-      paramCount: plan.paramCount,
-      ranks,
-      partBytesMax: this.payloadBytesMax,
     });
   }
 
@@ -697,7 +525,7 @@ export class CheckpointService {
       },
     );
     if (usesShards(cfg)) {
-      const loads = this.#reshard(e, snap.manifest, snap.files);
+      const loads = reshard(cfg, e.plan, snap.manifest, snap.files, this.payloadBytesMax);
       await Promise.all(
         loads.map(async (parts, k) => {
           // the shard checks each part and applies them together, after the last
@@ -732,21 +560,8 @@ export class CheckpointService {
     const id = manifest.id;
     const generation = Math.max(e.generation + 1, Date.now());
     e.generation = generation;
-    let states: ShardState[] = [];
-    for (let p = 0; files.has(replicaFile(p)); p++)
-      states.push(decodeShardState(files.get(replicaFile(p))!, this.payloadBytesMax));
-    const partitions = [...files.keys()].filter((name) => partitionFilePattern.test(name));
-    if (states.length === 0 && partitions.length > 0) {
-      // a ZeRO snapshot: the ranks' partitions, resharded into the replica every rank loads
-      // (whatever the stage and the number of ranks now)
-      const saved = partitionRanks(jobConfigFromJson(manifest.configJson));
-      states = this.#assemble(
-        cfg,
-        plan,
-        saved,
-        partitions.map((name) => decodeShardState(files.get(name)!, this.payloadBytesMax)),
-      );
-    }
+    // (a ZeRO snapshot: the ranks' partitions, assembled into the replica every rank loads)
+    const states = replicaOfSnapshot(cfg, plan, manifest, files, this.payloadBytesMax);
     const parts = states.map((s) => encodeShardState({ ...s, generation }));
     if (parts.length === 0)
       throw new BadRequestError(`snapshot ${id} holds no replica (it was taken by a parameter-server job)`);

@@ -24,7 +24,7 @@
 // events until the job has ended, so a restarted rank 0 still hears them.
 import type { Backend } from "../../ffi/backend.ts";
 import { CudaBackend } from "../../ffi/cuda/backend.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { autocastDType } from "../../engine/mixed.ts";
 import type { HostBatch } from "../../engine/train.ts";
 import { dirname } from "node:path";

@@ -38,7 +38,7 @@ import {
 } from "../../engine/parallel/pipeline.ts";
 import { PieceRouter, RingGroup, ringDefaults } from "../../engine/parallel/ring.ts";
 import type { ModelMemory } from "../../engine/parallel/zero.ts";
-import type { Context } from "../../engine/tensor.ts";
+import type { Context } from "../../engine/context.ts";
 import type { EvalResult, HostBatch } from "../../engine/train.ts";
 import type { DataPlan } from "../../schemas/messages/data-loader.ts";
 import type { ShardState } from "../../schemas/messages/parameter-server.ts";

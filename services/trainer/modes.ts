@@ -12,7 +12,7 @@ import type { Backend } from "../../ffi/backend.ts";
 import { CollectiveClosedError, CollectiveError } from "../../engine/parallel/collective.ts";
 import type { ModelMemory } from "../../engine/parallel/zero.ts";
 import { parseCompression } from "../../engine/parallel/compress.ts";
-import type { Context } from "../../engine/tensor.ts";
+import type { Context } from "../../engine/context.ts";
 import { type EvalResult, evaluate, type HostBatch, lossAndGradients } from "../../engine/train.ts";
 import { type Batch, type DataPlan } from "../../schemas/messages/data-loader.ts";
 import { decodeEvent, decodeJobRequest, encodeJobRequest, type Event, EventKind } from "../../schemas/messages/job.ts";

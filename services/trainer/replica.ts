@@ -28,7 +28,7 @@ import { CudaBackend, type SideStream } from "../../ffi/cuda/backend.ts";
 import { type CollectivePlan, collectivePlan, type TrainerPlace } from "../runtime/job/collective-plan.ts";
 import type { NcclIdExchange } from "../runtime/job/nccl-id.ts";
 import { NcclGroup } from "./nccl-group.ts";
-import type { Context } from "../../engine/tensor.ts";
+import type { Context } from "../../engine/context.ts";
 import { EngineError } from "../../engine/errors.ts";
 import { type EvalResult, evaluate, type HostBatch } from "../../engine/train.ts";
 import { type ShardState, shardStateChecksum } from "../../schemas/messages/parameter-server.ts";

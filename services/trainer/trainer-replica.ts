@@ -10,7 +10,7 @@
 // snapshot, the rank its events carry, how it evaluates), never as a test of the class.
 import type { Model } from "../../engine/models/model.ts";
 import type { ModelMemory } from "../../engine/parallel/zero.ts";
-import type { Context } from "../../engine/tensor.ts";
+import type { Context } from "../../engine/context.ts";
 import type { EvalResult, HostBatch } from "../../engine/train.ts";
 import type { DataPlan } from "../../schemas/messages/data-loader.ts";
 import type { ShardState } from "../../schemas/messages/parameter-server.ts";

@@ -10,7 +10,7 @@ import { describe, expect, test } from "bun:test";
 import { join } from "node:path";
 import { DataParallel } from "../../engine/parallel/data-parallel.ts";
 import { inProcessRings } from "../../engine/parallel/ring.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { NcclLibrary } from "../../ffi/cuda/nccl.ts";
 import { emulatedCuda, emulatedNcclLibrary } from "../helpers/emulated-cuda.ts";

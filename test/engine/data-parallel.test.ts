@@ -5,7 +5,7 @@
 import { describe, expect, test } from "bun:test";
 import { type DataParallelOptions, DataParallel } from "../../engine/parallel/data-parallel.ts";
 import { inProcessRings } from "../../engine/parallel/ring.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { batch, dpOptions, lr, singleProcess } from "./fixtures/dp-batches.ts";
 

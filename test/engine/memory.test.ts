@@ -14,7 +14,7 @@ import { add } from "../../engine/ops/add.ts";
 import { gelu } from "../../engine/ops/gelu.ts";
 import { AdamW, adamwDefaults } from "../../engine/optim/adamw.ts";
 import { Rng } from "../../engine/rng.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { evaluate, type HostBatch } from "../../engine/train.ts";
 import { cpu, newContext } from "../helpers/numeric.ts";
 import { constantLrStep } from "../helpers/training.ts";

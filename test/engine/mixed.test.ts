@@ -13,7 +13,7 @@ import { AdamW } from "../../engine/optim/adamw.ts";
 import { LossScaler, lossScaleDefaults } from "../../engine/optim/loss-scale.ts";
 import type { Optimizer } from "../../engine/optim/optimizer.ts";
 import { Rng } from "../../engine/rng.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { evaluate, type HostBatch, lossAndGradients, type StepConfig } from "../../engine/train.ts";
 import { cpu, f64, grad64, leaf, randInts, randn, relErr } from "../helpers/numeric.ts";
 import { parityBackends } from "../helpers/emulated-cuda.ts";

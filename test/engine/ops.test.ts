@@ -58,7 +58,7 @@ import {
   useBackend,
 } from "../helpers/numeric.ts";
 import type { Backend } from "../../ffi/backend.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import type { Precision } from "../../engine/mixed.ts";
 import { parityBackends } from "../helpers/emulated-cuda.ts";
 import { expectThrown } from "../helpers/errors.ts";

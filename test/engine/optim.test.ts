@@ -11,7 +11,7 @@ import { lrAt, scaleLrForBatch, scheduleOf } from "../../engine/optim/schedule.t
 import { Sgd, type SgdConfig } from "../../engine/optim/sgd.ts";
 import { ParamBuilder, ParamStore } from "../../engine/params.ts";
 import { Rng } from "../../engine/rng.ts";
-import type { Context } from "../../engine/tensor.ts";
+import type { Context } from "../../engine/context.ts";
 import type { HostBatch } from "../../engine/train.ts";
 import { newContext, randInts, relErr } from "../helpers/numeric.ts";
 import { ConfigError } from "../../engine/errors.ts";
@@ -482,7 +482,7 @@ describe("reproducibility and the step path", () => {
     "no backend allocation on the step path after the first step (%s)",
     async (precision) => {
       const { CpuBackend } = await import("../../ffi/cpu/backend.ts");
-      const { Context } = await import("../../engine/tensor.ts");
+      const { Context } = await import("../../engine/context.ts");
       const be = new CpuBackend();
       const ctx = new Context(be, { seed: 1, precision });
       const model = new GptModel(ctx, { vocabSize: 13, blockSize: 8, nLayer: 2, nHead: 2, nEmbd: 16, dropout: 0.1 }, 1);

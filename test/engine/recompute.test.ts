@@ -6,7 +6,8 @@ import { GptModel } from "../../engine/models/gpt.ts";
 import { add } from "../../engine/ops/add.ts";
 import { gelu } from "../../engine/ops/gelu.ts";
 import { Rng } from "../../engine/rng.ts";
-import type { Context, Tensor } from "../../engine/tensor.ts";
+import type { Tensor } from "../../engine/tensor.ts";
+import type { Context } from "../../engine/context.ts";
 import { newContext, randInts } from "../helpers/numeric.ts";
 
 const maxRelDiff = (a: Float32Array, b: Float32Array): number => {

@@ -8,7 +8,7 @@ import { GptModel } from "../../engine/models/gpt.ts";
 import { AdamW, adamwDefaults } from "../../engine/optim/adamw.ts";
 import { weightCopy } from "../../engine/params.ts";
 import { Rng } from "../../engine/rng.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { evaluate, type HostBatch } from "../../engine/train.ts";
 import { cpu } from "../helpers/numeric.ts";
 import { constantLrStep } from "../helpers/training.ts";

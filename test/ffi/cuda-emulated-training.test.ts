@@ -12,7 +12,7 @@ import type { Model } from "../../engine/models/model.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";
 import { Sgd } from "../../engine/optim/sgd.ts";
 import { Rng } from "../../engine/rng.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { evaluate, type HostBatch, type TrainStep } from "../../engine/train.ts";
 import { emulatedCuda, type Timeline } from "../helpers/emulated-cuda.ts";
 import { cpu, relErr } from "../helpers/numeric.ts";

@@ -4,7 +4,7 @@ import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { loadSlabInto, readModelFile } from "../../engine/modelfile.ts";
 import { MlpModel } from "../../engine/models/mlp.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { evaluate } from "../../engine/train.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { join } from "node:path";

@@ -4,7 +4,8 @@ import type { Backend } from "../../ffi/backend.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { CudaBackend, probeCuda } from "../../ffi/cuda/backend.ts";
 import { Rng } from "../../engine/rng.ts";
-import { Context, type ContextOptions, type Tensor } from "../../engine/tensor.ts";
+import { type Tensor } from "../../engine/tensor.ts";
+import { Context, type ContextOptions } from "../../engine/context.ts";
 
 let shared: CpuBackend | undefined;
 /** One CPU backend for the whole test process (loading the libraries once). */

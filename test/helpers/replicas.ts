@@ -3,7 +3,7 @@
 import type { Backend } from "../../ffi/backend.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import type { Model } from "../../engine/models/model.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { type Bus, MemoryBus } from "../../services/runtime/mesh/bus.ts";
 import type { JobConfig } from "../../services/runtime/job/config.ts";
 import { buildModel, type ModelPlan } from "../../services/runtime/job/model.ts";

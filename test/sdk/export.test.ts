@@ -12,7 +12,7 @@ import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { loadSlabInto, readModelFile } from "../../engine/modelfile.ts";
 import { type GptConfig, GptModel } from "../../engine/models/gpt.ts";
 import { readSafetensors, writeSafetensors } from "../../engine/safetensors.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import { runPrepare, prepareDefaults } from "../../sdk/local/prepare.ts";
 import { skip } from "../helpers/skip.ts";
 import { runCli } from "../helpers/cli.ts";

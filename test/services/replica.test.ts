@@ -6,7 +6,7 @@ import { loadMnist } from "../../engine/data/mnist.ts";
 import type { Model } from "../../engine/models/model.ts";
 import { optimizerOf } from "../../engine/optim/choose.ts";
 import { Rng } from "../../engine/rng.ts";
-import { Context } from "../../engine/tensor.ts";
+import { Context } from "../../engine/context.ts";
 import type { HostBatch, StepResult, TrainStep } from "../../engine/train.ts";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";

@@ -9,7 +9,7 @@ import { saveModelFile } from "../../../engine/modelfile.ts";
 import { type GptConfig, GptModel } from "../../../engine/models/gpt.ts";
 import { type MlpConfig, MlpModel } from "../../../engine/models/mlp.ts";
 import type { Model } from "../../../engine/models/model.ts";
-import { Context } from "../../../engine/tensor.ts";
+import { Context } from "../../../engine/context.ts";
 import type { DataPlan } from "../../../schemas/messages/data-loader.ts";
 import type { ShardState } from "../../../schemas/messages/parameter-server.ts";
 import { CorruptDataError } from "../mesh/errors.ts";
