@@ -319,7 +319,7 @@ describe("a three-server NATS cluster", () => {
     expect(kvReplicasFromEnv({ MT_KV_REPLICAS: "3" })).toBe(3);
     for (const bad of ["0", "6", "2.5", "three"])
       expect(() => kvReplicasFromEnv({ MT_KV_REPLICAS: bad })).toThrow(ConfigError);
-  }, 60_000);
+  }, 120_000);
 
   test("the CLI takes the cluster's URLs in --nats-url: with the first server dead it reaches the job store through the next", async () => {
     await using members = await startCluster();

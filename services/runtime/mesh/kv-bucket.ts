@@ -41,8 +41,9 @@ export async function openBucket(nc: NatsConnection, name: string, options: Part
   return kv;
 }
 
-/** How long a bucket's creation waits for a cluster still forming to know enough peers for its replicas. */
-const clusterFormingMsMax = 30_000;
+/** How long a bucket's creation waits for a cluster still forming to know enough peers for its replicas
+ *  (a loaded machine's fresh three-server cluster took over 30 s). */
+const clusterFormingMsMax = 60_000;
 
 async function createOrOpen(
   nc: NatsConnection,
