@@ -19,7 +19,7 @@ import { encodeJobRequest, SyncPolicy } from "../schemas/messages/job.ts";
 import { planHere } from "../services/data-loader/loader.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job/config.ts";
 import { subjects } from "../services/runtime/job/subjects.ts";
-import { JobStore } from "../services/runtime/job/jobs.ts";
+import { JobStore } from "../services/runtime/job/ledger.ts";
 import { buildModel } from "../services/runtime/job/model.ts";
 import { NatsBus } from "../services/runtime/mesh/nats.ts";
 import { startNatsServer } from "../services/runtime/mesh/nats-server.ts";
@@ -122,7 +122,7 @@ export async function runDataLoaderBench(argv: string[]): Promise<DataLoaderBenc
 
 /** Puts the job's spec in the store and waits until the loader answers for it. */
 async function putJobForLoader(bus: NatsBus, cfg: JobConfig): Promise<void> {
-  await (await JobStore.open(bus.nc)).putSpec({
+  await (await JobStore.open(bus)).putSpec({
     job: cfg.job,
     trainers: 2,
     shards: 1,

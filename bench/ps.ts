@@ -16,7 +16,7 @@ import { planHere } from "../services/data-loader/loader.ts";
 import { buildLayout, type Layout } from "../services/runtime/job/layout.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job/config.ts";
 import { subjects } from "../services/runtime/job/subjects.ts";
-import { JobStore } from "../services/runtime/job/jobs.ts";
+import { JobStore } from "../services/runtime/job/ledger.ts";
 import { initialParameters } from "../services/runtime/job/model.ts";
 import { NatsBus } from "../services/runtime/mesh/nats.ts";
 import { startNatsServer } from "../services/runtime/mesh/nats-server.ts";
@@ -132,7 +132,7 @@ export async function runPsBench(argv: string[]): Promise<PsBenchResult[]> {
     connectRetryMsMax: 10_000,
     connectBackoffMsMax: 500,
   });
-  const store = await JobStore.open(bus.nc);
+  const store = await JobStore.open(bus);
   const rows: PsBenchResult[] = [];
   try {
     for (const mb of sizes)

@@ -49,7 +49,7 @@ import {
 import { trajectoryDiff } from "../services/runtime/job/resume.ts";
 import { changeWorld } from "../services/runtime/job/world.ts";
 import { type CollectivePlan, collectivePlan } from "../services/runtime/job/collective-plan.ts";
-import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../services/runtime/job/jobs.ts";
+import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../services/runtime/job/ledger.ts";
 import { NatsBus, natsServers } from "../services/runtime/mesh/nats.ts";
 import { ownerOfSeedFile } from "../services/runtime/job/roles.ts";
 import { percent, when } from "./format.ts";
@@ -203,7 +203,7 @@ export class MeshClient implements AsyncDisposable {
       ...(nkeyFile === undefined ? {} : { nkeyFile }),
     });
     try {
-      const ledger = await JobLedger.open(bus.nc, bus);
+      const ledger = await JobLedger.open(bus);
       return new MeshClient(bus, ledger.store, ledger, url, owner);
     } catch (e) {
       await bus.close();
@@ -213,7 +213,7 @@ export class MeshClient implements AsyncDisposable {
 
   /** Who is on the mesh now ($SRV discovery). */
   async members(): Promise<MeshMembers> {
-    return await meshMembers(this.bus.nc);
+    return await meshMembers(this.bus);
   }
 
   /**
@@ -232,7 +232,7 @@ export class MeshClient implements AsyncDisposable {
 
   /** Every service's Prometheus /metrics endpoint (from service discovery). */
   async metricsEndpoints(): Promise<MetricsEndpoint[]> {
-    return await metricsEndpoints(this.bus.nc);
+    return await metricsEndpoints(this.bus);
   }
 
   /**

@@ -4,7 +4,7 @@ import { zeroPartitions } from "../engine/parallel/zero.ts";
 import { type JobRecord, JobState } from "../schemas/messages/job.ts";
 import { type Manifest } from "../schemas/messages/checkpoint.ts";
 import { dataRanks, type JobConfig, modelParallel, peakLr, usesShards } from "../services/runtime/job/config.ts";
-import { stateName } from "../services/runtime/job/jobs.ts";
+import { stateName } from "../services/runtime/job/ledger.ts";
 import type { JobStatus } from "./client.ts";
 import { autocastDType } from "../engine/mixed.ts";
 import type { DeviceChoice } from "../ffi/select.ts";

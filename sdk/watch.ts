@@ -6,7 +6,7 @@ import { type Event, EventKind, type JobRecord, JobState } from "../schemas/mess
 import { DeadlineError, JobStateError } from "../services/runtime/mesh/errors.ts";
 import { EvalTally } from "../services/runtime/job/evals.ts";
 import { dataRanks, jobConfigFromJson } from "../services/runtime/job/config.ts";
-import { isEnded, jobStoreLeaderWaitMsMax, resizingReasonPrefix, stateName } from "../services/runtime/job/jobs.ts";
+import { isEnded, jobStoreLeaderWaitMsMax, resizingReasonPrefix, stateName } from "../services/runtime/job/ledger.ts";
 import type { MeshClient } from "./client.ts";
 import { Progress, RateMeter } from "./progress.ts";
 import { orAfter } from "../services/runtime/mesh/timers.ts";

@@ -24,7 +24,7 @@ import {
   UnknownJobError,
 } from "../../services/runtime/mesh/errors.ts";
 import { subjects } from "../../services/runtime/job/subjects.ts";
-import { stateName } from "../../services/runtime/job/jobs.ts";
+import { stateName } from "../../services/runtime/job/ledger.ts";
 import type { JobStatus, MeshClient } from "../client.ts";
 import { clientQueuedMax, dashboardClientsMax, flushMs, jobViewsMax, messageBytesMax, statusPollMs } from "./limits.ts";
 import { JobView } from "./view.ts";

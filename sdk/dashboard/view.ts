@@ -9,7 +9,7 @@ import { type Heartbeat } from "../../schemas/messages/runtime.ts";
 import { type Manifest } from "../../schemas/messages/checkpoint.ts";
 import { EvalTally } from "../../services/runtime/job/evals.ts";
 import { type JobConfig, dataRanks, usesShards } from "../../services/runtime/job/config.ts";
-import { isEnded, stateName } from "../../services/runtime/job/jobs.ts";
+import { isEnded, stateName } from "../../services/runtime/job/ledger.ts";
 import type { JobStatus } from "../client.ts";
 import { configSummary } from "../report.ts";
 import type { StepSplit } from "../watch.ts";

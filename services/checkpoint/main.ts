@@ -1,7 +1,7 @@
 #!/usr/bin/env bun
 // checkpoint process: `bun services/checkpoint/main.ts --dir runs/checkpoints --nats-url nats://...`
 import { z } from "zod";
-import { JobLedger } from "../runtime/job/jobs.ts";
+import { JobLedger } from "../runtime/job/ledger.ts";
 import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/mesh/service.ts";
 import { CheckpointService } from "./service.ts";
 import { CheckpointStore } from "./store.ts";
@@ -23,7 +23,7 @@ await runService<Config>({
   schema,
   defaults: { ...baseConfigDefaults, dir: "runs/checkpoints", syncSnapshots: false, writeDelayMs: 0 },
   async start({ config, log, bus }) {
-    const ledger = await JobLedger.open(bus.nc, bus, log);
+    const ledger = await JobLedger.open(bus, log);
     const svc = new CheckpointService(
       bus,
       new CheckpointStore(config.dir),

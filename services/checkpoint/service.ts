@@ -61,7 +61,7 @@ import {
 } from "../runtime/job/subjects.ts";
 import { trajectoryDiff } from "../runtime/job/resume.ts";
 import { worldResumeProblem } from "../runtime/job/world.ts";
-import { boundText, type JobControl } from "../runtime/job/jobs.ts";
+import { boundText, type JobControl } from "../runtime/job/ledger.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { exportModelFile } from "../runtime/job/model.ts";
 import { cutTag, precutSaveTag } from "../runtime/job/replica-parts.ts";

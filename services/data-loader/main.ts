@@ -1,7 +1,7 @@
 #!/usr/bin/env bun
 // data-loader process: `bun services/data-loader/main.ts --nats-url nats://...`
 import { z } from "zod";
-import { JobLedger } from "../runtime/job/jobs.ts";
+import { JobLedger } from "../runtime/job/ledger.ts";
 import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/mesh/service.ts";
 import { jobsMaxDefault } from "./limits.ts";
 import { DataLoader } from "./service.ts";
@@ -18,7 +18,7 @@ await runService<Config>({
   schema,
   defaults: { ...baseConfigDefaults, jobsMax: jobsMaxDefault },
   async start({ config, log, bus }) {
-    const ledger = await JobLedger.open(bus.nc, bus, log);
+    const ledger = await JobLedger.open(bus, log);
     const loader = new DataLoader(bus, {
       payloadBytesMax: config.payloadBytesMax,
       jobsMax: config.jobsMax,

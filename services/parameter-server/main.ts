@@ -2,7 +2,7 @@
 // parameter-server shard process: `bun services/parameter-server/main.ts --shard 0 --nats-url nats://...`
 import { z } from "zod";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
-import { JobLedger } from "../runtime/job/jobs.ts";
+import { JobLedger } from "../runtime/job/ledger.ts";
 import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/mesh/service.ts";
 import { jobsMaxDefault } from "./limits.ts";
 import { ParameterServer } from "./service.ts";
@@ -34,7 +34,7 @@ await runService<Config>({
       config.host,
     );
     ps.serve();
-    const ledger = await JobLedger.open(bus.nc, bus, log);
+    const ledger = await JobLedger.open(bus, log);
     const watch = await ledger.follow(`parameter-server ${config.shard}`, ps);
     return {
       async stop() {

@@ -54,7 +54,7 @@ import { BadRequestError } from "../runtime/mesh/errors.ts";
 import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
 import { dataRanks, evaluatesAt, type JobConfig, lrAt, stepScheduleOf, usesShards } from "../runtime/job/config.ts";
 import { jobOfRequest, subjects, recoverAsker, trainerFailedTag } from "../runtime/job/subjects.ts";
-import type { JobControl } from "../runtime/job/jobs.ts";
+import type { JobControl } from "../runtime/job/ledger.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { pause } from "../runtime/mesh/pause.ts";
 import type { buildModel } from "../runtime/job/model.ts";

@@ -4,7 +4,7 @@ import { m as metrics, onScrape } from "../runtime/mesh/metrics.ts";
 import { z } from "zod";
 import { type DeviceChoice, deviceChoices, openBackend } from "../../ffi/select.ts";
 import { meshMembers } from "../runtime/mesh/discovery.ts";
-import { JobLedger } from "../runtime/job/jobs.ts";
+import { JobLedger } from "../runtime/job/ledger.ts";
 import { ncclIdExchange } from "../runtime/job/nccl-id.ts";
 import { type BaseConfig, baseConfigDefaults, baseConfigSchema, runService } from "../runtime/mesh/service.ts";
 import { TrainerBackends } from "./backends.ts";
@@ -100,7 +100,7 @@ await runService<Config>({
     // a job's attention choice may open one more backend on the device when the job opens (backends.ts)
     const backends = openedBackends();
     onScrape(() => metrics.deviceMemory.set({ device: backends.first.name }, backends.liveBytes));
-    const ledger = await JobLedger.open(bus.nc, bus, log);
+    const ledger = await JobLedger.open(bus, log);
     const trainer = new Trainer({
       bus,
       rank: config.rank,
@@ -108,8 +108,8 @@ await runService<Config>({
       log,
       payloadBytesMax: config.payloadBytesMax,
       control: ledger,
-      members: () => meshMembers(bus.nc),
-      ncclIds: ncclIdExchange(bus.nc),
+      members: () => meshMembers(bus),
+      ncclIds: ncclIdExchange(bus),
       stepDelayMs: config.stepDelayMs,
       host: config.host,
       collective: { transport: { netAddress: netAddressOf(config.collAddress) } },

@@ -6,7 +6,7 @@ import type { Bus } from "../runtime/mesh/bus.ts";
 import type { MeshMembers } from "../runtime/mesh/discovery.ts";
 import { planOfSpec } from "../runtime/job/plan.ts";
 import { configOfSpec, type JobConfig } from "../runtime/job/config.ts";
-import type { JobControl } from "../runtime/job/jobs.ts";
+import type { JobControl } from "../runtime/job/ledger.ts";
 import type { NcclIdExchange } from "../runtime/job/nccl-id.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { TrainerRun } from "./loop.ts";

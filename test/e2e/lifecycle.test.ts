@@ -13,7 +13,7 @@ import { encodeJobRequest, type Event, EventKind, JobState, SyncPolicy } from ".
 import { CapacityError, ConfigError, JobStateError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
 import { defaultOwner, subjects, qualifyJob } from "../../services/runtime/job/subjects.ts";
 import { type JobConfig, jobConfigFromJson, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
-import { runningRecord } from "../../services/runtime/job/jobs.ts";
+import { runningRecord } from "../../services/runtime/job/ledger.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh } from "../../sdk/local-mesh.ts";
 import { JobFailedError, watchJob } from "../../sdk/watch.ts";

@@ -16,7 +16,7 @@ import { MeshClient } from "../../sdk/client.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
 import { ConfigError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
-import { JobStore, jobSpecsFollowedAgain, jobsBucket, recordsBucket } from "../../services/runtime/job/jobs.ts";
+import { JobStore, jobSpecsFollowedAgain, jobsBucket, recordsBucket } from "../../services/runtime/job/ledger.ts";
 import { kvReplicasFromEnv, openBucket } from "../../services/runtime/mesh/kv-bucket.ts";
 import { NatsBus } from "../../services/runtime/mesh/nats.ts";
 import { freePort, type NatsServer, startNatsServer } from "../../services/runtime/mesh/nats-server.ts";
@@ -156,7 +156,7 @@ describe("a three-server NATS cluster", () => {
       connectRetryMsMax: 10_000,
       connectBackoffMsMax: 500,
     });
-    await JobStore.open(admin.nc, { replicas: 3 });
+    await JobStore.open(admin, { replicas: 3 });
     const jsm = await jetstreamManager(admin.nc);
     for (const bucket of [jobsBucket, recordsBucket]) {
       const p = await placement(jsm, streamOf(bucket));
@@ -303,7 +303,7 @@ describe("a three-server NATS cluster", () => {
     });
     try {
       // at once on a fresh cluster: opening the job store waits out JetStream's first election
-      await JobStore.open(bus.nc, { replicas: 3 });
+      await JobStore.open(bus, { replicas: 3 });
       const jsm = await jetstreamManager(bus.nc);
       const replicas = async () => (await jsm.streams.info(streamOf("mt-raise"))).config.num_replicas;
       await openBucket(bus.nc, "mt-raise", { replicas: 1 });
@@ -330,7 +330,7 @@ describe("a three-server NATS cluster", () => {
       connectRetryMsMax: 10_000,
       connectBackoffMsMax: 500,
     });
-    await JobStore.open(bus.nc, { replicas: 3 }).finally(() => bus.close());
+    await JobStore.open(bus, { replicas: 3 }).finally(() => bus.close());
     // not the JetStream leader: this is about connecting, not about elections
     const dead = members.find((m) => m.name !== leader)!;
     process.kill(dead.server.pid, "SIGKILL");
@@ -346,7 +346,7 @@ describe("a three-server NATS cluster", () => {
     try {
       await waitFor(
         "the job store to answer without the dead server",
-        async () => (await (await JobStore.open(live.nc, { replicas: 3 })).allRecords(), true),
+        async () => (await (await JobStore.open(live, { replicas: 3 })).allRecords(), true),
         90_000,
       );
     } finally {
@@ -378,7 +378,7 @@ describe("a three-server NATS cluster", () => {
       connectBackoffMsMax: 500,
     });
     try {
-      const e = await JobStore.open(bus.nc, { replicas: 3 }).catch((err: unknown) => err);
+      const e = await JobStore.open(bus, { replicas: 3 }).catch((err: unknown) => err);
       expect(e).toBeInstanceOf(ConfigError);
       expect((e as Error).message).toMatch(
         /mt-jobs cannot have 3 replicas here .*MT_KV_REPLICAS must not exceed the JetStream servers/,

@@ -5,7 +5,7 @@ import { describe, expect, test } from "bun:test";
 import { emptyEvent, type Event, EventKind, JobState } from "../../schemas/messages/job.ts";
 import { type Heartbeat } from "../../schemas/messages/runtime.ts";
 import { jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
-import { runningRecord } from "../../services/runtime/job/jobs.ts";
+import { runningRecord } from "../../services/runtime/job/ledger.ts";
 import type { JobStatus } from "../../sdk/client.ts";
 import { restartShownMs, seriesPointsMax, silentAfterMs } from "../../sdk/dashboard/limits.ts";
 import { expectedProcesses, JobView, Series } from "../../sdk/dashboard/view.ts";

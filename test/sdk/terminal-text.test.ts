@@ -4,7 +4,7 @@
 import { afterAll, afterEach, describe, expect, spyOn, test } from "bun:test";
 import { type Event, EventKind, emptyEvent, JobState } from "../../schemas/messages/job.ts";
 import { type Manifest } from "../../schemas/messages/checkpoint.ts";
-import { runningRecord } from "../../services/runtime/job/jobs.ts";
+import { runningRecord } from "../../services/runtime/job/ledger.ts";
 import { printable } from "../../sdk/format.ts";
 import { jobsTable, outcomeLines, statusLines } from "../../sdk/report.ts";
 import { Command } from "commander";

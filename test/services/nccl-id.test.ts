@@ -74,7 +74,7 @@ describe("NCCL id exchange over NATS", () => {
   beforeAll(async () => {
     server = await startNatsServer();
     buses = await Promise.all([0, 1, 2].map(() => clientBus(server.url)));
-    ranks = await Promise.all(buses.map((b) => NcclIdStore.open(b.nc)));
+    ranks = await Promise.all(buses.map((b) => NcclIdStore.open(b)));
   }, 60_000);
 
   afterAll(async () => {

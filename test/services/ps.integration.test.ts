@@ -25,7 +25,7 @@ import { BadRequestError, UnknownJobError } from "../../services/runtime/mesh/er
 import { type JobConfig, jobDefaults } from "../../services/runtime/job/config.ts";
 import { subjects } from "../../services/runtime/job/subjects.ts";
 import { configExitCode } from "../../services/runtime/mesh/service.ts";
-import { JobStore } from "../../services/runtime/job/jobs.ts";
+import { JobStore } from "../../services/runtime/job/ledger.ts";
 import { initialParameters } from "../../services/runtime/job/model.ts";
 import { freePort } from "../../services/runtime/mesh/nats-server.ts";
 import { expectRejected } from "../helpers/errors.ts";
@@ -75,7 +75,7 @@ beforeAll(async () => {
     String(payloadBytesMax),
   ]);
   bus = await clientBus(server.url);
-  const store = await JobStore.open(bus.nc);
+  const store = await JobStore.open(bus);
   await store.putSpec(specOf(cfg));
   for (const k of [0, 1]) {
     await waitFor(

@@ -19,7 +19,7 @@ import {
 } from "../../services/runtime/job/config.ts";
 import { trajectoryDiff } from "../../services/runtime/job/resume.ts";
 import { StepSchedule, worldProblems } from "../../services/runtime/job/world.ts";
-import type { JobControl } from "../../services/runtime/job/jobs.ts";
+import type { JobControl } from "../../services/runtime/job/ledger.ts";
 import { expectRejected } from "../helpers/errors.ts";
 
 const plan = (totalSteps: number): DataPlan => ({

@@ -9,7 +9,7 @@ import { createUser } from "@nats-io/nkeys";
 import { JobState } from "../../schemas/messages/job.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import { recoverAsker, subjects } from "../../services/runtime/job/subjects.ts";
-import { recordsBucket, runningRecord } from "../../services/runtime/job/jobs.ts";
+import { recordsBucket, runningRecord } from "../../services/runtime/job/ledger.ts";
 import { jetstreamManager } from "@nats-io/jetstream";
 import { NatsAccessError, NatsBus } from "../../services/runtime/mesh/nats.ts";
 import { startNatsServer } from "../../services/runtime/mesh/nats-server.ts";
@@ -201,7 +201,7 @@ describe("a nats-server with the roles", async () => {
   test("NCCL ids: every trainer reads them, and writes only those of the communicators it leads", async () => {
     const [t0, t1] = [await as("trainer-0"), await as("trainer-1")];
     try {
-      const [s0, s1] = [await NcclIdStore.open(t0.nc), await NcclIdStore.open(t1.nc)];
+      const [s0, s1] = [await NcclIdStore.open(t0), await NcclIdStore.open(t1)];
       const id = new Uint8Array(ncclIdBytes).fill(7);
       const key = { job, leader: 0, group: "dp-1", generation: 3 };
       await s0.publish(key, id, 2);

@@ -19,7 +19,7 @@ import {
 } from "../../services/runtime/mesh/errors.ts";
 import { gptJobDefaults, jobDefaults, parseJobConfig, peakLr, usesShards } from "../../services/runtime/job/config.ts";
 import { trajectoryDiff } from "../../services/runtime/job/resume.ts";
-import { followAgain } from "../../services/runtime/job/jobs.ts";
+import { followAgain } from "../../services/runtime/job/ledger.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 

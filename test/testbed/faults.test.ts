@@ -15,7 +15,7 @@ import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import { type Event, EventKind, JobState } from "../../schemas/messages/job.ts";
 import { type JobConfig, jobConfigFromJson } from "../../services/runtime/job/config.ts";
-import { jobSpecsFollowedAgain } from "../../services/runtime/job/jobs.ts";
+import { jobSpecsFollowedAgain } from "../../services/runtime/job/ledger.ts";
 import { type HostBed, testBedProblem } from "../../testbed/hosts.ts";
 import { type HostMesh, hostLabel } from "../../testbed/mesh.ts";
 import { fourHosts } from "../helpers/hosts.ts";

@@ -23,7 +23,7 @@ import {
 import type { Logger } from "../mesh/log.ts";
 import { dataRanks, type JobConfig, parseJobConfig, specOfConfig, usesShards } from "../job/config.ts";
 import { subjects } from "../job/subjects.ts";
-import { type JobControl, resizingReasonPrefix } from "../job/jobs.ts";
+import { type JobControl, resizingReasonPrefix } from "../job/ledger.ts";
 import { changeWorld } from "../job/world.ts";
 
 export interface ResizeLimits {

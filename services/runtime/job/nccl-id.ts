@@ -20,8 +20,7 @@
 // This module moves bytes only: no bun:ffi (it was written to sit in services/, which never call
 // native code).
 import type { KV } from "@nats-io/kv";
-import { openBucket } from "../mesh/kv-bucket.ts";
-import type { NatsConnection } from "@nats-io/transport-node";
+import type { StoreBus } from "../mesh/bus.ts";
 import { WireFormatError } from "../../../schemas/codec.ts";
 import { BadRequestError, DeadlineError, JetStreamUnavailableError } from "../mesh/errors.ts";
 import { jobIdPattern, jobNamePattern } from "./subjects.ts";
@@ -128,15 +127,15 @@ export type NcclIdExchange = Pick<NcclIdStore, "publish" | "wait">;
 export class NcclIdStore {
   private constructor(readonly kv: KV) {}
 
-  static async open(nc: NatsConnection): Promise<NcclIdStore> {
+  static async open(bus: StoreBus): Promise<NcclIdStore> {
     try {
       return new NcclIdStore(
-        await openBucket(nc, ncclIdsBucket, { history: 1, maxValueSize: ncclIdMessageBytesMax, ttl: ncclIdTtlMs }),
+        await bus.openBucket(ncclIdsBucket, { history: 1, maxValueSize: ncclIdMessageBytesMax, ttl: ncclIdTtlMs }),
       );
     } catch (e) {
       if ((e as Error).name !== "JetStreamNotEnabled") throw e;
       throw new JetStreamUnavailableError(
-        `the NATS server at ${nc.getServer()} runs without JetStream, where ranks exchange NCCL ids ` +
+        `the NATS server at ${bus.server} runs without JetStream, where ranks exchange NCCL ids ` +
           `(KV bucket ${ncclIdsBucket}); start it with JetStream: nats-server -js (or jetstream {} in its config)`,
         { cause: e },
       );
@@ -220,10 +219,10 @@ function decodeNcclIdSafe(data: Uint8Array): string {
 }
 
 /** An exchange over the mesh's `mt-nccl-ids` bucket, opened at its first use (a job on the ring never opens it). */
-export function ncclIdExchange(nc: NatsConnection): NcclIdExchange {
+export function ncclIdExchange(bus: StoreBus): NcclIdExchange {
   let store: Promise<NcclIdStore> | null = null;
   const open = () => {
-    store ??= NcclIdStore.open(nc);
+    store ??= NcclIdStore.open(bus);
     store.catch(() => (store = null)); // the next communicator tries again
     return store;
   };

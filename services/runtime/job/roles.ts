@@ -23,7 +23,7 @@ import { chmodSync, existsSync, mkdirSync, readFileSync, writeFileSync } from "n
 import { createUser, fromSeed } from "@nats-io/nkeys";
 import { basename, join } from "node:path";
 import { defaultOwner, ownerProblem, recoverAsker } from "./subjects.ts";
-import { jobsBucket, recordsBucket } from "./jobs.ts";
+import { jobsBucket, recordsBucket } from "./ledger.ts";
 import { ncclIdsBucket, ncclLeaderToken } from "./nccl-id.ts";
 import { reconnectedSubject } from "../mesh/bus.ts";
 

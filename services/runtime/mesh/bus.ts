@@ -1,6 +1,7 @@
 // The small interface services talk through. NatsBus (nats.ts) implements it over a real
 // server; MemoryBus below is for unit tests only. A request answered with an ErrorReply is
 // thrown on the caller's side as the typed error it names (errors.ts).
+import type { KV, KvOptions } from "@nats-io/kv";
 import { decodeErrorReply, encodeErrorReply, isErrorReply } from "../../../schemas/messages/runtime.ts";
 import {
   DeadlineError,
@@ -71,6 +72,20 @@ export interface Bus {
    */
   handle(subject: string, handler: Handler): Subscription;
   close(): Promise<void>;
+}
+
+/**
+ * A bus on a NATS server with JetStream, as the job store and the NCCL id exchange use it: the
+ * mesh's KV buckets, the server it reached, and the moves of its connection. What reaches NATS
+ * outside services/runtime/mesh/ goes through a Bus; nothing there holds the connection.
+ */
+export interface StoreBus extends Bus {
+  /** creates or opens a KV bucket (kv-bucket.ts: its replicas, the races of its creation) */
+  openBucket(name: string, options: Partial<KvOptions>): Promise<KV>;
+  /** the server this bus is connected to, as messages name it */
+  readonly server: string;
+  /** each time the connection moves to another server, or a server leaves the cluster */
+  clusterChanges(): AsyncIterable<string>;
 }
 
 /** Largest error reply read back (an error message is text, not data). */

@@ -4,6 +4,7 @@
 // so a job that needs ranks the mesh does not run fails at once, naming them, instead of waiting.
 import { Svcm } from "@nats-io/services";
 import type { NatsConnection } from "@nats-io/transport-node";
+import type { NatsBus } from "./nats.ts";
 import { CapacityError } from "./errors.ts";
 import { pause } from "./pause.ts";
 import type { TrainerPlace } from "../job/collective-plan.ts";
@@ -41,7 +42,8 @@ async function infos(nc: NatsConnection, name: string, waitMs: number): Promise<
 const indices = (metas: Record<string, string>[], key: string): number[] =>
   [...new Set(metas.map((m) => Number(m[key])).filter((n) => Number.isInteger(n) && n >= 0))].sort((a, b) => a - b);
 
-export async function meshMembers(nc: NatsConnection, waitMs = discoveryWaitMs): Promise<MeshMembers> {
+export async function meshMembers(bus: NatsBus, waitMs = discoveryWaitMs): Promise<MeshMembers> {
+  const nc = bus.nc;
   const [trainers, shards, loaders, checkpoints] = await Promise.all(
     ["trainer", "parameter-server", "data-loader", "checkpoint"].map((n) => infos(nc, n, waitMs)),
   );
@@ -72,7 +74,8 @@ export interface MetricsEndpoint {
 }
 
 /** Every service's Prometheus endpoint, from $SRV metadata (services run with metricsPort -1 have none). */
-export async function metricsEndpoints(nc: NatsConnection, waitMs = discoveryWaitMs): Promise<MetricsEndpoint[]> {
+export async function metricsEndpoints(bus: NatsBus, waitMs = discoveryWaitMs): Promise<MetricsEndpoint[]> {
+  const nc = bus.nc;
   const names = ["trainer", "parameter-server", "data-loader", "checkpoint"];
   const all = await Promise.all(names.map((n) => infos(nc, n, waitMs)));
   return names

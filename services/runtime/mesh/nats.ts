@@ -12,6 +12,7 @@ import {
   type Handler,
   reconnectedSubject,
   type RequestOptions,
+  type StoreBus,
   subjectMatches,
   type Subscription,
   unwrapReply,
@@ -24,6 +25,8 @@ import type { Logger } from "./log.ts";
 import { RefusalLog } from "./refusal-log.ts";
 import { inboxPrefixOf, readSeed } from "../job/roles.ts";
 import { orAfter } from "./timers.ts";
+import type { KV, KvOptions } from "@nats-io/kv";
+import { openBucket } from "./kv-bucket.ts";
 
 export interface NatsBusOptions {
   url: string;
@@ -205,7 +208,21 @@ function serversLeft(before: ReadonlySet<string>, nc: NatsConnection): string[] 
   return now.size === 0 ? [] : [...before].filter((u) => !now.has(u));
 }
 
-export class NatsBus implements Bus {
+/** Each time the connection moves to another server, or a server leaves the cluster (its address drops out of the INFO). */
+async function* clusterChangesOf(nc: NatsConnection): AsyncGenerator<string> {
+  const members = () => new Set(nc.info?.connect_urls ?? []);
+  let before = members();
+  for await (const s of nc.status()) {
+    if (s.type === "reconnect") yield `reconnected to ${s.server}`;
+    if (s.type !== "update" && s.type !== "reconnect") continue;
+    const now = members();
+    const left = [...before].filter((u) => !now.has(u));
+    before = now;
+    if (s.type === "update" && left.length > 0 && now.size > 0) yield `${left.join(", ")} left the NATS cluster`;
+  }
+}
+
+export class NatsBus implements StoreBus {
   #service: Service | undefined;
   readonly #subs: NatsSub[] = [];
   /** every handler's refusals, logged rate-limited with the subject and the reason */
@@ -496,6 +513,18 @@ export class NatsBus implements Bus {
     } catch (e) {
       this.opts.log?.error({ subject, err: e instanceof Error ? e.message : String(e) }, "could not send the answer");
     }
+  }
+
+  openBucket(name: string, options: Partial<KvOptions>): Promise<KV> {
+    return openBucket(this.nc, name, options);
+  }
+
+  get server(): string {
+    return this.nc.getServer();
+  }
+
+  clusterChanges(): AsyncIterable<string> {
+    return clusterChangesOf(this.nc);
   }
 
   /** Drains: stops taking requests, finishes the ones in flight, flushes, closes. */

@@ -9,8 +9,6 @@
 // closes the job, and publishes the Ended event. A service that restarts opens only the specs of
 // running jobs: an ended job is never reopened.
 import type { KV, KvEntry } from "@nats-io/kv";
-import { openBucket } from "../mesh/kv-bucket.ts";
-import type { NatsConnection } from "@nats-io/transport-node";
 import {
   decodeJobRecord,
   decodeJobSpec,
@@ -23,7 +21,7 @@ import {
   type JobSpec,
   JobState,
 } from "../../../schemas/messages/job.ts";
-import type { Bus } from "../mesh/bus.ts";
+import { type Bus, type StoreBus } from "../mesh/bus.ts";
 import { JetStreamUnavailableError, refusedAs } from "../mesh/errors.ts";
 import { subjects } from "./subjects.ts";
 import type { Logger } from "../mesh/log.ts";
@@ -122,26 +120,26 @@ export class JobStore {
   private constructor(
     readonly specs: KV,
     readonly records: KV,
-    readonly nc: NatsConnection,
+    readonly bus: StoreBus,
   ) {}
 
   /** Opens (creates) both buckets; `replicas`: on how many servers of a cluster they are kept
    *  (default MT_KV_REPLICAS, else 1: kv-bucket.ts says how an existing bucket is treated) */
-  static async open(nc: NatsConnection, o: { replicas?: number } = {}): Promise<JobStore> {
+  static async open(bus: StoreBus, o: { replicas?: number } = {}): Promise<JobStore> {
     try {
       const specs = await untilLed(
-        () => openBucket(nc, jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax, ...o }),
+        () => bus.openBucket(jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax, ...o }),
         openAgain,
       );
       const records = await untilLed(
-        () => openBucket(nc, recordsBucket, { history: 1, maxValueSize: jobRecordBytesMax, ...o }),
+        () => bus.openBucket(recordsBucket, { history: 1, maxValueSize: jobRecordBytesMax, ...o }),
         openAgain,
       );
-      return new JobStore(specs, records, nc);
+      return new JobStore(specs, records, bus);
     } catch (e) {
       if ((e as Error).name !== "JetStreamNotEnabled") throw e;
       throw new JetStreamUnavailableError(
-        `the NATS server at ${nc.getServer()} runs without JetStream, where the mesh keeps job specs ` +
+        `the NATS server at ${bus.server} runs without JetStream, where the mesh keeps job specs ` +
           `(KV buckets ${jobsBucket}, ${recordsBucket}); start it with JetStream: nats-server -js (or jetstream {} in its config)`,
         { cause: e },
       );
@@ -338,7 +336,7 @@ export class JobStore {
       old.stop();
       log?.info({ why, fromRevision: from }, jobSpecsFollowedAgain);
     };
-    void followAgain(clusterChanges(this.nc), () => stopped, restart, log);
+    void followAgain(this.bus.clusterChanges(), () => stopped, restart, log);
     return {
       stop: () => {
         stopped = true;
@@ -394,20 +392,6 @@ export async function followAgain(
   }
 }
 
-/** Each time the connection moves to another server, or a server leaves the cluster (its address drops out of the INFO). */
-async function* clusterChanges(nc: NatsConnection): AsyncGenerator<string> {
-  const members = () => new Set(nc.info?.connect_urls ?? []);
-  let before = members();
-  for await (const s of nc.status()) {
-    if (s.type === "reconnect") yield `reconnected to ${s.server}`;
-    if (s.type !== "update" && s.type !== "reconnect") continue;
-    const now = members();
-    const left = [...before].filter((u) => !now.has(u));
-    before = now;
-    if (s.type === "update" && left.length > 0 && now.size > 0) yield `${left.join(", ")} left the NATS cluster`;
-  }
-}
-
 /** The figures a job ends with (done), or why it ended (failed, cancelled). */
 export interface JobEnding {
   state: JobState.Done | JobState.Failed | JobState.Cancelled;
@@ -453,8 +437,8 @@ export class JobLedger implements JobControl {
     readonly log: Logger | undefined,
   ) {}
 
-  static async open(nc: NatsConnection, bus: Bus, log?: Logger): Promise<JobLedger> {
-    return new JobLedger(await JobStore.open(nc), bus, log);
+  static async open(bus: StoreBus, log?: Logger): Promise<JobLedger> {
+    return new JobLedger(await JobStore.open(bus), bus, log);
   }
 
   async end(job: string, ending: JobEnding, attempt = 0): Promise<JobRecord | null> {
