@@ -20,7 +20,7 @@
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { ConfigError } from "../engine/errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 import { collPieceOverheadBytes } from "../schemas/messages/trainer.ts";
 import { startNatsServer } from "../services/runtime/mesh/nats-server.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";

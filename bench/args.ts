@@ -1,7 +1,7 @@
 // Benchmark option parsing: node:util parseArgs, with its errors and ours turned into
 // ConfigError so both entry points (bench/index.ts and `meshtrain bench`) print one clear line.
 import { parseArgs, type ParseArgsConfig } from "node:util";
-import { ConfigError } from "../engine/errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 
 export function parseBenchArgs<O extends NonNullable<ParseArgsConfig["options"]>>(argv: string[], options: O) {
   try {

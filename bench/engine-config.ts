@@ -12,7 +12,7 @@ import { join } from "node:path";
 import type { Backend } from "../ffi/backend.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { CudaBackend } from "../ffi/cuda/backend.ts";
-import { ConfigError } from "../engine/errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 import { gptMemory } from "../engine/memory-estimate.ts";
 import { autocastDType, type Precision } from "../engine/mixed.ts";
 import { type GptConfig, GptModel } from "../engine/models/gpt.ts";

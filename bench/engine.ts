@@ -20,7 +20,7 @@ import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { deviceChoices, type DeviceChoice, openBackend } from "../ffi/select.ts";
 import { type AttentionChoice, attentionChoices } from "../ffi/cuda/attention-path.ts";
 import { attentionDeviceProblem, attentionProblem } from "../services/runtime/job/attention.ts";
-import { ConfigError } from "../engine/errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 import { checkPrecision, type Precision } from "../engine/mixed.ts";
 import { gptDefaults, GptModel } from "../engine/models/gpt.ts";
 import { MlpModel } from "../engine/models/mlp.ts";

@@ -20,7 +20,7 @@
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { ConfigError } from "../engine/errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 import { MeshClient } from "../sdk/client.ts";
 import { watchJob } from "../sdk/watch.ts";
 import { defaultOwner, qualifyJob } from "../services/runtime/job/subjects.ts";

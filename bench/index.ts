@@ -1,5 +1,5 @@
 // `bun run bench <name> [options]`: the per-component benchmarks.
-import { ConfigError } from "../engine/errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 import { NativeLibraryError } from "../ffi/errors.ts";
 import { runAllReduceBench } from "./allreduce.ts";
 import { runEngineBench } from "./engine.ts";

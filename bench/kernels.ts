@@ -10,7 +10,7 @@ import { parseBenchArgs, positiveInt } from "./args.ts";
 import { median, printTable, round, significant } from "./table.ts";
 import { CpuBackend } from "../ffi/cpu/backend.ts";
 import { deviceChoices, type DeviceChoice, openBackend } from "../ffi/select.ts";
-import { ConfigError } from "../engine/errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 import { Rng } from "../engine/rng.ts";
 
 export interface KernelBenchResult {

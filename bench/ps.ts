@@ -21,7 +21,7 @@ import { initialParameters } from "../services/runtime/job/model.ts";
 import { NatsBus } from "../services/runtime/mesh/nats.ts";
 import { startNatsServer } from "../services/runtime/mesh/nats-server.ts";
 import { PsClient } from "../services/trainer/ps-client.ts";
-import { ConfigError } from "../engine/errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 import { parseCompression } from "../engine/parallel/compress.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { median, printReport, round } from "./table.ts";

@@ -14,7 +14,7 @@
 import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statfsSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
-import { ConfigError } from "../engine/errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 import { writeBigCorpus } from "../test/helpers/big-corpus.ts";
 import { parseBenchArgs, positiveInt } from "./args.ts";
 import { median, printTable, round } from "./table.ts";

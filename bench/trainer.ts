@@ -50,7 +50,7 @@ import { optimizerOf } from "../engine/optim/choose.ts";
 import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/context.ts";
 import { type HostBatch, TrainStep } from "../engine/train.ts";
-import { ConfigError } from "../engine/errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 import {
   gptJobDefaults,
   type JobConfig,

@@ -1,8 +1,10 @@
+import { MeshtrainError } from "../ffi/errors.ts";
+
 // Typed errors of the engine. One class per failure mode; each names the op and what was
 // wrong so that a user can fix the call without reading engine code.
 
-export class EngineError extends Error {
-  override readonly name: string = "EngineError";
+export class EngineError extends MeshtrainError {
+  override name: string = "EngineError";
 }
 
 const fmt = (shape: readonly number[]) => `[${shape.join(", ")}]`;
@@ -93,9 +95,4 @@ export class GradientOverflowError extends EngineError {
         `Lower the learning rate, or train in bf16 or f32 (--precision).`,
     );
   }
-}
-
-/** A configuration value that cannot work (negative learning rate, zero batch, ...). */
-export class ConfigError extends EngineError {
-  override readonly name = "ConfigError";
 }

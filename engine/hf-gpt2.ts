@@ -6,7 +6,8 @@ import { existsSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import gpt2Ranks from "js-tiktoken/ranks/gpt2";
 import { DataFileError } from "./data/errors.ts";
-import { ConfigError, ShapeError } from "./errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
+import { ShapeError } from "./errors.ts";
 import type { GptConfig } from "./models/gpt.ts";
 import { type NamedTensor, readSafetensors } from "./safetensors.ts";
 

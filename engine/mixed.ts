@@ -20,7 +20,7 @@
 // its gradient has that type too. The residual stream, the branches added into it, the logits and
 // every sum stay f32. A GEMM then reads such a tensor as it is: no copy. The autocast copies are made by ops/cast.ts; this
 // module imports no tensor code, so the tensor module can take its precision from here.
-import { ConfigError } from "./errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 
 export const precisions = ["f32", "tf32", "bf16", "f16"] as const;
 export type Precision = (typeof precisions)[number];

@@ -7,7 +7,8 @@
 // each group is one contiguous range. Every parameter starts on a 64-byte boundary; the
 // padding between them is zero in all slabs and stays zero under every update rule.
 import type { Allocation, Ptr } from "../ffi/backend.ts";
-import { ConfigError, EngineError, ShapeError } from "./errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
+import { EngineError, ShapeError } from "./errors.ts";
 import { Rng } from "./rng.ts";
 import { numelOf, type Shape, type Tensor } from "./tensor.ts";
 import { type Context } from "./context.ts";

@@ -12,7 +12,8 @@
 // optimizer state and its step count stay as they were, and so does the learning rate, which
 // follows the step count. The next run() retries that step with the next batches at half the
 // scale.
-import { NonFiniteLossError, ConfigError, EngineError, ShapeError } from "./errors.ts";
+import { NonFiniteLossError, EngineError, ShapeError } from "./errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 import type { Model } from "./models/model.ts";
 import type { ParamStore } from "./params.ts";
 import { clipGradNorm, measureClip } from "./optim/clip.ts";

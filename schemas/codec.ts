@@ -4,6 +4,7 @@
 //   - opening a root with every check done before a field is read (size, identifier,
 //     schema version), and turning any read past the buffer into a typed error,
 //   - chunking flat vectors and packing chunks into messages under a payload limit.
+import { MeshtrainError } from "../ffi/errors.ts";
 import { Builder, ByteBuffer } from "flatbuffers";
 
 /** Version written into and required from every root table's `schema_version`. */
@@ -12,14 +13,11 @@ export const schemaVersion = 1;
 /** Codes a decode failure carries; they cross the wire inside ErrorReply.code. */
 export type WireFormatCode = "truncated" | "oversized" | "bad_identifier" | "bad_version" | "malformed";
 
-export class WireFormatError extends Error {
+export class WireFormatError extends MeshtrainError {
   override readonly name = "WireFormatError";
-  constructor(
-    readonly code: WireFormatCode,
-    message: string,
-    options?: ErrorOptions,
-  ) {
-    super(message, options);
+  declare readonly code: WireFormatCode;
+  constructor(code: WireFormatCode, message: string, options?: ErrorOptions) {
+    super(message, options, code);
   }
 }
 

@@ -15,13 +15,8 @@ export type { MetricsEndpoint, MeshMembers } from "../services/runtime/mesh/disc
 export type { Event, JobRecord } from "../schemas/messages/job.ts";
 export type { Manifest } from "../schemas/messages/checkpoint.ts";
 export { type JobConfig, parseJobConfig, jobDefaults, gptJobDefaults } from "../services/runtime/job/config.ts";
-export {
-  MeshError,
-  ConfigError,
-  BadRequestError,
-  UnknownJobError,
-  DeadlineError,
-} from "../services/runtime/mesh/errors.ts";
+export { MeshError, BadRequestError, UnknownJobError, DeadlineError } from "../services/runtime/mesh/errors.ts";
+export { ConfigError } from "../ffi/errors.ts";
 
 /**
  * A job's config: the model kind's defaults (an MLP on MNIST, a character GPT on Moby Dick)

@@ -20,7 +20,7 @@ import {
 import type { Precision } from "../engine/mixed.ts";
 import { type GptConfig, gptParamSpecs } from "../engine/models/gpt.ts";
 import { probeCuda } from "../ffi/cuda/driver.ts";
-import { ConfigError } from "../services/runtime/mesh/errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 import { dataRanks, type JobConfig, parseJobConfig, usesShards } from "../services/runtime/job/config.ts";
 
 /** What the trainers compute on, and how much memory each has. */

@@ -2,6 +2,7 @@
 // evaluations combined over ranks, restores and checkpoints printed as they happen. The job
 // ends with its Ended event; in case that event is lost (NATS core delivers at most once) the
 // job's record is read every few seconds too. A job that ended already is answered at once.
+import { MeshtrainError } from "../ffi/errors.ts";
 import { type Event, EventKind, type JobRecord, JobState } from "../schemas/messages/job.ts";
 import { DeadlineError, JobStateError } from "../services/runtime/mesh/errors.ts";
 import { EvalTally } from "../services/runtime/job/evals.ts";
@@ -12,7 +13,7 @@ import { Progress, RateMeter } from "./progress.ts";
 import { orAfter } from "../services/runtime/mesh/timers.ts";
 import { printable } from "./format.ts";
 
-export class JobFailedError extends Error {
+export class JobFailedError extends MeshtrainError {
   override readonly name = "JobFailedError";
   constructor(
     message: string,

@@ -1,5 +1,5 @@
 // Batches of normalized images and their labels, built into reused host buffers.
-import { ConfigError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import type { HostBatch } from "../train.ts";
 import { type MnistSplit, mnistMean, mnistStd } from "./mnist.ts";
 import { epochOrder } from "./sampler.ts";

@@ -1,6 +1,6 @@
 // Seeded sample orders. Each epoch gets its own permutation from (seed, epoch), so a run can
 // resume mid-epoch by recomputing the order and skipping what it already consumed.
-import { ConfigError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { Rng } from "../rng.ts";
 
 export function epochOrder(count: number, seed: number, epoch: number, shuffle = true): Uint32Array {

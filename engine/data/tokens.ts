@@ -4,7 +4,7 @@
 //        the tokens as little-endian uint16.
 // nanoGPT: the tokens as little-endian uint16 and nothing else (train.bin / val.bin).
 import { writeFileSync, openSync, fsyncSync, closeSync, renameSync } from "node:fs";
-import { ConfigError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { Rng } from "../rng.ts";
 import type { HostBatch } from "../train.ts";
 import { DataFileError } from "./errors.ts";

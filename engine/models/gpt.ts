@@ -1,7 +1,8 @@
 // gpt: a GPT-2 style decoder-only transformer (nanoGPT's model), with tied input/output
 // embeddings. idx (B,T) i32 -> logits (B,T,V).
 import { activationDType } from "../mixed.ts";
-import { ConfigError, ShapeError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
+import { ShapeError } from "../errors.ts";
 import { Block } from "../nn/block.ts";
 import { Embedding } from "../nn/embedding.ts";
 import { LayerNorm } from "../nn/layernorm.ts";

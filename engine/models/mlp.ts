@@ -1,5 +1,5 @@
 // mlp: a multilayer perceptron classifier of any widths, e.g. 784-800-10 for MNIST.
-import { ConfigError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { type Activation, MLP } from "../nn/mlp.ts";
 import { softmaxCrossEntropy } from "../ops/crossentropy.ts";
 import { ParamBuilder, ParamStore } from "../params.ts";

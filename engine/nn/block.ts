@@ -3,7 +3,7 @@
 //   x = x + dropout(fc2(gelu(fc1(ln2(x)))))
 // x (B,T,C); attention over a fused qkv projection (C -> 3C).
 import type { DType } from "../../ffi/backend.ts";
-import { ConfigError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { activationDType } from "../mixed.ts";
 import { add } from "../ops/add.ts";
 import { biasAdd } from "../ops/bias.ts";

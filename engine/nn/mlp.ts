@@ -1,6 +1,6 @@
 // MLP: Linear layers of the given widths with an activation between them (none after the last),
 // and optional dropout after each activation.
-import { ConfigError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { dropout } from "../ops/dropout.ts";
 import { gelu } from "../ops/gelu.ts";
 import { relu } from "../ops/relu.ts";

@@ -1,7 +1,7 @@
 // dropout: out = keep ? inp / (1-p) : 0, keep decided per element by a counter-based hash of
 // (seed, index), so the backward recomputes the mask and no mask is stored. Each call draws a
 // fresh seed from the context (seeded, so runs reproduce). The identity in evaluation or p=0.
-import { ConfigError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import type { Tensor } from "../tensor.ts";
 import { checkDType, checkInputs } from "./check.ts";
 

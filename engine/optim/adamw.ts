@@ -9,7 +9,7 @@
 // arrives after tau steps is taken as tau steps of its mean (ffi/numerics.h, mt_adamw_update).
 // With a gradient in every coordinate at every step this is AdamW, bit for bit.
 import type { Allocation, Backend } from "../../ffi/backend.ts";
-import { ConfigError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../context.ts";
 import type { Optimizer, UpdatePlan, UpdateRun } from "./optimizer.ts";

@@ -1,7 +1,7 @@
 // Global-norm gradient clipping (torch.nn.utils.clip_grad_norm_): if the L2 norm of all
 // gradients exceeds maxNorm, scale them all by maxNorm / (norm + 1e-6). One reduction over the
 // gradient slab, and one scale (or none: measureClip leaves the factor to the optimizer).
-import { ConfigError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../context.ts";
 

@@ -6,7 +6,8 @@
 //   in a row, scale *= growthFactor.
 // The check is one reduction over the gradient slab (countNonFinite), the unscale one kernel.
 // Powers of two keep scaling and unscaling exact: they only move the exponent.
-import { ConfigError, GradientOverflowError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
+import { GradientOverflowError } from "../errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../context.ts";
 

@@ -1,6 +1,6 @@
 // Learning-rate schedules, as pure functions of the step (0-based), and the linear scaling
 // rule (Goyal et al., 2017: scale the learning rate with the global batch).
-import { ConfigError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 
 export type Schedule =
   | { kind: "constant" }

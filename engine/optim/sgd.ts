@@ -5,7 +5,7 @@
 //   p -= lr * (nesterov ? g + momentum * buf : buf)
 // Weight decay applies to the parameters that declared decay (matrices), not biases.
 import type { Allocation, Backend } from "../../ffi/backend.ts";
-import { ConfigError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../context.ts";
 import type { Optimizer, UpdatePlan, UpdateRun } from "./optimizer.ts";

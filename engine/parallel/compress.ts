@@ -30,7 +30,7 @@
 // rank, which sums the decoded contributions in rank order, (N-1)·bytes(encoded) per link, which
 // pays off at 1% for any N up to 100. Either way every rank ends with the same bits.
 import { hostKernels } from "../../ffi/cpu/host.ts";
-import { ConfigError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import type { WireCoder } from "./collective.ts";
 
 export type Compression =

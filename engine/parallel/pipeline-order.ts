@@ -12,7 +12,7 @@
 // how the dependencies between stages (forward m needs stage s−1's forward m, backward m needs
 // stage s+1's backward m) leave a stage idle. Their bubble, the share of a step a stage waits,
 // is the same in theory: (P−1)/(M+P−1) with equal pass times.
-import { ConfigError } from "../errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 
 export const pipeSchedules = ["gpipe", "1f1b"] as const;
 export type PipeSchedule = (typeof pipeSchedules)[number];

@@ -12,6 +12,7 @@
 // Attribute element types, as the backend API reads them: enums (data type, pointwise mode,
 // reduction operator, heuristics mode) are int32; BOOLEAN is a C++ bool (1 byte); INT64, DOUBLE,
 // VOID_PTR, HANDLE and BACKEND_DESCRIPTOR are 8 bytes; FLOAT is 4.
+import { MeshtrainError } from "../errors.ts";
 import { dlopen, ptr as addressOf } from "bun:ffi";
 import type { Ptr } from "../backend.ts";
 import { NativeLibraryError } from "../errors.ts";
@@ -39,7 +40,7 @@ export class CudnnError extends Error {
 }
 
 /** cuDNN has no engine for a graph on this GPU (or with these sizes): a caller may fall back. */
-export class CudnnUnsupportedError extends Error {
+export class CudnnUnsupportedError extends MeshtrainError {
   override readonly name = "CudnnUnsupportedError";
 }
 

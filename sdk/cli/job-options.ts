@@ -14,7 +14,7 @@ import {
 } from "../../services/runtime/job/options.ts";
 import { resumeConfig } from "../../services/runtime/job/resume.ts";
 import { jobNameOrIdPattern, jobNameRule } from "../../services/runtime/job/subjects.ts";
-import { ConfigError } from "../../services/runtime/mesh/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { stamp } from "../format.ts";
 import { initFromShape } from "../local/train-gpt.ts";
 import { userPath } from "../user-paths.ts";

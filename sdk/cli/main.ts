@@ -3,11 +3,7 @@
 // checkpoints/restore talk to any mesh over NATS; `train` runs in this process.
 import { join } from "node:path";
 import { Command, Option } from "commander";
-import { DataFileError } from "../../engine/data/errors.ts";
-import { EngineError } from "../../engine/errors.ts";
-import { NativeLibraryError } from "../../ffi/errors.ts";
 import { type DeviceChoice, deviceChoices } from "../../ffi/select.ts";
-import { CudnnUnsupportedError } from "../../ffi/cuda/cudnn.ts";
 import { gptRunDefaults, runGpt } from "../local/train-gpt.ts";
 import { mlpRunDefaults, runMlp } from "../local/train-mlp.ts";
 import { runSample } from "../local/sample.ts";
@@ -18,12 +14,8 @@ import { prepareDefaults, runPrepare } from "../local/prepare.ts";
 import { exportSummary, runExport } from "../local/export.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
 import { sharedOption, sharedOptions } from "./job-options.ts";
-import { ConfigError, MeshError } from "../../services/runtime/mesh/errors.ts";
-import { WireFormatError } from "../../schemas/codec.ts";
-import { NatsAccessError, NatsUnreachableError } from "../../services/runtime/mesh/nats.ts";
-import { NatsServerError } from "../../services/runtime/mesh/nats-server.ts";
-import { JobFailedError } from "../watch.ts";
-import { printable } from "../format.ts";
+import { errorExit } from "./exit.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 
 const program = new Command()
   .name("meshtrain")
@@ -315,23 +307,8 @@ withHint(program);
 try {
   await program.parseAsync(process.argv);
 } catch (e) {
-  // operating errors get one clear line; anything else is a bug and keeps its stack
-  if (
-    e instanceof DataFileError ||
-    e instanceof EngineError ||
-    e instanceof NativeLibraryError ||
-    // --attention cudnn on a GPU whose cuDNN has no engine for the run's attention
-    e instanceof CudnnUnsupportedError ||
-    e instanceof MeshError ||
-    e instanceof WireFormatError ||
-    e instanceof NatsUnreachableError ||
-    e instanceof NatsAccessError ||
-    e instanceof JobFailedError ||
-    e instanceof NatsServerError
-  ) {
-    // a message may quote what came over the bus (a job's failure, a service's error reply)
-    console.error(`meshtrain: ${e.name}: ${printable(e.message)}`);
-    process.exit(1);
-  }
-  throw e;
+  const exit = errorExit(e);
+  if (exit === null) throw e;
+  console.error(exit.line);
+  process.exit(exit.code);
 }

@@ -11,6 +11,7 @@ import { jobConfigFromJson, jobDefaults, parseJobConfig } from "../../services/r
 import { parseMemorySize, planDevice, planReport } from "../plan.ts";
 import { MeshClient } from "../client.ts";
 import { type JobFlags, jobConfigOf, jobOptions } from "./job-options.ts";
+import { exitCodes } from "./exit.ts";
 import { type MeshOptions, LocalMesh, membersWaitMs } from "../local-mesh.ts";
 import { announceLocalMesh, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "../mesh-address.ts";
 import {
@@ -29,7 +30,8 @@ import { Dashboard } from "../dashboard/server.ts";
 import { StopRequests } from "../signals.ts";
 import { JobFailedError, watchJob } from "../watch.ts";
 import { NatsUnreachableError } from "../../services/runtime/mesh/nats.ts";
-import { BadRequestError, CapacityError, ConfigError } from "../../services/runtime/mesh/errors.ts";
+import { BadRequestError, CapacityError } from "../../services/runtime/mesh/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { attentionDeviceProblem } from "../../services/runtime/job/attention.ts";
 
 const d = jobDefaults;
@@ -117,7 +119,7 @@ async function follow(client: MeshClient, job: string, events?: AsyncIterableIte
     const o = await watchJob(client, job, { signal: stop.first.signal, ...(events ? { events } : {}) });
     for (const line of outcomeLines(o, { logs: localLogs(o.record.snapshotDir) })) console.log(line);
   } catch (e) {
-    if (stop.requested) process.exit(130);
+    if (stop.requested) process.exit(exitCodes.interrupted);
     if (e instanceof JobFailedError && e.record) {
       const logs = localLogs(e.record.snapshotDir);
       throw new JobFailedError(`${e.message}${logs ? ` (logs: ${shownPath(logs)})` : ""}`, e.record);
@@ -202,7 +204,7 @@ function addLocalCommands(program: Command): void {
         shapeOnly ? opts.vocabSize : undefined,
       );
       for (const line of lines) console.log(line);
-      process.exitCode = plan.fits ? 0 : 3;
+      process.exitCode = plan.fits ? exitCodes.done : exitCodes.doesNotFit;
     });
 }
 

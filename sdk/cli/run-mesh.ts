@@ -7,7 +7,8 @@ import { existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { JobState } from "../../schemas/messages/job.ts";
 import { CheckpointStore } from "../../services/checkpoint/store.ts";
-import { ConfigError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
+import { DeadlineError } from "../../services/runtime/mesh/errors.ts";
 import { probeCuda } from "../../ffi/cuda/driver.ts";
 import type { DeviceChoice } from "../../ffi/select.ts";
 import { attentionDeviceProblem } from "../../services/runtime/job/attention.ts";
@@ -17,6 +18,7 @@ import { defaultOwner, qualifyJob } from "../../services/runtime/job/subjects.ts
 import { checkResume, MeshClient, type PreviousRun } from "../client.ts";
 import { LocalMesh, membersWaitMs } from "../local-mesh.ts";
 import { checkedJobName, type JobFlags, jobConfigOf } from "./job-options.ts";
+import { exitCodes } from "./exit.ts";
 import { configSummary, outcomeLines } from "../report.ts";
 import { cliName, shownPath } from "../user-paths.ts";
 import { StopRequests } from "../signals.ts";
@@ -157,7 +159,7 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
       onLine: (p) => (print = p),
     });
     for (const line of outcomeLines(outcome, { logs: logDir })) console.log(line);
-    return 0;
+    return exitCodes.done;
   } catch (e) {
     if (startFailed.signal.aborted)
       throw new JobFailedError(`job ${cfg.job} cannot run: ${String(startFailed.signal.reason)}`, null);
@@ -167,7 +169,7 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
       console.log(
         `stopped; files in ${shownPath(jobDir)}. ${submitted ? "Resume" : "Start it again"} with: ${resumeLine}`,
       );
-      return 130;
+      return exitCodes.interrupted;
     }
     if (e instanceof DeadlineError)
       throw new DeadlineError(

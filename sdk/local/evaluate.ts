@@ -11,7 +11,7 @@ import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts
 import { readManifest } from "../../engine/data/shards.ts";
 import { ShardTokens, type Tokens } from "../../engine/data/token-stream.ts";
 import { readTokenFile, splitTokens, TokenBatcher } from "../../engine/data/tokens.ts";
-import { ConfigError } from "../../engine/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { type LoadedModelFile, loadSlabInto, readModelFile } from "../../engine/modelfile.ts";
 import { type GptConfig, GptModel } from "../../engine/models/gpt.ts";
 import { type MlpConfig, MlpModel } from "../../engine/models/mlp.ts";

@@ -19,7 +19,7 @@ import {
 } from "../../engine/data/shards.ts";
 import { CharVocab } from "../../engine/data/text.ts";
 import { charTokenizer, gpt2Tokenizer, type Tokenizer, type TokenizerName } from "../../engine/data/tokenizer.ts";
-import { ConfigError } from "../../engine/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { Rng } from "../../engine/rng.ts";
 import { shownPath } from "../user-paths.ts";
 

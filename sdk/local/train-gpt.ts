@@ -3,7 +3,7 @@
 // that `meshtrain sample` reads.
 import { mkdirSync } from "node:fs";
 import { dirname, join } from "node:path";
-import { ConfigError } from "../../engine/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { hfFolderShape, loadHfFolder } from "../../engine/hf-gpt2.ts";
 import { type JobConfig, gptJobDefaults } from "../../services/runtime/job/config.ts";
 import { shownPath } from "../user-paths.ts";

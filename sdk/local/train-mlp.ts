@@ -13,7 +13,7 @@ import { checkSchedule, scheduleOf } from "../../engine/optim/schedule.ts";
 import { optimizerOf } from "../../engine/optim/choose.ts";
 import { type JobConfig, jobDefaults } from "../../services/runtime/job/config.ts";
 import { defaultDraft } from "../../services/runtime/job/options.ts";
-import { ConfigError } from "../../engine/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import type { Precision } from "../../engine/mixed.ts";
 import { Context } from "../../engine/context.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";

@@ -32,12 +32,12 @@ import { join } from "node:path";
 import { type Bus, requestWhileAway, type Subscription } from "../runtime/mesh/bus.ts";
 import {
   BadRequestError,
-  ConfigError,
   CorruptDataError,
   JobStateError,
   NotReadyError,
   UnknownJobError,
 } from "../runtime/mesh/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { EvalTally } from "../runtime/job/evals.ts";
 import {
   configOfSpec,

@@ -7,7 +7,8 @@
 import { decodeBatchRequest, encodeDataPlan, encodeLoaderStats } from "../../schemas/messages/data-loader.ts";
 import { decodeJobRequest, decodeJobSpec, type JobSpec } from "../../schemas/messages/job.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
-import { ConfigError, LimitExceededError, MeshError, UnknownJobError } from "../runtime/mesh/errors.ts";
+import { ConfigError, MeshtrainError } from "../../ffi/errors.ts";
+import { LimitExceededError, UnknownJobError } from "../runtime/mesh/errors.ts";
 import { anyJob, jobOfRequest, subjects } from "../runtime/job/subjects.ts";
 import { configOfSpec, type JobConfig } from "../runtime/job/config.ts";
 import { jobSpecBytesMax } from "../runtime/job/ledger.ts";
@@ -91,7 +92,7 @@ export class DataLoader {
         try {
           return encodeDataPlan(new JobData(cfg, this.#dataset(cfg).data).plan);
         } catch (e) {
-          if (e instanceof MeshError) throw e;
+          if (e instanceof MeshtrainError && e.code !== "") throw e;
           // a file it cannot read, a text too short, a model the data does not fit: the submitter's to fix
           throw new ConfigError(`the data-loader cannot plan job ${cfg.job}: ${(e as Error).message}`, { cause: e });
         }

@@ -9,7 +9,7 @@ import type { Backend } from "../../ffi/backend.ts";
 import type { DeviceChoice, OpenedBackend } from "../../ffi/select.ts";
 import { type AttentionChoice, attentionDeviceProblem } from "../runtime/job/attention.ts";
 import type { JobConfig } from "../runtime/job/config.ts";
-import { ConfigError } from "../runtime/mesh/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 
 /** Opens the process's device with an attention choice (openBackend with its device and slot). */
 export type OpenBackend = (attention: AttentionChoice) => OpenedBackend;

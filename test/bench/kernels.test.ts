@@ -3,7 +3,7 @@
 // --elems 33554432) and only a GPU run found it.
 import { describe, expect, test } from "bun:test";
 import { kernelShapes } from "../../bench/kernels.ts";
-import { ConfigError } from "../../engine/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 
 describe("bench kernels: shapes", () => {
   test.each([1 << 18, 1 << 20, 1 << 23, 33_554_432, 3 * (1 << 18), 1 << 28])(

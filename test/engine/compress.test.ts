@@ -3,7 +3,7 @@
 // feedback's conservation (sent + residual = gradient + previous residual, exactly, in float64,
 // step after step).
 import { describe, expect, test } from "bun:test";
-import { ConfigError } from "../../engine/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import {
   Codec,
   type Compression,

@@ -3,7 +3,8 @@
 // The backend-dependent parts run on every backend present (the CPU; CUDA where there is a GPU).
 import { describe, expect, test } from "bun:test";
 import type { Backend } from "../../ffi/backend.ts";
-import { ConfigError, GradientOverflowError, NonFiniteLossError } from "../../engine/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
+import { GradientOverflowError, NonFiniteLossError } from "../../engine/errors.ts";
 import type { Precision } from "../../engine/mixed.ts";
 import { GptModel } from "../../engine/models/gpt.ts";
 import { MlpModel } from "../../engine/models/mlp.ts";

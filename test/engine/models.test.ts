@@ -8,7 +8,7 @@ import { loadSlabInto, readModelFile, saveModelFile } from "../../engine/modelfi
 import { GptModel } from "../../engine/models/gpt.ts";
 import { MlpModel } from "../../engine/models/mlp.ts";
 import { Rng } from "../../engine/rng.ts";
-import { ConfigError } from "../../engine/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { newContext, randInts } from "../helpers/numeric.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-models-"));

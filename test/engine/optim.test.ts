@@ -14,7 +14,7 @@ import { Rng } from "../../engine/rng.ts";
 import type { Context } from "../../engine/context.ts";
 import type { HostBatch } from "../../engine/train.ts";
 import { newContext, randInts, relErr } from "../helpers/numeric.ts";
-import { ConfigError } from "../../engine/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { constantLrStep } from "../helpers/training.ts";
 
 /** A store with w (3, decays) and b (2, no decay), values set, and a way to set grads. */

@@ -1,7 +1,7 @@
 // Pipeline parallelism in one process: the schedules (order, bubble, activations held) and the
 // stages of a GPT against the single process's training, step by step.
 import { describe, expect, test } from "bun:test";
-import { ConfigError } from "../../engine/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { gptStageActivations } from "../../engine/memory-estimate.ts";
 import { GptModel, gptParamSpecs, stageBlocks } from "../../engine/models/gpt.ts";
 import { AdamW } from "../../engine/optim/adamw.ts";

@@ -9,8 +9,8 @@
 // a well-formed message from someone who may send it is what credentials decide, not validation.
 import { Rng } from "../../engine/rng.ts";
 import type { Bus } from "../../services/runtime/mesh/bus.ts";
-import { DeadlineError, MeshError, NoRespondersError } from "../../services/runtime/mesh/errors.ts";
-import { WireFormatError } from "../../schemas/codec.ts";
+import { DeadlineError, NoRespondersError } from "../../services/runtime/mesh/errors.ts";
+import { MeshtrainError } from "../../ffi/errors.ts";
 
 export interface Target<T = unknown> {
   /** a short name for the report */
@@ -330,7 +330,7 @@ export async function fuzz(bus: Bus, targets: readonly Target[], o: FuzzOptions)
         const err = e as Error;
         if ((err instanceof DeadlineError && err.message.startsWith("no reply on")) || err instanceof NoRespondersError)
           out.unanswered.push({ subject: t.subject, error: err.message });
-        else if (err instanceof MeshError || err instanceof WireFormatError) {
+        else if (err instanceof MeshtrainError && err.code !== "") {
           const key = `${t.name}: ${err.constructor.name}`;
           out.errors.set(key, (out.errors.get(key) ?? 0) + 1);
         } else out.other.push(`${t.subject}: ${err.constructor.name}: ${err.message}`);

@@ -3,7 +3,6 @@
 // which come before anything opens or reads. The CLI as a process: test/sdk/cli.test.ts.
 import { describe, expect, test } from "bun:test";
 import { Command, CommanderError } from "commander";
-import { ConfigError as EngineConfigError } from "../../engine/errors.ts";
 import { probeCuda } from "../../ffi/cuda/driver.ts";
 import { givenOptions, type JobFlags, jobConfigOf, jobOptions } from "../../sdk/cli/job-options.ts";
 import { gptRunDefaults, runGpt } from "../../sdk/local/train-gpt.ts";
@@ -11,7 +10,7 @@ import { attentionText, configSummary } from "../../sdk/report.ts";
 import { attentionChoices } from "../../services/runtime/job/attention.ts";
 import type { JobConfig } from "../../services/runtime/job/config.ts";
 import { trajectoryDiff } from "../../services/runtime/job/resume.ts";
-import { ConfigError } from "../../services/runtime/mesh/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { skip } from "../helpers/skip.ts";
 
@@ -128,21 +127,21 @@ describe("train gpt's --attention cudnn: refused before anything opens or reads"
   test.each([["f32"], ["tf32"]] as const)("at precision %s", (precision) => {
     expectThrown(
       () => runGpt({ ...o, device: "cpu", precision }),
-      EngineConfigError,
+      ConfigError,
       "--attention cudnn needs bf16 or f16 autocast (--precision bf16 or f16)",
     );
   });
   test("with --device cpu", () => {
     expectThrown(
       () => runGpt({ ...o, device: "cpu", precision: "bf16" }),
-      EngineConfigError,
+      ConfigError,
       "--attention cudnn needs a GPU (cuDNN's fused attention runs on one), but --device cpu asks for the CPU",
     );
   });
   test("for a head size cuDNN does not take, on any device", () => {
     expectThrown(
       () => runGpt({ ...o, device: "cuda", precision: "f16", nEmbd: 40, nHead: 2 }),
-      EngineConfigError,
+      ConfigError,
       "--attention cudnn cannot run this GPT: head size 20",
     );
   });
@@ -151,7 +150,7 @@ describe("train gpt's --attention cudnn: refused before anything opens or reads"
     () => {
       expectThrown(
         () => runGpt({ ...o, device: "auto", precision: "bf16" }),
-        EngineConfigError,
+        ConfigError,
         "--attention cudnn needs a GPU (cuDNN's fused attention runs on one), but --device auto found no GPU (no CUDA: ",
       );
     },

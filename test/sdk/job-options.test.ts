@@ -14,7 +14,7 @@ import { mlpRunDefaults } from "../../sdk/local/train-mlp.ts";
 import { gptJobDefaults, type JobConfig, jobDefaults } from "../../services/runtime/job/config.ts";
 import { allJobOptions, flagRows, valueAt } from "../../services/runtime/job/options.ts";
 import { resumableKeys, trajectoryDiff } from "../../services/runtime/job/resume.ts";
-import { ConfigError } from "../../services/runtime/mesh/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { expectThrown } from "../helpers/errors.ts";
 
 /** `run`'s options as commander parses them. */

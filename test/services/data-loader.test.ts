@@ -27,7 +27,8 @@ import { readTokens } from "../../engine/data/token-stream.ts";
 import { readManifest, readSplit } from "../../engine/data/shards.ts";
 import { prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
-import { BadRequestError, ConfigError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
+import { BadRequestError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 
 const window = readTokens;

@@ -10,13 +10,13 @@ import { MemoryBus, subjectMatches } from "../../services/runtime/mesh/bus.ts";
 import { loadConfig } from "../../services/runtime/mesh/config.ts";
 import {
   BadRequestError,
-  ConfigError,
   errorReplyOf,
   InternalError,
   MeshError,
   rebuildError,
   UnknownJobError,
 } from "../../services/runtime/mesh/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { gptJobDefaults, jobDefaults, parseJobConfig, peakLr, usesShards } from "../../services/runtime/job/config.ts";
 import { trajectoryDiff } from "../../services/runtime/job/resume.ts";
 import { followAgain } from "../../services/runtime/job/ledger.ts";

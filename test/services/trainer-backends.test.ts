@@ -8,7 +8,7 @@ import { type OpenedBackend, openBackend } from "../../ffi/select.ts";
 import type { AttentionChoice } from "../../services/runtime/job/attention.ts";
 import { gptJobDefaults, parseJobConfig, specOfConfig } from "../../services/runtime/job/config.ts";
 import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
-import { ConfigError } from "../../services/runtime/mesh/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { TrainerBackends } from "../../services/trainer/backends.ts";
 import { Trainer } from "../../services/trainer/service.ts";
 import { expectThrown } from "../helpers/errors.ts";

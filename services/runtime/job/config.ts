@@ -7,7 +7,8 @@ import { z } from "zod";
 import { lrAt as scheduledLr, scheduleOf } from "../../../engine/optim/schedule.ts";
 import { type DataPlan } from "../../../schemas/messages/data-loader.ts";
 import { type JobSpec, SyncPolicy } from "../../../schemas/messages/job.ts";
-import { BadRequestError, ConfigError } from "../mesh/errors.ts";
+import { BadRequestError } from "../mesh/errors.ts";
+import { ConfigError } from "../../../ffi/errors.ts";
 import { attentionProblem } from "./attention.ts";
 import {
   type AnyJobOption,

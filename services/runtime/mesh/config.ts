@@ -4,7 +4,7 @@
 import { readFileSync } from "node:fs";
 import { parse as parseYaml } from "yaml";
 import type { z } from "zod";
-import { ConfigError } from "./errors.ts";
+import { ConfigError } from "../../../ffi/errors.ts";
 
 const kebab = (key: string) => key.replace(/[A-Z]/g, (c) => `-${c.toLowerCase()}`);
 const envName = (key: string) => `MT_${key.replace(/[A-Z]/g, (c) => `_${c}`).toUpperCase()}`;

@@ -1,18 +1,15 @@
 // Typed errors that cross the wire. A service answers a failed request with an ErrorReply
 // carrying `code`; the caller's bus rebuilds the same class from it (rebuildError), so code on
 // both sides catches `UnknownJobError`, not a string.
+import { ConfigError, MeshtrainError } from "../../../ffi/errors.ts";
 import { WireFormatError, type WireFormatCode } from "../../../schemas/codec.ts";
 import type { ErrorReply } from "../../../schemas/messages/runtime.ts";
 
 /** Every error a service answers with. `code` is stable: it is what crosses the wire. */
-export class MeshError extends Error {
+export class MeshError extends MeshtrainError {
   override name = "MeshError";
-  constructor(
-    readonly code: string,
-    message: string,
-    options?: ErrorOptions,
-  ) {
-    super(message, options);
+  constructor(code: string, message: string, options?: ErrorOptions) {
+    super(message, options, code);
   }
 }
 
@@ -46,14 +43,12 @@ export class CorruptDataError extends define("CorruptDataError", "corrupt_data")
 export class InternalError extends define("InternalError", "internal") {}
 /** The NATS server runs without JetStream, where the mesh keeps its job specs (KV). */
 export class JetStreamUnavailableError extends define("JetStreamUnavailableError", "no_jetstream") {}
-/** Configuration that does not validate. */
-export class ConfigError extends define("ConfigError", "config") {}
 /** The job's state does not allow the request: it is not running, it ended already, or it runs. */
 export class JobStateError extends define("JobStateError", "job_state") {}
 /** The mesh lacks a rank or a service the job needs (a trainer rank, a shard, the data-loader). */
 export class CapacityError extends define("CapacityError", "capacity") {}
 
-const classes: Record<string, new (message: string) => MeshError> = {
+const classes: Record<string, new (message: string) => MeshtrainError> = {
   bad_request: BadRequestError,
   unknown_job: UnknownJobError,
   limit_exceeded: LimitExceededError,
@@ -72,7 +67,8 @@ const wireCodes: readonly WireFormatCode[] = ["truncated", "oversized", "bad_ide
 
 /** What a service replies for an error thrown while handling a request on `subject`. */
 export function errorReplyOf(e: unknown, subject: string): ErrorReply {
-  if (e instanceof MeshError || e instanceof WireFormatError) return { code: e.code, message: e.message, subject };
+  if ((e instanceof MeshtrainError && e.code !== "") || e instanceof WireFormatError)
+    return { code: e.code, message: e.message, subject };
   const message = e instanceof Error ? `${e.name}: ${e.message}` : String(e);
   return { code: "internal", message, subject };
 }
@@ -88,7 +84,7 @@ export function rebuildError(reply: ErrorReply): Error {
 
 /** The server refused this client (TLS or authorization, or an operation its NATS user's role
  *  does not allow): retrying cannot help. */
-export class NatsAccessError extends Error {
+export class NatsAccessError extends MeshtrainError {
   override readonly name = "NatsAccessError";
 }
 

@@ -10,7 +10,7 @@
 import { type KV, type KvOptions, Kvm } from "@nats-io/kv";
 import type { NatsConnection } from "@nats-io/nats-core";
 import { jetstreamManager } from "@nats-io/jetstream";
-import { ConfigError } from "./errors.ts";
+import { ConfigError } from "../../../ffi/errors.ts";
 
 /** JetStream's own ceiling on a stream's replicas. */
 export const kvReplicasMax = 5;

@@ -2,6 +2,7 @@
 // generated config (JetStream in a temporary folder removed at stop, or in a given folder that
 // is kept; max_payload raised to the mesh's message limit). Used by the local launcher and by
 // the integration tests. `await using server = await startNatsServer()`.
+import { MeshtrainError } from "../../../ffi/errors.ts";
 import { createWriteStream, mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
@@ -9,7 +10,7 @@ import { join } from "node:path";
 
 export const natsServerInstallHint = "apt-get install -y nats-server";
 
-export class NatsServerError extends Error {
+export class NatsServerError extends MeshtrainError {
   override readonly name = "NatsServerError";
 }
 

@@ -1,5 +1,6 @@
 // NatsBus: the Bus over a real NATS server (@nats-io/transport-node), with every endpoint
 // registered through @nats-io/services so `$SRV.PING|INFO|STATS` discovery works.
+import { MeshtrainError } from "../../../ffi/errors.ts";
 import { existsSync } from "node:fs";
 import { busTraffic } from "./metrics.ts";
 import { Svcm, type Service, type ServiceMsg } from "@nats-io/services";
@@ -106,7 +107,7 @@ export const natsInstallHint =
   "apt-get install -y nats-server && nats-server -p 4222 (or: docker run -p 4222:4222 nats)";
 
 /** Error codes that answer a question about a job rather than report a problem (logged at debug level). */
-export class NatsUnreachableError extends Error {
+export class NatsUnreachableError extends MeshtrainError {
   override readonly name = "NatsUnreachableError";
 }
 

@@ -4,7 +4,7 @@
 // A storm of refusals must not flood the log or slow the service: each handler's subject gets at
 // most `burst` lines a window, and the rest are counted and said in one line when it ends.
 import type { Logger } from "./log.ts";
-import { MeshError } from "./errors.ts";
+import { MeshtrainError } from "../../../ffi/errors.ts";
 
 /** Answers, not trouble: "no such job here", "not ready yet", "busy, retry" (debug level only). */
 const answerCodes = new Set(["unknown_job", "not_ready", "job_state", "capacity"]);
@@ -34,7 +34,7 @@ export class RefusalLog {
     const log = this.log;
     if (log === undefined) return;
     const err = error instanceof Error ? error.message : String(error);
-    if (error instanceof MeshError && answerCodes.has(error.code)) {
+    if (error instanceof MeshtrainError && answerCodes.has(error.code)) {
       log.debug({ subject, err }, "request failed");
       return;
     }

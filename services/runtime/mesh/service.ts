@@ -4,10 +4,9 @@
 import { hostname } from "node:os";
 import { z } from "zod";
 import { DataFileError } from "../../../engine/data/errors.ts";
-import { ConfigError as EngineConfigError } from "../../../engine/errors.ts";
-import { NativeLibraryError } from "../../../ffi/errors.ts";
 import { loadConfig } from "./config.ts";
-import { ConfigError, NatsAccessError } from "./errors.ts";
+import { ConfigError, NativeLibraryError } from "../../../ffi/errors.ts";
+import { NatsAccessError } from "./errors.ts";
 import { createLogger, type Logger } from "./log.ts";
 import { serveMetrics } from "./metrics.ts";
 import { NatsBus } from "./nats.ts";
@@ -134,7 +133,6 @@ export const configExitCode = 78;
 export function isConfigurationError(e: unknown): boolean {
   return (
     e instanceof ConfigError ||
-    e instanceof EngineConfigError ||
     e instanceof NativeLibraryError ||
     e instanceof DataFileError ||
     e instanceof NatsAccessError ||
