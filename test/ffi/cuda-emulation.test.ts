@@ -21,8 +21,7 @@
 // (expf, tanhf, ... here are glibc's), register or shared-memory limits, or performance. The
 // real-GPU parity suite in test/engine/ops.test.ts covers those on a machine with a GPU.
 import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
-import { dlopen, ptr } from "bun:ffi";
-import type { Allocation, BinaryOp, Dims4, Ptr } from "../../ffi/backend.ts";
+import type { BinaryOp, Dims4, Ptr } from "../../ffi/backend.ts";
 import {
   accumulatePlan,
   flashBackward,
@@ -31,12 +30,45 @@ import {
   type KernelName,
   type Launch,
   plans,
-  scratchBytes,
 } from "../../ffi/cuda/kernels.ts";
 import { Rng } from "../../engine/rng.ts";
-import { castSpecials, cpu, relErr } from "../helpers/numeric.ts";
+import { castSpecials } from "../helpers/numeric.ts";
 import { emulatorLibrary } from "../helpers/emulated-cuda.ts";
 import { skip } from "../helpers/skip.ts";
+import {
+  type Emulator,
+  openEmulator,
+  encodeArgs,
+  gridModes,
+  uncappedKernels,
+  expectExact,
+  geluScaleMin,
+  expectClose,
+  bitsOf,
+  prod,
+  extent,
+} from "../helpers/kernel-emulator.ts";
+import {
+  be,
+  devAlloc,
+  twin,
+  outF32,
+  outU16,
+  readF32,
+  readU16,
+  asElem,
+  twinElem,
+  outElem,
+  readElem,
+  elemTol,
+  byElem,
+  poisonedScratch,
+  scratchI64,
+  scratchF64,
+  openScratch,
+  freeScratch,
+  freeLive,
+} from "../helpers/emulated-buffers.ts";
 
 /** g++ on 2 busy cores: the build compiles ten kernel modules */
 const buildTimeoutMs = 120_000;
@@ -46,59 +78,6 @@ const gxx = Bun.which("g++");
 // ---- running plans -------------------------------------------------------------------------------
 
 type Method = keyof typeof plans;
-
-interface Emulator {
-  launch(
-    name: Uint8Array,
-    grid: number,
-    bx: number,
-    by: number,
-    bz: number,
-    slots: BigUint64Array,
-    gridCap: number,
-  ): number;
-}
-
-function openEmulator(path: string): Emulator {
-  const lib = dlopen(path, {
-    emu_launch: { args: ["ptr", "u32", "u32", "u32", "u32", "ptr", "u32"], returns: "i32" },
-  });
-  return {
-    launch: (name, grid, bx, by, bz, slots, gridCap) =>
-      lib.symbols.emu_launch(ptr(name), grid, bx, by, bz, ptr(slots), gridCap),
-  };
-}
-
-/** The kernel arguments as 64-bit slots, decoded by type on the C++ side (emu_from_slot). */
-function encodeArgs(launch: Launch): BigUint64Array {
-  const params = kernelSpecs[launch.kernel].params;
-  const slots = new BigUint64Array(Math.max(1, params.length));
-  const f32Bits = new Uint32Array(1);
-  params.forEach((type, i) => {
-    const arg = launch.args[i]!;
-    if (type === "f32") {
-      new Float32Array(f32Bits.buffer)[0] = arg as number;
-      slots[i] = BigInt(f32Bits[0]!);
-    } else {
-      slots[i] = BigInt.asUintN(64, BigInt(arg));
-    }
-  });
-  return slots;
-}
-
-// Grid modes: as planned, and capped at a few blocks so every grid-stride loop runs several
-// rounds (elementwise kernels past 3*256 items, warp-row kernels past 24 rows, column kernels
-// past 96 columns). Block-partial kernels are never capped: their grid is the partial count that
-// the second pass reads, one partial per block (reduce.cu).
-const gridModes = [
-  { name: "grid as planned", gridCap: 0 },
-  { name: "grid capped at 3 blocks", gridCap: 3 },
-] as const;
-const uncappedKernels = new Set<KernelName>([
-  "mt_sum_squares_partial_f32",
-  "mt_count_nonfinite_partial_f32",
-  "mt_count_correct_partial_f32",
-]);
 
 let emulator: Emulator | undefined;
 let gridCap = 0;
@@ -129,145 +108,6 @@ function runLaunches(launches: Launch[]): void {
   }
 }
 
-// ---- memory: every buffer has a CPU copy and an emulator copy -------------------------------------
-
-const be = cpu();
-const live: Allocation[] = [];
-let scratch: Allocation | undefined;
-// the scratch bytes the plans may use: all of it (split column sums keep partials to its end)
-const scratchUsedBytes = scratchBytes;
-
-type HostArray = Float32Array | Int32Array | Uint16Array;
-
-function devAlloc(data: HostArray): Ptr {
-  const a = be.alloc(Math.max(8, data.byteLength));
-  live.push(a);
-  be.upload(a.ptr, data);
-  return a.ptr;
-}
-
-/** [cpu, emulator] copies of data */
-function twin(data: HostArray): [Ptr, Ptr] {
-  return [devAlloc(data), devAlloc(data)];
-}
-
-/** [cpu, emulator] outputs of n floats, NaN so that an element the kernel never writes fails */
-const outF32 = (n: number): [Ptr, Ptr] => twin(new Float32Array(n).fill(NaN));
-const outU16 = (n: number): [Ptr, Ptr] => twin(new Uint16Array(n).fill(0xffff));
-
-function readF32(p: Ptr, n: number): Float32Array {
-  const out = new Float32Array(n);
-  be.download(p, out);
-  return out;
-}
-function readU16(p: Ptr, n: number): Uint16Array {
-  const out = new Uint16Array(n);
-  be.download(p, out);
-  return out;
-}
-
-// ---- buffers of activations: f32 or a 2-byte type (ffi/ops.ts `elem`) ------------------------------
-
-type Elem = "f32" | "bf16" | "f16";
-/** The activation types the kernel suites run: f32 and bf16 (f16 takes the same paths, through
- *  conversions the cast tests cover bit by bit). */
-const elems = ["f32", "bf16"] as const;
-
-/** data rounded to elem, as a buffer of that type stores it (f32, or 2-byte bits) */
-function asElem(data: Float32Array, elem: Elem): Float32Array | Uint16Array {
-  if (elem === "f32") return data;
-  const wide = devAlloc(data);
-  const [narrow] = outU16(data.length);
-  if (elem === "bf16") be.castF32ToBF16(narrow, wide, data.length);
-  else be.castF32ToF16(narrow, wide, data.length);
-  return readU16(narrow, data.length);
-}
-const twinElem = (data: Float32Array, elem: Elem): [Ptr, Ptr] => twin(asElem(data, elem));
-/** [cpu, emulator] outputs of n elements of elem, NaN */
-const outElem = (n: number, elem: Elem): [Ptr, Ptr] => (elem === "f32" ? outF32(n) : outU16(n));
-/** n elements of elem, as f32 */
-function readElem(p: Ptr, n: number, elem: Elem): Float32Array {
-  if (elem === "f32") return readF32(p, n);
-  const [wide] = outF32(n);
-  if (elem === "bf16") be.castBF16ToF32(wide, p, n);
-  else be.castF16ToF32(wide, p, n);
-  return readF32(wide, n);
-}
-/** A tolerance for results stored in elem: two f32 results a rounding apart may round to
- *  neighbouring 2-byte values (bf16 keeps 8 bits, f16 11). */
-const elemTol = (elem: Elem, tol: number): number =>
-  elem === "bf16" ? Math.max(tol, 2 ** -7) : elem === "f16" ? Math.max(tol, 2 ** -10) : tol;
-/** each case once per activation type */
-const byElem = <T extends readonly unknown[]>(cases: readonly T[]): [...T, Elem][] =>
-  cases.flatMap((c) => elems.map((e): [...T, Elem] => [...c, e]));
-
-/** Scratch contents are unspecified: poison them before each scalar plan. */
-function poisonedScratch(): Ptr {
-  be.upload(scratch!.ptr, new Uint8Array(scratchUsedBytes).fill(0xff));
-  return scratch!.ptr;
-}
-function scratchI64(): number {
-  const out = new BigInt64Array(1);
-  be.download(scratch!.ptr, out);
-  return Number(out[0]);
-}
-function scratchF64(): number {
-  const out = new Float64Array(1);
-  be.download(scratch!.ptr, out);
-  return out[0]!;
-}
-
-// ---- comparisons ---------------------------------------------------------------------------------
-
-/** The first element where emu and cpu differ in value (NaN matches any NaN), or null. */
-function firstMismatch(emu: ArrayLike<number>, ref: ArrayLike<number>): string | null {
-  if (emu.length !== ref.length) return `lengths ${emu.length} vs ${ref.length}`;
-  for (let i = 0; i < ref.length; i++) {
-    const e = emu[i]!,
-      c = ref[i]!;
-    if (!(e === c || (Number.isNaN(e) && Number.isNaN(c))) || Object.is(e, -0) !== Object.is(c, -0)) {
-      return `element ${i}: emulator ${e}, cpu ${c}`;
-    }
-  }
-  return null;
-}
-
-function expectExact(what: string, emu: ArrayLike<number>, ref: ArrayLike<number>): void {
-  expect({ what, mismatch: firstMismatch(emu, ref) }).toEqual({ what, mismatch: null });
-}
-
-/** GELU is 0.5 x (1 + tanh(u)): where tanh is near -1 (x below about -2) the CPU kernels' fast
- *  tanh and glibc's (in the emulator) differ by about an ulp of 1, which becomes an absolute
- *  difference of about |x| 6e-8 in a result that may be far smaller (at x = -5.13 one gives 0, the
- *  other -1.5e-7). Compare on a scale of at least this, not relative to such a tiny result. */
-const geluScaleMin = 1e-2;
-
-/** Non-finite elements must match exactly; the finite rest within relErr <= tol, relative to the
- *  largest |ref|, or to scaleMin where every |ref| is smaller. */
-function expectClose(what: string, emu: ArrayLike<number>, ref: ArrayLike<number>, tol = 1e-5, scaleMin = 0): void {
-  expect(emu.length).toBe(ref.length);
-  const e: number[] = [],
-    c: number[] = [];
-  let nonFinite: string | null = null;
-  for (let i = 0; i < ref.length; i++) {
-    if (Number.isFinite(emu[i]!) && Number.isFinite(ref[i]!)) {
-      e.push(emu[i]!);
-      c.push(ref[i]!);
-    } else if (nonFinite === null && firstMismatch([emu[i]!], [ref[i]!]) !== null) {
-      nonFinite = `element ${i}: emulator ${emu[i]}, cpu ${ref[i]}`;
-    }
-  }
-  expect({ what, nonFinite }).toEqual({ what, nonFinite: null });
-  const largest = c.reduce((m, v) => Math.max(m, Math.abs(v)), 0);
-  const err = largest >= scaleMin ? relErr(e, c) : relErr(e, c) * (Math.max(largest, 1e-30) / scaleMin);
-  expect({ what, withinTol: err <= tol ? true : `relErr ${err} > ${tol}` }).toEqual({ what, withinTol: true });
-}
-
-const bitsOf = (x: Float32Array): Uint32Array => new Uint32Array(x.buffer, x.byteOffset, x.length);
-const prod = (d: Dims4): number => d[0] * d[1] * d[2] * d[3];
-/** elements a strided view over dims spans */
-const extent = (d: Dims4, s: Dims4): number => 1 + d.reduce((acc, n, k) => acc + s[k]! * (n - 1), 0);
-
 let rng = new Rng(1);
 /** seeded normals (never zero in practice: zeros hide unwritten or mis-indexed elements) */
 function normals(n: number, scale = 1): Float32Array {
@@ -284,15 +124,13 @@ describe.skipIf(skip("g++", gxx === null ? "g++ not found on PATH (it builds the
   () => {
     beforeAll(async () => {
       emulator = openEmulator(await emulatorLibrary());
-      scratch = be.alloc(scratchBytes);
+      openScratch();
     }, buildTimeoutMs);
-    afterEach(() => {
-      for (const a of live.splice(0)) be.free(a);
-    });
+    afterEach(freeLive);
     afterAll(() => {
       // the emulator stays loaded: its worker threads live until the process exits, and
       // unmapping their code under them (dlclose) crashes the process
-      if (scratch !== undefined) be.free(scratch);
+      freeScratch();
     });
 
     describe.each(gridModes)("$name", ({ gridCap: cap }) => {
