@@ -1,4 +1,4 @@
-// Builds ffi/cpu/kernels.c into a shared library with the system C compiler, and finds
+// Builds the CPU kernels (ffi/cpu/kernels.c, attention.c, compress.c) into a shared library with the system C compiler, and finds
 // Debian's OpenBLAS. The library is rebuilt only when the source, flags or OpenBLAS path
 // change (a stamp file beside it records them). Run directly (`bun ffi/cpu/build.ts`) at
 // set-up; the CPU backend also calls ensureKernelLibrary() so a fresh checkout just works.
@@ -8,7 +8,9 @@ import { join } from "node:path";
 import { NativeLibraryError } from "../errors.ts";
 
 const here = import.meta.dir;
-export const kernelSourcePath = join(here, "kernels.c");
+/** The kernel library's sources (one library of three translation units) and the header they share. */
+export const kernelSourcePaths = ["kernels.c", "attention.c", "compress.c"].map((f) => join(here, f));
+const kernelHeaderPath = join(here, "kernels.h");
 export const numericsHeaderPath = join(here, "..", "numerics.h");
 const buildDir = join(here, "build");
 const libraryPath = join(buildDir, "libmtkernels.so");
@@ -76,8 +78,10 @@ export function ensureKernelLibrary(
   warn: (text: string) => void = log,
 ): { kernels: string; openblas: string } {
   const openblas = findOpenBLAS();
-  // kernels.c and the header it shares with the CUDA kernels
-  const source = Buffer.concat([readFileSync(kernelSourcePath), readFileSync(numericsHeaderPath)]);
+  // the sources, their header, and the header they share with the CUDA kernels
+  const source = Buffer.concat(
+    [...kernelSourcePaths, kernelHeaderPath, numericsHeaderPath].map((path) => readFileSync(path)),
+  );
   const flags = compileFlags();
   const stamp = createHash("sha256").update(source).update(flags.join(" ")).update(openblas).digest("hex");
   if (existsSync(libraryPath) && existsSync(stampPath) && readFileSync(stampPath, "utf8") === stamp) {
@@ -87,12 +91,12 @@ export function ensureKernelLibrary(
   mkdirSync(buildDir, { recursive: true });
   // Build to a temporary name and rename: a concurrent loader never sees a half-written file.
   const tmp = `${libraryPath}.${process.pid}.tmp`;
-  const args = [cc, ...flags, "-o", tmp, kernelSourcePath, openblas, `-Wl,-rpath,${join(openblas, "..")}`, "-lm"];
+  const args = [cc, ...flags, "-o", tmp, ...kernelSourcePaths, openblas, `-Wl,-rpath,${join(openblas, "..")}`, "-lm"];
   log(`building CPU kernels: ${args.join(" ")}`);
   const result = Bun.spawnSync(args, { stdout: "pipe", stderr: "pipe" });
   if (result.exitCode !== 0) {
     throw new NativeLibraryError(
-      `compiling ${kernelSourcePath} failed (exit ${result.exitCode}):\n${result.stderr.toString()}`,
+      `compiling ${kernelSourcePaths.join(", ")} failed (exit ${result.exitCode}):\n${result.stderr.toString()}`,
     );
   }
   const warnings = result.stderr.toString().trim();

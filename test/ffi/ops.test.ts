@@ -1,15 +1,15 @@
 // The op declarations (ffi/ops.ts) against what they are derived into or checked with: the C
-// kernels' prototypes in ffi/cpu/kernels.c, the CUDA plans, and both backends' methods.
+// kernels' prototypes in ffi/cpu/*.c, the CUDA plans, and both backends' methods.
 import { describe, expect, test } from "bun:test";
 import { readFileSync } from "node:fs";
-import { join } from "node:path";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { kernelSourcePaths } from "../../ffi/cpu/build.ts";
 import { plans } from "../../ffi/cuda/kernels.ts";
 import { cArgTypes, type OpDecl, ops, passesStraight, toCArgs } from "../../ffi/ops.ts";
 
-const source = readFileSync(join(import.meta.dir, "..", "..", "ffi", "cpu", "kernels.c"), "utf8");
+const source = kernelSourcePaths.map((path) => readFileSync(path, "utf8")).join("\n");
 
-/** Every exported kernel definition of kernels.c: its return type and parameter types, as declared types. */
+/** Every exported kernel definition of the C sources: its return type and parameter types, as declared types. */
 function prototypes(): Map<string, { result: string; args: string[] }> {
   const out = new Map<string, { result: string; args: string[] }>();
   for (const m of source.matchAll(/^(void|int64_t|double|int|void\*)\s+(mt_\w+)\(([^)]*)\)\s*\{/gm)) {
@@ -30,13 +30,13 @@ function prototypes(): Map<string, { result: string; args: string[] }> {
 }
 
 describe("op declarations", () => {
-  test("each op's C kernel exists in kernels.c with the declared parameter and result types, in the declared order", () => {
+  test("each op's C kernel exists in ffi/cpu's C sources with the declared parameter and result types, in the declared order", () => {
     const protos = prototypes();
     const wrong: string[] = [];
     for (const [name, d] of Object.entries(ops) as [string, OpDecl][]) {
       const p = protos.get(d.cpu);
       if (p === undefined) {
-        wrong.push(`${name}: no ${d.cpu} in kernels.c`);
+        wrong.push(`${name}: no ${d.cpu} in ffi/cpu/*.c`);
         continue;
       }
       const want = cArgTypes(d);
