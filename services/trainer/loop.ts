@@ -186,7 +186,8 @@ export class TrainerRun {
           ...(o.ncclIds ? { ncclIds: o.ncclIds } : {}),
           attempt: o.attempt ?? 0,
         });
-    this.#model = replica?.model ?? planModel(this.#ctx, o.cfg, o.plan);
+    // parameter-server mode: the shards hold the starting values, and the trainer pulls them
+    this.#model = replica?.model ?? planModel(this.#ctx, o.cfg, o.plan, false);
     this.#mode = trainerMode(this.#stepHost(), o.plan, replica);
   }
 

@@ -100,9 +100,11 @@ export function replicaOf(o: ReplicaOfOptions): TrainerReplica {
   });
 }
 
-/** The whole model of a job, checked against its plan's parameter layout. */
-export function planModel(ctx: Context, cfg: JobConfig, plan: DataPlan): Model {
-  const model = buildModel(ctx, cfg, plan);
+/** The whole model of a job, checked against its plan's parameter layout; `fresh` false: its
+ *  starting values come from elsewhere (a parameter-server trainer pulls them from the shards),
+ *  so a fine-tuned job's folder is not read for them (buildModel). */
+export function planModel(ctx: Context, cfg: JobConfig, plan: DataPlan, fresh = true): Model {
+  const model = buildModel(ctx, cfg, plan, fresh);
   checkPlanLayout(plan, model.store.slabNumel, model.store.decayRange.numel);
   return model;
 }
