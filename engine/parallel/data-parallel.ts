@@ -46,7 +46,7 @@ import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { Context } from "../context.ts";
 import { EngineError, NonFiniteLossError } from "../errors.ts";
 import type { Model } from "../models/model.ts";
-import { optimizerOf } from "../optim/choose.ts";
+import { type OptimizerSpec, optimizerOf } from "../optim/choose.ts";
 import { LossScaler } from "../optim/loss-scale.ts";
 import type { Optimizer, UpdatePlan } from "../optim/optimizer.ts";
 import type { ParamStore } from "../params.ts";
@@ -89,11 +89,6 @@ export class ReplicaDivergedError extends Error {
   override readonly name = "ReplicaDivergedError";
 }
 
-/** The optimizer every rank runs (a job's `optimizer` setting). */
-export type OptimizerSpec =
-  | { kind: "sgd"; momentum: number; nesterov: boolean; weightDecay: number }
-  | { kind: "adamw"; beta1: number; beta2: number; eps: number; weightDecay: number };
-
 export interface DataParallelOptions {
   ctx: Context;
   model: Model;
@@ -114,6 +109,7 @@ export interface DataParallelOptions {
   bucketMb: number;
   /** compression of the buckets (compress.ts's parseCompression): "none", "fp16", "topk:0.01", ... */
   compress: string;
+  /** the optimizer every rank runs (a job's `optimizer` setting) */
   optimizer: OptimizerSpec;
   /** clip the averaged gradient's global norm to this (0: no clipping) */
   gradClip: number;

@@ -45,7 +45,7 @@ import type { ShardState } from "../../schemas/messages/parameter-server.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
 import type { BusTransport } from "../runtime/transport/collective-bus.ts";
 import { BadRequestError, CorruptDataError } from "../runtime/mesh/errors.ts";
-import { dataRanks, type JobConfig } from "../runtime/job/config.ts";
+import { dataRanks, type JobConfig, lrAt } from "../runtime/job/config.ts";
 import { buildLayout, type Layout } from "../runtime/job/layout.ts";
 import { modelConfigOf } from "../runtime/job/model.ts";
 import { cutPartition, KeptParts, type ReplicaMeta } from "../runtime/job/replica-parts.ts";
@@ -212,13 +212,8 @@ export class ModelParallelReplica implements TrainerReplica {
    * One step of this rank: its share of the copy's micro-batches (`micro`: the copy's batch,
    * `rows` of the step's `total`), reduced with the other copies by their rows.
    */
-  async step(
-    step: number,
-    micro: readonly HostBatch[],
-    rows: number,
-    total: number,
-    lr: number,
-  ): Promise<ReplicaStepResult> {
+  async step(step: number, micro: readonly HostBatch[], rows: number, total: number): Promise<ReplicaStepResult> {
+    const lr = lrAt(this.#o.cfg, this.#o.plan, step);
     const r = await this.#rank.stage.step(step, micro, lr, total > 0 ? rows / total : 0);
     this.#peakHeld = Math.max(this.#peakHeld, r.peakHeldBytes);
     return {
@@ -230,6 +225,7 @@ export class ModelParallelReplica implements TrainerReplica {
       commMs: r.idleMs + r.tensorMs,
       exposedCommMs: r.idleMs + r.tensorMs,
       density: -1,
+      lr,
     };
   }
 

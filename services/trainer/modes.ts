@@ -396,13 +396,12 @@ class ReplicaMode implements TrainerMode {
     const snapshotMs = await h.boundary(step);
     h.checkGeneration(step, generation);
     h.hb?.at(step, "compute and collective");
-    const lr = h.lr(step);
     const micro = batch.rows > 0 ? microBatches(batch, cfg.accumSteps) : [];
     const wire0 = replica.wireBytes;
     const delayed = performance.now();
     if (h.stepDelayMs) await Bun.sleep(h.stepDelayMs);
     const delayMs = performance.now() - delayed;
-    const r = await replica.step(step, micro, batch.rows, h.rowsAt(step), lr);
+    const r = await replica.step(step, micro, batch.rows, h.rowsAt(step));
     h.checkGeneration(step, generation);
     if (cfg.replicaCheckEvery > 0 && ((step + 1) % cfg.replicaCheckEvery === 0 || step + 1 === h.total))
       await replica.checkReplicas(step);
@@ -413,7 +412,7 @@ class ReplicaMode implements TrainerMode {
       kind: EventKind.Step,
       step,
       loss: r.loss,
-      lr,
+      lr: r.lr,
       samplesPerS: batch.rows / ((t3 - t0) / 1000),
       dataWaitMs: t1 - t0,
       computeMs: r.computeMs + delayMs,

@@ -35,7 +35,7 @@ import { type ShardState, shardStateChecksum } from "../../schemas/messages/para
 import type { Bus, Subscription } from "../runtime/mesh/bus.ts";
 import { BusTransport, busTransportDefaults, type BusTransportOptions } from "../runtime/transport/collective-bus.ts";
 import { BadRequestError, CapacityError } from "../runtime/mesh/errors.ts";
-import { type JobConfig } from "../runtime/job/config.ts";
+import { type JobConfig, lrAt } from "../runtime/job/config.ts";
 import { subjects } from "../runtime/job/subjects.ts";
 import { buildLayout, type Layout } from "../runtime/job/layout.ts";
 import { cutPartition, cutReplica, KeptParts, type ReplicaMeta } from "../runtime/job/replica-parts.ts";
@@ -43,7 +43,8 @@ import { implausibleStateText, plausibleState } from "../runtime/job/limits.ts";
 import type { ReplicaServes, TrainerReplica } from "./trainer-replica.ts";
 
 export { ReplicaDivergedError } from "../../engine/parallel/data-parallel.ts";
-export type ReplicaStepResult = DataParallelStepResult;
+/** A step's result, and the learning rate its update took (the job's schedule at that step). */
+export type ReplicaStepResult = DataParallelStepResult & { lr: number };
 
 export interface ReplicaOptions {
   bus: Bus;
@@ -377,16 +378,11 @@ export class Replica implements TrainerReplica {
 
   /**
    * One step: forward/backward over `micro` (this rank's `rows` samples), the averaged gradient
-   * over all ranks (`totalRows` samples), and the update at `lr`.
+   * over all ranks (`totalRows` samples), and the update at the job's learning rate at `step`.
    */
-  step(
-    step: number,
-    micro: readonly HostBatch[],
-    rows: number,
-    totalRows: number,
-    lr: number,
-  ): Promise<ReplicaStepResult> {
-    return this.dp.step(step, micro, rows, totalRows, lr);
+  async step(step: number, micro: readonly HostBatch[], rows: number, totalRows: number): Promise<ReplicaStepResult> {
+    const lr = lrAt(this.#o.cfg, this.#o, step);
+    return { ...(await this.dp.step(step, micro, rows, totalRows, lr)), lr };
   }
 
   /** ZeRO stage 3: every bucket's parameters gathered and bound (every rank at the same step boundary). */

@@ -48,14 +48,9 @@ export interface TrainerReplica {
   useTopology(hosts: readonly string[], places?: readonly (TrainerPlace | undefined)[]): void;
   /** a peer went quiet (the liveness watch named it); absent where no communicator could wait on it forever */
   peerStalled?(peer: number, why: string): void;
-  /** one step over `micro` (this rank's `rows` of the step's `totalRows` samples) at `lr` */
-  step(
-    step: number,
-    micro: readonly HostBatch[],
-    rows: number,
-    totalRows: number,
-    lr: number,
-  ): Promise<ReplicaStepResult>;
+  /** one step over `micro` (this rank's `rows` of the step's `totalRows` samples), its update at
+   *  the job's learning rate at `step` (config.ts's lrAt) */
+  step(step: number, micro: readonly HostBatch[], rows: number, totalRows: number): Promise<ReplicaStepResult>;
   /** compares the copies' parameters (an error names those that differ) */
   checkReplicas(step: number): Promise<void>;
   /** the model's evaluation over `batches` at the boundary of `step` (every rank at the same one) */

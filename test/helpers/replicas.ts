@@ -27,10 +27,14 @@ export interface ReplicaRanksOptions {
   /** 1 MiB when unset */
   payloadBytesMax?: number;
   transport?: ReplicaOptions["transport"];
+  /** the job's learning rate, held constant (the tests step beside a constant-rate reference);
+   *  cfg's lr and schedule when unset */
+  lr?: number;
 }
 
 /** The cfg.trainers ranks of an all-reduce job, each with its replica listening on the bus. */
-export function replicaRanks(cfg: JobConfig, o: ReplicaRanksOptions): ReplicaRank[] {
+export function replicaRanks(job: JobConfig, o: ReplicaRanksOptions): ReplicaRank[] {
+  const cfg: JobConfig = o.lr === undefined ? job : { ...job, lr: o.lr, scaleLr: false, schedule: "constant" };
   const bus = o.bus ?? new MemoryBus();
   return Array.from({ length: cfg.trainers }, (_, rank) => {
     const ctx = new Context(o.backend?.() ?? new CpuBackend(), { seed: 7 + rank, precision: cfg.precision });

@@ -40,12 +40,12 @@ interface Run {
 }
 
 async function train(cfg: JobConfig, steps: number, backend: () => Backend): Promise<Run> {
-  const ranks = replicaRanks(cfg, { plan, backend, progressTimeoutMs: 30_000 });
+  const ranks = replicaRanks(cfg, { plan, backend, progressTimeoutMs: 30_000, lr: 3e-3 });
   const run: Run = { losses: [], norms: [], params: [], memory: [] };
   try {
     for (let s = 0; s < steps; s++) {
       const results = await Promise.all(
-        ranks.map((r, rank) => r.replica.step(s, [windows((s * 2 + rank) * 2, 2)], 2, 4, 3e-3)),
+        ranks.map((r, rank) => r.replica.step(s, [windows((s * 2 + rank) * 2, 2)], 2, 4)),
       );
       run.losses.push(results.reduce((a, x) => a + x.loss, 0) / results.length);
       run.norms.push(results[0]!.gradNorm);

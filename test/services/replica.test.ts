@@ -46,8 +46,15 @@ function batch(from: number, n: number): HostBatch {
 
 const sharedBus = new MemoryBus();
 
-const ranks = (cfg: JobConfig, bus = new MemoryBus()): ReplicaRank[] =>
-  replicaRanks(cfg, { bus, plan: imagePlan, transport: { peerLostMs: 5_000 }, progressTimeoutMs: 5_000 });
+/** The ranks of `cfg` (stepping at the constant `lr` where it is given) on `bus`, a new one where it is not. */
+const ranks = (cfg: JobConfig, o: { lr?: number; bus?: MemoryBus } = {}): ReplicaRank[] =>
+  replicaRanks(cfg, {
+    bus: o.bus ?? new MemoryBus(),
+    plan: imagePlan,
+    transport: { peerLostMs: 5_000 },
+    progressTimeoutMs: 5_000,
+    ...(o.lr === undefined ? {} : { lr: o.lr }),
+  });
 
 /** One process with the whole batch: the job's model and optimizer at the constant `lr`. */
 function singleProcess(cfg: JobConfig, plan: ModelPlan, lr: number) {
@@ -68,15 +75,15 @@ async function stepBeside(
   rs: ReplicaRank[],
   train: TrainStep,
   data: (from: number, n: number) => HostBatch,
-  o: { steps: number; b: number; lr: number },
+  o: { steps: number; b: number },
   each: (results: ReplicaStepResult[], whole: StepResult) => void = () => {},
 ): Promise<number> {
-  const { b, lr } = o;
+  const { b } = o;
   let worst = 0;
   for (let s = 0; s < o.steps; s++) {
     const whole = train.run([data(s * 2 * b, 2 * b)]);
     const results = await Promise.all(
-      rs.map((r, rank) => r.replica.step(s, [data(s * 2 * b + rank * b, b)], b, 2 * b, lr)),
+      rs.map((r, rank) => r.replica.step(s, [data(s * 2 * b + rank * b, b)], b, 2 * b)),
     );
     const loss = (results[0]!.loss + results[1]!.loss) / 2;
     worst = Math.max(worst, relDiff(loss, whole.loss), relDiff(results[0]!.gradNorm, whole.gradNorm));
@@ -101,11 +108,11 @@ describe("all-reduce replicas", () => {
     const cfg = config();
     const b = 32,
       lr = 0.05;
-    const rs = ranks(cfg);
+    const rs = ranks(cfg, { lr });
     const { ctx, single, train } = singleProcess(cfg, imagePlan, lr);
     try {
       let clipped = 0;
-      const worst = await stepBeside(rs, train, batch, { steps: 50, b, lr }, (results, whole) => {
+      const worst = await stepBeside(rs, train, batch, { steps: 50, b }, (results, whole) => {
         expect(results[0]!.gradNorm).toBe(results[1]!.gradNorm); // one averaged gradient on every rank
         if (whole.gradNorm > cfg.gradClip) clipped++;
       });
@@ -147,11 +154,11 @@ describe("all-reduce replicas", () => {
       }
       return { inputs, inputShape: [n, T], targets, targetShape: [n, T] };
     };
-    const rs = replicaRanks(cfg, { bus: sharedBus, plan, progressTimeoutMs: 5_000 });
+    const rs = replicaRanks(cfg, { bus: sharedBus, plan, progressTimeoutMs: 5_000, lr });
     expect(cfg.optimizer.kind).toBe("adamw");
     const { ctx, single, train } = singleProcess(cfg, plan, lr);
     try {
-      expect(await stepBeside(rs, train, windows, { steps: 20, b, lr })).toBeLessThanOrEqual(1e-4);
+      expect(await stepBeside(rs, train, windows, { steps: 20, b })).toBeLessThanOrEqual(1e-4);
       expectReplicasMatch(rs, single);
       expect(rs[0]!.replica.bucketSizes.length).toBeGreaterThan(1);
     } finally {
@@ -162,15 +169,12 @@ describe("all-reduce replicas", () => {
 
   test("a rank without samples (the epoch's short last step) still reduces, and the step weighs each sample once", async () => {
     const cfg = config({ gradClip: 0 });
-    const rs = ranks(cfg);
+    const rs = ranks(cfg, { lr: 0.1 });
     const { ctx, single, train } = singleProcess(cfg, imagePlan, 0.1);
     try {
       const only = batch(0, 3);
       const whole = train.run([only]);
-      const [r0] = await Promise.all([
-        rs[0]!.replica.step(0, [only], 3, 3, 0.1),
-        rs[1]!.replica.step(0, [], 0, 3, 0.1),
-      ]);
+      const [r0] = await Promise.all([rs[0]!.replica.step(0, [only], 3, 3), rs[1]!.replica.step(0, [], 0, 3)]);
       expect(relDiff(r0!.gradNorm, whole.gradNorm)).toBeLessThan(1e-5);
       const ref = single.store.readValues(),
         p1 = rs[1]!.model.store.readValues();
@@ -186,18 +190,18 @@ describe("all-reduce replicas", () => {
     // reading service discovery; its first communicator took them as early, the rebuilt one never
     // saw them, and the step hung until the progress timeout
     const cfg = config({ trainers: 4 });
-    const rs = ranks(cfg);
+    const rs = ranks(cfg, { lr: 0.05 });
     const hosts = ["a", "a", "b", "b"];
     try {
       const steps = rs.slice(0, 3).map((r, rank) => {
         r.replica.useTopology(hosts);
         const mine = batch(rank * 16, 16);
-        return r.replica.step(0, [mine], 16, 64, 0.05);
+        return r.replica.step(0, [mine], 16, 64);
       });
       await Bun.sleep(300); // the others' first pieces are out (and retried: no one listens yet)
       rs[3]!.replica.useTopology(hosts);
       const last = batch(3 * 16, 16);
-      const results = await Promise.all([...steps, rs[3]!.replica.step(0, [last], 16, 64, 0.05)]);
+      const results = await Promise.all([...steps, rs[3]!.replica.step(0, [last], 16, 64)]);
       expect(new Set(results.map((x) => x.gradNorm)).size).toBe(1);
       expect(rs[3]!.replica.hostCount).toBe(2);
       const values = rs.map((r) => Buffer.from(r.model.store.readValues().buffer));
@@ -230,14 +234,14 @@ describe("all-reduce replicas", () => {
 
   test("snapshot parts: exported under the size limit, hostile parts refused without a change, a restore continues on the same trajectory", async () => {
     const cfg = config({ optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 } });
-    const rs = ranks(cfg);
-    const rest = ranks(cfg, new MemoryBus()); // a second pair that resumes from rank 0's snapshot
+    const rs = ranks(cfg, { lr: 1e-3 });
+    const rest = ranks(cfg, { lr: 1e-3 }); // a second pair that resumes from rank 0's snapshot
     try {
       const run = async (group: ReplicaRank[], s: number) =>
         Promise.all(
           group.map((r, rank) => {
             const mine = batch(s * 16 + rank * 8, 8);
-            return r.replica.step(s, [mine], 8, 16, 1e-3);
+            return r.replica.step(s, [mine], 8, 16);
           }),
         );
       for (let s = 0; s < 3; s++) await run(rs, s);
@@ -309,7 +313,7 @@ describe("all-reduce replicas", () => {
   test("between a restore's interrupt and its reconnect, the rank's collective subject tells a sender to retry instead of having no responder", async () => {
     const cfg = config();
     const bus = new MemoryBus();
-    const rs = ranks(cfg, bus);
+    const rs = ranks(cfg, { bus });
     const piece = new Uint8Array([1, 2, 3]);
     try {
       await Promise.all(rs.map((r) => r.replica.checkReplicas(0))); // the communicators are up

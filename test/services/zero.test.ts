@@ -81,13 +81,17 @@ async function train(
   rows: number,
   init: (r: Replica) => void = () => {},
 ): Promise<Run> {
-  const ranks = replicaRanks(cfg, { plan: cfg.model.kind === "gpt" ? gptPlan : imagePlan, progressTimeoutMs: 10_000 });
+  const ranks = replicaRanks(cfg, {
+    plan: cfg.model.kind === "gpt" ? gptPlan : imagePlan,
+    progressTimeoutMs: 10_000,
+    lr,
+  });
   for (const r of ranks) init(r.replica);
   const run: Run = { losses: [], norms: [], skipped: [], params: [], memory: [], wire: [], density: [] };
   try {
     for (let s = 0; s < steps; s++) {
       const results: ReplicaStepResult[] = await Promise.all(
-        ranks.map((r, rank) => r.replica.step(s, data(s, rank), rows, rows * cfg.trainers, lr)),
+        ranks.map((r, rank) => r.replica.step(s, data(s, rank), rows, rows * cfg.trainers)),
       );
       run.losses.push(results.reduce((a, x) => a + x.loss, 0) / results.length);
       // one reduced gradient: every rank sees the same norm and skips the same steps
@@ -307,11 +311,16 @@ describe("ZeRO checkpoints", () => {
         offload: offload ? "optimizer" : "none",
         optimizer: { kind: "adamw", beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 },
       });
-      const ranks = replicaRanks(cfg, { plan: imagePlan, payloadBytesMax: 256 << 10, progressTimeoutMs: 10_000 });
+      const ranks = replicaRanks(cfg, {
+        plan: imagePlan,
+        payloadBytesMax: 256 << 10,
+        progressTimeoutMs: 10_000,
+        lr: 2e-3,
+      });
       const steps = async (from: number, to: number) => {
         const losses: number[] = [];
         for (let s = from; s < to; s++) {
-          const rs = await Promise.all(ranks.map((x, r) => x.replica.step(s, data(n)(s, r), global / n, global, 2e-3)));
+          const rs = await Promise.all(ranks.map((x, r) => x.replica.step(s, data(n)(s, r), global / n, global)));
           losses.push(rs.reduce((a, x) => a + x.loss * (global / n), 0) / global);
         }
         return losses;
