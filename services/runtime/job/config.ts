@@ -108,10 +108,13 @@ export function parseJobConfig(data: unknown): JobConfig {
     );
   }
   const c = r.data;
-  if (c.minLr > c.lr) throw new ConfigError(`invalid job config: minLr (${c.minLr}) exceeds lr (${c.lr})`);
-  checkModelData(c);
-  checkModes(c);
-  checkModelParallel(c);
+  const problem = [
+    c.minLr > c.lr && `minLr (${c.minLr}) exceeds lr (${c.lr})`,
+    ...modelDataProblems(c),
+    ...modeProblems(c),
+    ...modelParallelProblems(c),
+  ].find((p) => p !== false);
+  if (problem !== undefined) throw new ConfigError(`invalid job config: ${problem}`);
   return c;
 }
 
@@ -148,115 +151,72 @@ export const modelParallel = (cfg: Pick<JobConfig, "pipelineStages" | "tensorPar
 export const partitionRanks = (cfg: JobConfig): number =>
   cfg.zero > 0 ? cfg.trainers : modelParallel(cfg) ? modelRanks(cfg) : 0;
 
+/** A rule's outcome: false where the config keeps it, else why it does not. */
+type Problem = string | false;
+
 /** The model and its data set agree. */
-function checkModelData(c: JobConfig): void {
+function modelDataProblems(c: JobConfig): Problem[] {
   const m = c.model;
-  if (m.kind === "mlp") {
-    if (c.attention !== "auto")
-      throw new ConfigError(
-        `invalid job config: attention ${c.attention} is for the gpt (its causal attention); the mlp has none`,
-      );
-    if (c.initFrom !== "")
-      throw new ConfigError(
-        "invalid job config: initFrom is for the gpt (a Hugging Face GPT-2 folder to fine-tune); the mlp starts from its seed",
-      );
-    if (c.recompute)
-      throw new ConfigError(
-        "invalid job config: recompute is for the gpt (each transformer block recomputes its activations); the mlp keeps its few",
-      );
-    if (c.dataset !== "mnist")
-      throw new ConfigError(
-        `invalid job config: the mlp trains on dataset mnist, not ${c.dataset} (the gpt trains on text and tokens)`,
-      );
-    if (m.widths[0] !== 784 || m.widths[m.widths.length - 1] !== 10) {
-      throw new ConfigError(
-        `invalid job config: model.widths must start with 784 (MNIST pixels) and end with 10 (classes), got ${m.widths.join(",")}`,
-      );
-    }
-  } else {
-    if (c.dataset === "mnist")
-      throw new ConfigError(
-        "invalid job config: the gpt trains on dataset text (a UTF-8 file) or tokens (a folder of uint16 tokens), not mnist",
-      );
-    if (m.nEmbd % m.nHead !== 0)
-      throw new ConfigError(
-        `invalid job config: model.nEmbd (${m.nEmbd}) must be divisible by model.nHead (${m.nHead})`,
-      );
-    const attention = attentionProblem(c.attention, c.precision, m);
-    if (attention !== null) throw new ConfigError(`invalid job config: attention ${c.attention} ${attention}`);
-    if (c.dataset === "text" && c.valFraction === 0) {
-      throw new ConfigError(
-        "invalid job config: dataset text needs valFraction > 0 (the held-out tail of the text is what the gpt is evaluated on)",
-      );
-    }
-    if (c.dataset === "tokens" && c.valFraction !== 0) {
-      throw new ConfigError(
-        "invalid job config: dataset tokens is evaluated on its folder's validation split (val.bin, or a prepared folder's val shards); valFraction must be 0",
-      );
-    }
-    if (c.dataset === "text" && m.vocabSize !== 0)
-      throw new ConfigError(
-        "invalid job config: model.vocabSize is for token folders without vocab.json; a text's vocabulary is its characters",
-      );
-  }
+  if (m.kind === "mlp")
+    return [
+      c.attention !== "auto" && `attention ${c.attention} is for the gpt (its causal attention); the mlp has none`,
+      c.initFrom !== "" &&
+        "initFrom is for the gpt (a Hugging Face GPT-2 folder to fine-tune); the mlp starts from its seed",
+      c.recompute &&
+        "recompute is for the gpt (each transformer block recomputes its activations); the mlp keeps its few",
+      c.dataset !== "mnist" && `the mlp trains on dataset mnist, not ${c.dataset} (the gpt trains on text and tokens)`,
+      (m.widths[0] !== 784 || m.widths[m.widths.length - 1] !== 10) &&
+        `model.widths must start with 784 (MNIST pixels) and end with 10 (classes), got ${m.widths.join(",")}`,
+    ];
+  const attention = attentionProblem(c.attention, c.precision, m);
+  return [
+    c.dataset === "mnist" &&
+      "the gpt trains on dataset text (a UTF-8 file) or tokens (a folder of uint16 tokens), not mnist",
+    m.nEmbd % m.nHead !== 0 && `model.nEmbd (${m.nEmbd}) must be divisible by model.nHead (${m.nHead})`,
+    attention !== null && `attention ${c.attention} ${attention}`,
+    c.dataset === "text" &&
+      c.valFraction === 0 &&
+      "dataset text needs valFraction > 0 (the held-out tail of the text is what the gpt is evaluated on)",
+    c.dataset === "tokens" &&
+      c.valFraction !== 0 &&
+      "dataset tokens is evaluated on its folder's validation split (val.bin, or a prepared folder's val shards); valFraction must be 0",
+    c.dataset === "text" &&
+      m.vocabSize !== 0 &&
+      "model.vocabSize is for token folders without vocab.json; a text's vocabulary is its characters",
+  ];
 }
 
 /** The world, the batch and the settings each sync mode takes. */
-function checkModes(c: JobConfig): void {
+function modeProblems(c: JobConfig): Problem[] {
   const world = worldProblems(c.world, c.trainers, c.batchSize);
-  if (world.length > 0) throw new ConfigError(`invalid job config: ${world.join("; ")}`);
-  if (c.batchSize % c.accumSteps !== 0)
-    throw new ConfigError(
-      `invalid job config: batchSize (${c.batchSize}) must be a multiple of accumSteps (${c.accumSteps})`,
-    );
-  if (c.precision === "f16" && c.sync !== "allreduce") throw new ConfigError(`invalid job config: ${meshF16Refusal}`);
-  if (c.scaleLr && c.warmupSteps === 0) {
-    throw new ConfigError(
-      "invalid job config: scaleLr needs warmupSteps > 0 (a learning rate scaled by the trainers diverges without warmup; Goyal et al. warm up over 5 epochs)",
-    );
-  }
-  if (c.zero > 0 && c.sync !== "allreduce")
-    throw new ConfigError(
-      `invalid job config: ZeRO (zero ${c.zero}) partitions the trainers' replicas, so it needs sync allreduce; the parameter server already holds one copy of the model, cut among its shards`,
-    );
-  if (c.offload !== "none" && c.sync !== "allreduce")
-    throw new ConfigError(
-      "invalid job config: offload optimizer moves the trainers' optimizer to host memory, so it needs sync allreduce; in parameter-server mode the optimizer runs on the shards already",
-    );
-  if (c.sync === "allreduce" && (c.batchPushes !== 1 || c.staleness !== 0)) {
-    throw new ConfigError(
-      "invalid job config: batchPushes and staleness apply to the parameter server's asp and ssp, not to allreduce",
-    );
-  }
-  if (c.sync === "bsp" && c.batchPushes !== 1)
-    throw new ConfigError(
-      "invalid job config: batchPushes applies to asp and ssp (bsp aggregates the W pushes of a step)",
-    );
+  const allreduce = c.sync === "allreduce";
+  return [
+    world.length > 0 && world.join("; "),
+    c.batchSize % c.accumSteps !== 0 && `batchSize (${c.batchSize}) must be a multiple of accumSteps (${c.accumSteps})`,
+    c.precision === "f16" && !allreduce && meshF16Refusal,
+    c.scaleLr &&
+      c.warmupSteps === 0 &&
+      "scaleLr needs warmupSteps > 0 (a learning rate scaled by the trainers diverges without warmup; Goyal et al. warm up over 5 epochs)",
+    c.zero > 0 &&
+      !allreduce &&
+      `ZeRO (zero ${c.zero}) partitions the trainers' replicas, so it needs sync allreduce; the parameter server already holds one copy of the model, cut among its shards`,
+    c.offload !== "none" &&
+      !allreduce &&
+      "offload optimizer moves the trainers' optimizer to host memory, so it needs sync allreduce; in parameter-server mode the optimizer runs on the shards already",
+    allreduce &&
+      (c.batchPushes !== 1 || c.staleness !== 0) &&
+      "batchPushes and staleness apply to the parameter server's asp and ssp, not to allreduce",
+    c.sync === "bsp" &&
+      c.batchPushes !== 1 &&
+      "batchPushes applies to asp and ssp (bsp aggregates the W pushes of a step)",
+  ];
 }
 
 /** A pipeline or tensor-parallel layout: a gpt, all-reduce, a whole number of copies, and nothing not built with it. */
-function checkModelParallel(c: JobConfig): void {
+function modelParallelProblems(c: JobConfig): Problem[] {
   const mp = modelRanks(c);
-  if (mp <= 1) return;
+  if (mp <= 1) return [];
   const what = `pipeline stages ${c.pipelineStages} x tensor parallel ${c.tensorParallel}`;
-  if (c.model.kind !== "gpt")
-    throw new ConfigError(`invalid job config: ${what} cut a gpt's blocks; the mlp is not cut`);
-  if (c.sync !== "allreduce")
-    throw new ConfigError(
-      `invalid job config: ${what} needs sync allreduce (the model's ranks exchange activations and reduce gradients among themselves)`,
-    );
-  if (c.trainers % mp !== 0)
-    throw new ConfigError(
-      `invalid job config: ${c.trainers} trainers do not divide into copies of ${mp} ranks (${what}); use a multiple of ${mp}`,
-    );
-  if (c.model.nLayer < c.pipelineStages)
-    throw new ConfigError(
-      `invalid job config: ${c.model.nLayer} layers cannot fill ${c.pipelineStages} pipeline stages`,
-    );
-  if (c.model.nHead % c.tensorParallel !== 0)
-    throw new ConfigError(
-      `invalid job config: tensor parallel ${c.tensorParallel} splits the heads: nHead (${c.model.nHead}) must be a multiple of it`,
-    );
   const not = [
     c.zero > 0 && `zero ${c.zero}`,
     c.compress !== "none" && `compress ${c.compress}`,
@@ -265,10 +225,19 @@ function checkModelParallel(c: JobConfig): void {
     c.world.length > 0 && "a changed world (resize)",
     c.initFrom !== "" && "initFrom (fine-tuning)",
   ].filter(Boolean);
-  if (not.length > 0)
-    throw new ConfigError(
-      `invalid job config: ${not.join(", ")} with ${what} is not built yet (the model-parallel ranks reduce f32 gradients of their own shares); leave it out`,
-    );
+  if (c.model.kind !== "gpt") return [`${what} cut a gpt's blocks; the mlp is not cut`];
+  const m = c.model;
+  return [
+    c.sync !== "allreduce" &&
+      `${what} needs sync allreduce (the model's ranks exchange activations and reduce gradients among themselves)`,
+    c.trainers % mp !== 0 &&
+      `${c.trainers} trainers do not divide into copies of ${mp} ranks (${what}); use a multiple of ${mp}`,
+    m.nLayer < c.pipelineStages && `${m.nLayer} layers cannot fill ${c.pipelineStages} pipeline stages`,
+    m.nHead % c.tensorParallel !== 0 &&
+      `tensor parallel ${c.tensorParallel} splits the heads: nHead (${m.nHead}) must be a multiple of it`,
+    not.length > 0 &&
+      `${not.join(", ")} with ${what} is not built yet (the model-parallel ranks reduce f32 gradients of their own shares); leave it out`,
+  ];
 }
 
 /** Whether a scheduled evaluation runs before `step`: every evalEvery steps, or where an epoch begins. */
