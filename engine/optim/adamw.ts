@@ -12,8 +12,7 @@ import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { ConfigError } from "../../ffi/errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../context.ts";
-import type { Optimizer, UpdatePlan, UpdateRun } from "./optimizer.ts";
-import { allocStateSlab, updateGroups, wholeSlabPlan } from "./optimizer.ts";
+import { SlabOptimizer, type UpdatePlan, type UpdateRule, type UpdateRun, wholeSlabPlan } from "./optimizer.ts";
 
 export interface AdamWConfig {
   beta1: number;
@@ -26,18 +25,13 @@ export interface AdamWConfig {
 
 export const adamwDefaults: AdamWConfig = { beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
 
-export class AdamW implements Optimizer {
-  readonly name = "adamw";
-  #steps = 0;
-  readonly #m: Allocation;
-  readonly #v: Allocation;
-  readonly #age: Allocation | null;
-
+/** AdamW over a slab (or its ranges `plan` names): state slabs m and v, and (sparse) age. */
+export class AdamW extends SlabOptimizer {
   constructor(
-    readonly ctx: Context,
-    readonly store: ParamStore,
+    ctx: Context,
+    store: ParamStore,
     readonly config: AdamWConfig,
-    readonly plan: UpdatePlan = wholeSlabPlan(store),
+    plan: UpdatePlan = wholeSlabPlan(store),
   ) {
     const { beta1, beta2, eps, weightDecay } = config;
     if (!(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1)) {
@@ -45,45 +39,17 @@ export class AdamW implements Optimizer {
     }
     if (!(eps > 0)) throw new ConfigError(`adamw eps must be > 0, got ${eps}`);
     if (!(weightDecay >= 0)) throw new ConfigError(`adamw weightDecay must be >= 0, got ${weightDecay}`);
-    this.#m = allocStateSlab(ctx, plan);
-    this.#v = allocStateSlab(ctx, plan);
-    this.#age = config.sparse ? allocStateSlab(ctx, plan) : null;
-  }
-
-  get stepCount(): number {
-    return this.#steps;
-  }
-
-  /** One launch over the whole slab (its decayed prefix and the rest), the clip's factor folded in. */
-  step(lr: number, gradScale = 1): void {
-    const t = this.#steps + 1;
-    for (const g of updateGroups(this.store, this.plan, this.config.weightDecay, true)) {
-      const o = g.stateOffsetBytes;
-      const state = [this.#m.ptr + o, this.#v.ptr + o, ...(this.#age ? [this.#age.ptr + o] : [])];
-      adamwRun(
-        this.ctx.backend,
-        this.config,
-        { param: g.param, grad: g.grad, state, numel: g.numel, decayNumel: g.decayNumel },
-        lr,
-        t,
-        gradScale,
-      );
-    }
-    this.#steps = t;
-  }
-
-  stateSlabs() {
-    return [
-      { name: "m", allocation: this.#m },
-      { name: "v", allocation: this.#v },
-      ...(this.#age ? [{ name: "age", allocation: this.#age }] : []),
-    ];
-  }
-
-  setStepCount(n: number): void {
-    this.#steps = n;
+    super("adamw", ctx, store, adamwRule(config), weightDecay, plan);
   }
 }
+
+/** AdamW's rule: m, v and (sparse) age, and one launch over a decayed range and the rest after
+ *  it (the whole slab's two), the clip's factor folded in. */
+export const adamwRule = (c: AdamWConfig): UpdateRule => ({
+  stateNames: ["m", "v", ...(c.sparse ? ["age"] : [])],
+  mergeRanges: true,
+  step: (be, run, lr, t, gradScale) => adamwRun(be, c, run, lr, t, gradScale),
+});
 
 /**
  * One AdamW step (the t-th; 1: the first, which the bias correction counts) of a run of

@@ -1,16 +1,28 @@
 // The optimizer a spec names, built in one place: a job's `optimizer` setting, the single
 // process's options, a parameter-server shard's arithmetic and the benches all name SGD or AdamW
 // this way (PyTorch's: SGD without dampening, AdamW with decoupled weight decay).
-import type { Backend } from "../../ffi/backend.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../context.ts";
-import { AdamW, adamwRun } from "./adamw.ts";
-import type { Optimizer, UpdatePlan, UpdateRun } from "./optimizer.ts";
-import { Sgd, sgdRun } from "./sgd.ts";
+import { AdamW, type AdamWConfig, adamwRule } from "./adamw.ts";
+import type { Optimizer, UpdatePlan, UpdateRule } from "./optimizer.ts";
+import { Sgd, type SgdConfig, sgdRule } from "./sgd.ts";
 
 export type OptimizerSpec =
   | { kind: "sgd"; momentum: number; nesterov: boolean; weightDecay: number }
   | { kind: "adamw"; beta1: number; beta2: number; eps: number; weightDecay: number };
+
+/** The settings of the optimizer `spec` names (SGD without dampening, as PyTorch's default). */
+function configOf(
+  spec: OptimizerSpec,
+  sparse: boolean,
+): { kind: "sgd"; c: SgdConfig } | { kind: "adamw"; c: AdamWConfig } {
+  if (spec.kind === "sgd") {
+    const { momentum, nesterov, weightDecay } = spec;
+    return { kind: "sgd", c: { momentum, dampening: 0, nesterov, weightDecay } };
+  }
+  const { beta1, beta2, eps, weightDecay } = spec;
+  return { kind: "adamw", c: { beta1, beta2, eps, weightDecay, sparse } };
+}
 
 /**
  * SGD or AdamW as `spec` says, over `store` (or the part of it `o.plan` names: ZeRO's ranges);
@@ -22,34 +34,13 @@ export function optimizerOf(
   spec: OptimizerSpec,
   o: { plan?: UpdatePlan; sparse?: boolean } = {},
 ): Optimizer {
-  if (spec.kind === "sgd")
-    return new Sgd(
-      ctx,
-      store,
-      { momentum: spec.momentum, dampening: 0, nesterov: spec.nesterov, weightDecay: spec.weightDecay },
-      o.plan,
-    );
-  const { beta1, beta2, eps, weightDecay } = spec;
-  return new AdamW(ctx, store, { beta1, beta2, eps, weightDecay, sparse: o.sparse ?? false }, o.plan);
+  const x = configOf(spec, o.sparse ?? false);
+  return x.kind === "sgd" ? new Sgd(ctx, store, x.c, o.plan) : new AdamW(ctx, store, x.c, o.plan);
 }
 
-/** The update rule of a spec, for memory that no ParamStore holds (a parameter-server shard's
- *  chunks): the state vectors it keeps, and one step of a run, the t-th (1: the first). */
-export interface UpdateRule {
-  readonly stateNames: readonly string[];
-  step(be: Backend, run: UpdateRun, lr: number, t: number): void;
-}
-
-/** SGD's or AdamW's rule, the very steps optimizerOf's optimizers take. */
+/** SGD's or AdamW's rule, the very steps optimizerOf's optimizers take, for memory that no
+ *  ParamStore holds (a parameter-server shard's chunks). */
 export function updateRule(spec: OptimizerSpec, o: { sparse?: boolean } = {}): UpdateRule {
-  if (spec.kind === "sgd") {
-    const c = { momentum: spec.momentum, dampening: 0, nesterov: spec.nesterov, weightDecay: spec.weightDecay };
-    return { stateNames: ["momentum"], step: (be, run, lr, t) => sgdRun(be, c, run, lr, t) };
-  }
-  const { beta1, beta2, eps, weightDecay } = spec;
-  const c = { beta1, beta2, eps, weightDecay };
-  return {
-    stateNames: ["m", "v", ...(o.sparse ? ["age"] : [])],
-    step: (be, run, lr, t) => adamwRun(be, c, run, lr, t),
-  };
+  const x = configOf(spec, o.sparse ?? false);
+  return x.kind === "sgd" ? sgdRule(x.c) : adamwRule(x.c);
 }

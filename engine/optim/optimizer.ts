@@ -2,7 +2,7 @@
 // updates is an UpdatePlan: by default the whole parameter slab (state slabs of the same layout,
 // decay then no decay: AdamW's one kernel call, SGD's two); under ZeRO (engine/parallel/zero.ts)
 // the ranges of the slab this rank owns, with state slabs holding only those ranges, packed.
-import type { Allocation, Ptr } from "../../ffi/backend.ts";
+import type { Allocation, Backend, Ptr } from "../../ffi/backend.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../context.ts";
 
@@ -110,4 +110,54 @@ export function updateGroups(store: ParamStore, plan: UpdatePlan, weightDecay: n
     last = r;
   }
   return groups;
+}
+
+/** An optimizer's arithmetic, for whatever memory holds the parameters (a ParamStore's slab or a
+ *  parameter-server shard's chunks): the state vectors it keeps, in its order; whether a step may
+ *  take a decayed range and the undecayed one after it as one call; one step of a run, the t-th
+ *  (1: the first), its gradients read times gradScale. */
+export interface UpdateRule {
+  readonly stateNames: readonly string[];
+  readonly mergeRanges: boolean;
+  step(be: Backend, run: UpdateRun, lr: number, t: number, gradScale?: number): void;
+}
+
+/** An optimizer over a ParamStore's slab (or the ranges of it `plan` names): a state slab per
+ *  state vector of its rule, and the rule stepped over each kernel call's run (SGD and AdamW). */
+export class SlabOptimizer implements Optimizer {
+  #steps = 0;
+  readonly #state: Allocation[];
+
+  constructor(
+    readonly name: Optimizer["name"],
+    readonly ctx: Context,
+    readonly store: ParamStore,
+    readonly rule: UpdateRule,
+    readonly weightDecay: number,
+    readonly plan: UpdatePlan,
+  ) {
+    this.#state = rule.stateNames.map(() => allocStateSlab(ctx, plan));
+  }
+
+  get stepCount(): number {
+    return this.#steps;
+  }
+
+  step(lr: number, gradScale = 1): void {
+    const t = this.#steps + 1;
+    for (const g of updateGroups(this.store, this.plan, this.weightDecay, this.rule.mergeRanges)) {
+      const state = this.#state.map((a) => a.ptr + g.stateOffsetBytes);
+      const run = { param: g.param, grad: g.grad, state, numel: g.numel, decayNumel: g.decayNumel };
+      this.rule.step(this.ctx.backend, run, lr, t, gradScale);
+    }
+    this.#steps = t;
+  }
+
+  stateSlabs(): { name: string; allocation: Allocation }[] {
+    return this.rule.stateNames.map((name, i) => ({ name, allocation: this.#state[i]! }));
+  }
+
+  setStepCount(n: number): void {
+    this.#steps = n;
+  }
 }

@@ -8,8 +8,7 @@ import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { ConfigError } from "../../ffi/errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../context.ts";
-import type { Optimizer, UpdatePlan, UpdateRun } from "./optimizer.ts";
-import { allocStateSlab, updateGroups, wholeSlabPlan } from "./optimizer.ts";
+import { SlabOptimizer, type UpdatePlan, type UpdateRule, type UpdateRun, wholeSlabPlan } from "./optimizer.ts";
 
 export interface SgdConfig {
   momentum: number;
@@ -20,16 +19,13 @@ export interface SgdConfig {
 
 export const sgdDefaults: SgdConfig = { momentum: 0.9, dampening: 0, nesterov: false, weightDecay: 0 };
 
-export class Sgd implements Optimizer {
-  readonly name = "sgd";
-  #steps = 0;
-  readonly #momentum: Allocation;
-
+/** SGD over a slab (or its ranges `plan` names): one state slab, the momentum. */
+export class Sgd extends SlabOptimizer {
   constructor(
-    readonly ctx: Context,
-    readonly store: ParamStore,
+    ctx: Context,
+    store: ParamStore,
     readonly config: SgdConfig,
-    readonly plan: UpdatePlan = wholeSlabPlan(store),
+    plan: UpdatePlan = wholeSlabPlan(store),
   ) {
     const { momentum, dampening, nesterov, weightDecay } = config;
     if (!(momentum >= 0 && momentum < 1)) throw new ConfigError(`sgd momentum must be in [0, 1), got ${momentum}`);
@@ -38,30 +34,16 @@ export class Sgd implements Optimizer {
     if (nesterov && (momentum === 0 || dampening !== 0)) {
       throw new ConfigError("sgd nesterov needs momentum > 0 and dampening = 0");
     }
-    this.#momentum = allocStateSlab(ctx, plan);
-  }
-
-  get stepCount(): number {
-    return this.#steps;
-  }
-
-  step(lr: number, gradScale = 1): void {
-    const be = this.ctx.backend;
-    for (const g of updateGroups(this.store, this.plan, this.config.weightDecay)) {
-      const run = { param: g.param, grad: g.grad, state: [this.#momentum.ptr + g.stateOffsetBytes], numel: g.numel };
-      sgdRun(be, this.config, { ...run, decayNumel: g.decayNumel }, lr, this.#steps + 1, gradScale);
-    }
-    this.#steps++;
-  }
-
-  stateSlabs() {
-    return [{ name: "momentum", allocation: this.#momentum }];
-  }
-
-  setStepCount(n: number): void {
-    this.#steps = n;
+    super("sgd", ctx, store, sgdRule(config), weightDecay, plan);
   }
 }
+
+/** SGD's rule: the momentum, and each range its own call (the decayed one scales its gradient first). */
+export const sgdRule = (c: SgdConfig): UpdateRule => ({
+  stateNames: ["momentum"],
+  mergeRanges: false,
+  step: (be, run, lr, t, gradScale) => sgdRun(be, c, run, lr, t, gradScale),
+});
 
 /**
  * One SGD step (the t-th; 1: the first) of a run of parameters whose first `decayNumel` take

@@ -12,7 +12,8 @@
 // The protocol around it (versions, clocks, pulls that wait, duplicates, the norm agreement
 // between shards, snapshots) is services/parameter-server/shard.ts's; the requests are
 // services/trainer/ps-client.ts's; chunk-codec.ts maps an EncodedGradient onto a Chunk message.
-import { type OptimizerSpec, type UpdateRule, updateRule } from "../optim/choose.ts";
+import { type OptimizerSpec, updateRule } from "../optim/choose.ts";
+import type { UpdateRule } from "../optim/optimizer.ts";
 import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { hostKernels } from "../../ffi/cpu/host.ts";
 import { clipFactor } from "../optim/clip.ts";
