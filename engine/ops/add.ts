@@ -1,18 +1,16 @@
 // add: out = a + b with broadcasting. The backward sums dout over a's (b's) broadcast dims.
-import { sameShape, type Tensor } from "../tensor.ts";
-import { broadcastForward, broadcastIndexReference, broadcastPlan } from "./broadcast.ts";
+import type { Tensor } from "../tensor.ts";
+import { binaryForward, broadcastIndices } from "./broadcast.ts";
 import { binaryInputs } from "./check.ts";
 
 export function add(a: Tensor, b: Tensor): Tensor {
   const ctx = binaryInputs("add", a, b);
   const be = ctx.backend;
-  if (sameShape(a.shape, b.shape)) {
-    const out = ctx.empty(a.shape);
-    be.add(out.ptr, a.ptr, b.ptr, out.numel);
+  const { plan, out } = binaryForward(ctx, "add", a, b);
+  if (plan === null) {
     ctx.record("add", [a, b], out, () => addBackward(out, a, b), []);
     return out;
   }
-  const { plan, out } = broadcastForward(ctx, "add", a, b);
   ctx.record(
     "add",
     [a, b],
@@ -57,18 +55,14 @@ export function addBackward(out: Tensor, a: Tensor, b: Tensor): void {
 // ---- float64 reference --------------------------------------------------------------------
 
 export function addReference(a: Float64Array, aShape: number[], b: Float64Array, bShape: number[]) {
-  const plan = broadcastPlan("add", aShape, bShape);
-  const ai = broadcastIndexReference(plan.outShape, plan.aFull);
-  const bi = broadcastIndexReference(plan.outShape, plan.bFull);
+  const { outShape, ai, bi } = broadcastIndices("add", aShape, bShape);
   const out = new Float64Array(ai.length);
   for (let i = 0; i < out.length; i++) out[i] = a[ai[i]!]! + b[bi[i]!]!;
-  return { out, outShape: plan.outShape };
+  return { out, outShape };
 }
 
 export function addBackwardReference(aShape: number[], bShape: number[], dout: Float64Array) {
-  const plan = broadcastPlan("add", aShape, bShape);
-  const ai = broadcastIndexReference(plan.outShape, plan.aFull);
-  const bi = broadcastIndexReference(plan.outShape, plan.bFull);
+  const { ai, bi } = broadcastIndices("add", aShape, bShape);
   const da = new Float64Array(aShape.reduce((x, y) => x * y, 1));
   const db = new Float64Array(bShape.reduce((x, y) => x * y, 1));
   for (let i = 0; i < dout.length; i++) {

@@ -3,7 +3,7 @@
 // each block's strides are [out, a, b] and its offsets are element offsets into out, a, b.
 import { ShapeError } from "../errors.ts";
 import type { BinaryOp } from "../../ffi/backend.ts";
-import type { Shape, Tensor } from "../tensor.ts";
+import { type Shape, sameShape, type Tensor } from "../tensor.ts";
 import type { Context } from "../context.ts";
 import { type Block4, blocks4, contiguousStrides } from "./check.ts";
 
@@ -44,13 +44,19 @@ export function broadcastPlan(op: string, a: Shape, b: Shape): BroadcastPlan {
   return { outShape, blocks, aFull, bFull };
 }
 
-/** out = a op b over the plan of their shapes, block by block (the forward of add and mul). */
-export function broadcastForward(
+/** out = a op b, the forward of add and mul: one elementwise call where the shapes are the same
+ *  (plan null), else block by block over the plan of their shapes. */
+export function binaryForward(
   ctx: Context,
   op: BinaryOp,
   a: Tensor,
   b: Tensor,
-): { plan: BroadcastPlan; out: Tensor } {
+): { plan: BroadcastPlan | null; out: Tensor } {
+  if (sameShape(a.shape, b.shape)) {
+    const out = ctx.empty(a.shape);
+    ctx.backend[op](out.ptr, a.ptr, b.ptr, out.numel);
+    return { plan: null, out };
+  }
   const plan = broadcastPlan(op, a.shape, b.shape);
   const out = ctx.empty(plan.outShape);
   for (const {
@@ -61,6 +67,21 @@ export function broadcastForward(
     ctx.backend.binaryBroadcast(op, out.ptr + o! * 4, a.ptr + ao! * 4, b.ptr + bo! * 4, dims, as!, bs!);
   }
   return { plan, out };
+}
+
+/** The float64 references' view of a broadcast: the out shape, and for each flat out index the
+ *  flat index into a and into b. */
+export function broadcastIndices(
+  op: BinaryOp,
+  aShape: number[],
+  bShape: number[],
+): { outShape: number[]; ai: Int32Array; bi: Int32Array } {
+  const plan = broadcastPlan(op, aShape, bShape);
+  return {
+    outShape: plan.outShape,
+    ai: broadcastIndexReference(plan.outShape, plan.aFull),
+    bi: broadcastIndexReference(plan.outShape, plan.bFull),
+  };
 }
 
 /** For each flat out index, the flat index into an operand with these full strides. */

@@ -161,28 +161,26 @@ export function matmul(a: Tensor, b: Tensor, options: MatmulOptions = {}): Tenso
 
 // ---- float64 reference --------------------------------------------------------------------
 
+/** A product's sizes, out (M,N) = op(a) (M,K) op(b) (K,N), and whether a and b are stored transposed. */
+type MatmulDims = [M: number, N: number, K: number, transA?: boolean, transB?: boolean];
+
+/** Each term of out = op(a) op(b), k innermost: where it adds (in out), and where its factors
+ *  op(a)[i,k] and op(b)[k,j] are stored (row-major, as the flags say). */
+function forEachTerm(
+  [M, N, K, transA = false, transB = false]: MatmulDims,
+  term: (oi: number, ai: number, bi: number) => void,
+): void {
+  for (let i = 0; i < M; i++)
+    for (let j = 0; j < N; j++)
+      for (let k = 0; k < K; k++) term(i * N + j, transA ? k * M + i : i * K + k, transB ? j * K + k : k * N + j);
+}
+
 /** out (M,N) = op(a) op(b); a, b stored row-major as the flags say. */
-export function matmulReference(
-  a: Float64Array,
-  b: Float64Array,
-  M: number,
-  N: number,
-  K: number,
-  transA = false,
-  transB = false,
-): Float64Array {
-  const out = new Float64Array(M * N);
-  for (let i = 0; i < M; i++) {
-    for (let j = 0; j < N; j++) {
-      let acc = 0;
-      for (let k = 0; k < K; k++) {
-        const av = transA ? a[k * M + i]! : a[i * K + k]!;
-        const bv = transB ? b[j * K + k]! : b[k * N + j]!;
-        acc += av * bv;
-      }
-      out[i * N + j] = acc;
-    }
-  }
+export function matmulReference(a: Float64Array, b: Float64Array, ...dims: MatmulDims): Float64Array {
+  const out = new Float64Array(dims[0] * dims[1]);
+  forEachTerm(dims, (oi, ai, bi) => {
+    out[oi] = out[oi]! + a[ai]! * b[bi]!;
+  });
   return out;
 }
 
@@ -191,24 +189,14 @@ export function matmulBackwardReference(
   a: Float64Array,
   b: Float64Array,
   dout: Float64Array,
-  M: number,
-  N: number,
-  K: number,
-  transA = false,
-  transB = false,
+  ...dims: MatmulDims
 ): { da: Float64Array; db: Float64Array } {
+  const [M, N, K] = dims;
   const da = new Float64Array(M * K);
   const db = new Float64Array(K * N);
-  for (let i = 0; i < M; i++) {
-    for (let j = 0; j < N; j++) {
-      const g = dout[i * N + j]!;
-      for (let k = 0; k < K; k++) {
-        const ai = transA ? k * M + i : i * K + k;
-        const bi = transB ? j * K + k : k * N + j;
-        da[ai] = da[ai]! + g * b[bi]!;
-        db[bi] = db[bi]! + g * a[ai]!;
-      }
-    }
-  }
+  forEachTerm(dims, (oi, ai, bi) => {
+    da[ai] = da[ai]! + dout[oi]! * b[bi]!;
+    db[bi] = db[bi]! + dout[oi]! * a[ai]!;
+  });
   return { da, db };
 }

@@ -1,14 +1,13 @@
 // mul: out = a * b with broadcasting. d a = reduce(dout * b) over a's broadcast dims.
-import { sameShape, type Tensor } from "../tensor.ts";
-import { broadcastForward, broadcastIndexReference, broadcastPlan } from "./broadcast.ts";
+import type { Tensor } from "../tensor.ts";
+import { binaryForward, broadcastIndices } from "./broadcast.ts";
 import { binaryInputs } from "./check.ts";
 
 export function mul(a: Tensor, b: Tensor): Tensor {
   const ctx = binaryInputs("mul", a, b);
   const be = ctx.backend;
-  if (sameShape(a.shape, b.shape)) {
-    const out = ctx.empty(a.shape);
-    be.mul(out.ptr, a.ptr, b.ptr, out.numel);
+  const { plan, out } = binaryForward(ctx, "mul", a, b);
+  if (plan === null) {
     ctx.record("mul", [a, b], out, () => {
       // forward was: out = a * b  =>  da += dout * b, db += dout * a
       const dout = out.grad!.ptr;
@@ -26,7 +25,6 @@ export function mul(a: Tensor, b: Tensor): Tensor {
     });
     return out;
   }
-  const { plan, out } = broadcastForward(ctx, "mul", a, b);
   ctx.record("mul", [a, b], out, () => {
     // forward was: out[i] = a[i·as] * b[i·bs]  =>  da[i·as] += dout[i] * b[i·bs]
     const dout = out.grad!.ptr;
@@ -57,12 +55,10 @@ export function mul(a: Tensor, b: Tensor): Tensor {
 // ---- float64 reference --------------------------------------------------------------------
 
 export function mulReference(a: Float64Array, aShape: number[], b: Float64Array, bShape: number[]) {
-  const plan = broadcastPlan("mul", aShape, bShape);
-  const ai = broadcastIndexReference(plan.outShape, plan.aFull);
-  const bi = broadcastIndexReference(plan.outShape, plan.bFull);
+  const { outShape, ai, bi } = broadcastIndices("mul", aShape, bShape);
   const out = new Float64Array(ai.length);
   for (let i = 0; i < out.length; i++) out[i] = a[ai[i]!]! * b[bi[i]!]!;
-  return { out, outShape: plan.outShape };
+  return { out, outShape };
 }
 
 export function mulBackwardReference(
@@ -72,9 +68,7 @@ export function mulBackwardReference(
   bShape: number[],
   dout: Float64Array,
 ) {
-  const plan = broadcastPlan("mul", aShape, bShape);
-  const ai = broadcastIndexReference(plan.outShape, plan.aFull);
-  const bi = broadcastIndexReference(plan.outShape, plan.bFull);
+  const { ai, bi } = broadcastIndices("mul", aShape, bShape);
   const da = new Float64Array(a.length);
   const db = new Float64Array(b.length);
   for (let i = 0; i < dout.length; i++) {
