@@ -12,7 +12,7 @@ import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { ConfigError } from "../../ffi/errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../context.ts";
-import { SlabOptimizer, type UpdatePlan, type UpdateRule, type UpdateRun, wholeSlabPlan } from "./optimizer.ts";
+import { SlabOptimizer, type UpdatePlan, type UpdateRule, type UpdateRun } from "./optimizer.ts";
 
 export interface AdamWConfig {
   beta1: number;
@@ -31,7 +31,7 @@ export class AdamW extends SlabOptimizer {
     ctx: Context,
     store: ParamStore,
     readonly config: AdamWConfig,
-    plan: UpdatePlan = wholeSlabPlan(store),
+    plan?: UpdatePlan,
   ) {
     const { beta1, beta2, eps, weightDecay } = config;
     if (!(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1)) {

@@ -122,9 +122,11 @@ export interface UpdateRule {
   step(be: Backend, run: UpdateRun, lr: number, t: number, gradScale?: number): void;
 }
 
-/** An optimizer over a ParamStore's slab (or the ranges of it `plan` names): a state slab per
- *  state vector of its rule, and the rule stepped over each kernel call's run (SGD and AdamW). */
+/** An optimizer over a ParamStore's slab (or the ranges of it `plan` names; the whole slab where
+ *  it is not given): a state slab per state vector of its rule, and the rule stepped over each
+ *  kernel call's run (SGD and AdamW). */
 export class SlabOptimizer implements Optimizer {
+  readonly plan: UpdatePlan;
   #steps = 0;
   readonly #state: Allocation[];
 
@@ -134,9 +136,10 @@ export class SlabOptimizer implements Optimizer {
     readonly store: ParamStore,
     readonly rule: UpdateRule,
     readonly weightDecay: number,
-    readonly plan: UpdatePlan,
+    plan?: UpdatePlan,
   ) {
-    this.#state = rule.stateNames.map(() => allocStateSlab(ctx, plan));
+    this.plan = plan ?? wholeSlabPlan(store);
+    this.#state = rule.stateNames.map(() => allocStateSlab(ctx, this.plan));
   }
 
   get stepCount(): number {

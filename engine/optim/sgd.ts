@@ -8,7 +8,7 @@ import type { Allocation, Backend } from "../../ffi/backend.ts";
 import { ConfigError } from "../../ffi/errors.ts";
 import type { ParamStore } from "../params.ts";
 import type { Context } from "../context.ts";
-import { SlabOptimizer, type UpdatePlan, type UpdateRule, type UpdateRun, wholeSlabPlan } from "./optimizer.ts";
+import { SlabOptimizer, type UpdatePlan, type UpdateRule, type UpdateRun } from "./optimizer.ts";
 
 export interface SgdConfig {
   momentum: number;
@@ -25,7 +25,7 @@ export class Sgd extends SlabOptimizer {
     ctx: Context,
     store: ParamStore,
     readonly config: SgdConfig,
-    plan: UpdatePlan = wholeSlabPlan(store),
+    plan?: UpdatePlan,
   ) {
     const { momentum, dampening, nesterov, weightDecay } = config;
     if (!(momentum >= 0 && momentum < 1)) throw new ConfigError(`sgd momentum must be in [0, 1), got ${momentum}`);

@@ -31,24 +31,19 @@ type ValueOf<R> = R extends { type: { read: (raw: string) => infer T } } ? T : n
 type ModelsOf<R> = R extends JobOption<unknown, string, infer M, readonly OptimizerKind[]> ? M[number] : never;
 type OptimizersOf<R> = R extends JobOption<unknown, string, readonly ModelKind[], infer O> ? O[number] : never;
 type TopLevel = { [R in Row as R["key"] extends `${string}.${string}` ? never : R["key"]]: ValueOf<R> };
-type ModelOf<K extends ModelKind> = { kind: K } & {
-  [R in Row as R["key"] extends `model.${infer F}`
+type KindsOf<R, G extends "model" | "optimizer"> = G extends "model" ? ModelsOf<R> : OptimizersOf<R>;
+/** A model's or an optimizer's fields: the rows of its group that name its kind. */
+type GroupOf<G extends "model" | "optimizer", K extends string> = { kind: K } & {
+  [R in Row as R["key"] extends `${G}.${infer F}`
     ? F extends "kind"
       ? never
-      : K extends ModelsOf<R>
+      : K extends KindsOf<R, G>
         ? F
         : never
     : never]: ValueOf<R>;
 };
-type OptimizerOf<K extends OptimizerKind> = { kind: K } & {
-  [R in Row as R["key"] extends `optimizer.${infer F}`
-    ? F extends "kind"
-      ? never
-      : K extends OptimizersOf<R>
-        ? F
-        : never
-    : never]: ValueOf<R>;
-};
+type ModelOf<K extends ModelKind> = GroupOf<"model", K>;
+type OptimizerOf<K extends OptimizerKind> = GroupOf<"optimizer", K>;
 export type JobConfig = TopLevel & {
   model: ModelOf<"mlp"> | ModelOf<"gpt">;
   optimizer: OptimizerOf<"sgd"> | OptimizerOf<"adamw">;
