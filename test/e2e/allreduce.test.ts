@@ -14,15 +14,7 @@ import type { MeshOptions } from "../../sdk/local-mesh.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { modelFileAccuracy } from "../helpers/jobs.ts";
 import { removeTempDirs } from "../helpers/mesh.ts";
-import {
-  atRank0Step,
-  expectEveryStepOnce,
-  expectRestoredFromSnapshot,
-  mlpJob,
-  runJob,
-  startMesh,
-  stepLosses,
-} from "../helpers/mesh-jobs.ts";
+import { expectEveryStepOnce, mlpJob, runJob, runThroughSigkill, startMesh, stepLosses } from "../helpers/mesh-jobs.ts";
 
 afterAll(removeTempDirs);
 
@@ -30,9 +22,10 @@ afterAll(removeTempDirs);
 const config = (over: Partial<JobConfig>): JobConfig =>
   mlpJob({ sync: "allreduce", bucketMb: 0.016, replicaCheckEvery: 25, ...over });
 
-/** A mesh of 2 trainers (unless `o` says otherwise) and no parameter-server shard. */
+/** The mesh of these tests: 2 trainers (unless a test says otherwise) and no parameter-server shard. */
+const allReduceMesh = { trainers: 2, shards: 0 };
 const startAllReduceMesh = (prefix: string, o: Omit<MeshOptions, "jobsDir" | "logDir"> = {}) =>
-  startMesh(prefix, { trainers: 2, shards: 0, ...o });
+  startMesh(prefix, { ...allReduceMesh, ...o });
 
 /** Waits until no rank has sent a Step event of the job for `quietMs` (at most `maxMs`). */
 async function untilQuiet(client: MeshClient, job: string, quietMs: number, maxMs: number): Promise<void> {
@@ -212,17 +205,8 @@ describe("all-reduce mode on the mesh", () => {
   }, 300_000);
 
   test("SIGKILL of a trainer mid-run: every rank rewinds to the newest snapshot of the replica and the job finishes, every step once", async () => {
-    const launcherLines: string[] = [];
-    await using mesh = await startAllReduceMesh("mt-ar-chaos-", { onEvent: (l) => launcherLines.push(l) });
-    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = config({ job: "default.ar-chaos", epochs: 2, checkpointEvery: 40 });
-    const kill = atRank0Step(150, () => mesh.kill("trainer-1", "SIGKILL"));
-    const r = await runJob(client, cfg, kill.onEvent);
+    const r = await runThroughSigkill("mt-ar-chaos-", allReduceMesh, cfg, ["trainer-1"]);
     expect(r.record.state).toBe(JobState.Done);
-    expect(kill.step).toBeGreaterThan(0);
-    expect(launcherLines.some((l) => l.includes("trainer-1 died (signal SIGKILL); restarting"))).toBe(true);
-    expectRestoredFromSnapshot(r.seen, 40, kill.step);
-    expect(r.record.accuracy).toBeGreaterThan(0.93);
-    expectEveryStepOnce(r.seen, 2, planHere(cfg).totalSteps);
   }, 300_000);
 });

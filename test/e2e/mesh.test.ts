@@ -14,9 +14,9 @@ import { removeTempDirs } from "../helpers/mesh.ts";
 import {
   atRank0Step,
   expectEveryStepOnce,
-  expectRestoredFromSnapshot,
   mlpJob,
   runJob,
+  runThroughSigkill,
   startMesh,
 } from "../helpers/mesh-jobs.ts";
 
@@ -70,23 +70,10 @@ describe("mesh", () => {
   }, 180_000);
 
   test("SIGKILL of a parameter-server shard and a trainer mid-run: the job restores from its last snapshot and finishes; no sample is repeated or skipped", async () => {
-    const launcherLines: string[] = [];
-    await using mesh = await startMesh("mt-chaos-", { onEvent: (l) => launcherLines.push(l) });
-    await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const cfg = mlpJob({ job: "default.chaos", epochs: 2, checkpointEvery: 40 });
-    const kill = atRank0Step(150, () => {
-      mesh.kill("parameter-server-1", "SIGKILL");
-      mesh.kill("trainer-1", "SIGKILL");
-    });
-    const r = await runJob(client, cfg, kill.onEvent);
-    expect(kill.step).toBeGreaterThan(0);
-    expect(launcherLines.some((l) => l.includes("parameter-server-1 died (signal SIGKILL); restarting"))).toBe(true);
-    expect(launcherLines.some((l) => l.includes("trainer-1 died (signal SIGKILL); restarting"))).toBe(true);
-    expectRestoredFromSnapshot(r.seen, 40, kill.step);
-    expect(r.record.accuracy).toBeGreaterThan(0.93);
     // the effective history of every rank is every step exactly once; batches are a pure
     // function of (rank, step), so each epoch visits every training sample exactly once
-    const steps = expectEveryStepOnce(r.seen, 2, planHere(cfg).totalSteps);
+    const { steps } = await runThroughSigkill("mt-chaos-", {}, cfg, ["parameter-server-1", "trainer-1"]);
     const data = new JobData(cfg, { kind: "mnist", data: loadMnist() });
     for (let epoch = 0; epoch < cfg.epochs; epoch++) {
       const ids: number[] = [];

@@ -23,7 +23,7 @@ import { NatsBus } from "../../services/runtime/mesh/nats.ts";
 import { freePort, type NatsServer, startNatsServer } from "../../services/runtime/mesh/nats-server.ts";
 import { finalChunkVersions } from "../helpers/jobs.ts";
 import { atRank0Step, mlpJob } from "../helpers/mesh-jobs.ts";
-import { removeTempDirs, type ServiceProcess, spawnService, tempDir, waitFor } from "../helpers/mesh.ts";
+import { clientBus, removeTempDirs, type ServiceProcess, spawnService, tempDir, waitFor } from "../helpers/mesh.ts";
 
 afterAll(removeTempDirs);
 
@@ -372,20 +372,11 @@ describe("a three-server NATS cluster", () => {
 
   test("replicas 3 on a single server is refused with a ConfigError that names MT_KV_REPLICAS", async () => {
     await using server = await startNatsServer();
-    const bus = await NatsBus.connect({
-      url: server.url,
-      name: "test-single",
-      connectRetryMsMax: 5_000,
-      connectBackoffMsMax: 500,
-    });
-    try {
-      const e = await JobStore.open(bus, { replicas: 3 }).catch((err: unknown) => err);
-      expect(e).toBeInstanceOf(ConfigError);
-      expect((e as Error).message).toMatch(
-        /mt-jobs cannot have 3 replicas here .*MT_KV_REPLICAS must not exceed the JetStream servers/,
-      );
-    } finally {
-      await bus.close();
-    }
+    await using bus = await clientBus(server.url);
+    const e = await JobStore.open(bus, { replicas: 3 }).catch((err: unknown) => err);
+    expect(e).toBeInstanceOf(ConfigError);
+    expect((e as Error).message).toMatch(
+      /mt-jobs cannot have 3 replicas here .*MT_KV_REPLICAS must not exceed the JetStream servers/,
+    );
   });
 });

@@ -62,6 +62,7 @@ import {
   readElem,
   elemTol,
   byElem,
+  type Elem,
   poisonedScratch,
   scratchI64,
   scratchF64,
@@ -306,19 +307,22 @@ function broadcastTests(): void {
   });
 }
 
+/** test.each over shapes (N rows of C channels) times element types; each test gets n = N * C as well. */
+function eachRowsOfChannels(shapes: readonly (readonly [number, number])[]) {
+  return (title: string, body: (N: number, C: number, elem: Elem, n: number) => void): void =>
+    test.each(byElem(shapes))(title, (N, C, elem) => body(N, C, elem, N * C));
+}
+
 function layerTests(): void {
-  test.each(
-    byElem([
-      [1, 1],
-      [37, 70],
-      [100, 3],
-      [5, 1000],
-      // split over row ranges (16 of 63 rows; 5 of 60): partials in scratch, a second pass adds them
-      [1000, 70],
-      [300, 41],
-    ] as const),
-  )("biasAdd, biasBackward: N %d C %d %s", (N, C, elem) => {
-    const n = N * C;
+  eachRowsOfChannels([
+    [1, 1],
+    [37, 70],
+    [100, 3],
+    [5, 1000],
+    // split over row ranges (16 of 63 rows; 5 of 60): partials in scratch, a second pass adds them
+    [1000, 70],
+    [300, 41],
+  ])("biasAdd, biasBackward: N %d C %d %s", (N, C, elem, n) => {
     const [ic, ie] = twinElem(normals(n), elem),
       [bc, bE] = twin(normals(C)),
       [oc, oe] = outElem(n, elem);
@@ -356,14 +360,11 @@ function layerTests(): void {
     expectClose("gelu dinp", readElem(De, n, elem), readElem(Dc, n, elem), elemTol(elem, 1e-5));
   });
 
-  test.each(
-    byElem([
-      [1, 1],
-      [37, 70],
-      [5, 1000],
-    ] as const),
-  )("biasGeluForward: N %d C %d %s", (N, C, elem) => {
-    const n = N * C;
+  eachRowsOfChannels([
+    [1, 1],
+    [37, 70],
+    [5, 1000],
+  ])("biasGeluForward: N %d C %d %s", (N, C, elem, n) => {
     const [pc, pe] = twinElem(normals(n, 3), elem),
       [bc, bE] = twin(normals(C)),
       [oc, oe] = outElem(n, elem);
@@ -463,17 +464,14 @@ function countCorrectTests(): void {
 }
 
 function layerNormTests(): void {
-  test.each(
-    byElem([
-      [1, 1],
-      [10, 64],
-      [9, 777],
-      [3, 5000],
-      [40, 3],
-      [1000, 70], // the parameter gradients split over 16 row ranges
-    ] as const),
-  )("layerNorm forward and backward: N %d C %d, out %s", (N, C, elem) => {
-    const n = N * C;
+  eachRowsOfChannels([
+    [1, 1],
+    [10, 64],
+    [9, 777],
+    [3, 5000],
+    [40, 3],
+    [1000, 70], // the parameter gradients split over 16 row ranges
+  ])("layerNorm forward and backward: N %d C %d, out %s", (N, C, elem, n) => {
     const [xc, xe] = twin(normals(n, 2)),
       [wc, we] = twin(normals(C)),
       [bc, bE] = twin(normals(C));
@@ -501,14 +499,11 @@ function layerNormTests(): void {
 }
 
 function residualLayerNormTests(): void {
-  test.each(
-    byElem([
-      [1, 1],
-      [9, 777],
-      [40, 3],
-    ] as const),
-  )("residualLayerNormForward: N %d C %d, out %s", (N, C, elem) => {
-    const n = N * C;
+  eachRowsOfChannels([
+    [1, 1],
+    [9, 777],
+    [40, 3],
+  ])("residualLayerNormForward: N %d C %d, out %s", (N, C, elem, n) => {
     const [xc, xe] = twin(normals(n, 2)),
       [dc, de] = twin(normals(n)),
       [wc, we] = twin(normals(C)),
@@ -552,6 +547,73 @@ function embeddingTests(): void {
   });
 }
 
+/** One implementation of causal attention on the emulator, and how close it comes to the CPU backend's. */
+interface AttentionUnderTest {
+  /** the standard deviation of the random qkv */
+  qkvScale: number;
+  forward: (...args: Parameters<typeof flashForward>) => void;
+  backward: (...args: Parameters<typeof flashBackward>) => void;
+  /** whether its backward reads the CPU forward's out and lse (copied to the device) instead of its own forward's */
+  backwardOfCpuForward: boolean;
+  /** the relative errors allowed in out, lse and dqkv */
+  tolerances: (elem: Elem) => { out: number; lse: number; dqkv: number };
+}
+
+/** The plans' attention (attention.cu). */
+const plannedAttention: AttentionUnderTest = {
+  qkvScale: 1.5,
+  forward: (...args) => runPlan("attentionForward", plans.attentionForward(...args)),
+  backward: (...args) => runPlan("attentionBackward", plans.attentionBackward(...args)),
+  backwardOfCpuForward: true,
+  tolerances: (elem) => {
+    const tol = elem === "f32" ? 1e-5 : 1e-3;
+    return { out: elemTol(elem, tol), lse: tol, dqkv: elemTol(elem, elem === "f32" ? 1e-4 : 1e-2) };
+  },
+};
+
+/** The tensor-core kernels (flash.cu, --attention kernel): their products run on the emulator's
+ *  mma.sync, P and dS rounded to the 2-byte type. */
+const flashAttention: AttentionUnderTest = {
+  qkvScale: 1,
+  forward: (...args) => runLaunches(flashForward(...args)),
+  backward: (...args) => runLaunches(flashBackward(...args)),
+  backwardOfCpuForward: false,
+  tolerances: (elem) => {
+    const tol = elem === "bf16" ? 2e-2 : 4e-3;
+    return { out: tol, lse: 1e-3, dqkv: 2 * tol };
+  },
+};
+
+/** `impl`'s attention forward, then its backward adding into dqkv and writing it, against the CPU
+ *  backend's on the same random inputs: qkv (B,T,3C), out (B,T,C), lse and delta (B,H,T). */
+function expectAttentionMatches(impl: AttentionUnderTest, B: number, T: number, C: number, H: number, elem: Elem) {
+  const scale = 1 / Math.sqrt(C / H);
+  const nq = B * T * 3 * C,
+    no = B * T * C,
+    nl = B * H * T;
+  const [qc, qe] = twinElem(normals(nq, impl.qkvScale), elem),
+    [oc, oe] = outElem(no, elem),
+    [lc, le] = outF32(nl);
+  be.attentionForward(oc, lc, qc, B, T, C, H, scale, elem);
+  impl.forward(oe, le, qe, B, T, C, H, scale, elem);
+  const tol = impl.tolerances(elem);
+  expectClose("out", readElem(oe, no, elem), readElem(oc, no, elem), tol.out);
+  expectClose("lse", readF32(le, nl), readF32(lc, nl), tol.lse);
+  const [o2, l2] = impl.backwardOfCpuForward
+    ? [devAlloc(elem === "f32" ? readF32(oc, no) : readU16(oc, no)), devAlloc(readF32(lc, nl))]
+    : [oe, le];
+  const dout = asElem(normals(no), elem);
+  for (const accumulate of [true, false]) {
+    const [gc, ge] = twin(dout),
+      [dc, de] = accumulate ? twinElem(normals(nq), elem) : outElem(nq, elem),
+      [xc, xe] = outF32(nl);
+    be.attentionBackward(dc, xc, gc, oc, lc, qc, B, T, C, H, scale, elem, accumulate);
+    impl.backward(de, xe, ge, o2, l2, qe, B, T, C, H, scale, elem, accumulate);
+    const what = `dqkv ${accumulate ? "+=" : "="} (${elem})`;
+    expectClose(what, readElem(de, nq, elem), readElem(dc, nq, elem), tol.dqkv);
+  }
+}
+
 function attentionTests(): void {
   // B, T, C, H, what qkv holds: T past one tile and not a multiple of it, T = 1, one head,
   // head sizes 4, 32, 64 and 128, two batches and heads, and 2-byte inputs
@@ -560,64 +622,16 @@ function attentionTests(): void {
     [1, 70, 64, 1, "f32"],
     [1, 33, 256, 2, "bf16"],
     [2, 40, 64, 2, "f16"],
-  ] as const)("attention forward and backward: B %d T %d C %d H %d %s", (B, T, C, H, elem) => {
-    const scale = 1 / Math.sqrt(C / H);
-    const nq = B * T * 3 * C,
-      no = B * T * C,
-      nl = B * H * T;
-    const [qc, qe] = twinElem(normals(nq, 1.5), elem),
-      [oc, oe] = outElem(no, elem),
-      [lc, le] = outF32(nl);
-    be.attentionForward(oc, lc, qc, B, T, C, H, scale, elem);
-    runPlan("attentionForward", plans.attentionForward(oe, le, qe, B, T, C, H, scale, elem));
-    const tol = elem === "f32" ? 1e-5 : 1e-3;
-    expectClose("out", readElem(oe, no, elem), readElem(oc, no, elem), elemTol(elem, tol));
-    expectClose("lse", readF32(le, nl), readF32(lc, nl), tol);
-    // both backwards read the CPU forward's out and lse
-    const bytes = elem === "f32" ? 4 : 2;
-    const o2 = devAlloc(elem === "f32" ? readF32(oc, no) : readU16(oc, no));
-    const l2 = devAlloc(readF32(lc, nl));
-    const dout = asElem(normals(no), elem);
-    for (const accumulate of [true, false]) {
-      const [gc, ge] = twin(dout),
-        [dc, de] = accumulate ? twinElem(normals(nq), elem) : outElem(nq, elem),
-        [xc, xe] = outF32(nl);
-      be.attentionBackward(dc, xc, gc, oc, lc, qc, B, T, C, H, scale, elem, accumulate);
-      const planned = plans.attentionBackward(de, xe, ge, o2, l2, qe, B, T, C, H, scale, elem, accumulate);
-      runPlan("attentionBackward", planned);
-      const what = `dqkv ${accumulate ? "+=" : "="} (${bytes}-byte)`;
-      expectClose(what, readElem(de, nq, elem), readElem(dc, nq, elem), elemTol(elem, elem === "f32" ? 1e-4 : 1e-2));
-    }
-  });
+  ] as const)("attention forward and backward: B %d T %d C %d H %d %s", (B, T, C, H, elem) =>
+    expectAttentionMatches(plannedAttention, B, T, C, H, elem),
+  );
 
-  // the tensor-core kernels (flash.cu, --attention kernel) against the CPU's attention: their
-  // products run on the emulator's mma.sync, P and dS rounded to the 2-byte type
   test.each([
     [1, 70, 64, 1, "bf16"],
     [2, 33, 256, 2, "f16"],
-  ] as const)("tensor-core attention forward and backward: B %d T %d C %d H %d %s", (B, T, C, H, elem) => {
-    const scale = 1 / Math.sqrt(C / H);
-    const nq = B * T * 3 * C,
-      no = B * T * C,
-      nl = B * H * T;
-    const [qc, qe] = twinElem(normals(nq), elem),
-      [oc, oe] = outElem(no, elem),
-      [lc, le] = outF32(nl);
-    be.attentionForward(oc, lc, qc, B, T, C, H, scale, elem);
-    runLaunches(flashForward(oe, le, qe, B, T, C, H, scale, elem));
-    const tol = elem === "bf16" ? 2e-2 : 4e-3;
-    expectClose("out", readElem(oe, no, elem), readElem(oc, no, elem), tol);
-    expectClose("lse", readF32(le, nl), readF32(lc, nl), 1e-3);
-    const dout = asElem(normals(no), elem);
-    for (const accumulate of [true, false]) {
-      const [gc, ge] = twin(dout),
-        [dc, de] = accumulate ? twinElem(normals(nq), elem) : outElem(nq, elem),
-        [xc, xe] = outF32(nl);
-      be.attentionBackward(dc, xc, gc, oc, lc, qc, B, T, C, H, scale, elem, accumulate);
-      runLaunches(flashBackward(de, xe, ge, oe, le, qe, B, T, C, H, scale, elem, accumulate));
-      expectClose(`dqkv ${accumulate ? "+=" : "="}`, readElem(de, nq, elem), readElem(dc, nq, elem), 2 * tol);
-    }
-  });
+  ] as const)("tensor-core attention forward and backward: B %d T %d C %d H %d %s", (B, T, C, H, elem) =>
+    expectAttentionMatches(flashAttention, B, T, C, H, elem),
+  );
 
   test("the hold kernel returns at once on the emulator (bench engine's launch-cost measure)", () => {
     runLaunches([{ kernel: "mt_hold_ns", grid: [1, 1, 1], block: [32, 1, 1], sharedBytes: 0, args: [1_000_000] }]);

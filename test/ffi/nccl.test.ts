@@ -98,6 +98,17 @@ function collRecord(f: Controls) {
   return { send, recv, count, dtype, op, root, comm, stream };
 }
 
+type CollCall = ReturnType<typeof collRecord>;
+
+/** The record of a collective on `comm` and `stream` that takes no op and no root, with `over` (its buffers, count and type at least) on top. */
+function collCall(
+  comm: NcclComm,
+  stream: bigint,
+  over: Pick<CollCall, "send" | "recv" | "count" | "dtype"> & Partial<CollCall>,
+): CollCall {
+  return { op: -1n, root: -1n, comm: BigInt(comm.handle!), stream, ...over };
+}
+
 function counts(f: Controls) {
   return readNamed(["aborts", "destroys", "finalizes", "groupStarts", "groupEnds", "asyncPolls"] as const, (out) =>
     f.fake_counts(out),
@@ -354,54 +365,23 @@ describe("NCCL binding against a fake libnccl", () => {
   const ops = Object.keys(ncclRedOps) as NcclRedOp[];
 
   describe.each(dtypes)("collectives with dtype %s", (dtype) => {
+    /** The record of a collective of this dtype from `send` to `recv` on `stream`, with `over` on top. */
+    const call = (over: Pick<CollCall, "count"> & Partial<CollCall>) =>
+      collCall(comm, stream, { send: BigInt(send), recv: BigInt(recv), dtype: BigInt(ncclDataTypes[dtype]), ...over });
+
     test.each(ops)("allReduce op %s passes every argument through", (op) => {
       comm.allReduce(send, recv, 1_000_003, dtype, op, stream);
-      expect(collRecord(fake)).toEqual({
-        send: BigInt(send),
-        recv: BigInt(recv),
-        count: 1_000_003n,
-        dtype: BigInt(ncclDataTypes[dtype]),
-        op: BigInt(ncclRedOps[op]),
-        root: -1n,
-        comm: BigInt(comm.handle!),
-        stream,
-      });
+      expect(collRecord(fake)).toEqual(call({ count: 1_000_003n, op: BigInt(ncclRedOps[op]) }));
     });
 
     test("reduceScatter, allGather and broadcast pass every argument through", () => {
       comm.reduceScatter(send, recv, 4096, dtype, "avg", Number(stream));
-      expect(collRecord(fake)).toEqual({
-        send: BigInt(send),
-        recv: BigInt(recv),
-        count: 4096n,
-        dtype: BigInt(ncclDataTypes[dtype]),
-        op: 4n,
-        root: -1n,
-        comm: BigInt(comm.handle!),
-        stream,
-      });
+      expect(collRecord(fake)).toEqual(call({ count: 4096n, op: 4n }));
       comm.allGather(send, recv, 77, dtype, stream);
-      expect(collRecord(fake)).toEqual({
-        send: BigInt(send),
-        recv: BigInt(recv),
-        count: 77n,
-        dtype: BigInt(ncclDataTypes[dtype]),
-        op: -1n,
-        root: -1n,
-        comm: BigInt(comm.handle!),
-        stream,
-      });
+      expect(collRecord(fake)).toEqual(call({ count: 77n }));
+      // in place (recv is send), from rank 3, on the default stream
       comm.broadcast(send, send, 5, dtype, 3, 0);
-      expect(collRecord(fake)).toEqual({
-        send: BigInt(send),
-        recv: BigInt(send),
-        count: 5n,
-        dtype: BigInt(ncclDataTypes[dtype]),
-        op: -1n,
-        root: 3n,
-        comm: BigInt(comm.handle!),
-        stream: 0n,
-      });
+      expect(collRecord(fake)).toEqual(call({ recv: BigInt(send), count: 5n, root: 3n, stream: 0n }));
     });
   });
 
@@ -656,14 +636,7 @@ describe("NcclCollective: the Collective over a (fake) communicator", () => {
     coll = new NcclCollective(comm, stream, { ptr: 0x7f00_0000_0040, count: 1 });
   });
 
-  type Call = ReturnType<typeof collRecord>;
-  const call = (over: Pick<Call, "send" | "recv" | "count" | "dtype"> & Partial<Call>): Call => ({
-    op: -1n,
-    root: -1n,
-    comm: BigInt(comm.handle!),
-    stream,
-    ...over,
-  });
+  const call = (over: Parameters<typeof collCall>[2]) => collCall(comm, stream, over);
 
   test("all-reduce in place, sum or mean; an empty buffer calls nothing", async () => {
     await coll.allReduce(buf, { step: 1, bucket: 0 });

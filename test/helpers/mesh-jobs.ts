@@ -1,11 +1,13 @@
 // Helpers of the end-to-end tests on a local mesh: the small MNIST job most of them run, a mesh
-// in a fresh folder, a job watched to its end with its events kept, a fault fired at a step, and
-// the checks of a job's steps that several tests make.
+// in a fresh folder, a job watched to its end with its events kept, a fault fired at a step, the
+// checks of a job's steps that several tests make, and the SIGKILL chaos run that the
+// parameter-server and all-reduce tests share.
 import { expect } from "bun:test";
 import { join } from "node:path";
 import { type Event, EventKind } from "../../schemas/messages/job.ts";
+import { planHere } from "../../services/data-loader/loader.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
-import type { MeshClient } from "../../sdk/client.ts";
+import { MeshClient } from "../../sdk/client.ts";
 import { LocalMesh, type MeshOptions } from "../../sdk/local-mesh.ts";
 import { type JobOutcome, watchJob } from "../../sdk/watch.ts";
 import { effectiveSteps } from "./jobs.ts";
@@ -82,7 +84,7 @@ export function expectEveryStepOnce(seen: readonly Event[], trainers: number, to
 }
 
 /** The job rewound at least once, first to a scheduled snapshot (every `checkpointEvery` steps) no newer than the kill at `killedAt`. */
-export function expectRestoredFromSnapshot(seen: readonly Event[], checkpointEvery: number, killedAt: number): void {
+function expectRestoredFromSnapshot(seen: readonly Event[], checkpointEvery: number, killedAt: number): void {
   const restores = seen.filter((e) => e.kind === EventKind.Restore);
   expect(restores.length).toBeGreaterThanOrEqual(1);
   expect(restores[0]!.step % checkpointEvery).toBe(0);
@@ -101,4 +103,32 @@ export function stepLosses(events: readonly Event[]): Map<number, number> {
     at.set(e.step, a);
   }
   return new Map([...at].map(([k, a]) => [k, a.sum / a.n]));
+}
+
+/**
+ * Runs `cfg` on a fresh mesh (startMesh with `meshOpts`) and SIGKILLs the services named in
+ * `victims`, in that order, at rank 0's step 150. Checks that the kill came, that the launcher
+ * restarted each victim, that the job rewound to a scheduled snapshot no newer than the kill,
+ * learned (accuracy over 0.93), and that each rank's effective history is every step once;
+ * returns the job's outcome and those histories.
+ */
+export async function runThroughSigkill(
+  prefix: string,
+  meshOpts: Omit<MeshOptions, "jobsDir" | "logDir" | "onEvent">,
+  cfg: JobConfig,
+  victims: readonly string[],
+): Promise<JobOutcome & { steps: number[][] }> {
+  const launcherLines: string[] = [];
+  await using mesh = await startMesh(prefix, { ...meshOpts, onEvent: (l) => launcherLines.push(l) });
+  await using client = await MeshClient.connect(mesh.url, mesh.auth());
+  const kill = atRank0Step(150, () => {
+    for (const name of victims) mesh.kill(name, "SIGKILL");
+  });
+  const r = await runJob(client, cfg, kill.onEvent);
+  expect(kill.step).toBeGreaterThan(0);
+  for (const name of victims)
+    expect(launcherLines.some((l) => l.includes(`${name} died (signal SIGKILL); restarting`))).toBe(true);
+  expectRestoredFromSnapshot(r.seen, cfg.checkpointEvery, kill.step);
+  expect(r.record.accuracy).toBeGreaterThan(0.93);
+  return { ...r, steps: expectEveryStepOnce(r.seen, cfg.trainers, planHere(cfg).totalSteps) };
 }

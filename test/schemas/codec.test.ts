@@ -300,6 +300,16 @@ describe("round trips, from unaligned payloads", () => {
 describe("bad input is a WireFormatError with a code", () => {
   const good = encodePushRequest({ job: "j", trainer: 0, step: 1, chunks: [f32Chunk(0, floats(64))] });
   const code = (fn: () => unknown) => (expectThrown(fn, WireFormatError) as WireFormatError).code;
+  /** A batch of 2 samples of 3 values each, less its x (which each test sets). */
+  const twoByThree = {
+    epoch: 0,
+    index: 0,
+    sampleIds: Uint32Array.of(1, 2),
+    rows: 2,
+    cols: 3,
+    y: Int32Array.of(1, 2),
+    endOfEpoch: false,
+  };
 
   test("truncated, empty, garbage, wrong identifier, oversized", () => {
     expect(code(() => decodePushRequest(new Uint8Array(0), limit))).toBe("truncated");
@@ -356,16 +366,7 @@ describe("bad input is a WireFormatError with a code", () => {
   });
 
   test("a batch whose shapes disagree", () => {
-    const bad = {
-      epoch: 0,
-      index: 0,
-      sampleIds: Uint32Array.of(1, 2),
-      rows: 2,
-      cols: 3,
-      x: floats(5),
-      y: Int32Array.of(1, 2),
-      endOfEpoch: false,
-    };
+    const bad = { ...twoByThree, x: floats(5) };
     expect(code(() => decodeBatch(encodeBatch(bad), limit))).toBe("malformed");
   });
 
@@ -404,16 +405,7 @@ describe("bad input is a WireFormatError with a code", () => {
   });
 
   test("a batch of pixels: too few, non-finite or missing pixel values, pixels beside x, the wrong count", () => {
-    const m = {
-      epoch: 0,
-      index: 0,
-      sampleIds: Uint32Array.of(1, 2),
-      rows: 2,
-      cols: 3,
-      x: new Float32Array(0),
-      y: Int32Array.of(1, 2),
-      endOfEpoch: false,
-    };
+    const m = { ...twoByThree, x: new Float32Array(0) };
     const pixels = Uint8Array.of(0, 1, 2, 3, 4, 255);
     const values = Float32Array.from({ length: 256 }, (_, v) => v / 10);
     const nan = values.slice();
