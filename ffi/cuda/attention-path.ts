@@ -24,9 +24,10 @@ import { accumulatePlan, flashUnsupported, type Launch } from "./kernels.ts";
 import {
   type SdpaShape,
   sdpaBackwardGraph,
+  sdpaBackwardPack,
   sdpaBackwardScratch,
   sdpaForwardGraph,
-  sdpaUids,
+  sdpaForwardPack,
   sdpaUnsupported,
 } from "./sdpa-graph.ts";
 
@@ -129,7 +130,7 @@ export class AttentionRouter {
     const d = this.#device;
     const ws = d.alloc(Math.max(plan.workspaceBytes, 1));
     try {
-      this.#execute(plan, [...operands(qkv, call), [sdpaUids.o, out], [sdpaUids.stats, lse]], ws);
+      this.#execute(plan, sdpaForwardPack(shapeOf(call), { qkv, out, lse }), ws);
     } finally {
       d.free(ws);
     }
@@ -142,27 +143,14 @@ export class AttentionRouter {
     const plan = this.#planFor("backward", call);
     if (plan === null) return false;
     const n = 3 * call.B * call.T * call.C;
-    const scratch = sdpaBackwardScratch(shapeOf(call));
+    const shape = shapeOf(call);
+    const workspace = backwardWorkspace(shape, plan);
     const d = this.#device;
     const grads = accumulate ? d.alloc(2 * n) : dqkv;
-    const ws = d.alloc(scratch.bytes + plan.workspaceBytes);
+    const ws = d.alloc(workspace.bytes);
     try {
-      const [dQ, dK, dV] = operands(grads, call).map(([, p]) => p);
-      this.#execute(
-        plan,
-        [
-          ...operands(qkv, call),
-          [sdpaUids.o, out],
-          [sdpaUids.dO, dout],
-          [sdpaUids.stats, lse],
-          [sdpaUids.dQ, dQ!],
-          [sdpaUids.dK, dK!],
-          [sdpaUids.dV, dV!],
-          [sdpaUids.rowSum, ws + scratch.rowSumOffset],
-          [sdpaUids.dQAccum, ws + scratch.dQAccumOffset],
-        ],
-        ws + scratch.bytes,
-      );
+      const pack = sdpaBackwardPack(shape, { qkv, out, lse, dout, dqkv: grads, scratch: ws });
+      this.#execute(plan, pack, ws + workspace.planOffset);
       if (accumulate) d.run(accumulatePlan(dqkv, grads, n, call.elem));
     } finally {
       d.free(ws);
@@ -218,21 +206,18 @@ export class AttentionRouter {
     }
   }
 
-  #execute(plan: CudnnPlan, bound: readonly (readonly [number, Ptr])[], workspace: Ptr): void {
+  #execute(plan: CudnnPlan, pack: ReadonlyMap<number, Ptr>, workspace: Ptr): void {
     const cudnn = this.#handle() as Cudnn;
-    cudnn.execute(plan, new Map(bound), workspace);
+    cudnn.execute(plan, pack, workspace);
     this.executions++;
   }
 }
 
-/** Q, K, V inside a (B,T,3C) buffer of 2-byte elements, by uid. */
-function operands(qkv: Ptr, call: AttentionCall): [number, Ptr][] {
-  const rowBytes = 2 * call.C;
-  return [
-    [sdpaUids.q, qkv],
-    [sdpaUids.k, qkv + rowBytes],
-    [sdpaUids.v, qkv + 2 * rowBytes],
-  ];
+/** A backward's workspace as the router lays it out: the graph's own intermediates
+ *  (sdpaBackwardScratch) first, then the plan's workspace for cuDNN, at planOffset. */
+export function backwardWorkspace(shape: SdpaShape, plan: CudnnPlan): { bytes: number; planOffset: number } {
+  const scratch = sdpaBackwardScratch(shape);
+  return { bytes: scratch.bytes + plan.workspaceBytes, planOffset: scratch.bytes };
 }
 
 function shapeOf(call: AttentionCall): SdpaShape {

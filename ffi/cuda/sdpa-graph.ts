@@ -22,7 +22,9 @@
 //   sum = rowsum(dO ∘ O) · 1;  E = exp(mask(Q K^T · scale) - Stats)       (= P)
 //   dV = E^T dO;  dS = (dO V^T - sum) ∘ E · scale;  dK = dS^T Q;  dQ = dS K  (through an f32 dQ)
 // The two non-virtual f32 intermediates of backward (the row sums and dQ's accumulator) live in
-// workspace the caller provides (sdpaBackwardScratch).
+// workspace the caller provides (sdpaBackwardScratch). sdpaForwardPack and sdpaBackwardPack bind
+// the buffers of these layouts to the graphs' uids.
+import type { Ptr } from "../backend.ts";
 
 /** cuDNN data types (cudnnDataType_t) */
 export const cudnnDataType = { float: 0, half: 2, int32: 4, bf16: 9, bool: 11 } as const;
@@ -296,4 +298,53 @@ export function sdpaBackwardScratch(s: SdpaShape): { rowSumOffset: number; dQAcc
   const rowSumBytes = align(s.B * s.H * s.T * 4);
   const dQAccumBytes = align(s.B * s.H * s.T * s.D * 4);
   return { rowSumOffset: 0, dQAccumOffset: rowSumBytes, bytes: rowSumBytes + dQAccumBytes };
+}
+
+/** Device addresses of a forward's operands: qkv (B,T,3C) and out (B,T,C) of the 2-byte type,
+ *  lse (B,H,T) f32. */
+export interface SdpaForwardBuffers {
+  readonly qkv: Ptr;
+  readonly out: Ptr;
+  readonly lse: Ptr;
+}
+
+/** A backward's: the forward's, dout (B,T,C), dqkv (B,T,3C) where dQ, dK and dV land, and
+ *  scratch, sdpaBackwardScratch(s).bytes of device memory. */
+export interface SdpaBackwardBuffers extends SdpaForwardBuffers {
+  readonly dout: Ptr;
+  readonly dqkv: Ptr;
+  readonly scratch: Ptr;
+}
+
+/** The forward's variant pack: the address of each buffer by uid (the by-value scalars are the
+ *  plan's, cudnn.ts binds them). */
+export function sdpaForwardPack(s: SdpaShape, b: SdpaForwardBuffers): Map<number, Ptr> {
+  return new Map([...qkvParts(s, b.qkv), [uids.o, b.out], [uids.stats, b.lse]]);
+}
+
+/** The backward's variant pack, as sdpaForwardPack's. */
+export function sdpaBackwardPack(s: SdpaShape, b: SdpaBackwardBuffers): Map<number, Ptr> {
+  const scratch = sdpaBackwardScratch(s);
+  const [dQ, dK, dV] = qkvParts(s, b.dqkv).map(([, p]) => p);
+  return new Map([
+    ...qkvParts(s, b.qkv),
+    [uids.o, b.out],
+    [uids.dO, b.dout],
+    [uids.stats, b.lse],
+    [uids.dQ, dQ!],
+    [uids.dK, dK!],
+    [uids.dV, dV!],
+    [uids.rowSum, b.scratch + scratch.rowSumOffset],
+    [uids.dQAccum, b.scratch + scratch.dQAccumOffset],
+  ]);
+}
+
+/** Q, K, V (or dQ, dK, dV) inside a (B,T,3C) buffer of 2-byte elements at base, by uid. */
+function qkvParts(s: SdpaShape, base: Ptr): [number, Ptr][] {
+  const rowBytes = 2 * s.H * s.D;
+  return [
+    [uids.q, base],
+    [uids.k, base + rowBytes],
+    [uids.v, base + 2 * rowBytes],
+  ];
 }

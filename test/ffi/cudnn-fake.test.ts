@@ -17,7 +17,7 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { ptr } from "bun:ffi";
 import type { ElemType, Ptr } from "../../ffi/backend.ts";
-import { type AttentionDevice, AttentionRouter } from "../../ffi/cuda/attention-path.ts";
+import { type AttentionDevice, AttentionRouter, backwardWorkspace } from "../../ffi/cuda/attention-path.ts";
 import type { CudaBackend } from "../../ffi/cuda/backend.ts";
 import { Cudnn, CudnnError, type CudnnPlan, CudnnUnsupportedError, loadCudnn } from "../../ffi/cuda/cudnn.ts";
 import {
@@ -25,16 +25,15 @@ import {
   type SdpaGraph,
   type SdpaShape,
   sdpaBackwardGraph,
-  sdpaBackwardScratch,
+  sdpaBackwardPack,
   sdpaForwardGraph,
+  sdpaForwardPack,
   sdpaUids,
 } from "../../ffi/cuda/sdpa-graph.ts";
 import { NativeLibraryError } from "../../ffi/errors.ts";
-import { causalSelfAttentionBackwardReference, causalSelfAttentionReference } from "../../engine/ops/attention.ts";
-import { Rng } from "../../engine/rng.ts";
 import { emulatedCuda, type FakeCudnn, fakeCudnn } from "../helpers/emulated-cuda.ts";
-import { type AttentionResult, attentionOn } from "../helpers/attention.ts";
-import { type HalfElem, relErr, roundTo16, widen16 } from "../helpers/numeric.ts";
+import { attentionCase, attentionOn, attentionTolerance } from "../helpers/attention.ts";
+import { type HalfElem, relErr, widen16 } from "../helpers/numeric.ts";
 import { skip } from "../helpers/skip.ts";
 import { tensorOf } from "../helpers/sdpa-graphs.ts";
 
@@ -52,41 +51,6 @@ const hostTimeoutMs = 60_000;
 
 type Dtype = SdpaShape["dtype"];
 const elemOf = (dtype: Dtype): HalfElem => (dtype === "half" ? "f16" : "bf16");
-
-/** P (and backward's dS) are rounded to the 2-byte type before the products, as on tensor cores */
-const tolerance = (dtype: Dtype) => (dtype === "bf16" ? 2e-2 : 4e-3);
-
-/** lse (B,H,T) in float64: log sum_j<=i exp(q_i . k_j * scale) */
-function lseReference(qkv: Float64Array, B: number, T: number, C: number, H: number): Float64Array {
-  const D = C / H;
-  const scale = 1 / Math.sqrt(D);
-  const lse = new Float64Array(B * H * T);
-  const at = (b: number, t: number, part: number, h: number, d: number) =>
-    qkv[(b * T + t) * 3 * C + part * C + h * D + d]!;
-  for (let b = 0; b < B; b++)
-    for (let h = 0; h < H; h++)
-      for (let i = 0; i < T; i++) {
-        const s = Array.from({ length: i + 1 }, (_, j) => {
-          let dot = 0;
-          for (let d = 0; d < D; d++) dot += at(b, i, 0, h, d) * at(b, j, 1, h, d);
-          return dot * scale;
-        });
-        const max = Math.max(...s);
-        lse[(b * H + h) * T + i] = max + Math.log(s.reduce((z, v) => z + Math.exp(v - max), 0));
-      }
-  return lse;
-}
-
-/** Random inputs for one shape: qkv (B,T,3C) and dout (B,T,C) in the 2-byte type. */
-function inputs(s: { B: number; T: number; H: number; D: number }, dtype: Dtype) {
-  const C = s.H * s.D;
-  const rng = new Rng(s.B * 1000 + s.T * 10 + s.D + (dtype === "bf16" ? 0 : 7));
-  const normal = (n: number) => Array.from({ length: n }, () => rng.normal());
-  return {
-    qkv: roundTo16(normal(s.B * s.T * 3 * C), elemOf(dtype)),
-    dout: roundTo16(normal(s.B * s.T * C), elemOf(dtype)),
-  };
-}
 
 // ---- what the fake received -----------------------------------------------------------------------
 
@@ -161,11 +125,12 @@ function hostBuffer(bytes: number): { view: Uint8Array; ptr: Ptr } {
   return { view: raw.subarray(skew, skew + bytes), ptr: ptr(raw) + skew };
 }
 
-/** Buffers of one forward and backward in the layouts the router binds (attention-path.ts). */
+/** Buffers of one forward and backward, bound and laid out as the router does it (sdpa-graph.ts's
+ *  sdpaForwardPack and sdpaBackwardPack, attention-path.ts's backwardWorkspace). */
 function hostAttention(s: SdpaShape, fwd: CudnnPlan, bwd: CudnnPlan) {
   const { B, H, T, D } = s;
   const C = H * D;
-  const scratch = sdpaBackwardScratch(s);
+  const bwdWorkspace = backwardWorkspace(s, bwd);
   const b = {
     qkv: hostBuffer(B * T * 3 * C * 2),
     out: hostBuffer(B * T * C * 2),
@@ -173,27 +138,12 @@ function hostAttention(s: SdpaShape, fwd: CudnnPlan, bwd: CudnnPlan) {
     dout: hostBuffer(B * T * C * 2),
     dqkv: hostBuffer(B * T * 3 * C * 2),
     fwdWorkspace: hostBuffer(fwd.workspaceBytes),
-    bwdWorkspace: hostBuffer(scratch.bytes + bwd.workspaceBytes),
+    bwdWorkspace: hostBuffer(bwdWorkspace.bytes),
   };
-  const qkvAt = (base: Ptr): [number, Ptr][] => [
-    [sdpaUids.q, base],
-    [sdpaUids.k, base + 2 * C],
-    [sdpaUids.v, base + 4 * C],
-  ];
-  const fwdBuffers = new Map([...qkvAt(b.qkv.ptr), [sdpaUids.o, b.out.ptr], [sdpaUids.stats, b.lse.ptr]]);
-  const [dQ, dK, dV] = qkvAt(b.dqkv.ptr).map(([, p]) => p);
-  const bwdBuffers = new Map([
-    ...qkvAt(b.qkv.ptr),
-    [sdpaUids.o, b.out.ptr],
-    [sdpaUids.dO, b.dout.ptr],
-    [sdpaUids.stats, b.lse.ptr],
-    [sdpaUids.dQ, dQ!],
-    [sdpaUids.dK, dK!],
-    [sdpaUids.dV, dV!],
-    [sdpaUids.rowSum, b.bwdWorkspace.ptr + scratch.rowSumOffset],
-    [sdpaUids.dQAccum, b.bwdWorkspace.ptr + scratch.dQAccumOffset],
-  ]);
-  return { ...b, fwdBuffers, bwdBuffers, bwdWorkspacePtr: b.bwdWorkspace.ptr + scratch.bytes };
+  const at = { qkv: b.qkv.ptr, out: b.out.ptr, lse: b.lse.ptr };
+  const fwdBuffers = sdpaForwardPack(s, at);
+  const bwdBuffers = sdpaBackwardPack(s, { ...at, dout: b.dout.ptr, dqkv: b.dqkv.ptr, scratch: b.bwdWorkspace.ptr });
+  return { ...b, fwdBuffers, bwdBuffers, bwdWorkspacePtr: b.bwdWorkspace.ptr + bwdWorkspace.planOffset };
 }
 
 const u16 = (b: { view: Uint8Array }) => new Uint16Array(b.view.buffer, b.view.byteOffset, b.view.length / 2);
@@ -235,10 +185,10 @@ describe.skipIf(skip("g++ and cc", toolsMissing))("the binding's graphs against 
           return plan;
         }) as [CudnnPlan, CudnnPlan];
 
-        const { qkv, dout } = inputs(s, dtype);
+        const c = attentionCase(s, elemOf(dtype));
         const b = hostAttention(s, fwd, bwd);
-        u16(b.qkv).set(qkv.bits);
-        u16(b.dout).set(dout.bits);
+        u16(b.qkv).set(c.bits.qkv);
+        u16(b.dout).set(c.bits.dout);
         const executed = f.executions();
         cudnn.execute(fwd, b.fwdBuffers, b.fwdWorkspace.ptr);
         const runs = [f.lastExecution()];
@@ -263,14 +213,10 @@ describe.skipIf(skip("g++ and cc", toolsMissing))("the binding's graphs against 
           });
         }
 
-        const { B, T, H } = s;
-        const tol = tolerance(dtype);
-        expect(
-          relErr(widen16(u16(b.out), elemOf(dtype)), causalSelfAttentionReference(qkv.values, B, T, C, H).out),
-        ).toBeLessThan(tol);
-        expect(relErr(f32(b.lse), lseReference(qkv.values, B, T, C, H))).toBeLessThan(1e-5);
-        const dwant = causalSelfAttentionBackwardReference(qkv.values, dout.values, B, T, C, H);
-        expect(relErr(widen16(u16(b.dqkv), elemOf(dtype)), dwant)).toBeLessThan(2 * tol);
+        const tol = attentionTolerance(elemOf(dtype));
+        expect(relErr(widen16(u16(b.out), elemOf(dtype)), c.want.out)).toBeLessThan(tol);
+        expect(relErr(f32(b.lse), c.want.lse)).toBeLessThan(1e-5);
+        expect(relErr(widen16(u16(b.dqkv), elemOf(dtype)), c.want.dqkv)).toBeLessThan(2 * tol);
       },
       hostTimeoutMs,
     );
@@ -708,33 +654,24 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
       test.each(backendShapes)(
         "B=$B T=$T H=$H D=$D: out, lse and dqkv against the reference kernels and float64",
         (sh) => {
-          const { B, T, H, D } = sh;
-          const C = H * D;
-          const { qkv, dout } = inputs(sh, dtype);
-          const dqkv0 = roundTo16(
-            Array.from({ length: B * T * 3 * C }, (_, i) => Math.sin(i)),
-            elemOf(dtype),
-          );
-          const tol = tolerance(dtype);
-          const want = causalSelfAttentionReference(qkv.values, B, T, C, H).out;
-          const dwant = causalSelfAttentionBackwardReference(qkv.values, dout.values, B, T, C, H);
+          const elem = elemOf(dtype);
+          const c = attentionCase(sh, elem);
+          const tol = attentionTolerance(elem);
           for (const accumulate of [false, true]) {
-            const x = { qkv: qkv.bits, dout: dout.bits, dqkv0: dqkv0.bits };
             const fused = backend("cudnn");
             const before = { ...fused.launchCounts };
-            const a = attentionOn(fused, x, sh, elemOf(dtype), accumulate);
+            const a = attentionOn(fused, c.bits, sh, elem, accumulate);
             expect(fused.launchCounts.cudnn - before.cudnn).toBe(2);
             expect(fake!.lastExecution().stream).toBe(fakeCudaStream);
-            const b = attentionOn(backend("reference"), x, sh, elemOf(dtype), accumulate);
-            const added = (r: AttentionResult) => (accumulate ? r.dqkv.map((v, i) => v - dqkv0.values[i]!) : r.dqkv);
-            expect(relErr(a.out, want)).toBeLessThan(tol);
-            expect(relErr(b.out, want)).toBeLessThan(tol);
+            const b = attentionOn(backend("reference"), c.bits, sh, elem, accumulate);
+            expect(relErr(a.out, c.want.out)).toBeLessThan(tol);
+            expect(relErr(b.out, c.want.out)).toBeLessThan(tol);
             expect(relErr(a.lse, b.lse)).toBeLessThan(1e-4);
-            expect(relErr(a.lse, lseReference(qkv.values, B, T, C, H))).toBeLessThan(1e-5);
+            expect(relErr(a.lse, c.want.lse)).toBeLessThan(1e-5);
             // with accumulate, the 2-byte sum's rounding (of dqkv0's size) adds to the error
             const dtol = (accumulate ? 4 : 2) * tol;
-            expect(relErr(added(a), dwant)).toBeLessThan(dtol);
-            expect(relErr(added(b), dwant)).toBeLessThan(dtol);
+            expect(relErr(c.gradient(a.dqkv, accumulate), c.want.dqkv)).toBeLessThan(dtol);
+            expect(relErr(c.gradient(b.dqkv, accumulate), c.want.dqkv)).toBeLessThan(dtol);
             expect(relErr(a.dqkv, b.dqkv)).toBeLessThan(dtol);
           }
         },
@@ -759,14 +696,13 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
       () => {
         const be = backend("auto");
         const sh = { B: 1, T: 5, H: 2, D: 8 };
-        const { qkv, dout } = inputs(sh, "bf16");
-        const dqkv0 = new Uint16Array(qkv.bits.length);
+        const c = attentionCase(sh, "bf16");
+        const dqkv0 = new Uint16Array(c.bits.qkv.length);
         const cudnnBefore = be.launchCounts.cudnn;
         try {
           fake!.setEngineConfigs(2, 2);
-          const r = attentionOn(be, { qkv: qkv.bits, dout: dout.bits, dqkv0 }, sh, "bf16", false);
-          const want = causalSelfAttentionReference(qkv.values, sh.B, sh.T, 2 * sh.D, sh.H).out;
-          expect(relErr(r.out, want)).toBeLessThan(tolerance("bf16"));
+          const r = attentionOn(be, { ...c.bits, dqkv0 }, sh, "bf16", false);
+          expect(relErr(r.out, c.want.out)).toBeLessThan(attentionTolerance("bf16"));
           expect(be.launchCounts.cudnn).toBe(cudnnBefore);
         } finally {
           fake!.setEngineConfigs(2, 0);

@@ -11,11 +11,9 @@ import type { ElemType } from "../../ffi/backend.ts";
 import { AttentionRouter, KernelUnsupportedError } from "../../ffi/cuda/attention-path.ts";
 import { CudaBackend } from "../../ffi/cuda/backend.ts";
 import { flashBackward, flashForward, flashUnsupported } from "../../ffi/cuda/kernels.ts";
-import { causalSelfAttentionBackwardReference, causalSelfAttentionReference } from "../../engine/ops/attention.ts";
-import { Rng } from "../../engine/rng.ts";
-import { attentionOn } from "../helpers/attention.ts";
+import { type AttentionShape, attentionCase, attentionOn, attentionTolerance } from "../helpers/attention.ts";
 import { emulatedCuda } from "../helpers/emulated-cuda.ts";
-import { cudaSkipReason, type HalfElem, relErr, roundTo16, widen16 } from "../helpers/numeric.ts";
+import { cudaSkipReason, type HalfElem, relErr } from "../helpers/numeric.ts";
 import { skip } from "../helpers/skip.ts";
 
 const emulated = await emulatedCuda();
@@ -24,70 +22,26 @@ afterAll(() => {
   for (const be of owned) be.dispose();
 });
 
-interface Shape {
-  B: number;
-  T: number;
-  H: number;
-  D: number;
-}
-
-/** lse (B,H,T) in float64 */
-function lseReference(qkv: Float64Array, { B, T, H, D }: Shape): Float64Array {
-  const C = H * D;
-  const out = new Float64Array(B * H * T);
-  for (let b = 0; b < B; b++)
-    for (let h = 0; h < H; h++)
-      for (let i = 0; i < T; i++) {
-        const s: number[] = [];
-        for (let j = 0; j <= i; j++) {
-          let dot = 0;
-          for (let d = 0; d < D; d++)
-            dot += qkv[(b * T + i) * 3 * C + h * D + d]! * qkv[(b * T + j) * 3 * C + C + h * D + d]!;
-          s.push(dot / Math.sqrt(D));
-        }
-        const m = Math.max(...s);
-        out[(b * H + h) * T + i] = m + Math.log(s.reduce((a, x) => a + Math.exp(x - m), 0));
-      }
-  return out;
-}
-
-// P and dS are rounded to the 2-byte type before their products, as on tensor cores
-const tolerance = (elem: HalfElem) => (elem === "bf16" ? 2e-2 : 4e-3);
-
 /** Forward and backward (writing dqkv, then adding into it) on `be` against float64. */
-function checkAgainstFloat64(be: CudaBackend, s: Shape, elem: HalfElem): void {
-  const { B, T, H, D } = s;
-  const C = H * D;
-  const rng = new Rng(B * 1000 + T * 10 + D + (elem === "bf16" ? 0 : 7));
-  const normal = (n: number) => Array.from({ length: n }, () => rng.normal());
-  const qkv = roundTo16(normal(B * T * 3 * C), elem);
-  const dout = roundTo16(normal(B * T * C), elem);
-  const dqkv0 = roundTo16(
-    Array.from({ length: B * T * 3 * C }, (_, i) => Math.sin(i)),
-    elem,
-  );
-  const want = causalSelfAttentionReference(qkv.values, B, T, C, H).out;
-  const dwant = causalSelfAttentionBackwardReference(qkv.values, dout.values, B, T, C, H);
-  const lseWant = lseReference(qkv.values, s);
-  const tol = tolerance(elem);
+function checkAgainstFloat64(be: CudaBackend, s: AttentionShape, elem: HalfElem): void {
+  const c = attentionCase(s, elem);
+  const tol = attentionTolerance(elem);
   for (const accumulate of [false, true]) {
-    const a = attentionOn(be, { qkv: qkv.bits, dout: dout.bits, dqkv0: dqkv0.bits }, s, elem, accumulate);
-    const added = (d: Float64Array) => (accumulate ? d.map((v, i) => v - dqkv0.values[i]!) : d);
-    expect(relErr(a.out, want)).toBeLessThan(tol);
-    expect(relErr(a.lse, lseWant)).toBeLessThan(1e-3);
-    expect(relErr(added(a.dqkv), dwant)).toBeLessThan(2 * tol);
+    const a = attentionOn(be, c.bits, s, elem, accumulate);
+    expect(relErr(a.out, c.want.out)).toBeLessThan(tol);
+    expect(relErr(a.lse, c.want.lse)).toBeLessThan(1e-3);
+    expect(relErr(c.gradient(a.dqkv, accumulate), c.want.dqkv)).toBeLessThan(2 * tol);
   }
 }
-
-const shapes: Shape[] = [
-  { B: 1, T: 1, H: 2, D: 64 },
-  { B: 2, T: 70, H: 1, D: 64 },
-  { B: 1, T: 65, H: 1, D: 128 },
-];
 
 describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.reason))(
   'the CUDA backend (emulated on the host) with attention "kernel"',
   () => {
+    const shapes: AttentionShape[] = [
+      { B: 1, T: 1, H: 2, D: 64 },
+      { B: 2, T: 70, H: 1, D: 64 },
+      { B: 1, T: 65, H: 1, D: 128 },
+    ];
     const backend = (attention: "kernel") => {
       if (!emulated.ok) throw new Error("unreachable");
       const be = emulated.backendWith({ attention });
@@ -135,7 +89,7 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
 );
 
 describe.skipIf(skip("CUDA", cudaSkipReason))('a GPU with attention "kernel"', () => {
-  const gpuShapes: Shape[] = [
+  const gpuShapes: AttentionShape[] = [
     { B: 2, T: 256, H: 2, D: 64 },
     { B: 1, T: 300, H: 2, D: 128 },
     { B: 1, T: 1, H: 12, D: 64 },

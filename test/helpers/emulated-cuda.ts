@@ -72,6 +72,16 @@ export async function buildEmulator(dir: string): Promise<string> {
   return lib;
 }
 
+/** The fake cuDNN's pieces (fake-cudnn.h says what each holds), compiled together into
+ *  libfakecudnn.so. */
+const fakeCudnnSources = [
+  "fake-cudnn.c",
+  "fake-cudnn-finalize.c",
+  "fake-cudnn-pattern.c",
+  "fake-cudnn-execute.c",
+  "fake-cudnn-json.c",
+];
+
 /** Hash of everything the build reads, so a changed kernel or fake rebuilds. */
 function sourcesHash(): string {
   const h = createHash("sha256").update(JSON.stringify(kernelSpecs)).update(cxxFlags.join(" "));
@@ -80,9 +90,10 @@ function sourcesHash(): string {
     ...readdirSync(emuDir).map((f) => join(emuDir, f)),
     join(fixtures, "fake-cuda.c"),
     join(fixtures, "fake-cublas.c"),
-    join(fixtures, "fake-cudnn.c"),
+    ...[...fakeCudnnSources, "fake-cudnn.h"].map((f) => join(fixtures, f)),
     join(fixtures, "fake-cublaslt.c"),
     join(fixtures, "emulated-nccl.c"),
+    join(fixtures, "nccl-types.h"),
     join(root, "ffi", "numerics.h"),
   ].sort();
   for (const f of files) h.update(f).update(readFileSync(f));
@@ -113,13 +124,15 @@ async function build(): Promise<Built> {
   const tmp = `${dir}.${process.pid}.tmp`;
   rmSync(tmp, { recursive: true, force: true });
   mkdirSync(tmp, { recursive: true });
-  const cc = (src: string, out: string, libs = ["-ldl"]) =>
-    run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-o", join(tmp, out), join(fixtures, src), ...libs], tmp);
+  const cc = (src: string | string[], out: string, libs = ["-ldl"]) => {
+    const sources = (Array.isArray(src) ? src : [src]).map((f) => join(fixtures, f));
+    return run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-o", join(tmp, out), ...sources, ...libs], tmp);
+  };
   await Promise.all([
     buildEmulator(tmp),
     cc("fake-cuda.c", "libfakecuda.so"),
     cc("fake-cublas.c", "libfakecublas.so"),
-    cc("fake-cudnn.c", "libfakecudnn.so", ["-lm"]),
+    cc(fakeCudnnSources, "libfakecudnn.so", ["-lm"]),
     cc("fake-cublaslt.c", "libfakecublaslt.so", ["-lm"]),
     cc("emulated-nccl.c", "libemulatednccl.so", ["-lm", "-pthread"]),
   ]);
