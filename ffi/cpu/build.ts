@@ -6,13 +6,14 @@ import { createHash } from "node:crypto";
 import { existsSync, mkdirSync, readFileSync, renameSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { NativeLibraryError } from "../errors.ts";
+import { nativeBuildDir } from "../build-dir.ts";
 
 const here = import.meta.dir;
 /** The kernel library's sources (one library of three translation units) and the header they share. */
 export const kernelSourcePaths = ["kernels.c", "attention.c", "compress.c"].map((f) => join(here, f));
 const kernelHeaderPath = join(here, "kernels.h");
 export const numericsHeaderPath = join(here, "..", "numerics.h");
-const buildDir = join(here, "build");
+const buildDir = nativeBuildDir(here);
 const libraryPath = join(buildDir, "libmtkernels.so");
 const stampPath = join(buildDir, "libmtkernels.stamp");
 

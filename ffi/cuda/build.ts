@@ -8,13 +8,14 @@ import { createHash } from "node:crypto";
 import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { NativeLibraryError } from "../errors.ts";
+import { nativeBuildDir } from "../build-dir.ts";
 
 /** element functions shared with the CPU kernels (ffi/numerics.h), included by some modules */
 const numericsHeaderPath = join(import.meta.dir, "..", "numerics.h");
 
 const here = import.meta.dir;
 export const kernelSourceDir = join(here, "kernels");
-const buildDir = join(here, "build");
+const buildDir = nativeBuildDir(here);
 
 export const nvccInstallHint =
   "install the CUDA toolkit (nvcc 12 or newer, https://developer.nvidia.com/cuda-downloads) " +

@@ -9,10 +9,11 @@ import { existsSync, mkdirSync, readFileSync, renameSync, rmSync, writeFileSync 
 import { join } from "node:path";
 import { NativeLibraryError } from "../errors.ts";
 import { findCompiler } from "../cpu/build.ts";
+import { nativeBuildDir } from "../build-dir.ts";
 
 const here = import.meta.dir;
 export const shimSourcePath = join(here, "nccl-shim.c");
-const buildDir = join(here, "build");
+const buildDir = nativeBuildDir(here);
 export const shimLibraryPath = join(buildDir, "libmtnccl.so");
 const stampPath = join(buildDir, "libmtnccl.stamp");
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bun
 // meshtrain command line: `run` trains on a local mesh; submit/watch/status/cancel/
 // checkpoints/restore talk to any mesh over NATS; `train` runs in this process.
+import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { Command, Option } from "commander";
 import { type DeviceChoice, deviceChoices } from "../../ffi/select.ts";
@@ -13,6 +14,7 @@ import { cliName, shownPath, userPath } from "../user-paths.ts";
 import { prepareDefaults, runPrepare } from "../local/prepare.ts";
 import { exportSummary, runExport } from "../local/export.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
+import { addDoctorCommand } from "./doctor.ts";
 import { sharedOption, sharedOptions } from "./job-options.ts";
 import { errorExit } from "./exit.ts";
 import { ConfigError } from "../../ffi/errors.ts";
@@ -245,6 +247,8 @@ program
     });
   });
 
+addDoctorCommand(program);
+
 program
   .command("bench")
   .description(
@@ -261,12 +265,14 @@ program
   .helpOption(false)
   .action(async (name: string, _opts, cmd: Command) => {
     // the benchmarks are their own program (bench/index.ts): run it, passing its options on
-    const p = Bun.spawn(
-      [process.execPath, join(import.meta.dir, "..", "..", "bench", "index.ts"), name, ...cmd.args.slice(1)],
-      {
-        stdio: ["inherit", "inherit", "inherit"],
-      },
-    );
+    const bench = join(import.meta.dir, "..", "..", "bench", "index.ts");
+    if (!existsSync(bench))
+      throw new ConfigError(
+        "the benchmarks come with meshtrain's repository, not its package: run them from a clone (npm run bench)",
+      );
+    const p = Bun.spawn([process.execPath, bench, name, ...cmd.args.slice(1)], {
+      stdio: ["inherit", "inherit", "inherit"],
+    });
     process.exitCode = await p.exited;
   });
 

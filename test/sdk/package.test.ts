@@ -1,0 +1,140 @@
+// meshtrain as a package other projects install: what `npm pack` puts in the tarball (what a
+// user needs, nothing else: no tests, no benchmarks, no builds), that every module the package
+// holds imports only modules it holds too, where the native builds go, and `meshtrain doctor`.
+import { describe, expect, test } from "bun:test";
+import { existsSync, readFileSync } from "node:fs";
+import { dirname, join, normalize } from "node:path";
+import { nativeBuildDir } from "../../ffi/build-dir.ts";
+import { doctorReport, type Finding } from "../../sdk/cli/doctor.ts";
+
+const root = join(import.meta.dir, "..", "..");
+const cli = join(root, "sdk", "cli", "main.ts");
+
+/** The files `npm pack` would put in the tarball (without running prepack: no declarations). */
+function packedFiles(): string[] {
+  const r = Bun.spawnSync(["npm", "pack", "--dry-run", "--json", "--ignore-scripts"], {
+    cwd: root,
+    stdout: "pipe",
+    stderr: "pipe",
+    timeout: 60_000,
+  });
+  expect(r.exitCode).toBe(0);
+  const [pack] = JSON.parse(r.stdout.toString()) as { files: { path: string }[] }[];
+  return pack!.files.map((f) => f.path);
+}
+
+describe("the package", () => {
+  const files = packedFiles();
+  const packed = new Set(files);
+
+  test("holds the CLI, the SDK, the services, the engine, the native sources and the schemas", () => {
+    for (const f of [
+      "package.json",
+      "README.md",
+      "sdk/cli/main.ts",
+      "sdk/index.ts",
+      "sdk/dashboard/page.html",
+      "services/trainer/main.ts",
+      "engine/models/gpt.ts",
+      "ffi/cpu/kernels.c",
+      "ffi/cpu/kernels.h",
+      "ffi/numerics.h",
+      "ffi/cuda/nccl-shim.c",
+      "schemas/messages/job.ts",
+    ])
+      expect(packed.has(f)).toBe(true);
+    expect(files.some((f) => /^ffi\/cuda\/kernels\/.+\.cu$/.test(f))).toBe(true);
+    expect(files.some((f) => f.startsWith("schemas/generated/"))).toBe(true);
+    const pkg = JSON.parse(readFileSync(join(root, "package.json"), "utf8"));
+    expect(pkg.private).toBeUndefined();
+    expect(pkg.bin.meshtrain).toBe("sdk/cli/main.ts");
+    expect(readFileSync(cli, "utf8").startsWith("#!/usr/bin/env bun\n")).toBe(true);
+    expect(pkg.exports["."]).toEqual({ types: "./types/sdk/index.d.ts", default: "./sdk/index.ts" });
+  });
+
+  test("holds no tests, benchmarks, development tools, builds or deployment files", () => {
+    const outside = files.filter((f) =>
+      /^(test|bench|dev|testbed|deploy|docs|examples|scripts)\/|(^|\/)build\/|\.(py|tmp|so|ptx|stamp|fbs)$/.test(f),
+    );
+    expect(outside).toEqual([]);
+    expect(packed.has("schemas/build.ts")).toBe(false);
+  });
+
+  test("every relative import of a packaged module names a packaged file", () => {
+    const missing: string[] = [];
+    // the declarations (types/, written by npm pack) name the modules they describe
+    for (const f of files.filter((x) => x.endsWith(".ts") && !x.startsWith("types/"))) {
+      const text = readFileSync(join(root, f), "utf8");
+      for (const m of text.matchAll(/(?:from|import)\s*\(?\s*"(\.{1,2}\/[^"]+)"/g)) {
+        const target = normalize(join(dirname(f), m[1]!));
+        if (!packed.has(target)) missing.push(`${f} -> ${m[1]}`);
+      }
+    }
+    expect(missing).toEqual([]);
+  });
+});
+
+describe("native builds", () => {
+  test("go beside their sources in a writable checkout, or under MESHTRAIN_CACHE_DIR where it is set", () => {
+    const cpu = join(root, "ffi", "cpu");
+    const saved = process.env.MESHTRAIN_CACHE_DIR;
+    try {
+      delete process.env.MESHTRAIN_CACHE_DIR;
+      expect(nativeBuildDir(cpu)).toBe(join(cpu, "build"));
+      process.env.MESHTRAIN_CACHE_DIR = "/var/cache/mt";
+      expect(nativeBuildDir(cpu)).toBe("/var/cache/mt/ffi/cpu");
+      expect(nativeBuildDir(join(root, "ffi", "cuda"))).toBe("/var/cache/mt/ffi/cuda");
+    } finally {
+      if (saved === undefined) delete process.env.MESHTRAIN_CACHE_DIR;
+      else process.env.MESHTRAIN_CACHE_DIR = saved;
+    }
+  });
+});
+
+describe("meshtrain doctor", () => {
+  const piece = (what: string, of: Finding["for"], found: boolean): Finding => ({
+    what,
+    for: of,
+    found,
+    detail: found ? `/usr/lib/${what}` : `not found; apt-get install -y ${what}`,
+  });
+
+  test("the main job runs where every CPU piece is found; a missing GPU piece is reported, not required", () => {
+    const r = doctorReport(
+      [piece("cc", "cpu", true), piece("openblas", "cpu", true), piece("libcuda", "gpu", false)],
+      "9.9.9",
+    );
+    expect(r.canRun).toBe(true);
+    expect(r.lines[0]).toStartWith("meshtrain 9.9.9 on ");
+    expect(r.lines).toContain("  missing  libcuda   not found; apt-get install -y libcuda");
+    expect(r.lines.at(-1)).toBe("the main job can run here (on the CPU)");
+  });
+
+  test("a missing CPU piece: the report says the main job cannot run", () => {
+    const r = doctorReport([piece("cc", "cpu", true), piece("openblas", "cpu", false)], "9.9.9");
+    expect(r.canRun).toBe(false);
+    expect(r.lines).toContain("  missing  openblas  not found; apt-get install -y openblas");
+    expect(r.lines.at(-1)).toBe("the main job cannot run here: install what is missing above");
+  });
+
+  test("on this machine it finds the CPU pieces and exits 0; with OpenBLAS pointed nowhere it says so and exits 1", () => {
+    const run = (env: Record<string, string>) =>
+      Bun.spawnSync([process.execPath, cli, "doctor"], {
+        env: { ...process.env, ...env },
+        stdout: "pipe",
+        stderr: "pipe",
+        timeout: 60_000,
+      });
+    const ok = run({});
+    const out = ok.stdout.toString();
+    expect(ok.exitCode).toBe(0);
+    for (const what of ["Bun", "C compiler", "OpenBLAS", "CPU kernel library", "nats-server"])
+      expect(out).toMatch(new RegExp(`^  ok {7}${what} `, "m"));
+    expect(out).toContain("GPU training (optional):");
+    const bad = run({ MESHTRAIN_OPENBLAS: "/nonexistent/libopenblas.so.0" });
+    expect(bad.exitCode).toBe(1);
+    expect(bad.stdout.toString()).toContain("missing  OpenBLAS");
+    expect(bad.stdout.toString()).toContain("MESHTRAIN_OPENBLAS=/nonexistent/libopenblas.so.0 does not exist");
+    expect(existsSync(cli)).toBe(true);
+  });
+});
