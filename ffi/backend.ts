@@ -194,6 +194,47 @@ export interface BackendStats {
   readonly liveBytes: number;
 }
 
+/**
+ * What a backend's alloc() handed out and free() has not taken back: each live block's size (what
+ * free checks a pointer against, and dispose releases) and the counts that stats reports.
+ */
+export class AllocationLedger {
+  readonly #live = new Map<Ptr, number>();
+  #allocCount = 0;
+  #allocBytes = 0;
+  #liveBytes = 0;
+
+  get stats(): BackendStats {
+    return { allocCount: this.#allocCount, allocBytes: this.#allocBytes, liveBytes: this.#liveBytes };
+  }
+
+  /** Records a block of `bytes` handed out at ptr. */
+  add(ptr: Ptr, bytes: number): Allocation {
+    this.#live.set(ptr, bytes);
+    this.#allocCount++;
+    this.#allocBytes += bytes;
+    this.#liveBytes += bytes;
+    return { ptr, bytes };
+  }
+
+  /** Takes a live block off the record and returns its size; an Error where it is not live. */
+  remove(allocation: Allocation): number {
+    const bytes = this.#live.get(allocation.ptr);
+    if (bytes === undefined) throw new Error(`free: ${allocation.ptr} is not a live allocation of this backend`);
+    this.#live.delete(allocation.ptr);
+    this.#liveBytes -= bytes;
+    return bytes;
+  }
+
+  /** Empties the record (a backend's dispose) and returns the blocks that were live. */
+  clear(): [Ptr, number][] {
+    const live = [...this.#live];
+    this.#live.clear();
+    this.#liveBytes = 0;
+    return live;
+  }
+}
+
 export interface Backend extends OpMethods {
   readonly name: string;
   readonly stats: BackendStats;

@@ -1,8 +1,8 @@
 // Element functions whose results must be bit-identical on every backend, written once and
 // compiled by both ffi/cpu/kernels.c (C11) and ffi/cuda/kernels/*.cu (nvcc): the dropout
 // mask hash and the conversions between f32 and the 2-byte formats. Integer arithmetic and
-// bit manipulation only, so the compilers cannot make them disagree; and the optimizer updates,
-// so both backends apply the same rule (their float results agree to rounding).
+// bit manipulation only, so the compilers cannot make them disagree; and the optimizer updates
+// and GELU's formula, so both backends apply the same rule (their float results agree to rounding).
 #ifndef MT_NUMERICS_H
 #define MT_NUMERICS_H
 #include <stdint.h>
@@ -106,6 +106,23 @@ MT_FN void mt_store_elem(void* base, int64_t i, float v, int32_t elem) {
     ((uint16_t*)base)[i] = mt_f32_to_f16_bits(v);
   else
     ((float*)base)[i] = v;
+}
+
+// ---- GELU, the tanh approximation (GPT-2): gelu(x) = 0.5 x (1 + tanh(s (x + 0.044715 x^3))),
+// s = sqrt(2/pi). The tanh is the caller's: kernels.c has a vectorizable one, the CUDA kernels tanhf.
+#define MT_GELU_SCALE 0.7978845608028654f  // sqrt(2/pi)
+// the tanh's argument: s (x + 0.044715 x^3)
+MT_FN float mt_gelu_tanh_arg(float x) {
+  const float cube = 0.044715f * x * x * x;
+  return MT_GELU_SCALE * (x + cube);
+}
+// gelu(x), given t = tanh(mt_gelu_tanh_arg(x))
+MT_FN float mt_gelu_from_tanh(float x, float t) { return 0.5f * x * (1.0f + t); }
+// forward was: gelu(x) = 0.5 x (1 + t)
+// gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) s (1 + 3 * 0.044715 x^2), given t as above
+MT_FN float mt_gelu_grad_from_tanh(float x, float t) {
+  const float sech2 = 1.0f - t * t;
+  return 0.5f * (1.0f + t) + x * 0.5f * sech2 * MT_GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
 }
 
 // ---- optimizer updates of one parameter (PyTorch semantics) ---------------------------------

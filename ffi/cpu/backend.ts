@@ -8,8 +8,8 @@
 import { dlopen, FFIType, ptr as addressOf, type Pointer } from "bun:ffi";
 import {
   type Allocation,
+  AllocationLedger,
   type Backend,
-  type BackendStats,
   type ElemType,
   type GemmDesc,
   gemmCall,
@@ -102,10 +102,7 @@ export interface CpuBackend extends OpMethods {}
 export class CpuBackend implements Backend {
   readonly name = "cpu";
   readonly #lib: Libraries;
-  readonly #live = new Map<Ptr, number>();
-  #allocCount = 0;
-  #allocBytes = 0;
-  #liveBytes = 0;
+  readonly #ledger = new AllocationLedger();
   #disposed = false;
   /** The 2-byte GEMM's f32 copies of A and B: owned by the backend, grown on demand, never
    *  shrunk, freed by dispose(). Once the first training step has seen every GEMM shape, no
@@ -121,8 +118,8 @@ export class CpuBackend implements Backend {
     for (const [name, d] of Object.entries(ops) as [OpName, OpDecl][]) self[name] = cpuMethod(d, this.#lib.ops[d.cpu]!);
   }
 
-  get stats(): BackendStats {
-    return { allocCount: this.#allocCount, allocBytes: this.#allocBytes, liveBytes: this.#liveBytes };
+  get stats() {
+    return this.#ledger.stats;
   }
 
   /** threads the kernels and OpenBLAS use (OMP_NUM_THREADS, else all cores) */
@@ -135,19 +132,11 @@ export class CpuBackend implements Backend {
     if (!Number.isSafeInteger(bytes) || bytes < 0) throw new RangeError(`alloc: invalid byte count ${bytes}`);
     const address = this.#lib.k.symbols.mt_alloc(bytes);
     if (address === null || address === 0) throw new OutOfMemoryError(this.name, bytes);
-    const ptr = Number(address);
-    this.#live.set(ptr, bytes);
-    this.#allocCount++;
-    this.#allocBytes += bytes;
-    this.#liveBytes += bytes;
-    return { ptr, bytes };
+    return this.#ledger.add(Number(address), bytes);
   }
 
   free(allocation: Allocation): void {
-    const bytes = this.#live.get(allocation.ptr);
-    if (bytes === undefined) throw new Error(`free: ${allocation.ptr} is not a live allocation of this backend`);
-    this.#live.delete(allocation.ptr);
-    this.#liveBytes -= bytes;
+    const bytes = this.#ledger.remove(allocation);
     this.#lib.k.symbols.mt_free(p(allocation.ptr), bytes);
   }
 
@@ -300,11 +289,9 @@ export class CpuBackend implements Backend {
   }
 
   dispose(): void {
-    for (const [ptr, bytes] of this.#live) this.#lib.k.symbols.mt_free(p(ptr), bytes);
-    this.#live.clear();
+    for (const [ptr, bytes] of this.#ledger.clear()) this.#lib.k.symbols.mt_free(p(ptr), bytes);
     this.#scratch = null;
     this.#epilogueScratch = null;
-    this.#liveBytes = 0;
     this.#disposed = true;
   }
 }

@@ -193,18 +193,22 @@ void mt_bias_backward_f32(float* dbias, const void* dout, int64_t N, int64_t C, 
   free(partial);
 }
 
-// A flat kernel over n elements of elem: span(args..., i0, i1, E) over spans of MT_SPAN, in
-// parallel from `threshold` elements.
-#define MT_SPANS(n, threshold, span, elem, ...)                        \
+// A flat kernel over n elements: the statement `...` for each span [i0, i1) of MT_SPAN elements
+// (it names i0 and i1), in parallel from `threshold` elements.
+#define MT_SPAN_LOOP(n, threshold, ...)                                \
   do {                                                                 \
     const int64_t mt_n = (n);                                          \
     const int mt_par = mt_n >= (threshold);                            \
     _Pragma("omp parallel for schedule(static) if (mt_par)")           \
     for (int64_t i0 = 0; i0 < mt_n; i0 += MT_SPAN) {                   \
       const int64_t i1 = mt_n - i0 < MT_SPAN ? mt_n : i0 + MT_SPAN;    \
-      MT_WITH_ELEM(elem, span(__VA_ARGS__, i0, i1, E));                \
+      __VA_ARGS__;                                                     \
     }                                                                  \
   } while (0)
+// A flat kernel over n elements of elem: span(args..., i0, i1, E) for each span, E the type as a
+// constant (MT_WITH_ELEM).
+#define MT_SPANS(n, threshold, span, elem, ...) \
+  MT_SPAN_LOOP(n, threshold, MT_WITH_ELEM(elem, span(__VA_ARGS__, i0, i1, E)))
 
 // out, inp (n) of elem; written so NaN propagates (as torch.relu does): NaN < 0 is false. fmaxf
 // would hide it.
@@ -228,11 +232,8 @@ void mt_relu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t
   MT_SPANS(n, PAR_MIN, relu_backward_span, elem, dinp, inp, dout);
 }
 
-#define GELU_SCALE 0.7978845608028654f  // sqrt(2/pi)
-MT_INLINE float gelu(float x) {
-  const float cube = 0.044715f * x * x * x;
-  return 0.5f * x * (1.0f + fast_tanhf(GELU_SCALE * (x + cube)));
-}
+// the formula is ffi/numerics.h's, shared with the CUDA kernels; the tanh is fast_tanhf
+MT_INLINE float gelu(float x) { return mt_gelu_from_tanh(x, fast_tanhf(mt_gelu_tanh_arg(x))); }
 // out, inp (n) of elem; tanh approximation, as in GPT-2
 MT_INLINE void gelu_forward_span(void* out, const void* inp, int64_t i0, int64_t i1, int32_t elem) {
   for (int64_t i = i0; i < i1; i++) mt_store_elem(out, i, gelu(mt_load_elem(inp, i, elem)), elem);
@@ -261,10 +262,7 @@ MT_INLINE void gelu_backward_span(void* dinp, const void* inp, const void* dout,
                                   int32_t elem) {
   for (int64_t i = i0; i < i1; i++) {
     const float x = mt_load_elem(inp, i, elem);
-    const float cube = 0.044715f * x * x * x;
-    const float t = fast_tanhf(GELU_SCALE * (x + cube));
-    const float sech2 = 1.0f - t * t;
-    const float local = 0.5f * (1.0f + t) + x * 0.5f * sech2 * GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+    const float local = mt_gelu_grad_from_tanh(x, fast_tanhf(mt_gelu_tanh_arg(x)));
     mt_store_elem(dinp, i, mt_load_elem(dinp, i, elem) + local * mt_load_elem(dout, i, elem), elem);
   }
 }
@@ -614,28 +612,26 @@ void mt_bf16_to_f32(float* out, const uint16_t* inp, int64_t n) {
 #ifdef __F16C__
 #include <immintrin.h>
 #endif
-void mt_f32_to_f16(uint16_t* out, const float* inp, int64_t n) {
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-  for (int64_t blk = 0; blk < (n + 4095) / 4096; blk++) {
-    int64_t i = blk * 4096;
-    const int64_t end = i + 4096 < n ? i + 4096 : n;
+// out (n) f16 bits of inp (n) over the span [i, end): 8 at a time with F16C, the rest one at a time
+MT_INLINE void f32_to_f16_span(uint16_t* out, const float* inp, int64_t i, int64_t end) {
 #ifdef __F16C__
-    for (; i + 8 <= end; i += 8) {
-      const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(inp + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm_storeu_si128((__m128i*)(out + i), h);
-    }
-#endif
-    for (; i < end; i++) out[i] = mt_f32_to_f16_bits(inp[i]);
+  for (; i + 8 <= end; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(inp + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128((__m128i*)(out + i), h);
   }
+#endif
+  for (; i < end; i++) out[i] = mt_f32_to_f16_bits(inp[i]);
+}
+void mt_f32_to_f16(uint16_t* out, const float* inp, int64_t n) {
+  MT_SPAN_LOOP(n, PAR_MIN, f32_to_f16_span(out, inp, i0, i1));
+}
+// out (n) f32 of the f16 bits inp (n), likewise
+MT_INLINE void f16_to_f32_span(float* out, const uint16_t* inp, int64_t i, int64_t end) {
+#ifdef __F16C__
+  for (; i + 8 <= end; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(inp + i))));
+#endif
+  for (; i < end; i++) out[i] = mt_f16_bits_to_f32(inp[i]);
 }
 void mt_f16_to_f32(float* out, const uint16_t* inp, int64_t n) {
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-  for (int64_t blk = 0; blk < (n + 4095) / 4096; blk++) {
-    int64_t i = blk * 4096;
-    const int64_t end = i + 4096 < n ? i + 4096 : n;
-#ifdef __F16C__
-    for (; i + 8 <= end; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(inp + i))));
-#endif
-    for (; i < end; i++) out[i] = mt_f16_bits_to_f32(inp[i]);
-  }
+  MT_SPAN_LOOP(n, PAR_MIN, f16_to_f32_span(out, inp, i0, i1));
 }

@@ -17,8 +17,8 @@
 import { readFileSync } from "node:fs";
 import {
   type Allocation,
+  AllocationLedger,
   type Backend,
-  type BackendStats,
   type ElemType,
   type GemmDesc,
   gemmCall,
@@ -40,16 +40,16 @@ import { CU_EVENT_DISABLE_TIMING, driver, type Driver, hostBytes } from "./drive
 import { ensurePtx } from "./build.ts";
 import { type OpDecl, type OpMethods, type OpName, ops } from "../ops.ts";
 import {
-  flashBackward,
-  flashForward,
+  flashPlans,
   type KernelName,
   kernelSpecs,
   type Launch,
+  type Plans,
   planTakesScratch,
   plans,
   scratchBytes,
 } from "./kernels.ts";
-import { type AttentionChoice, AttentionRouter } from "./attention-path.ts";
+import { type AttentionCall, type AttentionChoice, AttentionRouter } from "./attention-path.ts";
 
 export { probeCuda } from "./driver.ts";
 
@@ -109,7 +109,7 @@ export class CudaBackend implements Backend {
   readonly #context: bigint;
   readonly #stream: bigint;
   readonly #allocator: CachingAllocator;
-  readonly #live = new Map<Ptr, number>();
+  readonly #ledger = new AllocationLedger();
   readonly #host: Ptr;
   readonly #args: DataView;
   readonly #result: DataView;
@@ -129,11 +129,8 @@ export class CudaBackend implements Backend {
   readonly #sideStreams: SideStream[] = [];
   readonly #attention: AttentionRouter;
   #stagingNext = 0;
-  #allocCount = 0;
   #kernelLaunches = 0;
   #gemmCalls = 0;
-  #allocBytes = 0;
-  #liveBytes = 0;
   #disposed = false;
 
   constructor(options: CudaBackendOptions = {}) {
@@ -198,53 +195,33 @@ export class CudaBackend implements Backend {
 
   // ---- attention: cuDNN's fused graphs or the kernels (attention-path.ts) -------------------
 
-  attentionForward(
-    out: Ptr,
-    lse: Ptr,
-    qkv: Ptr,
-    B: number,
-    T: number,
-    C: number,
-    H: number,
-    scale: number,
-    elem: ElemType,
-  ): void {
-    // cuDNN where the router runs it, else the kernels
+  // Each takes its op's arguments (OpMethods), which its plans take too. cuDNN runs the call where
+  // the router says so; else the tensor-core kernels (flash.cu) or the f32 ones (attention.cu).
+  attentionForward: OpMethods["attentionForward"] = (...args) => {
+    const [out, lse, qkv, B, T, C, H, scale, elem] = args;
     const call = { B, T, C, H, scale, elem };
     if (this.#attention.forward(out, lse, qkv, call)) return;
-    if (this.#attention.usesKernel(call)) this.#run(flashForward(out, lse, qkv, B, T, C, H, scale, elem));
-    else this.#run(plans.attentionForward(out, lse, qkv, B, T, C, H, scale, elem));
-  }
+    this.#run(this.#attentionPlans(call).attentionForward(...args));
+  };
 
-  attentionBackward(
-    dqkv: Ptr,
-    delta: Ptr,
-    dout: Ptr,
-    out: Ptr,
-    lse: Ptr,
-    qkv: Ptr,
-    B: number,
-    T: number,
-    C: number,
-    H: number,
-    scale: number,
-    elem: ElemType,
-    accumulate: boolean,
-  ): void {
+  attentionBackward: OpMethods["attentionBackward"] = (...args) => {
+    // args[1], delta, is the kernels' scratch: cuDNN keeps its own
+    const [dqkv, , dout, out, lse, qkv, B, T, C, H, scale, elem, accumulate] = args;
     const call = { B, T, C, H, scale, elem };
     if (this.#attention.backward(dqkv, dout, out, lse, qkv, call, accumulate)) return;
-    const launches = this.#attention.usesKernel(call)
-      ? flashBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem, accumulate)
-      : plans.attentionBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem, accumulate);
-    this.#run(launches);
+    this.#run(this.#attentionPlans(call).attentionBackward(...args));
+  };
+
+  #attentionPlans(call: AttentionCall): Pick<Plans, "attentionForward" | "attentionBackward"> {
+    return this.#attention.usesKernel(call) ? flashPlans : plans;
   }
 
   describeAttention(elem: ElemType): string {
     return this.#attention.describe(elem);
   }
 
-  get stats(): BackendStats {
-    return { allocCount: this.#allocCount, allocBytes: this.#allocBytes, liveBytes: this.#liveBytes };
+  get stats() {
+    return this.#ledger.stats;
   }
 
   /** Work queued on the stream since the backend was made: kernel launches, cuBLAS GEMMs and
@@ -341,18 +318,11 @@ export class CudaBackend implements Backend {
     const block = this.#allocator.alloc(bytes);
     // the engine expects zeroed memory from alloc (the CPU backend's mt_alloc zeroes too)
     if (block.bytes > 0) this.#d.memsetD8Async(block.ptr, 0, block.bytes, this.#stream);
-    this.#live.set(block.ptr, bytes);
-    this.#allocCount++;
-    this.#allocBytes += bytes;
-    this.#liveBytes += bytes;
-    return { ptr: block.ptr, bytes };
+    return this.#ledger.add(block.ptr, bytes);
   }
 
   free(allocation: Allocation): void {
-    const bytes = this.#live.get(allocation.ptr);
-    if (bytes === undefined) throw new Error(`free: ${allocation.ptr} is not a live allocation of this backend`);
-    this.#live.delete(allocation.ptr);
-    this.#liveBytes -= bytes;
+    this.#ledger.remove(allocation);
     this.#allocator.free(allocation.ptr);
   }
 
@@ -499,8 +469,7 @@ export class CudaBackend implements Backend {
     this.#modules.clear();
     this.#functions.clear();
     this.#allocator.releaseAll();
-    this.#live.clear();
-    this.#liveBytes = 0;
+    this.#ledger.clear();
     for (const s of this.#staging) {
       if (s.event !== null) d.eventDestroy(s.event);
       d.memFreeHost(s.ptr);

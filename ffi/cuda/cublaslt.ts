@@ -26,6 +26,9 @@ import { NativeLibraryError } from "../errors.ts";
 import { tryFindLibrary } from "../find-library.ts";
 import { CublasError, type CublasGemmArgs, CUDA_R_32F, cublasStatusNames } from "./cublas.ts";
 
+/** A matrix of cublasLtMatmul: its device pointer and its layout descriptor. */
+const matrix = ["u64", "u64"] as const;
+
 const symbols = {
   cublasLtCreate: { args: ["ptr"], returns: "i32" },
   cublasLtDestroy: { args: ["u64"], returns: "i32" },
@@ -46,24 +49,7 @@ const symbols = {
   },
   // handle, desc, alpha, A, Adesc, B, Bdesc, beta, C, Cdesc, D, Ddesc, algo, workspace, bytes, stream
   cublasLtMatmul: {
-    args: [
-      "u64",
-      "u64",
-      "ptr",
-      "u64",
-      "u64",
-      "u64",
-      "u64",
-      "ptr",
-      "u64",
-      "u64",
-      "u64",
-      "u64",
-      "ptr",
-      "u64",
-      "u64",
-      "u64",
-    ],
+    args: ["u64", "u64", "ptr", ...matrix, ...matrix, "ptr", ...matrix, ...matrix, "ptr", "u64", "u64", "u64"],
     returns: "i32",
   },
 } as const;

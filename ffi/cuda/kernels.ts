@@ -331,53 +331,33 @@ function flashLaunch(kernel: KernelName, B: number, T: number, H: number, args: 
   return launch(kernel, Math.min(gridBlocksMax, B * H * Math.ceil(T / flashRows)), [flashThreads, 1, 1], args);
 }
 
-/** Causal attention forward on tensor cores (flash.cu): out and lse from qkv, as attentionForward. */
-export function flashForward(
-  out: Ptr,
-  lse: Ptr,
-  qkv: Ptr,
-  B: number,
-  T: number,
-  C: number,
-  H: number,
-  scale: number,
-  elem: ElemType,
-): Launch[] {
-  const D = flashHeadSize(B, T, C, H, elem);
-  if (D === 0) return [];
-  checkFlashAlignment({ qkv });
-  return [
-    flashLaunch(`mt_flash_forward_d${D}` as KernelName, B, T, H, [out, lse, qkv, B, T, C, H, scale, elemCodes[elem]]),
-  ];
-}
-
-/** Its backward: the delta pre-pass (attention.cu's), then dk and dv per key tile and dq per query
- *  tile, each adding into dqkv where `accumulate`. */
-export function flashBackward(
-  dqkv: Ptr,
-  delta: Ptr,
-  dout: Ptr,
-  out: Ptr,
-  lse: Ptr,
-  qkv: Ptr,
-  B: number,
-  T: number,
-  C: number,
-  H: number,
-  scale: number,
-  elem: ElemType,
-  accumulate: boolean,
-): Launch[] {
-  const D = flashHeadSize(B, T, C, H, elem);
-  if (D === 0) return [];
-  checkFlashAlignment({ qkv, dout });
-  const args = [dqkv, delta, dout, lse, qkv, B, T, C, H, scale, elemCodes[elem], accumulate ? 1 : 0];
-  return [
-    warpRows("mt_attention_delta_f32", B * H * T, [delta, dout, out, B, T, C, H, elemCodes[elem]]),
-    flashLaunch(`mt_flash_backward_kv_d${D}` as KernelName, B, T, H, args),
-    flashLaunch(`mt_flash_backward_q_d${D}` as KernelName, B, T, H, args),
-  ];
-}
+/** The tensor-core attention of flash.cu, as plans of the attention ops (typed as `plans`'
+ *  are), so the backend runs either these or the f32 kernels' for one call. */
+export const flashPlans = {
+  /** Causal attention forward: out and lse from qkv, as attentionForward. */
+  attentionForward(out, lse, qkv, B, T, C, H, scale, elem): Launch[] {
+    const D = flashHeadSize(B, T, C, H, elem);
+    if (D === 0) return [];
+    checkFlashAlignment({ qkv });
+    const args = [out, lse, qkv, B, T, C, H, scale, elemCodes[elem]];
+    return [flashLaunch(`mt_flash_forward_d${D}` as KernelName, B, T, H, args)];
+  },
+  /** Its backward: the delta pre-pass (attention.cu's), then dk and dv per key tile and dq per
+   *  query tile, each adding into dqkv where `accumulate`. */
+  attentionBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem, accumulate): Launch[] {
+    const D = flashHeadSize(B, T, C, H, elem);
+    if (D === 0) return [];
+    checkFlashAlignment({ qkv, dout });
+    const args = [dqkv, delta, dout, lse, qkv, B, T, C, H, scale, elemCodes[elem], accumulate ? 1 : 0];
+    return [
+      warpRows("mt_attention_delta_f32", B * H * T, [delta, dout, out, B, T, C, H, elemCodes[elem]]),
+      flashLaunch(`mt_flash_backward_kv_d${D}` as KernelName, B, T, H, args),
+      flashLaunch(`mt_flash_backward_q_d${D}` as KernelName, B, T, H, args),
+    ];
+  },
+} satisfies Pick<Plans, "attentionForward" | "attentionBackward">;
+export const flashForward = flashPlans.attentionForward;
+export const flashBackward = flashPlans.attentionBackward;
 
 /**
  * How a column sum over N rows splits into row ranges so that about splitColumnBlocks blocks run

@@ -190,6 +190,23 @@ class GraphBuilder {
     return y;
   }
 
+  /** The operands both directions bind first: Q, K^T, then V as `v` names it ("V", or "V^T" for
+   *  backward's dO V^T) and O, each in its layout from the header. */
+  operands(s: SdpaShape, l: ReturnType<typeof layouts>, v: "V" | "V^T") {
+    return {
+      q: this.io(uids.q, "Q", s.dtype, l.qkv),
+      kT: this.io(uids.k, "K^T", s.dtype, l.qkvT),
+      v: this.io(uids.v, v, s.dtype, v === "V" ? l.qkv : l.qkvT),
+      o: this.io(uids.o, "O", s.dtype, l.out),
+    };
+  }
+
+  /** S · scale = Q K^T · scale, the scores both directions start from */
+  scaledScores(q: string, kT: string, scale: string, l: ReturnType<typeof layouts>): string {
+    const scores = this.matmul(q, kT, this.virtual("S", "float", l.scores));
+    return this.pointwise("mul", scores, this.virtual("S*scale", "float", l.scores), { b: scale });
+  }
+
   /** scores where key j > query i become -inf (cudnn-frontend's top-left causal mask) */
   causalMask(scores: string, negInf: string, l: ReturnType<typeof layouts>, tag: string): string {
     const row = this.pointwise("genIndex", scores, this.virtual(`${tag}.row`, "int32", l.scores), { axis: 2 });
@@ -206,16 +223,12 @@ class GraphBuilder {
 export function sdpaForwardGraph(s: SdpaShape): SdpaGraph {
   const l = layouts(s);
   const g = new GraphBuilder();
-  const q = g.io(uids.q, "Q", s.dtype, l.qkv);
-  const kT = g.io(uids.k, "K^T", s.dtype, l.qkvT);
-  const v = g.io(uids.v, "V", s.dtype, l.qkv);
-  const o = g.io(uids.o, "O", s.dtype, l.out);
+  const { q, kT, v, o } = g.operands(s, l, "V");
   const stats = g.io(uids.stats, "Stats", "float", l.rows);
   const scale = g.io(uids.scale, "scale", "float", l.scalar, s.scale);
   const negInf = g.io(uids.negInf, "-inf", "float", l.scalar, Number.NEGATIVE_INFINITY);
 
-  const scores = g.matmul(q, kT, g.virtual("S", "float", l.scores));
-  const scaled = g.pointwise("mul", scores, g.virtual("S*scale", "float", l.scores), { b: scale });
+  const scaled = g.scaledScores(q, kT, scale, l);
   const masked = g.causalMask(scaled, negInf, l, "mask");
   const max = g.reduction("max", masked, g.virtual("M", "float", l.rows));
   const shifted = g.pointwise("sub", masked, g.virtual("S-M", "float", l.scores), { b: max });
@@ -233,10 +246,7 @@ export function sdpaBackwardGraph(s: SdpaShape): SdpaGraph {
   const l = layouts(s);
   const { B, H, T, D } = s;
   const g = new GraphBuilder();
-  const q = g.io(uids.q, "Q", s.dtype, l.qkv);
-  const kT = g.io(uids.k, "K^T", s.dtype, l.qkvT);
-  const vT = g.io(uids.v, "V^T", s.dtype, l.qkvT);
-  const o = g.io(uids.o, "O", s.dtype, l.out);
+  const { q, kT, v: vT, o } = g.operands(s, l, "V^T");
   const dO = g.io(uids.dO, "dO", s.dtype, l.out);
   const stats = g.io(uids.stats, "Stats", "float", l.rows);
   const scale = g.io(uids.scale, "scale", "float", l.scalar, s.scale);
@@ -264,8 +274,7 @@ export function sdpaBackwardGraph(s: SdpaShape): SdpaGraph {
   g.pointwise("mul", dOORows, rowSum, { b: one });
 
   // P again, from the saved log-sum-exp
-  const scores = g.matmul(q, kT, g.virtual("S", "float", l.scores));
-  const scaled = g.pointwise("mul", scores, g.virtual("S*scale", "float", l.scores), { b: scale });
+  const scaled = g.scaledScores(q, kT, scale, l);
   const shifted = g.pointwise("sub", scaled, g.virtual("S-Stats", "float", l.scores), { b: stats });
   const masked = g.causalMask(shifted, negInf, l, "mask");
   const p = g.pointwise("exp", masked, g.virtual("P", "float", l.scores));

@@ -47,14 +47,39 @@ __device__ __forceinline__ void att_tile(float (*dst)[PITCH], const void* qkv, i
   }
 }
 
-// A task's (batch, head) and query tile: the longest (last) tiles of the causal triangle first,
-// so they finish together with the short ones.
-struct AttQueryTile {
-  int64_t b, h, bh, i0, rows;
+// The two dot products both backward kernels take for one (query row, key row) pair, s = q . k
+// and dp = dout . v: for each, one side is a row of shared memory and the other the thread's
+// registers (q and dout in shared memory for dk/dv, k and v for dq; a product's factors commute
+// exactly). Each thread sums its elements g + 4kk of the head, then the row's 4 threads add up.
+struct AttDots {
+  float s, dp;
 };
-__device__ __forceinline__ AttQueryTile att_query_tile(int64_t task, int64_t tiles, int64_t H, int64_t T) {
-  const int64_t tile = tiles - 1 - task % tiles, bh = task / tiles, i0 = tile * ATT_BR;
-  return {bh / H, bh % H, bh, i0, T - i0 < ATT_BR ? T - i0 : ATT_BR};
+__device__ __forceinline__ AttDots att_dots(const float* s_row, const float (&s_reg)[ATT_PER], const float* dp_row,
+                                            const float (&dp_reg)[ATT_PER], int g, int64_t D) {
+  float s = 0.0f, dp = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < ATT_PER; kk++) {
+    const int64_t d = g + 4 * kk;
+    if (d < D) {
+      s += s_row[d] * s_reg[kk];
+      dp += dp_row[d] * dp_reg[kk];
+    }
+  }
+  return {row4_sum(s), row4_sum(dp)};
+}
+
+// Calls task(b, h, bh, i0, br, i) for each (batch, head, query tile) task this block takes,
+// grid-stride over the B*H*tiles tasks: bh = b*H + h, the tile's rows are [i0, i0 + br), and i is
+// the row of thread (r, g), i0 + r. The longest (last) tiles of the causal triangle come first, so
+// they finish together with the short ones.
+template <class Task>
+__device__ __forceinline__ void for_each_query_tile(int64_t B, int64_t T, int64_t H, Task&& task) {
+  const int64_t tiles = (T + ATT_BR - 1) / ATT_BR;
+  const int r = threadIdx.x / 4;
+  for (int64_t n = blockIdx.x; n < B * H * tiles; n += gridDim.x) {
+    const int64_t tile = tiles - 1 - n % tiles, bh = n / tiles, i0 = tile * ATT_BR;
+    task(bh / H, bh % H, bh, i0, T - i0 < ATT_BR ? T - i0 : ATT_BR, i0 + r);
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
@@ -63,11 +88,9 @@ mt_attention_forward_f32(void* out, float* lse, const void* qkv, int64_t B, int6
   __shared__ float q_s[ATT_BR][ATT_D_MAX];
   __shared__ float kv_s[ATT_BC][ATT_D_MAX + 1];
   __shared__ float p_s[ATT_BR][ATT_BC + 1];
-  const int64_t D = C / H, C3 = 3 * C, tiles = (T + ATT_BR - 1) / ATT_BR;
+  const int64_t D = C / H, C3 = 3 * C;
   const int r = threadIdx.x / 4, g = threadIdx.x % 4;
-  for (int64_t task = blockIdx.x; task < B * H * tiles; task += gridDim.x) {
-    const AttQueryTile q = att_query_tile(task, tiles, H, T);
-    const int64_t b = q.b, h = q.h, bh = q.bh, i0 = q.i0, br = q.rows, i = i0 + r;
+  for_each_query_tile(B, T, H, [&](int64_t b, int64_t h, int64_t bh, int64_t i0, int64_t br, int64_t i) {
     att_tile<ATT_D_MAX>(q_s, qkv, b * T + i0, br, C3, h * D, D, elem);
     float o[ATT_PER];
 #pragma unroll
@@ -127,7 +150,7 @@ mt_attention_forward_f32(void* out, float* lse, const void* qkv, int64_t B, int6
       if (g == 0) lse[bh * T + i] = m + logf(l);
     }
     __syncthreads();  // q_s is read no more
-  }
+  });
 }
 
 // delta (B,H,T) = dout_i . out_i per head (backward's row term), dout and out of elem; one warp
@@ -188,22 +211,11 @@ mt_attention_backward_kv_f32(void* dqkv, const float* delta, const void* dout, c
       }
       __syncthreads();
       for (int rr = 0; rr < ATT_BR; rr++) {
-        // s = q_rr . k_c and dp = dout_rr . v_c, each summed over the row's 4 threads
-        float s = 0.0f, dp = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < ATT_PER; kk++) {
-          const int64_t d = g + 4 * kk;
-          if (d < D) {
-            s += q_s[rr][d] * k[kk];
-            dp += g_s[rr][d] * v[kk];
-          }
-        }
-        s = row4_sum(s);
-        dp = row4_sum(dp);
+        const AttDots x = att_dots(q_s[rr], k, g_s[rr], v, g, D);  // q_rr . k_c, dout_rr . v_c
         const bool valid = rr < br && c < bc && j <= i0 + rr;
-        const float p = valid ? expf(s * scale - row_s[0][rr]) : 0.0f;
+        const float p = valid ? expf(x.s * scale - row_s[0][rr]) : 0.0f;
         const float pr = att_round(p, elem);
-        const float ds = att_round(p * (dp - row_s[1][rr]), elem);
+        const float ds = att_round(p * (x.dp - row_s[1][rr]), elem);
 #pragma unroll
         for (int kk = 0; kk < ATT_PER; kk++) {
           const int64_t d = g + 4 * kk;
@@ -237,11 +249,9 @@ mt_attention_backward_q_f32(void* dqkv, const float* delta, const void* dout, co
                             int32_t elem, int32_t accumulate) {
   __shared__ float k_s[ATT_BC][ATT_D_MAX + 1];
   __shared__ float v_s[ATT_BC][ATT_D_MAX + 1];
-  const int64_t D = C / H, C3 = 3 * C, tiles = (T + ATT_BR - 1) / ATT_BR;
+  const int64_t D = C / H, C3 = 3 * C;
   const int r = threadIdx.x / 4, g = threadIdx.x % 4;
-  for (int64_t task = blockIdx.x; task < B * H * tiles; task += gridDim.x) {
-    const AttQueryTile t = att_query_tile(task, tiles, H, T);
-    const int64_t b = t.b, h = t.h, bh = t.bh, i0 = t.i0, br = t.rows, i = i0 + r;
+  for_each_query_tile(B, T, H, [&](int64_t b, int64_t h, int64_t bh, int64_t i0, int64_t br, int64_t i) {
     float q[ATT_PER], go[ATT_PER], dq[ATT_PER];
 #pragma unroll
     for (int kk = 0; kk < ATT_PER; kk++) {
@@ -260,20 +270,10 @@ mt_attention_backward_q_f32(void* dqkv, const float* delta, const void* dout, co
       att_tile<ATT_D_MAX + 1>(v_s, qkv, b * T + j0, bc, C3, 2 * C + h * D, D, elem);
       __syncthreads();
       for (int cc = 0; cc < ATT_BC; cc++) {
-        float s = 0.0f, dp = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < ATT_PER; kk++) {
-          const int64_t d = g + 4 * kk;
-          if (d < D) {
-            s += q[kk] * k_s[cc][d];
-            dp += go[kk] * v_s[cc][d];
-          }
-        }
-        s = row4_sum(s);
-        dp = row4_sum(dp);
+        const AttDots x = att_dots(k_s[cc], q, v_s[cc], go, g, D);  // q_r . k_cc, dout_r . v_cc
         const bool valid = r < br && cc < bc && j0 + cc <= i;
-        const float p = valid ? expf(s * scale - li) : 0.0f;
-        const float ds = att_round(p * (dp - di), elem);
+        const float p = valid ? expf(x.s * scale - li) : 0.0f;
+        const float ds = att_round(p * (x.dp - di), elem);
 #pragma unroll
         for (int kk = 0; kk < ATT_PER; kk++) {
           const int64_t d = g + 4 * kk;
@@ -289,7 +289,7 @@ mt_attention_backward_q_f32(void* dqkv, const float* delta, const void* dout, co
         if (d < D) mt_store_elem(dqkv, dqr + d, (accumulate ? mt_load_elem(dqkv, dqr + d, elem) : 0.0f) + scale * dq[kk], elem);
       }
     }
-  }
+  });
 }
 
 // out[i·os] (= or +=) inp[i·is] for i over (d0,d1,d2,d3); strides in elements. Permute,

@@ -26,6 +26,16 @@ mt_binary_bcast_f32(int32_t op, float* out, const float* a, const float* b,
 // forward was: out[i] = a[i·as] op b[i·bs]  =>  da[i·as] += dout[i] (mul: dout * b, by the caller)
 // ---------------------------------------------------------------------------------------------
 
+// The parameters of both kernels (kernels.ts reduceBcastParams): out, inp; the kept dims kd with
+// their inp strides kis and out strides kos; the reduced dims rd with their inp strides ris.
+#define REDUCE_BCAST_PARAMS                               \
+  float* out, const float* inp,                           \
+  int64_t kd0, int64_t kd1, int64_t kd2, int64_t kd3,     \
+  int64_t kis0, int64_t kis1, int64_t kis2, int64_t kis3, \
+  int64_t kos0, int64_t kos1, int64_t kos2, int64_t kos3, \
+  int64_t rd0, int64_t rd1, int64_t rd2, int64_t rd3,     \
+  int64_t ris0, int64_t ris1, int64_t ris2, int64_t ris3
+
 // Sum of a group of blockDim.x threads: a warp (blockDim.x == 32), or the whole block
 // (blockDim.y == 1). All threads of the group must call it.
 __device__ __forceinline__ double group_sum(double v) {
@@ -37,12 +47,7 @@ __device__ __forceinline__ double group_sum(double v) {
 // neighbouring lanes read neighbouring floats.
 // out at kos over kept dims kd; inp contiguous over all dims.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_reduce_bcast_rows_f32(float* out, const float* inp,
-                         int64_t kd0, int64_t kd1, int64_t kd2, int64_t kd3,
-                         int64_t kis0, int64_t kis1, int64_t kis2, int64_t kis3,
-                         int64_t kos0, int64_t kos1, int64_t kos2, int64_t kos3,
-                         int64_t rd0, int64_t rd1, int64_t rd2, int64_t rd3,
-                         int64_t ris0, int64_t ris1, int64_t ris2, int64_t ris3) {
+mt_reduce_bcast_rows_f32(REDUCE_BCAST_PARAMS) {
   const int64_t nOut = kd0 * kd1 * kd2 * kd3, nRed = rd0 * rd1 * rd2 * rd3;
   // o is uniform over a group (a warp, or the whole block when blockDim.y == 1)
   for (int64_t o = (int64_t)blockIdx.x * blockDim.y + threadIdx.y; o < nOut;
@@ -63,12 +68,7 @@ mt_reduce_bcast_rows_f32(float* out, const float* inp,
 // added in row order. out at kos over kept dims kd; inp contiguous over all dims.
 #define COLS_Y_MAX 32
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
-mt_reduce_bcast_cols_f32(float* out, const float* inp,
-                         int64_t kd0, int64_t kd1, int64_t kd2, int64_t kd3,
-                         int64_t kis0, int64_t kis1, int64_t kis2, int64_t kis3,
-                         int64_t kos0, int64_t kos1, int64_t kos2, int64_t kos3,
-                         int64_t rd0, int64_t rd1, int64_t rd2, int64_t rd3,
-                         int64_t ris0, int64_t ris1, int64_t ris2, int64_t ris3) {
+mt_reduce_bcast_cols_f32(REDUCE_BCAST_PARAMS) {
   __shared__ double partial[COLS_Y_MAX][WARP_SIZE + 1];  // +1: no bank conflicts on the column sum
   const int64_t nOut = kd0 * kd1 * kd2 * kd3, nRed = rd0 * rd1 * rd2 * rd3;
   const int64_t chunks = (nOut + WARP_SIZE - 1) / WARP_SIZE;

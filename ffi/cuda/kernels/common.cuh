@@ -74,6 +74,22 @@ __device__ __forceinline__ T block_reduce(T v, Op op) {
   return total;
 }
 
+// Column sums over row ranges (layers.cu's bias gradient, layernorm.cu's parameter gradients), as
+// (chunk, split) tasks in grid-stride order: a block (32, Y) takes channels [chunk * 32, +32) of rows
+// [split * rows_per, +rows_per) (rows_per >= 1). Calls task(split, c, n0, end): this thread's
+// channel c (which may be past C) and the split's rows [n0, end).
+template <class Task>
+__device__ __forceinline__ void for_each_column_task(int64_t N, int64_t C, int64_t rows_per, Task&& task) {
+  const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
+  const int64_t splits = (N + rows_per - 1) / rows_per;
+  for (int64_t i = blockIdx.x; i < chunks * splits; i += gridDim.x) {
+    const int64_t chunk = i % chunks, split = i / chunks;
+    const int64_t c = chunk * WARP_SIZE + threadIdx.x;
+    const int64_t end = (split + 1) * rows_per < N ? (split + 1) * rows_per : N;
+    task(split, c, split * rows_per, end);
+  }
+}
+
 // Coordinates of flat index i over dims (d0,d1,d2,d3), row-major with d3 fastest; d0 is implied
 // (whatever is left). Dims of size 1 cost a compare, not a division. The divisions are 64-bit
 // (nvcc's routine takes a 32-bit path when both operands fit).

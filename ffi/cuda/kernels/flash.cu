@@ -152,6 +152,33 @@ __device__ __forceinline__ void stage_rows(Tile<D>& s, const uint16_t* base, int
   }
 }
 
+// Keys [k0, k0 + 64) of the head whose q columns start at q in qkv (k at +C, v at +2C) into the
+// k and v tiles that the query-side kernels (forward, dq) walk, between two barriers: no warp
+// still reads the previous tile, and every warp sees the whole new one.
+template <int D>
+__device__ __forceinline__ void stage_kv(Tile<D>& k_s, Tile<D>& v_s, const uint16_t* q, int64_t C, int64_t k0,
+                                         int64_t T) {
+  const int64_t C3 = 3 * C;
+  __syncthreads();
+  stage_rows<D>(k_s, q + C, C3, k0, T);
+  stage_rows<D>(v_s, q + 2 * C, C3, k0, T);
+  __syncthreads();
+}
+
+// Calls task(tile, bh, b, h, q, row0) for each (b, h, 64-row tile) task this block takes, grid-stride
+// over the B*H*tiles tasks: bh = b*H + h, q is where head h's q columns start in qkv (B,T,3C), and
+// row0 is the first of the calling warp's 16 rows of the tile.
+template <int D, class Task>
+__device__ __forceinline__ void for_each_task(const uint16_t* qkv, int64_t B, int64_t T, int64_t C, int64_t H,
+                                              Task&& task) {
+  const int warp = threadIdx.x / WARP_SIZE;
+  const int64_t tiles = (T + FL_ROWS - 1) / FL_ROWS, C3 = 3 * C;
+  for (int64_t work = blockIdx.x; work < B * H * tiles; work += gridDim.x) {
+    const int64_t tile = work % tiles, bh = work / tiles, b = bh / H, h = bh % H;
+    task(tile, bh, b, h, qkv + b * T * C3 + h * D, tile * FL_ROWS + warp * 16);
+  }
+}
+
 // s (16 x 64: 8 tiles of 8 columns) = the warp's A rows (D wide) times the staged rows' transpose:
 // s[j] column n is staged row j*8 + n. The B fragments of two k-steps come from one ldmatrix.x4:
 // lane l addresses row j*8 + l%8, chunk 2kc + l/8.
@@ -239,22 +266,16 @@ __device__ void flash_forward(uint16_t* out, float* lse, const uint16_t* qkv, in
                               int64_t H, float scale, int32_t elem) {
   __shared__ Tile<D> k_s;
   __shared__ Tile<D> v_s;
-  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
-  const int64_t tiles = (T + FL_ROWS - 1) / FL_ROWS, C3 = 3 * C;
-  for (int64_t work = blockIdx.x; work < B * H * tiles; work += gridDim.x) {
-    const int64_t tile = work % tiles, bh = work / tiles, b = bh / H, h = bh % H;
-    const uint16_t* q = qkv + b * T * C3 + h * D;
-    const int64_t q0 = tile * FL_ROWS + warp * 16;
+  const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+  const auto task = [&](int64_t tile, int64_t bh, int64_t b, int64_t h, const uint16_t* q, int64_t q0) {
+    const int64_t C3 = 3 * C;
     uint32_t qf[D / 16][4];
     load_a_rows<D>(qf, q, C3, q0, T, lane);
     float o[D / 8][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     const int64_t last = (tile + 1) * FL_ROWS - 1;  // the tile's last query
     for (int64_t k0 = 0; k0 <= last && k0 < T; k0 += FL_ROWS) {
-      __syncthreads();
-      stage_rows<D>(k_s, q + C, C3, k0, T);
-      stage_rows<D>(v_s, q + 2 * C, C3, k0, T);
-      __syncthreads();
+      stage_kv<D>(k_s, v_s, q, C, k0, T);
       float s[8][4];
       scores<D>(s, qf, k_s, lane, elem);
       FL_UNROLL
@@ -302,23 +323,26 @@ __device__ void flash_forward(uint16_t* out, float* lse, const uint16_t* qkv, in
       if (t == 0 && row < T) lse[bh * T + row] = m[rr] + logf(sum);
     }
     store_rows<D>(out + b * T * C + h * D, C, q0, T, o, inv, 0, lane, elem);
-  }
+  };
+  for_each_task<D>(qkv, B, T, C, H, task);
 }
+
+// The parameters of both backward kernels (kernels.ts attentionBackwardParams): dqkv (B,T,3C),
+// delta (B,H,T), dout (B,T,C), lse (B,H,T), qkv (B,T,3C); the sizes; the scale; elem, accumulate.
+#define FL_BACKWARD_PARAMS                                                                        \
+  uint16_t* dqkv, const float* delta, const uint16_t* dout, const float* lse, const uint16_t* qkv, \
+  int64_t B, int64_t T, int64_t C, int64_t H, float scale, int32_t elem, int32_t accumulate
+#define FL_BACKWARD_ARGS dqkv, delta, dout, lse, qkv, B, T, C, H, scale, elem, accumulate
 
 // backward, queries' side: dq_i = scale sum_{j<=i} ds_ij k_j, ds_ij = p_ij (dout_i.v_j - delta_i),
 // p_ij = exp(scale q_i.k_j - lse_i). A block per (b, h, 64-query tile).
 template <int D>
-__device__ void flash_backward_q(uint16_t* dqkv, const float* delta, const uint16_t* dout, const float* lse,
-                                 const uint16_t* qkv, int64_t B, int64_t T, int64_t C, int64_t H, float scale,
-                                 int32_t elem, int accumulate) {
+__device__ void flash_backward_q(FL_BACKWARD_PARAMS) {
   __shared__ Tile<D> k_s;
   __shared__ Tile<D> v_s;
-  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
-  const int64_t tiles = (T + FL_ROWS - 1) / FL_ROWS, C3 = 3 * C;
-  for (int64_t work = blockIdx.x; work < B * H * tiles; work += gridDim.x) {
-    const int64_t tile = work % tiles, bh = work / tiles, b = bh / H, h = bh % H;
-    const uint16_t* q = qkv + b * T * C3 + h * D;
-    const int64_t q0 = tile * FL_ROWS + warp * 16;
+  const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+  const auto task = [&](int64_t tile, int64_t bh, int64_t b, int64_t h, const uint16_t* q, int64_t q0) {
+    const int64_t C3 = 3 * C;
     uint32_t qf[D / 16][4], gf[D / 16][4];
     load_a_rows<D>(qf, q, C3, q0, T, lane);
     load_a_rows<D>(gf, dout + b * T * C + h * D, C, q0, T, lane);
@@ -332,10 +356,7 @@ __device__ void flash_backward_q(uint16_t* dqkv, const float* delta, const uint1
     float dq[D / 8][4] = {};
     const int64_t last = (tile + 1) * FL_ROWS - 1;
     for (int64_t k0 = 0; k0 <= last && k0 < T; k0 += FL_ROWS) {
-      __syncthreads();
-      stage_rows<D>(k_s, q + C, C3, k0, T);
-      stage_rows<D>(v_s, q + 2 * C, C3, k0, T);
-      __syncthreads();
+      stage_kv<D>(k_s, v_s, q, C, k0, T);
       float s[8][4], dp[8][4];
       scores<D>(s, qf, k_s, lane, elem);
       scores<D>(dp, gf, v_s, lane, elem);
@@ -353,25 +374,21 @@ __device__ void flash_backward_q(uint16_t* dqkv, const float* delta, const uint1
     }
     const float mul[2] = {scale, scale};
     store_rows<D>(dqkv + b * T * C3 + h * D, C3, q0, T, dq, mul, accumulate, lane, elem);
-  }
+  };
+  for_each_task<D>(qkv, B, T, C, H, task);
 }
 
 // backward, keys' side: dv_j = sum_{i>=j} p_ij dout_i, dk_j = scale sum_{i>=j} ds_ij q_i. A block
 // per (b, h, 64-key tile); each warp's 16 keys hold p and ds transposed (rows keys, columns queries).
 template <int D>
-__device__ void flash_backward_kv(uint16_t* dqkv, const float* delta, const uint16_t* dout, const float* lse,
-                                  const uint16_t* qkv, int64_t B, int64_t T, int64_t C, int64_t H, float scale,
-                                  int32_t elem, int accumulate) {
+__device__ void flash_backward_kv(FL_BACKWARD_PARAMS) {
   __shared__ Tile<D> q_s;
   __shared__ Tile<D> g_s;
   __shared__ float row_s[2][FL_ROWS];  // lse, delta of the query tile
-  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
-  const int64_t tiles = (T + FL_ROWS - 1) / FL_ROWS, C3 = 3 * C;
-  for (int64_t work = blockIdx.x; work < B * H * tiles; work += gridDim.x) {
-    const int64_t tile = work % tiles, bh = work / tiles, b = bh / H, h = bh % H;
-    const uint16_t* q = qkv + b * T * C3 + h * D;
+  const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+  const auto task = [&](int64_t tile, int64_t bh, int64_t b, int64_t h, const uint16_t* q, int64_t k0) {
+    const int64_t C3 = 3 * C;
     const uint16_t* go = dout + b * T * C + h * D;
-    const int64_t k0 = tile * FL_ROWS + warp * 16;
     uint32_t kf[D / 16][4], vf[D / 16][4];
     load_a_rows<D>(kf, q + C, C3, k0, T, lane);
     load_a_rows<D>(vf, q + 2 * C, C3, k0, T, lane);
@@ -408,28 +425,21 @@ __device__ void flash_backward_kv(uint16_t* dqkv, const float* delta, const uint
     const float one[2] = {1.0f, 1.0f}, mul[2] = {scale, scale};
     store_rows<D>(dqkv + b * T * C3 + C + h * D, C3, k0, T, dk, mul, accumulate, lane, elem);
     store_rows<D>(dqkv + b * T * C3 + 2 * C + h * D, C3, k0, T, dv, one, accumulate, lane, elem);
-  }
+  };
+  for_each_task<D>(qkv, B, T, C, H, task);
 }
 
-#define FLASH_KERNELS(D)                                                                                          \
-  extern "C" __global__ void __launch_bounds__(FL_THREADS)                                                        \
+#define FLASH_KERNELS(D)                                                                                        \
+  extern "C" __global__ void __launch_bounds__(FL_THREADS)                                                      \
       mt_flash_forward_d##D(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H, \
-                            float scale, int32_t elem) {                                                          \
-    flash_forward<D>((uint16_t*)out, lse, (const uint16_t*)qkv, B, T, C, H, scale, elem);                         \
-  }                                                                                                               \
-  extern "C" __global__ void __launch_bounds__(FL_THREADS)                                                        \
-      mt_flash_backward_q_d##D(void* dqkv, const float* delta, const void* dout, const float* lse,               \
-                               const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H, float scale,         \
-                               int32_t elem, int32_t accumulate) {                                               \
-    flash_backward_q<D>((uint16_t*)dqkv, delta, (const uint16_t*)dout, lse, (const uint16_t*)qkv, B, T, C, H,    \
-                        scale, elem, accumulate);                                                                 \
-  }                                                                                                               \
-  extern "C" __global__ void __launch_bounds__(FL_THREADS)                                                        \
-      mt_flash_backward_kv_d##D(void* dqkv, const float* delta, const void* dout, const float* lse,              \
-                                const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H, float scale,        \
-                                int32_t elem, int32_t accumulate) {                                              \
-    flash_backward_kv<D>((uint16_t*)dqkv, delta, (const uint16_t*)dout, lse, (const uint16_t*)qkv, B, T, C, H,   \
-                         scale, elem, accumulate);                                                                \
+                            float scale, int32_t elem) {                                                        \
+    flash_forward<D>((uint16_t*)out, lse, (const uint16_t*)qkv, B, T, C, H, scale, elem);                       \
+  }                                                                                                             \
+  extern "C" __global__ void __launch_bounds__(FL_THREADS) mt_flash_backward_q_d##D(FL_BACKWARD_PARAMS) {       \
+    flash_backward_q<D>(FL_BACKWARD_ARGS);                                                                      \
+  }                                                                                                             \
+  extern "C" __global__ void __launch_bounds__(FL_THREADS) mt_flash_backward_kv_d##D(FL_BACKWARD_PARAMS) {      \
+    flash_backward_kv<D>(FL_BACKWARD_ARGS);                                                                     \
   }
 
 FLASH_KERNELS(64)

@@ -104,15 +104,10 @@ __device__ __forceinline__ void layernorm_param_sums(float* dw_out, float* db_ou
                                                      int64_t rows_per, bool accumulate, int32_t elem) {
   __shared__ float dw_partial[PARAMS_Y_MAX][WARP_SIZE + 1];  // +1: no bank conflicts on the column sum
   __shared__ float db_partial[PARAMS_Y_MAX][WARP_SIZE + 1];
-  const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
-  const int64_t splits = (N + rows_per - 1) / rows_per;
-  for (int64_t task = blockIdx.x; task < chunks * splits; task += gridDim.x) {
-    const int64_t chunk = task % chunks, split = task / chunks;
-    const int64_t c = chunk * WARP_SIZE + threadIdx.x;
-    const int64_t end = (split + 1) * rows_per < N ? (split + 1) * rows_per : N;
+  for_each_column_task(N, C, rows_per, [&](int64_t split, int64_t c, int64_t n0, int64_t end) {
     float dw = 0.0f, db = 0.0f;
     if (c < C) {
-      for (int64_t n = split * rows_per + threadIdx.y; n < end; n += blockDim.y) {
+      for (int64_t n = n0 + threadIdx.y; n < end; n += blockDim.y) {
         const float g = mt_load_elem(dout, n * C + c, elem);
         const float norm = (inp[n * C + c] - mean[n]) * rstd[n];
         dw += norm * g;
@@ -134,7 +129,7 @@ __device__ __forceinline__ void layernorm_param_sums(float* dw_out, float* db_ou
       *b = accumulate ? *b + db_total : db_total;
     }
     __syncthreads();  // the partials are rewritten by the next task
-  }
+  });
 }
 
 // dweight, dbias (C) += those sums over every row, in one pass: a block per 32 channels

@@ -26,15 +26,10 @@ mt_bias_add_f32(void* out, const void* inp, const float* bias, int64_t N, int64_
 __device__ __forceinline__ void bias_column_sums(float* out, const void* dout, int64_t N, int64_t C,
                                                  int64_t rows_per, bool accumulate, int32_t elem) {
   __shared__ float partial[BIAS_Y_MAX][WARP_SIZE + 1];  // +1: no bank conflicts on the column sum
-  const int64_t chunks = (C + WARP_SIZE - 1) / WARP_SIZE;
-  const int64_t splits = (N + rows_per - 1) / rows_per;
-  for (int64_t task = blockIdx.x; task < chunks * splits; task += gridDim.x) {
-    const int64_t chunk = task % chunks, split = task / chunks;
-    const int64_t c = chunk * WARP_SIZE + threadIdx.x;
-    const int64_t end = (split + 1) * rows_per < N ? (split + 1) * rows_per : N;
+  for_each_column_task(N, C, rows_per, [&](int64_t split, int64_t c, int64_t n0, int64_t end) {
     float acc = 0.0f;
     if (c < C) {
-      for (int64_t n = split * rows_per + threadIdx.y; n < end; n += blockDim.y)
+      for (int64_t n = n0 + threadIdx.y; n < end; n += blockDim.y)
         acc += mt_load_elem(dout, n * C + c, elem);
     }
     partial[threadIdx.y][threadIdx.x] = acc;
@@ -46,7 +41,7 @@ __device__ __forceinline__ void bias_column_sums(float* out, const void* dout, i
       *o = accumulate ? *o + total : total;
     }
     __syncthreads();  // partial is rewritten by the next task
-  }
+  });
 }
 
 // dbias (C) += sum over rows of dout (N,C) of elem, in one pass: a block per 32 channels
@@ -87,11 +82,8 @@ mt_relu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t n, i
   }
 }
 
-#define GELU_SCALE 0.7978845608028654f  // sqrt(2/pi)
-__device__ __forceinline__ float gelu(float x) {
-  const float cube = 0.044715f * x * x * x;
-  return 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + cube)));
-}
+// the formula is ffi/numerics.h's, shared with kernels.c; the tanh is CUDA's
+__device__ __forceinline__ float gelu(float x) { return mt_gelu_from_tanh(x, tanhf(mt_gelu_tanh_arg(x))); }
 // out, inp (n); tanh approximation, as in GPT-2: out = 0.5 x (1 + tanh(s (x + 0.044715 x^3)))
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
 mt_gelu_forward_f32(void* out, const void* inp, int64_t n, int32_t elem) {
@@ -112,10 +104,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
 mt_gelu_backward_f32(void* dinp, const void* inp, const void* dout, int64_t n, int32_t elem) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
     const float x = mt_load_elem(inp, i, elem);
-    const float cube = 0.044715f * x * x * x;
-    const float t = tanhf(GELU_SCALE * (x + cube));
-    const float sech2 = 1.0f - t * t;
-    const float local = 0.5f * (1.0f + t) + x * 0.5f * sech2 * GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+    const float local = mt_gelu_grad_from_tanh(x, tanhf(mt_gelu_tanh_arg(x)));
     mt_store_elem(dinp, i, mt_load_elem(dinp, i, elem) + local * mt_load_elem(dout, i, elem), elem);
   }
 }
