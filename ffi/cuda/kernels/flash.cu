@@ -80,10 +80,10 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* ro
 }
 
 // A staged tile: FL_ROWS rows of D 2-byte elements, 16-byte chunks swizzled by row: chunk c of
-// row r sits at chunk swizzle(c, r % 8).
+// row r sits at chunk swizzle(c, r % 8). Aligned to 16 bytes: cp.async and ldmatrix move 16-byte chunks.
 __device__ __forceinline__ int swizzle(int chunk, int x) { return (chunk & ~7) | ((chunk & 7) ^ x); }
 template <int D>
-struct Tile {
+struct alignas(16) Tile {
   uint16_t e[FL_ROWS * D];
   // the first element of chunk `chunk` (8 elements) of row r
   __device__ __forceinline__ uint16_t* at(int r, int chunk) { return e + r * D + swizzle(chunk, r & 7) * 8; }
