@@ -162,7 +162,7 @@ program
   .requiredOption("--out <dir>", "the folder to write the shards and manifest.json to")
   .option(
     "--val-fraction <x>",
-    "share of the documents held out for validation (seeded)",
+    "share held out for validation: of the documents (a seeded draw, at least one of two or more), or of a single document's tokens (its end)",
     float(0, 0.5),
     prepareDefaults.valFraction,
   )
@@ -177,9 +177,9 @@ program
       .choices(["refuse", "replace"])
       .default(prepareDefaults.invalidUtf8),
   )
-  .action((opts) => {
+  .action(async (opts) => {
     const o = { ...opts, text: userPath(opts.text), out: userPath(opts.out) };
-    const r = runPrepare(o);
+    const r = await runPrepare(o);
     const m = r.manifest;
     const n = (x: number) => x.toLocaleString("en-US");
     for (const note of r.notes) console.log(`note: ${note}`);
@@ -187,6 +187,11 @@ program
       `prepared ${shownPath(o.out)}: ${n(m.documents.train + m.documents.val)} document${m.documents.train + m.documents.val === 1 ? "" : "s"} (${n(m.documents.train)} train, ${n(m.documents.val)} val), ` +
         `${n(m.tokens.train)} train and ${n(m.tokens.val)} val tokens in ${m.shards.length} shard${m.shards.length > 1 ? "s" : ""}; ` +
         `${m.tokenizer}, a vocabulary of ${n(m.vocabSize)}; ${(m.sourceBytes / 1e6).toFixed(1)} MB in ${r.seconds.toFixed(1)} s`,
+    );
+    console.log(
+      r.splitRule === "document"
+        ? `split by document: each drawn for validation with probability ${m.valFraction} (seed ${m.seed}), the last one where none was`
+        : `split by position: one document, the last ${m.valFraction} of its tokens held out for validation`,
     );
     console.log(`next: ${cliName()} train gpt --tokens ${shownPath(o.out)}`);
   });

@@ -178,13 +178,87 @@ export function clearFolder(dir: string): void {
   }
 }
 
+/** How the tokens were split: by a seeded draw per document (two or more documents), or by
+ *  position (one document: the last valFraction of its tokens held out, as nanoGPT does). */
+export type SplitRule = "document" | "position";
+
 export interface PrepareResult {
   manifest: Manifest;
   seconds: number;
   notes: string[];
+  splitRule: SplitRule;
 }
 
-export function runPrepare(o: PrepareOptions): PrepareResult {
+/**
+ * Puts each document's tokens into a split, one document behind the input: the last one's split
+ * is decided when the input ends, so that two or more documents always give validation at least
+ * one (the last, where the draw gave none) and a single document is split by position.
+ */
+class DocumentSplitter {
+  readonly docs = { train: 0, val: 0 };
+  #pending: ArrayLike<number> | null = null;
+  #count = 0;
+
+  constructor(
+    readonly writer: ShardWriter,
+    readonly o: PrepareOptions,
+    /** the id before each document, or the ids between documents (characters: a newline) */
+    readonly eot: number | null,
+    readonly between: ArrayLike<number>,
+  ) {}
+
+  get count(): number {
+    return this.#count;
+  }
+
+  place(ids: ArrayLike<number>): void {
+    if (this.#pending !== null) this.#write(this.#count - 1, this.#pending, false);
+    this.#pending = ids;
+    this.#count++;
+  }
+
+  #write(i: number, ids: ArrayLike<number>, last: boolean): void {
+    const forced = last && this.o.valFraction > 0 && this.docs.val === 0;
+    const split: SplitName = forced || isVal(this.o.seed, i, this.o.valFraction) ? "val" : "train";
+    this.#push(split, ids);
+  }
+
+  #push(split: SplitName, ids: ArrayLike<number>): void {
+    // GPT-2: <|endoftext|> before every document; characters: a newline between them
+    if (this.eot !== null) this.writer.push(split, [this.eot]);
+    else if (this.docs[split] > 0) this.writer.push(split, this.between);
+    this.writer.push(split, ids);
+    this.docs[split]++;
+  }
+
+  /** Writes the last document; returns the rule that split the corpus. */
+  finish(): SplitRule {
+    const ids = this.#pending;
+    if (ids === null) throw new DataFileError(this.o.text, "holds no document: the corpus is empty");
+    if (this.#count > 1) {
+      this.#write(this.#count - 1, ids, true);
+      return "document";
+    }
+    const valTokens = Math.round(ids.length * this.o.valFraction);
+    if (this.o.valFraction > 0 && (valTokens === 0 || valTokens === ids.length))
+      throw new DataFileError(
+        this.o.text,
+        `holds one document of ${ids.length} token${ids.length === 1 ? "" : "s"}, too short to hold out --val-fraction ${this.o.valFraction} of it by position`,
+      );
+    const cut = ids.length - valTokens;
+    const sub = (a: number, b: number) =>
+      ids instanceof Uint16Array || ids instanceof Uint32Array ? ids.subarray(a, b) : Array.from(ids).slice(a, b);
+    this.#push("train", sub(0, cut));
+    // the held-out end continues the document: no <|endoftext|> before it
+    if (valTokens > 0) {
+      this.writer.push("val", sub(cut, ids.length));
+      this.docs.val++;
+    }
+    return "position";
+  }
+}
+
+export async function runPrepare(o: PrepareOptions): Promise<PrepareResult> {
   if (!(o.valFraction >= 0 && o.valFraction <= 0.5))
     throw new ConfigError(`--val-fraction must be in [0, 0.5], got ${o.valFraction}`);
   if (!Number.isSafeInteger(o.shardTokens) || o.shardTokens < 1)
@@ -204,54 +278,20 @@ export function runPrepare(o: PrepareOptions): PrepareResult {
   mkdirSync(o.out, { recursive: true });
   clearFolder(o.out);
   const writer = new ShardWriter(o.out, o.shardTokens);
-  const docs = { train: 0, val: 0 };
-  const bar =
-    o.quiet || !process.stdout.isTTY
-      ? null
-      : new cliProgress.SingleBar({
-          format: "prepare {bar} {percentage}% | {docs} documents | {tokens} tokens | {mbps} MB/s",
-          barCompleteChar: "█",
-          barIncompleteChar: "░",
-          barsize: 24,
-          hideCursor: true,
-          clearOnComplete: true,
-        });
-  bar?.start(Math.max(totalBytes, 1), 0, { docs: 0, tokens: 0, mbps: "0.0" });
-  let bytesDone = 0;
-  let i = 0;
-  let lastLine = performance.now();
-  const newline = vocab?.encode("\n");
+  const splitter = new DocumentSplitter(writer, o, tokenizer.eot, vocab?.encode("\n") ?? []);
+  const progress = new Progress(o, totalBytes, t0);
   for (const d of documents(o, notes)) {
-    const split: SplitName = isVal(o.seed, i, o.valFraction) ? "val" : "train";
-    // GPT-2: <|endoftext|> before every document; characters: a newline between them
-    if (tokenizer.eot !== null) writer.push(split, [tokenizer.eot]);
-    else if (docs[split] > 0) writer.push(split, newline!);
-    writer.push(split, tokenizer.encode(d.text));
-    docs[split]++;
-    i++;
-    bytesDone += Buffer.byteLength(d.text, "utf8");
-    const seconds = (performance.now() - t0) / 1000;
-    const fields = {
-      docs: (docs.train + docs.val).toLocaleString("en-US"),
-      tokens: (writer.tokens.train + writer.tokens.val).toLocaleString("en-US"),
-      mbps: (bytesDone / 1e6 / Math.max(seconds, 1e-3)).toFixed(1),
-    };
-    bar?.update(Math.min(bytesDone, totalBytes), fields);
-    if (bar === null && !o.quiet && performance.now() - lastLine > 5000) {
-      console.log(`prepare: ${fields.docs} documents, ${fields.tokens} tokens, ${fields.mbps} MB/s`);
-      lastLine = performance.now();
-    }
+    splitter.place(tokenizer.encode(d.text));
+    progress.update(Buffer.byteLength(d.text, "utf8"), splitter.count, writer);
   }
-  bar?.stop();
-  if (i === 0) throw new DataFileError(o.text, "holds no document: the corpus is empty");
+  progress.stop();
+  const splitRule = splitter.finish();
+  const docs = splitter.docs;
   if (writer.tokens.train === 0)
-    throw new DataFileError(o.text, `every one of its ${i} documents went to validation; lower --val-fraction`);
-  if (o.valFraction > 0 && docs.val === 0) {
     throw new DataFileError(
       o.text,
-      `none of its ${i} document${i > 1 ? "s" : ""} was drawn for validation (--val-fraction ${o.valFraction}); give it more documents, or --val-fraction 0 and a validation folder of its own`,
+      `every one of its ${splitter.count} documents went to validation; lower --val-fraction`,
     );
-  }
   const shards = writer.finish();
   if (vocab !== null)
     writeDurably(join(o.out, "vocab.json"), [new TextEncoder().encode(`${JSON.stringify({ chars: vocab.chars })}\n`)]);
@@ -266,10 +306,56 @@ export function runPrepare(o: PrepareOptions): PrepareResult {
     shardTokens: o.shardTokens,
     valFraction: o.valFraction,
     seed: o.seed,
+    splitRule,
     sources: [basename(o.text)],
     sourceBytes: totalBytes,
     shards,
   };
   writeDurably(join(o.out, manifestName), [new TextEncoder().encode(`${JSON.stringify(manifest, null, 2)}\n`)]);
-  return { manifest, seconds: (performance.now() - t0) / 1000, notes };
+  return { manifest, seconds: (performance.now() - t0) / 1000, notes, splitRule };
+}
+
+/** The progress bar on a terminal, a line every 5 s elsewhere, nothing when quiet. */
+class Progress {
+  readonly #bar: cliProgress.SingleBar | null;
+  #bytesDone = 0;
+  #lastLine = performance.now();
+
+  constructor(
+    readonly o: PrepareOptions,
+    readonly totalBytes: number,
+    readonly t0: number,
+  ) {
+    this.#bar =
+      o.quiet || !process.stdout.isTTY
+        ? null
+        : new cliProgress.SingleBar({
+            format: "prepare {bar} {percentage}% | {docs} documents | {tokens} tokens | {mbps} MB/s",
+            barCompleteChar: "█",
+            barIncompleteChar: "░",
+            barsize: 24,
+            hideCursor: true,
+            clearOnComplete: true,
+          });
+    this.#bar?.start(Math.max(totalBytes, 1), 0, { docs: 0, tokens: 0, mbps: "0.0" });
+  }
+
+  update(bytes: number, docs: number, writer: ShardWriter): void {
+    this.#bytesDone += bytes;
+    const seconds = (performance.now() - this.t0) / 1000;
+    const fields = {
+      docs: docs.toLocaleString("en-US"),
+      tokens: (writer.tokens.train + writer.tokens.val).toLocaleString("en-US"),
+      mbps: (this.#bytesDone / 1e6 / Math.max(seconds, 1e-3)).toFixed(1),
+    };
+    this.#bar?.update(Math.min(this.#bytesDone, this.totalBytes), fields);
+    if (this.#bar === null && !this.o.quiet && performance.now() - this.#lastLine > 5000) {
+      console.log(`prepare: ${fields.docs} documents, ${fields.tokens} tokens, ${fields.mbps} MB/s`);
+      this.#lastLine = performance.now();
+    }
+  }
+
+  stop(): void {
+    this.#bar?.stop();
+  }
 }

@@ -44,12 +44,12 @@ function corpus(name: string, n: number): string {
 }
 
 describe("prepare", () => {
-  test("a folder: each .txt a document, <|endoftext|> before each, shards bounded and checksummed, the same bytes every time", () => {
+  test("a folder: each .txt a document, <|endoftext|> before each, shards bounded and checksummed, the same bytes every time", async () => {
     const src = corpus("docs", 60);
     const a = join(dir, "a"),
       b = join(dir, "b");
-    const r = runPrepare(opts({ text: src, out: a, shardTokens: 1024, valFraction: 0.2 }));
-    runPrepare(opts({ text: src, out: b, shardTokens: 1024, valFraction: 0.2 }));
+    const r = await runPrepare(opts({ text: src, out: a, shardTokens: 1024, valFraction: 0.2 }));
+    await runPrepare(opts({ text: src, out: b, shardTokens: 1024, valFraction: 0.2 }));
     expect(files(b)).toEqual(files(a));
     const m = r.manifest;
     expect(m.documents.train + m.documents.val).toBe(60);
@@ -71,26 +71,26 @@ describe("prepare", () => {
     expect(texts[0]).toStartWith("Document ");
     // a different seed draws another split
     const c = join(dir, "c");
-    runPrepare(opts({ text: src, out: c, shardTokens: 1024, valFraction: 0.2, seed: 2 }));
+    await runPrepare(opts({ text: src, out: c, shardTokens: 1024, valFraction: 0.2, seed: 2 }));
     expect(files(c)).not.toEqual(files(a));
   });
 
-  test("an interrupted prepare, run again, gives the same result (stale shards and temp files are removed first)", () => {
+  test("an interrupted prepare, run again, gives the same result (stale shards and temp files are removed first)", async () => {
     const src = corpus("docs2", 20);
     const fresh = join(dir, "fresh"),
       again = join(dir, "again");
-    runPrepare(opts({ text: src, out: fresh, shardTokens: 512, valFraction: 0.3 }));
+    await runPrepare(opts({ text: src, out: fresh, shardTokens: 512, valFraction: 0.3 }));
     mkdirSync(again);
     writeFileSync(join(again, "train_000000.bin"), "half a shard");
     writeFileSync(join(again, "train_000007.bin"), "a shard of a larger run");
     writeFileSync(join(again, "manifest.json.tmp-123"), "{");
-    runPrepare(opts({ text: src, out: again, shardTokens: 512, valFraction: 0.3 }));
+    await runPrepare(opts({ text: src, out: again, shardTokens: 512, valFraction: 0.3 }));
     expect(files(again)).toEqual(files(fresh));
   });
 
-  test("a book: documents of consecutive paragraphs; characters: vocab.json and a newline between documents; train gpt's corpus reads it", () => {
+  test("a book: documents of consecutive paragraphs; characters: vocab.json and a newline between documents; train gpt's corpus reads it", async () => {
     const out = join(dir, "moby-char");
-    const r = runPrepare(opts({ text: mobyDickPath(), out, tokenizer: "char" }));
+    const r = await runPrepare(opts({ text: mobyDickPath(), out, tokenizer: "char" }));
     expect(r.manifest.documents.train).toBeGreaterThan(50);
     expect(r.manifest.vocabSize).toBe(83);
     const c = loadCorpus({ tokensDir: out, valFraction: 0 });
@@ -103,14 +103,52 @@ describe("prepare", () => {
     );
   });
 
-  test("JSON Lines: one document per line, from the named field", () => {
+  test("JSON Lines: one document per line, from the named field", async () => {
     const path = join(dir, "docs.jsonl");
     writeFileSync(
       path,
       Array.from({ length: 30 }, (_, i) => JSON.stringify({ id: i, text: `line ${i}: the sea` })).join("\n"),
     );
-    const r = runPrepare(opts({ text: path, jsonl: "text", out: join(dir, "jsonl"), valFraction: 0.2 }));
+    const r = await runPrepare(opts({ text: path, jsonl: "text", out: join(dir, "jsonl"), valFraction: 0.2 }));
     expect(r.manifest.documents.train + r.manifest.documents.val).toBe(30);
+  });
+
+  test("a folder of 11 Markdown files: split by document, at least one in validation, whatever the seed", async () => {
+    const src = join(dir, "md");
+    mkdirSync(src);
+    for (let i = 0; i < 11; i++) writeFileSync(join(src, `note-${i}.md`), `# Note ${i}\n\nThe whale swims on.\n`);
+    for (const seed of [1, 2, 3, 4, 5]) {
+      const r = await runPrepare(opts({ text: src, ext: ".md", out: join(dir, `md-${seed}`), seed }));
+      expect(r.splitRule).toBe("document");
+      expect(r.manifest.splitRule).toBe("document");
+      expect(r.manifest.documents.train + r.manifest.documents.val).toBe(11);
+      expect(r.manifest.documents.val).toBeGreaterThanOrEqual(1);
+      expect(r.manifest.documents.train).toBeGreaterThanOrEqual(1);
+    }
+    const { code, out } = runCli(root, "prepare", "--text", src, "--ext", ".md", "--out", join(dir, "md-cli"));
+    expect(code).toBe(0);
+    expect(out).toMatch(/^prepared .*md-cli: 11 documents \(\d+ train, [1-9]\d* val\)/m);
+    expect(out).toMatch(/^split by document: each drawn for validation with probability 0\.1 \(seed 1\)/m);
+  });
+
+  test("a single text: split by position, the last --val-fraction of its tokens held out", async () => {
+    const text = "Call me Ishmael. Some years ago, never mind how long precisely. ".repeat(40);
+    const path = join(dir, "single.txt");
+    writeFileSync(path, text);
+    const out = join(dir, "single");
+    const r = await runPrepare(opts({ text: path, out, valFraction: 0.25 }));
+    expect(r.splitRule).toBe("position");
+    const ids = gpt2Tokenizer().encode(text);
+    const held = Math.round(ids.length * 0.25);
+    const m = readManifest(out)!;
+    expect(m.splitRule).toBe("position");
+    expect([...readSplit(out, m, "train")]).toEqual([gpt2EndOfText, ...Array.from(ids).slice(0, ids.length - held)]);
+    expect([...readSplit(out, m, "val")]).toEqual(Array.from(ids).slice(ids.length - held));
+    const c = loadCorpus({ tokensDir: out, valFraction: 0 });
+    expect(c.val.length).toBe(held);
+    const cli = runCli(root, "prepare", "--text", path, "--out", join(dir, "single-cli"), "--val-fraction", "0.25");
+    expect(cli.code).toBe(0);
+    expect(cli.out).toContain("split by position: one document, the last 0.25 of its tokens held out for validation");
   });
 
   describe("bad input: one error naming the file and line", () => {
@@ -148,24 +186,24 @@ describe("prepare", () => {
         /latin1\.txt: line 2: invalid UTF-8 at byte 3; --invalid-utf8 replace/,
       ],
       [
-        "one document, none for validation",
-        () => opts({ text: bad("one.txt", "just one short document"), out: join(dir, "o7") }),
-        /none of its 1 document was drawn for validation/,
+        "one document too short to split by position",
+        () => opts({ text: bad("one.txt", "whale"), out: join(dir, "o7") }),
+        /holds one document of 2 tokens, too short to hold out --val-fraction 0\.1 of it by position/,
       ],
-    ])("%s", (_, make, message) => {
-      expect(() => runPrepare(make())).toThrow(DataFileError);
-      expect(() => runPrepare(make())).toThrow(message);
+    ])("%s", async (_, make, message) => {
+      await expect(runPrepare(make())).rejects.toThrow(DataFileError);
+      await expect(runPrepare(make())).rejects.toThrow(message);
     });
 
-    test("invalid UTF-8 replaced on request, and said where", () => {
+    test("invalid UTF-8 replaced on request, and said where", async () => {
       const p = bad("latin1b.txt", new Uint8Array([...new TextEncoder().encode("a\n".repeat(20)), 0x62, 0xe9, 0x63]));
-      const r = runPrepare(opts({ text: p, out: join(dir, "o8"), valFraction: 0, invalidUtf8: "replace" }));
+      const r = await runPrepare(opts({ text: p, out: join(dir, "o8"), valFraction: 0, invalidUtf8: "replace" }));
       expect(r.notes).toEqual([
         expect.stringMatching(/latin1b\.txt:21: invalid UTF-8 at byte 41: replaced with U\+FFFD/),
       ]);
     });
 
-    test("the UTF-8 check: valid text, overlong forms, surrogates, truncation", () => {
+    test("the UTF-8 check: valid text, overlong forms, surrogates, truncation", async () => {
       expect(invalidUtf8At(new TextEncoder().encode("héllo wörld, 鯨, 🐋"))).toBe(-1);
       expect(invalidUtf8At(new Uint8Array([0x41, 0xc0, 0x80]))).toBe(1); // overlong NUL
       expect(invalidUtf8At(new Uint8Array([0xed, 0xa0, 0x80]))).toBe(0); // a surrogate
@@ -174,7 +212,7 @@ describe("prepare", () => {
     });
   });
 
-  test("the CLI: the summary and the next command; tokens of train.bin folders still read as before", () => {
+  test("the CLI: the summary and the next command; tokens of train.bin folders still read as before", async () => {
     const src = corpus("docs3", 40);
     const { code, out } = runCli(root, "prepare", "--text", src, "--out", join(dir, "cli"));
     expect(code).toBe(0);
@@ -186,10 +224,10 @@ describe("prepare", () => {
   });
 });
 
-test("a GPT trains on a prepared GPT-2 folder; sample decodes BPE, streaming; eval reads its val shards and says the perplexity", () => {
+test("a GPT trains on a prepared GPT-2 folder; sample decodes BPE, streaming; eval reads its val shards and says the perplexity", async () => {
   const src = corpus("docs4", 80);
   const data = join(dir, "bpe");
-  runPrepare(opts({ text: src, out: data, valFraction: 0.2 }));
+  await runPrepare(opts({ text: src, out: data, valFraction: 0.2 }));
   const cli = (...args: string[]) => runCli(dir, ...args);
   const model = join(dir, "bpe.mtm");
   const train = cli(
