@@ -1,6 +1,7 @@
 #!/usr/bin/env bun
 // meshtrain command line: `run` trains on a local mesh; submit/watch/status/cancel/
 // checkpoints/restore talk to any mesh over NATS; `train` runs in this process.
+import { availableParallelism } from "node:os";
 import { join } from "node:path";
 import { Command, Option } from "commander";
 import { type DeviceChoice, deviceChoices } from "../../ffi/select.ts";
@@ -11,6 +12,7 @@ import { evalDefaults, runEval } from "../local/evaluate.ts";
 import { choice, float, int } from "./options.ts";
 import { cliName, shownPath, userPath } from "../user-paths.ts";
 import { prepareDefaults, runPrepare } from "../local/prepare.ts";
+import { workersMax } from "../local/prepare-pool.ts";
 import { exportSummary, runExport } from "../local/export.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
 import { sharedOption, sharedOptions } from "./job-options.ts";
@@ -169,6 +171,11 @@ program
   .option("--seed <n>", "seed of the split", int(0), prepareDefaults.seed)
   .option("--shard-tokens <n>", "tokens per shard at most", int(1024), prepareDefaults.shardTokens)
   .option("--ext <ext>", "a folder's files to read, by extension", prepareDefaults.ext)
+  .option(
+    "--workers <n>",
+    `threads that tokenize (default: this machine's ${availableParallelism()} cores); the shards are the same bytes for any count`,
+    int(1, workersMax),
+  )
   .addOption(
     new Option(
       "--invalid-utf8 <what>",

@@ -4,7 +4,8 @@
 // with a manifest (engine/data/shards.ts). The same input gives the same bytes; an interrupted
 // prepare is run again from the start to the same result (the manifest is written last, and the
 // folder's earlier shards are removed first).
-import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, statSync } from "node:fs";
+import { mkdirSync, readdirSync, rmSync } from "node:fs";
+import { availableParallelism } from "node:os";
 import { basename, join } from "node:path";
 import cliProgress from "cli-progress";
 import { DataFileError } from "../../engine/data/errors.ts";
@@ -18,16 +19,13 @@ import {
   writeDurably,
 } from "../../engine/data/shards.ts";
 import { CharVocab } from "../../engine/data/text.ts";
-import { charTokenizer, gpt2Tokenizer, type Tokenizer, type TokenizerName } from "../../engine/data/tokenizer.ts";
+import { charTokenizer, gpt2Tokenizer, type TokenizerName } from "../../engine/data/tokenizer.ts";
 import { ConfigError } from "../../ffi/errors.ts";
 import { Rng } from "../../engine/rng.ts";
-import { shownPath } from "../user-paths.ts";
+import { batchCharsMax, type EncodedBatch, tokenizerPool, workersMax } from "./prepare-pool.ts";
+import { bytesOf, documents, type SourceOptions } from "./prepare-sources.ts";
 
-export interface PrepareOptions {
-  /** a text file, a folder of them, or (with jsonl) a JSON Lines file; absolute */
-  text: string;
-  /** JSON Lines: the field of each line that holds its document */
-  jsonl?: string;
+export interface PrepareOptions extends SourceOptions {
   tokenizer: TokenizerName;
   /** the folder to write (absolute) */
   out: string;
@@ -35,10 +33,8 @@ export interface PrepareOptions {
   seed: number;
   /** tokens per shard at most */
   shardTokens: number;
-  /** a folder's files to read, by extension */
-  ext: string;
-  /** invalid UTF-8: refuse (an error naming the file and line) or replace with U+FFFD (and say so) */
-  invalidUtf8: "refuse" | "replace";
+  /** threads that tokenize (default: the machine's cores); the shards are the same for any count */
+  workers?: number;
   /** the progress bar on a terminal; lines elsewhere */
   quiet?: boolean;
 }
@@ -52,123 +48,9 @@ export const prepareDefaults = {
   invalidUtf8: "refuse",
 } as const;
 
-/** A plain text file is cut at blank lines into documents of at least this many characters (a
- *  book gives many, so it can be split by document). */
-export const textDocumentCharsMin = 10_000;
-
-interface Document {
-  text: string;
-  /** "file" or "file:line", for errors and counts */
-  where: string;
-}
-
-/** The byte offset of the first invalid UTF-8 sequence, or -1. */
-export function invalidUtf8At(b: Uint8Array): number {
-  for (let i = 0; i < b.length; ) {
-    const c = b[i]!;
-    const n = c < 0x80 ? 1 : c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3 : c >= 0xf0 && c <= 0xf4 ? 4 : 0;
-    if (n === 0 || i + n > b.length) return i;
-    for (let k = 1; k < n; k++) if ((b[i + k]! & 0xc0) !== 0x80) return i;
-    // overlong 3- and 4-byte forms, surrogates, and code points past U+10FFFF
-    if (n === 3 && ((c === 0xe0 && b[i + 1]! < 0xa0) || (c === 0xed && b[i + 1]! >= 0xa0))) return i;
-    if (n === 4 && ((c === 0xf0 && b[i + 1]! < 0x90) || (c === 0xf4 && b[i + 1]! >= 0x90))) return i;
-    i += n;
-  }
-  return -1;
-}
-
-const lineOf = (b: Uint8Array, offset: number): number => {
-  let line = 1;
-  for (let i = 0; i < offset; i++) if (b[i] === 0x0a) line++;
-  return line;
-};
-
-/** A file's text: refused or repaired where it is not UTF-8, saying which and where. */
-function readUtf8(path: string, o: PrepareOptions, notes: string[]): string {
-  let bytes: Uint8Array;
-  try {
-    bytes = readFileSync(path);
-  } catch (e) {
-    throw new DataFileError(path, `cannot be read: ${(e as Error).message}`, { cause: e });
-  }
-  const bad = invalidUtf8At(bytes);
-  if (bad >= 0) {
-    const where = `${shownPath(path)}:${lineOf(bytes, bad)}: invalid UTF-8 at byte ${bad}`;
-    if (o.invalidUtf8 === "refuse")
-      throw new DataFileError(
-        path,
-        `line ${lineOf(bytes, bad)}: invalid UTF-8 at byte ${bad}; --invalid-utf8 replace replaces such bytes with U+FFFD`,
-      );
-    notes.push(`${where}: replaced with U+FFFD (--invalid-utf8 replace)`);
-  }
-  return new TextDecoder("utf-8").decode(bytes);
-}
-
-/** A plain text's documents: consecutive paragraphs of at least textDocumentCharsMin characters. */
-function paragraphsOf(text: string, file: string): Document[] {
-  const docs: Document[] = [];
-  let current = "";
-  for (const para of text.split(/\n[ \t]*\n/)) {
-    current = current === "" ? para : `${current}\n\n${para}`;
-    if (current.length >= textDocumentCharsMin) {
-      docs.push({ text: current, where: file });
-      current = "";
-    }
-  }
-  if (current.trim() !== "") docs.push({ text: current, where: file });
-  return docs;
-}
-
-/** The inputs in order: a folder's files by name, each a document; a text file's paragraphs; a JSON Lines file's lines. */
-export function* documents(o: PrepareOptions, notes: string[]): Generator<Document> {
-  if (!existsSync(o.text)) throw new DataFileError(o.text, "not found");
-  if (statSync(o.text).isDirectory()) {
-    if (o.jsonl !== undefined)
-      throw new ConfigError(`--jsonl reads one JSON Lines file; ${shownPath(o.text)} is a folder`);
-    const files = readdirSync(o.text)
-      .filter((f) => f.endsWith(o.ext))
-      .sort();
-    if (files.length === 0) throw new DataFileError(o.text, `holds no ${o.ext} file`);
-    for (const f of files) {
-      const path = join(o.text, f);
-      yield { text: readUtf8(path, o, notes), where: shownPath(path) };
-    }
-    return;
-  }
-  const text = readUtf8(o.text, o, notes);
-  if (o.jsonl === undefined) {
-    yield* paragraphsOf(text, shownPath(o.text));
-    return;
-  }
-  const lines = text.split("\n");
-  for (let i = 0; i < lines.length; i++) {
-    const line = lines[i]!.trim();
-    if (line === "") continue;
-    const where = `${shownPath(o.text)}:${i + 1}`;
-    let value: unknown;
-    try {
-      value = JSON.parse(line);
-    } catch (e) {
-      throw new DataFileError(o.text, `line ${i + 1}: not JSON (${(e as Error).message})`);
-    }
-    const doc = typeof value === "object" && value !== null ? (value as Record<string, unknown>)[o.jsonl] : undefined;
-    if (typeof doc !== "string")
-      throw new DataFileError(o.text, `line ${i + 1}: no string field ${JSON.stringify(o.jsonl)}`);
-    yield { text: doc, where };
-  }
-}
-
 /** Whether document i goes to validation: a seeded draw per document, the same on every run. */
 const isVal = (seed: number, i: number, valFraction: number): boolean =>
   valFraction > 0 && new Rng((seed * 0x9e3779b1 + i * 0x85ebca6b) >>> 0).uniform() < valFraction;
-
-function bytesOf(o: PrepareOptions): number {
-  if (!existsSync(o.text)) return 0;
-  if (!statSync(o.text).isDirectory()) return statSync(o.text).size;
-  return readdirSync(o.text)
-    .filter((f) => f.endsWith(o.ext))
-    .reduce((n, f) => n + statSync(join(o.text, f)).size, 0);
-}
 
 /** Removes what an earlier (or interrupted) prepare left in the folder: shards, temp files, the manifest. */
 export function clearFolder(dir: string): void {
@@ -263,27 +145,33 @@ export async function runPrepare(o: PrepareOptions): Promise<PrepareResult> {
     throw new ConfigError(`--val-fraction must be in [0, 0.5], got ${o.valFraction}`);
   if (!Number.isSafeInteger(o.shardTokens) || o.shardTokens < 1)
     throw new ConfigError(`--shard-tokens must be a positive integer, got ${o.shardTokens}`);
+  const workers = o.workers ?? availableParallelism();
+  if (!Number.isSafeInteger(workers) || workers < 1 || workers > workersMax)
+    throw new ConfigError(`--workers must be an integer in [1, ${workersMax}], got ${workers}`);
   const t0 = performance.now();
   const notes: string[] = [];
   const totalBytes = bytesOf(o);
   // characters: the vocabulary is the corpus's, so a first pass collects it
-  let tokenizer: Tokenizer;
   let vocab: CharVocab | null = null;
   if (o.tokenizer === "char") {
     const chars = new Set<string>(["\n"]);
-    for (const d of documents(o, [])) for (const c of d.text) chars.add(c);
+    for await (const d of documents(o, [])) for (const c of d.text) chars.add(c);
     vocab = new CharVocab([...chars].sort((a, b) => a.codePointAt(0)! - b.codePointAt(0)!));
-    tokenizer = charTokenizer(vocab);
-  } else tokenizer = gpt2Tokenizer();
+  }
+  const tokenizer = vocab === null ? gpt2Tokenizer() : charTokenizer(vocab);
   mkdirSync(o.out, { recursive: true });
   clearFolder(o.out);
   const writer = new ShardWriter(o.out, o.shardTokens);
   const splitter = new DocumentSplitter(writer, o, tokenizer.eot, vocab?.encode("\n") ?? []);
   const progress = new Progress(o, totalBytes, t0);
-  for (const d of documents(o, notes)) {
-    splitter.place(tokenizer.encode(d.text));
-    progress.update(Buffer.byteLength(d.text, "utf8"), splitter.count, writer);
-  }
+  // a small input is not worth a thread's start (loading the BPE's ranks): no more threads than
+  // batches it fills (a compressed input's bytes undercount them, which only costs a thread)
+  const threads = Math.min(workers, Math.max(1, Math.ceil(totalBytes / batchCharsMax)));
+  await tokenizeInOrder(o, threads, vocab, notes, (e, bytes) => {
+    for (let i = 0, at = 0; i < e.lengths.length; at += e.lengths[i]!, i++)
+      splitter.place(e.ids.subarray(at, at + e.lengths[i]!));
+    progress.update(bytes, splitter.count, writer);
+  });
   progress.stop();
   const splitRule = splitter.finish();
   const docs = splitter.docs;
@@ -313,6 +201,46 @@ export async function runPrepare(o: PrepareOptions): Promise<PrepareResult> {
   };
   writeDurably(join(o.out, manifestName), [new TextEncoder().encode(`${JSON.stringify(manifest, null, 2)}\n`)]);
   return { manifest, seconds: (performance.now() - t0) / 1000, notes, splitRule };
+}
+
+/** Reads the documents, tokenizes them in batches on the workers, and hands each batch's ids to
+ *  `take` in the documents' order, with a bounded count of batches in flight. */
+async function tokenizeInOrder(
+  o: PrepareOptions,
+  workers: number,
+  vocab: CharVocab | null,
+  notes: string[],
+  take: (e: EncodedBatch, bytes: number) => void,
+): Promise<void> {
+  const pool = tokenizerPool(workers, vocab?.chars ?? null);
+  const inFlight: { encoded: Promise<EncodedBatch>; bytes: number }[] = [];
+  let texts: string[] = [];
+  let chars = 0;
+  const send = async () => {
+    if (texts.length === 0) return;
+    const encoded = pool.encode(texts);
+    // a batch that fails while an earlier one is awaited is reported when its turn comes
+    encoded.catch(() => {});
+    inFlight.push({ encoded, bytes: texts.reduce((n, t) => n + Buffer.byteLength(t, "utf8"), 0) });
+    texts = [];
+    chars = 0;
+    while (inFlight.length >= pool.inFlightMax) await takeFirst();
+  };
+  const takeFirst = async () => {
+    const b = inFlight.shift()!;
+    take(await b.encoded, b.bytes);
+  };
+  try {
+    for await (const d of documents(o, notes)) {
+      texts.push(d.text);
+      chars += d.text.length;
+      if (chars >= batchCharsMax) await send();
+    }
+    await send();
+    while (inFlight.length > 0) await takeFirst();
+  } finally {
+    pool.close();
+  }
 }
 
 /** The progress bar on a terminal, a line every 5 s elsewhere, nothing when quiet. */

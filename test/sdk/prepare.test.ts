@@ -11,9 +11,11 @@ import { DataFileError } from "../../engine/data/errors.ts";
 import { readManifest, readSplit } from "../../engine/data/shards.ts";
 import { readTokens } from "../../engine/data/token-stream.ts";
 import { mobyDickPath } from "../../engine/data/text.ts";
-import { gpt2EndOfText, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
+import { gpt2EndOfText, gpt2FastTokenizer, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
 import { llmcMagic, readTokenFile } from "../../engine/data/tokens.ts";
-import { invalidUtf8At, type PrepareOptions, prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
+import { type PrepareOptions, prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
+import { invalidUtf8At } from "../../sdk/local/prepare-sources.ts";
+import { sotuDir } from "../helpers/big-corpus.ts";
 import { runCli } from "../helpers/cli.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-prepare-"));
@@ -149,6 +151,35 @@ describe("prepare", () => {
     const cli = runCli(root, "prepare", "--text", path, "--out", join(dir, "single-cli"), "--val-fraction", "0.25");
     expect(cli.code).toBe(0);
     expect(cli.out).toContain("split by position: one document, the last 0.25 of its tokens held out for validation");
+  });
+
+  test("the fast GPT-2 encoder gives js-tiktoken's ids on Moby Dick and the State of the Union", () => {
+    const fast = gpt2FastTokenizer(),
+      slow = gpt2Tokenizer();
+    const books = [
+      readFileSync(mobyDickPath(), "utf8"),
+      ...readdirSync(sotuDir)
+        .filter((f) => f.endsWith(".txt"))
+        .sort()
+        .map((f) => readFileSync(join(sotuDir, f), "utf8")),
+    ];
+    for (const text of books) expect(fast.encode(text)).toEqual(Uint16Array.from(slow.encode(text)));
+  }, 240_000);
+
+  test("1 and 2 workers write the same bytes (batches of several documents each, shards across them); --workers is checked", async () => {
+    const src = corpus("docs-workers", 50);
+    writeFileSync(join(src, "doc-big.txt"), "A batch of its own, and more. ".repeat(40_000));
+    const [one, two] = [join(dir, "w1"), join(dir, "w2")];
+    await runPrepare(opts({ text: src, out: one, shardTokens: 4096, workers: 1 }));
+    const r = await runPrepare(opts({ text: src, out: two, shardTokens: 4096, workers: 2 }));
+    expect(r.manifest.shards.length).toBeGreaterThan(20);
+    expect(files(two)).toEqual(files(one));
+    await expect(runPrepare(opts({ text: src, out: join(dir, "w0"), workers: 0 }))).rejects.toThrow(
+      "--workers must be an integer in [1, 256], got 0",
+    );
+    const cli = runCli(root, "prepare", "--text", src, "--out", join(dir, "w-cli"), "--workers", "1.5");
+    expect(cli.code).not.toBe(0);
+    expect(cli.err).toContain("--workers");
   });
 
   describe("bad input: one error naming the file and line", () => {
