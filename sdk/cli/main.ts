@@ -154,8 +154,15 @@ program
   .description(
     "turn text into token shards a GPT trains on: GPT-2's BPE or characters, split into training and validation by document",
   )
-  .requiredOption("--text <path>", "a UTF-8 text file, a folder of them, or with --jsonl a JSON Lines file")
-  .option("--jsonl <field>", "the input is JSON Lines: one document per line, in this field")
+  .requiredOption(
+    "--text <path>",
+    "a UTF-8 text file, a folder of them, or with --jsonl or --parquet such a file or a folder of them",
+  )
+  .option(
+    "--jsonl <field>",
+    "the input is JSON Lines (.jsonl, or compressed .jsonl.gz or .jsonl.zst): one document per line, in this field",
+  )
+  .option("--parquet <column>", "the input is Parquet (.parquet): one document per row, in this string column")
   .addOption(
     new Option("--tokenizer <name>", "gpt2: GPT-2's byte-level BPE (50,257 tokens); char: the corpus's characters")
       .choices(["gpt2", "char"])

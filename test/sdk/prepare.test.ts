@@ -2,10 +2,13 @@
 // bytes, an interrupted prepare run again gives them too, shards are bounded and checksummed,
 // documents are split by a seeded draw, GPT-2's <|endoftext|> comes before each document, and
 // bad input is one clear error naming the file and line.
-import { afterAll, describe, expect, test } from "bun:test";
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { gzipSync, zstdCompressSync } from "node:zlib";
+import { parquetWriteFile } from "hyparquet-writer";
+import { ConfigError } from "../../ffi/errors.ts";
 import { loadCorpus } from "../../engine/data/corpus.ts";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { readManifest, readSplit } from "../../engine/data/shards.ts";
@@ -14,7 +17,7 @@ import { mobyDickPath } from "../../engine/data/text.ts";
 import { gpt2EndOfText, gpt2FastTokenizer, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
 import { llmcMagic, readTokenFile } from "../../engine/data/tokens.ts";
 import { type PrepareOptions, prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
-import { invalidUtf8At } from "../../sdk/local/prepare-sources.ts";
+import { invalidUtf8At } from "../../sdk/local/prepare-utf8.ts";
 import { sotuDir } from "../helpers/big-corpus.ts";
 import { runCli } from "../helpers/cli.ts";
 
@@ -44,6 +47,12 @@ function corpus(name: string, n: number): string {
   writeFileSync(join(d, "README.md"), "not a document");
   return d;
 }
+
+const bad = (name: string, content: string | Uint8Array) => {
+  const p = join(dir, name);
+  writeFileSync(p, content);
+  return p;
+};
 
 describe("prepare", () => {
   test("a folder: each .txt a document, <|endoftext|> before each, shards bounded and checksummed, the same bytes every time", async () => {
@@ -182,12 +191,105 @@ describe("prepare", () => {
     expect(cli.err).toContain("--workers");
   });
 
+  describe("Parquet and compressed JSON Lines give the shards of the same documents as plain files", () => {
+    const texts = Array.from(
+      { length: 40 },
+      (_, i) => `Document ${i}. ${"The whale swims on, é and 鯨. ".repeat(1 + (i % 7))}`,
+    );
+    const jsonl = texts.map((text, i) => `${JSON.stringify({ id: i, text })}\n`).join("");
+    const shardsOf = (d: string) => files(d).filter(([f]) => f.endsWith(".bin"));
+    const reference = join(dir, "formats-txt");
+    beforeAll(async () => {
+      const src = join(dir, "formats-src");
+      mkdirSync(src, { recursive: true });
+      texts.forEach((t, i) => writeFileSync(join(src, `doc-${String(i).padStart(3, "0")}.txt`), t));
+      await runPrepare(opts({ text: src, out: reference, valFraction: 0.2, shardTokens: 1024 }));
+    });
+    const inputs: [string, () => Partial<PrepareOptions> & { text: string }][] = [
+      ["a .jsonl.gz", () => ({ text: bad("docs.jsonl.gz", gzipSync(jsonl)), jsonl: "text" })],
+      ["a .jsonl.zst", () => ({ text: bad("docs.jsonl.zst", zstdCompressSync(jsonl)), jsonl: "text" })],
+      [
+        "a folder of .jsonl, .jsonl.gz and .jsonl.zst files",
+        () => {
+          const d = join(dir, "jsonl-folder");
+          mkdirSync(d, { recursive: true });
+          const part = (a: number, b: number) =>
+            texts
+              .slice(a, b)
+              .map((text) => `${JSON.stringify({ text })}\n`)
+              .join("");
+          writeFileSync(join(d, "a.jsonl"), part(0, 10));
+          writeFileSync(join(d, "b.jsonl.gz"), gzipSync(part(10, 25)));
+          writeFileSync(join(d, "c.jsonl.zst"), zstdCompressSync(part(25, 40)));
+          writeFileSync(join(d, "notes.txt"), "not read");
+          return { text: d, jsonl: "text" };
+        },
+      ],
+      [
+        "a Parquet file of several row groups",
+        () => {
+          const text = join(dir, "docs.parquet");
+          parquetWriteFile({
+            filename: text,
+            columnData: [
+              { name: "id", data: Int32Array.from(texts, (_, i) => i), type: "INT32" },
+              { name: "text", data: texts, type: "STRING" },
+            ],
+            rowGroupSize: 7,
+          });
+          return { text, parquet: "text" };
+        },
+      ],
+    ];
+    test.each(inputs)("%s", async (_, input) => {
+      const out = join(dir, `formats-${_.replace(/\W+/g, "-")}`);
+      const r = await runPrepare(opts({ ...input(), out, valFraction: 0.2, shardTokens: 1024 }));
+      expect(r.manifest.documents.train + r.manifest.documents.val).toBe(40);
+      expect(shardsOf(out)).toEqual(shardsOf(reference));
+      const c = loadCorpus({ tokensDir: out, valFraction: 0 });
+      expect(readTokens(c.val, 0, c.val.length)).toEqual(readSplit(reference, readManifest(reference)!, "val"));
+    });
+
+    test("the CLI reads Parquet; bad Parquet and JSON Lines are one clear error", async () => {
+      const pq = join(dir, "docs.parquet");
+      const cli = runCli(
+        root,
+        "prepare",
+        "--text",
+        pq,
+        "--parquet",
+        "text",
+        "--out",
+        join(dir, "pq-cli"),
+        "--val-fraction",
+        "0.2",
+      );
+      expect(cli.code).toBe(0);
+      expect(cli.out).toMatch(/^prepared .*pq-cli: 40 documents/m);
+      await expect(runPrepare(opts({ text: pq, parquet: "body", out: join(dir, "pq-bad") }))).rejects.toThrow(
+        'has no column "body"; its columns: id, text',
+      );
+      await expect(
+        runPrepare(opts({ text: bad("not.parquet", "hello"), parquet: "text", out: join(dir, "pq-bad") })),
+      ).rejects.toThrow(/not\.parquet: is not a Parquet file/);
+      const cut = gzipSync(jsonl).subarray(0, 200);
+      await expect(
+        runPrepare(opts({ text: bad("cut.jsonl.gz", cut), jsonl: "text", out: join(dir, "gz-bad") })),
+      ).rejects.toThrow(/cut\.jsonl\.gz: cannot be read: /);
+      const head = Buffer.from(jsonl.slice(0, 400));
+      const latin = zstdCompressSync(Buffer.concat([head, Buffer.from([0xe9, 0x0a])]));
+      await expect(
+        runPrepare(opts({ text: bad("latin.jsonl.zst", latin), jsonl: "text", out: join(dir, "zst-bad") })),
+      ).rejects.toThrow(
+        `latin.jsonl.zst: line ${head.toString().split("\n").length}: invalid UTF-8 at byte ${head.length}`,
+      );
+      await expect(
+        runPrepare(opts({ text: pq, parquet: "text", jsonl: "text", out: join(dir, "both") })),
+      ).rejects.toThrow(ConfigError);
+    });
+  });
+
   describe("bad input: one error naming the file and line", () => {
-    const bad = (name: string, content: string | Uint8Array) => {
-      const p = join(dir, name);
-      writeFileSync(p, content);
-      return p;
-    };
     test.each([
       ["a missing input", () => opts({ text: join(dir, "nowhere"), out: join(dir, "o1") }), /nowhere: not found/],
       [
