@@ -4,6 +4,7 @@
 // encodes GPT-2's BPE with gpt2FastTokenizer: js-tiktoken's ids, each distinct piece encoded once.
 import { Tiktoken } from "js-tiktoken/lite";
 import gpt2Ranks from "js-tiktoken/ranks/gpt2";
+import { gpt2PieceEnd } from "./gpt2-pieces.ts";
 import { CharVocab } from "./text.ts";
 
 export const tokenizerNames = ["gpt2", "char"] as const;
@@ -43,14 +44,14 @@ export function gpt2Tokenizer(): Tokenizer {
 export const gpt2PieceCacheMax = 1 << 19;
 
 /**
- * GPT-2's BPE, faster: the text is cut into pieces by GPT-2's own pattern (as js-tiktoken and
- * tiktoken cut it), and each distinct piece is encoded once by js-tiktoken and remembered. The
- * ids are js-tiktoken's (tested on two books). One per thread: the cache is not shared.
+ * GPT-2's BPE, faster: the text is cut into pieces as GPT-2's pattern cuts it (by a scan,
+ * engine/data/gpt2-pieces.ts), and each distinct piece is encoded once by js-tiktoken and
+ * remembered. The ids are js-tiktoken's (tested on two books). One per thread: the cache is not
+ * shared.
  */
 export function gpt2FastTokenizer(): Tokenizer {
   gpt2 ??= new Tiktoken(gpt2Ranks);
   const enc = gpt2;
-  const pattern = new RegExp(gpt2Ranks.pat_str, "gu");
   const pieces = new Map<string, number[]>();
   return {
     ...gpt2Tokenizer(),
@@ -58,8 +59,10 @@ export function gpt2FastTokenizer(): Tokenizer {
       // English takes about one id per four characters: half a character each rarely grows
       let out = new Uint16Array(Math.max(16, text.length >> 1));
       let n = 0;
-      for (const m of text.matchAll(pattern)) {
-        const piece = m[0];
+      for (let i = 0; i < text.length; ) {
+        const end = gpt2PieceEnd(text, i);
+        const piece = text.slice(i, end);
+        i = end;
         let ids = pieces.get(piece);
         if (ids === undefined) {
           ids = enc.encode(piece, [], []);

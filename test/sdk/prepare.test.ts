@@ -14,7 +14,9 @@ import { DataFileError } from "../../engine/data/errors.ts";
 import { readManifest, readSplit } from "../../engine/data/shards.ts";
 import { readTokens } from "../../engine/data/token-stream.ts";
 import { mobyDickPath } from "../../engine/data/text.ts";
+import { gpt2PieceEnd } from "../../engine/data/gpt2-pieces.ts";
 import { gpt2EndOfText, gpt2FastTokenizer, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
+import gpt2Ranks from "js-tiktoken/ranks/gpt2";
 import { llmcMagic, readTokenFile } from "../../engine/data/tokens.ts";
 import { type PrepareOptions, prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
 import { invalidUtf8At } from "../../sdk/local/prepare-utf8.ts";
@@ -174,6 +176,25 @@ describe("prepare", () => {
     ];
     for (const text of books) expect(fast.encode(text)).toEqual(Uint16Array.from(slow.encode(text)));
   }, 240_000);
+
+  test("GPT-2's pieces, cut by the scan, are its pattern's: contractions, runs of white space, other scripts, surrogates", () => {
+    const pattern = new RegExp(gpt2Ranks.pat_str, "gu");
+    const cases = [
+      "He's here, they're 'RE' we'll I'd 'x '' ''s 're' ' 'll",
+      "a  b\n\n c \t\td  \n x   ",
+      "12 ３４ ٣٤ é鯨 🐋🐋 x\ud800y \udc00 \ud83d",
+      "a\u00a0b \u00a0c\u3000d \u2028",
+      " ",
+      "'",
+      "\n\n\n",
+      " 's",
+    ];
+    for (const text of cases) {
+      const cut: string[] = [];
+      for (let i = 0; i < text.length; ) cut.push(text.slice(i, (i = gpt2PieceEnd(text, i))));
+      expect(cut).toEqual([...text.matchAll(pattern)].map((m) => m[0]));
+    }
+  });
 
   test("1 and 2 workers write the same bytes (batches of several documents each, shards across them); --workers is checked", async () => {
     const src = corpus("docs-workers", 50);
