@@ -5,6 +5,7 @@
 import { Tiktoken } from "js-tiktoken/lite";
 import gpt2Ranks from "js-tiktoken/ranks/gpt2";
 import { gpt2PieceEnd } from "./gpt2-pieces.ts";
+import { PieceTable } from "./piece-table.ts";
 import { CharVocab } from "./text.ts";
 
 export const tokenizerNames = ["gpt2", "char"] as const;
@@ -38,21 +39,16 @@ export function gpt2Tokenizer(): Tokenizer {
   };
 }
 
-/** Distinct pieces a fast encoder remembers: a natural corpus's pieces repeat (the State of the
- *  Union's 2M tokens come from 32k), so this holds nearly every piece of a large corpus in a few
- *  tens of MB per thread; past it, a new piece is encoded each time it comes. */
-export const gpt2PieceCacheMax = 1 << 19;
-
 /**
  * GPT-2's BPE, faster: the text is cut into pieces as GPT-2's pattern cuts it (by a scan,
  * engine/data/gpt2-pieces.ts), and each distinct piece is encoded once by js-tiktoken and
- * remembered. The ids are js-tiktoken's (tested on two books). One per thread: the cache is not
- * shared.
+ * remembered (engine/data/piece-table.ts). The ids are js-tiktoken's (tested on two books). One
+ * per thread: the table is not shared.
  */
 export function gpt2FastTokenizer(): Tokenizer {
   gpt2 ??= new Tiktoken(gpt2Ranks);
   const enc = gpt2;
-  const pieces = new Map<string, number[]>();
+  const pieces = new PieceTable((piece) => enc.encode(piece, [], []));
   return {
     ...gpt2Tokenizer(),
     encode: (text) => {
@@ -61,13 +57,8 @@ export function gpt2FastTokenizer(): Tokenizer {
       let n = 0;
       for (let i = 0; i < text.length; ) {
         const end = gpt2PieceEnd(text, i);
-        const piece = text.slice(i, end);
+        const ids = pieces.ids(text, i, end);
         i = end;
-        let ids = pieces.get(piece);
-        if (ids === undefined) {
-          ids = enc.encode(piece, [], []);
-          if (pieces.size < gpt2PieceCacheMax) pieces.set(piece, ids);
-        }
         if (n + ids.length > out.length) {
           const grown = new Uint16Array(Math.max(out.length * 2, n + ids.length));
           grown.set(out.subarray(0, n));

@@ -15,6 +15,7 @@ import { readManifest, readSplit } from "../../engine/data/shards.ts";
 import { readTokens } from "../../engine/data/token-stream.ts";
 import { mobyDickPath } from "../../engine/data/text.ts";
 import { gpt2PieceEnd } from "../../engine/data/gpt2-pieces.ts";
+import { PieceTable } from "../../engine/data/piece-table.ts";
 import { gpt2EndOfText, gpt2FastTokenizer, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
 import gpt2Ranks from "js-tiktoken/ranks/gpt2";
 import { llmcMagic, readTokenFile } from "../../engine/data/tokens.ts";
@@ -176,6 +177,21 @@ describe("prepare", () => {
     ];
     for (const text of books) expect(fast.encode(text)).toEqual(Uint16Array.from(slow.encode(text)));
   }, 240_000);
+
+  test("the piece table: a piece seen before is found by its place in the text; a full table encodes what it cannot hold", () => {
+    const encoded: string[] = [];
+    const table = new PieceTable((p) => (encoded.push(p), [p.length, p.charCodeAt(0)]), 2);
+    const text = " the whale the sea the whale";
+    const pieces = [" the", " whale", " the", " sea", " the", " whale"];
+    let at = 0;
+    for (const p of pieces) {
+      expect(table.ids(text, at, at + p.length)).toEqual([p.length, p.charCodeAt(0)]);
+      at += p.length;
+    }
+    // " sea" came when the table was full: encoded each time it is asked for
+    expect(table.ids(text, 14, 18)).toEqual([4, 32]);
+    expect(encoded).toEqual([" the", " whale", " sea", " sea"]);
+  });
 
   test("GPT-2's pieces, cut by the scan, are its pattern's: contractions, runs of white space, other scripts, surrogates", () => {
     const pattern = new RegExp(gpt2Ranks.pat_str, "gu");
