@@ -4,6 +4,7 @@
 // encodes GPT-2's BPE with gpt2FastTokenizer: js-tiktoken's ids, each distinct piece encoded once.
 import { Tiktoken } from "js-tiktoken/lite";
 import gpt2Ranks from "js-tiktoken/ranks/gpt2";
+import { gpt2MergePiece } from "./gpt2-merges.ts";
 import { gpt2PieceEnd } from "./gpt2-pieces.ts";
 import { PieceTable } from "./piece-table.ts";
 import { CharVocab } from "./text.ts";
@@ -41,14 +42,12 @@ export function gpt2Tokenizer(): Tokenizer {
 
 /**
  * GPT-2's BPE, faster: the text is cut into pieces as GPT-2's pattern cuts it (by a scan,
- * engine/data/gpt2-pieces.ts), and each distinct piece is encoded once by js-tiktoken and
- * remembered (engine/data/piece-table.ts). The ids are js-tiktoken's (tested on two books). One
+ * engine/data/gpt2-pieces.ts), and each distinct piece is merged once (engine/data/gpt2-merges.ts)
+ * and remembered (engine/data/piece-table.ts). The ids are js-tiktoken's (tested on two books). One
  * per thread: the table is not shared.
  */
 export function gpt2FastTokenizer(): Tokenizer {
-  gpt2 ??= new Tiktoken(gpt2Ranks);
-  const enc = gpt2;
-  const pieces = new PieceTable((piece) => enc.encode(piece, [], []));
+  const pieces = new PieceTable(gpt2MergePiece);
   return {
     ...gpt2Tokenizer(),
     encode: (text) => {
