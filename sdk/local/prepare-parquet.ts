@@ -1,13 +1,14 @@
 // `meshtrain prepare --parquet <column>`: a Parquet file (FineWeb's and most of the Hugging Face
 // hub's format), read with hyparquet and its decompressors (snappy, gzip, zstd, brotli, lz4) a
 // row group at a time, from the file's bytes as they are needed: memory holds one row group's
-// column whatever the file's size. Its strings are decoded by hyparquet (bytes that are not UTF-8
-// become U+FFFD: --invalid-utf8 reads text and JSON Lines).
+// column whatever the file's size. The column's bytes are checked as UTF-8 as every input's are
+// (--invalid-utf8), a row's where being its row number.
 import { asyncBufferFromFile, type FileMetaData, parquetMetadataAsync, parquetRead } from "hyparquet";
 import { compressors } from "hyparquet-compressors";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { shownPath } from "../user-paths.ts";
 import type { Document } from "./prepare-sources.ts";
+import { decodeUtf8, type InvalidUtf8 } from "./prepare-utf8.ts";
 
 async function metadataOf(
   path: string,
@@ -21,7 +22,12 @@ async function metadataOf(
 }
 
 /** A Parquet file's documents: each row's `column`, a string. */
-export async function* parquetDocuments(path: string, column: string): AsyncGenerator<Document> {
+export async function* parquetDocuments(
+  path: string,
+  column: string,
+  invalidUtf8: InvalidUtf8,
+  notes: string[],
+): AsyncGenerator<Document> {
   const { file, metadata } = await metadataOf(path);
   // the top-level columns: the root's children (a column nested in a group is not a document)
   const names = metadata.schema
@@ -41,19 +47,26 @@ export async function* parquetDocuments(path: string, column: string): AsyncGene
       rowStart,
       rowEnd,
       compressors,
+      // the bytes, so that they are checked as UTF-8 here (hyparquet would replace what is not)
+      utf8: false,
       rowFormat: "array",
       onComplete: (r: unknown[][]) => {
         rows = r;
       },
     });
     for (let i = 0; i < rows.length; i++) {
-      const text = rows[i]![0];
-      if (typeof text !== "string")
+      const value = rows[i]![0];
+      const row = rowStart + i;
+      if (!(value instanceof Uint8Array) && typeof value !== "string")
         throw new DataFileError(
           path,
-          `row ${rowStart + i}: column ${JSON.stringify(column)} is ${text === null ? "null" : typeof text}, not a string`,
+          `row ${row}: column ${JSON.stringify(column)} is ${value === null ? "null" : typeof value}, not a string`,
         );
-      yield { text, where: `${shownPath(path)}: row ${rowStart + i}` };
+      const text =
+        typeof value === "string"
+          ? value
+          : decodeUtf8(value, { path, line: row, offset: 0, row: true }, invalidUtf8, notes);
+      yield { text, where: `${shownPath(path)}: row ${row}` };
     }
     rowStart = rowEnd;
   }

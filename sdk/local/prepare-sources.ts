@@ -25,6 +25,9 @@ export interface SourceOptions {
   invalidUtf8: "refuse" | "replace";
 }
 
+/** The extension of a folder's plain text files unless --ext says otherwise. */
+export const textExtDefault = ".txt";
+
 /** A plain text file is cut at blank lines into documents of at least this many characters (a
  *  book gives many, so it can be split by document). */
 export const textDocumentCharsMin = 10_000;
@@ -84,9 +87,13 @@ function inputFiles(o: SourceOptions): string[] {
 export async function* documents(o: SourceOptions, notes: string[]): AsyncGenerator<Document> {
   if (o.jsonl !== undefined && o.parquet !== undefined)
     throw new ConfigError("--jsonl and --parquet name two formats; give the one the input is in");
+  if ((o.jsonl !== undefined || o.parquet !== undefined) && o.ext !== textExtDefault)
+    throw new ConfigError(
+      `--ext chooses a folder's plain text files; with ${o.jsonl !== undefined ? "--jsonl a folder's .jsonl, .jsonl.gz and .jsonl.zst" : "--parquet a folder's .parquet"} files are read`,
+    );
   const folder = existsSync(o.text) && statSync(o.text).isDirectory();
   for (const path of inputFiles(o)) {
-    if (o.parquet !== undefined) yield* parquetDocuments(path, o.parquet);
+    if (o.parquet !== undefined) yield* parquetDocuments(path, o.parquet, o.invalidUtf8, notes);
     else if (o.jsonl !== undefined) yield* jsonlDocuments(path, o.jsonl, o.invalidUtf8, notes);
     else if (folder) yield { text: readUtf8(path, o, notes), where: shownPath(path) };
     else yield* paragraphsOf(readUtf8(path, o, notes), shownPath(path));

@@ -31,8 +31,11 @@ const strictDecoder = new TextDecoder("utf-8", { fatal: true });
 /** Where some bytes begin: the file, its line there, and the byte offset of their start. */
 export interface BytesAt {
   path: string;
+  /** the line, or with row, a Parquet row */
   line: number;
+  /** the byte offset of their start (a Parquet row's: 0, the offset within the row's value) */
   offset: number;
+  row?: true;
 }
 
 /** The bytes' text; bytes that are not UTF-8 are refused, or replaced and noted. */
@@ -45,16 +48,16 @@ export function decodeUtf8(bytes: Uint8Array, at: BytesAt, what: InvalidUtf8, no
   }
   const bad = invalidUtf8At(bytes);
   if (bad >= 0) {
-    const line = at.line + linesBefore(bytes, bad);
+    const where = at.row ? `row ${at.line}` : `line ${at.line + linesBefore(bytes, bad)}`;
     const byte = at.offset + bad;
     if (what === "refuse")
       throw new DataFileError(
         at.path,
-        `line ${line}: invalid UTF-8 at byte ${byte}; --invalid-utf8 replace replaces such bytes with U+FFFD`,
+        `${where}: invalid UTF-8 at byte ${byte}; --invalid-utf8 replace replaces such bytes with U+FFFD`,
       );
-    notes.push(
-      `${shownPath(at.path)}:${line}: invalid UTF-8 at byte ${byte}: replaced with U+FFFD (--invalid-utf8 replace)`,
-    );
+    // a text's line as file:line, as editors take it; a Parquet row as file: row n
+    const shown = at.row ? `${shownPath(at.path)}: ${where}` : `${shownPath(at.path)}:${where.slice("line ".length)}`;
+    notes.push(`${shown}: invalid UTF-8 at byte ${byte}: replaced with U+FFFD (--invalid-utf8 replace)`);
   }
   return new TextDecoder("utf-8").decode(bytes);
 }

@@ -23,7 +23,7 @@ import { charTokenizer, gpt2Tokenizer, type TokenizerName } from "../../engine/d
 import { ConfigError } from "../../ffi/errors.ts";
 import { Rng } from "../../engine/rng.ts";
 import { batchCharsMax, type EncodedBatch, tokenizerPool, workersMax } from "./prepare-pool.ts";
-import { bytesOf, documents, type SourceOptions } from "./prepare-sources.ts";
+import { bytesOf, documents, type SourceOptions, textExtDefault } from "./prepare-sources.ts";
 
 export interface PrepareOptions extends SourceOptions {
   tokenizer: TokenizerName;
@@ -44,7 +44,7 @@ export const prepareDefaults = {
   valFraction: 0.1,
   seed: 1,
   shardTokens: 100_000_000,
-  ext: ".txt",
+  ext: textExtDefault,
   invalidUtf8: "refuse",
 } as const;
 

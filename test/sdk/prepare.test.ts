@@ -323,6 +323,29 @@ describe("prepare", () => {
       await expect(
         runPrepare(opts({ text: pq, parquet: "text", jsonl: "text", out: join(dir, "both") })),
       ).rejects.toThrow(ConfigError);
+      await expect(runPrepare(opts({ text: pq, parquet: "text", ext: ".md", out: join(dir, "ext") }))).rejects.toThrow(
+        "--ext chooses a folder's plain text files; with --parquet a folder's .parquet files are read",
+      );
+      const latinPq = join(dir, "latin.parquet");
+      parquetWriteFile({
+        filename: latinPq,
+        columnData: [
+          {
+            name: "text",
+            data: [new TextEncoder().encode("fine"), new Uint8Array([0x62, 0xe9, 0x63])],
+            type: "BYTE_ARRAY",
+          },
+        ],
+      });
+      await expect(runPrepare(opts({ text: latinPq, parquet: "text", out: join(dir, "pq-latin") }))).rejects.toThrow(
+        "latin.parquet: row 1: invalid UTF-8 at byte 1; --invalid-utf8 replace",
+      );
+      const r = await runPrepare(
+        opts({ text: latinPq, parquet: "text", out: join(dir, "pq-latin"), invalidUtf8: "replace" }),
+      );
+      expect(r.notes).toEqual([
+        expect.stringMatching(/latin\.parquet: row 1: invalid UTF-8 at byte 1: replaced with U\+FFFD/),
+      ]);
     });
   });
 
