@@ -5,7 +5,7 @@
 // State of the Union and Moby Dick (npm packages), copied to --mb: after its first copy the fast
 // encoder has seen every piece, as it nearly has in a large real corpus (its pieces repeat).
 //
-//   bun run bench prepare [--mb 30] [--workers <n>] [--json-only]
+//   bun run bench prepare [--mb 30] [--workers <n>] [--repeats 2] [--json-only]
 import { copyFileSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync } from "node:fs";
 import { availableParallelism, tmpdir } from "node:os";
 import { join } from "node:path";
@@ -71,47 +71,58 @@ export async function runPrepareBench(argv: string[]): Promise<PrepareBenchResul
   const v = parseBenchArgs(argv, {
     mb: { type: "string", default: "30" },
     workers: { type: "string", default: String(availableParallelism()) },
+    repeats: { type: "string", default: "2" },
     "json-only": { type: "boolean", default: false },
   });
   const mb = positiveInt("mb", v.mb),
-    workers = positiveInt("workers", v.workers);
+    workers = positiveInt("workers", v.workers),
+    repeats = positiveInt("repeats", v.repeats);
   const dir = mkdtempSync(join(tmpdir(), "mt-bench-prepare-"));
   try {
     const src = join(dir, "corpus");
     mkdirSync(src);
     const corpus = writeCorpus(src, mb);
-    const rows: PrepareBenchResult[] = [];
-    const row = (path: string, threads: number, tokens: number, seconds: number) => {
-      const base = rows[0]?.tokens_per_s ?? tokens / seconds;
-      rows.push({
-        path,
-        threads,
-        tokens,
-        seconds: round(seconds, 2),
-        tokens_per_s: Math.round(tokens / seconds),
-        mb_per_s: round(corpus.bytes / 1e6 / seconds, 2),
-        ratio: round(tokens / seconds / base, 2),
-      });
-    };
-    const slow = encodeAll(gpt2Tokenizer(), corpus.files);
-    row("js-tiktoken encode (baseline)", 1, slow.tokens, slow.seconds);
-    const fast = encodeAll(gpt2FastTokenizer(), corpus.files);
-    if (fast.tokens !== slow.tokens)
-      throw new Error(`the fast encoder gave ${fast.tokens} tokens, js-tiktoken ${slow.tokens}`);
-    row("fast encode", 1, fast.tokens, fast.seconds);
-    for (const n of [...new Set([1, workers])]) {
-      const r = await runPrepare({
-        ...prepareDefaults,
-        text: src,
-        out: join(dir, `out-${n}`),
-        workers: n,
-        quiet: true,
-      });
-      row("prepare, end to end", n, r.manifest.tokens.train + r.manifest.tokens.val, r.seconds);
-    }
+    // each path `repeats` times, in turns, its fastest kept: these machines are shared and noisy
+    const runs: { path: string; threads: number; run: () => Promise<{ tokens: number; seconds: number }> }[] = [
+      { path: "js-tiktoken encode (baseline)", threads: 1, run: async () => encodeAll(gpt2Tokenizer(), corpus.files) },
+      { path: "fast encode", threads: 1, run: async () => encodeAll(gpt2FastTokenizer(), corpus.files) },
+      ...[...new Set([1, workers])].map((n) => ({
+        path: "prepare, end to end",
+        threads: n,
+        run: async () => {
+          const r = await runPrepare({
+            ...prepareDefaults,
+            text: src,
+            out: join(dir, `out-${n}`),
+            workers: n,
+            quiet: true,
+          });
+          return { tokens: r.manifest.tokens.train + r.manifest.tokens.val, seconds: r.seconds };
+        },
+      })),
+    ];
+    const best = runs.map(() => ({ tokens: 0, seconds: Number.POSITIVE_INFINITY }));
+    for (let rep = 0; rep < repeats; rep++)
+      for (const [i, r] of runs.entries()) {
+        const m = await r.run();
+        if (m.seconds < best[i]!.seconds) best[i] = m;
+      }
+    // the encoders' ids are the same (tested); prepare adds an <|endoftext|> per document
+    if (best[1]!.tokens !== best[0]!.tokens)
+      throw new Error(`the fast encoder gave ${best[1]!.tokens} tokens, js-tiktoken ${best[0]!.tokens}`);
+    const baseRate = best[0]!.tokens / best[0]!.seconds;
+    const rows: PrepareBenchResult[] = runs.map((r, i) => ({
+      path: r.path,
+      threads: r.threads,
+      tokens: best[i]!.tokens,
+      seconds: round(best[i]!.seconds, 2),
+      tokens_per_s: Math.round(best[i]!.tokens / best[i]!.seconds),
+      mb_per_s: round(corpus.bytes / 1e6 / best[i]!.seconds, 2),
+      ratio: round(best[i]!.tokens / best[i]!.seconds / baseRate, 2),
+    }));
     printReport({
       bench: "prepare",
-      header: `prepare: ${round(corpus.bytes / 1e6, 1)} MB (${corpus.files.length} files: the State of the Union and Moby Dick, copied), GPT-2 BPE; ${availableParallelism()} cores; ratio = tokens/s ÷ js-tiktoken's in one thread`,
+      header: `prepare: ${round(corpus.bytes / 1e6, 1)} MB (${corpus.files.length} files: the State of the Union and Moby Dick, copied), GPT-2 BPE; ${availableParallelism()} cores; ratio = tokens/s ÷ js-tiktoken's in one thread; the fastest of ${repeats} runs each`,
       rows,
       columns,
       quiet: v["json-only"] === true,

@@ -180,7 +180,7 @@ program
   .option("--ext <ext>", "a folder's files to read, by extension", prepareDefaults.ext)
   .option(
     "--workers <n>",
-    `threads that tokenize (default: this machine's ${availableParallelism()} cores); the shards are the same bytes for any count`,
+    `threads that tokenize at most (default: this machine's ${availableParallelism()} cores; one per 32 MB of input); the shards are the same bytes for any count`,
     int(1, workersMax),
   )
   .addOption(
@@ -200,7 +200,7 @@ program
     console.log(
       `prepared ${shownPath(o.out)}: ${n(m.documents.train + m.documents.val)} document${m.documents.train + m.documents.val === 1 ? "" : "s"} (${n(m.documents.train)} train, ${n(m.documents.val)} val), ` +
         `${n(m.tokens.train)} train and ${n(m.tokens.val)} val tokens in ${m.shards.length} shard${m.shards.length > 1 ? "s" : ""}; ` +
-        `${m.tokenizer}, a vocabulary of ${n(m.vocabSize)}; ${(m.sourceBytes / 1e6).toFixed(1)} MB in ${r.seconds.toFixed(1)} s`,
+        `${m.tokenizer}, a vocabulary of ${n(m.vocabSize)}; ${(m.sourceBytes / 1e6).toFixed(1)} MB in ${r.seconds.toFixed(1)} s on ${r.threads} thread${r.threads > 1 ? "s" : ""}`,
     );
     console.log(
       r.splitRule === "document"

@@ -25,6 +25,10 @@ import { Rng } from "../../engine/rng.ts";
 import { batchCharsMax, type EncodedBatch, tokenizerPool, workersMax } from "./prepare-pool.ts";
 import { bytesOf, documents, type SourceOptions, textExtDefault } from "./prepare-sources.ts";
 
+/** Input bytes per tokenizing thread at least: about two seconds of one thread's work, so that its
+ *  start (about half a second of a core) is a small part of it. */
+export const workerBytesMin = 32_000_000;
+
 export interface PrepareOptions extends SourceOptions {
   tokenizer: TokenizerName;
   /** the folder to write (absolute) */
@@ -33,8 +37,10 @@ export interface PrepareOptions extends SourceOptions {
   seed: number;
   /** tokens per shard at most */
   shardTokens: number;
-  /** threads that tokenize (default: the machine's cores); the shards are the same for any count */
+  /** threads that tokenize at most (default: the machine's cores); the shards are the same for any count */
   workers?: number;
+  /** input bytes that one more thread needs to be started (default workerBytesMin; tests lower it) */
+  workerBytesMin?: number;
   /** the progress bar on a terminal; lines elsewhere */
   quiet?: boolean;
 }
@@ -66,6 +72,8 @@ export type SplitRule = "document" | "position";
 
 export interface PrepareResult {
   manifest: Manifest;
+  /** the threads that tokenized */
+  threads: number;
   seconds: number;
   notes: string[];
   splitRule: SplitRule;
@@ -164,9 +172,10 @@ export async function runPrepare(o: PrepareOptions): Promise<PrepareResult> {
   const writer = new ShardWriter(o.out, o.shardTokens);
   const splitter = new DocumentSplitter(writer, o, tokenizer.eot, vocab?.encode("\n") ?? []);
   const progress = new Progress(o, totalBytes, t0);
-  // a small input is not worth a thread's start (loading the BPE's ranks): no more threads than
-  // batches it fills (a compressed input's bytes undercount them, which only costs a thread)
-  const threads = Math.min(workers, Math.max(1, Math.ceil(totalBytes / batchCharsMax)));
+  // a thread's start costs about half a second of a core (the BPE's ranks, and a table of pieces
+  // that fills as it goes): a thread is started for each workerBytesMin of input, up to --workers
+  // (a compressed input's bytes undercount it, which only costs a thread)
+  const threads = Math.min(workers, Math.max(1, Math.floor(totalBytes / (o.workerBytesMin ?? workerBytesMin))));
   await tokenizeInOrder(o, threads, vocab, notes, (e, bytes) => {
     for (let i = 0, at = 0; i < e.lengths.length; at += e.lengths[i]!, i++)
       splitter.place(e.ids.subarray(at, at + e.lengths[i]!));
@@ -200,7 +209,7 @@ export async function runPrepare(o: PrepareOptions): Promise<PrepareResult> {
     shards,
   };
   writeDurably(join(o.out, manifestName), [new TextEncoder().encode(`${JSON.stringify(manifest, null, 2)}\n`)]);
-  return { manifest, seconds: (performance.now() - t0) / 1000, notes, splitRule };
+  return { manifest, seconds: (performance.now() - t0) / 1000, notes, splitRule, threads };
 }
 
 /** Reads the documents, tokenizes them in batches on the workers, and hands each batch's ids to

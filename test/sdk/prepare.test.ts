@@ -217,7 +217,8 @@ describe("prepare", () => {
     writeFileSync(join(src, "doc-big.txt"), "A batch of its own, and more. ".repeat(40_000));
     const [one, two] = [join(dir, "w1"), join(dir, "w2")];
     await runPrepare(opts({ text: src, out: one, shardTokens: 4096, workers: 1 }));
-    const r = await runPrepare(opts({ text: src, out: two, shardTokens: 4096, workers: 2 }));
+    const r = await runPrepare(opts({ text: src, out: two, shardTokens: 4096, workers: 2, workerBytesMin: 100_000 }));
+    expect(r.threads).toBe(2);
     expect(r.manifest.shards.length).toBeGreaterThan(20);
     expect(files(two)).toEqual(files(one));
     await expect(runPrepare(opts({ text: src, out: join(dir, "w0"), workers: 0 }))).rejects.toThrow(
