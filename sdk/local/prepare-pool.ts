@@ -17,8 +17,8 @@ export type PoolReply =
   | ({ kind: "batch"; batch: number } & EncodedBatch)
   | { kind: "error"; batch: number; message: string };
 
-/** Characters per batch: large enough that a message's cost is small beside its encoding (about
- *  0.2 s of one core's work), small enough that batches in flight stay a few MB each. */
+/** Characters per batch: large enough that a message's cost is small beside its encoding (tens of
+ *  ms of one core's work), small enough that batches in flight stay a few MB each. */
 export const batchCharsMax = 1 << 20;
 /** Batches given to each worker before its first answer: one being encoded, one waiting. */
 export const batchesInFlightPerWorker = 2;

@@ -1,9 +1,11 @@
-// `meshtrain prepare`: text to token shards. Plain text files, a folder of them, or JSON Lines
-// (one document per line, a named field) are tokenized (GPT-2's BPE, or characters), split into
-// training and validation by document (seeded), and written as llm.c shards of a bounded size
-// with a manifest (engine/data/shards.ts). The same input gives the same bytes; an interrupted
-// prepare is run again from the start to the same result (the manifest is written last, and the
-// folder's earlier shards are removed first).
+// `meshtrain prepare`: text to token shards. Plain text files, JSON Lines (plain, .gz or .zst),
+// Parquet, or a folder of any of them (sdk/local/prepare-sources.ts) are tokenized (GPT-2's BPE, or
+// characters) on worker threads (sdk/local/prepare-pool.ts), split into training and validation
+// (two or more documents by a seeded draw per document, validation given one at least; a single
+// document by position, its end held out), and written as llm.c shards of a bounded size with a
+// manifest (engine/data/shards.ts). The same input gives the same bytes for any count of threads;
+// an interrupted prepare is run again from the start to the same result (the manifest is written
+// last, and the folder's earlier shards are removed first).
 import { mkdirSync, readdirSync, rmSync } from "node:fs";
 import { availableParallelism } from "node:os";
 import { basename, join } from "node:path";
