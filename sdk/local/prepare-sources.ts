@@ -100,12 +100,22 @@ export async function* documents(o: SourceOptions, notes: string[]): AsyncGenera
   }
 }
 
-/** The input's bytes on disk (compressed, for a compressed input). */
-export function bytesOf(o: SourceOptions): number {
+/** Text is about this many times its compressed size (gzip or zstd, and Parquet's codecs): a guess
+ *  that only sizes the count of threads. */
+export const compressionRatioGuess = 4;
+const compressedFile = /\.(gz|zst|parquet)$/;
+
+/** The input's bytes on disk (compressed, for a compressed input), and a guess at its text's. */
+export function bytesOf(o: SourceOptions): { disk: number; text: number } {
   try {
-    return inputFiles(o).reduce((n, f) => n + statSync(f).size, 0);
+    const files = inputFiles(o);
+    const size = (f: string) => statSync(f).size;
+    return {
+      disk: files.reduce((n, f) => n + size(f), 0),
+      text: files.reduce((n, f) => n + size(f) * (compressedFile.test(f) ? compressionRatioGuess : 1), 0),
+    };
   } catch {
     // an input that cannot be listed is reported when its documents are read
-    return 0;
+    return { disk: 0, text: 0 };
   }
 }

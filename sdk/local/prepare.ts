@@ -160,7 +160,8 @@ export async function runPrepare(o: PrepareOptions): Promise<PrepareResult> {
     throw new ConfigError(`--workers must be an integer in [1, ${workersMax}], got ${workers}`);
   const t0 = performance.now();
   const notes: string[] = [];
-  const totalBytes = bytesOf(o);
+  const inputBytes = bytesOf(o);
+  const totalBytes = inputBytes.disk;
   // characters: the vocabulary is the corpus's, so a first pass collects it
   let vocab: CharVocab | null = null;
   if (o.tokenizer === "char") {
@@ -173,11 +174,11 @@ export async function runPrepare(o: PrepareOptions): Promise<PrepareResult> {
   clearFolder(o.out);
   const writer = new ShardWriter(o.out, o.shardTokens);
   const splitter = new DocumentSplitter(writer, o, tokenizer.eot, vocab?.encode("\n") ?? []);
-  const progress = new Progress(o, totalBytes, t0);
+  // the bar counts text: for a compressed input, against a guess at its size
+  const progress = new Progress(o, inputBytes.text, t0);
   // a thread's start costs about half a second of a core (the BPE's ranks, and a table of pieces
-  // that fills as it goes): a thread is started for each workerBytesMin of input, up to --workers
-  // (a compressed input's bytes undercount it, which only costs a thread)
-  const threads = Math.min(workers, Math.max(1, Math.floor(totalBytes / (o.workerBytesMin ?? workerBytesMin))));
+  // that fills as it goes): a thread is started for each workerBytesMin of text, up to --workers
+  const threads = Math.min(workers, Math.max(1, Math.floor(inputBytes.text / (o.workerBytesMin ?? workerBytesMin))));
   await tokenizeInOrder(o, threads, vocab, notes, (e, bytes) => {
     for (let i = 0, at = 0; i < e.lengths.length; at += e.lengths[i]!, i++)
       splitter.place(e.ids.subarray(at, at + e.lengths[i]!));
