@@ -112,7 +112,7 @@ export async function runHostsBench(argv: string[]): Promise<void> {
   const tokens = a.model === "gpt" ? mkdtempSync(join(tmpdir(), "mt-bench-hosts-")) : "";
   if (tokens !== "") {
     const sotu = join(import.meta.dir, "..", "node_modules", "@stdlib", "datasets-sotu", "data");
-    runPrepare({ ...prepareDefaults, text: sotu, out: tokens, quiet: true });
+    await runPrepare({ ...prepareDefaults, text: sotu, out: tokens, quiet: true });
   }
   const model: ModelChoice =
     tokens === ""

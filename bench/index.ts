@@ -10,6 +10,7 @@ import { runPsBench } from "./ps.ts";
 import { runCheckpointBench } from "./checkpoint.ts";
 import { runClientBench } from "./client.ts";
 import { runDataLoaderBench } from "./data-loader.ts";
+import { runPrepareBench } from "./prepare.ts";
 import { runStreamBench } from "./stream.ts";
 import { runTrainerBench } from "./trainer.ts";
 
@@ -20,6 +21,7 @@ export const benches = {
   ps: runPsBench,
   checkpoint: runCheckpointBench,
   "data-loader": runDataLoaderBench,
+  prepare: runPrepareBench,
   trainer: runTrainerBench,
   allreduce: runAllReduceBench,
   stream: runStreamBench,

@@ -138,7 +138,7 @@ export async function runStreamBench(argv: string[]): Promise<StreamBenchRow[]> 
   };
   try {
     const corpusDir = join(dir, "corpus");
-    const corpus = writeBigCorpus(corpusDir, trainTokens);
+    const corpus = await writeBigCorpus(corpusDir, trainTokens);
     const m = corpus.manifest;
     log(
       `corpus: ${m.tokens.train.toLocaleString("en-US")} train and ${m.tokens.val.toLocaleString("en-US")} val tokens (GPT-2 BPE), ${m.shards.length} shards, ` +

@@ -37,6 +37,8 @@ export const manifestSchema = z.object({
   shardTokens: z.number().int().min(1),
   valFraction: z.number().min(0).max(0.5),
   seed: z.number().int(),
+  /** by a seeded draw per document, or (one document) by position: the end of its tokens held out */
+  splitRule: z.enum(["document", "position"]).optional(),
   /** the inputs, as given, and their total bytes */
   sources: z.array(z.string()),
   sourceBytes: z.number().int().min(0),

@@ -2,6 +2,7 @@
 // meshtrain command line: `run` trains on a local mesh; submit/watch/status/cancel/
 // checkpoints/restore talk to any mesh over NATS; `train` runs in this process.
 import { existsSync } from "node:fs";
+import { availableParallelism } from "node:os";
 import { join } from "node:path";
 import { Command, Option } from "commander";
 import { type DeviceChoice, deviceChoices } from "../../ffi/select.ts";
@@ -12,6 +13,7 @@ import { evalDefaults, runEval } from "../local/evaluate.ts";
 import { choice, float, int } from "./options.ts";
 import { cliName, shownPath, userPath } from "../user-paths.ts";
 import { prepareDefaults, runPrepare } from "../local/prepare.ts";
+import { workersMax } from "../local/prepare-pool.ts";
 import { exportSummary, runExport } from "../local/export.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
 import { addDoctorCommand } from "./doctor.ts";
@@ -154,8 +156,15 @@ program
   .description(
     "turn text into token shards a GPT trains on: GPT-2's BPE or characters, split into training and validation by document",
   )
-  .requiredOption("--text <path>", "a UTF-8 text file, a folder of them, or with --jsonl a JSON Lines file")
-  .option("--jsonl <field>", "the input is JSON Lines: one document per line, in this field")
+  .requiredOption(
+    "--text <path>",
+    "a UTF-8 text file, a folder of them, or with --jsonl or --parquet such a file or a folder of them",
+  )
+  .option(
+    "--jsonl <field>",
+    "the input is JSON Lines (.jsonl, or compressed .jsonl.gz or .jsonl.zst): one document per line, in this field",
+  )
+  .option("--parquet <column>", "the input is Parquet (.parquet): one document per row, in this string column")
   .addOption(
     new Option("--tokenizer <name>", "gpt2: GPT-2's byte-level BPE (50,257 tokens); char: the corpus's characters")
       .choices(["gpt2", "char"])
@@ -164,13 +173,18 @@ program
   .requiredOption("--out <dir>", "the folder to write the shards and manifest.json to")
   .option(
     "--val-fraction <x>",
-    "share of the documents held out for validation (seeded)",
+    "share held out for validation: of the documents (a seeded draw, at least one of two or more), or of a single document's tokens (its end)",
     float(0, 0.5),
     prepareDefaults.valFraction,
   )
   .option("--seed <n>", "seed of the split", int(0), prepareDefaults.seed)
   .option("--shard-tokens <n>", "tokens per shard at most", int(1024), prepareDefaults.shardTokens)
   .option("--ext <ext>", "a folder's files to read, by extension", prepareDefaults.ext)
+  .option(
+    "--workers <n>",
+    `threads that tokenize at most (default: this machine's ${availableParallelism()} cores; one per 32 MB of input); the shards are the same bytes for any count`,
+    int(1, workersMax),
+  )
   .addOption(
     new Option(
       "--invalid-utf8 <what>",
@@ -179,16 +193,21 @@ program
       .choices(["refuse", "replace"])
       .default(prepareDefaults.invalidUtf8),
   )
-  .action((opts) => {
+  .action(async (opts) => {
     const o = { ...opts, text: userPath(opts.text), out: userPath(opts.out) };
-    const r = runPrepare(o);
+    const r = await runPrepare(o);
     const m = r.manifest;
     const n = (x: number) => x.toLocaleString("en-US");
     for (const note of r.notes) console.log(`note: ${note}`);
     console.log(
       `prepared ${shownPath(o.out)}: ${n(m.documents.train + m.documents.val)} document${m.documents.train + m.documents.val === 1 ? "" : "s"} (${n(m.documents.train)} train, ${n(m.documents.val)} val), ` +
         `${n(m.tokens.train)} train and ${n(m.tokens.val)} val tokens in ${m.shards.length} shard${m.shards.length > 1 ? "s" : ""}; ` +
-        `${m.tokenizer}, a vocabulary of ${n(m.vocabSize)}; ${(m.sourceBytes / 1e6).toFixed(1)} MB in ${r.seconds.toFixed(1)} s`,
+        `${m.tokenizer}, a vocabulary of ${n(m.vocabSize)}; ${(m.sourceBytes / 1e6).toFixed(1)} MB in ${r.seconds.toFixed(1)} s on ${r.threads} thread${r.threads > 1 ? "s" : ""}`,
+    );
+    console.log(
+      r.splitRule === "document"
+        ? `split by document: each drawn for validation with probability ${m.valFraction} (seed ${m.seed}), the last one where none was`
+        : `split by position: one document, the last ${m.valFraction} of its tokens held out for validation`,
     );
     console.log(`next: ${cliName()} train gpt --tokens ${shownPath(o.out)}`);
   });

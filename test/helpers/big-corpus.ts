@@ -27,12 +27,16 @@ export interface BigCorpus {
  * State of the Union's training documents repeated; the last copy cut short) and whose validation
  * split is theirs, once. Shards of at most `shardTokens`.
  */
-export function writeBigCorpus(out: string, trainTokens: number, shardTokens = prepareDefaults.shardTokens): BigCorpus {
+export async function writeBigCorpus(
+  out: string,
+  trainTokens: number,
+  shardTokens = prepareDefaults.shardTokens,
+): Promise<BigCorpus> {
   const t0 = performance.now();
   const seed = mkdtempSync(join(tmpdir(), "meshtrain-sotu-"));
   let sotu: Manifest, train: Uint16Array, val: Uint16Array;
   try {
-    sotu = runPrepare({ ...prepareDefaults, text: sotuDir, out: seed, quiet: true }).manifest;
+    sotu = (await runPrepare({ ...prepareDefaults, text: sotuDir, out: seed, quiet: true })).manifest;
     train = readSplit(seed, sotu, "train");
     val = readSplit(seed, sotu, "val");
   } finally {

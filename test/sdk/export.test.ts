@@ -42,12 +42,12 @@ const valLoss = (out: string) => Number(/^step \d+: val loss ([\d.]+)/m.exec(out
 let model = "";
 let trained = "";
 
-beforeAll(() => {
+beforeAll(async () => {
   const src = join(dir, "docs");
   mkdirSync(src);
   for (let i = 0; i < 40; i++)
     writeFileSync(join(src, `d${i}.txt`), `Document ${i}: ${"Call me Ishmael. Some years ago. ".repeat(2 + (i % 5))}`);
-  runPrepare({ ...prepareDefaults, text: src, out: join(dir, "data"), valFraction: 0.2, quiet: true });
+  await runPrepare({ ...prepareDefaults, text: src, out: join(dir, "data"), valFraction: 0.2, quiet: true });
   model = join(dir, "gpt.mtm");
   const r = cli(
     "train",

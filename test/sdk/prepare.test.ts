@@ -2,18 +2,26 @@
 // bytes, an interrupted prepare run again gives them too, shards are bounded and checksummed,
 // documents are split by a seeded draw, GPT-2's <|endoftext|> comes before each document, and
 // bad input is one clear error naming the file and line.
-import { afterAll, describe, expect, test } from "bun:test";
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { gzipSync, zstdCompressSync } from "node:zlib";
+import { parquetWriteFile } from "hyparquet-writer";
+import { ConfigError } from "../../ffi/errors.ts";
 import { loadCorpus } from "../../engine/data/corpus.ts";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { readManifest, readSplit } from "../../engine/data/shards.ts";
 import { readTokens } from "../../engine/data/token-stream.ts";
 import { mobyDickPath } from "../../engine/data/text.ts";
-import { gpt2EndOfText, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
+import { gpt2PieceEnd } from "../../engine/data/gpt2-pieces.ts";
+import { PieceTable } from "../../engine/data/piece-table.ts";
+import { gpt2EndOfText, gpt2FastTokenizer, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
+import gpt2Ranks from "js-tiktoken/ranks/gpt2";
 import { llmcMagic, readTokenFile } from "../../engine/data/tokens.ts";
-import { invalidUtf8At, type PrepareOptions, prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
+import { type PrepareOptions, prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
+import { invalidUtf8At } from "../../sdk/local/prepare-utf8.ts";
+import { sotuDir } from "../helpers/big-corpus.ts";
 import { runCli } from "../helpers/cli.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-prepare-"));
@@ -43,13 +51,19 @@ function corpus(name: string, n: number): string {
   return d;
 }
 
+const bad = (name: string, content: string | Uint8Array) => {
+  const p = join(dir, name);
+  writeFileSync(p, content);
+  return p;
+};
+
 describe("prepare", () => {
-  test("a folder: each .txt a document, <|endoftext|> before each, shards bounded and checksummed, the same bytes every time", () => {
+  test("a folder: each .txt a document, <|endoftext|> before each, shards bounded and checksummed, the same bytes every time", async () => {
     const src = corpus("docs", 60);
     const a = join(dir, "a"),
       b = join(dir, "b");
-    const r = runPrepare(opts({ text: src, out: a, shardTokens: 1024, valFraction: 0.2 }));
-    runPrepare(opts({ text: src, out: b, shardTokens: 1024, valFraction: 0.2 }));
+    const r = await runPrepare(opts({ text: src, out: a, shardTokens: 1024, valFraction: 0.2 }));
+    await runPrepare(opts({ text: src, out: b, shardTokens: 1024, valFraction: 0.2 }));
     expect(files(b)).toEqual(files(a));
     const m = r.manifest;
     expect(m.documents.train + m.documents.val).toBe(60);
@@ -71,26 +85,26 @@ describe("prepare", () => {
     expect(texts[0]).toStartWith("Document ");
     // a different seed draws another split
     const c = join(dir, "c");
-    runPrepare(opts({ text: src, out: c, shardTokens: 1024, valFraction: 0.2, seed: 2 }));
+    await runPrepare(opts({ text: src, out: c, shardTokens: 1024, valFraction: 0.2, seed: 2 }));
     expect(files(c)).not.toEqual(files(a));
   });
 
-  test("an interrupted prepare, run again, gives the same result (stale shards and temp files are removed first)", () => {
+  test("an interrupted prepare, run again, gives the same result (stale shards and temp files are removed first)", async () => {
     const src = corpus("docs2", 20);
     const fresh = join(dir, "fresh"),
       again = join(dir, "again");
-    runPrepare(opts({ text: src, out: fresh, shardTokens: 512, valFraction: 0.3 }));
+    await runPrepare(opts({ text: src, out: fresh, shardTokens: 512, valFraction: 0.3 }));
     mkdirSync(again);
     writeFileSync(join(again, "train_000000.bin"), "half a shard");
     writeFileSync(join(again, "train_000007.bin"), "a shard of a larger run");
     writeFileSync(join(again, "manifest.json.tmp-123"), "{");
-    runPrepare(opts({ text: src, out: again, shardTokens: 512, valFraction: 0.3 }));
+    await runPrepare(opts({ text: src, out: again, shardTokens: 512, valFraction: 0.3 }));
     expect(files(again)).toEqual(files(fresh));
   });
 
-  test("a book: documents of consecutive paragraphs; characters: vocab.json and a newline between documents; train gpt's corpus reads it", () => {
+  test("a book: documents of consecutive paragraphs; characters: vocab.json and a newline between documents; train gpt's corpus reads it", async () => {
     const out = join(dir, "moby-char");
-    const r = runPrepare(opts({ text: mobyDickPath(), out, tokenizer: "char" }));
+    const r = await runPrepare(opts({ text: mobyDickPath(), out, tokenizer: "char" }));
     expect(r.manifest.documents.train).toBeGreaterThan(50);
     expect(r.manifest.vocabSize).toBe(83);
     const c = loadCorpus({ tokensDir: out, valFraction: 0 });
@@ -103,22 +117,240 @@ describe("prepare", () => {
     );
   });
 
-  test("JSON Lines: one document per line, from the named field", () => {
+  test("JSON Lines: one document per line, from the named field", async () => {
     const path = join(dir, "docs.jsonl");
     writeFileSync(
       path,
       Array.from({ length: 30 }, (_, i) => JSON.stringify({ id: i, text: `line ${i}: the sea` })).join("\n"),
     );
-    const r = runPrepare(opts({ text: path, jsonl: "text", out: join(dir, "jsonl"), valFraction: 0.2 }));
+    const r = await runPrepare(opts({ text: path, jsonl: "text", out: join(dir, "jsonl"), valFraction: 0.2 }));
     expect(r.manifest.documents.train + r.manifest.documents.val).toBe(30);
   });
 
+  test("a folder of 11 Markdown files: split by document, at least one in validation, whatever the seed", async () => {
+    const src = join(dir, "md");
+    mkdirSync(src);
+    for (let i = 0; i < 11; i++) writeFileSync(join(src, `note-${i}.md`), `# Note ${i}\n\nThe whale swims on.\n`);
+    for (const seed of [1, 2, 3, 4, 5]) {
+      const r = await runPrepare(opts({ text: src, ext: ".md", out: join(dir, `md-${seed}`), seed }));
+      expect(r.splitRule).toBe("document");
+      expect(r.manifest.splitRule).toBe("document");
+      expect(r.manifest.documents.train + r.manifest.documents.val).toBe(11);
+      expect(r.manifest.documents.val).toBeGreaterThanOrEqual(1);
+      expect(r.manifest.documents.train).toBeGreaterThanOrEqual(1);
+    }
+    const { code, out } = runCli(root, "prepare", "--text", src, "--ext", ".md", "--out", join(dir, "md-cli"));
+    expect(code).toBe(0);
+    expect(out).toMatch(/^prepared .*md-cli: 11 documents \(\d+ train, [1-9]\d* val\)/m);
+    expect(out).toMatch(/^split by document: each drawn for validation with probability 0\.1 \(seed 1\)/m);
+  });
+
+  test("a single text: split by position, the last --val-fraction of its tokens held out", async () => {
+    const text = "Call me Ishmael. Some years ago, never mind how long precisely. ".repeat(40);
+    const path = join(dir, "single.txt");
+    writeFileSync(path, text);
+    const out = join(dir, "single");
+    const r = await runPrepare(opts({ text: path, out, valFraction: 0.25 }));
+    expect(r.splitRule).toBe("position");
+    const ids = gpt2Tokenizer().encode(text);
+    const held = Math.round(ids.length * 0.25);
+    const m = readManifest(out)!;
+    expect(m.splitRule).toBe("position");
+    expect([...readSplit(out, m, "train")]).toEqual([gpt2EndOfText, ...Array.from(ids).slice(0, ids.length - held)]);
+    expect([...readSplit(out, m, "val")]).toEqual(Array.from(ids).slice(ids.length - held));
+    const c = loadCorpus({ tokensDir: out, valFraction: 0 });
+    expect(c.val.length).toBe(held);
+    const cli = runCli(root, "prepare", "--text", path, "--out", join(dir, "single-cli"), "--val-fraction", "0.25");
+    expect(cli.code).toBe(0);
+    expect(cli.out).toContain("split by position: one document, the last 0.25 of its tokens held out for validation");
+  });
+
+  test("the fast GPT-2 encoder gives js-tiktoken's ids on Moby Dick and the State of the Union", () => {
+    const fast = gpt2FastTokenizer(),
+      slow = gpt2Tokenizer();
+    const books = [
+      readFileSync(mobyDickPath(), "utf8"),
+      ...readdirSync(sotuDir)
+        .filter((f) => f.endsWith(".txt"))
+        .sort()
+        .map((f) => readFileSync(join(sotuDir, f), "utf8")),
+    ];
+    for (const text of books) expect(fast.encode(text)).toEqual(Uint16Array.from(slow.encode(text)));
+  }, 240_000);
+
+  test("the piece table: a piece seen before is found by its place in the text; a full table encodes what it cannot hold", () => {
+    const encoded: string[] = [];
+    const table = new PieceTable((p) => (encoded.push(p), [p.length, p.charCodeAt(0)]), 2);
+    const text = " the whale the sea the whale";
+    const pieces = [" the", " whale", " the", " sea", " the", " whale"];
+    let at = 0;
+    for (const p of pieces) {
+      expect(table.ids(text, at, at + p.length)).toEqual([p.length, p.charCodeAt(0)]);
+      at += p.length;
+    }
+    // " sea" came when the table was full: encoded each time it is asked for
+    expect(table.ids(text, 14, 18)).toEqual([4, 32]);
+    expect(encoded).toEqual([" the", " whale", " sea", " sea"]);
+  });
+
+  test("GPT-2's pieces, cut by the scan, are its pattern's: contractions, runs of white space, other scripts, surrogates", () => {
+    const pattern = new RegExp(gpt2Ranks.pat_str, "gu");
+    const cases = [
+      "He's here, they're 'RE' we'll I'd 'x '' ''s 're' ' 'll",
+      "a  b\n\n c \t\td  \n x   ",
+      "12 ３４ ٣٤ é鯨 🐋🐋 x\ud800y \udc00 \ud83d",
+      "a\u00a0b \u00a0c\u3000d \u2028",
+      " ",
+      "'",
+      "\n\n\n",
+      " 's",
+    ];
+    for (const text of cases) {
+      const cut: string[] = [];
+      for (let i = 0; i < text.length; ) cut.push(text.slice(i, (i = gpt2PieceEnd(text, i))));
+      expect(cut).toEqual([...text.matchAll(pattern)].map((m) => m[0]));
+    }
+  });
+
+  test("1 and 2 workers write the same bytes (batches of several documents each, shards across them); --workers is checked", async () => {
+    const src = corpus("docs-workers", 50);
+    writeFileSync(join(src, "doc-big.txt"), "A batch of its own, and more. ".repeat(40_000));
+    const [one, two] = [join(dir, "w1"), join(dir, "w2")];
+    await runPrepare(opts({ text: src, out: one, shardTokens: 4096, workers: 1 }));
+    const r = await runPrepare(opts({ text: src, out: two, shardTokens: 4096, workers: 2, workerBytesMin: 100_000 }));
+    expect(r.threads).toBe(2);
+    expect(r.manifest.shards.length).toBeGreaterThan(20);
+    expect(files(two)).toEqual(files(one));
+    await expect(runPrepare(opts({ text: src, out: join(dir, "w0"), workers: 0 }))).rejects.toThrow(
+      "--workers must be an integer in [1, 256], got 0",
+    );
+    const cli = runCli(root, "prepare", "--text", src, "--out", join(dir, "w-cli"), "--workers", "1.5");
+    expect(cli.code).not.toBe(0);
+    expect(cli.err).toContain("--workers");
+  });
+
+  describe("Parquet and compressed JSON Lines give the shards of the same documents as plain files", () => {
+    const texts = Array.from(
+      { length: 40 },
+      (_, i) => `Document ${i}. ${"The whale swims on, é and 鯨. ".repeat(1 + (i % 7))}`,
+    );
+    const jsonl = texts.map((text, i) => `${JSON.stringify({ id: i, text })}\n`).join("");
+    const shardsOf = (d: string) => files(d).filter(([f]) => f.endsWith(".bin"));
+    const reference = join(dir, "formats-txt");
+    beforeAll(async () => {
+      const src = join(dir, "formats-src");
+      mkdirSync(src, { recursive: true });
+      texts.forEach((t, i) => writeFileSync(join(src, `doc-${String(i).padStart(3, "0")}.txt`), t));
+      await runPrepare(opts({ text: src, out: reference, valFraction: 0.2, shardTokens: 1024 }));
+    });
+    const inputs: [string, () => Partial<PrepareOptions> & { text: string }][] = [
+      ["a .jsonl.gz", () => ({ text: bad("docs.jsonl.gz", gzipSync(jsonl)), jsonl: "text" })],
+      ["a .jsonl.zst", () => ({ text: bad("docs.jsonl.zst", zstdCompressSync(jsonl)), jsonl: "text" })],
+      [
+        "a folder of .jsonl, .jsonl.gz and .jsonl.zst files",
+        () => {
+          const d = join(dir, "jsonl-folder");
+          mkdirSync(d, { recursive: true });
+          const part = (a: number, b: number) =>
+            texts
+              .slice(a, b)
+              .map((text) => `${JSON.stringify({ text })}\n`)
+              .join("");
+          writeFileSync(join(d, "a.jsonl"), part(0, 10));
+          writeFileSync(join(d, "b.jsonl.gz"), gzipSync(part(10, 25)));
+          writeFileSync(join(d, "c.jsonl.zst"), zstdCompressSync(part(25, 40)));
+          writeFileSync(join(d, "notes.txt"), "not read");
+          return { text: d, jsonl: "text" };
+        },
+      ],
+      [
+        "a Parquet file of several row groups",
+        () => {
+          const text = join(dir, "docs.parquet");
+          parquetWriteFile({
+            filename: text,
+            columnData: [
+              { name: "id", data: Int32Array.from(texts, (_, i) => i), type: "INT32" },
+              { name: "text", data: texts, type: "STRING" },
+            ],
+            rowGroupSize: 7,
+          });
+          return { text, parquet: "text" };
+        },
+      ],
+    ];
+    test.each(inputs)("%s", async (_, input) => {
+      const out = join(dir, `formats-${_.replace(/\W+/g, "-")}`);
+      const r = await runPrepare(opts({ ...input(), out, valFraction: 0.2, shardTokens: 1024 }));
+      expect(r.manifest.documents.train + r.manifest.documents.val).toBe(40);
+      expect(shardsOf(out)).toEqual(shardsOf(reference));
+      const c = loadCorpus({ tokensDir: out, valFraction: 0 });
+      expect(readTokens(c.val, 0, c.val.length)).toEqual(readSplit(reference, readManifest(reference)!, "val"));
+    });
+
+    test("the CLI reads Parquet; bad Parquet and JSON Lines are one clear error", async () => {
+      const pq = join(dir, "docs.parquet");
+      const cli = runCli(
+        root,
+        "prepare",
+        "--text",
+        pq,
+        "--parquet",
+        "text",
+        "--out",
+        join(dir, "pq-cli"),
+        "--val-fraction",
+        "0.2",
+      );
+      expect(cli.code).toBe(0);
+      expect(cli.out).toMatch(/^prepared .*pq-cli: 40 documents/m);
+      await expect(runPrepare(opts({ text: pq, parquet: "body", out: join(dir, "pq-bad") }))).rejects.toThrow(
+        'has no column "body"; its columns: id, text',
+      );
+      await expect(
+        runPrepare(opts({ text: bad("not.parquet", "hello"), parquet: "text", out: join(dir, "pq-bad") })),
+      ).rejects.toThrow(/not\.parquet: is not a Parquet file/);
+      const cut = gzipSync(jsonl).subarray(0, 200);
+      await expect(
+        runPrepare(opts({ text: bad("cut.jsonl.gz", cut), jsonl: "text", out: join(dir, "gz-bad") })),
+      ).rejects.toThrow(/cut\.jsonl\.gz: cannot be read: /);
+      const head = Buffer.from(jsonl.slice(0, 400));
+      const latin = zstdCompressSync(Buffer.concat([head, Buffer.from([0xe9, 0x0a])]));
+      await expect(
+        runPrepare(opts({ text: bad("latin.jsonl.zst", latin), jsonl: "text", out: join(dir, "zst-bad") })),
+      ).rejects.toThrow(
+        `latin.jsonl.zst: line ${head.toString().split("\n").length}: invalid UTF-8 at byte ${head.length}`,
+      );
+      await expect(
+        runPrepare(opts({ text: pq, parquet: "text", jsonl: "text", out: join(dir, "both") })),
+      ).rejects.toThrow(ConfigError);
+      await expect(runPrepare(opts({ text: pq, parquet: "text", ext: ".md", out: join(dir, "ext") }))).rejects.toThrow(
+        "--ext chooses a folder's plain text files; with --parquet a folder's .parquet files are read",
+      );
+      const latinPq = join(dir, "latin.parquet");
+      parquetWriteFile({
+        filename: latinPq,
+        columnData: [
+          {
+            name: "text",
+            data: [new TextEncoder().encode("fine"), new Uint8Array([0x62, 0xe9, 0x63])],
+            type: "BYTE_ARRAY",
+          },
+        ],
+      });
+      await expect(runPrepare(opts({ text: latinPq, parquet: "text", out: join(dir, "pq-latin") }))).rejects.toThrow(
+        "latin.parquet: row 1: invalid UTF-8 at byte 1; --invalid-utf8 replace",
+      );
+      const r = await runPrepare(
+        opts({ text: latinPq, parquet: "text", out: join(dir, "pq-latin"), invalidUtf8: "replace" }),
+      );
+      expect(r.notes).toEqual([
+        expect.stringMatching(/latin\.parquet: row 1: invalid UTF-8 at byte 1: replaced with U\+FFFD/),
+      ]);
+    });
+  });
+
   describe("bad input: one error naming the file and line", () => {
-    const bad = (name: string, content: string | Uint8Array) => {
-      const p = join(dir, name);
-      writeFileSync(p, content);
-      return p;
-    };
     test.each([
       ["a missing input", () => opts({ text: join(dir, "nowhere"), out: join(dir, "o1") }), /nowhere: not found/],
       [
@@ -148,24 +380,24 @@ describe("prepare", () => {
         /latin1\.txt: line 2: invalid UTF-8 at byte 3; --invalid-utf8 replace/,
       ],
       [
-        "one document, none for validation",
-        () => opts({ text: bad("one.txt", "just one short document"), out: join(dir, "o7") }),
-        /none of its 1 document was drawn for validation/,
+        "one document too short to split by position",
+        () => opts({ text: bad("one.txt", "whale"), out: join(dir, "o7") }),
+        /holds one document of 2 tokens, too short to hold out --val-fraction 0\.1 of it by position/,
       ],
-    ])("%s", (_, make, message) => {
-      expect(() => runPrepare(make())).toThrow(DataFileError);
-      expect(() => runPrepare(make())).toThrow(message);
+    ])("%s", async (_, make, message) => {
+      await expect(runPrepare(make())).rejects.toThrow(DataFileError);
+      await expect(runPrepare(make())).rejects.toThrow(message);
     });
 
-    test("invalid UTF-8 replaced on request, and said where", () => {
+    test("invalid UTF-8 replaced on request, and said where", async () => {
       const p = bad("latin1b.txt", new Uint8Array([...new TextEncoder().encode("a\n".repeat(20)), 0x62, 0xe9, 0x63]));
-      const r = runPrepare(opts({ text: p, out: join(dir, "o8"), valFraction: 0, invalidUtf8: "replace" }));
+      const r = await runPrepare(opts({ text: p, out: join(dir, "o8"), valFraction: 0, invalidUtf8: "replace" }));
       expect(r.notes).toEqual([
         expect.stringMatching(/latin1b\.txt:21: invalid UTF-8 at byte 41: replaced with U\+FFFD/),
       ]);
     });
 
-    test("the UTF-8 check: valid text, overlong forms, surrogates, truncation", () => {
+    test("the UTF-8 check: valid text, overlong forms, surrogates, truncation", async () => {
       expect(invalidUtf8At(new TextEncoder().encode("héllo wörld, 鯨, 🐋"))).toBe(-1);
       expect(invalidUtf8At(new Uint8Array([0x41, 0xc0, 0x80]))).toBe(1); // overlong NUL
       expect(invalidUtf8At(new Uint8Array([0xed, 0xa0, 0x80]))).toBe(0); // a surrogate
@@ -174,7 +406,7 @@ describe("prepare", () => {
     });
   });
 
-  test("the CLI: the summary and the next command; tokens of train.bin folders still read as before", () => {
+  test("the CLI: the summary and the next command; tokens of train.bin folders still read as before", async () => {
     const src = corpus("docs3", 40);
     const { code, out } = runCli(root, "prepare", "--text", src, "--out", join(dir, "cli"));
     expect(code).toBe(0);
@@ -186,10 +418,10 @@ describe("prepare", () => {
   });
 });
 
-test("a GPT trains on a prepared GPT-2 folder; sample decodes BPE, streaming; eval reads its val shards and says the perplexity", () => {
+test("a GPT trains on a prepared GPT-2 folder; sample decodes BPE, streaming; eval reads its val shards and says the perplexity", async () => {
   const src = corpus("docs4", 80);
   const data = join(dir, "bpe");
-  runPrepare(opts({ text: src, out: data, valFraction: 0.2 }));
+  await runPrepare(opts({ text: src, out: data, valFraction: 0.2 }));
   const cli = (...args: string[]) => runCli(dir, ...args);
   const model = join(dir, "bpe.mtm");
   const train = cli(

@@ -429,7 +429,7 @@ describe("token windows (the gpt's data)", () => {
     expect(() => a.next(0, Split.Test, 0, 0)).toThrow("has no test split; ask for Val");
   });
 
-  test("a prepared folder streamed from its shards (500 tokens each, windows across their edges): every window once per epoch, the same after a resume", () => {
+  test("a prepared folder streamed from its shards (500 tokens each, windows across their edges): every window once per epoch, the same after a resume", async () => {
     const jsonl = join(dir, "docs.jsonl");
     writeFileSync(
       jsonl,
@@ -440,7 +440,7 @@ describe("token windows (the gpt's data)", () => {
       ).join(""),
     );
     const out = join(dir, "prepared");
-    runPrepare({
+    await runPrepare({
       ...prepareDefaults,
       tokenizer: "char",
       text: jsonl,

@@ -1,0 +1,84 @@
+// `meshtrain prepare --jsonl <field>`: a JSON Lines file, plain or compressed (.gz: gzip, .zst:
+// zstd, both by node:zlib), read as a stream a line at a time, so memory holds one chunk and one
+// line whatever the file's size.
+import { createReadStream } from "node:fs";
+import type { Readable } from "node:stream";
+import { createGunzip, createZstdDecompress } from "node:zlib";
+import { DataFileError } from "../../engine/data/errors.ts";
+import { MeshtrainError } from "../../ffi/errors.ts";
+import { shownPath } from "../user-paths.ts";
+import type { Document } from "./prepare-sources.ts";
+import { decodeUtf8, type InvalidUtf8 } from "./prepare-utf8.ts";
+
+/** The names a JSON Lines file goes by; the extension after .jsonl says how it is compressed. */
+export const jsonlFile = /\.jsonl(\.gz|\.zst)?$/;
+
+/** A line's bytes at most: a document that long is surely a file that is not JSON Lines, and
+ *  reading on would hold all of it in memory. */
+export const jsonlLineBytesMax = 1 << 28;
+
+function decompressed(path: string): Readable {
+  const raw = createReadStream(path);
+  if (path.endsWith(".gz")) return raw.pipe(createGunzip());
+  if (path.endsWith(".zst")) return raw.pipe(createZstdDecompress());
+  return raw;
+}
+
+/** The file's lines as bytes, with where each begins (its line number, its byte offset). */
+async function* lines(path: string): AsyncGenerator<{ bytes: Uint8Array; line: number; offset: number }> {
+  const stream = decompressed(path);
+  let pending: Buffer[] = [];
+  let pendingBytes = 0;
+  let line = 1;
+  let offset = 0;
+  try {
+    for await (const chunk of stream as AsyncIterable<Buffer>) {
+      let start = 0;
+      for (let nl = chunk.indexOf(0x0a); nl >= 0; nl = chunk.indexOf(0x0a, start)) {
+        const bytes =
+          pending.length === 0 ? chunk.subarray(start, nl) : Buffer.concat([...pending, chunk.subarray(start, nl)]);
+        yield { bytes, line, offset };
+        offset += bytes.length + 1;
+        line++;
+        pending = [];
+        pendingBytes = 0;
+        start = nl + 1;
+      }
+      if (start < chunk.length) {
+        pending.push(chunk.subarray(start));
+        pendingBytes += chunk.length - start;
+        if (pendingBytes > jsonlLineBytesMax)
+          throw new DataFileError(path, `line ${line}: longer than ${jsonlLineBytesMax} bytes; is it JSON Lines?`);
+      }
+    }
+  } catch (e) {
+    if (e instanceof MeshtrainError) throw e;
+    throw new DataFileError(path, `cannot be read: ${(e as Error).message}`, { cause: e });
+  } finally {
+    stream.destroy();
+  }
+  if (pending.length > 0) yield { bytes: Buffer.concat(pending), line, offset };
+}
+
+/** A JSON Lines file's documents: each line's `field`, a string; blank lines are skipped. */
+export async function* jsonlDocuments(
+  path: string,
+  field: string,
+  invalidUtf8: InvalidUtf8,
+  notes: string[],
+): AsyncGenerator<Document> {
+  for await (const l of lines(path)) {
+    const text = decodeUtf8(l.bytes, { path, line: l.line, offset: l.offset }, invalidUtf8, notes).trim();
+    if (text === "") continue;
+    let value: unknown;
+    try {
+      value = JSON.parse(text);
+    } catch (e) {
+      throw new DataFileError(path, `line ${l.line}: not JSON (${(e as Error).message})`);
+    }
+    const doc = typeof value === "object" && value !== null ? (value as Record<string, unknown>)[field] : undefined;
+    if (typeof doc !== "string")
+      throw new DataFileError(path, `line ${l.line}: no string field ${JSON.stringify(field)}`);
+    yield { text: doc, where: `${shownPath(path)}:${l.line}` };
+  }
+}

@@ -1,0 +1,121 @@
+// `meshtrain prepare`'s inputs, read as a stream of documents: a folder's files (each a
+// document), a plain text file (cut at blank lines into documents of textDocumentCharsMin
+// characters or more), a JSON Lines file (a document per line, in a named field; plain, gzip or
+// zstd, streamed: sdk/local/prepare-jsonl.ts) or a Parquet file (a document per row, in a named
+// column, read a row group at a time: sdk/local/prepare-parquet.ts), or a folder of those.
+import { existsSync, readdirSync, readFileSync, statSync } from "node:fs";
+import { join } from "node:path";
+import { DataFileError } from "../../engine/data/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
+import { shownPath } from "../user-paths.ts";
+import { jsonlDocuments, jsonlFile } from "./prepare-jsonl.ts";
+import { parquetDocuments } from "./prepare-parquet.ts";
+import { decodeUtf8 } from "./prepare-utf8.ts";
+
+export interface SourceOptions {
+  /** a text file, a folder of them, or (with jsonl) a JSON Lines file; absolute */
+  text: string;
+  /** JSON Lines (plain, .gz or .zst): the field of each line that holds its document */
+  jsonl?: string;
+  /** Parquet: the column that holds each row's document */
+  parquet?: string;
+  /** a folder's files to read, by extension */
+  ext: string;
+  /** invalid UTF-8: refuse (an error naming the file and line) or replace with U+FFFD (and say so) */
+  invalidUtf8: "refuse" | "replace";
+}
+
+/** The extension of a folder's plain text files unless --ext says otherwise. */
+export const textExtDefault = ".txt";
+
+/** A plain text file is cut at blank lines into documents of at least this many characters (a
+ *  book gives many, so it can be split by document). */
+export const textDocumentCharsMin = 10_000;
+
+export interface Document {
+  text: string;
+  /** "file" or "file:line", for errors and counts */
+  where: string;
+}
+
+/** A file's text: refused or repaired where it is not UTF-8, saying which and where. */
+function readUtf8(path: string, o: SourceOptions, notes: string[]): string {
+  let bytes: Uint8Array;
+  try {
+    bytes = readFileSync(path);
+  } catch (e) {
+    throw new DataFileError(path, `cannot be read: ${(e as Error).message}`, { cause: e });
+  }
+  return decodeUtf8(bytes, { path, line: 1, offset: 0 }, o.invalidUtf8, notes);
+}
+
+/** A plain text's documents: consecutive paragraphs of at least textDocumentCharsMin characters. */
+function paragraphsOf(text: string, file: string): Document[] {
+  const docs: Document[] = [];
+  let current = "";
+  for (const para of text.split(/\n[ \t]*\n/)) {
+    current = current === "" ? para : `${current}\n\n${para}`;
+    if (current.length >= textDocumentCharsMin) {
+      docs.push({ text: current, where: file });
+      current = "";
+    }
+  }
+  if (current.trim() !== "") docs.push({ text: current, where: file });
+  return docs;
+}
+
+/** What a folder holds that is read: Parquet files, JSON Lines files (plain or compressed), or
+ *  plain text files with the extension --ext names. */
+function readsFile(o: SourceOptions): { test: (f: string) => boolean; what: string } {
+  if (o.parquet !== undefined) return { test: (f) => f.endsWith(".parquet"), what: ".parquet" };
+  if (o.jsonl !== undefined) return { test: (f) => jsonlFile.test(f), what: ".jsonl, .jsonl.gz or .jsonl.zst" };
+  return { test: (f) => f.endsWith(o.ext), what: o.ext };
+}
+
+/** The input's files in order: a folder's by name, or the one file given. */
+function inputFiles(o: SourceOptions): string[] {
+  if (!existsSync(o.text)) throw new DataFileError(o.text, "not found");
+  if (!statSync(o.text).isDirectory()) return [o.text];
+  const reads = readsFile(o);
+  const files = readdirSync(o.text).filter(reads.test).sort();
+  if (files.length === 0) throw new DataFileError(o.text, `holds no ${reads.what} file`);
+  return files.map((f) => join(o.text, f));
+}
+
+/** The documents in order: a Parquet file's rows (--parquet), a JSON Lines file's lines (--jsonl),
+ *  a plain text file's paragraphs; in a folder, each file's in turn (a plain text file whole). */
+export async function* documents(o: SourceOptions, notes: string[]): AsyncGenerator<Document> {
+  if (o.jsonl !== undefined && o.parquet !== undefined)
+    throw new ConfigError("--jsonl and --parquet name two formats; give the one the input is in");
+  if ((o.jsonl !== undefined || o.parquet !== undefined) && o.ext !== textExtDefault)
+    throw new ConfigError(
+      `--ext chooses a folder's plain text files; with ${o.jsonl !== undefined ? "--jsonl a folder's .jsonl, .jsonl.gz and .jsonl.zst" : "--parquet a folder's .parquet"} files are read`,
+    );
+  const folder = existsSync(o.text) && statSync(o.text).isDirectory();
+  for (const path of inputFiles(o)) {
+    if (o.parquet !== undefined) yield* parquetDocuments(path, o.parquet, o.invalidUtf8, notes);
+    else if (o.jsonl !== undefined) yield* jsonlDocuments(path, o.jsonl, o.invalidUtf8, notes);
+    else if (folder) yield { text: readUtf8(path, o, notes), where: shownPath(path) };
+    else yield* paragraphsOf(readUtf8(path, o, notes), shownPath(path));
+  }
+}
+
+/** Text is about this many times its compressed size (gzip or zstd, and Parquet's codecs): a guess
+ *  that only sizes the count of threads. */
+export const compressionRatioGuess = 4;
+const compressedFile = /\.(gz|zst|parquet)$/;
+
+/** The input's bytes on disk (compressed, for a compressed input), and a guess at its text's. */
+export function bytesOf(o: SourceOptions): { disk: number; text: number } {
+  try {
+    const files = inputFiles(o);
+    const size = (f: string) => statSync(f).size;
+    return {
+      disk: files.reduce((n, f) => n + size(f), 0),
+      text: files.reduce((n, f) => n + size(f) * (compressedFile.test(f) ? compressionRatioGuess : 1), 0),
+    };
+  } catch {
+    // an input that cannot be listed is reported when its documents are read
+    return { disk: 0, text: 0 };
+  }
+}
