@@ -2,8 +2,9 @@
 //   x = x + dropout(proj(attn(ln1(x))))
 //   x = x + dropout(fc2(gelu(fc1(ln2(x)))))
 // x (B,T,C); attention over a fused qkv projection (C -> 3C).
-import type { DType } from "../../ffi/backend.ts";
+import { type DType, dtypeBytes } from "../../ffi/backend.ts";
 import { ConfigError } from "../../ffi/errors.ts";
+import { ShapeError } from "../errors.ts";
 import { activationDType } from "../mixed.ts";
 import { add } from "../ops/add.ts";
 import { biasAdd } from "../ops/bias.ts";
@@ -147,6 +148,39 @@ export class Block {
     h1.drop();
     const a = causalSelfAttention(qkv, this.config.nHead);
     qkv.drop();
+    return this.#afterAttention(x, a, act);
+  }
+
+  /**
+   * forward() of x (1,T,C), the tokens at positions [pos, pos+T), for generation with a KV cache:
+   * their fused q,k,v rows go into `cache` (blockSize,3C) at rows [pos, pos+T), and they attend
+   * over the cache's rows [0, pos+T), the earlier tokens' keys and values computed by earlier
+   * calls. With pos 0 it computes what forward() does (a prefill); with T = 1 one new token.
+   * The attention kernel runs over every cached row and the last T rows of its output are kept:
+   * no kernel of its own for one query row (a decode kernel would make that O(pos), not O(pos²)),
+   * but the GEMMs, most of a token's work at these sizes, see T rows, not pos+T.
+   */
+  forwardCached(x: Tensor, cache: Tensor, pos: number): Tensor {
+    const act = activationDType(x.ctx.precision);
+    const [, T, C] = x.shape as [number, number, number];
+    if (x.shape[0] !== 1 || cache.dtype !== act || cache.shape[1] !== 3 * C || pos + T > cache.shape[0]!)
+      throw new ShapeError("block.forwardCached", [x.shape, cache.shape], `x (1,T,C), cache (blockSize,3C) of ${act}`);
+    const h1 = this.ln1.forward(x, act);
+    const qkv = this.attn.forward(h1, "none", act); // (1,T,3C)
+    h1.drop();
+    x.ctx.backend.copy(cache.narrowRows(pos, T).ptr, qkv.ptr, qkv.numel * dtypeBytes[act]);
+    qkv.drop();
+    const seen = pos + T;
+    const all = causalSelfAttention(cache.narrowRows(0, seen).reshape([1, seen, 3 * C]), this.config.nHead);
+    // a view of the last T rows: all is dropped by #afterAttention's caller once a is read
+    const a = all.reshape([seen, C]).narrowRows(pos, T).reshape([1, T, C]);
+    const out = this.#afterAttention(x, a, act);
+    all.drop();
+    return out;
+  }
+
+  /** The rest of forward() after the attention's output a (B,T,C): its projection, the residuals and the MLP. */
+  #afterAttention(x: Tensor, a: Tensor, act: DType): Tensor {
     const proj = this.attnProj.forward(a);
     a.drop();
     const { sum: x2, out: h2 } = this.#attentionResidual(x, proj, act);

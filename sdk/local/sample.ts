@@ -49,7 +49,11 @@ function sample(o: SampleOptions, backend: Backend, inputsRead: () => void): str
     inputsRead();
     write(o.prompt);
     const stream = tok.stream(write);
-    const out = model.generate(prompt, o.length, new Rng(o.seed), o.temperature, o.topK, stream);
+    const out = model.generate(prompt, o.length, new Rng(o.seed), {
+      temperature: o.temperature,
+      topK: o.topK,
+      onToken: stream,
+    });
     return o.prompt + tok.decode(out);
   } finally {
     ctx.dispose();

@@ -346,12 +346,14 @@ function finishGpt(
   let sample: string | undefined;
   if (corpus.vocab !== undefined && o.sampleChars > 0) {
     const prompt = corpus.vocab.encode(corpus.vocab.chars.includes("\n") ? "\n" : corpus.vocab.chars[0]!);
-    sample = corpus.vocab.decode(model.generate([...prompt], o.sampleChars, new Rng(o.seed), 0.8));
+    sample = corpus.vocab.decode(model.generate([...prompt], o.sampleChars, new Rng(o.seed), { temperature: 0.8 }));
     console.log(`sample (temperature 0.8):\n${sample}`);
   } else if (bpe && o.sampleChars > 0) {
     // GPT-2 BPE: from <|endoftext|>, a document's start; tokens, about 4 characters each
     const tok = gpt2Tokenizer();
-    sample = tok.decode(model.generate([gpt2EndOfText], Math.ceil(o.sampleChars / 4), new Rng(o.seed), 0.8));
+    sample = tok.decode(
+      model.generate([gpt2EndOfText], Math.ceil(o.sampleChars / 4), new Rng(o.seed), { temperature: 0.8 }),
+    );
     console.log(`sample (temperature 0.8):\n${sample}`);
   }
   for (const line of modelLines(o.out, bpe ? [["sample", "--prompt", "The"], ["eval"]] : nextCommands(corpus.vocab)))
