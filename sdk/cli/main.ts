@@ -101,7 +101,7 @@ sharedOptions(
   .addOption(sharedOption("minLr", "gpt"))
   .addOption(sharedOption("warmup", "gpt"))
   // a single process runs for a number of steps (the mesh for epochs, --max-steps its bound)
-  .option("--max-steps <n>", "optimizer steps", int(2), g.maxSteps)
+  .option("--max-steps <n>", "optimizer steps", int(1), g.maxSteps)
   .addOption(sharedOption("weightDecay", "gpt"))
   .addOption(sharedOption("beta2", "gpt"))
   .addOption(sharedOption("gradClip", "gpt"))
