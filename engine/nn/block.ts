@@ -10,7 +10,7 @@ import { add } from "../ops/add.ts";
 import { biasAdd } from "../ops/bias.ts";
 import { linear } from "../ops/linear.ts";
 import { qkvRows, shareOf, type TensorParallel, type TensorRank } from "../parallel/tensor-parallel.ts";
-import { causalSelfAttention } from "../ops/attention.ts";
+import { attentionDecode, causalSelfAttention } from "../ops/attention.ts";
 import { dropout } from "../ops/dropout.ts";
 import { residualLayerNorm } from "../ops/layernorm.ts";
 import type { ParamBuilder } from "../params.ts";
@@ -155,10 +155,10 @@ export class Block {
    * forward() of x (1,T,C), the tokens at positions [pos, pos+T), for generation with a KV cache:
    * their fused q,k,v rows go into `cache` (blockSize,3C) at rows [pos, pos+T), and they attend
    * over the cache's rows [0, pos+T), the earlier tokens' keys and values computed by earlier
-   * calls. With pos 0 it computes what forward() does (a prefill); with T = 1 one new token.
-   * The attention kernel runs over every cached row and the last T rows of its output are kept:
-   * no kernel of its own for one query row (a decode kernel would make that O(pos), not O(pos²)),
-   * but the GEMMs, most of a token's work at these sizes, see T rows, not pos+T.
+   * calls. With pos 0 it computes what forward() does (a prefill); with T = 1 one new token,
+   * whose attention (attentionDecode) reads its own query row only: O(pos), as its GEMMs are O(1).
+   * Otherwise (T rows after pos > 0, which generate() does not do) the causal kernel runs over
+   * every cached row and the last T rows of its output are kept.
    */
   forwardCached(x: Tensor, cache: Tensor, pos: number): Tensor {
     const act = activationDType(x.ctx.precision);
@@ -170,10 +170,15 @@ export class Block {
     h1.drop();
     x.ctx.backend.copy(cache.narrowRows(pos, T).ptr, qkv.ptr, qkv.numel * dtypeBytes[act]);
     qkv.drop();
-    const seen = pos + T;
-    const all = causalSelfAttention(cache.narrowRows(0, seen).reshape([1, seen, 3 * C]), this.config.nHead);
-    // a view of the last T rows: all is dropped by #afterAttention's caller once a is read
-    const a = all.reshape([seen, C]).narrowRows(pos, T).reshape([1, T, C]);
+    const seen = cache.narrowRows(0, pos + T).reshape([1, pos + T, 3 * C]);
+    // one new token: its row's attention alone; a prefill (pos 0): forward's attention
+    if (T === 1) return this.#afterAttention(x, attentionDecode(seen, this.config.nHead), act);
+    const all = causalSelfAttention(seen, this.config.nHead);
+    // a view of the last T rows: all is dropped once a is read
+    const a = all
+      .reshape([pos + T, C])
+      .narrowRows(pos, T)
+      .reshape([1, T, C]);
     const out = this.#afterAttention(x, a, act);
     all.drop();
     return out;
