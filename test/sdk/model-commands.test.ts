@@ -5,6 +5,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { mobyDickPath, readTextFile } from "../../engine/data/text.ts";
 import { writeTokenFile } from "../../engine/data/tokens.ts";
+import { runSample } from "../../sdk/index.ts";
 import { tinyGptTraining } from "../helpers/cli-options.ts";
 
 const root = join(import.meta.dir, "..", "..");
@@ -320,6 +321,18 @@ describe("sample", () => {
       const fromFolder = cli("sample", "--model", "gpt/hf", ...args);
       expect(fromFile.code).toBe(0);
       expect(fromFolder.out).toBe(fromFile.out);
+      // the SDK's runSample, in this process, on the folder: the same text
+      const sdkSample = runSample({
+        model: join(dir, "gpt", "hf"),
+        prompt: "Call me",
+        length: 30,
+        seed: 4,
+        temperature: 0.8,
+        topK: 0,
+        topP: 0.9,
+        device: "cpu",
+      });
+      expect(`${sdkSample}\n`).toBe(fromFile.out);
       // the folder records no training: its text is named, here the start of the one it was trained on
       writeFileSync(join(dir, "moby-start.txt"), readTextFile(mobyDickPath()).slice(0, 20_000));
       const loss = (model: string) => {
