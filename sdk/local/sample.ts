@@ -87,7 +87,7 @@ function tokenizerOf(path: string, header: ModelFileHeader) {
   if (header.vocab === undefined)
     throw new DataFileError(
       path,
-      "has neither a character vocabulary nor a tokenizer (trained on token files); cannot decode samples",
+      "has neither a character vocabulary nor a tokenizer (a model trained on token files, or a folder with no meshtrain_chars.json and a vocabulary other than GPT-2's 50,257 tokens); cannot decode samples",
     );
   const vocab = new CharVocab(header.vocab);
   return {
