@@ -188,6 +188,14 @@ export const ops = {
     result: "void",
     cpu: "mt_attention_forward_f32",
   },
+  /** out (B,C) of elem = each batch's last query row's (T-1) causal attention over keys [0, T) of
+   *  qkv (B,T,3C) of elem, as attentionForward computes that row (P rounded to elem): generation's
+   *  new token attending over the keys and values cached for the earlier ones. No lse (no backward). */
+  attentionDecode: {
+    args: [p("out"), p("qkv"), i("B"), i("T"), i("C"), i("H"), f("scale"), e],
+    result: "void",
+    cpu: "mt_attention_decode_f32",
+  },
   /** dqkv (B,T,3C) += the gradient (= without accumulate), recomputing the scores tile by tile
    *  from lse; dqkv, dout and out of elem; delta (B,H,T) is scratch (each row's dout . out) */
   attentionBackward: {

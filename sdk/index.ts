@@ -5,6 +5,9 @@
 //   watchJob         follow a job to its end (a progress bar, or quiet with onEvent)
 //   jobConfig        a validated job config from defaults and overrides (the CLI's options)
 //   LocalMesh        every service as a local process with an embedded NATS server
+//   runSample        text from a GPT model file or Hugging Face GPT-2 folder, in this process
+//                    (a KV cache; temperature, top-k, top-p; streamed through `write`)
+//   runEval          a model's validation loss (GPT) or MNIST test accuracy (MLP), printed
 // examples/sdk.ts runs each of them against a local mesh.
 import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job/config.ts";
 
@@ -17,6 +20,8 @@ export type { Manifest } from "../schemas/messages/checkpoint.ts";
 export { type JobConfig, parseJobConfig, jobDefaults, gptJobDefaults } from "../services/runtime/job/config.ts";
 export { MeshError, BadRequestError, UnknownJobError, DeadlineError } from "../services/runtime/mesh/errors.ts";
 export { ConfigError } from "../ffi/errors.ts";
+export { runSample, type SampleOptions } from "./local/sample.ts";
+export { runEval, type EvalOptions, type EvalReport } from "./local/evaluate.ts";
 
 /**
  * A job's config: the model kind's defaults (an MLP on MNIST, a character GPT on Moby Dick)

@@ -79,3 +79,29 @@ export function charTokenizer(vocab: CharVocab): Tokenizer {
     decode: (ids) => vocab.decode(ids),
   };
 }
+
+/**
+ * Streamed decoding: `push` each token as it is sampled; `write` gets the text as soon as it
+ * decodes whole. A token can end inside a character's UTF-8 bytes (GPT-2's byte-level BPE splits
+ * some characters across tokens): the decoder then holds those tokens back, and writes them with
+ * the token that completes the character. `end` writes what is still held (an incomplete
+ * character the model never completed, as U+FFFD: what decoding all the tokens at once gives).
+ */
+export function streamDecoder(
+  decode: (ids: ArrayLike<number>) => string,
+  write: (text: string) => void,
+): { push(token: number): void; end(): void } {
+  let held: number[] = [];
+  const flush = () => {
+    if (held.length > 0) write(decode(held));
+    held = [];
+  };
+  return {
+    push(token) {
+      held.push(token);
+      // an incomplete character at the end decodes as U+FFFD
+      if (!decode(held).endsWith("\uFFFD")) flush();
+    },
+    end: flush,
+  };
+}

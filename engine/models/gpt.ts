@@ -2,7 +2,8 @@
 // embeddings. idx (B,T) i32 -> logits (B,T,V).
 import { activationDType } from "../mixed.ts";
 import { ConfigError } from "../../ffi/errors.ts";
-import { ShapeError } from "../errors.ts";
+import { EngineError, ShapeError } from "../errors.ts";
+import { type Allocation, dtypeBytes } from "../../ffi/backend.ts";
 import { Block } from "../nn/block.ts";
 import { Embedding } from "../nn/embedding.ts";
 import { LayerNorm } from "../nn/layernorm.ts";
@@ -13,6 +14,7 @@ import { matmul } from "../ops/matmul.ts";
 import { ParamBuilder, type ParamSpec, ParamStore, type SliceOf } from "../params.ts";
 import type { TensorParallel, TensorRank } from "../parallel/tensor-parallel.ts";
 import type { Rng } from "../rng.ts";
+import { checkSampling, type SamplingOptions, sampleLogits, samplingDefaults } from "./sampling.ts";
 import type { Tensor } from "../tensor.ts";
 import type { Context } from "../context.ts";
 import { drive, gemmFlops, type GemmShape, type Model, namesUnder } from "./model.ts";
@@ -158,10 +160,10 @@ export class GptModel implements Model {
   }
 
   /** The first stage: token and position embeddings of idx (B,T). */
-  #embed(idx: Tensor): Tensor {
+  #embed(idx: Tensor, from = 0): Tensor {
     const T = idx.shape[1]!;
     const tok = this.wte!.forward(idx); // (B,T,C)
-    const pos = this.wpe!.weight.tensor.narrowRows(0, T); // (T,C), broadcast over B
+    const pos = this.wpe!.weight.tensor.narrowRows(from, T); // positions [from, from+T) (T,C), broadcast over B
     const sum = add(tok, pos);
     tok.drop();
     const out = dropout(sum, this.config.dropout);
@@ -279,61 +281,127 @@ export class GptModel implements Model {
   }
 
   /**
-   * Autoregressive sampling: extends `prompt` by `count` tokens, sampling each from the
-   * softmax of the last position's logits / temperature, restricted to the topK most likely.
-   * `onToken` gets each new token as soon as it is sampled (a caller streams the text).
+   * Autoregressive sampling: extends `prompt` by up to `count` tokens, each drawn from the last
+   * position's logits (engine/models/sampling.ts). `onToken` gets each new token as soon as it is
+   * sampled (a caller streams the text); a drawn `stopAt` ends the sample and is not returned.
+   * With the KV cache (the default) each new token runs one position's forward over the cached
+   * keys and values of the earlier ones; without it, the whole window's forward (the reference
+   * the cache is tested against). Both give the same tokens for the same rng.
    */
-  generate(
-    prompt: readonly number[],
-    count: number,
-    rng: Rng,
-    temperature = 1,
-    topK = 0,
-    onToken: (token: number) => void = () => {},
-  ): number[] {
+  generate(prompt: readonly number[], count: number, rng: Rng, options: GenerateOptions = {}): number[] {
     if (!this.whole)
       throw new ConfigError("generate: a pipeline stage holds part of the model; sample from the whole model's file");
     if (prompt.length === 0) throw new ConfigError("generate: the prompt needs at least one token");
-    if (!(temperature > 0)) throw new ConfigError(`generate: temperature must be > 0, got ${temperature}`);
+    const sampling = { ...samplingDefaults, ...options };
+    checkSampling(sampling);
     const ctx = this.#ctx;
     const tokens = [...prompt];
-    const V = this.config.vocabSize;
     const wasTraining = ctx.training;
     ctx.training = false;
+    const cache = options.kvCache === false ? null : new KvCache(ctx, this.config);
     try {
       for (let i = 0; i < count; i++) {
-        const window = tokens.slice(-this.config.blockSize);
         ctx.newPass();
-        const logits = ctx.noGrad(() => this.forward(ctx.fromArray(Int32Array.from(window), [1, window.length])));
-        const all = logits.toFloat32();
-        const last = all.subarray((window.length - 1) * V, window.length * V);
-        const token = sampleLogits(last, rng, temperature, topK);
+        const logits = ctx.noGrad(() => (cache === null ? this.#lastLogits(tokens) : cache.step(this, tokens)));
+        const token = sampleLogits(logits, rng, sampling);
+        if (token === options.stopAt) break;
         tokens.push(token);
-        onToken(token);
+        options.onToken?.(token);
       }
     } finally {
       ctx.training = wasTraining;
+      cache?.dispose();
     }
     return tokens.slice(prompt.length);
   }
+
+  /** The last position's logits (V) of the whole window's forward: the last blockSize tokens. */
+  #lastLogits(tokens: readonly number[]): Float32Array {
+    const window = tokens.slice(-this.config.blockSize);
+    const logits = this.forward(this.#ctx.fromArray(Int32Array.from(window), [1, window.length]));
+    const V = this.config.vocabSize;
+    return logits.toFloat32().subarray((window.length - 1) * V, window.length * V);
+  }
+
+  /**
+   * The logits (1,1,V) of the last of `tokens`, at positions [pos, pos+T) after the `pos` tokens
+   * whose keys and values `caches` (one (blockSize,3C) per layer) hold; their own go into it.
+   * The whole model only, without gradients (generation).
+   */
+  forwardCached(tokens: readonly number[], caches: readonly Tensor[], pos: number): Tensor {
+    const T = tokens.length;
+    if (T === 0 || pos + T > this.config.blockSize || caches.length !== this.blocks.length)
+      throw new ShapeError("gpt.forwardCached", [[1, T]], `1 to blockSize - pos tokens, one cache per layer`);
+    let x = this.#embed(this.#ctx.fromArray(Int32Array.from(tokens), [1, T]), pos);
+    for (const [l, block] of this.blocks.entries()) {
+      const y = block.forwardCached(x, caches[l]!, pos);
+      x.drop();
+      x = y;
+    }
+    // only the last position's logits are sampled from: the head's GEMM reads one row
+    const last =
+      T === 1
+        ? x
+        : x
+            .reshape([T, this.config.nEmbd])
+            .narrowRows(T - 1, 1)
+            .reshape([1, 1, this.config.nEmbd]);
+    const logits = this.#head(last);
+    x.drop();
+    return logits;
+  }
 }
 
-function sampleLogits(logits: Float32Array, rng: Rng, temperature: number, topK: number): number {
-  const V = logits.length;
-  let threshold = -Infinity;
-  if (topK > 0 && topK < V) threshold = [...logits].sort((a, b) => b - a)[topK - 1]!;
-  let max = -Infinity;
-  for (let v = 0; v < V; v++) if (logits[v]! >= threshold) max = Math.max(max, logits[v]!);
-  const p = new Float64Array(V);
-  let sum = 0;
-  for (let v = 0; v < V; v++) {
-    p[v] = logits[v]! >= threshold ? Math.exp((logits[v]! - max) / temperature) : 0;
-    sum += p[v]!;
+/** What generate() takes besides the prompt, the count and the rng. */
+export interface GenerateOptions extends Partial<SamplingOptions> {
+  /** a token that ends the sample when drawn (GPT-2's <|endoftext|>) */
+  stopAt?: number;
+  onToken?: (token: number) => void;
+  /** false: the whole window's forward for every token, as before the KV cache */
+  kvCache?: boolean;
+}
+
+/**
+ * Generation's keys and values: one (blockSize,3C) tensor per layer of the fused q,k,v rows of the
+ * tokens fed so far (the q rows are kept too, so that the cache is what the attention kernel
+ * reads), and which of the sample's tokens they are.
+ */
+export class KvCache {
+  readonly #ctx: Context;
+  readonly #memory: Allocation[];
+  readonly #layers: Tensor[];
+  readonly #blockSize: number;
+  /** tokens[start, start+pos) are cached at rows [0, pos) */
+  #start = 0;
+  #pos = 0;
+
+  constructor(ctx: Context, config: GptConfig) {
+    const { blockSize, nEmbd: C, nLayer } = config;
+    const elem = activationDType(ctx.precision);
+    this.#ctx = ctx;
+    this.#blockSize = blockSize;
+    this.#memory = Array.from({ length: nLayer }, () => ctx.allocPersistent(blockSize * 3 * C * dtypeBytes[elem]));
+    this.#layers = this.#memory.map((m) => ctx.persistentTensor([blockSize, 3 * C], elem, m.ptr, false));
   }
-  let r = rng.uniform() * sum;
-  for (let v = 0; v < V; v++) {
-    r -= p[v]!;
-    if (r < 0) return v;
+
+  /** The logits (V) for the last of `tokens`, feeding the model those not cached yet. */
+  step(model: GptModel, tokens: readonly number[]): Float32Array {
+    if (tokens.length <= this.#start + this.#pos)
+      throw new EngineError("KvCache.step: no new token since the last step");
+    // The window slides as without the cache: once the tokens outgrow blockSize, the cache is
+    // filled again from the last blockSize of them (a prefill per token from then on, the cost
+    // of the whole window's forward; the tokens stay those of the full recompute).
+    if (tokens.length - this.#start > this.#blockSize) {
+      this.#start = tokens.length - this.#blockSize;
+      this.#pos = 0;
+    }
+    const fresh = tokens.slice(this.#start + this.#pos);
+    const logits = model.forwardCached(fresh, this.#layers, this.#pos);
+    this.#pos += fresh.length;
+    return logits.toFloat32();
   }
-  return V - 1;
+
+  dispose(): void {
+    for (const m of this.#memory) this.#ctx.freePersistent(m);
+  }
 }

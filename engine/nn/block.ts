@@ -2,14 +2,15 @@
 //   x = x + dropout(proj(attn(ln1(x))))
 //   x = x + dropout(fc2(gelu(fc1(ln2(x)))))
 // x (B,T,C); attention over a fused qkv projection (C -> 3C).
-import type { DType } from "../../ffi/backend.ts";
+import { type DType, dtypeBytes } from "../../ffi/backend.ts";
 import { ConfigError } from "../../ffi/errors.ts";
+import { ShapeError } from "../errors.ts";
 import { activationDType } from "../mixed.ts";
 import { add } from "../ops/add.ts";
 import { biasAdd } from "../ops/bias.ts";
 import { linear } from "../ops/linear.ts";
 import { qkvRows, shareOf, type TensorParallel, type TensorRank } from "../parallel/tensor-parallel.ts";
-import { causalSelfAttention } from "../ops/attention.ts";
+import { attentionDecode, causalSelfAttention } from "../ops/attention.ts";
 import { dropout } from "../ops/dropout.ts";
 import { residualLayerNorm } from "../ops/layernorm.ts";
 import type { ParamBuilder } from "../params.ts";
@@ -147,6 +148,44 @@ export class Block {
     h1.drop();
     const a = causalSelfAttention(qkv, this.config.nHead);
     qkv.drop();
+    return this.#afterAttention(x, a, act);
+  }
+
+  /**
+   * forward() of x (1,T,C), the tokens at positions [pos, pos+T), for generation with a KV cache:
+   * their fused q,k,v rows go into `cache` (blockSize,3C) at rows [pos, pos+T), and they attend
+   * over the cache's rows [0, pos+T), the earlier tokens' keys and values computed by earlier
+   * calls. With pos 0 it computes what forward() does (a prefill); with T = 1 one new token,
+   * whose attention (attentionDecode) reads its own query row only: O(pos), as its GEMMs are O(1).
+   * Otherwise (T rows after pos > 0, which generate() does not do) the causal kernel runs over
+   * every cached row and the last T rows of its output are kept.
+   */
+  forwardCached(x: Tensor, cache: Tensor, pos: number): Tensor {
+    const act = activationDType(x.ctx.precision);
+    const [, T, C] = x.shape as [number, number, number];
+    if (x.shape[0] !== 1 || cache.dtype !== act || cache.shape[1] !== 3 * C || pos + T > cache.shape[0]!)
+      throw new ShapeError("block.forwardCached", [x.shape, cache.shape], `x (1,T,C), cache (blockSize,3C) of ${act}`);
+    const h1 = this.ln1.forward(x, act);
+    const qkv = this.attn.forward(h1, "none", act); // (1,T,3C)
+    h1.drop();
+    x.ctx.backend.copy(cache.narrowRows(pos, T).ptr, qkv.ptr, qkv.numel * dtypeBytes[act]);
+    qkv.drop();
+    const seen = cache.narrowRows(0, pos + T).reshape([1, pos + T, 3 * C]);
+    // one new token: its row's attention alone; a prefill (pos 0): forward's attention
+    if (T === 1) return this.#afterAttention(x, attentionDecode(seen, this.config.nHead), act);
+    const all = causalSelfAttention(seen, this.config.nHead);
+    // a view of the last T rows: all is dropped once a is read
+    const a = all
+      .reshape([pos + T, C])
+      .narrowRows(pos, T)
+      .reshape([1, T, C]);
+    const out = this.#afterAttention(x, a, act);
+    all.drop();
+    return out;
+  }
+
+  /** The rest of forward() after the attention's output a (B,T,C): its projection, the residuals and the MLP. */
+  #afterAttention(x: Tensor, a: Tensor, act: DType): Tensor {
     const proj = this.attnProj.forward(a);
     a.drop();
     const { sum: x2, out: h2 } = this.#attentionResidual(x, proj, act);

@@ -23,9 +23,10 @@ import type { Tensor } from "../tensor.ts";
 import { checkActivationDType, checkInputs } from "./check.ts";
 import { gemmOperand } from "./matmul.ts";
 
-export function causalSelfAttention(qkv: Tensor, nHead: number): Tensor {
-  const ctx = checkInputs("causalSelfAttention", [qkv]);
-  checkActivationDType("causalSelfAttention", qkv);
+/** The context of an attention op's qkv (B,T,3C), checked with its head count. */
+function checkQkv(op: string, qkv: Tensor, nHead: number) {
+  const ctx = checkInputs(op, [qkv]);
+  checkActivationDType(op, qkv);
   if (
     qkv.shape.length !== 3 ||
     qkv.shape[2]! % 3 !== 0 ||
@@ -33,8 +34,13 @@ export function causalSelfAttention(qkv: Tensor, nHead: number): Tensor {
     nHead < 1 ||
     (qkv.shape[2]! / 3) % nHead !== 0
   ) {
-    throw new ShapeError("causalSelfAttention", [qkv.shape], `qkv must be (B,T,3C) with C divisible by nHead=${nHead}`);
+    throw new ShapeError(op, [qkv.shape], `qkv must be (B,T,3C) with C divisible by nHead=${nHead}`);
   }
+  return ctx;
+}
+
+export function causalSelfAttention(qkv: Tensor, nHead: number): Tensor {
+  const ctx = checkQkv("causalSelfAttention", qkv, nHead);
   const [B, T, C3] = qkv.shape as [number, number, number];
   const C = C3 / 3;
   const H = nHead;
@@ -79,6 +85,24 @@ export function causalSelfAttention(qkv: Tensor, nHead: number): Tensor {
     [input, out, lse],
   );
   lse.drop();
+  if (input !== qkv) input.drop();
+  return out;
+}
+
+/**
+ * Generation's attention for its new token: qkv (B,T,3C) holds the cached rows of the earlier
+ * tokens and the new token's as row T-1; out (B,1,C) is what causalSelfAttention gives for that
+ * row (Backend.attentionDecode), at O(T) cost instead of every row's O(T²). Records nothing:
+ * generation runs without gradients.
+ */
+export function attentionDecode(qkv: Tensor, nHead: number): Tensor {
+  const ctx = checkQkv("attentionDecode", qkv, nHead);
+  const [B, T, C3] = qkv.shape as [number, number, number];
+  const C = C3 / 3;
+  const elem = activationDType(ctx.precision);
+  const input = gemmOperand(qkv, autocastDType(ctx.precision));
+  const out = ctx.empty([B, 1, C], elem);
+  ctx.backend.attentionDecode(out.ptr, input.ptr, B, T, C, nHead, 1 / Math.sqrt(C / nHead), elem);
   if (input !== qkv) input.drop();
   return out;
 }

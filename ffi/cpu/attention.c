@@ -112,6 +112,50 @@ void mt_attention_forward_f32(void* out, float* lse, const void* qkv, int64_t B,
   }
 }
 
+// One query row per (b, h): the last, T-1, over keys [0, T) (generation's new token; the keys and
+// values are those of the tokens before it, cached). s (T) = scale q.k_j; out = sum_j p_j v_j / l
+// with p_j = exp(s_j - max) rounded to elem as forward's tiles round them, l = sum of the unrounded.
+void mt_attention_decode_f32(void* out, const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H, float scale,
+                             int32_t elem) {
+  const int64_t D = C / H, C3 = 3 * C;
+#pragma omp parallel if (B * H * T * D >= PAR_MIN)
+  {
+    float* q = malloc(sizeof(float) * (size_t)D);
+    float* kv = malloc(sizeof(float) * (size_t)D);
+    float* o = malloc(sizeof(float) * (size_t)D);
+    float* s = malloc(sizeof(float) * (size_t)T);
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+      const int64_t b = bh / H, h = bh % H;
+      const void* base = (const char*)qkv + (size_t)(b * T * C3) * (elem == 0 ? 4 : 2);
+      att_tile(q, base, T - 1, 1, C3, h * D, D, elem);
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < T; j++) {
+        att_tile(kv, base, j, 1, C3, C + h * D, D, elem);
+        float dot = 0.0f;
+        for (int64_t d = 0; d < D; d++) dot += q[d] * kv[d];
+        s[j] = scale * dot;
+        mx = s[j] > mx ? s[j] : mx;
+      }
+      float l = 0.0f;
+      memset(o, 0, sizeof(float) * (size_t)D);
+      for (int64_t j = 0; j < T; j++) {
+        const float e = fast_expf(s[j] - mx);
+        l += e;
+        const float pj = att_round(e, elem);
+        att_tile(kv, base, j, 1, C3, 2 * C + h * D, D, elem);
+        for (int64_t d = 0; d < D; d++) o[d] += pj * kv[d];
+      }
+      const float inv = 1.0f / l;
+      for (int64_t d = 0; d < D; d++) mt_store_elem(out, b * C + h * D + d, o[d] * inv, elem);
+    }
+    free(q);
+    free(kv);
+    free(o);
+    free(s);
+  }
+}
+
 // forward was: out_i = sum_j p_ij v_j, p_ij = exp(scale q_i.k_j - lse_i) for j <= i
 // dv_j += sum_i p_ij dout_i;  dp_ij = dout_i.v_j;  ds_ij = p_ij (dp_ij - dout_i.out_i)
 // dq_i += scale sum_j ds_ij k_j;  dk_j += scale sum_i ds_ij q_i

@@ -48,6 +48,10 @@ function loadLibraries() {
       args: ["i32", "i32", "i32", "i32", "i32", "i32", "f32", "ptr", "i32", "ptr", "i32", "f32", "ptr", "i32"],
       returns: "void",
     },
+    cblas_sgemv: {
+      args: ["i32", "i32", "i32", "i32", "f32", "ptr", "i32", "ptr", "i32", "f32", "ptr", "i32"],
+      returns: "void",
+    },
     openblas_get_num_threads: { args: [], returns: "i32" },
   });
   const k = dlopen(kernels, {
@@ -220,10 +224,44 @@ export class CpuBackend implements Backend {
     else this.castF32ToF16(g.C, C, wide);
   }
 
+  /**
+   * One row of C (M = 1: a generated token's layers) as a matrix-vector product: OpenBLAS 0.3.21's
+   * sgemm packs all of B for one row of A, which doubles the bytes a memory-bound product moves
+   * (newer OpenBLAS forwards such calls to gemv itself). C (1,N) = alpha op(A) (1,K) op(B) (K,N)
+   * + beta C; with beta 0, C is zeroed first: BLAS may scale it by beta, and 0 * NaN (an arena's
+   * poison) is NaN.
+   */
+  #sgemv(g: Required<GemmDesc>): void {
+    const { transA, transB, N, K, alpha, A, lda, B, ldb, beta, C } = g;
+    if (beta === 0) this.zero(C, N * 4);
+    // A's one row: contiguous, or with transA a column of A stored (K,1), lda apart
+    const incA = transA ? lda : 1;
+    // transB: B stored (N,K), y = B x; else stored (K,N), y = B^T x
+    const [rows, cols] = transB ? [N, K] : [K, N];
+    this.#lib.blas.symbols.cblas_sgemv(
+      CblasRowMajor,
+      transB ? CblasNoTrans : CblasTrans,
+      rows,
+      cols,
+      alpha,
+      p(B),
+      ldb,
+      p(A),
+      incA,
+      beta,
+      p(C),
+      1,
+    );
+  }
+
   /** One GEMM goes straight to cblas_sgemm: through the batched kernel's (inactive) OpenMP
    *  region OpenBLAS ran it on one thread (measured: 110 against 170 GFLOP/s on 2 cores). */
   #sgemm(g: Required<GemmDesc>): void {
     const { transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc } = g;
+    if (g.batch === 1 && M === 1 && K > 0) {
+      this.#sgemv(g);
+      return;
+    }
     if (g.batch === 1) {
       this.#lib.blas.symbols.cblas_sgemm(
         CblasRowMajor,

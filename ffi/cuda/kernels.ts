@@ -110,7 +110,7 @@ export const kernelSpecs = {
   },
   ...opKernels("embedding", ["embeddingForward", "embeddingBackward"]),
   mt_embedding_count_invalid_i32: { module: "embedding", params: ["ptr", "ptr", "i64", "i64"] },
-  ...opKernels("attention", ["attentionForward", "stridedCopy"]),
+  ...opKernels("attention", ["attentionForward", "attentionDecode", "stridedCopy"]),
   mt_attention_delta_f32: { module: "attention", params: ["ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "i32"] },
   mt_attention_backward_kv_f32: { module: "attention", params: attentionBackwardParams },
   mt_attention_backward_q_f32: { module: "attention", params: attentionBackwardParams },
@@ -658,6 +658,11 @@ export const plans = {
     const tiles = attentionTiles(B, T, C, H);
     if (tiles === 0) return [];
     return [attentionLaunch("mt_attention_forward_f32", tiles, [out, lse, qkv, B, T, C, H, scale, elemCodes[elem]])];
+  },
+  attentionDecode(out, qkv, B, T, C, H, scale, elem): Launch[] {
+    // a warp per (b, h); attentionTiles refuses a head larger than the kernel's o[ATT_D_MAX]
+    if (attentionTiles(B, T, C, H) === 0) return [];
+    return [warpRows("mt_attention_decode_f32", B * H, [out, qkv, B, T, C, H, scale, elemCodes[elem]])];
   },
   attentionBackward(dqkv, delta, dout, out, lse, qkv, B, T, C, H, scale, elem, accumulate): Launch[] {
     const tiles = attentionTiles(B, T, C, H);

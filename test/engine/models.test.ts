@@ -9,7 +9,9 @@ import { GptModel } from "../../engine/models/gpt.ts";
 import { MlpModel } from "../../engine/models/mlp.ts";
 import { Rng } from "../../engine/rng.ts";
 import { ConfigError } from "../../ffi/errors.ts";
-import { newContext, randInts } from "../helpers/numeric.ts";
+import { sampleLogits, samplingDefaults } from "../../engine/models/sampling.ts";
+import { expectCachedGeneration } from "../helpers/generation.ts";
+import { cpu, newContext, randInts } from "../helpers/numeric.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-models-"));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
@@ -99,16 +101,44 @@ describe("gpt", () => {
   test("generate: same seed, same text; respects blockSize; bad settings refused", () => {
     const ctx = newContext();
     const model = new GptModel(ctx, config, 3);
-    const a = model.generate([1, 2, 3], 20, new Rng(5), 1.0, 4);
-    const b = model.generate([1, 2, 3], 20, new Rng(5), 1.0, 4);
+    const a = model.generate([1, 2, 3], 20, new Rng(5), { topK: 4 });
+    const b = model.generate([1, 2, 3], 20, new Rng(5), { topK: 4 });
     expect(a).toEqual(b);
     expect(a.length).toBe(20);
     const streamed: number[] = [];
-    expect(model.generate([1, 2, 3], 20, new Rng(5), 1.0, 4, (t) => streamed.push(t))).toEqual(a);
+    expect(model.generate([1, 2, 3], 20, new Rng(5), { topK: 4, onToken: (t) => streamed.push(t) })).toEqual(a);
     expect(streamed).toEqual(a); // each token as it is sampled, in order
     expect(a.every((t) => t >= 0 && t < 11)).toBe(true);
     expect(() => model.generate([], 5, new Rng(1))).toThrow(ConfigError);
-    expect(() => model.generate([1], 5, new Rng(1), 0)).toThrow(ConfigError);
+    for (const bad of [
+      { temperature: 0 },
+      { topK: -1 },
+      { topK: 1.5 },
+      { topP: 0 },
+      { topP: 1.01 },
+      { topP: Number.NaN },
+    ])
+      expect(() => model.generate([1], 5, new Rng(1), bad)).toThrow(ConfigError);
+  });
+
+  test("generate with the KV cache: the tokens of the whole window's forward, its logits to rounding", () => {
+    expectCachedGeneration(cpu());
+  });
+
+  test("top-p keeps the most likely tokens up to p; a drawn stop token ends the sample", () => {
+    const model = new GptModel(newContext(), config, 3);
+    const rng = new Rng(2);
+    const logits = Float32Array.from([0, 3, 1, 2.9, -1]);
+    const drawn = new Set(
+      Array.from({ length: 200 }, () => sampleLogits(logits, rng, { ...samplingDefaults, topP: 0.6 })),
+    );
+    expect([...drawn].sort()).toEqual([1, 3]); // p(1) ≈ 0.48 < 0.6, with p(3) ≈ 0.44 past it
+    const greedy = Array.from({ length: 20 }, () => sampleLogits(logits, rng, { ...samplingDefaults, topP: 0.01 }));
+    expect(new Set(greedy)).toEqual(new Set([1]));
+    const free = model.generate([1, 2, 3], 20, new Rng(5));
+    const stop = free[4]!;
+    const stopped = model.generate([1, 2, 3], 20, new Rng(5), { stopAt: stop });
+    expect(stopped).toEqual(free.slice(0, free.indexOf(stop)));
   });
 
   test("configs that cannot work are refused", () => {

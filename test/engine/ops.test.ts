@@ -27,7 +27,11 @@ import {
   transpose,
 } from "../../engine/ops/index.ts";
 import { addBackwardReference, addReference } from "../../engine/ops/add.ts";
-import { causalSelfAttentionBackwardReference, causalSelfAttentionReference } from "../../engine/ops/attention.ts";
+import {
+  attentionDecode,
+  causalSelfAttentionBackwardReference,
+  causalSelfAttentionReference,
+} from "../../engine/ops/attention.ts";
 import { biasAddBackwardReference, biasAddReference } from "../../engine/ops/bias.ts";
 import { softmaxCrossEntropyBackwardReference, softmaxCrossEntropyReference } from "../../engine/ops/crossentropy.ts";
 import { countCorrect, countCorrectReference } from "../../engine/ops/accuracy.ts";
@@ -525,6 +529,22 @@ describe.each(backends)("$name backend", ({ backend }) => {
     ])("B=%i T=%i C=%i H=%i", (B, T, C, H) => {
       const rng = new Rng(B * T * C * H);
       checkOp(attentionCase(rng, B, T, C, H), rng);
+    });
+    test.each([
+      [1, 1, 4, 1],
+      [2, 5, 12, 3],
+      [1, 33, 16, 2],
+      [2, 100, 64, 1],
+      [1, 70, 256, 2],
+    ])("attentionDecode B=%i T=%i C=%i H=%i: the last row of the float64 reference", (B, T, C, H) => {
+      const rng = new Rng(B * T * C * H + 7);
+      const qkv = f64(f32(randn(rng, B * T * 3 * C)));
+      const ctx = newContext();
+      const got = attentionDecode(ctx.fromArray(f32(qkv), [B, T, 3 * C]), H);
+      expect(got.shape).toEqual([B, 1, C]);
+      const { out } = causalSelfAttentionReference(qkv, B, T, C, H);
+      const last = Float64Array.from({ length: B * C }, (_, i) => out[(Math.floor(i / C) * T + T - 1) * C + (i % C)]!);
+      expect(relErr(got.toFloat32(), last)).toBeLessThan(1e-5);
     });
     test("position i never sees later positions", () => {
       const rng = new Rng(1);

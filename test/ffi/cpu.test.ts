@@ -243,17 +243,19 @@ describe("gemm (every input type)", () => {
     };
   }
 
-  const cases: [Input, boolean, boolean, number, number][] = [];
+  // M = 1 with batch 1 is a matrix-vector product (cblas_sgemv: a generated token's layers)
+  const cases: [Input, boolean, boolean, number, number, number][] = [];
   for (const input of ["f32", "tf32", "bf16", "f16"] as const) {
     for (const [tA, tB] of transposePairs) {
-      cases.push([input, tA, tB, 1, 0], [input, tA, tB, 3, 0], [input, tA, tB, 3, 5]);
+      cases.push([input, tA, tB, 1, 0, 7], [input, tA, tB, 3, 0, 7], [input, tA, tB, 3, 5, 7]);
+      cases.push([input, tA, tB, 1, 0, 1], [input, tA, tB, 1, 5, 1]);
     }
   }
   test.each(cases)(
-    "%s transA=%p transB=%p batch %d, padding %d: float64 reference on the rounded inputs",
-    (input, tA, tB, batch, pad) => {
+    "%s transA=%p transB=%p batch %d, padding %d, M=%d: float64 reference on the rounded inputs",
+    (input, tA, tB, batch, pad, M) => {
       const be = cpu();
-      const s = shape(7, 5, 13, tA, tB, batch, pad, pad * 3);
+      const s = shape(M, 5, 13, tA, tB, batch, pad, pad * 3);
       const rng = new Rng(batch * 10 + pad + (tA ? 100 : 0) + (tB ? 200 : 0));
       const rand = (n: number) => Float32Array.from({ length: n }, () => rng.normal());
       const nA = (batch - 1) * s.strideA + (tA ? s.K : s.M) * s.lda;
@@ -296,6 +298,28 @@ describe("gemm (every input type)", () => {
       for (const a of [A.a, B.a, C, ...A.extra, ...B.extra]) be.free(a);
     },
   );
+
+  test("one row (M = 1) with beta 0 overwrites C: a NaN there (an arena's poison) is not scaled into it", () => {
+    const be = cpu();
+    const [N, K] = [6, 4];
+    const a = be.alloc(K * 4);
+    const b = be.alloc(N * K * 4);
+    const c = be.alloc(N * 4);
+    be.upload(a.ptr, Float32Array.from([1, 2, 3, 4]));
+    be.upload(
+      b.ptr,
+      Float32Array.from({ length: N * K }, (_, i) => i % 3),
+    );
+    be.fill(c.ptr, N, Number.NaN);
+    be.gemm({ M: 1, N, K, transB: true, A: a.ptr, lda: K, B: b.ptr, ldb: K, C: c.ptr, ldc: N });
+    const got = new Float32Array(N);
+    be.download(c.ptr, got);
+    const want = Array.from({ length: N }, (_, j) =>
+      [1, 2, 3, 4].reduce((acc, x, k) => acc + x * ((j * K + k) % 3), 0),
+    );
+    expect([...got]).toEqual(want);
+    for (const m of [a, b, c]) be.free(m);
+  });
 
   test("2-byte inputs: scratch is allocated once, grown only for a larger GEMM, freed by dispose", () => {
     const be = new CpuBackend();

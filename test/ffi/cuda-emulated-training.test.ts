@@ -15,6 +15,7 @@ import { Rng } from "../../engine/rng.ts";
 import { Context } from "../../engine/context.ts";
 import { evaluate, type HostBatch, type TrainStep } from "../../engine/train.ts";
 import { emulatedCuda, type Timeline } from "../helpers/emulated-cuda.ts";
+import { expectCachedGeneration } from "../helpers/generation.ts";
 import { cpu, relErr } from "../helpers/numeric.ts";
 import { skip } from "../helpers/skip.ts";
 import { constantLrStep } from "../helpers/training.ts";
@@ -91,6 +92,10 @@ describe.skipIf(skip("the emulated CUDA backend", emulated.ok ? null : emulated.
       };
       const batches = mlpBatches(8);
       expectSameRun(train(gpu(), build, batches), train(cpu(), build, batches));
+    }, 120_000);
+
+    test("gpt generation with the KV cache: the tokens of the whole window's forward, its logits to rounding", () => {
+      expectCachedGeneration(gpu());
     }, 120_000);
 
     test("gpt L1 H2 C8 T6 V11 (embeddings, attention, LayerNorm, GELU, tied head), AdamW with clipping, 5 steps", () => {

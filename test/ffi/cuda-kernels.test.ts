@@ -327,6 +327,9 @@ const cases: { readonly [M in OpName]: readonly Args[] } = {
   attentionForward: attention.flatMap(([B, T, C, H]) =>
     (["f32", "bf16"] as const).map((e) => [p, p, p, B, T, C, H, 0.125, e]),
   ),
+  attentionDecode: attention.flatMap(([B, T, C, H]) =>
+    (["f32", "bf16"] as const).map((e) => [p, p, B, T, C, H, 0.125, e]),
+  ),
   attentionBackward: attention.flatMap(([B, T, C, H]) =>
     (["f32", "f16"] as const).flatMap((e) => [true, false].map((acc) => [p, p, p, p, p, p, B, T, C, H, 0.125, e, acc])),
   ),
@@ -374,6 +377,7 @@ const emptyCases: { readonly [M in OpName]: Args } = {
   embeddingForward: [scratch, p, p, p, 0, 768, 50_257],
   embeddingBackward: [p, p, p, 0, 768],
   attentionForward: [p, p, p, 0, 1024, 768, 12, 0.125, "f32"],
+  attentionDecode: [p, p, 0, 1024, 768, 12, 0.125, "f32"],
   attentionBackward: [p, p, p, p, p, p, 8, 0, 768, 12, 0.125, "bf16", false],
   stridedCopy: [p, [0, 0, 1, 1], p, [0, 0, 1, 1], [1, 1, 0, 5], true],
   sum: [p, p, 0],

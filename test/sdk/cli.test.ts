@@ -4,6 +4,7 @@ import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { readModelFile } from "../../engine/modelfile.ts";
 import { probeCuda } from "../../ffi/cuda/backend.ts";
 import { cliOptions, tinyGptTraining } from "../helpers/cli-options.ts";
 import { skip } from "../helpers/skip.ts";
@@ -327,6 +328,18 @@ describe("training runs end to end", () => {
     const unknown = cli("sample", "--model", out, "--prompt", "€");
     expect(unknown.code).toBe(1);
     expect(unknown.err).toContain("is not in the vocabulary");
+  }, 120_000);
+
+  test("gpt --max-steps 1: one step, validated, saved and sampled (a model to look at before training); 0 is refused", () => {
+    const out = join(dir, "one-step.mtm");
+    const r = cli(...tinyGptTraining({ "max-steps": 1, "sample-chars": 8, out }));
+    expect(r.code).toBe(0);
+    expect(r.out).toMatch(/^step 1\/1 \| loss [\d.]+ \| [1-9]\d* tokens\/s/m);
+    expect(r.out).toMatch(/^validation loss: [\d.]+ nats\/token after 1 step in /m);
+    expect(readModelFile(out).header.step).toBe(1);
+    const zero = cli(...tinyGptTraining({ "max-steps": 0, out }));
+    expect(zero.code).toBe(1);
+    expect(zero.err).toStartWith("error: option '--max-steps <n>' argument '0' is invalid. expected an integer >= 1");
   }, 120_000);
 
   test("gpt in f16 on the CPU: autocast GEMMs with loss scaling train as f32 does", () => {

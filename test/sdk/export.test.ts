@@ -98,6 +98,21 @@ describe("export to Hugging Face's GPT-2 layout", () => {
     ).toEqual(["#version: 0.2", "Ġ t", "Ġ a"]);
   });
 
+  test("eval and sample of the exported folder give its model file's loss and tokens (GPT-2 BPE)", () => {
+    expect(cli("export", "--model", "gpt.mtm", "--out", "hf-read").code).toBe(0);
+    const loss = (m: string) => {
+      const r = cli("eval", "--model", m, "--tokens", "data");
+      expect(r.code).toBe(0);
+      return Number(/^validation loss: ([\d.]+) nats\/token/m.exec(r.out)?.[1]);
+    };
+    expect(loss("hf-read")).toBe(loss("gpt.mtm"));
+    const sample = (m: string) => cli("sample", "--model", m, "--prompt", "Call me", "--length", "24", "--seed", "2");
+    const fromFile = sample("gpt.mtm");
+    expect(fromFile.code).toBe(0);
+    expect(fromFile.out.startsWith("Call me")).toBe(true);
+    expect(sample("hf-read").out).toBe(fromFile.out);
+  });
+
   test.skipIf(skip("PyTorch", torch.reason))(
     "PyTorch's GPT-2 forward on the exported tensors gives meshtrain's logits within 1e-4 (transformers too, where importable)",
     () => {

@@ -3,7 +3,9 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { mobyDickPath, readTextFile } from "../../engine/data/text.ts";
 import { writeTokenFile } from "../../engine/data/tokens.ts";
+import { runSample } from "../../sdk/index.ts";
 import { tinyGptTraining } from "../helpers/cli-options.ts";
 
 const root = join(import.meta.dir, "..", "..");
@@ -271,7 +273,82 @@ describe("sample", () => {
       expect(r.out).toStartWith("Call me");
       expect(r.out).toEndWith("\n");
       expect([...r.out].length).toBe(7 + 40 + 1);
-      expect(r.err).toMatch(/^device: (cpu \(no GPU found\)|cuda:0, picked by auto \(.+\))\n$/);
+      expect(r.err).toMatch(
+        /^device: (cpu \(no GPU found\)|cuda:0, picked by auto \(.+\))\nsampled 40 tokens in [\d.]+ s: [\d.]+ tokens\/s \(KV cache\)\n$/,
+      );
+      // the whole window's forward per token gives the same sample
+      const full = cli(
+        "sample",
+        "--model",
+        gptModel,
+        "--prompt",
+        "Call me",
+        "--length",
+        "40",
+        "--seed",
+        "3",
+        "--no-kv-cache",
+      );
+      expect(full.out).toBe(r.out);
+      expect(full.err).toContain("tokens/s (whole window per token)");
+    },
+    timeoutMs,
+  );
+
+  test(
+    "top-p: in (0, 1], else refused with the reason; near 0 it takes the most likely token",
+    () => {
+      for (const bad of ["0", "1.5", "-0.1", "x"]) {
+        const r = cli("sample", "--model", gptModel, "--top-p", bad);
+        expect(r.code).toBe(1);
+        expect(r.err).toStartWith(`error: option '--top-p <p>' argument '${bad}' is invalid.`);
+      }
+      const greedy = (seed: string) =>
+        cli("sample", "--model", gptModel, "--prompt", "Call me", "--length", "20", "--top-p", "1e-9", "--seed", seed);
+      expect(greedy("1").out).toBe(greedy("2").out);
+      const topK1 = cli("sample", "--model", gptModel, "--prompt", "Call me", "--length", "20", "--top-k", "1");
+      expect(greedy("1").out).toBe(topK1.out);
+    },
+    timeoutMs,
+  );
+
+  test(
+    "a Hugging Face folder that export wrote: the same sample and validation loss as its model file",
+    () => {
+      expect(cli("export", "--model", gptModel, "--out", "gpt/hf").code).toBe(0);
+      const args = ["--prompt", "Call me", "--length", "30", "--seed", "4", "--top-p", "0.9"];
+      const fromFile = cli("sample", "--model", gptModel, ...args);
+      const fromFolder = cli("sample", "--model", "gpt/hf", ...args);
+      expect(fromFile.code).toBe(0);
+      expect(fromFolder.out).toBe(fromFile.out);
+      // the SDK's runSample, in this process, on the folder: the same text
+      const sdkSample = runSample({
+        model: join(dir, "gpt", "hf"),
+        prompt: "Call me",
+        length: 30,
+        seed: 4,
+        temperature: 0.8,
+        topK: 0,
+        topP: 0.9,
+        device: "cpu",
+      });
+      expect(`${sdkSample}\n`).toBe(fromFile.out);
+      // the folder records no training: its text is named, here the start of the one it was trained on
+      writeFileSync(join(dir, "moby-start.txt"), readTextFile(mobyDickPath()).slice(0, 20_000));
+      const loss = (model: string) => {
+        const r = cli("eval", "--model", model, "--text", "moby-start.txt");
+        expect(r.code).toBe(0);
+        return number(/^validation loss: ([\d.]+) nats\/char on 1,984 characters/m, r.out);
+      };
+      expect(loss("gpt/hf")).toBe(loss(gptModel));
+      expect(loss(gptModel)).toBeGreaterThan(0);
+      // a folder that is not one: what it lacks
+      mkdirSync(join(dir, "empty"), { recursive: true });
+      const r = cli("sample", "--model", "empty");
+      expect(r.code).toBe(1);
+      expect(lastLines(r.err, 1)[0]).toBe(
+        `meshtrain: DataFileError: ${join(dir, "empty")}: has no config.json: a Hugging Face GPT-2 folder (what meshtrain export writes) has one`,
+      );
     },
     timeoutMs,
   );

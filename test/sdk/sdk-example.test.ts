@@ -16,6 +16,8 @@ test("the SDK's entry point exports the client, the watcher, the local mesh, con
     "JobState",
     "ConfigError",
     "UnknownJobError",
+    "runSample",
+    "runEval",
   ]) {
     expect(sdk).toHaveProperty(name);
   }

@@ -153,6 +153,48 @@ mt_attention_forward_f32(void* out, float* lse, const void* qkv, int64_t B, int6
   });
 }
 
+// Generation's new token: out (B,C) of elem = the last query row's (T-1) attention over keys [0, T),
+// as mt_attention_forward_f32 computes that row (P rounded to elem). One warp per (b, h): lane t
+// takes keys t + 32k, first for the row's max, then for its exponentials and their sum of v; the
+// lanes' sums are then reduced. ffi/cpu/attention.c mt_attention_decode_f32 is the same on the host.
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
+mt_attention_decode_f32(void* out, const void* qkv, int64_t B, int64_t T, int64_t C, int64_t H, float scale,
+                        int32_t elem) {
+  const int lane = threadIdx.x % WARP_SIZE;
+  const int64_t D = C / H, C3 = 3 * C;
+  for (int64_t bh = warp_row(); bh < B * H; bh += warp_row_step()) {
+    const int64_t b = bh / H, h = bh % H, q0 = (b * T + T - 1) * C3 + h * D;
+    float mx = -INFINITY;
+    for (int64_t j = lane; j < T; j += WARP_SIZE) {
+      const int64_t k0 = (b * T + j) * C3 + C + h * D;
+      float dot = 0.0f;
+      for (int64_t d = 0; d < D; d++) dot += mt_load_elem(qkv, q0 + d, elem) * mt_load_elem(qkv, k0 + d, elem);
+      mx = fmaxf(mx, scale * dot);
+    }
+    mx = warp_reduce(mx, MaxOp());
+    float o[ATT_D_MAX];
+    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+    float l = 0.0f;
+    for (int64_t j = lane; j < T; j += WARP_SIZE) {
+      const int64_t k0 = (b * T + j) * C3 + C + h * D, v0 = k0 + C;
+      float dot = 0.0f;
+      for (int64_t d = 0; d < D; d++) dot += mt_load_elem(qkv, q0 + d, elem) * mt_load_elem(qkv, k0 + d, elem);
+      const float e = expf(scale * dot - mx);
+      l += e;
+      const float p = att_round(e, elem);
+      for (int64_t d = 0; d < D; d++) o[d] += p * mt_load_elem(qkv, v0 + d, elem);
+    }
+    l = warp_reduce(l, SumOp());
+    for (int64_t d = 0; d < D; d++) {
+      const float od = warp_reduce(o[d], SumOp());
+      if (lane == 0) mt_store_elem(out, b * C + h * D + d, od / l, elem);
+    }
+  }
+}
+
 // delta (B,H,T) = dout_i . out_i per head (backward's row term), dout and out of elem; one warp
 // per (b, h, i)
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS_MAX)
