@@ -21,6 +21,7 @@ import { optimizerOf } from "../engine/optim/choose.ts";
 import { Rng } from "../engine/rng.ts";
 import { Context } from "../engine/context.ts";
 import { forwardPass, type HostBatch, TrainStep } from "../engine/train.ts";
+import { generationLengths, generationRows } from "./generation.ts";
 import { median, printTable, round } from "./table.ts";
 import {
   bf16PeakFlops,
@@ -195,8 +196,16 @@ export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions):
   ctx.dispose();
   const torch = o.torch ? torchRows(be, o, B) : [];
   const rows = [ours, ...torch];
+  const generation = generationRows(be, config, { precision: o.precision, torch: o.torch, quiet: o.quiet });
   if (!o.quiet) printConfigReport(be, why, o, rows, profile);
   if (!o.quiet) printStepCost(be, cost, ours.step_ms, launches);
+  if (!o.quiet) {
+    const { prompt, count } = generationLengths(shape.blockSize);
+    console.log(
+      `generation: a new token's time after a ${prompt}-token prompt, greedy, batch 1 (median of ${count - 1}; ratio = ours / torch):`,
+    );
+    printTable(generation, ["impl", "prompt_tokens", "new_tokens", "ms_per_token", "tokens_per_s", "ratio"]);
+  }
   return {
     config: o.config,
     ...(launches === null ? {} : { launches_per_step: launches }),
@@ -205,6 +214,7 @@ export function runConfigBench(be: Backend, why: string, o: ConfigBenchOptions):
     batch: B,
     precision: o.precision,
     results: rows,
+    generation,
     ...(o.profile ? { profile } : {}),
   };
 }

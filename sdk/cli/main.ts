@@ -290,12 +290,12 @@ addDoctorCommand(program);
 program
   .command("bench")
   .description(
-    "run a benchmark: engine, kernels, ps, data-loader, checkpoint, trainer, allreduce, stream or client (each prints a table, then one JSON line)",
+    "run a benchmark: engine, kernels, ps, data-loader, prepare, checkpoint, trainer, allreduce, stream or client (each prints a table, then one JSON line)",
   )
   .argument(
     "<name>",
     "benchmark name",
-    choice("engine", "kernels", "ps", "data-loader", "checkpoint", "trainer", "allreduce", "stream", "client"),
+    choice("engine", "kernels", "ps", "data-loader", "prepare", "checkpoint", "trainer", "allreduce", "stream", "client"),
   )
   // the benchmark parses its own options (--steps, --elems, ...)
   .allowUnknownOption(true)

@@ -633,6 +633,19 @@ function attentionTests(): void {
     expectAttentionMatches(flashAttention, B, T, C, H, elem),
   );
 
+  // generation's new token: the last query row over every cached key, as the CPU backend's
+  test.each([
+    [2, 70, 64, 2, "f32"],
+    [1, 33, 256, 2, "bf16"],
+    [2, 40, 64, 2, "f16"],
+  ] as const)("attention decode: B %d T %d C %d H %d %s", (B, T, C, H, elem) => {
+    const args = [B, T, C, H, 1 / Math.sqrt(C / H), elem] as const;
+    const [[qc, qe], [oc, oe]] = [twinElem(normals(B * T * 3 * C, 1.5), elem), outElem(B * C, elem)];
+    be.attentionDecode(oc, qc, ...args);
+    runPlan("attentionDecode", plans.attentionDecode(oe, qe, ...args));
+    const tol = elemTol(elem, elem === "f32" ? 1e-5 : 1e-3);
+    expectClose("out", readElem(oe, B * C, elem), readElem(oc, B * C, elem), tol);
+  });
   test("the hold kernel returns at once on the emulator (bench engine's launch-cost measure)", () => {
     runLaunches([{ kernel: "mt_hold_ns", grid: [1, 1, 1], block: [32, 1, 1], sharedBytes: 0, args: [1_000_000] }]);
   });

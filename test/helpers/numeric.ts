@@ -32,13 +32,20 @@ export function testBackends(): TestBackend[] {
 }
 
 let active: Backend | undefined;
+/** The contexts newContext() made on the backend useBackend() set: a parity suite's tests leave
+ *  theirs to it, and on an emulated GPU (one device's memory for every test file of a process)
+ *  they are disposed when the suite hands the backend back. */
+const madeOnActive: Context[] = [];
 /** The backend newContext() uses (the CPU when unset); a parity suite sets it per block. */
 export function useBackend(backend: Backend | undefined): void {
+  for (const ctx of madeOnActive.splice(0)) ctx.dispose();
   active = backend;
 }
 
 export function newContext(seed = 0, options: Omit<ContextOptions, "seed"> = {}): Context {
-  return new Context(active ?? cpu(), { seed, ...options });
+  const ctx = new Context(active ?? cpu(), { seed, ...options });
+  if (active !== undefined) madeOnActive.push(ctx);
+  return ctx;
 }
 
 export function randn(rng: Rng, n: number, scale = 1): Float64Array {

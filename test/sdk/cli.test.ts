@@ -444,7 +444,7 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
       /--hosts must be at least 2 \(the links are what is measured\), got 1|the hosts bench makes network namespaces: /,
     );
     expect(bench("nope").err).toContain(
-      "usage: bun run bench <engine|kernels|epilogues|ps|checkpoint|data-loader|trainer|allreduce|stream|client|hosts>",
+      "usage: bun run bench <engine|kernels|epilogues|ps|checkpoint|data-loader|prepare|trainer|allreduce|stream|client|hosts>",
     );
     // an attention that cannot run is refused before anything runs, as train gpt refuses it
     expect(bench("engine", "--config", "small", "--attention", "kernel", "--precision", "bf16").err).toContain(
