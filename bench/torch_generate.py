@@ -7,6 +7,7 @@ takes after the prompt's pass (the median of the steps), or {"error": ...}.
 """
 import argparse
 import json
+import math
 import resource
 import time
 
@@ -38,8 +39,13 @@ class Block(nn.Module):
         if cache is not None:
             k = torch.cat([cache[0], k], dim=2)
             v = torch.cat([cache[1], v], dim=2)
-        # the prompt's pass is causal; a new token attends to every cached position
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        # written out (torch before 2.0 has no scaled_dot_product_attention): the prompt's pass is
+        # causal; a new token attends to every cached position
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
+        if T > 1:
+            mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+            att = att.masked_fill(~mask, float("-inf"))
+        y = att.softmax(dim=-1) @ v
         x = x + self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
         x = x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
         return x, [k, v]
