@@ -15,21 +15,17 @@ try:
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
+    from torch_step import Block as StepBlock
 except ImportError as e:  # reported as the benchmark's row, not a traceback
     print(json.dumps({"error": f"no PyTorch: {e}"}))
     raise SystemExit(0)
 
 
-class Block(nn.Module):
+class Block(StepBlock):
+    """torch_step.py's block (its layers), its forward over a KV cache."""
+
     def __init__(self, C, H):
-        super().__init__()
-        self.H = H
-        self.ln_1 = nn.LayerNorm(C)
-        self.c_attn = nn.Linear(C, 3 * C)
-        self.c_proj = nn.Linear(C, C)
-        self.ln_2 = nn.LayerNorm(C)
-        self.c_fc = nn.Linear(C, 4 * C)
-        self.mlp_proj = nn.Linear(4 * C, C)
+        super().__init__(C, H, sdpa=False)
 
     def forward(self, x, cache):
         """x (1,T,C) at the positions after those `cache` holds; cache: [k, v] of (1,H,t,D) or None."""
