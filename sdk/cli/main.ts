@@ -295,7 +295,18 @@ program
   .argument(
     "<name>",
     "benchmark name",
-    choice("engine", "kernels", "ps", "data-loader", "prepare", "checkpoint", "trainer", "allreduce", "stream", "client"),
+    choice(
+      "engine",
+      "kernels",
+      "ps",
+      "data-loader",
+      "prepare",
+      "checkpoint",
+      "trainer",
+      "allreduce",
+      "stream",
+      "client",
+    ),
   )
   // the benchmark parses its own options (--steps, --elems, ...)
   .allowUnknownOption(true)

@@ -6,7 +6,7 @@
 // algorithm, where the aux matrix is misaligned, and where the backend is asked for kernels; and
 // the descriptions gemmCall refuses.
 // Letters: row-major C (M,N) = A (M,K) B^T, B (N,K) as a linear layer's weight; bias (N).
-import { afterAll, describe, expect, test } from "bun:test";
+import { afterEach, describe, expect, test } from "bun:test";
 import { type Backend, type ElemType, type GemmEpilogue, type GemmInput, gemmCall } from "../../ffi/backend.ts";
 import { CudaBackend } from "../../ffi/cuda/backend.ts";
 import { Rng } from "../../engine/rng.ts";
@@ -22,9 +22,11 @@ const toolsMissing =
 const emulated = toolsMissing === null ? await emulatedCuda() : { ok: false as const, reason: toolsMissing };
 const emulatedMissing = emulated.ok ? null : emulated.reason;
 const fakeLt: FakeCublasLt | null = emulated.ok ? await fakeCublasLt() : null;
+// each test's backends, disposed after it: the emulated device's memory is one for every test
+// file a process runs, and each backend holds a cuBLAS workspace
 const owned: CudaBackend[] = [];
-afterAll(() => {
-  for (const be of owned) be.dispose();
+afterEach(() => {
+  for (const be of owned.splice(0)) be.dispose();
 });
 
 const k = 0.7978845608028654; // sqrt(2/pi)
