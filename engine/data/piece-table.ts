@@ -43,7 +43,9 @@ export class PieceTable {
     const ids = this.encodePiece(piece);
     if (this.#size >= this.capacity) return ids;
     this.#hashes[slot] = h;
-    this.#pieces[slot] = piece;
+    // a copy: a slice of the text keeps the whole text alive (a batch of a megabyte or more for
+    // each piece it added: a worker's memory would grow with the corpus until the table is full)
+    this.#pieces[slot] = Buffer.from(piece, "utf16le").toString("utf16le");
     this.#ids[slot] = ids;
     this.#size++;
     return ids;

@@ -2,7 +2,7 @@
 // little-endian int32: magic 20240520, version 1, token count; then the tokens as uint16), at
 // most shardTokens each, named <split>_<n>.bin, and manifest.json, written last, which says what
 // they hold. A character-level folder has vocab.json beside them.
-import { closeSync, existsSync, fsyncSync, openSync, readFileSync, renameSync, writeSync } from "node:fs";
+import { closeSync, existsSync, fsyncSync, openSync, readFileSync, readSync, renameSync, writeSync } from "node:fs";
 import { join } from "node:path";
 import { z } from "zod";
 import { DataFileError } from "./errors.ts";
@@ -62,19 +62,35 @@ export function writeDurably(path: string, parts: readonly Uint8Array[]): void {
   renameSync(tmp, path);
 }
 
-/** Fills shards of at most shardTokens tokens per split, writing each one as it fills. */
+/** Tokens a split's shard holds in memory before they go to its file: a shard of any size is
+ *  written a piece at a time, so memory stays flat whatever --shard-tokens says. */
+export const shardPieceTokens = 1 << 20;
+
+/** One split's shard being written: a temp file that grows a piece at a time. */
+interface OpenShard {
+  fd: number;
+  tmp: string;
+  file: string;
+  /** tokens in the file so far */
+  written: number;
+}
+
+/** Fills shards of at most shardTokens tokens per split, streaming each to a temp file as it
+ *  fills; a full shard gets its header, an fsync and its name (the same durability as
+ *  writeDurably), and its crc32 from the file read back a piece at a time. */
 export class ShardWriter {
   readonly shards: ShardEntry[] = [];
   readonly tokens = { train: 0, val: 0 };
-  readonly #buffers: Record<SplitName, { data: Uint16Array; used: number; next: number }>;
+  readonly #buffers: Record<SplitName, { data: Uint16Array; used: number; next: number; open: OpenShard | null }>;
 
   constructor(
     readonly dir: string,
     readonly shardTokens: number,
   ) {
+    const piece = () => new Uint16Array(Math.min(shardTokens, shardPieceTokens));
     this.#buffers = {
-      train: { data: new Uint16Array(shardTokens), used: 0, next: 0 },
-      val: { data: new Uint16Array(shardTokens), used: 0, next: 0 },
+      train: { data: piece(), used: 0, next: 0, open: null },
+      val: { data: piece(), used: 0, next: 0, open: null },
     };
   }
 
@@ -82,36 +98,82 @@ export class ShardWriter {
     const b = this.#buffers[split];
     this.tokens[split] += ids.length;
     for (let i = 0; i < ids.length; ) {
-      const n = Math.min(ids.length - i, b.data.length - b.used);
+      const room = Math.min(b.data.length - b.used, this.shardTokens - (b.open?.written ?? 0) - b.used);
+      const n = Math.min(ids.length - i, room);
       if (ids instanceof Uint16Array) b.data.set(ids.subarray(i, i + n), b.used);
       else for (let k = 0; k < n; k++) b.data[b.used + k] = ids[i + k]!;
       b.used += n;
       i += n;
-      if (b.used === b.data.length) this.#flush(split);
+      if (b.used === b.data.length || (b.open?.written ?? 0) + b.used === this.shardTokens) this.#spill(split);
+      if (b.open !== null && b.open.written === this.shardTokens) this.#close(split);
     }
   }
 
-  #flush(split: SplitName): void {
+  /** The buffered tokens to the split's open shard file (opened, with room for its header, first). */
+  #spill(split: SplitName): void {
     const b = this.#buffers[split];
     if (b.used === 0) return;
+    if (b.open === null) {
+      const file = shardFile(split, b.next++);
+      const tmp = join(this.dir, `${file}.tmp-${process.pid}`);
+      const fd = openSync(tmp, "w+"); // read back for its crc32
+      b.open = { fd, tmp, file, written: 0 };
+      writeAll(fd, new Uint8Array(4 * headerInts), 0);
+    }
+    const body = new Uint8Array(b.data.buffer, 0, 2 * b.used);
+    writeAll(b.open.fd, body, 4 * headerInts + 2 * b.open.written);
+    b.open.written += b.used;
+    b.used = 0;
+  }
+
+  /** The open shard's header, fsync, its name, and its manifest entry. */
+  #close(split: SplitName): void {
+    const b = this.#buffers[split];
+    const o = b.open;
+    if (o === null) return;
+    b.open = null;
     const header = new Int32Array(headerInts);
     header[0] = llmcMagic;
     header[1] = llmcVersionU16;
-    header[2] = b.used;
-    const head = new Uint8Array(header.buffer);
-    const body = new Uint8Array(b.data.buffer, 0, 2 * b.used);
-    const file = shardFile(split, b.next++);
-    writeDurably(join(this.dir, file), [head, body]);
-    const crc = Bun.hash.crc32(body, Bun.hash.crc32(head));
-    this.shards.push({ file, split, tokens: b.used, crc32: (crc >>> 0).toString(16).padStart(8, "0") });
-    b.used = 0;
+    header[2] = o.written;
+    let crc: number;
+    try {
+      writeAll(o.fd, new Uint8Array(header.buffer), 0);
+      fsyncSync(o.fd);
+      crc = crc32Of(o.fd, 4 * headerInts + 2 * o.written);
+    } finally {
+      closeSync(o.fd);
+    }
+    renameSync(o.tmp, join(this.dir, o.file));
+    this.shards.push({ file: o.file, split, tokens: o.written, crc32: (crc >>> 0).toString(16).padStart(8, "0") });
   }
 
   /** Writes what is left of each split. */
   finish(): ShardEntry[] {
-    for (const s of splits) this.#flush(s);
+    for (const s of splits) {
+      this.#spill(s);
+      this.#close(s);
+    }
     return this.shards;
   }
+}
+
+function writeAll(fd: number, bytes: Uint8Array, position: number): void {
+  for (let at = 0; at < bytes.length; ) at += writeSync(fd, bytes, at, bytes.length - at, position + at);
+}
+
+/** The crc32 of a file's first `length` bytes, read a piece at a time. */
+function crc32Of(fd: number, length: number): number {
+  const piece = new Uint8Array(Math.min(length, 8 << 20));
+  let crc = 0;
+  for (let at = 0; at < length; ) {
+    const n = readSync(fd, piece, 0, Math.min(piece.length, length - at), at);
+    if (n <= 0)
+      throw new DataFileError(`file descriptor ${fd}`, `ended at byte ${at} of ${length} while its crc32 was read`);
+    crc = Bun.hash.crc32(piece.subarray(0, n), crc);
+    at += n;
+  }
+  return crc;
 }
 
 /** The manifest of a prepared folder, or null when it has none (a train.bin/val.bin folder). */

@@ -25,6 +25,22 @@ export const batchesInFlightPerWorker = 2;
 /** Worker threads at most: past a machine's cores they only add memory. */
 export const workersMax = 256;
 
+/** Text read or tokenized between two full collections of a thread's garbage (the texts, their
+ *  pieces and ids): left to the collector's own pace, a heap grows with the input's size, not
+ *  with what it holds. */
+export const collectEveryBytes = 32_000_000;
+
+/** Counts what a thread has read or tokenized, and collects its garbage every collectEveryBytes. */
+export function garbageCollector(): (bytes: number) => void {
+  let since = 0;
+  return (bytes) => {
+    since += bytes;
+    if (since < collectEveryBytes) return;
+    Bun.gc(true);
+    since = 0;
+  };
+}
+
 export function encodeBatch(tokenizer: Tokenizer, texts: readonly string[]): EncodedBatch {
   const parts = texts.map((t) => tokenizer.encode(t));
   const lengths = Uint32Array.from(parts, (p) => p.length);

@@ -3,10 +3,10 @@
 // characters or more), a JSON Lines file (a document per line, in a named field; plain, gzip or
 // zstd, streamed: sdk/local/prepare-jsonl.ts) or a Parquet file (a document per row, in a named
 // column, read a row group at a time: sdk/local/prepare-parquet.ts), or a folder of those.
-import { existsSync, readdirSync, readFileSync, statSync } from "node:fs";
+import { createReadStream, existsSync, readdirSync, readFileSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "../../engine/data/errors.ts";
-import { ConfigError } from "../../ffi/errors.ts";
+import { ConfigError, MeshtrainError } from "../../ffi/errors.ts";
 import { shownPath } from "../user-paths.ts";
 import { jsonlDocuments, jsonlFile } from "./prepare-jsonl.ts";
 import { parquetDocuments } from "./prepare-parquet.ts";
@@ -23,6 +23,10 @@ export interface SourceOptions {
   ext: string;
   /** invalid UTF-8: refuse (an error naming the file and line) or replace with U+FFFD (and say so) */
   invalidUtf8: "refuse" | "replace";
+  /** bytes read from a plain text file at a time (default textReadBytes; tests lower it) */
+  textReadBytes?: number;
+  /** a paragraph's characters at most (default textParagraphCharsMax; tests lower it) */
+  textParagraphCharsMax?: number;
 }
 
 /** The extension of a folder's plain text files unless --ext says otherwise. */
@@ -49,19 +53,78 @@ function readUtf8(path: string, o: SourceOptions, notes: string[]): string {
   return decodeUtf8(bytes, { path, line: 1, offset: 0 }, o.invalidUtf8, notes);
 }
 
-/** A plain text's documents: consecutive paragraphs of at least textDocumentCharsMin characters. */
-function paragraphsOf(text: string, file: string): Document[] {
-  const docs: Document[] = [];
+/** A plain text paragraph longer than this many characters (a file with no blank line, say) is cut
+ *  at its last line break before it, so that reading it holds a bounded piece of it. */
+export const textParagraphCharsMax = 1 << 24;
+
+/** Bytes read from a plain text file at a time. */
+export const textReadBytes = 1 << 20;
+
+/** A plain text file's text in pieces, each ending at a line break (so that no piece ends inside a
+ *  character, and a bad byte is named by its line), checked as UTF-8 as it is read. */
+async function* textPieces(path: string, o: SourceOptions, notes: string[]): AsyncGenerator<string> {
+  const readBytes = o.textReadBytes ?? textReadBytes;
+  const stream = createReadStream(path, { highWaterMark: readBytes });
+  let carry: Buffer = Buffer.alloc(0);
+  let line = 1;
+  let offset = 0;
+  const decode = (bytes: Buffer): string => {
+    const text = decodeUtf8(bytes, { path, line, offset }, o.invalidUtf8, notes);
+    for (let at = bytes.indexOf(0x0a); at >= 0; at = bytes.indexOf(0x0a, at + 1)) line++;
+    offset += bytes.length;
+    return text;
+  };
+  try {
+    for await (const chunk of stream as AsyncIterable<Buffer>) {
+      const bytes = carry.length === 0 ? chunk : Buffer.concat([carry, chunk]);
+      // up to the last line break, or where there is none for long, the last character's start
+      let cut = bytes.lastIndexOf(0x0a) + 1;
+      if (cut === 0 && bytes.length > readBytes) {
+        cut = bytes.length;
+        while (cut > 0 && (bytes[cut - 1]! & 0xc0) === 0x80) cut--;
+        cut = Math.max(cut - 1, 0);
+      }
+      carry = bytes.subarray(cut);
+      if (cut > 0) yield decode(bytes.subarray(0, cut));
+    }
+  } catch (e) {
+    if (e instanceof MeshtrainError) throw e;
+    throw new DataFileError(path, `cannot be read: ${(e as Error).message}`, { cause: e });
+  } finally {
+    stream.destroy();
+  }
+  if (carry.length > 0) yield decode(carry);
+}
+
+/** A plain text's documents, read as a stream: consecutive paragraphs (cut at blank lines) of at
+ *  least textDocumentCharsMin characters. */
+async function* paragraphDocuments(path: string, o: SourceOptions, notes: string[]): AsyncGenerator<Document> {
+  const where = shownPath(path);
   let current = "";
-  for (const para of text.split(/\n[ \t]*\n/)) {
+  const add = function* (para: string): Generator<Document> {
     current = current === "" ? para : `${current}\n\n${para}`;
     if (current.length >= textDocumentCharsMin) {
-      docs.push({ text: current, where: file });
+      yield { text: current, where };
       current = "";
     }
+  };
+  const charsMax = o.textParagraphCharsMax ?? textParagraphCharsMax;
+  // the text after the last blank line so far: the paragraph that the next piece may continue
+  let open = "";
+  for await (const piece of textPieces(path, o, notes)) {
+    const paras = (open + piece).split(/\n[ \t]*\n/);
+    open = paras.pop()!;
+    for (const para of paras) yield* add(para);
+    while (open.length > charsMax) {
+      let cut = open.lastIndexOf("\n", charsMax - 1) + 1 || charsMax;
+      const last = open.charCodeAt(cut - 1);
+      if (last >= 0xd800 && last <= 0xdbff) cut--; // not between a surrogate pair's halves
+      yield* add(open.slice(0, cut));
+      open = open.slice(cut);
+    }
   }
-  if (current.trim() !== "") docs.push({ text: current, where: file });
-  return docs;
+  yield* add(open);
+  if (current.trim() !== "") yield { text: current, where };
 }
 
 /** What a folder holds that is read: Parquet files, JSON Lines files (plain or compressed), or
@@ -96,7 +159,7 @@ export async function* documents(o: SourceOptions, notes: string[]): AsyncGenera
     if (o.parquet !== undefined) yield* parquetDocuments(path, o.parquet, o.invalidUtf8, notes);
     else if (o.jsonl !== undefined) yield* jsonlDocuments(path, o.jsonl, o.invalidUtf8, notes);
     else if (folder) yield { text: readUtf8(path, o, notes), where: shownPath(path) };
-    else yield* paragraphsOf(readUtf8(path, o, notes), shownPath(path));
+    else yield* paragraphDocuments(path, o, notes);
   }
 }
 

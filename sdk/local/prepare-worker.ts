@@ -2,11 +2,12 @@
 // out (sdk/local/prepare-pool.ts sends them and puts the answers back in order).
 import { CharVocab } from "../../engine/data/text.ts";
 import { charTokenizer, gpt2FastTokenizer, type Tokenizer } from "../../engine/data/tokenizer.ts";
-import { encodeBatch, type PoolReply, type PoolRequest } from "./prepare-pool.ts";
+import { encodeBatch, garbageCollector, type PoolReply, type PoolRequest } from "./prepare-pool.ts";
 
 declare const self: Worker;
 
 let tokenizer: Tokenizer | null = null;
+const collect = garbageCollector();
 
 self.onmessage = (e: MessageEvent<PoolRequest>) => {
   const m = e.data;
@@ -23,4 +24,5 @@ self.onmessage = (e: MessageEvent<PoolRequest>) => {
   }
   const transfer = reply.kind === "batch" ? [reply.ids.buffer as ArrayBuffer, reply.lengths.buffer as ArrayBuffer] : [];
   self.postMessage(reply, transfer);
+  collect(m.texts.reduce((n, t) => n + t.length, 0));
 };

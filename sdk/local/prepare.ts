@@ -24,7 +24,7 @@ import { CharVocab } from "../../engine/data/text.ts";
 import { charTokenizer, gpt2Tokenizer, type TokenizerName } from "../../engine/data/tokenizer.ts";
 import { ConfigError } from "../../ffi/errors.ts";
 import { Rng } from "../../engine/rng.ts";
-import { batchCharsMax, type EncodedBatch, tokenizerPool, workersMax } from "./prepare-pool.ts";
+import { batchCharsMax, type EncodedBatch, garbageCollector, tokenizerPool, workersMax } from "./prepare-pool.ts";
 import { bytesOf, documents, type SourceOptions, textExtDefault } from "./prepare-sources.ts";
 
 /** Input bytes per tokenizing thread at least: about two seconds of one thread's work, so that its
@@ -166,7 +166,11 @@ export async function runPrepare(o: PrepareOptions): Promise<PrepareResult> {
   let vocab: CharVocab | null = null;
   if (o.tokenizer === "char") {
     const chars = new Set<string>(["\n"]);
-    for await (const d of documents(o, [])) for (const c of d.text) chars.add(c);
+    const collect = garbageCollector();
+    for await (const d of documents(o, [])) {
+      for (const c of d.text) chars.add(c);
+      collect(d.text.length);
+    }
     vocab = new CharVocab([...chars].sort((a, b) => a.codePointAt(0)! - b.codePointAt(0)!));
   }
   const tokenizer = vocab === null ? gpt2Tokenizer() : charTokenizer(vocab);
@@ -238,9 +242,11 @@ async function tokenizeInOrder(
     chars = 0;
     while (inFlight.length >= pool.inFlightMax) await takeFirst();
   };
+  const collect = garbageCollector();
   const takeFirst = async () => {
     const b = inFlight.shift()!;
     take(await b.encoded, b.bytes);
+    collect(b.bytes);
   };
   try {
     for await (const d of documents(o, notes)) {

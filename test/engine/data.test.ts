@@ -1,7 +1,7 @@
 // Data readers: the real MNIST and Moby Dick files, token files in both layouts, and every
 // malformed-file case with an error that names the file and the problem.
 import { afterAll, describe, expect, test } from "bun:test";
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { DataFileError } from "../../engine/data/errors.ts";
@@ -10,7 +10,7 @@ import { loadMnist, mnistMean, mnistStd, parseIdx, readIdx } from "../../engine/
 import { epochOrder, trainValSplit } from "../../engine/data/sampler.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts";
 import { llmcMagic, readTokenFile, splitTokens, TokenBatcher, writeTokenFile } from "../../engine/data/tokens.ts";
-import { ShardWriter } from "../../engine/data/shards.ts";
+import { ShardWriter, shardPieceTokens } from "../../engine/data/shards.ts";
 import { MemoryTokens, readTokens, ShardTokens } from "../../engine/data/token-stream.ts";
 import { gpt2Tokenizer, streamDecoder } from "../../engine/data/tokenizer.ts";
 import { Rng } from "../../engine/rng.ts";
@@ -234,6 +234,35 @@ describe("uint16 token files", () => {
       cut,
       "is 1124 bytes, its header says 1218",
     );
+  });
+
+  test("a shard larger than the writer's piece in memory is streamed to its file: the same tokens, the file's crc32, no temp file left", () => {
+    const d = mkdtempSync(join(dir, "big-shards-"));
+    const shardTokens = 2 * shardPieceTokens + 5;
+    const all = Uint16Array.from({ length: 5 * shardPieceTokens + 3 }, (_, i) => (i * 7919 + 13) % 50257);
+    const w = new ShardWriter(d, shardTokens);
+    // pushes of odd sizes, one crossing a piece and a shard at once
+    for (let at = 0, n = 1; at < all.length; at += n, n = (n * 3 + 1) % (shardPieceTokens + 11) || 1)
+      w.push("train", all.subarray(at, Math.min(at + n, all.length)));
+    w.push("val", [1, 2, 3]);
+    const shards = w.finish();
+    expect(shards.filter((s) => s.split === "train").map((s) => s.tokens)).toEqual([
+      shardTokens,
+      shardTokens,
+      all.length - 2 * shardTokens,
+    ]);
+    for (const s of shards) {
+      const bytes = readFileSync(join(d, s.file));
+      expect(s.crc32).toBe((Bun.hash.crc32(bytes) >>> 0).toString(16).padStart(8, "0"));
+    }
+    expect(readdirSync(d).filter((f) => f.includes(".tmp-"))).toEqual([]);
+    const disk = new ShardTokens(
+      d,
+      shards.filter((s) => s.split === "train"),
+    );
+    expect(readTokens(disk, 0, all.length)).toEqual(readTokens(new MemoryTokens(all), 0, all.length));
+    disk.close();
+    expect(Array.from(readTokenFile(join(d, shards.find((s) => s.split === "val")!.file)))).toEqual([1, 2, 3]);
   });
 
   test("train/validation split keeps order", () => {

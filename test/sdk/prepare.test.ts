@@ -21,6 +21,7 @@ import gpt2Ranks from "js-tiktoken/ranks/gpt2";
 import { llmcMagic, readTokenFile } from "../../engine/data/tokens.ts";
 import { type PrepareOptions, prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
 import { invalidUtf8At } from "../../sdk/local/prepare-utf8.ts";
+import { documents, textDocumentCharsMin } from "../../sdk/local/prepare-sources.ts";
 import { sotuDir } from "../helpers/big-corpus.ts";
 import { runCli } from "../helpers/cli.ts";
 
@@ -115,6 +116,49 @@ describe("prepare", () => {
     expect(() => loadCorpus({ tokensDir: out, vocabSize: 50257, valFraction: 0 })).toThrow(
       /prepared with a vocabulary of 83/,
     );
+  });
+
+  test("a plain text is read as a stream: the documents of the whole text's paragraphs wherever a read ends; a bad byte past the first read named by its line; an endless paragraph cut at a line break", async () => {
+    // the whole text's split, as prepare made it when it read a file whole
+    const whole = (text: string) => {
+      const docs: string[] = [];
+      let current = "";
+      for (const para of text.split(/\n[ \t]*\n/)) {
+        current = current === "" ? para : `${current}\n\n${para}`;
+        if (current.length >= textDocumentCharsMin) {
+          docs.push(current);
+          current = "";
+        }
+      }
+      if (current.trim() !== "") docs.push(current);
+      return docs;
+    };
+    const read = async (path: string, over: Partial<PrepareOptions> = {}) => {
+      const docs: string[] = [];
+      for await (const d of documents(opts({ text: path, out: dir, ...over }), [])) docs.push(d.text);
+      return docs;
+    };
+    // Moby Dick, with blank lines of spaces and tabs, runs of them, and characters of 2 to 4 bytes
+    const text = `${readFileSync(mobyDickPath(), "utf8").slice(0, 300_000)}\n \t\n\n\n\t\nélan 🐋 ${"whale ".repeat(3000)}\n\n`;
+    const p = bad("stream.txt", text);
+    const expected = whole(text);
+    expect(expected.length).toBeGreaterThan(20);
+    for (const bytes of [61, 4096, 1 << 22]) expect(await read(p, { textReadBytes: bytes })).toEqual(expected);
+    // a bad byte in the second read: its line counts the lines of the reads before
+    const latin = bad("stream-latin1.txt", new Uint8Array([...new TextEncoder().encode("a b\n".repeat(5000)), 0xe9]));
+    await expect(read(latin, { textReadBytes: 4096 })).rejects.toThrow(
+      /stream-latin1\.txt: line 5001: invalid UTF-8 at byte 20000/,
+    );
+    // no blank line at all: pieces of at most the cap, cut after a line break where there is one
+    const endless = bad("endless.txt", `${"🐋 whale\n".repeat(4000)}x${"🐋".repeat(25_000)}`);
+    const cutDocs = await read(endless, { textReadBytes: 1000, textParagraphCharsMax: 20_000 });
+    expect(cutDocs.join("").replaceAll("\n", "")).toBe(readFileSync(endless, "utf8").replaceAll("\n", ""));
+    expect(cutDocs.length).toBeGreaterThan(3);
+    for (const d of cutDocs.slice(0, -1)) expect(d.length).toBeLessThanOrEqual(20_000);
+    // cut after a line break, but where 25,000 whales have none: twice at the cap, and the file's end
+    expect(cutDocs.filter((d) => !d.endsWith("\n")).length).toBe(3);
+    // a cut at the cap inside a whale (two UTF-16 units) would leave lone halves
+    for (const d of cutDocs) expect(d.isWellFormed()).toBe(true);
   });
 
   test("JSON Lines: one document per line, from the named field", async () => {
