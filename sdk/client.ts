@@ -25,6 +25,7 @@ import {
   awaitMembers,
   meshMembers,
   type MeshMembers,
+  type MeshNeeds,
   type MetricsEndpoint,
   metricsEndpoints,
 } from "../services/runtime/mesh/discovery.ts";
@@ -211,9 +212,10 @@ export class MeshClient implements AsyncDisposable {
     }
   }
 
-  /** Who is on the mesh now ($SRV discovery). */
-  async members(): Promise<MeshMembers> {
-    return await meshMembers(this.bus);
+  /** Who is on the mesh now ($SRV discovery); with `needs`, whether it runs what they say, at
+   *  once when it does (other members may then be left out). */
+  async members(needs?: MeshNeeds): Promise<MeshMembers> {
+    return await meshMembers(this.bus, { needs });
   }
 
   /**
@@ -223,7 +225,7 @@ export class MeshClient implements AsyncDisposable {
    */
   async collectivePlan(cfg: JobConfig): Promise<CollectivePlan | null> {
     if (usesShards(cfg) || modelParallel(cfg)) return null;
-    const seen = await this.members();
+    const seen = await this.members({ job: cfg.job, trainers: cfg.trainers, shards: 0, sync: "allreduce" });
     return collectivePlan(
       cfg,
       Array.from({ length: cfg.trainers }, (_, r) => seen.trainerPlaces?.[r]),
@@ -244,7 +246,7 @@ export class MeshClient implements AsyncDisposable {
     waitMs: number,
     signal?: AbortSignal,
   ): Promise<boolean> {
-    return await awaitMembers(() => this.members(), cfg, waitMs, this.url, signal);
+    return await awaitMembers((needs) => this.members(needs), cfg, waitMs, this.url, signal);
   }
 
   /**
@@ -581,7 +583,7 @@ export class MeshClient implements AsyncDisposable {
     if (!usesShards(cfg) && to.shards !== undefined && to.shards !== cfg.shards)
       throw new BadRequestError(`job ${job} runs in all-reduce mode: it has no parameter-server shards to resize`);
     await awaitMembers(
-      () => this.members(),
+      (needs) => this.members(needs),
       { job, trainers, shards, sync: cfg.sync },
       o.membersWaitMs ?? submitMembersWaitMs,
       this.url,

@@ -48,7 +48,7 @@ import {
 import { decodeManifest, type Manifest } from "../../schemas/messages/checkpoint.ts";
 import { encodeTrainerStats } from "../../schemas/messages/trainer.ts";
 import { type Bus, requestWhileAway, type Subscription } from "../runtime/mesh/bus.ts";
-import { awaitMembers, type MeshMembers } from "../runtime/mesh/discovery.ts";
+import { awaitMembers, type MeshMembers, type MeshNeeds } from "../runtime/mesh/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/job/evals.ts";
 import { BadRequestError } from "../runtime/mesh/errors.ts";
 import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
@@ -99,7 +99,7 @@ export interface TrainerOptions {
   /** the submission this run belongs to (its spec's attempt): it ends only that one */
   attempt?: number;
   /** who is on the mesh ($SRV discovery); absent: not checked */
-  members?: () => Promise<MeshMembers>;
+  members?: (needs?: MeshNeeds) => Promise<MeshMembers>;
   /** all-reduce mode: collective settings over the defaults (tests shorten the timeouts) */
   collective?: Pick<ReplicaOptions, "transport" | "progressTimeoutMs">;
   /** all-reduce mode on GPUs: where NCCL communicators exchange their ids (the job store) */
@@ -250,14 +250,16 @@ export class TrainerRun {
     // discovery and must decide alike (a rank planning the ring while the others plan NCCL would
     // leave both waiting), so a reply that misses a rank (a discovery round under load) is asked again.
     const started = Date.now();
-    let seen = await members();
+    // every rank's announcement, and no wait for other ranks' once they are in
+    const ranks: MeshNeeds = { job: cfg.job, trainers: cfg.trainers, shards: 0, sync: "allreduce" };
+    let seen = await members(ranks);
     const complete = (m: MeshMembers) =>
       Array.from({ length: cfg.trainers }, (_, r) => r).every(
         (r) => m.trainerHosts?.[r] !== undefined && m.trainerPlaces?.[r] !== undefined,
       );
     while (!complete(seen) && Date.now() - started < membersWaitMsMax && !this.#stopped) {
       await pause(placesRetryMs, this.#stopSignal.signal);
-      seen = await members();
+      seen = await members(ranks);
     }
     const known = seen.trainerHosts ?? {};
     const hosts = Array.from({ length: cfg.trainers }, (_, r) => known[r] ?? "");

@@ -108,7 +108,7 @@ await runService<Config>({
       log,
       payloadBytesMax: config.payloadBytesMax,
       control: ledger,
-      members: () => meshMembers(bus),
+      members: (needs) => meshMembers(bus, { needs }),
       ncclIds: ncclIdExchange(bus),
       stepDelayMs: config.stepDelayMs,
       host: config.host,

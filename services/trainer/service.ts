@@ -3,7 +3,7 @@
 import type { Backend } from "../../ffi/backend.ts";
 import { type JobSpec, JobState } from "../../schemas/messages/job.ts";
 import type { Bus } from "../runtime/mesh/bus.ts";
-import type { MeshMembers } from "../runtime/mesh/discovery.ts";
+import type { MeshMembers, MeshNeeds } from "../runtime/mesh/discovery.ts";
 import { planOfSpec } from "../runtime/job/plan.ts";
 import { configOfSpec, type JobConfig } from "../runtime/job/config.ts";
 import type { JobControl } from "../runtime/job/ledger.ts";
@@ -20,7 +20,7 @@ export interface TrainerDeps {
   log?: Logger;
   payloadBytesMax: number;
   control?: JobControl;
-  members?: () => Promise<MeshMembers>;
+  members?: (needs?: MeshNeeds) => Promise<MeshMembers>;
   /** all-reduce jobs on GPUs: where NCCL communicators exchange their ids (the job store) */
   ncclIds?: NcclIdExchange;
   /** test-only: sleep this long in every step's compute (a straggler on purpose) */

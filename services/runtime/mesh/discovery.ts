@@ -23,13 +23,25 @@ export interface MeshMembers {
 /** How long to collect $SRV.INFO replies: every live service answers within a few ms. */
 export const discoveryWaitMs = 750;
 
-async function infos(nc: NatsConnection, name: string, waitMs: number): Promise<Record<string, string>[]> {
+/** The metadata of every `name` service that answers within waitMs; with `enough`, the answers
+ *  so far as soon as it says they are enough (a job's ranks have all answered: no reason to
+ *  wait out the window). */
+async function infos(
+  nc: NatsConnection,
+  name: string,
+  waitMs: number,
+  enough?: (metas: Record<string, string>[]) => boolean,
+): Promise<Record<string, string>[]> {
   // @nats-io/services is built against its own copy of nats-core; the protocol object is the same
   const svcm = new Svcm(nc as unknown as ConstructorParameters<typeof Svcm>[0]);
   const out: Record<string, string>[] = [];
+  if (enough?.(out)) return out;
   try {
     const it = await svcm.client({ strategy: "timer", maxWait: waitMs }).info(name);
-    for await (const info of it) out.push(info.metadata ?? {});
+    for await (const info of it) {
+      out.push(info.metadata ?? {});
+      if (enough?.(out)) break;
+    }
   } catch (e) {
     // nobody answers: none of these runs (the server says so at once, before the timer), or
     // those that run did not answer within the window (a machine under load, a link cut off):
@@ -42,10 +54,34 @@ async function infos(nc: NatsConnection, name: string, waitMs: number): Promise<
 const indices = (metas: Record<string, string>[], key: string): number[] =>
   [...new Set(metas.map((m) => Number(m[key])).filter((n) => Number.isInteger(n) && n >= 0))].sort((a, b) => a - b);
 
-export async function meshMembers(bus: NatsBus, waitMs = discoveryWaitMs): Promise<MeshMembers> {
+/** Whether the answers hold every index from 0 to n - 1 under `key`. */
+const holdsIndices = (metas: Record<string, string>[], key: string, n: number): boolean =>
+  indices(metas, key).filter((i) => i < n).length === n;
+
+/**
+ * Who is on the mesh: every service that answers within waitMs. With `needs`, only whether the
+ * mesh runs what a job needs: each kind of service stops being waited for once the ones the job
+ * needs have answered (the lists may then leave out others that run).
+ */
+export async function meshMembers(
+  bus: NatsBus,
+  o: { waitMs?: number; needs?: Omit<MeshNeeds, "job"> } = {},
+): Promise<MeshMembers> {
   const nc = bus.nc;
+  const waitMs = o.waitMs ?? discoveryWaitMs;
+  const n = o.needs;
+  const shardsNeeded = n === undefined ? 0 : n.sync === "allreduce" ? 0 : n.shards;
+  const enough: Record<string, ((metas: Record<string, string>[]) => boolean) | undefined> =
+    n === undefined
+      ? {}
+      : {
+          trainer: (m) => holdsIndices(m, "rank", n.trainers),
+          "parameter-server": (m) => holdsIndices(m, "shard", shardsNeeded),
+          "data-loader": (m) => m.length > 0,
+          checkpoint: (m) => m.length > 0,
+        };
   const [trainers, shards, loaders, checkpoints] = await Promise.all(
-    ["trainer", "parameter-server", "data-loader", "checkpoint"].map((n) => infos(nc, n, waitMs)),
+    ["trainer", "parameter-server", "data-loader", "checkpoint"].map((name) => infos(nc, name, waitMs, enough[name])),
   );
   const trainerHosts: Record<number, string> = {};
   const trainerPlaces: Record<number, TrainerPlace> = {};
@@ -143,7 +179,7 @@ const membersPollMs = 250;
  * look). A busy service can miss one look's window, so callers give a few seconds at least.
  */
 export async function awaitMembers(
-  members: () => Promise<MeshMembers>,
+  members: (needs?: MeshNeeds) => Promise<MeshMembers>,
   cfg: MeshNeeds,
   waitMs: number,
   where: string,
@@ -152,9 +188,10 @@ export async function awaitMembers(
   const deadline = Date.now() + waitMs;
   for (;;) {
     if (signal?.aborted) return false;
-    const m = await members();
+    const m = await members(cfg);
     if (missingMembers(cfg, m).length === 0) return true;
-    if (Date.now() >= deadline) throw new CapacityError(capacityMessage(cfg, m, where));
+    // the message names everything the mesh runs: a look that waits for every answer
+    if (Date.now() >= deadline) throw new CapacityError(capacityMessage(cfg, await members(), where));
     await pause(membersPollMs, signal);
   }
 }
