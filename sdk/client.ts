@@ -214,8 +214,8 @@ export class MeshClient implements AsyncDisposable {
 
   /** Who is on the mesh now ($SRV discovery); with `needs`, whether it runs what they say, at
    *  once when it does (other members may then be left out). */
-  async members(needs?: MeshNeeds): Promise<MeshMembers> {
-    return await meshMembers(this.bus, { needs });
+  async members(needs?: MeshNeeds, windowMs?: number): Promise<MeshMembers> {
+    return await meshMembers(this.bus, { needs, waitMs: windowMs });
   }
 
   /**
@@ -246,7 +246,7 @@ export class MeshClient implements AsyncDisposable {
     waitMs: number,
     signal?: AbortSignal,
   ): Promise<boolean> {
-    return await awaitMembers((needs) => this.members(needs), cfg, waitMs, this.url, signal);
+    return await awaitMembers((needs, windowMs) => this.members(needs, windowMs), cfg, waitMs, this.url, signal);
   }
 
   /**
@@ -583,7 +583,7 @@ export class MeshClient implements AsyncDisposable {
     if (!usesShards(cfg) && to.shards !== undefined && to.shards !== cfg.shards)
       throw new BadRequestError(`job ${job} runs in all-reduce mode: it has no parameter-server shards to resize`);
     await awaitMembers(
-      (needs) => this.members(needs),
+      (needs, windowMs) => this.members(needs, windowMs),
       { job, trainers, shards, sync: cfg.sync },
       o.membersWaitMs ?? submitMembersWaitMs,
       this.url,

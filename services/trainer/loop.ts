@@ -99,7 +99,7 @@ export interface TrainerOptions {
   /** the submission this run belongs to (its spec's attempt): it ends only that one */
   attempt?: number;
   /** who is on the mesh ($SRV discovery); absent: not checked */
-  members?: (needs?: MeshNeeds) => Promise<MeshMembers>;
+  members?: (needs?: MeshNeeds, windowMs?: number) => Promise<MeshMembers>;
   /** all-reduce mode: collective settings over the defaults (tests shorten the timeouts) */
   collective?: Pick<ReplicaOptions, "transport" | "progressTimeoutMs">;
   /** all-reduce mode on GPUs: where NCCL communicators exchange their ids (the job store) */

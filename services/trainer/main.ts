@@ -108,7 +108,7 @@ await runService<Config>({
       log,
       payloadBytesMax: config.payloadBytesMax,
       control: ledger,
-      members: (needs) => meshMembers(bus, { needs }),
+      members: (needs, waitMs) => meshMembers(bus, { needs, waitMs }),
       ncclIds: ncclIdExchange(bus),
       stepDelayMs: config.stepDelayMs,
       host: config.host,

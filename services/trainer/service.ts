@@ -20,7 +20,7 @@ export interface TrainerDeps {
   log?: Logger;
   payloadBytesMax: number;
   control?: JobControl;
-  members?: (needs?: MeshNeeds) => Promise<MeshMembers>;
+  members?: (needs?: MeshNeeds, windowMs?: number) => Promise<MeshMembers>;
   /** all-reduce jobs on GPUs: where NCCL communicators exchange their ids (the job store) */
   ncclIds?: NcclIdExchange;
   /** test-only: sleep this long in every step's compute (a straggler on purpose) */

@@ -170,8 +170,8 @@ export function capacityMessage(cfg: MeshNeeds, m: MeshMembers, where: string): 
   );
 }
 
-/** Pause between looks while waiting for members to register. */
-const membersPollMs = 250;
+/** Pause between looks while waiting for members to register, and the first look's window. */
+const membersPollMs = 100;
 
 /**
  * Waits until the mesh runs every rank, shard and service the job needs: true then; false when
@@ -179,16 +179,18 @@ const membersPollMs = 250;
  * look). A busy service can miss one look's window, so callers give a few seconds at least.
  */
 export async function awaitMembers(
-  members: (needs?: MeshNeeds) => Promise<MeshMembers>,
+  members: (needs?: MeshNeeds, windowMs?: number) => Promise<MeshMembers>,
   cfg: MeshNeeds,
   waitMs: number,
   where: string,
   signal?: AbortSignal,
 ): Promise<boolean> {
   const deadline = Date.now() + waitMs;
-  for (;;) {
+  // a look's window grows while something is missing: a mesh that is starting is looked at
+  // often, a busy one (slow to answer) is given discovery's whole window
+  for (let windowMs = membersPollMs; ; windowMs = Math.min(2 * windowMs, discoveryWaitMs)) {
     if (signal?.aborted) return false;
-    const m = await members(cfg);
+    const m = await members(cfg, windowMs);
     if (missingMembers(cfg, m).length === 0) return true;
     // the message names everything the mesh runs: a look that waits for every answer
     if (Date.now() >= deadline) throw new CapacityError(capacityMessage(cfg, await members(), where));
