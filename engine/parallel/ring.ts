@@ -161,6 +161,9 @@ class RingOp {
   ) {
     this.id = opId(group, key.step, key.bucket);
     this.#receivesLeft = receives;
+    // an operation whose step is abandoned (a restore) fails with nobody awaiting it: not an
+    // unhandled rejection, which would end the process; whoever awaits `done` still sees it
+    this.#done.promise.catch(() => {});
     this.#timer = setInterval(
       () => {
         const idleMs = performance.now() - this.#progressAt;

@@ -13,6 +13,9 @@ import { runJob, startMesh, stepLosses } from "../helpers/mesh-jobs.ts";
 
 afterAll(removeTempDirs);
 
+/** Steps of every job: a snapshot every 6, a validation pass every 12. */
+const steps = 24;
+
 const config = (over: Partial<JobConfig>): JobConfig =>
   parseJobConfig({
     ...gptJobDefaults,
@@ -20,11 +23,13 @@ const config = (over: Partial<JobConfig>): JobConfig =>
     model: { kind: "gpt", blockSize: 32, nLayer: 4, nHead: 4, nEmbd: 64, dropout: 0, vocabSize: 0 },
     batchSize: 16,
     accumSteps: 4,
-    maxSteps: 40,
-    evalEvery: 20,
-    checkpointEvery: 10,
-    warmupSteps: 10,
-    replicaCheckEvery: 20,
+    maxSteps: steps,
+    evalEvery: 12,
+    // validation over 8 micro-batches, not the whole split (that took 4 s to 11 s a pass)
+    evalBatches: 8,
+    checkpointEvery: 6,
+    warmupSteps: 6,
+    replicaCheckEvery: 12,
     chunkBytes: 16 << 10,
     ...over,
   });
@@ -62,7 +67,7 @@ describe("model-parallel jobs on the mesh", () => {
     const chaos = await run(
       config({ job: "default.mp-kill", trainers: 4, pipelineStages: 2, tensorParallel: 2 }),
       (e) => {
-        if (!killed && e.kind === EventKind.Step && e.step >= 15) {
+        if (!killed && e.kind === EventKind.Step && e.step >= 9) {
           killed = true;
           mesh.kill("trainer-2"); // stage 1, tensor rank 0: the rank that speaks for the copy
         }
@@ -77,26 +82,26 @@ describe("model-parallel jobs on the mesh", () => {
       quiet: true,
       onEvent: (e) => {
         firstPart.push(e);
-        if (cancelled === null && e.kind === EventKind.Checkpoint && e.step >= 20)
+        if (cancelled === null && e.kind === EventKind.Checkpoint && e.step >= 12)
           cancelled = client.cancel(relayout.job);
       },
     }).catch(() => {});
     await cancelled;
     const resumed = await run({ ...relayout, pipelineStages: 4, tensorParallel: 1 });
     const restoredAt = resumed.seen.find((e) => e.kind === EventKind.Restore)!.step;
-    expect(restoredAt).toBeGreaterThanOrEqual(20);
+    expect(restoredAt).toBeGreaterThanOrEqual(12);
     const stitched = [...losses(firstPart).slice(0, restoredAt), ...losses(resumed.seen)]; // the resumed run's steps start at its restore
-    expect(plain.losses.length).toBe(40);
+    expect(plain.losses.length).toBe(steps);
     for (const [name, r] of [
       ["1x2x2", pt],
       ["2x2x1", dp],
       ["1x2x2 with a SIGKILL", chaos],
       ["1x2x2, resumed as 1x4x1", { ...resumed, losses: stitched }],
     ] as const) {
-      expect(r.losses.length).toBe(40);
+      expect(r.losses.length).toBe(steps);
       const worst = Math.max(...r.losses.map((l, i) => relDiff(l, plain.losses[i]!)));
       console.log(
-        `${name}: worst relative loss difference to 1 trainer over 40 steps ${worst.toExponential(2)}; val loss ${r.record.loss.toFixed(5)} ` +
+        `${name}: worst relative loss difference to 1 trainer over ${steps} steps ${worst.toExponential(2)}; val loss ${r.record.loss.toFixed(5)} ` +
           `(1 trainer ${plain.record.loss.toFixed(5)}); restores ${r.seen.filter((e) => e.kind === EventKind.Restore).length}`,
       );
       expect(worst).toBeLessThan(1e-4);
@@ -108,8 +113,8 @@ describe("model-parallel jobs on the mesh", () => {
     // one rank of each copy speaks for it: Step events of rank 0 (one copy) or 0 and 1 (two), once a step
     const speakers = (r: { seen: Event[] }) =>
       r.seen.filter((e) => e.kind === EventKind.Step).map((e) => `${e.rank}@${e.step}`);
-    expect(speakers(pt)).toEqual(Array.from({ length: 40 }, (_, s) => `0@${s}`));
-    expect(new Set(speakers(dp)).size).toBe(80);
+    expect(speakers(pt)).toEqual(Array.from({ length: steps }, (_, s) => `0@${s}`));
+    expect(new Set(speakers(dp)).size).toBe(2 * steps);
     expect(new Set(dp.seen.filter((e) => e.kind === EventKind.Step).map((e) => e.rank))).toEqual(new Set([0, 1]));
     expect(chaos.seen.filter((e) => e.kind === EventKind.Restore).length).toBeGreaterThan(0);
     // the snapshot is the whole model's: every rank of the first copy served its share

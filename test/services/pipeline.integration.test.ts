@@ -1,7 +1,7 @@
 // Model parallelism over a real nats-server, one process per rank (bench/pipeline-stage.ts): the
 // activations and their gradients go between the stages' processes, and the tensor ranks' and
 // replicas' reductions between theirs, as FlatBuffers CollPiece messages on each rank's subject;
-// P = 2 and 4, data x pipeline 2x2 and pipeline x tensor 2x2 repeat the single process's 20 steps.
+// P = 2 and 4, data x pipeline 2x2 and pipeline x tensor 2x2 repeat the single process's steps.
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -28,7 +28,7 @@ afterAll(async () => {
 const base = {
   micro: 4,
   microBatch: 4,
-  steps: 20,
+  steps: 10,
   model: { vocabSize: 29, blockSize: 32, nLayer: 4, nHead: 4, nEmbd: 64, dropout: 0 },
   seed: 3,
   lr: 2e-3,
@@ -51,7 +51,7 @@ describe("model-parallel GPT over NATS, one process per rank", () => {
     [{ data: 1, stages: 2, tensor: 2 }, "1f1b"],
   ] as const) {
     const name = `${layout.data}x${layout.stages}x${layout.tensor}`;
-    test(`${name} (data x pipeline x tensor) ${schedule}: the single process's losses for 20 steps, and its parameters`, async () => {
+    test(`${name} (data x pipeline x tensor) ${schedule}: the single process's losses for ${base.steps} steps, and its parameters`, async () => {
       const job = `mp${name.replace(/x/g, "")}${schedule.replace(/\W/g, "")}`;
       const size = layout.data * layout.stages * layout.tensor;
       const plans: StagePlan[] = Array.from({ length: size }, (_, rank) => ({
