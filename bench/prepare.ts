@@ -55,15 +55,18 @@ const columns: readonly (keyof PrepareBenchResult)[] = [
 
 const sotuDir = join(import.meta.dir, "..", "node_modules", "@stdlib", "datasets-sotu", "data");
 
+/** Moby Dick and the State of the Union's addresses, in order. */
+const bookFiles = (): string[] => [
+  mobyDickPath(),
+  ...readdirSync(sotuDir)
+    .filter((f) => f.endsWith(".txt"))
+    .sort()
+    .map((f) => join(sotuDir, f)),
+];
+
 /** A folder of copies of the two books' files, at least mb MB in all; its files and their bytes. */
 function writeCorpus(dir: string, mb: number): { files: string[]; bytes: number } {
-  const books = [
-    mobyDickPath(),
-    ...readdirSync(sotuDir)
-      .filter((f) => f.endsWith(".txt"))
-      .sort()
-      .map((f) => join(sotuDir, f)),
-  ];
+  const books = bookFiles();
   const files: string[] = [];
   let bytes = 0;
   for (let copy = 0; bytes < mb * 1e6; copy++)
@@ -178,13 +181,7 @@ const memoryColumns: readonly (keyof PrepareMemoryResult)[] = [
 /** Writes copies of the books as one plain text file and as one .jsonl.zst (a line per book,
  *  compressed a copy at a time: a zstd stream of several frames), each about mb MB of text. */
 function writeSingleFiles(dir: string, mb: number): { text: string; jsonl: string; bytes: number } {
-  const books = [
-    mobyDickPath(),
-    ...readdirSync(sotuDir)
-      .filter((f) => f.endsWith(".txt"))
-      .sort()
-      .map((f) => join(sotuDir, f)),
-  ].map((f) => readFileSync(f));
+  const books = bookFiles().map((f) => readFileSync(f));
   const text = join(dir, `corpus-${mb}.txt`);
   const jsonl = join(dir, `corpus-${mb}.jsonl.zst`);
   const t = openSync(text, "w");
