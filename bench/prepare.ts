@@ -172,6 +172,7 @@ export interface PrepareMemoryResult {
 const memoryColumns: readonly (keyof PrepareMemoryResult)[] = [
   "input",
   "mb",
+  "threads",
   "tokens",
   "seconds",
   "peak_rss_mb",

@@ -28,6 +28,7 @@ import {
   type MeshNeeds,
   type MetricsEndpoint,
   metricsEndpoints,
+  rankNeeds,
 } from "../services/runtime/mesh/discovery.ts";
 import {
   BadRequestError,
@@ -225,7 +226,7 @@ export class MeshClient implements AsyncDisposable {
    */
   async collectivePlan(cfg: JobConfig): Promise<CollectivePlan | null> {
     if (usesShards(cfg) || modelParallel(cfg)) return null;
-    const seen = await this.members({ job: cfg.job, trainers: cfg.trainers, shards: 0, sync: "allreduce" });
+    const seen = await this.members(rankNeeds(cfg));
     return collectivePlan(
       cfg,
       Array.from({ length: cfg.trainers }, (_, r) => seen.trainerPlaces?.[r]),

@@ -5,9 +5,9 @@ import { createReadStream } from "node:fs";
 import type { Readable } from "node:stream";
 import { createGunzip, createZstdDecompress } from "node:zlib";
 import { DataFileError } from "../../engine/data/errors.ts";
-import { MeshtrainError } from "../../ffi/errors.ts";
 import { shownPath } from "../user-paths.ts";
 import type { Document } from "./prepare-sources.ts";
+import { lineBlocks } from "./prepare-lines.ts";
 import { decodeUtf8, type InvalidUtf8 } from "./prepare-utf8.ts";
 
 /** The names a JSON Lines file goes by; the extension after .jsonl says how it is compressed. */
@@ -26,38 +26,18 @@ function decompressed(path: string): Readable {
 
 /** The file's lines as bytes, with where each begins (its line number, its byte offset). */
 async function* lines(path: string): AsyncGenerator<{ bytes: Uint8Array; line: number; offset: number }> {
-  const stream = decompressed(path);
-  let pending: Buffer[] = [];
-  let pendingBytes = 0;
-  let line = 1;
-  let offset = 0;
-  try {
-    for await (const chunk of stream as AsyncIterable<Buffer>) {
-      let start = 0;
-      for (let nl = chunk.indexOf(0x0a); nl >= 0; nl = chunk.indexOf(0x0a, start)) {
-        const bytes =
-          pending.length === 0 ? chunk.subarray(start, nl) : Buffer.concat([...pending, chunk.subarray(start, nl)]);
-        yield { bytes, line, offset };
-        offset += bytes.length + 1;
-        line++;
-        pending = [];
-        pendingBytes = 0;
-        start = nl + 1;
-      }
-      if (start < chunk.length) {
-        pending.push(chunk.subarray(start));
-        pendingBytes += chunk.length - start;
-        if (pendingBytes > jsonlLineBytesMax)
-          throw new DataFileError(path, `line ${line}: longer than ${jsonlLineBytesMax} bytes; is it JSON Lines?`);
-      }
+  const tooLong = (_: Buffer, line: number): never => {
+    throw new DataFileError(path, `line ${line}: longer than ${jsonlLineBytesMax} bytes; is it JSON Lines?`);
+  };
+  for await (const b of lineBlocks(path, decompressed(path), jsonlLineBytesMax, tooLong)) {
+    let line = b.line;
+    for (let start = 0; start < b.bytes.length; line++) {
+      const nl = b.bytes.indexOf(0x0a, start);
+      const end = nl < 0 ? b.bytes.length : nl;
+      yield { bytes: b.bytes.subarray(start, end), line, offset: b.offset + start };
+      start = end + 1;
     }
-  } catch (e) {
-    if (e instanceof MeshtrainError) throw e;
-    throw new DataFileError(path, `cannot be read: ${(e as Error).message}`, { cause: e });
-  } finally {
-    stream.destroy();
   }
-  if (pending.length > 0) yield { bytes: Buffer.concat(pending), line, offset };
 }
 
 /** A JSON Lines file's documents: each line's `field`, a string; blank lines are skipped. */

@@ -6,9 +6,10 @@
 import { createReadStream, existsSync, readdirSync, readFileSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "../../engine/data/errors.ts";
-import { ConfigError, MeshtrainError } from "../../ffi/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { shownPath } from "../user-paths.ts";
 import { jsonlDocuments, jsonlFile } from "./prepare-jsonl.ts";
+import { lineBlocks } from "./prepare-lines.ts";
 import { parquetDocuments } from "./prepare-parquet.ts";
 import { decodeUtf8 } from "./prepare-utf8.ts";
 
@@ -60,40 +61,18 @@ export const textParagraphCharsMax = 1 << 24;
 /** Bytes read from a plain text file at a time. */
 export const textReadBytes = 1 << 20;
 
-/** A plain text file's text in pieces, each ending at a line break (so that no piece ends inside a
- *  character, and a bad byte is named by its line), checked as UTF-8 as it is read. */
+/** A plain text file's text in pieces of whole lines (so that no piece ends inside a character,
+ *  and a bad byte is named by its line; a line past the read size is cut at a character's start),
+ *  checked as UTF-8 as it is read. */
 async function* textPieces(path: string, o: SourceOptions, notes: string[]): AsyncGenerator<string> {
   const readBytes = o.textReadBytes ?? textReadBytes;
-  const stream = createReadStream(path, { highWaterMark: readBytes });
-  let carry: Buffer = Buffer.alloc(0);
-  let line = 1;
-  let offset = 0;
-  const decode = (bytes: Buffer): string => {
-    const text = decodeUtf8(bytes, { path, line, offset }, o.invalidUtf8, notes);
-    for (let at = bytes.indexOf(0x0a); at >= 0; at = bytes.indexOf(0x0a, at + 1)) line++;
-    offset += bytes.length;
-    return text;
+  const charStart = (open: Buffer): number => {
+    let cut = open.length;
+    while (cut > 0 && (open[cut - 1]! & 0xc0) === 0x80) cut--;
+    return Math.max(cut - 1, 0);
   };
-  try {
-    for await (const chunk of stream as AsyncIterable<Buffer>) {
-      const bytes = carry.length === 0 ? chunk : Buffer.concat([carry, chunk]);
-      // up to the last line break, or where there is none for long, the last character's start
-      let cut = bytes.lastIndexOf(0x0a) + 1;
-      if (cut === 0 && bytes.length > readBytes) {
-        cut = bytes.length;
-        while (cut > 0 && (bytes[cut - 1]! & 0xc0) === 0x80) cut--;
-        cut = Math.max(cut - 1, 0);
-      }
-      carry = bytes.subarray(cut);
-      if (cut > 0) yield decode(bytes.subarray(0, cut));
-    }
-  } catch (e) {
-    if (e instanceof MeshtrainError) throw e;
-    throw new DataFileError(path, `cannot be read: ${(e as Error).message}`, { cause: e });
-  } finally {
-    stream.destroy();
-  }
-  if (carry.length > 0) yield decode(carry);
+  for await (const b of lineBlocks(path, createReadStream(path, { highWaterMark: readBytes }), readBytes, charStart))
+    yield decodeUtf8(b.bytes, { path, line: b.line, offset: b.offset }, o.invalidUtf8, notes);
 }
 
 /** A plain text's documents, read as a stream: consecutive paragraphs (cut at blank lines) of at

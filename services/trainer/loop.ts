@@ -48,7 +48,7 @@ import {
 import { decodeManifest, type Manifest } from "../../schemas/messages/checkpoint.ts";
 import { encodeTrainerStats } from "../../schemas/messages/trainer.ts";
 import { type Bus, requestWhileAway, type Subscription } from "../runtime/mesh/bus.ts";
-import { awaitMembers, type MeshMembers, type MeshNeeds } from "../runtime/mesh/discovery.ts";
+import { awaitMembers, type MeshMembers, type MeshNeeds, rankNeeds } from "../runtime/mesh/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/job/evals.ts";
 import { BadRequestError } from "../runtime/mesh/errors.ts";
 import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
@@ -251,7 +251,7 @@ export class TrainerRun {
     // leave both waiting), so a reply that misses a rank (a discovery round under load) is asked again.
     const started = Date.now();
     // every rank's announcement, and no wait for other ranks' once they are in
-    const ranks: MeshNeeds = { job: cfg.job, trainers: cfg.trainers, shards: 0, sync: "allreduce" };
+    const ranks = rankNeeds(cfg);
     let seen = await members(ranks);
     const complete = (m: MeshMembers) =>
       Array.from({ length: cfg.trainers }, (_, r) => r).every(

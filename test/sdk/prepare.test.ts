@@ -22,6 +22,8 @@ import { llmcMagic, readTokenFile } from "../../engine/data/tokens.ts";
 import { type PrepareOptions, prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
 import { invalidUtf8At } from "../../sdk/local/prepare-utf8.ts";
 import { documents, textDocumentCharsMin } from "../../sdk/local/prepare-sources.ts";
+import { lineBlocks } from "../../sdk/local/prepare-lines.ts";
+import { Readable } from "node:stream";
 import { sotuDir } from "../helpers/big-corpus.ts";
 import { runCli } from "../helpers/cli.ts";
 
@@ -159,6 +161,36 @@ describe("prepare", () => {
     expect(cutDocs.filter((d) => !d.endsWith("\n")).length).toBe(3);
     // a cut at the cap inside a whale (two UTF-16 units) would leave lone halves
     for (const d of cutDocs) expect(d.isWellFormed()).toBe(true);
+  });
+
+  test("blocks of whole lines, whatever the chunks: each with its line and byte offset; a line still open past the limit goes to tooLong", async () => {
+    const text = "ab\ncd\n\néé fgh\nij";
+    const bytes = Buffer.from(text);
+    const read = async (
+      size: number,
+      max: number,
+      tooLong = (_: Buffer, l: number): number => {
+        throw new Error(`line ${l} too long`);
+      },
+    ) => {
+      const chunks = Array.from({ length: Math.ceil(bytes.length / size) }, (_, i) =>
+        bytes.subarray(i * size, (i + 1) * size),
+      );
+      const out: { text: string; line: number; offset: number }[] = [];
+      for await (const b of lineBlocks("x", Readable.from(chunks), max, tooLong))
+        out.push({ text: b.bytes.toString("utf8"), line: b.line, offset: b.offset });
+      return out;
+    };
+    for (const size of [1, 3, 5, 100]) {
+      const blocks = await read(size, 100);
+      expect(blocks.map((b) => b.text).join("")).toBe(text);
+      for (const b of blocks) {
+        expect(bytes.subarray(b.offset, b.offset + Buffer.byteLength(b.text)).toString("utf8")).toBe(b.text);
+        expect(b.line).toBe(bytes.subarray(0, b.offset).toString("utf8").split("\n").length);
+        if (b !== blocks.at(-1)) expect(b.text.endsWith("\n")).toBe(true);
+      }
+    }
+    await expect(read(2, 3)).rejects.toThrow("line 4 too long");
   });
 
   test("JSON Lines: one document per line, from the named field", async () => {

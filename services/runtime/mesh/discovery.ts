@@ -146,6 +146,14 @@ export interface MeshNeeds {
   sync?: string;
 }
 
+/** A job's trainer ranks alone (and the services every job needs): what its collective's plan
+ *  reads from discovery. */
+export const rankNeeds = (cfg: { job: string; trainers: number }): MeshNeeds => ({
+  job: cfg.job,
+  trainers: cfg.trainers,
+  shards: 0,
+});
+
 export function missingMembers(cfg: Omit<MeshNeeds, "job">, m: MeshMembers): string[] {
   const lack = (want: number, have: readonly number[]) =>
     Array.from({ length: want }, (_, i) => i).filter((i) => !have.includes(i));
