@@ -222,20 +222,21 @@ function commonTargets(cfg: JobConfig, total: number): Target[] {
 }
 
 /**
- * Runs `name`-ref without the fuzz and `name` under it (the fuzz starts at its step 3, with the
+ * Runs `name`-ref without the fuzz and, beside it, `name` under it (the fuzz starts at its step 3, with the
  * targets `targetsOf` makes then), and checks that nothing the fuzz sent changed the run.
  */
 async function fuzzRun(
   cfgOf: (job: string) => JobConfig,
   targetsOf: (cfg: JobConfig, total: number) => Promise<Target[]>,
 ): Promise<void> {
+  // the same job without the fuzz runs beside it (a trainer runs every job it has a rank in): the
+  // fuzz names only the fuzzed job's subjects, and the two jobs' losses are compared step by step
   const ref = cfgOf(`${cfgOf("x").sync}-ref`);
   const refEvents: Event[] = [];
-  await client.submit(ref, { membersWaitMs: 60_000 });
-  const refOutcome = await watchJob(client, ref.job, { quiet: true, onEvent: (e) => refEvents.push(e) });
-  expect(refOutcome.record.state).toBe(JobState.Done);
-
   const pids = mesh.pids;
+  await client.submit(ref, { membersWaitMs: 60_000 });
+  const refWatch = watchJob(client, ref.job, { quiet: true, onEvent: (e) => refEvents.push(e) });
+
   const cfg = cfgOf(`${ref.sync}-fuzzed`);
   const total = planHere(cfg).totalSteps;
   const seen: Event[] = [];
@@ -282,6 +283,8 @@ async function fuzzRun(
   const r = await watching;
   const restoredTo = ((await endRestore) as { step: number } | null)?.step;
   const replayed = await (replays as Promise<PromiseSettledResult<number>[]> | null);
+  const refOutcome = await refWatch;
+  expect(refOutcome.record.state).toBe(JobState.Done);
 
   const errors = [...outcome.errors].sort(([a], [b]) => a.localeCompare(b));
   console.log(
