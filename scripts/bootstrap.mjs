@@ -14,7 +14,7 @@
 //      present.
 // Quiet when everything is in place. MESHTRAIN_SKIP_BOOTSTRAP=1 skips it entirely. What it does
 // goes to stdout, each command it runs printed exactly; only failures go to stderr.
-import { execFileSync, spawnSync } from "node:child_process";
+import { execFile, spawnSync } from "node:child_process";
 import { existsSync, readdirSync, readFileSync, statSync, writeFileSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
@@ -168,24 +168,32 @@ if (!upToDate) {
 
 // ---- native kernels ------------------------------------------------------------------------
 if (needs.slice(0, 2).every((n) => n.ok())) {
-  // the CPU kernels; the CUDA kernels as PTX where nvcc is present (ffi/cuda/build.ts skips quietly without it). With --quiet each
-  // prints one line to stdout for what it built and nothing when it is up to date; compiler
-  // errors and warnings go to stderr, passed through.
-  for (const [what, script] of [
+  // the CPU kernels and, at the same time, the CUDA kernels as PTX where nvcc is present
+  // (ffi/cuda/build.ts skips quietly without it). With --quiet each prints one line to stdout for
+  // what it built and nothing when it is up to date; compiler errors and warnings go to stderr,
+  // passed through.
+  const builds = [
     ["the CPU kernel library", "ffi/cpu/build.ts"],
     ["the CUDA kernels", "ffi/cuda/build.ts"],
-  ]) {
-    let out;
-    try {
-      out = execFileSync(bunBinary, [join(root, script), "--quiet"], {
-        cwd: root,
-        encoding: "utf8",
-        stdio: ["ignore", "pipe", "inherit"],
-      });
-    } catch (e) {
-      fail(`building ${what} failed: ${e.message}`);
-      process.exit(1);
+  ].map(
+    ([what, script]) =>
+      new Promise((resolve) => {
+        execFile(
+          bunBinary,
+          [join(root, script), "--quiet"],
+          { cwd: root, encoding: "utf8", maxBuffer: 64 << 20 },
+          (error, stdout, stderr) => resolve({ what, error, stdout, stderr }),
+        );
+      }),
+  );
+  let failed = false;
+  for (const { what, error, stdout, stderr } of await Promise.all(builds)) {
+    if (stderr.trim() !== "") process.stderr.write(stderr);
+    for (const line of stdout.split("\n")) if (line.trim() !== "") log(line);
+    if (error) {
+      fail(`building ${what} failed: ${error.message}`);
+      failed = true;
     }
-    for (const line of out.split("\n")) if (line.trim() !== "") log(line);
   }
+  if (failed) process.exit(1);
 }

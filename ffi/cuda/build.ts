@@ -90,41 +90,50 @@ function readStamp(path: string): Stamp | null {
   }
 }
 
-function compile(
-  nvcc: string,
-  module: string,
-  ptxPath: string,
-  log: (line: string) => void,
+/** The nvcc command that compiles `module` to `tmp`. */
+function compileArgs(nvcc: string, module: string, tmp: string): string[] {
+  return [nvcc, ...nvccFlags, "-o", tmp, join(kernelSourceDir, `${module}.cu`)];
+}
+
+/** Ends a compile: the PTX renamed into place (a concurrent loader never sees a half-written
+ *  file), its stamp written beside it; nvcc's warnings to `warn`. */
+function finishCompile(
+  job: PtxJob,
+  tmp: string,
+  exitCode: number | null,
+  stderr: string,
   warn: (text: string) => void,
-): void {
-  mkdirSync(buildDir, { recursive: true });
-  // Build to a temporary name and rename: a concurrent loader never sees a half-written file.
-  const tmp = `${ptxPath}.${process.pid}.tmp`;
-  const source = join(kernelSourceDir, `${module}.cu`);
-  const args = [nvcc, ...nvccFlags, "-o", tmp, source];
-  log(`building CUDA kernels: ${args.join(" ")}`);
-  const result = Bun.spawnSync(args, { stdout: "pipe", stderr: "pipe" });
-  if (result.exitCode !== 0) {
+) {
+  if (exitCode !== 0) {
     rmSync(tmp, { force: true });
-    throw new NativeLibraryError(`compiling ${source} failed (exit ${result.exitCode}):\n${result.stderr.toString()}`);
+    throw new NativeLibraryError(
+      `compiling ${join(kernelSourceDir, `${job.module}.cu`)} failed (exit ${exitCode}):\n${stderr}`,
+    );
   }
-  const warnings = result.stderr.toString().trim();
-  if (warnings !== "") warn(warnings);
-  renameSync(tmp, ptxPath);
+  if (stderr.trim() !== "") warn(stderr.trim());
+  renameSync(tmp, job.ptxPath);
+  const stampTmp = `${job.stampPath}.${process.pid}.tmp`;
+  writeFileSync(stampTmp, JSON.stringify(job.stamp));
+  renameSync(stampTmp, job.stampPath);
+}
+
+interface PtxJob {
+  readonly module: string;
+  readonly ptxPath: string;
+  readonly stampPath: string;
+  /** what the stamp will say once it is built */
+  readonly stamp: Stamp;
 }
 
 /**
- * Paths of the PTX of every kernel module, compiling those that are missing or stale.
- * Without nvcc, PTX built earlier from the same sources and flags is used as it is. `log` gets
- * one compile command per module it compiles; `warn` gets nvcc's warnings.
+ * Every module's PTX path, and the modules to compile (missing or stale). Without nvcc, PTX
+ * built earlier from the same sources and flags is used as it is, and a missing one throws.
  */
-export function ensurePtx(
-  log: (line: string) => void = () => {},
-  warn: (text: string) => void = log,
-): Record<string, string> {
+function ptxPlan(): { paths: Record<string, string>; stale: PtxJob[]; nvcc: string | null } {
   const nvcc = findNvcc();
   const flags = nvccFlags.join(" ");
   const paths: Record<string, string> = {};
+  const stale: PtxJob[] = [];
   for (const module of kernelSourceModules()) {
     const ptxPath = join(buildDir, `${module}.ptx`);
     const stampPath = join(buildDir, `${module}.stamp`);
@@ -140,16 +149,53 @@ export function ensurePtx(
       }
     } else {
       const version = nvccVersion(nvcc);
-      if (!built || stamp.nvcc !== version) {
-        compile(nvcc, module, ptxPath, log, warn);
-        const next: Stamp = { source, flags, nvcc: version };
-        const tmp = `${stampPath}.${process.pid}.tmp`;
-        writeFileSync(tmp, JSON.stringify(next));
-        renameSync(tmp, stampPath);
-      }
+      if (!built || stamp.nvcc !== version)
+        stale.push({ module, ptxPath, stampPath, stamp: { source, flags, nvcc: version } });
     }
     paths[module] = ptxPath;
   }
+  if (stale.length > 0) mkdirSync(buildDir, { recursive: true });
+  return { paths, stale, nvcc };
+}
+
+/**
+ * Paths of the PTX of every kernel module, compiling those that are missing or stale, one after
+ * another. `log` gets one compile command per module it compiles; `warn` gets nvcc's warnings.
+ */
+export function ensurePtx(
+  log: (line: string) => void = () => {},
+  warn: (text: string) => void = log,
+): Record<string, string> {
+  const { paths, stale, nvcc } = ptxPlan();
+  for (const job of stale) {
+    const tmp = `${job.ptxPath}.${process.pid}.tmp`;
+    const args = compileArgs(nvcc!, job.module, tmp);
+    log(`building CUDA kernels: ${args.join(" ")}`);
+    const result = Bun.spawnSync(args, { stdout: "pipe", stderr: "pipe" });
+    finishCompile(job, tmp, result.exitCode, result.stderr.toString(), warn);
+  }
+  return paths;
+}
+
+/** ensurePtx with up to `parallel` compiles at once (the set-up's build: nvcc runs one core each). */
+export async function ensurePtxParallel(
+  parallel: number,
+  log: (line: string) => void = () => {},
+  warn: (text: string) => void = log,
+): Promise<Record<string, string>> {
+  const { paths, stale, nvcc } = ptxPlan();
+  const queue = [...stale];
+  const worker = async () => {
+    for (let job = queue.shift(); job !== undefined; job = queue.shift()) {
+      const tmp = `${job.ptxPath}.${process.pid}.tmp`;
+      const args = compileArgs(nvcc!, job.module, tmp);
+      log(`building CUDA kernels: ${args.join(" ")}`);
+      const child = Bun.spawn(args, { stdout: "ignore", stderr: "pipe" });
+      const [exitCode, stderr] = await Promise.all([child.exited, new Response(child.stderr).text()]);
+      finishCompile(job, tmp, exitCode, stderr, warn);
+    }
+  };
+  await Promise.all(Array.from({ length: Math.max(1, parallel) }, worker));
   return paths;
 }
 
@@ -166,7 +212,7 @@ if (import.meta.main) {
       builtCount++;
       if (!quiet) console.log(line);
     };
-    const paths = ensurePtx(progress, (text) => console.error(text));
+    const paths = await ensurePtxParallel(navigator.hardwareConcurrency, progress, (text) => console.error(text));
     if (!quiet) for (const [module, path] of Object.entries(paths)) console.log(`CUDA kernels ${module}: ${path}`);
     else if (builtCount > 0)
       console.log(
