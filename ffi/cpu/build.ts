@@ -3,7 +3,19 @@
 // change (a stamp file beside it records them). Run directly (`bun ffi/cpu/build.ts`) at
 // set-up; the CPU backend also calls ensureKernelLibrary() so a fresh checkout just works.
 import { createHash } from "node:crypto";
-import { existsSync, mkdirSync, readFileSync, renameSync, writeFileSync } from "node:fs";
+import {
+  closeSync,
+  existsSync,
+  mkdirSync,
+  openSync,
+  readFileSync,
+  renameSync,
+  statSync,
+  unlinkSync,
+  writeFileSync,
+  writeSync,
+} from "node:fs";
+import { hostname } from "node:os";
 import { join } from "node:path";
 import { NativeLibraryError } from "../errors.ts";
 import { nativeBuildDir } from "../build-dir.ts";
@@ -16,6 +28,11 @@ export const numericsHeaderPath = join(here, "..", "numerics.h");
 const buildDir = nativeBuildDir(here);
 const libraryPath = join(buildDir, "libmtkernels.so");
 const stampPath = join(buildDir, "libmtkernels.stamp");
+/** held while one process builds, so that processes starting together (a compose mesh's
+ *  services sharing one cache volume) build the library once, not once each */
+const lockPath = join(buildDir, "libmtkernels.lock");
+/** a lock older than this was left by a builder that died: it is taken over */
+const lockStaleMs = 180_000;
 
 // Debian's multiarch triplets for the machines we run on.
 const multiarch = process.arch === "arm64" ? "aarch64-linux-gnu" : "x86_64-linux-gnu";
@@ -85,11 +102,70 @@ export function ensureKernelLibrary(
   );
   const flags = compileFlags();
   const stamp = createHash("sha256").update(source).update(flags.join(" ")).update(openblas).digest("hex");
-  if (existsSync(libraryPath) && existsSync(stampPath) && readFileSync(stampPath, "utf8") === stamp) {
-    return { kernels: libraryPath, openblas };
-  }
+  const upToDate = () => existsSync(libraryPath) && existsSync(stampPath) && readFileSync(stampPath, "utf8") === stamp;
+  if (upToDate()) return { kernels: libraryPath, openblas };
   const cc = findCompiler();
   mkdirSync(buildDir, { recursive: true });
+  const release = buildLock(upToDate);
+  if (release === null) return { kernels: libraryPath, openblas }; // another process built it
+  try {
+    build(cc, flags, openblas, stamp, log, warn);
+  } finally {
+    release();
+  }
+  return { kernels: libraryPath, openblas };
+}
+
+/**
+ * The build's lock, or null once `done` says another process has built the library meanwhile.
+ * Waits (polling) while another process holds it.
+ */
+function buildLock(done: () => boolean): (() => void) | null {
+  for (;;) {
+    try {
+      const fd = openSync(lockPath, "wx", 0o644);
+      writeSync(fd, `${hostname()} ${process.pid}\n`);
+      closeSync(fd);
+      const release = () => {
+        try {
+          unlinkSync(lockPath);
+        } catch {
+          // taken over as stale: not ours to remove any more
+        }
+      };
+      if (!done()) return release;
+      release();
+      return null;
+    } catch (e) {
+      if ((e as NodeJS.ErrnoException).code !== "EEXIST") throw e;
+    }
+    if (done()) return null;
+    let ageMs = 0;
+    try {
+      ageMs = Date.now() - statSync(lockPath).mtimeMs;
+    } catch {
+      continue; // released just now
+    }
+    if (ageMs > lockStaleMs) {
+      try {
+        unlinkSync(lockPath);
+      } catch {
+        // another waiter took it over first
+      }
+      continue;
+    }
+    Bun.sleepSync(200);
+  }
+}
+
+function build(
+  cc: string,
+  flags: string[],
+  openblas: string,
+  stamp: string,
+  log: (line: string) => void,
+  warn: (text: string) => void,
+): void {
   // Build to a temporary name and rename: a concurrent loader never sees a half-written file.
   const tmp = `${libraryPath}.${process.pid}.tmp`;
   const args = [cc, ...flags, "-o", tmp, ...kernelSourcePaths, openblas, `-Wl,-rpath,${join(openblas, "..")}`, "-lm"];
@@ -104,7 +180,6 @@ export function ensureKernelLibrary(
   if (warnings !== "") warn(warnings);
   renameSync(tmp, libraryPath);
   writeFileSync(stampPath, stamp);
-  return { kernels: libraryPath, openblas };
 }
 
 if (import.meta.main) {

@@ -15,6 +15,7 @@ import { tryFindLibrary } from "../../ffi/find-library.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { Trainer } from "./service.ts";
 import { netAddressOf } from "../runtime/transport/collective-bus.ts";
+import { ringDefaults } from "../../engine/parallel/ring.ts";
 
 const schema = baseConfigSchema.extend({
   /** this process's trainer rank; jobs with `trainers` <= rank leave it idle */
@@ -31,10 +32,15 @@ const schema = baseConfigSchema.extend({
    *  --coll-address): "auto" (this machine's first address that is not loopback), "none" (its
    *  peers send through NATS), or an address of this machine */
   collAddress: z.string().regex(/^(auto|none|[0-9A-Za-z.:%-]{1,64})$/, "auto, none or an address of this machine"),
+  /** how long a collective over the ring may make no progress before it fails and every rank
+   *  restores from the job's newest snapshot (MT_COLL_TIMEOUT_MS / --coll-timeout-ms): a cut-off
+   *  peer is given up on after it; NCCL's own watch is apart */
+  collTimeoutMs: z.number().int().min(1_000).max(3_600_000),
 });
 type Config = BaseConfig & {
   rank: number;
   collAddress: string;
+  collTimeoutMs: number;
   localRank?: number;
   device: DeviceChoice;
   stepDelayMs: number;
@@ -77,6 +83,7 @@ await runService<Config>({
     stepDelayMs: 0,
     device: deviceDefault,
     collAddress: "auto",
+    collTimeoutMs: ringDefaults.progressTimeoutMs,
   },
   metadata: (c) => ({ rank: String(c.rank), host: c.host }),
   logFields: (c) => ({ rank: c.rank }),
@@ -112,7 +119,10 @@ await runService<Config>({
       ncclIds: ncclIdExchange(bus),
       stepDelayMs: config.stepDelayMs,
       host: config.host,
-      collective: { transport: { netAddress: netAddressOf(config.collAddress) } },
+      collective: {
+        transport: { netAddress: netAddressOf(config.collAddress) },
+        progressTimeoutMs: config.collTimeoutMs,
+      },
     });
     const watch = await ledger.follow(`trainer ${config.rank}`, trainer);
     return {

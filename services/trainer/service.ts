@@ -27,8 +27,8 @@ export interface TrainerDeps {
   stepDelayMs?: number;
   /** the machine it runs on, said in its heartbeats (MT_HOST) */
   host?: string;
-  /** all-reduce jobs: the collective's transport settings (the address of its TCP links) */
-  collective?: Pick<ReplicaOptions, "transport">;
+  /** all-reduce jobs: the collective's transport settings (the address of its TCP links) and timeout */
+  collective?: Pick<ReplicaOptions, "transport" | "progressTimeoutMs">;
 }
 
 export class Trainer {

@@ -6,6 +6,9 @@ import { MeshClient } from "../../sdk/client.ts";
 import { HostBed } from "../../testbed/hosts.ts";
 import { HostMesh } from "../../testbed/mesh.ts";
 
+/** how long the four hosts' trainers' ring waits for progress before it gives up */
+export const collTimeoutMs = 15_000;
+
 export async function fourHosts(): Promise<{
   bed: HostBed;
   mesh: HostMesh;
@@ -19,6 +22,7 @@ export async function fourHosts(): Promise<{
     shardHosts: [1, 2],
     trainerHosts: [1, 2],
     trainersPerHost: 2,
+    env: { MT_COLL_TIMEOUT_MS: String(collTimeoutMs) },
   }).catch(async (e) => {
     await bed[Symbol.asyncDispose]();
     throw e;

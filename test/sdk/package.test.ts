@@ -2,7 +2,8 @@
 // user needs, nothing else: no tests, no benchmarks, no builds), that every module the package
 // holds imports only modules it holds too, where the native builds go, and `meshtrain doctor`.
 import { describe, expect, test } from "bun:test";
-import { existsSync, readFileSync } from "node:fs";
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, utimesSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
 import { dirname, join, normalize } from "node:path";
 import { nativeBuildDir } from "../../ffi/build-dir.ts";
 import { doctorReport, type Finding } from "../../sdk/cli/doctor.ts";
@@ -89,6 +90,36 @@ describe("native builds", () => {
       else process.env.MESHTRAIN_CACHE_DIR = saved;
     }
   });
+
+  test("processes that start together build the CPU kernels once (a compose mesh's shared volume): the others wait and load it; a lock left by a builder that died is taken over", async () => {
+    const cache = mkdtempSync(join(tmpdir(), "mt-kernels-"));
+    try {
+      // a lock left 10 minutes ago by a builder that died
+      const lock = join(cache, "ffi", "cpu", "libmtkernels.lock");
+      mkdirSync(dirname(lock), { recursive: true });
+      writeFileSync(lock, "gone 1\n");
+      const old = new Date(Date.now() - 600_000);
+      utimesSync(lock, old, old);
+      const runs = await Promise.all(
+        [0, 1, 2].map(async () => {
+          const p = Bun.spawn([process.execPath, join(root, "ffi", "cpu", "build.ts")], {
+            env: { ...process.env, MESHTRAIN_CACHE_DIR: cache },
+            stdout: "pipe",
+            stderr: "pipe",
+          });
+          const [out, code] = await Promise.all([new Response(p.stdout).text(), p.exited]);
+          return { out, code };
+        }),
+      );
+      expect(runs.map((r) => r.code)).toEqual([0, 0, 0]);
+      const compiles = runs.filter((r) => r.out.includes("building CPU kernels: ")).length;
+      expect(compiles).toBe(1);
+      for (const r of runs) expect(r.out).toContain(`CPU kernels: ${join(cache, "ffi", "cpu", "libmtkernels.so")}`);
+      expect(existsSync(lock)).toBe(false);
+    } finally {
+      rmSync(cache, { recursive: true, force: true });
+    }
+  }, 120_000);
 });
 
 describe("meshtrain doctor", () => {
