@@ -94,7 +94,8 @@ describe("mesh", () => {
       serviceEnv: { checkpoint: { MT_WRITE_DELAY_MS: "4000" } },
     });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
-    const cfg = mlpJob({ job: "default.slowsave", epochs: 1, checkpointEvery: 40, evalEvery: 0 });
+    // 120 steps: every snapshot takes its 4 s, so the job ends two snapshots after the restore
+    const cfg = mlpJob({ job: "default.slowsave", epochs: 1, maxSteps: 120, checkpointEvery: 40, evalEvery: 0 });
     const total = planHere(cfg).totalSteps;
     const restores: Event[] = [];
     const kill = atRank0Step(
