@@ -7,6 +7,10 @@ export const pullTimeoutMs = 130_000;
  *  one lost on a route to a NATS server cut off costs this, not the whole timeout. Both are
  *  idempotent; a shard keeps the waiting pulls of one trainer until they are answered together. */
 export const reaskMs = 10_000;
+/** A batch request is asked again sooner, first after this (then 2 s, 4 s, 8 s, 10 s): a
+ *  data-loader killed while it held the ask is back within about a second, and a batch asked twice
+ *  costs it one more send of a batch it holds already. */
+export const batchReaskFirstMs = 1_000;
 /** Messages of one push or pull a trainer keeps in flight to each shard: a shard's server
  *  buffers at most trainers x this x max_payload for it (a client whose buffer passes the
  *  server's max_pending is dropped as a slow consumer: services/runtime/mesh/nats-server.ts). */

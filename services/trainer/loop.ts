@@ -70,6 +70,7 @@ import {
   membersWaitMsMax,
   placesRetryMs,
   reaskMs,
+  batchReaskFirstMs,
   requestTimeoutMs,
   stepAttemptsMax,
   notReadyWaitMsMax,
@@ -717,7 +718,7 @@ export class TrainerRun {
         step: s,
       });
       const promise = bus
-        .request(subjects.dataNext(cfg.job), req, requestTimeoutMs, { reaskMs })
+        .request(subjects.dataNext(cfg.job), req, requestTimeoutMs, { reaskMs, reaskFirstMs: batchReaskFirstMs })
         .then((r) => decodeBatch(r, this.#o.payloadBytesMax));
       promise.catch(() => {}); // a failed look-ahead is retried as the step's own request
       return { step: s, promise };
@@ -769,7 +770,10 @@ export class TrainerRun {
     for (let i = 0; ; i++) {
       const req = encodeBatchRequest({ job: cfg.job, rank: this.#dataRank, split, credits: 0, step: i });
       const b = decodeBatch(
-        await bus.request(subjects.dataNext(cfg.job), req, requestTimeoutMs, { reaskMs }),
+        await bus.request(subjects.dataNext(cfg.job), req, requestTimeoutMs, {
+          reaskMs,
+          reaskFirstMs: batchReaskFirstMs,
+        }),
         this.#o.payloadBytesMax,
       );
       if (b.endOfEpoch) break;

@@ -152,6 +152,26 @@ test("a request asked again every reaskMs: the first answer wins (a lost first a
   expect(performance.now() - t1).toBeGreaterThan(900);
 }, 20_000);
 
+test("reaskFirstMs: the first ask again comes that soon, each next after twice the wait before, at most reaskMs", async () => {
+  const at: number[] = [];
+  serving.handle("t.reask.first", () => {
+    at.push(performance.now());
+    // answered at the fifth ask
+    return at.length < 5 ? new Promise<Uint8Array>(() => {}) : new TextEncoder().encode("fifth");
+  });
+  await serving.nc.flush();
+  const t0 = performance.now();
+  const got = await client.request("t.reask.first", new Uint8Array(1), 10_000, { reaskMs: 500, reaskFirstMs: 100 });
+  expect(new TextDecoder().decode(got)).toBe("fifth");
+  // asks at about 0, 100, 300 (+200), 700 (+400), 1200 (+500: the bound) ms
+  const gaps = at.map((t, i) => t - (i === 0 ? t0 : at[i - 1]!));
+  const want = [0, 100, 200, 400, 500];
+  for (let i = 1; i < 5; i++) {
+    expect(gaps[i]!).toBeGreaterThan(want[i]! - 20);
+    expect(gaps[i]!).toBeLessThan(want[i]! + 1_500); // a loaded machine's timers run late, never early
+  }
+}, 20_000);
+
 test("a process that asks once and closes its bus exits then: close() leaves no timer behind (a client command took the drain's 10 s bound every time)", async () => {
   const script = `
     import { NatsBus } from ${JSON.stringify(`${import.meta.dir}/../../services/runtime/mesh/nats.ts`)};

@@ -50,6 +50,12 @@ export interface RequestOptions {
    * off, still holding its clients' subscriptions in the others' view), or whose answer was.
    */
   reaskMs?: number;
+  /**
+   * The first ask again comes this soon, each next one after twice the wait before, up to
+   * reaskMs (default: every reaskMs): for a request whose answerer restarts in about this time
+   * (a process killed while it held the ask), where asking again costs the answerer little.
+   */
+  reaskFirstMs?: number;
 }
 
 export interface Bus {

@@ -362,7 +362,8 @@ export class NatsBus implements StoreBus {
     const dropped = new Promise<never>((_, reject) => (drop = reject));
     this.#inflight.set(drop, subject);
     try {
-      const pending = this.#ask(subject, data, timeoutMs, o.reaskMs ?? timeoutMs);
+      const reaskMs = o.reaskMs ?? timeoutMs;
+      const pending = this.#ask(subject, data, timeoutMs, reaskMs, Math.min(o.reaskFirstMs ?? reaskMs, reaskMs));
       pending.catch(() => {}); // when the drop wins, its own failure comes later
       const msg = await Promise.race([pending, dropped]);
       busTraffic("in", subject, msg.data.byteLength);
@@ -376,15 +377,17 @@ export class NatsBus implements StoreBus {
   }
 
   /**
-   * The request, asked again every `reaskMs` until one answer comes or `timeoutMs` is out: the
-   * first answer wins (an error answer too), the others are dropped. A timeout ends it only when
-   * every ask timed out; no responders ends it at once.
+   * The request, asked again (after `firstMs`, then after twice the wait before, at most
+   * `reaskMs`) until one answer comes or `timeoutMs` is out: the first answer wins (an error
+   * answer too), the others are dropped. A timeout ends it only when every ask timed out; no
+   * responders ends it at once.
    */
-  #ask(subject: string, data: Uint8Array, timeoutMs: number, reaskMs: number): Promise<Msg> {
+  #ask(subject: string, data: Uint8Array, timeoutMs: number, reaskMs: number, firstMs: number): Promise<Msg> {
     const deadline = Date.now() + timeoutMs;
     return new Promise<Msg>((resolve, reject) => {
       let open = 0,
-        done = false;
+        done = false,
+        waitMs = firstMs;
       let timer: ReturnType<typeof setTimeout> | undefined;
       const end = (settle: () => void) => {
         if (done) return;
@@ -404,7 +407,8 @@ export class NatsBus implements StoreBus {
             end(() => reject(e));
           },
         );
-        if (left > reaskMs && !done) timer = setTimeout(ask, reaskMs);
+        if (left > waitMs && !done) timer = setTimeout(ask, waitMs);
+        waitMs = Math.min(waitMs * 2, reaskMs);
       };
       ask();
     });
