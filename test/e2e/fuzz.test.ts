@@ -234,8 +234,10 @@ async function fuzzRun(
   const ref = cfgOf(`${cfgOf("x").sync}-ref`);
   const refEvents: Event[] = [];
   const pids = mesh.pids;
+  // each job's events are subscribed to before its submit: its first steps come before a watch would start
+  const refStream = client.events(ref.job);
   await client.submit(ref, { membersWaitMs: 60_000 });
-  const refWatch = watchJob(client, ref.job, { quiet: true, onEvent: (e) => refEvents.push(e) });
+  const refWatch = watchJob(client, ref.job, { quiet: true, events: refStream, onEvent: (e) => refEvents.push(e) });
 
   const cfg = cfgOf(`${ref.sync}-fuzzed`);
   const total = planHere(cfg).totalSteps;
@@ -253,9 +255,11 @@ async function fuzzRun(
     client.bus
       .request(subjects.ckptRecover(cfg.job, asker), encodeJobRequest({ job: cfg.job, step: 0, tag, value: 0 }), 30_000)
       .then((bytes) => decodeManifest(bytes, 1 << 22).step);
+  const stream = client.events(cfg.job);
   await client.submit(cfg, { membersWaitMs: 60_000 });
   const watching = watchJob(client, cfg.job, {
     quiet: true,
+    events: stream,
     onEvent: (e) => {
       seen.push(e);
       if (endRestore === null && e.kind === EventKind.Step && e.rank === 0 && e.step === total - 1)
