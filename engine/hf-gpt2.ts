@@ -4,7 +4,7 @@
 // the token embedding, as GPT-2's is, so lm_head.weight is not stored (transformers ties it).
 import { existsSync, readFileSync } from "node:fs";
 import { join } from "node:path";
-import gpt2Ranks from "js-tiktoken/ranks/gpt2";
+import { gpt2Ranks } from "./data/gpt2-ranks.ts";
 import { DataFileError } from "./data/errors.ts";
 import { ConfigError } from "../ffi/errors.ts";
 import { ShapeError } from "./errors.ts";
@@ -166,7 +166,7 @@ function bytesToUnicode(): string[] {
 /** Every rank's bytes, from js-tiktoken's gpt2 ranks (lines "<x> <first rank> <base64 token>...". */
 function gpt2RankBytes(): Uint8Array[] {
   const out: Uint8Array[] = [];
-  for (const line of (gpt2Ranks as { bpe_ranks: string }).bpe_ranks.split("\n")) {
+  for (const line of gpt2Ranks().bpe_ranks.split("\n")) {
     if (line === "") continue;
     const [, first, ...tokens] = line.split(" ");
     tokens.forEach((t, i) => (out[Number(first) + i] = Uint8Array.from(Buffer.from(t, "base64"))));

@@ -15,7 +15,7 @@ import { createWriteStream, mkdirSync, mkdtempSync, readFileSync, rmSync, type W
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { Subprocess } from "bun";
-import { parse } from "yaml";
+import type * as Yaml from "yaml";
 import { z } from "zod";
 import { jobIdPattern } from "../services/runtime/job/subjects.ts";
 import { type NatsServer, startNatsServer } from "../services/runtime/mesh/nats-server.ts";
@@ -115,7 +115,9 @@ export interface ServiceSpec {
 
 /** The services of the compose file that run meshtrain code (not the NATS server itself). */
 export function readTopology(path = composePath): ServiceSpec[] {
-  const doc = composeSchema.parse(parse(readFileSync(path, "utf8"), { merge: true }));
+  // the YAML parser is loaded here, not by every process that imports this module (a client command)
+  const yaml = require("yaml") as typeof Yaml;
+  const doc = composeSchema.parse(yaml.parse(readFileSync(path, "utf8"), { merge: true }));
   return Object.entries(doc.services)
     .filter(([, s]) => s.command?.[0] === "bun")
     .map(([name, s]) => ({

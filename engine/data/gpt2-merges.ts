@@ -2,7 +2,7 @@
 // first, the leftmost of equal ranks), from the ranks js-tiktoken ships. A fast encoder's piece it
 // has not seen costs this alone: js-tiktoken's encode builds its regular expressions again on
 // every call, which made each new piece cost about thirty times a remembered one.
-import gpt2Ranks from "js-tiktoken/ranks/gpt2";
+import { gpt2Ranks } from "./gpt2-ranks.ts";
 
 /** Each token's bytes (as a string of code points 0-255) to its id. */
 let ranks: Map<string, number> | null = null;
@@ -10,7 +10,7 @@ let ranks: Map<string, number> | null = null;
 function loadRanks(): Map<string, number> {
   const m = new Map<string, number>();
   // each line: a name, the first id, then each token's bytes in base64, the ids counting up
-  for (const line of gpt2Ranks.bpe_ranks.split("\n")) {
+  for (const line of gpt2Ranks().bpe_ranks.split("\n")) {
     if (line === "") continue;
     const [, first, ...tokens] = line.split(" ");
     const id0 = Number.parseInt(first!, 10);

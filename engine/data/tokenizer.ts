@@ -3,7 +3,7 @@
 // characters (a vocabulary of the corpus's distinct characters, engine/data/text.ts). prepare
 // encodes GPT-2's BPE with gpt2FastTokenizer: js-tiktoken's ids, each distinct piece encoded once.
 import { Tiktoken } from "js-tiktoken/lite";
-import gpt2Ranks from "js-tiktoken/ranks/gpt2";
+import { gpt2Ranks } from "./gpt2-ranks.ts";
 import { gpt2MergePiece } from "./gpt2-merges.ts";
 import { gpt2PieceEnd } from "./gpt2-pieces.ts";
 import { PieceTable } from "./piece-table.ts";
@@ -29,7 +29,7 @@ export const gpt2VocabSize = 50257;
 let gpt2: Tiktoken | null = null;
 
 export function gpt2Tokenizer(): Tokenizer {
-  gpt2 ??= new Tiktoken(gpt2Ranks);
+  gpt2 ??= new Tiktoken(gpt2Ranks());
   const enc = gpt2;
   return {
     name: "gpt2",

@@ -10,7 +10,6 @@ import { ConfigError } from "../../ffi/errors.ts";
 import { shownPath } from "../user-paths.ts";
 import { jsonlDocuments, jsonlFile } from "./prepare-jsonl.ts";
 import { lineBlocks } from "./prepare-lines.ts";
-import { parquetDocuments } from "./prepare-parquet.ts";
 import { decodeUtf8 } from "./prepare-utf8.ts";
 
 export interface SourceOptions {
@@ -135,7 +134,9 @@ export async function* documents(o: SourceOptions, notes: string[]): AsyncGenera
     );
   const folder = existsSync(o.text) && statSync(o.text).isDirectory();
   for (const path of inputFiles(o)) {
-    if (o.parquet !== undefined) yield* parquetDocuments(path, o.parquet, o.invalidUtf8, notes);
+    // the Parquet reader (350 KB with its codecs) is loaded only for Parquet input
+    if (o.parquet !== undefined)
+      yield* (await import("./prepare-parquet.ts")).parquetDocuments(path, o.parquet, o.invalidUtf8, notes);
     else if (o.jsonl !== undefined) yield* jsonlDocuments(path, o.jsonl, o.invalidUtf8, notes);
     else if (folder) yield { text: readUtf8(path, o, notes), where: shownPath(path) };
     else yield* paragraphDocuments(path, o, notes);

@@ -2,7 +2,7 @@
 // flags (--kebab-case value). Validated by a zod schema; every problem is reported at once,
 // naming the key and where its value came from.
 import { readFileSync } from "node:fs";
-import { parse as parseYaml } from "yaml";
+import type * as Yaml from "yaml";
 import type { z } from "zod";
 import { ConfigError } from "../../../ffi/errors.ts";
 
@@ -96,7 +96,8 @@ function readConfigFile(path: string): Record<string, unknown> {
   }
   let data: unknown;
   try {
-    data = parseYaml(text); // YAML is a superset of JSON
+    // YAML is a superset of JSON; the parser is loaded only here (most services read no file)
+    data = (require("yaml") as typeof Yaml).parse(text);
   } catch (e) {
     throw new ConfigError(`config file ${path} is not valid YAML/JSON: ${(e as Error).message}`);
   }
