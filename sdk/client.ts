@@ -254,19 +254,27 @@ export class MeshClient implements AsyncDisposable {
    * The earlier run of a job name, if there was one: its record on this mesh, else its newest
    * snapshot on the checkpoint service's disk (a local `meshtrain run` starts a new mesh each time).
    */
-  async previous(name: string): Promise<PreviousRun | null> {
+  async previous(name: string, o: { waitMs?: number } = {}): Promise<PreviousRun | null> {
     const job = this.job(name);
     const rec = await this.jobs.record(job);
     let snaps: Manifest[] = [];
-    try {
-      snaps = await this.checkpoints(job);
-    } catch (e) {
-      if (e instanceof NoRespondersError) {
-        throw new CapacityError(
-          `no checkpoint service answers on ${this.url}, so the snapshots of job ${job} cannot be looked up; is the mesh up? (meshtrain status)`,
-        );
+    const started = Date.now();
+    for (;;) {
+      try {
+        snaps = await this.checkpoints(job);
+        break;
+      } catch (e) {
+        if (e instanceof UnknownJobError) break;
+        if (!(e instanceof NoRespondersError)) throw e;
+        // a mesh that is starting: a checkpoint service is seen by discovery a moment before it
+        // serves its subjects (seen in a loaded test run), as plan() finds with the data-loader
+        if (Date.now() - started > (o.waitMs ?? submitMembersWaitMs)) {
+          throw new CapacityError(
+            `no checkpoint service answers on ${this.url}, so the snapshots of job ${job} cannot be looked up; is the mesh up? (meshtrain status)`,
+          );
+        }
+        await Bun.sleep(200);
       }
-      if (!(e instanceof UnknownJobError)) throw e;
     }
     const snapshot = snaps.at(-1) ?? null;
     const orphaned = rec !== null && rec.record.state === JobState.Running && (await this.jobs.spec(job)) === null;
@@ -298,7 +306,7 @@ export class MeshClient implements AsyncDisposable {
         `the submission of job ${cfg.job} was stopped (${String(o.signal?.reason ?? "aborted")})`,
       );
     }
-    const prev = await this.previous(cfg.job);
+    const prev = await this.previous(cfg.job, { waitMs: o.membersWaitMs ?? submitMembersWaitMs });
     if (prev) {
       cfg = resumedWorld(cfg, prev);
       checkResume(cfg, prev, this.url);
