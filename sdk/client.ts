@@ -258,23 +258,14 @@ export class MeshClient implements AsyncDisposable {
     const job = this.job(name);
     const rec = await this.jobs.record(job);
     let snaps: Manifest[] = [];
-    const started = Date.now();
-    for (;;) {
-      try {
-        snaps = await this.checkpoints(job);
-        break;
-      } catch (e) {
-        if (e instanceof UnknownJobError) break;
-        if (!(e instanceof NoRespondersError)) throw e;
-        // a mesh that is starting: a checkpoint service is seen by discovery a moment before it
-        // serves its subjects (seen in a loaded test run), as plan() finds with the data-loader
-        if (Date.now() - started > (o.waitMs ?? submitMembersWaitMs)) {
-          throw new CapacityError(
-            `no checkpoint service answers on ${this.url}, so the snapshots of job ${job} cannot be looked up; is the mesh up? (meshtrain status)`,
-          );
-        }
-        await Bun.sleep(200);
-      }
+    try {
+      snaps = await this.#onceServed(
+        () => this.checkpoints(job),
+        o.waitMs,
+        `no checkpoint service answers on ${this.url}, so the snapshots of job ${job} cannot be looked up; is the mesh up? (meshtrain status)`,
+      );
+    } catch (e) {
+      if (!(e instanceof UnknownJobError)) throw e;
     }
     const snapshot = snaps.at(-1) ?? null;
     const orphaned = rec !== null && rec.record.state === JobState.Running && (await this.jobs.spec(job)) === null;
@@ -330,6 +321,24 @@ export class MeshClient implements AsyncDisposable {
   }
 
   /**
+   * `ask`, asked again while nobody serves its subject (a mesh that is starting: a service is seen
+   * by discovery a moment before it serves, and registers within seconds); CapacityError saying
+   * `missing` once `waitMs` has passed.
+   */
+  async #onceServed<T>(ask: () => Promise<T>, waitMs = submitMembersWaitMs, missing: string): Promise<T> {
+    const started = Date.now();
+    for (;;) {
+      try {
+        return await ask();
+      } catch (e) {
+        if (!(e instanceof NoRespondersError)) throw e;
+        if (Date.now() - started > waitMs) throw new CapacityError(missing);
+        await Bun.sleep(200);
+      }
+    }
+  }
+
+  /**
    * The plan of a job (steps, data set sizes, vocabulary, parameter layout), from the mesh's
    * data-loader, which reads the job's data set; its errors (a file it cannot read) are the
    * submission's.
@@ -337,21 +346,11 @@ export class MeshClient implements AsyncDisposable {
   async plan(config: JobConfig, o: { waitMs?: number } = {}): Promise<DataPlan> {
     const cfg = parseJobConfig({ ...config, job: this.job(config.job) });
     const spec = encodeJobSpec(specOfConfig(cfg));
-    const started = Date.now();
-    for (;;) {
-      try {
-        return decodeDataPlan(await this.bus.request(subjects.planJob, spec, planTimeoutMs), 1 << 20);
-      } catch (e) {
-        if (!(e instanceof NoRespondersError)) throw e;
-        // a mesh that is starting: its data-loader registers within seconds
-        if (Date.now() - started > (o.waitMs ?? submitMembersWaitMs)) {
-          throw new CapacityError(
-            `no data-loader answers on ${this.url} to plan job ${cfg.job}; is the mesh up? (meshtrain status)`,
-          );
-        }
-        await Bun.sleep(200);
-      }
-    }
+    return await this.#onceServed(
+      async () => decodeDataPlan(await this.bus.request(subjects.planJob, spec, planTimeoutMs), 1 << 20),
+      o.waitMs,
+      `no data-loader answers on ${this.url} to plan job ${cfg.job}; is the mesh up? (meshtrain status)`,
+    );
   }
 
   /** Stops a running job: every service closes it (trainers after their current step). */
