@@ -79,6 +79,17 @@ function losses(events: readonly Event[]): Map<string, number> {
   return out;
 }
 
+/** The longest wait between two of rank 0's steps in a job's events: where a slow run stalled. */
+function longestStall(events: readonly Event[]): string {
+  const steps = events.filter((e) => e.kind === EventKind.Step && e.rank === 0);
+  let worst = { ms: 0, step: 0 };
+  for (let i = 1; i < steps.length; i++) {
+    const ms = steps[i]!.timeMs - steps[i - 1]!.timeMs;
+    if (ms > worst.ms) worst = { ms, step: steps[i]!.step };
+  }
+  return `${(worst.ms / 1000).toFixed(1)} s before step ${worst.step}`;
+}
+
 let dir: string;
 let mesh: LocalMesh;
 let client: MeshClient;
@@ -286,6 +297,8 @@ async function fuzzRun(
   const fuzzSeconds = (performance.now() - t0) / 1000;
   const stepAtFuzzEnd = Math.max(...seen.filter((e) => e.kind === EventKind.Step).map((e) => e.step));
   const endedDuringFuzz = ended;
+  // the pulls and norms of steps ahead are answered as the job gets there, or refused when it ends
+  await outcome.waiting;
   const r = await watching;
   const restoredTo = ((await endRestore) as { step: number } | null)?.step;
   const replayed = await (replays as Promise<PromiseSettledResult<number>[]> | null);
@@ -301,6 +314,7 @@ async function fuzzRun(
   console.log(
     `  accuracy: ${(r.record.accuracy * 100).toFixed(2)}% under fuzz, ${(refOutcome.record.accuracy * 100).toFixed(2)}% without (the job was at step ${stepAtFuzzEnd} of ${total} when the fuzz ended)`,
   );
+  console.log(`  longest wait between two steps: ${longestStall(seen)} (fuzzed), ${longestStall(refEvents)} (without)`);
 
   expect(outcome.sent).toBe(messages);
   expect(outcome.unanswered).toEqual([]);
@@ -393,6 +407,7 @@ test(`parameter-server mode: ${messages} mutated messages over every request sub
             encode: encodePullRequest,
             decode: (d) => decodePullRequest(d, 1 << 20),
             timeoutMs: 240_000,
+            waits: true,
           } satisfies Target<ReturnType<typeof decodePullRequest>>,
           { name: `ps.${k}.stats`, subject: subjects.psStats(job, k), seeds: [jr()], ...jobRequest, timeoutMs: 30_000 },
           {
@@ -408,6 +423,7 @@ test(`parameter-server mode: ${messages} mutated messages over every request sub
             seeds: [jr({ step: 1 })],
             ...jobRequest,
             timeoutMs: 240_000,
+            waits: true,
           },
           {
             // the shard's own state: every mutation must be refused (a byte changed after the cut,
