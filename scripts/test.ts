@@ -17,17 +17,19 @@ writeFileSync(skipsFile, "");
 // Per-test limit: end-to-end tests train real models for several seconds on 2 cores.
 const timeoutMs = 120_000;
 // Test files run in worker processes side by side: most of an e2e test's time is spent waiting
-// on other processes (a mesh's services, nats-server), so two workers keep two cores busy where
-// one left them idle two thirds of the time. test/timings.json (each file's duration in a past
-// run) makes the slowest files start first. MT_TEST_WORKERS=1 runs them one after another.
-const workers = Number(process.env.MT_TEST_WORKERS ?? 2);
+// on other processes (a mesh's services, nats-server), and some files mostly wait on timeouts (a
+// host cut off for seconds). On 2 cores, two workers still left the cores idle 9% of the run
+// (156 of 1,680 core-seconds); three leave 1.6% idle and end the suite sooner (840 -> 774 s, the
+// same 1,520 CPU-seconds of work). test/timings.json (each file's duration in a past run) makes
+// the slowest files start first. MT_TEST_WORKERS=1 runs them one after another.
+const workers = Number(process.env.MT_TEST_WORKERS ?? 3);
 if (!Number.isInteger(workers) || workers < 1) {
   console.error(`MT_TEST_WORKERS must be a whole number of workers, 1 or more, not ${process.env.MT_TEST_WORKERS}`);
   process.exit(2);
 }
 const timings = join(root, "test", "timings.json");
 // OpenMP threads (the C kernels' and OpenBLAS's) spin on a core for a while after each parallel
-// region by default, which pays on a machine a process has to itself. Here two workers share the
+// region by default, which pays on a machine a process has to itself. Here the workers share the
 // cores, and each runs meshes of processes besides: a waiting thread's spin takes the core from
 // another test's work. Measured on 2 cores, cli.test.ts beside three engine and CLI files: 225 ->
 // 119 CPU-s and 122 -> 66 s with the threads waiting passively. A value the user set is kept.
