@@ -30,10 +30,6 @@ export interface Target<T = unknown> {
   taken?(reply: Uint8Array): boolean;
   /** the caller's wait for an answer */
   timeoutMs: number;
-  /** its answer may wait until the job reaches a step (a pull or a norm of a step ahead): it is
-   *  sent without holding one of the `concurrency` slots, so that requests parked on late steps
-   *  do not pace the fuzz by the job (up to FuzzOptions.waitingMax of them at once) */
-  waits?: boolean;
 }
 
 /** Values a numeric field is set to: the edges of every integer width, NaN, infinities, tiny and huge floats. */
@@ -259,9 +255,6 @@ export interface Outcome {
   answeredBy: Map<string, number>;
   /** answers that say the message was taken, by target name */
   taken: Map<string, number>;
-  /** settles once every request of a `waits` target has its answer (or its timeout): the
-   *  counts above are whole only then */
-  waiting: Promise<void>;
 }
 
 export interface FuzzOptions {
@@ -271,14 +264,11 @@ export interface FuzzOptions {
   concurrency: number;
   /** stops early when it returns true (checked between messages) */
   stop?(): boolean;
-  /** requests of `waits` targets in flight at once (default 256) */
-  waitingMax?: number;
 }
 
 /**
  * Sends `messages` mutated messages spread evenly over `targets` (round-robin, each a mutated
- * seed), `concurrency` at a time, and classifies every reply. It returns once every message is
- * sent and every answer that does not wait for the job has come; `waiting` settles with the rest.
+ * seed), `concurrency` at a time, and classifies every reply.
  */
 export async function fuzz(bus: Bus, targets: readonly Target[], o: FuzzOptions): Promise<Outcome> {
   const rng = new Rng(o.seed);
@@ -291,7 +281,6 @@ export async function fuzz(bus: Bus, targets: readonly Target[], o: FuzzOptions)
     redrawn: 0,
     answeredBy: new Map(),
     taken: new Map(),
-    waiting: Promise.resolve(),
   };
   const draw = (t: Target): Uint8Array => {
     for (let attempt = 0; ; attempt++) {
@@ -326,42 +315,28 @@ export async function fuzz(bus: Bus, targets: readonly Target[], o: FuzzOptions)
       return bytes;
     }
   };
-  const ask = async (t: Target, bytes: Uint8Array) => {
-    try {
-      const reply = await bus.request(t.subject, bytes, t.timeoutMs);
-      if (t.taken?.(reply) ?? false) out.taken.set(t.name, (out.taken.get(t.name) ?? 0) + 1);
-      out.answered++;
-      out.answeredBy.set(t.name, (out.answeredBy.get(t.name) ?? 0) + 1);
-    } catch (e) {
-      const err = e as Error;
-      if ((err instanceof DeadlineError && err.message.startsWith("no reply on")) || err instanceof NoRespondersError)
-        out.unanswered.push({ subject: t.subject, error: err.message });
-      else if (err instanceof MeshtrainError && err.code !== "") {
-        const key = `${t.name}: ${err.constructor.name}`;
-        out.errors.set(key, (out.errors.get(key) ?? 0) + 1);
-      } else out.other.push(`${t.subject}: ${err.constructor.name}: ${err.message}`);
-    }
-  };
-  const waitingMax = o.waitingMax ?? 256;
-  const waiting = new Set<Promise<void>>();
-  const all: Promise<void>[] = [];
   let next = 0;
   const worker = async () => {
     while (next < o.messages && !o.stop?.()) {
       const t = targets[next++ % targets.length]!;
       const bytes = draw(t);
       out.sent++;
-      if (!t.waits) {
-        await ask(t, bytes);
-        continue;
+      try {
+        const reply = await bus.request(t.subject, bytes, t.timeoutMs);
+        if (t.taken?.(reply) ?? false) out.taken.set(t.name, (out.taken.get(t.name) ?? 0) + 1);
+        out.answered++;
+        out.answeredBy.set(t.name, (out.answeredBy.get(t.name) ?? 0) + 1);
+      } catch (e) {
+        const err = e as Error;
+        if ((err instanceof DeadlineError && err.message.startsWith("no reply on")) || err instanceof NoRespondersError)
+          out.unanswered.push({ subject: t.subject, error: err.message });
+        else if (err instanceof MeshtrainError && err.code !== "") {
+          const key = `${t.name}: ${err.constructor.name}`;
+          out.errors.set(key, (out.errors.get(key) ?? 0) + 1);
+        } else out.other.push(`${t.subject}: ${err.constructor.name}: ${err.message}`);
       }
-      while (waiting.size >= waitingMax) await Promise.race(waiting);
-      const p: Promise<void> = ask(t, bytes).finally(() => waiting.delete(p));
-      waiting.add(p);
-      all.push(p);
     }
   };
   await Promise.all(Array.from({ length: o.concurrency }, worker));
-  out.waiting = Promise.all(all).then(() => {});
   return out;
 }
