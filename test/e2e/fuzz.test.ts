@@ -96,13 +96,11 @@ let client: MeshClient;
 
 beforeAll(async () => {
   dir = tempDir("mt-fuzz-");
-  // every step sleeps 80 ms in the trainers, so that the job is still training when the fuzz ends:
-  // under a loaded suite (three test workers on 2 cores) the fuzz took 68.6 s, and a job paced
-  // at 40 ms a step was at its step 704 of 705 by then
+  // every step sleeps 40 ms in the trainers, so that the job is still training when the fuzz ends
   mesh = await LocalMesh.start({
     jobsDir: join(dir, "jobs"),
     logDir: join(dir, "logs"),
-    env: { MT_STEP_DELAY_MS: "80" },
+    env: { MT_STEP_DELAY_MS: "40" },
   });
   client = await MeshClient.connect(mesh.url, mesh.auth());
 }, 120_000);
