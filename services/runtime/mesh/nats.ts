@@ -263,7 +263,7 @@ export class NatsBus implements StoreBus {
         if (s.type === "reconnect") {
           // what was asked while away went out on the new connection, or nowhere: asked again;
           // the others hear that what they asked of this process may be lost
-          for (const drop of this.#inflight.keys()) drop(new RequestLostError(reconnectedText));
+          this.#dropAll(reconnectedText);
           this.#sayReconnected();
           continue;
         }
@@ -271,7 +271,7 @@ export class NatsBus implements StoreBus {
         if (s.type !== "disconnect") continue;
         // the next server's INFO starts afresh (what was lost is failed now)
         this.#clusterMembers = new Set();
-        for (const drop of this.#inflight.keys()) drop(new RequestLostError(droppedText));
+        this.#dropAll(droppedText);
       }
     })().catch(() => {});
     // nats.js says "update" only when its list of servers changes, and it keeps the servers it
@@ -296,7 +296,13 @@ export class NatsBus implements StoreBus {
     this.opts.log?.warn({ left }, "a server of the NATS cluster left it");
     for (const said of this.#serversLeft) said(left);
     const why = `a server of the NATS cluster (${left.join(", ")}) left while waiting for the answer`;
+    this.#dropAll(why);
+  }
+
+  /** Every request waiting for an answer fails now, for `why`: each is failed once. */
+  #dropAll(why: string): void {
     for (const drop of this.#inflight.keys()) drop(new RequestLostError(why));
+    this.#inflight.clear();
   }
 
   /** Calls `fn` with the client URLs of the cluster's servers that left it (its routes to
@@ -326,10 +332,15 @@ export class NatsBus implements StoreBus {
       return; // not a notice: nothing to act on
     }
     if (notice.who === this.#who || notice.subjects.length > noticeSubjectsMax) return;
+    // the INFO saying that a server left is read before a notice that came after it, but nats.js
+    // tells of it (status "update") only after the messages read with it: a process that
+    // reconnected because its server died has a request fail for that server first
+    this.#checkCluster();
     const who = notice.who.slice(0, 64);
     let asked = 0;
     for (const [drop, subject] of this.#inflight)
       if (notice.subjects.some((p) => p.length <= 256 && subjectMatches(p, subject))) {
+        this.#inflight.delete(drop);
         drop(
           new RequestLostError(
             `a process that answers ${subject} (${who}) reconnected to NATS while waiting for the answer`,
