@@ -251,6 +251,8 @@ export interface Outcome {
   other: string[];
   /** mutations drawn again because they made a legitimate message */
   redrawn: number;
+  /** by target name, the replies (answers or errors) that took longer than slowMs: how many, and the longest wait */
+  slow: Map<string, { count: number; longestMs: number }>;
   /** successful replies by target name */
   answeredBy: Map<string, number>;
   /** answers that say the message was taken, by target name */
@@ -265,6 +267,9 @@ export interface FuzzOptions {
   /** stops early when it returns true (checked between messages) */
   stop?(): boolean;
 }
+
+/** A reply that took longer than this is counted in Outcome.slow: a request that waits for the job, or a service that stalled. */
+const slowMs = 1_000;
 
 /**
  * Sends `messages` mutated messages spread evenly over `targets` (round-robin, each a mutated
@@ -281,6 +286,7 @@ export async function fuzz(bus: Bus, targets: readonly Target[], o: FuzzOptions)
     redrawn: 0,
     answeredBy: new Map(),
     taken: new Map(),
+    slow: new Map(),
   };
   const draw = (t: Target): Uint8Array => {
     for (let attempt = 0; ; attempt++) {
@@ -321,8 +327,15 @@ export async function fuzz(bus: Bus, targets: readonly Target[], o: FuzzOptions)
       const t = targets[next++ % targets.length]!;
       const bytes = draw(t);
       out.sent++;
+      const t0 = performance.now();
+      const timed = () => {
+        const ms = performance.now() - t0;
+        if (ms <= slowMs) return;
+        const was = out.slow.get(t.name) ?? { count: 0, longestMs: 0 };
+        out.slow.set(t.name, { count: was.count + 1, longestMs: Math.max(was.longestMs, ms) });
+      };
       try {
-        const reply = await bus.request(t.subject, bytes, t.timeoutMs);
+        const reply = await bus.request(t.subject, bytes, t.timeoutMs).finally(timed);
         if (t.taken?.(reply) ?? false) out.taken.set(t.name, (out.taken.get(t.name) ?? 0) + 1);
         out.answered++;
         out.answeredBy.set(t.name, (out.answeredBy.get(t.name) ?? 0) + 1);
