@@ -17,6 +17,7 @@ import {
   decodeBatchRequest,
   encodeBatch,
   encodeBatchRequest,
+  pixelsToX,
   Split,
 } from "../../schemas/messages/data-loader.ts";
 import {
@@ -185,6 +186,17 @@ describe("round trips, from unaligned payloads", () => {
       limit,
     );
     expect(fromPixels).toEqual({ ...batch, x: Float32Array.from(pixels, (p) => values[p]!) });
+    // decoded four pixels at a time: every length, the pixels at every byte offset
+    const all = Uint8Array.from({ length: 40 }, (_, i) => (i * 37 + 11) & 255);
+    for (let n = 0; n <= 13; n++)
+      for (let offset = 0; offset < 4; offset++) {
+        const px = all.subarray(offset, offset + n);
+        expect([n, offset, pixelsToX("Batch", px, values)]).toEqual([
+          n,
+          offset,
+          Float32Array.from(px, (p) => values[p]!),
+        ]);
+      }
     const ev = { ...emptyEvent("j", EventKind.Step), step: 5, loss: 0.5, text: "héllo" };
     expect(decodeEvent(unaligned(encodeEvent(ev)), limit)).toEqual(ev);
     const spec = {
