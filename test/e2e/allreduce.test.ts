@@ -153,7 +153,10 @@ describe("all-reduce mode on the mesh", () => {
   }, 180_000);
 
   test("ZeRO 3 on the mesh: a snapshot of 4 trainers resumes on 2 (stage 3) and on 3 (stage 1) with the same global batch and continues on the 4-trainer stage-2 run's loss trajectory", async () => {
-    await using mesh = await startAllReduceMesh("mt-ar-regroup-", { trainers: 4 });
+    // each step sleeps 40 ms in the trainers: the cancel below, sent when the snapshot of step
+    // 20 is announced, must come before the job's end at step 60 (on a loaded machine it once
+    // came after it)
+    await using mesh = await startAllReduceMesh("mt-ar-regroup-", { trainers: 4, env: { MT_STEP_DELAY_MS: "40" } });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const adamw = { kind: "adamw" as const, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
     const base = {
