@@ -6,7 +6,8 @@ import { epochOrder } from "./sampler.ts";
 
 export class ImageBatcher {
   readonly features: number;
-  readonly #inputs: Float32Array;
+  /** batch()'s inputs, made on its first call (a data-loader sends pixels and never needs them) */
+  #inputs: Float32Array | null = null;
   readonly #targets: Int32Array;
   readonly #lut = new Float32Array(256);
   #pixels: Uint8Array | null = null;
@@ -22,11 +23,18 @@ export class ImageBatcher {
     if (!Number.isInteger(batchSize) || batchSize < 1)
       throw new ConfigError(`batch size must be an integer >= 1, got ${batchSize}`);
     this.features = split.rows * split.cols;
-    this.#inputs = new Float32Array(batchSize * this.features);
     this.#targets = new Int32Array(batchSize);
     for (let v = 0; v < 256; v++) this.#lut[v] = (v / 255 - mnistMean) / mnistStd;
-    this.ids = ids ?? Uint32Array.from({ length: split.count }, (_, i) => i);
-    if (this.ids.some((id) => id >= split.count)) throw new ConfigError(`sample id outside the ${split.count} samples`);
+    // plain loops: a plan request builds three batchers of the whole split, and the callback
+    // forms (Uint32Array.from, some) were most of a data-loader's time answering one
+    if (ids === undefined) {
+      this.ids = new Uint32Array(split.count);
+      for (let i = 0; i < split.count; i++) this.ids[i] = i;
+    } else {
+      this.ids = ids;
+      for (let i = 0; i < ids.length; i++)
+        if (ids[i]! >= split.count) throw new ConfigError(`sample id outside the ${split.count} samples`);
+    }
   }
 
   /** The batch of samples order[start .. start+batchSize) (fewer at the end). Buffers are reused. */
@@ -34,15 +42,16 @@ export class ImageBatcher {
     const n = Math.min(this.batchSize, order.length - start);
     const F = this.features;
     const { images, labels } = this.split;
+    const inputs = (this.#inputs ??= new Float32Array(this.batchSize * F));
     for (let i = 0; i < n; i++) {
       const s = order[start + i]!;
       const src = images.subarray(s * F, (s + 1) * F);
-      const dst = this.#inputs.subarray(i * F, (i + 1) * F);
+      const dst = inputs.subarray(i * F, (i + 1) * F);
       for (let f = 0; f < F; f++) dst[f] = this.#lut[src[f]!]!;
       this.#targets[i] = labels[s]!;
     }
     return {
-      inputs: n === this.batchSize ? this.#inputs : this.#inputs.subarray(0, n * F),
+      inputs: n === this.batchSize ? inputs : inputs.subarray(0, n * F),
       inputShape: [n, F],
       targets: n === this.batchSize ? this.#targets : this.#targets.subarray(0, n),
       targetShape: [n],

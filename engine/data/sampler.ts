@@ -21,9 +21,16 @@ export function trainValSplit(
 ): { train: Uint32Array; val: Uint32Array } {
   if (!(valFraction >= 0 && valFraction < 1))
     throw new ConfigError(`valFraction must be in [0, 1), got ${valFraction}`);
-  const valCount = Math.round(count * valFraction);
-  const order = epochOrder(count, seed ^ 0x5eed, 0, true);
-  const val = order.slice(0, valCount).sort();
-  const train = order.slice(valCount).sort();
-  return { train, val };
+  const key = `${count}:${valFraction}:${seed}`;
+  if (lastSplit?.key !== key) {
+    const valCount = Math.round(count * valFraction);
+    const order = epochOrder(count, seed ^ 0x5eed, 0, true);
+    lastSplit = { key, val: order.slice(0, valCount).sort(), train: order.slice(valCount).sort() };
+  }
+  // copies: the caller owns what it gets
+  return { train: lastSplit.train.slice(), val: lastSplit.val.slice() };
 }
+
+/** The last split made: a data-loader makes the same one for every plan request of a job (a
+ *  shuffle and two sorts of the whole data set each time) */
+let lastSplit: { key: string; train: Uint32Array; val: Uint32Array } | null = null;

@@ -73,6 +73,11 @@ describe("MNIST", () => {
     expect(all.size).toBe(60000);
     expect(trainValSplit(60000, 0.1, 3).val).toEqual(val);
     expect(trainValSplit(60000, 0.1, 4).val).not.toEqual(val);
+    // the same split asked again is a copy of the one before: the caller owns what it gets
+    const again = trainValSplit(60000, 0.1, 4);
+    again.val.fill(0);
+    expect(trainValSplit(60000, 0.1, 4).val).not.toEqual(again.val);
+    expect(trainValSplit(60000, 0.1, 3).val).toEqual(val);
     // a synthetic split whose two pixels encode each sample's id, to see which samples a batch holds
     const count = 300;
     const images = new Uint8Array(count * 2);
@@ -88,6 +93,7 @@ describe("MNIST", () => {
     expect(seen.length).toBe(60);
     expect([...seen].sort((a, b) => a - b)).toEqual([...small.val]);
     expect(() => trainValSplit(10, 1, 0)).toThrow(/valFraction/);
+    expect(() => new ImageBatcher(synthetic, 7, Uint32Array.of(0, count))).toThrow(/sample id outside the 300 samples/);
   });
 
   test("malformed idx files", () => {
