@@ -21,8 +21,10 @@ const timeoutMs = 120_000;
 // one left them idle two thirds of the time. test/timings.json (each file's duration in a past
 // run) makes the slowest files start first. MT_TEST_WORKERS=1 runs them one after another.
 // Three workers left fewer cores idle (a sampled run: 25 of 1,545 core-seconds, against 156 of
-// 1,680 with two; 774 s against 840 s) but made two tests fail under the load: the fuzz's job
-// ended before its fuzz did, and the ZeRO-3 regroup test's cancel came after its job's end.
+// 1,680 with two; 774 s against 840 s) but overload two cores: in two such runs the fuzz's
+// 10,000 messages took 66-73 s (36 s with two workers, 9 s alone) and its job ended first, a
+// client's connect to NATS timed out, and a ZeRO-3 resume on fewer ranks failed ("holds no
+// complete replica").
 const workers = Number(process.env.MT_TEST_WORKERS ?? 2);
 if (!Number.isInteger(workers) || workers < 1) {
   console.error(`MT_TEST_WORKERS must be a whole number of workers, 1 or more, not ${process.env.MT_TEST_WORKERS}`);

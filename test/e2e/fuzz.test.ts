@@ -63,9 +63,11 @@ const config = (job: string, over: Partial<JobConfig>): JobConfig =>
     // small: what is checked is that the fuzzed run is the same run as the job without it, and
     // the shards' states (the seeds of pushes and loads) are sent whole in every such message
     model: { kind: "mlp", widths: [784, 16, 10], dropout: 0 },
-    // long enough that the fuzz (10-26 s on 2 cores, more under load) ends well before the job: a
-    // job that ended during it leaves its last requests unanswered (a loaded full run had one at 469 of 470)
-    epochs: 3,
+    // long enough that the fuzz ends well before the job: a job that ended during it leaves its
+    // last requests unanswered. 470 steps; each sleeps (below), so that the job's length holds
+    // under load: the fuzz is one process against the job's six, and a loaded machine slows it
+    // most (9-10 s alone, 36-50 s in the suite, where 705 steps of 40 ms once ended at 704 of 705)
+    epochs: 2,
     warmupSteps: 20,
     chunkBytes: 16 << 10,
     checkpointEvery: 40,
@@ -98,11 +100,12 @@ let client: MeshClient;
 
 beforeAll(async () => {
   dir = tempDir("mt-fuzz-");
-  // every step sleeps 40 ms in the trainers, so that the job is still training when the fuzz ends
+  // every step sleeps 120 ms in the trainers, so that the job is still training when the fuzz
+  // ends: at least 56 s of sleep, however loaded the machine
   mesh = await LocalMesh.start({
     jobsDir: join(dir, "jobs"),
     logDir: join(dir, "logs"),
-    env: { MT_STEP_DELAY_MS: "40" },
+    env: { MT_STEP_DELAY_MS: "120" },
   });
   client = await MeshClient.connect(mesh.url, mesh.auth());
 }, 120_000);
