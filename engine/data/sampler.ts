@@ -10,6 +10,10 @@ export function epochOrder(count: number, seed: number, epoch: number, shuffle =
   return order;
 }
 
+/** The last split made: a data-loader makes the same one for every plan request of a job (a
+ *  shuffle and two sorts of the whole data set each time) */
+let lastSplit: { key: string; train: Uint32Array; val: Uint32Array } | null = null;
+
 /**
  * A seeded split of sample ids 0..count-1 into train and validation sets (each sorted).
  * The same (count, valFraction, seed) always gives the same split.
@@ -30,7 +34,3 @@ export function trainValSplit(
   // copies: the caller owns what it gets
   return { train: lastSplit.train.slice(), val: lastSplit.val.slice() };
 }
-
-/** The last split made: a data-loader makes the same one for every plan request of a job (a
- *  shuffle and two sorts of the whole data set each time) */
-let lastSplit: { key: string; train: Uint32Array; val: Uint32Array } | null = null;
