@@ -328,14 +328,8 @@ export async function fuzz(bus: Bus, targets: readonly Target[], o: FuzzOptions)
       const bytes = draw(t);
       out.sent++;
       const t0 = performance.now();
-      const timed = () => {
-        const ms = performance.now() - t0;
-        if (ms <= slowMs) return;
-        const was = out.slow.get(t.name) ?? { count: 0, longestMs: 0 };
-        out.slow.set(t.name, { count: was.count + 1, longestMs: Math.max(was.longestMs, ms) });
-      };
       try {
-        const reply = await bus.request(t.subject, bytes, t.timeoutMs).finally(timed);
+        const reply = await bus.request(t.subject, bytes, t.timeoutMs);
         if (t.taken?.(reply) ?? false) out.taken.set(t.name, (out.taken.get(t.name) ?? 0) + 1);
         out.answered++;
         out.answeredBy.set(t.name, (out.answeredBy.get(t.name) ?? 0) + 1);
@@ -347,6 +341,12 @@ export async function fuzz(bus: Bus, targets: readonly Target[], o: FuzzOptions)
           const key = `${t.name}: ${err.constructor.name}`;
           out.errors.set(key, (out.errors.get(key) ?? 0) + 1);
         } else out.other.push(`${t.subject}: ${err.constructor.name}: ${err.message}`);
+      } finally {
+        const ms = performance.now() - t0;
+        if (ms > slowMs) {
+          const was = out.slow.get(t.name) ?? { count: 0, longestMs: 0 };
+          out.slow.set(t.name, { count: was.count + 1, longestMs: Math.max(was.longestMs, ms) });
+        }
       }
     }
   };
