@@ -319,12 +319,12 @@ describe("jobs on one long-running mesh", () => {
       expect((await follow(`seq-${i}`)).record.state).toBe(JobState.Done);
       rss.push(rssKb(mesh.pid("data-loader")));
     }
-    // a leak of each job's data set would add 55 MB a job: every one of the last three would be
-    // 55 MB or more above the second. What the allocator keeps of freed pages varies with the
-    // machine's load, one reading at a time (up to 145 MB above the second seen): the lowest of
-    // the three is the one to judge
+    // a leak of each job's data set would add 55 MB a job: the fourth and fifth readings would be
+    // 110 and 165 MB or more above the second. What the allocator keeps of freed pages varies with
+    // the machine's load, one reading at a time (up to 145 MB above the second seen, and the third
+    // to fifth all 53 MB above it in one CI-like run): the lower of the last two is the one to judge
     console.log(`data-loader RSS after each job: ${rss.map((kb) => `${Math.round(kb / 1024)} MB`).join(", ")}`);
-    expect(Math.min(rss[2]!, rss[3]!, rss[4]!) - rss[1]!).toBeLessThan(45 * 1024);
+    expect(Math.min(rss[3]!, rss[4]!) - rss[1]!).toBeLessThan(100 * 1024);
     for (const s of ["data-loader", "parameter-server-0", "trainer-0", "checkpoint"]) mesh.kill(s, "SIGKILL");
     await waitFor(
       "the services to be back",
