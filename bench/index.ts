@@ -1,43 +1,33 @@
 // `bun run bench <name> [options]`: the per-component benchmarks.
 import { ConfigError } from "../ffi/errors.ts";
 import { NativeLibraryError } from "../ffi/errors.ts";
-import { runAllReduceBench } from "./allreduce.ts";
-import { runEngineBench } from "./engine.ts";
-import { runEpilogueBench } from "./epilogues.ts";
-import { runHostsBench } from "./hosts.ts";
-import { runKernelBench } from "./kernels.ts";
-import { runPsBench } from "./ps.ts";
-import { runCheckpointBench } from "./checkpoint.ts";
-import { runClientBench } from "./client.ts";
-import { runDataLoaderBench } from "./data-loader.ts";
-import { runPrepareBench } from "./prepare.ts";
-import { runStreamBench } from "./stream.ts";
-import { runTrainerBench } from "./trainer.ts";
-
-export const benches = {
-  engine: runEngineBench,
-  kernels: runKernelBench,
-  epilogues: runEpilogueBench,
-  ps: runPsBench,
-  checkpoint: runCheckpointBench,
-  "data-loader": runDataLoaderBench,
-  prepare: runPrepareBench,
-  trainer: runTrainerBench,
-  allreduce: runAllReduceBench,
-  stream: runStreamBench,
-  client: runClientBench,
-  hosts: runHostsBench,
-} satisfies Record<string, (argv: string[]) => unknown>;
+// Each benchmark's module is imported when it runs: a run loads only its own (the CLI and the
+// tests start this program once per benchmark).
+type Bench = (argv: string[]) => unknown;
+export const benches: Record<string, () => Promise<Bench>> = {
+  engine: async () => (await import("./engine.ts")).runEngineBench,
+  kernels: async () => (await import("./kernels.ts")).runKernelBench,
+  epilogues: async () => (await import("./epilogues.ts")).runEpilogueBench,
+  ps: async () => (await import("./ps.ts")).runPsBench,
+  checkpoint: async () => (await import("./checkpoint.ts")).runCheckpointBench,
+  "data-loader": async () => (await import("./data-loader.ts")).runDataLoaderBench,
+  prepare: async () => (await import("./prepare.ts")).runPrepareBench,
+  trainer: async () => (await import("./trainer.ts")).runTrainerBench,
+  allreduce: async () => (await import("./allreduce.ts")).runAllReduceBench,
+  stream: async () => (await import("./stream.ts")).runStreamBench,
+  client: async () => (await import("./client.ts")).runClientBench,
+  hosts: async () => (await import("./hosts.ts")).runHostsBench,
+};
 
 if (import.meta.main) {
   const [name, ...rest] = process.argv.slice(2);
-  const bench = name !== undefined && Object.hasOwn(benches, name) ? benches[name as keyof typeof benches] : undefined;
-  if (bench === undefined) {
+  const load = name !== undefined && Object.hasOwn(benches, name) ? benches[name] : undefined;
+  if (load === undefined) {
     console.error(`usage: bun run bench <${Object.keys(benches).join("|")}> [options]`);
     process.exit(2);
   }
   try {
-    await bench(rest);
+    await (await load())(rest);
   } catch (e) {
     // a bad option, or a device or library that is not there: one clear line (anything else is a
     // bug and keeps its stack)

@@ -51,19 +51,6 @@ export interface JobPlan {
   lines: string[];
 }
 
-/** "80GB", "24 GiB", "512MiB", "1e9": bytes (GB and GiB both 2^30: a device's memory is quoted so). */
-export function parseMemorySize(raw: string): number {
-  const m = /^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)?\s*$/i.exec(raw);
-  if (m === null)
-    throw new ConfigError(`--device-memory must be a size such as 80GB, 24GiB or 512MiB, got ${JSON.stringify(raw)}`);
-  const unit = (m[2] ?? "b").toLowerCase()[0]!;
-  const scale = { b: 1, k: 2 ** 10, m: 2 ** 20, g: 2 ** 30, t: 2 ** 40 }[unit as "b" | "k" | "m" | "g" | "t"];
-  const bytes = Math.round(Number(m[1]) * scale);
-  if (!(bytes > 0) || !Number.isSafeInteger(bytes))
-    throw new ConfigError(`--device-memory must be a positive size, got ${JSON.stringify(raw)}`);
-  return bytes;
-}
-
 /** The device a plan checks against: --device-memory, else the probed GPU, else this machine's memory. */
 export function planDevice(kind: "cpu" | "cuda" | "auto", deviceMemory: number | null): PlanDevice {
   const probe = kind === "cpu" ? null : probeCuda();

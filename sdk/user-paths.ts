@@ -1,6 +1,6 @@
 // The paths the user types: resolved against their folder, shown back as they would type them;
 // and how they run meshtrain, for the commands a run suggests next.
-import { dirname, isAbsolute, relative, resolve, sep } from "node:path";
+import { dirname, isAbsolute, join, relative, resolve, sep } from "node:path";
 
 /**
  * The folder the user ran the command in. `npm run meshtrain -- ...` runs with the package root
@@ -35,3 +35,6 @@ export function cliName(other = "npx meshtrain"): string {
 export function shellWord(s: string): string {
   return /^[\w./+,:=@%-]+$/.test(s) ? s : `'${s.replaceAll("'", "'\\''")}'`;
 }
+
+/** Where `run` and `mesh up` keep jobs' snapshots, models and logs unless --dir says otherwise. */
+export const defaultRunDir = (): string => join("runs", "mesh");

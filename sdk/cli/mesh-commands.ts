@@ -1,38 +1,20 @@
-// The mesh commands of the CLI: `run` (a local mesh for one job, the README's main job), `mesh
-// up`, and the client commands that talk to any mesh over NATS (submit, watch, status, cancel,
-// checkpoints, save, restore). Every one ends with an answer: a result, or one line naming the
-// cause (and the log to read).
-import { existsSync } from "node:fs";
-import { join } from "node:path";
+// The mesh commands of the CLI and their options: `run` (a local mesh for one job, the README's
+// main job), `mesh up`, and the client commands that talk to any mesh over NATS (submit, watch,
+// status, cancel, checkpoints, save, restore). Every one ends with an answer: a result, or one
+// line naming the cause (and the log to read). What they do is in mesh-actions.ts and
+// run-mesh.ts, imported when one runs: the commands that train in this process never load them.
 import { type Command, Option } from "commander";
-import { type Event, JobState } from "../../schemas/messages/job.ts";
-import { defaultOwner, ownerProblem, qualifyJob } from "../../services/runtime/job/subjects.ts";
-import { jobConfigFromJson, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
-import { parseMemorySize, planDevice, planReport } from "../plan.ts";
-import { MeshClient } from "../client.ts";
-import { type JobFlags, jobConfigOf, jobOptions } from "./job-options.ts";
-import { exitCodes } from "./exit.ts";
-import { type MeshOptions, LocalMesh, membersWaitMs } from "../local-mesh.ts";
-import { announceLocalMesh, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "../mesh-address.ts";
-import {
-  clientUser,
-  makeCredentials,
-  roleShardsMax,
-  roleTrainersMax,
-  roleUsers,
-} from "../../services/runtime/job/roles.ts";
-import { defaultRunDir, runMesh } from "./run-mesh.ts";
-import { printable, stamp } from "../format.ts";
-import { cliName, shownPath, userPath } from "../user-paths.ts";
-import { float, int, ownerList } from "./options.ts";
-import { configSummary, jobsTable, outcomeLines, statusLines } from "../report.ts";
-import { Dashboard } from "../dashboard/server.ts";
-import { StopRequests } from "../signals.ts";
-import { JobFailedError, watchJob } from "../watch.ts";
-import { NatsUnreachableError } from "../../services/runtime/mesh/nats.ts";
-import { BadRequestError, CapacityError } from "../../services/runtime/mesh/errors.ts";
-import { ConfigError } from "../../ffi/errors.ts";
-import { attentionDeviceProblem } from "../../services/runtime/job/attention.ts";
+import { defaultOwner, ownerProblem } from "../../services/runtime/job/subjects.ts";
+import { jobDefaults } from "../../services/runtime/job/config.ts";
+import { type JobFlags, jobOptions } from "./job-options.ts";
+import { roleShardsMax, roleTrainersMax } from "../../services/runtime/job/roles.ts";
+import { defaultRunDir, userPath } from "../user-paths.ts";
+import { float, int, ownerList, parseMemorySize } from "./options.ts";
+import { BadRequestError } from "../../services/runtime/mesh/errors.ts";
+import type { MeshUpFlags, NatsFlags } from "./mesh-actions.ts";
+
+/** What the commands do: loaded when one of them runs. */
+const actions = () => import("./mesh-actions.ts");
 
 const d = jobDefaults;
 
@@ -86,48 +68,6 @@ const natsOption = (cmd: Command) =>
       if (o.tlsKey) process.env.MT_TLS_KEY = userPath(o.tlsKey);
     });
 
-/** Connects to the mesh the options name as `role` (on the local mesh), with a hint that says how to start one. */
-async function connect(flag: string | undefined, role: "client" | "admin" = "client"): Promise<MeshClient> {
-  const { url, from } = resolveNatsUrl(flag);
-  const nkeyFile = resolveNkeyFile(undefined, url, role);
-  try {
-    return await MeshClient.connect(url, nkeyFile === undefined ? {} : { nkeyFile });
-  } catch (e) {
-    if (e instanceof NatsUnreachableError)
-      throw new NatsUnreachableError(`cannot reach the mesh at ${url} (from ${from}): ${unreachableHint}`, {
-        cause: e,
-      });
-    throw e;
-  }
-}
-
-/** The local logs of a job, when a mesh on this machine wrote them there. */
-const localLogs = (snapshotDir: string): string | null =>
-  snapshotDir && existsSync(join(snapshotDir, "logs")) ? join(snapshotDir, "logs") : null;
-
-/**
- * Follows a job the client submitted or asked to watch, printing its end. Ctrl-C stops following
- * (the job goes on) and says how to come back to it.
- */
-async function follow(client: MeshClient, job: string, events?: AsyncIterableIterator<Event>): Promise<void> {
-  using stop = new StopRequests(() =>
-    console.log(
-      `\nstopped following job ${job}; it goes on training. Follow it again: ${cliName()} watch ${job}; stop it: ${cliName()} cancel ${job}`,
-    ),
-  );
-  try {
-    const o = await watchJob(client, job, { signal: stop.first.signal, ...(events ? { events } : {}) });
-    for (const line of outcomeLines(o, { logs: localLogs(o.record.snapshotDir) })) console.log(line);
-  } catch (e) {
-    if (stop.requested) process.exit(exitCodes.interrupted);
-    if (e instanceof JobFailedError && e.record) {
-      const logs = localLogs(e.record.snapshotDir);
-      throw new JobFailedError(`${e.message}${logs ? ` (logs: ${shownPath(logs)})` : ""}`, e.record);
-    }
-    throw e;
-  }
-}
-
 export function addMeshCommands(program: Command): void {
   addLocalCommands(program);
   addMeshUpCommands(program);
@@ -160,6 +100,7 @@ function addLocalCommands(program: Command): void {
         },
         cmd: Command,
       ) => {
+        const { runMesh } = await import("./run-mesh.ts");
         process.exitCode = await runMesh({
           flags: opts,
           dir: userPath(opts.dir),
@@ -186,26 +127,9 @@ function addLocalCommands(program: Command): void {
         .choices(["auto", "cpu", "cuda"])
         .default(process.env.MT_DEVICE ?? "cpu"),
     )
-    .action((opts: JobFlags & { deviceMemory?: number; device: "auto" | "cpu" | "cuda" }) => {
-      // a GPT's shape with its vocabulary, before any data: --vocab-size without --tokens plans
-      // that vocabulary (a run takes it from its data)
-      const shapeOnly = opts.model === "gpt" && opts.vocabSize !== undefined && opts.tokens === undefined;
-      const cfg = jobConfigOf(shapeOnly ? { ...opts, vocabSize: undefined } : opts, null, (job) =>
-        qualifyJob(job, defaultOwner),
-      );
-      const attention = attentionDeviceProblem(
-        cfg.attention,
-        opts.device === "cpu" ? "--device cpu plans trainers that compute on the CPU" : null,
-      );
-      if (attention !== null) throw new ConfigError(`attention ${cfg.attention} ${attention}`);
-      const { plan, lines } = planReport(
-        cfg,
-        planDevice(opts.device, opts.deviceMemory ?? null),
-        shapeOnly ? opts.vocabSize : undefined,
-      );
-      for (const line of lines) console.log(line);
-      process.exitCode = plan.fits ? exitCodes.done : exitCodes.doesNotFit;
-    });
+    .action(async (opts: JobFlags & { deviceMemory?: number; device: "auto" | "cpu" | "cuda" }) =>
+      (await actions()).plan(opts),
+    );
 }
 
 /** `mesh up` (a mesh that stays up) and `creds` (its NATS users). */
@@ -230,7 +154,7 @@ function addMeshUpCommands(program: Command): void {
     )
     .addOption(clientsOption())
     .action(async (opts: MeshUpFlags) => {
-      await meshUp({ ...opts, dir: userPath(opts.dir) });
+      await (await actions()).meshUp({ ...opts, dir: userPath(opts.dir) });
     });
 
   program
@@ -242,20 +166,9 @@ function addMeshUpCommands(program: Command): void {
     .option("--trainers <n>", "trainer ranks: one user each (trainer-<r>)", int(1, roleTrainersMax), d.trainers)
     .option("--shards <n>", "parameter-server shards: one user each (ps-<k>)", int(0, roleShardsMax), d.shards)
     .addOption(clientsOption())
-    .action((opts: { dir: string; trainers: number; shards: number; clients: string[] }) => {
-      const c = makeCredentials(userPath(opts.dir), {
-        trainers: opts.trainers,
-        shards: opts.shards,
-        clients: opts.clients,
-      });
-      const users = roleUsers(opts);
-      console.log(
-        `wrote ${users.length} users' nkey seeds to ${shownPath(c.dir)}/ (${users.join(", ")}) and their permissions to ${shownPath(join(c.dir, "auth.conf"))}`,
-      );
-      console.log(
-        `  nats-server: include ${shownPath(join(c.dir, "auth.conf"))} in its config; a service: MT_NATS_NKEY=<its user's .nk>; the CLI: --nats-nkey ${shownPath(c.seedFile(clientUser(opts.clients[0])))}`,
-      );
-    });
+    .action(async (opts: { dir: string; trainers: number; shards: number; clients: string[] }) =>
+      (await actions()).creds({ ...opts, dir: userPath(opts.dir) }),
+    );
 }
 
 /** The client commands that submit and follow jobs. */
@@ -264,38 +177,14 @@ function addJobCommands(program: Command): void {
     jobOptions(program.command("submit").description("submit a job to a running mesh and follow it to the end")),
   )
     .option("--detach", "return once the job is submitted")
-    .action(async (opts: JobFlags & { natsUrl?: string; detach?: boolean }, cmd: Command) => {
-      // a config the options cannot make is refused before connecting (the trainers, wherever
-      // they are, refuse what their device cannot run when they open the job)
-      jobConfigOf(opts);
-      await using client = await connect(opts.natsUrl);
-      const prev = opts.job === undefined ? null : await client.previous(client.job(opts.job));
-      const cfg = jobConfigOf(opts, prev?.config ?? null, (job) => client.job(job));
-      // subscribed first: a resumed job's Restore can come before the watch starts
-      const events = opts.detach ? undefined : client.events(cfg.job);
-      await client.submit(cfg);
-      console.log(`${prev ? "resumed" : "submitted"} job ${cfg.job} to the mesh at ${client.url}`);
-      for (const line of configSummary(cfg)) console.log(`  ${line}`);
-      const plan = await client.collectivePlan(cfg);
-      if (plan !== null) console.log(`  collective ${plan.text}`);
-      if (opts.detach) {
-        console.log(
-          `follow it: ${cliName()} watch ${cfg.job} | its state: ${cliName()} status ${cfg.job} | stop it: ${cliName()} cancel ${cfg.job}`,
-        );
-        return;
-      }
-      await follow(client, cfg.job, events);
-    });
+    .action(async (opts: JobFlags & NatsFlags & { detach?: boolean }) => (await actions()).submit(opts));
 
   natsOption(
     program
       .command("watch")
       .description("follow a job to its end (a job that ended is reported at once)")
       .argument("<job>"),
-  ).action(async (job: string, opts: { natsUrl?: string }) => {
-    await using client = await connect(opts.natsUrl);
-    await follow(client, job);
-  });
+  ).action(async (job: string, opts: NatsFlags) => (await actions()).watch(job, opts));
 
   natsOption(
     program
@@ -307,30 +196,9 @@ function addJobCommands(program: Command): void {
   )
     .option("--json", "print JSON")
     .option("--all", "without a job: every owner's jobs (on a mesh with roles, as its admin user)")
-    .action(async (job: string | undefined, opts: { natsUrl?: string; json?: boolean; all?: boolean }) => {
-      if (job !== undefined && opts.all)
-        throw new BadRequestError("--all lists every owner's jobs: give no job with it");
-      await using client = await connect(opts.natsUrl, opts.all ? "admin" : "client");
-      if (!job) {
-        const records = await client.list({ every: opts.all ?? false });
-        console.log(
-          opts.json
-            ? JSON.stringify({ jobs: records.map((r) => ({ ...r, state: JobState[r.state].toLowerCase() })) }, null, 2)
-            : jobsTable(records).join("\n"),
-        );
-        return;
-      }
-      const st = await client.status(job);
-      console.log(
-        opts.json
-          ? JSON.stringify(
-              { ...st, record: st.record && { ...st.record, state: JobState[st.record.state].toLowerCase() } },
-              null,
-              2,
-            )
-          : statusLines(st).join("\n"),
-      );
-    });
+    .action(async (job: string | undefined, opts: NatsFlags & { json?: boolean; all?: boolean }) =>
+      (await actions()).status(job, opts),
+    );
 }
 
 /** The client commands that act on running jobs and their snapshots. */
@@ -340,25 +208,11 @@ function addSnapshotCommands(program: Command): void {
       .command("cancel")
       .description("stop a running job (its snapshots stay; giving its name to run or submit resumes it)")
       .argument("<job>"),
-  ).action(async (job: string, opts: { natsUrl?: string }) => {
-    await using client = await connect(opts.natsUrl);
-    const r = await client.cancel(job);
-    console.log(`cancelled job ${r.job} (${printable(r.reason)}); resume it later: ${cliName()} submit --job ${r.job}`);
-  });
+  ).action(async (job: string, opts: NatsFlags) => (await actions()).cancel(job, opts));
 
   natsOption(
     program.command("checkpoints").description("list a job's snapshots (also of a job that ended)").argument("<job>"),
-  ).action(async (job: string, opts: { natsUrl?: string }) => {
-    await using client = await connect(opts.natsUrl);
-    const items = await client.checkpoints(job);
-    if (items.length === 0) console.log(`job ${job} has no snapshots yet`);
-    for (const m of items) {
-      console.log(
-        `${printable(m.id)}  step ${m.step}  metric ${Number.isFinite(m.metric) ? m.metric.toFixed(4) : "-"}  ${m.files.reduce((s, f) => s + f.bytes, 0)} bytes  ` +
-          `${new Date(m.createdMs).toISOString()}${m.modelPath ? `  model ${printable(m.modelPath)}` : ""}`,
-      );
-    }
-  });
+  ).action(async (job: string, opts: NatsFlags) => (await actions()).checkpoints(job, opts));
 
   natsOption(
     program
@@ -374,31 +228,19 @@ function addSnapshotCommands(program: Command): void {
       "address to listen on (0.0.0.0: every interface; whoever reaches it sees the mesh's jobs)",
       "127.0.0.1",
     )
-    .action(async (job: string | undefined, opts: { natsUrl?: string; port: number; host: string }) => {
-      await using client = await connect(opts.natsUrl);
-      await serveDashboard(client, job, opts);
-    });
+    .action(async (job: string | undefined, opts: NatsFlags & { port: number; host: string }) =>
+      (await actions()).dashboard(job, opts),
+    );
 
   natsOption(
     program
       .command("metrics")
       .description("list every service's Prometheus /metrics endpoint (from service discovery)"),
-  ).action(async (opts: { natsUrl?: string }) => {
-    await using client = await connect(opts.natsUrl);
-    const endpoints = await client.metricsEndpoints();
-    if (endpoints.length === 0)
-      console.log("no service of this mesh serves metrics (they run with MT_METRICS_PORT=-1)");
-    const width = Math.max(0, ...endpoints.map((e) => e.service.length));
-    for (const e of endpoints) console.log(`${e.service.padEnd(width)}  ${e.url}`);
-  });
+  ).action(async (opts: NatsFlags) => (await actions()).metrics(opts));
 
   natsOption(
     program.command("save").description("take a snapshot of a running job at its next step").argument("<job>"),
-  ).action(async (job: string, opts: { natsUrl?: string }) => {
-    await using client = await connect(opts.natsUrl);
-    const e = await client.saveCheckpoint(job);
-    console.log(`${job}: ${printable(e.text)}`);
-  });
+  ).action(async (job: string, opts: NatsFlags) => (await actions()).save(job, opts));
 
   natsOption(
     program
@@ -409,17 +251,9 @@ function addSnapshotCommands(program: Command): void {
       .argument("<job>")
       .option("--trainers <n>", "trainer ranks from the next snapshot on (the mesh must run them)", int(1, 64))
       .option("--shards <n>", "parameter-server shards (parameter-server mode)", int(1, 64)),
-  ).action(async (job: string, opts: { natsUrl?: string; trainers?: number; shards?: number }) => {
-    if (opts.trainers === undefined && opts.shards === undefined)
-      throw new BadRequestError("resize needs --trainers or --shards (or both)");
-    await using client = await connect(opts.natsUrl, "admin");
-    const m = await client.resize(job, { trainers: opts.trainers, shards: opts.shards });
-    const r = await client.record(job);
-    const cfg = jobConfigFromJson(r.configJson);
-    console.log(
-      `resized ${job} from ${printable(m.id)} (step ${m.step}): ${cfg.trainers} trainers${cfg.sync === "allreduce" ? "" : `, ${cfg.shards} shards`}; ${r.totalSteps} steps in all; follow it: ${cliName()} watch ${job}`,
-    );
-  });
+  ).action(async (job: string, opts: NatsFlags & { trainers?: number; shards?: number }) =>
+    (await actions()).resize(job, opts),
+  );
 
   natsOption(
     program
@@ -427,112 +261,5 @@ function addSnapshotCommands(program: Command): void {
       .description("roll a running job back to a snapshot (default: the newest that verifies)")
       .argument("<job>")
       .argument("[id]"),
-  ).action(async (job: string, id: string | undefined, opts: { natsUrl?: string }) => {
-    await using client = await connect(opts.natsUrl, "admin");
-    const m = await client.restore(job, id ?? "");
-    console.log(`restored ${job} to ${printable(m.id)} (step ${m.step}); its trainers resume there`);
-  });
+  ).action(async (job: string, id: string | undefined, opts: NatsFlags) => (await actions()).restore(job, id, opts));
 }
-
-/** `dashboard`: serves the pages until Ctrl-C; a job that does not exist is refused before. */
-async function serveDashboard(
-  client: MeshClient,
-  job: string | undefined,
-  o: { port: number; host: string },
-): Promise<void> {
-  await using dash = Dashboard.start({ client, port: o.port, host: o.host });
-  if (job !== undefined) await dash.follow(job);
-  console.log(
-    `meshtrain dashboard of ${job === undefined ? "the jobs" : `job ${job}`} on ${client.url}: ${job === undefined ? dash.url : dash.jobUrl(job)}`,
-  );
-  console.log("stop it: Ctrl-C");
-  using stop = new StopRequests();
-  await new Promise<void>((resolve) => stop.first.signal.addEventListener("abort", () => resolve(), { once: true }));
-}
-
-/** `mesh up`'s options. */
-interface MeshUpFlags {
-  dir: string;
-  port: number;
-  trainers: number;
-  shards: number;
-  auth: boolean;
-  clients: string[];
-}
-
-/** `mesh up`: runs until Ctrl-C, leaving a note so that client commands on this machine find it. */
-async function meshUp(o: MeshUpFlags): Promise<void> {
-  const opts: MeshOptions = {
-    jobsDir: join(o.dir, "jobs"),
-    logDir: join(o.dir, "logs", `mesh-${stamp()}`),
-    jobLogs: true,
-    trainers: o.trainers,
-    shards: o.shards,
-    port: o.port,
-    natsStoreDir: join(o.dir, "nats"),
-    auth: o.auth,
-    credsDir: join(o.dir, "creds"),
-    clients: o.clients,
-    onEvent: (line) => console.log(`launcher: ${line}`),
-  };
-  using stop = new StopRequests((s) => console.log(`\n${s}: stopping the mesh (again to stop at once)`));
-  let failJobs: (reason: string) => void = () => {};
-  const m = await LocalMesh.start({
-    ...opts,
-    onGiveUp: (service, lastError, log, cannotStart) =>
-      failJobs(`${service} ${cannotStart ? "cannot start" : "keeps crashing"}: ${lastError} (log: ${shownPath(log)})`),
-  });
-  stop.second.signal.addEventListener("abort", () => void m.stop(true), { once: true });
-  let forget = () => {};
-  try {
-    // up means every service has registered: a job submitted now finds them all
-    await using client = await MeshClient.connect(m.url, m.auth());
-    failJobs = (reason) =>
-      void client
-        .failRunning(reason)
-        .catch((e: unknown) => console.log(`launcher: cannot fail the running jobs: ${(e as Error).message}`));
-    if (
-      !(await client.waitForMembers(
-        { job: "(any)", trainers: o.trainers, shards: o.shards },
-        membersWaitMs,
-        stop.first.signal,
-      ))
-    )
-      return;
-    forget = announceLocalMesh({
-      url: m.url,
-      pid: process.pid,
-      dir: o.dir,
-      ...(m.credentials ? { creds: m.credentials.dir } : {}),
-    });
-    console.log(`mesh up: NATS at ${m.url}; ${m.services.map((s) => s.name).join(", ")}`);
-    console.log(
-      `  jobs' snapshots, models and logs: ${shownPath(opts.jobsDir)}/<job>/; the services' logs: ${shownPath(opts.logDir)}`,
-    );
-    console.log(
-      `  client commands on this machine find it; elsewhere: export MT_NATS_URL=${m.url.replace("127.0.0.1", "<this host>")}`,
-    );
-    if (m.credentials) {
-      console.log(
-        `  NATS users per role, nkey seeds in ${shownPath(m.credentials.dir)}/ (owner-only): a client elsewhere needs export MT_NATS_NKEY=<copy of client-<owner>.nk> (${o.clients.map((c) => `client-${c}.nk`).join(", ")}: each acts on its owner's jobs only; admin.nk on every owner's, and to restore or resize)`,
-      );
-    }
-    console.log(`submit a job: ${cliName()} submit --epochs 1 | stop the mesh: Ctrl-C`);
-    if (!stop.first.signal.aborted)
-      await new Promise<void>((resolve) =>
-        stop.first.signal.addEventListener("abort", () => resolve(), { once: true }),
-      );
-  } catch (e) {
-    if (e instanceof CapacityError)
-      throw new CapacityError(
-        `the mesh's services did not all start within ${membersWaitMs / 1000} s (logs: ${shownPath(opts.logDir)}): ${e.message}`,
-      );
-    throw e;
-  } finally {
-    forget();
-    await m.stop();
-    console.log("mesh stopped");
-  }
-}
-
-export { defaultRunDir };

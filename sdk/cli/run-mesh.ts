@@ -20,7 +20,7 @@ import { LocalMesh, membersWaitMs } from "../local-mesh.ts";
 import { checkedJobName, type JobFlags, jobConfigOf } from "./job-options.ts";
 import { exitCodes } from "./exit.ts";
 import { configSummary, outcomeLines } from "../report.ts";
-import { cliName, shownPath } from "../user-paths.ts";
+import { cliName, defaultRunDir, shownPath } from "../user-paths.ts";
 import { StopRequests } from "../signals.ts";
 import { Dashboard } from "../dashboard/server.ts";
 import { JobFailedError, watchJob } from "../watch.ts";
@@ -38,7 +38,6 @@ export interface MeshRunOptions {
   deviceMemory?: number | null;
 }
 
-export const defaultRunDir = () => join("runs", "mesh");
 /** How long a stop waits for the snapshot it asks for before stopping anyway. */
 const stopSnapshotMs = 30_000;
 
