@@ -175,16 +175,22 @@ describe("PTX", () => {
     compileTimeoutMs,
   );
 
-  // What the driver's JIT does at load time: assemble the PTX for the GPUs we run on.
+  // What the driver's JIT does at load time: assemble the PTX for the GPUs we run on. The PTX
+  // targets compute_80, so sm_80 is the oldest GPU it runs on and the one with the least to give
+  // (shared memory per block; the same registers): PTX that assembles for it assembles for sm_90,
+  // whose instruction set is a superset. Assembling for sm_90 too doubled the test's 40 CPU-s
+  // (flash.ptx, 4.6 MB, is most of it) and found nothing the sm_80 pass did not; the GPU tests
+  // (scripts/device-check.sh tests) load the modules on a lent H100/H200, whose driver assembles
+  // them for sm_90.
   const ptxas = nvcc === null ? null : join(dirname(nvcc), "ptxas");
   test.skipIf(
     skip("nvcc", nvccMissing) || skip("ptxas", ptxas !== null && !existsSync(ptxas) ? `${ptxas} not found` : null),
   )(
-    "the PTX assembles for sm_80 and sm_90 (ptxas)",
+    "the PTX assembles for sm_80, the oldest GPU it targets (ptxas)",
     () => {
       const failures: string[] = [];
       for (const [module, path] of Object.entries(ptx())) {
-        for (const arch of ["sm_80", "sm_90"]) {
+        for (const arch of ["sm_80"]) {
           // -O0: whether the PTX is valid for the architecture, which is what this checks, in half
           // the time of ptxas's optimizer (the driver assembles it again, optimized, on the GPU)
           const result = Bun.spawnSync([ptxas!, "-O0", `-arch=${arch}`, "-o", "/dev/null", path], {
