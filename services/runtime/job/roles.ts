@@ -20,12 +20,13 @@
 // mode 0600, the folder 0700) and <dir>/auth.conf, the server's `authorization` block with each
 // user's public key. Seeds that exist are kept, so a mesh's credentials survive its restarts.
 import { chmodSync, existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
-import { createUser, fromSeed } from "@nats-io/nkeys";
+import { createUser } from "@nats-io/nkeys";
 import { basename, join } from "node:path";
 import { defaultOwner, ownerProblem, recoverAsker } from "./subjects.ts";
 import { jobsBucket, recordsBucket } from "./ledger.ts";
 import { ncclIdsBucket, ncclLeaderToken } from "./nccl-id.ts";
 import { reconnectedSubject } from "../mesh/bus.ts";
+import { type Nkey, nkeyOf } from "../mesh/nkey.ts";
 
 /** The ranks and shards a mesh's credentials cover (a user per rank and per shard). */
 export interface RoleTopology {
@@ -270,13 +271,14 @@ export function makeCredentials(dir: string, topology: RoleTopology): Credential
   return { dir, authorization, seedFile: (user) => seedFileOf(dir, user) };
 }
 
-/** A seed file's seed and public key; CredentialsError naming the file when it is not one. */
-export function readSeed(file: string): { seed: Uint8Array; publicKey: string } {
+/** A seed file's key (its public key, and what signs a server's nonce); CredentialsError naming
+ *  the file when it is not one. */
+export function readSeed(file: string): Nkey {
   if (!existsSync(file)) throw new CredentialsError(`the nkey seed file ${file} does not exist`);
   const text = readFileSync(file, "utf8").trim();
   try {
     const seed = new TextEncoder().encode(text);
-    return { seed, publicKey: fromSeed(seed).getPublicKey() };
+    return nkeyOf(seed);
   } catch (e) {
     throw new CredentialsError(`${file} holds no user nkey seed (a line starting SU...): ${(e as Error).message}`);
   }

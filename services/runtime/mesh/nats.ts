@@ -4,7 +4,7 @@ import { MeshtrainError } from "../../../ffi/errors.ts";
 import { existsSync } from "node:fs";
 import { busTraffic } from "./metrics.ts";
 import { Svcm, type Service, type ServiceMsg } from "@nats-io/services";
-import { connect, type NatsConnection, nkeyAuthenticator, type Subscription as NatsSub } from "@nats-io/transport-node";
+import { connect, type NatsConnection, type Subscription as NatsSub } from "@nats-io/transport-node";
 import { type Msg, headers as natsHeaders, type MsgHdrs } from "@nats-io/transport-node";
 import {
   answer,
@@ -25,6 +25,7 @@ export { NatsAccessError };
 import type { Logger } from "./log.ts";
 import { RefusalLog } from "./refusal-log.ts";
 import { inboxPrefixOf, readSeed } from "../job/roles.ts";
+import { type Nkey, nkeyAuthenticator } from "./nkey.ts";
 import { orAfter } from "./timers.ts";
 import type { KV, KvOptions } from "@nats-io/kv";
 import { openBucket } from "./kv-bucket.ts";
@@ -81,7 +82,7 @@ export const tlsFromEnv = (env: Record<string, string | undefined> = process.env
 const tlsTimeoutsMax = 3;
 
 /** The user of a seed file (NatsAccessError when the file is missing or holds no seed). */
-function userOf(nkeyFile: string | undefined): { seed: Uint8Array; publicKey: string } | undefined {
+function userOf(nkeyFile: string | undefined): Nkey | undefined {
   if (nkeyFile === undefined || nkeyFile === "") return undefined;
   try {
     return readSeed(nkeyFile);
@@ -141,7 +142,7 @@ export async function connectWithRetry(opts: NatsBusOptions): Promise<NatsConnec
         ...(tls === undefined ? {} : { tls }),
         ...(user === undefined
           ? {}
-          : { authenticator: nkeyAuthenticator(user.seed), inboxPrefix: inboxPrefixOf(user.publicKey) }),
+          : { authenticator: nkeyAuthenticator(user), inboxPrefix: inboxPrefixOf(user.publicKey) }),
         // after the first connection, the client reconnects on its own, forever: a service
         // outlives a restart of its server
         maxReconnectAttempts: -1,
