@@ -19,7 +19,12 @@ const timeoutMs = 120_000;
 // Test files run in worker processes side by side: most of an e2e test's time is spent waiting
 // on other processes (a mesh's services, nats-server), so two workers keep two cores busy where
 // one left them idle two thirds of the time. test/timings.json (each file's duration in a past
-// run) makes the slowest files start first. MT_TEST_WORKERS=1 runs them one after another.
+// run) makes the slowest files start first. Its first seven are set by hand so that a file that
+// mostly waits (the fuzz's paced job, the testbed's cut hosts, mesh-cli's runs) starts beside one
+// that keeps a core busy (mesh.test.ts, cli.test.ts, the testbed's chaos): measured alone, their
+// CPU-seconds per second are 0.57, 0.73 and 0.70 against 1.26, 1.22 and 1.25. Started longest
+// first, two waiting files ran together, and the suite's first 220 s left 170 core-seconds idle.
+// MT_TEST_WORKERS=1 runs them one after another.
 // Three workers left fewer cores idle (a sampled run: 25 of 1,545 core-seconds, against 156 of
 // 1,680 with two; 774 s against 840 s) but overload two cores: in two such runs the fuzz's
 // 10,000 messages took 66-73 s (36 s with two workers, 9 s alone) and its job ended first, a
