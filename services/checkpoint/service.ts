@@ -565,12 +565,23 @@ export class CheckpointService {
     const parts = states.map((s) => encodeShardState({ ...s, generation }));
     if (parts.length === 0)
       throw new BadRequestError(`snapshot ${id} holds no replica (it was taken by a parameter-server job)`);
+    // A recovery asked by a rank of a run that was cancelled waits here for ranks that are gone;
+    // if the job reopens meanwhile (resumed, perhaps on other ranks), the new run's ranks would
+    // answer with this run's layout and take a second restore: it stops once its run is closed,
+    // and announces nothing (seen as a resumed ZeRO job failing with "holds no complete replica")
+    const closed = () => this.#jobs.get(cfg.job) !== e;
     await Promise.all(
       Array.from({ length: cfg.trainers }, async (_, r) => {
-        for (const bytes of parts)
-          await requestWhileAway(this.bus, subjects.replicaLoad(cfg.job, r), bytes, stateTimeoutMs);
+        for (const bytes of parts) {
+          if (closed()) break;
+          await requestWhileAway(this.bus, subjects.replicaLoad(cfg.job, r), bytes, stateTimeoutMs, closed);
+        }
       }),
     );
+    if (closed())
+      throw new JobStateError(
+        `job ${cfg.job} was closed or reopened while its restore to ${id} was loaded; not restored`,
+      );
   }
 
   /** Whether a shard holds nothing yet: no update applied, no trainer's step pushed. */
