@@ -98,7 +98,6 @@ function addLocalCommands(program: Command): void {
           dashboardPort: number;
           deviceMemory?: number;
         },
-        cmd: Command,
       ) => {
         const { runMesh } = await import("./run-mesh.ts");
         process.exitCode = await runMesh({

@@ -527,15 +527,19 @@ export class CheckpointService {
     if (usesShards(cfg)) {
       const loads = reshard(cfg, e.plan, snap.manifest, snap.files, this.payloadBytesMax);
       await Promise.all(
-        loads.map(async (parts, k) => {
-          // the shard checks each part and applies them together, after the last
-          for (const part of parts)
-            await requestWhileAway(this.bus, subjects.psLoad(cfg.job, k), encodeShardState(part), stateTimeoutMs);
-        }),
+        loads.map((parts, k) => this.#sendParts(e, subjects.psLoad(cfg.job, k), parts, encodeShardState)),
       );
     } else {
       await this.#loadReplicas(e, snap.manifest, snap.files);
     }
+    // A recovery asked by a process of a run that was closed meanwhile (a cancelled run's rank)
+    // waited for processes that are gone; the job's next run, perhaps on other ranks, must not
+    // take its loads or its event (seen as a resumed ZeRO job's second restore, or "holds no
+    // complete replica"): its loads stopped, and it announces nothing
+    if (this.#jobs.get(cfg.job) !== e)
+      throw new JobStateError(
+        `job ${cfg.job} was closed or reopened while its restore to ${snap.manifest.id} was loaded; not restored`,
+      );
     this.log?.warn({ job: cfg.job, id: snap.manifest.id, step: snap.manifest.step, why: tag }, "job restored");
     if (!usesShards(cfg)) e.lastRestore = { manifest: snap.manifest, opened: new Set(rank === null ? [] : [rank]) };
     // all-reduce mode: the event names the load it announces, so a rank that sees the next
@@ -565,23 +569,27 @@ export class CheckpointService {
     const parts = states.map((s) => encodeShardState({ ...s, generation }));
     if (parts.length === 0)
       throw new BadRequestError(`snapshot ${id} holds no replica (it was taken by a parameter-server job)`);
-    // A recovery asked by a rank of a run that was cancelled waits here for ranks that are gone;
-    // if the job reopens meanwhile (resumed, perhaps on other ranks), the new run's ranks would
-    // answer with this run's layout and take a second restore: it stops once its run is closed,
-    // and announces nothing (seen as a resumed ZeRO job failing with "holds no complete replica")
-    const closed = () => this.#jobs.get(cfg.job) !== e;
     await Promise.all(
-      Array.from({ length: cfg.trainers }, async (_, r) => {
-        for (const bytes of parts) {
-          if (closed()) break;
-          await requestWhileAway(this.bus, subjects.replicaLoad(cfg.job, r), bytes, stateTimeoutMs, closed);
-        }
-      }),
+      Array.from({ length: cfg.trainers }, (_, r) =>
+        this.#sendParts(e, subjects.replicaLoad(cfg.job, r), parts, (bytes) => bytes),
+      ),
     );
-    if (closed())
-      throw new JobStateError(
-        `job ${cfg.job} was closed or reopened while its restore to ${id} was loaded; not restored`,
-      );
+  }
+
+  /** A restore's parts to one process, in order (it checks each and applies them together after
+   *  the last), waiting for it while it is away; stopped once the run they are for is closed or
+   *  reopened. */
+  async #sendParts<T>(
+    e: JobEntry,
+    subject: string,
+    parts: readonly T[],
+    encode: (part: T) => Uint8Array,
+  ): Promise<void> {
+    const closed = () => this.#jobs.get(e.cfg.job) !== e;
+    for (const part of parts) {
+      if (closed()) return;
+      await requestWhileAway(this.bus, subject, encode(part), stateTimeoutMs, closed);
+    }
   }
 
   /** Whether a shard holds nothing yet: no update applied, no trainer's step pushed. */

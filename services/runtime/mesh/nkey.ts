@@ -4,7 +4,7 @@
 // connect, and by `creds` and a local mesh's start for each of its users. node:crypto's ed25519 is
 // native and gives the same bytes (ed25519 is deterministic; test/services/nkey.test.ts compares
 // them with nkeys'). nkeys still decodes and encodes the keys' text.
-import { createPrivateKey, createPublicKey, type KeyObject, sign } from "node:crypto";
+import { createPrivateKey, createPublicKey, sign } from "node:crypto";
 import type { Authenticator } from "@nats-io/transport-node";
 import { encode } from "@nats-io/nkeys";
 import type * as NkeysCodec from "@nats-io/nkeys/lib/codec";
@@ -29,10 +29,7 @@ export interface Nkey {
 /** The key of an nkey seed (its text's bytes, SU... for a user); nkeys' error when it is not one. */
 export function nkeyOf(seed: Uint8Array): Nkey {
   const { prefix, buf } = Codec.decodeSeed(seed);
-  const der = new Uint8Array(pkcs8Ed25519.length + buf.length);
-  der.set(pkcs8Ed25519);
-  der.set(buf, pkcs8Ed25519.length);
-  const key: KeyObject = createPrivateKey({ key: Buffer.from(der), format: "der", type: "pkcs8" });
+  const key = createPrivateKey({ key: Buffer.concat([pkcs8Ed25519, buf]), format: "der", type: "pkcs8" });
   const publicRaw = createPublicKey(key).export({ format: "der", type: "spki" }).subarray(spkiEd25519Header);
   const publicKey = new TextDecoder().decode(Codec.encode(prefix, publicRaw));
   return { publicKey, sign: (data) => new Uint8Array(sign(null, data, key)) };
