@@ -6,8 +6,7 @@
 import { accessSync, constants, existsSync, readFileSync } from "node:fs";
 import { homedir } from "node:os";
 import { join, relative } from "node:path";
-
-const packageRoot = join(import.meta.dir, "..");
+import { packageRoot } from "./package-root.ts";
 
 const writable = (path: string): boolean => {
   try {

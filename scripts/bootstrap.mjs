@@ -10,8 +10,8 @@
 //   2. npm packages (Bun among them): `npm ci` (`--omit=dev` for run) when node_modules is
 //      missing, older than package-lock.json, or lacks the development packages the tests need.
 //   3. The C kernel library, compiled with the system C compiler (skipped with a message if the
-//      compiler or OpenBLAS is still missing), and the CUDA kernels compiled to PTX where nvcc is
-//      present.
+//      compiler or OpenBLAS is still missing), the CUDA kernels compiled to PTX where nvcc is
+//      present, and the services' compiled executable (services/build.ts).
 // Quiet when everything is in place. MESHTRAIN_SKIP_BOOTSTRAP=1 skips it entirely. What it does
 // goes to stdout, each command it runs printed exactly; only failures go to stderr.
 import { execFile, spawnSync } from "node:child_process";
@@ -169,12 +169,14 @@ if (!upToDate) {
 // ---- native kernels ------------------------------------------------------------------------
 if (needs.slice(0, 2).every((n) => n.ok())) {
   // the CPU kernels and, at the same time, the CUDA kernels as PTX where nvcc is present
-  // (ffi/cuda/build.ts skips quietly without it). With --quiet each prints one line to stdout for
+  // (ffi/cuda/build.ts skips quietly without it) and the services' compiled executable (the
+  // launchers run the sources while it is missing or out of date). With --quiet each prints one line to stdout for
   // what it built and nothing when it is up to date; compiler errors and warnings go to stderr,
   // passed through.
   const builds = [
     ["the CPU kernel library", "ffi/cpu/build.ts"],
     ["the CUDA kernels", "ffi/cuda/build.ts"],
+    ["the services' executable", "services/build.ts"],
   ].map(
     ([what, script]) =>
       new Promise((resolve) => {

@@ -22,6 +22,8 @@ import { type NatsServer, startNatsServer } from "../services/runtime/mesh/nats-
 import { type Credentials, clientUser, makeCredentials, type RoleName } from "../services/runtime/job/roles.ts";
 import { configExitCode } from "../services/runtime/mesh/service.ts";
 import { orAfter } from "../services/runtime/mesh/timers.ts";
+import { serviceNames } from "../services/bin.ts";
+import { servicesExecutable } from "../services/build.ts";
 
 export const composePath = join(import.meta.dir, "..", "deploy", "docker-compose.yml");
 const root = join(import.meta.dir, "..");
@@ -108,7 +110,7 @@ const composeSchema = z
 
 export interface ServiceSpec {
   name: string;
-  /** argv, `bun` replaced by this Bun */
+  /** argv: `bun` replaced by this Bun, or the services' compiled executable (readTopology) */
   argv: string[];
   env: Record<string, string>;
 }
@@ -118,13 +120,20 @@ export function readTopology(path = composePath): ServiceSpec[] {
   // the YAML parser is loaded here, not by every process that imports this module (a client command)
   const yaml = require("yaml") as typeof Yaml;
   const doc = composeSchema.parse(yaml.parse(readFileSync(path, "utf8"), { merge: true }));
+  const executable = servicesExecutable();
   return Object.entries(doc.services)
     .filter(([, s]) => s.command?.[0] === "bun")
-    .map(([name, s]) => ({
-      name,
-      argv: [process.execPath, ...s.command!.slice(1).map((a) => (a.endsWith(".ts") ? join(root, a) : a))],
-      env: Object.fromEntries(Object.entries(s.environment ?? {}).map(([k, v]) => [k, String(v)])),
-    }));
+    .map(([name, s]) => {
+      const env = Object.fromEntries(Object.entries(s.environment ?? {}).map(([k, v]) => [k, String(v)]));
+      const args = s.command!.slice(1);
+      // `bun services/<service>/main.ts …` runs as `meshtrain-services <service> …` where the
+      // services' compiled executable is built and up to date (services/build.ts): the same code,
+      // started in a quarter of the CPU time
+      const service = /^services\/([a-z-]+)\/main\.ts$/.exec(args[0] ?? "")?.[1];
+      if (executable !== null && service !== undefined && (serviceNames as readonly string[]).includes(service))
+        return { name, argv: [executable, service, ...args.slice(1)], env: { ...env, MESHTRAIN_ROOT: root } };
+      return { name, argv: [process.execPath, ...args.map((a) => (a.endsWith(".ts") ? join(root, a) : a))], env };
+    });
 }
 
 /**

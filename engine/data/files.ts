@@ -1,6 +1,7 @@
 // Reading whole data files with errors that name the file.
 import { readFileSync, statSync } from "node:fs";
 import { DataFileError } from "./errors.ts";
+import { packageRoot } from "../../ffi/package-root.ts";
 
 export function readDataFile(path: string): Uint8Array {
   let size: number;
@@ -27,7 +28,7 @@ export function readDataFile(path: string): Uint8Array {
 export function packageFile(pkg: string, relative: string): string {
   let root: string;
   try {
-    root = Bun.resolveSync(`${pkg}/package.json`, import.meta.dir).replace(/package\.json$/, "");
+    root = Bun.resolveSync(`${pkg}/package.json`, packageRoot).replace(/package\.json$/, "");
   } catch (e) {
     throw new DataFileError(`${pkg}/${relative}`, `npm package ${pkg} is not installed; run: npm ci`, { cause: e });
   }

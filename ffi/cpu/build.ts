@@ -19,8 +19,9 @@ import { hostname } from "node:os";
 import { join } from "node:path";
 import { NativeLibraryError } from "../errors.ts";
 import { nativeBuildDir } from "../build-dir.ts";
+import { packageRoot } from "../package-root.ts";
 
-const here = import.meta.dir;
+const here = join(packageRoot, "ffi", "cpu");
 /** The kernel library's sources (one library of three translation units) and the header they share. */
 export const kernelSourcePaths = ["kernels.c", "attention.c", "compress.c"].map((f) => join(here, f));
 const kernelHeaderPath = join(here, "kernels.h");

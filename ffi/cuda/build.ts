@@ -9,11 +9,12 @@ import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, w
 import { join } from "node:path";
 import { NativeLibraryError } from "../errors.ts";
 import { nativeBuildDir } from "../build-dir.ts";
+import { packageRoot } from "../package-root.ts";
 
 /** element functions shared with the CPU kernels (ffi/numerics.h), included by some modules */
-const numericsHeaderPath = join(import.meta.dir, "..", "numerics.h");
+const numericsHeaderPath = join(packageRoot, "ffi", "numerics.h");
 
-const here = import.meta.dir;
+const here = join(packageRoot, "ffi", "cuda");
 export const kernelSourceDir = join(here, "kernels");
 const buildDir = nativeBuildDir(here);
 

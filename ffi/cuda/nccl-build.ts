@@ -10,8 +10,9 @@ import { join } from "node:path";
 import { NativeLibraryError } from "../errors.ts";
 import { findCompiler } from "../cpu/build.ts";
 import { nativeBuildDir } from "../build-dir.ts";
+import { packageRoot } from "../package-root.ts";
 
-const here = import.meta.dir;
+const here = join(packageRoot, "ffi", "cuda");
 export const shimSourcePath = join(here, "nccl-shim.c");
 const buildDir = nativeBuildDir(here);
 export const shimLibraryPath = join(buildDir, "libmtnccl.so");
