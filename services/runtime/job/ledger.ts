@@ -51,6 +51,10 @@ const timedOut = (e: unknown): boolean => e instanceof Error && /timeout/i.test(
 /** A read repeated does no harm; a write that timed out may have been applied, and is repeated
  *  only where repeating it changes nothing (a put of the same value, a create checked after). */
 const readAgain = (e: unknown): boolean => notApplied(e) || timedOut(e);
+/** How long a read of a key this process wrote waits for a replica that answers from before the write. */
+const staleReadWaitMsMax = 5_000;
+/** Keys whose last write a process remembers (the oldest are forgotten). */
+const writtenKeysMax = 4096;
 
 /** A cluster whose JetStream has no meta leader yet (just started, or electing) times out; a
  *  server without JetStream at all answers at once (no responders), and is not waited for. */
@@ -142,9 +146,40 @@ export class JobStore {
     }
   }
 
+  /**
+   * The revision this process last wrote of each key ("specs/<job>", "records/<job>"). A
+   * bucket's replicas answer reads (direct gets), and one back from a partition answers from
+   * before it caught up: a read of a key this process wrote, answered older than that write, is
+   * asked again (within staleReadWaitMsMax), so that the process reads its own writes.
+   */
+  readonly #written = new Map<string, number>();
+
+  #wrote(key: string, revision: number): void {
+    this.#written.delete(key);
+    this.#written.set(key, revision);
+    if (this.#written.size > writtenKeysMax) this.#written.delete(this.#written.keys().next().value!);
+  }
+
+  /** A read of `key` that is not older than this process's own last write of it. */
+  async #readOwn(key: string, read: () => Promise<KvEntry | null>): Promise<KvEntry | null> {
+    const started = Date.now();
+    for (;;) {
+      const e = await read();
+      const wrote = this.#written.get(key);
+      if (wrote === undefined || (e !== null && e.revision >= wrote) || Date.now() - started > staleReadWaitMsMax)
+        return e;
+      await Bun.sleep(100);
+    }
+  }
+
   async putSpec(spec: JobSpec): Promise<void> {
     // a put that timed out may have been applied: putting the same spec again changes nothing
-    await untilLed(() => this.specs.put(spec.job, encodeJobSpec(spec)), readAgain, `write the spec of job ${spec.job}`);
+    const revision = await untilLed(
+      () => this.specs.put(spec.job, encodeJobSpec(spec)),
+      readAgain,
+      `write the spec of job ${spec.job}`,
+    );
+    this.#wrote(`specs/${spec.job}`, revision);
   }
 
   /**
@@ -172,12 +207,16 @@ export class JobStore {
   }
 
   async spec(job: string): Promise<JobSpec | null> {
-    const e = await untilLed(() => this.specs.get(job), readAgain, `read the spec of job ${job}`);
+    const e = await this.#readOwn(`specs/${job}`, () =>
+      untilLed(() => this.specs.get(job), readAgain, `read the spec of job ${job}`),
+    );
     return e && e.operation === "PUT" ? decodeJobSpec(e.value, jobSpecBytesMax) : null;
   }
 
   async record(job: string): Promise<{ record: JobRecord; revision: number } | null> {
-    const e = await untilLed(() => this.records.get(job), readAgain, `read the record of job ${job}`);
+    const e = await this.#readOwn(`records/${job}`, () =>
+      untilLed(() => this.records.get(job), readAgain, `read the record of job ${job}`),
+    );
     return e && e.operation === "PUT"
       ? { record: decodeJobRecord(e.value, jobRecordBytesMax), revision: e.revision }
       : null;
@@ -214,7 +253,12 @@ export class JobStore {
   async createRecord(r: JobRecord): Promise<boolean> {
     const bytes = encodeJobRecord(r);
     try {
-      await untilLed(() => this.records.create(r.job, bytes), readAgain, `write the record of job ${r.job}`);
+      const revision = await untilLed(
+        () => this.records.create(r.job, bytes),
+        readAgain,
+        `write the record of job ${r.job}`,
+      );
+      this.#wrote(`records/${r.job}`, revision);
       return true;
     } catch (e) {
       if (!/exist|wrong last sequence/i.test((e as Error).message)) throw e;
@@ -237,11 +281,12 @@ export class JobStore {
       const next = change(cur.record);
       if (next === null) return null;
       try {
-        await untilLed(
+        const revision = await untilLed(
           () => this.records.update(job, encodeJobRecord(next), cur.revision),
           notApplied,
           `write the record of job ${job}`,
         );
+        this.#wrote(`records/${job}`, revision);
         return next;
       } catch (e) {
         if (!/wrong last sequence/i.test((e as Error).message)) throw e;

@@ -7,12 +7,6 @@
 // as deploy/nats-cluster/ sets it). A bucket that exists already with fewer replicas is raised to
 // the count (JetStream copies it to the new peers while it serves); one with more is left as it
 // is: a process started without the setting never lowers the durability of a cluster's store.
-//
-// Reads go to the stream's leader, not to any replica (JetStream's "direct get", nats.js's default):
-// a replica back from a partition answers from before it caught up, and a read-modify-write of a
-// job's record that read "no record" from one did nothing (a job ended Done with its step count
-// never noted). The leader has every write that was acknowledged, so a process reads its own
-// writes and every write before them.
 import { type KV, type KvOptions, Kvm } from "@nats-io/kv";
 import type { NatsConnection } from "@nats-io/nats-core";
 import { jetstreamManager } from "@nats-io/jetstream";
@@ -42,7 +36,7 @@ export function kvReplicasFromEnv(env: Record<string, string | undefined> = proc
  */
 export async function openBucket(nc: NatsConnection, name: string, options: Partial<KvOptions>): Promise<KV> {
   const replicas = options.replicas ?? kvReplicasFromEnv();
-  const kv = await createOrOpen(nc, name, { ...options, replicas, allow_direct: false });
+  const kv = await createOrOpen(nc, name, { ...options, replicas });
   await raiseReplicas(nc, name, replicas);
   return kv;
 }
