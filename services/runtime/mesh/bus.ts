@@ -1,7 +1,8 @@
 // The small interface services talk through. NatsBus (nats.ts) implements it over a real
 // server; MemoryBus below is for unit tests only. A request answered with an ErrorReply is
 // thrown on the caller's side as the typed error it names (errors.ts).
-import type { KV, KvOptions } from "@nats-io/kv";
+import type { KV } from "@nats-io/kv";
+import type { BucketOptions } from "./kv-bucket.ts";
 import { decodeErrorReply, encodeErrorReply, isErrorReply } from "../../../schemas/messages/runtime.ts";
 import {
   DeadlineError,
@@ -87,7 +88,7 @@ export interface Bus {
  */
 export interface StoreBus extends Bus {
   /** creates or opens a KV bucket (kv-bucket.ts: its replicas, the races of its creation) */
-  openBucket(name: string, options: Partial<KvOptions>): Promise<KV>;
+  openBucket(name: string, options: BucketOptions): Promise<KV>;
   /** the server this bus is connected to, as messages name it */
   readonly server: string;
   /** each time the connection moves to another server, or a server leaves the cluster */

@@ -28,17 +28,24 @@ export function kvReplicasFromEnv(env: Record<string, string | undefined> = proc
   return n;
 }
 
+/** A bucket's settings, and how this process reads it: `leaderReads` from the stream's leader
+ *  (STREAM.MSG.GET) rather than from any replica (a direct get, which nats.js uses by default and
+ *  the bucket keeps allowing for others: a client's role may read only that way). */
+export type BucketOptions = Partial<KvOptions> & { leaderReads?: boolean };
+
 /**
  * Creates the bucket, or opens it when it exists (raising its replicas to `options.replicas`,
  * default kvReplicasFromEnv()). Processes that create it at the same moment race in the server
  * ("subjects overlap with an existing stream", "stream name already in use"): the loser tries
  * again and finds the winner's bucket.
  */
-export async function openBucket(nc: NatsConnection, name: string, options: Partial<KvOptions>): Promise<KV> {
-  const replicas = options.replicas ?? kvReplicasFromEnv();
-  const kv = await createOrOpen(nc, name, { ...options, replicas });
+export async function openBucket(nc: NatsConnection, name: string, options: BucketOptions): Promise<KV> {
+  const { leaderReads = false, ...kvOptions } = options;
+  const replicas = kvOptions.replicas ?? kvReplicasFromEnv();
+  const kv = await createOrOpen(nc, name, { ...kvOptions, replicas });
   await raiseReplicas(nc, name, replicas);
-  return kv;
+  // a second view of the same stream, bound without changing it, whose gets go to the leader
+  return leaderReads ? await new Kvm(nc).open(name, { allow_direct: false }) : kv;
 }
 
 /** How long a bucket's creation waits for a cluster still forming to know enough peers for its replicas

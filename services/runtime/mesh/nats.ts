@@ -27,8 +27,8 @@ import { RefusalLog } from "./refusal-log.ts";
 import { inboxPrefixOf, readSeed } from "../job/roles.ts";
 import { type Nkey, nkeyAuthenticator } from "./nkey.ts";
 import { orAfter } from "./timers.ts";
-import type { KV, KvOptions } from "@nats-io/kv";
-import { openBucket } from "./kv-bucket.ts";
+import type { KV } from "@nats-io/kv";
+import { type BucketOptions, openBucket } from "./kv-bucket.ts";
 
 export interface NatsBusOptions {
   url: string;
@@ -536,7 +536,7 @@ export class NatsBus implements StoreBus {
     }
   }
 
-  openBucket(name: string, options: Partial<KvOptions>): Promise<KV> {
+  openBucket(name: string, options: BucketOptions): Promise<KV> {
     return openBucket(this.nc, name, options);
   }
 
