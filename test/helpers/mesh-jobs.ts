@@ -57,18 +57,21 @@ export async function runJob(
 
 /**
  * An onEvent that calls `act` once, at the first Step event of rank 0 from step `at` on (a
- * number), or the first that `at` accepts (a function); `step` is that event's step (-1 until then).
+ * number), or the first that `at` accepts (a function); `step` is that event's step (-1 until
+ * then), `atMs` when act was called (Date.now(), the clock the events' timeMs use).
  */
 export function atRank0Step(
   at: number | ((e: Event) => boolean),
   act: () => void,
-): { step: number; onEvent: (e: Event) => void } {
+): { step: number; atMs: number; onEvent: (e: Event) => void } {
   const accepts = typeof at === "number" ? (e: Event) => e.step >= at : at;
   const trigger = {
     step: -1,
+    atMs: -1,
     onEvent: (e: Event) => {
       if (trigger.step >= 0 || e.kind !== EventKind.Step || e.rank !== 0 || !accepts(e)) return;
       trigger.step = e.step;
+      trigger.atMs = Date.now();
       act();
     },
   };
@@ -128,7 +131,15 @@ export async function runThroughSigkill(
   expect(kill.step).toBeGreaterThan(0);
   for (const name of victims)
     expect(launcherLines.some((l) => l.includes(`${name} died (signal SIGKILL); restarting`))).toBe(true);
-  expectRestoredFromSnapshot(r.seen, cfg.checkpointEvery, kill.step);
+  // the job's step when the kill came: the event of rank 0 that set it off reaches the test some
+  // steps after it was sent on a loaded machine (a run restored step 160's snapshot, taken before
+  // the kill, though the test saw step 150), so the newest step any rank made before that moment,
+  // by the events' own clocks (this machine's)
+  const killedAt = Math.max(
+    kill.step,
+    ...r.seen.filter((e) => e.kind === EventKind.Step && e.timeMs <= kill.atMs).map((e) => e.step),
+  );
+  expectRestoredFromSnapshot(r.seen, cfg.checkpointEvery, killedAt);
   expect(r.record.accuracy).toBeGreaterThan(0.93);
   return { ...r, steps: expectEveryStepOnce(r.seen, cfg.trainers, planHere(cfg).totalSteps) };
 }
