@@ -5,7 +5,7 @@
 // them). Run directly (`bun ffi/cuda/build.ts`) at set-up; the CUDA backend also calls
 // ensurePtx() so a fresh checkout just works.
 import { createHash } from "node:crypto";
-import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { NativeLibraryError } from "../errors.ts";
 import { nativeBuildDir } from "../build-dir.ts";
@@ -185,7 +185,10 @@ export async function ensurePtxParallel(
   warn: (text: string) => void = log,
 ): Promise<Record<string, string>> {
   const { paths, stale, nvcc } = ptxPlan();
-  const queue = [...stale];
+  // the largest sources first (flash.cu alone is over half the CPU time): the last compile to
+  // start is a short one, and the build ends sooner (26 -> 19 s on 2 cores, beside the C kernels)
+  const size = (job: PtxJob) => statSync(join(kernelSourceDir, `${job.module}.cu`)).size;
+  const queue = [...stale].sort((a, b) => size(b) - size(a));
   const worker = async () => {
     for (let job = queue.shift(); job !== undefined; job = queue.shift()) {
       const tmp = `${job.ptxPath}.${process.pid}.tmp`;
