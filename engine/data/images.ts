@@ -1,4 +1,5 @@
 // Batches of normalized images and their labels, built into reused host buffers.
+import { hostKernels } from "../../ffi/cpu/host.ts";
 import { ConfigError } from "../../ffi/errors.ts";
 import type { HostBatch } from "../train.ts";
 import { type MnistSplit, mnistMean, mnistStd } from "./mnist.ts";
@@ -43,11 +44,11 @@ export class ImageBatcher {
     const F = this.features;
     const { images, labels } = this.split;
     const inputs = (this.#inputs ??= new Float32Array(this.batchSize * F));
+    const kernels = hostKernels();
     for (let i = 0; i < n; i++) {
       const s = order[start + i]!;
-      const src = images.subarray(s * F, (s + 1) * F);
-      const dst = inputs.subarray(i * F, (i + 1) * F);
-      for (let f = 0; f < F; f++) dst[f] = this.#lut[src[f]!]!;
+      // in C: in JavaScript this loop was a fifth of `train mlp`'s time
+      kernels.lookup(inputs.subarray(i * F, (i + 1) * F), images.subarray(s * F, (s + 1) * F), this.#lut);
       this.#targets[i] = labels[s]!;
     }
     return {

@@ -24,6 +24,8 @@ export interface HostKernels {
   scatterAdd(out: Float32Array, idx: Uint32Array, val: Float32Array): void;
   /** r = x - sent where finite, else 0 (error feedback's residual) */
   residual(r: Float32Array, x: Float32Array, sent: Float32Array): void;
+  /** out[i] = lut[bytes[i]] (a 256-entry table; bytes at any offset): pixels to inputs */
+  lookup(out: Float32Array, bytes: Uint8Array, lut: Float32Array): void;
 }
 
 function load(): HostKernels {
@@ -40,6 +42,7 @@ function load(): HostKernels {
     mt_topk_f32: { args: ["ptr", "ptr", "ptr", "i64", "i64", "ptr"], returns: "void" },
     mt_scatter_add_f32: { args: ["ptr", "ptr", "ptr", "i64"], returns: "void" },
     mt_residual_f32: { args: ["ptr", "ptr", "ptr", "i64"], returns: "void" },
+    mt_lut_u8_f32: { args: ["ptr", "ptr", "ptr", "i64"], returns: "void" },
   }).symbols;
   const same = (what: string, a: { length: number }, b: { length: number }) => {
     if (a.length !== b.length) throw new RangeError(`${what}: ${a.length} outputs for ${b.length} inputs`);
@@ -98,6 +101,11 @@ function load(): HostKernels {
       same("residual", r, x);
       same("residual", sent, x);
       if (x.length > 0) k.mt_residual_f32(addressOf(r), addressOf(x), addressOf(sent), x.length);
+    },
+    lookup(out, bytes, lut) {
+      same("lookup", out, bytes);
+      if (lut.length !== 256) throw new RangeError(`lookup: a table of ${lut.length} values, not 256`);
+      if (out.length > 0) k.mt_lut_u8_f32(addressOf(out), addressOf(bytes), addressOf(lut), out.length);
     },
   };
 }

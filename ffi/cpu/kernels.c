@@ -89,6 +89,10 @@ void mt_add_unaligned_f32(float* dst, const unsigned char* src, int64_t n) {
     dst[i] += v;
   }
 }
+// out[i] = lut[in[i]]   (n): 8-bit pixels to the inputs they stand for (a 256-entry table)
+void mt_lut_u8_f32(float* out, const unsigned char* in, const float* lut, int64_t n) {
+  for (int64_t i = 0; i < n; i++) out[i] = lut[in[i]];
+}
 // y += alpha * x   (n)
 void mt_axpy_f32(float* y, const float* x, int64_t n, float alpha) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)

@@ -1,6 +1,7 @@
 // The CPU backend itself: memory, copies, reductions and casts against plain references.
 import { describe, expect, test } from "bun:test";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { hostKernels } from "../../ffi/cpu/host.ts";
 import { Rng } from "../../engine/rng.ts";
 import { castSpecials, cpu, relErr, transposePairs } from "../helpers/numeric.ts";
 
@@ -365,5 +366,29 @@ describe("gemm (every input type)", () => {
       expect([...got]).toEqual([0.5, 1, 1.5, 2, 2.5, 3]);
       be.free(c);
     }
+  });
+});
+
+describe("host kernels", () => {
+  test("lookup: each byte's table entry, from any byte offset, every value a byte can take; wrong sizes refused", () => {
+    const lut = Float32Array.from({ length: 256 }, (_, v) => (v / 255 - 0.1307) / 0.3081);
+    lut[7] = Number.NaN;
+    lut[200] = Number.NEGATIVE_INFINITY;
+    const bytes = new Uint8Array(1031 + 3);
+    for (let i = 0; i < bytes.length; i++) bytes[i] = (i * 37 + 11) & 255;
+    for (const offset of [0, 1, 2, 3]) {
+      const view = bytes.subarray(offset, offset + 1031);
+      const out = new Float32Array(view.length);
+      hostKernels().lookup(out, view, lut);
+      const want = Float32Array.from(view, (b) => lut[b]!);
+      expect(Buffer.from(out.buffer).equals(Buffer.from(want.buffer))).toBe(true);
+    }
+    hostKernels().lookup(new Float32Array(0), new Uint8Array(0), lut);
+    expect(() => hostKernels().lookup(new Float32Array(3), new Uint8Array(4), lut)).toThrow(
+      "lookup: 3 outputs for 4 inputs",
+    );
+    expect(() => hostKernels().lookup(new Float32Array(4), new Uint8Array(4), new Float32Array(255))).toThrow(
+      "lookup: a table of 255 values, not 256",
+    );
   });
 });
