@@ -93,9 +93,14 @@ export async function buildServicesExecutable(): Promise<{ path: string; built: 
 }
 
 if (import.meta.main) {
-  // --quiet (set-up): one line if it built the executable, nothing if it was up to date
+  // --quiet (set-up): one line if it built the executable, nothing if it was up to date. A build
+  // that fails is said on stderr and fails nothing: the services then run from their sources.
   const quiet = process.argv.includes("--quiet");
-  const { path, built } = await buildServicesExecutable();
-  if (built) console.log(`built the services' executable: ${path}`);
-  else if (!quiet) console.log(`the services' executable is up to date: ${path}`);
+  try {
+    const { path, built } = await buildServicesExecutable();
+    if (built) console.log(`built the services' executable: ${path}`);
+    else if (!quiet) console.log(`the services' executable is up to date: ${path}`);
+  } catch (e) {
+    console.error(`the services' executable was not built (${(e as Error).message}); they run from their sources`);
+  }
 }
