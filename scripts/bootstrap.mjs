@@ -170,9 +170,9 @@ if (!upToDate) {
 if (needs.slice(0, 2).every((n) => n.ok())) {
   // the CPU kernels and, at the same time, the CUDA kernels as PTX where nvcc is present
   // (ffi/cuda/build.ts skips quietly without it) and the services' compiled executable (the
-  // launchers run the sources while it is missing or out of date). With --quiet each prints one line to stdout for
-  // what it built and nothing when it is up to date; compiler errors and warnings go to stderr,
-  // passed through.
+  // launchers run the sources while it is missing or out of date). With --quiet each prints one
+  // line to stdout for what it built and nothing when it is up to date; compiler errors and
+  // warnings go to stderr, passed through.
   const builds = [
     ["the CPU kernel library", "ffi/cpu/build.ts"],
     ["the CUDA kernels", "ffi/cuda/build.ts"],

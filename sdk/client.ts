@@ -205,7 +205,7 @@ export class MeshClient implements AsyncDisposable {
       ...(nkeyFile === undefined ? {} : { nkeyFile }),
     });
     try {
-      const ledger = await JobLedger.open(bus);
+      const ledger = await JobLedger.open(bus, undefined, { leaderReads: false });
       return new MeshClient(bus, ledger.store, ledger, url, owner);
     } catch (e) {
       await bus.close();

@@ -78,9 +78,9 @@ export async function buildServicesExecutable(): Promise<{ path: string; built: 
     rmSync(tmp, { force: true });
     throw new Error(`compiling ${entry} failed:\n${result.logs.map(String).join("\n")}`);
   }
-  const inputs = Object.keys(result.metafile?.inputs ?? {})
-    .map((f) => fileNow(relative(packageRoot, join(process.cwd(), f))))
-    .sort();
+  const inputs = Object.keys(result.metafile?.inputs ?? {}).map((f) =>
+    fileNow(relative(packageRoot, join(process.cwd(), f))),
+  );
   if (inputs.length === 0 || inputs.includes(null)) {
     rmSync(tmp, { force: true });
     throw new Error(`compiling ${entry}: the build did not say which files it read`);

@@ -23,7 +23,7 @@ await runService<Config>({
   schema,
   defaults: { ...baseConfigDefaults, dir: "runs/checkpoints", syncSnapshots: false, writeDelayMs: 0 },
   async start({ config, log, bus }) {
-    const ledger = await JobLedger.open(bus, log, { leaderReads: true });
+    const ledger = await JobLedger.open(bus, log);
     const svc = new CheckpointService(
       bus,
       new CheckpointStore(config.dir),

@@ -18,7 +18,7 @@ await runService<Config>({
   schema,
   defaults: { ...baseConfigDefaults, jobsMax: jobsMaxDefault },
   async start({ config, log, bus }) {
-    const ledger = await JobLedger.open(bus, log, { leaderReads: true });
+    const ledger = await JobLedger.open(bus, log);
     const loader = new DataLoader(bus, {
       payloadBytesMax: config.payloadBytesMax,
       jobsMax: config.jobsMax,

@@ -34,7 +34,7 @@ await runService<Config>({
       config.host,
     );
     ps.serve();
-    const ledger = await JobLedger.open(bus, log, { leaderReads: true });
+    const ledger = await JobLedger.open(bus, log);
     const watch = await ledger.follow(`parameter-server ${config.shard}`, ps);
     return {
       async stop() {

@@ -107,7 +107,7 @@ await runService<Config>({
     // a job's attention choice may open one more backend on the device when the job opens (backends.ts)
     const backends = openedBackends();
     onScrape(() => metrics.deviceMemory.set({ device: backends.first.name }, backends.liveBytes));
-    const ledger = await JobLedger.open(bus, log, { leaderReads: true });
+    const ledger = await JobLedger.open(bus, log);
     const trainer = new Trainer({
       bus,
       rank: config.rank,

@@ -127,14 +127,15 @@ export class JobStore {
    * Opens (creates) both buckets; `replicas`: on how many servers of a cluster they are kept
    * (default MT_KV_REPLICAS, else 1: kv-bucket.ts says how an existing bucket is treated).
    *
-   * `leaderReads`: read from each bucket's stream leader (STREAM.MSG.GET), not from any replica
-   * (a direct get, nats.js's default). A replica back from a partition answers from before it
-   * caught up: the data-loader's note of a new job's step count read "no record" there and did
-   * nothing, and the job ended Done with totalSteps 0. The services read this way (their role
-   * may); a client's role may only name its own keys in a direct get's subject, so a client
-   * reads from replicas, and reads its own writes again until they are not older (#readOwn).
+   * Reads go to each bucket's stream leader (STREAM.MSG.GET), not to any replica (a direct get,
+   * nats.js's default): a replica back from a partition answers from before it caught up, and
+   * the data-loader's note of a new job's step count read "no record" there and did nothing (the
+   * job ended Done with totalSteps 0). `leaderReads: false` is for a client, whose role may only
+   * name its own keys in a direct get's subject: it reads from replicas, and reads its own writes
+   * again until they are not older (#readOwn).
    */
   static async open(bus: StoreBus, o: { replicas?: number; leaderReads?: boolean } = {}): Promise<JobStore> {
+    o = { leaderReads: true, ...o };
     try {
       const specs = await untilLed(
         () => bus.openBucket(jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax, ...o }),
@@ -446,7 +447,7 @@ export class JobLedger implements JobControl {
     readonly log: Logger | undefined,
   ) {}
 
-  /** `leaderReads` (JobStore.open): true for a service, whose role may read from the leader. */
+  /** `leaderReads` (JobStore.open): false for a client, whose role reads by direct gets only. */
   static async open(bus: StoreBus, log?: Logger, o: { leaderReads?: boolean } = {}): Promise<JobLedger> {
     return new JobLedger(await JobStore.open(bus, o), bus, log);
   }
