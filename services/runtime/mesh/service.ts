@@ -172,11 +172,17 @@ export async function runService<C extends BaseConfig>(
       ...(config.natsNkey === "" ? {} : { nkeyFile: config.natsNkey }),
     });
     health.follow(bus.nc);
-    const running = await def.start({ config, log, bus });
-    health.started = true;
-    log.info(`${def.name} ready on ${config.natsUrl}`);
+    // The signals are taken before start, not after the "ready" line: a supervisor that stops the
+    // service as soon as it reads that line must find the drain in place. A signal during start
+    // is kept and acted on once start has finished.
+    let running: { stop(): Promise<void> } | null = null;
+    let signalled: string | null = null;
     let stopping = false;
     const shutdown = async (signal: string) => {
+      if (running === null) {
+        signalled ??= signal;
+        return;
+      }
       if (stopping) return;
       stopping = true;
       log.info({ signal }, `${def.name} draining`);
@@ -188,6 +194,10 @@ export async function runService<C extends BaseConfig>(
     };
     process.on("SIGTERM", () => void shutdown("SIGTERM"));
     process.on("SIGINT", () => void shutdown("SIGINT"));
+    running = await def.start({ config, log, bus });
+    health.started = true;
+    log.info(`${def.name} ready on ${config.natsUrl}`);
+    if (signalled !== null) await shutdown(signalled);
     void bus.nc.closed().then((err) => {
       if (!stopping) {
         log.fatal({ err: err?.message }, "NATS connection closed");
