@@ -47,6 +47,10 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("the mesh across h
         shards: 1,
         sync: "ssp",
         staleness: 4,
+        // SSP applies each of the 4 trainers' pushes whole, where BSP applies their average: the
+        // BSP job's lr over 4 takes the same step per sample. At the BSP job's 0.1 (with momentum
+        // 0.9), stale pushes applied four times as hard overshot: 38% once in CI
+        lr: 0.025,
         checkpointEvery: 0,
         maxSteps: 60,
       }),
@@ -56,8 +60,7 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("the mesh across h
     const named = events.map((e) => Number(/^trainer (\d+)/.exec(e.text)?.[1]));
     console.log(`stragglers named: ${named.map((k) => `trainer ${k} (${hostLabel(k < 2 ? 1 : 2)})`).join(", ")}`);
     expect(r.record.state).toBe(JobState.Done);
-    // 60 steps of SSP, a third of them on stale parameters: it learns (chance is 10%; 79-92% in
-    // runs here). The fault-free accuracy is the whole epoch's, above
+    // 60 steps of SSP, a third of them on stale parameters: it learns (chance is 10%). The fault-free accuracy is the whole epoch's, above
     expect(r.record.accuracy).toBeGreaterThan(0.5);
     // the slow host's trainers (2 and 3), and no other
     expect(named.length).toBeGreaterThan(0);
