@@ -62,7 +62,8 @@ describe.skipIf(skip("network namespaces", testBedProblem()))("the mesh across h
     console.log(`accuracy ${(r.record.accuracy * 100).toFixed(2)}% after 60 steps of SSP`);
     expect(r.record.state).toBe(JobState.Done);
     // 60 steps of SSP, a third of them on stale parameters: it learns (chance is 10%; 93.7-93.8% in
-    // three runs here beside a CPU load, where lr 0.1 gave 79-92% and once 38%). The fault-free accuracy is the whole epoch's, above
+    // three runs here beside a CPU load, where lr 0.1 gave 79-92% and once 38%). The fault-free
+    // accuracy is the whole epoch's, above
     expect(r.record.accuracy).toBeGreaterThan(0.5);
     // the slow host's trainers (2 and 3), and no other
     expect(named.length).toBeGreaterThan(0);
