@@ -77,7 +77,12 @@ export function tempDir(prefix: string): string {
   return dir;
 }
 
+/** Removes the folders tempDir made; MT_KEEP_TEMP=1 keeps them (a failed or slow run's logs, to read). */
 export function removeTempDirs(): void {
+  if (process.env.MT_KEEP_TEMP === "1") {
+    if (tempDirs.size > 0) console.log(`kept (MT_KEEP_TEMP=1): ${[...tempDirs].join(" ")}`);
+    return;
+  }
   for (const d of tempDirs) rmSync(d, { recursive: true, force: true });
   tempDirs.clear();
 }
