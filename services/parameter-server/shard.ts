@@ -229,6 +229,16 @@ export class ParameterShard {
   push(m: PushRequest): PushReply {
     this.flush(); // the staging memory is about to be reused
     this.#checkTrainer(m.trainer);
+    // A trainer pushes its steps in order, each after the last was received whole (its pull of the
+    // next step waits for that): a step past its clock is a push sent before a restore that came
+    // after the load (its step is the old run's, ahead of the state loaded). Taken, it would be
+    // averaged into the restored step's update, and book the trainer's later pushes of the steps
+    // up to it as duplicates of one already applied.
+    const next = this.#clock[m.trainer]!;
+    if (m.step > next)
+      throw new BadRequestError(
+        `trainer ${m.trainer} pushed step ${m.step} to shard ${this.shard}, whose next step from it is ${next}: a push from before a restore, or out of order; refused`,
+      );
     const seen = new Set<number>();
     const fresh: { slot: ChunkSlot; chunk: Chunk }[] = [];
     let duplicates = 0;

@@ -331,6 +331,37 @@ describe("ASP and SSP", () => {
     expect(done).toBe(true);
     shard.dispose();
   });
+
+  test.each(["ssp", "asp"] as const)(
+    "%s: a push sent before a restore that arrives after the load (a step past the trainer's clock) is refused and changes nothing; the restored run's pushes of those steps are taken",
+    async (sync) => {
+      const cfg = job({ trainers: 2, sync, staleness: 3, optimizer: plainSgd, lr: 0.5 });
+      const { shard, layout, initial, ids } = makeShard(cfg);
+      const g = new Float32Array(initial.length).fill(1);
+      const atTwo = () => {
+        for (let s = 0; s < 2; s++) for (const t of [0, 1]) shard.push(pushAll(layout, t, s, g));
+      };
+      atTwo();
+      const snapshot = shard.exportState(); // the newest snapshot: step 2
+      for (const t of [0, 1]) shard.push(pushAll(layout, t, 2, g));
+      shard.importState(snapshot); // a restore to step 2, while trainer 1's push of step 3 is on its way
+      expect(shard.clocks).toEqual([2, 2]);
+      expectThrown(() => shard.push(pushAll(layout, 1, 3, g)), BadRequestError, "from before a restore");
+      expect(shard.clocks).toEqual([2, 2]);
+      expect(shard.exportState()).toEqual(snapshot);
+      // the restored run: its pushes of steps 2 and 3 are fresh, not duplicates of the old run's
+      for (const s of [2, 3])
+        for (const t of [0, 1])
+          expect(shard.push(pushAll(layout, t, s, g))).toEqual({
+            accepted: layout.chunks.length,
+            duplicates: 0,
+            updates: layout.chunks.length,
+          });
+      // 8 pushes of 1 at lr 0.5, one SGD update each (without momentum or decay)
+      expectMovedBy(await pullAll(shard, ids, 0, 4, initial.length), initial, 4);
+      shard.dispose();
+    },
+  );
 });
 
 describe("bad pushes are rejected before anything changes", () => {
