@@ -217,6 +217,7 @@ export class TrainerRun {
       lr: this.#lr,
       rowsAt: (step) => this.#steps.at(step).rows,
       restorePending: () => this.#restoreTo !== null,
+      restoreAnnounced: () => this.#restored.promise,
       generation: () => this.#generation,
     };
   }

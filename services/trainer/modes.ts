@@ -60,6 +60,8 @@ export interface StepHost {
   rowsAt(step: number): number;
   /** whether a restore was announced and not yet taken */
   restorePending(): boolean;
+  /** settles when the next restore is announced (the work of the generation running is abandoned) */
+  restoreAnnounced(): Promise<void>;
   /** the restores seen so far (a step begun under an earlier one is abandoned) */
   generation(): number;
 }
@@ -244,8 +246,15 @@ class ParameterServerMode implements TrainerMode {
   async beforeEvaluate(step: number): Promise<void> {
     const h = this.#h;
     if (step < h.total) return;
-    const params = this.#paramsFor(h.generation());
-    await this.#ps.pull(step, params);
+    const generation = h.generation();
+    const params = this.#paramsFor(generation);
+    // The final pull waits for the job's last update. A restore announced meanwhile abandons it:
+    // one that reached a shard just after the restore's load waits for the restored run's end
+    // (its timeout first, 120 s), and the rank with it, the other ranks waiting on its pushes.
+    const pulled = this.#ps.pull(step, params);
+    pulled.catch(() => {}); // abandoned: its failure is expected
+    await Promise.race([pulled, h.restoreAnnounced()]);
+    h.checkGeneration(step, generation);
     h.backend.upload(h.model.store.values.ptr, params);
   }
 

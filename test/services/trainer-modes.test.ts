@@ -1,0 +1,76 @@
+// The trainer's parameter-server mode against a bus whose shards never answer: the final pull
+// (the parameters the last evaluation reads) is abandoned when a restore is announced, instead of
+// waiting out its timeout. A fuzz run found it: rank 1's final pull reached the shards just after
+// a restore's load, waited 120 s for a step 470 the restored run was 30 steps from, and the job
+// with it (trainer clocks on the shard 441,440).
+import { expect, test } from "bun:test";
+import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import { Context } from "../../engine/context.ts";
+import { planHere } from "../../services/data-loader/loader.ts";
+import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
+import { buildModel } from "../../services/runtime/job/model.ts";
+import { subjects } from "../../services/runtime/job/subjects.ts";
+import { StaleStepError } from "../../services/trainer/loop.ts";
+import { type StepHost, trainerMode } from "../../services/trainer/modes.ts";
+import { mlpJob } from "../helpers/mesh-jobs.ts";
+
+test("parameter-server mode: a restore announced while the final pull waits abandons it at once, and the model is not written", async () => {
+  const cfg = mlpJob({ job: "default.final-pull", trainers: 2, shards: 2 });
+  const plan = planHere(cfg);
+  const ctx = new Context(new CpuBackend(), { seed: 7, precision: cfg.precision });
+  const model = buildModel(ctx, cfg, plan);
+  const bus = new MemoryBus();
+  let asked = 0;
+  // shards that take the pull and never answer it (it waits for a step they will not reach soon)
+  for (let k = 0; k < cfg.shards; k++)
+    bus.handle(subjects.psPull(cfg.job, k, 0), () => {
+      asked++;
+      return new Promise<Uint8Array>(() => {});
+    });
+  let generation = 0;
+  const announced = Promise.withResolvers<void>();
+  const host: StepHost = {
+    cfg,
+    rank: 0,
+    bus,
+    backend: ctx.backend,
+    ctx,
+    model,
+    payloadBytesMax: 1 << 20,
+    log: undefined,
+    total: plan.totalSteps,
+    stepDelayMs: 0,
+    hb: null,
+    batch: () => Promise.reject(new Error("no batches here")),
+    boundary: () => Promise.resolve(0),
+    checkGeneration: (step, g) => {
+      if (g !== generation) throw new StaleStepError(`step ${step} began before a restore; abandoned`);
+    },
+    publish: () => {},
+    lr: () => cfg.lr,
+    rowsAt: () => 0,
+    restorePending: () => false,
+    restoreAnnounced: () => announced.promise,
+    generation: () => generation,
+  };
+  const mode = trainerMode(host, plan, null);
+  const values = () => {
+    const out = new Float32Array(model.store.slabNumel);
+    ctx.backend.download(model.store.values.ptr, out);
+    return out;
+  };
+  const before = values();
+  const final = mode.beforeEvaluate(plan.totalSteps);
+  let settled = false;
+  final.then(
+    () => (settled = true),
+    () => (settled = true),
+  );
+  await Bun.sleep(50);
+  expect([settled, asked]).toEqual([false, cfg.shards]); // waiting on both shards
+  generation++;
+  announced.resolve();
+  await expect(final).rejects.toBeInstanceOf(StaleStepError);
+  expect(values()).toEqual(before);
+  ctx.dispose();
+}, 10_000); // without the fix the pull waits for its timeout (minutes)
