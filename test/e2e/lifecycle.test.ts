@@ -63,10 +63,16 @@ afterAll(async () => {
 });
 
 /** Follows a job to its end, keeping its events; the failure of a failed or cancelled job is returned, not thrown. */
-async function follow(job: string, onEvent?: (e: Event) => void) {
+/** Watches a job to its end; `stream`: its events, subscribed to before the submit (a resumed
+ *  job's Restore can come before a watch started after the submit would). */
+async function follow(job: string, onEvent?: (e: Event) => void, stream?: AsyncIterableIterator<Event>) {
   const events: Event[] = [];
   try {
-    const o = await watchJob(client, job, { quiet: true, onEvent: (e) => (events.push(e), onEvent?.(e)) });
+    const o = await watchJob(client, job, {
+      quiet: true,
+      ...(stream === undefined ? {} : { events: stream }),
+      onEvent: (e) => (events.push(e), onEvent?.(e)),
+    });
     return { record: o.record, events, error: null };
   } catch (e) {
     if (!(e instanceof JobFailedError)) throw e;
@@ -233,9 +239,10 @@ describe("jobs on one long-running mesh", () => {
     );
     expect(refused.record.reason).toContain("lr: 0.1 -> 0.2");
     expect(await client.checkpoints(cfg.job)).toEqual(snaps); // untouched
+    const resumed = client.events(cfg.job); // before the submit: the restore is the run's first event
     const rec = await client.submit(cfg);
     expect(rec.attempts).toBe(2); // the refused spec above went around the SDK: not an attempt
-    const second = await follow(cfg.job);
+    const second = await follow(cfg.job, undefined, resumed);
     expect(second.record.state).toBe(JobState.Done);
     // one restore loads every shard; the shards that asked later find theirs loaded (no rewind)
     const restores = second.events.filter((e) => e.kind === EventKind.Restore);
