@@ -62,9 +62,9 @@ afterAll(async () => {
   removeTempDirs();
 });
 
-/** Follows a job to its end, keeping its events; the failure of a failed or cancelled job is returned, not thrown. */
-/** Watches a job to its end; `stream`: its events, subscribed to before the submit (a resumed
- *  job's Restore can come before a watch started after the submit would). */
+/** Follows a job to its end, keeping its events; the failure of a failed or cancelled job is
+ *  returned, not thrown. `stream`: its events, subscribed to before the submit (a resumed job's
+ *  Restore can come before a watch started after the submit would). */
 async function follow(job: string, onEvent?: (e: Event) => void, stream?: AsyncIterableIterator<Event>) {
   const events: Event[] = [];
   try {

@@ -135,7 +135,7 @@ export class JobStore {
    * again until they are not older (#readOwn).
    */
   static async open(bus: StoreBus, o: { replicas?: number; leaderReads?: boolean } = {}): Promise<JobStore> {
-    o = { leaderReads: true, ...o };
+    o = { ...o, leaderReads: o.leaderReads ?? true }; // an undefined leaderReads is the default too
     try {
       const specs = await untilLed(
         () => bus.openBucket(jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax, ...o }),
