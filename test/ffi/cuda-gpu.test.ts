@@ -1,10 +1,11 @@
 // The CUDA backend on a real GPU: memory, copies, the caching allocator, out-of-memory, the
-// numbers that come back to JavaScript, and event polling. Skips with one line without a GPU
-// (the same code runs over a fake driver in cuda-driver.test.ts and on the host emulator in
-// cuda-emulated-training.test.ts there).
+// numbers that come back to JavaScript, event polling, and generation with the KV cache. Skips
+// with one line without a GPU (the same code runs over a fake driver in cuda-driver.test.ts and
+// on the host emulator in cuda-emulated-training.test.ts there).
 import { afterAll, describe, expect, test } from "bun:test";
 import { CudaBackend, probeCuda } from "../../ffi/cuda/backend.ts";
 import { OutOfMemoryError } from "../../ffi/errors.ts";
+import { expectCachedGeneration } from "../helpers/generation.ts";
 import { skip } from "../helpers/skip.ts";
 
 const probe = probeCuda();
@@ -94,5 +95,9 @@ describe.skipIf(skip("a GPU", probe.ok ? null : probe.reason))("CUDA backend on 
     b.free(b.alloc(777));
     b.free(b.alloc(777));
     expect(b.allocatorStats.cacheHits).toBeGreaterThan(before);
+  });
+
+  test("gpt generation with the KV cache (attentionDecode on the GPU): the tokens of the whole window's forward, its logits to rounding", () => {
+    expectCachedGeneration(backend());
   });
 });
