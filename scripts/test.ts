@@ -4,7 +4,6 @@
 // through test/helpers/skip.ts, which records {file, line, need, reason} in skips.jsonl.
 import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { prebuildEnv } from "../test/helpers/compose-images.ts";
 import { type SkipRecord, skipsFileEnv } from "../test/helpers/skip.ts";
 
 const root = join(import.meta.dir, "..");
@@ -53,21 +52,6 @@ const ompWaitPolicy = process.env.OMP_WAIT_POLICY || "PASSIVE";
 // test workers and the CLI runs allocate and free as the services do. A value the user set is kept.
 const purgeHoles = process.env.MIMALLOC_PURGE_HOLES || "0";
 const parallel = workers > 1 ? [`--parallel=${workers}`, `--timings=${timings}`] : [];
-// The compose test's images are built beside the suite, from its start (test/helpers/
-// compose-images.ts says why), when the run includes that test: the whole suite, or paths that
-// name it. Its log: .test-results/compose-prebuild.log.
-const paths = process.argv.slice(2).filter((a) => !a.startsWith("-"));
-const prebuildState = join(reportDir, "compose-prebuild.json");
-rmSync(prebuildState, { force: true });
-const prebuild =
-  paths.length === 0 || paths.some((p) => p.includes("compose"))
-    ? Bun.spawn([process.execPath, join(root, "test", "deploy", "prebuild-images.ts"), prebuildState], {
-        cwd: root,
-        stdin: "ignore",
-        stdout: Bun.file(join(reportDir, "compose-prebuild.log")),
-        stderr: "inherit",
-      })
-    : null;
 const proc = Bun.spawnSync(
   [
     process.execPath,
@@ -85,19 +69,11 @@ const proc = Bun.spawnSync(
       OMP_WAIT_POLICY: ompWaitPolicy,
       MIMALLOC_PURGE_HOLES: purgeHoles,
       [skipsFileEnv]: skipsFile,
-      ...(prebuild !== null ? { [prebuildEnv]: prebuildState } : {}),
     },
     stdio: ["inherit", "inherit", "inherit"],
   },
 );
 const code = proc.exitCode ?? 1;
-// the prebuild stops a dockerd it started, then exits (bounded: dockerd gets a minute)
-if (prebuild !== null) {
-  prebuild.kill("SIGTERM");
-  const timer = setTimeout(() => prebuild.kill("SIGKILL"), 75_000);
-  await prebuild.exited;
-  clearTimeout(timer);
-}
 
 interface Totals {
   passed: number;
