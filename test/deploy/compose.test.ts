@@ -7,9 +7,11 @@
 // a snapshot of its end state. Containers, networks and volumes are removed even on failure.
 //
 // The services' image is tagged by a hash of its inputs and reused while they do not change.
-// A cold build fetches Debian's packages and the npm packages over the host's network: about
-// 2 minutes on the 2-core machine, and 6.5 on a newly started one (the test took 457 s there,
-// against 66-69 s warm); a warm run builds nothing.
+// A cold build fetches Debian's packages, npm and the npm packages over the host's network:
+// alone on the 2-core machine, the base images take about 50 s and the services' image 73 s.
+// Beside the rest of the suite it takes several times that (in fresh clones with no images the
+// test took 379-457 s, against 56-69 s warm, while the image still installed Debian's npm
+// package, 101 s of the build alone); a warm run builds nothing.
 import { afterAll, expect, test } from "bun:test";
 import { createHash } from "node:crypto";
 import { existsSync, readdirSync, readFileSync, statSync } from "node:fs";
