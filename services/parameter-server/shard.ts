@@ -135,7 +135,8 @@ export class ParameterShard {
     this.flush();
     if (!shardsClip(this.#cfg))
       throw new BadRequestError(`job ${this.job} does not clip on the shards (BSP with gradClip > 0 does)`);
-    this.#checkStep(step, "the norm of");
+    // pushes come for steps 0 to totalSteps - 1: a norm of the last pull's step would never come
+    this.#checkStep(step, "the norm of", this.#totalSteps - 1);
     const known = this.#partials.get(step);
     if (known !== undefined) return Promise.resolve(known);
     const version = Math.min(...[...this.#slots.values()].map((x) => x.version));
@@ -169,9 +170,9 @@ export class ParameterShard {
   }
 
   /** A step a request names must be one of the job's (a pull or norm of a later one would only wait). */
-  #checkStep(step: number, what: string): void {
-    if (!(Number.isSafeInteger(step) && step >= 0 && step <= this.#totalSteps))
-      throw new BadRequestError(`${what} step ${step}: job ${this.job} runs steps 0 to ${this.#totalSteps}`);
+  #checkStep(step: number, what: string, last = this.#totalSteps): void {
+    if (!(Number.isSafeInteger(step) && step >= 0 && step <= last))
+      throw new BadRequestError(`${what} step ${step}: job ${this.job} runs steps 0 to ${last}`);
   }
 
   /** parameters this shard holds */
