@@ -41,7 +41,17 @@ fi
 # wheels, where the machine has them there
 site=$(python3 -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))" 2>/dev/null || true)
 [ -n "$site" ] && export LD_LIBRARY_PATH="$site/nvidia/cu13/lib:$site/nvidia/cudnn/lib:$site/nvidia/nccl/lib:${LD_LIBRARY_PATH:-}"
-run() { echo "== $*" | tee -a "$out/log.txt"; "$@" 2>&1 | tee -a "$out/log.txt"; }
+# each command's exit status is kept: the last line says which failed, and so does the exit code
+failed=()
+run() {
+  echo "== $*" | tee -a "$out/log.txt"
+  "$@" 2>&1 | tee -a "$out/log.txt"
+  local rc=${PIPESTATUS[0]}
+  if [ "$rc" -ne 0 ]; then
+    echo "FAILED (exit $rc): $*" | tee -a "$out/log.txt"
+    failed+=("$1 … (exit $rc)")
+  fi
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$out/log.txt"
 run bun ffi/cpu/build.ts
 run bun ffi/cuda/build.ts
@@ -97,11 +107,19 @@ case "$phase" in
     done
     rm -f "$out"/*.mtm ;;
   nccl)
-    run timeout 120 bun test --timeout=100000 test/ffi/nccl.test.ts test/ffi/cuda-gpu.test.ts
-    run timeout 240 env MT_DEVICE=cuda bun sdk/cli/main.ts run --sync allreduce --trainers 1 --max-steps 300 \
+    # NCCL's own warnings to a file of their own; a blocking communicator forced from the
+    # environment (NCCL_COMM_BLOCKING=1 overrides the config) would block the event loop
+    export NCCL_DEBUG=WARN NCCL_DEBUG_FILE="$out/nccl.%h.%p.log"
+    unset NCCL_COMM_BLOCKING
+    # the timeouts and the builds above fit one 10-minute call
+    run timeout 90 bun test --timeout=80000 test/ffi/nccl.test.ts test/ffi/cuda-gpu.test.ts
+    run timeout 150 env MT_DEVICE=cuda bun sdk/cli/main.ts run --sync allreduce --trainers 1 --max-steps 300 \
       --dir "$out/nccl-run" --no-dashboard --eval-batches 4
-    grep -h '"collective":"nccl"' "$out"/nccl-run/jobs/*/logs/trainer-0.log | head -1 | tee -a "$out/log.txt"
-    run timeout 240 bun bench/index.ts trainer --device cuda --trainers 1 --sync allreduce --model mlp,gpt \
+    if ! grep -h '"collective":"nccl"' "$out"/nccl-run/jobs/*/logs/trainer-0.log | head -1 | tee -a "$out/log.txt" | grep -q .; then
+      echo "FAILED: trainer-0's log names no NCCL collective" | tee -a "$out/log.txt"
+      failed+=("the one-rank job's collective")
+    fi
+    run timeout 180 bun bench/index.ts trainer --device cuda --trainers 1 --sync allreduce --model mlp,gpt \
       --epochs 1 --gpt-steps 100 --precision bf16
     rm -rf "$out/nccl-run" ;;
   epilogues)
@@ -115,5 +133,10 @@ case "$phase" in
       --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 --batch-size 8 --max-steps 150 --warmup 15 \
       --lr 6e-4 --min-lr 6e-5 --eval-every 150 --eval-batches 16 --sample-chars 0 --out "$out/gpt2-sotu-auto.mtm"
     rm -f "$out"/*.mtm ;;
-  *) echo "usage: scripts/device-check.sh tests|train|gpt|attention|profile|final|epilogues|bench"; exit 2 ;;
+  *) echo "usage: scripts/device-check.sh tests|train|gpt|attention|profile|final|epilogues|nccl|bench"; exit 2 ;;
 esac
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "device-check $phase: ${#failed[@]} failed: ${failed[*]}" | tee -a "$out/log.txt"
+  exit 1
+fi
+echo "device-check $phase: every command passed" | tee -a "$out/log.txt"

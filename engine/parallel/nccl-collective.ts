@@ -15,6 +15,7 @@ import {
   type Collective,
   PeerLostError,
   CollectiveClosedError,
+  CollectiveTimeoutError,
   CollectiveTransportError,
   type OpKey,
   type Range,
@@ -54,8 +55,8 @@ export interface DeviceBuffer {
 
 export class NcclCollective implements Collective<DeviceBuffer> {
   #closed = false;
-  /** set by abort(): what every operation pending or later fails with */
-  #aborted: PeerLostError | null = null;
+  /** set by abort() or a join() past its deadline: what every operation pending or later fails with */
+  #aborted: PeerLostError | CollectiveTimeoutError | null = null;
   /** the last operation started: the next one runs after it has settled */
   #tail: Promise<void> = Promise.resolve();
 
@@ -73,15 +74,30 @@ export class NcclCollective implements Collective<DeviceBuffer> {
     readonly order: StreamOrder | null = null,
   ) {}
 
+  /**
+   * Resolves when the operations queued so far have finished on the device. A peer that died
+   * after the communicator connected leaves real NCCL's kernels waiting for it forever, and its
+   * error is not this rank's (an abort reaches only the rank that calls it): the liveness watch
+   * calls abort(), and should it not, the wait ends after settleTimeoutMs with the communicator
+   * aborted and CollectiveTimeoutError, so no rank waits on a lost peer for good.
+   */
   async join(): Promise<void> {
     const order = this.order;
     if (order === null) return;
     order.joinCompute();
+    const deadline = performance.now() + this.settleTimeoutMs;
     for (let polls = 0; !order.drained(); polls++) {
       if (this.#closed) throw new CollectiveClosedError("the collective is closed");
       if (this.#aborted !== null) throw this.#aborted;
       const failed = this.comm.pollAsyncError();
       if (failed !== null) throw this.#failure(failed);
+      if (performance.now() > deadline) {
+        this.#aborted = new CollectiveTimeoutError(
+          `rank ${this.rank}: the NCCL operations queued on its stream have not finished within ${this.settleTimeoutMs} ms (a peer is gone or stuck); the communicator is aborted`,
+        );
+        this.comm.abort();
+        throw this.#aborted;
+      }
       // the next turns of the event loop at first (an all-reduce takes microseconds to
       // milliseconds), then a millisecond at a time
       await (polls < joinSpinPolls ? new Promise<void>((r) => setImmediate(r)) : Bun.sleep(1));

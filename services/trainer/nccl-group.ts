@@ -35,8 +35,10 @@ export interface NcclGroupOptions {
   key: NcclIdKey;
   rank: number;
   ranks: number;
-  /** the stream NCCL runs on beside the compute stream (null: the compute stream itself) */
-  side: SideStream | null;
+  /** the stream NCCL runs on beside the compute stream. Not the compute stream itself: real NCCL
+   *  answers a collective with ncclInProgress and launches it from a thread of its own, and no
+   *  kernel may be queued on its stream until it settles, while backward goes on queueing. */
+  side: SideStream;
   /** the NCCL to load (default: the one findNccl finds) */
   library?: NcclLibrary;
   connectTimeoutMs?: number;
@@ -147,7 +149,7 @@ export class NcclGroup implements Collective<DeviceBuffer> {
     this.#scratch = o.backend.alloc(4);
     this.#collective = new NcclCollective(
       comm,
-      o.side?.stream ?? o.backend.stream,
+      o.side.stream,
       { ptr: this.#scratch.ptr, count: 1 },
       o.settleTimeoutMs ?? ncclSettleTimeoutMs,
       o.side,
