@@ -4,7 +4,8 @@
 // under emulated multi-GPU jobs, so it is checked first on its own: every collective and
 // NcclCollective through ffi/cuda/nccl.ts at 2 and 4 ranks, against float64 and with the ranks'
 // results bit-identical; a rank that never calls leaves the others waiting until settled() gives
-// up and aborts; an abort fails the aborting rank's pending work and its peers'.
+// up and aborts; an abort fails the aborting rank's pending work, not its peers' (they wait, as
+// real NCCL's kernels do among one host's GPUs, until their own abort or timeout).
 import { describe, expect, test } from "bun:test";
 import { join } from "node:path";
 import { NcclLibrary } from "../../ffi/cuda/nccl.ts";
@@ -96,19 +97,19 @@ describe.skipIf(skip("g++ and cc", toolsMissing))("the emulated NCCL, ranks as p
     for (const lines of ranks.slice(0, 2)) {
       const l = lines.find((x) => x.check === "allReduce with a rank missing")!;
       expect(l.failed).toBe(true);
-      // the first to time out aborts, and the other then fails on its abort
-      expect(["ncclTimeout", "ncclRemoteError"]).toContain(l.code!);
+      // each gives up on its own timeout (a peer's abort does not reach it)
+      expect(l.code).toBe("ncclTimeout");
       expect(l.ms!).toBeLessThan(10_000);
     }
   });
 
-  test("an abort fails the aborting rank's pending work and its peers', at once", async () => {
+  test("an abort fails the aborting rank's pending work at once; a peer's goes on waiting until its own timeout, as real NCCL's does", async () => {
     const ranks = await runRanks(3, "abort", true);
     const [r0, r1] = [ranks[0]!, ranks[1]!].map((lines) => lines.find((x) => x.check === "allReduce pending")!);
     expect(r0!.code).toBe("ncclSystemError");
     expect(r0!.message).toMatch(/rank 0 of 3: the communicator was aborted while its work was pending/);
-    expect(r1!.code).toBe("ncclRemoteError");
-    expect(r1!.message).toMatch(/rank 0 aborted its communicator/);
-    expect(r1!.ms!).toBeLessThan(10_000); // not its 20 s settle timeout
+    expect(r0!.ms!).toBeLessThan(1400); // aborted at 300 ms
+    expect(r1!.code).toBe("ncclTimeout");
+    expect(r1!.ms!).toBeGreaterThanOrEqual(1400); // its 1.5 s settle timeout, not rank 0's abort
   });
 });
