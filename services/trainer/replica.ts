@@ -102,7 +102,10 @@ export function jobTransport(
  * What answers trainer `rank`'s collective subject between a restore's interrupt and its
  * reconnect: a sender is told to retry (CapacityError) instead of finding no responder for as
  * long as the restore takes. Released in the same turn of the event loop as the next
- * generation's transport subscribes.
+ * generation's transport subscribes, by a drain: a piece the server routed to the stand-in
+ * before it took the unsubscribe is still answered (retry). Unsubscribed outright, such a piece
+ * was dropped by the client unanswered, and its sender waited out its 10 s send timeout (seen
+ * after one in three operator restores of an all-reduce job: the first step after it took 10.3 s).
  */
 export class CollectiveStandIn {
   #sub: Subscription | null = null;
@@ -120,7 +123,8 @@ export class CollectiveStandIn {
   }
 
   release(): void {
-    this.#sub?.unsubscribe();
+    if (this.#sub?.drain) this.#sub.drain();
+    else this.#sub?.unsubscribe();
     this.#sub = null;
   }
 }

@@ -1,7 +1,14 @@
 // The NATS bus against a real nats-server: an answer too large for a message and an error text
 // with line breaks both reach the caller as typed errors, and the serving side keeps serving.
 import { afterAll, expect, test } from "bun:test";
-import { BadRequestError, DeadlineError, LimitExceededError } from "../../services/runtime/mesh/errors.ts";
+import {
+  BadRequestError,
+  CapacityError,
+  DeadlineError,
+  LimitExceededError,
+} from "../../services/runtime/mesh/errors.ts";
+import { subjects } from "../../services/runtime/job/subjects.ts";
+import { CollectiveStandIn } from "../../services/trainer/replica.ts";
 import { closeDrainMsMax, NatsBus } from "../../services/runtime/mesh/nats.ts";
 import { reconnectedSubject, subjectMatches } from "../../services/runtime/mesh/bus.ts";
 import { encodeReconnected } from "../../schemas/messages/runtime.ts";
@@ -190,3 +197,41 @@ test("a process that asks once and closes its bus exits then: close() leaves no 
   // a bound, not a speed: the whole process, start-up included, against the drain's wait alone
   expect(ms).toBeLessThan(closeDrainMsMax);
 }, 40_000);
+
+test("a restore's collective stand-in hands its subject to the next generation's transport without dropping a piece: every piece sent across the switch is answered (retry or taken), none waits out its timeout", async () => {
+  const job = "default.standin";
+  const subject = subjects.collTo(job, 0);
+  const standIn = new CollectiveStandIn(serving, job, 0);
+  standIn.hold();
+  await serving.nc.flush();
+  // a sender keeps pieces in flight, retrying a refused one at once, as collective-bus.ts does
+  let taken = 0,
+    refused = 0;
+  const lost: string[] = [];
+  let sending = true;
+  const sender = async () => {
+    while (sending) {
+      try {
+        await client.request(subjects.coll(job, 0, 1), new Uint8Array(8), 2_000);
+        taken++;
+      } catch (e) {
+        if (e instanceof CapacityError) refused++;
+        else lost.push(`${(e as Error).name}: ${(e as Error).message}`);
+      }
+    }
+  };
+  const senders = Array.from({ length: 16 }, sender);
+  await Bun.sleep(100);
+  // the restore's reconnect: the stand-in released and the new transport subscribed in one turn
+  standIn.release();
+  const next = serving.handle(subject, () => new Uint8Array(0));
+  await Bun.sleep(300);
+  sending = false;
+  await Promise.all(senders);
+  next.unsubscribe();
+  expect({ lost, refusedSome: refused > 0, takenSome: taken > 0 }).toEqual({
+    lost: [],
+    refusedSome: true,
+    takenSome: true,
+  });
+});
