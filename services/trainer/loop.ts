@@ -105,8 +105,9 @@ export interface TrainerOptions {
   collective?: Pick<ReplicaOptions, "transport" | "progressTimeoutMs">;
   /** all-reduce mode on GPUs: where NCCL communicators exchange their ids (the job store) */
   ncclIds?: NcclIdExchange;
-  /** test-only (MT_STEP_DELAY_MS): sleep this long in every step's compute, to make a straggler */
-  stepDelayMs?: number;
+  /** test-only (MT_STEP_DELAY_MS, MT_STEP_DELAY_FILE): sleep this long in every step's compute,
+   *  to make a straggler or to pace a job; a function is asked at every step */
+  stepDelayMs?: number | (() => number);
   /** the machine it runs on, said in its heartbeats (MT_HOST) */
   host?: string;
 }
@@ -206,7 +207,10 @@ export class TrainerRun {
       payloadBytesMax: o.payloadBytesMax,
       log: o.log,
       total: this.#plan.totalSteps,
-      stepDelayMs: o.stepDelayMs ?? 0,
+      get stepDelayMs() {
+        const d = o.stepDelayMs ?? 0;
+        return typeof d === "function" ? d() : d;
+      },
       get hb() {
         return run.#hb;
       },

@@ -1,6 +1,7 @@
 #!/usr/bin/env bun
 // trainer process of one rank: `bun services/trainer/main.ts --rank 0 --nats-url nats://...`
 import { m as metrics, onScrape } from "../runtime/mesh/metrics.ts";
+import { readFileSync } from "node:fs";
 import { z } from "zod";
 import { type DeviceChoice, deviceChoices, openBackend } from "../../ffi/select.ts";
 import { meshMembers } from "../runtime/mesh/discovery.ts";
@@ -28,6 +29,10 @@ const schema = baseConfigSchema.extend({
   /** test-only (MT_STEP_DELAY_MS / --step-delay-ms): sleep this long in every step's compute, to
    *  make this rank a straggler on purpose; 0 in any real run */
   stepDelayMs: z.number().int().min(0).max(60_000),
+  /** test-only (MT_STEP_DELAY_FILE / --step-delay-file): a file that holds the step delay in
+   *  milliseconds, read at every step in place of stepDelayMs, so that a test paces a job only
+   *  while it needs to (a missing or empty file: no delay) */
+  stepDelayFile: z.string().min(1).max(4096).optional(),
   /** where this rank takes collective pieces over TCP from other machines (MT_COLL_ADDRESS /
    *  --coll-address): "auto" (this machine's first address that is not loopback), "none" (its
    *  peers send through NATS), or an address of this machine */
@@ -44,7 +49,25 @@ type Config = BaseConfig & {
   localRank?: number;
   device: DeviceChoice;
   stepDelayMs: number;
+  stepDelayFile?: string;
 };
+
+/** The step delay a test wrote into `path`: its whole milliseconds, 0 when the file is missing
+ *  or empty; a value that is not a delay (text, < 0, > 60 s) is an error the step fails with. */
+function delayOfFile(path: string): number {
+  let text: string;
+  try {
+    text = readFileSync(path, "utf8").trim();
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code === "ENOENT") return 0;
+    throw e;
+  }
+  if (text === "") return 0;
+  const ms = Number(text);
+  if (!Number.isInteger(ms) || ms < 0 || ms > 60_000)
+    throw new RangeError(`${path}: a step delay is whole milliseconds from 0 to 60000, not ${JSON.stringify(text)}`);
+  return ms;
+}
 
 // Default cpu, not auto: a host runs several trainer ranks (the local mesh and the compose
 // file start one process per rank), and auto would put every one of them on GPU 0, each with
@@ -117,7 +140,7 @@ await runService<Config>({
       control: ledger,
       members: (needs, waitMs) => meshMembers(bus, { needs, waitMs }),
       ncclIds: ncclIdExchange(bus),
-      stepDelayMs: config.stepDelayMs,
+      stepDelayMs: config.stepDelayFile !== undefined ? () => delayOfFile(config.stepDelayFile!) : config.stepDelayMs,
       host: config.host,
       collective: {
         transport: { netAddress: netAddressOf(config.collAddress) },

@@ -4,7 +4,7 @@
 // replica, and the job finishes with every step once.
 import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
-import { existsSync, readdirSync, readFileSync } from "node:fs";
+import { existsSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
 import { EventKind, JobState } from "../../schemas/messages/job.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
 import type { JobConfig } from "../../services/runtime/job/config.ts";
@@ -13,7 +13,7 @@ import { statusLines } from "../../sdk/report.ts";
 import type { MeshOptions } from "../../sdk/local-mesh.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { modelFileAccuracy } from "../helpers/jobs.ts";
-import { removeTempDirs } from "../helpers/mesh.ts";
+import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 import { expectEveryStepOnce, mlpJob, runJob, runThroughSigkill, startMesh, stepLosses } from "../helpers/mesh-jobs.ts";
 
 afterAll(removeTempDirs);
@@ -153,10 +153,16 @@ describe("all-reduce mode on the mesh", () => {
   }, 180_000);
 
   test("ZeRO 3 on the mesh: a snapshot of 4 trainers resumes on 2 (stage 3) and on 3 (stage 1) with the same global batch and continues on the 4-trainer stage-2 run's loss trajectory", async () => {
-    // each step sleeps 40 ms in the trainers: the cancel below, sent when the snapshot of step
-    // 20 is announced, must come before the job's end at step 60 (on a loaded machine it once
-    // came after it)
-    await using mesh = await startAllReduceMesh("mt-ar-regroup-", { trainers: 4, env: { MT_STEP_DELAY_MS: "40" } });
+    // in the runs cancelled below each step sleeps 40 ms in the trainers: the cancel, sent when
+    // the snapshot of step 20 is announced, must come before the job's end at step 60 (on a
+    // loaded machine it once came after it). The other runs go at full speed.
+    const delayFile = join(tempDir("mt-ar-regroup-delay-"), "step-delay-ms");
+    const pace = (on: boolean) => writeFileSync(delayFile, on ? "40" : "0");
+    pace(false);
+    await using mesh = await startAllReduceMesh("mt-ar-regroup-", {
+      trainers: 4,
+      env: { MT_STEP_DELAY_FILE: delayFile },
+    });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const adamw = { kind: "adamw" as const, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
     const base = {
@@ -178,6 +184,7 @@ describe("all-reduce mode on the mesh", () => {
       [3, 64, 1],
     ] as const) {
       const cfg = config({ job: `default.ar-regroup-${trainers}`, ...base, zero: 3 });
+      pace(true);
       await client.submit(cfg, { membersWaitMs: 60_000 });
       let cancelled: Promise<unknown> | null = null;
       await watchJob(client, cfg.job, {
@@ -190,6 +197,7 @@ describe("all-reduce mode on the mesh", () => {
       // the cancelled run's ranks stop at their next step boundary: the resumed run's events
       // are its own only once they did (a late Step of the old run would count as the new one's)
       await untilQuiet(client, cfg.job, 1_500, 30_000);
+      pace(false);
       const newest = (await client.checkpoints(cfg.job)).at(-1)!.step;
       expect(newest).toBeGreaterThanOrEqual(20);
       expect(newest).toBeLessThan(60);

@@ -6,6 +6,8 @@
 // function of (rank, step), every sample is seen exactly once per epoch. The schedule is printed;
 // MT_CHAOS_SEED replays it.
 import { afterAll, expect, test } from "bun:test";
+import { writeFileSync } from "node:fs";
+import { join } from "node:path";
 import { Rng } from "../../engine/rng.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { EventKind, JobState } from "../../schemas/messages/job.ts";
@@ -14,7 +16,7 @@ import { defaultOwner, qualifyJob } from "../../services/runtime/job/subjects.ts
 import { type JobConfig } from "../../services/runtime/job/config.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { finalChunkVersions } from "../helpers/jobs.ts";
-import { removeTempDirs } from "../helpers/mesh.ts";
+import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 import { mlpJob, runJob, startMesh } from "../helpers/mesh-jobs.ts";
 
 afterAll(removeTempDirs);
@@ -55,7 +57,9 @@ function schedule(rng: Rng, totalSteps: number): Fault[] {
   );
 }
 
-/** At most 50 steps/s: the 703-step job lasts 14 s or more, where a chain of faults takes under 8 s. */
+/** At most 50 steps/s until the last fault has fired: the 703-step job lasts 14 s or more, where a
+ *  chain of faults takes under 8 s. The fault-free run, and the chaos run after its last fault,
+ *  go at full speed (the trainers read the delay from a file at every step). */
 const stepDelayMs = 20;
 
 const describeFault = (f: Fault) =>
@@ -63,10 +67,14 @@ const describeFault = (f: Fault) =>
 
 test("twelve SIGKILLs of every kind of process, some within 2 s of each other: the job finishes within 0.3% of the fault-free accuracy, every step applied once, every sample once per epoch", async () => {
   const lines: string[] = [];
-  // every step takes at least stepDelayMs: the job must outlast its faults (a fault that waits for
-  // its target's restart, then the ones timed after it, take seconds), however fast the machine
+  // while faults are to come every step takes at least stepDelayMs: the job must outlast its faults
+  // (a fault that waits for its target's restart, then the ones timed after it, take seconds),
+  // however fast the machine
+  const delayFile = join(tempDir("mt-chaos-delay-"), "step-delay-ms");
+  const pace = (on: boolean) => writeFileSync(delayFile, on ? String(stepDelayMs) : "0");
+  pace(false);
   await using mesh = await startMesh("mt-chaos-all-", {
-    env: { MT_STEP_DELAY_MS: String(stepDelayMs) },
+    env: { MT_STEP_DELAY_FILE: delayFile },
     onEvent: (l) => lines.push(l),
   });
   await using client = await MeshClient.connect(mesh.url, mesh.auth());
@@ -80,6 +88,7 @@ test("twelve SIGKILLs of every kind of process, some within 2 s of each other: t
   const data = new JobData(cfg, { kind: "mnist", data: loadMnist() });
   const faults = schedule(new Rng(seed), data.totalSteps);
   console.log(`chaos schedule (MT_CHAOS_SEED=${seed}): ${faults.map(describeFault).join("; ")}`);
+  pace(true);
   const fired: string[] = [];
   let next = 0,
     timer: ReturnType<typeof setTimeout> | null = null;
@@ -101,6 +110,7 @@ test("twelve SIGKILLs of every kind of process, some within 2 s of each other: t
     }
     clearTimeout(timer);
     timer = null;
+    if (next === faults.length) pace(false);
     const after = faults[next];
     if (after?.afterMs !== undefined) timer = setTimeout(() => void fire(), after.afterMs);
   };

@@ -5,7 +5,7 @@
 // of the same job run without the fuzz, also after an operator's restore that lands on its last
 // step. The mutations are seeded: MT_FUZZ_SEED replays a run.
 import { afterAll, beforeAll, expect, test } from "bun:test";
-import { existsSync, readdirSync, readFileSync } from "node:fs";
+import { existsSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { decodeBatchRequest, encodeBatchRequest, Split } from "../../schemas/messages/data-loader.ts";
 import { decodeCollPiece, encodeCollPiece } from "../../schemas/messages/trainer.ts";
@@ -64,9 +64,10 @@ const config = (job: string, over: Partial<JobConfig>): JobConfig =>
     // the shards' states (the seeds of pushes and loads) are sent whole in every such message
     model: { kind: "mlp", widths: [784, 16, 10], dropout: 0 },
     // long enough that the fuzz ends well before the job: a job that ended during it leaves its
-    // last requests unanswered. 470 steps; each sleeps (below), so that the job's length holds
-    // under load: the fuzz is one process against the job's six, and a loaded machine slows it
-    // most (9-10 s alone, 36-50 s in the suite, where 705 steps of 40 ms once ended at 704 of 705)
+    // last requests unanswered. 470 steps; each sleeps while the fuzz runs (below), so that the
+    // job's length holds under load: the fuzz is one process against the job's six, and a loaded
+    // machine slows it most (8-17 s in the suite, up to 50 s in slower ones, where 705 steps of
+    // 40 ms once ended at 704 of 705)
     epochs: 2,
     warmupSteps: 20,
     chunkBytes: 16 << 10,
@@ -97,15 +98,21 @@ function longestStall(events: readonly Event[]): string {
 let dir: string;
 let mesh: LocalMesh;
 let client: MeshClient;
+/** The trainers' step delay (MT_STEP_DELAY_FILE), read at every step. */
+let stepDelayFile: string;
+/** While the fuzz runs every step sleeps 120 ms in the trainers, so that the job is still training
+ *  when the fuzz ends: 56 s of sleep for the job's 470 steps, however loaded the machine. Once
+ *  it has ended the job runs on at full speed (the fuzz took 8-17 s of the mode's 76-78 s). */
+const pace = (on: boolean) => writeFileSync(stepDelayFile, on ? "120" : "0");
 
 beforeAll(async () => {
   dir = tempDir("mt-fuzz-");
-  // every step sleeps 120 ms in the trainers, so that the job is still training when the fuzz
-  // ends: at least 56 s of sleep, however loaded the machine
+  stepDelayFile = join(dir, "step-delay-ms");
+  pace(true);
   mesh = await LocalMesh.start({
     jobsDir: join(dir, "jobs"),
     logDir: join(dir, "logs"),
-    env: { MT_STEP_DELAY_MS: "120" },
+    env: { MT_STEP_DELAY_FILE: stepDelayFile },
   });
   client = await MeshClient.connect(mesh.url, mesh.auth());
 }, 120_000);
@@ -253,6 +260,7 @@ async function fuzzRun(
   const refEvents: Event[] = [];
   const pids = mesh.pids;
   // each job's events are subscribed to before its submit: its first steps come before a watch would start
+  pace(true);
   const refStream = client.events(ref.job);
   await client.submit(ref, { membersWaitMs: 60_000 });
   const refWatch = watchJob(client, ref.job, { quiet: true, events: refStream, onEvent: (e) => refEvents.push(e) });
@@ -302,6 +310,7 @@ async function fuzzRun(
   const fuzzSeconds = (performance.now() - t0) / 1000;
   const stepAtFuzzEnd = Math.max(...seen.filter((e) => e.kind === EventKind.Step).map((e) => e.step));
   const endedDuringFuzz = ended;
+  pace(false);
   const r = await watching;
   const restoredTo = ((await endRestore) as { step: number } | null)?.step;
   const replayed = await (replays as Promise<PromiseSettledResult<number>[]> | null);
