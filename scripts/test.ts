@@ -22,13 +22,15 @@ const timeoutMs = 120_000;
 // past run: bun sorts the files by path, cuts them into one run of files per worker of about equal
 // total duration (here test/bench … test/e2e, and test/engine … test/testbed), and each worker
 // runs its own files slowest first, then takes the slowest not yet started from the other. The
-// durations of eight files are set by hand so that a file that mostly waits (the fuzz's paced job,
-// mesh-cli's runs, the testbed's cut hosts) runs beside files that keep a core busy: measured
-// alone, their CPU-seconds per second are 0.57, 0.70 and 0.73 against 1.26 (mesh.test.ts), 1.22
-// (cli.test.ts) and 1.25 (the testbed's chaos). So the first worker runs the fuzz, then mesh.test.ts
-// and chaos.test.ts; the second cli.test.ts, the testbed's chaos and mesh, then mesh-cli and the
-// testbed's faults. Left to their measured durations, the fuzz and the testbed's faults started
-// together, and the suite's first 200 s left about 100 core-seconds idle.
+// durations of eight files are set by hand so that a file that mostly waits (mesh-cli's runs, the
+// testbed's cut hosts) runs beside files that keep a core busy: measured alone, their
+// CPU-seconds per second are 0.70 and 0.73 against 1.26 (mesh.test.ts), 1.22 (cli.test.ts) and
+// 1.25 (the testbed's chaos). So the first worker runs mesh.test.ts, then the chaos and the
+// fuzz; the second cli.test.ts, the testbed's chaos and mesh, then mesh-cli and the testbed's
+// faults. (The fuzz's job once slept through the whole file, 0.57 CPU-s per second, and went first;
+// its jobs and the chaos job now sleep only while their faults are to come.) Left to their
+// measured durations, the fuzz and the testbed's faults started together, and the suite's first
+// 200 s left about 100 core-seconds idle.
 // MT_TEST_WORKERS=1 runs them one after another.
 // Three workers left fewer cores idle (a sampled run: 25 of 1,545 core-seconds, against 156 of
 // 1,680 with two; 774 s against 840 s) but overload two cores: in two such runs the fuzz's
