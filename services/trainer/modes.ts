@@ -45,7 +45,7 @@ export interface StepHost {
   readonly log: Logger | undefined;
   /** the job's steps */
   readonly total: number;
-  /** test-only: sleep this long in every step's compute */
+  /** test-only: sleep this long in every step's compute (read once per step: it may change) */
   readonly stepDelayMs: number;
   readonly hb: HeartbeatPublisher | null;
   /** the batch of a step (requested ahead) */
@@ -196,7 +196,8 @@ class ParameterServerMode implements TrainerMode {
     } else {
       this.#grads.fill(0); // this rank got no samples in the epoch's last, short step
     }
-    if (h.stepDelayMs) await Bun.sleep(h.stepDelayMs);
+    const delayMs = h.stepDelayMs;
+    if (delayMs) await Bun.sleep(delayMs);
     const t4 = performance.now();
     h.checkGeneration(step, generation);
     h.hb?.at(step, "push");
@@ -408,7 +409,8 @@ class ReplicaMode implements TrainerMode {
     const micro = batch.rows > 0 ? microBatches(batch, cfg.accumSteps) : [];
     const wire0 = replica.wireBytes;
     const delayed = performance.now();
-    if (h.stepDelayMs) await Bun.sleep(h.stepDelayMs);
+    const sleepMs = h.stepDelayMs;
+    if (sleepMs) await Bun.sleep(sleepMs);
     const delayMs = performance.now() - delayed;
     const r = await replica.step(step, micro, batch.rows, h.rowsAt(step));
     h.checkGeneration(step, generation);
