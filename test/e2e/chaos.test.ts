@@ -15,7 +15,7 @@ import { JobData } from "../../services/data-loader/loader.ts";
 import { defaultOwner, qualifyJob } from "../../services/runtime/job/subjects.ts";
 import { type JobConfig } from "../../services/runtime/job/config.ts";
 import { MeshClient } from "../../sdk/client.ts";
-import { finalChunkVersions } from "../helpers/jobs.ts";
+import { finalChunkVersions, longestWaits } from "../helpers/jobs.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 import { mlpJob, runJob, startMesh } from "../helpers/mesh-jobs.ts";
 
@@ -124,6 +124,7 @@ test("twelve SIGKILLs of every kind of process, some within 2 s of each other: t
   console.log(
     `accuracy ${(r.record.accuracy * 100).toFixed(2)}% (fault-free ${(clean.record.accuracy * 100).toFixed(2)}%); ${r.seen.filter((e) => e.kind === EventKind.Restore).length} restores`,
   );
+  console.log(`longest waits between two steps: ${longestWaits(r.seen, 4)}`);
   expect(r.record.state).toBe(JobState.Done);
   expect(fired.length).toBe(faults.length);
   for (const t of targets) expect(fired.some((f) => f.startsWith(`${t} `))).toBe(true);

@@ -50,6 +50,7 @@ import { watchJob } from "../../sdk/watch.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
 import { plausibleState } from "../../services/runtime/job/limits.ts";
 import { fuzz, poisonNumbers, type Target } from "../helpers/fuzz.ts";
+import { longestWaits } from "../helpers/jobs.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 
 // 10,000 in the suite (its 15 minutes); a longer campaign sets MT_FUZZ_MESSAGES
@@ -82,17 +83,6 @@ function losses(events: readonly Event[]): Map<string, number> {
   const out = new Map<string, number>();
   for (const e of events) if (e.kind === EventKind.Step) out.set(`${e.rank}:${e.step}`, e.loss);
   return out;
-}
-
-/** The longest wait between two of rank 0's steps in a job's events: where a slow run stalled. */
-function longestStall(events: readonly Event[]): string {
-  const steps = events.filter((e) => e.kind === EventKind.Step && e.rank === 0);
-  let worst = { ms: 0, step: 0 };
-  for (let i = 1; i < steps.length; i++) {
-    const ms = steps[i]!.timeMs - steps[i - 1]!.timeMs;
-    if (ms > worst.ms) worst = { ms, step: steps[i]!.step };
-  }
-  return `${(worst.ms / 1000).toFixed(1)} s before step ${worst.step}`;
 }
 
 let dir: string;
@@ -328,7 +318,7 @@ async function fuzzRun(
   console.log(
     `  accuracy: ${(r.record.accuracy * 100).toFixed(2)}% under fuzz, ${(refOutcome.record.accuracy * 100).toFixed(2)}% without (the job was at step ${stepAtFuzzEnd} of ${total} when the fuzz ended)`,
   );
-  console.log(`  longest wait between two steps: ${longestStall(seen)} (fuzzed), ${longestStall(refEvents)} (without)`);
+  console.log(`  longest wait between two steps: ${longestWaits(seen)} (fuzzed), ${longestWaits(refEvents)} (without)`);
 
   expect(outcome.sent).toBe(messages);
   expect(outcome.unanswered).toEqual([]);

@@ -58,3 +58,16 @@ export function finalChunkVersions(record: Pick<JobRecord, "job" | "snapshot" | 
       .map(([name, bytes]) => [name, decodeShardState(bytes, 1 << 30).chunks.map((c) => c.version)]),
   );
 }
+
+/** The `n` longest waits between two of rank 0's Step events of a job: where a slow run stalled. */
+export function longestWaits(events: readonly Event[], n = 1): string {
+  const steps = events.filter((e) => e.kind === EventKind.Step && e.rank === 0);
+  const waits: { ms: number; step: number }[] = [];
+  for (let i = 1; i < steps.length; i++)
+    waits.push({ ms: steps[i]!.timeMs - steps[i - 1]!.timeMs, step: steps[i]!.step });
+  waits.sort((a, b) => b.ms - a.ms);
+  return waits
+    .slice(0, n)
+    .map((w) => `${(w.ms / 1000).toFixed(1)} s before step ${w.step}`)
+    .join(", ");
+}
