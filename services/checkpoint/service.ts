@@ -29,7 +29,7 @@ import { decodeShardState, decodeShardStats, encodeShardState } from "../../sche
 import { encodeCheckpointList, encodeManifest, type Manifest } from "../../schemas/messages/checkpoint.ts";
 import { type DataPlan } from "../../schemas/messages/data-loader.ts";
 import { join } from "node:path";
-import { type Bus, requestWhileAway, type Subscription } from "../runtime/mesh/bus.ts";
+import { type Bus, type RequestOptions, requestWhileAway, type Subscription } from "../runtime/mesh/bus.ts";
 import {
   BadRequestError,
   CorruptDataError,
@@ -66,7 +66,14 @@ import type { Logger } from "../runtime/mesh/log.ts";
 import { exportModelFile } from "../runtime/job/model.ts";
 import { cutTag, precutSaveTag } from "../runtime/job/replica-parts.ts";
 import { planLayout, planOfSpec } from "../runtime/job/plan.ts";
-import { resizeCloseWaitMs, resizePlanTimeoutMs, resizeSnapshotWaitMs, stateTimeoutMs } from "./limits.ts";
+import {
+  cutReaskFirstMs,
+  cutReaskMs,
+  resizeCloseWaitMs,
+  resizePlanTimeoutMs,
+  resizeSnapshotWaitMs,
+  stateTimeoutMs,
+} from "./limits.ts";
 import { type AskState, assemble, fetchParts, replicaOfSnapshot, reshard } from "./snapshot-parts.ts";
 import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
 import { JobWatch } from "../runtime/control/watch.ts";
@@ -270,7 +277,11 @@ export class CheckpointService {
     const owners = planLayout(cfg, plan).byShard.map((ids) => ids.length > 0);
     const heads = await Promise.all(
       Array.from({ length: cfg.shards }, async (_, k) => {
-        const h = decodeShardState(await this.#askState(cfg, subjects.psState(cfg.job, k), req), this.payloadBytesMax);
+        const cut = await this.#askState(cfg, subjects.psState(cfg.job, k), req, {
+          reaskMs: cutReaskMs,
+          reaskFirstMs: cutReaskFirstMs,
+        });
+        const h = decodeShardState(cut, this.payloadBytesMax);
         if (h.job !== cfg.job || h.shard !== k)
           throw new BadRequestError(`shard ${k} answered the cut of job ${h.job}'s shard ${h.shard}`);
         return h;
@@ -380,8 +391,8 @@ export class CheckpointService {
   }
 
   /** A request for a snapshot's state, given up at once when the job goes on without a lost host. */
-  #askState(cfg: JobConfig, subject: string, req: Uint8Array): Promise<Uint8Array> {
-    const asked = this.bus.request(subject, req, stateTimeoutMs);
+  #askState(cfg: JobConfig, subject: string, req: Uint8Array, o?: RequestOptions): Promise<Uint8Array> {
+    const asked = this.bus.request(subject, req, stateTimeoutMs, o);
     const signal = this.#jobs.get(cfg.job)?.saves.signal;
     if (signal === undefined) return asked;
     return new Promise((resolve, reject) => {

@@ -135,7 +135,8 @@ export class ParameterServer {
     // a snapshot's state: cut (tag "cut"), then one part (tag "part <p>") per request, each under the message limit
     on("state", (subject, data) => {
       const m = decodeJobRequest(data, this.payloadBytesMax);
-      const shard = this.#entry(subject, m.job).shard;
+      // a shard waiting for its restore holds no state of the job (its fresh initialization)
+      const shard = this.#serving(subject, m.job).shard;
       // "cut": the state of this moment is kept for the parts that follow; the answer is its head (no chunks)
       if (m.tag === cutTag) return encodeShardState(shard.cut(m.step, this.payloadBytesMax));
       return encodeShardState(shard.exportPart(partOfTag(m.tag), m.step, this.payloadBytesMax));
