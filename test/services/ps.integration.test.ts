@@ -21,7 +21,7 @@ import {
 import { encodeJobRequest, SyncPolicy } from "../../schemas/messages/job.ts";
 import { PullRequest as PullRequestT } from "../../schemas/wire.ts";
 import { buildLayout } from "../../services/runtime/job/layout.ts";
-import { BadRequestError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
+import { BadRequestError, NotReadyError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
 import { type JobConfig, jobDefaults } from "../../services/runtime/job/config.ts";
 import { subjects } from "../../services/runtime/job/subjects.ts";
 import { configExitCode } from "../../services/runtime/mesh/service.ts";
@@ -293,6 +293,38 @@ test("state then load round-trips a shard's snapshot through the wire", async ()
   await bus.request(subjects.psLoad(cfg.job, 1), encodeShardState(state), timeout);
   const again = decodeShardState(await bus.request(subjects.psState(cfg.job, 1), req, timeout), 64 << 20);
   expect(again).toEqual(state);
+});
+
+test("a shard waiting for its restore refuses a state request (its state is its fresh initialization, not the job's), and answers once restored", async () => {
+  // the checkpoint service's part, played here: it holds the shard's recovery until the test lets it go
+  const resumed: JobConfig = { ...cfg, job: "default.psjob-resumed" };
+  const release = Promise.withResolvers<void>();
+  const asked: string[] = [];
+  const recover = bus.handle(`mt.${resumed.job}.ckpt.recover.*`, async (_, subject) => {
+    asked.push(subject);
+    await release.promise;
+    return new Uint8Array(0);
+  });
+  await bus.nc.flush(); // the handler is in place before the shard opens the job
+  const store = await JobStore.open(bus);
+  await store.putSpec(specOf(resumed));
+  const cut = encodeJobRequest({ job: resumed.job, step: 0, tag: "cut" });
+  await waitFor("shard 0 to open the job and ask for its restore", () =>
+    asked.includes(`mt.${resumed.job}.ckpt.recover.shard-0`),
+  );
+  await expectRejected(
+    () => bus.request(subjects.psState(resumed.job, 0), cut, timeout),
+    NotReadyError,
+    `shard 0 waits for job "${resumed.job}" to be restored`,
+  );
+  release.resolve();
+  await waitFor("shard 0's cut once restored", async () =>
+    bus.request(subjects.psState(resumed.job, 0), cut, timeout).then(
+      (bytes) => decodeShardState(bytes, 1 << 20).shard === 0,
+      () => false,
+    ),
+  );
+  recover.unsubscribe();
 });
 
 test("SIGTERM drains and exits 0", async () => {
