@@ -10,11 +10,12 @@ export const manifestBytesMax = 4 << 20;
 export const snapshotsMax = 1000;
 /** A shard's state request: the shard copies its memory out, the transfer is the cost. */
 export const stateTimeoutMs = 60_000;
-/** A shard's cut is asked again after this, then at twice the wait (at most cutReaskMs) while
- *  unanswered: one that reached a shard as it was SIGKILLed is never answered, and the restarted
- *  shard (up within a second or two) refuses it while it waits for its restore, which this save
- *  holds up (the service takes a job's saves and restores one at a time). Asked once, such a save
- *  held the job 60 s (the chaos test under load: 60.2 s before the first step after the restore). */
+/** A cut (a shard's, a replica's or a ZeRO partition's) is asked again after this, then at twice
+ *  the wait (at most cutReaskMs) while unanswered: one that reached a shard or a trainer as it was
+ *  SIGKILLed is never answered, and the restarted process (up within a second or two) refuses it
+ *  while it waits for its restore, which this save holds up (the service takes a job's saves and
+ *  restores one at a time). Asked once, such a save held the job 60 s (the chaos test under load:
+ *  60.2 s before the first step after the restore). A cut asked twice is made twice, the same. */
 export const cutReaskFirstMs = 2_000;
 export const cutReaskMs = 10_000;
 /** A resize: how long it waits for the snapshot it asks the ranks for (then it resumes from the newest one). */

@@ -80,6 +80,9 @@ import { JobWatch } from "../runtime/control/watch.ts";
 import type { LostHost } from "../runtime/control/liveness.ts";
 import { type LeftBehind, resizeJob, shrinkWithout } from "../runtime/control/resize.ts";
 
+/** How a cut is asked: again while unanswered (limits.ts cutReaskFirstMs). */
+const cutReask: RequestOptions = { reaskMs: cutReaskMs, reaskFirstMs: cutReaskFirstMs };
+
 interface JobEntry {
   cfg: JobConfig;
   /** the plan its spec carries (a GPT's vocabulary, for the model file) */
@@ -271,16 +274,13 @@ export class CheckpointService {
         ranks > 0
           ? Array.from({ length: ranks }, (_, r) => subjects.replicaPartition(cfg.job, r))
           : [subjects.replicaState(cfg.job)];
-      await Promise.all(sources.map((subject) => this.#askState(cfg, subject, req)));
+      await Promise.all(sources.map((subject) => this.#askState(cfg, subject, req, cutReask)));
       return asked;
     }
     const owners = planLayout(cfg, plan).byShard.map((ids) => ids.length > 0);
     const heads = await Promise.all(
       Array.from({ length: cfg.shards }, async (_, k) => {
-        const cut = await this.#askState(cfg, subjects.psState(cfg.job, k), req, {
-          reaskMs: cutReaskMs,
-          reaskFirstMs: cutReaskFirstMs,
-        });
+        const cut = await this.#askState(cfg, subjects.psState(cfg.job, k), req, cutReask);
         const h = decodeShardState(cut, this.payloadBytesMax);
         if (h.job !== cfg.job || h.shard !== k)
           throw new BadRequestError(`shard ${k} answered the cut of job ${h.job}'s shard ${h.shard}`);
