@@ -105,9 +105,9 @@ export interface TrainerOptions {
   collective?: Pick<ReplicaOptions, "transport" | "progressTimeoutMs">;
   /** all-reduce mode on GPUs: where NCCL communicators exchange their ids (the job store) */
   ncclIds?: NcclIdExchange;
-  /** test-only (MT_STEP_DELAY_MS, MT_STEP_DELAY_FILE): sleep this long in every step's compute,
-   *  to make a straggler or to pace a job; a function is asked at every step */
-  stepDelayMs?: number | (() => number);
+  /** test-only (MT_STEP_DELAY_MS, MT_STEP_DELAY_FILE): how long to sleep in every step's compute,
+   *  to make a straggler or to pace a job, asked at every step */
+  stepDelayMs?: () => number;
   /** the machine it runs on, said in its heartbeats (MT_HOST) */
   host?: string;
 }
@@ -208,8 +208,7 @@ export class TrainerRun {
       log: o.log,
       total: this.#plan.totalSteps,
       get stepDelayMs() {
-        const d = o.stepDelayMs ?? 0;
-        return typeof d === "function" ? d() : d;
+        return o.stepDelayMs?.() ?? 0;
       },
       get hb() {
         return run.#hb;

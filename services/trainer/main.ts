@@ -140,7 +140,8 @@ await runService<Config>({
       control: ledger,
       members: (needs, waitMs) => meshMembers(bus, { needs, waitMs }),
       ncclIds: ncclIdExchange(bus),
-      stepDelayMs: config.stepDelayFile !== undefined ? () => delayOfFile(config.stepDelayFile!) : config.stepDelayMs,
+      stepDelayMs:
+        config.stepDelayFile !== undefined ? () => delayOfFile(config.stepDelayFile!) : () => config.stepDelayMs,
       host: config.host,
       collective: {
         transport: { netAddress: netAddressOf(config.collAddress) },

@@ -23,9 +23,8 @@ export interface TrainerDeps {
   members?: (needs?: MeshNeeds, windowMs?: number) => Promise<MeshMembers>;
   /** all-reduce jobs on GPUs: where NCCL communicators exchange their ids (the job store) */
   ncclIds?: NcclIdExchange;
-  /** test-only: sleep this long in every step's compute (a straggler on purpose); a function is
-   *  asked at every step */
-  stepDelayMs?: number | (() => number);
+  /** test-only: how long to sleep in every step's compute (a straggler on purpose), asked at every step */
+  stepDelayMs?: () => number;
   /** the machine it runs on, said in its heartbeats (MT_HOST) */
   host?: string;
   /** all-reduce jobs: the collective's transport settings (the address of its TCP links) and timeout */

@@ -4,7 +4,7 @@
 // replica, and the job finishes with every step once.
 import { afterAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
-import { existsSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
+import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { EventKind, JobState } from "../../schemas/messages/job.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
 import type { JobConfig } from "../../services/runtime/job/config.ts";
@@ -13,8 +13,16 @@ import { statusLines } from "../../sdk/report.ts";
 import type { MeshOptions } from "../../sdk/local-mesh.ts";
 import { watchJob } from "../../sdk/watch.ts";
 import { modelFileAccuracy } from "../helpers/jobs.ts";
-import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
-import { expectEveryStepOnce, mlpJob, runJob, runThroughSigkill, startMesh, stepLosses } from "../helpers/mesh-jobs.ts";
+import { removeTempDirs } from "../helpers/mesh.ts";
+import {
+  expectEveryStepOnce,
+  mlpJob,
+  runJob,
+  runThroughSigkill,
+  startMesh,
+  stepLosses,
+  stepPacer,
+} from "../helpers/mesh-jobs.ts";
 
 afterAll(removeTempDirs);
 
@@ -156,13 +164,8 @@ describe("all-reduce mode on the mesh", () => {
     // in the runs cancelled below each step sleeps 40 ms in the trainers: the cancel, sent when
     // the snapshot of step 20 is announced, must come before the job's end at step 60 (on a
     // loaded machine it once came after it). The other runs go at full speed.
-    const delayFile = join(tempDir("mt-ar-regroup-delay-"), "step-delay-ms");
-    const pace = (on: boolean) => writeFileSync(delayFile, on ? "40" : "0");
-    pace(false);
-    await using mesh = await startAllReduceMesh("mt-ar-regroup-", {
-      trainers: 4,
-      env: { MT_STEP_DELAY_FILE: delayFile },
-    });
+    const pace = stepPacer(40);
+    await using mesh = await startAllReduceMesh("mt-ar-regroup-", { trainers: 4, env: pace.env });
     await using client = await MeshClient.connect(mesh.url, mesh.auth());
     const adamw = { kind: "adamw" as const, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01 };
     const base = {
@@ -184,7 +187,7 @@ describe("all-reduce mode on the mesh", () => {
       [3, 64, 1],
     ] as const) {
       const cfg = config({ job: `default.ar-regroup-${trainers}`, ...base, zero: 3 });
-      pace(true);
+      pace.on();
       await client.submit(cfg, { membersWaitMs: 60_000 });
       let cancelled: Promise<unknown> | null = null;
       await watchJob(client, cfg.job, {
@@ -197,7 +200,7 @@ describe("all-reduce mode on the mesh", () => {
       // the cancelled run's ranks stop at their next step boundary: the resumed run's events
       // are its own only once they did (a late Step of the old run would count as the new one's)
       await untilQuiet(client, cfg.job, 1_500, 30_000);
-      pace(false);
+      pace.off();
       const newest = (await client.checkpoints(cfg.job)).at(-1)!.step;
       expect(newest).toBeGreaterThanOrEqual(20);
       expect(newest).toBeLessThan(60);

@@ -6,8 +6,6 @@
 // function of (rank, step), every sample is seen exactly once per epoch. The schedule is printed;
 // MT_CHAOS_SEED replays it.
 import { afterAll, expect, test } from "bun:test";
-import { writeFileSync } from "node:fs";
-import { join } from "node:path";
 import { Rng } from "../../engine/rng.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { EventKind, JobState } from "../../schemas/messages/job.ts";
@@ -16,8 +14,8 @@ import { defaultOwner, qualifyJob } from "../../services/runtime/job/subjects.ts
 import { type JobConfig } from "../../services/runtime/job/config.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { finalChunkVersions, longestWaits } from "../helpers/jobs.ts";
-import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
-import { mlpJob, runJob, startMesh } from "../helpers/mesh-jobs.ts";
+import { removeTempDirs } from "../helpers/mesh.ts";
+import { mlpJob, runJob, startMesh, stepPacer } from "../helpers/mesh-jobs.ts";
 
 afterAll(removeTempDirs);
 
@@ -70,11 +68,9 @@ test("twelve SIGKILLs of every kind of process, some within 2 s of each other: t
   // while faults are to come every step takes at least stepDelayMs: the job must outlast its faults
   // (a fault that waits for its target's restart, then the ones timed after it, take seconds),
   // however fast the machine
-  const delayFile = join(tempDir("mt-chaos-delay-"), "step-delay-ms");
-  const pace = (on: boolean) => writeFileSync(delayFile, on ? String(stepDelayMs) : "0");
-  pace(false);
+  const pace = stepPacer(stepDelayMs);
   await using mesh = await startMesh("mt-chaos-all-", {
-    env: { MT_STEP_DELAY_FILE: delayFile },
+    env: pace.env,
     onEvent: (l) => lines.push(l),
   });
   await using client = await MeshClient.connect(mesh.url, mesh.auth());
@@ -88,7 +84,7 @@ test("twelve SIGKILLs of every kind of process, some within 2 s of each other: t
   const data = new JobData(cfg, { kind: "mnist", data: loadMnist() });
   const faults = schedule(new Rng(seed), data.totalSteps);
   console.log(`chaos schedule (MT_CHAOS_SEED=${seed}): ${faults.map(describeFault).join("; ")}`);
-  pace(true);
+  pace.on();
   const fired: string[] = [];
   let next = 0,
     timer: ReturnType<typeof setTimeout> | null = null;
@@ -110,7 +106,7 @@ test("twelve SIGKILLs of every kind of process, some within 2 s of each other: t
     }
     clearTimeout(timer);
     timer = null;
-    if (next === faults.length) pace(false);
+    if (next === faults.length) pace.off();
     const after = faults[next];
     if (after?.afterMs !== undefined) timer = setTimeout(() => void fire(), after.afterMs);
   };

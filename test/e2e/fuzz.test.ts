@@ -5,7 +5,7 @@
 // of the same job run without the fuzz, also after an operator's restore that lands on its last
 // step. The mutations are seeded: MT_FUZZ_SEED replays a run.
 import { afterAll, beforeAll, expect, test } from "bun:test";
-import { existsSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
+import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { decodeBatchRequest, encodeBatchRequest, Split } from "../../schemas/messages/data-loader.ts";
 import { decodeCollPiece, encodeCollPiece } from "../../schemas/messages/trainer.ts";
@@ -52,6 +52,7 @@ import { plausibleState } from "../../services/runtime/job/limits.ts";
 import { fuzz, poisonNumbers, type Target } from "../helpers/fuzz.ts";
 import { longestWaits } from "../helpers/jobs.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
+import { stepPacer } from "../helpers/mesh-jobs.ts";
 
 // 10,000 in the suite (its 15 minutes); a longer campaign sets MT_FUZZ_MESSAGES
 const messages = Number(process.env.MT_FUZZ_MESSAGES ?? 10_000);
@@ -88,21 +89,17 @@ function losses(events: readonly Event[]): Map<string, number> {
 let dir: string;
 let mesh: LocalMesh;
 let client: MeshClient;
-/** The trainers' step delay (MT_STEP_DELAY_FILE), read at every step. */
-let stepDelayFile: string;
 /** While the fuzz runs every step sleeps 120 ms in the trainers, so that the job is still training
  *  when the fuzz ends: 56 s of sleep for the job's 470 steps, however loaded the machine. Once
  *  it has ended the job runs on at full speed (the fuzz took 8-17 s of the mode's 76-78 s). */
-const pace = (on: boolean) => writeFileSync(stepDelayFile, on ? "120" : "0");
+const pace = stepPacer(120);
 
 beforeAll(async () => {
   dir = tempDir("mt-fuzz-");
-  stepDelayFile = join(dir, "step-delay-ms");
-  pace(true);
   mesh = await LocalMesh.start({
     jobsDir: join(dir, "jobs"),
     logDir: join(dir, "logs"),
-    env: { MT_STEP_DELAY_FILE: stepDelayFile },
+    env: pace.env,
   });
   client = await MeshClient.connect(mesh.url, mesh.auth());
 }, 120_000);
@@ -250,7 +247,7 @@ async function fuzzRun(
   const refEvents: Event[] = [];
   const pids = mesh.pids;
   // each job's events are subscribed to before its submit: its first steps come before a watch would start
-  pace(true);
+  pace.on();
   const refStream = client.events(ref.job);
   await client.submit(ref, { membersWaitMs: 60_000 });
   const refWatch = watchJob(client, ref.job, { quiet: true, events: refStream, onEvent: (e) => refEvents.push(e) });
@@ -300,7 +297,7 @@ async function fuzzRun(
   const fuzzSeconds = (performance.now() - t0) / 1000;
   const stepAtFuzzEnd = Math.max(...seen.filter((e) => e.kind === EventKind.Step).map((e) => e.step));
   const endedDuringFuzz = ended;
-  pace(false);
+  pace.off();
   const r = await watching;
   const restoredTo = ((await endRestore) as { step: number } | null)?.step;
   const replayed = await (replays as Promise<PromiseSettledResult<number>[]> | null);

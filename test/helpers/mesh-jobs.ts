@@ -3,6 +3,7 @@
 // checks of a job's steps that several tests make, and the SIGKILL chaos run that the
 // parameter-server and all-reduce tests share.
 import { expect } from "bun:test";
+import { writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { type Event, EventKind } from "../../schemas/messages/job.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
@@ -26,6 +27,20 @@ export function mlpJob(over: Partial<JobConfig>): JobConfig {
     chunkBytes: 16 << 10,
     ...over,
   });
+}
+
+/**
+ * A job's pace for a test: `env` gives the mesh's trainers a step delay they read from a file at
+ * every step (MT_STEP_DELAY_FILE); on() makes every step sleep `ms` (while faults are to come, so
+ * that the job outlasts them however fast the machine), off() lets it run at full speed. Off at first.
+ */
+export function stepPacer(ms: number): { env: Record<string, string>; on(): void; off(): void } {
+  const file = join(tempDir("mt-pace-"), "step-delay-ms");
+  return {
+    env: { MT_STEP_DELAY_FILE: file },
+    on: () => writeFileSync(file, String(ms)),
+    off: () => writeFileSync(file, "0"),
+  };
 }
 
 /** A local mesh whose jobs and logs live in a fresh temporary folder (the file calls afterAll(removeTempDirs)). */
