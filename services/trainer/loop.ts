@@ -47,10 +47,10 @@ import {
 } from "../../schemas/messages/job.ts";
 import { decodeManifest, type Manifest } from "../../schemas/messages/checkpoint.ts";
 import { encodeTrainerStats } from "../../schemas/messages/trainer.ts";
-import { type Bus, requestWhileAway, type Subscription } from "../runtime/mesh/bus.ts";
+import { type Bus, release, requestWhileAway, type Subscription } from "../runtime/mesh/bus.ts";
 import { awaitMembers, type MeshMembers, type MeshNeeds, rankNeeds } from "../runtime/mesh/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/job/evals.ts";
-import { BadRequestError } from "../runtime/mesh/errors.ts";
+import { BadRequestError, NoRespondersError } from "../runtime/mesh/errors.ts";
 import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
 import { dataRanks, evaluatesAt, type JobConfig, lrAt, stepScheduleOf, usesShards } from "../runtime/job/config.ts";
 import { jobOfRequest, subjects, recoverAsker, trainerFailedTag } from "../runtime/job/subjects.ts";
@@ -160,6 +160,8 @@ export class TrainerRun {
   #lastSnapshotMs = performance.now();
   #ctl: Subscription | null = null;
   #replicaSubs: Subscription[] = [];
+  /** the run is over: its handlers refuse what their subscriptions' drain still routes to them */
+  #closed = false;
   /** the step this rank is at (for its stats) */
   #at = 0;
 
@@ -340,6 +342,7 @@ export class TrainerRun {
       this.#ctl = bus.handle(subjects.checkpointNow(cfg.job), async (data) => {
         if (data.byteLength !== 0)
           throw new BadRequestError(`a snapshot request has an empty body, not ${data.byteLength} bytes`);
+        this.#refuseClosed();
         this.#snapshotAsked = true;
         return snapshotAskedReply;
       });
@@ -410,14 +413,30 @@ export class TrainerRun {
       throw e;
     } finally {
       this.#hb?.stop();
-      for (const s of [this.#sub, this.#ctl, this.#evalSub, ...this.#replicaSubs]) s?.unsubscribe();
+      // drained: a request the server routed here before the unsubscribe is answered (refused),
+      // not left to its sender's timeout (a `save` asked as the job ended waited 10 s for nothing)
+      this.#closed = true;
+      for (const s of [this.#sub, this.#ctl, this.#evalSub, ...this.#replicaSubs]) release(s);
       this.#mode.close();
       this.#ctx.dispose();
     }
   }
 
+  /**
+   * A request that the drain of the run's subscriptions still routes here is answered as the
+   * subject will be a moment later, by no one: a resize counts the rank closed, a restore's load
+   * waits for the rank's next run as for a process away, and the sender learns at once.
+   */
+  #refuseClosed(): void {
+    if (this.#closed)
+      throw new NoRespondersError(
+        `trainer ${this.#o.rank} no longer runs job ${this.#o.cfg.job} (the job ended, or this trainer is stopping)`,
+      );
+  }
+
   /** `mt.<job>.trainer.<rank>.stats`: the step, and what this rank holds for the model, read from its allocations. */
   #stats(data: Uint8Array, subject: string): Uint8Array {
+    this.#refuseClosed();
     const { cfg, rank } = this.#o;
     const m = decodeJobRequest(data, 1 << 16);
     jobOfRequest(subject, m.job);

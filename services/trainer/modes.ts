@@ -19,7 +19,7 @@ import { decodeEvent, decodeJobRequest, encodeJobRequest, type Event, EventKind 
 import { decodeManifest } from "../../schemas/messages/checkpoint.ts";
 import { decodeShardState, decodeShardStats, encodeShardState } from "../../schemas/messages/parameter-server.ts";
 import type { Bus, Subscription } from "../runtime/mesh/bus.ts";
-import { NotReadyError } from "../runtime/mesh/errors.ts";
+import { NoRespondersError, NotReadyError } from "../runtime/mesh/errors.ts";
 import type { Logger } from "../runtime/mesh/log.ts";
 import { type HeartbeatPublisher, stalledTrainer } from "../runtime/control/liveness.ts";
 import type { TrainerPlace } from "../runtime/job/collective-plan.ts";
@@ -276,6 +276,8 @@ class ReplicaMode implements TrainerMode {
   readonly #replica: TrainerReplica;
   /** the step this rank's replica is at (what a snapshot of it is labelled) */
   #at = 0;
+  /** close() was called: the handlers serve() made refuse what a drain still routes to them */
+  #closed = false;
 
   get commGeneration(): number {
     return this.#replica.generation;
@@ -324,6 +326,7 @@ class ReplicaMode implements TrainerMode {
     const replica = this.#replica;
     const subs = [
       bus.handle(subjects.replicaLoad(cfg.job, rank), (data) => {
+        this.#refuseClosed();
         replica.staging.stage(decodeShardState(data, payloadBytesMax));
         return new Uint8Array(0);
       }),
@@ -353,6 +356,7 @@ class ReplicaMode implements TrainerMode {
     if (subject === null) return subs;
     subs.push(
       bus.handle(subject, (data, subject) => {
+        this.#refuseClosed();
         const m = decodeJobRequest(data, 1 << 16);
         jobOfRequest(subject, m.job);
         // "cut" copies the replica of this step for the parts asked next (the rank goes on meanwhile)
@@ -478,7 +482,17 @@ class ReplicaMode implements TrainerMode {
     return precutSaveTag;
   }
 
+  /** A request routed here as the run ended (its subscriptions drain) is not served from the closed
+   *  replica: it is answered as the subject will be once drained, by no one (loop.ts #refuseClosed). */
+  #refuseClosed(): void {
+    if (this.#closed)
+      throw new NoRespondersError(
+        `trainer ${this.#h.rank} no longer runs job ${this.#h.cfg.job} (its replica is closed)`,
+      );
+  }
+
   close(): void {
+    this.#closed = true;
     this.#replica.close();
   }
 }

@@ -32,7 +32,7 @@ import type { Context } from "../../engine/context.ts";
 import { EngineError } from "../../engine/errors.ts";
 import { type EvalResult, evaluate, type HostBatch } from "../../engine/train.ts";
 import { type ShardState, shardStateChecksum } from "../../schemas/messages/parameter-server.ts";
-import type { Bus, Subscription } from "../runtime/mesh/bus.ts";
+import { type Bus, release, type Subscription } from "../runtime/mesh/bus.ts";
 import { BusTransport, busTransportDefaults, type BusTransportOptions } from "../runtime/transport/collective-bus.ts";
 import { BadRequestError, CapacityError } from "../runtime/mesh/errors.ts";
 import { type JobConfig, lrAt } from "../runtime/job/config.ts";
@@ -123,8 +123,7 @@ export class CollectiveStandIn {
   }
 
   release(): void {
-    if (this.#sub?.drain) this.#sub.drain();
-    else this.#sub?.unsubscribe();
+    release(this.#sub);
     this.#sub = null;
   }
 }

@@ -3,16 +3,23 @@
 // waiting out its timeout. A fuzz run found it: rank 1's final pull reached the shards just after
 // a restore's load, waited 120 s for a step 470 the restored run was 30 steps from, and the job
 // with it (trainer clocks on the shard 441,440).
+// All-reduce mode: once closed, the handlers it serves refuse what a drain still routes to them.
 import { expect, test } from "bun:test";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
+import type { Model } from "../../engine/models/model.ts";
+import type { JobConfig } from "../../services/runtime/job/config.ts";
 import { Context } from "../../engine/context.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
-import { MemoryBus } from "../../services/runtime/mesh/bus.ts";
+import { type Bus, MemoryBus } from "../../services/runtime/mesh/bus.ts";
+import { NoRespondersError } from "../../services/runtime/mesh/errors.ts";
 import { buildModel } from "../../services/runtime/job/model.ts";
 import { subjects } from "../../services/runtime/job/subjects.ts";
+import { encodeJobRequest } from "../../schemas/messages/job.ts";
 import { StaleStepError } from "../../services/trainer/loop.ts";
 import { type StepHost, trainerMode } from "../../services/trainer/modes.ts";
+import { imagePlan } from "../helpers/jobs.ts";
 import { mlpJob } from "../helpers/mesh-jobs.ts";
+import { replicaRanks } from "../helpers/replicas.ts";
 
 test("parameter-server mode: a restore announced while the final pull waits abandons it at once, and the model is not written", async () => {
   const cfg = mlpJob({ job: "default.final-pull", trainers: 2, shards: 2 });
@@ -74,3 +81,53 @@ test("parameter-server mode: a restore announced while the final pull waits aban
   expect(values()).toEqual(before);
   ctx.dispose();
 }, 10_000); // without the fix the pull waits for its timeout (minutes)
+
+test("all-reduce mode: a load or a snapshot's cut routed to a closed run is answered at once, as no one (its drain), not served from the closed replica", async () => {
+  const cfg = mlpJob({ job: "default.closed-run", sync: "allreduce", trainers: 1 });
+  const plan = planHere(cfg);
+  const bus = new MemoryBus();
+  const [rank] = replicaRanks(cfg, { plan: imagePlan, bus, progressTimeoutMs: 5_000 });
+  const { ctx, model, replica } = rank!;
+  const mode = trainerMode(replicaHost(cfg, bus, ctx, model, plan.totalSteps), plan, replica);
+  const subs = mode.serve();
+  const cut = encodeJobRequest({ job: cfg.job, step: 0, tag: "cut" });
+  // open: the cut is served (the count of its parts)
+  expect((await bus.request(subjects.replicaState(cfg.job), cut, 1_000)).byteLength).toBeGreaterThan(0);
+  mode.close(); // the subscriptions are still there: a drain still routes requests to them
+  for (const [subject, body] of [
+    [subjects.replicaState(cfg.job), cut],
+    [subjects.replicaLoad(cfg.job, 0), new Uint8Array(8)],
+  ] as const) {
+    const e = (await bus.request(subject, body, 1_000).catch((x) => x)) as Error;
+    expect(e).toBeInstanceOf(NoRespondersError);
+    expect(e.message).toContain("trainer 0 no longer runs job default.closed-run");
+  }
+  for (const s of subs) s.unsubscribe();
+  ctx.dispose();
+});
+
+/** What a mode needs of its trainer, for a rank that only serves (no step runs). */
+function replicaHost(cfg: JobConfig, bus: Bus, ctx: Context, model: Model, total: number): StepHost {
+  return {
+    cfg,
+    rank: 0,
+    bus,
+    backend: ctx.backend,
+    ctx,
+    model,
+    payloadBytesMax: 1 << 20,
+    log: undefined,
+    total,
+    stepDelayMs: 0,
+    hb: null,
+    batch: () => Promise.reject(new Error("no batches here")),
+    boundary: () => Promise.resolve(0),
+    checkGeneration: () => {},
+    publish: () => {},
+    lr: () => cfg.lr,
+    rowsAt: () => 0,
+    restorePending: () => false,
+    restoreAnnounced: () => new Promise(() => {}),
+    generation: () => 0,
+  };
+}

@@ -44,6 +44,16 @@ export interface Subscription {
   drain?(): void;
 }
 
+/**
+ * Ends a subscription by a drain where the bus has one, else outright: for a handler that stays
+ * correct after its owner closed (it refuses then), so that a request routed to it just before is
+ * answered at once instead of left to its sender's timeout.
+ */
+export function release(sub: Subscription | null | undefined): void {
+  if (sub?.drain) sub.drain();
+  else sub?.unsubscribe();
+}
+
 export interface RequestOptions {
   /**
    * Ask again every reaskMs while no answer came (the first answer wins): for an idempotent
