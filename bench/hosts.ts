@@ -17,6 +17,10 @@
 // --model gpt a GPT with GPT-2's vocabulary (--gpt L,H,C,T: 6 layers, 6 heads, 384 wide, 128
 // tokens, about 30M parameters) on the State of the Union prepared with GPT-2's BPE. --only
 // <text> runs the settings whose names contain it; --logs <dir> keeps each setting's service logs.
+//
+//   bun run bench hosts [--hosts 4] [--per-host 2] [--rates 1000,10000 (Mbit/s)] [--steps 30]
+//                       [--batch 64 (MLP), 4 (GPT): per trainer] [--model mlp|gpt] [--widths 784,1024,1024,10]
+//                       [--gpt 6,6,384,128] [--collective on|off|only] [--only <text>] [--logs <dir>] [--quiet]
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";

@@ -1,10 +1,14 @@
-// `bun run bench <name> [options]`: the per-component benchmarks.
+// `bun run bench <name> [options]`: the per-component benchmarks (`<name> --help`: what one
+// measures, and its options).
+import { readFileSync } from "node:fs";
+import { join } from "node:path";
 import { ConfigError } from "../ffi/errors.ts";
 import { NativeLibraryError } from "../ffi/errors.ts";
+import type { BenchName } from "../sdk/cli/options.ts";
 // Each benchmark's module is imported when it runs: a run loads only its own (the CLI and the
 // tests start this program once per benchmark).
 type Bench = (argv: string[]) => unknown;
-export const benches: Record<string, () => Promise<Bench>> = {
+export const benches: Record<BenchName, () => Promise<Bench>> = {
   engine: async () => (await import("./engine.ts")).runEngineBench,
   kernels: async () => (await import("./kernels.ts")).runKernelBench,
   epilogues: async () => (await import("./epilogues.ts")).runEpilogueBench,
@@ -19,12 +23,38 @@ export const benches: Record<string, () => Promise<Bench>> = {
   hosts: async () => (await import("./hosts.ts")).runHostsBench,
 };
 
+/**
+ * A benchmark's help: the comment its module opens with (what it measures, against which
+ * baseline, its usage lines), so that the help and the code's own account are one text.
+ */
+export function benchHelp(name: string): string {
+  const text = readFileSync(join(import.meta.dir, `${name}.ts`), "utf8");
+  const lines: string[] = [];
+  for (const line of text.split("\n")) {
+    if (!line.startsWith("//")) break;
+    lines.push(line.replace(/^\/\/ ?/, ""));
+  }
+  return `${lines.join("\n").trim()}\n`;
+}
+
+const isHelp = (a: string) => a === "--help" || a === "-h";
+
 if (import.meta.main) {
   const [name, ...rest] = process.argv.slice(2);
-  const load = name !== undefined && Object.hasOwn(benches, name) ? benches[name] : undefined;
+  const load = name !== undefined && Object.hasOwn(benches, name) ? benches[name as BenchName] : undefined;
   if (load === undefined) {
-    console.error(`usage: bun run bench <${Object.keys(benches).join("|")}> [options]`);
-    process.exit(2);
+    const usage = `usage: bun run bench <${Object.keys(benches).join("|")}> [options]; bun run bench <name> --help says what one measures and its options`;
+    // asked for help: the usage is the answer; else it is the refusal
+    if (name === undefined || !isHelp(name)) {
+      console.error(name === undefined ? usage : `no benchmark is named ${JSON.stringify(name)}; ${usage}`);
+      process.exit(2);
+    }
+    console.log(usage);
+    process.exit(0);
+  }
+  if (rest.some(isHelp)) {
+    process.stdout.write(benchHelp(name!));
+    process.exit(0);
   }
   try {
     await (await load())(rest);

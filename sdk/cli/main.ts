@@ -10,7 +10,7 @@ import { gptRunDefaults, runGpt } from "../local/train-gpt.ts";
 import { mlpRunDefaults, runMlp } from "../local/train-mlp.ts";
 import { runSample } from "../local/sample.ts";
 import { evalDefaults, runEval } from "../local/evaluate.ts";
-import { choice, float, int } from "./options.ts";
+import { benchNames, choice, float, int } from "./options.ts";
 import { cliName, shownPath, userPath } from "../user-paths.ts";
 import { prepareDefaults, runPrepare } from "../local/prepare.ts";
 import { workersMax } from "../local/prepare-pool.ts";
@@ -21,6 +21,7 @@ import { sharedOption, sharedOptions } from "./job-options.ts";
 import { errorExit } from "./exit.ts";
 import { ConfigError } from "../../ffi/errors.ts";
 
+const benchName = choice(...benchNames);
 const program = new Command()
   .name("meshtrain")
   .description(
@@ -290,29 +291,19 @@ addDoctorCommand(program);
 program
   .command("bench")
   .description(
-    "run a benchmark: engine, kernels, ps, data-loader, prepare, checkpoint, trainer, allreduce, stream or client (each prints a table, then one JSON line)",
+    `run a benchmark from meshtrain's repository: ${benchNames.join(", ")} (each prints a table, then one JSON line; bench <name> --help says what it measures and its options)`,
   )
-  .argument(
-    "<name>",
-    "benchmark name",
-    choice(
-      "engine",
-      "kernels",
-      "ps",
-      "data-loader",
-      "prepare",
-      "checkpoint",
-      "trainer",
-      "allreduce",
-      "stream",
-      "client",
-    ),
-  )
+  // (its --help is this program's: `bench <name> --help` is the benchmark's own)
+  .argument("<name>", "benchmark name", (raw: string) => (raw === "--help" || raw === "-h" ? raw : benchName(raw)))
   // the benchmark parses its own options (--steps, --elems, ...)
   .allowUnknownOption(true)
   .allowExcessArguments(true)
   .helpOption(false)
   .action(async (name: string, _opts, cmd: Command) => {
+    if (name === "--help" || name === "-h") {
+      cmd.outputHelp();
+      return;
+    }
     // the benchmarks are their own program (bench/index.ts): run it, passing its options on
     const bench = join(import.meta.dir, "..", "..", "bench", "index.ts");
     if (!existsSync(bench))

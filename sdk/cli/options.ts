@@ -34,6 +34,23 @@ export function ownerList(raw: string): string[] {
   return owners;
 }
 
+/** The benchmarks of `meshtrain bench`: bench/index.ts runs them (they come with the repository, not the package). */
+export const benchNames = [
+  "engine",
+  "kernels",
+  "epilogues",
+  "ps",
+  "checkpoint",
+  "data-loader",
+  "prepare",
+  "trainer",
+  "allreduce",
+  "stream",
+  "client",
+  "hosts",
+] as const;
+export type BenchName = (typeof benchNames)[number];
+
 export function choice<T extends string>(...allowed: T[]) {
   return (raw: string): T => {
     if (!(allowed as string[]).includes(raw)) throw new InvalidArgumentError(`expected one of: ${allowed.join(", ")}`);

@@ -1,11 +1,13 @@
 // The meshtrain CLI as a user runs it: real processes, real data files.
 import { afterAll, describe, expect, test } from "bun:test";
-import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
 import { readModelFile } from "../../engine/modelfile.ts";
 import { probeCuda } from "../../ffi/cuda/backend.ts";
+import { benchHelp } from "../../bench/index.ts";
+import { benchNames } from "../../sdk/cli/options.ts";
 import { cliOptions, tinyGptTraining } from "../helpers/cli-options.ts";
 import { skip } from "../helpers/skip.ts";
 
@@ -360,6 +362,27 @@ describe("training runs end to end", () => {
     cpu.dispose();
     expect(Math.abs(f16.val - f32.val)).toBeLessThan(0.05 * f32.val);
   }, 120_000);
+});
+
+test("every benchmark's --help says what it measures and names each of its options; `meshtrain bench --help` lists them all", () => {
+  for (const name of benchNames) {
+    const help = benchHelp(name);
+    // the options the benchmark parses (its parseBenchArgs call's keys)
+    const src = readFileSync(join(root, "bench", `${name}.ts`), "utf8");
+    const block = /parseBenchArgs\(argv, \{([\s\S]*?)\n {2}\}\);/.exec(src)?.[1];
+    expect(block, name).toBeDefined();
+    const keys = [...block!.matchAll(/^\s+"?([a-z][a-z-]*)"?: \{ type:/gm)].map((m) => m[1]!);
+    expect(keys.length, name).toBeGreaterThan(0);
+    for (const k of keys) expect(help, `bench ${name} --help names --${k}`).toContain(`--${k}`);
+    expect(help, name).toContain(`bun run bench ${name}`);
+  }
+  const own = bench("ps", "--help"); // the benchmark's program answers it before running anything
+  expect([own.code, own.out]).toEqual([0, benchHelp("ps")]);
+  const list = cli("bench", "--help");
+  expect(list.code).toBe(0);
+  for (const name of benchNames) expect(list.out.replace(/\s+/g, " ")).toContain(name);
+  const unknown = bench("nope");
+  expect([unknown.code, unknown.err]).toEqual([2, expect.stringContaining('no benchmark is named "nope"; usage:')]);
 });
 
 test("bench engine prints a table and a last JSON line", () => {
