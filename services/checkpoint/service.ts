@@ -75,7 +75,7 @@ import {
   stateTimeoutMs,
 } from "./limits.ts";
 import { type AskState, assemble, fetchParts, replicaOfSnapshot, reshard } from "./snapshot-parts.ts";
-import { CheckpointStore, modelFileName, snapshotId } from "./store.ts";
+import { CheckpointStore, isSnapshotId, modelFileName, snapshotId } from "./store.ts";
 import { JobWatch } from "../runtime/control/watch.ts";
 import type { LostHost } from "../runtime/control/liveness.ts";
 import { type LeftBehind, resizeJob, shrinkWithout } from "../runtime/control/resize.ts";
@@ -163,7 +163,15 @@ export class CheckpointService {
         },
       });
     on("save", (e, m) => this.#serial(e, () => this.#save(e, m.step, m.tag)));
-    on("restore", (e, m) => this.#serial(e, () => this.#restore(e, m.tag)));
+    // an operator's: the newest good snapshot (no tag) or the one its id names; any other tag is
+    // refused (it restored the newest one: a typo in an id rewound a running job)
+    on("restore", (e, m) => {
+      if (m.tag !== "" && !isSnapshotId(m.tag))
+        throw new BadRequestError(
+          `${JSON.stringify(m.tag.length > 64 ? `${m.tag.slice(0, 63)}…` : m.tag)} is not a snapshot id: one is step- and 9 digits, as \`meshtrain checkpoints ${e.cfg.job}\` lists them (none: the newest that verifies)`,
+        );
+      return this.#serial(e, () => this.#restore(e, m.tag));
+    });
     // the services' own asks (a shard or rank that opened the job, or lost its state): the newest
     // good snapshot only; rewinding to a chosen one is an operator's restore (admin's permission)
     on(

@@ -51,7 +51,8 @@ function writeAllDurable(files: readonly { path: string; bytes: Uint8Array }[]):
 }
 
 export const snapshotId = (step: number) => `step-${String(step).padStart(9, "0")}`;
-const isSnapshotId = (name: string) => /^step-\d{9,}$/.test(name);
+/** A snapshot's id as `snapshotId` names it (`step-` and at least 9 digits). */
+export const isSnapshotId = (name: string) => /^step-\d{9,}$/.test(name);
 /** The model file a job's final snapshot is exported to, in the job's folder. */
 export const modelFileName = "model.mtm";
 

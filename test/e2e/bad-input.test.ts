@@ -144,6 +144,20 @@ const cases: [string, string, Uint8Array, Cls, string][] = [
   ],
   ["ckpt.restore: wrong file_identifier", restore, br(), WireFormatError, "MTJR"],
   [
+    "ckpt.restore: a tag that is no snapshot id (it restored the newest snapshot)",
+    restore,
+    encodeJobRequest({ job, step: 0, tag: "not-a-step\r\n" }),
+    BadRequestError,
+    '"not-a-step\\r\\n" is not a snapshot id: one is step- and 9 digits',
+  ],
+  [
+    "ckpt.restore: a service's recovery tag (recoveries have their own subject)",
+    restore,
+    encodeJobRequest({ job, step: 0, tag: "trainer 0 opened the job" }),
+    BadRequestError,
+    "is not a snapshot id",
+  ],
+  [
     "ckpt.recover: a service's ask naming a snapshot (rewinding is an operator's restore)",
     subjects.ckptRecover(job, recoverAsker.trainer(0)),
     encodeJobRequest({ job, step: 0, tag: "step-000000000" }),
