@@ -50,7 +50,7 @@ const notApplied = (e: unknown): boolean =>
 const timedOut = (e: unknown): boolean => e instanceof Error && /timeout/i.test(`${e.name} ${e.message}`);
 /** A read repeated does no harm; a write that timed out may have been applied, and is repeated
  *  only where repeating it changes nothing (a put of the same value, a create checked after). */
-const readAgain = (e: unknown): boolean => notApplied(e) || timedOut(e);
+export const readAgain = (e: unknown): boolean => notApplied(e) || timedOut(e);
 /** How long a read of a key this process wrote waits for a replica that answers from before the write. */
 const staleReadWaitMsMax = 5_000;
 /** Keys whose last write a process remembers (the oldest are forgotten). */
@@ -66,10 +66,11 @@ const openAgain = (e: unknown): boolean =>
  * up to jobStoreLeaderWaitMsMax). `what` names it when the NATS user may not do it (a client user
  * reaches its own owner's jobs only: roles.ts).
  */
-async function untilLed<T>(
+export async function untilLed<T>(
   op: () => Promise<T>,
   again: (e: unknown) => boolean = notApplied,
   what = "use the job store",
+  waitMs = jobStoreLeaderWaitMsMax,
 ): Promise<T> {
   const started = Date.now();
   for (let attempt = 1; ; attempt++) {
@@ -78,7 +79,13 @@ async function untilLed<T>(
     } catch (e) {
       const refused = refusedAs(e, what);
       if (refused !== e) throw refused;
-      if (!again(e) || Date.now() - started > jobStoreLeaderWaitMsMax) throw e;
+      if (!again(e)) throw e;
+      // no leader for this long: the NATS server is gone (or its JetStream), not electing one
+      if (Date.now() - started > waitMs)
+        throw new JetStreamUnavailableError(
+          `cannot ${what}: the job store (NATS JetStream) did not answer for ${Math.round((Date.now() - started) / 1000)} s (${(e as Error).message}); is the mesh up? (meshtrain status)`,
+          { cause: e },
+        );
       await Bun.sleep(Math.min(100 * attempt, 1000));
     }
   }
