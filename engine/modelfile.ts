@@ -8,8 +8,7 @@
 //   bytes 12-15 u32 header length H
 //   16..16+H    header, UTF-8 JSON (kind, config, vocab, parameter table, checksum, ...)
 //   then        zero padding to a 64-byte boundary, then the f32 parameter slab
-import { closeSync, fsyncSync, openSync, renameSync, writeSync } from "node:fs";
-import { dirname } from "node:path";
+import { writeDurably } from "./durable.ts";
 import { DataFileError } from "./data/errors.ts";
 import { readDataFile } from "./data/files.ts";
 import type { ParamEntry, ParamStore } from "./params.ts";
@@ -39,16 +38,6 @@ export interface ModelFileHeader {
   createdAt: string;
 }
 
-/** fsync a file or folder by path (a folder: makes a rename or a new entry in it durable). */
-export function fsyncPath(path: string): void {
-  const fd = openSync(path, "r");
-  try {
-    fsyncSync(fd);
-  } finally {
-    closeSync(fd);
-  }
-}
-
 export function saveModelFile(
   path: string,
   store: ParamStore,
@@ -72,23 +61,7 @@ export function saveModelFile(
   view.setUint32(8, modelFileVersion, true);
   view.setUint32(12, json.length, true);
   head.set(json, prefixBytes);
-  // durable replace: write a temp file, fsync it, rename over the target, fsync the directory
-  const tmp = `${path}.tmp-${process.pid}`;
-  const fd = openSync(tmp, "w");
-  try {
-    writeAll(fd, head);
-    writeAll(fd, slabBytes);
-  } finally {
-    closeSync(fd);
-  }
-  fsyncPath(tmp);
-  renameSync(tmp, path);
-  fsyncPath(dirname(path));
-}
-
-/** writeSync until every byte is written (it may write fewer than asked). */
-function writeAll(fd: number, bytes: Uint8Array): void {
-  for (let at = 0; at < bytes.length; ) at += writeSync(fd, bytes, at, bytes.length - at);
+  writeDurably(path, [head, slabBytes]);
 }
 
 export interface LoadedModelFile {

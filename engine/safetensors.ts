@@ -4,7 +4,7 @@
 // Written and read here by hand: it is a few lines, and Debian has no safetensors package.
 import { readFileSync } from "node:fs";
 import { DataFileError } from "./data/errors.ts";
-import { writeDurably } from "./data/shards.ts";
+import { writeDurably } from "./durable.ts";
 
 export interface NamedTensor {
   name: string;

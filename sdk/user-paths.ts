@@ -1,6 +1,8 @@
 // The paths the user types: resolved against their folder, shown back as they would type them;
 // and how they run meshtrain, for the commands a run suggests next.
+import { accessSync, closeSync, constants, mkdirSync, openSync, type Stats, statSync, unlinkSync } from "node:fs";
 import { dirname, isAbsolute, join, relative, resolve, sep } from "node:path";
+import { ConfigError } from "../ffi/errors.ts";
 
 /**
  * The folder the user ran the command in. `npm run meshtrain -- ...` runs with the package root
@@ -38,3 +40,64 @@ export function shellWord(s: string): string {
 
 /** Where `run` and `mesh up` keep jobs' snapshots, models and logs unless --dir says otherwise. */
 export const defaultRunDir = (): string => join("runs", "mesh");
+
+/** Why a path cannot be written, in the user's words (a system call's error code). */
+function whyNot(e: unknown): string {
+  const code = (e as NodeJS.ErrnoException).code;
+  const why: Record<string, string> = {
+    EACCES: "permission denied",
+    EPERM: "not permitted",
+    EROFS: "a read-only file system",
+    ENOENT: "a folder on its path cannot be made there",
+    ENOTDIR: "a part of its path is a file, not a folder",
+    EEXIST: "a part of its path is a file, not a folder",
+    ENOSPC: "no space left on the device",
+    EISDIR: "it is a folder",
+    EBUSY: "it is in use (a mount point?)",
+  };
+  return (code !== undefined ? why[code] : undefined) ?? code ?? (e as Error).message;
+}
+
+/** What is at a path to be written (undefined: nothing), or why the path cannot be. */
+function statOf(path: string, option: string): Stats | undefined {
+  try {
+    return statSync(path, { throwIfNoEntry: false });
+  } catch (e) {
+    throw new ConfigError(`${option} ${shownPath(path)} cannot be written: ${whyNot(e)}`, { cause: e });
+  }
+}
+
+/**
+ * A file a command will write at its end (`train --out`), checked before any work: not a folder,
+ * its folder made, and a file beside it writable. A model trained for minutes is not lost to a
+ * path that could never take it.
+ */
+export function checkOutFile(path: string, option: string): void {
+  const shown = shownPath(path);
+  const st = statOf(path, option);
+  if (st?.isDirectory())
+    throw new ConfigError(`${option} ${shown} is a folder: name the file to write (e.g. ${join(shown, "model.mtm")})`);
+  if (st !== undefined && !st.isFile()) throw new ConfigError(`${option} ${shown} is not a regular file`);
+  const probe = `${path}.tmp-${process.pid}`;
+  try {
+    mkdirSync(dirname(path), { recursive: true });
+    closeSync(openSync(probe, "w"));
+    unlinkSync(probe);
+  } catch (e) {
+    throw new ConfigError(`${option} ${shown} cannot be written: ${whyNot(e)}`, { cause: e });
+  }
+}
+
+/** A folder a command will write into (`prepare --out`, `--dir`), checked before any work:
+ *  made where it is missing, and writable. */
+export function checkOutDir(path: string, option: string): void {
+  const shown = shownPath(path);
+  const st = statOf(path, option);
+  if (st !== undefined && !st.isDirectory()) throw new ConfigError(`${option} ${shown} is a file, not a folder`);
+  try {
+    mkdirSync(path, { recursive: true });
+    accessSync(path, constants.W_OK);
+  } catch (e) {
+    throw new ConfigError(`${option} ${shown} cannot be written: ${whyNot(e)}`, { cause: e });
+  }
+}

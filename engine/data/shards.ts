@@ -49,19 +49,6 @@ export type ShardEntry = z.infer<typeof shardSchema>;
 
 export const shardFile = (split: SplitName, index: number): string => `${split}_${String(index).padStart(6, "0")}.bin`;
 
-/** Writes a file durably: a temp file beside it, fsync, rename over the target. */
-export function writeDurably(path: string, parts: readonly Uint8Array[]): void {
-  const tmp = `${path}.tmp-${process.pid}`;
-  const fd = openSync(tmp, "w");
-  try {
-    for (const p of parts) for (let at = 0; at < p.length; ) at += writeSync(fd, p, at, p.length - at);
-    fsyncSync(fd);
-  } finally {
-    closeSync(fd);
-  }
-  renameSync(tmp, path);
-}
-
 /** Tokens a split's shard holds in memory before they go to its file: a shard of any size is
  *  written a piece at a time, so memory stays flat whatever --shard-tokens says. */
 export const shardPieceTokens = 1 << 20;

@@ -3,8 +3,8 @@
 // llm.c: a header of 256 little-endian int32 (magic 20240520, version 1, token count), then
 //        the tokens as little-endian uint16.
 // nanoGPT: the tokens as little-endian uint16 and nothing else (train.bin / val.bin).
-import { writeFileSync, openSync, fsyncSync, closeSync, renameSync } from "node:fs";
 import { ConfigError } from "../../ffi/errors.ts";
+import { writeDurably } from "../durable.ts";
 import { Rng } from "../rng.ts";
 import type { HostBatch } from "../train.ts";
 import { DataFileError } from "./errors.ts";
@@ -56,25 +56,12 @@ export function readTokenFile(path: string): Uint16Array {
 /** Writes tokens durably (temp file, fsync, rename) in the llm.c layout, or raw (nanoGPT). */
 export function writeTokenFile(path: string, tokens: Uint16Array, layout: "llmc" | "raw" = "llmc"): void {
   const body = new Uint8Array(tokens.buffer, tokens.byteOffset, tokens.byteLength);
-  let bytes = body;
-  if (layout === "llmc") {
-    const header = new Int32Array(headerInts);
-    header[0] = llmcMagic;
-    header[1] = llmcVersionU16;
-    header[2] = tokens.length;
-    bytes = new Uint8Array(headerBytes + body.length);
-    bytes.set(new Uint8Array(header.buffer), 0);
-    bytes.set(body, headerBytes);
-  }
-  const tmp = `${path}.tmp-${process.pid}`;
-  writeFileSync(tmp, bytes);
-  const fd = openSync(tmp, "r");
-  try {
-    fsyncSync(fd);
-  } finally {
-    closeSync(fd);
-  }
-  renameSync(tmp, path);
+  if (layout === "raw") return writeDurably(path, [body]);
+  const header = new Int32Array(headerInts);
+  header[0] = llmcMagic;
+  header[1] = llmcVersionU16;
+  header[2] = tokens.length;
+  writeDurably(path, [new Uint8Array(header.buffer), body]);
 }
 
 /** Train/validation split of a token stream: the last `valFraction` is validation. */

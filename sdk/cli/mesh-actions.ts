@@ -15,7 +15,7 @@ import { type MeshOptions, LocalMesh, membersWaitMs } from "../local-mesh.ts";
 import { announceLocalMesh, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "../mesh-address.ts";
 import { clientUser, makeCredentials, roleUsers } from "../../services/runtime/job/roles.ts";
 import { printable, stamp } from "../format.ts";
-import { cliName, shownPath } from "../user-paths.ts";
+import { checkOutDir, cliName, shownPath } from "../user-paths.ts";
 import { configSummary, jobsTable, outcomeLines, statusLines } from "../report.ts";
 import { Dashboard } from "../dashboard/server.ts";
 import { StopRequests } from "../signals.ts";
@@ -96,6 +96,7 @@ export function plan(opts: JobFlags & { deviceMemory?: number; device: "auto" | 
 
 /** `creds`: the mesh's NATS users' seeds and their permissions. */
 export function creds(opts: { dir: string; trainers: number; shards: number; clients: string[] }): void {
+  checkOutDir(opts.dir, "--dir");
   const c = makeCredentials(opts.dir, {
     trainers: opts.trainers,
     shards: opts.shards,
@@ -261,6 +262,7 @@ export interface MeshUpFlags {
 
 /** `mesh up`: runs until Ctrl-C, leaving a note so that client commands on this machine find it. */
 export async function meshUp(o: MeshUpFlags): Promise<void> {
+  checkOutDir(o.dir, "--dir");
   const opts: MeshOptions = {
     jobsDir: join(o.dir, "jobs"),
     logDir: join(o.dir, "logs", `mesh-${stamp()}`),

@@ -20,7 +20,7 @@ import { LocalMesh, membersWaitMs } from "../local-mesh.ts";
 import { checkedJobName, type JobFlags, jobConfigOf } from "./job-options.ts";
 import { exitCodes } from "./exit.ts";
 import { configSummary, outcomeLines } from "../report.ts";
-import { cliName, defaultRunDir, shownPath } from "../user-paths.ts";
+import { checkOutDir, cliName, defaultRunDir, shownPath } from "../user-paths.ts";
 import { StopRequests } from "../signals.ts";
 import { Dashboard } from "../dashboard/server.ts";
 import { JobFailedError, watchJob } from "../watch.ts";
@@ -63,6 +63,7 @@ function prepareRun(o: MeshRunOptions): {
   resumeLine: string;
   shards: number;
 } {
+  checkOutDir(o.dir, "--dir");
   const jobsDir = join(o.dir, "jobs");
   // the local mesh's one client user owns the job (its name without an owner is the default's)
   const qualify = (job: string) => qualifyJob(job, defaultOwner);

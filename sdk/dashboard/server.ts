@@ -97,12 +97,13 @@ export class Dashboard implements AsyncDisposable {
     try {
       return new Dashboard(o.client, o);
     } catch (e) {
+      // any system error of the listen: a port in use, an address not this machine's, a host
+      // name that does not resolve (Bun's codes for the last two vary: EADDRINUSE, EINPROGRESS)
       const code = (e as NodeJS.ErrnoException).code;
-      if (code === "EADDRINUSE" || code === "EADDRNOTAVAIL" || code === "EACCES")
-        throw new BadRequestError(
-          `the dashboard cannot listen on ${o.host ?? "127.0.0.1"}:${o.port ?? 0} (${code}); pick another port or host`,
-        );
-      throw e;
+      if (code === undefined) throw e;
+      throw new BadRequestError(
+        `the dashboard cannot listen on ${o.host ?? "127.0.0.1"}:${o.port ?? 0} (${code}: its port is in use, or the host is not an address of this machine); pick another port or host`,
+      );
     }
   }
 

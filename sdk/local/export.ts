@@ -5,12 +5,12 @@
 import { mkdirSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "../../engine/data/errors.ts";
-import { writeDurably } from "../../engine/data/shards.ts";
+import { writeDurably } from "../../engine/durable.ts";
 import { gpt2TokenizerFiles, hfConfig, toHfTensors } from "../../engine/hf-gpt2.ts";
 import { readModelFile } from "../../engine/modelfile.ts";
 import type { GptConfig } from "../../engine/models/gpt.ts";
 import { writeSafetensors } from "../../engine/safetensors.ts";
-import { shownPath } from "../user-paths.ts";
+import { checkOutDir, shownPath } from "../user-paths.ts";
 
 export interface ExportOptions {
   /** absolute paths */
@@ -24,6 +24,7 @@ const json = (value: unknown) => new TextEncoder().encode(`${JSON.stringify(valu
 /** Writes the folder; returns the files written. */
 export function runExport(o: ExportOptions): string[] {
   const { header, slab } = readModelFile(o.model);
+  checkOutDir(o.out, "--out");
   if (header.kind !== "gpt") {
     throw new DataFileError(
       o.model,

@@ -18,12 +18,13 @@ import {
   type Manifest,
   ShardWriter,
   type SplitName,
-  writeDurably,
 } from "../../engine/data/shards.ts";
+import { writeDurably } from "../../engine/durable.ts";
 import { CharVocab } from "../../engine/data/text.ts";
 import { charTokenizer, gpt2Tokenizer, type TokenizerName } from "../../engine/data/tokenizer.ts";
 import { ConfigError } from "../../ffi/errors.ts";
 import { Rng } from "../../engine/rng.ts";
+import { checkOutDir } from "../user-paths.ts";
 import { batchCharsMax, type EncodedBatch, garbageCollector, tokenizerPool, workersMax } from "./prepare-pool.ts";
 import { bytesOf, documents, type SourceOptions, textExtDefault } from "./prepare-sources.ts";
 
@@ -158,6 +159,7 @@ export async function runPrepare(o: PrepareOptions): Promise<PrepareResult> {
   const workers = o.workers ?? availableParallelism();
   if (!Number.isSafeInteger(workers) || workers < 1 || workers > workersMax)
     throw new ConfigError(`--workers must be an integer in [1, ${workersMax}], got ${workers}`);
+  checkOutDir(o.out, "--out");
   const t0 = performance.now();
   const notes: string[] = [];
   const inputBytes = bytesOf(o);

@@ -6,7 +6,7 @@ import { dirname, join } from "node:path";
 import { ConfigError } from "../../ffi/errors.ts";
 import { hfFolderShape, loadHfFolder } from "../../engine/hf-gpt2.ts";
 import { type JobConfig, gptJobDefaults } from "../../services/runtime/job/config.ts";
-import { shownPath } from "../user-paths.ts";
+import { checkOutFile, shownPath } from "../user-paths.ts";
 import type { Backend } from "../../ffi/backend.ts";
 import { CudaBackend } from "../../ffi/cuda/backend.ts";
 import { type DeviceChoice, heldDeviceLine, openBackend } from "../../ffi/select.ts";
@@ -176,6 +176,7 @@ export function* firstBatches<T>(items: Iterable<T>, count: number): Generator<T
 }
 
 export function runGpt(o: GptRunOptions): GptRunResult {
+  checkOutFile(o.out, "--out");
   // what the asked attention cannot run on is refused before the backend opens (the shape of
   // an --init-from folder is checked once it is read)
   refuseAttention(

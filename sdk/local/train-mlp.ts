@@ -18,6 +18,7 @@ import type { Precision } from "../../engine/mixed.ts";
 import { Context } from "../../engine/context.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
 import { Progress, RateMeter } from "../progress.ts";
+import { checkOutFile } from "../user-paths.ts";
 import { precisionNote, skippedStepNote } from "./precision.ts";
 import { modelLines } from "./next-steps.ts";
 
@@ -97,6 +98,7 @@ export function makeOptimizer(ctx: Context, model: MlpModel, o: MlpRunOptions): 
 }
 
 export function runMlp(o: MlpRunOptions): MlpRunResult {
+  checkOutFile(o.out, "--out");
   const device = heldDeviceLine((why) => console.log(why));
   return withBackend(o.device, device.log, (backend) => trainMlp(o, backend, device.flush));
 }

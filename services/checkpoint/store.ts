@@ -20,7 +20,7 @@ import {
   writeSync,
 } from "node:fs";
 import { join } from "node:path";
-import { fsyncPath } from "../../engine/modelfile.ts";
+import { fsyncPath } from "../../engine/durable.ts";
 import { decodeManifest, encodeManifest, type Manifest } from "../../schemas/messages/checkpoint.ts";
 import { CorruptDataError, NotReadyError } from "../runtime/mesh/errors.ts";
 import { fileBytesMax, formatVersion, manifestBytesMax, snapshotsMax } from "./limits.ts";

@@ -8,7 +8,8 @@
 import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { readSplit, ShardWriter, type Manifest, manifestName, writeDurably } from "../../engine/data/shards.ts";
+import { readSplit, ShardWriter, type Manifest, manifestName } from "../../engine/data/shards.ts";
+import { writeDurably } from "../../engine/durable.ts";
 import { clearFolder, prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
 
 export const sotuDir = join(import.meta.dir, "..", "..", "node_modules", "@stdlib", "datasets-sotu", "data");

@@ -1,6 +1,6 @@
 // The meshtrain CLI as a user runs it: real processes, real data files.
 import { afterAll, describe, expect, test } from "bun:test";
-import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
@@ -115,6 +115,33 @@ describe("bad input gets one clear error and a non-zero exit", () => {
       expect(r.err, args.join(" ")).toContain(fragment);
       expect(r.err.trimEnd().split("\n"), args.join(" ")).toHaveLength(1);
     }
+  });
+  test("where a command writes is checked before any work: a folder for a file, a file for a folder, a path through a file; nothing is left there", () => {
+    const folder = join(dir, "out-folder");
+    mkdirSync(folder, { recursive: true });
+    const file = join(dir, "out-file.txt");
+    writeFileSync(file, "not a folder\n");
+    for (const [args, line] of [
+      [
+        ["train", "mlp", "--out", folder],
+        `--out ${folder} is a folder: name the file to write (e.g. ${join(folder, "model.mtm")})`,
+      ],
+      [
+        ["train", "gpt", "--out", folder],
+        `--out ${folder} is a folder: name the file to write (e.g. ${join(folder, "model.mtm")})`,
+      ],
+      [
+        ["train", "mlp", "--out", join(file, "m.mtm")],
+        `--out ${join(file, "m.mtm")} cannot be written: a part of its path is a file, not a folder`,
+      ],
+      [["prepare", "--text", file, "--out", file], `--out ${file} is a file, not a folder`],
+      [["creds", "--dir", file], `--dir ${file} is a file, not a folder`],
+      [["run", "--dir", file, "--max-steps", "2"], `--dir ${file} is a file, not a folder`],
+    ] as const) {
+      const r = cli(...args);
+      expect([r.code, r.err.trim(), r.out], args.join(" ")).toEqual([1, `meshtrain: ConfigError: ${line}`, ""]);
+    }
+    expect(readdirSync(dir).filter((f) => f.includes(".tmp-"))).toEqual([]);
   });
   test("a token folder is checked before --vocab-size is advised and before the mesh starts", () => {
     const empty = join(dir, "no-tokens");

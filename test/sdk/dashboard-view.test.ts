@@ -9,6 +9,9 @@ import { runningRecord } from "../../services/runtime/job/ledger.ts";
 import type { JobStatus } from "../../sdk/client.ts";
 import { restartShownMs, seriesPointsMax, silentAfterMs } from "../../sdk/dashboard/limits.ts";
 import { expectedProcesses, JobView, Series } from "../../sdk/dashboard/view.ts";
+import { Dashboard } from "../../sdk/dashboard/server.ts";
+import type { MeshClient } from "../../sdk/client.ts";
+import { BadRequestError } from "../../services/runtime/mesh/errors.ts";
 
 const cfg = parseJobConfig({ ...jobDefaults, job: "v", trainers: 2, shards: 1 });
 const ev = (kind: EventKind, over: Partial<Event>): Event => ({ ...emptyEvent("v", kind), ...over });
@@ -148,4 +151,27 @@ describe("dashboard view", () => {
     expect(v.panels(0).state).toBe("running");
     expect(v.panels(0).health.map((h) => h.who)).toEqual(["trainer 0", "trainer 1", "shard 0", "data-loader"]);
   });
+});
+
+test("a dashboard that cannot listen where asked says so in one typed line: a port in use, an address not this machine's, a host name that does not resolve", () => {
+  using taken = Bun.serve({ hostname: "127.0.0.1", port: 0, fetch: () => new Response("") });
+  const client = {} as MeshClient; // not reached: the listen fails first
+  for (const [host, port] of [
+    ["127.0.0.1", taken.port!],
+    ["256.1.1.1", 0],
+    ["nosuchhost.invalid", 0],
+  ] as const) {
+    const e = (() => {
+      try {
+        Dashboard.start({ client, host, port });
+      } catch (x) {
+        return x as Error;
+      }
+    })();
+    expect(e, host).toBeInstanceOf(BadRequestError);
+    expect(e!.message, host).toStartWith(`the dashboard cannot listen on ${host}:${port} (E`);
+    expect(e!.message, host).toEndWith(
+      "its port is in use, or the host is not an address of this machine); pick another port or host",
+    );
+  }
 });
