@@ -200,8 +200,13 @@ program
     const m = r.manifest;
     const n = (x: number) => x.toLocaleString("en-US");
     for (const note of r.notes) console.log(`note: ${note}`);
+    // (one document split by position is counted on both sides in the manifest: it is one)
+    const docs =
+      r.splitRule === "position"
+        ? "1 document"
+        : `${n(m.documents.train + m.documents.val)} document${m.documents.train + m.documents.val === 1 ? "" : "s"} (${n(m.documents.train)} train, ${n(m.documents.val)} val)`;
     console.log(
-      `prepared ${shownPath(o.out)}: ${n(m.documents.train + m.documents.val)} document${m.documents.train + m.documents.val === 1 ? "" : "s"} (${n(m.documents.train)} train, ${n(m.documents.val)} val), ` +
+      `prepared ${shownPath(o.out)}: ${docs}, ` +
         `${n(m.tokens.train)} train and ${n(m.tokens.val)} val tokens in ${m.shards.length} shard${m.shards.length > 1 ? "s" : ""}; ` +
         `${m.tokenizer}, a vocabulary of ${n(m.vocabSize)}; ${(m.sourceBytes / 1e6).toFixed(1)} MB in ${r.seconds.toFixed(1)} s on ${r.threads} thread${r.threads > 1 ? "s" : ""}`,
     );

@@ -116,9 +116,16 @@ function readsFile(o: SourceOptions): { test: (f: string) => boolean; what: stri
 /** The input's files in order: a folder's by name, or the one file given. */
 function inputFiles(o: SourceOptions): string[] {
   if (!existsSync(o.text)) throw new DataFileError(o.text, "not found");
-  if (!statSync(o.text).isDirectory()) return [o.text];
+  const st = statSync(o.text);
+  if (st.isFile()) return [o.text];
+  // a pipe or a device would be read without end (/dev/zero) or wait for a writer (a FIFO)
+  if (!st.isDirectory())
+    throw new DataFileError(o.text, "is not a regular file or a folder (prepare reads files, not pipes or devices)");
   const reads = readsFile(o);
-  const files = readdirSync(o.text).filter(reads.test).sort();
+  // (a link is followed: a folder of links to the corpus's files reads them)
+  const files = readdirSync(o.text)
+    .filter((f) => reads.test(f) && statSync(join(o.text, f), { throwIfNoEntry: false })?.isFile() === true)
+    .sort();
   if (files.length === 0) throw new DataFileError(o.text, `holds no ${reads.what} file`);
   return files.map((f) => join(o.text, f));
 }

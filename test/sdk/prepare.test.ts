@@ -3,7 +3,7 @@
 // documents are split by a seeded draw, GPT-2's <|endoftext|> comes before each document, and
 // bad input is one clear error naming the file and line.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { gzipSync, zstdCompressSync } from "node:zlib";
@@ -239,6 +239,7 @@ describe("prepare", () => {
     const cli = runCli(root, "prepare", "--text", path, "--out", join(dir, "single-cli"), "--val-fraction", "0.25");
     expect(cli.code).toBe(0);
     expect(cli.out).toContain("split by position: one document, the last 0.25 of its tokens held out for validation");
+    expect(cli.out).toMatch(/^prepared .*single-cli: 1 document, [\d,]+ train and [\d,]+ val tokens/m); // not "2 documents"
   });
 
   test("the fast GPT-2 encoder gives js-tiktoken's ids on Moby Dick and the State of the Union", () => {
@@ -454,6 +455,29 @@ describe("prepare", () => {
         "invalid UTF-8",
         () => opts({ text: bad("latin1.txt", new Uint8Array([0x61, 0x0a, 0x62, 0xe9, 0x63])), out: join(dir, "o6") }),
         /latin1\.txt: line 2: invalid UTF-8 at byte 3; --invalid-utf8 replace/,
+      ],
+      [
+        "a device (read without end)",
+        () => opts({ text: "/dev/zero", out: join(dir, "o9") }),
+        /\/dev\/zero: is not a regular file or a folder \(prepare reads files, not pipes or devices\)/,
+      ],
+      [
+        "a named pipe (it would wait for a writer)",
+        () => {
+          const fifo = join(dir, "pipe.txt");
+          if (!existsSync(fifo)) Bun.spawnSync(["mkfifo", fifo]);
+          return opts({ text: fifo, out: join(dir, "o10") });
+        },
+        /pipe\.txt: is not a regular file or a folder/,
+      ],
+      [
+        "a folder whose only .txt is a folder",
+        () => {
+          const d = join(dir, "sub-only");
+          mkdirSync(join(d, "inner.txt"), { recursive: true });
+          return opts({ text: d, out: join(dir, "o11") });
+        },
+        /sub-only: holds no \.txt file/,
       ],
       [
         "one document too short to split by position",
