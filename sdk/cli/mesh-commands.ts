@@ -32,7 +32,7 @@ const clientsOption = () =>
     "the owners of jobs, comma-separated: one client user each (client-<owner>.nk), who acts on that owner's jobs only",
   )
     .argParser(ownerList)
-    .default([defaultOwner]);
+    .default([defaultOwner], `${defaultOwner} (the owner of a job named without one)`);
 
 const natsOption = (cmd: Command) =>
   cmd

@@ -19,6 +19,7 @@ import { loadCorpus } from "../../engine/data/corpus.ts";
 import type { CharVocab } from "../../engine/data/text.ts";
 import { TokenBatcher } from "../../engine/data/tokens.ts";
 import { formatBytes, type GptMemory, gptMemory } from "../../engine/memory-estimate.ts";
+import { planDevice } from "../plan.ts";
 import { saveModelFile } from "../../engine/modelfile.ts";
 import { gpt2EndOfText, gpt2Tokenizer } from "../../engine/data/tokenizer.ts";
 import { type GptConfig, gptDefaults, GptModel } from "../../engine/models/gpt.ts";
@@ -217,6 +218,20 @@ function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void
   if (given.initFrom !== undefined) refuseAttention(o, attentionProblem(o.attention, o.precision, o));
   const ctx = new Context(backend, { seed: o.seed, precision: o.precision });
   const { config, model } = buildGpt(ctx, o, corpus.vocabSize);
+  const predicted = gptMemory(config, {
+    batch: o.batchSize,
+    precision: o.precision,
+    recompute: o.recompute,
+    optimizer: "adamw",
+  });
+  // a run that cannot fit is refused now, not when its first pass runs out (minutes in, on a CPU)
+  const room = planDevice(backend.name === "cpu" ? "cpu" : "cuda", null);
+  if (predicted.total > room.bytes)
+    throw new ConfigError(
+      `the run does not fit: it needs ${memoryLine(predicted).replace(/^memory: /, "")}, more than the ` +
+        `${formatBytes(room.bytes)} of ${backend.name === "cpu" ? "this machine's memory" : "the GPU's memory"}; ` +
+        "a smaller --batch-size (--accum keeps the tokens per step), --recompute, or a smaller model",
+    );
   const schedule = scheduleOf("cosine", o.warmup, o.maxSteps, o.minLr);
   checkSchedule(schedule, o.lr);
   const optimizer = optimizerOf(ctx, model.store, {
@@ -251,12 +266,6 @@ function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void
     `parameters: ${model.store.paramCount.toLocaleString("en-US")} | tokens/step: ${tokensPerStep} ` +
       `| GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)} | limit: ${stepsText(o.maxSteps)} or ${o.timeLimitMin} min`,
   );
-  const predicted = gptMemory(config, {
-    batch: o.batchSize,
-    precision: o.precision,
-    recompute: o.recompute,
-    optimizer: "adamw",
-  });
   console.log(memoryLine(predicted));
 
   const rng = new Rng(o.seed);

@@ -143,6 +143,17 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     }
     expect(readdirSync(dir).filter((f) => f.includes(".tmp-"))).toEqual([]);
   });
+  test("a train gpt run that cannot fit this machine's memory is refused before it starts, saying what it needs", () => {
+    const r = cli(
+      ...["train", "gpt", "--device", "cpu", "--n-layer", "1", "--n-head", "2", "--n-embd", "256"],
+      ...["--block-size", "1024", "--batch-size", "65536", "--out", join(dir, "never.mtm")],
+    );
+    expect(r.code).toBe(1);
+    expect(r.err.trim()).toMatch(
+      /^meshtrain: ConfigError: the run does not fit: it needs parameters .* activations [\d.]+ TiB at a pass's peak = [\d.]+ TiB \(predicted\), more than the [\d.]+ [GT]iB of this machine's memory; a smaller --batch-size/,
+    );
+    expect(r.out).not.toContain("step 1"); // nothing trained
+  });
   test("a token folder is checked before --vocab-size is advised and before the mesh starts", () => {
     const empty = join(dir, "no-tokens");
     mkdirSync(empty, { recursive: true });

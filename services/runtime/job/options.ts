@@ -192,6 +192,8 @@ export interface JobOption<
   /** the CLI's flag ("--lr"; its value's name is the type's arg) and help; none: not an option */
   flag?: string;
   help?: string;
+  /** the help of `train mlp`/`train gpt` (one process), where the mesh's says what is not so there */
+  trainHelp?: string;
   /** what help says of the default, where the value is not the whole story */
   defaultNote?: string;
   /** what giving the flag does to a config, where it is more than setting the key */
@@ -232,7 +234,8 @@ export const jobOptionRows = [
     type: oneOf(["mlp", "gpt"], "<kind>"),
     default: { mlp: "mlp", gpt: "gpt" },
     flag: "--model",
-    help: "mlp: an MLP classifier on MNIST; gpt: a character-level GPT (Moby Dick by default, --text, --tokens)",
+    help: "mlp: an MLP classifier on MNIST; gpt: a GPT, character by character on --text (Moby Dick by default) or on the tokens of --tokens (GPT-2's BPE: meshtrain prepare)",
+    defaultNote: "mlp",
   }),
   row({
     key: "model.widths",
@@ -280,6 +283,7 @@ export const jobOptionRows = [
     default: { mlp: 0.2, gpt: gptDefaults.dropout },
     flag: "--dropout",
     help: "dropout (mlp: after each hidden layer; gpt: on embeddings and residual branches)",
+    trainHelp: "dropout probability",
   }),
   row({
     key: "model.vocabSize",
@@ -394,6 +398,7 @@ export const jobOptionRows = [
     default: { mlp: "sgd", gpt: "adamw" },
     flag: "--optimizer",
     help: "optimizer (on the mesh: applied on the shards, or on every trainer's replica under --sync allreduce)",
+    trainHelp: "optimizer",
   }),
   row({
     key: "optimizer.momentum",
@@ -522,6 +527,7 @@ export const jobOptionRows = [
     default: { mlp: 128, gpt: 32 },
     flag: "--batch-size",
     help: "samples (gpt: windows) per step (on the mesh: per trainer)",
+    trainHelp: "samples (gpt: windows) per micro-batch: a step is --batch-size x --accum of them",
   }),
   row({
     key: "accumSteps",
@@ -529,6 +535,8 @@ export const jobOptionRows = [
     default: 1,
     flag: "--accum",
     help: "micro-batches per step (gradient accumulation; divides --batch-size)",
+    trainHelp:
+      "micro-batches per step (gradient accumulation; multiplies --batch-size: the memory of one, the step of all)",
   }),
   row({
     key: "accumSteps",
