@@ -152,15 +152,18 @@ export function doctorReport(findings: readonly Finding[], version: string): { l
   };
 }
 
+/** meshtrain's version: its package.json's (in a clone and in an installed package alike). */
+export function meshtrainVersion(): string {
+  return (JSON.parse(readFileSync(join(import.meta.dir, "..", "..", "package.json"), "utf8")) as { version: string })
+    .version;
+}
+
 export function addDoctorCommand(program: Command): void {
   program
     .command("doctor")
     .description("list meshtrain's native pieces on this machine: found where, or the command that installs them")
     .action(() => {
-      const pkg = JSON.parse(readFileSync(join(import.meta.dir, "..", "..", "package.json"), "utf8")) as {
-        version: string;
-      };
-      const { lines, canRun } = doctorReport(doctorFindings(), pkg.version);
+      const { lines, canRun } = doctorReport(doctorFindings(), meshtrainVersion());
       console.log(lines.join("\n"));
       process.exitCode = canRun ? 0 : 1;
     });

@@ -16,7 +16,7 @@ import { prepareDefaults, runPrepare } from "../local/prepare.ts";
 import { workersMax } from "../local/prepare-pool.ts";
 import { exportSummary, runExport } from "../local/export.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
-import { addDoctorCommand } from "./doctor.ts";
+import { addDoctorCommand, meshtrainVersion } from "./doctor.ts";
 import { sharedOption, sharedOptions } from "./job-options.ts";
 import { errorExit } from "./exit.ts";
 import { ConfigError } from "../../ffi/errors.ts";
@@ -27,6 +27,7 @@ const program = new Command()
   .description(
     "distributed deep-learning training on Bun: CPU (OpenBLAS) and GPU backends, one mesh of services over NATS",
   )
+  .version(meshtrainVersion(), "-V, --version", "print meshtrain's version")
   // a wrong option gets its error and one line on where help is, not the whole help (below)
   .showHelpAfterError(false);
 
@@ -242,7 +243,13 @@ program
   .option("--no-kv-cache", "recompute the whole context for every token (slower, the same tokens; for comparison)")
   .addOption(deviceOption("auto"))
   .action((opts) => {
-    // the device line and the closing tokens/s line go to stderr: stdout is the sample alone, streamed
+    // the device line and the closing tokens/s line go to stderr: stdout is the sample alone,
+    // streamed, and ended by its newline before the closing line (on a terminal they share lines)
+    let ended = true;
+    const endSample = () => {
+      if (!ended) writeStdout("\n");
+      ended = true;
+    };
     runSample({
       model: userPath(opts.model),
       prompt: opts.prompt,
@@ -253,10 +260,16 @@ program
       seed: opts.seed,
       kvCache: opts.kvCache,
       device: opts.device,
-      log: (line) => console.error(line),
-      write: writeStdout,
+      log: (line) => {
+        endSample();
+        console.error(line);
+      },
+      write: (text) => {
+        ended = false;
+        writeStdout(text);
+      },
     });
-    writeStdout("\n");
+    endSample();
   });
 
 program
@@ -354,6 +367,20 @@ const withHint = (c: Command): void => {
   c.commands.forEach(withHint);
 };
 withHint(program);
+
+// `help <words>` of a command that does not exist is said so (commander prints the whole help)
+const [first, ...asked] = process.argv.slice(2);
+if (first === "help" && asked.length > 0) {
+  let cmd: Command = program;
+  for (const a of asked) {
+    const sub = cmd.commands.find((c) => c.name() === a || c.aliases().includes(a));
+    if (sub === undefined) {
+      console.error(`error: no command ${JSON.stringify(asked.join(" "))} (every command: meshtrain --help)`);
+      process.exit(1);
+    }
+    cmd = sub;
+  }
+}
 
 try {
   await program.parseAsync(process.argv);

@@ -402,6 +402,18 @@ describe("training runs end to end", () => {
   }, 120_000);
 });
 
+test("--version prints the package's version; help of a command that does not exist says so", () => {
+  const version = JSON.parse(readFileSync(join(root, "package.json"), "utf8")).version as string;
+  for (const flag of ["--version", "-V"]) expect(cli(flag)).toEqual({ code: 0, out: `${version}\n`, err: "" });
+  const nosuch = cli("help", "nosuch");
+  expect([nosuch.code, nosuch.out, nosuch.err]).toEqual([
+    1,
+    "",
+    'error: no command "nosuch" (every command: meshtrain --help)\n',
+  ]);
+  expect(cli("help", "eval").out).toContain("Usage: meshtrain eval");
+});
+
 test("every benchmark's --help says what it measures and names each of its options; `meshtrain bench --help` lists them all", () => {
   for (const name of benchNames) {
     const help = benchHelp(name);

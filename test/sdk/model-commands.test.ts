@@ -1,6 +1,6 @@
 // meshtrain eval and sample on model files trained here, as a user runs them: real processes.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { closeSync, existsSync, mkdirSync, mkdtempSync, openSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { mobyDickPath, readTextFile } from "../../engine/data/text.ts";
@@ -291,6 +291,21 @@ describe("sample", () => {
       );
       expect(full.out).toBe(r.out);
       expect(full.err).toContain("tokens/s (whole window per token)");
+      // both streams on one terminal: the sample's newline comes before the closing line
+      const both = join(dir, "sample-both.txt");
+      const fd = openSync(both, "w");
+      try {
+        const p = Bun.spawnSync([process.execPath, cliPath, "sample", "--model", gptModel, "--length", "5"], {
+          cwd: root,
+          env: env(dir),
+          stdout: fd,
+          stderr: fd,
+        });
+        expect(p.exitCode).toBe(0);
+      } finally {
+        closeSync(fd);
+      }
+      expect(readFileSync(both, "utf8")).toMatch(/\nsampled 5 tokens in [\d.]+ s: [\d.]+ tokens\/s \(KV cache\)\n$/);
     },
     timeoutMs,
   );
