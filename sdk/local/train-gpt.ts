@@ -305,7 +305,8 @@ function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void
     });
     if (step % o.evalEvery === 0) validate();
   }
-  if (step % o.evalEvery !== 0) validate();
+  // (also a run that the time limit stopped before its first step: its model is the one evaluated)
+  if (Number.isNaN(valLoss) || step % o.evalEvery !== 0) validate();
   progress.stop();
   if (step < o.maxSteps) console.log(`stopped at the ${o.timeLimitMin}-minute time limit after ${stepsText(step)}`);
 
