@@ -7,7 +7,8 @@ export function parseBenchArgs<O extends NonNullable<ParseArgsConfig["options"]>
   try {
     return parseArgs({ args: argv, options, strict: true, allowPositionals: false }).values;
   } catch (e) {
-    throw new ConfigError((e as Error).message);
+    // one line (node's message for "--steps -1" takes three)
+    throw new ConfigError((e as Error).message.replace(/\s*\n\s*/g, " "));
   }
 }
 

@@ -504,6 +504,8 @@ describe("service benchmarks print a table and a last JSON line (small sizes)", 
 
   test("bad benchmark options are one clear line", () => {
     expect(bench("ps", "--shards", "0").err).toContain("--shards must be a positive integer");
+    const negative = bench("engine", "--steps", "-1"); // node's parser says this in three lines
+    expect([negative.code, negative.err.trim().split("\n")]).toEqual([2, [expect.stringContaining("--steps=-XYZ")]]);
     expect(bench("trainer", "--sync", "never").err).toContain("--sync must be a list of bsp, asp, ssp, allreduce");
     expect(bench("trainer", "--bucket-mb", "0").err).toContain("--bucket-mb must be a number in (0, 1024]");
     expect(bench("allreduce", "--ranks", "1").err).toContain("--ranks: each from 2 to 16");
