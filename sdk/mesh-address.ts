@@ -6,6 +6,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { z } from "zod";
 import { clientUser } from "../services/runtime/job/roles.ts";
+import { ConfigError } from "../ffi/errors.ts";
 
 export const defaultNatsUrl = "nats://127.0.0.1:4222";
 
@@ -53,12 +54,38 @@ export function announceLocalMesh(note: LocalMeshNote): () => void {
 
 /** The NATS URL a client command uses, and where it came from (said when it cannot connect). */
 export function resolveNatsUrl(flag: string | undefined): { url: string; from: string } {
-  if (flag) return { url: flag, from: "--nats-url" };
-  if (process.env.MT_NATS_URL) return { url: process.env.MT_NATS_URL, from: "$MT_NATS_URL" };
+  if (flag !== undefined) return { url: checkNatsUrl(flag, "--nats-url"), from: "--nats-url" };
+  if (process.env.MT_NATS_URL)
+    return { url: checkNatsUrl(process.env.MT_NATS_URL, "$MT_NATS_URL"), from: "$MT_NATS_URL" };
   const local = findLocalMesh();
   if (local)
     return { url: local.url, from: `the local mesh of pid ${local.pid} (meshtrain mesh up --dir ${local.dir})` };
   return { url: defaultNatsUrl, from: "the default" };
+}
+
+/**
+ * A NATS URL as the user gave it, checked: one server or a cluster's, comma-separated, each
+ * nats://host:port, tls://host:port or host:port (the port 4222 where none is given). A URL that
+ * cannot be one is refused, naming what is wrong, instead of read as a server that does not answer.
+ */
+export function checkNatsUrl(raw: string, from: string): string {
+  const refuse = (why: string) => new ConfigError(`${from} ${JSON.stringify(raw)}: ${why}`);
+  if (raw.trim() === "") throw refuse("is empty; give the mesh's NATS server, e.g. nats://127.0.0.1:4222");
+  for (const one of raw.split(",").map((u) => u.trim())) {
+    const scheme = /^([a-z][a-z0-9+.-]*):\/\//i.exec(one)?.[1]?.toLowerCase();
+    if (scheme !== undefined && scheme !== "nats" && scheme !== "tls")
+      throw refuse(`${scheme}:// is not a NATS server's scheme (nats:// or tls://)`);
+    let url: URL;
+    try {
+      url = new URL(scheme === undefined ? `nats://${one}` : one);
+    } catch {
+      throw refuse(`${JSON.stringify(one)} is not host:port`);
+    }
+    if (url.hostname === "") throw refuse(`${JSON.stringify(one)} names no host`);
+    if (url.port === "0") throw refuse(`${JSON.stringify(one)}: port 0 is no server's`);
+    if (url.pathname !== "" && url.pathname !== "/") throw refuse(`${JSON.stringify(one)}: a NATS URL has no path`);
+  }
+  return raw;
 }
 
 /**

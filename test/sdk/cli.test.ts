@@ -402,6 +402,22 @@ describe("training runs end to end", () => {
   }, 120_000);
 });
 
+test("a --nats-url that cannot name a NATS server is refused as such, at once (not tried as a server that does not answer)", () => {
+  for (const [url, why] of [
+    ["", "is empty"],
+    ["http://127.0.0.1:8080", "http:// is not a NATS server's scheme (nats:// or tls://)"],
+    ["nats://127.0.0.1:99999", "is not host:port"],
+    ["nats://127.0.0.1:0", "port 0 is no server's"],
+    ["nats://127.0.0.1:4222,nats://a/b", "a NATS URL has no path"],
+  ] as const) {
+    const r = cli("status", "--nats-url", url);
+    const lines = r.err.trim().split("\n");
+    expect([r.code, lines.length], url).toEqual([1, 1]);
+    expect(lines[0], url).toStartWith(`meshtrain: ConfigError: --nats-url ${JSON.stringify(url)}: `);
+    expect(lines[0], url).toContain(why);
+  }
+});
+
 test("--version prints the package's version; help of a command that does not exist says so", () => {
   const version = JSON.parse(readFileSync(join(root, "package.json"), "utf8")).version as string;
   for (const flag of ["--version", "-V"]) expect(cli(flag)).toEqual({ code: 0, out: `${version}\n`, err: "" });
