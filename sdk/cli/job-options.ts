@@ -11,6 +11,7 @@ import {
   flagRows,
   type ModelKind,
   type OptimizerKind,
+  type SyncMode,
 } from "../../services/runtime/job/options.ts";
 import { resumeConfig } from "../../services/runtime/job/resume.ts";
 import { jobNameOrIdPattern, jobNameRule } from "../../services/runtime/job/subjects.ts";
@@ -28,6 +29,9 @@ export type JobFlags = Readonly<Record<string, unknown>> & {
   tokens?: string;
   text?: string;
   vocabSize?: number;
+  sync?: SyncMode;
+  accum?: number;
+  microBatches?: number;
   initFrom?: string;
 };
 
@@ -110,7 +114,7 @@ function typed(flags: JobFlags): Record<string, unknown> {
 }
 
 /** Refuses flags of another model or optimizer, and data flags that do not go together, naming them. */
-function checkFlags(f: JobFlags, model: ModelKind, optimizer: OptimizerKind): void {
+function checkFlags(f: JobFlags, model: ModelKind, optimizer: OptimizerKind, sync: SyncMode): void {
   const wrong = (other: (r: AnyJobOption) => boolean) =>
     [...flagRows].filter(([name, r]) => f[name] !== undefined && other(r)).map(([, r]) => r.flag!);
   const forModel = wrong((r) => !(r.models ?? [model]).includes(model));
@@ -121,6 +125,14 @@ function checkFlags(f: JobFlags, model: ModelKind, optimizer: OptimizerKind): vo
     throw new ConfigError(
       `${forOptimizer.join(", ")} ${forOptimizer.length > 1 ? "are" : "is"} not for --optimizer ${optimizer}`,
     );
+  const forSync = wrong((r) => !(r.syncs ?? [sync]).includes(sync));
+  if (forSync.length > 0)
+    throw new ConfigError(
+      `${forSync.join(", ")} ${forSync.length > 1 ? "do" : "does"} nothing under --sync ${sync} (${forSync.map((flag) => `${flag} is for ${[...flagRows.values()].find((r) => r.flag === flag)!.syncs!.join(", ")}`).join("; ")})`,
+    );
+  // two flags of one key (--micro-batches sets --accum): the last would win unsaid
+  if (f.accum !== undefined && f.microBatches !== undefined)
+    throw new ConfigError("--micro-batches and --accum set the same count (micro-batches a step): pass one");
   if (f.text && f.tokens) throw new ConfigError("--text and --tokens exclude each other: pass one");
   if (f.vocabSize && !f.tokens)
     throw new ConfigError(
@@ -149,7 +161,8 @@ export function jobConfigOf(
   const optimizer = (flags.optimizer ?? prev?.optimizer.kind ?? defaultFor(flagRows.get("optimizer")!, model)) as
     | "sgd"
     | "adamw";
-  checkFlags(flags, model, optimizer);
+  const sync = (flags.sync ?? prev?.sync ?? "bsp") as SyncMode;
+  checkFlags(flags, model, optimizer, sync);
   // the job's name is the caller's to qualify (a resumed job keeps the one it has)
   const { job: _, ...values } = typed(flags);
   if (prev !== null) return resumeConfig(prev, values);

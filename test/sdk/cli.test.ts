@@ -69,6 +69,21 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     [["run", "--compress", "int4"], "compression must be none, bf16, fp16, int8 or topk:<fraction in (0, 1]>"],
     [["run", "--compress", "topk:0"], "topk's fraction must be in (0, 1]"],
     [["submit", "--compress", "topk:1.5"], "topk's fraction must be in (0, 1]"],
+    // a flag of another sync mode, or two flags of one setting, would be dropped unsaid
+    [
+      ["run", "--sync", "allreduce", "--shards", "3"],
+      "--shards does nothing under --sync allreduce (--shards is for bsp, asp, ssp)",
+    ],
+    [["plan", "--staleness", "3"], "--staleness does nothing under --sync bsp (--staleness is for ssp)"],
+    [["plan", "--sync", "asp", "--staleness", "3"], "--staleness does nothing under --sync asp"],
+    [
+      ["submit", "--bucket-mb", "5", "--coll-transport", "nats"],
+      "--bucket-mb, --coll-transport do nothing under --sync bsp",
+    ],
+    [
+      ["plan", "--accum", "2", "--micro-batches", "4"],
+      "--micro-batches and --accum set the same count (micro-batches a step): pass one",
+    ],
   ])("mesh job options %p", (args, fragment) => {
     const r = cli(...args);
     expect(r.code).not.toBe(0);

@@ -168,6 +168,7 @@ const worldEntries: ValueType<{ from: number; trainers: number; batchSize?: numb
 export const meshPrecisions = precisions;
 /** The sync modes: three of the parameter server, and the collective one (trainers hold replicas). */
 export const syncModes = ["bsp", "asp", "ssp", "allreduce"] as const;
+export type SyncMode = (typeof syncModes)[number];
 
 /** A config being built from options: plain data, checked by the schema once it is whole. */
 export type Draft = Record<string, unknown> & { model: Record<string, unknown>; optimizer: Record<string, unknown> };
@@ -189,6 +190,8 @@ export interface JobOption<
   models?: M;
   /** optimizer.* rows: the optimizers whose state has it (default: both) */
   optimizers?: O;
+  /** the sync modes it applies to (default: every one); the CLI refuses it given for another */
+  syncs?: readonly SyncMode[];
   /** the CLI's flag ("--lr"; its value's name is the type's arg) and help; none: not an option */
   flag?: string;
   help?: string;
@@ -361,6 +364,7 @@ export const jobOptionRows = [
     default: 2,
     flag: "--shards",
     help: "parameter-server shards (bsp, asp, ssp)",
+    syncs: ["bsp", "asp", "ssp"],
   }),
   row({
     key: "sync",
@@ -383,6 +387,7 @@ export const jobOptionRows = [
     default: 0,
     flag: "--staleness",
     help: "ssp: steps a trainer may run ahead of the slowest",
+    syncs: ["ssp"],
     defaultNote: "2 with --sync ssp, else 0",
   }),
   row({
@@ -453,6 +458,7 @@ export const jobOptionRows = [
     olderConfigs: 25,
     flag: "--bucket-mb",
     help: "allreduce: gradient bucket size; a bucket's all-reduce starts while backward goes on",
+    syncs: ["allreduce"],
   }),
   row({
     key: "replicaCheckEvery",
@@ -461,6 +467,7 @@ export const jobOptionRows = [
     olderConfigs: 100,
     flag: "--replica-check-every",
     help: "allreduce: steps between comparisons of the replicas' parameter hashes (0: never)",
+    syncs: ["allreduce"],
     resumable: "a check of the replicas, not what they compute",
   }),
   row({
@@ -470,6 +477,7 @@ export const jobOptionRows = [
     olderConfigs: "auto",
     flag: "--coll-transport",
     help: "allreduce: auto: ranks on one machine exchange gradients through shared memory, ranks on others straight over TCP (NATS introduces them); nats: every byte through NATS",
+    syncs: ["allreduce"],
     resumable: "how the collective's bytes travel, not what they are",
   }),
   row({
