@@ -140,6 +140,24 @@ function checkFlags(f: JobFlags, model: ModelKind, optimizer: OptimizerKind, syn
     );
 }
 
+/**
+ * `train mlp` and `train gpt`: the flags the user typed that the run would drop, refused as the
+ * mesh's are (another optimizer's, --text beside --tokens, --vocab-size without --tokens).
+ */
+export function checkTrainFlags(cmd: Command, model: ModelKind): void {
+  const opts = cmd.opts();
+  const given: Record<string, unknown> = Object.fromEntries(
+    Object.keys(opts)
+      .filter((k) => cmd.getOptionValueSource(k) === "cli")
+      .map((k) => [k, opts[k]]),
+  );
+  if (given.tokensDir !== undefined) given.tokens ??= given.tokensDir;
+  const optimizer = (opts.optimizer ?? defaultFor(flagRows.get("optimizer")!, model)) as OptimizerKind;
+  checkFlags(given, model, optimizer, "bsp");
+  if (optimizer !== "sgd" && given.nesterov !== undefined)
+    throw new ConfigError(`--no-nesterov is not for --optimizer ${optimizer}`);
+}
+
 /** --job as the config's schema checks it, before an owner is added (a job that ran before is
  *  looked up by the name this returns). */
 export function checkedJobName(job: string): string {

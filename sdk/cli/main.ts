@@ -17,7 +17,7 @@ import { workersMax } from "../local/prepare-pool.ts";
 import { exportSummary, runExport } from "../local/export.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
 import { addDoctorCommand, meshtrainVersion } from "./doctor.ts";
-import { sharedOption, sharedOptions } from "./job-options.ts";
+import { checkTrainFlags, sharedOption, sharedOptions } from "./job-options.ts";
 import { errorExit } from "./exit.ts";
 import { ConfigError } from "../../ffi/errors.ts";
 
@@ -65,7 +65,8 @@ sharedOptions(train.command("mlp").description("train an MLP classifier on MNIST
   .option("--out <file>", "where to write the trained model", m.out)
   .addOption(deviceOption(m.device))
   .addOption(sharedOption("precision", "mlp"))
-  .action((opts) => {
+  .action((opts, cmd: Command) => {
+    checkTrainFlags(cmd, "mlp");
     runMlp({
       ...mlpRunDefaults,
       ...opts,
@@ -128,6 +129,7 @@ sharedOptions(
   .addOption(sharedOption("precision", "gpt"))
   .addOption(sharedOption("attention", "gpt"))
   .action((opts, cmd: Command) => {
+    checkTrainFlags(cmd, "gpt");
     const given = new Set(Object.keys(opts).filter((k) => cmd.getOptionValueSource(k) === "cli"));
     runGpt({
       ...gptRunDefaults,

@@ -84,7 +84,14 @@ describe("bad input gets one clear error and a non-zero exit", () => {
       ["plan", "--accum", "2", "--micro-batches", "4"],
       "--micro-batches and --accum set the same count (micro-batches a step): pass one",
     ],
-  ])("mesh job options %p", (args, fragment) => {
+    // train's own: what the run would drop
+    [["train", "mlp", "--beta2", "0.9"], "--beta2 is not for --optimizer sgd"],
+    [["train", "mlp", "--optimizer", "adamw", "--no-nesterov"], "--no-nesterov is not for --optimizer adamw"],
+    [
+      ["train", "gpt", "--text", "a.txt", "--vocab-size", "5"],
+      "--vocab-size is for --tokens folders without vocab.json",
+    ],
+  ])("job options %p", (args, fragment) => {
     const r = cli(...args);
     expect(r.code).not.toBe(0);
     expect(r.err).toContain(fragment);
