@@ -38,15 +38,15 @@ export class CharVocab {
     return this.chars.length;
   }
 
-  /** Throws naming the first character that is not in the vocabulary. */
-  encode(text: string): Uint16Array {
+  /** Throws naming the first character that is not in the vocabulary, and `source` (what the text is). */
+  encode(text: string, source = "the text"): Uint16Array {
     const chars = [...text];
     const out = new Uint16Array(chars.length);
     for (let i = 0; i < chars.length; i++) {
       const id = this.#ids.get(chars[i]!);
       if (id === undefined) {
         throw new DataFileError(
-          "<text>",
+          source,
           `character ${JSON.stringify(chars[i])} (U+${chars[i]!.codePointAt(0)!.toString(16).toUpperCase()}) at position ${i} is not in the vocabulary`,
         );
       }

@@ -84,13 +84,17 @@ export class TokenBatcher {
     readonly batchSize: number,
     readonly blockSize: number,
     readonly vocabSize: number,
+    /** what the tokens are, as errors name them (a file, a corpus's split) */
+    readonly source = "the token stream",
   ) {
     this.tokens = asTokens(tokens);
     this.#window = new Uint16Array(blockSize + 1);
     if (!Number.isInteger(batchSize) || batchSize < 1)
       throw new ConfigError(`batch size must be an integer >= 1, got ${batchSize}`);
     if (tokens.length < blockSize + 1) {
-      throw new ConfigError(`token stream of ${tokens.length} is too short for windows of ${blockSize} + 1`);
+      throw new ConfigError(
+        `${source} holds ${tokens.length} token${tokens.length === 1 ? "" : "s"}, too few for one window of ${blockSize} + 1: a smaller --block-size, or more text`,
+      );
     }
     this.#inputs = new Int32Array(batchSize * blockSize);
     this.#targets = new Int32Array(batchSize * blockSize);
@@ -105,7 +109,7 @@ export class TokenBatcher {
       const y = w[t + 1]!;
       if (x >= this.vocabSize || y >= this.vocabSize) {
         throw new DataFileError(
-          "<tokens>",
+          this.source,
           `token id ${Math.max(x, y)} at offset ${start + t} is outside the vocabulary of ${this.vocabSize}`,
         );
       }

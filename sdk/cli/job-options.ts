@@ -190,5 +190,23 @@ export function jobConfigOf(
     Object.assign(draft.model, { blockSize, nLayer, nHead, nEmbd });
   }
   draft.job = name(checkedJobName(flags.job ?? newJobName(model)));
-  return parseJobConfig(draft);
+  try {
+    return parseJobConfig(draft);
+  } catch (e) {
+    if (!(e instanceof ConfigError)) throw e;
+    throw new ConfigError(inFlags(e.message), { cause: e });
+  }
+}
+
+/** Config keys that are not plain words (model.nEmbd, warmupSteps), each with its flag (the first
+ *  row's, where two flags set one key), the longest first. */
+const keyFlags: readonly (readonly [RegExp, string])[] = [...flagRows.values()]
+  .filter((r, i, all) => /[.A-Z]/.test(r.key) && all.findIndex((o) => o.key === r.key) === i)
+  .sort((a, b) => b.key.length - a.key.length)
+  .map((r) => [new RegExp(`(?<![\\w.-])${r.key.replaceAll(".", "\\.")}(?![\\w])`, "g"), r.flag!] as const);
+
+/** A config's error said in the flags the user typed: "model.nEmbd (128) must be divisible by
+ *  model.nHead (3)" is "--n-embd (128) must be divisible by --n-head (3)". */
+export function inFlags(message: string): string {
+  return keyFlags.reduce((m, [key, flag]) => m.replace(key, flag), message);
 }

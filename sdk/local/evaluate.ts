@@ -156,7 +156,7 @@ function evalGpt(o: EvalOptions, ctx: Context, loaded: LoadedModelFile, inputsRe
     );
   }
   const rows = evalWindows((header.training ?? null) as TrainingRecord | null);
-  const batcher = new TokenBatcher(split.tokens, rows, config.blockSize, config.vocabSize);
+  const batcher = new TokenBatcher(split.tokens, rows, config.blockSize, config.vocabSize, split.file);
   const batchesInSplit = Math.ceil(Math.floor((split.tokens.length - 1) / config.blockSize) / rows);
   const batches = o.evalBatches > 0 ? Math.min(o.evalBatches, batchesInSplit) : batchesInSplit;
   inputsRead();

@@ -4,6 +4,7 @@
 import type { Backend } from "../../ffi/backend.ts";
 import { type DeviceChoice, type DeviceLog, heldDeviceLine, withBackend } from "../../ffi/select.ts";
 import { DataFileError } from "../../engine/data/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { CharVocab } from "../../engine/data/text.ts";
 import { gpt2EndOfText, gpt2Tokenizer, streamDecoder } from "../../engine/data/tokenizer.ts";
 import { loadSlabInto, type ModelFileHeader } from "../../engine/modelfile.ts";
@@ -91,9 +92,16 @@ function tokenizerOf(path: string, header: ModelFileHeader) {
     );
   const vocab = new CharVocab(header.vocab);
   return {
-    prompt: (text: string) => [
-      ...vocab.encode(text === "" ? (vocab.chars.includes("\n") ? "\n" : vocab.chars[0]!) : text),
-    ],
+    prompt: (text: string) => {
+      try {
+        return [...vocab.encode(text === "" ? (vocab.chars.includes("\n") ? "\n" : vocab.chars[0]!) : text)];
+      } catch (e) {
+        if (!(e instanceof DataFileError)) throw e;
+        throw new ConfigError(
+          `--prompt: ${e.reason}; a character-level model knows only the characters of the text it trained on`,
+        );
+      }
+    },
     decode: (ids: ArrayLike<number>) => vocab.decode(ids),
     stopAt: null,
   };

@@ -247,10 +247,22 @@ function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void
     gradClip: o.gradClip,
     accumSteps: o.accum,
   });
-  const trainBatches = new TokenBatcher(corpus.train, o.batchSize, o.blockSize, corpus.vocabSize);
+  const trainBatches = new TokenBatcher(
+    corpus.train,
+    o.batchSize,
+    o.blockSize,
+    corpus.vocabSize,
+    `the training split of ${corpus.name}`,
+  );
   // validation batches are training micro-batches: a forward pass over them needs less memory
   // than a training step (`meshtrain eval` reads the same batches)
-  const valBatches = new TokenBatcher(corpus.val, o.batchSize, o.blockSize, corpus.vocabSize);
+  const valBatches = new TokenBatcher(
+    corpus.val,
+    o.batchSize,
+    o.blockSize,
+    corpus.vocabSize,
+    `the validation split of ${corpus.name}`,
+  );
   const tokensPerStep = o.batchSize * o.accum * o.blockSize;
 
   inputsRead();

@@ -52,8 +52,8 @@ function bench(...args: string[]) {
 
 describe("bad input gets one clear error and a non-zero exit", () => {
   test.each([
-    [["run", "--widths", "784,100,3"], "model.widths must start with 784"],
-    [["run", "--batch-size", "100", "--accum", "3"], "batchSize (100) must be a multiple of accumSteps (3)"],
+    [["run", "--widths", "784,100,3"], "--widths must start with 784"],
+    [["run", "--batch-size", "100", "--accum", "3"], "--batch-size (100) must be a multiple of --accum (3)"],
     [["run", "--job", "no spaces"], "job: a job is <name> or <owner>.<name>"],
     [["submit", "--sync", "sometimes"], "Allowed choices are bsp, asp, ssp"],
     [
@@ -61,7 +61,8 @@ describe("bad input gets one clear error and a non-zero exit", () => {
       "precision f16 runs in all-reduce mode (--sync allreduce) or a single process (meshtrain train): its loss scaler skips steps",
     ],
     [["submit", "--precision", "fp8"], "Allowed choices are f32, tf32, bf16, f16"],
-    [["run", "--scale-lr", "--warmup", "0"], "scaleLr needs warmupSteps > 0"],
+    [["run", "--scale-lr", "--warmup", "0"], "--scale-lr needs --warmup > 0"],
+    [["plan", "--model", "gpt", "--n-head", "3"], "--n-embd (128) must be divisible by --n-head (3)"], // the flags, not the config's keys
     [["run", "--sync", "allreduce", "--bucket-mb", "0"], "--bucket-mb"],
     [["run", "--sync", "allreduce", "--zero", "4"], "Allowed choices are 0, 1, 2, 3"],
     [["run", "--zero", "1"], "ZeRO (zero 1) partitions the trainers' replicas, so it needs sync allreduce"],
@@ -389,7 +390,9 @@ describe("training runs end to end", () => {
     expect(cli("sample", "--model", out, "--prompt", "Call me", "--length", "30", "--seed", "3").out).toBe(s.out);
     const unknown = cli("sample", "--model", out, "--prompt", "€");
     expect(unknown.code).toBe(1);
-    expect(unknown.err).toContain("is not in the vocabulary");
+    expect(unknown.err.trim()).toBe(
+      'meshtrain: ConfigError: --prompt: character "€" (U+20AC) at position 0 is not in the vocabulary; a character-level model knows only the characters of the text it trained on',
+    );
   }, 120_000);
 
   test("gpt --max-steps 1: one step, validated, saved and sampled (a model to look at before training); 0 is refused", () => {
