@@ -4,6 +4,7 @@
 //   const mesh = await MeshClient.connect("nats://127.0.0.1:4222", { nkeyFile: "runs/mesh/creds/client.nk" });
 //   await mesh.submit(config);
 //   for await (const e of mesh.events(config.job)) console.log(e);
+import { readFileSync } from "node:fs";
 import { hostname, userInfo } from "node:os";
 import { type DataPlan, decodeDataPlan } from "../schemas/messages/data-loader.ts";
 import {
@@ -358,12 +359,8 @@ export class MeshClient implements AsyncDisposable {
     const job = this.job(name);
     const r = await this.record(job);
     if (isEnded(r)) throw new JobStateError(`${endedLine(r)}; nothing to cancel`);
-    let who = "a client";
-    try {
-      who = `${userInfo().username}@${hostname()}`;
-    } catch {
-      // no user name (a container without one): "a client" says enough
-    }
+    const user = userName();
+    const who = user === null ? `a client on ${hostname()}` : `${user}@${hostname()}`;
     const written = await this.ledger.end(
       job,
       { state: JobState.Cancelled, reason: `cancelled by ${who}` },
@@ -610,3 +607,24 @@ export class MeshClient implements AsyncDisposable {
 }
 
 export { EventKind, JobState };
+
+/**
+ * The name of the user this process runs as, or null: $USER or $LOGNAME, else the system's
+ * (Bun's userInfo() says "unknown" where node reads the password file, so that is read too).
+ */
+function userName(): string | null {
+  const env = process.env.USER || process.env.LOGNAME;
+  if (env) return env;
+  try {
+    const name = userInfo().username;
+    if (name && name !== "unknown") return name;
+    const uid = String(process.getuid?.() ?? "");
+    const entry = readFileSync("/etc/passwd", "utf8")
+      .split("\n")
+      .map((l) => l.split(":"))
+      .find((f) => f[2] === uid);
+    return entry?.[0] || null;
+  } catch {
+    return null; // no user name (a container without one)
+  }
+}
