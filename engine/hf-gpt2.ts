@@ -60,7 +60,7 @@ export function fromHfTensors(
     const want = transposed ? [e.shape[1]!, e.shape[0]!] : [...e.shape];
     if (t.shape.length !== want.length || t.shape.some((d, i) => d !== want[i])) {
       throw new ShapeError(
-        "init-from",
+        "the folder's model.safetensors",
         [t.shape, want],
         `tensor ${name} is [${t.shape.join(", ")}]; this model's is [${want.join(", ")}]`,
       );

@@ -5,6 +5,7 @@
 import { readFileSync } from "node:fs";
 import { DataFileError } from "./data/errors.ts";
 import { writeDurably } from "./durable.ts";
+import { readFailure } from "./data/files.ts";
 
 export interface NamedTensor {
   name: string;
@@ -44,7 +45,7 @@ export function readSafetensors(path: string): Map<string, { shape: number[]; da
   try {
     bytes = readFileSync(path);
   } catch (e) {
-    throw new DataFileError(path, `cannot be read: ${(e as Error).message}`, { cause: e });
+    throw new DataFileError(path, readFailure(e), { cause: e });
   }
   if (bytes.length < 8) throw new DataFileError(path, "is too short for a safetensors header");
   const n = Number(new DataView(bytes.buffer, bytes.byteOffset).getBigUint64(0, true));

@@ -3,6 +3,24 @@ import { readFileSync, statSync } from "node:fs";
 import { DataFileError } from "./errors.ts";
 import { packageRoot } from "../../ffi/package-root.ts";
 
+/** Why a file could not be read, in the user's words (the system call's error code), for a DataFileError. */
+export function readFailure(e: unknown): string {
+  const code = (e as NodeJS.ErrnoException).code;
+  switch (code) {
+    case "ENOENT":
+      return "file not found";
+    case "ENOTDIR":
+      return "cannot be read: a part of its path is a file, not a folder";
+    case "EISDIR":
+      return "is a folder, not a file";
+    case "EACCES":
+    case "EPERM":
+      return "cannot be read: permission denied";
+    default:
+      return `cannot be read: ${(e as Error).message}`;
+  }
+}
+
 export function readDataFile(path: string): Uint8Array {
   let size: number;
   try {
@@ -11,10 +29,7 @@ export function readDataFile(path: string): Uint8Array {
     size = st.size;
   } catch (e) {
     if (e instanceof DataFileError) throw e;
-    const code = (e as NodeJS.ErrnoException).code;
-    throw new DataFileError(path, code === "ENOENT" ? "file not found" : `cannot read (${code ?? String(e)})`, {
-      cause: e,
-    });
+    throw new DataFileError(path, readFailure(e), { cause: e });
   }
   if (size === 0) throw new DataFileError(path, "file is empty");
   try {
@@ -26,7 +41,7 @@ export function readDataFile(path: string): Uint8Array {
       ? new Uint8Array(buf.buffer, 0, buf.byteLength)
       : new Uint8Array(buf);
   } catch (e) {
-    throw new DataFileError(path, `cannot read (${(e as NodeJS.ErrnoException).code ?? String(e)})`, { cause: e });
+    throw new DataFileError(path, readFailure(e), { cause: e });
   }
 }
 

@@ -5,6 +5,7 @@
 import { closeSync, fstatSync, openSync, readSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "./errors.ts";
+import { readFailure } from "./files.ts";
 
 export interface Tokens {
   readonly length: number;
@@ -67,7 +68,7 @@ export class ShardTokens implements Tokens {
       try {
         fd = openSync(path, "r");
       } catch (e) {
-        throw new DataFileError(path, `cannot be read: ${(e as Error).message}`, { cause: e });
+        throw new DataFileError(path, readFailure(e), { cause: e });
       }
       try {
         this.#checkHeader(fd, path, this.shards[i]!.tokens);

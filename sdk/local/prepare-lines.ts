@@ -4,6 +4,7 @@
 import type { Readable } from "node:stream";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { MeshtrainError } from "../../ffi/errors.ts";
+import { readFailure } from "../../engine/data/files.ts";
 
 export interface LineBlock {
   /** whole lines, each ending at a line break (the file's last may not) */
@@ -57,7 +58,7 @@ export async function* lineBlocks(
     }
   } catch (e) {
     if (e instanceof MeshtrainError) throw e;
-    throw new DataFileError(path, `cannot be read: ${(e as Error).message}`, { cause: e });
+    throw new DataFileError(path, readFailure(e), { cause: e });
   } finally {
     stream.destroy();
   }

@@ -11,6 +11,7 @@ import { shownPath } from "../user-paths.ts";
 import { jsonlDocuments, jsonlFile } from "./prepare-jsonl.ts";
 import { lineBlocks } from "./prepare-lines.ts";
 import { decodeUtf8 } from "./prepare-utf8.ts";
+import { readFailure } from "../../engine/data/files.ts";
 
 export interface SourceOptions {
   /** a text file, a folder of them, or (with jsonl) a JSON Lines file; absolute */
@@ -48,7 +49,7 @@ function readUtf8(path: string, o: SourceOptions, notes: string[]): string {
   try {
     bytes = readFileSync(path);
   } catch (e) {
-    throw new DataFileError(path, `cannot be read: ${(e as Error).message}`, { cause: e });
+    throw new DataFileError(path, readFailure(e), { cause: e });
   }
   return decodeUtf8(bytes, { path, line: 1, offset: 0 }, o.invalidUtf8, notes);
 }

@@ -5,6 +5,7 @@ import { mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "n
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { DataFileError } from "../../engine/data/errors.ts";
+import { readDataFile } from "../../engine/data/files.ts";
 import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnist, mnistMean, mnistStd, parseIdx, readIdx } from "../../engine/data/mnist.ts";
 import { epochOrder, trainValSplit } from "../../engine/data/sampler.ts";
@@ -190,7 +191,9 @@ describe("uint16 token files", () => {
     const seen: number[] = [];
     for (const s of batcher.sequential()) seen.push(...s.inputs.filter((_, i) => i % 8 === 0));
     expect(seen).toEqual([0, 8, 6, 4, 2, 0]); // windows start at 0, 8, 16, 24, 32, 40
-    expect(() => new TokenBatcher(stream.subarray(0, 8), 1, 8, 10)).toThrow("the token stream holds 8 tokens, too few for one window of 8 + 1");
+    expect(() => new TokenBatcher(stream.subarray(0, 8), 1, 8, 10)).toThrow(
+      "the token stream holds 8 tokens, too few for one window of 8 + 1",
+    );
     expect(() => new TokenBatcher(stream, 1, 8, 5).random(new Rng(1))).toThrow(/outside the vocabulary of 5/);
   });
 
@@ -309,4 +312,17 @@ describe("streamed decoding", () => {
     stream.end();
     expect(writes.join("")).toBe(tok.decode(cut));
   });
+});
+
+test("a data file that cannot be read says why in words, not the system call's code", () => {
+  const file = join(dir, "a-file.txt");
+  writeFileSync(file, "text\n");
+  for (const [path, why] of [
+    [join(dir, "absent.bin"), "file not found"],
+    [join(file, "inside.bin"), "cannot be read: a part of its path is a file, not a folder"],
+    [dir, "is not a regular file"],
+  ] as const) {
+    const e = expectThrown(() => readDataFile(path), DataFileError);
+    expect(e.message).toBe(`${path}: ${why}`);
+  }
 });
