@@ -171,9 +171,9 @@ function stepOf(s: JobStatus): string {
 }
 
 function accuracyOf(r: JobRecord): string {
-  return r.accuracy >= 0
-    ? `${percent(r.accuracy)} on ${r.evalSplit || "test"} at step ${r.evalStep} (${num(r.evaluated)} samples)`
-    : "- (no evaluation yet)";
+  if (r.accuracy >= 0)
+    return `${percent(r.accuracy)} on ${r.evalSplit || "test"} at step ${r.evalStep} (${num(r.evaluated)} samples)`;
+  return r.state === JobState.Running ? "- (no evaluation yet)" : "- (it ended before its first evaluation)";
 }
 
 /** `meshtrain status <job>`: one line per fact. */
@@ -239,7 +239,8 @@ export function jobsTable(records: readonly JobRecord[]): string[] {
     when(r.submittedMs),
     r.endedMs > 0 ? formatSeconds((r.endedMs - r.submittedMs) / 1000) : "-",
   ]);
-  const head = ["job", "state", "accuracy", "steps", "submitted", "took"];
+  // (a job's steps in all, as planned: a record does not count the steps done)
+  const head = ["job", "state", "accuracy", "of steps", "submitted", "took"];
   const widths = head.map((h, i) => Math.max(h.length, ...rows.map((row) => row[i]!.length)));
   const fmt = (row: string[]) =>
     row

@@ -84,6 +84,8 @@ describe("text from the mesh, printed", () => {
       ...jobsTable([{ ...record, job: `default.j${forged}` }]),
     ];
     for (const line of lines) expect(line).toMatch(oneLine);
+    expect(lines).toContain("accuracy   - (it ended before its first evaluation)"); // not "yet": it ended
+    expect(lines).toContainEqual(expect.stringMatching(/^job +state +accuracy +of steps +submitted +took$/));
     expect(lines.join("\n")).toContain("reason     a\\nb\\r\\nFAKE LOG LINE");
     expect(lines.join("\n")).toContain("note:      a\\nb\\r\\nFAKE LOG LINE");
   });
