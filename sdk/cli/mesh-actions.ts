@@ -202,7 +202,17 @@ export async function dashboard(
 export async function metrics(opts: NatsFlags): Promise<void> {
   await using client = await connect(opts.natsUrl);
   const endpoints = await client.metricsEndpoints();
-  if (endpoints.length === 0) console.log("no service of this mesh serves metrics (they run with MT_METRICS_PORT=-1)");
+  if (endpoints.length === 0) {
+    // no service at all (a NATS server with no mesh on it) is another cause than metrics turned off
+    const m = await client.members();
+    const none = m.trainers.length + m.shards.length + m.dataLoaders + m.checkpoints === 0;
+    console.log(
+      none
+        ? `no meshtrain service answers on ${client.url}: is the mesh up? (meshtrain mesh up)`
+        : "no service of this mesh serves metrics (they run with MT_METRICS_PORT=-1)",
+    );
+    if (none) process.exitCode = 1;
+  }
   const width = Math.max(0, ...endpoints.map((e) => e.service.length));
   for (const e of endpoints) console.log(`${e.service.padEnd(width)}  ${e.url}`);
 }

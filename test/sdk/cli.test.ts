@@ -10,6 +10,7 @@ import { benchHelp } from "../../bench/index.ts";
 import { benchNames } from "../../sdk/cli/options.ts";
 import { cliOptions, tinyGptTraining } from "../helpers/cli-options.ts";
 import { skip } from "../helpers/skip.ts";
+import { startNatsServer } from "../helpers/mesh.ts";
 
 const root = join(import.meta.dir, "..", "..");
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-cli-"));
@@ -441,6 +442,21 @@ test("a --nats-url that cannot name a NATS server is refused as such, at once (n
     expect(lines[0], url).toStartWith(`meshtrain: ConfigError: --nats-url ${JSON.stringify(url)}: `);
     expect(lines[0], url).toContain(why);
   }
+});
+
+test("metrics against a NATS server with no mesh on it says no service answers (not that metrics are off), and fails", async () => {
+  await using server = await startNatsServer({ jetstream: true });
+  const p = Bun.spawn([process.execPath, join(root, "sdk", "cli", "main.ts"), "metrics", "--nats-url", server.url], {
+    cwd: root,
+    env,
+    stdout: "pipe",
+    stderr: "pipe",
+  });
+  const [code, out] = await Promise.all([p.exited, new Response(p.stdout).text()]);
+  expect([code, out.trim()]).toEqual([
+    1,
+    `no meshtrain service answers on ${server.url}: is the mesh up? (meshtrain mesh up)`,
+  ]);
 });
 
 test("--version prints the package's version; help of a command that does not exist says so", () => {
