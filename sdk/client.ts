@@ -460,6 +460,11 @@ export class MeshClient implements AsyncDisposable {
     try {
       checkpoints = await this.checkpoints(job);
     } catch (e) {
+      if (rec === null && e instanceof NoRespondersError)
+        throw new UnknownJobError(
+          `no job ${job} on ${this.url}: no record, and no checkpoint service answers there to look for its snapshots; is the mesh up? (meshtrain mesh up)`,
+          { cause: e },
+        );
       if (!(e instanceof UnknownJobError) && rec === null) throw e;
       // no snapshots, or no checkpoint service running: status still reports the rest
     }
