@@ -183,30 +183,38 @@ export function jobConfigOf(
   checkFlags(flags, model, optimizer, sync);
   // the job's name is the caller's to qualify (a resumed job keeps the one it has)
   const { job: _, ...values } = typed(flags);
-  if (prev !== null) return resumeConfig(prev, values);
-  const draft = draftOf(values);
-  if (typeof values.initFrom === "string") {
-    const { blockSize, nLayer, nHead, nEmbd } = initFromShape(values.initFrom, values);
-    Object.assign(draft.model, { blockSize, nLayer, nHead, nEmbd });
-  }
-  draft.job = name(checkedJobName(flags.job ?? newJobName(model)));
   try {
+    if (prev !== null) return resumeConfig(prev, values);
+    const draft = draftOf(values);
+    if (typeof values.initFrom === "string") {
+      const { blockSize, nLayer, nHead, nEmbd } = initFromShape(values.initFrom, values);
+      Object.assign(draft.model, { blockSize, nLayer, nHead, nEmbd });
+    }
+    draft.job = name(checkedJobName(flags.job ?? newJobName(model)));
     return parseJobConfig(draft);
   } catch (e) {
     if (!(e instanceof ConfigError)) throw e;
-    throw new ConfigError(inFlags(e.message), { cause: e });
+    throw new ConfigError(inFlags(e.message, flags), { cause: e });
   }
 }
 
-/** Config keys that are not plain words (model.nEmbd, warmupSteps), each with its flag (the first
- *  row's, where two flags set one key), the longest first. */
-const keyFlags: readonly (readonly [RegExp, string])[] = [...flagRows.values()]
-  .filter((r, i, all) => /[.A-Z]/.test(r.key) && all.findIndex((o) => o.key === r.key) === i)
-  .sort((a, b) => b.key.length - a.key.length)
-  .map((r) => [new RegExp(`(?<![\\w.-])${r.key.replaceAll(".", "\\.")}(?![\\w])`, "g"), r.flag!] as const);
+/** Config keys that are not plain words (model.nEmbd, warmupSteps), the longest first, each with
+ *  its rows' flags by name (--accum and --micro-batches set one key). */
+const keyFlags: readonly { key: RegExp; flags: [name: string, flag: string][] }[] = [
+  ...new Set([...flagRows.values()].map((r) => r.key).filter((k) => /[.A-Z]/.test(k))),
+]
+  .sort((a, b) => b.length - a.length)
+  .map((k) => ({
+    key: new RegExp(`(?<![\\w.-])${k.replaceAll(".", "\\.")}(?![\\w])`, "g"),
+    flags: [...flagRows].filter(([, r]) => r.key === k).map(([name, r]) => [name, r.flag!]),
+  }));
 
 /** A config's error said in the flags the user typed: "model.nEmbd (128) must be divisible by
- *  model.nHead (3)" is "--n-embd (128) must be divisible by --n-head (3)". */
-export function inFlags(message: string): string {
-  return keyFlags.reduce((m, [key, flag]) => m.replace(key, flag), message);
+ *  model.nHead (3)" is "--n-embd (128) must be divisible by --n-head (3)"; of a key that two flags
+ *  set, the one given. */
+export function inFlags(message: string, given: JobFlags = {}): string {
+  return keyFlags.reduce(
+    (m, { key, flags }) => m.replace(key, (flags.find(([name]) => given[name] !== undefined) ?? flags[0]!)[1]),
+    message,
+  );
 }

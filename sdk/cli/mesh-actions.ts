@@ -113,9 +113,10 @@ export function creds(opts: { dir: string; trainers: number; shards: number; cli
 
 /** `submit`: submits (or resumes) a job and follows it, or returns once it is submitted. */
 export async function submit(opts: JobFlags & NatsFlags & { detach?: boolean }): Promise<void> {
-  // a config the options cannot make is refused before connecting (the trainers, wherever
-  // they are, refuse what their device cannot run when they open the job)
-  jobConfigOf(opts);
+  // a new job's config the options cannot make is refused before connecting (the trainers,
+  // wherever they are, refuse what their device cannot run when they open the job); a named job
+  // may resume, its settings (its sync mode, ZeRO) the earlier run's: checked once that is read
+  if (opts.job === undefined) jobConfigOf(opts);
   await using client = await connect(opts.natsUrl);
   const prev = opts.job === undefined ? null : await client.previous(client.job(opts.job));
   const cfg = jobConfigOf(opts, prev?.config ?? null, (job) => client.job(job));

@@ -93,6 +93,25 @@ describe("resuming", () => {
     expect(resumableKeys).not.toContain("lr");
   });
 
+  test("a resumed job's flags are checked against its own sync mode, and its config's errors name the flags", () => {
+    const prev = config("--sync", "allreduce", "--trainers", "2");
+    // allreduce's options, resumable: refused on a new bsp job, taken on the all-reduce job resumed
+    expectThrown(() => config("--replica-check-every", "50"), ConfigError, "does nothing under --sync bsp");
+    expect(jobConfigOf(flags("--replica-check-every", "50", "--coll-transport", "nats"), prev).replicaCheckEvery).toBe(
+      50,
+    );
+    expectThrown(
+      () => jobConfigOf(flags("--shards", "3"), prev),
+      ConfigError,
+      "--shards does nothing under --sync allreduce",
+    );
+    expectThrown(
+      () => jobConfigOf(flags("--batch-size", "100", "--micro-batches", "3"), prev),
+      ConfigError,
+      "--batch-size (100) must be a multiple of --micro-batches (3)",
+    );
+  });
+
   test("flags are laid over the earlier config; a changed trajectory is named", () => {
     const prev = config("--model", "gpt", "--lr", "0.001");
     const kept = jobConfigOf(flags("--eval-every", "5"), prev);

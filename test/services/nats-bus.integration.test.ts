@@ -235,3 +235,21 @@ test("a restore's collective stand-in hands its subject to the next generation's
     takenSome: true,
   });
 });
+
+test("the subjects a process answers (its reconnect notice's) are counted per subscription: a drained one is let go, one subscribed twice stays while either does, and runs that come and go leave none behind", async () => {
+  const subject = "mt.default.answers.trainer.0.stats";
+  const before = serving.answeredSubjects.length;
+  // a stand-in drained as the next transport subscribes the same subject: it is still answered
+  const standIn = serving.handle(subject, () => new Uint8Array(0));
+  const next = serving.handle(subject, () => new Uint8Array(0));
+  standIn.drain!();
+  standIn.drain!(); // twice, or unsubscribed after: counted once
+  standIn.unsubscribe();
+  expect(serving.answeredSubjects).toContain(subject);
+  next.unsubscribe();
+  expect(serving.answeredSubjects).not.toContain(subject);
+  // a long-lived trainer's runs: each subscribes its subjects, and drains them when it ends
+  for (let run = 0; run < 50; run++)
+    serving.handle(`mt.default.run${run}.trainer.0.stats`, () => new Uint8Array(0)).drain!();
+  expect(serving.answeredSubjects.length).toBe(before);
+});

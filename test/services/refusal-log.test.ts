@@ -2,7 +2,12 @@
 // counted and said in one line when the window ends; answers ("no such job", "busy") at debug only.
 import { expect, test } from "bun:test";
 import pino from "pino";
-import { BadRequestError, CapacityError, UnknownJobError } from "../../services/runtime/mesh/errors.ts";
+import {
+  BadRequestError,
+  CapacityError,
+  NoRespondersError,
+  UnknownJobError,
+} from "../../services/runtime/mesh/errors.ts";
 import { RefusalLog } from "../../services/runtime/mesh/refusal-log.ts";
 
 function capture() {
@@ -38,17 +43,18 @@ test("a storm of refusals: 3 lines a window for each handler, then one line with
   r.close();
 });
 
-test("answers are not refusals: unknown job and busy go to debug, uncounted", () => {
+test("answers are not refusals: unknown job, busy and a run that ended go to debug, uncounted", () => {
   const { lines, log } = capture();
   const r = new RefusalLog(log, 1, 60_000);
   for (let i = 0; i < 10; i++) {
     r.note("h", "s", new CapacityError("busy"));
     r.note("h", "s", new UnknownJobError("no job"));
+    r.note("h", "s", new NoRespondersError("trainer 0 no longer runs job default.j"));
   }
   expect(lines.every((l) => l.level === 20)).toBe(true);
-  expect(lines).toHaveLength(20);
+  expect(lines).toHaveLength(30);
   r.note("h", "s", new BadRequestError("x"));
   expect(lines.at(-1)).toMatchObject({ level: 40, msg: "request refused" });
   r.close();
-  expect(lines).toHaveLength(21); // nothing was held back: no summary
+  expect(lines).toHaveLength(31); // nothing was held back: no summary
 });

@@ -230,15 +230,28 @@ async function* clusterChangesOf(nc: NatsConnection): AsyncGenerator<string> {
 
 export class NatsBus implements StoreBus {
   #service: Service | undefined;
-  readonly #subs: NatsSub[] = [];
+  /** the subscriptions open (close() ends them); one ended is let go */
+  readonly #subs = new Set<NatsSub>();
   /** every handler's refusals, logged rate-limited with the subject and the reason */
   readonly #refused: RefusalLog;
 
   /** requests waiting for an answer, by their subject: each fails at once when the connection
    *  drops, or when the process that answers it says its connection came back */
   readonly #inflight = new Map<(e: Error) => void, string>();
-  /** the subjects this process answers requests on (handle, serve) */
-  readonly #answers = new Set<string>();
+  /** the subjects this process answers requests on (handle, serve), with how many of its
+   *  subscriptions do (a rank's stand-in is drained as its next transport subscribes the same) */
+  readonly #answers = new Map<string, number>();
+
+  /** The subjects this process answers requests on: what its reconnect notice names. */
+  get answeredSubjects(): string[] {
+    return [...this.#answers.keys()];
+  }
+
+  #answering(subject: string, by: 1 | -1): void {
+    const n = (this.#answers.get(subject) ?? 0) + by;
+    if (n > 0) this.#answers.set(subject, n);
+    else this.#answers.delete(subject);
+  }
   /** the cluster's servers as the last INFO named them (connect_urls) */
   #clusterMembers = new Set<string>();
   readonly #clusterTimer: ReturnType<typeof setInterval>;
@@ -320,7 +333,7 @@ export class NatsBus implements StoreBus {
 
   #sayReconnected(): void {
     if (this.#answers.size === 0) return; // a client: nobody waits on it
-    const subjects = [...this.#answers].slice(0, noticeSubjectsMax);
+    const subjects = [...this.#answers.keys()].slice(0, noticeSubjectsMax);
     try {
       this.nc.publish(reconnectedSubject, encodeReconnected({ who: this.#who, subjects }));
     } catch (e) {
@@ -450,13 +463,18 @@ export class NatsBus implements StoreBus {
         onMessage(msg.data, msg.subject);
       },
     });
-    this.#subs.push(sub);
-    return { unsubscribe: () => sub.unsubscribe() };
+    this.#subs.add(sub);
+    return {
+      unsubscribe: () => {
+        this.#subs.delete(sub);
+        sub.unsubscribe();
+      },
+    };
   }
 
   handle(subject: string, handler: Handler): Subscription {
     const log = this.opts.log;
-    this.#answers.add(subject);
+    this.#answering(subject, 1);
     const sub = this.nc.subscribe(subject, {
       callback: (err, msg) => {
         if (err !== null) {
@@ -474,15 +492,24 @@ export class NatsBus implements StoreBus {
         });
       },
     });
-    this.#subs.push(sub);
+    this.#subs.add(sub);
+    // once, whichever ends it: the subject is no longer answered here (by this subscription)
+    let ended = false;
+    const end = () => {
+      if (ended) return;
+      ended = true;
+      this.#answering(subject, -1);
+      this.#subs.delete(sub);
+    };
     return {
       unsubscribe: () => {
-        this.#answers.delete(subject);
+        end();
         sub.unsubscribe();
       },
       // the requests the server routed here before it took the unsubscribe are still answered;
       // it answers those that come after with "no responders" at once
       drain: () => {
+        end();
         if (sub.isClosed() || sub.isDraining() || this.nc.isClosed()) return;
         sub.drain().catch(() => sub.unsubscribe());
       },
@@ -492,7 +519,7 @@ export class NatsBus implements StoreBus {
   serve(endpoint: EndpointSpec): void {
     if (!this.#service) throw new Error("this bus was connected without a service identity; it cannot serve");
     const log = this.opts.log;
-    this.#answers.add(endpoint.subject);
+    this.#answering(endpoint.subject, 1);
     this.#service.addEndpoint(endpoint.name, {
       subject: endpoint.subject,
       ...(endpoint.queue === undefined ? {} : { queue: endpoint.queue }),

@@ -6,8 +6,9 @@
 import type { Logger } from "./log.ts";
 import { MeshtrainError } from "../../../ffi/errors.ts";
 
-/** Answers, not trouble: "no such job here", "not ready yet", "busy, retry" (debug level only). */
-const answerCodes = new Set(["unknown_job", "not_ready", "job_state", "capacity"]);
+/** Answers, not trouble: "no such job here", "not ready yet", "busy, retry", "no longer here"
+ *  (a trainer's run that ended, drained: services/trainer/loop.ts) (debug level only). */
+const answerCodes = new Set(["unknown_job", "not_ready", "job_state", "capacity", "no_responders"]);
 
 export const refusalBurst = 5;
 export const refusalWindowMs = 10_000;
