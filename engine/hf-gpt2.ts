@@ -2,7 +2,7 @@
 // weights stored (in, out) where ours are (out, in), config.json, and GPT-2's tokenizer files
 // (vocab.json and merges.txt, derived from the BPE ranks js-tiktoken ships). The head is tied to
 // the token embedding, as GPT-2's is, so lm_head.weight is not stored (transformers ties it).
-import { existsSync, readFileSync } from "node:fs";
+import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { gpt2Ranks } from "./data/gpt2-ranks.ts";
 import { DataFileError } from "./data/errors.ts";
@@ -10,6 +10,7 @@ import { ConfigError } from "../ffi/errors.ts";
 import { ShapeError } from "./errors.ts";
 import type { GptConfig } from "./models/gpt.ts";
 import { type NamedTensor, readSafetensors } from "./safetensors.ts";
+import { readJsonFile } from "./data/files.ts";
 
 /** Our parameter name -> theirs, and whether theirs is the transpose (a Conv1D weight). */
 export function hfTensorName(ours: string): { name: string; transposed: boolean } {
@@ -128,13 +129,7 @@ export function hfFolderShape(dir: string): Omit<GptConfig, "dropout"> {
       dir,
       "has no config.json: a Hugging Face GPT-2 folder (what meshtrain export writes) has one",
     );
-  let json: Record<string, unknown>;
-  try {
-    json = JSON.parse(readFileSync(path, "utf8"));
-  } catch (e) {
-    throw new DataFileError(path, `cannot be read as JSON: ${(e as Error).message}`, { cause: e });
-  }
-  return gptConfigOfHf(json, path);
+  return gptConfigOfHf(readJsonFile(path) as Record<string, unknown>, path);
 }
 
 /** Fills a model's slab `values` from a Hugging Face GPT-2 folder's model.safetensors. */

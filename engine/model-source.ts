@@ -4,7 +4,7 @@
 // layout. A folder's tokenizer: the characters of meshtrain_chars.json (a character-level model
 // export wrote), else GPT-2's BPE when its vocabulary is GPT-2's 50,257 tokens. It records no
 // training: its steps are unknown, and eval needs --text or --tokens.
-import { existsSync, readFileSync, statSync } from "node:fs";
+import { existsSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "./data/errors.ts";
 import { gpt2VocabSize } from "./data/tokenizer.ts";
@@ -12,6 +12,7 @@ import { hfFolderShape, loadHfFolder } from "./hf-gpt2.ts";
 import { type LoadedModelFile, type ModelFileHeader, readModelFile } from "./modelfile.ts";
 import { type GptConfig, gptParamSpecs } from "./models/gpt.ts";
 import { slabLayoutOf } from "./params.ts";
+import { readJsonFile } from "./data/files.ts";
 
 /** A model file, or a Hugging Face GPT-2 folder read as one. */
 export function readModel(path: string): LoadedModelFile {
@@ -51,12 +52,7 @@ function readHfFolder(dir: string): LoadedModelFile {
 function charsOf(dir: string): string[] | undefined {
   const path = join(dir, "meshtrain_chars.json");
   if (!existsSync(path)) return undefined;
-  let chars: unknown;
-  try {
-    chars = (JSON.parse(readFileSync(path, "utf8")) as { chars?: unknown }).chars;
-  } catch (e) {
-    throw new DataFileError(path, `cannot be read as JSON: ${(e as Error).message}`, { cause: e });
-  }
+  const chars = (readJsonFile(path) as { chars?: unknown } | null)?.chars;
   if (!Array.isArray(chars) || !chars.every((c) => typeof c === "string"))
     throw new DataFileError(path, 'must hold {"chars": [...]}, the vocabulary\'s characters in id order');
   return chars;

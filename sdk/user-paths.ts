@@ -1,6 +1,6 @@
 // The paths the user types: resolved against their folder, shown back as they would type them;
 // and how they run meshtrain, for the commands a run suggests next.
-import { accessSync, closeSync, constants, mkdirSync, openSync, type Stats, statSync, unlinkSync } from "node:fs";
+import { closeSync, openSync, type Stats, statSync, unlinkSync } from "node:fs";
 import { dirname, isAbsolute, join, relative, resolve, sep } from "node:path";
 import { ConfigError } from "../ffi/errors.ts";
 
@@ -68,9 +68,34 @@ function statOf(path: string, option: string): Stats | undefined {
 }
 
 /**
+ * The nearest folder on a path to be written that exists, checked writable by writing (and
+ * removing) a file there: what the command will make under it, it can. Nothing is left behind,
+ * and no folder is made (a command refused for another reason leaves none).
+ */
+function checkWritableFrom(path: string, option: string, asked = path): void {
+  let at = path;
+  let st = statOf(at, option);
+  while (st === undefined && dirname(at) !== at) {
+    at = dirname(at);
+    st = statOf(at, option);
+  }
+  if (st !== undefined && !st.isDirectory())
+    throw new ConfigError(
+      `${option} ${shownPath(asked)} cannot be written: a part of its path is a file, not a folder`,
+    );
+  const probe = join(at, `.meshtrain-write-test-${process.pid}`);
+  try {
+    closeSync(openSync(probe, "wx"));
+    unlinkSync(probe);
+  } catch (e) {
+    throw new ConfigError(`${option} ${shownPath(asked)} cannot be written: ${whyNot(e)}`, { cause: e });
+  }
+}
+
+/**
  * A file a command will write at its end (`train --out`), checked before any work: not a folder,
- * its folder made, and a file beside it writable. A model trained for minutes is not lost to a
- * path that could never take it.
+ * and its folder can be made and written. A model trained for minutes is not lost to a path that
+ * could never take it.
  */
 export function checkOutFile(path: string, option: string): void {
   const shown = shownPath(path);
@@ -78,26 +103,14 @@ export function checkOutFile(path: string, option: string): void {
   if (st?.isDirectory())
     throw new ConfigError(`${option} ${shown} is a folder: name the file to write (e.g. ${join(shown, "model.mtm")})`);
   if (st !== undefined && !st.isFile()) throw new ConfigError(`${option} ${shown} is not a regular file`);
-  const probe = `${path}.tmp-${process.pid}`;
-  try {
-    mkdirSync(dirname(path), { recursive: true });
-    closeSync(openSync(probe, "w"));
-    unlinkSync(probe);
-  } catch (e) {
-    throw new ConfigError(`${option} ${shown} cannot be written: ${whyNot(e)}`, { cause: e });
-  }
+  checkWritableFrom(dirname(path), option, path);
 }
 
-/** A folder a command will write into (`prepare --out`, `--dir`), checked before any work:
- *  made where it is missing, and writable. */
+/** A folder a command will write into (`prepare --out`, `--dir`), checked before any work: a
+ *  folder or nothing yet, where it can be made and written. */
 export function checkOutDir(path: string, option: string): void {
-  const shown = shownPath(path);
   const st = statOf(path, option);
-  if (st !== undefined && !st.isDirectory()) throw new ConfigError(`${option} ${shown} is a file, not a folder`);
-  try {
-    mkdirSync(path, { recursive: true });
-    accessSync(path, constants.W_OK);
-  } catch (e) {
-    throw new ConfigError(`${option} ${shown} cannot be written: ${whyNot(e)}`, { cause: e });
-  }
+  if (st !== undefined && !st.isDirectory())
+    throw new ConfigError(`${option} ${shownPath(path)} is a file, not a folder`);
+  checkWritableFrom(path, option);
 }

@@ -3,7 +3,7 @@
 // engine/data/shards.ts), or a folder of uint16 token files (train.bin and val.bin in the llm.c
 // or nanoGPT layout, with vocab.json or a given vocabulary size). Read by the single process
 // (sdk/local/train-gpt.ts) and the mesh's data-loader alike.
-import { existsSync, readFileSync } from "node:fs";
+import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "./errors.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "./text.ts";
@@ -11,6 +11,7 @@ import { readManifest, splits } from "./shards.ts";
 import { MemoryTokens, ShardTokens, type Tokens } from "./token-stream.ts";
 import type { TokenizerName } from "./tokenizer.ts";
 import { readTokenFile, splitTokens } from "./tokens.ts";
+import { readJsonFile } from "./files.ts";
 
 export interface Corpus {
   /** read a window at a time: a prepared folder's shards stay on disk (engine/data/token-stream.ts) */
@@ -38,8 +39,9 @@ export interface CorpusSource {
 }
 
 function readVocab(path: string): CharVocab {
+  const json = readJsonFile(path) as { chars?: unknown };
   try {
-    return new CharVocab(JSON.parse(readFileSync(path, "utf8")).chars);
+    return new CharVocab(json.chars as string[]);
   } catch (e) {
     throw new DataFileError(path, `not a vocabulary file ({"chars": [...]}): ${(e as Error).message}`, { cause: e });
   }

@@ -21,6 +21,21 @@ export function readFailure(e: unknown): string {
   }
 }
 
+/** A JSON file's value: a file that cannot be read says why (readFailure), text that is not JSON says so. */
+export function readJsonFile(path: string): unknown {
+  let text: string;
+  try {
+    text = readFileSync(path, "utf8");
+  } catch (e) {
+    throw new DataFileError(path, readFailure(e), { cause: e });
+  }
+  try {
+    return JSON.parse(text);
+  } catch (e) {
+    throw new DataFileError(path, `is not JSON: ${(e as Error).message}`, { cause: e });
+  }
+}
+
 export function readDataFile(path: string): Uint8Array {
   let size: number;
   try {

@@ -2,12 +2,13 @@
 // little-endian int32: magic 20240520, version 1, token count; then the tokens as uint16), at
 // most shardTokens each, named <split>_<n>.bin, and manifest.json, written last, which says what
 // they hold. A character-level folder has vocab.json beside them.
-import { closeSync, existsSync, fsyncSync, openSync, readFileSync, readSync, renameSync, writeSync } from "node:fs";
+import { closeSync, existsSync, fsyncSync, openSync, readSync, renameSync, writeSync } from "node:fs";
 import { join } from "node:path";
 import { z } from "zod";
 import { DataFileError } from "./errors.ts";
 import { llmcMagic, llmcVersionU16, readTokenFile } from "./tokens.ts";
 import { tokenizerNames } from "./tokenizer.ts";
+import { readJsonFile } from "./files.ts";
 
 export const manifestName = "manifest.json";
 export const manifestFormat = "meshtrain-tokens";
@@ -167,13 +168,7 @@ function crc32Of(fd: number, length: number): number {
 export function readManifest(dir: string): Manifest | null {
   const path = join(dir, manifestName);
   if (!existsSync(path)) return null;
-  let raw: unknown;
-  try {
-    raw = JSON.parse(readFileSync(path, "utf8"));
-  } catch (e) {
-    throw new DataFileError(path, `is not JSON: ${(e as Error).message}`, { cause: e });
-  }
-  const r = manifestSchema.safeParse(raw);
+  const r = manifestSchema.safeParse(readJsonFile(path));
   if (!r.success)
     throw new DataFileError(
       path,

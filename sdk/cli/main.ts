@@ -375,6 +375,7 @@ const [first, ...asked] = process.argv.slice(2);
 if (first === "help" && asked.length > 0) {
   let cmd: Command = program;
   for (const a of asked) {
+    if (cmd !== program && cmd.commands.length === 0) break; // the rest are its arguments (help bench ps)
     const sub = cmd.commands.find((c) => c.name() === a || c.aliases().includes(a));
     if (sub === undefined) {
       console.error(`error: no command ${JSON.stringify(asked.join(" "))} (every command: meshtrain --help)`);

@@ -177,6 +177,9 @@ export function* firstBatches<T>(items: Iterable<T>, count: number): Generator<T
 }
 
 export function runGpt(o: GptRunOptions): GptRunResult {
+  // said in the flags (the model's own check names its config's keys)
+  if (o.initFrom === undefined && o.nEmbd % o.nHead !== 0)
+    throw new ConfigError(`--n-embd (${o.nEmbd}) must be divisible by --n-head (${o.nHead})`);
   checkOutFile(o.out, "--out");
   // what the asked attention cannot run on is refused before the backend opens (the shape of
   // an --init-from folder is checked once it is read)
@@ -288,7 +291,9 @@ function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void
   const deadline = t0 + o.timeLimitMin * 60_000;
   let valLoss = Number.NaN;
   let step = 0;
+  let validatedAt = -1;
   const validate = () => {
+    validatedAt = step;
     valLoss = evaluate(ctx, model, firstBatches(valBatches.sequential(), o.evalBatches), { accuracy: false }).loss;
     progress.log(
       `step ${step}: val loss ${valLoss.toFixed(4)} nats/token (${((performance.now() - t0) / 1000).toFixed(0)} s)`,
@@ -317,8 +322,8 @@ function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void
     });
     if (step % o.evalEvery === 0) validate();
   }
-  // (also a run that the time limit stopped before its first step: its model is the one evaluated)
-  if (Number.isNaN(valLoss) || step % o.evalEvery !== 0) validate();
+  // the model written is the one evaluated last (also a run the time limit stopped before its first step)
+  if (validatedAt !== step) validate();
   progress.stop();
   if (step < o.maxSteps) console.log(`stopped at the ${o.timeLimitMin}-minute time limit after ${stepsText(step)}`);
 

@@ -1,6 +1,6 @@
 // The meshtrain CLI as a user runs it: real processes, real data files.
 import { afterAll, describe, expect, test } from "bun:test";
-import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
@@ -93,6 +93,10 @@ describe("bad input gets one clear error and a non-zero exit", () => {
       ["train", "gpt", "--text", "a.txt", "--vocab-size", "5"],
       "--vocab-size is for --tokens folders without vocab.json",
     ],
+    [
+      ["train", "gpt", "--n-embd", "128", "--n-head", "3"],
+      "ConfigError: --n-embd (128) must be divisible by --n-head (3)",
+    ],
   ])("job options %p", (args, fragment) => {
     const r = cli(...args);
     expect(r.code).not.toBe(0);
@@ -165,7 +169,11 @@ describe("bad input gets one clear error and a non-zero exit", () => {
       const r = cli(...args);
       expect([r.code, r.err.trim(), r.out], args.join(" ")).toEqual([1, `meshtrain: ConfigError: ${line}`, ""]);
     }
-    expect(readdirSync(dir).filter((f) => f.includes(".tmp-"))).toEqual([]);
+    // a command refused for another reason makes none of the folders its output would go in
+    const later = join(dir, "not-made");
+    const other = cli("train", "gpt", "--text", join(dir, "no-such.txt"), "--out", join(later, "a", "m.mtm"));
+    expect([other.code, existsSync(later)]).toEqual([1, false]);
+    expect(readdirSync(dir).filter((f) => f.includes(".tmp-") || f.includes(".meshtrain-write-test"))).toEqual([]);
   });
   test("a train gpt run that cannot fit this machine's memory is refused before it starts, saying what it needs", () => {
     const r = cli(
@@ -357,7 +365,7 @@ describe("bad input gets one clear error and a non-zero exit", () => {
   test("gpt heads that do not divide the width", () => {
     const r = cli("train", "gpt", "--n-embd", "30", "--n-head", "4");
     expect(r.code).toBe(1);
-    expect(r.err).toContain("nEmbd (30) must be divisible by nHead (4)");
+    expect(r.err.trim()).toBe("meshtrain: ConfigError: --n-embd (30) must be divisible by --n-head (4)");
   });
 });
 

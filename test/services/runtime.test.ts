@@ -20,6 +20,7 @@ import { ConfigError } from "../../ffi/errors.ts";
 import { gptJobDefaults, jobDefaults, parseJobConfig, peakLr, usesShards } from "../../services/runtime/job/config.ts";
 import { trajectoryDiff } from "../../services/runtime/job/resume.ts";
 import { followAgain } from "../../services/runtime/job/ledger.ts";
+import { capacityMessage } from "../../services/runtime/mesh/discovery.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { removeTempDirs, tempDir, waitFor } from "../helpers/mesh.ts";
 
@@ -410,5 +411,23 @@ describe("following the job specs again after a cluster change", () => {
     expect(tries).toBe(1);
     feed.end();
     await running;
+  });
+});
+
+describe("a job the mesh cannot run", () => {
+  const members = { trainers: [0, 1], shards: [0, 1], dataLoaders: 1, checkpoints: 1 };
+  test("names what it lacks and the sizes that would run; an all-reduce job's advice has no --shards (refused with it)", () => {
+    const ps = capacityMessage({ job: "default.j", trainers: 4, shards: 3, sync: "bsp" }, members, "nats://m:4222");
+    expect(ps).toContain(
+      "job default.j needs trainer ranks 2-3, parameter-server shard 2, which the mesh at nats://m:4222",
+    );
+    expect(ps).toEndWith("(meshtrain mesh up --trainers 4 --shards 3), or submit with --trainers 2 --shards 2");
+    const ar = capacityMessage(
+      { job: "default.j", trainers: 4, shards: 2, sync: "allreduce" },
+      members,
+      "nats://m:4222",
+    );
+    expect(ar).toContain("needs trainer ranks 2-3, which");
+    expect(ar).toEndWith("(meshtrain mesh up --trainers 4), or submit with --trainers 2");
   });
 });

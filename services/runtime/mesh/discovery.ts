@@ -170,11 +170,13 @@ export function missingMembers(cfg: Omit<MeshNeeds, "job">, m: MeshMembers): str
 
 /** One sentence: what the mesh runs and what the job lacks, and how to fix it. */
 export function capacityMessage(cfg: MeshNeeds, m: MeshMembers, where: string): string {
+  // (an all-reduce job has no shards: --shards is refused with --sync allreduce)
+  const allReduce = cfg.sync === "allreduce";
   return (
     `job ${cfg.job} needs ${missingMembers(cfg, m).join(", ")}, which the mesh at ${where} does not run ` +
     `(it runs trainer ranks ${indexList(m.trainers)}, shards ${indexList(m.shards)}, ${m.dataLoaders} data-loader(s), ${m.checkpoints} checkpoint service(s)); ` +
-    `start a mesh that does (meshtrain mesh up --trainers ${Math.max(cfg.trainers, 1)} --shards ${Math.max(cfg.shards, 1)}), or submit with ` +
-    `--trainers ${Math.max(m.trainers.length, 1)} --shards ${Math.max(m.shards.length, 1)}`
+    `start a mesh that does (meshtrain mesh up --trainers ${Math.max(cfg.trainers, 1)}${allReduce ? "" : ` --shards ${Math.max(cfg.shards, 1)}`}), or submit with ` +
+    `--trainers ${Math.max(m.trainers.length, 1)}${allReduce ? "" : ` --shards ${Math.max(m.shards.length, 1)}`}`
   );
 }
 
