@@ -153,13 +153,12 @@ describe("dashboard view", () => {
   });
 });
 
-test("a dashboard that cannot listen where asked says so in one typed line: a port in use, an address not this machine's, a host name that does not resolve", () => {
+test("a dashboard that cannot listen where asked says so in one typed line: a port in use, an address not this machine's", () => {
   using taken = Bun.serve({ hostname: "127.0.0.1", port: 0, fetch: () => new Response("") });
   const client = {} as MeshClient; // not reached: the listen fails first
   for (const [host, port] of [
     ["127.0.0.1", taken.port!],
     ["256.1.1.1", 0],
-    ["nosuchhost.invalid", 0],
   ] as const) {
     const e = (() => {
       try {
