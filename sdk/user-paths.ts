@@ -27,10 +27,18 @@ export function shownPath(p: string): string {
   return rel !== "" && rel.split(sep)[0] !== ".." && !isAbsolute(rel) ? rel : p;
 }
 
-/** How the user runs meshtrain: `npm start --` when they came through npm start (the mesh's
- *  resume line), else `npx meshtrain` (works in the project without a global install). */
-export function cliName(other = "npx meshtrain"): string {
-  return process.env.npm_lifecycle_event === "start" ? "npm start --" : other;
+/** How the user runs a meshtrain command: `npx meshtrain` (works in the project without a global install). */
+export function cliName(): string {
+  return "npx meshtrain";
+}
+
+/**
+ * How the user runs `meshtrain run` again (a stopped run's resume line): `npm start --` when they
+ * came through npm start, whose script is `run` already (`npm start -- run` ran `run run`), else
+ * `npx meshtrain run`.
+ */
+export function runCommandName(): string {
+  return process.env.npm_lifecycle_event === "start" ? "npm start --" : `${cliName()} run`;
 }
 
 /** One shell word: quoted when it holds anything beyond letters, digits and ./_-+,:=@% */

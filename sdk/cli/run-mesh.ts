@@ -20,7 +20,7 @@ import { LocalMesh, membersWaitMs } from "../local-mesh.ts";
 import { checkedJobName, type JobFlags, jobConfigOf } from "./job-options.ts";
 import { exitCodes } from "./exit.ts";
 import { configSummary, outcomeLines } from "../report.ts";
-import { checkOutDir, cliName, defaultRunDir, shownPath } from "../user-paths.ts";
+import { checkOutDir, defaultRunDir, runCommandName, shownPath } from "../user-paths.ts";
 import { StopRequests } from "../signals.ts";
 import { Dashboard } from "../dashboard/server.ts";
 import { JobFailedError, watchJob } from "../watch.ts";
@@ -87,7 +87,7 @@ function prepareRun(o: MeshRunOptions): {
   mkdirSync(logDir, { recursive: true });
   writeFileSync(join(logDir, "job.json"), `${JSON.stringify(cfg, null, 2)}\n`);
 
-  const resumeLine = `${cliName()} run --job ${cfg.job}${o.dir === join(process.env.INIT_CWD ?? process.cwd(), defaultRunDir()) ? "" : ` --dir ${shownPath(o.dir)}`}`;
+  const resumeLine = `${runCommandName()} --job ${cfg.job}${o.dir === join(process.env.INIT_CWD ?? process.cwd(), defaultRunDir()) ? "" : ` --dir ${shownPath(o.dir)}`}`;
   const from =
     prev === null
       ? ""

@@ -9,7 +9,7 @@ export function modelLines(modelPath: string, commands: readonly (readonly strin
     `model: ${model}`,
     ...commands.map(
       ([name, ...extra]) =>
-        `next: ${[name!, "--model", model, ...extra].map(shellWord).reduce((line, w) => `${line} ${w}`, cliName("npx meshtrain"))}`,
+        `next: ${[name!, "--model", model, ...extra].map(shellWord).reduce((line, w) => `${line} ${w}`, cliName())}`,
     ),
   ];
 }

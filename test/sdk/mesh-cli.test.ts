@@ -25,14 +25,14 @@ const quick = ["--widths", "784,32,10", "--batch-size", "1000", "--epochs", "1",
 
 /** The child's environment: the user's folder is `cwd`. */
 function env(cwd: string, extra: Record<string, string> = {}): Record<string, string> {
-  const e = { ...process.env, ...extra } as Record<string, string>;
+  const e = { ...process.env } as Record<string, string>;
   // run from the user's folder itself: an INIT_CWD inherited from an npm script (the package
-  // root, where npm test ran) must not move it
+  // root, where npm test ran) must not move it; npm's script name only where a test gives it
   e.INIT_CWD = root;
   e.npm_package_json = join(root, "package.json");
   delete e.npm_lifecycle_event;
   delete e.MT_NATS_URL;
-  return e;
+  return { ...e, ...extra };
 }
 
 function cli(cwd: string, args: string[], extra: Record<string, string> = {}) {
@@ -211,13 +211,14 @@ describe("meshtrain run", () => {
       "--dir",
       "out",
     ];
-    const run = start(cwd, args, { TMPDIR: tmp });
+    // as npm start runs it: its script is `meshtrain run` already, so the resume line adds no `run`
+    const run = start(cwd, args, { TMPDIR: tmp, npm_lifecycle_event: "start" });
     await waitFor("training to start", () => /^step \d+\/\d+/m.test(run.out()), 60_000);
     run.proc.kill("SIGINT");
     expect(await run.done).toBe(130);
     expect(run.out()).toContain("SIGINT: stopping job default.stopme: a snapshot first, then the mesh");
     expect(run.out()).toMatch(/snapshot taken: saved step-\d+/);
-    expect(run.out()).toContain("Resume with: npx meshtrain run --job default.stopme --dir out");
+    expect(run.out()).toContain("Resume with: npm start -- --job default.stopme --dir out");
     expect(processesMentioning(cwd)).toEqual([]); // no nats-server, no service
     expect(readdirSync(tmp)).toEqual([]); // no mt-nats-* folder
     const resumed = cli(cwd, ["run", "--job", "stopme", "--dir", "out"]);
