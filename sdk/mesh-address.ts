@@ -42,6 +42,33 @@ export function findLocalMesh(): LocalMeshNote | null {
   }
 }
 
+/**
+ * Takes `mesh up`'s folder for this process (its NATS store, credentials and jobs are one mesh's):
+ * another mesh running on it is refused, naming its pid; one that died left a lock that is taken
+ * over. Returns the function that lets the folder go.
+ */
+export function lockMeshDir(dir: string, shown: string): () => void {
+  const path = join(dir, "mesh.pid");
+  mkdirSync(dir, { recursive: true });
+  for (;;) {
+    try {
+      writeFileSync(path, `${process.pid}\n`, { flag: "wx", mode: 0o600 });
+      return () => {
+        if (existsSync(path) && readFileSync(path, "utf8").trim() === String(process.pid))
+          rmSync(path, { force: true });
+      };
+    } catch (e) {
+      if ((e as NodeJS.ErrnoException).code !== "EEXIST") throw e;
+    }
+    const pid = Number(readFileSync(path, "utf8").trim());
+    if (Number.isSafeInteger(pid) && pid > 0 && pid !== process.pid && alive(pid))
+      throw new ConfigError(
+        `a mesh (pid ${pid}) runs on --dir ${shown} already: its NATS store, credentials and jobs are that mesh's; stop it (Ctrl-C there), or give another --dir`,
+      );
+    rmSync(path, { force: true }); // a mesh that died (or garbage): its lock is taken over
+  }
+}
+
 /** Leaves the note (mesh up); returns a function that removes it if it is still ours. */
 export function announceLocalMesh(note: LocalMeshNote): () => void {
   const path = localMeshNotePath();

@@ -12,7 +12,7 @@ import { MeshClient } from "../client.ts";
 import { type JobFlags, jobConfigOf } from "./job-options.ts";
 import { exitCodes } from "./exit.ts";
 import { type MeshOptions, LocalMesh, membersWaitMs } from "../local-mesh.ts";
-import { announceLocalMesh, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "../mesh-address.ts";
+import { announceLocalMesh, lockMeshDir, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "../mesh-address.ts";
 import { clientUser, makeCredentials, roleUsers } from "../../services/runtime/job/roles.ts";
 import { printable, stamp } from "../format.ts";
 import { checkOutDir, cliName, shownPath } from "../user-paths.ts";
@@ -274,6 +274,7 @@ export interface MeshUpFlags {
 /** `mesh up`: runs until Ctrl-C, leaving a note so that client commands on this machine find it. */
 export async function meshUp(o: MeshUpFlags): Promise<void> {
   checkOutDir(o.dir, "--dir");
+  using _lock = { [Symbol.dispose]: lockMeshDir(o.dir, shownPath(o.dir)) };
   const opts: MeshOptions = {
     jobsDir: join(o.dir, "jobs"),
     logDir: join(o.dir, "logs", `mesh-${stamp()}`),

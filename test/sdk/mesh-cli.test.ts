@@ -256,7 +256,7 @@ describe("meshtrain mesh up and the client commands", () => {
     expect(s.out).toContain("logs:      m/jobs/default.j1/logs");
 
     const table = c("status");
-    expect(table.out.split("\n")[0]).toMatch(/^job\s+state\s+accuracy\s+steps/);
+    expect(table.out.split("\n")[0]).toMatch(/^job\s+state\s+accuracy\s+of steps/);
     expect(table.out).toMatch(/^default\.j1\s+done\s+\d+\.\d+%\s+30\s/m);
     expect(c("status", "--all").out).toMatch(/^default\.j1\s+done/m);
     expect(c("status", "j1").out).toMatch(/^state      done; submitted /m);
@@ -284,6 +284,8 @@ describe("meshtrain mesh up and the client commands", () => {
       [["submit", ...quick, "--job", "j1"], "give the new run another --job name"],
       [["submit", ...quick, "--trainers", "3"], "meshtrain mesh up --trainers 3 --shards 2"],
       [["mesh", "up", "--port", String(port), "--dir", "m2"], `meshtrain: NatsServerError: port ${port} is taken`],
+      // its folder is the running mesh's (its NATS store, credentials, jobs), whatever the port
+      [["mesh", "up", "--port", String(port), "--dir", "m"], "meshtrain: ConfigError: a mesh (pid "],
     ];
     for (const [args, fragment] of fails) {
       const r = c(...args);
