@@ -22,7 +22,7 @@ import {
 import { join } from "node:path";
 import { fsyncPath } from "../../engine/durable.ts";
 import { decodeManifest, encodeManifest, type Manifest } from "../../schemas/messages/checkpoint.ts";
-import { CorruptDataError, NotReadyError } from "../runtime/mesh/errors.ts";
+import { BadRequestError, CorruptDataError, NotReadyError } from "../runtime/mesh/errors.ts";
 import { fileBytesMax, formatVersion, manifestBytesMax, snapshotsMax } from "./limits.ts";
 
 export const manifestName = "manifest.mtcm";
@@ -208,8 +208,12 @@ export class CheckpointStore {
   ): { manifest: Manifest; files: Map<string, Uint8Array> } {
     const all = this.list(job, onCorrupt);
     const candidates = (id ? all.filter((m) => m.id === id) : all).reverse();
-    if (candidates.length === 0)
-      throw new NotReadyError(id ? `job ${job} has no snapshot ${id}` : `job ${job} has no snapshot yet`);
+    // an id it does not have will not come by waiting (a later one gets a later id): not "retry"
+    if (candidates.length === 0 && id)
+      throw new BadRequestError(
+        `job ${job} has no snapshot ${id}; it has ${all.length === 0 ? "none" : all.map((m) => m.id).join(", ")}`,
+      );
+    if (candidates.length === 0) throw new NotReadyError(`job ${job} has no snapshot yet`);
     const passed: string[] = [];
     for (const m of candidates) {
       const why = unusable(m);

@@ -139,8 +139,8 @@ const cases: [string, string, Uint8Array, Cls, string][] = [
     "ckpt.restore: a snapshot that does not exist",
     restore,
     encodeJobRequest({ job, step: 0, tag: "step-000000777" }),
-    NotReadyError,
-    "step-000000777",
+    BadRequestError, // not "retry": waiting does not make it
+    "has no snapshot step-000000777; it has ",
   ],
   ["ckpt.restore: wrong file_identifier", restore, br(), WireFormatError, "MTJR"],
   [

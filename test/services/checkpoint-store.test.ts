@@ -5,7 +5,7 @@ import { existsSync, mkdirSync, readdirSync, readFileSync, writeFileSync } from 
 import { join } from "node:path";
 import { encodeManifest } from "../../schemas/messages/checkpoint.ts";
 import { CheckpointStore, manifestName, snapshotId } from "../../services/checkpoint/store.ts";
-import { CorruptDataError, NotReadyError } from "../../services/runtime/mesh/errors.ts";
+import { BadRequestError, CorruptDataError, NotReadyError } from "../../services/runtime/mesh/errors.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
 
@@ -65,11 +65,16 @@ describe("checkpoint store", () => {
     expectThrown(() => s.latestGood("j", "", () => {}), CorruptDataError, "every snapshot");
   });
 
-  test("no snapshot yet is NotReady; a named one that does not exist too", () => {
+  test("no snapshot yet is NotReady; a named one that does not exist is a bad request naming those there are", () => {
     const s = fresh();
     expectThrown(() => s.latestGood("j", "", () => {}), NotReadyError, "no snapshot yet");
+    expectThrown(() => s.latestGood("j", "step-000000099", () => {}), BadRequestError, "step-000000099; it has none");
     save(s, 5);
-    expectThrown(() => s.latestGood("j", "step-000000099", () => {}), NotReadyError, "step-000000099");
+    expectThrown(
+      () => s.latestGood("j", "step-000000099", () => {}),
+      BadRequestError,
+      "job j has no snapshot step-000000099; it has step-000000005",
+    );
     expect(s.latestGood("j", snapshotId(5), () => {}).manifest.step).toBe(5);
   });
 
