@@ -18,8 +18,26 @@ export type { MetricsEndpoint, MeshMembers } from "../services/runtime/mesh/disc
 export type { Event, JobRecord } from "../schemas/messages/job.ts";
 export type { Manifest } from "../schemas/messages/checkpoint.ts";
 export { type JobConfig, parseJobConfig, jobDefaults, gptJobDefaults } from "../services/runtime/job/config.ts";
-export { MeshError, BadRequestError, UnknownJobError, DeadlineError } from "../services/runtime/mesh/errors.ts";
-export { ConfigError } from "../ffi/errors.ts";
+// every error the SDK throws on purpose is a MeshtrainError: catch that, or one by its class
+export {
+  MeshError,
+  BadRequestError,
+  UnknownJobError,
+  LimitExceededError,
+  NotReadyError,
+  DeadlineError,
+  RequestLostError,
+  NoRespondersError,
+  CorruptDataError,
+  InternalError,
+  JetStreamUnavailableError,
+  JobStateError,
+  CapacityError,
+  NatsAccessError,
+} from "../services/runtime/mesh/errors.ts";
+export { NatsUnreachableError } from "../services/runtime/mesh/nats.ts";
+export { MeshtrainError, ConfigError, NativeLibraryError, OutOfMemoryError } from "../ffi/errors.ts";
+export { DataFileError } from "../engine/data/errors.ts";
 export { runSample, type SampleOptions } from "./local/sample.ts";
 export { runEval, type EvalOptions, type EvalReport } from "./local/evaluate.ts";
 

@@ -21,6 +21,22 @@ test("the SDK's entry point exports the client, the watcher, the local mesh, con
   ]) {
     expect(sdk).toHaveProperty(name);
   }
+  // every error class it exports is a MeshtrainError: a program catches that, or one by its class
+  const errors = Object.entries(sdk).filter(([name]) => name.endsWith("Error"));
+  expect(errors.map(([name]) => name)).toEqual(
+    expect.arrayContaining([
+      "MeshtrainError",
+      "CapacityError",
+      "JobStateError",
+      "NatsUnreachableError",
+      "NotReadyError",
+    ]),
+  );
+  for (const [name, cls] of errors)
+    expect(
+      cls === sdk.MeshtrainError || (cls as { prototype: unknown }).prototype instanceof sdk.MeshtrainError,
+      name,
+    ).toBe(true);
   expect(sdk.jobConfig("gpt", { job: "default.x", maxSteps: 5 }).model.kind).toBe("gpt");
   expect(() => sdk.jobConfig("mlp", { job: "no spaces" })).toThrow(sdk.ConfigError);
 });
