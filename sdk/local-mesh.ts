@@ -19,6 +19,8 @@ import type * as Yaml from "yaml";
 import { z } from "zod";
 import { jobIdPattern } from "../services/runtime/job/subjects.ts";
 import { type NatsServer, startNatsServer } from "../services/runtime/mesh/nats-server.ts";
+import { ConfigError } from "../ffi/errors.ts";
+import { checkOutDir } from "./user-paths.ts";
 import { type Credentials, clientUser, makeCredentials, type RoleName } from "../services/runtime/job/roles.ts";
 import { configExitCode } from "../services/runtime/mesh/service.ts";
 import { orAfter } from "../services/runtime/mesh/timers.ts";
@@ -231,27 +233,47 @@ export class LocalMesh implements AsyncDisposable {
   }
 
   static async start(opts: MeshOptions, topology = readTopology()): Promise<LocalMesh> {
+    // what the options cannot mean is refused before anything starts or is made
+    for (const [name, n] of [
+      ["trainers", opts.trainers],
+      ["shards", opts.shards],
+    ] as const)
+      if (n !== undefined && !(Number.isInteger(n) && n >= 0 && n <= 64))
+        throw new ConfigError(`LocalMesh: ${name} is a count from 0 to 64, not ${n}`);
+    if (opts.port !== undefined && !(Number.isInteger(opts.port) && opts.port >= 1 && opts.port <= 65535))
+      throw new ConfigError(`LocalMesh: port is from 1 to 65535 (none: a free one), not ${opts.port}`);
+    checkOutDir(opts.logDir, "LocalMesh: logDir");
+    checkOutDir(opts.jobsDir, "LocalMesh: jobsDir");
+    if (opts.natsStoreDir !== undefined) checkOutDir(opts.natsStoreDir, "LocalMesh: natsStoreDir");
     mkdirSync(opts.logDir, { recursive: true });
     mkdirSync(opts.jobsDir, { recursive: true });
     // the store outlives a NATS restart: a given folder, or one this launch makes and removes
     const tempNatsDir = opts.natsStoreDir === undefined ? mkdtempSync(join(tmpdir(), "mt-nats-")) : null;
     const natsDir = opts.natsStoreDir ?? tempNatsDir!;
     const services = scaleTopology(topology, opts);
-    const credentials =
-      (opts.auth ?? true)
-        ? makeCredentials(opts.credsDir ?? join(natsDir, "creds"), {
-            trainers: Math.max(1, services.filter((s) => s.env.MT_RANK !== undefined).length),
-            shards: services.filter((s) => s.env.MT_SHARD !== undefined).length,
-            ...(opts.clients === undefined ? {} : { clients: opts.clients }),
-          })
-        : null;
-    const nats = await startNatsServer({
-      ...(opts.port === undefined ? {} : { port: opts.port }),
-      dir: natsDir,
-      wrap: tiedToLauncher,
-      logFile: join(opts.logDir, "nats-server.log"),
-      ...(credentials === null ? {} : { authorization: credentials.authorization }),
-    });
+    let credentials: Credentials | null = null;
+    let nats: NatsServer;
+    try {
+      credentials =
+        (opts.auth ?? true)
+          ? makeCredentials(opts.credsDir ?? join(natsDir, "creds"), {
+              trainers: Math.max(1, services.filter((s) => s.env.MT_RANK !== undefined).length),
+              shards: services.filter((s) => s.env.MT_SHARD !== undefined).length,
+              ...(opts.clients === undefined ? {} : { clients: opts.clients }),
+            })
+          : null;
+      nats = await startNatsServer({
+        ...(opts.port === undefined ? {} : { port: opts.port }),
+        dir: natsDir,
+        wrap: tiedToLauncher,
+        logFile: join(opts.logDir, "nats-server.log"),
+        ...(credentials === null ? {} : { authorization: credentials.authorization }),
+      });
+    } catch (e) {
+      // a launch that did not start leaves no store, and no users' seeds, behind
+      if (tempNatsDir !== null) rmSync(tempNatsDir, { recursive: true, force: true });
+      throw e;
+    }
     const mesh = new LocalMesh(nats, opts, services, tempNatsDir, credentials);
     mesh.#watchNats();
     for (const spec of mesh.services) mesh.#spawn(spec);
