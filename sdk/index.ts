@@ -37,6 +37,7 @@ export {
 } from "../services/runtime/mesh/errors.ts";
 export { NatsUnreachableError } from "../services/runtime/mesh/nats.ts";
 export { MeshtrainError, ConfigError, NativeLibraryError, OutOfMemoryError } from "../ffi/errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 export { DataFileError } from "../engine/data/errors.ts";
 export { runSample, type SampleOptions } from "./local/sample.ts";
 export { runEval, type EvalOptions, type EvalReport } from "./local/evaluate.ts";
@@ -46,5 +47,14 @@ export { runEval, type EvalOptions, type EvalReport } from "./local/evaluate.ts"
  * with `over` laid on them, validated (ConfigError names every problem).
  */
 export function jobConfig(kind: "mlp" | "gpt", over: Partial<JobConfig> & { job: string }): JobConfig {
-  return parseJobConfig({ ...(kind === "gpt" ? gptJobDefaults : jobDefaults), ...over });
+  if (kind !== "mlp" && kind !== "gpt")
+    throw new ConfigError(`a job's model is "mlp" or "gpt", not ${JSON.stringify(kind)}`);
+  // a key the config does not have would be dropped unsaid (a typo: maxstep for maxSteps)
+  const base = kind === "gpt" ? gptJobDefaults : jobDefaults;
+  const unknown = Object.keys(over).filter((k) => !Object.hasOwn(base, k) && k !== "job");
+  if (unknown.length > 0)
+    throw new ConfigError(
+      `a job config has no ${unknown.map((k) => JSON.stringify(k)).join(", ")} (its keys: ${Object.keys(base).join(", ")})`,
+    );
+  return parseJobConfig({ ...base, ...over });
 }

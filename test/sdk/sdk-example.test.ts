@@ -39,6 +39,11 @@ test("the SDK's entry point exports the client, the watcher, the local mesh, con
     ).toBe(true);
   expect(sdk.jobConfig("gpt", { job: "default.x", maxSteps: 5 }).model.kind).toBe("gpt");
   expect(() => sdk.jobConfig("mlp", { job: "no spaces" })).toThrow(sdk.ConfigError);
+  // a key it does not have, or a model it does not know, would be dropped unsaid
+  expect(() => sdk.jobConfig("mlp", { job: "x", maxstep: 10 } as never)).toThrow(
+    'a job config has no "maxstep" (its keys: ',
+  );
+  expect(() => sdk.jobConfig("bogus" as never, { job: "x" })).toThrow('a job\'s model is "mlp" or "gpt", not "bogus"');
 });
 
 test("examples/sdk.ts runs: events, a snapshot, cancel, and a job to its end", () => {
