@@ -5,6 +5,7 @@
 //   await mesh.submit(config);
 //   for await (const e of mesh.events(config.job)) console.log(e);
 import { readFileSync } from "node:fs";
+import { checkNatsUrl } from "./mesh-address.ts";
 import { hostname, userInfo } from "node:os";
 import { type DataPlan, decodeDataPlan } from "../schemas/messages/data-loader.ts";
 import {
@@ -195,6 +196,7 @@ export class MeshClient implements AsyncDisposable {
    *  clients); by default MT_TLS_CA, MT_TLS_CERT and MT_TLS_KEY. `nkeyFile`: the seed of the NATS
    *  user to connect as (a mesh with roles: services/runtime/job/roles.ts); by default MT_NATS_NKEY. */
   static async connect(url: string, o: MeshConnectOptions = {}): Promise<MeshClient> {
+    checkNatsUrl(url, "MeshClient.connect: the NATS URL");
     const nkeyFile = o.nkeyFile ?? nkeyFromEnv();
     const owner = ownerFor(o.owner, nkeyFile);
     const bus = await NatsBus.connect({

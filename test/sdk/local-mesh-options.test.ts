@@ -5,7 +5,7 @@ import { afterAll, expect, test } from "bun:test";
 import { mkdtempSync, readdirSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { ConfigError, LocalMesh, type MeshOptions, MeshtrainError } from "../../sdk/index.ts";
+import { ConfigError, LocalMesh, MeshClient, type MeshOptions, MeshtrainError } from "../../sdk/index.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "meshtrain-localmesh-"));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
@@ -37,4 +37,12 @@ test("a NATS server that cannot start (its port taken) leaves no temporary store
     else process.env.TMPDIR = was;
   }
   expect(readdirSync(tmp)).toEqual([]);
+});
+
+test("MeshClient.connect refuses a URL that cannot name a NATS server at once, as the CLI does", async () => {
+  for (const url of ["", "not a url", "http://127.0.0.1:8222"]) {
+    const e = (await MeshClient.connect(url).catch((x) => x)) as Error;
+    expect(e, url).toBeInstanceOf(ConfigError);
+    expect(e.message, url).toStartWith(`MeshClient.connect: the NATS URL ${JSON.stringify(url)}: `);
+  }
 });
