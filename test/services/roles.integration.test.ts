@@ -413,6 +413,7 @@ test("a local mesh runs with the roles by default: BSP and all-reduce jobs submi
   for (const err of await Promise.all(refusals)) {
     expect(err).toBeInstanceOf(NatsAccessError);
     expect((err as Error).message).toContain("may not send mt.default.roles-");
+    expect((err as Error).message).toContain("restore and resize are admin's: connect as the admin user");
   }
   const log = readFileSync(join(dir, "logs", "nats-server.log"), "utf8");
   // the only ones: the client's restores above, refused

@@ -619,8 +619,12 @@ function translate(e: unknown, subject: string, timeoutMs: number): unknown {
   if (names.includes("NoRespondersError") || /no responders/i.test(text))
     return new NoRespondersError(`no service answers ${subject}`, { cause: e });
   if (names.includes("PermissionViolationError") || /permissions? violation/i.test(text)) {
+    // what only admin may do says how to be admin (a client user's restore or resize)
+    const admins = /\.ckpt\.(restore|resize)$/.test(subject)
+      ? "; restore and resize are admin's: connect as the admin user (its seed admin.nk: --nats-nkey or MT_NATS_NKEY; in the SDK, a LocalMesh's auth(\"admin\"))"
+      : "";
     return new NatsAccessError(
-      `permission denied: this client's NATS user may not send ${subject} (its role does not allow it)`,
+      `permission denied: this client's NATS user may not send ${subject} (its role does not allow it${admins})`,
       { cause: e },
     );
   }
