@@ -40,6 +40,7 @@ import {
   NoRespondersError,
   UnknownJobError,
 } from "../services/runtime/mesh/errors.ts";
+import { ConfigError } from "../ffi/errors.ts";
 import { defaultOwner, ownerProblem, qualifyJob, subjects } from "../services/runtime/job/subjects.ts";
 import {
   type JobConfig,
@@ -587,6 +588,9 @@ export class MeshClient implements AsyncDisposable {
     to: { trainers?: number; shards?: number },
     o: { membersWaitMs?: number } = {},
   ): Promise<Manifest> {
+    for (const [what, n] of Object.entries(to))
+      if (n !== undefined && !(Number.isInteger(n) && n >= 1 && n <= 64))
+        throw new ConfigError(`a resize's ${what} is a count from 1 to 64, not ${n}`);
     const job = this.job(name);
     const rec = await this.#running(job, "resize");
     const cfg = jobConfigFromJson(rec.configJson);

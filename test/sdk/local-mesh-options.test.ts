@@ -46,3 +46,16 @@ test("MeshClient.connect refuses a URL that cannot name a NATS server at once, a
     expect(e.message, url).toStartWith(`MeshClient.connect: the NATS URL ${JSON.stringify(url)}: `);
   }
 });
+
+test("a resize's sizes that cannot be counts are refused before anything is asked of the mesh", async () => {
+  const client = Object.create(MeshClient.prototype) as MeshClient; // not connected: nothing is sent
+  for (const [to, text] of [
+    [{ trainers: -1 }, "a resize's trainers is a count from 1 to 64, not -1"],
+    [{ trainers: 1.5 }, "a resize's trainers is a count from 1 to 64, not 1.5"],
+    [{ shards: Number.NaN }, "a resize's shards is a count from 1 to 64, not NaN"],
+  ] as const) {
+    const e = (await client.resize("j", to).catch((x) => x)) as Error;
+    expect(e).toBeInstanceOf(ConfigError);
+    expect(e.message).toBe(text);
+  }
+});
