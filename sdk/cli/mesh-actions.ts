@@ -5,6 +5,7 @@
 import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { type Event, JobState } from "../../schemas/messages/job.ts";
+import { orAfter } from "../../services/runtime/mesh/timers.ts";
 import { defaultOwner, qualifyJob } from "../../services/runtime/job/subjects.ts";
 import { jobConfigFromJson } from "../../services/runtime/job/config.ts";
 import { planDevice, planReport } from "../plan.ts";
@@ -334,6 +335,14 @@ export async function meshUp(o: MeshUpFlags): Promise<void> {
     if (!stop.first.signal.aborted)
       await new Promise<void>((resolve) =>
         stop.first.signal.addEventListener("abort", () => resolve(), { once: true }),
+      );
+    // the jobs it stops in their tracks: where they go on (a look of a few seconds at most)
+    const running = (await orAfter(client.list({ every: true }), 3_000, [])).filter(
+      (r) => r.state === JobState.Running,
+    );
+    if (running.length > 0)
+      console.log(
+        `running jobs stopped with the mesh: ${running.map((r) => printable(r.job)).join(", ")}; each resumes from its newest snapshot at the next \`mesh up --dir ${shownPath(o.dir)}\` (or cancel it then: ${cliName()} cancel <job>)`,
       );
   } catch (e) {
     if (e instanceof CapacityError)

@@ -308,9 +308,15 @@ describe("meshtrain mesh up and the client commands", () => {
       ),
     ]);
 
+    // a job still training when the mesh stops: it is named, with where it goes on
+    expect(c("submit", ...quick, "--epochs", "50", "--job", "j3", "--detach").code).toBe(0);
     up.proc.kill("SIGINT");
     expect(await up.done).toBe(0);
+    expect(up.out()).toContain(
+      "running jobs stopped with the mesh: default.j3; each resumes from its newest snapshot at the next `mesh up --dir m`",
+    );
     expect(up.out()).toContain("mesh stopped");
+    expect(existsSync(join(cwd, "m", "mesh.pid"))).toBe(false); // its folder is let go
     expect(readdirSync(join(runtime, readdirSync(runtime)[0]!))).toEqual([]); // its note is gone
     expect(processesMentioning(cwd)).toEqual([]);
     // no mesh now: a clear line that says how to start one
