@@ -67,6 +67,10 @@ export const eventQueueMax = 100_000;
 /** How long `submit` looks for the ranks a job needs: a service busy in a synchronous stretch
  *  (reading a data set, a long step) can miss one look's window. */
 export const submitMembersWaitMs = 5_000;
+
+/** How long a client's job-store operation waits for a NATS server it lost to come back (a local
+ *  mesh's launcher restarts a dead one in a few seconds) before it says the mesh is gone. */
+export const clientAwayMsMax = 8_000;
 /** The data-loader's plan of a job at submission: it reads the data set first (MNIST: under a
  *  second; a large token folder: longer). */
 export const planTimeoutMs = 60_000;
@@ -209,7 +213,8 @@ export class MeshClient implements AsyncDisposable {
       ...(nkeyFile === undefined ? {} : { nkeyFile }),
     });
     try {
-      const ledger = await JobLedger.open(bus, undefined, { leaderReads: false });
+      // a client gives up on a server it lost after a while (a service waits on: it is restarted)
+      const ledger = await JobLedger.open(bus, undefined, { leaderReads: false, awayMsMax: clientAwayMsMax });
       return new MeshClient(bus, ledger.store, ledger, url, owner);
     } catch (e) {
       await bus.close();

@@ -3,7 +3,7 @@
 // a typed error naming what could not be done, not nats.js's bare "TimeoutError: timeout" with
 // its stack (seen in `meshtrain watch` when its mesh was killed).
 import { expect, test } from "bun:test";
-import { JetStreamUnavailableError } from "../../services/runtime/mesh/errors.ts";
+import { JetStreamUnavailableError, NatsUnreachableError } from "../../services/runtime/mesh/errors.ts";
 import { readAgain, untilLed } from "../../services/runtime/job/ledger.ts";
 
 /** What nats.js rejects a request with when no answer comes. */
@@ -52,4 +52,25 @@ test("an error no wait mends is thrown at once, as it is", async () => {
     5_000,
   ).catch((x) => x);
   expect([e, calls]).toEqual([other, 1]);
+});
+
+test("a client that lost its server longer than its bound: NatsUnreachableError at the next failure, not after the leader wait", async () => {
+  let away = 0,
+    asks = 0;
+  const e = (await untilLed(
+    async () => {
+      asks++;
+      away += 3_000; // each failed ask, the client has been away longer
+      throw natsTimeout();
+    },
+    readAgain,
+    "read the record of job default.a",
+    60_000,
+    { ms: () => away, max: 8_000, server: "127.0.0.1:4333" },
+  ).catch((x) => x)) as Error;
+  expect(e).toBeInstanceOf(NatsUnreachableError);
+  expect(e.message).toBe(
+    "cannot read the record of job default.a: lost the NATS server at 127.0.0.1:4333 9 s ago, and none answers since; is the mesh up? (meshtrain mesh up)",
+  );
+  expect(asks).toBe(3); // given up at the first failure past the bound, not after the minute's wait
 });

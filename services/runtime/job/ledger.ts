@@ -22,7 +22,7 @@ import {
   JobState,
 } from "../../../schemas/messages/job.ts";
 import { type Bus, type StoreBus } from "../mesh/bus.ts";
-import { JetStreamUnavailableError, refusedAs } from "../mesh/errors.ts";
+import { JetStreamUnavailableError, NatsUnreachableError, refusedAs } from "../mesh/errors.ts";
 import { subjects } from "./subjects.ts";
 import type { Logger } from "../mesh/log.ts";
 
@@ -71,6 +71,7 @@ export async function untilLed<T>(
   again: (e: unknown) => boolean = notApplied,
   what = "use the job store",
   waitMs = jobStoreLeaderWaitMsMax,
+  away?: Away,
 ): Promise<T> {
   const started = Date.now();
   for (let attempt = 1; ; attempt++) {
@@ -80,6 +81,13 @@ export async function untilLed<T>(
       const refused = refusedAs(e, what);
       if (refused !== e) throw refused;
       if (!again(e)) throw e;
+      // a client cut off from its server for this long: the mesh is gone, not electing a leader
+      const gone = away?.ms() ?? 0;
+      if (away !== undefined && gone > away.max)
+        throw new NatsUnreachableError(
+          `cannot ${what}: lost the NATS server at ${away.server} ${Math.round(gone / 1000)} s ago, and none answers since; is the mesh up? (meshtrain mesh up)`,
+          { cause: e },
+        );
       // no leader for this long: the NATS server is gone (or its JetStream), not electing one
       if (Date.now() - started > waitMs)
         throw new JetStreamUnavailableError(
@@ -89,6 +97,13 @@ export async function untilLed<T>(
       await Bun.sleep(Math.min(100 * attempt, 1000));
     }
   }
+}
+
+/** A client's bound on waiting for a server it lost (StoreBus.awayMs), where a service waits on. */
+export interface Away {
+  ms: () => number;
+  max: number;
+  server: string;
 }
 
 export type JobChange = { job: string; spec: JobSpec | null };
@@ -128,7 +143,13 @@ export class JobStore {
     readonly specs: KV,
     readonly records: KV,
     readonly bus: StoreBus,
+    readonly away: Away | undefined,
   ) {}
+
+  /** untilLed with this store's bound on a lost server (a client's; none for a service) */
+  #led<T>(op: () => Promise<T>, again: (e: unknown) => boolean, what: string): Promise<T> {
+    return untilLed(op, again, what, jobStoreLeaderWaitMsMax, this.away);
+  }
 
   /**
    * Opens (creates) both buckets; `replicas`: on how many servers of a cluster they are kept
@@ -141,18 +162,30 @@ export class JobStore {
    * name its own keys in a direct get's subject: it reads from replicas, and reads its own writes
    * again until they are not older (#readOwn).
    */
-  static async open(bus: StoreBus, o: { replicas?: number; leaderReads?: boolean } = {}): Promise<JobStore> {
-    o = { ...o, leaderReads: o.leaderReads ?? true }; // an undefined leaderReads is the default too
+  static async open(
+    bus: StoreBus,
+    o: { replicas?: number; leaderReads?: boolean; awayMsMax?: number } = {},
+  ): Promise<JobStore> {
+    const { awayMsMax, ...bucket } = { ...o, leaderReads: o.leaderReads ?? true }; // an undefined leaderReads is the default too
+    const awayMs = bus.awayMs?.bind(bus);
+    const away =
+      awayMsMax === undefined || awayMs === undefined ? undefined : { ms: awayMs, max: awayMsMax, server: bus.server };
     try {
       const specs = await untilLed(
-        () => bus.openBucket(jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax, ...o }),
+        () => bus.openBucket(jobsBucket, { history: 1, maxValueSize: jobSpecBytesMax, ...bucket }),
         openAgain,
+        undefined,
+        undefined,
+        away,
       );
       const records = await untilLed(
-        () => bus.openBucket(recordsBucket, { history: 1, maxValueSize: jobRecordBytesMax, ...o }),
+        () => bus.openBucket(recordsBucket, { history: 1, maxValueSize: jobRecordBytesMax, ...bucket }),
         openAgain,
+        undefined,
+        undefined,
+        away,
       );
-      return new JobStore(specs, records, bus);
+      return new JobStore(specs, records, bus, away);
     } catch (e) {
       if ((e as Error).name !== "JetStreamNotEnabled") throw e;
       throw new JetStreamUnavailableError(
@@ -191,7 +224,7 @@ export class JobStore {
 
   async putSpec(spec: JobSpec): Promise<void> {
     // a put that timed out may have been applied: putting the same spec again changes nothing
-    const revision = await untilLed(
+    const revision = await this.#led(
       () => this.specs.put(spec.job, encodeJobSpec(spec)),
       readAgain,
       `write the spec of job ${spec.job}`,
@@ -205,14 +238,14 @@ export class JobStore {
    * put between the read and the delete.
    */
   async deleteSpec(job: string, attempt = 0): Promise<void> {
-    const e = await untilLed(() => this.specs.get(job), readAgain, `read the spec of job ${job}`);
+    const e = await this.#led(() => this.specs.get(job), readAgain, `read the spec of job ${job}`);
     if (!e || e.operation !== "PUT") return;
     if (attempt > 0) {
       const spec = decodeJobSpec(e.value, jobSpecBytesMax);
       if ((spec.attempt ?? 0) > 0 && spec.attempt !== attempt) return;
     }
     try {
-      await untilLed(
+      await this.#led(
         () => this.specs.delete(job, { previousSeq: e.revision }),
         notApplied,
         `delete the spec of job ${job}`,
@@ -225,14 +258,14 @@ export class JobStore {
 
   async spec(job: string): Promise<JobSpec | null> {
     const e = await this.#readOwn(`specs/${job}`, () =>
-      untilLed(() => this.specs.get(job), readAgain, `read the spec of job ${job}`),
+      this.#led(() => this.specs.get(job), readAgain, `read the spec of job ${job}`),
     );
     return e && e.operation === "PUT" ? decodeJobSpec(e.value, jobSpecBytesMax) : null;
   }
 
   async record(job: string): Promise<{ record: JobRecord; revision: number } | null> {
     const e = await this.#readOwn(`records/${job}`, () =>
-      untilLed(() => this.records.get(job), readAgain, `read the record of job ${job}`),
+      this.#led(() => this.records.get(job), readAgain, `read the record of job ${job}`),
     );
     return e && e.operation === "PUT"
       ? { record: decodeJobRecord(e.value, jobRecordBytesMax), revision: e.revision }
@@ -245,7 +278,7 @@ export class JobStore {
     const whose = owner === undefined ? "every owner's jobs" : `the jobs of ${owner}`;
     // the whole listing is repeated, not only its start: a stream electing a leader can fail
     // the keys' consumer after it began
-    const keys = await untilLed(
+    const keys = await this.#led(
       async () => {
         const found: string[] = [];
         for await (const k of await this.records.keys(owner === undefined ? ">" : `${owner}.*`)) found.push(k);
@@ -270,7 +303,7 @@ export class JobStore {
   async createRecord(r: JobRecord): Promise<boolean> {
     const bytes = encodeJobRecord(r);
     try {
-      const revision = await untilLed(
+      const revision = await this.#led(
         () => this.records.create(r.job, bytes),
         readAgain,
         `write the record of job ${r.job}`,
@@ -298,7 +331,7 @@ export class JobStore {
       const next = change(cur.record);
       if (next === null) return null;
       try {
-        const revision = await untilLed(
+        const revision = await this.#led(
           () => this.records.update(job, encodeJobRecord(next), cur.revision),
           notApplied,
           `write the record of job ${job}`,
@@ -336,7 +369,11 @@ export class JobStore {
     };
     const start = async (): Promise<{ stop(): void } & AsyncIterable<KvEntry>> => {
       // first the last value of every key, then changes; again: every change after the last delivered
-      const w = await untilLed(() => this.specs.watch(last === 0 ? {} : { resumeFromRevision: last + 1 }), readAgain);
+      const w = await this.#led(
+        () => this.specs.watch(last === 0 ? {} : { resumeFromRevision: last + 1 }),
+        readAgain,
+        "follow the job specs",
+      );
       void (async () => {
         for await (const e of w) deliver(e);
       })();
@@ -455,7 +492,11 @@ export class JobLedger implements JobControl {
   ) {}
 
   /** `leaderReads` (JobStore.open): false for a client, whose role reads by direct gets only. */
-  static async open(bus: StoreBus, log?: Logger, o: { leaderReads?: boolean } = {}): Promise<JobLedger> {
+  static async open(
+    bus: StoreBus,
+    log?: Logger,
+    o: { leaderReads?: boolean; awayMsMax?: number } = {},
+  ): Promise<JobLedger> {
     return new JobLedger(await JobStore.open(bus, o), bus, log);
   }
 

@@ -103,6 +103,8 @@ export interface StoreBus extends Bus {
   readonly server: string;
   /** each time the connection moves to another server, or a server leaves the cluster */
   clusterChanges(): AsyncIterable<string>;
+  /** how long the connection has been lost (0: connected), where the bus can tell */
+  awayMs?(): number;
 }
 
 /** Largest error reply read back (an error message is text, not data). */

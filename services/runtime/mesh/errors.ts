@@ -82,6 +82,12 @@ export function rebuildError(reply: ErrorReply): Error {
   return Cls ? new Cls(message) : new MeshError(reply.code, message);
 }
 
+/** No NATS server of the mesh can be reached (never, or not since it was lost): not an answer of a
+ *  service's, so it crosses no wire. */
+export class NatsUnreachableError extends MeshtrainError {
+  override readonly name = "NatsUnreachableError";
+}
+
 /** The server refused this client (TLS or authorization, or an operation its NATS user's role
  *  does not allow): retrying cannot help. */
 export class NatsAccessError extends MeshtrainError {

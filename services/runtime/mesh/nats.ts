@@ -1,6 +1,5 @@
 // NatsBus: the Bus over a real NATS server (@nats-io/transport-node), with every endpoint
 // registered through @nats-io/services so `$SRV.PING|INFO|STATS` discovery works.
-import { MeshtrainError } from "../../../ffi/errors.ts";
 import { existsSync } from "node:fs";
 import { busTraffic } from "./metrics.ts";
 import { Svcm, type Service, type ServiceMsg } from "@nats-io/services";
@@ -19,7 +18,15 @@ import {
   unwrapReply,
 } from "./bus.ts";
 import { decodeReconnected, encodeReconnected, type Reconnected } from "../../../schemas/messages/runtime.ts";
-import { DeadlineError, MeshError, NatsAccessError, NoRespondersError, refusedAs, RequestLostError } from "./errors.ts";
+import {
+  DeadlineError,
+  MeshError,
+  NatsAccessError,
+  NatsUnreachableError,
+  NoRespondersError,
+  refusedAs,
+  RequestLostError,
+} from "./errors.ts";
 
 export { NatsAccessError };
 import type { Logger } from "./log.ts";
@@ -107,10 +114,7 @@ export const natsServers = (url: string): string[] =>
 export const natsInstallHint =
   "apt-get install -y nats-server && nats-server -p 4222 (or: docker run -p 4222:4222 nats)";
 
-/** Error codes that answer a question about a job rather than report a problem (logged at debug level). */
-export class NatsUnreachableError extends MeshtrainError {
-  override readonly name = "NatsUnreachableError";
-}
+export { NatsUnreachableError } from "./errors.ts";
 
 /**
  * Connects, retrying with exponential backoff. The first failure is logged once with the URL and
@@ -242,6 +246,15 @@ export class NatsBus implements StoreBus {
    *  subscriptions do (a rank's stand-in is drained as its next transport subscribes the same) */
   readonly #answers = new Map<string, number>();
 
+  /** when the connection was lost, while it is (a reconnect clears it) */
+  #awaySince: number | null = null;
+
+  /** How long the connection has been lost: 0 while connected. */
+  awayMs(): number {
+    if (this.nc.isClosed()) return Number.POSITIVE_INFINITY;
+    return this.#awaySince === null ? 0 : Date.now() - this.#awaySince;
+  }
+
   /** The subjects this process answers requests on: what its reconnect notice names. */
   get answeredSubjects(): string[] {
     return [...this.#answers.keys()];
@@ -279,6 +292,7 @@ export class NatsBus implements StoreBus {
         if (s.type === "error" && /permissions? violation/i.test(s.error.message))
           opts.log?.error({ err: s.error.message }, "NATS refused an operation of this process's role");
         if (s.type === "reconnect") {
+          this.#awaySince = null;
           // what was asked while away went out on the new connection, or nowhere: asked again;
           // the others hear that what they asked of this process may be lost
           this.#dropAll(reconnectedText);
@@ -287,6 +301,7 @@ export class NatsBus implements StoreBus {
         }
         if (s.type === "update") this.#checkCluster();
         if (s.type !== "disconnect") continue;
+        this.#awaySince ??= Date.now();
         // the next server's INFO starts afresh (what was lost is failed now)
         this.#clusterMembers = new Set();
         this.#dropAll(droppedText);
