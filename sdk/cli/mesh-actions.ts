@@ -55,11 +55,17 @@ const localLogs = (snapshotDir: string): string | null =>
  * (the job goes on) and says how to come back to it.
  */
 async function follow(client: MeshClient, job: string, events?: AsyncIterableIterator<Event>): Promise<void> {
-  using stop = new StopRequests(() =>
+  using stop = new StopRequests(() => {
+    // a mesh this client lost cannot be said to train on
+    const away = client.bus.awayMs();
+    const state =
+      away > 0
+        ? `its mesh has not answered for ${Math.round(away / 1000)} s, so whether it trains on is not known`
+        : "it goes on training";
     console.log(
-      `\nstopped following job ${job}; it goes on training. Follow it again: ${cliName()} watch ${job}; stop it: ${cliName()} cancel ${job}`,
-    ),
-  );
+      `\nstopped following job ${job}; ${state}. Follow it again: ${cliName()} watch ${job}; stop it: ${cliName()} cancel ${job}`,
+    );
+  });
   try {
     const o = await watchJob(client, job, { signal: stop.first.signal, ...(events ? { events } : {}) });
     for (const line of outcomeLines(o, { logs: localLogs(o.record.snapshotDir) })) console.log(line);
