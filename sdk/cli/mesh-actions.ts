@@ -54,7 +54,8 @@ const localLogs = (snapshotDir: string): string | null =>
  * Follows a job the client submitted or asked to watch, printing its end. Ctrl-C stops following
  * (the job goes on) and says how to come back to it.
  */
-async function follow(client: MeshClient, job: string, events?: AsyncIterableIterator<Event>): Promise<void> {
+async function follow(client: MeshClient, name: string, events?: AsyncIterableIterator<Event>): Promise<void> {
+  const job = client.job(name); // its owner's name, as every other line says it
   using stop = new StopRequests(() => {
     // a mesh this client lost cannot be said to train on
     const away = client.bus.awayMs();
