@@ -10,6 +10,7 @@
 //   runEval          a model's validation loss (GPT) or MNIST test accuracy (MLP), printed
 // examples/sdk.ts runs each of them against a local mesh.
 import { gptJobDefaults, type JobConfig, jobDefaults, parseJobConfig } from "../services/runtime/job/config.ts";
+import { ConfigError } from "../ffi/errors.ts";
 
 export { MeshClient, type JobStatus, type PreviousRun, EventKind, JobState } from "./client.ts";
 export { watchJob, JobFailedError, type JobOutcome, type WatchOptions } from "./watch.ts";
@@ -34,10 +35,9 @@ export {
   JobStateError,
   CapacityError,
   NatsAccessError,
+  NatsUnreachableError,
 } from "../services/runtime/mesh/errors.ts";
-export { NatsUnreachableError } from "../services/runtime/mesh/nats.ts";
 export { MeshtrainError, ConfigError, NativeLibraryError, OutOfMemoryError } from "../ffi/errors.ts";
-import { ConfigError } from "../ffi/errors.ts";
 export { DataFileError } from "../engine/data/errors.ts";
 export { runSample, type SampleOptions } from "./local/sample.ts";
 export { runEval, type EvalOptions, type EvalReport } from "./local/evaluate.ts";

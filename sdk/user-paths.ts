@@ -3,6 +3,7 @@
 import { closeSync, openSync, type Stats, statSync, unlinkSync } from "node:fs";
 import { dirname, isAbsolute, join, relative, resolve, sep } from "node:path";
 import { ConfigError } from "../ffi/errors.ts";
+import { pathProblem } from "../engine/data/files.ts";
 
 /**
  * The folder the user ran the command in. `npm run meshtrain -- ...` runs with the package root
@@ -52,18 +53,8 @@ export const defaultRunDir = (): string => join("runs", "mesh");
 /** Why a path cannot be written, in the user's words (a system call's error code). */
 function whyNot(e: unknown): string {
   const code = (e as NodeJS.ErrnoException).code;
-  const why: Record<string, string> = {
-    EACCES: "permission denied",
-    EPERM: "not permitted",
-    EROFS: "a read-only file system",
-    ENOENT: "a folder on its path cannot be made there",
-    ENOTDIR: "a part of its path is a file, not a folder",
-    EEXIST: "a part of its path is a file, not a folder",
-    ENOSPC: "no space left on the device",
-    EISDIR: "it is a folder",
-    EBUSY: "it is in use (a mount point?)",
-  };
-  return (code !== undefined ? why[code] : undefined) ?? code ?? (e as Error).message;
+  if (code === "ENOENT") return "a folder on its path cannot be made there";
+  return pathProblem(e) ?? code ?? (e as Error).message;
 }
 
 /** What is at a path to be written (undefined: nothing), or why the path cannot be. */

@@ -6,20 +6,28 @@ import { packageRoot } from "../../ffi/package-root.ts";
 /** Why a file could not be read, in the user's words (the system call's error code), for a DataFileError. */
 export function readFailure(e: unknown): string {
   const code = (e as NodeJS.ErrnoException).code;
-  switch (code) {
-    case "ENOENT":
-      return "file not found";
-    case "ENOTDIR":
-      return "cannot be read: a part of its path is a file, not a folder";
-    case "EISDIR":
-      return "is a folder, not a file";
-    case "EACCES":
-    case "EPERM":
-      return "cannot be read: permission denied";
-    default:
-      return `cannot be read: ${(e as Error).message}`;
-  }
+  if (code === "ENOENT") return "file not found";
+  if (code === "EISDIR") return "is a folder, not a file";
+  return `cannot be read: ${pathProblem(e) ?? (e as Error).message}`;
 }
+
+/** What a system call's error code says of a path, in the user's words; undefined for one it
+ *  does not know (a path read here, or written: sdk/user-paths.ts). */
+export function pathProblem(e: unknown): string | undefined {
+  const code = (e as NodeJS.ErrnoException).code;
+  return code === undefined ? undefined : pathProblems[code];
+}
+
+const pathProblems: Record<string, string> = {
+  ENOTDIR: "a part of its path is a file, not a folder",
+  EEXIST: "a part of its path is a file, not a folder",
+  EISDIR: "it is a folder",
+  EACCES: "permission denied",
+  EPERM: "not permitted",
+  EROFS: "a read-only file system",
+  ENOSPC: "no space left on the device",
+  EBUSY: "it is in use (a mount point?)",
+};
 
 /** A JSON file's value: a file that cannot be read says why (readFailure), text that is not JSON says so. */
 export function readJsonFile(path: string): unknown {

@@ -146,11 +146,7 @@ function checkFlags(f: JobFlags, model: ModelKind, optimizer: OptimizerKind, syn
  */
 export function checkTrainFlags(cmd: Command, model: ModelKind): void {
   const opts = cmd.opts();
-  const given: Record<string, unknown> = Object.fromEntries(
-    Object.keys(opts)
-      .filter((k) => cmd.getOptionValueSource(k) === "cli")
-      .map((k) => [k, opts[k]]),
-  );
+  const given: Record<string, unknown> = Object.fromEntries([...givenOptions(cmd)].map((k) => [k, opts[k]]));
   if (given.tokensDir !== undefined) given.tokens ??= given.tokensDir;
   const optimizer = (opts.optimizer ?? defaultFor(flagRows.get("optimizer")!, model)) as OptimizerKind;
   checkFlags(given, model, optimizer, "bsp");

@@ -17,11 +17,12 @@ import { workersMax } from "../local/prepare-pool.ts";
 import { exportSummary, runExport } from "../local/export.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
 import { addDoctorCommand, meshtrainVersion } from "./doctor.ts";
-import { checkTrainFlags, sharedOption, sharedOptions } from "./job-options.ts";
+import { checkTrainFlags, givenOptions, sharedOption, sharedOptions } from "./job-options.ts";
 import { errorExit } from "./exit.ts";
 import { ConfigError } from "../../ffi/errors.ts";
 
 const benchName = choice(...benchNames);
+const isHelp = (arg: string) => arg === "--help" || arg === "-h";
 const program = new Command()
   .name("meshtrain")
   .description(
@@ -130,7 +131,7 @@ sharedOptions(
   .addOption(sharedOption("attention", "gpt"))
   .action((opts, cmd: Command) => {
     checkTrainFlags(cmd, "gpt");
-    const given = new Set(Object.keys(opts).filter((k) => cmd.getOptionValueSource(k) === "cli"));
+    const given = givenOptions(cmd);
     runGpt({
       ...gptRunDefaults,
       ...opts,
@@ -314,13 +315,13 @@ program
     `run a benchmark from meshtrain's repository: ${benchNames.join(", ")} (each prints a table, then one JSON line; bench <name> --help says what it measures and its options)`,
   )
   // (its --help is this program's: `bench <name> --help` is the benchmark's own)
-  .argument("<name>", "benchmark name", (raw: string) => (raw === "--help" || raw === "-h" ? raw : benchName(raw)))
+  .argument("<name>", "benchmark name", (raw: string) => (isHelp(raw) ? raw : benchName(raw)))
   // the benchmark parses its own options (--steps, --elems, ...)
   .allowUnknownOption(true)
   .allowExcessArguments(true)
   .helpOption(false)
   .action(async (name: string, _opts, cmd: Command) => {
-    if (name === "--help" || name === "-h") {
+    if (isHelp(name)) {
       cmd.outputHelp();
       return;
     }

@@ -250,22 +250,12 @@ function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void
     gradClip: o.gradClip,
     accumSteps: o.accum,
   });
-  const trainBatches = new TokenBatcher(
-    corpus.train,
-    o.batchSize,
-    o.blockSize,
-    corpus.vocabSize,
-    `the training split of ${corpus.name}`,
-  );
+  const batches = (tokens: typeof corpus.train, split: string) =>
+    new TokenBatcher(tokens, o.batchSize, o.blockSize, corpus.vocabSize, `the ${split} split of ${corpus.name}`);
+  const trainBatches = batches(corpus.train, "training");
   // validation batches are training micro-batches: a forward pass over them needs less memory
   // than a training step (`meshtrain eval` reads the same batches)
-  const valBatches = new TokenBatcher(
-    corpus.val,
-    o.batchSize,
-    o.blockSize,
-    corpus.vocabSize,
-    `the validation split of ${corpus.name}`,
-  );
+  const valBatches = batches(corpus.val, "validation");
   const tokensPerStep = o.batchSize * o.accum * o.blockSize;
 
   inputsRead();

@@ -36,30 +36,13 @@ test("parameter-server mode: a restore announced while the final pull waits aban
     });
   let generation = 0;
   const announced = Promise.withResolvers<void>();
-  const host: StepHost = {
-    cfg,
-    rank: 0,
-    bus,
-    backend: ctx.backend,
-    ctx,
-    model,
-    payloadBytesMax: 1 << 20,
-    log: undefined,
-    total: plan.totalSteps,
-    stepDelayMs: 0,
-    hb: null,
-    batch: () => Promise.reject(new Error("no batches here")),
-    boundary: () => Promise.resolve(0),
+  const host = stepHost(cfg, bus, ctx, model, plan.totalSteps, {
     checkGeneration: (step, g) => {
       if (g !== generation) throw new StaleStepError(`step ${step} began before a restore; abandoned`);
     },
-    publish: () => {},
-    lr: () => cfg.lr,
-    rowsAt: () => 0,
-    restorePending: () => false,
     restoreAnnounced: () => announced.promise,
     generation: () => generation,
-  };
+  });
   const mode = trainerMode(host, plan, null);
   const values = () => {
     const out = new Float32Array(model.store.slabNumel);
@@ -88,7 +71,7 @@ test("all-reduce mode: a load or a snapshot's cut routed to a closed run is answ
   const bus = new MemoryBus();
   const [rank] = replicaRanks(cfg, { plan: imagePlan, bus, progressTimeoutMs: 5_000 });
   const { ctx, model, replica } = rank!;
-  const mode = trainerMode(replicaHost(cfg, bus, ctx, model, plan.totalSteps), plan, replica);
+  const mode = trainerMode(stepHost(cfg, bus, ctx, model, plan.totalSteps), plan, replica);
   const subs = mode.serve();
   const cut = encodeJobRequest({ job: cfg.job, step: 0, tag: "cut" });
   // open: the cut is served (the count of its parts)
@@ -106,8 +89,16 @@ test("all-reduce mode: a load or a snapshot's cut routed to a closed run is answ
   ctx.dispose();
 });
 
-/** What a mode needs of its trainer, for a rank that only serves (no step runs). */
-function replicaHost(cfg: JobConfig, bus: Bus, ctx: Context, model: Model, total: number): StepHost {
+/** What a mode needs of its trainer, for rank 0 of a test that runs no step but what `over` gives
+ *  (no batches, no restore announced, generation 0). */
+function stepHost(
+  cfg: JobConfig,
+  bus: Bus,
+  ctx: Context,
+  model: Model,
+  total: number,
+  over: Partial<StepHost> = {},
+): StepHost {
   return {
     cfg,
     rank: 0,
@@ -129,5 +120,6 @@ function replicaHost(cfg: JobConfig, bus: Bus, ctx: Context, model: Model, total
     restorePending: () => false,
     restoreAnnounced: () => new Promise(() => {}),
     generation: () => 0,
+    ...over,
   };
 }
