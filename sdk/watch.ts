@@ -216,7 +216,7 @@ export class Watcher {
               ? ` (epoch ${Math.round((r.step * this.epochs) / totalSteps)}/${this.epochs})`
               : "";
           this.say(
-            `step ${r.step}${epoch}: ${r.split} loss ${r.loss.toFixed(4)}, accuracy ${(100 * r.accuracy).toFixed(2)}% (${r.evaluated} ${this.unit} over ${r.ranks} trainers)`,
+            `step ${r.step}${epoch}: ${r.split} loss ${r.loss.toFixed(4)}, accuracy ${(100 * r.accuracy).toFixed(2)}% (${r.evaluated} ${this.unit} over ${r.ranks} trainer${r.ranks === 1 ? "" : "s"})`,
           );
         }
         break;

@@ -2,7 +2,17 @@
 // user needs, nothing else: no tests, no benchmarks, no builds), that every module the package
 // holds imports only modules it holds too, where the native builds go, and `meshtrain doctor`.
 import { describe, expect, test } from "bun:test";
-import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, utimesSync, writeFileSync } from "node:fs";
+import {
+  existsSync,
+  mkdirSync,
+  mkdtempSync,
+  readdirSync,
+  readFileSync,
+  rmSync,
+  symlinkSync,
+  utimesSync,
+  writeFileSync,
+} from "node:fs";
 import { tmpdir } from "node:os";
 import { dirname, join, normalize } from "node:path";
 import { nativeBuildDir } from "../../ffi/build-dir.ts";
@@ -53,11 +63,14 @@ describe("the package", () => {
     expect(pkg.exports["."]).toEqual({ types: "./types/sdk/index.d.ts", default: "./sdk/index.ts" });
   });
 
-  test("holds no tests, benchmarks, development tools, builds or deployment files", () => {
-    const outside = files.filter((f) =>
-      /^(test|bench|dev|testbed|deploy|docs|examples|scripts)\/|(^|\/)build\/|\.(py|tmp|so|ptx|stamp|fbs)$/.test(f),
+  test("holds no tests, benchmarks, development tools, builds or deployment files but the compose file (the local mesh's topology)", () => {
+    const outside = files.filter(
+      (f) =>
+        /^(test|bench|dev|testbed|deploy|docs|examples|scripts)\/|(^|\/)build\/|\.(py|tmp|so|ptx|stamp|fbs)$/.test(f) &&
+        f !== "deploy/docker-compose.yml",
     );
     expect(outside).toEqual([]);
+    expect(packed.has("deploy/docker-compose.yml")).toBe(true);
     expect(packed.has("schemas/build.ts")).toBe(false);
   });
 
@@ -73,6 +86,58 @@ describe("the package", () => {
     }
     expect(missing).toEqual([]);
   });
+});
+
+describe("installed in a project", () => {
+  // the tarball unpacked where npm puts it, beside the repository's dependencies (no registry)
+  test("`meshtrain run` from node_modules/meshtrain trains on a local mesh of its own", () => {
+    const dir = mkdtempSync(join(tmpdir(), "mt-installed-"));
+    try {
+      const pack = Bun.spawnSync(["npm", "pack", "--ignore-scripts", "--pack-destination", dir], {
+        cwd: root,
+        stdout: "pipe",
+        stderr: "pipe",
+        timeout: 60_000,
+      });
+      expect(pack.exitCode).toBe(0);
+      const installed = join(dir, "proj", "node_modules", "meshtrain");
+      mkdirSync(installed, { recursive: true });
+      const tgz = join(dir, pack.stdout.toString().trim().split("\n").at(-1)!);
+      expect(Bun.spawnSync(["tar", "xzf", tgz, "-C", installed, "--strip-components=1"]).exitCode).toBe(0);
+      for (const dep of readdirSync(join(root, "node_modules")))
+        if (dep !== "meshtrain") symlinkSync(join(root, "node_modules", dep), join(dir, "proj", "node_modules", dep));
+      const r = Bun.spawnSync(
+        [
+          process.execPath,
+          join(installed, "sdk", "cli", "main.ts"),
+          "run",
+          "--trainers",
+          "1",
+          "--shards",
+          "1",
+          "--max-steps",
+          "3",
+          "--no-dashboard",
+          "--dir",
+          join(dir, "run"),
+        ],
+        {
+          cwd: join(dir, "proj"),
+          // the native builds go to a folder of this test's own, as a user's would go to theirs
+          env: { ...process.env, MESHTRAIN_CACHE_DIR: join(dir, "cache") },
+          stdout: "pipe",
+          stderr: "pipe",
+          timeout: 110_000,
+        },
+      );
+      const out = r.stdout.toString();
+      expect(r.exitCode, `${out}${r.stderr.toString()}`).toBe(0);
+      expect(out).toMatch(/^test accuracy: [\d.]+% .* after 3 steps/m);
+      expect(out).toContain(`model:     ${join(dir, "run", "jobs")}`);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  }, 120_000);
 });
 
 describe("native builds", () => {
