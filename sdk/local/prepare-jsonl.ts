@@ -1,14 +1,15 @@
 // `meshtrain prepare --jsonl <field>`: a JSON Lines file, plain or compressed (.gz: gzip, .zst:
-// zstd, both by node:zlib), read as a stream a line at a time, so memory holds one chunk and one
+// zstd, both by node:zlib, the zstd frames checked by zstd-frames.ts), read as a stream a line at a time, so memory holds one chunk and one
 // line whatever the file's size.
 import { createReadStream } from "node:fs";
-import type { Readable } from "node:stream";
+import { pipeline, type Readable } from "node:stream";
 import { createGunzip, createZstdDecompress } from "node:zlib";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { shownPath } from "../user-paths.ts";
 import type { Document } from "./prepare-sources.ts";
 import { lineBlocks } from "./prepare-lines.ts";
 import { decodeUtf8, type InvalidUtf8 } from "./prepare-utf8.ts";
+import { ZstdFrameCheck } from "./zstd-frames.ts";
 
 /** The names a JSON Lines file goes by; the extension after .jsonl says how it is compressed. */
 export const jsonlFile = /\.jsonl(\.gz|\.zst)?$/;
@@ -20,7 +21,8 @@ export const jsonlLineBytesMax = 1 << 28;
 function decompressed(path: string): Readable {
   const raw = createReadStream(path);
   if (path.endsWith(".gz")) return raw.pipe(createGunzip());
-  if (path.endsWith(".zst")) return raw.pipe(createZstdDecompress());
+  // the frames are checked as they pass: Bun's decompressor says nothing of a file cut short
+  if (path.endsWith(".zst")) return pipeline(raw, new ZstdFrameCheck(path), createZstdDecompress(), () => {});
   return raw;
 }
 

@@ -391,6 +391,17 @@ describe("prepare", () => {
       await expect(
         runPrepare(opts({ text: bad("cut.jsonl.gz", cut), jsonl: "text", out: join(dir, "gz-bad") })),
       ).rejects.toThrow(/cut\.jsonl\.gz: cannot be read: /);
+      // two zstd frames, the second cut short: the first's documents are not taken for the file
+      const frames = Buffer.concat([zstdCompressSync(jsonl.slice(0, 900)), zstdCompressSync(jsonl.slice(900))]);
+      await expect(
+        runPrepare(
+          opts({
+            text: bad("cut.jsonl.zst", frames.subarray(0, frames.length - 5)),
+            jsonl: "text",
+            out: join(dir, "zst-cut"),
+          }),
+        ),
+      ).rejects.toThrow(`cut.jsonl.zst: ends inside a zstd frame, at byte ${frames.length - 5}: the file is truncated`);
       const head = Buffer.from(jsonl.slice(0, 400));
       const latin = zstdCompressSync(Buffer.concat([head, Buffer.from([0xe9, 0x0a])]));
       await expect(
