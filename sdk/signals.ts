@@ -32,3 +32,43 @@ export class StopRequests implements Disposable {
     for (const s of signals) process.off(s, this.#handler);
   }
 }
+
+/**
+ * Ctrl-C for a command whose work is a loop on this thread (`train`): the first signal asks the
+ * loop to end after its current step, to evaluate and write what it has; the handlers then let
+ * go, so that a second signal ends the process at once, as if none were handled (128 + its
+ * number), even in the middle of a step. The loop must yield to the event loop between steps
+ * (betweenSteps) for the first signal to reach it.
+ */
+export class StopAfterStep implements Disposable {
+  #signal: StopSignal | null = null;
+  readonly #handler = (signal: StopSignal) => {
+    this.#signal = signal;
+    this[Symbol.dispose]();
+    this.onFirst(signal);
+  };
+
+  constructor(readonly onFirst: (signal: StopSignal) => void) {
+    for (const s of signals) process.on(s, this.#handler);
+  }
+
+  /** the signal that asked for the stop, null while none has */
+  get requested(): StopSignal | null {
+    return this.#signal;
+  }
+
+  /** lets a pending signal's handler run (a step of a loop is synchronous) */
+  async betweenSteps(): Promise<void> {
+    await new Promise<void>((resolve) => setImmediate(resolve));
+  }
+
+  [Symbol.dispose](): void {
+    for (const s of signals) process.off(s, this.#handler);
+  }
+}
+
+/** how a stop is named to the user: Ctrl-C for SIGINT */
+export const stopName = (signal: StopSignal): string => (signal === "SIGINT" ? "Ctrl-C" : signal);
+
+/** 128 + the signal's number: what a process a signal stopped exits with */
+export const signalExitCode: Record<StopSignal, number> = { SIGHUP: 129, SIGINT: 130, SIGTERM: 143 };

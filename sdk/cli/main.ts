@@ -8,6 +8,7 @@ import { Command, Option } from "commander";
 import { type DeviceChoice, deviceChoices } from "../../ffi/select.ts";
 import { gptRunDefaults, runGpt } from "../local/train-gpt.ts";
 import { mlpRunDefaults, runMlp } from "../local/train-mlp.ts";
+import { signalExitCode } from "../signals.ts";
 import { runSample } from "../local/sample.ts";
 import { evalDefaults, runEval } from "../local/evaluate.ts";
 import { benchNames, choice, float, int } from "./options.ts";
@@ -66,15 +67,16 @@ sharedOptions(train.command("mlp").description("train an MLP classifier on MNIST
   .option("--out <file>", "where to write the trained model", m.out)
   .addOption(deviceOption(m.device))
   .addOption(sharedOption("precision", "mlp"))
-  .action((opts, cmd: Command) => {
+  .action(async (opts, cmd: Command) => {
     checkTrainFlags(cmd, "mlp");
-    runMlp({
+    const r = await runMlp({
       ...mlpRunDefaults,
       ...opts,
       nesterov: opts.nesterov !== false,
       dataDir: optionalPath(opts.dataDir),
       out: userPath(opts.out),
     });
+    if (r.interrupted !== null) process.exitCode = signalExitCode[r.interrupted];
   });
 
 const g = gptRunDefaults;
@@ -129,10 +131,10 @@ sharedOptions(
   .addOption(deviceOption(g.device))
   .addOption(sharedOption("precision", "gpt"))
   .addOption(sharedOption("attention", "gpt"))
-  .action((opts, cmd: Command) => {
+  .action(async (opts, cmd: Command) => {
     checkTrainFlags(cmd, "gpt");
     const given = givenOptions(cmd);
-    runGpt({
+    const r = await runGpt({
       ...gptRunDefaults,
       ...opts,
       text: optionalPath(opts.text),
@@ -141,6 +143,7 @@ sharedOptions(
       given,
       out: userPath(opts.out),
     });
+    if (r.interrupted !== null) process.exitCode = signalExitCode[r.interrupted];
   });
 
 program

@@ -30,6 +30,7 @@ import { autocastDType, type Precision } from "../../engine/mixed.ts";
 import { Context } from "../../engine/context.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
 import { Progress, RateMeter } from "../progress.ts";
+import { StopAfterStep, type StopSignal, stopName } from "../signals.ts";
 import { precisionNote, skippedStepNote } from "./precision.ts";
 import { modelLines } from "./next-steps.ts";
 
@@ -110,6 +111,8 @@ export interface GptRunResult {
   steps: number;
   seconds: number;
   sample?: string;
+  /** the signal that stopped the run before its end (the model is still evaluated and written), else null */
+  interrupted: StopSignal | null;
 }
 
 /** sample needs a character vocabulary; "Call me" where the text has those characters (Moby Dick's opening) */
@@ -176,7 +179,7 @@ export function* firstBatches<T>(items: Iterable<T>, count: number): Generator<T
   }
 }
 
-export function runGpt(o: GptRunOptions): GptRunResult {
+export async function runGpt(o: GptRunOptions): Promise<GptRunResult> {
   // said in the flags (the model's own check names its config's keys)
   if (o.initFrom === undefined && o.nEmbd % o.nHead !== 0)
     throw new ConfigError(`--n-embd (${o.nEmbd}) must be divisible by --n-head (${o.nHead})`);
@@ -198,7 +201,7 @@ export function runGpt(o: GptRunOptions): GptRunResult {
         backend.name === "cpu" ? `--device ${o.device} found no GPU (${detail})` : null,
       ),
     );
-    return trainGpt(o, backend, device.flush);
+    return await trainGpt(o, backend, device.flush);
   } finally {
     backend.dispose();
   }
@@ -210,7 +213,7 @@ function refuseAttention(o: GptRunOptions, problem: string | null): void {
 }
 
 /** `inputsRead` prints the device line once the corpus and the model are read. */
-function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void): GptRunResult {
+async function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void): Promise<GptRunResult> {
   const t0 = performance.now();
   const corpus = loadCorpus(given);
   // --init-from: the folder's shape is the run's; what the user gave is kept out of the record
@@ -294,7 +297,15 @@ function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void
     console.log(`initialized from ${shownPath(o.initFrom)} (model.safetensors, config.json)`);
     validate();
   }
+  // Ctrl-C: the run ends after the step under way, evaluated and written; a second ends it at once
+  const stop = new StopAfterStep((signal) =>
+    progress.log(
+      `${stopName(signal)}: stopping after step ${step}; the model is evaluated and written (${stopName(signal)} again stops at once, without it)`,
+    ),
+  );
   while (step < o.maxSteps && performance.now() < deadline) {
+    await stop.betweenSteps();
+    if (stop.requested !== null) break;
     const micro = Array.from({ length: o.accum }, () => {
       const b = trainBatches.random(rng);
       return o.accum === 1 ? b : { ...b, inputs: b.inputs.slice(), targets: b.targets.slice() };
@@ -312,15 +323,20 @@ function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () => void
     });
     if (step % o.evalEvery === 0) validate();
   }
+  stop[Symbol.dispose]();
   // the model written is the one evaluated last (also a run the time limit stopped before its first step)
   if (validatedAt !== step) validate();
   progress.stop();
-  if (step < o.maxSteps) console.log(`stopped at the ${o.timeLimitMin}-minute time limit after ${stepsText(step)}`);
+  const interrupted = stop.requested;
+  if (interrupted !== null)
+    console.log(`stopped by ${stopName(interrupted)} after ${stepsText(step)} of ${o.maxSteps}`);
+  else if (step < o.maxSteps)
+    console.log(`stopped at the ${o.timeLimitMin}-minute time limit after ${stepsText(step)}`);
 
   const seconds = (performance.now() - t0) / 1000;
   const sample = finishGpt(o, corpus, config, model, { step, valLoss, seconds });
   ctx.dispose();
-  return { valLoss, steps: step, seconds, sample };
+  return { valLoss, steps: step, seconds, sample, interrupted };
 }
 
 /** The run's GPT, from the seed or (--init-from) a Hugging Face folder's tensors. */

@@ -17,6 +17,7 @@ import { ConfigError } from "../../ffi/errors.ts";
 import type { Precision } from "../../engine/mixed.ts";
 import { Context } from "../../engine/context.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
+import { StopAfterStep, type StopSignal, stopName } from "../signals.ts";
 import { Progress, RateMeter } from "../progress.ts";
 import { checkOutFile } from "../user-paths.ts";
 import { precisionNote, skippedStepNote } from "./precision.ts";
@@ -85,6 +86,8 @@ export interface MlpRunResult {
   testLoss: number;
   steps: number;
   seconds: number;
+  /** the signal that stopped the run before its end (the model is still evaluated and written), else null */
+  interrupted: StopSignal | null;
 }
 
 export function makeOptimizer(ctx: Context, model: MlpModel, o: MlpRunOptions): Optimizer {
@@ -97,14 +100,14 @@ export function makeOptimizer(ctx: Context, model: MlpModel, o: MlpRunOptions): 
   );
 }
 
-export function runMlp(o: MlpRunOptions): MlpRunResult {
+export async function runMlp(o: MlpRunOptions): Promise<MlpRunResult> {
   checkOutFile(o.out, "--out");
   const device = heldDeviceLine((why) => console.log(why));
-  return withBackend(o.device, device.log, (backend) => trainMlp(o, backend, device.flush));
+  return await withBackend(o.device, device.log, (backend) => trainMlp(o, backend, device.flush));
 }
 
 /** `inputsRead` prints the device line once the data and the options are checked. */
-function trainMlp(o: MlpRunOptions, backend: Backend, inputsRead: () => void): MlpRunResult {
+async function trainMlp(o: MlpRunOptions, backend: Backend, inputsRead: () => void): Promise<MlpRunResult> {
   const t0 = performance.now();
   const data = loadMnist(o.dataDir);
   const features = data.train.rows * data.train.cols;
@@ -145,9 +148,18 @@ function trainMlp(o: MlpRunOptions, backend: Backend, inputsRead: () => void): M
   const rate = new RateMeter();
   let step = 0;
   let last = { loss: 0, accuracy: 0 };
-  for (let epoch = 0; epoch < o.epochs; epoch++) {
+  // Ctrl-C: the run ends after the step under way, evaluated and written; a second ends it at once
+  const stop = new StopAfterStep((signal) =>
+    progress.log(
+      `${stopName(signal)}: stopping after step ${step}; the model is evaluated and written (${stopName(signal)} again stops at once, without it)`,
+    ),
+  );
+  let evaluatedAt = -1;
+  for (let epoch = 0; epoch < o.epochs && stop.requested === null; epoch++) {
     const batches = micro.epoch(o.seed, epoch, true, true);
     for (let s = 0; s < stepsPerEpoch; s++) {
+      await stop.betweenSteps();
+      if (stop.requested !== null) break;
       const group =
         o.accum === 1
           ? [batches.next().value!]
@@ -162,6 +174,9 @@ function trainMlp(o: MlpRunOptions, backend: Backend, inputsRead: () => void): M
         extra: `epoch ${epoch + 1}/${o.epochs} | `,
       });
     }
+    // an epoch cut short by Ctrl-C: evaluated below, as a run stopped between epochs is not
+    if (stop.requested !== null) break;
+    evaluatedAt = step;
     const ev = evaluate(ctx, model, testBatches.epoch(0, 0, false, false));
     last = { loss: ev.loss, accuracy: ev.accuracy };
     const val =
@@ -175,7 +190,14 @@ function trainMlp(o: MlpRunOptions, backend: Backend, inputsRead: () => void): M
       `epoch ${epoch + 1}/${o.epochs}: ${val}test loss ${ev.loss.toFixed(4)}, test accuracy ${(ev.accuracy * 100).toFixed(2)}%`,
     );
   }
+  stop[Symbol.dispose]();
+  const interrupted = stop.requested;
+  if (evaluatedAt !== step) {
+    const ev = evaluate(ctx, model, testBatches.epoch(0, 0, false, false));
+    last = { loss: ev.loss, accuracy: ev.accuracy };
+  }
   progress.stop();
+  if (interrupted !== null) console.log(`stopped by ${stopName(interrupted)} after ${step} of ${totalSteps} steps`);
   mkdirSync(dirname(o.out), { recursive: true });
   saveModelFile(o.out, model.store, { kind: "mlp", config, step, training: o });
   const seconds = (performance.now() - t0) / 1000;
@@ -185,7 +207,7 @@ function trainMlp(o: MlpRunOptions, backend: Backend, inputsRead: () => void): M
   );
   for (const line of modelLines(o.out, [["eval"]])) console.log(line);
   ctx.dispose();
-  return { testAccuracy: last.accuracy, testLoss: last.loss, steps: step, seconds };
+  return { testAccuracy: last.accuracy, testLoss: last.loss, steps: step, seconds, interrupted };
 }
 
 /** The batcher reuses its buffers; accumulation needs k batches alive at once. */

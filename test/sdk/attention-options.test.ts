@@ -11,7 +11,7 @@ import { attentionChoices } from "../../services/runtime/job/attention.ts";
 import type { JobConfig } from "../../services/runtime/job/config.ts";
 import { trajectoryDiff } from "../../services/runtime/job/resume.ts";
 import { ConfigError } from "../../ffi/errors.ts";
-import { expectThrown } from "../helpers/errors.ts";
+import { expectRejected, expectThrown } from "../helpers/errors.ts";
 import { skip } from "../helpers/skip.ts";
 
 /** `run`'s job options parsed as commander parses them (a parse error throws CommanderError). */
@@ -124,22 +124,22 @@ describe("the mesh's --attention", () => {
 describe("train gpt's --attention cudnn: refused before anything opens or reads", () => {
   // a text that does not exist: a refusal that came after the data was read would be its DataFileError
   const o = { ...gptRunDefaults, text: "/nonexistent/text.txt", attention: "cudnn" as const };
-  test.each([["f32"], ["tf32"]] as const)("at precision %s", (precision) => {
-    expectThrown(
+  test.each([["f32"], ["tf32"]] as const)("at precision %s", async (precision) => {
+    await expectRejected(
       () => runGpt({ ...o, device: "cpu", precision }),
       ConfigError,
       "--attention cudnn needs bf16 or f16 autocast (--precision bf16 or f16)",
     );
   });
-  test("with --device cpu", () => {
-    expectThrown(
+  test("with --device cpu", async () => {
+    await expectRejected(
       () => runGpt({ ...o, device: "cpu", precision: "bf16" }),
       ConfigError,
       "--attention cudnn needs a GPU (cuDNN's fused attention runs on one), but --device cpu asks for the CPU",
     );
   });
-  test("for a head size cuDNN does not take, on any device", () => {
-    expectThrown(
+  test("for a head size cuDNN does not take, on any device", async () => {
+    await expectRejected(
       () => runGpt({ ...o, device: "cuda", precision: "f16", nEmbd: 40, nHead: 2 }),
       ConfigError,
       "--attention cudnn cannot run this GPT: head size 20",
@@ -147,8 +147,8 @@ describe("train gpt's --attention cudnn: refused before anything opens or reads"
   });
   test.skipIf(skip("a machine without a GPU", probeCuda().ok ? "a GPU is present" : null))(
     "with --device auto where there is no GPU: after the device line, naming why",
-    () => {
-      expectThrown(
+    async () => {
+      await expectRejected(
         () => runGpt({ ...o, device: "auto", precision: "bf16" }),
         ConfigError,
         "--attention cudnn needs a GPU (cuDNN's fused attention runs on one), but --device auto found no GPU (no CUDA: ",

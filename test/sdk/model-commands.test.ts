@@ -5,6 +5,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { mobyDickPath, readTextFile } from "../../engine/data/text.ts";
 import { writeTokenFile } from "../../engine/data/tokens.ts";
+import { readModelFile } from "../../engine/modelfile.ts";
 import { runSample } from "../../sdk/index.ts";
 import { tinyGptTraining } from "../helpers/cli-options.ts";
 
@@ -68,6 +69,86 @@ describe("training ends by naming the model file and the commands that use it", 
       "next: npx meshtrain eval --model gpt/model.mtm",
     ]);
   });
+});
+
+/** The CLI started; `until` waits for its output to match, `ended` for its whole output once it ends. */
+function started(args: string[]) {
+  const p = Bun.spawn([process.execPath, cliPath, ...args], {
+    cwd: root,
+    env: env(dir),
+    stdout: "pipe",
+    stderr: "pipe",
+  });
+  let out = "";
+  const waiting: { re: RegExp; resolve: () => void }[] = [];
+  const ended = (async () => {
+    const decoder = new TextDecoder();
+    for await (const chunk of p.stdout) {
+      out += decoder.decode(chunk, { stream: true });
+      for (const w of waiting.filter((x) => x.re.test(out))) w.resolve();
+    }
+    return out;
+  })();
+  const until = (re: RegExp) =>
+    re.test(out)
+      ? Promise.resolve()
+      : Promise.race([
+          new Promise<void>((resolve) => waiting.push({ re, resolve })),
+          ended.then(async () => {
+            throw new Error(`ended before ${re}: ${out}${await new Response(p.stderr).text()}`);
+          }),
+        ]);
+  return { p, until, ended };
+}
+
+describe("Ctrl-C during train: the run ends after its step, evaluated and written, and exits 130", () => {
+  const runs: [string, string[]][] = [
+    ["mlp", ["train", "mlp", "--epochs", "100", "--widths", "784,64,10"]],
+    ["gpt", tinyGptTraining({ "max-steps": 100_000, "eval-every": 100_000, "eval-batches": 4 })],
+  ];
+  test.each(runs)(
+    "%s",
+    async (kind, args) => {
+      const model = join(dir, `stopped-${kind}.mtm`);
+      const { p, until, ended } = started([...args, "--out", model]);
+      await until(/^parameters: /m);
+      await Bun.sleep(1000); // some steps
+      p.kill("SIGINT");
+      expect(await p.exited).toBe(130);
+      const out = await ended;
+      expect(out).toMatch(
+        /^Ctrl-C: stopping after step \d+; the model is evaluated and written \(Ctrl-C again stops at once, without it\)$/m,
+      );
+      const steps = Number(/^stopped by Ctrl-C after (\d+) (?:steps )?of \d+/m.exec(out)?.[1]);
+      expect(steps).toBeGreaterThan(0);
+      expect(out).toContain(`after ${steps} steps in `);
+      expect(out).toContain(`model: stopped-${kind}.mtm`);
+      // the model written is the one evaluated, at the step it stopped
+      expect(readModelFile(model).header.step).toBe(steps);
+    },
+    timeoutMs,
+  );
+
+  test(
+    "a second Ctrl-C while the model is evaluated stops at once, writing nothing",
+    async () => {
+      const model = join(dir, "stopped-twice.mtm");
+      // a long final evaluation: the whole validation split (--eval-batches 0), seconds
+      const args = tinyGptTraining({ "max-steps": 100_000, "eval-every": 100_000, "eval-batches": 0 });
+      const { p, until, ended } = started([...args, "--out", model]);
+      await until(/^parameters: /m);
+      await Bun.sleep(500);
+      p.kill("SIGINT");
+      // the first is handled between steps; the second comes while the evaluation runs
+      await until(/^Ctrl-C: stopping after step /m);
+      p.kill("SIGINT");
+      await p.exited;
+      expect(p.signalCode).toBe("SIGINT");
+      expect(await ended).not.toContain("validation loss: ");
+      expect(existsSync(model)).toBe(false);
+    },
+    timeoutMs,
+  );
 });
 
 describe("eval", () => {
