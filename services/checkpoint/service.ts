@@ -519,37 +519,47 @@ export class CheckpointService {
     if (askedBefore && id === "" && this.store.list(cfg.job).length === 0) {
       // a process that had opened the job came back without its state, and nothing can give
       // it back: the job cannot go on consistently, so it fails now rather than wait on it
-      const reason = `${asker} restarted and lost its state, and job ${cfg.job} has no snapshot to restore it from${cfg.checkpointEvery === 0 ? " (checkpointEvery is 0)" : ""}`;
-      this.log?.error({ job: cfg.job }, reason);
-      this.#event(cfg.job, EventKind.Failed, 0, reason);
-      await this.control?.end(cfg.job, { state: JobState.Failed, reason }).catch((err: unknown) => {
-        this.log?.error({ err: (err as Error).message }, "cannot record the job's failure");
-      });
-      throw new BadRequestError(reason);
-    }
-    const snap = this.store.latestGood(
-      cfg.job,
-      id,
-      (bad, why) => {
-        this.log?.error({ job: cfg.job, id: bad, why }, "snapshot failed verification; trying the previous one");
-        this.#event(cfg.job, EventKind.Log, 0, `snapshot ${bad} is corrupt: ${why}`);
-      },
-      // a resized job resumes from the step its trainers changed, or later under the new ones
-      (m) => {
-        try {
-          return worldResumeProblem(cfg, jobConfigFromJson(m.configJson), m.step);
-        } catch (e) {
-          return `its settings do not read: ${(e as Error).message}`;
-        }
-      },
-    );
-    if (usesShards(cfg)) {
-      const loads = reshard(cfg, e.plan, snap.manifest, snap.files, this.payloadBytesMax);
-      await Promise.all(
-        loads.map((parts, k) => this.#sendParts(e, subjects.psLoad(cfg.job, k), parts, encodeShardState)),
+      await this.#failJob(
+        cfg,
+        `${asker} restarted and lost its state, and job ${cfg.job} has no snapshot to restore it from${cfg.checkpointEvery === 0 ? " (checkpointEvery is 0)" : ""}`,
       );
-    } else {
-      await this.#loadReplicas(e, snap.manifest, snap.files);
+    }
+    let snap: ReturnType<CheckpointStore["latestGood"]>;
+    try {
+      snap = this.store.latestGood(
+        cfg.job,
+        id,
+        (bad, why) => {
+          this.log?.error({ job: cfg.job, id: bad, why }, "snapshot failed verification; trying the previous one");
+          this.#event(cfg.job, EventKind.Log, 0, `snapshot ${bad} is corrupt: ${why}`);
+        },
+        // a resized job resumes from the step its trainers changed, or later under the new ones
+        (m) => {
+          try {
+            return worldResumeProblem(cfg, jobConfigFromJson(m.configJson), m.step);
+          } catch (e) {
+            return `its settings do not read: ${(e as Error).message}`;
+          }
+        },
+      );
+      if (usesShards(cfg)) {
+        const loads = reshard(cfg, e.plan, snap.manifest, snap.files, this.payloadBytesMax);
+        await Promise.all(
+          loads.map((parts, k) => this.#sendParts(e, subjects.psLoad(cfg.job, k), parts, encodeShardState)),
+        );
+      } else {
+        await this.#loadReplicas(e, snap.manifest, snap.files);
+      }
+    } catch (err) {
+      // a process that opened the job holds the seed's initialization, not the job's state, and
+      // no snapshot gives it back: served on, it would train from scratch (a resumed job) or
+      // disagree with the others (a restarted one) without a word. The job fails, saying why.
+      if (err instanceof CorruptDataError && asker !== null)
+        await this.#failJob(
+          cfg,
+          `${asker} opened job ${cfg.job} without its state, and no snapshot restores it: ${err.message}`,
+        );
+      throw err;
     }
     // A recovery asked by a process of a run that was closed meanwhile (a cancelled run's rank)
     // waited for processes that are gone; the job's next run, perhaps on other ranks, must not
@@ -572,6 +582,16 @@ export class CheckpointService {
       generation,
     );
     return encodeManifest(snap.manifest);
+  }
+
+  /** Ends the job as failed with `reason` (its event, its record), then refuses with it. */
+  async #failJob(cfg: JobConfig, reason: string): Promise<never> {
+    this.log?.error({ job: cfg.job }, reason);
+    this.#event(cfg.job, EventKind.Failed, 0, reason);
+    await this.control?.end(cfg.job, { state: JobState.Failed, reason }).catch((err: unknown) => {
+      this.log?.error({ err: (err as Error).message }, "cannot record the job's failure");
+    });
+    throw new BadRequestError(reason);
   }
 
   /**

@@ -174,11 +174,13 @@ export function reshard(
   if (states.length === 0) throw new CorruptDataError(`snapshot ${manifest.id} has no parameter-server state`);
   const chunks = new Map<number, ChunkState>();
   let updates = 0;
-  const step = states[0]!.s.step;
+  // the step is the shards' that hold chunks: a shard that owns none (the hash ring gave it
+  // none) holds no state of any step (snapshots before it was cut at the asked step said 0)
+  const step = (states.find((x) => x.s.chunks.length > 0) ?? states[0]!).s.step;
   for (const { name, s } of states) {
     if (s.checksum !== shardStateChecksum(s) || s.job !== cfg.job)
       throw new CorruptDataError(`snapshot ${manifest.id}: ${name} does not match its checksum or job`);
-    if (s.step !== step)
+    if (s.step !== step && s.chunks.length > 0)
       throw new CorruptDataError(`snapshot ${manifest.id}: ${name} is of step ${s.step}, the others of ${step}`);
     updates = Math.max(updates, s.updates);
     for (const c of s.chunks) {

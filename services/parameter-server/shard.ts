@@ -484,8 +484,12 @@ export class ParameterShard {
     );
   }
 
-  /** Everything needed to resume: parameters, optimizer state and versions of every chunk. */
-  exportState(): ShardState {
+  /**
+   * Everything needed to resume: parameters, optimizer state and versions of every chunk. Its
+   * step is the trainers' slowest clock; a shard that owns no chunks (the hash ring gave it none)
+   * gets no pushes, so its clocks never move, and its state is of any step: `step`, the one asked.
+   */
+  exportState(step?: number): ShardState {
     this.flush();
     const chunks: ChunkState[] = [...this.#slots.values()].map((slot) => {
       const params = new Float32Array(slot.info.count);
@@ -498,13 +502,13 @@ export class ParameterShard {
         state: this.#math.stateNames.map((name, k) => ({ name, data: state[k]! })),
       };
     });
-    const step = Math.min(...this.clocks);
+    const at = chunks.length === 0 && step !== undefined ? step : Math.min(...this.clocks);
     return withChecksum({
       job: this.job,
       shard: this.shard,
       updates: this.#updates,
-      optimizerSteps: step,
-      step,
+      optimizerSteps: at,
+      step: at,
       chunks,
     });
   }
@@ -519,7 +523,7 @@ export class ParameterShard {
    * parts are of this moment.
    */
   cut(step: number, partBytesMax: number): ShardState {
-    const whole = this.exportState();
+    const whole = this.exportState(step);
     // a shard that owns no chunks still answers one part, with none
     const { chunks, checksum: _, ...head } = whole;
     const parts = cutShardState(head, chunks, partBytesMax);

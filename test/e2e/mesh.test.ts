@@ -7,6 +7,7 @@ import { join } from "node:path";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { type Event, EventKind, JobState } from "../../schemas/messages/job.ts";
 import { JobData, planHere } from "../../services/data-loader/loader.ts";
+import { buildLayout } from "../../services/runtime/job/layout.ts";
 import { MeshClient } from "../../sdk/client.ts";
 import { JobFailedError, watchJob } from "../../sdk/watch.ts";
 import { finalChunkVersions, modelFileAccuracy } from "../helpers/jobs.ts";
@@ -70,7 +71,13 @@ describe("mesh", () => {
   }, 180_000);
 
   test("SIGKILL of a parameter-server shard and a trainer mid-run: the job restores from its last snapshot and finishes; no sample is repeated or skipped", async () => {
-    const cfg = mlpJob({ job: "default.chaos", epochs: 2, checkpointEvery: 40 });
+    // 64 KB chunks: the hash ring gives all 4 to shard 1 and none to shard 0, whose clocks then
+    // never move. Its part of a snapshot must still be of the snapshot's step, or the killed
+    // shard 1 finds no snapshot to restore it from (and served the seed's parameters)
+    const cfg = mlpJob({ job: "default.chaos", epochs: 2, checkpointEvery: 40, chunkBytes: 64 << 10 });
+    const plan = planHere(cfg);
+    const layout = buildLayout(cfg.job, plan.slabNumel, plan.decayElems, cfg.chunkBytes, cfg.shards);
+    expect(layout.byShard.map((ids) => ids.length)).toEqual([0, 4]);
     // the effective history of every rank is every step exactly once; batches are a pure
     // function of (rank, step), so each epoch visits every training sample exactly once
     const { steps } = await runThroughSigkill("mt-chaos-", {}, cfg, ["parameter-server-1", "trainer-1"]);

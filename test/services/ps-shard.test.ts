@@ -3,14 +3,19 @@
 import { describe, expect, test } from "bun:test";
 import { buildLayout } from "../../services/runtime/job/layout.ts";
 import { ParameterShard } from "../../services/parameter-server/shard.ts";
-import { BadRequestError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
+import { BadRequestError, CorruptDataError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
+import { reshard } from "../../services/checkpoint/snapshot-parts.ts";
+import type { DataPlan } from "../../schemas/messages/data-loader.ts";
+import type { Manifest } from "../../schemas/messages/checkpoint.ts";
 import { type JobConfig, jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
 import {
   chunkF32,
   decodePullReply,
   DType,
+  encodeShardState,
   f32Chunk,
   type PushRequest,
+  type ShardState,
   withChecksum,
 } from "../../schemas/messages/parameter-server.ts";
 import { Codec, ErrorFeedback, parseCompression } from "../../engine/parallel/compress.ts";
@@ -521,6 +526,77 @@ describe("snapshots", () => {
     expect([s.parts, s.part, s.chunks.length]).toEqual([1, 0, 0]);
     expect(shard.loadPart(s)).toBe(0);
     shard.dispose();
+  });
+
+  test("a job with a shard that owns no chunks: its snapshot is of one step, resharded and restored (the empty shard's clocks never move)", () => {
+    const cfg = job({ trainers: 1, sync: "bsp", shards: 2 });
+    const total = 100;
+    const layout = buildLayout(cfg.job, total, 50, cfg.chunkBytes, 2);
+    const empty = layout.byShard.findIndex((ids) => ids.length === 0);
+    const owner = 1 - empty;
+    const shards = [0, 1].map(
+      (k) =>
+        new ParameterShard({
+          backend: be,
+          config: cfg,
+          layout,
+          shard: k,
+          totalSteps: 10,
+          initial: new Float32Array(total),
+        }),
+    );
+    // trainers push to the shards that own chunks only
+    for (let step = 0; step < 3; step++)
+      shards[owner]!.push(pushAll(layout, 0, step, Float32Array.from(randn(new Rng(step), total))));
+    expect([shards[owner]!.clocks, shards[empty]!.clocks]).toEqual([[3], [0]]);
+    // the snapshot of step 3: the empty shard's state is of the step asked
+    const parts = shards.map((sh) => sh.exportPart(0, 3, 1 << 20));
+    expect(parts.map((p) => p.step)).toEqual([3, 3]);
+    const plan = { slabNumel: total, decayElems: 50 } as DataPlan;
+    const files = (states: ShardState[]) =>
+      new Map(states.map((st, k) => [`ps-${k}-0.mtss`, encodeShardState(withChecksum(st))]));
+    const manifest = { id: "step-000000003" } as Manifest;
+    const loads = reshard(cfg, plan, manifest, files(parts), 1 << 20);
+    expect(loads.map((l) => l.map((p) => p.step))).toEqual([[3], [3]]);
+    // a snapshot written before this (the empty shard's state said step 0) restores too
+    const legacy = reshard(
+      cfg,
+      plan,
+      manifest,
+      files(parts.map((p, k) => (k === empty ? { ...p, step: 0, optimizerSteps: 0 } : p))),
+      1 << 20,
+    );
+    expect(legacy.map((l) => l.map((p) => p.step))).toEqual([[3], [3]]);
+    // fresh shards take the loads; the restored parameters are the trained ones
+    const fresh = [0, 1].map(
+      (k) =>
+        new ParameterShard({
+          backend: be,
+          config: cfg,
+          layout,
+          shard: k,
+          totalSteps: 10,
+          initial: new Float32Array(total),
+        }),
+    );
+    for (const k of [0, 1]) for (const part of loads[k]!) fresh[k]!.loadPart(part);
+    expect(fresh[owner]!.exportState().chunks).toEqual(shards[owner]!.exportState().chunks);
+    expect(fresh.map((sh) => sh.clocks)).toEqual([[3], [3]]);
+    // states of two steps among the shards that own chunks are still refused
+    const cfg3 = job({ trainers: 1, sync: "bsp", shards: 1 });
+    expect(() =>
+      reshard(
+        cfg3,
+        plan,
+        manifest,
+        files([
+          { ...parts[owner]!, shard: 0 },
+          { ...parts[owner]!, step: 2, chunks: parts[owner]!.chunks.slice(0, 1) },
+        ]),
+        1 << 20,
+      ),
+    ).toThrow(new CorruptDataError("snapshot step-000000003: ps-1-0.mtss is of step 2, the others of 3"));
+    for (const sh of [...shards, ...fresh]) sh.dispose();
   });
 
   test("a waiting BSP pull names the trainers it waits for", () => {
