@@ -27,11 +27,26 @@ function syncText(c: JobConfig): string {
   if (c.sync === "allreduce")
     return (
       `all-reduce (NCCL where each trainer has a GPU of its own on one host, else a ring over ${c.collTransport === "auto" ? "shared memory on one machine, TCP between machines" : "NATS"}; ${c.bucketMb} MB buckets overlapped with backward` +
+      `${c.compress !== "none" ? `, compressed to ${c.compress} with error feedback where they cross hosts` : ""}` +
       `${c.zero > 0 ? `; ZeRO stage ${c.zero}: ${zeroPartitions[c.zero]} partitioned among the trainers` : ""})`
     );
-  if (c.sync === "bsp") return "BSP (every step waits for all trainers)";
+  const pushes =
+    c.compress === "none"
+      ? ""
+      : `; pushes compressed to ${c.compress} with error feedback${c.compress === "bf16" || c.compress === "fp16" ? `, pulls a ${c.compress} copy` : ""}`;
+  if (c.sync === "bsp") return `BSP (every step waits for all trainers${pushes})`;
   const batching = c.batchPushes > 1 ? `, ${c.batchPushes} pushes per update` : "";
-  return c.sync === "asp" ? `ASP (no waiting${batching})` : `SSP (at most ${c.staleness} steps ahead${batching})`;
+  return c.sync === "asp"
+    ? `ASP (no waiting${batching}${pushes})`
+    : `SSP (at most ${c.staleness} steps ahead${batching}${pushes})`;
+}
+
+/** Where the optimizer runs and keeps its state. */
+function optimizerWhere(c: JobConfig): string {
+  if (usesShards(c)) return `on ${c.shards} parameter-server shard${c.shards > 1 ? "s" : ""}`;
+  if (modelParallel(c)) return "on every rank, for its part of the model";
+  const where = c.zero > 0 ? "on every trainer, for its partition (ZeRO)" : "in every trainer's replica";
+  return c.offload === "optimizer" ? `${where}, in host memory (--offload optimizer)` : where;
 }
 
 /** The model kind a record's config names ("mlp" when it cannot be read). */
@@ -98,7 +113,7 @@ export function configSummary(c: JobConfig, trainers?: DeviceChoice): string[] {
       ` × ${c.batchSize} ${samples} per step` +
       `${c.accumSteps > 1 ? ` in ${c.accumSteps} micro-batches` : ""}, ${syncText(c)}, ${c.precision}${c.recompute ? ", activations recomputed" : ""}`,
     ...(m.kind === "gpt" ? [`attention  ${attentionText(c, trainers)}`] : []),
-    `optimizer  ${optimizerText(c)} ${usesShards(c) ? `on ${c.shards} parameter-server shard${c.shards > 1 ? "s" : ""}` : "in every trainer's replica"}; ${lr}` +
+    `optimizer  ${optimizerText(c)} ${optimizerWhere(c)}; ${lr}` +
       `${c.scaleLr ? ` (scaled by ${dataRanks(c)} data-parallel ranks: peak ${peakLr(c)})` : ""}${c.gradClip > 0 ? `; gradients clipped to global norm ${c.gradClip}` : ""}`,
     `snapshots  ${snapshotsText(c)}; the last ${c.keepLast} and the best are kept`,
   ];
@@ -163,11 +178,14 @@ function whereLines(r: JobRecord, logs: string | null): string[] {
   return out;
 }
 
+/** The job's step: its shards' slowest clock (parameter-server mode), else its trainers' slowest
+ *  step (all-reduce, pipeline and tensor parallel: no shards). */
 function stepOf(s: JobStatus): string {
   const clocks = s.shards.flatMap((x) => ("clocks" in x && x.chunks > 0 ? x.clocks : []));
+  const steps = clocks.length > 0 ? clocks : s.trainers.flatMap((t) => ("step" in t ? [t.step] : []));
   const total = s.record?.totalSteps ?? 0;
-  if (clocks.length === 0) return total > 0 ? `- of ${total}` : "-";
-  return `${Math.min(...clocks)} of ${total > 0 ? total : "?"}`;
+  if (steps.length === 0) return total > 0 ? `- of ${total}` : "-";
+  return `${Math.min(...steps)} of ${total > 0 ? total : "?"}`;
 }
 
 function accuracyOf(r: JobRecord): string {

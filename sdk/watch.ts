@@ -78,9 +78,11 @@ export async function watchJob(client: MeshClient, name: string, o: WatchOptions
   const job = client.job(name);
   const t0 = performance.now();
   const events = o.events ?? client.events(job, o.signal);
+  // a subscription the caller opened (before submitting) ends at the signal too
+  if (o.events !== undefined) o.signal?.addEventListener("abort", () => void events.return?.(), { once: true });
   let record = await client.record(job);
   const cfg = jobConfigFromJson(record.configJson);
-  const w = new Watcher(dataRanks(cfg), cfg.epochs, o, cfg.model.kind === "gpt" ? "tokens" : "samples");
+  const w = new Watcher(dataRanks(cfg), cfg.epochs, o, cfg.model.kind === "gpt" ? "tokens" : "samples", cfg.maxSteps);
   o.onLine?.((line) => w.say(line));
   try {
     const it = events[Symbol.asyncIterator]();
@@ -112,7 +114,8 @@ export async function watchJob(client: MeshClient, name: string, o: WatchOptions
       if (performance.now() - lastPoll >= recordPollMs) {
         lastPoll = performance.now();
         record = await client.record(job);
-        w.resized(jobConfigFromJson(record.configJson).trainers);
+        // the ranks that report a step: one per data-parallel copy (pipeline and tensor parallel)
+        w.resized(dataRanks(jobConfigFromJson(record.configJson)));
         // running on record, but no spec twice in a row: no service runs it, and none will
         // (a resize takes the spec away for a moment, and says so in the record)
         const paused = record.reason.startsWith(resizingReasonPrefix);
@@ -177,6 +180,8 @@ export class Watcher {
     readonly epochs: number,
     readonly o: WatchOptions,
     readonly unit: "samples" | "tokens",
+    /** the job's --max-steps (0: none): a run it cuts short has no epoch to name by step */
+    readonly maxSteps = 0,
   ) {
     this.#tally = new EvalTally(trainers);
   }
@@ -211,8 +216,11 @@ export class Watcher {
             this.unit === "tokens"
               ? `${r.split} loss ${r.loss.toFixed(3)} | `
               : `${r.split} acc ${(100 * r.accuracy).toFixed(2)}% | `;
+          // the epoch a step is in is step / (totalSteps / epochs) only where the epochs set the
+          // total: --max-steps may end the run in its first epoch
+          const byEpochs = totalSteps > 0 && !(this.maxSteps > 0 && this.maxSteps <= totalSteps);
           const epoch =
-            totalSteps > 0 && r.step < totalSteps
+            byEpochs && r.step < totalSteps
               ? ` (epoch ${Math.round((r.step * this.epochs) / totalSteps)}/${this.epochs})`
               : "";
           this.say(
@@ -223,7 +231,8 @@ export class Watcher {
       }
       case EventKind.Restore:
         this.#restores++;
-        this.say(`restored: ${e.text}; resuming at step ${e.step}`);
+        // the text says it: "restored step-… (why)"
+        this.say(`${e.text}; resuming at step ${e.step}`);
         break;
       case EventKind.Checkpoint:
         this.#checkpoints++;

@@ -233,7 +233,7 @@ describe("meshtrain run", () => {
 });
 
 describe("meshtrain mesh up and the client commands", () => {
-  test("submit, status, watch, checkpoints, cancel, save, restore: each ends with an answer; a second mesh on the port is refused; Ctrl-C stops it", async () => {
+  test("submit, status, watch, checkpoints, cancel, save, restore: each ends with an answer; a second mesh on the port is refused; a following submit stops at SIGTERM; Ctrl-C stops the mesh", async () => {
     const cwd = tempDir("mt-meshup-");
     const runtime = join(cwd, "runtime"); // where `mesh up` leaves its note for the client commands
     mkdirSync(runtime);
@@ -308,8 +308,15 @@ describe("meshtrain mesh up and the client commands", () => {
       ),
     ]);
 
+    // a submit that follows its job stops following at SIGTERM (128 + 15), the job trains on
+    const follower = start(cwd, ["submit", ...quick, "--epochs", "50", "--job", "j3"], xdg);
+    await waitFor("job j3 to train", () => /^step \d+\/\d+/m.test(follower.out()), 60_000);
+    follower.proc.kill("SIGTERM");
+    expect(await follower.done).toBe(143);
+    expect(follower.out()).toContain(
+      "stopped following job default.j3; it goes on training. Follow it again: npx meshtrain watch default.j3",
+    );
     // a job still training when the mesh stops: it is named, with where it goes on
-    expect(c("submit", ...quick, "--epochs", "50", "--job", "j3", "--detach").code).toBe(0);
     up.proc.kill("SIGINT");
     expect(await up.done).toBe(0);
     expect(up.out()).toContain(

@@ -44,8 +44,28 @@ describe("text from the mesh, printed", () => {
       expect(line).toContain("(a\\nb\\r\\nFAKE LOG LINE\\x1b[2K\\u202eevil\\u2028more)");
     }
     expect(printed[0]).toBe(
-      "restored: restored step-000000006 (a\\nb\\r\\nFAKE LOG LINE\\x1b[2K\\u202eevil\\u2028more); resuming at step 6",
+      "restored step-000000006 (a\\nb\\r\\nFAKE LOG LINE\\x1b[2K\\u202eevil\\u2028more); resuming at step 6",
     );
+  });
+
+  test("an evaluation's line names its epoch where the epochs set the steps, not where --max-steps cut the run", () => {
+    const evaluation = (step: number): Event => ({
+      ...emptyEvent("default.j", EventKind.Eval),
+      step,
+      rank: 0,
+      loss: 0.5,
+      accuracy: 0.9,
+      count: 100,
+      text: "test",
+    });
+    // 10 epochs of 100 steps
+    new Watcher(1, 10, {}, "samples").handle(evaluation(500), 1000);
+    // --max-steps 30: step 15 is in the first epoch, not the fifth
+    new Watcher(1, 10, {}, "samples", 30).handle(evaluation(15), 30);
+    expect(printed).toEqual([
+      "step 500 (epoch 5/10): test loss 0.5000, accuracy 90.00% (100 samples over 1 trainer)",
+      "step 15: test loss 0.5000, accuracy 90.00% (100 samples over 1 trainer)",
+    ]);
   });
 
   test("status, outcome and the jobs table: a record's reason and a snapshot's id stay on their line", () => {
