@@ -179,19 +179,32 @@ export function jobConfigOf(
   checkFlags(flags, model, optimizer, sync);
   // the job's name is the caller's to qualify (a resumed job keeps the one it has)
   const { job: _, ...values } = typed(flags);
+  let cfg: JobConfig;
   try {
-    if (prev !== null) return resumeConfig(prev, values);
-    const draft = draftOf(values);
-    if (typeof values.initFrom === "string") {
-      const { blockSize, nLayer, nHead, nEmbd } = initFromShape(values.initFrom, values);
-      Object.assign(draft.model, { blockSize, nLayer, nHead, nEmbd });
+    if (prev !== null) cfg = resumeConfig(prev, values);
+    else {
+      const draft = draftOf(values);
+      if (typeof values.initFrom === "string") {
+        const { blockSize, nLayer, nHead, nEmbd } = initFromShape(values.initFrom, values);
+        Object.assign(draft.model, { blockSize, nLayer, nHead, nEmbd });
+      }
+      draft.job = name(checkedJobName(flags.job ?? newJobName(model)));
+      cfg = parseJobConfig(draft);
     }
-    draft.job = name(checkedJobName(flags.job ?? newJobName(model)));
-    return parseJobConfig(draft);
   } catch (e) {
     if (!(e instanceof ConfigError)) throw e;
     throw new ConfigError(inFlags(e.message, flags), { cause: e });
   }
+  checkGivenFor(flags, cfg);
+  return cfg;
+}
+
+/** Flags given that the job's settings make do nothing, refused as another mode's are. */
+function checkGivenFor(flags: JobFlags, cfg: JobConfig): void {
+  if (flags.pipeSchedule !== undefined && cfg.pipelineStages === 1)
+    throw new ConfigError("--pipe-schedule orders a pipeline's passes, and this job has none (--pipeline-stages 1)");
+  if (flags.staleness !== undefined && cfg.sync === "ssp" && cfg.staleness === 0)
+    throw new ConfigError("--sync ssp with --staleness 0 is BSP: --sync bsp, or a staleness of 1 or more");
 }
 
 /** Config keys that are not plain words (model.nEmbd, warmupSteps), the longest first, each with

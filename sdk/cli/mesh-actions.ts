@@ -6,7 +6,7 @@ import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { type Event, JobState } from "../../schemas/messages/job.ts";
 import { orAfter } from "../../services/runtime/mesh/timers.ts";
-import { defaultOwner, qualifyJob } from "../../services/runtime/job/subjects.ts";
+import { defaultOwner, otherOwnerProblem, ownerOfJob, qualifyJob } from "../../services/runtime/job/subjects.ts";
 import { jobConfigFromJson } from "../../services/runtime/job/config.ts";
 import { planDevice, planReport } from "../plan.ts";
 import { MeshClient } from "../client.ts";
@@ -22,7 +22,7 @@ import { Dashboard } from "../dashboard/server.ts";
 import { signalExitCode, StopRequests, type StopSignal } from "../signals.ts";
 import { JobFailedError, watchJob } from "../watch.ts";
 import { NatsUnreachableError } from "../../services/runtime/mesh/nats.ts";
-import { BadRequestError, CapacityError } from "../../services/runtime/mesh/errors.ts";
+import { BadRequestError, CapacityError, NatsAccessError } from "../../services/runtime/mesh/errors.ts";
 import { ConfigError } from "../../ffi/errors.ts";
 import { attentionDeviceProblem } from "../../services/runtime/job/attention.ts";
 
@@ -130,7 +130,16 @@ export async function submit(opts: JobFlags & NatsFlags & { detach?: boolean }):
   // may resume, its settings (its sync mode, ZeRO) the earlier run's: checked once that is read
   if (opts.job === undefined) jobConfigOf(opts);
   await using client = await connect(opts.natsUrl);
-  const prev = opts.job === undefined ? null : await client.previous(client.job(opts.job));
+  const given = opts.job;
+  const prev =
+    given === undefined
+      ? null
+      : await client.previous(client.job(given)).catch((e: unknown) => {
+          // another owner's job, on a mesh with roles: a name like lr-0.01 was not meant as one
+          if (e instanceof NatsAccessError && ownerOfJob(client.job(given)) !== client.owner)
+            throw new NatsAccessError(`${e.message}; ${otherOwnerProblem(given, client.owner)}`, { cause: e });
+          throw e;
+        });
   const cfg = jobConfigOf(opts, prev?.config ?? null, (job) => client.job(job));
   // subscribed first: a resumed job's Restore can come before the watch starts
   const events = opts.detach ? undefined : client.events(cfg.job);

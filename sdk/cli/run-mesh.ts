@@ -8,13 +8,13 @@ import { join } from "node:path";
 import { JobState } from "../../schemas/messages/job.ts";
 import { CheckpointStore } from "../../services/checkpoint/store.ts";
 import { ConfigError } from "../../ffi/errors.ts";
-import { DeadlineError } from "../../services/runtime/mesh/errors.ts";
+import { BadRequestError, DeadlineError } from "../../services/runtime/mesh/errors.ts";
 import { probeCuda } from "../../ffi/cuda/driver.ts";
 import type { DeviceChoice } from "../../ffi/select.ts";
 import { attentionDeviceProblem } from "../../services/runtime/job/attention.ts";
 import { planDevice, planReport } from "../plan.ts";
 import { type JobConfig, jobConfigFromJson, parseJobConfig, usesShards } from "../../services/runtime/job/config.ts";
-import { defaultOwner, qualifyJob } from "../../services/runtime/job/subjects.ts";
+import { defaultOwner, otherOwnerProblem, ownerOfJob, qualifyJob } from "../../services/runtime/job/subjects.ts";
 import { checkResume, MeshClient, type PreviousRun } from "../client.ts";
 import { LocalMesh, membersWaitMs } from "../local-mesh.ts";
 import { checkedJobName, type JobFlags, jobConfigOf } from "./job-options.ts";
@@ -66,7 +66,11 @@ function prepareRun(o: MeshRunOptions): {
   checkOutDir(o.dir, "--dir");
   const jobsDir = join(o.dir, "jobs");
   // the local mesh's one client user owns the job (its name without an owner is the default's)
-  const qualify = (job: string) => qualifyJob(job, defaultOwner);
+  const qualify = (job: string) => {
+    const id = qualifyJob(job, defaultOwner);
+    if (ownerOfJob(id) !== defaultOwner) throw new BadRequestError(otherOwnerProblem(job, defaultOwner));
+    return id;
+  };
   const prev = o.flags.job === undefined ? null : previousOnDisk(jobsDir, qualify(checkedJobName(o.flags.job)));
   const cfg = jobConfigOf(o.flags, prev?.config ?? null, qualify);
   if (prev) checkResume(cfg, prev, shownPath(jobsDir));

@@ -56,6 +56,11 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     [["run", "--widths", "784,100,3"], "--widths must start with 784"],
     [["run", "--batch-size", "100", "--accum", "3"], "--batch-size (100) must be a multiple of --accum (3)"],
     [["run", "--job", "no spaces"], "job: a job is <name> or <owner>.<name>"],
+    // a dot makes an owner: the local mesh's client acts for the default one only
+    [
+      ["run", "--job", "lr-0.01"],
+      '"lr-0.01" is job "01" of owner "lr-0" (a job is <owner>.<name>), and this client acts for owner "default": a name without a dot is one of its own (lr-0_01)',
+    ],
     [["submit", "--sync", "sometimes"], "Allowed choices are bsp, asp, ssp"],
     [
       ["run", "--precision", "f16"],
@@ -77,6 +82,8 @@ describe("bad input gets one clear error and a non-zero exit", () => {
       "--shards does nothing under --sync allreduce (--shards is for bsp, asp, ssp)",
     ],
     [["plan", "--staleness", "3"], "--staleness does nothing under --sync bsp (--staleness is for ssp)"],
+    [["plan", "--sync", "ssp", "--staleness", "0"], "--sync ssp with --staleness 0 is BSP"],
+    [["run", "--pipe-schedule", "gpipe"], "--pipe-schedule orders a pipeline's passes, and this job has none"],
     [["plan", "--sync", "asp", "--staleness", "3"], "--staleness does nothing under --sync asp"],
     [
       ["submit", "--bucket-mb", "5", "--coll-transport", "nats"],

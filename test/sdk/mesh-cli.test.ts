@@ -282,6 +282,7 @@ describe("meshtrain mesh up and the client commands", () => {
       [["status", "j1", "--all"], "--all lists every owner's jobs: give no job with it"],
       [["restore", "j1"], "restore needs a running job"],
       [["submit", ...quick, "--job", "j1"], "give the new run another --job name"],
+      [["submit", ...quick, "--job", "lr-0.01"], 'is job "01" of owner "lr-0" (a job is <owner>.<name>)'],
       [["submit", ...quick, "--trainers", "3"], "meshtrain mesh up --trainers 3 --shards 2"],
       [["mesh", "up", "--port", String(port), "--dir", "m2"], `meshtrain: NatsServerError: port ${port} is taken`],
       // its folder is the running mesh's (its NATS store, credentials, jobs), whatever the port

@@ -36,9 +36,17 @@ test("the header names compression, offload and where the optimizer runs", () =>
     "SSP (at most 2 steps ahead; pushes compressed to topk:0.01 with error feedback)",
   );
   const gpt = { model: { kind: "gpt", vocabSize: 0, blockSize: 32, nLayer: 2, nHead: 2, nEmbd: 32, dropout: 0 } };
-  expect(c({ ...gpt, sync: "allreduce", dataset: "text", valFraction: 0.1, trainers: 2, pipelineStages: 2, microBatches: 2 })).toContain(
-    "on every rank, for its part of the model",
-  );
+  expect(
+    c({
+      ...gpt,
+      sync: "allreduce",
+      dataset: "text",
+      valFraction: 0.1,
+      trainers: 2,
+      pipelineStages: 2,
+      microBatches: 2,
+    }),
+  ).toContain("on every rank, for its part of the model");
 });
 
 test("status of a running all-reduce job: its step is its trainers' slowest (it has no shard clocks)", () => {

@@ -41,6 +41,16 @@ export function qualifyJob(job: string, owner: string): string {
 /** The owner of a full job identity. */
 export const ownerOfJob = (id: string): string => id.slice(0, id.indexOf("."));
 
+/** Why a client acting for `owner` cannot take `job`, a name with a dot (read as <owner>.<name>,
+ *  which a name like lr-0.01 was not meant as). */
+export const otherOwnerProblem = (job: string, owner: string): string => {
+  const id = job.includes(".") ? job : `${owner}.${job}`;
+  return (
+    `"${job}" is job "${id.slice(id.indexOf(".") + 1)}" of owner "${ownerOfJob(id)}" (a job is <owner>.<name>), ` +
+    `and this client acts for owner "${owner}": a name without a dot is one of its own (${job.replaceAll(".", "_")})`
+  );
+};
+
 /** The trainer rank a push or pull subject names (its last token); BadRequestError when the message names another. */
 export function trainerOfRequest(subject: string, messageTrainer: number): number {
   const token = subject.slice(subject.lastIndexOf(".") + 1);
