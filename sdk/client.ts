@@ -149,8 +149,12 @@ export function resumedWorld(cfg: JobConfig, prev: PreviousRun): JobConfig {
     was.sync === "allreduce" &&
     cfg.sync === "allreduce" &&
     was.trainers * was.batchSize === cfg.trainers * cfg.batchSize;
-  if (regrouped || cfg.batchSize !== was.batchSize) return cfg;
-  return parseJobConfig({ ...cfg, world: changeWorld(was, prev.snapshot.step, cfg.trainers) });
+  // the same samples per step over a history of one world: nothing to record
+  if (regrouped && was.world.length === 0) return cfg;
+  // another global batch (not regrouped): trajectoryDiff names it
+  if (!regrouped && cfg.batchSize !== was.batchSize) return cfg;
+  // a resized job's history, then the new trainers (and, regrouped, their batch) from the snapshot
+  return parseJobConfig({ ...cfg, world: changeWorld(was, prev.snapshot.step, cfg.trainers, cfg.batchSize) });
 }
 
 /** How MeshClient.connect reaches the mesh. */

@@ -18,7 +18,9 @@ import {
 } from "../../services/runtime/mesh/errors.ts";
 import { ConfigError } from "../../ffi/errors.ts";
 import { gptJobDefaults, jobDefaults, parseJobConfig, peakLr, usesShards } from "../../services/runtime/job/config.ts";
-import { trajectoryDiff } from "../../services/runtime/job/resume.ts";
+import { resumeConfig, trajectoryDiff } from "../../services/runtime/job/resume.ts";
+import { type PreviousRun, resumedWorld } from "../../sdk/client.ts";
+import type { Manifest } from "../../schemas/messages/checkpoint.ts";
 import { followAgain } from "../../services/runtime/job/ledger.ts";
 import { capacityMessage } from "../../services/runtime/mesh/discovery.ts";
 import { expectThrown } from "../helpers/errors.ts";
@@ -277,6 +279,66 @@ describe("job config", () => {
     );
     // a resumed job may change it: it picks how attention is computed, not the model
     expect(trajectoryDiff(gpt({ precision: "bf16" }), gpt({ precision: "bf16", attention: "cudnn" }))).toEqual([]);
+  });
+});
+
+describe("a resized job resumed on other trainers (its world ended with the resize's)", () => {
+  // trainers 2 -> 3 at step 40 (a resize), then stopped; its newest snapshot is of step 282
+  for (const sync of ["bsp", "allreduce"] as const) {
+    const resized = parseJobConfig({
+      ...jobDefaults,
+      job: "default.j",
+      sync,
+      trainers: 3,
+      batchSize: 128,
+      world: [
+        { from: 0, trainers: 2 },
+        { from: 40, trainers: 3 },
+      ],
+    });
+    const prev: PreviousRun = {
+      config: resized,
+      record: null,
+      snapshot: { id: "step-000000282", step: 282 } as Manifest,
+      orphaned: false,
+    };
+    test(`${sync}: on 2 trainers, the world goes on from the snapshot's step`, () => {
+      const cfg = resumedWorld(resumeConfig(resized, { trainers: 2 }), prev);
+      expect(cfg.world).toEqual([
+        { from: 0, trainers: 2 },
+        { from: 40, trainers: 3 },
+        { from: 282, trainers: 2 },
+      ]);
+      expect(trajectoryDiff(resized, cfg)).toEqual([]);
+      // on its 3: the world it had
+      expect(resumedWorld(resumeConfig(resized, {}), prev).world).toEqual(resized.world);
+    });
+  }
+  test("allreduce: on 2 trainers with the same global batch (2 x 192), each world's batch recorded", () => {
+    const resized = parseJobConfig({
+      ...jobDefaults,
+      job: "default.j",
+      sync: "allreduce",
+      trainers: 3,
+      batchSize: 128,
+      world: [
+        { from: 0, trainers: 2 },
+        { from: 40, trainers: 3 },
+      ],
+    });
+    const prev: PreviousRun = {
+      config: resized,
+      record: null,
+      snapshot: { id: "step-000000282", step: 282 } as Manifest,
+      orphaned: false,
+    };
+    const cfg = resumedWorld(resumeConfig(resized, { trainers: 2, batchSize: 192 }), prev);
+    expect(cfg.world).toEqual([
+      { from: 0, trainers: 2, batchSize: 128 },
+      { from: 40, trainers: 3, batchSize: 128 },
+      { from: 282, trainers: 2, batchSize: 192 },
+    ]);
+    expect(trajectoryDiff(resized, cfg)).toEqual([]);
   });
 });
 

@@ -90,5 +90,8 @@ export function resumeConfig(prev: JobConfig, given: Readonly<Record<string, unk
     cfg.optimizer = fresh.optimizer;
   }
   applyOptions(cfg, given);
+  // the world the job had ends with its old trainers: resumed on others, the submission draws
+  // the new world from the snapshot's step (resumedWorld in sdk/client.ts)
+  if (cfg.trainers !== prev.trainers || cfg.batchSize !== prev.batchSize) cfg.world = [];
   return parseJobConfig(cfg);
 }
