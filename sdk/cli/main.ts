@@ -13,7 +13,7 @@ import { runSample } from "../local/sample.ts";
 import { evalDefaults, runEval } from "../local/evaluate.ts";
 import { benchNames, choice, float, int } from "./options.ts";
 import { cliName, shownPath, userPath } from "../user-paths.ts";
-import { prepareDefaults, runPrepare } from "../local/prepare.ts";
+import { prepareDefaults, runPrepare, shardTokensMax } from "../local/prepare.ts";
 import { workersMax } from "../local/prepare-pool.ts";
 import { exportSummary, runExport } from "../local/export.ts";
 import { addMeshCommands } from "./mesh-commands.ts";
@@ -162,7 +162,7 @@ program
 program
   .command("prepare")
   .description(
-    "turn text into token shards a GPT trains on: GPT-2's BPE or characters, split into training and validation by document",
+    "turn text into token shards a GPT trains on: GPT-2's BPE or characters, split into training and validation by document (one document: by position)",
   )
   .requiredOption(
     "--text <path>",
@@ -181,12 +181,17 @@ program
   .requiredOption("--out <dir>", "the folder to write the shards and manifest.json to")
   .option(
     "--val-fraction <x>",
-    "share held out for validation: of the documents (a seeded draw, at least one of two or more), or of a single document's tokens (its end)",
-    float(0, 0.5),
+    "share held out for validation, in (0, 0.5]: of the documents (a seeded draw, at least one of two or more), or of a single document (its end; a text file is one)",
+    float(0, 0.5, { exclusiveMin: true }),
     prepareDefaults.valFraction,
   )
   .option("--seed <n>", "seed of the split", int(0), prepareDefaults.seed)
-  .option("--shard-tokens <n>", "tokens per shard at most", int(1024), prepareDefaults.shardTokens)
+  .option(
+    "--shard-tokens <n>",
+    `tokens per shard at most, up to ${shardTokensMax.toLocaleString("en-US")} (a shard's header counts them in 32 bits)`,
+    int(1024, shardTokensMax),
+    prepareDefaults.shardTokens,
+  )
   .option("--ext <ext>", "a folder's files to read, by extension", prepareDefaults.ext)
   .option(
     "--workers <n>",
@@ -220,7 +225,7 @@ program
     console.log(
       r.splitRule === "document"
         ? `split by document: each drawn for validation with probability ${m.valFraction} (seed ${m.seed}), the last one where none was`
-        : `split by position: one document, the last ${m.valFraction} of its tokens held out for validation`,
+        : `split by position: one document, the last ${m.valFraction} of it held out for validation (as nanoGPT does)`,
     );
     console.log(`next: ${cliName()} train gpt --tokens ${shownPath(o.out)}`);
   });

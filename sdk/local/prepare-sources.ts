@@ -1,9 +1,10 @@
 // `meshtrain prepare`'s inputs, read as a stream of documents: a folder's files (each a
-// document), a plain text file (cut at blank lines into documents of textDocumentCharsMin
-// characters or more), a JSON Lines file (a document per line, in a named field; plain, gzip or
-// zstd, streamed: sdk/local/prepare-jsonl.ts) or a Parquet file (a document per row, in a named
-// column, read a row group at a time: sdk/local/prepare-parquet.ts), or a folder of those.
-import { createReadStream, existsSync, readdirSync, readFileSync, statSync } from "node:fs";
+// document), a plain text file (one document, a book, read in pieces cut where GPT-2's
+// pre-tokenizer always cuts, its end held out for validation), a JSON Lines file (a document per
+// line, in a named field; plain, gzip or zstd, streamed: sdk/local/prepare-jsonl.ts) or a Parquet
+// file (a document per row, in a named column, read a row group at a time:
+// sdk/local/prepare-parquet.ts), or a folder of those.
+import { createReadStream, existsSync, readdirSync, readFileSync, realpathSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "../../engine/data/errors.ts";
 import { ConfigError } from "../../ffi/errors.ts";
@@ -26,21 +27,28 @@ export interface SourceOptions {
   invalidUtf8: "refuse" | "replace";
   /** bytes read from a plain text file at a time (default textReadBytes; tests lower it) */
   textReadBytes?: number;
-  /** a paragraph's characters at most (default textParagraphCharsMax; tests lower it) */
-  textParagraphCharsMax?: number;
+  /** a plain text's pieces: characters at least and at most (defaults textPieceCharsMin and
+   *  textPieceCharsMax; tests lower them) */
+  textPieceCharsMin?: number;
+  textPieceCharsMax?: number;
+  /** a single plain text file: the share of its end held out for validation (prepare's --val-fraction) */
+  valFraction?: number;
 }
 
 /** The extension of a folder's plain text files unless --ext says otherwise. */
 export const textExtDefault = ".txt";
 
-/** A plain text file is cut at blank lines into documents of at least this many characters (a
- *  book gives many, so it can be split by document). */
-export const textDocumentCharsMin = 10_000;
+/** A plain text file is one document, read in pieces of at least this many characters. */
+export const textPieceCharsMin = 10_000;
 
 export interface Document {
   text: string;
   /** "file" or "file:line", for errors and counts */
   where: string;
+  /** a piece of a plain text file after its first: it continues the document (nothing between) */
+  continues?: boolean;
+  /** a piece of a plain text file's held-out end (the text after --val-fraction's position) */
+  heldOut?: boolean;
 }
 
 /** A file's text: refused or repaired where it is not UTF-8, saying which and where. */
@@ -54,56 +62,131 @@ function readUtf8(path: string, o: SourceOptions, notes: string[]): string {
   return decodeUtf8(bytes, { path, line: 1, offset: 0 }, o.invalidUtf8, notes);
 }
 
-/** A plain text paragraph longer than this many characters (a file with no blank line, say) is cut
- *  at its last line break before it, so that reading it holds a bounded piece of it. */
-export const textParagraphCharsMax = 1 << 24;
+/** A plain text with no place to cut (see isPieceBoundary) for this many characters is cut
+ *  anyway, at a character's start, so that reading it holds a bounded piece of it. */
+export const textPieceCharsMax = 1 << 24;
 
 /** Bytes read from a plain text file at a time. */
 export const textReadBytes = 1 << 20;
 
-/** A plain text file's text in pieces of whole lines (so that no piece ends inside a character,
+const whiteSpace = /\s/;
+const letter = /\p{L}/u;
+
+/**
+ * Whether GPT-2's pre-tokenizer cuts `text` before index i whatever surrounds it: after a
+ * character that is not white space, before a line break, or before a space and a letter. None of
+ * its patterns (contractions, ` ?\p{L}+`, ` ?\p{N}+`, ` ?[^\s\p{L}\p{N}]+`, runs of white space)
+ * matches across such a place, so the pieces of a text cut there, tokenized apart, give the whole
+ * text's tokens (BPE merges within a pre-token only). Characters are tokens of their own anyway.
+ */
+export function isPieceBoundary(text: string, i: number): boolean {
+  if (i <= 0 || i >= text.length || whiteSpace.test(text[i - 1]!)) return false;
+  const at = text.charCodeAt(i);
+  if (at === 0x0a) return true;
+  if (at !== 0x20 || i + 1 >= text.length) return false;
+  return letter.test(String.fromCodePoint(text.codePointAt(i + 1)!));
+}
+
+/** The index of the start of the character that byte `k` of UTF-8 `bytes` is in. */
+function charStart(bytes: Uint8Array, k: number): number {
+  let at = Math.min(k, bytes.length);
+  while (at > 0 && at < bytes.length && (bytes[at]! & 0xc0) === 0x80) at--;
+  return at;
+}
+
+const looseDecoder = new TextDecoder("utf-8");
+
+/** A plain text file's text in blocks of whole lines (so that no block ends inside a character,
  *  and a bad byte is named by its line; a line past the read size is cut at a character's start),
- *  checked as UTF-8 as it is read. */
-async function* textPieces(path: string, o: SourceOptions, notes: string[]): AsyncGenerator<string> {
+ *  checked as UTF-8 as it is read, each with its bytes and their offset in the file. */
+async function* textBlocks(
+  path: string,
+  o: SourceOptions,
+  notes: string[],
+): AsyncGenerator<{ text: string; bytes: Buffer; offset: number }> {
   const readBytes = o.textReadBytes ?? textReadBytes;
-  const charStart = (open: Buffer): number => {
+  // a line past the read size: cut before its last character's lead byte (it may be incomplete)
+  const cutLine = (open: Buffer): number => {
     let cut = open.length;
     while (cut > 0 && (open[cut - 1]! & 0xc0) === 0x80) cut--;
     return Math.max(cut - 1, 0);
   };
-  for await (const b of lineBlocks(path, createReadStream(path, { highWaterMark: readBytes }), readBytes, charStart))
-    yield decodeUtf8(b.bytes, { path, line: b.line, offset: b.offset }, o.invalidUtf8, notes);
+  for await (const b of lineBlocks(path, createReadStream(path, { highWaterMark: readBytes }), readBytes, cutLine))
+    yield {
+      text: decodeUtf8(b.bytes, { path, line: b.line, offset: b.offset }, o.invalidUtf8, notes),
+      bytes: b.bytes,
+      offset: b.offset,
+    };
 }
 
-/** A plain text's documents, read as a stream: consecutive paragraphs (cut at blank lines) of at
- *  least textDocumentCharsMin characters. */
-async function* paragraphDocuments(path: string, o: SourceOptions, notes: string[]): AsyncGenerator<Document> {
+/**
+ * A plain text file as one document, read as a stream in pieces, each cut where isPieceBoundary
+ * says (so their tokens are the whole text's). With o.valFraction, the pieces from the first such
+ * place at or after that share of the file's bytes from its end are its held-out end (heldOut).
+ */
+async function* textDocument(path: string, o: SourceOptions, notes: string[]): AsyncGenerator<Document> {
   const where = shownPath(path);
-  let current = "";
-  const add = function* (para: string): Generator<Document> {
-    current = current === "" ? para : `${current}\n\n${para}`;
-    if (current.length >= textDocumentCharsMin) {
-      yield { text: current, where };
-      current = "";
+  const min = o.textPieceCharsMin ?? textPieceCharsMin;
+  const max = o.textPieceCharsMax ?? textPieceCharsMax;
+  const fraction = o.valFraction ?? 0;
+  const heldOutByte = fraction > 0 ? Math.floor(statSync(path).size * (1 - fraction)) : Number.POSITIVE_INFINITY;
+  let open = "";
+  let pieces = 0;
+  let heldOut = false;
+  /** where in `open` the held-out end may begin, once its byte is read (-1: not yet, or done) */
+  let cutFrom = -1;
+  const piece = (text: string): Document => ({ text, where, continues: pieces++ > 0, heldOut });
+  /** pieces of at least `min` characters from the front of `open`, none past `limit` */
+  const front = function* (limit: number): Generator<Document> {
+    while (Math.min(open.length, limit) >= min) {
+      let i = Math.min(limit - 1, max, open.length - 1);
+      while (i > 0 && !isPieceBoundary(open, i)) i--;
+      if (i === 0) {
+        if (Math.min(open.length, limit) < max) return; // a place to cut may come
+        i = max;
+        const last = open.charCodeAt(i - 1);
+        if (last >= 0xd800 && last <= 0xdbff) i--; // not between a surrogate pair's halves
+      }
+      yield piece(open.slice(0, i));
+      open = open.slice(i);
+      limit -= i;
+      if (cutFrom >= 0) cutFrom -= i;
     }
   };
-  const charsMax = o.textParagraphCharsMax ?? textParagraphCharsMax;
-  // the text after the last blank line so far: the paragraph that the next piece may continue
-  let open = "";
-  for await (const piece of textPieces(path, o, notes)) {
-    const paras = (open + piece).split(/\n[ \t]*\n/);
-    open = paras.pop()!;
-    for (const para of paras) yield* add(para);
-    while (open.length > charsMax) {
-      let cut = open.lastIndexOf("\n", charsMax - 1) + 1 || charsMax;
-      const last = open.charCodeAt(cut - 1);
-      if (last >= 0xd800 && last <= 0xdbff) cut--; // not between a surrogate pair's halves
-      yield* add(open.slice(0, cut));
-      open = open.slice(cut);
+  for await (const b of textBlocks(path, o, notes)) {
+    if (!heldOut && cutFrom < 0 && b.offset + b.bytes.length > heldOutByte) {
+      const k = charStart(b.bytes, heldOutByte - b.offset);
+      cutFrom = open.length + looseDecoder.decode(b.bytes.subarray(0, k)).length;
     }
+    open += b.text;
+    if (cutFrom >= 0) {
+      // the first place to cut at or after the held-out end's byte (past max characters with
+      // none, that byte itself: a text of no spaces or line breaks)
+      let i = Math.max(cutFrom, 1);
+      while (i < open.length && !isPieceBoundary(open, i)) i++;
+      if (i === open.length && open.length - cutFrom > max) i = cutFrom;
+      if (i < open.length) {
+        // pieces before the held-out end's byte, then what is left before the cut (front moves
+        // cutFrom along with the text it takes; the cut is as far past it as before)
+        const past = i - cutFrom;
+        yield* front(cutFrom);
+        const at = cutFrom + past;
+        if (at > 0) yield piece(open.slice(0, at));
+        open = open.slice(at);
+        heldOut = true;
+        cutFrom = -1;
+      }
+    }
+    yield* front(cutFrom >= 0 ? cutFrom : open.length);
   }
-  yield* add(open);
-  if (current.trim() !== "") yield { text: current, where };
+  // the held-out end's byte came, but no place to cut after it: cut at that byte
+  if (cutFrom >= 0) {
+    yield* front(cutFrom);
+    if (cutFrom > 0) yield piece(open.slice(0, cutFrom));
+    open = open.slice(cutFrom);
+    heldOut = true;
+  }
+  if (open !== "") yield piece(open);
 }
 
 /** What a folder holds that is read: Parquet files, JSON Lines files (plain or compressed), or
@@ -114,7 +197,7 @@ function readsFile(o: SourceOptions): { test: (f: string) => boolean; what: stri
   return { test: (f) => f.endsWith(o.ext), what: o.ext };
 }
 
-/** The input's files in order: a folder's by name, or the one file given. */
+/** The input's files in order: a folder's and its folders', by name, or the one file given. */
 function inputFiles(o: SourceOptions): string[] {
   if (!existsSync(o.text)) throw new DataFileError(o.text, "not found");
   const st = statSync(o.text);
@@ -123,16 +206,29 @@ function inputFiles(o: SourceOptions): string[] {
   if (!st.isDirectory())
     throw new DataFileError(o.text, "is not a regular file or a folder (prepare reads files, not pipes or devices)");
   const reads = readsFile(o);
-  // (a link is followed: a folder of links to the corpus's files reads them)
-  const files = readdirSync(o.text)
-    .filter((f) => reads.test(f) && statSync(join(o.text, f), { throwIfNoEntry: false })?.isFile() === true)
-    .sort();
-  if (files.length === 0) throw new DataFileError(o.text, `holds no ${reads.what} file`);
-  return files.map((f) => join(o.text, f));
+  // its folders' too, each folder's entries by name (a link is followed: a folder of links to the
+  // corpus's files reads them; a folder met twice, by a link back up, is read once)
+  const files: string[] = [];
+  const seen = new Set<string>();
+  const walk = (dir: string) => {
+    const real = realpathSync(dir);
+    if (seen.has(real)) return;
+    seen.add(real);
+    for (const name of readdirSync(dir).sort()) {
+      const path = join(dir, name);
+      const st = statSync(path, { throwIfNoEntry: false });
+      if (st?.isDirectory()) walk(path);
+      else if (st?.isFile() && reads.test(name)) files.push(path);
+    }
+  };
+  walk(o.text);
+  if (files.length === 0) throw new DataFileError(o.text, `holds no ${reads.what} file, in it or its folders`);
+  return files;
 }
 
 /** The documents in order: a Parquet file's rows (--parquet), a JSON Lines file's lines (--jsonl),
- *  a plain text file's paragraphs; in a folder, each file's in turn (a plain text file whole). */
+ *  a plain text file in pieces (one document); in a folder, each file's in turn (a plain text
+ *  file whole: each is a document of the corpus). */
 export async function* documents(o: SourceOptions, notes: string[]): AsyncGenerator<Document> {
   if (o.jsonl !== undefined && o.parquet !== undefined)
     throw new ConfigError("--jsonl and --parquet name two formats; give the one the input is in");
@@ -147,7 +243,7 @@ export async function* documents(o: SourceOptions, notes: string[]): AsyncGenera
       yield* (await import("./prepare-parquet.ts")).parquetDocuments(path, o.parquet, o.invalidUtf8, notes);
     else if (o.jsonl !== undefined) yield* jsonlDocuments(path, o.jsonl, o.invalidUtf8, notes);
     else if (folder) yield { text: readUtf8(path, o, notes), where: shownPath(path) };
-    else yield* paragraphDocuments(path, o, notes);
+    else yield* textDocument(path, o, notes);
   }
 }
 

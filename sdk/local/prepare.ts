@@ -2,7 +2,7 @@
 // Parquet, or a folder of any of them (sdk/local/prepare-sources.ts) are tokenized (GPT-2's BPE, or
 // characters) on worker threads (sdk/local/prepare-pool.ts), split into training and validation
 // (two or more documents by a seeded draw per document, validation given one at least; a single
-// document by position, its end held out), and written as llm.c shards of a bounded size with a
+// document by position, its end held out: a plain text file is one, read in pieces), and written as llm.c shards of a bounded size with a
 // manifest (engine/data/shards.ts). The same input gives the same bytes for any count of threads;
 // an interrupted prepare is run again from the start to the same result (the manifest is written
 // last, and the folder's earlier shards are removed first).
@@ -26,7 +26,7 @@ import { ConfigError } from "../../ffi/errors.ts";
 import { Rng } from "../../engine/rng.ts";
 import { checkOutDir } from "../user-paths.ts";
 import { batchCharsMax, type EncodedBatch, garbageCollector, tokenizerPool, workersMax } from "./prepare-pool.ts";
-import { bytesOf, documents, type SourceOptions, textExtDefault } from "./prepare-sources.ts";
+import { bytesOf, type Document, documents, type SourceOptions, textExtDefault } from "./prepare-sources.ts";
 
 /** Input bytes per tokenizing thread at least: about two seconds of one thread's work, so that its
  *  start (about half a second of a core) is a small part of it. */
@@ -48,6 +48,9 @@ export interface PrepareOptions extends SourceOptions {
   quiet?: boolean;
 }
 
+/** Tokens a shard holds at most: its header counts them in a signed 32-bit integer (llm.c's layout). */
+export const shardTokensMax = 2 ** 31 - 1;
+
 export const prepareDefaults = {
   tokenizer: "gpt2",
   valFraction: 0.1,
@@ -68,6 +71,9 @@ export function clearFolder(dir: string): void {
       rmSync(join(dir, f));
   }
 }
+
+/** Where a text goes when it is a piece of a plain text file (sdk/local/prepare-sources.ts): {} for a whole document. */
+type PieceOf = Pick<Document, "continues" | "heldOut">;
 
 /** How the tokens were split: by a seeded draw per document (two or more documents), or by
  *  position (one document: the last valFraction of its tokens held out, as nanoGPT does). */
@@ -104,10 +110,29 @@ class DocumentSplitter {
     return this.#count;
   }
 
-  place(ids: ArrayLike<number>): void {
+  /** a plain text file's pieces (a document read in pieces, its end held out): their tokens so far */
+  #pieces: { train: number; val: number } | null = null;
+
+  place(ids: ArrayLike<number>, d: PieceOf = {}): void {
+    if (d.continues !== undefined || d.heldOut !== undefined) return this.#placePiece(ids, d);
     if (this.#pending !== null) this.#write(this.#count - 1, this.#pending, false);
     this.#pending = ids;
     this.#count++;
+  }
+
+  /** A piece of the one document a plain text file is: to training up to its held-out end, then
+   *  to validation. The end continues the document: no <|endoftext|> before it. */
+  #placePiece(ids: ArrayLike<number>, d: PieceOf): void {
+    const split: SplitName = d.heldOut ? "val" : "train";
+    this.#pieces ??= { train: 0, val: 0 };
+    if (!d.continues) {
+      this.#count++;
+      this.#push(split, ids);
+    } else {
+      if (this.docs[split] === 0) this.docs[split]++;
+      this.writer.push(split, ids);
+    }
+    this.#pieces[split] += ids.length;
   }
 
   #write(i: number, ids: ArrayLike<number>, last: boolean): void {
@@ -126,6 +151,16 @@ class DocumentSplitter {
 
   /** Writes the last document; returns the rule that split the corpus. */
   finish(): SplitRule {
+    const pieces = this.#pieces;
+    if (pieces !== null) {
+      const tokens = pieces.train + pieces.val;
+      if (this.o.valFraction > 0 && (pieces.train === 0 || pieces.val === 0))
+        throw new DataFileError(
+          this.o.text,
+          `holds one document of ${tokens} token${tokens === 1 ? "" : "s"}, too short to hold out --val-fraction ${this.o.valFraction} of it by position`,
+        );
+      return "position";
+    }
     const ids = this.#pending;
     if (ids === null) throw new DataFileError(this.o.text, "holds no document: the corpus is empty");
     if (this.#count > 1) {
@@ -152,10 +187,13 @@ class DocumentSplitter {
 }
 
 export async function runPrepare(o: PrepareOptions): Promise<PrepareResult> {
-  if (!(o.valFraction >= 0 && o.valFraction <= 0.5))
-    throw new ConfigError(`--val-fraction must be in [0, 0.5], got ${o.valFraction}`);
-  if (!Number.isSafeInteger(o.shardTokens) || o.shardTokens < 1)
-    throw new ConfigError(`--shard-tokens must be a positive integer, got ${o.shardTokens}`);
+  // train gpt, eval and the mesh's data-loader evaluate on the validation split: a folder without one trains nowhere
+  if (!(o.valFraction > 0 && o.valFraction <= 0.5))
+    throw new ConfigError(
+      `--val-fraction must be in (0, 0.5], got ${o.valFraction} (a GPT trained on the folder is evaluated on its validation split)`,
+    );
+  if (!Number.isSafeInteger(o.shardTokens) || o.shardTokens < 1 || o.shardTokens > shardTokensMax)
+    throw new ConfigError(`--shard-tokens must be an integer in [1, ${shardTokensMax}], got ${o.shardTokens}`);
   const workers = o.workers ?? availableParallelism();
   if (!Number.isSafeInteger(workers) || workers < 1 || workers > workersMax)
     throw new ConfigError(`--workers must be an integer in [1, ${workersMax}], got ${workers}`);
@@ -185,9 +223,9 @@ export async function runPrepare(o: PrepareOptions): Promise<PrepareResult> {
   // a thread's start costs about half a second of a core (the BPE's ranks, and a table of pieces
   // that fills as it goes): a thread is started for each workerBytesMin of text, up to --workers
   const threads = Math.min(workers, Math.max(1, Math.floor(inputBytes.text / (o.workerBytesMin ?? workerBytesMin))));
-  await tokenizeInOrder(o, threads, vocab, notes, (e, bytes) => {
+  await tokenizeInOrder(o, threads, vocab, notes, (e, pieces, bytes) => {
     for (let i = 0, at = 0; i < e.lengths.length; at += e.lengths[i]!, i++)
-      splitter.place(e.ids.subarray(at, at + e.lengths[i]!));
+      splitter.place(e.ids.subarray(at, at + e.lengths[i]!), pieces[i]);
     progress.update(bytes, splitter.count, writer);
   });
   progress.stop();
@@ -228,31 +266,34 @@ async function tokenizeInOrder(
   workers: number,
   vocab: CharVocab | null,
   notes: string[],
-  take: (e: EncodedBatch, bytes: number) => void,
+  take: (e: EncodedBatch, pieces: readonly PieceOf[], bytes: number) => void,
 ): Promise<void> {
   const pool = tokenizerPool(workers, vocab?.chars ?? null);
-  const inFlight: { encoded: Promise<EncodedBatch>; bytes: number }[] = [];
+  const inFlight: { encoded: Promise<EncodedBatch>; pieces: PieceOf[]; bytes: number }[] = [];
   let texts: string[] = [];
+  let pieces: PieceOf[] = [];
   let chars = 0;
   const send = async () => {
     if (texts.length === 0) return;
     const encoded = pool.encode(texts);
     // a batch that fails while an earlier one is awaited is reported when its turn comes
     encoded.catch(() => {});
-    inFlight.push({ encoded, bytes: texts.reduce((n, t) => n + Buffer.byteLength(t, "utf8"), 0) });
+    inFlight.push({ encoded, pieces, bytes: texts.reduce((n, t) => n + Buffer.byteLength(t, "utf8"), 0) });
     texts = [];
+    pieces = [];
     chars = 0;
     while (inFlight.length >= pool.inFlightMax) await takeFirst();
   };
   const collect = garbageCollector();
   const takeFirst = async () => {
     const b = inFlight.shift()!;
-    take(await b.encoded, b.bytes);
+    take(await b.encoded, b.pieces, b.bytes);
     collect(b.bytes);
   };
   try {
     for await (const d of documents(o, notes)) {
       texts.push(d.text);
+      pieces.push(d.continues === undefined ? {} : { continues: d.continues, heldOut: d.heldOut ?? false });
       chars += d.text.length;
       if (chars >= batchCharsMax) await send();
     }

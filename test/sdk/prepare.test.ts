@@ -3,7 +3,16 @@
 // documents are split by a seeded draw, GPT-2's <|endoftext|> comes before each document, and
 // bad input is one clear error naming the file and line.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import {
+  existsSync,
+  mkdirSync,
+  mkdtempSync,
+  readdirSync,
+  readFileSync,
+  rmSync,
+  symlinkSync,
+  writeFileSync,
+} from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { gzipSync, zstdCompressSync } from "node:zlib";
@@ -21,7 +30,7 @@ import gpt2Ranks from "js-tiktoken/ranks/gpt2";
 import { llmcMagic, readTokenFile } from "../../engine/data/tokens.ts";
 import { type PrepareOptions, prepareDefaults, runPrepare } from "../../sdk/local/prepare.ts";
 import { invalidUtf8At } from "../../sdk/local/prepare-utf8.ts";
-import { documents, textDocumentCharsMin } from "../../sdk/local/prepare-sources.ts";
+import { type Document, documents, isPieceBoundary } from "../../sdk/local/prepare-sources.ts";
 import { lineBlocks } from "../../sdk/local/prepare-lines.ts";
 import { Readable } from "node:stream";
 import { sotuDir } from "../helpers/big-corpus.ts";
@@ -105,62 +114,96 @@ describe("prepare", () => {
     expect(files(again)).toEqual(files(fresh));
   });
 
-  test("a book: documents of consecutive paragraphs; characters: vocab.json and a newline between documents; train gpt's corpus reads it", async () => {
+  test("a book is one document: its end held out (characters: vocab.json); train gpt's corpus reads it", async () => {
     const out = join(dir, "moby-char");
     const r = await runPrepare(opts({ text: mobyDickPath(), out, tokenizer: "char" }));
-    expect(r.manifest.documents.train).toBeGreaterThan(50);
+    expect([r.splitRule, r.manifest.documents]).toEqual(["position", { train: 1, val: 1 }]);
     expect(r.manifest.vocabSize).toBe(83);
     const c = loadCorpus({ tokensDir: out, valFraction: 0 });
     expect(c.tokenizer).toBe("char");
     expect(c.vocab!.size).toBe(83);
-    expect(c.train.length + c.val.length).toBe(r.manifest.tokens.train + r.manifest.tokens.val);
-    expect(c.vocab!.decode(readTokens(c.train, 0, 200))).toStartWith(readFileSync(mobyDickPath(), "utf8").slice(0, 50));
+    // the text itself: its start, then its last tenth (at a place to cut), nothing added between
+    const text = readFileSync(mobyDickPath(), "utf8");
+    const train = c.vocab!.decode(readTokens(c.train, 0, c.train.length));
+    const val = c.vocab!.decode(readTokens(c.val, 0, c.val.length));
+    expect(train + val).toBe(text);
+    expect(Math.abs(Buffer.byteLength(val) / Buffer.byteLength(text) - 0.1)).toBeLessThan(1e-4);
     expect(() => loadCorpus({ tokensDir: out, vocabSize: 50257, valFraction: 0 })).toThrow(
       /prepared with a vocabulary of 83/,
     );
   });
 
-  test("a plain text is read as a stream: the documents of the whole text's paragraphs wherever a read ends; a bad byte past the first read named by its line; an endless paragraph cut at a line break", async () => {
-    // the whole text's split, as prepare made it when it read a file whole
-    const whole = (text: string) => {
-      const docs: string[] = [];
-      let current = "";
-      for (const para of text.split(/\n[ \t]*\n/)) {
-        current = current === "" ? para : `${current}\n\n${para}`;
-        if (current.length >= textDocumentCharsMin) {
-          docs.push(current);
-          current = "";
-        }
-      }
-      if (current.trim() !== "") docs.push(current);
-      return docs;
-    };
+  test("a plain text is read as a stream of pieces cut where GPT-2's pre-tokenizer always cuts: the whole text's tokens wherever a read ends; a bad byte past the first read named by its line; a text with no place to cut cut at the cap", async () => {
     const read = async (path: string, over: Partial<PrepareOptions> = {}) => {
-      const docs: string[] = [];
-      for await (const d of documents(opts({ text: path, out: dir, ...over }), [])) docs.push(d.text);
+      const docs: Document[] = [];
+      for await (const d of documents(opts({ text: path, out: dir, valFraction: 0, ...over }), [])) docs.push(d);
       return docs;
     };
     // Moby Dick, with blank lines of spaces and tabs, runs of them, and characters of 2 to 4 bytes
     const text = `${readFileSync(mobyDickPath(), "utf8").slice(0, 300_000)}\n \t\n\n\n\t\nélan 🐋 ${"whale ".repeat(3000)}\n\n`;
     const p = bad("stream.txt", text);
-    const expected = whole(text);
-    expect(expected.length).toBeGreaterThan(20);
-    for (const bytes of [61, 4096, 1 << 22]) expect(await read(p, { textReadBytes: bytes })).toEqual(expected);
+    const whole = Array.from(gpt2FastTokenizer().encode(text));
+    for (const [readBytes, pieceMin] of <[number, number][]>[
+      [61, 50],
+      [4096, 1000],
+      [1 << 22, 10_000],
+    ]) {
+      const pieces = await read(p, { textReadBytes: readBytes, textPieceCharsMin: pieceMin });
+      expect(pieces.map((d) => d.text).join("")).toBe(text);
+      expect(pieces.map((d) => [d.continues, d.heldOut])).toEqual(pieces.map((_, i) => [i > 0, false]));
+      // a piece is what a read gave (at least pieceMin characters), less what follows its last place to cut
+      expect(pieces.length).toBeGreaterThan(text.length / Math.max(readBytes!, pieceMin!) / 2);
+      // each piece tokenized apart: the whole text's tokens
+      const fast = gpt2FastTokenizer();
+      expect(pieces.flatMap((d) => Array.from(fast.encode(d.text)))).toEqual(whole);
+    }
     // a bad byte in the second read: its line counts the lines of the reads before
     const latin = bad("stream-latin1.txt", new Uint8Array([...new TextEncoder().encode("a b\n".repeat(5000)), 0xe9]));
     await expect(read(latin, { textReadBytes: 4096 })).rejects.toThrow(
       /stream-latin1\.txt: line 5001: invalid UTF-8 at byte 20000/,
     );
-    // no blank line at all: pieces of at most the cap, cut after a line break where there is one
+    // no place to cut in 25,000 whales: cut at the cap, never between a surrogate pair's halves
     const endless = bad("endless.txt", `${"🐋 whale\n".repeat(4000)}x${"🐋".repeat(25_000)}`);
-    const cutDocs = await read(endless, { textReadBytes: 1000, textParagraphCharsMax: 20_000 });
-    expect(cutDocs.join("").replaceAll("\n", "")).toBe(readFileSync(endless, "utf8").replaceAll("\n", ""));
-    expect(cutDocs.length).toBeGreaterThan(3);
-    for (const d of cutDocs.slice(0, -1)) expect(d.length).toBeLessThanOrEqual(20_000);
-    // cut after a line break, but where 25,000 whales have none: twice at the cap, and the file's end
-    expect(cutDocs.filter((d) => !d.endsWith("\n")).length).toBe(3);
-    // a cut at the cap inside a whale (two UTF-16 units) would leave lone halves
-    for (const d of cutDocs) expect(d.isWellFormed()).toBe(true);
+    const cut = await read(endless, { textReadBytes: 1000, textPieceCharsMin: 1000, textPieceCharsMax: 20_000 });
+    expect(cut.map((d) => d.text).join("")).toBe(readFileSync(endless, "utf8"));
+    for (const d of cut.slice(0, -1)) expect(d.text.length).toBeLessThanOrEqual(20_000);
+    for (const d of cut) expect(d.text.isWellFormed()).toBe(true);
+  });
+
+  test("a folder's subfolders are read too, each folder's entries by name; a link back up is read once", async () => {
+    const d = join(dir, "nested");
+    mkdirSync(join(d, "b", "c"), { recursive: true });
+    writeFileSync(join(d, "a.txt"), "first document");
+    writeFileSync(join(d, "b", "c", "x.txt"), "third document");
+    writeFileSync(join(d, "b", "b.txt"), "second document");
+    writeFileSync(join(d, "b", "skip.md"), "not read");
+    writeFileSync(join(d, "z.txt"), "fourth document");
+    symlinkSync(d, join(d, "b", "up"));
+    const texts: string[] = [];
+    for await (const doc of documents(opts({ text: d, out: dir }), [])) texts.push(doc.text);
+    expect(texts).toEqual(["first document", "second document", "third document", "fourth document"]);
+  });
+
+  test("places to cut: after a character that is not white space, before a line break or a space and a letter", () => {
+    const at = (text: string) => [...text].map((_, i) => (isPieceBoundary(text, i) ? "|" : ".")).join("");
+    // not before "1" (no letter), after a no-break space (white space) nor between two spaces
+    expect(at("ab\ncd ef 12 é\u00a0\nx  y")).toBe("..|..|.....|.......");
+    // each kind, tokenized apart and whole: the same tokens
+    const fast = gpt2FastTokenizer();
+    for (const text of [
+      "Hello world",
+      "end.\nNext",
+      "x\u3000\ny",
+      "don't stop",
+      "12 apples",
+      "a  b",
+      "é\nb",
+      "鯨\n鯨 whale",
+    ]) {
+      for (let i = 1; i < text.length; i++)
+        if (isPieceBoundary(text, i))
+          expect([...fast.encode(text.slice(0, i)), ...fast.encode(text.slice(i))]).toEqual([...fast.encode(text)]);
+    }
   });
 
   test("blocks of whole lines, whatever the chunks: each with its line and byte offset; a line still open past the limit goes to tooLong", async () => {
@@ -221,24 +264,32 @@ describe("prepare", () => {
     expect(out).toMatch(/^split by document: each drawn for validation with probability 0\.1 \(seed 1\)/m);
   });
 
-  test("a single text: split by position, the last --val-fraction of its tokens held out", async () => {
+  test("a single text: split by position, the last --val-fraction of it held out, its tokens the whole text's", async () => {
     const text = "Call me Ishmael. Some years ago, never mind how long precisely. ".repeat(40);
     const path = join(dir, "single.txt");
     writeFileSync(path, text);
     const out = join(dir, "single");
     const r = await runPrepare(opts({ text: path, out, valFraction: 0.25 }));
     expect(r.splitRule).toBe("position");
-    const ids = gpt2Tokenizer().encode(text);
-    const held = Math.round(ids.length * 0.25);
+    const ids = Array.from(gpt2Tokenizer().encode(text));
     const m = readManifest(out)!;
     expect(m.splitRule).toBe("position");
-    expect([...readSplit(out, m, "train")]).toEqual([gpt2EndOfText, ...Array.from(ids).slice(0, ids.length - held)]);
-    expect([...readSplit(out, m, "val")]).toEqual(Array.from(ids).slice(ids.length - held));
+    const train = [...readSplit(out, m, "train")];
+    const val = [...readSplit(out, m, "val")];
+    // <|endoftext|> before the document, none before its held-out end: it continues it
+    expect(train[0]).toBe(gpt2EndOfText);
+    expect([...train.slice(1), ...val]).toEqual(ids);
+    // the end held out is the text's last quarter, to a word
+    const held = gpt2Tokenizer().decode(val);
+    expect(text.endsWith(held)).toBe(true);
+    expect(Math.abs(held.length - text.length / 4)).toBeLessThan(12);
     const c = loadCorpus({ tokensDir: out, valFraction: 0 });
-    expect(c.val.length).toBe(held);
+    expect(c.val.length).toBe(val.length);
     const cli = runCli(root, "prepare", "--text", path, "--out", join(dir, "single-cli"), "--val-fraction", "0.25");
     expect(cli.code).toBe(0);
-    expect(cli.out).toContain("split by position: one document, the last 0.25 of its tokens held out for validation");
+    expect(cli.out).toContain(
+      "split by position: one document, the last 0.25 of it held out for validation (as nanoGPT does)",
+    );
     expect(cli.out).toMatch(/^prepared .*single-cli: 1 document, [\d,]+ train and [\d,]+ val tokens/m); // not "2 documents"
   });
 
@@ -492,8 +543,8 @@ describe("prepare", () => {
       ],
       [
         "one document too short to split by position",
-        () => opts({ text: bad("one.txt", "whale"), out: join(dir, "o7") }),
-        /holds one document of 2 tokens, too short to hold out --val-fraction 0\.1 of it by position/,
+        () => opts({ text: bad("one.txt", "w"), out: join(dir, "o7") }),
+        /holds one document of 1 token, too short to hold out --val-fraction 0\.1 of it by position/,
       ],
     ])("%s", async (_, make, message) => {
       await expect(runPrepare(make())).rejects.toThrow(DataFileError);
