@@ -553,7 +553,7 @@ describe("prepare", () => {
 
     test("invalid UTF-8 replaced on request, and said where", async () => {
       const p = bad("latin1b.txt", new Uint8Array([...new TextEncoder().encode("a\n".repeat(20)), 0x62, 0xe9, 0x63]));
-      const r = await runPrepare(opts({ text: p, out: join(dir, "o8"), valFraction: 0, invalidUtf8: "replace" }));
+      const r = await runPrepare(opts({ text: p, out: join(dir, "o8"), invalidUtf8: "replace" }));
       expect(r.notes).toEqual([
         expect.stringMatching(/latin1b\.txt:21: invalid UTF-8 at byte 41: replaced with U\+FFFD/),
       ]);
