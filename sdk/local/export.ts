@@ -2,9 +2,13 @@
 // Face's GPT-2 layout (engine/hf-gpt2.ts): model.safetensors with GPT2LMHeadModel's tensor names
 // and shapes, config.json, and for a GPT-2 BPE model the tokenizer's files; a character-level
 // model's characters go to meshtrain_chars.json. `train gpt --init-from DIR` reads such a folder.
-import { mkdirSync } from "node:fs";
+// Into a folder an export wrote, the new model's files replace the old one's, and the old one's
+// tokenizer files that the new one has none of are removed; a folder holding weights of another
+// format is refused.
+import { existsSync, mkdirSync, readdirSync, rmSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "../../engine/data/errors.ts";
+import { ConfigError } from "../../ffi/errors.ts";
 import { writeDurably } from "../../engine/durable.ts";
 import { gpt2TokenizerFiles, hfConfig, toHfTensors } from "../../engine/hf-gpt2.ts";
 import { readModelFile } from "../../engine/modelfile.ts";
@@ -33,6 +37,13 @@ export function runExport(o: ExportOptions): string[] {
   }
   const config = header.config as GptConfig;
   const bpe = header.tokenizer === "gpt2";
+  const present = existsSync(o.out) ? readdirSync(o.out) : [];
+  // weights of another format beside ours: transformers would load one or the other
+  const others = present.filter((f) => otherWeights.test(f));
+  if (others.length > 0)
+    throw new ConfigError(
+      `--out ${shownPath(o.out)} holds another model's weights (${others.join(", ")}); export into an empty folder or one an export wrote`,
+    );
   mkdirSync(o.out, { recursive: true });
   const files: string[] = [];
   const put = (name: string, parts: Uint8Array[]) => {
@@ -64,8 +75,27 @@ export function runExport(o: ExportOptions): string[] {
     // no Hugging Face tokenizer spells a character vocabulary: its characters, in id order
     put("meshtrain_chars.json", [json({ chars: header.vocab })]);
   }
+  // the model this folder held before: its tokenizer's files and settings, which this one's do not replace
+  for (const f of present) if (replacedFiles.has(f) && !files.includes(f)) rmSync(join(o.out, f), { force: true });
   return files;
 }
+
+/** Files of a GPT-2 folder that describe its model: an export into a folder replaces them all,
+ *  removing those it does not write (a character model's over a BPE one's vocab.json, say). */
+const replacedFiles = new Set([
+  "vocab.json",
+  "merges.txt",
+  "special_tokens_map.json",
+  "tokenizer_config.json",
+  "tokenizer.json",
+  "added_tokens.json",
+  "generation_config.json",
+  "meshtrain_chars.json",
+]);
+
+/** Weights files of Hugging Face's other formats and sharded layouts. */
+const otherWeights =
+  /^(pytorch_model.*\.bin|model-\d+-of-\d+\.safetensors|.*\.index\.json|tf_model\.h5|flax_model\.msgpack)$/;
 
 export function exportSummary(o: ExportOptions, files: readonly string[]): string {
   return `exported ${shownPath(o.model)} to ${shownPath(o.out)}/: ${files.join(", ")} (transformers: GPT2LMHeadModel.from_pretrained("${shownPath(o.out)}"))`;

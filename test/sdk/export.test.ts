@@ -5,7 +5,7 @@
 // is importable); a round trip gives the same validation loss; shapes that disagree are refused,
 // naming the tensor.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { CpuBackend } from "../../ffi/cpu/backend.ts";
@@ -194,6 +194,32 @@ describe("export to Hugging Face's GPT-2 layout", () => {
     },
     60_000,
   );
+
+  test("into a folder an export wrote: the new model's files, the old one's tokenizer files removed; weights of another format refused", () => {
+    const out = join(dir, "hf-again");
+    mkdirSync(out);
+    // a character model's export before (its characters), a fast tokenizer of another, a model card
+    writeFileSync(join(out, "meshtrain_chars.json"), '{"chars":["a","b"]}\n');
+    writeFileSync(join(out, "tokenizer.json"), "{}\n");
+    writeFileSync(join(out, "README.md"), "# my model\n");
+    const r = cli("export", "--model", "gpt.mtm", "--out", "hf-again");
+    expect(r.code, r.err).toBe(0);
+    expect(readdirSync(out).sort()).toEqual([
+      "README.md",
+      "config.json",
+      "merges.txt",
+      "model.safetensors",
+      "special_tokens_map.json",
+      "tokenizer_config.json",
+      "vocab.json",
+    ]);
+    writeFileSync(join(out, "pytorch_model.bin"), "weights of another model");
+    const refused = cli("export", "--model", "gpt.mtm", "--out", "hf-again");
+    expect([refused.code, refused.err.trim()]).toEqual([
+      1,
+      "meshtrain: ConfigError: --out hf-again holds another model's weights (pytorch_model.bin); export into an empty folder or one an export wrote",
+    ]);
+  });
 
   test("refusals: a shape option that disagrees with the folder, a tensor of the wrong shape (named), an MLP model", () => {
     cli("export", "--model", "gpt.mtm", "--out", "hf4");
