@@ -134,6 +134,10 @@ function checkFlags(f: JobFlags, model: ModelKind, optimizer: OptimizerKind, syn
   if (f.accum !== undefined && f.microBatches !== undefined)
     throw new ConfigError("--micro-batches and --accum set the same count (micro-batches a step): pass one");
   if (f.text && f.tokens) throw new ConfigError("--text and --tokens exclude each other: pass one");
+  if (f.tokens && f.valFraction !== undefined)
+    throw new ConfigError(
+      "--val-fraction is for --text: a --tokens folder's validation split is its val.bin (prepare --val-fraction sets it)",
+    );
   if (f.vocabSize && !f.tokens)
     throw new ConfigError(
       "--vocab-size is for --tokens folders without vocab.json; a text's vocabulary is its characters",

@@ -31,7 +31,7 @@ import { Context } from "../../engine/context.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
 import { Progress, RateMeter } from "../progress.ts";
 import { StopAfterStep, type StopSignal, stopName } from "../signals.ts";
-import { precisionNote, skippedStepNote } from "./precision.ts";
+import { precisionNote, skippedStepNote, warmupNote } from "./precision.ts";
 import { modelLines } from "./next-steps.ts";
 
 export interface GptRunOptions {
@@ -275,6 +275,8 @@ async function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () =
       `| GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)} | limit: ${stepsText(o.maxSteps)} or ${o.timeLimitMin} min`,
   );
   console.log(memoryLine(predicted));
+  const warmup = warmupNote(o.warmup, o.maxSteps);
+  if (warmup !== null) console.log(warmup);
 
   const rng = new Rng(o.seed);
   const progress = new Progress(o.maxSteps, "tokens");

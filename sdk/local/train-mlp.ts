@@ -20,7 +20,7 @@ import { evaluate, TrainStep } from "../../engine/train.ts";
 import { StopAfterStep, type StopSignal, stopName } from "../signals.ts";
 import { Progress, RateMeter } from "../progress.ts";
 import { checkOutFile } from "../user-paths.ts";
-import { precisionNote, skippedStepNote } from "./precision.ts";
+import { precisionNote, skippedStepNote, warmupNote } from "./precision.ts";
 import { modelLines } from "./next-steps.ts";
 
 export interface MlpRunOptions {
@@ -142,6 +142,8 @@ async function trainMlp(o: MlpRunOptions, backend: Backend, inputsRead: () => vo
     `parameters: ${model.store.paramCount.toLocaleString("en-US")} | samples/step: ${o.batchSize * o.accum} ` +
       `| steps: ${totalSteps} (${stepsPerEpoch}/epoch) | GEMM GFLOP/step: ${(model.gemmFlopsPerStep(o.batchSize * o.accum) / 1e9).toFixed(2)}`,
   );
+  const warmup = o.schedule === "constant" ? null : warmupNote(o.warmup, totalSteps);
+  if (warmup !== null) console.log(warmup);
 
   const testBatches = new ImageBatcher(data.test, evalBatchSamples);
   const progress = new Progress(totalSteps, "samples");

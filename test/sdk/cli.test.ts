@@ -97,6 +97,10 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     [["train", "mlp", "--beta2", "0.9"], "--beta2 is not for --optimizer sgd"],
     [["train", "mlp", "--optimizer", "adamw", "--no-nesterov"], "--no-nesterov is not for --optimizer adamw"],
     [
+      ["train", "gpt", "--tokens", "d", "--val-fraction", "0.3"],
+      "--val-fraction is for --text: a --tokens folder's validation split is its val.bin",
+    ],
+    [
       ["train", "gpt", "--text", "a.txt", "--vocab-size", "5"],
       "--vocab-size is for --tokens folders without vocab.json",
     ],

@@ -4,6 +4,7 @@
 import { expect, test } from "bun:test";
 import { zeroPartitions } from "../../engine/parallel/zero.ts";
 import { configSummary, statusLines } from "../../sdk/report.ts";
+import { warmupNote } from "../../sdk/local/precision.ts";
 import { runningRecord } from "../../services/runtime/job/ledger.ts";
 import type { TrainerStats } from "../../schemas/messages/trainer.ts";
 import { jobDefaults, parseJobConfig } from "../../services/runtime/job/config.ts";
@@ -64,4 +65,10 @@ test("status of a running all-reduce job: its step is its trainers' slowest (it 
     checkpoints: [],
   });
   expect(none).toContain("step       - of 1000");
+});
+
+test("train's header notes a warmup as long as the run (the learning rate never decays)", () => {
+  expect(warmupNote(100, 20)).toStartWith("note: the 100 warmup steps (--warmup) are as many as the run's 20:");
+  expect(warmupNote(20, 20)).not.toBeNull();
+  expect(warmupNote(5, 20)).toBeNull();
 });
