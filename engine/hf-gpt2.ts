@@ -2,7 +2,7 @@
 // weights stored (in, out) where ours are (out, in), config.json, and GPT-2's tokenizer files
 // (vocab.json and merges.txt, derived from the BPE ranks js-tiktoken ships). The head is tied to
 // the token embedding, as GPT-2's is, so lm_head.weight is not stored (transformers ties it).
-import { existsSync } from "node:fs";
+import { existsSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { gpt2Ranks } from "./data/gpt2-ranks.ts";
 import { DataFileError } from "./data/errors.ts";
@@ -124,6 +124,14 @@ export function gptConfigOfHf(json: Record<string, unknown>, path: string): Omit
 /** The shape of a Hugging Face GPT-2 folder's model (its config.json): what fine-tuning from it trains. */
 export function hfFolderShape(dir: string): Omit<GptConfig, "dropout"> {
   const path = join(dir, "config.json");
+  const st = statSync(dir, { throwIfNoEntry: false });
+  if (st === undefined)
+    throw new DataFileError(dir, "not found (a Hugging Face GPT-2 folder: what meshtrain export writes)");
+  if (!st.isDirectory())
+    throw new DataFileError(
+      dir,
+      "is a file, not a Hugging Face GPT-2 folder (a .mtm model file? meshtrain export --model <file> --out <dir> writes a folder)",
+    );
   if (!existsSync(path))
     throw new DataFileError(
       dir,

@@ -8,6 +8,8 @@
 //   bytes 12-15 u32 header length H
 //   16..16+H    header, UTF-8 JSON (kind, config, vocab, parameter table, checksum, ...)
 //   then        zero padding to a 64-byte boundary, then the f32 parameter slab
+import { existsSync, statSync } from "node:fs";
+import { join } from "node:path";
 import { writeDurably } from "./durable.ts";
 import { DataFileError } from "./data/errors.ts";
 import { readDataFile } from "./data/files.ts";
@@ -70,6 +72,14 @@ export interface LoadedModelFile {
 }
 
 export function readModelFile(path: string): LoadedModelFile {
+  // a folder: a Hugging Face export, which the commands that take one read with their own flag
+  if (statSync(path, { throwIfNoEntry: false })?.isDirectory())
+    throw new DataFileError(
+      path,
+      existsSync(join(path, "config.json"))
+        ? "is a Hugging Face GPT-2 folder (exported already?), not a meshtrain model file (.mtm)"
+        : "is a folder, not a meshtrain model file (.mtm)",
+    );
   const bytes = readDataFile(path);
   if (bytes.length < prefixBytes || new TextDecoder().decode(bytes.subarray(0, 8)) !== modelFileMagic) {
     throw new DataFileError(path, "not a meshtrain model file (bad magic number)");

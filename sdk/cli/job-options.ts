@@ -87,7 +87,8 @@ export function sharedOption(name: string, model: ModelKind, byDefault?: null): 
   const r = flagRows.get(name);
   if (r === undefined) throw new Error(`no job option ${name}`);
   const value = byDefault === null ? undefined : defaultFor(r, model);
-  return optionOf(r, r.trainHelp ?? r.help!, value === "" ? undefined : value);
+  const trainHelp = typeof r.trainHelp === "string" ? r.trainHelp : r.trainHelp?.[model];
+  return optionOf(r, trainHelp ?? r.help!, value === "" ? undefined : value);
 }
 
 /** Several shared rows at once. */

