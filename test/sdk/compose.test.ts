@@ -16,6 +16,7 @@ const read = (file: string) =>
       {
         command?: string[];
         environment?: Record<string, string>;
+        ipc?: string;
         build?: { dockerfile: string };
         deploy?: {
           resources: { reservations: { devices: { driver: string; count: string; capabilities: string[] }[] } };
@@ -24,7 +25,7 @@ const read = (file: string) =>
     >;
   };
 
-test("the GPU override moves exactly the trainers onto the GPU image, with MT_DEVICE=cuda and a GPU reservation", () => {
+test("the GPU override moves exactly the trainers onto the GPU image, with MT_DEVICE=cuda, a GPU reservation, one host name and the host's IPC", () => {
   const base = read("docker-compose.yml").services;
   const gpu = read("docker-compose.gpu.yml").services;
   const trainers = Object.keys(base).filter((name) => base[name]!.command?.includes("services/trainer/main.ts"));
@@ -32,7 +33,9 @@ test("the GPU override moves exactly the trainers onto the GPU image, with MT_DE
   expect(Object.keys(gpu).sort()).toEqual(trainers.sort());
   for (const name of trainers) {
     const s = gpu[name]!;
-    expect(s.environment).toEqual({ MT_DEVICE: "cuda" });
+    // one host's trainers (each container's own name would make each a host: no NCCL among them)
+    expect(s.environment).toEqual({ MT_DEVICE: "cuda", MT_HOST: "${MT_GPU_HOST:-gpu-host}" });
+    expect(s.ipc).toBe("host");
     expect(deviceChoices).toContain(s.environment!.MT_DEVICE as never);
     expect(s.deploy!.resources.reservations.devices).toEqual([
       { driver: "nvidia", count: "all", capabilities: ["gpu"] },
