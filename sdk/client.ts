@@ -57,7 +57,7 @@ import { type CollectivePlan, collectivePlan } from "../services/runtime/job/col
 import { isEnded, JobLedger, JobStore, runningRecord, stateName } from "../services/runtime/job/ledger.ts";
 import { NatsBus, natsServers } from "../services/runtime/mesh/nats.ts";
 import { ownerOfSeedFile } from "../services/runtime/job/roles.ts";
-import { percent, when } from "./format.ts";
+import { percent, plural, when } from "./format.ts";
 
 export { specOfConfig, syncPolicy };
 /** A resize: a snapshot (up to a minute), every service closing the job (up to a minute), the plan, the reopen. */
@@ -605,13 +605,21 @@ export class MeshClient implements AsyncDisposable {
     const cfg = jobConfigFromJson(rec.configJson);
     const trainers = to.trainers ?? cfg.trainers,
       shards = to.shards ?? cfg.shards;
-    if (!usesShards(cfg) && to.shards !== undefined && to.shards !== cfg.shards)
-      throw new BadRequestError(`job ${job} runs in all-reduce mode: it has no parameter-server shards to resize`);
+    if (!usesShards(cfg) && to.shards !== undefined)
+      throw new BadRequestError(
+        `job ${job} has no parameter-server shards to resize: its trainers hold the parameters (--sync ${cfg.sync})`,
+      );
+    if (trainers === cfg.trainers && shards === cfg.shards)
+      throw new BadRequestError(
+        `job ${job} runs ${plural(trainers, "trainer")}${usesShards(cfg) ? ` and ${plural(shards, "shard")}` : ""} already`,
+      );
     await awaitMembers(
       (needs, windowMs) => this.members(needs, windowMs),
       { job, trainers, shards, sync: cfg.sync },
       o.membersWaitMs ?? submitMembersWaitMs,
       this.url,
+      undefined,
+      "resize to",
     );
     const req = encodeJobRequest({ job, step: 0, tag: `trainers ${trainers} shards ${shards}` });
     return decodeManifest(await this.bus.request(subjects.ckptResize(job), req, resizeTimeoutMs), 1 << 22);

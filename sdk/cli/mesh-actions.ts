@@ -7,7 +7,7 @@ import { join } from "node:path";
 import { type Event, JobState } from "../../schemas/messages/job.ts";
 import { orAfter } from "../../services/runtime/mesh/timers.ts";
 import { defaultOwner, otherOwnerProblem, ownerOfJob, qualifyJob } from "../../services/runtime/job/subjects.ts";
-import { jobConfigFromJson } from "../../services/runtime/job/config.ts";
+import { jobConfigFromJson, usesShards } from "../../services/runtime/job/config.ts";
 import { planDevice, planReport } from "../plan.ts";
 import { MeshClient } from "../client.ts";
 import { type JobFlags, jobConfigOf } from "./job-options.ts";
@@ -15,7 +15,7 @@ import { exitCodes } from "./exit.ts";
 import { type MeshOptions, LocalMesh, membersWaitMs } from "../local-mesh.ts";
 import { announceLocalMesh, lockMeshDir, resolveNatsUrl, resolveNkeyFile, unreachableHint } from "../mesh-address.ts";
 import { clientUser, makeCredentials, roleUsers } from "../../services/runtime/job/roles.ts";
-import { printable, stamp } from "../format.ts";
+import { plural, printable, stamp } from "../format.ts";
 import { checkOutDir, cliName, shownPath } from "../user-paths.ts";
 import { configSummary, jobsTable, outcomeLines, statusLines } from "../report.ts";
 import { Dashboard } from "../dashboard/server.ts";
@@ -255,7 +255,7 @@ export async function resize(job: string, opts: NatsFlags & { trainers?: number;
   const r = await client.record(job);
   const cfg = jobConfigFromJson(r.configJson);
   console.log(
-    `resized ${job} from ${printable(m.id)} (step ${m.step}): ${cfg.trainers} trainers${cfg.sync === "allreduce" ? "" : `, ${cfg.shards} shards`}; ${r.totalSteps} steps in all; follow it: ${cliName()} watch ${job}`,
+    `resized ${client.job(job)} from ${printable(m.id)} (step ${m.step}): ${plural(cfg.trainers, "trainer")}${usesShards(cfg) ? `, ${plural(cfg.shards, "shard")}` : ""}; ${r.totalSteps} steps in all; follow it: ${cliName()} watch ${client.job(job)}`,
   );
 }
 

@@ -317,6 +317,12 @@ describe("meshtrain mesh up and the client commands", () => {
     expect(follower.out()).toContain(
       "stopped following job default.j3; it goes on training. Follow it again: npx meshtrain watch default.j3",
     );
+    // a resize to the sizes it runs: refused at once, in the client
+    const same = c("resize", "j3", "--trainers", "2");
+    expect([same.code, same.err.trim()]).toEqual([
+      1,
+      "meshtrain: BadRequestError: job default.j3 runs 2 trainers and 2 shards already",
+    ]);
     // a job still training when the mesh stops: it is named, with where it goes on
     up.proc.kill("SIGINT");
     expect(await up.done).toBe(0);

@@ -491,5 +491,14 @@ describe("a job the mesh cannot run", () => {
     );
     expect(ar).toContain("needs trainer ranks 2-3, which");
     expect(ar).toEndWith("(meshtrain mesh up --trainers 4), or submit with --trainers 2");
+    // a resize's: the sizes to resize to
+    expect(
+      capacityMessage(
+        { job: "default.j", trainers: 4, shards: 2, sync: "allreduce" },
+        members,
+        "nats://m:4222",
+        "resize to",
+      ),
+    ).toEndWith("(meshtrain mesh up --trainers 4), or resize to --trainers 2");
   });
 });

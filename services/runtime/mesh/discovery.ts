@@ -169,13 +169,13 @@ export function missingMembers(cfg: Omit<MeshNeeds, "job">, m: MeshMembers): str
 }
 
 /** One sentence: what the mesh runs and what the job lacks, and how to fix it. */
-export function capacityMessage(cfg: MeshNeeds, m: MeshMembers, where: string): string {
+export function capacityMessage(cfg: MeshNeeds, m: MeshMembers, where: string, instead = "submit with"): string {
   // (an all-reduce job has no shards: --shards is refused with --sync allreduce)
   const allReduce = cfg.sync === "allreduce";
   return (
     `job ${cfg.job} needs ${missingMembers(cfg, m).join(", ")}, which the mesh at ${where} does not run ` +
     `(it runs trainer ranks ${indexList(m.trainers)}, shards ${indexList(m.shards)}, ${m.dataLoaders} data-loader(s), ${m.checkpoints} checkpoint service(s)); ` +
-    `start a mesh that does (meshtrain mesh up --trainers ${Math.max(cfg.trainers, 1)}${allReduce ? "" : ` --shards ${Math.max(cfg.shards, 1)}`}), or submit with ` +
+    `start a mesh that does (meshtrain mesh up --trainers ${Math.max(cfg.trainers, 1)}${allReduce ? "" : ` --shards ${Math.max(cfg.shards, 1)}`}), or ${instead} ` +
     `--trainers ${Math.max(m.trainers.length, 1)}${allReduce ? "" : ` --shards ${Math.max(m.shards.length, 1)}`}`
   );
 }
@@ -194,6 +194,8 @@ export async function awaitMembers(
   waitMs: number,
   where: string,
   signal?: AbortSignal,
+  /** what the message offers besides a larger mesh: "submit with" (the default), "resize to" */
+  instead?: string,
 ): Promise<boolean> {
   const deadline = Date.now() + waitMs;
   // a look's window grows while something is missing: a mesh that is starting is looked at
@@ -203,7 +205,7 @@ export async function awaitMembers(
     const m = await members(cfg, windowMs);
     if (missingMembers(cfg, m).length === 0) return true;
     // the message names everything the mesh runs: a look that waits for every answer
-    if (Date.now() >= deadline) throw new CapacityError(capacityMessage(cfg, await members(), where));
+    if (Date.now() >= deadline) throw new CapacityError(capacityMessage(cfg, await members(), where, instead));
     await pause(membersPollMs, signal);
   }
 }
