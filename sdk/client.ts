@@ -157,6 +157,9 @@ export function resumedWorld(cfg: JobConfig, prev: PreviousRun): JobConfig {
   return parseJobConfig({ ...cfg, world: changeWorld(was, prev.snapshot.step, cfg.trainers, cfg.batchSize) });
 }
 
+/** How long the header's collective waits for trainers that have not said where they run. */
+const collectivePlanWaitMs = 5_000;
+
 /** How MeshClient.connect reaches the mesh. */
 export interface MeshConnectOptions {
   /** how long to keep trying to reach the server (default 3 s for each server the URL lists: a
@@ -237,13 +240,17 @@ export class MeshClient implements AsyncDisposable {
    * mesh's trainers say they run: the trainers decide the same from the same announcement.
    * Null for a job of another mode.
    */
-  async collectivePlan(cfg: JobConfig): Promise<CollectivePlan | null> {
+  async collectivePlan(cfg: JobConfig, waitMs = collectivePlanWaitMs): Promise<CollectivePlan | null> {
     if (usesShards(cfg) || modelParallel(cfg)) return null;
-    const seen = await this.members(rankNeeds(cfg));
-    return collectivePlan(
-      cfg,
-      Array.from({ length: cfg.trainers }, (_, r) => seen.trainerPlaces?.[r]),
-    );
+    // a trainer says where it runs (its host, device, GPU) once its backend is open: a mesh that
+    // has just started is asked again for a few seconds
+    const until = Date.now() + waitMs;
+    for (;;) {
+      const seen = await this.members(rankNeeds(cfg));
+      const places = Array.from({ length: cfg.trainers }, (_, r) => seen.trainerPlaces?.[r]);
+      if (places.every((p) => p !== undefined) || Date.now() >= until) return collectivePlan(cfg, places);
+      await Bun.sleep(250);
+    }
   }
 
   /** Every service's Prometheus /metrics endpoint (from service discovery). */
