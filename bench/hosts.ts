@@ -220,7 +220,7 @@ async function benchRates(
   if (rows.length > 0)
     printReport({
       bench: "hosts",
-      header: `the mesh on ${hosts} hosts x ${perHost} trainers (network namespaces, tc-shaped links), ${model.what}, batch ${batch} per trainer, ${steps} steps; PyTorch DDP on the same hosts and links`,
+      header: `the mesh on ${hosts} hosts x ${perHost} trainer${perHost === 1 ? "" : "s"} (network namespaces, tc-shaped links), ${model.what}, batch ${batch} per trainer, ${steps} steps; PyTorch DDP on the same hosts and links`,
       rows,
       columns: [
         "rate",

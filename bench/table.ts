@@ -1,6 +1,7 @@
 // Benchmark output: an aligned table for people, then one JSON line for machines.
 export function printTable<R extends object>(rows: readonly R[], cols: readonly (keyof R & string)[]): void {
-  const cells = rows.map((r) => cols.map((c) => String(r[c])));
+  // a figure not measured (NaN: no PyTorch, a failed setting) is a dash, not "NaN"
+  const cells = rows.map((r) => cols.map((c) => (Number.isNaN(r[c]) ? "-" : String(r[c]))));
   const widths = cols.map((c, i) => Math.max(c.length, ...cells.map((row) => row[i]!.length)));
   const line = (xs: readonly string[]) => xs.map((x, i) => x.padEnd(widths[i]!)).join("  ");
   console.log(line(cols));

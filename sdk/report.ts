@@ -220,7 +220,7 @@ export function statusLines(s: JobStatus): string[] {
     lines.push(
       "error" in x
         ? `shard ${x.shard}    ${x.error}`
-        : `shard ${x.shard}    ${x.chunks} chunks, ${num(x.elements)} values, clocks ${x.clocks.join(",")}, ${x.updates} updates`,
+        : `shard ${x.shard}    ${plural(x.chunks, "chunk")}, ${num(x.elements)} values, clocks ${x.clocks.join(",")}, ${plural(x.updates, "update")}`,
     );
   }
   const mb = (b: number) => `${(b / 1e6).toFixed(2)} MB`;
