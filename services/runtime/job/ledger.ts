@@ -24,6 +24,7 @@ import {
 import { type Bus, type StoreBus } from "../mesh/bus.ts";
 import { JetStreamUnavailableError, NatsUnreachableError, refusedAs } from "../mesh/errors.ts";
 import { subjects } from "./subjects.ts";
+import { jobClosed, jobOpened } from "../mesh/metrics.ts";
 import type { Logger } from "../mesh/log.ts";
 
 export const jobsBucket = "mt-jobs";
@@ -581,6 +582,7 @@ export class JobLedger implements JobControl {
       if (!spec) {
         changes.delete(job); // an open still under way sees no number of its own: it stops
         part.closeJob(job);
+        jobClosed(job); // its metrics' series are kept for a while, then dropped
         return;
       }
       changes.set(job, n);
@@ -602,6 +604,7 @@ export class JobLedger implements JobControl {
         await this.store.deleteSpec(spec.job, spec.attempt);
         return;
       }
+      jobOpened(spec.job);
       await part.openJob(spec);
     } catch (e) {
       const why = `${service} cannot open job ${spec.job}: ${(e as Error).message}`;

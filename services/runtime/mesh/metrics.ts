@@ -18,6 +18,7 @@
 //   checkpoint  mt_checkpoint_bytes_total{job}, mt_checkpoint_fsync_seconds (histogram),
 //            mt_checkpoint_snapshots_total{job}
 //   a GPU    mt_device_memory_bytes{device} (the backend's live bytes)
+// A job's series stay after the process closes the job, for the last closedJobsKept jobs.
 import type * as Prom from "prom-client";
 
 // prom-client's modules one by one, not its index: the index also loads its Pushgateway and its
@@ -83,6 +84,32 @@ export const m = {
   }),
   deviceMemory: gauge("mt_device_memory_bytes", "bytes the compute backend holds (live allocations)", ["device"]),
 };
+
+/** Jobs this process closed whose series are kept (their last values, for a scrape that comes
+ *  after the end), the newest last; past closedJobsKept the oldest's series are dropped, so that a
+ *  long-lived service's metrics do not grow with every job it ever ran. */
+const closedJobs: string[] = [];
+export const closedJobsKept = 16;
+
+/** A job this process closed (its spec went away: it ended, or a resize reopens it). */
+export function jobClosed(job: string): void {
+  jobOpened(job);
+  closedJobs.push(job);
+  while (closedJobs.length > closedJobsKept) void dropJobSeries(closedJobs.shift()!);
+}
+
+/** A job this process opens (again): its series are live, not a closed job's. */
+export function jobOpened(job: string): void {
+  const i = closedJobs.indexOf(job);
+  if (i >= 0) closedJobs.splice(i, 1);
+}
+
+async function dropJobSeries(job: string): Promise<void> {
+  for (const metric of Object.values(m)) {
+    const { values } = await metric.get();
+    for (const v of values) if (v.labels.job === job) metric.remove(v.labels as Record<string, string | number>);
+  }
+}
 
 /** A subject's kind: its tokens after mt.<job>, without the numbers (ranks, shards). */
 export function subjectKind(subject: string): string {
