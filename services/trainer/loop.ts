@@ -50,7 +50,7 @@ import { encodeTrainerStats } from "../../schemas/messages/trainer.ts";
 import { type Bus, release, requestWhileAway, type Subscription } from "../runtime/mesh/bus.ts";
 import { awaitMembers, type MeshMembers, type MeshNeeds, rankNeeds } from "../runtime/mesh/discovery.ts";
 import { type CombinedEval, EvalTally } from "../runtime/job/evals.ts";
-import { BadRequestError, NoRespondersError } from "../runtime/mesh/errors.ts";
+import { BadRequestError, DeadlineError, NoRespondersError } from "../runtime/mesh/errors.ts";
 import { HeartbeatPublisher } from "../runtime/control/liveness.ts";
 import { dataRanks, evaluatesAt, type JobConfig, lrAt, stepScheduleOf, usesShards } from "../runtime/job/config.ts";
 import { jobOfRequest, subjects, recoverAsker, trainerFailedTag } from "../runtime/job/subjects.ts";
@@ -120,6 +120,17 @@ export class StaleStepError extends Error {
 
 /** rank 0's answer to `ctl.checkpoint` */
 const snapshotAskedReply = new TextEncoder().encode("a snapshot at the next step boundary");
+
+/**
+ * What a job's followers (watch, the dashboard) are told of a step that failed and is tried again:
+ * a failure that took its time (a pull that waited out its timeout on a shard), which would
+ * otherwise be in this trainer's log only (its heartbeats go on, so no stall is reported); null
+ * for a quick one.
+ */
+export function retryNotice(rank: number, step: number, e: unknown, attempt: number): string | null {
+  if (!(e instanceof DeadlineError)) return null;
+  return `trainer ${rank}: step ${step} failed (${e.message.slice(0, 300)}); trying again (attempt ${attempt + 1} of ${stepAttemptsMax})`;
+}
 
 export class TrainerRun {
   readonly #o: TrainerOptions;
@@ -645,6 +656,8 @@ export class TrainerRun {
         }
         if (attempt >= stepAttemptsMax) throw e;
         this.#o.log?.warn({ step, attempt, err: (e as Error).message }, "step failed; retrying");
+        const notice = retryNotice(this.#o.rank, step, e, attempt);
+        if (notice !== null) this.#publish({ kind: EventKind.Log, step, text: notice });
         await Bun.sleep(Math.min(200 * attempt, 2000));
       }
     }

@@ -11,11 +11,11 @@ import type { JobConfig } from "../../services/runtime/job/config.ts";
 import { Context } from "../../engine/context.ts";
 import { planHere } from "../../services/data-loader/loader.ts";
 import { type Bus, MemoryBus } from "../../services/runtime/mesh/bus.ts";
-import { NoRespondersError } from "../../services/runtime/mesh/errors.ts";
+import { DeadlineError, NoRespondersError } from "../../services/runtime/mesh/errors.ts";
 import { buildModel } from "../../services/runtime/job/model.ts";
 import { subjects } from "../../services/runtime/job/subjects.ts";
 import { encodeJobRequest } from "../../schemas/messages/job.ts";
-import { StaleStepError } from "../../services/trainer/loop.ts";
+import { retryNotice, StaleStepError } from "../../services/trainer/loop.ts";
 import { type StepHost, trainerMode } from "../../services/trainer/modes.ts";
 import { imagePlan } from "../helpers/jobs.ts";
 import { mlpJob } from "../helpers/mesh-jobs.ts";
@@ -123,3 +123,15 @@ function stepHost(
     ...over,
   };
 }
+
+test("a step that failed after waiting out a timeout is told to the job's followers; a quick failure is not", () => {
+  const waited = new DeadlineError(
+    "pull for step 156 by trainer 0 waited 120000 ms for trainer 1; trainer clocks on shard 0: 0,0",
+  );
+  expect(retryNotice(0, 156, waited, 1)).toBe(
+    "trainer 0: step 156 failed (pull for step 156 by trainer 0 waited 120000 ms for trainer 1; trainer clocks on shard 0: 0,0); trying again (attempt 2 of 20)",
+  );
+  expect(retryNotice(0, 156, new NoRespondersError("no shard 1"), 1)).toBeNull();
+  // a long message is cut: an event's text stays a line
+  expect(retryNotice(1, 3, new DeadlineError("x".repeat(5000)), 4)!.length).toBeLessThan(400);
+});
