@@ -7,7 +7,7 @@ import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "./errors.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "./text.ts";
-import { readManifest, splits } from "./shards.ts";
+import { checkShardCrcs, readManifest, splits } from "./shards.ts";
 import { MemoryTokens, ShardTokens, type Tokens } from "./token-stream.ts";
 import type { TokenizerName } from "./tokenizer.ts";
 import { readTokenFile, splitTokens } from "./tokens.ts";
@@ -67,6 +67,10 @@ export function loadCorpus(o: CorpusSource): Corpus {
     ) as [ShardTokens, ShardTokens];
     if (val.length === 0)
       throw new DataFileError(o.tokensDir, "holds no validation tokens (prepared with --val-fraction 0)");
+    checkShardCrcs(
+      o.tokensDir,
+      manifest.shards.filter((x) => x.split === "val"),
+    );
     return { train, val, vocabSize: manifest.vocabSize, vocab, name: o.tokensDir, tokenizer: manifest.tokenizer };
   }
   if (o.tokensDir !== undefined) {

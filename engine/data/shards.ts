@@ -2,13 +2,13 @@
 // little-endian int32: magic 20240520, version 1, token count; then the tokens as uint16), at
 // most shardTokens each, named <split>_<n>.bin, and manifest.json, written last, which says what
 // they hold. A character-level folder has vocab.json beside them.
-import { closeSync, existsSync, fsyncSync, openSync, readSync, renameSync, writeSync } from "node:fs";
+import { closeSync, existsSync, fstatSync, fsyncSync, openSync, readSync, renameSync, writeSync } from "node:fs";
 import { join } from "node:path";
 import { z } from "zod";
 import { DataFileError } from "./errors.ts";
 import { llmcMagic, llmcVersionU16, readTokenFile } from "./tokens.ts";
 import { tokenizerNames } from "./tokenizer.ts";
-import { readJsonFile } from "./files.ts";
+import { readFailure, readJsonFile } from "./files.ts";
 
 export const manifestName = "manifest.json";
 export const manifestFormat = "meshtrain-tokens";
@@ -148,6 +148,34 @@ export class ShardWriter {
 
 function writeAll(fd: number, bytes: Uint8Array, position: number): void {
   for (let at = 0; at < bytes.length; ) at += writeSync(fd, bytes, at, bytes.length - at, position + at);
+}
+
+/**
+ * Each shard's bytes against its crc32 in the manifest: a byte changed since prepare wrote it
+ * (a disk's fault, a copy cut short) would change every loss read from it without a word. Read a
+ * piece at a time; the callers check the validation split's, a tenth of the tokens or so, at
+ * every load.
+ */
+export function checkShardCrcs(dir: string, shards: readonly { file: string; crc32: string }[]): void {
+  for (const s of shards) {
+    const path = join(dir, s.file);
+    let fd: number;
+    try {
+      fd = openSync(path, "r");
+    } catch (e) {
+      throw new DataFileError(path, readFailure(e), { cause: e });
+    }
+    try {
+      const crc = (crc32Of(fd, fstatSync(fd).size) >>> 0).toString(16).padStart(8, "0");
+      if (crc !== s.crc32)
+        throw new DataFileError(
+          path,
+          `does not match the manifest's crc32 (${crc}, not ${s.crc32}): it changed since prepare wrote it; prepare the folder again`,
+        );
+    } finally {
+      closeSync(fd);
+    }
+  }
 }
 
 /** The crc32 of a file's first `length` bytes, read a piece at a time. */

@@ -10,7 +10,7 @@ import { DataFileError } from "../../engine/data/errors.ts";
 import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnistTest } from "../../engine/data/mnist.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts";
-import { readManifest } from "../../engine/data/shards.ts";
+import { checkShardCrcs, readManifest } from "../../engine/data/shards.ts";
 import { ShardTokens, type Tokens } from "../../engine/data/token-stream.ts";
 import { readTokenFile, splitTokens, TokenBatcher } from "../../engine/data/tokens.ts";
 import { ConfigError } from "../../ffi/errors.ts";
@@ -223,6 +223,10 @@ function validationSplit(
       );
       if (tokens.length === 0)
         throw new DataFileError(tokensDir, "holds no validation tokens (prepared with --val-fraction 0)");
+      checkShardCrcs(
+        tokensDir,
+        manifest.shards.filter((s) => s.split === "val"),
+      );
       return {
         tokens,
         unit: vocab === undefined ? "token" : "char",

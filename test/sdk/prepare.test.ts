@@ -293,6 +293,20 @@ describe("prepare", () => {
     expect(cli.out).toMatch(/^prepared .*single-cli: 1 document, [\d,]+ train and [\d,]+ val tokens/m); // not "2 documents"
   });
 
+  test("a validation shard whose bytes changed since prepare wrote it is refused where the corpus is read, naming it", async () => {
+    const text = "Call me Ishmael. Some years ago, never mind how long precisely. ".repeat(40);
+    const out = join(dir, "flipped");
+    await runPrepare(opts({ text: bad("flipped.txt", text), out, valFraction: 0.25 }));
+    const val = readManifest(out)!.shards.find((x) => x.split === "val")!;
+    const path = join(out, val.file);
+    const bytes = readFileSync(path);
+    bytes[bytes.length - 3]! ^= 0x01; // a token's low bit: still a token of the vocabulary
+    writeFileSync(path, bytes);
+    expect(() => loadCorpus({ tokensDir: out, valFraction: 0 })).toThrow(
+      new RegExp(`${val.file}: does not match the manifest's crc32 \\([0-9a-f]{8}, not ${val.crc32}\\)`),
+    );
+  });
+
   test("the fast GPT-2 encoder gives js-tiktoken's ids on Moby Dick and the State of the Union", () => {
     const fast = gpt2FastTokenizer(),
       slow = gpt2Tokenizer();
