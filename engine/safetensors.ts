@@ -2,7 +2,7 @@
 // JSON ({name: {dtype, shape, data_offsets: [begin, end]}}, data offsets from the end of the
 // header, optional "__metadata__" of strings), padded with spaces to 8 bytes, then the data.
 // Written and read here by hand: it is a few lines, and Debian has no safetensors package.
-import { readFileSync } from "node:fs";
+import { closeSync, openSync, readFileSync, readSync } from "node:fs";
 import { DataFileError } from "./data/errors.ts";
 import { writeDurably } from "./durable.ts";
 import { readFailure } from "./data/files.ts";
@@ -37,6 +37,31 @@ export function writeSafetensors(
     head,
     ...tensors.map((t) => new Uint8Array(t.data.buffer, t.data.byteOffset, t.data.byteLength)),
   ]);
+}
+
+/** A safetensors file's "__metadata__" (its header alone is read), or null where it has none or
+ *  the file is not safetensors. */
+export function safetensorsMetadata(path: string): Record<string, string> | null {
+  let fd: number;
+  try {
+    fd = openSync(path, "r");
+  } catch {
+    return null;
+  }
+  try {
+    const head = new Uint8Array(8);
+    if (readSync(fd, head, 0, 8, 0) !== 8) return null;
+    const n = Number(new DataView(head.buffer).getBigUint64(0, true));
+    if (!(n > 1 && n <= 100_000_000)) return null;
+    const header = new Uint8Array(n);
+    if (readSync(fd, header, 0, n, 8) !== n) return null;
+    const meta = (JSON.parse(new TextDecoder().decode(header)) as { __metadata__?: unknown }).__metadata__;
+    return typeof meta === "object" && meta !== null ? (meta as Record<string, string>) : null;
+  } catch {
+    return null;
+  } finally {
+    closeSync(fd);
+  }
 }
 
 /** Reads every tensor of a safetensors file as f32 (F32 only: what meshtrain writes and GPT-2's files hold). */

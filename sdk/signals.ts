@@ -28,6 +28,11 @@ export class StopRequests implements Disposable {
     return this.#count > 0;
   }
 
+  /** What the command exits with once stopped: 128 + the first signal's number. */
+  get exitCode(): number {
+    return signalExitCode[(this.first.signal.reason as StopSignal | undefined) ?? "SIGINT"] ?? 130;
+  }
+
   [Symbol.dispose](): void {
     for (const s of signals) process.off(s, this.#handler);
   }
@@ -66,6 +71,20 @@ export class StopAfterStep implements Disposable {
     for (const s of signals) process.off(s, this.#handler);
   }
 }
+
+/** `train`'s stop (a run of steps on this thread): says what happens through `say`, naming the
+ *  step the run stops after (`step()` when the signal comes). */
+export function trainStop(say: (line: string) => void, step: () => number): StopAfterStep {
+  return new StopAfterStep((signal) =>
+    say(
+      `${stopName(signal)}: stopping after step ${step()}; the model is evaluated and written (${stopName(signal)} again stops at once, without it)`,
+    ),
+  );
+}
+
+/** The line of a run a signal stopped before its end. */
+export const stoppedLine = (signal: StopSignal, step: number, steps: number): string =>
+  `stopped by ${stopName(signal)} after ${step} of ${steps} steps`;
 
 /** how a stop is named to the user: Ctrl-C for SIGINT */
 export const stopName = (signal: StopSignal): string => (signal === "SIGINT" ? "Ctrl-C" : signal);

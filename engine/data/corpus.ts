@@ -7,7 +7,7 @@ import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "./errors.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "./text.ts";
-import { checkShardCrcs, readManifest, splits } from "./shards.ts";
+import { readManifest, valShards } from "./shards.ts";
 import { MemoryTokens, ShardTokens, type Tokens } from "./token-stream.ts";
 import type { TokenizerName } from "./tokenizer.ts";
 import { readTokenFile, splitTokens } from "./tokens.ts";
@@ -58,19 +58,11 @@ export function loadCorpus(o: CorpusSource): Corpus {
     }
     const vocab = manifest.tokenizer === "char" ? readVocab(join(o.tokensDir, "vocab.json")) : undefined;
     // the shards stay on disk: windows are read as batches need them
-    const [train, val] = splits.map(
-      (s) =>
-        new ShardTokens(
-          o.tokensDir!,
-          manifest.shards.filter((x) => x.split === s),
-        ),
-    ) as [ShardTokens, ShardTokens];
-    if (val.length === 0)
-      throw new DataFileError(o.tokensDir, "holds no validation tokens (prepared with --val-fraction 0)");
-    checkShardCrcs(
+    const train = new ShardTokens(
       o.tokensDir,
-      manifest.shards.filter((x) => x.split === "val"),
+      manifest.shards.filter((x) => x.split === "train"),
     );
+    const val = valShards(o.tokensDir, manifest);
     return { train, val, vocabSize: manifest.vocabSize, vocab, name: o.tokensDir, tokenizer: manifest.tokenizer };
   }
   if (o.tokensDir !== undefined) {

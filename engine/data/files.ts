@@ -1,5 +1,5 @@
 // Reading whole data files with errors that name the file.
-import { readFileSync, statSync } from "node:fs";
+import { readFileSync, readSync, statSync } from "node:fs";
 import { DataFileError } from "./errors.ts";
 import { packageRoot } from "../../ffi/package-root.ts";
 
@@ -77,4 +77,18 @@ export function packageFile(pkg: string, relative: string): string {
     throw new DataFileError(`${pkg}/${relative}`, `npm package ${pkg} is not installed; run: npm ci`, { cause: e });
   }
   return root + relative;
+}
+
+/** The crc32 of a file's first `length` bytes, read a piece at a time. */
+export function fileCrc32(fd: number, length: number): number {
+  const piece = new Uint8Array(Math.min(length, 8 << 20));
+  let crc = 0;
+  for (let at = 0; at < length; ) {
+    const n = readSync(fd, piece, 0, Math.min(piece.length, length - at), at);
+    if (n <= 0)
+      throw new DataFileError(`file descriptor ${fd}`, `ended at byte ${at} of ${length} while its crc32 was read`);
+    crc = Bun.hash.crc32(piece.subarray(0, n), crc);
+    at += n;
+  }
+  return crc;
 }

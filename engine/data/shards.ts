@@ -2,13 +2,14 @@
 // little-endian int32: magic 20240520, version 1, token count; then the tokens as uint16), at
 // most shardTokens each, named <split>_<n>.bin, and manifest.json, written last, which says what
 // they hold. A character-level folder has vocab.json beside them.
-import { closeSync, existsSync, fstatSync, fsyncSync, openSync, readSync, renameSync, writeSync } from "node:fs";
+import { closeSync, existsSync, fsyncSync, openSync, renameSync, writeSync } from "node:fs";
 import { join } from "node:path";
 import { z } from "zod";
 import { DataFileError } from "./errors.ts";
 import { llmcMagic, llmcVersionU16, readTokenFile } from "./tokens.ts";
+import { ShardTokens } from "./token-stream.ts";
 import { tokenizerNames } from "./tokenizer.ts";
-import { readFailure, readJsonFile } from "./files.ts";
+import { fileCrc32, readJsonFile } from "./files.ts";
 
 export const manifestName = "manifest.json";
 export const manifestFormat = "meshtrain-tokens";
@@ -128,7 +129,7 @@ export class ShardWriter {
     try {
       writeAll(o.fd, new Uint8Array(header.buffer), 0);
       fsyncSync(o.fd);
-      crc = crc32Of(o.fd, 4 * headerInts + 2 * o.written);
+      crc = fileCrc32(o.fd, 4 * headerInts + 2 * o.written);
     } finally {
       closeSync(o.fd);
     }
@@ -150,48 +151,6 @@ function writeAll(fd: number, bytes: Uint8Array, position: number): void {
   for (let at = 0; at < bytes.length; ) at += writeSync(fd, bytes, at, bytes.length - at, position + at);
 }
 
-/**
- * Each shard's bytes against its crc32 in the manifest: a byte changed since prepare wrote it
- * (a disk's fault, a copy cut short) would change every loss read from it without a word. Read a
- * piece at a time; the callers check the validation split's, a tenth of the tokens or so, at
- * every load.
- */
-export function checkShardCrcs(dir: string, shards: readonly { file: string; crc32: string }[]): void {
-  for (const s of shards) {
-    const path = join(dir, s.file);
-    let fd: number;
-    try {
-      fd = openSync(path, "r");
-    } catch (e) {
-      throw new DataFileError(path, readFailure(e), { cause: e });
-    }
-    try {
-      const crc = (crc32Of(fd, fstatSync(fd).size) >>> 0).toString(16).padStart(8, "0");
-      if (crc !== s.crc32)
-        throw new DataFileError(
-          path,
-          `does not match the manifest's crc32 (${crc}, not ${s.crc32}): it changed since prepare wrote it; prepare the folder again`,
-        );
-    } finally {
-      closeSync(fd);
-    }
-  }
-}
-
-/** The crc32 of a file's first `length` bytes, read a piece at a time. */
-function crc32Of(fd: number, length: number): number {
-  const piece = new Uint8Array(Math.min(length, 8 << 20));
-  let crc = 0;
-  for (let at = 0; at < length; ) {
-    const n = readSync(fd, piece, 0, Math.min(piece.length, length - at), at);
-    if (n <= 0)
-      throw new DataFileError(`file descriptor ${fd}`, `ended at byte ${at} of ${length} while its crc32 was read`);
-    crc = Bun.hash.crc32(piece.subarray(0, n), crc);
-    at += n;
-  }
-  return crc;
-}
-
 /** The manifest of a prepared folder, or null when it has none (a train.bin/val.bin folder). */
 export function readManifest(dir: string): Manifest | null {
   const path = join(dir, manifestName);
@@ -203,6 +162,18 @@ export function readManifest(dir: string): Manifest | null {
       `is not a meshtrain token manifest: ${r.error.issues.map((i) => `${i.path.join(".")}: ${i.message}`).join("; ")}`,
     );
   return r.data;
+}
+
+/** A prepared folder's validation shards, read a window at a time, each checked against its
+ *  crc32 when first opened; refused where it has none. */
+export function valShards(dir: string, m: Manifest): ShardTokens {
+  const val = new ShardTokens(
+    dir,
+    m.shards.filter((s) => s.split === "val"),
+    { checkCrcs: true },
+  );
+  if (val.length === 0) throw new DataFileError(dir, "holds no validation tokens (prepared with --val-fraction 0)");
+  return val;
 }
 
 /** A split's shards, read whole and joined, each checked against the manifest. */

@@ -5,7 +5,7 @@
 import { closeSync, fstatSync, openSync, readSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "./errors.ts";
-import { readFailure } from "./files.ts";
+import { fileCrc32, readFailure } from "./files.ts";
 
 export interface Tokens {
   readonly length: number;
@@ -47,11 +47,19 @@ export class ShardTokens implements Tokens {
   readonly length: number;
   readonly #starts: number[] = [];
   readonly #fds = new Map<number, number>();
+  /** the shards whose bytes matched their crc32 */
+  readonly #verified = new Set<number>();
 
   constructor(
     readonly dir: string,
-    /** each shard's file in `dir` and its token count, in order (a manifest's entries: shards.ts) */
-    readonly shards: readonly { file: string; tokens: number }[],
+    /** each shard's file in `dir`, its token count and crc32, in order (a manifest's entries: shards.ts) */
+    readonly shards: readonly { file: string; tokens: number; crc32?: string }[],
+    /**
+     * checkCrcs: each shard's bytes against its crc32, read whole the first time the shard is
+     * opened (a validation split's: a byte changed since prepare wrote it would change every loss
+     * read from it without a word). A training split, many times larger, is not read twice so.
+     */
+    readonly o: { checkCrcs?: boolean } = {},
   ) {
     let at = 0;
     for (const s of shards) {
@@ -72,6 +80,7 @@ export class ShardTokens implements Tokens {
       }
       try {
         this.#checkHeader(fd, path, this.shards[i]!.tokens);
+        this.#checkCrc(fd, path, i);
       } catch (e) {
         closeSync(fd);
         throw e;
@@ -96,6 +105,18 @@ export class ShardTokens implements Tokens {
     if (head[2] !== tokens) throw new DataFileError(path, `holds ${head[2]} tokens, the manifest says ${tokens}`);
     if (size !== headerBytes + 2 * tokens)
       throw new DataFileError(path, `is ${size} bytes, its header says ${headerBytes + 2 * tokens}`);
+  }
+
+  #checkCrc(fd: number, path: string, i: number): void {
+    const want = this.shards[i]!.crc32;
+    if (!this.o.checkCrcs || want === undefined || this.#verified.has(i)) return;
+    const crc = (fileCrc32(fd, fstatSync(fd).size) >>> 0).toString(16).padStart(8, "0");
+    if (crc !== want)
+      throw new DataFileError(
+        path,
+        `does not match the manifest's crc32 (${crc}, not ${want}): it changed since prepare wrote it; prepare the folder again`,
+      );
+    this.#verified.add(i);
   }
 
   /** The shard holding token `at` (binary search over their first tokens). */

@@ -1,4 +1,6 @@
-// What the CLI exits with, and how it says an error: in one place, for every command.
+// What the CLI exits with, and how it says an error: in one place, for every command. A command
+// stopped by a signal (after what a stop takes: a snapshot, the model) exits 128 + its number
+// (130 for Ctrl-C: sdk/signals.ts signalExitCode).
 import { MeshtrainError } from "../../ffi/errors.ts";
 import { printable } from "../format.ts";
 
@@ -8,8 +10,6 @@ export const exitCodes = {
   failed: 1,
   /** `plan`: the job does not fit the trainers' memory */
   doesNotFit: 3,
-  /** stopped by Ctrl-C (128 + SIGINT), after the snapshot a stop takes */
-  interrupted: 130,
 } as const;
 
 /**

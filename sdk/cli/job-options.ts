@@ -137,7 +137,7 @@ function checkFlags(f: JobFlags, model: ModelKind, optimizer: OptimizerKind, syn
   if (f.text && f.tokens) throw new ConfigError("--text and --tokens exclude each other: pass one");
   if (f.tokens && f.valFraction !== undefined)
     throw new ConfigError(
-      "--val-fraction is for --text: a --tokens folder's validation split is its val.bin (prepare --val-fraction sets it)",
+      "--val-fraction is for --text: a --tokens folder's validation split is its val.bin, or the val shards prepare wrote (prepare --val-fraction sets it)",
     );
   if (f.vocabSize && !f.tokens)
     throw new ConfigError(

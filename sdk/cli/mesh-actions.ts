@@ -19,7 +19,7 @@ import { plural, printable, stamp } from "../format.ts";
 import { checkOutDir, cliName, shownPath } from "../user-paths.ts";
 import { configSummary, jobsTable, outcomeLines, statusLines } from "../report.ts";
 import { Dashboard } from "../dashboard/server.ts";
-import { signalExitCode, StopRequests, type StopSignal } from "../signals.ts";
+import { StopRequests } from "../signals.ts";
 import { JobFailedError, watchJob } from "../watch.ts";
 import { NatsUnreachableError } from "../../services/runtime/mesh/nats.ts";
 import { BadRequestError, CapacityError, NatsAccessError } from "../../services/runtime/mesh/errors.ts";
@@ -56,9 +56,7 @@ const localLogs = (snapshotDir: string): string | null =>
  */
 async function follow(client: MeshClient, name: string, events?: AsyncIterableIterator<Event>): Promise<void> {
   const job = client.job(name); // its owner's name, as every other line says it
-  let stoppedBy: StopSignal = "SIGINT";
-  using stop = new StopRequests((signal) => {
-    stoppedBy = signal;
+  using stop = new StopRequests(() => {
     // a mesh this client lost cannot be said to train on
     const away = client.bus.awayMs();
     const state =
@@ -70,12 +68,12 @@ async function follow(client: MeshClient, name: string, events?: AsyncIterableIt
     );
   });
   // the watch ends at the first; should it not end at once, the second ends the command
-  stop.second.signal.addEventListener("abort", () => process.exit(signalExitCode[stoppedBy]), { once: true });
+  stop.second.signal.addEventListener("abort", () => process.exit(stop.exitCode), { once: true });
   try {
     const o = await watchJob(client, job, { signal: stop.first.signal, ...(events ? { events } : {}) });
     for (const line of outcomeLines(o, { logs: localLogs(o.record.snapshotDir) })) console.log(line);
   } catch (e) {
-    if (stop.requested) process.exit(signalExitCode[stoppedBy]);
+    if (stop.requested) process.exit(stop.exitCode);
     if (e instanceof JobFailedError && e.record) {
       const logs = localLogs(e.record.snapshotDir);
       throw new JobFailedError(`${e.message}${logs ? ` (logs: ${shownPath(logs)})` : ""}`, e.record);

@@ -15,7 +15,7 @@ import { attentionDeviceProblem } from "../../services/runtime/job/attention.ts"
 import { planDevice, planReport } from "../plan.ts";
 import { type JobConfig, jobConfigFromJson, parseJobConfig, usesShards } from "../../services/runtime/job/config.ts";
 import { defaultOwner, otherOwnerProblem, ownerOfJob, qualifyJob } from "../../services/runtime/job/subjects.ts";
-import { checkResume, MeshClient, type PreviousRun } from "../client.ts";
+import { checkResume, MeshClient, type PreviousRun, resumedWorld } from "../client.ts";
 import { LocalMesh, membersWaitMs } from "../local-mesh.ts";
 import { checkedJobName, type JobFlags, jobConfigOf } from "./job-options.ts";
 import { exitCodes } from "./exit.ts";
@@ -72,8 +72,12 @@ function prepareRun(o: MeshRunOptions): {
     return id;
   };
   const prev = o.flags.job === undefined ? null : previousOnDisk(jobsDir, qualify(checkedJobName(o.flags.job)));
-  const cfg = jobConfigOf(o.flags, prev?.config ?? null, qualify);
-  if (prev) checkResume(cfg, prev, shownPath(jobsDir));
+  let cfg = jobConfigOf(o.flags, prev?.config ?? null, qualify);
+  // resumed on other trainers: the world from the snapshot's step, as the submission draws it
+  if (prev) {
+    cfg = resumedWorld(cfg, prev);
+    checkResume(cfg, prev, shownPath(jobsDir));
+  }
   // a job that cannot fit, or asks for attention its trainers cannot run, is refused before any process starts
   const device = (process.env.MT_DEVICE ?? "cpu") as DeviceChoice;
   const attention = cfg.attention === "cudnn" ? attentionDeviceProblem(cfg.attention, cpuTrainers(device)) : null;
@@ -173,7 +177,7 @@ export async function runMesh(o: MeshRunOptions): Promise<number> {
       console.log(
         `stopped; files in ${shownPath(jobDir)}. ${submitted ? "Resume" : "Start it again"} with: ${resumeLine}`,
       );
-      return exitCodes.interrupted;
+      return stop.exitCode;
     }
     if (e instanceof DeadlineError)
       throw new DeadlineError(

@@ -10,8 +10,8 @@ import { DataFileError } from "../../engine/data/errors.ts";
 import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnistTest } from "../../engine/data/mnist.ts";
 import { CharVocab, mobyDickPath, readTextFile } from "../../engine/data/text.ts";
-import { checkShardCrcs, readManifest } from "../../engine/data/shards.ts";
-import { ShardTokens, type Tokens } from "../../engine/data/token-stream.ts";
+import { readManifest, valShards } from "../../engine/data/shards.ts";
+import type { Tokens } from "../../engine/data/token-stream.ts";
 import { readTokenFile, splitTokens, TokenBatcher } from "../../engine/data/tokens.ts";
 import { ConfigError } from "../../ffi/errors.ts";
 import { type LoadedModelFile, loadSlabInto } from "../../engine/modelfile.ts";
@@ -217,16 +217,7 @@ function validationSplit(
     // a prepared folder (meshtrain prepare): its val shards
     const manifest = readManifest(tokensDir);
     if (manifest !== null) {
-      const tokens = new ShardTokens(
-        tokensDir,
-        manifest.shards.filter((s) => s.split === "val"),
-      );
-      if (tokens.length === 0)
-        throw new DataFileError(tokensDir, "holds no validation tokens (prepared with --val-fraction 0)");
-      checkShardCrcs(
-        tokensDir,
-        manifest.shards.filter((s) => s.split === "val"),
-      );
+      const tokens = valShards(tokensDir, manifest);
       return {
         tokens,
         unit: vocab === undefined ? "token" : "char",

@@ -3,8 +3,8 @@
 // and shapes, config.json, and for a GPT-2 BPE model the tokenizer's files; a character-level
 // model's characters go to meshtrain_chars.json. `train gpt --init-from DIR` reads such a folder.
 // Into a folder an export wrote, the new model's files replace the old one's, and the old one's
-// tokenizer files that the new one has none of are removed; a folder holding weights of another
-// format is refused.
+// tokenizer files that the new one has none of are removed; a folder holding another program's
+// model (its weights, or its tokenizer's files) is refused: they are not ours to replace.
 import { existsSync, mkdirSync, readdirSync, rmSync } from "node:fs";
 import { join } from "node:path";
 import { DataFileError } from "../../engine/data/errors.ts";
@@ -13,7 +13,7 @@ import { writeDurably } from "../../engine/durable.ts";
 import { gpt2TokenizerFiles, hfConfig, toHfTensors } from "../../engine/hf-gpt2.ts";
 import { readModelFile } from "../../engine/modelfile.ts";
 import type { GptConfig } from "../../engine/models/gpt.ts";
-import { writeSafetensors } from "../../engine/safetensors.ts";
+import { safetensorsMetadata, writeSafetensors } from "../../engine/safetensors.ts";
 import { checkOutDir, shownPath } from "../user-paths.ts";
 
 export interface ExportOptions {
@@ -37,12 +37,18 @@ export function runExport(o: ExportOptions): string[] {
   }
   const config = header.config as GptConfig;
   const bpe = header.tokenizer === "gpt2";
-  const present = existsSync(o.out) ? readdirSync(o.out) : [];
-  // weights of another format beside ours: transformers would load one or the other
-  const others = present.filter((f) => otherWeights.test(f));
+  const present = existsSync(o.out) ? readdirSync(o.out).sort() : [];
+  // a folder that holds another program's model (weights of another format, a model.safetensors
+  // meshtrain did not write, a tokenizer's files of its own): its files are not ours to replace
+  const exported =
+    present.includes("model.safetensors") &&
+    safetensorsMetadata(join(o.out, "model.safetensors"))?.producer === "meshtrain";
+  const others = present.filter(
+    (f) => otherWeights.test(f) || (!exported && (f === "model.safetensors" || replacedFiles.has(f))),
+  );
   if (others.length > 0)
     throw new ConfigError(
-      `--out ${shownPath(o.out)} holds another model's weights (${others.join(", ")}); export into an empty folder or one an export wrote`,
+      `--out ${shownPath(o.out)} holds another model's files (${others.join(", ")}); export into an empty folder or one an export wrote`,
     );
   mkdirSync(o.out, { recursive: true });
   const files: string[] = [];

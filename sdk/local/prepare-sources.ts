@@ -211,10 +211,16 @@ function inputFiles(o: SourceOptions): string[] {
   const files: string[] = [];
   const seen = new Set<string>();
   const walk = (dir: string) => {
-    const real = realpathSync(dir);
+    let real: string, names: string[];
+    try {
+      real = realpathSync(dir);
+      names = readdirSync(dir).sort();
+    } catch (e) {
+      throw new DataFileError(dir, readFailure(e), { cause: e });
+    }
     if (seen.has(real)) return;
     seen.add(real);
-    for (const name of readdirSync(dir).sort()) {
+    for (const name of names) {
       const path = join(dir, name);
       const st = statSync(path, { throwIfNoEntry: false });
       if (st?.isDirectory()) walk(path);
@@ -236,9 +242,10 @@ export async function* documents(o: SourceOptions, notes: string[]): AsyncGenera
     throw new ConfigError(
       `--ext chooses a folder's plain text files; with ${o.jsonl !== undefined ? "--jsonl a folder's .jsonl, .jsonl.gz and .jsonl.zst" : "--parquet a folder's .parquet"} files are read`,
     );
-  const folder = existsSync(o.text) && statSync(o.text).isDirectory();
+  const files = inputFiles(o);
+  const folder = statSync(o.text).isDirectory();
   if (!folder) refuseFormatAsText(o);
-  for (const path of inputFiles(o)) {
+  for (const path of files) {
     // the Parquet reader (350 KB with its codecs) is loaded only for Parquet input
     if (o.parquet !== undefined)
       yield* (await import("./prepare-parquet.ts")).parquetDocuments(path, o.parquet, o.invalidUtf8, notes);
@@ -257,7 +264,7 @@ function refuseFormatAsText(o: SourceOptions): void {
   if (o.jsonl === undefined && o.parquet === undefined) {
     if (jsonlFile.test(o.text))
       throw new ConfigError(`${name} is JSON Lines: --jsonl <field> names the field that holds each document`);
-    if (/\.(gz|zst)$/.test(o.text))
+    if (compressedText.test(o.text))
       throw new ConfigError(
         `${name} is compressed: prepare reads compressed JSON Lines (--jsonl <field>), and plain text uncompressed`,
       );
@@ -268,6 +275,7 @@ function refuseFormatAsText(o: SourceOptions): void {
  *  that only sizes the count of threads. */
 export const compressionRatioGuess = 4;
 const compressedFile = /\.(gz|zst|parquet)$/;
+const compressedText = /\.(gz|zst)$/;
 
 /** The input's bytes on disk (compressed, for a compressed input), and a guess at its text's. */
 export function bytesOf(o: SourceOptions): { disk: number; text: number } {

@@ -30,7 +30,7 @@ import { autocastDType, type Precision } from "../../engine/mixed.ts";
 import { Context } from "../../engine/context.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
 import { Progress, RateMeter } from "../progress.ts";
-import { StopAfterStep, type StopSignal, stopName } from "../signals.ts";
+import { type StopSignal, stoppedLine, trainStop } from "../signals.ts";
 import { precisionNote, skippedStepNote, warmupNote } from "./precision.ts";
 import { modelLines } from "./next-steps.ts";
 
@@ -299,11 +299,11 @@ async function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () =
     console.log(`initialized from ${shownPath(o.initFrom)} (model.safetensors, config.json)`);
     validate();
   }
-  // Ctrl-C: the run ends after the step under way, evaluated and written; a second ends it at once
-  const stop = new StopAfterStep((signal) =>
-    progress.log(
-      `${stopName(signal)}: stopping after step ${step}; the model is evaluated and written (${stopName(signal)} again stops at once, without it)`,
-    ),
+  // Ctrl-C: the run ends after the step under way, evaluated and written; a second ends it at
+  // once (the handlers let go after the loop, and whatever ends the function)
+  using stop = trainStop(
+    (line) => progress.log(line),
+    () => step,
   );
   while (step < o.maxSteps && performance.now() < deadline) {
     await stop.betweenSteps();
@@ -330,8 +330,7 @@ async function trainGpt(given: GptRunOptions, backend: Backend, inputsRead: () =
   if (validatedAt !== step) validate();
   progress.stop();
   const interrupted = stop.requested;
-  if (interrupted !== null)
-    console.log(`stopped by ${stopName(interrupted)} after ${stepsText(step)} of ${o.maxSteps}`);
+  if (interrupted !== null) console.log(stoppedLine(interrupted, step, o.maxSteps));
   else if (step < o.maxSteps)
     console.log(`stopped at the ${o.timeLimitMin}-minute time limit after ${stepsText(step)}`);
 

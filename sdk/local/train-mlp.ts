@@ -17,7 +17,7 @@ import { ConfigError } from "../../ffi/errors.ts";
 import type { Precision } from "../../engine/mixed.ts";
 import { Context } from "../../engine/context.ts";
 import { evaluate, TrainStep } from "../../engine/train.ts";
-import { StopAfterStep, type StopSignal, stopName } from "../signals.ts";
+import { type StopSignal, stoppedLine, trainStop } from "../signals.ts";
 import { Progress, RateMeter } from "../progress.ts";
 import { checkOutFile } from "../user-paths.ts";
 import { precisionNote, skippedStepNote, warmupNote } from "./precision.ts";
@@ -150,11 +150,11 @@ async function trainMlp(o: MlpRunOptions, backend: Backend, inputsRead: () => vo
   const rate = new RateMeter();
   let step = 0;
   let last = { loss: 0, accuracy: 0 };
-  // Ctrl-C: the run ends after the step under way, evaluated and written; a second ends it at once
-  const stop = new StopAfterStep((signal) =>
-    progress.log(
-      `${stopName(signal)}: stopping after step ${step}; the model is evaluated and written (${stopName(signal)} again stops at once, without it)`,
-    ),
+  // Ctrl-C: the run ends after the step under way, evaluated and written; a second ends it at
+  // once (the handlers let go after the loop, and whatever ends the function)
+  using stop = trainStop(
+    (line) => progress.log(line),
+    () => step,
   );
   let evaluatedAt = -1;
   for (let epoch = 0; epoch < o.epochs && stop.requested === null; epoch++) {
@@ -199,7 +199,7 @@ async function trainMlp(o: MlpRunOptions, backend: Backend, inputsRead: () => vo
     last = { loss: ev.loss, accuracy: ev.accuracy };
   }
   progress.stop();
-  if (interrupted !== null) console.log(`stopped by ${stopName(interrupted)} after ${step} of ${totalSteps} steps`);
+  if (interrupted !== null) console.log(stoppedLine(interrupted, step, totalSteps));
   mkdirSync(dirname(o.out), { recursive: true });
   saveModelFile(o.out, model.store, { kind: "mlp", config, step, training: o });
   const seconds = (performance.now() - t0) / 1000;

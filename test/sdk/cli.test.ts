@@ -98,7 +98,7 @@ describe("bad input gets one clear error and a non-zero exit", () => {
     [["train", "mlp", "--optimizer", "adamw", "--no-nesterov"], "--no-nesterov is not for --optimizer adamw"],
     [
       ["train", "gpt", "--tokens", "d", "--val-fraction", "0.3"],
-      "--val-fraction is for --text: a --tokens folder's validation split is its val.bin",
+      "--val-fraction is for --text: a --tokens folder's validation split is its val.bin, or the val shards prepare wrote",
     ],
     [
       ["train", "gpt", "--text", "a.txt", "--vocab-size", "5"],

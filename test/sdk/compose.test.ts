@@ -34,7 +34,10 @@ test("the GPU override moves exactly the trainers onto the GPU image, with MT_DE
   for (const name of trainers) {
     const s = gpu[name]!;
     // one host's trainers (each container's own name would make each a host: no NCCL among them)
-    expect(s.environment).toEqual({ MT_DEVICE: "cuda", MT_HOST: "${MT_GPU_HOST:-gpu-host}" });
+    expect(s.environment).toEqual({
+      MT_DEVICE: "cuda",
+      MT_HOST: "${MT_GPU_HOST:?set MT_GPU_HOST to this machine's name (hostname prints it)}",
+    });
     expect(s.ipc).toBe("host");
     expect(deviceChoices).toContain(s.environment!.MT_DEVICE as never);
     expect(s.deploy!.resources.reservations.devices).toEqual([

@@ -197,8 +197,8 @@ describe("export to Hugging Face's GPT-2 layout", () => {
 
   test("into a folder an export wrote: the new model's files, the old one's tokenizer files removed; weights of another format refused", () => {
     const out = join(dir, "hf-again");
-    mkdirSync(out);
-    // a character model's export before (its characters), a fast tokenizer of another, a model card
+    // an export before (a character model's: its characters; a stale fast tokenizer), a model card
+    expect(cli("export", "--model", "gpt.mtm", "--out", "hf-again").code).toBe(0);
     writeFileSync(join(out, "meshtrain_chars.json"), '{"chars":["a","b"]}\n');
     writeFileSync(join(out, "tokenizer.json"), "{}\n");
     writeFileSync(join(out, "README.md"), "# my model\n");
@@ -217,8 +217,21 @@ describe("export to Hugging Face's GPT-2 layout", () => {
     const refused = cli("export", "--model", "gpt.mtm", "--out", "hf-again");
     expect([refused.code, refused.err.trim()]).toEqual([
       1,
-      "meshtrain: ConfigError: --out hf-again holds another model's weights (pytorch_model.bin); export into an empty folder or one an export wrote",
+      "meshtrain: ConfigError: --out hf-again holds another model's files (pytorch_model.bin); export into an empty folder or one an export wrote",
     ]);
+    // a folder transformers wrote (its model.safetensors is not meshtrain's): nothing of it is replaced
+    const theirs = join(dir, "hf-theirs");
+    mkdirSync(theirs);
+    writeSafetensors(join(theirs, "model.safetensors"), [{ name: "wte", shape: [1], data: new Float32Array(1) }], {
+      format: "pt",
+    });
+    writeFileSync(join(theirs, "tokenizer.json"), "{}\n");
+    const kept = cli("export", "--model", "gpt.mtm", "--out", "hf-theirs");
+    expect([kept.code, kept.err.trim()]).toEqual([
+      1,
+      "meshtrain: ConfigError: --out hf-theirs holds another model's files (model.safetensors, tokenizer.json); export into an empty folder or one an export wrote",
+    ]);
+    expect(readdirSync(theirs).sort()).toEqual(["model.safetensors", "tokenizer.json"]);
   });
 
   test("refusals: a shape option that disagrees with the folder, a tensor of the wrong shape (named), an MLP model", () => {

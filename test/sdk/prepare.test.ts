@@ -151,6 +151,22 @@ describe("prepare", () => {
       const pieces = await read(p, { textReadBytes: readBytes, textPieceCharsMin: pieceMin });
       expect(pieces.map((d) => d.text).join("")).toBe(text);
       expect(pieces.map((d) => [d.continues, d.heldOut])).toEqual(pieces.map((_, i) => [i > 0, false]));
+      // its end held out: the pieces from the first place to cut at or after 70% of its bytes
+      const split = await read(p, { textReadBytes: readBytes, textPieceCharsMin: pieceMin, valFraction: 0.3 });
+      expect(split.map((d) => d.text).join("")).toBe(text);
+      const first = split.findIndex((d) => d.heldOut);
+      expect(split.slice(first).every((d) => d.heldOut)).toBe(true);
+      const held = split
+        .slice(first)
+        .map((d) => d.text)
+        .join("");
+      const cutByte = Math.floor(Buffer.byteLength(text) * 0.7);
+      const heldFrom = Buffer.byteLength(text) - Buffer.byteLength(held);
+      expect(heldFrom).toBeGreaterThanOrEqual(cutByte);
+      expect(isPieceBoundary(text, text.length - held.length)).toBe(true);
+      // no place to cut between the held-out byte and the cut
+      const fromChar = Buffer.from(text).subarray(0, cutByte).toString().length;
+      for (let i = fromChar; i < text.length - held.length; i++) expect(isPieceBoundary(text, i)).toBe(false);
       // a piece is what a read gave (at least pieceMin characters), less what follows its last place to cut
       expect(pieces.length).toBeGreaterThan(text.length / Math.max(readBytes!, pieceMin!) / 2);
       // each piece tokenized apart: the whole text's tokens
@@ -302,7 +318,9 @@ describe("prepare", () => {
     const bytes = readFileSync(path);
     bytes[bytes.length - 3]! ^= 0x01; // a token's low bit: still a token of the vocabulary
     writeFileSync(path, bytes);
-    expect(() => loadCorpus({ tokensDir: out, valFraction: 0 })).toThrow(
+    // checked when the shard is first opened: the first window read from it
+    const c = loadCorpus({ tokensDir: out, valFraction: 0 });
+    expect(() => readTokens(c.val, 0, 1)).toThrow(
       new RegExp(`${val.file}: does not match the manifest's crc32 \\([0-9a-f]{8}, not ${val.crc32}\\)`),
     );
   });

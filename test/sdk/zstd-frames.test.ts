@@ -25,9 +25,29 @@ const skippable = Buffer.from([0x53, 0x2a, 0x4d, 0x18, 5, 0, 0, 0, 1, 2, 3, 4, 5
 /** a frame of one RLE block, "a" 10 times: a single-segment header with a 1-byte content size,
  *  the block header (last, type 1, size 10), the byte */
 const rle = Buffer.from([0x28, 0xb5, 0x2f, 0xfd, 0x20, 10, 0x53, 0, 0, 0x61]);
-/** a frame of raw blocks (random bytes do not compress) */
-const random = Buffer.from(Array.from({ length: 5000 }, (_, i) => (i * 2654435761) >>> 24));
-const raw = zstdCompressSync(random);
+/** a frame of two raw blocks, "hello" then "abc": a single-segment header with a 1-byte content
+ *  size (8), then block headers (not last, raw, 5) and (last, raw, 3) with their bytes */
+const raw = Buffer.from([
+  0x28,
+  0xb5,
+  0x2f,
+  0xfd,
+  0x20,
+  8,
+  40,
+  0,
+  0,
+  ...Buffer.from("hello"),
+  25,
+  0,
+  0,
+  ...Buffer.from("abc"),
+]);
+/** a large frame: many compressed blocks of 128 KB */
+const large = zstdCompressSync(
+  Buffer.from(Array.from({ length: 600_000 }, (_, i) => ((i * 2654435761) >>> 27) + 0x41)),
+  { params: { [constants.ZSTD_c_checksumFlag]: 1 } },
+);
 
 describe("the zstd frame check", () => {
   const whole: [string, Buffer][] = [
@@ -35,7 +55,7 @@ describe("the zstd frame check", () => {
     ["one frame without", unchecked],
     [
       "frames one after another, a skippable frame among them",
-      Buffer.concat([unchecked, skippable, checksummed, rle, raw]),
+      Buffer.concat([unchecked, skippable, checksummed, rle, raw, large]),
     ],
   ];
   test.each(whole)("%s passes unchanged, in any chunking", async (_, bytes) => {
@@ -44,13 +64,9 @@ describe("the zstd frame check", () => {
   });
 
   test("every cut of a file of several frames is refused, except at a frame's end", async () => {
-    const bytes = Buffer.concat([unchecked, skippable, rle, checksummed]);
-    const ends = new Set([
-      unchecked.length,
-      unchecked.length + skippable.length,
-      unchecked.length + skippable.length + rle.length,
-      bytes.length,
-    ]);
+    const frames = [unchecked, skippable, rle, raw, checksummed];
+    const bytes = Buffer.concat(frames);
+    const ends = new Set(frames.map((_, i) => Buffer.concat(frames.slice(0, i + 1)).length));
     for (let cut = 1; cut < bytes.length; cut++) {
       const run = through(bytes.subarray(0, cut), 17);
       if (ends.has(cut)) await run;

@@ -586,7 +586,7 @@ export const jobOptionRows = [
     help: "share of the training set (gpt: the end of the text) held out for validation (seeded); mlp: else evaluations use the test set",
     trainHelp: {
       mlp: "share of the training set held out for validation (seeded); 0: the evaluations use the test set",
-      gpt: "share of the text held out for validation (its end); a --tokens folder's split is its val.bin",
+      gpt: "share of the text held out for validation (its end); a --tokens folder's split is its val.bin or val shards",
     },
   }),
   row({
