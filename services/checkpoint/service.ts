@@ -75,7 +75,7 @@ import {
   stateTimeoutMs,
 } from "./limits.ts";
 import { type AskState, assemble, fetchParts, replicaOfSnapshot, reshard } from "./snapshot-parts.ts";
-import { CheckpointStore, isSnapshotId, modelFileName, snapshotId } from "./store.ts";
+import { CheckpointStore, isSnapshotId, modelFileName, snapshotId, UnusableSnapshotsError } from "./store.ts";
 import { JobWatch } from "../runtime/control/watch.ts";
 import type { LostHost } from "../runtime/control/liveness.ts";
 import { type LeftBehind, resizeJob, shrinkWithout } from "../runtime/control/resize.ts";
@@ -554,7 +554,7 @@ export class CheckpointService {
       // a process that opened the job holds the seed's initialization, not the job's state, and
       // no snapshot gives it back: served on, it would train from scratch (a resumed job) or
       // disagree with the others (a restarted one) without a word. The job fails, saying why.
-      if (err instanceof CorruptDataError && asker !== null)
+      if ((err instanceof CorruptDataError || err instanceof UnusableSnapshotsError) && asker !== null)
         await this.#failJob(
           cfg,
           `${asker} opened job ${cfg.job} without its state, and no snapshot restores it: ${err.message}`,

@@ -66,6 +66,11 @@ export type SnapshotMeta = Omit<Manifest, "files" | "formatVersion" | "id" | "cr
   modelPath?: string;
 };
 
+/** Snapshots there are, none of which can resume the job as it is now configured (a resized
+ *  job's from before its world changed): NotReady for an operator's restore, but for a process
+ *  that opened the job without its state, nothing will restore it. */
+export class UnusableSnapshotsError extends NotReadyError {}
+
 export class CheckpointStore {
   constructor(readonly root: string) {
     mkdirSync(root, { recursive: true });
@@ -229,7 +234,9 @@ export class CheckpointStore {
       }
     }
     if (passed.length === candidates.length)
-      throw new NotReadyError(`no snapshot of job ${job} can resume it now (${passed.slice(0, 3).join("; ")})`);
+      throw new UnusableSnapshotsError(
+        `no snapshot of job ${job} can resume it now (${passed.slice(0, 3).join("; ")})`,
+      );
     throw new CorruptDataError(
       `every snapshot of job ${job} failed verification${passed.length > 0 ? ` or cannot resume it now (${passed.slice(0, 3).join("; ")})` : ""}`,
     );

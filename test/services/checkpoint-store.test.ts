@@ -4,7 +4,7 @@ import { afterAll, describe, expect, test } from "bun:test";
 import { existsSync, mkdirSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { encodeManifest } from "../../schemas/messages/checkpoint.ts";
-import { CheckpointStore, manifestName, snapshotId } from "../../services/checkpoint/store.ts";
+import { CheckpointStore, manifestName, snapshotId, UnusableSnapshotsError } from "../../services/checkpoint/store.ts";
 import { BadRequestError, CorruptDataError, NotReadyError } from "../../services/runtime/mesh/errors.ts";
 import { expectThrown } from "../helpers/errors.ts";
 import { removeTempDirs, tempDir } from "../helpers/mesh.ts";
@@ -76,6 +76,33 @@ describe("checkpoint store", () => {
       "job j has no snapshot step-000000099; it has step-000000005",
     );
     expect(s.latestGood("j", snapshotId(5), () => {}).manifest.step).toBe(5);
+  });
+
+  test("snapshots none of which can resume the job now: NotReady, of its own kind (a process that lost its state fails the job on it)", () => {
+    const s = fresh();
+    save(s, 5);
+    save(s, 6);
+    const e = expectThrown(
+      () =>
+        s.latestGood(
+          "j",
+          "",
+          () => {},
+          (m) => `step ${m.step} is before the world changed`,
+        ),
+      UnusableSnapshotsError,
+      "no snapshot of job j can resume it now (step-000000006: step 6 is before the world changed; step-000000005: step 5",
+    );
+    expect(e).toBeInstanceOf(NotReadyError);
+    // one that can is taken
+    expect(
+      s.latestGood(
+        "j",
+        "",
+        () => {},
+        (m) => (m.step === 6 ? "not this one" : null),
+      ).manifest.step,
+    ).toBe(5);
   });
 
   test("retention keeps the last K and the best by metric", () => {
