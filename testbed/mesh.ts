@@ -167,8 +167,9 @@ export class HostMesh implements AsyncDisposable {
   }
 
   /** Waits until every service of the mesh has registered (discovery sees it), or fails after
-   *  `timeoutMs` naming what is missing. */
-  async untilUp(client: MeshClient, timeoutMs = 60_000): Promise<void> {
+   *  `timeoutMs` naming what is missing. It takes some 10 s; once in a full run of the suite on
+   *  2 cores it took past 60 s (one trainer of four registered), so the wait is 120 s. */
+  async untilUp(client: MeshClient, timeoutMs = 120_000): Promise<void> {
     const trainers = this.processes.filter((p) => p.name.startsWith("trainer")).length;
     const shards = this.processes.filter((p) => p.name.startsWith("parameter-server")).length;
     const deadline = Date.now() + timeoutMs;
