@@ -3,6 +3,7 @@
 // holds imports only modules it holds too, where the native builds go, and `meshtrain doctor`.
 import { describe, expect, test } from "bun:test";
 import {
+  copyFileSync,
   existsSync,
   mkdirSync,
   mkdtempSync,
@@ -106,6 +107,13 @@ describe("installed in a project", () => {
       expect(Bun.spawnSync(["tar", "xzf", tgz, "-C", installed, "--strip-components=1"]).exitCode).toBe(0);
       for (const dep of readdirSync(join(root, "node_modules")))
         if (dep !== "meshtrain") symlinkSync(join(root, "node_modules", dep), join(dir, "proj", "node_modules", dep));
+      // the C kernels this checkout built, in the cache the package's build looks in: its sources
+      // are the same, so the stamp matches (building them on first use is tested above)
+      const kernels = join(dir, "cache", "ffi", "cpu");
+      mkdirSync(kernels, { recursive: true });
+      const built = nativeBuildDir(join(root, "ffi", "cpu"));
+      for (const f of ["libmtkernels.so", "libmtkernels.stamp"])
+        if (existsSync(join(built, f))) copyFileSync(join(built, f), join(kernels, f));
       const r = Bun.spawnSync(
         [
           process.execPath,
