@@ -75,17 +75,11 @@ export function heldDeviceLine(print: DeviceLog): { log: DeviceLog; flush: () =>
 /** Run fn on the chosen backend and dispose of it afterwards, whatever happens. */
 export function withBackend<T>(choice: DeviceChoice, log: DeviceLog | undefined, fn: (backend: Backend) => T): T {
   const { backend } = openBackend(choice, log);
-  let result: T;
   try {
-    result = fn(backend);
-  } catch (e) {
+    return fn(backend);
+  } finally {
     backend.dispose();
-    throw e;
   }
-  // an async fn (a training loop that yields to Ctrl-C): the backend is let go once it settles
-  if (result instanceof Promise) return result.finally(() => backend.dispose()) as T;
-  backend.dispose();
-  return result;
 }
 
 function opened(backend: Backend, why: string, detail: string, log: DeviceLog): OpenedBackend {

@@ -105,12 +105,8 @@ async function* textBlocks(
   notes: string[],
 ): AsyncGenerator<{ text: string; bytes: Buffer; offset: number }> {
   const readBytes = o.textReadBytes ?? textReadBytes;
-  // a line past the read size: cut before its last character's lead byte (it may be incomplete)
-  const cutLine = (open: Buffer): number => {
-    let cut = open.length;
-    while (cut > 0 && (open[cut - 1]! & 0xc0) === 0x80) cut--;
-    return Math.max(cut - 1, 0);
-  };
+  // a line past the read size: cut before its last character (it may be incomplete)
+  const cutLine = (open: Buffer): number => Math.max(charStart(open, open.length - 1), 0);
   for await (const b of lineBlocks(path, createReadStream(path, { highWaterMark: readBytes }), readBytes, cutLine))
     yield {
       text: decodeUtf8(b.bytes, { path, line: b.line, offset: b.offset }, o.invalidUtf8, notes),

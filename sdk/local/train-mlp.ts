@@ -2,7 +2,7 @@
 import { mkdirSync } from "node:fs";
 import { dirname } from "node:path";
 import type { Backend } from "../../ffi/backend.ts";
-import { type DeviceChoice, heldDeviceLine, withBackend } from "../../ffi/select.ts";
+import { type DeviceChoice, heldDeviceLine, openBackend } from "../../ffi/select.ts";
 import { ImageBatcher } from "../../engine/data/images.ts";
 import { loadMnist } from "../../engine/data/mnist.ts";
 import { trainValSplit } from "../../engine/data/sampler.ts";
@@ -103,7 +103,13 @@ export function makeOptimizer(ctx: Context, model: MlpModel, o: MlpRunOptions): 
 export async function runMlp(o: MlpRunOptions): Promise<MlpRunResult> {
   checkOutFile(o.out, "--out");
   const device = heldDeviceLine((why) => console.log(why));
-  return await withBackend(o.device, device.log, (backend) => trainMlp(o, backend, device.flush));
+  // (not withBackend: the run is async, a loop that yields to Ctrl-C between steps)
+  const { backend } = openBackend(o.device, device.log);
+  try {
+    return await trainMlp(o, backend, device.flush);
+  } finally {
+    backend.dispose();
+  }
 }
 
 /** `inputsRead` prints the device line once the data and the options are checked. */
@@ -157,7 +163,7 @@ async function trainMlp(o: MlpRunOptions, backend: Backend, inputsRead: () => vo
     () => step,
   );
   let evaluatedAt = -1;
-  for (let epoch = 0; epoch < o.epochs && stop.requested === null; epoch++) {
+  for (let epoch = 0; epoch < o.epochs; epoch++) {
     const batches = micro.epoch(o.seed, epoch, true, true);
     for (let s = 0; s < stepsPerEpoch; s++) {
       await stop.betweenSteps();

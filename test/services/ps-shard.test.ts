@@ -534,17 +534,20 @@ describe("snapshots", () => {
     const layout = buildLayout(cfg.job, total, 50, cfg.chunkBytes, 2);
     const empty = layout.byShard.findIndex((ids) => ids.length === 0);
     const owner = 1 - empty;
-    const shards = [0, 1].map(
-      (k) =>
-        new ParameterShard({
-          backend: be,
-          config: cfg,
-          layout,
-          shard: k,
-          totalSteps: 10,
-          initial: new Float32Array(total),
-        }),
-    );
+    /** the job's two shards, each at the seed's parameters (zeros) */
+    const twoShards = () =>
+      [0, 1].map(
+        (k) =>
+          new ParameterShard({
+            backend: be,
+            config: cfg,
+            layout,
+            shard: k,
+            totalSteps: 10,
+            initial: new Float32Array(total),
+          }),
+      );
+    const shards = twoShards();
     // trainers push to the shards that own chunks only
     for (let step = 0; step < 3; step++)
       shards[owner]!.push(pushAll(layout, 0, step, Float32Array.from(randn(new Rng(step), total))));
@@ -568,17 +571,7 @@ describe("snapshots", () => {
     );
     expect(legacy.map((l) => l.map((p) => p.step))).toEqual([[3], [3]]);
     // fresh shards take the loads; the restored parameters are the trained ones
-    const fresh = [0, 1].map(
-      (k) =>
-        new ParameterShard({
-          backend: be,
-          config: cfg,
-          layout,
-          shard: k,
-          totalSteps: 10,
-          initial: new Float32Array(total),
-        }),
-    );
+    const fresh = twoShards();
     for (const k of [0, 1]) for (const part of loads[k]!) fresh[k]!.loadPart(part);
     expect(fresh[owner]!.exportState().chunks).toEqual(shards[owner]!.exportState().chunks);
     expect(fresh.map((sh) => sh.clocks)).toEqual([[3], [3]]);

@@ -17,7 +17,14 @@ import {
   UnknownJobError,
 } from "../../services/runtime/mesh/errors.ts";
 import { ConfigError } from "../../ffi/errors.ts";
-import { gptJobDefaults, jobDefaults, parseJobConfig, peakLr, usesShards } from "../../services/runtime/job/config.ts";
+import {
+  gptJobDefaults,
+  type JobConfig,
+  jobDefaults,
+  parseJobConfig,
+  peakLr,
+  usesShards,
+} from "../../services/runtime/job/config.ts";
 import { resumeConfig, trajectoryDiff } from "../../services/runtime/job/resume.ts";
 import { type PreviousRun, resumedWorld } from "../../sdk/client.ts";
 import type { Manifest } from "../../schemas/messages/checkpoint.ts";
@@ -283,8 +290,8 @@ describe("job config", () => {
 });
 
 describe("a resized job resumed on other trainers (its world ended with the resize's)", () => {
-  // trainers 2 -> 3 at step 40 (a resize), then stopped; its newest snapshot is of step 282
-  for (const sync of ["bsp", "allreduce"] as const) {
+  /** A job of `sync` resized from 2 trainers to 3 at step 40, then stopped; its newest snapshot is of step 282. */
+  const resizedJob = (sync: "bsp" | "allreduce"): { resized: JobConfig; prev: PreviousRun } => {
     const resized = parseJobConfig({
       ...jobDefaults,
       job: "default.j",
@@ -296,12 +303,11 @@ describe("a resized job resumed on other trainers (its world ended with the resi
         { from: 40, trainers: 3 },
       ],
     });
-    const prev: PreviousRun = {
-      config: resized,
-      record: null,
-      snapshot: { id: "step-000000282", step: 282 } as Manifest,
-      orphaned: false,
-    };
+    const snapshot = { id: "step-000000282", step: 282 } as Manifest;
+    return { resized, prev: { config: resized, record: null, snapshot, orphaned: false } };
+  };
+  for (const sync of ["bsp", "allreduce"] as const) {
+    const { resized, prev } = resizedJob(sync);
     test(`${sync}: on 2 trainers, the world goes on from the snapshot's step`, () => {
       const cfg = resumedWorld(resumeConfig(resized, { trainers: 2 }), prev);
       expect(cfg.world).toEqual([
@@ -315,23 +321,7 @@ describe("a resized job resumed on other trainers (its world ended with the resi
     });
   }
   test("allreduce: on 2 trainers with the same global batch (2 x 192), each world's batch recorded", () => {
-    const resized = parseJobConfig({
-      ...jobDefaults,
-      job: "default.j",
-      sync: "allreduce",
-      trainers: 3,
-      batchSize: 128,
-      world: [
-        { from: 0, trainers: 2 },
-        { from: 40, trainers: 3 },
-      ],
-    });
-    const prev: PreviousRun = {
-      config: resized,
-      record: null,
-      snapshot: { id: "step-000000282", step: 282 } as Manifest,
-      orphaned: false,
-    };
+    const { resized, prev } = resizedJob("allreduce");
     const cfg = resumedWorld(resumeConfig(resized, { trainers: 2, batchSize: 192 }), prev);
     expect(cfg.world).toEqual([
       { from: 0, trainers: 2, batchSize: 128 },
